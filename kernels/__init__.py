@@ -1,0 +1,1 @@
+"""Kernels: segmented-gather LoRA and paged attention, each with a torch reference."""

@@ -1,0 +1,33 @@
+"""The three folders map onto one import root, and none of them shadows the standard library."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_import_root_maps_folders():
+    import lorafleet.kernels
+    import lorafleet.operator
+    import lorafleet.worker
+
+    assert Path(lorafleet.worker.__path__[0]).resolve() == ROOT / "worker"
+    assert Path(lorafleet.kernels.__path__[0]).resolve() == ROOT / "kernels"
+    assert Path(next(iter(lorafleet.operator.__path__))).resolve() == ROOT / "operator"
+
+
+@pytest.mark.parametrize("cwd", [ROOT, ROOT / "tests", Path("/")])
+def test_import_operator_is_stdlib(cwd):
+    # The repository root first on sys.path (python -c from the root) is the dangerous case.
+    code = "import operator, sys; assert operator.itemgetter(1)([0, 7]) == 7; print(operator.__file__)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, check=True)
+    assert "lorafleet" not in out.stdout and Path(out.stdout.strip()).parent != ROOT / "operator"
+
+
+def test_import_operator_is_stdlib_in_tests():
+    import operator
+
+    assert hasattr(operator, "itemgetter") and not hasattr(operator, "__path__")

@@ -1,0 +1,1 @@
+"""The GPU worker: engine, scheduler, adapter pool, HTTP service."""
