@@ -1,0 +1,260 @@
+"""The desired-state push between operator -> stager sidecar -> engine admin API, and the report back.
+
+Operator ``PUT``s a ``DesiredState`` to a pod's stager (``/v1/directives``); the stager stages the
+artifacts and forwards the engine's part to ``PUT /admin/v1/state``. ``GET /v1/state`` (stager) and
+``GET /admin/v1/state`` (engine) answer a ``ReportedState``. Both are idempotent and carry a
+generation: a receiver ignores a push whose generation is lower than the one it already applied, so
+an operator restart or a retried push never rolls a worker back.
+
+Running example: adapter ``sql`` of tenant ``acme`` at stable ``v2`` with a ``v3`` canary at 20 %::
+
+    AdapterDirective(name="sql", tenant="acme",
+                     stable=VersionRef("v2", "s3://adapters/sql/v2/", "ab12..."),
+                     canary=VersionRef("v3", "s3://adapters/sql/v3/"), canary_weight=20,
+                     warm=True, pinned=False, priority=0)
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+TIERS = ("gpu", "cpu", "disk", "none")
+URI_SCHEMES = ("s3://", "file://", "/")
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")
+_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+class DirectiveError(ValueError):
+    """A directive or report that does not follow the schema; the message names the field."""
+
+
+def _require(cond: bool, field_name: str, problem: str) -> None:
+    if not cond:
+        raise DirectiveError(f"{field_name}: {problem}")
+
+
+def _name(value: Any, field_name: str) -> str:
+    _require(isinstance(value, str) and bool(_NAME_RE.match(value)), field_name,
+             f"must be a name of letters, digits, '.', '_' or '-' (got {value!r})")
+    return value
+
+
+def _int(value: Any, field_name: str, *, lo: int | None = None, hi: int | None = None) -> int:
+    _require(isinstance(value, int) and not isinstance(value, bool), field_name, f"must be an integer (got {value!r})")
+    _require(lo is None or value >= lo, field_name, f"must be >= {lo} (got {value})")
+    _require(hi is None or value <= hi, field_name, f"must be <= {hi} (got {value})")
+    return value
+
+
+def _bool(value: Any, field_name: str) -> bool:
+    _require(isinstance(value, bool), field_name, f"must be true or false (got {value!r})")
+    return value
+
+
+@dataclass(slots=True, frozen=True)
+class VersionRef:
+    """One version of an adapter and where its PEFT directory lives."""
+
+    version: str
+    uri: str
+    sha256: str | None = None
+
+    def __post_init__(self) -> None:
+        _name(self.version, "version")
+        _require(isinstance(self.uri, str) and self.uri.startswith(URI_SCHEMES), "uri",
+                 f"must start with one of {', '.join(URI_SCHEMES)} (got {self.uri!r})")
+        _require(self.sha256 is None or (isinstance(self.sha256, str) and bool(_SHA256_RE.match(self.sha256))),
+                 "sha256", "must be 64 lowercase hex digits")
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> VersionRef:
+        _require(isinstance(data, dict), where, "must be an object with version, uri, sha256")
+        try:
+            return cls(data.get("version"), data.get("uri"), data.get("sha256"))
+        except DirectiveError as exc:
+            raise DirectiveError(f"{where}.{exc}") from None
+
+
+@dataclass(slots=True)
+class AdapterDirective:
+    """What one worker should do with one adapter: register stable (+ canary), keep warm, pin."""
+
+    name: str
+    tenant: str
+    stable: VersionRef
+    canary: VersionRef | None = None
+    canary_weight: int = 0  # percent of users routed to the canary, sticky per user
+    warm: bool = False  # keep GPU-resident on this worker
+    pinned: bool = False  # never evicted on this worker
+    priority: int = 0  # higher survives eviction longer
+
+    def __post_init__(self) -> None:
+        _name(self.name, "name")
+        _name(self.tenant, "tenant")
+        _require(isinstance(self.stable, VersionRef), "stable", "must be a VersionRef")
+        _require(self.canary is None or isinstance(self.canary, VersionRef), "canary", "must be a VersionRef or null")
+        _int(self.canary_weight, "canary_weight", lo=0, hi=100)
+        _require(self.canary is not None or self.canary_weight == 0, "canary_weight",
+                 "must be 0 when there is no canary")
+        _require(self.canary is None or self.canary.version != self.stable.version, "canary.version",
+                 "must differ from the stable version")
+        _bool(self.warm, "warm")
+        _bool(self.pinned, "pinned")
+        _int(self.priority, "priority")
+
+    @property
+    def versions(self) -> tuple[str, ...]:
+        return (self.stable.version,) if self.canary is None else (self.stable.version, self.canary.version)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> AdapterDirective:
+        _require(isinstance(data, dict), "adapters[]", "must be an object")
+        name = data.get("name", "?")
+        try:
+            canary = data.get("canary")
+            return cls(
+                name=data.get("name"),
+                tenant=data.get("tenant"),
+                stable=VersionRef.from_dict(data.get("stable"), "stable"),
+                canary=None if canary is None else VersionRef.from_dict(canary, "canary"),
+                canary_weight=data.get("canary_weight", 0),
+                warm=data.get("warm", False),
+                pinned=data.get("pinned", False),
+                priority=data.get("priority", 0),
+            )
+        except DirectiveError as exc:
+            raise DirectiveError(f"adapters[{name}].{exc}") from None
+
+
+@dataclass(slots=True)
+class DesiredState:
+    """A worker's full desired adapter set; anything registered but not listed is to be unloaded."""
+
+    generation: int
+    adapters: list[AdapterDirective] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        _int(self.generation, "generation", lo=0)
+        names = [a.name for a in self.adapters]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        _require(not dup, "adapters", f"names must be unique (duplicated: {', '.join(dup)})")
+
+    def by_name(self) -> dict[str, AdapterDirective]:
+        return {a.name: a for a in self.adapters}
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> DesiredState:
+        _require(isinstance(data, dict), "desired state", "must be a JSON object")
+        adapters = data.get("adapters", [])
+        _require(isinstance(adapters, list), "adapters", "must be a list")
+        return cls(generation=data.get("generation"), adapters=[AdapterDirective.from_dict(a) for a in adapters])
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> DesiredState:
+        try:
+            data = json.loads(text)
+        except ValueError as exc:
+            raise DirectiveError(f"desired state: not valid JSON ({exc})") from None
+        return cls.from_dict(data)
+
+
+@dataclass(slots=True)
+class AdapterState:
+    """What one worker actually holds of one adapter version."""
+
+    name: str
+    version: str
+    tier: str = "none"  # gpu | cpu | disk | none (registered, nothing local yet)
+    refcount: int = 0
+    hits: int = 0
+    bytes: int = 0
+    pinned: bool = False
+    error: str | None = None  # last staging/loading failure for this version
+
+    def __post_init__(self) -> None:
+        _name(self.name, "name")
+        _name(self.version, "version")
+        _require(self.tier in TIERS, "tier", f"must be one of {', '.join(TIERS)} (got {self.tier!r})")
+        for f in ("refcount", "hits", "bytes"):
+            _int(getattr(self, f), f, lo=0)
+        _bool(self.pinned, "pinned")
+        _require(self.error is None or isinstance(self.error, str), "error", "must be a string or null")
+
+    @property
+    def is_loaded(self) -> bool:
+        """Servable without a download: resident on GPU or in the CPU cache, and not failed."""
+        return self.error is None and self.tier in ("gpu", "cpu")
+
+    @classmethod
+    def from_dict(cls, data: Any) -> AdapterState:
+        _require(isinstance(data, dict), "adapters[]", "must be an object")
+        known = {k: data[k] for k in ("name", "version", "tier", "refcount", "hits", "bytes", "pinned", "error")
+                 if k in data}
+        try:
+            return cls(**known)
+        except TypeError as exc:
+            raise DirectiveError(f"adapters[]: {exc}") from None
+        except DirectiveError as exc:
+            raise DirectiveError(f"adapters[{data.get('name', '?')}].{exc}") from None
+
+
+@dataclass(slots=True)
+class ReportedState:
+    """A worker's actual state; one ``AdapterState`` per (name, version) it knows about."""
+
+    generation_applied: int = 0  # highest DesiredState.generation fully acted upon
+    adapters: list[AdapterState] = field(default_factory=list)
+    pool_bytes: int = 0  # adapter bytes the pool can hold (GPU)
+    pool_used_bytes: int = 0
+    kv_usage: float = 0.0  # fraction of the page pool holding KV blocks, 0..1
+    error: str | None = None  # a directive the receiver refused, with the reason
+
+    def __post_init__(self) -> None:
+        _int(self.generation_applied, "generation_applied", lo=0)
+        _int(self.pool_bytes, "pool_bytes", lo=0)
+        _int(self.pool_used_bytes, "pool_used_bytes", lo=0)
+        _require(isinstance(self.kv_usage, int | float) and 0.0 <= self.kv_usage <= 1.0, "kv_usage",
+                 f"must be a fraction in [0, 1] (got {self.kv_usage!r})")
+
+    def find(self, name: str, version: str) -> AdapterState | None:
+        for a in self.adapters:
+            if a.name == name and a.version == version:
+                return a
+        return None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> ReportedState:
+        _require(isinstance(data, dict), "reported state", "must be a JSON object")
+        adapters = data.get("adapters", [])
+        _require(isinstance(adapters, list), "adapters", "must be a list")
+        return cls(
+            generation_applied=data.get("generation_applied", 0),
+            adapters=[AdapterState.from_dict(a) for a in adapters],
+            pool_bytes=data.get("pool_bytes", 0),
+            pool_used_bytes=data.get("pool_used_bytes", 0),
+            kv_usage=data.get("kv_usage", 0.0),
+            error=data.get("error"),
+        )
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> ReportedState:
+        try:
+            data = json.loads(text)
+        except ValueError as exc:
+            raise DirectiveError(f"reported state: not valid JSON ({exc})") from None
+        return cls.from_dict(data)
