@@ -1,0 +1,120 @@
+"""worker/openai_protocol.py: request bodies -> dataclasses, or a 400 that names the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from lorafleet.worker.openai_protocol import (
+    APIError,
+    parse_chat_request,
+    parse_completion_request,
+    parse_json,
+    parse_load_adapter_request,
+    parse_unload_adapter_request,
+)
+
+
+def test_completion_defaults_and_all_options():
+    r = parse_completion_request({"model": "sql", "prompt": "hi"})
+    assert r.model == "sql" and r.prompts == ["hi"]
+    assert (r.options.max_tokens, r.options.n, r.options.temperature, r.options.logprobs) == (16, 1, 1.0, None)
+    r = parse_completion_request({
+        "model": "sql@v2", "prompt": [[1, 2], "x"], "max_tokens": 5, "temperature": 0, "top_p": 0.5, "n": 3,
+        "seed": 7, "stop": "END", "logprobs": 2, "stream": True, "stream_options": {"include_usage": True},
+        "user": "alice", "presence_penalty": 0, "echo": False, "best_of": 1,
+    })
+    o = r.options
+    assert r.prompts == [[1, 2], "x"]
+    assert (o.max_tokens, o.temperature, o.top_p, o.n, o.seed, o.stop, o.logprobs, o.stream, o.include_usage,
+            o.user) == (5, 0.0, 0.5, 3, 7, ["END"], 2, True, True, "alice")
+    assert parse_completion_request({"model": "m", "prompt": [5, 6]}).prompts == [[5, 6]]
+
+
+def test_chat_messages_and_logprobs():
+    r = parse_chat_request({
+        "model": "m", "messages": [{"role": "system", "content": "be brief"},
+                                   {"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+        "max_completion_tokens": 9, "logprobs": True, "top_logprobs": 3,
+    })
+    assert [(m.role, m.content) for m in r.messages] == [("system", "be brief"), ("user", "hi")]
+    assert r.options.max_tokens == 9 and r.options.logprobs == 3
+    assert parse_chat_request({"model": "m", "messages": [{"role": "user", "content": "x"}]}).options.max_tokens is None
+    assert parse_chat_request({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                               "logprobs": True}).options.logprobs == 0
+
+
+BAD_COMPLETIONS = [
+    ([], "JSON object", "invalid_type"),
+    ({"prompt": "x"}, "'model' is required", "missing_required_parameter"),
+    ({"model": 3, "prompt": "x"}, "'model' must be a string", "invalid_type"),
+    ({"model": "", "prompt": "x"}, "GET /v1/models", "invalid_value"),
+    ({"model": "m"}, "'prompt' is required", "missing_required_parameter"),
+    ({"model": "m", "prompt": ""}, "must not be empty", "empty_prompt"),
+    ({"model": "m", "prompt": []}, "non-empty", "invalid_type"),
+    ({"model": "m", "prompt": [[]]}, "must not be empty", "empty_prompt"),
+    ({"model": "m", "prompt": [-1]}, ">= 0", "invalid_value"),
+    ({"model": "m", "prompt": [1.5]}, "string or a list", "invalid_type"),
+    ({"model": "m", "prompt": "x", "max_tokens": 0}, "'max_tokens' must be >= 1", "invalid_value"),
+    ({"model": "m", "prompt": "x", "max_tokens": "5"}, "must be an integer", "invalid_type"),
+    ({"model": "m", "prompt": "x", "max_tokens": True}, "must be an integer", "invalid_type"),
+    ({"model": "m", "prompt": "x", "temperature": 3}, "'temperature' must be in", "invalid_value"),
+    ({"model": "m", "prompt": "x", "top_p": 0}, "'top_p' must be in", "invalid_value"),
+    ({"model": "m", "prompt": "x", "n": 0}, "'n' must be between", "invalid_value"),
+    ({"model": "m", "prompt": "x", "stop": ["a", ""]}, "must not be empty", "invalid_value"),
+    ({"model": "m", "prompt": "x", "stop": [1]}, "'stop' must be", "invalid_type"),
+    ({"model": "m", "prompt": "x", "stop": list("abcde")}, "at most 4", "invalid_value"),
+    ({"model": "m", "prompt": "x", "logprobs": 6}, "'logprobs' must be between", "invalid_value"),
+    ({"model": "m", "prompt": "x", "stream": "yes"}, "true or false", "invalid_type"),
+    ({"model": "m", "prompt": "x", "stream_options": {"include_usage": True}}, "only allowed", "invalid_value"),
+    ({"model": "m", "prompt": "x", "echo": True}, "not supported", "unsupported_parameter"),
+    ({"model": "m", "prompt": "x", "best_of": 2}, "not supported", "unsupported_parameter"),
+    ({"model": "m", "prompt": "x", "frequency_penalty": 0.5}, "not supported", "unsupported_parameter"),
+    ({"model": "m", "prompt": "x", "bogus": 1}, "Unrecognized request argument supplied: bogus",
+     "unrecognized_argument"),
+]
+
+
+@pytest.mark.parametrize(("body", "needle", "code"), BAD_COMPLETIONS)
+def test_bad_completion_bodies_are_400_naming_the_problem(body, needle, code):
+    with pytest.raises(APIError) as exc:
+        parse_completion_request(body)
+    err = exc.value
+    assert err.status == 400 and needle in err.message and err.code == code
+    assert set(err.body()["error"]) == {"message", "type", "code", "param"}
+
+
+BAD_CHATS = [
+    ({"model": "m"}, "'messages'"),
+    ({"model": "m", "messages": []}, "non-empty"),
+    ({"model": "m", "messages": ["hi"]}, "messages[0] must be an object"),
+    ({"model": "m", "messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+    ({"model": "m", "messages": [{"role": "user", "content": 5}]}, "'content' must be"),
+    ({"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "only text"),
+    ({"model": "m", "messages": [{"role": "user", "content": ""}]}, "some text"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "needs 'logprobs'"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+     "not supported"),
+]
+
+
+@pytest.mark.parametrize(("body", "needle"), BAD_CHATS)
+def test_bad_chat_bodies_are_400(body, needle):
+    with pytest.raises(APIError) as exc:
+        parse_chat_request(body)
+    assert exc.value.status == 400 and needle in exc.value.message
+
+
+def test_malformed_json_is_400():
+    with pytest.raises(APIError) as exc:
+        parse_json(b"{not json")
+    assert exc.value.status == 400 and exc.value.code == "invalid_json"
+    with pytest.raises(APIError):
+        parse_json(b"\xff\xfe")
+
+
+def test_vllm_adapter_admin_bodies():
+    assert parse_load_adapter_request({"lora_name": "a", "lora_path": "/p"}) == ("a", "/p")
+    assert parse_unload_adapter_request({"lora_name": "a", "lora_int_id": 3}) == "a"
+    for bad in [{"lora_name": "a"}, {"lora_name": "", "lora_path": "/p"}, {"lora_name": "a", "lora_path": "/p", "x": 1}]:
+        with pytest.raises(APIError):
+            parse_load_adapter_request(bad)

@@ -1,0 +1,76 @@
+"""worker/tenants.py: API keys -> tenant -> allowed adapters; development mode without keys."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lorafleet.worker.tenants import AuthenticationError, Tenants, TenantsError
+
+KEYS = {
+    "tenants": {
+        "acme": {"keys": ["sk-acme"], "adapters": ["sql", "acme-*"]},
+        "globex": {"keys": ["sk-globex"], "adapters": [], "base_model": False},
+    }
+}
+
+
+@pytest.fixture(params=["json", "yaml"])
+def tenants(tmp_path, request) -> Tenants:
+    path = tmp_path / f"keys.{request.param}"
+    if request.param == "json":
+        path.write_text(json.dumps(KEYS))
+    else:
+        import yaml
+
+        path.write_text(yaml.safe_dump(KEYS))
+    return Tenants.from_file(path)
+
+
+def test_keys_map_to_tenants_and_their_adapters(tenants):
+    acme = tenants.authenticate("Bearer sk-acme")
+    assert acme.name == "acme" and not tenants.is_open
+    assert acme.may_use("sql") and acme.may_use("acme-chat") and acme.may_use(None)
+    assert not acme.may_use("globex-sql")
+    globex = tenants.authenticate("bearer sk-globex")
+    assert not globex.may_use(None)  # base model not allowed
+    assert not globex.may_use("sql")
+    assert globex.may_use("whatever", owner="globex")  # a directive names globex as owner
+    assert not acme.may_use("whatever", owner="globex")
+
+
+@pytest.mark.parametrize("header", [None, "", "Bearer", "Basic sk-acme", "Bearer sk-wrong", "sk-acme"])
+def test_missing_or_wrong_keys_are_refused(tenants, header):
+    with pytest.raises(AuthenticationError):
+        tenants.authenticate(header)
+
+
+def test_without_keys_everyone_is_the_dev_tenant():
+    t = Tenants.from_file(None)
+    assert t.is_open
+    dev = t.authenticate(None)
+    assert dev.is_dev and dev.may_use("anything") and dev.may_use(None)
+
+
+@pytest.mark.parametrize(
+    ("content", "needle"),
+    [
+        ("[1, 2]", "'tenants' mapping"),
+        ('{"tenants": {"a": {"keys": "sk"}}}', "tenants.a.keys"),
+        ('{"tenants": {"a": {"keys": ["k"], "adapterz": []}}}', "unknown fields"),
+        ('{"tenants": {"a": {"keys": ["k"]}, "b": {"keys": ["k"]}}}', "shared with tenant"),
+        ('{"tenants": {"a": {"base_model": "yes"}}}', "base_model"),
+        ("{not json", "not valid"),
+    ],
+)
+def test_bad_files_name_the_problem(tmp_path, content, needle):
+    path = tmp_path / "keys.json"
+    path.write_text(content)
+    with pytest.raises(TenantsError, match=needle):
+        Tenants.from_file(path)
+
+
+def test_missing_file_is_an_error_not_dev_mode(tmp_path):
+    with pytest.raises(TenantsError, match="cannot read"):
+        Tenants.from_file(tmp_path / "absent.yaml")

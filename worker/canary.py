@@ -1,0 +1,74 @@
+"""Adapter version resolution: the stable version, or the canary for a weighted share of users.
+
+A request names an adapter (`sql`) or pins a version (`sql@v3`). For a bare name the resolver
+picks the stable version, or the canary with probability `canary_weight` percent. The pick is
+sticky per `user`: `sha256(name, user)` maps every user to a fixed bucket in [0, 10000), and the
+canary serves buckets below `canary_weight * 100`; raising the weight only moves users from stable
+to canary, never back. Requests without a `user` draw a fresh bucket each time.
+
+Running example: `sql` stable v2, canary v3 at 20 %: user "alice" hashes to bucket 1234 -> v3
+(1234 < 2000) on every request; user "bob" at bucket 8001 -> v2 until the weight passes 80.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass
+
+NUM_BUCKETS = 10_000
+
+
+@dataclass(slots=True, frozen=True)
+class VersionSplit:
+    """Which versions of one adapter serve traffic, and how it is split."""
+
+    stable: str
+    canary: str | None = None
+    canary_weight: int = 0  # percent of users, 0..100
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.canary_weight <= 100:
+            raise ValueError(f"canary_weight must be in 0..100 (got {self.canary_weight})")
+        if self.canary is None and self.canary_weight:
+            raise ValueError("canary_weight must be 0 when there is no canary version")
+
+    @property
+    def versions(self) -> tuple[str, ...]:
+        return (self.stable,) if self.canary is None else (self.stable, self.canary)
+
+
+def user_bucket(name: str, user: str) -> int:
+    """A stable bucket in [0, NUM_BUCKETS) for (adapter, user); independent across adapters."""
+    digest = hashlib.sha256(f"{name}\x00{user}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") % NUM_BUCKETS
+
+
+class CanaryResolver:
+    """Maps an adapter name (and the caller's `user`) to the version that serves the request."""
+
+    def __init__(self, *, rng: random.Random | None = None) -> None:
+        self._splits: dict[str, VersionSplit] = {}
+        self._rng = rng or random.Random()
+
+    def set(self, name: str, split: VersionSplit) -> None:
+        self._splits[name] = split
+
+    def remove(self, name: str) -> None:
+        self._splits.pop(name, None)
+
+    def get(self, name: str) -> VersionSplit | None:
+        return self._splits.get(name)
+
+    def names(self) -> list[str]:
+        return sorted(self._splits)
+
+    def resolve(self, name: str, user: str | None = None) -> str | None:
+        """The version for this request, or None when the adapter is unknown."""
+        split = self._splits.get(name)
+        if split is None:
+            return None
+        if split.canary is None or split.canary_weight == 0:
+            return split.stable
+        bucket = self._rng.randrange(NUM_BUCKETS) if user is None else user_bucket(name, user)
+        return split.canary if bucket < split.canary_weight * (NUM_BUCKETS // 100) else split.stable

@@ -1,0 +1,142 @@
+"""Prometheus metrics of one worker: a registry per app, never the process-global one.
+
+Request-side series (counts, TTFT, inter-token and end-to-end latency per adapter, tokens) are
+observed by the HTTP handlers; engine-side series (batch size and adapters per batch per step,
+adapter load latency, queue depth, KV usage, tier hits, evictions) come from the engine: per-step
+and per-load events are observed as they are drained, gauges and the engine's own counters are read
+at scrape time from an `EngineSnapshot`. The vLLM-compatible names let existing routers (Gateway API
+inference extension) pick workers by queue length, KV usage and resident adapters.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+BASE_MODEL_LABEL = "__base__"  # the adapter label of requests without an adapter
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+_LOAD_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+THROUGHPUT_WINDOW_S = 10.0
+
+
+@dataclass(slots=True)
+class EngineSnapshot:
+    """What the engine reports at scrape time."""
+
+    num_running: int = 0
+    num_waiting: int = 0  # requests admitted by the server but not yet scheduled
+    kv_usage: float = 0.0  # fraction of the page pool's KV capacity in use, 0..1
+    max_lora: int = 0  # adapters the GPU pool can hold at once (slots)
+    running_adapters: list[str] = field(default_factory=list)
+    waiting_adapters: list[str] = field(default_factory=list)
+    tier_hits: dict[str, int] = field(default_factory=dict)  # tier an adapter was found in -> count
+    misses: int = 0  # acquisitions that had to wait for a load
+    evictions: int = 0
+    adapter_bytes: int = 0  # adapter bytes resident on the device
+
+
+class _EngineCollector(Collector):
+    def __init__(self, snapshot: Callable[[], EngineSnapshot], throughput: Callable[[], float]) -> None:
+        self._snapshot = snapshot
+        self._throughput = throughput
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._snapshot()
+        yield GaugeMetricFamily("vllm:num_requests_running", "Requests in the running batch.", s.num_running)
+        yield GaugeMetricFamily("vllm:num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
+        yield GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent.", s.kv_usage)
+        info = GaugeMetricFamily(
+            "vllm:lora_requests_info",
+            "Running stats on LoRA requests.",
+            labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+        )
+        info.add_metric(
+            [str(s.max_lora), ",".join(sorted(s.running_adapters)), ",".join(sorted(s.waiting_adapters))],
+            time.time(),
+        )
+        yield info
+        yield GaugeMetricFamily("lorafleet_queue_depth", "Requests waiting to be scheduled.", s.num_waiting)
+        yield GaugeMetricFamily("lorafleet_kv_cache_usage_ratio", "Fraction of KV capacity in use.", s.kv_usage)
+        yield GaugeMetricFamily("lorafleet_adapter_bytes_resident", "Adapter bytes in the device pool.",
+                                s.adapter_bytes)
+        yield GaugeMetricFamily("lorafleet_generation_tokens_per_second",
+                                f"Generated tokens per second over the last {THROUGHPUT_WINDOW_S:.0f} s.",
+                                self._throughput())
+        hits = CounterMetricFamily("lorafleet_adapter_hits", "Adapter acquisitions by the tier it was found in.",
+                                   labels=["tier"])
+        for tier, count in sorted(s.tier_hits.items()):
+            hits.add_metric([tier], count)
+        yield hits
+        yield CounterMetricFamily("lorafleet_adapter_misses", "Acquisitions that waited for a load.",
+                                  value=s.misses)
+        yield CounterMetricFamily("lorafleet_adapter_evictions", "Adapters evicted from the device pool.",
+                                  value=s.evictions)
+
+
+class WorkerMetrics:
+    """All series of one worker, on a registry of its own."""
+
+    def __init__(self, snapshot: Callable[[], EngineSnapshot] = EngineSnapshot) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("lorafleet_requests", "Finished HTTP inference requests.",
+                                ["adapter", "endpoint", "status"], registry=r)
+        self.ttft = Histogram("lorafleet_time_to_first_token_seconds", "Arrival to first token.",
+                              ["adapter"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.inter_token = Histogram("lorafleet_inter_token_latency_seconds", "Gap between streamed tokens.",
+                                     ["adapter"], buckets=_TOKEN_GAP_BUCKETS, registry=r)
+        self.e2e = Histogram("lorafleet_e2e_request_latency_seconds", "Arrival to last token.",
+                             ["adapter"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("lorafleet_prompt_tokens", "Prompt tokens processed.", ["adapter"], registry=r)
+        self.generation_tokens = Counter("lorafleet_generation_tokens", "Tokens generated.", ["adapter"],
+                                         registry=r)
+        self.batch_size = Histogram("lorafleet_batch_size", "Sequences per engine step.",
+                                    buckets=_COUNT_BUCKETS, registry=r)
+        self.adapters_per_batch = Histogram("lorafleet_adapters_per_batch", "Distinct adapters per engine step.",
+                                            buckets=_COUNT_BUCKETS, registry=r)
+        self.load_latency = Histogram("lorafleet_adapter_load_seconds", "Adapter load time by source tier.",
+                                      ["tier"], buckets=_LOAD_BUCKETS, registry=r)
+        self.rejected = Counter("lorafleet_requests_rejected", "Requests refused before reaching the engine.",
+                                ["reason"], registry=r)
+        self._recent_tokens: deque[tuple[float, int]] = deque()
+        r.register(_EngineCollector(snapshot, self.tokens_per_second))
+
+    def observe_request(self, *, adapter: str | None, endpoint: str, status: int) -> None:
+        self.requests.labels(adapter or BASE_MODEL_LABEL, endpoint, str(status)).inc()
+
+    def observe_tokens(self, adapter: str | None, num_tokens: int, *, now: float | None = None) -> None:
+        if num_tokens <= 0:
+            return
+        self.generation_tokens.labels(adapter or BASE_MODEL_LABEL).inc(num_tokens)
+        now = time.monotonic() if now is None else now
+        self._recent_tokens.append((now, num_tokens))
+        self._trim(now)
+
+    def tokens_per_second(self, *, now: float | None = None) -> float:
+        now = time.monotonic() if now is None else now
+        self._trim(now)
+        return sum(n for _, n in self._recent_tokens) / THROUGHPUT_WINDOW_S
+
+    def _trim(self, now: float) -> None:
+        while self._recent_tokens and self._recent_tokens[0][0] < now - THROUGHPUT_WINDOW_S:
+            self._recent_tokens.popleft()
+
+    def observe_step(self, *, num_seqs: int, num_adapters: int) -> None:
+        self.batch_size.observe(num_seqs)
+        self.adapters_per_batch.observe(num_adapters)
+
+    def observe_load(self, *, tier: str, seconds: float) -> None:
+        self.load_latency.labels(tier).observe(seconds)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,144 @@
+"""API keys -> tenant -> the adapters that tenant may use.
+
+The keys file (JSON or YAML; in Kubernetes a mounted Secret) looks like::
+
+    tenants:
+      acme:
+        keys: ["sk-acme-1", "sk-acme-2"]
+        adapters: ["sql", "acme-*"]     # fnmatch patterns of adapter names
+        base_model: true                # may call the base model without an adapter (default true)
+
+A tenant may also use every adapter whose directive names it as `tenant` (see directives.py).
+Without a keys file the worker is open (development mode): every caller is the `dev` tenant and may
+use everything; the server logs that at start-up. Keys are kept only as SHA-256 digests.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+DEV_TENANT = "dev"
+
+
+class TenantsError(ValueError):
+    """The keys file is unreadable or malformed; the message names the file and the entry."""
+
+
+class AuthenticationError(Exception):
+    """No key, or a key that no tenant holds."""
+
+
+@dataclass(slots=True, frozen=True)
+class Tenant:
+    name: str
+    adapter_patterns: tuple[str, ...] = ()
+    base_model: bool = True
+    is_dev: bool = False  # development mode: may use everything
+
+    def may_use(self, adapter: str | None, owner: str | None = None) -> bool:
+        """May this tenant call `adapter` (None = the base model) whose directive names `owner`?"""
+        if self.is_dev:
+            return True
+        if adapter is None:
+            return self.base_model
+        if owner is not None and owner == self.name:
+            return True
+        return any(fnmatch.fnmatchcase(adapter, p) for p in self.adapter_patterns)
+
+
+def _digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def bearer_token(authorization: str | None) -> str | None:
+    """The token of an `Authorization: Bearer <token>` header, else None."""
+    if not authorization:
+        return None
+    scheme, _, token = authorization.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip()
+
+
+class Tenants:
+    """Looks up the tenant of an API key. Empty (no keys) means development mode."""
+
+    def __init__(self, tenants: list[Tenant] | None = None, keys: dict[str, str] | None = None) -> None:
+        self._tenants = {t.name: t for t in tenants or []}
+        self._by_digest = {_digest(k): name for k, name in (keys or {}).items()}
+        for name in self._by_digest.values():
+            if name not in self._tenants:
+                raise TenantsError(f"key maps to unknown tenant {name!r}")
+
+    @property
+    def is_open(self) -> bool:
+        return not self._by_digest
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(self._tenants)
+
+    @classmethod
+    def from_file(cls, path: str | Path | None) -> Tenants:
+        if path is None:
+            return cls()
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise TenantsError(f"cannot read API keys file {path}: {exc.strerror}") from None
+        try:
+            data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        except (ValueError, yaml.YAMLError) as exc:
+            raise TenantsError(f"API keys file {path} is not valid JSON/YAML: {exc}") from None
+        return cls.from_dict(data, source=str(path))
+
+    @classmethod
+    def from_dict(cls, data: Any, *, source: str = "API keys") -> Tenants:
+        if not isinstance(data, dict) or not isinstance(data.get("tenants"), dict):
+            raise TenantsError(f"{source}: expected a mapping with a 'tenants' mapping at the top")
+        tenants: list[Tenant] = []
+        keys: dict[str, str] = {}
+        for name, entry in data["tenants"].items():
+            where = f"{source}: tenants.{name}"
+            if not isinstance(entry, dict):
+                raise TenantsError(f"{where}: expected a mapping with keys, adapters, base_model")
+            unknown = set(entry) - {"keys", "adapters", "base_model"}
+            if unknown:
+                raise TenantsError(f"{where}: unknown fields {sorted(unknown)}")
+            entry_keys = entry.get("keys", [])
+            patterns = entry.get("adapters", [])
+            base_model = entry.get("base_model", True)
+            if not isinstance(entry_keys, list) or not all(isinstance(k, str) and k for k in entry_keys):
+                raise TenantsError(f"{where}.keys: expected a list of non-empty strings")
+            if not isinstance(patterns, list) or not all(isinstance(p, str) for p in patterns):
+                raise TenantsError(f"{where}.adapters: expected a list of name patterns")
+            if not isinstance(base_model, bool):
+                raise TenantsError(f"{where}.base_model: expected true or false")
+            for key in entry_keys:
+                if key in keys:
+                    raise TenantsError(f"{where}.keys: a key is shared with tenant {keys[key]!r}")
+                keys[key] = str(name)
+            tenants.append(Tenant(str(name), tuple(patterns), base_model))
+        return cls(tenants, keys)
+
+    def authenticate(self, authorization: str | None) -> Tenant:
+        """The caller's tenant from its `Authorization` header; raises AuthenticationError."""
+        if self.is_open:
+            return Tenant(DEV_TENANT, is_dev=True)
+        token = bearer_token(authorization)
+        if token is None:
+            raise AuthenticationError(
+                "missing API key: send 'Authorization: Bearer <key>' with a key issued to your tenant"
+            )
+        name = self._by_digest.get(_digest(token))
+        if name is None:
+            raise AuthenticationError("invalid API key: it belongs to no tenant of this worker")
+        return self._tenants[name]
