@@ -1,0 +1,302 @@
+"""Pure reconcile: (pool, its adapters, workers' reported states) -> directives per worker + statuses.
+
+No I/O and no clock: handlers gather the inputs, call ``reconcile_pool`` and act on the ``PoolPlan``.
+
+Placement policy (stated, tested):
+  * every admitted adapter is *registered* on every ready worker, so any worker can serve it on demand;
+  * ``warm: N`` (``all`` = every worker) keeps it GPU-resident on N workers; ``pinned`` with ``warm: 0``
+    still keeps one resident copy (a pinned adapter that lives nowhere pins nothing);
+  * adapters are placed pinned first, then by priority, then largest first (better bin packing);
+  * a worker that already holds it (reported GPU tier, or placed there by the last push) keeps it, so
+    a reconcile never shuffles healthy placements; the rest go to the workers with the fewest
+    assigned GPU bytes (ties by pod name), skipping a worker whose pool would overflow.
+
+Statuses come only from what workers report: an adapter is Ready when every worker that should hold
+it GPU-resident reports its stable version at tier ``gpu`` without error, and every ready worker has
+it registered; never because a directive was sent.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from lorafleet.operator.crd_models import AdapterSpec, PoolSpec
+from lorafleet.worker.directives import AdapterDirective, DesiredState, ReportedState, VersionRef
+
+UNKNOWN_BYTES = 1  # an adapter no worker has reported yet still counts, so placement spreads it
+
+
+@dataclass(slots=True)
+class WorkerReport:
+    """One ready worker pod as seen this round."""
+
+    pod: str
+    reported: ReportedState | None  # None: its sidecar did not answer this round
+    last_pushed: DesiredState | None = None  # operator memory; None after an operator restart
+
+
+@dataclass(slots=True)
+class PoolPlan:
+    desired: dict[str, DesiredState] = field(default_factory=dict)  # pod -> full desired state
+    pushes: dict[str, DesiredState] = field(default_factory=dict)  # pod -> what to push now
+    placement: dict[str, list[str]] = field(default_factory=dict)  # adapter -> pods keeping it warm
+    adapter_statuses: dict[str, dict[str, Any]] = field(default_factory=dict)
+    unloading: dict[str, list[str]] = field(default_factory=dict)  # deleting adapter -> pods still holding it
+    pool_status: dict[str, Any] = field(default_factory=dict)
+
+
+def reconcile_pool(pool: PoolSpec | None, adapters: list[AdapterSpec], workers: list[WorkerReport], *,
+                   now: str, pool_name: str = "") -> PoolPlan:
+    plan = PoolPlan()
+    live = [w for w in workers if w.reported is not None]
+    failures = validate_adapters(pool, adapters, pool_name=pool_name)
+    admitted = [a for a in adapters if not a.deleting and a.name not in failures]
+    deleting = [a for a in adapters if a.deleting]
+
+    for a in deleting:
+        plan.unloading[a.name] = [w.pod for w in live if any(s.name == a.name for s in w.reported.adapters)]
+    if pool is None:
+        for a in adapters:
+            if not a.deleting:
+                plan.adapter_statuses[a.name] = _status(a, "Degraded", failures[a.name], now=now, validated=False)
+        return plan
+
+    plan.placement = place_warm(admitted, live)
+    for w in live:
+        directives = [_directive(a, pod_warm=w.pod in plan.placement[a.name]) for a in admitted]
+        directives.sort(key=lambda d: d.name)
+        generation, push = _next_generation(w, directives, plan.placement)
+        desired = DesiredState(generation, directives)
+        plan.desired[w.pod] = desired
+        if push:
+            plan.pushes[w.pod] = desired
+
+    for a in adapters:
+        if a.deleting:
+            continue
+        if a.name in failures:
+            plan.adapter_statuses[a.name] = _status(a, "Failed", failures[a.name], now=now, validated=False)
+        else:
+            plan.adapter_statuses[a.name] = adapter_status(a, live, plan.placement[a.name], now=now)
+    plan.pool_status = _pool_status(pool, admitted, workers, now=now)
+    return plan
+
+
+def validate_adapters(pool: PoolSpec | None, adapters: list[AdapterSpec], *, pool_name: str = "") -> dict[str, str]:
+    """Checks the API server cannot do. Returns adapter name -> message naming the field."""
+    failures: dict[str, str] = {}
+    for a in adapters:
+        if a.deleting:
+            continue
+        if pool is None:
+            failures[a.name] = (f"spec.pool: LoRAPool {a.pool!r} does not exist in namespace {a.namespace!r} "
+                                f"(deleted?); no worker serves this adapter until the pool exists again")
+        elif a.base_model != pool.base_model:
+            failures[a.name] = (f"spec.baseModel: {a.base_model!r} does not match LoRAPool {pool.name!r} "
+                                f"spec.baseModel {pool.base_model!r}; an adapter only works on its own base")
+        elif a.canary is not None and a.canary.source is None:
+            failures[a.name] = "spec.canary.source: required when spec.canary is set (where the canary version lives)"
+        elif a.canary is not None and a.canary.version == a.version:
+            failures[a.name] = (f"spec.canary.version: equals spec.version {a.version!r}; to promote, set "
+                                f"spec.version/source to the canary's and remove spec.canary")
+    if pool is None:
+        return failures
+    by_tenant: dict[str, list[AdapterSpec]] = defaultdict(list)
+    for a in adapters:
+        if not a.deleting and a.name not in failures:
+            by_tenant[a.tenant].append(a)
+    for tenant, group in by_tenant.items():
+        # First come, first served within a priority: a new adapter never evicts an admitted older one.
+        group.sort(key=lambda a: (-a.priority, a.created, a.name))
+        total = 0
+        for i, a in enumerate(group):
+            total += a.known_bytes
+            if pool.max_adapters_per_tenant is not None and i >= pool.max_adapters_per_tenant:
+                failures[a.name] = (f"spec.tenant: tenant {tenant!r} is over LoRAPool {pool.name!r} "
+                                    f"spec.tenantQuota.maxAdapters ({pool.max_adapters_per_tenant}); delete "
+                                    f"one of its adapters or raise the quota")
+            elif pool.max_bytes_per_tenant is not None and total > pool.max_bytes_per_tenant:
+                failures[a.name] = (f"spec.tenant: tenant {tenant!r} is over LoRAPool {pool.name!r} "
+                                    f"spec.tenantQuota.maxBytes ({pool.max_bytes_per_tenant} bytes; "
+                                    f"{total} with this adapter)")
+                total -= a.known_bytes
+    return failures
+
+
+def warm_count(a: AdapterSpec, num_workers: int) -> int:
+    n = num_workers if a.warm == "all" else min(int(a.warm), num_workers)
+    return max(n, 1 if a.pinned and num_workers else 0)
+
+
+def adapter_bytes(a: AdapterSpec, workers: list[WorkerReport]) -> int:
+    reported = [s.bytes for w in workers for s in w.reported.adapters if s.name == a.name and s.version == a.version]
+    return max([a.known_bytes, *reported]) or UNKNOWN_BYTES
+
+
+def place_warm(adapters: list[AdapterSpec], workers: list[WorkerReport]) -> dict[str, list[str]]:
+    """adapter name -> pods that keep it GPU-resident (see the module docstring for the policy)."""
+    load = {w.pod: 0 for w in workers}
+    capacity = {w.pod: w.reported.pool_bytes or None for w in workers}
+    sizes = {a.name: adapter_bytes(a, workers) for a in adapters}
+    order = sorted(adapters, key=lambda a: (not a.pinned, -a.priority, -sizes[a.name], a.name))
+    placement: dict[str, list[str]] = {}
+    for a in order:
+        size, n = sizes[a.name], warm_count(a, len(workers))
+
+        def holds(w: WorkerReport, a: AdapterSpec = a) -> bool:
+            st = w.reported.find(a.name, a.version)
+            pushed = w.last_pushed.by_name().get(a.name) if w.last_pushed else None
+            return (st is not None and st.tier == "gpu") or (pushed is not None and pushed.warm)
+
+        def fits(w: WorkerReport, size: int = size) -> bool:
+            return capacity[w.pod] is None or load[w.pod] + size <= capacity[w.pod]
+
+        candidates = sorted((w for w in workers if fits(w)), key=lambda w: (not holds(w), load[w.pod], w.pod))
+        chosen = [w.pod for w in candidates[:n]]
+        for pod in chosen:
+            load[pod] += size
+        placement[a.name] = sorted(chosen)
+    return placement
+
+
+def _directive(a: AdapterSpec, *, pod_warm: bool) -> AdapterDirective:
+    canary = None
+    if a.canary is not None and a.canary.source is not None:
+        canary = VersionRef(a.canary.version, a.canary.source.uri, a.canary.source.sha256)
+    return AdapterDirective(
+        name=a.name, tenant=a.tenant, stable=VersionRef(a.version, a.source.uri, a.source.sha256),
+        canary=canary, canary_weight=a.canary.weight if canary else 0,
+        warm=pod_warm, pinned=pod_warm and a.pinned, priority=a.priority,
+    )
+
+
+def _next_generation(w: WorkerReport, directives: list[AdapterDirective],
+                     placement: dict[str, list[str]]) -> tuple[int, bool]:
+    """(generation, push now?). Bumped on a content change or drift; a restarted sidecar gets a re-push."""
+    applied = w.reported.generation_applied
+    last = w.last_pushed
+    if last is None or last.adapters != directives:
+        return max(last.generation if last else 0, applied) + 1, True
+    if applied < last.generation:
+        # Accepted, still applying -- unless the sidecar restarted and forgot everything.
+        return last.generation, applied == 0
+    if drifted(w.reported, directives):
+        return max(last.generation, applied) + 1, True
+    return last.generation, False
+
+
+def drifted(reported: ReportedState, directives: list[AdapterDirective]) -> bool:
+    """The worker claims the push applied yet lost what it was told to hold (restart) or keeps a removed one."""
+    wanted = {d.name for d in directives}
+    for d in directives:
+        st = reported.find(d.name, d.stable.version)
+        if st is None or (d.warm and st.tier == "none" and st.error is None):
+            return True
+    return any(s.name not in wanted for s in reported.adapters)
+
+
+def adapter_status(a: AdapterSpec, live: list[WorkerReport], warm_pods: list[str], *, now: str) -> dict[str, Any]:
+    instances, errors = [], []
+    versions_seen: set[str] = set()
+    registered = resident = canary_registered = 0
+    size = 0
+    for w in live:
+        for st in w.reported.adapters:
+            if st.name != a.name:
+                continue
+            if st.error:
+                errors.append(f"{w.pod}: {st.name}@{st.version}: {st.error}")
+                continue
+            versions_seen.add(st.version)
+            if st.tier != "none":
+                instances.append({"pod": w.pod, "version": st.version, "tier": st.tier})
+            if st.version == a.version:
+                registered += 1
+                size = max(size, st.bytes)
+                resident += w.pod in warm_pods and st.tier == "gpu"
+            elif a.canary is not None and st.version == a.canary.version:
+                canary_registered += 1
+    instances.sort(key=lambda i: (i["pod"], i["version"]))
+    canary_version = a.canary.version if a.canary and canary_registered else None
+    canary_active = canary_version is not None and canary_registered == len(live) and a.canary.weight > 0
+    stable_seen = sorted(versions_seen - ({a.canary.version} if a.canary else set()))
+    stable_version = a.version if a.version in versions_seen else (
+        a.status.get("stableVersion") if a.status.get("stableVersion") in stable_seen else
+        (stable_seen[0] if stable_seen else None))
+    target = len(warm_pods)
+    if not live:
+        phase, msg = "Pending", f"no ready worker matches LoRAPool {a.pool!r} spec.workerSelector"
+    elif errors:
+        phase, msg = "Degraded", "; ".join(errors)
+    elif registered == len(live) and resident == target and (a.canary is None or canary_registered == len(live)):
+        phase = "Ready"
+        msg = (f"{a.version} GPU-resident on {resident}/{target} warm workers, registered on {registered}"
+               if target else f"{a.version} on demand (warm: 0), registered on {registered} workers")
+        if canary_version:
+            msg += f"; canary {canary_version} at {a.canary.weight}%"
+    else:
+        phase = "Loading"
+        msg = (f"{a.version}: registered on {registered}/{len(live)} workers, GPU-resident on "
+               f"{resident}/{target} warm workers")
+        if a.canary is not None:
+            msg += f"; canary {a.canary.version} registered on {canary_registered}/{len(live)}"
+    status = _status(a, phase, msg, now=now, validated=True, canary_active=canary_active)
+    status.update({
+        "stableVersion": stable_version,
+        "canaryVersion": canary_version,
+        "canaryWeight": a.canary.weight if canary_version else 0,
+        "instances": instances,
+        "warmWorkers": warm_pods,
+        "ready": f"{resident}/{target}" if target else f"{registered}/{len(live)}",
+        "bytes": size or a.known_bytes,
+    })
+    return status
+
+
+def _condition(old: dict[str, Any], ctype: str, ok: bool, reason: str, message: str, now: str) -> dict[str, Any]:
+    prev = next((c for c in old.get("conditions") or [] if c.get("type") == ctype), None)
+    status = "True" if ok else "False"
+    since = prev["lastTransitionTime"] if prev and prev.get("status") == status and prev.get(
+        "lastTransitionTime") else now
+    return {"type": ctype, "status": status, "reason": reason, "message": message, "lastTransitionTime": since}
+
+
+def _status(a: AdapterSpec, phase: str, message: str, *, now: str, validated: bool,
+            canary_active: bool = False) -> dict[str, Any]:
+    return {
+        "phase": phase,
+        "message": message,
+        "observedGeneration": a.generation,
+        "conditions": [
+            _condition(a.status, "Ready", phase == "Ready", phase, message, now),
+            _condition(a.status, "Validated", validated, "Valid" if validated else "Invalid",
+                       "spec accepted" if validated else message, now),
+            _condition(a.status, "CanaryActive", canary_active, "CanaryServing" if canary_active else "NoCanary",
+                       f"canary {a.canary.version} at {a.canary.weight}%" if canary_active and a.canary else
+                       "no canary is being served", now),
+        ],
+        **({} if validated else {"instances": [], "ready": "0/0"}),
+    }
+
+
+def _pool_status(pool: PoolSpec, admitted: list[AdapterSpec], workers: list[WorkerReport], *,
+                 now: str) -> dict[str, Any]:
+    live = [w for w in workers if w.reported is not None]
+    kv = [w.reported.kv_usage for w in live]
+    errors = [f"{w.pod}: {w.reported.error}" for w in live if w.reported.error]
+    silent = [w.pod for w in workers if w.reported is None]
+    msg = f"{len(live)} ready workers"
+    if silent:
+        msg += f"; no answer from the sidecar of {', '.join(silent)}"
+    if errors:
+        msg += "; " + "; ".join(errors)
+    return {
+        "readyWorkers": len(live),
+        "adapters": len(admitted),
+        "kvUsage": round(sum(kv) / len(kv), 4) if kv else 0.0,
+        "observedGeneration": pool.generation,
+        "conditions": [_condition(pool.status, "Ready", bool(live) and not errors, "Workers" if live else "NoWorkers",
+                                  msg, now)],
+    }

@@ -1,0 +1,316 @@
+"""The pure reconcile function: placement, canary, pinning, quota, deletion, drift, honest statuses."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lorafleet.operator.crd_models import AdapterSpec, PoolSpec
+from lorafleet.operator.reconcile import WorkerReport, reconcile_pool
+from lorafleet.worker.directives import AdapterState, ReportedState
+
+NOW = "2026-01-01T00:00:00Z"
+MB = 1 << 20
+
+
+def pool_body(**spec) -> dict:
+    base = {"baseModel": "smollm2-135m", "workerSelector": {"matchLabels": {"app": "w"}}}
+    base.update(spec)
+    return {"metadata": {"name": "p", "namespace": "ns", "generation": 1}, "spec": base}
+
+
+def pool(**spec) -> PoolSpec:
+    return PoolSpec.parse(pool_body(**spec))
+
+
+def adapter(name: str, *, version="v1", created="2026-01-01T00:00:00Z", deleting=False, status=None, **spec) -> AdapterSpec:
+    base = {"pool": "p", "tenant": "acme", "baseModel": "smollm2-135m", "version": version,
+            "source": {"uri": f"s3://adapters/{name}/{version}/"}}
+    base.update(spec)
+    meta = {"name": name, "namespace": "ns", "generation": 3, "creationTimestamp": created}
+    if deleting:
+        meta["deletionTimestamp"] = "2026-01-01T01:00:00Z"
+    return AdapterSpec.parse({"metadata": meta, "spec": base, "status": status or {}})
+
+
+def report(*states: tuple, applied=0, pool_bytes=0) -> ReportedState:
+    return ReportedState(generation_applied=applied, pool_bytes=pool_bytes,
+                         adapters=[AdapterState(*s) for s in states])
+
+
+def workers(n: int, **kw) -> list[WorkerReport]:
+    return [WorkerReport(f"w{i}", report(**kw)) for i in range(n)]
+
+
+def converge(p, adapters, ws, rounds=1, *, tier="gpu", bytes_of=None):
+    """Simulate workers applying the pushes faithfully; returns the last plan."""
+    for _ in range(rounds):
+        plan = reconcile_pool(p, adapters, ws, now=NOW)
+        for w in ws:
+            desired = plan.desired[w.pod]
+            w.last_pushed = desired
+            states = []
+            for d in desired.adapters:
+                size = (bytes_of or {}).get(d.name, MB)
+                states.append(AdapterState(d.name, d.stable.version, tier if d.warm else "disk", bytes=size))
+                if d.canary:
+                    states.append(AdapterState(d.name, d.canary.version, "disk", bytes=size))
+            w.reported = ReportedState(generation_applied=desired.generation, adapters=states)
+    return reconcile_pool(p, adapters, ws, now=NOW)
+
+
+# --- placement -------------------------------------------------------------------------------------
+
+def test_warm_n_spreads_over_n_distinct_workers_and_registers_everywhere():
+    ws = workers(3)
+    plan = reconcile_pool(pool(), [adapter("a", warm=2), adapter("b", warm="all"), adapter("c")], ws, now=NOW)
+    assert len(plan.placement["a"]) == 2 and len(set(plan.placement["a"])) == 2
+    assert plan.placement["b"] == ["w0", "w1", "w2"]
+    assert plan.placement["c"] == []
+    for w in ws:
+        assert {d.name for d in plan.desired[w.pod].adapters} == {"a", "b", "c"}
+        warm = {d.name for d in plan.desired[w.pod].adapters if d.warm}
+        assert ("a" in warm) == (w.pod in plan.placement["a"])
+
+
+def test_warm_more_than_workers_is_clamped():
+    plan = reconcile_pool(pool(), [adapter("a", warm=5)], workers(2), now=NOW)
+    assert plan.placement["a"] == ["w0", "w1"]
+
+
+def test_placement_balances_gpu_bytes():
+    # Sizes known from status: 40, 30, 20, 10 MB on two workers -> 50/50, not 70/30.
+    ads = [adapter(n, warm=1, status={"bytes": s * MB}) for n, s in (("a", 40), ("b", 30), ("c", 20), ("d", 10))]
+    plan = reconcile_pool(pool(), ads, workers(2), now=NOW)
+    load = {"w0": 0, "w1": 0}
+    for a in ads:
+        for pod in plan.placement[a.name]:
+            load[pod] += a.known_bytes
+    assert load["w0"] == load["w1"] == 50 * MB
+
+
+def test_placement_skips_a_worker_whose_pool_would_overflow():
+    ws = [WorkerReport("w0", report(pool_bytes=10 * MB)), WorkerReport("w1", report(pool_bytes=100 * MB))]
+    ads = [adapter("big", warm=1, status={"bytes": 50 * MB}), adapter("small", warm=2, status={"bytes": MB})]
+    plan = reconcile_pool(pool(), ads, ws, now=NOW)
+    assert plan.placement["big"] == ["w1"]
+    assert plan.placement["small"] == ["w0", "w1"]
+
+
+def test_placement_is_sticky_across_reconciles():
+    ws = workers(3)
+    ads = [adapter("a", warm=1), adapter("b", warm=1)]
+    first = converge(pool(), ads, ws)
+    # A new, bigger adapter arrives: the healthy placements of a and b do not move.
+    ads.append(adapter("z", warm=2, status={"bytes": 64 * MB}))
+    second = reconcile_pool(pool(), ads, ws, now=NOW)
+    assert second.placement["a"] == first.placement["a"] and second.placement["b"] == first.placement["b"]
+
+
+@settings(max_examples=40, deadline=None)
+@given(sizes=st.lists(st.integers(1, 64), min_size=1, max_size=12), num_workers=st.integers(1, 5),
+       warms=st.lists(st.integers(0, 6), min_size=12, max_size=12))
+def test_placement_properties(sizes, num_workers, warms):
+    ads = [adapter(f"a{i}", warm=warms[i], status={"bytes": s * MB}) for i, s in enumerate(sizes)]
+    plan = reconcile_pool(pool(), ads, workers(num_workers), now=NOW)
+    load = dict.fromkeys((f"w{i}" for i in range(num_workers)), 0)
+    for a in ads:
+        pods = plan.placement[a.name]
+        assert len(pods) == len(set(pods)) == min(a.warm, num_workers)
+        for p in pods:
+            load[p] += a.known_bytes
+    # Largest-first greedy: the spread never exceeds one adapter's size.
+    assert max(load.values()) - min(load.values()) <= max(sizes) * MB
+
+
+# --- statuses come from reports --------------------------------------------------------------------
+
+def test_not_ready_while_nothing_is_loaded():
+    ws = workers(2)
+    plan = reconcile_pool(pool(), [adapter("a", warm=2)], ws, now=NOW)
+    st_ = plan.adapter_statuses["a"]
+    assert st_["phase"] == "Loading" and st_["instances"] == [] and st_["stableVersion"] is None
+    assert {c["type"]: c["status"] for c in st_["conditions"]}["Ready"] == "False"
+    # Workers applied the push but report the adapter only on disk: still not Ready.
+    plan = converge(pool(), [adapter("a", warm=2)], ws, tier="disk")
+    assert plan.adapter_statuses["a"]["phase"] == "Loading"
+    plan = converge(pool(), [adapter("a", warm=2)], ws)
+    st_ = plan.adapter_statuses["a"]
+    assert st_["phase"] == "Ready" and st_["ready"] == "2/2" and st_["stableVersion"] == "v1"
+    assert st_["instances"] == [{"pod": "w0", "version": "v1", "tier": "gpu"},
+                                {"pod": "w1", "version": "v1", "tier": "gpu"}]
+
+
+def test_no_workers_is_pending_and_worker_errors_degrade():
+    assert reconcile_pool(pool(), [adapter("a")], [], now=NOW).adapter_statuses["a"]["phase"] == "Pending"
+    ws = [WorkerReport("w0", report(("a", "v1", "none", 0, 0, 0, False, "sha256 mismatch")))]
+    st_ = reconcile_pool(pool(), [adapter("a")], ws, now=NOW).adapter_statuses["a"]
+    assert st_["phase"] == "Degraded" and "w0: a@v1: sha256 mismatch" in st_["message"]
+
+
+def test_unreachable_sidecar_gets_no_push_and_no_credit():
+    ws = [WorkerReport("w0", None), WorkerReport("w1", report())]
+    plan = reconcile_pool(pool(), [adapter("a", warm="all")], ws, now=NOW)
+    assert set(plan.pushes) == {"w1"} and plan.placement["a"] == ["w1"]
+    assert "no answer from the sidecar of w0" in plan.pool_status["conditions"][0]["message"]
+
+
+# --- canary and promotion --------------------------------------------------------------------------
+
+def test_canary_rolls_out_with_its_weight_then_promotes():
+    ws = workers(2)
+    canary = {"version": "v2", "source": {"uri": "s3://adapters/a/v2/"}, "weight": 20}
+    ads = [adapter("a", warm=2, canary=canary)]
+    plan = reconcile_pool(pool(), ads, ws, now=NOW)
+    d = plan.desired["w0"].by_name()["a"]
+    assert (d.stable.version, d.canary.version, d.canary_weight) == ("v1", "v2", 20)
+    # Not reported yet: the status does not claim the canary.
+    assert plan.adapter_statuses["a"]["canaryVersion"] is None
+    plan = converge(pool(), ads, ws)
+    st_ = plan.adapter_statuses["a"]
+    assert (st_["phase"], st_["stableVersion"], st_["canaryVersion"], st_["canaryWeight"]) == ("Ready", "v1", "v2", 20)
+    assert {c["type"]: c["status"] for c in st_["conditions"]}["CanaryActive"] == "True"
+    # Promote: version/source := the canary's, canary removed.
+    promoted = [adapter("a", version="v2", warm=2, status=st_)]
+    plan = reconcile_pool(pool(), promoted, ws, now=NOW)
+    d = plan.desired["w0"].by_name()["a"]
+    assert d.stable.version == "v2" and d.canary is None and d.canary_weight == 0
+    plan = converge(pool(), promoted, ws)
+    st_ = plan.adapter_statuses["a"]
+    assert (st_["phase"], st_["stableVersion"], st_["canaryVersion"]) == ("Ready", "v2", None)
+    assert {c["type"]: c["status"] for c in st_["conditions"]}["CanaryActive"] == "False"
+
+
+def test_version_change_keeps_reporting_the_served_version_until_the_new_one_is_there():
+    ws = workers(1)
+    plan = converge(pool(), [adapter("a", warm=1)], ws)
+    changed = [adapter("a", version="v2", warm=1, status=plan.adapter_statuses["a"])]
+    st_ = reconcile_pool(pool(), changed, ws, now=NOW).adapter_statuses["a"]
+    assert st_["phase"] == "Loading" and st_["stableVersion"] == "v1"
+    assert converge(pool(), changed, ws).adapter_statuses["a"]["stableVersion"] == "v2"
+
+
+# --- pinning ---------------------------------------------------------------------------------------
+
+def test_pinned_only_where_warm_and_at_least_one_copy():
+    plan = reconcile_pool(pool(), [adapter("a", pinned=True), adapter("b", warm=1)], workers(2), now=NOW)
+    assert len(plan.placement["a"]) == 1
+    pinned = [w for w, ds in plan.desired.items() if ds.by_name()["a"].pinned]
+    assert pinned == plan.placement["a"]
+    assert not any(ds.by_name()["b"].pinned for ds in plan.desired.values())
+
+
+def test_pinned_adapters_are_placed_before_others_under_pressure():
+    ws = [WorkerReport("w0", report(pool_bytes=10 * MB))]
+    ads = [adapter("big", warm=1, priority=9, status={"bytes": 8 * MB}),
+           adapter("pin", pinned=True, status={"bytes": 6 * MB})]
+    plan = reconcile_pool(pool(), ads, ws, now=NOW)
+    assert plan.placement == {"pin": ["w0"], "big": []}
+
+
+# --- validation and quota --------------------------------------------------------------------------
+
+def test_validation_the_api_server_cannot_do_names_the_field():
+    ads = [adapter("mismatch", baseModel="llama-3-8b"),
+           adapter("nosource", canary={"version": "v2", "weight": 10}),
+           adapter("same", canary={"version": "v1", "source": {"uri": "/x"}, "weight": 10}),
+           adapter("ok")]
+    plan = reconcile_pool(pool(), ads, workers(1), now=NOW)
+    s = plan.adapter_statuses
+    assert s["mismatch"]["phase"] == "Failed" and s["mismatch"]["message"].startswith("spec.baseModel:")
+    assert s["nosource"]["phase"] == "Failed" and s["nosource"]["message"].startswith("spec.canary.source:")
+    assert s["same"]["phase"] == "Failed" and s["same"]["message"].startswith("spec.canary.version:")
+    assert {c["type"]: c["status"] for c in s["mismatch"]["conditions"]}["Validated"] == "False"
+    assert {d.name for d in plan.desired["w0"].adapters} == {"ok"}
+
+
+def test_tenant_quota_max_adapters_first_come_first_served():
+    ads = [adapter(f"a{i}", created=f"2026-01-01T00:00:0{i}Z") for i in range(3)] + [adapter("other", tenant="beta")]
+    plan = reconcile_pool(pool(tenantQuota={"maxAdapters": 2}), ads, workers(1), now=NOW)
+    assert plan.adapter_statuses["a2"]["phase"] == "Failed"
+    assert "spec.tenant" in plan.adapter_statuses["a2"]["message"]
+    assert "spec.tenantQuota.maxAdapters (2)" in plan.adapter_statuses["a2"]["message"]
+    assert {d.name for d in plan.desired["w0"].adapters} == {"a0", "a1", "other"}
+    # Deleting one frees its slot.
+    ads[0] = adapter("a0", deleting=True)
+    plan = reconcile_pool(pool(tenantQuota={"maxAdapters": 2}), ads, workers(1), now=NOW)
+    assert plan.adapter_statuses["a2"]["phase"] != "Failed"
+
+
+def test_tenant_quota_max_bytes():
+    ads = [adapter("a", status={"bytes": 300 * MB}, created="1"), adapter("b", status={"bytes": 300 * MB}, created="2"),
+           adapter("c", status={"bytes": 100 * MB}, created="3")]
+    plan = reconcile_pool(pool(tenantQuota={"maxBytes": "512Mi"}), ads, workers(1), now=NOW)
+    assert plan.adapter_statuses["b"]["phase"] == "Failed"
+    assert "spec.tenantQuota.maxBytes" in plan.adapter_statuses["b"]["message"]
+    assert plan.adapter_statuses["c"]["phase"] != "Failed"
+
+
+def test_missing_pool_degrades_adapters_with_a_message():
+    plan = reconcile_pool(None, [adapter("a")], [], now=NOW)
+    st_ = plan.adapter_statuses["a"]
+    assert st_["phase"] == "Degraded" and st_["message"].startswith("spec.pool: LoRAPool 'p' does not exist")
+
+
+# --- deletion --------------------------------------------------------------------------------------
+
+def test_deleted_adapter_is_unloaded_everywhere_before_it_goes():
+    ws = workers(2)
+    converge(pool(), [adapter("a", warm=2), adapter("b", warm=1)], ws)
+    ads = [adapter("a", warm=2, deleting=True), adapter("b", warm=1)]
+    plan = reconcile_pool(pool(), ads, ws, now=NOW)
+    assert plan.unloading["a"] == ["w0", "w1"]  # still reported: the finalizer must wait
+    assert all("a" not in ds.by_name() for ds in plan.desired.values())
+    assert set(plan.pushes) == {"w0", "w1"}
+    plan = converge(pool(), ads, ws)
+    assert plan.unloading["a"] == [] and "a" not in plan.adapter_statuses
+
+
+# --- drift, restarts, generations ------------------------------------------------------------------
+
+def test_steady_state_pushes_nothing():
+    ws = workers(2)
+    plan = converge(pool(), [adapter("a", warm=1)], ws, rounds=2)
+    assert plan.pushes == {}
+
+
+def test_worker_restart_empty_is_rewarmed():
+    ws = workers(2)
+    plan = converge(pool(), [adapter("a", warm=2)], ws)
+    gen = plan.desired["w0"].generation
+    # Engine restarted in place: the sidecar still says it applied the generation, but holds nothing.
+    ws[0].reported = report(("a", "v1", "none"), applied=gen)
+    plan = reconcile_pool(pool(), [adapter("a", warm=2)], ws, now=NOW)
+    assert plan.pushes["w0"].generation == gen + 1 and "w1" not in plan.pushes
+    assert plan.adapter_statuses["a"]["phase"] == "Loading"
+    # Whole pod replaced: its sidecar reports generation 0 and nothing at all.
+    ws[1].reported = report()
+    plan = reconcile_pool(pool(), [adapter("a", warm=2)], ws, now=NOW)
+    assert "w1" in plan.pushes and plan.pushes["w1"].by_name()["a"].warm
+    assert converge(pool(), [adapter("a", warm=2)], ws).adapter_statuses["a"]["phase"] == "Ready"
+
+
+def test_operator_restart_pushes_above_what_workers_applied():
+    ws = workers(1)
+    plan = converge(pool(), [adapter("a", warm=1)], ws, rounds=3)
+    applied = ws[0].reported.generation_applied
+    ws[0].last_pushed = None  # operator memory lost
+    plan = reconcile_pool(pool(), [adapter("a", warm=1)], ws, now=NOW)
+    assert plan.pushes["w0"].generation == applied + 1
+    assert plan.adapter_statuses["a"]["phase"] == "Ready"  # from reports, unaffected by the restart
+
+
+def test_extra_adapter_on_a_worker_is_drift():
+    ws = workers(1)
+    converge(pool(), [adapter("a")], ws)
+    ws[0].reported.adapters.append(AdapterState("ghost", "v1", "gpu"))
+    plan = reconcile_pool(pool(), [adapter("a")], ws, now=NOW)
+    assert "w0" in plan.pushes
+
+
+def test_condition_transition_time_is_kept_while_unchanged():
+    ws = workers(1)
+    plan = converge(pool(), [adapter("a")], ws)
+    st_ = dict(plan.adapter_statuses["a"])
+    again = reconcile_pool(pool(), [adapter("a", status=st_)], ws, now="2027-01-01T00:00:00Z")
+    assert again.adapter_statuses["a"]["conditions"] == st_["conditions"]
