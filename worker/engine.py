@@ -1,0 +1,287 @@
+"""Engine: the offline API over scheduler, model runner and sampler.
+
+    engine = Engine(EngineConfig(model="path"))
+    outs = engine.generate(["hi", [1, 2, 3]], SamplingParams(max_tokens=8), adapters=["a", None])
+
+`add_request` / `step` / `abort` drive it one step at a time (the AsyncEngine does so from its
+thread). Adapters are registered by name; requests name an adapter ("name" or "name@version").
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+from collections.abc import Sequence as Seq
+from pathlib import Path
+
+import torch
+
+from lorafleet.worker.block_manager import BlockManager
+from lorafleet.worker.engine_config import EngineConfig
+from lorafleet.worker.model_config import ModelConfig
+from lorafleet.worker.model_loader import load_model
+from lorafleet.worker.model_runner import ModelRunner
+from lorafleet.worker.page_pool import PagePool, PagePoolConfig, kv_page_elems
+from lorafleet.worker.request_output import RequestOutput
+from lorafleet.worker.sampler import Sampler
+from lorafleet.worker.sampling_params import SamplingParams
+from lorafleet.worker.scheduler import Scheduler
+from lorafleet.worker.sequence import Sequence
+from lorafleet.worker.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+Prompt = str | list[int]
+
+
+class EngineError(ValueError):
+    """A request the engine cannot serve (bad prompt, unknown adapter, too long); the message says why."""
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        model_dir = config.model
+        if model_dir is None:
+            from lorafleet.worker.default_model import default_model_dir
+
+            model_dir = str(default_model_dir())
+        self.model_dir = Path(model_dir)
+        self.device = torch.device(config.device)
+        self.dtype = config.torch_dtype
+        self.model_config = ModelConfig.from_dir(self.model_dir)
+        mc = self.model_config
+        tok_dir = Path(config.tokenizer or self.model_dir)
+        self.tokenizer = Tokenizer(tok_dir) if (tok_dir / "tokenizer.json").is_file() else None
+        self.eos_token_ids = self._eos_ids()
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+
+        self.model = load_model(self.model_dir, dtype=self.dtype, device=self.device, config=mc)
+        page_elems = kv_page_elems(num_layers=mc.num_hidden_layers, block_size=config.block_size,
+                                   num_kv_heads=mc.num_key_value_heads, head_dim=mc.head_dim)
+        num_pages = config.num_pages or self._num_pages(page_elems)
+        self.page_pool = PagePool(PagePoolConfig(
+            num_pages=num_pages, page_elems=page_elems, dtype=self.dtype, device=str(self.device),
+            max_pages={"kv": None, "adapter": config.max_adapter_pages},
+        ))
+        self.block_manager = BlockManager(self.page_pool, config.block_size)
+        self.adapter_pool = None
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            adapter_pool=self.adapter_pool,
+            max_loras_per_batch=config.max_loras_per_batch,
+            max_adapter_wait_steps=config.max_adapter_wait_steps,
+        )
+        kv_caches = self.page_pool.kv_caches(num_layers=mc.num_hidden_layers, block_size=config.block_size,
+                                             num_kv_heads=mc.num_key_value_heads, head_dim=mc.head_dim)
+        self.runner = ModelRunner(self.model, self.block_manager, kv_caches, device=self.device,
+                                  backend=config.kernel_backend, lora_layout=self._lora_layout)
+        self.sampler = Sampler(seed=config.seed, device=self.device)
+        self.requests: dict[str, Sequence] = {}
+        self._emitted: dict[str, tuple[int, int]] = {}  # request_id -> (tokens, chars) reported
+        self._ids = itertools.count()
+        self.last_batch_size = 0
+        self.last_batch_adapters = 0
+
+    # ---- setup helpers ------------------------------------------------------------------------------
+    def _eos_ids(self) -> list[int]:
+        ids = list(self.model_config.eos_token_ids)
+        gen = self.model_dir / "generation_config.json"
+        if gen.is_file():
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+            ids += [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.append(self.tokenizer.eos_token_id)
+        return sorted(set(ids))
+
+    def _num_pages(self, page_elems: int) -> int:
+        page_bytes = page_elems * torch.tensor([], dtype=self.dtype).element_size()
+        pool_bytes = self.config.pool_bytes
+        if pool_bytes is None:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                pool_bytes = int(free * self.config.pool_memory_fraction)
+            else:
+                pool_bytes = 256 << 20
+        num_pages = pool_bytes // page_bytes
+        if num_pages < 1:
+            raise ValueError(f"a pool of {pool_bytes} bytes holds no page of {page_bytes} bytes")
+        return int(num_pages)
+
+    def _lora_layout(self):
+        return None if self.adapter_pool is None else self.adapter_pool.layout
+
+    # ---- requests -----------------------------------------------------------------------------------
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise EngineError("this model directory has no tokenizer.json: pass token ids, not text")
+            return self.tokenizer.encode(prompt)
+        ids = [int(t) for t in prompt]
+        bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
+        if bad:
+            raise EngineError(f"token ids {bad[:5]} are outside the vocabulary (0..{self.model_config.vocab_size - 1})")
+        return ids
+
+    def add_request(
+        self, request_id: str | None, prompt: Prompt, params: SamplingParams | None = None, *, adapter: str | None = None
+    ) -> str:
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise EngineError(f"request id {request_id!r} is already in flight")
+        prompt_ids = self.encode(prompt)
+        if not prompt_ids:
+            raise EngineError("the prompt is empty")
+        if len(prompt_ids) >= self.max_model_len:
+            raise EngineError(f"the prompt has {len(prompt_ids)} tokens; the model accepts at most "
+                              f"{self.max_model_len - 1} (max_model_len {self.max_model_len})")
+        total = min(len(prompt_ids) + params.max_tokens, self.max_model_len)
+        capacity = self.page_pool.num_pages * self.config.block_size
+        if total > capacity:
+            raise EngineError(f"prompt + max_tokens = {total} tokens exceed the KV cache ({capacity} tokens); "
+                              "lower max_tokens or give the engine more pool memory")
+        key, max_rank = self._resolve_adapter(adapter)
+        seq = Sequence(request_id, prompt_ids, params, adapter=key, max_rank=max_rank)
+        if params.seed is not None:
+            seq.generator = torch.Generator(device=self.device)
+            seq.generator.manual_seed(params.seed)
+        self.requests[request_id] = seq
+        self._emitted[request_id] = (0, 0)
+        self.scheduler.add(seq)
+        return request_id
+
+    def _resolve_adapter(self, adapter: str | None) -> tuple[str | None, int]:
+        if adapter is None:
+            return None, 0
+        raise EngineError(f"adapter {adapter!r} is not registered")
+
+    def abort(self, request_id: str) -> bool:
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            return False
+        self._emitted.pop(request_id, None)
+        if not seq.is_finished:
+            self.scheduler.finish(seq, "abort")
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- one step -----------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        self.last_batch_size = batch.num_seqs
+        self.last_batch_adapters = len(batch.adapters())
+        if batch.is_empty:
+            return []
+        logits, samplers = self.runner.run(batch)
+        for seq, num_new in batch.scheduled:
+            seq.num_computed_tokens += num_new
+        if logits is None:
+            return []
+        outputs = []
+        for seq, (token, logprob) in zip(samplers, self.sampler.sample(logits, samplers), strict=True):
+            seq.output_token_ids.append(token)
+            if logprob is not None:
+                seq.logprobs.append(logprob)
+            self._check_stop(seq)
+            if seq.finish_reason is not None:
+                self.scheduler.finish(seq, seq.finish_reason)
+            outputs.append(self._output(seq))
+        return outputs
+
+    def _check_stop(self, seq: Sequence) -> None:
+        params = seq.params
+        token = seq.output_token_ids[-1]
+        stop_token = token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)
+        if self.tokenizer is not None:
+            ids = seq.output_token_ids[:-1] if stop_token else seq.output_token_ids
+            prev = len(seq.text)
+            seq.text = self.tokenizer.decode(ids)
+            if params.stop and not stop_token:
+                longest = max(len(s) for s in params.stop)
+                window = max(0, prev - longest + 1)
+                hits = [(i, s) for s in params.stop if (i := seq.text.find(s, window)) >= 0]
+                if hits:
+                    i, s = min(hits)
+                    seq.text = seq.text[: i + len(s) if params.include_stop_str_in_output else i]
+                    seq.finish_reason = "stop"
+                    return
+        if stop_token:
+            seq.finish_reason = "stop"
+        elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.finish_reason = "length"
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        done_tokens, done_chars = self._emitted.get(seq.request_id, (0, 0))
+        text = seq.text
+        # Hold back a trailing partial UTF-8 character (and, with stop strings, text that may
+        # still turn out to be the start of one) until it is final.
+        final_chars = len(text)
+        if not seq.is_finished:
+            if text.endswith("\ufffd"):
+                final_chars = len(text.rstrip("\ufffd"))
+            if seq.params.stop:
+                final_chars = max(done_chars, min(final_chars, len(text) - max(len(s) for s in seq.params.stop) + 1))
+        new_text = text[done_chars:final_chars] if final_chars > done_chars else ""
+        self._emitted[seq.request_id] = (len(seq.output_token_ids), max(done_chars, final_chars))
+        want_lp = seq.params.logprobs is not None
+        out = RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            new_token_ids=seq.output_token_ids[done_tokens:],
+            new_text=new_text,
+            new_logprobs=seq.logprobs[done_tokens:] if want_lp else None,
+            token_ids=list(seq.output_token_ids),
+            text=text,
+            logprobs=list(seq.logprobs) if want_lp else None,
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            adapter=seq.adapter,
+            num_preemptions=seq.num_preemptions,
+        )
+        if seq.is_finished:
+            self.requests.pop(seq.request_id, None)
+            self._emitted.pop(seq.request_id, None)
+        return out
+
+    # ---- offline batch ------------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: Seq[Prompt] | Prompt,
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        adapters: Seq[str | None] | None = None,
+    ) -> list[RequestOutput]:
+        """Run the prompts to completion together; one finished RequestOutput per prompt, in order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        n = len(prompts)
+        params = sampling_params if isinstance(sampling_params, Seq) else [sampling_params or SamplingParams()] * n
+        adapters = list(adapters) if adapters is not None else [None] * n
+        if len(params) != n or len(adapters) != n:
+            raise EngineError(f"{n} prompts but {len(params)} sampling params and {len(adapters)} adapters")
+        ids = [self.add_request(None, p, sp, adapter=a) for p, sp, a in zip(prompts, params, adapters, strict=True)]
+        results: dict[str, RequestOutput] = {}
+        while len(results) < n:
+            for out in self.step():
+                if out.finished:
+                    results[out.request_id] = out
+        return [results[i] for i in ids]
+
+    # ---- state --------------------------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    @property
+    def kv_usage(self) -> float:
+        return self.page_pool.num_used("kv") / self.page_pool.num_pages

@@ -1,0 +1,66 @@
+"""EngineConfig: everything the offline engine needs to start, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KERNEL_BACKENDS = ("auto", "reference", "triton")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str | None = None  # HF-style model dir; None = the embedded default model
+    tokenizer: str | None = None  # dir with tokenizer.json; None = the model dir
+    device: str = "cpu"
+    dtype: str = "auto"  # float32 | bfloat16 | float16 | auto (bfloat16 on cuda, float32 on cpu)
+    kernel_backend: str = "auto"  # auto = triton on cuda, the torch reference on cpu
+    seed: int = 0  # for requests without their own seed
+
+    # Paged KV cache and adapters share one page pool.
+    block_size: int = 16  # tokens per KV block (= one page)
+    num_pages: int | None = None  # pages in the pool; None = sized from pool_bytes / pool_memory_fraction
+    pool_bytes: int | None = None  # bytes for the pool; None = 256 MiB on cpu, pool_memory_fraction on cuda
+    pool_memory_fraction: float = 0.85  # cuda: share of the free memory after the weights are loaded
+    max_adapter_pages: int | None = None  # ceiling on pages adapters may take (None = no ceiling)
+
+    # Batching.
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None = the model's max_position_embeddings
+    enable_chunked_prefill: bool = True
+
+    # Adapters.
+    adapters: str | None = None  # directory: every PEFT subfolder is registered (name = folder name)
+    max_loras: int = 16  # adapter slots resident at once
+    max_lora_rank: int = 64
+    max_loras_per_batch: int | None = None  # distinct adapters per step; None = no bound
+    max_adapter_wait_steps: int = 32  # a request skipped that many steps for grouping is admitted anyway
+    strict_base: bool = True  # refuse adapters trained on another base model / tokenizer
+
+    def __post_init__(self) -> None:
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {self.dtype!r}")
+        if self.kernel_backend not in KERNEL_BACKENDS:
+            raise ValueError(f"kernel_backend must be one of {KERNEL_BACKENDS}, got {self.kernel_backend!r}")
+        if torch.device(self.device).type not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_loras", "max_lora_rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_pages is not None and self.num_pages < 1:
+            raise ValueError(f"num_pages must be >= 1, got {self.num_pages}")
+        if not 0.0 < self.pool_memory_fraction <= 1.0:
+            raise ValueError(f"pool_memory_fraction must be in (0, 1], got {self.pool_memory_fraction}")
+        if self.max_loras_per_batch is not None and self.max_loras_per_batch < 1:
+            raise ValueError(f"max_loras_per_batch must be >= 1 or None, got {self.max_loras_per_batch}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if torch.device(self.device).type == "cuda" else torch.float32
+        return DTYPES[self.dtype]

@@ -1,0 +1,123 @@
+"""ModelRunner: turns a ScheduledBatch into a ForwardContext, runs the model, returns logits.
+
+All per-step metadata is built on the host from the sequences and copied to the device in one go;
+the forward itself never syncs with the host.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from lorafleet.kernels.lora_layout import LoRABatch, LoRALayout
+from lorafleet.worker.block_manager import BlockManager
+from lorafleet.worker.forward_context import ForwardContext
+from lorafleet.worker.llama import LlamaModel
+from lorafleet.worker.scheduler import ScheduledBatch
+from lorafleet.worker.sequence import Sequence
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaModel,
+        block_manager: BlockManager,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        *,
+        device: torch.device,
+        backend: str = "auto",
+        lora_layout: Callable[[], LoRALayout | None] = lambda: None,
+    ) -> None:
+        self.model = model
+        self.block_manager = block_manager
+        self.kv_caches = kv_caches
+        self.device = device
+        self.backend = backend
+        self.lora_layout = lora_layout  # the adapter pool's current layout (it changes on load/evict)
+        self._pin = device.type == "cuda"
+
+    def _to_device(self, data: list, dtype: torch.dtype) -> torch.Tensor:
+        t = torch.tensor(data, dtype=dtype)
+        if self._pin:
+            t = t.pin_memory()
+        return t.to(self.device, non_blocking=True)
+
+    def prepare(self, batch: ScheduledBatch) -> tuple[ForwardContext, list[Sequence]]:
+        """The step's ForwardContext and the sequences that sample a token (in logits row order)."""
+        bs = self.block_manager.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        token_slots: list[int] = []
+        context_lens: list[int] = []
+        query_start_loc = [0]
+        logits_indices: list[int] = []
+        samplers: list[Sequence] = []
+        tables: list[list[int]] = []
+        max_rank = 0
+        for seq, num_new in batch.scheduled:
+            start = seq.num_computed_tokens
+            end = start + num_new
+            input_ids.extend(seq.token_ids()[start:end] if num_new > 1 else [seq.token_at(start)])
+            positions.extend(range(start, end))
+            table = seq.block_table
+            slots.extend(table[pos // bs] * bs + pos % bs for pos in range(start, end))
+            adapter_slot = -1 if seq.adapter_slot is None else seq.adapter_slot
+            token_slots.extend([adapter_slot] * num_new)
+            if adapter_slot >= 0:
+                max_rank = max(max_rank, seq.max_rank)
+            context_lens.append(end)
+            query_start_loc.append(query_start_loc[-1] + num_new)
+            tables.append(seq.block_table)
+            if end == seq.num_tokens:  # the whole sequence is in the cache: sample the next token
+                logits_indices.append(query_start_loc[-1] - 1)
+                samplers.append(seq)
+        max_blocks = max(len(t) for t in tables)
+        block_tables = [t + [0] * (max_blocks - len(t)) for t in tables]
+        lora, layout = None, None
+        if max_rank > 0:
+            layout = self.lora_layout()
+            lora = self._lora_batch(token_slots, max_rank)
+        ctx = ForwardContext(
+            input_ids=self._to_device(input_ids, torch.int64),
+            positions=self._to_device(positions, torch.int64),
+            slot_mapping=self._to_device(slots, torch.int64),
+            block_tables=self._to_device(block_tables, torch.int32),
+            context_lens=self._to_device(context_lens, torch.int32),
+            query_start_loc=self._to_device(query_start_loc, torch.int32),
+            num_decodes=len(batch.decodes),
+            logits_indices=self._to_device(logits_indices, torch.int64),
+            kv_caches=self.kv_caches,
+            backend=self.backend,
+            lora=lora,
+            lora_layout=layout,
+        )
+        return ctx, samplers
+
+    def _lora_batch(self, token_slots: list[int], max_rank: int) -> LoRABatch:
+        # Group token indices by slot (stable: a sequence's tokens stay in order).
+        groups: dict[int, list[int]] = {}
+        for t, s in enumerate(token_slots):
+            if s >= 0:
+                groups.setdefault(s, []).append(t)
+        seg_slots = sorted(groups)
+        sorted_ids = [t for s in seg_slots for t in groups[s]]
+        seg_starts = [0]
+        for s in seg_slots:
+            seg_starts.append(seg_starts[-1] + len(groups[s]))
+        return LoRABatch(
+            token_slots=self._to_device(token_slots, torch.int32),
+            sorted_token_ids=self._to_device(sorted_ids, torch.int32),
+            seg_starts=self._to_device(seg_starts, torch.int32),
+            seg_slots=self._to_device(seg_slots, torch.int32),
+            max_rank=max_rank,
+        )
+
+    def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor | None, list[Sequence]]:
+        """float32 logits [N, V] for the sequences that sample this step (None if none do)."""
+        ctx, samplers = self.prepare(batch)
+        hidden = self.model(ctx)
+        if not samplers:
+            return None, samplers
+        return self.model.compute_logits(hidden[ctx.logits_indices]), samplers

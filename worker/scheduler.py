@@ -1,0 +1,202 @@
+"""Scheduler: continuous batching over a paged KV cache, adapter-aware.
+
+Each step: running sequences first (a decode token, or the next chunk of an unfinished prefill),
+then waiting ones in arrival order, all within `max_num_batched_tokens` tokens and `max_num_seqs`
+sequences. When the KV pages run out, the most recently admitted running sequence is preempted:
+its pages are freed and it goes back to the head of the queue to be recomputed later (it keeps its
+adapter reference). A waiting sequence whose adapter is not resident yet is skipped (the pool
+starts the load) while the others run; `max_loras_per_batch` bounds the distinct adapters of a step
+(too many segments slow the LoRA kernels), except for a sequence that has waited
+`max_adapter_wait_steps` steps, which is admitted anyway so no tenant starves.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from lorafleet.worker.block_manager import BlockManager
+from lorafleet.worker.sequence import Sequence, SequenceStatus
+
+
+class AdapterSlots(Protocol):
+    """The part of the AdapterPool the scheduler uses."""
+
+    def acquire(self, key: str) -> int | None: ...
+    def release(self, slot: int) -> None: ...
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    decodes: list[Sequence] = field(default_factory=list)  # one new token each
+    prefills: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens this step)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def scheduled(self) -> list[tuple[Sequence, int]]:
+        """(sequence, new tokens) in forward order: decodes first, then prefill chunks."""
+        return [(s, 1) for s in self.decodes] + self.prefills
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decodes) + sum(n for _, n in self.prefills)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.decodes) + len(self.prefills)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.decodes and not self.prefills
+
+    def adapters(self) -> set[str]:
+        return {s.adapter for s, _ in self.scheduled if s.adapter is not None}
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        enable_chunked_prefill: bool = True,
+        adapter_pool: AdapterSlots | None = None,
+        max_loras_per_batch: int | None = None,
+        max_adapter_wait_steps: int = 32,
+    ) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.adapter_pool = adapter_pool
+        self.max_loras_per_batch = max_loras_per_batch
+        self.max_adapter_wait_steps = max_adapter_wait_steps
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._skipped_steps: dict[int, int] = {}  # seq_id -> steps skipped for adapter grouping
+        self.num_preemptions = 0
+
+    # ---- queue -----------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Finished or aborted: KV pages and the adapter reference are released at once."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = seq.finish_reason or reason
+        self.block_manager.free(seq)
+        self._release_adapter(seq)
+        self._skipped_steps.pop(seq.seq_id, None)
+
+    # ---- one step --------------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        loras: set[str] = set()
+
+        # 1. Running sequences, oldest first; preempt from the young end when pages run out.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = self._num_new_tokens(seq, budget)
+            if num_new == 0:
+                i += 1
+                continue
+            while not self.block_manager.can_allocate(seq, num_new):
+                victim = self.running[-1]
+                self._preempt(victim, batch)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                break  # seq preempted itself: nothing after it remains either
+            self.block_manager.allocate(seq, num_new)
+            self._add_to_batch(batch, seq, num_new)
+            if seq.adapter is not None:
+                loras.add(seq.adapter)
+            budget -= num_new
+            i += 1
+
+        # 2. Waiting sequences (none while preempting: pages are short).
+        if batch.preempted:
+            return batch
+        skipped: list[Sequence] = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting.popleft()
+            if not self._can_admit_adapter(seq, loras):
+                skipped.append(seq)
+                continue
+            num_new = self._num_new_tokens(seq, budget)
+            if num_new == 0 or not self.block_manager.can_allocate(seq, num_new):
+                self.waiting.appendleft(seq)  # arrival order for pages: no overtaking a big prompt
+                break
+            self.block_manager.allocate(seq, num_new)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self._skipped_steps.pop(seq.seq_id, None)
+            self._add_to_batch(batch, seq, num_new)
+            if seq.adapter is not None:
+                loras.add(seq.adapter)
+            budget -= num_new
+        for seq in reversed(skipped):
+            self._skipped_steps[seq.seq_id] = self._skipped_steps.get(seq.seq_id, 0) + 1
+            self.waiting.appendleft(seq)
+        return batch
+
+    def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
+        num_new = seq.num_uncomputed_tokens
+        if num_new <= budget:
+            return num_new
+        return budget if self.enable_chunked_prefill else 0
+
+    def _can_admit_adapter(self, seq: Sequence, loras: set[str]) -> bool:
+        if seq.adapter is None or self.adapter_pool is None:
+            return True
+        if (
+            self.max_loras_per_batch is not None
+            and seq.adapter not in loras
+            and len(loras) >= self.max_loras_per_batch
+            and self._skipped_steps.get(seq.seq_id, 0) < self.max_adapter_wait_steps
+        ):
+            return False
+        if seq.adapter_slot is None:
+            seq.adapter_slot = self.adapter_pool.acquire(seq.adapter)
+        return seq.adapter_slot is not None
+
+    def _add_to_batch(self, batch: ScheduledBatch, seq: Sequence, num_new: int) -> None:
+        if num_new == 1:
+            batch.decodes.append(seq)
+        else:
+            batch.prefills.append((seq, num_new))
+
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        # Recompute later: drop the cache, keep the tokens (prompt + output so far) and the adapter.
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        batch.preempted.append(seq)
+
+    def _release_adapter(self, seq: Sequence) -> None:
+        if seq.adapter_slot is not None and self.adapter_pool is not None:
+            self.adapter_pool.release(seq.adapter_slot)
+        seq.adapter_slot = None

@@ -1,0 +1,86 @@
+"""Sequence: one request's tokens, progress, KV block table and adapter binding."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from lorafleet.worker.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the `logprobs` most likely tokens, most likely first
+
+
+_seq_ids = itertools.count()
+
+
+class Sequence:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        adapter: str | None = None,
+        max_rank: int = 0,
+    ) -> None:
+        if not prompt_token_ids:
+            raise ValueError(f"request {request_id!r}: the prompt is empty")
+        self.seq_id = next(_seq_ids)
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.params = params
+        self.adapter = adapter  # "name@version" or None (base model)
+        self.adapter_slot: int | None = None  # GPU slot while the pool reference is held
+        self.max_rank = max_rank
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        self.block_table: list[int] = []  # page ids
+        self.num_preemptions = 0
+        self.logprobs: list[TokenLogprob] = []
+        self.finish_reason: str | None = None
+        self.text = ""
+        self.generator: torch.Generator | None = None  # per-sequence RNG when seeded
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_at(self, i: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.request_id!r}, {self.status.value}, computed={self.num_computed_tokens}/"
+            f"{self.num_tokens}, blocks={len(self.block_table)}, adapter={self.adapter})"
+        )
