@@ -1,0 +1,46 @@
+"""``python -m lorafleet.operator``: run the LoRAPool/LoRAAdapter operator (kopf) in this process."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+
+import kopf
+
+from lorafleet.operator.handlers import register
+from lorafleet.operator.operator_config import OperatorConfig
+from lorafleet.worker.cli import config_from_args
+
+
+async def run(config: OperatorConfig, *, registry: kopf.OperatorRegistry | None = None,
+              stop_flag: asyncio.Event | None = None, ready_flag: asyncio.Event | None = None) -> None:
+    registry = registry or kopf.OperatorRegistry()
+    register(registry, config)
+    liveness = f"http://0.0.0.0:{config.liveness_port}/healthz" if config.liveness_port else None
+    await kopf.operator(
+        registry=registry,
+        namespaces=[config.namespace] if config.namespace else [],
+        clusterwide=config.namespace is None,
+        standalone=config.peering is None,
+        peering_name=config.peering,
+        liveness_endpoint=liveness,
+        stop_flag=stop_flag,
+        ready_flag=ready_flag,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    config = config_from_args(OperatorConfig, argv, prog="python -m lorafleet.operator",
+                              description="Reconcile LoRAPool and LoRAAdapter resources into worker directives.")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    kopf.configure(verbose=False)
+    try:
+        asyncio.run(run(config))
+    except KeyboardInterrupt:
+        sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

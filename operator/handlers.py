@@ -1,0 +1,142 @@
+"""Kopf handlers for LoRAPool and LoRAAdapter: the only module with kopf decorators, kept thin.
+
+``register(registry, config)`` attaches every handler to a registry (so tests and ``__main__`` choose
+intervals without module globals). Each handler calls ``PoolController.run`` (gather -> pure
+``reconcile_pool`` -> push) and writes the status the plan computed from workers' reports.
+
+* indexes: worker pods by namespace, adapters and pools by (namespace, pool) -- no extra API reads;
+* pool create/update/resume + a timer every ``interval`` s: directives pushed, drift caught;
+* adapter create/update/resume + a timer: status refreshed from reports;
+* adapter deletion: a finalizer that holds the object until no worker reports it any more;
+* a pool's deletion leaves its adapters Degraded (their timers see the pool gone from the index).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any
+
+import kopf
+
+from lorafleet.operator.controller import PoolController, status_changes
+from lorafleet.operator.crd_models import ADAPTERS, GROUP, POOLS, VERSION, AdapterSpec, SpecError
+from lorafleet.operator.operator_config import OperatorConfig
+from lorafleet.operator.workers import StagerClient
+
+log = logging.getLogger(__name__)
+FINALIZER = "lorafleet.dev/unload"
+
+
+def _slim_pod(body: kopf.Body) -> dict[str, Any]:
+    """What discovery needs of a pod; indexes hold this, not the whole pod."""
+    return {
+        "metadata": {"name": body.metadata.name, "labels": dict(body.metadata.labels),
+                     "deletionTimestamp": body.metadata.get("deletionTimestamp")},
+        "status": {"podIP": body.status.get("podIP"), "phase": body.status.get("phase"),
+                   "conditions": [dict(c) for c in body.status.get("conditions") or []]},
+        "spec": {"containers": [{"ports": [dict(p) for p in c.get("ports") or []]}
+                                for c in body.spec.get("containers") or []]},
+    }
+
+
+def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> PoolController:
+    """Attach all handlers to ``registry``; returns the controller they share."""
+    controller = PoolController(StagerClient(token=config.stager_token, timeout=config.request_timeout))
+    res_pools, res_adapters = (GROUP, VERSION, POOLS), (GROUP, VERSION, ADAPTERS)
+
+    @kopf.on.startup(registry=registry)
+    async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+        settings.persistence.finalizer = FINALIZER
+        settings.posting.level = logging.WARNING
+        settings.watching.server_timeout = 60
+        if config.peering:
+            settings.peering.name = config.peering
+            settings.peering.standalone = False
+            settings.peering.clusterwide = config.namespace is None
+        else:
+            settings.peering.standalone = True
+
+    @kopf.on.cleanup(registry=registry)
+    async def close(**_: Any) -> None:
+        await controller.client.close()
+
+    @kopf.index("pods", id="worker_pods", registry=registry)
+    def worker_pods(namespace: str, body: kopf.Body, **_: Any) -> dict[str, Any]:
+        return {namespace: _slim_pod(body)}
+
+    @kopf.index(*res_pools, id="pools_by_name", registry=registry)
+    def pools_by_name(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[Any, Any]:
+        return {(namespace, name): dict(body)}
+
+    @kopf.index(*res_adapters, id="adapters_by_pool", registry=registry)
+    def adapters_by_pool(namespace: str, body: kopf.Body, spec: kopf.Spec, **_: Any) -> dict[Any, Any]:
+        return {(namespace, spec.get("pool", "")): dict(body)}
+
+    async def run_pass(namespace: str, pool: str, indexes: dict[str, kopf.Index], *, max_age: float = 0.0):
+        key = (namespace, pool)
+        return await controller.run(
+            key,
+            pools=indexes["pools_by_name"].get(key, []),
+            adapters=indexes["adapters_by_pool"].get(key, []),
+            pods=indexes["worker_pods"].get(namespace, []),
+            max_age=max_age,
+        )
+
+    # --- LoRAPool --------------------------------------------------------------------------------
+
+    async def reconcile_pool_handler(namespace: str, name: str, status: kopf.Status, patch: kopf.Patch,
+                                     max_age: float, **kwargs: Any) -> None:
+        plan = await run_pass(namespace, name, kwargs, max_age=max_age)
+        patch.status.update(status_changes(dict(status), plan.pool_status))
+
+    @kopf.on.create(*res_pools, registry=registry)
+    @kopf.on.update(*res_pools, field="spec", registry=registry)
+    @kopf.on.resume(*res_pools, registry=registry)
+    async def pool_changed(**kwargs: Any) -> None:
+        await reconcile_pool_handler(max_age=0.0, **kwargs)
+
+    @kopf.timer(*res_pools, interval=config.interval, registry=registry)
+    async def pool_drift(**kwargs: Any) -> None:
+        await reconcile_pool_handler(max_age=config.interval / 2, **kwargs)
+
+    @kopf.on.delete(*res_pools, optional=True, registry=registry)
+    async def pool_deleted(namespace: str, name: str, **_: Any) -> None:
+        controller.forget((namespace, name))
+        log.warning("LoRAPool %s/%s deleted; its adapters turn Degraded until it exists again", namespace, name)
+
+    # --- LoRAAdapter -----------------------------------------------------------------------------
+
+    async def write_adapter_status(namespace: str, name: str, body: kopf.Body, status: kopf.Status,
+                                   patch: kopf.Patch, max_age: float, **kwargs: Any) -> None:
+        try:
+            spec = AdapterSpec.parse(dict(body))
+        except SpecError as exc:
+            patch.status.update(status_changes(dict(status), {"phase": "Failed", "message": str(exc)}))
+            raise kopf.PermanentError(str(exc)) from None
+        plan = await run_pass(namespace, spec.pool, kwargs, max_age=max_age)
+        wanted = plan.adapter_statuses.get(name)
+        if wanted is not None:
+            patch.status.update(status_changes(dict(status), wanted))
+
+    @kopf.on.create(*res_adapters, registry=registry)
+    @kopf.on.update(*res_adapters, field="spec", registry=registry)
+    @kopf.on.resume(*res_adapters, registry=registry)
+    async def adapter_changed(**kwargs: Any) -> None:
+        await write_adapter_status(max_age=0.0, **kwargs)
+
+    @kopf.timer(*res_adapters, interval=config.interval, registry=registry)
+    async def adapter_refresh(**kwargs: Any) -> None:
+        with contextlib.suppress(kopf.PermanentError):  # a bad spec is already reported in status
+            await write_adapter_status(max_age=config.interval / 2, **kwargs)
+
+    @kopf.on.delete(*res_adapters, registry=registry)
+    async def adapter_deleted(namespace: str, name: str, spec: kopf.Spec, **kwargs: Any) -> None:
+        """The finalizer: the object goes only when no worker reports the adapter any more."""
+        plan = await run_pass(namespace, spec.get("pool", ""), kwargs)
+        holding = plan.unloading.get(name, [])
+        if holding:
+            raise kopf.TemporaryError(f"unloading; still reported by {', '.join(holding)}",
+                                      delay=config.retry_delay)
+
+    return controller

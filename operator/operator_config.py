@@ -1,0 +1,27 @@
+"""The operator process's one config dataclass; flags and LORAFLEET_* env vars are generated from it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class OperatorConfig:
+    namespace: str | None = field(default=None, metadata={"help": "watch one namespace (default: all)"})
+    interval: float = field(default=10.0, metadata={"help": "seconds between drift checks of every pool"})
+    retry_delay: float = field(default=2.0, metadata={"help": "seconds before a recoverable step is retried"})
+    stager_token: str = field(default="", metadata={"help": "bearer token of the worker sidecars (from a Secret)"})
+    request_timeout: float = field(default=5.0, metadata={"help": "seconds for one sidecar HTTP call"})
+    peering: str | None = field(default=None, metadata={
+        "help": "KopfPeering name for leader election when the operator runs replicated (unset: standalone)"})
+    liveness_port: int = field(default=8080, metadata={"help": "port of the /healthz liveness endpoint (0: off)"})
+
+    def __post_init__(self) -> None:
+        if self.interval <= 0:
+            raise ValueError(f"interval must be > 0 seconds (got {self.interval})")
+        if self.retry_delay <= 0:
+            raise ValueError(f"retry_delay must be > 0 seconds (got {self.retry_delay})")
+        if self.request_timeout <= 0:
+            raise ValueError(f"request_timeout must be > 0 seconds (got {self.request_timeout})")
+        if not 0 <= self.liveness_port < 65536:
+            raise ValueError(f"liveness_port must be a TCP port or 0 (got {self.liveness_port})")

@@ -1,0 +1,126 @@
+"""Worker pods of a pool: discovery by label selector (ready pods only) and the sidecar HTTP client.
+
+The operator never talks to an engine: each pod's stager sidecar takes ``PUT /v1/directives`` (a
+``DesiredState``) and answers ``GET /v1/state`` (a ``ReportedState``), both with a bearer token.
+The sidecar's port is the pod's container port named ``stager``, else the pool's ``stagerPort``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from lorafleet.worker.directives import DesiredState, DirectiveError, ReportedState
+
+log = logging.getLogger(__name__)
+STAGER_PORT_NAME = "stager"
+
+
+@dataclass(slots=True, frozen=True)
+class Worker:
+    pod: str
+    url: str  # base URL of the pod's stager sidecar
+
+
+def selector_matches(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """Kubernetes LabelSelector semantics: matchLabels AND every matchExpression."""
+    labels = labels or {}
+    for key, value in (selector.get("matchLabels") or {}).items():
+        if labels.get(key) != value:
+            return False
+    for expr in selector.get("matchExpressions") or []:
+        key, op, values = expr.get("key"), expr.get("operator"), expr.get("values") or []
+        present = key in labels
+        if op == "In" and not (present and labels[key] in values):
+            return False
+        if op == "NotIn" and present and labels[key] in values:
+            return False
+        if op == "Exists" and not present:
+            return False
+        if op == "DoesNotExist" and present:
+            return False
+    return True
+
+
+def pod_is_ready(pod: dict[str, Any]) -> bool:
+    """Running, Ready condition True, has an IP, not terminating."""
+    status = pod.get("status") or {}
+    if (pod.get("metadata") or {}).get("deletionTimestamp") or not status.get("podIP"):
+        return False
+    if status.get("phase") != "Running":
+        return False
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
+
+
+def stager_port(pod: dict[str, Any], default: int) -> int:
+    for container in (pod.get("spec") or {}).get("containers") or []:
+        for port in container.get("ports") or []:
+            if port.get("name") == STAGER_PORT_NAME and port.get("containerPort"):
+                return int(port["containerPort"])
+    return default
+
+
+def discover_workers(pods: Iterable[dict[str, Any]], selector: dict[str, Any], *, default_port: int) -> list[Worker]:
+    found = []
+    for pod in pods:
+        meta = pod.get("metadata") or {}
+        if selector_matches(selector, meta.get("labels") or {}) and pod_is_ready(pod):
+            url = f"http://{pod['status']['podIP']}:{stager_port(pod, default_port)}"
+            found.append(Worker(meta["name"], url))
+    return sorted(found, key=lambda w: w.pod)
+
+
+class StagerClient:
+    """Talks to sidecars; remembers what it last pushed to each pod (lost on restart, by design)."""
+
+    def __init__(self, *, token: str, timeout: float) -> None:
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self._session: aiohttp.ClientSession | None = None
+        self.last_pushed: dict[str, DesiredState] = {}  # worker url -> last accepted push
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(timeout=self._timeout, headers=self._headers)
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def fetch_state(self, worker: Worker) -> ReportedState | None:
+        """The pod's reported state, or None when its sidecar does not answer sensibly."""
+        try:
+            async with self._client().get(f"{worker.url}/v1/state") as resp:
+                if resp.status != 200:
+                    log.warning("sidecar of %s: GET /v1/state -> %s", worker.pod, resp.status)
+                    return None
+                return ReportedState.from_json(await resp.read())
+        except (TimeoutError, aiohttp.ClientError, DirectiveError) as exc:
+            log.warning("sidecar of %s unreachable or malformed: %s", worker.pod, exc)
+            return None
+
+    async def fetch_states(self, workers: list[Worker]) -> list[ReportedState | None]:
+        return list(await asyncio.gather(*(self.fetch_state(w) for w in workers)))
+
+    async def push(self, worker: Worker, desired: DesiredState) -> bool:
+        """PUT the desired state; True when accepted. A 409 (stale generation) is not recorded as pushed."""
+        try:
+            async with self._client().put(f"{worker.url}/v1/directives", data=desired.to_json(),
+                                          headers={"Content-Type": "application/json"}) as resp:
+                if resp.status in (200, 202):
+                    self.last_pushed[worker.url] = desired
+                    return True
+                text = (await resp.text())[:300]
+                log.warning("sidecar of %s refused generation %d: %s %s", worker.pod, desired.generation,
+                            resp.status, text)
+                self.last_pushed.pop(worker.url, None)
+                return False
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            log.warning("push to the sidecar of %s failed: %s", worker.pod, exc)
+            return False
