@@ -1,0 +1,118 @@
+"""Public LoRA entry points: `lora_shrink` and `lora_expand`, a checked launcher over two backends.
+
+A layer's LoRA delta for fused projections (q|k|v or gate|up) is two calls:
+
+    xa = torch.empty(len(proj_ids), T, batch.max_rank, dtype=torch.float32, device=x.device)
+    lora_shrink(x=x, layout=layout, layer=l, proj_ids=[0, 1, 2], batch=batch, out=xa)
+    lora_expand(xa=xa, layout=layout, layer=l, proj_ids=[0, 1, 2], batch=batch, y=qkv, out_offsets=[0, 4096, 5120])
+
+`backend="auto"` picks Triton for CUDA tensors and the torch reference otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+from lorafleet.kernels.lora_layout import NUM_PROJS, LoRABatch, LoRALayout
+from lorafleet.kernels.lora_reference import lora_expand_reference, lora_shrink_reference
+
+BACKENDS = ("auto", "reference", "triton")
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """'reference' or 'triton' for a tensor on `device`; Triton on CPU needs TRITON_INTERPRET=1."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" else "reference"
+    if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors); use backend='reference' on CPU")
+    return backend
+
+
+def _check_common(name: str, layout: LoRALayout, layer: int, proj_ids: list[int], batch: LoRABatch, device: torch.device) -> None:
+    if not 0 <= layer < layout.num_layers:
+        raise ValueError(f"{name}: layer {layer} outside [0, {layout.num_layers})")
+    if not proj_ids or any(not 0 <= p < NUM_PROJS for p in proj_ids):
+        raise ValueError(f"{name}: proj_ids must be a non-empty list of ids in [0, {NUM_PROJS}), got {proj_ids}")
+    if batch.max_rank > layout.max_rank:
+        raise ValueError(f"{name}: batch.max_rank {batch.max_rank} exceeds the layout's max_rank {layout.max_rank}")
+    for label, t in (("layout.pool", layout.pool), ("batch.token_slots", batch.token_slots), ("batch.seg_slots", batch.seg_slots)):
+        if t.device != device:
+            raise ValueError(f"{name}: {label} is on {t.device}, the activations on {device}")
+
+
+def lora_shrink(*, x: Tensor, layout: LoRALayout, layer: int, proj_ids: list[int], batch: LoRABatch, out: Tensor, backend: str = "auto") -> None:
+    """Project each token onto its adapter's A rows, for several projections sharing one input.
+
+    Semantics: out[i, t, j] = sum_k x[t, k] * A[slot(t), layer, proj_ids[i]][j, k] for j < rank, every t with slot(t) >= 0.
+
+    x: [T, K] model dtype (the pool's), last dim contiguous. layout: `LoRALayout` (A rows of K elements).
+    layer: int. proj_ids: list of P ints in [0, 7) (ids into PROJS). batch: `LoRABatch` over the T tokens.
+    out: float32 [P, T, R] with R >= batch.max_rank, contiguous. Entries past a slot's rank, of tokens
+    without a slot, or of a module the slot does not adapt are not read by `lora_expand` and may hold anything.
+    """
+    _check_common("lora_shrink", layout, layer, proj_ids, batch, x.device)
+    if x.dim() != 2 or x.shape[0] != batch.num_tokens or x.stride(1) != 1:
+        raise ValueError(f"lora_shrink: x must be [T={batch.num_tokens}, K] with a contiguous last dim, got {tuple(x.shape)} strides {x.stride()}")
+    if x.dtype != layout.pool.dtype:
+        raise ValueError(f"lora_shrink: x is {x.dtype}, the adapter pool {layout.pool.dtype}; they must match")
+    shape = (len(proj_ids), batch.num_tokens)
+    if out.dtype != torch.float32 or out.dim() != 3 or tuple(out.shape[:2]) != shape or out.shape[2] < batch.max_rank or not out.is_contiguous():
+        raise ValueError(f"lora_shrink: out must be contiguous float32 [{shape[0]}, {shape[1]}, >= {batch.max_rank}], got {out.dtype} {tuple(out.shape)}")
+    if out.device != x.device:
+        raise ValueError(f"lora_shrink: out is on {out.device}, x on {x.device}")
+    if resolve_backend(backend, x.device) == "triton":
+        from lorafleet.kernels.lora_triton import lora_shrink_triton
+
+        lora_shrink_triton(x=x, layout=layout, layer=layer, proj_ids=proj_ids, batch=batch, out=out)
+    else:
+        lora_shrink_reference(x=x, layout=layout, layer=layer, proj_ids=proj_ids, batch=batch, out=out)
+
+
+def output_slices(out_offsets: list[int], num_slices: int, width: int) -> list[tuple[int, int]]:
+    """(start, width) of each output slice from P starts (the last runs to `width`) or P+1 boundaries."""
+    if len(out_offsets) == num_slices:
+        bounds = [*out_offsets, width]
+    elif len(out_offsets) == num_slices + 1:
+        bounds = list(out_offsets)
+    else:
+        raise ValueError(f"lora_expand: out_offsets needs {num_slices} starts or {num_slices + 1} boundaries, got {out_offsets}")
+    slices = [(int(a), int(b) - int(a)) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    if any(start < 0 or n <= 0 or start + n > width for start, n in slices):
+        raise ValueError(f"lora_expand: out_offsets {out_offsets} do not give increasing slices inside y's {width} columns")
+    return slices
+
+
+def lora_expand(
+    *, xa: Tensor, layout: LoRALayout, layer: int, proj_ids: list[int], batch: LoRABatch, y: Tensor, out_offsets: list[int], backend: str = "auto"
+) -> None:
+    """Add each token's scaled adapter output into its slice of y, for several projections in one launch.
+
+    Semantics: y[t, o_i:o_i+n_i] += scale[slot(t), layer, p_i] * sum_j xa[i, t, j] * B^T[slot(t), layer, p_i][j, :n_i] for j < rank.
+
+    xa: float32 [P, T, R], R >= batch.max_rank (from `lora_shrink`). layout: `LoRALayout` (B^T rows of
+    n_i elements). layer: int. proj_ids: list of P ints in [0, 7). batch: `LoRABatch` over the T tokens.
+    y: [T, N] model dtype, last dim contiguous, updated in place (tokens without a slot untouched).
+    out_offsets: P slice starts (slice i ends where i+1 starts, the last at N) or P+1 boundaries.
+    """
+    _check_common("lora_expand", layout, layer, proj_ids, batch, y.device)
+    num = len(proj_ids)
+    if y.dim() != 2 or y.shape[0] != batch.num_tokens or y.stride(1) != 1:
+        raise ValueError(f"lora_expand: y must be [T={batch.num_tokens}, N] with a contiguous last dim, got {tuple(y.shape)} strides {y.stride()}")
+    if y.dtype != layout.pool.dtype:
+        raise ValueError(f"lora_expand: y is {y.dtype}, the adapter pool {layout.pool.dtype}; they must match")
+    if xa.dtype != torch.float32 or xa.dim() != 3 or tuple(xa.shape[:2]) != (num, batch.num_tokens) or xa.shape[2] < batch.max_rank or not xa.is_contiguous():
+        raise ValueError(f"lora_expand: xa must be contiguous float32 [{num}, {batch.num_tokens}, >= {batch.max_rank}], got {xa.dtype} {tuple(xa.shape)}")
+    if xa.device != y.device:
+        raise ValueError(f"lora_expand: xa is on {xa.device}, y on {y.device}")
+    slices = output_slices(out_offsets, num, y.shape[1])
+    if resolve_backend(backend, y.device) == "triton":
+        from lorafleet.kernels.lora_triton import lora_expand_triton
+
+        lora_expand_triton(xa=xa, layout=layout, layer=layer, proj_ids=proj_ids, batch=batch, y=y, out_slices=slices)
+    else:
+        lora_expand_reference(xa=xa, layout=layout, layer=layer, proj_ids=proj_ids, batch=batch, y=y, out_slices=slices)

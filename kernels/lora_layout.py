@@ -1,0 +1,202 @@
+"""LoRA metadata: where each adapter row lives in the page pool, and how a batch's tokens use slots.
+
+`LoRALayout` is the one place where the kernels and the adapter pool agree. The pool writes adapter
+matrices row by row into pages of the unified page pool (A as `[r, in]` rows, B transposed as
+`[r, out]` rows; a row never straddles a page, so each row is contiguous) and records the element
+offset of every row here. Kernels read rows only through these offsets.
+
+`LoRABatch` is built once per step from the tokens' adapter slots; every layer reuses it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+PROJS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # proj id = index
+NUM_PROJS = len(PROJS)
+
+
+@dataclass
+class LoRALayout:
+    """Device tensors describing every resident adapter; rebuilt/updated by the pool on load/evict."""
+
+    pool: Tensor  # [num_pages, page_elems] model dtype; rows addressed in pool.view(-1)
+    ranks: Tensor  # int32 [num_layers, 7, max_slots]; 0 = module not adapted
+    scales: Tensor  # float32 [num_layers, 7, max_slots]; alpha/r or alpha/sqrt(r), per module
+    a_offsets: Tensor  # int64 [num_layers, 7, max_slots, max_rank]: element offset of A row j
+    b_offsets: Tensor  # int64 [num_layers, 7, max_slots, max_rank]: element offset of B^T row j
+
+    def __post_init__(self) -> None:
+        if self.pool.dim() != 2 or not self.pool.is_contiguous():
+            raise ValueError(f"LoRALayout.pool must be a contiguous [num_pages, page_elems] tensor, got {tuple(self.pool.shape)}")
+        shape = tuple(self.ranks.shape)
+        if len(shape) != 3 or shape[1] != NUM_PROJS:
+            raise ValueError(f"LoRALayout.ranks must be [num_layers, {NUM_PROJS}, max_slots], got {shape}")
+        if self.ranks.dtype != torch.int32 or self.scales.dtype != torch.float32:
+            raise ValueError("LoRALayout.ranks must be int32 and LoRALayout.scales float32")
+        if tuple(self.scales.shape) != shape:
+            raise ValueError(f"LoRALayout.scales must have shape {shape}, got {tuple(self.scales.shape)}")
+        for name in ("a_offsets", "b_offsets"):
+            offsets = getattr(self, name)
+            if offsets.dtype != torch.int64 or offsets.dim() != 4 or tuple(offsets.shape[:3]) != shape:
+                raise ValueError(f"LoRALayout.{name} must be int64 [{shape[0]}, {shape[1]}, {shape[2]}, max_rank], got {offsets.dtype} {tuple(offsets.shape)}")
+            if not offsets.is_contiguous():
+                raise ValueError(f"LoRALayout.{name} must be contiguous")
+        if not (self.ranks.is_contiguous() and self.scales.is_contiguous()):
+            raise ValueError("LoRALayout.ranks and LoRALayout.scales must be contiguous")
+
+    @property
+    def num_layers(self) -> int:
+        return self.ranks.shape[0]
+
+    @property
+    def max_slots(self) -> int:
+        return self.ranks.shape[2]
+
+    @property
+    def max_rank(self) -> int:
+        return self.a_offsets.shape[3]
+
+    def max_rank_by_slot(self) -> Tensor:
+        """int32 [max_slots]: each slot's largest rank over all layers and projections."""
+        return self.ranks.amax(dim=(0, 1))
+
+
+@dataclass
+class LoRABatch:
+    """Per-token adapter slots of one step, grouped into segments; built once, used by every layer.
+
+    Running example: token_slots = [2, -1, 0, 2, 0] gives sorted_token_ids = [2, 4, 0, 3],
+    seg_starts = [0, 2, 4], seg_slots = [0, 2]: segment 0 holds tokens 2 and 4 (slot 0), segment 1
+    holds tokens 0 and 3 (slot 2); token 1 has no adapter and is in no segment.
+
+    Ungrouped batches (one segment per token, `seg_slots` may repeat and hold -1, which kernels skip at
+    once) need no sort and have fixed shapes, so a decode step can be captured in a CUDA graph.
+    """
+
+    token_slots: Tensor  # int32 [T]; -1 = base model only
+    sorted_token_ids: Tensor  # int32 [T_lora]: token indices with slot >= 0, grouped by slot
+    seg_starts: Tensor  # int32 [S+1] into sorted_token_ids
+    seg_slots: Tensor  # int32 [S]: slot of each segment (distinct when grouped)
+    max_rank: int  # largest rank among the batch's slots (sizes the shrink buffer)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_slots.shape[0]
+
+    @property
+    def num_segments(self) -> int:
+        return self.seg_slots.shape[0]
+
+
+def make_lora_batch(token_slots: Tensor, max_rank_by_slot: Tensor, *, grouped: bool = True) -> LoRABatch:
+    """Group a step's tokens by adapter slot with torch ops (no Python loop over tokens).
+
+    token_slots: int [T] slot of each token, -1 for none. max_rank_by_slot: int [max_slots] (for example
+    `layout.max_rank_by_slot()`). `grouped=False` makes one segment per token (see `LoRABatch`).
+    One host sync (the number of segments and the batch's max rank are Python ints).
+    """
+    if token_slots.dim() != 1:
+        raise ValueError(f"token_slots must be 1-D [T], got shape {tuple(token_slots.shape)}")
+    if token_slots.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"token_slots must be an integer tensor, got {token_slots.dtype}")
+    device = token_slots.device
+    slots = token_slots.to(torch.int32)
+    max_rank_by_slot = max_rank_by_slot.to(device=device, dtype=torch.int32)
+    num_tokens = slots.shape[0]
+    valid = slots >= 0
+    if num_tokens and bool((slots >= max_rank_by_slot.shape[0]).any()):
+        raise ValueError(f"token_slots hold a slot >= max_slots ({max_rank_by_slot.shape[0]})")
+    if num_tokens and bool((slots < -1).any()):
+        raise ValueError("token_slots must be >= -1 (-1 means no adapter)")
+    used = slots[valid].long()
+    max_rank = int(max_rank_by_slot[used].max()) if used.numel() else 0
+
+    if not grouped:
+        ids = torch.arange(num_tokens, dtype=torch.int32, device=device)
+        starts = torch.arange(num_tokens + 1, dtype=torch.int32, device=device)
+        return LoRABatch(slots, ids, starts, slots.clone(), max_rank)
+
+    # A stable sort keeps tokens of one slot in their original order; -1 sorts first and is cut off.
+    order = torch.sort(slots, stable=True).indices
+    num_base = int((~valid).sum())
+    sorted_ids = order[num_base:].to(torch.int32)
+    seg_slots, counts = torch.unique_consecutive(slots[order[num_base:]], return_counts=True)
+    seg_starts = torch.zeros(seg_slots.shape[0] + 1, dtype=torch.int32, device=device)
+    seg_starts[1:] = torch.cumsum(counts, 0).to(torch.int32)
+    return LoRABatch(slots, sorted_ids, seg_starts, seg_slots.to(torch.int32), max_rank)
+
+
+def pack_lora_layout(
+    modules: dict[tuple[int, int, int], tuple[Tensor, Tensor, float]],
+    *,
+    num_layers: int,
+    max_slots: int,
+    page_elems: int,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    num_pages: int | None = None,
+    page_order: Tensor | None = None,
+) -> LoRALayout:
+    """Write adapters into a fresh page pool row by row (no row straddles a page) and describe them.
+
+    modules: (slot, layer, proj_id) -> (a [r, in], b [out, r], scale). Pages are taken in
+    `page_order` (default 0, 1, 2, ...), so a shuffled order checks that kernels follow the offsets.
+    This is the packing rule the adapter pool follows; tests, benchmarks and a pool-less engine use it.
+    """
+    rows: list[Tensor] = []
+    for key in sorted(modules):
+        a, b, _ = modules[key]
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
+            raise ValueError(f"module {key}: a must be [r, in] and b [out, r], got {tuple(a.shape)} and {tuple(b.shape)}")
+        rows.extend(a.unbind(0))
+        rows.extend(b.t().unbind(0))
+    max_rank = max((a.shape[0] for a, _, _ in modules.values()), default=1)
+    # Place rows: a row that does not fit in the rest of the current page starts on the next one.
+    placements: list[tuple[int, int]] = []  # (page index in order, offset in page)
+    page, used = 0, 0
+    for row in rows:
+        n = row.numel()
+        if n > page_elems:
+            raise ValueError(f"a row of {n} elements does not fit a page of {page_elems}")
+        if used + n > page_elems:
+            page, used = page + 1, 0
+        placements.append((page, used))
+        used += n
+    needed = page + 1 if rows else 0
+    num_pages = needed if num_pages is None else num_pages
+    if num_pages < needed:
+        raise ValueError(f"the adapters need {needed} pages, only {num_pages} given")
+    if page_order is None:
+        page_order = torch.arange(num_pages)
+    pool = torch.zeros(num_pages, page_elems, dtype=dtype)
+    flat = pool.view(-1)
+    offsets: list[int] = []
+    for row, (p, off) in zip(rows, placements, strict=True):
+        start = int(page_order[p]) * page_elems + off
+        flat[start : start + row.numel()] = row.to(dtype)
+        offsets.append(start)
+
+    ranks = torch.zeros(num_layers, NUM_PROJS, max_slots, dtype=torch.int32)
+    scales = torch.zeros(num_layers, NUM_PROJS, max_slots, dtype=torch.float32)
+    a_off = torch.zeros(num_layers, NUM_PROJS, max_slots, max_rank, dtype=torch.int64)
+    b_off = torch.zeros(num_layers, NUM_PROJS, max_slots, max_rank, dtype=torch.int64)
+    cursor = 0
+    for slot, layer, proj in sorted(modules):
+        a, _, scale = modules[(slot, layer, proj)]
+        r = a.shape[0]
+        ranks[layer, proj, slot] = r
+        scales[layer, proj, slot] = scale
+        a_off[layer, proj, slot, :r] = torch.tensor(offsets[cursor : cursor + r])
+        b_off[layer, proj, slot, :r] = torch.tensor(offsets[cursor + r : cursor + 2 * r])
+        cursor += 2 * r
+    return LoRALayout(
+        pool=pool.to(device),
+        ranks=ranks.to(device),
+        scales=scales.to(device),
+        a_offsets=a_off.to(device),
+        b_offsets=b_off.to(device),
+    )

@@ -1,0 +1,174 @@
+"""lora_shrink / lora_expand against a naive per-token dense computation, on every backend.
+
+Outputs are poisoned (NaN) before each run; adapters differ in rank (1-128), alpha and targeted
+modules; pages are shuffled so only the layout's offsets can find a row.
+"""
+
+import pytest
+import torch
+from kernel_cases import MIXED_RANKS, POPULARITIES, dense_delta, dense_shrink, random_adapters, token_slots
+
+from lorafleet.kernels.lora import lora_expand, lora_shrink
+from lorafleet.kernels.lora_layout import LoRABatch, make_lora_batch, pack_lora_layout
+
+BACKENDS = ["reference"]
+HIDDEN = 64
+# Fused groups as the model calls them: q|k|v (unequal widths), o, gate|up, down.
+GROUPS = {"qkv": ([0, 1, 2], HIDDEN, [64, 32, 48]), "o": ([3], 64, [HIDDEN]), "gate_up": ([4, 5], HIDDEN, [96, 80]), "down": ([6], 96, [HIDDEN])}
+DIMS = {0: (64, 64), 1: (64, 32), 2: (64, 48), 3: (64, 64), 4: (64, 96), 5: (64, 80), 6: (96, 64)}
+TOL = {torch.float32: 2e-4, torch.float16: 3e-3}
+
+
+def _setup(gen, *, num_slots, dtype, ranks=MIXED_RANKS, num_layers=2, skip_prob=0.15):
+    modules = random_adapters(num_slots=num_slots, num_layers=num_layers, dims=DIMS, gen=gen, ranks=ranks, skip_prob=skip_prob)
+    # The answer is computed from the weights as stored (rounded to the pool dtype).
+    modules = {key: (a.to(dtype).float(), b.to(dtype).float(), s) for key, (a, b, s) in modules.items()}
+    order = torch.randperm(4000, generator=gen)
+    layout = pack_lora_layout(modules, num_layers=num_layers, max_slots=num_slots + 1, page_elems=300, dtype=dtype, num_pages=4000, page_order=order)
+    return modules, layout
+
+
+def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    assert not torch.isnan(got).any(), "NaN in output"
+    return float((got.double() - want).norm() / want.norm().clamp_min(1e-12))
+
+
+def _check_shrink(modules, layout, batch, x, slots, group, layer, backend, dtype):
+    proj_ids, _, _ = GROUPS[group]
+    out = torch.full((len(proj_ids), x.shape[0], max(batch.max_rank, 1)), float("nan"))
+    lora_shrink(x=x, layout=layout, layer=layer, proj_ids=proj_ids, batch=batch, out=out, backend=backend)
+    for i, proj in enumerate(proj_ids):
+        for t, want in enumerate(dense_shrink(modules, slots, x, layer, proj)):
+            if want is not None:
+                assert _rel_err(out[i, t, : want.numel()], want) < TOL[dtype], (group, proj, t)
+
+
+def _check_expand(modules, layout, batch, x, slots, group, layer, backend, dtype, gen):
+    proj_ids, _, widths = GROUPS[group]
+    num_tokens = x.shape[0]
+    # xa holds the exact shrink result where defined and NaN everywhere expand must not read.
+    xa = torch.full((len(proj_ids), num_tokens, max(batch.max_rank, 1)), float("nan"))
+    for i, proj in enumerate(proj_ids):
+        for t, v in enumerate(dense_shrink(modules, slots, x, layer, proj)):
+            if v is not None:
+                xa[i, t, : v.numel()] = v.float()
+    y = torch.randn(num_tokens, sum(widths), generator=gen).to(dtype)
+    want = y.double().clone()
+    offsets, start = [], 0
+    for proj, n in zip(proj_ids, widths, strict=True):
+        want[:, start : start + n] += dense_delta(modules, slots, x, layer, proj, n)
+        offsets.append(start)
+        start += n
+    lora_expand(xa=xa, layout=layout, layer=layer, proj_ids=proj_ids, batch=batch, y=y, out_offsets=offsets, backend=backend)
+    assert _rel_err(y, want) < TOL[dtype]
+    untouched = slots < 0
+    assert torch.equal(y[untouched].double(), want[untouched])  # slot -1: base output left exactly as it was
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("popularity", POPULARITIES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_shrink_and_expand_match_dense(backend, popularity, dtype, gen):
+    num_slots = 12
+    modules, layout = _setup(gen, num_slots=num_slots, dtype=dtype)
+    for grouped, num_tokens in ((True, 45), (False, 7)):  # prefill-like segments and per-token decode
+        slots = token_slots(popularity, num_tokens, num_slots, gen)
+        batch = make_lora_batch(slots, layout.max_rank_by_slot(), grouped=grouped)
+        for group, (_, k, _) in GROUPS.items():
+            x = torch.randn(num_tokens, k, generator=gen).to(dtype)
+            layer = int(torch.randint(0, 2, (1,), generator=gen))
+            _check_shrink(modules, layout, batch, x, slots, group, layer, backend, dtype)
+            _check_expand(modules, layout, batch, x, slots, group, layer, backend, dtype, gen)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_segments_of_length_zero_to_many(backend, gen):
+    """A hand-built batch with empty segments, a long one and single tokens."""
+    modules, layout = _setup(gen, num_slots=6, dtype=torch.float32, skip_prob=0.0)
+    lengths = [0, 70, 1, 0, 3, 1, 0]
+    seg_slots = torch.tensor([4, 0, 5, 1, 2, 3, 1], dtype=torch.int32)
+    num_tokens = sum(lengths) + 5  # five tokens without adapter
+    perm = torch.randperm(num_tokens, generator=gen)
+    slots = torch.full((num_tokens,), -1, dtype=torch.int32)
+    ids, pos = [], 0
+    for s, n in zip(seg_slots.tolist(), lengths, strict=True):
+        chunk = perm[pos : pos + n]
+        slots[chunk] = s
+        ids.append(chunk)
+        pos += n
+    starts = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    used = [s for s, n in zip(seg_slots.tolist(), lengths, strict=True) if n]
+    batch = LoRABatch(slots, torch.cat(ids).to(torch.int32), starts, seg_slots, int(layout.max_rank_by_slot()[used].max()))
+    for group, (_, k, _) in GROUPS.items():
+        x = torch.randn(num_tokens, k, generator=gen)
+        _check_shrink(modules, layout, batch, x, slots, group, 1, backend, torch.float32)
+        _check_expand(modules, layout, batch, x, slots, group, 1, backend, torch.float32, gen)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_many_adapters_in_one_batch(backend, gen):
+    """64 distinct adapters, one or two tokens each: every segment still gets its own weights."""
+    modules, layout = _setup(gen, num_slots=64, dtype=torch.float32, ranks=(4, 8, 16), num_layers=1)
+    slots = token_slots("uniform", 100, 64, gen)
+    batch = make_lora_batch(slots, layout.max_rank_by_slot())
+    x = torch.randn(100, HIDDEN, generator=gen)
+    _check_shrink(modules, layout, batch, x, slots, "qkv", 0, backend, torch.float32)
+    _check_expand(modules, layout, batch, x, slots, "gate_up", 0, backend, torch.float32, gen)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rank_and_alpha_travel_with_each_adapter(backend, gen):
+    """Same A/B numbers under two slots with different rank cut-offs and alphas give their own deltas."""
+    a = torch.randn(16, HIDDEN, generator=gen)
+    b = torch.randn(64, 16, generator=gen)
+    modules = {(0, 0, 0): (a, b, 32 / 16), (1, 0, 0): (a[:4], b[:, :4], 8 / 4), (2, 0, 0): (a[:4], b[:, :4], 8 / 2)}
+    layout = pack_lora_layout(modules, num_layers=1, max_slots=3, page_elems=256, dtype=torch.float32)
+    slots = torch.tensor([0, 1, 2, 1, 0, -1], dtype=torch.int32)
+    batch = make_lora_batch(slots, layout.max_rank_by_slot())
+    x = torch.randn(6, HIDDEN, generator=gen)
+    x[2] = x[1]
+    xa = torch.full((1, 6, 16), float("nan"))
+    lora_shrink(x=x, layout=layout, layer=0, proj_ids=[0], batch=batch, out=xa, backend=backend)
+    y = torch.zeros(6, 64)
+    lora_expand(xa=xa, layout=layout, layer=0, proj_ids=[0], batch=batch, y=y, out_offsets=[0], backend=backend)
+    want = dense_delta(modules, slots, x, 0, 0, 64)
+    assert _rel_err(y, want) < 1e-4
+    assert torch.allclose(y[2].double(), 2 * want[1], rtol=1e-4)  # alpha/r: 8/2 vs 8/4 on the same rank-4 weights
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_half_precision_delta_accumulates_in_float32(backend, gen):
+    """The shrink result of fp16 inputs is not rounded to fp16 (the merged-vs-unmerged drift pitfall)."""
+    modules, layout = _setup(gen, num_slots=4, dtype=torch.float16, ranks=(32,), skip_prob=0.0)
+    slots = token_slots("uniform", 20, 4, gen)
+    batch = make_lora_batch(slots, layout.max_rank_by_slot())
+    x = torch.randn(20, HIDDEN, generator=gen).half()
+    out = torch.full((1, 20, batch.max_rank), float("nan"))
+    lora_shrink(x=x, layout=layout, layer=0, proj_ids=[4], batch=batch, out=out, backend=backend)
+    want = torch.stack(dense_shrink(modules, slots, x.float(), 0, 4))
+    err = float(((out[0].double() - want).abs() / want.abs().clamp_min(1e-3)).max())
+    assert err < 2e-5  # fp16 rounding of the result would be ~5e-4
+
+
+def test_launchers_refuse_bad_inputs(gen):
+    modules, layout = _setup(gen, num_slots=2, dtype=torch.float32, ranks=(4,))
+    batch = make_lora_batch(torch.tensor([0, 1, -1], dtype=torch.int32), layout.max_rank_by_slot())
+    x = torch.randn(3, HIDDEN)
+    out = torch.zeros(1, 3, 4)
+    with pytest.raises(ValueError, match="x is torch.float16"):
+        lora_shrink(x=x.half(), layout=layout, layer=0, proj_ids=[0], batch=batch, out=out)
+    with pytest.raises(ValueError, match="out must be"):
+        lora_shrink(x=x, layout=layout, layer=0, proj_ids=[0], batch=batch, out=out.half())
+    with pytest.raises(ValueError, match="proj_ids"):
+        lora_shrink(x=x, layout=layout, layer=0, proj_ids=[7], batch=batch, out=out)
+    with pytest.raises(ValueError, match="layer"):
+        lora_shrink(x=x, layout=layout, layer=5, proj_ids=[0], batch=batch, out=out)
+    with pytest.raises(ValueError, match="x must be"):
+        lora_shrink(x=x[:2], layout=layout, layer=0, proj_ids=[0], batch=batch, out=out)
+    with pytest.raises(ValueError, match="backend"):
+        lora_shrink(x=x, layout=layout, layer=0, proj_ids=[0], batch=batch, out=out, backend="cuda")
+    y = torch.zeros(3, 96)
+    with pytest.raises(ValueError, match="out_offsets"):
+        lora_expand(xa=out, layout=layout, layer=0, proj_ids=[0], batch=batch, y=y, out_offsets=[0, 64, 96])
+    with pytest.raises(ValueError, match="out_offsets"):
+        lora_expand(xa=out, layout=layout, layer=0, proj_ids=[0], batch=batch, y=y, out_offsets=[90, 100])

@@ -1,0 +1,82 @@
+"""LoRABatch grouping and the pool packing rule (rows never straddle a page)."""
+
+import pytest
+import torch
+from kernel_cases import POPULARITIES, random_adapters, token_slots
+
+from lorafleet.kernels.lora_layout import LoRALayout, make_lora_batch, pack_lora_layout
+
+
+def test_running_example():
+    batch = make_lora_batch(torch.tensor([2, -1, 0, 2, 0], dtype=torch.int32), torch.tensor([4, 8, 16], dtype=torch.int32))
+    assert batch.sorted_token_ids.tolist() == [2, 4, 0, 3]
+    assert batch.seg_starts.tolist() == [0, 2, 4]
+    assert batch.seg_slots.tolist() == [0, 2]
+    assert batch.max_rank == 16  # slot 1 (rank 8) is not in the batch; the largest used rank is 16
+
+
+@pytest.mark.parametrize("popularity", POPULARITIES)
+def test_groups_every_token_with_a_slot_once(popularity, gen):
+    slots = token_slots(popularity, 37, 9, gen)
+    ranks = torch.randint(1, 65, (9,), generator=gen, dtype=torch.int32)
+    batch = make_lora_batch(slots, ranks)
+    ids = batch.sorted_token_ids.long()
+    assert sorted(ids.tolist()) == [t for t, s in enumerate(slots.tolist()) if s >= 0]
+    assert batch.seg_slots.unique().numel() == batch.num_segments  # distinct
+    for s in range(batch.num_segments):
+        seg = ids[batch.seg_starts[s] : batch.seg_starts[s + 1]]
+        assert seg.numel() > 0
+        assert (slots[seg] == batch.seg_slots[s]).all()
+        assert seg.tolist() == sorted(seg.tolist())  # stable: original order inside a segment
+    used = slots[slots >= 0].long()
+    assert batch.max_rank == (int(ranks[used].max()) if used.numel() else 0)
+
+
+def test_ungrouped_batch_has_one_segment_per_token():
+    slots = torch.tensor([3, -1, 3, 0], dtype=torch.int32)
+    batch = make_lora_batch(slots, torch.tensor([8, 0, 0, 32], dtype=torch.int32), grouped=False)
+    assert batch.seg_slots.tolist() == [3, -1, 3, 0]
+    assert batch.seg_starts.tolist() == [0, 1, 2, 3, 4]
+    assert batch.sorted_token_ids.tolist() == [0, 1, 2, 3]
+    assert batch.max_rank == 32
+
+
+def test_refuses_bad_slots():
+    with pytest.raises(ValueError, match="max_slots"):
+        make_lora_batch(torch.tensor([0, 5], dtype=torch.int32), torch.ones(3, dtype=torch.int32))
+    with pytest.raises(ValueError, match=">= -1"):
+        make_lora_batch(torch.tensor([-2], dtype=torch.int32), torch.ones(3, dtype=torch.int32))
+
+
+def test_packing_never_straddles_a_page_and_keeps_metadata(gen):
+    dims = {0: (64, 64), 1: (64, 32), 6: (96, 64)}
+    modules = random_adapters(num_slots=5, num_layers=2, dims=dims, gen=gen)
+    page_elems = 200  # not a multiple of any row width: forces page breaks
+    order = torch.randperm(1000, generator=gen)
+    layout = pack_lora_layout(modules, num_layers=2, max_slots=6, page_elems=page_elems, dtype=torch.float32, num_pages=1000, page_order=order)
+    flat = layout.pool.view(-1)
+    for (slot, layer, proj), (a, b, scale) in modules.items():
+        r = a.shape[0]
+        assert int(layout.ranks[layer, proj, slot]) == r  # rank travels with the weights
+        assert float(layout.scales[layer, proj, slot]) == pytest.approx(scale)
+        for j in range(r):
+            for offs, row in ((layout.a_offsets, a[j]), (layout.b_offsets, b[:, j])):
+                start = int(offs[layer, proj, slot, j])
+                assert start // page_elems == (start + row.numel() - 1) // page_elems
+                assert torch.equal(flat[start : start + row.numel()], row)
+    assert int(layout.ranks[:, :, 5].abs().sum()) == 0  # an empty slot adapts nothing
+
+
+def test_layout_checks_its_tensors():
+    good = dict(
+        pool=torch.zeros(2, 8),
+        ranks=torch.zeros(1, 7, 2, dtype=torch.int32),
+        scales=torch.zeros(1, 7, 2),
+        a_offsets=torch.zeros(1, 7, 2, 4, dtype=torch.int64),
+        b_offsets=torch.zeros(1, 7, 2, 4, dtype=torch.int64),
+    )
+    LoRALayout(**good)
+    with pytest.raises(ValueError, match="ranks"):
+        LoRALayout(**{**good, "ranks": torch.zeros(1, 6, 2, dtype=torch.int32)})
+    with pytest.raises(ValueError, match="a_offsets"):
+        LoRALayout(**{**good, "a_offsets": torch.zeros(1, 7, 2, 4, dtype=torch.int32)})
