@@ -1,0 +1,243 @@
+"""Engine vs Hugging Face transformers on a tiny random Llama (fp32, GQA, llama3 RoPE scaling)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from lorafleet.worker import Engine, EngineConfig, SamplingParams
+from lorafleet.worker.engine import EngineError
+
+PROMPT_LENS = [3, 17, 9, 30, 1, 12]
+MAX_NEW = 12
+
+
+def _prompts(lens=PROMPT_LENS, seed=0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(256) for _ in range(n)] for n in lens]
+
+
+def hf_greedy(model_dir, prompts, max_new=MAX_NEW):
+    """Per prompt, alone: (greedy tokens, log_softmax of each step's logits)."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = []
+    for p in prompts:
+        with torch.no_grad():
+            ids = torch.tensor([p])
+            g = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
+                               return_dict_in_generate=True, output_logits=True, pad_token_id=0)
+        tokens = g.sequences[0, len(p):].tolist()
+        logprobs = [torch.log_softmax(step[0].float(), -1) for step in g.logits]
+        out.append((tokens, logprobs))
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf_ref(tiny_llama_dir):
+    return hf_greedy(tiny_llama_dir, _prompts())
+
+
+def _engine(model_dir, **kw) -> Engine:
+    kw.setdefault("num_pages", 64)
+    kw.setdefault("block_size", 4)
+    return Engine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32", **kw))
+
+
+def _assert_all_free(engine: Engine) -> None:
+    engine.page_pool.check()
+    assert engine.page_pool.num_used("kv") == 0
+    assert not engine.has_unfinished()
+    assert engine.requests == {}
+
+
+def _assert_matches(outs, ref, *, logprobs=True):
+    for out, (tokens, lps) in zip(outs, ref, strict=True):
+        assert out.token_ids == tokens
+        if logprobs:
+            assert len(out.logprobs) == len(tokens)
+            for lp, ref_lp in zip(out.logprobs, lps, strict=True):
+                assert abs(lp.logprob - ref_lp[lp.token_id].item()) < 1e-4
+                for tok, val in lp.top:
+                    assert abs(val - ref_lp[tok].item()) < 1e-4
+                assert [t for t, _ in lp.top] == ref_lp.topk(len(lp.top)).indices.tolist()
+
+
+GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, logprobs=3)
+
+
+def test_greedy_batch_matches_hf(tiny_llama_dir, hf_ref):
+    engine = _engine(tiny_llama_dir)
+    outs = engine.generate(_prompts(), GREEDY)
+    _assert_matches(outs, hf_ref)
+    assert engine.scheduler.num_preemptions == 0
+    _assert_all_free(engine)
+
+
+def test_tied_embeddings_and_sharded_checkpoint(tiny_llama_tied_dir, tmp_path):
+    from transformers import LlamaForCausalLM
+
+    sharded = tmp_path / "sharded"
+    LlamaForCausalLM.from_pretrained(tiny_llama_tied_dir).save_pretrained(sharded, max_shard_size="40KB")
+    assert (sharded / "model.safetensors.index.json").is_file()
+    prompts = _prompts([5, 11, 2], seed=3)
+    outs = _engine(sharded).generate(prompts, GREEDY)
+    _assert_matches(outs, hf_greedy(tiny_llama_tied_dir, prompts))
+
+
+def test_preemption_keeps_outputs_identical(tiny_llama_dir, hf_ref):
+    # 12 pages of 4 tokens: the six requests need ~40 pages together, so running ones get preempted.
+    engine = _engine(tiny_llama_dir, num_pages=12)
+    outs = engine.generate(_prompts(), GREEDY)
+    assert engine.scheduler.num_preemptions > 0
+    assert any(o.num_preemptions for o in outs)
+    _assert_matches(outs, hf_ref)
+    _assert_all_free(engine)
+
+
+def test_chunked_prefill_identical(tiny_llama_dir, hf_ref):
+    engine = _engine(tiny_llama_dir, max_num_batched_tokens=5)
+    chunked = []
+    orig = engine.scheduler.schedule
+
+    def spy():
+        batch = orig()
+        assert batch.num_tokens <= 5
+        chunked.extend(n for s, n in batch.prefills if n < s.num_prompt_tokens)
+        return batch
+
+    engine.scheduler.schedule = spy
+    outs = engine.generate(_prompts(), GREEDY)
+    assert chunked, "no prompt was split into chunks"
+    _assert_matches(outs, hf_ref)
+    _assert_all_free(engine)
+
+
+def test_requests_joining_mid_decode(tiny_llama_dir, hf_ref):
+    engine = _engine(tiny_llama_dir, max_num_seqs=4)
+    prompts = _prompts()
+    results = {}
+    pending = list(enumerate(prompts))
+    step = 0
+    while pending or engine.has_unfinished():
+        if pending and step % 3 == 0:  # one new request every third step, joining running decodes
+            i, p = pending.pop(0)
+            engine.add_request(f"r{i}", p, GREEDY)
+        for out in engine.step():
+            if out.finished:
+                results[out.request_id] = out
+        step += 1
+    _assert_matches([results[f"r{i}"] for i in range(len(prompts))], hf_ref)
+    _assert_all_free(engine)
+
+
+def test_seeded_sampling_reproducible_and_batch_independent(tiny_llama_dir):
+    engine = _engine(tiny_llama_dir)
+    prompts = _prompts()
+    params = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, top_k=50, seed=1234)
+    alone = engine.generate([prompts[1]], params)[0].token_ids
+    again = engine.generate([prompts[1]], params)[0].token_ids
+    mixed = engine.generate(
+        prompts, [params if i == 1 else SamplingParams(max_tokens=7, temperature=1.0) for i in range(len(prompts))]
+    )[1].token_ids
+    assert alone == again == mixed
+    other_seed = engine.generate([prompts[1]] * 3, [
+        SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, top_k=50, seed=s) for s in (1, 2, 3)
+    ])
+    assert len({tuple(o.token_ids) for o in other_seed} | {tuple(alone)}) > 1
+    _assert_all_free(engine)
+
+
+def test_stop_token_ids_stop_strings_and_max_tokens(tiny_llama_dir, hf_ref):
+    engine = _engine(tiny_llama_dir)
+    prompt = _prompts()[0]
+    tokens = hf_ref[0][0]
+    assert len(tokens) >= 6
+    # A stop token id ends the request with that token as the last one.
+    out = engine.generate([prompt], SamplingParams(max_tokens=MAX_NEW, temperature=0, stop_token_ids=[tokens[4]]))[0]
+    first = tokens.index(tokens[4])
+    assert out.token_ids == tokens[: first + 1] and out.finish_reason == "stop"
+    # max_tokens
+    out = engine.generate([prompt], SamplingParams(max_tokens=3, temperature=0))[0]
+    assert out.token_ids == tokens[:3] and out.finish_reason == "length"
+    # A stop string (the text of tokens 2..3) cuts the text before it, or keeps it when asked.
+    full = engine.tokenizer.decode(tokens)
+    stop = engine.tokenizer.decode(tokens[2:4])
+    cut = full.index(stop)
+    out = engine.generate([prompt], SamplingParams(max_tokens=MAX_NEW, temperature=0, stop=[stop]))[0]
+    assert out.finish_reason == "stop" and out.text == full[:cut]
+    assert len(out.token_ids) <= 4
+    out = engine.generate([prompt], SamplingParams(max_tokens=MAX_NEW, temperature=0, stop=[stop],
+                                                   include_stop_str_in_output=True))[0]
+    assert out.text == full[: cut + len(stop)]
+    _assert_all_free(engine)
+
+
+def test_streamed_text_concatenates_to_final_text(tiny_llama_dir):
+    engine = _engine(tiny_llama_dir)
+    engine.add_request("s", "hello world", SamplingParams(max_tokens=15, temperature=0, stop=["zz"]))
+    pieces, tokens, final = [], [], None
+    while engine.has_unfinished():
+        for out in engine.step():
+            pieces.append(out.new_text)
+            tokens.extend(out.new_token_ids)
+            final = out
+    assert final.finished and "".join(pieces) == final.text and tokens == final.token_ids
+
+
+def test_abort_frees_pages_at_once(tiny_llama_dir):
+    engine = _engine(tiny_llama_dir)
+    engine.add_request("a", _prompts()[3], SamplingParams(max_tokens=50, temperature=0))
+    engine.add_request("b", _prompts()[1], SamplingParams(max_tokens=50, temperature=0))
+    engine.step()
+    engine.step()
+    assert engine.page_pool.num_used("kv") > 0
+    assert engine.abort("a") and engine.abort("b")
+    assert not engine.abort("a")
+    _assert_all_free(engine)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_no_page_leak_after_random_workload(tiny_llama_dir, seed):
+    """Random mix of lengths, sampling, stops, aborts and a tight pool: every page comes back."""
+    rng = random.Random(seed)
+    engine = _engine(tiny_llama_dir, num_pages=rng.choice([10, 16, 40]), max_num_batched_tokens=rng.choice([6, 64]),
+                     max_num_seqs=rng.choice([2, 8]))
+    for i in range(10):
+        params = SamplingParams(max_tokens=rng.randint(1, 12), temperature=rng.choice([0.0, 1.0]),
+                                stop=rng.choice([[], ["a", "e"]]), seed=rng.choice([None, i]))
+        engine.add_request(f"w{i}", [rng.randrange(256) for _ in range(rng.randint(1, 20))], params)
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+        if steps == 4:
+            engine.abort("w3")
+        engine.page_pool.check()
+        held = sum(len(s.block_table) for s in engine.requests.values())
+        assert engine.page_pool.num_used("kv") == held
+    _assert_all_free(engine)
+
+
+def test_refusals_name_the_problem(tiny_llama_dir):
+    engine = _engine(tiny_llama_dir, num_pages=4)
+    with pytest.raises(EngineError, match="exceed the KV cache"):
+        engine.add_request(None, [1] * 10, SamplingParams(max_tokens=20))
+    with pytest.raises(EngineError, match="outside the vocabulary"):
+        engine.add_request(None, [1, 99999])
+    with pytest.raises(EngineError, match="not registered"):
+        engine.add_request(None, [1, 2], SamplingParams(max_tokens=2), adapter="nope")
+    with pytest.raises(EngineError, match="empty"):
+        engine.add_request(None, [])
+    assert not engine.has_unfinished()
+
+
+def test_text_prompts_and_chat_template(tiny_llama_dir):
+    engine = _engine(tiny_llama_dir)
+    chat = engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert chat == "<|user|>hi\n<|assistant|>"
+    out_text, out_ids = engine.generate(["hello", engine.tokenizer.encode("hello")], GREEDY)
+    assert out_text.token_ids == out_ids.token_ids
