@@ -1,0 +1,356 @@
+"""AdapterPool: layout in the unified page pool, async loads, refcounts, pinning, quotas, versions,
+failures, metrics."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry, generate_latest
+
+from lorafleet.kernels.lora_layout import PROJS
+from lorafleet.worker.adapter_entry import AdapterLoadError, AdapterNotFoundError
+from lorafleet.worker.adapter_pool import AdapterPool, AdapterPoolConfig, TenantQuota
+from lorafleet.worker.page_pool import PagePool, PagePoolConfig
+from tests.lora_factory import TINY_DIMS, random_weights
+
+PAGE_ELEMS = 1000  # not a multiple of any row length: rows must skip to the next page
+
+
+def make_pool(num_pages=256, **kw) -> AdapterPool:
+    pages = PagePool(PagePoolConfig(num_pages=num_pages, page_elems=PAGE_ELEMS))
+    cfg = AdapterPoolConfig(**{"max_slots": 4, "max_rank": 32, "num_load_threads": 1, **kw})
+    return AdapterPool(pages, TINY_DIMS, cfg)
+
+
+def dense_from_layout(pool: AdapterPool, slot: int, layer: int, proj: str):
+    """Read A [r, in] and B [out, r] of one module back through the layout's offsets."""
+    lay = pool.layout
+    pid = PROJS.index(proj)
+    r = int(lay.ranks[layer, pid, slot])
+    fan_in, fan_out = TINY_DIMS.in_out(proj)
+    flat = lay.pool.view(-1)
+    a = torch.stack([flat[int(o) : int(o) + fan_in] for o in lay.a_offsets[layer, pid, slot, :r]])
+    bt = torch.stack([flat[int(o) : int(o) + fan_out] for o in lay.b_offsets[layer, pid, slot, :r]])
+    return a, bt.T, float(lay.scales[layer, pid, slot])
+
+
+@pytest.fixture
+def pool():
+    p = make_pool()
+    yield p
+    p.close()
+
+
+def test_mixed_ranks_and_module_subsets_round_trip_through_the_layout(pool):
+    adapters = {
+        "r4@1": random_weights(1, rank=4, projs=("q_proj", "v_proj"), alpha=8),
+        "r16@1": random_weights(2, rank=16, alpha=5),
+        "r32@1": random_weights(3, rank=32, projs=("gate_proj", "down_proj"), alpha=64),
+    }
+    for key, w in adapters.items():
+        pool.add(key, w)
+        pool.load(key)
+    pool.check()
+    for key, w in adapters.items():
+        slot = pool.entry(key).slot
+        for layer in range(TINY_DIMS.num_layers):
+            for proj in PROJS:
+                if (layer, proj) not in w.modules:
+                    assert int(pool.layout.ranks[layer, PROJS.index(proj), slot]) == 0
+                    continue
+                a, b, scale = dense_from_layout(pool, slot, layer, proj)
+                m = w.modules[(layer, proj)]
+                assert torch.equal(a, m.a) and torch.equal(b, m.b) and scale == pytest.approx(m.scale)
+    # No rank padding: waste is under one row per page.
+    for key, w in adapters.items():
+        rows = sum(2 * m.a.shape[0] for m in w.modules.values())
+        elems = sum(m.a.numel() + m.b.numel() for m in w.modules.values())
+        e = pool.entry(key)
+        assert len(e.page_ids) * PAGE_ELEMS - elems < len(e.page_ids) * 128  # < one (longest) row per page
+        assert rows > 0
+    assert 0 < pool.stats()["fragmentation"] < 0.13
+
+
+def test_rows_never_straddle_pages():
+    pool = make_pool()
+    w = random_weights(7, rank=16)
+    pool.add("x@1", w)
+    slot = pool.load("x@1")
+    lay = pool.layout
+    for layer in range(TINY_DIMS.num_layers):
+        for pid, proj in enumerate(PROJS):
+            fan_in, fan_out = TINY_DIMS.in_out(proj)
+            for o in lay.a_offsets[layer, pid, slot, :16].tolist():
+                assert o // PAGE_ELEMS == (o + fan_in - 1) // PAGE_ELEMS
+            for o in lay.b_offsets[layer, pid, slot, :16].tolist():
+                assert o // PAGE_ELEMS == (o + fan_out - 1) // PAGE_ELEMS
+    pool.close()
+
+
+def test_acquire_never_blocks_and_one_load_serves_concurrent_requests(pool):
+    gate = threading.Event()
+    calls = []
+
+    def slow_loader():
+        calls.append(1)
+        gate.wait(30)
+        return random_weights(11)
+
+    pool.add("cold@1", loader=slow_loader)
+    # Five requests ask while the load is stuck in its thread: every call returns at once.
+    assert [pool.acquire("cold@1", waiter=i) for i in range(5)] == [None] * 5
+    assert pool.acquire("cold@1", waiter=0) is None
+    gate.set()
+    pool.wait_idle()
+    slots = {pool.acquire("cold@1", waiter=i) for i in range(5)}
+    assert len(calls) == 1 and len(slots) == 1 and None not in slots
+    slot = slots.pop()
+    assert pool.entry("cold@1").refcount == 5
+    stats = pool.stats()
+    assert stats["misses"]["gpu"] == 5 and stats["hits"]["gpu"] == 0 and stats["misses"]["cpu"] == 1
+    for _ in range(5):
+        pool.release(slot)
+    with pytest.raises(RuntimeError, match="holds no reference"):
+        pool.release(slot)
+    pool.check()
+
+
+def test_bare_name_resolves_to_current_version(pool):
+    pool.add("n@1", random_weights(1))
+    pool.load("n@1")
+    slot = pool.acquire("n")
+    assert pool.slot_key(slot) == "n@1"
+    pool.release(slot)
+    with pytest.raises(AdapterNotFoundError):
+        pool.acquire("missing")
+
+
+def test_never_evicts_referenced_or_pinned_adapters(pool):
+    for i in range(4):
+        pool.add(f"a{i}@1", random_weights(i), pinned=(i == 0))
+    pool.wait_idle()  # a0 (pinned) is loaded without a request
+    assert pool.entry("a0@1").resident
+    held = [pool.acquire(f"a{i}@1") for i in range(1, 4)]
+    pool.wait_idle()
+    held = [pool.acquire(f"a{i}@1") for i in range(1, 4)]
+    assert None not in held
+    pool.add("new@1", random_weights(9))
+    assert pool.acquire("new@1", waiter="r") is None
+    pool.wait_idle()
+    assert pool.acquire("new@1", waiter="r") is None  # 4 slots: 1 pinned + 3 referenced
+    assert all(pool.entry(f"a{i}@1").resident for i in range(4))
+    with pytest.raises(RuntimeError, match="cannot be evicted"):
+        pool.evict("a0@1")
+    with pytest.raises(RuntimeError, match="cannot be evicted"):
+        pool.evict("a1@1")
+    pool.release(held[1])  # a2 free to go
+    pool.poll()
+    pool.wait_idle()
+    assert pool.acquire("new@1", waiter="r") is not None
+    assert not pool.entry("a2@1").resident and pool.entry("a0@1").resident
+    assert pool.stats()["evictions"]["gpu"] == {"capacity": 1}
+    pool.check()
+
+
+def test_lru_keeps_the_hot_adapter_when_cold_ones_stream_through():
+    # The seed's pitfall: without LRU, cold adapters fill memory and push the hot one out.
+    pool = make_pool(max_slots=3)
+    pool.add("hot@1", random_weights(0))
+    for i in range(20):
+        pool.load("hot@1")
+        slot = pool.acquire("hot@1")
+        pool.release(slot)
+        pool.add(f"cold{i}@1", random_weights(100 + i))
+        pool.load(f"cold{i}@1")
+        assert pool.entry("hot@1").resident
+    pool.check()
+    pool.close()
+
+
+def test_failed_load_fails_only_its_waiters_and_can_recover(pool):
+    broken = {"on": True}
+
+    def loader():
+        if broken["on"]:
+            raise ConnectionError("object store unreachable")
+        return random_weights(5)
+
+    pool.add("ok@1", random_weights(4))
+    pool.load("ok@1")
+    pool.add("flaky@1", loader=loader)
+    assert pool.acquire("flaky@1", waiter="w1") is None
+    assert pool.acquire("flaky@1", waiter="w2") is None
+    pool.wait_idle()
+    failures = pool.poll()
+    for w in ("w1", "w2"):
+        with pytest.raises(AdapterLoadError, match="object store unreachable"):
+            pool.acquire("flaky@1", waiter=w)
+    assert failures == [] or failures[0][0] == "flaky@1"
+    slot = pool.acquire("ok@1", waiter="other")  # unaffected
+    assert slot is not None
+    pool.release(slot)
+    pool.check()
+    broken["on"] = False
+    assert pool.acquire("flaky@1", waiter="w3") is None  # a new request starts a new load
+    pool.wait_idle()
+    assert pool.acquire("flaky@1", waiter="w3") is not None
+    assert pool.stats()["load_failures"] == 1
+
+
+@pytest.mark.parametrize("bad", ["shape", "rank", "layer"])
+def test_shape_mismatch_fails_with_the_module_named(pool, bad):
+    w = random_weights(3, rank=8)
+    if bad == "shape":
+        w.modules[(1, "k_proj")].a = torch.zeros(8, 65)
+    elif bad == "rank":
+        w = random_weights(3, rank=48)  # above max_rank=32
+    else:
+        w.modules[(5, "q_proj")] = w.modules[(0, "q_proj")]
+    pool.add("bad@1", loader=lambda: w)
+    assert pool.acquire("bad@1", waiter=1) is None
+    pool.wait_idle()
+    expected = {"shape": r"layers\.1\.k_proj", "rank": "max_rank", "layer": "layer 5"}[bad]
+    with pytest.raises(AdapterLoadError, match=expected):
+        pool.acquire("bad@1", waiter=1)
+    pool.check()
+    assert pool.stats()["resident"]["gpu"] == 0
+
+
+def test_same_key_with_different_content_is_refused(pool):
+    pool.add("s@1", random_weights(1))
+    pool.add("s@1", random_weights(1))  # same content: no-op
+    with pytest.raises(ValueError, match="new version"):
+        pool.add("s@1", random_weights(2))
+
+
+def test_reload_with_changed_content_is_refused_not_served(pool):
+    current = {"w": random_weights(1)}
+    pool.add("d@1", loader=lambda: current["w"])
+    pool.load("d@1")
+    pool.evict("d@1", "gpu")
+    pool.evict("d@1", "cpu")
+    current["w"] = random_weights(2)  # the file under d@1 changed
+    assert pool.acquire("d@1", waiter=1) is None
+    pool.wait_idle()
+    with pytest.raises(AdapterLoadError, match="content changed"):
+        pool.acquire("d@1", waiter=1)
+    pool.check()
+
+
+def test_versions_switch_atomically_and_in_flight_requests_keep_their_version(pool):
+    v1, v2 = random_weights(1, name="m", version="1"), random_weights(2, name="m", version="2")
+    pool.add("m@1", v1)
+    pool.load("m@1")
+    s1 = pool.acquire("m")
+    pool.add("m@2", v2)
+    assert pool.resolve("m") in ("m@1", "m@2")
+    pool.wait_idle()
+    assert pool.resolve("m") == "m@2"
+    s2 = pool.acquire("m")
+    assert s1 != s2 and pool.slot_key(s1) == "m@1" and pool.slot_key(s2) == "m@2"
+    a, _, _ = dense_from_layout(pool, s1, 0, "q_proj")
+    assert torch.equal(a, v1.modules[(0, "q_proj")].a)  # the old version is intact while in use
+    with pytest.raises(AdapterNotFoundError):
+        pool.acquire("m@1")  # replaced: no new request gets it
+    pool.release(s1)
+    assert "m@1" not in pool.registered()
+    assert int(pool.layout.ranks[:, :, s1].abs().sum()) == 0
+    assert pool.stats()["evictions"]["gpu"].get("version") == 1
+    pool.release(s2)
+    pool.check()
+
+
+def test_failed_new_version_keeps_the_old_one_current(pool):
+    pool.add("f@1", random_weights(1))
+    pool.load("f@1")
+    pool.add("f@2", loader=lambda: (_ for _ in ()).throw(OSError("corrupt safetensors header")))
+    pool.wait_idle()
+    assert pool.resolve("f") == "f@1"
+    assert any(key == "f@2" for key, _ in pool.poll()) or pool.entry("f@2").error is not None
+    pool.check()
+
+
+def test_unregister_waits_for_in_flight_requests(pool):
+    pool.add("u@1", random_weights(1))
+    pool.load("u@1")
+    slot = pool.acquire("u@1")
+    pool.unregister("u")
+    with pytest.raises(AdapterNotFoundError):
+        pool.resolve("u")
+    assert pool.layout.ranks[:, :, slot].sum() > 0  # still computing for the in-flight request
+    pool.release(slot)
+    assert pool.layout.ranks[:, :, slot].sum() == 0
+    pool.check()
+
+
+def test_tenant_quota_makes_a_tenant_evict_its_own_adapters(pool):
+    pool.config.tenant_quotas["greedy"] = TenantQuota(max_adapters=2)
+    pool.add("other@1", random_weights(0), tenant="polite")
+    pool.load("other@1")
+    for i in range(4):
+        pool.add(f"g{i}@1", random_weights(10 + i), tenant="greedy")
+        pool.load(f"g{i}@1")
+        pool.check()
+    assert pool.entry("other@1").resident
+    assert sum(pool.entry(f"g{i}@1").resident for i in range(4)) == 2
+    assert pool.stats()["evictions"]["gpu"] == {"quota": 2}
+
+
+def test_tenant_byte_quota_refuses_an_adapter_larger_than_it(pool):
+    pool.config.tenant_quotas["small"] = TenantQuota(max_bytes=10_000)
+    pool.add("big@1", random_weights(0), tenant="small")
+    assert pool.acquire("big@1", waiter=1) is None
+    with pytest.raises(AdapterLoadError, match="quota"):
+        pool.acquire("big@1", waiter=1)
+
+
+def test_cpu_tier_byte_budget():
+    one = make_pool()
+    one.add("probe@1", random_weights(0))
+    size = one.entry("probe@1").image.nbytes
+    one.close()
+    pool = make_pool(cpu_budget_bytes=2 * size)
+    for i in range(5):
+        pool.add(f"c{i}@1", loader=lambda i=i: random_weights(i))
+        pool.prefetch(f"c{i}@1", tier="cpu")
+        pool.wait_idle()
+        assert pool.stats()["bytes"]["cpu"] <= 2 * size
+    assert pool.stats()["resident"]["cpu"] == 2
+    assert pool.stats()["evictions"]["cpu"] == {"budget": 3}
+    pool.close()
+
+
+def test_kv_cache_and_adapters_share_the_pool():
+    pool = make_pool(num_pages=24)
+    pp = pool.page_pool
+    kv = pp.allocate(24, ("kv", 1))  # the KV cache took everything
+    pool.add("k@1", random_weights(1))
+    assert pool.acquire("k@1", waiter=1) is None
+    pool.poll()
+    assert pool.acquire("k@1", waiter=1) is None and not pool.can_load("k@1")
+    pp.free(kv)
+    pool.poll()
+    pool.wait_idle()
+    slot = pool.acquire("k@1", waiter=1)
+    assert slot is not None
+    assert not pp.can_allocate(24, "kv") and pp.num_used("adapter") == len(pool.entry("k@1").page_ids)
+    pool.check()
+    pool.close()
+
+
+def test_metrics_are_exposed_through_a_registry(pool):
+    pool.add("m@1", random_weights(1))
+    pool.load("m@1")
+    pool.release(pool.acquire("m@1"))
+    registry = CollectorRegistry()
+    for c in pool.metrics.collectors():
+        registry.register(c)
+    text = generate_latest(registry).decode()
+    assert 'lorafleet_adapter_hits_total{tier="gpu"} 1.0' in text
+    assert 'lorafleet_adapters_resident{tier="gpu"} 1.0' in text
+    assert "lorafleet_adapter_load_seconds_bucket" in text
+    assert "lorafleet_adapter_pool_fragmentation" in text
+    desc = pool.describe()
+    assert desc[0]["tier"] == "gpu" and desc[0]["hits"] == 1 and desc[0]["current"]

@@ -1,0 +1,80 @@
+"""AdapterEntry: one registered adapter version (`name@version`) and where it is in the tiers.
+
+Per-adapter state is plain Python; only the pool's `LoRALayout` reaches kernels. Tiers:
+`image` set = warm (CPU tier), `resident` = hot (GPU pages + slot, layout rows written), `copying`
+= pages and slot taken, host-to-device copy in flight (never visible to kernels until done).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from lorafleet.worker.adapter_image import AdapterImage
+
+Loader = Callable[[], Any]  # returns LoRAWeights (modules, nbytes, ...); runs in a loader thread
+
+
+class AdapterLoadError(RuntimeError):
+    """Loading `key` failed (download, digest, corrupt file, shape); only its waiting requests fail."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(f"adapter {key}: {message}")
+        self.key = key
+        self.reason = message
+
+
+class AdapterNotFoundError(KeyError):
+    """No adapter of that name (or name@version) is registered."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "adapter not registered"
+
+
+def split_key(key: str) -> tuple[str, str]:
+    name, sep, version = key.partition("@")
+    if not sep or not name or not version:
+        raise ValueError(f"adapter key {key!r} must be 'name@version'")
+    return name, version
+
+
+@dataclass(slots=True)
+class AdapterEntry:
+    key: str
+    name: str
+    version: str
+    tenant: str
+    loader: Loader | None
+    pinned: bool = False
+    image: AdapterImage | None = None  # CPU tier
+    digest: str | None = None  # content digest fixed at first load: a reload must match it
+    slot: int | None = None
+    page_ids: list[int] = field(default_factory=list)
+    gpu_bytes: int = 0  # bytes of its GPU pages while on_gpu
+    resident: bool = False
+    fetching: Future | None = None
+    copying: Any = None  # a Future (CPU device) or a (done_event, start_event) pair (CUDA)
+    refcount: int = 0
+    uses: int = 0
+    last_used: int = 0
+    retired: bool = False
+    load_seconds: float = 0.0  # last disk->CPU load
+    copy_seconds: float = 0.0  # last CPU->GPU copy
+    error: AdapterLoadError | None = None  # last failure, for reports
+    waiters: set = field(default_factory=set)  # waiter ids of acquire() calls that got None
+    failed_waiters: set = field(default_factory=set)  # waiters to be told about the last failure
+    failed_anonymous: bool = False
+
+    @property
+    def on_gpu(self) -> bool:
+        """Holds GPU pages (resident or copying)."""
+        return self.slot is not None
+
+    def tier(self) -> str:
+        if self.resident:
+            return "gpu"
+        if self.image is not None:
+            return "cpu"
+        return "none"

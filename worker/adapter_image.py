@@ -1,0 +1,150 @@
+"""AdapterImage: one adapter packed into whole pages, ready for a single host-to-device copy per run of
+pages. This is the CPU tier's form of an adapter (pinned memory on GPU machines).
+
+Packing rule (the same as `kernels.lora_layout.pack_lora_layout`): modules in (layer, proj id) order;
+per module the `r` rows of A (`[r, in]`) then the `r` rows of B^T (`[r, out]`); a row that does not fit
+in the rest of a page starts on the next page. No padding to a maximum rank: a rank-4 module takes 8
+rows, a rank-64 module 128. Waste is under one row per page and is reported as fragmentation.
+
+Running example (page_elems=10, one module, r=2, in=4, out=3): A rows at offsets 0 and 4; B^T row 0
+would end at 8+3 > 10, so it starts page 1 (offset 10), row 1 at 13. Two pages, 14 of 20 elements
+used, fragmentation 30 %.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+from lorafleet.kernels.lora_layout import NUM_PROJS, PROJS
+
+PROJ_IDS = {p: i for i, p in enumerate(PROJS)}
+
+
+class AdapterShapeError(ValueError):
+    """An adapter does not fit the served base model or the pool (names the module and the shapes)."""
+
+
+@dataclass(slots=True, frozen=True)
+class ModelDims:
+    """What the pool needs of the base model to validate and lay out adapters."""
+
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    q_size: int
+    kv_size: int
+
+    @classmethod
+    def from_model_config(cls, cfg) -> ModelDims:
+        return cls(cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size)
+
+    def in_out(self, proj: str) -> tuple[int, int]:
+        h, i, q, kv = self.hidden_size, self.intermediate_size, self.q_size, self.kv_size
+        return {
+            "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h),
+        }[proj]
+
+
+@dataclass(slots=True)
+class AdapterImage:
+    """An adapter as whole pages plus page-local row offsets (offset = local_page * page_elems + col)."""
+
+    pages: torch.Tensor  # [num_pages, page_elems] model dtype (pinned on GPU hosts)
+    ranks: torch.Tensor  # int32 [num_layers, 7]
+    scales: torch.Tensor  # float32 [num_layers, 7]
+    a_local: torch.Tensor  # int64 [num_layers, 7, max_rank]
+    b_local: torch.Tensor  # int64 [num_layers, 7, max_rank]
+    used_elems: int  # elements that hold weights (the rest of the pages is fragmentation)
+    digest: str  # sha256 over the packed pages and metadata: identifies the content
+
+    @property
+    def num_pages(self) -> int:
+        return self.pages.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.pages.numel() * self.pages.element_size()
+
+    @property
+    def max_rank(self) -> int:
+        return int(self.ranks.max()) if self.ranks.numel() else 0
+
+    def global_offsets(self, page_ids: list[int], page_elems: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Offsets into pool.view(-1) once the image sits in `page_ids` (local page k -> page_ids[k])."""
+        ids = torch.tensor(page_ids, dtype=torch.int64)
+        out = []
+        for local in (self.a_local, self.b_local):
+            out.append(ids[local // page_elems] * page_elems + local % page_elems)
+        return out[0], out[1]
+
+
+def pack_adapter(
+    modules: dict,
+    dims: ModelDims,
+    *,
+    page_elems: int,
+    max_rank: int,
+    dtype: torch.dtype,
+    pin: bool = False,
+) -> AdapterImage:
+    """Validate `modules` ((layer, proj name) -> ModuleLoRA-like with .a [r,in], .b [out,r], .scale)
+    against the base model and pack them into pages."""
+    rows: list[torch.Tensor] = []
+    entries: list[tuple[int, int, int, float]] = []  # layer, proj id, rank, scale
+    for (layer, proj), mod in sorted(modules.items(), key=lambda kv: (kv[0][0], PROJ_IDS.get(kv[0][1], 99))):
+        if proj not in PROJ_IDS:
+            raise AdapterShapeError(f"module {proj!r} of layer {layer} is not a Llama projection {PROJS}")
+        if not 0 <= layer < dims.num_layers:
+            raise AdapterShapeError(f"{proj} of layer {layer}: the base model has {dims.num_layers} layers")
+        a, b = mod.a, mod.b
+        fan_in, fan_out = dims.in_out(proj)
+        r = a.shape[0]
+        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != fan_in or b.shape[0] != fan_out or b.shape[1] != r:
+            raise AdapterShapeError(
+                f"layers.{layer}.{proj}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not match the base "
+                f"model (expected A [r, {fan_in}] and B [{fan_out}, r])"
+            )
+        if r > max_rank:
+            raise AdapterShapeError(f"layers.{layer}.{proj}: rank {r} is above the pool's max_rank {max_rank}")
+        if max(fan_in, fan_out) > page_elems:
+            raise AdapterShapeError(f"a row of {max(fan_in, fan_out)} elements does not fit a page of {page_elems}")
+        rows.extend(a.unbind(0))
+        rows.extend(b.t().unbind(0))
+        entries.append((layer, PROJ_IDS[proj], r, float(mod.scale)))
+
+    offsets: list[int] = []
+    page, col = 0, 0
+    for row in rows:
+        n = row.numel()
+        if col + n > page_elems:
+            page, col = page + 1, 0
+        offsets.append(page * page_elems + col)
+        col += n
+    num_pages = page + 1 if rows else 0
+    pages = torch.zeros(num_pages, page_elems, dtype=dtype)
+    flat = pages.view(-1)
+    for row, off in zip(rows, offsets, strict=True):
+        flat[off : off + row.numel()] = row.to(dtype)
+
+    width = max(1, max((e[2] for e in entries), default=1))
+    ranks = torch.zeros(dims.num_layers, NUM_PROJS, dtype=torch.int32)
+    scales = torch.zeros(dims.num_layers, NUM_PROJS, dtype=torch.float32)
+    a_local = torch.zeros(dims.num_layers, NUM_PROJS, width, dtype=torch.int64)
+    b_local = torch.zeros(dims.num_layers, NUM_PROJS, width, dtype=torch.int64)
+    cursor = 0
+    for layer, pid, r, scale in entries:
+        ranks[layer, pid], scales[layer, pid] = r, scale
+        a_local[layer, pid, :r] = torch.tensor(offsets[cursor : cursor + r])
+        b_local[layer, pid, :r] = torch.tensor(offsets[cursor + r : cursor + 2 * r])
+        cursor += 2 * r
+
+    digest = hashlib.sha256()
+    for t in (ranks, scales, a_local, pages):
+        digest.update(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    if pin:
+        pages = pages.pin_memory()
+    return AdapterImage(pages, ranks, scales, a_local, b_local, sum(r.numel() for r in rows), digest.hexdigest())

@@ -1,0 +1,51 @@
+"""AdapterMetrics: the adapter pool's counters and gauges as prometheus-client objects.
+
+They are created unregistered; the server registers them (`for c in metrics.collectors():
+registry.register(c)`), so several pools (tests) never collide in the default registry. Tiers are
+`gpu` (hot), `cpu` (warm), `disk` (staged locally, parsed into the CPU tier).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+TIERS = ("gpu", "cpu", "disk")
+EVICTION_REASONS = ("capacity", "quota", "version", "unregister", "budget")
+_LOAD_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class AdapterMetrics:
+    def __init__(self) -> None:
+        self.hits = Counter("lorafleet_adapter_hits", "Adapter lookups served by a tier", ["tier"], registry=None)
+        self.misses = Counter("lorafleet_adapter_misses", "Adapter lookups a tier could not serve", ["tier"],
+                              registry=None)
+        self.load_seconds = Histogram("lorafleet_adapter_load_seconds",
+                                      "Adapter load time into a tier (cpu: disk->CPU parse, gpu: H2D copy)",
+                                      ["tier"], buckets=_LOAD_BUCKETS, registry=None)
+        self.load_failures = Counter("lorafleet_adapter_load_failures", "Adapter loads that failed", ["tier"],
+                                     registry=None)
+        self.evictions = Counter("lorafleet_adapter_evictions", "Adapters evicted from a tier", ["tier", "reason"],
+                                 registry=None)
+        self.bytes = Gauge("lorafleet_adapter_bytes", "Bytes of adapters held in a tier", ["tier"], registry=None)
+        self.resident = Gauge("lorafleet_adapters_resident", "Adapters held in a tier", ["tier"], registry=None)
+        self.fragmentation = Gauge("lorafleet_adapter_pool_fragmentation",
+                                   "Share of adapter page elements that hold no weights", registry=None)
+        self.kv_pages = Gauge("lorafleet_page_pool_kv_pages", "Pages of the unified pool holding KV blocks",
+                              registry=None)
+        self.adapter_pages = Gauge("lorafleet_page_pool_adapter_pages",
+                                   "Pages of the unified pool holding adapter weights", registry=None)
+        # Pre-create label sets so every series exists from the first scrape.
+        for tier in TIERS:
+            self.hits.labels(tier)
+            self.misses.labels(tier)
+            self.bytes.labels(tier)
+            self.resident.labels(tier)
+            self.load_failures.labels(tier)
+        for tier in ("gpu", "cpu"):
+            self.load_seconds.labels(tier)
+            for reason in EVICTION_REASONS:
+                self.evictions.labels(tier, reason)
+
+    def collectors(self) -> list:
+        return [self.hits, self.misses, self.load_seconds, self.load_failures, self.evictions, self.bytes,
+                self.resident, self.fragmentation, self.kv_pages, self.adapter_pages]

@@ -1,0 +1,759 @@
+"""AdapterPool: GPU residency of adapters in the unified page pool, the CPU tier, versions, eviction.
+
+Tiers: hot = pages of the shared `PagePool` + a slot in the `LoRALayout`; warm = a packed
+`AdapterImage` in (pinned) CPU memory; staged/cold = the entry's loader (reads the node-local disk
+copy the stager made). The step loop only ever calls non-blocking verbs: `acquire` answers a slot or
+None (a load was started or is under way; retry next step), `release` drops a reference, `poll`
+advances loads. Disk->CPU parsing runs in loader threads; CPU->GPU copies run on a side CUDA stream
+(or a loader thread on CPU devices). A slot becomes visible in the layout only once its copy is
+complete, so nothing ever computes with a half-loaded adapter.
+
+Versions: keys are `name@version`; `resolve(name)` answers the current version. Adding a new
+version loads it beside the old one and switches `resolve` when it is resident; requests holding the
+old slot finish on it, and the old version is dropped when its last reference is released. The
+content digest of a key is fixed at its first load: a reload with other bytes fails instead of
+serving them under the old key.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass, field
+
+import torch
+
+from lorafleet.kernels.lora_layout import NUM_PROJS, LoRALayout
+from lorafleet.worker.adapter_entry import (
+    AdapterEntry,
+    AdapterLoadError,
+    AdapterNotFoundError,
+    Loader,
+    split_key,
+)
+from lorafleet.worker.adapter_image import ModelDims, pack_adapter
+from lorafleet.worker.adapter_metrics import AdapterMetrics
+from lorafleet.worker.eviction import EvictionCandidate, make_policy
+from lorafleet.worker.page_pool import PagePool
+
+
+@dataclass(slots=True)
+class TenantQuota:
+    """Most adapters / bytes one tenant may hold on the GPU at once (None = no limit)."""
+
+    max_adapters: int | None = None
+    max_bytes: int | None = None
+
+
+@dataclass(slots=True)
+class AdapterPoolConfig:
+    max_slots: int = 64  # adapters resident on the GPU at once
+    max_rank: int = 64
+    cpu_budget_bytes: int = 4 << 30  # warm tier
+    eviction_policy: str = "lru"  # lru | lfu | cost
+    num_load_threads: int = 2
+    tenant_quotas: dict[str, TenantQuota] = field(default_factory=dict)
+    default_quota: TenantQuota = field(default_factory=TenantQuota)
+    pin_cpu: bool | None = None  # pinned CPU tier; None = when the pool lives on a CUDA device
+
+    def __post_init__(self) -> None:
+        if self.max_slots <= 0 or self.max_rank <= 0:
+            raise ValueError(f"max_slots ({self.max_slots}) and max_rank ({self.max_rank}) must be > 0")
+        if self.cpu_budget_bytes < 0:
+            raise ValueError("cpu_budget_bytes must be >= 0")
+        make_policy(self.eviction_policy)  # validates the name
+
+    def quota(self, tenant: str) -> TenantQuota:
+        return self.tenant_quotas.get(tenant, self.default_quota)
+
+
+class AdapterPool:
+    def __init__(self, page_pool: PagePool, dims: ModelDims, config: AdapterPoolConfig | None = None) -> None:
+        self.config = config = config or AdapterPoolConfig()
+        self.page_pool = page_pool
+        self.dims = dims
+        self.policy = make_policy(config.eviction_policy)
+        self.metrics = AdapterMetrics()
+        pool = page_pool.pool
+        self.device = pool.device
+        self._cuda = pool.device.type == "cuda"
+        self._pin = self._cuda if config.pin_cpu is None else config.pin_cpu
+        shape = (dims.num_layers, NUM_PROJS, config.max_slots)
+        self.layout = LoRALayout(
+            pool=pool,
+            ranks=torch.zeros(shape, dtype=torch.int32, device=self.device),
+            scales=torch.zeros(shape, dtype=torch.float32, device=self.device),
+            a_offsets=torch.zeros(*shape, config.max_rank, dtype=torch.int64, device=self.device),
+            b_offsets=torch.zeros(*shape, config.max_rank, dtype=torch.int64, device=self.device),
+        )
+        self._side_stream = torch.cuda.Stream(self.device) if self._cuda else None
+        self._executor = ThreadPoolExecutor(config.num_load_threads, thread_name_prefix="adapter-load")
+        self._lock = threading.RLock()
+        self._entries: dict[str, AdapterEntry] = {}
+        self._current: dict[str, str] = {}  # name -> key that resolve() answers
+        self._pending: dict[str, str] = {}  # name -> new version loading beside the current one
+        self._slot_owner: dict[int, AdapterEntry] = {}
+        self._free_slots = list(range(config.max_slots - 1, -1, -1))
+        self._wanted: dict[str, None] = {}  # keys to bring to the GPU, in request order
+        self._failures: list[tuple[str, AdapterLoadError]] = []
+        self._tick = 0
+        self._counts = {
+            "hits": dict.fromkeys(("gpu", "cpu", "disk"), 0),
+            "misses": dict.fromkeys(("gpu", "cpu", "disk"), 0),
+            "loads": {"cpu": 0, "gpu": 0},
+            "load_failures": 0,
+            "evictions": {"gpu": {}, "cpu": {}},
+        }
+
+    # ---- registration and versions -------------------------------------------------------------
+    def add(self, key: str, weights=None, *, loader: Loader | None = None, tenant: str = "default",
+            pinned: bool = False, make_current: bool = True) -> None:
+        """Register `name@version` from CPU `weights` (packed now) or a `loader` (run in a loader thread
+        on first use). A second version of a name loads beside the first and becomes current once
+        resident. Re-adding a key with different content is refused."""
+        name, version = split_key(key)
+        if weights is None and loader is None:
+            raise ValueError(f"{key}: give weights or a loader")
+        image = self._pack(weights) if weights is not None else None
+        if loader is None:
+            loader = lambda: weights  # noqa: E731 - reload from the caller's CPU copy
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None and not entry.retired:
+                if image is not None and entry.digest is not None and image.digest != entry.digest:
+                    raise ValueError(
+                        f"{key} is already registered with different weights; register them as a new "
+                        f"version (name@other-version) so no request is served stale weights"
+                    )
+                entry.pinned = entry.pinned or pinned
+                if entry.pinned:
+                    self._want(entry)
+                return
+            if entry is not None:  # retired but still referenced: the new registration replaces it
+                raise ValueError(f"{key} is being retired (requests still use it); register a new version")
+            entry = AdapterEntry(key, name, version, tenant, loader, pinned=pinned)
+            self._entries[key] = entry
+            if image is not None:
+                self._set_image(entry, image)
+            if name not in self._current:
+                self._current[name] = key
+            elif make_current and self._current[name] != key:
+                old_pending = self._pending.get(name)
+                self._pending[name] = key
+                if old_pending is not None and old_pending != key:
+                    self._retire(self._entries[old_pending])
+                self._want(entry)
+            if pinned:
+                self._want(entry)
+            self._update_gauges()
+
+    def resolve(self, name_or_key: str) -> str:
+        """`name` -> current `name@version`; a full key is checked and returned."""
+        with self._lock:
+            if "@" in name_or_key:
+                entry = self._entries.get(name_or_key)
+                if entry is None or entry.retired:
+                    raise AdapterNotFoundError(f"adapter {name_or_key!r} is not registered")
+                return name_or_key
+            key = self._current.get(name_or_key)
+            if key is None:
+                raise AdapterNotFoundError(f"adapter {name_or_key!r} is not registered")
+            return key
+
+    def unregister(self, name: str) -> None:
+        """Remove every version of `name`; versions in use are dropped when their last reference goes."""
+        with self._lock:
+            keys = [k for k, e in self._entries.items() if e.name == name]
+            if not keys:
+                raise AdapterNotFoundError(f"adapter {name!r} is not registered")
+            self._current.pop(name, None)
+            self._pending.pop(name, None)
+            for key in keys:
+                self._retire(self._entries[key], reason="unregister")
+            self._update_gauges()
+
+    def remove(self, key: str) -> None:
+        """Remove one version (dropped when unused). The current version cannot be removed this way."""
+        with self._lock:
+            entry = self._get(key)
+            if self._current.get(entry.name) == key:
+                raise ValueError(f"{key} is the current version of {entry.name}; unregister the name instead")
+            if self._pending.get(entry.name) == key:
+                del self._pending[entry.name]
+            self._retire(entry, reason="unregister")
+
+    def pin(self, key: str) -> None:
+        with self._lock:
+            entry = self._get(key)
+            entry.pinned = True
+            self._want(entry)
+
+    def unpin(self, key: str) -> None:
+        with self._lock:
+            self._get(key).pinned = False
+
+    def registered(self) -> list[str]:
+        with self._lock:
+            return [k for k, e in self._entries.items() if not e.retired]
+
+    # ---- the step loop's verbs -----------------------------------------------------------------
+    def acquire(self, key: str, waiter: object = None) -> int | None:
+        """Slot of `key` with one more reference, or None while it loads (the load is started here;
+        call again next step). `key` is `name@version`, or a bare name resolved to its current
+        version at this call (`slot_key(slot)` tells which). `waiter` (the sequence id) lets a failed
+        load fail exactly the requests that waited for it: they get AdapterLoadError; later requests
+        start a new load."""
+        with self._lock:
+            self.poll()
+            if "@" not in key:
+                key = self.resolve(key)
+            entry = self._entries.get(key)
+            if entry is None or (entry.retired and not entry.resident):
+                raise AdapterNotFoundError(f"adapter {key!r} is not registered")
+            if waiter is not None and waiter in entry.failed_waiters:
+                entry.failed_waiters.discard(waiter)
+                raise entry.error
+            if waiter is None and entry.failed_anonymous:
+                entry.failed_anonymous = False
+                raise entry.error
+            if entry.retired and waiter not in entry.waiters:
+                raise AdapterNotFoundError(f"adapter {key!r} was replaced or unregistered")
+            self._tick += 1
+            if entry.resident:
+                entry.refcount += 1
+                entry.uses += 1
+                entry.last_used = self._tick
+                if waiter is None or waiter not in entry.waiters:
+                    self._count("hits", "gpu")
+                entry.waiters.discard(waiter)
+                return entry.slot
+            if waiter is None or waiter not in entry.waiters:
+                self._count("misses", "gpu")
+                if not entry.on_gpu and entry.fetching is None:  # this request starts the load
+                    self._count("hits" if entry.image is not None else "misses", "cpu")
+                if waiter is not None:
+                    entry.waiters.add(waiter)
+            self._want(entry)
+            return None
+
+    def release(self, slot: int) -> None:
+        with self._lock:
+            entry = self._slot_owner.get(slot)
+            if entry is None or entry.refcount <= 0:
+                raise RuntimeError(f"release of slot {slot} that holds no reference")
+            entry.refcount -= 1
+            if entry.retired and entry.refcount == 0:
+                self._drop(entry, reason="version")
+
+    def abandon(self, key: str, waiter: object) -> None:
+        """A waiting request went away (aborted) before its adapter arrived."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                entry.waiters.discard(waiter)
+                entry.failed_waiters.discard(waiter)
+
+    def poll(self) -> list[tuple[str, AdapterLoadError]]:
+        """Advance loads without waiting: finish parsed loads and completed copies, place wanted
+        adapters. Returns the failures since the last call."""
+        with self._lock:
+            for entry in list(self._entries.values()):
+                if entry.fetching is not None and entry.fetching.done():
+                    self._finish_fetch(entry)
+                if entry.copying is not None and self._copy_done(entry):
+                    self._finish_copy(entry)
+            for key in list(self._wanted):
+                entry = self._entries.get(key)
+                if entry is None or entry.on_gpu:
+                    self._wanted.pop(key, None)
+                    continue
+                if entry.image is None:
+                    if entry.fetching is None:
+                        self._start_fetch(entry)
+                    continue
+                self._try_place(entry)
+            failures, self._failures = self._failures, []
+            self._update_gauges()
+            return failures
+
+    # ---- explicit residency: can_load / load / evict, prefetch ---------------------------------
+    def prefetch(self, key: str, tier: str = "gpu") -> None:
+        """Warm an adapter before traffic arrives: into the CPU tier, or all the way to the GPU."""
+        if tier not in ("gpu", "cpu"):
+            raise ValueError(f"prefetch tier must be 'gpu' or 'cpu', got {tier!r}")
+        with self._lock:
+            entry = self._get(key)
+            if tier == "gpu":
+                self._want(entry)
+            elif entry.image is None and entry.fetching is None:
+                self._start_fetch(entry)
+
+    def can_load(self, key: str) -> bool:
+        """True if `key` is resident, or its CPU image could be placed now (evicting if allowed)."""
+        with self._lock:
+            entry = self._get(key)
+            if entry.on_gpu:
+                return True
+            return entry.image is not None and self._placement_plan(entry) is not None
+
+    def load(self, key: str, timeout: float | None = 60.0) -> int:
+        """Bring `key` to the GPU and wait (tools, start-up, tests; never the step loop). Returns its
+        slot (without taking a reference)."""
+        with self._lock:
+            entry = self._get(key)
+            entry.failed_anonymous = False
+            entry.error = None
+            self._want(entry)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._lock:
+                self.poll()
+                if entry.resident:
+                    return entry.slot
+                if entry.error is not None and key not in self._wanted and entry.fetching is None:
+                    entry.failed_anonymous = False
+                    raise entry.error
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"{key} did not become resident within {timeout} s (pool full of pinned "
+                                   f"or in-use adapters, or KV cache holding the pages?)")
+            self._wait_some(0.005)
+
+    def evict(self, key: str, tier: str = "gpu") -> None:
+        """Evict `key` from a tier. Refused while requests use it or it is pinned (GPU tier)."""
+        with self._lock:
+            entry = self._get(key)
+            if tier == "gpu":
+                if entry.refcount > 0 or entry.pinned or entry.copying is not None:
+                    raise RuntimeError(f"{key} cannot be evicted: refcount={entry.refcount}, pinned={entry.pinned}, "
+                                       f"copying={entry.copying is not None}")
+                if entry.resident:
+                    self._evict_gpu(entry, "capacity")
+            elif tier == "cpu":
+                if entry.image is not None and entry.copying is None:
+                    self._evict_cpu(entry, "budget")
+            else:
+                raise ValueError(f"tier must be 'gpu' or 'cpu', got {tier!r}")
+            self._update_gauges()
+
+    def wait_idle(self, timeout: float = 60.0) -> None:
+        """Wait until no load is in flight and nothing wanted can be placed (tests, benchmarks)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                self.poll()
+                busy = any(e.fetching is not None or e.copying is not None for e in self._entries.values())
+                placeable = any(
+                    (e := self._entries.get(k)) is not None and e.image is not None and not e.on_gpu
+                    and self._placement_plan(e) is not None
+                    for k in self._wanted
+                )
+                if not busy and not placeable:
+                    return
+            if time.monotonic() > deadline:
+                raise TimeoutError("adapter loads still in flight")
+            self._wait_some(0.005)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+    # ---- queries -------------------------------------------------------------------------------
+    def entry(self, key: str) -> AdapterEntry:
+        with self._lock:
+            return self._get(key)
+
+    def slot_key(self, slot: int) -> str | None:
+        entry = self._slot_owner.get(slot)
+        return entry.key if entry is not None else None
+
+    def describe(self) -> list[dict]:
+        """Per adapter version: tier, refcount, uses, bytes, pinned, error (for state reports)."""
+        with self._lock:
+            out = []
+            for e in self._entries.values():
+                if e.retired and e.refcount == 0:
+                    continue
+                out.append({
+                    "key": e.key, "name": e.name, "version": e.version, "tenant": e.tenant,
+                    "tier": e.tier(), "refcount": e.refcount, "hits": e.uses,
+                    "bytes": e.gpu_bytes if e.on_gpu else (e.image.nbytes if e.image is not None else 0),
+                    "pinned": e.pinned, "current": self._current.get(e.name) == e.key,
+                    "error": str(e.error) if e.error is not None else None,
+                })
+            return out
+
+    def stats(self) -> dict:
+        with self._lock:
+            gpu = [e for e in self._entries.values() if e.resident]
+            cpu = [e for e in self._entries.values() if e.image is not None]
+            return {
+                "registered": sum(1 for e in self._entries.values() if not e.retired),
+                "resident": {"gpu": len(gpu), "cpu": len(cpu)},
+                "bytes": {"gpu": sum(e.gpu_bytes for e in gpu), "cpu": sum(e.image.nbytes for e in cpu)},
+                "hits": dict(self._counts["hits"]),
+                "misses": dict(self._counts["misses"]),
+                "loads": dict(self._counts["loads"]),
+                "load_failures": self._counts["load_failures"],
+                "evictions": {t: dict(v) for t, v in self._counts["evictions"].items()},
+                "in_flight": sum(1 for e in self._entries.values() if e.fetching is not None or e.copying is not None),
+                "waiting": len(self._wanted),
+                "fragmentation": self.page_pool.fragmentation("adapter"),
+                "page_pool": self.page_pool.stats(),
+            }
+
+    def check(self) -> None:
+        """Raise AssertionError unless pages, slots, layout, refcounts and quotas agree."""
+        with self._lock:
+            self.page_pool.check()
+            owners = set(self.page_pool.owners("adapter"))
+            seen_slots: set[int] = set()
+            tenants: dict[str, list[AdapterEntry]] = {}
+            ranks = self.layout.ranks.cpu()
+            for e in self._entries.values():
+                assert e.refcount >= 0, f"{e.key}: refcount {e.refcount}"
+                assert e.refcount == 0 or e.resident, f"{e.key}: referenced but not resident"
+                if e.on_gpu:
+                    assert e.slot not in seen_slots, f"slot {e.slot} held twice"
+                    seen_slots.add(e.slot)
+                    assert self._slot_owner.get(e.slot) is e, f"{e.key}: slot table disagrees"
+                    assert self.page_pool.pages_of(("adapter", e.key)) == e.page_ids, f"{e.key}: pages disagree"
+                    owners.discard(("adapter", e.key))
+                    tenants.setdefault(e.tenant, []).append(e)
+                else:
+                    assert not e.page_ids and not e.resident, f"{e.key}: pages without a slot"
+                if not e.resident and e.slot is not None:
+                    assert int(ranks[:, :, e.slot].abs().sum()) == 0, f"{e.key}: visible before its copy finished"
+            assert not owners, f"adapter pages owned by unknown adapters: {owners}"
+            assert seen_slots.isdisjoint(self._free_slots), "a slot is both free and held"
+            assert len(seen_slots) + len(self._free_slots) == self.config.max_slots, "slots leaked"
+            for slot in self._free_slots:
+                assert int(ranks[:, :, slot].abs().sum()) == 0, f"free slot {slot} still visible to kernels"
+            for tenant, held in tenants.items():
+                quota = self.config.quota(tenant)
+                assert quota.max_adapters is None or len(held) <= quota.max_adapters, f"{tenant}: over adapter quota"
+                assert quota.max_bytes is None or sum(e.gpu_bytes for e in held) <= quota.max_bytes, \
+                    f"{tenant}: over byte quota"
+            for name, key in self._current.items():
+                assert key in self._entries and not self._entries[key].retired, f"{name}: current {key} missing"
+
+    # ---- internals: loading --------------------------------------------------------------------
+    def _get(self, key: str) -> AdapterEntry:
+        entry = self._entries.get(key)
+        if entry is None or entry.retired:
+            raise AdapterNotFoundError(f"adapter {key!r} is not registered")
+        return entry
+
+    def _pack(self, weights):
+        return pack_adapter(weights.modules, self.dims, page_elems=self.page_pool.page_elems,
+                            max_rank=self.config.max_rank, dtype=self.page_pool.pool.dtype, pin=self._pin)
+
+    def _want(self, entry: AdapterEntry) -> None:
+        if entry.resident or entry.retired:
+            return
+        self._wanted.setdefault(entry.key, None)
+        if entry.image is None:
+            if entry.fetching is None:
+                self._start_fetch(entry)
+        elif not entry.on_gpu:
+            self._try_place(entry)
+
+    def _start_fetch(self, entry: AdapterEntry) -> None:
+        loader, pack = entry.loader, self._pack
+
+        def job():
+            t0 = time.perf_counter()
+            image = pack(loader())
+            return image, time.perf_counter() - t0
+
+        entry.fetching = self._executor.submit(job)
+
+    def _finish_fetch(self, entry: AdapterEntry) -> None:
+        future, entry.fetching = entry.fetching, None
+        try:
+            image, seconds = future.result()
+        except Exception as exc:  # any loader failure fails only this adapter's waiters
+            self._fail(entry, f"load failed: {exc}", tier="disk")
+            return
+        if entry.retired:
+            return
+        if entry.digest is not None and image.digest != entry.digest:
+            self._fail(entry, "its content changed since it was first loaded; refusing to serve different "
+                              "weights under the same name@version (register a new version)", tier="disk")
+            return
+        entry.load_seconds = seconds
+        entry.error = None
+        self._counts["loads"]["cpu"] += 1
+        self._count("hits", "disk")
+        self.metrics.load_seconds.labels("cpu").observe(seconds)
+        self._set_image(entry, image)
+
+    def _set_image(self, entry: AdapterEntry, image) -> None:
+        entry.image = image
+        entry.digest = entry.digest or image.digest
+        self._trim_cpu(protect=entry)
+        if entry.key in self._wanted:
+            self._try_place(entry)
+
+    def _fail(self, entry: AdapterEntry, message: str, *, tier: str) -> None:
+        err = AdapterLoadError(entry.key, message)
+        entry.error = err
+        entry.failed_waiters |= entry.waiters
+        entry.failed_anonymous = True
+        entry.waiters = set()
+        self._wanted.pop(entry.key, None)
+        if self._pending.get(entry.name) == entry.key:
+            del self._pending[entry.name]  # the current version keeps serving
+        self._counts["load_failures"] += 1
+        self.metrics.load_failures.labels(tier).inc()
+        self._failures.append((entry.key, err))
+
+    # ---- internals: placement on the GPU -------------------------------------------------------
+    def _placement_plan(self, entry: AdapterEntry) -> list[AdapterEntry] | None:
+        """Victims to evict so `entry` fits (pages, slot, tenant quota), or None if it cannot fit now."""
+        image = entry.image
+        need = image.num_pages
+        quota = self.config.quota(entry.tenant)
+        if quota.max_bytes is not None and image.nbytes > quota.max_bytes:
+            return None
+        candidates = [e for e in self._slot_owner.values()
+                      if e.resident and e.refcount == 0 and not e.pinned and e is not entry
+                      and self._pending.get(e.name) != e.key]
+        ordered = [self._by_key(c.key) for c in self.policy.order([self._candidate(e) for e in candidates])]
+        mine = [e for e in self._slot_owner.values() if e.tenant == entry.tenant]
+        victims: list[AdapterEntry] = []
+        # Tenant quota first: only the tenant's own adapters make room for it.
+        count, nbytes = len(mine), sum(e.gpu_bytes for e in mine)
+        for victim in (e for e in ordered if e.tenant == entry.tenant):
+            over_count = quota.max_adapters is not None and count + 1 > quota.max_adapters
+            over_bytes = quota.max_bytes is not None and nbytes + image.nbytes > quota.max_bytes
+            if not (over_count or over_bytes):
+                break
+            victims.append(victim)
+            count, nbytes = count - 1, nbytes - victim.gpu_bytes
+        if (quota.max_adapters is not None and count + 1 > quota.max_adapters) or \
+                (quota.max_bytes is not None and nbytes + image.nbytes > quota.max_bytes):
+            return None
+        free_pages = self.page_pool.available("adapter") + sum(len(v.page_ids) for v in victims)
+        free_slots = len(self._free_slots) + len(victims)
+        for victim in (e for e in ordered if e not in victims):
+            if free_pages >= need and free_slots >= 1:
+                break
+            victims.append(victim)
+            free_pages += len(victim.page_ids)
+            free_slots += 1
+        if free_pages < need or free_slots < 1:
+            return None
+        return victims
+
+    def _try_place(self, entry: AdapterEntry) -> bool:
+        if entry.on_gpu or entry.image is None or entry.retired:
+            return entry.on_gpu
+        victims = self._placement_plan(entry)
+        if victims is None:
+            quota = self.config.quota(entry.tenant)
+            pp = self.page_pool.config
+            most = pp.num_pages - pp.min_pages.get("kv", 0)
+            if pp.max_pages.get("adapter") is not None:
+                most = min(most, pp.max_pages["adapter"])
+            if quota.max_bytes is not None and entry.image.nbytes > quota.max_bytes:
+                self._fail(entry, f"needs {entry.image.nbytes} bytes, above tenant {entry.tenant!r}'s GPU quota of "
+                                  f"{quota.max_bytes} bytes", tier="gpu")
+            elif entry.image.num_pages > most:
+                self._fail(entry, f"needs {entry.image.num_pages} pages; adapters may use at most {most} pages of "
+                                  f"the pool (raise the pool size or the adapter ceiling)", tier="gpu")
+            return False
+        quota_victims = {v.key for v in victims if v.tenant == entry.tenant}
+        for victim in victims:
+            self._evict_gpu(victim, "quota" if victim.key in quota_victims and self._over_quota(entry) else "capacity")
+        image = entry.image
+        entry.page_ids = self.page_pool.allocate(image.num_pages, ("adapter", entry.key), used_elems=image.used_elems)
+        entry.slot = self._free_slots.pop()
+        entry.gpu_bytes = image.nbytes
+        self._slot_owner[entry.slot] = entry
+        self._wanted.pop(entry.key, None)
+        self._start_copy(entry)
+        return True
+
+    def _over_quota(self, entry: AdapterEntry) -> bool:
+        quota = self.config.quota(entry.tenant)
+        mine = [e for e in self._slot_owner.values() if e.tenant == entry.tenant]
+        return (quota.max_adapters is not None and len(mine) + 1 > quota.max_adapters) or (
+            quota.max_bytes is not None and sum(e.gpu_bytes for e in mine) + entry.image.nbytes > quota.max_bytes)
+
+    def _start_copy(self, entry: AdapterEntry) -> None:
+        image, pool = entry.image, self.page_pool.pool
+        runs = _page_runs(entry.page_ids)
+        if self._cuda:
+            # Pages may have been freed by work still queued on the compute stream: wait for it.
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))
+            start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(self._side_stream):
+                self._side_stream.wait_event(ready)
+                start.record(self._side_stream)
+                for dst, src, n in runs:
+                    pool[dst : dst + n].copy_(image.pages[src : src + n], non_blocking=True)
+                done.record(self._side_stream)
+            entry.copying = (done, start, image)  # the image stays referenced until the copy is done
+        else:
+            def job():
+                t0 = time.perf_counter()
+                for dst, src, n in runs:
+                    pool[dst : dst + n].copy_(image.pages[src : src + n])
+                return time.perf_counter() - t0
+
+            entry.copying = self._executor.submit(job)
+
+    def _copy_done(self, entry: AdapterEntry) -> bool:
+        if isinstance(entry.copying, tuple):
+            return entry.copying[0].query()
+        return entry.copying.done()
+
+    def _finish_copy(self, entry: AdapterEntry) -> None:
+        copying, entry.copying = entry.copying, None
+        if isinstance(copying, tuple):
+            seconds = copying[1].elapsed_time(copying[0]) / 1000.0
+        else:
+            try:
+                seconds = copying.result()
+            except Exception as exc:
+                self._release_gpu(entry)
+                self._fail(entry, f"copy to the device failed: {exc}", tier="gpu")
+                return
+        if entry.retired:
+            self._release_gpu(entry)
+            self._drop(entry, reason="version")
+            return
+        image, slot = entry.image, entry.slot
+        a_glob, b_glob = image.global_offsets(entry.page_ids, self.page_pool.page_elems)
+        width = a_glob.shape[-1]
+        lay = self.layout
+        lay.a_offsets[:, :, slot].zero_()
+        lay.b_offsets[:, :, slot].zero_()
+        lay.a_offsets[:, :, slot, :width] = a_glob.to(self.device)
+        lay.b_offsets[:, :, slot, :width] = b_glob.to(self.device)
+        lay.scales[:, :, slot] = image.scales.to(self.device)
+        lay.ranks[:, :, slot] = image.ranks.to(self.device)  # last: the slot becomes visible here
+        entry.resident = True
+        entry.copy_seconds = seconds
+        self._counts["loads"]["gpu"] += 1
+        self.metrics.load_seconds.labels("gpu").observe(seconds)
+        if self._pending.get(entry.name) == entry.key:
+            self._switch(entry)
+        self._trim_cpu(protect=None)
+
+    def _switch(self, entry: AdapterEntry) -> None:
+        """Atomic version switch: one assignment under the lock; the old version retires."""
+        old_key = self._current.get(entry.name)
+        self._current[entry.name] = entry.key
+        del self._pending[entry.name]
+        if old_key is not None and old_key != entry.key:
+            self._retire(self._entries[old_key], reason="version")
+
+    # ---- internals: eviction -------------------------------------------------------------------
+    def _retire(self, entry: AdapterEntry, reason: str = "version") -> None:
+        entry.retired = True
+        self._wanted.pop(entry.key, None)
+        if entry.refcount == 0 and entry.copying is None:
+            self._drop(entry, reason=reason)
+
+    def _drop(self, entry: AdapterEntry, *, reason: str) -> None:
+        if entry.resident:
+            self._evict_gpu(entry, reason)
+        if entry.image is not None:
+            self._evict_cpu(entry, reason)
+        if entry.fetching is not None:
+            entry.fetching.cancel()
+        self._entries.pop(entry.key, None)
+
+    def _release_gpu(self, entry: AdapterEntry) -> None:
+        slot = entry.slot
+        self.layout.ranks[:, :, slot] = 0
+        self.layout.scales[:, :, slot] = 0.0
+        self.page_pool.free(entry.page_ids)
+        entry.page_ids = []
+        entry.slot = None
+        entry.resident = False
+        entry.gpu_bytes = 0
+        del self._slot_owner[slot]
+        self._free_slots.append(slot)
+
+    def _evict_gpu(self, entry: AdapterEntry, reason: str) -> None:
+        assert entry.refcount == 0 and entry.copying is None, f"{entry.key} is in use"
+        self._release_gpu(entry)
+        self._counts["evictions"]["gpu"][reason] = self._counts["evictions"]["gpu"].get(reason, 0) + 1
+        self.metrics.evictions.labels("gpu", reason).inc()
+
+    def _evict_cpu(self, entry: AdapterEntry, reason: str) -> None:
+        entry.image = None
+        self._counts["evictions"]["cpu"][reason] = self._counts["evictions"]["cpu"].get(reason, 0) + 1
+        self.metrics.evictions.labels("cpu", reason).inc()
+
+    def _trim_cpu(self, protect: AdapterEntry | None) -> None:
+        """Keep the CPU tier within its byte budget; images being copied (or about to be) stay."""
+        holders = [e for e in self._entries.values() if e.image is not None]
+        total = sum(e.image.nbytes for e in holders)
+        if total <= self.config.cpu_budget_bytes:
+            return
+        candidates = [e for e in holders
+                      if e is not protect and e.copying is None and not (e.key in self._wanted and not e.on_gpu)]
+        for cand in self.policy.order([self._candidate(e, tier="cpu") for e in candidates]):
+            if total <= self.config.cpu_budget_bytes:
+                break
+            victim = self._entries[cand.key]
+            total -= victim.image.nbytes
+            self._evict_cpu(victim, "budget")
+
+    def _candidate(self, entry: AdapterEntry, tier: str = "gpu") -> EvictionCandidate:
+        if tier == "gpu":
+            nbytes = entry.gpu_bytes
+            # Bringing it back costs a copy if the CPU tier still has it, else a load as well.
+            reload = entry.copy_seconds + (0.0 if entry.image is not None else entry.load_seconds)
+        else:
+            nbytes, reload = entry.image.nbytes, entry.load_seconds
+        return EvictionCandidate(entry.key, nbytes, entry.last_used, entry.uses, reload)
+
+    def _by_key(self, key: str) -> AdapterEntry:
+        return self._entries[key]
+
+    # ---- internals: bookkeeping ----------------------------------------------------------------
+    def _count(self, what: str, tier: str) -> None:
+        self._counts[what][tier] += 1
+        (self.metrics.hits if what == "hits" else self.metrics.misses).labels(tier).inc()
+
+    def _update_gauges(self) -> None:
+        gpu = [e for e in self._entries.values() if e.resident]
+        cpu = [e for e in self._entries.values() if e.image is not None]
+        m = self.metrics
+        m.resident.labels("gpu").set(len(gpu))
+        m.resident.labels("cpu").set(len(cpu))
+        m.bytes.labels("gpu").set(sum(e.gpu_bytes for e in gpu))
+        m.bytes.labels("cpu").set(sum(e.image.nbytes for e in cpu))
+        m.fragmentation.set(self.page_pool.fragmentation("adapter"))
+        m.kv_pages.set(self.page_pool.num_used("kv"))
+        m.adapter_pages.set(self.page_pool.num_used("adapter"))
+
+    def _wait_some(self, timeout: float) -> None:
+        with self._lock:
+            futures = [f for e in self._entries.values() for f in (e.fetching, e.copying)
+                       if f is not None and not isinstance(f, tuple)]
+            events = [e.copying[0] for e in self._entries.values() if isinstance(e.copying, tuple)]
+        for event in events:
+            event.synchronize()
+        if futures:
+            wait_futures(futures, timeout=timeout, return_when="FIRST_COMPLETED")
+        elif not events:
+            time.sleep(timeout)
+
+
+def _page_runs(page_ids: list[int]) -> list[tuple[int, int, int]]:
+    """Runs of consecutive page ids as (first pool page, first image page, length): one copy each."""
+    runs: list[tuple[int, int, int]] = []
+    for src, pid in enumerate(page_ids):
+        if runs and runs[-1][0] + runs[-1][2] == pid:
+            dst, s, n = runs[-1]
+            runs[-1] = (dst, s, n + 1)
+        else:
+            runs.append((pid, src, 1))
+    return runs
