@@ -26,7 +26,7 @@ PoolKey = tuple[str, str]  # (namespace, pool name)
 @dataclass(slots=True)
 class PassResult:
     plan: PoolPlan
-    finished: float  # time.monotonic()
+    started: float  # time.monotonic() when its inputs were read
 
 
 def utc_now() -> str:
@@ -51,10 +51,12 @@ class PoolController:
         started = time.monotonic()
         async with self._locks[key]:
             last = self._results.get(key)
-            if last is not None and (last.finished >= started or time.monotonic() - last.finished < max_age):
+            # A pass that read its inputs after this call began is as fresh as a new one.
+            if last is not None and (last.started >= started or time.monotonic() - last.started < max_age):
                 return last.plan
+            began = time.monotonic()
             plan = await self._run(key, list(pools), list(adapters), list(pods))
-            self._results[key] = PassResult(plan, time.monotonic())
+            self._results[key] = PassResult(plan, began)
             return plan
 
     async def _run(self, key: PoolKey, pools: list[dict], adapters: list[dict], pods: list[dict]) -> PoolPlan:

@@ -134,7 +134,9 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> PoolCon
     async def adapter_deleted(namespace: str, name: str, spec: kopf.Spec, **kwargs: Any) -> None:
         """The finalizer: the object goes only when no worker reports the adapter any more."""
         plan = await run_pass(namespace, spec.get("pool", ""), kwargs)
-        holding = plan.unloading.get(name, [])
+        if name not in plan.unloading:  # that pass did not see the deletion yet
+            raise kopf.TemporaryError("waiting for a reconcile that sees the deletion", delay=config.retry_delay)
+        holding = plan.unloading[name]
         if holding:
             raise kopf.TemporaryError(f"unloading; still reported by {', '.join(holding)}",
                                       delay=config.retry_delay)

@@ -1,0 +1,73 @@
+"""A stager sidecar double that speaks the real HTTP contract on 127.0.0.1 (no engine behind it).
+
+It applies ``DesiredState`` pushes the way the contract says (bearer token, generation rules) and
+reports a ``ReportedState``: registered versions at tier ``disk``, warm ones at ``gpu``. ``restart()``
+forgets everything, like a pod whose containers came back empty.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from lorafleet.worker.directives import AdapterState, DesiredState, DirectiveError, ReportedState
+
+ADAPTER_BYTES = 4096
+
+
+class FakeStager:
+    def __init__(self, token: str) -> None:
+        self.token = token
+        self.applied: DesiredState | None = None
+        self.pushes: list[DesiredState] = []
+        self.runner: web.AppRunner | None = None
+        self.port = 0
+
+    def restart(self) -> None:
+        self.applied = None
+
+    def state(self) -> ReportedState:
+        states = []
+        for d in self.applied.adapters if self.applied else []:
+            states.append(AdapterState(d.name, d.stable.version, "gpu" if d.warm else "disk", bytes=ADAPTER_BYTES,
+                                       pinned=d.pinned))
+            if d.canary:
+                states.append(AdapterState(d.name, d.canary.version, "disk", bytes=ADAPTER_BYTES))
+        return ReportedState(generation_applied=self.applied.generation if self.applied else 0, adapters=states,
+                             pool_bytes=1 << 20, kv_usage=0.1)
+
+    def _authorized(self, request: web.Request) -> bool:
+        return request.headers.get("Authorization") == f"Bearer {self.token}"
+
+    async def _put(self, request: web.Request) -> web.Response:
+        if not self._authorized(request):
+            return web.json_response({"error": {"message": "bad token", "type": "auth", "code": 401}}, status=401)
+        try:
+            desired = DesiredState.from_json(await request.read())
+        except DirectiveError as exc:
+            return web.json_response({"error": {"message": str(exc), "type": "invalid", "code": 400}}, status=400)
+        current = self.applied.generation if self.applied else 0
+        if desired.generation < current:
+            return web.json_response(self.state().to_dict(), status=409)
+        if desired.generation > current or self.applied is None:
+            self.pushes.append(desired)
+            self.applied = desired
+        return web.json_response(self.state().to_dict())
+
+    async def _get(self, request: web.Request) -> web.Response:
+        if not self._authorized(request):
+            return web.json_response({"error": {"message": "bad token", "type": "auth", "code": 401}}, status=401)
+        return web.json_response(self.state().to_dict())
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_put("/v1/directives", self._put)
+        app.router.add_get("/v1/state", self._get)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()

@@ -1,0 +1,231 @@
+"""Kopf running in-process against the kmock Kubernetes emulator, with two sidecars on 127.0.0.1.
+
+The sidecars are doubles speaking the real stager HTTP contract (tests/operator/fake_stager.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import kmock
+import kopf
+import pytest
+
+from lorafleet.operator.handlers import FINALIZER, register
+from lorafleet.operator.operator_config import OperatorConfig
+
+from .fake_stager import FakeStager
+
+NS = "fleet"
+TOKEN = "sidecar-secret"
+POOLS = "lorafleet.dev/v1alpha1/lorapools"
+ADAPTERS = "lorafleet.dev/v1alpha1/loraadapters"
+
+
+def pod_body(name: str, port: int) -> dict:
+    return {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": NS, "labels": {"app.kubernetes.io/component": "worker"}},
+        "spec": {"containers": [{"name": "engine", "ports": [{"name": "http", "containerPort": 8000}]},
+                                {"name": "stager", "ports": [{"name": "stager", "containerPort": port}]}]},
+        "status": {"phase": "Running", "podIP": "127.0.0.1",
+                   "conditions": [{"type": "Ready", "status": "True"}]},
+    }
+
+
+POOL = {
+    "apiVersion": "lorafleet.dev/v1alpha1", "kind": "LoRAPool",
+    "metadata": {"name": "main", "namespace": NS, "generation": 1},
+    "spec": {"baseModel": "smollm2-135m", "modelURI": "s3://models/smollm2/",
+             "workerSelector": {"matchLabels": {"app.kubernetes.io/component": "worker"}},
+             "tenantQuota": {"maxAdapters": 3}},
+}
+
+
+def adapter_body(name: str, version: str = "v1", **spec) -> dict:
+    base = {"pool": "main", "tenant": "acme", "baseModel": "smollm2-135m", "version": version,
+            "source": {"uri": f"s3://adapters/{name}/{version}/"}, "warm": 2}
+    base.update(spec)
+    return {"apiVersion": "lorafleet.dev/v1alpha1", "kind": "LoRAAdapter",
+            "metadata": {"name": name, "namespace": NS, "generation": 1}, "spec": base}
+
+
+async def eventually(check, what: str, *, attempts: int = 400, pause: float = 0.05):
+    """Poll ``check`` until it returns a truthy value (a readiness poll, not a timing assertion)."""
+    last = None
+    for _ in range(attempts):
+        with contextlib.suppress(KeyError, IndexError, TypeError, AttributeError):
+            last = check()
+            if last:
+                return last
+        await asyncio.sleep(pause)
+    raise AssertionError(f"never happened: {what} (last: {last!r})")
+
+
+@pytest.fixture()
+async def cluster():
+    emulator = kmock.KubernetesEmulator()
+    emulator.resources.load_bundled()
+    emulator.resources[POOLS] = kmock.ResourceInfo(kind="LoRAPool", singular="lorapool", namespaced=True,
+                                                   shortnames={"lpool"}, subresources=["status"],
+                                                   verbs={"list", "watch", "get", "patch", "create", "delete"})
+    emulator.resources[ADAPTERS] = kmock.ResourceInfo(kind="LoRAAdapter", singular="loraadapter", namespaced=True,
+                                                      shortnames={"lora"}, subresources=["status"],
+                                                      verbs={"list", "watch", "get", "patch", "create", "delete"})
+    async with emulator, kmock.Server(emulator) as server:
+        yield emulator, str(server.url).rstrip("/")
+
+
+@pytest.fixture()
+async def sidecars():
+    stagers = [FakeStager(TOKEN), FakeStager(TOKEN)]
+    try:
+        for s in stagers:
+            await s.start()
+        yield stagers
+    finally:
+        for s in stagers:
+            await s.stop()
+
+
+@pytest.fixture()
+async def operator(cluster):
+    emulator, url = cluster
+    registry = kopf.OperatorRegistry()
+
+    @kopf.on.login(registry=registry)
+    def login(**_):
+        return kopf.ConnectionInfo(server=url, scheme="Bearer", token="test")
+
+    @kopf.on.startup(registry=registry)
+    def tune(settings: kopf.OperatorSettings, **_):
+        settings.scanning.disabled = True
+        settings.watching.reconnect_backoff = 0.1
+        settings.posting.enabled = False
+
+    register(registry, OperatorConfig(interval=0.3, retry_delay=0.2, stager_token=TOKEN, request_timeout=2.0,
+                                      liveness_port=0))
+    stop, ready = asyncio.Event(), asyncio.Event()
+    task = asyncio.create_task(kopf.operator(registry=registry, clusterwide=True, standalone=True,
+                                             stop_flag=stop, ready_flag=ready))
+    try:
+        await asyncio.wait_for(ready.wait(), 30)
+        yield emulator
+    finally:
+        stop.set()
+        with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+            await asyncio.wait_for(task, 10)
+        if not task.done():
+            task.cancel()
+
+
+async def create(emulator, plural: str, body: dict) -> None:
+    # The emulator keeps objects as given; a real API server assigns these.
+    body = {**body, "metadata": {"resourceVersion": "1", "uid": f"uid-{body['metadata']['name']}",
+                                 "creationTimestamp": "2026-01-01T00:00:00Z", **body["metadata"]}}
+    group = "api/v1" if plural == "pods" else "apis/lorafleet.dev/v1alpha1"
+    async with emulator.post(f"/{group}/namespaces/{NS}/{plural}", json=body) as resp:
+        assert resp.status in (200, 201), await resp.text()
+
+
+async def patch(emulator, plural: str, name: str, body: dict) -> None:
+    async with emulator.patch(f"/apis/lorafleet.dev/v1alpha1/namespaces/{NS}/{plural}/{name}", json=body,
+                              headers={"Content-Type": "application/merge-patch+json"}) as resp:
+        assert resp.status == 200, await resp.text()
+
+
+async def delete(emulator, plural: str, name: str) -> None:
+    async with emulator.delete(f"/apis/lorafleet.dev/v1alpha1/namespaces/{NS}/{plural}/{name}") as resp:
+        assert resp.status == 200, await resp.text()
+
+
+def status(emulator, name: str) -> dict:
+    return emulator.objects[ADAPTERS, NS, name].get("status") or {}
+
+
+def gone(emulator, name: str) -> bool:
+    try:
+        return emulator.objects[ADAPTERS, NS, name].deleted
+    except KeyError:
+        return True
+
+
+def holds(stager: FakeStager, name: str) -> set[str]:
+    return {s.version for s in stager.state().adapters if s.name == name}
+
+
+async def test_operator_lifecycle(operator, sidecars, caplog):
+    caplog.set_level(logging.INFO, logger="lorafleet")
+    emulator = operator
+    for i, s in enumerate(sidecars):
+        await create(emulator, "pods", pod_body(f"worker-{i}", s.port))
+    await create(emulator, "lorapools", POOL)
+    await create(emulator, "loraadapters", adapter_body("sql"))
+
+    # Applied -> the sidecars hold it GPU-resident -> status shows both instances, from their reports.
+    st = await eventually(lambda: status(emulator, "sql")["phase"] == "Ready" and status(emulator, "sql"),
+                          "sql Ready")
+    assert st["stableVersion"] == "v1" and st["ready"] == "2/2"
+    assert st["instances"] == [{"pod": "worker-0", "version": "v1", "tier": "gpu"},
+                               {"pod": "worker-1", "version": "v1", "tier": "gpu"}]
+    assert FINALIZER in emulator.objects[ADAPTERS, NS, "sql"]["metadata"]["finalizers"]
+    pool_status = await eventually(lambda: emulator.objects[POOLS, NS, "main"]["status"]["readyWorkers"] == 2
+                                   and emulator.objects[POOLS, NS, "main"]["status"], "pool status")
+    assert pool_status["adapters"] == 1
+
+    # Version change -> both workers switch.
+    await patch(emulator, "loraadapters", "sql", {"metadata": {"generation": 2},
+                                                  "spec": {"version": "v2", "source": {"uri": "s3://adapters/sql/v2/"}}})
+    await eventually(lambda: all(holds(s, "sql") == {"v2"} for s in sidecars), "workers switched to v2")
+    await eventually(lambda: status(emulator, "sql")["stableVersion"] == "v2"
+                     and status(emulator, "sql")["phase"] == "Ready", "status v2")
+
+    # Canary at 20 %.
+    canary = {"version": "v3", "source": {"uri": "s3://adapters/sql/v3/"}, "weight": 20}
+    await patch(emulator, "loraadapters", "sql", {"metadata": {"generation": 3}, "spec": {"canary": canary}})
+    await eventually(lambda: all(s.applied.by_name()["sql"].canary_weight == 20 for s in sidecars), "canary pushed")
+    st = await eventually(lambda: status(emulator, "sql")["canaryVersion"] == "v3" and status(emulator, "sql"),
+                          "canary in status")
+    assert st["canaryWeight"] == 20
+    assert {c["type"]: c["status"] for c in st["conditions"]}["CanaryActive"] == "True"
+
+    # A worker comes back empty -> re-pushed and re-warmed by the drift timer.
+    sidecars[0].restart()
+    await eventually(lambda: holds(sidecars[0], "sql") == {"v2", "v3"}, "worker-0 re-warmed")
+    await eventually(lambda: status(emulator, "sql")["phase"] == "Ready", "Ready again")
+
+    # Validation the API server cannot do.
+    await create(emulator, "loraadapters", adapter_body("wrongbase", baseModel="llama-3-8b"))
+    st = await eventually(lambda: status(emulator, "wrongbase")["phase"] == "Failed" and status(emulator, "wrongbase"),
+                          "wrongbase Failed")
+    assert st["message"].startswith("spec.baseModel:")
+    assert all("wrongbase" not in s.applied.by_name() for s in sidecars)
+
+    # Deletion: the finalizer holds the object until no worker reports the adapter.
+    await delete(emulator, "loraadapters", "sql")
+    await eventually(lambda: gone(emulator, "sql"), "sql deleted")
+    assert all(holds(s, "sql") == set() for s in sidecars)
+
+    # Pool deletion: remaining adapters turn Degraded with a message naming spec.pool.
+    await create(emulator, "loraadapters", adapter_body("chat", warm=1))
+    await eventually(lambda: status(emulator, "chat")["phase"] == "Ready", "chat Ready")
+    await delete(emulator, "lorapools", "main")
+    st = await eventually(lambda: status(emulator, "chat")["phase"] == "Degraded" and status(emulator, "chat"),
+                          "chat Degraded")
+    assert st["message"].startswith("spec.pool: LoRAPool 'main' does not exist")
+
+
+async def test_sidecar_refuses_a_wrong_token(cluster, sidecars):
+    from lorafleet.operator.workers import StagerClient, Worker
+    from lorafleet.worker.directives import DesiredState
+
+    client = StagerClient(token="wrong", timeout=2.0)
+    worker = Worker("w", f"http://127.0.0.1:{sidecars[0].port}")
+    try:
+        assert await client.fetch_state(worker) is None
+        assert not await client.push(worker, DesiredState(1, []))
+        assert sidecars[0].pushes == []
+    finally:
+        await client.close()
