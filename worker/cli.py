@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import os
+import re
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -29,6 +31,7 @@ class _Option:
     """One generated flag: where its value goes and how to parse it."""
 
     path: tuple[str, ...]  # ("engine", "max_num_seqs"): attribute path from the top config
+    owner: type  # the dataclass that declares the field
     field: dataclasses.Field
     kind: Any  # the type with Optional stripped
     optional: bool
@@ -43,6 +46,26 @@ class _Option:
 
     def env_var(self, prefix: str) -> str:
         return prefix + self.name.upper()
+
+
+_COMMENTED_FIELD = re.compile(r"^\s+(\w+)\s*:[^#]*#\s*(.+?)\s*$")
+
+
+def _source_comments(cls: type) -> dict[str, str]:
+    """`name: type = default  # comment` -> {name: comment}: help for fields without metadata."""
+    try:
+        lines = inspect.getsource(cls).splitlines()
+    except (OSError, TypeError):
+        return {}
+    return {m[1]: m[2] for m in map(_COMMENTED_FIELD.match, lines) if m}
+
+
+def _help(opt: _Option) -> str:
+    return (
+        opt.field.metadata.get("help")
+        or _source_comments(opt.owner).get(opt.name)
+        or opt.name.replace("_", " ")
+    )
 
 
 def _strip_optional(tp: Any) -> tuple[Any, bool]:
@@ -64,7 +87,7 @@ def _options(cls: type, prefix: tuple[str, ...] = ()) -> list[_Option]:
         if dataclasses.is_dataclass(kind):
             found.extend(_options(kind, prefix + (f.name,)))
         else:
-            found.append(_Option(prefix + (f.name,), f, kind, optional))
+            found.append(_Option(prefix + (f.name,), cls, f, kind, optional))
     names = [o.name for o in found]
     clashes = sorted({n for n in names if names.count(n) > 1})
     if clashes:
@@ -139,12 +162,13 @@ def build_parser(
     )
     for opt in _options(config_cls):
         env_name = opt.env_var(env_prefix)
-        help_text = opt.field.metadata.get("help") or opt.name.replace("_", " ")
+        help_text = _help(opt)
         help_text = f"{help_text} [env {env_name}; default: {_default_text(opt)}]".replace("%", "%%")
-        kwargs: dict[str, Any] = {"dest": "__".join(opt.path), "help": help_text}
+        kwargs: dict[str, Any] = {"dest": "__".join(opt.path), "help": help_text, "metavar": opt.name.upper()}
         kind = opt.kind
         if kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
+            del kwargs["metavar"]
         elif _is_sequence(kind):
             kwargs["type"] = _argparse_type(kind)
             kwargs["metavar"] = "A,B,..."
@@ -153,6 +177,7 @@ def build_parser(
             if typing.get_origin(kind) is Literal:
                 kwargs["choices"] = list(typing.get_args(kind))
                 kwargs["type"] = str
+                kwargs["metavar"] = "{" + ",".join(kwargs["choices"]) + "}"
         if env_name in env:
             try:
                 kwargs["default"] = _convert(kind, env[env_name])

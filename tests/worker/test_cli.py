@@ -1,0 +1,95 @@
+"""worker/cli.py: flags and LORAFLEET_* variables generated from config dataclasses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import pytest
+
+from lorafleet.worker.cli import build_parser, config_from_args
+
+
+@dataclass(slots=True)
+class Inner:
+    model: str = field(metadata={"help": "model directory"})
+    max_num_seqs: int = field(default=8, metadata={"help": "sequences per step"})
+    device: Literal["cpu", "cuda"] = field(default="cpu", metadata={"help": "device"})
+
+
+@dataclass(slots=True)
+class Outer:
+    engine: Inner
+    port: int = field(default=8000, metadata={"help": "TCP port"})
+    ratio: float = field(default=0.5, metadata={"help": "a ratio"})
+    verbose: bool = field(default=False, metadata={"help": "chatty logs"})
+    keys_file: str | None = field(default=None, metadata={"help": "API keys"})
+    tags: list[str] = field(default_factory=list, metadata={"help": "tags"})
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port must be in 1..65535 (got {self.port})")
+
+
+def test_flags_build_nested_config_with_defaults():
+    cfg = config_from_args(Outer, ["--model", "/m", "--port", "9001", "--verbose", "--tags", "a,b"], env={})
+    assert cfg.engine == Inner(model="/m")
+    assert (cfg.port, cfg.ratio, cfg.verbose, cfg.keys_file, cfg.tags) == (9001, 0.5, True, None, ["a", "b"])
+
+
+def test_env_sets_fields_and_flags_win():
+    env = {"LORAFLEET_MODEL": "/env", "LORAFLEET_PORT": "7000", "LORAFLEET_VERBOSE": "yes",
+           "LORAFLEET_MAX_NUM_SEQS": "4", "LORAFLEET_DEVICE": "cuda"}
+    cfg = config_from_args(Outer, ["--port", "7001"], env=env)
+    assert cfg.engine == Inner(model="/env", max_num_seqs=4, device="cuda")
+    assert cfg.port == 7001 and cfg.verbose is True
+    assert config_from_args(Outer, ["--no-verbose"], env=env).verbose is False
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "needle"),
+    [
+        ([], {}, "--model"),  # required field missing
+        (["--model", "m", "--port", "x"], {}, "expected int"),
+        (["--model", "m", "--device", "tpu"], {}, "invalid choice"),
+        (["--model", "m"], {"LORAFLEET_PORT": "eighty"}, "LORAFLEET_PORT"),
+        (["--model", "m"], {"LORAFLEET_VERBOSE": "maybe"}, "LORAFLEET_VERBOSE"),
+        (["--model", "m", "--port", "70000"], {}, "port must be in"),  # __post_init__ validation
+    ],
+)
+def test_bad_values_exit_with_usage_naming_the_problem(argv, env, needle, capsys):
+    with pytest.raises(SystemExit) as exc:
+        config_from_args(Outer, argv, env=env)
+    assert exc.value.code == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_help_explains_every_field_and_its_env_var():
+    text = build_parser(Outer, env={}).format_help()
+    for flag, env_var, words in [("--model", "LORAFLEET_MODEL", "model directory"),
+                                 ("--max-num-seqs", "LORAFLEET_MAX_NUM_SEQS", "sequences per step"),
+                                 ("--keys-file", "LORAFLEET_KEYS_FILE", "API keys"),
+                                 ("--verbose", "LORAFLEET_VERBOSE", "chatty logs")]:
+        assert flag in text and env_var in text and words in text
+
+
+def test_clashing_nested_names_are_refused():
+    @dataclass(slots=True)
+    class Clash:
+        engine: Inner
+        model: str = "x"
+
+    with pytest.raises(TypeError, match="clash"):
+        build_parser(Clash, env={})
+
+
+def test_worker_help_runs_as_a_module():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "lorafleet.worker", "--help"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    for flag in ("--model", "--adapters", "--host", "--port", "--device", "--admin-token", "--api-keys-file"):
+        assert flag in out.stdout
+    assert "LORAFLEET_PORT" in out.stdout

@@ -1,0 +1,219 @@
+"""ServedAdapters: which adapter names and versions this worker serves, to whom, and in what split.
+
+It is the HTTP layer's view of the registry: the admin push (`DesiredState`) and the vLLM-style
+load/unload change it; every inference request resolves its `model` through it. The engine's
+adapter pool holds the weights; this holds names, owners (tenants), the stable/canary split and
+the reason a version failed to load, so a request for it is answered 503 with that reason instead
+of waiting. A request resolves to one full key `name@version` once, on arrival: it keeps that
+version to the end even if a push switches the stable version meanwhile (hot update).
+
+Running example: push gen 3 {sql: stable v1}, then gen 4 {sql: stable v1, canary v2 at 20 %}:
+v2 is registered beside v1 (not current), 20 % of users resolve to `sql@v2`; gen 5 without `sql`
+unregisters both, requests in flight finish on the version they hold.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from lorafleet.worker.canary import CanaryResolver, VersionSplit
+from lorafleet.worker.directives import AdapterDirective, AdapterState, DesiredState, ReportedState
+from lorafleet.worker.openai_protocol import APIError
+from lorafleet.worker.tenants import Tenant
+
+log = logging.getLogger(__name__)
+
+
+class AdapterHost(Protocol):
+    """What this registry needs from the engine (worker/engine.py)."""
+
+    def register_adapter(self, name: str, source: str, *, version: str | None = None, tenant: str | None = None,
+                         pinned: bool = False, make_current: bool = True) -> str: ...
+    def unregister_adapter(self, name: str) -> None: ...
+    def remove_adapter_version(self, key: str) -> None: ...
+    def set_adapter_pinned(self, key: str, pinned: bool) -> None: ...
+    def prefetch_adapter(self, key: str) -> None: ...
+    def describe_adapters(self) -> list[dict[str, Any]]: ...
+
+
+@dataclass(slots=True)
+class ServedAdapter:
+    name: str
+    tenant: str | None  # owner; None = only tenants whose key-file patterns match may use it
+    split: VersionSplit
+    sources: dict[str, str] = field(default_factory=dict)  # version -> local path
+    errors: dict[str, str] = field(default_factory=dict)  # version -> why it cannot be served
+    warm: bool = False
+    pinned: bool = False
+
+
+def local_source(uri: str) -> str:
+    """A staged, local path; object-store URIs must have been staged by the stager first."""
+    if uri.startswith("file://"):
+        return uri[len("file://"):]
+    if uri.startswith("/"):
+        return uri
+    raise ValueError(f"{uri} is not staged: the stager downloads object-store sources to local disk and "
+                     "pushes local paths")
+
+
+class ServedAdapters:
+    def __init__(self, base_model: str) -> None:
+        self.base_model = base_model
+        self.generation = 0
+        self.resolver = CanaryResolver()
+        self._adapters: dict[str, ServedAdapter] = {}
+
+    # ---- queries --------------------------------------------------------------------------------
+    def get(self, name: str) -> ServedAdapter | None:
+        return self._adapters.get(name)
+
+    def visible_to(self, tenant: Tenant) -> list[ServedAdapter]:
+        return [a for _, a in sorted(self._adapters.items()) if tenant.may_use(a.name, a.tenant)]
+
+    def resolve(self, model: str, tenant: Tenant, user: str | None) -> str | None:
+        """The engine key (`name@version`, None for the base model) that serves `model` for this
+        caller; raises APIError 404 (unknown), 403 (not the caller's) or 503 (failed to load)."""
+        if model == self.base_model:
+            if not tenant.may_use(None):
+                raise APIError(403, f"tenant {tenant.name!r} may not call the base model {model!r}; name one of "
+                                    "your adapters (GET /v1/models)", type="permission_error",
+                               code="model_not_allowed", param="model")
+            return None
+        name, _, version = model.partition("@")
+        served = self._adapters.get(name)
+        if served is None:
+            raise APIError(404, f"The model `{model}` does not exist on this worker (GET /v1/models lists the "
+                                "ones you may use)", type="invalid_request_error", code="model_not_found",
+                           param="model")
+        if not tenant.may_use(name, served.tenant):
+            raise APIError(403, f"tenant {tenant.name!r} may not use adapter {name!r}", type="permission_error",
+                           code="model_not_allowed", param="model")
+        if not version:
+            version = self.resolver.resolve(name, user)
+        if version not in served.sources:
+            raise APIError(404, f"adapter {name!r} has no version {version!r} here (versions: "
+                                f"{', '.join(sorted(served.sources))})", code="model_not_found", param="model")
+        if version in served.errors:
+            raise APIError(503, f"adapter {name}@{version} failed to load: {served.errors[version]}",
+                           type="service_unavailable", code="adapter_load_failed", param="model")
+        return f"{name}@{version}"
+
+    def mark_failed(self, key: str, reason: str) -> None:
+        name, _, version = key.partition("@")
+        served = self._adapters.get(name)
+        if served is not None and version in served.sources:
+            served.errors[version] = reason
+
+    # ---- changes (blocking engine calls: run them off the event loop) ----------------------------
+    def adopt(self, engine: AdapterHost) -> None:
+        """Take over the adapters the engine registered at start-up (`--adapters DIR`)."""
+        for d in engine.describe_adapters():
+            if d.get("current") and d["name"] not in self._adapters:
+                self._adapters[d["name"]] = ServedAdapter(d["name"], None, VersionSplit(d["version"]),
+                                                          {d["version"]: d.get("source", "")})
+                self.resolver.set(d["name"], VersionSplit(d["version"]))
+
+    def apply(self, state: DesiredState, engine: AdapterHost) -> bool:
+        """Make the served set equal `state`. False when it was already applied (same generation);
+        APIError 409 for an older generation. Versions that fail to load are recorded, not raised."""
+        if state.generation == self.generation and self.generation > 0:
+            return False
+        if state.generation < self.generation:
+            raise APIError(409, f"generation {state.generation} is older than the applied generation "
+                                f"{self.generation}; refusing to roll back", code="stale_generation")
+        wanted = state.by_name()
+        for name in [n for n in self._adapters if n not in wanted]:
+            self._unload(name, engine)
+        for directive in state.adapters:
+            self._apply_one(directive, engine)
+        self.generation = state.generation
+        return True
+
+    def _apply_one(self, d: AdapterDirective, engine: AdapterHost) -> None:
+        old = self._adapters.get(d.name)
+        versions = {d.stable.version: d.stable.uri}
+        if d.canary is not None:
+            versions[d.canary.version] = d.canary.uri
+        served = ServedAdapter(d.name, d.tenant, VersionSplit(d.stable.version), warm=d.warm, pinned=d.pinned)
+        for version, uri in versions.items():
+            keep = old is not None and old.sources.get(version) == uri and version not in old.errors
+            try:
+                source = local_source(uri)
+                if not keep:
+                    engine.register_adapter(d.name, source, version=version, tenant=d.tenant, pinned=d.pinned,
+                                            make_current=version == d.stable.version)
+                key = f"{d.name}@{version}"
+                engine.set_adapter_pinned(key, d.pinned)
+                if d.warm:
+                    engine.prefetch_adapter(key)
+            except (ValueError, KeyError, OSError, RuntimeError) as exc:
+                served.errors[version] = str(exc)
+                log.warning("adapter %s@%s cannot be served: %s", d.name, version, exc)
+            served.sources[version] = uri
+        if old is not None:
+            for version in set(old.sources) - set(versions):
+                try:
+                    engine.remove_adapter_version(f"{d.name}@{version}")
+                except (ValueError, KeyError) as exc:
+                    log.info("dropping %s@%s: %s", d.name, version, exc)
+        if d.canary is not None and d.canary.version not in served.errors and d.stable.version not in served.errors:
+            served.split = VersionSplit(d.stable.version, d.canary.version, d.canary_weight)
+        self._adapters[d.name] = served
+        self.resolver.set(d.name, served.split)
+
+    def load(self, name: str, path: str, engine: AdapterHost) -> str:
+        """vLLM's load_lora_adapter: register `name` from a local path; answers `name@version`."""
+        if name in self._adapters or name == self.base_model:
+            raise APIError(400, f"The lora adapter '{name}' has already been loaded; unload it first.",
+                           code="adapter_exists", param="lora_name")
+        try:
+            key = engine.register_adapter(name, local_source(path))
+        except (ValueError, KeyError, OSError, RuntimeError) as exc:
+            raise APIError(400, f"cannot load adapter {name!r} from {path}: {exc}", code="adapter_invalid",
+                           param="lora_path") from None
+        version = key.partition("@")[2]
+        self._adapters[name] = ServedAdapter(name, None, VersionSplit(version), {version: path})
+        self.resolver.set(name, VersionSplit(version))
+        return key
+
+    def unload(self, name: str, engine: AdapterHost) -> None:
+        if name not in self._adapters:
+            raise APIError(404, f"The lora adapter '{name}' cannot be found.", code="model_not_found",
+                           param="lora_name")
+        self._unload(name, engine)
+
+    def _unload(self, name: str, engine: AdapterHost) -> None:
+        self._adapters.pop(name)
+        self.resolver.remove(name)
+        try:
+            engine.unregister_adapter(name)
+        except KeyError as exc:
+            log.info("unregistering %s: %s", name, exc)
+
+    # ---- report ---------------------------------------------------------------------------------
+    def report(self, engine: AdapterHost) -> ReportedState:
+        held = {d["key"]: d for d in engine.describe_adapters()}
+        states: list[AdapterState] = []
+        for name, served in sorted(self._adapters.items()):
+            for version in sorted(served.sources):
+                d = held.get(f"{name}@{version}", {})
+                error = served.errors.get(version) or d.get("error")
+                states.append(AdapterState(
+                    name=name, version=version, tier=d.get("tier", "none"), refcount=d.get("refcount", 0),
+                    hits=d.get("hits", 0), bytes=d.get("bytes", 0), pinned=bool(d.get("pinned", served.pinned)),
+                    error=error,
+                ))
+        return ReportedState(generation_applied=self.generation, adapters=states)
+
+    def extras(self) -> dict[str, dict[str, Any]]:
+        """Worker-only keys of the state report, per `name@version`."""
+        out = {}
+        for name, served in self._adapters.items():
+            for version in served.sources:
+                weight = served.split.canary_weight if version == served.split.canary else (
+                    100 - served.split.canary_weight if version == served.split.stable else 0)
+                out[f"{name}@{version}"] = {"tenant": served.tenant, "traffic_percent": weight}
+        return out

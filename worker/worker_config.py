@@ -1,0 +1,86 @@
+"""WorkerConfig: everything `python -m lorafleet.worker` needs, one flag / env var per field.
+
+The engine's settings are composed, not copied: `engine: EngineConfig` is flattened by cli.py, so
+`--model`, `--adapters`, `--device`, `--max-num-seqs`, ... come from EngineConfig's own fields.
+`--adapters` may also be an object-store URI (`s3://bucket/prefix/`): the worker then starts the
+stager as a child process, which downloads and verifies the adapters and registers them through the
+admin API; the engine process never holds object-store credentials.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lorafleet.worker.engine_config import EngineConfig
+
+REMOTE_SCHEMES = ("s3://",)
+
+
+def _help(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
+@dataclass(slots=True)
+class WorkerConfig:
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    host: str = field(default="127.0.0.1", metadata=_help("address to listen on (0.0.0.0 in a pod)"))
+    port: int = field(default=8000, metadata=_help("TCP port of the HTTP API"))
+    served_model_name: str | None = field(
+        default=None, metadata=_help("name of the base model in the API (`model` field); default: the model "
+                                     "directory's name"))
+    api_keys_file: str | None = field(
+        default=None, metadata=_help("JSON/YAML file mapping API keys to tenants and their adapters; unset = "
+                                     "development mode, open to everyone"))
+    admin_token: str | None = field(
+        default=None, metadata=_help("bearer token for /admin/v1/* and /v1/load_lora_adapter; unset = the "
+                                     "admin API refuses every call"))
+    max_body_bytes: int = field(default=4 * 1024 * 1024,
+                                metadata=_help("largest accepted request body in bytes (larger: 413)"))
+    max_queued_requests: int = field(
+        default=256, metadata=_help("sequences that may wait beyond the running batch (max_num_seqs); more "
+                                    "are refused with 429 and Retry-After"))
+    retry_after_s: int = field(default=1, metadata=_help("Retry-After seconds sent with 429"))
+    shutdown_grace_s: float = field(
+        default=30.0, metadata=_help("on SIGTERM: seconds in-flight requests get to finish before they are "
+                                     "cancelled"))
+    stager_port: int = field(default=0, metadata=_help(
+        "port of the stager child started for an s3:// --adapters (0 = a free port)"))
+    log_level: str = field(default="info", metadata=_help("debug | info | warning | error"))
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.engine, EngineConfig):
+            raise TypeError("engine must be an EngineConfig")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in 0..65535 (0 = any free port), got {self.port}")
+        if not 0 <= self.stager_port < 65536:
+            raise ValueError(f"stager_port must be in 0..65535, got {self.stager_port}")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.max_queued_requests < 0:
+            raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
+        if self.retry_after_s < 1:
+            raise ValueError(f"retry_after_s must be >= 1, got {self.retry_after_s}")
+        if self.shutdown_grace_s < 0:
+            raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
+        if self.log_level.lower() not in ("debug", "info", "warning", "error"):
+            raise ValueError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
+        if self.admin_token is not None and len(self.admin_token) < 8:
+            raise ValueError("admin_token must be at least 8 characters")
+        if self.api_keys_file is not None and not Path(self.api_keys_file).is_file():
+            raise ValueError(f"api_keys_file {self.api_keys_file} does not exist")
+        adapters = self.engine.adapters
+        if adapters and not self.adapters_uri and not Path(adapters).is_dir():
+            raise ValueError(f"--adapters {adapters}: not a directory (give a directory of PEFT adapter folders "
+                             "or an s3:// URI)")
+
+    @property
+    def adapters_uri(self) -> str | None:
+        """The object-store URI of --adapters, when it is one (the stager child handles it)."""
+        a = self.engine.adapters
+        return a if a and a.startswith(REMOTE_SCHEMES) else None
+
+    @property
+    def capacity(self) -> int:
+        """Sequences admitted at once: the running batch plus the queue."""
+        return self.engine.max_num_seqs + self.max_queued_requests
