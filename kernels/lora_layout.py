@@ -28,6 +28,7 @@ class LoRALayout:
     scales: Tensor  # float32 [num_layers, 7, max_slots]; alpha/r or alpha/sqrt(r), per module
     a_offsets: Tensor  # int64 [num_layers, 7, max_slots, max_rank]: element offset of A row j
     b_offsets: Tensor  # int64 [num_layers, 7, max_slots, max_rank]: element offset of B^T row j
+    row_align: int = 1  # every row offset is a multiple of this (a power of two); lets kernels vectorize loads
 
     def __post_init__(self) -> None:
         if self.pool.dim() != 2 or not self.pool.is_contiguous():
@@ -47,6 +48,15 @@ class LoRALayout:
                 raise ValueError(f"LoRALayout.{name} must be contiguous")
         if not (self.ranks.is_contiguous() and self.scales.is_contiguous()):
             raise ValueError("LoRALayout.ranks and LoRALayout.scales must be contiguous")
+        if self.row_align < 1 or self.row_align & (self.row_align - 1):
+            raise ValueError(f"LoRALayout.row_align must be a power of two, got {self.row_align}")
+
+    def check_alignment(self) -> None:
+        """Raise if a live row offset is not a multiple of row_align (one host sync; for tests and debugging)."""
+        live = torch.arange(self.max_rank, device=self.ranks.device) < self.ranks[..., None]
+        for offsets in (self.a_offsets, self.b_offsets):
+            if bool((offsets[live] % self.row_align).any()):
+                raise ValueError(f"a LoRA row offset is not a multiple of row_align={self.row_align}")
 
     @property
     def num_layers(self) -> int:
@@ -184,6 +194,9 @@ def pack_lora_layout(
     scales = torch.zeros(num_layers, NUM_PROJS, max_slots, dtype=torch.float32)
     a_off = torch.zeros(num_layers, NUM_PROJS, max_slots, max_rank, dtype=torch.int64)
     b_off = torch.zeros(num_layers, NUM_PROJS, max_slots, max_rank, dtype=torch.int64)
+    align = 16  # the largest power of two (up to 16) dividing every row offset
+    while align > 1 and any(o % align for o in offsets):
+        align //= 2
     cursor = 0
     for slot, layer, proj in sorted(modules):
         a, _, scale = modules[(slot, layer, proj)]
@@ -199,4 +212,5 @@ def pack_lora_layout(
         scales=scales.to(device),
         a_offsets=a_off.to(device),
         b_offsets=b_off.to(device),
+        row_align=align,
     )

@@ -1,0 +1,285 @@
+"""Triton SGMV: segmented-gather LoRA shrink and expand over the unified page pool.
+
+One launch serves every segment (tokens of one adapter slot) and every projection of a fused group
+(q|k|v, gate|up). Each program reads its adapter's rows through `LoRALayout`'s offsets (a row is
+contiguous in the pool), loops over the slot's *true* rank in chunks (no padding to the batch's
+largest rank: masked loads fetch nothing), and skips at once a segment with slot -1 or a module the
+slot does not adapt. The adapter rows of a segment are read once and reused by all its tokens, so the
+bytes read are the distinct adapters' bytes, however many segments the batch has.
+
+Grids: shrink (segment, projection, K split); expand (segment, projection, N block). Loads are upcast
+to float32 under Triton's interpreter (its bf16/fp16 arithmetic is wrong) and for float32 models;
+on a GPU, 16-bit operands go to the tensor cores with float32 accumulation.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from lorafleet.kernels.lora_layout import NUM_PROJS, LoRABatch, LoRALayout
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _shrink_kernel(
+    x_ptr,  # [T, K] model dtype
+    pool_ptr,  # flat pool, model dtype
+    ranks_ptr,  # int32 [L, 7, M]
+    a_off_ptr,  # int64 [L, 7, M, max_rank]
+    token_ids_ptr,  # int32 [T_lora]
+    seg_starts_ptr,  # int32 [S+1]
+    seg_slots_ptr,  # int32 [S]
+    proj_ids_ptr,  # int32 [P]
+    out_ptr,  # float32 [P, T, R]
+    layer,
+    K,
+    k_per_split,
+    stride_xt,
+    stride_op,
+    stride_ot,
+    max_slots,
+    layout_max_rank,
+    BLOCK_T: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ALIGN: tl.constexpr,
+    ATOMIC: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    seg = tl.program_id(0)
+    i = tl.program_id(1)
+    split = tl.program_id(2)
+    slot = tl.load(seg_slots_ptr + seg)
+    if slot < 0:
+        return
+    proj = tl.load(proj_ids_ptr + i)
+    meta = (layer * 7 + proj) * max_slots + slot
+    rank = tl.load(ranks_ptr + meta)
+    if rank == 0:
+        return
+    start = tl.load(seg_starts_ptr + seg)
+    end = tl.load(seg_starts_ptr + seg + 1)
+    k_lo = split * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    arange_t = tl.arange(0, BLOCK_T)
+    arange_r = tl.arange(0, BLOCK_R)
+    arange_k = tl.arange(0, BLOCK_K)
+    for t0 in range(start, end, BLOCK_T):
+        t_mask = t0 + arange_t < end
+        tok = tl.load(token_ids_ptr + t0 + arange_t, mask=t_mask, other=0).to(tl.int64)
+        for r0 in range(0, rank, BLOCK_R):
+            offs_r = r0 + arange_r
+            r_mask = offs_r < rank
+            a_row = tl.load(a_off_ptr + meta.to(tl.int64) * layout_max_rank + offs_r, mask=r_mask, other=0)
+            a_row = tl.multiple_of(a_row, ALIGN)
+            acc = tl.zeros([BLOCK_T, BLOCK_R], dtype=tl.float32)
+            for k0 in range(k_lo, k_hi, BLOCK_K):
+                offs_k = k0 + arange_k
+                k_mask = offs_k < k_hi
+                # x tile [BLOCK_T, BLOCK_K]: gathered token rows; A^T tile [BLOCK_K, BLOCK_R]: one pool row per column.
+                xt = tl.load(x_ptr + tok[:, None] * stride_xt + offs_k[None, :], mask=t_mask[:, None] & k_mask[None, :], other=0.0)
+                at = tl.load(pool_ptr + a_row[None, :] + offs_k[:, None], mask=r_mask[None, :] & k_mask[:, None], other=0.0)
+                if UPCAST:
+                    acc += tl.dot(xt.to(tl.float32), at.to(tl.float32), input_precision="ieee")
+                else:
+                    acc += tl.dot(xt, at)
+            ptrs = out_ptr + i * stride_op + tok[:, None] * stride_ot + offs_r[None, :]
+            mask = t_mask[:, None] & r_mask[None, :]
+            if ATOMIC:
+                tl.atomic_add(ptrs, acc, mask=mask)
+            else:
+                tl.store(ptrs, acc, mask=mask)
+
+
+@triton.jit
+def _expand_kernel(
+    xa_ptr,  # float32 [P, T, R]
+    pool_ptr,  # flat pool, model dtype
+    ranks_ptr,  # int32 [L, 7, M]
+    scales_ptr,  # float32 [L, 7, M]
+    b_off_ptr,  # int64 [L, 7, M, max_rank]
+    token_ids_ptr,  # int32 [T_lora]
+    seg_starts_ptr,  # int32 [S+1]
+    seg_slots_ptr,  # int32 [S]
+    slices_ptr,  # int32 [P, 3]: proj id, first column in y, width
+    y_ptr,  # [T, N] model dtype
+    layer,
+    stride_xp,
+    stride_xt,
+    stride_yt,
+    max_slots,
+    layout_max_rank,
+    BLOCK_T: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ALIGN: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    seg = tl.program_id(0)
+    i = tl.program_id(1)
+    n0 = tl.program_id(2) * BLOCK_N
+    slot = tl.load(seg_slots_ptr + seg)
+    if slot < 0:
+        return
+    width = tl.load(slices_ptr + i * 3 + 2)
+    if n0 >= width:
+        return
+    proj = tl.load(slices_ptr + i * 3)
+    col0 = tl.load(slices_ptr + i * 3 + 1)
+    meta = (layer * 7 + proj) * max_slots + slot
+    rank = tl.load(ranks_ptr + meta)
+    if rank == 0:
+        return
+    scale = tl.load(scales_ptr + meta)
+    start = tl.load(seg_starts_ptr + seg)
+    end = tl.load(seg_starts_ptr + seg + 1)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < width
+    arange_t = tl.arange(0, BLOCK_T)
+    arange_r = tl.arange(0, BLOCK_R)
+    for t0 in range(start, end, BLOCK_T):
+        t_mask = t0 + arange_t < end
+        tok = tl.load(token_ids_ptr + t0 + arange_t, mask=t_mask, other=0).to(tl.int64)
+        acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+        for r0 in range(0, rank, BLOCK_R):
+            offs_r = r0 + arange_r
+            r_mask = offs_r < rank
+            b_row = tl.load(b_off_ptr + meta.to(tl.int64) * layout_max_rank + offs_r, mask=r_mask, other=0)
+            b_row = tl.multiple_of(b_row, ALIGN)
+            # B^T tile [BLOCK_R, BLOCK_N]: each row contiguous in the pool; xa tile [BLOCK_T, BLOCK_R].
+            bt = tl.load(pool_ptr + b_row[:, None] + offs_n[None, :], mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+            xt = tl.load(xa_ptr + i * stride_xp + tok[:, None] * stride_xt + offs_r[None, :], mask=t_mask[:, None] & r_mask[None, :], other=0.0)
+            if UPCAST:
+                acc += tl.dot(xt, bt.to(tl.float32), input_precision="ieee")
+            else:
+                acc += tl.dot(xt.to(bt.dtype), bt)
+        y_ptrs = y_ptr + tok[:, None] * stride_yt + col0 + offs_n[None, :]
+        y_mask = t_mask[:, None] & n_mask[None, :]
+        y = tl.load(y_ptrs, mask=y_mask, other=0.0)
+        tl.store(y_ptrs, (y.to(tl.float32) + acc * scale).to(y.dtype), mask=y_mask)
+
+
+@functools.lru_cache(maxsize=256)
+def _device_ints(values: tuple[int, ...], device: str) -> Tensor:
+    """A small int32 tensor, made once per (values, device): no host-to-device copy per call (graph-safe)."""
+    return torch.tensor(values, dtype=torch.int32, device=device)
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device: str) -> int:
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
+    return 4
+
+
+def _pow2(n: int, lo: int, hi: int) -> int:
+    return max(lo, min(hi, triton.next_power_of_2(max(int(n), 1))))
+
+
+def _block_t(batch: LoRABatch) -> int:
+    """Token tile: a decode batch has ~1 token per segment, a prefill batch many."""
+    per_segment = batch.num_tokens / max(batch.num_segments, 1)
+    return _pow2(int(per_segment), 16, 64)
+
+
+def _upcast(dtype: torch.dtype) -> bool:
+    return _INTERPRET or dtype == torch.float32
+
+
+def lora_shrink_triton(
+    *, x: Tensor, layout: LoRALayout, layer: int, proj_ids: list[int], batch: LoRABatch, out: Tensor, split_k: int | None = None
+) -> None:
+    """Triton backend of `kernels.lora.lora_shrink` (inputs already checked there).
+
+    Semantics: out[i, t, j] = sum_k x[t, k] * A[slot(t), layer, proj_ids[i]][j, k] for j < rank(slot(t)).
+
+    x: [T, K] model dtype. out: float32 [P, T, R]. split_k: K splits per (segment, projection)
+    (default: enough programs to fill the GPU); with more than one, out is zeroed and results are added
+    atomically.
+    """
+    num_segments, num_proj = batch.num_segments, len(proj_ids)
+    if num_segments == 0 or batch.max_rank == 0:
+        return
+    K = x.shape[1]
+    block_k = _pow2(triton.cdiv(K, split_k or 1), 16, 128 if _INTERPRET else 256)
+    num_k_blocks = triton.cdiv(K, block_k)
+    if split_k is None:
+        split_k = min(num_k_blocks, triton.cdiv(4 * _num_sms(str(x.device)), num_segments * num_proj))
+    split_k = max(1, min(split_k, num_k_blocks))
+    k_per_split = triton.cdiv(num_k_blocks, split_k) * block_k
+    split_k = triton.cdiv(K, k_per_split)
+    if split_k > 1:
+        out.zero_()
+    _shrink_kernel[(num_segments, num_proj, split_k)](
+        x,
+        layout.pool,
+        layout.ranks,
+        layout.a_offsets,
+        batch.sorted_token_ids,
+        batch.seg_starts,
+        batch.seg_slots,
+        _device_ints(tuple(proj_ids), str(x.device)),
+        out,
+        layer,
+        K,
+        k_per_split,
+        x.stride(0),
+        out.stride(0),
+        out.stride(1),
+        layout.max_slots,
+        layout.max_rank,
+        BLOCK_T=_block_t(batch),
+        BLOCK_R=_pow2(batch.max_rank, 16, 64),
+        BLOCK_K=block_k,
+        ALIGN=layout.row_align,
+        ATOMIC=split_k > 1,
+        UPCAST=_upcast(x.dtype),
+    )
+
+
+def lora_expand_triton(
+    *, xa: Tensor, layout: LoRALayout, layer: int, proj_ids: list[int], batch: LoRABatch, y: Tensor, out_slices: list[tuple[int, int]]
+) -> None:
+    """Triton backend of `kernels.lora.lora_expand` (inputs already checked there).
+
+    Semantics: y[t, o_i:o_i+n_i] += scale[slot(t), layer, p_i] * xa[i, t, :rank] @ B^T[slot(t), layer, p_i][:rank, :n_i].
+
+    xa: float32 [P, T, R]. y: [T, N] model dtype. out_slices: P (first column, width) pairs.
+    """
+    num_segments, num_proj = batch.num_segments, len(proj_ids)
+    if num_segments == 0 or batch.max_rank == 0:
+        return
+    widest = max(n for _, n in out_slices)
+    block_n = _pow2(widest, 16, 64 if _INTERPRET else 128)
+    slices = tuple(v for p, (start, n) in zip(proj_ids, out_slices, strict=True) for v in (p, start, n))
+    assert all(0 <= p < NUM_PROJS for p in proj_ids)
+    _expand_kernel[(num_segments, num_proj, triton.cdiv(widest, block_n))](
+        xa,
+        layout.pool,
+        layout.ranks,
+        layout.scales,
+        layout.b_offsets,
+        batch.sorted_token_ids,
+        batch.seg_starts,
+        batch.seg_slots,
+        _device_ints(slices, str(y.device)),
+        y,
+        layer,
+        xa.stride(0),
+        xa.stride(1),
+        y.stride(0),
+        layout.max_slots,
+        layout.max_rank,
+        BLOCK_T=_block_t(batch),
+        BLOCK_R=_pow2(batch.max_rank, 16, 64),
+        BLOCK_N=block_n,
+        ALIGN=layout.row_align,
+        UPCAST=_upcast(y.dtype),
+    )
