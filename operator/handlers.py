@@ -48,6 +48,10 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> PoolCon
     @kopf.on.startup(registry=registry)
     async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         settings.persistence.finalizer = FINALIZER
+        # Handler progress in annotations: the CRDs' status schemas are strict and would prune status.kopf.
+        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="lorafleet.dev")
+        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+            prefix="lorafleet.dev", key="last-handled-configuration")
         settings.posting.level = logging.WARNING
         settings.watching.server_timeout = 60
         if config.peering:
