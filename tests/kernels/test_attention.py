@@ -11,7 +11,7 @@ import torch
 
 from lorafleet.kernels.attention import paged_attention_decode, paged_attention_prefill, write_kv
 
-BACKENDS = ["reference"]
+BACKENDS = ["reference", "triton"]
 TOL = {torch.float32: 1e-4, torch.float16: 4e-3}
 
 
@@ -123,6 +123,25 @@ def test_chunked_prefill_matches_dense(backend, dtype, num_heads, num_kv_heads, 
         rows = slice(int(starts[b]), int(starts[b + 1]))
         want = _dense(q[rows], keys, values, torch.arange(n - ql, n), scale)
         assert _rel(out[rows], want) < TOL[dtype], b
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_triton_decode_context_splits_merge_exactly(num_splits, gen):
+    """Flash-decoding splits, including splits past a short context and an empty context."""
+    from lorafleet.kernels.attention_triton import paged_attention_decode_triton
+
+    block_size, num_pages = 8, 48
+    lens = [0, 3, 90, 41]
+    k_cache, v_cache = _caches(num_pages, block_size, 2, 32, torch.float32, gen)
+    table = _tables(lens, block_size, num_pages, gen)
+    q = torch.randn(len(lens), 4, 32, generator=gen)
+    out = torch.full_like(q, float("nan"))
+    context_lens = torch.tensor(lens, dtype=torch.int32)
+    paged_attention_decode_triton(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=table, context_lens=context_lens, scale=0.2, out=out, num_splits=num_splits)
+    want = torch.full_like(q, float("nan"))
+    paged_attention_decode(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=table, context_lens=context_lens, scale=0.2, out=want, backend="reference")
+    assert torch.equal(out[0], torch.zeros_like(out[0]))  # no context: zeros, not NaN
+    assert _rel(out, want.double()) < 1e-5
 
 
 def test_attention_refuses_bad_inputs(gen):

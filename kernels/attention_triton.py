@@ -1,0 +1,277 @@
+"""Triton paged attention: KV write, decode (GQA, block tables, split context) and chunked prefill.
+
+Caches are `[num_pages, block_size, num_kv_heads, head_dim]` views of any strides (a layer's slice of
+the unified page pool); every address goes through the block table and the cache's strides. Decode
+runs one program per (sequence, KV head, context split) and loads each K/V row once for the whole
+query-head group; splits are merged by a second small kernel (flash-decoding). Prefill runs one
+program per (query block, query head, sequence) with online softmax over the causal context.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _write_kv_kernel(
+    k_ptr, v_ptr, kc_ptr, vc_ptr, slots_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kcp, stride_kco, stride_kch, stride_vcp, stride_vco, stride_vch,
+    block_size, num_kv_heads,
+    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0)
+    slot = tl.load(slots_ptr + t)
+    if slot < 0:
+        return
+    page = slot // block_size
+    row = slot % block_size
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_h[:, None] < num_kv_heads) & (offs_d[None, :] < HEAD_DIM)
+    k = tl.load(k_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
+    v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
+    tl.store(kc_ptr + page * stride_kcp + row * stride_kco + offs_h[:, None] * stride_kch + offs_d[None, :], k, mask=mask)
+    tl.store(vc_ptr + page * stride_vcp + row * stride_vco + offs_h[:, None] * stride_vch + offs_d[None, :], v, mask=mask)
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, kc_ptr, vc_ptr, tables_ptr, lens_ptr,
+    part_acc_ptr, part_ml_ptr,  # float32 [B, Hq, SPLITS, D] and [B, Hq, SPLITS, 2] (max, sum)
+    scale,
+    stride_qb, stride_qh,
+    stride_kcp, stride_kco, stride_kch, stride_vcp, stride_vco, stride_vch,
+    stride_tb, num_heads, tokens_per_split,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    length = tl.load(lens_ptr + b)
+    lo = split * tokens_per_split
+    hi = tl.minimum(lo + tokens_per_split, length)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    heads = kv_head * GROUP + offs_g
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    arange_n = tl.arange(0, BLOCK_N)
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + arange_n
+        n_mask = offs_n < hi
+        page = tl.load(tables_ptr + b * stride_tb + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
+        row = offs_n % PAGE
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(kc_ptr + page[:, None] * stride_kcp + row[:, None] * stride_kco + kv_head * stride_kch + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(vc_ptr + page[:, None] * stride_vcp + row[:, None] * stride_vco + kv_head * stride_vch + offs_d[None, :], mask=kv_mask, other=0.0)
+        if UPCAST:
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(n_mask[None, :], s * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if UPCAST:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    base = (b * num_heads + heads) * SPLITS + split
+    tl.store(part_acc_ptr + base[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None] & d_mask[None, :])
+    tl.store(part_ml_ptr + base * 2, m_i, mask=g_mask)
+    tl.store(part_ml_ptr + base * 2 + 1, l_i, mask=g_mask)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    part_acc_ptr, part_ml_ptr, out_ptr, stride_ob, stride_oh, num_heads,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < SPLITS
+    d_mask = offs_d < HEAD_DIM
+    base = (b * num_heads + h) * SPLITS + offs_s
+    m = tl.load(part_ml_ptr + base * 2, mask=s_mask, other=float("-inf"))
+    den = tl.load(part_ml_ptr + base * 2 + 1, mask=s_mask, other=0.0)
+    acc = tl.load(part_acc_ptr + base[:, None] * HEAD_DIM + offs_d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    m_all = tl.max(m, 0)
+    # Splits past the context (max -inf) and an empty context (all -inf) weigh 0; no inf - inf anywhere.
+    live = m > float("-inf")
+    m_all = tl.where(m_all > float("-inf"), m_all, 0.0)
+    w = tl.where(live, tl.exp(tl.where(live, m, m_all) - m_all), 0.0)
+    total = tl.sum(w * den, 0)
+    res = tl.sum(acc * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, kc_ptr, vc_ptr, tables_ptr, qsl_ptr, lens_ptr, out_ptr,
+    scale,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kcp, stride_kco, stride_kch, stride_vcp, stride_vco, stride_vch,
+    stride_tb,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    m0 = tl.program_id(0) * BLOCK_M
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    q_start = tl.load(qsl_ptr + b)
+    q_len = tl.load(qsl_ptr + b + 1) - q_start
+    if m0 >= q_len:
+        return
+    length = tl.load(lens_ptr + b)
+    kv_head = h // GROUP
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_mask = offs_m < q_len
+    d_mask = offs_d < HEAD_DIM
+    q_pos = length - q_len + offs_m  # absolute position of each query row
+    q = tl.load(q_ptr + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    hi = tl.minimum(length - q_len + m0 + BLOCK_M, length)  # keys past the block's last query are masked anyway
+    arange_n = tl.arange(0, BLOCK_N)
+    for n0 in range(0, hi, BLOCK_N):
+        offs_n = n0 + arange_n
+        n_mask = offs_n < hi
+        page = tl.load(tables_ptr + b * stride_tb + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
+        row = offs_n % PAGE
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(kc_ptr + page[:, None] * stride_kcp + row[:, None] * stride_kco + kv_head * stride_kch + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(vc_ptr + page[:, None] * stride_vcp + row[:, None] * stride_vco + kv_head * stride_vch + offs_d[None, :], mask=kv_mask, other=0.0)
+        if UPCAST:
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)  # padded query rows see no key
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if UPCAST:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    res = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :], res.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+
+
+def _upcast(dtype: torch.dtype) -> bool:
+    return _INTERPRET or dtype == torch.float32
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device: str) -> int:
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
+    return 4
+
+
+def write_kv_triton(*, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+    """Triton backend of `kernels.attention.write_kv` (inputs checked there).
+
+    Semantics: k_cache[s // bs, s % bs] = k[t], v_cache[s // bs, s % bs] = v[t] for s = slot_mapping[t] >= 0.
+    """
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    _write_kv_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        k_cache.shape[1], num_kv_heads,
+        HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+    )  # fmt: skip
+
+
+def paged_attention_decode_triton(
+    *, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, context_lens: Tensor, scale: float, out: Tensor, num_splits: int | None = None
+) -> None:
+    """Triton backend of `kernels.attention.paged_attention_decode` (inputs checked there).
+
+    Semantics: out[b, h] = softmax_n(scale * q[b, h] . K[b, n, h // G]) @ V[b, :, h // G] over n < context_lens[b].
+
+    num_splits: context splits per (sequence, KV head), merged afterwards (default: enough programs to
+    fill the GPU, for the longest context the block tables can hold).
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    if num_seqs == 0:
+        return
+    page, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    max_context = block_tables.shape[1] * page
+    block_n = 32 if _INTERPRET else 64
+    if num_splits is None:
+        want = triton.cdiv(2 * _num_sms(str(q.device)), num_seqs * num_kv_heads)
+        num_splits = max(1, min(want, triton.cdiv(max_context, 256), 16))
+    tokens_per_split = triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
+    part_acc = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+    part_ml = torch.empty(num_seqs, num_heads, num_splits, 2, dtype=torch.float32, device=q.device)
+    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, part_acc, part_ml, scale,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0), num_heads, tokens_per_split,
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        PAGE=page, BLOCK_N=block_n, SPLITS=num_splits, UPCAST=_upcast(q.dtype),
+    )  # fmt: skip
+    _decode_merge_kernel[(num_seqs, num_heads)](
+        part_acc, part_ml, out, out.stride(0), out.stride(1), num_heads,
+        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
+    )  # fmt: skip
+
+
+def paged_attention_prefill_triton(
+    *, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, query_start_loc: Tensor, context_lens: Tensor, scale: float, out: Tensor
+) -> None:
+    """Triton backend of `kernels.attention.paged_attention_prefill` (inputs checked there).
+
+    Semantics: out[t, h] = softmax_n(scale * q[t, h] . K[b, n, h // G]) @ V[b, :, h // G] over n <= pos(t).
+
+    The grid covers every sequence with as many query blocks as the whole batch has tokens (no host
+    sync for the longest chunk); blocks past a sequence's chunk return at once.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_seqs = context_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return
+    page, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    block_m = 16 if _INTERPRET else 64
+    block_n = 32 if _INTERPRET else 64
+    _prefill_kernel[(triton.cdiv(num_tokens, block_m), num_heads, num_seqs)](
+        q, k_cache, v_cache, block_tables, query_start_loc, context_lens, out, scale,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), PAGE=page,
+        BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=_upcast(q.dtype),
+    )  # fmt: skip
