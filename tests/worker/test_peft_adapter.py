@@ -1,0 +1,424 @@
+"""PEFT adapter loading and validation, with PEFT itself as the oracle.
+
+Adapters are made with `peft` on a random tiny Llama (hidden 64, 2 layers, GQA). For each, the
+ranks/scales we derive must equal those PEFT's own LoraLayers use, and an unmerged forward with our
+`LoRAWeights` must equal PEFT's forward and the merged model's. Every refusal is exercised.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from lorafleet.worker.peft_adapter import (
+    AdapterError,
+    LoRAWeights,
+    load_peft_adapter,
+    vocab_digest,
+)
+
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+BASE_NAME = "org/tiny-llama"
+ALL7 = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def tiny_base() -> transformers.LlamaForCausalLM:
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(1234)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    model.config._name_or_path = BASE_NAME
+    model.name_or_path = BASE_NAME
+    return model
+
+
+@pytest.fixture(scope="module")
+def model_config() -> dict:
+    return tiny_base().config.to_dict()
+
+
+def make_adapter(path, *, seed: int = 0, **lora_kwargs):
+    """Save a PEFT adapter with non-zero random B (PEFT initialises B to 0) and return the PeftModel."""
+    cfg = peft.LoraConfig(**{"lora_dropout": 0.0, **lora_kwargs})
+    pm = peft.get_peft_model(tiny_base(), cfg)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_" in name:
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+    pm.save_pretrained(str(path))
+    return pm.eval()
+
+
+def peft_modules(pm) -> dict[tuple[int, str], tuple[int, float]]:
+    """(layer, proj) -> (rank, scaling) as PEFT's own layers hold them."""
+    out = {}
+    for name, mod in pm.named_modules():
+        if isinstance(mod, peft.tuners.lora.LoraLayer) and "default" in mod.r:
+            parts = name.split(".")
+            layer = int(parts[parts.index("layers") + 1])
+            out[(layer, parts[-1])] = (mod.r["default"], mod.scaling["default"])
+    return out
+
+
+def unmerged_logits(weights: LoRAWeights, ids: torch.Tensor, base=None) -> torch.Tensor:
+    """y = W x + scale * B (A x) on every adapted Linear, from our LoRAWeights only."""
+    base = base or tiny_base()
+    hooks = []
+    for (layer, proj), m in weights.modules.items():
+        block = base.model.layers[layer]
+        linear = getattr(block.self_attn if proj in ALL7[:4] else block.mlp, proj)
+
+        def hook(mod, inputs, out, m=m):
+            x = inputs[0]
+            return out + m.scale * ((x @ m.a.to(x.dtype).T) @ m.b.to(x.dtype).T)
+
+        hooks.append(linear.register_forward_hook(hook))
+    try:
+        with torch.no_grad():
+            return base(ids).logits
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+IDS = torch.tensor([[3, 17, 42, 99, 5, 250, 7, 128, 64, 1]])
+
+CASES = {
+    "r4_qv": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    "r8_rslora_all7": dict(r=8, lora_alpha=12, use_rslora=True, target_modules=ALL7),
+    "r16_all_linear": dict(r=16, lora_alpha=7, target_modules="all-linear"),
+    "r32_regex": dict(r=32, lora_alpha=48, target_modules=r".*\.layers\.1\.(self_attn\.(k|o)_proj|mlp\.up_proj)"),
+    "patterns": dict(r=8, lora_alpha=16, target_modules=ALL7,
+                     rank_pattern={"q_proj": 4, "layers.1.mlp.down_proj": 12},
+                     # "proj" matches no module: PEFT anchors a key at a name-segment boundary.
+                     alpha_pattern={"proj": 99, "v_proj": 3, "model.layers.0.mlp.up_proj": 5}),
+    "layers_to_transform": dict(r=6, lora_alpha=9, target_modules=["q_proj", "gate_proj"], layers_to_transform=[1]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_peft_ranks_scales_and_outputs(case, tmp_path, model_config):
+    pm = make_adapter(tmp_path / case, seed=len(case), **CASES[case])
+    weights = load_peft_adapter(tmp_path / case, model_config, dtype=torch.float32, base_model_name=BASE_NAME)
+    expected = peft_modules(pm)
+    assert set(weights.modules) == set(expected)
+    for key, (r, scaling) in expected.items():
+        assert weights.modules[key].rank == r, key
+        assert weights.modules[key].scale == pytest.approx(scaling, rel=1e-12), key
+    assert weights.name == case and weights.base_model == BASE_NAME
+    assert weights.nbytes == sum(m.a.numel() * 4 + m.b.numel() * 4 for m in weights.modules.values())
+
+    # Unmerged with our weights == PEFT unmerged == merged into the base (fp32, 1e-4).
+    ours = unmerged_logits(weights, IDS)
+    with torch.no_grad():
+        theirs = pm(IDS).logits
+        merged = pm.merge_and_unload()(IDS).logits
+        base = tiny_base()(IDS).logits
+    assert (theirs - base).abs().max() > 1e-2  # the adapter does change the output
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-4)
+    torch.testing.assert_close(ours, merged, rtol=0, atol=1e-4)
+
+
+def test_pattern_semantics_follow_peft(tmp_path, model_config):
+    pm = make_adapter(tmp_path / "p", **CASES["patterns"])
+    w = load_peft_adapter(tmp_path / "p", model_config, dtype=torch.float32)
+    assert w.modules[(0, "q_proj")].rank == 4 and w.modules[(1, "q_proj")].rank == 4
+    assert w.modules[(1, "down_proj")].rank == 12 and w.modules[(0, "down_proj")].rank == 8
+    assert w.modules[(0, "v_proj")].scale == pytest.approx(3 / 8)
+    assert w.modules[(0, "up_proj")].scale == pytest.approx(5 / 8)
+    assert w.modules[(1, "up_proj")].scale == pytest.approx(16 / 8)
+    assert w.modules[(0, "q_proj")].scale == pytest.approx(16 / 4)
+    assert peft_modules(pm)[(1, "down_proj")] == (12, pytest.approx(16 / 12))
+
+
+def test_rank_alpha_metadata_travels_with_the_weights(tmp_path, model_config):
+    """Pitfall: mixing adapters of different rank/alpha gives wrong results if metadata is lost."""
+    make_adapter(tmp_path / "a", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    cfg = json.loads((tmp_path / "b" / "adapter_config.json").read_text())
+    cfg["lora_alpha"] = 32
+    (tmp_path / "b" / "adapter_config.json").write_text(json.dumps(cfg))
+    wa = load_peft_adapter(tmp_path / "a", model_config, dtype=torch.float32)
+    wb = load_peft_adapter(tmp_path / "b", model_config, dtype=torch.float32)
+    assert wa.version != wb.version  # different content, different version
+    for key, ma in wa.modules.items():
+        mb = wb.modules[key]
+        assert torch.equal(ma.a, mb.a) and torch.equal(ma.b, mb.b)
+        assert (ma.scale, mb.scale) == (2.0, 8.0)
+    out_a, out_b = unmerged_logits(wa, IDS), unmerged_logits(wb, IDS)
+    assert (out_a - out_b).abs().max() > 1e-2
+    for path, ours in ((tmp_path / "a", out_a), (tmp_path / "b", out_b)):
+        ref = peft.PeftModel.from_pretrained(tiny_base(), str(path)).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(ours, ref(IDS).logits, rtol=0, atol=1e-4)
+
+
+def test_dtype_name_and_version(tmp_path, model_config):
+    make_adapter(tmp_path / "x", r=4, lora_alpha=4, target_modules=["q_proj"])
+    w = load_peft_adapter(tmp_path / "x", model_config, dtype="bfloat16", name="tenant-a", version="v7")
+    assert (w.name, w.version) == ("tenant-a", "v7")
+    assert all(m.a.dtype == m.b.dtype == torch.bfloat16 for m in w.modules.values())
+    assert w.nbytes == sum(m.a.numel() * 2 + m.b.numel() * 2 for m in w.modules.values())
+    again = load_peft_adapter(tmp_path / "x", model_config, dtype=torch.float32)
+    assert len(again.version) == 12 and again.version == load_peft_adapter(
+        tmp_path / "x", model_config, dtype=torch.float32).version
+
+
+def test_accepts_the_engines_model_config(tmp_path):
+    model_config_mod = pytest.importorskip("lorafleet.worker.model_config")
+    tiny_base().save_pretrained(tmp_path / "base")
+    mc = model_config_mod.ModelConfig.from_dir(tmp_path / "base")
+    make_adapter(tmp_path / "x", r=4, lora_alpha=4, target_modules=ALL7)
+    w = load_peft_adapter(tmp_path / "x", mc, dtype=torch.float32)
+    assert len(w.modules) == 14
+
+
+# ---- refusals --------------------------------------------------------------------------------------
+
+def _edit_config(path, **changes):
+    cfg = json.loads((path / "adapter_config.json").read_text())
+    cfg.update(changes)
+    (path / "adapter_config.json").write_text(json.dumps(cfg))
+
+
+def test_refuses_pickle_weights_without_opening_them(tmp_path, model_config, monkeypatch):
+    def no_torch_load(*args, **kwargs):
+        raise AssertionError("torch.load must never run on adapter files")
+
+    monkeypatch.setattr(torch, "load", no_torch_load)
+    pm = peft.get_peft_model(tiny_base(), peft.LoraConfig(r=4, target_modules=["q_proj"]))
+    pm.save_pretrained(str(tmp_path / "bin"), safe_serialization=False)
+    assert (tmp_path / "bin" / "adapter_model.bin").is_file()
+    with pytest.raises(AdapterError, match=r"pickle.*adapter_model\.bin.*safetensors"):
+        load_peft_adapter(tmp_path / "bin", model_config, dtype=torch.float32)
+    # A pickle next to valid safetensors is refused too: nothing in the dir may be a pickle.
+    make_adapter(tmp_path / "both", r=4, lora_alpha=4, target_modules=["q_proj"])
+    shutil.copy(tmp_path / "bin" / "adapter_model.bin", tmp_path / "both" / "adapter_model.bin")
+    with pytest.raises(AdapterError, match="pickle"):
+        load_peft_adapter(tmp_path / "both", model_config, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(use_dora=True, target_modules=["q_proj"]), "DoRA"),
+    (dict(modules_to_save=["lm_head"], target_modules=["q_proj"]), "modules_to_save"),
+    (dict(target_modules=["embed_tokens", "q_proj"]), "embedding LoRA"),
+    (dict(target_modules=["q_proj", "lm_head"]), "lm_head"),
+    (dict(bias="lora_only", target_modules=["q_proj"]), "bias='none'"),
+], ids=["dora", "modules_to_save", "embedding", "lm_head", "bias"])
+def test_refuses_unsupported_features(kwargs, message, tmp_path, model_config):
+    make_adapter(tmp_path / "x", r=4, lora_alpha=8, **kwargs)
+    with pytest.raises(AdapterError, match=message):
+        load_peft_adapter(tmp_path / "x", model_config, dtype=torch.float32)
+
+
+def test_refuses_dora_and_embedding_tensors_even_if_config_hides_them(tmp_path, model_config):
+    make_adapter(tmp_path / "x", r=4, lora_alpha=8, use_dora=True, target_modules=["q_proj"])
+    _edit_config(tmp_path / "x", use_dora=False)
+    with pytest.raises(AdapterError, match="DoRA"):
+        load_peft_adapter(tmp_path / "x", model_config, dtype=torch.float32)
+    make_adapter(tmp_path / "e", r=4, lora_alpha=8, target_modules=["embed_tokens", "q_proj"])
+    _edit_config(tmp_path / "e", target_modules=["q_proj"])
+    with pytest.raises(AdapterError, match="embedding LoRA"):
+        load_peft_adapter(tmp_path / "e", model_config, dtype=torch.float32)
+
+
+def test_shape_mismatch_names_module_and_shapes(tmp_path, model_config):
+    make_adapter(tmp_path / "x", r=4, lora_alpha=8, target_modules=["q_proj"])
+    bigger = {**model_config, "hidden_size": 96, "head_dim": 24}
+    with pytest.raises(AdapterError) as err:
+        load_peft_adapter(tmp_path / "x", bigger, dtype=torch.float32)
+    msg = str(err.value)
+    assert "layer 0 q_proj" in msg and "[r, 96]" in msg and "[96, r]" in msg
+    assert "lora_A [4, 64]" in msg and "lora_B [64, 4]" in msg and "different base model" in msg
+    with pytest.raises(AdapterError, match=r"layer 1.*1 layers"):
+        load_peft_adapter(tmp_path / "x", {**model_config, "num_hidden_layers": 1}, dtype=torch.float32)
+
+
+def test_refuses_rank_that_disagrees_with_config(tmp_path, model_config):
+    make_adapter(tmp_path / "x", r=4, lora_alpha=8, target_modules=["q_proj"])
+    _edit_config(tmp_path / "x", r=6)
+    with pytest.raises(AdapterError, match="gives rank 6.*weights have rank 4"):
+        load_peft_adapter(tmp_path / "x", model_config, dtype=torch.float32)
+    _edit_config(tmp_path / "x", r=4, rank_pattern={"layers.1.self_attn.q_proj": 2})
+    with pytest.raises(AdapterError, match="layer 1 q_proj.*rank 2"):
+        load_peft_adapter(tmp_path / "x", model_config, dtype=torch.float32)
+
+
+def test_refuses_incomplete_or_mismatched_weight_files(tmp_path, model_config):
+    make_adapter(tmp_path / "x", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    path = tmp_path / "x" / "adapter_model.safetensors"
+    full = load_file(str(path))
+    drop_b = {k: v for k, v in full.items() if not ("layers.1.self_attn.q_proj" in k and "lora_B" in k)}
+    save_file(drop_b, str(path))
+    with pytest.raises(AdapterError, match="layer 1 q_proj has no lora_B"):
+        load_peft_adapter(tmp_path / "x", model_config, dtype=torch.float32)
+    save_file({k: v for k, v in full.items() if "layers.1.self_attn.q_proj" not in k}, str(path))
+    with pytest.raises(AdapterError, match="selects 1 module.*layer 1 q_proj"):
+        load_peft_adapter(tmp_path / "x", model_config, dtype=torch.float32)
+    save_file(full, str(path))
+    _edit_config(tmp_path / "x", target_modules=["q_proj"])
+    with pytest.raises(AdapterError, match="v_proj has weights but target_modules"):
+        load_peft_adapter(tmp_path / "x", model_config, dtype=torch.float32)
+    path.write_bytes(b"not a safetensors file")
+    _edit_config(tmp_path / "x", target_modules=["q_proj", "v_proj"])
+    with pytest.raises(AdapterError, match="cannot read safetensors"):
+        load_peft_adapter(tmp_path / "x", model_config, dtype=torch.float32)
+
+
+def test_refuses_bad_configs(tmp_path, model_config):
+    make_adapter(tmp_path / "x", r=4, lora_alpha=8, target_modules=["q_proj"])
+    _edit_config(tmp_path / "x", peft_type="IA3")
+    with pytest.raises(AdapterError, match="only LoRA"):
+        load_peft_adapter(tmp_path / "x", model_config, dtype=torch.float32)
+    _edit_config(tmp_path / "x", peft_type="LORA", target_modules=["c_attn"])
+    with pytest.raises(AdapterError, match=r"\['c_attn'\] are not projections of a Llama"):
+        load_peft_adapter(tmp_path / "x", model_config, dtype=torch.float32)
+    _edit_config(tmp_path / "x", target_modules=["q_proj"], lora_alpha=-1)
+    with pytest.raises(AdapterError, match="lora_alpha=-1"):
+        load_peft_adapter(tmp_path / "x", model_config, dtype=torch.float32)
+    (tmp_path / "x" / "adapter_config.json").write_text("{not json")
+    with pytest.raises(AdapterError, match="not valid JSON"):
+        load_peft_adapter(tmp_path / "x", model_config, dtype=torch.float32)
+    (tmp_path / "x" / "adapter_config.json").unlink()
+    with pytest.raises(AdapterError, match="adapter_config.json not found"):
+        load_peft_adapter(tmp_path / "x", model_config, dtype=torch.float32)
+    with pytest.raises(AdapterError, match="not a directory"):
+        load_peft_adapter(tmp_path / "missing", model_config, dtype=torch.float32)
+
+
+# ---- base model and tokenizer ----------------------------------------------------------------------
+
+@pytest.fixture
+def adapter_on_other_base(tmp_path):
+    make_adapter(tmp_path / "x", r=4, lora_alpha=8, target_modules=["q_proj"])
+    _edit_config(tmp_path / "x", base_model_name_or_path="meta-llama/Llama-3.2-1B")
+    return tmp_path / "x"
+
+
+def test_base_model_mismatch_strict_refuses(adapter_on_other_base, model_config):
+    for strict in (True, "strict"):
+        with pytest.raises(AdapterError, match=r"trained on base model 'meta-llama/Llama-3.2-1B'.*'tiny-llama'"):
+            load_peft_adapter(adapter_on_other_base, model_config, dtype=torch.float32, strict_base=strict,
+                              base_model_name="tiny-llama")
+
+
+def test_base_model_mismatch_warn_and_off(adapter_on_other_base, model_config, caplog):
+    with caplog.at_level(logging.WARNING, logger="lorafleet.worker.peft_adapter"):
+        for strict in (False, "warn"):
+            w = load_peft_adapter(adapter_on_other_base, model_config, dtype=torch.float32, strict_base=strict,
+                                  base_model_name="tiny-llama")
+            assert w.base_model == "meta-llama/Llama-3.2-1B"
+    assert sum("Llama-3.2-1B" in r.getMessage() for r in caplog.records) == 2
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="lorafleet.worker.peft_adapter"):
+        load_peft_adapter(adapter_on_other_base, model_config, dtype=torch.float32, strict_base="off",
+                          base_model_name="tiny-llama")
+    assert not caplog.records
+    with pytest.raises(ValueError, match="strict_base"):
+        load_peft_adapter(adapter_on_other_base, model_config, dtype=torch.float32, strict_base="maybe")
+
+
+def test_base_model_name_matches_across_hub_id_and_local_dir(tmp_path, model_config):
+    make_adapter(tmp_path / "x", r=4, lora_alpha=8, target_modules=["q_proj"])  # trained on "org/tiny-llama"
+    w = load_peft_adapter(tmp_path / "x", model_config, dtype=torch.float32,
+                          base_model_name="/srv/models/Tiny-Llama/")
+    assert w.base_model == BASE_NAME
+
+
+def _bpe_tokenizer(vocab: dict[str, int]):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[("a", "b"), ("ab", "c")]))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return tok
+
+
+VOCAB = {"a": 0, "b": 1, "c": 2, "ab": 3, "abc": 4, "d": 5}
+
+
+def test_tokenizer_mismatch_is_refused(tmp_path, model_config):
+    """Pitfall: an adapter trained with another tokenizer produces garbage on this base."""
+    base_dir = tmp_path / "base"
+    base_dir.mkdir()
+    _bpe_tokenizer(VOCAB).save(str(base_dir / "tokenizer.json"))
+    digest = vocab_digest(base_dir)
+    make_adapter(tmp_path / "x", r=4, lora_alpha=8, target_modules=["q_proj"])
+
+    # Same tokens, other ids: the same text becomes different ids -> refused.
+    swapped = {**VOCAB, "a": 5, "d": 0}
+    other = _bpe_tokenizer(swapped)
+    other.save(str(tmp_path / "x" / "tokenizer.json"))
+    assert other.encode("abc d").ids != _bpe_tokenizer(VOCAB).encode("abc d").ids
+    with pytest.raises(AdapterError, match="tokenizer whose vocabulary differs"):
+        load_peft_adapter(tmp_path / "x", model_config, dtype=torch.float32, tokenizer_digest=digest)
+    load_peft_adapter(tmp_path / "x", model_config, dtype=torch.float32, tokenizer_digest=digest, strict_base="warn")
+
+    # The same tokenizer, in tokenizer.json or as vocab.json + merges.txt, is accepted.
+    _bpe_tokenizer(VOCAB).save(str(tmp_path / "x" / "tokenizer.json"))
+    load_peft_adapter(tmp_path / "x", model_config, dtype=torch.float32, tokenizer_digest=digest)
+    (tmp_path / "x" / "tokenizer.json").unlink()
+    _bpe_tokenizer(VOCAB).model.save(str(tmp_path / "x"))
+    assert (tmp_path / "x" / "vocab.json").is_file() and (tmp_path / "x" / "merges.txt").is_file()
+    assert vocab_digest(tmp_path / "x") == digest
+    load_peft_adapter(tmp_path / "x", model_config, dtype=torch.float32, tokenizer_digest=digest)
+    # An extra added token (e.g. a new pad token) is a different vocabulary.
+    tok = _bpe_tokenizer(VOCAB)
+    tok.add_special_tokens(["<pad>"])
+    tok.save(str(tmp_path / "x" / "tokenizer.json"))
+    with pytest.raises(AdapterError, match="tokenizer"):
+        load_peft_adapter(tmp_path / "x", model_config, dtype=torch.float32, tokenizer_digest=digest)
+
+
+# ---- merged vs unmerged precision ------------------------------------------------------------------
+
+def test_merged_vs_unmerged_precision(tmp_path, model_config):
+    """Pitfall: merged and unmerged forms drift apart when precision is not aligned.
+
+    fp32: the kernel path (x@W^T, then scale * (x@A^T)@B^T added by lora_shrink/lora_expand) equals
+    x @ (W + scale*B@A)^T within 1e-4. bf16: the unmerged path accumulates the delta in fp32 and
+    rounds once into y, so y is within 1 bf16 ulp (rel 2^-8) of (bf16 base output + exact delta);
+    merging in bf16 instead rounds W + scale*B@A to bf16 and loses a small delta almost entirely.
+    """
+    lora = pytest.importorskip("lorafleet.kernels.lora")
+    layout_mod = pytest.importorskip("lorafleet.kernels.lora_layout")
+    make_adapter(tmp_path / "x", r=8, lora_alpha=16, target_modules=["q_proj"])
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(64, 64, generator=g)  # q_proj weight [out, in]
+    x = torch.randn(16, 64, generator=g)
+    for dtype in (torch.float32, torch.bfloat16):
+        weights = load_peft_adapter(tmp_path / "x", model_config, dtype=dtype)
+        m = weights.modules[(0, "q_proj")]
+        m.scale *= 1e-3  # a delta ~1000x smaller than W x: below bf16 resolution of W's entries
+        layout = layout_mod.pack_lora_layout({(0, 0, 0): (m.a, m.b, m.scale)}, num_layers=2, max_slots=1,
+                                             page_elems=256, dtype=dtype)
+        batch = layout_mod.make_lora_batch(torch.zeros(16, dtype=torch.int32), torch.tensor([8]))
+        xd, wd = x.to(dtype), w.to(dtype)
+        y = xd @ wd.T  # the shared base GEMM in the model dtype
+        base_out = y.clone()
+        xa = torch.zeros(1, 16, batch.max_rank, dtype=torch.float32)
+        lora.lora_shrink(x=xd, layout=layout, layer=0, proj_ids=[0], batch=batch, out=xa, backend="reference")
+        lora.lora_expand(xa=xa, layout=layout, layer=0, proj_ids=[0], batch=batch, y=y, out_offsets=[0],
+                         backend="reference")
+        delta64 = m.scale * (xd.double() @ m.a.double().T) @ m.b.double().T
+        merged_w = (wd.double() + m.scale * m.b.double() @ m.a.double()).to(dtype)
+        merged = xd @ merged_w.T
+        if dtype == torch.float32:
+            torch.testing.assert_close(y.double(), xd.double() @ (wd.double() + m.scale * m.b.double()
+                                                                    @ m.a.double()).T, rtol=0, atol=1e-4)
+            torch.testing.assert_close(y, merged, rtol=0, atol=1e-4)
+        else:
+            target = base_out.double() + delta64
+            assert ((y.double() - target).abs() <= target.abs() * 2**-8 + 1e-30).all()
+            err_unmerged = (y.double() - (xd.double() @ wd.double().T + delta64)).abs().mean()
+            err_merged = (merged.double() - (xd.double() @ wd.double().T + delta64)).abs().mean()
+            # Merging in bf16 loses the delta; the unmerged path keeps it (error dominated by base GEMM).
+            assert (merged_w.double() == wd.double()).float().mean() > 0.5  # most merged entries unchanged
+            assert err_merged > err_unmerged

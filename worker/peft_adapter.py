@@ -1,0 +1,466 @@
+"""PEFT LoRA directories -> validated `LoRAWeights`.
+
+A PEFT adapter dir holds `adapter_config.json` + `adapter_model.safetensors`. Everything that
+decides the adapter's output travels with the weights and is checked here, once, on load:
+
+* rank and alpha per module (`r`, `lora_alpha`, `rank_pattern`, `alpha_pattern`, `use_rslora`)
+  become one `scale` per (layer, projection); the pool and kernels never see the config again,
+  so two adapters with equal matrices but different alphas can never be confused;
+* every tensor's shape against the served base model (the error names module and shapes);
+* the base model name and, when the dir ships tokenizer files, the tokenizer vocabulary
+  (a different vocabulary turns every output into garbage), with strictness strict / warn / off;
+* features we cannot serve (DoRA, `modules_to_save`, embedding or lm_head LoRA, LoRA biases, ...)
+  are refused with a message instead of being silently ignored;
+* pickle files (`adapter_model.bin`, `*.pt`, ...) are refused outright: they are never opened.
+
+Pattern semantics follow PEFT exactly: a `rank_pattern`/`alpha_pattern` key `k` applies to module
+name `m` when `re.match(rf"(.*\\.)?({k})$", m)`, first key in dict order wins; `target_modules` is a
+regex (`re.fullmatch`) when a string, otherwise exact names or name suffixes after a dot.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from safetensors import safe_open
+
+log = logging.getLogger(__name__)
+
+PROJS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
+Strictness = Literal["strict", "warn", "off"]
+
+# base_model.model.model.layers.3.self_attn.q_proj.lora_A[.default].weight
+_KEY = re.compile(
+    r"^(?P<module>(?:.*\.)?layers\.(?P<layer>\d+)\.(?P<parent>self_attn|mlp)\.(?P<proj>[a-z_]+))"
+    r"\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$"
+)
+
+
+class AdapterError(ValueError):
+    """An adapter that cannot be served; the message names the file/module, what was expected,
+    what was found, and what to do."""
+
+
+@dataclass(slots=True)
+class ModuleLoRA:
+    """One adapted projection of one layer, on CPU."""
+
+    a: torch.Tensor  # [r, in_features]   (PEFT lora_A.weight)
+    b: torch.Tensor  # [out_features, r]  (PEFT lora_B.weight)
+    scale: float  # lora_alpha / r, or lora_alpha / sqrt(r) with use_rslora (patterns applied)
+
+    @property
+    def rank(self) -> int:
+        return self.a.shape[0]
+
+
+@dataclass(slots=True)
+class LoRAWeights:
+    """A validated PEFT adapter."""
+
+    name: str
+    version: str  # content digest prefix unless given
+    base_model: str  # base_model_name_or_path from adapter_config.json
+    modules: dict[tuple[int, str], ModuleLoRA]  # (layer index, proj name) -> weights
+    nbytes: int
+
+    @property
+    def ranks(self) -> set[int]:
+        return {m.rank for m in self.modules.values()}
+
+
+# ---- model dimensions ------------------------------------------------------------------------------
+
+def _cfg(model_config: Any, key: str, default: Any = None) -> Any:
+    if isinstance(model_config, Mapping):
+        return model_config.get(key, default)
+    return getattr(model_config, key, default)
+
+
+def projection_shapes(model_config: Any) -> dict[str, tuple[int, int]]:
+    """proj name -> (out_features, in_features) of the base model's Linear layers.
+
+    `model_config` is the engine's ModelConfig or any object/dict with HF config.json names."""
+    hidden = int(_cfg(model_config, "hidden_size"))
+    heads = int(_cfg(model_config, "num_attention_heads"))
+    kv_heads = int(_cfg(model_config, "num_key_value_heads") or heads)
+    head_dim = int(_cfg(model_config, "head_dim") or hidden // heads)
+    inter = int(_cfg(model_config, "intermediate_size"))
+    q, kv = heads * head_dim, kv_heads * head_dim
+    return {"q_proj": (q, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden), "o_proj": (hidden, q),
+            "gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
+
+
+def _module_names(num_layers: int) -> list[str]:
+    return [f"model.layers.{i}.{_PARENT[p]}.{p}" for i in range(num_layers) for p in PROJS]
+
+
+# ---- PEFT matching semantics -----------------------------------------------------------------------
+
+def pattern_key(pattern_keys: list[str], module_name: str) -> str | None:
+    """PEFT's `get_pattern_key`: the first key that matches the end of the module name."""
+    for key in pattern_keys:
+        if re.match(rf"(.*\.)?({key})$", module_name):
+            return key
+    return None
+
+
+def _layer_selected(config: dict, module_name: str) -> bool:
+    layers = config.get("layers_to_transform")
+    if layers is None or layers == []:
+        return True
+    match = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", module_name)
+    if match is None:
+        return False
+    idx = int(match["idx"])
+    return idx == layers if isinstance(layers, int) else idx in layers
+
+
+def is_targeted(config: dict, module_name: str) -> bool:
+    """PEFT's `check_target_module_exists` for the options a LoRA adapter of ours can carry."""
+    exclude = config.get("exclude_modules")
+    if exclude:
+        if isinstance(exclude, str):
+            if re.fullmatch(exclude, module_name):
+                return False
+        elif module_name in exclude or any(module_name.endswith(f".{e}") for e in exclude):
+            return False
+    targets = config.get("target_modules")
+    if targets is None:
+        return False
+    if isinstance(targets, str):
+        if targets.lower() == "all-linear":  # every Linear but the output layer
+            return module_name.rsplit(".", 1)[-1] in PROJS
+        return re.fullmatch(targets, module_name) is not None
+    if module_name in targets:
+        return True
+    found = any(module_name.endswith(f".{t}") for t in targets)
+    return found and _layer_selected(config, module_name)
+
+
+# ---- checks on adapter_config.json -----------------------------------------------------------------
+
+def _refuse_unsupported(config: dict, where: Path) -> None:
+    peft_type = str(config.get("peft_type", "LORA")).upper()
+    if peft_type != "LORA":
+        raise AdapterError(f"{where}: peft_type is {peft_type!r}; only LoRA adapters (peft_type LORA) are served")
+    checks = [
+        (config.get("use_dora"), "DoRA (use_dora=true)", "train a plain LoRA adapter (use_dora=false)"),
+        (config.get("modules_to_save"), f"modules_to_save={config.get('modules_to_save')}",
+         "retrain without modules_to_save: fully trained modules would replace shared base weights"),
+        (config.get("bias", "none") != "none", f"bias={config.get('bias')!r}", "train with bias='none'"),
+        (config.get("lora_bias"), "lora_bias=true", "train with lora_bias=false"),
+        (config.get("fan_in_fan_out"), "fan_in_fan_out=true (Conv1D layout)", "use a Llama-architecture base"),
+        (config.get("target_parameters"), "target_parameters", "target Linear modules (q/k/v/o/gate/up/down_proj)"),
+        (config.get("trainable_token_indices"), "trainable_token_indices (embedding training)",
+         "retrain without trainable tokens"),
+        (config.get("layer_replication"), "layer_replication", "retrain without layer replication"),
+        (config.get("alora_invocation_tokens"), "activated LoRA (alora_invocation_tokens)",
+         "train a plain LoRA adapter"),
+        (config.get("use_qalora"), "QA-LoRA (use_qalora=true)", "train a plain LoRA adapter"),
+    ]
+    for bad, what, todo in checks:
+        if bad:
+            raise AdapterError(f"{where}: {what} is not supported by this server; {todo}")
+    targets = config.get("target_modules")
+    if targets is None:
+        raise AdapterError(f"{where}: target_modules is missing; it must name the adapted projections")
+    for name in ("r", "lora_alpha"):
+        value = config.get(name, 8)
+        if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
+            raise AdapterError(f"{where}: {name}={value!r} must be a positive number")
+    for name in ("rank_pattern", "alpha_pattern"):
+        pattern = config.get(name) or {}
+        if not isinstance(pattern, dict) or any(not isinstance(v, int | float) or v <= 0 for v in pattern.values()):
+            raise AdapterError(f"{where}: {name} must map module-name patterns to positive numbers, got {pattern!r}")
+
+
+def _refuse_embedding_targets(config: dict, where: Path, num_layers: int) -> None:
+    """target_modules that hit the embedding or lm_head (or nothing of a Llama) are refused."""
+    targets = config.get("target_modules")
+    extra = {"model.embed_tokens": "embedding LoRA (embed_tokens)", "lm_head": "LoRA on lm_head"}
+    for name, what in extra.items():
+        if isinstance(targets, str) and targets.lower() == "all-linear":
+            continue
+        if is_targeted(config, name):
+            raise AdapterError(f"{where}: {what} is not supported; target only q/k/v/o/gate/up/down_proj")
+    if isinstance(targets, list | tuple | set):
+        unknown = [t for t in targets if t.rsplit(".", 1)[-1] not in PROJS and t not in _module_names(num_layers)]
+        if unknown:
+            raise AdapterError(
+                f"{where}: target_modules {sorted(unknown)} are not projections of a Llama model; "
+                f"supported: {', '.join(PROJS)}"
+            )
+
+
+# ---- base model and tokenizer ----------------------------------------------------------------------
+
+def _strictness(strict_base: bool | str) -> Strictness:
+    if strict_base is True:
+        return "strict"
+    if strict_base is False:
+        return "warn"
+    if strict_base not in ("strict", "warn", "off"):
+        raise ValueError(f"strict_base must be True/False or 'strict'/'warn'/'off', got {strict_base!r}")
+    return strict_base
+
+
+def _short_name(name: str) -> str:
+    return name.rstrip("/").rsplit("/", 1)[-1].lower()
+
+
+def _mismatch(mode: Strictness, message: str) -> None:
+    if mode == "strict":
+        raise AdapterError(message)
+    if mode == "warn":
+        log.warning("%s (accepted: strictness is 'warn')", message)
+
+
+def _vocab_and_merges_from_dir(path: Path) -> tuple[dict[str, int], list[str]] | None:
+    tok_json = path / "tokenizer.json"
+    if tok_json.is_file():
+        raw = json.loads(tok_json.read_text(encoding="utf-8"))
+        model = raw.get("model") or {}
+        vocab = dict(model.get("vocab") or {}) if isinstance(model.get("vocab"), dict) else {
+            piece[0]: i for i, piece in enumerate(model.get("vocab") or [])  # Unigram: [[piece, score], ...]
+        }
+        merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
+        for tok in raw.get("added_tokens") or []:
+            vocab[tok["content"]] = tok["id"]
+        return vocab, merges
+    vocab_json = path / "vocab.json"
+    if vocab_json.is_file():
+        vocab = json.loads(vocab_json.read_text(encoding="utf-8"))
+        merges_txt = path / "merges.txt"
+        merges = []
+        if merges_txt.is_file():
+            merges = [ln for ln in merges_txt.read_text(encoding="utf-8").splitlines()
+                      if ln and not ln.startswith("#version")]
+        added = path / "added_tokens.json"
+        if added.is_file():
+            vocab.update(json.loads(added.read_text(encoding="utf-8")))
+        cfg = path / "tokenizer_config.json"
+        if cfg.is_file():
+            for idx, tok in (json.loads(cfg.read_text(encoding="utf-8")).get("added_tokens_decoder") or {}).items():
+                vocab[tok["content"]] = int(idx)
+        return vocab, merges
+    return None
+
+
+def vocab_digest(path: str | Path) -> str | None:
+    """Digest of a tokenizer's vocabulary (token -> id, added tokens included) and BPE merges.
+
+    `path` is a model/adapter dir or a tokenizer.json; None when it holds no tokenizer files we can
+    read. Equal digests mean the same text becomes the same ids, whatever file format carried them.
+    """
+    path = Path(path)
+    if path.is_file():
+        path = path.parent
+    found = _vocab_and_merges_from_dir(path)
+    if found is None:
+        return None
+    vocab, merges = found
+    h = hashlib.sha256()
+    h.update(json.dumps(sorted(vocab.items(), key=lambda kv: (kv[1], kv[0])), ensure_ascii=False).encode())
+    h.update(b"\0merges\0")
+    h.update("\n".join(merges).encode())
+    return h.hexdigest()
+
+
+# ---- loading ---------------------------------------------------------------------------------------
+
+def _refuse_pickles(path: Path) -> None:
+    pickles = sorted(p.name for p in path.iterdir() if p.is_file() and p.suffix.lower() in PICKLE_SUFFIXES)
+    if pickles:
+        raise AdapterError(
+            f"{path}: refusing pickle file(s) {pickles}: loading a pickle can run arbitrary code. "
+            f"Convert the adapter to {WEIGHTS_FILE} (e.g. save it with PEFT's save_pretrained, "
+            f"safe_serialization=True) and remove the pickle files"
+        )
+
+
+def _read_config(path: Path) -> dict:
+    config_path = path / CONFIG_FILE
+    if not config_path.is_file():
+        raise AdapterError(f"{path}: {CONFIG_FILE} not found; a PEFT adapter dir needs {CONFIG_FILE} + {WEIGHTS_FILE}")
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise AdapterError(f"{config_path}: not valid JSON ({exc})") from exc
+    if not isinstance(config, dict):
+        raise AdapterError(f"{config_path}: expected a JSON object")
+    return config
+
+
+def _module_rank_alpha(config: dict, module_name: str) -> tuple[float, float]:
+    rank_pattern = config.get("rank_pattern") or {}
+    alpha_pattern = config.get("alpha_pattern") or {}
+    r_key = pattern_key(list(rank_pattern), module_name)
+    a_key = pattern_key(list(alpha_pattern), module_name)
+    r = rank_pattern[r_key] if r_key is not None else config.get("r", 8)
+    alpha = alpha_pattern[a_key] if a_key is not None else config.get("lora_alpha", 8)
+    return r, alpha
+
+
+def _scale(config: dict, r: float, alpha: float) -> float:
+    return alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
+
+
+def load_peft_adapter(
+    path: str | Path,
+    model_config: Any,
+    *,
+    dtype: torch.dtype | str = torch.float32,
+    strict_base: bool | Strictness = True,
+    base_model_name: str | None = None,
+    tokenizer_digest: str | None = None,
+    name: str | None = None,
+    version: str | None = None,
+) -> LoRAWeights:
+    """Load and validate a PEFT LoRA dir for a base described by `model_config`.
+
+    strict_base: "strict" (True) refuses a base-model-name or tokenizer mismatch, "warn" (False)
+    logs it, "off" skips both checks. base_model_name / tokenizer_digest describe the served base;
+    None skips that check. Raises AdapterError.
+    """
+    path = Path(path)
+    mode = _strictness(strict_base)
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    if not path.is_dir():
+        raise AdapterError(f"{path}: not a directory; an adapter is a PEFT dir with {CONFIG_FILE} + {WEIGHTS_FILE}")
+    _refuse_pickles(path)
+    config = _read_config(path)
+    _refuse_unsupported(config, path)
+    num_layers = int(_cfg(model_config, "num_hidden_layers"))
+    _refuse_embedding_targets(config, path, num_layers)
+    base = config.get("base_model_name_or_path") or ""
+    if mode != "off":
+        if base_model_name and base and _short_name(base) != _short_name(base_model_name):
+            _mismatch(mode, f"{path}: adapter was trained on base model {base!r}, this server serves "
+                            f"{base_model_name!r}; serve it on its own base, or load with strictness 'warn'/'off'")
+        theirs = vocab_digest(path)
+        if tokenizer_digest and theirs and theirs != tokenizer_digest:
+            _mismatch(mode, f"{path}: the adapter ships a tokenizer whose vocabulary differs from the served "
+                            f"base model's; its outputs would be decoded with the wrong ids. Serve it on the base "
+                            f"it was trained with, or remove the tokenizer files if they are in fact the same")
+
+    weights_path = path / WEIGHTS_FILE
+    if not weights_path.is_file():
+        raise AdapterError(f"{path}: {WEIGHTS_FILE} not found (only safetensors weights are accepted)")
+    shapes = projection_shapes(model_config)
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    module_names: dict[tuple[int, str], str] = {}
+    try:
+        with safe_open(str(weights_path), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open handles are not mappings)
+                layer, proj, ab, module = _classify_key(key, path)
+                if proj not in PROJS:
+                    raise AdapterError(f"{path}: tensor {key!r} adapts {proj!r}, which is not a Llama projection; "
+                                       f"supported: {', '.join(PROJS)}")
+                if layer >= num_layers:
+                    raise AdapterError(f"{path}: tensor {key!r} is for layer {layer}, but the base model has "
+                                       f"{num_layers} layers (0..{num_layers - 1}); wrong base model?")
+                pairs.setdefault((layer, proj), {})[ab] = f.get_tensor(key)
+                module_names[(layer, proj)] = module
+    except AdapterError:
+        raise
+    except Exception as exc:  # a truncated or foreign file
+        raise AdapterError(f"{weights_path}: cannot read safetensors ({exc})") from exc
+    if not pairs:
+        raise AdapterError(f"{weights_path}: holds no LoRA tensors (lora_A/lora_B of q/k/v/o/gate/up/down_proj)")
+
+    modules: dict[tuple[int, str], ModuleLoRA] = {}
+    for (layer, proj), ab in sorted(pairs.items()):
+        module = f"model.layers.{layer}.{_PARENT[proj]}.{proj}"
+        label = f"layer {layer} {proj}"
+        if set(ab) != {"A", "B"}:
+            missing = "lora_B" if "A" in ab else "lora_A"
+            raise AdapterError(f"{path}: {label} has no {missing} weight; the file is incomplete")
+        if not is_targeted(config, module) and not is_targeted(config, module_names[(layer, proj)]):
+            raise AdapterError(f"{path}: {label} has weights but target_modules={config.get('target_modules')!r} "
+                               f"does not select it; adapter_config.json does not belong to these weights")
+        a, b = ab["A"], ab["B"]
+        out_f, in_f = shapes[proj]
+        r, alpha = _module_rank_alpha(config, module)
+        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != in_f or b.shape[0] != out_f or a.shape[0] != b.shape[1]:
+            raise AdapterError(
+                f"{path}: {label}: expected lora_A [r, {in_f}] and lora_B [{out_f}, r] for this base model, "
+                f"found lora_A {list(a.shape)} and lora_B {list(b.shape)}; the adapter was trained on a "
+                f"different base model"
+            )
+        if a.shape[0] != r:
+            raise AdapterError(
+                f"{path}: {label}: adapter_config.json gives rank {r} (r / rank_pattern) but the weights have "
+                f"rank {a.shape[0]}; the config does not belong to these weights"
+            )
+        for t in (a, b):
+            if not torch.is_floating_point(t) or not torch.isfinite(t).all():
+                raise AdapterError(f"{path}: {label}: weights contain non-finite or non-float values")
+        modules[(layer, proj)] = ModuleLoRA(a=a.to(dtype).contiguous(), b=b.to(dtype).contiguous(),
+                                            scale=float(_scale(config, r, alpha)))
+
+    _refuse_missing_targets(config, modules, num_layers, path)
+    nbytes = sum(m.a.numel() * m.a.element_size() + m.b.numel() * m.b.element_size() for m in modules.values())
+    return LoRAWeights(
+        name=name or path.name,
+        version=version or _content_digest(path)[:12],
+        base_model=base,
+        modules=modules,
+        nbytes=nbytes,
+    )
+
+
+def _classify_key(key: str, path: Path) -> tuple[int, str, str, str]:
+    match = _KEY.match(key)
+    if match:
+        module = match["module"]
+        module = module[len("base_model.model."):] if module.startswith("base_model.model.") else module
+        return int(match["layer"]), match["proj"], match["ab"], module
+    if "lora_embedding_" in key or "embed_tokens" in key:
+        raise AdapterError(f"{path}: tensor {key!r}: embedding LoRA is not supported; "
+                           f"target only q/k/v/o/gate/up/down_proj")
+    if "lora_magnitude_vector" in key:
+        raise AdapterError(f"{path}: tensor {key!r}: DoRA is not supported; train a plain LoRA adapter")
+    if "modules_to_save" in key or "lm_head" in key:
+        raise AdapterError(f"{path}: tensor {key!r}: fully trained modules / lm_head LoRA are not supported; "
+                           f"retrain without modules_to_save and without targeting lm_head")
+    if key.endswith(".bias"):
+        raise AdapterError(f"{path}: tensor {key!r}: LoRA biases are not supported; train with bias='none'")
+    raise AdapterError(f"{path}: unexpected tensor {key!r}; expected "
+                       f"'...layers.N.(self_attn|mlp).<proj>.lora_(A|B).weight'")
+
+
+def _refuse_missing_targets(config: dict, modules: dict, num_layers: int, path: Path) -> None:
+    """target_modules selects a projection the file has no weights for: a truncated or mixed-up file."""
+    missing = []
+    for layer in range(num_layers):
+        for proj in PROJS:
+            module = f"model.layers.{layer}.{_PARENT[proj]}.{proj}"
+            if (layer, proj) not in modules and is_targeted(config, module):
+                missing.append(f"layer {layer} {proj}")
+    if missing:
+        raise AdapterError(f"{path}: target_modules selects {len(missing)} module(s) with no weights in "
+                           f"{WEIGHTS_FILE} (first: {missing[0]}); the file is incomplete or for another base")
+
+
+def _content_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        with open(path / name, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
