@@ -41,3 +41,24 @@ def random_weights(seed: int, rank: int = 8, dims: ModelDims = TINY_DIMS, projs=
             modules[(layer, proj)] = Module(a, b, alpha / rank)
     nbytes = sum(m.a.numel() * m.a.element_size() + m.b.numel() * m.b.element_size() for m in modules.values())
     return Weights(name, version, modules, nbytes)
+
+
+ALL_PROJS = list(PROJS)
+
+
+def make_peft_adapter(base_dir, out_dir, *, rank: int, seed: int, targets=ALL_PROJS, alpha: float | None = None,
+                      use_rslora: bool = False):
+    """A real PEFT adapter (peft's own save_pretrained) with random non-zero A and B."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    base = LlamaForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, target_modules=list(targets),
+                                            lora_dropout=0.0, use_rslora=use_rslora))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:  # PEFT starts B at zero (a no-op adapter): make both matter
+                p.copy_(torch.randn(p.shape, generator=g) * 0.15)
+    model.save_pretrained(out_dir)
+    return out_dir

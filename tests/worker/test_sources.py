@@ -1,0 +1,137 @@
+"""Adapter sources: allow-lists for local roots and S3 prefixes, `..` and symlink escapes, digests."""
+
+import os
+
+import pytest
+
+from lorafleet.worker.disk_cache import DiskCache
+from lorafleet.worker.sources import (
+    SourceError,
+    Sources,
+    SourcesConfig,
+    adapter_digest,
+    parse_s3,
+    verify_digest,
+)
+
+
+def fake_adapter(path, payload=b"weights"):
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "adapter_config.json").write_text('{"r": 4}')
+    (path / "adapter_model.safetensors").write_bytes(payload)
+    return path
+
+
+@pytest.fixture
+def roots(tmp_path):
+    root = tmp_path / "root"
+    outside = tmp_path / "outside"
+    fake_adapter(root / "good")
+    fake_adapter(outside / "secret")
+    return root, outside
+
+
+def test_local_paths_inside_a_root_are_allowed(roots):
+    root, _ = roots
+    src = Sources(SourcesConfig(local_roots=[str(root)]))
+    assert src.local_path(str(root / "good")) == (root / "good").resolve()
+    assert src.local_path(f"file://{root / 'good'}") == (root / "good").resolve()
+
+
+@pytest.mark.parametrize("how", ["dotdot", "outside", "symlink_dir", "symlink_file", "relative", "no_roots"])
+def test_escapes_are_refused(roots, how):
+    root, outside = roots
+    src = Sources(SourcesConfig(local_roots=[] if how == "no_roots" else [str(root)]))
+    if how == "dotdot":
+        uri = f"{root}/../outside/secret"
+    elif how == "outside":
+        uri = str(outside / "secret")
+    elif how == "symlink_dir":
+        os.symlink(outside / "secret", root / "link")
+        uri = str(root / "link")
+    elif how == "symlink_file":
+        d = root / "sneaky"
+        d.mkdir()
+        (d / "adapter_config.json").write_text("{}")
+        os.symlink(outside / "secret" / "adapter_model.safetensors", d / "adapter_model.safetensors")
+        uri = str(d)
+    elif how == "relative":
+        uri = "good"
+    else:
+        uri = str(root / "good")
+    with pytest.raises(SourceError) as err:
+        src.local_path(uri)
+    assert err.value.kind in ("not_allowed", "bad_uri")
+
+
+def test_missing_directory(roots):
+    root, _ = roots
+    with pytest.raises(SourceError, match="no such adapter directory"):
+        Sources(SourcesConfig(local_roots=[str(root)])).local_path(str(root / "nope"))
+
+
+def test_s3_uris_parse_and_the_allow_list_holds():
+    assert parse_s3("s3://bucket/a/b") == parse_s3("s3://bucket/a/b/")
+    assert parse_s3("s3://bucket/a/b").prefix == "a/b/"
+    for bad in ("s3://", "s3:///x", "s3://b/a/../c/", "http://b/x"):
+        with pytest.raises(SourceError):
+            parse_s3(bad)
+    src = Sources(SourcesConfig(s3_allow=["adapters/team/", "open"]))
+    assert src.check_s3("s3://adapters/team/sql/").bucket == "adapters"
+    assert src.check_s3("s3://open/anything/").prefix == "anything/"
+    for refused in ("s3://adapters/teamX/sql/", "s3://adapters/other/", "s3://private/team/"):
+        with pytest.raises(SourceError) as err:
+            src.check_s3(refused)
+        assert err.value.kind == "not_allowed"
+
+
+def test_env_config(monkeypatch):
+    cfg = SourcesConfig.from_env({"LORAFLEET_S3_ENDPOINT": "127.0.0.1:9000", "AWS_ACCESS_KEY_ID": "ak",
+                                  "LORAFLEET_S3_SECRET_KEY": "sk", "LORAFLEET_S3_SECURE": "false",
+                                  "LORAFLEET_S3_ALLOW": "a/x/,b"})
+    assert (cfg.s3_endpoint, cfg.s3_access_key, cfg.s3_secret_key, cfg.s3_secure) == ("127.0.0.1:9000", "ak", "sk", False)
+    assert cfg.s3_allow == ["a/x/", "b"]
+
+
+def test_digest_is_the_adapter_content_digest(tmp_path):
+    import hashlib
+
+    d = fake_adapter(tmp_path / "a", b"abc")
+    expected = hashlib.sha256(b'{"r": 4}' + b"abc").hexdigest()
+    assert adapter_digest(d) == expected == verify_digest(d, expected.upper(), "x")
+    with pytest.raises(SourceError, match="sha256 mismatch") as err:
+        verify_digest(d, "0" * 64, "s3://b/a/")
+    assert err.value.kind == "digest_mismatch"
+
+
+def test_digest_agrees_with_the_peft_loader_version(tmp_path, tiny_llama_dir):
+    from lorafleet.worker.model_config import ModelConfig
+    from lorafleet.worker.peft_adapter import load_peft_adapter
+    from tests.lora_factory import make_peft_adapter
+
+    d = make_peft_adapter(tiny_llama_dir, tmp_path / "p", rank=4, seed=0, targets=["q_proj"])
+    w = load_peft_adapter(d, ModelConfig.from_dir(tiny_llama_dir), dtype=__import__("torch").float32,
+                          strict_base="off")
+    assert adapter_digest(d).startswith(w.version)
+
+
+def test_disk_cache_is_atomic_and_keeps_its_budget(tmp_path):
+    cache = DiskCache(tmp_path / "c", budget_bytes=25)
+
+    def fill(n):
+        return lambda d: (d / "f").write_bytes(b"x" * n)
+
+    cache.put("a", fill(10))
+    cache.put("b", fill(10))
+    with pytest.raises(RuntimeError):
+        cache.put("c", lambda d: (_ for _ in ()).throw(RuntimeError("download broke")))
+    assert sorted(p.name for p in (tmp_path / "c").iterdir()) == ["a", "b"]  # no half entry, no temp dir
+    cache.get("a")  # a is now more recent than b
+    cache.put("d", fill(10))
+    assert sorted(cache.entries()) == ["a", "d"] and cache.evictions == 1
+    cache.put("e", fill(10), protect={"a"})
+    assert "a" in cache.entries()
+    (tmp_path / "c" / ".tmp-x-123").mkdir()  # a crash mid-download
+    again = DiskCache(tmp_path / "c", budget_bytes=100)
+    assert sorted(again.entries()) == sorted(cache.entries())
+    assert not (tmp_path / "c" / ".tmp-x-123").exists()

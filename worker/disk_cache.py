@@ -1,0 +1,95 @@
+"""DiskCache: the node-local disk tier of staged adapter directories, with a byte budget.
+
+Entries are directories `root/<key>`; a key is content-addressed (the adapter's sha256) when the
+digest is known. Writes are atomic: an entry is filled in `root/.tmp-<key>-<random>` and renamed into
+place only when complete and verified, so a reader never sees half a download and a crash leaves
+only a temp directory (removed at the next start). Over budget, least recently used entries go first,
+except the protected ones (adapters the current directives need).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+_TMP = ".tmp-"
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
+
+
+class DiskCache:
+    def __init__(self, root: Path, budget_bytes: int) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.budget_bytes = budget_bytes
+        self._lock = threading.Lock()
+        self._clock = 0
+        self._used: dict[str, int] = {}  # key -> logical time of last use
+        self._bytes: dict[str, int] = {}
+        self.evictions = 0
+        for child in sorted(self.root.iterdir()):
+            if child.name.startswith(_TMP):
+                shutil.rmtree(child, ignore_errors=True)  # a download interrupted by a crash
+            elif child.is_dir():
+                self._bytes[child.name] = dir_bytes(child)
+                self._used[child.name] = 0
+
+    def get(self, key: str) -> Path | None:
+        with self._lock:
+            if key not in self._bytes:
+                return None
+            self._clock += 1
+            self._used[key] = self._clock
+            return self.root / key
+
+    def put(self, key: str, fill: Callable[[Path], None], *, protect: set[str] = frozenset()) -> Path:
+        """Create entry `key` by `fill(tmp_dir)`; `fill` raising leaves nothing behind."""
+        if "/" in key or key.startswith(".") or not key:
+            raise ValueError(f"bad cache key {key!r}")
+        tmp = self.root / f"{_TMP}{key}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        try:
+            fill(tmp)
+            size = dir_bytes(tmp)
+            final = self.root / key
+            with self._lock:
+                if final.exists():  # a concurrent fill won; its content is the same (same key)
+                    shutil.rmtree(tmp, ignore_errors=True)
+                else:
+                    os.rename(tmp, final)
+                    self._bytes[key] = size
+                self._clock += 1
+                self._used[key] = self._clock
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        self.trim(protect | {key})
+        return final
+
+    def trim(self, protect: set[str] = frozenset()) -> None:
+        with self._lock:
+            total = sum(self._bytes.values())
+            for key in sorted(self._bytes, key=lambda k: self._used[k]):
+                if total <= self.budget_bytes:
+                    break
+                if key in protect:
+                    continue
+                shutil.rmtree(self.root / key, ignore_errors=True)
+                total -= self._bytes.pop(key)
+                self._used.pop(key, None)
+                self.evictions += 1
+
+    def entries(self) -> list[str]:
+        with self._lock:
+            return list(self._bytes)
+
+    @property
+    def used_bytes(self) -> int:
+        with self._lock:
+            return sum(self._bytes.values())

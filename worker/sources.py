@@ -1,0 +1,223 @@
+"""Adapter sources: where a PEFT directory may come from, and getting it onto local disk.
+
+A source URI is a local path (`/abs/dir`), `file:///abs/dir`, or `s3://bucket/prefix/`. Only
+configured locations are allowed: local paths must lie under one of `local_roots` (after resolving
+symlinks, so a link pointing out of a root is refused, and so is `..`), S3 URIs must fall under one
+of `s3_allow` (`bucket` or `bucket/prefix/`). Object-store access (minio client; endpoint,
+credentials and TLS from the config or `LORAFLEET_S3_*` env vars) happens only in the stager.
+
+The digest of an adapter directory is sha256 over `adapter_config.json` then
+`adapter_model.safetensors` (the bytes of both, in that order) — the same value `load_peft_adapter`
+uses as its default version, so a directive's `sha256` and an adapter's version agree.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+ADAPTER_FILES = (CONFIG_FILE, WEIGHTS_FILE)
+# What a PEFT directory may carry besides the adapter itself (tokenizer files are checked on load).
+OPTIONAL_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "README.md")
+
+
+class SourceError(ValueError):
+    """A source that is not allowed, malformed, missing, or whose digest does not match.
+    `kind`: not_allowed | bad_uri | missing | digest_mismatch | too_large."""
+
+    def __init__(self, message: str, kind: str = "bad_uri") -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass(slots=True, frozen=True)
+class S3Location:
+    bucket: str
+    prefix: str  # always ends with "/" (or is "")
+
+    @property
+    def uri(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}"
+
+
+@dataclass(slots=True)
+class SourcesConfig:
+    local_roots: list[str] = field(default_factory=list)
+    s3_allow: list[str] = field(default_factory=list)  # "bucket" or "bucket/prefix/"
+    s3_endpoint: str | None = None  # host:port
+    s3_access_key: str | None = None
+    s3_secret_key: str | None = None
+    s3_secure: bool = True
+    s3_region: str | None = None
+    max_file_bytes: int = 4 << 30  # refuse absurd objects instead of filling the disk
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None, **overrides) -> SourcesConfig:
+        env = dict(os.environ if env is None else env)
+
+        def split(name: str) -> list[str]:
+            return [v for v in env.get(name, "").split(",") if v]
+
+        cfg = cls(
+            local_roots=split("LORAFLEET_LOCAL_ROOTS"),
+            s3_allow=split("LORAFLEET_S3_ALLOW"),
+            s3_endpoint=env.get("LORAFLEET_S3_ENDPOINT"),
+            s3_access_key=env.get("LORAFLEET_S3_ACCESS_KEY") or env.get("AWS_ACCESS_KEY_ID"),
+            s3_secret_key=env.get("LORAFLEET_S3_SECRET_KEY") or env.get("AWS_SECRET_ACCESS_KEY"),
+            s3_secure=env.get("LORAFLEET_S3_SECURE", "true").lower() not in ("0", "false", "no"),
+            s3_region=env.get("LORAFLEET_S3_REGION") or env.get("AWS_REGION"),
+        )
+        for key, value in overrides.items():
+            setattr(cfg, key, value)
+        return cfg
+
+
+def parse_s3(uri: str) -> S3Location:
+    if not uri.startswith("s3://"):
+        raise SourceError(f"{uri!r} is not an s3:// URI")
+    bucket, _, prefix = uri[len("s3://"):].partition("/")
+    if not bucket:
+        raise SourceError(f"{uri!r}: no bucket (expected s3://bucket/prefix/)")
+    parts = PurePosixPath(prefix).parts if prefix else ()
+    if any(p in ("..", ".") for p in parts) or prefix.startswith("/"):
+        raise SourceError(f"{uri!r}: '..', '.' and empty segments are not allowed in an object prefix")
+    prefix = "/".join(parts)
+    return S3Location(bucket, prefix + "/" if prefix else "")
+
+
+class Sources:
+    """Checks URIs against the allow-list and fetches them (local: resolve; S3: download)."""
+
+    def __init__(self, config: SourcesConfig) -> None:
+        self.config = config
+        self._roots = [Path(r).resolve() for r in config.local_roots]
+        self._client = None
+
+    # ---- checks --------------------------------------------------------------------------------
+    def is_s3(self, uri: str) -> bool:
+        return uri.startswith("s3://")
+
+    def check_s3(self, uri: str) -> S3Location:
+        loc = parse_s3(uri)
+        for entry in self.config.s3_allow:
+            bucket, _, prefix = entry.partition("/")
+            prefix = prefix.strip("/")
+            if bucket == loc.bucket and (not prefix or loc.prefix.startswith(prefix + "/")):
+                return loc
+        raise SourceError(f"{uri}: bucket/prefix not in the allow-list ({', '.join(self.config.s3_allow) or 'empty'}); "
+                          f"add it to LORAFLEET_S3_ALLOW", "not_allowed")
+
+    def local_path(self, uri: str) -> Path:
+        """The resolved directory of a local source, refused unless it lies inside a configured root."""
+        raw = uri[len("file://"):] if uri.startswith("file://") else uri
+        if not raw.startswith("/"):
+            raise SourceError(f"{uri!r}: local sources must be absolute paths or file:// URIs")
+        if ".." in PurePosixPath(raw).parts:
+            raise SourceError(f"{uri!r}: '..' is not allowed in adapter paths")
+        path = Path(raw).resolve()  # follows symlinks: a link out of a root lands outside it
+        if not any(path == root or path.is_relative_to(root) for root in self._roots):
+            raise SourceError(f"{uri}: resolves to {path}, outside the allowed local roots "
+                              f"({', '.join(map(str, self._roots)) or 'none configured'})", "not_allowed")
+        if not path.is_dir():
+            raise SourceError(f"{uri}: no such adapter directory", "missing")
+        for name in ADAPTER_FILES:
+            f = path / name
+            if f.is_symlink() and not any(f.resolve().is_relative_to(r) for r in self._roots):
+                raise SourceError(f"{f}: symlink points outside the allowed roots", "not_allowed")
+        return path
+
+    # ---- fetching ------------------------------------------------------------------------------
+    def client(self):
+        if self._client is None:
+            from minio import Minio
+
+            c = self.config
+            if not c.s3_endpoint:
+                raise SourceError("no object store configured: set LORAFLEET_S3_ENDPOINT (host:port)")
+            import urllib3
+
+            # Fail fast when the store is down (minio's default retries for minutes).
+            http = urllib3.PoolManager(timeout=urllib3.Timeout(connect=3.0, read=30.0),
+                                       retries=urllib3.Retry(total=2, backoff_factor=0.1, connect=1))
+            self._client = Minio(c.s3_endpoint, access_key=c.s3_access_key, secret_key=c.s3_secret_key,
+                                 secure=c.s3_secure, region=c.s3_region, http_client=http)
+        return self._client
+
+    def download(self, uri: str, dest: Path, *, progress: Callable[[int, int], None] | None = None) -> Path:
+        """Download the adapter files under an allowed S3 prefix into `dest` (created). Only the PEFT
+        files are fetched; anything else under the prefix (pickles included) is ignored.
+        `progress(done_bytes, total_bytes)` is called as bytes arrive."""
+        loc = self.check_s3(uri)
+        client = self.client()
+        wanted = {loc.prefix + n: n for n in (*ADAPTER_FILES, *OPTIONAL_FILES)}
+        objects = {o.object_name: o.size for o in client.list_objects(loc.bucket, prefix=loc.prefix)
+                   if o.object_name in wanted}
+        missing = [n for n in ADAPTER_FILES if loc.prefix + n not in objects]
+        if missing:
+            raise SourceError(f"{uri}: missing {', '.join(missing)} (a PEFT adapter directory needs both; "
+                              f"pickle .bin files are not served)", "missing")
+        total = sum(objects.values())
+        if any(size > self.config.max_file_bytes for size in objects.values()):
+            raise SourceError(f"{uri}: an object is larger than max_file_bytes={self.config.max_file_bytes}",
+                              "too_large")
+        dest.mkdir(parents=True, exist_ok=True)
+        done = 0
+        for key, size in sorted(objects.items()):
+            response = client.get_object(loc.bucket, key)
+            try:
+                with open(dest / wanted[key], "wb") as f:
+                    for chunk in response.stream(1 << 20):
+                        f.write(chunk)
+                        done += len(chunk)
+                        if progress is not None:
+                            progress(done, total)
+            finally:
+                response.close()
+                response.release_conn()
+            if (dest / wanted[key]).stat().st_size != size:
+                raise SourceError(f"{uri}{wanted[key]}: got {(dest / wanted[key]).stat().st_size} of {size} bytes",
+                                  "missing")
+        return dest
+
+
+    def object_etags(self, uri: str) -> list[tuple[str, str]]:
+        """(name, etag) of the adapter files under an S3 prefix: identifies content without a digest."""
+        loc = self.check_s3(uri)
+        names = {loc.prefix + n for n in (*ADAPTER_FILES, *OPTIONAL_FILES)}
+        return sorted((o.object_name, o.etag or "") for o in self.client().list_objects(loc.bucket, prefix=loc.prefix)
+                      if o.object_name in names)
+
+    def list_adapters(self, uri: str) -> list[str]:
+        """URIs of the adapter directories (folders with adapter_config.json) directly under a prefix."""
+        loc = self.check_s3(uri)
+        found = []
+        for o in self.client().list_objects(loc.bucket, prefix=loc.prefix, recursive=True):
+            rest = o.object_name[len(loc.prefix):]
+            folder, _, name = rest.partition("/")
+            if name == CONFIG_FILE and folder:
+                found.append(f"s3://{loc.bucket}/{loc.prefix}{folder}/")
+        return sorted(found)
+
+
+def adapter_digest(path: Path) -> str:
+    """sha256 over adapter_config.json then adapter_model.safetensors."""
+    h = hashlib.sha256()
+    for name in ADAPTER_FILES:
+        with open(Path(path) / name, "rb") as f:
+            for chunk in iter(lambda f=f: f.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def verify_digest(path: Path, sha256: str | None, where: str) -> str:
+    """The directory's digest; raises SourceError when `sha256` is given and differs."""
+    digest = adapter_digest(path)
+    if sha256 is not None and digest != sha256.lower():
+        raise SourceError(f"{where}: sha256 mismatch: expected {sha256}, the files hash to {digest} "
+                          f"(corrupt or changed upload; fix the object or the directive's sha256)", "digest_mismatch")
+    return digest

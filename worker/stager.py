@@ -1,0 +1,382 @@
+"""The stager: its own process beside the engine (the pod's sidecar, or a child the worker starts).
+
+It is the only component that talks to the object store or holds its credentials. It downloads
+adapter directories, checks their sha256, and writes them atomically into the node-local disk cache
+(`DiskCache`); the engine loads from local disk only. HTTP on localhost, every call but `/healthz`
+needs `Authorization: Bearer <stager token>`:
+
+* `POST /v1/stage {"uri", "sha256"?}` -> `{"path", "sha256", "cached", "bytes"}`: the engine asks for
+  an adapter it lacks. Concurrent requests for one adapter share one download.
+* `PUT /v1/directives` (a `DesiredState`): stage every version, then forward the state with local
+  paths to the engine's `PUT /admin/v1/state`. Same generation: no-op; lower: 409. A version that
+  cannot be staged (store down, digest mismatch) is reported with its error; an adapter whose new
+  version fails keeps its previously forwarded (already local) version, so the store being down
+  never takes away what is served.
+* `GET /v1/state`: the engine's `ReportedState`, plus tier `disk` for staged versions the engine has
+  not loaded, staging errors, and a `disk` section (cache bytes, downloads, hits).
+
+Run: `python -m lorafleet.worker.stager --stager-port 8100 --stager-cache-dir /cache ...`; the
+token comes from `LORAFLEET_STAGER_TOKEN` (an environment variable, so it is not visible in `ps`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aiohttp import ClientSession, ClientTimeout, web
+
+from lorafleet.worker.cli import config_from_args
+from lorafleet.worker.directives import (
+    AdapterDirective,
+    AdapterState,
+    DesiredState,
+    DirectiveError,
+    ReportedState,
+    VersionRef,
+)
+from lorafleet.worker.disk_cache import DiskCache, dir_bytes
+from lorafleet.worker.openai_protocol import APIError
+from lorafleet.worker.sources import SourceError, Sources, SourcesConfig, verify_digest
+from lorafleet.worker.tenants import bearer_token
+
+log = logging.getLogger("lorafleet.stager")
+
+
+def _help(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
+@dataclass(slots=True)
+class StagerConfig:
+    stager_token: str = field(default="", metadata=_help("bearer token every caller must present (>= 16 chars)"))
+    stager_host: str = field(default="127.0.0.1", metadata=_help("address to listen on (localhost: a sidecar)"))
+    stager_port: int = field(default=8100, metadata=_help("TCP port"))
+    stager_cache_dir: str = field(default="/var/cache/lorafleet", metadata=_help("node-local disk cache"))
+    stager_cache_bytes: int = field(default=50 << 30, metadata=_help("byte budget of the disk cache"))
+    local_roots: list[str] = field(default_factory=list, metadata=_help("directories local sources may be in"))
+    s3_allow: list[str] = field(default_factory=list, metadata=_help("allowed `bucket` or `bucket/prefix/`"))
+    s3_endpoint: str | None = field(default=None, metadata=_help("object store host:port"))
+    s3_access_key: str | None = field(default=None, metadata=_help("object store access key"))
+    s3_secret_key: str | None = field(default=None, metadata=_help("object store secret key"))
+    s3_secure: bool = field(default=True, metadata=_help("use TLS to the object store"))
+    s3_region: str | None = field(default=None, metadata=_help("object store region"))
+    download_timeout_s: float = field(default=300.0, metadata=_help("give up on one adapter download after"))
+    engine_url: str | None = field(default=None, metadata=_help("engine base URL (http://127.0.0.1:8000)"))
+    admin_token: str | None = field(default=None, metadata=_help("the engine's admin token"))
+    stager_adapters: str | None = field(
+        default=None, metadata=_help("s3://bucket/prefix/ whose subfolders are adapters to serve at start"))
+
+    def __post_init__(self) -> None:
+        if len(self.stager_token) < 16:
+            raise ValueError("stager_token must be at least 16 characters (set LORAFLEET_STAGER_TOKEN)")
+        if not 0 <= self.stager_port < 65536:
+            raise ValueError(f"stager_port must be in 0..65535, got {self.stager_port}")
+        if self.stager_cache_bytes <= 0 or self.download_timeout_s <= 0:
+            raise ValueError("stager_cache_bytes and download_timeout_s must be > 0")
+
+    def sources_config(self) -> SourcesConfig:
+        return SourcesConfig(local_roots=list(self.local_roots), s3_allow=list(self.s3_allow),
+                             s3_endpoint=self.s3_endpoint, s3_access_key=self.s3_access_key,
+                             s3_secret_key=self.s3_secret_key, s3_secure=self.s3_secure, s3_region=self.s3_region)
+
+
+@dataclass(slots=True)
+class Staged:
+    path: Path
+    sha256: str
+    cached: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": str(self.path), "sha256": self.sha256, "cached": self.cached, "bytes": dir_bytes(self.path)}
+
+
+_STATUS = {"not_allowed": 403, "bad_uri": 400, "missing": 404, "digest_mismatch": 422, "too_large": 413}
+
+
+def _api_error(exc: Exception, uri: str) -> APIError:
+    if isinstance(exc, SourceError):
+        return APIError(_STATUS.get(exc.kind, 400), str(exc), code=exc.kind)
+    if isinstance(exc, TimeoutError | asyncio.TimeoutError):
+        return APIError(504, f"{uri}: download timed out", type="server_error", code="download_timeout")
+    name = type(exc).__name__
+    if name == "S3Error" and getattr(exc, "code", "") in ("NoSuchBucket", "NoSuchKey"):
+        return APIError(404, f"{uri}: {exc}", code="missing")
+    return APIError(502, f"{uri}: object store unavailable ({name}: {str(exc)[:200]})", type="server_error",
+                    code="object_store_unavailable")
+
+
+class Stager:
+    def __init__(self, config: StagerConfig) -> None:
+        self.config = config
+        self.sources = Sources(config.sources_config())
+        self.cache = DiskCache(Path(config.stager_cache_dir), config.stager_cache_bytes)
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._by_uri: dict[str, str] = {}  # uri -> cache key of its last staged copy (store-down fallback)
+        self.counts = {"downloads": 0, "download_bytes": 0, "hits": 0, "misses": 0, "failures": 0}
+        self.download_seconds: list[float] = []
+        self.generation = 0
+        self.desired: DesiredState | None = None
+        self.forwarded: dict[str, AdapterDirective] = {}  # name -> directive with local paths
+        self.staged: dict[tuple[str, str], Staged] = {}  # (name, version) -> staged copy
+        self.errors: dict[tuple[str, str], str] = {}
+        self._apply_lock = asyncio.Lock()
+
+    # ---- staging -------------------------------------------------------------------------------
+    async def stage(self, uri: str, sha256: str | None) -> Staged:
+        if sha256 is not None:
+            sha256 = sha256.lower()
+        if not self.sources.is_s3(uri):
+            path = self.sources.local_path(uri)
+            digest = await asyncio.to_thread(verify_digest, path, sha256, uri)
+            return Staged(path, digest, cached=True)
+        self.sources.check_s3(uri)
+        if sha256 is not None:
+            key = sha256
+        else:
+            try:
+                etags = await asyncio.to_thread(self.sources.object_etags, uri)
+                key = "u-" + hashlib.sha256(repr((uri, etags)).encode()).hexdigest()[:40]
+            except SourceError:
+                raise
+            except Exception:
+                # Store down: the last staged copy of this URI still serves.
+                key = self._by_uri.get(uri)
+                if key is None or self.cache.get(key) is None:
+                    raise
+        lock = self._locks.setdefault(key, asyncio.Lock())
+        async with lock:  # concurrent requests for one adapter: one download
+            path = self.cache.get(key)
+            if path is not None:
+                self.counts["hits"] += 1
+                self._by_uri[uri] = key
+                return Staged(path, (path / ".sha256").read_text().strip(), cached=True)
+            self.counts["misses"] += 1
+            t0 = time.perf_counter()
+            try:
+                path = await asyncio.wait_for(asyncio.to_thread(self._download, uri, sha256, key),
+                                              self.config.download_timeout_s)
+            except Exception:
+                self.counts["failures"] += 1
+                raise
+            self.download_seconds.append(time.perf_counter() - t0)
+            self.counts["downloads"] += 1
+            self.counts["download_bytes"] += dir_bytes(path)
+            self._by_uri[uri] = key
+            return Staged(path, (path / ".sha256").read_text().strip(), cached=False)
+
+    def _download(self, uri: str, sha256: str | None, key: str) -> Path:
+        def fill(tmp: Path) -> None:
+            self.sources.download(uri, tmp)
+            digest = verify_digest(tmp, sha256, uri)  # before the rename: a bad download is never visible
+            (tmp / ".sha256").write_text(digest + "\n")
+
+        return self.cache.put(key, fill, protect=self._protected())
+
+    def _protected(self) -> set[str]:
+        return {s.path.name for s in self.staged.values() if s.path.parent == self.cache.root}
+
+    # ---- directives ----------------------------------------------------------------------------
+    async def apply(self, desired: DesiredState) -> ReportedState:
+        async with self._apply_lock:
+            if desired.generation < self.generation:
+                state = await self.state()
+                state.error = (f"generation {desired.generation} is older than the applied {self.generation}; "
+                               f"ignored")
+                raise APIError(409, state.error, code="stale_generation", param=state.to_json())
+            if desired.generation == self.generation and self.desired is not None:
+                return await self.state()
+            forwarded: dict[str, AdapterDirective] = {}
+            errors: dict[tuple[str, str], str] = {}
+            staged: dict[tuple[str, str], Staged] = {}
+            for a in desired.adapters:
+                local: dict[str, VersionRef] = {}
+                for ref in (a.stable, a.canary):
+                    if ref is None:
+                        continue
+                    try:
+                        s = await self.stage(ref.uri, ref.sha256)
+                    except Exception as exc:
+                        errors[(a.name, ref.version)] = _api_error(exc, ref.uri).message
+                        log.warning("staging %s@%s failed: %s", a.name, ref.version, errors[(a.name, ref.version)])
+                        continue
+                    staged[(a.name, ref.version)] = s
+                    local[ref.version] = VersionRef(ref.version, str(s.path), s.sha256)
+                if a.stable.version in local:
+                    canary = local.get(a.canary.version) if a.canary is not None else None
+                    forwarded[a.name] = AdapterDirective(
+                        a.name, a.tenant, local[a.stable.version], canary, a.canary_weight if canary else 0,
+                        a.warm, a.pinned, a.priority)
+                elif a.name in self.forwarded:
+                    forwarded[a.name] = self.forwarded[a.name]  # keep serving what is already local
+                    for v in self.forwarded[a.name].versions:
+                        if (a.name, v) in self.staged:
+                            staged[(a.name, v)] = self.staged[(a.name, v)]
+            self.forwarded, self.errors, self.staged = forwarded, errors, staged
+            self.desired, self.generation = desired, desired.generation
+            if self.config.engine_url:
+                await self._engine("PUT", "/admin/v1/state",
+                                   DesiredState(desired.generation, list(forwarded.values())).to_dict())
+            return await self.state()
+
+    async def _engine(self, method: str, path: str, body: dict | None = None) -> dict:
+        headers = {"Authorization": f"Bearer {self.config.admin_token}"} if self.config.admin_token else {}
+        async with ClientSession(timeout=ClientTimeout(total=120)) as session, session.request(
+                method, self.config.engine_url.rstrip("/") + path, json=body, headers=headers) as resp:
+            data = await resp.json(content_type=None)
+            if resp.status >= 400 and resp.status != 409:
+                message = (data or {}).get("error", {}).get("message", str(data)[:200])
+                raise APIError(502, f"engine refused {method} {path}: {resp.status} {message}", type="server_error",
+                               code="engine_error")
+            return data
+
+    async def state(self) -> ReportedState:
+        if self.config.engine_url:
+            try:
+                report = ReportedState.from_dict(await self._engine("GET", "/admin/v1/state"))
+            except Exception as exc:
+                report = ReportedState(error=f"engine unreachable: {exc}")
+        else:
+            report = ReportedState(generation_applied=self.generation)
+        for (name, version), s in self.staged.items():
+            found = report.find(name, version)
+            if found is None:
+                report.adapters.append(AdapterState(name, version, tier="disk", bytes=dir_bytes(s.path)))
+            elif found.tier == "none":
+                found.tier = "disk"
+        for (name, version), message in self.errors.items():
+            found = report.find(name, version)
+            if found is None:
+                report.adapters.append(AdapterState(name, version, tier="none", error=message))
+            elif found.error is None:
+                found.error = message
+        return report
+
+    def disk_stats(self) -> dict[str, Any]:
+        return {"cache_bytes": self.cache.used_bytes, "cache_entries": len(self.cache.entries()),
+                "cache_evictions": self.cache.evictions, **self.counts,
+                "download_seconds": list(self.download_seconds[-100:])}
+
+    async def seed(self, uri: str) -> None:
+        """Serve every adapter folder under `uri` (name = folder name, version = digest prefix)."""
+        adapters = []
+        for folder in await asyncio.to_thread(self.sources.list_adapters, uri):
+            s = await self.stage(folder, None)
+            name = folder.rstrip("/").rsplit("/", 1)[-1]
+            adapters.append(AdapterDirective(name, "default", VersionRef(s.sha256[:12], folder, s.sha256)))
+        await self.apply(DesiredState(max(1, self.generation + 1), adapters))
+
+
+# ---- HTTP -------------------------------------------------------------------------------------------
+STAGER = web.AppKey("stager", Stager)
+
+
+@web.middleware
+async def _errors_and_auth(request: web.Request, handler):
+    try:
+        if request.path != "/healthz":
+            token = bearer_token(request.headers.get("Authorization"))
+            expected = request.app[STAGER].config.stager_token
+            if token is None or not hmac.compare_digest(token.encode(), expected.encode()):
+                raise APIError(401, "missing or wrong bearer token for the stager", type="authentication_error",
+                               code="invalid_token")
+        return await handler(request)
+    except APIError as exc:
+        body = exc.body()
+        if exc.status == 409 and exc.param:  # the current report travels with a refused stale push
+            body = {**ReportedState.from_json(exc.param).to_dict(), "error": exc.message}
+        return web.json_response(body, status=exc.status)
+    except DirectiveError as exc:
+        return web.json_response(APIError(400, str(exc)).body(), status=400)
+
+
+async def _read(request: web.Request) -> Any:
+    try:
+        return await request.json()
+    except ValueError:
+        raise APIError(400, "request body must be JSON") from None
+
+
+async def post_stage(request: web.Request) -> web.Response:
+    body = await _read(request)
+    uri, sha256 = (body.get("uri"), body.get("sha256")) if isinstance(body, dict) else (None, None)
+    if not isinstance(uri, str) or not uri:
+        raise APIError(400, "body needs 'uri' (s3://bucket/prefix/, file:// or an absolute path)", param="uri")
+    if sha256 is not None and not (isinstance(sha256, str) and len(sha256) == 64):
+        raise APIError(400, "sha256 must be 64 hex digits", param="sha256")
+    try:
+        staged = await request.app[STAGER].stage(uri, sha256)
+    except APIError:
+        raise
+    except Exception as exc:
+        raise _api_error(exc, uri) from None
+    return web.json_response(staged.to_dict())
+
+
+async def put_directives(request: web.Request) -> web.Response:
+    desired = DesiredState.from_dict(await _read(request))
+    report = await request.app[STAGER].apply(desired)
+    return web.json_response(report.to_dict())
+
+
+async def get_state(request: web.Request) -> web.Response:
+    stager = request.app[STAGER]
+    report = await stager.state()
+    return web.json_response({**report.to_dict(), "disk": stager.disk_stats()})
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+def create_app(config: StagerConfig) -> web.Application:
+    app = web.Application(middlewares=[_errors_and_auth], client_max_size=1 << 20)
+    app[STAGER] = Stager(config)
+    app.add_routes([
+        web.post("/v1/stage", post_stage),
+        web.put("/v1/directives", put_directives),
+        web.get("/v1/state", get_state),
+        web.get("/healthz", healthz),
+    ])
+
+    async def seed_ctx(app: web.Application):
+        task = None
+        if config.stager_adapters:
+            task = asyncio.create_task(_seed_until_done(app[STAGER], config.stager_adapters))
+        yield
+        if task is not None:
+            task.cancel()
+
+    app.cleanup_ctx.append(seed_ctx)
+    return app
+
+
+async def _seed_until_done(stager: Stager, uri: str) -> None:
+    delay = 0.2
+    while True:  # the engine may still be starting, the store may be briefly down
+        try:
+            await stager.seed(uri)
+            log.info("serving the adapters under %s", uri)
+            return
+        except Exception as exc:
+            log.warning("staging the adapters under %s: %s (retrying)", uri, exc)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 10.0)
+
+
+def main(argv: list[str] | None = None) -> None:
+    config = config_from_args(StagerConfig, argv, prog="python -m lorafleet.worker.stager",
+                              description="Stage adapters from the object store to local disk for one engine.")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    web.run_app(create_app(config), host=config.stager_host, port=config.stager_port, print=None,
+                access_log=None)
+
+
+if __name__ == "__main__":
+    main()
