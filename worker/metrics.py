@@ -1,10 +1,10 @@
 """Prometheus metrics of one worker: a registry per app, never the process-global one.
 
 Request-side series (counts, TTFT, inter-token and end-to-end latency per adapter, tokens) are
-observed by the HTTP handlers; engine-side series (batch size and adapters per batch per step,
-adapter load latency, queue depth, KV usage, tier hits, evictions) come from the engine: per-step
-and per-load events are observed as they are drained, gauges and the engine's own counters are read
-at scrape time from an `EngineSnapshot`. The vLLM-compatible names let existing routers (Gateway API
+observed by the HTTP handlers; batch size and adapters per batch are observed once per engine step;
+queue depth, KV usage and the running/waiting adapters are read at scrape time from an
+`EngineSnapshot`. The adapter pool's own series (tier hits/misses, load latency, evictions, bytes per
+tier: adapter_metrics.py) are registered into the same registry with `register()`. The vLLM-compatible names let existing routers (Gateway API
 inference extension) pick workers by queue length, KV usage and resident adapters.
 """
 
@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -24,7 +24,6 @@ BASE_MODEL_LABEL = "__base__"  # the adapter label of requests without an adapte
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
-_LOAD_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 THROUGHPUT_WINDOW_S = 10.0
 
@@ -39,10 +38,6 @@ class EngineSnapshot:
     max_lora: int = 0  # adapters the GPU pool can hold at once (slots)
     running_adapters: list[str] = field(default_factory=list)
     waiting_adapters: list[str] = field(default_factory=list)
-    tier_hits: dict[str, int] = field(default_factory=dict)  # tier an adapter was found in -> count
-    misses: int = 0  # acquisitions that had to wait for a load
-    evictions: int = 0
-    adapter_bytes: int = 0  # adapter bytes resident on the device
 
 
 class _EngineCollector(Collector):
@@ -67,20 +62,9 @@ class _EngineCollector(Collector):
         yield info
         yield GaugeMetricFamily("lorafleet_queue_depth", "Requests waiting to be scheduled.", s.num_waiting)
         yield GaugeMetricFamily("lorafleet_kv_cache_usage_ratio", "Fraction of KV capacity in use.", s.kv_usage)
-        yield GaugeMetricFamily("lorafleet_adapter_bytes_resident", "Adapter bytes in the device pool.",
-                                s.adapter_bytes)
         yield GaugeMetricFamily("lorafleet_generation_tokens_per_second",
                                 f"Generated tokens per second over the last {THROUGHPUT_WINDOW_S:.0f} s.",
                                 self._throughput())
-        hits = CounterMetricFamily("lorafleet_adapter_hits", "Adapter acquisitions by the tier it was found in.",
-                                   labels=["tier"])
-        for tier, count in sorted(s.tier_hits.items()):
-            hits.add_metric([tier], count)
-        yield hits
-        yield CounterMetricFamily("lorafleet_adapter_misses", "Acquisitions that waited for a load.",
-                                  value=s.misses)
-        yield CounterMetricFamily("lorafleet_adapter_evictions", "Adapters evicted from the device pool.",
-                                  value=s.evictions)
 
 
 class WorkerMetrics:
@@ -104,8 +88,6 @@ class WorkerMetrics:
                                     buckets=_COUNT_BUCKETS, registry=r)
         self.adapters_per_batch = Histogram("lorafleet_adapters_per_batch", "Distinct adapters per engine step.",
                                             buckets=_COUNT_BUCKETS, registry=r)
-        self.load_latency = Histogram("lorafleet_adapter_load_seconds", "Adapter load time by source tier.",
-                                      ["tier"], buckets=_LOAD_BUCKETS, registry=r)
         self.rejected = Counter("lorafleet_requests_rejected", "Requests refused before reaching the engine.",
                                 ["reason"], registry=r)
         self._recent_tokens: deque[tuple[float, int]] = deque()
@@ -135,8 +117,10 @@ class WorkerMetrics:
         self.batch_size.observe(num_seqs)
         self.adapters_per_batch.observe(num_adapters)
 
-    def observe_load(self, *, tier: str, seconds: float) -> None:
-        self.load_latency.labels(tier).observe(seconds)
+    def register(self, collectors: Iterable[Collector]) -> None:
+        """Add series owned elsewhere (the adapter pool's) to this worker's registry."""
+        for c in collectors:
+            self.registry.register(c)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,0 +1,143 @@
+"""Admin API (bearer admin token): the desired-state push, the state report, vLLM load/unload.
+
+`PUT /admin/v1/state` takes a `directives.DesiredState` (from the pod's stager sidecar) and answers
+the `ReportedState` after applying it; the same generation twice is a no-op, an older one is
+refused with 409 (body: the current report with `error` set). `GET /admin/v1/state` adds the
+worker-only keys (KV pages, running/waiting requests, pool stats) to the report. Registration
+reads adapter files, so it runs off the event loop, one admin change at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from typing import Any
+
+from aiohttp import web
+
+from lorafleet.worker.app_keys import (
+    ADAPTERS,
+    ADMIN_LOCK,
+    ADMISSION,
+    CONFIG,
+    ENGINE,
+    HOST,
+    TENANTS,
+)
+from lorafleet.worker.directives import DesiredState, DirectiveError
+from lorafleet.worker.openai_api import read_json
+from lorafleet.worker.openai_protocol import (
+    APIError,
+    parse_load_adapter_request,
+    parse_unload_adapter_request,
+)
+from lorafleet.worker.tenants import AuthenticationError, bearer_token
+
+
+def admin_routes() -> list[web.RouteDef]:
+    return [
+        web.put("/admin/v1/state", put_state),
+        web.get("/admin/v1/state", get_state),
+        web.post("/v1/load_lora_adapter", load_lora_adapter),
+        web.post("/v1/unload_lora_adapter", unload_lora_adapter),
+    ]
+
+
+def require_admin(request: web.Request) -> None:
+
+    expected = request.app[CONFIG].admin_token
+    token = bearer_token(request.headers.get("Authorization"))
+    if expected is None:
+        raise APIError(401, "the admin API is disabled on this worker (start it with --admin-token)",
+                       type="authentication_error", code="admin_disabled")
+    if token is not None and hmac.compare_digest(token.encode(), expected.encode()):
+        return
+    tenants = request.app[TENANTS]
+    if token is not None and not tenants.is_open:
+        try:
+            tenant = tenants.authenticate(request.headers.get("Authorization"))
+        except AuthenticationError:
+            pass
+        else:
+            raise APIError(403, f"tenant {tenant.name!r} may not manage adapters: this needs the admin token",
+                           type="permission_error", code="admin_only")
+    raise APIError(401, "missing or wrong admin token: send 'Authorization: Bearer <admin token>'",
+                   type="authentication_error", code="invalid_admin_token", headers={"WWW-Authenticate": "Bearer"})
+
+
+def _require_engine(request: web.Request) -> None:
+
+    if ENGINE not in request.app:
+        raise APIError(503, "the worker is starting", type="service_unavailable", code="not_ready")
+
+
+def state_report(app: web.Application) -> dict[str, Any]:
+
+    adapters, host = app[ADAPTERS], app[HOST]
+    engine = app[ENGINE].engine
+    report = adapters.report(host)
+    stats = host.pool_stats()
+    if stats:
+        report.pool_bytes = int(stats.get("capacity_bytes", 0))
+        report.pool_used_bytes = int(stats.get("bytes", {}).get("gpu", 0))
+    report.kv_usage = min(1.0, max(0.0, float(engine.kv_usage)))
+    body = report.to_dict()
+    extras = adapters.extras()
+    for a in body["adapters"]:
+        a.update(extras.get(f"{a['name']}@{a['version']}", {}))
+    body["model"] = adapters.base_model
+    body["kv"] = {"num_pages": engine.page_pool.num_pages, "num_used_pages": engine.page_pool.num_used("kv")}
+    body["requests"] = {"running": engine.num_running, "waiting": engine.num_waiting,
+                        "admitted": app[ADMISSION].num_admitted}
+    body["pool"] = stats
+    return body
+
+
+async def put_state(request: web.Request) -> web.Response:
+
+    require_admin(request)
+    _require_engine(request)
+    body = await read_json(request)
+    try:
+        state = DesiredState.from_dict(body)
+    except DirectiveError as exc:
+        raise APIError(400, f"bad desired state: {exc}", code="invalid_directive") from None
+    app = request.app
+    async with app[ADMIN_LOCK]:
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, app[ADAPTERS].apply, state, app[HOST])
+        except APIError as err:
+            if err.status != 409:
+                raise
+            report = state_report(app)
+            report["error"] = err.message
+            return web.json_response(report, status=409)
+    return web.json_response(state_report(app))
+
+
+async def get_state(request: web.Request) -> web.Response:
+    require_admin(request)
+    _require_engine(request)
+    return web.json_response(state_report(request.app))
+
+
+async def load_lora_adapter(request: web.Request) -> web.Response:
+
+    require_admin(request)
+    _require_engine(request)
+    name, path = parse_load_adapter_request(await read_json(request))
+    app = request.app
+    async with app[ADMIN_LOCK]:
+        key = await asyncio.get_running_loop().run_in_executor(None, app[ADAPTERS].load, name, path, app[HOST])
+    return web.Response(text=f"Success: LoRA adapter '{name}' added successfully ({key}).")
+
+
+async def unload_lora_adapter(request: web.Request) -> web.Response:
+
+    require_admin(request)
+    _require_engine(request)
+    name = parse_unload_adapter_request(await read_json(request))
+    app = request.app
+    async with app[ADMIN_LOCK]:
+        await asyncio.get_running_loop().run_in_executor(None, app[ADAPTERS].unload, name, app[HOST])
+    return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")

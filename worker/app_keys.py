@@ -1,0 +1,34 @@
+"""Typed keys of the worker's aiohttp application state (shared by the server and its routes)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from lorafleet.worker.admission import Admission
+from lorafleet.worker.async_engine import AsyncEngine
+from lorafleet.worker.engine_adapters import EngineAdapters
+from lorafleet.worker.metrics import WorkerMetrics
+from lorafleet.worker.served_adapters import ServedAdapters
+from lorafleet.worker.tenants import Tenants
+from lorafleet.worker.worker_config import WorkerConfig
+
+
+@dataclass(slots=True)
+class ServerStatus:
+    ready: bool = False  # model loaded and engine stepping
+    draining: bool = False  # SIGTERM received: refuse new work
+    started_at: float = 0.0
+
+
+CONFIG = web.AppKey("config", WorkerConfig)
+ENGINE = web.AppKey("engine", AsyncEngine)
+ADAPTERS = web.AppKey("adapters", ServedAdapters)
+HOST = web.AppKey("host", EngineAdapters)  # the engine's adapter registry, as ServedAdapters needs it
+TENANTS = web.AppKey("tenants", Tenants)
+METRICS = web.AppKey("metrics", WorkerMetrics)
+ADMISSION = web.AppKey("admission", Admission)
+STATUS = web.AppKey("status", ServerStatus)
+ADMIN_LOCK = web.AppKey("admin_lock", asyncio.Lock)

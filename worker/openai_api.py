@@ -1,0 +1,423 @@
+"""OpenAI-compatible inference: `/v1/completions`, `/v1/chat/completions`, `/v1/models`.
+
+One HTTP request becomes `len(prompts) * n` engine requests ("choices"), all on the same adapter
+version, resolved once on arrival. Their outputs are merged as they come. Streaming (SSE) starts
+with the first output, so a request that fails before producing anything (adapter failed to load,
+bad prompt) still gets a proper status code. Leaving early for any reason (client gone, error,
+shutdown) cancels the engine iterators, which aborts the requests: KV pages and the adapter
+reference are released at once.
+
+Every response says which adapter version served it: `model` is `name@version` (or the base
+model's name), and the `X-Lorafleet-Adapter` header repeats it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from lorafleet.worker.adapter_entry import AdapterLoadError
+from lorafleet.worker.app_keys import (
+    ADAPTERS,
+    ADMISSION,
+    CONFIG,
+    ENGINE,
+    METRICS,
+    STATUS,
+    TENANTS,
+)
+from lorafleet.worker.engine import EngineError
+from lorafleet.worker.openai_protocol import (
+    APIError,
+    SamplingOptions,
+    parse_chat_request,
+    parse_completion_request,
+    parse_json,
+)
+from lorafleet.worker.request_output import RequestOutput
+from lorafleet.worker.sampling_params import SamplingParams
+from lorafleet.worker.sequence import TokenLogprob
+from lorafleet.worker.tenants import AuthenticationError, Tenant
+from lorafleet.worker.tokenizer import TokenizerError
+
+ADAPTER_HEADER = "X-Lorafleet-Adapter"
+
+
+def openai_routes() -> list[web.RouteDef]:
+    return [
+        web.post("/v1/completions", completions),
+        web.post("/v1/chat/completions", chat_completions),
+        web.get("/v1/models", list_models),
+    ]
+
+
+# ---- request intake ---------------------------------------------------------------------------------
+def authenticate(request: web.Request) -> Tenant:
+
+    try:
+        return request.app[TENANTS].authenticate(request.headers.get("Authorization"))
+    except AuthenticationError as exc:
+        raise APIError(401, str(exc), type="authentication_error", code="invalid_api_key",
+                       headers={"WWW-Authenticate": "Bearer"}) from None
+
+
+async def read_json(request: web.Request) -> Any:
+    return parse_json(await request.read())  # over --max-body-bytes: aiohttp raises 413
+
+
+@dataclass(slots=True)
+class Job:
+    """One HTTP inference request, resolved and tokenized, ready for the engine."""
+
+    endpoint: str  # "completions" | "chat"
+    request_id: str
+    model: str  # what the response's `model` says: name@version or the base model
+    adapter: str | None  # engine key
+    prompt_ids: list[list[int]]
+    options: SamplingOptions
+    params: list[SamplingParams] = field(default_factory=list)  # per choice
+    choice_prompt: list[int] = field(default_factory=list)  # choice index -> prompt index
+    created: int = field(default_factory=lambda: int(time.time()))
+    arrived: float = field(default_factory=time.monotonic)
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.params)
+
+
+def _choices(job: Job, max_model_len: int) -> None:
+    o = job.options
+    for p, ids in enumerate(job.prompt_ids):
+        if len(ids) >= max_model_len:
+            raise APIError(400, f"This model's maximum context length is {max_model_len} tokens; the prompt has "
+                                f"{len(ids)} tokens. Shorten the prompt.", code="context_length_exceeded",
+                           param="messages" if job.endpoint == "chat" else "prompt")
+        max_tokens = o.max_tokens if o.max_tokens is not None else max_model_len - len(ids)
+        if len(ids) + max_tokens > max_model_len:
+            raise APIError(400, f"This model's maximum context length is {max_model_len} tokens; you requested "
+                                f"{len(ids) + max_tokens} ({len(ids)} in the prompt, {max_tokens} to generate). "
+                                "Lower max_tokens or shorten the prompt.", code="context_length_exceeded",
+                           param="max_tokens")
+        for j in range(o.n):
+            seed = None if o.seed is None else o.seed + j  # n choices with one seed must still differ
+            job.params.append(SamplingParams(max_tokens=max_tokens, temperature=o.temperature, top_p=o.top_p,
+                                             seed=seed, stop=list(o.stop), logprobs=o.logprobs))
+            job.choice_prompt.append(p)
+
+
+async def _prepare(request: web.Request, endpoint: str) -> Job:
+
+    app = request.app
+    if app[STATUS].draining or ENGINE not in app:
+        raise APIError(503, "the worker is shutting down or not ready; retry on another worker",
+                       type="service_unavailable", code="not_ready", headers={"Retry-After": "1"})
+    tenant = authenticate(request)
+    body = await read_json(request)
+    parsed = parse_chat_request(body) if endpoint == "chat" else parse_completion_request(body)
+    adapter = app[ADAPTERS].resolve(parsed.model, tenant, parsed.options.user)
+    engine = app[ENGINE].engine
+
+    def tokenize() -> list[list[int]]:
+        if endpoint == "chat":
+            if engine.tokenizer is None:
+                raise EngineError("this model has no tokenizer; use /v1/completions with token ids")
+            messages = [{"role": m.role, "content": m.content} | ({"name": m.name} if m.name else {})
+                        for m in parsed.messages]
+            text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            return [engine.tokenizer.encode(text, add_special_tokens=False)]
+        return [engine.encode(p) for p in parsed.prompts]
+
+    try:
+        prompt_ids = await asyncio.get_running_loop().run_in_executor(None, tokenize)
+    except (EngineError, TokenizerError) as exc:
+        raise APIError(400, str(exc), code="invalid_prompt") from None
+    except Exception as exc:  # a chat template that raises (e.g. roles out of order)
+        if type(exc).__module__.startswith("jinja2"):
+            raise APIError(400, f"the chat template refused these messages: {exc}", code="invalid_messages",
+                           param="messages") from None
+        raise
+    prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
+    job = Job(endpoint, f"{prefix}-{uuid.uuid4().hex}", adapter or app[ADAPTERS].base_model, adapter, prompt_ids,
+              parsed.options)
+    _choices(job, engine.max_model_len)
+    return job
+
+
+# ---- running a job ------------------------------------------------------------------------------------
+async def _merged_outputs(async_engine, job: Job) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(choice index, output) from all choices as they arrive. Closing it aborts what is still running."""
+    queue: asyncio.Queue[tuple[int, RequestOutput | None, BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int) -> None:
+        try:
+            async for out in async_engine.generate(f"{job.request_id}-{i}", job.prompt_ids[job.choice_prompt[i]],
+                                                   job.params[i], job.adapter):
+                queue.put_nowait((i, out, None))
+            queue.put_nowait((i, None, None))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            queue.put_nowait((i, None, exc))
+
+    tasks = [asyncio.create_task(pump(i)) for i in range(job.num_choices)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, out, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            if out is None:
+                remaining -= 1
+                continue
+            yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _engine_error(exc: BaseException, job: Job, request: web.Request) -> APIError:
+
+    if isinstance(exc, AdapterLoadError):
+        request.app[ADAPTERS].mark_failed(exc.key, exc.reason)
+        return APIError(503, f"adapter {exc.key} failed to load: {exc.reason}", type="service_unavailable",
+                        code="adapter_load_failed", param="model")
+    if isinstance(exc, EngineError):
+        return APIError(400, str(exc), code="invalid_request")
+    return APIError(500, f"the engine failed on this request: {exc}", type="server_error", code="engine_error")
+
+
+class _ChoiceTimer:
+    """TTFT and inter-token gaps of one request, for the latency histograms."""
+
+    def __init__(self, metrics, job: Job) -> None:
+        self.metrics = metrics
+        self.label = job.adapter.partition("@")[0] if job.adapter else "__base__"
+        self.arrived = job.arrived
+        self.first: float | None = None
+        self.last: float | None = None
+
+    def tokens(self, num_tokens: int) -> None:
+        if num_tokens <= 0:
+            return
+        now = time.monotonic()
+        if self.first is None:
+            self.first = now
+            self.metrics.ttft.labels(self.label).observe(now - self.arrived)
+        elif self.last is not None:
+            gap = (now - self.last) / num_tokens
+            for _ in range(num_tokens):
+                self.metrics.inter_token.labels(self.label).observe(gap)
+        self.last = now
+        self.metrics.observe_tokens(self.label, num_tokens)
+
+    def done(self) -> None:
+        self.metrics.e2e.labels(self.label).observe(time.monotonic() - self.arrived)
+
+
+async def _serve(request: web.Request, endpoint: str) -> web.StreamResponse:
+
+    app = request.app
+    metrics = app[METRICS]
+    status = 500
+    job: Job | None = None
+    try:
+        job = await _prepare(request, endpoint)
+        admission = app[ADMISSION]
+        if not admission.admit(job.num_choices):
+            metrics.rejected.labels("queue_full").inc()
+            retry = str(app[CONFIG].retry_after_s)
+            raise APIError(429, f"the worker's queue is full ({admission.capacity} sequences admitted); retry "
+                                f"after {retry} s", type="rate_limit_error", code="queue_full",
+                           headers={"Retry-After": retry})
+        try:
+            timer = _ChoiceTimer(metrics, job)
+            metrics.prompt_tokens.labels(timer.label).inc(sum(len(job.prompt_ids[p]) for p in job.choice_prompt))
+            outputs = _merged_outputs(app[ENGINE], job)
+            if job.options.stream:
+                response = await _stream(request, job, outputs, timer)
+            else:
+                response = await _collect(request, job, outputs, timer)
+            timer.done()
+        finally:
+            admission.release(job.num_choices)
+        status = response.status
+        return response
+    except APIError as err:
+        status = err.status
+        raise
+    except asyncio.CancelledError:
+        status = 499  # client closed the request
+        raise
+    finally:
+        metrics.observe_request(adapter=job.adapter.partition("@")[0] if job and job.adapter else None,
+                                endpoint=endpoint, status=status)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, "completions")
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, "chat")
+
+
+# ---- response shapes ---------------------------------------------------------------------------------
+def _usage(job: Job, completion_tokens: int) -> dict[str, int]:
+    prompt_tokens = sum(len(job.prompt_ids[p]) for p in sorted(set(job.choice_prompt)))
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _token_text(tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False) if tokenizer is not None else str(token_id)
+
+
+def _completion_logprobs(tokenizer, lps: list[TokenLogprob] | None, text_start: int) -> dict[str, Any] | None:
+    if lps is None:
+        return None
+    tokens = [_token_text(tokenizer, lp.token_id) for lp in lps]
+    offsets, pos = [], text_start
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp.logprob for lp in lps],
+        "top_logprobs": [{_token_text(tokenizer, t): v for t, v in lp.top} for lp in lps],
+        "text_offset": offsets,
+    }
+
+
+def _chat_logprobs(tokenizer, lps: list[TokenLogprob] | None) -> dict[str, Any] | None:
+    if lps is None:
+        return None
+
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        text = _token_text(tokenizer, token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {"content": [entry(lp.token_id, lp.logprob) | {"top_logprobs": [entry(t, v) for t, v in lp.top]}
+                        for lp in lps]}
+
+
+def _choice(job: Job, tokenizer, index: int, text: str, lps, finish_reason, *, delta: bool,
+            first: bool = False, text_start: int = 0) -> dict[str, Any]:
+    if job.endpoint == "completions":
+        return {"index": index, "text": text, "logprobs": _completion_logprobs(tokenizer, lps, text_start),
+                "finish_reason": finish_reason}
+    if delta:
+        message = ({"role": "assistant"} if first else {}) | ({"content": text} if text or first else {})
+        return {"index": index, "delta": message, "logprobs": _chat_logprobs(tokenizer, lps),
+                "finish_reason": finish_reason}
+    return {"index": index, "message": {"role": "assistant", "content": text},
+            "logprobs": _chat_logprobs(tokenizer, lps), "finish_reason": finish_reason}
+
+
+def _envelope(job: Job, choices: list[dict[str, Any]], *, chunk: bool) -> dict[str, Any]:
+    kind = {"completions": "text_completion", "chat": "chat.completion.chunk" if chunk else "chat.completion"}
+    return {"id": job.request_id, "object": kind[job.endpoint], "created": job.created, "model": job.model,
+            "choices": choices, "system_fingerprint": None}
+
+
+def _tokenizer(request: web.Request):
+
+    return request.app[ENGINE].engine.tokenizer
+
+
+async def _collect(request: web.Request, job: Job, outputs: AsyncIterator[tuple[int, RequestOutput]], timer: _ChoiceTimer) -> web.Response:
+    final: dict[int, RequestOutput] = {}
+    async with contextlib.aclosing(outputs):
+        try:
+            async for i, out in outputs:
+                timer.tokens(len(out.new_token_ids))
+                if out.finished:
+                    final[i] = out
+        except (APIError, asyncio.CancelledError):
+            raise
+        except Exception as exc:
+            raise _engine_error(exc, job, request) from None
+    tokenizer = _tokenizer(request)
+    choices = [_choice(job, tokenizer, i, final[i].text, final[i].logprobs, final[i].finish_reason, delta=False)
+               for i in range(job.num_choices)]
+    body = _envelope(job, choices, chunk=False)
+    body["usage"] = _usage(job, sum(len(o.token_ids) for o in final.values()))
+    return web.json_response(body, headers={ADAPTER_HEADER: job.model})
+
+
+async def _stream(request: web.Request, job: Job, outputs: AsyncIterator[tuple[int, RequestOutput]],
+                  timer: _ChoiceTimer) -> web.StreamResponse:
+    tokenizer = _tokenizer(request)
+    response: web.StreamResponse | None = None
+    started: set[int] = set()
+    text_pos = [0] * job.num_choices
+    completion_tokens = 0
+
+    async def send(payload: dict[str, Any] | str) -> None:
+        data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+        await response.write(f"data: {data}\n\n".encode())
+
+    async with contextlib.aclosing(outputs):
+        try:
+            async for i, out in outputs:
+                if response is None:  # headers go out with the first output: earlier errors keep their status
+                    response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                                           "Cache-Control": "no-cache", ADAPTER_HEADER: job.model})
+                    await response.prepare(request)
+                timer.tokens(len(out.new_token_ids))
+                completion_tokens += len(out.new_token_ids)
+                first = i not in started
+                started.add(i)
+                if out.new_text or out.new_token_ids or first or out.finished:
+                    choice = _choice(job, tokenizer, i, out.new_text, out.new_logprobs,
+                                     out.finish_reason if out.finished else None, delta=True, first=first,
+                                     text_start=text_pos[i])
+                    text_pos[i] += len(out.new_text)
+                    await send(_envelope(job, [choice], chunk=True))
+        except (APIError, asyncio.CancelledError):
+            raise
+        except (ConnectionResetError, ConnectionError):
+            raise asyncio.CancelledError from None  # the client left: stop, the iterators abort
+        except Exception as exc:
+            err = _engine_error(exc, job, request)
+            if response is None:
+                raise err from None
+            await send(err.body())  # headers are gone: report in-band, then end the stream
+            await response.write_eof()
+            return response
+    if response is None:  # nothing came back at all
+        raise APIError(500, "the engine produced no output", type="server_error", code="engine_error")
+    if job.options.include_usage:
+        usage_chunk = _envelope(job, [], chunk=True)
+        usage_chunk["usage"] = _usage(job, completion_tokens)
+        await send(usage_chunk)
+    await send("[DONE]")
+    await response.write_eof()
+    return response
+
+
+async def list_models(request: web.Request) -> web.Response:
+
+    tenant = authenticate(request)
+    app = request.app
+    if ENGINE not in app:
+        raise APIError(503, "the worker is starting", type="service_unavailable", code="not_ready")
+    adapters = app[ADAPTERS]
+    created = int(app[STATUS].started_at)
+    data = []
+    if tenant.may_use(None):
+        data.append({"id": adapters.base_model, "object": "model", "created": created, "owned_by": "lorafleet",
+                     "root": adapters.base_model, "parent": None})
+    for a in adapters.visible_to(tenant):
+        data.append({"id": a.name, "object": "model", "created": created, "owned_by": a.tenant or "lorafleet",
+                     "root": a.name, "parent": adapters.base_model, "versions": sorted(a.sources),
+                     "stable": a.split.stable, "canary": a.split.canary, "canary_weight": a.split.canary_weight})
+    return web.json_response({"object": "list", "data": data})

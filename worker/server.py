@@ -1,0 +1,190 @@
+"""The worker's HTTP service: `create_app(config) -> web.Application`.
+
+State lives under typed `web.AppKey`s (no module globals). The engine is built and its step thread
+started in a `cleanup_ctx`, and stopped there after the last request handler is done. `run(config)`
+serves the app: on SIGTERM it stops accepting connections, /readyz turns 503, in-flight requests get
+`shutdown_grace_s` to finish and are then cancelled (which aborts them in the engine), and the
+process exits 0. Every error leaves as an OpenAI-shaped body (`{"error": {...}}`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+from aiohttp import web
+
+from lorafleet.worker.admin_api import admin_routes
+from lorafleet.worker.admission import Admission
+from lorafleet.worker.app_keys import (
+    ADAPTERS,
+    ADMIN_LOCK,
+    ADMISSION,
+    CONFIG,
+    ENGINE,
+    HOST,
+    METRICS,
+    STATUS,
+    TENANTS,
+    ServerStatus,
+)
+from lorafleet.worker.async_engine import AsyncEngine
+from lorafleet.worker.engine import Engine
+from lorafleet.worker.engine_adapters import EngineAdapters
+from lorafleet.worker.metrics import CONTENT_TYPE, EngineSnapshot, WorkerMetrics
+from lorafleet.worker.openai_api import openai_routes
+from lorafleet.worker.openai_protocol import APIError
+from lorafleet.worker.served_adapters import ServedAdapters
+from lorafleet.worker.tenants import Tenants
+from lorafleet.worker.worker_config import WorkerConfig
+
+log = logging.getLogger("lorafleet.worker")
+
+
+def served_model_name(config: WorkerConfig, engine: Engine) -> str:
+    return config.served_model_name or Path(engine.model_dir).name
+
+
+def _error_response(err: APIError) -> web.Response:
+    return web.json_response(err.body(), status=err.status, headers=err.headers)
+
+
+_HTTP_ERRORS = {
+    404: ("invalid_request_error", "not_found"),
+    405: ("invalid_request_error", "method_not_allowed"),
+    413: ("invalid_request_error", "request_too_large"),
+}
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
+    try:
+        return await handler(request)
+    except APIError as err:
+        return _error_response(err)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        kind, code = _HTTP_ERRORS.get(exc.status, ("invalid_request_error", "http_error"))
+        message = exc.text or exc.reason
+        if exc.status == 413:
+            limit = request.app[CONFIG].max_body_bytes
+            message = f"request body too large: the limit is {limit} bytes (--max-body-bytes)"
+        elif exc.status == 404:
+            message = f"no route {request.method} {request.path}; see /v1/completions, /v1/chat/completions"
+        return _error_response(APIError(exc.status, message, type=kind, code=code))
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        return _error_response(APIError(500, "internal server error; the worker logged the details",
+                                        type="server_error", code="internal_error"))
+
+
+def engine_snapshot(app: web.Application) -> EngineSnapshot:
+    engine = app.get(ENGINE)
+    if engine is None:
+        return EngineSnapshot()
+    e = engine.engine
+    running, waiting = engine.adapters_in_use()
+    return EngineSnapshot(
+        num_running=e.num_running,
+        num_waiting=e.num_waiting,
+        kv_usage=e.kv_usage,
+        max_lora=e.config.max_loras,
+        running_adapters=running,
+        waiting_adapters=waiting,
+    )
+
+
+async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
+    config = app[CONFIG]
+    loop = asyncio.get_running_loop()
+    t0 = time.monotonic()
+    engine = await loop.run_in_executor(None, Engine, config.engine)
+    async_engine = AsyncEngine(engine, on_step=lambda e: app[METRICS].observe_step(
+        num_seqs=e.last_batch_size, num_adapters=e.last_batch_adapters))
+    host = EngineAdapters(engine)
+    adapters = ServedAdapters(served_model_name(config, engine))
+    adapters.adopt(host)
+    app[ENGINE] = async_engine
+    app[HOST] = host
+    app[ADAPTERS] = adapters
+    if engine.adapter_pool is not None:
+        app[METRICS].register(engine.adapter_pool.metrics.collectors())
+    await async_engine.start()
+    app[STATUS].ready = True
+    log.info("model %s loaded in %.1f s on %s; serving as %r with %d adapters", engine.model_dir,
+             time.monotonic() - t0, config.engine.device, adapters.base_model, len(adapters.visible_to(
+                 app[TENANTS].authenticate(None))) if app[TENANTS].is_open else len(host.describe_adapters()))
+    try:
+        yield
+    finally:
+        app[STATUS].ready = False
+        await async_engine.stop()
+
+
+async def _on_shutdown(app: web.Application) -> None:
+    # Runs before in-flight handlers are awaited: new requests on kept-alive connections get 503.
+    app[STATUS].draining = True
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "alive"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    status = request.app[STATUS]
+    engine = request.app.get(ENGINE)
+    if status.draining:
+        return web.json_response({"status": "draining"}, status=503)
+    if not status.ready or engine is None or not engine.is_running:
+        return web.json_response({"status": "starting"}, status=503)
+    return web.json_response({"status": "ready"})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = request.app[METRICS].render()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
+def create_app(config: WorkerConfig) -> web.Application:
+    tenants = Tenants.from_file(config.api_keys_file)
+    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[error_middleware])
+    app[CONFIG] = config
+    app[TENANTS] = tenants
+    app[STATUS] = ServerStatus(started_at=time.time())
+    app[ADMISSION] = Admission(config.capacity)
+    app[ADMIN_LOCK] = asyncio.Lock()
+    app[METRICS] = WorkerMetrics(lambda: engine_snapshot(app))
+    app.cleanup_ctx.append(_engine_ctx)
+    app.on_shutdown.append(_on_shutdown)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_routes(openai_routes())
+    app.router.add_routes(admin_routes())
+    if tenants.is_open:
+        log.warning("no API keys configured (--api-keys-file): DEVELOPMENT MODE, every caller may use every "
+                    "adapter and the base model")
+    else:
+        log.info("API keys loaded for tenants: %s", ", ".join(tenants.names))
+    if config.admin_token is None:
+        log.warning("no --admin-token: the admin API (/admin/v1/*, /v1/load_lora_adapter) refuses every call")
+    return app
+
+
+def run(config: WorkerConfig) -> None:
+    """Serve until SIGTERM/SIGINT; in-flight requests get `shutdown_grace_s`, then exit 0."""
+    web.run_app(
+        create_app(config),
+        host=config.host,
+        port=config.port,
+        shutdown_timeout=config.shutdown_grace_s,
+        handler_cancellation=True,  # a client that goes away cancels its handler -> engine abort
+        access_log=None,
+        print=lambda msg: log.info("%s", msg),
+    )
