@@ -42,7 +42,8 @@ def _slim_pod(body: kopf.Body) -> dict[str, Any]:
 
 def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> PoolController:
     """Attach all handlers to ``registry``; returns the controller they share."""
-    controller = PoolController(StagerClient(token=config.stager_token, timeout=config.request_timeout))
+    controller = PoolController(StagerClient(token=config.stager_token, timeout=config.request_timeout,
+                                               push_timeout=config.push_timeout))
     res_pools, res_adapters = (GROUP, VERSION, POOLS), (GROUP, VERSION, ADAPTERS)
 
     @kopf.on.startup(registry=registry)

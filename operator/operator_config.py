@@ -11,7 +11,9 @@ class OperatorConfig:
     interval: float = field(default=10.0, metadata={"help": "seconds between drift checks of every pool"})
     retry_delay: float = field(default=2.0, metadata={"help": "seconds before a recoverable step is retried"})
     stager_token: str = field(default="", metadata={"help": "bearer token of the worker sidecars (from a Secret)"})
-    request_timeout: float = field(default=5.0, metadata={"help": "seconds for one sidecar HTTP call"})
+    request_timeout: float = field(default=5.0, metadata={"help": "seconds for one sidecar state read"})
+    push_timeout: float = field(default=300.0, metadata={
+        "help": "seconds for one directive push (the sidecar stages every version before it answers)"})
     peering: str | None = field(default=None, metadata={
         "help": "KopfPeering name for leader election when the operator runs replicated (unset: standalone)"})
     liveness_port: int = field(default=8080, metadata={"help": "port of the /healthz liveness endpoint (0: off)"})
@@ -23,5 +25,7 @@ class OperatorConfig:
             raise ValueError(f"retry_delay must be > 0 seconds (got {self.retry_delay})")
         if self.request_timeout <= 0:
             raise ValueError(f"request_timeout must be > 0 seconds (got {self.request_timeout})")
+        if self.push_timeout <= 0:
+            raise ValueError(f"push_timeout must be > 0 seconds (got {self.push_timeout})")
         if not 0 <= self.liveness_port < 65536:
             raise ValueError(f"liveness_port must be a TCP port or 0 (got {self.liveness_port})")

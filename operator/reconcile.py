@@ -179,10 +179,9 @@ def _next_generation(w: WorkerReport, directives: list[AdapterDirective],
     last = w.last_pushed
     if last is None or last.adapters != directives:
         return max(last.generation if last else 0, applied) + 1, True
-    if applied < last.generation:
-        # Accepted, still applying -- unless the sidecar restarted and forgot everything.
-        return last.generation, applied == 0
-    if drifted(w.reported, directives):
+    if applied < last.generation or drifted(w.reported, directives):
+        # Reported below what was accepted: the engine (or the pod) restarted. Receivers treat an equal
+        # generation as a no-op, so the re-push needs a new one.
         return max(last.generation, applied) + 1, True
     return last.generation, False
 

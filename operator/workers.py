@@ -78,9 +78,10 @@ def discover_workers(pods: Iterable[dict[str, Any]], selector: dict[str, Any], *
 class StagerClient:
     """Talks to sidecars; remembers what it last pushed to each pod (lost on restart, by design)."""
 
-    def __init__(self, *, token: str, timeout: float) -> None:
+    def __init__(self, *, token: str, timeout: float, push_timeout: float | None = None) -> None:
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self._push_timeout = aiohttp.ClientTimeout(total=push_timeout or timeout)
         self._session: aiohttp.ClientSession | None = None
         self.last_pushed: dict[str, DesiredState] = {}  # worker url -> last accepted push
 
@@ -112,7 +113,8 @@ class StagerClient:
         """PUT the desired state; True when accepted. A 409 (stale generation) is not recorded as pushed."""
         try:
             async with self._client().put(f"{worker.url}/v1/directives", data=desired.to_json(),
-                                          headers={"Content-Type": "application/json"}) as resp:
+                                          headers={"Content-Type": "application/json"},
+                                          timeout=self._push_timeout) as resp:
                 if resp.status in (200, 202):
                     self.last_pushed[worker.url] = desired
                     return True

@@ -1,0 +1,54 @@
+{{- define "lorafleet.name" -}}lorafleet{{- end -}}
+
+{{- define "lorafleet.fullname" -}}
+{{- if contains "lorafleet" .Release.Name -}}{{ .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else -}}{{ printf "%s-lorafleet" .Release.Name | trunc 63 | trimSuffix "-" }}{{- end -}}
+{{- end -}}
+
+{{- define "lorafleet.labels" -}}
+app.kubernetes.io/name: {{ include "lorafleet.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{- define "lorafleet.workerSelector" -}}
+app.kubernetes.io/name: {{ include "lorafleet.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: worker
+{{- end -}}
+
+{{- define "lorafleet.operatorSelector" -}}
+app.kubernetes.io/name: {{ include "lorafleet.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: operator
+{{- end -}}
+
+{{- define "lorafleet.image" -}}
+{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end -}}
+
+{{- define "lorafleet.adminTokenSecret" -}}
+{{ .Values.secrets.existingAdminTokenSecret | default (printf "%s-admin-token" (include "lorafleet.fullname" .)) }}
+{{- end -}}
+{{- define "lorafleet.stagerTokenSecret" -}}
+{{ .Values.secrets.existingStagerTokenSecret | default (printf "%s-stager-token" (include "lorafleet.fullname" .)) }}
+{{- end -}}
+{{- define "lorafleet.apiKeysSecret" -}}
+{{ .Values.secrets.existingApiKeysSecret | default (printf "%s-api-keys" (include "lorafleet.fullname" .)) }}
+{{- end -}}
+{{- define "lorafleet.objectStoreSecret" -}}
+{{ .Values.objectStore.existingSecret | default (printf "%s-object-store" (include "lorafleet.fullname" .)) }}
+{{- end -}}
+
+{{/* A token kept across upgrades: the value given, else the one already in the cluster, else a new one. */}}
+{{- define "lorafleet.token" -}}
+{{- $given := index . 0 -}}{{- $ctx := index . 1 -}}{{- $name := index . 2 -}}
+{{- if $given -}}{{ $given | b64enc }}
+{{- else -}}
+{{- $existing := lookup "v1" "Secret" $ctx.Release.Namespace $name -}}
+{{- if and $existing $existing.data $existing.data.token -}}{{ $existing.data.token }}
+{{- else -}}{{ randAlphaNum 40 | b64enc }}{{- end -}}
+{{- end -}}
+{{- end -}}

@@ -1,0 +1,226 @@
+"""The Helm chart lints, renders, and every rendered built-in object validates against Kubernetes schemas;
+CRDs and examples agree with the operator's parsing; env names match the processes' config fields."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import helm_python as helm
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from lorafleet.operator.crd_models import AdapterSpec, PoolSpec
+from lorafleet.operator.operator_config import OperatorConfig
+from lorafleet.operator.workers import selector_matches
+from lorafleet.worker.cli import build_parser
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "lorafleet"
+K8S_VERSION = "1.31.0"
+CUSTOM_KINDS = {"LoRAPool", "ServiceMonitor", "KopfPeering", "ClusterKopfPeering"}
+
+VALUE_SETS = {
+    "defaults": {},
+    "replicated-clusterwide": {
+        "operator": {"replicas": 2, "watchNamespace": "*"},
+        "metrics": {"serviceMonitor": {"enabled": True}},
+        "secrets": {"apiKeys": {"tenants": {"acme": {"keys": ["sk-acme-1"], "adapters": ["sql"]}}}},
+        "objectStore": {"endpoint": "minio.storage:9000", "accessKey": "a", "secretKey": "b", "secure": False},
+        "worker": {"adapterCache": {"hostPath": "/var/lib/lorafleet/adapters"}},
+    },
+    "existing-secrets-other-namespace": {
+        "operator": {"watchNamespace": "tenants"},
+        "secrets": {"existingAdminTokenSecret": "adm", "existingStagerTokenSecret": "stg",
+                    "existingApiKeysSecret": "keys"},
+        "objectStore": {"existingSecret": "s3"},
+        "metrics": {"grafanaDashboard": {"enabled": False}},
+    },
+    "operator-only": {"worker": {"enabled": False}},
+}
+
+
+def render(values: dict) -> list[dict]:
+    manifests = helm.Chart.load(str(CHART)).render(values, name="demo", namespace="fleet", is_install=True)
+    docs = []
+    for path, text in sorted(manifests.items()):
+        if path.endswith((".yaml", ".yml")):
+            docs.extend(d for d in yaml.safe_load_all(text) if d)
+    return docs
+
+
+def find(docs: list[dict], kind: str, suffix: str = "") -> dict:
+    matches = [d for d in docs if d["kind"] == kind and d["metadata"]["name"].endswith(suffix)]
+    assert len(matches) == 1, f"{kind} *{suffix}: {[d['metadata']['name'] for d in matches]}"
+    return matches[0]
+
+
+def crd_schema(plural: str) -> dict:
+    crd = yaml.safe_load((ROOT / "crds" / f"lorafleet.dev_{plural}.yaml").read_text())
+    return crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+
+
+def env_names(container: dict) -> set[str]:
+    return {e["name"] for e in container.get("env") or []}
+
+
+def config_env_names(cls) -> set[str]:
+    parser = build_parser(cls, env={})
+    text = " ".join(parser.format_help().split())  # argparse wraps lines at spaces
+    return set(re.findall(r"env (LORAFLEET_[A-Z0-9_]+)", text))
+
+
+def test_chart_lints_clean():
+    report = helm.lint(str(CHART), strict=True)
+    assert report["errors"] == []
+    assert [m for m in report["messages"] if m["severity"] >= 2] == []
+
+
+@pytest.mark.parametrize("name", sorted(VALUE_SETS))
+def test_rendered_objects_validate(name):
+    docs = render(VALUE_SETS[name])
+    assert docs
+    for doc in docs:
+        if doc["kind"] in CUSTOM_KINDS:
+            continue
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    for pool in (d for d in docs if d["kind"] == "LoRAPool"):
+        jsonschema.validate(pool, crd_schema("lorapools"))
+        PoolSpec.parse(pool)
+
+
+def test_crds_validate_and_ship_in_the_chart():
+    for path in sorted((ROOT / "crds").glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+        # The chart installs the same CRDs (helm's crds/ folder: installable separately, never templated).
+        assert (CHART / "crds" / path.name).read_text() == path.read_text(), f"{path.name} differs in the chart"
+    adapters = yaml.safe_load((ROOT / "crds" / "lorafleet.dev_loraadapters.yaml").read_text())
+    version = adapters["spec"]["versions"][0]
+    assert "status" in version["subresources"]
+    assert [c["name"] for c in version["additionalPrinterColumns"]] == [
+        "Pool", "Tenant", "Version", "Canary", "Weight", "Phase", "Ready", "Age"]
+
+
+def test_worker_pod_engine_and_sidecar():
+    docs = render({})
+    pod = find(docs, "Deployment", "-worker")["spec"]["template"]
+    engine, stager = pod["spec"]["containers"]
+    assert engine["command"][-1] == "lorafleet.worker" and stager["command"][-1] == "lorafleet.worker.stager"
+    assert engine["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert engine["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert engine["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert pod["spec"]["terminationGracePeriodSeconds"] >= 30 and engine["lifecycle"]["preStop"]
+    assert {"name": "stager", "containerPort": 8001} in stager["ports"]
+    cache = {m["mountPath"] for m in engine["volumeMounts"] if m["name"] == "adapter-cache"}
+    assert cache == {m["mountPath"] for m in stager["volumeMounts"] if m["name"] == "adapter-cache"}
+    # Object-store credentials live only in the sidecar.
+    assert not any(n.startswith("LORAFLEET_S3") for n in env_names(engine))
+    # The pool the chart creates selects exactly these pods, and the Service routes to them.
+    pool = find(docs, "LoRAPool")
+    assert selector_matches(pool["spec"]["workerSelector"], pod["metadata"]["labels"])
+    assert selector_matches({"matchLabels": find(docs, "Service")["spec"]["selector"]}, pod["metadata"]["labels"])
+
+
+def test_env_names_are_config_fields():
+    """Every LORAFLEET_* variable the chart sets is a field of that process's config dataclass."""
+    docs = render(VALUE_SETS["replicated-clusterwide"])
+    operator = find(docs, "Deployment", "-operator")["spec"]["template"]["spec"]["containers"][0]
+    assert env_names(operator) <= config_env_names(OperatorConfig)
+    engine, stager = find(docs, "Deployment", "-worker")["spec"]["template"]["spec"]["containers"]
+    worker_config = pytest.importorskip("lorafleet.worker.worker_config")
+    stager_mod = pytest.importorskip("lorafleet.worker.stager")
+    assert env_names(engine) <= config_env_names(worker_config.WorkerConfig)
+    assert env_names(stager) <= config_env_names(stager_mod.StagerConfig)
+    assert int(next(e["value"] for e in stager["env"] if e["name"] == "LORAFLEET_STAGER_CACHE_BYTES")) > 0
+
+
+def test_operator_rbac_is_least_privilege():
+    for name, values in VALUE_SETS.items():
+        docs = render(values)
+        roles = [d for d in docs if d["kind"] in ("Role", "ClusterRole")]
+        assert len(roles) == 1, name
+        rules = roles[0]["rules"]
+        for rule in rules:
+            assert "*" not in rule["verbs"] and "*" not in rule["resources"], name
+            assert "secrets" not in rule["resources"], name
+            assert not {"delete", "deletecollection", "update"} & set(rule["verbs"]), name
+        pods = next(r for r in rules if "pods" in r["resources"])
+        assert set(pods["verbs"]) == {"get", "list", "watch"}
+        replicated = values.get("operator", {}).get("replicas", 1) > 1
+        assert any("kopf.dev" in r["apiGroups"] for r in rules) == replicated
+        operator = find(docs, "Deployment", "-operator")["spec"]["template"]["spec"]["containers"][0]
+        assert ("LORAFLEET_PEERING" in env_names(operator)) == replicated
+        assert roles[0]["kind"] == ("ClusterRole" if values.get("operator", {}).get("watchNamespace") == "*"
+                                    else "Role")
+
+
+def test_optional_objects():
+    kinds = {d["kind"] for d in render(VALUE_SETS["replicated-clusterwide"])}
+    assert {"ServiceMonitor", "ClusterKopfPeering", "ConfigMap"} <= kinds
+    kinds = {d["kind"] for d in render(VALUE_SETS["existing-secrets-other-namespace"])}
+    assert not {"ServiceMonitor", "Secret", "ConfigMap"} & kinds
+    kinds = {d["kind"] for d in render(VALUE_SETS["operator-only"])}
+    assert "Service" not in kinds and "LoRAPool" not in kinds
+
+
+def test_grafana_dashboard_queries_exported_metrics():
+    dashboard = json.loads((CHART / "files" / "grafana-dashboard.json").read_text())
+    exported = "".join(p.read_text() for p in (ROOT / "worker").glob("*metrics*.py"))
+    names = set()
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            names |= set(re.findall(r"\b(lorafleet_[a-z_]+|vllm:[a-z_]+)", target["expr"]))
+    assert names
+    for name in names:
+        base = re.sub(r"_(total|bucket|sum|count)$", "", name)
+        assert f'"{base}"' in exported, f"dashboard queries {name}, which the worker does not export"
+
+
+def example_docs() -> list[dict]:
+    return [d for p in sorted((ROOT / "examples" / "k8s").glob("*.yaml")) for d in yaml.safe_load_all(p.read_text()) if d]
+
+
+def test_examples_validate_and_parse():
+    docs = example_docs()
+    kinds = [d["kind"] for d in docs]
+    assert kinds.count("LoRAPool") >= 1 and kinds.count("LoRAAdapter") >= 3
+    assert any(d["spec"].get("canary") for d in docs if d["kind"] == "LoRAAdapter")
+    for d in docs:
+        jsonschema.validate(d, crd_schema(d["kind"].lower() + "s"))
+        (PoolSpec if d["kind"] == "LoRAPool" else AdapterSpec).parse(d)
+
+
+@pytest.mark.parametrize(("path", "value"), [
+    (("spec", "canary", "weight"), 120),
+    (("spec", "canary", "weight"), -1),
+    (("spec", "source", "uri"), "http://example.com/adapter"),
+    (("spec", "source", "sha256"), "not-a-digest"),
+    (("spec", "pool"), "Not_A_Name"),
+])
+def test_crd_schema_refuses_bad_adapters(path, value):
+    doc = next(d for d in example_docs() if d["kind"] == "LoRAAdapter" and d["spec"].get("canary"))
+    node = doc
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(doc, crd_schema("loraadapters"))
+
+
+@pytest.mark.parametrize(("path", "value"), [
+    (("spec", "adapterMemory", "gpuBytes"), "16 gigs"),
+    (("spec", "eviction"), "random"),
+    (("spec", "scaling", "kvHigh"), 1.5),
+])
+def test_crd_schema_refuses_bad_pools(path, value):
+    doc = next(d for d in example_docs() if d["kind"] == "LoRAPool")
+    node = doc
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(doc, crd_schema("lorapools"))
