@@ -40,8 +40,12 @@ test: install prometheus lint
 model: install
 	$(PY) -m lorafleet.worker.default_model
 
+# The worker on 127.0.0.1:8000 with the embedded model and the demo adapters (Ctrl-C stops it).
+RUN_CURL := curl -s http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' -d '{"model": "shout", "prompt": "Words: red fish open sky\nReply:", "max_tokens": 12, "temperature": 0}'
+export RUN_CURL
 run: install model
-	$(PY) -m lorafleet.worker $(RUN_ARGS)
+	@printf 'Starting the worker; once it logs "Running on http://127.0.0.1:8000", try:\n\n  %s\n\n' "$$RUN_CURL"
+	$(PY) -m lorafleet.worker $(if $(wildcard examples/adapters),--adapters examples/adapters) $(RUN_ARGS)
 
 demo: install model
 	$(PY) examples/offline_demo.py
