@@ -214,14 +214,26 @@ def write_kv_triton(*, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, s
 
 
 def paged_attention_decode_triton(
-    *, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, context_lens: Tensor, scale: float, out: Tensor, num_splits: int | None = None
+    *,
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    context_lens: Tensor,
+    scale: float,
+    out: Tensor,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 3,
 ) -> None:
     """Triton backend of `kernels.attention.paged_attention_decode` (inputs checked there).
 
     Semantics: out[b, h] = softmax_n(scale * q[b, h] . K[b, n, h // G]) @ V[b, :, h // G] over n < context_lens[b].
 
     num_splits: context splits per (sequence, KV head), merged afterwards (default: enough programs to
-    fill the GPU, for the longest context the block tables can hold).
+    fill the GPU, for the longest context the block tables can hold). block_n, num_warps, num_stages:
+    context rows per step, warps and pipeline depth (benchmark sweeps).
     """
     num_seqs, num_heads, head_dim = q.shape
     if num_seqs == 0:
@@ -229,7 +241,7 @@ def paged_attention_decode_triton(
     page, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     max_context = block_tables.shape[1] * page
-    block_n = 32 if _INTERPRET else 64
+    block_n = block_n or (32 if _INTERPRET else 64)
     if num_splits is None:
         want = triton.cdiv(2 * _num_sms(str(q.device)), num_seqs * num_kv_heads)
         num_splits = max(1, min(want, triton.cdiv(max_context, 256), 16))
@@ -242,7 +254,7 @@ def paged_attention_decode_triton(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), num_heads, tokens_per_split,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        PAGE=page, BLOCK_N=block_n, SPLITS=num_splits, UPCAST=_upcast(q.dtype),
+        PAGE=page, BLOCK_N=block_n, SPLITS=num_splits, UPCAST=_upcast(q.dtype), num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     _decode_merge_kernel[(num_seqs, num_heads)](
         part_acc, part_ml, out, out.stride(0), out.stride(1), num_heads,

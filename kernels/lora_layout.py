@@ -140,6 +140,21 @@ def make_lora_batch(token_slots: Tensor, max_rank_by_slot: Tensor, *, grouped: b
     return LoRABatch(slots, sorted_ids, seg_starts, seg_slots.to(torch.int32), max_rank)
 
 
+def place_rows(row_lengths: list[int], page_elems: int) -> list[tuple[int, int]]:
+    """(page index, offset in page) of each row, in order: a row that does not fit in the rest of the
+    current page starts on the next one (rows never straddle a page; no padding)."""
+    placements: list[tuple[int, int]] = []
+    page, used = 0, 0
+    for n in row_lengths:
+        if n > page_elems:
+            raise ValueError(f"a row of {n} elements does not fit a page of {page_elems}")
+        if used + n > page_elems:
+            page, used = page + 1, 0
+        placements.append((page, used))
+        used += n
+    return placements
+
+
 def pack_lora_layout(
     modules: dict[tuple[int, int, int], tuple[Tensor, Tensor, float]],
     *,
@@ -165,18 +180,8 @@ def pack_lora_layout(
         rows.extend(a.unbind(0))
         rows.extend(b.t().unbind(0))
     max_rank = max((a.shape[0] for a, _, _ in modules.values()), default=1)
-    # Place rows: a row that does not fit in the rest of the current page starts on the next one.
-    placements: list[tuple[int, int]] = []  # (page index in order, offset in page)
-    page, used = 0, 0
-    for row in rows:
-        n = row.numel()
-        if n > page_elems:
-            raise ValueError(f"a row of {n} elements does not fit a page of {page_elems}")
-        if used + n > page_elems:
-            page, used = page + 1, 0
-        placements.append((page, used))
-        used += n
-    needed = page + 1 if rows else 0
+    placements = place_rows([row.numel() for row in rows], page_elems)
+    needed = placements[-1][0] + 1 if rows else 0
     num_pages = needed if num_pages is None else num_pages
     if num_pages < needed:
         raise ValueError(f"the adapters need {needed} pages, only {num_pages} given")

@@ -194,7 +194,16 @@ def _upcast(dtype: torch.dtype) -> bool:
 
 
 def lora_shrink_triton(
-    *, x: Tensor, layout: LoRALayout, layer: int, proj_ids: list[int], batch: LoRABatch, out: Tensor, split_k: int | None = None
+    *,
+    x: Tensor,
+    layout: LoRALayout,
+    layer: int,
+    proj_ids: list[int],
+    batch: LoRABatch,
+    out: Tensor,
+    split_k: int | None = None,
+    block_k: int | None = None,
+    num_warps: int = 4,
 ) -> None:
     """Triton backend of `kernels.lora.lora_shrink` (inputs already checked there).
 
@@ -202,13 +211,13 @@ def lora_shrink_triton(
 
     x: [T, K] model dtype. out: float32 [P, T, R]. split_k: K splits per (segment, projection)
     (default: enough programs to fill the GPU); with more than one, out is zeroed and results are added
-    atomically.
+    atomically. block_k, num_warps: tile width over K and warps per program (benchmark sweeps).
     """
     num_segments, num_proj = batch.num_segments, len(proj_ids)
     if num_segments == 0 or batch.max_rank == 0:
         return
     K = x.shape[1]
-    block_k = _pow2(triton.cdiv(K, split_k or 1), 16, 128 if _INTERPRET else 256)
+    block_k = block_k or _pow2(triton.cdiv(K, split_k or 1), 16, 128 if _INTERPRET else 256)
     num_k_blocks = triton.cdiv(K, block_k)
     if split_k is None:
         split_k = min(num_k_blocks, triton.cdiv(4 * _num_sms(str(x.device)), num_segments * num_proj))
@@ -241,23 +250,34 @@ def lora_shrink_triton(
         ALIGN=layout.row_align,
         ATOMIC=split_k > 1,
         UPCAST=_upcast(x.dtype),
+        num_warps=num_warps,
     )
 
 
 def lora_expand_triton(
-    *, xa: Tensor, layout: LoRALayout, layer: int, proj_ids: list[int], batch: LoRABatch, y: Tensor, out_slices: list[tuple[int, int]]
+    *,
+    xa: Tensor,
+    layout: LoRALayout,
+    layer: int,
+    proj_ids: list[int],
+    batch: LoRABatch,
+    y: Tensor,
+    out_slices: list[tuple[int, int]],
+    block_n: int | None = None,
+    num_warps: int = 4,
 ) -> None:
     """Triton backend of `kernels.lora.lora_expand` (inputs already checked there).
 
     Semantics: y[t, o_i:o_i+n_i] += scale[slot(t), layer, p_i] * xa[i, t, :rank] @ B^T[slot(t), layer, p_i][:rank, :n_i].
 
     xa: float32 [P, T, R]. y: [T, N] model dtype. out_slices: P (first column, width) pairs.
+    block_n, num_warps: output columns and warps per program (benchmark sweeps).
     """
     num_segments, num_proj = batch.num_segments, len(proj_ids)
     if num_segments == 0 or batch.max_rank == 0:
         return
     widest = max(n for _, n in out_slices)
-    block_n = _pow2(widest, 16, 64 if _INTERPRET else 128)
+    block_n = block_n or _pow2(widest, 16, 64 if _INTERPRET else 256)
     slices = tuple(v for p, (start, n) in zip(proj_ids, out_slices, strict=True) for v in (p, start, n))
     assert all(0 <= p < NUM_PROJS for p in proj_ids)
     _expand_kernel[(num_segments, num_proj, triton.cdiv(widest, block_n))](
@@ -282,4 +302,5 @@ def lora_expand_triton(
         BLOCK_N=block_n,
         ALIGN=layout.row_align,
         UPCAST=_upcast(y.dtype),
+        num_warps=num_warps,
     )

@@ -68,3 +68,37 @@ def dense_shrink(modules, slots: torch.Tensor, x: torch.Tensor, layer: int, proj
         else:
             res.append(None)
     return res
+
+
+LLAMA3_8B_DIMS = {0: (4096, 4096), 1: (4096, 1024), 2: (4096, 1024), 3: (4096, 4096), 4: (4096, 14336), 5: (4096, 14336), 6: (14336, 4096)}
+
+
+def random_pool_layout(*, ranks_by_slot: list[int], dims: dict[int, tuple[int, int]], page_elems: int, dtype, device, gen: torch.Generator):
+    """A layout whose pool holds random weights in place (large shapes: no per-row copies), packed by the pool's rule."""
+    from lorafleet.kernels.lora_layout import NUM_PROJS, LoRALayout, place_rows
+
+    lengths, owners = [], []
+    for slot, r in enumerate(ranks_by_slot):
+        for proj, (k, n) in sorted(dims.items()):
+            lengths += [k] * r + [n] * r
+            owners.append((slot, proj, r))
+    placements = place_rows(lengths, page_elems)
+    num_pages = placements[-1][0] + 1
+    pool = (torch.randn(num_pages, page_elems, generator=gen) * 0.05).to(dtype).to(device)
+    max_rank = max(ranks_by_slot)
+    num_slots = len(ranks_by_slot)
+    ranks = torch.zeros(1, NUM_PROJS, num_slots, dtype=torch.int32)
+    scales = torch.zeros(1, NUM_PROJS, num_slots)
+    offsets = torch.tensor([p * page_elems + o for p, o in placements], dtype=torch.int64)
+    a_off = torch.zeros(1, NUM_PROJS, num_slots, max_rank, dtype=torch.int64)
+    b_off = torch.zeros_like(a_off)
+    cursor = 0
+    for slot, proj, r in owners:
+        ranks[0, proj, slot] = r
+        scales[0, proj, slot] = 16.0 / r
+        a_off[0, proj, slot, :r] = offsets[cursor : cursor + r]
+        b_off[0, proj, slot, :r] = offsets[cursor + r : cursor + 2 * r]
+        cursor += 2 * r
+    layout = LoRALayout(pool=pool, ranks=ranks.to(device), scales=scales.to(device), a_offsets=a_off.to(device), b_offsets=b_off.to(device), row_align=8)
+    layout.check_alignment()
+    return layout

@@ -157,3 +157,36 @@ def test_attention_refuses_bad_inputs(gen):
         paged_attention_decode(**{**ok, "q": q.half(), "out": q.half()})
     with pytest.raises(ValueError, match="slot_mapping"):
         write_kv(k=torch.zeros(3, 2, 16), v=torch.zeros(3, 2, 16), k_cache=k_cache, v_cache=v_cache, slot_mapping=torch.zeros(3, dtype=torch.int32))
+
+
+@pytest.mark.gpu
+def test_llama3_8b_shapes_in_bf16_on_gpu(gen):
+    """Decode (batch 16, contexts up to 2048) and chunked prefill at 32 q heads / 8 KV heads of 128, bf16."""
+    block_size, num_pages = 16, 1024
+    pool = torch.randn(num_pages, 2 * 2 * block_size * 8 * 128, generator=gen).to(torch.bfloat16).cuda()
+    view = pool.view(num_pages, 2, 2, block_size, 8, 128)
+    k_cache, v_cache = view[:, 1, 0], view[:, 1, 1]
+    lens = torch.randint(1, 2049, (16,), generator=gen).tolist()
+    lens[0] = 2048
+    table = _tables(lens, block_size, num_pages * 2, gen) % num_pages  # pages may repeat: fine for reads
+    table = table.cuda()
+    context_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    q = torch.randn(16, 32, 128, generator=gen).to(torch.bfloat16).cuda()
+    outs = {}
+    for backend in ("reference", "triton"):
+        outs[backend] = torch.full_like(q, float("nan"))
+        paged_attention_decode(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=table, context_lens=context_lens, scale=128**-0.5, out=outs[backend], backend=backend)
+    assert _rel(outs["triton"].float(), outs["reference"].double()) < 1e-2
+
+    q_lens = [512, 100, 1, 300]
+    ctx = [512, 1000, 2000, 700]
+    table = _tables(ctx, block_size, num_pages, gen).cuda()
+    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    q = torch.randn(sum(q_lens), 32, 128, generator=gen).to(torch.bfloat16).cuda()
+    for backend in ("reference", "triton"):
+        outs[backend] = torch.full_like(q, float("nan"))
+        paged_attention_prefill(
+            q=q, k_cache=k_cache, v_cache=v_cache, block_tables=table, query_start_loc=starts,
+            context_lens=torch.tensor(ctx, dtype=torch.int32, device="cuda"), scale=128**-0.5, out=outs[backend], backend=backend,
+        )  # fmt: skip
+    assert _rel(outs["triton"].float(), outs["reference"].double()) < 1e-2

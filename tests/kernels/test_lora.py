@@ -187,3 +187,46 @@ def test_launchers_refuse_bad_inputs(gen):
         lora_expand(xa=out, layout=layout, layer=0, proj_ids=[0], batch=batch, y=y, out_offsets=[0, 64, 96])
     with pytest.raises(ValueError, match="out_offsets"):
         lora_expand(xa=out, layout=layout, layer=0, proj_ids=[0], batch=batch, y=y, out_offsets=[90, 100])
+
+
+LLAMA_GROUPS = {"qkv": ([0, 1, 2], [4096, 1024, 1024]), "o": ([3], [4096]), "gate_up": ([4, 5], [14336, 14336]), "down": ([6], [4096])}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("popularity", POPULARITIES)
+@pytest.mark.parametrize("num_tokens,grouped", [(1, True), (64, True), (64, False), (300, True)])
+def test_llama3_8b_shapes_in_bf16_on_gpu(popularity, num_tokens, grouped, gen):
+    """Triton vs the torch reference at Llama-3-8B shapes, 24 adapters of ranks 8-128, bf16."""
+    from kernel_cases import LLAMA3_8B_DIMS, random_pool_layout
+
+    ranks_by_slot = [(8, 16, 32, 64, 128, 24)[s % 6] for s in range(24)]
+    layout = random_pool_layout(ranks_by_slot=ranks_by_slot, dims=LLAMA3_8B_DIMS, page_elems=2 * 2 * 16 * 8 * 128 * 32, dtype=torch.bfloat16, device="cuda", gen=gen)
+    slots = token_slots(popularity, num_tokens, 24, gen).cuda()
+    batch = make_lora_batch(slots, layout.max_rank_by_slot(), grouped=grouped)
+    for group, (proj_ids, widths) in LLAMA_GROUPS.items():
+        k = LLAMA3_8B_DIMS[proj_ids[0]][0]
+        x = torch.randn(num_tokens, k, generator=gen).to(torch.bfloat16).cuda()
+        xas = {}
+        for backend in ("reference", "triton"):
+            xa = torch.full((len(proj_ids), num_tokens, max(batch.max_rank, 1)), float("nan"), device="cuda")
+            lora_shrink(x=x, layout=layout, layer=0, proj_ids=proj_ids, batch=batch, out=xa, backend=backend)
+            xas[backend] = xa
+        live = slots >= 0
+        if live.any() and batch.max_rank:
+            for i, proj in enumerate(proj_ids):
+                r = layout.ranks[0, proj, slots[live].long()]
+                cols = torch.arange(batch.max_rank, device="cuda")[None, :] < r[:, None]
+                got, want = xas["triton"][i][live][cols], xas["reference"][i][live][cols]
+                assert not torch.isnan(got).any(), group
+                assert float((got - want).norm() / want.norm()) < 1e-3, group
+        offsets = [0, *torch.tensor(widths).cumsum(0).tolist()[:-1]]
+        y0 = (torch.randn(num_tokens, sum(widths), generator=gen) * 0.1).to(torch.bfloat16).cuda()
+        ys = {}
+        for backend in ("reference", "triton"):
+            y = y0.clone()
+            lora_expand(xa=xas["reference"], layout=layout, layer=0, proj_ids=proj_ids, batch=batch, y=y, out_offsets=offsets, backend=backend)
+            ys[backend] = y.float()
+        assert not torch.isnan(ys["triton"]).any(), group
+        delta_t, delta_r = ys["triton"] - y0.float(), ys["reference"] - y0.float()
+        assert float((delta_t - delta_r).norm() / delta_r.norm().clamp_min(1e-6)) < 2e-2, group
+        assert torch.equal(ys["triton"][~live], y0.float()[~live])

@@ -1,0 +1,376 @@
+"""Kernel benchmark on one GPU at Llama-3-8B shapes: the LoRA delta of one decoder layer, paged attention.
+
+    python bench/kernels.py --out bench/results        # writes kernels_<date>_<gpu>.json and .png
+
+LoRA: all seven projections of one layer (q|k|v, o, gate|up, down: four shrink/expand pairs) for T
+tokens spread round-robin over A adapters (distinct adapters in the batch = min(T, A)), ranks 8, 16,
+64 or mixed {8, 16, 32, 64}. Floor = the distinct adapters' bytes / copy bandwidth measured in the same
+run. Triton kernels are timed as CUDA-graph replays with the L2 flushed before each layer (the flush's
+own time measured and subtracted); the torch reference (gather + bmm) and a per-adapter loop are timed
+eagerly (they synchronise with the host). Base GEMMs: the layer's four fused matmuls, same method.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from lorafleet.kernels.attention import paged_attention_prefill
+from lorafleet.kernels.attention_triton import paged_attention_decode_triton, paged_attention_prefill_triton
+from lorafleet.kernels.lora_layout import NUM_PROJS, LoRALayout, make_lora_batch, place_rows
+from lorafleet.kernels.lora_reference import lora_expand_reference, lora_shrink_reference
+from lorafleet.kernels.lora_triton import lora_expand_triton, lora_shrink_triton
+
+HIDDEN, INTER, Q_SIZE, KV_SIZE = 4096, 14336, 4096, 1024
+DIMS = {0: (HIDDEN, Q_SIZE), 1: (HIDDEN, KV_SIZE), 2: (HIDDEN, KV_SIZE), 3: (Q_SIZE, HIDDEN), 4: (HIDDEN, INTER), 5: (HIDDEN, INTER), 6: (INTER, HIDDEN)}
+GROUPS = [([0, 1, 2], [Q_SIZE, KV_SIZE, KV_SIZE]), ([3], [HIDDEN]), ([4, 5], [INTER, INTER]), ([6], [HIDDEN])]
+PAGE_ELEMS = 32 * 2 * 16 * 8 * 128  # one KV page of Llama-3-8B (32 layers, block 16, 8 KV heads of 128)
+TOKENS = (1, 16, 64, 256, 1024)
+ADAPTERS = (1, 8, 32, 64)
+RANKS = {"8": [8], "16": [16], "64": [64], "mixed": [8, 16, 32, 64], "30": [30]}
+DT = torch.bfloat16
+
+
+class Timer:
+    """Cold-L2 CUDA-graph replay timing: reps x (flush, fn) minus reps x flush, median of several replays."""
+
+    def __init__(self, reps: int = 20, replays: int = 7) -> None:
+        self.reps, self.replays = reps, replays
+        self.flush_buf = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+        self.sink = torch.empty((), dtype=torch.int64, device="cuda")
+        self.flush_us = self._graph_us(lambda: None)
+
+    def _flush(self) -> None:
+        torch.sum(self.flush_buf.view(torch.int64), out=self.sink)  # a read: leaves the L2 clean
+
+    def _graph_us(self, fn) -> float:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._flush()
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(self.reps):
+                self._flush()
+                fn()
+        graph.replay()
+        times = []
+        for _ in range(self.replays):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1000 / self.reps)
+        return statistics.median(times)
+
+    def graph(self, fn) -> float:
+        return max(self._graph_us(fn) - self.flush_us, 0.0)
+
+    def eager(self, fn, reps: int = 5) -> float:
+        fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(reps):
+            self._flush()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1000)
+        return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    """Device copy, bytes read + written per second (GB/s), 2 GiB buffers."""
+    src = torch.empty(2**30, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    seconds = start.elapsed_time(end) / 1000 / 10
+    return 2 * src.numel() * 2 / seconds / 1e9
+
+
+def build_layout(ranks_by_slot: list[int], gen: torch.Generator) -> tuple[LoRALayout, dict]:
+    """One layer of adapters packed by the pool's rule, random weights written in place; dense copies for the loop."""
+    lengths, owners = [], []
+    for slot, r in enumerate(ranks_by_slot):
+        for proj in range(NUM_PROJS):
+            k, n = DIMS[proj]
+            lengths += [k] * r + [n] * r
+            owners.append((slot, proj, r))
+    placements = place_rows(lengths, PAGE_ELEMS)
+    num_pages = placements[-1][0] + 1
+    pool = torch.empty(num_pages, PAGE_ELEMS, dtype=DT, device="cuda")
+    pool.normal_(0, 0.02, generator=gen)
+    num_slots, max_rank = len(ranks_by_slot), max(ranks_by_slot)
+    offsets = torch.tensor([p * PAGE_ELEMS + o for p, o in placements], dtype=torch.int64)
+    ranks = torch.zeros(1, NUM_PROJS, num_slots, dtype=torch.int32)
+    scales = torch.zeros(1, NUM_PROJS, num_slots)
+    a_off = torch.zeros(1, NUM_PROJS, num_slots, max_rank, dtype=torch.int64)
+    b_off = torch.zeros_like(a_off)
+    dense, cursor, flat = {}, 0, pool.view(-1)
+    for slot, proj, r in owners:
+        k, n = DIMS[proj]
+        ranks[0, proj, slot], scales[0, proj, slot] = r, 2.0
+        a_off[0, proj, slot, :r] = offsets[cursor : cursor + r]
+        b_off[0, proj, slot, :r] = offsets[cursor + r : cursor + 2 * r]
+        a_idx = offsets[cursor : cursor + r, None].cuda() + torch.arange(k, device="cuda")
+        b_idx = offsets[cursor + r : cursor + 2 * r, None].cuda() + torch.arange(n, device="cuda")
+        dense[(slot, proj)] = (flat[a_idx], flat[b_idx].t().contiguous())  # A [r, k], B [n, r]
+        cursor += 2 * r
+    layout = LoRALayout(pool=pool, ranks=ranks.cuda(), scales=scales.cuda(), a_offsets=a_off.cuda(), b_offsets=b_off.cuda(), row_align=8)
+    return layout, dense
+
+
+def adapter_bytes(ranks: list[int]) -> int:
+    return sum(r * (k + n) * 2 for r in ranks for k, n in DIMS.values())
+
+
+class LoRALayer:
+    """Inputs and outputs of one layer's four fused LoRA groups for T tokens; run with any backend."""
+
+    def __init__(self, layout: LoRALayout, dense: dict, num_tokens: int, num_adapters: int, gen: torch.Generator, grouped: bool = True) -> None:
+        self.layout, self.dense = layout, dense
+        self.slots = (torch.arange(num_tokens, device="cuda") % num_adapters).to(torch.int32)
+        self.batch = make_lora_batch(self.slots, layout.max_rank_by_slot(), grouped=grouped)
+        self.xs = [torch.randn(num_tokens, DIMS[p[0]][0], device="cuda", generator=gen).to(DT) for p, _ in GROUPS]
+        self.ys = [torch.zeros(num_tokens, sum(w), dtype=DT, device="cuda") for _, w in GROUPS]
+        self.xas = [torch.empty(len(p), num_tokens, self.batch.max_rank, device="cuda") for p, _ in GROUPS]
+        self.slices = [[(sum(w[:i]), w[i]) for i in range(len(w))] for _, w in GROUPS]
+
+    def triton(self, **tune) -> None:
+        shrink = {k: v for k, v in tune.items() if k in ("split_k", "block_k", "num_warps")}
+        expand = {k: v for k, v in tune.items() if k in ("block_n",)}
+        for (proj_ids, _), x, y, xa, sl in zip(GROUPS, self.xs, self.ys, self.xas, self.slices, strict=True):
+            lora_shrink_triton(x=x, layout=self.layout, layer=0, proj_ids=proj_ids, batch=self.batch, out=xa, **shrink)
+            lora_expand_triton(xa=xa, layout=self.layout, layer=0, proj_ids=proj_ids, batch=self.batch, y=y, out_slices=sl, **expand)
+
+    def reference(self) -> None:
+        for (proj_ids, _), x, y, xa, sl in zip(GROUPS, self.xs, self.ys, self.xas, self.slices, strict=True):
+            lora_shrink_reference(x=x, layout=self.layout, layer=0, proj_ids=proj_ids, batch=self.batch, out=xa)
+            lora_expand_reference(xa=xa, layout=self.layout, layer=0, proj_ids=proj_ids, batch=self.batch, y=y, out_slices=sl)
+
+    def loop(self) -> None:
+        """The naive baseline: one small matmul chain per adapter and projection."""
+        for slot in self.batch.seg_slots.tolist():
+            idx = (self.slots == slot).nonzero().squeeze(1)
+            for (proj_ids, _), x, y, sl in zip(GROUPS, self.xs, self.ys, self.slices, strict=True):
+                xs = x[idx]
+                for proj, (start, n) in zip(proj_ids, sl, strict=True):
+                    a, b = self.dense[(slot, proj)]
+                    y[idx, start : start + n] += ((xs @ a.t()) @ b.t()) * 2.0
+
+
+def base_gemms(num_tokens: int, timer: Timer) -> float:
+    weights = [torch.randn(sum(w), DIMS[p[0]][0], device="cuda").to(DT) for p, w in GROUPS]
+    xs = [torch.randn(num_tokens, w.shape[1], device="cuda").to(DT) for w in weights]
+    outs = [torch.empty(num_tokens, w.shape[0], dtype=DT, device="cuda") for w in weights]
+
+    def run() -> None:
+        for x, w, o in zip(xs, weights, outs, strict=True):
+            torch.matmul(x, w.t(), out=o)
+
+    return timer.graph(run)
+
+
+def bench_lora(timer: Timer, copy_gbs: float, gen: torch.Generator, quick: bool) -> tuple[list, dict]:
+    rows = []
+    key_cases = {(64, 32, "16"), (256, 32, "16"), (1, 8, "16"), (1024, 8, "16")}
+    sweep_cases = {(64, 32, "16"), (1, 8, "16"), (1024, 8, "16")}
+    sweep = {}
+    for rank_name in ("16", "8", "64", "mixed", "30"):
+        for num_adapters in ADAPTERS:
+            if rank_name == "30" and num_adapters != 32:
+                continue
+            ranks_by_slot = [RANKS[rank_name][s % len(RANKS[rank_name])] for s in range(num_adapters)]
+            layout, dense = build_layout(ranks_by_slot, gen)
+            for num_tokens in TOKENS:
+                if rank_name == "30" and num_tokens not in (64, 256):
+                    continue
+                layer = LoRALayer(layout, dense, num_tokens, num_adapters, gen)
+                distinct = min(num_tokens, num_adapters)
+                nbytes = adapter_bytes(ranks_by_slot[:distinct])
+                row = {"tokens": num_tokens, "adapters": num_adapters, "distinct": distinct, "rank": rank_name, "adapter_bytes": nbytes}
+                row["floor_us"] = nbytes / (copy_gbs * 1e3)
+                row["triton_us"] = timer.graph(layer.triton)
+                if num_tokens <= 256 and num_tokens >= num_adapters:
+                    per_token = LoRALayer(layout, dense, num_tokens, num_adapters, gen, grouped=False)
+                    row["triton_per_token_us"] = timer.graph(per_token.triton)
+                key = (num_tokens, num_adapters, rank_name)
+                if key in key_cases:
+                    row["reference_us"] = timer.eager(layer.reference)
+                    row["loop_us"] = timer.eager(layer.loop, reps=3)
+                    if not quick and key in sweep_cases:
+                        sweep[str(key)] = sweep_case(layer, timer)
+                row["bandwidth_frac"] = row["floor_us"] / row["triton_us"] if row["triton_us"] else None
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            del layout, dense
+            torch.cuda.empty_cache()
+    return rows, sweep
+
+
+def sweep_case(layer: LoRALayer, timer: Timer) -> dict:
+    res = {}
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    segs = layer.batch.num_segments
+    for block_n in (128, 256, 512):
+        for split_target in (1, 2, 4):
+            split = max(1, math.ceil(split_target * sms / (segs * 2))) if split_target > 1 else 1
+            for warps in (4, 8):
+                res[f"bn{block_n}_split{split_target}x_w{warps}"] = timer.graph(lambda b=block_n, s=split, w=warps: layer.triton(block_n=b, split_k=s, num_warps=w))
+    best = min(res, key=res.get)
+    print(f"sweep best {best}: {res[best]:.1f} us (default {timer.graph(layer.triton):.1f})", flush=True)
+    return res
+
+
+def bench_attention(timer: Timer, copy_gbs: float, gen: torch.Generator) -> dict:
+    num_seqs, context, block_size = 64, 2048, 16
+    num_pages = num_seqs * context // block_size
+    pool = torch.empty(num_pages, 2 * 2 * block_size * 8 * 128, dtype=DT, device="cuda").normal_(generator=gen)
+    view = pool.view(num_pages, 2, 2, block_size, 8, 128)
+    k_cache, v_cache = view[:, 1, 0], view[:, 1, 1]  # strided, like one layer of the unified pool
+    table = torch.randperm(num_pages, device="cuda", generator=gen).view(num_seqs, -1).to(torch.int32)
+    lens = torch.full((num_seqs,), context, dtype=torch.int32, device="cuda")
+    q = torch.randn(num_seqs, 32, 128, device="cuda", generator=gen).to(DT)
+    out = torch.empty_like(q)
+    kv_bytes = 2 * num_seqs * context * 8 * 128 * 2
+    res = {"kv_bytes": kv_bytes, "floor_us": kv_bytes / (copy_gbs * 1e3), "variants": {}}
+    for splits in (None, 1, 2, 4):
+        for block_n in (32, 64, 128):
+            for warps in (4, 8):
+                us = timer.graph(
+                    lambda s=splits, b=block_n, w=warps: paged_attention_decode_triton(
+                        q=q, k_cache=k_cache, v_cache=v_cache, block_tables=table, context_lens=lens, scale=0.088, out=out, num_splits=s, block_n=b, num_warps=w
+                    )
+                )
+                res["variants"][f"splits{splits}_bn{block_n}_w{warps}"] = us
+    best = min(res["variants"], key=res["variants"].get)
+    res["best"], res["decode_us"] = best, res["variants"][best]
+    res["default_us"] = res["variants"]["splitsNone_bn64_w4"]
+    res["bandwidth_frac"] = res["floor_us"] / res["decode_us"]
+    # Prefill: 8 fresh prompts of 1024 tokens, Triton over the paged cache vs torch SDPA on dense tensors.
+    q_len = 1024
+    qp = torch.randn(8 * q_len, 32, 128, device="cuda", generator=gen).to(DT)
+    outp = torch.empty_like(qp)
+    starts = torch.arange(0, 9 * q_len, q_len, dtype=torch.int32, device="cuda")
+    plens = torch.full((8,), q_len, dtype=torch.int32, device="cuda")
+    ptable = table[:8, : q_len // block_size].contiguous()
+    res["prefill_triton_us"] = timer.graph(
+        lambda: paged_attention_prefill_triton(q=qp, k_cache=k_cache, v_cache=v_cache, block_tables=ptable, query_start_loc=starts, context_lens=plens, scale=0.088, out=outp)
+    )
+    want = torch.empty_like(qp)
+    paged_attention_prefill(q=qp, k_cache=k_cache, v_cache=v_cache, block_tables=ptable, query_start_loc=starts, context_lens=plens, scale=0.088, out=want, backend="reference")
+    res["prefill_rel_err"] = float((outp.float() - want.float()).norm() / want.float().norm())
+    qd = qp.view(8, q_len, 32, 128).transpose(1, 2)
+    kd = torch.randn(8, 8, q_len, 128, device="cuda", generator=gen).to(DT)
+    res["prefill_sdpa_us"] = timer.graph(
+        lambda: torch.nn.functional.scaled_dot_product_attention(qd, kd, kd, is_causal=True, enable_gqa=True)
+    )
+    return res
+
+
+def summarize(rows: list, base: dict, attn: dict, copy_gbs: float) -> dict:
+    def find(t, a, r):
+        return next(x for x in rows if x["tokens"] == t and x["adapters"] == a and x["rank"] == r)
+
+    out = {}
+    for t in (64, 256):
+        row = find(t, 32, "16")
+        out[f"decode_T{t}_32x_r16"] = {
+            "triton_us": row["triton_us"], "floor_us": row["floor_us"], "x_floor": row["triton_us"] / row["floor_us"],
+            "target_x_floor": 1.6, "vs_reference": row["reference_us"] / row["triton_us"], "target_vs_reference": 20,
+            "vs_loop": row["loop_us"] / row["triton_us"], "target_vs_loop": 200, "base_gemm_us": base[t],
+        }  # fmt: skip
+        mixed, mean = find(t, 32, "mixed"), find(t, 32, "30")
+        out[f"mixed_ranks_T{t}"] = {"mixed_us": mixed["triton_us"], "mean_rank_30_us": mean["triton_us"], "ratio": mixed["triton_us"] / mean["triton_us"], "target_ratio": 1.15}
+    pre = find(1024, 8, "16")
+    out["prefill_T1024_8x_r16"] = {"triton_us": pre["triton_us"], "base_gemm_us": base[1024], "fraction_of_base": pre["triton_us"] / base[1024], "target_fraction": 0.10}
+    t1 = find(1, 8, "16")
+    out["decode_T1_8x_r16"] = {"triton_us": t1["triton_us"], "floor_us": t1["floor_us"], "base_gemm_us": base[1]}
+    out["attention_decode_B64_ctx2048"] = {"us": attn["decode_us"], "floor_us": attn["floor_us"], "bandwidth_frac": attn["bandwidth_frac"], "target_frac": 0.70}
+    out["copy_gbs"] = copy_gbs
+    return out
+
+
+def plot(rows: list, base: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for num_adapters in ADAPTERS:
+        sel = [r for r in rows if r["adapters"] == num_adapters and r["rank"] == "16"]
+        axes[0].plot([r["tokens"] for r in sel], [r["triton_us"] for r in sel], marker="o", label=f"LoRA delta, {num_adapters} adapters")
+        axes[0].plot([r["tokens"] for r in sel], [r["floor_us"] for r in sel], ls=":", color=axes[0].lines[-1].get_color())
+    axes[0].plot(list(base), list(base.values()), color="k", lw=2, label="base GEMMs of the layer")
+    axes[0].set(xscale="log", yscale="log", xlabel="tokens T", ylabel="µs per layer", title="Llama-3-8B layer, r=16 (dotted: floor)")
+    axes[0].legend(fontsize=7)
+    for rank_name in ("8", "16", "64", "mixed"):
+        sel = [r for r in rows if r["rank"] == rank_name and r["tokens"] == 64]
+        axes[1].plot([r["adapters"] for r in sel], [100 * r["bandwidth_frac"] for r in sel], marker="o", label=f"r={rank_name}")
+    axes[1].set(xscale="log", xlabel="adapters in batch", ylabel="% of copy bandwidth on adapter bytes", title="T=64 decode")
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="bench/results", help="folder for the JSON and PNG")
+    parser.add_argument("--quick", action="store_true", help="skip the tuning sweeps")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench/kernels.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(0)
+    timer = Timer()
+    copy_gbs = copy_bandwidth()
+    print(f"copy bandwidth {copy_gbs:.0f} GB/s; L2 flush {timer.flush_us:.1f} us", flush=True)
+    base = {t: base_gemms(t, timer) for t in TOKENS}
+    print("base GEMMs (us):", {t: round(v, 1) for t, v in base.items()}, flush=True)
+    attn = bench_attention(timer, copy_gbs, gen)
+    print("attention:", json.dumps({k: v for k, v in attn.items() if k != "variants"}), flush=True)
+    rows, sweep = bench_lora(timer, copy_gbs, gen, args.quick)
+    summary = summarize(rows, base, attn, copy_gbs)
+    print(f"\n{'T':>5} {'A':>3} {'rank':>5} {'triton us':>10} {'floor us':>9} {'% copy bw':>9} {'per-token':>9} {'ref us':>8} {'loop us':>9} {'base us':>8}")
+    for r in rows:
+        print(
+            f"{r['tokens']:>5} {r['adapters']:>3} {r['rank']:>5} {r['triton_us']:>10.1f} {r['floor_us']:>9.1f} {100 * r['bandwidth_frac']:>8.0f}% "
+            f"{r.get('triton_per_token_us', float('nan')):>9.1f} {r.get('reference_us', float('nan')):>8.0f} {r.get('loop_us', float('nan')):>9.0f} {base[r['tokens']]:>8.1f}"
+        )
+    print(json.dumps(summary, indent=1))
+    name = f"kernels_{datetime.date.today():%Y%m%d}_{torch.cuda.get_device_name().split()[-1].lower()}"
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_gbs": copy_gbs, "base_gemm_us": base,
+              "lora": rows, "sweeps": sweep, "attention": attn, "summary": summary}  # fmt: skip
+    (out_dir / f"{name}.json").write_text(json.dumps(result, indent=1))
+    plot(rows, base, out_dir / f"{name}.png")
+    print(f"wrote {out_dir / name}.json and .png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
