@@ -62,3 +62,29 @@ def make_peft_adapter(base_dir, out_dir, *, rank: int, seed: int, targets=ALL_PR
                 p.copy_(torch.randn(p.shape, generator=g) * 0.15)
     model.save_pretrained(out_dir)
     return out_dir
+
+
+def lora_delta(layout, token_slots: torch.Tensor, x: torch.Tensor, layer: int, proj: str, out_features: int):
+    """LoRA delta of one projection computed through the pool's layout by the kernels' entry points
+    (reference backend): token t uses slot token_slots[t] (-1 = none). x: [T, in] -> [T, out]."""
+    from lorafleet.kernels.lora import lora_expand, lora_shrink
+    from lorafleet.kernels.lora_layout import make_lora_batch
+
+    pid = PROJS.index(proj)
+    batch = make_lora_batch(token_slots.to(torch.int32), layout.max_rank_by_slot())
+    xa = torch.zeros(1, x.shape[0], max(batch.max_rank, 1), dtype=torch.float32)
+    y = torch.zeros(x.shape[0], out_features, dtype=x.dtype)
+    if batch.max_rank == 0:
+        return y
+    lora_shrink(x=x, layout=layout, layer=layer, proj_ids=[pid], batch=batch, out=xa, backend="reference")
+    lora_expand(xa=xa, layout=layout, layer=layer, proj_ids=[pid], batch=batch, y=y, out_offsets=[0],
+                backend="reference")
+    return y
+
+
+def dense_delta(weights, x: torch.Tensor, layer: int, proj: str, out_features: int) -> torch.Tensor:
+    """scale * (x @ A.T) @ B.T of one adapter alone (zeros where it does not adapt the module)."""
+    m = weights.modules.get((layer, proj))
+    if m is None:
+        return torch.zeros(x.shape[0], out_features, dtype=x.dtype)
+    return (m.scale * (x.float() @ m.a.float().T) @ m.b.float().T).to(x.dtype)
