@@ -17,12 +17,16 @@ from pathlib import Path
 
 import torch
 
+from lorafleet.worker.adapter_entry import AdapterNotFoundError
+from lorafleet.worker.adapter_image import ModelDims
+from lorafleet.worker.adapter_pool import AdapterPool, AdapterPoolConfig
 from lorafleet.worker.block_manager import BlockManager
 from lorafleet.worker.engine_config import EngineConfig
 from lorafleet.worker.model_config import ModelConfig
 from lorafleet.worker.model_loader import load_model
 from lorafleet.worker.model_runner import ModelRunner
 from lorafleet.worker.page_pool import PagePool, PagePoolConfig, kv_page_elems
+from lorafleet.worker.peft_adapter import load_peft_adapter, vocab_digest
 from lorafleet.worker.request_output import RequestOutput
 from lorafleet.worker.sampler import Sampler
 from lorafleet.worker.sampling_params import SamplingParams
@@ -54,6 +58,7 @@ class Engine:
         mc = self.model_config
         tok_dir = Path(config.tokenizer or self.model_dir)
         self.tokenizer = Tokenizer(tok_dir) if (tok_dir / "tokenizer.json").is_file() else None
+        self._tokenizer_digest: str | None = None
         self.eos_token_ids = self._eos_ids()
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
 
@@ -66,7 +71,11 @@ class Engine:
             max_pages={"kv": None, "adapter": config.max_adapter_pages},
         ))
         self.block_manager = BlockManager(self.page_pool, config.block_size)
-        self.adapter_pool = None
+        self.adapter_pool = AdapterPool(
+            self.page_pool, ModelDims.from_model_config(mc),
+            AdapterPoolConfig(max_slots=config.max_loras, max_rank=config.max_lora_rank),
+        )
+        self._rank_of_key: dict[str, int] = {}
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=config.max_num_seqs,
@@ -79,13 +88,16 @@ class Engine:
         kv_caches = self.page_pool.kv_caches(num_layers=mc.num_hidden_layers, block_size=config.block_size,
                                              num_kv_heads=mc.num_key_value_heads, head_dim=mc.head_dim)
         self.runner = ModelRunner(self.model, self.block_manager, kv_caches, device=self.device,
-                                  backend=config.kernel_backend, lora_layout=self._lora_layout)
+                                  backend=config.kernel_backend, lora_layout=self._lora_layout,
+                                  slot_max_rank=self._slot_max_rank)
         self.sampler = Sampler(seed=config.seed, device=self.device)
         self.requests: dict[str, Sequence] = {}
         self._emitted: dict[str, tuple[int, int]] = {}  # request_id -> (tokens, chars) reported
         self._ids = itertools.count()
         self.last_batch_size = 0
         self.last_batch_adapters = 0
+        if config.adapters:
+            self.register_adapter_dir(config.adapters)
 
     # ---- setup helpers ------------------------------------------------------------------------------
     def _eos_ids(self) -> list[int]:
@@ -113,7 +125,73 @@ class Engine:
         return int(num_pages)
 
     def _lora_layout(self):
-        return None if self.adapter_pool is None else self.adapter_pool.layout
+        return self.adapter_pool.layout
+
+    def _slot_max_rank(self, slot: int) -> int:
+        """Largest rank of the adapter in `slot` (sizes the step's shrink buffer); host-side, no sync."""
+        key = self.adapter_pool.slot_key(slot)
+        if key is None:
+            return self.config.max_lora_rank
+        rank = self._rank_of_key.get(key)
+        if rank is None:
+            image = self.adapter_pool.entry(key).image
+            rank = image.max_rank if image is not None else self.config.max_lora_rank
+            self._rank_of_key[key] = rank
+        return rank
+
+    # ---- adapters -----------------------------------------------------------------------------------
+    def register_adapter(
+        self, name: str, path: str | Path, version: str | None = None, *, tenant: str = "default",
+        pinned: bool = False,
+    ) -> str:
+        """Load and validate a PEFT adapter directory and register it as `name@version`; returns the key.
+
+        `version` defaults to the adapter's content digest. The adapter is copied to the GPU pool on
+        first use (or now when pinned)."""
+        if not name or "@" in name or "/" in name:
+            raise EngineError(f"adapter name {name!r} must be non-empty and contain neither '@' nor '/'")
+        weights = load_peft_adapter(
+            path, self.model_config, dtype=self.dtype, strict_base=self.config.strict_base,
+            base_model_name=self.model_name, tokenizer_digest=self.tokenizer_digest, name=name, version=version,
+        )
+        key = f"{name}@{weights.version}"
+        self.adapter_pool.add(key, weights, tenant=tenant, pinned=pinned)
+        self._rank_of_key[key] = max((m.a.shape[0] for m in weights.modules.values()), default=0)
+        log.info("registered adapter %s from %s", key, path)
+        return key
+
+    def register_adapter_dir(self, directory: str | Path) -> list[str]:
+        """Register every PEFT subdirectory of `directory` (name = folder name)."""
+        directory = Path(directory)
+        if not directory.is_dir():
+            raise EngineError(f"adapters directory {directory} does not exist")
+        subdirs = sorted(p for p in directory.iterdir() if (p / "adapter_config.json").is_file())
+        if not subdirs:
+            raise EngineError(f"{directory} holds no PEFT adapter (no subfolder with adapter_config.json)")
+        return [self.register_adapter(p.name, p) for p in subdirs]
+
+    def unregister_adapter(self, name: str) -> None:
+        """Remove every version of `name`; requests already using it finish on it."""
+        try:
+            self.adapter_pool.unregister(name)
+        except AdapterNotFoundError as exc:
+            raise EngineError(str(exc)) from exc
+
+    def adapters(self) -> list[str]:
+        return self.adapter_pool.registered()
+
+    @property
+    def model_name(self) -> str:
+        return self.model_config.name or self.model_dir.name
+
+    @property
+    def tokenizer_digest(self) -> str | None:
+        """Digest of the served vocabulary: adapters shipping a different tokenizer are refused."""
+        if self.tokenizer is None:
+            return None
+        if self._tokenizer_digest is None:
+            self._tokenizer_digest = vocab_digest(self.tokenizer.path)
+        return self._tokenizer_digest
 
     # ---- requests -----------------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
@@ -145,8 +223,7 @@ class Engine:
         if total > capacity:
             raise EngineError(f"prompt + max_tokens = {total} tokens exceed the KV cache ({capacity} tokens); "
                               "lower max_tokens or give the engine more pool memory")
-        key, max_rank = self._resolve_adapter(adapter)
-        seq = Sequence(request_id, prompt_ids, params, adapter=key, max_rank=max_rank)
+        seq = Sequence(request_id, prompt_ids, params, adapter=self._resolve_adapter(adapter))
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.device)
             seq.generator.manual_seed(params.seed)
@@ -155,10 +232,15 @@ class Engine:
         self.scheduler.add(seq)
         return request_id
 
-    def _resolve_adapter(self, adapter: str | None) -> tuple[str | None, int]:
+    def _resolve_adapter(self, adapter: str | None) -> str | None:
+        """"name" (its current version) or "name@version" -> the key the request is served by."""
         if adapter is None:
-            return None, 0
-        raise EngineError(f"adapter {adapter!r} is not registered")
+            return None
+        try:
+            return self.adapter_pool.resolve(adapter)
+        except AdapterNotFoundError as exc:
+            raise EngineError(f"adapter {adapter!r} is not registered (registered: "
+                              f"{', '.join(self.adapter_pool.registered()) or 'none'})") from exc
 
     def abort(self, request_id: str) -> bool:
         seq = self.requests.pop(request_id, None)
@@ -177,14 +259,15 @@ class Engine:
         batch = self.scheduler.schedule()
         self.last_batch_size = batch.num_seqs
         self.last_batch_adapters = len(batch.adapters())
+        outputs = [self._output(seq) for seq in self.scheduler.failed]
+        self.scheduler.failed.clear()
         if batch.is_empty:
-            return []
+            return outputs
         logits, samplers = self.runner.run(batch)
         for seq, num_new in batch.scheduled:
             seq.num_computed_tokens += num_new
         if logits is None:
-            return []
-        outputs = []
+            return outputs
         for seq, (token, logprob) in zip(samplers, self.sampler.sample(logits, samplers), strict=True):
             seq.output_token_ids.append(token)
             if logprob is not None:
@@ -242,6 +325,7 @@ class Engine:
             logprobs=list(seq.logprobs) if want_lp else None,
             finished=seq.is_finished,
             finish_reason=seq.finish_reason,
+            error=seq.error,
             adapter=seq.adapter,
             num_preemptions=seq.num_preemptions,
         )
@@ -265,13 +349,25 @@ class Engine:
         adapters = list(adapters) if adapters is not None else [None] * n
         if len(params) != n or len(adapters) != n:
             raise EngineError(f"{n} prompts but {len(params)} sampling params and {len(adapters)} adapters")
-        ids = [self.add_request(None, p, sp, adapter=a) for p, sp, a in zip(prompts, params, adapters, strict=True)]
+        ids: list[str] = []
+        try:
+            for p, sp, a in zip(prompts, params, adapters, strict=True):
+                ids.append(self.add_request(None, p, sp, adapter=a))
+        except Exception:
+            for i in ids:
+                self.abort(i)
+            raise
         results: dict[str, RequestOutput] = {}
         while len(results) < n:
             for out in self.step():
                 if out.finished:
                     results[out.request_id] = out
+            if self.last_batch_size == 0 and len(results) < n:
+                self.adapter_pool.wait_idle()  # nothing runnable: only adapter loads can unblock us
         return [results[i] for i in ids]
+
+    def close(self) -> None:
+        self.adapter_pool.close()
 
     # ---- state --------------------------------------------------------------------------------------
     @property

@@ -28,6 +28,7 @@ class ModelRunner:
         device: torch.device,
         backend: str = "auto",
         lora_layout: Callable[[], LoRALayout | None] = lambda: None,
+        slot_max_rank: Callable[[int], int] = lambda slot: 0,
     ) -> None:
         self.model = model
         self.block_manager = block_manager
@@ -35,6 +36,7 @@ class ModelRunner:
         self.device = device
         self.backend = backend
         self.lora_layout = lora_layout  # the adapter pool's current layout (it changes on load/evict)
+        self.slot_max_rank = slot_max_rank  # host-side rank of a slot's adapter (sizes the shrink buffer)
         self._pin = device.type == "cuda"
 
     def _to_device(self, data: list, dtype: torch.dtype) -> torch.Tensor:
@@ -66,7 +68,7 @@ class ModelRunner:
             adapter_slot = -1 if seq.adapter_slot is None else seq.adapter_slot
             token_slots.extend([adapter_slot] * num_new)
             if adapter_slot >= 0:
-                max_rank = max(max_rank, seq.max_rank)
+                max_rank = max(max_rank, self.slot_max_rank(adapter_slot))
             context_lens.append(end)
             query_start_loc.append(query_start_loc[-1] + num_new)
             tables.append(seq.block_table)

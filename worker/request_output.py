@@ -18,6 +18,7 @@ class RequestOutput:
     text: str  # all generated text so far (stop strings cut off)
     logprobs: list[TokenLogprob] | None = None  # per generated token, when asked for
     finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None  # set with finish_reason "error" (e.g. the adapter failed to load)
     adapter: str | None = None  # "name@version" that served it, None for the base model
     num_preemptions: int = 0

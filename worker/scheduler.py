@@ -21,10 +21,12 @@ from lorafleet.worker.sequence import Sequence, SequenceStatus
 
 
 class AdapterSlots(Protocol):
-    """The part of the AdapterPool the scheduler uses."""
+    """The part of the AdapterPool the scheduler uses. `acquire` raises when the adapter cannot be
+    loaded (only the sequences waiting for it fail)."""
 
-    def acquire(self, key: str) -> int | None: ...
+    def acquire(self, key: str, waiter: object = None) -> int | None: ...
     def release(self, slot: int) -> None: ...
+    def abandon(self, key: str, waiter: object) -> None: ...
 
 
 @dataclass(slots=True)
@@ -77,6 +79,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._skipped_steps: dict[int, int] = {}  # seq_id -> steps skipped for adapter grouping
         self.num_preemptions = 0
+        self.failed: list[Sequence] = []  # finished by the scheduler (adapter load failed); engine reports them
 
     # ---- queue -----------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -100,10 +103,13 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
+        was_waiting_for_adapter = seq.status is SequenceStatus.WAITING and seq.adapter_slot is None
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = seq.finish_reason or reason
         self.block_manager.free(seq)
         self._release_adapter(seq)
+        if was_waiting_for_adapter and seq.adapter is not None and self.adapter_pool is not None:
+            self.adapter_pool.abandon(seq.adapter, seq.seq_id)
         self._skipped_steps.pop(seq.seq_id, None)
 
     # ---- one step --------------------------------------------------------------------------------
@@ -140,7 +146,15 @@ class Scheduler:
         skipped: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting.popleft()
-            if not self._can_admit_adapter(seq, loras):
+            try:
+                admit = self._can_admit_adapter(seq, loras)
+            except Exception as exc:  # the adapter failed to load: this request fails, others go on
+                seq.error = str(exc)
+                seq.status = SequenceStatus.FINISHED
+                seq.finish_reason = "error"
+                self.failed.append(seq)
+                continue
+            if not admit:
                 skipped.append(seq)
                 continue
             num_new = self._num_new_tokens(seq, budget)
@@ -177,7 +191,7 @@ class Scheduler:
         ):
             return False
         if seq.adapter_slot is None:
-            seq.adapter_slot = self.adapter_pool.acquire(seq.adapter)
+            seq.adapter_slot = self.adapter_pool.acquire(seq.adapter, seq.seq_id)
         return seq.adapter_slot is not None
 
     def _add_to_batch(self, batch: ScheduledBatch, seq: Sequence, num_new: int) -> None:

@@ -35,7 +35,6 @@ class Sequence:
         params: SamplingParams,
         *,
         adapter: str | None = None,
-        max_rank: int = 0,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: the prompt is empty")
@@ -46,13 +45,13 @@ class Sequence:
         self.params = params
         self.adapter = adapter  # "name@version" or None (base model)
         self.adapter_slot: int | None = None  # GPU slot while the pool reference is held
-        self.max_rank = max_rank
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.block_table: list[int] = []  # page ids
         self.num_preemptions = 0
         self.logprobs: list[TokenLogprob] = []
         self.finish_reason: str | None = None
+        self.error: str | None = None  # why the request failed (finish_reason "error")
         self.text = ""
         self.generator: torch.Generator | None = None  # per-sequence RNG when seeded
 

@@ -1,0 +1,236 @@
+"""Mixed-adapter batches against HF PEFT: every request of a batch that mixes four PEFT adapters
+(ranks 4/8/16/32, alpha != rank, rsLoRA, q/v only, all seven projections, rank_pattern) and the base
+model gets the tokens and logprobs that PEFT gives for that adapter alone, and that the merged model
+(merge_and_unload) gives."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from lorafleet.worker import Engine, EngineConfig, SamplingParams
+
+MAX_NEW = 8
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ADAPTERS = {
+    # name: LoraConfig kwargs
+    "qv4": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    "all8": dict(r=8, lora_alpha=12, target_modules=ALL),
+    "rs16": dict(r=16, lora_alpha=7, use_rslora=True, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+    "pat32": dict(r=32, lora_alpha=20, target_modules=["o_proj", "gate_proj", "up_proj", "down_proj"],
+                  rank_pattern={"layers.1.mlp.down_proj": 4}, alpha_pattern={"layers.0.self_attn.o_proj": 3}),
+}
+# Interleaved adapters (None = base model) and prompt lengths.
+PLAN = [("qv4", 5), (None, 13), ("all8", 2), ("rs16", 21), ("pat32", 9), (None, 3), ("all8", 17),
+        ("qv4", 11), ("pat32", 26), ("rs16", 7)]
+
+
+def _prompts(seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(256) for _ in range(n)] for _, n in PLAN]
+
+
+def _make_adapter(model_dir, out_dir, seed, kwargs):
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    base = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(lora_dropout=0.0, task_type="CAUSAL_LM", **kwargs))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:  # PEFT starts B at zero (a no-op adapter); make both matter
+                p.copy_(torch.randn(p.shape, generator=g) * 0.15)
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="module")
+def adapter_dirs(tiny_llama_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapters")
+    return {name: _make_adapter(tiny_llama_dir, root / name, i, kw) for i, (name, kw) in enumerate(ADAPTERS.items())}
+
+
+def _greedy(model, prompt):
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        g = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False,
+                           return_dict_in_generate=True, output_logits=True)
+    return g.sequences[0, len(prompt):].tolist(), [torch.log_softmax(s[0].float(), -1) for s in g.logits]
+
+
+@pytest.fixture(scope="module")
+def references(tiny_llama_dir, adapter_dirs):
+    """Per PLAN entry: (PEFT alone, merged) greedy tokens + per-step log_softmax; "base" the base model's."""
+    from peft import PeftModel
+    from transformers import LlamaForCausalLM
+
+    prompts = _prompts()
+    refs = {}
+    base = LlamaForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    refs["base"] = [_greedy(base, p) for p in prompts]
+    for i, (name, _) in enumerate(PLAN):
+        if name is None:
+            refs[i] = (refs["base"][i],) * 2
+    for name, path in adapter_dirs.items():
+        peft_model = PeftModel.from_pretrained(
+            LlamaForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32), path).eval()
+        alone = {i: _greedy(peft_model, prompts[i]) for i, (n, _) in enumerate(PLAN) if n == name}
+        merged_model = peft_model.merge_and_unload().eval()
+        for i in alone:
+            refs[i] = (alone[i], _greedy(merged_model, prompts[i]))
+    return refs
+
+
+def _engine(model_dir, adapter_root, **kw):
+    kw.setdefault("block_size", 16)
+    return Engine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32", adapters=str(adapter_root),
+                               max_lora_rank=32, **kw))
+
+
+GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, logprobs=2)
+
+
+def _check(outs, references):
+    for i, out in enumerate(outs):
+        for tokens, lps in references[i]:  # PEFT alone, then merged
+            assert out.token_ids == tokens, f"request {i} ({PLAN[i][0]})"
+            for step, lp in enumerate(out.logprobs):
+                ref = lps[step]
+                assert abs(lp.logprob - ref[lp.token_id].item()) < 1e-4, f"request {i} step {step}"
+                for tok, val in lp.top:
+                    assert abs(val - ref[tok].item()) < 1e-4
+
+
+def _assert_all_free(engine):
+    engine.page_pool.check()
+    engine.adapter_pool.check()
+    assert engine.page_pool.num_used("kv") == 0
+    assert all(d["refcount"] == 0 for d in engine.adapter_pool.describe())
+
+
+def test_references_differ_per_adapter(references):
+    """Sanity: every adapter really changes the model (else equality would prove nothing)."""
+    for i, (name, _) in enumerate(PLAN):
+        if name is not None:
+            delta = (references[i][0][1][0] - references["base"][i][1][0]).abs().max().item()
+            assert delta > 1e-2, f"adapter {name} hardly changes the first-step logprobs ({delta})"
+
+
+def test_mixed_batch_matches_peft_alone_and_merged(tiny_llama_dir, adapter_dirs, references):
+    engine = _engine(tiny_llama_dir, next(iter(adapter_dirs.values())).parent)
+    assert sorted(k.split("@")[0] for k in engine.adapters()) == sorted(ADAPTERS)
+    sizes = []
+    orig = engine.runner.prepare
+
+    def spy(batch):
+        ctx, samplers = orig(batch)
+        if ctx.lora is not None:
+            sizes.append(ctx.lora.num_segments)
+        return ctx, samplers
+
+    engine.runner.prepare = spy
+    outs = engine.generate(_prompts(), GREEDY, adapters=[a for a, _ in PLAN])
+    assert max(sizes) == 4  # one step really mixed all four adapters (and the base)
+    assert [o.adapter.split("@")[0] if o.adapter else None for o in outs] == [a for a, _ in PLAN]
+    _check(outs, references)
+    _assert_all_free(engine)
+
+
+def test_mixed_batch_under_preemption(tiny_llama_dir, adapter_dirs, references):
+    root = next(iter(adapter_dirs.values())).parent
+    probe = _engine(tiny_llama_dir, root)
+    for key in probe.adapters():
+        probe.adapter_pool.load(key)
+    adapter_pages = probe.page_pool.num_used("adapter")
+    # Room for every adapter plus 4 KV pages of 16 tokens: the ten requests cannot all stay resident.
+    engine = _engine(tiny_llama_dir, root, num_pages=adapter_pages + 4)
+    outs = engine.generate(_prompts(), GREEDY, adapters=[a for a, _ in PLAN])
+    assert engine.scheduler.num_preemptions > 0
+    _check(outs, references)
+    _assert_all_free(engine)
+
+
+def test_mixed_batch_with_mid_decode_joins_and_chunks(tiny_llama_dir, adapter_dirs, references):
+    engine = _engine(tiny_llama_dir, next(iter(adapter_dirs.values())).parent, max_num_batched_tokens=12,
+                     block_size=4)
+    prompts = _prompts()
+    results, pending, step = {}, list(range(len(PLAN))), 0
+    while pending or engine.has_unfinished():
+        if pending and step % 2 == 0:
+            i = pending.pop(0)
+            engine.add_request(str(i), prompts[i], GREEDY, adapter=PLAN[i][0])
+        for out in engine.step():
+            if out.finished:
+                results[int(out.request_id)] = out
+        step += 1
+    _check([results[i] for i in range(len(PLAN))], references)
+    _assert_all_free(engine)
+
+
+def test_adapter_metadata_travels_with_weights(tiny_llama_dir, adapter_dirs, references, tmp_path):
+    """Same A/B weights under another lora_alpha give other outputs: alpha/r is read per adapter,
+    not assumed (a lost rank/alpha would serve a silently different model)."""
+    import json
+    import shutil
+
+    changed = tmp_path / "qv4_alpha"
+    shutil.copytree(adapter_dirs["qv4"], changed)
+    cfg = json.loads((changed / "adapter_config.json").read_text())
+    cfg["lora_alpha"] = 64
+    (changed / "adapter_config.json").write_text(json.dumps(cfg))
+    engine = _engine(tiny_llama_dir, next(iter(adapter_dirs.values())).parent)
+    engine.register_adapter("qv4_alpha", changed)
+    i = next(i for i, (n, _) in enumerate(PLAN) if n == "qv4")
+    same, other = engine.generate([_prompts()[i]] * 2, GREEDY, adapters=["qv4", "qv4_alpha"])
+    ref = references[i][0][1][0]
+    assert abs(same.logprobs[0].logprob - ref[same.token_ids[0]].item()) < 1e-4
+    assert abs(other.logprobs[0].logprob - ref[other.token_ids[0]].item()) > 1e-3
+
+
+def test_adapter_for_another_base_or_tokenizer_is_refused(tiny_llama_dir, adapter_dirs, tmp_path):
+    import json
+    import shutil
+
+    from lorafleet.worker.peft_adapter import AdapterError
+
+    engine = _engine(tiny_llama_dir, next(iter(adapter_dirs.values())).parent)
+    other_base = tmp_path / "other_base"
+    shutil.copytree(adapter_dirs["qv4"], other_base)
+    cfg = json.loads((other_base / "adapter_config.json").read_text())
+    cfg["base_model_name_or_path"] = "meta-llama/Llama-3-8B"
+    (other_base / "adapter_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(AdapterError, match="base model"):
+        engine.register_adapter("other_base", other_base)
+
+    other_tok = tmp_path / "other_tok"
+    shutil.copytree(adapter_dirs["qv4"], other_tok)
+    tok = json.loads((tiny_llama_dir / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = list(vocab)[:2]
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # two ids swapped: same size, different text
+    (other_tok / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(AdapterError, match="tokenizer"):
+        engine.register_adapter("other_tok", other_tok)
+    assert sorted(k.split("@")[0] for k in engine.adapters()) == sorted(ADAPTERS)
+
+
+def test_too_many_adapters_per_batch_are_bounded(tiny_llama_dir, adapter_dirs, references):
+    """max_loras_per_batch caps the LoRA segments of a step (many small segments slow the kernels);
+    the requests held back still finish, with the same results."""
+    engine = _engine(tiny_llama_dir, next(iter(adapter_dirs.values())).parent, max_loras_per_batch=2)
+    segments = []
+    orig = engine.runner.prepare
+
+    def spy(batch):
+        ctx, samplers = orig(batch)
+        segments.append(0 if ctx.lora is None else ctx.lora.num_segments)
+        return ctx, samplers
+
+    engine.runner.prepare = spy
+    outs = engine.generate(_prompts(), GREEDY, adapters=[a for a, _ in PLAN])
+    assert max(segments) == 2
+    _check(outs, references)
+    _assert_all_free(engine)
