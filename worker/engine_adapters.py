@@ -33,8 +33,8 @@ class EngineAdapters:
 
         e = self.engine
         weights = load_peft_adapter(Path(source), e.model_config, dtype=e.dtype, strict_base=e.config.strict_base,
-                                    base_model_name=e.model_name, tokenizer_digest=e.tokenizer_digest)
-        weights.name, weights.version = name, version
+                                    base_model_name=e.model_name, tokenizer_digest=e.tokenizer_digest, name=name,
+                                    version=version)
         key = f"{name}@{version}"
         self.pool.add(key, weights, tenant=tenant, pinned=pinned, make_current=False)
         log.info("registered adapter %s from %s beside the current version", key, source)

@@ -206,6 +206,12 @@ class ServedAdapters:
                     hits=d.get("hits", 0), bytes=d.get("bytes", 0), pinned=bool(d.get("pinned", served.pinned)),
                     error=error,
                 ))
+        reported = {(a.name, a.version) for a in states}
+        for d in held.values():  # versions on their way out that in-flight requests still hold
+            if d.get("refcount", 0) > 0 and (d["name"], d["version"]) not in reported:
+                states.append(AdapterState(name=d["name"], version=d["version"], tier=d.get("tier", "none"),
+                                           refcount=d["refcount"], hits=d.get("hits", 0), bytes=d.get("bytes", 0),
+                                           pinned=bool(d.get("pinned", False))))
         return ReportedState(generation_applied=self.generation, adapters=states)
 
     def extras(self) -> dict[str, dict[str, Any]]:

@@ -10,7 +10,11 @@ process exits 0. Every error leaves as an OpenAI-shaped body (`{"error": {...}}`
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import os
+import secrets
+import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -104,7 +108,9 @@ async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
     loop = asyncio.get_running_loop()
     t0 = time.monotonic()
-    engine = await loop.run_in_executor(None, Engine, config.engine)
+    # An object-store --adapters is the stager child's business; the engine starts without it.
+    engine_config = dataclasses.replace(config.engine, adapters=None) if config.adapters_uri else config.engine
+    engine = await loop.run_in_executor(None, Engine, engine_config)
     async_engine = AsyncEngine(engine, on_step=lambda e: app[METRICS].observe_step(
         num_seqs=e.last_batch_size, num_adapters=e.last_batch_adapters))
     host = EngineAdapters(engine)
@@ -125,6 +131,36 @@ async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
     finally:
         app[STATUS].ready = False
         await async_engine.stop()
+
+
+def engine_url(config: WorkerConfig) -> str:
+    host = "127.0.0.1" if config.host in ("0.0.0.0", "::", "") else config.host
+    return f"http://{host}:{config.port}"
+
+
+async def _stager_ctx(app: web.Application) -> AsyncIterator[None]:
+    """`--adapters s3://...` without a sidecar: a stager child downloads, verifies and pushes them."""
+    config = app[CONFIG]
+    uri = config.adapters_uri
+    if uri is None:
+        yield
+        return
+    from lorafleet.worker.default_model import cache_root
+    from lorafleet.worker.stager_client import StagerProcess
+
+    cache_dir = Path(config.stager_cache_dir) if config.stager_cache_dir else cache_root() / "adapters"
+    env = dict(os.environ, LORAFLEET_ADMIN_TOKEN=config.admin_token or "")  # env, not argv: ps shows argv
+    stager = StagerProcess(cache_dir=cache_dir, port=config.stager_port, env=env,
+                           log_path=cache_dir.parent / "stager.log",
+                           args=["--stager-adapters", uri, "--s3-allow", uri.removeprefix("s3://"),
+                                 "--engine-url", engine_url(config)])
+    await asyncio.to_thread(stager.start, 60.0)
+    log.info("stager child (pid %d) is staging the adapters under %s into %s; log: %s", stager.proc.pid, uri,
+             cache_dir, stager.log_path)
+    try:
+        yield
+    finally:
+        await asyncio.to_thread(stager.stop)
 
 
 async def _on_shutdown(app: web.Application) -> None:
@@ -152,6 +188,8 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def create_app(config: WorkerConfig) -> web.Application:
+    if config.adapters_uri and config.admin_token is None:  # the stager child needs the admin API
+        config = dataclasses.replace(config, admin_token=secrets.token_urlsafe(24))
     tenants = Tenants.from_file(config.api_keys_file)
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=[error_middleware])
     app[CONFIG] = config
@@ -161,6 +199,7 @@ def create_app(config: WorkerConfig) -> web.Application:
     app[ADMIN_LOCK] = asyncio.Lock()
     app[METRICS] = WorkerMetrics(lambda: engine_snapshot(app))
     app.cleanup_ctx.append(_engine_ctx)
+    app.cleanup_ctx.append(_stager_ctx)
     app.on_shutdown.append(_on_shutdown)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
@@ -179,6 +218,10 @@ def create_app(config: WorkerConfig) -> web.Application:
 
 def run(config: WorkerConfig) -> None:
     """Serve until SIGTERM/SIGINT; in-flight requests get `shutdown_grace_s`, then exit 0."""
+    if config.adapters_uri and config.port == 0:  # the stager child must know where to push
+        with socket.socket() as sock:
+            sock.bind((config.host, 0))
+            config = dataclasses.replace(config, port=sock.getsockname()[1])
     web.run_app(
         create_app(config),
         host=config.host,

