@@ -60,6 +60,7 @@ class AdapterEntry:
     uses: int = 0
     last_used: int = 0
     retired: bool = False
+    retire_reason: str = "version"  # version | unregister
     load_seconds: float = 0.0  # last disk->CPU load
     copy_seconds: float = 0.0  # last CPU->GPU copy
     error: AdapterLoadError | None = None  # last failure, for reports

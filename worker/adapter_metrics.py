@@ -10,7 +10,7 @@ from __future__ import annotations
 from prometheus_client import Counter, Gauge, Histogram
 
 TIERS = ("gpu", "cpu", "disk")
-EVICTION_REASONS = ("capacity", "quota", "version", "unregister", "budget")
+EVICTION_REASONS = ("capacity", "quota", "kv", "version", "unregister", "budget")
 _LOAD_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 

@@ -89,6 +89,7 @@ class AdapterPool:
             b_offsets=torch.zeros(*shape, config.max_rank, dtype=torch.int64, device=self.device),
         )
         self._side_stream = torch.cuda.Stream(self.device) if self._cuda else None
+        page_pool.set_reclaimer("adapter", self._reclaim_for_kv)
         self._executor = ThreadPoolExecutor(config.num_load_threads, thread_name_prefix="adapter-load")
         self._lock = threading.RLock()
         self._entries: dict[str, AdapterEntry] = {}
@@ -121,22 +122,24 @@ class AdapterPool:
             loader = lambda: weights  # noqa: E731 - reload from the caller's CPU copy
         with self._lock:
             entry = self._entries.get(key)
-            if entry is not None and not entry.retired:
+            if entry is not None:
                 if image is not None and entry.digest is not None and image.digest != entry.digest:
                     raise ValueError(
                         f"{key} is already registered with different weights; register them as a new "
                         f"version (name@other-version) so no request is served stale weights"
                     )
-                entry.pinned = entry.pinned or pinned
-                if entry.pinned:
-                    self._want(entry)
-                return
-            if entry is not None:  # retired but still referenced: the new registration replaces it
-                raise ValueError(f"{key} is being retired (requests still use it); register a new version")
-            entry = AdapterEntry(key, name, version, tenant, loader, pinned=pinned)
-            self._entries[key] = entry
-            if image is not None:
-                self._set_image(entry, image)
+                if not entry.retired:
+                    entry.pinned = entry.pinned or pinned
+                    if entry.pinned:
+                        self._want(entry)
+                    return
+                # A replaced version registered again (a rollback): it comes back as it was.
+                entry.retired, entry.loader, entry.pinned = False, loader, pinned
+            else:
+                entry = AdapterEntry(key, name, version, tenant, loader, pinned=pinned)
+                self._entries[key] = entry
+                if image is not None:
+                    self._set_image(entry, image)
             if name not in self._current:
                 self._current[name] = key
             elif make_current and self._current[name] != key:
@@ -144,7 +147,10 @@ class AdapterPool:
                 self._pending[name] = key
                 if old_pending is not None and old_pending != key:
                     self._retire(self._entries[old_pending])
-                self._want(entry)
+                if entry.resident:
+                    self._switch(entry)
+                else:
+                    self._want(entry)
             if pinned:
                 self._want(entry)
             self._update_gauges()
@@ -210,7 +216,7 @@ class AdapterPool:
             if "@" not in key:
                 key = self.resolve(key)
             entry = self._entries.get(key)
-            if entry is None or (entry.retired and not entry.resident):
+            if entry is None:
                 raise AdapterNotFoundError(f"adapter {key!r} is not registered")
             if waiter is not None and waiter in entry.failed_waiters:
                 entry.failed_waiters.discard(waiter)
@@ -218,7 +224,9 @@ class AdapterPool:
             if waiter is None and entry.failed_anonymous:
                 entry.failed_anonymous = False
                 raise entry.error
-            if entry.retired and waiter not in entry.waiters:
+            # A replaced version still serves requests that resolved it before the switch (queued
+            # ones too) while it is resident; it is the first to go when memory is needed.
+            if entry.retired and not entry.resident:
                 raise AdapterNotFoundError(f"adapter {key!r} was replaced or unregistered")
             self._tick += 1
             if entry.resident:
@@ -244,8 +252,6 @@ class AdapterPool:
             if entry is None or entry.refcount <= 0:
                 raise RuntimeError(f"release of slot {slot} that holds no reference")
             entry.refcount -= 1
-            if entry.retired and entry.refcount == 0:
-                self._drop(entry, reason="version")
 
     def abandon(self, key: str, waiter: object) -> None:
         """A waiting request went away (aborted) before its adapter arrived."""
@@ -373,7 +379,7 @@ class AdapterPool:
             out = []
             for e in self._entries.values():
                 if e.retired and e.refcount == 0:
-                    continue
+                    continue  # replaced: lingers only as evictable memory
                 out.append({
                     "key": e.key, "name": e.name, "version": e.version, "tenant": e.tenant,
                     "tier": e.tier(), "refcount": e.refcount, "hits": e.uses,
@@ -519,7 +525,7 @@ class AdapterPool:
         candidates = [e for e in self._slot_owner.values()
                       if e.resident and e.refcount == 0 and not e.pinned and e is not entry
                       and self._pending.get(e.name) != e.key]
-        ordered = [self._by_key(c.key) for c in self.policy.order([self._candidate(e) for e in candidates])]
+        ordered = self._eviction_order(candidates)
         mine = [e for e in self._slot_owner.values() if e.tenant == entry.tenant]
         victims: list[AdapterEntry] = []
         # Tenant quota first: only the tenant's own adapters make room for it.
@@ -653,14 +659,20 @@ class AdapterPool:
 
     # ---- internals: eviction -------------------------------------------------------------------
     def _retire(self, entry: AdapterEntry, reason: str = "version") -> None:
-        entry.retired = True
+        """No new request resolves to it; it stays while resident (requests that resolved it earlier
+        still get it) and is evicted before anything else, then forgotten."""
+        entry.retired, entry.retire_reason = True, reason
         self._wanted.pop(entry.key, None)
-        if entry.refcount == 0 and entry.copying is None:
+        entry.loader = None  # never reloaded: drops the caller's CPU copy with it
+        if entry.image is not None and entry.copying is None:
+            self._evict_cpu(entry, reason)
+        if not entry.on_gpu:
             self._drop(entry, reason=reason)
 
     def _drop(self, entry: AdapterEntry, *, reason: str) -> None:
         if entry.resident:
-            self._evict_gpu(entry, reason)
+            self._release_gpu(entry)
+            self._count_eviction("gpu", reason)
         if entry.image is not None:
             self._evict_cpu(entry, reason)
         if entry.fetching is not None:
@@ -682,13 +694,19 @@ class AdapterPool:
     def _evict_gpu(self, entry: AdapterEntry, reason: str) -> None:
         assert entry.refcount == 0 and entry.copying is None, f"{entry.key} is in use"
         self._release_gpu(entry)
-        self._counts["evictions"]["gpu"][reason] = self._counts["evictions"]["gpu"].get(reason, 0) + 1
-        self.metrics.evictions.labels("gpu", reason).inc()
+        if entry.retired:
+            reason = entry.retire_reason
+        self._count_eviction("gpu", reason)
+        if entry.retired:
+            self._drop(entry, reason=reason)
+
+    def _count_eviction(self, tier: str, reason: str) -> None:
+        self._counts["evictions"][tier][reason] = self._counts["evictions"][tier].get(reason, 0) + 1
+        self.metrics.evictions.labels(tier, reason).inc()
 
     def _evict_cpu(self, entry: AdapterEntry, reason: str) -> None:
         entry.image = None
-        self._counts["evictions"]["cpu"][reason] = self._counts["evictions"]["cpu"].get(reason, 0) + 1
-        self.metrics.evictions.labels("cpu", reason).inc()
+        self._count_eviction("cpu", reason)
 
     def _trim_cpu(self, protect: AdapterEntry | None) -> None:
         """Keep the CPU tier within its byte budget; images being copied (or about to be) stay."""
@@ -705,6 +723,31 @@ class AdapterPool:
             total -= victim.image.nbytes
             self._evict_cpu(victim, "budget")
 
+    def _eviction_order(self, candidates: list[AdapterEntry]) -> list[AdapterEntry]:
+        """Replaced/unregistered versions first, then the configured policy's order."""
+        retired = [e for e in candidates if e.retired]
+        rest = self.policy.order([self._candidate(e) for e in candidates if not e.retired])
+        return retired + [self._entries[c.key] for c in rest]
+
+    def _reclaim_for_kv(self, num_pages: int) -> int:
+        """Unified paging: the KV cache needs `num_pages` more pages than are free; evict idle
+        adapters (no references, not pinned, nobody waiting for them) if that is enough. Returns
+        pages freed."""
+        with self._lock:
+            idle = [e for e in self._slot_owner.values()
+                    if e.resident and e.refcount == 0 and not e.pinned and not e.waiters
+                    and self._pending.get(e.name) != e.key]
+            if sum(len(e.page_ids) for e in idle) < num_pages:
+                return 0
+            freed = 0
+            for victim in self._eviction_order(idle):
+                if freed >= num_pages:
+                    break
+                freed += len(victim.page_ids)
+                self._evict_gpu(victim, "kv")
+            self._update_gauges()
+            return freed
+
     def _candidate(self, entry: AdapterEntry, tier: str = "gpu") -> EvictionCandidate:
         if tier == "gpu":
             nbytes = entry.gpu_bytes
@@ -713,9 +756,6 @@ class AdapterPool:
         else:
             nbytes, reload = entry.image.nbytes, entry.load_seconds
         return EvictionCandidate(entry.key, nbytes, entry.last_used, entry.uses, reload)
-
-    def _by_key(self, key: str) -> AdapterEntry:
-        return self._entries[key]
 
     # ---- internals: bookkeeping ----------------------------------------------------------------
     def _count(self, what: str, tier: str) -> None:

@@ -12,6 +12,7 @@ either on the free list or owned by exactly one owner; `check()` proves it.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -74,6 +75,7 @@ class PagePool:
         self._used_elems: dict[Owner, int] = {}
         self._used_by_kind = dict.fromkeys(KINDS, 0)
         self._lock = threading.RLock()
+        self._reclaimers: dict[str, Callable[[int], int]] = {}
 
     # ---- queries -------------------------------------------------------------------------------
     @property
@@ -119,7 +121,23 @@ class PagePool:
 
     # ---- paired verbs --------------------------------------------------------------------------
     def can_allocate(self, num_pages: int, kind: str = "kv") -> bool:
-        return num_pages <= self.available(kind)
+        """True if `kind` can take `num_pages` now. When short, the other kinds' reclaimers are asked
+        to give pages back first (the adapter pool evicts idle adapters for the KV cache)."""
+        short = num_pages - self.available(kind)
+        if short <= 0:
+            return True
+        for other, reclaim in list(self._reclaimers.items()):
+            if other != kind:
+                reclaim(short)  # called without our lock: the reclaimer takes its own, then ours
+                short = num_pages - self.available(kind)
+                if short <= 0:
+                    return True
+        return False
+
+    def set_reclaimer(self, kind: str, reclaim: Callable[[int], int]) -> None:
+        """`reclaim(n)` frees up to n pages of `kind` (and returns how many) when another kind is short."""
+        _check_kind(kind)
+        self._reclaimers[kind] = reclaim
 
     def allocate(self, num_pages: int, owner: Owner, *, used_elems: int | None = None) -> list[int]:
         """Take `num_pages` pages for `owner` (appended to what it already holds).

@@ -244,6 +244,7 @@ def test_versions_switch_atomically_and_in_flight_requests_keep_their_version(po
     pool.add("m@1", v1)
     pool.load("m@1")
     s1 = pool.acquire("m")
+    queued_key = pool.resolve("m")  # a request resolved before the switch, admitted after it
     pool.add("m@2", v2)
     assert pool.resolve("m") in ("m@1", "m@2")
     pool.wait_idle()
@@ -252,13 +253,38 @@ def test_versions_switch_atomically_and_in_flight_requests_keep_their_version(po
     assert s1 != s2 and pool.slot_key(s1) == "m@1" and pool.slot_key(s2) == "m@2"
     a, _, _ = dense_from_layout(pool, s1, 0, "q_proj")
     assert torch.equal(a, v1.modules[(0, "q_proj")].a)  # the old version is intact while in use
+    assert pool.acquire(queued_key) == s1  # still resident: it keeps the version it resolved
     with pytest.raises(AdapterNotFoundError):
-        pool.acquire("m@1")  # replaced: no new request gets it
-    pool.release(s1)
+        pool.resolve("m@1")  # no new request can name it
     assert "m@1" not in pool.registered()
-    assert int(pool.layout.ranks[:, :, s1].abs().sum()) == 0
+    pool.release(s1)
+    pool.release(s1)
+    # Replaced versions are the first to go when memory is needed.
+    pool.add("x@1", random_weights(3))
+    pool.add("y@1", random_weights(4))
+    pool.add("z@1", random_weights(5))
+    for k in ("x@1", "y@1", "z@1"):
+        pool.load(k)
+    assert int(pool.layout.ranks[:, :, s1].abs().sum()) == 0 or pool.slot_key(s1) != "m@1"
+    with pytest.raises(AdapterNotFoundError):
+        pool.acquire(queued_key)  # gone now: the request fails with a clear error
     assert pool.stats()["evictions"]["gpu"].get("version") == 1
     pool.release(s2)
+    pool.check()
+
+
+def test_rollback_to_a_replaced_version(pool):
+    v1, v2 = random_weights(1), random_weights(2)
+    pool.add("r@1", v1)
+    pool.load("r@1")
+    pool.add("r@2", v2)
+    pool.wait_idle()
+    assert pool.resolve("r") == "r@2"
+    pool.add("r@1", v1)  # roll back: the old version becomes current again once resident
+    pool.wait_idle()
+    assert pool.resolve("r") == "r@1"
+    with pytest.raises(ValueError, match="different weights"):
+        pool.add("r@1", random_weights(9))
     pool.check()
 
 
@@ -280,9 +306,32 @@ def test_unregister_waits_for_in_flight_requests(pool):
     with pytest.raises(AdapterNotFoundError):
         pool.resolve("u")
     assert pool.layout.ranks[:, :, slot].sum() > 0  # still computing for the in-flight request
+    assert not pool.page_pool.can_allocate(pool.page_pool.num_pages, "kv")  # in use: not reclaimed
     pool.release(slot)
+    # Unused now: the KV cache asking for the whole pool reclaims its pages.
+    assert pool.page_pool.can_allocate(pool.page_pool.num_pages, "kv")
     assert pool.layout.ranks[:, :, slot].sum() == 0
+    assert pool.stats()["evictions"]["gpu"] == {"unregister": 1}
     pool.check()
+
+
+def test_kv_cache_reclaims_idle_adapters_but_never_busy_or_pinned_ones():
+    pool = make_pool(num_pages=60)
+    pp = pool.page_pool
+    for i, pinned in enumerate((True, False, False)):
+        pool.add(f"k{i}@1", random_weights(i), pinned=pinned)
+        pool.load(f"k{i}@1")
+    busy = pool.acquire("k1@1")
+    per = len(pool.entry("k2@1").page_ids)
+    free = pp.num_free
+    assert not pp.can_allocate(free + 2 * per, "kv")  # would need the busy or the pinned one: nothing evicted
+    assert pool.entry("k2@1").resident
+    assert pp.can_allocate(free + per, "kv")  # the idle one goes
+    assert not pool.entry("k2@1").resident and pool.entry("k0@1").resident and pool.entry("k1@1").resident
+    assert pool.stats()["evictions"]["gpu"] == {"kv": 1}
+    pool.release(busy)
+    pool.check()
+    pool.close()
 
 
 def test_tenant_quota_makes_a_tenant_evict_its_own_adapters(pool):
