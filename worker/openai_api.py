@@ -49,6 +49,7 @@ from lorafleet.worker.tenants import AuthenticationError, Tenant
 from lorafleet.worker.tokenizer import TokenizerError
 
 ADAPTER_HEADER = "X-Lorafleet-Adapter"
+UNRESOLVED_LABEL = "__unresolved__"  # metrics label of requests refused before `model` was resolved
 
 
 def openai_routes() -> list[web.RouteDef]:
@@ -109,7 +110,7 @@ def _choices(job: Job, max_model_len: int) -> None:
         for j in range(o.n):
             seed = None if o.seed is None else o.seed + j  # n choices with one seed must still differ
             job.params.append(SamplingParams(max_tokens=max_tokens, temperature=o.temperature, top_p=o.top_p,
-                                             seed=seed, stop=list(o.stop), logprobs=o.logprobs))
+                                             top_k=o.top_k, seed=seed, stop=list(o.stop), logprobs=o.logprobs))
             job.choice_prompt.append(p)
 
 
@@ -258,8 +259,11 @@ async def _serve(request: web.Request, endpoint: str) -> web.StreamResponse:
         status = 499  # client closed the request
         raise
     finally:
-        metrics.observe_request(adapter=job.adapter.partition("@")[0] if job and job.adapter else None,
-                                endpoint=endpoint, status=status)
+        if job is None:  # refused before the model was resolved (bad body, auth, unknown adapter)
+            label = UNRESOLVED_LABEL
+        else:
+            label = job.adapter.partition("@")[0] if job.adapter else None
+        metrics.observe_request(adapter=label, endpoint=endpoint, status=status)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:

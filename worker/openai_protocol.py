@@ -56,6 +56,7 @@ class SamplingOptions:
     max_tokens: int | None = None  # None: up to the end of the context
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0  # 0 = off (vLLM's -1 is accepted as off too)
     n: int = 1
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
@@ -212,6 +213,7 @@ def _common(f: _Fields, max_tokens_names: tuple[str, ...], default_max_tokens: i
         max_tokens=max_tokens,
         temperature=f.number("temperature", 1.0, 0.0, 2.0),
         top_p=f.number("top_p", 1.0, 0.0, 1.0, lo_open=True),
+        top_k=max(0, f.integer("top_k", 0, -1, 1 << 20)),
         n=f.integer("n", 1, 1, MAX_N),
         seed=f.integer("seed", None, -(2**63), 2**63 - 1),
         stop=_stop(f),

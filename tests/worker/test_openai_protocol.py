@@ -21,8 +21,10 @@ def test_completion_defaults_and_all_options():
     r = parse_completion_request({
         "model": "sql@v2", "prompt": [[1, 2], "x"], "max_tokens": 5, "temperature": 0, "top_p": 0.5, "n": 3,
         "seed": 7, "stop": "END", "logprobs": 2, "stream": True, "stream_options": {"include_usage": True},
-        "user": "alice", "presence_penalty": 0, "echo": False, "best_of": 1,
+        "user": "alice", "presence_penalty": 0, "echo": False, "best_of": 1, "top_k": 40,
     })
+    assert r.options.top_k == 40
+    assert parse_completion_request({"model": "m", "prompt": "x", "top_k": -1}).options.top_k == 0
     o = r.options
     assert r.prompts == [[1, 2], "x"]
     assert (o.max_tokens, o.temperature, o.top_p, o.n, o.seed, o.stop, o.logprobs, o.stream, o.include_usage,

@@ -217,6 +217,32 @@ async def test_openai_client_concurrent_adapters_match_offline_single_runs(serve
     assert texts_by_adapter["alpha"] != texts_by_adapter[None] != texts_by_adapter["beta"]
 
 
+async def test_raw_http_concurrent_streams_match_offline_single_runs(server, offline, served_keys):
+    jobs = [(p, a) for p in PROMPTS for a in ("beta", None, "alpha")]
+
+    async def one(session: aiohttp.ClientSession, prompt: str, adapter: str | None) -> tuple[str, set[str], str]:
+        body = {"model": adapter or "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0, "stream": True}
+        key = KEY_GLOBEX if adapter == "beta" else KEY_ACME
+        async with session.post(f"{server}/v1/completions", json=body, headers=headers(key)) as r:
+            assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+            text, models, last = [], set(), ""
+            async for line in r.content:
+                line = line.decode().strip()
+                if line.startswith("data: {"):
+                    event = json.loads(line[6:])
+                    models.add(event["model"])
+                    text.append("".join(c["text"] for c in event["choices"]))
+                elif line:
+                    last = line
+            return "".join(text), models, last
+
+    async with aiohttp.ClientSession() as session:
+        results = await asyncio.gather(*(one(session, p, a) for p, a in jobs))
+    for (prompt, adapter), (text, models, last) in zip(jobs, results, strict=True):
+        assert text == offline(prompt, adapter).text, (prompt, adapter)
+        assert models == {served_keys[adapter] if adapter else "tiny"} and last == "data: [DONE]"
+
+
 async def test_streamed_equals_non_streamed_with_openai_client(server):
     from openai import AsyncOpenAI
 
