@@ -4,6 +4,7 @@ PEFT adapters made with `peft`, driven by the official `openai` client and by ra
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import shutil
@@ -18,8 +19,6 @@ import aiohttp
 import pytest
 
 from tests.lora_factory import make_peft_adapter
-
-pytest.importorskip("lorafleet.worker.async_engine", reason="the AsyncEngine (worker/async_engine.py) has not landed")
 
 ADMIN = "admin-token-for-tests"
 KEY_ACME, KEY_GLOBEX = "sk-acme-test", "sk-globex-test"
@@ -142,6 +141,7 @@ def offline(tiny_llama_dir, adapters_dir):
     engine = Engine(EngineConfig(model=str(tiny_llama_dir), adapters=str(adapters_dir), dtype="float32",
                                  max_model_len=MAX_MODEL_LEN))
 
+    @functools.cache
     def run(prompt: str, adapter: str | None, max_tokens: int = 12):
         return engine.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0.0),
                                adapters=[adapter])[0]
