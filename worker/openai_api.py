@@ -110,7 +110,8 @@ def _choices(job: Job, max_model_len: int) -> None:
         for j in range(o.n):
             seed = None if o.seed is None else o.seed + j  # n choices with one seed must still differ
             job.params.append(SamplingParams(max_tokens=max_tokens, temperature=o.temperature, top_p=o.top_p,
-                                             top_k=o.top_k, seed=seed, stop=list(o.stop), logprobs=o.logprobs))
+                                             top_k=o.top_k, seed=seed, stop=list(o.stop), logprobs=o.logprobs,
+                                             ignore_eos=o.ignore_eos))
             job.choice_prompt.append(p)
 
 

@@ -64,6 +64,7 @@ class SamplingOptions:
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage
     user: str | None = None
+    ignore_eos: bool = False  # vLLM extension: generate max_tokens even past end-of-sequence (benchmarks)
 
 
 @dataclass(slots=True)
@@ -220,6 +221,7 @@ def _common(f: _Fields, max_tokens_names: tuple[str, ...], default_max_tokens: i
         stream=stream,
         include_usage=include_usage,
         user=f.string("user"),
+        ignore_eos=f.flag("ignore_eos", False),
     )
 
 

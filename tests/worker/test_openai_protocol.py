@@ -24,6 +24,7 @@ def test_completion_defaults_and_all_options():
         "user": "alice", "presence_penalty": 0, "echo": False, "best_of": 1, "top_k": 40,
     })
     assert r.options.top_k == 40
+    assert parse_completion_request({"model": "m", "prompt": "x", "ignore_eos": True}).options.ignore_eos
     assert parse_completion_request({"model": "m", "prompt": "x", "top_k": -1}).options.top_k == 0
     o = r.options
     assert r.prompts == [[1, 2], "x"]
