@@ -1,0 +1,224 @@
+"""AsyncEngine: the Engine driven by one background thread, consumed from asyncio.
+
+    async_engine = AsyncEngine(engine)
+    await async_engine.start()
+    async for out in async_engine.generate("req-1", prompt, params, adapter="sql"):
+        ...                      # one RequestOutput per step that produced tokens; the last is finished
+    await async_engine.stop()
+
+Only the engine thread touches the scheduler: requests and aborts travel through a thread-safe queue
+and are applied between steps; outputs travel back with `call_soon_threadsafe`. Leaving the `async
+for` early (client gone, task cancelled) aborts the request, which frees its KV pages and adapter
+reference at the next step boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
+
+from lorafleet.worker.engine import Engine, Prompt
+from lorafleet.worker.request_output import RequestOutput
+from lorafleet.worker.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+_IDLE_WAIT_S = 0.005  # nothing runnable but requests wait (e.g. on an adapter load): poll again soon
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, *, on_step: Callable[[Engine], None] | None = None) -> None:
+        self.engine = engine
+        self.on_step = on_step  # called in the engine thread after every step that ran a batch
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()  # guards _streams
+        self.num_steps = 0
+
+    # ---- lifecycle ----------------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        """Stop the loop; requests still running end with an error."""
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        self._stop.set()
+        self._wake.set()
+        await asyncio.get_running_loop().run_in_executor(None, thread.join)
+        with self._lock:
+            streams, self._streams = self._streams, {}
+        for rid, (loop, q) in streams.items():
+            self.engine.abort(rid)
+            loop.call_soon_threadsafe(q.put_nowait, RuntimeError("the engine stopped"))
+        self.engine.close()
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # ---- requests -----------------------------------------------------------------------------------
+    async def generate(
+        self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, adapter: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request as steps produce them. Raises EngineError (bad request) before the
+        first output, or RuntimeError if the engine stops or fails."""
+        if not self.is_running:
+            raise RuntimeError("the engine is not running (call start() first)")
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in flight")
+            self._streams[request_id] = (loop, q)
+        added: Future = Future()
+        self._commands.put(("add", request_id, prompt, params, adapter, added))
+        self._wake.set()
+        finished = False
+        try:
+            await asyncio.wrap_future(added)  # raises the engine's validation error, if any
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            with self._lock:
+                self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort from any thread; applied before the next step."""
+        self._commands.put(("abort", request_id))
+        self._wake.set()
+
+    def call(self, fn: Callable[[Engine], object]) -> Future:
+        """Run `fn(engine)` in the engine thread between steps (e.g. to change adapters)."""
+        done: Future = Future()
+        self._commands.put(("call", fn, done))
+        self._wake.set()
+        return done
+
+    # ---- state for metrics --------------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return self.engine.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.engine.num_waiting
+
+    @property
+    def kv_usage(self) -> float:
+        return self.engine.kv_usage
+
+    @property
+    def last_batch_size(self) -> int:
+        return self.engine.last_batch_size
+
+    @property
+    def last_batch_adapters(self) -> int:
+        return self.engine.last_batch_adapters
+
+    def adapters_in_use(self) -> tuple[list[str], list[str]]:
+        """(adapter names of running requests, of waiting ones), for vllm:lora_requests_info."""
+        sched = self.engine.scheduler
+        running = sorted({s.adapter.split("@")[0] for s in list(sched.running) if s.adapter})
+        waiting = sorted({s.adapter.split("@")[0] for s in list(sched.waiting) if s.adapter})
+        return running, waiting
+
+    # ---- the engine thread --------------------------------------------------------------------------
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            kind = cmd[0]
+            if kind == "add":
+                _, rid, prompt, params, adapter, added = cmd
+                with self._lock:
+                    wanted = rid in self._streams  # the caller may have gone before we got here
+                if not wanted:
+                    added.cancel()
+                    continue
+                try:
+                    self.engine.add_request(rid, prompt, params, adapter=adapter)
+                except Exception as exc:
+                    added.set_exception(exc)
+                else:
+                    added.set_result(rid)
+            elif kind == "abort":
+                self.engine.abort(cmd[1])
+            elif kind == "call":
+                _, fn, done = cmd
+                try:
+                    done.set_result(fn(self.engine))
+                except Exception as exc:
+                    done.set_exception(exc)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
+        with self._lock:
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    by_loop.setdefault(stream[0], []).append((stream[1], out))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
+
+    def _run(self) -> None:
+        engine = self.engine
+        while not self._stop.is_set():
+            self._apply_commands()
+            if not engine.has_unfinished():
+                self._wake.wait()
+                self._wake.clear()
+                continue
+            try:
+                outputs = engine.step()
+            except Exception as exc:  # a bug must not hang every client: fail what is in flight
+                log.exception("engine step failed; aborting the requests in flight")
+                self._fail_all(exc)
+                continue
+            self.num_steps += 1
+            if engine.last_batch_size and self.on_step is not None:
+                try:
+                    self.on_step(engine)
+                except Exception:
+                    log.exception("on_step callback failed")
+            if outputs:
+                self._deliver(outputs)
+            if not engine.last_batch_size:
+                self._wake.wait(_IDLE_WAIT_S)
+                self._wake.clear()
+
+    def _fail_all(self, exc: Exception) -> None:
+        with self._lock:
+            streams = dict(self._streams)
+        for rid, (loop, q) in streams.items():
+            self.engine.abort(rid)
+            loop.call_soon_threadsafe(q.put_nowait, RuntimeError(f"engine step failed: {exc}"))
+        for rid in list(self.engine.requests):
+            self.engine.abort(rid)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
+    for q, item in items:
+        q.put_nowait(item)
