@@ -21,8 +21,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from lorafleet.worker.server import run  # after parsing: --help stays fast
+    from lorafleet.worker.stager_client import StagerError
 
-    run(config)
+    try:
+        run(config)
+    except (ValueError, OSError, StagerError) as exc:  # bad model/adapters/keys file, port in use, stager
+        logging.getLogger("lorafleet.worker").error("cannot start: %s", exc)
+        return 1
     return 0
 
 

@@ -708,3 +708,10 @@ def test_s3_adapters_are_staged_by_a_stager_child(tiny_llama_dir, adapters_dir, 
             assert any((tmp_path / "cache").iterdir())  # staged on local disk by the child
         finally:
             assert worker.stop() == 0
+
+
+def test_start_up_errors_exit_1_with_one_line(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "lorafleet.worker", "--model", str(tmp_path / "no-model"),
+                          "--port", "0"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    assert "cannot start:" in out.stderr and "config.json" in out.stderr and "Traceback" not in out.stderr
