@@ -1,0 +1,70 @@
+"""ModelConfig reads both spellings of RoPE settings, and its llama3 frequencies equal transformers'."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from lorafleet.worker.model_config import ModelConfig, ModelConfigError
+
+BASE = dict(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512)
+LLAMA3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+
+def test_released_spelling_rope_theta_and_rope_scaling():
+    cfg = ModelConfig.from_dict({**BASE, "rope_theta": 500000.0, "rope_scaling": {**LLAMA3, "rope_type": "llama3"}})
+    assert cfg.rope_theta == 500000.0 and cfg.rope_scaling["rope_type"] == "llama3"
+    assert cfg.head_dim == 16 and cfg.q_size == 64 and cfg.kv_size == 32
+
+
+def test_transformers5_spelling_rope_parameters():
+    cfg = ModelConfig.from_dict({**BASE, "rope_parameters": {**LLAMA3, "rope_type": "llama3", "rope_theta": 500000.0}})
+    old = ModelConfig.from_dict({**BASE, "rope_theta": 500000.0, "rope_scaling": {**LLAMA3, "type": "llama3"}})
+    assert cfg.rope_theta == old.rope_theta == 500000.0
+    assert cfg.rope_scaling == old.rope_scaling
+    assert torch.equal(cfg.inv_freq(), old.inv_freq())
+
+
+def test_default_rope_in_both_spellings():
+    a = ModelConfig.from_dict({**BASE, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}})
+    b = ModelConfig.from_dict({**BASE, "rope_theta": 1e4})
+    assert a.rope_scaling is None and b.rope_scaling is None and torch.equal(a.inv_freq(), b.inv_freq())
+
+
+@pytest.mark.parametrize("rope", [None, {"rope_type": "linear", "factor": 2.0}, {**LLAMA3, "rope_type": "llama3"}])
+def test_inv_freq_equals_transformers(rope):
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf = LlamaConfig(**BASE, rope_theta=10000.0, rope_scaling=rope)
+    ours = ModelConfig.from_dict(json.loads(hf.to_json_string()))
+    if rope is None:
+        expected = 1.0 / (10000.0 ** (torch.arange(0, 16, 2, dtype=torch.int64).float() / 16))
+    else:
+        expected, _ = ROPE_INIT_FUNCTIONS[rope["rope_type"]](hf, "cpu")
+    assert torch.allclose(ours.inv_freq(), expected, rtol=0, atol=0)
+
+
+def test_eos_list_tied_embeddings_and_head_dim_override():
+    cfg = ModelConfig.from_dict({**BASE, "eos_token_id": [7, 9], "tie_word_embeddings": True, "head_dim": 32})
+    assert cfg.eos_token_ids == [7, 9] and cfg.tie_word_embeddings and cfg.head_dim == 32 and cfg.q_size == 128
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn'"),
+    ({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, "not supported"),
+    ({"attention_bias": True}, "biases"),
+    ({"hidden_act": "gelu"}, "silu"),
+    ({"num_key_value_heads": 3}, "multiple"),
+])
+def test_unsupported_models_are_refused_with_the_reason(bad, match):
+    with pytest.raises(ModelConfigError, match=match):
+        ModelConfig.from_dict({**BASE, **bad})
+
+
+def test_missing_config_json(tmp_path):
+    with pytest.raises(ModelConfigError, match="config.json"):
+        ModelConfig.from_dir(tmp_path)

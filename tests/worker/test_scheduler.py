@@ -1,0 +1,224 @@
+"""Scheduler: budgets, chunked prefill, preemption by recompute, adapter-aware admission."""
+
+from __future__ import annotations
+
+from lorafleet.worker.block_manager import BlockManager
+from lorafleet.worker.page_pool import PagePool, PagePoolConfig
+from lorafleet.worker.sampling_params import SamplingParams
+from lorafleet.worker.scheduler import Scheduler
+from lorafleet.worker.sequence import Sequence, SequenceStatus
+
+BS = 4
+
+
+class FakeAdapterPool:
+    """acquire answers a slot only for resident keys; counts references."""
+
+    def __init__(self, resident=()):
+        self.resident = {k: i for i, k in enumerate(resident)}
+        self.refs: dict[int, int] = {}
+        self.asked: list[str] = []
+        self.abandoned: list[tuple[str, object]] = []
+        self.broken: set[str] = set()
+
+    def acquire(self, key, waiter=None):
+        self.asked.append(key)
+        if key in self.broken:
+            raise RuntimeError(f"adapter {key}: load failed")
+        slot = self.resident.get(key)
+        if slot is not None:
+            self.refs[slot] = self.refs.get(slot, 0) + 1
+        return slot
+
+    def release(self, slot):
+        self.refs[slot] -= 1
+
+    def abandon(self, key, waiter):
+        self.abandoned.append((key, waiter))
+
+
+def _sched(num_pages=64, adapter_pool=None, **kw):
+    pool = PagePool(PagePoolConfig(num_pages=num_pages, page_elems=8))
+    kw.setdefault("max_num_seqs", 8)
+    kw.setdefault("max_num_batched_tokens", 64)
+    return Scheduler(BlockManager(pool, BS), adapter_pool=adapter_pool, **kw), pool
+
+
+def _seq(n, adapter=None, max_tokens=100):
+    return Sequence(f"r{n}", list(range(n)), SamplingParams(max_tokens=max_tokens), adapter=adapter)
+
+
+def _run_step(sched):
+    """What the engine does after the forward: advance the cache, append a token for samplers."""
+    batch = sched.schedule()
+    for seq, n in batch.scheduled:
+        seq.num_computed_tokens += n
+        if seq.num_computed_tokens == seq.num_tokens:
+            seq.output_token_ids.append(1)
+    return batch
+
+
+def test_prefill_and_decode_share_a_step_decodes_first():
+    sched, _ = _sched()
+    a = _seq(5)
+    sched.add(a)
+    _run_step(sched)
+    b = _seq(7)
+    sched.add(b)
+    batch = _run_step(sched)
+    assert batch.decodes == [a] and batch.prefills == [(b, 7)]
+    assert [s for s, _ in batch.scheduled] == [a, b]
+
+
+def test_token_and_sequence_budgets():
+    sched, _ = _sched(max_num_batched_tokens=10, max_num_seqs=2, enable_chunked_prefill=False)
+    seqs = [_seq(4), _seq(4), _seq(4)]
+    for s in seqs:
+        sched.add(s)
+    batch = _run_step(sched)
+    assert batch.num_tokens <= 10 and batch.num_seqs == 2 and sched.num_waiting == 1
+    batch = _run_step(sched)
+    assert batch.num_seqs == 2  # max_num_seqs holds the third back while two run
+
+
+def test_chunked_prefill_splits_a_long_prompt():
+    sched, _ = _sched(max_num_batched_tokens=8)
+    long = _seq(21)
+    sched.add(long)
+    chunks = []
+    while not long.output_token_ids:
+        batch = _run_step(sched)
+        chunks.append(batch.num_tokens)
+    assert chunks == [8, 8, 5]
+    assert long.num_computed_tokens == 21 and len(long.block_table) == 6
+
+
+def test_without_chunking_a_prompt_over_budget_waits():
+    sched, _ = _sched(max_num_batched_tokens=8, enable_chunked_prefill=False)
+    sched.add(_seq(9))
+    assert _run_step(sched).is_empty
+
+
+def test_preemption_frees_the_youngest_and_recomputes_it_later():
+    # 6 pages of 4 tokens. Two sequences of 8 tokens take 4 pages; decoding needs more.
+    sched, pool = _sched(num_pages=5)
+    old, young = _seq(8), _seq(8)
+    sched.add(old)
+    sched.add(young)
+    _run_step(sched)
+    assert pool.num_used("kv") == 4
+    preempted = []
+    for _ in range(8):
+        batch = _run_step(sched)
+        preempted += batch.preempted
+        if preempted:
+            break
+    assert preempted == [young]
+    assert young.status is SequenceStatus.WAITING and young.block_table == [] and young.num_computed_tokens == 0
+    assert young.num_preemptions == 1 and sched.waiting[0] is young
+    assert young.output_token_ids  # generated tokens are kept and recomputed with the prompt
+    sched.finish(old, "length")
+    num_tokens = young.num_tokens
+    batch = _run_step(sched)
+    assert batch.prefills == [(young, num_tokens)]
+
+
+def test_finish_frees_pages_at_once():
+    sched, pool = _sched()
+    seqs = [_seq(n) for n in (3, 9, 4)]
+    for s in seqs:
+        sched.add(s)
+    _run_step(sched)
+    assert pool.num_used("kv") > 0
+    for s in seqs:
+        sched.finish(s, "stop")
+    assert pool.num_used("kv") == 0 and not sched.has_unfinished()
+    pool.check()
+
+
+def test_sequence_waits_for_its_adapter_while_others_run():
+    adapters = FakeAdapterPool(resident=["a@1"])
+    sched, _ = _sched(adapter_pool=adapters)
+    cold, hot, base = _seq(3, "b@1"), _seq(4, "a@1"), _seq(5)
+    for s in (cold, hot, base):
+        sched.add(s)
+    batch = _run_step(sched)
+    assert [s for s, _ in batch.scheduled] == [hot, base]
+    assert list(sched.waiting) == [cold] and cold.adapter_slot is None
+    adapters.resident["b@1"] = 1  # the load finished
+    batch = _run_step(sched)
+    assert cold in [s for s, _ in batch.scheduled] and cold.adapter_slot == 1
+    for s in (cold, hot, base):
+        sched.finish(s, "stop")
+    assert all(n == 0 for n in adapters.refs.values())
+
+
+def test_preempted_sequence_keeps_its_adapter_reference():
+    adapters = FakeAdapterPool(resident=["a@1"])
+    sched, _ = _sched(num_pages=5, adapter_pool=adapters)
+    old, young = _seq(8), _seq(8, "a@1")
+    sched.add(old)
+    sched.add(young)
+    while not young.num_preemptions:
+        _run_step(sched)
+    assert young.adapter_slot == 0 and adapters.refs[0] == 1
+    asked = len(adapters.asked)
+    sched.finish(old, "stop")
+    _run_step(sched)
+    assert len(adapters.asked) == asked  # re-admitted on the reference it kept
+    sched.finish(young, "stop")
+    assert adapters.refs[0] == 0
+
+
+def test_abort_while_waiting_for_an_adapter_abandons_the_load():
+    adapters = FakeAdapterPool()
+    sched, _ = _sched(adapter_pool=adapters)
+    seq = _seq(3, "b@1")
+    sched.add(seq)
+    _run_step(sched)
+    sched.finish(seq, "abort")
+    assert adapters.abandoned == [("b@1", seq.seq_id)] and not sched.has_unfinished()
+
+
+def test_failed_adapter_load_fails_only_its_requests():
+    adapters = FakeAdapterPool(resident=["a@1"])
+    adapters.broken.add("bad@1")
+    sched, _ = _sched(adapter_pool=adapters)
+    bad, good = _seq(3, "bad@1"), _seq(4, "a@1")
+    sched.add(bad)
+    sched.add(good)
+    batch = _run_step(sched)
+    assert [s for s, _ in batch.scheduled] == [good]
+    assert sched.failed == [bad] and bad.finish_reason == "error" and "load failed" in bad.error
+
+
+def test_max_loras_per_batch_bounds_distinct_adapters_then_lets_the_starved_in():
+    keys = [f"x{i}@1" for i in range(4)]
+    adapters = FakeAdapterPool(resident=keys)
+    sched, _ = _sched(adapter_pool=adapters, max_loras_per_batch=2, max_adapter_wait_steps=3)
+    seqs = [_seq(3 + i, k, max_tokens=100) for i, k in enumerate(keys)]
+    for s in seqs:
+        sched.add(s)
+    batch = _run_step(sched)
+    assert batch.adapters() == {"x0@1", "x1@1"}
+    for _ in range(2):
+        assert _run_step(sched).adapters() == {"x0@1", "x1@1"}
+    # After max_adapter_wait_steps skipped steps the others are admitted despite the bound.
+    batch = _run_step(sched)
+    assert batch.adapters() == set(keys)
+
+
+def test_mixed_workload_leaves_no_page_behind():
+    sched, pool = _sched(num_pages=5, max_num_batched_tokens=7)
+    seqs = [_seq(n, max_tokens=m) for n, m in ((3, 5), (11, 2), (6, 9), (2, 4), (9, 3))]
+    for s in seqs:
+        sched.add(s)
+    for _ in range(200):
+        if not sched.has_unfinished():
+            break
+        _run_step(sched)
+        for s in list(sched.running):
+            if len(s.output_token_ids) >= s.params.max_tokens:
+                sched.finish(s, "length")
+        pool.check()
+    assert not sched.has_unfinished() and pool.num_used("kv") == 0 and sched.num_preemptions > 0
