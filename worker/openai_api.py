@@ -234,6 +234,10 @@ async def _serve(request: web.Request, endpoint: str) -> web.StreamResponse:
     try:
         job = await _prepare(request, endpoint)
         admission = app[ADMISSION]
+        if job.num_choices > admission.capacity:  # would never fit: retrying cannot help
+            raise APIError(400, f"this request needs {job.num_choices} sequences (prompts x n); the worker runs at "
+                                f"most {admission.capacity} at once. Lower n or send fewer prompts.", code="invalid_value",
+                           param="n")
         if not admission.admit(job.num_choices):
             metrics.rejected.labels("queue_full").inc()
             retry = str(app[CONFIG].retry_after_s)

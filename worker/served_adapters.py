@@ -70,6 +70,9 @@ class ServedAdapters:
     def get(self, name: str) -> ServedAdapter | None:
         return self._adapters.get(name)
 
+    def names(self) -> list[str]:
+        return sorted(self._adapters)
+
     def visible_to(self, tenant: Tenant) -> list[ServedAdapter]:
         return [a for _, a in sorted(self._adapters.items()) if tenant.may_use(a.name, a.tenant)]
 

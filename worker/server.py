@@ -123,9 +123,9 @@ async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
         app[METRICS].register(engine.adapter_pool.metrics.collectors())
     await async_engine.start()
     app[STATUS].ready = True
-    log.info("model %s loaded in %.1f s on %s; serving as %r with %d adapters", engine.model_dir,
-             time.monotonic() - t0, config.engine.device, adapters.base_model, len(adapters.visible_to(
-                 app[TENANTS].authenticate(None))) if app[TENANTS].is_open else len(host.describe_adapters()))
+    log.info("model %s loaded in %.1f s on %s; serving it as %r with adapters: %s", engine.model_dir,
+             time.monotonic() - t0, config.engine.device, adapters.base_model,
+             ", ".join(adapters.names()) or "none yet")
     try:
         yield
     finally:

@@ -320,6 +320,8 @@ BAD_REQUESTS = [
      KEY_ACME, 400, "context_length_exceeded"),
     ("token id out of vocabulary", "/v1/completions", {"model": "alpha", "prompt": [1, 99999]}, KEY_ACME, 400,
      "invalid_prompt"),
+    ("more sequences than the worker holds", "/v1/completions", {"model": "alpha", "prompt": ["a"] * 5, "n": 16},
+     KEY_ACME, 400, "invalid_value"),
     ("unknown adapter", "/v1/completions", {"model": "nope", "prompt": "x"}, KEY_ACME, 404, "model_not_found"),
     ("unknown version", "/v1/completions", {"model": "alpha@nope", "prompt": "x"}, KEY_ACME, 404,
      "model_not_found"),
