@@ -77,7 +77,8 @@ class PoolController:
         reports = await self.client.fetch_states(workers)
         views = [WorkerReport(w.pod, r, self.client.last_pushed.get(w.url)) for w, r in zip(workers, reports,
                                                                                               strict=True)]
-        plan = reconcile_pool(pool, specs, views, now=utc_now(), pool_name=key[1])
+        plan = reconcile_pool(pool, specs, views, now=utc_now(), pool_name=key[1],
+                              generation_floor=time.time_ns() // 1_000_000)
         by_pod = {w.pod: w for w in workers}
         pushed = await asyncio.gather(*(self.client.push(by_pod[pod], d) for pod, d in plan.pushes.items()))
         for (pod, desired), ok in zip(plan.pushes.items(), pushed, strict=True):

@@ -48,7 +48,8 @@ class PoolPlan:
 
 
 def reconcile_pool(pool: PoolSpec | None, adapters: list[AdapterSpec], workers: list[WorkerReport], *,
-                   now: str, pool_name: str = "") -> PoolPlan:
+                   now: str, pool_name: str = "", generation_floor: int = 0) -> PoolPlan:
+    """``now``: RFC 3339 time for condition transitions; ``generation_floor``: see ``_next_generation``."""
     plan = PoolPlan()
     live = [w for w in workers if w.reported is not None]
     failures = validate_adapters(pool, adapters, pool_name=pool_name)
@@ -67,7 +68,7 @@ def reconcile_pool(pool: PoolSpec | None, adapters: list[AdapterSpec], workers: 
     for w in live:
         directives = [_directive(a, pod_warm=w.pod in plan.placement[a.name]) for a in admitted]
         directives.sort(key=lambda d: d.name)
-        generation, push = _next_generation(w, directives, plan.placement)
+        generation, push = _next_generation(w, directives, generation_floor)
         desired = DesiredState(generation, directives)
         plan.desired[w.pod] = desired
         if push:
@@ -172,17 +173,21 @@ def _directive(a: AdapterSpec, *, pod_warm: bool) -> AdapterDirective:
     )
 
 
-def _next_generation(w: WorkerReport, directives: list[AdapterDirective],
-                     placement: dict[str, list[str]]) -> tuple[int, bool]:
-    """(generation, push now?). Bumped on a content change or drift; a restarted sidecar gets a re-push."""
+def _next_generation(w: WorkerReport, directives: list[AdapterDirective], floor: int) -> tuple[int, bool]:
+    """(generation, push now?). A new generation on a content change or drift, never below ``floor``.
+
+    The caller passes a clock in milliseconds as ``floor``: a receiver may have accepted pushes this
+    process no longer remembers (an operator restart, a push that timed out after it landed), and a
+    generation from the clock is above all of them, so no push is refused as stale.
+    """
     applied = w.reported.generation_applied
     last = w.last_pushed
     if last is None or last.adapters != directives:
-        return max(last.generation if last else 0, applied) + 1, True
+        return max((last.generation if last else 0) + 1, applied + 1, floor), True
     if applied < last.generation or drifted(w.reported, directives):
         # Reported below what was accepted: the engine (or the pod) restarted. Receivers treat an equal
         # generation as a no-op, so the re-push needs a new one.
-        return max(last.generation, applied) + 1, True
+        return max(last.generation + 1, applied + 1, floor), True
     return last.generation, False
 
 

@@ -18,7 +18,8 @@ class FakeStager:
     def __init__(self, token: str) -> None:
         self.token = token
         self.applied: DesiredState | None = None
-        self.pushes: list[DesiredState] = []
+        self.pushes: list[DesiredState] = []  # accepted, in order
+        self.refused = 0  # stale generations answered with 409
         self.runner: web.AppRunner | None = None
         self.port = 0
 
@@ -47,6 +48,7 @@ class FakeStager:
             return web.json_response({"error": {"message": str(exc), "type": "invalid", "code": 400}}, status=400)
         current = self.applied.generation if self.applied else 0
         if desired.generation < current:
+            self.refused += 1
             return web.json_response(self.state().to_dict(), status=409)
         if desired.generation > current or self.applied is None:
             self.pushes.append(desired)

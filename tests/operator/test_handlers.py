@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import logging
 
+import aiohttp
 import kmock
 import kopf
 import pytest
@@ -90,9 +91,9 @@ async def sidecars():
             await s.stop()
 
 
-@pytest.fixture()
-async def operator(cluster):
-    emulator, url = cluster
+@contextlib.asynccontextmanager
+async def running_operator(url: str):
+    """One operator process's worth of state (fresh registry and memory), started and always stopped."""
     registry = kopf.OperatorRegistry()
 
     @kopf.on.login(registry=registry)
@@ -112,7 +113,7 @@ async def operator(cluster):
                                              stop_flag=stop, ready_flag=ready))
     try:
         await asyncio.wait_for(ready.wait(), 30)
-        yield emulator
+        yield
     finally:
         stop.set()
         with contextlib.suppress(asyncio.CancelledError, TimeoutError):
@@ -121,24 +122,36 @@ async def operator(cluster):
             task.cancel()
 
 
+@pytest.fixture()
+async def operator(cluster):
+    emulator, url = cluster
+    async with running_operator(url):
+        yield emulator
+
+
+async def api(emulator, method: str, path: str, body: dict) -> None:
+    """One request to the emulator on a fresh connection: kopf cancels the tasks it leaves behind when it
+    stops, which includes the server side of keep-alive connections opened while it ran."""
+    headers = {"Content-Type": "application/merge-patch+json"} if method == "PATCH" else {}
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session, \
+            session.request(method, f"{emulator.url}{path}", json=body, headers=headers) as resp:
+        assert resp.status in (200, 201), await resp.text()
+
+
 async def create(emulator, plural: str, body: dict) -> None:
     # The emulator keeps objects as given; a real API server assigns these.
     body = {**body, "metadata": {"resourceVersion": "1", "uid": f"uid-{body['metadata']['name']}",
                                  "creationTimestamp": "2026-01-01T00:00:00Z", **body["metadata"]}}
     group = "api/v1" if plural == "pods" else "apis/lorafleet.dev/v1alpha1"
-    async with emulator.post(f"/{group}/namespaces/{NS}/{plural}", json=body) as resp:
-        assert resp.status in (200, 201), await resp.text()
+    await api(emulator, "POST", f"/{group}/namespaces/{NS}/{plural}", body)
 
 
 async def patch(emulator, plural: str, name: str, body: dict) -> None:
-    async with emulator.patch(f"/apis/lorafleet.dev/v1alpha1/namespaces/{NS}/{plural}/{name}", json=body,
-                              headers={"Content-Type": "application/merge-patch+json"}) as resp:
-        assert resp.status == 200, await resp.text()
+    await api(emulator, "PATCH", f"/apis/lorafleet.dev/v1alpha1/namespaces/{NS}/{plural}/{name}", body)
 
 
 async def delete(emulator, plural: str, name: str) -> None:
-    async with emulator.delete(f"/apis/lorafleet.dev/v1alpha1/namespaces/{NS}/{plural}/{name}") as resp:
-        assert resp.status == 200, await resp.text()
+    await api(emulator, "DELETE", f"/apis/lorafleet.dev/v1alpha1/namespaces/{NS}/{plural}/{name}", {})
 
 
 def status(emulator, name: str) -> dict:
@@ -229,3 +242,25 @@ async def test_sidecar_refuses_a_wrong_token(cluster, sidecars):
         assert sidecars[0].pushes == []
     finally:
         await client.close()
+
+
+async def test_operator_restart_is_harmless(cluster, sidecars):
+    emulator, url = cluster
+    async with running_operator(url):
+        for i, s in enumerate(sidecars):
+            await create(emulator, "pods", pod_body(f"worker-{i}", s.port))
+        await create(emulator, "lorapools", POOL)
+        await create(emulator, "loraadapters", adapter_body("sql"))
+        await eventually(lambda: status(emulator, "sql")["phase"] == "Ready", "sql Ready")
+    before = [s.applied.generation for s in sidecars]
+    num_pushes = [len(s.pushes) for s in sidecars]
+
+    # A new operator with no memory: it resumes, finds the workers converged, and changes nothing.
+    async with running_operator(url):
+        await eventually(lambda: status(emulator, "sql")["phase"] == "Ready", "still Ready")
+        await patch(emulator, "loraadapters", "sql", {"metadata": {"generation": 2}, "spec": {"warm": 1}})
+        await eventually(lambda: sum(s.applied.by_name()["sql"].warm for s in sidecars) == 1, "warm on one worker")
+    assert [s.refused for s in sidecars] == [0, 0]
+    for s, gen, n in zip(sidecars, before, num_pushes, strict=True):
+        assert s.applied.generation > gen  # no rollback, and every push after the restart was accepted
+        assert all(p.generation > gen for p in s.pushes[n:])

@@ -314,3 +314,34 @@ def test_condition_transition_time_is_kept_while_unchanged():
     st_ = dict(plan.adapter_statuses["a"])
     again = reconcile_pool(pool(), [adapter("a", status=st_)], ws, now="2027-01-01T00:00:00Z")
     assert again.adapter_statuses["a"]["conditions"] == st_["conditions"]
+
+
+def test_generation_floor_keeps_a_restarted_operator_above_accepted_pushes():
+    ws = workers(1)
+    converge(pool(), [adapter("a", warm=1)], ws)
+    ws[0].last_pushed = None
+    # The receiver reports generation 0 (its engine restarted) although it accepted pushes before.
+    ws[0].reported = report()
+    plan = reconcile_pool(pool(), [adapter("a", warm=1)], ws, now=NOW, generation_floor=1_700_000_000_000)
+    assert plan.pushes["w0"].generation == 1_700_000_000_000
+
+
+def test_priority_decides_who_is_resident_under_pressure():
+    ws = [WorkerReport("w0", report(pool_bytes=10 * MB))]
+    ads = [adapter("free", warm=1, priority=0, status={"bytes": 6 * MB}),
+           adapter("paid", warm=1, priority=5, status={"bytes": 6 * MB})]
+    plan = reconcile_pool(pool(), ads, ws, now=NOW)
+    assert plan.placement == {"paid": ["w0"], "free": []}
+
+
+def test_workers_disagreeing_on_the_version_is_not_ready():
+    ws = workers(2)
+    plan = converge(pool(), [adapter("a", warm=2)], ws)
+    changed = [adapter("a", version="v2", warm=2, status=plan.adapter_statuses["a"])]
+    plan = reconcile_pool(pool(), changed, ws, now=NOW)
+    # Only w0 switched.
+    ws[0].last_pushed = plan.desired["w0"]
+    ws[0].reported = report(("a", "v2", "gpu"), applied=plan.desired["w0"].generation)
+    st_ = reconcile_pool(pool(), changed, ws, now=NOW).adapter_statuses["a"]
+    assert st_["phase"] == "Loading" and "registered on 1/2 workers" in st_["message"]
+    assert {(i["pod"], i["version"]) for i in st_["instances"]} == {("w0", "v2"), ("w1", "v1")}
