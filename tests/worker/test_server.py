@@ -502,7 +502,8 @@ def test_fuzzed_request_bodies_never_break_the_server(server):
 # ---- metrics ---------------------------------------------------------------------------------------------
 async def test_metrics_endpoint_has_request_and_vllm_series(server):
     async with aiohttp.ClientSession() as s:
-        await post(s, f"{server}/v1/completions", {"model": "alpha", "prompt": "m", "max_tokens": 3})
+        for _ in range(2):  # the second finds alpha resident: a GPU-tier hit
+            await post(s, f"{server}/v1/completions", {"model": "alpha", "prompt": "m", "max_tokens": 3})
         async with s.get(f"{server}/metrics") as r:
             assert r.status == 200
             text = await r.text()
@@ -513,6 +514,13 @@ async def test_metrics_endpoint_has_request_and_vllm_series(server):
                  "lorafleet_requests_total{adapter=\"alpha\",endpoint=\"completions\",status=\"200\"}",
                  "lorafleet_generation_tokens_per_second", "lorafleet_queue_depth"):
         assert name in text, name
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values = {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+              if not s.labels or s.labels.get("tier") == "gpu"}
+    # Observed, not just declared: steps ran with adapters, and an adapter was found resident.
+    assert values["lorafleet_batch_size_count"] > 0 and values["lorafleet_adapters_per_batch_sum"] > 0
+    assert values["lorafleet_adapter_hits_total"] > 0
 
 
 def _free_port() -> int:
