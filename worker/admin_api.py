@@ -44,7 +44,6 @@ def admin_routes() -> list[web.RouteDef]:
 
 
 def require_admin(request: web.Request) -> None:
-
     expected = request.app[CONFIG].admin_token
     token = bearer_token(request.headers.get("Authorization"))
     if expected is None:
@@ -66,13 +65,11 @@ def require_admin(request: web.Request) -> None:
 
 
 def _require_engine(request: web.Request) -> None:
-
     if ENGINE not in request.app:
         raise APIError(503, "the worker is starting", type="service_unavailable", code="not_ready")
 
 
 def state_report(app: web.Application) -> dict[str, Any]:
-
     adapters, host = app[ADAPTERS], app[HOST]
     engine = app[ENGINE].engine
     report = adapters.report(host)
@@ -94,7 +91,6 @@ def state_report(app: web.Application) -> dict[str, Any]:
 
 
 async def put_state(request: web.Request) -> web.Response:
-
     require_admin(request)
     _require_engine(request)
     body = await read_json(request)
@@ -122,7 +118,6 @@ async def get_state(request: web.Request) -> web.Response:
 
 
 async def load_lora_adapter(request: web.Request) -> web.Response:
-
     require_admin(request)
     _require_engine(request)
     name, path = parse_load_adapter_request(await read_json(request))
@@ -133,7 +128,6 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
 
 
 async def unload_lora_adapter(request: web.Request) -> web.Response:
-
     require_admin(request)
     _require_engine(request)
     name = parse_unload_adapter_request(await read_json(request))

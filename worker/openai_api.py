@@ -19,9 +19,9 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
+import jinja2
 from aiohttp import web
 
 from lorafleet.worker.adapter_entry import AdapterLoadError
@@ -34,17 +34,15 @@ from lorafleet.worker.app_keys import (
     STATUS,
     TENANTS,
 )
+from lorafleet.worker.completion_job import CompletionJob
 from lorafleet.worker.engine import EngineError
 from lorafleet.worker.openai_protocol import (
     APIError,
-    SamplingOptions,
     parse_chat_request,
     parse_completion_request,
     parse_json,
 )
 from lorafleet.worker.request_output import RequestOutput
-from lorafleet.worker.sampling_params import SamplingParams
-from lorafleet.worker.sequence import TokenLogprob
 from lorafleet.worker.tenants import AuthenticationError, Tenant
 from lorafleet.worker.tokenizer import TokenizerError
 
@@ -62,7 +60,6 @@ def openai_routes() -> list[web.RouteDef]:
 
 # ---- request intake ---------------------------------------------------------------------------------
 def authenticate(request: web.Request) -> Tenant:
-
     try:
         return request.app[TENANTS].authenticate(request.headers.get("Authorization"))
     except AuthenticationError as exc:
@@ -74,49 +71,7 @@ async def read_json(request: web.Request) -> Any:
     return parse_json(await request.read())  # over --max-body-bytes: aiohttp raises 413
 
 
-@dataclass(slots=True)
-class Job:
-    """One HTTP inference request, resolved and tokenized, ready for the engine."""
-
-    endpoint: str  # "completions" | "chat"
-    request_id: str
-    model: str  # what the response's `model` says: name@version or the base model
-    adapter: str | None  # engine key
-    prompt_ids: list[list[int]]
-    options: SamplingOptions
-    params: list[SamplingParams] = field(default_factory=list)  # per choice
-    choice_prompt: list[int] = field(default_factory=list)  # choice index -> prompt index
-    created: int = field(default_factory=lambda: int(time.time()))
-    arrived: float = field(default_factory=time.monotonic)
-
-    @property
-    def num_choices(self) -> int:
-        return len(self.params)
-
-
-def _choices(job: Job, max_model_len: int) -> None:
-    o = job.options
-    for p, ids in enumerate(job.prompt_ids):
-        if len(ids) >= max_model_len:
-            raise APIError(400, f"This model's maximum context length is {max_model_len} tokens; the prompt has "
-                                f"{len(ids)} tokens. Shorten the prompt.", code="context_length_exceeded",
-                           param="messages" if job.endpoint == "chat" else "prompt")
-        max_tokens = o.max_tokens if o.max_tokens is not None else max_model_len - len(ids)
-        if len(ids) + max_tokens > max_model_len:
-            raise APIError(400, f"This model's maximum context length is {max_model_len} tokens; you requested "
-                                f"{len(ids) + max_tokens} ({len(ids)} in the prompt, {max_tokens} to generate). "
-                                "Lower max_tokens or shorten the prompt.", code="context_length_exceeded",
-                           param="max_tokens")
-        for j in range(o.n):
-            seed = None if o.seed is None else o.seed + j  # n choices with one seed must still differ
-            job.params.append(SamplingParams(max_tokens=max_tokens, temperature=o.temperature, top_p=o.top_p,
-                                             top_k=o.top_k, seed=seed, stop=list(o.stop), logprobs=o.logprobs,
-                                             ignore_eos=o.ignore_eos))
-            job.choice_prompt.append(p)
-
-
-async def _prepare(request: web.Request, endpoint: str) -> Job:
-
+async def _prepare(request: web.Request, endpoint: str) -> CompletionJob:
     app = request.app
     if app[STATUS].draining or ENGINE not in app:
         raise APIError(503, "the worker is shutting down or not ready; retry on another worker",
@@ -141,20 +96,18 @@ async def _prepare(request: web.Request, endpoint: str) -> Job:
         prompt_ids = await asyncio.get_running_loop().run_in_executor(None, tokenize)
     except (EngineError, TokenizerError) as exc:
         raise APIError(400, str(exc), code="invalid_prompt") from None
-    except Exception as exc:  # a chat template that raises (e.g. roles out of order)
-        if type(exc).__module__.startswith("jinja2"):
-            raise APIError(400, f"the chat template refused these messages: {exc}", code="invalid_messages",
-                           param="messages") from None
-        raise
+    except jinja2.TemplateError as exc:  # the chat template refuses (e.g. roles out of order)
+        raise APIError(400, f"the chat template refused these messages: {exc}", code="invalid_messages",
+                       param="messages") from None
     prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
-    job = Job(endpoint, f"{prefix}-{uuid.uuid4().hex}", adapter or app[ADAPTERS].base_model, adapter, prompt_ids,
-              parsed.options)
-    _choices(job, engine.max_model_len)
+    job = CompletionJob(endpoint, f"{prefix}-{uuid.uuid4().hex}", adapter or app[ADAPTERS].base_model, adapter,
+                        prompt_ids, parsed.options)
+    job.add_choices(engine.max_model_len)
     return job
 
 
 # ---- running a job ------------------------------------------------------------------------------------
-async def _merged_outputs(async_engine, job: Job) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def _merged_outputs(async_engine, job: CompletionJob) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(choice index, output) from all choices as they arrive. Closing it aborts what is still running."""
     queue: asyncio.Queue[tuple[int, RequestOutput | None, BaseException | None]] = asyncio.Queue()
 
@@ -186,8 +139,7 @@ async def _merged_outputs(async_engine, job: Job) -> AsyncIterator[tuple[int, Re
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _engine_error(exc: BaseException, job: Job, request: web.Request) -> APIError:
-
+def _engine_error(exc: BaseException, job: CompletionJob, request: web.Request) -> APIError:
     if isinstance(exc, AdapterLoadError):
         request.app[ADAPTERS].mark_failed(exc.key, exc.reason)
         return APIError(503, f"adapter {exc.key} failed to load: {exc.reason}", type="service_unavailable",
@@ -200,7 +152,7 @@ def _engine_error(exc: BaseException, job: Job, request: web.Request) -> APIErro
 class _ChoiceTimer:
     """TTFT and inter-token gaps of one request, for the latency histograms."""
 
-    def __init__(self, metrics, job: Job) -> None:
+    def __init__(self, metrics, job: CompletionJob) -> None:
         self.metrics = metrics
         self.label = job.adapter.partition("@")[0] if job.adapter else "__base__"
         self.arrived = job.arrived
@@ -226,11 +178,10 @@ class _ChoiceTimer:
 
 
 async def _serve(request: web.Request, endpoint: str) -> web.StreamResponse:
-
     app = request.app
     metrics = app[METRICS]
     status = 500
-    job: Job | None = None
+    job: CompletionJob | None = None
     try:
         job = await _prepare(request, endpoint)
         admission = app[ADMISSION]
@@ -279,70 +230,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await _serve(request, "chat")
 
 
-# ---- response shapes ---------------------------------------------------------------------------------
-def _usage(job: Job, completion_tokens: int) -> dict[str, int]:
-    prompt_tokens = sum(len(job.prompt_ids[p]) for p in sorted(set(job.choice_prompt)))
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-def _token_text(tokenizer, token_id: int) -> str:
-    return tokenizer.decode([token_id], skip_special_tokens=False) if tokenizer is not None else str(token_id)
-
-
-def _completion_logprobs(tokenizer, lps: list[TokenLogprob] | None, text_start: int) -> dict[str, Any] | None:
-    if lps is None:
-        return None
-    tokens = [_token_text(tokenizer, lp.token_id) for lp in lps]
-    offsets, pos = [], text_start
-    for t in tokens:
-        offsets.append(pos)
-        pos += len(t)
-    return {
-        "tokens": tokens,
-        "token_logprobs": [lp.logprob for lp in lps],
-        "top_logprobs": [{_token_text(tokenizer, t): v for t, v in lp.top} for lp in lps],
-        "text_offset": offsets,
-    }
-
-
-def _chat_logprobs(tokenizer, lps: list[TokenLogprob] | None) -> dict[str, Any] | None:
-    if lps is None:
-        return None
-
-    def entry(token_id: int, logprob: float) -> dict[str, Any]:
-        text = _token_text(tokenizer, token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-
-    return {"content": [entry(lp.token_id, lp.logprob) | {"top_logprobs": [entry(t, v) for t, v in lp.top]}
-                        for lp in lps]}
-
-
-def _choice(job: Job, tokenizer, index: int, text: str, lps, finish_reason, *, delta: bool,
-            first: bool = False, text_start: int = 0) -> dict[str, Any]:
-    if job.endpoint == "completions":
-        return {"index": index, "text": text, "logprobs": _completion_logprobs(tokenizer, lps, text_start),
-                "finish_reason": finish_reason}
-    if delta:
-        message = ({"role": "assistant"} if first else {}) | ({"content": text} if text or first else {})
-        return {"index": index, "delta": message, "logprobs": _chat_logprobs(tokenizer, lps),
-                "finish_reason": finish_reason}
-    return {"index": index, "message": {"role": "assistant", "content": text},
-            "logprobs": _chat_logprobs(tokenizer, lps), "finish_reason": finish_reason}
-
-
-def _envelope(job: Job, choices: list[dict[str, Any]], *, chunk: bool) -> dict[str, Any]:
-    kind = {"completions": "text_completion", "chat": "chat.completion.chunk" if chunk else "chat.completion"}
-    return {"id": job.request_id, "object": kind[job.endpoint], "created": job.created, "model": job.model,
-            "choices": choices, "system_fingerprint": None}
-
-
 def _tokenizer(request: web.Request):
-
     return request.app[ENGINE].engine.tokenizer
 
 
-async def _collect(request: web.Request, job: Job, outputs: AsyncIterator[tuple[int, RequestOutput]], timer: _ChoiceTimer) -> web.Response:
+async def _collect(request: web.Request, job: CompletionJob, outputs: AsyncIterator[tuple[int, RequestOutput]], timer: _ChoiceTimer) -> web.Response:
     final: dict[int, RequestOutput] = {}
     async with contextlib.aclosing(outputs):
         try:
@@ -355,14 +247,14 @@ async def _collect(request: web.Request, job: Job, outputs: AsyncIterator[tuple[
         except Exception as exc:
             raise _engine_error(exc, job, request) from None
     tokenizer = _tokenizer(request)
-    choices = [_choice(job, tokenizer, i, final[i].text, final[i].logprobs, final[i].finish_reason, delta=False)
+    choices = [job.choice(tokenizer, i, final[i].text, final[i].logprobs, final[i].finish_reason, delta=False)
                for i in range(job.num_choices)]
-    body = _envelope(job, choices, chunk=False)
-    body["usage"] = _usage(job, sum(len(o.token_ids) for o in final.values()))
+    body = job.envelope(choices, chunk=False)
+    body["usage"] = job.usage(sum(len(o.token_ids) for o in final.values()))
     return web.json_response(body, headers={ADAPTER_HEADER: job.model})
 
 
-async def _stream(request: web.Request, job: Job, outputs: AsyncIterator[tuple[int, RequestOutput]],
+async def _stream(request: web.Request, job: CompletionJob, outputs: AsyncIterator[tuple[int, RequestOutput]],
                   timer: _ChoiceTimer) -> web.StreamResponse:
     tokenizer = _tokenizer(request)
     response: web.StreamResponse | None = None
@@ -386,11 +278,11 @@ async def _stream(request: web.Request, job: Job, outputs: AsyncIterator[tuple[i
                 first = i not in started
                 started.add(i)
                 if out.new_text or out.new_token_ids or first or out.finished:
-                    choice = _choice(job, tokenizer, i, out.new_text, out.new_logprobs,
+                    choice = job.choice(tokenizer, i, out.new_text, out.new_logprobs,
                                      out.finish_reason if out.finished else None, delta=True, first=first,
                                      text_start=text_pos[i])
                     text_pos[i] += len(out.new_text)
-                    await send(_envelope(job, [choice], chunk=True))
+                    await send(job.envelope([choice], chunk=True))
         except (APIError, asyncio.CancelledError):
             raise
         except (ConnectionResetError, ConnectionError):
@@ -405,8 +297,8 @@ async def _stream(request: web.Request, job: Job, outputs: AsyncIterator[tuple[i
     if response is None:  # nothing came back at all
         raise APIError(500, "the engine produced no output", type="server_error", code="engine_error")
     if job.options.include_usage:
-        usage_chunk = _envelope(job, [], chunk=True)
-        usage_chunk["usage"] = _usage(job, completion_tokens)
+        usage_chunk = job.envelope([], chunk=True)
+        usage_chunk["usage"] = job.usage(completion_tokens)
         await send(usage_chunk)
     await send("[DONE]")
     await response.write_eof()
@@ -414,7 +306,6 @@ async def _stream(request: web.Request, job: Job, outputs: AsyncIterator[tuple[i
 
 
 async def list_models(request: web.Request) -> web.Response:
-
     tenant = authenticate(request)
     app = request.app
     if ENGINE not in app:

@@ -1,0 +1,114 @@
+"""CompletionJob: one HTTP inference request, resolved and tokenized, and the shapes of its answer.
+
+A request becomes `len(prompts) * n` choices, each one engine request with its own SamplingParams
+(choice i of a seeded request uses seed + i, so n samples differ yet repeat). The response shapes
+follow OpenAI's: `text_completion` / `chat.completion` / `chat.completion.chunk`, `usage`, and
+logprobs in the completions (`tokens`, `token_logprobs`, `top_logprobs`, `text_offset`) or chat
+(`content: [{token, logprob, bytes, top_logprobs}]`) form.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from lorafleet.worker.openai_protocol import APIError, SamplingOptions
+from lorafleet.worker.sampling_params import SamplingParams
+from lorafleet.worker.sequence import TokenLogprob
+
+
+@dataclass(slots=True)
+class CompletionJob:
+    """One HTTP inference request, resolved and tokenized, ready for the engine."""
+
+    endpoint: str  # "completions" | "chat"
+    request_id: str
+    model: str  # what the response's `model` says: name@version or the base model
+    adapter: str | None  # engine key
+    prompt_ids: list[list[int]]
+    options: SamplingOptions
+    params: list[SamplingParams] = field(default_factory=list)  # per choice
+    choice_prompt: list[int] = field(default_factory=list)  # choice index -> prompt index
+    created: int = field(default_factory=lambda: int(time.time()))
+    arrived: float = field(default_factory=time.monotonic)
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.params)
+
+    def add_choices(self, max_model_len: int) -> None:
+        """One SamplingParams per (prompt, n); refuses prompts that do not fit the context (400)."""
+        o = self.options
+        for p, ids in enumerate(self.prompt_ids):
+            if len(ids) >= max_model_len:
+                raise APIError(400, f"This model's maximum context length is {max_model_len} tokens; the prompt "
+                                    f"has {len(ids)} tokens. Shorten the prompt.", code="context_length_exceeded",
+                               param="messages" if self.endpoint == "chat" else "prompt")
+            max_tokens = o.max_tokens if o.max_tokens is not None else max_model_len - len(ids)
+            if len(ids) + max_tokens > max_model_len:
+                raise APIError(400, f"This model's maximum context length is {max_model_len} tokens; you requested "
+                                    f"{len(ids) + max_tokens} ({len(ids)} in the prompt, {max_tokens} to generate). "
+                                    "Lower max_tokens or shorten the prompt.", code="context_length_exceeded",
+                               param="max_tokens")
+            for j in range(o.n):
+                seed = None if o.seed is None else o.seed + j  # n choices with one seed must still differ
+                self.params.append(SamplingParams(
+                    max_tokens=max_tokens, temperature=o.temperature, top_p=o.top_p, top_k=o.top_k, seed=seed,
+                    stop=list(o.stop), logprobs=o.logprobs, ignore_eos=o.ignore_eos))
+                self.choice_prompt.append(p)
+
+    def usage(self, completion_tokens: int) -> dict[str, int]:
+        prompt_tokens = sum(len(self.prompt_ids[p]) for p in sorted(set(self.choice_prompt)))
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens}
+
+    def choice(self, tokenizer, index: int, text: str, lps: list[TokenLogprob] | None, finish_reason: str | None,
+               *, delta: bool, first: bool = False, text_start: int = 0) -> dict[str, Any]:
+        """One entry of `choices`: a whole choice, or a streamed delta (`first`: the choice's first chunk)."""
+        if self.endpoint == "completions":
+            return {"index": index, "text": text, "logprobs": completion_logprobs(tokenizer, lps, text_start),
+                    "finish_reason": finish_reason}
+        if delta:
+            message = ({"role": "assistant"} if first else {}) | ({"content": text} if text or first else {})
+            return {"index": index, "delta": message, "logprobs": chat_logprobs(tokenizer, lps),
+                    "finish_reason": finish_reason}
+        return {"index": index, "message": {"role": "assistant", "content": text},
+                "logprobs": chat_logprobs(tokenizer, lps), "finish_reason": finish_reason}
+
+    def envelope(self, choices: list[dict[str, Any]], *, chunk: bool) -> dict[str, Any]:
+        kind = {"completions": "text_completion", "chat": "chat.completion.chunk" if chunk else "chat.completion"}
+        return {"id": self.request_id, "object": kind[self.endpoint], "created": self.created, "model": self.model,
+                "choices": choices, "system_fingerprint": None}
+
+
+def token_text(tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False) if tokenizer is not None else str(token_id)
+
+
+def completion_logprobs(tokenizer, lps: list[TokenLogprob] | None, text_start: int) -> dict[str, Any] | None:
+    if lps is None:
+        return None
+    tokens = [token_text(tokenizer, lp.token_id) for lp in lps]
+    offsets, pos = [], text_start
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp.logprob for lp in lps],
+        "top_logprobs": [{token_text(tokenizer, t): v for t, v in lp.top} for lp in lps],
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(tokenizer, lps: list[TokenLogprob] | None) -> dict[str, Any] | None:
+    if lps is None:
+        return None
+
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        text = token_text(tokenizer, token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {"content": [entry(lp.token_id, lp.logprob) | {"top_logprobs": [entry(t, v) for t, v in lp.top]}
+                        for lp in lps]}
