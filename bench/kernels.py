@@ -48,7 +48,7 @@ class Timer:
         self.flush_us = self._graph_us(lambda: None)
 
     def _flush(self) -> None:
-        torch.sum(self.flush_buf.view(torch.int64), out=self.sink)  # a read: leaves the L2 clean
+        torch.sum(self.flush_buf.view(torch.int64), dim=0, out=self.sink)  # a read: leaves the L2 clean
 
     def _graph_us(self, fn) -> float:
         stream = torch.cuda.Stream()

@@ -90,7 +90,7 @@ class LoRABatch:
     token_slots: Tensor  # int32 [T]; -1 = base model only
     sorted_token_ids: Tensor  # int32 [T_lora]: token indices with slot >= 0, grouped by slot
     seg_starts: Tensor  # int32 [S+1] into sorted_token_ids
-    seg_slots: Tensor  # int32 [S]: slot of each segment (distinct when grouped)
+    seg_slots: Tensor  # int32 [S]: slot of each segment (a long run of one slot is cut into several)
     max_rank: int  # largest rank among the batch's slots (sizes the shrink buffer)
 
     @property
@@ -102,12 +102,14 @@ class LoRABatch:
         return self.seg_slots.shape[0]
 
 
-def make_lora_batch(token_slots: Tensor, max_rank_by_slot: Tensor, *, grouped: bool = True) -> LoRABatch:
+def make_lora_batch(token_slots: Tensor, max_rank_by_slot: Tensor, *, grouped: bool = True, max_segment_len: int = 64) -> LoRABatch:
     """Group a step's tokens by adapter slot with torch ops (no Python loop over tokens).
 
     token_slots: int [T] slot of each token, -1 for none. max_rank_by_slot: int [max_slots] (for example
     `layout.max_rank_by_slot()`). `grouped=False` makes one segment per token (see `LoRABatch`).
-    One host sync (the number of segments and the batch's max rank are Python ints).
+    A slot's run longer than max_segment_len tokens becomes consecutive segments of that slot, so a long
+    prefill spreads over many kernel programs (each re-reads the adapter from L2, not from memory).
+    A few host syncs (the number of segments and the batch's max rank are Python ints).
     """
     if token_slots.dim() != 1:
         raise ValueError(f"token_slots must be 1-D [T], got shape {tuple(token_slots.shape)}")
@@ -135,9 +137,18 @@ def make_lora_batch(token_slots: Tensor, max_rank_by_slot: Tensor, *, grouped: b
     num_base = int((~valid).sum())
     sorted_ids = order[num_base:].to(torch.int32)
     seg_slots, counts = torch.unique_consecutive(slots[order[num_base:]], return_counts=True)
-    seg_starts = torch.zeros(seg_slots.shape[0] + 1, dtype=torch.int32, device=device)
-    seg_starts[1:] = torch.cumsum(counts, 0).to(torch.int32)
-    return LoRABatch(slots, sorted_ids, seg_starts, seg_slots.to(torch.int32), max_rank)
+    # Cut runs into chunks: chunk c of run s starts at run_start[s] + c * max_segment_len.
+    # Running example (max_segment_len=2): counts [3, 1] -> chunks [2, 1] -> starts [0, 2, 3], slots [a, a, b].
+    chunks = (counts + max_segment_len - 1) // max_segment_len
+    num_chunks = int(chunks.sum())
+    run_of_chunk = torch.repeat_interleave(torch.arange(counts.shape[0], device=device), chunks, output_size=num_chunks)
+    first_chunk = torch.cumsum(chunks, 0) - chunks
+    run_start = torch.cumsum(counts, 0) - counts
+    index_in_run = torch.arange(num_chunks, device=device) - first_chunk[run_of_chunk]
+    seg_starts = torch.empty(num_chunks + 1, dtype=torch.int32, device=device)
+    seg_starts[:-1] = run_start[run_of_chunk] + index_in_run * max_segment_len
+    seg_starts[-1] = sorted_ids.shape[0]
+    return LoRABatch(slots, sorted_ids, seg_starts, seg_slots[run_of_chunk].to(torch.int32), max_rank)
 
 
 def place_rows(row_lengths: list[int], page_elems: int) -> list[tuple[int, int]]:
@@ -185,15 +196,15 @@ def pack_lora_layout(
     num_pages = needed if num_pages is None else num_pages
     if num_pages < needed:
         raise ValueError(f"the adapters need {needed} pages, only {num_pages} given")
-    if page_order is None:
-        page_order = torch.arange(num_pages)
+    order = list(range(num_pages)) if page_order is None else page_order.tolist()
     pool = torch.zeros(num_pages, page_elems, dtype=dtype)
-    flat = pool.view(-1)
-    offsets: list[int] = []
-    for row, (p, off) in zip(rows, placements, strict=True):
-        start = int(page_order[p]) * page_elems + off
-        flat[start : start + row.numel()] = row.to(dtype)
-        offsets.append(start)
+    offsets = [order[p] * page_elems + off for p, off in placements]
+    if rows:
+        # One scatter for all rows: element e of row i goes to offsets[i] + e.
+        lengths = torch.tensor([row.numel() for row in rows])
+        shift = torch.tensor(offsets) - (torch.cumsum(lengths, 0) - lengths)
+        index = torch.repeat_interleave(shift, lengths) + torch.arange(int(lengths.sum()))
+        pool.view(-1)[index] = torch.cat(rows).to(dtype)
 
     ranks = torch.zeros(num_layers, NUM_PROJS, max_slots, dtype=torch.int32)
     scales = torch.zeros(num_layers, NUM_PROJS, max_slots, dtype=torch.float32)

@@ -2,12 +2,14 @@
 
 One launch serves every segment (tokens of one adapter slot) and every projection of a fused group
 (q|k|v, gate|up). Each program reads its adapter's rows through `LoRALayout`'s offsets (a row is
-contiguous in the pool), loops over the slot's *true* rank in chunks (no padding to the batch's
-largest rank: masked loads fetch nothing), and skips at once a segment with slot -1 or a module the
-slot does not adapt. The adapter rows of a segment are read once and reused by all its tokens, so the
-bytes read are the distinct adapters' bytes, however many segments the batch has.
+contiguous in the pool), covers the slot's *true* rank in chunks of 16 rows (no padding to the
+batch's largest rank: chunks past a slot's rank exit, masked loads fetch nothing), and skips at once a
+segment with slot -1 or a module the slot does not adapt. The adapter rows of a segment are read once
+and reused by all its tokens; `make_lora_batch` cuts long runs into segments of at most 64 tokens so
+one adapter's prefill still spreads over many programs.
 
-Grids: shrink (segment, projection, K split); expand (segment, projection, N block). Loads are upcast
+Grids: shrink (segment, projection x rank chunk, K split); expand (segment, projection, N block),
+looping over rank chunks. Loads are upcast
 to float32 under Triton's interpreter (its bf16/fp16 arithmetic is wrong) and for float32 models;
 on a GPU, 16-bit operands go to the tensor cores with float32 accumulation.
 """
@@ -41,6 +43,7 @@ def _shrink_kernel(
     layer,
     K,
     k_per_split,
+    num_r_chunks,
     stride_xt,
     stride_op,
     stride_ot,
@@ -54,7 +57,8 @@ def _shrink_kernel(
     UPCAST: tl.constexpr,
 ):
     seg = tl.program_id(0)
-    i = tl.program_id(1)
+    i = tl.program_id(1) // num_r_chunks
+    r0 = (tl.program_id(1) % num_r_chunks) * BLOCK_R
     split = tl.program_id(2)
     slot = tl.load(seg_slots_ptr + seg)
     if slot < 0:
@@ -62,40 +66,38 @@ def _shrink_kernel(
     proj = tl.load(proj_ids_ptr + i)
     meta = (layer * 7 + proj) * max_slots + slot
     rank = tl.load(ranks_ptr + meta)
-    if rank == 0:
+    if r0 >= rank:  # also a module the slot does not adapt (rank 0): no bytes read
         return
     start = tl.load(seg_starts_ptr + seg)
     end = tl.load(seg_starts_ptr + seg + 1)
     k_lo = split * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
+    offs_r = r0 + tl.arange(0, BLOCK_R)
+    r_mask = offs_r < rank
+    a_row = tl.load(a_off_ptr + meta.to(tl.int64) * layout_max_rank + offs_r, mask=r_mask, other=0)
+    a_row = tl.multiple_of(a_row, ALIGN)
     arange_t = tl.arange(0, BLOCK_T)
-    arange_r = tl.arange(0, BLOCK_R)
     arange_k = tl.arange(0, BLOCK_K)
     for t0 in range(start, end, BLOCK_T):
         t_mask = t0 + arange_t < end
         tok = tl.load(token_ids_ptr + t0 + arange_t, mask=t_mask, other=0).to(tl.int64)
-        for r0 in range(0, rank, BLOCK_R):
-            offs_r = r0 + arange_r
-            r_mask = offs_r < rank
-            a_row = tl.load(a_off_ptr + meta.to(tl.int64) * layout_max_rank + offs_r, mask=r_mask, other=0)
-            a_row = tl.multiple_of(a_row, ALIGN)
-            acc = tl.zeros([BLOCK_T, BLOCK_R], dtype=tl.float32)
-            for k0 in range(k_lo, k_hi, BLOCK_K):
-                offs_k = k0 + arange_k
-                k_mask = offs_k < k_hi
-                # x tile [BLOCK_T, BLOCK_K]: gathered token rows; A^T tile [BLOCK_K, BLOCK_R]: one pool row per column.
-                xt = tl.load(x_ptr + tok[:, None] * stride_xt + offs_k[None, :], mask=t_mask[:, None] & k_mask[None, :], other=0.0)
-                at = tl.load(pool_ptr + a_row[None, :] + offs_k[:, None], mask=r_mask[None, :] & k_mask[:, None], other=0.0)
-                if UPCAST:
-                    acc += tl.dot(xt.to(tl.float32), at.to(tl.float32), input_precision="ieee")
-                else:
-                    acc += tl.dot(xt, at)
-            ptrs = out_ptr + i * stride_op + tok[:, None] * stride_ot + offs_r[None, :]
-            mask = t_mask[:, None] & r_mask[None, :]
-            if ATOMIC:
-                tl.atomic_add(ptrs, acc, mask=mask)
+        acc = tl.zeros([BLOCK_T, BLOCK_R], dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            offs_k = k0 + arange_k
+            k_mask = offs_k < k_hi
+            # x tile [BLOCK_T, BLOCK_K]: gathered token rows; A tile [BLOCK_R, BLOCK_K]: pool rows, contiguous along K.
+            xt = tl.load(x_ptr + tok[:, None] * stride_xt + offs_k[None, :], mask=t_mask[:, None] & k_mask[None, :], other=0.0)
+            at = tl.load(pool_ptr + a_row[:, None] + offs_k[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)
+            if UPCAST:
+                acc += tl.dot(xt.to(tl.float32), tl.trans(at.to(tl.float32)), input_precision="ieee")
             else:
-                tl.store(ptrs, acc, mask=mask)
+                acc += tl.dot(xt, tl.trans(at))
+        ptrs = out_ptr + i * stride_op + tok[:, None] * stride_ot + offs_r[None, :]
+        mask = t_mask[:, None] & r_mask[None, :]
+        if ATOMIC:
+            tl.atomic_add(ptrs, acc, mask=mask)
+        else:
+            tl.store(ptrs, acc, mask=mask)
 
 
 @triton.jit
@@ -203,6 +205,7 @@ def lora_shrink_triton(
     out: Tensor,
     split_k: int | None = None,
     block_k: int | None = None,
+    block_r: int | None = None,
     num_warps: int = 4,
 ) -> None:
     """Triton backend of `kernels.lora.lora_shrink` (inputs already checked there).
@@ -211,22 +214,28 @@ def lora_shrink_triton(
 
     x: [T, K] model dtype. out: float32 [P, T, R]. split_k: K splits per (segment, projection)
     (default: enough programs to fill the GPU); with more than one, out is zeroed and results are added
-    atomically. block_k, num_warps: tile width over K and warps per program (benchmark sweeps).
+    atomically. block_k, block_r, num_warps: tile over K, rank rows per program (ranks above it take
+    several programs), warps per program (benchmark sweeps).
     """
     num_segments, num_proj = batch.num_segments, len(proj_ids)
     if num_segments == 0 or batch.max_rank == 0:
         return
     K = x.shape[1]
+    block_r = block_r or (64 if _INTERPRET else 16)
+    num_r_chunks = triton.cdiv(batch.max_rank, block_r)
     block_k = block_k or _pow2(triton.cdiv(K, split_k or 1), 16, 128 if _INTERPRET else 256)
     num_k_blocks = triton.cdiv(K, block_k)
     if split_k is None:
-        split_k = min(num_k_blocks, triton.cdiv(4 * _num_sms(str(x.device)), num_segments * num_proj))
+        # Enough programs to keep every SM busy; rank chunks past a slot's rank exit at once, so count
+        # the programs of an average rank.
+        programs = num_segments * num_proj * max(1, num_r_chunks // 2)
+        split_k = min(num_k_blocks, triton.cdiv(2 * _num_sms(str(x.device)), programs))
     split_k = max(1, min(split_k, num_k_blocks))
     k_per_split = triton.cdiv(num_k_blocks, split_k) * block_k
     split_k = triton.cdiv(K, k_per_split)
     if split_k > 1:
         out.zero_()
-    _shrink_kernel[(num_segments, num_proj, split_k)](
+    _shrink_kernel[(num_segments, num_proj * num_r_chunks, split_k)](
         x,
         layout.pool,
         layout.ranks,
@@ -239,13 +248,14 @@ def lora_shrink_triton(
         layer,
         K,
         k_per_split,
+        num_r_chunks,
         x.stride(0),
         out.stride(0),
         out.stride(1),
         layout.max_slots,
         layout.max_rank,
         BLOCK_T=_block_t(batch),
-        BLOCK_R=_pow2(batch.max_rank, 16, 64),
+        BLOCK_R=block_r,
         BLOCK_K=block_k,
         ALIGN=layout.row_align,
         ATOMIC=split_k > 1,
@@ -264,6 +274,7 @@ def lora_expand_triton(
     y: Tensor,
     out_slices: list[tuple[int, int]],
     block_n: int | None = None,
+    block_r: int | None = None,
     num_warps: int = 4,
 ) -> None:
     """Triton backend of `kernels.lora.lora_expand` (inputs already checked there).
@@ -271,13 +282,13 @@ def lora_expand_triton(
     Semantics: y[t, o_i:o_i+n_i] += scale[slot(t), layer, p_i] * xa[i, t, :rank] @ B^T[slot(t), layer, p_i][:rank, :n_i].
 
     xa: float32 [P, T, R]. y: [T, N] model dtype. out_slices: P (first column, width) pairs.
-    block_n, num_warps: output columns and warps per program (benchmark sweeps).
+    block_n, block_r, num_warps: output columns, rank rows per step and warps per program (benchmark sweeps).
     """
     num_segments, num_proj = batch.num_segments, len(proj_ids)
     if num_segments == 0 or batch.max_rank == 0:
         return
     widest = max(n for _, n in out_slices)
-    block_n = block_n or _pow2(widest, 16, 64 if _INTERPRET else 256)
+    block_n = block_n or _pow2(widest, 16, 64 if _INTERPRET else 128)
     slices = tuple(v for p, (start, n) in zip(proj_ids, out_slices, strict=True) for v in (p, start, n))
     assert all(0 <= p < NUM_PROJS for p in proj_ids)
     _expand_kernel[(num_segments, num_proj, triton.cdiv(widest, block_n))](
@@ -298,7 +309,7 @@ def lora_expand_triton(
         layout.max_slots,
         layout.max_rank,
         BLOCK_T=_block_t(batch),
-        BLOCK_R=_pow2(batch.max_rank, 16, 64),
+        BLOCK_R=block_r or (64 if _INTERPRET else 16),
         BLOCK_N=block_n,
         ALIGN=layout.row_align,
         UPCAST=_upcast(y.dtype),

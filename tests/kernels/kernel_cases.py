@@ -50,25 +50,26 @@ def random_adapters(
 
 
 def dense_delta(modules, slots: torch.Tensor, x: torch.Tensor, layer: int, proj: int, width: int) -> torch.Tensor:
-    """float64 [T, width]: scale * (x[t] @ A.T) @ B.T per token, one token at a time (the plainest answer)."""
+    """float64 [T, width]: scale * (x[t] @ A.T) @ B.T with each token's own adapter, slot by slot."""
     out = torch.zeros(x.shape[0], width, dtype=torch.float64)
-    for t, s in enumerate(slots.tolist()):
+    for s in slots.unique().tolist():
         if s >= 0 and (s, layer, proj) in modules:
             a, b, scale = modules[(s, layer, proj)]
-            out[t] = scale * (x[t].double() @ a.double().T) @ b.double().T
+            idx = (slots == s).nonzero().squeeze(1)
+            out[idx] = scale * (x[idx].double() @ a.double().T) @ b.double().T
     return out
 
 
 def dense_shrink(modules, slots: torch.Tensor, x: torch.Tensor, layer: int, proj: int):
     """Per token: float64 [r] = x[t] @ A.T, or None where the token has no adapter for this module."""
-    res = []
-    for t, s in enumerate(slots.tolist()):
+    res = [None] * x.shape[0]
+    for s in slots.unique().tolist():
         if s >= 0 and (s, layer, proj) in modules:
-            res.append(x[t].double() @ modules[(s, layer, proj)][0].double().T)
-        else:
-            res.append(None)
+            idx = (slots == s).nonzero().squeeze(1)
+            vals = x[idx].double() @ modules[(s, layer, proj)][0].double().T
+            for j, t in enumerate(idx.tolist()):
+                res[t] = vals[j]
     return res
-
 
 LLAMA3_8B_DIMS = {0: (4096, 4096), 1: (4096, 1024), 2: (4096, 1024), 3: (4096, 4096), 4: (4096, 14336), 5: (4096, 14336), 6: (14336, 4096)}
 

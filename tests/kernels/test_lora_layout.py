@@ -22,7 +22,7 @@ def test_groups_every_token_with_a_slot_once(popularity, gen):
     batch = make_lora_batch(slots, ranks)
     ids = batch.sorted_token_ids.long()
     assert sorted(ids.tolist()) == [t for t, s in enumerate(slots.tolist()) if s >= 0]
-    assert batch.seg_slots.unique().numel() == batch.num_segments  # distinct
+    assert batch.seg_slots.unique().numel() == batch.num_segments  # distinct (no run above 64 tokens here)
     for s in range(batch.num_segments):
         seg = ids[batch.seg_starts[s] : batch.seg_starts[s + 1]]
         assert seg.numel() > 0
@@ -30,6 +30,16 @@ def test_groups_every_token_with_a_slot_once(popularity, gen):
         assert seg.tolist() == sorted(seg.tolist())  # stable: original order inside a segment
     used = slots[slots >= 0].long()
     assert batch.max_rank == (int(ranks[used].max()) if used.numel() else 0)
+
+
+def test_long_runs_are_cut_into_segments_of_bounded_length():
+    slots = torch.tensor([1, 0, 1, 1, -1, 1, 0, 1, 1], dtype=torch.int32)
+    batch = make_lora_batch(slots, torch.tensor([4, 8], dtype=torch.int32), max_segment_len=2)
+    assert batch.sorted_token_ids.tolist() == [1, 6, 0, 2, 3, 5, 7, 8]
+    assert batch.seg_starts.tolist() == [0, 2, 4, 6, 8]
+    assert batch.seg_slots.tolist() == [0, 1, 1, 1]
+    batch = make_lora_batch(slots, torch.tensor([4, 8], dtype=torch.int32), max_segment_len=4)
+    assert batch.seg_starts.tolist() == [0, 2, 6, 8] and batch.seg_slots.tolist() == [0, 1, 1]
 
 
 def test_ungrouped_batch_has_one_segment_per_token():
