@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from aiohttp import web
 
@@ -32,6 +33,8 @@ from lorafleet.worker.openai_protocol import (
     parse_unload_adapter_request,
 )
 from lorafleet.worker.tenants import AuthenticationError, bearer_token
+
+T = TypeVar("T")
 
 
 def admin_routes() -> list[web.RouteDef]:
@@ -69,6 +72,17 @@ def _require_engine(request: web.Request) -> None:
         raise APIError(503, "the worker is starting", type="service_unavailable", code="not_ready")
 
 
+async def admin_change(app: web.Application, fn: Callable[..., T], *args: Any) -> T:
+    """Run one registry change off the event loop, one at a time. Shielded: a caller that goes
+    away does not release the lock while the change is still being applied in its thread."""
+
+    async def locked() -> T:
+        async with app[ADMIN_LOCK]:
+            return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+    return await asyncio.shield(asyncio.ensure_future(locked()))
+
+
 def state_report(app: web.Application) -> dict[str, Any]:
     adapters, host = app[ADAPTERS], app[HOST]
     engine = app[ENGINE].engine
@@ -99,15 +113,14 @@ async def put_state(request: web.Request) -> web.Response:
     except DirectiveError as exc:
         raise APIError(400, f"bad desired state: {exc}", code="invalid_directive") from None
     app = request.app
-    async with app[ADMIN_LOCK]:
-        try:
-            await asyncio.get_running_loop().run_in_executor(None, app[ADAPTERS].apply, state, app[HOST])
-        except APIError as err:
-            if err.status != 409:
-                raise
-            report = state_report(app)
-            report["error"] = err.message
-            return web.json_response(report, status=409)
+    try:
+        await admin_change(app, app[ADAPTERS].apply, state, app[HOST])
+    except APIError as err:
+        if err.status != 409:
+            raise
+        report = state_report(app)
+        report["error"] = err.message
+        return web.json_response(report, status=409)
     return web.json_response(state_report(app))
 
 
@@ -122,8 +135,7 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
     _require_engine(request)
     name, path = parse_load_adapter_request(await read_json(request))
     app = request.app
-    async with app[ADMIN_LOCK]:
-        key = await asyncio.get_running_loop().run_in_executor(None, app[ADAPTERS].load, name, path, app[HOST])
+    key = await admin_change(app, app[ADAPTERS].load, name, path, app[HOST])
     return web.Response(text=f"Success: LoRA adapter '{name}' added successfully ({key}).")
 
 
@@ -132,6 +144,5 @@ async def unload_lora_adapter(request: web.Request) -> web.Response:
     _require_engine(request)
     name = parse_unload_adapter_request(await read_json(request))
     app = request.app
-    async with app[ADMIN_LOCK]:
-        await asyncio.get_running_loop().run_in_executor(None, app[ADAPTERS].unload, name, app[HOST])
+    await admin_change(app, app[ADAPTERS].unload, name, app[HOST])
     return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")

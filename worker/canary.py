@@ -45,29 +45,12 @@ def user_bucket(name: str, user: str) -> int:
 
 
 class CanaryResolver:
-    """Maps an adapter name (and the caller's `user`) to the version that serves the request."""
+    """Picks the version of an adapter that serves one request, given its split and the `user`."""
 
     def __init__(self, *, rng: random.Random | None = None) -> None:
-        self._splits: dict[str, VersionSplit] = {}
         self._rng = rng or random.Random()
 
-    def set(self, name: str, split: VersionSplit) -> None:
-        self._splits[name] = split
-
-    def remove(self, name: str) -> None:
-        self._splits.pop(name, None)
-
-    def get(self, name: str) -> VersionSplit | None:
-        return self._splits.get(name)
-
-    def names(self) -> list[str]:
-        return sorted(self._splits)
-
-    def resolve(self, name: str, user: str | None = None) -> str | None:
-        """The version for this request, or None when the adapter is unknown."""
-        split = self._splits.get(name)
-        if split is None:
-            return None
+    def pick(self, name: str, split: VersionSplit, user: str | None = None) -> str:
         if split.canary is None or split.canary_weight == 0:
             return split.stable
         bucket = self._rng.randrange(NUM_BUCKETS) if user is None else user_bucket(name, user)

@@ -95,7 +95,7 @@ class ServedAdapters:
             raise APIError(403, f"tenant {tenant.name!r} may not use adapter {name!r}", type="permission_error",
                            code="model_not_allowed", param="model")
         if not version:
-            version = self.resolver.resolve(name, user)
+            version = self.resolver.pick(name, served.split, user)
         if version not in served.sources:
             raise APIError(404, f"adapter {name!r} has no version {version!r} here (versions: "
                                 f"{', '.join(sorted(served.sources))})", code="model_not_found", param="model")
@@ -110,14 +110,18 @@ class ServedAdapters:
         if served is not None and version in served.sources:
             served.errors[version] = reason
 
-    # ---- changes (blocking engine calls: run them off the event loop) ----------------------------
+    # ---- changes (blocking engine calls: run them off the event loop, one at a time) -------------
+    # Copy-on-write: a change registers what is new in the engine, then publishes the new table in
+    # one assignment, then retires what is gone. A request never sees a name or version that the
+    # engine does not hold yet, and the event loop can read the table while a change runs.
     def adopt(self, engine: AdapterHost) -> None:
         """Take over the adapters the engine registered at start-up (`--adapters DIR`)."""
+        table = dict(self._adapters)
         for d in engine.describe_adapters():
-            if d.get("current") and d["name"] not in self._adapters:
-                self._adapters[d["name"]] = ServedAdapter(d["name"], None, VersionSplit(d["version"]),
-                                                          {d["version"]: d.get("source", "")})
-                self.resolver.set(d["name"], VersionSplit(d["version"]))
+            if d.get("current") and d["name"] not in table:
+                table[d["name"]] = ServedAdapter(d["name"], None, VersionSplit(d["version"]),
+                                                 {d["version"]: d.get("source", "")})
+        self._adapters = table
 
     def apply(self, state: DesiredState, engine: AdapterHost) -> bool:
         """Make the served set equal `state`. False when it was already applied (same generation);
@@ -127,16 +131,22 @@ class ServedAdapters:
         if state.generation < self.generation:
             raise APIError(409, f"generation {state.generation} is older than the applied generation "
                                 f"{self.generation}; refusing to roll back", code="stale_generation")
-        wanted = state.by_name()
-        for name in [n for n in self._adapters if n not in wanted]:
-            self._unload(name, engine)
-        for directive in state.adapters:
-            self._apply_one(directive, engine)
+        old_table = self._adapters
+        table = {d.name: self._register(d, old_table.get(d.name), engine) for d in state.adapters}
+        self._adapters = table
         self.generation = state.generation
+        for name, old in old_table.items():
+            if name not in table:
+                self._unregister(name, engine)
+                continue
+            for version in set(old.sources) - set(table[name].sources):
+                try:
+                    engine.remove_adapter_version(f"{name}@{version}")
+                except (ValueError, KeyError) as exc:  # e.g. still the engine's current version
+                    log.info("dropping %s@%s: %s", name, version, exc)
         return True
 
-    def _apply_one(self, d: AdapterDirective, engine: AdapterHost) -> None:
-        old = self._adapters.get(d.name)
+    def _register(self, d: AdapterDirective, old: ServedAdapter | None, engine: AdapterHost) -> ServedAdapter:
         versions = {d.stable.version: d.stable.uri}
         if d.canary is not None:
             versions[d.canary.version] = d.canary.uri
@@ -156,16 +166,9 @@ class ServedAdapters:
                 served.errors[version] = str(exc)
                 log.warning("adapter %s@%s cannot be served: %s", d.name, version, exc)
             served.sources[version] = uri
-        if old is not None:
-            for version in set(old.sources) - set(versions):
-                try:
-                    engine.remove_adapter_version(f"{d.name}@{version}")
-                except (ValueError, KeyError) as exc:
-                    log.info("dropping %s@%s: %s", d.name, version, exc)
         if d.canary is not None and d.canary.version not in served.errors and d.stable.version not in served.errors:
             served.split = VersionSplit(d.stable.version, d.canary.version, d.canary_weight)
-        self._adapters[d.name] = served
-        self.resolver.set(d.name, served.split)
+        return served
 
     def load(self, name: str, path: str, engine: AdapterHost) -> str:
         """vLLM's load_lora_adapter: register `name` from a local path; answers `name@version`."""
@@ -178,19 +181,18 @@ class ServedAdapters:
             raise APIError(400, f"cannot load adapter {name!r} from {path}: {exc}", code="adapter_invalid",
                            param="lora_path") from None
         version = key.partition("@")[2]
-        self._adapters[name] = ServedAdapter(name, None, VersionSplit(version), {version: path})
-        self.resolver.set(name, VersionSplit(version))
+        self._adapters = {**self._adapters, name: ServedAdapter(name, None, VersionSplit(version), {version: path})}
         return key
 
     def unload(self, name: str, engine: AdapterHost) -> None:
         if name not in self._adapters:
             raise APIError(404, f"The lora adapter '{name}' cannot be found.", code="model_not_found",
                            param="lora_name")
-        self._unload(name, engine)
+        self._adapters = {n: a for n, a in self._adapters.items() if n != name}
+        self._unregister(name, engine)
 
-    def _unload(self, name: str, engine: AdapterHost) -> None:
-        self._adapters.pop(name)
-        self.resolver.remove(name)
+    @staticmethod
+    def _unregister(name: str, engine: AdapterHost) -> None:
         try:
             engine.unregister_adapter(name)
         except KeyError as exc:

@@ -11,30 +11,25 @@ from lorafleet.worker.canary import CanaryResolver, VersionSplit, user_bucket
 USERS = [f"user-{i}" for i in range(2000)]
 
 
-def test_no_canary_means_stable_and_unknown_means_none():
+def test_no_canary_means_stable():
     r = CanaryResolver()
-    r.set("sql", VersionSplit("v1"))
-    assert {r.resolve("sql", u) for u in USERS[:50]} == {"v1"}
-    assert r.resolve("sql") == "v1"
-    assert r.resolve("nope", "u") is None
+    assert {r.pick("sql", VersionSplit("v1"), u) for u in USERS[:50]} == {"v1"}
+    assert r.pick("sql", VersionSplit("v1")) == "v1"
 
 
 @pytest.mark.parametrize("weight", [0, 10, 50, 90, 100])
 def test_split_follows_weight_and_is_sticky_per_user(weight):
-    r = CanaryResolver()
-    r.set("sql", VersionSplit("v1", "v2", weight))
-    picks = {u: r.resolve("sql", u) for u in USERS}
-    assert all(r.resolve("sql", u) == picks[u] for u in USERS[:200])  # sticky
+    r, split = CanaryResolver(), VersionSplit("v1", "v2", weight)
+    picks = {u: r.pick("sql", split, u) for u in USERS}
+    assert all(r.pick("sql", split, u) == picks[u] for u in USERS[:200])  # sticky
     share = sum(v == "v2" for v in picks.values()) / len(USERS)
     assert abs(share - weight / 100) < 0.05
 
 
 def test_raising_the_weight_only_moves_users_to_the_canary():
     r = CanaryResolver()
-    r.set("sql", VersionSplit("v1", "v2", 20))
-    before = {u for u in USERS if r.resolve("sql", u) == "v2"}
-    r.set("sql", VersionSplit("v1", "v2", 40))
-    after = {u for u in USERS if r.resolve("sql", u) == "v2"}
+    before = {u for u in USERS if r.pick("sql", VersionSplit("v1", "v2", 20), u) == "v2"}
+    after = {u for u in USERS if r.pick("sql", VersionSplit("v1", "v2", 40), u) == "v2"}
     assert before < after
 
 
@@ -45,8 +40,7 @@ def test_buckets_are_independent_across_adapters():
 
 def test_requests_without_user_are_split_per_request():
     r = CanaryResolver(rng=random.Random(0))
-    r.set("sql", VersionSplit("v1", "v2", 30))
-    picks = [r.resolve("sql") for _ in range(2000)]
+    picks = [r.pick("sql", VersionSplit("v1", "v2", 30)) for _ in range(2000)]
     assert abs(picks.count("v2") / 2000 - 0.3) < 0.05
 
 
