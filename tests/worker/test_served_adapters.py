@@ -1,0 +1,125 @@
+"""worker/served_adapters.py: the HTTP layer's registry, against a recording stand-in of the engine
+(the end-to-end behaviour with the real engine is in test_server.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from lorafleet.worker.directives import DesiredState
+from lorafleet.worker.openai_protocol import APIError
+from lorafleet.worker.served_adapters import ServedAdapters
+from lorafleet.worker.tenants import Tenant
+
+
+class RecordingHost:
+    def __init__(self, failing: set[str] = frozenset()) -> None:
+        self.keys: dict[str, dict] = {}
+        self.calls: list[tuple] = []
+        self.failing = failing
+
+    def register_adapter(self, name, source, *, version=None, tenant=None, pinned=False, make_current=True):
+        self.calls.append(("register", f"{name}@{version}", make_current))
+        if source in self.failing:
+            raise ValueError(f"{source}: adapter_model.safetensors is corrupt")
+        self.keys[f"{name}@{version}"] = {"key": f"{name}@{version}", "name": name, "version": version,
+                                         "tier": "cpu", "refcount": 0, "hits": 0, "bytes": 10, "pinned": pinned}
+        return f"{name}@{version}"
+
+    def unregister_adapter(self, name):
+        self.calls.append(("unregister", name))
+        self.keys = {k: v for k, v in self.keys.items() if v["name"] != name}
+
+    def remove_adapter_version(self, key):
+        self.calls.append(("remove", key))
+        self.keys.pop(key)
+
+    def set_adapter_pinned(self, key, pinned):
+        self.keys[key]["pinned"] = pinned
+
+    def prefetch_adapter(self, key):
+        self.calls.append(("prefetch", key))
+
+    def describe_adapters(self):
+        return list(self.keys.values())
+
+
+def state(generation: int, *adapters: dict) -> DesiredState:
+    return DesiredState.from_dict({"generation": generation, "adapters": list(adapters)})
+
+
+SQL = {"name": "sql", "tenant": "acme", "stable": {"version": "v1", "uri": "/c/sql/v1"}, "warm": True}
+SQL_CANARY = SQL | {"canary": {"version": "v2", "uri": "/c/sql/v2"}, "canary_weight": 50}
+ACME, GLOBEX = Tenant("acme"), Tenant("globex", ("chat",))
+
+
+def test_push_registers_resolves_and_reports():
+    host, served = RecordingHost(), ServedAdapters("base")
+    assert served.apply(state(1, SQL_CANARY), host)
+    assert ("register", "sql@v1", True) in host.calls and ("register", "sql@v2", False) in host.calls
+    assert ("prefetch", "sql@v1") in host.calls
+    picks = {served.resolve("sql", ACME, f"u{i}") for i in range(40)}
+    assert picks == {"sql@v1", "sql@v2"}
+    assert served.resolve("sql@v2", ACME, None) == "sql@v2"
+    assert served.resolve("base", ACME, None) is None
+    report = served.report(host)
+    assert report.generation_applied == 1 and {(a.name, a.version) for a in report.adapters} == {
+        ("sql", "v1"), ("sql", "v2")}
+    assert served.extras()["sql@v2"] == {"tenant": "acme", "traffic_percent": 50}
+
+
+def test_generations_same_is_noop_older_is_409():
+    host, served = RecordingHost(), ServedAdapters("base")
+    served.apply(state(3, SQL), host)
+    calls = len(host.calls)
+    assert served.apply(state(3, SQL), host) is False and len(host.calls) == calls
+    with pytest.raises(APIError) as exc:
+        served.apply(state(2), host)
+    assert exc.value.status == 409 and served.resolve("sql", ACME, None) == "sql@v1"
+
+
+def test_resolution_errors_are_404_403_503():
+    host, served = RecordingHost(failing={"/c/bad/v1"}), ServedAdapters("base")
+    served.apply(state(1, SQL, {"name": "bad", "tenant": "acme", "stable": {"version": "v1", "uri": "/c/bad/v1"}}),
+                 host)
+    for model, tenant, status in [("nope", ACME, 404), ("sql@v9", ACME, 404), ("sql", GLOBEX, 403),
+                                  ("bad", ACME, 503), ("base", Tenant("t", base_model=False), 403)]:
+        with pytest.raises(APIError) as exc:
+            served.resolve(model, tenant, None)
+        assert exc.value.status == status, model
+    assert "corrupt" in served.report(host).adapters[0].error or "corrupt" in served.report(host).adapters[1].error
+    served.mark_failed("sql@v1", "disk read failed")
+    with pytest.raises(APIError, match="disk read failed"):
+        served.resolve("sql", ACME, None)
+
+
+def test_a_push_replaces_the_set_and_retires_old_versions_after_publishing():
+    host, served = RecordingHost(), ServedAdapters("base")
+    served.apply(state(1, SQL_CANARY, {"name": "chat", "tenant": "globex",
+                                       "stable": {"version": "c1", "uri": "/c/chat/c1"}}), host)
+    promoted = SQL | {"stable": {"version": "v2", "uri": "/c/sql/v2"}}
+    served.apply(state(2, promoted), host)
+    assert ("remove", "sql@v1") in host.calls and ("unregister", "chat") in host.calls
+    assert ("register", "sql@v2", True) not in host.calls  # v2 was already registered: kept, not reloaded
+    assert served.names() == ["sql"] and served.resolve("sql", ACME, "anyone") == "sql@v2"
+    with pytest.raises(APIError):
+        served.resolve("chat", GLOBEX, None)
+
+
+def test_object_store_sources_must_be_staged_first():
+    host, served = RecordingHost(), ServedAdapters("base")
+    served.apply(state(1, SQL | {"stable": {"version": "v1", "uri": "s3://bucket/sql/v1/"}}), host)
+    with pytest.raises(APIError) as exc:
+        served.resolve("sql", ACME, None)
+    assert exc.value.status == 503 and "not staged" in exc.value.message and not host.keys
+
+
+def test_vllm_load_unload():
+    host, served = RecordingHost(), ServedAdapters("base")
+    assert served.load("x", "/p/x", host) == "x@None"
+    with pytest.raises(APIError) as exc:
+        served.load("x", "/p/x", host)
+    assert exc.value.status == 400
+    served.unload("x", host)
+    with pytest.raises(APIError) as exc:
+        served.unload("x", host)
+    assert exc.value.status == 404
