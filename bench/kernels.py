@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import math
 import statistics
@@ -195,7 +196,7 @@ def base_gemms(num_tokens: int, timer: Timer) -> float:
 def bench_lora(timer: Timer, copy_gbs: float, gen: torch.Generator, quick: bool) -> tuple[list, dict]:
     rows = []
     key_cases = {(64, 32, "16"), (256, 32, "16"), (1, 8, "16"), (1024, 8, "16")}
-    sweep_cases = {(64, 32, "16"), (1, 8, "16"), (1024, 8, "16")}
+    sweep_cases = {(64, 32, "16"), (256, 32, "16"), (1, 8, "16"), (1024, 8, "16"), (64, 32, "64")}
     sweep = {}
     for rank_name in ("16", "8", "64", "mixed", "30"):
         for num_adapters in ADAPTERS:
@@ -219,8 +220,9 @@ def bench_lora(timer: Timer, copy_gbs: float, gen: torch.Generator, quick: bool)
                 if key in key_cases:
                     row["reference_us"] = timer.eager(layer.reference)
                     row["loop_us"] = timer.eager(layer.loop, reps=3)
-                    if not quick and key in sweep_cases:
-                        sweep[str(key)] = sweep_case(layer, timer)
+                if not quick and key in sweep_cases:
+                    print(f"sweep T={num_tokens} A={num_adapters} r={rank_name}", flush=True)
+                    sweep[str(key)] = sweep_case(layer, timer)
                 row["bandwidth_frac"] = row["floor_us"] / row["triton_us"] if row["triton_us"] else None
                 rows.append(row)
                 print(json.dumps(row), flush=True)
@@ -230,16 +232,37 @@ def bench_lora(timer: Timer, copy_gbs: float, gen: torch.Generator, quick: bool)
 
 
 def sweep_case(layer: LoRALayer, timer: Timer) -> dict:
-    res = {}
+    """Each group's shrink and expand alone over tile/split/warp variants; the best per kernel, and the
+    layer time with every kernel at its best against the defaults."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    segs = layer.batch.num_segments
-    for block_n in (128, 256, 512):
-        for split_target in (1, 2, 4):
-            split = max(1, math.ceil(split_target * sms / (segs * 2))) if split_target > 1 else 1
-            for warps in (4, 8):
-                res[f"bn{block_n}_split{split_target}x_w{warps}"] = timer.graph(lambda b=block_n, s=split, w=warps: layer.triton(block_n=b, split_k=s, num_warps=w))
-    best = min(res, key=res.get)
-    print(f"sweep best {best}: {res[best]:.1f} us (default {timer.graph(layer.triton):.1f})", flush=True)
+    res: dict = {"shrink": {}, "expand": {}}
+    best_total, default_total = 0.0, 0.0
+    for g, ((proj_ids, _), x, y, xa, sl) in enumerate(zip(GROUPS, layer.xs, layer.ys, layer.xas, layer.slices, strict=True)):
+        programs = layer.batch.num_segments * len(proj_ids) * max(1, math.ceil(layer.batch.max_rank / 16))
+        run_shrink = functools.partial(lora_shrink_triton, x=x, layout=layer.layout, layer=0, proj_ids=proj_ids, batch=layer.batch, out=xa)
+        run_expand = functools.partial(lora_expand_triton, xa=xa, layout=layer.layout, layer=0, proj_ids=proj_ids, batch=layer.batch, y=y, out_slices=sl)
+        shrink = {}
+        for mult in (0, 1, 2, 4):
+            split = 1 if mult == 0 else max(1, math.ceil(mult * sms / programs))
+            for block_k in (128, 256, 512):
+                for warps in (4, 8):
+                    run = functools.partial(run_shrink, split_k=split, block_k=block_k, num_warps=warps)
+                    shrink[f"m{mult}_bk{block_k}_w{warps}"] = timer.graph(run)
+        shrink["default"] = timer.graph(run_shrink)
+        expand = {}
+        for block_n in (64, 128, 256):
+            for walk in (1, 4, 16):
+                for warps in (4, 8):
+                    run = functools.partial(run_expand, block_n=block_n, cols_per_program=walk * block_n, num_warps=warps)
+                    expand[f"bn{block_n}_walk{walk}_w{warps}"] = timer.graph(run)
+        expand["default"] = timer.graph(run_expand)
+        res["shrink"][g], res["expand"][g] = shrink, expand
+        bs, be = min(shrink, key=shrink.get), min(expand, key=expand.get)
+        best_total += shrink[bs] + expand[be]
+        default_total += shrink["default"] + expand["default"]
+        print(f"  group {g}: shrink best {bs} {shrink[bs]:.1f} us (default {shrink['default']:.1f}); expand best {be} {expand[be]:.1f} us (default {expand['default']:.1f})", flush=True)
+    res["sum_best_us"], res["sum_default_us"] = best_total, default_total
+    print(f"  kernels alone, summed: best {best_total:.1f} us, default {default_total:.1f} us", flush=True)
     return res
 
 
@@ -255,15 +278,13 @@ def bench_attention(timer: Timer, copy_gbs: float, gen: torch.Generator) -> dict
     out = torch.empty_like(q)
     kv_bytes = 2 * num_seqs * context * 8 * 128 * 2
     res = {"kv_bytes": kv_bytes, "floor_us": kv_bytes / (copy_gbs * 1e3), "variants": {}}
-    for splits in (None, 1, 2, 4):
-        for block_n in (32, 64, 128):
-            for warps in (4, 8):
-                us = timer.graph(
-                    lambda s=splits, b=block_n, w=warps: paged_attention_decode_triton(
-                        q=q, k_cache=k_cache, v_cache=v_cache, block_tables=table, context_lens=lens, scale=0.088, out=out, num_splits=s, block_n=b, num_warps=w
-                    )
-                )
-                res["variants"][f"splits{splits}_bn{block_n}_w{warps}"] = us
+    for splits, block_n, warps in ((None, 64, 4), (2, 64, 4), (None, 128, 4), (None, 32, 4)):
+        us = timer.graph(
+            lambda s=splits, b=block_n, w=warps: paged_attention_decode_triton(
+                q=q, k_cache=k_cache, v_cache=v_cache, block_tables=table, context_lens=lens, scale=0.088, out=out, num_splits=s, block_n=b, num_warps=w
+            )
+        )
+        res["variants"][f"splits{splits}_bn{block_n}_w{warps}"] = us
     best = min(res["variants"], key=res["variants"].get)
     res["best"], res["decode_us"] = best, res["variants"][best]
     res["default_us"] = res["variants"]["splitsNone_bn64_w4"]
@@ -275,9 +296,25 @@ def bench_attention(timer: Timer, copy_gbs: float, gen: torch.Generator) -> dict
     starts = torch.arange(0, 9 * q_len, q_len, dtype=torch.int32, device="cuda")
     plens = torch.full((8,), q_len, dtype=torch.int32, device="cuda")
     ptable = table[:8, : q_len // block_size].contiguous()
+    res["prefill_variants"] = {}
+    for block_m in (64, 128):
+        for block_n in (32, 64, 128):
+            for warps in (4, 8):
+                for stages in (2, 3):
+                    kw = dict(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages)
+                    try:
+                        res["prefill_variants"][f"bm{block_m}_bn{block_n}_w{warps}_s{stages}"] = timer.graph(
+                            lambda kw=kw: paged_attention_prefill_triton(
+                                q=qp, k_cache=k_cache, v_cache=v_cache, block_tables=ptable, query_start_loc=starts, context_lens=plens, scale=0.088, out=outp, **kw
+                            )
+                        )
+                    except Exception as exc:  # a variant may not fit in shared memory
+                        print(f"prefill variant {kw} failed: {type(exc).__name__}", flush=True)
     res["prefill_triton_us"] = timer.graph(
         lambda: paged_attention_prefill_triton(q=qp, k_cache=k_cache, v_cache=v_cache, block_tables=ptable, query_start_loc=starts, context_lens=plens, scale=0.088, out=outp)
     )
+    best = min(res["prefill_variants"], key=res["prefill_variants"].get)
+    print(f"prefill best {best} {res['prefill_variants'][best]:.1f} us, default {res['prefill_triton_us']:.1f} us", flush=True)
     want = torch.empty_like(qp)
     paged_attention_prefill(q=qp, k_cache=k_cache, v_cache=v_cache, block_tables=ptable, query_start_loc=starts, context_lens=plens, scale=0.088, out=want, backend="reference")
     res["prefill_rel_err"] = float((outp.float() - want.float()).norm() / want.float().norm())

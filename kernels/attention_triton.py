@@ -263,27 +263,40 @@ def paged_attention_decode_triton(
 
 
 def paged_attention_prefill_triton(
-    *, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, query_start_loc: Tensor, context_lens: Tensor, scale: float, out: Tensor
+    *,
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    query_start_loc: Tensor,
+    context_lens: Tensor,
+    scale: float,
+    out: Tensor,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
 ) -> None:
     """Triton backend of `kernels.attention.paged_attention_prefill` (inputs checked there).
 
     Semantics: out[t, h] = softmax_n(scale * q[t, h] . K[b, n, h // G]) @ V[b, :, h // G] over n <= pos(t).
 
     The grid covers every sequence with as many query blocks as the whole batch has tokens (no host
-    sync for the longest chunk); blocks past a sequence's chunk return at once.
+    sync for the longest chunk); blocks past a sequence's chunk return at once. block_m, block_n,
+    num_warps, num_stages: query rows and key rows per step, warps, pipeline depth (benchmark sweeps).
     """
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = context_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return
     page, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    block_m = 16 if _INTERPRET else 64
-    block_n = 32 if _INTERPRET else 64
+    block_m = block_m or (16 if _INTERPRET else 64)
+    block_n = block_n or (32 if _INTERPRET else 64)
     _prefill_kernel[(triton.cdiv(num_tokens, block_m), num_heads, num_seqs)](
         q, k_cache, v_cache, block_tables, query_start_loc, context_lens, out, scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), PAGE=page,
-        BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=_upcast(q.dtype),
+        BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=_upcast(q.dtype), num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip

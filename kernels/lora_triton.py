@@ -60,16 +60,17 @@ def _shrink_kernel(
     i = tl.program_id(1) // num_r_chunks
     r0 = (tl.program_id(1) % num_r_chunks) * BLOCK_R
     split = tl.program_id(2)
+    # Independent metadata loads first, so their latencies overlap.
     slot = tl.load(seg_slots_ptr + seg)
+    proj = tl.load(proj_ids_ptr + i)
+    start = tl.load(seg_starts_ptr + seg)
+    end = tl.load(seg_starts_ptr + seg + 1)
     if slot < 0:
         return
-    proj = tl.load(proj_ids_ptr + i)
     meta = (layer * 7 + proj) * max_slots + slot
     rank = tl.load(ranks_ptr + meta)
     if r0 >= rank:  # also a module the slot does not adapt (rank 0): no bytes read
         return
-    start = tl.load(seg_starts_ptr + seg)
-    end = tl.load(seg_starts_ptr + seg + 1)
     k_lo = split * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
     offs_r = r0 + tl.arange(0, BLOCK_R)
@@ -118,6 +119,7 @@ def _expand_kernel(
     stride_yt,
     max_slots,
     layout_max_rank,
+    cols_per_program,
     BLOCK_T: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -126,46 +128,50 @@ def _expand_kernel(
 ):
     seg = tl.program_id(0)
     i = tl.program_id(1)
-    n0 = tl.program_id(2) * BLOCK_N
+    n_lo = tl.program_id(2) * cols_per_program
+    # Independent metadata loads first, so their latencies overlap.
     slot = tl.load(seg_slots_ptr + seg)
-    if slot < 0:
-        return
     width = tl.load(slices_ptr + i * 3 + 2)
-    if n0 >= width:
-        return
     proj = tl.load(slices_ptr + i * 3)
     col0 = tl.load(slices_ptr + i * 3 + 1)
-    meta = (layer * 7 + proj) * max_slots + slot
-    rank = tl.load(ranks_ptr + meta)
-    if rank == 0:
-        return
-    scale = tl.load(scales_ptr + meta)
     start = tl.load(seg_starts_ptr + seg)
     end = tl.load(seg_starts_ptr + seg + 1)
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < width
+    if slot < 0:
+        return
+    if n_lo >= width:
+        return
+    meta = (layer * 7 + proj) * max_slots + slot
+    rank = tl.load(ranks_ptr + meta)
+    scale = tl.load(scales_ptr + meta)
+    if rank == 0:
+        return
+    n_hi = tl.minimum(n_lo + cols_per_program, width)
     arange_t = tl.arange(0, BLOCK_T)
     arange_r = tl.arange(0, BLOCK_R)
+    arange_n = tl.arange(0, BLOCK_N)
     for t0 in range(start, end, BLOCK_T):
         t_mask = t0 + arange_t < end
         tok = tl.load(token_ids_ptr + t0 + arange_t, mask=t_mask, other=0).to(tl.int64)
-        acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
-        for r0 in range(0, rank, BLOCK_R):
-            offs_r = r0 + arange_r
-            r_mask = offs_r < rank
-            b_row = tl.load(b_off_ptr + meta.to(tl.int64) * layout_max_rank + offs_r, mask=r_mask, other=0)
-            b_row = tl.multiple_of(b_row, ALIGN)
-            # B^T tile [BLOCK_R, BLOCK_N]: each row contiguous in the pool; xa tile [BLOCK_T, BLOCK_R].
-            bt = tl.load(pool_ptr + b_row[:, None] + offs_n[None, :], mask=r_mask[:, None] & n_mask[None, :], other=0.0)
-            xt = tl.load(xa_ptr + i * stride_xp + tok[:, None] * stride_xt + offs_r[None, :], mask=t_mask[:, None] & r_mask[None, :], other=0.0)
-            if UPCAST:
-                acc += tl.dot(xt, bt.to(tl.float32), input_precision="ieee")
-            else:
-                acc += tl.dot(xt.to(bt.dtype), bt)
-        y_ptrs = y_ptr + tok[:, None] * stride_yt + col0 + offs_n[None, :]
-        y_mask = t_mask[:, None] & n_mask[None, :]
-        y = tl.load(y_ptrs, mask=y_mask, other=0.0)
-        tl.store(y_ptrs, (y.to(tl.float32) + acc * scale).to(y.dtype), mask=y_mask)
+        for n0 in range(n_lo, n_hi, BLOCK_N):
+            offs_n = n0 + arange_n
+            n_mask = offs_n < n_hi
+            acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+            for r0 in range(0, rank, BLOCK_R):
+                offs_r = r0 + arange_r
+                r_mask = offs_r < rank
+                b_row = tl.load(b_off_ptr + meta.to(tl.int64) * layout_max_rank + offs_r, mask=r_mask, other=0)
+                b_row = tl.multiple_of(b_row, ALIGN)
+                # B^T tile [BLOCK_R, BLOCK_N]: each row contiguous in the pool; xa tile [BLOCK_T, BLOCK_R].
+                bt = tl.load(pool_ptr + b_row[:, None] + offs_n[None, :], mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+                xt = tl.load(xa_ptr + i * stride_xp + tok[:, None] * stride_xt + offs_r[None, :], mask=t_mask[:, None] & r_mask[None, :], other=0.0)
+                if UPCAST:
+                    acc += tl.dot(xt, bt.to(tl.float32), input_precision="ieee")
+                else:
+                    acc += tl.dot(xt.to(bt.dtype), bt)
+            y_ptrs = y_ptr + tok[:, None] * stride_yt + col0 + offs_n[None, :]
+            y_mask = t_mask[:, None] & n_mask[None, :]
+            y = tl.load(y_ptrs, mask=y_mask, other=0.0)
+            tl.store(y_ptrs, (y.to(tl.float32) + acc * scale).to(y.dtype), mask=y_mask)
 
 
 @functools.lru_cache(maxsize=256)
@@ -207,6 +213,7 @@ def lora_shrink_triton(
     block_k: int | None = None,
     block_r: int | None = None,
     num_warps: int = 4,
+    num_stages: int = 3,
 ) -> None:
     """Triton backend of `kernels.lora.lora_shrink` (inputs already checked there).
 
@@ -214,8 +221,8 @@ def lora_shrink_triton(
 
     x: [T, K] model dtype. out: float32 [P, T, R]. split_k: K splits per (segment, projection)
     (default: enough programs to fill the GPU); with more than one, out is zeroed and results are added
-    atomically. block_k, block_r, num_warps: tile over K, rank rows per program (ranks above it take
-    several programs), warps per program (benchmark sweeps).
+    atomically. block_k, block_r, num_warps, num_stages: tile over K, rank rows per program (ranks above
+    it take several programs), warps per program and pipeline depth (benchmark sweeps).
     """
     num_segments, num_proj = batch.num_segments, len(proj_ids)
     if num_segments == 0 or batch.max_rank == 0:
@@ -261,6 +268,7 @@ def lora_shrink_triton(
         ATOMIC=split_k > 1,
         UPCAST=_upcast(x.dtype),
         num_warps=num_warps,
+        num_stages=num_stages,
     )
 
 
@@ -275,23 +283,28 @@ def lora_expand_triton(
     out_slices: list[tuple[int, int]],
     block_n: int | None = None,
     block_r: int | None = None,
+    cols_per_program: int | None = None,
     num_warps: int = 4,
+    num_stages: int = 3,
 ) -> None:
     """Triton backend of `kernels.lora.lora_expand` (inputs already checked there).
 
     Semantics: y[t, o_i:o_i+n_i] += scale[slot(t), layer, p_i] * xa[i, t, :rank] @ B^T[slot(t), layer, p_i][:rank, :n_i].
 
     xa: float32 [P, T, R]. y: [T, N] model dtype. out_slices: P (first column, width) pairs.
-    block_n, block_r, num_warps: output columns, rank rows per step and warps per program (benchmark sweeps).
+    block_n, block_r, cols_per_program, num_warps, num_stages: output tile, rank rows per step,
+    output columns each program walks, warps and pipeline depth (benchmark sweeps).
     """
     num_segments, num_proj = batch.num_segments, len(proj_ids)
     if num_segments == 0 or batch.max_rank == 0:
         return
     widest = max(n for _, n in out_slices)
     block_n = block_n or _pow2(widest, 16, 64 if _INTERPRET else 128)
+    cols_per_program = max(block_n, cols_per_program or block_n)
+    cols_per_program = triton.cdiv(cols_per_program, block_n) * block_n
     slices = tuple(v for p, (start, n) in zip(proj_ids, out_slices, strict=True) for v in (p, start, n))
     assert all(0 <= p < NUM_PROJS for p in proj_ids)
-    _expand_kernel[(num_segments, num_proj, triton.cdiv(widest, block_n))](
+    _expand_kernel[(num_segments, num_proj, triton.cdiv(widest, cols_per_program))](
         xa,
         layout.pool,
         layout.ranks,
@@ -308,10 +321,12 @@ def lora_expand_triton(
         y.stride(0),
         layout.max_slots,
         layout.max_rank,
+        cols_per_program,
         BLOCK_T=_block_t(batch),
         BLOCK_R=block_r or (64 if _INTERPRET else 16),
         BLOCK_N=block_n,
         ALIGN=layout.row_align,
         UPCAST=_upcast(y.dtype),
         num_warps=num_warps,
+        num_stages=num_stages,
     )

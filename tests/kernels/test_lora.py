@@ -166,6 +166,26 @@ def test_triton_shrink_split_over_k_adds_partial_sums(split_k, gen):
             assert _rel_err(out[0, t, : want.numel()], want) < 1e-5
 
 
+def test_triton_expand_programs_walking_several_column_tiles(gen):
+    """A program that walks several output tiles (cols_per_program > block_n) covers each column once."""
+    from lorafleet.kernels.lora_triton import lora_expand_triton
+
+    modules, layout = _setup(gen, num_slots=4, dtype=torch.float32, num_layers=1)
+    slots = token_slots("mixed_none", 20, 4, gen)
+    batch = make_lora_batch(slots, layout.max_rank_by_slot())
+    x = torch.randn(20, HIDDEN, generator=gen)
+    xa = torch.full((3, 20, max(batch.max_rank, 1)), float("nan"))
+    want = torch.zeros(20, 144, dtype=torch.float64)
+    for i, (proj, (start, n)) in enumerate(zip([0, 1, 2], [(0, 64), (64, 32), (96, 48)], strict=True)):
+        for t, v in enumerate(dense_shrink(modules, slots, x, 0, proj)):
+            if v is not None:
+                xa[i, t, : v.numel()] = v.float()
+        want[:, start : start + n] = dense_delta(modules, slots, x, 0, proj, n)
+    y = torch.zeros(20, 144)
+    lora_expand_triton(xa=xa, layout=layout, layer=0, proj_ids=[0, 1, 2], batch=batch, y=y, out_slices=[(0, 64), (64, 32), (96, 48)], block_n=16, cols_per_program=48)
+    assert _rel_err(y, want) < 1e-5
+
+
 def test_launchers_refuse_bad_inputs(gen):
     modules, layout = _setup(gen, num_slots=2, dtype=torch.float32, ranks=(4,))
     batch = make_lora_batch(torch.tensor([0, 1, -1], dtype=torch.int32), layout.max_rank_by_slot())
