@@ -35,6 +35,7 @@ class _Option:
     field: dataclasses.Field
     kind: Any  # the type with Optional stripped
     optional: bool
+    help_override: str | None = None  # from the composing config (see _options)
 
     @property
     def name(self) -> str:
@@ -62,7 +63,8 @@ def _source_comments(cls: type) -> dict[str, str]:
 
 def _help(opt: _Option) -> str:
     return (
-        opt.field.metadata.get("help")
+        opt.help_override
+        or opt.field.metadata.get("help")
         or _source_comments(opt.owner).get(opt.name)
         or opt.name.replace("_", " ")
     )
@@ -77,7 +79,9 @@ def _strip_optional(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
-def _options(cls: type, prefix: tuple[str, ...] = ()) -> list[_Option]:
+def _options(cls: type, prefix: tuple[str, ...] = (), overrides: dict[str, str] | None = None) -> list[_Option]:
+    """A nested config field may carry `metadata={"help": {field: text}}`: the composing config's
+    wording for fields whose meaning it widens (the worker's `--adapters` also takes s3:// URIs)."""
     hints = typing.get_type_hints(cls)
     found: list[_Option] = []
     for f in dataclasses.fields(cls):
@@ -85,9 +89,9 @@ def _options(cls: type, prefix: tuple[str, ...] = ()) -> list[_Option]:
             continue
         kind, optional = _strip_optional(hints[f.name])
         if dataclasses.is_dataclass(kind):
-            found.extend(_options(kind, prefix + (f.name,)))
+            found.extend(_options(kind, prefix + (f.name,), dict(f.metadata.get("help") or {})))
         else:
-            found.append(_Option(prefix + (f.name,), cls, f, kind, optional))
+            found.append(_Option(prefix + (f.name,), cls, f, kind, optional, (overrides or {}).get(f.name)))
     names = [o.name for o in found]
     clashes = sorted({n for n in names if names.count(n) > 1})
     if clashes:

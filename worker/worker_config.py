@@ -16,6 +16,16 @@ from lorafleet.worker.engine_config import EngineConfig
 
 REMOTE_SCHEMES = ("s3://",)
 
+# The worker's wording for engine settings it widens, or that EngineConfig leaves undescribed.
+ENGINE_HELP = {
+    "adapters": "adapters to serve from the start: a directory of PEFT adapter folders (name = folder name), "
+                "or s3://bucket/prefix/ whose subfolders a stager child downloads and verifies",
+    "device": "cpu, cuda or cuda:N",
+    "max_num_seqs": "sequences in one engine step (the running batch)",
+    "max_num_batched_tokens": "tokens in one engine step (prefill chunks + decodes)",
+    "enable_chunked_prefill": "split long prompts over several steps so decodes keep flowing",
+}
+
 
 def _help(text: str) -> dict[str, str]:
     return {"help": text}
@@ -23,7 +33,7 @@ def _help(text: str) -> dict[str, str]:
 
 @dataclass(slots=True)
 class WorkerConfig:
-    engine: EngineConfig = field(default_factory=EngineConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig, metadata={"help": ENGINE_HELP})
     host: str = field(default="127.0.0.1", metadata=_help("address to listen on (0.0.0.0 in a pod)"))
     port: int = field(default=8000, metadata=_help("TCP port of the HTTP API"))
     served_model_name: str | None = field(

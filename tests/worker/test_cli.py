@@ -73,6 +73,24 @@ def test_help_explains_every_field_and_its_env_var():
         assert flag in text and env_var in text and words in text
 
 
+def test_composing_config_may_reword_nested_fields():
+    @dataclass(slots=True)
+    class Worded:
+        engine: Inner = field(metadata={"help": {"model": "a directory or an s3:// URI"}})
+
+    text = build_parser(Worded, env={}).format_help()
+    assert "a directory or an s3:// URI" in text and "model directory" not in text
+    assert "sequences per step" in text
+
+
+def test_field_comments_are_help_when_metadata_is_absent():
+    @dataclass(slots=True)
+    class Commented:
+        block_size: int = 16  # tokens per KV block
+
+    assert "tokens per KV block" in build_parser(Commented, env={}).format_help()
+
+
 def test_clashing_nested_names_are_refused():
     @dataclass(slots=True)
     class Clash:
