@@ -14,7 +14,8 @@ import kmock
 import kopf
 import pytest
 
-from lorafleet.operator.handlers import FINALIZER, register
+from lorafleet.operator.__main__ import main, run
+from lorafleet.operator.handlers import FINALIZER
 from lorafleet.operator.operator_config import OperatorConfig
 
 from .fake_stager import FakeStager
@@ -106,11 +107,10 @@ async def running_operator(url: str, *, stager_token: str = TOKEN):
         settings.watching.reconnect_backoff = 0.1
         settings.posting.enabled = False
 
-    register(registry, OperatorConfig(interval=0.3, retry_delay=0.2, stager_token=stager_token,
-                                      request_timeout=2.0, liveness_port=0))
+    config = OperatorConfig(interval=0.3, retry_delay=0.2, stager_token=stager_token, request_timeout=2.0,
+                            liveness_port=0)
     stop, ready = asyncio.Event(), asyncio.Event()
-    task = asyncio.create_task(kopf.operator(registry=registry, clusterwide=True, standalone=True,
-                                             stop_flag=stop, ready_flag=ready))
+    task = asyncio.create_task(run(config, registry=registry, stop_flag=stop, ready_flag=ready))
     try:
         await asyncio.wait_for(ready.wait(), 30)
         yield
@@ -264,3 +264,16 @@ async def test_operator_restart_is_harmless(cluster, sidecars):
     for s, gen, n in zip(sidecars, before, num_pushes, strict=True):
         assert s.applied.generation > gen  # no rollback, and every push after the restart was accepted
         assert all(p.generation > gen for p in s.pushes[n:])
+
+
+def test_cli_flags_and_refusals(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    for flag in ("--namespace", "--interval", "--stager-token", "--peering", "env LORAFLEET_STAGER_TOKEN"):
+        assert flag in out
+    with pytest.raises(SystemExit) as exc:
+        main(["--interval", "0"])
+    assert exc.value.code == 2
+    assert "interval must be > 0" in capsys.readouterr().err
