@@ -26,6 +26,29 @@ from pathlib import Path
 import aiohttp
 
 
+def make_random_model(out: Path, hidden: int, layers: int) -> Path:
+    """A random Llama with a byte-level tokenizer, for machines without the embedded model."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    heads = max(1, hidden // 64)
+    config = LlamaConfig(vocab_size=258, hidden_size=hidden, intermediate_size=hidden * 8 // 3 // 64 * 64,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=max(1, heads // 4),
+                         max_position_embeddings=2048, bos_token_id=256, eos_token_id=257)
+    LlamaForCausalLM(config).save_pretrained(out)
+    vocab = {ch: i for i, ch in enumerate(sorted(ByteLevel.alphabet(), key=ord))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<s>", "</s>"])
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    return out
+
+
 def make_adapters(model_dir: Path, out: Path, num: int, rank: int) -> None:
     import torch
     from peft import LoraConfig, get_peft_model
@@ -118,7 +141,8 @@ async def adapters_per_step(url: str) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="HF-style model directory")
+    p.add_argument("--model", help="HF-style model directory")
+    p.add_argument("--random-model", metavar="HIDDEN,LAYERS", help="use a random Llama of this size instead")
     p.add_argument("--device", default="cpu")
     p.add_argument("--num-adapters", type=int, default=8)
     p.add_argument("--rank", type=int, default=8)
@@ -127,8 +151,13 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "server_load.json"))
     args = p.parse_args()
+    if not args.model and not args.random_model:
+        p.error("give --model or --random-model")
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
+        if args.random_model:
+            hidden, layers = map(int, args.random_model.split(","))
+            args.model = str(make_random_model(tmp / "model", hidden, layers))
         make_adapters(Path(args.model), tmp / "adapters", args.num_adapters, args.rank)
         proc, url = start_worker(Path(args.model), tmp / "adapters", args.device, args.concurrency, tmp / "w.log")
         try:
@@ -139,7 +168,8 @@ def main() -> None:
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(60)
-    result = {"model": args.model, "device": args.device, "max_tokens": args.max_tokens,
+    result = {"model": args.random_model and f"random Llama hidden,layers={args.random_model}" or args.model,
+              "device": args.device, "num_adapters": args.num_adapters, "rank": args.rank, "max_tokens": args.max_tokens,
               "concurrency": args.concurrency, "single_adapter": single, "mixed_adapters": mixed,
               "mixed_over_single_throughput": round(mixed["tokens_per_s"] / single["tokens_per_s"], 3)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
