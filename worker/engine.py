@@ -84,6 +84,7 @@ class Engine:
             adapter_pool=self.adapter_pool,
             max_loras_per_batch=config.max_loras_per_batch,
             max_adapter_wait_steps=config.max_adapter_wait_steps,
+            reclaim_pages=self._reclaim_adapter_pages,
         )
         kv_caches = self.page_pool.kv_caches(num_layers=mc.num_hidden_layers, block_size=config.block_size,
                                              num_kv_heads=mc.num_key_value_heads, head_dim=mc.head_dim)
@@ -138,6 +139,24 @@ class Engine:
             rank = image.max_rank if image is not None else self.config.max_lora_rank
             self._rank_of_key[key] = rank
         return rank
+
+    def _reclaim_adapter_pages(self, num_pages: int) -> int:
+        """Evict idle, unpinned GPU-resident adapters (least recently used first) until `num_pages`
+        pages are free for the KV cache; they reload on their next request. Returns pages freed."""
+        pool = self.adapter_pool
+        idle = [d["key"] for d in pool.describe() if d["tier"] == "gpu" and d["refcount"] == 0 and not d["pinned"]]
+        idle.sort(key=lambda k: pool.entry(k).last_used)
+        freed = 0
+        for key in idle:
+            if self.page_pool.can_allocate(num_pages, "kv"):
+                break
+            pages = len(pool.entry(key).page_ids)
+            try:
+                pool.evict(key)
+            except RuntimeError:  # became busy (a copy started or a request took it): skip it
+                continue
+            freed += pages
+        return freed
 
     # ---- adapters -----------------------------------------------------------------------------------
     def register_adapter(

@@ -13,6 +13,7 @@ starts the load) while the others run; `max_loras_per_batch` bounds the distinct
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -67,6 +68,7 @@ class Scheduler:
         adapter_pool: AdapterSlots | None = None,
         max_loras_per_batch: int | None = None,
         max_adapter_wait_steps: int = 32,
+        reclaim_pages: Callable[[int], int] | None = None,
     ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
@@ -75,6 +77,9 @@ class Scheduler:
         self.adapter_pool = adapter_pool
         self.max_loras_per_batch = max_loras_per_batch
         self.max_adapter_wait_steps = max_adapter_wait_steps
+        # Unified paging: idle adapters (no request uses them) give their pages to the KV cache
+        # before any request is preempted. Returns how many pages were freed.
+        self.reclaim_pages = reclaim_pages
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._skipped_steps: dict[int, int] = {}  # seq_id -> steps skipped for adapter grouping
@@ -126,7 +131,7 @@ class Scheduler:
             if num_new == 0:
                 i += 1
                 continue
-            while not self.block_manager.can_allocate(seq, num_new):
+            while not self._can_allocate(seq, num_new):
                 victim = self.running[-1]
                 self._preempt(victim, batch)
                 if victim is seq:
@@ -149,16 +154,19 @@ class Scheduler:
             try:
                 admit = self._can_admit_adapter(seq, loras)
             except Exception as exc:  # the adapter failed to load: this request fails, others go on
-                seq.error = str(exc)
-                seq.status = SequenceStatus.FINISHED
-                seq.finish_reason = "error"
-                self.failed.append(seq)
+                self._fail(seq, str(exc))
                 continue
             if not admit:
                 skipped.append(seq)
                 continue
             num_new = self._num_new_tokens(seq, budget)
-            if num_new == 0 or not self.block_manager.can_allocate(seq, num_new):
+            if num_new == 0 or not self._can_allocate(seq, num_new):
+                if num_new and not self.running and not batch.scheduled:
+                    # Nothing runs, so no page will ever come back: this request can never start.
+                    self._fail(seq, f"needs {self.block_manager.num_blocks_needed(seq, num_new)} KV pages but "
+                                    "no more can be freed (pinned or in-use adapters hold the rest of the pool); "
+                                    "shorten the prompt, unpin adapters or give the engine a larger pool")
+                    continue
                 self.waiting.appendleft(seq)  # arrival order for pages: no overtaking a big prompt
                 break
             self.block_manager.allocate(seq, num_new)
@@ -173,6 +181,14 @@ class Scheduler:
             self._skipped_steps[seq.seq_id] = self._skipped_steps.get(seq.seq_id, 0) + 1
             self.waiting.appendleft(seq)
         return batch
+
+    def _can_allocate(self, seq: Sequence, num_new: int) -> bool:
+        if self.block_manager.can_allocate(seq, num_new):
+            return True
+        if self.reclaim_pages is None:
+            return False
+        need = self.block_manager.num_blocks_needed(seq, num_new)
+        return self.reclaim_pages(need) > 0 and self.block_manager.can_allocate(seq, num_new)
 
     def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
         num_new = seq.num_uncomputed_tokens
@@ -193,6 +209,16 @@ class Scheduler:
         if seq.adapter_slot is None:
             seq.adapter_slot = self.adapter_pool.acquire(seq.adapter, seq.seq_id)
         return seq.adapter_slot is not None
+
+    def _fail(self, seq: Sequence, message: str) -> None:
+        """Finish a waiting (already dequeued) sequence with an error the engine reports."""
+        seq.error = message
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = "error"
+        self.block_manager.free(seq)
+        self._release_adapter(seq)
+        self._skipped_steps.pop(seq.seq_id, None)
+        self.failed.append(seq)
 
     def _add_to_batch(self, batch: ScheduledBatch, seq: Sequence, num_new: int) -> None:
         if num_new == 1:

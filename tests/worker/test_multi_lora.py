@@ -141,12 +141,16 @@ def test_mixed_batch_matches_peft_alone_and_merged(tiny_llama_dir, adapter_dirs,
 
 def test_mixed_batch_under_preemption(tiny_llama_dir, adapter_dirs, references):
     root = next(iter(adapter_dirs.values())).parent
-    probe = _engine(tiny_llama_dir, root)
+    probe = _engine(tiny_llama_dir, root, block_size=8)
     for key in probe.adapters():
         probe.adapter_pool.load(key)
     adapter_pages = probe.page_pool.num_used("adapter")
-    # Room for every adapter plus 4 KV pages of 16 tokens: the ten requests cannot all stay resident.
-    engine = _engine(tiny_llama_dir, root, num_pages=adapter_pages + 4)
+    # Room for every adapter (pinned, so none gives its pages up) plus 5 KV pages of 8 tokens: the
+    # ten requests cannot all stay resident.
+    engine = _engine(tiny_llama_dir, root, block_size=8, num_pages=adapter_pages + 5)
+    for key in engine.adapters():
+        engine.adapter_pool.pin(key)
+        engine.adapter_pool.load(key)
     outs = engine.generate(_prompts(), GREEDY, adapters=[a for a, _ in PLAN])
     assert engine.scheduler.num_preemptions > 0
     _check(outs, references)
@@ -260,3 +264,40 @@ def test_bfloat16_unmerged_stays_close_to_fp32(tiny_llama_dir, adapter_dirs, ref
     for i, out in enumerate(outs):
         ref = references[i][0][1][0]
         assert max(abs(v - ref[t].item()) for t, v in out.logprobs[0].top) < 0.06, f"request {i}"
+
+
+def test_idle_adapters_give_their_pages_to_the_kv_cache(tiny_llama_dir, adapter_dirs, references):
+    """Unified paging: with the pool full of idle adapters, base requests still run (the idle
+    adapters are evicted rather than requests failing or preempting each other forever), and the
+    adapters come back on their next request with the same results."""
+    root = next(iter(adapter_dirs.values())).parent
+    probe = _engine(tiny_llama_dir, root)
+    for key in probe.adapters():
+        probe.adapter_pool.load(key)
+    adapter_pages = probe.page_pool.num_used("adapter")
+    engine = _engine(tiny_llama_dir, root, num_pages=adapter_pages + 2)
+    for key in engine.adapters():
+        engine.adapter_pool.load(key)
+    assert engine.page_pool.num_free == 2
+    prompts = _prompts()
+    base = engine.generate(prompts, GREEDY)
+    for out, (tokens, _) in zip(base, references["base"], strict=True):
+        assert out.token_ids == tokens
+    assert any(d["tier"] != "gpu" for d in engine.adapter_pool.describe())
+    _check(engine.generate(prompts, GREEDY, adapters=[a for a, _ in PLAN]), references)
+    _assert_all_free(engine)
+
+
+def test_request_that_can_never_fit_fails_instead_of_hanging(tiny_llama_dir, adapter_dirs):
+    root = next(iter(adapter_dirs.values())).parent
+    probe = _engine(tiny_llama_dir, root, block_size=4)
+    for key in probe.adapters():
+        probe.adapter_pool.load(key)
+    engine = _engine(tiny_llama_dir, root, block_size=4, num_pages=probe.page_pool.num_used("adapter") + 3)
+    for key in engine.adapters():
+        engine.adapter_pool.pin(key)
+        engine.adapter_pool.load(key)
+    long, short = engine.generate([list(range(30)), [1, 2, 3]], SamplingParams(max_tokens=4, temperature=0.0))
+    assert long.finish_reason == "error" and "KV pages" in long.error
+    assert short.finish_reason == "length" and len(short.token_ids) == 4
+    _assert_all_free(engine)

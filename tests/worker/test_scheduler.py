@@ -222,3 +222,37 @@ def test_mixed_workload_leaves_no_page_behind():
                 sched.finish(s, "length")
         pool.check()
     assert not sched.has_unfinished() and pool.num_used("kv") == 0 and sched.num_preemptions > 0
+
+
+def test_idle_adapter_pages_are_reclaimed_before_preempting():
+    sched, pool = _sched(num_pages=5)
+    idle = pool.allocate(2, ("adapter", "idle@1"))
+    calls = []
+
+    def reclaim(num_pages):
+        calls.append(num_pages)
+        if not pool.pages_of(("adapter", "idle@1")):
+            return 0
+        pool.free(idle)
+        return len(idle)
+
+    sched.reclaim_pages = reclaim
+    a, b = _seq(8), _seq(8)
+    sched.add(a)
+    sched.add(b)
+    batch = _run_step(sched)
+    assert [s for s, _ in batch.scheduled] == [a, b] and calls  # b got the idle adapter's pages
+    while a.num_computed_tokens < 12:
+        assert not _run_step(sched).preempted or not pool.pages_of(("adapter", "idle@1"))
+    assert pool.pages_of(("adapter", "idle@1")) == []
+
+
+def test_a_request_that_can_never_fit_fails_instead_of_blocking_the_queue():
+    sched, pool = _sched(num_pages=3)
+    pool.allocate(2, ("adapter", "pinned@1"))  # pages nobody gives back
+    big, small = _seq(9), _seq(3)
+    sched.add(big)
+    sched.add(small)
+    batch = _run_step(sched)
+    assert sched.failed == [big] and "KV pages" in big.error and big.finish_reason == "error"
+    assert [s for s, _ in batch.scheduled] == [small]
