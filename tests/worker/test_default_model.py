@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import socket
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -308,3 +309,47 @@ def test_engine_greedy_matches_transformers_on_smollm2(smollm2_dir, smollm2_hf):
     outs = engine.generate(PROMPTS, worker.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
     for prompt, out, exp in zip(PROMPTS, outs, expected, strict=True):
         assert list(out.token_ids) == exp, prompt
+
+
+DEMO_ADAPTERS = Path(__file__).resolve().parents[2] / "examples" / "adapters"
+DEMO_NAMES = ("piglatin", "reverse", "shout")
+
+
+@needs_smollm2
+@pytest.mark.skipif(not all((DEMO_ADAPTERS / n / "adapter_config.json").is_file() for n in DEMO_NAMES),
+                    reason="examples/adapters/ has not been trained (examples/train_demo_adapters.py)")
+def test_demo_adapters_in_one_batch_match_peft_and_behave(smollm2_dir):
+    """The committed demo adapters: one engine batch (base + three adapters) gives, per request, the
+    greedy tokens of HF PEFT running that adapter alone; and each shows its trained behaviour."""
+    worker = pytest.importorskip("lorafleet.worker")
+    peft = pytest.importorskip("peft")
+    words = ["green", "apple", "river", "boat"]
+    prompt = f"Words: {' '.join(words)}\nReply:"
+    n = 8
+    engine = worker.Engine(worker.EngineConfig(model=str(smollm2_dir), device="cpu", dtype="float32"))
+    try:
+        keys = engine.register_adapter_dir(DEMO_ADAPTERS)
+        assert sorted(k.split("@")[0] for k in keys) == list(DEMO_NAMES)
+        adapters = [None, *DEMO_NAMES]
+        outs = engine.generate([prompt] * len(adapters),
+                               worker.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True),
+                               adapters=adapters)
+    finally:
+        engine.close()
+    got = {a: list(o.token_ids) for a, o in zip(adapters, outs, strict=True)}
+
+    tok = transformers.AutoTokenizer.from_pretrained(smollm2_dir)
+    base = transformers.AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    pm = peft.PeftModel.from_pretrained(base, str(DEMO_ADAPTERS / DEMO_NAMES[0]), adapter_name=DEMO_NAMES[0])
+    for name in DEMO_NAMES[1:]:
+        pm.load_adapter(str(DEMO_ADAPTERS / name), adapter_name=name)
+    for name in DEMO_NAMES:
+        pm.set_adapter(name)
+        assert got[name] == hf_greedy(tok, pm, prompt, n), name
+    with pm.disable_adapter():
+        assert got[None] == hf_greedy(tok, pm, prompt, n)
+    assert len({tuple(v) for v in got.values()}) == 4  # four visibly different outputs
+
+    text = {a: tok.decode(ids).split("\n")[0].strip() for a, ids in got.items()}
+    assert text["shout"] == text["shout"].upper() and "GREEN" in text["shout"], text
+    assert text["reverse"].split()[0] == "boat", text
