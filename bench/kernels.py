@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 import torch
+import triton
 
 from lorafleet.kernels.attention import paged_attention_prefill
 from lorafleet.kernels.attention_triton import paged_attention_decode_triton, paged_attention_prefill_triton
@@ -231,6 +232,14 @@ def bench_lora(timer: Timer, copy_gbs: float, gen: torch.Generator, quick: bool)
     return rows, sweep
 
 
+def timed(results: dict, name: str, timer: Timer, fn) -> None:
+    """Time one tuning variant; a variant that does not fit the GPU (shared memory) is left out."""
+    try:
+        results[name] = timer.graph(fn)
+    except triton.runtime.errors.OutOfResources:
+        print(f"  variant {name} does not fit", flush=True)
+
+
 def sweep_case(layer: LoRALayer, timer: Timer) -> dict:
     """Each group's shrink and expand alone over tile/split/warp variants; the best per kernel, and the
     layer time with every kernel at its best against the defaults."""
@@ -247,14 +256,14 @@ def sweep_case(layer: LoRALayer, timer: Timer) -> dict:
             for block_k in (128, 256, 512):
                 for warps in (4, 8):
                     run = functools.partial(run_shrink, split_k=split, block_k=block_k, num_warps=warps)
-                    shrink[f"m{mult}_bk{block_k}_w{warps}"] = timer.graph(run)
+                    timed(shrink, f"m{mult}_bk{block_k}_w{warps}", timer, run)
         shrink["default"] = timer.graph(run_shrink)
         expand = {}
         for block_n in (64, 128, 256):
             for walk in (1, 4, 16):
                 for warps in (4, 8):
                     run = functools.partial(run_expand, block_n=block_n, cols_per_program=walk * block_n, num_warps=warps)
-                    expand[f"bn{block_n}_walk{walk}_w{warps}"] = timer.graph(run)
+                    timed(expand, f"bn{block_n}_walk{walk}_w{warps}", timer, run)
         expand["default"] = timer.graph(run_expand)
         res["shrink"][g], res["expand"][g] = shrink, expand
         bs, be = min(shrink, key=shrink.get), min(expand, key=expand.get)
@@ -302,14 +311,10 @@ def bench_attention(timer: Timer, copy_gbs: float, gen: torch.Generator) -> dict
             for warps in (4, 8):
                 for stages in (2, 3):
                     kw = dict(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages)
-                    try:
-                        res["prefill_variants"][f"bm{block_m}_bn{block_n}_w{warps}_s{stages}"] = timer.graph(
-                            lambda kw=kw: paged_attention_prefill_triton(
-                                q=qp, k_cache=k_cache, v_cache=v_cache, block_tables=ptable, query_start_loc=starts, context_lens=plens, scale=0.088, out=outp, **kw
-                            )
-                        )
-                    except Exception as exc:  # a variant may not fit in shared memory
-                        print(f"prefill variant {kw} failed: {type(exc).__name__}", flush=True)
+                    timed(res["prefill_variants"], f"bm{block_m}_bn{block_n}_w{warps}_s{stages}", timer, functools.partial(
+                        paged_attention_prefill_triton, q=qp, k_cache=k_cache, v_cache=v_cache, block_tables=ptable, query_start_loc=starts,
+                        context_lens=plens, scale=0.088, out=outp, **kw,
+                    ))  # fmt: skip
     res["prefill_triton_us"] = timer.graph(
         lambda: paged_attention_prefill_triton(q=qp, k_cache=k_cache, v_cache=v_cache, block_tables=ptable, query_start_loc=starts, context_lens=plens, scale=0.088, out=outp)
     )

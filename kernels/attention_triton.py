@@ -155,34 +155,57 @@ def _prefill_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    qk_scale = scale * 1.4426950408889634  # softmax in base 2: exp(x) = exp2(x * log2(e))
     hi = tl.minimum(length - q_len + m0 + BLOCK_M, length)  # keys past the block's last query are masked anyway
-    arange_n = tl.arange(0, BLOCK_N)
-    for n0 in range(0, hi, BLOCK_N):
-        offs_n = n0 + arange_n
-        n_mask = offs_n < hi
-        page = tl.load(tables_ptr + b * stride_tb + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
-        row = offs_n % PAGE
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(kc_ptr + page[:, None] * stride_kcp + row[:, None] * stride_kco + kv_head * stride_kch + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(vc_ptr + page[:, None] * stride_vcp + row[:, None] * stride_vco + kv_head * stride_vch + offs_d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
-        s = tl.where(visible, s * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)  # padded query rows see no key
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if UPCAST:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    # Keys up to the block's first query position are visible to every row: those blocks need no mask.
+    full = tl.minimum((length - q_len + m0 + 1) // BLOCK_N * BLOCK_N, hi)
+    for n0 in range(0, full, BLOCK_N):
+        acc, m_i, l_i = _attend_block(
+            acc, m_i, l_i, q, n0, hi, q_pos, b, kv_head, kc_ptr, vc_ptr, tables_ptr, stride_tb,
+            stride_kcp, stride_kco, stride_kch, stride_vcp, stride_vco, stride_vch, qk_scale, offs_d, d_mask,
+            PAGE, BLOCK_N, False, UPCAST,
+        )  # fmt: skip
+    for n0 in range(full, hi, BLOCK_N):
+        acc, m_i, l_i = _attend_block(
+            acc, m_i, l_i, q, n0, hi, q_pos, b, kv_head, kc_ptr, vc_ptr, tables_ptr, stride_tb,
+            stride_kcp, stride_kco, stride_kch, stride_vcp, stride_vco, stride_vch, qk_scale, offs_d, d_mask,
+            PAGE, BLOCK_N, True, UPCAST,
+        )  # fmt: skip
     res = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :], res.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def _attend_block(
+    acc, m_i, l_i, q, n0, hi, q_pos, b, kv_head, kc_ptr, vc_ptr, tables_ptr, stride_tb,
+    stride_kcp, stride_kco, stride_kch, stride_vcp, stride_vco, stride_vch, qk_scale, offs_d, d_mask,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """One online-softmax step over keys n0..n0+BLOCK_N (base-2 running max m_i and sum l_i)."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < hi
+    page = tl.load(tables_ptr + b * stride_tb + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
+    row = offs_n % PAGE
+    kv_mask = n_mask[:, None] & d_mask[None, :]
+    k = tl.load(kc_ptr + page[:, None] * stride_kcp + row[:, None] * stride_kco + kv_head * stride_kch + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(vc_ptr + page[:, None] * stride_vcp + row[:, None] * stride_vco + kv_head * stride_vch + offs_d[None, :], mask=kv_mask, other=0.0)
+    if UPCAST:
+        s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * qk_scale
+    else:
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+    if MASKED:
+        visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)  # a padded query row may see no key yet
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if UPCAST:
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, m_new, l_i
 
 
 def _upcast(dtype: torch.dtype) -> bool:
@@ -274,7 +297,7 @@ def paged_attention_prefill_triton(
     out: Tensor,
     block_m: int | None = None,
     block_n: int | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
     num_stages: int = 2,
 ) -> None:
     """Triton backend of `kernels.attention.paged_attention_prefill` (inputs checked there).
@@ -290,8 +313,9 @@ def paged_attention_prefill_triton(
     if num_tokens == 0 or num_seqs == 0:
         return
     page, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    block_m = block_m or (16 if _INTERPRET else 64)
-    block_n = block_n or (32 if _INTERPRET else 64)
+    block_m = block_m or (16 if _INTERPRET else 128)
+    block_n = block_n or 32
+    num_warps = num_warps or (4 if _INTERPRET else 8)
     _prefill_kernel[(triton.cdiv(num_tokens, block_m), num_heads, num_seqs)](
         q, k_cache, v_cache, block_tables, query_start_loc, context_lens, out, scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),

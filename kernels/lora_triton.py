@@ -68,15 +68,16 @@ def _shrink_kernel(
     if slot < 0:
         return
     meta = (layer * 7 + proj) * max_slots + slot
+    offs_r = r0 + tl.arange(0, BLOCK_R)
+    # The row offsets are loaded alongside the rank (not after it): one memory latency less per program.
     rank = tl.load(ranks_ptr + meta)
-    if r0 >= rank:  # also a module the slot does not adapt (rank 0): no bytes read
+    a_row = tl.load(a_off_ptr + meta.to(tl.int64) * layout_max_rank + offs_r, mask=offs_r < layout_max_rank, other=0)
+    a_row = tl.multiple_of(a_row, ALIGN)
+    if r0 >= rank:  # also a module the slot does not adapt (rank 0): no adapter bytes read
         return
     k_lo = split * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
-    offs_r = r0 + tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
-    a_row = tl.load(a_off_ptr + meta.to(tl.int64) * layout_max_rank + offs_r, mask=r_mask, other=0)
-    a_row = tl.multiple_of(a_row, ALIGN)
     arange_t = tl.arange(0, BLOCK_T)
     arange_k = tl.arange(0, BLOCK_K)
     for t0 in range(start, end, BLOCK_T):
@@ -141,14 +142,18 @@ def _expand_kernel(
     if n_lo >= width:
         return
     meta = (layer * 7 + proj) * max_slots + slot
+    arange_r = tl.arange(0, BLOCK_R)
+    # The first rank chunk's row offsets are loaded alongside the rank: one memory latency less.
     rank = tl.load(ranks_ptr + meta)
     scale = tl.load(scales_ptr + meta)
+    b_rows = b_off_ptr + meta.to(tl.int64) * layout_max_rank
+    b_row0 = tl.load(b_rows + arange_r, mask=arange_r < layout_max_rank, other=0)
     if rank == 0:
         return
     n_hi = tl.minimum(n_lo + cols_per_program, width)
     arange_t = tl.arange(0, BLOCK_T)
-    arange_r = tl.arange(0, BLOCK_R)
     arange_n = tl.arange(0, BLOCK_N)
+    xa_base = xa_ptr + i * stride_xp
     for t0 in range(start, end, BLOCK_T):
         t_mask = t0 + arange_t < end
         tok = tl.load(token_ids_ptr + t0 + arange_t, mask=t_mask, other=0).to(tl.int64)
@@ -156,22 +161,30 @@ def _expand_kernel(
             offs_n = n0 + arange_n
             n_mask = offs_n < n_hi
             acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
-            for r0 in range(0, rank, BLOCK_R):
-                offs_r = r0 + arange_r
-                r_mask = offs_r < rank
-                b_row = tl.load(b_off_ptr + meta.to(tl.int64) * layout_max_rank + offs_r, mask=r_mask, other=0)
-                b_row = tl.multiple_of(b_row, ALIGN)
-                # B^T tile [BLOCK_R, BLOCK_N]: each row contiguous in the pool; xa tile [BLOCK_T, BLOCK_R].
-                bt = tl.load(pool_ptr + b_row[:, None] + offs_n[None, :], mask=r_mask[:, None] & n_mask[None, :], other=0.0)
-                xt = tl.load(xa_ptr + i * stride_xp + tok[:, None] * stride_xt + offs_r[None, :], mask=t_mask[:, None] & r_mask[None, :], other=0.0)
-                if UPCAST:
-                    acc += tl.dot(xt, bt.to(tl.float32), input_precision="ieee")
-                else:
-                    acc += tl.dot(xt.to(bt.dtype), bt)
+            acc = _expand_chunk(acc, xa_base, pool_ptr, b_row0, tok, t_mask, stride_xt, 0, rank, offs_n, n_mask, BLOCK_R, ALIGN, UPCAST)
+            for r0 in range(BLOCK_R, rank, BLOCK_R):
+                b_row = tl.load(b_rows + r0 + arange_r, mask=r0 + arange_r < rank, other=0)
+                acc = _expand_chunk(acc, xa_base, pool_ptr, b_row, tok, t_mask, stride_xt, r0, rank, offs_n, n_mask, BLOCK_R, ALIGN, UPCAST)
             y_ptrs = y_ptr + tok[:, None] * stride_yt + col0 + offs_n[None, :]
             y_mask = t_mask[:, None] & n_mask[None, :]
             y = tl.load(y_ptrs, mask=y_mask, other=0.0)
             tl.store(y_ptrs, (y.to(tl.float32) + acc * scale).to(y.dtype), mask=y_mask)
+
+
+@triton.jit
+def _expand_chunk(acc, xa_base, pool_ptr, b_row, tok, t_mask, stride_xt, r0, rank, offs_n, n_mask, BLOCK_R: tl.constexpr, ALIGN: tl.constexpr, UPCAST: tl.constexpr):
+    """acc += xa[tok, r0:r0+BLOCK_R] @ B^T[r0:r0+BLOCK_R, offs_n] for the rows below rank."""
+    offs_r = r0 + tl.arange(0, BLOCK_R)
+    r_mask = offs_r < rank
+    b_row = tl.multiple_of(b_row, ALIGN)
+    # B^T tile [BLOCK_R, BLOCK_N]: each row contiguous in the pool; xa tile [BLOCK_T, BLOCK_R].
+    bt = tl.load(pool_ptr + b_row[:, None] + offs_n[None, :], mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+    xt = tl.load(xa_base + tok[:, None] * stride_xt + offs_r[None, :], mask=t_mask[:, None] & r_mask[None, :], other=0.0)
+    if UPCAST:
+        acc += tl.dot(xt, bt.to(tl.float32), input_precision="ieee")
+    else:
+        acc += tl.dot(xt.to(bt.dtype), bt)
+    return acc
 
 
 @functools.lru_cache(maxsize=256)
