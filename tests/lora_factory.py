@@ -30,14 +30,14 @@ class Weights:
 
 
 def random_weights(seed: int, rank: int = 8, dims: ModelDims = TINY_DIMS, projs=PROJS, name: str = "a",
-                   version: str = "1", alpha: float = 16.0, dtype=torch.float32) -> Weights:
+                   version: str = "1", alpha: float = 16.0, dtype=torch.float32, std: float = 1.0) -> Weights:
     g = torch.Generator().manual_seed(seed)
     modules = {}
     for layer in range(dims.num_layers):
         for proj in projs:
             fan_in, fan_out = dims.in_out(proj)
-            a = torch.randn(rank, fan_in, generator=g, dtype=torch.float32).to(dtype)
-            b = torch.randn(fan_out, rank, generator=g, dtype=torch.float32).to(dtype)
+            a = (std * torch.randn(rank, fan_in, generator=g, dtype=torch.float32)).to(dtype)
+            b = (std * torch.randn(fan_out, rank, generator=g, dtype=torch.float32)).to(dtype)
             modules[(layer, proj)] = Module(a, b, alpha / rank)
     nbytes = sum(m.a.numel() * m.a.element_size() + m.b.numel() * m.b.element_size() for m in modules.values())
     return Weights(name, version, modules, nbytes)
@@ -88,3 +88,28 @@ def dense_delta(weights, x: torch.Tensor, layer: int, proj: str, out_features: i
     if m is None:
         return torch.zeros(x.shape[0], out_features, dtype=x.dtype)
     return (m.scale * (x.float() @ m.a.float().T) @ m.b.float().T).to(x.dtype)
+
+
+def merged_hf_greedy(base_dir, weights, prompt: list[int], max_new_tokens: int):
+    """Single-adapter reference: the adapter merged into a plain HF Llama (W + scale * B @ A), greedy.
+    Returns (token ids, logprob of each chosen token)."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    parents = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+               "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+    if weights is not None:
+        with torch.no_grad():
+            for (layer, proj), m in weights.modules.items():
+                lin = getattr(getattr(model.model.layers[layer], parents[proj]), proj)
+                lin.weight += m.scale * (m.b.float() @ m.a.float())
+    ids = list(prompt)
+    tokens, logprobs = [], []
+    with torch.no_grad():  # plain greedy loop: no EOS handling, like a request with ignore_eos
+        for _ in range(max_new_tokens):
+            logits = model(torch.tensor([ids])).logits[0, -1].float()
+            token = int(logits.argmax())
+            tokens.append(token)
+            logprobs.append(float(torch.log_softmax(logits, -1)[token]))
+            ids.append(token)
+    return tokens, logprobs

@@ -158,6 +158,7 @@ class AdapterPool:
     def resolve(self, name_or_key: str) -> str:
         """`name` -> current `name@version`; a full key is checked and returned."""
         with self._lock:
+            self.poll()  # a finished load of a new version switches here, before anyone resolves
             if "@" in name_or_key:
                 entry = self._entries.get(name_or_key)
                 if entry is None or entry.retired:
@@ -522,9 +523,11 @@ class AdapterPool:
         quota = self.config.quota(entry.tenant)
         if quota.max_bytes is not None and image.nbytes > quota.max_bytes:
             return None
+        # Not evictable: in use, pinned, a new version about to switch, or loaded for requests that
+        # have not picked it up yet (evicting those makes waiting requests evict each other forever).
         candidates = [e for e in self._slot_owner.values()
                       if e.resident and e.refcount == 0 and not e.pinned and e is not entry
-                      and self._pending.get(e.name) != e.key]
+                      and not e.waiters and self._pending.get(e.name) != e.key]
         ordered = self._eviction_order(candidates)
         mine = [e for e in self._slot_owner.values() if e.tenant == entry.tenant]
         victims: list[AdapterEntry] = []
