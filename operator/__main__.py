@@ -17,18 +17,21 @@ from lorafleet.worker.cli import config_from_args
 async def run(config: OperatorConfig, *, registry: kopf.OperatorRegistry | None = None,
               stop_flag: asyncio.Event | None = None, ready_flag: asyncio.Event | None = None) -> None:
     registry = registry or kopf.OperatorRegistry()
-    register(registry, config)
+    controller = register(registry, config)
     liveness = f"http://0.0.0.0:{config.liveness_port}/healthz" if config.liveness_port else None
-    await kopf.operator(
-        registry=registry,
-        namespaces=[config.namespace] if config.namespace else [],
-        clusterwide=config.namespace is None,
-        standalone=config.peering is None,
-        peering_name=config.peering,
-        liveness_endpoint=liveness,
-        stop_flag=stop_flag,
-        ready_flag=ready_flag,
-    )
+    try:
+        await kopf.operator(
+            registry=registry,
+            namespaces=[config.namespace] if config.namespace else [],
+            clusterwide=config.namespace is None,
+            standalone=config.peering is None,
+            peering_name=config.peering,
+            liveness_endpoint=liveness,
+            stop_flag=stop_flag,
+            ready_flag=ready_flag,
+        )
+    finally:
+        await controller.client.close()
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -60,13 +60,13 @@ class PoolController:
             return plan
 
     async def _run(self, key: PoolKey, pools: list[dict], adapters: list[dict], pods: list[dict]) -> PoolPlan:
-        pool = None
+        pool, pool_error = None, None
         live_pools = [b for b in pools if not (b.get("metadata") or {}).get("deletionTimestamp")]
         if live_pools:
             try:
                 pool = PoolSpec.parse(live_pools[0])
             except SpecError as exc:
-                log.warning("LoRAPool %s/%s: %s", *key, exc)
+                pool_error = str(exc)
         specs = []
         for body in adapters:
             try:
@@ -78,7 +78,7 @@ class PoolController:
         views = [WorkerReport(w.pod, r, self.client.last_pushed.get(w.url)) for w, r in zip(workers, reports,
                                                                                               strict=True)]
         plan = reconcile_pool(pool, specs, views, now=utc_now(), pool_name=key[1],
-                              generation_floor=time.time_ns() // 1_000_000)
+                              generation_floor=time.time_ns() // 1_000_000, pool_error=pool_error)
         by_pod = {w.pod: w for w in workers}
         pushed = await asyncio.gather(*(self.client.push(by_pod[pod], d) for pod, d in plan.pushes.items()))
         for (pod, desired), ok in zip(plan.pushes.items(), pushed, strict=True):

@@ -19,8 +19,8 @@ from typing import Any
 
 import kopf
 
-from lorafleet.operator.controller import PoolController, status_changes
-from lorafleet.operator.crd_models import ADAPTERS, GROUP, POOLS, VERSION, AdapterSpec, SpecError
+from lorafleet.operator.controller import PoolController, status_changes, utc_now
+from lorafleet.operator.crd_models import ADAPTERS, GROUP, POOLS, VERSION, AdapterSpec, PoolSpec, SpecError
 from lorafleet.operator.operator_config import OperatorConfig
 from lorafleet.operator.workers import StagerClient
 
@@ -90,8 +90,15 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> PoolCon
 
     # --- LoRAPool --------------------------------------------------------------------------------
 
-    async def reconcile_pool_handler(namespace: str, name: str, status: kopf.Status, patch: kopf.Patch,
-                                     max_age: float, **kwargs: Any) -> None:
+    async def reconcile_pool_handler(namespace: str, name: str, body: kopf.Body, status: kopf.Status,
+                                     patch: kopf.Patch, max_age: float, **kwargs: Any) -> None:
+        try:
+            PoolSpec.parse(dict(body))
+        except SpecError as exc:
+            condition = {"type": "Ready", "status": "False", "reason": "InvalidSpec", "message": str(exc),
+                         "lastTransitionTime": utc_now()}
+            patch.status.update(status_changes(dict(status), {"conditions": [condition]}))
+            raise kopf.PermanentError(str(exc)) from None
         plan = await run_pass(namespace, name, kwargs, max_age=max_age)
         patch.status.update(status_changes(dict(status), plan.pool_status))
 
@@ -103,7 +110,8 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> PoolCon
 
     @kopf.timer(*res_pools, interval=config.interval, registry=registry)
     async def pool_drift(**kwargs: Any) -> None:
-        await reconcile_pool_handler(max_age=config.interval / 2, **kwargs)
+        with contextlib.suppress(kopf.PermanentError):  # a bad spec is already reported in status
+            await reconcile_pool_handler(max_age=config.interval / 2, **kwargs)
 
     @kopf.on.delete(*res_pools, optional=True, registry=registry)
     async def pool_deleted(namespace: str, name: str, **_: Any) -> None:

@@ -48,11 +48,12 @@ class PoolPlan:
 
 
 def reconcile_pool(pool: PoolSpec | None, adapters: list[AdapterSpec], workers: list[WorkerReport], *,
-                   now: str, pool_name: str = "", generation_floor: int = 0) -> PoolPlan:
+                   now: str, pool_name: str = "", generation_floor: int = 0,
+                   pool_error: str | None = None) -> PoolPlan:
     """``now``: RFC 3339 time for condition transitions; ``generation_floor``: see ``_next_generation``."""
     plan = PoolPlan()
     live = [w for w in workers if w.reported is not None]
-    failures = validate_adapters(pool, adapters, pool_name=pool_name)
+    failures = validate_adapters(pool, adapters, pool_name=pool_name, pool_error=pool_error)
     admitted = [a for a in adapters if not a.deleting and a.name not in failures]
     deleting = [a for a in adapters if a.deleting]
 
@@ -85,13 +86,16 @@ def reconcile_pool(pool: PoolSpec | None, adapters: list[AdapterSpec], workers: 
     return plan
 
 
-def validate_adapters(pool: PoolSpec | None, adapters: list[AdapterSpec], *, pool_name: str = "") -> dict[str, str]:
+def validate_adapters(pool: PoolSpec | None, adapters: list[AdapterSpec], *, pool_name: str = "",
+                      pool_error: str | None = None) -> dict[str, str]:
     """Checks the API server cannot do. Returns adapter name -> message naming the field."""
     failures: dict[str, str] = {}
     for a in adapters:
         if a.deleting:
             continue
-        if pool is None:
+        if pool is None and pool_error:
+            failures[a.name] = f"spec.pool: LoRAPool {a.pool!r} has an invalid spec ({pool_error})"
+        elif pool is None:
             failures[a.name] = (f"spec.pool: LoRAPool {a.pool!r} does not exist in namespace {a.namespace!r} "
                                 f"(deleted?); no worker serves this adapter until the pool exists again")
         elif a.base_model != pool.base_model:

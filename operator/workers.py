@@ -83,14 +83,18 @@ class StagerClient:
         self._timeout = aiohttp.ClientTimeout(total=timeout)
         self._push_timeout = aiohttp.ClientTimeout(total=push_timeout or timeout)
         self._session: aiohttp.ClientSession | None = None
+        self._closed = False
         self.last_pushed: dict[str, DesiredState] = {}  # worker url -> last accepted push
 
     def _client(self) -> aiohttp.ClientSession:
+        if self._closed:
+            raise aiohttp.ClientError("the sidecar client is closed (operator shutting down)")
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(timeout=self._timeout, headers=self._headers)
         return self._session
 
     async def close(self) -> None:
+        self._closed = True  # a pass still finishing after shutdown must not open a new session
         if self._session is not None:
             await self._session.close()
 

@@ -215,6 +215,11 @@ async def test_operator_lifecycle(operator, sidecars, caplog):
                           "wrongbase Failed")
     assert st["message"].startswith("spec.baseModel:")
     assert all("wrongbase" not in s.applied.by_name() for s in sidecars)
+    # A spec that slipped past the schema (here: no API server validation at all) is a permanent error.
+    await create(emulator, "loraadapters", adapter_body("badsource", source={"uri": "http://example.com/a"}))
+    st = await eventually(lambda: status(emulator, "badsource")["phase"] == "Failed" and status(emulator, "badsource"),
+                          "badsource Failed")
+    assert st["message"].startswith("spec.source.uri:")
 
     # Deletion: the finalizer holds the object until no worker reports the adapter.
     await delete(emulator, "loraadapters", "sql")

@@ -345,3 +345,10 @@ def test_workers_disagreeing_on_the_version_is_not_ready():
     st_ = reconcile_pool(pool(), changed, ws, now=NOW).adapter_statuses["a"]
     assert st_["phase"] == "Loading" and "registered on 1/2 workers" in st_["message"]
     assert {(i["pod"], i["version"]) for i in st_["instances"]} == {("w0", "v2"), ("w1", "v1")}
+
+
+def test_invalid_pool_spec_is_named_in_adapter_status():
+    plan = reconcile_pool(None, [adapter("a")], [], now=NOW, pool_error="spec.workerSelector: required")
+    msg = plan.adapter_statuses["a"]["message"]
+    assert plan.adapter_statuses["a"]["phase"] == "Degraded"
+    assert msg.startswith("spec.pool: LoRAPool 'p' has an invalid spec") and "spec.workerSelector" in msg

@@ -1,0 +1,73 @@
+"""Worker discovery (label selectors, readiness, the sidecar's port) and the sidecar client."""
+
+from __future__ import annotations
+
+import pytest
+
+from lorafleet.operator.workers import StagerClient, Worker, discover_workers, pod_is_ready, selector_matches
+from lorafleet.worker.directives import AdapterDirective, DesiredState, VersionRef
+
+from .fake_stager import FakeStager
+
+
+@pytest.mark.parametrize(("selector", "labels", "expected"), [
+    ({"matchLabels": {"app": "w"}}, {"app": "w", "x": "1"}, True),
+    ({"matchLabels": {"app": "w"}}, {"app": "v"}, False),
+    ({"matchExpressions": [{"key": "tier", "operator": "In", "values": ["gpu", "a100"]}]}, {"tier": "gpu"}, True),
+    ({"matchExpressions": [{"key": "tier", "operator": "In", "values": ["gpu"]}]}, {}, False),
+    ({"matchExpressions": [{"key": "tier", "operator": "NotIn", "values": ["cpu"]}]}, {}, True),
+    ({"matchExpressions": [{"key": "tier", "operator": "NotIn", "values": ["cpu"]}]}, {"tier": "cpu"}, False),
+    ({"matchExpressions": [{"key": "gpu", "operator": "Exists"}]}, {"gpu": ""}, True),
+    ({"matchExpressions": [{"key": "gpu", "operator": "DoesNotExist"}]}, {"gpu": ""}, False),
+    ({"matchLabels": {"app": "w"}, "matchExpressions": [{"key": "gpu", "operator": "Exists"}]}, {"app": "w"}, False),
+])
+def test_selector_matches(selector, labels, expected):
+    assert selector_matches(selector, labels) is expected
+
+
+def pod(name, *, labels=None, phase="Running", ready="True", ip="10.0.0.1", deleting=False, stager_port=None):
+    ports = [{"name": "stager", "containerPort": stager_port}] if stager_port else []
+    meta = {"name": name, "labels": labels if labels is not None else {"app": "w"}}
+    if deleting:
+        meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    return {"metadata": meta, "spec": {"containers": [{"ports": [{"name": "http", "containerPort": 8000}]},
+                                                      {"ports": ports}]},
+            "status": {"phase": phase, "podIP": ip, "conditions": [{"type": "Ready", "status": ready}]}}
+
+
+def test_discovery_takes_ready_selected_pods_only():
+    pods = [pod("b", stager_port=9001), pod("a"), pod("not-ready", ready="False"), pod("pending", phase="Pending"),
+            pod("no-ip", ip=None), pod("terminating", deleting=True), pod("other", labels={"app": "x"})]
+    assert not pod_is_ready(pods[2]) and pod_is_ready(pods[0])
+    workers = discover_workers(pods, {"matchLabels": {"app": "w"}}, default_port=8001)
+    assert workers == [Worker("a", "http://10.0.0.1:8001"), Worker("b", "http://10.0.0.1:9001")]
+
+
+@pytest.fixture()
+async def sidecar():
+    s = FakeStager("sidecar-token-123456")
+    await s.start()
+    try:
+        yield s
+    finally:
+        await s.stop()
+
+
+async def test_client_push_read_and_stale_generation(sidecar):
+    client = StagerClient(token="sidecar-token-123456", timeout=2.0)
+    worker = Worker("w", f"http://127.0.0.1:{sidecar.port}")
+    desired = DesiredState(5, [AdapterDirective("a", "t", VersionRef("v1", "s3://b/a/v1/"), warm=True)])
+    try:
+        assert await client.push(worker, desired)
+        assert client.last_pushed[worker.url] == desired
+        state = await client.fetch_state(worker)
+        assert state.generation_applied == 5 and state.find("a", "v1").tier == "gpu"
+        # A stale generation is refused (409) and not remembered as pushed.
+        assert not await client.push(worker, DesiredState(4, []))
+        assert worker.url not in client.last_pushed and sidecar.refused == 1
+        # A sidecar that is gone: no state, no exception.
+        await sidecar.stop()
+        assert await client.fetch_state(worker) is None
+        assert not await client.push(worker, desired)
+    finally:
+        await client.close()
