@@ -30,7 +30,9 @@ VALUE_SETS = {
         "metrics": {"serviceMonitor": {"enabled": True}},
         "secrets": {"apiKeys": {"tenants": {"acme": {"keys": ["sk-acme-1"], "adapters": ["sql"]}}}},
         "objectStore": {"endpoint": "minio.storage:9000", "accessKey": "a", "secretKey": "b", "secure": False},
-        "worker": {"adapterCache": {"hostPath": "/var/lib/lorafleet/adapters"}},
+        "worker": {"adapterCache": {"hostPath": "/var/lib/lorafleet/adapters"}, "model": "/models/llama",
+                   "extraVolumes": [{"name": "model", "persistentVolumeClaim": {"claimName": "llama"}}],
+                   "extraVolumeMounts": [{"name": "model", "mountPath": "/models/llama", "readOnly": True}]},
     },
     "existing-secrets-other-namespace": {
         "operator": {"watchNamespace": "tenants"},
@@ -64,7 +66,7 @@ def crd_schema(plural: str) -> dict:
 
 
 def env_names(container: dict) -> set[str]:
-    return {e["name"] for e in container.get("env") or []}
+    return {e["name"] for e in container.get("env") or [] if e["name"].startswith("LORAFLEET_")}
 
 
 def config_env_names(cls) -> set[str]:
