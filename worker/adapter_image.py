@@ -93,7 +93,7 @@ def pack_adapter(
 ) -> AdapterImage:
     """Validate `modules` ((layer, proj name) -> ModuleLoRA-like with .a [r,in], .b [out,r], .scale)
     against the base model and pack them into pages."""
-    rows: list[torch.Tensor] = []
+    mats: list[torch.Tensor] = []  # per module: A [r, in], then B^T [r, out]; each row is one pool row
     entries: list[tuple[int, int, int, float]] = []  # layer, proj id, rank, scale
     for (layer, proj), mod in sorted(modules.items(), key=lambda kv: (kv[0][0], PROJ_IDS.get(kv[0][1], 99))):
         if proj not in PROJ_IDS:
@@ -112,39 +112,48 @@ def pack_adapter(
             raise AdapterShapeError(f"layers.{layer}.{proj}: rank {r} is above the pool's max_rank {max_rank}")
         if max(fan_in, fan_out) > page_elems:
             raise AdapterShapeError(f"a row of {max(fan_in, fan_out)} elements does not fit a page of {page_elems}")
-        rows.extend(a.unbind(0))
-        rows.extend(b.t().unbind(0))
+        mats += [a, b.t()]
         entries.append((layer, PROJ_IDS[proj], r, float(mod.scale)))
 
-    offsets: list[int] = []
-    page, col = 0, 0
-    for row in rows:
-        n = row.numel()
-        if col + n > page_elems:
-            page, col = page + 1, 0
-        offsets.append(page * page_elems + col)
-        col += n
-    num_pages = page + 1 if rows else 0
-    pages = torch.zeros(num_pages, page_elems, dtype=dtype)
+    # Place rows; consecutive rows of one matrix that land in one page are copied as one block.
+    offsets: list[torch.Tensor] = []  # per matrix: int64 [r] page-local offsets of its rows
+    blocks: list[tuple[int, int, int, int]] = []  # (dst offset, matrix index, first row, rows)
+    page, col, used = 0, 0, 0
+    for m, mat in enumerate(mats):
+        num_rows, length = mat.shape
+        row, offs = 0, []
+        while row < num_rows:
+            fit = (page_elems - col) // length
+            if fit == 0:
+                page, col = page + 1, 0
+                continue
+            k = min(fit, num_rows - row)
+            start = page * page_elems + col
+            offs.append(start + length * torch.arange(k, dtype=torch.int64))
+            blocks.append((start, m, row, k))
+            col += k * length
+            row += k
+        offsets.append(torch.cat(offs) if offs else torch.zeros(0, dtype=torch.int64))
+        used += num_rows * length
+    num_pages = page + 1 if mats else 0
+    pages = torch.zeros(num_pages, page_elems, dtype=dtype, pin_memory=pin)
     flat = pages.view(-1)
-    for row, off in zip(rows, offsets, strict=True):
-        flat[off : off + row.numel()] = row.to(dtype)
+    for start, m, row, k in blocks:
+        src = mats[m][row : row + k]
+        flat[start : start + src.numel()] = src.reshape(-1).to(dtype)
 
     width = max(1, max((e[2] for e in entries), default=1))
     ranks = torch.zeros(dims.num_layers, NUM_PROJS, dtype=torch.int32)
     scales = torch.zeros(dims.num_layers, NUM_PROJS, dtype=torch.float32)
     a_local = torch.zeros(dims.num_layers, NUM_PROJS, width, dtype=torch.int64)
     b_local = torch.zeros(dims.num_layers, NUM_PROJS, width, dtype=torch.int64)
-    cursor = 0
-    for layer, pid, r, scale in entries:
+    for i, (layer, pid, r, scale) in enumerate(entries):
         ranks[layer, pid], scales[layer, pid] = r, scale
-        a_local[layer, pid, :r] = torch.tensor(offsets[cursor : cursor + r])
-        b_local[layer, pid, :r] = torch.tensor(offsets[cursor + r : cursor + 2 * r])
-        cursor += 2 * r
+        a_local[layer, pid, :r] = offsets[2 * i]
+        b_local[layer, pid, :r] = offsets[2 * i + 1]
 
-    digest = hashlib.sha256()
+    digest = hashlib.sha256()  # hashlib releases the GIL on large buffers: loads do not stall the step loop
     for t in (ranks, scales, a_local, pages):
-        digest.update(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    if pin:
-        pages = pages.pin_memory()
-    return AdapterImage(pages, ranks, scales, a_local, b_local, sum(r.numel() for r in rows), digest.hexdigest())
+        if t.numel():
+            digest.update(t.contiguous().view(torch.uint8).numpy())
+    return AdapterImage(pages, ranks, scales, a_local, b_local, used, digest.hexdigest())

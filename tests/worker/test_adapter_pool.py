@@ -403,3 +403,17 @@ def test_metrics_are_exposed_through_a_registry(pool):
     assert "lorafleet_adapter_pool_fragmentation" in text
     desc = pool.describe()
     assert desc[0]["tier"] == "gpu" and desc[0]["hits"] == 1 and desc[0]["current"]
+
+
+def test_packing_matches_the_kernels_packing_rule():
+    from lorafleet.kernels.lora_layout import pack_lora_layout
+    from lorafleet.worker.adapter_image import pack_adapter
+
+    w = random_weights(5, rank=8, projs=("q_proj", "v_proj", "gate_proj", "down_proj"))
+    image = pack_adapter(w.modules, TINY_DIMS, page_elems=PAGE_ELEMS, max_rank=8, dtype=torch.float32)
+    ref = pack_lora_layout({(0, layer, PROJS.index(p)): (m.a, m.b, m.scale) for (layer, p), m in w.modules.items()},
+                           num_layers=TINY_DIMS.num_layers, max_slots=1, page_elems=PAGE_ELEMS, dtype=torch.float32)
+    assert torch.equal(image.pages, ref.pool)
+    a, b = image.global_offsets(list(range(image.num_pages)), PAGE_ELEMS)
+    assert torch.equal(a, ref.a_offsets[:, :, 0]) and torch.equal(b, ref.b_offsets[:, :, 0])
+    assert torch.equal(image.ranks, ref.ranks[:, :, 0]) and torch.allclose(image.scales, ref.scales[:, :, 0])
