@@ -231,6 +231,9 @@ class Engine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise EngineError(f"request id {request_id!r} is already in flight")
+        if params.stop and self.tokenizer is None:
+            raise EngineError("stop strings need a tokenizer (this model directory has no tokenizer.json); "
+                              "use stop_token_ids")
         prompt_ids = self.encode(prompt)
         if not prompt_ids:
             raise EngineError("the prompt is empty")

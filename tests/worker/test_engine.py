@@ -241,3 +241,42 @@ def test_text_prompts_and_chat_template(tiny_llama_dir):
     assert chat == "<|user|>hi\n<|assistant|>"
     out_text, out_ids = engine.generate(["hello", engine.tokenizer.encode("hello")], GREEDY)
     assert out_text.token_ids == out_ids.token_ids
+
+
+def test_seeded_sampling_survives_preemption(tiny_llama_dir):
+    params = [SamplingParams(max_tokens=12, temperature=1.0, top_p=0.95, seed=100 + i) for i in range(6)]
+    roomy = _engine(tiny_llama_dir).generate(_prompts(), params)
+    tight_engine = _engine(tiny_llama_dir, num_pages=12)
+    tight = tight_engine.generate(_prompts(), params)
+    assert tight_engine.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in tight] == [o.token_ids for o in roomy]
+
+
+def test_model_dir_without_tokenizer_takes_token_ids(tiny_llama_dir, tmp_path):
+    import shutil
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(tiny_llama_dir / name, bare / name)
+    engine = _engine(bare)
+    assert engine.tokenizer is None
+    out = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0))[0]
+    assert len(out.token_ids) == 3 and out.text == ""
+    with pytest.raises(EngineError, match="tokenizer"):
+        engine.add_request(None, "text")
+    with pytest.raises(EngineError, match="stop strings"):
+        engine.add_request(None, [1], SamplingParams(stop=["x"]))
+
+
+def test_pickle_only_model_dir_is_refused(tmp_path):
+    import json
+
+    from lorafleet.worker.model_config import ModelConfigError
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
+        "num_attention_heads": 2}))
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not loaded")
+    with pytest.raises(ModelConfigError, match="pickle"):
+        _engine(tmp_path)

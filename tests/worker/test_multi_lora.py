@@ -301,3 +301,62 @@ def test_request_that_can_never_fit_fails_instead_of_hanging(tiny_llama_dir, ada
     assert long.finish_reason == "error" and "KV pages" in long.error
     assert short.finish_reason == "length" and len(short.token_ids) == 4
     _assert_all_free(engine)
+
+
+def test_cold_adapter_load_does_not_block_other_requests(tiny_llama_dir, adapter_dirs, references):
+    """A request whose adapter is still loading waits; the others keep decoding meanwhile."""
+    import threading
+
+    from lorafleet.worker.peft_adapter import load_peft_adapter
+
+    engine = _engine(tiny_llama_dir, next(iter(adapter_dirs.values())).parent)
+    release = threading.Event()
+    weights = load_peft_adapter(adapter_dirs["rs16"], engine.model_config, strict_base="off")
+
+    def slow_loader():
+        release.wait()  # the "disk read" finishes only when the test says so
+        return weights
+
+    engine.adapter_pool.add("cold@1", loader=slow_loader)
+    i_cold = next(i for i, (n, _) in enumerate(PLAN) if n == "rs16")
+    i_base = next(i for i, (n, _) in enumerate(PLAN) if n is None)
+    engine.add_request("cold", _prompts()[i_cold], GREEDY, adapter="cold")
+    engine.add_request("base", _prompts()[i_base], GREEDY)
+    done = {}
+    while "base" not in done:
+        for out in engine.step():
+            done[out.request_id] = out
+    assert "cold" not in done and engine.num_waiting == 1  # base finished while cold waited
+    release.set()
+    while engine.has_unfinished():
+        for out in engine.step():
+            done[out.request_id] = out
+        if engine.last_batch_size == 0:
+            engine.adapter_pool.wait_idle()
+    assert done["base"].token_ids == references[i_base][0][0]
+    assert done["cold"].token_ids == references[i_cold][0][0] and done["cold"].adapter == "cold@1"
+    _assert_all_free(engine)
+
+
+def test_hot_update_in_flight_requests_finish_on_their_version(tiny_llama_dir, adapter_dirs, references):
+    """A new version is loaded beside the old one; a request that started on v1 finishes on v1's
+    weights, a request arriving after the switch gets v2's; nothing sees a mix."""
+    engine = _engine(tiny_llama_dir, next(iter(adapter_dirs.values())).parent)
+    i_v1 = next(i for i, (n, _) in enumerate(PLAN) if n == "qv4")
+    i_v2 = next(i for i, (n, _) in enumerate(PLAN) if n == "all8")
+    assert engine.register_adapter("hot", adapter_dirs["qv4"], version="v1") == "hot@v1"
+    engine.add_request("old", _prompts()[i_v1], GREEDY, adapter="hot")
+    done = {}
+    for _ in range(3):
+        for out in engine.step():
+            done[out.request_id] = out
+    assert "old" not in done
+    engine.register_adapter("hot", adapter_dirs["all8"], version="v2")
+    engine.adapter_pool.wait_idle()  # v2 resident: "hot" now resolves to it
+    engine.add_request("new", _prompts()[i_v2], GREEDY, adapter="hot")
+    while engine.has_unfinished():
+        for out in engine.step():
+            done[out.request_id] = out
+    assert done["old"].adapter == "hot@v1" and done["old"].token_ids == references[i_v1][0][0]
+    assert done["new"].adapter == "hot@v2" and done["new"].token_ids == references[i_v2][0][0]
+    _assert_all_free(engine)
