@@ -360,3 +360,23 @@ def test_hot_update_in_flight_requests_finish_on_their_version(tiny_llama_dir, a
     assert done["old"].adapter == "hot@v1" and done["old"].token_ids == references[i_v1][0][0]
     assert done["new"].adapter == "hot@v2" and done["new"].token_ids == references[i_v2][0][0]
     _assert_all_free(engine)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, tol", [("float32", 2e-3), ("bfloat16", 0.06)])
+def test_cuda_mixed_batch_with_triton_kernels(tiny_llama_dir, adapter_dirs, references, dtype, tol):
+    """The same mixed batch on the GPU (Triton paged attention + SGMV), fp32 and bf16."""
+    engine = Engine(EngineConfig(model=str(tiny_llama_dir), device="cuda", dtype=dtype, block_size=16,
+                                 adapters=str(next(iter(adapter_dirs.values())).parent), max_lora_rank=32,
+                                 pool_bytes=64 << 20))
+    params = SamplingParams(max_tokens=MAX_NEW if dtype == "float32" else 1, temperature=0.0, logprobs=5)
+    outs = engine.generate(_prompts(), params, adapters=[a for a, _ in PLAN])
+    for i, out in enumerate(outs):
+        tokens, lps = references[i][0]
+        if dtype == "float32":
+            assert out.token_ids == tokens, f"request {i}"
+        for step, lp in enumerate(out.logprobs):
+            if out.token_ids[: step + 1] != tokens[: step + 1]:
+                break
+            assert max(abs(v - lps[step][t].item()) for t, v in lp.top) < tol, f"request {i} step {step}"
+    _assert_all_free(engine)
