@@ -57,12 +57,15 @@ class AdapterPoolConfig:
     tenant_quotas: dict[str, TenantQuota] = field(default_factory=dict)
     default_quota: TenantQuota = field(default_factory=TenantQuota)
     pin_cpu: bool | None = None  # pinned CPU tier; None = when the pool lives on a CUDA device
+    load_timeout_s: float | None = 300.0  # a disk/stager load still running after this fails its waiters
 
     def __post_init__(self) -> None:
         if self.max_slots <= 0 or self.max_rank <= 0:
             raise ValueError(f"max_slots ({self.max_slots}) and max_rank ({self.max_rank}) must be > 0")
         if self.cpu_budget_bytes < 0:
             raise ValueError("cpu_budget_bytes must be >= 0")
+        if self.load_timeout_s is not None and self.load_timeout_s <= 0:
+            raise ValueError("load_timeout_s must be > 0 or None")
         make_policy(self.eviction_policy)  # validates the name
 
     def quota(self, tenant: str) -> TenantQuota:
@@ -266,9 +269,14 @@ class AdapterPool:
         """Advance loads without waiting: finish parsed loads and completed copies, place wanted
         adapters. Returns the failures since the last call."""
         with self._lock:
+            timeout = self.config.load_timeout_s
+            now = time.monotonic()
             for entry in list(self._entries.values()):
                 if entry.fetching is not None and entry.fetching.done():
                     self._finish_fetch(entry)
+                elif entry.fetching is not None and timeout is not None and now - entry.fetch_started > timeout:
+                    entry.fetching = None  # the stuck thread's result, if it ever comes, is dropped
+                    self._fail(entry, f"load timed out after {timeout:g} s (download or disk too slow?)", tier="disk")
                 if entry.copying is not None and self._copy_done(entry):
                     self._finish_copy(entry)
             for key in list(self._wanted):
@@ -473,6 +481,7 @@ class AdapterPool:
             image = pack(loader())
             return image, time.perf_counter() - t0
 
+        entry.fetch_started = time.monotonic()
         entry.fetching = self._executor.submit(job)
 
     def _finish_fetch(self, entry: AdapterEntry) -> None:

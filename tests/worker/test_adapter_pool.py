@@ -417,3 +417,19 @@ def test_packing_matches_the_kernels_packing_rule():
     a, b = image.global_offsets(list(range(image.num_pages)), PAGE_ELEMS)
     assert torch.equal(a, ref.a_offsets[:, :, 0]) and torch.equal(b, ref.b_offsets[:, :, 0])
     assert torch.equal(image.ranks, ref.ranks[:, :, 0]) and torch.allclose(image.scales, ref.scales[:, :, 0])
+
+
+def test_a_load_that_never_returns_times_out_and_fails_only_its_waiters():
+    pool = make_pool(load_timeout_s=0.05, num_load_threads=2)
+    stuck = threading.Event()
+    pool.add("stuck@1", loader=lambda: stuck.wait(60) and random_weights(1))
+    pool.add("fine@1", random_weights(2))
+    assert pool.acquire("stuck@1", waiter="a") is None
+    pool.wait_idle()  # returns once the timeout failed the load
+    with pytest.raises(AdapterLoadError, match="timed out"):
+        pool.acquire("stuck@1", waiter="a")
+    pool.load("fine@1")
+    pool.check()
+    stuck.set()  # the stuck thread finishes; its result is dropped
+    pool.close()
+    assert not pool.entry("stuck@1").resident
