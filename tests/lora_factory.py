@@ -72,8 +72,8 @@ def lora_delta(layout, token_slots: torch.Tensor, x: torch.Tensor, layer: int, p
 
     pid = PROJS.index(proj)
     batch = make_lora_batch(token_slots.to(torch.int32), layout.max_rank_by_slot())
-    xa = torch.zeros(1, x.shape[0], max(batch.max_rank, 1), dtype=torch.float32)
-    y = torch.zeros(x.shape[0], out_features, dtype=x.dtype)
+    xa = torch.zeros(1, x.shape[0], max(batch.max_rank, 1), dtype=torch.float32, device=x.device)
+    y = torch.zeros(x.shape[0], out_features, dtype=x.dtype, device=x.device)
     if batch.max_rank == 0:
         return y
     lora_shrink(x=x, layout=layout, layer=layer, proj_ids=[pid], batch=batch, out=xa, backend="reference")

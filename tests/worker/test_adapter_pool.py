@@ -433,3 +433,31 @@ def test_a_load_that_never_returns_times_out_and_fails_only_its_waiters():
     stuck.set()  # the stuck thread finishes; its result is dropped
     pool.close()
     assert not pool.entry("stuck@1").resident
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_cpu_tier_is_pinned_and_copies_land_intact():
+    from tests.lora_factory import dense_delta, lora_delta
+
+    pages = PagePool(PagePoolConfig(num_pages=256, page_elems=PAGE_ELEMS, device="cuda", dtype=torch.bfloat16))
+    pool = AdapterPool(pages, TINY_DIMS, AdapterPoolConfig(max_slots=4, max_rank=32))
+    weights = {k: random_weights(i, rank=r, dtype=torch.bfloat16, std=0.1) for i, (k, r) in
+               enumerate((("g1@1", 16), ("g2@1", 4), ("g3@1", 32)))}
+    for key, w in weights.items():
+        pool.add(key, w)
+        assert pool.entry(key).image.pages.is_pinned()
+        assert pool.acquire(key, waiter=key) is None  # the copy runs on the side stream
+    pool.wait_idle()
+    slots = {key: pool.acquire(key, waiter=key) for key in weights}
+    pool.check()
+    order = ["g1@1", None, "g3@1", "g2@1", "g1@1", "g3@1"]
+    token_slots = torch.tensor([slots[k] if k else -1 for k in order], device="cuda")
+    x = torch.randn(len(order), TINY_DIMS.hidden_size, device="cuda").to(torch.bfloat16)
+    got = lora_delta(pool.layout, token_slots, x, 1, "gate_proj", TINY_DIMS.intermediate_size)
+    for t, k in enumerate(order):
+        want = dense_delta(weights[k], x[t : t + 1].cpu(), 1, "gate_proj", TINY_DIMS.intermediate_size) if k else \
+            torch.zeros(1, TINY_DIMS.intermediate_size, dtype=torch.bfloat16)
+        torch.testing.assert_close(got[t : t + 1].cpu().float(), want.float(), rtol=2e-2, atol=2e-2)
+    for slot in slots.values():
+        pool.release(slot)
+    pool.close()
