@@ -32,6 +32,7 @@ from lorafleet.worker.sampler import Sampler
 from lorafleet.worker.sampling_params import SamplingParams
 from lorafleet.worker.scheduler import Scheduler
 from lorafleet.worker.sequence import Sequence
+from lorafleet.worker.stop_checker import StopChecker
 from lorafleet.worker.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -92,6 +93,7 @@ class Engine:
                                   backend=config.kernel_backend, lora_layout=self._lora_layout,
                                   slot_max_rank=self._slot_max_rank)
         self.sampler = Sampler(seed=config.seed, device=self.device)
+        self.stop_checker = StopChecker(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self.requests: dict[str, Sequence] = {}
         self._emitted: dict[str, tuple[int, int]] = {}  # request_id -> (tokens, chars) reported
         self._ids = itertools.count()
@@ -294,47 +296,18 @@ class Engine:
             seq.output_token_ids.append(token)
             if logprob is not None:
                 seq.logprobs.append(logprob)
-            self._check_stop(seq)
+            self.stop_checker.check(seq)
             if seq.finish_reason is not None:
                 self.scheduler.finish(seq, seq.finish_reason)
             outputs.append(self._output(seq))
         return outputs
 
-    def _check_stop(self, seq: Sequence) -> None:
-        params = seq.params
-        token = seq.output_token_ids[-1]
-        stop_token = token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)
-        if self.tokenizer is not None:
-            ids = seq.output_token_ids[:-1] if stop_token else seq.output_token_ids
-            prev = len(seq.text)
-            seq.text = self.tokenizer.decode(ids)
-            if params.stop and not stop_token:
-                longest = max(len(s) for s in params.stop)
-                window = max(0, prev - longest + 1)
-                hits = [(i, s) for s in params.stop if (i := seq.text.find(s, window)) >= 0]
-                if hits:
-                    i, s = min(hits)
-                    seq.text = seq.text[: i + len(s) if params.include_stop_str_in_output else i]
-                    seq.finish_reason = "stop"
-                    return
-        if stop_token:
-            seq.finish_reason = "stop"
-        elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            seq.finish_reason = "length"
-
     def _output(self, seq: Sequence) -> RequestOutput:
         done_tokens, done_chars = self._emitted.get(seq.request_id, (0, 0))
         text = seq.text
-        # Hold back a trailing partial UTF-8 character (and, with stop strings, text that may
-        # still turn out to be the start of one) until it is final.
-        final_chars = len(text)
-        if not seq.is_finished:
-            if text.endswith("\ufffd"):
-                final_chars = len(text.rstrip("\ufffd"))
-            if seq.params.stop:
-                final_chars = max(done_chars, min(final_chars, len(text) - max(len(s) for s in seq.params.stop) + 1))
-        new_text = text[done_chars:final_chars] if final_chars > done_chars else ""
-        self._emitted[seq.request_id] = (len(seq.output_token_ids), max(done_chars, final_chars))
+        final_chars = self.stop_checker.final_text_len(seq, done_chars)
+        new_text = text[done_chars:final_chars]
+        self._emitted[seq.request_id] = (len(seq.output_token_ids), final_chars)
         want_lp = seq.params.logprobs is not None
         out = RequestOutput(
             request_id=seq.request_id,

@@ -1,0 +1,66 @@
+"""StopChecker: stop strings across token boundaries, partial UTF-8 held back, stop ids, lengths."""
+
+from __future__ import annotations
+
+from lorafleet.worker.sampling_params import SamplingParams
+from lorafleet.worker.sequence import Sequence, SequenceStatus
+from lorafleet.worker.stop_checker import StopChecker
+from lorafleet.worker.tokenizer import Tokenizer
+
+EOS = 257
+
+
+def _feed(checker, seq, token_ids):
+    """Append tokens one by one like the engine; returns the streamed pieces."""
+    pieces, emitted = [], 0
+    for t in token_ids:
+        seq.output_token_ids.append(t)
+        checker.check(seq)
+        if seq.finish_reason:
+            seq.status = SequenceStatus.FINISHED
+        final = checker.final_text_len(seq, emitted)
+        pieces.append(seq.text[emitted:final])
+        emitted = final
+        if seq.finish_reason:
+            break
+    return pieces
+
+
+def test_partial_utf8_is_held_back_until_complete(tiny_llama_dir):
+    tok = Tokenizer(tiny_llama_dir)
+    checker = StopChecker(tok, [EOS], 1000)
+    seq = Sequence("r", [1], SamplingParams(max_tokens=10))
+    ids = tok.encode("aé日", add_special_tokens=False)  # byte tokens: 1 + 2 + 3
+    pieces = _feed(checker, seq, ids)
+    assert pieces == ["a", "", "é", "", "", "日"]
+    assert "".join(pieces) == seq.text == "aé日"
+
+
+def test_stop_string_spanning_tokens_cuts_text_and_never_streams_it(tiny_llama_dir):
+    tok = Tokenizer(tiny_llama_dir)
+    checker = StopChecker(tok, [EOS], 1000)
+    seq = Sequence("r", [1], SamplingParams(max_tokens=50, stop=["END", "xyz"]))
+    pieces = _feed(checker, seq, tok.encode("hello ENDING", add_special_tokens=False))
+    assert seq.finish_reason == "stop" and seq.text == "hello "
+    assert "".join(pieces) == "hello " and not any("E" in p for p in pieces)
+    seq = Sequence("r", [1], SamplingParams(max_tokens=50, stop=["END"], include_stop_str_in_output=True))
+    _feed(checker, seq, tok.encode("hello ENDING", add_special_tokens=False))
+    assert seq.text == "hello END"
+
+
+def test_eos_stop_ids_ignore_eos_and_lengths(tiny_llama_dir):
+    tok = Tokenizer(tiny_llama_dir)
+    checker = StopChecker(tok, [EOS], max_model_len=6)
+    a, b = tok.encode("AB", add_special_tokens=False)
+    seq = Sequence("r", [1], SamplingParams(max_tokens=10))
+    _feed(checker, seq, [a, EOS, b])
+    assert seq.output_token_ids == [a, EOS] and seq.text == "A" and seq.finish_reason == "stop"
+    seq = Sequence("r", [1], SamplingParams(max_tokens=3, ignore_eos=True))
+    _feed(checker, seq, [EOS, EOS, EOS, EOS])
+    assert len(seq.output_token_ids) == 3 and seq.finish_reason == "length"
+    seq = Sequence("r", [1], SamplingParams(max_tokens=10, stop_token_ids=[b]))
+    _feed(checker, seq, [a, b, a])
+    assert seq.output_token_ids == [a, b] and seq.text == "A" and seq.finish_reason == "stop"
+    seq = Sequence("r", [1, 2, 3], SamplingParams(max_tokens=10))
+    _feed(checker, seq, [a] * 10)
+    assert seq.num_tokens == 6 and seq.finish_reason == "length"  # max_model_len

@@ -1,0 +1,53 @@
+"""StopChecker: after each new token, the sequence's text, whether it is done, and how much of its
+text is final (safe to stream).
+
+Text is the decode of all generated tokens (special tokens skipped; a final stop token is not
+text). A stop string ends the request with the text cut before it (or after it when asked); it is
+searched only where it could newly appear: from `len(previous text) - len(longest stop) + 1`.
+"""
+
+from __future__ import annotations
+
+from lorafleet.worker.sequence import Sequence
+from lorafleet.worker.tokenizer import Tokenizer
+
+
+class StopChecker:
+    def __init__(self, tokenizer: Tokenizer | None, eos_token_ids: list[int], max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_ids = set(eos_token_ids)
+        self.max_model_len = max_model_len
+
+    def check(self, seq: Sequence) -> None:
+        """Update seq.text and set seq.finish_reason ("stop" | "length") when the last token ends it."""
+        params = seq.params
+        token = seq.output_token_ids[-1]
+        stop_token = token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)
+        if self.tokenizer is not None:
+            ids = seq.output_token_ids[:-1] if stop_token else seq.output_token_ids
+            prev = len(seq.text)
+            seq.text = self.tokenizer.decode(ids)
+            if params.stop and not stop_token:
+                window = max(0, prev - max(len(s) for s in params.stop) + 1)
+                hits = [(i, s) for s in params.stop if (i := seq.text.find(s, window)) >= 0]
+                if hits:
+                    i, s = min(hits)
+                    seq.text = seq.text[: i + len(s) if params.include_stop_str_in_output else i]
+                    seq.finish_reason = "stop"
+                    return
+        if stop_token:
+            seq.finish_reason = "stop"
+        elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.finish_reason = "length"
+
+    @staticmethod
+    def final_text_len(seq: Sequence, emitted: int) -> int:
+        """Characters of seq.text that can be streamed: all once finished; otherwise hold back a trailing
+        partial UTF-8 character and anything that may still turn out to be the start of a stop string."""
+        text = seq.text
+        if seq.is_finished:
+            return len(text)
+        final = len(text.rstrip("\ufffd")) if text.endswith("\ufffd") else len(text)
+        if seq.params.stop:
+            final = min(final, len(text) - max(len(s) for s in seq.params.stop) + 1)
+        return max(emitted, final)
