@@ -3,7 +3,7 @@ processes -> two worker processes (tiny Llama on CPU) -> adapters staged from a 
 
 apply pool + adapter -> staged and loaded, status lists the instances; change the version -> both
 workers switch; a 20 % canary -> exactly the users whose bucket falls under 20 % get it (about 20 % of
-200); kill and restart a worker -> re-warmed; delete the adapter -> unloaded everywhere.
+200); promote it; kill and restart a worker -> re-warmed; delete the adapter -> unloaded everywhere.
 """
 
 from __future__ import annotations
@@ -255,17 +255,28 @@ async def test_fleet_end_to_end(cluster, pairs):  # noqa: F811
         assert got == {u for u in users if user_bucket("sql", u) < 20 * 100}
         assert 0.12 <= len(got) / NUM_REQUESTS <= 0.28, len(got)
 
+        # Promote: spec.version/source := the canary's, spec.canary removed -> everyone on v3.
+        await patch(emulator, "loraadapters", "sql", {"metadata": {"generation": 4}, "spec": {
+            "version": "v3", "source": {"uri": f"s3://{BUCKET}/sql/v3/"}, "canary": None}})
+        # (a null in a merge patch removes the key: no canaryVersion at all)
+        await eventually(lambda: loaded(status(emulator, "sql"), "v3") == {"worker-0", "worker-1"}
+                         and status(emulator, "sql").get("canaryVersion") is None, "promoted", attempts=1200)
+        async with aiohttp.ClientSession() as session:
+            assert {await complete(session, pairs[i % 2].url, u) for i, u in enumerate(sorted(got)[:4])} == {"sql@v3"}
+        await eventually(lambda: status(emulator, "sql")["phase"] == "Ready"
+                         and status(emulator, "sql")["stableVersion"] == "v3", "v3 Ready", attempts=1200)
+
         # A worker dies and comes back empty: the operator re-pushes, the sidecar re-warms it from its cache.
         pairs[0].engine.kill()
         await eventually(lambda: status(emulator, "sql")["phase"] != "Ready", "noticed the dead worker",
                          attempts=1200)
         await asyncio.to_thread(pairs[0].start_engine)
-        await eventually(lambda: "worker-0" in loaded(status(emulator, "sql"), "v2"), "re-registered on worker-0",
+        await eventually(lambda: "worker-0" in loaded(status(emulator, "sql"), "v3"), "re-registered on worker-0",
                          attempts=1200)
         async with aiohttp.ClientSession() as session:
-            assert await complete(session, pairs[0].url, "alice") == "sql@v2"
+            assert await complete(session, pairs[0].url, "alice") == "sql@v3"
         await eventually(lambda: status(emulator, "sql")["phase"] == "Ready", "re-warmed", attempts=1200)
-        assert holds((await reports())[0], "sql")["v2"] == "gpu"
+        assert holds((await reports())[0], "sql") == {"v3": "gpu"}
 
         # Delete: the finalizer lets the object go only once no worker reports it.
         await delete(emulator, "loraadapters", "sql")
