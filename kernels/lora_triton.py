@@ -125,6 +125,7 @@ def _expand_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
     ALIGN: tl.constexpr,
+    MULTI_CHUNK: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     seg = tl.program_id(0)
@@ -162,9 +163,10 @@ def _expand_kernel(
             n_mask = offs_n < n_hi
             acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
             acc = _expand_chunk(acc, xa_base, pool_ptr, b_row0, tok, t_mask, stride_xt, 0, rank, offs_n, n_mask, BLOCK_R, ALIGN, UPCAST)
-            for r0 in range(BLOCK_R, rank, BLOCK_R):
-                b_row = tl.load(b_rows + r0 + arange_r, mask=r0 + arange_r < rank, other=0)
-                acc = _expand_chunk(acc, xa_base, pool_ptr, b_row, tok, t_mask, stride_xt, r0, rank, offs_n, n_mask, BLOCK_R, ALIGN, UPCAST)
+            if MULTI_CHUNK:  # ranks above BLOCK_R (the column loop stays the innermost, pipelined loop otherwise)
+                for r0 in range(BLOCK_R, rank, BLOCK_R):
+                    b_row = tl.load(b_rows + r0 + arange_r, mask=r0 + arange_r < rank, other=0)
+                    acc = _expand_chunk(acc, xa_base, pool_ptr, b_row, tok, t_mask, stride_xt, r0, rank, offs_n, n_mask, BLOCK_R, ALIGN, UPCAST)
             y_ptrs = y_ptr + tok[:, None] * stride_yt + col0 + offs_n[None, :]
             y_mask = t_mask[:, None] & n_mask[None, :]
             y = tl.load(y_ptrs, mask=y_mask, other=0.0)
@@ -225,7 +227,7 @@ def lora_shrink_triton(
     split_k: int | None = None,
     block_k: int | None = None,
     block_r: int | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
     num_stages: int = 3,
 ) -> None:
     """Triton backend of `kernels.lora.lora_shrink` (inputs already checked there).
@@ -243,7 +245,7 @@ def lora_shrink_triton(
     K = x.shape[1]
     block_r = block_r or (64 if _INTERPRET else 16)
     num_r_chunks = triton.cdiv(batch.max_rank, block_r)
-    block_k = block_k or _pow2(triton.cdiv(K, split_k or 1), 16, 128 if _INTERPRET else 256)
+    block_k = block_k or _pow2(triton.cdiv(K, split_k or 1), 16, 128)
     num_k_blocks = triton.cdiv(K, block_k)
     if split_k is None:
         # Enough programs to keep every SM busy; rank chunks past a slot's rank exit at once, so count
@@ -253,6 +255,8 @@ def lora_shrink_triton(
     split_k = max(1, min(split_k, num_k_blocks))
     k_per_split = triton.cdiv(num_k_blocks, split_k) * block_k
     split_k = triton.cdiv(K, k_per_split)
+    block_t = _block_t(batch)
+    num_warps = num_warps or (8 if block_t >= 64 else 4)
     if split_k > 1:
         out.zero_()
     _shrink_kernel[(num_segments, num_proj * num_r_chunks, split_k)](
@@ -274,7 +278,7 @@ def lora_shrink_triton(
         out.stride(1),
         layout.max_slots,
         layout.max_rank,
-        BLOCK_T=_block_t(batch),
+        BLOCK_T=block_t,
         BLOCK_R=block_r,
         BLOCK_K=block_k,
         ALIGN=layout.row_align,
@@ -313,8 +317,12 @@ def lora_expand_triton(
         return
     widest = max(n for _, n in out_slices)
     block_n = block_n or _pow2(widest, 16, 64 if _INTERPRET else 128)
-    cols_per_program = max(block_n, cols_per_program or block_n)
-    cols_per_program = triton.cdiv(cols_per_program, block_n) * block_n
+    block_r = block_r or _pow2(batch.max_rank, 16, 128)  # the whole rank in one tile up to 128
+    if cols_per_program is None:
+        # Each program walks enough column tiles that the grid is ~3 programs per SM: the metadata
+        # latency is paid once per program and the column loop is software-pipelined.
+        cols_per_program = widest * num_segments * num_proj // (3 * _num_sms(str(y.device)))
+    cols_per_program = triton.cdiv(max(block_n, min(cols_per_program, widest)), block_n) * block_n
     slices = tuple(v for p, (start, n) in zip(proj_ids, out_slices, strict=True) for v in (p, start, n))
     assert all(0 <= p < NUM_PROJS for p in proj_ids)
     _expand_kernel[(num_segments, num_proj, triton.cdiv(widest, cols_per_program))](
@@ -336,9 +344,10 @@ def lora_expand_triton(
         layout.max_rank,
         cols_per_program,
         BLOCK_T=_block_t(batch),
-        BLOCK_R=block_r or (64 if _INTERPRET else 16),
+        BLOCK_R=block_r,
         BLOCK_N=block_n,
         ALIGN=layout.row_align,
+        MULTI_CHUNK=batch.max_rank > block_r,
         UPCAST=_upcast(y.dtype),
         num_warps=num_warps,
         num_stages=num_stages,

@@ -167,7 +167,8 @@ def test_triton_shrink_split_over_k_adds_partial_sums(split_k, gen):
 
 
 def test_triton_expand_programs_walking_several_column_tiles(gen):
-    """A program that walks several output tiles (cols_per_program > block_n) covers each column once."""
+    """A program that walks several output tiles (cols_per_program > block_n) covers each column once,
+    and ranks above the rank tile (block_r=16, ranks up to 128) take several chunks."""
     from lorafleet.kernels.lora_triton import lora_expand_triton
 
     modules, layout = _setup(gen, num_slots=4, dtype=torch.float32, num_layers=1)
@@ -182,7 +183,7 @@ def test_triton_expand_programs_walking_several_column_tiles(gen):
                 xa[i, t, : v.numel()] = v.float()
         want[:, start : start + n] = dense_delta(modules, slots, x, 0, proj, n)
     y = torch.zeros(20, 144)
-    lora_expand_triton(xa=xa, layout=layout, layer=0, proj_ids=[0, 1, 2], batch=batch, y=y, out_slices=[(0, 64), (64, 32), (96, 48)], block_n=16, cols_per_program=48)
+    lora_expand_triton(xa=xa, layout=layout, layer=0, proj_ids=[0, 1, 2], batch=batch, y=y, out_slices=[(0, 64), (64, 32), (96, 48)], block_n=16, block_r=16, cols_per_program=48)
     assert _rel_err(y, want) < 1e-5
 
 
