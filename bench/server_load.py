@@ -162,6 +162,8 @@ def main() -> None:
         proc, url = start_worker(Path(args.model), tmp / "adapters", args.device, args.concurrency, tmp / "w.log")
         try:
             names = [f"bench-{i}" for i in range(args.num_adapters)]
+            # Warm-up, discarded: every adapter resident, kernels compiled for the batch shapes.
+            asyncio.run(scenario(url, names, 2 * args.concurrency, args.concurrency, args.max_tokens))
             single = asyncio.run(scenario(url, names[:1], args.requests, args.concurrency, args.max_tokens))
             mixed = asyncio.run(scenario(url, names, args.requests, args.concurrency, args.max_tokens))
             mixed["mean_adapters_per_step_overall"] = asyncio.run(adapters_per_step(url))
