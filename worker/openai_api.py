@@ -36,6 +36,7 @@ from lorafleet.worker.app_keys import (
 )
 from lorafleet.worker.completion_job import CompletionJob
 from lorafleet.worker.engine import EngineError
+from lorafleet.worker.metrics import BASE_MODEL_LABEL
 from lorafleet.worker.openai_protocol import (
     APIError,
     parse_chat_request,
@@ -150,27 +151,28 @@ def _engine_error(exc: BaseException, job: CompletionJob, request: web.Request) 
 
 
 class _ChoiceTimer:
-    """TTFT and inter-token gaps of one request, for the latency histograms."""
+    """TTFT (first token of any choice) and inter-token gaps (per choice) of one request."""
 
     def __init__(self, metrics, job: CompletionJob) -> None:
         self.metrics = metrics
-        self.label = job.adapter.partition("@")[0] if job.adapter else "__base__"
+        self.label = job.adapter.partition("@")[0] if job.adapter else BASE_MODEL_LABEL
         self.arrived = job.arrived
         self.first: float | None = None
-        self.last: float | None = None
+        self.last: dict[int, float] = {}  # choice index -> time of its latest tokens
 
-    def tokens(self, num_tokens: int) -> None:
+    def tokens(self, choice: int, num_tokens: int) -> None:
         if num_tokens <= 0:
             return
         now = time.monotonic()
         if self.first is None:
             self.first = now
             self.metrics.ttft.labels(self.label).observe(now - self.arrived)
-        elif self.last is not None:
-            gap = (now - self.last) / num_tokens
+        last = self.last.get(choice)
+        if last is not None:
+            gap = (now - last) / num_tokens
             for _ in range(num_tokens):
                 self.metrics.inter_token.labels(self.label).observe(gap)
-        self.last = now
+        self.last[choice] = now
         self.metrics.observe_tokens(self.label, num_tokens)
 
     def done(self) -> None:
@@ -239,7 +241,7 @@ async def _collect(request: web.Request, job: CompletionJob, outputs: AsyncItera
     async with contextlib.aclosing(outputs):
         try:
             async for i, out in outputs:
-                timer.tokens(len(out.new_token_ids))
+                timer.tokens(i, len(out.new_token_ids))
                 if out.finished:
                     final[i] = out
         except (APIError, asyncio.CancelledError):
@@ -273,7 +275,7 @@ async def _stream(request: web.Request, job: CompletionJob, outputs: AsyncIterat
                     response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                            "Cache-Control": "no-cache", ADAPTER_HEADER: job.model})
                     await response.prepare(request)
-                timer.tokens(len(out.new_token_ids))
+                timer.tokens(i, len(out.new_token_ids))
                 completion_tokens += len(out.new_token_ids)
                 first = i not in started
                 started.add(i)
