@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
@@ -101,7 +102,8 @@ class AdapterPool:
         self._slot_owner: dict[int, AdapterEntry] = {}
         self._free_slots = list(range(config.max_slots - 1, -1, -1))
         self._wanted: dict[str, None] = {}  # keys to bring to the GPU, in request order
-        self._failures: list[tuple[str, AdapterLoadError]] = []
+        self._failures: deque[tuple[str, AdapterLoadError]] = deque(maxlen=100)
+        self._inflight: set[str] = set()  # keys with a load or copy running
         self._tick = 0
         self._counts = {
             "hits": dict.fromkeys(("gpu", "cpu", "disk"), 0),
@@ -161,7 +163,7 @@ class AdapterPool:
     def resolve(self, name_or_key: str) -> str:
         """`name` -> current `name@version`; a full key is checked and returned."""
         with self._lock:
-            self.poll()  # a finished load of a new version switches here, before anyone resolves
+            self._advance()  # a finished load of a new version switches here, before anyone resolves
             if "@" in name_or_key:
                 entry = self._entries.get(name_or_key)
                 if entry is None or entry.retired:
@@ -216,7 +218,7 @@ class AdapterPool:
         load fail exactly the requests that waited for it: they get AdapterLoadError; later requests
         start a new load."""
         with self._lock:
-            self.poll()
+            self._advance()
             if "@" not in key:
                 key = self.resolve(key)
             entry = self._entries.get(key)
@@ -256,6 +258,8 @@ class AdapterPool:
             if entry is None or entry.refcount <= 0:
                 raise RuntimeError(f"release of slot {slot} that holds no reference")
             entry.refcount -= 1
+            if entry.refcount == 0 and self._wanted:
+                self._sweep_wanted()  # it may make room for an adapter nobody's acquire retries (prefetch, pin)
 
     def abandon(self, key: str, waiter: object) -> None:
         """A waiting request went away (aborted) before its adapter arrived."""
@@ -267,31 +271,52 @@ class AdapterPool:
 
     def poll(self) -> list[tuple[str, AdapterLoadError]]:
         """Advance loads without waiting: finish parsed loads and completed copies, place wanted
-        adapters. Returns the failures since the last call."""
+        adapters. Returns the failures since the last call (the last 100)."""
         with self._lock:
-            timeout = self.config.load_timeout_s
-            now = time.monotonic()
-            for entry in list(self._entries.values()):
-                if entry.fetching is not None and entry.fetching.done():
-                    self._finish_fetch(entry)
-                elif entry.fetching is not None and timeout is not None and now - entry.fetch_started > timeout:
-                    entry.fetching = None  # the stuck thread's result, if it ever comes, is dropped
-                    self._fail(entry, f"load timed out after {timeout:g} s (download or disk too slow?)", tier="disk")
-                if entry.copying is not None and self._copy_done(entry):
-                    self._finish_copy(entry)
-            for key in list(self._wanted):
-                entry = self._entries.get(key)
-                if entry is None or entry.on_gpu:
-                    self._wanted.pop(key, None)
-                    continue
-                if entry.image is None:
-                    if entry.fetching is None:
-                        self._start_fetch(entry)
-                    continue
-                self._try_place(entry)
-            failures, self._failures = self._failures, []
+            self._advance()
+            self._sweep_wanted()
+            failures = list(self._failures)
+            self._failures.clear()
             self._update_gauges()
             return failures
+
+    def _advance(self) -> bool:
+        """Finish what completed among the loads in flight (cheap: only those are looked at)."""
+        timeout = self.config.load_timeout_s
+        now = time.monotonic()
+        changed = False
+        for key in list(self._inflight):
+            entry = self._entries.get(key)
+            if entry is None:
+                self._inflight.discard(key)
+                continue
+            if entry.fetching is not None and entry.fetching.done():
+                self._finish_fetch(entry)
+                changed = True
+            elif entry.fetching is not None and timeout is not None and now - entry.fetch_started > timeout:
+                entry.fetching = None  # the stuck thread's result, if it ever comes, is dropped
+                self._fail(entry, f"load timed out after {timeout:g} s (download or disk too slow?)", tier="disk")
+                changed = True
+            if entry.copying is not None and self._copy_done(entry):
+                self._finish_copy(entry)
+                changed = True
+            if entry.fetching is None and entry.copying is None:
+                self._inflight.discard(key)
+        if changed:  # memory moved: adapters waiting for room may fit now
+            self._sweep_wanted()
+            self._update_gauges()
+        return changed
+
+    def _sweep_wanted(self) -> None:
+        for key in list(self._wanted):
+            entry = self._entries.get(key)
+            if entry is None or entry.on_gpu:
+                self._wanted.pop(key, None)
+            elif entry.image is None:
+                if entry.fetching is None:
+                    self._start_fetch(entry)
+            else:
+                self._try_place(entry)
 
     # ---- explicit residency: can_load / load / evict, prefetch ---------------------------------
     def prefetch(self, key: str, tier: str = "gpu") -> None:
@@ -483,6 +508,7 @@ class AdapterPool:
 
         entry.fetch_started = time.monotonic()
         entry.fetching = self._executor.submit(job)
+        self._inflight.add(entry.key)
 
     def _finish_fetch(self, entry: AdapterEntry) -> None:
         future, entry.fetching = entry.fetching, None
@@ -600,6 +626,7 @@ class AdapterPool:
             quota.max_bytes is not None and sum(e.gpu_bytes for e in mine) + entry.image.nbytes > quota.max_bytes)
 
     def _start_copy(self, entry: AdapterEntry) -> None:
+        self._inflight.add(entry.key)
         image, pool = entry.image, self.page_pool.pool
         runs = _page_runs(entry.page_ids)
         if self._cuda:
