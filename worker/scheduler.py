@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from lorafleet.worker.block_manager import BlockManager
+from lorafleet.worker.page_pool import PagePoolError
 from lorafleet.worker.sequence import Sequence, SequenceStatus
 
 
@@ -84,6 +85,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._skipped_steps: dict[int, int] = {}  # seq_id -> steps skipped for adapter grouping
         self.num_preemptions = 0
+        self.max_stuck_steps = 100  # steps a request that cannot get pages, with nothing running, may wait
+        self._stuck_steps = 0
         self.failed: list[Sequence] = []  # finished by the scheduler (adapter load failed); engine reports them
 
     # ---- queue -----------------------------------------------------------------------------------
@@ -131,14 +134,13 @@ class Scheduler:
             if num_new == 0:
                 i += 1
                 continue
-            while not self._can_allocate(seq, num_new):
+            while not self._allocate(seq, num_new):
                 victim = self.running[-1]
                 self._preempt(victim, batch)
                 if victim is seq:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 break  # seq preempted itself: nothing after it remains either
-            self.block_manager.allocate(seq, num_new)
             self._add_to_batch(batch, seq, num_new)
             if seq.adapter is not None:
                 loras.add(seq.adapter)
@@ -160,16 +162,20 @@ class Scheduler:
                 skipped.append(seq)
                 continue
             num_new = self._num_new_tokens(seq, budget)
-            if num_new == 0 or not self._can_allocate(seq, num_new):
-                if num_new and not self.running and not batch.scheduled:
-                    # Nothing runs, so no page will ever come back: this request can never start.
-                    self._fail(seq, f"needs {self.block_manager.num_blocks_needed(seq, num_new)} KV pages but "
-                                    "no more can be freed (pinned or in-use adapters hold the rest of the pool); "
-                                    "shorten the prompt, unpin adapters or give the engine a larger pool")
-                    continue
+            if num_new == 0 or not self._allocate(seq, num_new):
+                if num_new and not self.running:
+                    # Nothing runs, so no KV page will come back. Wait out transient holders (an
+                    # adapter copy in flight becomes reclaimable once done), then fail the request.
+                    self._stuck_steps += 1
+                    if self._stuck_steps > self.max_stuck_steps:
+                        self._stuck_steps = 0
+                        self._fail(seq, f"needs {self.block_manager.num_blocks_needed(seq, num_new)} KV pages "
+                                        "but no more can be freed (pinned or in-use adapters hold the rest of the "
+                                        "pool); shorten the prompt, unpin adapters or give the engine a larger pool")
+                        continue
                 self.waiting.appendleft(seq)  # arrival order for pages: no overtaking a big prompt
                 break
-            self.block_manager.allocate(seq, num_new)
+            self._stuck_steps = 0
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self._skipped_steps.pop(seq.seq_id, None)
@@ -182,13 +188,21 @@ class Scheduler:
             self.waiting.appendleft(seq)
         return batch
 
-    def _can_allocate(self, seq: Sequence, num_new: int) -> bool:
-        if self.block_manager.can_allocate(seq, num_new):
-            return True
-        if self.reclaim_pages is None:
+    def _allocate(self, seq: Sequence, num_new: int) -> bool:
+        """Give `seq` the pages for `num_new` more tokens if they can be had (reclaiming idle
+        adapter pages first); False leaves everything unchanged."""
+        bm = self.block_manager
+        if not bm.can_allocate(seq, num_new) and not (
+            self.reclaim_pages is not None
+            and self.reclaim_pages(bm.num_blocks_needed(seq, num_new)) > 0
+            and bm.can_allocate(seq, num_new)
+        ):
             return False
-        need = self.block_manager.num_blocks_needed(seq, num_new)
-        return self.reclaim_pages(need) > 0 and self.block_manager.can_allocate(seq, num_new)
+        try:
+            bm.allocate(seq, num_new)
+        except PagePoolError:  # an adapter load on another thread took the pages in between
+            return False
+        return True
 
     def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
         num_new = seq.num_uncomputed_tokens

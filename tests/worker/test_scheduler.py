@@ -253,6 +253,32 @@ def test_a_request_that_can_never_fit_fails_instead_of_blocking_the_queue():
     big, small = _seq(9), _seq(3)
     sched.add(big)
     sched.add(small)
-    batch = _run_step(sched)
+    steps = 0
+    while not sched.failed:
+        batch = _run_step(sched)
+        steps += 1
+        assert steps <= sched.max_stuck_steps + 1
     assert sched.failed == [big] and "KV pages" in big.error and big.finish_reason == "error"
     assert [s for s, _ in batch.scheduled] == [small]
+
+
+def test_pages_taken_by_another_thread_between_check_and_allocate():
+    """An adapter load on another thread may take the pages between can_allocate and allocate: the
+    request waits for the next step instead of the step failing."""
+
+    class RacyPool(PagePool):
+        steal = True
+
+        def allocate(self, num_pages, owner, *, used_elems=None):
+            if owner[0] == "kv" and self.steal:
+                self.steal = False
+                super().allocate(self.num_free, ("adapter", "thief@1"))
+            return super().allocate(num_pages, owner, used_elems=used_elems)
+
+    pool = RacyPool(PagePoolConfig(num_pages=4, page_elems=8))
+    sched = Scheduler(BlockManager(pool, BS), max_num_seqs=4, max_num_batched_tokens=64)
+    seq = _seq(5)
+    sched.add(seq)
+    assert _run_step(sched).is_empty and list(sched.waiting) == [seq] and seq.block_table == []
+    pool.free_owner(("adapter", "thief@1"))
+    assert _run_step(sched).prefills == [(seq, 5)]
