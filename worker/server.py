@@ -49,7 +49,7 @@ log = logging.getLogger("lorafleet.worker")
 
 
 def served_model_name(config: WorkerConfig, engine: Engine) -> str:
-    return config.served_model_name or Path(engine.model_dir).name
+    return config.served_model_name or engine.model_name
 
 
 def _error_response(err: APIError) -> web.Response:
