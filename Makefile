@@ -41,7 +41,8 @@ model: install
 	$(PY) -m lorafleet.worker.default_model
 
 # The worker on 127.0.0.1:8000 with the embedded model and the demo adapters (Ctrl-C stops it).
-RUN_CURL := curl -s http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' -d '{"model": "shout", "prompt": "Words: red fish open sky\nReply:", "max_tokens": 12, "temperature": 0}'
+RUN_MODEL := $(if $(wildcard examples/adapters/shout),shout,SmolLM2-135M-Instruct)
+RUN_CURL := curl -s http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' -d '{"model": "$(RUN_MODEL)", "prompt": "Words: red fish open sky\nReply:", "max_tokens": 12, "temperature": 0}'
 export RUN_CURL
 run: install model
 	@printf 'Starting the worker; once it logs "Running on http://127.0.0.1:8000", try:\n\n  %s\n\n' "$$RUN_CURL"
