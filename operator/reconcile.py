@@ -23,7 +23,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lorafleet.operator.crd_models import AdapterSpec, PoolSpec
-from lorafleet.worker.directives import AdapterDirective, DesiredState, ReportedState, VersionRef
+from lorafleet.worker.directives import (
+    AdapterDirective,
+    AdapterState,
+    DesiredState,
+    ReportedState,
+    VersionRef,
+)
 
 UNKNOWN_BYTES = 1  # an adapter no worker has reported yet still counts, so placement spreads it
 
@@ -47,18 +53,41 @@ class PoolPlan:
     pool_status: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(slots=True)
+class _Index:
+    """One live worker's report and last push, indexed once per pass (lookups stay O(1) per adapter)."""
+
+    w: WorkerReport
+    by_name: dict[str, list[AdapterState]]
+    pushed: dict[str, AdapterDirective]
+
+    @classmethod
+    def of(cls, w: WorkerReport) -> _Index:
+        by_name: dict[str, list[AdapterState]] = defaultdict(list)
+        for st in w.reported.adapters:
+            by_name[st.name].append(st)
+        return cls(w, dict(by_name), w.last_pushed.by_name() if w.last_pushed else {})
+
+    @property
+    def pod(self) -> str:
+        return self.w.pod
+
+    def find(self, name: str, version: str) -> AdapterState | None:
+        return next((st for st in self.by_name.get(name, ()) if st.version == version), None)
+
+
 def reconcile_pool(pool: PoolSpec | None, adapters: list[AdapterSpec], workers: list[WorkerReport], *,
                    now: str, pool_name: str = "", generation_floor: int = 0,
                    pool_error: str | None = None) -> PoolPlan:
     """``now``: RFC 3339 time for condition transitions; ``generation_floor``: see ``_next_generation``."""
     plan = PoolPlan()
-    live = [w for w in workers if w.reported is not None]
+    live = [_Index.of(w) for w in workers if w.reported is not None]
     failures = validate_adapters(pool, adapters, pool_name=pool_name, pool_error=pool_error)
     admitted = [a for a in adapters if not a.deleting and a.name not in failures]
     deleting = [a for a in adapters if a.deleting]
 
     for a in deleting:
-        plan.unloading[a.name] = [w.pod for w in live if any(s.name == a.name for s in w.reported.adapters)]
+        plan.unloading[a.name] = [x.pod for x in live if x.by_name.get(a.name)]
     if pool is None:
         for a in adapters:
             if not a.deleting:
@@ -66,9 +95,12 @@ def reconcile_pool(pool: PoolSpec | None, adapters: list[AdapterSpec], workers: 
         return plan
 
     plan.placement = place_warm(admitted, live)
+    warm_sets = {name: set(pods) for name, pods in plan.placement.items()}
+    admitted.sort(key=lambda a: a.name)
+    # Two variants per adapter, shared by every worker's desired state (read-only from here on).
+    variants = {a.name: (_directive(a, pod_warm=False), _directive(a, pod_warm=True)) for a in admitted}
     for w in live:
-        directives = [_directive(a, pod_warm=w.pod in plan.placement[a.name]) for a in admitted]
-        directives.sort(key=lambda d: d.name)
+        directives = [variants[a.name][w.pod in warm_sets[a.name]] for a in admitted]
         generation, push = _next_generation(w, directives, generation_floor)
         desired = DesiredState(generation, directives)
         plan.desired[w.pod] = desired
@@ -135,27 +167,30 @@ def warm_count(a: AdapterSpec, num_workers: int) -> int:
     return max(n, 1 if a.pinned and num_workers else 0)
 
 
-def adapter_bytes(a: AdapterSpec, workers: list[WorkerReport]) -> int:
-    reported = [s.bytes for w in workers for s in w.reported.adapters if s.name == a.name and s.version == a.version]
+def adapter_bytes(a: AdapterSpec, workers: list[_Index]) -> int:
+    reported = [s.bytes for x in workers for s in x.by_name.get(a.name, ()) if s.version == a.version]
     return max([a.known_bytes, *reported]) or UNKNOWN_BYTES
 
 
-def place_warm(adapters: list[AdapterSpec], workers: list[WorkerReport]) -> dict[str, list[str]]:
+def place_warm(adapters: list[AdapterSpec], workers: list[_Index]) -> dict[str, list[str]]:
     """adapter name -> pods that keep it GPU-resident (see the module docstring for the policy)."""
     load = {w.pod: 0 for w in workers}
-    capacity = {w.pod: w.reported.pool_bytes or None for w in workers}
+    capacity = {w.pod: w.w.reported.pool_bytes or None for w in workers}
     sizes = {a.name: adapter_bytes(a, workers) for a in adapters}
     order = sorted(adapters, key=lambda a: (not a.pinned, -a.priority, -sizes[a.name], a.name))
     placement: dict[str, list[str]] = {}
     for a in order:
         size, n = sizes[a.name], warm_count(a, len(workers))
+        if n == 0:
+            placement[a.name] = []
+            continue
 
-        def holds(w: WorkerReport, a: AdapterSpec = a) -> bool:
-            st = w.reported.find(a.name, a.version)
-            pushed = w.last_pushed.by_name().get(a.name) if w.last_pushed else None
+        def holds(w: _Index, a: AdapterSpec = a) -> bool:
+            st = w.find(a.name, a.version)
+            pushed = w.pushed.get(a.name)
             return (st is not None and st.tier == "gpu") or (pushed is not None and pushed.warm)
 
-        def fits(w: WorkerReport, size: int = size) -> bool:
+        def fits(w: _Index, size: int = size) -> bool:
             return capacity[w.pod] is None or load[w.pod] + size <= capacity[w.pod]
 
         candidates = sorted((w for w in workers if fits(w)), key=lambda w: (not holds(w), load[w.pod], w.pod))
@@ -177,43 +212,42 @@ def _directive(a: AdapterSpec, *, pod_warm: bool) -> AdapterDirective:
     )
 
 
-def _next_generation(w: WorkerReport, directives: list[AdapterDirective], floor: int) -> tuple[int, bool]:
+def _next_generation(x: _Index, directives: list[AdapterDirective], floor: int) -> tuple[int, bool]:
     """(generation, push now?). A new generation on a content change or drift, never below ``floor``.
 
     The caller passes a clock in milliseconds as ``floor``: a receiver may have accepted pushes this
     process no longer remembers (an operator restart, a push that timed out after it landed), and a
     generation from the clock is above all of them, so no push is refused as stale.
     """
-    applied = w.reported.generation_applied
-    last = w.last_pushed
+    applied = x.w.reported.generation_applied
+    last = x.w.last_pushed
     if last is None or last.adapters != directives:
         return max((last.generation if last else 0) + 1, applied + 1, floor), True
-    if applied < last.generation or drifted(w.reported, directives):
+    if applied < last.generation or drifted(x, directives):
         # Reported below what was accepted: the engine (or the pod) restarted. Receivers treat an equal
         # generation as a no-op, so the re-push needs a new one.
         return max(last.generation + 1, applied + 1, floor), True
     return last.generation, False
 
 
-def drifted(reported: ReportedState, directives: list[AdapterDirective]) -> bool:
+def drifted(x: _Index, directives: list[AdapterDirective]) -> bool:
     """The worker claims the push applied yet lost what it was told to hold (restart) or keeps a removed one."""
-    wanted = {d.name for d in directives}
     for d in directives:
-        st = reported.find(d.name, d.stable.version)
+        st = x.find(d.name, d.stable.version)
         if st is None or (d.warm and st.tier == "none" and st.error is None):
             return True
-    return any(s.name not in wanted for s in reported.adapters)
+    wanted = {d.name for d in directives}
+    return any(name not in wanted for name in x.by_name)
 
 
-def adapter_status(a: AdapterSpec, live: list[WorkerReport], warm_pods: list[str], *, now: str) -> dict[str, Any]:
+def adapter_status(a: AdapterSpec, live: list[_Index], warm_pods: list[str], *, now: str) -> dict[str, Any]:
     instances, errors = [], []
     versions_seen: set[str] = set()
     registered = resident = canary_registered = 0
     size = 0
+    warm_set = set(warm_pods)
     for w in live:
-        for st in w.reported.adapters:
-            if st.name != a.name:
-                continue
+        for st in w.by_name.get(a.name, ()):
             if st.error:
                 errors.append(f"{w.pod}: {st.name}@{st.version}: {st.error}")
                 continue
@@ -223,7 +257,7 @@ def adapter_status(a: AdapterSpec, live: list[WorkerReport], warm_pods: list[str
             if st.version == a.version:
                 registered += 1
                 size = max(size, st.bytes)
-                resident += w.pod in warm_pods and st.tier == "gpu"
+                resident += w.pod in warm_set and st.tier == "gpu"
             elif a.canary is not None and st.version == a.canary.version:
                 canary_registered += 1
     instances.sort(key=lambda i: (i["pod"], i["version"]))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -138,8 +139,7 @@ class DesiredState:
 
     def __post_init__(self) -> None:
         _int(self.generation, "generation", lo=0)
-        names = [a.name for a in self.adapters]
-        dup = sorted({n for n in names if names.count(n) > 1})
+        dup = sorted(n for n, c in Counter(a.name for a in self.adapters).items() if c > 1)
         _require(not dup, "adapters", f"names must be unique (duplicated: {', '.join(dup)})")
 
     def by_name(self) -> dict[str, AdapterDirective]:
