@@ -284,6 +284,9 @@ def adapter_status(a: AdapterSpec, live: list[_Index], warm_pods: list[str], *, 
                f"{resident}/{target} warm workers")
         if a.canary is not None:
             msg += f"; canary {a.canary.version} registered on {canary_registered}/{len(live)}"
+        worker_errors = [f"{w.pod}: {w.w.reported.error}" for w in live if w.w.reported.error]
+        if worker_errors:  # e.g. the sidecar cannot reach its engine: say why it is not loading
+            msg += "; " + "; ".join(worker_errors)
     status = _status(a, phase, msg, now=now, validated=True, canary_active=canary_active)
     status.update({
         "stableVersion": stable_version,

@@ -352,3 +352,11 @@ def test_invalid_pool_spec_is_named_in_adapter_status():
     msg = plan.adapter_statuses["a"]["message"]
     assert plan.adapter_statuses["a"]["phase"] == "Degraded"
     assert msg.startswith("spec.pool: LoRAPool 'p' has an invalid spec") and "spec.workerSelector" in msg
+
+
+def test_loading_message_says_why_a_worker_is_behind():
+    ws = workers(2)
+    converge(pool(), [adapter("a", warm=2)], ws)
+    ws[0].reported = ReportedState(error="engine unreachable: connection refused")
+    st_ = reconcile_pool(pool(), [adapter("a", warm=2)], ws, now=NOW).adapter_statuses["a"]
+    assert st_["phase"] == "Loading" and "w0: engine unreachable: connection refused" in st_["message"]
