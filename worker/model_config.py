@@ -68,6 +68,9 @@ class ModelConfig:
             raise ModelConfigError(f"architecture {archs} is not supported; expected a Llama-architecture model")
         if raw.get("attention_bias") or raw.get("mlp_bias"):
             raise ModelConfigError("biases in attention/MLP projections are not supported")
+        window = raw.get("sliding_window")
+        if window is not None and window < raw.get("max_position_embeddings", 2048):
+            raise ModelConfigError(f"sliding-window attention (sliding_window={window}) is not supported")
         if raw.get("hidden_act", "silu") != "silu":
             raise ModelConfigError(f"hidden_act {raw['hidden_act']!r} is not supported (only silu)")
         num_heads = raw["num_attention_heads"]

@@ -59,6 +59,7 @@ def test_eos_list_tied_embeddings_and_head_dim_override():
     ({"attention_bias": True}, "biases"),
     ({"hidden_act": "gelu"}, "silu"),
     ({"num_key_value_heads": 3}, "multiple"),
+    ({"model_type": "mistral", "sliding_window": 128}, "sliding-window"),
 ])
 def test_unsupported_models_are_refused_with_the_reason(bad, match):
     with pytest.raises(ModelConfigError, match=match):
