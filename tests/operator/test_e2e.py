@@ -149,6 +149,14 @@ async def complete(session: aiohttp.ClientSession, url: str, user: str) -> str:
         return data["model"]  # name@version that served it
 
 
+async def eventually_async(check, what: str, attempts: int = 600, pause: float = 0.05):
+    for _ in range(attempts):
+        if await check():
+            return
+        await asyncio.sleep(pause)
+    raise AssertionError(f"never happened: {what}")
+
+
 @pytest.fixture(scope="module")
 def fleet_files(tmp_path_factory):
     root = tmp_path_factory.mktemp("e2e")
@@ -205,6 +213,9 @@ async def test_fleet_end_to_end(cluster, pairs):  # noqa: F811
     async def reports() -> list[dict]:
         return [await get_json(u, STAGER_TOKEN) for u in states]
 
+    async def all_serve(session: aiohttp.ClientSession, model: str) -> bool:
+        return {await complete(session, p.url, "alice") for p in pairs} == {model}
+
     async with running_operator(url, stager_token=STAGER_TOKEN):
         for p in pairs:
             await create(emulator, "pods", p.pod_body())
@@ -226,13 +237,27 @@ async def test_fleet_end_to_end(cluster, pairs):  # noqa: F811
                                    {"pod": "worker-1", "version": "v1", "tier": "gpu"}]
         assert [holds(r, "sql") for r in await reports()] == [{"v1": "gpu"}, {"v1": "gpu"}]
 
-        # Version change: both workers switch.
+        # Version change: both workers switch, and traffic during the switch never fails or sees
+        # anything but a whole version (no request lands on a half-loaded adapter).
+        switched = asyncio.Event()
+        seen: list[str] = []
+
+        async def traffic() -> None:
+            async with aiohttp.ClientSession() as session:
+                while not switched.is_set():
+                    seen.extend(await asyncio.gather(*(complete(session, p.url, "alice") for p in pairs)))
+
+        load = asyncio.create_task(traffic())
+        await eventually(lambda: seen, "traffic flowing before the change")
         await patch(emulator, "loraadapters", "sql", {"metadata": {"generation": 2},
                                                       "spec": {"version": "v2", "source": {"uri": f"s3://{BUCKET}/sql/v2/"}}})
         await eventually(lambda: loaded(status(emulator, "sql"), "v2") == {"worker-0", "worker-1"},
                          "v2 loaded on both workers", attempts=1200)
         async with aiohttp.ClientSession() as session:
-            assert {await complete(session, p.url, "alice") for p in pairs} == {"sql@v2"}
+            await eventually_async(lambda: all_serve(session, "sql@v2"), "both workers serve v2")
+        switched.set()
+        await load  # re-raises a failed request
+        assert set(seen) <= {"sql@v1", "sql@v2"} and "sql@v1" in seen
         await eventually(lambda: status(emulator, "sql")["stableVersion"] == "v2"
                          and status(emulator, "sql")["phase"] == "Ready", "switched to v2", attempts=1200)
 
