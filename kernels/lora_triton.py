@@ -155,22 +155,38 @@ def _expand_kernel(
     arange_t = tl.arange(0, BLOCK_T)
     arange_n = tl.arange(0, BLOCK_N)
     xa_base = xa_ptr + i * stride_xp
+    r_mask0 = arange_r < rank
+    b_row0 = tl.multiple_of(b_row0, ALIGN)
     for t0 in range(start, end, BLOCK_T):
         t_mask = t0 + arange_t < end
         tok = tl.load(token_ids_ptr + t0 + arange_t, mask=t_mask, other=0).to(tl.int64)
+        # The first rank tile of xa is the same for every column tile: loaded once.
+        xt0 = tl.load(xa_base + tok[:, None] * stride_xt + arange_r[None, :], mask=t_mask[:, None] & r_mask0[None, :], other=0.0)
+        if not UPCAST:
+            xt0 = xt0.to(pool_ptr.dtype.element_ty)
+        # y tiles are read two column tiles ahead: their loads are not dot operands, so the compiler's
+        # pipelining does not cover them, and a program walking many tiles would wait a full memory
+        # latency per tile.
+        y_row = y_ptr + tok[:, None] * stride_yt + col0
+        ya = tl.load(y_row + (n_lo + arange_n)[None, :], mask=t_mask[:, None] & (n_lo + arange_n < n_hi)[None, :], other=0.0)
+        yb = tl.load(y_row + (n_lo + BLOCK_N + arange_n)[None, :], mask=t_mask[:, None] & (n_lo + BLOCK_N + arange_n < n_hi)[None, :], other=0.0)
         for n0 in range(n_lo, n_hi, BLOCK_N):
+            ahead = n0 + 2 * BLOCK_N + arange_n
+            yc = tl.load(y_row + ahead[None, :], mask=t_mask[:, None] & (ahead < n_hi)[None, :], other=0.0)
             offs_n = n0 + arange_n
             n_mask = offs_n < n_hi
-            acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
-            acc = _expand_chunk(acc, xa_base, pool_ptr, b_row0, tok, t_mask, stride_xt, 0, rank, offs_n, n_mask, BLOCK_R, ALIGN, UPCAST)
-            if MULTI_CHUNK:  # ranks above BLOCK_R (the column loop stays the innermost, pipelined loop otherwise)
+            bt = tl.load(pool_ptr + b_row0[:, None] + offs_n[None, :], mask=r_mask0[:, None] & n_mask[None, :], other=0.0)
+            if UPCAST:
+                acc = tl.dot(xt0, bt.to(tl.float32), input_precision="ieee")
+            else:
+                acc = tl.dot(xt0, bt)
+            if MULTI_CHUNK:  # ranks above BLOCK_R
                 for r0 in range(BLOCK_R, rank, BLOCK_R):
                     b_row = tl.load(b_rows + r0 + arange_r, mask=r0 + arange_r < rank, other=0)
                     acc = _expand_chunk(acc, xa_base, pool_ptr, b_row, tok, t_mask, stride_xt, r0, rank, offs_n, n_mask, BLOCK_R, ALIGN, UPCAST)
-            y_ptrs = y_ptr + tok[:, None] * stride_yt + col0 + offs_n[None, :]
-            y_mask = t_mask[:, None] & n_mask[None, :]
-            y = tl.load(y_ptrs, mask=y_mask, other=0.0)
-            tl.store(y_ptrs, (y.to(tl.float32) + acc * scale).to(y.dtype), mask=y_mask)
+            tl.store(y_row + offs_n[None, :], (ya.to(tl.float32) + acc * scale).to(ya.dtype), mask=t_mask[:, None] & n_mask[None, :])
+            ya = yb
+            yb = yc
 
 
 @triton.jit
@@ -316,12 +332,13 @@ def lora_expand_triton(
     if num_segments == 0 or batch.max_rank == 0:
         return
     widest = max(n for _, n in out_slices)
-    block_n = block_n or _pow2(widest, 16, 64 if _INTERPRET else 128)
+    block_t = _block_t(batch)
+    block_n = block_n or _pow2(widest, 16, 64 if _INTERPRET or block_t >= 64 else 128)
     block_r = block_r or _pow2(batch.max_rank, 16, 128)  # the whole rank in one tile up to 128
     if cols_per_program is None:
-        # Each program walks enough column tiles that the grid is ~3 programs per SM: the metadata
-        # latency is paid once per program and the column loop is software-pipelined.
-        cols_per_program = widest * num_segments * num_proj // (3 * _num_sms(str(y.device)))
+        # Each program walks enough column tiles that the grid is ~4 programs per SM: the metadata
+        # latency is paid once per program, and the tiles' loads are in flight ahead of their use.
+        cols_per_program = widest * num_segments * num_proj // (4 * _num_sms(str(y.device)))
     cols_per_program = triton.cdiv(max(block_n, min(cols_per_program, widest)), block_n) * block_n
     slices = tuple(v for p, (start, n) in zip(proj_ids, out_slices, strict=True) for v in (p, start, n))
     assert all(0 <= p < NUM_PROJS for p in proj_ids)
@@ -343,7 +360,7 @@ def lora_expand_triton(
         layout.max_slots,
         layout.max_rank,
         cols_per_program,
-        BLOCK_T=_block_t(batch),
+        BLOCK_T=block_t,
         BLOCK_R=block_r,
         BLOCK_N=block_n,
         ALIGN=layout.row_align,
