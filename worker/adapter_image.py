@@ -82,6 +82,25 @@ class AdapterImage:
         return out[0], out[1]
 
 
+    def write_slot(self, layout, slot: int, page_ids: list[int]) -> None:
+        """Describe this adapter, now sitting in `page_ids`, in `layout` under `slot`. The ranks are
+        written last: until then the slot reads as "no adapter", never as half an adapter."""
+        a_glob, b_glob = self.global_offsets(page_ids, layout.pool.shape[1])
+        device, width = layout.ranks.device, a_glob.shape[-1]
+        layout.a_offsets[:, :, slot].zero_()
+        layout.b_offsets[:, :, slot].zero_()
+        layout.a_offsets[:, :, slot, :width] = a_glob.to(device)
+        layout.b_offsets[:, :, slot, :width] = b_glob.to(device)
+        layout.scales[:, :, slot] = self.scales.to(device)
+        layout.ranks[:, :, slot] = self.ranks.to(device)
+
+
+def clear_slot(layout, slot: int) -> None:
+    """The slot holds no adapter any more (rank 0 everywhere: kernels skip it)."""
+    layout.ranks[:, :, slot] = 0
+    layout.scales[:, :, slot] = 0.0
+
+
 def pack_adapter(
     modules: dict,
     dims: ModelDims,

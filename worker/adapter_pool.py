@@ -22,7 +22,6 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass, field
 
 import torch
 
@@ -34,43 +33,15 @@ from lorafleet.worker.adapter_entry import (
     Loader,
     split_key,
 )
-from lorafleet.worker.adapter_image import ModelDims, pack_adapter
+from lorafleet.worker.adapter_image import ModelDims, clear_slot, pack_adapter
 from lorafleet.worker.adapter_metrics import AdapterMetrics
-from lorafleet.worker.eviction import EvictionCandidate, make_policy
+from lorafleet.worker.adapter_pool_check import check_adapter_pool
+from lorafleet.worker.adapter_pool_config import AdapterPoolConfig, TenantQuota
+from lorafleet.worker.eviction import EvictionCandidate, make_policy, plan_placement
+from lorafleet.worker.page_copier import PageCopier
 from lorafleet.worker.page_pool import PagePool
 
-
-@dataclass(slots=True)
-class TenantQuota:
-    """Most adapters / bytes one tenant may hold on the GPU at once (None = no limit)."""
-
-    max_adapters: int | None = None
-    max_bytes: int | None = None
-
-
-@dataclass(slots=True)
-class AdapterPoolConfig:
-    max_slots: int = 64  # adapters resident on the GPU at once
-    max_rank: int = 64
-    cpu_budget_bytes: int = 4 << 30  # warm tier
-    eviction_policy: str = "lru"  # lru | lfu | cost
-    num_load_threads: int = 2
-    tenant_quotas: dict[str, TenantQuota] = field(default_factory=dict)
-    default_quota: TenantQuota = field(default_factory=TenantQuota)
-    pin_cpu: bool | None = None  # pinned CPU tier; None = when the pool lives on a CUDA device
-    load_timeout_s: float | None = 300.0  # a disk/stager load still running after this fails its waiters
-
-    def __post_init__(self) -> None:
-        if self.max_slots <= 0 or self.max_rank <= 0:
-            raise ValueError(f"max_slots ({self.max_slots}) and max_rank ({self.max_rank}) must be > 0")
-        if self.cpu_budget_bytes < 0:
-            raise ValueError("cpu_budget_bytes must be >= 0")
-        if self.load_timeout_s is not None and self.load_timeout_s <= 0:
-            raise ValueError("load_timeout_s must be > 0 or None")
-        make_policy(self.eviction_policy)  # validates the name
-
-    def quota(self, tenant: str) -> TenantQuota:
-        return self.tenant_quotas.get(tenant, self.default_quota)
+__all__ = ["AdapterPool", "AdapterPoolConfig", "TenantQuota"]
 
 
 class AdapterPool:
@@ -92,9 +63,9 @@ class AdapterPool:
             a_offsets=torch.zeros(*shape, config.max_rank, dtype=torch.int64, device=self.device),
             b_offsets=torch.zeros(*shape, config.max_rank, dtype=torch.int64, device=self.device),
         )
-        self._side_stream = torch.cuda.Stream(self.device) if self._cuda else None
-        page_pool.set_reclaimer("adapter", self._reclaim_for_kv)
         self._executor = ThreadPoolExecutor(config.num_load_threads, thread_name_prefix="adapter-load")
+        self._copier = PageCopier(pool, self._executor)
+        page_pool.set_reclaimer("adapter", self._reclaim_for_kv)
         self._lock = threading.RLock()
         self._entries: dict[str, AdapterEntry] = {}
         self._current: dict[str, str] = {}  # name -> key that resolve() answers
@@ -297,7 +268,7 @@ class AdapterPool:
                 entry.fetching = None  # the stuck thread's result, if it ever comes, is dropped
                 self._fail(entry, f"load timed out after {timeout:g} s (download or disk too slow?)", tier="disk")
                 changed = True
-            if entry.copying is not None and self._copy_done(entry):
+            if entry.copying is not None and self._copier.is_done(entry.copying):
                 self._finish_copy(entry)
                 changed = True
             if entry.fetching is None and entry.copying is None:
@@ -445,37 +416,9 @@ class AdapterPool:
     def check(self) -> None:
         """Raise AssertionError unless pages, slots, layout, refcounts and quotas agree."""
         with self._lock:
-            self.page_pool.check()
-            owners = set(self.page_pool.owners("adapter"))
-            seen_slots: set[int] = set()
-            tenants: dict[str, list[AdapterEntry]] = {}
-            ranks = self.layout.ranks.cpu()
-            for e in self._entries.values():
-                assert e.refcount >= 0, f"{e.key}: refcount {e.refcount}"
-                assert e.refcount == 0 or e.resident, f"{e.key}: referenced but not resident"
-                if e.on_gpu:
-                    assert e.slot not in seen_slots, f"slot {e.slot} held twice"
-                    seen_slots.add(e.slot)
-                    assert self._slot_owner.get(e.slot) is e, f"{e.key}: slot table disagrees"
-                    assert self.page_pool.pages_of(("adapter", e.key)) == e.page_ids, f"{e.key}: pages disagree"
-                    owners.discard(("adapter", e.key))
-                    tenants.setdefault(e.tenant, []).append(e)
-                else:
-                    assert not e.page_ids and not e.resident, f"{e.key}: pages without a slot"
-                if not e.resident and e.slot is not None:
-                    assert int(ranks[:, :, e.slot].abs().sum()) == 0, f"{e.key}: visible before its copy finished"
-            assert not owners, f"adapter pages owned by unknown adapters: {owners}"
-            assert seen_slots.isdisjoint(self._free_slots), "a slot is both free and held"
-            assert len(seen_slots) + len(self._free_slots) == self.config.max_slots, "slots leaked"
-            for slot in self._free_slots:
-                assert int(ranks[:, :, slot].abs().sum()) == 0, f"free slot {slot} still visible to kernels"
-            for tenant, held in tenants.items():
-                quota = self.config.quota(tenant)
-                assert quota.max_adapters is None or len(held) <= quota.max_adapters, f"{tenant}: over adapter quota"
-                assert quota.max_bytes is None or sum(e.gpu_bytes for e in held) <= quota.max_bytes, \
-                    f"{tenant}: over byte quota"
-            for name, key in self._current.items():
-                assert key in self._entries and not self._entries[key].retired, f"{name}: current {key} missing"
+            check_adapter_pool(page_pool=self.page_pool, layout=self.layout, entries=self._entries,
+                               slot_owner=self._slot_owner, free_slots=self._free_slots, config=self.config,
+                               current=self._current)
 
     # ---- internals: loading --------------------------------------------------------------------
     def _get(self, key: str) -> AdapterEntry:
@@ -553,42 +496,19 @@ class AdapterPool:
     # ---- internals: placement on the GPU -------------------------------------------------------
     def _placement_plan(self, entry: AdapterEntry) -> list[AdapterEntry] | None:
         """Victims to evict so `entry` fits (pages, slot, tenant quota), or None if it cannot fit now."""
-        image = entry.image
-        need = image.num_pages
-        quota = self.config.quota(entry.tenant)
-        if quota.max_bytes is not None and image.nbytes > quota.max_bytes:
-            return None
         # Not evictable: in use, pinned, a new version about to switch, or loaded for requests that
         # have not picked it up yet (evicting those makes waiting requests evict each other forever).
         candidates = [e for e in self._slot_owner.values()
                       if e.resident and e.refcount == 0 and not e.pinned and e is not entry
                       and not e.waiters and self._pending.get(e.name) != e.key]
-        ordered = self._eviction_order(candidates)
         mine = [e for e in self._slot_owner.values() if e.tenant == entry.tenant]
-        victims: list[AdapterEntry] = []
-        # Tenant quota first: only the tenant's own adapters make room for it.
-        count, nbytes = len(mine), sum(e.gpu_bytes for e in mine)
-        for victim in (e for e in ordered if e.tenant == entry.tenant):
-            over_count = quota.max_adapters is not None and count + 1 > quota.max_adapters
-            over_bytes = quota.max_bytes is not None and nbytes + image.nbytes > quota.max_bytes
-            if not (over_count or over_bytes):
-                break
-            victims.append(victim)
-            count, nbytes = count - 1, nbytes - victim.gpu_bytes
-        if (quota.max_adapters is not None and count + 1 > quota.max_adapters) or \
-                (quota.max_bytes is not None and nbytes + image.nbytes > quota.max_bytes):
-            return None
-        free_pages = self.page_pool.available("adapter") + sum(len(v.page_ids) for v in victims)
-        free_slots = len(self._free_slots) + len(victims)
-        for victim in (e for e in ordered if e not in victims):
-            if free_pages >= need and free_slots >= 1:
-                break
-            victims.append(victim)
-            free_pages += len(victim.page_ids)
-            free_slots += 1
-        if free_pages < need or free_slots < 1:
-            return None
-        return victims
+        keys = plan_placement(
+            need_pages=entry.image.num_pages, nbytes=entry.image.nbytes, tenant=entry.tenant,
+            quota=self.config.quota(entry.tenant),
+            ordered=[(e.key, e.tenant, len(e.page_ids), e.gpu_bytes) for e in self._eviction_order(candidates)],
+            tenant_count=len(mine), tenant_bytes=sum(e.gpu_bytes for e in mine),
+            free_pages=self.page_pool.available("adapter"), free_slots=len(self._free_slots))
+        return None if keys is None else [self._entries[k] for k in keys]
 
     def _try_place(self, entry: AdapterEntry) -> bool:
         if entry.on_gpu or entry.image is None or entry.retired:
@@ -607,9 +527,11 @@ class AdapterPool:
                 self._fail(entry, f"needs {entry.image.num_pages} pages; adapters may use at most {most} pages of "
                                   f"the pool (raise the pool size or the adapter ceiling)", tier="gpu")
             return False
-        quota_victims = {v.key for v in victims if v.tenant == entry.tenant}
+        quota = self.config.quota(entry.tenant)
         for victim in victims:
-            self._evict_gpu(victim, "quota" if victim.key in quota_victims and self._over_quota(entry) else "capacity")
+            mine = [e for e in self._slot_owner.values() if e.tenant == entry.tenant]
+            over = quota.exceeded(len(mine) + 1, sum(e.gpu_bytes for e in mine) + entry.image.nbytes)
+            self._evict_gpu(victim, "quota" if over and victim.tenant == entry.tenant else "capacity")
         image = entry.image
         entry.page_ids = self.page_pool.allocate(image.num_pages, ("adapter", entry.key), used_elems=image.used_elems)
         entry.slot = self._free_slots.pop()
@@ -619,67 +541,23 @@ class AdapterPool:
         self._start_copy(entry)
         return True
 
-    def _over_quota(self, entry: AdapterEntry) -> bool:
-        quota = self.config.quota(entry.tenant)
-        mine = [e for e in self._slot_owner.values() if e.tenant == entry.tenant]
-        return (quota.max_adapters is not None and len(mine) + 1 > quota.max_adapters) or (
-            quota.max_bytes is not None and sum(e.gpu_bytes for e in mine) + entry.image.nbytes > quota.max_bytes)
-
     def _start_copy(self, entry: AdapterEntry) -> None:
         self._inflight.add(entry.key)
-        image, pool = entry.image, self.page_pool.pool
-        runs = _page_runs(entry.page_ids)
-        if self._cuda:
-            # Pages may have been freed by work still queued on the compute stream: wait for it.
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(self.device))
-            start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            with torch.cuda.stream(self._side_stream):
-                self._side_stream.wait_event(ready)
-                start.record(self._side_stream)
-                for dst, src, n in runs:
-                    pool[dst : dst + n].copy_(image.pages[src : src + n], non_blocking=True)
-                done.record(self._side_stream)
-            entry.copying = (done, start, image)  # the image stays referenced until the copy is done
-        else:
-            def job():
-                t0 = time.perf_counter()
-                for dst, src, n in runs:
-                    pool[dst : dst + n].copy_(image.pages[src : src + n])
-                return time.perf_counter() - t0
-
-            entry.copying = self._executor.submit(job)
-
-    def _copy_done(self, entry: AdapterEntry) -> bool:
-        if isinstance(entry.copying, tuple):
-            return entry.copying[0].query()
-        return entry.copying.done()
+        entry.copying = self._copier.start(entry.image.pages, entry.page_ids)
 
     def _finish_copy(self, entry: AdapterEntry) -> None:
-        copying, entry.copying = entry.copying, None
-        if isinstance(copying, tuple):
-            seconds = copying[1].elapsed_time(copying[0]) / 1000.0
-        else:
-            try:
-                seconds = copying.result()
-            except Exception as exc:
-                self._release_gpu(entry)
-                self._fail(entry, f"copy to the device failed: {exc}", tier="gpu")
-                return
+        handle, entry.copying = entry.copying, None
+        try:
+            seconds = self._copier.seconds(handle)
+        except Exception as exc:
+            self._release_gpu(entry)
+            self._fail(entry, f"copy to the device failed: {exc}", tier="gpu")
+            return
         if entry.retired:
             self._release_gpu(entry)
             self._drop(entry, reason="version")
             return
-        image, slot = entry.image, entry.slot
-        a_glob, b_glob = image.global_offsets(entry.page_ids, self.page_pool.page_elems)
-        width = a_glob.shape[-1]
-        lay = self.layout
-        lay.a_offsets[:, :, slot].zero_()
-        lay.b_offsets[:, :, slot].zero_()
-        lay.a_offsets[:, :, slot, :width] = a_glob.to(self.device)
-        lay.b_offsets[:, :, slot, :width] = b_glob.to(self.device)
-        lay.scales[:, :, slot] = image.scales.to(self.device)
-        lay.ranks[:, :, slot] = image.ranks.to(self.device)  # last: the slot becomes visible here
+        entry.image.write_slot(self.layout, entry.slot, entry.page_ids)  # the slot becomes visible here
         entry.resident = True
         entry.copy_seconds = seconds
         self._counts["loads"]["gpu"] += 1
@@ -720,8 +598,7 @@ class AdapterPool:
 
     def _release_gpu(self, entry: AdapterEntry) -> None:
         slot = entry.slot
-        self.layout.ranks[:, :, slot] = 0
-        self.layout.scales[:, :, slot] = 0.0
+        clear_slot(self.layout, slot)
         self.page_pool.free(entry.page_ids)
         entry.page_ids = []
         entry.slot = None
@@ -815,24 +692,11 @@ class AdapterPool:
 
     def _wait_some(self, timeout: float) -> None:
         with self._lock:
-            futures = [f for e in self._entries.values() for f in (e.fetching, e.copying)
-                       if f is not None and not isinstance(f, tuple)]
-            events = [e.copying[0] for e in self._entries.values() if isinstance(e.copying, tuple)]
-        for event in events:
-            event.synchronize()
-        if futures:
-            wait_futures(futures, timeout=timeout, return_when="FIRST_COMPLETED")
-        elif not events:
+            fetches = [e.fetching for e in self._entries.values() if e.fetching is not None]
+            copies = [e.copying for e in self._entries.values() if e.copying is not None]
+        for handle in copies:
+            self._copier.wait(handle, timeout)
+        if fetches:
+            wait_futures(fetches, timeout=timeout, return_when="FIRST_COMPLETED")
+        elif not copies:
             time.sleep(timeout)
-
-
-def _page_runs(page_ids: list[int]) -> list[tuple[int, int, int]]:
-    """Runs of consecutive page ids as (first pool page, first image page, length): one copy each."""
-    runs: list[tuple[int, int, int]] = []
-    for src, pid in enumerate(page_ids):
-        if runs and runs[-1][0] + runs[-1][2] == pid:
-            dst, s, n = runs[-1]
-            runs[-1] = (dst, s, n + 1)
-        else:
-            runs.append((pid, src, 1))
-    return runs

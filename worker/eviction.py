@@ -67,3 +67,34 @@ def make_policy(name: str) -> EvictionPolicy:
         return POLICIES[name]()
     except KeyError:
         raise ValueError(f"unknown eviction policy {name!r}; choose one of {sorted(POLICIES)}") from None
+
+
+def plan_placement(*, need_pages: int, nbytes: int, tenant: str, quota, ordered: list[tuple[str, str, int, int]],
+                   tenant_count: int, tenant_bytes: int, free_pages: int, free_slots: int) -> list[str] | None:
+    """Which evictable adapters to evict so a new one fits, or None if it cannot fit now.
+
+    ordered: evictable adapters, first to evict first, as (key, tenant, pages, bytes). The tenant's
+    quota (a TenantQuota) is made first, and only from the tenant's own adapters, so one tenant can
+    never push out everyone else's; then pages and a slot, from anyone's. Nothing is chosen unless
+    the whole need can be met (no pointless evictions).
+    """
+    victims: list[tuple[str, str, int, int]] = []
+    count, held = tenant_count, tenant_bytes
+    for cand in (c for c in ordered if c[1] == tenant):
+        if not quota.exceeded(count + 1, held + nbytes):
+            break
+        victims.append(cand)
+        count, held = count - 1, held - cand[3]
+    if quota.exceeded(count + 1, held + nbytes):
+        return None
+    pages = free_pages + sum(v[2] for v in victims)
+    slots = free_slots + len(victims)
+    for cand in (c for c in ordered if c not in victims):
+        if pages >= need_pages and slots >= 1:
+            break
+        victims.append(cand)
+        pages += cand[2]
+        slots += 1
+    if pages < need_pages or slots < 1:
+        return None
+    return [v[0] for v in victims]

@@ -1,0 +1,44 @@
+"""AdapterPoolConfig: the adapter pool's budgets and policies; TenantQuota: one tenant's GPU share."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lorafleet.worker.eviction import make_policy
+
+
+@dataclass(slots=True)
+class TenantQuota:
+    """Most adapters / bytes one tenant may hold on the GPU at once (None = no limit)."""
+
+    max_adapters: int | None = None
+    max_bytes: int | None = None
+
+    def exceeded(self, count: int, nbytes: int) -> bool:
+        return (self.max_adapters is not None and count > self.max_adapters) or (
+            self.max_bytes is not None and nbytes > self.max_bytes)
+
+
+@dataclass(slots=True)
+class AdapterPoolConfig:
+    max_slots: int = 64  # adapters resident on the GPU at once
+    max_rank: int = 64
+    cpu_budget_bytes: int = 4 << 30  # warm tier
+    eviction_policy: str = "lru"  # lru | lfu | cost
+    num_load_threads: int = 2
+    tenant_quotas: dict[str, TenantQuota] = field(default_factory=dict)
+    default_quota: TenantQuota = field(default_factory=TenantQuota)
+    pin_cpu: bool | None = None  # pinned CPU tier; None = when the pool lives on a CUDA device
+    load_timeout_s: float | None = 300.0  # a disk/stager load still running after this fails its waiters
+
+    def __post_init__(self) -> None:
+        if self.max_slots <= 0 or self.max_rank <= 0:
+            raise ValueError(f"max_slots ({self.max_slots}) and max_rank ({self.max_rank}) must be > 0")
+        if self.cpu_budget_bytes < 0:
+            raise ValueError("cpu_budget_bytes must be >= 0")
+        if self.load_timeout_s is not None and self.load_timeout_s <= 0:
+            raise ValueError("load_timeout_s must be > 0 or None")
+        make_policy(self.eviction_policy)  # validates the name
+
+    def quota(self, tenant: str) -> TenantQuota:
+        return self.tenant_quotas.get(tenant, self.default_quota)
