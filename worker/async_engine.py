@@ -74,7 +74,8 @@ class AsyncEngine:
         self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, adapter: str | None = None
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as steps produce them. Raises EngineError (bad request) before the
-        first output, or RuntimeError if the engine stops or fails."""
+        first output; the request's failure (AdapterLoadError, CapacityError); RuntimeError if the
+        engine stops or fails."""
         if not self.is_running:
             raise RuntimeError("the engine is not running (call start() first)")
         loop = asyncio.get_running_loop()
@@ -94,6 +95,8 @@ class AsyncEngine:
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
+                if item.finish_reason == "error":  # e.g. AdapterLoadError: the caller maps it to a status
+                    raise item.exception or RuntimeError(item.error)
                 yield item
                 if finished:
                     return

@@ -321,6 +321,7 @@ class Engine:
             finished=seq.is_finished,
             finish_reason=seq.finish_reason,
             error=seq.error,
+            exception=seq.exception,
             adapter=seq.adapter,
             num_preemptions=seq.num_preemptions,
         )

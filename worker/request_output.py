@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from lorafleet.worker.sequence import TokenLogprob
 
@@ -20,5 +20,6 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None  # set with finish_reason "error" (e.g. the adapter failed to load)
+    exception: Exception | None = field(default=None, repr=False, compare=False)  # the failure, to re-raise
     adapter: str | None = None  # "name@version" that served it, None for the base model
     num_preemptions: int = 0

@@ -22,6 +22,10 @@ from lorafleet.worker.page_pool import PagePoolError
 from lorafleet.worker.sequence import Sequence, SequenceStatus
 
 
+class CapacityError(RuntimeError):
+    """A request can never get the KV pages it needs in the current pool."""
+
+
 class AdapterSlots(Protocol):
     """The part of the AdapterPool the scheduler uses. `acquire` raises when the adapter cannot be
     loaded (only the sequences waiting for it fail)."""
@@ -156,7 +160,7 @@ class Scheduler:
             try:
                 admit = self._can_admit_adapter(seq, loras)
             except Exception as exc:  # the adapter failed to load: this request fails, others go on
-                self._fail(seq, str(exc))
+                self._fail(seq, exc)
                 continue
             if not admit:
                 skipped.append(seq)
@@ -169,9 +173,10 @@ class Scheduler:
                     self._stuck_steps += 1
                     if self._stuck_steps > self.max_stuck_steps:
                         self._stuck_steps = 0
-                        self._fail(seq, f"needs {self.block_manager.num_blocks_needed(seq, num_new)} KV pages "
-                                        "but no more can be freed (pinned or in-use adapters hold the rest of the "
-                                        "pool); shorten the prompt, unpin adapters or give the engine a larger pool")
+                        self._fail(seq, CapacityError(
+                            f"needs {self.block_manager.num_blocks_needed(seq, num_new)} KV pages but no more can be "
+                            "freed (pinned or in-use adapters hold the rest of the pool); shorten the prompt, unpin "
+                            "adapters or give the engine a larger pool"))
                         continue
                 self.waiting.appendleft(seq)  # arrival order for pages: no overtaking a big prompt
                 break
@@ -224,9 +229,10 @@ class Scheduler:
             seq.adapter_slot = self.adapter_pool.acquire(seq.adapter, seq.seq_id)
         return seq.adapter_slot is not None
 
-    def _fail(self, seq: Sequence, message: str) -> None:
+    def _fail(self, seq: Sequence, exc: Exception) -> None:
         """Finish a waiting (already dequeued) sequence with an error the engine reports."""
-        seq.error = message
+        seq.error = str(exc)
+        seq.exception = exc
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = "error"
         self.block_manager.free(seq)

@@ -52,6 +52,7 @@ class Sequence:
         self.logprobs: list[TokenLogprob] = []
         self.finish_reason: str | None = None
         self.error: str | None = None  # why the request failed (finish_reason "error")
+        self.exception: Exception | None = None  # the failure itself (e.g. AdapterLoadError)
         self.text = ""
         self.generator: torch.Generator | None = None  # per-sequence RNG when seeded
 

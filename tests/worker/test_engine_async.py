@@ -97,3 +97,19 @@ async def test_stop_ends_streams_in_flight(tiny_llama_dir):
         async for _ in stream:
             pass
     assert not ae.is_running and engine.page_pool.num_used("kv") == 0
+
+
+async def test_adapter_load_failure_is_raised_to_its_stream_only(async_engine):
+    from lorafleet.worker.adapter_entry import AdapterLoadError
+
+    def broken_loader():
+        raise OSError("disk read failed")
+
+    await asyncio.wrap_future(async_engine.call(lambda e: e.adapter_pool.add("broken@1", loader=broken_loader)))
+    bad = asyncio.create_task(_collect(async_engine, "bad", PROMPTS[0], GREEDY, adapter="broken"))
+    good = asyncio.create_task(_collect(async_engine, "good", PROMPTS[2]))
+    with pytest.raises(AdapterLoadError, match="disk read failed"):
+        await bad
+    assert (await good)[-1].finish_reason == "length"
+    state = await asyncio.wrap_future(async_engine.call(lambda e: (len(e.requests), e.page_pool.num_used("kv"))))
+    assert state == (0, 0)
