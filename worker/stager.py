@@ -121,6 +121,7 @@ class Stager:
         self._by_uri: dict[str, str] = {}  # uri -> cache key of its last staged copy (store-down fallback)
         self.counts = {"downloads": 0, "download_bytes": 0, "hits": 0, "misses": 0, "failures": 0}
         self.download_seconds: list[float] = []
+        self.downloading: dict[str, tuple[int, int]] = {}  # uri -> (bytes done, bytes total), while in progress
         self.generation = 0
         self.desired: DesiredState | None = None
         self.forwarded: dict[str, AdapterDirective] = {}  # name -> directive with local paths
@@ -172,12 +173,18 @@ class Stager:
             return Staged(path, (path / ".sha256").read_text().strip(), cached=False)
 
     def _download(self, uri: str, sha256: str | None, key: str) -> Path:
+        def progress(done: int, total: int) -> None:
+            self.downloading[uri] = (done, total)
+
         def fill(tmp: Path) -> None:
-            self.sources.download(uri, tmp)
+            self.sources.download(uri, tmp, progress=progress)
             digest = verify_digest(tmp, sha256, uri)  # before the rename: a bad download is never visible
             (tmp / ".sha256").write_text(digest + "\n")
 
-        return self.cache.put(key, fill, protect=self._protected())
+        try:
+            return self.cache.put(key, fill, protect=self._protected())
+        finally:
+            self.downloading.pop(uri, None)
 
     def _protected(self) -> set[str]:
         return {s.path.name for s in self.staged.values() if s.path.parent == self.cache.root}
@@ -261,6 +268,7 @@ class Stager:
     def disk_stats(self) -> dict[str, Any]:
         return {"cache_bytes": self.cache.used_bytes, "cache_entries": len(self.cache.entries()),
                 "cache_evictions": self.cache.evictions, **self.counts,
+                "downloading": {u: {"done": d, "total": t} for u, (d, t) in list(self.downloading.items())},
                 "download_seconds": list(self.download_seconds[-100:])}
 
     async def seed(self, uri: str) -> None:

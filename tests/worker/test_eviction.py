@@ -64,3 +64,23 @@ def test_policy_decides_the_victim_inside_the_pool(policy, survivor):
     assert not pool.entry(victim).resident
     pool.check()
     pool.close()
+
+
+def test_plan_placement_quota_first_then_pages_and_nothing_pointless():
+    from lorafleet.worker.adapter_pool_config import TenantQuota
+    from lorafleet.worker.eviction import plan_placement
+
+    ordered = [("x1", "other", 4, 400), ("m1", "me", 2, 200), ("x2", "other", 4, 400), ("m2", "me", 2, 200)]
+    common = {"nbytes": 200, "tenant": "me", "ordered": ordered, "free_slots": 0}
+    # Over quota (2 of 2 held): my own least valuable adapter goes first, even if another's is older.
+    assert plan_placement(need_pages=2, quota=TenantQuota(max_adapters=2), tenant_count=2, tenant_bytes=400,
+                          free_pages=0, **common) == ["m1"]
+    # No quota: the policy order decides; enough pages after x1.
+    assert plan_placement(need_pages=3, quota=TenantQuota(), tenant_count=2, tenant_bytes=400, free_pages=0,
+                          **common) == ["x1"]
+    # Cannot fit even after evicting everything: evict nothing.
+    assert plan_placement(need_pages=100, quota=TenantQuota(), tenant_count=2, tenant_bytes=400, free_pages=0,
+                          **common) is None
+    # A byte quota the adapter alone exceeds can never be met.
+    assert plan_placement(need_pages=1, quota=TenantQuota(max_bytes=100), tenant_count=0, tenant_bytes=0,
+                          free_pages=10, nbytes=200, tenant="me", ordered=[], free_slots=1) is None

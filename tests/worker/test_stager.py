@@ -327,3 +327,20 @@ async def test_directives_are_staged_and_forwarded_with_local_paths(s3, stager, 
             assert pushes[-1]["adapters"][0]["stable"]["version"] == "v3"
     finally:
         await asyncio.to_thread(proc.stop)
+
+
+def test_download_reports_progress_and_fetches_only_adapter_files(s3, stager, peft_dirs, tmp_path):
+    from lorafleet.worker.sources import Sources, SourcesConfig
+
+    s3.client().put_object("adapters", "team/alpha/adapter_model.bin", __import__("io").BytesIO(b"pickle"), 6)
+    src = Sources(SourcesConfig(s3_allow=["adapters/team/"], s3_endpoint=s3.endpoint, s3_access_key=s3.access_key,
+                                s3_secret_key=s3.secret_key, s3_secure=False))
+    seen = []
+    src.download(uri("alpha"), tmp_path / "a", progress=lambda done, total: seen.append((done, total)))
+    total = sum(f.stat().st_size for f in peft_dirs["alpha"].iterdir() if f.is_file())
+    assert seen and seen[-1] == (total, total) and all(a[0] <= b[0] for a, b in zip(seen, seen[1:], strict=False))
+    assert not (tmp_path / "a" / "adapter_model.bin").exists()  # pickles are never fetched
+    assert adapter_digest(tmp_path / "a") == adapter_digest(peft_dirs["alpha"])
+    with pytest.raises(Exception, match="SignatureDoesNotMatch|InvalidAccessKeyId|Access Denied|AccessDenied"):
+        Sources(SourcesConfig(s3_allow=["adapters/team/"], s3_endpoint=s3.endpoint, s3_access_key=s3.access_key,
+                              s3_secret_key="wrong-secret-key", s3_secure=False)).download(uri("alpha"), tmp_path / "b")
