@@ -461,3 +461,21 @@ def test_on_cuda_the_cpu_tier_is_pinned_and_copies_land_intact():
     for slot in slots.values():
         pool.release(slot)
     pool.close()
+
+
+def test_a_slot_is_invisible_to_kernels_until_its_copy_finished():
+    # The seed's pitfall: requests computing with half-loaded weights during a (hot) update.
+    pool = make_pool(num_load_threads=1)
+    gate = threading.Event()
+    pool._executor.submit(gate.wait, 30)  # the only copy thread is busy: the copy below waits its turn
+    pool.add("h@1", random_weights(1))
+    assert pool.acquire("h@1", waiter=1) is None
+    entry = pool.entry("h@1")
+    assert entry.slot is not None and entry.copying is not None and not entry.resident
+    assert int(pool.layout.ranks[:, :, entry.slot].abs().sum()) == 0  # kernels see "no adapter"
+    pool.check()
+    gate.set()
+    pool.wait_idle()
+    assert pool.acquire("h@1", waiter=1) == entry.slot
+    assert int(pool.layout.ranks[:, :, entry.slot].abs().sum()) > 0
+    pool.close()
