@@ -54,6 +54,8 @@ class Sequence:
         self.error: str | None = None  # why the request failed (finish_reason "error")
         self.exception: Exception | None = None  # the failure itself (e.g. AdapterLoadError)
         self.text = ""
+        self.detok_prefix = 0  # output-token offsets of the Detokenizer (see detokenizer.py)
+        self.detok_read = 0
         self.generator: torch.Generator | None = None  # per-sequence RNG when seeded
 
     @property

@@ -2,19 +2,20 @@
 text is final (safe to stream).
 
 Text is the decode of all generated tokens (special tokens skipped; a final stop token is not
-text). A stop string ends the request with the text cut before it (or after it when asked); it is
+text), grown incrementally by the Detokenizer. A stop string ends the request with the text cut before it (or after it when asked); it is
 searched only where it could newly appear: from `len(previous text) - len(longest stop) + 1`.
 """
 
 from __future__ import annotations
 
+from lorafleet.worker.detokenizer import Detokenizer
 from lorafleet.worker.sequence import Sequence
 from lorafleet.worker.tokenizer import Tokenizer
 
 
 class StopChecker:
     def __init__(self, tokenizer: Tokenizer | None, eos_token_ids: list[int], max_model_len: int) -> None:
-        self.tokenizer = tokenizer
+        self.detokenizer = Detokenizer(tokenizer) if tokenizer is not None else None
         self.eos_token_ids = set(eos_token_ids)
         self.max_model_len = max_model_len
 
@@ -23,10 +24,10 @@ class StopChecker:
         params = seq.params
         token = seq.output_token_ids[-1]
         stop_token = token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)
-        if self.tokenizer is not None:
-            ids = seq.output_token_ids[:-1] if stop_token else seq.output_token_ids
+        end = len(seq.output_token_ids) - 1 if stop_token else len(seq.output_token_ids)
+        if self.detokenizer is not None:
             prev = len(seq.text)
-            seq.text = self.tokenizer.decode(ids)
+            self.detokenizer.append(seq, end)
             if params.stop and not stop_token:
                 window = max(0, prev - max(len(s) for s in params.stop) + 1)
                 hits = [(i, s) for s in params.stop if (i := seq.text.find(s, window)) >= 0]
@@ -39,6 +40,8 @@ class StopChecker:
             seq.finish_reason = "stop"
         elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             seq.finish_reason = "length"
+        if seq.finish_reason is not None and self.detokenizer is not None:
+            self.detokenizer.flush(seq, end)
 
     @staticmethod
     def final_text_len(seq: Sequence, emitted: int) -> int:

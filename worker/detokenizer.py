@@ -1,0 +1,37 @@
+"""Detokenizer: a sequence's output text, grown by a few tokens per step instead of re-decoding all.
+
+Two offsets into the output ids: text for tokens before `read` is final; `prefix` starts a short
+window of already-final tokens decoded again for context (tokenizers drop or merge characters at a
+decode's start, e.g. SentencePiece's leading space, so a window must not start at the new token).
+New text = decode(window + new) minus decode(window). A token that ends inside a UTF-8 character
+decodes to U+FFFD; its text waits until the character is complete. Running example, "é" as two byte
+tokens [c3, a9]: after c3 the window decodes to "\ufffd" (nothing appended); after a9 to "é".
+"""
+
+from __future__ import annotations
+
+from lorafleet.worker.sequence import Sequence
+from lorafleet.worker.tokenizer import Tokenizer
+
+
+class Detokenizer:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def append(self, seq: Sequence, end: int) -> None:
+        """Extend seq.text with the text of seq.output_token_ids[:end] that is complete."""
+        prefix_text, new_text = self._window(seq, end)
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            seq.text += new_text[len(prefix_text):]
+            seq.detok_prefix, seq.detok_read = seq.detok_read, end
+
+    def flush(self, seq: Sequence, end: int) -> None:
+        """At the end: add what is left, an incomplete character rendered as U+FFFD like a full decode."""
+        prefix_text, new_text = self._window(seq, end)
+        seq.text += new_text[len(prefix_text):]
+        seq.detok_prefix = seq.detok_read = end
+
+    def _window(self, seq: Sequence, end: int) -> tuple[str, str]:
+        ids = seq.output_token_ids
+        decode = self.tokenizer.decode
+        return decode(ids[seq.detok_prefix : seq.detok_read]), decode(ids[seq.detok_prefix : end])
