@@ -47,6 +47,10 @@ BASE = "tiny"
 NUM_REQUESTS = 200
 
 
+class PortInUse(RuntimeError):
+    """A child exited because its port was taken."""
+
+
 class Child:
     """A child process with its log in a file; stopped by its own PID (TERM, then KILL)."""
 
@@ -65,7 +69,9 @@ class Child:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.args[0]} exited {self.proc.returncode}:\n{self.log_path.read_text()[-3000:]}")
+                log = self.log_path.read_text()[-3000:]
+                error = PortInUse if "in use" in log.lower() else RuntimeError
+                raise error(f"{self.args[0]} exited {self.proc.returncode}:\n{log}")
             try:
                 with urllib.request.urlopen(url, timeout=2) as r:
                     if r.status == 200:
@@ -95,8 +101,15 @@ class WorkerPair:
 
     def __init__(self, index: int, model: Path, s3: S3Server, root: Path) -> None:
         self.pod = f"worker-{index}"
+        self.model, self.s3, self.root = model, s3, root
+        self._build()
+
+    def _build(self) -> None:
+        # Free ports are probed, then bound by the child: another process on the machine may take one in
+        # between, so a start that fails with "address in use" is retried on fresh ports.
         self.port, self.stager_port = free_port(), free_port()
-        self.engine = Child(["lorafleet.worker", "--model", str(model), "--device", "cpu", "--dtype", "float32",
+        s3, root = self.s3, self.root
+        self.engine = Child(["lorafleet.worker", "--model", str(self.model), "--device", "cpu", "--dtype", "float32",
                              "--host", "127.0.0.1", "--port", str(self.port), "--admin-token", ADMIN,
                              "--served-model-name", BASE, "--max-model-len", "128", "--shutdown-grace-s", "2"],
                             root / f"{self.pod}-engine.log")
@@ -107,12 +120,38 @@ class WorkerPair:
                              "--s3-secret-key", s3.secret_key, "--no-s3-secure", "--s3-allow", BUCKET],
                             root / f"{self.pod}-stager.log", env={"LORAFLEET_STAGER_TOKEN": STAGER_TOKEN})
 
+    def start(self) -> None:
+        for attempt in range(3):
+            try:
+                self.engine.start()
+                self.stager.start()
+                self.engine.wait_http(self.url + "/readyz")
+                self.stager.wait_http(f"http://127.0.0.1:{self.stager_port}/healthz")
+                return
+            except PortInUse:
+                self.stop()
+                if attempt == 2:
+                    raise
+                self._build()
+
+    def stop(self) -> None:
+        self.stager.stop()
+        self.engine.stop()
+
+    def restart_engine(self) -> None:
+        """The same port again (the sidecar knows it); a socket still closing may delay the bind."""
+        for attempt in range(10):
+            try:
+                self.engine.start().wait_http(self.url + "/readyz")
+                return
+            except PortInUse:
+                if attempt == 9:
+                    raise
+                time.sleep(0.5)
+
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
-
-    def start_engine(self) -> None:
-        self.engine.start().wait_http(self.url + "/readyz")
 
     def pod_body(self) -> dict:
         return {
@@ -184,16 +223,11 @@ def pairs(fleet_files, s3, tmp_path):
     pairs = [WorkerPair(i, model, s3, tmp_path) for i in range(2)]
     try:
         for p in pairs:
-            p.engine.start()
-            p.stager.start()
-        for p in pairs:
-            p.engine.wait_http(p.url + "/readyz")
-            p.stager.wait_http(f"http://127.0.0.1:{p.stager_port}/healthz")
+            p.start()
         yield pairs
     finally:
         for p in pairs:
-            p.stager.stop()
-            p.engine.stop()
+            p.stop()
 
 
 def adapter(version: str, **spec) -> dict:
@@ -295,7 +329,7 @@ async def test_fleet_end_to_end(cluster, pairs):  # noqa: F811
         pairs[0].engine.kill()
         await eventually(lambda: status(emulator, "sql")["phase"] != "Ready", "noticed the dead worker",
                          attempts=1200)
-        await asyncio.to_thread(pairs[0].start_engine)
+        await asyncio.to_thread(pairs[0].restart_engine)
         await eventually(lambda: "worker-0" in loaded(status(emulator, "sql"), "v3"), "re-registered on worker-0",
                          attempts=1200)
         async with aiohttp.ClientSession() as session:
