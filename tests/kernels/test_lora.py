@@ -150,6 +150,28 @@ def test_half_precision_delta_accumulates_in_float32(backend, gen):
     assert _rel_err(out[0], want) < 1e-5  # rounding the result to fp16 would give ~3e-4
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_unmerged_delta_equals_the_merged_weights(backend, gen):
+    """W x + scale B (A x) through the kernels equals (W + scale B A) x in float32 (merged-vs-unmerged pitfall)."""
+    modules, layout = _setup(gen, num_slots=3, dtype=torch.float32, ranks=(8, 32), skip_prob=0.0, num_layers=1)
+    slots = torch.tensor([0, 2, 1, 1, -1, 0, 2, 2], dtype=torch.int32)
+    batch = make_lora_batch(slots, layout.max_rank_by_slot())
+    x = torch.randn(8, HIDDEN, generator=gen)
+    w = torch.randn(96 + 80, HIDDEN, generator=gen) / 8  # fused gate|up base weight
+    y = x @ w.T
+    xa = torch.full((2, 8, batch.max_rank), float("nan"))
+    lora_shrink(x=x, layout=layout, layer=0, proj_ids=[4, 5], batch=batch, out=xa, backend=backend)
+    lora_expand(xa=xa, layout=layout, layer=0, proj_ids=[4, 5], batch=batch, y=y, out_offsets=[0, 96], backend=backend)
+    for t, s in enumerate(slots.tolist()):
+        merged = w.double().clone()
+        if s >= 0:
+            for proj, rows in ((4, slice(0, 96)), (5, slice(96, 176))):
+                a, b, scale = modules[(s, 0, proj)]
+                merged[rows] += scale * b.double() @ a.double()
+        want = x[t].double() @ merged.T
+        assert float((y[t].double() - want).norm() / want.norm()) < 1e-5, t
+
+
 @pytest.mark.parametrize("split_k", [2, 3])
 def test_triton_shrink_split_over_k_adds_partial_sums(split_k, gen):
     """The split-K path (zeroed output, atomic adds) gives the same projections."""
