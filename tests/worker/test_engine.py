@@ -280,3 +280,13 @@ def test_pickle_only_model_dir_is_refused(tmp_path):
     (tmp_path / "pytorch_model.bin").write_bytes(b"not loaded")
     with pytest.raises(ModelConfigError, match="pickle"):
         _engine(tmp_path)
+
+
+def test_triton_backend_chunked_prefill_matches_hf(tiny_llama_dir, hf_ref):
+    """The GPU code path (Triton KV write, decode and chunked-prefill attention) run by the Triton
+    interpreter on CPU, with prompts split into chunks next to decodes."""
+    engine = _engine(tiny_llama_dir, kernel_backend="triton", max_num_batched_tokens=8, num_pages=12)
+    picks = [0, 1, 2]
+    outs = engine.generate([_prompts()[i] for i in picks], SamplingParams(max_tokens=4, temperature=0, logprobs=2))
+    _assert_matches(outs, [(hf_ref[i][0][:4], hf_ref[i][1][:4]) for i in picks])
+    _assert_all_free(engine)
