@@ -8,8 +8,9 @@ segment with slot -1 or a module the slot does not adapt. The adapter rows of a 
 and reused by all its tokens; `make_lora_batch` cuts long runs into segments of at most 64 tokens so
 one adapter's prefill still spreads over many programs.
 
-Grids: shrink (segment, projection x rank chunk, K split); expand (segment, projection, N block),
-looping over rank chunks. Loads are upcast
+Grids: shrink (segment, projection x rank chunk of 16 rows, K split; split-K adds atomically into a
+zeroed output); expand (segment, projection, column range): each program holds the whole rank (up to
+128) in one tile and walks its column tiles with y read two tiles ahead. Loads are upcast
 to float32 under Triton's interpreter (its bf16/fp16 arithmetic is wrong) and for float32 models;
 on a GPU, 16-bit operands go to the tensor cores with float32 accumulation.
 """
