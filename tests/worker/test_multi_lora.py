@@ -122,6 +122,8 @@ def test_references_differ_per_adapter(references):
 def test_mixed_batch_matches_peft_alone_and_merged(tiny_llama_dir, adapter_dirs, references):
     engine = _engine(tiny_llama_dir, next(iter(adapter_dirs.values())).parent)
     assert sorted(k.split("@")[0] for k in engine.adapters()) == sorted(ADAPTERS)
+    for key in engine.adapters():  # resident up front, so the first step holds every adapter
+        engine.adapter_pool.load(key)
     sizes = []
     orig = engine.runner.prepare
 
@@ -225,6 +227,8 @@ def test_too_many_adapters_per_batch_are_bounded(tiny_llama_dir, adapter_dirs, r
     """max_loras_per_batch caps the LoRA segments of a step (many small segments slow the kernels);
     the requests held back still finish, with the same results."""
     engine = _engine(tiny_llama_dir, next(iter(adapter_dirs.values())).parent, max_loras_per_batch=2)
+    for key in engine.adapters():  # all resident: only the bound limits what a step mixes
+        engine.adapter_pool.load(key)
     segments = []
     orig = engine.runner.prepare
 
