@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import sys
 from collections.abc import Sequence
 
@@ -19,6 +20,11 @@ async def run(config: OperatorConfig, *, registry: kopf.OperatorRegistry | None 
     registry = registry or kopf.OperatorRegistry()
     controller = register(registry, config)
     liveness = f"http://0.0.0.0:{config.liveness_port}/healthz" if config.liveness_port else None
+    priority = None
+    if config.peering:
+        # The highest priority runs, the others wait; a tie would pause them all.
+        priority = config.peering_priority or random.SystemRandom().randint(1, 2**31 - 1)
+        logging.getLogger(__name__).info("peering %r with priority %d", config.peering, priority)
     try:
         await kopf.operator(
             registry=registry,
@@ -26,6 +32,7 @@ async def run(config: OperatorConfig, *, registry: kopf.OperatorRegistry | None 
             clusterwide=config.namespace is None,
             standalone=config.peering is None,
             peering_name=config.peering,
+            priority=priority,
             liveness_endpoint=liveness,
             stop_flag=stop_flag,
             ready_flag=ready_flag,

@@ -16,6 +16,9 @@ class OperatorConfig:
         "help": "seconds for one directive push (the sidecar stages every version before it answers)"})
     peering: str | None = field(default=None, metadata={
         "help": "KopfPeering name for leader election when the operator runs replicated (unset: standalone)"})
+    peering_priority: int | None = field(default=None, metadata={
+        "help": "this replica's peering priority; unset: random. Kopf pauses every replica that sees one of the "
+                "same priority, so identical replicas must not share one"})
     liveness_port: int = field(default=8080, metadata={"help": "port of the /healthz liveness endpoint (0: off)"})
 
     def __post_init__(self) -> None:

@@ -15,8 +15,9 @@ ADAPTER_BYTES = 4096
 
 
 class FakeStager:
-    def __init__(self, token: str) -> None:
-        self.token = token
+    def __init__(self, token: str, also_accept: tuple[str, ...] = ()) -> None:
+        self.tokens_accepted = (token, *also_accept)
+        self.tokens: list[str] = []  # the token of every accepted push, in order
         self.applied: DesiredState | None = None
         self.pushes: list[DesiredState] = []  # accepted, in order
         self.refused = 0  # stale generations answered with 409
@@ -37,7 +38,7 @@ class FakeStager:
                              pool_bytes=1 << 20, kv_usage=0.1)
 
     def _authorized(self, request: web.Request) -> bool:
-        return request.headers.get("Authorization") == f"Bearer {self.token}"
+        return request.headers.get("Authorization", "").removeprefix("Bearer ") in self.tokens_accepted
 
     async def _put(self, request: web.Request) -> web.Response:
         if not self._authorized(request):
@@ -52,6 +53,7 @@ class FakeStager:
             return web.json_response(self.state().to_dict(), status=409)
         if desired.generation > current or self.applied is None:
             self.pushes.append(desired)
+            self.tokens.append(request.headers["Authorization"].removeprefix("Bearer "))
             self.applied = desired
         return web.json_response(self.state().to_dict())
 

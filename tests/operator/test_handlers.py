@@ -93,7 +93,7 @@ async def sidecars():
 
 
 @contextlib.asynccontextmanager
-async def running_operator(url: str, *, stager_token: str = TOKEN):
+async def running_operator(url: str, *, stager_token: str = TOKEN, **overrides):
     """One operator process's worth of state (fresh registry and memory), started and always stopped."""
     registry = kopf.OperatorRegistry()
 
@@ -106,9 +106,10 @@ async def running_operator(url: str, *, stager_token: str = TOKEN):
         settings.scanning.disabled = True
         settings.watching.reconnect_backoff = 0.1
         settings.posting.enabled = False
+        settings.peering.lifetime = 2  # a stopped leader's claim expires soon
 
     config = OperatorConfig(interval=0.3, retry_delay=0.2, stager_token=stager_token, request_timeout=2.0,
-                            liveness_port=0)
+                            liveness_port=0, **overrides)
     stop, ready = asyncio.Event(), asyncio.Event()
     task = asyncio.create_task(run(config, registry=registry, stop_flag=stop, ready_flag=ready))
     try:
@@ -282,3 +283,31 @@ def test_cli_flags_and_refusals(capsys):
         main(["--interval", "0"])
     assert exc.value.code == 2
     assert "interval must be > 0" in capsys.readouterr().err
+
+
+async def test_replicas_elect_one_leader(cluster, caplog):
+    """Two replicas with kopf peering: the lower priority one pauses, only the leader pushes directives."""
+    caplog.set_level(logging.INFO, logger="kopf")
+    emulator, url = cluster
+    emulator.resources["kopf.dev/v1/clusterkopfpeerings"] = kmock.ResourceInfo(
+        kind="ClusterKopfPeering", namespaced=False, verbs={"list", "watch", "get", "patch", "create"})
+    await api(emulator, "POST", "/apis/kopf.dev/v1/clusterkopfpeerings", {
+        "apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": "lorafleet",
+                                                                               "resourceVersion": "1"}})
+    sidecar = FakeStager(TOKEN, also_accept=("standby-token-123456",))
+    await sidecar.start()
+    try:
+        async with running_operator(url, stager_token="standby-token-123456", peering="lorafleet",
+                                    peering_priority=10), \
+                running_operator(url, peering="lorafleet", peering_priority=20):
+            await eventually(lambda: any("Pausing operations in favour of" in r.message for r in caplog.records),
+                             "the standby pauses")
+            await create(emulator, "pods", pod_body("worker-0", sidecar.port))
+            await create(emulator, "lorapools", POOL)
+            await create(emulator, "loraadapters", adapter_body("sql"))
+            await eventually(lambda: status(emulator, "sql")["phase"] == "Ready", "Ready under the leader")
+            await patch(emulator, "loraadapters", "sql", {"metadata": {"generation": 2}, "spec": {"warm": 0}})
+            await eventually(lambda: not sidecar.applied.by_name()["sql"].warm, "the change pushed")
+            assert sidecar.tokens and set(sidecar.tokens) == {TOKEN} and sidecar.refused == 0
+    finally:
+        await sidecar.stop()
