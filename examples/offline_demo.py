@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # The adapters answer on one line; the base model does not know the format, give it more room.
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, stop=["\n"])
-    base_params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, stop=["\n\n"])
+    base_params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     requests = []  # (request id, words, adapter)
     for i, words in enumerate(WORD_LISTS):
         for adapter in [None, *names]:
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     for words in WORD_LISTS:
         print(f"Words: {' '.join(words)}")
         for rid, _, adapter in (r for r in requests if r[1] is words):
-            text = " / ".join(line.strip() for line in results[rid].text.strip().splitlines())
+            text = " / ".join(line.strip() for line in results[rid].text.strip().splitlines() if line.strip())
             print(f"  {adapter or '(base)':>10}: {text or '(nothing)'}")
         print()
     engine.close()

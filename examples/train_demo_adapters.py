@@ -68,6 +68,7 @@ LORA = {
 
 # LoRA on layers >= this one: the lower layers are frozen, their outputs cached once.
 FIRST_LAYER = {"shout": 18, "reverse": 18, "piglatin": 10}
+EPOCHS = {"shout": 3, "reverse": 3, "piglatin": 5}  # spelling words backwards-ish takes longer
 
 
 def prompt_for(words: list[str]) -> str:
@@ -176,6 +177,7 @@ def train_one(task: str, model_dir: Path, *, epochs: int, num_examples: int, bat
     model.peft_config["default"].base_model_name_or_path = BASE_MODEL_ID
     model.save_pretrained(str(target))
     _to_bf16(target / "adapter_model.safetensors")
+    (target / "README.md").unlink(missing_ok=True)  # PEFT's empty model-card template
     _show_samples(task, model, tok)
     return target
 
@@ -198,7 +200,7 @@ def _show_samples(task: str, model, tok) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--only", choices=sorted(TASKS), action="append", help="train just this adapter")
-    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--epochs", type=int, help="passes over the examples (default: per adapter)")
     parser.add_argument("--examples", type=int, default=192, help="synthetic examples per adapter")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--lr", type=float, default=3e-3)
@@ -212,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     for task in args.only or list(TASKS):
         first = args.first_layer if args.first_layer is not None else FIRST_LAYER[task]
-        path = train_one(task, model_dir, epochs=args.epochs, num_examples=args.examples,
+        path = train_one(task, model_dir, epochs=args.epochs or EPOCHS[task], num_examples=args.examples,
                          batch_size=args.batch_size, lr=args.lr, first_layer=first, out_dir=args.out)
         size = sum(f.stat().st_size for f in path.iterdir())
         print(f"saved {path} ({size / 1e6:.2f} MB)", file=sys.stderr)
