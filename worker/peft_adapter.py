@@ -13,6 +13,11 @@ decides the adapter's output travels with the weights and is checked here, once,
   are refused with a message instead of being silently ignored;
 * pickle files (`adapter_model.bin`, `*.pt`, ...) are refused outright: they are never opened.
 
+Precision (merged vs unmerged): the server never merges. In fp32 the unmerged delta equals the
+merged weight's output within 1e-4. In bf16 the delta is accumulated in fp32 by the LoRA kernels
+and rounded once into y (within one bf16 ulp of base output + exact delta), while a bf16 merge
+W + s*B@A would round away deltas below W's resolution (tests/worker/test_peft_adapter.py).
+
 Pattern semantics follow PEFT exactly: a `rank_pattern`/`alpha_pattern` key `k` applies to module
 name `m` when `re.match(rf"(.*\\.)?({k})$", m)`, first key in dict order wins; `target_modules` is a
 regex (`re.fullmatch`) when a string, otherwise exact names or name suffixes after a dot.

@@ -422,3 +422,37 @@ def test_merged_vs_unmerged_precision(tmp_path, model_config):
             # Merging in bf16 loses the delta; the unmerged path keeps it (error dominated by base GEMM).
             assert (merged_w.double() == wd.double()).float().mean() > 0.5  # most merged entries unchanged
             assert err_merged > err_unmerged
+
+
+def test_same_weights_other_alpha_in_one_engine_batch(tmp_path):
+    """Rank/alpha metadata end to end: two adapters with identical matrices but different lora_alpha,
+    served in one engine batch, each give PEFT's logprobs for that adapter alone."""
+    worker = pytest.importorskip("lorafleet.worker")
+    tiny_base().save_pretrained(tmp_path / "tiny-llama")  # dir name = the adapters' base model name
+    make_adapter(tmp_path / "a", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    _edit_config(tmp_path / "b", lora_alpha=32)
+    engine = worker.Engine(worker.EngineConfig(model=str(tmp_path / "tiny-llama"), device="cpu", dtype="float32",
+                                               num_pages=64, block_size=4))
+    prompt = IDS[0].tolist()
+    n = 4
+    try:
+        engine.register_adapter("a", tmp_path / "a")
+        engine.register_adapter("b", tmp_path / "b")
+        outs = engine.generate([prompt] * 3, worker.SamplingParams(max_tokens=n, temperature=0.0, logprobs=0),
+                               adapters=["a", "b", None])
+    finally:
+        engine.close()
+    firsts = []
+    for out, path in zip(outs, [tmp_path / "a", tmp_path / "b", None], strict=True):
+        model = tiny_base() if path is None else peft.PeftModel.from_pretrained(tiny_base(), str(path)).eval()
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            for step in range(n):
+                logprobs = torch.log_softmax(model(ids).logits[0, -1], -1)
+                token = int(logprobs.argmax())
+                assert out.token_ids[step] == token
+                assert abs(out.logprobs[step].logprob - logprobs[token].item()) < 1e-4
+                ids = torch.cat([ids, torch.tensor([[token]])], 1)
+        firsts.append(out.logprobs[0].logprob)
+    assert abs(firsts[0] - firsts[1]) > 1e-3 and abs(firsts[0] - firsts[2]) > 1e-3
