@@ -80,11 +80,14 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> PoolCon
 
     async def run_pass(namespace: str, pool: str, indexes: dict[str, kopf.Index], *, max_age: float = 0.0):
         key = (namespace, pool)
+        pools = indexes["pools_by_name"]
+        others = [body for k in list(pools) if k[0] == namespace and k[1] != pool for body in pools.get(k, [])]
         return await controller.run(
             key,
-            pools=indexes["pools_by_name"].get(key, []),
+            pools=pools.get(key, []),
             adapters=indexes["adapters_by_pool"].get(key, []),
             pods=indexes["worker_pods"].get(namespace, []),
+            other_pools=others,
             max_age=max_age,
         )
 

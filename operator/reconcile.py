@@ -78,8 +78,9 @@ class _Index:
 
 def reconcile_pool(pool: PoolSpec | None, adapters: list[AdapterSpec], workers: list[WorkerReport], *,
                    now: str, pool_name: str = "", generation_floor: int = 0,
-                   pool_error: str | None = None) -> PoolPlan:
-    """``now``: RFC 3339 time for condition transitions; ``generation_floor``: see ``_next_generation``."""
+                   pool_error: str | None = None, shared_pods: dict[str, str] | None = None) -> PoolPlan:
+    """``now``: RFC 3339 time for condition transitions; ``generation_floor``: see ``_next_generation``;
+    ``shared_pods``: pods this pool's selector matches but another pool owns (pod -> owner), left out."""
     plan = PoolPlan()
     live = [_Index.of(w) for w in workers if w.reported is not None]
     failures = validate_adapters(pool, adapters, pool_name=pool_name, pool_error=pool_error)
@@ -114,7 +115,7 @@ def reconcile_pool(pool: PoolSpec | None, adapters: list[AdapterSpec], workers: 
             plan.adapter_statuses[a.name] = _status(a, "Failed", failures[a.name], now=now, validated=False)
         else:
             plan.adapter_statuses[a.name] = adapter_status(a, live, plan.placement[a.name], now=now)
-    plan.pool_status = _pool_status(pool, admitted, workers, now=now)
+    plan.pool_status = _pool_status(pool, admitted, workers, now=now, shared_pods=shared_pods or {})
     return plan
 
 
@@ -327,7 +328,7 @@ def _status(a: AdapterSpec, phase: str, message: str, *, now: str, validated: bo
 
 
 def _pool_status(pool: PoolSpec, admitted: list[AdapterSpec], workers: list[WorkerReport], *,
-                 now: str) -> dict[str, Any]:
+                 now: str, shared_pods: dict[str, str]) -> dict[str, Any]:
     live = [w for w in workers if w.reported is not None]
     kv = [w.reported.kv_usage for w in live]
     errors = [f"{w.pod}: {w.reported.error}" for w in live if w.reported.error]
@@ -337,11 +338,14 @@ def _pool_status(pool: PoolSpec, admitted: list[AdapterSpec], workers: list[Work
         msg += f"; no answer from the sidecar of {', '.join(silent)}"
     if errors:
         msg += "; " + "; ".join(errors)
+    if shared_pods:  # two pools pushing whole adapter sets to one pod would undo each other
+        msg += "; spec.workerSelector also matches " + ", ".join(
+            f"{pod} (owned by LoRAPool {owner!r})" for pod, owner in sorted(shared_pods.items()))
     return {
         "readyWorkers": len(live),
         "adapters": len(admitted),
         "kvUsage": round(sum(kv) / len(kv), 4) if kv else 0.0,
         "observedGeneration": pool.generation,
-        "conditions": [_condition(pool.status, "Ready", bool(live) and not errors, "Workers" if live else "NoWorkers",
-                                  msg, now)],
+        "conditions": [_condition(pool.status, "Ready", bool(live) and not errors and not shared_pods,
+                                  "Workers" if live else "NoWorkers", msg, now)],
     }

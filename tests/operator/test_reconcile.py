@@ -360,3 +360,9 @@ def test_loading_message_says_why_a_worker_is_behind():
     ws[0].reported = ReportedState(error="engine unreachable: connection refused")
     st_ = reconcile_pool(pool(), [adapter("a", warm=2)], ws, now=NOW).adapter_statuses["a"]
     assert st_["phase"] == "Loading" and "w0: engine unreachable: connection refused" in st_["message"]
+
+
+def test_pods_owned_by_another_pool_are_reported():
+    plan = reconcile_pool(pool(), [adapter("a")], workers(1), now=NOW, shared_pods={"w9": "alpha"})
+    cond = plan.pool_status["conditions"][0]
+    assert cond["status"] == "False" and "w9 (owned by LoRAPool 'alpha')" in cond["message"]

@@ -71,3 +71,20 @@ async def test_client_push_read_and_stale_generation(sidecar):
         assert not await client.push(worker, desired)
     finally:
         await client.close()
+
+
+def test_a_pod_matched_by_two_pools_belongs_to_the_first_by_name():
+    from lorafleet.operator.controller import _own_pods
+    from lorafleet.operator.crd_models import PoolSpec
+
+    def pool_body(name, labels):
+        return {"metadata": {"name": name}, "spec": {"baseModel": "m", "workerSelector": {"matchLabels": labels}}}
+
+    pods = [pod("both", labels={"app": "w", "gpu": "h200"}), pod("mine", labels={"app": "w"})]
+    mine = PoolSpec.parse(pool_body("zeta", {"app": "w"}))
+    own, shared = _own_pods("zeta", mine, pods, [pool_body("alpha", {"gpu": "h200"})])
+    assert [p["metadata"]["name"] for p in own] == ["mine"] and shared == {"both": "alpha"}
+    # The first pool by name keeps it.
+    alpha = PoolSpec.parse(pool_body("alpha", {"gpu": "h200"}))
+    own, shared = _own_pods("alpha", alpha, pods, [pool_body("zeta", {"app": "w"})])
+    assert [p["metadata"]["name"] for p in own] == ["both"] and shared == {}
