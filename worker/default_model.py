@@ -20,7 +20,6 @@ Two details of GGUF that a naive conversion gets wrong:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import fcntl
 import importlib.util
 import json
@@ -260,5 +259,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    with contextlib.suppress(KeyboardInterrupt):
+    try:
         sys.exit(main())
+    except KeyboardInterrupt:  # the temp dir is already removed; nothing half-written remains
+        sys.exit(130)
