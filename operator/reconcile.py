@@ -95,7 +95,7 @@ def reconcile_pool(pool: PoolSpec | None, adapters: list[AdapterSpec], workers: 
                 plan.adapter_statuses[a.name] = _status(a, "Degraded", failures[a.name], now=now, validated=False)
         return plan
 
-    plan.placement = place_warm(admitted, live)
+    plan.placement = place_warm(admitted, live, default_capacity=pool.gpu_bytes)
     warm_sets = {name: set(pods) for name, pods in plan.placement.items()}
     admitted.sort(key=lambda a: a.name)
     # Two variants per adapter, shared by every worker's desired state (read-only from here on).
@@ -114,7 +114,8 @@ def reconcile_pool(pool: PoolSpec | None, adapters: list[AdapterSpec], workers: 
         if a.name in failures:
             plan.adapter_statuses[a.name] = _status(a, "Failed", failures[a.name], now=now, validated=False)
         else:
-            plan.adapter_statuses[a.name] = adapter_status(a, live, plan.placement[a.name], now=now)
+            plan.adapter_statuses[a.name] = adapter_status(a, live, plan.placement[a.name], now=now,
+                                                           requested=warm_count(a, len(live)))
     plan.pool_status = _pool_status(pool, admitted, workers, now=now, shared_pods=shared_pods or {})
     return plan
 
@@ -173,10 +174,12 @@ def adapter_bytes(a: AdapterSpec, workers: list[_Index]) -> int:
     return max([a.known_bytes, *reported]) or UNKNOWN_BYTES
 
 
-def place_warm(adapters: list[AdapterSpec], workers: list[_Index]) -> dict[str, list[str]]:
+def place_warm(adapters: list[AdapterSpec], workers: list[_Index], *, default_capacity: int = 0
+               ) -> dict[str, list[str]]:
     """adapter name -> pods that keep it GPU-resident (see the module docstring for the policy)."""
     load = {w.pod: 0 for w in workers}
-    capacity = {w.pod: w.w.reported.pool_bytes or None for w in workers}
+    # A worker's own report of its adapter pool size wins; else the pool's spec.adapterMemory.gpuBytes.
+    capacity = {w.pod: w.w.reported.pool_bytes or default_capacity or None for w in workers}
     sizes = {a.name: adapter_bytes(a, workers) for a in adapters}
     order = sorted(adapters, key=lambda a: (not a.pinned, -a.priority, -sizes[a.name], a.name))
     placement: dict[str, list[str]] = {}
@@ -241,7 +244,8 @@ def drifted(x: _Index, directives: list[AdapterDirective]) -> bool:
     return any(name not in wanted for name in x.by_name)
 
 
-def adapter_status(a: AdapterSpec, live: list[_Index], warm_pods: list[str], *, now: str) -> dict[str, Any]:
+def adapter_status(a: AdapterSpec, live: list[_Index], warm_pods: list[str], *, now: str,
+                   requested: int | None = None) -> dict[str, Any]:
     instances, errors = [], []
     versions_seen: set[str] = set()
     registered = resident = canary_registered = 0
@@ -273,6 +277,10 @@ def adapter_status(a: AdapterSpec, live: list[_Index], warm_pods: list[str], *, 
         phase, msg = "Pending", f"no ready worker matches LoRAPool {a.pool!r} spec.workerSelector"
     elif errors:
         phase, msg = "Degraded", "; ".join(errors)
+    elif requested is not None and target < requested:
+        phase = "Degraded"
+        msg = (f"spec.warm: {a.warm} asks for {requested} GPU-resident copies but only {target} workers have room "
+               f"for its {adapter_size_text(a, live)} in their GPU adapter pool; it is served on demand elsewhere")
     elif registered == len(live) and resident == target and (a.canary is None or canary_registered == len(live)):
         phase = "Ready"
         msg = (f"{a.version} GPU-resident on {resident}/{target} warm workers, registered on {registered}"
@@ -299,6 +307,11 @@ def adapter_status(a: AdapterSpec, live: list[_Index], warm_pods: list[str], *, 
         "bytes": size or a.known_bytes,
     })
     return status
+
+
+def adapter_size_text(a: AdapterSpec, live: list[_Index]) -> str:
+    size = adapter_bytes(a, live)
+    return f"{size / (1 << 20):.1f} MiB" if size > UNKNOWN_BYTES else "unknown size"
 
 
 def _condition(old: dict[str, Any], ctype: str, ok: bool, reason: str, message: str, now: str) -> dict[str, Any]:

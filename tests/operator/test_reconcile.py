@@ -366,3 +366,12 @@ def test_pods_owned_by_another_pool_are_reported():
     plan = reconcile_pool(pool(), [adapter("a")], workers(1), now=NOW, shared_pods={"w9": "alpha"})
     cond = plan.pool_status["conditions"][0]
     assert cond["status"] == "False" and "w9 (owned by LoRAPool 'alpha')" in cond["message"]
+
+
+def test_pool_gpu_bytes_bound_placement_when_workers_do_not_report_a_size():
+    ads = [adapter("big", warm=2, status={"bytes": 300 * MB}), adapter("small", warm=2, status={"bytes": MB})]
+    plan = reconcile_pool(pool(adapterMemory={"gpuBytes": "256Mi"}), ads, workers(2), now=NOW)
+    assert plan.placement == {"big": [], "small": ["w0", "w1"]}
+    st_ = plan.adapter_statuses["big"]
+    assert st_["phase"] == "Degraded" and st_["message"].startswith("spec.warm: 2 asks for 2 GPU-resident copies")
+    assert "300.0 MiB" in st_["message"]
