@@ -9,7 +9,9 @@ Placement policy (stated, tested):
   * adapters are placed pinned first, then by priority, then largest first (better bin packing);
   * a worker that already holds it (reported GPU tier, or placed there by the last push) keeps it, so
     a reconcile never shuffles healthy placements; the rest go to the workers with the fewest
-    assigned GPU bytes (ties by pod name), skipping a worker whose pool would overflow.
+    assigned GPU bytes (ties by pod name), skipping a worker whose pool would overflow (its reported
+    pool size, else the pool's spec.adapterMemory.gpuBytes); an adapter that fits on fewer workers than
+    asked is Degraded with a message naming spec.warm.
 
 Statuses come only from what workers report: an adapter is Ready when every worker that should hold
 it GPU-resident reports its stable version at tier ``gpu`` without error, and every ready worker has
