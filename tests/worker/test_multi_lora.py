@@ -329,12 +329,15 @@ def test_cold_adapter_load_does_not_block_other_requests(tiny_llama_dir, adapter
     done = {}
     while "base" not in done:
         for out in engine.step():
-            done[out.request_id] = out
-    assert "cold" not in done and engine.num_waiting == 1  # base finished while cold waited
+            assert out.request_id == "base"  # cold has produced nothing while its adapter loads
+            if out.finished:
+                done[out.request_id] = out
+    assert engine.num_waiting == 1 and engine.requests["cold"].num_computed_tokens == 0
     release.set()
     while engine.has_unfinished():
         for out in engine.step():
-            done[out.request_id] = out
+            if out.finished:
+                done[out.request_id] = out
         if engine.last_batch_size == 0:
             engine.adapter_pool.wait_idle()
     assert done["base"].token_ids == references[i_base][0][0]
@@ -350,17 +353,20 @@ def test_hot_update_in_flight_requests_finish_on_their_version(tiny_llama_dir, a
     i_v2 = next(i for i, (n, _) in enumerate(PLAN) if n == "all8")
     assert engine.register_adapter("hot", adapter_dirs["qv4"], version="v1") == "hot@v1"
     engine.add_request("old", _prompts()[i_v1], GREEDY, adapter="hot")
+    engine.adapter_pool.load("hot@v1")
     done = {}
-    for _ in range(3):
+    for _ in range(3):  # "old" is mid-decode on v1
         for out in engine.step():
-            done[out.request_id] = out
-    assert "old" not in done
+            if out.finished:
+                done[out.request_id] = out
+    assert "old" not in done and engine.requests["old"].output_token_ids
     engine.register_adapter("hot", adapter_dirs["all8"], version="v2")
     engine.adapter_pool.wait_idle()  # v2 resident: "hot" now resolves to it
     engine.add_request("new", _prompts()[i_v2], GREEDY, adapter="hot")
     while engine.has_unfinished():
         for out in engine.step():
-            done[out.request_id] = out
+            if out.finished:
+                done[out.request_id] = out
     assert done["old"].adapter == "hot@v1" and done["old"].token_ids == references[i_v1][0][0]
     assert done["new"].adapter == "hot@v2" and done["new"].token_ids == references[i_v2][0][0]
     _assert_all_free(engine)
