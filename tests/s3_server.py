@@ -5,8 +5,8 @@
         client = s3.client()              # a minio.Minio
         s3.stop(); s3.start()             # the store going down and coming back (same data dir)
 
-`start()` polls until the S3 endpoint answers an authenticated request; `stop()` sends TERM, then
-KILL after 5 s, always to the PID it started.
+`start()` polls until the S3 endpoint answers an authenticated request and serves a stored object;
+`stop()` sends TERM, then KILL after 5 s, always to the PID it started.
 """
 
 from __future__ import annotations
@@ -87,13 +87,29 @@ class S3Server:
                 self._close_log()
                 raise RuntimeError(f"weed exited with {self.proc.returncode}: {self.log_path.read_text()[-2000:]}")
             try:
-                client.list_buckets()
+                self._probe(client)
                 return
             except Exception:
                 if time.monotonic() > deadline:
                     self.stop()
                     raise RuntimeError(f"S3 server not ready after {timeout} s: {self.log_path.read_text()[-2000:]}") from None
                 time.sleep(0.1)
+
+    @staticmethod
+    def _probe(client) -> None:
+        """Ready = authenticated listing works and, after a restart, stored objects can be read again
+        (the S3 gateway answers before its volume servers have re-registered)."""
+        for bucket in client.list_buckets():
+            for obj in client.list_objects(bucket.name, recursive=True):
+                if not obj.size:
+                    continue
+                response = client.get_object(bucket.name, obj.object_name, offset=0, length=1)
+                try:
+                    response.read()
+                finally:
+                    response.close()
+                    response.release_conn()
+                break
 
     def stop(self) -> None:
         proc, self.proc = self.proc, None

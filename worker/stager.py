@@ -13,7 +13,9 @@ needs `Authorization: Bearer <stager token>`:
   version fails keeps its previously forwarded (already local) version, so the store being down
   never takes away what is served.
 * `GET /v1/state`: the engine's `ReportedState`, plus tier `disk` for staged versions the engine has
-  not loaded, staging errors, and a `disk` section (cache bytes, downloads, hits).
+  not loaded, staging errors, and a `disk` section (cache bytes, downloads, hits, progress).
+* `GET /metrics` (no token; Prometheus text): the disk tier's hits, misses, downloads, bytes, failures,
+  download latency histogram, cache bytes and entries (`lorafleet_stager_*`).
 
 Run: `python -m lorafleet.worker.stager --stager-port 8100 --stager-cache-dir /cache ...`; the
 token comes from `LORAFLEET_STAGER_TOKEN` (an environment variable, so it is not visible in `ps`).
@@ -31,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import ClientSession, ClientTimeout, web
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from lorafleet.worker.cli import config_from_args
 from lorafleet.worker.directives import (
@@ -128,6 +132,20 @@ class Stager:
         self.staged: dict[tuple[str, str], Staged] = {}  # (name, version) -> staged copy
         self.errors: dict[tuple[str, str], str] = {}
         self._apply_lock = asyncio.Lock()
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.m_requests = Counter("lorafleet_stager_stage_requests", "Stage requests by disk-cache outcome",
+                                  ["outcome"], registry=r)  # hit | miss | local
+        self.m_downloads = Counter("lorafleet_stager_downloads", "Completed, verified downloads", registry=r)
+        self.m_download_bytes = Counter("lorafleet_stager_download_bytes", "Bytes downloaded", registry=r)
+        self.m_failures = Counter("lorafleet_stager_failures", "Failed downloads (store, digest, timeout)",
+                                  registry=r)
+        self.m_seconds = Histogram("lorafleet_stager_download_seconds", "Download + verify time", registry=r,
+                                   buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
+        Gauge("lorafleet_stager_cache_bytes", "Bytes in the node-local disk cache", registry=r).set_function(
+            lambda: self.cache.used_bytes)
+        Gauge("lorafleet_stager_cache_entries", "Adapters in the node-local disk cache", registry=r).set_function(
+            lambda: len(self.cache.entries()))
 
     # ---- staging -------------------------------------------------------------------------------
     async def stage(self, uri: str, sha256: str | None) -> Staged:
@@ -136,6 +154,7 @@ class Stager:
         if not self.sources.is_s3(uri):
             path = self.sources.local_path(uri)
             digest = await asyncio.to_thread(verify_digest, path, sha256, uri)
+            self.m_requests.labels("local").inc()
             return Staged(path, digest, cached=True)
         self.sources.check_s3(uri)
         if sha256 is not None:
@@ -156,19 +175,25 @@ class Stager:
             path = self.cache.get(key)
             if path is not None:
                 self.counts["hits"] += 1
+                self.m_requests.labels("hit").inc()
                 self._by_uri[uri] = key
                 return Staged(path, (path / ".sha256").read_text().strip(), cached=True)
             self.counts["misses"] += 1
+            self.m_requests.labels("miss").inc()
             t0 = time.perf_counter()
             try:
                 path = await asyncio.wait_for(asyncio.to_thread(self._download, uri, sha256, key),
                                               self.config.download_timeout_s)
             except Exception:
                 self.counts["failures"] += 1
+                self.m_failures.inc()
                 raise
             self.download_seconds.append(time.perf_counter() - t0)
+            self.m_seconds.observe(self.download_seconds[-1])
             self.counts["downloads"] += 1
             self.counts["download_bytes"] += dir_bytes(path)
+            self.m_downloads.inc()
+            self.m_download_bytes.inc(dir_bytes(path))
             self._by_uri[uri] = key
             return Staged(path, (path / ".sha256").read_text().strip(), cached=False)
 
@@ -288,7 +313,7 @@ STAGER = web.AppKey("stager", Stager)
 @web.middleware
 async def _errors_and_auth(request: web.Request, handler):
     try:
-        if request.path != "/healthz":
+        if request.path not in ("/healthz", "/metrics"):
             token = bearer_token(request.headers.get("Authorization"))
             expected = request.app[STAGER].config.stager_token
             if token is None or not hmac.compare_digest(token.encode(), expected.encode()):
@@ -343,6 +368,11 @@ async def healthz(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
 
+async def metrics(request: web.Request) -> web.Response:
+    body = generate_latest(request.app[STAGER].registry)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
 def create_app(config: StagerConfig) -> web.Application:
     app = web.Application(middlewares=[_errors_and_auth], client_max_size=1 << 20)
     app[STAGER] = Stager(config)
@@ -351,6 +381,7 @@ def create_app(config: StagerConfig) -> web.Application:
         web.put("/v1/directives", put_directives),
         web.get("/v1/state", get_state),
         web.get("/healthz", healthz),
+        web.get("/metrics", metrics),
     ])
 
     async def seed_ctx(app: web.Application):

@@ -344,3 +344,16 @@ def test_download_reports_progress_and_fetches_only_adapter_files(s3, stager, pe
     with pytest.raises(Exception, match="SignatureDoesNotMatch|InvalidAccessKeyId|Access Denied|AccessDenied"):
         Sources(SourcesConfig(s3_allow=["adapters/team/"], s3_endpoint=s3.endpoint, s3_access_key=s3.access_key,
                               s3_secret_key="wrong-secret-key", s3_secure=False)).download(uri("alpha"), tmp_path / "b")
+
+
+def test_disk_tier_metrics(stager, peft_dirs):
+    import urllib.request
+
+    stager.client().stage(uri("alpha"), adapter_digest(peft_dirs["alpha"]))  # staged earlier: a hit
+    with urllib.request.urlopen(stager.url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+              if line and not line.startswith("#")}
+    assert values['lorafleet_stager_stage_requests_total{outcome="hit"}'] >= 1
+    assert values["lorafleet_stager_downloads_total"] >= 2 and values["lorafleet_stager_failures_total"] >= 1
+    assert values["lorafleet_stager_cache_bytes"] > 0 and values["lorafleet_stager_download_seconds_count"] >= 2
