@@ -17,6 +17,8 @@ from lorafleet.worker.llama import LlamaModel
 from lorafleet.worker.scheduler import ScheduledBatch
 from lorafleet.worker.sequence import Sequence
 
+LORA_SEGMENT_LEN = 64  # tokens per LoRA kernel segment
+
 
 class ModelRunner:
     def __init__(
@@ -103,11 +105,18 @@ class ModelRunner:
         for t, s in enumerate(token_slots):
             if s >= 0:
                 groups.setdefault(s, []).append(t)
-        seg_slots = sorted(groups)
-        sorted_ids = [t for s in seg_slots for t in groups[s]]
+        # A long run of one slot (a prefill) is cut into segments of at most LORA_SEGMENT_LEN tokens so
+        # it spreads over many kernel programs, as kernels.lora_layout.make_lora_batch does on device.
+        # Host lists here avoid that function's device syncs.
+        seg_slots: list[int] = []
+        sorted_ids: list[int] = []
         seg_starts = [0]
-        for s in seg_slots:
-            seg_starts.append(seg_starts[-1] + len(groups[s]))
+        for s in sorted(groups):
+            ids = groups[s]
+            sorted_ids.extend(ids)
+            for start in range(0, len(ids), LORA_SEGMENT_LEN):
+                seg_slots.append(s)
+                seg_starts.append(seg_starts[-1] + min(LORA_SEGMENT_LEN, len(ids) - start))
         return LoRABatch(
             token_slots=self._to_device(token_slots, torch.int32),
             sorted_token_ids=self._to_device(sorted_ids, torch.int32),

@@ -130,7 +130,7 @@ def test_mixed_batch_matches_peft_alone_and_merged(tiny_llama_dir, adapter_dirs,
     def spy(batch):
         ctx, samplers = orig(batch)
         if ctx.lora is not None:
-            sizes.append(ctx.lora.num_segments)
+            sizes.append(len(set(ctx.lora.seg_slots.tolist())))
         return ctx, samplers
 
     engine.runner.prepare = spy
@@ -234,7 +234,7 @@ def test_too_many_adapters_per_batch_are_bounded(tiny_llama_dir, adapter_dirs, r
 
     def spy(batch):
         ctx, samplers = orig(batch)
-        segments.append(0 if ctx.lora is None else ctx.lora.num_segments)
+        segments.append(0 if ctx.lora is None else len(set(ctx.lora.seg_slots.tolist())))
         return ctx, samplers
 
     engine.runner.prepare = spy
@@ -390,3 +390,34 @@ def test_cuda_mixed_batch_with_triton_kernels(tiny_llama_dir, adapter_dirs, refe
                 break
             assert max(abs(v - lps[step][t].item()) for t, v in lp.top) < tol, f"request {i} step {step}"
     _assert_all_free(engine)
+
+
+def test_long_prompts_span_several_lora_segments(tiny_llama_dir, adapter_dirs):
+    """A prefill longer than one LoRA kernel segment is cut into several segments of one slot; the
+    result equals PEFT running the adapter alone."""
+    from peft import PeftModel
+    from transformers import LlamaForCausalLM
+
+    from lorafleet.worker.model_runner import LORA_SEGMENT_LEN
+
+    rng = random.Random(7)
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in (2 * LORA_SEGMENT_LEN + 9, LORA_SEGMENT_LEN + 1)]
+    names = ["all8", "pat32"]
+    engine = _engine(tiny_llama_dir, next(iter(adapter_dirs.values())).parent)
+    segments = []
+    orig = engine.runner.prepare
+
+    def spy(batch):
+        ctx, samplers = orig(batch)
+        if ctx.lora is not None:
+            segments.append(ctx.lora.seg_slots.tolist())
+        return ctx, samplers
+
+    engine.runner.prepare = spy
+    outs = engine.generate(prompts, GREEDY, adapters=names)
+    assert max(len(s) for s in segments) > len(set(max(segments, key=len)))  # some slot was really cut
+    for name, prompt, out in zip(names, prompts, outs, strict=True):
+        peft_model = PeftModel.from_pretrained(
+            LlamaForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32), adapter_dirs[name]).eval()
+        tokens, logprobs = _greedy(peft_model, prompt)
+        assert out.token_ids == tokens, name
