@@ -15,9 +15,11 @@ the demo batch mixes ranks and module subsets:
     reverse   r=8, alpha=16, q/k/v/o_proj
     piglatin  r=4, alpha=8, rsLoRA, all seven projections, rank_pattern {"down_proj": 8}
 
-Cost control: LoRA only on the upper layers (`layers_to_transform`: the backward pass stops there),
-logits only for answer tokens, short sequences. `python examples/train_demo_adapters.py` (all three) or
-`--only shout`. Deterministic for a given torch build (seeded data and init).
+Cost control: LoRA only on the upper layers (`layers_to_transform`); the frozen lower layers run
+once per example (their outputs are cached), each epoch only runs the upper ones, and logits are
+computed for answer tokens only. Measured: all three in 9.6 min wall (9.2 min CPU) on a 2-core
+machine shared with other jobs; the result was bit-for-bit the same on a second run.
+`python examples/train_demo_adapters.py` (all three) or `--only shout`. Seeded data and init.
 """
 
 from __future__ import annotations
