@@ -251,6 +251,11 @@ class AdapterPool:
             self._update_gauges()
             return failures
 
+    def has_pending_loads(self) -> bool:
+        """True while loads are in flight or adapters wait to be placed (poll() moves them on)."""
+        with self._lock:
+            return bool(self._inflight or self._wanted)
+
     def _advance(self) -> bool:
         """Finish what completed among the loads in flight (cheap: only those are looked at)."""
         timeout = self.config.load_timeout_s

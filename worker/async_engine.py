@@ -28,6 +28,7 @@ from lorafleet.worker.sampling_params import SamplingParams
 log = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.005  # nothing runnable but requests wait (e.g. on an adapter load): poll again soon
+_IDLE_CHECK_S = 0.1  # no request at all: look for adapter loads started by other threads this often
 
 
 class AsyncEngine:
@@ -191,7 +192,15 @@ class AsyncEngine:
         while not self._stop.is_set():
             self._apply_commands()
             if not engine.has_unfinished():
-                self._wake.wait()
+                # No request, but warm-ups or prefetches (pushed from other threads) may be moving
+                # adapters towards the GPU: keep them going, or an idle worker would never make a
+                # `warm` adapter resident.
+                pool = engine.adapter_pool
+                if pool.has_pending_loads():
+                    pool.poll()
+                    self._wake.wait(_IDLE_WAIT_S)
+                else:
+                    self._wake.wait(_IDLE_CHECK_S)
                 self._wake.clear()
                 continue
             try:

@@ -113,3 +113,24 @@ async def test_adapter_load_failure_is_raised_to_its_stream_only(async_engine):
     assert (await good)[-1].finish_reason == "length"
     state = await asyncio.wrap_future(async_engine.call(lambda e: (len(e.requests), e.page_pool.num_used("kv"))))
     assert state == (0, 0)
+
+
+async def test_idle_engine_makes_a_prefetched_adapter_resident(async_engine, tiny_llama_dir, tmp_path):
+    """A warm-up pushed from another thread (the admin API's executor) reaches the GPU tier with no
+    request in flight: an idle engine thread still moves adapter loads on."""
+    from tests.lora_factory import make_peft_adapter
+
+    path = make_peft_adapter(tiny_llama_dir, tmp_path / "warm", rank=4, seed=1)
+    key = await asyncio.wrap_future(async_engine.call(lambda e: e.register_adapter("warm", path)))
+    await asyncio.sleep(0)  # let the engine thread go idle before the push
+    await asyncio.to_thread(async_engine.engine.adapter_pool.prefetch, key, "gpu")
+
+    def tier():
+        return {d["key"]: d["tier"] for d in async_engine.engine.adapter_pool.describe()}[key]
+
+    for _ in range(500):  # readiness poll, bounded (5 s)
+        if tier() == "gpu":
+            break
+        await asyncio.sleep(0.01)
+    assert tier() == "gpu"
+    assert not async_engine.engine.has_unfinished()
