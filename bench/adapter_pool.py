@@ -25,6 +25,7 @@ import json
 import math
 import random
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -112,12 +113,12 @@ def sync(device: torch.device) -> None:
 # ---- the pool and a synthetic decode step over it ---------------------------------------------------------
 class Bench:
     def __init__(self, shape: Shape, device: torch.device, dtype: torch.dtype, *, num_pages: int, max_slots: int,
-                 cpu_budget: int, batch: int, context: int) -> None:
+                 cpu_budget: int, batch: int, context: int, pool_kw: dict | None = None) -> None:
         self.shape, self.device, self.dtype = shape, device, dtype
         self.page_pool = PagePool(PagePoolConfig(num_pages=num_pages, page_elems=shape.page_elems, dtype=dtype,
                                                  device=str(device)))
         self.pool = AdapterPool(self.page_pool, shape.dims, AdapterPoolConfig(
-            max_slots=max_slots, max_rank=16, cpu_budget_bytes=cpu_budget, num_load_threads=2))
+            max_slots=max_slots, max_rank=16, cpu_budget_bytes=cpu_budget, num_load_threads=2, **(pool_kw or {})))
         self.mc = shape.model_config()
         s = shape
         g = torch.Generator(device=device).manual_seed(0)
@@ -382,6 +383,8 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="directory for the JSON result")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--zipf-requests", type=int, default=300)
+    parser.add_argument("--only", choices=["all", "decode"], default="all",
+                        help="decode: only the decode-step section, once per loader setting")
     args = parser.parse_args()
     device = torch.device(args.device)
     cuda = device.type == "cuda"
@@ -403,6 +406,26 @@ def main() -> None:
         per_page = shape.page_elems * torch.tensor([], dtype=dtype).element_size()
         adapter_pages = -(-adapter_bytes // per_page) + 2
         kv_pages = batch * -(-context // shape.block_size)
+        if args.only == "decode":
+            result["decode_step_by_loader_setting"] = {}
+            variants = {"loader_cpu_threads=all": ({"loader_cpu_threads": None}, None),
+                        "loader_cpu_threads=1": ({"loader_cpu_threads": 1}, None),
+                        "loader_cpu_threads=1,switchinterval=0.2ms": ({"loader_cpu_threads": 1}, 2e-4)}
+            default_interval = sys.getswitchinterval()
+            for name, (pool_kw, interval) in variants.items():
+                sys.setswitchinterval(interval or default_interval)
+                b = Bench(shape, device, dtype, num_pages=kv_pages + 14 * adapter_pages, max_slots=13,
+                          cpu_budget=12 * adapter_bytes, batch=batch, context=context, pool_kw=pool_kw)
+                res = bench_decode_step(b, w16, dirs[1], steps=args.steps, num_step_adapters=8)
+                res["main_thread_torch_threads"] = torch.get_num_threads()
+                result["decode_step_by_loader_setting"][name] = res
+                print(json.dumps({name: res}), flush=True)
+                for key in list(b.pool.registered()):
+                    b.pool.unpin(key)
+                b.pool.close()
+                del b
+            sys.setswitchinterval(default_interval)
+            return _write(result, args, cuda, device, t_start)
         b = Bench(shape, device, dtype, num_pages=kv_pages + 14 * adapter_pages, max_slots=13,
                   cpu_budget=12 * adapter_bytes, batch=batch, context=context)
         result["page_pool"] = {"num_pages": b.page_pool.num_pages, "page_bytes": per_page, "kv_pages": kv_pages}
@@ -425,10 +448,15 @@ def main() -> None:
         result["zipf"] = bench_zipf(z, dirs, num_adapters=64, num_requests=args.zipf_requests, hold_ticks=8)
         print(json.dumps({"zipf": result["zipf"]}), flush=True)
         z.pool.close()
+    _write(result, args, cuda, device, t_start)
+
+
+def _write(result: dict, args, cuda: bool, device: torch.device, t_start: float) -> None:
     result["wall_s"] = time.perf_counter() - t_start
     if args.out:
         name = "h200" if cuda and "H200" in result["device"] else device.type
-        path = Path(args.out) / f"adapter_pool_{datetime.date.today().isoformat()}_{name}.json"
+        suffix = "" if args.only == "all" else f"_{args.only}"
+        path = Path(args.out) / f"adapter_pool_{datetime.date.today().isoformat()}_{name}{suffix}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {path}")

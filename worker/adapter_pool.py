@@ -63,7 +63,10 @@ class AdapterPool:
             a_offsets=torch.zeros(*shape, config.max_rank, dtype=torch.int64, device=self.device),
             b_offsets=torch.zeros(*shape, config.max_rank, dtype=torch.int64, device=self.device),
         )
-        self._executor = ThreadPoolExecutor(config.num_load_threads, thread_name_prefix="adapter-load")
+        # Optionally bound the CPU threads a loader's torch ops fan out to (GPU workers only).
+        cpu_threads = config.loader_cpu_threads if self._cuda else None
+        self._executor = ThreadPoolExecutor(config.num_load_threads, thread_name_prefix="adapter-load",
+                                            initializer=_limit_cpu_threads, initargs=(cpu_threads,))
         self._copier = PageCopier(pool, self._executor)
         page_pool.set_reclaimer("adapter", self._reclaim_for_kv)
         self._lock = threading.RLock()
@@ -705,3 +708,8 @@ class AdapterPool:
             wait_futures(fetches, timeout=timeout, return_when="FIRST_COMPLETED")
         elif not copies:
             time.sleep(timeout)
+
+
+def _limit_cpu_threads(num_threads: int | None) -> None:
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)

@@ -30,6 +30,9 @@ class AdapterPoolConfig:
     default_quota: TenantQuota = field(default_factory=TenantQuota)
     pin_cpu: bool | None = None  # pinned CPU tier; None = when the pool lives on a CUDA device
     load_timeout_s: float | None = 300.0  # a disk/stager load still running after this fails its waiters
+    # CUDA workers: intra-op CPU threads of each loader thread (None = torch's default). Measured on an
+    # H200 (bench/adapter_pool.py --only decode): limiting to 1 made loads longer and the step loop slower.
+    loader_cpu_threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_slots <= 0 or self.max_rank <= 0:
