@@ -91,7 +91,7 @@ class Engine:
                                              num_kv_heads=mc.num_key_value_heads, head_dim=mc.head_dim)
         self.runner = ModelRunner(self.model, self.block_manager, kv_caches, device=self.device,
                                   backend=config.kernel_backend, lora_layout=self._lora_layout,
-                                  slot_max_rank=self._slot_max_rank)
+                                  slot_max_rank=self._slot_max_rank, lora_segment_len=config.lora_segment_len)
         self.sampler = Sampler(seed=config.seed, device=self.device)
         self.stop_checker = StopChecker(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self.requests: dict[str, Sequence] = {}

@@ -39,6 +39,7 @@ class EngineConfig:
     max_loras_per_batch: int | None = None  # distinct adapters per step; None = no bound
     max_adapter_wait_steps: int = 32  # a request skipped that many steps for grouping is admitted anyway
     strict_base: bool = True  # refuse adapters trained on another base model / tokenizer
+    lora_segment_len: int = 16  # most tokens of one adapter per LoRA kernel segment (shorter: more parallel programs)
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -47,7 +48,8 @@ class EngineConfig:
             raise ValueError(f"kernel_backend must be one of {KERNEL_BACKENDS}, got {self.kernel_backend!r}")
         if torch.device(self.device).type not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_loras", "max_lora_rank"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_loras", "max_lora_rank",
+                     "lora_segment_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_pages is not None and self.num_pages < 1:

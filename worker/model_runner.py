@@ -17,7 +17,7 @@ from lorafleet.worker.llama import LlamaModel
 from lorafleet.worker.scheduler import ScheduledBatch
 from lorafleet.worker.sequence import Sequence
 
-LORA_SEGMENT_LEN = 64  # tokens per LoRA kernel segment
+LORA_SEGMENT_LEN = 16  # default most tokens per LoRA kernel segment (bench/multi_lora.py: 16 beats 64)
 
 
 class ModelRunner:
@@ -31,6 +31,7 @@ class ModelRunner:
         backend: str = "auto",
         lora_layout: Callable[[], LoRALayout | None] = lambda: None,
         slot_max_rank: Callable[[int], int] = lambda slot: 0,
+        lora_segment_len: int = LORA_SEGMENT_LEN,
     ) -> None:
         self.model = model
         self.block_manager = block_manager
@@ -39,6 +40,7 @@ class ModelRunner:
         self.backend = backend
         self.lora_layout = lora_layout  # the adapter pool's current layout (it changes on load/evict)
         self.slot_max_rank = slot_max_rank  # host-side rank of a slot's adapter (sizes the shrink buffer)
+        self.lora_segment_len = lora_segment_len
         self._pin = device.type == "cuda"
 
     def _to_device(self, data: list, dtype: torch.dtype) -> torch.Tensor:
@@ -105,7 +107,7 @@ class ModelRunner:
         for t, s in enumerate(token_slots):
             if s >= 0:
                 groups.setdefault(s, []).append(t)
-        # A long run of one slot (a prefill) is cut into segments of at most LORA_SEGMENT_LEN tokens so
+        # A long run of one slot (a prefill) is cut into segments of at most lora_segment_len tokens so
         # it spreads over many kernel programs, as kernels.lora_layout.make_lora_batch does on device.
         # Host lists here avoid that function's device syncs.
         seg_slots: list[int] = []
@@ -114,9 +116,9 @@ class ModelRunner:
         for s in sorted(groups):
             ids = groups[s]
             sorted_ids.extend(ids)
-            for start in range(0, len(ids), LORA_SEGMENT_LEN):
+            for start in range(0, len(ids), self.lora_segment_len):
                 seg_slots.append(s)
-                seg_starts.append(seg_starts[-1] + min(LORA_SEGMENT_LEN, len(ids) - start))
+                seg_starts.append(seg_starts[-1] + min(self.lora_segment_len, len(ids) - start))
         return LoRABatch(
             token_slots=self._to_device(token_slots, torch.int32),
             sorted_token_ids=self._to_device(sorted_ids, torch.int32),
