@@ -10,6 +10,7 @@ logprobs in the completions (`tokens`, `token_logprobs`, `top_logprobs`, `text_o
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +31,9 @@ class CompletionJob:
     options: SamplingOptions
     params: list[SamplingParams] = field(default_factory=list)  # per choice
     choice_prompt: list[int] = field(default_factory=list)  # choice index -> prompt index
+    # Resolves `model` again when the version chosen on arrival was replaced before the engine took the
+    # request (a directive push between the two); None when the caller pinned `name@version`.
+    re_resolve: Callable[[], str | None] | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     arrived: float = field(default_factory=time.monotonic)
 

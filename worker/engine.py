@@ -44,6 +44,10 @@ class EngineError(ValueError):
     """A request the engine cannot serve (bad prompt, unknown adapter, too long); the message says why."""
 
 
+class UnknownAdapterError(EngineError):
+    """The request names an adapter (version) that is not registered, e.g. one replaced meanwhile."""
+
+
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -263,7 +267,7 @@ class Engine:
         try:
             return self.adapter_pool.resolve(adapter)
         except AdapterNotFoundError as exc:
-            raise EngineError(f"adapter {adapter!r} is not registered (registered: "
+            raise UnknownAdapterError(f"adapter {adapter!r} is not registered (registered: "
                               f"{', '.join(self.adapter_pool.registered()) or 'none'})") from exc
 
     def abort(self, request_id: str) -> bool:

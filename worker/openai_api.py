@@ -35,7 +35,7 @@ from lorafleet.worker.app_keys import (
     TENANTS,
 )
 from lorafleet.worker.completion_job import CompletionJob
-from lorafleet.worker.engine import EngineError
+from lorafleet.worker.engine import EngineError, UnknownAdapterError
 from lorafleet.worker.metrics import BASE_MODEL_LABEL
 from lorafleet.worker.openai_protocol import (
     APIError,
@@ -103,6 +103,8 @@ async def _prepare(request: web.Request, endpoint: str) -> CompletionJob:
     prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
     job = CompletionJob(endpoint, f"{prefix}-{uuid.uuid4().hex}", adapter or app[ADAPTERS].base_model, adapter,
                         prompt_ids, parsed.options)
+    if adapter is not None and "@" not in parsed.model:
+        job.re_resolve = lambda: app[ADAPTERS].resolve(parsed.model, tenant, parsed.options.user)
     job.add_choices(engine.max_model_len)
     return job
 
@@ -113,10 +115,23 @@ async def _merged_outputs(async_engine, job: CompletionJob) -> AsyncIterator[tup
     queue: asyncio.Queue[tuple[int, RequestOutput | None, BaseException | None]] = asyncio.Queue()
 
     async def pump(i: int) -> None:
+        request_id, prompt = f"{job.request_id}-{i}", job.prompt_ids[job.choice_prompt[i]]
         try:
-            async for out in async_engine.generate(f"{job.request_id}-{i}", job.prompt_ids[job.choice_prompt[i]],
-                                                   job.params[i], job.adapter):
-                queue.put_nowait((i, out, None))
+            adapter = job.adapter
+            try:
+                async for out in async_engine.generate(request_id, prompt, job.params[i], adapter):
+                    queue.put_nowait((i, out, None))
+            except UnknownAdapterError:
+                # The version resolved on arrival was replaced before the engine took the request (nothing
+                # was generated): resolve once more, for all choices of the job, and run on that.
+                if job.adapter == adapter:  # the first choice to notice re-resolves for all of them
+                    if job.re_resolve is None:
+                        raise
+                    job.adapter = job.re_resolve()
+                    job.model = job.adapter or job.model
+                    job.re_resolve = None
+                async for out in async_engine.generate(f"{request_id}r", prompt, job.params[i], job.adapter):
+                    queue.put_nowait((i, out, None))
             queue.put_nowait((i, None, None))
         except asyncio.CancelledError:
             raise
