@@ -68,7 +68,7 @@ class AdapterPool:
         self._executor = ThreadPoolExecutor(config.num_load_threads, thread_name_prefix="adapter-load",
                                             initializer=_limit_cpu_threads, initargs=(cpu_threads,))
         self._copier = PageCopier(pool, self._executor)
-        page_pool.set_reclaimer("adapter", self._reclaim_for_kv)
+        page_pool.set_reclaimer("adapter", self.reclaim_for_kv)
         self._lock = threading.RLock()
         self._entries: dict[str, AdapterEntry] = {}
         self._current: dict[str, str] = {}  # name -> key that resolve() answers
@@ -653,7 +653,7 @@ class AdapterPool:
         rest = self.policy.order([self._candidate(e) for e in candidates if not e.retired])
         return retired + [self._entries[c.key] for c in rest]
 
-    def _reclaim_for_kv(self, num_pages: int) -> int:
+    def reclaim_for_kv(self, num_pages: int) -> int:
         """Unified paging: the KV cache needs `num_pages` more pages than are free; evict idle
         adapters (no references, not pinned, nobody waiting for them) if that is enough. Returns
         pages freed."""

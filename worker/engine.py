@@ -147,22 +147,9 @@ class Engine:
         return rank
 
     def _reclaim_adapter_pages(self, num_pages: int) -> int:
-        """Evict idle, unpinned GPU-resident adapters (least recently used first) until `num_pages`
-        pages are free for the KV cache; they reload on their next request. Returns pages freed."""
-        pool = self.adapter_pool
-        idle = [d["key"] for d in pool.describe() if d["tier"] == "gpu" and d["refcount"] == 0 and not d["pinned"]]
-        idle.sort(key=lambda k: pool.entry(k).last_used)
-        freed = 0
-        for key in idle:
-            if self.page_pool.can_allocate(num_pages, "kv"):
-                break
-            pages = len(pool.entry(key).page_ids)
-            try:
-                pool.evict(key)
-            except RuntimeError:  # became busy (a copy started or a request took it): skip it
-                continue
-            freed += pages
-        return freed
+        """Before preempting for KV room: evict idle, unpinned adapters that no waiting request needs
+        (the adapter pool decides, in its eviction order). Returns pages freed."""
+        return self.adapter_pool.reclaim_for_kv(num_pages)
 
     # ---- adapters -----------------------------------------------------------------------------------
     def register_adapter(
