@@ -48,6 +48,7 @@ from lorafleet.worker.tenants import AuthenticationError, Tenant
 from lorafleet.worker.tokenizer import TokenizerError
 
 ADAPTER_HEADER = "X-Lorafleet-Adapter"
+_RE_RESOLVE_TRIES, _RE_RESOLVE_PAUSE_S = 100, 0.02  # up to 2 s for a directive push to finish
 UNRESOLVED_LABEL = "__unresolved__"  # metrics label of requests refused before `model` was resolved
 
 
@@ -127,9 +128,17 @@ async def _merged_outputs(async_engine, job: CompletionJob) -> AsyncIterator[tup
                 if job.adapter == adapter:  # the first choice to notice re-resolves for all of them
                     if job.re_resolve is None:
                         raise
-                    job.adapter = job.re_resolve()
-                    job.model = job.adapter or job.model
-                    job.re_resolve = None
+                    # The push swaps the served table right after registering the new version: until
+                    # then the old table may still name the dropped version. Bounded wait for the swap.
+                    for _ in range(_RE_RESOLVE_TRIES):
+                        if job.adapter != adapter:  # another choice of the job re-resolved meanwhile
+                            break
+                        if (key := job.re_resolve()) != adapter:
+                            job.adapter, job.model, job.re_resolve = key, key or job.model, None
+                            break
+                        await asyncio.sleep(_RE_RESOLVE_PAUSE_S)
+                    else:
+                        raise
                 async for out in async_engine.generate(f"{request_id}r", prompt, job.params[i], job.adapter):
                     queue.put_nowait((i, out, None))
             queue.put_nowait((i, None, None))
