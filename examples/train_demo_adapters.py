@@ -17,8 +17,8 @@ the demo batch mixes ranks and module subsets:
 
 Cost control: LoRA only on the upper layers (`layers_to_transform`); the frozen lower layers run
 once per example (their outputs are cached), each epoch only runs the upper ones, and logits are
-computed for answer tokens only. Measured: all three in 9.6 min wall (9.2 min CPU) on a 2-core
-machine shared with other jobs; the result was bit-for-bit the same on a second run.
+computed for answer tokens only. Measured: all three in 107 s wall on an otherwise idle 2-core
+machine (9.6 min when it was shared with other jobs); the output is bit-for-bit the committed adapters.
 `python examples/train_demo_adapters.py` (all three) or `--only shout`. Seeded data and init.
 """
 
