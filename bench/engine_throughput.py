@@ -42,6 +42,17 @@ def random_adapter(engine: Engine, name: str, rank: int, seed: int) -> LoRAWeigh
     return LoRAWeights(name=name, version="bench", base_model=engine.model_name, modules=modules, nbytes=nbytes)
 
 
+def register_random_adapters(engine: Engine, num: int, rank: int) -> list[str]:
+    """Registers bench0..bench{num-1} (version "bench") and makes them GPU-resident; returns names."""
+    names = []
+    for i in range(num):
+        key = f"bench{i}@bench"
+        engine.adapter_pool.add(key, random_adapter(engine, f"bench{i}", rank, i))
+        engine.adapter_pool.load(key)
+        names.append(f"bench{i}")
+    return names
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="model dir (default: the embedded SmolLM2-135M)")
@@ -57,12 +68,7 @@ def main() -> None:
 
     engine = Engine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
                                  max_num_seqs=args.max_num_seqs, max_lora_rank=max(args.rank, 16)))
-    names = []
-    for i in range(args.adapters):
-        key = f"bench{i}@bench"
-        engine.adapter_pool.add(key, random_adapter(engine, f"bench{i}", args.rank, i))
-        engine.adapter_pool.load(key)
-        names.append(f"bench{i}")
+    names = register_random_adapters(engine, args.adapters, args.rank)
     rng = random.Random(0)
     vocab = engine.model_config.vocab_size
     prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(args.num_requests)]

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 import torch
-from engine_throughput import random_adapter  # same folder
+from engine_throughput import register_random_adapters  # same folder
 from safetensors.torch import save_file
 
 from lorafleet.worker import Engine, EngineConfig, SamplingParams
@@ -93,12 +93,7 @@ def main() -> None:
                                      max_num_seqs=args.requests, max_loras=max(mixes) + 1,
                                      max_lora_rank=max(args.rank, 16), max_num_batched_tokens=8192,
                                      lora_segment_len=args.segment_len))
-    names = []
-    for i in range(max(mixes)):
-        key = f"bench{i}@bench"
-        engine.adapter_pool.add(key, random_adapter(engine, f"bench{i}", args.rank, i))
-        engine.adapter_pool.load(key)
-        names.append(f"bench{i}")
+    names = register_random_adapters(engine, max(mixes), args.rank)
     rng = random.Random(0)
     vocab = engine.model_config.vocab_size
     prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(args.requests)]
