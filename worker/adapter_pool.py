@@ -10,9 +10,10 @@ complete, so nothing ever computes with a half-loaded adapter.
 
 Versions: keys are `name@version`; `resolve(name)` answers the current version. Adding a new
 version loads it beside the old one and switches `resolve` when it is resident; requests holding the
-old slot finish on it, and the old version is dropped when its last reference is released. The
-content digest of a key is fixed at its first load: a reload with other bytes fails instead of
-serving them under the old key.
+old slot finish on it, and the old version is dropped when its last reference is released. A version
+registered beside the current one (`make_current=False`, a canary) is promoted with
+`make_current(key)`, which retires the old one the same way. The content digest of a key is fixed at
+its first load: a reload with other bytes fails instead of serving them under the old key.
 """
 
 from __future__ import annotations
@@ -132,6 +133,20 @@ class AdapterPool:
                     self._want(entry)
             if pinned:
                 self._want(entry)
+            self._update_gauges()
+
+    def make_current(self, key: str) -> None:
+        """Make the registered `key` its name's current version now (a canary promoted to stable):
+        `resolve(name)` answers it from this call on. The previous current version retires as when a
+        new version replaces it: requests holding it finish on it, it is evicted first, and no new
+        request resolves to it. A different version still loading to become current is retired too.
+        Raises AdapterNotFoundError for a key that is not registered."""
+        with self._lock:
+            entry = self._get(key)
+            pending = self._pending.pop(entry.name, None)
+            if pending is not None and pending != key:
+                self._retire(self._entries[pending])
+            self._switch(entry)
             self._update_gauges()
 
     def resolve(self, name_or_key: str) -> str:
@@ -578,7 +593,7 @@ class AdapterPool:
         """Atomic version switch: one assignment under the lock; the old version retires."""
         old_key = self._current.get(entry.name)
         self._current[entry.name] = entry.key
-        del self._pending[entry.name]
+        self._pending.pop(entry.name, None)
         if old_key is not None and old_key != entry.key:
             self._retire(self._entries[old_key], reason="version")
 

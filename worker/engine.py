@@ -154,12 +154,13 @@ class Engine:
     # ---- adapters -----------------------------------------------------------------------------------
     def register_adapter(
         self, name: str, path: str | Path, version: str | None = None, *, tenant: str = "default",
-        pinned: bool = False,
+        pinned: bool = False, make_current: bool = True,
     ) -> str:
         """Load and validate a PEFT adapter directory and register it as `name@version`; returns the key.
 
         `version` defaults to the adapter's content digest. The adapter is copied to the GPU pool on
-        first use (or now when pinned)."""
+        first use (or now when pinned). A new version of a registered name becomes current once
+        resident; with `make_current=False` it is only registered beside the current one (a canary)."""
         if not name or "@" in name or "/" in name:
             raise EngineError(f"adapter name {name!r} must be non-empty and contain neither '@' nor '/'")
         weights = load_peft_adapter(
@@ -167,7 +168,7 @@ class Engine:
             base_model_name=self.model_name, tokenizer_digest=self.tokenizer_digest, name=name, version=version,
         )
         key = f"{name}@{weights.version}"
-        self.adapter_pool.add(key, weights, tenant=tenant, pinned=pinned)
+        self.adapter_pool.add(key, weights, tenant=tenant, pinned=pinned, make_current=make_current)
         self._rank_of_key[key] = max((m.a.shape[0] for m in weights.modules.values()), default=0)
         log.info("registered adapter %s from %s", key, path)
         return key

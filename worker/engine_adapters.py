@@ -1,21 +1,16 @@
 """EngineAdapters: the engine's adapter registry as the HTTP layer's `ServedAdapters` uses it.
 
-Thin and explicit: each verb calls `Engine` or its `AdapterPool`. The one thing it adds is
-registering a version *beside* the current one without making it current (a canary): the engine's
-`register_adapter` always makes a new version current once resident, which would retire the stable
-version under a canary split.
+Thin and explicit: each verb calls `Engine` or its `AdapterPool`. A canary is registered beside the
+current version (`make_current=False`) and promoted with `make_adapter_current`, which retires the
+previous stable version.
 """
 
 from __future__ import annotations
 
-import logging
-from pathlib import Path
 from typing import Any
 
 from lorafleet.worker.adapter_entry import AdapterNotFoundError
 from lorafleet.worker.engine import Engine, EngineError
-
-log = logging.getLogger(__name__)
 
 
 class EngineAdapters:
@@ -26,19 +21,15 @@ class EngineAdapters:
     def register_adapter(self, name: str, source: str, *, version: str | None = None, tenant: str | None = None,
                          pinned: bool = False, make_current: bool = True) -> str:
         """Validate and register a local PEFT directory as `name@version`; returns the key."""
-        tenant = tenant or "default"
-        if make_current or version is None:
-            return self.engine.register_adapter(name, source, version, tenant=tenant, pinned=pinned)
-        from lorafleet.worker.peft_adapter import load_peft_adapter
+        return self.engine.register_adapter(name, source, version, tenant=tenant or "default", pinned=pinned,
+                                            make_current=make_current)
 
-        e = self.engine
-        weights = load_peft_adapter(Path(source), e.model_config, dtype=e.dtype, strict_base=e.config.strict_base,
-                                    base_model_name=e.model_name, tokenizer_digest=e.tokenizer_digest, name=name,
-                                    version=version)
-        key = f"{name}@{version}"
-        self.pool.add(key, weights, tenant=tenant, pinned=pinned, make_current=False)
-        log.info("registered adapter %s from %s beside the current version", key, source)
-        return key
+    def make_adapter_current(self, key: str) -> None:
+        """Make the registered `key` its name's current version; the previous one retires."""
+        try:
+            self.pool.make_current(key)
+        except AdapterNotFoundError as exc:
+            raise KeyError(str(exc)) from None
 
     def unregister_adapter(self, name: str) -> None:
         try:

@@ -8,8 +8,9 @@ of waiting. A request resolves to one full key `name@version` once, on arrival: 
 version to the end even if a push switches the stable version meanwhile (hot update).
 
 Running example: push gen 3 {sql: stable v1}, then gen 4 {sql: stable v1, canary v2 at 20 %}:
-v2 is registered beside v1 (not current), 20 % of users resolve to `sql@v2`; gen 5 without `sql`
-unregisters both, requests in flight finish on the version they hold.
+v2 is registered beside v1 (not current), 20 % of users resolve to `sql@v2`; gen 5 {sql: stable v2}
+makes the registered v2 current without reloading it and retires v1; gen 6 without `sql`
+unregisters it, requests in flight finish on the version they hold.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class AdapterHost(Protocol):
 
     def register_adapter(self, name: str, source: str, *, version: str | None = None, tenant: str | None = None,
                          pinned: bool = False, make_current: bool = True) -> str: ...
+    def make_adapter_current(self, key: str) -> None: ...
     def unregister_adapter(self, name: str) -> None: ...
     def remove_adapter_version(self, key: str) -> None: ...
     def set_adapter_pinned(self, key: str, pinned: bool) -> None: ...
@@ -153,12 +155,17 @@ class ServedAdapters:
         served = ServedAdapter(d.name, d.tenant, VersionSplit(d.stable.version), warm=d.warm, pinned=d.pinned)
         for version, uri in versions.items():
             keep = old is not None and old.sources.get(version) == uri and version not in old.errors
+            stable = version == d.stable.version
+            # A version registered beside the stable one (a canary) that now becomes stable.
+            promoted = stable and old is not None and version in old.sources and version != old.split.stable
             try:
                 source = local_source(uri)
                 if not keep:
                     engine.register_adapter(d.name, source, version=version, tenant=d.tenant, pinned=d.pinned,
-                                            make_current=version == d.stable.version)
+                                            make_current=stable)
                 key = f"{d.name}@{version}"
+                if promoted:
+                    engine.make_adapter_current(key)  # the old stable version retires
                 engine.set_adapter_pinned(key, d.pinned)
                 if d.warm:
                     engine.prefetch_adapter(key)

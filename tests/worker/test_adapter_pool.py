@@ -273,6 +273,75 @@ def test_versions_switch_atomically_and_in_flight_requests_keep_their_version(po
     pool.check()
 
 
+def test_make_current_promotes_a_registered_version_and_retires_the_old_one(pool):
+    v1, v2 = random_weights(1, name="c", version="1"), random_weights(2, name="c", version="2")
+    pool.add("c@1", v1)
+    pool.add("c@2", v2, make_current=False)  # a canary beside the stable version
+    pool.load("c@1")
+    pool.load("c@2")
+    assert pool.resolve("c") == "c@1"
+    s1 = pool.acquire("c")
+    queued_key = pool.resolve("c")  # resolved before the switch, admitted after it
+    pool.make_current("c@2")
+    assert pool.resolve("c") == "c@2"  # switched within the call
+    s2 = pool.acquire("c")
+    assert pool.slot_key(s1) == "c@1" and pool.slot_key(s2) == "c@2"
+    assert pool.acquire(queued_key) == s1  # in-flight and queued requests keep the old version
+    a, _, _ = dense_from_layout(pool, s1, 0, "q_proj")
+    assert torch.equal(a, v1.modules[(0, "q_proj")].a)
+    assert pool.registered() == ["c@2"]
+    with pytest.raises(AdapterNotFoundError):
+        pool.resolve("c@1")  # no new request can name it
+    described = {d["key"]: d for d in pool.describe()}
+    assert described["c@2"]["current"] and not described["c@1"]["current"]
+    pool.release(s1)
+    pool.release(s1)
+    pool.check()
+    # Idle now: the retired version is the first to go when memory is needed.
+    for i, k in enumerate(("x@1", "y@1", "z@1")):
+        pool.add(k, random_weights(10 + i))
+        pool.load(k)
+    assert pool.stats()["evictions"]["gpu"].get("version") == 1
+    with pytest.raises(AdapterNotFoundError):
+        pool.acquire(queued_key)
+    pool.release(s2)
+    pool.check()
+
+
+def test_make_current_of_an_unknown_or_retired_key_is_refused(pool):
+    pool.add("k@1", random_weights(1))
+    pool.add("k@2", random_weights(2), make_current=False)
+    with pytest.raises(AdapterNotFoundError):
+        pool.make_current("k@3")
+    with pytest.raises(AdapterNotFoundError):
+        pool.make_current("nobody@1")
+    pool.make_current("k@2")
+    with pytest.raises(AdapterNotFoundError):
+        pool.make_current("k@1")  # retired by the switch
+    assert pool.resolve("k") == "k@2"
+    pool.make_current("k@2")  # already current: no change
+    assert pool.registered() == ["k@2"]
+    pool.check()
+
+
+def test_make_current_supersedes_a_version_still_loading(pool):
+    pool.add("p@1", random_weights(1))
+    pool.load("p@1")
+    pool.add("p@2", random_weights(2), make_current=False)
+    release = threading.Event()
+
+    def slow():
+        release.wait(10)
+        return random_weights(3)
+
+    pool.add("p@3", loader=slow)  # becomes current once resident
+    pool.make_current("p@2")
+    release.set()
+    pool.wait_idle()
+    assert pool.resolve("p") == "p@2" and pool.registered() == ["p@2"]
+    pool.check()
+
+
 def test_rollback_to_a_replaced_version(pool):
     v1, v2 = random_weights(1), random_weights(2)
     pool.add("r@1", v1)

@@ -25,6 +25,9 @@ class RecordingHost:
                                          "tier": "cpu", "refcount": 0, "hits": 0, "bytes": 10, "pinned": pinned}
         return f"{name}@{version}"
 
+    def make_adapter_current(self, key):
+        self.calls.append(("make_current", key))
+
     def unregister_adapter(self, name):
         self.calls.append(("unregister", name))
         self.keys = {k: v for k, v in self.keys.items() if v["name"] != name}
@@ -100,6 +103,8 @@ def test_a_push_replaces_the_set_and_retires_old_versions_after_publishing():
     served.apply(state(2, promoted), host)
     assert ("remove", "sql@v1") in host.calls and ("unregister", "chat") in host.calls
     assert ("register", "sql@v2", True) not in host.calls  # v2 was already registered: kept, not reloaded
+    assert ("make_current", "sql@v2") in host.calls  # ...and promoted, which retires v1
+    assert ("make_current", "sql@v1") not in host.calls
     assert served.names() == ["sql"] and served.resolve("sql", ACME, "anyone") == "sql@v2"
     with pytest.raises(APIError):
         served.resolve("chat", GLOBEX, None)

@@ -621,8 +621,9 @@ async def test_admin_push_canary_failures_and_vllm_load(server, adapters_dir, sp
             assert stream.status == 200 and stream.headers["X-Lorafleet-Adapter"] == "beta@s1"
             first = await stream.content.readline()
             assert first.startswith(b"data: {")
+            # alpha's canary v2 becomes stable: made current without reloading, v1 retired.
             gen2 = {"generation": 2, "adapters": [
-                push["adapters"][0],
+                {"name": "alpha", "tenant": "acme", "stable": push["adapters"][0]["canary"], "warm": True},
                 {"name": "beta", "tenant": "globex", "stable": {"version": "s2", "uri": str(spare_adapters["v2"])}},
                 {"name": "alien", "tenant": "acme", "stable": {"version": "t1", "uri": str(spare_adapters["alien"])}},
             ]}
@@ -638,6 +639,12 @@ async def test_admin_push_canary_failures_and_vllm_load(server, adapters_dir, sp
         _, _, text = await post(s, f"{server}/v1/completions", {"model": "beta", "prompt": "c", "max_tokens": 1},
                                 key=KEY_GLOBEX)
         assert json.loads(text)["model"] == "beta@s2"
+        _, _, text = await post(s, f"{server}/v1/completions", {"model": "alpha", "prompt": "c", "max_tokens": 1,
+                                                                "user": "user-0"})
+        assert json.loads(text)["model"] == "alpha@v2"
+        state = await admin_state(s, server)
+        assert {(a["name"], a["version"]) for a in state["adapters"]} >= {("alpha", "v2"), ("beta", "s2")}
+        assert state["pool"]["registered"] == 2  # alpha@v1 and beta@s1 retired: only v2 and s2 remain
         status, _, text = await post(s, f"{server}/v1/completions", {"model": "alien", "prompt": "c"})
         assert status == 503 and "tokenizer" in json.loads(text)["error"]["message"]
 
