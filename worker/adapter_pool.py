@@ -14,6 +14,9 @@ old slot finish on it, and the old version is dropped when its last reference is
 registered beside the current one (`make_current=False`, a canary) is promoted with
 `make_current(key)`, which retires the old one the same way. The content digest of a key is fixed at
 its first load: a reload with other bytes fails instead of serving them under the old key.
+
+This file holds the public verbs and version bookkeeping; the loading pipeline is AdapterLoading
+(worker/adapter_loading.py), placement and eviction AdapterPlacement (worker/adapter_placement.py).
 """
 
 from __future__ import annotations
@@ -22,7 +25,6 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import wait as wait_futures
 
 import torch
 
@@ -34,18 +36,20 @@ from lorafleet.worker.adapter_entry import (
     Loader,
     split_key,
 )
-from lorafleet.worker.adapter_image import ModelDims, clear_slot, pack_adapter
+from lorafleet.worker.adapter_image import ModelDims
+from lorafleet.worker.adapter_loading import AdapterLoading, limit_cpu_threads
 from lorafleet.worker.adapter_metrics import AdapterMetrics
+from lorafleet.worker.adapter_placement import AdapterPlacement
 from lorafleet.worker.adapter_pool_check import check_adapter_pool
 from lorafleet.worker.adapter_pool_config import AdapterPoolConfig, TenantQuota
-from lorafleet.worker.eviction import EvictionCandidate, make_policy, plan_placement
+from lorafleet.worker.eviction import make_policy
 from lorafleet.worker.page_copier import PageCopier
 from lorafleet.worker.page_pool import PagePool
 
 __all__ = ["AdapterPool", "AdapterPoolConfig", "TenantQuota"]
 
 
-class AdapterPool:
+class AdapterPool(AdapterLoading, AdapterPlacement):
     def __init__(self, page_pool: PagePool, dims: ModelDims, config: AdapterPoolConfig | None = None) -> None:
         self.config = config = config or AdapterPoolConfig()
         self.page_pool = page_pool
@@ -67,7 +71,7 @@ class AdapterPool:
         # Optionally bound the CPU threads a loader's torch ops fan out to (GPU workers only).
         cpu_threads = config.loader_cpu_threads if self._cuda else None
         self._executor = ThreadPoolExecutor(config.num_load_threads, thread_name_prefix="adapter-load",
-                                            initializer=_limit_cpu_threads, initargs=(cpu_threads,))
+                                            initializer=limit_cpu_threads, initargs=(cpu_threads,))
         self._copier = PageCopier(pool, self._executor)
         page_pool.set_reclaimer("adapter", self.reclaim_for_kv)
         self._lock = threading.RLock()
@@ -274,44 +278,6 @@ class AdapterPool:
         with self._lock:
             return bool(self._inflight or self._wanted)
 
-    def _advance(self) -> bool:
-        """Finish what completed among the loads in flight (cheap: only those are looked at)."""
-        timeout = self.config.load_timeout_s
-        now = time.monotonic()
-        changed = False
-        for key in list(self._inflight):
-            entry = self._entries.get(key)
-            if entry is None:
-                self._inflight.discard(key)
-                continue
-            if entry.fetching is not None and entry.fetching.done():
-                self._finish_fetch(entry)
-                changed = True
-            elif entry.fetching is not None and timeout is not None and now - entry.fetch_started > timeout:
-                entry.fetching = None  # the stuck thread's result, if it ever comes, is dropped
-                self._fail(entry, f"load timed out after {timeout:g} s (download or disk too slow?)", tier="disk")
-                changed = True
-            if entry.copying is not None and self._copier.is_done(entry.copying):
-                self._finish_copy(entry)
-                changed = True
-            if entry.fetching is None and entry.copying is None:
-                self._inflight.discard(key)
-        if changed:  # memory moved: adapters waiting for room may fit now
-            self._sweep_wanted()
-            self._update_gauges()
-        return changed
-
-    def _sweep_wanted(self) -> None:
-        for key in list(self._wanted):
-            entry = self._entries.get(key)
-            if entry is None or entry.on_gpu:
-                self._wanted.pop(key, None)
-            elif entry.image is None:
-                if entry.fetching is None:
-                    self._start_fetch(entry)
-            else:
-                self._try_place(entry)
-
     # ---- explicit residency: can_load / load / evict, prefetch ---------------------------------
     def prefetch(self, key: str, tier: str = "gpu") -> None:
         """Warm an adapter before traffic arrives: into the CPU tier, or all the way to the GPU."""
@@ -443,151 +409,12 @@ class AdapterPool:
                                slot_owner=self._slot_owner, free_slots=self._free_slots, config=self.config,
                                current=self._current)
 
-    # ---- internals: loading --------------------------------------------------------------------
+    # ---- internals: versions -------------------------------------------------------------------
     def _get(self, key: str) -> AdapterEntry:
         entry = self._entries.get(key)
         if entry is None or entry.retired:
             raise AdapterNotFoundError(f"adapter {key!r} is not registered")
         return entry
-
-    def _pack(self, weights):
-        return pack_adapter(weights.modules, self.dims, page_elems=self.page_pool.page_elems,
-                            max_rank=self.config.max_rank, dtype=self.page_pool.pool.dtype, pin=self._pin)
-
-    def _want(self, entry: AdapterEntry) -> None:
-        if entry.resident or entry.retired:
-            return
-        self._wanted.setdefault(entry.key, None)
-        if entry.image is None:
-            if entry.fetching is None:
-                self._start_fetch(entry)
-        elif not entry.on_gpu:
-            self._try_place(entry)
-
-    def _start_fetch(self, entry: AdapterEntry) -> None:
-        loader, pack = entry.loader, self._pack
-
-        def job():
-            t0 = time.perf_counter()
-            image = pack(loader())
-            return image, time.perf_counter() - t0
-
-        entry.fetch_started = time.monotonic()
-        entry.fetching = self._executor.submit(job)
-        self._inflight.add(entry.key)
-
-    def _finish_fetch(self, entry: AdapterEntry) -> None:
-        future, entry.fetching = entry.fetching, None
-        try:
-            image, seconds = future.result()
-        except Exception as exc:  # any loader failure fails only this adapter's waiters
-            self._fail(entry, f"load failed: {exc}", tier="disk")
-            return
-        if entry.retired:
-            return
-        if entry.digest is not None and image.digest != entry.digest:
-            self._fail(entry, "its content changed since it was first loaded; refusing to serve different "
-                              "weights under the same name@version (register a new version)", tier="disk")
-            return
-        entry.load_seconds = seconds
-        entry.error = None
-        self._counts["loads"]["cpu"] += 1
-        self._count("hits", "disk")
-        self.metrics.load_seconds.labels("cpu").observe(seconds)
-        self._set_image(entry, image)
-
-    def _set_image(self, entry: AdapterEntry, image) -> None:
-        entry.image = image
-        entry.digest = entry.digest or image.digest
-        self._trim_cpu(protect=entry)
-        if entry.key in self._wanted:
-            self._try_place(entry)
-
-    def _fail(self, entry: AdapterEntry, message: str, *, tier: str) -> None:
-        err = AdapterLoadError(entry.key, message)
-        entry.error = err
-        entry.failed_waiters |= entry.waiters
-        entry.failed_anonymous = True
-        entry.waiters = set()
-        self._wanted.pop(entry.key, None)
-        if self._pending.get(entry.name) == entry.key:
-            del self._pending[entry.name]  # the current version keeps serving
-        self._counts["load_failures"] += 1
-        self.metrics.load_failures.labels(tier).inc()
-        self._failures.append((entry.key, err))
-
-    # ---- internals: placement on the GPU -------------------------------------------------------
-    def _placement_plan(self, entry: AdapterEntry) -> list[AdapterEntry] | None:
-        """Victims to evict so `entry` fits (pages, slot, tenant quota), or None if it cannot fit now."""
-        # Not evictable: in use, pinned, a new version about to switch, or loaded for requests that
-        # have not picked it up yet (evicting those makes waiting requests evict each other forever).
-        candidates = [e for e in self._slot_owner.values()
-                      if e.resident and e.refcount == 0 and not e.pinned and e is not entry
-                      and not e.waiters and self._pending.get(e.name) != e.key]
-        mine = [e for e in self._slot_owner.values() if e.tenant == entry.tenant]
-        keys = plan_placement(
-            need_pages=entry.image.num_pages, nbytes=entry.image.nbytes, tenant=entry.tenant,
-            quota=self.config.quota(entry.tenant),
-            ordered=[(e.key, e.tenant, len(e.page_ids), e.gpu_bytes) for e in self._eviction_order(candidates)],
-            tenant_count=len(mine), tenant_bytes=sum(e.gpu_bytes for e in mine),
-            free_pages=self.page_pool.available("adapter"), free_slots=len(self._free_slots))
-        return None if keys is None else [self._entries[k] for k in keys]
-
-    def _try_place(self, entry: AdapterEntry) -> bool:
-        if entry.on_gpu or entry.image is None or entry.retired:
-            return entry.on_gpu
-        victims = self._placement_plan(entry)
-        if victims is None:
-            quota = self.config.quota(entry.tenant)
-            pp = self.page_pool.config
-            most = pp.num_pages - pp.min_pages.get("kv", 0)
-            if pp.max_pages.get("adapter") is not None:
-                most = min(most, pp.max_pages["adapter"])
-            if quota.max_bytes is not None and entry.image.nbytes > quota.max_bytes:
-                self._fail(entry, f"needs {entry.image.nbytes} bytes, above tenant {entry.tenant!r}'s GPU quota of "
-                                  f"{quota.max_bytes} bytes", tier="gpu")
-            elif entry.image.num_pages > most:
-                self._fail(entry, f"needs {entry.image.num_pages} pages; adapters may use at most {most} pages of "
-                                  f"the pool (raise the pool size or the adapter ceiling)", tier="gpu")
-            return False
-        quota = self.config.quota(entry.tenant)
-        for victim in victims:
-            mine = [e for e in self._slot_owner.values() if e.tenant == entry.tenant]
-            over = quota.exceeded(len(mine) + 1, sum(e.gpu_bytes for e in mine) + entry.image.nbytes)
-            self._evict_gpu(victim, "quota" if over and victim.tenant == entry.tenant else "capacity")
-        image = entry.image
-        entry.page_ids = self.page_pool.allocate(image.num_pages, ("adapter", entry.key), used_elems=image.used_elems)
-        entry.slot = self._free_slots.pop()
-        entry.gpu_bytes = image.nbytes
-        self._slot_owner[entry.slot] = entry
-        self._wanted.pop(entry.key, None)
-        self._start_copy(entry)
-        return True
-
-    def _start_copy(self, entry: AdapterEntry) -> None:
-        self._inflight.add(entry.key)
-        entry.copying = self._copier.start(entry.image.pages, entry.page_ids)
-
-    def _finish_copy(self, entry: AdapterEntry) -> None:
-        handle, entry.copying = entry.copying, None
-        try:
-            seconds = self._copier.seconds(handle)
-        except Exception as exc:
-            self._release_gpu(entry)
-            self._fail(entry, f"copy to the device failed: {exc}", tier="gpu")
-            return
-        if entry.retired:
-            self._release_gpu(entry)
-            self._drop(entry, reason="version")
-            return
-        entry.image.write_slot(self.layout, entry.slot, entry.page_ids)  # the slot becomes visible here
-        entry.resident = True
-        entry.copy_seconds = seconds
-        self._counts["loads"]["gpu"] += 1
-        self.metrics.load_seconds.labels("gpu").observe(seconds)
-        if self._pending.get(entry.name) == entry.key:
-            self._switch(entry)
-        self._trim_cpu(protect=None)
 
     def _switch(self, entry: AdapterEntry) -> None:
         """Atomic version switch: one assignment under the lock; the old version retires."""
@@ -597,7 +424,6 @@ class AdapterPool:
         if old_key is not None and old_key != entry.key:
             self._retire(self._entries[old_key], reason="version")
 
-    # ---- internals: eviction -------------------------------------------------------------------
     def _retire(self, entry: AdapterEntry, reason: str = "version") -> None:
         """No new request resolves to it; it stays while resident (requests that resolved it earlier
         still get it) and is evicted before anything else, then forgotten."""
@@ -608,93 +434,6 @@ class AdapterPool:
             self._evict_cpu(entry, reason)
         if not entry.on_gpu:
             self._drop(entry, reason=reason)
-
-    def _drop(self, entry: AdapterEntry, *, reason: str) -> None:
-        if entry.resident:
-            self._release_gpu(entry)
-            self._count_eviction("gpu", reason)
-        if entry.image is not None:
-            self._evict_cpu(entry, reason)
-        if entry.fetching is not None:
-            entry.fetching.cancel()
-        self._entries.pop(entry.key, None)
-
-    def _release_gpu(self, entry: AdapterEntry) -> None:
-        slot = entry.slot
-        clear_slot(self.layout, slot)
-        self.page_pool.free(entry.page_ids)
-        entry.page_ids = []
-        entry.slot = None
-        entry.resident = False
-        entry.gpu_bytes = 0
-        del self._slot_owner[slot]
-        self._free_slots.append(slot)
-
-    def _evict_gpu(self, entry: AdapterEntry, reason: str) -> None:
-        assert entry.refcount == 0 and entry.copying is None, f"{entry.key} is in use"
-        self._release_gpu(entry)
-        if entry.retired:
-            reason = entry.retire_reason
-        self._count_eviction("gpu", reason)
-        if entry.retired:
-            self._drop(entry, reason=reason)
-
-    def _count_eviction(self, tier: str, reason: str) -> None:
-        self._counts["evictions"][tier][reason] = self._counts["evictions"][tier].get(reason, 0) + 1
-        self.metrics.evictions.labels(tier, reason).inc()
-
-    def _evict_cpu(self, entry: AdapterEntry, reason: str) -> None:
-        entry.image = None
-        self._count_eviction("cpu", reason)
-
-    def _trim_cpu(self, protect: AdapterEntry | None) -> None:
-        """Keep the CPU tier within its byte budget; images being copied (or about to be) stay."""
-        holders = [e for e in self._entries.values() if e.image is not None]
-        total = sum(e.image.nbytes for e in holders)
-        if total <= self.config.cpu_budget_bytes:
-            return
-        candidates = [e for e in holders
-                      if e is not protect and e.copying is None and not (e.key in self._wanted and not e.on_gpu)]
-        for cand in self.policy.order([self._candidate(e, tier="cpu") for e in candidates]):
-            if total <= self.config.cpu_budget_bytes:
-                break
-            victim = self._entries[cand.key]
-            total -= victim.image.nbytes
-            self._evict_cpu(victim, "budget")
-
-    def _eviction_order(self, candidates: list[AdapterEntry]) -> list[AdapterEntry]:
-        """Replaced/unregistered versions first, then the configured policy's order."""
-        retired = [e for e in candidates if e.retired]
-        rest = self.policy.order([self._candidate(e) for e in candidates if not e.retired])
-        return retired + [self._entries[c.key] for c in rest]
-
-    def reclaim_for_kv(self, num_pages: int) -> int:
-        """Unified paging: the KV cache needs `num_pages` more pages than are free; evict idle
-        adapters (no references, not pinned, nobody waiting for them) if that is enough. Returns
-        pages freed."""
-        with self._lock:
-            idle = [e for e in self._slot_owner.values()
-                    if e.resident and e.refcount == 0 and not e.pinned and not e.waiters
-                    and self._pending.get(e.name) != e.key]
-            if sum(len(e.page_ids) for e in idle) < num_pages:
-                return 0
-            freed = 0
-            for victim in self._eviction_order(idle):
-                if freed >= num_pages:
-                    break
-                freed += len(victim.page_ids)
-                self._evict_gpu(victim, "kv")
-            self._update_gauges()
-            return freed
-
-    def _candidate(self, entry: AdapterEntry, tier: str = "gpu") -> EvictionCandidate:
-        if tier == "gpu":
-            nbytes = entry.gpu_bytes
-            # Bringing it back costs a copy if the CPU tier still has it, else a load as well.
-            reload = entry.copy_seconds + (0.0 if entry.image is not None else entry.load_seconds)
-        else:
-            nbytes, reload = entry.image.nbytes, entry.load_seconds
-        return EvictionCandidate(entry.key, nbytes, entry.last_used, entry.uses, reload)
 
     # ---- internals: bookkeeping ----------------------------------------------------------------
     def _count(self, what: str, tier: str) -> None:
@@ -712,19 +451,3 @@ class AdapterPool:
         m.fragmentation.set(self.page_pool.fragmentation("adapter"))
         m.kv_pages.set(self.page_pool.num_used("kv"))
         m.adapter_pages.set(self.page_pool.num_used("adapter"))
-
-    def _wait_some(self, timeout: float) -> None:
-        with self._lock:
-            fetches = [e.fetching for e in self._entries.values() if e.fetching is not None]
-            copies = [e.copying for e in self._entries.values() if e.copying is not None]
-        for handle in copies:
-            self._copier.wait(handle, timeout)
-        if fetches:
-            wait_futures(fetches, timeout=timeout, return_when="FIRST_COMPLETED")
-        elif not copies:
-            time.sleep(timeout)
-
-
-def _limit_cpu_threads(num_threads: int | None) -> None:
-    if num_threads is not None:
-        torch.set_num_threads(num_threads)

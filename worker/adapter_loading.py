@@ -1,0 +1,166 @@
+"""AdapterLoading: how an adapter travels to the GPU, as part of `AdapterPool` (worker/adapter_pool.py).
+
+disk/stager -> `AdapterImage` in (pinned) CPU memory in a loader thread (`_start_fetch`), then CPU ->
+its pool pages through the `PageCopier` (`_start_copy`); `_advance` finishes whatever completed
+without blocking, `_sweep_wanted` moves the adapters waiting for room on. A slot becomes visible in
+the layout only when its copy finished. A failure fails exactly the requests waiting for that load.
+It works on the pool's state (`_entries`, `_wanted`, `_inflight`, `_pending`, ...) declared in
+`AdapterPool.__init__`; placement and eviction are in worker/adapter_placement.py.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import wait as wait_futures
+
+import torch
+
+from lorafleet.worker.adapter_entry import AdapterEntry, AdapterLoadError
+from lorafleet.worker.adapter_image import pack_adapter
+
+
+class AdapterLoading:
+    def _advance(self) -> bool:
+        """Finish what completed among the loads in flight (cheap: only those are looked at)."""
+        timeout = self.config.load_timeout_s
+        now = time.monotonic()
+        changed = False
+        for key in list(self._inflight):
+            entry = self._entries.get(key)
+            if entry is None:
+                self._inflight.discard(key)
+                continue
+            if entry.fetching is not None and entry.fetching.done():
+                self._finish_fetch(entry)
+                changed = True
+            elif entry.fetching is not None and timeout is not None and now - entry.fetch_started > timeout:
+                entry.fetching = None  # the stuck thread's result, if it ever comes, is dropped
+                self._fail(entry, f"load timed out after {timeout:g} s (download or disk too slow?)", tier="disk")
+                changed = True
+            if entry.copying is not None and self._copier.is_done(entry.copying):
+                self._finish_copy(entry)
+                changed = True
+            if entry.fetching is None and entry.copying is None:
+                self._inflight.discard(key)
+        if changed:  # memory moved: adapters waiting for room may fit now
+            self._sweep_wanted()
+            self._update_gauges()
+        return changed
+
+    def _sweep_wanted(self) -> None:
+        for key in list(self._wanted):
+            entry = self._entries.get(key)
+            if entry is None or entry.on_gpu:
+                self._wanted.pop(key, None)
+            elif entry.image is None:
+                if entry.fetching is None:
+                    self._start_fetch(entry)
+            else:
+                self._try_place(entry)
+
+    def _pack(self, weights):
+        return pack_adapter(weights.modules, self.dims, page_elems=self.page_pool.page_elems,
+                            max_rank=self.config.max_rank, dtype=self.page_pool.pool.dtype, pin=self._pin)
+
+    def _want(self, entry: AdapterEntry) -> None:
+        if entry.resident or entry.retired:
+            return
+        self._wanted.setdefault(entry.key, None)
+        if entry.image is None:
+            if entry.fetching is None:
+                self._start_fetch(entry)
+        elif not entry.on_gpu:
+            self._try_place(entry)
+
+    def _start_fetch(self, entry: AdapterEntry) -> None:
+        loader, pack = entry.loader, self._pack
+
+        def job():
+            t0 = time.perf_counter()
+            image = pack(loader())
+            return image, time.perf_counter() - t0
+
+        entry.fetch_started = time.monotonic()
+        entry.fetching = self._executor.submit(job)
+        self._inflight.add(entry.key)
+
+    def _finish_fetch(self, entry: AdapterEntry) -> None:
+        future, entry.fetching = entry.fetching, None
+        try:
+            image, seconds = future.result()
+        except Exception as exc:  # any loader failure fails only this adapter's waiters
+            self._fail(entry, f"load failed: {exc}", tier="disk")
+            return
+        if entry.retired:
+            return
+        if entry.digest is not None and image.digest != entry.digest:
+            self._fail(entry, "its content changed since it was first loaded; refusing to serve different "
+                              "weights under the same name@version (register a new version)", tier="disk")
+            return
+        entry.load_seconds = seconds
+        entry.error = None
+        self._counts["loads"]["cpu"] += 1
+        self._count("hits", "disk")
+        self.metrics.load_seconds.labels("cpu").observe(seconds)
+        self._set_image(entry, image)
+
+    def _set_image(self, entry: AdapterEntry, image) -> None:
+        entry.image = image
+        entry.digest = entry.digest or image.digest
+        self._trim_cpu(protect=entry)
+        if entry.key in self._wanted:
+            self._try_place(entry)
+
+    def _fail(self, entry: AdapterEntry, message: str, *, tier: str) -> None:
+        err = AdapterLoadError(entry.key, message)
+        entry.error = err
+        entry.failed_waiters |= entry.waiters
+        entry.failed_anonymous = True
+        entry.waiters = set()
+        self._wanted.pop(entry.key, None)
+        if self._pending.get(entry.name) == entry.key:
+            del self._pending[entry.name]  # the current version keeps serving
+        self._counts["load_failures"] += 1
+        self.metrics.load_failures.labels(tier).inc()
+        self._failures.append((entry.key, err))
+
+    def _start_copy(self, entry: AdapterEntry) -> None:
+        self._inflight.add(entry.key)
+        entry.copying = self._copier.start(entry.image.pages, entry.page_ids)
+
+    def _finish_copy(self, entry: AdapterEntry) -> None:
+        handle, entry.copying = entry.copying, None
+        try:
+            seconds = self._copier.seconds(handle)
+        except Exception as exc:
+            self._release_gpu(entry)
+            self._fail(entry, f"copy to the device failed: {exc}", tier="gpu")
+            return
+        if entry.retired:
+            self._release_gpu(entry)
+            self._drop(entry, reason="version")
+            return
+        entry.image.write_slot(self.layout, entry.slot, entry.page_ids)  # the slot becomes visible here
+        entry.resident = True
+        entry.copy_seconds = seconds
+        self._counts["loads"]["gpu"] += 1
+        self.metrics.load_seconds.labels("gpu").observe(seconds)
+        if self._pending.get(entry.name) == entry.key:
+            self._switch(entry)
+        self._trim_cpu(protect=None)
+
+    def _wait_some(self, timeout: float) -> None:
+        with self._lock:
+            fetches = [e.fetching for e in self._entries.values() if e.fetching is not None]
+            copies = [e.copying for e in self._entries.values() if e.copying is not None]
+        for handle in copies:
+            self._copier.wait(handle, timeout)
+        if fetches:
+            wait_futures(fetches, timeout=timeout, return_when="FIRST_COMPLETED")
+        elif not copies:
+            time.sleep(timeout)
+
+
+def limit_cpu_threads(num_threads: int | None) -> None:
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)

@@ -1,0 +1,150 @@
+"""AdapterPlacement: where adapters live, as part of `AdapterPool` (worker/adapter_pool.py).
+
+Placing an adapter on the GPU (pages + a slot, within its tenant's quota, evicting idle adapters if
+that makes it fit) and eviction from the GPU and CPU tiers: replaced or unregistered versions first,
+then the configured policy's order (worker/eviction.py). Never evicted: adapters in use, pinned, a
+new version about to become current, or loaded for requests that have not picked them up yet. It
+works on the pool's state declared in `AdapterPool.__init__`; loading is in worker/adapter_loading.py.
+"""
+
+from __future__ import annotations
+
+from lorafleet.worker.adapter_entry import AdapterEntry
+from lorafleet.worker.adapter_image import clear_slot
+from lorafleet.worker.eviction import EvictionCandidate, plan_placement
+
+
+class AdapterPlacement:
+    def _placement_plan(self, entry: AdapterEntry) -> list[AdapterEntry] | None:
+        """Victims to evict so `entry` fits (pages, slot, tenant quota), or None if it cannot fit now."""
+        # Not evictable: in use, pinned, a new version about to switch, or loaded for requests that
+        # have not picked it up yet (evicting those makes waiting requests evict each other forever).
+        candidates = [e for e in self._slot_owner.values()
+                      if e.resident and e.refcount == 0 and not e.pinned and e is not entry
+                      and not e.waiters and self._pending.get(e.name) != e.key]
+        mine = [e for e in self._slot_owner.values() if e.tenant == entry.tenant]
+        keys = plan_placement(
+            need_pages=entry.image.num_pages, nbytes=entry.image.nbytes, tenant=entry.tenant,
+            quota=self.config.quota(entry.tenant),
+            ordered=[(e.key, e.tenant, len(e.page_ids), e.gpu_bytes) for e in self._eviction_order(candidates)],
+            tenant_count=len(mine), tenant_bytes=sum(e.gpu_bytes for e in mine),
+            free_pages=self.page_pool.available("adapter"), free_slots=len(self._free_slots))
+        return None if keys is None else [self._entries[k] for k in keys]
+
+    def _try_place(self, entry: AdapterEntry) -> bool:
+        if entry.on_gpu or entry.image is None or entry.retired:
+            return entry.on_gpu
+        victims = self._placement_plan(entry)
+        if victims is None:
+            quota = self.config.quota(entry.tenant)
+            pp = self.page_pool.config
+            most = pp.num_pages - pp.min_pages.get("kv", 0)
+            if pp.max_pages.get("adapter") is not None:
+                most = min(most, pp.max_pages["adapter"])
+            if quota.max_bytes is not None and entry.image.nbytes > quota.max_bytes:
+                self._fail(entry, f"needs {entry.image.nbytes} bytes, above tenant {entry.tenant!r}'s GPU quota of "
+                                  f"{quota.max_bytes} bytes", tier="gpu")
+            elif entry.image.num_pages > most:
+                self._fail(entry, f"needs {entry.image.num_pages} pages; adapters may use at most {most} pages of "
+                                  f"the pool (raise the pool size or the adapter ceiling)", tier="gpu")
+            return False
+        quota = self.config.quota(entry.tenant)
+        for victim in victims:
+            mine = [e for e in self._slot_owner.values() if e.tenant == entry.tenant]
+            over = quota.exceeded(len(mine) + 1, sum(e.gpu_bytes for e in mine) + entry.image.nbytes)
+            self._evict_gpu(victim, "quota" if over and victim.tenant == entry.tenant else "capacity")
+        image = entry.image
+        entry.page_ids = self.page_pool.allocate(image.num_pages, ("adapter", entry.key), used_elems=image.used_elems)
+        entry.slot = self._free_slots.pop()
+        entry.gpu_bytes = image.nbytes
+        self._slot_owner[entry.slot] = entry
+        self._wanted.pop(entry.key, None)
+        self._start_copy(entry)
+        return True
+
+    def reclaim_for_kv(self, num_pages: int) -> int:
+        """Unified paging: the KV cache needs `num_pages` more pages than are free; evict idle
+        adapters (no references, not pinned, nobody waiting for them) if that is enough. Returns
+        pages freed."""
+        with self._lock:
+            idle = [e for e in self._slot_owner.values()
+                    if e.resident and e.refcount == 0 and not e.pinned and not e.waiters
+                    and self._pending.get(e.name) != e.key]
+            if sum(len(e.page_ids) for e in idle) < num_pages:
+                return 0
+            freed = 0
+            for victim in self._eviction_order(idle):
+                if freed >= num_pages:
+                    break
+                freed += len(victim.page_ids)
+                self._evict_gpu(victim, "kv")
+            self._update_gauges()
+            return freed
+
+    def _drop(self, entry: AdapterEntry, *, reason: str) -> None:
+        if entry.resident:
+            self._release_gpu(entry)
+            self._count_eviction("gpu", reason)
+        if entry.image is not None:
+            self._evict_cpu(entry, reason)
+        if entry.fetching is not None:
+            entry.fetching.cancel()
+        self._entries.pop(entry.key, None)
+
+    def _release_gpu(self, entry: AdapterEntry) -> None:
+        slot = entry.slot
+        clear_slot(self.layout, slot)
+        self.page_pool.free(entry.page_ids)
+        entry.page_ids = []
+        entry.slot = None
+        entry.resident = False
+        entry.gpu_bytes = 0
+        del self._slot_owner[slot]
+        self._free_slots.append(slot)
+
+    def _evict_gpu(self, entry: AdapterEntry, reason: str) -> None:
+        assert entry.refcount == 0 and entry.copying is None, f"{entry.key} is in use"
+        self._release_gpu(entry)
+        if entry.retired:
+            reason = entry.retire_reason
+        self._count_eviction("gpu", reason)
+        if entry.retired:
+            self._drop(entry, reason=reason)
+
+    def _count_eviction(self, tier: str, reason: str) -> None:
+        self._counts["evictions"][tier][reason] = self._counts["evictions"][tier].get(reason, 0) + 1
+        self.metrics.evictions.labels(tier, reason).inc()
+
+    def _evict_cpu(self, entry: AdapterEntry, reason: str) -> None:
+        entry.image = None
+        self._count_eviction("cpu", reason)
+
+    def _trim_cpu(self, protect: AdapterEntry | None) -> None:
+        """Keep the CPU tier within its byte budget; images being copied (or about to be) stay."""
+        holders = [e for e in self._entries.values() if e.image is not None]
+        total = sum(e.image.nbytes for e in holders)
+        if total <= self.config.cpu_budget_bytes:
+            return
+        candidates = [e for e in holders
+                      if e is not protect and e.copying is None and not (e.key in self._wanted and not e.on_gpu)]
+        for cand in self.policy.order([self._candidate(e, tier="cpu") for e in candidates]):
+            if total <= self.config.cpu_budget_bytes:
+                break
+            victim = self._entries[cand.key]
+            total -= victim.image.nbytes
+            self._evict_cpu(victim, "budget")
+
+    def _eviction_order(self, candidates: list[AdapterEntry]) -> list[AdapterEntry]:
+        """Replaced/unregistered versions first, then the configured policy's order."""
+        retired = [e for e in candidates if e.retired]
+        rest = self.policy.order([self._candidate(e) for e in candidates if not e.retired])
+        return retired + [self._entries[c.key] for c in rest]
+
+    def _candidate(self, entry: AdapterEntry, tier: str = "gpu") -> EvictionCandidate:
+        if tier == "gpu":
+            nbytes = entry.gpu_bytes
+            # Bringing it back costs a copy if the CPU tier still has it, else a load as well.
+            reload = entry.copy_seconds + (0.0 if entry.image is not None else entry.load_seconds)
+        else:
+            nbytes, reload = entry.image.nbytes, entry.load_seconds
+        return EvictionCandidate(entry.key, nbytes, entry.last_used, entry.uses, reload)
