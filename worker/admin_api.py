@@ -32,6 +32,7 @@ from lorafleet.worker.openai_protocol import (
     parse_load_adapter_request,
     parse_unload_adapter_request,
 )
+from lorafleet.worker.sources import SourceError, Sources, SourcesConfig
 from lorafleet.worker.tenants import AuthenticationError, bearer_token
 
 T = TypeVar("T")
@@ -65,6 +66,18 @@ def require_admin(request: web.Request) -> None:
                            type="permission_error", code="admin_only")
     raise APIError(401, "missing or wrong admin token: send 'Authorization: Bearer <admin token>'",
                    type="authentication_error", code="invalid_admin_token", headers={"WWW-Authenticate": "Bearer"})
+
+
+def _check_local_source(app: web.Application, uri: str, what: str) -> None:
+    """Adapter sources are limited to configured locations: an admin push may only name folders
+    inside the worker's adapter roots (the stager stages object-store sources into one of them)."""
+    try:
+        Sources(SourcesConfig(local_roots=app[CONFIG].local_adapter_roots)).local_path(uri)
+    except SourceError as exc:
+        if exc.kind != "not_allowed":
+            return  # unstaged, missing or malformed: the registration reports it for that version
+        raise APIError(403, f"{what}: {exc}; set --adapter-roots (LORAFLEET_ADAPTER_ROOTS) to allow a folder",
+                       type="permission_error", code="source_not_allowed") from None
 
 
 def _require_engine(request: web.Request) -> None:
@@ -113,6 +126,10 @@ async def put_state(request: web.Request) -> web.Response:
     except DirectiveError as exc:
         raise APIError(400, f"bad desired state: {exc}", code="invalid_directive") from None
     app = request.app
+    for d in state.adapters:
+        for ref in (d.stable, d.canary):
+            if ref is not None:
+                _check_local_source(app, ref.uri, f"adapter {d.name}@{ref.version}")
     try:
         await admin_change(app, app[ADAPTERS].apply, state, app[HOST])
     except APIError as err:
@@ -135,6 +152,7 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
     _require_engine(request)
     name, path = parse_load_adapter_request(await read_json(request))
     app = request.app
+    _check_local_source(app, path, f"lora_path of {name!r}")
     key = await admin_change(app, app[ADAPTERS].load, name, path, app[HOST])
     return web.Response(text=f"Success: LoRA adapter '{name}' added successfully ({key}).")
 

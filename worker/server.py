@@ -17,7 +17,6 @@ import secrets
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from pathlib import Path
 
 from aiohttp import web
 
@@ -145,10 +144,9 @@ async def _stager_ctx(app: web.Application) -> AsyncIterator[None]:
     if uri is None:
         yield
         return
-    from lorafleet.worker.default_model import cache_root
     from lorafleet.worker.stager_client import StagerProcess
 
-    cache_dir = Path(config.stager_cache_dir) if config.stager_cache_dir else cache_root() / "adapters"
+    cache_dir = config.stager_cache
     env = dict(os.environ, LORAFLEET_ADMIN_TOKEN=config.admin_token or "")  # env, not argv: ps shows argv
     stager = StagerProcess(cache_dir=cache_dir, port=config.stager_port, env=env,
                            log_path=cache_dir.parent / "stager.log",

@@ -118,7 +118,7 @@ class Sources:
         if not raw.startswith("/"):
             raise SourceError(f"{uri!r}: local sources must be absolute paths or file:// URIs")
         if ".." in PurePosixPath(raw).parts:
-            raise SourceError(f"{uri!r}: '..' is not allowed in adapter paths")
+            raise SourceError(f"{uri!r}: '..' is not allowed in adapter paths", "not_allowed")
         path = Path(raw).resolve()  # follows symlinks: a link out of a root lands outside it
         if not any(path == root or path.is_relative_to(root) for root in self._roots):
             raise SourceError(f"{uri}: resolves to {path}, outside the allowed local roots "

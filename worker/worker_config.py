@@ -58,6 +58,9 @@ class WorkerConfig:
         "port of the stager child started for an s3:// --adapters (0 = a free port)"))
     stager_cache_dir: str | None = field(default=None, metadata=_help(
         "node-local disk cache of that stager child; default: $LORAFLEET_CACHE/adapters"))
+    adapter_roots: str | None = field(default=None, metadata=_help(
+        "comma-separated local folders that adapter paths pushed through the admin API must lie in "
+        "(symlinks resolved, '..' refused); default: the --adapters folder and the stager's cache"))
     log_level: str = field(default="info", metadata=_help("debug | info | warning | error"))
 
     def __post_init__(self) -> None:
@@ -91,6 +94,22 @@ class WorkerConfig:
         """The object-store URI of --adapters, when it is one (the stager child handles it)."""
         a = self.engine.adapters
         return a if a and a.startswith(REMOTE_SCHEMES) else None
+
+    @property
+    def stager_cache(self) -> Path:
+        from lorafleet.worker.default_model import cache_root
+
+        return Path(self.stager_cache_dir) if self.stager_cache_dir else cache_root() / "adapters"
+
+    @property
+    def local_adapter_roots(self) -> list[str]:
+        """Where admin-pushed adapter paths may point (see `adapter_roots`)."""
+        if self.adapter_roots:
+            return [r.strip() for r in self.adapter_roots.split(",") if r.strip()]
+        roots = [str(self.stager_cache)]
+        if self.engine.adapters and not self.adapters_uri:
+            roots.append(self.engine.adapters)
+        return roots
 
     @property
     def capacity(self) -> int:

@@ -111,7 +111,8 @@ class WorkerPair:
         s3, root = self.s3, self.root
         self.engine = Child(["lorafleet.worker", "--model", str(self.model), "--device", "cpu", "--dtype", "float32",
                              "--host", "127.0.0.1", "--port", str(self.port), "--admin-token", ADMIN,
-                             "--served-model-name", BASE, "--max-model-len", "128", "--shutdown-grace-s", "2"],
+                             "--served-model-name", BASE, "--max-model-len", "128", "--shutdown-grace-s", "2",
+                             "--adapter-roots", str(root / f"{self.pod}-cache")],  # the shared adapter cache
                             root / f"{self.pod}-engine.log")
         self.stager = Child(["lorafleet.worker.stager", "--stager-port", str(self.stager_port),
                              "--stager-cache-dir", str(root / f"{self.pod}-cache"),

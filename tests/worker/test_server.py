@@ -118,10 +118,11 @@ def worker_args(model: Path, adapters: Path, keys: Path | None, **extra) -> list
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama_dir, adapters_dir, keys_file, tmp_path_factory) -> str:
+def server(tiny_llama_dir, adapters_dir, keys_file, spare_adapters, tmp_path_factory) -> str:
+    roots = f"{adapters_dir},{spare_adapters['v2'].parent}"  # where admin pushes may point
     worker = WorkerProcess(
         worker_args(tiny_llama_dir, adapters_dir, keys_file, max_num_seqs=64, max_queued_requests=0,
-                    max_body_bytes=65536, shutdown_grace_s=5),
+                    max_body_bytes=65536, shutdown_grace_s=5, adapter_roots=roots),
         tmp_path_factory.mktemp("log") / "worker.log",
     )
     try:
@@ -732,3 +733,25 @@ def test_start_up_errors_exit_1_with_one_line(tmp_path):
                           "--port", "0"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 1
     assert "cannot start:" in out.stderr and "config.json" in out.stderr and "Traceback" not in out.stderr
+
+
+async def test_admin_adapter_paths_are_limited_to_the_adapter_roots(server, spare_adapters, tmp_path):
+    """Adapter sources are limited to configured locations: a path outside --adapter-roots, or a
+    symlink inside a root that points out of it, is refused (403) and nothing is registered."""
+    outside = tmp_path / "outside"
+    shutil.copytree(spare_adapters["v2"], outside)
+    escape = spare_adapters["v2"].parent / f"escape-{tmp_path.name}"
+    escape.symlink_to(outside, target_is_directory=True)
+    async with aiohttp.ClientSession() as s:
+        for path in (str(outside), str(escape), f"{spare_adapters['v2'].parent}/../{tmp_path.name}/outside"):
+            status, _, text = await post(s, f"{server}/v1/load_lora_adapter",
+                                         {"lora_name": "smuggled", "lora_path": path}, key=ADMIN)
+            assert status in (400, 403), (path, text)
+            assert "smuggled" not in text or "outside" in text or ".." in text
+        push = {"generation": 10**15, "adapters": [{"name": "smuggled", "tenant": "acme", "stable": {
+            "version": "v1", "uri": f"file://{outside}"}}]}
+        async with s.put(f"{server}/admin/v1/state", json=push, headers=headers(ADMIN)) as r:
+            body = await r.json()
+            assert r.status == 403 and body["error"]["code"] == "source_not_allowed", body
+        models = await (await s.get(f"{server}/v1/models", headers=headers(ADMIN))).text()
+        assert "smuggled" not in models
