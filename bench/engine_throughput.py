@@ -18,10 +18,9 @@ import time
 
 import torch
 
+from lorafleet.kernels.lora_layout import PROJS
 from lorafleet.worker import Engine, EngineConfig, SamplingParams
 from lorafleet.worker.peft_adapter import LoRAWeights, ModuleLoRA
-
-PROJS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def random_adapter(engine: Engine, name: str, rank: int, seed: int) -> LoRAWeights:

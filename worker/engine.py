@@ -26,7 +26,7 @@ from lorafleet.worker.model_config import ModelConfig
 from lorafleet.worker.model_loader import load_model
 from lorafleet.worker.model_runner import ModelRunner
 from lorafleet.worker.page_pool import PagePool, PagePoolConfig, kv_page_elems
-from lorafleet.worker.peft_adapter import load_peft_adapter, vocab_digest
+from lorafleet.worker.peft_adapter import load_peft_adapter
 from lorafleet.worker.request_output import RequestOutput
 from lorafleet.worker.sampler import Sampler
 from lorafleet.worker.sampling_params import SamplingParams
@@ -34,6 +34,7 @@ from lorafleet.worker.scheduler import Scheduler
 from lorafleet.worker.sequence import Sequence
 from lorafleet.worker.stop_checker import StopChecker
 from lorafleet.worker.tokenizer import Tokenizer
+from lorafleet.worker.vocab_digest import vocab_digest
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -38,9 +37,12 @@ from typing import Any, Literal
 import torch
 from safetensors import safe_open
 
+from lorafleet.kernels.lora_layout import PROJS
+from lorafleet.worker.peft_patterns import is_targeted, lora_scale, module_rank_alpha
+from lorafleet.worker.vocab_digest import vocab_digest
+
 log = logging.getLogger(__name__)
 
-PROJS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
            "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 CONFIG_FILE = "adapter_config.json"
@@ -112,49 +114,6 @@ def projection_shapes(model_config: Any) -> dict[str, tuple[int, int]]:
 
 def _module_names(num_layers: int) -> list[str]:
     return [f"model.layers.{i}.{_PARENT[p]}.{p}" for i in range(num_layers) for p in PROJS]
-
-
-# ---- PEFT matching semantics -----------------------------------------------------------------------
-
-def pattern_key(pattern_keys: list[str], module_name: str) -> str | None:
-    """PEFT's `get_pattern_key`: the first key that matches the end of the module name."""
-    for key in pattern_keys:
-        if re.match(rf"(.*\.)?({key})$", module_name):
-            return key
-    return None
-
-
-def _layer_selected(config: dict, module_name: str) -> bool:
-    layers = config.get("layers_to_transform")
-    if layers is None or layers == []:
-        return True
-    match = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", module_name)
-    if match is None:
-        return False
-    idx = int(match["idx"])
-    return idx == layers if isinstance(layers, int) else idx in layers
-
-
-def is_targeted(config: dict, module_name: str) -> bool:
-    """PEFT's `check_target_module_exists` for the options a LoRA adapter of ours can carry."""
-    exclude = config.get("exclude_modules")
-    if exclude:
-        if isinstance(exclude, str):
-            if re.fullmatch(exclude, module_name):
-                return False
-        elif module_name in exclude or any(module_name.endswith(f".{e}") for e in exclude):
-            return False
-    targets = config.get("target_modules")
-    if targets is None:
-        return False
-    if isinstance(targets, str):
-        if targets.lower() == "all-linear":  # every Linear but the output layer
-            return module_name.rsplit(".", 1)[-1] in PROJS
-        return re.fullmatch(targets, module_name) is not None
-    if module_name in targets:
-        return True
-    found = any(module_name.endswith(f".{t}") for t in targets)
-    return found and _layer_selected(config, module_name)
 
 
 # ---- checks on adapter_config.json -----------------------------------------------------------------
@@ -235,57 +194,6 @@ def _mismatch(mode: Strictness, message: str) -> None:
         log.warning("%s (accepted: strictness is 'warn')", message)
 
 
-def _vocab_and_merges_from_dir(path: Path) -> tuple[dict[str, int], list[str]] | None:
-    tok_json = path / "tokenizer.json"
-    if tok_json.is_file():
-        raw = json.loads(tok_json.read_text(encoding="utf-8"))
-        model = raw.get("model") or {}
-        vocab = dict(model.get("vocab") or {}) if isinstance(model.get("vocab"), dict) else {
-            piece[0]: i for i, piece in enumerate(model.get("vocab") or [])  # Unigram: [[piece, score], ...]
-        }
-        merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
-        for tok in raw.get("added_tokens") or []:
-            vocab[tok["content"]] = tok["id"]
-        return vocab, merges
-    vocab_json = path / "vocab.json"
-    if vocab_json.is_file():
-        vocab = json.loads(vocab_json.read_text(encoding="utf-8"))
-        merges_txt = path / "merges.txt"
-        merges = []
-        if merges_txt.is_file():
-            merges = [ln for ln in merges_txt.read_text(encoding="utf-8").splitlines()
-                      if ln and not ln.startswith("#version")]
-        added = path / "added_tokens.json"
-        if added.is_file():
-            vocab.update(json.loads(added.read_text(encoding="utf-8")))
-        cfg = path / "tokenizer_config.json"
-        if cfg.is_file():
-            for idx, tok in (json.loads(cfg.read_text(encoding="utf-8")).get("added_tokens_decoder") or {}).items():
-                vocab[tok["content"]] = int(idx)
-        return vocab, merges
-    return None
-
-
-def vocab_digest(path: str | Path) -> str | None:
-    """Digest of a tokenizer's vocabulary (token -> id, added tokens included) and BPE merges.
-
-    `path` is a model/adapter dir or a tokenizer.json; None when it holds no tokenizer files we can
-    read. Equal digests mean the same text becomes the same ids, whatever file format carried them.
-    """
-    path = Path(path)
-    if path.is_file():
-        path = path.parent
-    found = _vocab_and_merges_from_dir(path)
-    if found is None:
-        return None
-    vocab, merges = found
-    h = hashlib.sha256()
-    h.update(json.dumps(sorted(vocab.items(), key=lambda kv: (kv[1], kv[0])), ensure_ascii=False).encode())
-    h.update(b"\0merges\0")
-    h.update("\n".join(merges).encode())
-    return h.hexdigest()
-
-
 # ---- loading ---------------------------------------------------------------------------------------
 
 def _refuse_pickles(path: Path) -> None:
@@ -309,20 +217,6 @@ def _read_config(path: Path) -> dict:
     if not isinstance(config, dict):
         raise AdapterError(f"{config_path}: expected a JSON object")
     return config
-
-
-def _module_rank_alpha(config: dict, module_name: str) -> tuple[float, float]:
-    rank_pattern = config.get("rank_pattern") or {}
-    alpha_pattern = config.get("alpha_pattern") or {}
-    r_key = pattern_key(list(rank_pattern), module_name)
-    a_key = pattern_key(list(alpha_pattern), module_name)
-    r = rank_pattern[r_key] if r_key is not None else config.get("r", 8)
-    alpha = alpha_pattern[a_key] if a_key is not None else config.get("lora_alpha", 8)
-    return r, alpha
-
-
-def _scale(config: dict, r: float, alpha: float) -> float:
-    return alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
 
 
 def load_peft_adapter(
@@ -400,7 +294,7 @@ def load_peft_adapter(
                                f"does not select it; adapter_config.json does not belong to these weights")
         a, b = ab["A"], ab["B"]
         out_f, in_f = shapes[proj]
-        r, alpha = _module_rank_alpha(config, module)
+        r, alpha = module_rank_alpha(config, module)
         if a.dim() != 2 or b.dim() != 2 or a.shape[1] != in_f or b.shape[0] != out_f or a.shape[0] != b.shape[1]:
             raise AdapterError(
                 f"{path}: {label}: expected lora_A [r, {in_f}] and lora_B [{out_f}, r] for this base model, "
@@ -416,7 +310,7 @@ def load_peft_adapter(
             if not torch.is_floating_point(t) or not torch.isfinite(t).all():
                 raise AdapterError(f"{path}: {label}: weights contain non-finite or non-float values")
         modules[(layer, proj)] = ModuleLoRA(a=a.to(dtype).contiguous(), b=b.to(dtype).contiguous(),
-                                            scale=float(_scale(config, r, alpha)))
+                                            scale=float(lora_scale(config, r, alpha)))
 
     _refuse_missing_targets(config, modules, num_layers, path)
     nbytes = sum(m.a.numel() * m.a.element_size() + m.b.numel() * m.b.element_size() for m in modules.values())

@@ -15,12 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from lorafleet.worker.peft_adapter import (
-    AdapterError,
-    LoRAWeights,
-    load_peft_adapter,
-    vocab_digest,
-)
+from lorafleet.worker.peft_adapter import AdapterError, LoRAWeights, load_peft_adapter
+from lorafleet.worker.vocab_digest import vocab_digest
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
