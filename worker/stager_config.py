@@ -1,0 +1,45 @@
+"""StagerConfig: the stager process's settings (flags and LORAFLEET_* env vars are generated from it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lorafleet.worker.sources import SourcesConfig
+
+
+def _help(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
+@dataclass(slots=True)
+class StagerConfig:
+    stager_token: str = field(default="", metadata=_help("bearer token every caller must present (>= 16 chars)"))
+    stager_host: str = field(default="127.0.0.1", metadata=_help("address to listen on (localhost: a sidecar)"))
+    stager_port: int = field(default=8100, metadata=_help("TCP port"))
+    stager_cache_dir: str = field(default="/var/cache/lorafleet", metadata=_help("node-local disk cache"))
+    stager_cache_bytes: int = field(default=50 << 30, metadata=_help("byte budget of the disk cache"))
+    local_roots: list[str] = field(default_factory=list, metadata=_help("directories local sources may be in"))
+    s3_allow: list[str] = field(default_factory=list, metadata=_help("allowed `bucket` or `bucket/prefix/`"))
+    s3_endpoint: str | None = field(default=None, metadata=_help("object store host:port"))
+    s3_access_key: str | None = field(default=None, metadata=_help("object store access key"))
+    s3_secret_key: str | None = field(default=None, metadata=_help("object store secret key"))
+    s3_secure: bool = field(default=True, metadata=_help("use TLS to the object store"))
+    s3_region: str | None = field(default=None, metadata=_help("object store region"))
+    download_timeout_s: float = field(default=300.0, metadata=_help("give up on one adapter download after"))
+    engine_url: str | None = field(default=None, metadata=_help("engine base URL (http://127.0.0.1:8000)"))
+    admin_token: str | None = field(default=None, metadata=_help("the engine's admin token"))
+    stager_adapters: str | None = field(
+        default=None, metadata=_help("s3://bucket/prefix/ whose subfolders are adapters to serve at start"))
+
+    def __post_init__(self) -> None:
+        if len(self.stager_token) < 16:
+            raise ValueError("stager_token must be at least 16 characters (set LORAFLEET_STAGER_TOKEN)")
+        if not 0 <= self.stager_port < 65536:
+            raise ValueError(f"stager_port must be in 0..65535, got {self.stager_port}")
+        if self.stager_cache_bytes <= 0 or self.download_timeout_s <= 0:
+            raise ValueError("stager_cache_bytes and download_timeout_s must be > 0")
+
+    def sources_config(self) -> SourcesConfig:
+        return SourcesConfig(local_roots=list(self.local_roots), s3_allow=list(self.s3_allow),
+                             s3_endpoint=self.s3_endpoint, s3_access_key=self.s3_access_key,
+                             s3_secret_key=self.s3_secret_key, s3_secure=self.s3_secure, s3_region=self.s3_region)
