@@ -14,7 +14,8 @@ Sections (figures, not assertions):
   and hit rates. Each tick runs one decode step, as the engine's step loop would.
 * decode_step: a synthetic decode step (every layer's base GEMMs, the LoRA kernels over the pool's
   layout for 64 tokens of 8 adapters, paged attention over the same pool's KV pages) timed alone
-  and while cold and warm loads run in the background (loader threads + side-stream copies).
+  and while cold and warm loads run in the background (loader threads + side-stream copies); on a GPU
+  both replayed from a CUDA graph, as the engine runs decode steps, and eagerly.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from safetensors.torch import save_file
 
 from lorafleet.kernels.attention import paged_attention_decode
 from lorafleet.kernels.lora import lora_expand, lora_shrink
-from lorafleet.kernels.lora_layout import PROJS, make_lora_batch
+from lorafleet.kernels.lora_layout import PROJS, LoRABatch, make_lora_batch
 from lorafleet.worker.adapter_image import ModelDims
 from lorafleet.worker.adapter_pool import AdapterPool, AdapterPoolConfig
 from lorafleet.worker.model_config import ModelConfig
@@ -138,13 +139,45 @@ class Bench:
         self.kv = self.page_pool.kv_caches(num_layers=s.layers, block_size=s.block_size, num_kv_heads=s.kv_heads,
                                            head_dim=s.head_dim)
         self.x0 = torch.randn(batch, s.hidden, generator=g, device=device).to(dtype)
+        self._graph: torch.cuda.CUDAGraph | None = None
 
-    def step(self, token_slots: torch.Tensor) -> None:
-        """One decode step of `batch` tokens; token_slots: int32 [batch] adapter slot per token."""
+    def step(self, token_slots: torch.Tensor, *, graph: bool = False) -> None:
+        """One decode step of `batch` tokens; token_slots: int32 [batch] adapter slot per token.
+
+        graph=False: eager, tokens grouped by slot. graph=True: replayed from a CUDA graph as the engine
+        runs decode steps (worker/cuda_graphs.py: one LoRA segment per token, the pool's max rank as bound).
+        """
+        if not graph:
+            lora = make_lora_batch(token_slots, self.pool.layout.max_rank_by_slot())
+            self._layers(lora, torch.empty(3, self.batch, max(lora.max_rank, 1), dtype=torch.float32, device=self.device))
+        elif self.device.type != "cuda":
+            raise ValueError("graph steps need a CUDA device")
+        else:
+            if self._graph is None:
+                self._capture()
+            self._slots.copy_(token_slots, non_blocking=True)
+            self._graph.replay()
+        sync(self.device)
+
+    def _capture(self) -> None:
+        lay = self.pool.layout
+        self._slots = torch.full((self.batch,), -1, dtype=torch.int32, device=self.device)
+        ids = torch.arange(self.batch + 1, dtype=torch.int32, device=self.device)
+        lora = LoRABatch(token_slots=self._slots, sorted_token_ids=ids[:-1], seg_starts=ids, seg_slots=self._slots,
+                         max_rank=lay.max_rank)
+        xa = torch.empty(3, self.batch, lay.max_rank, dtype=torch.float32, device=self.device)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self._layers(lora, xa)  # compiles the kernels before capture
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        self._graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self._graph):
+            self._layers(lora, xa)
+
+    def _layers(self, lora: LoRABatch, xa: torch.Tensor) -> None:
         s, lay = self.shape, self.pool.layout
-        lora = make_lora_batch(token_slots, lay.max_rank_by_slot())
         q_size, kv_size = s.heads * s.head_dim, s.kv_heads * s.head_dim
-        xa = torch.empty(3, self.batch, max(lora.max_rank, 1), dtype=torch.float32, device=self.device)
         x = self.x0
         attn = torch.empty(self.batch, s.heads, s.head_dim, dtype=self.dtype, device=self.device)
 
@@ -171,7 +204,6 @@ class Bench:
             down = act @ self.w_down.T
             delta(act, [6], down, [0])
             x = x + down
-        sync(self.device)
 
     def wait_resident(self, key: str, waiter: object) -> tuple[int, float]:
         """Acquire `key`, polling like a step loop would, until resident; (slot, seconds)."""
@@ -328,7 +360,7 @@ def bench_decode_step(b: Bench, weights16, cold_dir: Path, *, steps: int, num_st
     for _ in range(5):
         b.step(token_slots)
 
-    def run(with_loads: bool) -> tuple[list[float], dict]:
+    def run(with_loads: bool, graph: bool) -> tuple[list[float], dict]:
         times, done, k = [], {"warm": 0, "cold": 0}, 0
         current = None
         for _ in range(steps):
@@ -346,20 +378,30 @@ def bench_decode_step(b: Bench, weights16, cold_dir: Path, *, steps: int, num_st
                     current = bg[k % len(bg)]
                     k += 1
                     pool.prefetch(current[0], "gpu")
-            b.step(token_slots)
+            b.step(token_slots, graph=graph)
             times.append(time.perf_counter() - t0)
+        if current is not None:  # let the last background load finish before the next measurement
+            while not pool.entry(current[0]).resident:
+                pool.wait_idle(timeout=60)
+                pool.poll()
+            pool.evict(current[0], "gpu")
         return times, done
 
-    base, _ = run(False)
-    loaded, done = run(True)
-    base2, _ = run(False)  # again, so drift of the machine shows
-    baseline = base + base2
-    return {
-        "batch_tokens": b.batch, "adapters_in_batch": num_step_adapters, "context": b.context,
-        "without_loads": summary(baseline), "with_loads": summary(loaded), "loads_completed": done,
-        "ratio_mean": statistics.fmean(loaded) / statistics.fmean(baseline),
-        "ratio_p50": pct(loaded, 50) / pct(baseline, 50),
-    }
+    out = {"batch_tokens": b.batch, "adapters_in_batch": num_step_adapters, "context": b.context}
+    for mode in ("cuda_graph", "eager") if b.device.type == "cuda" else ("eager",):
+        graph = mode == "cuda_graph"
+        for _ in range(5):
+            b.step(token_slots, graph=graph)
+        base, _ = run(False, graph)
+        loaded, done = run(True, graph)
+        base2, _ = run(False, graph)  # again, so drift of the machine shows
+        baseline = base + base2
+        out[mode] = {
+            "without_loads": summary(baseline), "with_loads": summary(loaded), "loads_completed": done,
+            "ratio_mean": statistics.fmean(loaded) / statistics.fmean(baseline),
+            "ratio_p50": pct(loaded, 50) / pct(baseline, 50),
+        }
+    return out
 
 
 def random_weights(shape: Shape, rank: int, seed: int, dtype: torch.dtype, device: torch.device):

@@ -17,10 +17,12 @@ from pathlib import Path
 
 import torch
 
+from lorafleet.kernels.lora import resolve_backend
 from lorafleet.worker.adapter_entry import AdapterNotFoundError
 from lorafleet.worker.adapter_image import ModelDims
 from lorafleet.worker.adapter_pool import AdapterPool, AdapterPoolConfig
 from lorafleet.worker.block_manager import BlockManager
+from lorafleet.worker.cuda_graphs import DecodeGraphs
 from lorafleet.worker.engine_config import EngineConfig
 from lorafleet.worker.model_config import ModelConfig
 from lorafleet.worker.model_loader import load_model
@@ -94,9 +96,15 @@ class Engine:
         )
         kv_caches = self.page_pool.kv_caches(num_layers=mc.num_hidden_layers, block_size=config.block_size,
                                              num_kv_heads=mc.num_key_value_heads, head_dim=mc.head_dim)
+        graphs = None
+        if config.cuda_graphs and resolve_backend(config.kernel_backend, self.device) == "triton" and self.device.type == "cuda":
+            graphs = DecodeGraphs(self.model, kv_caches, device=self.device, max_num_seqs=config.max_num_seqs,
+                                  max_blocks=-(-self.max_model_len // config.block_size), backend=config.kernel_backend,
+                                  lora_layout=self._lora_layout)
         self.runner = ModelRunner(self.model, self.block_manager, kv_caches, device=self.device,
                                   backend=config.kernel_backend, lora_layout=self._lora_layout,
-                                  slot_max_rank=self._slot_max_rank, lora_segment_len=config.lora_segment_len)
+                                  slot_max_rank=self._slot_max_rank, lora_segment_len=config.lora_segment_len,
+                                  graphs=graphs)
         self.sampler = Sampler(seed=config.seed, device=self.device)
         self.stop_checker = StopChecker(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self.requests: dict[str, Sequence] = {}

@@ -40,6 +40,7 @@ class EngineConfig:
     max_adapter_wait_steps: int = 32  # a request skipped that many steps for grouping is admitted anyway
     strict_base: bool = True  # refuse adapters trained on another base model / tokenizer
     lora_segment_len: int = 16  # most tokens of one adapter per LoRA kernel segment (shorter: more parallel programs)
+    cuda_graphs: bool = True  # cuda + triton kernels: replay decode steps as CUDA graphs (worker/cuda_graphs.py)
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:

@@ -12,6 +12,7 @@ import torch
 
 from lorafleet.kernels.lora_layout import LoRABatch, LoRALayout
 from lorafleet.worker.block_manager import BlockManager
+from lorafleet.worker.cuda_graphs import DecodeGraphs, DecodeInputs
 from lorafleet.worker.forward_context import ForwardContext
 from lorafleet.worker.llama import LlamaModel
 from lorafleet.worker.scheduler import ScheduledBatch
@@ -32,6 +33,7 @@ class ModelRunner:
         lora_layout: Callable[[], LoRALayout | None] = lambda: None,
         slot_max_rank: Callable[[int], int] = lambda slot: 0,
         lora_segment_len: int = LORA_SEGMENT_LEN,
+        graphs: DecodeGraphs | None = None,
     ) -> None:
         self.model = model
         self.block_manager = block_manager
@@ -42,6 +44,7 @@ class ModelRunner:
         self.slot_max_rank = slot_max_rank  # host-side rank of a slot's adapter (sizes the shrink buffer)
         self.lora_segment_len = lora_segment_len
         self._pin = device.type == "cuda"
+        self.graphs = graphs  # pure decode steps are replayed from CUDA graphs when set
 
     def _to_device(self, data: list, dtype: torch.dtype) -> torch.Tensor:
         t = torch.tensor(data, dtype=dtype)
@@ -127,8 +130,27 @@ class ModelRunner:
             max_rank=max_rank,
         )
 
+    def decode_inputs(self, batch: ScheduledBatch) -> DecodeInputs:
+        """Host inputs of a pure decode step (every sequence adds one token and samples)."""
+        bs = self.block_manager.block_size
+        inputs = DecodeInputs([], [], [], [], [], [])
+        for seq in batch.decodes:
+            pos = seq.num_computed_tokens
+            table = seq.block_table
+            inputs.input_ids.append(seq.token_at(pos))
+            inputs.positions.append(pos)
+            inputs.slot_mapping.append(table[pos // bs] * bs + pos % bs)
+            inputs.context_lens.append(pos + 1)
+            inputs.block_tables.append(table)
+            inputs.token_slots.append(-1 if seq.adapter_slot is None else seq.adapter_slot)
+        return inputs
+
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor | None, list[Sequence]]:
         """float32 logits [N, V] for the sequences that sample this step (None if none do)."""
+        if self.graphs is not None and batch.decodes and not batch.prefills:
+            inputs = self.decode_inputs(batch)
+            if self.graphs.fits(inputs):
+                return self.graphs.run(inputs), list(batch.decodes)
         ctx, samplers = self.prepare(batch)
         hidden = self.model(ctx)
         if not samplers:

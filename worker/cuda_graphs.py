@@ -1,0 +1,182 @@
+"""DecodeGraphs: decode steps replayed as CUDA graphs, so a step costs one launch of host time.
+
+An eager decode step of an 8B model launches over a thousand kernels; their Python and launch cost
+(tens of milliseconds) is the step's time on a fast GPU, and any other Python thread in the process
+(adapter loads) stretches it further. A captured step is replayed with one call.
+
+A graph is captured per (batch-size bucket, with or without adapters), lazily, the first time a pure
+decode batch of that size comes: the batch is padded to its bucket and every per-step input is copied
+into static buffers first. What makes the step capturable:
+
+* padding rows: token 0 at position 0, `slot_mapping` -1 (writes no KV), context length 0 (attention
+  returns zeros), adapter slot -1 (the LoRA kernels skip it);
+* block tables always as wide as the longest sequence the engine admits;
+* the LoRA batch ungrouped (one segment per token, `LoRABatch`'s fixed-shape form) with the pool's
+  largest rank as its rank bound: kernels stop at each slot's true rank, so the bound costs nothing;
+* the adapter layout's tensors are updated in place by the pool; a graph remembers their addresses and
+  is captured again should they ever change.
+
+Prefill and mixed steps run eagerly (their shapes vary with every step).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from lorafleet.kernels.lora_layout import LoRABatch, LoRALayout
+from lorafleet.worker.forward_context import ForwardContext
+from lorafleet.worker.llama import LlamaModel
+
+
+def batch_buckets(max_num_seqs: int) -> list[int]:
+    """Captured batch sizes: 1, 2, 4, 8, then steps of 8 up to 64 and of 16 beyond, ending at max_num_seqs."""
+    sizes = [b for b in (1, 2, 4) if b < max_num_seqs]
+    size = 8
+    while size < max_num_seqs:
+        sizes.append(size)
+        size += 8 if size < 64 else 16
+    return [*sizes, max_num_seqs]
+
+
+def layout_key(layout: LoRALayout | None) -> tuple:
+    """Addresses a captured graph reads the adapter layout from."""
+    if layout is None:
+        return ()
+    return tuple(t.data_ptr() for t in (layout.pool, layout.ranks, layout.scales, layout.a_offsets, layout.b_offsets))
+
+
+@dataclass
+class DecodeInputs:
+    """Host-side inputs of one decode step (one token per sequence), before padding."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slot_mapping: list[int]
+    context_lens: list[int]
+    block_tables: list[list[int]]
+    token_slots: list[int]  # adapter slot per sequence, -1 = none
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    logits: torch.Tensor  # float32 [bucket, V], written by each replay
+    layout_key: tuple
+
+
+class DecodeGraphs:
+    def __init__(
+        self,
+        model: LlamaModel,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        *,
+        device: torch.device,
+        max_num_seqs: int,
+        max_blocks: int,
+        backend: str,
+        lora_layout: Callable[[], LoRALayout | None],
+    ) -> None:
+        if device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device")
+        self.model, self.kv_caches, self.device, self.backend = model, kv_caches, device, backend
+        self.lora_layout = lora_layout
+        self.buckets = batch_buckets(max_num_seqs)
+        n = self.buckets[-1]
+        i64, i32 = dict(dtype=torch.int64, device=device), dict(dtype=torch.int32, device=device)
+        self.input_ids = torch.zeros(n, **i64)
+        self.positions = torch.zeros(n, **i64)
+        self.slot_mapping = torch.full((n,), -1, **i64)
+        self.context_lens = torch.zeros(n, **i32)
+        self.block_tables = torch.zeros(n, max_blocks, **i32)
+        self.token_slots = torch.full((n,), -1, **i32)
+        self.arange = torch.arange(n + 1, **i32)
+        self.logits_indices = torch.arange(n, **i64)
+        self.query_start_loc = torch.arange(n + 1, **i32)
+        self.max_blocks = max_blocks
+        self._graphs: dict[tuple[int, bool], _Graph] = {}
+        self._pool = torch.cuda.graph_pool_handle()
+        self.captures = 0  # graphs captured so far (a re-capture counts again)
+        self.replays = 0
+
+    def bucket(self, num_seqs: int) -> int | None:
+        """The captured size a batch of num_seqs decodes pads to (None: too large, run eagerly)."""
+        i = bisect.bisect_left(self.buckets, num_seqs)
+        return self.buckets[i] if i < len(self.buckets) else None
+
+    def fits(self, inputs: DecodeInputs) -> bool:
+        return self.bucket(len(inputs.input_ids)) is not None and max(map(len, inputs.block_tables)) <= self.max_blocks
+
+    def _context(self, size: int, with_lora: bool) -> ForwardContext:
+        layout = self.lora_layout() if with_lora else None
+        lora = None
+        if with_lora:
+            slots = self.token_slots[:size]
+            lora = LoRABatch(token_slots=slots, sorted_token_ids=self.arange[:size], seg_starts=self.arange[: size + 1],
+                             seg_slots=slots, max_rank=layout.max_rank)
+        return ForwardContext(
+            input_ids=self.input_ids[:size], positions=self.positions[:size], slot_mapping=self.slot_mapping[:size],
+            block_tables=self.block_tables[:size], context_lens=self.context_lens[:size],
+            query_start_loc=self.query_start_loc[: size + 1], num_decodes=size,
+            logits_indices=self.logits_indices[:size], kv_caches=self.kv_caches, backend=self.backend,
+            lora=lora, lora_layout=layout,
+        )
+
+    def _forward(self, ctx: ForwardContext) -> torch.Tensor:
+        return self.model.compute_logits(self.model(ctx))
+
+    def _capture(self, size: int, with_lora: bool) -> _Graph:
+        ctx = self._context(size, with_lora)
+        # Padding rows only while capturing: nothing is written to the KV cache.
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self._forward(ctx)  # compiles the Triton kernels and settles the allocator before capture
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = self._forward(ctx)
+        self.captures += 1
+        return _Graph(graph, logits, layout_key(ctx.lora_layout))
+
+    def _fill(self, inputs: DecodeInputs, size: int) -> None:
+        n = len(inputs.input_ids)
+        pad = size - n
+        width = self.max_blocks
+        host = torch.tensor(
+            [*inputs.input_ids, *[0] * pad, *inputs.positions, *[0] * pad, *inputs.slot_mapping, *[-1] * pad],
+            dtype=torch.int64,
+        ).view(3, size)
+        small = torch.tensor([*inputs.context_lens, *[0] * pad, *inputs.token_slots, *[-1] * pad], dtype=torch.int32).view(2, size)
+        tables = torch.zeros(size, width, dtype=torch.int32)
+        for i, t in enumerate(inputs.block_tables):
+            tables[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        host, small, tables = host.pin_memory(), small.pin_memory(), tables.pin_memory()
+        self.input_ids[:size].copy_(host[0], non_blocking=True)
+        self.positions[:size].copy_(host[1], non_blocking=True)
+        self.slot_mapping[:size].copy_(host[2], non_blocking=True)
+        self.context_lens[:size].copy_(small[0], non_blocking=True)
+        self.token_slots[:size].copy_(small[1], non_blocking=True)
+        self.block_tables[:size].copy_(tables, non_blocking=True)
+
+    @torch.inference_mode()
+    def run(self, inputs: DecodeInputs) -> torch.Tensor:
+        """float32 logits [num_seqs, V] of one decode step (`fits(inputs)` must hold)."""
+        n = len(inputs.input_ids)
+        size = self.bucket(n)
+        with_lora = any(s >= 0 for s in inputs.token_slots)
+        key = (size, with_lora)
+        entry = self._graphs.get(key)
+        if entry is not None and with_lora and entry.layout_key != layout_key(self.lora_layout()):
+            entry = None  # the layout moved: the old graph would read stale addresses
+        if entry is None:
+            # Capture with empty inputs (all padding), then fill: capturing runs the forward twice.
+            self._fill(DecodeInputs([], [], [], [], [], []), size)
+            entry = self._graphs[key] = self._capture(size, with_lora)
+        self._fill(inputs, size)
+        entry.graph.replay()
+        self.replays += 1
+        return entry.logits[:n]
