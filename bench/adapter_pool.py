@@ -343,7 +343,7 @@ def _loads(pool: AdapterPool, tier: str) -> list[float]:
             if (e.load_seconds if tier == "cpu" else e.copy_seconds) > 0]
 
 
-def bench_decode_step(b: Bench, weights16, cold_dir: Path, *, steps: int, num_step_adapters: int) -> dict:
+def bench_decode_step(b: Bench, weights16, cold_dir: Path, *, steps: int, num_step_adapters: int, min_loads: int = 3) -> dict:
     pool, mc = b.pool, b.mc
     step_keys = [f"step{i}@1" for i in range(num_step_adapters)]
     for i, key in enumerate(step_keys):
@@ -361,9 +361,10 @@ def bench_decode_step(b: Bench, weights16, cold_dir: Path, *, steps: int, num_st
         b.step(token_slots)
 
     def run(with_loads: bool, graph: bool) -> tuple[list[float], dict]:
+        """`steps` steps; with loads, on until `min_loads` warm and `min_loads` cold loads completed."""
         times, done, k = [], {"warm": 0, "cold": 0}, 0
         current = None
-        for _ in range(steps):
+        while len(times) < steps or (with_loads and min(done.values()) < min_loads and len(times) < 100 * steps):
             t0 = time.perf_counter()
             pool.poll()  # what the engine's scheduler does each step (acquire polls)
             if with_loads:
