@@ -3,6 +3,7 @@
     python bench/engine_throughput.py                       # embedded SmolLM2, random adapters
     python bench/engine_throughput.py --adapters 0          # base model only
     python bench/engine_throughput.py --device cuda --dtype bfloat16 --num-requests 256
+    python bench/engine_throughput.py --device cuda --no-cuda-graphs    # decode steps run eagerly
 
 Adapters are random PEFT-shaped LoRA weights of rank --rank on all seven projections, registered
 straight into the engine's adapter pool (no files). Prints one JSON line: wall time, generated
@@ -63,10 +64,13 @@ def main() -> None:
     ap.add_argument("--adapters", type=int, default=4, help="distinct adapters (0 = base only)")
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
+                    help="replay decode steps from CUDA graphs (cuda only)")
     args = ap.parse_args()
 
     engine = Engine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
-                                 max_num_seqs=args.max_num_seqs, max_lora_rank=max(args.rank, 16)))
+                                 max_num_seqs=args.max_num_seqs, max_lora_rank=max(args.rank, 16),
+                                 cuda_graphs=args.cuda_graphs))
     names = register_random_adapters(engine, args.adapters, args.rank)
     rng = random.Random(0)
     vocab = engine.model_config.vocab_size
@@ -96,7 +100,8 @@ def main() -> None:
     print(json.dumps({
         "model": engine.model_name, "device": args.device, "dtype": str(engine.dtype).removeprefix("torch."),
         "requests": args.num_requests, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
-        "adapters": args.adapters, "rank": args.rank, "wall_s": round(wall, 3),
+        "adapters": args.adapters, "rank": args.rank, "cuda_graphs": engine.runner.graphs is not None,
+        "wall_s": round(wall, 3),
         "cpu_s": round(cpu, 3),  # process CPU time: less sensitive than wall time to a busy machine
         "gen_tokens_per_s": round(generated / wall, 1),
         "total_tokens_per_s": round((generated + args.num_requests * args.prompt_len) / wall, 1),
