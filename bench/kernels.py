@@ -16,7 +16,6 @@ import argparse
 import datetime
 import functools
 import json
-import math
 import statistics
 import sys
 from pathlib import Path
@@ -26,6 +25,7 @@ import triton
 
 from lorafleet.kernels.attention import paged_attention_prefill
 from lorafleet.kernels.attention_triton import paged_attention_decode_triton, paged_attention_prefill_triton
+from lorafleet.kernels.lora import shrink_buffer
 from lorafleet.kernels.lora_layout import NUM_PROJS, LoRALayout, make_lora_batch, place_rows
 from lorafleet.kernels.lora_reference import lora_expand_reference, lora_shrink_reference
 from lorafleet.kernels.lora_triton import lora_expand_triton, lora_shrink_triton
@@ -156,12 +156,12 @@ class LoRALayer:
         self.batch = make_lora_batch(self.slots, layout.max_rank_by_slot(), grouped=grouped)
         self.xs = [torch.randn(num_tokens, DIMS[p[0]][0], device="cuda", generator=gen).to(DT) for p, _ in GROUPS]
         self.ys = [torch.zeros(num_tokens, sum(w), dtype=DT, device="cuda") for _, w in GROUPS]
-        self.xas = [torch.empty(len(p), num_tokens, self.batch.max_rank, device="cuda") for p, _ in GROUPS]
+        self.xas = [shrink_buffer(x=x, proj_ids=p, batch=self.batch, backend="triton") for x, (p, _) in zip(self.xs, GROUPS, strict=True)]
         self.slices = [[(sum(w[:i]), w[i]) for i in range(len(w))] for _, w in GROUPS]
 
     def triton(self, **tune) -> None:
-        shrink = {k: v for k, v in tune.items() if k in ("split_k", "block_k", "num_warps")}
-        expand = {k: v for k, v in tune.items() if k in ("block_n",)}
+        shrink = {k: v for k, v in tune.items() if k in ("block_k", "num_warps", "pdl")}
+        expand = {k: v for k, v in tune.items() if k in ("block_n", "pdl")}
         for (proj_ids, _), x, y, xa, sl in zip(GROUPS, self.xs, self.ys, self.xas, self.slices, strict=True):
             lora_shrink_triton(x=x, layout=self.layout, layer=0, proj_ids=proj_ids, batch=self.batch, out=xa, **shrink)
             lora_expand_triton(xa=xa, layout=self.layout, layer=0, proj_ids=proj_ids, batch=self.batch, y=y, out_slices=sl, **expand)
@@ -241,29 +241,30 @@ def timed(results: dict, name: str, timer: Timer, fn) -> None:
 
 
 def sweep_case(layer: LoRALayer, timer: Timer) -> dict:
-    """Each group's shrink and expand alone over tile/split/warp variants; the best per kernel, and the
+    """Each group's shrink and expand alone over split/tile/warp variants; the best per kernel, and the
     layer time with every kernel at its best against the defaults."""
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    from lorafleet.kernels.lora_triton import shrink_splits
+
     res: dict = {"shrink": {}, "expand": {}}
     best_total, default_total = 0.0, 0.0
+    prefill = layer.batch.num_tokens > 4 * layer.batch.num_segments
     for g, ((proj_ids, _), x, y, xa, sl) in enumerate(zip(GROUPS, layer.xs, layer.ys, layer.xas, layer.slices, strict=True)):
-        programs = layer.batch.num_segments * len(proj_ids) * max(1, math.ceil(layer.batch.max_rank / 16))
-        run_shrink = functools.partial(lora_shrink_triton, x=x, layout=layer.layout, layer=0, proj_ids=proj_ids, batch=layer.batch, out=xa)
+        run_shrink = functools.partial(lora_shrink_triton, x=x, layout=layer.layout, layer=0, proj_ids=proj_ids, batch=layer.batch)
         run_expand = functools.partial(lora_expand_triton, xa=xa, layout=layer.layout, layer=0, proj_ids=proj_ids, batch=layer.batch, y=y, out_slices=sl)
         shrink = {}
-        for mult in (0, 1, 2, 4):
-            split = 1 if mult == 0 else max(1, math.ceil(mult * sms / programs))
-            for block_k in (128, 256, 512):
+        for pps in (1, 2, 4, 8):
+            splits = shrink_splits(k=x.shape[1], num_proj=len(proj_ids), batch=layer.batch, device=x.device, programs_per_sm=pps)
+            out = torch.empty(splits, *xa.shape[1:], device="cuda")
+            for block_k in (128, 256):
                 for warps in (4, 8):
-                    run = functools.partial(run_shrink, split_k=split, block_k=block_k, num_warps=warps)
-                    timed(shrink, f"m{mult}_bk{block_k}_w{warps}", timer, run)
-        shrink["default"] = timer.graph(run_shrink)
+                    timed(shrink, f"s{splits}_bk{block_k}_w{warps}", timer, functools.partial(run_shrink, out=out, block_k=block_k, num_warps=warps))
+        shrink["default"] = timer.graph(functools.partial(run_shrink, out=xa))
         expand = {}
-        for block_n in (64, 128, 256):
-            for walk in (1, 4, 16):
+        for block_n in (64, 128, 256) if prefill else (128, 256, 512):
+            for pps in (0, 2, 4, 8, 16):  # 0: one column tile per program
                 for warps in (4, 8):
-                    run = functools.partial(run_expand, block_n=block_n, cols_per_program=walk * block_n, num_warps=warps)
-                    timed(expand, f"bn{block_n}_walk{walk}_w{warps}", timer, run)
+                    walk = {"cols_per_program": block_n} if pps == 0 else {"programs_per_sm": pps}
+                    timed(expand, f"bn{block_n}_pps{pps}_w{warps}", timer, functools.partial(run_expand, block_n=block_n, num_warps=warps, **walk))
         expand["default"] = timer.graph(run_expand)
         res["shrink"][g], res["expand"][g] = shrink, expand
         bs, be = min(shrink, key=shrink.get), min(expand, key=expand.get)

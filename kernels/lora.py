@@ -2,7 +2,7 @@
 
 A layer's LoRA delta for fused projections (q|k|v or gate|up) is two calls:
 
-    xa = torch.empty(len(proj_ids), T, batch.max_rank, dtype=torch.float32, device=x.device)
+    xa = shrink_buffer(x=x, proj_ids=[0, 1, 2], batch=batch)  # float32 [splits, P, T, R]
     lora_shrink(x=x, layout=layout, layer=l, proj_ids=[0, 1, 2], batch=batch, out=xa)
     lora_expand(xa=xa, layout=layout, layer=l, proj_ids=[0, 1, 2], batch=batch, y=qkv, out_offsets=[0, 4096, 5120])
 
@@ -45,24 +45,50 @@ def _check_common(name: str, layout: LoRALayout, layer: int, proj_ids: list[int]
             raise ValueError(f"{name}: {label} is on {t.device}, the activations on {device}")
 
 
+def shrink_buffer(*, x: Tensor, proj_ids: list[int], batch: LoRABatch, backend: str = "auto") -> Tensor:
+    """An uninitialised float32 [S, P, T, R] output for `lora_shrink` (R = batch.max_rank, at least 1).
+
+    S, the number of partial sums over K, suits the backend and the GPU (1 for the reference): the
+    Triton shrink writes one partial sum per split with plain stores, and `lora_expand` adds them.
+    x: [T, K] the shrink's input. proj_ids: list of P ints. batch: `LoRABatch` over the T tokens.
+    """
+    splits = 1
+    if resolve_backend(backend, x.device) == "triton":
+        from lorafleet.kernels.lora_triton import shrink_splits
+
+        splits = shrink_splits(k=x.shape[1], num_proj=len(proj_ids), batch=batch, device=x.device)
+    return torch.empty(splits, len(proj_ids), x.shape[0], max(batch.max_rank, 1), dtype=torch.float32, device=x.device)
+
+
+def _as_splits(name: str, xa: Tensor, num_proj: int, batch: LoRABatch) -> Tensor:
+    """xa as [S, P, T, R] (a [P, T, R] buffer is one split), after checking it."""
+    xa4 = xa.unsqueeze(0) if xa.dim() == 3 else xa
+    shape = (num_proj, batch.num_tokens)
+    if xa.dtype != torch.float32 or xa4.dim() != 4 or tuple(xa4.shape[1:3]) != shape or xa4.shape[0] < 1 or xa4.shape[3] < batch.max_rank or not xa.is_contiguous():
+        raise ValueError(
+            f"{name} must be contiguous float32 [S, {shape[0]}, {shape[1]}, >= {batch.max_rank}] or [{shape[0]}, {shape[1]}, >= {batch.max_rank}]"
+            f" (see shrink_buffer), got {xa.dtype} {tuple(xa.shape)}"
+        )
+    return xa4
+
+
 def lora_shrink(*, x: Tensor, layout: LoRALayout, layer: int, proj_ids: list[int], batch: LoRABatch, out: Tensor, backend: str = "auto") -> None:
     """Project each token onto its adapter's A rows, for several projections sharing one input.
 
-    Semantics: out[i, t, j] = sum_k x[t, k] * A[slot(t), layer, proj_ids[i]][j, k] for j < rank, every t with slot(t) >= 0.
+    Semantics: sum_s out[s, i, t, j] = sum_k x[t, k] * A[slot(t), layer, proj_ids[i]][j, k] for j < rank, every t with slot(t) >= 0.
 
     x: [T, K] model dtype (the pool's), last dim contiguous. layout: `LoRALayout` (A rows of K elements).
     layer: int. proj_ids: list of P ints in [0, 7) (ids into PROJS). batch: `LoRABatch` over the T tokens.
-    out: float32 [P, T, R] with R >= batch.max_rank, contiguous. Entries past a slot's rank, of tokens
-    without a slot, or of a module the slot does not adapt are not read by `lora_expand` and may hold anything.
+    out: float32 [S, P, T, R] with S >= 1 partial sums over K and R >= batch.max_rank, contiguous
+    (`shrink_buffer` makes one; a [P, T, R] buffer is one split, which leaves the GPU less parallel). Entries past a slot's rank, of tokens without a slot, or of a module
+    the slot does not adapt are not read by `lora_expand` and may hold anything.
     """
     _check_common("lora_shrink", layout, layer, proj_ids, batch, x.device)
     if x.dim() != 2 or x.shape[0] != batch.num_tokens or x.stride(1) != 1:
         raise ValueError(f"lora_shrink: x must be [T={batch.num_tokens}, K] with a contiguous last dim, got {tuple(x.shape)} strides {x.stride()}")
     if x.dtype != layout.pool.dtype:
         raise ValueError(f"lora_shrink: x is {x.dtype}, the adapter pool {layout.pool.dtype}; they must match")
-    shape = (len(proj_ids), batch.num_tokens)
-    if out.dtype != torch.float32 or out.dim() != 3 or tuple(out.shape[:2]) != shape or out.shape[2] < batch.max_rank or not out.is_contiguous():
-        raise ValueError(f"lora_shrink: out must be contiguous float32 [{shape[0]}, {shape[1]}, >= {batch.max_rank}], got {out.dtype} {tuple(out.shape)}")
+    out = _as_splits("lora_shrink: out", out, len(proj_ids), batch)
     if out.device != x.device:
         raise ValueError(f"lora_shrink: out is on {out.device}, x on {x.device}")
     if resolve_backend(backend, x.device) == "triton":
@@ -92,9 +118,9 @@ def lora_expand(
 ) -> None:
     """Add each token's scaled adapter output into its slice of y, for several projections in one launch.
 
-    Semantics: y[t, o_i:o_i+n_i] += scale[slot(t), layer, p_i] * sum_j xa[i, t, j] * B^T[slot(t), layer, p_i][j, :n_i] for j < rank.
+    Semantics: y[t, o_i:o_i+n_i] += scale[slot(t), layer, p_i] * sum_j (sum_s xa[s, i, t, j]) * B^T[slot(t), layer, p_i][j, :n_i] for j < rank.
 
-    xa: float32 [P, T, R], R >= batch.max_rank (from `lora_shrink`). layout: `LoRALayout` (B^T rows of
+    xa: float32 [S, P, T, R], R >= batch.max_rank: the S partial sums from `lora_shrink` ([P, T, R]: one). layout: `LoRALayout` (B^T rows of
     n_i elements). layer: int. proj_ids: list of P ints in [0, 7). batch: `LoRABatch` over the T tokens.
     y: [T, N] model dtype, last dim contiguous, updated in place (tokens without a slot untouched).
     out_offsets: P slice starts (slice i ends where i+1 starts, the last at N) or P+1 boundaries.
@@ -105,8 +131,7 @@ def lora_expand(
         raise ValueError(f"lora_expand: y must be [T={batch.num_tokens}, N] with a contiguous last dim, got {tuple(y.shape)} strides {y.stride()}")
     if y.dtype != layout.pool.dtype:
         raise ValueError(f"lora_expand: y is {y.dtype}, the adapter pool {layout.pool.dtype}; they must match")
-    if xa.dtype != torch.float32 or xa.dim() != 3 or tuple(xa.shape[:2]) != (num, batch.num_tokens) or xa.shape[2] < batch.max_rank or not xa.is_contiguous():
-        raise ValueError(f"lora_expand: xa must be contiguous float32 [{num}, {batch.num_tokens}, >= {batch.max_rank}], got {xa.dtype} {tuple(xa.shape)}")
+    xa = _as_splits("lora_expand: xa", xa, num, batch)
     if xa.device != y.device:
         raise ValueError(f"lora_expand: xa is on {xa.device}, y on {y.device}")
     slices = output_slices(out_offsets, num, y.shape[1])

@@ -47,10 +47,12 @@ def _slot_meta(layout: LoRALayout, layer: int, proj: int, seg_slots: Tensor, max
 
 
 def lora_shrink_reference(*, x: Tensor, layout: LoRALayout, layer: int, proj_ids: list[int], batch: LoRABatch, out: Tensor) -> None:
-    """out[i, t, :r] = x[t] @ A[slot(t), layer, proj_ids[i]].T, in float32 (see kernels.lora.lora_shrink)."""
+    """out[0, i, t, :r] = x[t] @ A[slot(t), layer, proj_ids[i]].T in float32, other splits zero (see kernels.lora.lora_shrink)."""
     max_rank = batch.max_rank
     if batch.num_segments == 0 or max_rank == 0:
         return
+    out[1:] = 0.0
+    out = out[0]
     tok, mask = _segment_tokens(batch)  # [S, L]
     xs = torch.where(mask[..., None], x[tok].float(), 0.0)  # [S, L, K]
     flat_tok = tok[mask]
@@ -65,11 +67,12 @@ def lora_shrink_reference(*, x: Tensor, layout: LoRALayout, layer: int, proj_ids
 def lora_expand_reference(
     *, xa: Tensor, layout: LoRALayout, layer: int, proj_ids: list[int], batch: LoRABatch, y: Tensor, out_slices: list[tuple[int, int]]
 ) -> None:
-    """y[t, off_i:off_i+n_i] += scale * xa[i, t, :r] @ B^T[slot(t), layer, proj_ids[i]] (see kernels.lora.lora_expand)."""
+    """y[t, off_i:off_i+n_i] += scale * xa.sum(0)[i, t, :r] @ B^T[slot(t), layer, proj_ids[i]] (see kernels.lora.lora_expand)."""
     max_rank = batch.max_rank
     if batch.num_segments == 0 or max_rank == 0:
         return
     tok, mask = _segment_tokens(batch)  # [S, L]
+    xa = xa.sum(0)  # the shrink's partial sums: [P, T, R]
     for i, (proj, (start, width)) in enumerate(zip(proj_ids, out_slices, strict=True)):
         ranks, scales, safe = _slot_meta(layout, layer, proj, batch.seg_slots, max_rank)
         b = _gather_rows(layout, layout.b_offsets[layer, proj, safe, :max_rank], ranks, width)  # [S, R, n]

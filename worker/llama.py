@@ -44,8 +44,8 @@ def add_lora(
     batch = ctx.lora
     if batch is None or batch.max_rank == 0:
         return
-    # xa: [len(proj_ids), T, max_rank] float32
-    xa = torch.empty(len(proj_ids), x.shape[0], batch.max_rank, dtype=torch.float32, device=x.device)
+    # xa: float32 [splits, len(proj_ids), T, max_rank]: the shrink's partial sums over K, added by the expand
+    xa = lora.shrink_buffer(x=x, proj_ids=proj_ids, batch=batch, backend=ctx.backend)
     lora.lora_shrink(x=x, layout=ctx.lora_layout, layer=layer, proj_ids=proj_ids, batch=batch, out=xa,
                      backend=ctx.backend)
     lora.lora_expand(xa=xa, layout=ctx.lora_layout, layer=layer, proj_ids=proj_ids, batch=batch, y=y,

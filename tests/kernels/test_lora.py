@@ -1,14 +1,15 @@
 """lora_shrink / lora_expand against a naive per-token dense computation, on every backend.
 
 Outputs are poisoned (NaN) before each run; adapters differ in rank (1-128), alpha and targeted
-modules; pages are shuffled so only the layout's offsets can find a row.
+modules; pages are shuffled so only the layout's offsets can find a row. The shrink output holds
+partial sums over K (its first dim); expand is fed a random split of the exact shrink result.
 """
 
 import pytest
 import torch
 from kernel_cases import MIXED_RANKS, POPULARITIES, dense_delta, dense_shrink, random_adapters, token_slots
 
-from lorafleet.kernels.lora import lora_expand, lora_shrink
+from lorafleet.kernels.lora import lora_expand, lora_shrink, shrink_buffer
 from lorafleet.kernels.lora_layout import LoRABatch, make_lora_batch, pack_lora_layout
 
 BACKENDS = ["reference", "triton"]
@@ -33,25 +34,33 @@ def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.double() - want).norm() / want.norm().clamp_min(1e-12))
 
 
-def _check_shrink(modules, layout, batch, x, slots, group, layer, backend, dtype):
+def _check_shrink(modules, layout, batch, x, slots, group, layer, backend, dtype, splits=1):
     proj_ids, _, _ = GROUPS[group]
-    out = torch.full((len(proj_ids), x.shape[0], max(batch.max_rank, 1)), float("nan"))
+    out = torch.full((splits, len(proj_ids), x.shape[0], max(batch.max_rank, 1)), float("nan"))
     lora_shrink(x=x, layout=layout, layer=layer, proj_ids=proj_ids, batch=batch, out=out, backend=backend)
+    total = out.sum(0)  # a split left unwritten would show as NaN
     for i, proj in enumerate(proj_ids):
         for t, want in enumerate(dense_shrink(modules, slots, x, layer, proj)):
             if want is not None:
-                assert _rel_err(out[i, t, : want.numel()], want) < TOL[dtype], (group, proj, t)
+                assert _rel_err(total[i, t, : want.numel()], want) < TOL[dtype], (group, proj, t)
 
 
-def _check_expand(modules, layout, batch, x, slots, group, layer, backend, dtype, gen):
-    proj_ids, _, widths = GROUPS[group]
-    num_tokens = x.shape[0]
-    # xa holds the exact shrink result where defined and NaN everywhere expand must not read.
-    xa = torch.full((len(proj_ids), num_tokens, max(batch.max_rank, 1)), float("nan"))
+def split_xa(modules, slots, x, layer, proj_ids, max_rank, splits, gen):
+    """float32 [splits, P, T, R]: random partial sums of the exact shrink result where defined, NaN elsewhere."""
+    xa = torch.full((splits, len(proj_ids), x.shape[0], max(max_rank, 1)), float("nan"))
     for i, proj in enumerate(proj_ids):
         for t, v in enumerate(dense_shrink(modules, slots, x, layer, proj)):
             if v is not None:
-                xa[i, t, : v.numel()] = v.float()
+                parts = torch.randn(splits - 1, v.numel(), generator=gen, dtype=torch.float64) * v.abs().mean()
+                xa[:-1, i, t, : v.numel()] = parts.float()
+                xa[-1, i, t, : v.numel()] = (v - parts.float().double().sum(0)).float()
+    return xa
+
+
+def _check_expand(modules, layout, batch, x, slots, group, layer, backend, dtype, gen, splits=1):
+    proj_ids, _, widths = GROUPS[group]
+    num_tokens = x.shape[0]
+    xa = split_xa(modules, slots, x, layer, proj_ids, batch.max_rank, splits, gen)
     y = torch.randn(num_tokens, sum(widths), generator=gen).to(dtype)
     want = y.double().clone()
     offsets, start = [], 0
@@ -69,7 +78,7 @@ def _check_expand(modules, layout, batch, x, slots, group, layer, backend, dtype
 @pytest.mark.parametrize("popularity", POPULARITIES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_shrink_and_expand_match_dense(backend, popularity, dtype, gen):
-    num_slots = 12
+    num_slots, splits = 12, 1 + POPULARITIES.index(popularity) % 3  # one, two or three partial sums
     modules, layout = _setup(gen, num_slots=num_slots, dtype=dtype)
     for grouped, num_tokens, groups in ((True, 40, GROUPS), (False, 6, ("qkv", "gate_up"))):  # segments; per-token decode
         slots = token_slots(popularity, num_tokens, num_slots, gen)
@@ -78,8 +87,8 @@ def test_shrink_and_expand_match_dense(backend, popularity, dtype, gen):
             k = GROUPS[group][1]
             x = torch.randn(num_tokens, k, generator=gen).to(dtype)
             layer = int(torch.randint(0, 2, (1,), generator=gen))
-            _check_shrink(modules, layout, batch, x, slots, group, layer, backend, dtype)
-            _check_expand(modules, layout, batch, x, slots, group, layer, backend, dtype, gen)
+            _check_shrink(modules, layout, batch, x, slots, group, layer, backend, dtype, splits)
+            _check_expand(modules, layout, batch, x, slots, group, layer, backend, dtype, gen, splits)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -128,7 +137,7 @@ def test_rank_and_alpha_travel_with_each_adapter(backend, gen):
     batch = make_lora_batch(slots, layout.max_rank_by_slot())
     x = torch.randn(6, HIDDEN, generator=gen)
     x[2] = x[1]
-    xa = torch.full((1, 6, 16), float("nan"))
+    xa = torch.full((1, 1, 6, 16), float("nan"))
     lora_shrink(x=x, layout=layout, layer=0, proj_ids=[0], batch=batch, out=xa, backend=backend)
     y = torch.zeros(6, 64)
     lora_expand(xa=xa, layout=layout, layer=0, proj_ids=[0], batch=batch, y=y, out_offsets=[0], backend=backend)
@@ -144,10 +153,10 @@ def test_half_precision_delta_accumulates_in_float32(backend, gen):
     slots = token_slots("uniform", 20, 4, gen)
     batch = make_lora_batch(slots, layout.max_rank_by_slot())
     x = torch.randn(20, HIDDEN, generator=gen).half()
-    out = torch.full((1, 20, batch.max_rank), float("nan"))
+    out = torch.full((1, 1, 20, batch.max_rank), float("nan"))
     lora_shrink(x=x, layout=layout, layer=0, proj_ids=[4], batch=batch, out=out, backend=backend)
     want = torch.stack(dense_shrink(modules, slots, x.float(), 0, 4))
-    assert _rel_err(out[0], want) < 1e-5  # rounding the result to fp16 would give ~3e-4
+    assert _rel_err(out[0, 0], want) < 1e-5  # rounding the result to fp16 would give ~3e-4
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -159,7 +168,7 @@ def test_unmerged_delta_equals_the_merged_weights(backend, gen):
     x = torch.randn(8, HIDDEN, generator=gen)
     w = torch.randn(96 + 80, HIDDEN, generator=gen) / 8  # fused gate|up base weight
     y = x @ w.T
-    xa = torch.full((2, 8, batch.max_rank), float("nan"))
+    xa = shrink_buffer(x=x, proj_ids=[4, 5], batch=batch, backend=backend).fill_(float("nan"))
     lora_shrink(x=x, layout=layout, layer=0, proj_ids=[4, 5], batch=batch, out=xa, backend=backend)
     lora_expand(xa=xa, layout=layout, layer=0, proj_ids=[4, 5], batch=batch, y=y, out_offsets=[0, 96], backend=backend)
     for t, s in enumerate(slots.tolist()):
@@ -172,48 +181,70 @@ def test_unmerged_delta_equals_the_merged_weights(backend, gen):
         assert float((y[t].double() - want).norm() / want.norm()) < 1e-5, t
 
 
-@pytest.mark.parametrize("split_k", [2, 3])
-def test_triton_shrink_split_over_k_adds_partial_sums(split_k, gen):
-    """The split-K path (zeroed output, atomic adds) gives the same projections."""
+@pytest.mark.parametrize("splits", [2, 3, 8])
+def test_triton_shrink_writes_one_partial_sum_per_split(splits, gen):
+    """Each K split stores its own partial sum (no zero fill, no atomics); with more splits than K
+    tiles (8 splits of 6 tiles) the empty ones store zeros, so the sum is still exact."""
     from lorafleet.kernels.lora_triton import lora_shrink_triton
 
     modules, layout = _setup(gen, num_slots=5, dtype=torch.float32, num_layers=1)
     slots = token_slots("zipf", 30, 5, gen)
     batch = make_lora_batch(slots, layout.max_rank_by_slot())
     x = torch.randn(30, 96, generator=gen)
-    out = torch.full((1, 30, batch.max_rank), float("nan"))
-    lora_shrink_triton(x=x, layout=layout, layer=0, proj_ids=[6], batch=batch, out=out, split_k=split_k)
+    out = torch.full((splits, 1, 30, batch.max_rank), float("nan"))
+    lora_shrink_triton(x=x, layout=layout, layer=0, proj_ids=[6], batch=batch, out=out, block_k=16)
     for t, want in enumerate(dense_shrink(modules, slots, x, 0, 6)):
         if want is not None:
-            assert _rel_err(out[0, t, : want.numel()], want) < 1e-5
+            r = want.numel()
+            assert not torch.isnan(out[:, 0, t, :r]).any(), t
+            assert _rel_err(out[:, 0, t, :r].sum(0), want) < 1e-5
 
 
-def test_triton_expand_programs_walking_several_column_tiles(gen):
-    """A program that walks several output tiles (cols_per_program > block_n) covers each column once,
-    and ranks above the rank tile (block_r=16, ranks up to 128) take several chunks."""
+@pytest.mark.parametrize("balance", [False, True])
+def test_triton_expand_programs_walking_several_column_tiles(balance, gen):
+    """A program that walks several output tiles (cols_per_program > block_n) covers each column once;
+    ranks above the rank tile (block_r=16, ranks up to 128) take several chunks; with rank balancing
+    (rank tile 128) a slot of rank r lets one program in 128 // r cover that many column ranges."""
     from lorafleet.kernels.lora_triton import lora_expand_triton
 
     modules, layout = _setup(gen, num_slots=4, dtype=torch.float32, num_layers=1)
     slots = token_slots("mixed_none", 20, 4, gen)
     batch = make_lora_batch(slots, layout.max_rank_by_slot())
     x = torch.randn(20, HIDDEN, generator=gen)
-    xa = torch.full((3, 20, max(batch.max_rank, 1)), float("nan"))
+    xa = split_xa(modules, slots, x, 0, [0, 1, 2], batch.max_rank, 2, gen)
     want = torch.zeros(20, 144, dtype=torch.float64)
-    for i, (proj, (start, n)) in enumerate(zip([0, 1, 2], [(0, 64), (64, 32), (96, 48)], strict=True)):
-        for t, v in enumerate(dense_shrink(modules, slots, x, 0, proj)):
-            if v is not None:
-                xa[i, t, : v.numel()] = v.float()
+    for proj, (start, n) in zip([0, 1, 2], [(0, 64), (64, 32), (96, 48)], strict=True):
         want[:, start : start + n] = dense_delta(modules, slots, x, 0, proj, n)
     y = torch.zeros(20, 144)
-    lora_expand_triton(xa=xa, layout=layout, layer=0, proj_ids=[0, 1, 2], batch=batch, y=y, out_slices=[(0, 64), (64, 32), (96, 48)], block_n=16, block_r=16, cols_per_program=48)
+    block_r = 128 if balance else 16
+    lora_expand_triton(
+        xa=xa, layout=layout, layer=0, proj_ids=[0, 1, 2], batch=batch, y=y, out_slices=[(0, 64), (64, 32), (96, 48)],
+        block_n=16, block_r=block_r, cols_per_program=16 if balance else 48, balance=balance,
+    )  # fmt: skip
     assert _rel_err(y, want) < 1e-5
+
+
+def test_shrink_buffer_sizes_the_partial_sums(gen):
+    """One partial sum on the reference backend; the Triton heuristic keeps expand's xa tile small."""
+    from lorafleet.kernels.lora_triton import XA_TILE_ELEMS, shrink_splits
+
+    slots = torch.arange(64, dtype=torch.int32) % 32
+    batch = make_lora_batch(slots, torch.full((32,), 16, dtype=torch.int32))
+    x = torch.randn(64, 4096)
+    xa = shrink_buffer(x=x, proj_ids=[0, 1, 2], batch=batch, backend="reference")
+    assert tuple(xa.shape) == (1, 3, 64, 16) and xa.dtype == torch.float32
+    assert tuple(shrink_buffer(x=x, proj_ids=[0, 1, 2], batch=batch, backend="triton").shape[1:]) == (3, 64, 16)
+    for max_rank in (8, 16, 64, 128):
+        batch.max_rank = max_rank
+        splits = shrink_splits(k=4096, num_proj=3, batch=batch, device=x.device)
+        assert 1 <= splits <= 16 and splits * 16 * max(16, max_rank) <= XA_TILE_ELEMS
 
 
 def test_launchers_refuse_bad_inputs(gen):
     modules, layout = _setup(gen, num_slots=2, dtype=torch.float32, ranks=(4,))
     batch = make_lora_batch(torch.tensor([0, 1, -1], dtype=torch.int32), layout.max_rank_by_slot())
     x = torch.randn(3, HIDDEN)
-    out = torch.zeros(1, 3, 4)
+    out = torch.zeros(1, 1, 3, 4)
     with pytest.raises(ValueError, match="x is torch.float16"):
         lora_shrink(x=x.half(), layout=layout, layer=0, proj_ids=[0], batch=batch, out=out)
     with pytest.raises(ValueError, match="out must be"):
@@ -252,7 +283,7 @@ def test_llama3_8b_shapes_in_bf16_on_gpu(popularity, num_tokens, grouped, gen):
         x = torch.randn(num_tokens, k, generator=gen).to(torch.bfloat16).cuda()
         xas = {}
         for backend in ("reference", "triton"):
-            xa = torch.full((len(proj_ids), num_tokens, max(batch.max_rank, 1)), float("nan"), device="cuda")
+            xa = shrink_buffer(x=x, proj_ids=proj_ids, batch=batch, backend=backend).fill_(float("nan"))
             lora_shrink(x=x, layout=layout, layer=0, proj_ids=proj_ids, batch=batch, out=xa, backend=backend)
             xas[backend] = xa
         live = slots >= 0
@@ -260,7 +291,8 @@ def test_llama3_8b_shapes_in_bf16_on_gpu(popularity, num_tokens, grouped, gen):
             for i, proj in enumerate(proj_ids):
                 r = layout.ranks[0, proj, slots[live].long()]
                 cols = torch.arange(batch.max_rank, device="cuda")[None, :] < r[:, None]
-                got, want = xas["triton"][i][live][cols], xas["reference"][i][live][cols]
+                # The sum of the partials: a split left unwritten would show as NaN.
+                got, want = xas["triton"].sum(0)[i][live][cols], xas["reference"].sum(0)[i][live][cols]
                 assert not torch.isnan(got).any(), group
                 assert float((got - want).norm() / want.norm()) < 1e-3, group
         offsets = [0, *torch.tensor(widths).cumsum(0).tolist()[:-1]]
@@ -268,7 +300,7 @@ def test_llama3_8b_shapes_in_bf16_on_gpu(popularity, num_tokens, grouped, gen):
         ys = {}
         for backend in ("reference", "triton"):
             y = y0.clone()
-            lora_expand(xa=xas["reference"], layout=layout, layer=0, proj_ids=proj_ids, batch=batch, y=y, out_offsets=offsets, backend=backend)
+            lora_expand(xa=xas[backend], layout=layout, layer=0, proj_ids=proj_ids, batch=batch, y=y, out_offsets=offsets, backend=backend)
             ys[backend] = y.float()
         assert not torch.isnan(ys["triton"]).any(), group
         delta_t, delta_r = ys["triton"] - y0.float(), ys["reference"] - y0.float()

@@ -1,0 +1,237 @@
+"""Triton SGMV programs: segmented-gather LoRA shrink and expand (the launchers are in lora_triton.py).
+
+Both read their metadata in as few dependent memory round trips as possible: the segment's slot and
+token range first; then, all at once, the slot's rank, scale, row offsets and the segment's token ids
+(loaded before the early exits, masked loads are safe); then the data. With programmatic dependent
+launch (PDL, Hopper) that metadata is read while the previous kernel finishes: every program calls
+`gdc_wait` before it touches x, xa, y or out (the previous kernel's results, or a buffer it may still
+read) and before it can return, so a dependent grid never finishes ahead of its own predecessor.
+
+Shrink writes per-split partial sums (out[split]) with plain stores: no zero fill, no atomics; expand
+adds the splits as it loads its (tiny) xa tile.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # an older Triton: the launchers never set PDL
+    gdc_launch_dependents = gdc_wait = None
+
+
+@triton.jit
+def _gdc_wait(PDL: tl.constexpr):
+    if PDL:
+        gdc_wait()
+
+
+@triton.jit
+def _gdc_launch_dependents(PDL: tl.constexpr):
+    if PDL:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def shrink_kernel(
+    x_ptr,  # [T, K] model dtype
+    pool_ptr,  # flat pool, model dtype
+    ranks_ptr,  # int32 [L, 7, M]
+    a_off_ptr,  # int64 [L, 7, M, max_rank]
+    token_ids_ptr,  # int32 [T_lora]
+    seg_starts_ptr,  # int32 [S+1]
+    seg_slots_ptr,  # int32 [S]
+    proj_ids_ptr,  # int32 [P]
+    out_ptr,  # float32 [splits, P, T, R]
+    layer,
+    K,
+    k_per_split,
+    num_r_chunks,
+    stride_xt,
+    stride_os,
+    stride_op,
+    stride_ot,
+    max_slots,
+    layout_max_rank,
+    BLOCK_T: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ALIGN: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    seg = tl.program_id(0)
+    i = tl.program_id(1) // num_r_chunks
+    r0 = (tl.program_id(1) % num_r_chunks) * BLOCK_R
+    split = tl.program_id(2)
+    _gdc_launch_dependents(PDL)
+    # Round trip 1: independent metadata.
+    slot = tl.load(seg_slots_ptr + seg)
+    proj = tl.load(proj_ids_ptr + i)
+    start = tl.load(seg_starts_ptr + seg)
+    end = tl.load(seg_starts_ptr + seg + 1)
+    # Round trip 2: rank, row offsets and the first token ids together (slot -1 reads slot 0's, unused).
+    meta = (layer * 7 + proj) * max_slots + tl.maximum(slot, 0)
+    offs_r = r0 + tl.arange(0, BLOCK_R)
+    rank = tl.load(ranks_ptr + meta)
+    a_row = tl.load(a_off_ptr + meta.to(tl.int64) * layout_max_rank + offs_r, mask=offs_r < layout_max_rank, other=0)
+    a_row = tl.multiple_of(a_row, ALIGN)
+    arange_t = tl.arange(0, BLOCK_T)
+    tok = tl.load(token_ids_ptr + start + arange_t, mask=start + arange_t < end, other=0)
+    rank = tl.where(slot < 0, 0, rank)
+    _gdc_wait(PDL)
+    if r0 >= rank:  # no slot, a module the slot does not adapt, or a rank chunk past the slot's rank
+        return
+    k_lo = split * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    r_mask = offs_r < rank
+    arange_k = tl.arange(0, BLOCK_K)
+    for t0 in range(start, end, BLOCK_T):
+        t_mask = t0 + arange_t < end
+        tok64 = tok.to(tl.int64)
+        acc = tl.zeros([BLOCK_T, BLOCK_R], dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            offs_k = k0 + arange_k
+            k_mask = offs_k < k_hi
+            # x tile [BLOCK_T, BLOCK_K]: gathered token rows; A tile [BLOCK_R, BLOCK_K]: pool rows, contiguous along K.
+            xt = tl.load(x_ptr + tok64[:, None] * stride_xt + offs_k[None, :], mask=t_mask[:, None] & k_mask[None, :], other=0.0)
+            at = tl.load(pool_ptr + a_row[:, None] + offs_k[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)
+            if UPCAST:
+                acc += tl.dot(xt.to(tl.float32), tl.trans(at.to(tl.float32)), input_precision="ieee")
+            else:
+                acc += tl.dot(xt, tl.trans(at))
+        # Every split stores its partial sum (zeros for an empty K range): no zero fill, no atomics.
+        ptrs = out_ptr + split * stride_os + i * stride_op + tok64[:, None] * stride_ot + offs_r[None, :]
+        tl.store(ptrs, acc, mask=t_mask[:, None] & r_mask[None, :])
+        nxt = t0 + BLOCK_T + arange_t
+        tok = tl.load(token_ids_ptr + nxt, mask=nxt < end, other=0)
+
+
+@triton.jit
+def _load_xa(xa_base, stride_xs, num_splits, tok64, t_mask, offs_r, r_mask, stride_xt, SPLITS: tl.constexpr):
+    """sum over splits of xa[s, tok, offs_r]: float32 [BLOCK_T, BLOCK_R], every split in one load."""
+    offs_s = tl.arange(0, SPLITS)
+    ptrs = xa_base + offs_s[:, None, None] * stride_xs + tok64[None, :, None] * stride_xt + offs_r[None, None, :]
+    mask = (offs_s < num_splits)[:, None, None] & t_mask[None, :, None] & r_mask[None, None, :]
+    return tl.sum(tl.load(ptrs, mask=mask, other=0.0), axis=0)
+
+
+@triton.jit
+def expand_kernel(
+    xa_ptr,  # float32 [splits, P, T, R]
+    pool_ptr,  # flat pool, model dtype
+    ranks_ptr,  # int32 [L, 7, M]
+    scales_ptr,  # float32 [L, 7, M]
+    b_off_ptr,  # int64 [L, 7, M, max_rank]
+    token_ids_ptr,  # int32 [T_lora]
+    seg_starts_ptr,  # int32 [S+1]
+    seg_slots_ptr,  # int32 [S]
+    slices_ptr,  # int32 [P, 3]: proj id, first column in y, width
+    y_ptr,  # [T, N] model dtype
+    layer,
+    num_splits,
+    stride_xs,
+    stride_xp,
+    stride_xt,
+    stride_yt,
+    max_slots,
+    layout_max_rank,
+    cols_per_program,
+    BLOCK_T: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLITS: tl.constexpr,
+    ALIGN: tl.constexpr,
+    MULTI_CHUNK: tl.constexpr,
+    BALANCE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    seg = tl.program_id(0)
+    i = tl.program_id(1)
+    c = tl.program_id(2)
+    _gdc_launch_dependents(PDL)
+    # Round trip 1: independent metadata.
+    slot = tl.load(seg_slots_ptr + seg)
+    proj = tl.load(slices_ptr + i * 3)
+    col0 = tl.load(slices_ptr + i * 3 + 1)
+    width = tl.load(slices_ptr + i * 3 + 2)
+    start = tl.load(seg_starts_ptr + seg)
+    end = tl.load(seg_starts_ptr + seg + 1)
+    # Round trip 2: rank, scale, the first rank chunk's row offsets and the first token ids together.
+    meta = (layer * 7 + proj) * max_slots + tl.maximum(slot, 0)
+    arange_r = tl.arange(0, BLOCK_R)
+    rank = tl.load(ranks_ptr + meta)
+    scale = tl.load(scales_ptr + meta)
+    b_rows = b_off_ptr + meta.to(tl.int64) * layout_max_rank
+    b_row0 = tl.load(b_rows + arange_r, mask=arange_r < layout_max_rank, other=0)
+    arange_t = tl.arange(0, BLOCK_T)
+    tok = tl.load(token_ids_ptr + start + arange_t, mask=start + arange_t < end, other=0)
+    rank = tl.where(slot < 0, 0, rank)
+    # Rank balancing: a slot of rank r under a rank tile of BLOCK_R rows lets one program in `mult`
+    # cover `mult` column ranges, so every live program reads about the same adapter bytes.
+    mult = 1
+    if BALANCE:
+        mult = tl.maximum(BLOCK_R // tl.maximum(rank, 1), 1)
+    n_lo = c * cols_per_program
+    n_hi = tl.minimum(n_lo + mult * cols_per_program, width)
+    _gdc_wait(PDL)
+    if rank == 0 or n_lo >= width or c % mult != 0:
+        return
+    arange_n = tl.arange(0, BLOCK_N)
+    xa_base = xa_ptr + i * stride_xp
+    r_mask0 = arange_r < rank
+    b_row0 = tl.multiple_of(b_row0, ALIGN)
+    for t0 in range(start, end, BLOCK_T):
+        t_mask = t0 + arange_t < end
+        tok64 = tok.to(tl.int64)
+        # The first rank tile of xa is the same for every column tile: loaded once, splits summed.
+        xt0 = _load_xa(xa_base, stride_xs, num_splits, tok64, t_mask, arange_r, r_mask0, stride_xt, SPLITS)
+        if not UPCAST:
+            xt0 = xt0.to(pool_ptr.dtype.element_ty)
+        # y tiles are read two column tiles ahead: their loads are not dot operands, so the compiler's
+        # pipelining does not cover them, and a program walking many tiles would wait a full memory
+        # latency per tile.
+        y_row = y_ptr + tok64[:, None] * stride_yt + col0
+        ya = tl.load(y_row + (n_lo + arange_n)[None, :], mask=t_mask[:, None] & (n_lo + arange_n < n_hi)[None, :], other=0.0)
+        yb = tl.load(y_row + (n_lo + BLOCK_N + arange_n)[None, :], mask=t_mask[:, None] & (n_lo + BLOCK_N + arange_n < n_hi)[None, :], other=0.0)
+        for n0 in range(n_lo, n_hi, BLOCK_N):
+            ahead = n0 + 2 * BLOCK_N + arange_n
+            yc = tl.load(y_row + ahead[None, :], mask=t_mask[:, None] & (ahead < n_hi)[None, :], other=0.0)
+            offs_n = n0 + arange_n
+            n_mask = offs_n < n_hi
+            bt = tl.load(pool_ptr + b_row0[:, None] + offs_n[None, :], mask=r_mask0[:, None] & n_mask[None, :], other=0.0)
+            if UPCAST:
+                acc = tl.dot(xt0, bt.to(tl.float32), input_precision="ieee")
+            else:
+                acc = tl.dot(xt0, bt)
+            if MULTI_CHUNK:  # ranks above BLOCK_R
+                for r0 in range(BLOCK_R, rank, BLOCK_R):
+                    b_row = tl.load(b_rows + r0 + arange_r, mask=r0 + arange_r < rank, other=0)
+                    acc = _expand_chunk(acc, xa_base, stride_xs, num_splits, pool_ptr, b_row, tok64, t_mask, stride_xt, r0, rank, offs_n, n_mask, BLOCK_R, SPLITS, ALIGN, UPCAST)
+            tl.store(y_row + offs_n[None, :], (ya.to(tl.float32) + acc * scale).to(ya.dtype), mask=t_mask[:, None] & n_mask[None, :])
+            ya = yb
+            yb = yc
+        nxt = t0 + BLOCK_T + arange_t
+        tok = tl.load(token_ids_ptr + nxt, mask=nxt < end, other=0)
+
+
+@triton.jit
+def _expand_chunk(
+    acc, xa_base, stride_xs, num_splits, pool_ptr, b_row, tok64, t_mask, stride_xt, r0, rank, offs_n, n_mask,
+    BLOCK_R: tl.constexpr, SPLITS: tl.constexpr, ALIGN: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """acc += xa[tok, r0:r0+BLOCK_R] @ B^T[r0:r0+BLOCK_R, offs_n] for the rows below rank."""
+    offs_r = r0 + tl.arange(0, BLOCK_R)
+    r_mask = offs_r < rank
+    b_row = tl.multiple_of(b_row, ALIGN)
+    # B^T tile [BLOCK_R, BLOCK_N]: each row contiguous in the pool; xa tile [BLOCK_T, BLOCK_R].
+    bt = tl.load(pool_ptr + b_row[:, None] + offs_n[None, :], mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+    xt = _load_xa(xa_base, stride_xs, num_splits, tok64, t_mask, offs_r, r_mask, stride_xt, SPLITS)
+    if UPCAST:
+        acc += tl.dot(xt, bt.to(tl.float32), input_precision="ieee")
+    else:
+        acc += tl.dot(xt.to(bt.dtype), bt)
+    return acc
