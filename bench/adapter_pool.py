@@ -31,15 +31,16 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from safetensors.torch import save_file
 
 from lorafleet.kernels.attention import paged_attention_decode
-from lorafleet.kernels.lora import lora_expand, lora_shrink
 from lorafleet.kernels.lora_layout import PROJS, LoRABatch, make_lora_batch
 from lorafleet.worker.adapter_image import ModelDims
 from lorafleet.worker.adapter_pool import AdapterPool, AdapterPoolConfig
+from lorafleet.worker.lora_linear import lora_linear
 from lorafleet.worker.model_config import ModelConfig
 from lorafleet.worker.page_pool import PagePool, PagePoolConfig, kv_page_elems
 from lorafleet.worker.peft_adapter import load_peft_adapter
@@ -140,6 +141,7 @@ class Bench:
                                            head_dim=s.head_dim)
         self.x0 = torch.randn(batch, s.hidden, generator=g, device=device).to(dtype)
         self._graph: torch.cuda.CUDAGraph | None = None
+        self.side = torch.cuda.Stream(device) if device.type == "cuda" else None  # LoRA beside the GEMMs
 
     def step(self, token_slots: torch.Tensor, *, graph: bool = False) -> None:
         """One decode step of `batch` tokens; token_slots: int32 [batch] adapter slot per token.
@@ -148,8 +150,7 @@ class Bench:
         runs decode steps (worker/cuda_graphs.py: one LoRA segment per token, the pool's max rank as bound).
         """
         if not graph:
-            lora = make_lora_batch(token_slots, self.pool.layout.max_rank_by_slot())
-            self._layers(lora, torch.empty(3, self.batch, max(lora.max_rank, 1), dtype=torch.float32, device=self.device))
+            self._layers(make_lora_batch(token_slots, self.pool.layout.max_rank_by_slot(), max_segment_len=16))
         elif self.device.type != "cuda":
             raise ValueError("graph steps need a CUDA device")
         else:
@@ -165,45 +166,33 @@ class Bench:
         ids = torch.arange(self.batch + 1, dtype=torch.int32, device=self.device)
         lora = LoRABatch(token_slots=self._slots, sorted_token_ids=ids[:-1], seg_starts=ids, seg_slots=self._slots,
                          max_rank=lay.max_rank)
-        xa = torch.empty(3, self.batch, lay.max_rank, dtype=torch.float32, device=self.device)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            self._layers(lora, xa)  # compiles the kernels before capture
+            self._layers(lora)  # compiles the kernels before capture
         torch.cuda.current_stream(self.device).wait_stream(stream)
         self._graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self._graph):
-            self._layers(lora, xa)
+            self._layers(lora)
 
-    def _layers(self, lora: LoRABatch, xa: torch.Tensor) -> None:
-        s, lay = self.shape, self.pool.layout
+    def _layers(self, lora: LoRABatch) -> None:
+        """Every layer as the engine runs it: base GEMMs with their LoRA deltas (worker/lora_linear.py),
+        paged decode attention over the pool's KV pages."""
+        s = self.shape
         q_size, kv_size = s.heads * s.head_dim, s.kv_heads * s.head_dim
+        ctx = SimpleNamespace(lora=lora, lora_layout=self.pool.layout, backend="auto", lora_stream=self.side)
         x = self.x0
         attn = torch.empty(self.batch, s.heads, s.head_dim, dtype=self.dtype, device=self.device)
-
-        def delta(inp, pids, y, offs):
-            if lora.max_rank:
-                buf = xa[: len(pids)]
-                lora_shrink(x=inp, layout=lay, layer=layer, proj_ids=pids, batch=lora, out=buf)
-                lora_expand(xa=buf, layout=lay, layer=layer, proj_ids=pids, batch=lora, y=y, out_offsets=offs)
-
         for layer in range(s.layers):
-            qkv = x @ self.w_qkv.T
-            delta(x, [0, 1, 2], qkv, [0, q_size, q_size + kv_size])
+            qkv = lora_linear(x, self.w_qkv, ctx, layer, [0, 1, 2], [0, q_size, q_size + kv_size])
             k_cache, v_cache = self.kv[layer]
             paged_attention_decode(q=qkv[:, :q_size].reshape(self.batch, s.heads, s.head_dim), k_cache=k_cache,
                                    v_cache=v_cache, block_tables=self.block_tables, context_lens=self.context_lens,
                                    scale=s.head_dim ** -0.5, out=attn)
-            a = attn.reshape(self.batch, q_size)
-            o = a @ self.w_o.T
-            delta(a, [3], o, [0])
-            x = x + o
-            gu = x @ self.w_gu.T
-            delta(x, [4, 5], gu, [0, s.inter])
+            x = x + lora_linear(attn.reshape(self.batch, q_size), self.w_o, ctx, layer, [3], [0])
+            gu = lora_linear(x, self.w_gu, ctx, layer, [4, 5], [0, s.inter])
             act = torch.nn.functional.silu(gu[:, : s.inter]) * gu[:, s.inter :]
-            down = act @ self.w_down.T
-            delta(act, [6], down, [0])
-            x = x + down
+            x = x + lora_linear(act, self.w_down, ctx, layer, [6], [0])
 
     def wait_resident(self, key: str, waiter: object) -> tuple[int, float]:
         """Acquire `key`, polling like a step loop would, until resident; (slot, seconds)."""

@@ -79,11 +79,12 @@ class DecodeGraphs:
         max_blocks: int,
         backend: str,
         lora_layout: Callable[[], LoRALayout | None],
+        lora_stream: torch.cuda.Stream | None = None,
     ) -> None:
         if device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
         self.model, self.kv_caches, self.device, self.backend = model, kv_caches, device, backend
-        self.lora_layout = lora_layout
+        self.lora_layout, self.lora_stream = lora_layout, lora_stream
         self.buckets = batch_buckets(max_num_seqs)
         n = self.buckets[-1]
         i64, i32 = dict(dtype=torch.int64, device=device), dict(dtype=torch.int32, device=device)
@@ -122,7 +123,7 @@ class DecodeGraphs:
             block_tables=self.block_tables[:size], context_lens=self.context_lens[:size],
             query_start_loc=self.query_start_loc[: size + 1], num_decodes=size,
             logits_indices=self.logits_indices[:size], kv_caches=self.kv_caches, backend=self.backend,
-            lora=lora, lora_layout=layout,
+            lora=lora, lora_layout=layout, lora_stream=self.lora_stream,
         )
 
     def _forward(self, ctx: ForwardContext) -> torch.Tensor:

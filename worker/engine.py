@@ -96,15 +96,17 @@ class Engine:
         )
         kv_caches = self.page_pool.kv_caches(num_layers=mc.num_hidden_layers, block_size=config.block_size,
                                              num_kv_heads=mc.num_key_value_heads, head_dim=mc.head_dim)
-        graphs = None
+        graphs, lora_stream = None, None
+        if config.lora_overlap and self.device.type == "cuda":
+            lora_stream = torch.cuda.Stream(self.device)
         if config.cuda_graphs and resolve_backend(config.kernel_backend, self.device) == "triton" and self.device.type == "cuda":
             graphs = DecodeGraphs(self.model, kv_caches, device=self.device, max_num_seqs=config.max_num_seqs,
                                   max_blocks=-(-self.max_model_len // config.block_size), backend=config.kernel_backend,
-                                  lora_layout=self._lora_layout)
+                                  lora_layout=self._lora_layout, lora_stream=lora_stream)
         self.runner = ModelRunner(self.model, self.block_manager, kv_caches, device=self.device,
                                   backend=config.kernel_backend, lora_layout=self._lora_layout,
                                   slot_max_rank=self._slot_max_rank, lora_segment_len=config.lora_segment_len,
-                                  graphs=graphs)
+                                  graphs=graphs, lora_stream=lora_stream)
         self.sampler = Sampler(seed=config.seed, device=self.device)
         self.stop_checker = StopChecker(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self.requests: dict[str, Sequence] = {}

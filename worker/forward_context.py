@@ -35,6 +35,7 @@ class ForwardContext:
     backend: str = "auto"  # kernel backend: "auto" | "reference" | "triton"
     lora: LoRABatch | None = None
     lora_layout: LoRALayout | None = None
+    lora_stream: torch.cuda.Stream | None = None  # CUDA: LoRA deltas run here beside the base GEMMs (worker/lora_linear.py)
 
     @property
     def num_tokens(self) -> int:

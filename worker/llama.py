@@ -2,8 +2,9 @@
 
 Base projections are fused per layer (q|k|v and gate|up) so each is one GEMM for the whole batch;
 when the ForwardContext carries a LoRABatch, every projection adds its per-token LoRA delta
-`scale_i * B_i (A_i x)` through the kernels' lora_shrink/lora_expand (tokens grouped by adapter
-slot, slot -1 = base only). Weights are never merged.
+`scale_i * B_i (A_i x)` through `lora_linear` (worker/lora_linear.py: the kernels' lora_shrink/
+lora_expand over tokens grouped by adapter slot, slot -1 = base only, beside the base GEMM on CUDA).
+Weights are never merged.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lorafleet.kernels import attention, lora
+from lorafleet.kernels import attention
 from lorafleet.worker.forward_context import ForwardContext
+from lorafleet.worker.lora_linear import lora_linear
 from lorafleet.worker.model_config import ModelConfig
 
 # Projection ids as in kernels.lora_layout.PROJS.
@@ -35,21 +37,6 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
-
-
-def add_lora(
-    x: torch.Tensor, y: torch.Tensor, ctx: ForwardContext, layer: int, proj_ids: list[int], out_offsets: list[int]
-) -> None:
-    """y[:, off_i:off_i+n_i] += scale * B (A x) for every token with an adapter slot (in place)."""
-    batch = ctx.lora
-    if batch is None or batch.max_rank == 0:
-        return
-    # xa: float32 [splits, len(proj_ids), T, max_rank]: the shrink's partial sums over K, added by the expand
-    xa = lora.shrink_buffer(x=x, proj_ids=proj_ids, batch=batch, backend=ctx.backend)
-    lora.lora_shrink(x=x, layout=ctx.lora_layout, layer=layer, proj_ids=proj_ids, batch=batch, out=xa,
-                     backend=ctx.backend)
-    lora.lora_expand(xa=xa, layout=ctx.lora_layout, layer=layer, proj_ids=proj_ids, batch=batch, y=y,
-                     out_offsets=out_offsets, backend=ctx.backend)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -74,8 +61,7 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         T = x.shape[0]
-        qkv = F.linear(x, self.qkv_proj)  # [T, q + 2 kv]
-        add_lora(x, qkv, ctx, self.layer, [Q, K, V], [0, self.q_size, self.q_size + self.kv_size])
+        qkv = lora_linear(x, self.qkv_proj, ctx, self.layer, [Q, K, V], [0, self.q_size, self.q_size + self.kv_size])
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rope(q.view(T, self.num_heads, self.head_dim), cos, sin)
         k = apply_rope(k.view(T, self.num_kv_heads, self.head_dim), cos, sin)
@@ -98,9 +84,7 @@ class LlamaAttention(nn.Module):
                 out=out[nd:], backend=ctx.backend,
             )
         o = out.view(T, self.q_size)
-        y = F.linear(o, self.o_proj)
-        add_lora(o, y, ctx, self.layer, [OUT], [0])
-        return y
+        return lora_linear(o, self.o_proj, ctx, self.layer, [OUT], [0])
 
 
 class LlamaMLP(nn.Module):
@@ -112,13 +96,10 @@ class LlamaMLP(nn.Module):
         self.down_proj = _param(config.hidden_size, config.intermediate_size, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        gate_up = F.linear(x, self.gate_up_proj)  # [T, 2 I]
-        add_lora(x, gate_up, ctx, self.layer, [GATE, UP], [0, self.intermediate_size])
+        gate_up = lora_linear(x, self.gate_up_proj, ctx, self.layer, [GATE, UP], [0, self.intermediate_size])
         gate, up = gate_up.chunk(2, dim=-1)
         act = F.silu(gate) * up
-        y = F.linear(act, self.down_proj)
-        add_lora(act, y, ctx, self.layer, [DOWN], [0])
-        return y
+        return lora_linear(act, self.down_proj, ctx, self.layer, [DOWN], [0])
 
 
 class LlamaDecoderLayer(nn.Module):

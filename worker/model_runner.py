@@ -34,6 +34,7 @@ class ModelRunner:
         slot_max_rank: Callable[[int], int] = lambda slot: 0,
         lora_segment_len: int = LORA_SEGMENT_LEN,
         graphs: DecodeGraphs | None = None,
+        lora_stream: torch.cuda.Stream | None = None,
     ) -> None:
         self.model = model
         self.block_manager = block_manager
@@ -45,6 +46,7 @@ class ModelRunner:
         self.lora_segment_len = lora_segment_len
         self._pin = device.type == "cuda"
         self.graphs = graphs  # pure decode steps are replayed from CUDA graphs when set
+        self.lora_stream = lora_stream  # LoRA deltas beside the base GEMMs when set
 
     def _to_device(self, data: list, dtype: torch.dtype) -> torch.Tensor:
         t = torch.tensor(data, dtype=dtype)
@@ -101,6 +103,7 @@ class ModelRunner:
             backend=self.backend,
             lora=lora,
             lora_layout=layout,
+            lora_stream=self.lora_stream,
         )
         return ctx, samplers
 
