@@ -380,7 +380,7 @@ def bench_decode_step(b: Bench, weights16, cold_dir: Path, *, steps: int, num_st
     out = {"batch_tokens": b.batch, "adapters_in_batch": num_step_adapters, "context": b.context}
     for mode in ("cuda_graph", "eager") if b.device.type == "cuda" else ("eager",):
         graph = mode == "cuda_graph"
-        for _ in range(5):
+        for _ in range(30):  # the GPU's clocks settle before the first timed step
             b.step(token_slots, graph=graph)
         base, _ = run(False, graph)
         loaded, done = run(True, graph)
