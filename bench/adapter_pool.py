@@ -40,6 +40,7 @@ from lorafleet.kernels.attention import paged_attention_decode
 from lorafleet.kernels.lora_layout import PROJS, LoRABatch, make_lora_batch
 from lorafleet.worker.adapter_image import ModelDims
 from lorafleet.worker.adapter_pool import AdapterPool, AdapterPoolConfig
+from lorafleet.worker.cuda_graphs import group_by_slot
 from lorafleet.worker.lora_linear import lora_linear
 from lorafleet.worker.model_config import ModelConfig
 from lorafleet.worker.page_pool import PagePool, PagePoolConfig, kv_page_elems
@@ -146,8 +147,8 @@ class Bench:
     def step(self, token_slots: torch.Tensor, *, graph: bool = False) -> None:
         """One decode step of `batch` tokens; token_slots: int32 [batch] adapter slot per token.
 
-        graph=False: eager, tokens grouped by slot. graph=True: replayed from a CUDA graph as the engine
-        runs decode steps (worker/cuda_graphs.py: one LoRA segment per token, the pool's max rank as bound).
+        graph=False: eager. graph=True: replayed from a CUDA graph as the engine runs decode steps
+        (worker/cuda_graphs.py: segments padded to one per token, the pool's max rank as bound).
         """
         if not graph:
             self._layers(make_lora_batch(token_slots, self.pool.layout.max_rank_by_slot(), max_segment_len=16))
@@ -156,16 +157,23 @@ class Bench:
         else:
             if self._graph is None:
                 self._capture()
-            self._slots.copy_(token_slots, non_blocking=True)
+            ids, starts, seg_slots = group_by_slot(token_slots.tolist(), 16)
+            n = self.batch
+            host = torch.tensor([*token_slots.tolist(), *ids, *[0] * (n - len(ids)), *seg_slots, *[-1] * (n - len(seg_slots)),
+                                 *starts, *[starts[-1]] * (n + 1 - len(starts))], dtype=torch.int32)
+            self._lora_buf.copy_(host, non_blocking=True)
             self._graph.replay()
         sync(self.device)
 
     def _capture(self) -> None:
         lay = self.pool.layout
-        self._slots = torch.full((self.batch,), -1, dtype=torch.int32, device=self.device)
-        ids = torch.arange(self.batch + 1, dtype=torch.int32, device=self.device)
-        lora = LoRABatch(token_slots=self._slots, sorted_token_ids=ids[:-1], seg_starts=ids, seg_slots=self._slots,
-                         max_rank=lay.max_rank)
+        n = self.batch
+        self._lora_buf = torch.zeros(4 * n + 1, dtype=torch.int32, device=self.device)  # slots, ids, seg slots, starts
+        self._lora_buf[: n].fill_(-1)
+        self._lora_buf[2 * n : 3 * n].fill_(-1)
+        buf = self._lora_buf
+        lora = LoRABatch(token_slots=buf[:n], sorted_token_ids=buf[n : 2 * n], seg_starts=buf[3 * n :],
+                         seg_slots=buf[2 * n : 3 * n], max_rank=lay.max_rank)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):

@@ -11,8 +11,10 @@ into static buffers first. What makes the step capturable:
 * padding rows: token 0 at position 0, `slot_mapping` -1 (writes no KV), context length 0 (attention
   returns zeros), adapter slot -1 (the LoRA kernels skip it);
 * block tables always as wide as the longest sequence the engine admits;
-* the LoRA batch ungrouped (one segment per token, `LoRABatch`'s fixed-shape form) with the pool's
-  largest rank as its rank bound: kernels stop at each slot's true rank, so the bound costs nothing;
+* the LoRA batch grouped by slot on the host (`group_by_slot`, as eager steps do: one adapter's rows
+  are read once for all its tokens), its segment list padded to one per row with empty segments of
+  slot -1 (a program each, exiting at once), and the pool's largest rank as its rank bound: kernels
+  stop at each slot's true rank;
 * the adapter layout's tensors are updated in place by the pool; a graph remembers their addresses and
   is captured again should they ever change.
 
@@ -40,6 +42,28 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
         sizes.append(size)
         size += 8 if size < 64 else 16
     return [*sizes, max_num_seqs]
+
+
+def group_by_slot(token_slots: list[int], segment_len: int) -> tuple[list[int], list[int], list[int]]:
+    """(sorted token ids, segment starts, segment slots) of a step's tokens grouped by adapter slot.
+
+    Tokens of one slot keep their order; slot -1 tokens are left out; a slot's run is cut into segments
+    of at most segment_len tokens. Running example: slots [2, -1, 0, 2, 0], segment_len 16 ->
+    ids [2, 4, 0, 3], starts [0, 2, 4], slots [0, 2].
+    """
+    groups: dict[int, list[int]] = {}
+    for t, s in enumerate(token_slots):
+        if s >= 0:
+            groups.setdefault(s, []).append(t)
+    sorted_ids: list[int] = []
+    seg_starts, seg_slots = [0], []
+    for s in sorted(groups):
+        ids = groups[s]
+        sorted_ids.extend(ids)
+        for start in range(0, len(ids), segment_len):
+            seg_slots.append(s)
+            seg_starts.append(seg_starts[-1] + min(segment_len, len(ids) - start))
+    return sorted_ids, seg_starts, seg_slots
 
 
 def layout_key(layout: LoRALayout | None) -> tuple:
@@ -80,6 +104,7 @@ class DecodeGraphs:
         backend: str,
         lora_layout: Callable[[], LoRALayout | None],
         lora_stream: torch.cuda.Stream | None = None,
+        lora_segment_len: int = 16,
     ) -> None:
         if device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
@@ -94,7 +119,10 @@ class DecodeGraphs:
         self.context_lens = torch.zeros(n, **i32)
         self.block_tables = torch.zeros(n, max_blocks, **i32)
         self.token_slots = torch.full((n,), -1, **i32)
-        self.arange = torch.arange(n + 1, **i32)
+        self.sorted_ids = torch.zeros(n, **i32)
+        self.seg_starts = torch.zeros(n + 1, **i32)
+        self.seg_slots = torch.full((n,), -1, **i32)
+        self.lora_segment_len = lora_segment_len
         self.logits_indices = torch.arange(n, **i64)
         self.query_start_loc = torch.arange(n + 1, **i32)
         self.max_blocks = max_blocks
@@ -115,9 +143,8 @@ class DecodeGraphs:
         layout = self.lora_layout() if with_lora else None
         lora = None
         if with_lora:
-            slots = self.token_slots[:size]
-            lora = LoRABatch(token_slots=slots, sorted_token_ids=self.arange[:size], seg_starts=self.arange[: size + 1],
-                             seg_slots=slots, max_rank=layout.max_rank)
+            lora = LoRABatch(token_slots=self.token_slots[:size], sorted_token_ids=self.sorted_ids[:size],
+                             seg_starts=self.seg_starts[: size + 1], seg_slots=self.seg_slots[:size], max_rank=layout.max_rank)
         return ForwardContext(
             input_ids=self.input_ids[:size], positions=self.positions[:size], slot_mapping=self.slot_mapping[:size],
             block_tables=self.block_tables[:size], context_lens=self.context_lens[:size],
@@ -151,7 +178,13 @@ class DecodeGraphs:
             [*inputs.input_ids, *[0] * pad, *inputs.positions, *[0] * pad, *inputs.slot_mapping, *[-1] * pad],
             dtype=torch.int64,
         ).view(3, size)
-        small = torch.tensor([*inputs.context_lens, *[0] * pad, *inputs.token_slots, *[-1] * pad], dtype=torch.int32).view(2, size)
+        sorted_ids, starts, seg_slots = group_by_slot(inputs.token_slots, self.lora_segment_len)
+        # Padding: sorted ids past the live ones are never read; empty segments (start == end) of slot -1.
+        sorted_ids += [0] * (size - len(sorted_ids))
+        starts += [starts[-1]] * (size + 1 - len(starts))
+        seg_slots += [-1] * (size - len(seg_slots))
+        small = torch.tensor([*inputs.context_lens, *[0] * pad, *inputs.token_slots, *[-1] * pad, *sorted_ids, *seg_slots,
+                              *starts], dtype=torch.int32)
         tables = torch.zeros(size, width, dtype=torch.int32)
         for i, t in enumerate(inputs.block_tables):
             tables[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
@@ -159,8 +192,9 @@ class DecodeGraphs:
         self.input_ids[:size].copy_(host[0], non_blocking=True)
         self.positions[:size].copy_(host[1], non_blocking=True)
         self.slot_mapping[:size].copy_(host[2], non_blocking=True)
-        self.context_lens[:size].copy_(small[0], non_blocking=True)
-        self.token_slots[:size].copy_(small[1], non_blocking=True)
+        for i, buf in enumerate((self.context_lens, self.token_slots, self.sorted_ids, self.seg_slots)):
+            buf[:size].copy_(small[i * size : (i + 1) * size], non_blocking=True)
+        self.seg_starts[: size + 1].copy_(small[4 * size :], non_blocking=True)
         self.block_tables[:size].copy_(tables, non_blocking=True)
 
     @torch.inference_mode()

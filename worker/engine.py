@@ -102,7 +102,8 @@ class Engine:
         if config.cuda_graphs and resolve_backend(config.kernel_backend, self.device) == "triton" and self.device.type == "cuda":
             graphs = DecodeGraphs(self.model, kv_caches, device=self.device, max_num_seqs=config.max_num_seqs,
                                   max_blocks=-(-self.max_model_len // config.block_size), backend=config.kernel_backend,
-                                  lora_layout=self._lora_layout, lora_stream=lora_stream)
+                                  lora_layout=self._lora_layout, lora_stream=lora_stream,
+                                  lora_segment_len=config.lora_segment_len)
         self.runner = ModelRunner(self.model, self.block_manager, kv_caches, device=self.device,
                                   backend=config.kernel_backend, lora_layout=self._lora_layout,
                                   slot_max_rank=self._slot_max_rank, lora_segment_len=config.lora_segment_len,

@@ -12,7 +12,7 @@ import torch
 
 from lorafleet.kernels.lora_layout import LoRABatch, LoRALayout
 from lorafleet.worker.block_manager import BlockManager
-from lorafleet.worker.cuda_graphs import DecodeGraphs, DecodeInputs
+from lorafleet.worker.cuda_graphs import DecodeGraphs, DecodeInputs, group_by_slot
 from lorafleet.worker.forward_context import ForwardContext
 from lorafleet.worker.llama import LlamaModel
 from lorafleet.worker.scheduler import ScheduledBatch
@@ -108,23 +108,9 @@ class ModelRunner:
         return ctx, samplers
 
     def _lora_batch(self, token_slots: list[int], max_rank: int) -> LoRABatch:
-        # Group token indices by slot (stable: a sequence's tokens stay in order).
-        groups: dict[int, list[int]] = {}
-        for t, s in enumerate(token_slots):
-            if s >= 0:
-                groups.setdefault(s, []).append(t)
-        # A long run of one slot (a prefill) is cut into segments of at most lora_segment_len tokens so
-        # it spreads over many kernel programs, as kernels.lora_layout.make_lora_batch does on device.
-        # Host lists here avoid that function's device syncs.
-        seg_slots: list[int] = []
-        sorted_ids: list[int] = []
-        seg_starts = [0]
-        for s in sorted(groups):
-            ids = groups[s]
-            sorted_ids.extend(ids)
-            for start in range(0, len(ids), self.lora_segment_len):
-                seg_slots.append(s)
-                seg_starts.append(seg_starts[-1] + min(self.lora_segment_len, len(ids) - start))
+        # Grouped on the host (no device syncs); a long run of one slot (a prefill) is cut into segments
+        # of at most lora_segment_len tokens so it spreads over many kernel programs.
+        sorted_ids, seg_starts, seg_slots = group_by_slot(token_slots, self.lora_segment_len)
         return LoRABatch(
             token_slots=self._to_device(token_slots, torch.int32),
             sorted_token_ids=self._to_device(sorted_ids, torch.int32),

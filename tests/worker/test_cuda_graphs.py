@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lorafleet.worker import Engine, EngineConfig, SamplingParams
-from lorafleet.worker.cuda_graphs import batch_buckets
+from lorafleet.worker.cuda_graphs import batch_buckets, group_by_slot
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ADAPTERS = {"g4": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
@@ -24,6 +24,13 @@ def test_batch_buckets_cover_every_size_once():
         assert buckets == sorted(set(buckets)) and buckets[-1] == max_seqs and buckets[0] >= 1
     assert batch_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
     assert batch_buckets(100)[-3:] == [80, 96, 100]
+
+
+def test_group_by_slot_keeps_order_drops_base_and_cuts_long_runs():
+    assert group_by_slot([2, -1, 0, 2, 0], 16) == ([2, 4, 0, 3], [0, 2, 4], [0, 2])
+    assert group_by_slot([1, 1, 1, 1, 1], 2) == ([0, 1, 2, 3, 4], [0, 2, 4, 5], [1, 1, 1])
+    assert group_by_slot([-1, -1], 4) == ([], [0], [])
+    assert group_by_slot([], 4) == ([], [0], [])
 
 
 @pytest.fixture(scope="module")
