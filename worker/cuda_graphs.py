@@ -27,6 +27,7 @@ import bisect
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from lorafleet.kernels.lora_layout import LoRABatch, LoRALayout
@@ -185,10 +186,10 @@ class DecodeGraphs:
         seg_slots += [-1] * (size - len(seg_slots))
         small = torch.tensor([*inputs.context_lens, *[0] * pad, *inputs.token_slots, *[-1] * pad, *sorted_ids, *seg_slots,
                               *starts], dtype=torch.int32)
-        tables = torch.zeros(size, width, dtype=torch.int32)
+        tables = np.zeros((size, width), dtype=np.int32)
         for i, t in enumerate(inputs.block_tables):
-            tables[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
-        host, small, tables = host.pin_memory(), small.pin_memory(), tables.pin_memory()
+            tables[i, : len(t)] = t
+        host, small, tables = host.pin_memory(), small.pin_memory(), torch.from_numpy(tables).pin_memory()
         self.input_ids[:size].copy_(host[0], non_blocking=True)
         self.positions[:size].copy_(host[1], non_blocking=True)
         self.slot_mapping[:size].copy_(host[2], non_blocking=True)
@@ -196,6 +197,15 @@ class DecodeGraphs:
             buf[:size].copy_(small[i * size : (i + 1) * size], non_blocking=True)
         self.seg_starts[: size + 1].copy_(small[4 * size :], non_blocking=True)
         self.block_tables[:size].copy_(tables, non_blocking=True)
+
+    @torch.inference_mode()
+    def capture_all(self) -> None:
+        """Capture every bucket, with and without adapters, now (at start) rather than on first use."""
+        for size in reversed(self.buckets):  # the largest first: its memory serves the smaller ones
+            for with_lora in (False, True):
+                if (size, with_lora) not in self._graphs:
+                    self._fill(DecodeInputs([], [], [], [], [], []), size)
+                    self._graphs[(size, with_lora)] = self._capture(size, with_lora)
 
     @torch.inference_mode()
     def run(self, inputs: DecodeInputs) -> torch.Tensor:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import time
 from collections.abc import Sequence as Seq
 from pathlib import Path
 
@@ -104,6 +105,10 @@ class Engine:
                                   max_blocks=-(-self.max_model_len // config.block_size), backend=config.kernel_backend,
                                   lora_layout=self._lora_layout, lora_stream=lora_stream,
                                   lora_segment_len=config.lora_segment_len)
+            t0 = time.perf_counter()
+            graphs.capture_all()
+            log.info("captured %d CUDA graphs of decode steps (batch sizes %s) in %.1f s", graphs.captures,
+                     graphs.buckets, time.perf_counter() - t0)
         self.runner = ModelRunner(self.model, self.block_manager, kv_caches, device=self.device,
                                   backend=config.kernel_backend, lora_layout=self._lora_layout,
                                   slot_max_rank=self._slot_max_rank, lora_segment_len=config.lora_segment_len,

@@ -68,7 +68,8 @@ def test_graph_decode_matches_eager(tiny_llama_dir, graph_adapters, dtype):
         outs[graphs] = engine.generate(prompts, params, adapters=adapters)
         if graphs:
             g = engine.runner.graphs
-            assert g is not None and g.captures >= 3 and g.replays > 10
+            # Captured once at start (every bucket, with and without adapters); the layout never moved.
+            assert g is not None and g.captures == 2 * len(g.buckets) and g.replays > 10
         else:
             assert engine.runner.graphs is None
         engine.page_pool.check()
