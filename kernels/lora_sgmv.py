@@ -29,8 +29,9 @@ def _gdc_wait(PDL: tl.constexpr):
 
 
 @triton.jit
-def _gdc_launch_dependents(PDL: tl.constexpr):
-    if PDL:
+def _gdc_launch_dependents(PDL: tl.constexpr, WHEN: tl.constexpr):
+    """Let the next kernel launch: PDL 1 as a program starts, PDL 2 once its main loop is done."""
+    if PDL == WHEN:
         gdc_launch_dependents()
 
 
@@ -66,7 +67,7 @@ def shrink_kernel(
     i = tl.program_id(1) // num_r_chunks
     r0 = (tl.program_id(1) % num_r_chunks) * BLOCK_R
     split = tl.program_id(2)
-    _gdc_launch_dependents(PDL)
+    _gdc_launch_dependents(PDL, 1)
     # Round trip 1: independent metadata.
     slot = tl.load(seg_slots_ptr + seg)
     proj = tl.load(proj_ids_ptr + i)
@@ -102,6 +103,7 @@ def shrink_kernel(
                 acc += tl.dot(xt.to(tl.float32), tl.trans(at.to(tl.float32)), input_precision="ieee")
             else:
                 acc += tl.dot(xt, tl.trans(at))
+        _gdc_launch_dependents(PDL, 2)
         # Every split stores its partial sum (zeros for an empty K range): no zero fill, no atomics.
         ptrs = out_ptr + split * stride_os + i * stride_op + tok64[:, None] * stride_ot + offs_r[None, :]
         tl.store(ptrs, acc, mask=t_mask[:, None] & r_mask[None, :])
@@ -110,12 +112,14 @@ def shrink_kernel(
 
 
 @triton.jit
-def _load_xa(xa_base, stride_xs, num_splits, tok64, t_mask, offs_r, r_mask, stride_xt, SPLITS: tl.constexpr):
-    """sum over splits of xa[s, tok, offs_r]: float32 [BLOCK_T, BLOCK_R], every split in one load."""
-    offs_s = tl.arange(0, SPLITS)
-    ptrs = xa_base + offs_s[:, None, None] * stride_xs + tok64[None, :, None] * stride_xt + offs_r[None, None, :]
-    mask = (offs_s < num_splits)[:, None, None] & t_mask[None, :, None] & r_mask[None, None, :]
-    return tl.sum(tl.load(ptrs, mask=mask, other=0.0), axis=0)
+def _load_xa(xa_base, stride_xs, tok64, t_mask, offs_r, r_mask, stride_xt, SPLITS: tl.constexpr):
+    """sum over the SPLITS splits of xa[s, tok, offs_r]: float32 [BLOCK_T, BLOCK_R]; the unrolled loads are independent."""
+    ptrs = xa_base + tok64[:, None] * stride_xt + offs_r[None, :]
+    mask = t_mask[:, None] & r_mask[None, :]
+    acc = tl.load(ptrs, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLITS):
+        acc += tl.load(ptrs + s * stride_xs, mask=mask, other=0.0)
+    return acc
 
 
 @triton.jit
@@ -131,7 +135,6 @@ def expand_kernel(
     slices_ptr,  # int32 [P, 3]: proj id, first column in y, width
     y_ptr,  # [T, N] model dtype
     layer,
-    num_splits,
     stride_xs,
     stride_xp,
     stride_xt,
@@ -144,20 +147,21 @@ def expand_kernel(
     BLOCK_N: tl.constexpr,
     SPLITS: tl.constexpr,
     ALIGN: tl.constexpr,
+    ALIGN_N: tl.constexpr,
     MULTI_CHUNK: tl.constexpr,
-    BALANCE: tl.constexpr,
     UPCAST: tl.constexpr,
     PDL: tl.constexpr,
 ):
     seg = tl.program_id(0)
     i = tl.program_id(1)
     c = tl.program_id(2)
-    _gdc_launch_dependents(PDL)
+    _gdc_launch_dependents(PDL, 1)
     # Round trip 1: independent metadata.
     slot = tl.load(seg_slots_ptr + seg)
     proj = tl.load(slices_ptr + i * 3)
-    col0 = tl.load(slices_ptr + i * 3 + 1)
-    width = tl.load(slices_ptr + i * 3 + 2)
+    # Slice starts and widths are multiples of ALIGN_N: y and B tiles load as vectors, masks included.
+    col0 = tl.multiple_of(tl.load(slices_ptr + i * 3 + 1), ALIGN_N)
+    width = tl.multiple_of(tl.load(slices_ptr + i * 3 + 2), ALIGN_N)
     start = tl.load(seg_starts_ptr + seg)
     end = tl.load(seg_starts_ptr + seg + 1)
     # Round trip 2: rank, scale, the first rank chunk's row offsets and the first token ids together.
@@ -170,15 +174,10 @@ def expand_kernel(
     arange_t = tl.arange(0, BLOCK_T)
     tok = tl.load(token_ids_ptr + start + arange_t, mask=start + arange_t < end, other=0)
     rank = tl.where(slot < 0, 0, rank)
-    # Rank balancing: a slot of rank r under a rank tile of BLOCK_R rows lets one program in `mult`
-    # cover `mult` column ranges, so every live program reads about the same adapter bytes.
-    mult = 1
-    if BALANCE:
-        mult = tl.maximum(BLOCK_R // tl.maximum(rank, 1), 1)
     n_lo = c * cols_per_program
-    n_hi = tl.minimum(n_lo + mult * cols_per_program, width)
+    n_hi = tl.minimum(n_lo + cols_per_program, width)
     _gdc_wait(PDL)
-    if rank == 0 or n_lo >= width or c % mult != 0:
+    if rank == 0 or n_lo >= width:
         return
     arange_n = tl.arange(0, BLOCK_N)
     xa_base = xa_ptr + i * stride_xp
@@ -188,7 +187,7 @@ def expand_kernel(
         t_mask = t0 + arange_t < end
         tok64 = tok.to(tl.int64)
         # The first rank tile of xa is the same for every column tile: loaded once, splits summed.
-        xt0 = _load_xa(xa_base, stride_xs, num_splits, tok64, t_mask, arange_r, r_mask0, stride_xt, SPLITS)
+        xt0 = _load_xa(xa_base, stride_xs, tok64, t_mask, arange_r, r_mask0, stride_xt, SPLITS)
         if not UPCAST:
             xt0 = xt0.to(pool_ptr.dtype.element_ty)
         # y tiles are read two column tiles ahead: their loads are not dot operands, so the compiler's
@@ -210,17 +209,18 @@ def expand_kernel(
             if MULTI_CHUNK:  # ranks above BLOCK_R
                 for r0 in range(BLOCK_R, rank, BLOCK_R):
                     b_row = tl.load(b_rows + r0 + arange_r, mask=r0 + arange_r < rank, other=0)
-                    acc = _expand_chunk(acc, xa_base, stride_xs, num_splits, pool_ptr, b_row, tok64, t_mask, stride_xt, r0, rank, offs_n, n_mask, BLOCK_R, SPLITS, ALIGN, UPCAST)
+                    acc = _expand_chunk(acc, xa_base, stride_xs, pool_ptr, b_row, tok64, t_mask, stride_xt, r0, rank, offs_n, n_mask, BLOCK_R, SPLITS, ALIGN, UPCAST)
             tl.store(y_row + offs_n[None, :], (ya.to(tl.float32) + acc * scale).to(ya.dtype), mask=t_mask[:, None] & n_mask[None, :])
             ya = yb
             yb = yc
+        _gdc_launch_dependents(PDL, 2)
         nxt = t0 + BLOCK_T + arange_t
         tok = tl.load(token_ids_ptr + nxt, mask=nxt < end, other=0)
 
 
 @triton.jit
 def _expand_chunk(
-    acc, xa_base, stride_xs, num_splits, pool_ptr, b_row, tok64, t_mask, stride_xt, r0, rank, offs_n, n_mask,
+    acc, xa_base, stride_xs, pool_ptr, b_row, tok64, t_mask, stride_xt, r0, rank, offs_n, n_mask,
     BLOCK_R: tl.constexpr, SPLITS: tl.constexpr, ALIGN: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     """acc += xa[tok, r0:r0+BLOCK_R] @ B^T[r0:r0+BLOCK_R, offs_n] for the rows below rank."""
@@ -229,7 +229,7 @@ def _expand_chunk(
     b_row = tl.multiple_of(b_row, ALIGN)
     # B^T tile [BLOCK_R, BLOCK_N]: each row contiguous in the pool; xa tile [BLOCK_T, BLOCK_R].
     bt = tl.load(pool_ptr + b_row[:, None] + offs_n[None, :], mask=r_mask[:, None] & n_mask[None, :], other=0.0)
-    xt = _load_xa(xa_base, stride_xs, num_splits, tok64, t_mask, offs_r, r_mask, stride_xt, SPLITS)
+    xt = _load_xa(xa_base, stride_xs, tok64, t_mask, offs_r, r_mask, stride_xt, SPLITS)
     if UPCAST:
         acc += tl.dot(xt, bt.to(tl.float32), input_precision="ieee")
     else:

@@ -11,8 +11,7 @@ adapter's prefill still spreads over many programs.
 Grids (programs in lora_sgmv.py): shrink (segment, projection x rank chunk of 16 rows, K split), each
 split storing its partial sum in out[split]; expand (segment, projection, column range): each program
 holds the whole rank (up to 128) in one tile, adds the splits of xa as it loads them, and walks its
-column tiles with y read two tiles ahead; a slot of small rank gets proportionally wider column
-ranges (rank balancing), so mixed ranks cost what their bytes cost. Loads are upcast to float32 under
+column tiles with y read two tiles ahead. Loads are upcast to float32 under
 Triton's interpreter (its bf16/fp16 arithmetic is wrong) and for float32 models; on a GPU, 16-bit
 operands go to the tensor cores with float32 accumulation. On Hopper the kernels use programmatic
 dependent launch (metadata reads overlap the previous kernel's tail).
@@ -31,7 +30,7 @@ from lorafleet.kernels.lora_layout import NUM_PROJS, LoRABatch, LoRALayout
 from lorafleet.kernels.lora_sgmv import expand_kernel, gdc_wait, shrink_kernel
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-XA_TILE_ELEMS = 4096  # splits x token tile x rank tile of xa that expand sums in registers (fp32)
+XA_TILE_ELEMS = 8192  # splits x token tile x rank tile (32 rows at least) of xa that expand sums in registers
 
 
 @functools.lru_cache(maxsize=256)
@@ -57,8 +56,15 @@ def pdl_supported(device: str) -> bool:
     return "launch_pdl" in CUDAOptions.__dataclass_fields__ and torch.cuda.get_device_capability(torch.device(device))[0] >= 9
 
 
-def _pdl(pdl: bool | None, device: torch.device) -> bool:
-    return pdl_supported(str(device)) if pdl is None else bool(pdl) and pdl_supported(str(device))
+def _pdl(pdl: bool | int | None, device: torch.device, num_programs: int) -> int:
+    """PDL mode of a launch: 0 off; 1 or 2: the next kernel may launch as a program starts / after its
+    main loop. Default: 1 for a grid of at most one program per SM (the waiting programs of the next
+    kernel take no SM a program of this one needs), else 2 (H200: 1 costs a T=64 layer ~10%)."""
+    if pdl is None or pdl is True:
+        mode = 1 if num_programs <= _num_sms(str(device)) else 2
+    else:
+        mode = int(pdl)
+    return mode if mode and pdl_supported(str(device)) else 0
 
 
 def _pow2(n: int, lo: int, hi: int) -> int:
@@ -79,7 +85,7 @@ def _upcast(dtype: torch.dtype) -> bool:
     return _INTERPRET or dtype == torch.float32
 
 
-def shrink_splits(*, k: int, num_proj: int, batch: LoRABatch, device: torch.device, programs_per_sm: int = 2) -> int:
+def shrink_splits(*, k: int, num_proj: int, batch: LoRABatch, device: torch.device, programs_per_sm: int = 8) -> int:
     """K splits of a shrink (the first dim of its output): enough programs to fill the GPU, few enough
     that expand sums every split of its xa tile in registers."""
     if batch.num_segments == 0 or batch.max_rank == 0:
@@ -87,7 +93,7 @@ def shrink_splits(*, k: int, num_proj: int, batch: LoRABatch, device: torch.devi
     # Rank chunks past a slot's rank exit at once: count the programs of an average rank.
     programs = batch.num_segments * num_proj * max(1, triton.cdiv(batch.max_rank, 16) // 2)
     splits = triton.cdiv(programs_per_sm * _num_sms(str(device)), programs)
-    most = max(1, XA_TILE_ELEMS // (_block_t(batch) * _rank_tile(batch)))
+    most = max(1, XA_TILE_ELEMS // (_block_t(batch) * max(32, _rank_tile(batch))))
     return max(1, min(splits, triton.cdiv(k, 128), most, 16))
 
 
@@ -103,7 +109,7 @@ def lora_shrink_triton(
     block_r: int | None = None,
     num_warps: int | None = None,
     num_stages: int = 3,
-    pdl: bool | None = None,
+    pdl: bool | int | None = None,
 ) -> None:
     """Triton backend of `kernels.lora.lora_shrink` (inputs already checked there).
 
@@ -112,7 +118,7 @@ def lora_shrink_triton(
     x: [T, K] model dtype. out: float32 [S, P, T, R]: split s sums K range s of S (each split writes
     its partial sum, zeros for an empty range). block_k, block_r, num_warps, num_stages: tile over K,
     rank rows per program (ranks above it take several programs), warps per program and pipeline
-    depth (benchmark sweeps). pdl: programmatic dependent launch (None: where supported).
+    depth (benchmark sweeps). pdl: programmatic dependent launch (None/True: where supported, 1/2: trigger mode, see _pdl).
     """
     num_segments, num_proj = batch.num_segments, len(proj_ids)
     if num_segments == 0 or batch.max_rank == 0:
@@ -121,10 +127,11 @@ def lora_shrink_triton(
     block_t = _block_t(batch)
     block_r = block_r or (64 if _INTERPRET else 16)
     num_r_chunks = triton.cdiv(batch.max_rank, block_r)
-    block_k = block_k or _pow2(triton.cdiv(K, num_splits), 16, 128)
+    block_k = block_k or _pow2(triton.cdiv(K, num_splits), 16, 256 if block_t >= 64 else 128)
     k_per_split = triton.cdiv(triton.cdiv(K, block_k), num_splits) * block_k
-    use_pdl = _pdl(pdl, x.device)
-    shrink_kernel[(num_segments, num_proj * num_r_chunks, num_splits)](
+    grid = (num_segments, num_proj * num_r_chunks, num_splits)
+    use_pdl = _pdl(pdl, x.device, grid[0] * grid[1] * grid[2])
+    shrink_kernel[grid](
         x,
         layout.pool,
         layout.ranks,
@@ -156,6 +163,14 @@ def lora_shrink_triton(
     )
 
 
+def _align(values: list[int]) -> int:
+    """The largest power of two up to 16 dividing every value."""
+    align = 16
+    while align > 1 and any(v % align for v in values):
+        align //= 2
+    return align
+
+
 def lora_expand_triton(
     *,
     xa: Tensor,
@@ -168,11 +183,10 @@ def lora_expand_triton(
     block_n: int | None = None,
     block_r: int | None = None,
     cols_per_program: int | None = None,
-    programs_per_sm: int = 4,
-    balance: bool | None = None,
+    programs_per_sm: int = 2,
     num_warps: int = 4,
     num_stages: int = 3,
-    pdl: bool | None = None,
+    pdl: bool | int | None = None,
 ) -> None:
     """Triton backend of `kernels.lora.lora_expand` (inputs already checked there).
 
@@ -181,19 +195,19 @@ def lora_expand_triton(
     xa: float32 [S, P, T, R] (S partial sums). y: [T, N] model dtype. out_slices: P (first column,
     width) pairs. block_n, block_r, cols_per_program, programs_per_sm, num_warps, num_stages: output
     tile, rank rows per step, output columns each program walks (default: ~programs_per_sm programs
-    per SM), warps and pipeline depth (benchmark sweeps). balance: widen the column range of slots
-    whose rank is below the rank tile (default: whenever the rank tile exceeds 16 rows).
-    pdl: programmatic dependent launch (None: where supported).
+    per SM), warps and pipeline depth (benchmark sweeps).
+    pdl: programmatic dependent launch (None/True: where supported, 1/2: trigger mode, see _pdl).
     """
     num_segments, num_proj = batch.num_segments, len(proj_ids)
     if num_segments == 0 or batch.max_rank == 0:
         return
     widest = max(n for _, n in out_slices)
     block_t = _block_t(batch)
-    block_n = block_n or _pow2(widest, 16, 64 if _INTERPRET or block_t >= 64 else 128)
     block_r = block_r or _rank_tile(batch)
+    # Decode: wide column tiles (up to 512 x 16 rank rows: more bytes in flight per program); prefill:
+    # 128 (the [64, 128] float32 accumulator and y tiles fill the registers). H200 sweep of bench/kernels.py.
+    block_n = block_n or _pow2(widest, 16, 64 if _INTERPRET else 128 if block_t >= 64 else max(64, 8192 // block_r))
     multi_chunk = batch.max_rank > block_r
-    balance = (block_r > 16 if balance is None else balance) and not multi_chunk
     if cols_per_program is None:
         # Each program walks enough column tiles that the grid is ~programs_per_sm programs per SM: the
         # metadata latency is paid once per program, and the tiles' loads are in flight ahead of their use.
@@ -201,8 +215,9 @@ def lora_expand_triton(
     cols_per_program = triton.cdiv(max(block_n, min(cols_per_program, widest)), block_n) * block_n
     slices = tuple(v for p, (start, n) in zip(proj_ids, out_slices, strict=True) for v in (p, start, n))
     assert all(0 <= p < NUM_PROJS for p in proj_ids)
-    use_pdl = _pdl(pdl, y.device)
-    expand_kernel[(num_segments, num_proj, triton.cdiv(widest, cols_per_program))](
+    grid = (num_segments, num_proj, triton.cdiv(widest, cols_per_program))
+    use_pdl = _pdl(pdl, y.device, grid[0] * grid[1] * grid[2])
+    expand_kernel[grid](
         xa,
         layout.pool,
         layout.ranks,
@@ -214,7 +229,6 @@ def lora_expand_triton(
         _device_ints(slices, str(y.device)),
         y,
         layer,
-        xa.shape[0],
         xa.stride(0),
         xa.stride(1),
         xa.stride(2),
@@ -225,10 +239,10 @@ def lora_expand_triton(
         BLOCK_T=block_t,
         BLOCK_R=block_r,
         BLOCK_N=block_n,
-        SPLITS=triton.next_power_of_2(xa.shape[0]),
+        SPLITS=xa.shape[0],
         ALIGN=layout.row_align,
+        ALIGN_N=_align([v for start, n in out_slices for v in (start, n)]),
         MULTI_CHUNK=multi_chunk,
-        BALANCE=balance,
         UPCAST=_upcast(y.dtype),
         PDL=use_pdl,
         num_warps=num_warps,
