@@ -50,7 +50,7 @@ def _decode_kernel(
     scale,
     stride_qb, stride_qh,
     stride_kcp, stride_kco, stride_kch, stride_vcp, stride_vco, stride_vch,
-    stride_tb, num_heads, tokens_per_split,
+    stride_tb, num_heads,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
@@ -58,6 +58,9 @@ def _decode_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     length = tl.load(lens_ptr + b)
+    # Each sequence's own context is cut into SPLITS ranges (whole BLOCK_N tiles): a short context in a
+    # batch of long ones, or in a CUDA graph sized for the longest, still spreads over the splits.
+    tokens_per_split = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N
     lo = split * tokens_per_split
     hi = tl.minimum(lo + tokens_per_split, length)
     offs_g = tl.arange(0, BLOCK_G)
@@ -254,8 +257,9 @@ def paged_attention_decode_triton(
 
     Semantics: out[b, h] = softmax_n(scale * q[b, h] . K[b, n, h // G]) @ V[b, :, h // G] over n < context_lens[b].
 
-    num_splits: context splits per (sequence, KV head), merged afterwards (default: enough programs to
-    fill the GPU, for the longest context the block tables can hold). block_n, num_warps, num_stages:
+    num_splits: context splits per (sequence, KV head), merged afterwards; each sequence's own context
+    is cut evenly among them in the kernel (default: enough programs to fill the GPU, at most one split
+    per 256 tokens of the longest context the block tables can hold). block_n, num_warps, num_stages:
     context rows per step, warps and pipeline depth (benchmark sweeps).
     """
     num_seqs, num_heads, head_dim = q.shape
@@ -268,14 +272,13 @@ def paged_attention_decode_triton(
     if num_splits is None:
         want = triton.cdiv(2 * _num_sms(str(q.device)), num_seqs * num_kv_heads)
         num_splits = max(1, min(want, triton.cdiv(max_context, 256), 16))
-    tokens_per_split = triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
     part_acc = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     part_ml = torch.empty(num_seqs, num_heads, num_splits, 2, dtype=torch.float32, device=q.device)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, part_acc, part_ml, scale,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0), num_heads, tokens_per_split,
+        block_tables.stride(0), num_heads,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         PAGE=page, BLOCK_N=block_n, SPLITS=num_splits, UPCAST=_upcast(q.dtype), num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
