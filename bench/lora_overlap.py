@@ -6,7 +6,10 @@ with the delta overlapped with the GEMMs on a side stream (worker/lora_linear.py
 One Llama-3-8B decoder layer's four fused projections (q|k|v, o, gate|up, down) at T tokens spread
 round-robin over A adapters, bf16, CUDA-graph replay with the L2 flushed before each layer (the
 Timer of bench/kernels.py). Added time = layer with LoRA - base GEMMs alone; floor = the distinct
-adapters' bytes / copy bandwidth measured in the same run.
+adapters' bytes / copy bandwidth measured in the same run. Up to 64 tokens it also times variants of
+the side stream: high priority, and the GEMMs told to leave SMs free (torch's experimental SM
+carveout, which only cuBLASLt honours) — the H200 run of 2026-11-30 found priority and the carveout
+on plain cuBLAS without effect (graph replay), and cuBLASLt with 16 SMs carved out 13-35% faster.
 """
 
 from __future__ import annotations
@@ -43,17 +46,37 @@ class Layer:
         self.xs = [torch.randn(num_tokens, w.shape[1], device="cuda", generator=gen).to(kb.DT) for w in self.weights]
         self.offsets = [[sum(w[:i]) for i in range(len(w))] for _, w in kb.GROUPS]
         self.side = torch.cuda.Stream()
+        self.side_high = torch.cuda.Stream(priority=-10)  # clamped to the highest priority
 
-    def ctx(self, overlap: bool) -> SimpleNamespace:
-        return SimpleNamespace(lora=self.batch, lora_layout=self.layout, backend="triton", lora_stream=self.side if overlap else None)
+    def ctx(self, overlap: bool, high: bool = False) -> SimpleNamespace:
+        side = (self.side_high if high else self.side) if overlap else None
+        return SimpleNamespace(lora=self.batch, lora_layout=self.layout, backend="triton", lora_stream=side)
 
     def base(self) -> None:
         for x, w in zip(self.xs, self.weights, strict=True):
             F.linear(x, w)
 
-    def with_lora(self, overlap: bool) -> list[torch.Tensor]:
-        ctx = self.ctx(overlap)
-        return [lora_linear(x, w, ctx, 0, p, offs) for (p, _), x, w, offs in zip(kb.GROUPS, self.xs, self.weights, self.offsets, strict=True)]
+    def base_carved(self, carveout: int) -> None:
+        old = torch._C._get_sm_carveout_experimental()
+        torch._C._set_sm_carveout_experimental(carveout)
+        try:
+            self.base()
+        finally:
+            torch._C._set_sm_carveout_experimental(old)
+
+    def with_lora(self, overlap: bool, high: bool = False, carveout: int = 0, lt: bool = False) -> list[torch.Tensor]:
+        """carveout: SMs the base GEMMs leave free for the side stream (cuBLASLt's SM count target);
+        lt: the GEMMs through cuBLASLt."""
+        ctx = self.ctx(overlap, high)
+        old, old_lib = torch._C._get_sm_carveout_experimental(), torch.backends.cuda.preferred_blas_library()
+        torch._C._set_sm_carveout_experimental(carveout or None)
+        if lt:
+            torch.backends.cuda.preferred_blas_library("cublaslt")
+        try:
+            return [lora_linear(x, w, ctx, 0, p, offs) for (p, _), x, w, offs in zip(kb.GROUPS, self.xs, self.weights, self.offsets, strict=True)]
+        finally:
+            torch._C._set_sm_carveout_experimental(old)
+            torch._C._set_blas_preferred_backend(old_lib)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,6 +102,16 @@ def main(argv: list[str] | None = None) -> int:
         floor = layer.distinct_bytes / (copy_gbs * 1e3)
         row = {"tokens": num_tokens, "adapters": num_adapters, "rank": rank_name, "base_us": base, "serial_added_us": serial - base,
                "overlap_added_us": overlap - base, "floor_us": floor, "overlap_rel_diff_vs_serial": err}
+        if num_tokens <= 64:  # the side stream's variants: high priority, and SMs kept from the GEMMs
+            row["variants_added_us"] = {
+                "high_priority": timer.graph(lambda la=layer: la.with_lora(True, high=True)) - base,
+                **{f"carveout_{c}": timer.graph(lambda la=layer, c=c: la.with_lora(True, carveout=c)) - base for c in (8, 16, 32)},
+                **{f"high_priority_carveout_{c}": timer.graph(lambda la=layer, c=c: la.with_lora(True, high=True, carveout=c)) - base for c in (16,)},
+                **{f"cublaslt_carveout_{c}": timer.graph(lambda la=layer, c=c: la.with_lora(True, carveout=c, lt=True)) - base for c in (0, 16, 32)},
+            }
+            row["base_carveout_16_us"] = timer.graph(lambda la=layer: la.base_carved(16))
+            print("   variants (added us):", {k: round(v, 1) for k, v in row["variants_added_us"].items()},
+                  f"base with 16 SMs carved out {row['base_carveout_16_us']:.1f} us", flush=True)
         rows.append(row)
         print(f"{num_tokens:>5} {num_adapters:>3} {rank_name:>5} {base:>8.1f} {serial - base:>10.1f} {overlap - base:>11.1f} {floor:>8.1f} "
               f"{(overlap - base) / floor:>13.2f} {(overlap - base) / base:>12.3f}", flush=True)
