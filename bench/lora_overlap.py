@@ -9,7 +9,8 @@ Timer of bench/kernels.py). Added time = layer with LoRA - base GEMMs alone; flo
 adapters' bytes / copy bandwidth measured in the same run. Up to 64 tokens it also times variants of
 the side stream: high priority, and the GEMMs told to leave SMs free (torch's experimental SM
 carveout, which only cuBLASLt honours) — the H200 run of 2026-11-30 found priority and the carveout
-on plain cuBLAS without effect (graph replay), and cuBLASLt with 16 SMs carved out 13-35% faster.
+on plain cuBLAS without effect (graph replay), and cuBLASLt with 16 SMs carved out adding 8-34% less
+time at T=16-64 but twice as much at T=1.
 """
 
 from __future__ import annotations
