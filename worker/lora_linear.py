@@ -7,10 +7,12 @@ stream, concurrently with the GEMM that reads the same input:
 * up to OVERLAP_TOKENS tokens (decode): shrink and expand both run on the side stream into a zeroed
   buffer `d`, and one add puts `d` into the GEMM's output; the chain's launch latencies overlap the
   GEMM's weight reads.
-* more tokens: the delta follows the GEMM in place. bench/lora_overlap.py (H200, one Llama-3-8B
-  layer, 2026-11-30) measured the side stream saving 47% of the delta's added time at T=1 and 21% at
-  T=16, 8% at T=64, and costing 15% at T=256 and 26% at T=1024, where the GEMM holds every SM and the
-  side-stream kernels only slow it.
+* more tokens: the delta follows the GEMM in place.
+
+bench/lora_overlap.py (H200, one Llama-3-8B layer, bench/results/lora_overlap_20261130_h200.json): the
+side stream cuts the time the delta adds to the layer from 27.8 to 9.1 us at T=1, 43.8 to 39.7 us at
+T=16 and 70.2 to 68.2 us at T=64; with more tokens the GEMM holds every SM, and an earlier run of the
+same bench found the side stream slowing T=256 and T=1024.
 
 Without a side stream (CPU, or `ForwardContext.lora_stream` None) the delta follows the GEMM in place.
 Both forms compute y = x W^T + scale * B (A x); with 16-bit weights the overlapped form rounds the
