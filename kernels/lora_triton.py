@@ -87,14 +87,17 @@ def _upcast(dtype: torch.dtype) -> bool:
 
 def shrink_splits(*, k: int, num_proj: int, batch: LoRABatch, device: torch.device, programs_per_sm: int = 8) -> int:
     """K splits of a shrink (the first dim of its output): enough programs to fill the GPU, few enough
-    that expand sums every split of its xa tile in registers."""
+    that expand sums every split of its xa tile in registers; a power of two."""
     if batch.num_segments == 0 or batch.max_rank == 0:
         return 1
     # Rank chunks past a slot's rank exit at once: count the programs of an average rank.
     programs = batch.num_segments * num_proj * max(1, triton.cdiv(batch.max_rank, 16) // 2)
     splits = triton.cdiv(programs_per_sm * _num_sms(str(device)), programs)
     most = max(1, XA_TILE_ELEMS // (_block_t(batch) * max(32, _rank_tile(batch))))
-    return max(1, min(splits, triton.cdiv(k, 128), most, 16))
+    splits = max(1, min(splits, triton.cdiv(k, 128), most, 16))
+    # A power of two: the expand kernel is compiled per split count, and a server's batches must not
+    # keep finding new counts (each a JIT compile stalling a step).
+    return 1 << (splits.bit_length() - 1)
 
 
 def lora_shrink_triton(

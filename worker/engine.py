@@ -105,14 +105,12 @@ class Engine:
                                   max_blocks=-(-self.max_model_len // config.block_size), backend=config.kernel_backend,
                                   lora_layout=self._lora_layout, lora_stream=lora_stream,
                                   lora_segment_len=config.lora_segment_len)
-            t0 = time.perf_counter()
-            graphs.capture_all()
-            log.info("captured %d CUDA graphs of decode steps (batch sizes %s) in %.1f s", graphs.captures,
-                     graphs.buckets, time.perf_counter() - t0)
         self.runner = ModelRunner(self.model, self.block_manager, kv_caches, device=self.device,
                                   backend=config.kernel_backend, lora_layout=self._lora_layout,
                                   slot_max_rank=self._slot_max_rank, lora_segment_len=config.lora_segment_len,
                                   graphs=graphs, lora_stream=lora_stream)
+        if self.device.type == "cuda" and resolve_backend(config.kernel_backend, self.device) == "triton":
+            self._warm_up(config)
         self.sampler = Sampler(seed=config.seed, device=self.device)
         self.stop_checker = StopChecker(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self.requests: dict[str, Sequence] = {}
@@ -122,6 +120,20 @@ class Engine:
         self.last_batch_adapters = 0
         if config.adapters:
             self.register_adapter_dir(config.adapters)
+
+    def _warm_up(self, config: EngineConfig) -> None:
+        """Compile and capture at start what served steps would otherwise stall on (logged)."""
+        t0 = time.perf_counter()
+        if config.warmup:
+            counts = sorted({1, 16, 64, 256, 1024, config.max_num_batched_tokens} & set(range(1, config.max_num_batched_tokens + 1)))
+            ranks = sorted({min(r, config.max_lora_rank) for r in (16, 32, 64, 128)})
+            runs = self.runner.warmup(counts, ranks)
+            log.info("warm-up: %d forwards (tokens %s, rank bounds %s) in %.1f s", runs, counts, ranks, time.perf_counter() - t0)
+        if self.runner.graphs is not None:
+            t0 = time.perf_counter()
+            self.runner.graphs.capture_all()
+            log.info("captured %d CUDA graphs of decode steps (batch sizes %s) in %.1f s", self.runner.graphs.captures,
+                     self.runner.graphs.buckets, time.perf_counter() - t0)
 
     # ---- setup helpers ------------------------------------------------------------------------------
     def _eos_ids(self) -> list[int]:

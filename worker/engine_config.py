@@ -41,6 +41,7 @@ class EngineConfig:
     strict_base: bool = True  # refuse adapters trained on another base model / tokenizer
     lora_segment_len: int = 16  # most tokens of one adapter per LoRA kernel segment (shorter: more parallel programs)
     cuda_graphs: bool = True  # cuda + triton kernels: replay decode steps as CUDA graphs (worker/cuda_graphs.py)
+    warmup: bool = True  # cuda + triton kernels: compile the kernels of common step shapes at start
     lora_overlap: bool = True  # cuda: run LoRA deltas on a side stream beside the base GEMMs (worker/lora_linear.py)
 
     def __post_init__(self) -> None:

@@ -134,6 +134,41 @@ class ModelRunner:
             inputs.token_slots.append(-1 if seq.adapter_slot is None else seq.adapter_slot)
         return inputs
 
+    @torch.inference_mode()
+    def warmup(self, token_counts: list[int], ranks: list[int]) -> int:
+        """Throwaway forwards of one T-token prefill, without adapters and with one adapter slot of each
+        rank bound: the Triton kernels of common step shapes compile now, not in a served step.
+
+        Nothing is written to the KV cache (slot_mapping -1); the context read is page 0, whatever it
+        holds (the outputs are dropped). Slot 0 may hold no adapter: its kernels then skip their work,
+        but they are compiled all the same. Returns the number of forwards run.
+        """
+        layout = self.lora_layout()
+        bs = self.block_manager.block_size
+        runs = 0
+        for num in token_counts:
+            for rank in [0, *ranks]:
+                if rank and (layout is None or rank > layout.max_rank):
+                    continue
+                ctx = ForwardContext(
+                    input_ids=torch.zeros(num, dtype=torch.int64, device=self.device),
+                    positions=torch.arange(num, device=self.device),
+                    slot_mapping=torch.full((num,), -1, dtype=torch.int64, device=self.device),
+                    block_tables=torch.zeros(1, -(-num // bs), dtype=torch.int32, device=self.device),
+                    context_lens=torch.tensor([num], dtype=torch.int32, device=self.device),
+                    query_start_loc=torch.tensor([0, num], dtype=torch.int32, device=self.device),
+                    num_decodes=0,
+                    logits_indices=torch.tensor([num - 1], device=self.device),
+                    kv_caches=self.kv_caches,
+                    backend=self.backend,
+                    lora=self._lora_batch([0] * num, rank) if rank else None,
+                    lora_layout=layout if rank else None,
+                    lora_stream=self.lora_stream,
+                )
+                self.model.compute_logits(self.model(ctx)[ctx.logits_indices])
+                runs += 1
+        return runs
+
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor | None, list[Sequence]]:
         """float32 logits [N, V] for the sequences that sample this step (None if none do)."""
         if self.graphs is not None and batch.decodes and not batch.prefills:

@@ -85,3 +85,15 @@ def test_graph_decode_matches_eager(tiny_llama_dir, graph_adapters, dtype):
             if eager.token_ids[: step + 1] != graphed.token_ids[: step + 1]:
                 break
             assert abs(a.logprob - b.logprob) < (1e-4 if dtype == "float32" else 3e-2), f"request {i} step {step}"
+
+
+def test_warmup_forwards_leave_the_pool_untouched(tiny_llama_dir, graph_adapters):
+    """The start-up warm-up writes no KV and moves no adapter: the whole page pool is bit-identical."""
+    engine = Engine(EngineConfig(model=str(tiny_llama_dir), device="cpu", adapters=str(graph_adapters),
+                                 max_lora_rank=16, pool_bytes=8 << 20))
+    engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2), adapters=["g8"])  # an adapter resident in slot 0
+    before = engine.page_pool.pool.clone()
+    assert engine.runner.warmup([1, 7, 40], [8, 16]) == 9
+    assert torch.equal(engine.page_pool.pool, before)
+    engine.page_pool.check()
+    engine.adapter_pool.check()
