@@ -16,7 +16,8 @@ registered beside the current one (`make_current=False`, a canary) is promoted w
 its first load: a reload with other bytes fails instead of serving them under the old key.
 
 This file holds the public verbs and version bookkeeping; the loading pipeline is AdapterLoading
-(worker/adapter_loading.py), placement and eviction AdapterPlacement (worker/adapter_placement.py).
+(worker/adapter_loading.py), placement and eviction AdapterPlacement (worker/adapter_placement.py),
+reports, counters and the invariant check AdapterReports (worker/adapter_reports.py).
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ from lorafleet.worker.adapter_image import ModelDims
 from lorafleet.worker.adapter_loading import AdapterLoading, limit_cpu_threads
 from lorafleet.worker.adapter_metrics import AdapterMetrics
 from lorafleet.worker.adapter_placement import AdapterPlacement
-from lorafleet.worker.adapter_pool_check import check_adapter_pool
 from lorafleet.worker.adapter_pool_config import AdapterPoolConfig, TenantQuota
+from lorafleet.worker.adapter_reports import AdapterReports
 from lorafleet.worker.eviction import make_policy
 from lorafleet.worker.page_copier import PageCopier
 from lorafleet.worker.page_pool import PagePool
@@ -49,7 +50,7 @@ from lorafleet.worker.page_pool import PagePool
 __all__ = ["AdapterPool", "AdapterPoolConfig", "TenantQuota"]
 
 
-class AdapterPool(AdapterLoading, AdapterPlacement):
+class AdapterPool(AdapterLoading, AdapterPlacement, AdapterReports):
     def __init__(self, page_pool: PagePool, dims: ModelDims, config: AdapterPoolConfig | None = None) -> None:
         self.config = config = config or AdapterPoolConfig()
         self.page_pool = page_pool
@@ -367,48 +368,6 @@ class AdapterPool(AdapterLoading, AdapterPlacement):
         entry = self._slot_owner.get(slot)
         return entry.key if entry is not None else None
 
-    def describe(self) -> list[dict]:
-        """Per adapter version: tier, refcount, uses, bytes, pinned, error (for state reports)."""
-        with self._lock:
-            out = []
-            for e in self._entries.values():
-                if e.retired and e.refcount == 0:
-                    continue  # replaced: lingers only as evictable memory
-                out.append({
-                    "key": e.key, "name": e.name, "version": e.version, "tenant": e.tenant,
-                    "tier": e.tier(), "refcount": e.refcount, "hits": e.uses,
-                    "bytes": e.gpu_bytes if e.on_gpu else (e.image.nbytes if e.image is not None else 0),
-                    "pinned": e.pinned, "current": self._current.get(e.name) == e.key,
-                    "error": str(e.error) if e.error is not None else None,
-                })
-            return out
-
-    def stats(self) -> dict:
-        with self._lock:
-            gpu = [e for e in self._entries.values() if e.resident]
-            cpu = [e for e in self._entries.values() if e.image is not None]
-            return {
-                "registered": sum(1 for e in self._entries.values() if not e.retired),
-                "resident": {"gpu": len(gpu), "cpu": len(cpu)},
-                "bytes": {"gpu": sum(e.gpu_bytes for e in gpu), "cpu": sum(e.image.nbytes for e in cpu)},
-                "hits": dict(self._counts["hits"]),
-                "misses": dict(self._counts["misses"]),
-                "loads": dict(self._counts["loads"]),
-                "load_failures": self._counts["load_failures"],
-                "evictions": {t: dict(v) for t, v in self._counts["evictions"].items()},
-                "in_flight": sum(1 for e in self._entries.values() if e.fetching is not None or e.copying is not None),
-                "waiting": len(self._wanted),
-                "fragmentation": self.page_pool.fragmentation("adapter"),
-                "page_pool": self.page_pool.stats(),
-            }
-
-    def check(self) -> None:
-        """Raise AssertionError unless pages, slots, layout, refcounts and quotas agree."""
-        with self._lock:
-            check_adapter_pool(page_pool=self.page_pool, layout=self.layout, entries=self._entries,
-                               slot_owner=self._slot_owner, free_slots=self._free_slots, config=self.config,
-                               current=self._current)
-
     # ---- internals: versions -------------------------------------------------------------------
     def _get(self, key: str) -> AdapterEntry:
         entry = self._entries.get(key)
@@ -434,20 +393,3 @@ class AdapterPool(AdapterLoading, AdapterPlacement):
             self._evict_cpu(entry, reason)
         if not entry.on_gpu:
             self._drop(entry, reason=reason)
-
-    # ---- internals: bookkeeping ----------------------------------------------------------------
-    def _count(self, what: str, tier: str) -> None:
-        self._counts[what][tier] += 1
-        (self.metrics.hits if what == "hits" else self.metrics.misses).labels(tier).inc()
-
-    def _update_gauges(self) -> None:
-        gpu = [e for e in self._entries.values() if e.resident]
-        cpu = [e for e in self._entries.values() if e.image is not None]
-        m = self.metrics
-        m.resident.labels("gpu").set(len(gpu))
-        m.resident.labels("cpu").set(len(cpu))
-        m.bytes.labels("gpu").set(sum(e.gpu_bytes for e in gpu))
-        m.bytes.labels("cpu").set(sum(e.image.nbytes for e in cpu))
-        m.fragmentation.set(self.page_pool.fragmentation("adapter"))
-        m.kv_pages.set(self.page_pool.num_used("kv"))
-        m.adapter_pages.set(self.page_pool.num_used("adapter"))

@@ -1,0 +1,69 @@
+"""AdapterReports: what `AdapterPool` (worker/adapter_pool.py) tells about itself: per-adapter
+descriptions for state reports, counters and byte totals, Prometheus gauges, and the invariant check.
+It reads the pool's state declared in `AdapterPool.__init__`.
+"""
+
+from __future__ import annotations
+
+from lorafleet.worker.adapter_pool_check import check_adapter_pool
+
+
+class AdapterReports:
+    def describe(self) -> list[dict]:
+        """Per adapter version: tier, refcount, uses, bytes, pinned, error (for state reports)."""
+        with self._lock:
+            out = []
+            for e in self._entries.values():
+                if e.retired and e.refcount == 0:
+                    continue  # replaced: lingers only as evictable memory
+                out.append({
+                    "key": e.key, "name": e.name, "version": e.version, "tenant": e.tenant,
+                    "tier": e.tier(), "refcount": e.refcount, "hits": e.uses,
+                    "bytes": e.gpu_bytes if e.on_gpu else (e.image.nbytes if e.image is not None else 0),
+                    "pinned": e.pinned, "current": self._current.get(e.name) == e.key,
+                    "error": str(e.error) if e.error is not None else None,
+                })
+            return out
+
+    def stats(self) -> dict:
+        with self._lock:
+            gpu = [e for e in self._entries.values() if e.resident]
+            cpu = [e for e in self._entries.values() if e.image is not None]
+            return {
+                "registered": sum(1 for e in self._entries.values() if not e.retired),
+                "resident": {"gpu": len(gpu), "cpu": len(cpu)},
+                "bytes": {"gpu": sum(e.gpu_bytes for e in gpu), "cpu": sum(e.image.nbytes for e in cpu)},
+                "hits": dict(self._counts["hits"]),
+                "misses": dict(self._counts["misses"]),
+                "loads": dict(self._counts["loads"]),
+                "load_failures": self._counts["load_failures"],
+                "evictions": {t: dict(v) for t, v in self._counts["evictions"].items()},
+                "in_flight": sum(1 for e in self._entries.values() if e.fetching is not None or e.copying is not None),
+                "waiting": len(self._wanted),
+                "fragmentation": self.page_pool.fragmentation("adapter"),
+                "page_pool": self.page_pool.stats(),
+            }
+
+    def check(self) -> None:
+        """Raise AssertionError unless pages, slots, layout, refcounts and quotas agree."""
+        with self._lock:
+            check_adapter_pool(page_pool=self.page_pool, layout=self.layout, entries=self._entries,
+                               slot_owner=self._slot_owner, free_slots=self._free_slots, config=self.config,
+                               current=self._current)
+
+    # ---- internals: bookkeeping ----------------------------------------------------------------
+    def _count(self, what: str, tier: str) -> None:
+        self._counts[what][tier] += 1
+        (self.metrics.hits if what == "hits" else self.metrics.misses).labels(tier).inc()
+
+    def _update_gauges(self) -> None:
+        gpu = [e for e in self._entries.values() if e.resident]
+        cpu = [e for e in self._entries.values() if e.image is not None]
+        m = self.metrics
+        m.resident.labels("gpu").set(len(gpu))
+        m.resident.labels("cpu").set(len(cpu))
+        m.bytes.labels("gpu").set(sum(e.gpu_bytes for e in gpu))
+        m.bytes.labels("cpu").set(sum(e.image.nbytes for e in cpu))
+        m.fragmentation.set(self.page_pool.fragmentation("adapter"))
+        m.kv_pages.set(self.page_pool.num_used("kv"))
+        m.adapter_pages.set(self.page_pool.num_used("adapter"))
