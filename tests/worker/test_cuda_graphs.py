@@ -11,11 +11,11 @@ import torch
 
 from lorafleet.worker import Engine, EngineConfig, SamplingParams
 from lorafleet.worker.cuda_graphs import batch_buckets, group_by_slot
+from tests.lora_factory import make_peft_adapter
 
-ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-ADAPTERS = {"g4": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
-            "g8": dict(r=8, lora_alpha=16, target_modules=ALL),
-            "g16": dict(r=16, lora_alpha=8, use_rslora=True, target_modules=["o_proj", "gate_proj", "down_proj"])}
+ADAPTERS = {"g4": dict(rank=4, alpha=8, targets=["q_proj", "v_proj"]),
+            "g8": dict(rank=8, alpha=16),
+            "g16": dict(rank=16, alpha=8, use_rslora=True, targets=["o_proj", "gate_proj", "down_proj"])}
 
 
 def test_batch_buckets_cover_every_size_once():
@@ -35,19 +35,9 @@ def test_group_by_slot_keeps_order_drops_base_and_cuts_long_runs():
 
 @pytest.fixture(scope="module")
 def graph_adapters(tiny_llama_dir, tmp_path_factory):
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaForCausalLM
-
     root = tmp_path_factory.mktemp("graph_adapters")
     for seed, (name, kw) in enumerate(ADAPTERS.items()):
-        model = get_peft_model(LlamaForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32),
-                               LoraConfig(lora_dropout=0.0, task_type="CAUSAL_LM", **kw))
-        g = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for pname, p in model.named_parameters():
-                if "lora_" in pname:
-                    p.copy_(torch.randn(p.shape, generator=g) * 0.15)
-        model.save_pretrained(root / name)
+        make_peft_adapter(tiny_llama_dir, root / name, seed=seed, **kw)
     return root
 
 
