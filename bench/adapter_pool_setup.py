@@ -17,7 +17,7 @@ from lorafleet.kernels.attention import paged_attention_decode
 from lorafleet.kernels.lora_layout import PROJS, LoRABatch, make_lora_batch
 from lorafleet.worker.adapter_image import ModelDims
 from lorafleet.worker.adapter_pool import AdapterPool, AdapterPoolConfig
-from lorafleet.worker.cuda_graphs import group_by_slot
+from lorafleet.worker.cuda_graphs import padded_groups
 from lorafleet.worker.lora_linear import lora_linear
 from lorafleet.worker.model_config import ModelConfig
 from lorafleet.worker.page_pool import PagePool, PagePoolConfig, kv_page_elems
@@ -123,10 +123,9 @@ class Bench:
         else:
             if self._graph is None:
                 self._capture()
-            ids, starts, seg_slots = group_by_slot(token_slots.tolist(), 16)
-            n = self.batch
-            host = torch.tensor([*token_slots.tolist(), *ids, *[0] * (n - len(ids)), *seg_slots, *[-1] * (n - len(seg_slots)),
-                                 *starts, *[starts[-1]] * (n + 1 - len(starts))], dtype=torch.int32)
+            slots = token_slots.tolist()
+            ids, starts, seg_slots = padded_groups(slots, 16, self.batch)
+            host = torch.tensor([*slots, *ids, *seg_slots, *starts], dtype=torch.int32)
             self._lora_buf.copy_(host, non_blocking=True)
             self._graph.replay()
         sync(self.device)

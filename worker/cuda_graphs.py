@@ -67,6 +67,13 @@ def group_by_slot(token_slots: list[int], segment_len: int) -> tuple[list[int], 
     return sorted_ids, seg_starts, seg_slots
 
 
+def padded_groups(token_slots: list[int], segment_len: int, size: int) -> tuple[list[int], list[int], list[int]]:
+    """`group_by_slot` at a fixed shape for `size` rows: ids [size] (past the live ones never read),
+    starts [size + 1] and slots [size], the unused segments empty (start == end) and of slot -1."""
+    ids, starts, slots = group_by_slot(token_slots, segment_len)
+    return ids + [0] * (size - len(ids)), starts + [starts[-1]] * (size + 1 - len(starts)), slots + [-1] * (size - len(slots))
+
+
 def layout_key(layout: LoRALayout | None) -> tuple:
     """Addresses a captured graph reads the adapter layout from."""
     if layout is None:
@@ -179,11 +186,7 @@ class DecodeGraphs:
             [*inputs.input_ids, *[0] * pad, *inputs.positions, *[0] * pad, *inputs.slot_mapping, *[-1] * pad],
             dtype=torch.int64,
         ).view(3, size)
-        sorted_ids, starts, seg_slots = group_by_slot(inputs.token_slots, self.lora_segment_len)
-        # Padding: sorted ids past the live ones are never read; empty segments (start == end) of slot -1.
-        sorted_ids += [0] * (size - len(sorted_ids))
-        starts += [starts[-1]] * (size + 1 - len(starts))
-        seg_slots += [-1] * (size - len(seg_slots))
+        sorted_ids, starts, seg_slots = padded_groups(inputs.token_slots, self.lora_segment_len, size)
         small = torch.tensor([*inputs.context_lens, *[0] * pad, *inputs.token_slots, *[-1] * pad, *sorted_ids, *seg_slots,
                               *starts], dtype=torch.int32)
         tables = np.zeros((size, width), dtype=np.int32)

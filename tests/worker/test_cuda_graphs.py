@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lorafleet.worker import Engine, EngineConfig, SamplingParams
-from lorafleet.worker.cuda_graphs import batch_buckets, group_by_slot
+from lorafleet.worker.cuda_graphs import batch_buckets, group_by_slot, padded_groups
 from tests.lora_factory import make_peft_adapter
 
 ADAPTERS = {"g4": dict(rank=4, alpha=8, targets=["q_proj", "v_proj"]),
@@ -31,6 +31,7 @@ def test_group_by_slot_keeps_order_drops_base_and_cuts_long_runs():
     assert group_by_slot([1, 1, 1, 1, 1], 2) == ([0, 1, 2, 3, 4], [0, 2, 4, 5], [1, 1, 1])
     assert group_by_slot([-1, -1], 4) == ([], [0], [])
     assert group_by_slot([], 4) == ([], [0], [])
+    assert padded_groups([2, -1, 0, 2, 0], 16, 6) == ([2, 4, 0, 3, 0, 0], [0, 2, 4, 4, 4, 4, 4], [0, 2, -1, -1, -1, -1])
 
 
 @pytest.fixture(scope="module")
