@@ -125,7 +125,8 @@ class Engine:
         """Compile and capture at start what served steps would otherwise stall on (logged)."""
         t0 = time.perf_counter()
         if config.warmup:
-            counts = sorted({1, 16, 64, 256, 1024, config.max_num_batched_tokens} & set(range(1, config.max_num_batched_tokens + 1)))
+            most = config.max_num_batched_tokens
+            counts = sorted({c for c in (1, 16, 64, 256, 1024) if c < most} | {most})
             ranks = sorted({min(r, config.max_lora_rank) for r in (16, 32, 64, 128)})
             runs = self.runner.warmup(counts, ranks)
             log.info("warm-up: %d forwards (tokens %s, rank bounds %s) in %.1f s", runs, counts, ranks, time.perf_counter() - t0)
