@@ -16,6 +16,7 @@ time at T=16-64 but twice as much at T=1.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import importlib.util
 import json
@@ -58,27 +59,29 @@ class Layer:
             F.linear(x, w)
 
     def base_carved(self, carveout: int) -> None:
-        old = torch._C._get_sm_carveout_experimental()
-        torch._C._set_sm_carveout_experimental(carveout)
-        try:
+        with gemm_settings(carveout):
             self.base()
-        finally:
-            torch._C._set_sm_carveout_experimental(old)
 
     def with_lora(self, overlap: bool, high: bool = False, carveout: int = 0, lt: bool = False) -> list[torch.Tensor]:
-        """carveout: SMs the base GEMMs leave free for the side stream (cuBLASLt's SM count target);
-        lt: the GEMMs through cuBLASLt."""
+        """carveout: SMs the base GEMMs leave free for the side stream; lt: the GEMMs through cuBLASLt."""
         ctx = self.ctx(overlap, high)
-        old, old_lib = torch._C._get_sm_carveout_experimental(), torch.backends.cuda.preferred_blas_library()
-        torch._C._set_sm_carveout_experimental(carveout or None)
-        if lt:
-            torch.backends.cuda.preferred_blas_library("cublaslt")
-        try:
+        with gemm_settings(carveout, lt):
             return [lora_linear(x, w, ctx, 0, p, offs) for (p, _), x, w, offs in zip(kb.GROUPS, self.xs, self.weights, self.offsets, strict=True)]
-        finally:
-            torch._C._set_sm_carveout_experimental(old)
-            torch._C._set_blas_preferred_backend(old_lib)
 
+
+@contextlib.contextmanager
+def gemm_settings(carveout: int = 0, lt: bool = False):
+    """torch's process-wide matmul settings for a block: SMs carved out of the GEMMs (cuBLASLt's SM count
+    target; plain cuBLAS ignores it) and cuBLASLt as the BLAS library; both restored afterwards."""
+    old, old_lib = torch._C._get_sm_carveout_experimental(), torch.backends.cuda.preferred_blas_library()
+    torch._C._set_sm_carveout_experimental(carveout or None)
+    if lt:
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+    try:
+        yield
+    finally:
+        torch._C._set_sm_carveout_experimental(old)
+        torch._C._set_blas_preferred_backend(old_lib)
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
