@@ -44,6 +44,20 @@ def _write_kv_kernel(
 
 
 @triton.jit
+def _load_kv(
+    kc_ptr, vc_ptr, tables_ptr, b, stride_tb, kv_head, offs_n, n_mask, offs_d, d_mask,
+    stride_kcp, stride_kco, stride_kch, stride_vcp, stride_vco, stride_vch, PAGE: tl.constexpr,
+):  # fmt: skip
+    """K and V [BLOCK_N, BLOCK_D] of sequence b's keys offs_n, through its block table (masked rows: 0)."""
+    page = tl.load(tables_ptr + b * stride_tb + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
+    row = offs_n % PAGE
+    kv_mask = n_mask[:, None] & d_mask[None, :]
+    k = tl.load(kc_ptr + page[:, None] * stride_kcp + row[:, None] * stride_kco + kv_head * stride_kch + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(vc_ptr + page[:, None] * stride_vcp + row[:, None] * stride_vco + kv_head * stride_vch + offs_d[None, :], mask=kv_mask, other=0.0)
+    return k, v
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, kc_ptr, vc_ptr, tables_ptr, lens_ptr,
     part_acc_ptr, part_ml_ptr,  # float32 [B, Hq, SPLITS, D] and [B, Hq, SPLITS, 2] (max, sum)
@@ -78,11 +92,8 @@ def _decode_kernel(
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + arange_n
         n_mask = offs_n < hi
-        page = tl.load(tables_ptr + b * stride_tb + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
-        row = offs_n % PAGE
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(kc_ptr + page[:, None] * stride_kcp + row[:, None] * stride_kco + kv_head * stride_kch + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(vc_ptr + page[:, None] * stride_vcp + row[:, None] * stride_vco + kv_head * stride_vch + offs_d[None, :], mask=kv_mask, other=0.0)
+        k, v = _load_kv(kc_ptr, vc_ptr, tables_ptr, b, stride_tb, kv_head, offs_n, n_mask, offs_d, d_mask,
+                        stride_kcp, stride_kco, stride_kch, stride_vcp, stride_vco, stride_vch, PAGE)
         if UPCAST:
             s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
@@ -187,11 +198,8 @@ def _attend_block(
     """One online-softmax step over keys n0..n0+BLOCK_N (base-2 running max m_i and sum l_i)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_mask = offs_n < hi
-    page = tl.load(tables_ptr + b * stride_tb + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
-    row = offs_n % PAGE
-    kv_mask = n_mask[:, None] & d_mask[None, :]
-    k = tl.load(kc_ptr + page[:, None] * stride_kcp + row[:, None] * stride_kco + kv_head * stride_kch + offs_d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(vc_ptr + page[:, None] * stride_vcp + row[:, None] * stride_vco + kv_head * stride_vch + offs_d[None, :], mask=kv_mask, other=0.0)
+    k, v = _load_kv(kc_ptr, vc_ptr, tables_ptr, b, stride_tb, kv_head, offs_n, n_mask, offs_d, d_mask,
+                    stride_kcp, stride_kco, stride_kch, stride_vcp, stride_vco, stride_vch, PAGE)
     if UPCAST:
         s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * qk_scale
     else:
