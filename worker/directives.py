@@ -28,6 +28,18 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
+class _Message:
+    """A dataclass message sent as JSON (keys sorted: the same state always gives the same bytes)."""
+
+    __slots__ = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+
 class DirectiveError(ValueError):
     """A directive or report that does not follow the schema; the message names the field."""
 
@@ -131,7 +143,7 @@ class AdapterDirective:
 
 
 @dataclass(slots=True)
-class DesiredState:
+class DesiredState(_Message):
     """A worker's full desired adapter set; anything registered but not listed is to be unloaded."""
 
     generation: int
@@ -144,12 +156,6 @@ class DesiredState:
 
     def by_name(self) -> dict[str, AdapterDirective]:
         return {a.name: a for a in self.adapters}
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), sort_keys=True)
 
     @classmethod
     def from_dict(cls, data: Any) -> DesiredState:
@@ -208,7 +214,7 @@ class AdapterState:
 
 
 @dataclass(slots=True)
-class ReportedState:
+class ReportedState(_Message):
     """A worker's actual state; one ``AdapterState`` per (name, version) it knows about."""
 
     generation_applied: int = 0  # highest DesiredState.generation fully acted upon
@@ -230,12 +236,6 @@ class ReportedState:
             if a.name == name and a.version == version:
                 return a
         return None
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), sort_keys=True)
 
     @classmethod
     def from_dict(cls, data: Any) -> ReportedState:
