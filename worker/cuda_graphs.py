@@ -4,9 +4,9 @@ An eager decode step of an 8B model launches over a thousand kernels; their Pyth
 (tens of milliseconds) is the step's time on a fast GPU, and any other Python thread in the process
 (adapter loads) stretches it further. A captured step is replayed with one call.
 
-A graph is captured per (batch-size bucket, with or without adapters), lazily, the first time a pure
-decode batch of that size comes: the batch is padded to its bucket and every per-step input is copied
-into static buffers first. What makes the step capturable:
+A graph is captured per (batch-size bucket, with or without adapters), all of them at engine start
+(`capture_all`); a step pads its batch to its bucket and copies every per-step input into static
+buffers before the replay. What makes the step capturable:
 
 * padding rows: token 0 at position 0, `slot_mapping` -1 (writes no KV), context length 0 (attention
   returns zeros), adapter slot -1 (the LoRA kernels skip it);
@@ -165,8 +165,8 @@ class DecodeGraphs:
         return self.model.compute_logits(self.model(ctx))
 
     def _capture(self, size: int, with_lora: bool) -> _Graph:
+        self._fill(DecodeInputs([], [], [], [], [], []), size)  # padding rows only: nothing written to the KV cache
         ctx = self._context(size, with_lora)
-        # Padding rows only while capturing: nothing is written to the KV cache.
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -207,7 +207,6 @@ class DecodeGraphs:
         for size in reversed(self.buckets):  # the largest first: its memory serves the smaller ones
             for with_lora in (False, True):
                 if (size, with_lora) not in self._graphs:
-                    self._fill(DecodeInputs([], [], [], [], [], []), size)
                     self._graphs[(size, with_lora)] = self._capture(size, with_lora)
 
     @torch.inference_mode()
@@ -220,9 +219,7 @@ class DecodeGraphs:
         entry = self._graphs.get(key)
         if entry is not None and with_lora and entry.layout_key != layout_key(self.lora_layout()):
             entry = None  # the layout moved: the old graph would read stale addresses
-        if entry is None:
-            # Capture with empty inputs (all padding), then fill: capturing runs the forward twice.
-            self._fill(DecodeInputs([], [], [], [], [], []), size)
+        if entry is None:  # not captured at start, or the layout moved since
             entry = self._graphs[key] = self._capture(size, with_lora)
         self._fill(inputs, size)
         entry.graph.replay()
