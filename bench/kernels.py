@@ -25,7 +25,7 @@ import triton
 
 from lorafleet.kernels.attention import paged_attention_prefill
 from lorafleet.kernels.attention_triton import paged_attention_decode_triton, paged_attention_prefill_triton
-from lorafleet.kernels.lora import shrink_buffer
+from lorafleet.kernels.lora import FUSED_MAX_TOKENS, lora_delta, lora_expand, lora_shrink, shrink_buffer
 from lorafleet.kernels.lora_layout import NUM_PROJS, LoRALayout, make_lora_batch, place_rows
 from lorafleet.kernels.lora_reference import lora_expand_reference, lora_shrink_reference
 from lorafleet.kernels.lora_triton import lora_expand_triton, lora_shrink_triton
@@ -159,7 +159,13 @@ class LoRALayer:
         self.xas = [shrink_buffer(x=x, proj_ids=p, batch=self.batch, backend="triton") for x, (p, _) in zip(self.xs, GROUPS, strict=True)]
         self.slices = [[(sum(w[:i]), w[i]) for i in range(len(w))] for _, w in GROUPS]
 
-    def triton(self, **tune) -> None:
+    def triton(self) -> None:
+        """The engine's path: `lora_delta` per group (one fused launch up to FUSED_MAX_TOKENS tokens)."""
+        for (proj_ids, _), x, y, sl in zip(GROUPS, self.xs, self.ys, self.slices, strict=True):
+            lora_delta(x=x, layout=self.layout, layer=0, proj_ids=proj_ids, batch=self.batch, y=y, out_offsets=[a for a, _ in sl])
+
+    def two_kernels(self, **tune) -> None:
+        """Shrink then expand per group (tuning keywords for the sweep)."""
         shrink = {k: v for k, v in tune.items() if k in ("block_k", "num_warps", "pdl")}
         expand = {k: v for k, v in tune.items() if k in ("block_n", "pdl")}
         for (proj_ids, _), x, y, xa, sl in zip(GROUPS, self.xs, self.ys, self.xas, self.slices, strict=True):
@@ -182,6 +188,26 @@ class LoRALayer:
                     y[idx, start : start + n] += ((xs @ a.t()) @ b.t()) * 2.0
 
 
+def layer_added(layer: LoRALayer, timer: Timer) -> dict:
+    """A prefill layer's four GEMMs with and without LoRA, the engine's way (worker/lora_linear.py): the
+    delta is written first (expand in write mode) and the GEMM adds itself to it (addmm_)."""
+    weights = [torch.randn(sum(w), x.shape[1], device="cuda").to(DT) for (_, w), x in zip(GROUPS, layer.xs, strict=True)]
+
+    def base() -> None:
+        for x, w, y in zip(layer.xs, weights, layer.ys, strict=True):
+            torch.matmul(x, w.t(), out=y)
+
+    def with_lora() -> None:
+        for (proj_ids, _), x, w, y, sl in zip(GROUPS, layer.xs, weights, layer.ys, layer.slices, strict=True):
+            xa = shrink_buffer(x=x, proj_ids=proj_ids, batch=layer.batch)
+            lora_shrink(x=x, layout=layer.layout, layer=0, proj_ids=proj_ids, batch=layer.batch, out=xa)
+            lora_expand(xa=xa, layout=layer.layout, layer=0, proj_ids=proj_ids, batch=layer.batch, y=y, out_offsets=[a for a, _ in sl], accumulate=False)
+            y.addmm_(x, w.t())
+
+    base_us, lora_us = timer.graph(base), timer.graph(with_lora)
+    return {"base_us": base_us, "with_lora_us": lora_us, "added_us": lora_us - base_us, "added_fraction": (lora_us - base_us) / base_us}
+
+
 def base_gemms(num_tokens: int, timer: Timer) -> float:
     weights = [torch.randn(sum(w), DIMS[p[0]][0], device="cuda").to(DT) for p, w in GROUPS]
     xs = [torch.randn(num_tokens, w.shape[1], device="cuda").to(DT) for w in weights]
@@ -194,19 +220,19 @@ def base_gemms(num_tokens: int, timer: Timer) -> float:
     return timer.graph(run)
 
 
-def bench_lora(timer: Timer, copy_gbs: float, gen: torch.Generator, quick: bool) -> tuple[list, dict]:
+def bench_lora(timer: Timer, copy_gbs: float, gen: torch.Generator, quick: bool, only: set | None = None) -> tuple[list, dict]:
     rows = []
     key_cases = {(64, 32, "16"), (256, 32, "16"), (1, 8, "16"), (1024, 8, "16")}
     sweep_cases = {(64, 32, "16"), (1024, 8, "16")}
     sweep = {}
     for rank_name in ("16", "8", "64", "mixed", "30"):
         for num_adapters in ADAPTERS:
-            if rank_name == "30" and num_adapters != 32:
+            if (rank_name == "30" and num_adapters != 32) or (only and not any(a == num_adapters and r == rank_name for _, a, r in only)):
                 continue
             ranks_by_slot = [RANKS[rank_name][s % len(RANKS[rank_name])] for s in range(num_adapters)]
             layout, dense = build_layout(ranks_by_slot, gen)
             for num_tokens in TOKENS:
-                if rank_name == "30" and num_tokens not in (64, 256):
+                if (rank_name == "30" and num_tokens not in (64, 256)) or (only and (num_tokens, num_adapters, rank_name) not in only):
                     continue
                 layer = LoRALayer(layout, dense, num_tokens, num_adapters, gen)
                 distinct = min(num_tokens, num_adapters)
@@ -214,6 +240,10 @@ def bench_lora(timer: Timer, copy_gbs: float, gen: torch.Generator, quick: bool)
                 row = {"tokens": num_tokens, "adapters": num_adapters, "distinct": distinct, "rank": rank_name, "adapter_bytes": nbytes}
                 row["floor_us"] = nbytes / (copy_gbs * 1e3)
                 row["triton_us"] = timer.graph(layer.triton)
+                if num_tokens <= FUSED_MAX_TOKENS:
+                    row["two_kernel_us"] = timer.graph(layer.two_kernels)
+                if num_tokens > FUSED_MAX_TOKENS and rank_name == "16":
+                    row["in_layer"] = layer_added(layer, timer)
                 if num_tokens <= 256 and num_tokens >= num_adapters:
                     per_token = LoRALayer(layout, dense, num_tokens, num_adapters, gen, grouped=False)
                     row["triton_per_token_us"] = timer.graph(per_token.triton)
@@ -333,23 +363,26 @@ def bench_attention(timer: Timer, copy_gbs: float, gen: torch.Generator) -> dict
 
 
 def summarize(rows: list, base: dict, attn: dict, copy_gbs: float) -> dict:
-    def find(t, a, r):
-        return next(x for x in rows if x["tokens"] == t and x["adapters"] == a and x["rank"] == r)
-
+    """The issue's target figures, for the cases that were run."""
+    by_key = {(r["tokens"], r["adapters"], r["rank"]): r for r in rows}
     out = {}
     for t in (64, 256):
-        row = find(t, 32, "16")
-        out[f"decode_T{t}_32x_r16"] = {
-            "triton_us": row["triton_us"], "floor_us": row["floor_us"], "x_floor": row["triton_us"] / row["floor_us"],
-            "target_x_floor": 1.6, "vs_reference": row["reference_us"] / row["triton_us"], "target_vs_reference": 20,
-            "vs_loop": row["loop_us"] / row["triton_us"], "target_vs_loop": 200, "base_gemm_us": base[t],
-        }  # fmt: skip
-        mixed, mean = find(t, 32, "mixed"), find(t, 32, "30")
-        out[f"mixed_ranks_T{t}"] = {"mixed_us": mixed["triton_us"], "mean_rank_30_us": mean["triton_us"], "ratio": mixed["triton_us"] / mean["triton_us"], "target_ratio": 1.15}
-    pre = find(1024, 8, "16")
-    out["prefill_T1024_8x_r16"] = {"triton_us": pre["triton_us"], "base_gemm_us": base[1024], "fraction_of_base": pre["triton_us"] / base[1024], "target_fraction": 0.10}
-    t1 = find(1, 8, "16")
-    out["decode_T1_8x_r16"] = {"triton_us": t1["triton_us"], "floor_us": t1["floor_us"], "base_gemm_us": base[1]}
+        if row := by_key.get((t, 32, "16")):
+            out[f"decode_T{t}_32x_r16"] = {
+                "triton_us": row["triton_us"], "two_kernel_us": row.get("two_kernel_us"), "floor_us": row["floor_us"],
+                "x_floor": row["triton_us"] / row["floor_us"], "target_x_floor": 1.6, "base_gemm_us": base[t],
+            }  # fmt: skip
+            if "reference_us" in row:
+                out[f"decode_T{t}_32x_r16"].update(vs_reference=row["reference_us"] / row["triton_us"], target_vs_reference=20,
+                                                   vs_loop=row["loop_us"] / row["triton_us"], target_vs_loop=200)  # fmt: skip
+        mixed, mean = by_key.get((t, 32, "mixed")), by_key.get((t, 32, "30"))
+        if mixed and mean:
+            out[f"mixed_ranks_T{t}"] = {"mixed_us": mixed["triton_us"], "mean_rank_30_us": mean["triton_us"], "ratio": mixed["triton_us"] / mean["triton_us"], "target_ratio": 1.15}
+    if pre := by_key.get((1024, 8, "16")):
+        out["prefill_T1024_8x_r16"] = {"triton_us": pre["triton_us"], "base_gemm_us": base[1024], "fraction_of_base": pre["triton_us"] / base[1024],
+                                       "in_layer": pre.get("in_layer"), "target_fraction": 0.10}  # fmt: skip
+    if t1 := by_key.get((1, 8, "16")):
+        out["decode_T1_8x_r16"] = {"triton_us": t1["triton_us"], "floor_us": t1["floor_us"], "base_gemm_us": base[1]}
     out["attention_decode_B64_ctx2048"] = {"us": attn["decode_us"], "floor_us": attn["floor_us"], "bandwidth_frac": attn["bandwidth_frac"], "target_frac": 0.70}
     out["copy_gbs"] = copy_gbs
     return out
@@ -382,6 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench/results", help="folder for the JSON and PNG")
     parser.add_argument("--quick", action="store_true", help="skip the tuning sweeps")
+    parser.add_argument("--cases", default="", help="only these LoRA cases, T:A:rank comma-separated (for example 64:32:16,64:32:mixed)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/kernels.py needs a CUDA GPU", file=sys.stderr)
@@ -395,7 +429,8 @@ def main(argv: list[str] | None = None) -> int:
     print("base GEMMs (us):", {t: round(v, 1) for t, v in base.items()}, flush=True)
     attn = bench_attention(timer, copy_gbs, gen)
     print("attention:", json.dumps({k: v for k, v in attn.items() if k != "variants"}), flush=True)
-    rows, sweep = bench_lora(timer, copy_gbs, gen, args.quick)
+    only = {(int(t), int(a), r) for t, a, r in (c.split(":") for c in args.cases.split(",") if c)}
+    rows, sweep = bench_lora(timer, copy_gbs, gen, args.quick, only)
     summary = summarize(rows, base, attn, copy_gbs)
     print(f"\n{'T':>5} {'A':>3} {'rank':>5} {'triton us':>10} {'floor us':>9} {'% copy bw':>9} {'per-token':>9} {'ref us':>8} {'loop us':>9} {'base us':>8}")
     for r in rows:

@@ -65,9 +65,10 @@ def lora_shrink_reference(*, x: Tensor, layout: LoRALayout, layer: int, proj_ids
 
 
 def lora_expand_reference(
-    *, xa: Tensor, layout: LoRALayout, layer: int, proj_ids: list[int], batch: LoRABatch, y: Tensor, out_slices: list[tuple[int, int]]
-) -> None:
-    """y[t, off_i:off_i+n_i] += scale * xa.sum(0)[i, t, :r] @ B^T[slot(t), layer, proj_ids[i]] (see kernels.lora.lora_expand)."""
+    *, xa: Tensor, layout: LoRALayout, layer: int, proj_ids: list[int], batch: LoRABatch, y: Tensor, out_slices: list[tuple[int, int]],
+    accumulate: bool = True,
+) -> None:  # fmt: skip
+    """y[t, off_i:off_i+n_i] += (or = without accumulate) scale * xa.sum(0)[i, t, :r] @ B^T[slot(t), layer, proj_ids[i]] (see kernels.lora.lora_expand)."""
     max_rank = batch.max_rank
     if batch.num_segments == 0 or max_rank == 0:
         return
@@ -79,7 +80,10 @@ def lora_expand_reference(
         live = torch.arange(max_rank, device=xa.device)[None, None, :] < ranks[:, None, None]
         xs = torch.where(live & mask[..., None], xa[i][tok][..., :max_rank].float(), 0.0)  # [S, L, R]
         delta = torch.bmm(xs, b) * scales[:, None, None]  # [S, L, n]
+        cols = slice(start, start + width)
+        if not accumulate:  # every token of a segment gets its delta (zeros where the module is not adapted)
+            y[tok[mask], cols] = delta[mask].to(y.dtype)
+            continue
         keep = (mask & (ranks[:, None] > 0))  # a module the slot does not adapt leaves y untouched
         rows = tok[keep]
-        cols = slice(start, start + width)
         y[rows, cols] = (y[rows, cols].float() + delta[keep]).to(y.dtype)

@@ -151,6 +151,7 @@ def expand_kernel(
     MULTI_CHUNK: tl.constexpr,
     UPCAST: tl.constexpr,
     PDL: tl.constexpr,
+    ACCUMULATE: tl.constexpr,  # 1: y += delta; 0: y = delta (zeros where the slot does not adapt the module)
 ):
     seg = tl.program_id(0)
     i = tl.program_id(1)
@@ -177,9 +178,13 @@ def expand_kernel(
     n_lo = c * cols_per_program
     n_hi = tl.minimum(n_lo + cols_per_program, width)
     _gdc_wait(PDL)
-    if rank == 0 or n_lo >= width:
+    if n_lo >= width:
         return
     arange_n = tl.arange(0, BLOCK_N)
+    if rank == 0:
+        if not ACCUMULATE:
+            _store_zeros(y_ptr + col0, stride_yt, token_ids_ptr, start, end, n_lo, n_hi, BLOCK_T, BLOCK_N)
+        return
     xa_base = xa_ptr + i * stride_xp
     r_mask0 = arange_r < rank
     b_row0 = tl.multiple_of(b_row0, ALIGN)
@@ -194,11 +199,18 @@ def expand_kernel(
         # pipelining does not cover them, and a program walking many tiles would wait a full memory
         # latency per tile.
         y_row = y_ptr + tok64[:, None] * stride_yt + col0
-        ya = tl.load(y_row + (n_lo + arange_n)[None, :], mask=t_mask[:, None] & (n_lo + arange_n < n_hi)[None, :], other=0.0)
-        yb = tl.load(y_row + (n_lo + BLOCK_N + arange_n)[None, :], mask=t_mask[:, None] & (n_lo + BLOCK_N + arange_n < n_hi)[None, :], other=0.0)
+        if ACCUMULATE:
+            ya = tl.load(y_row + (n_lo + arange_n)[None, :], mask=t_mask[:, None] & (n_lo + arange_n < n_hi)[None, :], other=0.0)
+            yb = tl.load(y_row + (n_lo + BLOCK_N + arange_n)[None, :], mask=t_mask[:, None] & (n_lo + BLOCK_N + arange_n < n_hi)[None, :], other=0.0)
+        else:  # y = delta: y is not read
+            ya = tl.zeros([BLOCK_T, BLOCK_N], dtype=y_ptr.dtype.element_ty)
+            yb = ya
         for n0 in range(n_lo, n_hi, BLOCK_N):
-            ahead = n0 + 2 * BLOCK_N + arange_n
-            yc = tl.load(y_row + ahead[None, :], mask=t_mask[:, None] & (ahead < n_hi)[None, :], other=0.0)
+            if ACCUMULATE:
+                ahead = n0 + 2 * BLOCK_N + arange_n
+                yc = tl.load(y_row + ahead[None, :], mask=t_mask[:, None] & (ahead < n_hi)[None, :], other=0.0)
+            else:
+                yc = ya
             offs_n = n0 + arange_n
             n_mask = offs_n < n_hi
             bt = tl.load(pool_ptr + b_row0[:, None] + offs_n[None, :], mask=r_mask0[:, None] & n_mask[None, :], other=0.0)
@@ -216,6 +228,20 @@ def expand_kernel(
         _gdc_launch_dependents(PDL, 2)
         nxt = t0 + BLOCK_T + arange_t
         tok = tl.load(token_ids_ptr + nxt, mask=nxt < end, other=0)
+
+
+@triton.jit
+def _store_zeros(y_ptr, stride_yt, token_ids_ptr, start, end, n_lo, n_hi, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
+    """y[tok, n_lo:n_hi] = 0 for the segment's tokens."""
+    arange_t = tl.arange(0, BLOCK_T)
+    arange_n = tl.arange(0, BLOCK_N)
+    for t0 in range(start, end, BLOCK_T):
+        t_mask = t0 + arange_t < end
+        tok = tl.load(token_ids_ptr + t0 + arange_t, mask=t_mask, other=0).to(tl.int64)
+        for n0 in range(n_lo, n_hi, BLOCK_N):
+            offs_n = n0 + arange_n
+            tl.store(y_ptr + tok[:, None] * stride_yt + offs_n[None, :], tl.zeros([BLOCK_T, BLOCK_N], dtype=y_ptr.dtype.element_ty),
+                     mask=t_mask[:, None] & (offs_n < n_hi)[None, :])
 
 
 @triton.jit

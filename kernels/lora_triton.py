@@ -190,6 +190,7 @@ def lora_expand_triton(
     num_warps: int = 4,
     num_stages: int = 3,
     pdl: bool | int | None = None,
+    accumulate: bool = True,
 ) -> None:
     """Triton backend of `kernels.lora.lora_expand` (inputs already checked there).
 
@@ -200,6 +201,7 @@ def lora_expand_triton(
     tile, rank rows per step, output columns each program walks (default: ~programs_per_sm programs
     per SM), warps and pipeline depth (benchmark sweeps).
     pdl: programmatic dependent launch (None/True: where supported, 1/2: trigger mode, see _pdl).
+    accumulate: False writes y = delta for the segments' tokens instead of adding (see lora.lora_expand).
     """
     num_segments, num_proj = batch.num_segments, len(proj_ids)
     if num_segments == 0 or batch.max_rank == 0:
@@ -248,6 +250,7 @@ def lora_expand_triton(
         MULTI_CHUNK=multi_chunk,
         UPCAST=_upcast(y.dtype),
         PDL=use_pdl,
+        ACCUMULATE=int(accumulate),
         num_warps=num_warps,
         num_stages=num_stages,
         **({"launch_pdl": True} if use_pdl else {}),

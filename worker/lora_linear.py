@@ -30,17 +30,9 @@ from lorafleet.worker.forward_context import ForwardContext
 OVERLAP_TOKENS = 64  # at most this many tokens: the delta goes to the side stream
 
 
-def _shrink(x: torch.Tensor, ctx: ForwardContext, layer: int, proj_ids: list[int]) -> torch.Tensor:
-    xa = lora.shrink_buffer(x=x, proj_ids=proj_ids, batch=ctx.lora, backend=ctx.backend)
-    lora.lora_shrink(x=x, layout=ctx.lora_layout, layer=layer, proj_ids=proj_ids, batch=ctx.lora, out=xa,
-                     backend=ctx.backend)
-    return xa
-
-
-def _expand(xa: torch.Tensor, y: torch.Tensor, ctx: ForwardContext, layer: int, proj_ids: list[int],
-            out_offsets: list[int]) -> None:
-    lora.lora_expand(xa=xa, layout=ctx.lora_layout, layer=layer, proj_ids=proj_ids, batch=ctx.lora, y=y,
-                     out_offsets=out_offsets, backend=ctx.backend)
+def _delta(x: torch.Tensor, y: torch.Tensor, ctx: ForwardContext, layer: int, proj_ids: list[int], out_offsets: list[int]) -> None:
+    lora.lora_delta(x=x, layout=ctx.lora_layout, layer=layer, proj_ids=proj_ids, batch=ctx.lora, y=y, out_offsets=out_offsets,
+                    backend=ctx.backend)
 
 
 def lora_linear(x: torch.Tensor, weight: torch.Tensor, ctx: ForwardContext, layer: int, proj_ids: list[int],
@@ -53,16 +45,27 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, ctx: ForwardContext, laye
     batch = ctx.lora
     if batch is None or batch.max_rank == 0:
         return F.linear(x, weight)
+    num_tokens = x.shape[0]
+    if num_tokens > OVERLAP_TOKENS:
+        # The delta is written first (y not read), then the GEMM adds itself to it: y = delta + x W^T.
+        # Tokens in no segment must start from zero.
+        every = batch.sorted_token_ids.shape[0] == num_tokens
+        y = (torch.empty if every else torch.zeros)(num_tokens, weight.shape[0], dtype=x.dtype, device=x.device)
+        xa = lora.shrink_buffer(x=x, proj_ids=proj_ids, batch=batch, backend=ctx.backend)
+        lora.lora_shrink(x=x, layout=ctx.lora_layout, layer=layer, proj_ids=proj_ids, batch=batch, out=xa, backend=ctx.backend)
+        lora.lora_expand(xa=xa, layout=ctx.lora_layout, layer=layer, proj_ids=proj_ids, batch=batch, y=y, out_offsets=out_offsets,
+                         backend=ctx.backend, accumulate=False)
+        return y.addmm_(x, weight.t())
     side = ctx.lora_stream
-    if side is None or x.shape[0] > OVERLAP_TOKENS:
+    if side is None:
         y = F.linear(x, weight)
-        _expand(_shrink(x, ctx, layer, proj_ids), y, ctx, layer, proj_ids, out_offsets)
+        _delta(x, y, ctx, layer, proj_ids, out_offsets)
         return y
     main = torch.cuda.current_stream(x.device)
     side.wait_stream(main)
     with torch.cuda.stream(side):
-        d = torch.zeros(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
-        _expand(_shrink(x, ctx, layer, proj_ids), d, ctx, layer, proj_ids, out_offsets)
+        d = torch.zeros(num_tokens, weight.shape[0], dtype=x.dtype, device=x.device)
+        _delta(x, d, ctx, layer, proj_ids, out_offsets)
     y = F.linear(x, weight)
     main.wait_stream(side)
     # d comes from the side stream's memory; the next side-stream work that could reuse it starts only
