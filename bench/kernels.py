@@ -25,7 +25,7 @@ import triton
 
 from lorafleet.kernels.attention import paged_attention_prefill
 from lorafleet.kernels.attention_triton import paged_attention_decode_triton, paged_attention_prefill_triton
-from lorafleet.kernels.lora import FUSED_MAX_TOKENS, lora_delta, lora_expand, lora_shrink, shrink_buffer
+from lorafleet.kernels.lora import lora_delta, lora_expand, lora_shrink, shrink_buffer
 from lorafleet.kernels.lora_layout import NUM_PROJS, LoRALayout, make_lora_batch, place_rows
 from lorafleet.kernels.lora_reference import lora_expand_reference, lora_shrink_reference
 from lorafleet.kernels.lora_triton import lora_expand_triton, lora_shrink_triton
@@ -160,17 +160,9 @@ class LoRALayer:
         self.slices = [[(sum(w[:i]), w[i]) for i in range(len(w))] for _, w in GROUPS]
 
     def triton(self) -> None:
-        """The engine's path: `lora_delta` per group (one fused launch up to FUSED_MAX_TOKENS tokens)."""
+        """The engine's path for a delta after the GEMM: `lora_delta` per group (shrink, then expand adding into y)."""
         for (proj_ids, _), x, y, sl in zip(GROUPS, self.xs, self.ys, self.slices, strict=True):
             lora_delta(x=x, layout=self.layout, layer=0, proj_ids=proj_ids, batch=self.batch, y=y, out_offsets=[a for a, _ in sl])
-
-    def two_kernels(self, **tune) -> None:
-        """Shrink then expand per group (tuning keywords for the sweep)."""
-        shrink = {k: v for k, v in tune.items() if k in ("block_k", "num_warps", "pdl")}
-        expand = {k: v for k, v in tune.items() if k in ("block_n", "pdl")}
-        for (proj_ids, _), x, y, xa, sl in zip(GROUPS, self.xs, self.ys, self.xas, self.slices, strict=True):
-            lora_shrink_triton(x=x, layout=self.layout, layer=0, proj_ids=proj_ids, batch=self.batch, out=xa, **shrink)
-            lora_expand_triton(xa=xa, layout=self.layout, layer=0, proj_ids=proj_ids, batch=self.batch, y=y, out_slices=sl, **expand)
 
     def reference(self) -> None:
         for (proj_ids, _), x, y, xa, sl in zip(GROUPS, self.xs, self.ys, self.xas, self.slices, strict=True):
@@ -189,23 +181,31 @@ class LoRALayer:
 
 
 def layer_added(layer: LoRALayer, timer: Timer) -> dict:
-    """A prefill layer's four GEMMs with and without LoRA, the engine's way (worker/lora_linear.py): the
-    delta is written first (expand in write mode) and the GEMM adds itself to it (addmm_)."""
+    """A layer's four GEMMs with and without LoRA, in sequence (what the delta adds to the layer). Two
+    orders: "after" (GEMM, then the delta added into y) and "before" (the delta written first by the
+    expand's write mode, then the GEMM adds itself, addmm_: y is read by the GEMM's epilogue instead of
+    read and written again); "shrinks" runs only the shrinks beside the GEMMs (a breakdown)."""
     weights = [torch.randn(sum(w), x.shape[1], device="cuda").to(DT) for (_, w), x in zip(GROUPS, layer.xs, strict=True)]
+    groups = list(zip(GROUPS, layer.xs, weights, layer.ys, layer.slices, strict=True))
 
-    def base() -> None:
-        for x, w, y in zip(layer.xs, weights, layer.ys, strict=True):
-            torch.matmul(x, w.t(), out=y)
+    def run(mode: str) -> None:
+        for (proj_ids, _), x, w, y, sl in groups:
+            if mode in ("base", "after", "shrinks"):
+                torch.matmul(x, w.t(), out=y)
+            if mode == "after":
+                lora_delta(x=x, layout=layer.layout, layer=0, proj_ids=proj_ids, batch=layer.batch, y=y, out_offsets=[a for a, _ in sl])
+            if mode in ("before", "shrinks"):
+                xa = shrink_buffer(x=x, proj_ids=proj_ids, batch=layer.batch)
+                lora_shrink(x=x, layout=layer.layout, layer=0, proj_ids=proj_ids, batch=layer.batch, out=xa)
+            if mode == "before":
+                lora_expand(xa=xa, layout=layer.layout, layer=0, proj_ids=proj_ids, batch=layer.batch, y=y, out_offsets=[a for a, _ in sl], accumulate=False)
+                y.addmm_(x, w.t())
 
-    def with_lora() -> None:
-        for (proj_ids, _), x, w, y, sl in zip(GROUPS, layer.xs, weights, layer.ys, layer.slices, strict=True):
-            xa = shrink_buffer(x=x, proj_ids=proj_ids, batch=layer.batch)
-            lora_shrink(x=x, layout=layer.layout, layer=0, proj_ids=proj_ids, batch=layer.batch, out=xa)
-            lora_expand(xa=xa, layout=layer.layout, layer=0, proj_ids=proj_ids, batch=layer.batch, y=y, out_offsets=[a for a, _ in sl], accumulate=False)
-            y.addmm_(x, w.t())
-
-    base_us, lora_us = timer.graph(base), timer.graph(with_lora)
-    return {"base_us": base_us, "with_lora_us": lora_us, "added_us": lora_us - base_us, "added_fraction": (lora_us - base_us) / base_us}
+    res = {mode: timer.graph(functools.partial(run, mode)) for mode in ("base", "after", "before", "shrinks")}
+    for mode in ("after", "before", "shrinks"):
+        res[f"{mode}_added_us"] = res[mode] - res["base"]
+        res[f"{mode}_added_fraction"] = res[f"{mode}_added_us"] / res["base"]
+    return res
 
 
 def base_gemms(num_tokens: int, timer: Timer) -> float:
@@ -240,9 +240,7 @@ def bench_lora(timer: Timer, copy_gbs: float, gen: torch.Generator, quick: bool,
                 row = {"tokens": num_tokens, "adapters": num_adapters, "distinct": distinct, "rank": rank_name, "adapter_bytes": nbytes}
                 row["floor_us"] = nbytes / (copy_gbs * 1e3)
                 row["triton_us"] = timer.graph(layer.triton)
-                if num_tokens <= FUSED_MAX_TOKENS:
-                    row["two_kernel_us"] = timer.graph(layer.two_kernels)
-                if num_tokens > FUSED_MAX_TOKENS and rank_name == "16":
+                if num_tokens >= 256 and rank_name == "16":
                     row["in_layer"] = layer_added(layer, timer)
                 if num_tokens <= 256 and num_tokens >= num_adapters:
                     per_token = LoRALayer(layout, dense, num_tokens, num_adapters, gen, grouped=False)
@@ -369,7 +367,7 @@ def summarize(rows: list, base: dict, attn: dict, copy_gbs: float) -> dict:
     for t in (64, 256):
         if row := by_key.get((t, 32, "16")):
             out[f"decode_T{t}_32x_r16"] = {
-                "triton_us": row["triton_us"], "two_kernel_us": row.get("two_kernel_us"), "floor_us": row["floor_us"],
+                "triton_us": row["triton_us"], "floor_us": row["floor_us"],
                 "x_floor": row["triton_us"] / row["floor_us"], "target_x_floor": 1.6, "base_gemm_us": base[t],
             }  # fmt: skip
             if "reference_us" in row:

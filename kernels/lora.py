@@ -148,38 +148,16 @@ def lora_expand(
         lora_expand_reference(xa=xa, layout=layout, layer=layer, proj_ids=proj_ids, batch=batch, y=y, out_slices=slices, accumulate=accumulate)
 
 
-FUSED_MAX_TOKENS = 256  # at most this many tokens: the Triton delta is one fused launch (kernels/lora_fused.py)
-
-
 def lora_delta(
     *, x: Tensor, layout: LoRALayout, layer: int, proj_ids: list[int], batch: LoRABatch, y: Tensor, out_offsets: list[int], backend: str = "auto"
 ) -> None:
-    """A projection group's whole LoRA delta: `lora_shrink` then `lora_expand`, fused on Triton for small batches.
+    """A projection group's whole LoRA delta: `lora_shrink` into a fresh buffer, then `lora_expand` adding into y.
 
     Semantics: y[t, o_i:o_i+n_i] += scale[slot(t), layer, p_i] * (x[t] @ A^T[slot(t), layer, p_i]) @ B^T[slot(t), layer, p_i] (rank columns only).
 
     x: [T, K] model dtype, last dim contiguous. y: [T, N] model dtype, last dim contiguous, updated in
-    place (tokens without a slot untouched). proj_ids, out_offsets: as `lora_expand` (slices in order,
-    each starting where the previous ends). Triton: batches of at most FUSED_MAX_TOKENS tokens take
-    one fused launch (shrink and expand hand over through counters, no second kernel); larger ones
-    the two kernels.
+    place (tokens without a slot untouched). proj_ids, out_offsets: as `lora_expand`.
     """
-    _check_common("lora_delta", layout, layer, proj_ids, batch, x.device)
-    for name, t in (("x", x), ("y", y)):
-        if t.dim() != 2 or t.shape[0] != batch.num_tokens or t.stride(1) != 1:
-            raise ValueError(f"lora_delta: {name} must be [T={batch.num_tokens}, *] with a contiguous last dim, got {tuple(t.shape)} strides {t.stride()}")
-        if t.dtype != layout.pool.dtype:
-            raise ValueError(f"lora_delta: {name} is {t.dtype}, the adapter pool {layout.pool.dtype}; they must match")
-    if x.device != y.device:
-        raise ValueError(f"lora_delta: x is on {x.device}, y on {y.device}")
-    slices = output_slices(out_offsets, len(proj_ids), y.shape[1])
-    if resolve_backend(backend, x.device) == "triton":
-        from lorafleet.kernels.lora_fused import fused_fits, lora_delta_fused
-
-        contiguous = all(a + n == b for (a, n), (b, _) in zip(slices[:-1], slices[1:], strict=True))
-        if batch.num_tokens <= FUSED_MAX_TOKENS and contiguous and fused_fits(batch, len(proj_ids)):
-            lora_delta_fused(x=x, layout=layout, layer=layer, proj_ids=proj_ids, batch=batch, y=y, out_slices=slices)
-            return
     xa = shrink_buffer(x=x, proj_ids=proj_ids, batch=batch, backend=backend)
     lora_shrink(x=x, layout=layout, layer=layer, proj_ids=proj_ids, batch=batch, out=xa, backend=backend)
     lora_expand(xa=xa, layout=layout, layer=layer, proj_ids=proj_ids, batch=batch, y=y, out_offsets=out_offsets, backend=backend)

@@ -92,6 +92,12 @@ class LoRABatch:
     seg_starts: Tensor  # int32 [S+1] into sorted_token_ids
     seg_slots: Tensor  # int32 [S]: slot of each segment (a long run of one slot is cut into several)
     max_rank: int  # largest rank among the batch's slots (sizes the shrink buffer)
+    mean_rank: float = 0.0  # mean rank over the batch's tokens with a slot; 0: unknown (kernels plan for max_rank)
+
+    @property
+    def planning_rank(self) -> float:
+        """The rank kernels size their grids for: the mean where known, else the largest."""
+        return self.mean_rank or float(self.max_rank)
 
     @property
     def num_tokens(self) -> int:
@@ -125,12 +131,16 @@ def make_lora_batch(token_slots: Tensor, max_rank_by_slot: Tensor, *, grouped: b
     if num_tokens and bool((slots < -1).any()):
         raise ValueError("token_slots must be >= -1 (-1 means no adapter)")
     used = slots[valid].long()
-    max_rank = int(max_rank_by_slot[used].max()) if used.numel() else 0
+    max_rank, mean_rank = 0, 0.0
+    if used.numel():
+        ranks = max_rank_by_slot[used].float()
+        top, mean = torch.stack([ranks.max(), ranks.mean()]).tolist()  # one host sync for both
+        max_rank, mean_rank = int(top), mean
 
     if not grouped:
         ids = torch.arange(num_tokens, dtype=torch.int32, device=device)
         starts = torch.arange(num_tokens + 1, dtype=torch.int32, device=device)
-        return LoRABatch(slots, ids, starts, slots.clone(), max_rank)
+        return LoRABatch(slots, ids, starts, slots.clone(), max_rank, mean_rank)
 
     # A stable sort keeps tokens of one slot in their original order; -1 sorts first and is cut off.
     order = torch.sort(slots, stable=True).indices
@@ -148,7 +158,7 @@ def make_lora_batch(token_slots: Tensor, max_rank_by_slot: Tensor, *, grouped: b
     seg_starts = torch.empty(num_chunks + 1, dtype=torch.int32, device=device)
     seg_starts[:-1] = run_start[run_of_chunk] + index_in_run * max_segment_len
     seg_starts[-1] = sorted_ids.shape[0]
-    return LoRABatch(slots, sorted_ids, seg_starts, seg_slots[run_of_chunk].to(torch.int32), max_rank)
+    return LoRABatch(slots, sorted_ids, seg_starts, seg_slots[run_of_chunk].to(torch.int32), max_rank, mean_rank)
 
 
 def place_rows(row_lengths: list[int], page_elems: int) -> list[tuple[int, int]]:

@@ -141,7 +141,7 @@ def expand_kernel(
     stride_yt,
     max_slots,
     layout_max_rank,
-    cols_per_program,
+    cols_per_program,  # columns of a program whose slot's rank class is REF_RANK
     BLOCK_T: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -149,6 +149,7 @@ def expand_kernel(
     ALIGN: tl.constexpr,
     ALIGN_N: tl.constexpr,
     MULTI_CHUNK: tl.constexpr,
+    REF_RANK: tl.constexpr,
     UPCAST: tl.constexpr,
     PDL: tl.constexpr,
     ACCUMULATE: tl.constexpr,  # 1: y += delta; 0: y = delta (zeros where the slot does not adapt the module)
@@ -175,8 +176,13 @@ def expand_kernel(
     arange_t = tl.arange(0, BLOCK_T)
     tok = tl.load(token_ids_ptr + start + arange_t, mask=start + arange_t < end, other=0)
     rank = tl.where(slot < 0, 0, rank)
-    n_lo = c * cols_per_program
-    n_hi = tl.minimum(n_lo + cols_per_program, width)
+    # A program covers columns in inverse proportion to its slot's rank class (16, 32, 64, 128), so the
+    # programs of a batch mixing ranks each read about the same bytes (no program of a rank-64 slot
+    # doing eight times the work of a rank-8 one); the grid has the columns of the largest class.
+    rank_class = tl.where(rank <= 16, 16, tl.where(rank <= 32, 32, tl.where(rank <= 64, 64, 128)))
+    cols = tl.maximum(BLOCK_N, (cols_per_program * REF_RANK // rank_class) // BLOCK_N * BLOCK_N)
+    n_lo = c * cols
+    n_hi = tl.minimum(n_lo + cols, width)
     _gdc_wait(PDL)
     if n_lo >= width:
         return

@@ -90,8 +90,9 @@ def shrink_splits(*, k: int, num_proj: int, batch: LoRABatch, device: torch.devi
     that expand sums every split of its xa tile in registers; a power of two."""
     if batch.num_segments == 0 or batch.max_rank == 0:
         return 1
-    # Rank chunks past a slot's rank exit at once: count the programs of an average rank.
-    programs = batch.num_segments * num_proj * max(1, triton.cdiv(batch.max_rank, 16) // 2)
+    # Rank chunks past a slot's rank exit at once: count the programs of the batch's mean rank (so a batch
+    # mixing ranks gets the splits of one whose ranks all equal that mean).
+    programs = batch.num_segments * num_proj * max(1, triton.cdiv(round(batch.planning_rank), 16) // 2)
     splits = triton.cdiv(programs_per_sm * _num_sms(str(device)), programs)
     most = max(1, XA_TILE_ELEMS // (_block_t(batch) * max(32, _rank_tile(batch))))
     splits = max(1, min(splits, triton.cdiv(k, 128), most, 16))
@@ -213,14 +214,19 @@ def lora_expand_triton(
     # 128 (the [64, 128] float32 accumulator and y tiles fill the registers). H200 sweep of bench/kernels.py.
     block_n = block_n or _pow2(widest, 16, 64 if _INTERPRET else 128 if block_t >= 64 else max(64, 8192 // block_r))
     multi_chunk = batch.max_rank > block_r
+    # The batch's typical rank class: a program of a slot in that class walks cols_per_program columns;
+    # larger ranks fewer, smaller more (see expand_kernel), so the grid covers the largest class.
+    ref_rank = min(_pow2(round(batch.planning_rank), 16, 128), block_r)
     if cols_per_program is None:
         # Each program walks enough column tiles that the grid is ~programs_per_sm programs per SM: the
         # metadata latency is paid once per program, and the tiles' loads are in flight ahead of their use.
         cols_per_program = widest * num_segments * num_proj // (programs_per_sm * _num_sms(str(y.device)))
     cols_per_program = triton.cdiv(max(block_n, min(cols_per_program, widest)), block_n) * block_n
+    largest_class = _pow2(batch.max_rank, 16, 128)
+    fewest_cols = max(block_n, (cols_per_program * ref_rank // largest_class) // block_n * block_n)
     slices = tuple(v for p, (start, n) in zip(proj_ids, out_slices, strict=True) for v in (p, start, n))
     assert all(0 <= p < NUM_PROJS for p in proj_ids)
-    grid = (num_segments, num_proj, triton.cdiv(widest, cols_per_program))
+    grid = (num_segments, num_proj, triton.cdiv(widest, fewest_cols))
     use_pdl = _pdl(pdl, y.device, grid[0] * grid[1] * grid[2])
     expand_kernel[grid](
         xa,
@@ -248,6 +254,7 @@ def lora_expand_triton(
         ALIGN=layout.row_align,
         ALIGN_N=_align([v for start, n in out_slices for v in (start, n)]),
         MULTI_CHUNK=multi_chunk,
+        REF_RANK=ref_rank,
         UPCAST=_upcast(y.dtype),
         PDL=use_pdl,
         ACCUMULATE=int(accumulate),

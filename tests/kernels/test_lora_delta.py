@@ -1,12 +1,11 @@
-"""lora_delta (the whole delta of a projection group, fused on Triton for small batches) and the
-expand's write mode (y = delta, used before the base GEMM adds itself), against dense answers."""
+"""lora_delta (the whole delta of a projection group) and the expand's write mode (y = delta, used
+before the base GEMM adds itself), against dense answers."""
 
 import pytest
 import torch
 from kernel_cases import MIXED_RANKS, POPULARITIES, dense_delta, random_adapters, token_slots
 
 from lorafleet.kernels.lora import lora_delta, lora_expand, lora_shrink, shrink_buffer
-from lorafleet.kernels.lora_fused import plan
 from lorafleet.kernels.lora_layout import make_lora_batch, pack_lora_layout
 
 BACKENDS = ["reference", "triton"]
@@ -68,58 +67,3 @@ def test_expand_write_mode_replaces_the_slices(backend, gen):
     live = slots >= 0
     assert float((y[live].double() - want[live]).norm() / want[live].norm()) < 2e-4
     assert torch.isnan(y[~live]).all()
-
-
-def test_plan_covers_k_and_every_column_once():
-    for k, widths, segments, rank_tile in ((4096, [4096, 1024, 1024], 32, 16), (14336, [4096], 32, 16), (4096, [14336, 14336], 3, 64), (64, [96, 80], 1, 128)):
-        chunks, chunk, table = plan(k=k, widths=widths, num_segments=segments, max_rank_tile=rank_tile, num_sms=132)
-        assert chunks & (chunks - 1) == 0 and chunks * rank_tile <= 128 and chunk % 256 == 0
-        assert chunk * chunks >= k > chunk * (chunks - 1) or chunks == 1
-        for i, n in enumerate(widths):
-            rows = [row for row in table if row[0] == i]
-            assert [row[2] for row in rows] == sorted(row[2] for row in rows)
-            covered = [c for row in rows for c in range(row[2], row[3])]
-            assert covered == list(range(n)) and all(row[4] == len(rows) for row in rows)
-            assert all(row[1] == sum(widths[:i]) for row in rows)
-
-
-LLAMA_GROUPS = {"qkv": ([0, 1, 2], 4096, [4096, 1024, 1024]), "o": ([3], 4096, [4096]), "gate_up": ([4, 5], 4096, [14336, 14336]), "down": ([6], 14336, [4096])}
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("popularity", POPULARITIES)
-@pytest.mark.parametrize("num_tokens,grouped", [(1, True), (64, True), (64, False), (256, True)])
-def test_fused_delta_at_llama3_8b_shapes_on_gpu(popularity, num_tokens, grouped, gen):
-    """The fused launch vs the torch reference in bf16, three times over (its counters must come back
-    to zero: a stale count would hang or skip the wait), then replayed from a CUDA graph."""
-    from kernel_cases import LLAMA3_8B_DIMS, random_pool_layout
-
-    from lorafleet.kernels.lora_fused import SYNC_CAPACITY, _sync_buffers
-
-    ranks_by_slot = [(8, 16, 32, 64, 128, 24)[s % 6] for s in range(24)]
-    layout = random_pool_layout(ranks_by_slot=ranks_by_slot, dims=LLAMA3_8B_DIMS, page_elems=2 * 2 * 16 * 8 * 128 * 32, dtype=torch.bfloat16, device="cuda", gen=gen)
-    slots = token_slots(popularity, num_tokens, 24, gen).cuda()
-    batch = make_lora_batch(slots, layout.max_rank_by_slot(), grouped=grouped)
-    for proj_ids, k, widths in LLAMA_GROUPS.values():
-        x = torch.randn(num_tokens, k, generator=gen).to(torch.bfloat16).cuda()
-        y0 = (torch.randn(num_tokens, sum(widths), generator=gen) * 0.1).to(torch.bfloat16).cuda()
-        offsets = [sum(widths[:i]) for i in range(len(widths))]
-        want = y0.clone()
-        lora_delta(x=x, layout=layout, layer=0, proj_ids=proj_ids, batch=batch, y=want, out_offsets=offsets, backend="reference")
-        ref = (want.float() - y0.float()).norm().clamp_min(1e-6)
-        for _ in range(3):
-            y = y0.clone()
-            lora_delta(x=x, layout=layout, layer=0, proj_ids=proj_ids, batch=batch, y=y, out_offsets=offsets, backend="triton")
-            assert not torch.isnan(y).any()
-            assert float((y.float() - want.float()).norm() / ref) < 2e-2
-        y = y0.clone()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            lora_delta(x=x, layout=layout, layer=0, proj_ids=proj_ids, batch=batch, y=y, out_offsets=offsets, backend="triton")
-        for _ in range(2):
-            y.copy_(y0)
-            graph.replay()
-            torch.cuda.synchronize()
-            assert float((y.float() - want.float()).norm() / ref) < 2e-2
-    for buf in _sync_buffers.values():
-        assert buf.shape == (2, SYNC_CAPACITY) and not buf.any()  # every launch left its counters at zero
