@@ -143,12 +143,16 @@ def expand_kernel(
     layout_max_rank,
     cols_per_program,  # columns of a program whose slot's rank class is REF_RANK
     BLOCK_T: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,  # rank tile: the batch's largest rank class (or a smaller tile with MULTI_CHUNK)
+    BLOCK_N: tl.constexpr,  # column tile of the BLOCK_R class
+    N16: tl.constexpr,  # column tiles of the smaller rank classes (BY_CLASS)
+    N32: tl.constexpr,
+    N64: tl.constexpr,
     SPLITS: tl.constexpr,
     ALIGN: tl.constexpr,
     ALIGN_N: tl.constexpr,
     MULTI_CHUNK: tl.constexpr,
+    BY_CLASS: tl.constexpr,
     REF_RANK: tl.constexpr,
     UPCAST: tl.constexpr,
     PDL: tl.constexpr,
@@ -166,74 +170,105 @@ def expand_kernel(
     width = tl.multiple_of(tl.load(slices_ptr + i * 3 + 2), ALIGN_N)
     start = tl.load(seg_starts_ptr + seg)
     end = tl.load(seg_starts_ptr + seg + 1)
-    # Round trip 2: rank, scale, the first rank chunk's row offsets and the first token ids together.
+    # Round trip 2: rank, scale and the first token ids together.
     meta = (layer * 7 + proj) * max_slots + tl.maximum(slot, 0)
-    arange_r = tl.arange(0, BLOCK_R)
     rank = tl.load(ranks_ptr + meta)
     scale = tl.load(scales_ptr + meta)
     b_rows = b_off_ptr + meta.to(tl.int64) * layout_max_rank
-    b_row0 = tl.load(b_rows + arange_r, mask=arange_r < layout_max_rank, other=0)
     arange_t = tl.arange(0, BLOCK_T)
     tok = tl.load(token_ids_ptr + start + arange_t, mask=start + arange_t < end, other=0)
     rank = tl.where(slot < 0, 0, rank)
-    # A program covers columns in inverse proportion to its slot's rank class (16, 32, 64, 128), so the
-    # programs of a batch mixing ranks each read about the same bytes (no program of a rank-64 slot
-    # doing eight times the work of a rank-8 one); the grid has the columns of the largest class.
-    rank_class = tl.where(rank <= 16, 16, tl.where(rank <= 32, 32, tl.where(rank <= 64, 64, 128)))
-    cols = tl.maximum(BLOCK_N, (cols_per_program * REF_RANK // rank_class) // BLOCK_N * BLOCK_N)
-    n_lo = c * cols
-    n_hi = tl.minimum(n_lo + cols, width)
     _gdc_wait(PDL)
-    if n_lo >= width:
-        return
-    arange_n = tl.arange(0, BLOCK_N)
+    xa_base = xa_ptr + i * stride_xp
+    y_base = y_ptr + col0
+    # Rank classes 16, 32, 64, 128: a program of a smaller class uses a wider column tile (the same
+    # bytes per tile) and walks more columns (the same tiles per program), so a batch mixing ranks
+    # runs like one whose ranks all equal its mean. The grid has the columns of the largest class.
     if rank == 0:
         if not ACCUMULATE:
-            _store_zeros(y_ptr + col0, stride_yt, token_ids_ptr, start, end, n_lo, n_hi, BLOCK_T, BLOCK_N)
-        return
-    xa_base = xa_ptr + i * stride_xp
-    r_mask0 = arange_r < rank
-    b_row0 = tl.multiple_of(b_row0, ALIGN)
-    for t0 in range(start, end, BLOCK_T):
-        t_mask = t0 + arange_t < end
-        tok64 = tok.to(tl.int64)
-        # The first rank tile of xa is the same for every column tile: loaded once, splits summed.
-        xt0 = _load_xa(xa_base, stride_xs, tok64, t_mask, arange_r, r_mask0, stride_xt, SPLITS)
-        if not UPCAST:
-            xt0 = xt0.to(pool_ptr.dtype.element_ty)
-        # y tiles are read two column tiles ahead: their loads are not dot operands, so the compiler's
-        # pipelining does not cover them, and a program walking many tiles would wait a full memory
-        # latency per tile.
-        y_row = y_ptr + tok64[:, None] * stride_yt + col0
-        if ACCUMULATE:
-            ya = tl.load(y_row + (n_lo + arange_n)[None, :], mask=t_mask[:, None] & (n_lo + arange_n < n_hi)[None, :], other=0.0)
-            yb = tl.load(y_row + (n_lo + BLOCK_N + arange_n)[None, :], mask=t_mask[:, None] & (n_lo + BLOCK_N + arange_n < n_hi)[None, :], other=0.0)
-        else:  # y = delta: y is not read
-            ya = tl.zeros([BLOCK_T, BLOCK_N], dtype=y_ptr.dtype.element_ty)
-            yb = ya
-        for n0 in range(n_lo, n_hi, BLOCK_N):
+            cols = _class_cols(cols_per_program, REF_RANK, BLOCK_R, BLOCK_N)
+            _store_zeros(y_base, stride_yt, token_ids_ptr, start, end, c * cols, tl.minimum(c * cols + cols, width), BLOCK_T, BLOCK_N)
+    elif not BY_CLASS:
+        _expand_program(xa_base, stride_xs, stride_xt, pool_ptr, b_rows, token_ids_ptr, tok, start, end, rank, scale, y_base, stride_yt, c,
+                        _class_cols(cols_per_program, BLOCK_R, BLOCK_R, BLOCK_N), width, BLOCK_T, BLOCK_R, BLOCK_N, SPLITS, ALIGN, MULTI_CHUNK, UPCAST, PDL, ACCUMULATE)
+    elif rank <= 16:
+        _expand_program(xa_base, stride_xs, stride_xt, pool_ptr, b_rows, token_ids_ptr, tok, start, end, rank, scale, y_base, stride_yt, c,
+                        _class_cols(cols_per_program, REF_RANK, 16, N16), width, BLOCK_T, 16, N16, SPLITS, ALIGN, False, UPCAST, PDL, ACCUMULATE)
+    elif rank <= 32:
+        if BLOCK_R >= 32:  # compiled only where the batch holds such ranks
+            _expand_program(xa_base, stride_xs, stride_xt, pool_ptr, b_rows, token_ids_ptr, tok, start, end, rank, scale, y_base, stride_yt, c,
+                            _class_cols(cols_per_program, REF_RANK, 32, N32), width, BLOCK_T, 32, N32, SPLITS, ALIGN, False, UPCAST, PDL, ACCUMULATE)
+    elif rank <= 64:
+        if BLOCK_R >= 64:
+            _expand_program(xa_base, stride_xs, stride_xt, pool_ptr, b_rows, token_ids_ptr, tok, start, end, rank, scale, y_base, stride_yt, c,
+                            _class_cols(cols_per_program, REF_RANK, 64, N64), width, BLOCK_T, 64, N64, SPLITS, ALIGN, False, UPCAST, PDL, ACCUMULATE)
+    else:
+        if BLOCK_R >= 128:
+            _expand_program(xa_base, stride_xs, stride_xt, pool_ptr, b_rows, token_ids_ptr, tok, start, end, rank, scale, y_base, stride_yt, c,
+                            _class_cols(cols_per_program, REF_RANK, 128, BLOCK_N), width, BLOCK_T, 128, BLOCK_N, SPLITS, ALIGN, False, UPCAST, PDL, ACCUMULATE)
+
+
+@triton.jit
+def _class_cols(cols_per_program, REF_RANK: tl.constexpr, RANK_CLASS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Columns one program of a rank class walks: cols_per_program scaled by REF_RANK / RANK_CLASS, whole tiles."""
+    return tl.maximum(BLOCK_N, (cols_per_program * REF_RANK // RANK_CLASS) // BLOCK_N * BLOCK_N)
+
+
+@triton.jit
+def _expand_program(
+    xa_base, stride_xs, stride_xt, pool_ptr, b_rows, token_ids_ptr, tok, start, end, rank, scale, y_ptr, stride_yt, c, cols, width,
+    BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, ALIGN: tl.constexpr,
+    MULTI_CHUNK: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr, ACCUMULATE: tl.constexpr,
+):  # fmt: skip
+    """One program's columns [c * cols, (c + 1) * cols) of a slice, every token tile of its segment."""
+    n_lo = c * cols
+    n_hi = tl.minimum(n_lo + cols, width)
+    if n_lo < width:
+        arange_r = tl.arange(0, BLOCK_R)
+        arange_t = tl.arange(0, BLOCK_T)
+        arange_n = tl.arange(0, BLOCK_N)
+        r_mask0 = arange_r < rank
+        b_row0 = tl.multiple_of(tl.load(b_rows + arange_r, mask=r_mask0, other=0), ALIGN)
+        for t0 in range(start, end, BLOCK_T):
+            t_mask = t0 + arange_t < end
+            tok64 = tok.to(tl.int64)
+            # The first rank tile of xa is the same for every column tile: loaded once, splits summed.
+            xt0 = _load_xa(xa_base, stride_xs, tok64, t_mask, arange_r, r_mask0, stride_xt, SPLITS)
+            if not UPCAST:
+                xt0 = xt0.to(pool_ptr.dtype.element_ty)
+            # y tiles are read two column tiles ahead: their loads are not dot operands, so the compiler's
+            # pipelining does not cover them, and a program walking many tiles would wait a full memory
+            # latency per tile.
+            y_row = y_ptr + tok64[:, None] * stride_yt
             if ACCUMULATE:
-                ahead = n0 + 2 * BLOCK_N + arange_n
-                yc = tl.load(y_row + ahead[None, :], mask=t_mask[:, None] & (ahead < n_hi)[None, :], other=0.0)
-            else:
-                yc = ya
-            offs_n = n0 + arange_n
-            n_mask = offs_n < n_hi
-            bt = tl.load(pool_ptr + b_row0[:, None] + offs_n[None, :], mask=r_mask0[:, None] & n_mask[None, :], other=0.0)
-            if UPCAST:
-                acc = tl.dot(xt0, bt.to(tl.float32), input_precision="ieee")
-            else:
-                acc = tl.dot(xt0, bt)
-            if MULTI_CHUNK:  # ranks above BLOCK_R
-                for r0 in range(BLOCK_R, rank, BLOCK_R):
-                    b_row = tl.load(b_rows + r0 + arange_r, mask=r0 + arange_r < rank, other=0)
-                    acc = _expand_chunk(acc, xa_base, stride_xs, pool_ptr, b_row, tok64, t_mask, stride_xt, r0, rank, offs_n, n_mask, BLOCK_R, SPLITS, ALIGN, UPCAST)
-            tl.store(y_row + offs_n[None, :], (ya.to(tl.float32) + acc * scale).to(ya.dtype), mask=t_mask[:, None] & n_mask[None, :])
-            ya = yb
-            yb = yc
-        _gdc_launch_dependents(PDL, 2)
-        nxt = t0 + BLOCK_T + arange_t
-        tok = tl.load(token_ids_ptr + nxt, mask=nxt < end, other=0)
+                ya = tl.load(y_row + (n_lo + arange_n)[None, :], mask=t_mask[:, None] & (n_lo + arange_n < n_hi)[None, :], other=0.0)
+                yb = tl.load(y_row + (n_lo + BLOCK_N + arange_n)[None, :], mask=t_mask[:, None] & (n_lo + BLOCK_N + arange_n < n_hi)[None, :], other=0.0)
+            else:  # y = delta: y is not read
+                ya = tl.zeros([BLOCK_T, BLOCK_N], dtype=y_ptr.dtype.element_ty)
+                yb = ya
+            for n0 in range(n_lo, n_hi, BLOCK_N):
+                if ACCUMULATE:
+                    ahead = n0 + 2 * BLOCK_N + arange_n
+                    yc = tl.load(y_row + ahead[None, :], mask=t_mask[:, None] & (ahead < n_hi)[None, :], other=0.0)
+                else:
+                    yc = ya
+                offs_n = n0 + arange_n
+                n_mask = offs_n < n_hi
+                bt = tl.load(pool_ptr + b_row0[:, None] + offs_n[None, :], mask=r_mask0[:, None] & n_mask[None, :], other=0.0)
+                if UPCAST:
+                    acc = tl.dot(xt0, bt.to(tl.float32), input_precision="ieee")
+                else:
+                    acc = tl.dot(xt0, bt)
+                if MULTI_CHUNK:  # ranks above BLOCK_R
+                    for r0 in range(BLOCK_R, rank, BLOCK_R):
+                        b_row = tl.load(b_rows + r0 + arange_r, mask=r0 + arange_r < rank, other=0)
+                        acc = _expand_chunk(acc, xa_base, stride_xs, pool_ptr, b_row, tok64, t_mask, stride_xt, r0, rank, offs_n, n_mask, BLOCK_R, SPLITS, ALIGN, UPCAST)
+                tl.store(y_row + offs_n[None, :], (ya.to(tl.float32) + acc * scale).to(ya.dtype), mask=t_mask[:, None] & n_mask[None, :])
+                ya = yb
+                yb = yc
+            _gdc_launch_dependents(PDL, 2)
+            nxt = t0 + BLOCK_T + arange_t
+            tok = tl.load(token_ids_ptr + nxt, mask=nxt < end, other=0)
 
 
 @triton.jit

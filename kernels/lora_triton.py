@@ -209,21 +209,26 @@ def lora_expand_triton(
         return
     widest = max(n for _, n in out_slices)
     block_t = _block_t(batch)
+    # Tiles per rank class, unless a tuning sweep fixes both for every program (or ranks pass 128).
+    by_class = block_r is None and block_n is None and batch.max_rank <= 128
     block_r = block_r or _rank_tile(batch)
-    # Decode: wide column tiles (up to 512 x 16 rank rows: more bytes in flight per program); prefill:
-    # 128 (the [64, 128] float32 accumulator and y tiles fill the registers). H200 sweep of bench/kernels.py.
-    block_n = block_n or _pow2(widest, 16, 64 if _INTERPRET else 128 if block_t >= 64 else max(64, 8192 // block_r))
+
+    def tile_n(rank_class: int) -> int:
+        # Decode: wide column tiles (up to 512 x 16 rank rows: more bytes in flight per program); prefill:
+        # 128 (the [64, 128] float32 accumulator and y tiles fill the registers). H200 sweep of bench/kernels.py.
+        return _pow2(widest, 16, 64 if _INTERPRET else 128 if block_t >= 64 else max(64, 8192 // rank_class))
+
+    block_n = block_n or tile_n(block_r)
     multi_chunk = batch.max_rank > block_r
     # The batch's typical rank class: a program of a slot in that class walks cols_per_program columns;
     # larger ranks fewer, smaller more (see expand_kernel), so the grid covers the largest class.
-    ref_rank = min(_pow2(round(batch.planning_rank), 16, 128), block_r)
+    ref_rank = min(_pow2(round(batch.planning_rank), 16, 128), block_r) if by_class else block_r
     if cols_per_program is None:
         # Each program walks enough column tiles that the grid is ~programs_per_sm programs per SM: the
         # metadata latency is paid once per program, and the tiles' loads are in flight ahead of their use.
         cols_per_program = widest * num_segments * num_proj // (programs_per_sm * _num_sms(str(y.device)))
     cols_per_program = triton.cdiv(max(block_n, min(cols_per_program, widest)), block_n) * block_n
-    largest_class = _pow2(batch.max_rank, 16, 128)
-    fewest_cols = max(block_n, (cols_per_program * ref_rank // largest_class) // block_n * block_n)
+    fewest_cols = max(block_n, (cols_per_program * ref_rank // block_r) // block_n * block_n)
     slices = tuple(v for p, (start, n) in zip(proj_ids, out_slices, strict=True) for v in (p, start, n))
     assert all(0 <= p < NUM_PROJS for p in proj_ids)
     grid = (num_segments, num_proj, triton.cdiv(widest, fewest_cols))
@@ -250,10 +255,14 @@ def lora_expand_triton(
         BLOCK_T=block_t,
         BLOCK_R=block_r,
         BLOCK_N=block_n,
+        N16=tile_n(16),
+        N32=tile_n(32),
+        N64=tile_n(64),
         SPLITS=xa.shape[0],
         ALIGN=layout.row_align,
         ALIGN_N=_align([v for start, n in out_slices for v in (start, n)]),
         MULTI_CHUNK=multi_chunk,
+        BY_CLASS=by_class,
         REF_RANK=ref_rank,
         UPCAST=_upcast(y.dtype),
         PDL=use_pdl,
