@@ -22,165 +22,27 @@ from pathlib import Path
 
 import torch
 import triton
+from kernel_setup import (  # same folder
+    ADAPTERS,
+    DIMS,
+    DT,
+    GROUPS,
+    RANKS,
+    TOKENS,
+    LoRALayer,
+    Timer,
+    adapter_bytes,
+    build_layout,
+    copy_bandwidth,
+)
 
 from lorafleet.kernels.attention import paged_attention_prefill
 from lorafleet.kernels.attention_triton import paged_attention_decode_triton, paged_attention_prefill_triton
 from lorafleet.kernels.lora import lora_delta, lora_expand, lora_shrink, shrink_buffer
-from lorafleet.kernels.lora_layout import NUM_PROJS, LoRALayout, make_lora_batch, place_rows
-from lorafleet.kernels.lora_reference import lora_expand_reference, lora_shrink_reference
 from lorafleet.kernels.lora_triton import lora_expand_triton, lora_shrink_triton
 
-HIDDEN, INTER, Q_SIZE, KV_SIZE = 4096, 14336, 4096, 1024
-DIMS = {0: (HIDDEN, Q_SIZE), 1: (HIDDEN, KV_SIZE), 2: (HIDDEN, KV_SIZE), 3: (Q_SIZE, HIDDEN), 4: (HIDDEN, INTER), 5: (HIDDEN, INTER), 6: (INTER, HIDDEN)}
-GROUPS = [([0, 1, 2], [Q_SIZE, KV_SIZE, KV_SIZE]), ([3], [HIDDEN]), ([4, 5], [INTER, INTER]), ([6], [HIDDEN])]
-PAGE_ELEMS = 32 * 2 * 16 * 8 * 128  # one KV page of Llama-3-8B (32 layers, block 16, 8 KV heads of 128)
-TOKENS = (1, 16, 64, 256, 1024)
-ADAPTERS = (1, 8, 32, 64)
-RANKS = {"8": [8], "16": [16], "64": [64], "mixed": [8, 16, 32, 64], "30": [30]}
-DT = torch.bfloat16
 
-
-class Timer:
-    """Cold-L2 CUDA-graph replay timing: reps x (flush, fn) minus reps x flush, median of several replays."""
-
-    def __init__(self, reps: int = 20, replays: int = 7) -> None:
-        self.reps, self.replays = reps, replays
-        self.flush_buf = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
-        self.sink = torch.empty((), dtype=torch.int64, device="cuda")
-        self.flush_us = self._graph_us(lambda: None)
-
-    def _flush(self) -> None:
-        torch.sum(self.flush_buf.view(torch.int64), dim=0, out=self.sink)  # a read: leaves the L2 clean
-
-    def _graph_us(self, fn) -> float:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._flush()
-                fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(self.reps):
-                self._flush()
-                fn()
-        graph.replay()
-        times = []
-        for _ in range(self.replays):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1000 / self.reps)
-        return statistics.median(times)
-
-    def graph(self, fn) -> float:
-        return max(self._graph_us(fn) - self.flush_us, 0.0)
-
-    def eager(self, fn, reps: int = 5) -> float:
-        fn()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(reps):
-            self._flush()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1000)
-        return statistics.median(times)
-
-
-def copy_bandwidth() -> float:
-    """Device copy, bytes read + written per second (GB/s), 2 GiB buffers."""
-    src = torch.empty(2**30, dtype=torch.bfloat16, device="cuda")
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        dst.copy_(src)
-    end.record()
-    end.synchronize()
-    seconds = start.elapsed_time(end) / 1000 / 10
-    return 2 * src.numel() * 2 / seconds / 1e9
-
-
-def build_layout(ranks_by_slot: list[int], gen: torch.Generator) -> tuple[LoRALayout, dict]:
-    """One layer of adapters packed by the pool's rule, random weights written in place; dense copies for the loop."""
-    lengths, owners = [], []
-    for slot, r in enumerate(ranks_by_slot):
-        for proj in range(NUM_PROJS):
-            k, n = DIMS[proj]
-            lengths += [k] * r + [n] * r
-            owners.append((slot, proj, r))
-    placements = place_rows(lengths, PAGE_ELEMS)
-    num_pages = placements[-1][0] + 1
-    pool = torch.empty(num_pages, PAGE_ELEMS, dtype=DT, device="cuda")
-    pool.normal_(0, 0.02, generator=gen)
-    num_slots, max_rank = len(ranks_by_slot), max(ranks_by_slot)
-    offsets = torch.tensor([p * PAGE_ELEMS + o for p, o in placements], dtype=torch.int64)
-    ranks = torch.zeros(1, NUM_PROJS, num_slots, dtype=torch.int32)
-    scales = torch.zeros(1, NUM_PROJS, num_slots)
-    a_off = torch.zeros(1, NUM_PROJS, num_slots, max_rank, dtype=torch.int64)
-    b_off = torch.zeros_like(a_off)
-    dense, cursor, flat = {}, 0, pool.view(-1)
-    for slot, proj, r in owners:
-        k, n = DIMS[proj]
-        ranks[0, proj, slot], scales[0, proj, slot] = r, 2.0
-        a_off[0, proj, slot, :r] = offsets[cursor : cursor + r]
-        b_off[0, proj, slot, :r] = offsets[cursor + r : cursor + 2 * r]
-        a_idx = offsets[cursor : cursor + r, None].cuda() + torch.arange(k, device="cuda")
-        b_idx = offsets[cursor + r : cursor + 2 * r, None].cuda() + torch.arange(n, device="cuda")
-        dense[(slot, proj)] = (flat[a_idx], flat[b_idx].t().contiguous())  # A [r, k], B [n, r]
-        cursor += 2 * r
-    layout = LoRALayout(pool=pool, ranks=ranks.cuda(), scales=scales.cuda(), a_offsets=a_off.cuda(), b_offsets=b_off.cuda(), row_align=8)
-    return layout, dense
-
-
-def adapter_bytes(ranks: list[int]) -> int:
-    return sum(r * (k + n) * 2 for r in ranks for k, n in DIMS.values())
-
-
-class LoRALayer:
-    """Inputs and outputs of one layer's four fused LoRA groups for T tokens; run with any backend."""
-
-    def __init__(self, layout: LoRALayout, dense: dict, num_tokens: int, num_adapters: int, gen: torch.Generator, grouped: bool = True) -> None:
-        self.layout, self.dense = layout, dense
-        self.slots = (torch.arange(num_tokens, device="cuda") % num_adapters).to(torch.int32)
-        self.batch = make_lora_batch(self.slots, layout.max_rank_by_slot(), grouped=grouped)
-        self.xs = [torch.randn(num_tokens, DIMS[p[0]][0], device="cuda", generator=gen).to(DT) for p, _ in GROUPS]
-        self.ys = [torch.zeros(num_tokens, sum(w), dtype=DT, device="cuda") for _, w in GROUPS]
-        self.xas = [shrink_buffer(x=x, proj_ids=p, batch=self.batch, backend="triton") for x, (p, _) in zip(self.xs, GROUPS, strict=True)]
-        self.slices = [[(sum(w[:i]), w[i]) for i in range(len(w))] for _, w in GROUPS]
-
-    def triton(self) -> None:
-        """The engine's path for a delta after the GEMM: `lora_delta` per group (shrink, then expand adding into y)."""
-        for (proj_ids, _), x, y, sl in zip(GROUPS, self.xs, self.ys, self.slices, strict=True):
-            lora_delta(x=x, layout=self.layout, layer=0, proj_ids=proj_ids, batch=self.batch, y=y, out_offsets=[a for a, _ in sl])
-
-    def reference(self) -> None:
-        for (proj_ids, _), x, y, xa, sl in zip(GROUPS, self.xs, self.ys, self.xas, self.slices, strict=True):
-            lora_shrink_reference(x=x, layout=self.layout, layer=0, proj_ids=proj_ids, batch=self.batch, out=xa)
-            lora_expand_reference(xa=xa, layout=self.layout, layer=0, proj_ids=proj_ids, batch=self.batch, y=y, out_slices=sl)
-
-    def loop(self) -> None:
-        """The naive baseline: one small matmul chain per adapter and projection."""
-        for slot in self.batch.seg_slots.tolist():
-            idx = (self.slots == slot).nonzero().squeeze(1)
-            for (proj_ids, _), x, y, sl in zip(GROUPS, self.xs, self.ys, self.slices, strict=True):
-                xs = x[idx]
-                for proj, (start, n) in zip(proj_ids, sl, strict=True):
-                    a, b = self.dense[(slot, proj)]
-                    y[idx, start : start + n] += ((xs @ a.t()) @ b.t()) * 2.0
-
-
-def layer_added(layer: LoRALayer, timer: Timer) -> dict:
+def layer_added(layer: LoRALayer, timer: Timer, rounds: int = 5) -> dict:
     """A layer's four GEMMs with and without LoRA, in sequence (what the delta adds to the layer). Two
     orders: "after" (GEMM, then the delta added into y) and "before" (the delta written first by the
     expand's write mode, then the GEMM adds itself, addmm_: y is read by the GEMM's epilogue instead of
@@ -201,10 +63,18 @@ def layer_added(layer: LoRALayer, timer: Timer) -> dict:
                 lora_expand(xa=xa, layout=layer.layout, layer=0, proj_ids=proj_ids, batch=layer.batch, y=y, out_offsets=[a for a, _ in sl], accumulate=False)
                 y.addmm_(x, w.t())
 
-    res = {mode: timer.graph(functools.partial(run, mode)) for mode in ("base", "after", "before", "shrinks")}
-    for mode in ("after", "before", "shrinks"):
-        res[f"{mode}_added_us"] = res[mode] - res["base"]
-        res[f"{mode}_added_fraction"] = res[f"{mode}_added_us"] / res["base"]
+    # The GEMMs' own time drifts between graphs (clocks): the modes are timed in alternation, rounds
+    # times, and each figure is a median over rounds of the difference to that round's base.
+    modes = ("base", "after", "before", "shrinks")
+    times = {mode: [] for mode in modes}
+    for _ in range(rounds):
+        for mode in modes:
+            times[mode].append(timer.graph(functools.partial(run, mode)))
+    res = {mode: statistics.median(times[mode]) for mode in modes}
+    res["rounds"] = times
+    for mode in modes[1:]:
+        added = statistics.median(t - b for t, b in zip(times[mode], times["base"], strict=True))
+        res[f"{mode}_added_us"], res[f"{mode}_added_fraction"] = added, added / res["base"]
     return res
 
 
@@ -240,7 +110,9 @@ def bench_lora(timer: Timer, copy_gbs: float, gen: torch.Generator, quick: bool,
                 row = {"tokens": num_tokens, "adapters": num_adapters, "distinct": distinct, "rank": rank_name, "adapter_bytes": nbytes}
                 row["floor_us"] = nbytes / (copy_gbs * 1e3)
                 row["triton_us"] = timer.graph(layer.triton)
-                if num_tokens >= 256 and rank_name == "16":
+                if num_tokens in (64, 256) and num_adapters == 32 and rank_name in ("16", "mixed", "30"):
+                    row["class_tiles_us"] = {n: timer.graph(functools.partial(layer.class_tiles, n)) for n in (2048, 4096, 8192)}
+                if num_tokens >= 256 and num_adapters in (8, 32) and rank_name == "16":
                     row["in_layer"] = layer_added(layer, timer)
                 if num_tokens <= 256 and num_tokens >= num_adapters:
                     per_token = LoRALayer(layout, dense, num_tokens, num_adapters, gen, grouped=False)

@@ -192,6 +192,7 @@ def lora_expand_triton(
     num_stages: int = 3,
     pdl: bool | int | None = None,
     accumulate: bool = True,
+    class_tile_elems: int = 8192,
 ) -> None:
     """Triton backend of `kernels.lora.lora_expand` (inputs already checked there).
 
@@ -203,6 +204,7 @@ def lora_expand_triton(
     per SM), warps and pipeline depth (benchmark sweeps).
     pdl: programmatic dependent launch (None/True: where supported, 1/2: trigger mode, see _pdl).
     accumulate: False writes y = delta for the segments' tokens instead of adding (see lora.lora_expand).
+    class_tile_elems: elements of a decode program's B tile (rank class x column tile), per rank class.
     """
     num_segments, num_proj = batch.num_segments, len(proj_ids)
     if num_segments == 0 or batch.max_rank == 0:
@@ -216,7 +218,7 @@ def lora_expand_triton(
     def tile_n(rank_class: int) -> int:
         # Decode: wide column tiles (up to 512 x 16 rank rows: more bytes in flight per program); prefill:
         # 128 (the [64, 128] float32 accumulator and y tiles fill the registers). H200 sweep of bench/kernels.py.
-        return _pow2(widest, 16, 64 if _INTERPRET else 128 if block_t >= 64 else max(64, 8192 // rank_class))
+        return _pow2(widest, 16, 64 if _INTERPRET else 128 if block_t >= 64 else max(64, class_tile_elems // rank_class))
 
     block_n = block_n or tile_n(block_r)
     multi_chunk = batch.max_rank > block_r
