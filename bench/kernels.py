@@ -46,7 +46,8 @@ def layer_added(layer: LoRALayer, timer: Timer, rounds: int = 5) -> dict:
     """A layer's four GEMMs with and without LoRA, in sequence (what the delta adds to the layer). Two
     orders: "after" (GEMM, then the delta added into y) and "before" (the delta written first by the
     expand's write mode, then the GEMM adds itself, addmm_: y is read by the GEMM's epilogue instead of
-    read and written again); "shrinks" runs only the shrinks beside the GEMMs (a breakdown)."""
+    read and written again); "shrinks" runs only the shrinks beside the GEMMs and "addmm" the GEMMs
+    adding themselves to y without a delta (a breakdown)."""
     weights = [torch.randn(sum(w), x.shape[1], device="cuda").to(DT) for (_, w), x in zip(GROUPS, layer.xs, strict=True)]
     groups = list(zip(GROUPS, layer.xs, weights, layer.ys, layer.slices, strict=True))
 
@@ -54,6 +55,8 @@ def layer_added(layer: LoRALayer, timer: Timer, rounds: int = 5) -> dict:
         for (proj_ids, _), x, w, y, sl in groups:
             if mode in ("base", "after", "shrinks"):
                 torch.matmul(x, w.t(), out=y)
+            if mode == "addmm":  # the GEMM adding itself to y, no delta: what reading y in its epilogue costs
+                y.addmm_(x, w.t())
             if mode == "after":
                 lora_delta(x=x, layout=layer.layout, layer=0, proj_ids=proj_ids, batch=layer.batch, y=y, out_offsets=[a for a, _ in sl])
             if mode in ("before", "shrinks"):
@@ -65,7 +68,7 @@ def layer_added(layer: LoRALayer, timer: Timer, rounds: int = 5) -> dict:
 
     # The GEMMs' own time drifts between graphs (clocks): the modes are timed in alternation, rounds
     # times, and each figure is a median over rounds of the difference to that round's base.
-    modes = ("base", "after", "before", "shrinks")
+    modes = ("base", "addmm", "after", "before", "shrinks")
     times = {mode: [] for mode in modes}
     for _ in range(rounds):
         for mode in modes:
