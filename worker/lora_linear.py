@@ -1,22 +1,27 @@
-"""lora_linear: one base projection plus its LoRA delta, the delta hidden under the base GEMM on CUDA.
+"""lora_linear: one base projection plus its LoRA delta, placed where it costs the layer least.
 
 The delta of a layer's projection reads little (the batch's adapter rows) but is a chain of small,
-latency-bound kernels; the base GEMM beside it is long. On CUDA the delta therefore runs on a side
-stream, concurrently with the GEMM that reads the same input:
+latency-bound kernels; the base GEMM beside it is long.
 
-* up to OVERLAP_TOKENS tokens (decode): shrink and expand both run on the side stream into a zeroed
-  buffer `d`, and one add puts `d` into the GEMM's output; the chain's launch latencies overlap the
-  GEMM's weight reads.
-* more tokens: the delta follows the GEMM in place.
+* More than OVERLAP_TOKENS tokens (prefill): the delta is written first (shrink, then the expand in
+  write mode: y = delta, y not read) and the GEMM adds itself to it (`y.addmm_(x, W^T)`), so y is
+  read once, in the GEMM's epilogue, instead of written by the GEMM and then read and written again
+  by the expand. Tokens in no segment start from zeros.
+* Up to OVERLAP_TOKENS tokens (decode) on CUDA: shrink and expand run on a side stream into a zeroed
+  buffer `d`, concurrently with the GEMM that reads the same input, and one add puts `d` into the
+  GEMM's output; the chain's launch latencies overlap the GEMM's weight reads.
+* Without a side stream (CPU, or `ForwardContext.lora_stream` None), small batches add the delta
+  after the GEMM, in place.
 
-bench/lora_overlap.py (H200, one Llama-3-8B layer, bench/results/lora_overlap_20261130_h200.json): the
-side stream cuts the time the delta adds to the layer from 27.8 to 9.1 us at T=1, 43.8 to 39.7 us at
-T=16 and 70.2 to 68.2 us at T=64; with more tokens the GEMM holds every SM, and an earlier run of the
-same bench found the side stream slowing T=256 and T=1024.
+H200, one Llama-3-8B layer (bench/results/kernels_*_20261130_h200.json, two runs): at T=1024 over 8
+adapters the delta written before the GEMMs adds 63.9 and 89.8 us to their ~650 us (after them: 66.1
+and 85.2), over 32 adapters 60.9 and 75.9 us (after them: 268 and 270), at T=256 over 8 adapters 48.9
+us (after them: 130.7).
+The side stream cuts the time a decode delta adds to the layer from 27.8 to 9.1 us at T=1 and from
+70.2 to 68.2 us at T=64 (lora_overlap_20261130_h200.json).
 
-Without a side stream (CPU, or `ForwardContext.lora_stream` None) the delta follows the GEMM in place.
-Both forms compute y = x W^T + scale * B (A x); with 16-bit weights the overlapped form rounds the
-delta to the model dtype once before the add (it is added to an already rounded output either way).
+All forms compute y = x W^T + scale * B (A x); with 16-bit weights the delta is rounded to the model
+dtype once before it meets the GEMM's result.
 """
 
 from __future__ import annotations

@@ -13,6 +13,8 @@ def test_running_example():
     assert batch.seg_starts.tolist() == [0, 2, 4]
     assert batch.seg_slots.tolist() == [0, 2]
     assert batch.max_rank == 16  # slot 1 (rank 8) is not in the batch; the largest used rank is 16
+    assert batch.mean_rank == pytest.approx((16 + 4 + 16 + 4) / 4)  # over the tokens with a slot
+    assert batch.planning_rank == batch.mean_rank
 
 
 @pytest.mark.parametrize("popularity", POPULARITIES)
@@ -30,6 +32,7 @@ def test_groups_every_token_with_a_slot_once(popularity, gen):
         assert seg.tolist() == sorted(seg.tolist())  # stable: original order inside a segment
     used = slots[slots >= 0].long()
     assert batch.max_rank == (int(ranks[used].max()) if used.numel() else 0)
+    assert batch.mean_rank == pytest.approx(float(ranks[used].float().mean()) if used.numel() else 0.0)
 
 
 def test_long_runs_are_cut_into_segments_of_bounded_length():

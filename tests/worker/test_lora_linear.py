@@ -1,5 +1,6 @@
-"""lora_linear (base projection + LoRA delta) equals the dense answer, with the delta after the GEMM
-(CPU) and beside it on a side stream (CUDA, decode-sized and prefill-sized batches)."""
+"""lora_linear (base projection + LoRA delta) equals the dense answer: the delta after the GEMM (small
+batches on CPU), written before it with the GEMM adding itself (prefill-sized batches), and beside it
+on a side stream (CUDA, decode-sized batches)."""
 
 from __future__ import annotations
 
@@ -32,9 +33,11 @@ def _case(num_tokens: int, popularity: str, device: str, dtype: torch.dtype, see
 
 
 @pytest.mark.parametrize("popularity", ["uniform", "identical", "mixed_none", "all_none"])
-def test_lora_linear_after_the_gemm_matches_dense(popularity):
-    layout, batch, x, w, want = _case(37, popularity, "cpu", torch.float32)
-    ctx = SimpleNamespace(lora=batch, lora_layout=layout, backend="reference", lora_stream=None)
+@pytest.mark.parametrize("num_tokens", [37, OVERLAP_TOKENS + 37])  # delta after the GEMM / written before it
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_lora_linear_on_cpu_matches_dense(popularity, num_tokens, backend):
+    layout, batch, x, w, want = _case(num_tokens, popularity, "cpu", torch.float32)
+    ctx = SimpleNamespace(lora=batch, lora_layout=layout, backend=backend, lora_stream=None)
     y = lora_linear(x, w, ctx, 1, [0, 1, 2], OFFSETS)
     torch.testing.assert_close(y.double(), want, rtol=1e-4, atol=1e-4)
 
