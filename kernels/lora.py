@@ -6,6 +6,8 @@ A layer's LoRA delta for fused projections (q|k|v or gate|up) is two calls:
     lora_shrink(x=x, layout=layout, layer=l, proj_ids=[0, 1, 2], batch=batch, out=xa)
     lora_expand(xa=xa, layout=layout, layer=l, proj_ids=[0, 1, 2], batch=batch, y=qkv, out_offsets=[0, 4096, 5120])
 
+`lora_delta` makes the same two calls in one. `lora_expand(..., accumulate=False)` writes y = delta
+instead of adding, for a caller that lets the base GEMM add itself afterwards (worker/lora_linear.py).
 `backend="auto"` picks Triton for CUDA tensors and the torch reference otherwise.
 """
 
