@@ -93,6 +93,7 @@ class LoRABatch:
     seg_slots: Tensor  # int32 [S]: slot of each segment (a long run of one slot is cut into several)
     max_rank: int  # largest rank among the batch's slots (sizes the shrink buffer)
     mean_rank: float = 0.0  # mean rank over the batch's tokens with a slot; 0: unknown (kernels plan for max_rank)
+    every_token: bool = False  # every token is in a segment (slot -1 segments count): a write-mode expand covers all rows
 
     @property
     def planning_rank(self) -> float:
@@ -140,7 +141,7 @@ def make_lora_batch(token_slots: Tensor, max_rank_by_slot: Tensor, *, grouped: b
     if not grouped:
         ids = torch.arange(num_tokens, dtype=torch.int32, device=device)
         starts = torch.arange(num_tokens + 1, dtype=torch.int32, device=device)
-        return LoRABatch(slots, ids, starts, slots.clone(), max_rank, mean_rank)
+        return LoRABatch(slots, ids, starts, slots.clone(), max_rank, mean_rank, every_token=True)
 
     # A stable sort keeps tokens of one slot in their original order; -1 sorts first and is cut off.
     order = torch.sort(slots, stable=True).indices
@@ -158,7 +159,7 @@ def make_lora_batch(token_slots: Tensor, max_rank_by_slot: Tensor, *, grouped: b
     seg_starts = torch.empty(num_chunks + 1, dtype=torch.int32, device=device)
     seg_starts[:-1] = run_start[run_of_chunk] + index_in_run * max_segment_len
     seg_starts[-1] = sorted_ids.shape[0]
-    return LoRABatch(slots, sorted_ids, seg_starts, seg_slots[run_of_chunk].to(torch.int32), max_rank, mean_rank)
+    return LoRABatch(slots, sorted_ids, seg_starts, seg_slots[run_of_chunk].to(torch.int32), max_rank, mean_rank, every_token=num_base == 0)
 
 
 def place_rows(row_lengths: list[int], page_elems: int) -> list[tuple[int, int]]:

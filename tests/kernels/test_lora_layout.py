@@ -15,6 +15,9 @@ def test_running_example():
     assert batch.max_rank == 16  # slot 1 (rank 8) is not in the batch; the largest used rank is 16
     assert batch.mean_rank == pytest.approx((16 + 4 + 16 + 4) / 4)  # over the tokens with a slot
     assert batch.planning_rank == batch.mean_rank
+    assert not batch.every_token  # token 1 has no adapter and is in no segment
+    assert make_lora_batch(torch.tensor([2, 0], dtype=torch.int32), torch.tensor([4, 8, 16], dtype=torch.int32)).every_token
+    assert make_lora_batch(torch.tensor([2, -1], dtype=torch.int32), torch.tensor([4, 8, 16], dtype=torch.int32), grouped=False).every_token
 
 
 @pytest.mark.parametrize("popularity", POPULARITIES)

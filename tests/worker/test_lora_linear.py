@@ -42,6 +42,24 @@ def test_lora_linear_on_cpu_matches_dense(popularity, num_tokens, backend):
     torch.testing.assert_close(y.double(), want, rtol=1e-4, atol=1e-4)
 
 
+def test_prefill_path_with_a_padded_batch_starts_uncovered_rows_from_zero():
+    """A batch built like the CUDA-graph decode's (token ids padded to the row count, rows without an
+    adapter in no segment) takes the write-then-GEMM path above OVERLAP_TOKENS rows: those rows must
+    still get exactly x W^T."""
+    from lorafleet.kernels.lora_layout import LoRABatch
+    from lorafleet.worker.cuda_graphs import padded_groups
+
+    num_tokens = OVERLAP_TOKENS + 37
+    layout, full, x, w, want = _case(num_tokens, "mixed_none", "cpu", torch.float32)
+    ids, starts, seg_slots = padded_groups(full.token_slots.tolist(), 16, num_tokens)
+    assert len(ids) == num_tokens and (full.token_slots < 0).any()
+    i32 = {"dtype": torch.int32}
+    batch = LoRABatch(full.token_slots, torch.tensor(ids, **i32), torch.tensor(starts, **i32), torch.tensor(seg_slots, **i32), full.max_rank)
+    ctx = SimpleNamespace(lora=batch, lora_layout=layout, backend="reference", lora_stream=None)
+    y = lora_linear(x, w, ctx, 1, [0, 1, 2], OFFSETS)
+    torch.testing.assert_close(y.double(), want, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens", [1, 64, OVERLAP_TOKENS + 37])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
