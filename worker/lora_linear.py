@@ -53,9 +53,12 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, ctx: ForwardContext, laye
     num_tokens = x.shape[0]
     if num_tokens > OVERLAP_TOKENS:
         # The delta is written first (y not read), then the GEMM adds itself to it: y = delta + x W^T.
-        # Tokens in no segment must start from zero (a batch built by hand, as for CUDA graphs, may pad
-        # its token list without covering every row: only `every_token` says all rows are written).
-        y = (torch.empty if batch.every_token else torch.zeros)(num_tokens, weight.shape[0], dtype=x.dtype, device=x.device)
+        # Rows the expand does not write must start from zero: tokens in no segment (a batch built by
+        # hand, as for CUDA graphs, may pad its token list without covering every row: only
+        # `every_token` says all rows are written) and columns outside the projections' slices.
+        covered = out_offsets[0] == 0 and (len(out_offsets) == len(proj_ids) or out_offsets[-1] == weight.shape[0])
+        alloc = torch.empty if batch.every_token and covered else torch.zeros
+        y = alloc(num_tokens, weight.shape[0], dtype=x.dtype, device=x.device)
         xa = lora.shrink_buffer(x=x, proj_ids=proj_ids, batch=batch, backend=ctx.backend)
         lora.lora_shrink(x=x, layout=ctx.lora_layout, layer=layer, proj_ids=proj_ids, batch=batch, out=xa, backend=ctx.backend)
         lora.lora_expand(xa=xa, layout=ctx.lora_layout, layer=layer, proj_ids=proj_ids, batch=batch, y=y, out_offsets=out_offsets,

@@ -66,7 +66,7 @@ class ModelRunner:
         logits_indices: list[int] = []
         samplers: list[Sequence] = []
         tables: list[list[int]] = []
-        max_rank = 0
+        max_rank, rank_tokens, lora_tokens = 0, 0, 0
         for seq, num_new in batch.scheduled:
             start = seq.num_computed_tokens
             end = start + num_new
@@ -77,7 +77,10 @@ class ModelRunner:
             adapter_slot = -1 if seq.adapter_slot is None else seq.adapter_slot
             token_slots.extend([adapter_slot] * num_new)
             if adapter_slot >= 0:
-                max_rank = max(max_rank, self.slot_max_rank(adapter_slot))
+                rank = self.slot_max_rank(adapter_slot)
+                max_rank = max(max_rank, rank)
+                rank_tokens += rank * num_new
+                lora_tokens += num_new
             context_lens.append(end)
             query_start_loc.append(query_start_loc[-1] + num_new)
             tables.append(seq.block_table)
@@ -89,7 +92,7 @@ class ModelRunner:
         lora, layout = None, None
         if max_rank > 0:
             layout = self.lora_layout()
-            lora = self._lora_batch(token_slots, max_rank)
+            lora = self._lora_batch(token_slots, max_rank, rank_tokens / lora_tokens, lora_tokens == len(token_slots))
         ctx = ForwardContext(
             input_ids=self._to_device(input_ids, torch.int64),
             positions=self._to_device(positions, torch.int64),
@@ -107,9 +110,10 @@ class ModelRunner:
         )
         return ctx, samplers
 
-    def _lora_batch(self, token_slots: list[int], max_rank: int) -> LoRABatch:
+    def _lora_batch(self, token_slots: list[int], max_rank: int, mean_rank: float, every_token: bool) -> LoRABatch:
         # Grouped on the host (no device syncs); a long run of one slot (a prefill) is cut into segments
-        # of at most lora_segment_len tokens so it spreads over many kernel programs.
+        # of at most lora_segment_len tokens so it spreads over many kernel programs. mean_rank: over the
+        # tokens with a slot (kernel grids plan for it); every_token: no token without a slot.
         sorted_ids, seg_starts, seg_slots = group_by_slot(token_slots, self.lora_segment_len)
         return LoRABatch(
             token_slots=self._to_device(token_slots, torch.int32),
@@ -117,6 +121,8 @@ class ModelRunner:
             seg_starts=self._to_device(seg_starts, torch.int32),
             seg_slots=self._to_device(seg_slots, torch.int32),
             max_rank=max_rank,
+            mean_rank=mean_rank,
+            every_token=every_token,
         )
 
     def decode_inputs(self, batch: ScheduledBatch) -> DecodeInputs:
@@ -161,7 +167,7 @@ class ModelRunner:
                     logits_indices=torch.tensor([num - 1], device=self.device),
                     kv_caches=self.kv_caches,
                     backend=self.backend,
-                    lora=self._lora_batch([0] * num, rank) if rank else None,
+                    lora=self._lora_batch([0] * num, rank, float(rank), True) if rank else None,
                     lora_layout=layout if rank else None,
                     lora_stream=self.lora_stream,
                 )

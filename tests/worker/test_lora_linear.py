@@ -60,6 +60,21 @@ def test_prefill_path_with_a_padded_batch_starts_uncovered_rows_from_zero():
     torch.testing.assert_close(y.double(), want, rtol=1e-4, atol=1e-4)
 
 
+def test_prefill_path_leaves_columns_outside_the_slices_to_the_gemm():
+    """Only k|v adapted (slices from column 48, or P+1 boundaries ending before N): the write-then-GEMM
+    path must give the q columns exactly x W^T."""
+    num_tokens = OVERLAP_TOKENS + 37
+    layout, full, x, w, want = _case(num_tokens, "identical", "cpu", torch.float32)
+    assert full.every_token
+    base = x.double() @ w.double().T
+    ctx = SimpleNamespace(lora=full, lora_layout=layout, backend="reference", lora_stream=None)
+    y = lora_linear(x, w, ctx, 1, [1, 2], [48, 64])
+    torch.testing.assert_close(y[:, :48].double(), base[:, :48], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(y[:, 48:].double(), want[:, 48:], rtol=1e-4, atol=1e-4)
+    y = lora_linear(x, w, ctx, 1, [0], [0, 48])  # q only, as P+1 boundaries: k|v columns are the GEMM's alone
+    torch.testing.assert_close(y[:, 48:].double(), base[:, 48:], rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens", [1, 64, OVERLAP_TOKENS + 37])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])

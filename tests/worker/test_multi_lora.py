@@ -131,6 +131,12 @@ def test_mixed_batch_matches_peft_alone_and_merged(tiny_llama_dir, adapter_dirs,
         ctx, samplers = orig(batch)
         if ctx.lora is not None:
             sizes.append(len(set(ctx.lora.seg_slots.tolist())))
+            # The host-built batch carries what the kernels plan with: the mean rank over tokens with a
+            # slot, and whether every token has one (the prefill write path relies on it).
+            slots = ctx.lora.token_slots
+            ranks = ctx.lora_layout.max_rank_by_slot()[slots[slots >= 0].long()].float()
+            assert ctx.lora.mean_rank == pytest.approx(float(ranks.mean()))
+            assert ctx.lora.every_token == bool((slots >= 0).all())
         return ctx, samplers
 
     engine.runner.prepare = spy
