@@ -38,7 +38,7 @@ from kernel_setup import (  # same folder
 
 from lorafleet.kernels.attention import paged_attention_prefill
 from lorafleet.kernels.attention_triton import paged_attention_decode_triton, paged_attention_prefill_triton
-from lorafleet.kernels.lora import lora_delta, lora_expand, lora_shrink, shrink_buffer
+from lorafleet.kernels.lora import lora_delta, lora_shrink, shrink_buffer
 from lorafleet.kernels.lora_triton import lora_expand_triton, lora_shrink_triton
 
 
@@ -59,11 +59,11 @@ def layer_added(layer: LoRALayer, timer: Timer, rounds: int = 5) -> dict:
                 y.addmm_(x, w.t())
             if mode == "after":
                 lora_delta(x=x, layout=layer.layout, layer=0, proj_ids=proj_ids, batch=layer.batch, y=y, out_offsets=[a for a, _ in sl])
-            if mode in ("before", "shrinks"):
+            if mode == "shrinks":
                 xa = shrink_buffer(x=x, proj_ids=proj_ids, batch=layer.batch)
                 lora_shrink(x=x, layout=layer.layout, layer=0, proj_ids=proj_ids, batch=layer.batch, out=xa)
             if mode == "before":
-                lora_expand(xa=xa, layout=layer.layout, layer=0, proj_ids=proj_ids, batch=layer.batch, y=y, out_offsets=[a for a, _ in sl], accumulate=False)
+                lora_delta(x=x, layout=layer.layout, layer=0, proj_ids=proj_ids, batch=layer.batch, y=y, out_offsets=[a for a, _ in sl], accumulate=False)
                 y.addmm_(x, w.t())
 
     # The GEMMs' own time drifts between graphs (clocks): the modes are timed in alternation, rounds

@@ -151,15 +151,18 @@ def lora_expand(
 
 
 def lora_delta(
-    *, x: Tensor, layout: LoRALayout, layer: int, proj_ids: list[int], batch: LoRABatch, y: Tensor, out_offsets: list[int], backend: str = "auto"
-) -> None:
-    """A projection group's whole LoRA delta: `lora_shrink` into a fresh buffer, then `lora_expand` adding into y.
+    *, x: Tensor, layout: LoRALayout, layer: int, proj_ids: list[int], batch: LoRABatch, y: Tensor, out_offsets: list[int], backend: str = "auto",
+    accumulate: bool = True,
+) -> None:  # fmt: skip
+    """A projection group's whole LoRA delta: `lora_shrink` into a fresh buffer, then `lora_expand` into y.
 
     Semantics: y[t, o_i:o_i+n_i] += scale[slot(t), layer, p_i] * (x[t] @ A^T[slot(t), layer, p_i]) @ B^T[slot(t), layer, p_i] (rank columns only).
 
     x: [T, K] model dtype, last dim contiguous. y: [T, N] model dtype, last dim contiguous, updated in
-    place (tokens without a slot untouched). proj_ids, out_offsets: as `lora_expand`.
+    place (tokens without a slot untouched). proj_ids, out_offsets, accumulate: as `lora_expand`
+    (accumulate=False: y = the delta).
     """
     xa = shrink_buffer(x=x, proj_ids=proj_ids, batch=batch, backend=backend)
     lora_shrink(x=x, layout=layout, layer=layer, proj_ids=proj_ids, batch=batch, out=xa, backend=backend)
-    lora_expand(xa=xa, layout=layout, layer=layer, proj_ids=proj_ids, batch=batch, y=y, out_offsets=out_offsets, backend=backend)
+    lora_expand(xa=xa, layout=layout, layer=layer, proj_ids=proj_ids, batch=batch, y=y, out_offsets=out_offsets, backend=backend,
+                accumulate=accumulate)

@@ -35,9 +35,10 @@ from lorafleet.worker.forward_context import ForwardContext
 OVERLAP_TOKENS = 64  # at most this many tokens: the delta goes to the side stream
 
 
-def _delta(x: torch.Tensor, y: torch.Tensor, ctx: ForwardContext, layer: int, proj_ids: list[int], out_offsets: list[int]) -> None:
+def _delta(x: torch.Tensor, y: torch.Tensor, ctx: ForwardContext, layer: int, proj_ids: list[int], out_offsets: list[int],
+           accumulate: bool = True) -> None:
     lora.lora_delta(x=x, layout=ctx.lora_layout, layer=layer, proj_ids=proj_ids, batch=ctx.lora, y=y, out_offsets=out_offsets,
-                    backend=ctx.backend)
+                    backend=ctx.backend, accumulate=accumulate)
 
 
 def lora_linear(x: torch.Tensor, weight: torch.Tensor, ctx: ForwardContext, layer: int, proj_ids: list[int],
@@ -59,10 +60,7 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, ctx: ForwardContext, laye
         covered = out_offsets[0] == 0 and (len(out_offsets) == len(proj_ids) or out_offsets[-1] == weight.shape[0])
         alloc = torch.empty if batch.every_token and covered else torch.zeros
         y = alloc(num_tokens, weight.shape[0], dtype=x.dtype, device=x.device)
-        xa = lora.shrink_buffer(x=x, proj_ids=proj_ids, batch=batch, backend=ctx.backend)
-        lora.lora_shrink(x=x, layout=ctx.lora_layout, layer=layer, proj_ids=proj_ids, batch=batch, out=xa, backend=ctx.backend)
-        lora.lora_expand(xa=xa, layout=ctx.lora_layout, layer=layer, proj_ids=proj_ids, batch=batch, y=y, out_offsets=out_offsets,
-                         backend=ctx.backend, accumulate=False)
+        _delta(x, y, ctx, layer, proj_ids, out_offsets, accumulate=False)
         return y.addmm_(x, weight.t())
     side = ctx.lora_stream
     if side is None:
