@@ -68,6 +68,7 @@ class AdapterPool(AdapterLoading, AdapterPlacement, AdapterReports):
             scales=torch.zeros(shape, dtype=torch.float32, device=self.device),
             a_offsets=torch.zeros(*shape, config.max_rank, dtype=torch.int64, device=self.device),
             b_offsets=torch.zeros(*shape, config.max_rank, dtype=torch.int64, device=self.device),
+            row_align=dims.row_align(page_pool.page_elems),
         )
         # Optionally bound the CPU threads a loader's torch ops fan out to (GPU workers only).
         cpu_threads = config.loader_cpu_threads if self._cuda else None

@@ -71,6 +71,19 @@ def test_mixed_ranks_and_module_subsets_round_trip_through_the_layout(pool):
         assert len(e.page_ids) * PAGE_ELEMS - elems < len(e.page_ids) * 128  # < one (longest) row per page
         assert rows > 0
     assert 0 < pool.stats()["fragmentation"] < 0.13
+    # The layout's row_align is as large as the widths allow, and every live row honours it (the
+    # kernels' vector loads and L2 prefetches rely on it).
+    assert pool.layout.row_align == TINY_DIMS.row_align(PAGE_ELEMS) > 1
+    pool.layout.check_alignment()
+
+
+def test_row_align_follows_the_model_widths_and_page_size():
+    from lorafleet.worker.adapter_image import ModelDims
+
+    llama = ModelDims(num_layers=32, hidden_size=4096, intermediate_size=14336, q_size=4096, kv_size=1024)
+    assert llama.row_align(2 * 2 * 16 * 8 * 128 * 32) == 16
+    assert llama.row_align(1000) == 8
+    assert ModelDims(num_layers=2, hidden_size=64, intermediate_size=86, q_size=64, kv_size=32).row_align(4096) == 2
 
 
 def test_rows_never_straddle_pages():
