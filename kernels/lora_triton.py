@@ -58,6 +58,18 @@ def pdl_supported(device: str) -> bool:
     return "launch_pdl" in CUDAOptions.__dataclass_fields__ and torch.cuda.get_device_capability(torch.device(device))[0] >= 9
 
 
+def _prefetch(prefetch: bool | int | None, widths: list[int] | None, layout: LoRALayout) -> int:
+    """The shrink's L2 bulk prefetches (bits: 1 the expand's B rows, needs their widths; 2 its own A rows).
+    None: off (H200: it made the layer slower); True: both where possible. Needs Hopper or newer (TMA) and 16-byte aligned rows."""
+    mode = 0 if prefetch is None else 3 if prefetch is True else int(prefetch)
+    if widths is None:
+        mode &= ~1
+    if not mode or _INTERPRET or not layout.pool.is_cuda:
+        return 0
+    aligned = layout.row_align * layout.pool.element_size() % 16 == 0 and layout.pool.data_ptr() % 16 == 0
+    return mode if aligned and torch.cuda.get_device_capability(layout.pool.device)[0] >= 9 else 0
+
+
 def _pdl(pdl: bool | int | None, device: torch.device, num_programs: int) -> int:
     """PDL mode of a launch: 0 off; 1 or 2: the next kernel may launch as a program starts / after its
     main loop. Default: 1 for a grid of at most one program per SM (the waiting programs of the next
@@ -116,6 +128,8 @@ def lora_shrink_triton(
     num_warps: int | None = None,
     num_stages: int = 3,
     pdl: bool | int | None = None,
+    prefetch_widths: list[int] | None = None,
+    prefetch: bool | int | None = None,
 ) -> None:
     """Triton backend of `kernels.lora.lora_shrink` (inputs already checked there).
 
@@ -125,6 +139,9 @@ def lora_shrink_triton(
     its partial sum, zeros for an empty range). block_k, block_r, num_warps, num_stages: tile over K,
     rank rows per program (ranks above it take several programs), warps per program and pipeline
     depth (benchmark sweeps). pdl: programmatic dependent launch (None/True: where supported, 1/2: trigger mode, see _pdl).
+    prefetch_widths: the P widths of the B^T rows the expand reads next: each program prefetches its
+    share of them into L2, and its own A rows, before waiting for the previous kernel (Hopper; prefetch:
+    see _prefetch, False turns both off, for a benchmark).
     """
     num_segments, num_proj = batch.num_segments, len(proj_ids)
     if num_segments == 0 or batch.max_rank == 0:
@@ -137,11 +154,14 @@ def lora_shrink_triton(
     k_per_split = triton.cdiv(triton.cdiv(K, block_k), num_splits) * block_k
     grid = (num_segments, num_proj * num_r_chunks, num_splits)
     use_pdl = _pdl(pdl, x.device, grid[0] * grid[1] * grid[2])
+    use_prefetch = _prefetch(prefetch, prefetch_widths, layout)
     shrink_kernel[grid](
         x,
         layout.pool,
         layout.ranks,
         layout.a_offsets,
+        layout.b_offsets,
+        _device_ints(tuple(prefetch_widths) if use_prefetch & 1 else (0,), str(x.device)),
         batch.sorted_token_ids,
         batch.seg_starts,
         batch.seg_slots,
@@ -163,6 +183,7 @@ def lora_shrink_triton(
         ALIGN=layout.row_align,
         UPCAST=_upcast(x.dtype),
         PDL=use_pdl,
+        PREFETCH=use_prefetch,
         num_warps=num_warps or (8 if block_t >= 64 else 4),
         num_stages=num_stages,
         **({"launch_pdl": True} if use_pdl else {}),
