@@ -113,10 +113,6 @@ def bench_lora(timer: Timer, copy_gbs: float, gen: torch.Generator, quick: bool,
                 row = {"tokens": num_tokens, "adapters": num_adapters, "distinct": distinct, "rank": rank_name, "adapter_bytes": nbytes}
                 row["floor_us"] = nbytes / (copy_gbs * 1e3)
                 row["triton_us"] = timer.graph(layer.triton)
-                # Without the shrink's L2 prefetch of the expand's B rows (on by default where the GPU has it).
-                row["no_prefetch_us"] = timer.graph(functools.partial(layer.kernels, prefetch=False))
-                if num_tokens in (1, 64, 256, 1024) and num_adapters in (8, 32):  # prefetch bits: 1 B rows, 2 A rows
-                    row["prefetch_modes_us"] = {m: timer.graph(functools.partial(layer.kernels, prefetch=m)) for m in (1, 2, 3, 5, 6, 7)}
                 if num_tokens in (64, 256) and num_adapters == 32 and rank_name in ("16", "mixed", "30"):
                     row["class_tiles_us"] = {n: timer.graph(functools.partial(layer.kernels, n)) for n in (2048, 4096, 8192)}
                 if num_tokens >= 256 and num_adapters in (8, 32) and rank_name == "16":
@@ -248,7 +244,6 @@ def summarize(rows: list, base: dict, attn: dict, copy_gbs: float) -> dict:
             out[f"decode_T{t}_32x_r16"] = {
                 "triton_us": row["triton_us"], "floor_us": row["floor_us"],
                 "x_floor": row["triton_us"] / row["floor_us"], "target_x_floor": 1.6, "base_gemm_us": base[t],
-                "no_prefetch_us": row["no_prefetch_us"],
             }  # fmt: skip
             if "reference_us" in row:
                 out[f"decode_T{t}_32x_r16"].update(vs_reference=row["reference_us"] / row["triton_us"], target_vs_reference=20,
@@ -310,10 +305,10 @@ def main(argv: list[str] | None = None) -> int:
     only = {(int(t), int(a), r) for t, a, r in (c.split(":") for c in args.cases.split(",") if c)}
     rows, sweep = bench_lora(timer, copy_gbs, gen, args.quick, only)
     summary = summarize(rows, base, attn, copy_gbs)
-    print(f"\n{'T':>5} {'A':>3} {'rank':>5} {'triton us':>10} {'no prefetch':>11} {'floor us':>9} {'% copy bw':>9} {'per-token':>9} {'ref us':>8} {'loop us':>9} {'base us':>8}")
+    print(f"\n{'T':>5} {'A':>3} {'rank':>5} {'triton us':>10} {'floor us':>9} {'% copy bw':>9} {'per-token':>9} {'ref us':>8} {'loop us':>9} {'base us':>8}")
     for r in rows:
         print(
-            f"{r['tokens']:>5} {r['adapters']:>3} {r['rank']:>5} {r['triton_us']:>10.1f} {r['no_prefetch_us']:>11.1f} {r['floor_us']:>9.1f} {100 * r['bandwidth_frac']:>8.0f}% "
+            f"{r['tokens']:>5} {r['adapters']:>3} {r['rank']:>5} {r['triton_us']:>10.1f} {r['floor_us']:>9.1f} {100 * r['bandwidth_frac']:>8.0f}% "
             f"{r.get('triton_per_token_us', float('nan')):>9.1f} {r.get('reference_us', float('nan')):>8.0f} {r.get('loop_us', float('nan')):>9.0f} {base[r['tokens']]:>8.1f}"
         )
     print(json.dumps(summary, indent=1))

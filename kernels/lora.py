@@ -74,10 +74,7 @@ def _as_splits(name: str, xa: Tensor, num_proj: int, batch: LoRABatch) -> Tensor
     return xa4
 
 
-def lora_shrink(
-    *, x: Tensor, layout: LoRALayout, layer: int, proj_ids: list[int], batch: LoRABatch, out: Tensor, backend: str = "auto",
-    prefetch_widths: list[int] | None = None,
-) -> None:  # fmt: skip
+def lora_shrink(*, x: Tensor, layout: LoRALayout, layer: int, proj_ids: list[int], batch: LoRABatch, out: Tensor, backend: str = "auto") -> None:
     """Project each token onto its adapter's A rows, for several projections sharing one input.
 
     Semantics: sum_s out[s, i, t, j] = sum_k x[t, k] * A[slot(t), layer, proj_ids[i]][j, k] for j < rank, every t with slot(t) >= 0.
@@ -87,8 +84,6 @@ def lora_shrink(
     out: float32 [S, P, T, R] with S >= 1 partial sums over K and R >= batch.max_rank, contiguous
     (`shrink_buffer` makes one; a [P, T, R] buffer is one split, which leaves the GPU less parallel). Entries past a slot's rank, of tokens without a slot, or of a module
     the slot does not adapt are not read by `lora_expand` and may hold anything.
-    prefetch_widths: optional, the P output widths of the `lora_expand` that follows; the Triton
-    backend then prefetches those B^T rows into L2 while it reads A (Hopper). Results are unchanged.
     """
     _check_common("lora_shrink", layout, layer, proj_ids, batch, x.device)
     if x.dim() != 2 or x.shape[0] != batch.num_tokens or x.stride(1) != 1:
@@ -101,9 +96,7 @@ def lora_shrink(
     if resolve_backend(backend, x.device) == "triton":
         from lorafleet.kernels.lora_triton import lora_shrink_triton
 
-        if prefetch_widths is not None and len(prefetch_widths) != len(proj_ids):
-            raise ValueError(f"lora_shrink: prefetch_widths needs {len(proj_ids)} widths, got {prefetch_widths}")
-        lora_shrink_triton(x=x, layout=layout, layer=layer, proj_ids=proj_ids, batch=batch, out=out, prefetch_widths=prefetch_widths)
+        lora_shrink_triton(x=x, layout=layout, layer=layer, proj_ids=proj_ids, batch=batch, out=out)
     else:
         lora_shrink_reference(x=x, layout=layout, layer=layer, proj_ids=proj_ids, batch=batch, out=out)
 
@@ -170,7 +163,6 @@ def lora_delta(
     (accumulate=False: y = the delta).
     """
     xa = shrink_buffer(x=x, proj_ids=proj_ids, batch=batch, backend=backend)
-    widths = [n for _, n in output_slices(out_offsets, len(proj_ids), y.shape[1])] if y.dim() == 2 else None
-    lora_shrink(x=x, layout=layout, layer=layer, proj_ids=proj_ids, batch=batch, out=xa, backend=backend, prefetch_widths=widths)
+    lora_shrink(x=x, layout=layout, layer=layer, proj_ids=proj_ids, batch=batch, out=xa, backend=backend)
     lora_expand(xa=xa, layout=layout, layer=layer, proj_ids=proj_ids, batch=batch, y=y, out_offsets=out_offsets, backend=backend,
                 accumulate=accumulate)

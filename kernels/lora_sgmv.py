@@ -8,11 +8,7 @@ launch (PDL, Hopper) that metadata is read while the previous kernel finishes: e
 read) and before it can return, so a dependent grid never finishes ahead of its own predecessor.
 
 Shrink writes per-split partial sums (out[split]) with plain stores: no zero fill, no atomics; expand
-adds the splits as it loads its (tiny) xa tile. With PREFETCH (Hopper), each shrink program also asks
-the TMA unit to bring its share of the B rows the expand reads next into L2, and its own A rows, before
-it waits for the previous kernel (bulk prefetches, nothing waits on them): the expand's bytes stream
-from DRAM while the shrink runs, and the expand reads L2. L2 is the GPU's point of coherence, so a
-prefetch issued before `gdc_wait` cannot serve stale data.
+adds the splits as it loads its (tiny) xa tile.
 """
 
 from __future__ import annotations
@@ -24,6 +20,9 @@ try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # an older Triton: the launchers never set PDL
     gdc_launch_dependents = gdc_wait = None
+
+
+XA_TILE = tl.constexpr(8192)  # elements of xa (splits x token tile x rank tile) the expand sums in one unrolled group
 
 
 @triton.jit
@@ -40,40 +39,11 @@ def _gdc_launch_dependents(PDL: tl.constexpr, WHEN: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_l2(addr, nbytes):
-    """Thread 0 of the program: cp.async.bulk.prefetch.L2 of nbytes (a multiple of 16, <= 0: none) at addr (int64, 16-byte aligned)."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; setp.gt.and.s32 p, $2, 0, p; "
-        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [addr, nbytes], dtype=tl.int32, is_pure=False, pack=1,
-    )  # fmt: skip
-
-
-@triton.jit
-def _prefetch_rows(pool_ptr, rows, offs_r, r0, rank, c_lo, n, BLOCK_R: tl.constexpr, VEC: tl.constexpr):
-    """Prefetch elements [c_lo, c_lo + n) of pool rows r0..r0+BLOCK_R below rank (rows: their offsets, indexed by offs_r).
-    VEC: every thread holding a row issues it (replicas repeat it); else one thread per row, rows picked out by reductions."""
-    esize: tl.constexpr = pool_ptr.dtype.element_ty.primitive_bitwidth // 8
-    nbytes = (n * esize) // 16 * 16
-    if VEC:
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-            "=r,l,r", [(pool_ptr + rows + c_lo).to(tl.int64), tl.where(offs_r < rank, nbytes, 0).to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1,
-        )  # fmt: skip
-    else:
-        for j in tl.static_range(BLOCK_R):
-            row = tl.sum(tl.where(offs_r == r0 + j, rows, 0))
-            _prefetch_l2((pool_ptr + row + c_lo).to(tl.int64), tl.where(r0 + j < rank, nbytes, 0).to(tl.int32))
-
-
-@triton.jit
 def shrink_kernel(
     x_ptr,  # [T, K] model dtype
     pool_ptr,  # flat pool, model dtype
     ranks_ptr,  # int32 [L, 7, M]
     a_off_ptr,  # int64 [L, 7, M, max_rank]
-    b_off_ptr,  # int64 [L, 7, M, max_rank] (PREFETCH)
-    widths_ptr,  # int32 [P]: B^T row widths of the projections (PREFETCH)
     token_ids_ptr,  # int32 [T_lora]
     seg_starts_ptr,  # int32 [S+1]
     seg_slots_ptr,  # int32 [S]
@@ -95,7 +65,6 @@ def shrink_kernel(
     ALIGN: tl.constexpr,
     UPCAST: tl.constexpr,
     PDL: tl.constexpr,
-    PREFETCH: tl.constexpr,  # bits: 1 the expand's B rows, 2 this program's A rows (L2 bulk prefetch, Hopper), 4 see _prefetch_rows
 ):
     seg = tl.program_id(0)
     i = tl.program_id(1) // num_r_chunks
@@ -113,22 +82,14 @@ def shrink_kernel(
     rank = tl.load(ranks_ptr + meta)
     a_row = tl.load(a_off_ptr + meta.to(tl.int64) * layout_max_rank + offs_r, mask=offs_r < layout_max_rank, other=0)
     a_row = tl.multiple_of(a_row, ALIGN)
-    b_row = tl.load(b_off_ptr + meta.to(tl.int64) * layout_max_rank + offs_r, mask=offs_r < (layout_max_rank if PREFETCH & 1 else 0), other=0)
     arange_t = tl.arange(0, BLOCK_T)
     tok = tl.load(token_ids_ptr + start + arange_t, mask=start + arange_t < end, other=0)
     rank = tl.where(slot < 0, 0, rank)
-    k_lo = split * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, K)
-    if PREFETCH & 2:  # this program's A rows, ahead of the wait for the previous kernel
-        _prefetch_rows(pool_ptr, a_row, offs_r, r0, rank, k_lo, k_hi - k_lo, BLOCK_R, PREFETCH & 4)
-    if PREFETCH & 1:  # a 1/splits share of the B^T rows the expand reads next, in whole 128-byte lines
-        line: tl.constexpr = 128 * 8 // pool_ptr.dtype.element_ty.primitive_bitwidth
-        width = tl.load(widths_ptr + i)
-        share = tl.cdiv(tl.cdiv(width, tl.num_programs(2)), line) * line
-        _prefetch_rows(pool_ptr, b_row, offs_r, r0, rank, split * share, tl.minimum(share, width - split * share), BLOCK_R, PREFETCH & 4)
     _gdc_wait(PDL)
     if r0 >= rank:  # no slot, a module the slot does not adapt, or a rank chunk past the slot's rank
         return
+    k_lo = split * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
     r_mask = offs_r < rank
     arange_k = tl.arange(0, BLOCK_K)
     for t0 in range(start, end, BLOCK_T):
@@ -155,12 +116,20 @@ def shrink_kernel(
 
 @triton.jit
 def _load_xa(xa_base, stride_xs, tok64, t_mask, offs_r, r_mask, stride_xt, SPLITS: tl.constexpr):
-    """sum over the SPLITS splits of xa[s, tok, offs_r]: float32 [BLOCK_T, BLOCK_R]; the unrolled loads are independent."""
+    """sum over the SPLITS splits of xa[s, tok, offs_r]: float32 [BLOCK_T, BLOCK_R]. The loads of a group of
+    splits holding at most XA_TILE elements are unrolled and independent; groups follow one another (a
+    program of a large rank class in a batch whose splits were planned for smaller ranks)."""
     ptrs = xa_base + tok64[:, None] * stride_xt + offs_r[None, :]
     mask = t_mask[:, None] & r_mask[None, :]
+    GROUP: tl.constexpr = XA_TILE // (tok64.shape[0] * offs_r.shape[0])
+    FIRST: tl.constexpr = SPLITS if SPLITS < GROUP else GROUP
     acc = tl.load(ptrs, mask=mask, other=0.0)
-    for s in tl.static_range(1, SPLITS):
+    for s in tl.static_range(1, FIRST):
         acc += tl.load(ptrs + s * stride_xs, mask=mask, other=0.0)
+    if SPLITS > GROUP:  # both powers of two: GROUP divides SPLITS
+        for s0 in range(GROUP, SPLITS, GROUP):
+            for s in tl.static_range(GROUP):
+                acc += tl.load(ptrs + (s0 + s) * stride_xs, mask=mask, other=0.0)
     return acc
 
 

@@ -11,8 +11,8 @@ adapter's prefill still spreads over many programs.
 Grids (programs in lora_sgmv.py): shrink (segment, projection x rank chunk of 16 rows, K split), each
 split storing its partial sum in out[split]; expand (segment, projection, column range): each program
 holds its slot's whole rank in one tile of its rank class (16, 32, 64 or 128 rows; a smaller class
-gets a wider column tile and more columns, so every program reads about the same bytes), adds the
-splits of xa as it loads them, and walks its column tiles with y read two tiles ahead (or, in write
+gets a wider column tile and more columns, so every program reads about the same bytes; groups wider
+than CLASS_TILES_MIN_COLS columns), adds the splits of xa as it loads them, and walks its column tiles with y read two tiles ahead (or, in write
 mode, y = delta without reading y). Loads are upcast to float32 under
 Triton's interpreter (its bf16/fp16 arithmetic is wrong) and for float32 models; on a GPU, 16-bit
 operands go to the tensor cores with float32 accumulation. On Hopper the kernels use programmatic
@@ -29,10 +29,11 @@ import triton
 from torch import Tensor
 
 from lorafleet.kernels.lora_layout import NUM_PROJS, LoRABatch, LoRALayout
-from lorafleet.kernels.lora_sgmv import expand_kernel, gdc_wait, shrink_kernel
+from lorafleet.kernels.lora_sgmv import XA_TILE, expand_kernel, gdc_wait, shrink_kernel
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-XA_TILE_ELEMS = 8192  # splits x token tile x rank tile (32 rows at least) of xa that expand sums in registers
+CLASS_TILES_MIN_COLS = 4096  # expand tiles per rank class only for output slices wider than this in all
+XA_TILE_ELEMS = XA_TILE.value  # splits x token tile x rank tile of xa that expand sums in one group of loads
 
 
 @functools.lru_cache(maxsize=256)
@@ -56,18 +57,6 @@ def pdl_supported(device: str) -> bool:
     from triton.backends.nvidia.compiler import CUDAOptions
 
     return "launch_pdl" in CUDAOptions.__dataclass_fields__ and torch.cuda.get_device_capability(torch.device(device))[0] >= 9
-
-
-def _prefetch(prefetch: bool | int | None, widths: list[int] | None, layout: LoRALayout) -> int:
-    """The shrink's L2 bulk prefetches (bits: 1 the expand's B rows, needs their widths; 2 its own A rows).
-    None: off (H200: it made the layer slower); True: both where possible. Needs Hopper or newer (TMA) and 16-byte aligned rows."""
-    mode = 0 if prefetch is None else 3 if prefetch is True else int(prefetch)
-    if widths is None:
-        mode &= ~1
-    if not mode or _INTERPRET or not layout.pool.is_cuda:
-        return 0
-    aligned = layout.row_align * layout.pool.element_size() % 16 == 0 and layout.pool.data_ptr() % 16 == 0
-    return mode if aligned and torch.cuda.get_device_capability(layout.pool.device)[0] >= 9 else 0
 
 
 def _pdl(pdl: bool | int | None, device: torch.device, num_programs: int) -> int:
@@ -108,7 +97,10 @@ def shrink_splits(*, k: int, num_proj: int, batch: LoRABatch, device: torch.devi
     # mixing ranks gets the splits of one whose ranks all equal that mean).
     programs = batch.num_segments * num_proj * max(1, triton.cdiv(round(batch.planning_rank), 16) // 2)
     splits = triton.cdiv(programs_per_sm * _num_sms(str(device)), programs)
-    most = max(1, XA_TILE_ELEMS // (_block_t(batch) * max(32, _rank_tile(batch))))
+    # At most one group of xa loads for a program of the batch's typical rank class (larger classes sum
+    # theirs in several, see lora_sgmv._load_xa): a rank-64 slot among rank-8 ones must not halve every
+    # program's splits (H200, down_proj over ranks {8,16,32,64}: 21.6 us with 8 splits vs 13.7 at rank 30).
+    most = max(1, XA_TILE_ELEMS // (_block_t(batch) * max(32, _pow2(round(batch.planning_rank), 16, 128))))
     splits = max(1, min(splits, triton.cdiv(k, 128), most, 16))
     # A power of two: the expand kernel is compiled per split count, and a server's batches must not
     # keep finding new counts (each a JIT compile stalling a step).
@@ -128,8 +120,6 @@ def lora_shrink_triton(
     num_warps: int | None = None,
     num_stages: int = 3,
     pdl: bool | int | None = None,
-    prefetch_widths: list[int] | None = None,
-    prefetch: bool | int | None = None,
 ) -> None:
     """Triton backend of `kernels.lora.lora_shrink` (inputs already checked there).
 
@@ -139,9 +129,6 @@ def lora_shrink_triton(
     its partial sum, zeros for an empty range). block_k, block_r, num_warps, num_stages: tile over K,
     rank rows per program (ranks above it take several programs), warps per program and pipeline
     depth (benchmark sweeps). pdl: programmatic dependent launch (None/True: where supported, 1/2: trigger mode, see _pdl).
-    prefetch_widths: the P widths of the B^T rows the expand reads next: each program prefetches its
-    share of them into L2, and its own A rows, before waiting for the previous kernel (Hopper; prefetch:
-    see _prefetch, False turns both off, for a benchmark).
     """
     num_segments, num_proj = batch.num_segments, len(proj_ids)
     if num_segments == 0 or batch.max_rank == 0:
@@ -154,14 +141,11 @@ def lora_shrink_triton(
     k_per_split = triton.cdiv(triton.cdiv(K, block_k), num_splits) * block_k
     grid = (num_segments, num_proj * num_r_chunks, num_splits)
     use_pdl = _pdl(pdl, x.device, grid[0] * grid[1] * grid[2])
-    use_prefetch = _prefetch(prefetch, prefetch_widths, layout)
     shrink_kernel[grid](
         x,
         layout.pool,
         layout.ranks,
         layout.a_offsets,
-        layout.b_offsets,
-        _device_ints(tuple(prefetch_widths) if use_prefetch & 1 else (0,), str(x.device)),
         batch.sorted_token_ids,
         batch.seg_starts,
         batch.seg_slots,
@@ -183,7 +167,6 @@ def lora_shrink_triton(
         ALIGN=layout.row_align,
         UPCAST=_upcast(x.dtype),
         PDL=use_pdl,
-        PREFETCH=use_prefetch,
         num_warps=num_warps or (8 if block_t >= 64 else 4),
         num_stages=num_stages,
         **({"launch_pdl": True} if use_pdl else {}),
@@ -235,7 +218,9 @@ def lora_expand_triton(
     widest = max(n for _, n in out_slices)
     block_t = _block_t(batch)
     # Tiles per rank class, unless a tuning sweep fixes both for every program (or ranks pass 128).
-    by_class = block_r is None and block_n is None and batch.max_rank <= 128
+    # H200, ranks {8, 16, 32, 64} at T=64: they pay on q|k|v and gate|up, and cost ~1.5 us on a lone
+    # 4096-wide o or down slice (each class-16 program is then one wide tile, many programs idle).
+    by_class = block_r is None and block_n is None and batch.max_rank <= 128 and sum(n for _, n in out_slices) > CLASS_TILES_MIN_COLS
     block_r = block_r or _rank_tile(batch)
 
     def tile_n(rank_class: int) -> int:
