@@ -15,7 +15,7 @@ latency-bound kernels; the base GEMM beside it is long.
 
 H200, one Llama-3-8B layer (bench/results/kernels_*_20261130_h200.json, four runs): at T=1024 over 8
 adapters the delta written before the GEMMs adds 63.9, 89.8, 92.8 and 65.5 us to their ~640 us (after
-them: 66.1, 85.2, 92.2 and 82.5), over 32 adapters 60.9 to 88.3 us (after them: 256 to 276), at T=256
+them: 66.1, 85.2, 92.2 and 82.5), over 32 adapters 35.4 to 88.3 us (after them: 256 to 276), at T=256
 over 8 adapters 48.9 to 50.3 us (after them: 130.7 to 133.3).
 The side stream cuts the time a decode delta adds to the layer from 27.8 to 9.1 us at T=1 and from
 70.2 to 68.2 us at T=64 (lora_overlap_20261130_h200.json).
