@@ -12,10 +12,11 @@ Grids (programs in lora_sgmv.py): shrink (segment, projection x rank chunk of 16
 split storing its partial sum in out[split]; expand (segment, projection, column range): each program
 holds its slot's whole rank in one tile of its rank class (16, 32, 64 or 128 rows; a smaller class
 gets a wider column tile and more columns, so every program reads about the same bytes; groups wider
-than CLASS_TILES_MIN_COLS columns), adds the splits of xa as it loads them, and walks its column tiles with y read two tiles ahead (or, in write
-mode, y = delta without reading y). Loads are upcast to float32 under
-Triton's interpreter (its bf16/fp16 arithmetic is wrong) and for float32 models; on a GPU, 16-bit
-operands go to the tensor cores with float32 accumulation. On Hopper the kernels use programmatic
+than CLASS_TILES_MIN_COLS columns, else one tile of the largest class), adds the splits of xa as it
+loads them, and walks its column tiles with y read two tiles ahead (or, in write mode, y = delta
+without reading y). Loads are upcast to float32 under Triton's interpreter (its bf16/fp16 arithmetic
+is wrong) and for float32 models; on a GPU, 16-bit operands go to the tensor cores with float32
+accumulation. On Hopper the kernels use programmatic
 dependent launch (metadata reads overlap the previous kernel's tail).
 """
 

@@ -241,6 +241,33 @@ def test_shrink_buffer_sizes_the_partial_sums(gen):
     assert mixed == shrink_splits(k=14336, num_proj=1, batch=batch, device=x.device)
 
 
+@pytest.mark.parametrize("accumulate", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_expand_tiles_per_rank_class(dtype, accumulate, gen, monkeypatch):
+    """The small test widths sit below CLASS_TILES_MIN_COLS: lowered to 0, every group takes the
+    per-rank-class tiles (classes 16 to 128, column walks scaled by class) and still gives the dense
+    answer, in both modes, with 1 or 3 partial sums."""
+    from lorafleet.kernels import lora_triton
+
+    monkeypatch.setattr(lora_triton, "CLASS_TILES_MIN_COLS", 0)
+    modules, layout = _setup(gen, num_slots=12, dtype=dtype, ranks=(*MIXED_RANKS, 24))  # every class: 16, 32, 64, 128
+    for grouped, num_tokens, splits in ((True, 40, 3), (False, 9, 1)):
+        slots = token_slots("mixed_none", num_tokens, 12, gen)
+        batch = make_lora_batch(slots, layout.max_rank_by_slot(), grouped=grouped)
+        for group, (proj_ids, k, widths) in GROUPS.items():
+            x = torch.randn(num_tokens, k, generator=gen).to(dtype)
+            if accumulate:
+                _check_expand(modules, layout, batch, x, slots, group, 1, "triton", dtype, gen, splits)
+                continue
+            xa = split_xa(modules, slots, x, 1, proj_ids, batch.max_rank, splits, gen)
+            y = torch.full((num_tokens, sum(widths)), float("nan")).to(dtype)
+            offsets = [sum(widths[:i]) for i in range(len(widths))]
+            lora_expand(xa=xa, layout=layout, layer=1, proj_ids=proj_ids, batch=batch, y=y, out_offsets=offsets, backend="triton", accumulate=False)
+            want = torch.cat([dense_delta(modules, slots, x, 1, p, n) for p, n in zip(proj_ids, widths, strict=True)], dim=1)
+            live = slots >= 0
+            assert _rel_err(y[live], want[live]) < TOL[dtype]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_triton_expand_sums_many_splits_in_groups(dtype, gen):
     """16 partial sums: programs of rank classes 64 and 128 hold more xa than one unrolled group of
