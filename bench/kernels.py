@@ -113,6 +113,8 @@ def bench_lora(timer: Timer, copy_gbs: float, gen: torch.Generator, quick: bool,
                 row = {"tokens": num_tokens, "adapters": num_adapters, "distinct": distinct, "rank": rank_name, "adapter_bytes": nbytes}
                 row["floor_us"] = nbytes / (copy_gbs * 1e3)
                 row["triton_us"] = timer.graph(layer.triton)
+                if num_tokens == 64 and num_adapters == 32 and rank_name in ("16", "mixed", "30"):
+                    row["groups"] = group_breakdown(layer, timer)
                 if num_tokens in (64, 256) and num_adapters == 32 and rank_name in ("16", "mixed", "30"):
                     row["class_tiles_us"] = {n: timer.graph(functools.partial(layer.kernels, n)) for n in (2048, 4096, 8192)}
                 if num_tokens >= 256 and num_adapters in (8, 32) and rank_name == "16":
@@ -133,6 +135,23 @@ def bench_lora(timer: Timer, copy_gbs: float, gen: torch.Generator, quick: bool,
             del layout, dense
             torch.cuda.empty_cache()
     return rows, sweep
+
+
+def group_breakdown(layer: LoRALayer, timer: Timer) -> dict:
+    """Each group's shrink, expand and the pair alone, with a cold L2 and with the group's weights left
+    in L2 by the previous call: how much of the layer is memory and how much the kernels' latency."""
+    res = {}
+    for g, ((proj_ids, _), x, y, xa, sl) in enumerate(zip(GROUPS, layer.xs, layer.ys, layer.xas, layer.slices, strict=True)):
+        shrink = functools.partial(lora_shrink_triton, x=x, layout=layer.layout, layer=0, proj_ids=proj_ids, batch=layer.batch, out=xa)
+        expand = functools.partial(lora_expand_triton, xa=xa, layout=layer.layout, layer=0, proj_ids=proj_ids, batch=layer.batch, y=y, out_slices=sl)
+
+        def pair(shrink=shrink, expand=expand) -> None:
+            shrink()
+            expand()
+
+        res[g] = {f"{name}_{'cold' if cold else 'warm'}_us": timer.graph(fn, cold=cold) for name, fn in (("shrink", shrink), ("expand", expand), ("pair", pair))
+                  for cold in (True, False)}  # fmt: skip
+    return res
 
 
 def timed(results: dict, name: str, timer: Timer, fn) -> None:
