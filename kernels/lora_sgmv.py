@@ -121,7 +121,8 @@ def _load_xa(xa_base, stride_xs, tok64, t_mask, offs_r, r_mask, stride_xt, SPLIT
     program of a large rank class in a batch whose splits were planned for smaller ranks)."""
     ptrs = xa_base + tok64[:, None] * stride_xt + offs_r[None, :]
     mask = t_mask[:, None] & r_mask[None, :]
-    GROUP: tl.constexpr = XA_TILE // (tok64.shape[0] * offs_r.shape[0])
+    TILE: tl.constexpr = tok64.shape[0] * offs_r.shape[0]
+    GROUP: tl.constexpr = XA_TILE // TILE if TILE <= XA_TILE else 1
     FIRST: tl.constexpr = SPLITS if SPLITS < GROUP else GROUP
     acc = tl.load(ptrs, mask=mask, other=0.0)
     for s in tl.static_range(1, FIRST):

@@ -16,8 +16,8 @@ than CLASS_TILES_MIN_COLS columns, else one tile of the largest class), adds the
 loads them, and walks its column tiles with y read two tiles ahead (or, in write mode, y = delta
 without reading y). Loads are upcast to float32 under Triton's interpreter (its bf16/fp16 arithmetic
 is wrong) and for float32 models; on a GPU, 16-bit operands go to the tensor cores with float32
-accumulation. On Hopper the kernels use programmatic
-dependent launch (metadata reads overlap the previous kernel's tail).
+accumulation. On Hopper the kernels use programmatic dependent launch (metadata reads overlap the
+previous kernel's tail).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from lorafleet.kernels.lora_layout import NUM_PROJS, LoRABatch, LoRALayout
 from lorafleet.kernels.lora_sgmv import XA_TILE, expand_kernel, gdc_wait, shrink_kernel
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-CLASS_TILES_MIN_COLS = 4096  # expand tiles per rank class only for output slices wider than this in all
+CLASS_TILES_MIN_COLS = 4096  # expand tiles per rank class only where the slices total more columns than this
 XA_TILE_ELEMS = XA_TILE.value  # splits x token tile x rank tile of xa that expand sums in one group of loads
 
 

@@ -72,7 +72,7 @@ def test_mixed_ranks_and_module_subsets_round_trip_through_the_layout(pool):
         assert rows > 0
     assert 0 < pool.stats()["fragmentation"] < 0.13
     # The layout's row_align is as large as the widths allow, and every live row honours it (the
-    # kernels' vector loads and L2 prefetches rely on it).
+    # kernels' vector loads rely on it).
     assert pool.layout.row_align == TINY_DIMS.row_align(PAGE_ELEMS) > 1
     pool.layout.check_alignment()
 
