@@ -97,10 +97,10 @@ class Engine:
         )
         kv_caches = self.page_pool.kv_caches(num_layers=mc.num_hidden_layers, block_size=config.block_size,
                                              num_kv_heads=mc.num_key_value_heads, head_dim=mc.head_dim)
-        graphs, lora_stream = None, None
-        if config.lora_overlap and self.device.type == "cuda":
-            lora_stream = torch.cuda.Stream(self.device)
-        if config.cuda_graphs and resolve_backend(config.kernel_backend, self.device) == "triton" and self.device.type == "cuda":
+        gpu_kernels = self.device.type == "cuda" and resolve_backend(config.kernel_backend, self.device) == "triton"
+        lora_stream = torch.cuda.Stream(self.device) if config.lora_overlap and self.device.type == "cuda" else None
+        graphs = None
+        if config.cuda_graphs and gpu_kernels:
             graphs = DecodeGraphs(self.model, kv_caches, device=self.device, max_num_seqs=config.max_num_seqs,
                                   max_blocks=-(-self.max_model_len // config.block_size), backend=config.kernel_backend,
                                   lora_layout=self._lora_layout, lora_stream=lora_stream,
@@ -109,15 +109,14 @@ class Engine:
                                   backend=config.kernel_backend, lora_layout=self._lora_layout,
                                   slot_max_rank=self._slot_max_rank, lora_segment_len=config.lora_segment_len,
                                   graphs=graphs, lora_stream=lora_stream)
-        if self.device.type == "cuda" and resolve_backend(config.kernel_backend, self.device) == "triton":
+        if gpu_kernels:
             self._warm_up(config)
         self.sampler = Sampler(seed=config.seed, device=self.device)
         self.stop_checker = StopChecker(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self.requests: dict[str, Sequence] = {}
         self._emitted: dict[str, tuple[int, int]] = {}  # request_id -> (tokens, chars) reported
         self._ids = itertools.count()
-        self.last_batch_size = 0
-        self.last_batch_adapters = 0
+        self.last_batch_size, self.last_batch_adapters = 0, 0
         if config.adapters:
             self.register_adapter_dir(config.adapters)
 
