@@ -144,10 +144,12 @@ class LoRALayer:
         self.xas = [shrink_buffer(x=x, proj_ids=p, batch=self.batch, backend="triton") for x, (p, _) in zip(self.xs, GROUPS, strict=True)]
         self.slices = [[(sum(w[:i]), w[i]) for i in range(len(w))] for _, w in GROUPS]
 
-    def triton(self) -> None:
-        """The engine's path for a delta after the GEMM: `lora_delta` per group (shrink, then expand adding into y)."""
+    def triton(self, accumulate: bool = False) -> None:
+        """The engine's delta: `lora_delta` per group, shrink then expand in write mode (y = delta, y not
+        read; the GEMM, or one add beside it, combines them: worker/lora_linear.py); accumulate=True adds
+        the delta into y instead (y read and written)."""
         for (proj_ids, _), x, y, sl in zip(GROUPS, self.xs, self.ys, self.slices, strict=True):
-            lora_delta(x=x, layout=self.layout, layer=0, proj_ids=proj_ids, batch=self.batch, y=y, out_offsets=[a for a, _ in sl])
+            lora_delta(x=x, layout=self.layout, layer=0, proj_ids=proj_ids, batch=self.batch, y=y, out_offsets=[a for a, _ in sl], accumulate=accumulate)
 
     def kernels(self, class_tile_elems: int = 8192) -> None:
         """Shrink and expand with the expand's per-rank-class tiles of class_tile_elems elements (a sweep)."""

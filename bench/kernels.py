@@ -4,10 +4,13 @@
 
 LoRA: all seven projections of one layer (q|k|v, o, gate|up, down: four shrink/expand pairs) for T
 tokens spread round-robin over A adapters (distinct adapters in the batch = min(T, A)), ranks 8, 16,
-64 or mixed {8, 16, 32, 64}. Floor = the distinct adapters' bytes / copy bandwidth measured in the same
-run. Triton kernels are timed as CUDA-graph replays with the L2 flushed before each layer (the flush's
-own time measured and subtracted); the torch reference (gather + bmm) and a per-adapter loop are timed
-eagerly (they synchronise with the host). Base GEMMs: the layer's four fused matmuls, same method.
+64 or mixed {8, 16, 32, 64}; the delta as the engine computes it (expand in write mode, y = delta;
+"triton_accumulate_us": adding into y), and for T >= 64 what it adds to the layer's GEMMs
+("in_layer"). Floor = the distinct adapters' bytes / copy bandwidth measured in the same run. Triton
+kernels are timed as CUDA-graph replays with the L2 flushed before each layer (the flush's own time
+measured and subtracted); the torch reference (gather + bmm) and a per-adapter loop are timed
+eagerly (they synchronise with the host).
+Base GEMMs: the layer's four fused matmuls, same method.
 """
 
 from __future__ import annotations
@@ -113,11 +116,13 @@ def bench_lora(timer: Timer, copy_gbs: float, gen: torch.Generator, quick: bool,
                 row = {"tokens": num_tokens, "adapters": num_adapters, "distinct": distinct, "rank": rank_name, "adapter_bytes": nbytes}
                 row["floor_us"] = nbytes / (copy_gbs * 1e3)
                 row["triton_us"] = timer.graph(layer.triton)
+                if num_tokens <= 256 and num_adapters in (8, 32) and rank_name in ("16", "mixed", "30"):
+                    row["triton_accumulate_us"] = timer.graph(functools.partial(layer.triton, accumulate=True))
                 if num_tokens == 64 and num_adapters == 32 and rank_name in ("16", "mixed", "30"):
                     row["groups"] = group_breakdown(layer, timer)
                 if num_tokens in (64, 256) and num_adapters == 32 and rank_name in ("16", "mixed", "30"):
                     row["class_tiles_us"] = {n: timer.graph(functools.partial(layer.kernels, n)) for n in (2048, 4096, 8192)}
-                if num_tokens >= 256 and num_adapters in (8, 32) and rank_name == "16":
+                if num_tokens >= 64 and num_adapters in (8, 32) and rank_name == "16":
                     row["in_layer"] = layer_added(layer, timer)
                 if num_tokens <= 256 and num_tokens >= num_adapters:
                     per_token = LoRALayer(layout, dense, num_tokens, num_adapters, gen, grouped=False)
@@ -264,6 +269,10 @@ def summarize(rows: list, base: dict, attn: dict, copy_gbs: float) -> dict:
                 "triton_us": row["triton_us"], "floor_us": row["floor_us"],
                 "x_floor": row["triton_us"] / row["floor_us"], "target_x_floor": 1.6, "base_gemm_us": base[t],
             }  # fmt: skip
+            if "triton_accumulate_us" in row:
+                out[f"decode_T{t}_32x_r16"]["accumulate_us"] = row["triton_accumulate_us"]
+            if "in_layer" in row:
+                out[f"decode_T{t}_32x_r16"]["in_layer"] = {k: v for k, v in row["in_layer"].items() if k != "rounds"}
             if "reference_us" in row:
                 out[f"decode_T{t}_32x_r16"].update(vs_reference=row["reference_us"] / row["triton_us"], target_vs_reference=20,
                                                    vs_loop=row["loop_us"] / row["triton_us"], target_vs_loop=200)  # fmt: skip

@@ -30,13 +30,10 @@ import triton
 from torch import Tensor
 
 from lorafleet.kernels.lora_layout import NUM_PROJS, LoRABatch, LoRALayout
-from lorafleet.kernels.lora_gemv import expand_gemv_kernel, gemv_block_n, gemv_block_t
 from lorafleet.kernels.lora_sgmv import XA_TILE, expand_kernel, gdc_wait, shrink_kernel
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 PRELOAD_MAX_SEGMENTS = 8  # decode launches of at most this many segments read their weight tile before the wait (lora_sgmv)
-GEMV_DECODE = False  # decode expands on the CUDA cores (lora_gemv.py)
-GEMV_VEC, GEMV_MAX_T = 4, 4  # its columns per thread and largest token tile
 PRELOAD_MAX_K = 1024  # longest K split a decode shrink holds in one tile (its A tile read before the wait)
 CLASS_TILES_MIN_COLS = 4096  # expand tiles per rank class only where the slices total more columns than this
 XA_TILE_ELEMS = XA_TILE.value  # splits x token tile x rank tile of xa that expand sums in one group of loads
@@ -218,9 +215,6 @@ def lora_expand_triton(
     accumulate: bool = True,
     class_tile_elems: int = 8192,
     preload: bool | None = None,
-    gemv: bool | None = None,
-    gemv_vec: int | None = None,
-    gemv_max_t: int | None = None,
 ) -> None:
     """Triton backend of `kernels.lora.lora_expand` (inputs already checked there).
 
@@ -235,17 +229,9 @@ def lora_expand_triton(
     class_tile_elems: elements of a decode program's B tile (rank class x column tile), per rank class.
     preload: one column tile per program, its B tile read before waiting on the shrink (None: decode
     batches); cols_per_program and programs_per_sm are then unused.
-    gemv: the CUDA-core decode program (lora_gemv.py; None: GEMV_DECODE for decode batches); of the tuning
-    arguments only num_warps and pdl apply.
     """
     num_segments, num_proj = batch.num_segments, len(proj_ids)
     if num_segments == 0 or batch.max_rank == 0:
-        return
-    if gemv is None:
-        gemv = GEMV_DECODE and _block_t(batch) == 16
-    if gemv:
-        _expand_gemv(xa=xa, layout=layout, layer=layer, proj_ids=proj_ids, batch=batch, y=y, out_slices=out_slices, num_warps=num_warps, pdl=pdl,
-                     accumulate=accumulate, vec=gemv_vec or GEMV_VEC, max_t=gemv_max_t or GEMV_MAX_T)
         return
     widest = max(n for _, n in out_slices)
     block_t = _block_t(batch)
@@ -317,39 +303,3 @@ def lora_expand_triton(
         **({"launch_pdl": True} if use_pdl else {}),
     )
 
-
-def _expand_gemv(*, xa: Tensor, layout: LoRALayout, layer: int, proj_ids: list[int], batch: LoRABatch, y: Tensor, out_slices: list[tuple[int, int]],
-                 num_warps: int, pdl: bool | int | None, accumulate: bool, vec: int, max_t: int) -> None:  # fmt: skip
-    block_n = gemv_block_n(num_warps, vec)
-    widest = max(n for _, n in out_slices)
-    grid = (batch.num_segments, len(proj_ids), triton.cdiv(widest, block_n))
-    use_pdl = _pdl(pdl, y.device, grid[0] * grid[1] * grid[2])
-    slices = tuple(v for p, (start, n) in zip(proj_ids, out_slices, strict=True) for v in (p, start, n))
-    expand_gemv_kernel[grid](
-        xa,
-        layout.pool,
-        layout.ranks,
-        layout.scales,
-        layout.b_offsets,
-        batch.sorted_token_ids,
-        batch.seg_starts,
-        batch.seg_slots,
-        _device_ints(slices, str(y.device)),
-        y,
-        layer,
-        xa.stride(0),
-        xa.stride(1),
-        xa.stride(2),
-        y.stride(0),
-        layout.max_slots,
-        layout.max_rank,
-        BLOCK_T=gemv_block_t(batch.num_tokens / max(batch.num_segments, 1), max_t),
-        BLOCK_N=block_n,
-        SPLITS=xa.shape[0],
-        ALIGN=layout.row_align,
-        ALIGN_N=_align([v for start, n in out_slices for v in (start, n)]),
-        PDL=use_pdl,
-        ACCUMULATE=int(accumulate),
-        num_warps=num_warps,
-        **({"launch_pdl": True} if use_pdl else {}),
-    )

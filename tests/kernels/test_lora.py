@@ -14,10 +14,10 @@ from lorafleet.kernels.lora_layout import LoRABatch, make_lora_batch, pack_lora_
 
 BACKENDS = ["reference", "triton"]
 # Triton's decode programs (16-token tiles): "triton-walk" walks several K / column tiles per program,
-# "triton-preload" reads one weight tile before waiting on the previous kernel, "triton-gemv" expands on
-# the CUDA cores (lora_gemv.py); "triton" takes the launchers' own choice.
-PATHS = ["reference", "triton", "triton-walk", "triton-preload", "triton-gemv"]
-_PATH_KNOBS = {"triton-walk": (0, False), "triton-preload": (1 << 30, False), "triton-gemv": (0, True)}
+# "triton-preload" reads one weight tile before waiting on the previous kernel; "triton" takes the
+# launchers' own choice (preload for few segments).
+PATHS = ["reference", "triton", "triton-walk", "triton-preload"]
+_PATH_MAX_SEGMENTS = {"triton-walk": 0, "triton-preload": 1 << 30}
 HIDDEN = 64
 # Fused groups as the model calls them: q|k|v (unequal widths), o, gate|up, down.
 GROUPS = {"qkv": ([0, 1, 2], HIDDEN, [64, 32, 48]), "o": ([3], 64, [HIDDEN]), "gate_up": ([4, 5], HIDDEN, [96, 80]), "down": ([6], 96, [HIDDEN])}
@@ -32,10 +32,8 @@ def path_backend(monkeypatch):
     def use(path: str) -> str:
         from lorafleet.kernels import lora_triton
 
-        if path in _PATH_KNOBS:
-            max_segments, gemv = _PATH_KNOBS[path]
-            monkeypatch.setattr(lora_triton, "PRELOAD_MAX_SEGMENTS", max_segments)
-            monkeypatch.setattr(lora_triton, "GEMV_DECODE", gemv)
+        if path in _PATH_MAX_SEGMENTS:
+            monkeypatch.setattr(lora_triton, "PRELOAD_MAX_SEGMENTS", _PATH_MAX_SEGMENTS[path])
         return "reference" if path == "reference" else "triton"
 
     return use
