@@ -39,14 +39,6 @@ def _gdc_launch_dependents(PDL: tl.constexpr, WHEN: tl.constexpr):
 
 
 @triton.jit
-def _dot_t(xt, at, UPCAST: tl.constexpr):
-    """xt @ at^T in float32: on the tensor cores from 16-bit operands, or exact float32 (UPCAST)."""
-    if UPCAST:
-        return tl.dot(xt.to(tl.float32), tl.trans(at.to(tl.float32)), input_precision="ieee")
-    return tl.dot(xt, tl.trans(at))
-
-
-@triton.jit
 def shrink_kernel(
     x_ptr,  # [T, K] model dtype
     pool_ptr,  # flat pool, model dtype
@@ -73,7 +65,6 @@ def shrink_kernel(
     ALIGN: tl.constexpr,
     UPCAST: tl.constexpr,
     PDL: tl.constexpr,
-    PRELOAD: tl.constexpr,  # one K tile per program (k_per_split == BLOCK_K), its A tile read before gdc_wait
 ):
     seg = tl.program_id(0)
     i = tl.program_id(1) // num_r_chunks
@@ -94,34 +85,27 @@ def shrink_kernel(
     arange_t = tl.arange(0, BLOCK_T)
     tok = tl.load(token_ids_ptr + start + arange_t, mask=start + arange_t < end, other=0)
     rank = tl.where(slot < 0, 0, rank)
+    _gdc_wait(PDL)
+    if r0 >= rank:  # no slot, a module the slot does not adapt, or a rank chunk past the slot's rank
+        return
     k_lo = split * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
     r_mask = offs_r < rank
     arange_k = tl.arange(0, BLOCK_K)
-    if PRELOAD:
-        # Adapter weights are never written by an earlier kernel: the A tile is read before the wait, so
-        # its memory latency overlaps the previous kernel (with PDL). Every token tile reuses it.
-        k_mask = k_lo + arange_k < k_hi
-        a_pre = tl.load(pool_ptr + a_row[:, None] + (k_lo + arange_k)[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)
-    _gdc_wait(PDL)
-    if r0 >= rank:  # no slot, a module the slot does not adapt, or a rank chunk past the slot's rank
-        return
     for t0 in range(start, end, BLOCK_T):
         t_mask = t0 + arange_t < end
         tok64 = tok.to(tl.int64)
-        x_rows = x_ptr + tok64[:, None] * stride_xt
-        if PRELOAD:
-            xt = tl.load(x_rows + (k_lo + arange_k)[None, :], mask=t_mask[:, None] & k_mask[None, :], other=0.0)
-            acc = _dot_t(xt, a_pre, UPCAST)
-        else:
-            acc = tl.zeros([BLOCK_T, BLOCK_R], dtype=tl.float32)
-            for k0 in range(k_lo, k_hi, BLOCK_K):
-                offs_k = k0 + arange_k
-                k_mask = offs_k < k_hi
-                # x tile [BLOCK_T, BLOCK_K]: gathered token rows; A tile [BLOCK_R, BLOCK_K]: pool rows, contiguous along K.
-                xt = tl.load(x_rows + offs_k[None, :], mask=t_mask[:, None] & k_mask[None, :], other=0.0)
-                at = tl.load(pool_ptr + a_row[:, None] + offs_k[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)
-                acc += _dot_t(xt, at, UPCAST)
+        acc = tl.zeros([BLOCK_T, BLOCK_R], dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            offs_k = k0 + arange_k
+            k_mask = offs_k < k_hi
+            # x tile [BLOCK_T, BLOCK_K]: gathered token rows; A tile [BLOCK_R, BLOCK_K]: pool rows, contiguous along K.
+            xt = tl.load(x_ptr + tok64[:, None] * stride_xt + offs_k[None, :], mask=t_mask[:, None] & k_mask[None, :], other=0.0)
+            at = tl.load(pool_ptr + a_row[:, None] + offs_k[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)
+            if UPCAST:
+                acc += tl.dot(xt.to(tl.float32), tl.trans(at.to(tl.float32)), input_precision="ieee")
+            else:
+                acc += tl.dot(xt, tl.trans(at))
         _gdc_launch_dependents(PDL, 2)
         # Every split stores its partial sum (zeros for an empty K range): no zero fill, no atomics.
         ptrs = out_ptr + split * stride_os + i * stride_op + tok64[:, None] * stride_ot + offs_r[None, :]
@@ -185,7 +169,6 @@ def expand_kernel(
     UPCAST: tl.constexpr,
     PDL: tl.constexpr,
     ACCUMULATE: tl.constexpr,  # 1: y += delta; 0: y = delta (zeros where the slot does not adapt the module)
-    PRELOAD: tl.constexpr,  # one column tile per program (tile c of its class), its B tile read before gdc_wait
 ):
     seg = tl.program_id(0)
     i = tl.program_id(1)
@@ -207,39 +190,34 @@ def expand_kernel(
     arange_t = tl.arange(0, BLOCK_T)
     tok = tl.load(token_ids_ptr + start + arange_t, mask=start + arange_t < end, other=0)
     rank = tl.where(slot < 0, 0, rank)
-    if not PRELOAD:  # else each program waits once its B tile is on the way
-        _gdc_wait(PDL)
+    _gdc_wait(PDL)
     xa_base = xa_ptr + i * stride_xp
     y_base = y_ptr + col0
     # Rank classes 16, 32, 64, 128: a program of a smaller class uses a wider column tile (the same
     # bytes per tile) and walks more columns (the same tiles per program), so a batch mixing ranks
     # runs like one whose ranks all equal its mean. The grid has the columns of the largest class.
     if rank == 0:
-        if PRELOAD:
-            _gdc_wait(PDL)
         if not ACCUMULATE:
             cols = _class_cols(cols_per_program, REF_RANK, BLOCK_R, BLOCK_N)
             _store_zeros(y_base, stride_yt, token_ids_ptr, start, end, c * cols, tl.minimum(c * cols + cols, width), BLOCK_T, BLOCK_N)
     elif not BY_CLASS:
         _expand_program(xa_base, stride_xs, stride_xt, pool_ptr, b_rows, token_ids_ptr, tok, start, end, rank, scale, y_base, stride_yt, c,
-                        _class_cols(cols_per_program, BLOCK_R, BLOCK_R, BLOCK_N), width, BLOCK_T, BLOCK_R, BLOCK_N, SPLITS, ALIGN, MULTI_CHUNK, UPCAST, PDL, ACCUMULATE, PRELOAD)
+                        _class_cols(cols_per_program, BLOCK_R, BLOCK_R, BLOCK_N), width, BLOCK_T, BLOCK_R, BLOCK_N, SPLITS, ALIGN, MULTI_CHUNK, UPCAST, PDL, ACCUMULATE)
     elif rank <= 16:
         _expand_program(xa_base, stride_xs, stride_xt, pool_ptr, b_rows, token_ids_ptr, tok, start, end, rank, scale, y_base, stride_yt, c,
-                        _class_cols(cols_per_program, REF_RANK, 16, N16), width, BLOCK_T, 16, N16, SPLITS, ALIGN, False, UPCAST, PDL, ACCUMULATE, PRELOAD)
+                        _class_cols(cols_per_program, REF_RANK, 16, N16), width, BLOCK_T, 16, N16, SPLITS, ALIGN, False, UPCAST, PDL, ACCUMULATE)
     elif rank <= 32:
         if BLOCK_R >= 32:  # compiled only where the batch holds such ranks
             _expand_program(xa_base, stride_xs, stride_xt, pool_ptr, b_rows, token_ids_ptr, tok, start, end, rank, scale, y_base, stride_yt, c,
-                            _class_cols(cols_per_program, REF_RANK, 32, N32), width, BLOCK_T, 32, N32, SPLITS, ALIGN, False, UPCAST, PDL, ACCUMULATE, PRELOAD)
+                            _class_cols(cols_per_program, REF_RANK, 32, N32), width, BLOCK_T, 32, N32, SPLITS, ALIGN, False, UPCAST, PDL, ACCUMULATE)
     elif rank <= 64:
         if BLOCK_R >= 64:
             _expand_program(xa_base, stride_xs, stride_xt, pool_ptr, b_rows, token_ids_ptr, tok, start, end, rank, scale, y_base, stride_yt, c,
-                            _class_cols(cols_per_program, REF_RANK, 64, N64), width, BLOCK_T, 64, N64, SPLITS, ALIGN, False, UPCAST, PDL, ACCUMULATE, PRELOAD)
+                            _class_cols(cols_per_program, REF_RANK, 64, N64), width, BLOCK_T, 64, N64, SPLITS, ALIGN, False, UPCAST, PDL, ACCUMULATE)
     else:
         if BLOCK_R >= 128:
             _expand_program(xa_base, stride_xs, stride_xt, pool_ptr, b_rows, token_ids_ptr, tok, start, end, rank, scale, y_base, stride_yt, c,
-                            _class_cols(cols_per_program, REF_RANK, 128, BLOCK_N), width, BLOCK_T, 128, BLOCK_N, SPLITS, ALIGN, False, UPCAST, PDL, ACCUMULATE, PRELOAD)
-    if PRELOAD:  # every program waits before it exits (a second wait returns at once)
-        _gdc_wait(PDL)
+                            _class_cols(cols_per_program, REF_RANK, 128, BLOCK_N), width, BLOCK_T, 128, BLOCK_N, SPLITS, ALIGN, False, UPCAST, PDL, ACCUMULATE)
 
 
 @triton.jit
@@ -252,45 +230,16 @@ def _class_cols(cols_per_program, REF_RANK: tl.constexpr, RANK_CLASS: tl.constex
 def _expand_program(
     xa_base, stride_xs, stride_xt, pool_ptr, b_rows, token_ids_ptr, tok, start, end, rank, scale, y_ptr, stride_yt, c, cols, width,
     BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, ALIGN: tl.constexpr,
-    MULTI_CHUNK: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr, ACCUMULATE: tl.constexpr, PRELOAD: tl.constexpr,
+    MULTI_CHUNK: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):  # fmt: skip
-    """One program's columns [c * cols, (c + 1) * cols) of a slice (PRELOAD: column tile c), every token tile of its segment."""
-    arange_r = tl.arange(0, BLOCK_R)
-    arange_t = tl.arange(0, BLOCK_T)
-    arange_n = tl.arange(0, BLOCK_N)
-    r_mask0 = arange_r < rank
-    if PRELOAD:
-        n_lo = c * BLOCK_N
-        offs_n = n_lo + arange_n
-        n_mask = offs_n < width
-        b_row0 = tl.multiple_of(tl.load(b_rows + arange_r, mask=r_mask0, other=0), ALIGN)
-        # Adapter weights are never written by an earlier kernel: the B tile is read before the wait, so
-        # its memory latency overlaps the shrink (with PDL); the token tiles all reuse it.
-        bt = tl.load(pool_ptr + b_row0[:, None] + offs_n[None, :], mask=r_mask0[:, None] & n_mask[None, :], other=0.0)
-        _gdc_wait(PDL)
-        if n_lo < width:
-            for t0 in range(start, end, BLOCK_T):
-                t_mask = t0 + arange_t < end
-                tok64 = tok.to(tl.int64)
-                xt0 = _load_xa(xa_base, stride_xs, tok64, t_mask, arange_r, r_mask0, stride_xt, SPLITS)
-                y_ptrs = y_ptr + tok64[:, None] * stride_yt + offs_n[None, :]
-                mask = t_mask[:, None] & n_mask[None, :]
-                if ACCUMULATE:
-                    y_old = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
-                else:
-                    y_old = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
-                acc = _dot(xt0, bt, UPCAST)
-                if MULTI_CHUNK:  # ranks above BLOCK_R
-                    for r0 in range(BLOCK_R, rank, BLOCK_R):
-                        b_row = tl.load(b_rows + r0 + arange_r, mask=r0 + arange_r < rank, other=0)
-                        acc = _expand_chunk(acc, xa_base, stride_xs, pool_ptr, b_row, tok64, t_mask, stride_xt, r0, rank, offs_n, n_mask, BLOCK_R, SPLITS, ALIGN, UPCAST)
-                tl.store(y_ptrs, (y_old + acc * scale).to(y_ptr.dtype.element_ty), mask=mask)
-                _gdc_launch_dependents(PDL, 2)
-                nxt = t0 + BLOCK_T + arange_t
-                tok = tl.load(token_ids_ptr + nxt, mask=nxt < end, other=0)
-    elif c * cols < width:
-        n_lo = c * cols
-        n_hi = tl.minimum(n_lo + cols, width)
+    """One program's columns [c * cols, (c + 1) * cols) of a slice, every token tile of its segment."""
+    n_lo = c * cols
+    n_hi = tl.minimum(n_lo + cols, width)
+    if n_lo < width:
+        arange_r = tl.arange(0, BLOCK_R)
+        arange_t = tl.arange(0, BLOCK_T)
+        arange_n = tl.arange(0, BLOCK_N)
+        r_mask0 = arange_r < rank
         b_row0 = tl.multiple_of(tl.load(b_rows + arange_r, mask=r_mask0, other=0), ALIGN)
         for t0 in range(start, end, BLOCK_T):
             t_mask = t0 + arange_t < end
@@ -318,7 +267,10 @@ def _expand_program(
                 offs_n = n0 + arange_n
                 n_mask = offs_n < n_hi
                 bt = tl.load(pool_ptr + b_row0[:, None] + offs_n[None, :], mask=r_mask0[:, None] & n_mask[None, :], other=0.0)
-                acc = _dot(xt0, bt, UPCAST)
+                if UPCAST:
+                    acc = tl.dot(xt0, bt.to(tl.float32), input_precision="ieee")
+                else:
+                    acc = tl.dot(xt0, bt)
                 if MULTI_CHUNK:  # ranks above BLOCK_R
                     for r0 in range(BLOCK_R, rank, BLOCK_R):
                         b_row = tl.load(b_rows + r0 + arange_r, mask=r0 + arange_r < rank, other=0)
@@ -357,12 +309,8 @@ def _expand_chunk(
     # B^T tile [BLOCK_R, BLOCK_N]: each row contiguous in the pool; xa tile [BLOCK_T, BLOCK_R].
     bt = tl.load(pool_ptr + b_row[:, None] + offs_n[None, :], mask=r_mask[:, None] & n_mask[None, :], other=0.0)
     xt = _load_xa(xa_base, stride_xs, tok64, t_mask, offs_r, r_mask, stride_xt, SPLITS)
-    return acc + _dot(xt, bt, UPCAST)
-
-
-@triton.jit
-def _dot(xt, bt, UPCAST: tl.constexpr):
-    """xt @ bt in float32: on the tensor cores in bt's 16-bit dtype, or exact float32 (UPCAST)."""
     if UPCAST:
-        return tl.dot(xt.to(tl.float32), bt.to(tl.float32), input_precision="ieee")
-    return tl.dot(xt.to(bt.dtype), bt)
+        acc += tl.dot(xt, bt.to(tl.float32), input_precision="ieee")
+    else:
+        acc += tl.dot(xt.to(bt.dtype), bt)
+    return acc

@@ -33,8 +33,6 @@ from lorafleet.kernels.lora_layout import NUM_PROJS, LoRABatch, LoRALayout
 from lorafleet.kernels.lora_sgmv import XA_TILE, expand_kernel, gdc_wait, shrink_kernel
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-PRELOAD_MAX_SEGMENTS = 8  # decode launches of at most this many segments read their weight tile before the wait (lora_sgmv)
-PRELOAD_MAX_K = 1024  # longest K split a decode shrink holds in one tile (its A tile read before the wait)
 CLASS_TILES_MIN_COLS = 4096  # expand tiles per rank class only where the slices total more columns than this
 XA_TILE_ELEMS = XA_TILE.value  # splits x token tile x rank tile of xa that expand sums in one group of loads
 
@@ -123,7 +121,6 @@ def lora_shrink_triton(
     num_warps: int | None = None,
     num_stages: int = 3,
     pdl: bool | int | None = None,
-    preload: bool | None = None,
 ) -> None:
     """Triton backend of `kernels.lora.lora_shrink` (inputs already checked there).
 
@@ -133,8 +130,6 @@ def lora_shrink_triton(
     its partial sum, zeros for an empty range). block_k, block_r, num_warps, num_stages: tile over K,
     rank rows per program (ranks above it take several programs), warps per program and pipeline
     depth (benchmark sweeps). pdl: programmatic dependent launch (None/True: where supported, 1/2: trigger mode, see _pdl).
-    preload: one K tile per program, its A tile read before waiting on the previous kernel (None: for
-    decode batches whose split fits a tile of PRELOAD_MAX_K; block_k is then the split's length).
     """
     num_segments, num_proj = batch.num_segments, len(proj_ids)
     if num_segments == 0 or batch.max_rank == 0:
@@ -143,18 +138,10 @@ def lora_shrink_triton(
     block_t = _block_t(batch)
     block_r = block_r or (64 if _INTERPRET else 16)
     num_r_chunks = triton.cdiv(batch.max_rank, block_r)
-    split_len = _pow2(triton.cdiv(K, num_splits), 16, 1 << 20)
-    if preload is None:
-        preload = block_k is None and block_t == 16 and split_len <= PRELOAD_MAX_K and num_segments <= PRELOAD_MAX_SEGMENTS
-    if preload:
-        if block_k is not None:
-            raise ValueError("lora_shrink_triton: preload sets block_k to the split's length; pass one or the other")
-        block_k = split_len
     block_k = block_k or _pow2(triton.cdiv(K, num_splits), 16, 256 if block_t >= 64 else 128)
     k_per_split = triton.cdiv(triton.cdiv(K, block_k), num_splits) * block_k
     grid = (num_segments, num_proj * num_r_chunks, num_splits)
-    # A preloading program should let the next kernel start (and read its own weights) at once.
-    use_pdl = _pdl(1 if pdl is None and preload else pdl, x.device, grid[0] * grid[1] * grid[2])
+    use_pdl = _pdl(pdl, x.device, grid[0] * grid[1] * grid[2])
     shrink_kernel[grid](
         x,
         layout.pool,
@@ -181,8 +168,7 @@ def lora_shrink_triton(
         ALIGN=layout.row_align,
         UPCAST=_upcast(x.dtype),
         PDL=use_pdl,
-        PRELOAD=bool(preload),
-        num_warps=num_warps or (8 if block_t >= 64 or block_k > 512 else 4),
+        num_warps=num_warps or (8 if block_t >= 64 else 4),
         num_stages=num_stages,
         **({"launch_pdl": True} if use_pdl else {}),
     )
@@ -214,7 +200,6 @@ def lora_expand_triton(
     pdl: bool | int | None = None,
     accumulate: bool = True,
     class_tile_elems: int = 8192,
-    preload: bool | None = None,
 ) -> None:
     """Triton backend of `kernels.lora.lora_expand` (inputs already checked there).
 
@@ -227,8 +212,6 @@ def lora_expand_triton(
     pdl: programmatic dependent launch (None/True: where supported, 1/2: trigger mode, see _pdl).
     accumulate: False writes y = delta for the segments' tokens instead of adding (see lora.lora_expand).
     class_tile_elems: elements of a decode program's B tile (rank class x column tile), per rank class.
-    preload: one column tile per program, its B tile read before waiting on the shrink (None: decode
-    batches); cols_per_program and programs_per_sm are then unused.
     """
     num_segments, num_proj = batch.num_segments, len(proj_ids)
     if num_segments == 0 or batch.max_rank == 0:
@@ -256,13 +239,11 @@ def lora_expand_triton(
         # metadata latency is paid once per program, and the tiles' loads are in flight ahead of their use.
         cols_per_program = widest * num_segments * num_proj // (programs_per_sm * _num_sms(str(y.device)))
     cols_per_program = triton.cdiv(max(block_n, min(cols_per_program, widest)), block_n) * block_n
-    if preload is None:
-        preload = block_t == 16 and num_segments <= PRELOAD_MAX_SEGMENTS
-    fewest_cols = block_n if preload else max(block_n, (cols_per_program * ref_rank // block_r) // block_n * block_n)
+    fewest_cols = max(block_n, (cols_per_program * ref_rank // block_r) // block_n * block_n)
     slices = tuple(v for p, (start, n) in zip(proj_ids, out_slices, strict=True) for v in (p, start, n))
     assert all(0 <= p < NUM_PROJS for p in proj_ids)
     grid = (num_segments, num_proj, triton.cdiv(widest, fewest_cols))
-    use_pdl = _pdl(1 if pdl is None and preload else pdl, y.device, grid[0] * grid[1] * grid[2])
+    use_pdl = _pdl(pdl, y.device, grid[0] * grid[1] * grid[2])
     expand_kernel[grid](
         xa,
         layout.pool,
@@ -297,9 +278,7 @@ def lora_expand_triton(
         UPCAST=_upcast(y.dtype),
         PDL=use_pdl,
         ACCUMULATE=int(accumulate),
-        PRELOAD=bool(preload),
         num_warps=num_warps,
         num_stages=num_stages,
         **({"launch_pdl": True} if use_pdl else {}),
     )
-

@@ -13,30 +13,11 @@ from lorafleet.kernels.lora import lora_expand, lora_shrink, shrink_buffer
 from lorafleet.kernels.lora_layout import LoRABatch, make_lora_batch, pack_lora_layout
 
 BACKENDS = ["reference", "triton"]
-# Triton's decode programs (16-token tiles): "triton-walk" walks several K / column tiles per program,
-# "triton-preload" reads one weight tile before waiting on the previous kernel; "triton" takes the
-# launchers' own choice (preload for few segments).
-PATHS = ["reference", "triton", "triton-walk", "triton-preload"]
-_PATH_MAX_SEGMENTS = {"triton-walk": 0, "triton-preload": 1 << 30}
 HIDDEN = 64
 # Fused groups as the model calls them: q|k|v (unequal widths), o, gate|up, down.
 GROUPS = {"qkv": ([0, 1, 2], HIDDEN, [64, 32, 48]), "o": ([3], 64, [HIDDEN]), "gate_up": ([4, 5], HIDDEN, [96, 80]), "down": ([6], 96, [HIDDEN])}
 DIMS = {0: (64, 64), 1: (64, 32), 2: (64, 48), 3: (64, 64), 4: (64, 96), 5: (64, 80), 6: (96, 64)}
 TOL = {torch.float32: 2e-4, torch.float16: 3e-3}
-
-
-@pytest.fixture
-def path_backend(monkeypatch):
-    """Backend name for lora_shrink / lora_expand of a PATHS entry (the walking path switched on where asked)."""
-
-    def use(path: str) -> str:
-        from lorafleet.kernels import lora_triton
-
-        if path in _PATH_MAX_SEGMENTS:
-            monkeypatch.setattr(lora_triton, "PRELOAD_MAX_SEGMENTS", _PATH_MAX_SEGMENTS[path])
-        return "reference" if path == "reference" else "triton"
-
-    return use
 
 
 def _setup(gen, *, num_slots, dtype, ranks=MIXED_RANKS, num_layers=2, skip_prob=0.15):
@@ -93,11 +74,10 @@ def _check_expand(modules, layout, batch, x, slots, group, layer, backend, dtype
     assert torch.equal(y[untouched].double(), want[untouched])  # slot -1: base output left exactly as it was
 
 
-@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("popularity", POPULARITIES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_shrink_and_expand_match_dense(path, popularity, dtype, gen, path_backend):
-    backend = path_backend(path)
+def test_shrink_and_expand_match_dense(backend, popularity, dtype, gen):
     num_slots, splits = 12, 1 + POPULARITIES.index(popularity) % 3  # one, two or three partial sums
     modules, layout = _setup(gen, num_slots=num_slots, dtype=dtype)
     for grouped, num_tokens, groups in ((True, 40, GROUPS), (False, 6, ("qkv", "gate_up"))):  # segments; per-token decode
@@ -111,10 +91,9 @@ def test_shrink_and_expand_match_dense(path, popularity, dtype, gen, path_backen
             _check_expand(modules, layout, batch, x, slots, group, layer, backend, dtype, gen, splits)
 
 
-@pytest.mark.parametrize("path", PATHS)
-def test_segments_of_length_zero_to_many(path, gen, path_backend):
-    """A hand-built batch with empty segments, a long one (several token tiles) and single tokens."""
-    backend = path_backend(path)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_segments_of_length_zero_to_many(backend, gen):
+    """A hand-built batch with empty segments, a long one and single tokens."""
     modules, layout = _setup(gen, num_slots=6, dtype=torch.float32, skip_prob=0.0)
     lengths = [0, 70, 1, 0, 3, 1, 0]
     seg_slots = torch.tensor([4, 0, 5, 1, 2, 3, 1], dtype=torch.int32)
@@ -262,16 +241,14 @@ def test_shrink_buffer_sizes_the_partial_sums(gen):
     assert mixed == shrink_splits(k=14336, num_proj=1, batch=batch, device=x.device)
 
 
-@pytest.mark.parametrize("path", ["triton-walk", "triton-preload"])
 @pytest.mark.parametrize("accumulate", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_triton_expand_tiles_per_rank_class(dtype, accumulate, path, gen, monkeypatch, path_backend):
+def test_triton_expand_tiles_per_rank_class(dtype, accumulate, gen, monkeypatch):
     """The small test widths sit below CLASS_TILES_MIN_COLS: lowered to 0, every group takes the
-    per-rank-class tiles (classes 16 to 128; one preloaded tile per program, or column walks scaled
-    by class) and still gives the dense answer, in both modes, with 1 or 3 partial sums."""
+    per-rank-class tiles (classes 16 to 128, column walks scaled by class) and still gives the dense
+    answer, in both modes, with 1 or 3 partial sums."""
     from lorafleet.kernels import lora_triton
 
-    path_backend(path)
     monkeypatch.setattr(lora_triton, "CLASS_TILES_MIN_COLS", 0)
     modules, layout = _setup(gen, num_slots=12, dtype=dtype, ranks=(*MIXED_RANKS, 24))  # every class: 16, 32, 64, 128
     for grouped, num_tokens, splits in ((True, 40, 3), (False, 9, 1)):
@@ -332,14 +309,11 @@ LLAMA_GROUPS = {"qkv": ([0, 1, 2], [4096, 1024, 1024]), "o": ([3], [4096]), "gat
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("path", PATHS[1:])
 @pytest.mark.parametrize("popularity", POPULARITIES)
 @pytest.mark.parametrize("num_tokens,grouped", [(1, True), (64, True), (64, False), (300, True)])
-def test_llama3_8b_shapes_in_bf16_on_gpu(popularity, num_tokens, grouped, path, gen, path_backend):
+def test_llama3_8b_shapes_in_bf16_on_gpu(popularity, num_tokens, grouped, gen):
     """Triton vs the torch reference at Llama-3-8B shapes, 24 adapters of ranks 8-128, bf16."""
     from kernel_cases import LLAMA3_8B_DIMS, random_pool_layout
-
-    path_backend(path)
 
     ranks_by_slot = [(8, 16, 32, 64, 128, 24)[s % 6] for s in range(24)]
     layout = random_pool_layout(ranks_by_slot=ranks_by_slot, dims=LLAMA3_8B_DIMS, page_elems=2 * 2 * 16 * 8 * 128 * 32, dtype=torch.bfloat16, device="cuda", gen=gen)
