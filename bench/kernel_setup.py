@@ -152,10 +152,11 @@ class LoRALayer:
             lora_delta(x=x, layout=self.layout, layer=0, proj_ids=proj_ids, batch=self.batch, y=y, out_offsets=[a for a, _ in sl], accumulate=accumulate)
 
     def kernels(self, class_tile_elems: int = 8192) -> None:
-        """Shrink and expand with the expand's per-rank-class tiles of class_tile_elems elements (a sweep)."""
+        """Shrink and expand (write mode) with the expand's per-rank-class tiles of class_tile_elems elements (a sweep)."""
         for (proj_ids, _), x, y, xa, sl in zip(GROUPS, self.xs, self.ys, self.xas, self.slices, strict=True):
             lora_shrink_triton(x=x, layout=self.layout, layer=0, proj_ids=proj_ids, batch=self.batch, out=xa)
-            lora_expand_triton(xa=xa, layout=self.layout, layer=0, proj_ids=proj_ids, batch=self.batch, y=y, out_slices=sl, class_tile_elems=class_tile_elems)
+            lora_expand_triton(xa=xa, layout=self.layout, layer=0, proj_ids=proj_ids, batch=self.batch, y=y, out_slices=sl, class_tile_elems=class_tile_elems,
+                               accumulate=False)
 
     def reference(self) -> None:
         for (proj_ids, _), x, y, xa, sl in zip(GROUPS, self.xs, self.ys, self.xas, self.slices, strict=True):

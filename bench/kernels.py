@@ -143,12 +143,14 @@ def bench_lora(timer: Timer, copy_gbs: float, gen: torch.Generator, quick: bool,
 
 
 def group_breakdown(layer: LoRALayer, timer: Timer) -> dict:
-    """Each group's shrink, expand and the pair alone, with a cold L2 and with the group's weights left
-    in L2 by the previous call: how much of the layer is memory and how much the kernels' latency."""
+    """Each group's shrink, expand (write mode, as the engine runs it) and the pair alone, with a cold L2
+    and with the group's weights left in L2 by the previous call: how much of the layer is memory and
+    how much the kernels' latency."""
     res = {}
     for g, ((proj_ids, _), x, y, xa, sl) in enumerate(zip(GROUPS, layer.xs, layer.ys, layer.xas, layer.slices, strict=True)):
         shrink = functools.partial(lora_shrink_triton, x=x, layout=layer.layout, layer=0, proj_ids=proj_ids, batch=layer.batch, out=xa)
-        expand = functools.partial(lora_expand_triton, xa=xa, layout=layer.layout, layer=0, proj_ids=proj_ids, batch=layer.batch, y=y, out_slices=sl)
+        expand = functools.partial(lora_expand_triton, xa=xa, layout=layer.layout, layer=0, proj_ids=proj_ids, batch=layer.batch, y=y, out_slices=sl,
+                                   accumulate=False)
 
         def pair(shrink=shrink, expand=expand) -> None:
             shrink()
@@ -177,7 +179,8 @@ def sweep_case(layer: LoRALayer, timer: Timer) -> dict:
     prefill = layer.batch.num_tokens > 4 * layer.batch.num_segments
     for g, ((proj_ids, _), x, y, xa, sl) in enumerate(zip(GROUPS, layer.xs, layer.ys, layer.xas, layer.slices, strict=True)):
         run_shrink = functools.partial(lora_shrink_triton, x=x, layout=layer.layout, layer=0, proj_ids=proj_ids, batch=layer.batch)
-        run_expand = functools.partial(lora_expand_triton, xa=xa, layout=layer.layout, layer=0, proj_ids=proj_ids, batch=layer.batch, y=y, out_slices=sl)
+        run_expand = functools.partial(lora_expand_triton, xa=xa, layout=layer.layout, layer=0, proj_ids=proj_ids, batch=layer.batch, y=y, out_slices=sl,
+                                       accumulate=False)
         shrink = {}
         for pps in (1, 2, 4, 8):
             splits = shrink_splits(k=x.shape[1], num_proj=len(proj_ids), batch=layer.batch, device=x.device, programs_per_sm=pps)
