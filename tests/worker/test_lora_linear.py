@@ -42,37 +42,50 @@ def test_lora_linear_on_cpu_matches_dense(popularity, num_tokens, backend):
     torch.testing.assert_close(y.double(), want, rtol=1e-4, atol=1e-4)
 
 
-def test_prefill_path_with_a_padded_batch_starts_uncovered_rows_from_zero():
+# The write-mode paths: prefill-sized batches (delta written, then the GEMM adds itself) on CPU and
+# GPU, and decode-sized ones on a CUDA side stream (delta written into a buffer, then one add).
+WRITE_PATHS = [
+    pytest.param("cpu", OVERLAP_TOKENS + 37, id="cpu-prefill"),
+    pytest.param("cuda", OVERLAP_TOKENS + 37, id="cuda-prefill", marks=pytest.mark.gpu),
+    pytest.param("cuda", 37, id="cuda-side-stream", marks=pytest.mark.gpu),
+]
+
+
+def _ctx(batch, layout, device: str) -> SimpleNamespace:
+    cuda = device == "cuda"
+    return SimpleNamespace(lora=batch, lora_layout=layout, backend="triton" if cuda else "reference", lora_stream=torch.cuda.Stream() if cuda else None)
+
+
+@pytest.mark.parametrize("device, num_tokens", WRITE_PATHS)
+def test_write_paths_with_a_padded_batch_start_uncovered_rows_from_zero(device, num_tokens):
     """A batch built like the CUDA-graph decode's (token ids padded to the row count, rows without an
-    adapter in no segment) takes the write-then-GEMM path above OVERLAP_TOKENS rows: those rows must
-    still get exactly x W^T."""
+    adapter in no segment): rows the expand does not write must still get exactly x W^T."""
     from lorafleet.kernels.lora_layout import LoRABatch
     from lorafleet.worker.cuda_graphs import padded_groups
 
-    num_tokens = OVERLAP_TOKENS + 37
-    layout, full, x, w, want = _case(num_tokens, "mixed_none", "cpu", torch.float32)
+    layout, full, x, w, want = _case(num_tokens, "mixed_none", device, torch.float32)
     ids, starts, seg_slots = padded_groups(full.token_slots.tolist(), 16, num_tokens)
     assert len(ids) == num_tokens and (full.token_slots < 0).any()
-    i32 = {"dtype": torch.int32}
+    i32 = {"dtype": torch.int32, "device": device}
     batch = LoRABatch(full.token_slots, torch.tensor(ids, **i32), torch.tensor(starts, **i32), torch.tensor(seg_slots, **i32), full.max_rank)
-    ctx = SimpleNamespace(lora=batch, lora_layout=layout, backend="reference", lora_stream=None)
-    y = lora_linear(x, w, ctx, 1, [0, 1, 2], OFFSETS)
-    torch.testing.assert_close(y.double(), want, rtol=1e-4, atol=1e-4)
+    assert not batch.every_token
+    y = lora_linear(x, w, _ctx(batch, layout, device), 1, [0, 1, 2], OFFSETS)
+    torch.testing.assert_close(y.double().cpu(), want, rtol=1e-4, atol=1e-4)
 
 
-def test_prefill_path_leaves_columns_outside_the_slices_to_the_gemm():
-    """Only k|v adapted (slices from column 48, or P+1 boundaries ending before N): the write-then-GEMM
-    path must give the q columns exactly x W^T."""
-    num_tokens = OVERLAP_TOKENS + 37
-    layout, full, x, w, want = _case(num_tokens, "identical", "cpu", torch.float32)
+@pytest.mark.parametrize("device, num_tokens", WRITE_PATHS)
+def test_write_paths_leave_columns_outside_the_slices_to_the_gemm(device, num_tokens):
+    """Only k|v adapted (slices from column 48, or P+1 boundaries ending before N): the q columns must
+    get exactly x W^T."""
+    layout, full, x, w, want = _case(num_tokens, "identical", device, torch.float32)
     assert full.every_token
-    base = x.double() @ w.double().T
-    ctx = SimpleNamespace(lora=full, lora_layout=layout, backend="reference", lora_stream=None)
-    y = lora_linear(x, w, ctx, 1, [1, 2], [48, 64])
-    torch.testing.assert_close(y[:, :48].double(), base[:, :48], rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(y[:, 48:].double(), want[:, 48:], rtol=1e-4, atol=1e-4)
-    y = lora_linear(x, w, ctx, 1, [0], [0, 48])  # q only, as P+1 boundaries: k|v columns are the GEMM's alone
-    torch.testing.assert_close(y[:, 48:].double(), base[:, 48:], rtol=1e-4, atol=1e-4)
+    base = x.double().cpu() @ w.double().cpu().T
+    ctx = _ctx(full, layout, device)
+    y = lora_linear(x, w, ctx, 1, [1, 2], [48, 64]).double().cpu()
+    torch.testing.assert_close(y[:, :48], base[:, :48], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(y[:, 48:], want[:, 48:], rtol=1e-4, atol=1e-4)
+    y = lora_linear(x, w, ctx, 1, [0], [0, 48]).double().cpu()  # q only, as P+1 boundaries: k|v columns are the GEMM's alone
+    torch.testing.assert_close(y[:, 48:], base[:, 48:], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.gpu
