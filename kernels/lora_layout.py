@@ -19,6 +19,14 @@ PROJS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_p
 NUM_PROJS = len(PROJS)
 
 
+def pow2_divisor(values, most: int = 16) -> int:
+    """The largest power of two up to `most` dividing every value (row alignments, vector widths)."""
+    align = most
+    while align > 1 and any(v % align for v in values):
+        align //= 2
+    return align
+
+
 @dataclass
 class LoRALayout:
     """Device tensors describing every resident adapter; rebuilt/updated by the pool on load/evict."""
@@ -221,9 +229,7 @@ def pack_lora_layout(
     scales = torch.zeros(num_layers, NUM_PROJS, max_slots, dtype=torch.float32)
     a_off = torch.zeros(num_layers, NUM_PROJS, max_slots, max_rank, dtype=torch.int64)
     b_off = torch.zeros(num_layers, NUM_PROJS, max_slots, max_rank, dtype=torch.int64)
-    align = 16  # the largest power of two (up to 16) dividing every row offset
-    while align > 1 and any(o % align for o in offsets):
-        align //= 2
+    align = pow2_divisor(offsets)
     cursor = 0
     for slot, layer, proj in sorted(modules):
         a, _, scale = modules[(slot, layer, proj)]

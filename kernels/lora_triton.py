@@ -29,7 +29,7 @@ import torch
 import triton
 from torch import Tensor
 
-from lorafleet.kernels.lora_layout import NUM_PROJS, LoRABatch, LoRALayout
+from lorafleet.kernels.lora_layout import NUM_PROJS, LoRABatch, LoRALayout, pow2_divisor
 from lorafleet.kernels.lora_sgmv import XA_TILE, expand_kernel, gdc_wait, shrink_kernel
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -174,14 +174,6 @@ def lora_shrink_triton(
     )
 
 
-def _align(values: list[int]) -> int:
-    """The largest power of two up to 16 dividing every value."""
-    align = 16
-    while align > 1 and any(v % align for v in values):
-        align //= 2
-    return align
-
-
 def lora_expand_triton(
     *,
     xa: Tensor,
@@ -271,7 +263,7 @@ def lora_expand_triton(
         N64=tile_n(64),
         SPLITS=xa.shape[0],
         ALIGN=layout.row_align,
-        ALIGN_N=_align([v for start, n in out_slices for v in (start, n)]),
+        ALIGN_N=pow2_divisor([v for start, n in out_slices for v in (start, n)]),
         MULTI_CHUNK=multi_chunk,
         BY_CLASS=by_class,
         REF_RANK=ref_rank,

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lorafleet.kernels.lora_layout import NUM_PROJS, PROJS
+from lorafleet.kernels.lora_layout import NUM_PROJS, PROJS, pow2_divisor
 
 PROJ_IDS = {p: i for i, p in enumerate(PROJS)}
 
@@ -51,10 +51,7 @@ class ModelDims:
     def row_align(self, page_elems: int) -> int:
         """The largest power of two up to 16 dividing every pool row offset `pack_adapter` can give: rows start
         at a page start plus whole rows of the model's widths (the kernels' vector loads rely on it)."""
-        align = 16
-        while align > 1 and any(v % align for v in (page_elems, self.hidden_size, self.intermediate_size, self.q_size, self.kv_size)):
-            align //= 2
-        return align
+        return pow2_divisor((page_elems, self.hidden_size, self.intermediate_size, self.q_size, self.kv_size))
 
 
 @dataclass(slots=True)

@@ -122,8 +122,8 @@ class Engine:
 
     def _warm_up(self, config: EngineConfig) -> None:
         """Compile and capture at start what served steps would otherwise stall on (logged)."""
-        t0 = time.perf_counter()
         if config.warmup:
+            t0 = time.perf_counter()
             most = config.max_num_batched_tokens
             counts = sorted({c for c in (1, 16, 64, 256, 1024) if c < most} | {most})
             ranks = sorted({min(r, config.max_lora_rank) for r in (16, 32, 64, 128)})

@@ -44,7 +44,10 @@ def _delta(x: torch.Tensor, y: torch.Tensor, ctx: ForwardContext, layer: int, pr
 
 
 def _delta_buffer(x: torch.Tensor, weight: torch.Tensor, ctx: ForwardContext, proj_ids: list[int], out_offsets: list[int]) -> torch.Tensor:
-    """[T, N] for the expand's write mode: uninitialised only where it writes every element."""
+    """[T, N] for the expand's write mode: uninitialised only where it writes every element. Rows it
+    does not write start from zero: tokens in no segment (a batch built by hand, as for CUDA graphs,
+    may pad its token list without covering every row: only `every_token` says all rows are written),
+    and so do columns outside the projections' slices."""
     covered = out_offsets[0] == 0 and (len(out_offsets) == len(proj_ids) or out_offsets[-1] == weight.shape[0])
     alloc = torch.empty if ctx.lora.every_token and covered else torch.zeros
     return alloc(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
@@ -63,9 +66,6 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, ctx: ForwardContext, laye
     num_tokens = x.shape[0]
     if num_tokens > OVERLAP_TOKENS:
         # The delta is written first (y not read), then the GEMM adds itself to it: y = delta + x W^T.
-        # Rows the expand does not write must start from zero: tokens in no segment (a batch built by
-        # hand, as for CUDA graphs, may pad its token list without covering every row: only
-        # `every_token` says all rows are written) and columns outside the projections' slices.
         y = _delta_buffer(x, weight, ctx, proj_ids, out_offsets)
         _delta(x, y, ctx, layer, proj_ids, out_offsets, accumulate=False)
         return y.addmm_(x, weight.t())
