@@ -45,7 +45,7 @@ from lorafleet.kernels.lora import lora_delta, lora_shrink, shrink_buffer
 from lorafleet.kernels.lora_triton import lora_expand_triton, lora_shrink_triton
 
 
-def layer_added(layer: LoRALayer, timer: Timer, rounds: int = 5) -> dict:
+def layer_added(layer: LoRALayer, timer: Timer, rounds: int = 11) -> dict:
     """A layer's four GEMMs with and without LoRA, in sequence (what the delta adds to the layer). Two
     orders: "after" (GEMM, then the delta added into y) and "before" (the delta written first by the
     expand's write mode, then the GEMM adds itself, addmm_: y is read by the GEMM's epilogue instead of
@@ -346,7 +346,8 @@ def main(argv: list[str] | None = None) -> int:
     name = f"kernels_{datetime.date.today():%Y%m%d}_{torch.cuda.get_device_name().split()[-1].lower()}"
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_gbs": copy_gbs, "base_gemm_us": base,
+    result = {"date": f"{datetime.date.today()}", "command": " ".join(["python", *sys.argv]), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "copy_gbs": copy_gbs, "base_gemm_us": base,
               "lora": rows, "sweeps": sweep, "attention": attn, "summary": summary}  # fmt: skip
     (out_dir / f"{name}.json").write_text(json.dumps(result, indent=1))
     plot(rows, base, out_dir / f"{name}.png")

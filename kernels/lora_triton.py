@@ -101,7 +101,10 @@ def shrink_splits(*, k: int, num_proj: int, batch: LoRABatch, device: torch.devi
     # At most one group of xa loads for a program of the batch's typical rank class (larger classes sum
     # theirs in several, see lora_sgmv._load_xa): a rank-64 slot among rank-8 ones must not halve every
     # program's splits (H200, down_proj over ranks {8,16,32,64}: 21.6 us with 8 splits vs 13.7 at rank 30).
-    most = max(1, XA_TILE_ELEMS // (_block_t(batch) * max(32, _pow2(round(batch.planning_rank), 16, 128))))
+    # A batch of one or two segments (one adapter's tokens) has too few programs without more splits: its
+    # expand sums them in several groups (H200, T=64 over one adapter: 35 us with 16 splits vs 38 with 4).
+    group = XA_TILE_ELEMS * (4 if batch.num_segments <= 2 else 1)
+    most = max(1, group // (_block_t(batch) * max(32, _pow2(round(batch.planning_rank), 16, 128))))
     splits = max(1, min(splits, triton.cdiv(k, 128), most, 16))
     # A power of two: the expand kernel is compiled per split count, and a server's batches must not
     # keep finding new counts (each a JIT compile stalling a step).
@@ -168,7 +171,9 @@ def lora_shrink_triton(
         ALIGN=layout.row_align,
         UPCAST=_upcast(x.dtype),
         PDL=use_pdl,
-        num_warps=num_warps or (8 if block_t >= 64 else 4),
+        # 4 warps at every token tile: at [64, 256] tiles 8 spill registers (sm_90) and run slower (H200,
+        # T=1024 over 8 adapters: the layer's delta 87 vs 93 us with the expand's 8 warps below).
+        num_warps=num_warps or 4,
         num_stages=num_stages,
         **({"launch_pdl": True} if use_pdl else {}),
     )
@@ -187,7 +192,7 @@ def lora_expand_triton(
     block_r: int | None = None,
     cols_per_program: int | None = None,
     programs_per_sm: int = 2,
-    num_warps: int = 4,
+    num_warps: int | None = None,
     num_stages: int = 3,
     pdl: bool | int | None = None,
     accumulate: bool = True,
@@ -270,7 +275,8 @@ def lora_expand_triton(
         UPCAST=_upcast(y.dtype),
         PDL=use_pdl,
         ACCUMULATE=int(accumulate),
-        num_warps=num_warps,
+        # Prefill tiles ([64, 128] float32 accumulator) spill registers at 4 warps (sm_90: 64 bytes).
+        num_warps=num_warps or (8 if block_t >= 64 else 4),
         num_stages=num_stages,
         **({"launch_pdl": True} if use_pdl else {}),
     )

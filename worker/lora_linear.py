@@ -15,12 +15,12 @@ latency-bound kernels; the base GEMM beside it is long.
 * Without a side stream (CPU, or `ForwardContext.lora_stream` None), small batches add the delta
   after the GEMM, in place.
 
-H200, one Llama-3-8B layer (bench/results/kernels_*_20261130_h200.json, four runs): at T=1024 over 8
-adapters the delta written before the GEMMs adds 63.9, 89.8, 92.8 and 65.5 us to their ~640 us (after
-them: 66.1, 85.2, 92.2 and 82.5), over 32 adapters 35.4 to 88.3 us (after them: 256 to 276), at T=256
-over 8 adapters 48.9 to 50.3 us (after them: 130.7 to 133.3).
-The side stream cuts the time a decode delta adds to the layer from 27.5 to 13.0 us at T=1 and from
-75.6 to 55.9 us at T=64 over 32 adapters (lora_overlap_20261130_h200.json).
+H200, one Llama-3-8B layer (bench/results/kernels_*_20261130_h200.json, five runs): at T=1024 over 8
+adapters the delta written before the GEMMs adds 63.9 to 92.8 us to their ~640 us (after them: 66.1 to
+117.2), over 32 adapters 35.4 to 88.3 us (after them: 256 to 280), at T=256 over 8 adapters 48.9 to
+50.4 us (after them: 130.7 to 133.3).
+The side stream cuts the time a decode delta adds to the layer from 29.1 to 12.7 us at T=1 and from
+76.3 to 56.9 us at T=64 over 32 adapters (lora_overlap_20261130_h200.json).
 
 All forms compute y = x W^T + scale * B (A x); with 16-bit weights the delta is rounded to the model
 dtype once before it meets the GEMM's result.
