@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 import triton
 from kernel_setup import (  # same folder
     ADAPTERS,
@@ -41,7 +42,8 @@ from kernel_setup import (  # same folder
 
 from lorafleet.kernels.attention import paged_attention_prefill
 from lorafleet.kernels.attention_triton import paged_attention_decode_triton, paged_attention_prefill_triton
-from lorafleet.kernels.lora import lora_delta, lora_shrink, shrink_buffer
+from lorafleet.kernels.lora import lora_delta, lora_shrink, lora_silu_mul, shrink_buffer
+from lorafleet.kernels.lora_layout import LoRABatch
 from lorafleet.kernels.lora_triton import lora_expand_triton, lora_shrink_triton
 
 
@@ -50,37 +52,65 @@ def layer_added(layer: LoRALayer, timer: Timer, rounds: int = 11) -> dict:
     orders: "after" (GEMM, then the delta added into y) and "before" (the delta written first by the
     expand's write mode, then the GEMM adds itself, addmm_: y is read by the GEMM's epilogue instead of
     read and written again); "shrinks" runs only the shrinks beside the GEMMs and "addmm" the GEMMs
-    adding themselves to y without a delta (a breakdown)."""
+    adding themselves to y without a delta (a breakdown). With the MLP's activation (act = silu(gate) *
+    up, as the engine computes it at prefill): "fused" is "before" except for gate|up, whose delta is
+    folded into the activation (`lora_silu_mul`), against "base_act" (the GEMMs and torch's activation)
+    and "base_kernel_act" (the GEMMs and the same kernel over tokens without an adapter)."""
     weights = [torch.randn(sum(w), x.shape[1], device="cuda").to(DT) for (_, w), x in zip(GROUPS, layer.xs, strict=True)]
     groups = list(zip(GROUPS, layer.xs, weights, layer.ys, layer.slices, strict=True))
+    num_tokens, inter = layer.ys[2].shape[0], layer.ys[2].shape[1] // 2
+    act = torch.empty(num_tokens, inter, dtype=DT, device="cuda")
+    # Segments of 64 tokens without an adapter (slot -1, rank 0): the kernel computes the plain activation.
+    starts = torch.arange(0, num_tokens + 64, 64, device="cuda").clamp(max=num_tokens).unique().to(torch.int32)
+    no_adapter = LoRABatch(torch.full((num_tokens,), -1, dtype=torch.int32, device="cuda"), torch.arange(num_tokens, dtype=torch.int32, device="cuda"),
+                           starts, torch.full((starts.shape[0] - 1,), -1, dtype=torch.int32, device="cuda"), 0, every_token=True)
+    xa_none = torch.zeros(1, 2, num_tokens, 1, device="cuda")
 
     def run(mode: str) -> None:
-        for (proj_ids, _), x, w, y, sl in groups:
-            if mode in ("base", "after", "shrinks"):
+        for g, ((proj_ids, _), x, w, y, sl) in enumerate(groups):
+            offsets, mlp = [a for a, _ in sl], g == 2
+            if mode in ("base", "after", "shrinks", "base_act", "base_kernel_act") or (mode == "fused" and mlp):
+                if mode == "fused":
+                    xa = shrink_buffer(x=x, proj_ids=proj_ids, batch=layer.batch)
+                    lora_shrink(x=x, layout=layer.layout, layer=0, proj_ids=proj_ids, batch=layer.batch, out=xa)
                 torch.matmul(x, w.t(), out=y)
             if mode == "addmm":  # the GEMM adding itself to y, no delta: what reading y in its epilogue costs
                 y.addmm_(x, w.t())
             if mode == "after":
-                lora_delta(x=x, layout=layer.layout, layer=0, proj_ids=proj_ids, batch=layer.batch, y=y, out_offsets=[a for a, _ in sl])
+                lora_delta(x=x, layout=layer.layout, layer=0, proj_ids=proj_ids, batch=layer.batch, y=y, out_offsets=offsets)
             if mode == "shrinks":
                 xa = shrink_buffer(x=x, proj_ids=proj_ids, batch=layer.batch)
                 lora_shrink(x=x, layout=layer.layout, layer=0, proj_ids=proj_ids, batch=layer.batch, out=xa)
-            if mode == "before":
-                lora_delta(x=x, layout=layer.layout, layer=0, proj_ids=proj_ids, batch=layer.batch, y=y, out_offsets=[a for a, _ in sl], accumulate=False)
+            if mode == "before" or (mode == "fused" and not mlp):
+                lora_delta(x=x, layout=layer.layout, layer=0, proj_ids=proj_ids, batch=layer.batch, y=y, out_offsets=offsets, accumulate=False)
                 y.addmm_(x, w.t())
+            if mlp and mode == "base_act":
+                torch.mul(F.silu(y[:, :inter]), y[:, inter:], out=act)
+            if mlp and mode in ("fused", "base_kernel_act"):
+                lora_silu_mul(gate_up=y, xa=xa if mode == "fused" else xa_none, layout=layer.layout, layer=0, batch=layer.batch if mode == "fused" else no_adapter,
+                              out=act)
 
-    # The GEMMs' own time drifts between graphs (clocks): the modes are timed in alternation, rounds
-    # times, and each figure is a median over rounds of the difference to that round's base.
-    modes = ("base", "addmm", "after", "before", "shrinks")
+    # The GEMMs' own time drifts between graphs (clocks, heat): the modes are timed in alternation, rounds
+    # times, in reverse order every other round (a steady drift then favours no mode), and each figure is
+    # a median over rounds of the difference to that round's base.
+    modes = ("base", "addmm", "after", "before", "shrinks", "base_act", "base_kernel_act", "fused")
     times = {mode: [] for mode in modes}
-    for _ in range(rounds):
-        for mode in modes:
+    for i in range(rounds):
+        for mode in modes if i % 2 == 0 else modes[::-1]:
             times[mode].append(timer.graph(functools.partial(run, mode)))
     res = {mode: statistics.median(times[mode]) for mode in modes}
     res["rounds"] = times
-    for mode in modes[1:]:
-        added = statistics.median(t - b for t, b in zip(times[mode], times["base"], strict=True))
-        res[f"{mode}_added_us"], res[f"{mode}_added_fraction"] = added, added / res["base"]
+
+    def added(mode: str, base: str) -> float:
+        return statistics.median(t - b for t, b in zip(times[mode], times[base], strict=True))
+
+    for mode in ("addmm", "after", "before", "shrinks"):
+        res[f"{mode}_added_us"] = added(mode, "base")
+        res[f"{mode}_added_fraction"] = res[f"{mode}_added_us"] / res["base"]
+    # The activation's own cost differs by kernel: the fused figure is taken against the faster base.
+    res["act_torch_us"], res["act_kernel_us"] = added("base_act", "base"), added("base_kernel_act", "base")
+    res["fused_added_us"] = max(added("fused", "base_act"), added("fused", "base_kernel_act"))
+    res["fused_added_fraction"] = res["fused_added_us"] / res["base"]
     return res
 
 

@@ -6,7 +6,8 @@ A layer's LoRA delta for fused projections (q|k|v or gate|up) is two calls:
     lora_shrink(x=x, layout=layout, layer=l, proj_ids=[0, 1, 2], batch=batch, out=xa)
     lora_expand(xa=xa, layout=layout, layer=l, proj_ids=[0, 1, 2], batch=batch, y=qkv, out_offsets=[0, 4096, 5120])
 
-`lora_delta` makes the same two calls in one. `lora_expand(..., accumulate=False)` writes y = delta
+`lora_delta` makes the same two calls in one; `lora_silu_mul` takes gate|up's shrink output and folds
+the expand into the MLP's activation (kernels/lora_act.py). `lora_expand(..., accumulate=False)` writes y = delta
 instead of adding, for a caller that lets the base GEMM add itself afterwards (worker/lora_linear.py).
 `backend="auto"` picks Triton for CUDA tensors and the torch reference otherwise.
 """
@@ -166,3 +167,35 @@ def lora_delta(
     lora_shrink(x=x, layout=layout, layer=layer, proj_ids=proj_ids, batch=batch, out=xa, backend=backend)
     lora_expand(xa=xa, layout=layout, layer=layer, proj_ids=proj_ids, batch=batch, y=y, out_offsets=out_offsets, backend=backend,
                 accumulate=accumulate)
+
+
+def lora_silu_mul(*, gate_up: Tensor, xa: Tensor, layout: LoRALayout, layer: int, batch: LoRABatch, out: Tensor, backend: str = "auto") -> None:
+    """The MLP activation with the gate|up LoRA delta folded in, the delta never written to memory.
+
+    Semantics: out[t] = silu(g[t] + dg[t]) * (u[t] + du[t]) for every token in a segment, where g, u are the two
+    halves of gate_up[t] and dg, du the gate and up deltas `lora_expand` would add (zero where the slot adapts neither);
+    tokens in no segment are left as they are (a caller with such tokens computes theirs itself).
+
+    gate_up: [T, 2 * I] model dtype, contiguous (the base GEMM's output, gate columns first). xa: float32
+    [S, 2, T, R], R >= batch.max_rank: `lora_shrink`'s partial sums for proj_ids [4, 5] (gate, up). out: [T, I]
+    model dtype, last dim contiguous. layer: int. batch: `LoRABatch` over the T tokens, ranks up to 128 on Triton.
+    """
+    from lorafleet.kernels.lora_act import GATE, UP, silu_mul_lora_reference, silu_mul_lora_triton
+
+    _check_common("lora_silu_mul", layout, layer, [GATE, UP], batch, gate_up.device)
+    num_tokens, inter = batch.num_tokens, out.shape[-1] if out.dim() == 2 else -1
+    if gate_up.dim() != 2 or tuple(gate_up.shape) != (num_tokens, 2 * inter) or not gate_up.is_contiguous():
+        raise ValueError(f"lora_silu_mul: gate_up must be contiguous [T={num_tokens}, 2 * I] and out [T, I], got {tuple(gate_up.shape)} and {tuple(out.shape)}")
+    if out.shape[0] != num_tokens or out.stride(1) != 1:
+        raise ValueError(f"lora_silu_mul: out must be [T={num_tokens}, I] with a contiguous last dim, got {tuple(out.shape)} strides {out.stride()}")
+    if gate_up.dtype != layout.pool.dtype or out.dtype != layout.pool.dtype:
+        raise ValueError(f"lora_silu_mul: gate_up {gate_up.dtype} and out {out.dtype} must be the adapter pool's {layout.pool.dtype}")
+    xa = _as_splits("lora_silu_mul: xa", xa, 2, batch)
+    if out.device != gate_up.device or xa.device != gate_up.device:
+        raise ValueError(f"lora_silu_mul: gate_up, xa and out must share a device, got {gate_up.device}, {xa.device}, {out.device}")
+    if resolve_backend(backend, gate_up.device) == "triton":
+        if batch.max_rank > 128:
+            raise ValueError(f"lora_silu_mul: the Triton backend takes ranks up to 128, the batch has {batch.max_rank}")
+        silu_mul_lora_triton(gate_up=gate_up, xa=xa, layout=layout, layer=layer, batch=batch, out=out)
+    else:
+        silu_mul_lora_reference(gate_up=gate_up, xa=xa, layout=layout, layer=layer, batch=batch, out=out)

@@ -15,7 +15,7 @@ from torch import nn
 
 from lorafleet.kernels import attention
 from lorafleet.worker.forward_context import ForwardContext
-from lorafleet.worker.lora_linear import lora_linear
+from lorafleet.worker.lora_linear import gate_up_act, lora_linear
 from lorafleet.worker.model_config import ModelConfig
 
 # Projection ids as in kernels.lora_layout.PROJS.
@@ -96,9 +96,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = _param(config.hidden_size, config.intermediate_size, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        gate_up = lora_linear(x, self.gate_up_proj, ctx, self.layer, [GATE, UP], [0, self.intermediate_size])
-        gate, up = gate_up.chunk(2, dim=-1)
-        act = F.silu(gate) * up
+        act = gate_up_act(x, self.gate_up_proj, ctx, self.layer)  # silu(gate) * up, LoRA included
         return lora_linear(act, self.down_proj, ctx, self.layer, [DOWN], [0])
 
 

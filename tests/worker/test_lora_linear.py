@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lorafleet.kernels.lora_layout import make_lora_batch, pack_lora_layout
-from lorafleet.worker.lora_linear import OVERLAP_TOKENS, lora_linear
+from lorafleet.worker.lora_linear import OVERLAP_TOKENS, gate_up_act, lora_linear
 from tests.kernels.kernel_cases import dense_delta, random_adapters, token_slots
 
 DIMS = {0: (64, 48), 1: (64, 16), 2: (64, 16)}  # a small fused q|k|v
@@ -100,3 +100,26 @@ def test_lora_linear_beside_the_gemm_matches_dense(num_tokens, dtype, tol):
             y = lora_linear(x, w, ctx, 1, [0, 1, 2], OFFSETS)
             err = (y.double().cpu() - want).abs().max() / want.abs().max()
             assert not torch.isnan(y).any() and err < tol, (popularity, stream, float(err))
+
+
+@pytest.mark.parametrize("popularity", ["uniform", "identical", "mixed_none", "all_none"])
+@pytest.mark.parametrize("device, backend, num_tokens", [
+    ("cpu", "reference", 37), ("cpu", "reference", OVERLAP_TOKENS + 37), ("cpu", "triton", OVERLAP_TOKENS + 37),
+    pytest.param("cuda", "triton", OVERLAP_TOKENS + 37, marks=pytest.mark.gpu), pytest.param("cuda", "triton", 37, marks=pytest.mark.gpu),
+])  # fmt: skip
+def test_gate_up_act_matches_dense(popularity, device, backend, num_tokens):
+    """silu(gate) * up with the gate|up delta: folded into the activation for prefill-sized batches
+    (tokens without an adapter take the plain activation), after lora_linear for small ones."""
+    gen = torch.Generator().manual_seed(1)
+    inter = 48
+    modules = random_adapters(num_slots=5, num_layers=2, dims={4: (64, inter), 5: (64, inter)}, gen=gen, ranks=(2, 8, 16))
+    layout = pack_lora_layout(modules, num_layers=2, max_slots=5, page_elems=256, dtype=torch.float32, device=device)
+    slots = token_slots(popularity, num_tokens, 5, gen)
+    x = torch.randn(num_tokens, 64, generator=gen)
+    w = torch.randn(2 * inter, 64, generator=gen) / 8
+    gu = x.double() @ w.double().T
+    gate, up = gu[:, :inter] + dense_delta(modules, slots, x, 1, 4, inter), gu[:, inter:] + dense_delta(modules, slots, x, 1, 5, inter)
+    batch = make_lora_batch(slots.to(device), layout.max_rank_by_slot(), max_segment_len=16)
+    ctx = SimpleNamespace(lora=batch, lora_layout=layout, backend=backend, lora_stream=torch.cuda.Stream() if device == "cuda" else None)
+    act = gate_up_act(x.to(device), w.to(device), ctx, 1)
+    torch.testing.assert_close(act.double().cpu(), torch.nn.functional.silu(gate) * up, rtol=1e-4, atol=1e-4)

@@ -400,14 +400,15 @@ def test_cuda_mixed_batch_with_triton_kernels(tiny_llama_dir, adapter_dirs, refe
 
 def test_long_prompts_span_several_lora_segments(tiny_llama_dir, adapter_dirs):
     """A prefill longer than one LoRA kernel segment is cut into several segments of one slot; the
-    result equals PEFT running the adapter alone."""
+    result equals PEFT running the adapter alone (a prefill-sized batch: the activation path too)."""
     from peft import PeftModel
     from transformers import LlamaForCausalLM
 
     from lorafleet.worker.model_runner import LORA_SEGMENT_LEN
 
     rng = random.Random(7)
-    prompts = [[rng.randrange(256) for _ in range(n)] for n in (2 * LORA_SEGMENT_LEN + 9, LORA_SEGMENT_LEN + 1)]
+    # 90 prompt tokens, all with an adapter: the prefill folds the gate|up delta into the activation.
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in (4 * LORA_SEGMENT_LEN + 9, LORA_SEGMENT_LEN + 1)]
     names = ["all8", "pat32"]
     engine = _engine(tiny_llama_dir, next(iter(adapter_dirs.values())).parent)
     segments = []
