@@ -120,11 +120,13 @@ def silu_mul_lora_triton(*, gate_up: Tensor, xa: Tensor, layout: LoRALayout, lay
     cols = inter * batch.num_segments // (programs_per_sm * _num_sms(str(out.device)))
     cols = triton.cdiv(max(block_n, min(cols, inter)), block_n) * block_n
     grid = (batch.num_segments, triton.cdiv(inter, cols))
+    block_r = _pow2(batch.max_rank, 16, 128)
+    # 8 warps wherever 4 spill registers (sm_90, 64-column tiles: 64-token tiles, or rank tiles of 64 and 128).
+    num_warps = num_warps or (8 if block_t >= 64 or block_r >= 64 else 4)
     silu_mul_lora_kernel[grid](
         gate_up, xa, layout.pool, layout.ranks, layout.scales, layout.b_offsets, batch.sorted_token_ids, batch.seg_starts, batch.seg_slots, out,
         layer, inter, cols, gate_up.stride(0), out.stride(0), xa.stride(0), xa.stride(1), xa.stride(2), layout.max_slots, layout.max_rank,
-        BLOCK_T=block_t, BLOCK_R=_pow2(batch.max_rank, 16, 128), BLOCK_N=block_n, SPLITS=xa.shape[0], ALIGN=layout.row_align,
-        UPCAST=_upcast(out.dtype), num_warps=num_warps or (8 if block_t >= 64 else 4),
+        BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_N=block_n, SPLITS=xa.shape[0], ALIGN=layout.row_align, UPCAST=_upcast(out.dtype), num_warps=num_warps,
     )  # fmt: skip
 
 
