@@ -127,10 +127,10 @@ def _load_xa(xa_base, stride_xs, tok64, t_mask, offs_r, r_mask, stride_xt, SPLIT
     acc = tl.load(ptrs, mask=mask, other=0.0)
     for s in tl.static_range(1, FIRST):
         acc += tl.load(ptrs + s * stride_xs, mask=mask, other=0.0)
-    if SPLITS > GROUP:  # both powers of two: GROUP divides SPLITS
+    if SPLITS > GROUP:  # the last group may be partial (a split count that is not a power of two)
         for s0 in range(GROUP, SPLITS, GROUP):
             for s in tl.static_range(GROUP):
-                acc += tl.load(ptrs + (s0 + s) * stride_xs, mask=mask, other=0.0)
+                acc += tl.load(ptrs + (s0 + s) * stride_xs, mask=mask & (s0 + s < SPLITS), other=0.0)
     return acc
 
 

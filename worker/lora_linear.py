@@ -16,9 +16,10 @@ latency-bound kernels; the base GEMM beside it is long.
   after the GEMM, in place.
 * The MLP's gate|up at prefill (`gate_up_act`): the delta is folded into the activation that reads
   the GEMM's output (`kernels.lora.lora_silu_mul`), so the largest delta of the layer is never stored.
-  H200, T=1024 (kernels_fused_act_20261130_h200.json, two runs): the layer's LoRA then adds 7.0-7.3%
-  to the GEMMs over 8 adapters (every delta before its GEMM: 9.8-10.1%), 12.5-14.9% over 32 (10.3%
-  and 8.2%); in both the layer as a whole is 23-76 us faster than with torch's activation after it.
+  H200, T=1024 in 64-token segments (kernels_fused_act_20261130_h200.json, two runs, medians of 11
+  rounds): the layer's LoRA then adds 7.0-7.3% to the GEMMs over 8 adapters (every delta before its
+  GEMM: 9.8-10.1%), 12.5-14.9% over 32 (32-token segments; every delta before its GEMM: 8.2-10.3%).
+  The engine cuts segments at 16 tokens by default (EngineConfig.lora_segment_len): not measured.
 
 H200, one Llama-3-8B layer (bench/results/kernels_*_20261130_h200.json, five runs): at T=1024 over 8
 adapters the delta written before the GEMMs adds 63.9 to 92.8 us to their ~640 us (after them: 66.1 to
@@ -28,7 +29,8 @@ The side stream cuts the time a decode delta adds to the layer from 29.1 to 12.7
 76.3 to 56.9 us at T=64 over 32 adapters (lora_overlap_20261130_h200.json).
 
 All forms compute y = x W^T + scale * B (A x); with 16-bit weights the delta is rounded to the model
-dtype once before it meets the GEMM's result.
+dtype once before it meets the GEMM's result, except in the folded activation, which adds it in
+float32 to the GEMM's rounded output.
 """
 
 from __future__ import annotations

@@ -89,3 +89,27 @@ def test_silu_mul_on_gpu_at_llama_width(ranks, gen):
         if live.any():
             err = float((got[live].double() - want[live]).norm() / want[live].norm())
             assert not torch.isnan(got[live]).any() and err < TOL[torch.bfloat16], (popularity, err)
+
+
+
+def test_partial_sums_in_uneven_groups(gen, monkeypatch):
+    """Ranks up to 128 with 3 or 6 partial sums: the expand and the folded activation sum them in groups
+    of at most XA_TILE elements, the last group partial (split counts need not be powers of two)."""
+    from lorafleet.kernels.lora import lora_expand
+    from lorafleet.kernels.lora_reference import lora_expand_reference
+
+    modules, layout = _setup(gen, torch.float32)
+    slots = token_slots("uniform", 40, 10, gen)
+    batch = make_lora_batch(slots, layout.max_rank_by_slot())
+    assert batch.max_rank == 128
+    for splits in (3, 6):
+        xa = torch.randn(splits, 2, 40, batch.max_rank, generator=gen)
+        gate_up = torch.randn(40, 2 * INTER, generator=gen)
+        want, got = gate_up.clone(), gate_up.clone()
+        lora_expand_reference(xa=xa, layout=layout, layer=1, proj_ids=[4, 5], batch=batch, y=want, out_slices=[(0, INTER), (INTER, INTER)])
+        lora_expand(xa=xa, layout=layout, layer=1, proj_ids=[4, 5], batch=batch, y=got, out_offsets=[0, INTER], backend="triton")
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
+        act_want, act_got = torch.zeros(40, INTER), torch.zeros(40, INTER)
+        lora_silu_mul(gate_up=gate_up, xa=xa, layout=layout, layer=1, batch=batch, out=act_want, backend="reference")
+        lora_silu_mul(gate_up=gate_up, xa=xa, layout=layout, layer=1, batch=batch, out=act_got, backend="triton")
+        torch.testing.assert_close(act_got, act_want, rtol=1e-4, atol=1e-3)

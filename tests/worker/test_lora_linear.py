@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from lorafleet.kernels.lora import lora_silu_mul
 from lorafleet.kernels.lora_layout import make_lora_batch, pack_lora_layout
 from lorafleet.worker.lora_linear import OVERLAP_TOKENS, gate_up_act, lora_linear
 from tests.kernels.kernel_cases import dense_delta, random_adapters, token_slots
@@ -107,9 +108,13 @@ def test_lora_linear_beside_the_gemm_matches_dense(num_tokens, dtype, tol):
     ("cpu", "reference", 37), ("cpu", "reference", OVERLAP_TOKENS + 37), ("cpu", "triton", OVERLAP_TOKENS + 37),
     pytest.param("cuda", "triton", OVERLAP_TOKENS + 37, marks=pytest.mark.gpu), pytest.param("cuda", "triton", 37, marks=pytest.mark.gpu),
 ])  # fmt: skip
-def test_gate_up_act_matches_dense(popularity, device, backend, num_tokens):
+def test_gate_up_act_matches_dense(popularity, device, backend, num_tokens, monkeypatch):
     """silu(gate) * up with the gate|up delta: folded into the activation for prefill-sized batches
     (tokens without an adapter take the plain activation), after lora_linear for small ones."""
+    from lorafleet.kernels import lora
+
+    folded = []
+    monkeypatch.setattr(lora, "lora_silu_mul", lambda **kw: folded.append(1) or lora_silu_mul(**kw))
     gen = torch.Generator().manual_seed(1)
     inter = 48
     modules = random_adapters(num_slots=5, num_layers=2, dims={4: (64, inter), 5: (64, inter)}, gen=gen, ranks=(2, 8, 16))
@@ -123,3 +128,4 @@ def test_gate_up_act_matches_dense(popularity, device, backend, num_tokens):
     ctx = SimpleNamespace(lora=batch, lora_layout=layout, backend=backend, lora_stream=torch.cuda.Stream() if device == "cuda" else None)
     act = gate_up_act(x.to(device), w.to(device), ctx, 1)
     torch.testing.assert_close(act.double().cpu(), torch.nn.functional.silu(gate) * up, rtol=1e-4, atol=1e-4)
+    assert bool(folded) == (num_tokens > OVERLAP_TOKENS and popularity != "all_none")

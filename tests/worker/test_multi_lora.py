@@ -235,7 +235,7 @@ def test_too_many_adapters_per_batch_are_bounded(tiny_llama_dir, adapter_dirs, r
     engine = _engine(tiny_llama_dir, next(iter(adapter_dirs.values())).parent, max_loras_per_batch=2)
     for key in engine.adapters():  # all resident: only the bound limits what a step mixes
         engine.adapter_pool.load(key)
-    segments = []
+    segments, sizes = [], []
     orig = engine.runner.prepare
 
     def spy(batch):
@@ -411,18 +411,20 @@ def test_long_prompts_span_several_lora_segments(tiny_llama_dir, adapter_dirs):
     prompts = [[rng.randrange(256) for _ in range(n)] for n in (4 * LORA_SEGMENT_LEN + 9, LORA_SEGMENT_LEN + 1)]
     names = ["all8", "pat32"]
     engine = _engine(tiny_llama_dir, next(iter(adapter_dirs.values())).parent)
-    segments = []
+    segments, sizes = [], []
     orig = engine.runner.prepare
 
     def spy(batch):
         ctx, samplers = orig(batch)
         if ctx.lora is not None:
             segments.append(ctx.lora.seg_slots.tolist())
+            sizes.append((ctx.lora.num_tokens, ctx.lora.every_token))
         return ctx, samplers
 
     engine.runner.prepare = spy
     outs = engine.generate(prompts, GREEDY, adapters=names)
     assert max(len(s) for s in segments) > len(set(max(segments, key=len)))  # some slot was really cut
+    assert (sum(len(p) for p in prompts), True) in sizes  # one prefill step of every prompt token, all adapted: the folded activation
     for name, prompt, out in zip(names, prompts, outs, strict=True):
         peft_model = PeftModel.from_pretrained(
             LlamaForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32), adapter_dirs[name]).eval()
