@@ -135,10 +135,11 @@ def adapter_bytes(ranks: list[int]) -> int:
 class LoRALayer:
     """Inputs and outputs of one layer's four fused LoRA groups for T tokens; run with any backend."""
 
-    def __init__(self, layout: LoRALayout, dense: dict, num_tokens: int, num_adapters: int, gen: torch.Generator, grouped: bool = True) -> None:
+    def __init__(self, layout: LoRALayout, dense: dict, num_tokens: int, num_adapters: int, gen: torch.Generator, grouped: bool = True,
+                 segment_len: int = 64) -> None:  # fmt: skip
         self.layout, self.dense = layout, dense
         self.slots = (torch.arange(num_tokens, device="cuda") % num_adapters).to(torch.int32)
-        self.batch = make_lora_batch(self.slots, layout.max_rank_by_slot(), grouped=grouped)
+        self.batch = make_lora_batch(self.slots, layout.max_rank_by_slot(), grouped=grouped, max_segment_len=segment_len)
         self.xs = [torch.randn(num_tokens, DIMS[p[0]][0], device="cuda", generator=gen).to(DT) for p, _ in GROUPS]
         self.ys = [torch.zeros(num_tokens, sum(w), dtype=DT, device="cuda") for _, w in GROUPS]
         self.xas = [shrink_buffer(x=x, proj_ids=p, batch=self.batch, backend="triton") for x, (p, _) in zip(self.xs, GROUPS, strict=True)]

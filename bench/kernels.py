@@ -3,7 +3,8 @@
     python bench/kernels.py --out bench/results        # writes kernels_<date>_<gpu>.json and .png
 
 LoRA: all seven projections of one layer (q|k|v, o, gate|up, down: four shrink/expand pairs) for T
-tokens spread round-robin over A adapters (distinct adapters in the batch = min(T, A)), ranks 8, 16,
+tokens spread round-robin over A adapters (distinct adapters in the batch = min(T, A)), each adapter's
+tokens cut into segments of at most --segment-len (64; the engine's default is 16), ranks 8, 16,
 64 or mixed {8, 16, 32, 64}; the delta as the engine computes it (expand in write mode, y = delta;
 "triton_accumulate_us": adding into y), and for T >= 64 what it adds to the layer's GEMMs
 ("in_layer"). Floor = the distinct adapters' bytes / copy bandwidth measured in the same run. Triton
@@ -126,7 +127,7 @@ def base_gemms(num_tokens: int, timer: Timer) -> float:
     return timer.graph(run)
 
 
-def bench_lora(timer: Timer, copy_gbs: float, gen: torch.Generator, quick: bool, only: set | None = None) -> tuple[list, dict]:
+def bench_lora(timer: Timer, copy_gbs: float, gen: torch.Generator, quick: bool, only: set | None = None, segment_len: int = 64) -> tuple[list, dict]:
     rows = []
     key_cases = {(64, 32, "16"), (256, 32, "16"), (1, 8, "16"), (1024, 8, "16")}
     sweep_cases = {(64, 32, "16"), (1024, 8, "16")}
@@ -140,7 +141,7 @@ def bench_lora(timer: Timer, copy_gbs: float, gen: torch.Generator, quick: bool,
             for num_tokens in TOKENS:
                 if (rank_name == "30" and num_tokens not in (64, 256)) or (only and (num_tokens, num_adapters, rank_name) not in only):
                     continue
-                layer = LoRALayer(layout, dense, num_tokens, num_adapters, gen)
+                layer = LoRALayer(layout, dense, num_tokens, num_adapters, gen, segment_len=segment_len)
                 distinct = min(num_tokens, num_adapters)
                 nbytes = adapter_bytes(ranks_by_slot[:distinct])
                 row = {"tokens": num_tokens, "adapters": num_adapters, "distinct": distinct, "rank": rank_name, "adapter_bytes": nbytes}
@@ -349,6 +350,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench/results", help="folder for the JSON and PNG")
     parser.add_argument("--quick", action="store_true", help="skip the tuning sweeps")
+    parser.add_argument("--segment-len", type=int, default=64,
+                        help="most tokens of one adapter per kernel segment (the engine's EngineConfig.lora_segment_len defaults to 16)")
     parser.add_argument("--cases", default="", help="only these LoRA cases, T:A:rank comma-separated (for example 64:32:16,64:32:mixed)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -364,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     attn = bench_attention(timer, copy_gbs, gen)
     print("attention:", json.dumps({k: v for k, v in attn.items() if k != "variants"}), flush=True)
     only = {(int(t), int(a), r) for t, a, r in (c.split(":") for c in args.cases.split(",") if c)}
-    rows, sweep = bench_lora(timer, copy_gbs, gen, args.quick, only)
+    rows, sweep = bench_lora(timer, copy_gbs, gen, args.quick, only, args.segment_len)
     summary = summarize(rows, base, attn, copy_gbs)
     print(f"\n{'T':>5} {'A':>3} {'rank':>5} {'triton us':>10} {'floor us':>9} {'% copy bw':>9} {'per-token':>9} {'ref us':>8} {'loop us':>9} {'base us':>8}")
     for r in rows:
@@ -376,7 +379,8 @@ def main(argv: list[str] | None = None) -> int:
     name = f"kernels_{datetime.date.today():%Y%m%d}_{torch.cuda.get_device_name().split()[-1].lower()}"
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    result = {"date": f"{datetime.date.today()}", "command": " ".join(["python", *sys.argv]), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+    result = {"date": f"{datetime.date.today()}", "command": " ".join(["python", *sys.argv]), "segment_len": args.segment_len,
+              "device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "copy_gbs": copy_gbs, "base_gemm_us": base,
               "lora": rows, "sweeps": sweep, "attention": attn, "summary": summary}  # fmt: skip
     (out_dir / f"{name}.json").write_text(json.dumps(result, indent=1))
