@@ -235,7 +235,7 @@ def test_too_many_adapters_per_batch_are_bounded(tiny_llama_dir, adapter_dirs, r
     engine = _engine(tiny_llama_dir, next(iter(adapter_dirs.values())).parent, max_loras_per_batch=2)
     for key in engine.adapters():  # all resident: only the bound limits what a step mixes
         engine.adapter_pool.load(key)
-    segments, sizes = [], []
+    segments = []
     orig = engine.runner.prepare
 
     def spy(batch):
