@@ -69,10 +69,17 @@ def test_silu_mul_checks_its_inputs(gen):
         ({"out": torch.zeros(6, INTER, dtype=torch.float16), "gate_up": torch.zeros(6, 2 * INTER, dtype=torch.float16)}, "adapter pool"),
         ({"xa": torch.zeros(1, 3, 6, batch.max_rank)}, "xa must be"),
         ({"layer": 2}, "layer 2"),
+        ({"out": torch.zeros(6, INTER, device="meta")}, "share a device"),
     ]
     for change, message in bad:
         with pytest.raises(ValueError, match=message):
             lora_silu_mul(**{**good, **change})
+    _, wide = _setup(gen, torch.float32, ranks=(200,), dims={4: (64, 400), 5: (64, 400)})  # rank 200, above the Triton kernel's 128 (rows over 300 wide: pages as needed)
+    big = make_lora_batch(slots, wide.max_rank_by_slot())
+    args = {**good, "layout": wide, "batch": big, "xa": torch.zeros(1, 2, 6, 200)}
+    with pytest.raises(ValueError, match="ranks up to 128"):
+        lora_silu_mul(**args, backend="triton")
+    lora_silu_mul(**args, backend="reference")
 
 
 @pytest.mark.gpu
@@ -89,6 +96,7 @@ def test_silu_mul_on_gpu_at_llama_width(ranks, gen):
         if live.any():
             err = float((got[live].double() - want[live]).norm() / want[live].norm())
             assert not torch.isnan(got[live]).any() and err < TOL[torch.bfloat16], (popularity, err)
+        assert torch.isnan(got[~live]).all()  # rows in no segment: untouched
 
 
 
