@@ -43,7 +43,7 @@ from kernel_setup import (  # same folder
 
 from lorafleet.kernels.attention import paged_attention_prefill
 from lorafleet.kernels.attention_triton import paged_attention_decode_triton, paged_attention_prefill_triton
-from lorafleet.kernels.lora import lora_delta, lora_shrink, lora_silu_mul, shrink_buffer
+from lorafleet.kernels.lora import lora_delta, lora_silu_mul, lora_xa
 from lorafleet.kernels.lora_layout import LoRABatch
 from lorafleet.kernels.lora_triton import lora_expand_triton, lora_shrink_triton
 
@@ -69,27 +69,27 @@ def layer_added(layer: LoRALayer, timer: Timer, rounds: int = 11) -> dict:
 
     def run(mode: str) -> None:
         for g, ((proj_ids, _), x, w, y, sl) in enumerate(groups):
+            lora = {"x": x, "layout": layer.layout, "layer": 0, "proj_ids": proj_ids, "batch": layer.batch}
             offsets, mlp = [a for a, _ in sl], g == 2
-            if mode in ("base", "after", "shrinks", "base_act", "base_kernel_act") or (mode == "fused" and mlp):
-                if mode == "fused":
-                    xa = shrink_buffer(x=x, proj_ids=proj_ids, batch=layer.batch)
-                    lora_shrink(x=x, layout=layer.layout, layer=0, proj_ids=proj_ids, batch=layer.batch, out=xa)
+            if mlp and mode == "fused":  # shrink, GEMM, then the delta folded into the activation
+                xa = lora_xa(**lora)
                 torch.matmul(x, w.t(), out=y)
-            if mode == "addmm":  # the GEMM adding itself to y, no delta: what reading y in its epilogue costs
+                lora_silu_mul(gate_up=y, xa=xa, layout=layer.layout, layer=0, batch=layer.batch, out=act)
+            elif mode in ("before", "fused"):  # the delta written, then the GEMM adds itself
+                lora_delta(**lora, y=y, out_offsets=offsets, accumulate=False)
                 y.addmm_(x, w.t())
-            if mode == "after":
-                lora_delta(x=x, layout=layer.layout, layer=0, proj_ids=proj_ids, batch=layer.batch, y=y, out_offsets=offsets)
-            if mode == "shrinks":
-                xa = shrink_buffer(x=x, proj_ids=proj_ids, batch=layer.batch)
-                lora_shrink(x=x, layout=layer.layout, layer=0, proj_ids=proj_ids, batch=layer.batch, out=xa)
-            if mode == "before" or (mode == "fused" and not mlp):
-                lora_delta(x=x, layout=layer.layout, layer=0, proj_ids=proj_ids, batch=layer.batch, y=y, out_offsets=offsets, accumulate=False)
+            elif mode == "addmm":  # the GEMM adding itself to y, no delta: what reading y in its epilogue costs
                 y.addmm_(x, w.t())
+            else:
+                torch.matmul(x, w.t(), out=y)
+                if mode == "after":
+                    lora_delta(**lora, y=y, out_offsets=offsets)
+                if mode == "shrinks":
+                    lora_xa(**lora)
             if mlp and mode == "base_act":
                 torch.mul(F.silu(y[:, :inter]), y[:, inter:], out=act)
-            if mlp and mode in ("fused", "base_kernel_act"):
-                lora_silu_mul(gate_up=y, xa=xa if mode == "fused" else xa_none, layout=layer.layout, layer=0, batch=layer.batch if mode == "fused" else no_adapter,
-                              out=act)
+            if mlp and mode == "base_kernel_act":
+                lora_silu_mul(gate_up=y, xa=xa_none, layout=layer.layout, layer=0, batch=no_adapter, out=act)
 
     # The GEMMs' own time drifts between graphs (clocks, heat): the modes are timed in alternation, rounds
     # times, in reverse order every other round (a steady drift then favours no mode), and each figure is

@@ -6,7 +6,7 @@ A layer's LoRA delta for fused projections (q|k|v or gate|up) is two calls:
     lora_shrink(x=x, layout=layout, layer=l, proj_ids=[0, 1, 2], batch=batch, out=xa)
     lora_expand(xa=xa, layout=layout, layer=l, proj_ids=[0, 1, 2], batch=batch, y=qkv, out_offsets=[0, 4096, 5120])
 
-`lora_delta` makes the same two calls in one; `lora_silu_mul` takes gate|up's shrink output and folds
+`lora_xa` is the first two lines in one call, `lora_delta` all three; `lora_silu_mul` takes gate|up's shrink output and folds
 the expand into the MLP's activation (kernels/lora_act.py). `lora_expand(..., accumulate=False)` writes y = delta
 instead of adding, for a caller that lets the base GEMM add itself afterwards (worker/lora_linear.py).
 `backend="auto"` picks Triton for CUDA tensors and the torch reference otherwise.
@@ -102,6 +102,14 @@ def lora_shrink(*, x: Tensor, layout: LoRALayout, layer: int, proj_ids: list[int
         lora_shrink_reference(x=x, layout=layout, layer=layer, proj_ids=proj_ids, batch=batch, out=out)
 
 
+def lora_xa(*, x: Tensor, layout: LoRALayout, layer: int, proj_ids: list[int], batch: LoRABatch, backend: str = "auto") -> Tensor:
+    """`lora_shrink` into a fresh `shrink_buffer`: the float32 [S, P, T, R] partial sums that `lora_expand`
+    and `lora_silu_mul` take. Arguments as `lora_shrink`."""
+    xa = shrink_buffer(x=x, proj_ids=proj_ids, batch=batch, backend=backend)
+    lora_shrink(x=x, layout=layout, layer=layer, proj_ids=proj_ids, batch=batch, out=xa, backend=backend)
+    return xa
+
+
 def output_slices(out_offsets: list[int], num_slices: int, width: int) -> list[tuple[int, int]]:
     """(start, width) of each output slice from P starts (the last runs to `width`) or P+1 boundaries."""
     if len(out_offsets) == num_slices:
@@ -163,8 +171,7 @@ def lora_delta(
     place (tokens without a slot untouched). proj_ids, out_offsets, accumulate: as `lora_expand`
     (accumulate=False: y = the delta).
     """
-    xa = shrink_buffer(x=x, proj_ids=proj_ids, batch=batch, backend=backend)
-    lora_shrink(x=x, layout=layout, layer=layer, proj_ids=proj_ids, batch=batch, out=xa, backend=backend)
+    xa = lora_xa(x=x, layout=layout, layer=layer, proj_ids=proj_ids, batch=batch, backend=backend)
     lora_expand(xa=xa, layout=layout, layer=layer, proj_ids=proj_ids, batch=batch, y=y, out_offsets=out_offsets, backend=backend,
                 accumulate=accumulate)
 

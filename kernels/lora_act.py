@@ -21,6 +21,7 @@ from torch import Tensor
 from lorafleet.kernels.lora_layout import LoRABatch, LoRALayout
 from lorafleet.kernels.lora_reference import _segment_tokens, lora_expand_reference
 from lorafleet.kernels.lora_sgmv import _load_xa
+from lorafleet.kernels.lora_triton import _block_t, _num_sms, _pow2, _upcast
 
 GATE, UP = 4, 5  # projection ids (kernels.lora_layout.PROJS)
 
@@ -110,13 +111,11 @@ def silu_mul_lora_triton(*, gate_up: Tensor, xa: Tensor, layout: LoRALayout, lay
                          block_n: int = 64, programs_per_sm: int = 2, num_warps: int | None = None) -> None:
     """Triton backend of `kernels.lora.lora_silu_mul` (inputs checked there). block_n, programs_per_sm,
     num_warps: column tile, grid size (~programs per SM) and warps per program (benchmark sweeps)."""
-    from lorafleet.kernels.lora_triton import _block_t, _num_sms, _pow2, _upcast
-
     if batch.num_segments == 0:
         return
     inter = out.shape[1]
     block_t = _block_t(batch)
-    block_n = min(block_n, _pow2(inter, 16, 64 if _upcast(out.dtype) else 128))
+    block_n = min(block_n, _pow2(inter, 16, 128))
     cols = inter * batch.num_segments // (programs_per_sm * _num_sms(str(out.device)))
     cols = triton.cdiv(max(block_n, min(cols, inter)), block_n) * block_n
     grid = (batch.num_segments, triton.cdiv(inter, cols))

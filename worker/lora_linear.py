@@ -109,8 +109,7 @@ def gate_up_act(x: torch.Tensor, weight: torch.Tensor, ctx: ForwardContext, laye
     if batch is None or not 0 < batch.max_rank <= FUSED_ACT_MAX_RANK or x.shape[0] <= OVERLAP_TOKENS:
         gate, up = lora_linear(x, weight, ctx, layer, [GATE, UP], [0, inter]).chunk(2, dim=-1)
         return F.silu(gate) * up
-    xa = lora.shrink_buffer(x=x, proj_ids=[GATE, UP], batch=batch, backend=ctx.backend)
-    lora.lora_shrink(x=x, layout=ctx.lora_layout, layer=layer, proj_ids=[GATE, UP], batch=batch, out=xa, backend=ctx.backend)
+    xa = lora.lora_xa(x=x, layout=ctx.lora_layout, layer=layer, proj_ids=[GATE, UP], batch=batch, backend=ctx.backend)
     gate_up = F.linear(x, weight)
     if batch.every_token:
         act = torch.empty(x.shape[0], inter, dtype=x.dtype, device=x.device)

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from kernel_cases import MIXED_RANKS, POPULARITIES, dense_delta, random_adapters, token_slots
 
-from lorafleet.kernels.lora import lora_shrink, lora_silu_mul, shrink_buffer
+from lorafleet.kernels.lora import lora_silu_mul, lora_xa
 from lorafleet.kernels.lora_layout import make_lora_batch, pack_lora_layout
 
 INTER = 80
@@ -28,8 +28,7 @@ def _run(modules, layout, slots, batch, dtype, backend, gen, inter=INTER, k=64):
     device = layout.pool.device
     x = torch.randn(slots.shape[0], k, generator=gen).to(dtype)
     gate_up = torch.randn(slots.shape[0], 2 * inter, generator=gen).to(dtype)
-    xa = shrink_buffer(x=x.to(device), proj_ids=[4, 5], batch=batch, backend=backend)
-    lora_shrink(x=x.to(device), layout=layout, layer=1, proj_ids=[4, 5], batch=batch, out=xa, backend=backend)
+    xa = lora_xa(x=x.to(device), layout=layout, layer=1, proj_ids=[4, 5], batch=batch, backend=backend)
     out = torch.full((slots.shape[0], inter), float("nan"), dtype=dtype, device=device)
     lora_silu_mul(gate_up=gate_up.to(device), xa=xa, layout=layout, layer=1, batch=batch, out=out, backend=backend)
     g = gate_up[:, :inter].double() + dense_delta(modules, slots, x, 1, 4, inter)
