@@ -117,7 +117,7 @@ class Bench:
         (worker/cuda_graphs.py: segments padded to one per token, the pool's max rank as bound).
         """
         if not graph:
-            self._layers(make_lora_batch(token_slots, self.pool.layout.max_rank_by_slot(), max_segment_len=16))
+            self._layers(make_lora_batch(token_slots, self.pool.layout.max_rank_by_slot()))
         elif self.device.type != "cuda":
             raise ValueError("graph steps need a CUDA device")
         else:

@@ -8,7 +8,7 @@ import statistics
 import torch
 
 from lorafleet.kernels.lora import lora_delta, shrink_buffer
-from lorafleet.kernels.lora_layout import NUM_PROJS, LoRALayout, make_lora_batch, place_rows
+from lorafleet.kernels.lora_layout import NUM_PROJS, LoRALayout, make_lora_batch, place_rows, segment_len
 from lorafleet.kernels.lora_reference import lora_expand_reference, lora_shrink_reference
 from lorafleet.kernels.lora_triton import lora_expand_triton, lora_shrink_triton
 
@@ -136,10 +136,12 @@ class LoRALayer:
     """Inputs and outputs of one layer's four fused LoRA groups for T tokens; run with any backend."""
 
     def __init__(self, layout: LoRALayout, dense: dict, num_tokens: int, num_adapters: int, gen: torch.Generator, grouped: bool = True,
-                 segment_len: int = 64) -> None:  # fmt: skip
+                 most_segment_len: int = 64) -> None:  # fmt: skip
         self.layout, self.dense = layout, dense
         self.slots = (torch.arange(num_tokens, device="cuda") % num_adapters).to(torch.int32)
-        self.batch = make_lora_batch(self.slots, layout.max_rank_by_slot(), grouped=grouped, max_segment_len=segment_len)
+        # Segments as the engine cuts them (16 tokens in a small step, up to most_segment_len in a long one).
+        seg_len = segment_len(num_tokens, most_segment_len)
+        self.batch = make_lora_batch(self.slots, layout.max_rank_by_slot(), grouped=grouped, max_segment_len=seg_len)
         self.xs = [torch.randn(num_tokens, DIMS[p[0]][0], device="cuda", generator=gen).to(DT) for p, _ in GROUPS]
         self.ys = [torch.zeros(num_tokens, sum(w), dtype=DT, device="cuda") for _, w in GROUPS]
         self.xas = [shrink_buffer(x=x, proj_ids=p, batch=self.batch, backend="triton") for x, (p, _) in zip(self.xs, GROUPS, strict=True)]

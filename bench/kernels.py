@@ -44,7 +44,7 @@ from kernel_setup import (  # same folder
 from lorafleet.kernels.attention import paged_attention_prefill
 from lorafleet.kernels.attention_triton import paged_attention_decode_triton, paged_attention_prefill_triton
 from lorafleet.kernels.lora import lora_delta, lora_silu_mul, lora_xa
-from lorafleet.kernels.lora_layout import LoRABatch
+from lorafleet.kernels.lora_layout import LoRABatch, segment_len
 from lorafleet.kernels.lora_triton import lora_expand_triton, lora_shrink_triton
 
 
@@ -127,7 +127,7 @@ def base_gemms(num_tokens: int, timer: Timer) -> float:
     return timer.graph(run)
 
 
-def bench_lora(timer: Timer, copy_gbs: float, gen: torch.Generator, quick: bool, only: set | None = None, segment_len: int = 64) -> tuple[list, dict]:
+def bench_lora(timer: Timer, copy_gbs: float, gen: torch.Generator, quick: bool, only: set | None = None, most_segment_len: int = 64) -> tuple[list, dict]:
     rows = []
     key_cases = {(64, 32, "16"), (256, 32, "16"), (1, 8, "16"), (1024, 8, "16")}
     sweep_cases = {(64, 32, "16"), (1024, 8, "16")}
@@ -141,10 +141,11 @@ def bench_lora(timer: Timer, copy_gbs: float, gen: torch.Generator, quick: bool,
             for num_tokens in TOKENS:
                 if (rank_name == "30" and num_tokens not in (64, 256)) or (only and (num_tokens, num_adapters, rank_name) not in only):
                     continue
-                layer = LoRALayer(layout, dense, num_tokens, num_adapters, gen, segment_len=segment_len)
+                layer = LoRALayer(layout, dense, num_tokens, num_adapters, gen, most_segment_len=most_segment_len)
                 distinct = min(num_tokens, num_adapters)
                 nbytes = adapter_bytes(ranks_by_slot[:distinct])
-                row = {"tokens": num_tokens, "adapters": num_adapters, "distinct": distinct, "rank": rank_name, "adapter_bytes": nbytes}
+                row = {"tokens": num_tokens, "adapters": num_adapters, "distinct": distinct, "rank": rank_name, "adapter_bytes": nbytes,
+                       "segment_len": segment_len(num_tokens, most_segment_len)}
                 row["floor_us"] = nbytes / (copy_gbs * 1e3)
                 row["triton_us"] = timer.graph(layer.triton)
                 if num_tokens <= 256 and num_adapters in (8, 32) and rank_name in ("16", "mixed", "30"):
@@ -351,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="bench/results", help="folder for the JSON and PNG")
     parser.add_argument("--quick", action="store_true", help="skip the tuning sweeps")
     parser.add_argument("--segment-len", type=int, default=64,
-                        help="most tokens of one adapter per kernel segment (the engine's EngineConfig.lora_segment_len defaults to 16)")
+                        help="most tokens of one adapter per kernel segment; each case's own grows from 16 with T as the engine's (EngineConfig.lora_segment_len)")
     parser.add_argument("--cases", default="", help="only these LoRA cases, T:A:rank comma-separated (for example 64:32:16,64:32:mixed)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():

@@ -43,7 +43,7 @@ class Layer:
         self.layout, _ = kb.build_layout(ranks, gen)
         self.distinct_bytes = kb.adapter_bytes(ranks[: min(num_tokens, num_adapters)])
         slots = (torch.arange(num_tokens, device="cuda") % num_adapters).to(torch.int32)
-        self.batch = make_lora_batch(slots, self.layout.max_rank_by_slot(), max_segment_len=16)
+        self.batch = make_lora_batch(slots, self.layout.max_rank_by_slot())
         self.weights = [(torch.randn(sum(w), kb.DIMS[p[0]][0], device="cuda", generator=gen) * 0.02).to(kb.DT) for p, w in kb.GROUPS]
         self.xs = [torch.randn(num_tokens, w.shape[1], device="cuda", generator=gen).to(kb.DT) for w in self.weights]
         self.offsets = [[sum(w[:i]) for i in range(len(w))] for _, w in kb.GROUPS]

@@ -82,7 +82,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--mixes", default="8,32")
-    ap.add_argument("--segment-len", type=int, default=16, help="EngineConfig.lora_segment_len")
+    ap.add_argument("--segment-len", type=int, default=64, help="EngineConfig.lora_segment_len (most tokens per segment)")
     ap.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                     help="EngineConfig.cuda_graphs: replay decode steps from CUDA graphs")
     ap.add_argument("--out", default=None, help="folder for JSON and PNG (default: print only)")

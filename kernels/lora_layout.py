@@ -117,13 +117,33 @@ class LoRABatch:
         return self.seg_slots.shape[0]
 
 
-def make_lora_batch(token_slots: Tensor, max_rank_by_slot: Tensor, *, grouped: bool = True, max_segment_len: int = 64) -> LoRABatch:
+SEGMENT_LEN_MIN = 16  # tokens per segment of a small step (decode)
+SEGMENTS_PER_STEP = 16  # a step of one adapter's tokens keeps at least this many segments
+
+
+def segment_len(num_tokens: int, most: int = 64) -> int:
+    """Most tokens of one adapter per kernel segment in a step of num_tokens tokens.
+
+    16 for a small step, so one adapter's tokens still spread over several kernel programs; longer,
+    up to `most`, as the step grows (a power of two, at least 16 segments if every token has one
+    adapter). Long segments read each adapter's rows fewer times and fill the kernels' 64-token tiles
+    (H200, T=1024 over 8 adapters, the layer's LoRA along the engine's prefill path: 13.9%, 11.8% and
+    9.0% of its base GEMMs at 16, 32 and 64 tokens, bench/results/kernels_segments_20261130_h200.json);
+    short ones keep a decode step of one adapter on many programs. Running example: 64 -> 16,
+    512 -> 32, 1024 -> 64, 8192 -> 64.
+    """
+    fit = 1 << max(0, (max(num_tokens, 1) // SEGMENTS_PER_STEP).bit_length() - 1)
+    return max(1, min(most, max(SEGMENT_LEN_MIN, fit)))
+
+
+def make_lora_batch(token_slots: Tensor, max_rank_by_slot: Tensor, *, grouped: bool = True, max_segment_len: int | None = None) -> LoRABatch:
     """Group a step's tokens by adapter slot with torch ops (no Python loop over tokens).
 
     token_slots: int [T] slot of each token, -1 for none. max_rank_by_slot: int [max_slots] (for example
     `layout.max_rank_by_slot()`). `grouped=False` makes one segment per token (see `LoRABatch`).
-    A slot's run longer than max_segment_len tokens becomes consecutive segments of that slot, so a long
-    prefill spreads over many kernel programs (each re-reads the adapter from L2, not from memory).
+    A slot's run longer than max_segment_len tokens (default: `segment_len` of the step) becomes
+    consecutive segments of that slot, so a long prefill spreads over many kernel programs (each
+    re-reads the adapter from L2, not from memory).
     A few host syncs (the number of segments and the batch's max rank are Python ints).
     """
     if token_slots.dim() != 1:
@@ -134,6 +154,7 @@ def make_lora_batch(token_slots: Tensor, max_rank_by_slot: Tensor, *, grouped: b
     slots = token_slots.to(torch.int32)
     max_rank_by_slot = max_rank_by_slot.to(device=device, dtype=torch.int32)
     num_tokens = slots.shape[0]
+    max_segment_len = max_segment_len or segment_len(num_tokens)
     valid = slots >= 0
     if num_tokens and bool((slots >= max_rank_by_slot.shape[0]).any()):
         raise ValueError(f"token_slots hold a slot >= max_slots ({max_rank_by_slot.shape[0]})")

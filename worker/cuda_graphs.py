@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from lorafleet.kernels.lora_layout import LoRABatch, LoRALayout
+from lorafleet.kernels.lora_layout import LoRABatch, LoRALayout, segment_len
 from lorafleet.worker.forward_context import ForwardContext
 from lorafleet.worker.llama import LlamaModel
 
@@ -45,13 +45,15 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
     return [*sizes, max_num_seqs]
 
 
-def group_by_slot(token_slots: list[int], segment_len: int) -> tuple[list[int], list[int], list[int]]:
+def group_by_slot(token_slots: list[int], most_segment_len: int) -> tuple[list[int], list[int], list[int]]:
     """(sorted token ids, segment starts, segment slots) of a step's tokens grouped by adapter slot.
 
     Tokens of one slot keep their order; slot -1 tokens are left out; a slot's run is cut into segments
-    of at most segment_len tokens. Running example: slots [2, -1, 0, 2, 0], segment_len 16 ->
+    of at most `segment_len(len(token_slots), most_segment_len)` tokens (16 for a decode step, up to
+    most_segment_len for a long prefill). Running example: slots [2, -1, 0, 2, 0], most 64 ->
     ids [2, 4, 0, 3], starts [0, 2, 4], slots [0, 2].
     """
+    seg_len = segment_len(len(token_slots), most_segment_len)
     groups: dict[int, list[int]] = {}
     for t, s in enumerate(token_slots):
         if s >= 0:
@@ -61,16 +63,16 @@ def group_by_slot(token_slots: list[int], segment_len: int) -> tuple[list[int], 
     for s in sorted(groups):
         ids = groups[s]
         sorted_ids.extend(ids)
-        for start in range(0, len(ids), segment_len):
+        for start in range(0, len(ids), seg_len):
             seg_slots.append(s)
-            seg_starts.append(seg_starts[-1] + min(segment_len, len(ids) - start))
+            seg_starts.append(seg_starts[-1] + min(seg_len, len(ids) - start))
     return sorted_ids, seg_starts, seg_slots
 
 
-def padded_groups(token_slots: list[int], segment_len: int, size: int) -> tuple[list[int], list[int], list[int]]:
+def padded_groups(token_slots: list[int], most_segment_len: int, size: int) -> tuple[list[int], list[int], list[int]]:
     """`group_by_slot` at a fixed shape for `size` rows: ids [size] (past the live ones never read),
     starts [size + 1] and slots [size], the unused segments empty (start == end) and of slot -1."""
-    ids, starts, slots = group_by_slot(token_slots, segment_len)
+    ids, starts, slots = group_by_slot(token_slots, most_segment_len)
     return ids + [0] * (size - len(ids)), starts + [starts[-1]] * (size + 1 - len(starts)), slots + [-1] * (size - len(slots))
 
 
@@ -112,7 +114,7 @@ class DecodeGraphs:
         backend: str,
         lora_layout: Callable[[], LoRALayout | None],
         lora_stream: torch.cuda.Stream | None = None,
-        lora_segment_len: int = 16,
+        lora_segment_len: int = 64,
     ) -> None:
         if device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")

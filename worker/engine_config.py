@@ -39,7 +39,7 @@ class EngineConfig:
     max_loras_per_batch: int | None = None  # distinct adapters per step; None = no bound
     max_adapter_wait_steps: int = 32  # a request skipped that many steps for grouping is admitted anyway
     strict_base: bool = True  # refuse adapters trained on another base model / tokenizer
-    lora_segment_len: int = 16  # most tokens of one adapter per LoRA kernel segment (shorter: more parallel programs)
+    lora_segment_len: int = 64  # most tokens of one adapter per LoRA kernel segment; a step's own grows from 16 with its size (kernels.lora_layout.segment_len)
     cuda_graphs: bool = True  # cuda + triton kernels: replay decode steps as CUDA graphs (worker/cuda_graphs.py)
     warmup: bool = True  # cuda + triton kernels: compile the kernels of common step shapes at start
     lora_overlap: bool = True  # cuda: run LoRA deltas on a side stream beside the base GEMMs (worker/lora_linear.py)

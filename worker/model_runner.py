@@ -18,7 +18,7 @@ from lorafleet.worker.llama import LlamaModel
 from lorafleet.worker.scheduler import ScheduledBatch
 from lorafleet.worker.sequence import Sequence
 
-LORA_SEGMENT_LEN = 16  # default most tokens per LoRA kernel segment (bench/multi_lora.py: 16 beats 64)
+LORA_SEGMENT_LEN = 64  # default most tokens per LoRA kernel segment (a step's own: kernels.lora_layout.segment_len)
 
 
 class ModelRunner:
@@ -112,8 +112,9 @@ class ModelRunner:
 
     def _lora_batch(self, token_slots: list[int], max_rank: int, mean_rank: float, every_token: bool) -> LoRABatch:
         # Grouped on the host (no device syncs); a long run of one slot (a prefill) is cut into segments
-        # of at most lora_segment_len tokens so it spreads over many kernel programs. mean_rank: over the
-        # tokens with a slot (kernel grids plan for it); every_token: no token without a slot.
+        # (16 tokens in a small step, up to lora_segment_len in a long one) so it spreads over many kernel
+        # programs. mean_rank: over the tokens with a slot (kernel grids plan for it); every_token: no
+        # token without a slot.
         sorted_ids, seg_starts, seg_slots = group_by_slot(token_slots, self.lora_segment_len)
         return LoRABatch(
             token_slots=self._to_device(token_slots, torch.int32),

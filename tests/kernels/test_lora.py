@@ -239,9 +239,9 @@ def test_shrink_buffer_sizes_the_partial_sums(gen):
     mixed = shrink_splits(k=14336, num_proj=1, batch=batch, device=x.device)
     batch.max_rank = 30
     assert mixed == shrink_splits(k=14336, num_proj=1, batch=batch, device=x.device)
-    # One adapter's 64 tokens make one segment, too few programs: more splits than one group of xa
+    # One adapter's 64 tokens in one segment, too few programs: more splits than one group of xa
     # loads holds (the expand sums them in several).
-    one = make_lora_batch(torch.zeros(64, dtype=torch.int32), torch.full((1,), 16, dtype=torch.int32))
+    one = make_lora_batch(torch.zeros(64, dtype=torch.int32), torch.full((1,), 16, dtype=torch.int32), max_segment_len=64)
     assert shrink_splits(k=4096, num_proj=3, batch=one, device=x.device) * 64 * 32 > XA_TILE_ELEMS
 
 

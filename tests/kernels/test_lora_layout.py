@@ -4,7 +4,7 @@ import pytest
 import torch
 from kernel_cases import POPULARITIES, random_adapters, token_slots
 
-from lorafleet.kernels.lora_layout import LoRALayout, make_lora_batch, pack_lora_layout
+from lorafleet.kernels.lora_layout import LoRALayout, make_lora_batch, pack_lora_layout, segment_len
 
 
 def test_running_example():
@@ -24,7 +24,7 @@ def test_running_example():
 def test_groups_every_token_with_a_slot_once(popularity, gen):
     slots = token_slots(popularity, 37, 9, gen)
     ranks = torch.randint(1, 65, (9,), generator=gen, dtype=torch.int32)
-    batch = make_lora_batch(slots, ranks)
+    batch = make_lora_batch(slots, ranks, max_segment_len=64)
     ids = batch.sorted_token_ids.long()
     assert sorted(ids.tolist()) == [t for t, s in enumerate(slots.tolist()) if s >= 0]
     assert batch.seg_slots.unique().numel() == batch.num_segments  # distinct (no run above 64 tokens here)
@@ -46,6 +46,20 @@ def test_long_runs_are_cut_into_segments_of_bounded_length():
     assert batch.seg_slots.tolist() == [0, 1, 1, 1]
     batch = make_lora_batch(slots, torch.tensor([4, 8], dtype=torch.int32), max_segment_len=4)
     assert batch.seg_starts.tolist() == [0, 2, 6, 8] and batch.seg_slots.tolist() == [0, 1, 1]
+
+
+def test_segment_length_grows_with_the_step():
+    # 16 tokens while a step is small (decode: one adapter's tokens on several programs), then the
+    # largest power of two keeping 16 segments, capped by `most`.
+    assert [segment_len(n) for n in (0, 1, 64, 256, 511, 512, 1023, 1024, 8192)] == [16, 16, 16, 16, 16, 32, 32, 64, 64]
+    assert segment_len(8192, most=128) == 128 and segment_len(1024, most=32) == 32 and segment_len(64, most=8) == 8
+    rank = torch.tensor([16], dtype=torch.int32)
+    for num_tokens, expected in ((64, 16), (512, 32), (1024, 64)):
+        batch = make_lora_batch(torch.zeros(num_tokens, dtype=torch.int32), rank)  # one adapter's prefill
+        assert batch.num_segments == num_tokens // expected
+        assert set(torch.diff(batch.seg_starts).tolist()) == {expected}
+    batch = make_lora_batch(torch.zeros(1024, dtype=torch.int32), rank, max_segment_len=16)  # an explicit bound wins
+    assert batch.num_segments == 64
 
 
 def test_ungrouped_batch_has_one_segment_per_token():

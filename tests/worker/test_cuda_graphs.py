@@ -32,6 +32,12 @@ def test_group_by_slot_keeps_order_drops_base_and_cuts_long_runs():
     assert group_by_slot([-1, -1], 4) == ([], [0], [])
     assert group_by_slot([], 4) == ([], [0], [])
     assert padded_groups([2, -1, 0, 2, 0], 16, 6) == ([2, 4, 0, 3, 0, 0], [0, 2, 4, 4, 4, 4, 4], [0, 2, -1, -1, -1, -1])
+    # A step's segments: 16 tokens in a small step, longer in a long one (kernels.lora_layout.segment_len),
+    # never above the engine's bound.
+    assert group_by_slot([0] * 100, 64)[1] == [0, 16, 32, 48, 64, 80, 96, 100]
+    assert group_by_slot([0] * 1024 + [-1] * 8, 64)[1] == list(range(0, 1025, 64))
+    assert group_by_slot([1] * 600 + [0] * 424, 64)[1] == [*range(0, 424, 64), 424, *range(488, 1024, 64), 1024]
+    assert group_by_slot([0] * 1024, 32)[1] == list(range(0, 1025, 32))
 
 
 @pytest.fixture(scope="module")
