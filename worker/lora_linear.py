@@ -16,10 +16,12 @@ latency-bound kernels; the base GEMM beside it is long.
   after the GEMM, in place.
 * The MLP's gate|up at prefill (`gate_up_act`): the delta is folded into the activation that reads
   the GEMM's output (`kernels.lora.lora_silu_mul`), so the largest delta of the layer is never stored.
-  H200, T=1024 in 64-token segments (kernels_fused_act_20261130_h200.json, two runs, medians of 11
-  rounds): the layer's LoRA then adds 7.0-7.3% to the GEMMs over 8 adapters (every delta before its
-  GEMM: 9.8-10.1%), 12.5-14.9% over 32 (32-token segments; every delta before its GEMM: 8.2-10.3%).
-  The engine cuts segments at 16 tokens by default (EngineConfig.lora_segment_len): not measured.
+  H200, T=1024 over 8 adapters, in the engine's 64-token segments (medians of 11 rounds): the layer's
+  LoRA then adds 5.7% to the GEMMs (kernels_20261130_h200.json; 9.0% in kernels_segments_, 7.0% and
+  7.3% in kernels_fused_act_20261130_h200.json), every delta before its GEMM 9.9% (11.3%, 9.8%, 10.1%).
+  Over 32 adapters (32 tokens each) 13.1% against 11.3%, but 36 us less than the latter plus torch's
+  activation, which the folded path replaces. Segments of fewer than FUSED_ACT_MIN_SEGMENT_TOKENS tokens
+  on average are not folded.
 
 H200, one Llama-3-8B layer (bench/results/kernels_*_20261130_h200.json, five runs): at T=1024 over 8
 adapters the delta written before the GEMMs adds 63.9 to 92.8 us to their ~640 us (after them: 66.1 to
@@ -39,10 +41,15 @@ import torch
 import torch.nn.functional as F
 
 from lorafleet.kernels import lora
+from lorafleet.kernels.lora_layout import LoRABatch
 from lorafleet.worker.forward_context import ForwardContext
 
 OVERLAP_TOKENS = 64  # at most this many tokens: the delta goes to the side stream
 FUSED_ACT_MAX_RANK = 128  # gate_up_act folds the gate|up delta into the activation up to this rank
+# ... and from this many tokens per segment on average: fewer fill too little of its token tile (H200, one
+# layer over 32 adapters, folded against every delta written first plus torch's activation: +13.5 us at
+# T=256, 8 tokens per segment; -36.1 us at T=1024, 32 per segment; bench/results/kernels_20261130_h200.json).
+FUSED_ACT_MIN_SEGMENT_TOKENS = 16
 GATE, UP = 4, 5  # projection ids (kernels.lora_layout.PROJS)
 
 
@@ -96,17 +103,25 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, ctx: ForwardContext, laye
     return y
 
 
+def folds_act(batch: LoRABatch | None, num_tokens: int) -> bool:
+    """Whether `gate_up_act` folds the gate|up delta into the activation for this step."""
+    if batch is None or not 0 < batch.max_rank <= FUSED_ACT_MAX_RANK or num_tokens <= OVERLAP_TOKENS:
+        return False
+    return batch.sorted_token_ids.shape[0] >= FUSED_ACT_MIN_SEGMENT_TOKENS * batch.num_segments
+
+
 def gate_up_act(x: torch.Tensor, weight: torch.Tensor, ctx: ForwardContext, layer: int) -> torch.Tensor:
     """The MLP's act = silu(gate) * up, gate|up = x @ weight^T plus each token's LoRA delta.
 
-    More than OVERLAP_TOKENS tokens (prefill) with adapters of rank <= FUSED_ACT_MAX_RANK: the shrink,
-    the base GEMM, then `lora_silu_mul`, which computes the expand's tiles where it reads the GEMM's
-    output: the [T, 2I] delta is never stored and read back (tokens without an adapter take the plain
-    activation first). Otherwise `lora_linear`, then the activation.
+    More than OVERLAP_TOKENS tokens (prefill) with adapters of rank <= FUSED_ACT_MAX_RANK and segments
+    of FUSED_ACT_MIN_SEGMENT_TOKENS tokens or more on average: the shrink, the base GEMM, then
+    `lora_silu_mul`, which computes the expand's tiles where it reads the GEMM's output: the [T, 2I]
+    delta is never stored and read back (tokens without an adapter take the plain activation first).
+    Otherwise `lora_linear`, then the activation.
     x: [T, K] model dtype. weight: [2I, K] (gate rows, then up rows). Returns [T, I].
     """
     batch, inter = ctx.lora, weight.shape[0] // 2
-    if batch is None or not 0 < batch.max_rank <= FUSED_ACT_MAX_RANK or x.shape[0] <= OVERLAP_TOKENS:
+    if not folds_act(batch, x.shape[0]):
         gate, up = lora_linear(x, weight, ctx, layer, [GATE, UP], [0, inter]).chunk(2, dim=-1)
         return F.silu(gate) * up
     xa = lora.lora_xa(x=x, layout=ctx.lora_layout, layer=layer, proj_ids=[GATE, UP], batch=batch, backend=ctx.backend)

@@ -124,8 +124,10 @@ def test_gate_up_act_matches_dense(popularity, device, backend, num_tokens, monk
     w = torch.randn(2 * inter, 64, generator=gen) / 8
     gu = x.double() @ w.double().T
     gate, up = gu[:, :inter] + dense_delta(modules, slots, x, 1, 4, inter), gu[:, inter:] + dense_delta(modules, slots, x, 1, 5, inter)
-    batch = make_lora_batch(slots.to(device), layout.max_rank_by_slot(), max_segment_len=16)
-    ctx = SimpleNamespace(lora=batch, lora_layout=layout, backend=backend, lora_stream=torch.cuda.Stream() if device == "cuda" else None)
-    act = gate_up_act(x.to(device), w.to(device), ctx, 1)
-    torch.testing.assert_close(act.double().cpu(), torch.nn.functional.silu(gate) * up, rtol=1e-4, atol=1e-4)
-    assert bool(folded) == (num_tokens > OVERLAP_TOKENS and popularity != "all_none")
+    for segment_len in (64, 4):  # about 20 tokens per segment (folded when more than OVERLAP_TOKENS); 4 (never folded)
+        folded.clear()
+        batch = make_lora_batch(slots.to(device), layout.max_rank_by_slot(), max_segment_len=segment_len)
+        ctx = SimpleNamespace(lora=batch, lora_layout=layout, backend=backend, lora_stream=torch.cuda.Stream() if device == "cuda" else None)
+        act = gate_up_act(x.to(device), w.to(device), ctx, 1)
+        torch.testing.assert_close(act.double().cpu(), torch.nn.functional.silu(gate) * up, rtol=1e-4, atol=1e-4)
+        assert bool(folded) == (num_tokens > OVERLAP_TOKENS and popularity != "all_none" and segment_len == 64), (segment_len, batch.num_segments)

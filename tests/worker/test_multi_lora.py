@@ -404,11 +404,12 @@ def test_long_prompts_span_several_lora_segments(tiny_llama_dir, adapter_dirs):
     from peft import PeftModel
     from transformers import LlamaForCausalLM
 
-    from lorafleet.worker.model_runner import LORA_SEGMENT_LEN
+    from lorafleet.worker.lora_linear import folds_act
 
     rng = random.Random(7)
-    # 90 prompt tokens, all with an adapter: the prefill folds the gate|up delta into the activation.
-    prompts = [[rng.randrange(256) for _ in range(n)] for n in (4 * LORA_SEGMENT_LEN + 9, LORA_SEGMENT_LEN + 1)]
+    # 112 prompt tokens, all with an adapter: 16-token segments (5 and 2), and the prefill folds the
+    # gate|up delta into the activation (16 tokens per segment on average).
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in (80, 32)]
     names = ["all8", "pat32"]
     engine = _engine(tiny_llama_dir, next(iter(adapter_dirs.values())).parent)
     segments, sizes = [], []
@@ -418,13 +419,13 @@ def test_long_prompts_span_several_lora_segments(tiny_llama_dir, adapter_dirs):
         ctx, samplers = orig(batch)
         if ctx.lora is not None:
             segments.append(ctx.lora.seg_slots.tolist())
-            sizes.append((ctx.lora.num_tokens, ctx.lora.every_token))
+            sizes.append((ctx.lora.num_tokens, ctx.lora.every_token, folds_act(ctx.lora, ctx.lora.num_tokens)))
         return ctx, samplers
 
     engine.runner.prepare = spy
     outs = engine.generate(prompts, GREEDY, adapters=names)
     assert max(len(s) for s in segments) > len(set(max(segments, key=len)))  # some slot was really cut
-    assert (sum(len(p) for p in prompts), True) in sizes  # one prefill step of every prompt token, all adapted: the folded activation
+    assert (sum(len(p) for p in prompts), True, True) in sizes  # one prefill step of every prompt token, all adapted: the folded activation
     for name, prompt, out in zip(names, prompts, outs, strict=True):
         peft_model = PeftModel.from_pretrained(
             LlamaForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32), adapter_dirs[name]).eval()
