@@ -32,6 +32,7 @@ from kernel_setup import (  # same folder
     DIMS,
     DT,
     GROUPS,
+    INTER,
     RANKS,
     TOKENS,
     LoRALayer,
@@ -41,10 +42,11 @@ from kernel_setup import (  # same folder
     copy_bandwidth,
 )
 
+from lorafleet.kernels.activation import silu_mul
 from lorafleet.kernels.attention import paged_attention_prefill
 from lorafleet.kernels.attention_triton import paged_attention_decode_triton, paged_attention_prefill_triton
 from lorafleet.kernels.lora import lora_delta, lora_silu_mul, lora_xa
-from lorafleet.kernels.lora_layout import LoRABatch, segment_len
+from lorafleet.kernels.lora_layout import segment_len
 from lorafleet.kernels.lora_triton import lora_expand_triton, lora_shrink_triton
 
 
@@ -56,16 +58,11 @@ def layer_added(layer: LoRALayer, timer: Timer, rounds: int = 11) -> dict:
     adding themselves to y without a delta (a breakdown). With the MLP's activation (act = silu(gate) *
     up, as the engine computes it at prefill): "fused" is "before" except for gate|up, whose delta is
     folded into the activation (`lora_silu_mul`), against "base_act" (the GEMMs and torch's activation)
-    and "base_kernel_act" (the GEMMs and the same kernel over tokens without an adapter)."""
+    and "base_kernel_act" (the GEMMs and `silu_mul`, the engine's activation without adapters)."""
     weights = [torch.randn(sum(w), x.shape[1], device="cuda").to(DT) for (_, w), x in zip(GROUPS, layer.xs, strict=True)]
     groups = list(zip(GROUPS, layer.xs, weights, layer.ys, layer.slices, strict=True))
     num_tokens, inter = layer.ys[2].shape[0], layer.ys[2].shape[1] // 2
     act = torch.empty(num_tokens, inter, dtype=DT, device="cuda")
-    # Segments of 64 tokens without an adapter (slot -1, rank 0): the kernel computes the plain activation.
-    starts = torch.arange(0, num_tokens + 64, 64, device="cuda").clamp(max=num_tokens).unique().to(torch.int32)
-    no_adapter = LoRABatch(torch.full((num_tokens,), -1, dtype=torch.int32, device="cuda"), torch.arange(num_tokens, dtype=torch.int32, device="cuda"),
-                           starts, torch.full((starts.shape[0] - 1,), -1, dtype=torch.int32, device="cuda"), 0, every_token=True)
-    xa_none = torch.zeros(1, 2, num_tokens, 1, device="cuda")
 
     def run(mode: str) -> None:
         for g, ((proj_ids, _), x, w, y, sl) in enumerate(groups):
@@ -89,7 +86,7 @@ def layer_added(layer: LoRALayer, timer: Timer, rounds: int = 11) -> dict:
             if mlp and mode == "base_act":
                 torch.mul(F.silu(y[:, :inter]), y[:, inter:], out=act)
             if mlp and mode == "base_kernel_act":
-                lora_silu_mul(gate_up=y, xa=xa_none, layout=layer.layout, layer=0, batch=no_adapter, out=act)
+                silu_mul(y, out=act)
 
     # The GEMMs' own time drifts between graphs (clocks, heat): the modes are timed in alternation, rounds
     # times, in reverse order every other round (a steady drift then favours no mode), and each figure is
@@ -238,6 +235,20 @@ def sweep_case(layer: LoRALayer, timer: Timer) -> dict:
     return res
 
 
+def bench_activation(timer: Timer, copy_gbs: float, gen: torch.Generator) -> dict:
+    """The MLP's activation without adapters at Llama-3-8B width: torch's silu(gate) * up against
+    `kernels.activation.silu_mul` (the engine's), next to its floor (read gate|up, write act)."""
+    res = {}
+    for t in TOKENS:
+        gate_up = torch.randn(t, 2 * INTER, device="cuda", generator=gen).to(DT)
+        out = torch.empty(t, INTER, dtype=DT, device="cuda")
+        floor = 3 * t * INTER * gate_up.element_size() / (copy_gbs * 1e3)
+        res[t] = {"torch_us": timer.graph(lambda g=gate_up, o=out: torch.mul(F.silu(g[:, :INTER]), g[:, INTER:], out=o)),
+                  "silu_mul_us": timer.graph(functools.partial(silu_mul, gate_up, out=out)), "floor_us": floor}
+        print(f"activation T={t}: torch {res[t]['torch_us']:.1f} us, silu_mul {res[t]['silu_mul_us']:.1f} us, floor {floor:.1f} us", flush=True)
+    return res
+
+
 def bench_attention(timer: Timer, copy_gbs: float, gen: torch.Generator) -> dict:
     num_seqs, context, block_size = 64, 2048, 16
     num_pages = num_seqs * context // block_size
@@ -366,6 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     base = {t: base_gemms(t, timer) for t in TOKENS}
     print("base GEMMs (us):", {t: round(v, 1) for t, v in base.items()}, flush=True)
     attn = bench_attention(timer, copy_gbs, gen)
+    act = bench_activation(timer, copy_gbs, gen)
     print("attention:", json.dumps({k: v for k, v in attn.items() if k != "variants"}), flush=True)
     only = {(int(t), int(a), r) for t, a, r in (c.split(":") for c in args.cases.split(",") if c)}
     rows, sweep = bench_lora(timer, copy_gbs, gen, args.quick, only, args.segment_len)
@@ -383,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"date": f"{datetime.date.today()}", "command": " ".join(["python", *sys.argv]), "segment_len": args.segment_len,
               "device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "copy_gbs": copy_gbs, "base_gemm_us": base,
-              "lora": rows, "sweeps": sweep, "attention": attn, "summary": summary}  # fmt: skip
+              "lora": rows, "sweeps": sweep, "attention": attn, "activation": act, "summary": summary}  # fmt: skip
     (out_dir / f"{name}.json").write_text(json.dumps(result, indent=1))
     plot(rows, base, out_dir / f"{name}.png")
     print(f"wrote {out_dir / name}.json and .png")

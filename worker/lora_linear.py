@@ -17,11 +17,11 @@ latency-bound kernels; the base GEMM beside it is long.
 * The MLP's gate|up at prefill (`gate_up_act`): the delta is folded into the activation that reads
   the GEMM's output (`kernels.lora.lora_silu_mul`), so the largest delta of the layer is never stored.
   H200, T=1024 over 8 adapters, in the engine's 64-token segments (medians of 11 rounds): the layer's
-  LoRA then adds 5.7% to the GEMMs (kernels_20261130_h200.json; 9.0% in kernels_segments_, 7.0% and
-  7.3% in kernels_fused_act_20261130_h200.json), every delta before its GEMM 9.9% (11.3%, 9.8%, 10.1%).
-  Over 32 adapters (32 tokens each) 13.1% against 11.3%, but 36 us less than the latter plus torch's
-  activation, which the folded path replaces. Segments of fewer than FUSED_ACT_MIN_SEGMENT_TOKENS tokens
-  on average are not folded.
+  LoRA then adds 5.7% to the GEMMs and their activation (kernels_20261130_h200.json; 8.9%, 9.0%, 7.0%
+  and 7.3% in kernels_activation_, kernels_segments_ and kernels_fused_act_20261130_h200.json), every
+  delta before its GEMM 9.9% (11.8%, 11.3%, 9.8%, 10.1%). Shorter segments gain nothing from folding
+  (32 tokens) or lose (16): segments of fewer than FUSED_ACT_MIN_SEGMENT_TOKENS tokens on average are
+  not folded.
 
 H200, one Llama-3-8B layer (bench/results/kernels_*_20261130_h200.json, five runs): at T=1024 over 8
 adapters the delta written before the GEMMs adds 63.9 to 92.8 us to their ~640 us (after them: 66.1 to
@@ -41,15 +41,19 @@ import torch
 import torch.nn.functional as F
 
 from lorafleet.kernels import lora
+from lorafleet.kernels.activation import silu_mul
 from lorafleet.kernels.lora_layout import LoRABatch
 from lorafleet.worker.forward_context import ForwardContext
 
 OVERLAP_TOKENS = 64  # at most this many tokens: the delta goes to the side stream
 FUSED_ACT_MAX_RANK = 128  # gate_up_act folds the gate|up delta into the activation up to this rank
-# ... and from this many tokens per segment on average: fewer fill too little of its token tile (H200, one
-# layer over 32 adapters, folded against every delta written first plus torch's activation: +13.5 us at
-# T=256, 8 tokens per segment; -36.1 us at T=1024, 32 per segment; bench/results/kernels_20261130_h200.json).
-FUSED_ACT_MIN_SEGMENT_TOKENS = 16
+# ... and from this many tokens per segment on average (64-token segments, less a run's shorter last one).
+# H200, one layer, what the LoRA adds to the GEMMs plus the activation, folded vs every delta written
+# first (then `silu_mul`): 64 tokens per segment (T=1024 over 8 adapters) +37.7 vs +65.3 us and +56.7 vs
+# +75.2; 32 (T=1024 over 32) +86.7 vs +74.6, +96.3 vs +74.9 and +78.5 vs +94.1; 16 (T=256 over 8) +56.6
+# vs +47.4 and +56.9 vs +50.3 (bench/results/kernels_20261130_h200.json, kernels_activation_ and
+# kernels_segments_20261130_h200.json).
+FUSED_ACT_MIN_SEGMENT_TOKENS = 48
 GATE, UP = 4, 5  # projection ids (kernels.lora_layout.PROJS)
 
 
@@ -117,19 +121,18 @@ def gate_up_act(x: torch.Tensor, weight: torch.Tensor, ctx: ForwardContext, laye
     of FUSED_ACT_MIN_SEGMENT_TOKENS tokens or more on average: the shrink, the base GEMM, then
     `lora_silu_mul`, which computes the expand's tiles where it reads the GEMM's output: the [T, 2I]
     delta is never stored and read back (tokens without an adapter take the plain activation first).
-    Otherwise `lora_linear`, then the activation.
+    Otherwise `lora_linear`, then the activation. The plain activation is `kernels.activation.silu_mul`
+    (float32, rounded once, as the folded kernel computes it).
     x: [T, K] model dtype. weight: [2I, K] (gate rows, then up rows). Returns [T, I].
     """
     batch, inter = ctx.lora, weight.shape[0] // 2
     if not folds_act(batch, x.shape[0]):
-        gate, up = lora_linear(x, weight, ctx, layer, [GATE, UP], [0, inter]).chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return silu_mul(lora_linear(x, weight, ctx, layer, [GATE, UP], [0, inter]), backend=ctx.backend)
     xa = lora.lora_xa(x=x, layout=ctx.lora_layout, layer=layer, proj_ids=[GATE, UP], batch=batch, backend=ctx.backend)
     gate_up = F.linear(x, weight)
     if batch.every_token:
         act = torch.empty(x.shape[0], inter, dtype=x.dtype, device=x.device)
     else:
-        gate, up = gate_up.chunk(2, dim=-1)
-        act = F.silu(gate) * up  # rows in no segment keep this; the kernel rewrites the others
+        act = silu_mul(gate_up, backend=ctx.backend)  # rows in no segment keep this; the kernel rewrites the others
     lora.lora_silu_mul(gate_up=gate_up, xa=xa, layout=ctx.lora_layout, layer=layer, batch=batch, out=act, backend=ctx.backend)
     return act

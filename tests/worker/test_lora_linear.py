@@ -112,9 +112,11 @@ def test_gate_up_act_matches_dense(popularity, device, backend, num_tokens, monk
     """silu(gate) * up with the gate|up delta: folded into the activation for prefill-sized batches
     (tokens without an adapter take the plain activation), after lora_linear for small ones."""
     from lorafleet.kernels import lora
+    from lorafleet.worker import lora_linear as module
 
     folded = []
     monkeypatch.setattr(lora, "lora_silu_mul", lambda **kw: folded.append(1) or lora_silu_mul(**kw))
+    monkeypatch.setattr(module, "FUSED_ACT_MIN_SEGMENT_TOKENS", 16)  # small test batches: fold from 16 tokens per segment
     gen = torch.Generator().manual_seed(1)
     inter = 48
     modules = random_adapters(num_slots=5, num_layers=2, dims={4: (64, inter), 5: (64, inter)}, gen=gen, ranks=(2, 8, 16))
@@ -124,10 +126,33 @@ def test_gate_up_act_matches_dense(popularity, device, backend, num_tokens, monk
     w = torch.randn(2 * inter, 64, generator=gen) / 8
     gu = x.double() @ w.double().T
     gate, up = gu[:, :inter] + dense_delta(modules, slots, x, 1, 4, inter), gu[:, inter:] + dense_delta(modules, slots, x, 1, 5, inter)
-    for segment_len in (64, 4):  # about 20 tokens per segment (folded when more than OVERLAP_TOKENS); 4 (never folded)
+    for segment_len in (64, 4):  # about 20 tokens per segment (folded above OVERLAP_TOKENS tokens); 4 (never folded)
         folded.clear()
         batch = make_lora_batch(slots.to(device), layout.max_rank_by_slot(), max_segment_len=segment_len)
         ctx = SimpleNamespace(lora=batch, lora_layout=layout, backend=backend, lora_stream=torch.cuda.Stream() if device == "cuda" else None)
         act = gate_up_act(x.to(device), w.to(device), ctx, 1)
         torch.testing.assert_close(act.double().cpu(), torch.nn.functional.silu(gate) * up, rtol=1e-4, atol=1e-4)
         assert bool(folded) == (num_tokens > OVERLAP_TOKENS and popularity != "all_none" and segment_len == 64), (segment_len, batch.num_segments)
+
+
+def test_fold_needs_a_prefill_of_long_segments():
+    """The folded activation runs where it was measured to pay: above OVERLAP_TOKENS tokens, ranks up to
+    FUSED_ACT_MAX_RANK, and segments of FUSED_ACT_MIN_SEGMENT_TOKENS tokens or more on average."""
+    from lorafleet.worker.lora_linear import FUSED_ACT_MAX_RANK, FUSED_ACT_MIN_SEGMENT_TOKENS, folds_act
+
+    assert FUSED_ACT_MIN_SEGMENT_TOKENS > 32  # H200: 32-token segments gain nothing from folding, 16-token ones lose
+    ranks = torch.full((40,), 16, dtype=torch.int32)
+
+    def batch(num_tokens, num_adapters, rank=16, base_tokens=0):
+        slots = torch.cat([torch.arange(num_tokens) % num_adapters, torch.full((base_tokens,), -1)]).to(torch.int32)
+        return make_lora_batch(slots, torch.full((40,), rank, dtype=torch.int32))
+
+    assert folds_act(batch(1024, 8), 1024)  # 64-token segments (the engine's cut at this size)
+    assert folds_act(batch(1024, 8, base_tokens=100), 1124)  # tokens without an adapter do not count
+    assert folds_act(batch(2048, 16), 2048)
+    assert not folds_act(batch(1024, 32), 1024)  # 32 tokens per adapter
+    assert not folds_act(batch(256, 8), 256)  # 16-token segments
+    assert not folds_act(batch(64, 1), 64)  # decode-sized: the side stream's
+    assert not folds_act(batch(1024, 8, rank=2 * FUSED_ACT_MAX_RANK), 1024)
+    assert not folds_act(None, 1024)
+    assert not folds_act(make_lora_batch(torch.full((1024,), -1, dtype=torch.int32), ranks), 1024)  # no adapter at all

@@ -398,17 +398,20 @@ def test_cuda_mixed_batch_with_triton_kernels(tiny_llama_dir, adapter_dirs, refe
     _assert_all_free(engine)
 
 
-def test_long_prompts_span_several_lora_segments(tiny_llama_dir, adapter_dirs):
+def test_long_prompts_span_several_lora_segments(tiny_llama_dir, adapter_dirs, monkeypatch):
     """A prefill longer than one LoRA kernel segment is cut into several segments of one slot; the
     result equals PEFT running the adapter alone (a prefill-sized batch: the activation path too)."""
     from peft import PeftModel
     from transformers import LlamaForCausalLM
 
+    from lorafleet.worker import lora_linear
     from lorafleet.worker.lora_linear import folds_act
 
+    # The engine folds at 64-token segments (steps of 1,024 tokens or more); this tiny model's prompts
+    # are shorter: fold from 16 tokens per segment here, so the folded path is checked against PEFT.
+    monkeypatch.setattr(lora_linear, "FUSED_ACT_MIN_SEGMENT_TOKENS", 16)
     rng = random.Random(7)
-    # 112 prompt tokens, all with an adapter: 16-token segments (5 and 2), and the prefill folds the
-    # gate|up delta into the activation (16 tokens per segment on average).
+    # 112 prompt tokens, all with an adapter: 16-token segments (5 and 2), 16 per segment on average.
     prompts = [[rng.randrange(256) for _ in range(n)] for n in (80, 32)]
     names = ["all8", "pat32"]
     engine = _engine(tiny_llama_dir, next(iter(adapter_dirs.values())).parent)
