@@ -4,6 +4,8 @@ layer of adapters packed by the pool's rule, and one layer's LoRA inputs and out
 from __future__ import annotations
 
 import statistics
+import sys
+from pathlib import Path
 
 import torch
 
@@ -20,6 +22,11 @@ TOKENS = (1, 16, 64, 256, 1024)
 ADAPTERS = (1, 8, 32, 64)
 RANKS = {"8": [8], "16": [16], "64": [64], "mixed": [8, 16, 32, 64], "30": [30]}
 DT = torch.bfloat16
+
+
+def recorded_command() -> str:
+    """This script's command line for a result file, absolute paths shown by their last part only."""
+    return " ".join(["python", *(f"<{Path(a).name}>" if Path(a).is_absolute() else a for a in sys.argv)])
 
 
 class Timer:

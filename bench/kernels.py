@@ -4,7 +4,8 @@
 
 LoRA: all seven projections of one layer (q|k|v, o, gate|up, down: four shrink/expand pairs) for T
 tokens spread round-robin over A adapters (distinct adapters in the batch = min(T, A)), each adapter's
-tokens cut into segments of at most --segment-len (64; the engine's default is 16), ranks 8, 16,
+tokens cut into segments as the engine cuts a step of T tokens (16 tokens up to T=511, 32 up to 1023,
+then 64: kernels.lora_layout.segment_len, bounded by --segment-len, default 64), ranks 8, 16,
 64 or mixed {8, 16, 32, 64}; the delta as the engine computes it (expand in write mode, y = delta;
 "triton_accumulate_us": adding into y), and for T >= 64 what it adds to the layer's GEMMs
 ("in_layer"). Floor = the distinct adapters' bytes / copy bandwidth measured in the same run. Triton
@@ -40,6 +41,7 @@ from kernel_setup import (  # same folder
     adapter_bytes,
     build_layout,
     copy_bandwidth,
+    recorded_command,
 )
 
 from lorafleet.kernels.activation import silu_mul
@@ -392,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     name = f"kernels_{datetime.date.today():%Y%m%d}_{torch.cuda.get_device_name().split()[-1].lower()}"
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    result = {"date": f"{datetime.date.today()}", "command": " ".join(["python", *sys.argv]), "segment_len": args.segment_len,
+    result = {"date": f"{datetime.date.today()}", "command": recorded_command(), "segment_len": args.segment_len,
               "device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "copy_gbs": copy_gbs, "base_gemm_us": base,
               "lora": rows, "sweeps": sweep, "attention": attn, "activation": act, "summary": summary}  # fmt: skip

@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     name = f"lora_overlap_{datetime.date.today():%Y%m%d}_{torch.cuda.get_device_name().split()[-1].lower()}"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps({"date": f"{datetime.date.today()}", "command": " ".join(["python", *sys.argv]),
+    (out / f"{name}.json").write_text(json.dumps({"date": f"{datetime.date.today()}", "command": kb.recorded_command(),
                                                  "device": torch.cuda.get_device_name(), "torch": torch.__version__,
                                                  "copy_gbs": copy_gbs, "rows": rows}, indent=1))
     plot(rows, out / f"{name}.png")

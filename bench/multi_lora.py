@@ -21,13 +21,13 @@ import argparse
 import datetime as dt
 import json
 import random
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 from engine_throughput import register_random_adapters  # same folder
+from kernel_setup import recorded_command  # same folder
 from safetensors.torch import save_file
 
 from lorafleet.worker import Engine, EngineConfig, SamplingParams
@@ -124,7 +124,7 @@ def main() -> None:
     engine.close()
 
     single_tps = rows["single"][1] / rows["single"][0]
-    result = {"date": dt.date.today().isoformat(), "command": " ".join(["python", *sys.argv]),
+    result = {"date": dt.date.today().isoformat(), "command": recorded_command(),
               "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
               "model": f"random Llama-3-8B shapes, {args.layers} layers, bf16", "rank": args.rank,
               "segment_len": args.segment_len, "cuda_graphs": engine.runner.graphs is not None, "requests": args.requests, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "runs": {}}

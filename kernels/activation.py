@@ -4,8 +4,8 @@ torch's `F.silu(gate) * up` is two kernels over [T, intermediate] with a rounded
 them; this is one read of gate|up and one write of act (H200, Llama-3-8B width, bf16: 29.2 us against
 torch's 85.9 at T=1024, floor 20.7; 6.5 against 10.9 at T=64; bench/results/
 kernels_activation_20261130_h200.json). The result is computed in float32 and rounded once, as the
-folded LoRA activation (`kernels.lora.lora_silu_mul`) computes it for adapted tokens, so a token's
-activation does not depend on which of the two its step took.
+folded LoRA activation (`kernels.lora.lora_silu_mul`) computes it for adapted tokens (whose gate and
+up it takes in float32, delta added: unfolded, they reach this kernel rounded to the model dtype).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def silu_mul(gate_up: Tensor, *, out: Tensor | None = None, backend: str = "auto
         backend = "triton" if gate_up.is_cuda else "reference"
     if backend not in ("reference", "triton"):
         raise ValueError(f"silu_mul: backend must be reference, triton or auto, got {backend!r}")
-    if num_tokens == 0:
+    if num_tokens == 0 or inter == 0:
         return out
     if backend == "reference":
         out.copy_(F.silu(gate_up[:, :inter].float()) * gate_up[:, inter:].float())

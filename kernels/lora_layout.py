@@ -125,12 +125,13 @@ def segment_len(num_tokens: int, most: int = 64) -> int:
     """Most tokens of one adapter per kernel segment in a step of num_tokens tokens.
 
     16 for a small step, so one adapter's tokens still spread over several kernel programs; longer,
-    up to `most`, as the step grows (a power of two, at least 16 segments if every token has one
-    adapter). Long segments read each adapter's rows fewer times and fill the kernels' 64-token tiles
-    (H200, T=1024 over 8 adapters, the layer's LoRA along the engine's prefill path: 13.9%, 11.8% and
-    9.0% of its base GEMMs at 16, 32 and 64 tokens, bench/results/kernels_segments_20261130_h200.json);
-    short ones keep a decode step of one adapter on many programs. Running example: 64 -> 16,
-    512 -> 32, 1024 -> 64, 8192 -> 64.
+    up to `most`, as the step grows (a power of two when `most` is one; at least 16 segments if every
+    token has one adapter). Long segments read each adapter's rows fewer times and fill the kernels'
+    64-token tiles (H200, T=1024 over 8 adapters, what the layer's LoRA adds to its base GEMMs at 16, 32
+    and 64 tokens: 14.5%, 12.1% and 11.3% with every delta written first; 13.9%, 11.8% and 9.0% with the
+    gate|up delta folded into the activation; bench/results/kernels_segments_20261130_h200.json); short
+    ones keep a decode step of one adapter on many programs. Running example: 64 -> 16, 512 -> 32,
+    1024 -> 64, 8192 -> 64.
     """
     fit = 1 << max(0, (max(num_tokens, 1) // SEGMENTS_PER_STEP).bit_length() - 1)
     return max(1, min(most, max(SEGMENT_LEN_MIN, fit)))
@@ -154,7 +155,10 @@ def make_lora_batch(token_slots: Tensor, max_rank_by_slot: Tensor, *, grouped: b
     slots = token_slots.to(torch.int32)
     max_rank_by_slot = max_rank_by_slot.to(device=device, dtype=torch.int32)
     num_tokens = slots.shape[0]
-    max_segment_len = max_segment_len or segment_len(num_tokens)
+    if max_segment_len is None:
+        max_segment_len = segment_len(num_tokens)
+    if max_segment_len < 1:
+        raise ValueError(f"max_segment_len must be >= 1, got {max_segment_len}")
     valid = slots >= 0
     if num_tokens and bool((slots >= max_rank_by_slot.shape[0]).any()):
         raise ValueError(f"token_slots hold a slot >= max_slots ({max_rank_by_slot.shape[0]})")

@@ -125,7 +125,7 @@ class Engine:
         if config.warmup:
             t0 = time.perf_counter()
             most = config.max_num_batched_tokens
-            counts = sorted({c for c in (1, 16, 64, 256, 1024) if c < most} | {most})
+            counts = sorted({c for c in (1, 16, 64, 256, 512, 1024) if c < most} | {most})  # 512: 32-token segments
             ranks = sorted({min(r, config.max_lora_rank) for r in (16, 32, 64, 128)})
             runs = self.runner.warmup(counts, ranks)
             log.info("warm-up: %d forwards (tokens %s, rank bounds %s) in %.1f s", runs, counts, ranks, time.perf_counter() - t0)

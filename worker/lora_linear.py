@@ -23,10 +23,10 @@ latency-bound kernels; the base GEMM beside it is long.
   (32 tokens) or lose (16): segments of fewer than FUSED_ACT_MIN_SEGMENT_TOKENS tokens on average are
   not folded.
 
-H200, one Llama-3-8B layer (bench/results/kernels_*_20261130_h200.json, five runs): at T=1024 over 8
-adapters the delta written before the GEMMs adds 63.9 to 92.8 us to their ~640 us (after them: 66.1 to
-117.2), over 32 adapters 35.4 to 88.3 us (after them: 256 to 280), at T=256 over 8 adapters 48.9 to
-50.4 us (after them: 130.7 to 133.3).
+H200, one Llama-3-8B layer (bench/results/kernels_20261130_h200.json): at T=1024 over 8 adapters the
+delta written before the GEMMs adds 65.3 us to their 658 (after them: 119.4), over 32 adapters 74.6 us
+(after them: 257.1), at T=256 over 8 adapters 47.4 us to 189 (after them: 55.7). The in-layer figures
+move by 10-30 us between runs (the other kernels_*_20261130_h200.json files).
 The side stream cuts the time a decode delta adds to the layer from 29.1 to 12.7 us at T=1 and from
 76.3 to 56.9 us at T=64 over 32 adapters (lora_overlap_20261130_h200.json).
 
@@ -48,11 +48,14 @@ from lorafleet.worker.forward_context import ForwardContext
 OVERLAP_TOKENS = 64  # at most this many tokens: the delta goes to the side stream
 FUSED_ACT_MAX_RANK = 128  # gate_up_act folds the gate|up delta into the activation up to this rank
 # ... and from this many tokens per segment on average (64-token segments, less a run's shorter last one).
-# H200, one layer, what the LoRA adds to the GEMMs plus the activation, folded vs every delta written
-# first (then `silu_mul`): 64 tokens per segment (T=1024 over 8 adapters) +37.7 vs +65.3 us and +56.7 vs
-# +75.2; 32 (T=1024 over 32) +86.7 vs +74.6, +96.3 vs +74.9 and +78.5 vs +94.1; 16 (T=256 over 8) +56.6
-# vs +47.4 and +56.9 vs +50.3 (bench/results/kernels_20261130_h200.json, kernels_activation_ and
-# kernels_segments_20261130_h200.json).
+# H200, one layer: the folded gate|up step takes longer than writing every delta first, before any
+# activation, by 8.4-20.9 us at T=1024 over 8 adapters in 64-token segments (three runs), 40.9-56.0 in
+# 32-token segments (T=1024 over 32, three runs), 43.5 and 46.8 in 32- and 16-token ones (over 8), and
+# 12.9-19.2 at T=256 over 8 (16 or 32 tokens). The unfolded path then runs `silu_mul`: 23 us in the
+# layer at T=1024, 10 us alone at T=256. So folding pays in 64-token segments only (bench/results/
+# kernels_20261130_h200.json, kernels_activation_ and kernels_segments_20261130_h200.json: fused - before).
+# A step mixing a prefill with decode tokens averages below this (their one-token segments count) and
+# is not folded; an EngineConfig.lora_segment_len below it turns folding off.
 FUSED_ACT_MIN_SEGMENT_TOKENS = 48
 GATE, UP = 4, 5  # projection ids (kernels.lora_layout.PROJS)
 

@@ -27,8 +27,9 @@ def test_silu_mul_matches_float64(backend, dtype, shape, gen):
     assert not torch.isnan(out).any()
     if num_tokens:
         assert float((out.double() - want).abs().max()) <= TOL[dtype] * max(1.0, float(want.abs().max()))
-    # Rounded once: the result is the float32 product rounded to the dtype, exactly, on the reference.
-    if backend == "reference":
+    # Rounded once: the float32 product rounded to the dtype, exactly (torch's own silu(gate) * up in a 16-bit
+    # dtype rounds twice and differs; Triton's interpreter computes bfloat16 casts otherwise, hence no bf16 here).
+    if backend == "reference" or dtype == torch.float16:
         g, u = gate_up.float().chunk(2, dim=-1)
         assert torch.equal(out, (F.silu(g) * u).to(dtype))
 

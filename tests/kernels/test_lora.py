@@ -80,9 +80,12 @@ def _check_expand(modules, layout, batch, x, slots, group, layer, backend, dtype
 def test_shrink_and_expand_match_dense(backend, popularity, dtype, gen):
     num_slots, splits = 12, 1 + POPULARITIES.index(popularity) % 3  # one, two or three partial sums
     modules, layout = _setup(gen, num_slots=num_slots, dtype=dtype)
-    for grouped, num_tokens, groups in ((True, 40, GROUPS), (False, 6, ("qkv", "gate_up"))):  # segments; per-token decode
+    # Segments of up to 64 tokens (token tiles of 16, or 64 where one slot holds all 40 tokens), of up to 32
+    # (tiles of 32: 32 + 8 tokens), and per-token decode segments.
+    cases = [(True, 40, GROUPS, 64), (False, 6, ("qkv", "gate_up"), None)] + [(True, 40, GROUPS, 32)] * (popularity == "identical")
+    for grouped, num_tokens, groups, segment_len in cases:
         slots = token_slots(popularity, num_tokens, num_slots, gen)
-        batch = make_lora_batch(slots, layout.max_rank_by_slot(), grouped=grouped)
+        batch = make_lora_batch(slots, layout.max_rank_by_slot(), grouped=grouped, max_segment_len=segment_len)
         for group in groups:
             k = GROUPS[group][1]
             x = torch.randn(num_tokens, k, generator=gen).to(dtype)
@@ -322,7 +325,7 @@ def test_llama3_8b_shapes_in_bf16_on_gpu(popularity, num_tokens, grouped, gen):
     ranks_by_slot = [(8, 16, 32, 64, 128, 24)[s % 6] for s in range(24)]
     layout = random_pool_layout(ranks_by_slot=ranks_by_slot, dims=LLAMA3_8B_DIMS, page_elems=2 * 2 * 16 * 8 * 128 * 32, dtype=torch.bfloat16, device="cuda", gen=gen)
     slots = token_slots(popularity, num_tokens, 24, gen).cuda()
-    batch = make_lora_batch(slots, layout.max_rank_by_slot(), grouped=grouped)
+    batch = make_lora_batch(slots, layout.max_rank_by_slot(), grouped=grouped, max_segment_len=64)  # T=300: 64-token tiles
     for group, (proj_ids, widths) in LLAMA_GROUPS.items():
         k = LLAMA3_8B_DIMS[proj_ids[0]][0]
         x = torch.randn(num_tokens, k, generator=gen).to(torch.bfloat16).cuda()

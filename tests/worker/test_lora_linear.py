@@ -152,7 +152,11 @@ def test_fold_needs_a_prefill_of_long_segments():
     assert folds_act(batch(2048, 16), 2048)
     assert not folds_act(batch(1024, 32), 1024)  # 32 tokens per adapter
     assert not folds_act(batch(256, 8), 256)  # 16-token segments
-    assert not folds_act(batch(64, 1), 64)  # decode-sized: the side stream's
+    one_segment = make_lora_batch(torch.zeros(64, dtype=torch.int32), ranks, max_segment_len=64)
+    assert not folds_act(one_segment, 64)  # one 64-token segment, but a decode-sized step: the side stream's
+    # The boundary: 96 tokens as 64 + 32 average 48 per segment; 94 as 64 + 30 do not.
+    assert folds_act(make_lora_batch(torch.zeros(96, dtype=torch.int32), ranks, max_segment_len=64), 96)
+    assert not folds_act(make_lora_batch(torch.zeros(94, dtype=torch.int32), ranks, max_segment_len=64), 94)
     assert not folds_act(batch(1024, 8, rank=2 * FUSED_ACT_MAX_RANK), 1024)
     assert not folds_act(None, 1024)
     assert not folds_act(make_lora_batch(torch.full((1024,), -1, dtype=torch.int32), ranks), 1024)  # no adapter at all
