@@ -147,8 +147,8 @@ class LoRALayer:
         self.layout, self.dense = layout, dense
         self.slots = (torch.arange(num_tokens, device="cuda") % num_adapters).to(torch.int32)
         # Segments as the engine cuts them (16 tokens in a small step, up to most_segment_len in a long one).
-        seg_len = segment_len(num_tokens, most_segment_len)
-        self.batch = make_lora_batch(self.slots, layout.max_rank_by_slot(), grouped=grouped, max_segment_len=seg_len)
+        self.segment_len = segment_len(num_tokens, most_segment_len)
+        self.batch = make_lora_batch(self.slots, layout.max_rank_by_slot(), grouped=grouped, max_segment_len=self.segment_len)
         self.xs = [torch.randn(num_tokens, DIMS[p[0]][0], device="cuda", generator=gen).to(DT) for p, _ in GROUPS]
         self.ys = [torch.zeros(num_tokens, sum(w), dtype=DT, device="cuda") for _, w in GROUPS]
         self.xas = [shrink_buffer(x=x, proj_ids=p, batch=self.batch, backend="triton") for x, (p, _) in zip(self.xs, GROUPS, strict=True)]

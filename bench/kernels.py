@@ -48,8 +48,13 @@ from lorafleet.kernels.activation import silu_mul
 from lorafleet.kernels.attention import paged_attention_prefill
 from lorafleet.kernels.attention_triton import paged_attention_decode_triton, paged_attention_prefill_triton
 from lorafleet.kernels.lora import lora_delta, lora_silu_mul, lora_xa
-from lorafleet.kernels.lora_layout import segment_len
 from lorafleet.kernels.lora_triton import lora_expand_triton, lora_shrink_triton
+
+
+def torch_act(gate_up: torch.Tensor, out: torch.Tensor) -> None:
+    """The MLP's activation as torch computes it: silu(gate) * up, two kernels and two roundings."""
+    inter = out.shape[1]
+    torch.mul(F.silu(gate_up[:, :inter]), gate_up[:, inter:], out=out)
 
 
 def layer_added(layer: LoRALayer, timer: Timer, rounds: int = 11) -> dict:
@@ -86,7 +91,7 @@ def layer_added(layer: LoRALayer, timer: Timer, rounds: int = 11) -> dict:
                 if mode == "shrinks":
                     lora_xa(**lora)
             if mlp and mode == "base_act":
-                torch.mul(F.silu(y[:, :inter]), y[:, inter:], out=act)
+                torch_act(y, act)
             if mlp and mode == "base_kernel_act":
                 silu_mul(y, out=act)
 
@@ -144,7 +149,7 @@ def bench_lora(timer: Timer, copy_gbs: float, gen: torch.Generator, quick: bool,
                 distinct = min(num_tokens, num_adapters)
                 nbytes = adapter_bytes(ranks_by_slot[:distinct])
                 row = {"tokens": num_tokens, "adapters": num_adapters, "distinct": distinct, "rank": rank_name, "adapter_bytes": nbytes,
-                       "segment_len": segment_len(num_tokens, most_segment_len)}
+                       "segment_len": layer.segment_len}
                 row["floor_us"] = nbytes / (copy_gbs * 1e3)
                 row["triton_us"] = timer.graph(layer.triton)
                 if num_tokens <= 256 and num_adapters in (8, 32) and rank_name in ("16", "mixed", "30"):
@@ -245,7 +250,7 @@ def bench_activation(timer: Timer, copy_gbs: float, gen: torch.Generator) -> dic
         gate_up = torch.randn(t, 2 * INTER, device="cuda", generator=gen).to(DT)
         out = torch.empty(t, INTER, dtype=DT, device="cuda")
         floor = 3 * t * INTER * gate_up.element_size() / (copy_gbs * 1e3)
-        res[t] = {"torch_us": timer.graph(lambda g=gate_up, o=out: torch.mul(F.silu(g[:, :INTER]), g[:, INTER:], out=o)),
+        res[t] = {"torch_us": timer.graph(functools.partial(torch_act, gate_up, out)),
                   "silu_mul_us": timer.graph(functools.partial(silu_mul, gate_up, out=out)), "floor_us": floor}
         print(f"activation T={t}: torch {res[t]['torch_us']:.1f} us, silu_mul {res[t]['silu_mul_us']:.1f} us, floor {floor:.1f} us", flush=True)
     return res

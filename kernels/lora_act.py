@@ -13,11 +13,11 @@ the adapters' B rows (from L2), and writes act, which the layer writes anyway.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
 
+from lorafleet.kernels.activation import silu_mul
 from lorafleet.kernels.lora_layout import LoRABatch, LoRALayout
 from lorafleet.kernels.lora_reference import _segment_tokens, lora_expand_reference
 from lorafleet.kernels.lora_sgmv import _load_xa
@@ -141,4 +141,4 @@ def silu_mul_lora_reference(*, gate_up: Tensor, xa: Tensor, layout: LoRALayout, 
         delta = torch.zeros(gate_up.shape, dtype=torch.float32, device=gate_up.device)
         lora_expand_reference(xa=xa, layout=layout, layer=layer, proj_ids=[GATE, UP], batch=batch, y=delta, out_slices=[(0, inter), (inter, inter)])
         gu += delta[rows]
-    out[rows] = (F.silu(gu[:, :inter]) * gu[:, inter:]).to(out.dtype)
+    out[rows] = silu_mul(gu, backend="reference").to(out.dtype)

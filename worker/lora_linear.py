@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 from lorafleet.kernels import lora
 from lorafleet.kernels.activation import silu_mul
+from lorafleet.kernels.lora_act import GATE, UP
 from lorafleet.kernels.lora_layout import LoRABatch
 from lorafleet.worker.forward_context import ForwardContext
 
@@ -57,7 +58,6 @@ FUSED_ACT_MAX_RANK = 128  # gate_up_act folds the gate|up delta into the activat
 # A step mixing a prefill with decode tokens averages below this (their one-token segments count) and
 # is not folded; an EngineConfig.lora_segment_len below it turns folding off.
 FUSED_ACT_MIN_SEGMENT_TOKENS = 48
-GATE, UP = 4, 5  # projection ids (kernels.lora_layout.PROJS)
 
 
 def _delta(x: torch.Tensor, y: torch.Tensor, ctx: ForwardContext, layer: int, proj_ids: list[int], out_offsets: list[int],
