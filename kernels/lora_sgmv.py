@@ -3,9 +3,11 @@
 Both read their metadata in as few dependent memory round trips as possible: the segment's slot and
 token range first; then, all at once, the slot's rank, scale, row offsets and the segment's token ids
 (loaded before the early exits, masked loads are safe); then the data. With programmatic dependent
-launch (PDL, Hopper) that metadata is read while the previous kernel finishes: every program calls
+launch (PDL, Hopper) that metadata is read while the previous kernel works: every program calls
 `gdc_wait` before it touches x, xa, y or out (the previous kernel's results, or a buffer it may still
-read) and before it can return, so a dependent grid never finishes ahead of its own predecessor.
+read) and before it can return, so a dependent grid never finishes ahead of its own predecessor; past
+its wait it lets the next kernel launch. (Weight tiles read before the wait were slower: H200, T=64
+over 32 adapters 64.5 vs 57.4 us, bench/results/kernels_pdl_trigger_20261130_h200.json.)
 
 Shrink writes per-split partial sums (out[split]) with plain stores: no zero fill, no atomics; expand
 adds the splits as it loads its (tiny) xa tile.
@@ -32,9 +34,11 @@ def _gdc_wait(PDL: tl.constexpr):
 
 
 @triton.jit
-def _gdc_launch_dependents(PDL: tl.constexpr, WHEN: tl.constexpr):
-    """Let the next kernel launch: PDL 1 as a program starts, PDL 2 once its main loop is done."""
-    if PDL == WHEN:
+def _gdc_launch_dependents(PDL: tl.constexpr):
+    """Let the next kernel launch once every program of this one has passed its own wait: the next
+    kernel's programs read their metadata while this one works, and launches run at most one kernel
+    ahead (a trigger before the wait would let a chain of waiting kernels fill the GPU)."""
+    if PDL:
         gdc_launch_dependents()
 
 
@@ -70,7 +74,6 @@ def shrink_kernel(
     i = tl.program_id(1) // num_r_chunks
     r0 = (tl.program_id(1) % num_r_chunks) * BLOCK_R
     split = tl.program_id(2)
-    _gdc_launch_dependents(PDL, 1)
     # Round trip 1: independent metadata.
     slot = tl.load(seg_slots_ptr + seg)
     proj = tl.load(proj_ids_ptr + i)
@@ -86,6 +89,7 @@ def shrink_kernel(
     tok = tl.load(token_ids_ptr + start + arange_t, mask=start + arange_t < end, other=0)
     rank = tl.where(slot < 0, 0, rank)
     _gdc_wait(PDL)
+    _gdc_launch_dependents(PDL)
     if r0 >= rank:  # no slot, a module the slot does not adapt, or a rank chunk past the slot's rank
         return
     k_lo = split * k_per_split
@@ -106,7 +110,6 @@ def shrink_kernel(
                 acc += tl.dot(xt.to(tl.float32), tl.trans(at.to(tl.float32)), input_precision="ieee")
             else:
                 acc += tl.dot(xt, tl.trans(at))
-        _gdc_launch_dependents(PDL, 2)
         # Every split stores its partial sum (zeros for an empty K range): no zero fill, no atomics.
         ptrs = out_ptr + split * stride_os + i * stride_op + tok64[:, None] * stride_ot + offs_r[None, :]
         tl.store(ptrs, acc, mask=t_mask[:, None] & r_mask[None, :])
@@ -173,7 +176,6 @@ def expand_kernel(
     seg = tl.program_id(0)
     i = tl.program_id(1)
     c = tl.program_id(2)
-    _gdc_launch_dependents(PDL, 1)
     # Round trip 1: independent metadata.
     slot = tl.load(seg_slots_ptr + seg)
     proj = tl.load(slices_ptr + i * 3)
@@ -191,6 +193,7 @@ def expand_kernel(
     tok = tl.load(token_ids_ptr + start + arange_t, mask=start + arange_t < end, other=0)
     rank = tl.where(slot < 0, 0, rank)
     _gdc_wait(PDL)
+    _gdc_launch_dependents(PDL)
     xa_base = xa_ptr + i * stride_xp
     y_base = y_ptr + col0
     # Rank classes 16, 32, 64, 128: a program of a smaller class uses a wider column tile (the same
@@ -202,22 +205,22 @@ def expand_kernel(
             _store_zeros(y_base, stride_yt, token_ids_ptr, start, end, c * cols, tl.minimum(c * cols + cols, width), BLOCK_T, BLOCK_N)
     elif not BY_CLASS:
         _expand_program(xa_base, stride_xs, stride_xt, pool_ptr, b_rows, token_ids_ptr, tok, start, end, rank, scale, y_base, stride_yt, c,
-                        _class_cols(cols_per_program, BLOCK_R, BLOCK_R, BLOCK_N), width, BLOCK_T, BLOCK_R, BLOCK_N, SPLITS, ALIGN, MULTI_CHUNK, UPCAST, PDL, ACCUMULATE)
+                        _class_cols(cols_per_program, BLOCK_R, BLOCK_R, BLOCK_N), width, BLOCK_T, BLOCK_R, BLOCK_N, SPLITS, ALIGN, MULTI_CHUNK, UPCAST, ACCUMULATE)
     elif rank <= 16:
         _expand_program(xa_base, stride_xs, stride_xt, pool_ptr, b_rows, token_ids_ptr, tok, start, end, rank, scale, y_base, stride_yt, c,
-                        _class_cols(cols_per_program, REF_RANK, 16, N16), width, BLOCK_T, 16, N16, SPLITS, ALIGN, False, UPCAST, PDL, ACCUMULATE)
+                        _class_cols(cols_per_program, REF_RANK, 16, N16), width, BLOCK_T, 16, N16, SPLITS, ALIGN, False, UPCAST, ACCUMULATE)
     elif rank <= 32:
         if BLOCK_R >= 32:  # compiled only where the batch holds such ranks
             _expand_program(xa_base, stride_xs, stride_xt, pool_ptr, b_rows, token_ids_ptr, tok, start, end, rank, scale, y_base, stride_yt, c,
-                            _class_cols(cols_per_program, REF_RANK, 32, N32), width, BLOCK_T, 32, N32, SPLITS, ALIGN, False, UPCAST, PDL, ACCUMULATE)
+                            _class_cols(cols_per_program, REF_RANK, 32, N32), width, BLOCK_T, 32, N32, SPLITS, ALIGN, False, UPCAST, ACCUMULATE)
     elif rank <= 64:
         if BLOCK_R >= 64:
             _expand_program(xa_base, stride_xs, stride_xt, pool_ptr, b_rows, token_ids_ptr, tok, start, end, rank, scale, y_base, stride_yt, c,
-                            _class_cols(cols_per_program, REF_RANK, 64, N64), width, BLOCK_T, 64, N64, SPLITS, ALIGN, False, UPCAST, PDL, ACCUMULATE)
+                            _class_cols(cols_per_program, REF_RANK, 64, N64), width, BLOCK_T, 64, N64, SPLITS, ALIGN, False, UPCAST, ACCUMULATE)
     else:
         if BLOCK_R >= 128:
             _expand_program(xa_base, stride_xs, stride_xt, pool_ptr, b_rows, token_ids_ptr, tok, start, end, rank, scale, y_base, stride_yt, c,
-                            _class_cols(cols_per_program, REF_RANK, 128, BLOCK_N), width, BLOCK_T, 128, BLOCK_N, SPLITS, ALIGN, False, UPCAST, PDL, ACCUMULATE)
+                            _class_cols(cols_per_program, REF_RANK, 128, BLOCK_N), width, BLOCK_T, 128, BLOCK_N, SPLITS, ALIGN, False, UPCAST, ACCUMULATE)
 
 
 @triton.jit
@@ -230,7 +233,7 @@ def _class_cols(cols_per_program, REF_RANK: tl.constexpr, RANK_CLASS: tl.constex
 def _expand_program(
     xa_base, stride_xs, stride_xt, pool_ptr, b_rows, token_ids_ptr, tok, start, end, rank, scale, y_ptr, stride_yt, c, cols, width,
     BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, ALIGN: tl.constexpr,
-    MULTI_CHUNK: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr, ACCUMULATE: tl.constexpr,
+    MULTI_CHUNK: tl.constexpr, UPCAST: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):  # fmt: skip
     """One program's columns [c * cols, (c + 1) * cols) of a slice, every token tile of its segment."""
     n_lo = c * cols
@@ -278,7 +281,6 @@ def _expand_program(
                 tl.store(y_row + offs_n[None, :], (ya.to(tl.float32) + acc * scale).to(ya.dtype), mask=t_mask[:, None] & n_mask[None, :])
                 ya = yb
                 yb = yc
-            _gdc_launch_dependents(PDL, 2)
             nxt = t0 + BLOCK_T + arange_t
             tok = tl.load(token_ids_ptr + nxt, mask=nxt < end, other=0)
 
