@@ -12,7 +12,9 @@ then 64: kernels.lora_layout.segment_len, bounded by --segment-len, default 64),
 kernels are timed as CUDA-graph replays with the L2 flushed before each layer (the flush's own time
 measured and subtracted); the torch reference (gather + bmm) and a per-adapter loop are timed
 eagerly (they synchronise with the host).
-Base GEMMs: the layer's four fused matmuls, same method.
+Base GEMMs: the layer's four fused matmuls, same method. Chain latency: eight dependent launches of
+a one-load kernel (the layer's delta is eight dependent kernels), warm, with and without programmatic
+dependent launch: the part of the delta no bandwidth removes.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import triton
+import triton.language as tl
 from kernel_setup import (  # same folder
     ADAPTERS,
     DIMS,
@@ -48,7 +51,8 @@ from lorafleet.kernels.activation import silu_mul
 from lorafleet.kernels.attention import paged_attention_prefill
 from lorafleet.kernels.attention_triton import paged_attention_decode_triton, paged_attention_prefill_triton
 from lorafleet.kernels.lora import lora_delta, lora_silu_mul, lora_xa
-from lorafleet.kernels.lora_triton import lora_expand_triton, lora_shrink_triton
+from lorafleet.kernels.lora_sgmv import gdc_launch_dependents, gdc_wait
+from lorafleet.kernels.lora_triton import lora_expand_triton, lora_shrink_triton, pdl_supported
 
 
 def torch_act(gate_up: torch.Tensor, out: torch.Tensor) -> None:
@@ -256,6 +260,33 @@ def bench_activation(timer: Timer, copy_gbs: float, gen: torch.Generator) -> dic
     return res
 
 
+@triton.jit
+def _one_load(src, dst, PDL: tl.constexpr):
+    """dst[pid] = src[pid] + 1; with PDL, after the previous kernel, letting the next one launch."""
+    pid = tl.program_id(0)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    tl.store(dst + pid, tl.load(src + pid) + 1)
+
+
+def chain_latency(timer: Timer, kernels: int = 8) -> dict:
+    """What a layer's chain of dependent launches costs by itself (its delta is eight kernels, each
+    needing the previous one's output): a one-load kernel launched `kernels` times from a graph, warm,
+    on one program and on one per SM, with and without programmatic dependent launch."""
+    buf = torch.zeros(4096, device="cuda")
+    res = {}
+    for pdl in (False, True) if pdl_supported("cuda") else (False,):
+        for programs in (1, torch.cuda.get_device_properties(0).multi_processor_count):
+            def chain(pdl=pdl, programs=programs) -> None:
+                for _ in range(kernels):
+                    _one_load[(programs,)](buf, buf, PDL=pdl, **({"launch_pdl": True} if pdl else {}))
+
+            res[f"{'pdl' if pdl else 'plain'}_{programs}_programs_us"] = timer.graph(chain, cold=False)
+    print(f"{kernels} dependent launches (us):", {k: round(v, 2) for k, v in res.items()}, flush=True)
+    return res
+
+
 def bench_attention(timer: Timer, copy_gbs: float, gen: torch.Generator) -> dict:
     num_seqs, context, block_size = 64, 2048, 16
     num_pages = num_seqs * context // block_size
@@ -385,10 +416,12 @@ def main(argv: list[str] | None = None) -> int:
     print("base GEMMs (us):", {t: round(v, 1) for t, v in base.items()}, flush=True)
     attn = bench_attention(timer, copy_gbs, gen)
     act = bench_activation(timer, copy_gbs, gen)
+    chain = chain_latency(timer)
     print("attention:", json.dumps({k: v for k, v in attn.items() if k != "variants"}), flush=True)
     only = {(int(t), int(a), r) for t, a, r in (c.split(":") for c in args.cases.split(",") if c)}
     rows, sweep = bench_lora(timer, copy_gbs, gen, args.quick, only, args.segment_len)
     summary = summarize(rows, base, attn, copy_gbs)
+    summary["chain_of_8_launches_us"] = chain
     print(f"\n{'T':>5} {'A':>3} {'rank':>5} {'triton us':>10} {'floor us':>9} {'% copy bw':>9} {'per-token':>9} {'ref us':>8} {'loop us':>9} {'base us':>8}")
     for r in rows:
         print(
@@ -402,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"date": f"{datetime.date.today()}", "command": recorded_command(), "segment_len": args.segment_len,
               "device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "copy_gbs": copy_gbs, "base_gemm_us": base,
-              "lora": rows, "sweeps": sweep, "attention": attn, "activation": act, "summary": summary}  # fmt: skip
+              "lora": rows, "sweeps": sweep, "attention": attn, "activation": act, "chain_latency": chain, "summary": summary}  # fmt: skip
     (out_dir / f"{name}.json").write_text(json.dumps(result, indent=1))
     plot(rows, base, out_dir / f"{name}.png")
     print(f"wrote {out_dir / name}.json and .png")
