@@ -16,6 +16,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from lorafleet.kernels.lora import resolve_backend
+
 
 @triton.jit
 def silu_mul_kernel(
@@ -56,10 +58,7 @@ def silu_mul(gate_up: Tensor, *, out: Tensor | None = None, backend: str = "auto
     elif tuple(out.shape) != (num_tokens, inter) or out.dtype != gate_up.dtype or out.device != gate_up.device or out.stride(1) != 1:
         raise ValueError(f"silu_mul: out must be [T={num_tokens}, I={inter}] {gate_up.dtype} on {gate_up.device} with a contiguous last dim, "
                          f"got {tuple(out.shape)} {out.dtype} on {out.device}")  # fmt: skip
-    if backend == "auto":
-        backend = "triton" if gate_up.is_cuda else "reference"
-    if backend not in ("reference", "triton"):
-        raise ValueError(f"silu_mul: backend must be reference, triton or auto, got {backend!r}")
+    backend = resolve_backend(backend, gate_up.device)
     if num_tokens == 0 or inter == 0:
         return out
     if backend == "reference":
