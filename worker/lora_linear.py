@@ -17,16 +17,16 @@ latency-bound kernels; the base GEMM beside it is long.
 * The MLP's gate|up at prefill (`gate_up_act`): the delta is folded into the activation that reads
   the GEMM's output (`kernels.lora.lora_silu_mul`), so the largest delta of the layer is never stored.
   H200, T=1024 over 8 adapters, in the engine's 64-token segments (medians of 11 rounds): the layer's
-  LoRA then adds 5.7% to the GEMMs and their activation (kernels_20261130_h200.json; 8.9%, 9.0%, 7.0%
-  and 7.3% in kernels_activation_, kernels_segments_ and kernels_fused_act_20261130_h200.json), every
-  delta before its GEMM 9.9% (11.8%, 11.3%, 9.8%, 10.1%). Shorter segments gain nothing from folding
-  (32 tokens) or lose (16): segments of fewer than FUSED_ACT_MIN_SEGMENT_TOKENS tokens on average are
-  not folded.
+  LoRA then adds 11.5% to the GEMMs and `silu_mul` (kernels_20261130_h200.json; 10.4-11.2% in three
+  more runs of the same code, 5.7-9.9% in earlier runs: kernels_activation_, kernels_segments_,
+  kernels_fused_act_ and kernels_pdl_trigger_20261130_h200.json), every delta before its GEMM 11.0%
+  (9.8-11.8% earlier). Shorter segments gain nothing from folding (32 tokens) or lose (16): segments
+  of fewer than FUSED_ACT_MIN_SEGMENT_TOKENS tokens on average are not folded.
 
 H200, one Llama-3-8B layer (bench/results/kernels_20261130_h200.json): at T=1024 over 8 adapters the
-delta written before the GEMMs adds 65.3 us to their 658 (after them: 119.4), over 32 adapters 74.6 us
-(after them: 257.1), at T=256 over 8 adapters 47.4 us to 189 (after them: 55.7). The in-layer figures
-move by 10-30 us between runs (the other kernels_*_20261130_h200.json files).
+delta written before the GEMMs adds 69.1 us to their 627 (after them: 99.8), over 32 adapters 75.9 us
+(after them: 277.3), at T=256 over 8 adapters 42.3 us to 183 (after them: 54.5). The in-layer figures
+move by 10-30 us between runs (the other kernels_*_20261130_h200.json files and git history).
 The side stream cuts the time a decode delta adds to the layer from 29.1 to 12.7 us at T=1 and from
 76.3 to 56.9 us at T=64 over 32 adapters (lora_overlap_20261130_h200.json).
 
