@@ -61,6 +61,7 @@ def shrink_kernel(
     K,
     k_per_split,
     num_r_chunks,
+    num_chunks,  # P * num_r_chunks
     stride_xt,
     stride_os,
     stride_op,
@@ -69,31 +70,24 @@ def shrink_kernel(
     layout_max_rank,
     BLOCK_T: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    CHUNKS: tl.constexpr,  # (projection, rank chunk) pairs per program: their rows share each x tile
     BLOCK_K: tl.constexpr,
     ALIGN: tl.constexpr,
     UPCAST: tl.constexpr,
     PDL: tl.constexpr,
 ):
     seg = tl.program_id(0)
-    i = tl.program_id(1) // num_r_chunks
-    r0 = (tl.program_id(1) % num_r_chunks) * BLOCK_R
     split = tl.program_id(2)
-    # Round trip 1: independent metadata.
+    # Round trip 1: independent metadata (in _shrink_rows, the program's projections).
     slot = tl.load(seg_slots_ptr + seg)
-    proj = tl.load(proj_ids_ptr + i)
     start = tl.load(seg_starts_ptr + seg)
     end = tl.load(seg_starts_ptr + seg + 1)
-    # Round trip 2: rank, row offsets and the first token ids together (slot -1 reads slot 0's, unused).
-    meta = (layer * 7 + proj) * max_slots + tl.maximum(slot, 0)
-    offs_r = r0 + tl.arange(0, BLOCK_R)
-    rank = tl.load(ranks_ptr + meta)
-    a_row = tl.load(a_off_ptr + meta.to(tl.int64) * layout_max_rank + offs_r, mask=offs_r < layout_max_rank, other=0)
-    a_row = tl.multiple_of(a_row, ALIGN)
+    # Round trip 2: ranks, row offsets and the first token ids together.
+    i, offs_r, a_row, r_mask, idle = _shrink_rows(proj_ids_ptr, ranks_ptr, a_off_ptr, slot, layer, num_r_chunks, num_chunks, max_slots, layout_max_rank,
+                                                  BLOCK_R, CHUNKS, ALIGN)  # fmt: skip
     arange_t = tl.arange(0, BLOCK_T)
     tok = tl.load(token_ids_ptr + start + arange_t, mask=start + arange_t < end, other=0)
-    rank = tl.where(slot < 0, 0, rank)
-    # No slot, a module the slot does not adapt, or a rank chunk past the slot's rank: nothing to do.
-    idle = r0 >= rank
+    # No slot, modules the slot does not adapt, or rank chunks past the slot's ranks: nothing to do.
     if idle and _leaves_early(seg + tl.program_id(1) + split):
         return
     _gdc_wait(PDL)
@@ -102,16 +96,16 @@ def shrink_kernel(
         return
     k_lo = split * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
-    r_mask = offs_r < rank
     arange_k = tl.arange(0, BLOCK_K)
+    out_cols = out_ptr + split * stride_os + i * stride_op + offs_r
     for t0 in range(start, end, BLOCK_T):
         t_mask = t0 + arange_t < end
         tok64 = tok.to(tl.int64)
-        acc = tl.zeros([BLOCK_T, BLOCK_R], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_T, CHUNKS * BLOCK_R], dtype=tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             offs_k = k0 + arange_k
             k_mask = offs_k < k_hi
-            # x tile [BLOCK_T, BLOCK_K]: gathered token rows; A tile [BLOCK_R, BLOCK_K]: pool rows, contiguous along K.
+            # x tile [BLOCK_T, BLOCK_K]: gathered token rows; A tile [rows, BLOCK_K]: pool rows, contiguous along K.
             xt = tl.load(x_ptr + tok64[:, None] * stride_xt + offs_k[None, :], mask=t_mask[:, None] & k_mask[None, :], other=0.0)
             at = tl.load(pool_ptr + a_row[:, None] + offs_k[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)
             if UPCAST:
@@ -119,10 +113,41 @@ def shrink_kernel(
             else:
                 acc += tl.dot(xt, tl.trans(at))
         # Every split stores its partial sum (zeros for an empty K range): no zero fill, no atomics.
-        ptrs = out_ptr + split * stride_os + i * stride_op + tok64[:, None] * stride_ot + offs_r[None, :]
-        tl.store(ptrs, acc, mask=t_mask[:, None] & r_mask[None, :])
+        tl.store(out_cols[None, :] + tok64[:, None] * stride_ot, acc, mask=t_mask[:, None] & r_mask[None, :])
         nxt = t0 + BLOCK_T + arange_t
         tok = tl.load(token_ids_ptr + nxt, mask=nxt < end, other=0)
+
+
+@triton.jit
+def _shrink_rows(proj_ids_ptr, ranks_ptr, a_off_ptr, slot, layer, num_r_chunks, num_chunks, max_slots, layout_max_rank, BLOCK_R: tl.constexpr,
+                 CHUNKS: tl.constexpr, ALIGN: tl.constexpr):  # fmt: skip
+    """A shrink program's rows: CHUNKS (projection, rank chunk) pairs of BLOCK_R rows from program_id(1) *
+    CHUNKS, pair j = projection j // num_r_chunks, rank rows from (j % num_r_chunks) * BLOCK_R. Returns the
+    projection index (per row, or one for the program), the rank rows, their pool offsets, which rows are
+    below their slot's rank, and whether none is. One pair per program reads scalar metadata (decode:
+    per-row loads of the same rank cost ~0.7 us a shrink on the H200). Slot -1 reads slot 0's, unused."""
+    if CHUNKS == 1:
+        i = tl.program_id(1) // num_r_chunks
+        r0 = (tl.program_id(1) % num_r_chunks) * BLOCK_R
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        valid = offs_r < layout_max_rank
+    else:
+        offs_q = tl.arange(0, CHUNKS * BLOCK_R)
+        chunk = tl.program_id(1) * CHUNKS + offs_q // BLOCK_R
+        i = tl.minimum(chunk, num_chunks - 1) // num_r_chunks  # rows past the last pair: the last projection's, masked
+        offs_r = (chunk % num_r_chunks) * BLOCK_R + offs_q % BLOCK_R
+        valid = (chunk < num_chunks) & (offs_r < layout_max_rank)
+    proj = tl.load(proj_ids_ptr + i)
+    meta = (layer * 7 + proj) * max_slots + tl.maximum(slot, 0)
+    rank = tl.where(slot < 0, 0, tl.load(ranks_ptr + meta))
+    a_row = tl.multiple_of(tl.load(a_off_ptr + meta.to(tl.int64) * layout_max_rank + offs_r, mask=valid, other=0), ALIGN)
+    if CHUNKS == 1:
+        r_mask = offs_r < rank  # rank <= layout_max_rank
+        idle = r0 >= rank
+    else:
+        r_mask = valid & (offs_r < rank)
+        idle = tl.max(r_mask.to(tl.int32), axis=0) == 0
+    return i, offs_r, a_row, r_mask, idle
 
 
 @triton.jit

@@ -203,6 +203,46 @@ def test_triton_shrink_writes_one_partial_sum_per_split(splits, gen):
             assert _rel_err(out[:, 0, t, :r].sum(0), want) < 1e-5
 
 
+@pytest.mark.parametrize("chunks", [1, 2, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_shrink_programs_covering_several_projections(chunks, dtype, gen):
+    """A program covering several (projection, rank chunk) pairs (rank tile 16, ranks up to 128 over
+    q|k|v: 24 pairs of mixed modules, some the slot does not adapt) writes every row of each and no
+    other: a program's chunks may straddle projections and run past the last one."""
+    from lorafleet.kernels.lora_triton import lora_shrink_triton
+
+    modules, layout = _setup(gen, num_slots=6, dtype=dtype)
+    slots = token_slots("zipf", 40, 6, gen)
+    batch = make_lora_batch(slots, layout.max_rank_by_slot())
+    x = torch.randn(40, HIDDEN, generator=gen).to(dtype)
+    out = torch.full((2, 3, 40, batch.max_rank), float("nan"))
+    lora_shrink_triton(x=x, layout=layout, layer=1, proj_ids=[0, 1, 2], batch=batch, out=out, block_k=16, block_r=16, chunks=chunks)
+    for i, proj in enumerate([0, 1, 2]):
+        for t, want in enumerate(dense_shrink(modules, slots, x.float(), 1, proj)):
+            if want is not None:
+                assert _rel_err(out[:, i, t, : want.numel()].sum(0), want) < TOL[dtype], (proj, t)
+                assert torch.isnan(out[:, i, t, want.numel() :]).all(), (proj, t)  # rows past the rank: not written
+            else:
+                assert torch.isnan(out[:, i, t]).all(), (proj, t)
+
+
+def test_shrink_chunks_fit_prefill_grids_in_one_wave():
+    """Prefill programs take more (projection, rank chunk) pairs until the grid fits one program per SM
+    (4 on CPU), at most 64 rows; a grid that fits already, and decode programs, take one."""
+    from lorafleet.kernels.lora_triton import shrink_chunks
+
+    cpu = torch.device("cpu")
+    ranks = torch.tensor([16] * 7 + [64], dtype=torch.int32)
+    prefill = make_lora_batch(torch.arange(1024, dtype=torch.int32) // 128, ranks, max_segment_len=64)
+    assert shrink_chunks(num_proj=3, batch=prefill, splits=4, device=cpu, block_r=16) == 4  # 12 pairs: 64 rows at most
+    assert shrink_chunks(num_proj=2, batch=prefill, splits=4, device=cpu, block_r=32) == 2  # 4 pairs: 64 rows at most
+    assert shrink_chunks(num_proj=1, batch=prefill, splits=4, device=cpu, block_r=64) == 1
+    one = make_lora_batch(torch.zeros(64, dtype=torch.int32), ranks, max_segment_len=64)
+    assert shrink_chunks(num_proj=3, batch=one, splits=1, device=cpu, block_r=64) == 1  # 3 programs
+    decode = make_lora_batch(torch.arange(64, dtype=torch.int32) % 8, ranks)
+    assert shrink_chunks(num_proj=3, batch=decode, splits=4, device=cpu, block_r=16) == 1
+
+
 def test_triton_expand_programs_walking_several_column_tiles(gen):
     """A program that walks several output tiles (cols_per_program > block_n) covers each column once,
     ranks above the rank tile (block_r=16, ranks up to 128) take several chunks, xa in two splits."""
