@@ -230,8 +230,7 @@ def expand_kernel(
     cols = _rank_cols(rank, cols_per_program, REF_RANK, BLOCK_R, BLOCK_N, N16, N32, N64, BY_CLASS)
     if (c * cols >= width or (ACCUMULATE and rank == 0)) and _leaves_early(seg + i + c):
         return
-    _gdc_wait(PDL)
-    _gdc_launch_dependents(PDL)
+    # The wait is in each branch: a program reads its B row offsets (metadata) before it.
     xa_base = xa_ptr + i * stride_xp
     y_base = y_ptr + col0
     # Rank classes 16, 32, 64, 128: a program of a smaller class uses a wider column tile (the same
@@ -241,27 +240,29 @@ def expand_kernel(
     # sm_90 registers, 218 to 128, but ran the layer's decode delta at 80.5 against 56.3 us on the H200,
     # kernels_act_expand_trials_20261130_h200.json.)
     if rank == 0:
+        _gdc_wait(PDL)
+        _gdc_launch_dependents(PDL)
         if not ACCUMULATE:
             cols = _class_cols(cols_per_program, REF_RANK, BLOCK_R, BLOCK_N)
             _store_zeros(y_base, stride_yt, token_ids_ptr, start, end, c * cols, tl.minimum(c * cols + cols, width), BLOCK_T, BLOCK_N)
     elif not BY_CLASS:
         _expand_program(xa_base, stride_xs, stride_xt, pool_ptr, b_rows, token_ids_ptr, tok, start, end, rank, scale, y_base, stride_yt, c,
-                        _class_cols(cols_per_program, BLOCK_R, BLOCK_R, BLOCK_N), width, BLOCK_T, BLOCK_R, BLOCK_N, SPLITS, ALIGN, MULTI_CHUNK, UPCAST, ACCUMULATE)
+                        _class_cols(cols_per_program, BLOCK_R, BLOCK_R, BLOCK_N), width, BLOCK_T, BLOCK_R, BLOCK_N, SPLITS, ALIGN, MULTI_CHUNK, UPCAST, ACCUMULATE, PDL)
     elif rank <= 16:
         _expand_program(xa_base, stride_xs, stride_xt, pool_ptr, b_rows, token_ids_ptr, tok, start, end, rank, scale, y_base, stride_yt, c,
-                        _class_cols(cols_per_program, REF_RANK, 16, N16), width, BLOCK_T, 16, N16, SPLITS, ALIGN, False, UPCAST, ACCUMULATE)
+                        _class_cols(cols_per_program, REF_RANK, 16, N16), width, BLOCK_T, 16, N16, SPLITS, ALIGN, False, UPCAST, ACCUMULATE, PDL)
     elif rank <= 32:
         if BLOCK_R >= 32:  # compiled only where the batch holds such ranks
             _expand_program(xa_base, stride_xs, stride_xt, pool_ptr, b_rows, token_ids_ptr, tok, start, end, rank, scale, y_base, stride_yt, c,
-                            _class_cols(cols_per_program, REF_RANK, 32, N32), width, BLOCK_T, 32, N32, SPLITS, ALIGN, False, UPCAST, ACCUMULATE)
+                            _class_cols(cols_per_program, REF_RANK, 32, N32), width, BLOCK_T, 32, N32, SPLITS, ALIGN, False, UPCAST, ACCUMULATE, PDL)
     elif rank <= 64:
         if BLOCK_R >= 64:
             _expand_program(xa_base, stride_xs, stride_xt, pool_ptr, b_rows, token_ids_ptr, tok, start, end, rank, scale, y_base, stride_yt, c,
-                            _class_cols(cols_per_program, REF_RANK, 64, N64), width, BLOCK_T, 64, N64, SPLITS, ALIGN, False, UPCAST, ACCUMULATE)
+                            _class_cols(cols_per_program, REF_RANK, 64, N64), width, BLOCK_T, 64, N64, SPLITS, ALIGN, False, UPCAST, ACCUMULATE, PDL)
     else:
         if BLOCK_R >= 128:
             _expand_program(xa_base, stride_xs, stride_xt, pool_ptr, b_rows, token_ids_ptr, tok, start, end, rank, scale, y_base, stride_yt, c,
-                            _class_cols(cols_per_program, REF_RANK, 128, BLOCK_N), width, BLOCK_T, 128, BLOCK_N, SPLITS, ALIGN, False, UPCAST, ACCUMULATE)
+                            _class_cols(cols_per_program, REF_RANK, 128, BLOCK_N), width, BLOCK_T, 128, BLOCK_N, SPLITS, ALIGN, False, UPCAST, ACCUMULATE, PDL)
 
 
 @triton.jit
@@ -302,17 +303,20 @@ def _class_cols(cols_per_program, REF_RANK: tl.constexpr, RANK_CLASS: tl.constex
 def _expand_program(
     xa_base, stride_xs, stride_xt, pool_ptr, b_rows, token_ids_ptr, tok, start, end, rank, scale, y_ptr, stride_yt, c, cols, width,
     BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, ALIGN: tl.constexpr,
-    MULTI_CHUNK: tl.constexpr, UPCAST: tl.constexpr, ACCUMULATE: tl.constexpr,
+    MULTI_CHUNK: tl.constexpr, UPCAST: tl.constexpr, ACCUMULATE: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """One program's columns [c * cols, (c + 1) * cols) of a slice, every token tile of its segment."""
+    """One program's columns [c * cols, (c + 1) * cols) of a slice, every token tile of its segment. The
+    B row offsets (metadata) are read before the PDL wait, so the B tiles load as soon as it ends."""
     n_lo = c * cols
     n_hi = tl.minimum(n_lo + cols, width)
+    arange_r = tl.arange(0, BLOCK_R)
+    r_mask0 = arange_r < rank
+    b_row0 = tl.multiple_of(tl.load(b_rows + arange_r, mask=r_mask0, other=0), ALIGN)
+    _gdc_wait(PDL)
+    _gdc_launch_dependents(PDL)
     if n_lo < width:
-        arange_r = tl.arange(0, BLOCK_R)
         arange_t = tl.arange(0, BLOCK_T)
         arange_n = tl.arange(0, BLOCK_N)
-        r_mask0 = arange_r < rank
-        b_row0 = tl.multiple_of(tl.load(b_rows + arange_r, mask=r_mask0, other=0), ALIGN)
         for t0 in range(start, end, BLOCK_T):
             t_mask = t0 + arange_t < end
             tok64 = tok.to(tl.int64)
