@@ -17,17 +17,17 @@ latency-bound kernels; the base GEMM beside it is long.
 * The MLP's gate|up at prefill (`gate_up_act`): the delta is folded into the activation that reads
   the GEMM's output (`kernels.lora.lora_silu_mul`), so the largest delta of the layer is never stored.
   H200, T=1024 over 8 adapters, in the engine's 64-token segments (medians of 25 rounds): the layer's
-  LoRA then adds 9.3% to the GEMMs and `silu_mul` (kernels_20261130_h200.json; 9.1-10.6% in four
-  A/B runs of the same code, kernels_grouped_shrink_; 8.4-11.5% for the code before it), every delta
-  before its GEMM 9.6% (9.8-11.8% earlier). Shorter segments gain nothing from folding (32 tokens) or lose (16): segments
+  LoRA then adds 9.2% to the GEMMs and `silu_mul` (kernels_20261130_h200.json; 9.3% in the run
+  before, 9.1-10.6% in four A/B runs, kernels_grouped_shrink_; 8.4-11.5% for the code before the
+  grouped prefill shrink), every delta before its GEMM 10.1% (9.6-11.8% earlier). Shorter segments gain nothing from folding (32 tokens) or lose (16): segments
   of fewer than FUSED_ACT_MIN_SEGMENT_TOKENS tokens on average are not folded.
 
 H200, one Llama-3-8B layer (bench/results/kernels_20261130_h200.json): at T=1024 over 8 adapters the
-delta written before the GEMMs adds 63.4 us to their 658 (after them: 103.8), over 32 adapters 83.1 us
-(after them: 280.5), at T=256 over 8 adapters 40.5 us to 189 (after them: 51.2). The in-layer figures
+delta written before the GEMMs adds 64.9 us to their 643 (after them: 104.2), over 32 adapters 75.9 us
+(after them: 271.5), at T=256 over 8 adapters 39.0 us to 185 (after them: 51.6). The in-layer figures
 move by 10-30 us between runs (the other kernels_*_20261130_h200.json files and git history).
 The side stream cuts the time a decode delta adds to the layer from 30.5 to 11.8 us at T=1 and from
-67.8 to 53.5 us at T=64 over 32 adapters (lora_overlap_20261130_h200.json).
+67.8 to 53.5 us at T=64 over 32 adapters (lora_overlap_20261130_h200.json, commit 32372e4).
 
 All forms compute y = x W^T + scale * B (A x); with 16-bit weights the delta is rounded to the model
 dtype once before it meets the GEMM's result, except in the folded activation, which adds it in
