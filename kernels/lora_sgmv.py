@@ -1,9 +1,10 @@
 """Triton SGMV programs: segmented-gather LoRA shrink and expand (the launchers are in lora_triton.py).
 
 Both read their metadata in as few dependent memory round trips as possible: the segment's slot and
-token range first; then, all at once, the slot's rank, scale, row offsets and the segment's token ids
-(loaded before the early exits, masked loads are safe); then the data. With programmatic dependent
-launch (PDL, Hopper) that metadata is read while the previous kernel works: every program calls
+token range first; then, all at once, the slot's rank, scale, the shrink's A row offsets and the
+segment's token ids (loaded before the early exits, masked loads are safe); the expand's B row
+offsets (masked by the rank) after them; then the data. With programmatic dependent launch (PDL,
+Hopper) that metadata is read while the previous kernel works: every program calls
 `gdc_wait` before it touches x, xa, y or out (the previous kernel's results, or a buffer it may still
 read), and past its wait lets the next kernel launch. A program with nothing to do returns before the
 wait, freeing its SM slot at once, except the grid's first program: its wait keeps the grid from
