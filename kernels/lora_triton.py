@@ -92,9 +92,11 @@ def shrink_chunks(*, num_proj: int, batch: LoRABatch, splits: int, device: torch
     """(projection, rank chunk) pairs of one shrink program, a power of two. At prefill (64-token tiles)
     a program's pipelined x and A tiles take ~120 KB of shared memory, one program per SM: a grid of
     more programs than SMs runs a second, mostly idle wave, so programs take several pairs (sharing
-    each x tile) until the grid fits one wave (H200, q|k|v at T=1024 over 8 adapters: 8.7 us with two
-    pairs a program, 128 programs, against 11.9 with one, 192 programs; gate|up's 128 programs gain
-    nothing). At decode one pair (more programs keep more weight bytes in flight)."""
+    each x tile) until the grid fits one wave (H200, q|k|v at T=1024 over 8 adapters: 9.3 us with two
+    pairs a program, 128 programs, against 12.0 with one, 192 programs; gate|up's 128 programs gain
+    nothing; kernels_grouped_shrink_20261130_h200.json). A power of two, so it may pass the number of
+    pairs (3 pairs in 4: the spare rows are masked). At decode one pair (more programs keep more weight
+    bytes in flight)."""
     if _block_t(batch) < 64 or batch.max_rank == 0:
         return 1
     pairs = num_proj * triton.cdiv(batch.max_rank, block_r)
@@ -159,6 +161,8 @@ def lora_shrink_triton(
     block_r = block_r or (64 if _INTERPRET else 16)
     num_r_chunks = triton.cdiv(batch.max_rank, block_r)
     chunks = chunks or shrink_chunks(num_proj=num_proj, batch=batch, splits=num_splits, device=x.device, block_r=block_r)
+    if chunks & (chunks - 1):
+        raise ValueError(f"lora_shrink_triton: chunks must be a power of two, got {chunks}")
     block_k = block_k or _pow2(triton.cdiv(K, num_splits), 16, 256 if block_t >= 64 else 128)
     k_per_split = triton.cdiv(triton.cdiv(K, block_k), num_splits) * block_k
     grid = (num_segments, triton.cdiv(num_proj * num_r_chunks, chunks), num_splits)

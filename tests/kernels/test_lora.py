@@ -203,17 +203,19 @@ def test_triton_shrink_writes_one_partial_sum_per_split(splits, gen):
             assert _rel_err(out[:, 0, t, :r].sum(0), want) < 1e-5
 
 
-@pytest.mark.parametrize("chunks", [1, 2, 16])
+@pytest.mark.parametrize("chunks", [1, 2, 4, 16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_triton_shrink_programs_covering_several_projections(chunks, dtype, gen):
-    """A program covering several (projection, rank chunk) pairs (rank tile 16, ranks up to 128 over
-    q|k|v: 24 pairs of mixed modules, some the slot does not adapt) writes every row of each and no
-    other: a program's chunks may straddle projections and run past the last one."""
+    """A program covering several (projection, rank chunk) pairs (rank tile 16, ranks up to 40 over
+    q|k|v: 3 chunks a projection, 9 pairs, so programs of 2 or 4 pairs straddle projections and the
+    last runs past the last pair; tokens without an adapter; modules a slot does not adapt) writes
+    every row of each pair and no other."""
     from lorafleet.kernels.lora_triton import lora_shrink_triton
 
-    modules, layout = _setup(gen, num_slots=6, dtype=dtype)
-    slots = token_slots("zipf", 40, 6, gen)
+    modules, layout = _setup(gen, num_slots=6, dtype=dtype, ranks=(8, 24, 40))
+    slots = token_slots("mixed_none", 40, 6, gen)
     batch = make_lora_batch(slots, layout.max_rank_by_slot())
+    assert (slots < 0).any() and batch.max_rank > 32
     x = torch.randn(40, HIDDEN, generator=gen).to(dtype)
     out = torch.full((2, 3, 40, batch.max_rank), float("nan"))
     lora_shrink_triton(x=x, layout=layout, layer=1, proj_ids=[0, 1, 2], batch=batch, out=out, block_k=16, block_r=16, chunks=chunks)
@@ -224,6 +226,8 @@ def test_triton_shrink_programs_covering_several_projections(chunks, dtype, gen)
                 assert torch.isnan(out[:, i, t, want.numel() :]).all(), (proj, t)  # rows past the rank: not written
             else:
                 assert torch.isnan(out[:, i, t]).all(), (proj, t)
+    with pytest.raises(ValueError, match="power of two"):
+        lora_shrink_triton(x=x, layout=layout, layer=1, proj_ids=[0, 1, 2], batch=batch, out=out, block_r=16, chunks=3)
 
 
 def test_shrink_chunks_fit_prefill_grids_in_one_wave():
@@ -353,6 +357,38 @@ def test_launchers_refuse_bad_inputs(gen):
 
 
 LLAMA_GROUPS = {"qkv": ([0, 1, 2], [4096, 1024, 1024]), "o": ([3], [4096]), "gate_up": ([4, 5], [14336, 14336]), "down": ([6], [4096])}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ranks", [(16,), (8, 16, 32, 64, 128, 24)])
+def test_prefill_shrink_programs_covering_several_pairs_on_gpu(ranks, gen):
+    """T=1024 over 8 adapters in 64-token segments, Llama-3-8B shapes, bf16: the shrink with the pairs
+    per program its rule picks (2 for q|k|v at rank 16: the benchmark's prefill case) and with 4,
+    against the torch reference."""
+    from kernel_cases import LLAMA3_8B_DIMS, random_pool_layout
+
+    from lorafleet.kernels.lora_triton import lora_shrink_triton, shrink_chunks
+
+    layout = random_pool_layout(ranks_by_slot=[ranks[s % len(ranks)] for s in range(8)], dims=LLAMA3_8B_DIMS, page_elems=2 * 2 * 16 * 8 * 128 * 32,
+                                dtype=torch.bfloat16, device="cuda", gen=gen)  # fmt: skip
+    slots = (torch.arange(1024, device="cuda") // 128).to(torch.int32)
+    batch = make_lora_batch(slots, layout.max_rank_by_slot(), max_segment_len=64)
+    for proj_ids, _ in LLAMA_GROUPS.values():
+        x = torch.randn(1024, LLAMA3_8B_DIMS[proj_ids[0]][0], generator=gen).to(torch.bfloat16).cuda()
+        want = shrink_buffer(x=x, proj_ids=proj_ids, batch=batch, backend="reference")
+        lora_shrink(x=x, layout=layout, layer=0, proj_ids=proj_ids, batch=batch, out=want, backend="reference")
+        splits = shrink_buffer(x=x, proj_ids=proj_ids, batch=batch, backend="triton").shape[0]
+        if ranks == (16,) and len(proj_ids) == 3:
+            assert shrink_chunks(num_proj=3, batch=batch, splits=splits, device=x.device, block_r=16) == 2
+        for chunks in (None, 4):
+            got = torch.full((splits, *want.shape[1:]), float("nan"), device="cuda")
+            lora_shrink_triton(x=x, layout=layout, layer=0, proj_ids=proj_ids, batch=batch, out=got, chunks=chunks)
+            for i, proj in enumerate(proj_ids):
+                r = layout.ranks[0, proj, slots.long()]
+                rows = torch.arange(batch.max_rank, device="cuda")[None, :] < r[:, None]
+                g, w = got.sum(0)[i][rows], want[0, i][rows]
+                assert not torch.isnan(g).any(), (proj_ids, chunks)
+                assert float((g - w).norm() / w.norm()) < 1e-3, (proj_ids, chunks)
 
 
 @pytest.mark.gpu
