@@ -5,13 +5,13 @@ One launch serves every segment (tokens of one adapter slot) and every projectio
 contiguous in the pool), covers the slot's *true* rank (no padding to the batch's largest rank:
 shrink's rank chunks past a slot's rank exit, masked loads fetch nothing), and skips at once a segment
 with slot -1 or a module the slot does not adapt. The adapter rows of a segment are read once and
-reused by all its tokens; `make_lora_batch` cuts long runs into segments of at most 64 tokens so one
-adapter's prefill still spreads over many programs.
+reused by all its tokens; `make_lora_batch` cuts long runs into segments (16 to 64 tokens as the
+step grows, `segment_len`) so one adapter's prefill still spreads over many programs.
 
 Grids (programs in lora_sgmv.py): shrink (segment, (projection, rank chunk of 16 rows) pairs, K split),
 each split storing its partial sum in out[split], one pair a program at decode and at prefill as many
-as fit the grid in one wave (they share each x tile, see shrink_chunks); expand (segment, projection, column range): each program
-holds its slot's whole rank in one tile of its rank class (16, 32, 64 or 128 rows; a smaller class
+as fit the grid in one wave (they share each x tile, see shrink_chunks); expand (segment, projection,
+column range): each program holds its slot's whole rank in one tile of its rank class (16, 32, 64 or 128 rows; a smaller class
 gets a wider column tile and more columns, so every program reads about the same bytes; groups wider
 than CLASS_TILES_MIN_COLS columns, else one tile of the largest class), adds the splits of xa as it
 loads them, and walks its column tiles with y read two tiles ahead (or, in write mode, y = delta
@@ -159,13 +159,13 @@ def lora_shrink_triton(
     K, num_splits = x.shape[1], out.shape[0]
     block_t = _block_t(batch)
     block_r = block_r or (64 if _INTERPRET else 16)
-    num_r_chunks = triton.cdiv(batch.max_rank, block_r)
+    num_pairs = num_proj * triton.cdiv(batch.max_rank, block_r)
     chunks = chunks or shrink_chunks(num_proj=num_proj, batch=batch, splits=num_splits, device=x.device, block_r=block_r)
     if chunks & (chunks - 1):
         raise ValueError(f"lora_shrink_triton: chunks must be a power of two, got {chunks}")
     block_k = block_k or _pow2(triton.cdiv(K, num_splits), 16, 256 if block_t >= 64 else 128)
     k_per_split = triton.cdiv(triton.cdiv(K, block_k), num_splits) * block_k
-    grid = (num_segments, triton.cdiv(num_proj * num_r_chunks, chunks), num_splits)
+    grid = (num_segments, triton.cdiv(num_pairs, chunks), num_splits)
     use_pdl = _pdl(pdl, x.device)
     shrink_kernel[grid](
         x,
@@ -180,8 +180,8 @@ def lora_shrink_triton(
         layer,
         K,
         k_per_split,
-        num_r_chunks,
-        num_proj * num_r_chunks,
+        num_pairs // num_proj,
+        num_pairs,
         x.stride(0),
         out.stride(0),
         out.stride(1),

@@ -19,8 +19,9 @@ latency-bound kernels; the base GEMM beside it is long.
   H200, T=1024 over 8 adapters, in the engine's 64-token segments (medians of 25 rounds): the layer's
   LoRA then adds 9.2% to the GEMMs and `silu_mul` (kernels_20261130_h200.json; 9.3% in the run
   before, 9.1-10.6% in four A/B runs, kernels_grouped_shrink_; 8.4-11.5% for the code before the
-  grouped prefill shrink), every delta before its GEMM 10.1% (9.6-11.8% earlier). Shorter segments gain nothing from folding (32 tokens) or lose (16): segments
-  of fewer than FUSED_ACT_MIN_SEGMENT_TOKENS tokens on average are not folded.
+  grouped prefill shrink), every delta before its GEMM 10.1% (9.6-11.8% earlier). Shorter segments
+  gain nothing from folding (32 tokens) or lose (16): segments of fewer than
+  FUSED_ACT_MIN_SEGMENT_TOKENS tokens on average are not folded.
 
 H200, one Llama-3-8B layer (bench/results/kernels_20261130_h200.json): at T=1024 over 8 adapters the
 delta written before the GEMMs adds 64.9 us to their 643 (after them: 104.2), over 32 adapters 75.9 us
