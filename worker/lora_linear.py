@@ -28,7 +28,7 @@ delta written before the GEMMs adds 64.9 us to their 643 (after them: 104.2), ov
 (after them: 271.5), at T=256 over 8 adapters 39.0 us to 185 (after them: 51.6). The in-layer figures
 move by 10-30 us between runs (the other kernels_*_20261130_h200.json files and git history).
 The side stream cuts the time a decode delta adds to the layer from 30.5 to 11.8 us at T=1 and from
-67.8 to 53.5 us at T=64 over 32 adapters (lora_overlap_20261130_h200.json, commit 32372e4).
+66.3 to 52.7 us at T=64 over 32 adapters (lora_overlap_20261130_h200.json, commit 97b8ff2).
 
 All forms compute y = x W^T + scale * B (A x); with 16-bit weights the delta is rounded to the model
 dtype once before it meets the GEMM's result, except in the folded activation, which adds it in
