@@ -2,6 +2,7 @@
 
 Kopf-free glue between the thin handlers and the pure ``reconcile_pool``; one pass per pool at a
 time (a lock per pool), and the last plan is kept so per-adapter timers do not each redo the pass.
+A deleting pool is drained: its workers are told to hold nothing (its finalizer waits for that).
 """
 
 from __future__ import annotations
@@ -12,11 +13,11 @@ import datetime
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from lorafleet.operator.crd_models import AdapterSpec, PoolSpec, SpecError
+from lorafleet.operator.crd_models import PoolSpec, SpecError, parse_adapter
 from lorafleet.operator.reconcile import PoolPlan, WorkerReport, reconcile_pool
 from lorafleet.operator.workers import StagerClient, discover_workers, selector_matches
 
@@ -40,11 +41,40 @@ def status_changes(current: dict[str, Any] | None, wanted: dict[str, Any]) -> di
     return {k: v for k, v in wanted.items() if current.get(k) != v}
 
 
+class RetryBackoff:
+    """When a worker that reported a failed version may have it re-pushed: first ``base`` seconds after the
+    failure is seen, then ``2*base``, ``4*base``, ... up to ``cap``; cleared once it reports no failure."""
+
+    def __init__(self, base: float, cap: float) -> None:
+        self.base, self.cap = base, cap
+        self._state: dict[str, tuple[int, float]] = {}  # worker url -> (num_retries, not before)
+
+    def may_retry(self, url: str, now: float) -> bool:
+        state = self._state.get(url)
+        return state is not None and now >= state[1]
+
+    def failing(self, url: str, now: float, *, pushed: bool) -> None:
+        """It reported a failed version this pass; ``pushed``: it was just given a new generation."""
+        if url not in self._state or pushed:
+            num_retries = self._state.get(url, (0, 0.0))[0] + pushed
+            self._state[url] = (num_retries, now + min(self.cap, self.base * 2**num_retries))
+
+    def clear(self, url: str) -> None:
+        self._state.pop(url, None)
+
+    def retain(self, urls: set[str]) -> None:
+        for url in set(self._state) - urls:
+            del self._state[url]
+
+
 class PoolController:
-    def __init__(self, client: StagerClient) -> None:
+    def __init__(self, client: StagerClient, *, retry_base: float = 10.0, retry_cap: float = 300.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.client = client
+        self.clock = clock
         self._locks: dict[PoolKey, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._results: dict[PoolKey, PassResult] = {}
+        self._backoff: dict[PoolKey, RetryBackoff] = defaultdict(lambda: RetryBackoff(retry_base, retry_cap))
 
     async def run(self, key: PoolKey, *, pools: Iterable[dict[str, Any]], adapters: Iterable[dict[str, Any]],
                   pods: Iterable[dict[str, Any]], other_pools: Iterable[dict[str, Any]] = (),
@@ -63,48 +93,63 @@ class PoolController:
 
     async def _run(self, key: PoolKey, pools: list[dict], adapters: list[dict], pods: list[dict],
                    other_pools: list[dict]) -> PoolPlan:
-        pool, pool_error = None, None
-        live_pools = [b for b in pools if not (b.get("metadata") or {}).get("deletionTimestamp")]
-        if live_pools:
+        pool, pool_error, draining = None, None, None
+        for body in pools:
+            deleting = bool((body.get("metadata") or {}).get("deletionTimestamp"))
             try:
-                pool = PoolSpec.parse(live_pools[0])
+                parsed = PoolSpec.parse(body)
             except SpecError as exc:
-                pool_error = str(exc)
-        specs = []
-        for body in adapters:
-            try:
-                specs.append(AdapterSpec.parse(body))
-            except SpecError:
-                continue  # its own handler reports the bad spec
-        pods, shared = _own_pods(key[1], pool, pods, other_pools)
-        workers = discover_workers(pods, pool.worker_selector, default_port=pool.stager_port) if pool else []
+                if deleting:  # its selector is unknown: nothing can be drained
+                    log.warning("LoRAPool %s/%s deleted with an invalid spec (%s); its workers are left as they are",
+                                key[0], key[1], exc)
+                else:
+                    pool_error = str(exc)
+                continue
+            if deleting:
+                draining = parsed
+            else:
+                pool = parsed
+        specs = [parse_adapter(body) for body in adapters]  # an unparsable one is still unloaded by name
+        # An invalid pool leaves its workers alone; a deleting one empties those no live pool took over.
+        target = pool or draining
+        pods, shared = _own_pods(key[1], target, pods, other_pools, draining=draining is not None)
+        workers = discover_workers(pods, target.worker_selector, default_port=target.stager_port) if target else []
         reports = await self.client.fetch_states(workers)
-        views = [WorkerReport(w.pod, r, self.client.last_pushed.get(w.url)) for w, r in zip(workers, reports,
-                                                                                              strict=True)]
-        plan = reconcile_pool(pool, specs, views, now=utc_now(), pool_name=key[1],
-                              generation_floor=time.time_ns() // 1_000_000, pool_error=pool_error,
-                              shared_pods=shared)
+        backoff, now = self._backoff[key], self.clock()
+        views = [WorkerReport(w.pod, r, self.client.last_pushed.get(w.url), may_retry=backoff.may_retry(w.url, now))
+                 for w, r in zip(workers, reports, strict=True)]
+        plan = reconcile_pool(pool, specs, views, now=utc_now(), generation_floor=time.time_ns() // 1_000_000,
+                              pool_error=pool_error, shared_pods=shared)
         by_pod = {w.pod: w for w in workers}
         pushed = await asyncio.gather(*(self.client.push(by_pod[pod], d) for pod, d in plan.pushes.items()))
-        for (pod, desired), ok in zip(plan.pushes.items(), pushed, strict=True):
-            if ok:
+        accepted = {pod for pod, ok in zip(plan.pushes, pushed, strict=True) if ok}
+        for pod, desired in plan.pushes.items():
+            if pod in accepted:
                 log.info("pushed generation %d (%d adapters) to %s", desired.generation, len(desired.adapters), pod)
+        backoff.retain({w.url for w in workers})
+        for w, view in zip(workers, views, strict=True):
+            if w.pod in plan.failing:
+                backoff.failing(w.url, now, pushed=w.pod in accepted)
+            elif view.reported is not None:
+                backoff.clear(w.url)
         return plan
 
     def forget(self, key: PoolKey) -> None:
         self._results.pop(key, None)
+        self._backoff.pop(key, None)
 
 
-def _own_pods(name: str, pool: PoolSpec | None, pods: list[dict], other_pools: list[dict]
-              ) -> tuple[list[dict], dict[str, str]]:
+def _own_pods(name: str, pool: PoolSpec | None, pods: list[dict], other_pools: list[dict], *,
+              draining: bool = False) -> tuple[list[dict], dict[str, str]]:
     """A pod matched by several pools belongs to the one whose name sorts first; the others leave it
-    alone (each push is a pod's whole adapter set, so two owners would undo each other)."""
+    alone (each push is a pod's whole adapter set, so two owners would undo each other). A ``draining``
+    (deleting) pool has handed every pod another live pool selects over to that pool."""
     if pool is None:
         return pods, {}
     earlier = []
     for body in other_pools:
         other = (body.get("metadata") or {}).get("name", "")
-        if other < name and not (body.get("metadata") or {}).get("deletionTimestamp"):
+        if (other < name or draining) and not (body.get("metadata") or {}).get("deletionTimestamp"):
             with contextlib.suppress(SpecError):
                 earlier.append((other, PoolSpec.parse(body).worker_selector))
     own, shared = [], {}

@@ -2,12 +2,17 @@
 
 The API server's OpenAPI schema (crds/) already refuses malformed objects; parsing here is a second
 line for what slips past (hand-edited objects, an older CRD): it raises ``SpecError`` naming the field.
+The two agree: the patterns below are the CRDs' (and worker/directives.py's), so whatever parses can
+be turned into a worker directive.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import re
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any
 
 GROUP = "lorafleet.dev"
@@ -15,11 +20,17 @@ VERSION = "v1alpha1"
 POOLS = "lorapools"
 ADAPTERS = "loraadapters"
 DEFAULT_STAGER_PORT = 8001
+EVICTION_POLICIES = ("lru", "lfu", "cost")
+SELECTOR_OPERATORS = ("In", "NotIn", "Exists", "DoesNotExist")
 
-_QUANTITY_RE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(Ki|Mi|Gi|Ti|Pi|k|K|M|G|T|P)?$")
-_SUFFIX = {None: 1, "k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15,
-           "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50}
+# Kubernetes quantity syntax (resource.Quantity) without a minus sign; the CRDs carry the same pattern.
+_QUANTITY_RE = re.compile(r"^\+?([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:([KMGTPE]i)|([numkMGTPE])|[eE]([+-]?[0-9]+))?$")
+_BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+_DECIMAL = {"n": -9, "u": -6, "m": -3, "k": 3, "M": 6, "G": 9, "T": 12, "P": 15, "E": 18}
+MAX_QUANTITY = 2**63 - 1  # int64, as the API server stores integers
 URI_RE = re.compile(r"^(s3://[^/]+/.*|file:///.*|/.*)$")
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")  # tenant, version, adapter name
+SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
 class SpecError(ValueError):
@@ -27,13 +38,37 @@ class SpecError(ValueError):
 
 
 def parse_quantity(value: Any, field_name: str) -> int:
-    """Kubernetes byte quantity ("16Gi", "500M", 1024) -> bytes."""
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+    """Kubernetes byte quantity ("16Gi", "500M", "1e9", 1024) -> bytes, rounded up like Quantity.Value()."""
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_QUANTITY:
         return value
-    m = _QUANTITY_RE.match(str(value)) if isinstance(value, str) else None
+    m = _QUANTITY_RE.match(value) if isinstance(value, str) else None
     if m is None:
-        raise SpecError(f"{field_name}: {value!r} is not a byte quantity (e.g. 512Mi, 16Gi, 1000000)")
-    return int(float(m.group(1)) * _SUFFIX[m.group(2)])
+        raise SpecError(f"{field_name}: {value!r} is not a byte quantity >= 0 (e.g. 512Mi, 16Gi, 1e9, 1000000)")
+    number, binary, decimal, exponent = Fraction(m.group(1)), m.group(2), m.group(3), m.group(4)
+    if binary:
+        number *= _BINARY[binary]
+    else:
+        power = _DECIMAL[decimal] if decimal else int(exponent or 0)
+        # Exact below |power| 400; past it the value is 0, a fraction of a byte (rounded up), or beyond int64.
+        number *= Fraction(10) ** max(-400, min(power, 400))
+    if math.ceil(number) > MAX_QUANTITY:
+        raise SpecError(f"{field_name}: {value!r} is more than {MAX_QUANTITY} bytes")
+    return math.ceil(number)
+
+
+def _int(value: Any, field_name: str, *, lo: int | None = None, hi: int | None = None) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or (lo is not None and value < lo) or (
+            hi is not None and value > hi):
+        bound = f" {lo}..{hi}" if hi is not None else f" >= {lo}" if lo is not None else ""
+        raise SpecError(f"{field_name}: {value!r} must be an integer{bound}")
+    return value
+
+
+def _name(value: Any, field_name: str) -> str:
+    if not isinstance(value, str) or not NAME_RE.match(value):
+        raise SpecError(f"{field_name}: {value!r} must be 1-253 letters, digits, '.', '_' or '-' "
+                        f"(starting with a letter or digit)")
+    return value
 
 
 @dataclass(slots=True, frozen=True)
@@ -48,7 +83,14 @@ class Source:
             raise SpecError(f"{field_name}.uri: required (s3://bucket/prefix/, file:///path or /path)")
         if not URI_RE.match(data["uri"]):
             raise SpecError(f"{field_name}.uri: {data['uri']!r} must be s3://bucket/prefix, file:///path or /path")
-        return cls(data["uri"], data.get("sha256"), data.get("credentialsSecret"))
+        sha256 = data.get("sha256")
+        if sha256 is not None and not (isinstance(sha256, str) and SHA256_RE.match(sha256)):
+            raise SpecError(f"{field_name}.sha256: {sha256!r} must be 64 lowercase hex digits (sha256sum of "
+                            f"adapter_model.safetensors)")
+        secret = data.get("credentialsSecret")
+        if secret is not None and not isinstance(secret, str):
+            raise SpecError(f"{field_name}.credentialsSecret: {secret!r} must be a Secret name")
+        return cls(data["uri"], sha256, secret)
 
 
 @dataclass(slots=True, frozen=True)
@@ -56,6 +98,24 @@ class Canary:
     version: str
     source: Source | None  # None is invalid; kept so reconcile can report it by field name
     weight: int
+
+
+def _selector(selector: Any) -> dict[str, Any]:
+    """A non-empty LabelSelector: the CRD's minProperties/minItems and CEL rule say the same."""
+    field_name = "spec.workerSelector"
+    if not isinstance(selector, dict) or not (selector.get("matchLabels") or selector.get("matchExpressions")):
+        raise SpecError(f"{field_name}: required (matchLabels/matchExpressions of the worker pods)")
+    labels = selector.get("matchLabels")
+    if labels is not None and not (isinstance(labels, dict) and labels
+                                   and all(isinstance(v, str) for v in labels.values())):
+        raise SpecError(f"{field_name}.matchLabels: must map label names to string values (not empty)")
+    exprs = selector.get("matchExpressions")
+    if exprs is not None and not (isinstance(exprs, list) and exprs and all(
+            isinstance(e, dict) and isinstance(e.get("key"), str) and e.get("operator") in SELECTOR_OPERATORS
+            for e in exprs)):
+        raise SpecError(f"{field_name}.matchExpressions: each needs a key and an operator "
+                        f"({', '.join(SELECTOR_OPERATORS)}); not empty")
+    return selector
 
 
 @dataclass(slots=True)
@@ -72,6 +132,7 @@ class PoolSpec:
     eviction: str = "lru"
     max_adapters_per_tenant: int | None = None
     max_bytes_per_tenant: int | None = None
+    scaling: dict[str, Any] | None = None  # accepted, not acted on: no autoscaler in this operator version
     generation: int = 0
     status: dict[str, Any] = field(default_factory=dict)
 
@@ -80,25 +141,28 @@ class PoolSpec:
         meta, spec = body.get("metadata", {}), body.get("spec") or {}
         if not isinstance(spec.get("baseModel"), str) or not spec["baseModel"]:
             raise SpecError("spec.baseModel: required (the base model identity adapters must match)")
-        selector = spec.get("workerSelector")
-        if not isinstance(selector, dict) or not (selector.get("matchLabels") or selector.get("matchExpressions")):
-            raise SpecError("spec.workerSelector: required (matchLabels/matchExpressions of the worker pods)")
+        selector = _selector(spec.get("workerSelector"))
         memory = spec.get("adapterMemory") or {}
         quota = spec.get("tenantQuota") or {}
-        max_bytes = quota.get("maxBytes")
+        max_adapters, max_bytes = quota.get("maxAdapters"), quota.get("maxBytes")
+        eviction = spec.get("eviction", "lru")
+        if eviction not in EVICTION_POLICIES:
+            raise SpecError(f"spec.eviction: {eviction!r} must be one of {', '.join(EVICTION_POLICIES)}")
         return cls(
             name=meta.get("name", ""),
             namespace=meta.get("namespace", ""),
             base_model=spec["baseModel"],
             worker_selector=selector,
             model_uri=spec.get("modelURI", ""),
-            worker_port=int(spec.get("workerPort", 8000)),
-            stager_port=int(spec.get("stagerPort", DEFAULT_STAGER_PORT)),
+            worker_port=_int(spec.get("workerPort", 8000), "spec.workerPort", lo=1, hi=65535),
+            stager_port=_int(spec.get("stagerPort", DEFAULT_STAGER_PORT), "spec.stagerPort", lo=1, hi=65535),
             gpu_bytes=parse_quantity(memory.get("gpuBytes", 0), "spec.adapterMemory.gpuBytes"),
             cpu_bytes=parse_quantity(memory.get("cpuBytes", 0), "spec.adapterMemory.cpuBytes"),
-            eviction=spec.get("eviction", "lru"),
-            max_adapters_per_tenant=quota.get("maxAdapters"),
+            eviction=eviction,
+            max_adapters_per_tenant=None if max_adapters is None else _int(
+                max_adapters, "spec.tenantQuota.maxAdapters", lo=0),
             max_bytes_per_tenant=None if max_bytes is None else parse_quantity(max_bytes, "spec.tenantQuota.maxBytes"),
+            scaling=spec.get("scaling") or None,
             generation=int(meta.get("generation", 0)),
             status=dict(body.get("status") or {}),
         )
@@ -122,27 +186,46 @@ class AdapterSpec:
     deleting: bool = False
     known_bytes: int = 0  # last size a worker reported (status.bytes): quota counts it once known
     status: dict[str, Any] = field(default_factory=dict)
+    raw_spec: dict[str, Any] = field(default_factory=dict)  # as written; remembered once accepted
+    last_valid: AdapterSpec | None = None  # from status.lastValidSpec: kept in force while an edit is invalid
+
+    @property
+    def spec_json(self) -> str:
+        """``raw_spec`` as status.lastValidSpec stores it (a string: a merge patch replaces it whole)."""
+        return json.dumps(self.raw_spec, sort_keys=True, separators=(",", ":"))
 
     @classmethod
     def parse(cls, body: dict[str, Any]) -> AdapterSpec:
-        meta, spec = body.get("metadata", {}), body.get("spec") or {}
+        meta, status = body.get("metadata", {}), body.get("status") or {}
+        adapter = cls._parse(meta, body.get("spec") or {}, status)
+        adapter.last_valid = last_valid_spec(meta, status)
+        return adapter
+
+    @classmethod
+    def _parse(cls, meta: dict[str, Any], spec: dict[str, Any], status: dict[str, Any]) -> AdapterSpec:
+        _name(meta.get("name", ""), "metadata.name")
         for key in ("pool", "tenant", "baseModel", "version"):
             if not isinstance(spec.get(key), str) or not spec[key]:
                 raise SpecError(f"spec.{key}: required")
+        _name(spec["tenant"], "spec.tenant")
+        _name(spec["version"], "spec.version")
         warm = spec.get("warm", 0)
         if not (warm == "all" or (isinstance(warm, int) and not isinstance(warm, bool) and warm >= 0)):
             raise SpecError(f"spec.warm: {warm!r} must be a count >= 0 or 'all'")
+        pinned = spec.get("pinned", False)
+        if not isinstance(pinned, bool):
+            raise SpecError(f"spec.pinned: {pinned!r} must be true or false")
         canary = None
         if spec.get("canary"):
             c = spec["canary"]
-            weight = c.get("weight", 0)
-            if not isinstance(weight, int) or not 0 <= weight <= 100:
-                raise SpecError(f"spec.canary.weight: {weight!r} must be an integer percentage 0-100")
+            if not isinstance(c, dict):
+                raise SpecError("spec.canary: must be an object with version, source and weight")
+            weight = _int(c.get("weight", 0), "spec.canary.weight", lo=0, hi=100)
             if not isinstance(c.get("version"), str) or not c["version"]:
                 raise SpecError("spec.canary.version: required when spec.canary is set")
+            _name(c["version"], "spec.canary.version")
             source = Source.parse(c["source"], "spec.canary.source") if c.get("source") else None
             canary = Canary(c["version"], source, weight)
-        status = body.get("status") or {}
         return cls(
             name=meta.get("name", ""),
             namespace=meta.get("namespace", ""),
@@ -153,11 +236,50 @@ class AdapterSpec:
             source=Source.parse(spec.get("source"), "spec.source"),
             canary=canary,
             warm=warm,
-            pinned=bool(spec.get("pinned", False)),
-            priority=int(spec.get("priority", 0)),
+            pinned=pinned,
+            priority=_int(spec.get("priority", 0), "spec.priority"),
             generation=int(meta.get("generation", 0)),
             created=str(meta.get("creationTimestamp", "")),
             deleting=bool(meta.get("deletionTimestamp")),
             known_bytes=int(status.get("bytes", 0) or 0),
             status=dict(status),
+            raw_spec=dict(spec),
         )
+
+
+def last_valid_spec(meta: dict[str, Any], status: dict[str, Any]) -> AdapterSpec | None:
+    """The spec the operator last accepted (status.lastValidSpec), or None when absent or unreadable."""
+    text = status.get("lastValidSpec")
+    if not isinstance(text, str):
+        return None
+    try:
+        spec = json.loads(text)
+        return AdapterSpec._parse(meta, spec, status) if isinstance(spec, dict) else None
+    except (ValueError, SpecError):  # json.JSONDecodeError is a ValueError
+        return None
+
+
+@dataclass(slots=True)
+class InvalidAdapter:
+    """A LoRAAdapter whose spec does not parse: reported Failed, its last valid spec kept in force, and
+    unloaded by name when deleted (so its finalizer can go)."""
+
+    name: str
+    namespace: str
+    error: str  # the SpecError message, starting with the field path
+    generation: int = 0
+    deleting: bool = False
+    status: dict[str, Any] = field(default_factory=dict)
+    last_valid: AdapterSpec | None = None
+
+
+def parse_adapter(body: dict[str, Any]) -> AdapterSpec | InvalidAdapter:
+    """Never raises: a body that does not parse becomes an ``InvalidAdapter``."""
+    try:
+        return AdapterSpec.parse(body)
+    except SpecError as exc:
+        meta, status = body.get("metadata") or {}, body.get("status") or {}
+        return InvalidAdapter(name=str(meta.get("name", "")), namespace=str(meta.get("namespace", "")),
+                              error=str(exc), generation=int(meta.get("generation", 0) or 0),
+                              deleting=bool(meta.get("deletionTimestamp")), status=dict(status),
+                              last_valid=last_valid_spec(meta, status))

@@ -6,9 +6,11 @@ intervals without module globals). Each handler calls ``PoolController.run`` (ga
 
 * indexes: worker pods by namespace, adapters and pools by (namespace, pool) -- no extra API reads;
 * pool create/update/resume + a timer every ``interval`` s: directives pushed, drift caught;
-* adapter create/update/resume + a timer: status refreshed from reports;
-* adapter deletion: a finalizer that holds the object until no worker reports it any more;
-* a pool's deletion leaves its adapters Degraded (their timers see the pool gone from the index).
+* adapter create/update/resume + a timer: status refreshed from reports (an unparsable spec too: its
+  pass keeps the last valid spec in force and reports Failed naming the field);
+* adapter deletion: a finalizer that holds the object until no worker reports the adapter any more;
+* pool deletion: a finalizer that first tells the pool's workers to hold nothing and waits until they
+  report nothing; its adapters turn Degraded (their timers see the pool gone from the index).
 """
 
 from __future__ import annotations
@@ -20,12 +22,23 @@ from typing import Any
 import kopf
 
 from lorafleet.operator.controller import PoolController, status_changes, utc_now
-from lorafleet.operator.crd_models import ADAPTERS, GROUP, POOLS, VERSION, AdapterSpec, PoolSpec, SpecError
+from lorafleet.operator.crd_models import (
+    ADAPTERS,
+    GROUP,
+    POOLS,
+    VERSION,
+    InvalidAdapter,
+    PoolSpec,
+    SpecError,
+    parse_adapter,
+)
 from lorafleet.operator.operator_config import OperatorConfig
+from lorafleet.operator.statuses import invalid_pool_status
 from lorafleet.operator.workers import StagerClient
 
 log = logging.getLogger(__name__)
 FINALIZER = "lorafleet.dev/unload"
+MAX_RETRY_DELAY = 300.0  # seconds: the cap of the backoff for re-pushing versions a worker failed to stage
 
 
 def _slim_pod(body: kopf.Body) -> dict[str, Any]:
@@ -43,7 +56,8 @@ def _slim_pod(body: kopf.Body) -> dict[str, Any]:
 def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> PoolController:
     """Attach all handlers to ``registry``; returns the controller they share."""
     controller = PoolController(StagerClient(token=config.stager_token, timeout=config.request_timeout,
-                                               push_timeout=config.push_timeout))
+                                               push_timeout=config.push_timeout),
+                                retry_base=config.interval, retry_cap=max(config.interval, MAX_RETRY_DELAY))
     res_pools, res_adapters = (GROUP, VERSION, POOLS), (GROUP, VERSION, ADAPTERS)
 
     @kopf.on.startup(registry=registry)
@@ -98,9 +112,9 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> PoolCon
         try:
             PoolSpec.parse(dict(body))
         except SpecError as exc:
-            condition = {"type": "Ready", "status": "False", "reason": "InvalidSpec", "message": str(exc),
-                         "lastTransitionTime": utc_now()}
-            patch.status.update(status_changes(dict(status), {"conditions": [condition]}))
+            wanted = invalid_pool_status(dict(status), int(body.metadata.get("generation") or 0), str(exc),
+                                         now=utc_now())
+            patch.status.update(status_changes(dict(status), wanted))
             raise kopf.PermanentError(str(exc)) from None
         plan = await run_pass(namespace, name, kwargs, max_age=max_age)
         patch.status.update(status_changes(dict(status), plan.pool_status))
@@ -116,8 +130,15 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> PoolCon
         with contextlib.suppress(kopf.PermanentError):  # a bad spec is already reported in status
             await reconcile_pool_handler(max_age=config.interval / 2, **kwargs)
 
-    @kopf.on.delete(*res_pools, optional=True, registry=registry)
-    async def pool_deleted(namespace: str, name: str, **_: Any) -> None:
+    @kopf.on.delete(*res_pools, registry=registry)
+    async def pool_deleted(namespace: str, name: str, **kwargs: Any) -> None:
+        """The finalizer: the pool goes only once its workers report no adapter (pinned ones included)."""
+        plan = await run_pass(namespace, name, kwargs)
+        if plan.draining is None:  # that pass did not see the deletion yet
+            raise kopf.TemporaryError("waiting for a reconcile that sees the deletion", delay=config.retry_delay)
+        if plan.draining:
+            raise kopf.TemporaryError(f"unloading every adapter first; still reported by {', '.join(plan.draining)}",
+                                      delay=config.retry_delay)
         controller.forget((namespace, name))
         log.warning("LoRAPool %s/%s deleted; its adapters turn Degraded until it exists again", namespace, name)
 
@@ -125,15 +146,14 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> PoolCon
 
     async def write_adapter_status(namespace: str, name: str, body: kopf.Body, status: kopf.Status,
                                    patch: kopf.Patch, max_age: float, **kwargs: Any) -> None:
-        try:
-            spec = AdapterSpec.parse(dict(body))
-        except SpecError as exc:
-            patch.status.update(status_changes(dict(status), {"phase": "Failed", "message": str(exc)}))
-            raise kopf.PermanentError(str(exc)) from None
-        plan = await run_pass(namespace, spec.pool, kwargs, max_age=max_age)
+        # The pass runs for an unparsable spec too: it keeps the last valid spec in force and computes the status.
+        plan = await run_pass(namespace, (body.get("spec") or {}).get("pool", ""), kwargs, max_age=max_age)
         wanted = plan.adapter_statuses.get(name)
         if wanted is not None:
             patch.status.update(status_changes(dict(status), wanted))
+        parsed = parse_adapter(dict(body))
+        if isinstance(parsed, InvalidAdapter):
+            raise kopf.PermanentError(parsed.error)
 
     @kopf.on.create(*res_adapters, registry=registry)
     @kopf.on.update(*res_adapters, field="spec", registry=registry)

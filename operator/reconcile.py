@@ -2,7 +2,18 @@
 
 No I/O and no clock: handlers gather the inputs, call ``reconcile_pool`` and act on the ``PoolPlan``.
 
-Placement policy (stated, tested):
+Admission (stated, tested):
+  * an adapter is served with its current spec when that spec parses and passes the checks the API
+    server cannot do (baseModel, canary, tenant quota); the accepted spec is remembered in
+    ``status.lastValidSpec``;
+  * a refused *edit* never takes down what is serving: while the current spec does not parse or fails a
+    per-adapter check (phase Failed, the message names the field) the last valid spec stays in force,
+    unchanged on the workers, as long as it is for this pool and still passes. Tenant quota then counts
+    the specs in force. An unchanged spec that stops passing (the pool's baseModel or quota changed) is
+    not served;
+  * one adapter's directive is built inside its own error boundary: a bad one fails alone.
+
+Placement policy (stated, tested; placement.py):
   * every admitted adapter is *registered* on every ready worker, so any worker can serve it on demand;
   * ``warm: N`` (``all`` = every worker) keeps it GPU-resident on N workers; ``pinned`` with ``warm: 0``
     still keeps one resident copy (a pinned adapter that lives nowhere pins nothing);
@@ -13,36 +24,21 @@ Placement policy (stated, tested):
     pool size, else the pool's spec.adapterMemory.gpuBytes); an adapter that fits on fewer workers than
     asked is Degraded with a message naming spec.warm.
 
-Statuses come only from what workers report: an adapter is Ready when every worker that should hold
-it GPU-resident reports its stable version at tier ``gpu`` without error, and every ready worker has
-it registered; never because a directive was sent.
+Statuses come only from what workers report (statuses.py); never because a directive was sent.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from lorafleet.operator.crd_models import AdapterSpec, PoolSpec
-from lorafleet.worker.directives import (
-    AdapterDirective,
-    AdapterState,
-    DesiredState,
-    ReportedState,
-    VersionRef,
-)
-
-UNKNOWN_BYTES = 1  # an adapter no worker has reported yet still counts, so placement spreads it
-
-
-@dataclass(slots=True)
-class WorkerReport:
-    """One ready worker pod as seen this round."""
-
-    pod: str
-    reported: ReportedState | None  # None: its sidecar did not answer this round
-    last_pushed: DesiredState | None = None  # operator memory; None after an operator restart
+from lorafleet.operator.crd_models import AdapterSpec, InvalidAdapter, PoolSpec
+from lorafleet.operator.placement import place_warm, warm_count
+from lorafleet.operator.reports import WorkerIndex, WorkerReport
+from lorafleet.operator.statuses import adapter_status, pool_status, unserved_status
+from lorafleet.worker.directives import AdapterDirective, DesiredState, DirectiveError, VersionRef
 
 
 @dataclass(slots=True)
@@ -53,101 +49,117 @@ class PoolPlan:
     adapter_statuses: dict[str, dict[str, Any]] = field(default_factory=dict)
     unloading: dict[str, list[str]] = field(default_factory=dict)  # deleting adapter -> pods still holding it
     pool_status: dict[str, Any] = field(default_factory=dict)
+    failing: list[str] = field(default_factory=list)  # pods reporting an error for a desired version
+    draining: list[str] | None = None  # no pool: pods still reporting any adapter (None: the pool exists)
 
 
-@dataclass(slots=True)
-class _Index:
-    """One live worker's report and last push, indexed once per pass (lookups stay O(1) per adapter)."""
-
-    w: WorkerReport
-    by_name: dict[str, list[AdapterState]]
-    pushed: dict[str, AdapterDirective]
-
-    @classmethod
-    def of(cls, w: WorkerReport) -> _Index:
-        by_name: dict[str, list[AdapterState]] = defaultdict(list)
-        for st in w.reported.adapters:
-            by_name[st.name].append(st)
-        return cls(w, dict(by_name), w.last_pushed.by_name() if w.last_pushed else {})
-
-    @property
-    def pod(self) -> str:
-        return self.w.pod
-
-    def find(self, name: str, version: str) -> AdapterState | None:
-        return next((st for st in self.by_name.get(name, ()) if st.version == version), None)
-
-
-def reconcile_pool(pool: PoolSpec | None, adapters: list[AdapterSpec], workers: list[WorkerReport], *,
-                   now: str, pool_name: str = "", generation_floor: int = 0,
+def reconcile_pool(pool: PoolSpec | None, adapters: Sequence[AdapterSpec | InvalidAdapter],
+                   workers: list[WorkerReport], *, now: str, generation_floor: int = 0,
                    pool_error: str | None = None, shared_pods: dict[str, str] | None = None) -> PoolPlan:
     """``now``: RFC 3339 time for condition transitions; ``generation_floor``: see ``_next_generation``;
-    ``shared_pods``: pods this pool's selector matches but another pool owns (pod -> owner), left out."""
+    ``shared_pods``: pods this pool's selector matches but another pool owns (pod -> owner), left out.
+
+    ``pool`` None: nothing is served. The workers passed (a deleting pool's: see controller.py) are
+    each told to hold nothing, and ``plan.draining`` lists those still reporting an adapter.
+    """
     plan = PoolPlan()
-    live = [_Index.of(w) for w in workers if w.reported is not None]
-    failures = validate_adapters(pool, adapters, pool_name=pool_name, pool_error=pool_error)
-    admitted = [a for a in adapters if not a.deleting and a.name not in failures]
-    deleting = [a for a in adapters if a.deleting]
+    live = [WorkerIndex.of(w) for w in workers if w.reported is not None]
+    for x in adapters:
+        if x.deleting:  # unloaded by name, parsable or not; the finalizer waits for []
+            plan.unloading[x.name] = [w.pod for w in live if w.by_name.get(x.name)]
+    served, failures = admit(pool, [x for x in adapters if not x.deleting], pool_error=pool_error)
+    variants: dict[str, tuple[AdapterDirective, AdapterDirective]] = {}  # name -> (not warm, warm) here
+    for name, a in sorted(served.items()):
+        try:
+            variants[name] = (_directive(a, pod_warm=False), _directive(a, pod_warm=True))
+        except DirectiveError as exc:  # parsing checks the same fields: a second line, for this adapter only
+            failures.setdefault(name, f"spec: no worker directive can be built from it ({exc})")
+    served = {name: a for name, a in served.items() if name in variants}
 
-    for a in deleting:
-        plan.unloading[a.name] = [x.pod for x in live if x.by_name.get(a.name)]
-    if pool is None:
-        for a in adapters:
-            if not a.deleting:
-                plan.adapter_statuses[a.name] = _status(a, "Degraded", failures[a.name], now=now, validated=False)
-        return plan
-
-    plan.placement = place_warm(admitted, live, default_capacity=pool.gpu_bytes)
+    plan.placement = place_warm(list(served.values()), live, default_capacity=pool.gpu_bytes if pool else 0)
     warm_sets = {name: set(pods) for name, pods in plan.placement.items()}
-    admitted.sort(key=lambda a: a.name)
-    # Two variants per adapter, shared by every worker's desired state (read-only from here on).
-    variants = {a.name: (_directive(a, pod_warm=False), _directive(a, pod_warm=True)) for a in admitted}
     for w in live:
-        directives = [variants[a.name][w.pod in warm_sets[a.name]] for a in admitted]
+        directives = [variants[name][w.pod in warm_sets[name]] for name in sorted(served)]
         generation, push = _next_generation(w, directives, generation_floor)
         desired = DesiredState(generation, directives)
         plan.desired[w.pod] = desired
         if push:
             plan.pushes[w.pod] = desired
+        if w.failed_versions(directives):
+            plan.failing.append(w.pod)
 
-    for a in adapters:
-        if a.deleting:
+    for x in adapters:
+        if x.deleting:
             continue
-        if a.name in failures:
-            plan.adapter_statuses[a.name] = _status(a, "Failed", failures[a.name], now=now, validated=False)
-        else:
-            plan.adapter_statuses[a.name] = adapter_status(a, live, plan.placement[a.name], now=now,
-                                                           requested=warm_count(a, len(live)))
-    plan.pool_status = _pool_status(pool, admitted, workers, now=now, shared_pods=shared_pods or {})
+        a = served.get(x.name)
+        if a is None:  # a pool-level reason (the pool is missing or invalid) degrades; a bad spec fails
+            phase = "Degraded" if pool is None and isinstance(x, AdapterSpec) else "Failed"
+            plan.adapter_statuses[x.name] = unserved_status(x, phase, failures[x.name], live, now=now)
+            continue
+        failure = failures.get(x.name)
+        status = adapter_status(a, live, plan.placement[x.name], now=now, requested=warm_count(a, len(live)),
+                                failure=failure)
+        if failure is None:
+            status["lastValidSpec"] = a.spec_json
+        plan.adapter_statuses[x.name] = status
+    if pool is None:
+        plan.draining = [w.pod for w in live if w.by_name]
+    else:
+        plan.pool_status = pool_status(pool, len(served), workers, now=now, shared_pods=shared_pods or {})
     return plan
 
 
-def validate_adapters(pool: PoolSpec | None, adapters: list[AdapterSpec], *, pool_name: str = "",
-                      pool_error: str | None = None) -> dict[str, str]:
-    """Checks the API server cannot do. Returns adapter name -> message naming the field."""
+def admit(pool: PoolSpec | None, adapters: Sequence[AdapterSpec | InvalidAdapter], *,
+          pool_error: str | None = None) -> tuple[dict[str, AdapterSpec], dict[str, str]]:
+    """(name -> the spec in force, name -> why its current spec is refused, naming the field).
+
+    A name in both is served with its last valid spec while the current one is refused.
+    """
+    served: dict[str, AdapterSpec] = {}
     failures: dict[str, str] = {}
-    for a in adapters:
-        if a.deleting:
+    for x in adapters:
+        problem = x.error if isinstance(x, InvalidAdapter) else check_adapter(pool, x, pool_error=pool_error)
+        if problem is None:
+            served[x.name] = x
             continue
-        if pool is None and pool_error:
-            failures[a.name] = f"spec.pool: LoRAPool {a.pool!r} has an invalid spec ({pool_error})"
-        elif pool is None:
-            failures[a.name] = (f"spec.pool: LoRAPool {a.pool!r} does not exist in namespace {a.namespace!r} "
-                                f"(deleted?); no worker serves this adapter until the pool exists again")
-        elif a.base_model != pool.base_model:
-            failures[a.name] = (f"spec.baseModel: {a.base_model!r} does not match LoRAPool {pool.name!r} "
-                                f"spec.baseModel {pool.base_model!r}; an adapter only works on its own base")
-        elif a.canary is not None and a.canary.source is None:
-            failures[a.name] = "spec.canary.source: required when spec.canary is set (where the canary version lives)"
-        elif a.canary is not None and a.canary.version == a.version:
-            failures[a.name] = (f"spec.canary.version: equals spec.version {a.version!r}; to promote, set "
-                                f"spec.version/source to the canary's and remove spec.canary")
+        failures[x.name] = problem
+        held = x.last_valid
+        changed = isinstance(x, InvalidAdapter) or (held is not None and held.raw_spec != x.raw_spec)
+        if held is not None and changed and pool is not None and held.pool == pool.name \
+                and check_adapter(pool, held) is None:
+            served[x.name] = held
+    for name, msg in over_quota(pool, list(served.values())).items():
+        del served[name]
+        failures.setdefault(name, msg)
+    return served, failures
+
+
+def check_adapter(pool: PoolSpec | None, a: AdapterSpec, *, pool_error: str | None = None) -> str | None:
+    """The checks the API server cannot do (or an older CRD did not): a message naming the field, or None."""
+    if pool is None and pool_error:
+        return f"spec.pool: LoRAPool {a.pool!r} has an invalid spec ({pool_error})"
     if pool is None:
-        return failures
+        return (f"spec.pool: LoRAPool {a.pool!r} does not exist in namespace {a.namespace!r} "
+                f"(deleted?); no worker serves this adapter until the pool exists again")
+    if a.base_model != pool.base_model:
+        return (f"spec.baseModel: {a.base_model!r} does not match LoRAPool {pool.name!r} "
+                f"spec.baseModel {pool.base_model!r}; an adapter only works on its own base")
+    if a.canary is not None and a.canary.source is None:
+        return "spec.canary.source: required when spec.canary is set (where the canary version lives)"
+    if a.canary is not None and a.canary.version == a.version:
+        return (f"spec.canary.version: equals spec.version {a.version!r}; to promote, set "
+                f"spec.version/source to the canary's and remove spec.canary")
+    return None
+
+
+def over_quota(pool: PoolSpec | None, adapters: list[AdapterSpec]) -> dict[str, str]:
+    """Tenant quota over the specs in force: adapter name -> message naming spec.tenant."""
+    if pool is None:
+        return {}
+    failures: dict[str, str] = {}
     by_tenant: dict[str, list[AdapterSpec]] = defaultdict(list)
     for a in adapters:
-        if not a.deleting and a.name not in failures:
-            by_tenant[a.tenant].append(a)
+        by_tenant[a.tenant].append(a)
     for tenant, group in by_tenant.items():
         # First come, first served within a priority: a new adapter never evicts an admitted older one.
         group.sort(key=lambda a: (-a.priority, a.created, a.name))
@@ -166,47 +178,6 @@ def validate_adapters(pool: PoolSpec | None, adapters: list[AdapterSpec], *, poo
     return failures
 
 
-def warm_count(a: AdapterSpec, num_workers: int) -> int:
-    n = num_workers if a.warm == "all" else min(int(a.warm), num_workers)
-    return max(n, 1 if a.pinned and num_workers else 0)
-
-
-def adapter_bytes(a: AdapterSpec, workers: list[_Index]) -> int:
-    reported = [s.bytes for x in workers for s in x.by_name.get(a.name, ()) if s.version == a.version]
-    return max([a.known_bytes, *reported]) or UNKNOWN_BYTES
-
-
-def place_warm(adapters: list[AdapterSpec], workers: list[_Index], *, default_capacity: int = 0
-               ) -> dict[str, list[str]]:
-    """adapter name -> pods that keep it GPU-resident (see the module docstring for the policy)."""
-    load = {w.pod: 0 for w in workers}
-    # A worker's own report of its adapter pool size wins; else the pool's spec.adapterMemory.gpuBytes.
-    capacity = {w.pod: w.w.reported.pool_bytes or default_capacity or None for w in workers}
-    sizes = {a.name: adapter_bytes(a, workers) for a in adapters}
-    order = sorted(adapters, key=lambda a: (not a.pinned, -a.priority, -sizes[a.name], a.name))
-    placement: dict[str, list[str]] = {}
-    for a in order:
-        size, n = sizes[a.name], warm_count(a, len(workers))
-        if n == 0:
-            placement[a.name] = []
-            continue
-
-        def holds(w: _Index, a: AdapterSpec = a) -> bool:
-            st = w.find(a.name, a.version)
-            pushed = w.pushed.get(a.name)
-            return (st is not None and st.tier == "gpu") or (pushed is not None and pushed.warm)
-
-        def fits(w: _Index, size: int = size) -> bool:
-            return capacity[w.pod] is None or load[w.pod] + size <= capacity[w.pod]
-
-        candidates = sorted((w for w in workers if fits(w)), key=lambda w: (not holds(w), load[w.pod], w.pod))
-        chosen = [w.pod for w in candidates[:n]]
-        for pod in chosen:
-            load[pod] += size
-        placement[a.name] = sorted(chosen)
-    return placement
-
-
 def _directive(a: AdapterSpec, *, pod_warm: bool) -> AdapterDirective:
     canary = None
     if a.canary is not None and a.canary.source is not None:
@@ -218,7 +189,7 @@ def _directive(a: AdapterSpec, *, pod_warm: bool) -> AdapterDirective:
     )
 
 
-def _next_generation(x: _Index, directives: list[AdapterDirective], floor: int) -> tuple[int, bool]:
+def _next_generation(x: WorkerIndex, directives: list[AdapterDirective], floor: int) -> tuple[int, bool]:
     """(generation, push now?). A new generation on a content change or drift, never below ``floor``.
 
     The caller passes a clock in milliseconds as ``floor``: a receiver may have accepted pushes this
@@ -236,131 +207,15 @@ def _next_generation(x: _Index, directives: list[AdapterDirective], floor: int) 
     return last.generation, False
 
 
-def drifted(x: _Index, directives: list[AdapterDirective]) -> bool:
-    """The worker claims the push applied yet lost what it was told to hold (restart) or keeps a removed one."""
+def drifted(x: WorkerIndex, directives: list[AdapterDirective]) -> bool:
+    """The worker claims the push applied yet lost what it was told to hold (restart), keeps a removed one,
+    or failed to stage a version and its retry backoff has elapsed (a new generation makes the stager
+    try again; ``WorkerReport.may_retry`` bounds how often)."""
     for d in directives:
         st = x.find(d.name, d.stable.version)
         if st is None or (d.warm and st.tier == "none" and st.error is None):
             return True
+    if x.w.may_retry and x.failed_versions(directives):
+        return True
     wanted = {d.name for d in directives}
     return any(name not in wanted for name in x.by_name)
-
-
-def adapter_status(a: AdapterSpec, live: list[_Index], warm_pods: list[str], *, now: str,
-                   requested: int | None = None) -> dict[str, Any]:
-    instances, errors = [], []
-    versions_seen: set[str] = set()
-    registered = resident = canary_registered = 0
-    size = 0
-    warm_set = set(warm_pods)
-    for w in live:
-        for st in w.by_name.get(a.name, ()):
-            if st.error:
-                errors.append(f"{w.pod}: {st.name}@{st.version}: {st.error}")
-                continue
-            versions_seen.add(st.version)
-            if st.tier != "none":
-                instances.append({"pod": w.pod, "version": st.version, "tier": st.tier})
-            if st.version == a.version:
-                registered += 1
-                size = max(size, st.bytes)
-                resident += w.pod in warm_set and st.tier == "gpu"
-            elif a.canary is not None and st.version == a.canary.version:
-                canary_registered += 1
-    instances.sort(key=lambda i: (i["pod"], i["version"]))
-    canary_version = a.canary.version if a.canary and canary_registered else None
-    canary_active = canary_version is not None and canary_registered == len(live) and a.canary.weight > 0
-    stable_seen = sorted(versions_seen - ({a.canary.version} if a.canary else set()))
-    stable_version = a.version if a.version in versions_seen else (
-        a.status.get("stableVersion") if a.status.get("stableVersion") in stable_seen else
-        (stable_seen[0] if stable_seen else None))
-    target = len(warm_pods)
-    if not live:
-        phase, msg = "Pending", f"no ready worker matches LoRAPool {a.pool!r} spec.workerSelector"
-    elif errors:
-        phase, msg = "Degraded", "; ".join(errors)
-    elif requested is not None and target < requested:
-        phase = "Degraded"
-        msg = (f"spec.warm: {a.warm} asks for {requested} GPU-resident copies but only {target} workers have room "
-               f"for its {adapter_size_text(a, live)} in their GPU adapter pool; it is served on demand elsewhere")
-    elif registered == len(live) and resident == target and (a.canary is None or canary_registered == len(live)):
-        phase = "Ready"
-        msg = (f"{a.version} GPU-resident on {resident}/{target} warm workers, registered on {registered}"
-               if target else f"{a.version} on demand (warm: 0), registered on {registered} workers")
-        if canary_version:
-            msg += f"; canary {canary_version} at {a.canary.weight}%"
-    else:
-        phase = "Loading"
-        msg = (f"{a.version}: registered on {registered}/{len(live)} workers, GPU-resident on "
-               f"{resident}/{target} warm workers")
-        if a.canary is not None:
-            msg += f"; canary {a.canary.version} registered on {canary_registered}/{len(live)}"
-        worker_errors = [f"{w.pod}: {w.w.reported.error}" for w in live if w.w.reported.error]
-        if worker_errors:  # e.g. the sidecar cannot reach its engine: say why it is not loading
-            msg += "; " + "; ".join(worker_errors)
-    status = _status(a, phase, msg, now=now, validated=True, canary_active=canary_active)
-    status.update({
-        "stableVersion": stable_version,
-        "canaryVersion": canary_version,
-        "canaryWeight": a.canary.weight if canary_version else 0,
-        "instances": instances,
-        "warmWorkers": warm_pods,
-        "ready": f"{resident}/{target}" if target else f"{registered}/{len(live)}",
-        "bytes": size or a.known_bytes,
-    })
-    return status
-
-
-def adapter_size_text(a: AdapterSpec, live: list[_Index]) -> str:
-    size = adapter_bytes(a, live)
-    return f"{size / (1 << 20):.1f} MiB" if size > UNKNOWN_BYTES else "unknown size"
-
-
-def _condition(old: dict[str, Any], ctype: str, ok: bool, reason: str, message: str, now: str) -> dict[str, Any]:
-    prev = next((c for c in old.get("conditions") or [] if c.get("type") == ctype), None)
-    status = "True" if ok else "False"
-    since = prev["lastTransitionTime"] if prev and prev.get("status") == status and prev.get(
-        "lastTransitionTime") else now
-    return {"type": ctype, "status": status, "reason": reason, "message": message, "lastTransitionTime": since}
-
-
-def _status(a: AdapterSpec, phase: str, message: str, *, now: str, validated: bool,
-            canary_active: bool = False) -> dict[str, Any]:
-    return {
-        "phase": phase,
-        "message": message,
-        "observedGeneration": a.generation,
-        "conditions": [
-            _condition(a.status, "Ready", phase == "Ready", phase, message, now),
-            _condition(a.status, "Validated", validated, "Valid" if validated else "Invalid",
-                       "spec accepted" if validated else message, now),
-            _condition(a.status, "CanaryActive", canary_active, "CanaryServing" if canary_active else "NoCanary",
-                       f"canary {a.canary.version} at {a.canary.weight}%" if canary_active and a.canary else
-                       "no canary is being served", now),
-        ],
-        **({} if validated else {"instances": [], "ready": "0/0"}),
-    }
-
-
-def _pool_status(pool: PoolSpec, admitted: list[AdapterSpec], workers: list[WorkerReport], *,
-                 now: str, shared_pods: dict[str, str]) -> dict[str, Any]:
-    live = [w for w in workers if w.reported is not None]
-    kv = [w.reported.kv_usage for w in live]
-    errors = [f"{w.pod}: {w.reported.error}" for w in live if w.reported.error]
-    silent = [w.pod for w in workers if w.reported is None]
-    msg = f"{len(live)} ready workers"
-    if silent:
-        msg += f"; no answer from the sidecar of {', '.join(silent)}"
-    if errors:
-        msg += "; " + "; ".join(errors)
-    if shared_pods:  # two pools pushing whole adapter sets to one pod would undo each other
-        msg += "; spec.workerSelector also matches " + ", ".join(
-            f"{pod} (owned by LoRAPool {owner!r})" for pod, owner in sorted(shared_pods.items()))
-    return {
-        "readyWorkers": len(live),
-        "adapters": len(admitted),
-        "kvUsage": round(sum(kv) / len(kv), 4) if kv else 0.0,
-        "observedGeneration": pool.generation,
-        "conditions": [_condition(pool.status, "Ready", bool(live) and not errors and not shared_pods,
-                                  "Workers" if live else "NoWorkers", msg, now)],
-    }

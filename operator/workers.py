@@ -8,6 +8,7 @@ The sidecar's port is the pod's container port named ``stager``, else the pool's
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -65,13 +66,21 @@ def stager_port(pod: dict[str, Any], default: int) -> int:
     return default
 
 
+def base_url(pod_ip: str, port: int) -> str:
+    """``http://10.0.0.7:8001`` or, for an IPv6 pod IP, ``http://[fd00::7]:8001``."""
+    try:
+        host = f"[{pod_ip}]" if ipaddress.ip_address(pod_ip).version == 6 else pod_ip
+    except ValueError:  # not an IP literal: used as given
+        host = pod_ip
+    return f"http://{host}:{port}"
+
+
 def discover_workers(pods: Iterable[dict[str, Any]], selector: dict[str, Any], *, default_port: int) -> list[Worker]:
     found = []
     for pod in pods:
         meta = pod.get("metadata") or {}
         if selector_matches(selector, meta.get("labels") or {}) and pod_is_ready(pod):
-            url = f"http://{pod['status']['podIP']}:{stager_port(pod, default_port)}"
-            found.append(Worker(meta["name"], url))
+            found.append(Worker(meta["name"], base_url(pod["status"]["podIP"], stager_port(pod, default_port))))
     return sorted(found, key=lambda w: w.pod)
 
 

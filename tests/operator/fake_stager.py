@@ -1,8 +1,10 @@
 """A stager sidecar double that speaks the real HTTP contract on 127.0.0.1 (no engine behind it).
 
 It applies ``DesiredState`` pushes the way the contract says (bearer token, generation rules) and
-reports a ``ReportedState``: registered versions at tier ``disk``, warm ones at ``gpu``. ``restart()``
-forgets everything, like a pod whose containers came back empty.
+reports a ``ReportedState``: registered versions at tier ``disk``, warm ones at ``gpu``. A stable version
+in ``unavailable`` (name, version) when a push is applied fails to stage, like a real stager's: reported
+at tier ``none`` with an error until a later push (a new generation) stages it again.
+``restart()`` forgets everything, like a pod whose containers came back empty.
 """
 
 from __future__ import annotations
@@ -21,17 +23,23 @@ class FakeStager:
         self.applied: DesiredState | None = None
         self.pushes: list[DesiredState] = []  # accepted, in order
         self.refused = 0  # stale generations answered with 409
+        self.unavailable: set[tuple[str, str]] = set()  # (name, version) the object store cannot deliver now
+        self.failed: set[tuple[str, str]] = set()  # failed when the applied push was staged
         self.runner: web.AppRunner | None = None
         self.port = 0
 
     def restart(self) -> None:
         self.applied = None
+        self.failed = set()
 
     def state(self) -> ReportedState:
         states = []
         for d in self.applied.adapters if self.applied else []:
-            states.append(AdapterState(d.name, d.stable.version, "gpu" if d.warm else "disk", bytes=ADAPTER_BYTES,
-                                       pinned=d.pinned))
+            if (d.name, d.stable.version) in self.failed:
+                states.append(AdapterState(d.name, d.stable.version, "none", error="NoSuchKey: store unreachable"))
+            else:
+                states.append(AdapterState(d.name, d.stable.version, "gpu" if d.warm else "disk",
+                                           bytes=ADAPTER_BYTES, pinned=d.pinned))
             if d.canary:
                 states.append(AdapterState(d.name, d.canary.version, "disk", bytes=ADAPTER_BYTES))
         return ReportedState(generation_applied=self.applied.generation if self.applied else 0, adapters=states,
@@ -55,6 +63,7 @@ class FakeStager:
             self.pushes.append(desired)
             self.tokens.append(request.headers["Authorization"].removeprefix("Bearer "))
             self.applied = desired
+            self.failed = {(d.name, d.stable.version) for d in desired.adapters} & self.unavailable
         return web.json_response(self.state().to_dict())
 
     async def _get(self, request: web.Request) -> web.Response:

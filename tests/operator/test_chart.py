@@ -13,7 +13,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from lorafleet.operator.crd_models import AdapterSpec, PoolSpec
+from lorafleet.operator.crd_models import AdapterSpec, PoolSpec, SpecError
 from lorafleet.operator.operator_config import OperatorConfig
 from lorafleet.operator.workers import selector_matches
 from lorafleet.worker.cli import build_parser
@@ -226,3 +226,46 @@ def test_crd_schema_refuses_bad_pools(path, value):
     node[path[-1]] = value
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(doc, crd_schema("lorapools"))
+
+
+def test_crd_refuses_a_canary_without_source_or_equal_to_the_stable_version():
+    doc = next(d for d in example_docs() if d["kind"] == "LoRAAdapter" and d["spec"].get("canary"))
+    del doc["spec"]["canary"]["source"]
+    with pytest.raises(jsonschema.ValidationError, match="'source' is a required property"):
+        jsonschema.validate(doc, crd_schema("loraadapters"))
+    # CEL (the API server evaluates it; jsonschema cannot): canary.version must differ from version.
+    rules = [r["rule"] for r in crd_schema("loraadapters")["properties"]["spec"]["x-kubernetes-validations"]]
+    assert rules == ["!has(self.canary) || self.canary.version != self.version"]
+    assert crd_schema("loraadapters")["properties"]["status"]["properties"]["lastValidSpec"]["type"] == "string"
+
+
+def accepts(check) -> bool:
+    try:
+        check()
+    except (jsonschema.ValidationError, SpecError):
+        return False
+    return True
+
+
+QUANTITIES = [0, 1024, -1, 2**62, "16Gi", "512Mi", "1e9", "1E3", "2Ei", "+1k", ".5", "1.", "100m", "5n", "1.5Ki",
+              "-1", "-1Gi", "1e1.5", "16 GB", "Gi", "1KiB", "", "0x10", "1e-3"]
+
+
+@pytest.mark.parametrize("value", QUANTITIES)
+def test_crd_and_parser_agree_on_byte_quantities(value):
+    doc = next(d for d in example_docs() if d["kind"] == "LoRAPool")
+    doc["spec"]["adapterMemory"]["gpuBytes"] = value
+    assert accepts(lambda: jsonschema.validate(doc, crd_schema("lorapools"))) == accepts(lambda: PoolSpec.parse(doc))
+
+
+@pytest.mark.parametrize("selector", [
+    {"matchLabels": {}}, {"matchExpressions": []}, {"matchLabels": {}, "matchExpressions": []},
+    {"matchLabels": {"a": "b"}}, {"matchExpressions": [{"key": "a", "operator": "Exists"}]},
+    {"matchLabels": {}, "matchExpressions": [{"key": "a", "operator": "Exists"}]},
+])
+def test_crd_and_parser_agree_on_worker_selectors(selector):
+    doc = next(d for d in example_docs() if d["kind"] == "LoRAPool")
+    doc["spec"]["workerSelector"] = selector
+    # The CEL rule (has(self.matchLabels) || has(self.matchExpressions)) refuses {} itself; jsonschema
+    # checks the OpenAPI part (minProperties/minItems).
+    assert accepts(lambda: jsonschema.validate(doc, crd_schema("lorapools"))) == accepts(lambda: PoolSpec.parse(doc))

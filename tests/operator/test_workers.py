@@ -43,6 +43,13 @@ def test_discovery_takes_ready_selected_pods_only():
     assert workers == [Worker("a", "http://10.0.0.1:8001"), Worker("b", "http://10.0.0.1:9001")]
 
 
+@pytest.mark.parametrize(("ip", "url"), [("10.0.0.1", "http://10.0.0.1:8001"),
+                                         ("fd00:10:244::7", "http://[fd00:10:244::7]:8001"),
+                                         ("::1", "http://[::1]:8001")])
+def test_discovery_brackets_ipv6_pod_ips(ip, url):
+    assert discover_workers([pod("a", ip=ip)], {"matchLabels": {"app": "w"}}, default_port=8001) == [Worker("a", url)]
+
+
 @pytest.fixture()
 async def sidecar():
     s = FakeStager("sidecar-token-123456")

@@ -1,0 +1,46 @@
+"""What one reconcile pass knows of a worker pod: its sidecar's report and the operator's last push."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from lorafleet.worker.directives import AdapterDirective, AdapterState, DesiredState, ReportedState
+
+
+@dataclass(slots=True)
+class WorkerReport:
+    """One ready worker pod as seen this round."""
+
+    pod: str
+    reported: ReportedState | None  # None: its sidecar did not answer this round
+    last_pushed: DesiredState | None = None  # operator memory; None after an operator restart
+    may_retry: bool = True  # the backoff allows re-pushing versions it reported as failed
+
+
+@dataclass(slots=True)
+class WorkerIndex:
+    """One live worker's report and last push, indexed once per pass (lookups stay O(1) per adapter)."""
+
+    w: WorkerReport
+    by_name: dict[str, list[AdapterState]]
+    pushed: dict[str, AdapterDirective]
+
+    @classmethod
+    def of(cls, w: WorkerReport) -> WorkerIndex:
+        by_name: dict[str, list[AdapterState]] = defaultdict(list)
+        for st in w.reported.adapters:
+            by_name[st.name].append(st)
+        return cls(w, dict(by_name), w.last_pushed.by_name() if w.last_pushed else {})
+
+    @property
+    def pod(self) -> str:
+        return self.w.pod
+
+    def find(self, name: str, version: str) -> AdapterState | None:
+        return next((st for st in self.by_name.get(name, ()) if st.version == version), None)
+
+    def failed_versions(self, directives: list[AdapterDirective]) -> list[str]:
+        """``name@version`` of each desired version this worker reports an error for (staging or loading)."""
+        return [f"{d.name}@{v}" for d in directives for v in d.versions
+                if (st := self.find(d.name, v)) is not None and st.error]

@@ -1,0 +1,176 @@
+"""LoRAAdapter and LoRAPool statuses, computed only from what workers report (never from what was sent).
+
+An adapter is Ready when every worker that should hold it GPU-resident reports its stable version at
+tier ``gpu`` without error, and every ready worker has it registered. Conditions keep their
+``lastTransitionTime`` until their status flips.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lorafleet.operator.crd_models import AdapterSpec, InvalidAdapter, PoolSpec
+from lorafleet.operator.placement import UNKNOWN_BYTES, adapter_bytes
+from lorafleet.operator.reports import WorkerIndex, WorkerReport
+
+SCALING_NOT_IMPLEMENTED = ("spec.scaling is set, but this operator version does not autoscale workers; "
+                           "replicas stay as deployed")
+
+
+def condition(old: dict[str, Any], ctype: str, ok: bool, reason: str, message: str, now: str) -> dict[str, Any]:
+    """One condition of ``old`` (a status) brought up to date; the transition time moves only on a flip."""
+    prev = next((c for c in old.get("conditions") or [] if c.get("type") == ctype), None)
+    status = "True" if ok else "False"
+    since = prev["lastTransitionTime"] if prev and prev.get("status") == status and prev.get(
+        "lastTransitionTime") else now
+    return {"type": ctype, "status": status, "reason": reason, "message": message, "lastTransitionTime": since}
+
+
+def adapter_status(a: AdapterSpec, live: list[WorkerIndex], warm_pods: list[str], *, now: str,
+                   requested: int | None = None, failure: str | None = None) -> dict[str, Any]:
+    """The status of an adapter served as ``a``. ``failure``: why its current spec is refused while ``a``,
+    its last valid spec, stays in force (phase Failed, yet the fields say what is really served)."""
+    instances, errors = [], []
+    versions_seen: set[str] = set()
+    registered = resident = canary_registered = 0
+    size = 0
+    warm_set = set(warm_pods)
+    for w in live:
+        for st in w.by_name.get(a.name, ()):
+            if st.error:
+                errors.append(f"{w.pod}: {st.name}@{st.version}: {st.error}")
+                continue
+            versions_seen.add(st.version)
+            if st.tier != "none":
+                instances.append({"pod": w.pod, "version": st.version, "tier": st.tier})
+            if st.version == a.version:
+                registered += 1
+                size = max(size, st.bytes)
+                resident += w.pod in warm_set and st.tier == "gpu"
+            elif a.canary is not None and st.version == a.canary.version:
+                canary_registered += 1
+    instances.sort(key=lambda i: (i["pod"], i["version"]))
+    canary_version = a.canary.version if a.canary and canary_registered else None
+    canary_active = canary_version is not None and canary_registered == len(live) and a.canary.weight > 0
+    stable_seen = sorted(versions_seen - ({a.canary.version} if a.canary else set()))
+    stable_version = a.version if a.version in versions_seen else (
+        a.status.get("stableVersion") if a.status.get("stableVersion") in stable_seen else
+        (stable_seen[0] if stable_seen else None))
+    target = len(warm_pods)
+    if failure is not None:
+        phase = "Failed"
+        msg = f"{failure}; the last valid spec (version {a.version}) stays in force until the spec is fixed"
+    elif not live:
+        phase, msg = "Pending", f"no ready worker matches LoRAPool {a.pool!r} spec.workerSelector"
+    elif errors:
+        phase, msg = "Degraded", "; ".join(errors) + " (failed versions are re-pushed with a backoff)"
+    elif requested is not None and target < requested:
+        phase = "Degraded"
+        msg = (f"spec.warm: {a.warm} asks for {requested} GPU-resident copies but only {target} workers have room "
+               f"for its {adapter_size_text(a, live)} in their GPU adapter pool; it is served on demand elsewhere")
+    elif registered == len(live) and resident == target and (a.canary is None or canary_registered == len(live)):
+        phase = "Ready"
+        msg = (f"{a.version} GPU-resident on {resident}/{target} warm workers, registered on {registered}"
+               if target else f"{a.version} on demand (warm: 0), registered on {registered} workers")
+        if canary_version:
+            msg += f"; canary {canary_version} at {a.canary.weight}%"
+    else:
+        phase = "Loading"
+        msg = (f"{a.version}: registered on {registered}/{len(live)} workers, GPU-resident on "
+               f"{resident}/{target} warm workers")
+        if a.canary is not None:
+            msg += f"; canary {a.canary.version} registered on {canary_registered}/{len(live)}"
+        worker_errors = [f"{w.pod}: {w.w.reported.error}" for w in live if w.w.reported.error]
+        if worker_errors:  # e.g. the sidecar cannot reach its engine: say why it is not loading
+            msg += "; " + "; ".join(worker_errors)
+    canary_text = f"canary {a.canary.version} at {a.canary.weight}%" if canary_active else None
+    status = _status(a, phase, msg, now=now, validated=failure is None, canary_text=canary_text)
+    status.update({
+        "stableVersion": stable_version,
+        "canaryVersion": canary_version,
+        "canaryWeight": a.canary.weight if canary_version else 0,
+        "instances": instances,
+        "warmWorkers": warm_pods,
+        "ready": f"{resident}/{target}" if target else f"{registered}/{len(live)}",
+        "bytes": size or a.known_bytes,
+    })
+    return status
+
+
+def unserved_status(x: AdapterSpec | InvalidAdapter, phase: str, message: str, live: list[WorkerIndex], *,
+                    now: str) -> dict[str, Any]:
+    """An adapter no worker is told to serve: only what workers still report (as they unload it).
+    ``bytes`` stays: quota admission needs the last known size (clearing it would let an adapter over
+    spec.tenantQuota.maxBytes flap in and out)."""
+    instances, versions = [], set()
+    for w in live:
+        for st in w.by_name.get(x.name, ()):
+            if not st.error:
+                versions.add(st.version)
+                if st.tier != "none":
+                    instances.append({"pod": w.pod, "version": st.version, "tier": st.tier})
+    stable = x.status.get("stableVersion")
+    return {
+        **_status(x, phase, message, now=now, validated=False),
+        "stableVersion": stable if stable in versions else None,
+        "canaryVersion": None,
+        "canaryWeight": 0,
+        "instances": sorted(instances, key=lambda i: (i["pod"], i["version"])),
+        "warmWorkers": [],
+        "ready": "0/0",
+    }
+
+
+def adapter_size_text(a: AdapterSpec, live: list[WorkerIndex]) -> str:
+    size = adapter_bytes(a, live)
+    return f"{size / (1 << 20):.1f} MiB" if size > UNKNOWN_BYTES else "unknown size"
+
+
+def _status(x: AdapterSpec | InvalidAdapter, phase: str, message: str, *, now: str, validated: bool,
+            canary_text: str | None = None) -> dict[str, Any]:
+    """phase, message, observedGeneration and the three conditions; ``canary_text``: the canary served."""
+    return {
+        "phase": phase,
+        "message": message,
+        "observedGeneration": x.generation,
+        "conditions": [
+            condition(x.status, "Ready", phase == "Ready", phase, message, now),
+            condition(x.status, "Validated", validated, "Valid" if validated else "Invalid",
+                      "spec accepted" if validated else message, now),
+            condition(x.status, "CanaryActive", canary_text is not None,
+                      "CanaryServing" if canary_text else "NoCanary", canary_text or "no canary is being served", now),
+        ],
+    }
+
+
+def pool_status(pool: PoolSpec, num_adapters: int, workers: list[WorkerReport], *, now: str,
+                shared_pods: dict[str, str]) -> dict[str, Any]:
+    live = [w for w in workers if w.reported is not None]
+    kv = [w.reported.kv_usage for w in live]
+    errors = [f"{w.pod}: {w.reported.error}" for w in live if w.reported.error]
+    silent = [w.pod for w in workers if w.reported is None]
+    msg = f"{len(live)} ready workers"
+    if silent:
+        msg += f"; no answer from the sidecar of {', '.join(silent)}"
+    if errors:
+        msg += "; " + "; ".join(errors)
+    if shared_pods:  # two pools pushing whole adapter sets to one pod would undo each other
+        msg += "; spec.workerSelector also matches " + ", ".join(
+            f"{pod} (owned by LoRAPool {owner!r})" for pod, owner in sorted(shared_pods.items()))
+    conditions = [condition(pool.status, "Ready", bool(live) and not errors and not shared_pods,
+                            "Workers" if live else "NoWorkers", msg, now)]
+    if pool.scaling:  # said, not silently ignored
+        conditions.append(condition(pool.status, "Scaling", False, "NotImplemented", SCALING_NOT_IMPLEMENTED, now))
+    return {
+        "readyWorkers": len(live),
+        "adapters": num_adapters,
+        "kvUsage": round(sum(kv) / len(kv), 4) if kv else 0.0,
+        "observedGeneration": pool.generation,
+        "conditions": conditions,
+    }
+
+
+def invalid_pool_status(status: dict[str, Any], generation: int, message: str, *, now: str) -> dict[str, Any]:
+    """A pool spec the operator cannot parse: Ready False naming the field, for this generation."""
+    return {"observedGeneration": generation,
+            "conditions": [condition(status, "Ready", False, "InvalidSpec", message, now)]}

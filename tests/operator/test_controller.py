@@ -1,0 +1,107 @@
+"""One pass of PoolController against fake sidecars: retry backoff for failed versions, a deleting pool's drain."""
+
+from __future__ import annotations
+
+import pytest
+
+from lorafleet.operator.controller import PoolController, RetryBackoff
+from lorafleet.operator.workers import StagerClient
+
+from .fake_stager import FakeStager
+from .test_handlers import NS, POOL, TOKEN, adapter_body, pod_body
+
+KEY = (NS, "main")
+
+
+def test_retry_backoff_doubles_up_to_the_cap_and_clears():
+    b = RetryBackoff(base=10, cap=40)
+    assert not b.may_retry("u", 0)
+    b.failing("u", 0, pushed=False)  # first seen failing: wait one base period
+    assert not b.may_retry("u", 9.9) and b.may_retry("u", 10)
+    b.failing("u", 12, pushed=False)  # seen again without a push: the deadline stands
+    assert b.may_retry("u", 12)
+    b.failing("u", 10, pushed=True)  # retried: twice as long
+    assert not b.may_retry("u", 29.9) and b.may_retry("u", 30)
+    b.failing("u", 30, pushed=True)  # 40 s: the cap
+    assert not b.may_retry("u", 69.9) and b.may_retry("u", 70)
+    b.failing("u", 70, pushed=True)
+    assert not b.may_retry("u", 109.9) and b.may_retry("u", 110)
+    b.clear("u")
+    assert not b.may_retry("u", 10**6)
+    b.failing("v", 0, pushed=False)
+    b.retain({"w"})
+    assert not b.may_retry("v", 10**6)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture()
+async def stager():
+    s = FakeStager(TOKEN)
+    await s.start()
+    try:
+        yield s
+    finally:
+        await s.stop()
+
+
+async def test_a_failed_version_is_re_pushed_with_backoff_until_it_stages(stager):
+    clock = Clock()
+    controller = PoolController(StagerClient(token=TOKEN, timeout=2.0), retry_base=10, retry_cap=60, clock=clock)
+    stager.unavailable.add(("sql", "v1"))
+    inputs = {"pools": [POOL], "adapters": [adapter_body("sql")], "pods": [pod_body("worker-0", stager.port)]}
+    try:
+        plan = await controller.run(KEY, **inputs)
+        assert set(plan.pushes) == {"worker-0"} and len(stager.pushes) == 1
+        for _ in range(3):  # seen failing: no re-push until the backoff elapses
+            plan = await controller.run(KEY, **inputs)
+            assert plan.pushes == {} and plan.failing == ["worker-0"]
+            assert plan.adapter_statuses["sql"]["phase"] == "Degraded"
+            assert "worker-0: sql@v1: NoSuchKey" in plan.adapter_statuses["sql"]["message"]
+        clock.now += 10
+        plan = await controller.run(KEY, **inputs)
+        assert set(plan.pushes) == {"worker-0"} and len(stager.pushes) == 2  # a new generation: staged again
+        clock.now += 10  # the next retry waits twice as long
+        assert (await controller.run(KEY, **inputs)).pushes == {}
+        clock.now += 10
+        assert set((await controller.run(KEY, **inputs)).pushes) == {"worker-0"}
+        stager.unavailable.clear()  # the store is back: the next retry (40 s after the last) stages it
+        clock.now += 39
+        assert (await controller.run(KEY, **inputs)).failing == ["worker-0"]
+        clock.now += 1
+        assert set((await controller.run(KEY, **inputs)).pushes) == {"worker-0"}
+        plan = await controller.run(KEY, **inputs)
+        assert plan.failing == [] and plan.adapter_statuses["sql"]["phase"] == "Ready"
+    finally:
+        await controller.client.close()
+
+
+async def test_a_deleting_pool_drains_its_own_workers_only(stager):
+    other = FakeStager(TOKEN)
+    await other.start()
+    controller = PoolController(StagerClient(token=TOKEN, timeout=2.0))
+    pods = [pod_body("worker-0", stager.port), pod_body("worker-1", other.port)]
+    pods[1]["metadata"]["labels"]["gpu"] = "h200"
+    zeta = {**POOL, "metadata": {**POOL["metadata"], "name": "zeta"},
+            "spec": {**POOL["spec"], "workerSelector": {"matchLabels": {"gpu": "h200"}}}}
+    adapters = [adapter_body("sql", pinned=True, warm="all")]
+    try:
+        plan = await controller.run(KEY, pools=[POOL], adapters=adapters, pods=pods, other_pools=[zeta])
+        assert plan.draining is None and all(s.applied.adapters for s in (stager, other))
+        deleting = {**POOL, "metadata": {**POOL["metadata"], "deletionTimestamp": "2026-01-01T00:00:00Z"}}
+        # "zeta" (live) selects worker-1: the deleting pool hands it over and empties only worker-0.
+        plan = await controller.run(KEY, pools=[deleting], adapters=adapters, pods=pods, other_pools=[zeta])
+        assert set(plan.pushes) == {"worker-0"} and stager.applied.adapters == []
+        assert plan.draining == ["worker-0"]  # as reported before that push
+        plan = await controller.run(KEY, pools=[deleting], adapters=adapters, pods=pods, other_pools=[zeta])
+        assert plan.draining == [] and plan.adapter_statuses["sql"]["phase"] == "Degraded"
+        assert [d.name for d in other.applied.adapters] == ["sql"]
+    finally:
+        await controller.client.close()
+        await other.stop()

@@ -1,0 +1,131 @@
+"""The operator in-process (kopf + kmock + fake sidecars) when specs go bad or objects go away."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+
+from .test_handlers import (  # noqa: F401  (fixtures)
+    ADAPTERS,
+    NS,
+    POOL,
+    POOLS,
+    adapter_body,
+    cluster,
+    create,
+    delete,
+    eventually,
+    gone,
+    holds,
+    operator,
+    patch,
+    pod_body,
+    sidecars,
+    status,
+)
+
+
+async def start_pool(emulator, stagers) -> None:
+    for i, s in enumerate(stagers):
+        await create(emulator, "pods", pod_body(f"worker-{i}", s.port))
+    await create(emulator, "lorapools", POOL)
+
+
+def pool_gone(emulator) -> bool:
+    try:
+        return emulator.objects[POOLS, NS, "main"].deleted
+    except KeyError:
+        return True
+
+
+def conditions(st: dict) -> dict[str, str]:
+    return {c["type"]: c["status"] for c in st["conditions"]}
+
+
+async def test_a_bad_edit_keeps_the_serving_version(operator, sidecars):  # noqa: F811
+    emulator = operator
+    await start_pool(emulator, sidecars)
+    await create(emulator, "loraadapters", adapter_body("sql"))
+    await eventually(lambda: status(emulator, "sql")["phase"] == "Ready", "sql Ready")
+
+    # Refused by reconcile (an older CRD let it through): a canary without a source.
+    await patch(emulator, "loraadapters", "sql", {"metadata": {"generation": 2},
+                                                  "spec": {"canary": {"version": "v2", "weight": 10}}})
+    st = await eventually(lambda: status(emulator, "sql")["phase"] == "Failed" and status(emulator, "sql"), "Failed")
+    assert st["message"].startswith("spec.canary.source:") and st["observedGeneration"] == 2
+    assert all(holds(s, "sql") == {"v1"} for s in sidecars)  # the pass that said Failed pushed nothing else
+    assert st["stableVersion"] == "v1" and st["ready"] == "2/2"
+
+    # Unparsable: the same, with conditions and observedGeneration.
+    await patch(emulator, "loraadapters", "sql", {"metadata": {"generation": 3},
+                                                  "spec": {"canary": None, "source": {"uri": "http://x/a"}}})
+    st = await eventually(lambda: status(emulator, "sql")["observedGeneration"] == 3 and status(emulator, "sql"),
+                          "generation 3 observed")
+    assert st["phase"] == "Failed" and st["message"].startswith("spec.source.uri:")
+    assert conditions(st)["Ready"] == "False" and conditions(st)["Validated"] == "False"
+    assert all(holds(s, "sql") == {"v1"} for s in sidecars)
+
+    # Fixed: the new version rolls out.
+    await patch(emulator, "loraadapters", "sql", {"metadata": {"generation": 4},
+                                                  "spec": {"version": "v2", "source": {"uri": "s3://adapters/sql/v2/"}}})
+    await eventually(lambda: status(emulator, "sql")["phase"] == "Ready"
+                     and status(emulator, "sql")["stableVersion"] == "v2", "v2 Ready")
+    assert all(holds(s, "sql") == {"v2"} for s in sidecars)
+
+
+async def test_deleting_the_pool_then_a_pinned_adapter_leaves_nothing_on_the_workers(operator, sidecars):  # noqa: F811
+    emulator = operator
+    await start_pool(emulator, sidecars)
+    await create(emulator, "loraadapters", adapter_body("sql", warm="all", pinned=True))
+    await eventually(lambda: status(emulator, "sql")["phase"] == "Ready", "sql Ready")
+    await delete(emulator, "lorapools", "main")
+    # The pool's finalizer empties its workers before the pool goes.
+    await eventually(lambda: pool_gone(emulator), "pool gone")
+    assert all(s.state().adapters == [] for s in sidecars)
+    await eventually(lambda: status(emulator, "sql")["phase"] == "Degraded", "sql Degraded")
+    await delete(emulator, "loraadapters", "sql")
+    await eventually(lambda: gone(emulator, "sql"), "sql gone")
+    assert all(s.state().adapters == [] for s in sidecars)
+
+
+async def test_a_malformed_adapter_fails_alone_and_an_unparsable_one_can_be_deleted(operator, sidecars):  # noqa: F811
+    emulator = operator
+    await start_pool(emulator, sidecars)
+    await create(emulator, "loraadapters", adapter_body("bad", source={"uri": "s3://adapters/bad/v1/",
+                                                                       "sha256": "ABCDEF"}))
+    await create(emulator, "loraadapters", adapter_body("good"))
+    await eventually(lambda: status(emulator, "good")["phase"] == "Ready", "good Ready")
+    st = await eventually(lambda: status(emulator, "bad")["phase"] == "Failed" and status(emulator, "bad"),
+                          "bad Failed")
+    assert st["message"].startswith("spec.source.sha256:")
+    await delete(emulator, "loraadapters", "bad")
+    await eventually(lambda: gone(emulator, "bad"), "bad deleted")
+    assert status(emulator, "good")["phase"] == "Ready"
+
+
+async def test_an_invalid_pool_status_is_written_once(operator):  # noqa: F811
+    emulator = operator
+    body = copy.deepcopy(POOL)
+    body["metadata"]["generation"] = 4
+    body["spec"]["workerSelector"] = {"matchLabels": {}}  # past an older CRD
+    await create(emulator, "lorapools", body)
+    st = await eventually(lambda: emulator.objects[POOLS, NS, "main"]["status"], "status written")
+    assert st["observedGeneration"] == 4
+    [cond] = st["conditions"]
+    assert cond["reason"] == "InvalidSpec" and cond["message"].startswith("spec.workerSelector")
+    await asyncio.sleep(2.5)  # several drift ticks (interval 0.3 s) across a second boundary
+    assert emulator.objects[POOLS, NS, "main"]["status"]["conditions"] == [cond]
+
+
+async def test_a_version_that_failed_to_stage_is_retried(operator, sidecars):  # noqa: F811
+    emulator = operator
+    sidecars[0].unavailable.add(("sql", "v1"))  # e.g. the upload had not finished when the push came
+    await start_pool(emulator, sidecars)
+    await create(emulator, "loraadapters", adapter_body("sql"))
+    st = await eventually(lambda: status(emulator, "sql")["phase"] == "Degraded" and status(emulator, "sql"),
+                          "the failure shown")
+    assert "worker-0: sql@v1: NoSuchKey" in st["message"]
+    num_pushes = len(sidecars[0].pushes)
+    sidecars[0].unavailable.clear()  # the object store has it now: only a re-push makes the stager try again
+    await eventually(lambda: status(emulator, "sql")["phase"] == "Ready", "Ready after a retry")
+    assert len(sidecars[0].pushes) > num_pushes

@@ -1,0 +1,190 @@
+"""The pure reconcile function when things go wrong: refused edits, malformed or unparsable adapters,
+versions that fail to stage, a pool that is gone."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from lorafleet.operator.crd_models import InvalidAdapter, Source, parse_adapter
+from lorafleet.operator.reconcile import reconcile_pool
+from lorafleet.worker.directives import AdapterState, ReportedState
+
+from .test_reconcile import NOW, converge, pool, workers
+
+CANARY = {"version": "v2", "source": {"uri": "s3://adapters/a/v2/"}, "weight": 20}
+
+
+def body(name: str = "a", *, version: str = "v1", status: dict | None = None, deleting: bool = False,
+         generation: int = 3, created: str = "2026-01-01T00:00:00Z", **spec) -> dict:
+    base = {"pool": "p", "tenant": "acme", "baseModel": "smollm2-135m", "version": version,
+            "source": {"uri": f"s3://adapters/{name}/{version}/"}, "warm": 2}
+    base.update(spec)
+    meta = {"name": name, "namespace": "ns", "generation": generation, "creationTimestamp": created}
+    if deleting:
+        meta["deletionTimestamp"] = "2026-01-01T01:00:00Z"
+    return {"metadata": meta, "spec": base, "status": status or {}}
+
+
+def conditions(status: dict) -> dict[str, str]:
+    return {c["type"]: c["status"] for c in status["conditions"]}
+
+
+def served(plan, name: str) -> dict[str, tuple]:
+    """pod -> (stable, canary, warm) of ``name`` in its desired state."""
+    out = {}
+    for pod, desired in plan.desired.items():
+        d = desired.by_name().get(name)
+        if d is not None:
+            out[pod] = (d.stable.version, d.canary.version if d.canary else None, d.warm)
+    return out
+
+
+# --- a refused edit keeps the last valid spec in force ---------------------------------------------
+
+@pytest.mark.parametrize(("edit", "field"), [
+    ({"canary": {"version": "v3", "weight": 10}}, "spec.canary.source"),
+    ({"canary": {"version": "v1", "source": {"uri": "/x"}, "weight": 10}}, "spec.canary.version"),
+    ({"baseModel": "smollm2-135m-typo"}, "spec.baseModel"),
+    ({"source": {"uri": "http://example.com/a"}}, "spec.source.uri"),  # unparsable
+    ({"source": {"uri": "s3://adapters/a/v1/", "sha256": "ABCDEF"}}, "spec.source.sha256"),  # unparsable
+])
+def test_a_refused_edit_keeps_the_last_valid_spec_serving(edit, field):
+    ws = workers(2)
+    plan = converge(pool(), [parse_adapter(body(canary=CANARY))], ws)
+    before, st = served(plan, "a"), plan.adapter_statuses["a"]
+    assert st["phase"] == "Ready" and json.loads(st["lastValidSpec"])["canary"] == CANARY
+
+    bad = parse_adapter(body(status=st, generation=4, **{"canary": CANARY, **edit}))
+    plan = reconcile_pool(pool(), [bad], ws, now=NOW)
+    assert served(plan, "a") == before and plan.pushes == {}  # the workers keep exactly what they had
+    st = plan.adapter_statuses["a"]
+    assert st["phase"] == "Failed" and st["message"].startswith(f"{field}:")
+    assert "last valid spec (version v1) stays in force" in st["message"]
+    assert conditions(st) == {"Ready": "False", "Validated": "False", "CanaryActive": "True"}
+    assert (st["stableVersion"], st["canaryVersion"], st["observedGeneration"]) == ("v1", "v2", 4)
+    assert len(st["instances"]) == 4 and "lastValidSpec" not in st  # the remembered spec is kept as it was
+
+    # Fixed: the new spec is served and remembered.
+    fixed = parse_adapter(body(version="v3", status=st, generation=5))
+    plan = converge(pool(), [fixed], ws)
+    assert set(served(plan, "a").values()) == {("v3", None, True)}
+    assert plan.adapter_statuses["a"]["phase"] == "Ready"
+    assert json.loads(plan.adapter_statuses["a"]["lastValidSpec"])["version"] == "v3"
+
+
+def test_an_unchanged_spec_that_stops_passing_is_unloaded_and_its_status_cleared():
+    ws = workers(2)
+    plan = converge(pool(), [parse_adapter(body(canary=CANARY))], ws)
+    st = plan.adapter_statuses["a"]
+    # The pool's baseModel changed: the adapter's own (unchanged) spec no longer fits, nothing to fall back to.
+    moved = pool(baseModel="llama-3-8b")
+    plan = reconcile_pool(moved, [parse_adapter(body(canary=CANARY, status=st))], ws, now=NOW)
+    assert served(plan, "a") == {} and set(plan.pushes) == {"w0", "w1"}
+    st = plan.adapter_statuses["a"]
+    assert st["phase"] == "Failed" and st["message"].startswith("spec.baseModel:")
+    assert st["stableVersion"] == "v1" and st["canaryVersion"] is None  # still reported until unloaded
+    plan = converge(moved, [parse_adapter(body(canary=CANARY, status=st))], ws)
+    st = plan.adapter_statuses["a"]
+    assert (st["stableVersion"], st["canaryVersion"], st["canaryWeight"]) == (None, None, 0)
+    assert (st["instances"], st["warmWorkers"], st["ready"]) == ([], [], "0/0")
+    assert "bytes" not in st  # the last known size stays for quota admission
+    assert conditions(st) == {"Ready": "False", "Validated": "False", "CanaryActive": "False"}
+
+
+def test_a_refused_edit_that_moves_the_adapter_to_another_pool_serves_nothing_there():
+    ws = workers(1)
+    st = converge(pool(), [parse_adapter(body())], ws).adapter_statuses["a"]
+    moved = parse_adapter(body(pool="q", status=st, source={"uri": "ftp://x"}))
+    other = pool()
+    other.name = "q"
+    plan = reconcile_pool(other, [moved], ws, now=NOW)
+    assert served(plan, "a") == {} and plan.adapter_statuses["a"]["message"].startswith("spec.source.uri:")
+
+
+def test_an_unparsable_spec_reports_conditions_and_generation():
+    bad = parse_adapter(body(generation=7, source={"uri": "http://example.com/a"},
+                             status={"phase": "Ready", "stableVersion": "v0", "instances": [{"pod": "w0"}]}))
+    assert isinstance(bad, InvalidAdapter) and bad.last_valid is None
+    plan = reconcile_pool(pool(), [bad], workers(1), now=NOW)
+    st = plan.adapter_statuses["a"]
+    assert st["phase"] == "Failed" and st["message"].startswith("spec.source.uri:")
+    assert st["observedGeneration"] == 7 and conditions(st)["Ready"] == "False"
+    assert conditions(st)["Validated"] == "False" and st["stableVersion"] is None and st["instances"] == []
+    assert served(plan, "a") == {}
+
+
+# --- malformed adapters fail alone; unparsable ones are still unloaded -----------------------------
+
+def test_a_malformed_adapter_fails_alone():
+    good = parse_adapter(body("good"))
+    bad = dataclasses.replace(parse_adapter(body("bad")), source=Source("s3://adapters/bad/v1/", "ABCDEF"))
+    plan = reconcile_pool(pool(), [good, bad], workers(2), now=NOW)  # parse was bypassed: a second line holds
+    assert plan.adapter_statuses["bad"]["phase"] == "Failed"
+    assert "sha256" in plan.adapter_statuses["bad"]["message"]
+    assert all(set(d.by_name()) == {"good"} for d in plan.desired.values())
+    assert plan.adapter_statuses["good"]["phase"] == "Loading"
+
+
+def test_an_unparsable_adapter_being_deleted_is_unloaded_by_name():
+    ws = workers(2)
+    converge(pool(), [parse_adapter(body(pinned=True))], ws)
+    deleting = parse_adapter(body(deleting=True, source={"uri": "http://example.com/a"}))
+    assert isinstance(deleting, InvalidAdapter)
+    plan = reconcile_pool(pool(), [deleting], ws, now=NOW)
+    assert plan.unloading == {"a": ["w0", "w1"]} and "a" not in plan.adapter_statuses
+    assert all(d.adapters == [] for d in plan.pushes.values()) and set(plan.pushes) == {"w0", "w1"}
+    assert converge(pool(), [deleting], ws).unloading == {"a": []}
+
+
+# --- a version that failed to stage is retried, as the backoff allows ------------------------------
+
+@pytest.mark.parametrize("failed", ["v1", "v2"])  # the stable version, the canary
+def test_a_failed_version_is_re_pushed_when_the_backoff_allows(failed):
+    ws = workers(2)
+    ads = [parse_adapter(body(canary=CANARY))]
+    plan = converge(pool(), ads, ws)
+    gen = plan.desired["w0"].generation
+    ws[0].reported = ReportedState(generation_applied=gen, adapters=[
+        AdapterState("a", v, "none" if v == failed else "gpu", error="store unreachable" if v == failed else None)
+        for v in ("v1", "v2")])
+    ws[0].may_retry = False
+    plan = reconcile_pool(pool(), ads, ws, now=NOW)
+    assert plan.pushes == {} and plan.failing == ["w0"]  # converged otherwise: only the failure is drift
+    st = plan.adapter_statuses["a"]
+    assert st["phase"] == "Degraded" and f"w0: a@{failed}: store unreachable" in st["message"]
+    ws[0].may_retry = True
+    plan = reconcile_pool(pool(), ads, ws, now=NOW)
+    assert set(plan.pushes) == {"w0"} and plan.pushes["w0"].generation == gen + 1
+
+
+# --- the pool is gone: its workers are emptied -----------------------------------------------------
+
+def test_without_a_pool_the_workers_given_are_drained():
+    ws = workers(2)
+    ads = [parse_adapter(body(warm="all", pinned=True)), parse_adapter(body("b", warm=0))]
+    converge(pool(), ads, ws)
+    plan = reconcile_pool(None, ads, ws, now=NOW)
+    assert set(plan.pushes) == {"w0", "w1"} and all(d.adapters == [] for d in plan.pushes.values())
+    assert plan.draining == ["w0", "w1"] and plan.pool_status == {}
+    assert plan.adapter_statuses["a"]["phase"] == "Degraded"
+    plan = converge(None, ads, ws)
+    assert plan.draining == [] and plan.pushes == {}
+    assert reconcile_pool(pool(), ads, ws, now=NOW).draining is None
+
+
+def test_quota_counts_the_spec_in_force():
+    # b's edit is refused, so its last valid spec still holds the tenant's second slot: c stays out.
+    ws = workers(1)
+    q = pool(tenantQuota={"maxAdapters": 2})
+    ads = [parse_adapter(body(n, warm=0, created=f"2026-01-01T00:00:0{i}Z")) for i, n in enumerate("ab")]
+    plan = converge(q, ads, ws)
+    held = parse_adapter(body("b", warm=0, created="2026-01-01T00:00:01Z", status=plan.adapter_statuses["b"],
+                              baseModel="typo"))
+    late = parse_adapter(body("c", warm=0, created="2026-01-01T00:00:02Z"))
+    plan = reconcile_pool(q, [ads[0], held, late], ws, now=NOW)
+    assert {d.name for d in plan.desired["w0"].adapters} == {"a", "b"}
+    assert plan.adapter_statuses["b"]["message"].startswith("spec.baseModel:")
+    assert plan.adapter_statuses["c"]["message"].startswith("spec.tenant:")
