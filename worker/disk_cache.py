@@ -4,7 +4,9 @@ Entries are directories `root/<key>`; a key is content-addressed (the adapter's 
 digest is known. Writes are atomic: an entry is filled in `root/.tmp-<key>-<random>` and renamed into
 place only when complete and verified, so a reader never sees half a download and a crash leaves
 only a temp directory (removed at the next start). Over budget, least recently used entries go first,
-except the protected ones (adapters the current directives need).
+except the protected ones. `protect` may be a function naming them: it is called under the cache's
+lock, so an entry its owner protects before looking it up is either kept or already gone (`get`
+answers None), never deleted after `get` handed out its path.
 """
 
 from __future__ import annotations
@@ -13,10 +15,11 @@ import os
 import shutil
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Set
 from pathlib import Path
 
 _TMP = ".tmp-"
+Protect = Set[str] | Callable[[], Set[str]]  # cache keys, or a function naming them when the trim runs
 
 
 def dir_bytes(path: Path) -> int:
@@ -48,8 +51,9 @@ class DiskCache:
             self._used[key] = self._clock
             return self.root / key
 
-    def put(self, key: str, fill: Callable[[Path], None], *, protect: set[str] = frozenset()) -> Path:
-        """Create entry `key` by `fill(tmp_dir)`; `fill` raising leaves nothing behind."""
+    def put(self, key: str, fill: Callable[[Path], None], *, protect: Protect = frozenset()) -> Path:
+        """Create entry `key` by `fill(tmp_dir)`, then trim, keeping `key` and the protected entries;
+        `fill` raising leaves nothing behind."""
         if "/" in key or key.startswith(".") or not key:
             raise ValueError(f"bad cache key {key!r}")
         tmp = self.root / f"{_TMP}{key}-{uuid.uuid4().hex[:8]}"
@@ -69,16 +73,19 @@ class DiskCache:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        self.trim(protect | {key})
+        keys = protect if callable(protect) else lambda: protect
+        self.trim(lambda: {*keys(), key})
         return final
 
-    def trim(self, protect: set[str] = frozenset()) -> None:
+    def trim(self, protect: Protect = frozenset()) -> None:
+        """Evict least recently used entries until within budget, never a protected one."""
         with self._lock:
+            keep = protect() if callable(protect) else protect
             total = sum(self._bytes.values())
             for key in sorted(self._bytes, key=lambda k: self._used[k]):
                 if total <= self.budget_bytes:
                     break
-                if key in protect:
+                if key in keep:
                     continue
                 shutil.rmtree(self.root / key, ignore_errors=True)
                 total -= self._bytes.pop(key)

@@ -11,9 +11,12 @@ needs `Authorization: Bearer <stager token>`:
   paths to the engine's `PUT /admin/v1/state`. Same generation: no-op; lower: 409. A version that
   cannot be staged (store down, digest mismatch) is reported with its error; an adapter whose new
   version fails keeps its previously forwarded (already local) version, so the store being down
-  never takes away what is served.
+  never takes away what is served. The disk cache keeps, whatever its budget, the copies the engine is
+  served and those the push in progress stages (the engine serves the previous set until the push
+  reaches it); the copies the push replaced are the first to go once it has.
 * `GET /v1/state`: the engine's `ReportedState`, plus tier `disk` for staged versions the engine has
-  not loaded, staging errors, and a `disk` section (cache bytes, downloads, hits, progress).
+  not loaded, staging errors, a `disk` section (cache bytes, downloads, hits, progress) and, while
+  `--stager-adapters` is what is served, a `seed` section (folders not served, and why).
 * `GET /metrics` (no token; Prometheus text): the disk tier's hits, misses, downloads, bytes, failures,
   download latency histogram, cache bytes and entries (`lorafleet_stager_*`).
 
@@ -49,6 +52,8 @@ from lorafleet.worker.disk_cache import DiskCache, dir_bytes
 from lorafleet.worker.openai_protocol import APIError
 from lorafleet.worker.sources import SourceError, Sources, verify_digest
 from lorafleet.worker.stager_config import StagerConfig
+from lorafleet.worker.stager_seed import SeedReport, seed, seed_until_done
+from lorafleet.worker.staging_errors import staging_error
 from lorafleet.worker.tenants import bearer_token
 
 log = logging.getLogger("lorafleet.stager")
@@ -62,21 +67,6 @@ class Staged:
 
     def to_dict(self) -> dict[str, Any]:
         return {"path": str(self.path), "sha256": self.sha256, "cached": self.cached, "bytes": dir_bytes(self.path)}
-
-
-_STATUS = {"not_allowed": 403, "bad_uri": 400, "missing": 404, "digest_mismatch": 422, "too_large": 413}
-
-
-def _api_error(exc: Exception, uri: str) -> APIError:
-    if isinstance(exc, SourceError):
-        return APIError(_STATUS.get(exc.kind, 400), str(exc), code=exc.kind)
-    if isinstance(exc, TimeoutError | asyncio.TimeoutError):
-        return APIError(504, f"{uri}: download timed out", type="server_error", code="download_timeout")
-    name = type(exc).__name__
-    if name == "S3Error" and getattr(exc, "code", "") in ("NoSuchBucket", "NoSuchKey"):
-        return APIError(404, f"{uri}: {exc}", code="missing")
-    return APIError(502, f"{uri}: object store unavailable ({name}: {str(exc)[:200]})", type="server_error",
-                    code="object_store_unavailable")
 
 
 class Stager:
@@ -94,6 +84,9 @@ class Stager:
         self.forwarded: dict[str, AdapterDirective] = {}  # name -> directive with local paths
         self.staged: dict[tuple[str, str], Staged] = {}  # (name, version) -> staged copy
         self.errors: dict[tuple[str, str], str] = {}
+        self.seed_report: SeedReport | None = None  # while what is served is the seed's (`--stager-adapters`)
+        self._pushing: set[str] = set()  # cache keys the push in progress asked for
+        self._leases: dict[str, float] = {}  # cache key -> until when (monotonic) /v1/stage's copy is kept
         self._apply_lock = asyncio.Lock()
         self.registry = CollectorRegistry()
         r = self.registry
@@ -111,7 +104,10 @@ class Stager:
             lambda: len(self.cache.entries()))
 
     # ---- staging -------------------------------------------------------------------------------
-    async def stage(self, uri: str, sha256: str | None) -> Staged:
+    async def stage(self, uri: str, sha256: str | None, *, held: set[str] | None = None) -> Staged:
+        """Stage `uri` into the disk cache. Its cache key is protected from eviction before the cache is
+        looked up: added to `held` (a push's keys), or else (the engine's request) leased for
+        `stage_lease_s`, as the engine loads from the path after it is handed out."""
         if sha256 is not None:
             sha256 = sha256.lower()
         if not self.sources.is_s3(uri):
@@ -133,6 +129,12 @@ class Stager:
                 key = self._by_uri.get(uri)
                 if key is None or self.cache.get(key) is None:
                     raise
+        if held is not None:
+            held.add(key)
+        else:
+            now = time.monotonic()
+            self._leases = {k: t for k, t in self._leases.items() if t > now}
+            self._leases[key] = now + self.config.stage_lease_s
         lock = self._locks.setdefault(key, asyncio.Lock())
         async with lock:  # concurrent requests for one adapter: one download
             path = self.cache.get(key)
@@ -170,15 +172,21 @@ class Stager:
             (tmp / ".sha256").write_text(digest + "\n")
 
         try:
-            return self.cache.put(key, fill, protect=self._protected())
+            return self.cache.put(key, fill, protect=self._protected)
         finally:
             self.downloading.pop(uri, None)
 
     def _protected(self) -> set[str]:
-        return {s.path.name for s in self.staged.values() if s.path.parent == self.cache.root}
+        """Cache keys not to evict: the copies the engine is served, the push in progress's, and leased ones.
+        Called by the cache's trim in a download thread: it reads copies of what the event loop changes."""
+        now = time.monotonic()
+        served = {s.path.name for s in list(self.staged.values()) if s.path.parent == self.cache.root}
+        return served | set(self._pushing) | {k for k, until in list(self._leases.items()) if until > now}
 
     # ---- directives ----------------------------------------------------------------------------
-    async def apply(self, desired: DesiredState) -> ReportedState:
+    async def apply(self, desired: DesiredState, *, seed: SeedReport | None = None) -> ReportedState:
+        """Stage and forward `desired`. `seed`: the seed's report when it made this push (its failures
+        are reported with the push's own); None for a push from elsewhere, which ends the seed."""
         async with self._apply_lock:
             if desired.generation < self.generation:
                 state = await self.state()
@@ -188,17 +196,18 @@ class Stager:
             if desired.generation == self.generation and self.desired is not None:
                 return await self.state()
             forwarded: dict[str, AdapterDirective] = {}
-            errors: dict[tuple[str, str], str] = {}
+            errors: dict[tuple[str, str], str] = dict(seed.adapter_errors) if seed else {}
             staged: dict[tuple[str, str], Staged] = {}
+            self._pushing = pushing = set()
             for a in desired.adapters:
                 local: dict[str, VersionRef] = {}
                 for ref in (a.stable, a.canary):
                     if ref is None:
                         continue
                     try:
-                        s = await self.stage(ref.uri, ref.sha256)
+                        s = await self.stage(ref.uri, ref.sha256, held=pushing)
                     except Exception as exc:
-                        errors[(a.name, ref.version)] = _api_error(exc, ref.uri).message
+                        errors[(a.name, ref.version)] = staging_error(exc, ref.uri).message
                         log.warning("staging %s@%s failed: %s", a.name, ref.version, errors[(a.name, ref.version)])
                         continue
                     staged[(a.name, ref.version)] = s
@@ -213,11 +222,12 @@ class Stager:
                     for v in self.forwarded[a.name].versions:
                         if (a.name, v) in self.staged:
                             staged[(a.name, v)] = self.staged[(a.name, v)]
-            self.forwarded, self.errors, self.staged = forwarded, errors, staged
-            self.desired, self.generation = desired, desired.generation
+            self.forwarded, self.errors, self.staged, self._pushing = forwarded, errors, staged, set()
+            self.desired, self.generation, self.seed_report = desired, desired.generation, seed
             if self.config.engine_url:
                 await self._engine("PUT", "/admin/v1/state",
                                    DesiredState(desired.generation, list(forwarded.values())).to_dict())
+            await asyncio.to_thread(self.cache.trim, self._protected)  # the engine has let go of the replaced
             return await self.state()
 
     async def _engine(self, method: str, path: str, body: dict | None = None) -> dict:
@@ -259,14 +269,9 @@ class Stager:
                 "downloading": {u: {"done": d, "total": t} for u, (d, t) in list(self.downloading.items())},
                 "download_seconds": list(self.download_seconds[-100:])}
 
-    async def seed(self, uri: str) -> None:
-        """Serve every adapter folder under `uri` (name = folder name, version = digest prefix)."""
-        adapters = []
-        for folder in await asyncio.to_thread(self.sources.list_adapters, uri):
-            s = await self.stage(folder, None)
-            name = folder.rstrip("/").rsplit("/", 1)[-1]
-            adapters.append(AdapterDirective(name, "default", VersionRef(s.sha256[:12], folder, s.sha256)))
-        await self.apply(DesiredState(max(1, self.generation + 1), adapters))
+    async def seed(self, uri: str) -> SeedReport:
+        """Serve every adapter folder under `uri` that stages, report the others (worker/stager_seed.py)."""
+        return await seed(self, uri)
 
 
 # ---- HTTP -------------------------------------------------------------------------------------------
@@ -311,7 +316,7 @@ async def post_stage(request: web.Request) -> web.Response:
     except APIError:
         raise
     except Exception as exc:
-        raise _api_error(exc, uri) from None
+        raise staging_error(exc, uri) from None
     return web.json_response(staged.to_dict())
 
 
@@ -324,7 +329,8 @@ async def put_directives(request: web.Request) -> web.Response:
 async def get_state(request: web.Request) -> web.Response:
     stager = request.app[STAGER]
     report = await stager.state()
-    return web.json_response({**report.to_dict(), "disk": stager.disk_stats()})
+    seed = {"seed": stager.seed_report.to_dict()} if stager.seed_report is not None else {}
+    return web.json_response({**report.to_dict(), "disk": stager.disk_stats(), **seed})
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -348,28 +354,16 @@ def create_app(config: StagerConfig) -> web.Application:
     ])
 
     async def seed_ctx(app: web.Application):
+
         task = None
         if config.stager_adapters:
-            task = asyncio.create_task(_seed_until_done(app[STAGER], config.stager_adapters))
+            task = asyncio.create_task(seed_until_done(app[STAGER], config.stager_adapters))
         yield
         if task is not None:
             task.cancel()
 
     app.cleanup_ctx.append(seed_ctx)
     return app
-
-
-async def _seed_until_done(stager: Stager, uri: str) -> None:
-    delay = 0.2
-    while True:  # the engine may still be starting, the store may be briefly down
-        try:
-            await stager.seed(uri)
-            log.info("serving the adapters under %s", uri)
-            return
-        except Exception as exc:
-            log.warning("staging the adapters under %s: %s (retrying)", uri, exc)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 10.0)
 
 
 def main(argv: list[str] | None = None) -> None:

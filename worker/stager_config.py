@@ -26,6 +26,8 @@ class StagerConfig:
     s3_secure: bool = field(default=True, metadata=_help("use TLS to the object store"))
     s3_region: str | None = field(default=None, metadata=_help("object store region"))
     download_timeout_s: float = field(default=300.0, metadata=_help("give up on one adapter download after"))
+    stage_lease_s: float = field(default=600.0, metadata=_help(
+        "keep a copy /v1/stage handed out from eviction this long (the engine loads from its path)"))
     engine_url: str | None = field(default=None, metadata=_help("engine base URL (http://127.0.0.1:8000)"))
     admin_token: str | None = field(default=None, metadata=_help("the engine's admin token"))
     stager_adapters: str | None = field(
@@ -36,8 +38,8 @@ class StagerConfig:
             raise ValueError("stager_token must be at least 16 characters (set LORAFLEET_STAGER_TOKEN)")
         if not 0 <= self.stager_port < 65536:
             raise ValueError(f"stager_port must be in 0..65535, got {self.stager_port}")
-        if self.stager_cache_bytes <= 0 or self.download_timeout_s <= 0:
-            raise ValueError("stager_cache_bytes and download_timeout_s must be > 0")
+        if self.stager_cache_bytes <= 0 or self.download_timeout_s <= 0 or self.stage_lease_s <= 0:
+            raise ValueError("stager_cache_bytes, download_timeout_s and stage_lease_s must be > 0")
 
     def sources_config(self) -> SourcesConfig:
         return SourcesConfig(local_roots=list(self.local_roots), s3_allow=list(self.s3_allow),

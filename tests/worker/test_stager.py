@@ -357,3 +357,134 @@ def test_disk_tier_metrics(stager, peft_dirs):
     assert values['lorafleet_stager_stage_requests_total{outcome="hit"}'] >= 1
     assert values["lorafleet_stager_downloads_total"] >= 2 and values["lorafleet_stager_failures_total"] >= 1
     assert values["lorafleet_stager_cache_bytes"] > 0 and values["lorafleet_stager_download_seconds_count"] >= 2
+
+
+def _stager_config(s3, cache_dir: Path, **kw):
+    from lorafleet.worker.stager_config import StagerConfig
+
+    return StagerConfig(stager_token="t" * 20, stager_cache_dir=str(cache_dir), s3_allow=["adapters/team/"],
+                        s3_endpoint=s3.endpoint, s3_access_key=s3.access_key, s3_secret_key=s3.secret_key,
+                        s3_secure=False, **kw)
+
+
+async def _recording_engine(aiohttp_server, on_push):
+    """An engine admin API that hands each push to `on_push` and reports what it was pushed."""
+    from aiohttp import web
+
+    pushes = []
+
+    async def put_state(request):
+        pushes.append(await request.json())
+        on_push(pushes[-1])
+        return web.json_response({"generation_applied": pushes[-1]["generation"]})
+
+    async def get_state(request):
+        last = pushes[-1] if pushes else {"generation": 0, "adapters": []}
+        return web.json_response({"generation_applied": last["generation"], "adapters": [
+            {"name": a["name"], "version": a["stable"]["version"], "tier": "cpu"} for a in last["adapters"]]})
+
+    engine = web.Application()
+    engine.add_routes([web.put("/admin/v1/state", put_state), web.get("/admin/v1/state", get_state)])
+    return pushes, await aiohttp_server(engine)
+
+
+async def test_seed_serves_the_good_folders_and_reports_the_bad(s3, peft_dirs, aiohttp_server, tmp_path):
+    """`--stager-adapters` with a pickle-only folder, a folder whose name is no adapter name, and one that
+    fails once (store blip): the good ones are pushed at once, the blip is tried again, the bad are reported."""
+    import asyncio
+    import io
+
+    import aiohttp
+
+    from lorafleet.worker.stager import STAGER, create_app
+
+    client = s3.client()
+    for name in ("alpha", "beta", "_bad"):
+        upload(client, "adapters", f"team/seed/{name}/", peft_dirs["alpha" if name == "_bad" else name])
+    client.fput_object("adapters", "team/seed/legacy/adapter_config.json", str(peft_dirs["eps"] / "adapter_config.json"))
+    client.put_object("adapters", "team/seed/legacy/adapter_model.bin", io.BytesIO(b"PK\x03\x04pickle"), 10)
+    both = asyncio.Event()
+    pushes, engine = await _recording_engine(
+        aiohttp_server, lambda push: {a["name"] for a in push["adapters"]} == {"alpha", "beta"} and both.set())
+    app = create_app(_stager_config(s3, tmp_path / "cache", engine_url=str(engine.make_url("")),
+                                    stager_adapters="s3://adapters/team/seed/"))
+    stager_ = app[STAGER]
+    real_stage, tries = stager_.stage, []
+
+    async def blip_once(uri: str, sha256: str | None, **kw):
+        tries.append(uri)
+        if uri.endswith("/seed/beta/") and tries.count(uri) == 1:
+            raise ConnectionError("object store blip")
+        return await real_stage(uri, sha256, **kw)
+
+    stager_.stage = blip_once
+    server = await aiohttp_server(app)
+    await asyncio.wait_for(both.wait(), 60)
+    assert [a["name"] for a in pushes[0]["adapters"]] == ["alpha"]  # the blip did not hold alpha back
+    for push in pushes:
+        for a in push["adapters"]:
+            assert adapter_digest(Path(a["stable"]["uri"])) == adapter_digest(peft_dirs[a["name"]])
+    headers = {"Authorization": f"Bearer {stager_.config.stager_token}"}
+    async with aiohttp.ClientSession(base_url=str(server.make_url("")), headers=headers) as http:
+        async with http.get("/v1/state") as r:
+            state = await r.json()
+        legacy = [a for a in state["adapters"] if a["name"] == "legacy"]
+        assert legacy and "missing adapter_model.safetensors" in legacy[0]["error"]
+        assert not any(a["error"] for a in state["adapters"] if a["name"] in ("alpha", "beta"))
+        errors = state["seed"]["errors"]
+        assert sorted(errors) == ["s3://adapters/team/seed/_bad/", "s3://adapters/team/seed/legacy/"]
+        assert "'_bad'" in errors["s3://adapters/team/seed/_bad/"] and not state["seed"]["retrying"]
+        # A push from elsewhere takes over: the seed's report goes with what it served.
+        async with http.put("/v1/directives", json={"generation": pushes[-1]["generation"] + 1}) as r:
+            assert r.status == 200
+        async with http.get("/v1/state") as r:
+            state = await r.json()
+        assert "seed" not in state and not any(a["name"] == "legacy" for a in state["adapters"])
+
+
+async def test_cache_keeps_what_the_push_staged_and_evicts_stale_copies(s3, tiny_llama_dir,
+                                                                        aiohttp_server, tmp_path):
+    """A cache of 3.5 adapters, pushes of two: the engine is only ever pushed paths that exist, the
+    previous push's copies go first, and a copy just handed out by /v1/stage is kept."""
+    import aiohttp
+
+    from lorafleet.worker.disk_cache import dir_bytes
+    from lorafleet.worker.stager import STAGER, create_app
+
+    client = s3.client()
+    names = ("a", "b", "c", "d", "e")
+    for i, n in enumerate(names):  # same shapes: same sizes
+        upload(client, "adapters", f"team/cache/{n}/",
+               make_peft_adapter(tiny_llama_dir, tmp_path / "peft" / n, rank=8, seed=10 + i))
+    size = dir_bytes(tmp_path / "peft" / "a") + 65  # + the cache's .sha256 file
+    missing = []
+    pushes, engine = await _recording_engine(aiohttp_server, lambda push: missing.extend(
+        a["name"] for a in push["adapters"] if not Path(a["stable"]["uri"]).is_dir()))
+    app = create_app(_stager_config(s3, tmp_path / "cache", stager_cache_bytes=int(size * 3.5),
+                                    engine_url=str(engine.make_url(""))))
+    cache = app[STAGER].cache
+    server = await aiohttp_server(app)
+
+    def push(generation: int, *adapters: str) -> dict:
+        return {"generation": generation, "adapters": [
+            {"name": n, "tenant": "t", "stable": {"version": "v1", "uri": f"s3://adapters/team/cache/{n}/"}}
+            for n in adapters]}
+
+    def pushed_keys() -> set[str]:
+        return {Path(a["stable"]["uri"]).name for a in pushes[-1]["adapters"]}
+
+    headers = {"Authorization": f"Bearer {app[STAGER].config.stager_token}"}
+    async with aiohttp.ClientSession(base_url=str(server.make_url("")), headers=headers) as http:
+        async with http.put("/v1/directives", json=push(1, "a", "b")) as r:
+            assert r.status == 200
+        first = pushed_keys()
+        async with http.put("/v1/directives", json=push(2, "c", "d")) as r:
+            assert r.status == 200
+        assert not missing and pushed_keys() <= set(cache.entries())
+        assert len(first & set(cache.entries())) == 1 and cache.used_bytes <= cache.budget_bytes
+        async with http.post("/v1/stage", json={"uri": "s3://adapters/team/cache/e/"}) as r:
+            handed_out = Path((await r.json())["path"])
+        async with http.put("/v1/directives", json=push(3, "a", "b")) as r:
+            assert r.status == 200
+    assert not missing and len(pushes) == 3 and pushed_keys() <= set(cache.entries())
+    assert handed_out.is_dir() and cache.used_bytes <= cache.budget_bytes

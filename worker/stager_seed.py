@@ -1,0 +1,82 @@
+"""Seeding: the stager serves every adapter folder under `--stager-adapters` at start.
+
+Each folder is its own adapter (name = folder name, version = digest prefix). A folder that cannot
+be served (no safetensors, a name that is no adapter name, a digest that does not verify) is reported
+in `GET /v1/state` and never holds the others back; one that failed for a reason that may pass (store
+down, timeout) is tried again with backoff, and every retry pushes what is staged by then. A push
+from elsewhere (`PUT /v1/directives`) ends the seed: from then on the directives rule.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from lorafleet.worker.directives import AdapterDirective, DesiredState, DirectiveError, VersionRef
+from lorafleet.worker.sources import SourceError
+from lorafleet.worker.staging_errors import staging_error
+
+if TYPE_CHECKING:
+    from lorafleet.worker.stager import Stager
+
+log = logging.getLogger("lorafleet.stager")
+
+UNSTAGED = "unstaged"  # the version reported for a folder that did not stage: its digest is unknown
+
+
+@dataclass(slots=True)
+class SeedReport:
+    """What one seed pass could not serve, reported with the push it made."""
+
+    uri: str
+    errors: dict[str, str] = field(default_factory=dict)  # folder -> why it is not served
+    adapter_errors: dict[tuple[str, str], str] = field(default_factory=dict)  # (name, UNSTAGED) -> error
+    retrying: list[str] = field(default_factory=list)  # folders whose failure may pass: tried again
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"uri": self.uri, "errors": dict(self.errors), "retrying": list(self.retrying)}
+
+
+async def seed(stager: Stager, uri: str) -> SeedReport:
+    """Stage the folders under `uri` the seed does not serve yet, then push every folder served; the
+    report names the others."""
+    report = SeedReport(uri)
+    served = {a.stable.uri: a for a in stager.desired.adapters} if stager.seed_report is not None else {}
+    for folder in await asyncio.to_thread(stager.sources.list_adapters, uri):
+        if folder in served:
+            continue
+        name = folder.rstrip("/").rsplit("/", 1)[-1]
+        try:
+            AdapterDirective(name, "default", VersionRef(UNSTAGED, folder))  # a bad name: no download
+            s = await stager.stage(folder, None)
+        except DirectiveError as exc:
+            report.errors[folder] = f"{folder}: not served: {exc} (rename the folder)"
+        except Exception as exc:
+            report.errors[folder] = report.adapter_errors[(name, UNSTAGED)] = staging_error(exc, folder).message
+            if not isinstance(exc, SourceError):  # store down, timeout: may pass
+                report.retrying.append(folder)
+        else:
+            served[folder] = AdapterDirective(name, "default", VersionRef(s.sha256[:12], folder, s.sha256))
+    for folder, message in report.errors.items():
+        log.warning("seeding %s: %s", folder, message)
+    await stager.apply(DesiredState(max(1, stager.generation + 1), list(served.values())), seed=report)
+    return report
+
+
+async def seed_until_done(stager: Stager, uri: str) -> None:
+    """Seed, and again with backoff while a folder may still stage or the push did not reach the
+    engine (it may still be starting), until a push from elsewhere takes over."""
+    delay = 0.2
+    while stager.desired is None or stager.seed_report is not None:
+        try:
+            report = await seed(stager, uri)
+            if not report.retrying:
+                log.info("serving the adapters under %s (%d folders not served)", uri, len(report.errors))
+                return
+            log.warning("staging %d adapters under %s failed (retrying)", len(report.retrying), uri)
+        except Exception as exc:
+            log.warning("staging the adapters under %s: %s (retrying)", uri, exc)
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 10.0)

@@ -1,0 +1,23 @@
+"""The refusal a failed stage of an adapter answers with (the stager's API and its reports)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from lorafleet.worker.openai_protocol import APIError
+from lorafleet.worker.sources import SourceError
+
+_STATUS = {"not_allowed": 403, "bad_uri": 400, "missing": 404, "digest_mismatch": 422, "too_large": 413}
+
+
+def staging_error(exc: Exception, uri: str) -> APIError:
+    """The refusal a failed stage of `uri` answers with (its message is what reports show)."""
+    if isinstance(exc, SourceError):
+        return APIError(_STATUS.get(exc.kind, 400), str(exc), code=exc.kind)
+    if isinstance(exc, TimeoutError | asyncio.TimeoutError):
+        return APIError(504, f"{uri}: download timed out", type="server_error", code="download_timeout")
+    name = type(exc).__name__
+    if name == "S3Error" and getattr(exc, "code", "") in ("NoSuchBucket", "NoSuchKey"):
+        return APIError(404, f"{uri}: {exc}", code="missing")
+    return APIError(502, f"{uri}: object store unavailable ({name}: {str(exc)[:200]})", type="server_error",
+                    code="object_store_unavailable")
