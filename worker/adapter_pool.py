@@ -97,15 +97,16 @@ class AdapterPool(AdapterLoading, AdapterPlacement, AdapterReports):
     # ---- registration and versions -------------------------------------------------------------
     def add(self, key: str, weights=None, *, loader: Loader | None = None, tenant: str = "default",
             pinned: bool = False, make_current: bool = True) -> None:
-        """Register `name@version` from CPU `weights` (packed now) or a `loader` (run in a loader thread
-        on first use). A second version of a name loads beside the first and becomes current once
+        """Register `name@version` from CPU `weights` (packed now; re-read through `weights.reload` when it
+        has one, so the CPU tier alone bounds the copies kept) or a `loader` (run in a loader thread on
+        first use). A second version of a name loads beside the first and becomes current once
         resident. Re-adding a key with different content is refused."""
         name, version = split_key(key)
         if weights is None and loader is None:
             raise ValueError(f"{key}: give weights or a loader")
         image = self._pack(weights) if weights is not None else None
-        if loader is None:
-            loader = lambda: weights  # noqa: E731 - reload from the caller's CPU copy
+        if loader is None:  # re-read from the adapter's directory if it has one, else the caller's CPU copy
+            loader = getattr(weights, "reload", None) or (lambda: weights)
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None:
@@ -388,6 +389,7 @@ class AdapterPool(AdapterLoading, AdapterPlacement, AdapterReports):
         """No new request resolves to it; it stays while resident (requests that resolved it earlier
         still get it) and is evicted before anything else, then forgotten."""
         entry.retired, entry.retire_reason = True, reason
+        entry.pinned = False  # pinning holds the version being served: a retired one goes once unused
         self._wanted.pop(entry.key, None)
         entry.loader = None  # never reloaded: drops the caller's CPU copy with it
         if entry.image is not None and entry.copying is None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from aiohttp import web
@@ -25,7 +26,7 @@ from lorafleet.worker.app_keys import (
     HOST,
     TENANTS,
 )
-from lorafleet.worker.directives import DesiredState, DirectiveError
+from lorafleet.worker.directives import DesiredState, DirectiveError, VersionRef
 from lorafleet.worker.openai_api import read_json
 from lorafleet.worker.openai_protocol import (
     APIError,
@@ -68,16 +69,36 @@ def require_admin(request: web.Request) -> None:
                    type="authentication_error", code="invalid_admin_token", headers={"WWW-Authenticate": "Bearer"})
 
 
-def _check_local_source(app: web.Application, uri: str, what: str) -> None:
-    """Adapter sources are limited to configured locations: an admin push may only name folders
-    inside the worker's adapter roots (the stager stages object-store sources into one of them)."""
+def _local_source(app: web.Application, uri: str, what: str) -> str:
+    """The source to register for `uri`: its folder resolved inside the worker's adapter roots (the
+    stager stages object-store sources into one of them), so what was checked is what is loaded.
+    An object-store URI (not staged) or a folder that does not exist passes unchanged: registering it
+    fails and the failure is reported for that version. Anything else is refused: 403 for a path out
+    of the roots or with '..', 400 for a relative or malformed one (it would be read relative to the
+    worker's working directory)."""
+    sources = Sources(SourcesConfig(local_roots=app[CONFIG].local_adapter_roots))
+    if sources.is_s3(uri):
+        return uri
     try:
-        Sources(SourcesConfig(local_roots=app[CONFIG].local_adapter_roots)).local_path(uri)
+        return str(sources.local_path(uri))
     except SourceError as exc:
-        if exc.kind != "not_allowed":
-            return  # unstaged, missing or malformed: the registration reports it for that version
-        raise APIError(403, f"{what}: {exc}; set --adapter-roots (LORAFLEET_ADAPTER_ROOTS) to allow a folder",
-                       type="permission_error", code="source_not_allowed") from None
+        if exc.kind == "missing":
+            return uri
+        if exc.kind == "not_allowed":
+            raise APIError(403, f"{what}: {exc}; set --adapter-roots (LORAFLEET_ADAPTER_ROOTS) to allow a folder",
+                           type="permission_error", code="source_not_allowed") from None
+        raise APIError(400, f"{what}: {exc}", code="invalid_source") from None
+
+
+def _with_local_sources(app: web.Application, state: DesiredState) -> DesiredState:
+    """`state` with every version's source checked and replaced by the path to register."""
+    def checked(name: str, ref: VersionRef | None) -> VersionRef | None:
+        if ref is None:
+            return None
+        return replace(ref, uri=_local_source(app, ref.uri, f"adapter {name}@{ref.version}"))
+
+    adapters = [replace(d, stable=checked(d.name, d.stable), canary=checked(d.name, d.canary)) for d in state.adapters]
+    return replace(state, adapters=adapters)
 
 
 def _require_engine(request: web.Request) -> None:
@@ -126,10 +147,7 @@ async def put_state(request: web.Request) -> web.Response:
     except DirectiveError as exc:
         raise APIError(400, f"bad desired state: {exc}", code="invalid_directive") from None
     app = request.app
-    for d in state.adapters:
-        for ref in (d.stable, d.canary):
-            if ref is not None:
-                _check_local_source(app, ref.uri, f"adapter {d.name}@{ref.version}")
+    state = _with_local_sources(app, state)
     try:
         await admin_change(app, app[ADAPTERS].apply, state, app[HOST])
     except APIError as err:
@@ -152,8 +170,8 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
     _require_engine(request)
     name, path = parse_load_adapter_request(await read_json(request))
     app = request.app
-    _check_local_source(app, path, f"lora_path of {name!r}")
-    key = await admin_change(app, app[ADAPTERS].load, name, path, app[HOST])
+    source = _local_source(app, path, f"lora_path of {name!r}")
+    key = await admin_change(app, app[ADAPTERS].load, name, source, app[HOST])
     return web.Response(text=f"Success: LoRA adapter '{name}' added successfully ({key}).")
 
 

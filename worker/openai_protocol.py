@@ -12,6 +12,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from lorafleet.worker.directives import DirectiveError
+from lorafleet.worker.directives import _name as directive_name
+
 MAX_N = 16
 MAX_STOP = 4
 MAX_COMPLETION_LOGPROBS = 5
@@ -93,6 +96,8 @@ def parse_json(raw: bytes | str) -> Any:
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise APIError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    except RecursionError:  # e.g. '[' * 50000: deeper than the parser's recursion limit
+        raise APIError(400, "request body is not valid JSON: nested too deeply", code="invalid_json") from None
 
 
 def _is_int(v: Any) -> bool:
@@ -324,6 +329,10 @@ def parse_load_adapter_request(body: Any) -> tuple[str, str]:
     f.refuse_unknown()
     if not name or not path:
         raise bad_request("'lora_name' and 'lora_path' must not be empty", "lora_name")
+    try:  # the directive schema's rule: the name must fit a state report (GET /admin/v1/state)
+        directive_name(name, "lora_name")
+    except DirectiveError as exc:
+        raise bad_request(str(exc), "lora_name") from None
     return name, path
 
 

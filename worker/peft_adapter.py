@@ -11,7 +11,12 @@ decides the adapter's output travels with the weights and is checked here, once,
   (a different vocabulary turns every output into garbage), with strictness strict / warn / off;
 * features we cannot serve (DoRA, `modules_to_save`, embedding or lm_head LoRA, LoRA biases, ...)
   are refused with a message instead of being silently ignored;
-* pickle files (`adapter_model.bin`, `*.pt`, ...) are refused outright: they are never opened.
+* pickle files (`adapter_model.bin`, `*.pt`, ...) are refused outright: they are never opened;
+* the weights are copied out of the file's bytes, read once (never a memory map of the file, which a
+  file rewritten in place later would change under the server), and must be finite in the served
+  dtype; scales must be finite in float32.
+
+The checks of adapter_config.json alone live in worker/peft_config.py.
 
 Precision (merged vs unmerged): the server never merges. In fp32 the unmerged delta equals the
 merged weight's output within 1e-4. In bf16 the delta is accumulated in fp32 by the LoRA kernels
@@ -25,28 +30,34 @@ regex (`re.fullmatch`) when a string, otherwise exact names or name suffixes aft
 
 from __future__ import annotations
 
+import functools
 import hashlib
-import json
 import logging
 import re
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import safetensors.torch
 import torch
-from safetensors import safe_open
 
 from lorafleet.kernels.lora_layout import PROJS
+from lorafleet.worker.peft_config import (
+    CONFIG_FILE,
+    PARENT,
+    WEIGHTS_FILE,
+    AdapterError,
+    read_bytes,
+    read_config,
+    refuse_embedding_targets,
+    refuse_unsupported,
+)
 from lorafleet.worker.peft_patterns import is_targeted, lora_scale, module_rank_alpha
-from lorafleet.worker.vocab_digest import vocab_digest
+from lorafleet.worker.vocab_digest import TokenizerFileError, vocab_digest
 
 log = logging.getLogger(__name__)
 
-_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 Strictness = Literal["strict", "warn", "off"]
 
@@ -55,11 +66,6 @@ _KEY = re.compile(
     r"^(?P<module>(?:.*\.)?layers\.(?P<layer>\d+)\.(?P<parent>self_attn|mlp)\.(?P<proj>[a-z_]+))"
     r"\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$"
 )
-
-
-class AdapterError(ValueError):
-    """An adapter that cannot be served; the message names the file/module, what was expected,
-    what was found, and what to do."""
 
 
 @dataclass(slots=True)
@@ -84,6 +90,9 @@ class LoRAWeights:
     base_model: str  # base_model_name_or_path from adapter_config.json
     modules: dict[tuple[int, str], ModuleLoRA]  # (layer index, proj name) -> weights
     nbytes: int
+    # Loads and validates the same adapter again from its directory (None: held in memory only), so
+    # the adapter pool can drop its CPU copy and re-read it instead of keeping this one alive.
+    reload: Callable[[], LoRAWeights] | None = field(default=None, repr=False, compare=False)
 
     @property
     def ranks(self) -> set[int]:
@@ -110,65 +119,6 @@ def projection_shapes(model_config: Any) -> dict[str, tuple[int, int]]:
     q, kv = heads * head_dim, kv_heads * head_dim
     return {"q_proj": (q, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden), "o_proj": (hidden, q),
             "gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
-
-
-def _module_names(num_layers: int) -> list[str]:
-    return [f"model.layers.{i}.{_PARENT[p]}.{p}" for i in range(num_layers) for p in PROJS]
-
-
-# ---- checks on adapter_config.json -----------------------------------------------------------------
-
-def _refuse_unsupported(config: dict, where: Path) -> None:
-    peft_type = str(config.get("peft_type", "LORA")).upper()
-    if peft_type != "LORA":
-        raise AdapterError(f"{where}: peft_type is {peft_type!r}; only LoRA adapters (peft_type LORA) are served")
-    checks = [
-        (config.get("use_dora"), "DoRA (use_dora=true)", "train a plain LoRA adapter (use_dora=false)"),
-        (config.get("modules_to_save"), f"modules_to_save={config.get('modules_to_save')}",
-         "retrain without modules_to_save: fully trained modules would replace shared base weights"),
-        (config.get("bias", "none") != "none", f"bias={config.get('bias')!r}", "train with bias='none'"),
-        (config.get("lora_bias"), "lora_bias=true", "train with lora_bias=false"),
-        (config.get("fan_in_fan_out"), "fan_in_fan_out=true (Conv1D layout)", "use a Llama-architecture base"),
-        (config.get("target_parameters"), "target_parameters", "target Linear modules (q/k/v/o/gate/up/down_proj)"),
-        (config.get("trainable_token_indices"), "trainable_token_indices (embedding training)",
-         "retrain without trainable tokens"),
-        (config.get("layer_replication"), "layer_replication", "retrain without layer replication"),
-        (config.get("alora_invocation_tokens"), "activated LoRA (alora_invocation_tokens)",
-         "train a plain LoRA adapter"),
-        (config.get("use_qalora"), "QA-LoRA (use_qalora=true)", "train a plain LoRA adapter"),
-    ]
-    for bad, what, todo in checks:
-        if bad:
-            raise AdapterError(f"{where}: {what} is not supported by this server; {todo}")
-    targets = config.get("target_modules")
-    if targets is None:
-        raise AdapterError(f"{where}: target_modules is missing; it must name the adapted projections")
-    for name in ("r", "lora_alpha"):
-        value = config.get(name, 8)
-        if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
-            raise AdapterError(f"{where}: {name}={value!r} must be a positive number")
-    for name in ("rank_pattern", "alpha_pattern"):
-        pattern = config.get(name) or {}
-        if not isinstance(pattern, dict) or any(not isinstance(v, int | float) or v <= 0 for v in pattern.values()):
-            raise AdapterError(f"{where}: {name} must map module-name patterns to positive numbers, got {pattern!r}")
-
-
-def _refuse_embedding_targets(config: dict, where: Path, num_layers: int) -> None:
-    """target_modules that hit the embedding or lm_head (or nothing of a Llama) are refused."""
-    targets = config.get("target_modules")
-    extra = {"model.embed_tokens": "embedding LoRA (embed_tokens)", "lm_head": "LoRA on lm_head"}
-    for name, what in extra.items():
-        if isinstance(targets, str) and targets.lower() == "all-linear":
-            continue
-        if is_targeted(config, name):
-            raise AdapterError(f"{where}: {what} is not supported; target only q/k/v/o/gate/up/down_proj")
-    if isinstance(targets, list | tuple | set):
-        unknown = [t for t in targets if t.rsplit(".", 1)[-1] not in PROJS and t not in _module_names(num_layers)]
-        if unknown:
-            raise AdapterError(
-                f"{where}: target_modules {sorted(unknown)} are not projections of a Llama model; "
-                f"supported: {', '.join(PROJS)}"
-            )
 
 
 # ---- base model and tokenizer ----------------------------------------------------------------------
@@ -206,17 +156,39 @@ def _refuse_pickles(path: Path) -> None:
         )
 
 
-def _read_config(path: Path) -> dict:
-    config_path = path / CONFIG_FILE
-    if not config_path.is_file():
-        raise AdapterError(f"{path}: {CONFIG_FILE} not found; a PEFT adapter dir needs {CONFIG_FILE} + {WEIGHTS_FILE}")
+def _is_float32_finite(value: float) -> bool:
+    """The layout stores scales as float32: 1e39 is a finite Python float but inf there."""
+    return bool(torch.isfinite(torch.tensor(value, dtype=torch.float32)))
+
+
+def _read_tensors(raw: bytes, path: Path, num_layers: int) -> tuple[dict, dict[tuple[int, str], str]]:
+    """(layer, proj) -> {"A": lora_A, "B": lora_B}, and the module name each came with.
+
+    From the file's bytes, read once, never from a memory map of the file: the tensors own their
+    memory, so a file rewritten in place later changes nothing served (and truncating it cannot
+    kill the process with SIGBUS)."""
     try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise AdapterError(f"{config_path}: not valid JSON ({exc})") from exc
-    if not isinstance(config, dict):
-        raise AdapterError(f"{config_path}: expected a JSON object")
-    return config
+        tensors = safetensors.torch.load(raw)
+    except Exception as exc:  # a truncated or foreign file
+        raise AdapterError(f"{path / WEIGHTS_FILE}: cannot read safetensors ({exc})") from exc
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    module_names: dict[tuple[int, str], str] = {}
+    key_of: dict[tuple[int, str, str], str] = {}
+    for key in sorted(tensors):
+        layer, proj, ab, module = _classify_key(key, path)
+        if proj not in PROJS:
+            raise AdapterError(f"{path}: tensor {key!r} adapts {proj!r}, which is not a Llama projection; "
+                               f"supported: {', '.join(PROJS)}")
+        if layer >= num_layers:
+            raise AdapterError(f"{path}: tensor {key!r} is for layer {layer}, but the base model has "
+                               f"{num_layers} layers (0..{num_layers - 1}); wrong base model?")
+        first = key_of.setdefault((layer, proj, ab), key)
+        if first != key:  # e.g. two PEFT adapter names in one file: one would silently replace the other
+            raise AdapterError(f"{path}: tensors {first!r} and {key!r} are both lora_{ab} of layer {layer} {proj}; "
+                               f"save one adapter per directory (PEFT save_pretrained of a single adapter)")
+        pairs.setdefault((layer, proj), {})[ab] = tensors[key]
+        module_names.setdefault((layer, proj), module)
+    return pairs, module_names
 
 
 def load_peft_adapter(
@@ -229,9 +201,12 @@ def load_peft_adapter(
     tokenizer_digest: str | None = None,
     name: str | None = None,
     version: str | None = None,
+    expect_digest: str | None = None,
 ) -> LoRAWeights:
     """Load and validate a PEFT LoRA dir for a base described by `model_config`.
 
+    expect_digest: the content digest the files must still have (a reload of a registered version:
+    files rewritten in place since are refused rather than served under the old version).
     strict_base: "strict" (True) refuses a base-model-name or tokenizer mismatch, "warn" (False)
     logs it, "off" skips both checks. base_model_name / tokenizer_digest describe the served base;
     None skips that check. Raises AdapterError.
@@ -242,16 +217,21 @@ def load_peft_adapter(
     if not path.is_dir():
         raise AdapterError(f"{path}: not a directory; an adapter is a PEFT dir with {CONFIG_FILE} + {WEIGHTS_FILE}")
     _refuse_pickles(path)
-    config = _read_config(path)
-    _refuse_unsupported(config, path)
+    config, config_raw = read_config(path)
+    refuse_unsupported(config, path)
     num_layers = int(_cfg(model_config, "num_hidden_layers"))
-    _refuse_embedding_targets(config, path, num_layers)
+    refuse_embedding_targets(config, path, num_layers)
     base = config.get("base_model_name_or_path") or ""
     if mode != "off":
         if base_model_name and base and _short_name(base) != _short_name(base_model_name):
             _mismatch(mode, f"{path}: adapter was trained on base model {base!r}, this server serves "
                             f"{base_model_name!r}; serve it on its own base, or load with strictness 'warn'/'off'")
-        theirs = vocab_digest(path)
+        try:
+            theirs = vocab_digest(path)
+        except TokenizerFileError as exc:
+            theirs = None
+            _mismatch(mode, f"{exc}; the adapter's vocabulary cannot be compared with the served base model's. "
+                            f"Fix or remove the tokenizer files, or load with strictness 'warn'/'off'")
         if tokenizer_digest and theirs and theirs != tokenizer_digest:
             _mismatch(mode, f"{path}: the adapter ships a tokenizer whose vocabulary differs from the served "
                             f"base model's; its outputs would be decoded with the wrong ids. Serve it on the base "
@@ -261,30 +241,19 @@ def load_peft_adapter(
     if not weights_path.is_file():
         raise AdapterError(f"{path}: {WEIGHTS_FILE} not found (only safetensors weights are accepted)")
     shapes = projection_shapes(model_config)
-    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    module_names: dict[tuple[int, str], str] = {}
-    try:
-        with safe_open(str(weights_path), framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 (safe_open handles are not mappings)
-                layer, proj, ab, module = _classify_key(key, path)
-                if proj not in PROJS:
-                    raise AdapterError(f"{path}: tensor {key!r} adapts {proj!r}, which is not a Llama projection; "
-                                       f"supported: {', '.join(PROJS)}")
-                if layer >= num_layers:
-                    raise AdapterError(f"{path}: tensor {key!r} is for layer {layer}, but the base model has "
-                                       f"{num_layers} layers (0..{num_layers - 1}); wrong base model?")
-                pairs.setdefault((layer, proj), {})[ab] = f.get_tensor(key)
-                module_names[(layer, proj)] = module
-    except AdapterError:
-        raise
-    except Exception as exc:  # a truncated or foreign file
-        raise AdapterError(f"{weights_path}: cannot read safetensors ({exc})") from exc
+    raw = read_bytes(weights_path)
+    digest = _content_digest(config_raw, raw)  # of the bytes served
+    if expect_digest is not None and digest != expect_digest:
+        raise AdapterError(f"{path}: the adapter's files changed after version {version} was loaded from them; "
+                           f"register the new files as a new version")
+    pairs, module_names = _read_tensors(raw, path, num_layers)
+    del raw  # the tensors hold copies
     if not pairs:
         raise AdapterError(f"{weights_path}: holds no LoRA tensors (lora_A/lora_B of q/k/v/o/gate/up/down_proj)")
 
     modules: dict[tuple[int, str], ModuleLoRA] = {}
     for (layer, proj), ab in sorted(pairs.items()):
-        module = f"model.layers.{layer}.{_PARENT[proj]}.{proj}"
+        module = f"model.layers.{layer}.{PARENT[proj]}.{proj}"
         label = f"layer {layer} {proj}"
         if set(ab) != {"A", "B"}:
             missing = "lora_B" if "A" in ab else "lora_A"
@@ -306,21 +275,26 @@ def load_peft_adapter(
                 f"{path}: {label}: adapter_config.json gives rank {r} (r / rank_pattern) but the weights have "
                 f"rank {a.shape[0]}; the config does not belong to these weights"
             )
-        for t in (a, b):
-            if not torch.is_floating_point(t) or not torch.isfinite(t).all():
-                raise AdapterError(f"{path}: {label}: weights contain non-finite or non-float values")
-        modules[(layer, proj)] = ModuleLoRA(a=a.to(dtype).contiguous(), b=b.to(dtype).contiguous(),
-                                            scale=float(lora_scale(config, r, alpha)))
+        if not torch.is_floating_point(a) or not torch.is_floating_point(b):
+            raise AdapterError(f"{path}: {label}: weights are {a.dtype}/{b.dtype}, not floating point")
+        # Checked after the cast: a finite float32 weight above 65504 is inf in float16.
+        a, b = a.to(dtype).contiguous(), b.to(dtype).contiguous()
+        if not torch.isfinite(a).all() or not torch.isfinite(b).all():
+            raise AdapterError(f"{path}: {label}: weights contain NaN/inf, or values beyond the range of the "
+                               f"served dtype {dtype}; the adapter diverged in training or needs another dtype")
+        scale = float(lora_scale(config, r, alpha))
+        if not _is_float32_finite(scale):
+            raise AdapterError(f"{path}: {label}: scale {scale!r} (lora_alpha {alpha}, rank {r}) is not a finite "
+                               f"float32; fix lora_alpha / alpha_pattern in {CONFIG_FILE}")
+        modules[(layer, proj)] = ModuleLoRA(a=a, b=b, scale=scale)
 
     _refuse_missing_targets(config, modules, num_layers, path)
     nbytes = sum(m.a.numel() * m.a.element_size() + m.b.numel() * m.b.element_size() for m in modules.values())
-    return LoRAWeights(
-        name=name or path.name,
-        version=version or _content_digest(path)[:12],
-        base_model=base,
-        modules=modules,
-        nbytes=nbytes,
-    )
+    name, version = name or path.name, version or digest[:12]
+    reload = functools.partial(load_peft_adapter, path, model_config, dtype=dtype, strict_base=strict_base,
+                               base_model_name=base_model_name, tokenizer_digest=tokenizer_digest, name=name,
+                               version=version, expect_digest=digest)
+    return LoRAWeights(name=name, version=version, base_model=base, modules=modules, nbytes=nbytes, reload=reload)
 
 
 def _classify_key(key: str, path: Path) -> tuple[int, str, str, str]:
@@ -348,7 +322,7 @@ def _refuse_missing_targets(config: dict, modules: dict, num_layers: int, path: 
     missing = []
     for layer in range(num_layers):
         for proj in PROJS:
-            module = f"model.layers.{layer}.{_PARENT[proj]}.{proj}"
+            module = f"model.layers.{layer}.{PARENT[proj]}.{proj}"
             if (layer, proj) not in modules and is_targeted(config, module):
                 missing.append(f"layer {layer} {proj}")
     if missing:
@@ -356,10 +330,9 @@ def _refuse_missing_targets(config: dict, modules: dict, num_layers: int, path: 
                            f"{WEIGHTS_FILE} (first: {missing[0]}); the file is incomplete or for another base")
 
 
-def _content_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    for name in (CONFIG_FILE, WEIGHTS_FILE):
-        with open(path / name, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
+def _content_digest(config_raw: bytes, weights_raw: bytes) -> str:
+    """sha256 over adapter_config.json then adapter_model.safetensors (as `sources.adapter_digest`), of
+    the very bytes that were validated and loaded."""
+    h = hashlib.sha256(config_raw)
+    h.update(weights_raw)
     return h.hexdigest()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from pathlib import PurePosixPath
 from typing import Any, Protocol
 
 from lorafleet.worker.canary import CanaryResolver, VersionSplit
@@ -52,13 +53,17 @@ class ServedAdapter:
 
 
 def local_source(uri: str) -> str:
-    """A staged, local path; object-store URIs must have been staged by the stager first."""
-    if uri.startswith("file://"):
-        return uri[len("file://"):]
-    if uri.startswith("/"):
-        return uri
-    raise ValueError(f"{uri} is not staged: the stager downloads object-store sources to local disk and "
-                     "pushes local paths")
+    """The local path of a staged source (`/abs/dir` or `file:///abs/dir`); object-store URIs must have
+    been staged by the stager first. A relative path or '..' is refused: it would be read relative to
+    the worker's working directory, wherever that is (the admin API checks the adapter roots)."""
+    path = uri[len("file://"):] if uri.startswith("file://") else uri
+    if "://" in path:
+        raise ValueError(f"{uri} is not staged: the stager downloads object-store sources to local disk and "
+                         "pushes local paths")
+    if not path.startswith("/") or ".." in PurePosixPath(path).parts:
+        raise ValueError(f"{uri}: a local adapter source must be an absolute path without '..' "
+                         "(/abs/dir or file:///abs/dir)")
+    return path
 
 
 class ServedAdapters:
@@ -169,9 +174,10 @@ class ServedAdapters:
                 engine.set_adapter_pinned(key, d.pinned)
                 if d.warm:
                     engine.prefetch_adapter(key)
-            except (ValueError, KeyError, OSError, RuntimeError) as exc:
-                served.errors[version] = str(exc)
-                log.warning("adapter %s@%s cannot be served: %s", d.name, version, exc)
+            except Exception as exc:  # whatever it is, it is this version's: the rest of the push applies
+                served.errors[version] = str(exc) or type(exc).__name__
+                log.warning("adapter %s@%s cannot be served: %s", d.name, version, exc,
+                            exc_info=not isinstance(exc, ValueError | KeyError | OSError | RuntimeError))
             served.sources[version] = uri
         if d.canary is not None and d.canary.version not in served.errors and d.stable.version not in served.errors:
             served.split = VersionSplit(d.stable.version, d.canary.version, d.canary_weight)

@@ -115,10 +115,12 @@ class Sources:
     def local_path(self, uri: str) -> Path:
         """The resolved directory of a local source, refused unless it lies inside a configured root."""
         raw = uri[len("file://"):] if uri.startswith("file://") else uri
-        if not raw.startswith("/"):
-            raise SourceError(f"{uri!r}: local sources must be absolute paths or file:// URIs")
+        # '..' first: `file://../x` is relative too, and must be refused as an escape, not passed on.
         if ".." in PurePosixPath(raw).parts:
             raise SourceError(f"{uri!r}: '..' is not allowed in adapter paths", "not_allowed")
+        if not raw.startswith("/"):
+            raise SourceError(f"{uri!r}: local sources must be absolute paths (/abs/dir or file:///abs/dir); "
+                              f"a relative path would depend on the worker's working directory")
         path = Path(raw).resolve()  # follows symlinks: a link out of a root lands outside it
         if not any(path == root or path.is_relative_to(root) for root in self._roots):
             raise SourceError(f"{uri}: resolves to {path}, outside the allowed local roots "

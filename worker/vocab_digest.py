@@ -5,36 +5,74 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class TokenizerFileError(ValueError):
+    """A tokenizer file that cannot be read as one (not JSON, not UTF-8, unexpected structure); the
+    message names the file."""
+
+
+def _parse(file: Path, interpret: Callable[[Any], T]) -> T:
+    """`interpret(json of file)`; any malformation becomes a TokenizerFileError naming the file."""
+    try:
+        raw = json.loads(file.read_text(encoding="utf-8"))
+        if not isinstance(raw, dict):
+            raise TypeError(f"expected a JSON object, found a JSON {type(raw).__name__}")
+        return interpret(raw)
+    except (OSError, ValueError, RecursionError, KeyError, IndexError, TypeError, AttributeError) as exc:
+        # ValueError covers JSONDecodeError and UnicodeDecodeError.
+        raise TokenizerFileError(f"{file}: not a readable tokenizer file ({type(exc).__name__}: {exc})") from exc
+
+
+def _from_tokenizer_json(raw: dict) -> tuple[dict[str, int], list[str]]:
+    model = raw.get("model") or {}
+    vocab = dict(model.get("vocab") or {}) if isinstance(model.get("vocab"), dict) else {
+        piece[0]: i for i, piece in enumerate(model.get("vocab") or [])  # Unigram: [[piece, score], ...]
+    }
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
+    for tok in raw.get("added_tokens") or []:
+        vocab[tok["content"]] = tok["id"]
+    return _checked(vocab), merges
+
+
+def _added_tokens_decoder(raw: dict) -> dict[str, int]:
+    return _checked({tok["content"]: int(idx) for idx, tok in (raw.get("added_tokens_decoder") or {}).items()})
+
+
+def _checked(vocab: dict) -> dict[str, int]:
+    """token -> id with string tokens and integer ids (the digest sorts by them)."""
+    bad = [(t, i) for t, i in vocab.items() if not isinstance(t, str) or not isinstance(i, int) or isinstance(i, bool)]
+    if bad:
+        raise TypeError(f"vocabulary entries must map strings to integer ids, got {bad[:3]}")
+    return vocab
 
 
 def _vocab_and_merges_from_dir(path: Path) -> tuple[dict[str, int], list[str]] | None:
     tok_json = path / "tokenizer.json"
     if tok_json.is_file():
-        raw = json.loads(tok_json.read_text(encoding="utf-8"))
-        model = raw.get("model") or {}
-        vocab = dict(model.get("vocab") or {}) if isinstance(model.get("vocab"), dict) else {
-            piece[0]: i for i, piece in enumerate(model.get("vocab") or [])  # Unigram: [[piece, score], ...]
-        }
-        merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
-        for tok in raw.get("added_tokens") or []:
-            vocab[tok["content"]] = tok["id"]
-        return vocab, merges
+        return _parse(tok_json, _from_tokenizer_json)
     vocab_json = path / "vocab.json"
     if vocab_json.is_file():
-        vocab = json.loads(vocab_json.read_text(encoding="utf-8"))
+        vocab = _parse(vocab_json, _checked)
         merges_txt = path / "merges.txt"
         merges = []
         if merges_txt.is_file():
-            merges = [ln for ln in merges_txt.read_text(encoding="utf-8").splitlines()
-                      if ln and not ln.startswith("#version")]
+            try:
+                text = merges_txt.read_text(encoding="utf-8")
+            except (OSError, ValueError) as exc:
+                raise TokenizerFileError(f"{merges_txt}: not a readable merges file ({exc})") from exc
+            merges = [ln for ln in text.splitlines() if ln and not ln.startswith("#version")]
         added = path / "added_tokens.json"
         if added.is_file():
-            vocab.update(json.loads(added.read_text(encoding="utf-8")))
+            vocab.update(_parse(added, _checked))
         cfg = path / "tokenizer_config.json"
         if cfg.is_file():
-            for idx, tok in (json.loads(cfg.read_text(encoding="utf-8")).get("added_tokens_decoder") or {}).items():
-                vocab[tok["content"]] = int(idx)
+            vocab.update(_parse(cfg, _added_tokens_decoder))
         return vocab, merges
     return None
 
@@ -42,8 +80,9 @@ def _vocab_and_merges_from_dir(path: Path) -> tuple[dict[str, int], list[str]] |
 def vocab_digest(path: str | Path) -> str | None:
     """Digest of a tokenizer's vocabulary (token -> id, added tokens included) and BPE merges.
 
-    `path` is a model/adapter dir or a tokenizer.json; None when it holds no tokenizer files we can
-    read. Equal digests mean the same text becomes the same ids, whatever file format carried them.
+    `path` is a model/adapter dir or a tokenizer.json; None when it holds no tokenizer files.
+    Equal digests mean the same text becomes the same ids, whatever file format carried them.
+    Raises TokenizerFileError (naming the file) when a tokenizer file is malformed.
     """
     path = Path(path)
     if path.is_file():

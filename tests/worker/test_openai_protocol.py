@@ -121,3 +121,20 @@ def test_vllm_adapter_admin_bodies():
     for bad in [{"lora_name": "a"}, {"lora_name": "", "lora_path": "/p"}, {"lora_name": "a", "lora_path": "/p", "x": 1}]:
         with pytest.raises(APIError):
             parse_load_adapter_request(bad)
+
+
+def test_deeply_nested_json_is_400_not_a_crash():
+    for raw in (b"[" * 50000 + b"]" * 50000, '{"a":' * 50000 + "1" + "}" * 50000):
+        with pytest.raises(APIError) as exc:
+            parse_json(raw)
+        assert exc.value.status == 400 and exc.value.code == "invalid_json" and "nested too deeply" in exc.value.message
+
+
+@pytest.mark.parametrize("name", ["a b", "sql\u00e9", "-leading-dash", "a@v1", "a/b", "tab\tname", "x" * 254])
+def test_load_adapter_names_follow_the_directive_schema(name):
+    """A name the state report cannot carry would make GET /admin/v1/state fail later."""
+    with pytest.raises(APIError) as exc:
+        parse_load_adapter_request({"lora_name": name, "lora_path": "/p"})
+    assert exc.value.status == 400 and exc.value.param == "lora_name"
+    assert "letters, digits, '.', '_' or '-'" in exc.value.message
+    assert parse_load_adapter_request({"lora_name": "sql-v1.2_b", "lora_path": "/p"}) == ("sql-v1.2_b", "/p")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 
 import pytest
@@ -290,6 +291,77 @@ def test_refuses_bad_configs(tmp_path, model_config):
         load_peft_adapter(tmp_path / "missing", model_config, dtype=torch.float32)
 
 
+def test_loaded_weights_own_their_memory(tmp_path, model_config):
+    """The weights are copied out of the file: a file rewritten in place later (same inode, as `cp`
+    over it does) changes nothing loaded. Memory-mapped tensors would follow the file (and SIGBUS once
+    it is truncated)."""
+    make_adapter(tmp_path / "x", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    path = tmp_path / "x" / "adapter_model.safetensors"
+    w = load_peft_adapter(tmp_path / "x", model_config, dtype=torch.float32)  # the file's dtype: no cast
+    before = {key: (m.a.clone(), m.b.clone()) for key, m in w.modules.items()}
+    with open(path, "r+b") as f:
+        f.write(bytes(path.stat().st_size))
+    for key, m in w.modules.items():
+        assert torch.equal(m.a, before[key][0]) and torch.equal(m.b, before[key][1]), key
+
+
+@pytest.mark.parametrize("changes,message", [
+    (dict(lora_alpha=float("nan")), "lora_alpha=nan must be a finite positive number"),
+    (dict(lora_alpha=float("inf")), "lora_alpha=inf must be a finite positive number"),
+    (dict(r=float("nan")), "r=nan must be a finite positive number"),
+    (dict(lora_alpha=10**400), "lora_alpha=1000.* must be a finite positive number"),
+    (dict(alpha_pattern={"q_proj": float("nan")}), "alpha_pattern must map .* finite positive numbers"),
+    (dict(alpha_pattern={"q_proj": float("-inf")}), "alpha_pattern must map .* finite positive numbers"),
+    (dict(rank_pattern={"q_proj": float("nan")}), "rank_pattern must map .* finite positive numbers"),
+    (dict(lora_alpha=2e39), r"layer 0 q_proj: scale 5e\+38 .* not a finite float32"),
+    (dict(lora_alpha=1e39, use_rslora=True), r"scale 5e\+38 .* not a finite float32"),
+], ids=["alpha-nan", "alpha-inf", "r-nan", "alpha-huge-int", "alpha-pattern-nan", "alpha-pattern-minus-inf",
+        "rank-pattern-nan", "scale-overflows-float32", "rslora-scale-overflows-float32"])
+def test_refuses_non_finite_ranks_alphas_and_scales(changes, message, tmp_path, model_config):
+    """json.loads accepts NaN and Infinity; a NaN or inf scale would poison every output of the adapter."""
+    make_adapter(tmp_path / "x", r=4, lora_alpha=8, target_modules=["q_proj"])
+    _edit_config(tmp_path / "x", **changes)
+    with pytest.raises(AdapterError, match=message):
+        load_peft_adapter(tmp_path / "x", model_config, dtype=torch.float32)
+
+
+def test_weights_must_be_finite_in_the_served_dtype(tmp_path, model_config):
+    make_adapter(tmp_path / "x", r=4, lora_alpha=8, target_modules=["q_proj"])
+    path = tmp_path / "x" / "adapter_model.safetensors"
+    tensors = load_file(str(path))
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
+    tensors[key][0, 0] = 1e6  # finite in float32, beyond float16's 65504
+    save_file(tensors, str(path))
+    assert load_peft_adapter(tmp_path / "x", model_config, dtype=torch.float32).modules[(0, "q_proj")].b[0, 0] == 1e6
+    with pytest.raises(AdapterError, match="layer 0 q_proj: weights contain NaN/inf.*float16"):
+        load_peft_adapter(tmp_path / "x", model_config, dtype=torch.float16)
+    tensors[key][0, 0] = float("nan")
+    save_file(tensors, str(path))
+    with pytest.raises(AdapterError, match="layer 0 q_proj: weights contain NaN/inf"):
+        load_peft_adapter(tmp_path / "x", model_config, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("rename,first,second", [
+    # A second PEFT adapter name saved into the same file.
+    (lambda k: k.replace(".lora_A.weight", ".lora_A.other.weight"),
+     "layers.0.self_attn.q_proj.lora_A.other.weight", "layers.0.self_attn.q_proj.lora_A.weight"),
+    # The same projection under another parent module.
+    (lambda k: k.replace("self_attn.q_proj", "mlp.q_proj"),
+     "layers.0.mlp.q_proj.lora_A.weight", "layers.0.self_attn.q_proj.lora_A.weight"),
+], ids=["two-adapter-names", "two-parents"])
+def test_refuses_two_tensors_for_one_module(rename, first, second, tmp_path, model_config):
+    """Two lora_A (or lora_B) tensors for one (layer, projection): one would silently replace the other,
+    mixing the A of one adapter with the B of another."""
+    make_adapter(tmp_path / "x", r=4, lora_alpha=8, target_modules=["q_proj"])
+    path = tmp_path / "x" / "adapter_model.safetensors"
+    tensors = load_file(str(path))
+    extra = {rename(k): torch.full_like(v, 7.0) for k, v in tensors.items() if rename(k) != k}
+    save_file({**tensors, **extra}, str(path))
+    with pytest.raises(AdapterError, match="are both lora_A of layer 0 q_proj") as err:
+        load_peft_adapter(tmp_path / "x", model_config, dtype=torch.float32)
+    assert first in str(err.value) and second in str(err.value)
+
+
 # ---- base model and tokenizer ----------------------------------------------------------------------
 
 @pytest.fixture
@@ -371,6 +443,30 @@ def test_tokenizer_mismatch_is_refused(tmp_path, model_config):
     tok.save(str(tmp_path / "x" / "tokenizer.json"))
     with pytest.raises(AdapterError, match="tokenizer"):
         load_peft_adapter(tmp_path / "x", model_config, dtype=torch.float32, tokenizer_digest=digest)
+
+
+@pytest.mark.parametrize("files", [
+    {"tokenizer.json": b'{"model": {"vocab": {"a": 0'},
+    {"tokenizer.json": json.dumps({"model": {"vocab": {"a": 0}}, "added_tokens": [{"id": 5}]}).encode()},
+    {"tokenizer.json": b"[1, 2]"},
+    {"tokenizer.json": b"\xff\xfe\x00garbage"},
+    {"tokenizer.json": json.dumps({"model": {"vocab": {"a": "zero"}}}).encode()},
+    {"vocab.json": b"{"},
+    {"vocab.json": b'{"a": 0}', "tokenizer_config.json": b'{"added_tokens_decoder": {"x": {"content": "b"}}}'},
+], ids=["truncated", "added-token-without-content", "not-an-object", "not-utf8", "string-id", "bad-vocab-json",
+        "bad-added-tokens-decoder"])
+def test_malformed_tokenizer_files_are_an_adapter_error_naming_the_file(files, tmp_path, model_config, caplog):
+    make_adapter(tmp_path / "x", r=4, lora_alpha=8, target_modules=["q_proj"])
+    for name, data in files.items():
+        (tmp_path / "x" / name).write_bytes(data)
+    bad = tmp_path / "x" / list(files)[-1]
+    with pytest.raises(AdapterError, match=re.escape(f"{bad}: not a readable tokenizer file")):
+        load_peft_adapter(tmp_path / "x", model_config, dtype=torch.float32, tokenizer_digest="0" * 64)
+    with caplog.at_level(logging.WARNING):  # 'warn' logs it and serves the adapter; 'off' never reads it
+        load_peft_adapter(tmp_path / "x", model_config, dtype=torch.float32, tokenizer_digest="0" * 64,
+                          strict_base="warn")
+    assert str(bad) in caplog.text
+    load_peft_adapter(tmp_path / "x", model_config, dtype=torch.float32, tokenizer_digest="0" * 64, strict_base="off")
 
 
 # ---- merged vs unmerged precision ------------------------------------------------------------------

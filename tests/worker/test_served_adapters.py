@@ -128,3 +128,60 @@ def test_vllm_load_unload():
     with pytest.raises(APIError) as exc:
         served.unload("x", host)
     assert exc.value.status == 404
+
+
+class CrashingHost(RecordingHost):
+    """A registration that fails with an unexpected exception type (a validator's bug, say)."""
+
+    def register_adapter(self, name, source, **kw):
+        if source == "/c/crash/v1":
+            raise AttributeError("'list' object has no attribute 'get'")
+        return super().register_adapter(name, source, **kw)
+
+
+def test_one_failing_adapter_does_not_abort_the_push():
+    host, served = CrashingHost(), ServedAdapters("base")
+    crash = {"name": "crash", "tenant": "acme", "stable": {"version": "v1", "uri": "/c/crash/v1"}}
+    assert served.apply(state(1, crash, SQL), host)
+    assert served.generation == 1 and served.names() == ["crash", "sql"]
+    assert served.resolve("sql", ACME, None) == "sql@v1"  # the valid adapter of the push is served
+    with pytest.raises(APIError) as exc:
+        served.resolve("crash", ACME, None)
+    assert exc.value.status == 503 and "no attribute 'get'" in exc.value.message
+    errors = {(a.name, a.version): a.error for a in served.report(host).adapters}
+    assert errors[("sql", "v1")] is None and "no attribute 'get'" in errors[("crash", "v1")]
+
+
+@pytest.mark.parametrize("uri", ["file://../outside/secret", "file://relative/dir", "/c/../../etc",
+                                 "file:///c/x/../../y"])
+def test_relative_and_dotdot_sources_are_never_registered(uri):
+    """They would be read relative to the worker's working directory, past the adapter roots."""
+    host, served = RecordingHost(), ServedAdapters("base")
+    served.apply(state(1, SQL | {"stable": {"version": "v1", "uri": uri}}), host)
+    assert not host.keys and "absolute path without '..'" in served.report(host).adapters[0].error
+    for path in (uri, uri.removeprefix("file://")):
+        with pytest.raises(APIError) as exc:
+            served.load("x", path, host)
+        assert exc.value.status == 400 and "absolute path without '..'" in exc.value.message and not host.keys
+
+
+def test_a_bad_tokenizer_file_fails_only_its_adapter_with_the_real_engine(tiny_llama_dir, tmp_path):
+    from lorafleet.worker import Engine, EngineConfig
+    from lorafleet.worker.engine_adapters import EngineAdapters
+    from tests.lora_factory import make_peft_adapter
+
+    good = make_peft_adapter(tiny_llama_dir, tmp_path / "good", rank=4, seed=1)
+    bad = make_peft_adapter(tiny_llama_dir, tmp_path / "bad", rank=4, seed=2)
+    (bad / "tokenizer.json").write_text("[]")  # valid JSON, not a tokenizer
+    engine = Engine(EngineConfig(model=str(tiny_llama_dir), device="cpu", dtype="float32"))
+    try:
+        host, served = EngineAdapters(engine), ServedAdapters("base")
+        served.apply(state(1, {"name": "bad", "tenant": "t", "stable": {"version": "v1", "uri": str(bad)}},
+                           {"name": "good", "tenant": "t", "stable": {"version": "v1", "uri": str(good)}}), host)
+        assert served.generation == 1 and engine.adapters() == ["good@v1"]
+        assert served.resolve("good", Tenant("t"), None) == "good@v1"
+        with pytest.raises(APIError) as exc:
+            served.resolve("bad", Tenant("t"), None)
+        assert exc.value.status == 503 and f"{bad / 'tokenizer.json'}: not a readable tokenizer file" in exc.value.message
+    finally:
+        engine.close()

@@ -64,6 +64,19 @@ def test_escapes_are_refused(roots, how):
     assert err.value.kind in ("not_allowed", "bad_uri")
 
 
+@pytest.mark.parametrize("uri", ["file://../outside/secret", "../outside/secret", "file://good/../../outside/secret"])
+def test_relative_paths_with_dotdot_are_escapes_not_malformed(roots, uri):
+    """'..' is checked before absoluteness: a caller that lets malformed sources through (to report them
+    per version) must still see a relative '..' path as the escape it is."""
+    root, _ = roots
+    with pytest.raises(SourceError, match="'..' is not allowed") as err:
+        Sources(SourcesConfig(local_roots=[str(root)])).local_path(uri)
+    assert err.value.kind == "not_allowed"
+    with pytest.raises(SourceError, match="must be absolute paths") as err:
+        Sources(SourcesConfig(local_roots=[str(root)])).local_path("file://good")
+    assert err.value.kind == "bad_uri"
+
+
 def test_missing_directory(roots):
     root, _ = roots
     with pytest.raises(SourceError, match="no such adapter directory"):

@@ -1,0 +1,113 @@
+"""adapter_config.json of a PEFT LoRA adapter: read, and refused when it asks for what this server
+cannot serve (DoRA, modules_to_save, embedding or lm_head LoRA, biases, non-finite ranks or alphas, ...).
+The weights file is checked against it in worker/peft_adapter.py."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from lorafleet.kernels.lora_layout import PROJS
+from lorafleet.worker.peft_patterns import is_targeted
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+          "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+
+
+class AdapterError(ValueError):
+    """An adapter that cannot be served; the message names the file/module, what was expected,
+    what was found, and what to do."""
+
+
+def module_names(num_layers: int) -> list[str]:
+    return [f"model.layers.{i}.{PARENT[p]}.{p}" for i in range(num_layers) for p in PROJS]
+
+
+def refuse_unsupported(config: dict, where: Path) -> None:
+    peft_type = str(config.get("peft_type", "LORA")).upper()
+    if peft_type != "LORA":
+        raise AdapterError(f"{where}: peft_type is {peft_type!r}; only LoRA adapters (peft_type LORA) are served")
+    checks = [
+        (config.get("use_dora"), "DoRA (use_dora=true)", "train a plain LoRA adapter (use_dora=false)"),
+        (config.get("modules_to_save"), f"modules_to_save={config.get('modules_to_save')}",
+         "retrain without modules_to_save: fully trained modules would replace shared base weights"),
+        (config.get("bias", "none") != "none", f"bias={config.get('bias')!r}", "train with bias='none'"),
+        (config.get("lora_bias"), "lora_bias=true", "train with lora_bias=false"),
+        (config.get("fan_in_fan_out"), "fan_in_fan_out=true (Conv1D layout)", "use a Llama-architecture base"),
+        (config.get("target_parameters"), "target_parameters", "target Linear modules (q/k/v/o/gate/up/down_proj)"),
+        (config.get("trainable_token_indices"), "trainable_token_indices (embedding training)",
+         "retrain without trainable tokens"),
+        (config.get("layer_replication"), "layer_replication", "retrain without layer replication"),
+        (config.get("alora_invocation_tokens"), "activated LoRA (alora_invocation_tokens)",
+         "train a plain LoRA adapter"),
+        (config.get("use_qalora"), "QA-LoRA (use_qalora=true)", "train a plain LoRA adapter"),
+    ]
+    for bad, what, todo in checks:
+        if bad:
+            raise AdapterError(f"{where}: {what} is not supported by this server; {todo}")
+    targets = config.get("target_modules")
+    if targets is None:
+        raise AdapterError(f"{where}: target_modules is missing; it must name the adapted projections")
+    for name in ("r", "lora_alpha"):
+        value = config.get(name, 8)
+        if not _is_positive_number(value):
+            raise AdapterError(f"{where}: {name}={value!r} must be a finite positive number")
+    for name in ("rank_pattern", "alpha_pattern"):
+        pattern = config.get(name) or {}
+        if not isinstance(pattern, dict) or not all(_is_positive_number(v) for v in pattern.values()):
+            raise AdapterError(f"{where}: {name} must map module-name patterns to finite positive numbers, "
+                               f"got {pattern!r}")
+
+
+def _is_positive_number(value: Any) -> bool:
+    """A finite number > 0: json.loads accepts NaN and Infinity, and NaN <= 0 is False."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value) and value > 0
+    except OverflowError:  # an int beyond float's range
+        return False
+
+
+def refuse_embedding_targets(config: dict, where: Path, num_layers: int) -> None:
+    """target_modules that hit the embedding or lm_head (or nothing of a Llama) are refused."""
+    targets = config.get("target_modules")
+    extra = {"model.embed_tokens": "embedding LoRA (embed_tokens)", "lm_head": "LoRA on lm_head"}
+    for name, what in extra.items():
+        if isinstance(targets, str) and targets.lower() == "all-linear":
+            continue
+        if is_targeted(config, name):
+            raise AdapterError(f"{where}: {what} is not supported; target only q/k/v/o/gate/up/down_proj")
+    if isinstance(targets, list | tuple | set):
+        unknown = [t for t in targets if t.rsplit(".", 1)[-1] not in PROJS and t not in module_names(num_layers)]
+        if unknown:
+            raise AdapterError(
+                f"{where}: target_modules {sorted(unknown)} are not projections of a Llama model; "
+                f"supported: {', '.join(PROJS)}"
+            )
+
+
+def read_config(path: Path) -> tuple[dict, bytes]:
+    """adapter_config.json parsed, and its bytes (for the content digest)."""
+    config_path = path / CONFIG_FILE
+    if not config_path.is_file():
+        raise AdapterError(f"{path}: {CONFIG_FILE} not found; a PEFT adapter dir needs {CONFIG_FILE} + {WEIGHTS_FILE}")
+    raw = read_bytes(config_path)
+    try:
+        config = json.loads(raw.decode("utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise AdapterError(f"{config_path}: not valid JSON ({exc})") from exc
+    if not isinstance(config, dict):
+        raise AdapterError(f"{config_path}: expected a JSON object")
+    return config, raw
+
+
+def read_bytes(file: Path) -> bytes:
+    try:
+        return file.read_bytes()
+    except OSError as exc:
+        raise AdapterError(f"{file}: cannot be read ({exc})") from exc
