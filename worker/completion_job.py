@@ -9,6 +9,7 @@ logprobs in the completions (`tokens`, `token_logprobs`, `top_logprobs`, `text_o
 
 from __future__ import annotations
 
+import codecs
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,6 +18,9 @@ from typing import Any
 from lorafleet.worker.openai_protocol import APIError, SamplingOptions
 from lorafleet.worker.sampling_params import SamplingParams
 from lorafleet.worker.sequence import TokenLogprob
+from lorafleet.worker.token_bytes import token_bytes
+
+_CONTINUATION = bytes(range(0x80, 0xC0))  # UTF-8 bytes that continue a character
 
 
 @dataclass(slots=True)
@@ -90,19 +94,46 @@ def token_text(tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id], skip_special_tokens=False) if tokenizer is not None else str(token_id)
 
 
+def raw_bytes(tokenizer, token_id: int) -> bytes:
+    """The bytes the token stands for: part of a UTF-8 character for a byte-fallback token, where its
+    text is U+FFFD."""
+    return token_bytes(tokenizer)(token_id) if tokenizer is not None else str(token_id).encode()
+
+
+def text_offsets(pieces: list[bytes], start: int) -> list[int]:
+    """Where each token's text starts in the choice's text, in characters, from the tokens' bytes: a
+    token that continues a character begun by an earlier token is at that character. `start`: the
+    characters already sent. Continuation bytes that open a chunk end a character begun in an earlier
+    chunk, whose text was held back until complete: it sits at `start`. Running example, "é!" as
+    tokens [c3] [a9] [21]: 0, 0, 1; streamed as [c3] | [a9] [21]: 0 | 0, 1."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="ignore")
+    offsets, pos = [], start
+    held, in_run = 0, True  # the run of continuation bytes that opens the chunk, and whether it goes on
+    for piece in pieces:
+        if in_run:
+            rest = piece.lstrip(_CONTINUATION)
+            if rest and len(rest) == len(piece):  # the run ended before this token
+                in_run, pos = False, pos + (held > 0)
+            offsets.append(pos)
+            if in_run:
+                held += len(piece) - len(rest)
+                if not rest:
+                    continue
+                in_run, pos, piece = False, pos + 1, rest  # the run ends inside this token
+        else:
+            offsets.append(pos)
+        pos += len(decoder.decode(piece))
+    return offsets
+
+
 def completion_logprobs(tokenizer, lps: list[TokenLogprob] | None, text_start: int) -> dict[str, Any] | None:
     if lps is None:
         return None
-    tokens = [token_text(tokenizer, lp.token_id) for lp in lps]
-    offsets, pos = [], text_start
-    for t in tokens:
-        offsets.append(pos)
-        pos += len(t)
     return {
-        "tokens": tokens,
+        "tokens": [token_text(tokenizer, lp.token_id) for lp in lps],
         "token_logprobs": [lp.logprob for lp in lps],
         "top_logprobs": [{token_text(tokenizer, t): v for t, v in lp.top} for lp in lps],
-        "text_offset": offsets,
+        "text_offset": text_offsets([raw_bytes(tokenizer, lp.token_id) for lp in lps], text_start),
     }
 
 
@@ -112,7 +143,7 @@ def chat_logprobs(tokenizer, lps: list[TokenLogprob] | None) -> dict[str, Any] |
 
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
         text = token_text(tokenizer, token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        return {"token": text, "logprob": logprob, "bytes": list(raw_bytes(tokenizer, token_id))}
 
     return {"content": [entry(lp.token_id, lp.logprob) | {"top_logprobs": [entry(t, v) for t, v in lp.top]}
                         for lp in lps]}

@@ -52,6 +52,10 @@ class UnknownAdapterError(EngineError):
     """The request names an adapter (version) that is not registered, e.g. one replaced meanwhile."""
 
 
+class ShutdownError(RuntimeError):
+    """The worker shut down before the request finished (it outlived the shutdown grace)."""
+
+
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -69,12 +73,13 @@ class Engine:
         self.tokenizer = Tokenizer(tok_dir) if (tok_dir / "tokenizer.json").is_file() else None
         self._tokenizer_digest: str | None = None
         self.eos_token_ids = self._eos_ids()
-        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
 
         self.model = load_model(self.model_dir, dtype=self.dtype, device=self.device, config=mc)
         page_elems = kv_page_elems(num_layers=mc.num_hidden_layers, block_size=config.block_size,
                                    num_kv_heads=mc.num_key_value_heads, head_dim=mc.head_dim)
-        num_pages = config.num_pages or self._num_pages(page_elems)
+        num_pages = config.resolve_num_pages(page_elems)
+        # Never longer than the KV cache holds: a request of max_model_len tokens must fit it.
+        self.max_model_len = config.resolve_max_model_len(mc.max_position_embeddings, num_pages)
         self.page_pool = PagePool(PagePoolConfig(
             num_pages=num_pages, page_elems=page_elems, dtype=self.dtype, device=str(self.device),
             max_pages={"kv": None, "adapter": config.max_adapter_pages},
@@ -145,20 +150,6 @@ class Engine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.append(self.tokenizer.eos_token_id)
         return sorted(set(ids))
-
-    def _num_pages(self, page_elems: int) -> int:
-        page_bytes = page_elems * torch.tensor([], dtype=self.dtype).element_size()
-        pool_bytes = self.config.pool_bytes
-        if pool_bytes is None:
-            if self.device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(self.device)
-                pool_bytes = int(free * self.config.pool_memory_fraction)
-            else:
-                pool_bytes = 256 << 20
-        num_pages = pool_bytes // page_bytes
-        if num_pages < 1:
-            raise ValueError(f"a pool of {pool_bytes} bytes holds no page of {page_bytes} bytes")
-        return int(num_pages)
 
     def _lora_layout(self):
         return self.adapter_pool.layout
@@ -263,11 +254,6 @@ class Engine:
         if len(prompt_ids) >= self.max_model_len:
             raise EngineError(f"the prompt has {len(prompt_ids)} tokens; the model accepts at most "
                               f"{self.max_model_len - 1} (max_model_len {self.max_model_len})")
-        total = min(len(prompt_ids) + params.max_tokens, self.max_model_len)
-        capacity = self.page_pool.num_pages * self.config.block_size
-        if total > capacity:
-            raise EngineError(f"prompt + max_tokens = {total} tokens exceed the KV cache ({capacity} tokens); "
-                              "lower max_tokens or give the engine more pool memory")
         seq = Sequence(request_id, prompt_ids, params, adapter=self._resolve_adapter(adapter))
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.device)

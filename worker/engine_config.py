@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KERNEL_BACKENDS = ("auto", "reference", "triton")
@@ -69,3 +72,42 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if torch.device(self.device).type == "cuda" else torch.float32
         return DTYPES[self.dtype]
+
+    def resolve_num_pages(self, page_elems: int) -> int:
+        """Pages of the pool: `num_pages`, else `pool_bytes`, else `pool_memory_fraction` of the free
+        CUDA memory (call it after the weights are loaded); 256 MiB on cpu."""
+        if self.num_pages is not None:
+            return self.num_pages
+        page_bytes = page_elems * torch.tensor([], dtype=self.torch_dtype).element_size()
+        pool_bytes = self.pool_bytes
+        if pool_bytes is None:
+            device = torch.device(self.device)
+            if device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(device)
+                pool_bytes = int(free * self.pool_memory_fraction)
+            else:
+                pool_bytes = 256 << 20
+        num_pages = pool_bytes // page_bytes
+        if num_pages < 1:
+            raise ValueError(f"a pool of {pool_bytes} bytes holds no page of {page_bytes} bytes")
+        return int(num_pages)
+
+    def resolve_max_model_len(self, model_max: int, num_pages: int) -> int:
+        """The context the engine serves (as vLLM): `max_model_len`, else the model's
+        max_position_embeddings, and never more than the KV cache holds. The model's own length is
+        lowered to the cache's with a warning; an explicit `max_model_len` the cache cannot hold is
+        refused, since requests would be refused or cut short at a length the user did not choose."""
+        kv_tokens = num_pages * self.block_size
+        wanted = min(self.max_model_len or model_max, model_max)
+        if wanted <= kv_tokens:
+            return wanted
+        fix = ("give the engine a larger pool (--pool-bytes, --pool-memory-fraction or --num-pages; now "
+               f"{num_pages} pages of {self.block_size} tokens)")
+        if self.max_model_len is not None:
+            raise ValueError(f"max_model_len {self.max_model_len} is larger than the KV cache holds ({kv_tokens} "
+                             f"tokens); lower --max-model-len to at most {kv_tokens} or {fix}")
+        if kv_tokens < 2:
+            raise ValueError(f"the KV cache holds {kv_tokens} token; {fix}")
+        log.warning("max_model_len lowered from the model's %d to %d tokens, what the KV cache holds; to serve "
+                    "the full context, %s", model_max, kv_tokens, fix)
+        return kv_tokens

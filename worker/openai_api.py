@@ -35,7 +35,7 @@ from lorafleet.worker.app_keys import (
     TENANTS,
 )
 from lorafleet.worker.completion_job import CompletionJob
-from lorafleet.worker.engine import EngineError, UnknownAdapterError
+from lorafleet.worker.engine import EngineError, ShutdownError, UnknownAdapterError
 from lorafleet.worker.metrics import BASE_MODEL_LABEL
 from lorafleet.worker.openai_protocol import (
     APIError,
@@ -171,6 +171,8 @@ def _engine_error(exc: BaseException, job: CompletionJob, request: web.Request) 
                         code="adapter_load_failed", param="model")
     if isinstance(exc, EngineError):
         return APIError(400, str(exc), code="invalid_request")
+    if isinstance(exc, ShutdownError):
+        return APIError(503, str(exc), type="service_unavailable", code="shutting_down", headers={"Retry-After": "1"})
     return APIError(500, f"the engine failed on this request: {exc}", type="server_error", code="engine_error")
 
 
@@ -338,12 +340,13 @@ async def list_models(request: web.Request) -> web.Response:
         raise APIError(503, "the worker is starting", type="service_unavailable", code="not_ready")
     adapters = app[ADAPTERS]
     created = int(app[STATUS].started_at)
+    limit = app[ENGINE].engine.max_model_len  # prompt + completion tokens (vLLM's field), at most what the KV cache holds
     data = []
     if tenant.may_use(None):
         data.append({"id": adapters.base_model, "object": "model", "created": created, "owned_by": "lorafleet",
-                     "root": adapters.base_model, "parent": None})
+                     "root": adapters.base_model, "parent": None, "max_model_len": limit})
     for a in adapters.visible_to(tenant):
         data.append({"id": a.name, "object": "model", "created": created, "owned_by": a.tenant or "lorafleet",
-                     "root": a.name, "parent": adapters.base_model, "versions": sorted(a.sources),
+                     "root": a.name, "parent": adapters.base_model, "max_model_len": limit, "versions": sorted(a.sources),
                      "stable": a.split.stable, "canary": a.split.canary, "canary_weight": a.split.canary_weight})
     return web.json_response({"object": "list", "data": data})

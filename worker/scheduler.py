@@ -99,7 +99,7 @@ class Scheduler:
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.failed)  # failed: not reported yet
 
     @property
     def num_running(self) -> int:
@@ -123,6 +123,14 @@ class Scheduler:
         if was_waiting_for_adapter and seq.adapter is not None and self.adapter_pool is not None:
             self.adapter_pool.abandon(seq.adapter, seq.seq_id)
         self._skipped_steps.pop(seq.seq_id, None)
+
+    def fail_all(self, exc: Exception) -> None:
+        """End every running and waiting sequence with `exc` (the worker shuts down): pages and
+        adapter references are released at once, and the engine reports them at its next step."""
+        for seq in [*self.running, *self.waiting]:
+            self.finish(seq, "error")
+            seq.error, seq.exception = str(exc), exc
+            self.failed.append(seq)
 
     # ---- one step --------------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:

@@ -3,8 +3,9 @@
 State lives under typed `web.AppKey`s (no module globals). The engine is built and its step thread
 started in a `cleanup_ctx`, and stopped there after the last request handler is done. `run(config)`
 serves the app: on SIGTERM it stops accepting connections, /readyz turns 503, in-flight requests get
-`shutdown_grace_s` to finish and are then cancelled (which aborts them in the engine), and the
-process exits 0. Every error leaves as an OpenAI-shaped body (`{"error": {...}}`).
+`shutdown_grace_s` to finish, those still running then end with an error (a stream with an in-band
+error chunk; the engine frees their pages at once), and the process exits 0. Every error leaves as an
+OpenAI-shaped body (`{"error": {...}}`).
 """
 
 from __future__ import annotations
@@ -29,13 +30,14 @@ from lorafleet.worker.app_keys import (
     CONFIG,
     ENGINE,
     HOST,
+    IN_FLIGHT,
     METRICS,
     STATUS,
     TENANTS,
     ServerStatus,
 )
 from lorafleet.worker.async_engine import AsyncEngine
-from lorafleet.worker.engine import Engine
+from lorafleet.worker.engine import Engine, ShutdownError
 from lorafleet.worker.engine_adapters import EngineAdapters
 from lorafleet.worker.metrics import CONTENT_TYPE, EngineSnapshot, WorkerMetrics
 from lorafleet.worker.openai_api import openai_routes
@@ -161,9 +163,45 @@ async def _stager_ctx(app: web.Application) -> AsyncIterator[None]:
         await asyncio.to_thread(stager.stop)
 
 
-async def _on_shutdown(app: web.Application) -> None:
-    # Runs before in-flight handlers are awaited: new requests on kept-alive connections get 503.
-    app[STATUS].draining = True
+_CUT_S = 1.0  # after the grace: how long ended requests get to send their error, then cancelled
+
+
+@web.middleware
+async def in_flight_middleware(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
+    """Track running handlers so that shutdown can wait for them, then end them, within the grace."""
+    handlers, task = request.app[IN_FLIGHT], asyncio.current_task()
+    handlers.add(task)
+    try:
+        return await handler(request)
+    finally:
+        handlers.discard(task)
+
+
+async def _drain(app: web.Application) -> None:
+    """On SIGTERM (after the listeners closed, before aiohttp awaits the handlers): refuse new work,
+    give in-flight requests `shutdown_grace_s` to finish, then end the rest. The engine fails them
+    with ShutdownError, so a stream ends with an in-band error chunk and a plain request with an error
+    body; a handler that is still running `_CUT_S` later is cancelled. aiohttp's own shutdown timeout
+    would wait the grace once for the handlers and once more after cancelling their payloads."""
+    app[STATUS].draining = True  # new requests on kept-alive connections get 503
+    grace, handlers = app[CONFIG].shutdown_grace_s, app[IN_FLIGHT]
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + grace
+    while handlers and (left := deadline - loop.time()) > 0:
+        await asyncio.wait(set(handlers), timeout=left)
+    if not handlers:
+        return
+    log.warning("shutdown grace of %g s is over: ending %d requests still in flight", grace, len(handlers))
+    engine = app.get(ENGINE)
+    if engine is not None and engine.is_running:
+        exc = ShutdownError(f"the worker is shutting down and this request outlived its shutdown grace of {grace:g} "
+                            "s; retry it on another worker")
+        engine.call(lambda e: e.scheduler.fail_all(exc))
+        await asyncio.wait(set(handlers), timeout=_CUT_S)
+    for task in list(handlers):
+        task.cancel()
+    if handlers:
+        await asyncio.wait(set(handlers), timeout=_CUT_S)
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -189,16 +227,17 @@ def create_app(config: WorkerConfig) -> web.Application:
     if config.adapters_uri and config.admin_token is None:  # the stager child needs the admin API
         config = dataclasses.replace(config, admin_token=secrets.token_urlsafe(24))
     tenants = Tenants.from_file(config.api_keys_file)
-    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[error_middleware])
+    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[in_flight_middleware, error_middleware])
     app[CONFIG] = config
     app[TENANTS] = tenants
     app[STATUS] = ServerStatus(started_at=time.time())
     app[ADMISSION] = Admission(config.capacity)
     app[ADMIN_LOCK] = asyncio.Lock()
     app[METRICS] = WorkerMetrics(lambda: engine_snapshot(app))
+    app[IN_FLIGHT] = set()
     app.cleanup_ctx.append(_engine_ctx)
     app.cleanup_ctx.append(_stager_ctx)
-    app.on_shutdown.append(_on_shutdown)
+    app.on_shutdown.append(_drain)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
@@ -224,7 +263,7 @@ def run(config: WorkerConfig) -> None:
         create_app(config),
         host=config.host,
         port=config.port,
-        shutdown_timeout=config.shutdown_grace_s,
+        shutdown_timeout=_CUT_S,  # _drain has already waited the grace and ended what was left
         handler_cancellation=True,  # a client that goes away cancels its handler -> engine abort
         access_log=None,
         print=lambda msg: log.info("%s", msg),

@@ -52,8 +52,8 @@ class WorkerConfig:
                                     "are refused with 429 and Retry-After"))
     retry_after_s: int = field(default=1, metadata=_help("Retry-After seconds sent with 429"))
     shutdown_grace_s: float = field(
-        default=30.0, metadata=_help("on SIGTERM: seconds in-flight requests get to finish before they are "
-                                     "cancelled"))
+        default=30.0, metadata=_help("on SIGTERM: seconds in-flight requests get to finish; then they end with "
+                                     "an error (a stream with an in-band error event)"))
     stager_port: int = field(default=0, metadata=_help(
         "port of the stager child started for an s3:// --adapters (0 = a free port)"))
     stager_cache_dir: str | None = field(default=None, metadata=_help(

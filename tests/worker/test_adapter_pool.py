@@ -167,6 +167,51 @@ def test_never_evicts_referenced_or_pinned_adapters(pool):
     pool.check()
 
 
+def test_an_adapter_fails_at_once_when_every_slot_is_held_by_pinned_adapters():
+    """Pinned adapters never leave on their own: an adapter that needs a slot while all of them are
+    pinned fails its waiters with a reason they can act on instead of leaving them waiting forever.
+    Once one is unpinned, the next request gets its slot."""
+    pool = make_pool(max_slots=2)
+    for i in range(2):
+        pool.add(f"p{i}@1", random_weights(i), pinned=True)
+    pool.add("other@1", random_weights(5))
+    pool.wait_idle()
+    assert pool.acquire("other@1", waiter="r") is None
+    pool.poll()
+    with pytest.raises(AdapterLoadError, match=r"every adapter slot \(2, --max-loras\) is held by pinned adapters "
+                                               r"\(p0@1, p1@1\); unpin one"):
+        pool.acquire("other@1", waiter="r")
+    assert pool.stats()["load_failures"] == 1
+    pool.unpin("p0@1")
+    assert pool.acquire("other@1", waiter="r2") is None
+    pool.wait_idle()
+    assert pool.acquire("other@1", waiter="r2") is not None
+    assert not pool.entry("p0@1").resident and pool.entry("p1@1").resident
+    pool.check()
+    pool.close()
+
+
+def test_an_adapter_waits_for_a_slot_that_an_in_flight_request_will_free():
+    """One slot pinned, the other in use: the in-use one frees when its request ends, so a new adapter
+    waits for it instead of failing."""
+    pool = make_pool(max_slots=2)
+    pool.add("p@1", random_weights(0), pinned=True)
+    pool.add("busy@1", random_weights(1))
+    pool.add("next@1", random_weights(2))
+    pool.load("busy@1")
+    slot = pool.acquire("busy@1")
+    pool.wait_idle()
+    assert pool.acquire("next@1", waiter="r") is None
+    pool.wait_idle()
+    assert pool.acquire("next@1", waiter="r") is None  # still waiting, not failed
+    pool.release(slot)
+    pool.wait_idle()
+    assert pool.acquire("next@1", waiter="r") is not None
+    assert pool.stats()["load_failures"] == 0
+    pool.check()
+    pool.close()
+
+
 def test_lru_keeps_the_hot_adapter_when_cold_ones_stream_through():
     # The seed's pitfall: without LRU, cold adapters fill memory and push the hot one out.
     pool = make_pool(max_slots=3)
@@ -397,6 +442,44 @@ def test_unregister_waits_for_in_flight_requests(pool):
     pool.check()
 
 
+def test_pinned_versions_replaced_by_hot_updates_give_their_slots_back():
+    """Pinning holds the version being served: each hot update of a pinned adapter retires the old
+    version, which then goes like any replaced version (first, once unused) instead of keeping its
+    pages and slot forever."""
+    pool = make_pool(num_pages=64, max_slots=3)
+    try:
+        for v in (1, 2, 3):
+            pool.add(f"a@{v}", random_weights(v, rank=8), pinned=True)
+            pool.wait_idle()
+        assert pool.resolve("a") == "a@3" and pool.entry("a@3").pinned
+        for key, seed in (("x@1", 9), ("y@1", 10)):  # unrelated adapters take the old versions' slots
+            pool.add(key, random_weights(seed, rank=8))
+            pool.load(key, timeout=5)
+        assert sorted(pool.slot_key(s) for s in range(3)) == ["a@3", "x@1", "y@1"]
+        assert pool.registered() == ["a@3", "x@1", "y@1"]
+        assert pool.page_pool.num_used("adapter") == sum(len(pool.entry(k).page_ids) for k in pool.registered())
+        assert pool.stats()["evictions"]["gpu"] == {"version": 2}
+        pool.check()
+    finally:
+        pool.close()
+
+
+def test_an_unregistered_pinned_adapter_is_freed_once_its_last_reference_goes():
+    pool = make_pool(num_pages=64, max_slots=2)
+    try:
+        pool.add("a@1", random_weights(1, rank=8), pinned=True)
+        slot = pool.load("a@1")
+        assert pool.acquire("a@1") == slot  # a request in flight
+        pool.unregister("a")
+        assert pool.reclaim_for_kv(1) == 0  # still in use: kept for that request
+        pool.release(slot)
+        assert pool.reclaim_for_kv(1) > 0  # unused now, and no longer pinned
+        assert pool.slot_key(slot) is None and pool.page_pool.num_used("adapter") == 0
+        pool.check()
+    finally:
+        pool.close()
+
+
 def test_kv_cache_reclaims_idle_adapters_but_never_busy_or_pinned_ones():
     pool = make_pool(num_pages=60)
     pp = pool.page_pool
@@ -451,6 +534,46 @@ def test_cpu_tier_byte_budget():
     assert pool.stats()["resident"]["cpu"] == 2
     assert pool.stats()["evictions"]["cpu"] == {"budget": 3}
     pool.close()
+
+
+def test_adapters_with_a_directory_are_re_read_from_it_not_kept_alive(tiny_llama_dir, tmp_path):
+    """The CPU tier is what bounds adapter copies in memory (cpu_budget_bytes): the pool keeps no other
+    copy of an adapter loaded from a directory. Once out of both tiers it is read and validated again
+    from there; files rewritten meanwhile (even valid ones) fail the load instead of serving other
+    weights under the old version."""
+    import gc
+    import json
+    import weakref
+
+    from lorafleet.worker.peft_adapter import load_peft_adapter
+    from tests.lora_factory import make_peft_adapter
+
+    config = json.loads((tiny_llama_dir / "config.json").read_text())
+    pool = make_pool(cpu_budget_bytes=0)
+    try:
+        refs = []
+        for i in range(3):
+            weights = load_peft_adapter(make_peft_adapter(tiny_llama_dir, tmp_path / f"a{i}", rank=8, seed=i), config)
+            refs.append(weakref.ref(weights.modules[(0, "q_proj")].a))
+            pool.add(f"a{i}@1", weights)
+            del weights
+        gc.collect()
+        assert [i for i, r in enumerate(refs) if r() is not None] == []  # nothing else holds them
+        slot = pool.load("a1@1")  # read again from tmp_path / "a1"
+        expected = load_peft_adapter(tmp_path / "a1", config).modules[(0, "q_proj")]
+        a, b, scale = dense_from_layout(pool, slot, 0, "q_proj")
+        assert torch.equal(a, expected.a) and torch.equal(b, expected.b) and scale == pytest.approx(expected.scale)
+        pool.evict("a1@1", "gpu")
+        pool.evict("a1@1", "cpu")
+        make_peft_adapter(tiny_llama_dir, tmp_path / "a1", rank=8, seed=99)  # other valid weights, same place
+        with pytest.raises(AdapterLoadError, match="files changed after version"):
+            pool.load("a1@1")  # never served under the version the old files were registered as
+        (tmp_path / "a1" / "adapter_model.safetensors").write_bytes(b"truncated")
+        with pytest.raises(AdapterLoadError, match="files changed after version"):
+            pool.load("a1@1")
+        pool.check()
+    finally:
+        pool.close()
 
 
 def test_kv_cache_and_adapters_share_the_pool():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 
 import pytest
@@ -223,9 +224,9 @@ def test_no_page_leak_after_random_workload(tiny_llama_dir, seed):
 
 
 def test_refusals_name_the_problem(tiny_llama_dir):
-    engine = _engine(tiny_llama_dir, num_pages=4)
-    with pytest.raises(EngineError, match="exceed the KV cache"):
-        engine.add_request(None, [1] * 10, SamplingParams(max_tokens=20))
+    engine = _engine(tiny_llama_dir, num_pages=4)  # 16 tokens of KV cache: the served context
+    with pytest.raises(EngineError, match=r"at most 15 \(max_model_len 16\)"):
+        engine.add_request(None, [1] * 16, SamplingParams(max_tokens=20))
     with pytest.raises(EngineError, match="outside the vocabulary"):
         engine.add_request(None, [1, 99999])
     with pytest.raises(EngineError, match="not registered"):
@@ -233,6 +234,49 @@ def test_refusals_name_the_problem(tiny_llama_dir):
     with pytest.raises(EngineError, match="empty"):
         engine.add_request(None, [])
     assert not engine.has_unfinished()
+
+
+def test_max_model_len_is_limited_to_what_the_kv_cache_holds(tiny_llama_dir, caplog):
+    """As vLLM: the model's 512 positions do not fit 16 pages of 4 tokens, so the engine serves 64 (and
+    says so); a request may use that whole context. An explicit max_model_len above it is refused."""
+    with caplog.at_level(logging.WARNING, logger="lorafleet.worker.engine_config"):
+        engine = _engine(tiny_llama_dir, num_pages=16)
+    assert engine.max_model_len == 64
+    assert "max_model_len lowered from the model's 512 to 64 tokens" in caplog.text
+    prompt = [1, 2, 3]
+    whole = SamplingParams(max_tokens=engine.max_model_len - len(prompt), temperature=0, ignore_eos=True)
+    beyond = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)  # cut at the context, as vLLM
+    outs = engine.generate([prompt, prompt], [whole, beyond])
+    assert [(len(o.token_ids), o.finish_reason) for o in outs] == [(61, "length"), (61, "length")]
+    _assert_all_free(engine)
+    assert _engine(tiny_llama_dir, num_pages=16, max_model_len=64).max_model_len == 64
+    with pytest.raises(ValueError, match=r"max_model_len 65 is larger than the KV cache holds \(64 tokens\)"):
+        _engine(tiny_llama_dir, num_pages=16, max_model_len=65)
+
+
+def test_a_request_fails_at_once_when_every_adapter_slot_is_pinned(tiny_llama_dir, tmp_path):
+    """One slot, held by a pinned adapter: a request for another adapter can never be placed. It fails
+    with AdapterLoadError naming the cause instead of waiting forever."""
+    from lorafleet.worker.adapter_entry import AdapterLoadError
+    from tests.lora_factory import make_peft_adapter
+
+    engine = _engine(tiny_llama_dir, max_loras=1)
+    for seed, name in enumerate(("pinned", "other")):
+        make_peft_adapter(tiny_llama_dir, tmp_path / name, rank=4, seed=seed, targets=["q_proj", "v_proj"])
+    pinned = engine.register_adapter("pinned", tmp_path / "pinned", pinned=True)
+    engine.register_adapter("other", tmp_path / "other")
+    engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=4), adapter="other")
+    done = []
+    for _ in range(50):  # bounded: before the fix the request waited for a slot forever
+        done += [o for o in engine.step() if o.finished]
+        if done:
+            break
+        engine.adapter_pool.wait_idle()
+    assert [o.finish_reason for o in done] == ["error"]
+    assert isinstance(done[0].exception, AdapterLoadError)
+    assert f"every adapter slot (1, --max-loras) is held by pinned adapters ({pinned})" in done[0].error
+    _assert_all_free(engine)
+    assert engine.adapter_pool.entry(pinned).resident
 
 
 def test_text_prompts_and_chat_template(tiny_llama_dir):

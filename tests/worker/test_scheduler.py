@@ -282,3 +282,23 @@ def test_pages_taken_by_another_thread_between_check_and_allocate():
     assert _run_step(sched).is_empty and list(sched.waiting) == [seq] and seq.block_table == []
     pool.free_owner(("adapter", "thief@1"))
     assert _run_step(sched).prefills == [(seq, 5)]
+
+
+def test_fail_all_ends_running_and_waiting_sequences_and_frees_everything():
+    """Shutdown after the grace: every sequence ends with the given error, its pages and adapter
+    reference come back at once, and the failures stay pending until the engine reports them."""
+    adapters = FakeAdapterPool(resident=["a@1"])
+    sched, pool = _sched(adapter_pool=adapters, max_num_seqs=1)
+    running, waiting, loading = _seq(5, "a@1"), _seq(3), _seq(4, "b@1")
+    for s in (running, waiting, loading):
+        sched.add(s)
+    _run_step(sched)
+    assert running.status is SequenceStatus.RUNNING and pool.num_used("kv") > 0
+    exc = RuntimeError("the worker is shutting down")
+    sched.fail_all(exc)
+    assert sorted(s.request_id for s in sched.failed) == sorted(s.request_id for s in (running, waiting, loading))
+    assert all(s.finish_reason == "error" and s.exception is exc and s.error == str(exc) for s in sched.failed)
+    assert pool.num_used("kv") == 0 and adapters.refs[0] == 0
+    assert sched.has_unfinished()  # until the engine reports the failures
+    sched.failed.clear()
+    assert not sched.has_unfinished() and sched.num_running == sched.num_waiting == 0

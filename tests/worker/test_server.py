@@ -18,6 +18,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from lorafleet.worker.engine_config import EngineConfig
+from lorafleet.worker.server import create_app
+from lorafleet.worker.worker_config import WorkerConfig
 from tests.lora_factory import make_peft_adapter
 
 ADMIN = "admin-token-for-tests"
@@ -356,6 +359,7 @@ async def test_tenants_see_and_call_only_their_adapters(server):
 
         status, acme = await models(KEY_ACME)
         assert status == 200 and {m["id"] for m in acme["data"]} == {"tiny", "alpha"}
+        assert len({m["max_model_len"] for m in acme["data"]}) == 1 and acme["data"][0]["max_model_len"] > 0  # vLLM's field
         status, globex = await models(KEY_GLOBEX)
         assert status == 200 and {m["id"] for m in globex["data"]} == {"beta"}
         assert (await models(None))[0] == 401
@@ -668,6 +672,42 @@ async def test_admin_push_canary_failures_and_vllm_load(server, adapters_dir, sp
         assert state["kv"]["num_used_pages"] == 0
 
 
+# ---- in process: the served context and adapter slots -----------------------------------------------------
+def in_process_config(tiny_llama_dir, adapters=None, **engine) -> WorkerConfig:
+    return WorkerConfig(engine=EngineConfig(model=str(tiny_llama_dir), adapters=adapters and str(adapters),
+                                            dtype="float32", **engine), served_model_name="tiny", admin_token=ADMIN)
+
+
+async def test_chat_without_max_tokens_fits_a_kv_cache_smaller_than_the_context(aiohttp_client, tiny_llama_dir):
+    """The model has 512 positions but 8 pages of 16 tokens hold 128: the worker serves a context of 128,
+    so a chat request without max_tokens (it may use the rest of the context) is answered, not refused."""
+    client = await aiohttp_client(create_app(in_process_config(tiny_llama_dir, num_pages=8)))
+    resp = await client.post("/v1/chat/completions", json={
+        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": 0, "ignore_eos": True})
+    body = await resp.json()
+    assert resp.status == 200, body
+    assert body["usage"]["total_tokens"] == 128 and body["choices"][0]["finish_reason"] == "length"
+
+
+async def test_a_request_gets_503_when_every_adapter_slot_is_pinned(aiohttp_client, tiny_llama_dir, adapters_dir):
+    """--max-loras 1 and a push that pins alpha: a request for beta can never get a slot. It is answered
+    503 at once with the reason, instead of hanging."""
+    app = create_app(in_process_config(tiny_llama_dir, adapters_dir, max_loras=1))
+    client = await aiohttp_client(app)
+    push = {"generation": 1, "adapters": [
+        {"name": "alpha", "tenant": "acme", "stable": {"version": "v1", "uri": str(adapters_dir / "alpha")},
+         "pinned": True},
+        {"name": "beta", "tenant": "globex", "stable": {"version": "v1", "uri": str(adapters_dir / "beta")}}]}
+    resp = await client.put("/admin/v1/state", json=push, headers=headers(ADMIN))
+    assert resp.status == 200, await resp.text()
+    resp = await client.post("/v1/completions", json={"model": "beta", "prompt": "hi", "max_tokens": 3})
+    body = await resp.json()
+    assert resp.status == 503 and body["error"]["code"] == "adapter_load_failed", body
+    assert "every adapter slot (1, --max-loras) is held by pinned adapters (alpha@v1)" in body["error"]["message"]
+    resp = await client.post("/v1/completions", json={"model": "alpha", "prompt": "hi", "max_tokens": 3})
+    assert resp.status == 200, await resp.text()
+
+
 # ---- process: dev mode and graceful SIGTERM ----------------------------------------------------------------
 def test_dev_mode_and_graceful_sigterm(tiny_llama_dir, adapters_dir, tmp_path):
     import urllib.request
@@ -687,6 +727,40 @@ def test_dev_mode_and_graceful_sigterm(tiny_llama_dir, adapters_dir, tmp_path):
             rest = r.read().decode()
         assert rest.rstrip().endswith("data: [DONE]")
         assert worker.proc.wait(60) == 0
+    finally:
+        worker.stop()
+
+
+def test_sigterm_ends_a_stream_that_outlives_the_grace_in_band_within_the_grace(tiny_llama_dir, adapters_dir,
+                                                                                tmp_path):
+    """A stream longer than --shutdown-grace-s is ended when the grace is over (not after twice the
+    grace, as aiohttp's shutdown timeout would) with an OpenAI-style error chunk, not a broken transfer;
+    the process exits 0."""
+    import urllib.request
+
+    grace = 2.0
+    worker = WorkerProcess(worker_args(tiny_llama_dir, adapters_dir, None, shutdown_grace_s=grace,
+                                       max_model_len=512), tmp_path / "w.log")
+    try:
+        url = worker.wait_ready()
+        # 8 prompts x 16 choices x 500 tokens, 64 sequences at a time: far more work than the grace allows.
+        body = {"model": "beta", "prompt": ["bye"] * 8, "n": 16, "max_tokens": 500, "ignore_eos": True, "stream": True}
+        req = urllib.request.Request(f"{url}/v1/completions", method="POST", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            assert r.readline().startswith(b"data: {")
+            worker.proc.send_signal(signal.SIGTERM)
+            t0 = time.monotonic()
+            rest = r.read().decode()  # a broken transfer raises IncompleteRead here
+            elapsed = time.monotonic() - t0
+        events = [line.removeprefix("data: ") for line in rest.splitlines() if line.startswith("data: ")]
+        assert "[DONE]" not in events
+        last = json.loads(events[-1])
+        assert last["error"]["type"] == "service_unavailable" and last["error"]["code"] == "shutting_down", last
+        assert "shutting down" in last["error"]["message"], last
+        assert f"grace of {grace:g} s" in last["error"]["message"]
+        assert elapsed < grace + 1.5, elapsed  # the old shutdown cut streams after 2 x grace
+        assert worker.proc.wait(30) == 0
     finally:
         worker.stop()
 
@@ -755,3 +829,42 @@ async def test_admin_adapter_paths_are_limited_to_the_adapter_roots(server, spar
             assert r.status == 403 and body["error"]["code"] == "source_not_allowed", body
         models = await (await s.get(f"{server}/v1/models", headers=headers(ADMIN))).text()
         assert "smuggled" not in models
+
+
+async def test_admin_relative_adapter_paths_are_refused(server, spare_adapters, tmp_path):
+    """A relative source (`file://../x`, `../x`, `x`) would be read relative to the worker's working
+    directory, past every adapter root: refused on both admin endpoints, and nothing is registered."""
+    outside = tmp_path / "outside"
+    shutil.copytree(spare_adapters["v2"], outside)
+    up = os.path.relpath(outside, os.getcwd())  # the worker runs in this directory: the path reaches a real adapter
+    assert up.startswith("..")
+    cases = [(f"file://{up}", 403, "source_not_allowed"), (up, 403, "source_not_allowed"),
+             ("file://outside", 400, "invalid_source"), ("relative/dir", 400, "invalid_source")]
+    async with aiohttp.ClientSession() as s:
+        for path, status, code in cases:
+            got, _, text = await post(s, f"{server}/v1/load_lora_adapter", {"lora_name": "smuggled", "lora_path": path},
+                                      key=ADMIN)
+            assert got == status and json.loads(text)["error"]["code"] == code, (path, text)
+        for uri, status, code in cases[:1] + cases[2:3]:  # the directive schema itself refuses the others
+            push = {"generation": 10**15, "adapters": [{"name": "smuggled", "tenant": "acme", "stable": {
+                "version": "v1", "uri": uri}}]}
+            async with s.put(f"{server}/admin/v1/state", json=push, headers=headers(ADMIN)) as r:
+                body = await r.json()
+                assert (r.status, body["error"]["code"]) == (status, code), (uri, body)
+        state = await admin_state(s, server)
+        assert "smuggled" not in {a["name"] for a in state["adapters"]} and state["generation_applied"] < 10**15
+
+
+async def test_admin_bad_adapter_names_and_deep_json_are_400(server, spare_adapters):
+    """A lora_name the state report cannot carry is refused up front (it used to make every later
+    GET /admin/v1/state a 500); JSON nested past the parser's limit is a 400, not a 500."""
+    async with aiohttp.ClientSession() as s:
+        for name in ("a b", "sql\u00e9"):
+            load = {"lora_name": name, "lora_path": str(spare_adapters["v2"])}
+            status, _, text = await post(s, f"{server}/v1/load_lora_adapter", load, key=ADMIN)
+            assert status == 400 and json.loads(text)["error"]["param"] == "lora_name", text
+        await admin_state(s, server)  # still 200
+        deep = b"[" * 30000 + b"]" * 30000  # within --max-body-bytes
+        for path, key in (("/v1/completions", KEY_ACME), ("/v1/load_lora_adapter", ADMIN)):
+            status, _, text = await post(s, f"{server}{path}", None, key=key, raw=deep)
+            assert status == 400 and json.loads(text)["error"]["code"] == "invalid_json", (path, text)
