@@ -2,7 +2,10 @@
 
 They are created unregistered; the server registers them (`for c in metrics.collectors():
 registry.register(c)`), so several pools (tests) never collide in the default registry. Tiers are
-`gpu` (hot), `cpu` (warm), `disk` (staged locally, parsed into the CPU tier).
+`gpu` (hot), `cpu` (warm), `disk` (staged locally, parsed into the CPU tier). Only the label sets a
+series can move on are created: the worker counts disk reads (`hits{tier="disk"}`) and disk load
+failures, but what lies on disk is the stager's to report (its `GET /v1/state`), so bytes and
+residency are per `gpu`/`cpu` only.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 from prometheus_client import Counter, Gauge, Histogram
 
 TIERS = ("gpu", "cpu", "disk")
+MEMORY_TIERS = ("gpu", "cpu")  # tiers whose bytes and residents the pool holds itself
 EVICTION_REASONS = ("capacity", "quota", "kv", "version", "unregister", "budget")
 _LOAD_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
@@ -30,22 +34,37 @@ class AdapterMetrics:
         self.resident = Gauge("lorafleet_adapters_resident", "Adapters held in a tier", ["tier"], registry=None)
         self.fragmentation = Gauge("lorafleet_adapter_pool_fragmentation",
                                    "Share of adapter page elements that hold no weights", registry=None)
+        # The page counts are read from the page pool at scrape time (watch_page_pool): KV pages move
+        # every engine step, not only when the adapter pool changes.
         self.kv_pages = Gauge("lorafleet_page_pool_kv_pages", "Pages of the unified pool holding KV blocks",
                               registry=None)
         self.adapter_pages = Gauge("lorafleet_page_pool_adapter_pages",
                                    "Pages of the unified pool holding adapter weights", registry=None)
-        # Pre-create label sets so every series exists from the first scrape.
+        self.pages = Gauge("lorafleet_page_pool_pages", "Pages of the unified pool (KV blocks + adapter weights)",
+                           registry=None)
+        self._page_pool = None
+        # Pre-create label sets so every series that can move exists from the first scrape.
         for tier in TIERS:
-            self.hits.labels(tier)
+            self.hits.labels(tier)  # disk: a disk->CPU read
+        for tier in ("gpu", "disk"):  # a failed H2D copy / a failed read or parse
+            self.load_failures.labels(tier)
+        for tier in MEMORY_TIERS:
             self.misses.labels(tier)
             self.bytes.labels(tier)
             self.resident.labels(tier)
-            self.load_failures.labels(tier)
-        for tier in ("gpu", "cpu"):
             self.load_seconds.labels(tier)
             for reason in EVICTION_REASONS:
                 self.evictions.labels(tier, reason)
 
+    def watch_page_pool(self, page_pool) -> None:
+        """Read the page gauges from `page_pool` (a PagePool) at every scrape from now on."""
+        if self._page_pool is page_pool:
+            return
+        self._page_pool = page_pool
+        self.kv_pages.set_function(lambda: page_pool.num_used("kv"))
+        self.adapter_pages.set_function(lambda: page_pool.num_used("adapter"))
+        self.pages.set_function(lambda: page_pool.num_pages)
+
     def collectors(self) -> list:
         return [self.hits, self.misses, self.load_seconds, self.load_failures, self.evictions, self.bytes,
-                self.resident, self.fragmentation, self.kv_pages, self.adapter_pages]
+                self.resident, self.fragmentation, self.kv_pages, self.adapter_pages, self.pages]

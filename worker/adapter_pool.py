@@ -57,6 +57,7 @@ class AdapterPool(AdapterLoading, AdapterPlacement, AdapterReports):
         self.dims = dims
         self.policy = make_policy(config.eviction_policy)
         self.metrics = AdapterMetrics()
+        self.metrics.watch_page_pool(page_pool)
         pool = page_pool.pool
         self.device = pool.device
         self._cuda = pool.device.type == "cuda"

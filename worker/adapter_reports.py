@@ -65,5 +65,4 @@ class AdapterReports:
         m.bytes.labels("gpu").set(sum(e.gpu_bytes for e in gpu))
         m.bytes.labels("cpu").set(sum(e.image.nbytes for e in cpu))
         m.fragmentation.set(self.page_pool.fragmentation("adapter"))
-        m.kv_pages.set(self.page_pool.num_used("kv"))
-        m.adapter_pages.set(self.page_pool.num_used("adapter"))
+        m.watch_page_pool(self.page_pool)  # page counts are read at scrape time, KV pages move every step

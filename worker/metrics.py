@@ -25,6 +25,7 @@ BASE_MODEL_LABEL = "__base__"  # the adapter label of requests without an adapte
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 _COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+_ADAPTER_COUNT_BUCKETS = (0, *_COUNT_BUCKETS)  # 0: a step of base-model requests only
 THROUGHPUT_WINDOW_S = 10.0
 
 
@@ -87,7 +88,7 @@ class WorkerMetrics:
         self.batch_size = Histogram("lorafleet_batch_size", "Sequences per engine step.",
                                     buckets=_COUNT_BUCKETS, registry=r)
         self.adapters_per_batch = Histogram("lorafleet_adapters_per_batch", "Distinct adapters per engine step.",
-                                            buckets=_COUNT_BUCKETS, registry=r)
+                                            buckets=_ADAPTER_COUNT_BUCKETS, registry=r)
         self.rejected = Counter("lorafleet_requests_rejected", "Requests refused before reaching the engine.",
                                 ["reason"], registry=r)
         self._recent_tokens: deque[tuple[float, int]] = deque()

@@ -239,6 +239,9 @@ async def _serve(request: web.Request, endpoint: str) -> web.StreamResponse:
     except APIError as err:
         status = err.status
         raise
+    except web.HTTPException as exc:  # aiohttp's own refusals (a body over --max-body-bytes: 413)
+        status = exc.status
+        raise
     except asyncio.CancelledError:
         status = 499  # client closed the request
         raise

@@ -61,3 +61,99 @@ def test_adapter_pool_series_join_the_registry():
     m.register(pool.collectors())
     pool.hits.labels("gpu").inc(3)
     assert _samples(m)[("lorafleet_adapter_hits_total", (("tier", "gpu"),))] == 3
+
+
+def _adapter_pool(num_pages: int = 64):
+    from lorafleet.worker.adapter_pool import AdapterPool, AdapterPoolConfig
+    from lorafleet.worker.page_pool import PagePool, PagePoolConfig
+    from tests.lora_factory import TINY_DIMS
+
+    pages = PagePool(PagePoolConfig(num_pages=num_pages, page_elems=1000))
+    return AdapterPool(pages, TINY_DIMS, AdapterPoolConfig(max_slots=4, max_rank=32, num_load_threads=1))
+
+
+def test_page_gauges_follow_kv_pages_between_adapter_changes():
+    # KV pages move every engine step; the gauges must not wait for the adapter pool to change.
+    from tests.lora_factory import random_weights
+
+    pool = _adapter_pool(num_pages=64)
+    try:
+        m = WorkerMetrics()
+        m.register(pool.metrics.collectors())
+        pool.add("a@1", random_weights(1))
+        pool.load("a@1")
+        adapter_pages = pool.page_pool.num_used("adapter")
+        kv = pool.page_pool.allocate(5, ("kv", 1))  # a request's KV blocks, no adapter-pool call after
+        s = _samples(m)
+        assert s[("lorafleet_page_pool_kv_pages", ())] == 5
+        assert s[("lorafleet_page_pool_adapter_pages", ())] == adapter_pages > 0
+        assert s[("lorafleet_page_pool_pages", ())] == 64
+        pool.page_pool.free(kv)
+        assert _samples(m)[("lorafleet_page_pool_kv_pages", ())] == 0
+    finally:
+        pool.close()
+
+
+def test_cold_load_then_hot_hit_moves_the_tier_counters():
+    from tests.lora_factory import random_weights
+
+    pool = _adapter_pool()
+    try:
+        m = WorkerMetrics()
+        m.register(pool.metrics.collectors())
+        pool.add("a@1", random_weights(1))
+        assert pool.acquire("a@1", waiter=1) is None  # cold: not on the GPU yet
+        pool.wait_idle()
+        pool.release(pool.acquire("a@1", waiter=1))  # the same request, now placed: not a second lookup
+        pool.release(pool.acquire("a@1"))  # a later request: hot
+        s = _samples(m)
+        assert s[("lorafleet_adapter_misses_total", (("tier", "gpu"),))] == 1
+        assert s[("lorafleet_adapter_hits_total", (("tier", "gpu"),))] == 1  # one lookup per request
+        assert s[("lorafleet_adapter_hits_total", (("tier", "cpu"),))] == 1  # registered weights were on CPU
+        assert s[("lorafleet_adapter_load_seconds_count", (("tier", "gpu"),))] == 1
+        assert s[("lorafleet_adapters_resident", (("tier", "gpu"),))] == 1
+    finally:
+        pool.close()
+
+
+def test_only_series_that_can_move_are_exposed():
+    from lorafleet.worker.adapter_metrics import AdapterMetrics
+
+    m = WorkerMetrics()
+    m.register(AdapterMetrics().collectors())
+    s = _samples(m)
+    tiers = {name: {dict(labels)["tier"] for n, labels in s if n == name}
+             for name in ("lorafleet_adapter_hits_total", "lorafleet_adapter_misses_total",
+                          "lorafleet_adapter_bytes", "lorafleet_adapters_resident",
+                          "lorafleet_adapter_load_failures_total")}
+    assert tiers == {"lorafleet_adapter_hits_total": {"gpu", "cpu", "disk"},
+                     "lorafleet_adapter_misses_total": {"gpu", "cpu"},
+                     "lorafleet_adapter_bytes": {"gpu", "cpu"},
+                     "lorafleet_adapters_resident": {"gpu", "cpu"},
+                     "lorafleet_adapter_load_failures_total": {"gpu", "disk"}}
+
+
+def test_adapters_per_batch_tells_base_only_steps_from_one_adapter():
+    m = WorkerMetrics()
+    m.observe_step(num_seqs=4, num_adapters=0)
+    m.observe_step(num_seqs=4, num_adapters=1)
+    s = _samples(m)
+    assert s[("lorafleet_adapters_per_batch_bucket", (("le", "0.0"),))] == 1
+    assert s[("lorafleet_adapters_per_batch_bucket", (("le", "1.0"),))] == 2
+
+
+def test_dashboard_queries_name_exposed_series():
+    import json
+    import re
+    from pathlib import Path
+
+    from lorafleet.worker.adapter_metrics import AdapterMetrics
+
+    m = WorkerMetrics()
+    m.register(AdapterMetrics().collectors())
+    exposed = {fam.name for fam in text_string_to_metric_families(m.render().decode())}
+    exposed |= {f"{n}_total" for n in exposed} | {f"{n}_{s}" for n in exposed for s in ("bucket", "count", "sum")}
+    dashboard = Path(__file__).parents[2] / "charts/lorafleet/files/grafana-dashboard.json"
+    exprs = [t["expr"] for p in json.loads(dashboard.read_text())["panels"] for t in p.get("targets", [])]
+    names = {n for e in exprs for n in re.findall(r"\b(?:lorafleet_|vllm:)[a-z_:]+", e)}
+    assert names and names <= exposed, names - exposed

@@ -509,6 +509,8 @@ async def test_metrics_endpoint_has_request_and_vllm_series(server):
     async with aiohttp.ClientSession() as s:
         for _ in range(2):  # the second finds alpha resident: a GPU-tier hit
             await post(s, f"{server}/v1/completions", {"model": "alpha", "prompt": "m", "max_tokens": 3})
+        too_large = b"{" + b" " * 70000 + b"}"  # over the server's --max-body-bytes
+        assert (await post(s, f"{server}/v1/completions", None, raw=too_large))[0] == 413
         async with s.get(f"{server}/metrics") as r:
             assert r.status == 200
             text = await r.text()
@@ -517,6 +519,7 @@ async def test_metrics_endpoint_has_request_and_vllm_series(server):
                  "lorafleet_e2e_request_latency_seconds", "lorafleet_inter_token_latency_seconds",
                  "lorafleet_batch_size_bucket", "lorafleet_adapters_per_batch_bucket", "lorafleet_adapter_hits_total",
                  "lorafleet_requests_total{adapter=\"alpha\",endpoint=\"completions\",status=\"200\"}",
+                 "lorafleet_requests_total{adapter=\"__unresolved__\",endpoint=\"completions\",status=\"413\"}",
                  "lorafleet_generation_tokens_per_second", "lorafleet_queue_depth"):
         assert name in text, name
     from prometheus_client.parser import text_string_to_metric_families
