@@ -97,12 +97,17 @@ class AdapterLoading:
             self._fail(entry, "its content changed since it was first loaded; refusing to serve different "
                               "weights under the same name@version (register a new version)", tier="disk")
             return
-        entry.load_seconds = seconds
         entry.error = None
         self._counts["loads"]["cpu"] += 1
         self._count("hits", "disk")
-        self.metrics.load_seconds.labels("cpu").observe(seconds)
+        self._loaded_from_disk(entry, seconds)
         self._set_image(entry, image)
+
+    def _loaded_from_disk(self, entry: AdapterEntry, seconds: float) -> None:
+        """A disk -> CPU load of `entry` took `seconds`: the cold-load histogram, and what reloading it
+        would cost again (the cost eviction policy)."""
+        entry.load_seconds = seconds
+        self.metrics.load_seconds.labels("cpu").observe(seconds)
 
     def _set_image(self, entry: AdapterEntry, image) -> None:
         entry.image = image

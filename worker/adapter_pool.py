@@ -97,14 +97,15 @@ class AdapterPool(AdapterLoading, AdapterPlacement, AdapterReports):
 
     # ---- registration and versions -------------------------------------------------------------
     def add(self, key: str, weights=None, *, loader: Loader | None = None, tenant: str = "default",
-            pinned: bool = False, make_current: bool = True) -> None:
-        """Register `name@version` from CPU `weights` (packed now; re-read through `weights.reload` when it
-        has one, so the CPU tier alone bounds the copies kept) or a `loader` (run in a loader thread on
-        first use). A second version of a name loads beside the first and becomes current once
-        resident. Re-adding a key with different content is refused."""
+            pinned: bool = False, make_current: bool = True, read_seconds: float = 0.0) -> None:
+        """Register `name@version` from CPU `weights` (packed now, read_seconds after the caller read them:
+        the disk -> CPU load time; re-read through `weights.reload` if it has one, so the CPU tier alone
+        bounds the copies kept) or a `loader` (run in a loader thread on first use). A second version of a
+        name loads beside the first, current once resident. Re-adding a key with other content is refused."""
         name, version = split_key(key)
         if weights is None and loader is None:
             raise ValueError(f"{key}: give weights or a loader")
+        started = time.perf_counter()
         image = self._pack(weights) if weights is not None else None
         if loader is None:  # re-read from the adapter's directory if it has one, else the caller's CPU copy
             loader = getattr(weights, "reload", None) or (lambda: weights)
@@ -128,6 +129,7 @@ class AdapterPool(AdapterLoading, AdapterPlacement, AdapterReports):
                 self._entries[key] = entry
                 if image is not None:
                     self._set_image(entry, image)
+                    self._loaded_from_disk(entry, read_seconds + time.perf_counter() - started)
             if name not in self._current:
                 self._current[name] = key
             elif make_current and self._current[name] != key:

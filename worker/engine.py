@@ -183,12 +183,14 @@ class Engine:
         resident; with `make_current=False` it is only registered beside the current one (a canary)."""
         if not name or "@" in name or "/" in name:
             raise EngineError(f"adapter name {name!r} must be non-empty and contain neither '@' nor '/'")
+        started = time.perf_counter()
         weights = load_peft_adapter(
             path, self.model_config, dtype=self.dtype, strict_base=self.config.strict_base,
             base_model_name=self.model_name, tokenizer_digest=self.tokenizer_digest, name=name, version=version,
         )
         key = f"{name}@{weights.version}"
-        self.adapter_pool.add(key, weights, tenant=tenant, pinned=pinned, make_current=make_current)
+        self.adapter_pool.add(key, weights, tenant=tenant, pinned=pinned, make_current=make_current,
+                              read_seconds=time.perf_counter() - started)
         self._rank_of_key[key] = max((m.a.shape[0] for m in weights.modules.values()), default=0)
         log.info("registered adapter %s from %s", key, path)
         return key

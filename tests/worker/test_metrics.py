@@ -116,6 +116,24 @@ def test_cold_load_then_hot_hit_moves_the_tier_counters():
         pool.close()
 
 
+def test_registering_an_adapter_is_a_cold_load():
+    """The disk -> CPU load of a registration (read by the caller, packed by the pool) is in the
+    cold-load histogram and is what the cost policy counts to bring the adapter back."""
+    from tests.lora_factory import random_weights
+
+    pool = _adapter_pool()
+    try:
+        m = WorkerMetrics()
+        m.register(pool.metrics.collectors())
+        pool.add("a@1", random_weights(1), read_seconds=0.25)
+        s = _samples(m)
+        assert s[("lorafleet_adapter_load_seconds_count", (("tier", "cpu"),))] == 1
+        assert s[("lorafleet_adapter_load_seconds_sum", (("tier", "cpu"),))] >= 0.25
+        assert pool._entries["a@1"].load_seconds >= 0.25
+    finally:
+        pool.close()
+
+
 def test_only_series_that_can_move_are_exposed():
     from lorafleet.worker.adapter_metrics import AdapterMetrics
 
