@@ -6,12 +6,17 @@ decode's start, e.g. SentencePiece's leading space, so a window must not start a
 New text = decode(window + new) minus decode(window). A token that ends inside a UTF-8 character
 decodes to U+FFFD; its text waits until the character is complete. Running example, "é" as two byte
 tokens [c3, a9]: after c3 the window decodes to "\ufffd" (nothing appended); after a9 to "é".
+While the window starts at the first output token, the last prompt tokens are its context (as vLLM):
+SentencePiece decoders strip the space of a decode's first token, so "▁Paris" after the prompt "The
+capital is" must read " Paris", not "Paris".
 """
 
 from __future__ import annotations
 
 from lorafleet.worker.sequence import Sequence
 from lorafleet.worker.tokenizer import Tokenizer
+
+NUM_PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded before the first output tokens (vLLM's offset)
 
 
 class Detokenizer:
@@ -34,4 +39,10 @@ class Detokenizer:
     def _window(self, seq: Sequence, end: int) -> tuple[str, str]:
         ids = seq.output_token_ids
         decode = self.tokenizer.decode
-        return decode(ids[seq.detok_prefix : seq.detok_read]), decode(ids[seq.detok_prefix : end])
+        context: list[int] = []
+        if seq.detok_prefix == 0:
+            context = seq.prompt_token_ids[-NUM_PROMPT_CONTEXT_TOKENS:]
+            if decode(context).endswith("\ufffd"):  # the prompt ends inside a character: no context
+                context = []
+        prefix_ids = context + ids[seq.detok_prefix : seq.detok_read]
+        return decode(prefix_ids), decode(context + ids[seq.detok_prefix : end])

@@ -5,12 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+SAMPLING_EPS = 1e-5  # a temperature below it samples greedily (vLLM's): logits / 1e-38 overflow to NaN
 
 
 @dataclass(slots=True)
 class SamplingParams:
     max_tokens: int = 16
-    temperature: float = 1.0  # 0 = greedy
+    temperature: float = 1.0  # 0 (or below SAMPLING_EPS) = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     seed: int | None = None  # same seed + same prompt + same adapter -> same tokens, whatever the batch
@@ -40,4 +41,4 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < SAMPLING_EPS or self.top_k == 1

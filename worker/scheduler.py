@@ -221,7 +221,10 @@ class Scheduler:
         num_new = seq.num_uncomputed_tokens
         if num_new <= budget:
             return num_new
-        return budget if self.enable_chunked_prefill else 0
+        # Without chunking a prompt waits for a step with room for all of it, unless no step ever has
+        # room (a prompt, or a preempted sequence regrown, past max_num_batched_tokens): it would wait
+        # forever, so it is prefilled in chunks.
+        return budget if self.enable_chunked_prefill or num_new > self.max_num_batched_tokens else 0
 
     def _can_admit_adapter(self, seq: Sequence, loras: set[str]) -> bool:
         if seq.adapter is None or self.adapter_pool is None:
@@ -249,7 +252,7 @@ class Scheduler:
         self.failed.append(seq)
 
     def _add_to_batch(self, batch: ScheduledBatch, seq: Sequence, num_new: int) -> None:
-        if num_new == 1:
+        if num_new == 1 and seq.num_uncomputed_tokens == 1:  # a decode samples (a 1-token chunk may not)
             batch.decodes.append(seq)
         else:
             batch.prefills.append((seq, num_new))

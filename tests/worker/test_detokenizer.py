@@ -61,3 +61,40 @@ def test_byte_tokens_one_by_one(tiny_llama_dir, text):
     tok = Tokenizer(tiny_llama_dir)
     ids = tok.encode(text, add_special_tokens=False)
     assert "".join(_incremental(tok, ids)[1]) == text
+
+
+def _sentencepiece_tokenizer(path) -> Tokenizer:
+    """A Llama-2-style tokenizer.json: "▁" marks a space, and the decoder strips a decode's first space."""
+    import json
+
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, normalizers, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "▁The": 3, "▁capital": 4, "▁is": 5, "▁Paris": 6, ".": 7}
+    tok = HFTokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.pre_tokenizer = pre_tokenizers.Split("▁", behavior="merged_with_next")
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.add_special_tokens(["<s>", "</s>"])
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    return Tokenizer(path)
+
+
+def test_first_output_word_keeps_its_space_after_the_prompt(tmp_path):
+    """As vLLM: the output text continues the prompt ("The capital is" + " Paris."), so a SentencePiece
+    decoder's first-token strip applies to the prompt's context, not to the first output word."""
+    tok = _sentencepiece_tokenizer(tmp_path)
+    prompt = tok.encode("The capital is", add_special_tokens=False)
+    assert prompt == [3, 4, 5] and tok.decode([3, 4, 5, 6, 7]) == "The capital is Paris."
+    seq = Sequence("r", prompt, SamplingParams())
+    detok = Detokenizer(tok)
+    for t in [6, 7]:
+        seq.output_token_ids.append(t)
+        detok.append(seq, len(seq.output_token_ids))
+    assert seq.text == " Paris."
+    seq = Sequence("r", [1], SamplingParams())  # after a special token (skipped) there is no word to follow
+    seq.output_token_ids = [6, 7]
+    detok.flush(seq, 2)
+    assert seq.text == "Paris."

@@ -102,3 +102,12 @@ def test_logprobs_zero_gives_only_the_chosen_token():
 def test_invalid_params_are_refused(kw):
     with pytest.raises(ValueError):
         SamplingParams(**kw)
+
+
+@pytest.mark.parametrize("temperature", [1e-6, 1e-38, 1e-45])
+def test_tiny_temperature_is_greedy_not_nan(temperature):
+    # logits / 1e-38 overflow to inf and softmax gives NaN (argmax then picks token 0); as vLLM, a
+    # temperature below 1e-5 samples greedily.
+    logits = _logits(3, seed=6)
+    out = Sampler().sample(logits, [_seq(temperature=temperature, seed=s) for s in range(3)])
+    assert [t for t, _ in out] == logits.argmax(-1).tolist()

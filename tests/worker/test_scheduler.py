@@ -93,10 +93,54 @@ def test_chunked_prefill_splits_a_long_prompt():
     assert long.num_computed_tokens == 21 and len(long.block_table) == 6
 
 
-def test_without_chunking_a_prompt_over_budget_waits():
+def test_without_chunking_a_prompt_over_the_remaining_budget_waits():
     sched, _ = _sched(max_num_batched_tokens=8, enable_chunked_prefill=False)
-    sched.add(_seq(9))
-    assert _run_step(sched).is_empty
+    a, b = _seq(5), _seq(6)
+    sched.add(a)
+    sched.add(b)
+    assert _run_step(sched).prefills == [(a, 5)]  # b does not fit the 3 tokens left: it waits whole
+    assert _run_step(sched).scheduled == [(a, 1), (b, 6)]
+
+
+def test_without_chunking_a_prompt_over_the_whole_budget_is_chunked_not_stuck():
+    # No step ever has room for 9 tokens: waiting for one would hang the request forever.
+    sched, _ = _sched(max_num_batched_tokens=8, enable_chunked_prefill=False)
+    seq = _seq(9)
+    sched.add(seq)
+    assert [_run_step(sched).num_tokens for _ in range(3)] == [8, 1, 1]
+    assert seq.num_computed_tokens == 10 and len(seq.output_token_ids) == 2
+
+
+def test_a_preempted_sequence_grown_past_the_budget_is_recomputed_without_chunking():
+    sched, pool = _sched(num_pages=4, max_num_batched_tokens=8, enable_chunked_prefill=False)
+    old, young = _seq(6), _seq(2)
+    sched.add(old)
+    sched.add(young)
+    preempted = []
+    while not preempted:
+        preempted = _run_step(sched).preempted
+    assert preempted == [young] and young.num_tokens <= 8
+    for _ in range(8):  # young's recompute waits while old runs, and old grows past 8 tokens
+        _run_step(sched)
+    sched.finish(old, "length")
+    young.output_token_ids += [1] * (9 - young.num_tokens)  # regrown past the step budget
+    steps = [_run_step(sched) for _ in range(2)]
+    assert [b.num_tokens for b in steps] == [8, 1] and young.status is SequenceStatus.RUNNING
+    sched.finish(young, "length")
+    assert pool.num_used("kv") == 0
+
+
+def test_every_decode_of_a_step_samples():
+    """A one-token chunk of an unfinished prefill is a prefill: decodes are what a decode-only step
+    (CUDA graphs) samples for every row."""
+    sched, _ = _sched(max_num_batched_tokens=3)
+    a, b = _seq(2), _seq(2)
+    sched.add(a)
+    sched.add(b)
+    batch = _run_step(sched)
+    assert batch.decodes == [] and batch.prefills == [(a, 2), (b, 1)]  # b's chunk samples nothing
+    batch = _run_step(sched)
+    assert batch.decodes == [a, b] and all(s.num_uncomputed_tokens == 1 for s in batch.decodes)
 
 
 def test_preemption_frees_the_youngest_and_recomputes_it_later():
