@@ -3,9 +3,17 @@
 Caches are `[num_pages, block_size, num_kv_heads, head_dim]` tensors of any strides (one layer's view
 of the unified page pool); a token at position n of sequence b lives in page
 block_tables[b, n // block_size] at row n % block_size. GQA: query head h reads KV head h // G.
+
+The launchers check shapes, dtypes, strides and devices only. Index *values* are the caller's contract
+(checking them would cost a host sync per call): block_tables entries < num_pages for every block a
+sequence's context_lens covers, 0 <= context_lens[b] <= max_blocks * block_size, query_start_loc
+non-decreasing from 0 to T with context_lens[b] >= its q_len, slot_mapping < num_pages * block_size.
+The Triton kernels do not bounds-check them: a value outside these ranges reads or writes out of bounds.
 """
 
 from __future__ import annotations
+
+import numbers
 
 import torch
 from torch import Tensor
@@ -38,13 +46,22 @@ def _check_queries(name: str, q: Tensor, out: Tensor, k_cache: Tensor, block_tab
         raise ValueError(f"{name}: out must be {q.dtype} {tuple(q.shape)} with a contiguous head_dim, got {out.dtype} {tuple(out.shape)}")
     if q.dtype != k_cache.dtype:
         raise ValueError(f"{name}: q is {q.dtype}, the cache {k_cache.dtype}; they must match")
-    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs or block_tables.dtype != torch.int32:
-        raise ValueError(f"{name}: block_tables must be int32 [{num_seqs}, max_blocks], got {block_tables.dtype} {tuple(block_tables.shape)}")
-    if context_lens.shape != (num_seqs,) or context_lens.dtype != torch.int32:
-        raise ValueError(f"{name}: context_lens must be int32 [{num_seqs}], got {context_lens.dtype} {tuple(context_lens.shape)}")
+    if not q.dtype.is_floating_point:
+        raise ValueError(f"{name}: q and the caches must be a floating dtype, got {q.dtype}")
+    # The kernels step along a table row and along context_lens with stride 1.
+    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs or block_tables.dtype != torch.int32 or block_tables.stride(1) != 1:
+        raise ValueError(f"{name}: block_tables must be int32 [{num_seqs}, max_blocks] with a contiguous last dim, "
+                         f"got {block_tables.dtype} {tuple(block_tables.shape)} strides {block_tables.stride()}")  # fmt: skip
+    if context_lens.shape != (num_seqs,) or context_lens.dtype != torch.int32 or not context_lens.is_contiguous():
+        raise ValueError(f"{name}: context_lens must be contiguous int32 [{num_seqs}], got {context_lens.dtype} {tuple(context_lens.shape)} strides {context_lens.stride()}")
     for label, t in (("out", out), ("k_cache", k_cache), ("block_tables", block_tables), ("context_lens", context_lens)):
         if t.device != q.device:
             raise ValueError(f"{name}: {label} is on {t.device}, q on {q.device}")
+
+
+def _check_scale(name: str, scale: float) -> None:
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise ValueError(f"{name}: scale must be a Python float, got {type(scale).__name__}")
 
 
 def write_kv(*, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor, backend: str = "auto") -> None:
@@ -62,8 +79,11 @@ def write_kv(*, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_map
         raise ValueError(f"write_kv: k/v are {k.dtype}/{v.dtype}, the cache {k_cache.dtype}; they must match")
     if k.stride(2) != 1 or v.stride(2) != 1:
         raise ValueError("write_kv: k and v need a contiguous head_dim")
-    if slot_mapping.shape != (k.shape[0],) or slot_mapping.dtype != torch.int64:
-        raise ValueError(f"write_kv: slot_mapping must be int64 [{k.shape[0]}], got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
+    if slot_mapping.shape != (k.shape[0],) or slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous():
+        raise ValueError(f"write_kv: slot_mapping must be contiguous int64 [{k.shape[0]}], got {slot_mapping.dtype} {tuple(slot_mapping.shape)} strides {slot_mapping.stride()}")
+    for label, t in (("k", k), ("v", v), ("slot_mapping", slot_mapping)):
+        if t.device != k_cache.device:
+            raise ValueError(f"write_kv: {label} is on {t.device}, the caches on {k_cache.device}")
     if resolve_backend(backend, k.device) == "triton":
         from lorafleet.kernels.attention_triton import write_kv_triton
 
@@ -85,6 +105,7 @@ def paged_attention_decode(
     """
     _check_caches("paged_attention_decode", k_cache, v_cache)
     _check_queries("paged_attention_decode", q, out, k_cache, block_tables, context_lens, q.shape[0])
+    _check_scale("paged_attention_decode", scale)
     if resolve_backend(backend, q.device) == "triton":
         from lorafleet.kernels.attention_triton import paged_attention_decode_triton
 
@@ -119,8 +140,11 @@ def paged_attention_prefill(
     num_seqs = context_lens.shape[0]
     _check_caches("paged_attention_prefill", k_cache, v_cache)
     _check_queries("paged_attention_prefill", q, out, k_cache, block_tables, context_lens, num_seqs)
-    if query_start_loc.shape != (num_seqs + 1,) or query_start_loc.dtype != torch.int32 or query_start_loc.device != q.device:
-        raise ValueError(f"paged_attention_prefill: query_start_loc must be int32 [{num_seqs + 1}] on {q.device}, got {query_start_loc.dtype} {tuple(query_start_loc.shape)}")
+    _check_scale("paged_attention_prefill", scale)
+    qsl = query_start_loc
+    if qsl.shape != (num_seqs + 1,) or qsl.dtype != torch.int32 or qsl.device != q.device or not qsl.is_contiguous():
+        raise ValueError(f"paged_attention_prefill: query_start_loc must be contiguous int32 [{num_seqs + 1}] on {q.device}, "
+                         f"got {qsl.dtype} {tuple(qsl.shape)} strides {qsl.stride()} on {qsl.device}")  # fmt: skip
     if resolve_backend(backend, q.device) == "triton":
         from lorafleet.kernels.attention_triton import paged_attention_prefill_triton
 

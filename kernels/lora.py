@@ -14,6 +14,7 @@ instead of adding, for a caller that lets the base GEMM add itself afterwards (w
 
 from __future__ import annotations
 
+import numbers
 import os
 
 import torch
@@ -25,8 +26,9 @@ from lorafleet.kernels.lora_reference import lora_expand_reference, lora_shrink_
 BACKENDS = ("auto", "reference", "triton")
 
 
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """'reference' or 'triton' for a tensor on `device`; Triton on CPU needs TRITON_INTERPRET=1."""
+def resolve_backend(backend: str, device: torch.device | str) -> str:
+    """'reference' or 'triton' for a tensor on `device` (a torch.device or its name); Triton on CPU needs TRITON_INTERPRET=1."""
+    device = torch.device(device)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
@@ -36,14 +38,28 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
+def _check_proj_ids(name: str, proj_ids: list[int]) -> None:
+    if not isinstance(proj_ids, (list, tuple)) or not proj_ids or any(isinstance(p, bool) or not isinstance(p, numbers.Integral) or not 0 <= p < NUM_PROJS for p in proj_ids):
+        raise ValueError(f"{name}: proj_ids must be a non-empty list of int ids in [0, {NUM_PROJS}), got {proj_ids!r}")
+
+
 def _check_common(name: str, layout: LoRALayout, layer: int, proj_ids: list[int], batch: LoRABatch, device: torch.device) -> None:
-    if not 0 <= layer < layout.num_layers:
-        raise ValueError(f"{name}: layer {layer} outside [0, {layout.num_layers})")
-    if not proj_ids or any(not 0 <= p < NUM_PROJS for p in proj_ids):
-        raise ValueError(f"{name}: proj_ids must be a non-empty list of ids in [0, {NUM_PROJS}), got {proj_ids}")
+    """Shape, dtype and device checks only: the batch's and layout's *values* (slots < layout.max_slots,
+    seg_starts increasing and inside sorted_token_ids, token ids < T, ranks <= the layout's max_rank)
+    are the caller's contract, as reading them would cost a host sync per call."""
+    if isinstance(layer, bool) or not isinstance(layer, numbers.Integral) or not 0 <= layer < layout.num_layers:
+        raise ValueError(f"{name}: layer {layer!r} outside [0, {layout.num_layers}) or not an int")
+    _check_proj_ids(name, proj_ids)
     if batch.max_rank > layout.max_rank:
         raise ValueError(f"{name}: batch.max_rank {batch.max_rank} exceeds the layout's max_rank {layout.max_rank}")
-    for label, t in (("layout.pool", layout.pool), ("batch.token_slots", batch.token_slots), ("batch.seg_slots", batch.seg_slots)):
+    meta = (("token_slots", batch.token_slots), ("sorted_token_ids", batch.sorted_token_ids), ("seg_starts", batch.seg_starts), ("seg_slots", batch.seg_slots))
+    for label, t in meta:
+        # The kernels index these with stride 1: a strided view would be read wrongly.
+        if t.dim() != 1 or t.dtype not in (torch.int32, torch.int64) or not t.is_contiguous():
+            raise ValueError(f"{name}: batch.{label} must be a contiguous 1-D int32 (or int64) tensor, got {t.dtype} {tuple(t.shape)} strides {t.stride()}")
+    if batch.seg_starts.shape[0] != batch.num_segments + 1:
+        raise ValueError(f"{name}: batch.seg_starts must hold num_segments + 1 = {batch.num_segments + 1} entries, got {batch.seg_starts.shape[0]}")
+    for label, t in [("layout.pool", layout.pool)] + [(f"batch.{m}", v) for m, v in meta]:
         if t.device != device:
             raise ValueError(f"{name}: {label} is on {t.device}, the activations on {device}")
 
@@ -55,6 +71,9 @@ def shrink_buffer(*, x: Tensor, proj_ids: list[int], batch: LoRABatch, backend: 
     Triton shrink writes one partial sum per split with plain stores, and `lora_expand` adds them.
     x: [T, K] the shrink's input. proj_ids: list of P ints. batch: `LoRABatch` over the T tokens.
     """
+    if x.dim() != 2:
+        raise ValueError(f"shrink_buffer: x must be [T, K], got shape {tuple(x.shape)}")
+    _check_proj_ids("shrink_buffer", proj_ids)
     splits = 1
     if resolve_backend(backend, x.device) == "triton":
         from lorafleet.kernels.lora_triton import shrink_splits
@@ -80,7 +99,8 @@ def lora_shrink(*, x: Tensor, layout: LoRALayout, layer: int, proj_ids: list[int
 
     Semantics: sum_s out[s, i, t, j] = sum_k x[t, k] * A[slot(t), layer, proj_ids[i]][j, k] for j < rank, every t with slot(t) >= 0.
 
-    x: [T, K] model dtype (the pool's), last dim contiguous. layout: `LoRALayout` (A rows of K elements).
+    x: [T, K] model dtype (the pool's), last dim contiguous. layout: `LoRALayout` (A rows of K elements: the
+    layout does not record K, so matching it is the caller's contract; a wrong K reads the wrong pool elements).
     layer: int. proj_ids: list of P ints in [0, 7) (ids into PROJS). batch: `LoRABatch` over the T tokens.
     out: float32 [S, P, T, R] with S >= 1 partial sums over K and R >= batch.max_rank, contiguous
     (`shrink_buffer` makes one; a [P, T, R] buffer is one split, which leaves the GPU less parallel). Entries past a slot's rank, of tokens without a slot, or of a module

@@ -58,6 +58,13 @@ class LoRALayout:
             raise ValueError("LoRALayout.ranks and LoRALayout.scales must be contiguous")
         if self.row_align < 1 or self.row_align & (self.row_align - 1):
             raise ValueError(f"LoRALayout.row_align must be a power of two, got {self.row_align}")
+        if not self.pool.dtype.is_floating_point:
+            raise ValueError(f"LoRALayout.pool must hold the model's floating dtype, got {self.pool.dtype}")
+        if self.b_offsets.shape != self.a_offsets.shape:
+            raise ValueError(f"LoRALayout.a_offsets and b_offsets must have one shape, got {tuple(self.a_offsets.shape)} and {tuple(self.b_offsets.shape)}")
+        devices = {t.device for t in (self.pool, self.ranks, self.scales, self.a_offsets, self.b_offsets)}
+        if len(devices) != 1:
+            raise ValueError(f"LoRALayout's tensors must share one device, got {sorted(map(str, devices))}")
 
     def check_alignment(self) -> None:
         """Raise if a live row offset is not a multiple of row_align (one host sync; for tests and debugging)."""
@@ -150,7 +157,9 @@ def make_lora_batch(token_slots: Tensor, max_rank_by_slot: Tensor, *, grouped: b
     if token_slots.dim() != 1:
         raise ValueError(f"token_slots must be 1-D [T], got shape {tuple(token_slots.shape)}")
     if token_slots.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"token_slots must be an integer tensor, got {token_slots.dtype}")
+        raise ValueError(f"token_slots must be an int32 or int64 tensor, got {token_slots.dtype}")
+    if max_rank_by_slot.dim() != 1:
+        raise ValueError(f"max_rank_by_slot must be 1-D [max_slots] (layout.max_rank_by_slot()), got shape {tuple(max_rank_by_slot.shape)}")
     device = token_slots.device
     slots = token_slots.to(torch.int32)
     max_rank_by_slot = max_rank_by_slot.to(device=device, dtype=torch.int32)
@@ -229,6 +238,9 @@ def pack_lora_layout(
     """
     rows: list[Tensor] = []
     for key in sorted(modules):
+        slot, layer, proj = key
+        if not (0 <= slot < max_slots and 0 <= layer < num_layers and 0 <= proj < NUM_PROJS):
+            raise ValueError(f"module {key}: (slot, layer, proj_id) must lie in [0, {max_slots}) x [0, {num_layers}) x [0, {NUM_PROJS})")
         a, b, _ = modules[key]
         if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
             raise ValueError(f"module {key}: a must be [r, in] and b [out, r], got {tuple(a.shape)} and {tuple(b.shape)}")
@@ -241,6 +253,8 @@ def pack_lora_layout(
     if num_pages < needed:
         raise ValueError(f"the adapters need {needed} pages, only {num_pages} given")
     order = list(range(num_pages)) if page_order is None else page_order.tolist()
+    if sorted(order) != list(range(num_pages)):
+        raise ValueError(f"page_order must be a permutation of range({num_pages}) (num_pages), got {order}")
     pool = torch.zeros(num_pages, page_elems, dtype=dtype)
     offsets = [order[p] * page_elems + off for p, off in placements]
     if rows:

@@ -159,6 +159,34 @@ def test_attention_refuses_bad_inputs(gen):
         write_kv(k=torch.zeros(3, 2, 16), v=torch.zeros(3, 2, 16), k_cache=k_cache, v_cache=v_cache, slot_mapping=torch.zeros(3, dtype=torch.int32))
 
 
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_attention_refuses_strided_index_tensors_and_odd_scales(backend, gen):
+    # The Triton kernels step along these with stride 1: a strided view gave wrong rows (decode, write_kv)
+    # or corrupted memory (prefill's query_start_loc) instead of an error.
+    k_cache, v_cache = _caches(4, 4, 2, 16, torch.float32, gen)
+    q = torch.randn(2, 4, 16)
+    tables = torch.zeros(3, 2, dtype=torch.int32).t()  # [2, 3], stride (1, 2)
+    lens = torch.ones(4, dtype=torch.int32)[::2]
+    ok = dict(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=torch.zeros(2, 3, dtype=torch.int32), context_lens=torch.ones(2, dtype=torch.int32),
+              scale=1.0, out=torch.empty_like(q), backend=backend)  # fmt: skip
+    with pytest.raises(ValueError, match="block_tables must be int32 .* contiguous last dim"):
+        paged_attention_decode(**{**ok, "block_tables": tables})
+    with pytest.raises(ValueError, match="context_lens must be contiguous"):
+        paged_attention_decode(**{**ok, "context_lens": lens})
+    with pytest.raises(ValueError, match="scale must be a Python float"):
+        paged_attention_decode(**{**ok, "scale": torch.tensor(1.0)})
+    with pytest.raises(ValueError, match="floating dtype"):
+        paged_attention_decode(**{**ok, "q": q.int(), "out": q.int(), "k_cache": k_cache.int(), "v_cache": v_cache.int()})
+    qsl = torch.tensor([0, 9, 1, 9, 2, 9], dtype=torch.int32)[::2]
+    with pytest.raises(ValueError, match="query_start_loc must be contiguous"):
+        paged_attention_prefill(**{**ok, "query_start_loc": qsl})
+    kv = torch.zeros(3, 2, 16)
+    with pytest.raises(ValueError, match="slot_mapping must be contiguous"):
+        write_kv(k=kv, v=kv, k_cache=k_cache, v_cache=v_cache, slot_mapping=torch.zeros(6, dtype=torch.int64)[::2], backend=backend)
+    with pytest.raises(ValueError, match="k is on meta"):
+        write_kv(k=kv.to("meta"), v=kv, k_cache=k_cache, v_cache=v_cache, slot_mapping=torch.zeros(3, dtype=torch.int64), backend=backend)
+
 @pytest.mark.gpu
 def test_llama3_8b_shapes_in_bf16_on_gpu(gen):
     """Decode (batch 16, contexts up to 2048) and chunked prefill at 32 q heads / 8 KV heads of 128, bf16."""

@@ -1,11 +1,13 @@
 """lora_delta (the whole delta of a projection group) and the expand's write mode (y = delta, used
 before the base GEMM adds itself), against dense answers."""
 
+import dataclasses
+
 import pytest
 import torch
 from kernel_cases import MIXED_RANKS, POPULARITIES, dense_delta, random_adapters, token_slots
 
-from lorafleet.kernels.lora import lora_delta, lora_expand, lora_shrink, shrink_buffer
+from lorafleet.kernels.lora import lora_delta, lora_expand, lora_shrink, resolve_backend, shrink_buffer
 from lorafleet.kernels.lora_layout import make_lora_batch, pack_lora_layout
 
 BACKENDS = ["reference", "triton"]
@@ -67,3 +69,45 @@ def test_expand_write_mode_replaces_the_slices(backend, gen):
     live = slots >= 0
     assert float((y[live].double() - want[live]).norm() / want[live].norm()) < 2e-4
     assert torch.isnan(y[~live]).all()
+
+
+def _small():
+    a, b = torch.ones(4, 32), torch.ones(16, 4)
+    layout = pack_lora_layout({(0, 0, 0): (a, b, 1.0), (1, 0, 1): (a, b, 1.0)}, num_layers=1, max_slots=2, page_elems=64, dtype=torch.float32)
+    batch = make_lora_batch(torch.tensor([0, 1, -1, 0], dtype=torch.int32), layout.max_rank_by_slot())
+    return layout, batch
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_launchers_refuse_bad_layer_proj_ids_and_x(backend):
+    layout, batch = _small()
+    x, y = torch.randn(4, 32), torch.zeros(4, 32)
+    args = dict(x=x, layout=layout, layer=0, proj_ids=[0, 1], batch=batch, y=y, out_offsets=[0, 16], backend=backend)
+    with pytest.raises(ValueError, match="layer 0.0 outside .* not an int"):
+        lora_delta(**{**args, "layer": 0.0})
+    with pytest.raises(ValueError, match="proj_ids"):
+        lora_delta(**{**args, "proj_ids": torch.tensor([0, 1])})
+    with pytest.raises(ValueError, match=r"shrink_buffer: x must be \[T, K\]"):
+        lora_delta(**{**args, "x": x[0]})
+    with pytest.raises(ValueError, match=r"shrink_buffer: x must be \[T, K\]"):
+        shrink_buffer(x=x[0], proj_ids=[0], batch=batch, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_launchers_refuse_strided_or_inconsistent_batch_tensors(backend):
+    layout, batch = _small()
+    args = dict(x=torch.randn(4, 32), layout=layout, layer=0, proj_ids=[0, 1], batch=batch, y=torch.zeros(4, 32), out_offsets=[0, 16], backend=backend)
+    # A strided view of the token ids was read with stride 1 by the Triton kernels (silently wrong deltas).
+    strided = torch.stack([batch.sorted_token_ids, batch.sorted_token_ids], 1)[:, 0]
+    with pytest.raises(ValueError, match="batch.sorted_token_ids must be a contiguous 1-D"):
+        lora_delta(**{**args, "batch": dataclasses.replace(batch, sorted_token_ids=strided)})
+    # One seg_starts entry short: the Triton kernels read past its end.
+    with pytest.raises(ValueError, match="seg_starts must hold num_segments"):
+        lora_delta(**{**args, "batch": dataclasses.replace(batch, seg_starts=batch.seg_starts[:-1])})
+    with pytest.raises(ValueError, match="batch.seg_slots is on meta"):
+        lora_delta(**{**args, "batch": dataclasses.replace(batch, seg_slots=batch.seg_slots.to("meta"))})
+
+
+def test_resolve_backend_takes_a_device_name():
+    assert resolve_backend("auto", "cpu") == "reference"
+    assert resolve_backend("reference", "cpu") == "reference"

@@ -110,3 +110,29 @@ def test_layout_checks_its_tensors():
         LoRALayout(**{**good, "ranks": torch.zeros(1, 6, 2, dtype=torch.int32)})
     with pytest.raises(ValueError, match="a_offsets"):
         LoRALayout(**{**good, "a_offsets": torch.zeros(1, 7, 2, 4, dtype=torch.int32)})
+
+
+def test_make_lora_batch_refuses_a_rank_table_that_is_not_per_slot():
+    layout = pack_lora_layout({(0, 0, 0): (torch.ones(2, 8), torch.ones(8, 2), 1.0)}, num_layers=1, max_slots=2, page_elems=16, dtype=torch.float32)
+    with pytest.raises(ValueError, match="max_rank_by_slot must be 1-D"):
+        make_lora_batch(torch.tensor([0, 0], dtype=torch.int32), layout.ranks)  # layout.max_rank_by_slot() meant
+
+
+def test_packing_refuses_bad_keys_and_page_order():
+    a, b = torch.ones(2, 8), torch.ones(8, 2)
+    kw = dict(num_layers=1, max_slots=2, page_elems=16, dtype=torch.float32)
+    for key in [(-1, 0, 0), (2, 0, 0), (0, 1, 0), (0, 0, 7)]:  # slot -1 used to land silently in the last slot
+        with pytest.raises(ValueError, match=r"\(slot, layer, proj_id\) must lie in"):
+            pack_lora_layout({key: (a, b, 1.0)}, **kw)
+    with pytest.raises(ValueError, match="page_order must be a permutation"):
+        pack_lora_layout({(0, 0, 0): (a, b, 1.0), (1, 0, 0): (a, b, 1.0)}, **kw, page_order=torch.tensor([0, 0, 1, 2]))  # 4 pages, two rows each
+
+
+def test_layout_refuses_mismatched_offsets_devices_and_dtypes():
+    lay = pack_lora_layout({(0, 0, 0): (torch.ones(2, 8), torch.ones(8, 2), 1.0)}, num_layers=1, max_slots=2, page_elems=16, dtype=torch.float32)
+    with pytest.raises(ValueError, match="a_offsets and b_offsets must have one shape"):
+        LoRALayout(lay.pool, lay.ranks, lay.scales, lay.a_offsets, lay.b_offsets[..., :1].contiguous())
+    with pytest.raises(ValueError, match="share one device"):
+        LoRALayout(lay.pool, lay.ranks.to("meta"), lay.scales, lay.a_offsets, lay.b_offsets)
+    with pytest.raises(ValueError, match="floating dtype"):
+        LoRALayout(lay.pool.int(), lay.ranks, lay.scales, lay.a_offsets, lay.b_offsets)
