@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from pathlib import PurePosixPath
 from typing import Any, Protocol
 
 from lorafleet.worker.canary import CanaryResolver, VersionSplit
 from lorafleet.worker.directives import AdapterDirective, AdapterState, DesiredState, ReportedState
 from lorafleet.worker.openai_protocol import APIError
+from lorafleet.worker.sources import local_uri_path
 from lorafleet.worker.tenants import Tenant
 
 log = logging.getLogger(__name__)
@@ -56,14 +56,10 @@ def local_source(uri: str) -> str:
     """The local path of a staged source (`/abs/dir` or `file:///abs/dir`); object-store URIs must have
     been staged by the stager first. A relative path or '..' is refused: it would be read relative to
     the worker's working directory, wherever that is (the admin API checks the adapter roots)."""
-    path = uri[len("file://"):] if uri.startswith("file://") else uri
-    if "://" in path:
+    if "://" in uri.removeprefix("file://"):
         raise ValueError(f"{uri} is not staged: the stager downloads object-store sources to local disk and "
                          "pushes local paths")
-    if not path.startswith("/") or ".." in PurePosixPath(path).parts:
-        raise ValueError(f"{uri}: a local adapter source must be an absolute path without '..' "
-                         "(/abs/dir or file:///abs/dir)")
-    return path
+    return local_uri_path(uri)
 
 
 class ServedAdapters:

@@ -90,6 +90,20 @@ def parse_s3(uri: str) -> S3Location:
     return S3Location(bucket, prefix + "/" if prefix else "")
 
 
+def local_uri_path(uri: str) -> str:
+    """The path a local source names (`/abs/dir` or `file:///abs/dir`), unresolved; a relative path or
+    '..' is refused (it would depend on the worker's working directory, or escape the roots)."""
+    raw = uri[len("file://"):] if uri.startswith("file://") else uri
+    # '..' first: `file://../x` is relative too, and must be refused as an escape, not passed on.
+    if ".." in PurePosixPath(raw).parts:
+        raise SourceError(f"{uri!r}: '..' is not allowed in adapter paths (give an absolute path without '..')",
+                          "not_allowed")
+    if not raw.startswith("/"):
+        raise SourceError(f"{uri!r}: local sources must be absolute paths (an absolute path without '..': /abs/dir "
+                          f"or file:///abs/dir); a relative path would depend on the worker's working directory")
+    return raw
+
+
 class Sources:
     """Checks URIs against the allow-list and fetches them (local: resolve; S3: download)."""
 
@@ -114,14 +128,7 @@ class Sources:
 
     def local_path(self, uri: str) -> Path:
         """The resolved directory of a local source, refused unless it lies inside a configured root."""
-        raw = uri[len("file://"):] if uri.startswith("file://") else uri
-        # '..' first: `file://../x` is relative too, and must be refused as an escape, not passed on.
-        if ".." in PurePosixPath(raw).parts:
-            raise SourceError(f"{uri!r}: '..' is not allowed in adapter paths", "not_allowed")
-        if not raw.startswith("/"):
-            raise SourceError(f"{uri!r}: local sources must be absolute paths (/abs/dir or file:///abs/dir); "
-                              f"a relative path would depend on the worker's working directory")
-        path = Path(raw).resolve()  # follows symlinks: a link out of a root lands outside it
+        path = Path(local_uri_path(uri)).resolve()  # follows symlinks: a link out of a root lands outside it
         if not any(path == root or path.is_relative_to(root) for root in self._roots):
             raise SourceError(f"{uri}: resolves to {path}, outside the allowed local roots "
                               f"({', '.join(map(str, self._roots)) or 'none configured'})", "not_allowed")
