@@ -44,7 +44,7 @@ def _check_proj_ids(name: str, proj_ids: list[int]) -> None:
 
 
 def _check_common(name: str, layout: LoRALayout, layer: int, proj_ids: list[int], batch: LoRABatch, device: torch.device) -> None:
-    """Shape, dtype and device checks only: the batch's and layout's *values* (slots < layout.max_slots,
+    """Shape, dtype and device checks only (per call: the batch's own in LoRABatch): the *values* (slots < layout.max_slots,
     seg_starts increasing and inside sorted_token_ids, token ids < T, ranks <= the layout's max_rank)
     are the caller's contract, as reading them would cost a host sync per call."""
     if isinstance(layer, bool) or not isinstance(layer, numbers.Integral) or not 0 <= layer < layout.num_layers:
@@ -52,14 +52,8 @@ def _check_common(name: str, layout: LoRALayout, layer: int, proj_ids: list[int]
     _check_proj_ids(name, proj_ids)
     if batch.max_rank > layout.max_rank:
         raise ValueError(f"{name}: batch.max_rank {batch.max_rank} exceeds the layout's max_rank {layout.max_rank}")
-    meta = (("token_slots", batch.token_slots), ("sorted_token_ids", batch.sorted_token_ids), ("seg_starts", batch.seg_starts), ("seg_slots", batch.seg_slots))
-    for label, t in meta:
-        # The kernels index these with stride 1: a strided view would be read wrongly.
-        if t.dim() != 1 or t.dtype not in (torch.int32, torch.int64) or not t.is_contiguous():
-            raise ValueError(f"{name}: batch.{label} must be a contiguous 1-D int32 (or int64) tensor, got {t.dtype} {tuple(t.shape)} strides {t.stride()}")
-    if batch.seg_starts.shape[0] != batch.num_segments + 1:
-        raise ValueError(f"{name}: batch.seg_starts must hold num_segments + 1 = {batch.num_segments + 1} entries, got {batch.seg_starts.shape[0]}")
-    for label, t in [("layout.pool", layout.pool)] + [(f"batch.{m}", v) for m, v in meta]:
+    # The batch's own tensors were checked once, when it was built (LoRABatch.__post_init__): one device.
+    for label, t in (("layout.pool", layout.pool), ("batch.token_slots", batch.token_slots)):
         if t.device != device:
             raise ValueError(f"{name}: {label} is on {t.device}, the activations on {device}")
 

@@ -110,6 +110,21 @@ class LoRABatch:
     mean_rank: float = 0.0  # mean rank over the batch's tokens with a slot; 0: unknown (kernels plan for max_rank)
     every_token: bool = False  # every token is in a segment (slot -1 segments count): a write-mode expand covers all rows
 
+    def __post_init__(self) -> None:
+        """Once per step, not per kernel call: the kernels index these with stride 1 (a strided view
+        would be read wrongly) and read seg_starts[num_segments]; all on one device."""
+        meta = (("token_slots", self.token_slots), ("sorted_token_ids", self.sorted_token_ids), ("seg_starts", self.seg_starts),
+                ("seg_slots", self.seg_slots))
+        for label, t in meta:
+            if t.dim() != 1 or t.dtype not in (torch.int32, torch.int64) or not t.is_contiguous():
+                raise ValueError(f"LoRABatch: batch.{label} must be a contiguous 1-D int32 (or int64) tensor, got {t.dtype} "
+                                 f"{tuple(t.shape)} strides {t.stride()}")
+            if t.device != self.token_slots.device:
+                raise ValueError(f"LoRABatch: batch.{label} is on {t.device}, batch.token_slots on {self.token_slots.device}")
+        if self.seg_starts.shape[0] != self.num_segments + 1:
+            raise ValueError(f"LoRABatch: batch.seg_starts must hold num_segments + 1 = {self.num_segments + 1} entries, "
+                             f"got {self.seg_starts.shape[0]}")
+
     @property
     def planning_rank(self) -> float:
         """The rank kernels size their grids for: the mean where known, else the largest."""

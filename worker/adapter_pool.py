@@ -15,9 +15,8 @@ registered beside the current one (`make_current=False`, a canary) is promoted w
 `make_current(key)`, which retires the old one the same way. The content digest of a key is fixed at
 its first load: a reload with other bytes fails instead of serving them under the old key.
 
-This file holds the public verbs and version bookkeeping; the loading pipeline is AdapterLoading
-(worker/adapter_loading.py), placement and eviction AdapterPlacement (worker/adapter_placement.py),
-reports, counters and the invariant check AdapterReports (worker/adapter_reports.py).
+Here: the public verbs and versions; loading in adapter_loading.py, placement and eviction in
+adapter_placement.py, reports, counters and the invariant check in adapter_reports.py.
 """
 
 from __future__ import annotations
