@@ -7,9 +7,9 @@ Admission (stated, tested):
     server cannot do (baseModel, canary, tenant quota); the accepted spec is remembered in
     ``status.lastValidSpec``;
   * a refused *edit* never takes down what is serving: while the current spec does not parse or fails a
-    per-adapter check (phase Failed, the message names the field) the last valid spec stays in force,
-    unchanged on the workers, as long as it is for this pool and still passes. Tenant quota then counts
-    the specs in force. An unchanged spec that stops passing (the pool's baseModel or quota changed) is
+    per-adapter check or the tenant quota (phase Failed, the message names the field) the last valid
+    spec stays in force, unchanged on the workers, as long as it is for this pool and still passes.
+    Tenant quota counts the specs in force. An unchanged spec that stops passing (the pool's baseModel or quota changed) is
     not served;
   * one adapter's directive is built inside its own error boundary: a bad one fails alone.
 
@@ -123,15 +123,32 @@ def admit(pool: PoolSpec | None, adapters: Sequence[AdapterSpec | InvalidAdapter
             served[x.name] = x
             continue
         failures[x.name] = problem
-        held = x.last_valid
-        changed = isinstance(x, InvalidAdapter) or (held is not None and held.raw_spec != x.raw_spec)
-        if held is not None and changed and pool is not None and held.pool == pool.name \
-                and check_adapter(pool, held) is None:
+        held = _fallback(pool, x)
+        if held is not None:
             served[x.name] = held
-    for name, msg in over_quota(pool, list(served.values())).items():
-        del served[name]
+    refused = over_quota(pool, list(served.values()))
+    for name, msg in refused.items():
         failures.setdefault(name, msg)
+        # An edit refused by the quota (moved to a full tenant, grown): the last valid spec, if it still
+        # fits, stays in force like after any refused edit.
+        held = _fallback(pool, served.pop(name))
+        if held is not None:
+            served[name] = held
+    if any(name in served for name in refused):
+        for name, msg in over_quota(pool, list(served.values())).items():
+            del served[name]
+            failures.setdefault(name, msg)
     return served, failures
+
+
+def _fallback(pool: PoolSpec | None, x: AdapterSpec | InvalidAdapter) -> AdapterSpec | None:
+    """The last valid spec of an adapter whose current spec is refused, when that is an edit (not the
+    spec already in force) and the held spec is for this pool and still passes the per-adapter checks."""
+    held = x.last_valid
+    changed = isinstance(x, InvalidAdapter) or (held is not None and held.raw_spec != x.raw_spec)
+    if held is not None and changed and pool is not None and held.pool == pool.name and check_adapter(pool, held) is None:
+        return held
+    return None
 
 
 def check_adapter(pool: PoolSpec | None, a: AdapterSpec, *, pool_error: str | None = None) -> str | None:

@@ -175,6 +175,29 @@ def test_without_a_pool_the_workers_given_are_drained():
     assert reconcile_pool(pool(), ads, ws, now=NOW).draining is None
 
 
+def test_an_edit_refused_by_the_quota_keeps_the_last_valid_spec_serving():
+    # b moves to tenant beta, which is full: the edit is refused and b keeps serving as acme's adapter.
+    ws = workers(1)
+    q = pool(tenantQuota={"maxAdapters": 1})
+    ads = [parse_adapter(body("b", warm=1, created="2026-01-01T00:00:01Z")),
+           parse_adapter(body("d", warm=0, tenant="beta", created="2026-01-01T00:00:00Z"))]
+    plan = converge(q, ads, ws)
+    before = served(plan, "b")
+    assert before == {"w0": ("v1", None, True)}
+    moved = parse_adapter(body("b", warm=1, created="2026-01-01T00:00:01Z", tenant="beta", version="v2",
+                               status=plan.adapter_statuses["b"], generation=4))
+    plan = reconcile_pool(q, [moved, ads[1]], ws, now=NOW)
+    assert served(plan, "b") == before and plan.pushes == {}
+    st = plan.adapter_statuses["b"]
+    assert st["phase"] == "Failed" and st["message"].startswith("spec.tenant: tenant 'beta' is over")
+    assert "last valid spec (version v1) stays in force" in st["message"] and "lastValidSpec" not in st
+    assert plan.adapter_statuses["d"]["phase"] != "Failed"  # the full tenant keeps its own adapter
+    # A new adapter of acme finds the slot b still holds taken.
+    late = parse_adapter(body("c", warm=0, created="2026-01-01T00:00:02Z"))
+    plan = reconcile_pool(q, [moved, ads[1], late], ws, now=NOW)
+    assert served(plan, "b") == before and plan.adapter_statuses["c"]["message"].startswith("spec.tenant: tenant 'acme'")
+
+
 def test_quota_counts_the_spec_in_force():
     # b's edit is refused, so its last valid spec still holds the tenant's second slot: c stays out.
     ws = workers(1)
