@@ -1,5 +1,5 @@
 """The Helm chart lints, renders, and every rendered built-in object validates against Kubernetes schemas;
-CRDs and examples agree with the operator's parsing; env names match the processes' config fields."""
+env names match the processes' config fields."""
 
 from __future__ import annotations
 
@@ -8,15 +8,16 @@ import re
 from pathlib import Path
 
 import helm_python as helm
-import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
 
-from lorafleet.operator.crd_models import AdapterSpec, PoolSpec, SpecError
+from lorafleet.operator.crd_models import PoolSpec
 from lorafleet.operator.operator_config import OperatorConfig
 from lorafleet.operator.workers import selector_matches
 from lorafleet.worker.cli import build_parser
+
+from .crd_validation import validate
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "lorafleet"
@@ -60,11 +61,6 @@ def find(docs: list[dict], kind: str, suffix: str = "") -> dict:
     return matches[0]
 
 
-def crd_schema(plural: str) -> dict:
-    crd = yaml.safe_load((ROOT / "crds" / f"lorafleet.dev_{plural}.yaml").read_text())
-    return crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
-
-
 def env_names(container: dict) -> set[str]:
     return {e["name"] for e in container.get("env") or [] if e["name"].startswith("LORAFLEET_")}
 
@@ -90,7 +86,7 @@ def test_rendered_objects_validate(name):
             continue
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
     for pool in (d for d in docs if d["kind"] == "LoRAPool"):
-        jsonschema.validate(pool, crd_schema("lorapools"))
+        validate(pool, "lorapools")
         PoolSpec.parse(pool)
 
 
@@ -180,92 +176,3 @@ def test_grafana_dashboard_queries_exported_metrics():
     for name in names:
         base = re.sub(r"_(total|bucket|sum|count)$", "", name)
         assert f'"{base}"' in exported, f"dashboard queries {name}, which the worker does not export"
-
-
-def example_docs() -> list[dict]:
-    return [d for p in sorted((ROOT / "examples" / "k8s").glob("*.yaml")) for d in yaml.safe_load_all(p.read_text()) if d]
-
-
-def test_examples_validate_and_parse():
-    docs = example_docs()
-    kinds = [d["kind"] for d in docs]
-    assert kinds.count("LoRAPool") >= 1 and kinds.count("LoRAAdapter") >= 3
-    assert any(d["spec"].get("canary") for d in docs if d["kind"] == "LoRAAdapter")
-    for d in docs:
-        jsonschema.validate(d, crd_schema(d["kind"].lower() + "s"))
-        (PoolSpec if d["kind"] == "LoRAPool" else AdapterSpec).parse(d)
-
-
-@pytest.mark.parametrize(("path", "value"), [
-    (("spec", "canary", "weight"), 120),
-    (("spec", "canary", "weight"), -1),
-    (("spec", "source", "uri"), "http://example.com/adapter"),
-    (("spec", "source", "sha256"), "not-a-digest"),
-    (("spec", "pool"), "Not_A_Name"),
-])
-def test_crd_schema_refuses_bad_adapters(path, value):
-    doc = next(d for d in example_docs() if d["kind"] == "LoRAAdapter" and d["spec"].get("canary"))
-    node = doc
-    for key in path[:-1]:
-        node = node[key]
-    node[path[-1]] = value
-    with pytest.raises(jsonschema.ValidationError):
-        jsonschema.validate(doc, crd_schema("loraadapters"))
-
-
-@pytest.mark.parametrize(("path", "value"), [
-    (("spec", "adapterMemory", "gpuBytes"), "16 gigs"),
-    (("spec", "eviction"), "random"),
-    (("spec", "scaling", "kvHigh"), 1.5),
-])
-def test_crd_schema_refuses_bad_pools(path, value):
-    doc = next(d for d in example_docs() if d["kind"] == "LoRAPool")
-    node = doc
-    for key in path[:-1]:
-        node = node[key]
-    node[path[-1]] = value
-    with pytest.raises(jsonschema.ValidationError):
-        jsonschema.validate(doc, crd_schema("lorapools"))
-
-
-def test_crd_refuses_a_canary_without_source_or_equal_to_the_stable_version():
-    doc = next(d for d in example_docs() if d["kind"] == "LoRAAdapter" and d["spec"].get("canary"))
-    del doc["spec"]["canary"]["source"]
-    with pytest.raises(jsonschema.ValidationError, match="'source' is a required property"):
-        jsonschema.validate(doc, crd_schema("loraadapters"))
-    # CEL (the API server evaluates it; jsonschema cannot): canary.version must differ from version.
-    rules = [r["rule"] for r in crd_schema("loraadapters")["properties"]["spec"]["x-kubernetes-validations"]]
-    assert rules == ["!has(self.canary) || self.canary.version != self.version"]
-    assert crd_schema("loraadapters")["properties"]["status"]["properties"]["lastValidSpec"]["type"] == "string"
-
-
-def accepts(check) -> bool:
-    try:
-        check()
-    except (jsonschema.ValidationError, SpecError):
-        return False
-    return True
-
-
-QUANTITIES = [0, 1024, -1, 2**62, "16Gi", "512Mi", "1e9", "1E3", "2Ei", "+1k", ".5", "1.", "100m", "5n", "1.5Ki",
-              "-1", "-1Gi", "1e1.5", "16 GB", "Gi", "1KiB", "", "0x10", "1e-3"]
-
-
-@pytest.mark.parametrize("value", QUANTITIES)
-def test_crd_and_parser_agree_on_byte_quantities(value):
-    doc = next(d for d in example_docs() if d["kind"] == "LoRAPool")
-    doc["spec"]["adapterMemory"]["gpuBytes"] = value
-    assert accepts(lambda: jsonschema.validate(doc, crd_schema("lorapools"))) == accepts(lambda: PoolSpec.parse(doc))
-
-
-@pytest.mark.parametrize("selector", [
-    {"matchLabels": {}}, {"matchExpressions": []}, {"matchLabels": {}, "matchExpressions": []},
-    {"matchLabels": {"a": "b"}}, {"matchExpressions": [{"key": "a", "operator": "Exists"}]},
-    {"matchLabels": {}, "matchExpressions": [{"key": "a", "operator": "Exists"}]},
-])
-def test_crd_and_parser_agree_on_worker_selectors(selector):
-    doc = next(d for d in example_docs() if d["kind"] == "LoRAPool")
-    doc["spec"]["workerSelector"] = selector
-    # The CEL rule (has(self.matchLabels) || has(self.matchExpressions)) refuses {} itself; jsonschema
-    # checks the OpenAPI part (minProperties/minItems).
-    assert accepts(lambda: jsonschema.validate(doc, crd_schema("lorapools"))) == accepts(lambda: PoolSpec.parse(doc))

@@ -1,0 +1,138 @@
+"""CRDs (OpenAPI schema and CEL rules, evaluated here as the API server does) and the examples agree with
+the operator's parsing."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+from lorafleet.operator.crd_models import AdapterSpec, PoolSpec, SpecError
+
+from .crd_validation import cel_rules, crd_schema, validate
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def example_docs() -> list[dict]:
+    return [d for p in sorted((ROOT / "examples" / "k8s").glob("*.yaml")) for d in yaml.safe_load_all(p.read_text()) if d]
+
+
+def test_examples_validate_and_parse():
+    docs = example_docs()
+    kinds = [d["kind"] for d in docs]
+    assert kinds.count("LoRAPool") >= 1 and kinds.count("LoRAAdapter") >= 3
+    assert any(d["spec"].get("canary") for d in docs if d["kind"] == "LoRAAdapter")
+    for d in docs:
+        validate(d, d["kind"].lower() + "s")
+        (PoolSpec if d["kind"] == "LoRAPool" else AdapterSpec).parse(d)
+
+
+@pytest.mark.parametrize(("path", "value"), [
+    (("spec", "canary", "weight"), 120),
+    (("spec", "canary", "weight"), -1),
+    (("spec", "source", "uri"), "http://example.com/adapter"),
+    (("spec", "source", "sha256"), "not-a-digest"),
+    (("spec", "pool"), "Not_A_Name"),
+])
+def test_crd_schema_refuses_bad_adapters(path, value):
+    doc = next(d for d in example_docs() if d["kind"] == "LoRAAdapter" and d["spec"].get("canary"))
+    node = doc
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    with pytest.raises(jsonschema.ValidationError):
+        validate(doc, "loraadapters")
+
+
+@pytest.mark.parametrize(("path", "value"), [
+    (("spec", "adapterMemory", "gpuBytes"), "16 gigs"),
+    (("spec", "eviction"), "random"),
+    (("spec", "scaling", "kvHigh"), 1.5),
+])
+def test_crd_schema_refuses_bad_pools(path, value):
+    doc = next(d for d in example_docs() if d["kind"] == "LoRAPool")
+    node = doc
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    with pytest.raises(jsonschema.ValidationError):
+        validate(doc, "lorapools")
+
+
+def test_crd_refuses_a_canary_without_source_or_equal_to_the_stable_version():
+    doc = next(d for d in example_docs() if d["kind"] == "LoRAAdapter" and d["spec"].get("canary"))
+    no_source = copy.deepcopy(doc)
+    del no_source["spec"]["canary"]["source"]
+    with pytest.raises(jsonschema.ValidationError, match="'source' is a required property"):
+        validate(no_source, "loraadapters")
+    same = copy.deepcopy(doc)
+    same["spec"]["canary"]["version"] = same["spec"]["version"]
+    with pytest.raises(jsonschema.ValidationError, match="spec.canary.version must differ from spec.version"):
+        validate(same, "loraadapters")
+    validate(doc, "loraadapters")
+    assert crd_schema("loraadapters")["properties"]["status"]["properties"]["lastValidSpec"]["type"] == "string"
+
+
+def test_every_cel_rule_compiles_and_is_exercised_here():
+    rules = {plural: cel_rules(crd_schema(plural)) for plural in ("loraadapters", "lorapools")}
+    assert rules == {
+        "loraadapters": [(".spec", "!has(self.canary) || self.canary.version != self.version"),
+                         (".spec.warm", "type(self) == int ? self >= 0 : self == 'all'")],
+        "lorapools": [(".spec.workerSelector", "has(self.matchLabels) || has(self.matchExpressions)"),
+                      (".spec.scaling", "!has(self.minReplicas) || !has(self.maxReplicas) || self.minReplicas <= self.maxReplicas"),
+                      (".spec.scaling", "!has(self.kvLow) || !has(self.kvHigh) || self.kvLow < self.kvHigh")],
+    }
+
+
+@pytest.mark.parametrize(("warm", "ok"), [(0, True), (3, True), ("all", True), ("some", False), (-1, False)])
+def test_crd_and_parser_agree_on_warm(warm, ok):
+    doc = next(d for d in example_docs() if d["kind"] == "LoRAAdapter")
+    doc["spec"]["warm"] = warm
+    assert accepts(lambda: validate(doc, "loraadapters")) == ok == accepts(lambda: AdapterSpec.parse(doc))
+
+
+@pytest.mark.parametrize(("scaling", "ok"), [
+    ({"minReplicas": 1, "maxReplicas": 4}, True), ({"minReplicas": 2, "maxReplicas": 2}, True),
+    ({"minReplicas": 5, "maxReplicas": 4}, False), ({"minReplicas": 5}, True),
+    ({"kvLow": 0.3, "kvHigh": 0.8}, True), ({"kvLow": 0.8, "kvHigh": 0.8}, False), ({"kvLow": 0.9, "kvHigh": 0.2}, False),
+])
+def test_crd_refuses_inverted_scaling_bounds(scaling, ok):
+    doc = next(d for d in example_docs() if d["kind"] == "LoRAPool")
+    doc["spec"]["scaling"] = {**doc["spec"].get("scaling", {}), **scaling}
+    for key in {"minReplicas", "maxReplicas", "kvLow", "kvHigh"} - scaling.keys():
+        doc["spec"]["scaling"].pop(key, None)
+    assert accepts(lambda: validate(doc, "lorapools")) == ok
+
+
+def accepts(check) -> bool:
+    try:
+        check()
+    except (jsonschema.ValidationError, SpecError):
+        return False
+    return True
+
+
+QUANTITIES = [0, 1024, -1, 2**62, "16Gi", "512Mi", "1e9", "1E3", "2Ei", "+1k", ".5", "1.", "100m", "5n", "1.5Ki",
+              "-1", "-1Gi", "1e1.5", "16 GB", "Gi", "1KiB", "", "0x10", "1e-3"]
+
+
+@pytest.mark.parametrize("value", QUANTITIES)
+def test_crd_and_parser_agree_on_byte_quantities(value):
+    doc = next(d for d in example_docs() if d["kind"] == "LoRAPool")
+    doc["spec"]["adapterMemory"]["gpuBytes"] = value
+    assert accepts(lambda: validate(doc, "lorapools")) == accepts(lambda: PoolSpec.parse(doc))
+
+
+@pytest.mark.parametrize("selector", [
+    {"matchLabels": {}}, {"matchExpressions": []}, {"matchLabels": {}, "matchExpressions": []},
+    {"matchLabels": {"a": "b"}}, {"matchExpressions": [{"key": "a", "operator": "Exists"}]},
+    {"matchLabels": {}, "matchExpressions": [{"key": "a", "operator": "Exists"}]},
+])
+def test_crd_and_parser_agree_on_worker_selectors(selector):
+    doc = next(d for d in example_docs() if d["kind"] == "LoRAPool")
+    doc["spec"]["workerSelector"] = selector
+    assert accepts(lambda: validate(doc, "lorapools")) == accepts(lambda: PoolSpec.parse(doc))
