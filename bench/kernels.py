@@ -50,7 +50,7 @@ from kernel_setup import (  # same folder
 from lorafleet.kernels.activation import silu_mul
 from lorafleet.kernels.attention import paged_attention_prefill
 from lorafleet.kernels.attention_triton import paged_attention_decode_triton, paged_attention_prefill_triton
-from lorafleet.kernels.lora import down_shrink_buffer, lora_delta, lora_expand, lora_silu_mul, lora_xa
+from lorafleet.kernels.lora import lora_delta, lora_silu_mul, lora_xa
 from lorafleet.kernels.lora_sgmv import gdc_launch_dependents, gdc_wait
 from lorafleet.kernels.lora_triton import lora_expand_triton, lora_shrink_triton, pdl_supported
 
@@ -69,28 +69,21 @@ def layer_added(layer: LoRALayer, timer: Timer, rounds: int = 11) -> dict:
     adding themselves to y without a delta (a breakdown). With the MLP's activation (act = silu(gate) *
     up, as the engine computes it at prefill): "fused" is "before" except for gate|up, whose delta is
     folded into the activation (`lora_silu_mul`), against "base_act" (the GEMMs and torch's activation)
-    and "base_kernel_act" (the GEMMs and `silu_mul`, the engine's activation without adapters);
-    "fused_down" is "fused" with down_proj's shrink written by that activation too (the engine's path)."""
+    and "base_kernel_act" (the GEMMs and `silu_mul`, the engine's activation without adapters)."""
     weights = [torch.randn(sum(w), x.shape[1], device="cuda").to(DT) for (_, w), x in zip(GROUPS, layer.xs, strict=True)]
     groups = list(zip(GROUPS, layer.xs, weights, layer.ys, layer.slices, strict=True))
     num_tokens, inter = layer.ys[2].shape[0], layer.ys[2].shape[1] // 2
     act = torch.empty(num_tokens, inter, dtype=DT, device="cuda")
 
     def run(mode: str) -> None:
-        down_xa = None
         for g, ((proj_ids, _), x, w, y, sl) in enumerate(groups):
             lora = {"x": x, "layout": layer.layout, "layer": 0, "proj_ids": proj_ids, "batch": layer.batch}
             offsets, mlp = [a for a, _ in sl], g == 2
-            if mlp and mode in ("fused", "fused_down"):  # shrink, GEMM, then the delta folded into the activation
+            if mlp and mode == "fused":  # shrink, GEMM, then the delta folded into the activation
                 xa = lora_xa(**lora)
                 torch.matmul(x, w.t(), out=y)
-                if mode == "fused_down":  # the activation also writes down_proj's shrink of act
-                    down_xa = down_shrink_buffer(out=act, batch=layer.batch)
-                lora_silu_mul(gate_up=y, xa=xa, layout=layer.layout, layer=0, batch=layer.batch, out=act, down_xa=down_xa)
-            elif down_xa is not None:  # down_proj from that shrink: the expand writes the delta, the GEMM adds itself
-                lora_expand(xa=down_xa, layout=layer.layout, layer=0, proj_ids=proj_ids, batch=layer.batch, y=y, out_offsets=offsets, accumulate=False)
-                y.addmm_(x, w.t())
-            elif mode in ("before", "fused", "fused_down"):  # the delta written, then the GEMM adds itself
+                lora_silu_mul(gate_up=y, xa=xa, layout=layer.layout, layer=0, batch=layer.batch, out=act)
+            elif mode in ("before", "fused"):  # the delta written, then the GEMM adds itself
                 lora_delta(**lora, y=y, out_offsets=offsets, accumulate=False)
                 y.addmm_(x, w.t())
             elif mode == "addmm":  # the GEMM adding itself to y, no delta: what reading y in its epilogue costs
@@ -109,7 +102,7 @@ def layer_added(layer: LoRALayer, timer: Timer, rounds: int = 11) -> dict:
     # The GEMMs' own time drifts between graphs (clocks, heat): the modes are timed in alternation, rounds
     # times, in reverse order every other round (a steady drift then favours no mode), and each figure is
     # a median over rounds of the difference to that round's base.
-    modes = ("base", "addmm", "after", "before", "shrinks", "base_act", "base_kernel_act", "fused", "fused_down")
+    modes = ("base", "addmm", "after", "before", "shrinks", "base_act", "base_kernel_act", "fused")
     times = {mode: [] for mode in modes}
     for i in range(rounds):
         for mode in modes if i % 2 == 0 else modes[::-1]:
@@ -125,9 +118,8 @@ def layer_added(layer: LoRALayer, timer: Timer, rounds: int = 11) -> dict:
         res[f"{mode}_added_fraction"] = res[f"{mode}_added_us"] / res["base"]
     # The activation's own cost differs by kernel: the fused figure is taken against the faster base.
     res["act_torch_us"], res["act_kernel_us"] = added("base_act", "base"), added("base_kernel_act", "base")
-    for mode in ("fused", "fused_down"):
-        res[f"{mode}_added_us"] = max(added(mode, "base_act"), added(mode, "base_kernel_act"))
-        res[f"{mode}_added_fraction"] = res[f"{mode}_added_us"] / res["base"]
+    res["fused_added_us"] = max(added("fused", "base_act"), added("fused", "base_kernel_act"))
+    res["fused_added_fraction"] = res["fused_added_us"] / res["base"]
     return res
 
 

@@ -7,7 +7,7 @@ A layer's LoRA delta for fused projections (q|k|v or gate|up) is two calls:
     lora_expand(xa=xa, layout=layout, layer=l, proj_ids=[0, 1, 2], batch=batch, y=qkv, out_offsets=[0, 4096, 5120])
 
 `lora_xa` is the first two lines in one call, `lora_delta` all three; `lora_silu_mul` takes gate|up's shrink output and folds
-the expand into the MLP's activation (kernels/lora_act.py), and can fold down_proj's shrink of that activation in too. `lora_expand(..., accumulate=False)` writes y = delta
+the expand into the MLP's activation (kernels/lora_act.py). `lora_expand(..., accumulate=False)` writes y = delta
 instead of adding, for a caller that lets the base GEMM add itself afterwards (worker/lora_linear.py).
 `backend="auto"` picks Triton for CUDA tensors and the torch reference otherwise.
 """
@@ -197,33 +197,16 @@ def lora_delta(
                 accumulate=accumulate)
 
 
-def down_shrink_buffer(*, out: Tensor, batch: LoRABatch, backend: str = "auto") -> Tensor:
-    """An uninitialised float32 [S, 1, T, R] buffer for `lora_silu_mul`'s down_xa (R = batch.max_rank, at
-    least 1): S partial sums over the intermediate size, as many as the backend writes (1 for the reference).
-    out: the activation's [T, I] output."""
-    splits = 1
-    if resolve_backend(backend, out.device) == "triton":
-        from lorafleet.kernels.lora_act import down_splits
-
-        splits = down_splits(batch=batch, inter=out.shape[-1], device=out.device)
-    return torch.empty(splits, 1, out.shape[0], max(batch.max_rank, 1), dtype=torch.float32, device=out.device)
-
-
-def lora_silu_mul(*, gate_up: Tensor, xa: Tensor, layout: LoRALayout, layer: int, batch: LoRABatch, out: Tensor, backend: str = "auto",
-                  down_xa: Tensor | None = None) -> None:  # fmt: skip
-    """The MLP activation with the gate|up LoRA delta folded in, the delta never written to memory; with
-    down_xa, also down_proj's shrink of the activation it computes (act is not read back).
+def lora_silu_mul(*, gate_up: Tensor, xa: Tensor, layout: LoRALayout, layer: int, batch: LoRABatch, out: Tensor, backend: str = "auto") -> None:
+    """The MLP activation with the gate|up LoRA delta folded in, the delta never written to memory.
 
     Semantics: out[t] = silu(g[t] + dg[t]) * (u[t] + du[t]) for every token in a segment, where g, u are the two
     halves of gate_up[t] and dg, du the gate and up deltas `lora_expand` would add (zero where the slot adapts neither);
     tokens in no segment are left as they are (a caller with such tokens computes theirs itself).
-    sum_s down_xa[s, 0, t, j] = sum_k out[t, k] * A[slot(t), layer, down_proj][j, k] for j < rank, as `lora_shrink`
-    of out would give (out as stored, in the model dtype).
 
     gate_up: [T, 2 * I] model dtype, contiguous (the base GEMM's output, gate columns first). xa: float32
     [S, 2, T, R], R >= batch.max_rank: `lora_shrink`'s partial sums for proj_ids [4, 5] (gate, up). out: [T, I]
     model dtype, last dim contiguous. layer: int. batch: `LoRABatch` over the T tokens, ranks up to 128 on Triton.
-    down_xa: None, or float32 [S', 1, T, R'] from `down_shrink_buffer` (S' fixed by the backend), R' >= batch.max_rank.
     """
     from lorafleet.kernels.lora_act import GATE, UP, silu_mul_lora_reference, silu_mul_lora_triton
 
@@ -236,14 +219,11 @@ def lora_silu_mul(*, gate_up: Tensor, xa: Tensor, layout: LoRALayout, layer: int
     if gate_up.dtype != layout.pool.dtype or out.dtype != layout.pool.dtype:
         raise ValueError(f"lora_silu_mul: gate_up {gate_up.dtype} and out {out.dtype} must be the adapter pool's {layout.pool.dtype}")
     xa = _as_splits("lora_silu_mul: xa", xa, 2, batch)
-    if down_xa is not None:
-        down_xa = _as_splits("lora_silu_mul: down_xa", down_xa, 1, batch)
-    if any(t.device != gate_up.device for t in (out, xa, *([down_xa] if down_xa is not None else []))):
-        raise ValueError(f"lora_silu_mul: gate_up, xa, down_xa and out must share a device, got {gate_up.device}, {xa.device}, "
-                         f"{None if down_xa is None else down_xa.device}, {out.device}")
+    if out.device != gate_up.device or xa.device != gate_up.device:
+        raise ValueError(f"lora_silu_mul: gate_up, xa and out must share a device, got {gate_up.device}, {xa.device}, {out.device}")
     if resolve_backend(backend, gate_up.device) == "triton":
         if batch.max_rank > 128:
             raise ValueError(f"lora_silu_mul: the Triton backend takes ranks up to 128, the batch has {batch.max_rank}")
-        silu_mul_lora_triton(gate_up=gate_up, xa=xa, layout=layout, layer=layer, batch=batch, out=out, down_xa=down_xa)
+        silu_mul_lora_triton(gate_up=gate_up, xa=xa, layout=layout, layer=layer, batch=batch, out=out)
     else:
-        silu_mul_lora_reference(gate_up=gate_up, xa=xa, layout=layout, layer=layer, batch=batch, out=out, down_xa=down_xa)
+        silu_mul_lora_reference(gate_up=gate_up, xa=xa, layout=layout, layer=layer, batch=batch, out=out)

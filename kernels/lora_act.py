@@ -4,9 +4,7 @@ At prefill the gate|up delta is the largest piece of a layer's LoRA work, and ne
 memory: written as its own [T, 2 * intermediate] tensor, it is stored once and read once more by
 whatever adds it (H200, T=1024: 58.7 MB each way). Here the expand's tiles are computed where the
 activation reads the GEMM's output, so the delta never reaches memory: the kernel reads gate|up and
-the adapters' B rows (from L2), and writes act, which the layer writes anyway. Given a down_xa buffer it
-also computes down_proj's shrink from the act tiles it holds (one partial sum per column range), so no
-separate shrink reads act back (H200 figures at DOWN_BLOCK_N).
+the adapters' B rows (from L2), and writes act, which the layer writes anyway.
 
 `silu_mul_lora_triton` is the Triton backend and `silu_mul_lora_reference` the torch one of
 `kernels.lora.lora_silu_mul` (inputs checked there).
@@ -21,16 +19,11 @@ from torch import Tensor
 
 from lorafleet.kernels.activation import silu_mul
 from lorafleet.kernels.lora_layout import LoRABatch, LoRALayout
-from lorafleet.kernels.lora_reference import _segment_tokens, lora_expand_reference, lora_shrink_reference
+from lorafleet.kernels.lora_reference import _segment_tokens, lora_expand_reference
 from lorafleet.kernels.lora_sgmv import _load_xa
 from lorafleet.kernels.lora_triton import _block_t, _num_sms, _pow2, _upcast
 
-GATE, UP, DOWN = 4, 5, 6  # projection ids (kernels.lora_layout.PROJS)
-# Column tile when the kernel also writes down_proj's shrink: at 64 its extra [64, 16] accumulator and A
-# tiles spill registers (sm_90, 8 warps). H200, one layer's activation + down_proj's shrink and expand at
-# T=1024 over 8 adapters, cold L2: 64.1 us folded at 32 columns, 78.1 at 64, against 68.6 with a separate
-# shrink (T=2048: 107.3 against 116.8; bench/results/kernels_down_fold_20261130_h200.json).
-DOWN_BLOCK_N = 32
+GATE, UP = 4, 5  # projection ids (kernels.lora_layout.PROJS)
 
 
 @triton.jit
@@ -50,8 +43,6 @@ def silu_mul_lora_kernel(
     seg_starts_ptr,  # int32 [S+1]
     seg_slots_ptr,  # int32 [S]
     out_ptr,  # [T, I] model dtype
-    down_xa_ptr,  # float32 [programs along I, 1, T, R]: down_proj's shrink partial sums of act (DOWN)
-    a_off_ptr,  # int64 [L, 7, M, max_rank]
     layer,
     inter,
     cols_per_program,
@@ -60,8 +51,6 @@ def silu_mul_lora_kernel(
     stride_xs,
     stride_xp,
     stride_xt,
-    stride_ds,
-    stride_dt,
     max_slots,
     layout_max_rank,
     BLOCK_T: tl.constexpr,
@@ -70,7 +59,6 @@ def silu_mul_lora_kernel(
     SPLITS: tl.constexpr,
     ALIGN: tl.constexpr,
     UPCAST: tl.constexpr,
-    DOWN: tl.constexpr,  # also write down_proj's shrink of act: this program's columns are split program_id(1)
 ):
     seg = tl.program_id(0)
     n_lo = tl.program_id(1) * cols_per_program
@@ -90,11 +78,6 @@ def silu_mul_lora_kernel(
     mask_g, mask_u = arange_r < rank_g, arange_r < rank_u
     rows_g = _b_rows(b_off_ptr, meta_g, layout_max_rank, arange_r, rank_g, ALIGN)
     rows_u = _b_rows(b_off_ptr, meta_u, layout_max_rank, arange_r, rank_u, ALIGN)
-    if DOWN:  # down_proj's A rows: K = I, the columns this program computes
-        meta_d = meta_g + 2 * max_slots  # DOWN = GATE + 2
-        rank_d = tl.where(slot < 0, 0, tl.load(ranks_ptr + meta_d))
-        mask_d = arange_r < rank_d
-        rows_d = _b_rows(a_off_ptr, meta_d, layout_max_rank, arange_r, rank_d, ALIGN)
     for t0 in range(start, end, BLOCK_T):
         t_mask = t0 + arange_t < end
         tok = tl.load(token_ids_ptr + t0 + arange_t, mask=t_mask, other=0).to(tl.int64)
@@ -106,7 +89,6 @@ def silu_mul_lora_kernel(
             xu = xu.to(pool_ptr.dtype.element_ty)
         g_row = gate_up_ptr + tok[:, None] * stride_gt
         o_row = out_ptr + tok[:, None] * stride_ot
-        xd = tl.zeros([BLOCK_T, BLOCK_R], dtype=tl.float32)
         for n0 in range(n_lo, n_hi, BLOCK_N):
             offs_n = n0 + arange_n
             n_mask = offs_n < n_hi
@@ -121,63 +103,34 @@ def silu_mul_lora_kernel(
             else:
                 g += scale_g * tl.dot(xg, bg)
                 u += scale_u * tl.dot(xu, bu)
-            act = (g * tl.sigmoid(g) * u).to(out_ptr.dtype.element_ty)
-            tl.store(o_row + offs_n[None, :], act, mask=tile_mask)
-            if DOWN:  # the rounded act, as down_proj's GEMM and a separate shrink read it; zeros outside the tile
-                ad = tl.load(pool_ptr + rows_d[:, None] + offs_n[None, :], mask=mask_d[:, None] & n_mask[None, :], other=0.0)
-                if UPCAST:
-                    xd += tl.dot(act.to(tl.float32), tl.trans(ad.to(tl.float32)), input_precision="ieee")
-                else:
-                    xd += tl.dot(act, tl.trans(ad))
-        if DOWN:
-            tl.store(down_xa_ptr + tl.program_id(1) * stride_ds + tok[:, None] * stride_dt + arange_r[None, :], xd, mask=t_mask[:, None] & mask_d[None, :])
-
-
-def act_columns(*, batch: LoRABatch, inter: int, device: torch.device, block_n: int = 64, programs_per_sm: int = 2) -> int:
-    """Columns of act one program of `silu_mul_lora_kernel` computes (whole column tiles): the grid is
-    ~programs_per_sm programs per SM over (segment, column range)."""
-    block_n = min(block_n, _pow2(inter, 16, 128))
-    cols = inter * batch.num_segments // (programs_per_sm * _num_sms(str(device)))
-    return triton.cdiv(max(block_n, min(cols, inter)), block_n) * block_n
-
-
-def down_splits(*, batch: LoRABatch, inter: int, device: torch.device) -> int:
-    """Partial sums over I of down_proj's shrink written by the Triton folded activation: one per column range."""
-    return triton.cdiv(inter, act_columns(batch=batch, inter=inter, device=device, block_n=DOWN_BLOCK_N))
+            act = g * tl.sigmoid(g) * u
+            tl.store(o_row + offs_n[None, :], act.to(out_ptr.dtype.element_ty), mask=tile_mask)
 
 
 def silu_mul_lora_triton(*, gate_up: Tensor, xa: Tensor, layout: LoRALayout, layer: int, batch: LoRABatch, out: Tensor,
-                         down_xa: Tensor | None = None, block_n: int | None = None, programs_per_sm: int = 2, num_warps: int | None = None) -> None:
-    """Triton backend of `kernels.lora.lora_silu_mul` (inputs checked there). down_xa: float32 [down_splits, 1, T, R]
-    or None. block_n, programs_per_sm, num_warps: column tile (default 64, DOWN_BLOCK_N with down_xa), grid size
-    (~programs per SM) and warps per program (benchmark sweeps)."""
+                         block_n: int = 64, programs_per_sm: int = 2, num_warps: int | None = None) -> None:
+    """Triton backend of `kernels.lora.lora_silu_mul` (inputs checked there). block_n, programs_per_sm,
+    num_warps: column tile, grid size (~programs per SM) and warps per program (benchmark sweeps)."""
     if batch.num_segments == 0:
         return
     inter = out.shape[1]
-    block_n = block_n or (DOWN_BLOCK_N if down_xa is not None else 64)
     block_t = _block_t(batch)
-    cols = act_columns(batch=batch, inter=inter, device=out.device, block_n=block_n, programs_per_sm=programs_per_sm)
     block_n = min(block_n, _pow2(inter, 16, 128))
+    cols = inter * batch.num_segments // (programs_per_sm * _num_sms(str(out.device)))
+    cols = triton.cdiv(max(block_n, min(cols, inter)), block_n) * block_n
     grid = (batch.num_segments, triton.cdiv(inter, cols))
-    if down_xa is not None and down_xa.shape[0] != grid[1]:
-        raise ValueError(f"silu_mul_lora_triton: down_xa holds {down_xa.shape[0]} partial sums, this launch writes {grid[1]} (see down_splits)")
     block_r = _pow2(batch.max_rank, 16, 128)
     # 8 warps wherever 4 spill registers (sm_90, 64-column tiles: 64-token tiles, or rank tiles of 64 and 128).
     num_warps = num_warps or (8 if block_t >= 64 or block_r >= 64 else 4)
-    down = down_xa if down_xa is not None else xa  # a placeholder pointer when DOWN is off
     silu_mul_lora_kernel[grid](
         gate_up, xa, layout.pool, layout.ranks, layout.scales, layout.b_offsets, batch.sorted_token_ids, batch.seg_starts, batch.seg_slots, out,
-        down, layout.a_offsets, layer, inter, cols, gate_up.stride(0), out.stride(0), xa.stride(0), xa.stride(1), xa.stride(2), down.stride(0),
-        down.stride(2), layout.max_slots, layout.max_rank,
-        BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_N=block_n, SPLITS=xa.shape[0], ALIGN=layout.row_align, UPCAST=_upcast(out.dtype),
-        DOWN=down_xa is not None, num_warps=num_warps,
+        layer, inter, cols, gate_up.stride(0), out.stride(0), xa.stride(0), xa.stride(1), xa.stride(2), layout.max_slots, layout.max_rank,
+        BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_N=block_n, SPLITS=xa.shape[0], ALIGN=layout.row_align, UPCAST=_upcast(out.dtype), num_warps=num_warps,
     )  # fmt: skip
 
 
-def silu_mul_lora_reference(*, gate_up: Tensor, xa: Tensor, layout: LoRALayout, layer: int, batch: LoRABatch, out: Tensor,
-                            down_xa: Tensor | None = None) -> None:
-    """Torch backend of `kernels.lora.lora_silu_mul`: the delta through the reference expand, in float32;
-    down_xa (float32 [S, 1, T, R]): the reference shrink of the result (its first split; the others zero)."""
+def silu_mul_lora_reference(*, gate_up: Tensor, xa: Tensor, layout: LoRALayout, layer: int, batch: LoRABatch, out: Tensor) -> None:
+    """Torch backend of `kernels.lora.lora_silu_mul`: the delta through the reference expand, in float32."""
     if batch.num_segments == 0:
         return
     inter = out.shape[1]
@@ -189,5 +142,3 @@ def silu_mul_lora_reference(*, gate_up: Tensor, xa: Tensor, layout: LoRALayout, 
         lora_expand_reference(xa=xa, layout=layout, layer=layer, proj_ids=[GATE, UP], batch=batch, y=delta, out_slices=[(0, inter), (inter, inter)])
         gu += delta[rows]
     out[rows] = silu_mul(gu, backend="reference").to(out.dtype)
-    if down_xa is not None:
-        lora_shrink_reference(x=out, layout=layout, layer=layer, proj_ids=[DOWN], batch=batch, out=down_xa)

@@ -96,8 +96,8 @@ class LlamaMLP(nn.Module):
         self.down_proj = _param(config.hidden_size, config.intermediate_size, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        act, down_xa = gate_up_act(x, self.gate_up_proj, ctx, self.layer)  # silu(gate) * up, LoRA included
-        return lora_linear(act, self.down_proj, ctx, self.layer, [DOWN], [0], xa=down_xa)
+        act = gate_up_act(x, self.gate_up_proj, ctx, self.layer)  # silu(gate) * up, LoRA included
+        return lora_linear(act, self.down_proj, ctx, self.layer, [DOWN], [0])
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -58,9 +58,6 @@ FUSED_ACT_MAX_RANK = 128  # gate_up_act folds the gate|up delta into the activat
 # A step mixing a prefill with decode tokens averages below this (their one-token segments count) and
 # is not folded; an EngineConfig.lora_segment_len below it turns folding off.
 FUSED_ACT_MIN_SEGMENT_TOKENS = 48
-# The folded activation also computes down_proj's shrink from the act tiles it holds, so act is not read
-# back by a separate shrink kernel (H200 figures in the module docstring).
-FOLD_DOWN_SHRINK = True
 
 
 def _delta(x: torch.Tensor, y: torch.Tensor, ctx: ForwardContext, layer: int, proj_ids: list[int], out_offsets: list[int],
@@ -80,13 +77,11 @@ def _delta_buffer(x: torch.Tensor, weight: torch.Tensor, ctx: ForwardContext, pr
 
 
 def lora_linear(x: torch.Tensor, weight: torch.Tensor, ctx: ForwardContext, layer: int, proj_ids: list[int],
-                out_offsets: list[int], xa: torch.Tensor | None = None) -> torch.Tensor:
+                out_offsets: list[int]) -> torch.Tensor:
     """y = x @ weight^T, plus scale * B (A x) in the columns of each projection for tokens with an adapter.
 
     x: [T, K] model dtype. weight: [N, K] (fused projections: q|k|v or gate|up). proj_ids: the P
     projections' ids (kernels.lora_layout.PROJS order); out_offsets: their P slice starts in N.
-    xa: the projections' shrink of x (`lora.lora_shrink`'s partial sums) when a kernel already computed
-    it (`gate_up_act` folds down_proj's into the activation), for more than OVERLAP_TOKENS tokens.
     """
     batch = ctx.lora
     if batch is None or batch.max_rank == 0:
@@ -95,14 +90,8 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, ctx: ForwardContext, laye
     if num_tokens > OVERLAP_TOKENS:
         # The delta is written first (y not read), then the GEMM adds itself to it: y = delta + x W^T.
         y = _delta_buffer(x, weight, ctx, proj_ids, out_offsets)
-        if xa is None:
-            _delta(x, y, ctx, layer, proj_ids, out_offsets, accumulate=False)
-        else:
-            lora.lora_expand(xa=xa, layout=ctx.lora_layout, layer=layer, proj_ids=proj_ids, batch=batch, y=y, out_offsets=out_offsets,
-                             backend=ctx.backend, accumulate=False)
+        _delta(x, y, ctx, layer, proj_ids, out_offsets, accumulate=False)
         return y.addmm_(x, weight.t())
-    if xa is not None:
-        raise ValueError(f"lora_linear: a precomputed xa is for more than {OVERLAP_TOKENS} tokens, got {num_tokens}")
     side = ctx.lora_stream
     if side is None:
         y = F.linear(x, weight)
@@ -128,9 +117,8 @@ def folds_act(batch: LoRABatch | None, num_tokens: int) -> bool:
     return batch.sorted_token_ids.shape[0] >= FUSED_ACT_MIN_SEGMENT_TOKENS * batch.num_segments
 
 
-def gate_up_act(x: torch.Tensor, weight: torch.Tensor, ctx: ForwardContext, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The MLP's act = silu(gate) * up, gate|up = x @ weight^T plus each token's LoRA delta; and, where
-    the activation is folded with FOLD_DOWN_SHRINK, down_proj's shrink of act (else None) for `lora_linear`.
+def gate_up_act(x: torch.Tensor, weight: torch.Tensor, ctx: ForwardContext, layer: int) -> torch.Tensor:
+    """The MLP's act = silu(gate) * up, gate|up = x @ weight^T plus each token's LoRA delta.
 
     More than OVERLAP_TOKENS tokens (prefill) with adapters of rank <= FUSED_ACT_MAX_RANK and segments
     of FUSED_ACT_MIN_SEGMENT_TOKENS tokens or more on average: the shrink, the base GEMM, then
@@ -138,17 +126,16 @@ def gate_up_act(x: torch.Tensor, weight: torch.Tensor, ctx: ForwardContext, laye
     delta is never stored and read back (tokens without an adapter take the plain activation first).
     Otherwise `lora_linear`, then the activation. The plain activation is `kernels.activation.silu_mul`
     (float32, rounded once, as the folded kernel computes it).
-    x: [T, K] model dtype. weight: [2I, K] (gate rows, then up rows). Returns ([T, I], xa of down_proj or None).
+    x: [T, K] model dtype. weight: [2I, K] (gate rows, then up rows). Returns [T, I].
     """
     batch, inter = ctx.lora, weight.shape[0] // 2
     if not folds_act(batch, x.shape[0]):
-        return silu_mul(lora_linear(x, weight, ctx, layer, [GATE, UP], [0, inter]), backend=ctx.backend), None
+        return silu_mul(lora_linear(x, weight, ctx, layer, [GATE, UP], [0, inter]), backend=ctx.backend)
     xa = lora.lora_xa(x=x, layout=ctx.lora_layout, layer=layer, proj_ids=[GATE, UP], batch=batch, backend=ctx.backend)
     gate_up = F.linear(x, weight)
     if batch.every_token:
         act = torch.empty(x.shape[0], inter, dtype=x.dtype, device=x.device)
     else:
         act = silu_mul(gate_up, backend=ctx.backend)  # rows in no segment keep this; the kernel rewrites the others
-    down_xa = lora.down_shrink_buffer(out=act, batch=batch, backend=ctx.backend) if FOLD_DOWN_SHRINK else None
-    lora.lora_silu_mul(gate_up=gate_up, xa=xa, layout=ctx.lora_layout, layer=layer, batch=batch, out=act, backend=ctx.backend, down_xa=down_xa)
-    return act, down_xa
+    lora.lora_silu_mul(gate_up=gate_up, xa=xa, layout=ctx.lora_layout, layer=layer, batch=batch, out=act, backend=ctx.backend)
+    return act

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from kernel_cases import MIXED_RANKS, POPULARITIES, dense_delta, random_adapters, token_slots
 
-from lorafleet.kernels.lora import down_shrink_buffer, lora_expand, lora_silu_mul, lora_xa
+from lorafleet.kernels.lora import lora_silu_mul, lora_xa
 from lorafleet.kernels.lora_layout import make_lora_batch, pack_lora_layout
 
 INTER = 80
@@ -120,67 +120,3 @@ def test_partial_sums_in_uneven_groups(gen, monkeypatch):
         lora_silu_mul(gate_up=gate_up, xa=xa, layout=layout, layer=1, batch=batch, out=act_want, backend="reference")
         lora_silu_mul(gate_up=gate_up, xa=xa, layout=layout, layer=1, batch=batch, out=act_got, backend="triton")
         torch.testing.assert_close(act_got, act_want, rtol=1e-4, atol=1e-3)
-
-
-def _down_case(modules, layout, slots, batch, dtype, backend, gen, inter=INTER, k=64, hidden=48):
-    """(down_proj's delta expanded from the down_xa `lora_silu_mul` wrote, the dense delta of its act) [T, hidden]."""
-    device, num_tokens = layout.pool.device, slots.shape[0]
-    x = torch.randn(num_tokens, k, generator=gen).to(dtype).to(device)
-    gate_up = torch.randn(num_tokens, 2 * inter, generator=gen).to(dtype).to(device)
-    xa = lora_xa(x=x, layout=layout, layer=1, proj_ids=[4, 5], batch=batch, backend=backend)
-    out = torch.zeros(num_tokens, inter, dtype=dtype, device=device)
-    down_xa = down_shrink_buffer(out=out, batch=batch, backend=backend).fill_(float("nan"))  # entries the expand must not read
-    lora_silu_mul(gate_up=gate_up, xa=xa, layout=layout, layer=1, batch=batch, out=out, backend=backend, down_xa=down_xa)
-    y = torch.full((num_tokens, hidden), float("nan"), dtype=dtype, device=device)
-    lora_expand(xa=down_xa, layout=layout, layer=1, proj_ids=[6], batch=batch, y=y, out_offsets=[0], backend=backend, accumulate=False)
-    return y.cpu(), dense_delta(modules, slots, out.cpu(), 1, 6, hidden)
-
-
-@pytest.mark.parametrize("backend", ["reference", "triton"])
-@pytest.mark.parametrize("popularity", POPULARITIES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_silu_mul_writes_down_projs_shrink(backend, popularity, dtype, gen):
-    """down_xa is down_proj's shrink of the activation as stored (rounded to the model dtype): expanded, it
-    gives the dense delta of that act; the entries the expand reads are all written (the rest poisoned)."""
-    modules, layout = _setup(gen, dtype, dims={**DIMS, 6: (INTER, 48)})
-    for grouped, num_tokens in ((True, 30), (False, 9)):
-        slots = token_slots(popularity, num_tokens, 10, gen)
-        batch = make_lora_batch(slots, layout.max_rank_by_slot(), grouped=grouped, max_segment_len=7)
-        got, want = _down_case(modules, layout, slots, batch, dtype, backend, gen)
-        covered = torch.ones_like(slots, dtype=torch.bool) if not grouped else slots >= 0
-        assert not torch.isnan(got[covered]).any()
-        if want[covered].norm() > 0:
-            err = float((got[covered].double() - want[covered]).norm() / want[covered].norm())
-            assert err < TOL[dtype], err
-        else:
-            assert not got[covered].any()
-
-
-def test_down_xa_is_checked(gen):
-    modules, layout = _setup(gen, torch.float32, dims={**DIMS, 6: (INTER, 48)})
-    slots = token_slots("uniform", 6, 10, gen)
-    batch = make_lora_batch(slots, layout.max_rank_by_slot())
-    args = {"gate_up": torch.zeros(6, 2 * INTER), "xa": torch.zeros(1, 2, 6, batch.max_rank), "layout": layout, "layer": 0, "batch": batch,
-            "out": torch.zeros(6, INTER)}
-    with pytest.raises(ValueError, match="down_xa must be"):
-        lora_silu_mul(**args, down_xa=torch.zeros(1, 2, 6, batch.max_rank))
-    with pytest.raises(ValueError, match="down_xa holds 3 partial sums"):
-        lora_silu_mul(**args, down_xa=torch.zeros(3, 1, 6, batch.max_rank), backend="triton")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("ranks", [(16,), (8, 16, 32, 64), MIXED_RANKS])
-def test_down_shrink_on_gpu_at_llama_width(ranks, gen):
-    """bf16 on the GPU at Llama-3-8B's intermediate width, 64-token segments: down_xa expanded matches the
-    dense delta of the act the kernel wrote."""
-    inter = 14336
-    modules, layout = _setup(gen, torch.bfloat16, device="cuda", ranks=ranks, dims={4: (256, inter), 5: (256, inter), 6: (inter, 256)})
-    for popularity in ("uniform", "mixed_none", "identical"):
-        slots = token_slots(popularity, 300, 10, gen)
-        batch = make_lora_batch(slots.cuda(), layout.max_rank_by_slot(), max_segment_len=64)
-        got, want = _down_case(modules, layout, slots, batch, torch.bfloat16, "triton", gen, inter=inter, k=256, hidden=256)
-        live = slots >= 0
-        assert not torch.isnan(got[live]).any()
-        if want[live].norm() > 0:
-            err = float((got[live].double() - want[live]).norm() / want[live].norm())
-            assert err < TOL[torch.bfloat16], (popularity, err)

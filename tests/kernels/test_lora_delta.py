@@ -111,3 +111,22 @@ def test_launchers_refuse_strided_or_inconsistent_batch_tensors(backend):
 def test_resolve_backend_takes_a_device_name():
     assert resolve_backend("auto", "cpu") == "reference"
     assert resolve_backend("reference", "cpu") == "reference"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("grouped", [True, False])
+def test_write_mode_without_adapted_slots_writes_zeros(backend, grouped, gen):
+    """A batch whose slots adapt nothing (max_rank 0: every token without an adapter, or only unadapted
+    modules) still writes y = delta = 0 for every token in a segment; other rows and columns stay."""
+    _, layout = _setup(gen, torch.float32)
+    slots = torch.full((7,), -1, dtype=torch.int32)
+    slots[::2] = 3
+    layout.ranks[:, :, 3] = 0  # slot 3 adapts no module
+    batch = make_lora_batch(slots, layout.max_rank_by_slot(), grouped=grouped)
+    assert batch.max_rank == 0
+    y = torch.full((7, 100), float("nan"))
+    xa = torch.zeros(1, 1, 7, 1)
+    lora_expand(xa=xa, layout=layout, layer=1, proj_ids=[3], batch=batch, y=y, out_offsets=[10, 74], backend=backend, accumulate=False)
+    covered = torch.ones(7, dtype=torch.bool) if not grouped else slots >= 0
+    assert not y[covered, 10:74].any() and y[~covered].isnan().all()
+    assert y[:, :10].isnan().all() and y[:, 74:].isnan().all()
