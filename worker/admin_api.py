@@ -34,7 +34,7 @@ from lorafleet.worker.openai_protocol import (
     parse_unload_adapter_request,
 )
 from lorafleet.worker.sources import SourceError, Sources, SourcesConfig
-from lorafleet.worker.tenants import AuthenticationError, bearer_token
+from lorafleet.worker.tenants import AuthenticationError, bearer_token, token_bytes
 
 T = TypeVar("T")
 
@@ -54,7 +54,7 @@ def require_admin(request: web.Request) -> None:
     if expected is None:
         raise APIError(401, "the admin API is disabled on this worker (start it with --admin-token)",
                        type="authentication_error", code="admin_disabled")
-    if token is not None and hmac.compare_digest(token.encode(), expected.encode()):
+    if token is not None and hmac.compare_digest(token_bytes(token), token_bytes(expected)):
         return
     tenants = request.app[TENANTS]
     if token is not None and not tenants.is_open:

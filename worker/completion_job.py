@@ -18,6 +18,7 @@ from typing import Any
 from lorafleet.worker.openai_protocol import APIError, SamplingOptions
 from lorafleet.worker.sampling_params import SamplingParams
 from lorafleet.worker.sequence import TokenLogprob
+from lorafleet.worker.tenants import Tenant
 from lorafleet.worker.token_bytes import token_bytes
 
 _CONTINUATION = bytes(range(0x80, 0xC0))  # UTF-8 bytes that continue a character
@@ -33,6 +34,7 @@ class CompletionJob:
     adapter: str | None  # engine key
     prompt_ids: list[list[int]]
     options: SamplingOptions
+    tenant: Tenant  # the caller: errors name only adapters it may use
     params: list[SamplingParams] = field(default_factory=list)  # per choice
     choice_prompt: list[int] = field(default_factory=list)  # choice index -> prompt index
     # Resolves `model` again when the version chosen on arrival was replaced before the engine took the

@@ -103,7 +103,7 @@ async def _prepare(request: web.Request, endpoint: str) -> CompletionJob:
                        param="messages") from None
     prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
     job = CompletionJob(endpoint, f"{prefix}-{uuid.uuid4().hex}", adapter or app[ADAPTERS].base_model, adapter,
-                        prompt_ids, parsed.options)
+                        prompt_ids, parsed.options, tenant=tenant)
     if adapter is not None and "@" not in parsed.model:
         job.re_resolve = lambda: app[ADAPTERS].resolve(parsed.model, tenant, parsed.options.user)
     job.add_choices(engine.max_model_len)
@@ -165,15 +165,22 @@ async def _merged_outputs(async_engine, job: CompletionJob) -> AsyncIterator[tup
 
 
 def _engine_error(exc: BaseException, job: CompletionJob, request: web.Request) -> APIError:
+    """The engine's failure as the caller's error; it names no adapter the caller may not use."""
+    adapters = request.app[ADAPTERS]
+    if isinstance(exc, UnknownAdapterError):  # its message lists every registered adapter
+        return APIError(404, f"adapter {job.model} is no longer served by this worker: it was replaced or unloaded "
+                             "after this request arrived; retry (GET /v1/models lists the ones you may use)",
+                        code="model_not_found", param="model")
     if isinstance(exc, AdapterLoadError):
-        request.app[ADAPTERS].mark_failed(exc.key, exc.reason)
-        return APIError(503, f"adapter {exc.key} failed to load: {exc.reason}", type="service_unavailable",
-                        code="adapter_load_failed", param="model")
+        adapters.mark_failed(exc.key, exc.reason)
+        return APIError(503, f"adapter {exc.key} failed to load: {adapters.redact(exc.reason, job.tenant)}",
+                        type="service_unavailable", code="adapter_load_failed", param="model")
+    message = adapters.redact(str(exc), job.tenant)
     if isinstance(exc, EngineError):
-        return APIError(400, str(exc), code="invalid_request")
+        return APIError(400, message, code="invalid_request")
     if isinstance(exc, ShutdownError):
-        return APIError(503, str(exc), type="service_unavailable", code="shutting_down", headers={"Retry-After": "1"})
-    return APIError(500, f"the engine failed on this request: {exc}", type="server_error", code="engine_error")
+        return APIError(503, message, type="service_unavailable", code="shutting_down", headers={"Retry-After": "1"})
+    return APIError(500, f"the engine failed on this request: {message}", type="server_error", code="engine_error")
 
 
 class _ChoiceTimer:

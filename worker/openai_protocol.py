@@ -100,6 +100,18 @@ def parse_json(raw: bytes | str) -> Any:
         raise APIError(400, "request body is not valid JSON: nested too deeply", code="invalid_json") from None
 
 
+def _text(v: str, param: str) -> str:
+    """`v`, refused when it is not valid Unicode: JSON may carry an unpaired surrogate (`"\\ud800"`),
+    which neither the tokenizer nor UTF-8 can encode."""
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise bad_request(f"'{param}' is not valid Unicode: it holds an unpaired surrogate (U+{ord(v[exc.start]):04X}); "
+                          "send characters beyond U+FFFF as UTF-8 or as a surrogate pair", param,
+                          "invalid_unicode") from None
+    return v
+
+
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -159,7 +171,7 @@ class _Fields:
             return None
         if not isinstance(v, str):
             raise bad_request(f"'{name}' must be a string (got {json.dumps(v)})", name, "invalid_type")
-        return v
+        return _text(v, name)
 
     def neutral(self, name: str, neutral: Any, why: str) -> None:
         """Accept a field only at its no-op value; anything else would be silently wrong."""
@@ -192,7 +204,7 @@ def _stop(f: _Fields) -> list[str]:
         raise bad_request(f"'stop' takes at most {MAX_STOP} sequences (got {len(stops)})", "stop")
     if any(s == "" for s in stops):
         raise bad_request("'stop' sequences must not be empty", "stop")
-    return stops
+    return [_text(s, "stop") for s in stops]
 
 
 def _common(f: _Fields, max_tokens_names: tuple[str, ...], default_max_tokens: int | None) -> SamplingOptions:
@@ -249,6 +261,7 @@ def _prompts(v: Any) -> list[str | list[int]]:
         if isinstance(p, str):
             if not p:
                 raise bad_request("'prompt' must not be empty", "prompt", "empty_prompt")
+            _text(p, "prompt")
         elif isinstance(p, list) and all(_is_int(t) for t in p):
             if not p:
                 raise bad_request("'prompt' must not be empty", "prompt", "empty_prompt")
@@ -274,14 +287,14 @@ def parse_completion_request(body: Any) -> CompletionRequest:
 
 def _content(v: Any, where: str) -> str:
     if isinstance(v, str):
-        return v
+        return _text(v, "messages")
     if isinstance(v, list):
         parts = []
         for part in v:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise bad_request(f"{where}: only text content parts are supported", "messages", "invalid_type")
             parts.append(part["text"])
-        return "".join(parts)
+        return _text("".join(parts), "messages")
     if v is None:
         return ""
     raise bad_request(f"{where}: 'content' must be a string or a list of text parts", "messages", "invalid_type")
@@ -306,6 +319,8 @@ def parse_chat_request(body: Any) -> ChatRequest:
         name = m.get("name")
         if name is not None and not isinstance(name, str):
             raise bad_request(f"{where}.name must be a string", "messages", "invalid_type")
+        if name is not None:
+            _text(name, "messages")
         messages.append(ChatMessage(role, _content(m.get("content"), where), name))
     if not any(m.content for m in messages):
         raise bad_request("'messages' must contain some text", "messages", "empty_prompt")

@@ -16,6 +16,7 @@ unregisters it, requests in flight finish on the version they hold.
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -26,6 +27,7 @@ from lorafleet.worker.sources import local_uri_path
 from lorafleet.worker.tenants import Tenant
 
 log = logging.getLogger(__name__)
+_KEY_RE = re.compile(r"\b([A-Za-z0-9][A-Za-z0-9._-]*)@([A-Za-z0-9._-]*[A-Za-z0-9_-])")  # name@version in a message
 
 
 class AdapterHost(Protocol):
@@ -103,9 +105,20 @@ class ServedAdapters:
             raise APIError(404, f"adapter {name!r} has no version {version!r} here (versions: "
                                 f"{', '.join(sorted(served.sources))})", code="model_not_found", param="model")
         if version in served.errors:
-            raise APIError(503, f"adapter {name}@{version} failed to load: {served.errors[version]}",
+            raise APIError(503, f"adapter {name}@{version} failed to load: {self.redact(served.errors[version], tenant)}",
                            type="service_unavailable", code="adapter_load_failed", param="model")
         return f"{name}@{version}"
+
+    def redact(self, message: str, tenant: Tenant) -> str:
+        """`message` without the `name@version` of adapters that `tenant` may not use: an engine error
+        about the caller's request (e.g. which pinned adapters hold every slot) must not tell one tenant
+        the names of another's adapters."""
+        def hide(m: re.Match) -> str:
+            served = self._adapters.get(m[1])
+            owner = served.tenant if served is not None else None
+            return m[0] if tenant.may_use(m[1], owner) else "another tenant's adapter"
+
+        return _KEY_RE.sub(hide, message)
 
     def mark_failed(self, key: str, reason: str) -> None:
         name, _, version = key.partition("@")
@@ -154,8 +167,14 @@ class ServedAdapters:
         if d.canary is not None:
             versions[d.canary.version] = d.canary.uri
         served = ServedAdapter(d.name, d.tenant, VersionSplit(d.stable.version), warm=d.warm, pinned=d.pinned)
+        # The old stable version stays as the canary (a rollback): the new stable's switch would retire
+        # it, so the switch happens now and the old version is registered again (it comes back).
+        demoted = old.split.stable if old is not None and old.split.stable != d.stable.version else None
+        if demoted not in versions:
+            demoted = None
         for version, uri in versions.items():
-            keep = old is not None and old.sources.get(version) == uri and version not in old.errors
+            keep = (old is not None and old.sources.get(version) == uri and version not in old.errors
+                    and version != demoted)
             stable = version == d.stable.version
             # A version registered beside the stable one (a canary) that now becomes stable.
             promoted = stable and old is not None and version in old.sources and version != old.split.stable
@@ -165,7 +184,7 @@ class ServedAdapters:
                     engine.register_adapter(d.name, source, version=version, tenant=d.tenant, pinned=d.pinned,
                                             make_current=stable)
                 key = f"{d.name}@{version}"
-                if promoted:
+                if promoted or (stable and demoted is not None):
                     engine.make_adapter_current(key)  # the old stable version retires
                 engine.set_adapter_pinned(key, d.pinned)
                 if d.warm:

@@ -246,6 +246,9 @@ def create_app(config: WorkerConfig) -> web.Application:
     if tenants.is_open:
         log.warning("no API keys configured (--api-keys-file): DEVELOPMENT MODE, every caller may use every "
                     "adapter and the base model")
+    elif tenants.num_keys == 0:
+        log.warning("the API keys file %s lists no key: every inference request is refused (401)",
+                    config.api_keys_file)
     else:
         log.info("API keys loaded for tenants: %s", ", ".join(tenants.names))
     if config.admin_token is None:

@@ -94,6 +94,8 @@ def local_uri_path(uri: str) -> str:
     """The path a local source names (`/abs/dir` or `file:///abs/dir`), unresolved; a relative path or
     '..' is refused (it would depend on the worker's working directory, or escape the roots)."""
     raw = uri[len("file://"):] if uri.startswith("file://") else uri
+    if "\x00" in raw or any("\ud800" <= c <= "\udfff" for c in raw):  # no file system takes these
+        raise SourceError(f"{uri!r}: not a usable path (a NUL byte or an unpaired surrogate)")
     # '..' first: `file://../x` is relative too, and must be refused as an escape, not passed on.
     if ".." in PurePosixPath(raw).parts:
         raise SourceError(f"{uri!r}: '..' is not allowed in adapter paths (give an absolute path without '..')",
@@ -134,8 +136,7 @@ class Sources:
                               f"({', '.join(map(str, self._roots)) or 'none configured'})", "not_allowed")
         if not path.is_dir():
             raise SourceError(f"{uri}: no such adapter directory", "missing")
-        for name in ADAPTER_FILES:
-            f = path / name
+        for f in path.iterdir():  # the loader reads tokenizer files beside the adapter's own
             if f.is_symlink() and not any(f.resolve().is_relative_to(r) for r in self._roots):
                 raise SourceError(f"{f}: symlink points outside the allowed roots", "not_allowed")
         return path
@@ -150,9 +151,10 @@ class Sources:
                 raise SourceError("no object store configured: set LORAFLEET_S3_ENDPOINT (host:port)")
             import urllib3
 
-            # Fail fast when the store is down (minio's default retries for minutes).
+            # Fail fast when the store is down (minio's default retries for minutes). A redirect is an
+            # error, never followed: it could point anywhere, out of the bucket/prefix allow-list.
             http = urllib3.PoolManager(timeout=urllib3.Timeout(connect=3.0, read=30.0),
-                                       retries=urllib3.Retry(total=2, backoff_factor=0.1, connect=1))
+                                       retries=urllib3.Retry(total=2, backoff_factor=0.1, connect=1, redirect=False))
             self._client = Minio(c.s3_endpoint, access_key=c.s3_access_key, secret_key=c.s3_secret_key,
                                  secure=c.s3_secure, region=c.s3_region, http_client=http)
         return self._client

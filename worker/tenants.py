@@ -10,7 +10,8 @@ The keys file (JSON or YAML; in Kubernetes a mounted Secret) looks like::
 
 A tenant may also use every adapter whose directive names it as `tenant` (see directives.py).
 Without a keys file the worker is open (development mode): every caller is the `dev` tenant and may
-use everything; the server logs that at start-up. Keys are kept only as SHA-256 digests.
+use everything; the server logs that at start-up. A keys file never opens the worker, not even one
+that lists no key (every caller is then refused). Keys are kept only as SHA-256 digests.
 """
 
 from __future__ import annotations
@@ -53,8 +54,13 @@ class Tenant:
         return any(fnmatch.fnmatchcase(adapter, p) for p in self.adapter_patterns)
 
 
+def token_bytes(token: str) -> bytes:
+    """A header's token as bytes; aiohttp keeps bytes that are not UTF-8 as lone surrogates."""
+    return token.encode("utf-8", "surrogatepass")
+
+
 def _digest(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()
+    return hashlib.sha256(token_bytes(key)).hexdigest()
 
 
 def bearer_token(authorization: str | None) -> str | None:
@@ -68,18 +74,25 @@ def bearer_token(authorization: str | None) -> str | None:
 
 
 class Tenants:
-    """Looks up the tenant of an API key. Empty (no keys) means development mode."""
+    """Looks up the tenant of an API key. Open (development mode) only when made without a keys file."""
 
-    def __init__(self, tenants: list[Tenant] | None = None, keys: dict[str, str] | None = None) -> None:
+    def __init__(self, tenants: list[Tenant] | None = None, keys: dict[str, str] | None = None, *,
+                 is_open: bool = False) -> None:
         self._tenants = {t.name: t for t in tenants or []}
         self._by_digest = {_digest(k): name for k, name in (keys or {}).items()}
+        self._is_open = is_open
         for name in self._by_digest.values():
             if name not in self._tenants:
                 raise TenantsError(f"key maps to unknown tenant {name!r}")
 
     @property
     def is_open(self) -> bool:
-        return not self._by_digest
+        """Development mode: no keys file was given."""
+        return self._is_open
+
+    @property
+    def num_keys(self) -> int:
+        return len(self._by_digest)
 
     @property
     def names(self) -> list[str]:
@@ -88,7 +101,7 @@ class Tenants:
     @classmethod
     def from_file(cls, path: str | Path | None) -> Tenants:
         if path is None:
-            return cls()
+            return cls(is_open=True)
         path = Path(path)
         try:
             text = path.read_text()

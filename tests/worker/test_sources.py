@@ -148,3 +148,47 @@ def test_disk_cache_is_atomic_and_keeps_its_budget(tmp_path):
     again = DiskCache(tmp_path / "c", budget_bytes=100)
     assert sorted(again.entries()) == sorted(cache.entries())
     assert not (tmp_path / "c" / ".tmp-x-123").exists()
+
+
+async def test_an_object_store_redirect_is_not_followed_out_of_the_allow_list(aiohttp_server, tmp_path):
+    """The allow-list names buckets and prefixes of the configured store. A store that answers an
+    allowed object with a redirect must not make the stager fetch from wherever it points."""
+    import asyncio
+
+    from aiohttp import web
+    from minio.error import InvalidResponseError
+
+    objects = {"team/alpha/adapter_config.json": b'{"r": 4}', "team/alpha/adapter_model.safetensors": b"weights"}
+    elsewhere_hits: list[str] = []
+
+    async def elsewhere(request: web.Request) -> web.Response:
+        elsewhere_hits.append(request.path)
+        return web.Response(body=b"X" * len(objects[f"team/alpha/{request.match_info['name']}"]))
+
+    other = await aiohttp_server(_app([web.get("/{name}", elsewhere)]))
+
+    async def bucket(request: web.Request) -> web.Response:  # ListObjectsV2 of the allowed prefix
+        contents = "".join(f"<Contents><Key>{k}</Key><Size>{len(v)}</Size><ETag>\"e\"</ETag>"
+                           f"<LastModified>2026-01-01T00:00:00.000Z</LastModified></Contents>" for k, v in objects.items())
+        xml = ('<?xml version="1.0" encoding="UTF-8"?><ListBucketResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/">'
+               f"<Name>adapters</Name><Prefix>team/alpha/</Prefix><KeyCount>{len(objects)}</KeyCount>"
+               f"<IsTruncated>false</IsTruncated>{contents}</ListBucketResult>")
+        return web.Response(text=xml, content_type="application/xml")
+
+    async def redirect(request: web.Request) -> web.Response:
+        raise web.HTTPTemporaryRedirect(str(other.make_url(f"/{request.path.rsplit('/', 1)[1]}")))
+
+    store = await aiohttp_server(_app([web.get("/adapters", bucket), web.get("/adapters/{key:.+}", redirect)]))
+    src = Sources(SourcesConfig(s3_allow=["adapters/team/"], s3_endpoint=f"127.0.0.1:{store.port}", s3_access_key="ak",
+                                s3_secret_key="sk", s3_secure=False, s3_region="us-east-1"))
+    with pytest.raises(InvalidResponseError, match="307"):
+        await asyncio.to_thread(src.download, "s3://adapters/team/alpha/", tmp_path / "staged")
+    assert elsewhere_hits == []
+
+
+def _app(routes):
+    from aiohttp import web
+
+    app = web.Application()
+    app.router.add_routes(routes)
+    return app

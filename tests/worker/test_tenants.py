@@ -74,3 +74,19 @@ def test_bad_files_name_the_problem(tmp_path, content, needle):
 def test_missing_file_is_an_error_not_dev_mode(tmp_path):
     with pytest.raises(TenantsError, match="cannot read"):
         Tenants.from_file(tmp_path / "absent.yaml")
+
+
+@pytest.mark.parametrize("content", ['{"tenants": {}}', '{"tenants": {"a": {"keys": [], "adapters": ["*"]}}}'])
+def test_a_keys_file_without_keys_refuses_everyone_instead_of_opening(tmp_path, content):
+    path = tmp_path / "keys.json"
+    path.write_text(content)
+    tenants = Tenants.from_file(path)
+    assert not tenants.is_open and tenants.num_keys == 0
+    for header in (None, "Bearer sk-anything"):
+        with pytest.raises(AuthenticationError):
+            tenants.authenticate(header)
+
+
+def test_keys_that_are_not_utf8_are_refused_not_crashed(tenants):
+    with pytest.raises(AuthenticationError, match="invalid API key"):
+        tenants.authenticate("Bearer sk-\udcff\udcfe")  # how aiohttp hands over bytes that are not UTF-8

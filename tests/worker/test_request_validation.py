@@ -1,0 +1,108 @@
+"""Bad input over HTTP (a worker on 127.0.0.1, tiny model): text that is not valid Unicode and adapter
+paths no file system takes get a 400 naming the field, not a 500; a source whose tokenizer file links
+out of the adapter roots is refused like any other link out of them."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from lorafleet.worker.engine_config import EngineConfig
+from lorafleet.worker.server import create_app
+from lorafleet.worker.worker_config import WorkerConfig
+from tests.lora_factory import make_peft_adapter
+
+ADMIN = {"Authorization": "Bearer admin-token-for-tests"}
+LONE = "\ud800"  # JSON may escape it ("\ud800"); no tokenizer, hash or file system can encode it
+
+
+@pytest.fixture(scope="module")
+def adapters_dir(tiny_llama_dir, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("adapters")
+    make_peft_adapter(tiny_llama_dir, root / "alpha", rank=4, seed=1, targets=["q_proj", "v_proj"])
+    make_peft_adapter(tiny_llama_dir, root / "beta", rank=4, seed=2, targets=["q_proj", "v_proj"])
+    return root
+
+
+@pytest.fixture
+async def client(aiohttp_client, tiny_llama_dir, adapters_dir):
+    """A development-mode worker serving `alpha` with a canary at 50 % (the `user` picks the version)."""
+    config = WorkerConfig(engine=EngineConfig(model=str(tiny_llama_dir), dtype="float32", max_model_len=128),
+                          served_model_name="tiny", admin_token="admin-token-for-tests",
+                          adapter_roots=str(adapters_dir))
+    client = await aiohttp_client(create_app(config))
+    push = {"generation": 1, "adapters": [{
+        "name": "alpha", "tenant": "acme", "stable": {"version": "v1", "uri": str(adapters_dir / "alpha")},
+        "canary": {"version": "v2", "uri": str(adapters_dir / "beta")}, "canary_weight": 50}]}
+    resp = await client.put("/admin/v1/state", json=push, headers=ADMIN)
+    assert resp.status == 200, await resp.text()
+    return client
+
+
+COMPLETION = {"model": "alpha", "prompt": "hi", "max_tokens": 2}
+CHAT = {"model": "alpha", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+UNPAIRED = [
+    ("prompt", "/v1/completions", COMPLETION | {"prompt": f"a{LONE}b"}, "prompt"),
+    ("prompt list", "/v1/completions", COMPLETION | {"prompt": ["ok", LONE]}, "prompt"),
+    ("user, canary split", "/v1/completions", COMPLETION | {"user": f"u{LONE}"}, "user"),
+    ("stop", "/v1/completions", COMPLETION | {"stop": [LONE]}, "stop"),
+    ("model", "/v1/completions", COMPLETION | {"model": f"alpha{LONE}"}, "model"),
+    ("chat content", "/v1/chat/completions", CHAT | {"messages": [{"role": "user", "content": LONE}]}, "messages"),
+    ("chat text part", "/v1/chat/completions",
+     CHAT | {"messages": [{"role": "user", "content": [{"type": "text", "text": f"x{LONE}"}]}]}, "messages"),
+    ("chat name", "/v1/chat/completions", CHAT | {"messages": [{"role": "user", "content": "hi", "name": LONE}]},
+     "messages"),
+]
+
+SMILE = "\U0001F600"  # beyond the BMP: a surrogate pair when JSON-escaped, 4 bytes in UTF-8
+GOOD = {"/v1/completions": COMPLETION | {"prompt": f"{SMILE} caf\u00e9", "user": SMILE, "stop": [SMILE]},
+        "/v1/chat/completions": CHAT | {"messages": [{"role": "user", "content": SMILE}], "user": SMILE}}
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [c[1:] for c in UNPAIRED], ids=[c[0] for c in UNPAIRED])
+async def test_unpaired_surrogates_are_a_400_naming_the_field(client, path, body, param):
+    resp = await client.post(path, json=body)  # json.dumps escapes the surrogate: valid JSON, invalid text
+    err = (await resp.json())["error"]
+    assert resp.status == 400 and err["code"] == "invalid_unicode" and err["param"] == param, err
+    for ensure_ascii in (True, False):
+        ok = await client.post(path, data=json.dumps(GOOD[path], ensure_ascii=ensure_ascii).encode(),
+                               headers={"Content-Type": "application/json"})
+        assert ok.status == 200, await ok.text()
+
+
+@pytest.mark.parametrize("bad", ["\x00", LONE], ids=["nul", "surrogate"])
+async def test_admin_adapter_paths_no_file_system_takes_are_a_400(client, adapters_dir, bad):
+    path = f"{adapters_dir / 'alpha'}{bad}"
+    resp = await client.post("/v1/load_lora_adapter", json={"lora_name": "smuggled", "lora_path": path}, headers=ADMIN)
+    assert resp.status == 400, await resp.text()
+    for uri in (path, f"file://{path}"):
+        push = {"generation": 2, "adapters": [{"name": "smuggled", "tenant": "acme",
+                                               "stable": {"version": "v1", "uri": uri}}]}
+        resp = await client.put("/admin/v1/state", json=push, headers=ADMIN)
+        body = await resp.json()
+        assert resp.status == 400 and body["error"]["code"] == "invalid_source", body
+    state = await (await client.get("/admin/v1/state", headers=ADMIN)).json()
+    assert state["generation_applied"] == 1 and {a["name"] for a in state["adapters"]} == {"alpha"}
+
+
+async def test_a_tokenizer_file_linked_out_of_the_adapter_roots_is_refused(client, tiny_llama_dir, adapters_dir,
+                                                                           tmp_path):
+    """The loader reads tokenizer files beside the adapter; one that is a symlink out of the roots
+    would make the worker read a file no configured location holds."""
+    outside = tmp_path / "outside-tokenizer.json"
+    shutil.copy(tiny_llama_dir / "tokenizer.json", outside)
+    linked = adapters_dir / f"linked-{tmp_path.name}"
+    shutil.copytree(adapters_dir / "alpha", linked)
+    (linked / "tokenizer.json").symlink_to(outside)
+    resp = await client.post("/v1/load_lora_adapter", json={"lora_name": "linked", "lora_path": str(linked)},
+                             headers=ADMIN)
+    body = await resp.json()
+    assert resp.status == 403 and body["error"]["code"] == "source_not_allowed", body
+    assert "tokenizer.json" in body["error"]["message"]
+    push = {"generation": 2, "adapters": [{"name": "linked", "tenant": "acme",
+                                           "stable": {"version": "v1", "uri": str(linked)}}]}
+    resp = await client.put("/admin/v1/state", json=push, headers=ADMIN)
+    assert resp.status == 403 and (await resp.json())["error"]["code"] == "source_not_allowed"

@@ -1,0 +1,151 @@
+"""Tenant isolation over HTTP (a worker on 127.0.0.1, tiny model, real PEFT adapters): a keys file never
+opens the worker, keys that are not UTF-8 are refused, errors name no adapter of another tenant, and a
+stable version demoted to canary keeps serving its share."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import openai
+import pytest
+from openai import AsyncOpenAI
+
+from lorafleet.worker.app_keys import HOST
+from lorafleet.worker.engine_config import EngineConfig
+from lorafleet.worker.served_adapters import ServedAdapters
+from lorafleet.worker.server import create_app
+from lorafleet.worker.worker_config import WorkerConfig
+from tests.lora_factory import make_peft_adapter
+
+ADMIN = "admin-token-for-tests"
+KEY_ACME, KEY_GLOBEX = "sk-acme-test", "sk-globex-test"
+TENANTS = {"acme": {"keys": [KEY_ACME], "adapters": []}, "globex": {"keys": [KEY_GLOBEX], "adapters": []}}
+
+
+@pytest.fixture(scope="module")
+def adapters_dir(tiny_llama_dir, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("adapters")
+    make_peft_adapter(tiny_llama_dir, root / "alpha", rank=4, seed=1, targets=["q_proj", "v_proj"])
+    make_peft_adapter(tiny_llama_dir, root / "beta", rank=4, seed=2, targets=["q_proj", "v_proj"])
+    return root
+
+
+def worker_config(tiny_llama_dir, adapters_dir, tmp_path, tenants: dict | None = TENANTS, **engine) -> WorkerConfig:
+    keys = None
+    if tenants is not None:
+        keys = tmp_path / "keys.json"
+        keys.write_text(json.dumps({"tenants": tenants}))
+    return WorkerConfig(engine=EngineConfig(model=str(tiny_llama_dir), dtype="float32", max_model_len=128, **engine),
+                        served_model_name="tiny", api_keys_file=keys and str(keys), admin_token=ADMIN,
+                        adapter_roots=str(adapters_dir))
+
+
+def directive(name: str, tenant: str, version: str, uri: Path, **extra) -> dict:
+    return {"name": name, "tenant": tenant, "stable": {"version": version, "uri": str(uri)}, **extra}
+
+
+async def push(client, generation: int, *adapters: dict) -> dict:
+    resp = await client.put("/admin/v1/state", json={"generation": generation, "adapters": list(adapters)},
+                            headers={"Authorization": f"Bearer {ADMIN}"})
+    body = await resp.json()
+    assert resp.status == 200 and not any(a["error"] for a in body["adapters"]), body
+    return body
+
+
+def openai_client(client, key: str) -> AsyncOpenAI:
+    return AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=key, max_retries=0)
+
+
+@pytest.mark.parametrize("tenants", [{}, {"acme": {"keys": [], "adapters": ["*"]}}], ids=["no-tenants", "no-keys"])
+async def test_a_keys_file_without_keys_refuses_every_caller(aiohttp_client, tiny_llama_dir, adapters_dir, tmp_path,
+                                                             tenants):
+    """A keys file whose tenants hold no key (all revoked, or not provisioned yet) must not turn the
+    worker into development mode, where every caller may use every adapter."""
+    client = await aiohttp_client(create_app(worker_config(tiny_llama_dir, adapters_dir, tmp_path, tenants)))
+    await push(client, 1, directive("alpha", "acme", "v1", adapters_dir / "alpha"))
+    api = openai_client(client, "sk-anything")
+    for model in ("alpha", "tiny"):
+        with pytest.raises(openai.AuthenticationError):
+            await api.completions.create(model=model, prompt="x", max_tokens=1)
+        resp = await client.post("/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 1})
+        assert resp.status == 401 and (await resp.json())["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        await api.models.list()
+    assert (await client.get("/v1/models")).status == 401
+
+
+async def test_an_authorization_header_that_is_not_utf8_is_refused(aiohttp_client, tiny_llama_dir, adapters_dir,
+                                                                   tmp_path):
+    client = await aiohttp_client(create_app(worker_config(tiny_llama_dir, adapters_dir, tmp_path)))
+    for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("GET", "/admin/v1/state")):
+        reader, writer = await asyncio.open_connection("127.0.0.1", client.server.port)
+        writer.write(f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\nContent-Length: 0\r\n"
+                     "Authorization: Bearer ".encode() + b"sk-\xff\xfe\r\n\r\n")
+        await writer.drain()
+        response = await reader.read()
+        writer.close()
+        await writer.wait_closed()
+        head, _, body = response.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 401"), (path, response)
+        assert json.loads(body)["error"]["type"] == "authentication_error"
+
+
+async def test_a_request_refused_for_pinned_slots_names_no_other_tenants_adapter(aiohttp_client, tiny_llama_dir,
+                                                                                 adapters_dir, tmp_path):
+    """--max-loras 1 and acme's pinned adapter: globex's request cannot get a slot. Its 503 says why,
+    the first time and every time after, without telling globex the name of acme's adapter."""
+    client = await aiohttp_client(create_app(worker_config(tiny_llama_dir, adapters_dir, tmp_path, max_loras=1)))
+    await push(client, 1, directive("acme-secret", "acme", "v1", adapters_dir / "alpha", pinned=True),
+               directive("beta", "globex", "v1", adapters_dir / "beta"))
+    globex = openai_client(client, KEY_GLOBEX)
+    for _ in range(2):
+        with pytest.raises(openai.APIStatusError) as err:
+            await globex.completions.create(model="beta", prompt="hi", max_tokens=2)
+        assert err.value.status_code == 503 and err.value.code == "adapter_load_failed"
+        assert "pinned" in err.value.message and "acme-secret" not in err.value.message, err.value.message
+    acme = await openai_client(client, KEY_ACME).completions.create(model="acme-secret", prompt="hi", max_tokens=2)
+    assert acme.model == "acme-secret@v1"
+
+
+async def test_a_pinned_version_dropped_after_arrival_is_404_naming_no_other_adapter(
+        aiohttp_client, tiny_llama_dir, adapters_dir, tmp_path, monkeypatch):
+    """A push may unregister the version a request pinned (`name@version`) after the request resolved
+    it and before the engine takes it. The answer is a 404 about that version, not the engine's list of
+    every adapter registered on the worker (other tenants' included)."""
+    app = create_app(worker_config(tiny_llama_dir, adapters_dir, tmp_path))
+    client = await aiohttp_client(app)
+    await push(client, 1, directive("alpha", "acme", "v1", adapters_dir / "alpha"),
+               directive("globex-secret", "globex", "g1", adapters_dir / "beta"))
+    real = ServedAdapters.resolve
+
+    def resolve_then_a_push_unloads_it(self, model, tenant, user):
+        key = real(self, model, tenant, user)
+        app[HOST].unregister_adapter(key.partition("@")[0])  # the push lands between arrival and admission
+        return key
+
+    monkeypatch.setattr(ServedAdapters, "resolve", resolve_then_a_push_unloads_it)
+    with pytest.raises(openai.NotFoundError) as err:
+        await openai_client(client, KEY_ACME).completions.create(model="alpha@v1", prompt="x", max_tokens=1)
+    assert err.value.code == "model_not_found" and "alpha@v1" in err.value.message
+    assert "globex" not in err.value.message, err.value.message
+
+
+async def test_a_stable_version_kept_as_the_canary_serves_its_share(aiohttp_client, tiny_llama_dir, adapters_dir,
+                                                                    tmp_path):
+    """Rolling out v2 while v1 (the stable until now) stays as the canary: the switch to v2 must not
+    retire v1, which still serves its weight of users and requests pinning it."""
+    client = await aiohttp_client(create_app(worker_config(tiny_llama_dir, adapters_dir, tmp_path)))
+    acme = openai_client(client, KEY_ACME)
+    v1, v2 = {"version": "v1", "uri": str(adapters_dir / "alpha")}, {"version": "v2", "uri": str(adapters_dir / "beta")}
+    await push(client, 1, {"name": "alpha", "tenant": "acme", "stable": v1})
+    assert (await acme.completions.create(model="alpha", prompt="x", max_tokens=1)).model == "alpha@v1"
+
+    for generation, (stable, canary) in enumerate([(v2, v1), (v1, v2)], start=2):  # then back again
+        await push(client, generation, {"name": "alpha", "tenant": "acme", "stable": stable, "canary": canary,
+                                        "canary_weight": 100})
+        canary_key, stable_key = f"alpha@{canary['version']}", f"alpha@{stable['version']}"
+        for model, served in (("alpha", canary_key), (canary_key, canary_key), (stable_key, stable_key)):
+            resp = await acme.completions.create(model=model, prompt="x", max_tokens=1, user="u-1")
+            assert resp.model == served, (generation, model)
