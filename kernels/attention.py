@@ -137,6 +137,8 @@ def paged_attention_prefill(
     context_lens: int32 [B], total tokens in the cache per sequence (>= its q_len). scale: float.
     out: [T, Hq, D] like q.
     """
+    if context_lens.dim() != 1:  # it sizes the batch: B = context_lens.shape[0]
+        raise ValueError(f"paged_attention_prefill: context_lens must be int32 [B], got shape {tuple(context_lens.shape)}")
     num_seqs = context_lens.shape[0]
     _check_caches("paged_attention_prefill", k_cache, v_cache)
     _check_queries("paged_attention_prefill", q, out, k_cache, block_tables, context_lens, num_seqs)

@@ -41,11 +41,13 @@ def paged_attention_decode_reference(
     if longest == 0:
         out.zero_()
         return
+    live = torch.arange(longest, device=q.device)[None, :] < context_lens[:, None].long()  # [B, N]
     keys = _gather_context(k_cache, block_tables, longest).float()  # [B, N, Hkv, D]
-    values = _gather_context(v_cache, block_tables, longest).float()
+    # Rows past a sequence's own context (the rest of its last block, junk table entries) are any other
+    # page's data, NaN or inf included: a zero weight times them is still NaN, so they become zeros.
+    values = _gather_context(v_cache, block_tables, longest).float().masked_fill(~live[:, :, None, None], 0.0)
     qg = q.float().view(num_seqs, num_kv_heads, group, head_dim)
     scores = torch.einsum("bhgd,bnhd->bhgn", qg, keys) * scale  # [B, Hkv, G, N]
-    live = torch.arange(longest, device=q.device)[None, :] < context_lens[:, None].long()  # [B, N]
     scores = scores.masked_fill(~live[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows with no context -> 0
     res = torch.einsum("bhgn,bnhd->bhgd", probs, values)

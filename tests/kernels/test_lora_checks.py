@@ -1,0 +1,113 @@
+"""The LoRA launchers refuse what the kernels would read wrongly: dtypes, shapes, strides, devices,
+layers, projection ids, slices, and a Triton backend without CUDA or the interpreter."""
+
+import dataclasses
+
+import pytest
+import torch
+from kernel_cases import small_layout
+
+from lorafleet.kernels.lora import lora_delta, lora_expand, lora_shrink, shrink_buffer
+from lorafleet.kernels.lora_layout import make_lora_batch
+
+BACKENDS = ["reference", "triton"]
+
+
+def _case(gen):
+    _, layout = small_layout(gen, dtype=torch.float32, num_slots=2, ranks=(4,), skip_prob=0.0)
+    batch = make_lora_batch(torch.tensor([0, 1, -1], dtype=torch.int32), layout.max_rank_by_slot())
+    return layout, batch
+
+
+def test_launchers_refuse_bad_inputs(gen):
+    layout, batch = _case(gen)
+    x = torch.randn(3, 64)
+    out = torch.zeros(1, 1, 3, 4)
+    with pytest.raises(ValueError, match="x is torch.float16"):
+        lora_shrink(x=x.half(), layout=layout, layer=0, proj_ids=[0], batch=batch, out=out)
+    with pytest.raises(ValueError, match="out must be"):
+        lora_shrink(x=x, layout=layout, layer=0, proj_ids=[0], batch=batch, out=out.half())
+    with pytest.raises(ValueError, match="proj_ids"):
+        lora_shrink(x=x, layout=layout, layer=0, proj_ids=[7], batch=batch, out=out)
+    with pytest.raises(ValueError, match="layer"):
+        lora_shrink(x=x, layout=layout, layer=5, proj_ids=[0], batch=batch, out=out)
+    with pytest.raises(ValueError, match="x must be"):
+        lora_shrink(x=x[:2], layout=layout, layer=0, proj_ids=[0], batch=batch, out=out)
+    with pytest.raises(ValueError, match="backend"):
+        lora_shrink(x=x, layout=layout, layer=0, proj_ids=[0], batch=batch, out=out, backend="cuda")
+    y = torch.zeros(3, 96)
+    with pytest.raises(ValueError, match="out_offsets"):
+        lora_expand(xa=out, layout=layout, layer=0, proj_ids=[0], batch=batch, y=y, out_offsets=[0, 64, 96])
+    with pytest.raises(ValueError, match="out_offsets"):
+        lora_expand(xa=out, layout=layout, layer=0, proj_ids=[0], batch=batch, y=y, out_offsets=[90, 100])
+
+
+SHRINK_REFUSALS = [
+    ({"x": torch.randn(64, 3).t()}, r"x must be \[T=3, K\] with a contiguous last dim"),
+    ({"x": torch.randn(64)}, r"x must be \[T=3, K\]"),
+    ({"x": torch.randn(3, 64, dtype=torch.float64)}, "x is torch.float64, the adapter pool torch.float32"),
+    ({"x": torch.randn(3, 64, device="meta")}, "layout.pool is on cpu, the activations on meta"),
+    ({"out": torch.zeros(1, 1, 3, 8)[..., ::2]}, "out must be contiguous float32"),
+    ({"out": torch.zeros(1, 1, 3, 2)}, r"out must be .*>= 4"),  # fewer rank columns than the batch's max_rank
+    ({"out": torch.zeros(1, 2, 3, 4)}, "out must be"),  # two projections' worth for one
+    ({"out": torch.zeros(3, 4)}, "out must be"),
+    ({"out": torch.zeros(1, 1, 3, 4, device="meta")}, "out is on meta, x on cpu"),
+    ({"proj_ids": []}, "proj_ids must be a non-empty list"),
+    ({"proj_ids": [True]}, "proj_ids must be a non-empty list"),
+    ({"layer": -1}, "layer -1 outside"),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("change,message", SHRINK_REFUSALS, ids=range(len(SHRINK_REFUSALS)))
+def test_shrink_refuses(backend, change, message, gen):
+    layout, batch = _case(gen)
+    args = {"x": torch.randn(3, 64), "layout": layout, "layer": 0, "proj_ids": [0], "batch": batch, "out": torch.zeros(1, 1, 3, 4), "backend": backend}
+    with pytest.raises(ValueError, match=message):
+        lora_shrink(**{**args, **change})
+
+
+EXPAND_REFUSALS = [
+    ({"y": torch.zeros(3, 16, dtype=torch.float16)}, "y is torch.float16, the adapter pool torch.float32"),
+    ({"y": torch.zeros(2, 16)}, r"y must be \[T=3, N\]"),
+    ({"y": torch.zeros(16, 3).t()}, "y must be .* contiguous last dim"),
+    ({"y": torch.zeros(3, 16, device="meta")}, "layout.pool is on cpu, the activations on meta"),
+    ({"xa": torch.zeros(1, 1, 3, 4, dtype=torch.float16)}, "xa must be contiguous float32"),
+    ({"xa": torch.zeros(1, 1, 3, 8)[..., ::2]}, "xa must be contiguous float32"),
+    ({"xa": torch.zeros(1, 1, 4, 4)}, "xa must be"),  # one token too many
+    ({"xa": torch.zeros(1, 1, 3, 4, device="meta")}, "xa is on meta, y on cpu"),
+    ({"out_offsets": [-1]}, "do not give increasing slices"),
+    ({"out_offsets": [8, 4], "proj_ids": [0, 1], "xa": torch.zeros(1, 2, 3, 4)}, "do not give increasing slices"),
+    ({"out_offsets": [0, 8, 8], "proj_ids": [0, 1], "xa": torch.zeros(1, 2, 3, 4)}, "do not give increasing slices"),  # an empty slice
+    ({"out_offsets": [0, 20]}, "do not give increasing slices"),  # past y's 16 columns
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("change,message", EXPAND_REFUSALS, ids=range(len(EXPAND_REFUSALS)))
+def test_expand_refuses(backend, change, message, gen):
+    layout, batch = _case(gen)
+    args = {"xa": torch.zeros(1, 1, 3, 4), "layout": layout, "layer": 0, "proj_ids": [0], "batch": batch, "y": torch.zeros(3, 16), "out_offsets": [0],
+            "backend": backend}  # fmt: skip
+    for accumulate in (True, False):
+        with pytest.raises(ValueError, match=message):
+            lora_expand(**{**args, **change}, accumulate=accumulate)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_batch_of_larger_ranks_than_the_layout_is_refused(backend, gen):
+    layout, batch = _case(gen)
+    big = dataclasses.replace(batch, max_rank=layout.max_rank + 1)
+    with pytest.raises(ValueError, match="exceeds the layout's max_rank"):
+        lora_delta(x=torch.randn(3, 64), layout=layout, layer=0, proj_ids=[0], batch=big, y=torch.zeros(3, 16), out_offsets=[0], backend=backend)
+
+
+def test_triton_on_cpu_needs_the_interpreter(gen, monkeypatch):
+    layout, batch = _case(gen)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    x = torch.randn(3, 64)
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        shrink_buffer(x=x, proj_ids=[0], batch=batch, backend="triton")
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        lora_shrink(x=x, layout=layout, layer=0, proj_ids=[0], batch=batch, out=torch.zeros(1, 1, 3, 4), backend="triton")
+    lora_delta(x=x, layout=layout, layer=0, proj_ids=[0], batch=batch, y=torch.zeros(3, 16), out_offsets=[0], backend="auto")  # auto: the reference
