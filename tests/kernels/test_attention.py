@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from kernel_cases import shuffled_tables
 
 from lorafleet.kernels.attention import paged_attention_decode, paged_attention_prefill, write_kv
 
@@ -22,18 +23,6 @@ def _caches(num_pages, block_size, num_kv_heads, head_dim, dtype, gen, layer=1):
     k_cache, v_cache = view[:, layer, 0], view[:, layer, 1]
     assert not k_cache.is_contiguous()
     return k_cache, v_cache
-
-
-def _tables(lens, block_size, num_pages, gen):
-    max_blocks = max(-(-n // block_size) for n in lens) + 1
-    pages = torch.randperm(num_pages, generator=gen)
-    table = torch.full((len(lens), max_blocks), num_pages + 7, dtype=torch.int32)  # junk past the end
-    used = 0
-    for b, n in enumerate(lens):
-        nb = -(-n // block_size)
-        table[b, :nb] = pages[used : used + nb].to(torch.int32)
-        used += nb
-    return table
 
 
 def _dense(q, keys, values, q_pos, scale):
@@ -74,7 +63,7 @@ def test_decode_matches_dense(backend, dtype, num_heads, num_kv_heads, block_siz
     head_dim, num_pages = 32, 64
     lens = [1, 37, block_size, 100, 5]
     k_cache, v_cache = _caches(num_pages, block_size, num_kv_heads, head_dim, dtype, gen)
-    table = _tables(lens, block_size, num_pages, gen)
+    table = shuffled_tables(lens, block_size, num_pages, gen)
     q = torch.randn(len(lens), num_heads, head_dim, generator=gen).to(dtype)
     out = torch.full_like(q, float("nan"))
     scale = 1 / math.sqrt(head_dim)
@@ -98,7 +87,7 @@ def test_chunked_prefill_matches_dense(backend, dtype, num_heads, num_kv_heads, 
     q_lens = [20, 7, 1, 0, 33]
     lens = [20, 50, 9, 12, 33 + 2 * block_size + 3]
     k_cache, v_cache = _caches(num_pages, block_size, num_kv_heads, head_dim, dtype, gen)
-    table = _tables(lens, block_size, num_pages, gen)
+    table = shuffled_tables(lens, block_size, num_pages, gen)
     starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     q = torch.randn(sum(q_lens), num_heads, head_dim, generator=gen).to(dtype)
     out = torch.full_like(q, float("nan"))
@@ -133,7 +122,7 @@ def test_triton_decode_context_splits_merge_exactly(num_splits, gen):
     block_size, num_pages = 8, 48
     lens = [0, 3, 90, 41]
     k_cache, v_cache = _caches(num_pages, block_size, 2, 32, torch.float32, gen)
-    table = _tables(lens, block_size, num_pages, gen)
+    table = shuffled_tables(lens, block_size, num_pages, gen)
     q = torch.randn(len(lens), 4, 32, generator=gen)
     out = torch.full_like(q, float("nan"))
     context_lens = torch.tensor(lens, dtype=torch.int32)

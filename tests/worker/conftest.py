@@ -64,5 +64,16 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def qv_adapters_dir(tiny_llama_dir, tmp_path_factory) -> Path:
+    """Two PEFT adapters of the tiny Llama on q_proj and v_proj, rank 4: `alpha` and `beta`."""
+    from tests.lora_factory import make_peft_adapter
+
+    root = tmp_path_factory.mktemp("qv_adapters")
+    make_peft_adapter(tiny_llama_dir, root / "alpha", rank=4, seed=1, targets=["q_proj", "v_proj"])
+    make_peft_adapter(tiny_llama_dir, root / "beta", rank=4, seed=2, targets=["q_proj", "v_proj"])
+    return root
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_tied_dir(tmp_path_factory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("tiny_llama_tied"), tie=True, seed=1)

@@ -6,37 +6,27 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 
 from lorafleet.worker.engine_config import EngineConfig
 from lorafleet.worker.server import create_app
 from lorafleet.worker.worker_config import WorkerConfig
-from tests.lora_factory import make_peft_adapter
 
 ADMIN = {"Authorization": "Bearer admin-token-for-tests"}
 LONE = "\ud800"  # JSON may escape it ("\ud800"); no tokenizer, hash or file system can encode it
 
 
-@pytest.fixture(scope="module")
-def adapters_dir(tiny_llama_dir, tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("adapters")
-    make_peft_adapter(tiny_llama_dir, root / "alpha", rank=4, seed=1, targets=["q_proj", "v_proj"])
-    make_peft_adapter(tiny_llama_dir, root / "beta", rank=4, seed=2, targets=["q_proj", "v_proj"])
-    return root
-
-
 @pytest.fixture
-async def client(aiohttp_client, tiny_llama_dir, adapters_dir):
+async def client(aiohttp_client, tiny_llama_dir, qv_adapters_dir):
     """A development-mode worker serving `alpha` with a canary at 50 % (the `user` picks the version)."""
     config = WorkerConfig(engine=EngineConfig(model=str(tiny_llama_dir), dtype="float32", max_model_len=128),
                           served_model_name="tiny", admin_token="admin-token-for-tests",
-                          adapter_roots=str(adapters_dir))
+                          adapter_roots=str(qv_adapters_dir))
     client = await aiohttp_client(create_app(config))
     push = {"generation": 1, "adapters": [{
-        "name": "alpha", "tenant": "acme", "stable": {"version": "v1", "uri": str(adapters_dir / "alpha")},
-        "canary": {"version": "v2", "uri": str(adapters_dir / "beta")}, "canary_weight": 50}]}
+        "name": "alpha", "tenant": "acme", "stable": {"version": "v1", "uri": str(qv_adapters_dir / "alpha")},
+        "canary": {"version": "v2", "uri": str(qv_adapters_dir / "beta")}, "canary_weight": 50}]}
     resp = await client.put("/admin/v1/state", json=push, headers=ADMIN)
     assert resp.status == 200, await resp.text()
     return client
@@ -74,8 +64,8 @@ async def test_unpaired_surrogates_are_a_400_naming_the_field(client, path, body
 
 
 @pytest.mark.parametrize("bad", ["\x00", LONE], ids=["nul", "surrogate"])
-async def test_admin_adapter_paths_no_file_system_takes_are_a_400(client, adapters_dir, bad):
-    path = f"{adapters_dir / 'alpha'}{bad}"
+async def test_admin_adapter_paths_no_file_system_takes_are_a_400(client, qv_adapters_dir, bad):
+    path = f"{qv_adapters_dir / 'alpha'}{bad}"
     resp = await client.post("/v1/load_lora_adapter", json={"lora_name": "smuggled", "lora_path": path}, headers=ADMIN)
     assert resp.status == 400, await resp.text()
     for uri in (path, f"file://{path}"):
@@ -88,14 +78,14 @@ async def test_admin_adapter_paths_no_file_system_takes_are_a_400(client, adapte
     assert state["generation_applied"] == 1 and {a["name"] for a in state["adapters"]} == {"alpha"}
 
 
-async def test_a_tokenizer_file_linked_out_of_the_adapter_roots_is_refused(client, tiny_llama_dir, adapters_dir,
+async def test_a_tokenizer_file_linked_out_of_the_adapter_roots_is_refused(client, tiny_llama_dir, qv_adapters_dir,
                                                                            tmp_path):
     """The loader reads tokenizer files beside the adapter; one that is a symlink out of the roots
     would make the worker read a file no configured location holds."""
     outside = tmp_path / "outside-tokenizer.json"
     shutil.copy(tiny_llama_dir / "tokenizer.json", outside)
-    linked = adapters_dir / f"linked-{tmp_path.name}"
-    shutil.copytree(adapters_dir / "alpha", linked)
+    linked = qv_adapters_dir / f"linked-{tmp_path.name}"
+    shutil.copytree(qv_adapters_dir / "alpha", linked)
     (linked / "tokenizer.json").symlink_to(outside)
     resp = await client.post("/v1/load_lora_adapter", json={"lora_name": "linked", "lora_path": str(linked)},
                              headers=ADMIN)

@@ -17,29 +17,20 @@ from lorafleet.worker.engine_config import EngineConfig
 from lorafleet.worker.served_adapters import ServedAdapters
 from lorafleet.worker.server import create_app
 from lorafleet.worker.worker_config import WorkerConfig
-from tests.lora_factory import make_peft_adapter
 
 ADMIN = "admin-token-for-tests"
 KEY_ACME, KEY_GLOBEX = "sk-acme-test", "sk-globex-test"
 TENANTS = {"acme": {"keys": [KEY_ACME], "adapters": []}, "globex": {"keys": [KEY_GLOBEX], "adapters": []}}
 
 
-@pytest.fixture(scope="module")
-def adapters_dir(tiny_llama_dir, tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("adapters")
-    make_peft_adapter(tiny_llama_dir, root / "alpha", rank=4, seed=1, targets=["q_proj", "v_proj"])
-    make_peft_adapter(tiny_llama_dir, root / "beta", rank=4, seed=2, targets=["q_proj", "v_proj"])
-    return root
-
-
-def worker_config(tiny_llama_dir, adapters_dir, tmp_path, tenants: dict | None = TENANTS, **engine) -> WorkerConfig:
+def worker_config(tiny_llama_dir, qv_adapters_dir, tmp_path, tenants: dict | None = TENANTS, **engine) -> WorkerConfig:
     keys = None
     if tenants is not None:
         keys = tmp_path / "keys.json"
         keys.write_text(json.dumps({"tenants": tenants}))
     return WorkerConfig(engine=EngineConfig(model=str(tiny_llama_dir), dtype="float32", max_model_len=128, **engine),
                         served_model_name="tiny", api_keys_file=keys and str(keys), admin_token=ADMIN,
-                        adapter_roots=str(adapters_dir))
+                        adapter_roots=str(qv_adapters_dir))
 
 
 def directive(name: str, tenant: str, version: str, uri: Path, **extra) -> dict:
@@ -59,12 +50,12 @@ def openai_client(client, key: str) -> AsyncOpenAI:
 
 
 @pytest.mark.parametrize("tenants", [{}, {"acme": {"keys": [], "adapters": ["*"]}}], ids=["no-tenants", "no-keys"])
-async def test_a_keys_file_without_keys_refuses_every_caller(aiohttp_client, tiny_llama_dir, adapters_dir, tmp_path,
+async def test_a_keys_file_without_keys_refuses_every_caller(aiohttp_client, tiny_llama_dir, qv_adapters_dir, tmp_path,
                                                              tenants):
     """A keys file whose tenants hold no key (all revoked, or not provisioned yet) must not turn the
     worker into development mode, where every caller may use every adapter."""
-    client = await aiohttp_client(create_app(worker_config(tiny_llama_dir, adapters_dir, tmp_path, tenants)))
-    await push(client, 1, directive("alpha", "acme", "v1", adapters_dir / "alpha"))
+    client = await aiohttp_client(create_app(worker_config(tiny_llama_dir, qv_adapters_dir, tmp_path, tenants)))
+    await push(client, 1, directive("alpha", "acme", "v1", qv_adapters_dir / "alpha"))
     api = openai_client(client, "sk-anything")
     for model in ("alpha", "tiny"):
         with pytest.raises(openai.AuthenticationError):
@@ -76,9 +67,9 @@ async def test_a_keys_file_without_keys_refuses_every_caller(aiohttp_client, tin
     assert (await client.get("/v1/models")).status == 401
 
 
-async def test_an_authorization_header_that_is_not_utf8_is_refused(aiohttp_client, tiny_llama_dir, adapters_dir,
+async def test_an_authorization_header_that_is_not_utf8_is_refused(aiohttp_client, tiny_llama_dir, qv_adapters_dir,
                                                                    tmp_path):
-    client = await aiohttp_client(create_app(worker_config(tiny_llama_dir, adapters_dir, tmp_path)))
+    client = await aiohttp_client(create_app(worker_config(tiny_llama_dir, qv_adapters_dir, tmp_path)))
     for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("GET", "/admin/v1/state")):
         reader, writer = await asyncio.open_connection("127.0.0.1", client.server.port)
         writer.write(f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\nContent-Length: 0\r\n"
@@ -93,12 +84,12 @@ async def test_an_authorization_header_that_is_not_utf8_is_refused(aiohttp_clien
 
 
 async def test_a_request_refused_for_pinned_slots_names_no_other_tenants_adapter(aiohttp_client, tiny_llama_dir,
-                                                                                 adapters_dir, tmp_path):
+                                                                                 qv_adapters_dir, tmp_path):
     """--max-loras 1 and acme's pinned adapter: globex's request cannot get a slot. Its 503 says why,
     the first time and every time after, without telling globex the name of acme's adapter."""
-    client = await aiohttp_client(create_app(worker_config(tiny_llama_dir, adapters_dir, tmp_path, max_loras=1)))
-    await push(client, 1, directive("acme-secret", "acme", "v1", adapters_dir / "alpha", pinned=True),
-               directive("beta", "globex", "v1", adapters_dir / "beta"))
+    client = await aiohttp_client(create_app(worker_config(tiny_llama_dir, qv_adapters_dir, tmp_path, max_loras=1)))
+    await push(client, 1, directive("acme-secret", "acme", "v1", qv_adapters_dir / "alpha", pinned=True),
+               directive("beta", "globex", "v1", qv_adapters_dir / "beta"))
     globex = openai_client(client, KEY_GLOBEX)
     for _ in range(2):
         with pytest.raises(openai.APIStatusError) as err:
@@ -110,14 +101,14 @@ async def test_a_request_refused_for_pinned_slots_names_no_other_tenants_adapter
 
 
 async def test_a_pinned_version_dropped_after_arrival_is_404_naming_no_other_adapter(
-        aiohttp_client, tiny_llama_dir, adapters_dir, tmp_path, monkeypatch):
+        aiohttp_client, tiny_llama_dir, qv_adapters_dir, tmp_path, monkeypatch):
     """A push may unregister the version a request pinned (`name@version`) after the request resolved
     it and before the engine takes it. The answer is a 404 about that version, not the engine's list of
     every adapter registered on the worker (other tenants' included)."""
-    app = create_app(worker_config(tiny_llama_dir, adapters_dir, tmp_path))
+    app = create_app(worker_config(tiny_llama_dir, qv_adapters_dir, tmp_path))
     client = await aiohttp_client(app)
-    await push(client, 1, directive("alpha", "acme", "v1", adapters_dir / "alpha"),
-               directive("globex-secret", "globex", "g1", adapters_dir / "beta"))
+    await push(client, 1, directive("alpha", "acme", "v1", qv_adapters_dir / "alpha"),
+               directive("globex-secret", "globex", "g1", qv_adapters_dir / "beta"))
     real = ServedAdapters.resolve
 
     def resolve_then_a_push_unloads_it(self, model, tenant, user):
@@ -132,13 +123,13 @@ async def test_a_pinned_version_dropped_after_arrival_is_404_naming_no_other_ada
     assert "globex" not in err.value.message, err.value.message
 
 
-async def test_a_stable_version_kept_as_the_canary_serves_its_share(aiohttp_client, tiny_llama_dir, adapters_dir,
+async def test_a_stable_version_kept_as_the_canary_serves_its_share(aiohttp_client, tiny_llama_dir, qv_adapters_dir,
                                                                     tmp_path):
     """Rolling out v2 while v1 (the stable until now) stays as the canary: the switch to v2 must not
     retire v1, which still serves its weight of users and requests pinning it."""
-    client = await aiohttp_client(create_app(worker_config(tiny_llama_dir, adapters_dir, tmp_path)))
+    client = await aiohttp_client(create_app(worker_config(tiny_llama_dir, qv_adapters_dir, tmp_path)))
     acme = openai_client(client, KEY_ACME)
-    v1, v2 = {"version": "v1", "uri": str(adapters_dir / "alpha")}, {"version": "v2", "uri": str(adapters_dir / "beta")}
+    v1, v2 = {"version": "v1", "uri": str(qv_adapters_dir / "alpha")}, {"version": "v2", "uri": str(qv_adapters_dir / "beta")}
     await push(client, 1, {"name": "alpha", "tenant": "acme", "stable": v1})
     assert (await acme.completions.create(model="alpha", prompt="x", max_tokens=1)).model == "alpha@v1"
 
