@@ -159,7 +159,9 @@ class AsyncEngine:
                 _, rid, prompt, params, adapter, added = cmd
                 with self._lock:
                     wanted = rid in self._streams  # the caller may have gone before we got here
-                if not wanted:
+                # Running, the future can no longer be cancelled by a caller leaving meanwhile (setting
+                # the result of a cancelled one would raise here and end this thread).
+                if not wanted or not added.set_running_or_notify_cancel():
                     added.cancel()
                     continue
                 try:
@@ -172,6 +174,8 @@ class AsyncEngine:
                 self.engine.abort(cmd[1])
             elif kind == "call":
                 _, fn, done = cmd
+                if not done.set_running_or_notify_cancel():  # the caller gave up on it
+                    continue
                 try:
                     done.set_result(fn(self.engine))
                 except Exception as exc:

@@ -30,7 +30,7 @@ from lorafleet.worker.model_loader import load_model
 from lorafleet.worker.model_runner import ModelRunner
 from lorafleet.worker.page_pool import PagePool, PagePoolConfig, kv_page_elems
 from lorafleet.worker.peft_adapter import load_peft_adapter
-from lorafleet.worker.request_output import RequestOutput
+from lorafleet.worker.request_output import OutputTracker, RequestOutput
 from lorafleet.worker.sampler import Sampler
 from lorafleet.worker.sampling_params import SamplingParams
 from lorafleet.worker.scheduler import Scheduler
@@ -99,6 +99,7 @@ class Engine:
             max_loras_per_batch=config.max_loras_per_batch,
             max_adapter_wait_steps=config.max_adapter_wait_steps,
             reclaim_pages=self._reclaim_adapter_pages,
+            adapter_state=self._adapter_state,
         )
         kv_caches = self.page_pool.kv_caches(num_layers=mc.num_hidden_layers, block_size=config.block_size,
                                              num_kv_heads=mc.num_key_value_heads, head_dim=mc.head_dim)
@@ -119,7 +120,7 @@ class Engine:
         self.sampler = Sampler(seed=config.seed, device=self.device)
         self.stop_checker = StopChecker(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self.requests: dict[str, Sequence] = {}
-        self._emitted: dict[str, tuple[int, int]] = {}  # request_id -> (tokens, chars) reported
+        self.outputs = OutputTracker()
         self._ids = itertools.count()
         self.last_batch_size, self.last_batch_adapters = 0, 0
         if config.adapters:
@@ -170,6 +171,17 @@ class Engine:
         """Before preempting for KV room: evict idle, unpinned adapters that no waiting request needs
         (the adapter pool decides, in its eviction order). Returns pages freed."""
         return self.adapter_pool.reclaim_for_kv(num_pages)
+
+    def _adapter_state(self, key: str) -> str:
+        """For the scheduler: "gpu" (pages taken: resident or being copied), "room" (in CPU memory,
+        waiting only for GPU pages or a slot) or "load" (being read, or gone)."""
+        try:
+            entry = self.adapter_pool.entry(key)
+        except AdapterNotFoundError:
+            return "load"
+        if entry.on_gpu:
+            return "gpu"
+        return "room" if entry.image is not None and entry.fetching is None else "load"
 
     # ---- adapters -----------------------------------------------------------------------------------
     def register_adapter(
@@ -261,7 +273,7 @@ class Engine:
             seq.generator = torch.Generator(device=self.device)
             seq.generator.manual_seed(params.seed)
         self.requests[request_id] = seq
-        self._emitted[request_id] = (0, 0)
+        self.outputs.start(request_id)
         self.scheduler.add(seq)
         return request_id
 
@@ -279,7 +291,7 @@ class Engine:
         seq = self.requests.pop(request_id, None)
         if seq is None:
             return False
-        self._emitted.pop(request_id, None)
+        self.outputs.forget(request_id)
         if not seq.is_finished:
             self.scheduler.finish(seq, "abort")
         return True
@@ -292,16 +304,19 @@ class Engine:
         batch = self.scheduler.schedule()
         self.last_batch_size = batch.num_seqs
         self.last_batch_adapters = len(batch.adapters())
-        outputs = [self._output(seq) for seq in self.scheduler.failed]
-        self.scheduler.failed.clear()
+        outputs = self._report_failed()
         if batch.is_empty:
             return outputs
-        logits, samplers = self.runner.run(batch)
+        try:
+            logits, samplers = self.runner.run(batch)
+            sampled = self.sampler.sample(logits, samplers) if logits is not None else []
+        except Exception as exc:  # fails the requests of this forward only; the engine serves the others
+            log.exception("a forward of %d requests failed; they end with an error", batch.num_seqs)
+            self.scheduler.fail([seq for seq, _ in batch.scheduled], exc)
+            return outputs + self._report_failed()
         for seq, num_new in batch.scheduled:
             seq.num_computed_tokens += num_new
-        if logits is None:
-            return outputs
-        for seq, (token, logprob) in zip(samplers, self.sampler.sample(logits, samplers), strict=True):
+        for seq, (token, logprob) in zip(samplers, sampled, strict=True):
             seq.output_token_ids.append(token)
             if logprob is not None:
                 seq.logprobs.append(logprob)
@@ -311,33 +326,15 @@ class Engine:
             outputs.append(self._output(seq))
         return outputs
 
+    def _report_failed(self) -> list[RequestOutput]:
+        outputs = [self._output(seq) for seq in self.scheduler.failed]
+        self.scheduler.failed.clear()
+        return outputs
+
     def _output(self, seq: Sequence) -> RequestOutput:
-        done_tokens, done_chars = self._emitted.get(seq.request_id, (0, 0))
-        text = seq.text
-        final_chars = self.stop_checker.final_text_len(seq, done_chars)
-        new_text = text[done_chars:final_chars]
-        self._emitted[seq.request_id] = (len(seq.output_token_ids), final_chars)
-        want_lp = seq.params.logprobs is not None
-        out = RequestOutput(
-            request_id=seq.request_id,
-            prompt_token_ids=seq.prompt_token_ids,
-            new_token_ids=seq.output_token_ids[done_tokens:],
-            new_text=new_text,
-            new_logprobs=seq.logprobs[done_tokens:] if want_lp else None,
-            token_ids=list(seq.output_token_ids),
-            text=text,
-            logprobs=list(seq.logprobs) if want_lp else None,
-            finished=seq.is_finished,
-            finish_reason=seq.finish_reason,
-            error=seq.error,
-            exception=seq.exception,
-            adapter=seq.adapter,
-            num_preemptions=seq.num_preemptions,
-        )
         if seq.is_finished:
             self.requests.pop(seq.request_id, None)
-            self._emitted.pop(seq.request_id, None)
-        return out
+        return self.outputs.next(seq)
 
     # ---- offline batch ------------------------------------------------------------------------------
     def generate(
@@ -363,12 +360,17 @@ class Engine:
                 self.abort(i)
             raise
         results: dict[str, RequestOutput] = {}
-        while len(results) < n:
-            for out in self.step():
-                if out.finished:
-                    results[out.request_id] = out
-            if self.last_batch_size == 0 and len(results) < n:
-                self.adapter_pool.wait_idle()  # nothing runnable: only adapter loads can unblock us
+        wanted = set(ids)  # not requests added meanwhile by add_request
+        try:
+            while len(results) < n:
+                for out in self.step():
+                    if out.finished and out.request_id in wanted:
+                        results[out.request_id] = out
+                if self.last_batch_size == 0 and len(results) < n:
+                    self.adapter_pool.wait_idle()  # nothing runnable: only adapter loads can unblock us
+        finally:  # interrupted (or a step raised): its requests must not hold pages for no one
+            for i in ids:
+                self.abort(i)
         return [results[i] for i in ids]
 
     def close(self) -> None:

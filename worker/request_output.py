@@ -1,10 +1,11 @@
-"""RequestOutput: what one engine step reports for one request."""
+"""RequestOutput: what one engine step reports for one request; OutputTracker builds them."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lorafleet.worker.sequence import TokenLogprob
+from lorafleet.worker.sequence import Sequence, TokenLogprob
+from lorafleet.worker.stop_checker import StopChecker
 
 
 @dataclass(slots=True)
@@ -23,3 +24,42 @@ class RequestOutput:
     exception: Exception | None = field(default=None, repr=False, compare=False)  # the failure, to re-raise
     adapter: str | None = None  # "name@version" that served it, None for the base model
     num_preemptions: int = 0
+
+
+class OutputTracker:
+    """Per request in flight, how many tokens and characters it was told about; builds each step's
+    RequestOutput with only what is new (text held back while it may still be cut by a stop string)."""
+
+    def __init__(self) -> None:
+        self._emitted: dict[str, tuple[int, int]] = {}  # request_id -> (tokens, chars) reported
+
+    def start(self, request_id: str) -> None:
+        self._emitted[request_id] = (0, 0)
+
+    def forget(self, request_id: str) -> None:
+        self._emitted.pop(request_id, None)
+
+    def next(self, seq: Sequence) -> RequestOutput:
+        done_tokens, done_chars = self._emitted.get(seq.request_id, (0, 0))
+        text = seq.text
+        final_chars = StopChecker.final_text_len(seq, done_chars)
+        self._emitted[seq.request_id] = (len(seq.output_token_ids), final_chars)
+        want_lp = seq.params.logprobs is not None
+        if seq.is_finished:
+            self.forget(seq.request_id)
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            new_token_ids=seq.output_token_ids[done_tokens:],
+            new_text=text[done_chars:final_chars],
+            new_logprobs=seq.logprobs[done_tokens:] if want_lp else None,
+            token_ids=list(seq.output_token_ids),
+            text=text,
+            logprobs=list(seq.logprobs) if want_lp else None,
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            error=seq.error,
+            exception=seq.exception,
+            adapter=seq.adapter,
+            num_preemptions=seq.num_preemptions,
+        )

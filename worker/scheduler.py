@@ -7,7 +7,13 @@ its pages are freed and it goes back to the head of the queue to be recomputed l
 adapter reference). A waiting sequence whose adapter is not resident yet is skipped (the pool
 starts the load) while the others run; `max_loras_per_batch` bounds the distinct adapters of a step
 (too many segments slow the LoRA kernels), except for a sequence that has waited
-`max_adapter_wait_steps` steps, which is admitted anyway so no tenant starves.
+`max_adapter_wait_steps` steps, which is admitted anyway so no tenant starves. For the same reason a
+sequence that has waited that long for an adapter that is loaded but finds no GPU room is no longer
+overtaken while requests run: the pages they give back go to its adapter (a load in flight never
+holds anyone back). An adapter a queued sequence holds (a preempted one keeps its reference) or was
+loaded for is never evicted: when the queue's head cannot get pages and nothing runs, the others let go
+of theirs. A sequence that preempted itself running alone (adapters hold the rest of the pool) is
+readmitted only once the pages of all its tokens can be had, not chunk by chunk into the same wall.
 """
 
 from __future__ import annotations
@@ -74,6 +80,7 @@ class Scheduler:
         max_loras_per_batch: int | None = None,
         max_adapter_wait_steps: int = 32,
         reclaim_pages: Callable[[int], int] | None = None,
+        adapter_state: Callable[[str], str] | None = None,
     ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
@@ -85,9 +92,15 @@ class Scheduler:
         # Unified paging: idle adapters (no request uses them) give their pages to the KV cache
         # before any request is preempted. Returns how many pages were freed.
         self.reclaim_pages = reclaim_pages
+        # Where an adapter is: "gpu" (its pages taken: resident or being copied), "room" (in CPU memory,
+        # waiting only for GPU pages or a slot) or "load" (being read).
+        self.adapter_state = adapter_state
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._skipped_steps: dict[int, int] = {}  # seq_id -> steps skipped for adapter grouping
+        # Sequences that preempted themselves running alone: readmitted only once the pages of all their
+        # tokens can be had (admitted chunk by chunk, they would get as far and preempt themselves again).
+        self._short_alone: set[int] = set()
         self.num_preemptions = 0
         self.max_stuck_steps = 100  # steps a request that cannot get pages, with nothing running, may wait
         self._stuck_steps = 0
@@ -123,14 +136,19 @@ class Scheduler:
         if was_waiting_for_adapter and seq.adapter is not None and self.adapter_pool is not None:
             self.adapter_pool.abandon(seq.adapter, seq.seq_id)
         self._skipped_steps.pop(seq.seq_id, None)
+        self._short_alone.discard(seq.seq_id)
 
-    def fail_all(self, exc: Exception) -> None:
-        """End every running and waiting sequence with `exc` (the worker shuts down): pages and
-        adapter references are released at once, and the engine reports them at its next step."""
-        for seq in [*self.running, *self.waiting]:
+    def fail(self, seqs: list[Sequence], exc: Exception) -> None:
+        """End `seqs` with `exc`: pages and adapter references are released at once, and the engine
+        reports them at its next step."""
+        for seq in seqs:
             self.finish(seq, "error")
             seq.error, seq.exception = str(exc), exc
             self.failed.append(seq)
+
+    def fail_all(self, exc: Exception) -> None:
+        """End every running and waiting sequence with `exc` (the worker shuts down)."""
+        self.fail([*self.running, *self.waiting], exc)
 
     # ---- one step --------------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
@@ -150,6 +168,8 @@ class Scheduler:
                 victim = self.running[-1]
                 self._preempt(victim, batch)
                 if victim is seq:
+                    if not self.running:
+                        self._short_alone.add(seq.seq_id)
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 break  # seq preempted itself: nothing after it remains either
@@ -162,7 +182,8 @@ class Scheduler:
         # 2. Waiting sequences (none while preempting: pages are short).
         if batch.preempted:
             return batch
-        skipped: list[Sequence] = []
+        skipped: list[Sequence] = []  # passed over for their adapter (count towards max_adapter_wait_steps)
+        stuck: Sequence | None = None  # cannot get pages while nothing runs
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting.popleft()
             try:
@@ -172,9 +193,12 @@ class Scheduler:
                 continue
             if not admit:
                 skipped.append(seq)
+                if self.running and self._starved_for_room(seq):
+                    break  # no overtaking it any more: the pages running requests give back go to its adapter
                 continue
             num_new = self._num_new_tokens(seq, budget)
-            if num_new == 0 or not self._allocate(seq, num_new):
+            whole = seq.num_uncomputed_tokens if seq.seq_id in self._short_alone else num_new
+            if num_new == 0 or not self._allocate(seq, whole):
                 if num_new and not self.running:
                     # Nothing runs, so no KV page will come back. Wait out transient holders (an
                     # adapter copy in flight becomes reclaimable once done), then fail the request.
@@ -182,16 +206,18 @@ class Scheduler:
                     if self._stuck_steps > self.max_stuck_steps:
                         self._stuck_steps = 0
                         self._fail(seq, CapacityError(
-                            f"needs {self.block_manager.num_blocks_needed(seq, num_new)} KV pages but no more can be "
+                            f"needs {self.block_manager.num_blocks_needed(seq, whole)} KV pages but no more can be "
                             "freed (pinned or in-use adapters hold the rest of the pool); shorten the prompt, unpin "
                             "adapters or give the engine a larger pool"))
                         continue
+                    stuck = seq
                 self.waiting.appendleft(seq)  # arrival order for pages: no overtaking a big prompt
                 break
             self._stuck_steps = 0
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self._skipped_steps.pop(seq.seq_id, None)
+            self._short_alone.discard(seq.seq_id)
             self._add_to_batch(batch, seq, num_new)
             if seq.adapter is not None:
                 loras.add(seq.adapter)
@@ -199,6 +225,8 @@ class Scheduler:
         for seq in reversed(skipped):
             self._skipped_steps[seq.seq_id] = self._skipped_steps.get(seq.seq_id, 0) + 1
             self.waiting.appendleft(seq)
+        if stuck is not None:
+            self._let_go_of_adapters(but=stuck)
         return batch
 
     def _allocate(self, seq: Sequence, num_new: int) -> bool:
@@ -240,6 +268,30 @@ class Scheduler:
             seq.adapter_slot = self.adapter_pool.acquire(seq.adapter, seq.seq_id)
         return seq.adapter_slot is not None
 
+    def _starved_for_room(self, seq: Sequence) -> bool:
+        """`seq` has waited `max_adapter_wait_steps` steps for an adapter that is loaded and only lacks
+        GPU room, which requests admitted after it keep taking."""
+        return (
+            self._skipped_steps.get(seq.seq_id, 0) >= self.max_adapter_wait_steps
+            and self.adapter_state is not None
+            and self.adapter_state(seq.adapter) == "room"
+        )
+
+    def _let_go_of_adapters(self, *, but: Sequence) -> None:
+        """Nothing runs and `but` cannot get pages: the other queued sequences give back the adapters they
+        hold or wait for, so that idle adapters can give their pages to the KV cache (an adapter a queued
+        request holds, or was loaded for, is never evicted). Each takes its adapter again when admitted.
+        A replaced version is kept: it could not be taken again."""
+        for seq in self.waiting:
+            if seq is but or seq.adapter is None or self.adapter_pool is None:
+                continue
+            if self.adapter_state is not None and self.adapter_state(seq.adapter) != "gpu":
+                continue
+            if seq.adapter_slot is not None:
+                self._release_adapter(seq)
+            else:
+                self.adapter_pool.abandon(seq.adapter, seq.seq_id)
+
     def _fail(self, seq: Sequence, exc: Exception) -> None:
         """Finish a waiting (already dequeued) sequence with an error the engine reports."""
         seq.error = str(exc)
@@ -249,6 +301,7 @@ class Scheduler:
         self.block_manager.free(seq)
         self._release_adapter(seq)
         self._skipped_steps.pop(seq.seq_id, None)
+        self._short_alone.discard(seq.seq_id)
         self.failed.append(seq)
 
     def _add_to_batch(self, batch: ScheduledBatch, seq: Sequence, num_new: int) -> None:

@@ -201,6 +201,28 @@ def test_abort_frees_pages_at_once(tiny_llama_dir):
     _assert_all_free(engine)
 
 
+def test_interrupted_generate_leaves_no_request_behind(tiny_llama_dir, hf_ref):
+    """Ctrl-C (or any exception) inside generate: its requests are aborted, pages come back, and the
+    next generate returns its own outputs (not those of the interrupted requests finishing meanwhile)."""
+    engine = _engine(tiny_llama_dir)
+    step, num_steps = engine.step, 0
+
+    def interrupted_step():
+        nonlocal num_steps
+        num_steps += 1
+        if num_steps == 3:
+            raise KeyboardInterrupt
+        return step()
+
+    engine.step = interrupted_step
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate(_prompts(), GREEDY)
+    _assert_all_free(engine)
+    engine.step = step
+    _assert_matches(engine.generate(_prompts()[:2], GREEDY), hf_ref[:2])
+    _assert_all_free(engine)
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_no_page_leak_after_random_workload(tiny_llama_dir, seed):
     """Random mix of lengths, sampling, stops, aborts and a tight pool: every page comes back."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -134,3 +135,57 @@ async def test_idle_engine_makes_a_prefetched_adapter_resident(async_engine, tin
         await asyncio.sleep(0.01)
     assert tier() == "gpu"
     assert not async_engine.engine.has_unfinished()
+
+
+async def test_a_failed_forward_fails_only_its_requests(tiny_llama_dir):
+    """One sequence at a time: "bad" runs, "good" waits. A forward of "bad" raises (a kernel fault):
+    "bad" gets that error, "good" (in no failed forward) is served in full, and so is a later request."""
+    engine = Engine(EngineConfig(model=str(tiny_llama_dir), num_pages=64, block_size=4, max_num_seqs=1))
+    run = engine.runner.run
+    fault = RuntimeError("kernel fault")
+
+    def faulty_run(batch):
+        if any(s.request_id == "bad" and s.output_token_ids for s, _ in batch.scheduled):
+            raise fault
+        return run(batch)
+
+    engine.runner.run = faulty_run
+    ae = AsyncEngine(engine)
+    await ae.start()
+    try:
+        bad = asyncio.create_task(_collect(ae, "bad", PROMPTS[0]))
+        good = asyncio.create_task(_collect(ae, "good", PROMPTS[2]))
+        with pytest.raises(RuntimeError, match="kernel fault"):
+            await bad
+        assert (await good)[-1].finish_reason == "length"
+        assert (await _collect(ae, "later", PROMPTS[3]))[-1].finish_reason == "length"
+        state = await asyncio.wrap_future(ae.call(lambda e: (len(e.requests), e.page_pool.num_used("kv"))))
+        assert state == (0, 0)
+    finally:
+        await ae.stop()
+
+
+async def test_a_client_leaving_while_its_request_is_added_does_not_stop_the_engine(async_engine):
+    """The caller goes away while the engine thread is adding its request: the request is aborted and
+    the engine thread goes on serving (setting the result of the cancelled future must not end it)."""
+    engine = async_engine.engine
+    adding, proceed = threading.Event(), threading.Event()
+    add_request = engine.add_request
+
+    def slow_add_request(*args, **kwargs):
+        adding.set()
+        proceed.wait(10)
+        return add_request(*args, **kwargs)
+
+    engine.add_request = slow_add_request
+    task = asyncio.create_task(_collect(async_engine, "gone", PROMPTS[0], SamplingParams(max_tokens=200)))
+    assert await asyncio.to_thread(adding.wait, 10)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    engine.add_request = add_request
+    proceed.set()
+    state = await asyncio.wait_for(asyncio.wrap_future(async_engine.call(
+        lambda e: (dict(e.requests), e.page_pool.num_used("kv")))), timeout=10)
+    assert state == ({}, 0) and async_engine.is_running
+    assert (await _collect(async_engine, "next", PROMPTS[3]))[-1].finished

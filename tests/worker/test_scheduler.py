@@ -346,3 +346,32 @@ def test_fail_all_ends_running_and_waiting_sequences_and_frees_everything():
     assert sched.has_unfinished()  # until the engine reports the failures
     sched.failed.clear()
     assert not sched.has_unfinished() and sched.num_running == sched.num_waiting == 0
+
+
+def test_a_stuck_head_makes_queued_requests_let_go_of_their_adapters():
+    """Nothing runs and the head needs pages that adapter a holds, referenced by a queued request (as a
+    preempted one keeps its reference): that request lets go of a, so a can be evicted for the head; it
+    takes a again when its turn comes."""
+    adapters = FakeAdapterPool(resident=["a@1"])
+    sched, pool = _sched(num_pages=4, adapter_pool=adapters)
+    sched.adapter_state = lambda key: "gpu" if key in adapters.resident else "load"
+    a_pages = pool.allocate(2, ("adapter", "a@1"))
+
+    def reclaim(num_pages):  # the adapter pool evicts only what nobody holds
+        if adapters.refs.get(0) or "a@1" not in adapters.resident:
+            return 0
+        pool.free(a_pages)
+        del adapters.resident["a@1"]
+        return len(a_pages)
+
+    sched.reclaim_pages = reclaim
+    head, holder = _seq(9), _seq(3, "a@1")
+    holder.adapter_slot = adapters.acquire("a@1")
+    sched.add(head)
+    sched.add(holder)
+    assert _run_step(sched).is_empty  # 2 pages free, the head needs 3
+    assert holder.adapter_slot is None and adapters.refs[0] == 0
+    assert _run_step(sched).prefills == [(head, 9)] and list(sched.waiting) == [holder]
+    sched.finish(head, "stop")
+    adapters.resident["a@1"] = 0  # loaded again
+    assert _run_step(sched).prefills == [(holder, 3)] and holder.adapter_slot == 0

@@ -1,0 +1,147 @@
+"""Scheduler and adapter pool together in the engine: adapters share the page pool with the KV cache,
+and no tenant's adapter may fail or starve another tenant's requests (nor be starved by them)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from lorafleet.worker import Engine, EngineConfig, SamplingParams
+from tests.lora_factory import random_weights
+
+ADAPTER_PROJS = ("q_proj", "v_proj")  # at rank 4 on the tiny model: 4 pages of 4-token KV blocks
+
+
+def _engine(model_dir, **kw) -> Engine:
+    kw.setdefault("num_pages", 16)
+    kw.setdefault("block_size", 4)
+    return Engine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32", **kw))
+
+
+def _add_adapter(engine: Engine, key: str = "x@1", loader=None, seed: int = 0) -> None:
+    weights = random_weights(seed, rank=4, projs=ADAPTER_PROJS)
+    if loader is None:
+        engine.adapter_pool.add(key, weights)
+    else:
+        engine.adapter_pool.add(key, loader=lambda: loader(weights))
+
+
+def _assert_all_free(engine: Engine) -> None:
+    engine.page_pool.check()
+    assert engine.page_pool.num_used("kv") == 0
+    assert not engine.has_unfinished() and engine.requests == {}
+    assert all(d["refcount"] == 0 for d in engine.adapter_pool.describe())
+
+
+def test_a_queued_request_holding_an_adapter_does_not_fail_a_request_that_fits_the_pool_alone(tiny_llama_dir):
+    """16 pages; adapter x resident on 4 of them. A 45-token base request takes the other 12; x's request,
+    behind it, takes a reference on x but finds no KV page and waits. When the base request outgrows 12
+    pages it preempts itself, and x cannot give it pages while the queued request holds x. That request
+    must run first and give x back: the base request (63 tokens at most, what the pool holds) must not
+    fail with CapacityError, and recomputing it must not change its tokens."""
+    prompts = [[3] * 45, [4, 5, 6]]
+    params = SamplingParams(max_tokens=18, temperature=0, ignore_eos=True)
+    roomy = _engine(tiny_llama_dir, num_pages=40)
+    _add_adapter(roomy)
+    expected = [o.token_ids for o in roomy.generate(prompts, params, adapters=[None, "x"])]
+
+    engine = _engine(tiny_llama_dir)
+    _add_adapter(engine)
+    engine.adapter_pool.load("x@1")
+    assert engine.page_pool.num_used("adapter") == 4
+    outs = engine.generate(prompts, params, adapters=[None, "x"])
+    assert [(o.finish_reason, o.error) for o in outs] == [("length", None), ("length", None)]
+    assert [o.token_ids for o in outs] == expected
+    assert outs[0].num_preemptions >= 1
+    _assert_all_free(engine)
+
+
+def _serve_with_steady_traffic(engine: Engine, *, adapter_request_at: int, max_steps: int, on_step=None,
+                               others_adapter: str | None = None):
+    """Keep three other requests (of `others_adapter`) queued every step, so that they take every KV page
+    (and adapter slot) that comes back; add one request for adapter x at step `adapter_request_at`.
+    Returns (step x's request finished or None, other requests finished meanwhile)."""
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    num_added, others_done = 0, 0
+    for step in range(max_steps):
+        if engine.num_waiting < 3:
+            engine.add_request(f"b{num_added}", [1 + num_added % 200] * 6, params, adapter=others_adapter)
+            num_added += 1
+        if step == adapter_request_at:
+            engine.add_request("lora", [7, 8, 9], params, adapter="x")
+        for out in engine.step():
+            assert out.error is None, out.error
+            if out.finished and out.request_id == "lora":
+                return step, others_done
+            others_done += out.finished
+        if on_step is not None:
+            on_step(step)
+        if engine.last_batch_size == 0:  # as generate(): nothing ran, only adapter loads and copies can move
+            engine.adapter_pool.wait_idle()
+    return None, others_done
+
+
+@pytest.mark.parametrize("lacks", ["pages", "slot"])
+def test_a_loaded_adapter_waiting_for_room_is_not_starved_by_a_stream_of_requests(tiny_llama_dir, lacks):
+    """Other requests keep arriving and take every KV page finished ones give back (pages: base-model
+    requests in a 16-page pool, x needs 4 free pages), or keep the only adapter slot busy (slot: requests
+    of adapter a, one slot). x, loaded, never found room. After max_adapter_wait_steps its request is
+    no longer overtaken, so the room comes back to x and it runs; the others keep being served."""
+    if lacks == "pages":
+        engine, others = _engine(tiny_llama_dir, max_adapter_wait_steps=4), None
+    else:
+        engine, others = _engine(tiny_llama_dir, num_pages=64, max_loras=1, max_adapter_wait_steps=4), "a"
+        _add_adapter(engine, "a@1", seed=1)
+    _add_adapter(engine)
+    done_at, others_done = _serve_with_steady_traffic(engine, adapter_request_at=5, max_steps=200,
+                                                    others_adapter=others)
+    assert done_at is not None, "the adapter's request was starved"
+    assert others_done > 0
+    for rid in list(engine.requests):
+        engine.abort(rid)
+    _assert_all_free(engine)
+
+
+def test_an_adapter_still_loading_holds_no_other_request_back(tiny_llama_dir):
+    """While x's weights are still being read (far longer than max_adapter_wait_steps steps), requests of
+    other tenants keep being admitted; once read, x's request is served."""
+    loaded = threading.Event()
+    engine = _engine(tiny_llama_dir, max_adapter_wait_steps=4)
+    _add_adapter(engine, loader=lambda weights: loaded.wait(30) and weights)
+    admitted = []
+
+    def on_step(step):
+        admitted.append(engine.last_batch_size)
+        if step == 40:
+            loaded.set()
+
+    done_at, others_done = _serve_with_steady_traffic(engine, adapter_request_at=0, max_steps=300, on_step=on_step)
+    assert all(admitted[:40]), "a step ran nothing while the adapter loaded"
+    assert others_done >= 10
+    assert done_at is not None and done_at > 40
+    for rid in list(engine.requests):
+        engine.abort(rid)
+    _assert_all_free(engine)
+
+
+@pytest.mark.parametrize("max_num_batched_tokens", [64, 8])
+def test_a_request_outgrowing_what_pinned_adapters_leave_fails_instead_of_looping(tiny_llama_dir,
+                                                                                 max_num_batched_tokens):
+    """16 pages, 4 held by a pinned adapter: a 45-token request growing to 63 tokens would need all 16.
+    It fails with CapacityError within the stuck bound, also when prefilled in chunks: those fit up to
+    the page it then preempts itself for, so readmitting it chunk by chunk would loop forever."""
+    from lorafleet.worker.scheduler import CapacityError
+
+    engine = _engine(tiny_llama_dir, max_num_batched_tokens=max_num_batched_tokens)
+    engine.adapter_pool.add("p@1", random_weights(0, rank=4, projs=ADAPTER_PROJS), pinned=True)
+    engine.adapter_pool.load("p@1")
+    engine.add_request("big", [3] * 45, SamplingParams(max_tokens=18, temperature=0, ignore_eos=True))
+    done = []
+    for _ in range(engine.scheduler.max_stuck_steps + 50):
+        done += [o for o in engine.step() if o.finished]
+        if done:
+            break
+    assert [o.finish_reason for o in done] == ["error"] and isinstance(done[0].exception, CapacityError)
+    assert "needs 13 KV pages" in done[0].error
+    _assert_all_free(engine)
