@@ -8,15 +8,16 @@ import asyncio
 import json
 from pathlib import Path
 
-import openai
 import pytest
-from openai import AsyncOpenAI
 
 from lorafleet.worker.app_keys import HOST
 from lorafleet.worker.engine_config import EngineConfig
 from lorafleet.worker.served_adapters import ServedAdapters
 from lorafleet.worker.server import create_app
 from lorafleet.worker.worker_config import WorkerConfig
+
+openai = pytest.importorskip("openai")  # installed with the test extras; absent on a bare GPU machine
+AsyncOpenAI = openai.AsyncOpenAI
 
 ADMIN = "admin-token-for-tests"
 KEY_ACME, KEY_GLOBEX = "sk-acme-test", "sk-globex-test"
