@@ -10,15 +10,18 @@ from collections.abc import Sequence
 
 import kopf
 
+from lorafleet.operator.deployments import DeploymentClient
 from lorafleet.operator.handlers import register
 from lorafleet.operator.operator_config import OperatorConfig
 from lorafleet.worker.cli import config_from_args
 
 
 async def run(config: OperatorConfig, *, registry: kopf.OperatorRegistry | None = None,
-              stop_flag: asyncio.Event | None = None, ready_flag: asyncio.Event | None = None) -> None:
+              stop_flag: asyncio.Event | None = None, ready_flag: asyncio.Event | None = None,
+              deployments: DeploymentClient | None = None) -> None:
+    """``deployments``: the autoscaler's Kubernetes client (default: logged in as kopf does, see handlers)."""
     registry = registry or kopf.OperatorRegistry()
-    controller = register(registry, config)
+    controllers = register(registry, config, deployments)
     liveness = f"http://0.0.0.0:{config.liveness_port}/healthz" if config.liveness_port else None
     priority = None
     if config.peering:
@@ -38,7 +41,7 @@ async def run(config: OperatorConfig, *, registry: kopf.OperatorRegistry | None 
             ready_flag=ready_flag,
         )
     finally:
-        await controller.client.close()
+        await controllers.close()
 
 
 def main(argv: Sequence[str] | None = None) -> None:

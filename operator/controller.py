@@ -41,6 +41,21 @@ def status_changes(current: dict[str, Any] | None, wanted: dict[str, Any]) -> di
     return {k: v for k, v in wanted.items() if current.get(k) != v}
 
 
+def merge_conditions(current: dict[str, Any] | None, wanted: dict[str, Any], *,
+                     drop: Iterable[str] = ()) -> dict[str, Any]:
+    """``wanted`` with its conditions merged into the current ones. A pool's status has two writers, the
+    reconcile (Ready) and the autoscaler (Scaling), and a merge patch replaces a list whole: each writes
+    the list with its own types replaced (in place, or appended) and the other's kept as they are;
+    ``drop``: types to remove."""
+    current_conditions = (current or {}).get("conditions") or []
+    gone = set(drop)
+    if "conditions" not in wanted and not gone & {c.get("type") for c in current_conditions}:
+        return wanted
+    own = {c["type"]: c for c in wanted.get("conditions") or []}
+    merged = [own.pop(c.get("type"), c) for c in current_conditions if c.get("type") not in gone]
+    return {**wanted, "conditions": merged + list(own.values())}
+
+
 class RetryBackoff:
     """When a worker that reported a failed version may have it re-pushed: first ``base`` seconds after the
     failure is seen, then ``2*base``, ``4*base``, ... up to ``cap``; cleared once it reports no failure."""
@@ -137,6 +152,12 @@ class PoolController:
     def forget(self, key: PoolKey) -> None:
         self._results.pop(key, None)
         self._backoff.pop(key, None)
+
+
+def ready_worker_pods(pool: PoolSpec, pods: Iterable[dict[str, Any]], other_pools: Iterable[dict[str, Any]]) -> list[str]:
+    """Names of the pool's ready worker pods, as a reconcile pass finds them (sorted)."""
+    own, _ = _own_pods(pool.name, pool, list(pods), list(other_pools))
+    return [w.pod for w in discover_workers(own, pool.worker_selector, default_port=pool.stager_port)]
 
 
 def _own_pods(name: str, pool: PoolSpec | None, pods: list[dict], other_pools: list[dict], *,

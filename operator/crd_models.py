@@ -13,7 +13,10 @@ import math
 import re
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lorafleet.operator.autoscaler import ScalingSpec
 
 GROUP = "lorafleet.dev"
 VERSION = "v1alpha1"
@@ -132,12 +135,14 @@ class PoolSpec:
     eviction: str = "lru"
     max_adapters_per_tenant: int | None = None
     max_bytes_per_tenant: int | None = None
-    scaling: dict[str, Any] | None = None  # accepted, not acted on: no autoscaler in this operator version
+    scaling: ScalingSpec | None = None  # spec.scaling: the autoscaler's policy
     generation: int = 0
     status: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def parse(cls, body: dict[str, Any]) -> PoolSpec:
+        from lorafleet.operator.autoscaler import ScalingSpec  # it imports this module
+
         meta, spec = body.get("metadata", {}), body.get("spec") or {}
         if not isinstance(spec.get("baseModel"), str) or not spec["baseModel"]:
             raise SpecError("spec.baseModel: required (the base model identity adapters must match)")
@@ -162,7 +167,7 @@ class PoolSpec:
             max_adapters_per_tenant=None if max_adapters is None else _int(
                 max_adapters, "spec.tenantQuota.maxAdapters", lo=0),
             max_bytes_per_tenant=None if max_bytes is None else parse_quantity(max_bytes, "spec.tenantQuota.maxBytes"),
-            scaling=spec.get("scaling") or None,
+            scaling=None if spec.get("scaling") is None else ScalingSpec.parse(spec["scaling"]),
             generation=int(meta.get("generation", 0)),
             status=dict(body.get("status") or {}),
         )

@@ -1,14 +1,17 @@
 """Kopf handlers for LoRAPool and LoRAAdapter: the only module with kopf decorators, kept thin.
 
-``register(registry, config)`` attaches every handler to a registry (so tests and ``__main__`` choose
-intervals without module globals). Each handler calls ``PoolController.run`` (gather -> pure
-``reconcile_pool`` -> push) and writes the status the plan computed from workers' reports.
+``register(registry, config, deployments=None)`` attaches every handler to a registry (so tests and
+``__main__`` choose intervals and the Kubernetes connection without module globals). Each handler calls
+``PoolController.run`` (gather -> pure ``reconcile_pool`` -> push) and writes the status the plan
+computed from workers' reports.
 
 * indexes: worker pods by namespace, adapters and pools by (namespace, pool) -- no extra API reads;
 * pool create/update/resume + a timer every ``interval`` s: directives pushed, drift caught;
 * adapter create/update/resume + a timer: status refreshed from reports (an unparsable spec too: its
   pass keeps the last valid spec in force and reports Failed naming the field);
 * adapter deletion: a finalizer that holds the object until no worker reports the adapter any more;
+* pool autoscale timer every ``scale_interval`` s (``PoolScaler``): a pool with ``spec.scaling`` gets its
+  Deployment's replicas set from Prometheus' view of its workers; the Scaling condition says how it went;
 * pool deletion: a finalizer that first tells the pool's workers to hold nothing and waits until they
   report nothing; its adapters turn Degraded (their timers see the pool gone from the index).
 """
@@ -17,11 +20,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import kopf
 
-from lorafleet.operator.controller import PoolController, status_changes, utc_now
+from lorafleet.operator.controller import PoolController, merge_conditions, status_changes, utc_now
 from lorafleet.operator.crd_models import (
     ADAPTERS,
     GROUP,
@@ -32,7 +36,10 @@ from lorafleet.operator.crd_models import (
     SpecError,
     parse_adapter,
 )
+from lorafleet.operator.deployments import DeploymentClient
 from lorafleet.operator.operator_config import OperatorConfig
+from lorafleet.operator.prometheus import PrometheusClient
+from lorafleet.operator.scaler import PoolScaler
 from lorafleet.operator.statuses import invalid_pool_status
 from lorafleet.operator.workers import StagerClient
 
@@ -53,11 +60,28 @@ def _slim_pod(body: kopf.Body) -> dict[str, Any]:
     }
 
 
-def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> PoolController:
-    """Attach all handlers to ``registry``; returns the controller they share."""
+@dataclass(slots=True)
+class Controllers:
+    """What the handlers share: closed when the operator stops."""
+
+    pools: PoolController
+    scaler: PoolScaler
+
+    async def close(self) -> None:
+        await self.pools.client.close()
+        await self.scaler.close()
+
+
+def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
+             deployments: DeploymentClient | None = None) -> Controllers:
+    """Attach all handlers to ``registry``. ``deployments``: the autoscaler's Kubernetes client (default:
+    one that logs in as kopf does without a client library: service account, else kubeconfig)."""
     controller = PoolController(StagerClient(token=config.stager_token, timeout=config.request_timeout,
                                                push_timeout=config.push_timeout),
                                 retry_base=config.interval, retry_cap=max(config.interval, MAX_RETRY_DELAY))
+    scaler = PoolScaler(PrometheusClient(timeout=config.request_timeout),
+                        deployments or DeploymentClient(timeout=config.request_timeout))
+    controllers = Controllers(controller, scaler)
     res_pools, res_adapters = (GROUP, VERSION, POOLS), (GROUP, VERSION, ADAPTERS)
 
     @kopf.on.startup(registry=registry)
@@ -78,7 +102,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> PoolCon
 
     @kopf.on.cleanup(registry=registry)
     async def close(**_: Any) -> None:
-        await controller.client.close()
+        await controllers.close()
 
     @kopf.index("pods", id="worker_pods", registry=registry)
     def worker_pods(namespace: str, body: kopf.Body, **_: Any) -> dict[str, Any]:
@@ -92,16 +116,18 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> PoolCon
     def adapters_by_pool(namespace: str, body: kopf.Body, spec: kopf.Spec, **_: Any) -> dict[Any, Any]:
         return {(namespace, spec.get("pool", "")): dict(body)}
 
+    def other_pools(namespace: str, pool: str, indexes: dict[str, kopf.Index]) -> list[dict[str, Any]]:
+        pools = indexes["pools_by_name"]
+        return [body for k in list(pools) if k[0] == namespace and k[1] != pool for body in pools.get(k, [])]
+
     async def run_pass(namespace: str, pool: str, indexes: dict[str, kopf.Index], *, max_age: float = 0.0):
         key = (namespace, pool)
-        pools = indexes["pools_by_name"]
-        others = [body for k in list(pools) if k[0] == namespace and k[1] != pool for body in pools.get(k, [])]
         return await controller.run(
             key,
-            pools=pools.get(key, []),
+            pools=indexes["pools_by_name"].get(key, []),
             adapters=indexes["adapters_by_pool"].get(key, []),
             pods=indexes["worker_pods"].get(namespace, []),
-            other_pools=others,
+            other_pools=other_pools(namespace, pool, indexes),
             max_age=max_age,
         )
 
@@ -114,10 +140,11 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> PoolCon
         except SpecError as exc:
             wanted = invalid_pool_status(dict(status), int(body.metadata.get("generation") or 0), str(exc),
                                          now=utc_now())
-            patch.status.update(status_changes(dict(status), wanted))
+            patch.status.update(status_changes(dict(status), merge_conditions(dict(status), wanted)))
             raise kopf.PermanentError(str(exc)) from None
         plan = await run_pass(namespace, name, kwargs, max_age=max_age)
-        patch.status.update(status_changes(dict(status), plan.pool_status))
+        # Merged into the live conditions: the plan's pool body may predate the autoscaler's last write.
+        patch.status.update(status_changes(dict(status), merge_conditions(dict(status), plan.pool_status)))
 
     @kopf.on.create(*res_pools, registry=registry)
     @kopf.on.update(*res_pools, field="spec", registry=registry)
@@ -130,6 +157,15 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> PoolCon
         with contextlib.suppress(kopf.PermanentError):  # a bad spec is already reported in status
             await reconcile_pool_handler(max_age=config.interval / 2, **kwargs)
 
+    @kopf.timer(*res_pools, interval=config.scale_interval, registry=registry)
+    async def pool_autoscale(namespace: str, name: str, body: kopf.Body, status: kopf.Status, patch: kopf.Patch,
+                             **kwargs: Any) -> None:
+        if body.metadata.get("deletionTimestamp"):
+            return
+        wanted = await scaler.run(dict(body), pods=kwargs["worker_pods"].get(namespace, []),
+                                  other_pools=other_pools(namespace, name, kwargs), now=utc_now())
+        patch.status.update(status_changes(dict(status), wanted))
+
     @kopf.on.delete(*res_pools, registry=registry)
     async def pool_deleted(namespace: str, name: str, **kwargs: Any) -> None:
         """The finalizer: the pool goes only once its workers report no adapter (pinned ones included)."""
@@ -140,6 +176,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> PoolCon
             raise kopf.TemporaryError(f"unloading every adapter first; still reported by {', '.join(plan.draining)}",
                                       delay=config.retry_delay)
         controller.forget((namespace, name))
+        scaler.forget((namespace, name))
         log.warning("LoRAPool %s/%s deleted; its adapters turn Degraded until it exists again", namespace, name)
 
     # --- LoRAAdapter -----------------------------------------------------------------------------
@@ -177,4 +214,4 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> PoolCon
             raise kopf.TemporaryError(f"unloading; still reported by {', '.join(holding)}",
                                       delay=config.retry_delay)
 
-    return controller
+    return controllers

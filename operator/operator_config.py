@@ -9,9 +9,12 @@ from dataclasses import dataclass, field
 class OperatorConfig:
     namespace: str | None = field(default=None, metadata={"help": "watch one namespace (default: all)"})
     interval: float = field(default=10.0, metadata={"help": "seconds between drift checks of every pool"})
+    scale_interval: float = field(default=30.0, metadata={
+        "help": "seconds between autoscaler passes over every pool with spec.scaling"})
     retry_delay: float = field(default=2.0, metadata={"help": "seconds before a recoverable step is retried"})
     stager_token: str = field(default="", metadata={"help": "bearer token of the worker sidecars (from a Secret)"})
-    request_timeout: float = field(default=5.0, metadata={"help": "seconds for one sidecar state read"})
+    request_timeout: float = field(default=5.0, metadata={
+        "help": "seconds for one sidecar state read, Prometheus query or Kubernetes API call"})
     push_timeout: float = field(default=300.0, metadata={
         "help": "seconds for one directive push (the sidecar stages every version before it answers)"})
     peering: str | None = field(default=None, metadata={
@@ -24,6 +27,8 @@ class OperatorConfig:
     def __post_init__(self) -> None:
         if self.interval <= 0:
             raise ValueError(f"interval must be > 0 seconds (got {self.interval})")
+        if self.scale_interval <= 0:
+            raise ValueError(f"scale_interval must be > 0 seconds (got {self.scale_interval})")
         if self.retry_delay <= 0:
             raise ValueError(f"retry_delay must be > 0 seconds (got {self.retry_delay})")
         if self.request_timeout <= 0:

@@ -13,9 +13,6 @@ from lorafleet.operator.crd_models import AdapterSpec, InvalidAdapter, PoolSpec
 from lorafleet.operator.placement import UNKNOWN_BYTES, adapter_bytes
 from lorafleet.operator.reports import WorkerIndex, WorkerReport
 
-SCALING_NOT_IMPLEMENTED = ("spec.scaling is set, but this operator version does not autoscale workers; "
-                           "replicas stay as deployed")
-
 
 def condition(old: dict[str, Any], ctype: str, ok: bool, reason: str, message: str, now: str) -> dict[str, Any]:
     """One condition of ``old`` (a status) brought up to date; the transition time moves only on a flip."""
@@ -157,17 +154,17 @@ def pool_status(pool: PoolSpec, num_adapters: int, workers: list[WorkerReport], 
     if shared_pods:  # two pools pushing whole adapter sets to one pod would undo each other
         msg += "; spec.workerSelector also matches " + ", ".join(
             f"{pod} (owned by LoRAPool {owner!r})" for pod, owner in sorted(shared_pods.items()))
-    conditions = [condition(pool.status, "Ready", bool(live) and not errors and not shared_pods,
-                            "Workers" if live else "NoWorkers", msg, now)]
-    if pool.scaling:  # said, not silently ignored
-        conditions.append(condition(pool.status, "Scaling", False, "NotImplemented", SCALING_NOT_IMPLEMENTED, now))
-    return {
+    status = {
         "readyWorkers": len(live),
         "adapters": num_adapters,
-        "kvUsage": round(sum(kv) / len(kv), 4) if kv else 0.0,
         "observedGeneration": pool.generation,
-        "conditions": conditions,
+        # Ready only: the autoscaler owns the Scaling condition (writers merge their own types in).
+        "conditions": [condition(pool.status, "Ready", bool(live) and not errors and not shared_pods,
+                                 "Workers" if live else "NoWorkers", msg, now)],
     }
+    if pool.scaling is None:  # with spec.scaling the autoscaler writes it, from Prometheus
+        status["kvUsage"] = round(sum(kv) / len(kv), 4) if kv else 0.0
+    return status
 
 
 def invalid_pool_status(status: dict[str, Any], generation: int, message: str, *, now: str) -> dict[str, Any]:

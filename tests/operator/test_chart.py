@@ -128,6 +128,7 @@ def test_env_names_are_config_fields():
     docs = render(VALUE_SETS["replicated-clusterwide"])
     operator = find(docs, "Deployment", "-operator")["spec"]["template"]["spec"]["containers"][0]
     assert env_names(operator) <= config_env_names(OperatorConfig)
+    assert {"LORAFLEET_INTERVAL", "LORAFLEET_SCALE_INTERVAL"} <= env_names(operator)
     engine, stager = find(docs, "Deployment", "-worker")["spec"]["template"]["spec"]["containers"]
     worker_config = pytest.importorskip("lorafleet.worker.worker_config")
     stager_mod = pytest.importorskip("lorafleet.worker.stager")
@@ -148,6 +149,9 @@ def test_operator_rbac_is_least_privilege():
             assert not {"delete", "deletecollection", "update"} & set(rule["verbs"]), name
         pods = next(r for r in rules if "pods" in r["resources"])
         assert set(pods["verbs"]) == {"get", "list", "watch"}
+        # The autoscaler reads and patches spec.replicas of a pool's target Deployment, nothing else.
+        deployments = [r for r in rules if "deployments" in r["resources"]]
+        assert deployments == [{"apiGroups": ["apps"], "resources": ["deployments"], "verbs": ["get", "patch"]}]
         replicated = values.get("operator", {}).get("replicas", 1) > 1
         assert any("kopf.dev" in r["apiGroups"] for r in rules) == replicated
         operator = find(docs, "Deployment", "-operator")["spec"]["template"]["spec"]["containers"][0]

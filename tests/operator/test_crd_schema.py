@@ -83,8 +83,9 @@ def test_every_cel_rule_compiles_and_is_exercised_here():
         "loraadapters": [(".spec", "!has(self.canary) || self.canary.version != self.version"),
                          (".spec.warm", "type(self) == int ? self >= 0 : self == 'all'")],
         "lorapools": [(".spec.workerSelector", "has(self.matchLabels) || has(self.matchExpressions)"),
-                      (".spec.scaling", "!has(self.minReplicas) || !has(self.maxReplicas) || self.minReplicas <= self.maxReplicas"),
-                      (".spec.scaling", "!has(self.kvLow) || !has(self.kvHigh) || self.kvLow < self.kvHigh")],
+                      (".spec.scaling", "!has(self.minReplicas) || self.minReplicas <= self.maxReplicas"),
+                      (".spec.scaling",
+                       "(has(self.kvLow) ? self.kvLow : 0.3) < (has(self.kvHigh) ? self.kvHigh : 0.85)")],
     }
 
 
@@ -97,15 +98,30 @@ def test_crd_and_parser_agree_on_warm(warm, ok):
 
 @pytest.mark.parametrize(("scaling", "ok"), [
     ({"minReplicas": 1, "maxReplicas": 4}, True), ({"minReplicas": 2, "maxReplicas": 2}, True),
-    ({"minReplicas": 5, "maxReplicas": 4}, False), ({"minReplicas": 5}, True),
+    ({"minReplicas": 5, "maxReplicas": 4}, False), ({"minReplicas": 5}, True), ({"minReplicas": 9}, False),
     ({"kvLow": 0.3, "kvHigh": 0.8}, True), ({"kvLow": 0.8, "kvHigh": 0.8}, False), ({"kvLow": 0.9, "kvHigh": 0.2}, False),
+    # Against the defaults (kvLow 0.3, kvHigh 0.85) when one is left out.
+    ({"kvLow": 0.9}, False), ({"kvHigh": 0.2}, False), ({"kvLow": 0.5}, True), ({}, True),
 ])
-def test_crd_refuses_inverted_scaling_bounds(scaling, ok):
+def test_crd_and_parser_agree_on_scaling_bounds(scaling, ok):
     doc = next(d for d in example_docs() if d["kind"] == "LoRAPool")
-    doc["spec"]["scaling"] = {**doc["spec"].get("scaling", {}), **scaling}
-    for key in {"minReplicas", "maxReplicas", "kvLow", "kvHigh"} - scaling.keys():
+    doc["spec"]["scaling"] = {**doc["spec"]["scaling"], **scaling}  # maxReplicas 8 unless set
+    for key in {"minReplicas", "kvLow", "kvHigh"} - scaling.keys():
         doc["spec"]["scaling"].pop(key, None)
-    assert accepts(lambda: validate(doc, "lorapools")) == ok
+    assert accepts(lambda: validate(doc, "lorapools")) == ok == accepts(lambda: PoolSpec.parse(doc))
+
+
+@pytest.mark.parametrize(("scaling", "ok"), [
+    ({}, True), ({"target": None}, False), ({"prometheusURL": None}, False), ({"maxReplicas": None}, False),
+    ({"target": "Workers"}, False), ({"target": "workers.v2"}, True), ({"target": "w" * 254}, False),
+    ({"prometheusURL": "prometheus:9090"}, False), ({"prometheusURL": "https://prom.example/sub"}, True),
+    ({"maxReplicas": 0}, False), ({"minReplicas": 0}, True), ({"targetHitRate": 1.2}, False),
+    ({"scaleDownStabilizationSeconds": -5}, False),
+])
+def test_crd_and_parser_agree_on_scaling_fields(scaling, ok):
+    doc = next(d for d in example_docs() if d["kind"] == "LoRAPool")
+    doc["spec"]["scaling"] = {k: v for k, v in {**doc["spec"]["scaling"], **scaling}.items() if v is not None}
+    assert accepts(lambda: validate(doc, "lorapools")) == ok == accepts(lambda: PoolSpec.parse(doc))
 
 
 def accepts(check) -> bool:

@@ -93,8 +93,9 @@ async def sidecars():
 
 
 @contextlib.asynccontextmanager
-async def running_operator(url: str, *, stager_token: str = TOKEN, **overrides):
-    """One operator process's worth of state (fresh registry and memory), started and always stopped."""
+async def running_operator(url: str, *, stager_token: str = TOKEN, deployments=None, **overrides):
+    """One operator process's worth of state (fresh registry and memory), started and always stopped;
+    ``deployments``: the autoscaler's Kubernetes client (it is closed when the operator stops)."""
     registry = kopf.OperatorRegistry()
 
     @kopf.on.login(registry=registry)
@@ -111,7 +112,8 @@ async def running_operator(url: str, *, stager_token: str = TOKEN, **overrides):
     config = OperatorConfig(interval=0.3, retry_delay=0.2, stager_token=stager_token, request_timeout=2.0,
                             liveness_port=0, **overrides)
     stop, ready = asyncio.Event(), asyncio.Event()
-    task = asyncio.create_task(run(config, registry=registry, stop_flag=stop, ready_flag=ready))
+    task = asyncio.create_task(run(config, registry=registry, stop_flag=stop, ready_flag=ready,
+                                   deployments=deployments))
     try:
         await asyncio.wait_for(ready.wait(), 30)
         yield
@@ -277,7 +279,8 @@ def test_cli_flags_and_refusals(capsys):
         main(["--help"])
     assert exc.value.code == 0
     out = " ".join(capsys.readouterr().out.split())
-    for flag in ("--namespace", "--interval", "--stager-token", "--peering", "env LORAFLEET_STAGER_TOKEN"):
+    for flag in ("--namespace", "--interval", "--scale-interval", "--stager-token", "--peering",
+                 "env LORAFLEET_STAGER_TOKEN", "env LORAFLEET_SCALE_INTERVAL"):
         assert flag in out
     with pytest.raises(SystemExit) as exc:
         main(["--interval", "0"])

@@ -1,9 +1,10 @@
-"""Pool statuses: an invalid spec's condition is stable between ticks; spec.scaling is said to be ignored."""
+"""Pool statuses: an invalid spec's condition is stable between ticks; with spec.scaling the reconcile
+leaves the autoscaler's fields alone."""
 
 from __future__ import annotations
 
 from lorafleet.operator.reconcile import reconcile_pool
-from lorafleet.operator.statuses import SCALING_NOT_IMPLEMENTED, invalid_pool_status
+from lorafleet.operator.statuses import invalid_pool_status
 
 from .test_reconcile import NOW, adapter, pool, workers
 
@@ -22,11 +23,12 @@ def test_invalid_pool_status_has_the_generation_and_moves_only_on_a_transition()
     assert invalid_pool_status(ready, 5, "x", now=LATER)["conditions"][0]["lastTransitionTime"] == LATER
 
 
-def test_spec_scaling_is_reported_as_not_implemented():
-    plan = reconcile_pool(pool(scaling={"target": "worker", "maxReplicas": 4}), [adapter("a")], workers(1), now=NOW)
-    ready, scaling = plan.pool_status["conditions"]
+def test_with_spec_scaling_the_reconcile_leaves_kv_usage_and_the_scaling_condition_alone():
+    scaling = {"target": "worker", "prometheusURL": "http://prometheus:9090", "maxReplicas": 4}
+    plan = reconcile_pool(pool(scaling=scaling), [adapter("a")], workers(1), now=NOW)
+    [ready] = plan.pool_status["conditions"]
     assert ready["type"] == "Ready" and ready["status"] == "True"
-    assert (scaling["type"], scaling["status"], scaling["reason"]) == ("Scaling", "False", "NotImplemented")
-    assert scaling["message"] == SCALING_NOT_IMPLEMENTED and "desiredReplicas" not in plan.pool_status
+    assert not {"kvUsage", "hitRate", "desiredReplicas", "lastScaleTime"} & plan.pool_status.keys()
     plan = reconcile_pool(pool(), [adapter("a")], workers(1), now=NOW)
     assert [c["type"] for c in plan.pool_status["conditions"]] == ["Ready"]
+    assert plan.pool_status["kvUsage"] == 0.0

@@ -1,0 +1,158 @@
+"""The autoscaling policy of a LoRAPool (``spec.scaling``): pure, no I/O, no clock (times are passed in).
+
+``ScalingSpec.parse`` reads the block; ``recommend`` turns the pool's two signals into a replica count;
+``Stabilizer`` smooths recommendations over time as Kubernetes' HPA does. Signals:
+
+* hit rate: the share of adapter lookups the workers served from GPU-resident adapters;
+* KV usage: the workers' mean KV-cache usage (0..1).
+
+Either may be unknown (``None``: no series, no traffic); an unknown signal never scales on its own.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from lorafleet.operator.crd_models import SpecError, _int
+
+FIELD = "spec.scaling"
+URL_RE = re.compile(r"^https?://.+")
+# A Deployment name: a DNS-1123 subdomain.
+DEPLOYMENT_NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+
+
+def _ratio(value: Any, field_name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
+        raise SpecError(f"{field_name}: {value!r} must be a number 0..1")
+    return float(value)
+
+
+@dataclass(slots=True, frozen=True)
+class ScalingSpec:
+    target: str  # the worker Deployment, in the pool's namespace
+    prometheus_url: str
+    max_replicas: int
+    min_replicas: int = 1
+    target_hit_rate: float = 0.9
+    kv_high: float = 0.85
+    kv_low: float = 0.3
+    scale_up_seconds: int = 0  # stabilization windows
+    scale_down_seconds: int = 300
+
+    @classmethod
+    def parse(cls, data: Any) -> ScalingSpec:
+        if not isinstance(data, dict):
+            raise SpecError(f"{FIELD}: must be an object (target, prometheusURL, maxReplicas, ...)")
+        target = data.get("target")
+        if not isinstance(target, str) or not target:
+            raise SpecError(f"{FIELD}.target: required (the name of the worker Deployment in the pool's namespace)")
+        if len(target) > 253 or not DEPLOYMENT_NAME_RE.match(target):
+            raise SpecError(f"{FIELD}.target: {target!r} is not a Deployment name (lowercase letters, digits, "
+                            f"'-' and '.', at most 253)")
+        url = data.get("prometheusURL")
+        if url is None:
+            raise SpecError(f"{FIELD}.prometheusURL: required (e.g. http://prometheus.monitoring:9090)")
+        if not isinstance(url, str) or not URL_RE.match(url):
+            raise SpecError(f"{FIELD}.prometheusURL: {url!r} must be an http:// or https:// URL")
+        if data.get("maxReplicas") is None:
+            raise SpecError(f"{FIELD}.maxReplicas: required (the most worker replicas the autoscaler may set)")
+        max_replicas = _int(data["maxReplicas"], f"{FIELD}.maxReplicas", lo=1)
+        min_replicas = _int(data.get("minReplicas", 1), f"{FIELD}.minReplicas", lo=0)
+        if min_replicas > max_replicas:
+            raise SpecError(f"{FIELD}.minReplicas: {min_replicas} must not exceed {FIELD}.maxReplicas "
+                            f"({max_replicas})")
+        kv_high = _ratio(data.get("kvHigh", 0.85), f"{FIELD}.kvHigh")
+        kv_low = _ratio(data.get("kvLow", 0.3), f"{FIELD}.kvLow")
+        if kv_low >= kv_high:
+            raise SpecError(f"{FIELD}.kvLow: {kv_low} must be below {FIELD}.kvHigh ({kv_high})")
+        return cls(
+            target=target,
+            prometheus_url=url,
+            max_replicas=max_replicas,
+            min_replicas=min_replicas,
+            target_hit_rate=_ratio(data.get("targetHitRate", 0.9), f"{FIELD}.targetHitRate"),
+            kv_high=kv_high,
+            kv_low=kv_low,
+            scale_up_seconds=_int(data.get("scaleUpStabilizationSeconds", 0),
+                                  f"{FIELD}.scaleUpStabilizationSeconds", lo=0),
+            scale_down_seconds=_int(data.get("scaleDownStabilizationSeconds", 300),
+                                    f"{FIELD}.scaleDownStabilizationSeconds", lo=0),
+        )
+
+
+def bound_correction(spec: ScalingSpec, current: int) -> tuple[int, str] | None:
+    """What HPA does before it looks at metrics: a target scaled to 0 by hand (with minReplicas > 0) is
+    left alone, a count outside [minReplicas, maxReplicas] is brought inside. None: within bounds."""
+    if current == 0 and spec.min_replicas > 0:
+        return 0, "the Deployment is scaled to 0: autoscaling is off until it has replicas again"
+    if current > spec.max_replicas:
+        return spec.max_replicas, f"{current} replicas is above maxReplicas {spec.max_replicas}"
+    if current < spec.min_replicas:
+        return spec.min_replicas, f"{current} replicas is below minReplicas {spec.min_replicas}"
+    return None
+
+
+def recommend(spec: ScalingSpec, hit_rate: float | None, kv_usage: float | None, current: int) -> tuple[int, str]:
+    """(replicas, why) for one observation. Up: KV usage above kvHigh (proportionally, at least one more)
+    or the hit rate below target (one more); down by one: KV usage below kvLow with the hit rate unknown
+    or on target; otherwise hold. Clamped to [minReplicas, maxReplicas]."""
+    corrected = bound_correction(spec, current)
+    if corrected is not None:
+        return corrected
+    if hit_rate is None and kv_usage is None:
+        return current, "no metrics for the pool's workers (no series or no traffic yet)"
+    if current == 0:  # minReplicas 0: any traffic or KV in use wakes the pool
+        if hit_rate is not None or (kv_usage or 0.0) > 0:
+            return 1, "demand while scaled to 0"
+        return 0, "no demand"
+    kv_high = kv_usage is not None and kv_usage > spec.kv_high
+    hit_low = hit_rate is not None and hit_rate < spec.target_hit_rate
+    reasons = []
+    if kv_high:
+        reasons.append(f"KV usage {kv_usage:.3g} > kvHigh {spec.kv_high:g}")
+    if hit_low:
+        reasons.append(f"GPU hit rate {hit_rate:.3g} < targetHitRate {spec.target_hit_rate:g}")
+    if kv_high:
+        # The KV load spread over more workers lands at kvHigh; the epsilon keeps an exact product from
+        # rounding up one more.
+        wanted = max(current + 1, math.ceil(current * kv_usage / spec.kv_high - 1e-9))
+    elif hit_low:
+        wanted = current + 1
+    elif kv_usage is not None and kv_usage < spec.kv_low:
+        wanted = current - 1
+        reasons.append(f"KV usage {kv_usage:.3g} < kvLow {spec.kv_low:g}")
+    else:
+        return current, "within bounds"
+    clamped = min(max(wanted, spec.min_replicas), spec.max_replicas)
+    why = " and ".join(reasons)
+    if clamped != wanted:
+        why += f" (capped at {'maxReplicas' if wanted > clamped else 'minReplicas'} {clamped})"
+    return clamped, why
+
+
+class Stabilizer:
+    """HPA's stabilization windows for one pool: a scale-up goes to the lowest recommendation of the last
+    ``up_seconds``, a scale-down to the highest of the last ``down_seconds``. A fresh one (a new pool, an
+    operator restart: the history is memory) scales down only once it has watched a whole down window."""
+
+    def __init__(self) -> None:
+        self._history: deque[tuple[float, int]] = deque()  # (time, recommendation), oldest first
+        self._since: float | None = None  # time of the first observation
+
+    def stabilize(self, recommended: int, current: int, *, now: float, up_seconds: float,
+                  down_seconds: float) -> int:
+        """The replica count to set now; records ``recommended``."""
+        if self._since is None:
+            self._since = now
+        while self._history and self._history[0][0] <= now - max(up_seconds, down_seconds):
+            self._history.popleft()
+        up = min([r for t, r in self._history if t > now - up_seconds] + [recommended])
+        down = max([r for t, r in self._history if t > now - down_seconds] + [recommended])
+        if now - self._since < down_seconds:
+            down = max(down, current)
+        self._history.append((now, recommended))
+        return min(max(current, up), down)

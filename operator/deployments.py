@@ -1,0 +1,115 @@
+"""The autoscaler's only Kubernetes calls: read and merge-patch ``spec.replicas`` of an apps/v1 Deployment.
+
+Kopf's own API client is private, so this is a minimal one. Its connection is either given (tests pass
+the emulator's URL) or comes from kopf's public login functions: the pod's service account, else a
+kubeconfig. A 401 logs in again once (service account tokens are rotated on disk).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+import kopf
+
+log = logging.getLogger(__name__)
+
+
+class KubeError(Exception):
+    """The API server could not be asked, or refused."""
+
+    def __init__(self, message: str, status: int = 0) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class TargetNotFound(KubeError):
+    """No such Deployment (HTTP 404)."""
+
+
+def default_login() -> kopf.ConnectionInfo:
+    """Credentials as kopf finds them when it runs without a client library: in-cluster, else kubeconfig."""
+    settings = kopf.OperatorSettings()
+    info = kopf.login_with_service_account(settings=settings) or kopf.login_with_kubeconfig(settings=settings)
+    if info is None:
+        raise KubeError("no Kubernetes credentials: neither a service account token nor a kubeconfig was found")
+    return info
+
+
+class DeploymentClient:
+    def __init__(self, connection: kopf.ConnectionInfo | None = None, *, timeout: float = 5.0,
+                 login: Callable[[], kopf.ConnectionInfo] = default_login) -> None:
+        self._connection = connection
+        self._login = None if connection is not None else login
+        self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self._session: aiohttp.ClientSession | None = None
+        self._closed = False
+
+    def _client(self) -> tuple[aiohttp.ClientSession, str]:
+        if self._closed:
+            raise KubeError("the Kubernetes client is closed (operator shutting down)")
+        if self._connection is None:
+            try:
+                self._connection = self._login()
+            except KubeError:
+                raise
+            except Exception as exc:  # a broken kubeconfig fails in many ways; each is reported, none crashes
+                raise KubeError(f"Kubernetes login failed: {exc}") from None
+        info = self._connection
+        if self._session is None or self._session.closed:
+            ssl = info.as_ssl_context() if info.server.startswith("https:") else None
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(ssl=ssl) if ssl else None, headers=info.as_http_headers(),
+                timeout=self._timeout, proxy=info.proxy_url, trust_env=info.trust_env)
+        return self._session, info.server.rstrip("/")
+
+    async def close(self) -> None:
+        self._closed = True  # a pass still finishing after shutdown must not open a new session
+        await self._drop_session()
+
+    async def _drop_session(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def _request(self, method: str, namespace: str, name: str, body: dict[str, Any] | None = None,
+                       *, retry: bool = True) -> dict[str, Any]:
+        what = f"{method} deployments/{name} in namespace {namespace}"
+        session, server = self._client()
+        url = f"{server}/apis/apps/v1/namespaces/{namespace}/deployments/{name}"
+        headers = {"Content-Type": "application/merge-patch+json"} if body is not None else None
+        try:
+            async with session.request(method, url, data=None if body is None else json.dumps(body),
+                                       headers=headers) as resp:
+                status, text = resp.status, await resp.text()
+        except TimeoutError:
+            raise KubeError(f"{what}: no answer from the API server within {self._timeout.total:g} s") from None
+        except aiohttp.ClientError as exc:
+            raise KubeError(f"{what}: {exc}") from None
+        if status == 401 and retry and self._login is not None:  # a rotated token: log in again, once
+            await self._drop_session()
+            self._connection = None
+            return await self._request(method, namespace, name, body, retry=False)
+        if status == 404:
+            raise TargetNotFound(f"Deployment {name!r} not found in namespace {namespace!r}", status)
+        try:
+            data = json.loads(text)
+        except ValueError:
+            data = None
+        if status != 200 or not isinstance(data, dict):
+            message = data.get("message") if isinstance(data, dict) else text[:200]
+            raise KubeError(f"{what}: HTTP {status}: {message}", status)
+        return data
+
+    async def get_replicas(self, namespace: str, name: str) -> int:
+        """The Deployment's ``spec.replicas`` (1 when unset, as the API server defaults it)."""
+        spec = (await self._request("GET", namespace, name)).get("spec") or {}
+        replicas = spec.get("replicas", 1)
+        if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 0:
+            raise KubeError(f"Deployment {name!r} in namespace {namespace!r} has spec.replicas {replicas!r}")
+        return replicas
+
+    async def set_replicas(self, namespace: str, name: str, replicas: int) -> None:
+        await self._request("PATCH", namespace, name, {"spec": {"replicas": replicas}})

@@ -1,0 +1,121 @@
+"""The autoscaler's two signals of a pool, read from Prometheus' HTTP API (``GET /api/v1/query``).
+
+Both are restricted to the pool's ready worker pods by the ``namespace`` and ``pod`` labels a
+Kubernetes scrape config attaches (the chart's ServiceMonitor does):
+
+* GPU hit rate: rate of ``lorafleet_adapter_hits_total{tier="gpu"}`` over hits + misses at that tier
+  (the Grafana dashboard's expression, over a shorter window);
+* KV usage: the mean of ``lorafleet_kv_cache_usage_ratio``.
+
+An empty result or NaN (no series, no traffic) is ``None``: unknown. Anything else that goes wrong
+(no answer, an HTTP error, a body that is not Prometheus' JSON) raises ``MetricsError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+
+import aiohttp
+
+RATE_WINDOW = "2m"
+HITS = "lorafleet_adapter_hits_total"
+MISSES = "lorafleet_adapter_misses_total"
+KV_USAGE = "lorafleet_kv_cache_usage_ratio"
+_RE2_SPECIAL = set(r"\.+*?()|[]{}^$")
+
+
+class MetricsError(Exception):
+    """Prometheus could not be asked, or its answer could not be read."""
+
+
+def _string(value: str) -> str:
+    """A PromQL double-quoted string literal."""
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def pod_selector(namespace: str, pods: list[str]) -> str:
+    """Label matchers of exactly these pods (a regex matcher is anchored; metacharacters are escaped, so
+    ``worker.a`` does not match ``workerxa``)."""
+    regex = "|".join("".join("\\" + c if c in _RE2_SPECIAL else c for c in pod) for pod in pods)
+    return f"namespace={_string(namespace)}, pod=~{_string(regex)}"
+
+
+def hit_rate_query(namespace: str, pods: list[str]) -> str:
+    # A counter a worker has not incremented yet may not be exported at all: absent counts as 0, and
+    # both absent is 0/0 = NaN (unknown).
+    sel = f'tier="gpu", {pod_selector(namespace, pods)}'
+    hits = f"(sum(rate({HITS}{{{sel}}}[{RATE_WINDOW}])) or vector(0))"
+    misses = f"(sum(rate({MISSES}{{{sel}}}[{RATE_WINDOW}])) or vector(0))"
+    return f"{hits} / ({hits} + {misses})"
+
+
+def kv_usage_query(namespace: str, pods: list[str]) -> str:
+    return f"avg({KV_USAGE}{{{pod_selector(namespace, pods)}}})"
+
+
+class PrometheusClient:
+    def __init__(self, *, timeout: float) -> None:
+        self.timeout = timeout
+        self._session: aiohttp.ClientSession | None = None
+        self._closed = False
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._closed:
+            raise MetricsError("the Prometheus client is closed (operator shutting down)")
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout))
+        return self._session
+
+    async def close(self) -> None:
+        self._closed = True  # a pass still finishing after shutdown must not open a new session
+        if self._session is not None:
+            await self._session.close()
+
+    async def query(self, base_url: str, promql: str) -> float | None:
+        """The value of an instant query that yields at most one sample; None when it yields none or NaN."""
+        url = base_url.rstrip("/") + "/api/v1/query"
+        try:
+            async with self._client().get(url, params={"query": promql}) as resp:
+                text = await resp.text()
+                status = resp.status
+        except TimeoutError:
+            raise MetricsError(f"{url}: no answer within {self.timeout:g} s") from None
+        except aiohttp.ClientError as exc:
+            raise MetricsError(f"{url}: {exc}") from None
+        try:
+            body = json.loads(text)
+        except ValueError:
+            raise MetricsError(f"{url}: HTTP {status}, not Prometheus' JSON: {text[:200]!r}") from None
+        if not isinstance(body, dict):
+            raise MetricsError(f"{url}: HTTP {status}, not Prometheus' JSON: {text[:200]!r}")
+        if status != 200 or body.get("status") != "success":
+            raise MetricsError(f"{url}: HTTP {status}: {body.get('errorType', 'error')}: "
+                               f"{str(body.get('error', text))[:300]}")
+        return _single_value(url, body.get("data"))
+
+    async def pool_signals(self, base_url: str, namespace: str, pods: list[str]) -> tuple[float | None, float | None]:
+        """(GPU hit rate, KV usage) of these pods; (None, None) without pods."""
+        if not pods:
+            return None, None
+        hit_rate, kv_usage = await asyncio.gather(self.query(base_url, hit_rate_query(namespace, pods)),
+                                                  self.query(base_url, kv_usage_query(namespace, pods)))
+        return hit_rate, kv_usage
+
+
+def _single_value(url: str, data: object) -> float | None:
+    try:
+        kind, result = data["resultType"], data["result"]  # type: ignore[index]
+        if kind == "scalar":
+            samples = [result]
+        elif kind == "vector" and isinstance(result, list):
+            samples = [s["value"] for s in result]
+        else:
+            raise MetricsError(f"{url}: expected a vector, got a {kind}")
+        if len(samples) > 1:
+            raise MetricsError(f"{url}: expected one series, got {len(samples)}")
+        value = float(samples[0][1]) if samples else math.nan
+    except (KeyError, TypeError, IndexError, ValueError):
+        raise MetricsError(f"{url}: malformed query result: {json.dumps(data)[:200]}") from None
+    return value if math.isfinite(value) else None

@@ -1,0 +1,170 @@
+"""The autoscaling policy: spec.scaling parsing, recommendations (every branch, unknown signals, bounds,
+minReplicas 0) and HPA-like stabilization windows, with the clock passed in."""
+
+from __future__ import annotations
+
+import pytest
+
+from lorafleet.operator.autoscaler import ScalingSpec, Stabilizer, recommend
+from lorafleet.operator.crd_models import PoolSpec, SpecError
+
+BASE = {"target": "lorafleet-worker", "prometheusURL": "http://prometheus.monitoring:9090", "maxReplicas": 8}
+
+
+def spec(**overrides) -> ScalingSpec:
+    return ScalingSpec.parse({**BASE, **overrides})
+
+
+# --- parse -----------------------------------------------------------------------------------------
+
+def test_parse_defaults():
+    s = ScalingSpec.parse(BASE)
+    assert (s.target, s.prometheus_url, s.max_replicas) == ("lorafleet-worker", BASE["prometheusURL"], 8)
+    assert (s.min_replicas, s.target_hit_rate, s.kv_high, s.kv_low) == (1, 0.9, 0.85, 0.3)
+    assert (s.scale_up_seconds, s.scale_down_seconds) == (0, 300)
+
+
+def test_parse_all_fields():
+    s = spec(minReplicas=0, targetHitRate=1, kvHigh=0.7, kvLow=0, scaleUpStabilizationSeconds=60,
+             scaleDownStabilizationSeconds=0)
+    assert (s.min_replicas, s.target_hit_rate, s.kv_high, s.kv_low) == (0, 1.0, 0.7, 0.0)
+    assert (s.scale_up_seconds, s.scale_down_seconds) == (60, 0)
+
+
+@pytest.mark.parametrize(("data", "field"), [
+    ("yes", "spec.scaling"),
+    ({"prometheusURL": "http://p:9090", "maxReplicas": 2}, "spec.scaling.target"),
+    ({**BASE, "target": "Worker_Deployment"}, "spec.scaling.target"),
+    ({"target": "w", "maxReplicas": 2}, "spec.scaling.prometheusURL"),
+    ({**BASE, "prometheusURL": "prometheus:9090"}, "spec.scaling.prometheusURL"),
+    ({"target": "w", "prometheusURL": "http://p:9090"}, "spec.scaling.maxReplicas"),
+    ({**BASE, "maxReplicas": 0}, "spec.scaling.maxReplicas"),
+    ({**BASE, "maxReplicas": "4"}, "spec.scaling.maxReplicas"),
+    ({**BASE, "minReplicas": -1}, "spec.scaling.minReplicas"),
+    ({**BASE, "minReplicas": 9}, "spec.scaling.minReplicas"),
+    ({**BASE, "targetHitRate": 1.5}, "spec.scaling.targetHitRate"),
+    ({**BASE, "kvHigh": True}, "spec.scaling.kvHigh"),
+    ({**BASE, "kvLow": "low"}, "spec.scaling.kvLow"),
+    ({**BASE, "kvLow": 0.9, "kvHigh": 0.8}, "spec.scaling.kvLow"),
+    ({**BASE, "kvLow": 0.9}, "spec.scaling.kvLow"),  # above the default kvHigh
+    ({**BASE, "scaleUpStabilizationSeconds": -1}, "spec.scaling.scaleUpStabilizationSeconds"),
+    ({**BASE, "scaleDownStabilizationSeconds": 1.5}, "spec.scaling.scaleDownStabilizationSeconds"),
+])
+def test_parse_refusals_name_the_field(data, field):
+    with pytest.raises(SpecError, match=f"^{field.replace('.', '[.]')}:"):
+        ScalingSpec.parse(data)
+
+
+def test_a_bad_scaling_block_is_a_pool_spec_error():
+    body = {"metadata": {"name": "p", "namespace": "ns"},
+            "spec": {"baseModel": "m", "workerSelector": {"matchLabels": {"a": "b"}}, "scaling": {"target": "w"}}}
+    with pytest.raises(SpecError, match="^spec.scaling.prometheusURL:"):
+        PoolSpec.parse(body)
+    body["spec"]["scaling"] = BASE
+    assert PoolSpec.parse(body).scaling == ScalingSpec.parse(BASE)
+    del body["spec"]["scaling"]
+    assert PoolSpec.parse(body).scaling is None
+
+
+# --- recommend -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("hit_rate", "kv_usage", "current", "expected", "why"), [
+    # KV above kvHigh: in proportion, at least one more.
+    (0.95, 0.9, 2, 3, "KV usage 0.9 > kvHigh 0.85"),
+    (0.95, 0.99, 4, 5, "KV usage"),
+    (None, 1.0, 4, 5, "KV usage"),  # ceil(4 * 1.0 / 0.85) = 5
+    (0.95, 1.0, 6, 8, "KV usage"),  # ceil(6 / 0.85) = 8
+    (0.5, 0.95, 6, 7, "and GPU hit rate 0.5 < targetHitRate 0.9"),  # both: the proportional step
+    # Hit rate below target: one more.
+    (0.5, 0.5, 3, 4, "GPU hit rate 0.5 < targetHitRate 0.9"),
+    (0.5, None, 3, 4, "GPU hit rate"),
+    # KV below kvLow with the hit rate on target or unknown: one fewer.
+    (0.95, 0.1, 3, 2, "KV usage 0.1 < kvLow 0.3"),
+    (0.9, 0.1, 3, 2, "KV usage"),  # exactly on target counts as on target
+    (None, 0.1, 3, 2, "KV usage"),
+    # Otherwise hold.
+    (0.5, 0.1, 3, 4, "GPU hit rate"),  # a missed target wins over idle KV
+    (0.95, 0.5, 3, 3, "within bounds"),
+    (0.95, 0.85, 3, 3, "within bounds"),  # exactly kvHigh is not above it
+    (0.95, 0.3, 3, 3, "within bounds"),  # exactly kvLow is not below it
+    (0.95, None, 3, 3, "within bounds"),  # a healthy hit rate alone never scales down
+    (None, 0.5, 3, 3, "within bounds"),
+    (None, None, 3, 3, "no metrics"),  # both unknown: hold
+])
+def test_recommend(hit_rate, kv_usage, current, expected, why):
+    replicas, reason = recommend(spec(), hit_rate, kv_usage, current)
+    assert replicas == expected and why in reason
+
+
+def test_recommend_is_clamped_to_the_bounds():
+    assert recommend(spec(maxReplicas=4), 0.95, 1.0, 4) == (4, "KV usage 1 > kvHigh 0.85 (capped at maxReplicas 4)")
+    assert recommend(spec(maxReplicas=4), 0.95, 1.0, 3)[0] == 4  # ceil(3 / 0.85) = 4
+    assert recommend(spec(maxReplicas=4), 0.2, 0.5, 4)[0] == 4
+    assert recommend(spec(minReplicas=2), 0.95, 0.1, 2) == (2, "KV usage 0.1 < kvLow 0.3 (capped at minReplicas 2)")
+
+
+@pytest.mark.parametrize(("current", "expected", "why"), [
+    (9, 8, "above maxReplicas 8"), (1, 2, "below minReplicas 2"), (0, 0, "scaled to 0"),
+])
+def test_out_of_bounds_is_corrected_whatever_the_metrics(current, expected, why):
+    for signals in [(None, None), (0.95, 0.5), (0.1, 1.0), (1.0, 0.0)]:
+        replicas, reason = recommend(spec(minReplicas=2), *signals, current)
+        assert replicas == expected and why in reason
+
+
+@pytest.mark.parametrize(("hit_rate", "kv_usage", "expected"), [
+    (None, None, 0), (None, 0.0, 0), (0.95, None, 1), (None, 0.2, 1), (0.2, 0.95, 1), (1.0, 0.0, 1),
+])
+def test_min_zero_wakes_on_any_demand(hit_rate, kv_usage, expected):
+    assert recommend(spec(minReplicas=0), hit_rate, kv_usage, 0)[0] == expected
+
+
+def test_min_zero_scales_down_to_zero():
+    assert recommend(spec(minReplicas=0), 0.95, 0.1, 1)[0] == 0
+
+
+# --- stabilizer ------------------------------------------------------------------------------------
+
+def steps(stabilizer: Stabilizer, current: int, recommendations: list[tuple[float, int]], *, up=0.0,
+          down=300.0) -> list[int]:
+    """Feed (time, recommendation) pairs; the Deployment follows every result."""
+    out = []
+    for now, rec in recommendations:
+        current = stabilizer.stabilize(rec, current, now=now, up_seconds=up, down_seconds=down)
+        out.append(current)
+    return out
+
+
+def test_scale_up_at_once_without_an_up_window():
+    assert steps(Stabilizer(), 2, [(0, 4), (30, 6)]) == [4, 6]
+
+
+def test_scale_up_takes_the_lowest_recommendation_of_the_up_window():
+    # 60 s window: a spike must last the whole window to count in full.
+    assert steps(Stabilizer(), 2, [(0, 2), (30, 5), (60, 4), (90, 6), (120, 6)], up=60) == [2, 2, 4, 4, 6]
+
+
+def test_a_fresh_stabilizer_waits_a_whole_down_window_before_scaling_down():
+    """An operator restart loses the history: it must not scale down on its first observations."""
+    assert steps(Stabilizer(), 4, [(1000, 1), (1100, 1), (1299, 1), (1300, 1)]) == [4, 4, 4, 1]
+    assert steps(Stabilizer(), 4, [(0, 1)], down=0) == [1]
+
+
+def test_scale_down_takes_the_highest_recommendation_of_the_down_window():
+    s = Stabilizer()
+    assert steps(s, 4, [(0, 4), (300, 4)]) == [4, 4]  # the first window has passed
+    # Lower recommendations after a 4 at t=300: each held at the highest of the last 300 s.
+    assert steps(s, 4, [(400, 3), (500, 2), (599, 2), (601, 2), (699, 2), (701, 2)]) == [4, 4, 4, 3, 3, 2]
+
+
+def test_scale_up_is_not_held_by_the_down_window():
+    s = Stabilizer()
+    assert steps(s, 2, [(0, 1), (10, 5)]) == [2, 5]
+    # Down to 3 is held while the 5 is in the window; up is free at any time.
+    assert steps(s, 5, [(20, 3), (30, 7)]) == [5, 7]
+
+
+def test_old_history_is_dropped():
+    s = Stabilizer()
+    steps(s, 2, [(t, 2) for t in range(0, 3000, 10)])
+    assert len(s._history) <= 31  # only the last down window (300 s at 10 s steps)

@@ -1,0 +1,128 @@
+"""The autoscaler's Kubernetes client: against the kmock emulator (read, merge-patch, 404), and a stub API
+server for refusals and a rotated token."""
+
+from __future__ import annotations
+
+import contextlib
+
+import kopf
+import pytest
+from aiohttp import web
+
+from lorafleet.operator.deployments import DeploymentClient, KubeError, TargetNotFound
+from tests.s3_server import free_port
+
+from .test_handlers import NS, api, cluster  # noqa: F401  (fixtures)
+
+DEPLOYMENTS = "apps/v1/deployments"
+
+
+def deployment_body(name: str, replicas: int | None) -> dict:
+    spec = {"selector": {"matchLabels": {"app.kubernetes.io/component": "worker"}}}
+    if replicas is not None:
+        spec["replicas"] = replicas
+    return {"apiVersion": "apps/v1", "kind": "Deployment",
+            "metadata": {"name": name, "namespace": NS, "resourceVersion": "1", "uid": f"uid-{name}"}, "spec": spec}
+
+
+async def create_deployment(emulator, name: str, replicas: int | None) -> None:
+    await api(emulator, "POST", f"/apis/apps/v1/namespaces/{NS}/deployments", deployment_body(name, replicas))
+
+
+async def test_get_and_patch_replicas(cluster):  # noqa: F811
+    emulator, url = cluster
+    await create_deployment(emulator, "workers", 2)
+    await create_deployment(emulator, "defaulted", None)
+    client = DeploymentClient(kopf.ConnectionInfo(server=url, token="test"), timeout=2.0)
+    try:
+        assert await client.get_replicas(NS, "workers") == 2
+        assert await client.get_replicas(NS, "defaulted") == 1  # as the API server defaults it
+        await client.set_replicas(NS, "workers", 5)
+        assert await client.get_replicas(NS, "workers") == 5
+        deployment = emulator.objects[DEPLOYMENTS, NS, "workers"]
+        assert deployment["spec"] == {**deployment_body("workers", 5)["spec"]}  # only replicas changed
+        with pytest.raises(TargetNotFound, match="Deployment 'missing' not found in namespace 'fleet'"):
+            await client.get_replicas(NS, "missing")
+        with pytest.raises(TargetNotFound):
+            await client.get_replicas("elsewhere", "workers")
+    finally:
+        await client.close()
+    with pytest.raises(KubeError, match="closed"):
+        await client.get_replicas(NS, "workers")
+
+
+@contextlib.asynccontextmanager
+async def api_stub(handler):
+    app = web.Application()
+    app.router.add_route("*", "/apis/apps/v1/namespaces/{ns}/deployments/{name}", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_rotated_token_logs_in_again_once():
+    tokens = []
+
+    async def handler(request: web.Request) -> web.Response:
+        tokens.append(request.headers.get("Authorization"))
+        if request.headers.get("Authorization") != "Bearer fresh":
+            return web.json_response({"kind": "Status", "message": "Unauthorized"}, status=401)
+        return web.json_response({"spec": {"replicas": 3}})
+
+    async with api_stub(handler) as url:
+        logins = iter(["stale", "fresh", "never-used"])
+        client = DeploymentClient(login=lambda: kopf.ConnectionInfo(server=url, token=next(logins)), timeout=2.0)
+        try:
+            assert await client.get_replicas(NS, "workers") == 3
+            assert tokens == ["Bearer stale", "Bearer fresh"]
+        finally:
+            await client.close()
+        # A fixed connection (given, not logged in) is not retried.
+        client = DeploymentClient(kopf.ConnectionInfo(server=url, token="stale"), timeout=2.0)
+        try:
+            with pytest.raises(KubeError, match="HTTP 401: Unauthorized"):
+                await client.get_replicas(NS, "workers")
+        finally:
+            await client.close()
+
+
+@pytest.mark.parametrize(("status", "body", "error"), [
+    (403, {"kind": "Status", "message": 'deployments.apps "workers" is forbidden'}, "HTTP 403: deployments.apps"),
+    (200, {"spec": {"replicas": "two"}}, "has spec.replicas 'two'"),
+    (500, "<html>", "HTTP 500: <html>"),
+])
+async def test_refusals_are_kube_errors(status, body, error):
+    async def handler(_: web.Request) -> web.Response:
+        if isinstance(body, dict):
+            return web.json_response(body, status=status)
+        return web.Response(text=body, status=status)
+
+    async with api_stub(handler) as url:
+        client = DeploymentClient(kopf.ConnectionInfo(server=url), timeout=2.0)
+        try:
+            with pytest.raises(KubeError, match=error):
+                await client.get_replicas(NS, "workers")
+        finally:
+            await client.close()
+
+
+async def test_no_api_server_and_no_credentials_are_kube_errors():
+    client = DeploymentClient(kopf.ConnectionInfo(server=f"http://127.0.0.1:{free_port()}"), timeout=2.0)
+    try:
+        with pytest.raises(KubeError, match="GET deployments/workers in namespace fleet"):
+            await client.get_replicas(NS, "workers")
+    finally:
+        await client.close()
+
+    def no_login() -> kopf.ConnectionInfo:
+        raise KubeError("no Kubernetes credentials")
+
+    client = DeploymentClient(login=no_login)
+    with pytest.raises(KubeError, match="no Kubernetes credentials"):
+        await client.set_replicas(NS, "workers", 2)
+    await client.close()

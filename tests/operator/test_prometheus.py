@@ -1,0 +1,142 @@
+"""The autoscaler's Prometheus client: against a real Prometheus scraping fake worker pods (hit rate, KV
+usage, only the pool's pods), and against stub servers for every way a query can fail."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+from aiohttp import web
+
+from lorafleet.operator.prometheus import MetricsError, PrometheusClient, kv_usage_query, pod_selector
+from tests.s3_server import free_port
+
+from .fake_metrics import FakePod, scraped
+
+POOL_PODS = ["worker.a", "worker-b"]
+
+
+def test_pod_selector_escapes_names_and_strings():
+    assert pod_selector("fleet", POOL_PODS) == r'namespace="fleet", pod=~"worker\\.a|worker-b"'
+    assert pod_selector('a"b', ["x+y(1)"]) == r'namespace="a\"b", pod=~"x\\+y\\(1\\)"'
+    assert kv_usage_query("ns", ["p"]) == 'avg(lorafleet_kv_cache_usage_ratio{namespace="ns", pod=~"p"})'
+
+
+async def test_hit_rate_and_kv_usage_of_the_pool_pods_only(tmp_path):
+    pods = {
+        # The pool: 3 of 4 GPU lookups hit on both (their rates differ), KV 0.9 and 0.5.
+        ("fleet", "worker.a"): FakePod(hits=3, misses=1, kv_usage=0.9),
+        ("fleet", "worker-b"): FakePod(hits=6, misses=2, kv_usage=0.5),
+        # Not the pool: a name an unescaped "worker.a" would match, the same name in another namespace.
+        ("fleet", "workerxa"): FakePod(hits=0, misses=5, kv_usage=0.0),
+        ("other", "worker-b"): FakePod(hits=0, misses=5, kv_usage=1.0),
+        # No adapter lookups at all: the hit rate is 0/0.
+        ("fleet", "idle"): FakePod(kv_usage=0.2),
+    }
+    async with scraped(tmp_path, pods) as (_, prom):
+        def has_rates() -> bool:
+            rates = prom.query('count(rate(lorafleet_adapter_hits_total{tier="gpu"}[2m]))')
+            kv = prom.query("count(lorafleet_kv_cache_usage_ratio)")
+            return bool(rates and kv) and rates[0]["value"][1] == kv[0]["value"][1] == str(len(pods))
+
+        await prom.wait_for(has_rates, "two samples of every fake pod")
+        # The escaping matters: as a bare regex, "worker.a" selects two pods.
+        assert prom.query('count(lorafleet_kv_cache_usage_ratio{pod=~"worker.a"})')[0]["value"][1] == "2"
+        client = PrometheusClient(timeout=5.0)
+        try:
+            hit_rate, kv_usage = await client.pool_signals(prom.url, "fleet", POOL_PODS)
+            assert hit_rate == pytest.approx(0.75, rel=1e-9)
+            assert kv_usage == pytest.approx(0.7, rel=1e-9)
+            assert await client.pool_signals(prom.url + "/", "fleet", ["worker-b"]) == pytest.approx((0.75, 0.5))
+            assert await client.pool_signals(prom.url, "other", ["worker-b"]) == (0.0, 1.0)
+            # Unknown: no traffic (NaN), no series, no pods.
+            assert await client.pool_signals(prom.url, "fleet", ["idle"]) == (None, 0.2)
+            assert await client.pool_signals(prom.url, "fleet", ["gone"]) == (None, None)
+            assert await client.pool_signals(prom.url, "fleet", []) == (None, None)
+            # A query Prometheus refuses: its own error, named.
+            with pytest.raises(MetricsError, match="HTTP 400: bad_data"):
+                await client.query(prom.url, "sum(")
+        finally:
+            await client.close()
+
+
+@contextlib.asynccontextmanager
+async def stub(handler):
+    """An HTTP server on 127.0.0.1 answering every /api/v1/query with ``handler``."""
+    app = web.Application()
+    app.router.add_get("/api/v1/query", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    finally:
+        await runner.cleanup()
+
+
+def answer(text: str, status: int = 200):
+    async def handler(_: web.Request) -> web.Response:
+        return web.Response(text=text, status=status, content_type="application/json")
+    return handler
+
+
+VECTOR = '{"status": "success", "data": {"resultType": "vector", "result": %s}}'
+
+
+@pytest.mark.parametrize(("text", "status", "error"), [
+    ("<html>bad gateway</html>", 502, "HTTP 502, not Prometheus' JSON"),
+    ("[1, 2]", 200, "not Prometheus' JSON"),
+    ('{"status": "error", "errorType": "execution", "error": "query timed out"}', 503,
+     "HTTP 503: execution: query timed out"),
+    ('{"status": "success", "data": {"resultType": "matrix", "result": []}}', 200, "expected a vector"),
+    (VECTOR % '[{"metric": {}, "value": [1, "0.5"]}, {"metric": {}, "value": [1, "0.7"]}]', 200,
+     "expected one series, got 2"),
+    (VECTOR % '[{"metric": {}}]', 200, "malformed query result"),
+    (VECTOR % '[{"metric": {}, "value": [1, "lots"]}]', 200, "malformed query result"),
+])
+async def test_bad_answers_raise_metrics_errors(text, status, error):
+    client = PrometheusClient(timeout=5.0)
+    try:
+        async with stub(answer(text, status)) as url:
+            with pytest.raises(MetricsError, match=error):
+                await client.query(url, "up")
+    finally:
+        await client.close()
+
+
+async def test_values_nan_and_scalars():
+    client = PrometheusClient(timeout=5.0)
+    try:
+        for result, expected in [('[{"metric": {}, "value": [1, "0.25"]}]', 0.25), ("[]", None),
+                                 ('[{"metric": {}, "value": [1, "NaN"]}]', None),
+                                 ('[{"metric": {}, "value": [1, "+Inf"]}]', None)]:
+            async with stub(answer(VECTOR % result)) as url:
+                assert await client.query(url, "up") == expected
+        scalar = '{"status": "success", "data": {"resultType": "scalar", "result": [1, "3"]}}'
+        async with stub(answer(scalar)) as url:
+            assert await client.query(url, "vector(3)") == 3.0
+    finally:
+        await client.close()
+
+
+async def test_no_server_and_no_answer_raise_metrics_errors():
+    client = PrometheusClient(timeout=0.5)
+    never = asyncio.Event()
+
+    async def hang(_: web.Request) -> web.Response:
+        await never.wait()
+        return web.Response(text="{}")
+
+    try:
+        with pytest.raises(MetricsError, match=f"127.0.0.1:{(port := free_port())}"):
+            await client.query(f"http://127.0.0.1:{port}", "up")  # nothing listens there
+        async with stub(hang) as url:
+            with pytest.raises(MetricsError, match="no answer within 0.5 s"):
+                await client.query(url, "up")
+            never.set()
+    finally:
+        await client.close()
+    with pytest.raises(MetricsError, match="closed"):
+        await client.query("http://127.0.0.1:1", "up")

@@ -1,0 +1,203 @@
+"""One autoscaler pass (PoolScaler) with scripted metrics and Deployment doubles and a test clock: what it
+patches, what it writes in status, and what it leaves alone when something fails."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from lorafleet.operator.controller import merge_conditions
+from lorafleet.operator.deployments import KubeError, TargetNotFound
+from lorafleet.operator.prometheus import MetricsError
+from lorafleet.operator.scaler import PoolScaler
+
+NOW = "2026-01-01T00:00:00Z"
+PROM = "http://prometheus:9090"
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.signals: tuple[float | None, float | None] | Exception = (None, None)
+        self.asked: list[list[str]] = []
+
+    async def pool_signals(self, url: str, namespace: str, pods: list[str]):
+        assert (url, namespace) == (PROM, "ns")
+        self.asked.append(pods)
+        if isinstance(self.signals, Exception):
+            raise self.signals
+        return self.signals
+
+    async def close(self) -> None:
+        pass
+
+
+class Deployments:
+    def __init__(self, replicas: int) -> None:
+        self.replicas = replicas
+        self.patches: list[int] = []
+        self.get_error: Exception | None = None
+        self.patch_error: Exception | None = None
+
+    async def get_replicas(self, namespace: str, name: str) -> int:
+        assert (namespace, name) == ("ns", "workers")
+        if self.get_error:
+            raise self.get_error
+        return self.replicas
+
+    async def set_replicas(self, namespace: str, name: str, replicas: int) -> None:
+        if self.patch_error:
+            raise self.patch_error
+        self.patches.append(replicas)
+        self.replicas = replicas
+
+    async def close(self) -> None:
+        pass
+
+
+class Clock:
+    now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def pod(name: str, ready: bool = True) -> dict:
+    return {"metadata": {"name": name, "labels": {"app": "w"}},
+            "status": {"phase": "Running", "podIP": "10.0.0.1",
+                       "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
+
+
+def pool(status: dict | None = None, **scaling) -> dict:
+    return {"metadata": {"name": "p", "namespace": "ns", "generation": 1},
+            "spec": {"baseModel": "m", "workerSelector": {"matchLabels": {"app": "w"}},
+                     "scaling": {"target": "workers", "prometheusURL": PROM, "maxReplicas": 6,
+                                 "scaleDownStabilizationSeconds": 0, **scaling}},
+            "status": status or {}}
+
+
+@pytest.fixture()
+def setup():
+    metrics, deployments, clock = Metrics(), Deployments(2), Clock()
+    return PoolScaler(metrics, deployments, clock=clock), metrics, deployments, clock
+
+
+async def tick(scaler: PoolScaler, body: dict, pods: list[dict]) -> dict:
+    """One pass; the wanted keys are applied to ``body``'s status the way a merge patch would."""
+    wanted = await scaler.run(copy.deepcopy(body), pods=pods, other_pools=[], now=NOW)
+    for key, value in wanted.items():
+        if value is None:
+            body["status"].pop(key, None)
+        else:
+            body["status"][key] = value
+    return body["status"]
+
+
+def scaling_condition(status: dict) -> dict:
+    return next(c for c in status["conditions"] if c["type"] == "Scaling")
+
+
+async def test_high_kv_scales_up_in_proportion_then_waits_for_the_new_workers(setup):
+    scaler, metrics, deployments, _ = setup
+    metrics.signals = (0.95, 0.95)
+    body = pool(kvHigh=0.6)
+    pods = [pod("w-1"), pod("w-0"), pod("w-2", ready=False)]
+    st = await tick(scaler, body, pods)
+    assert deployments.patches == [4] and metrics.asked == [["w-0", "w-1"]]  # ready pods only
+    assert (st["desiredReplicas"], st["hitRate"], st["kvUsage"], st["lastScaleTime"]) == (4, 0.95, 0.95, NOW)
+    cond = scaling_condition(st)
+    assert (cond["status"], cond["reason"]) == ("True", "ScaledUp")
+    assert cond["message"].startswith("2 -> 4 replicas: KV usage 0.95 > kvHigh 0.6; KV usage 0.95 (kvLow 0.3")
+    # Two of four replicas are ready workers: the metrics do not show the new ones' share yet.
+    st = await tick(scaler, body, pods)
+    assert deployments.patches == [4] and st["desiredReplicas"] == 4
+    cond = scaling_condition(st)
+    assert cond["reason"] == "Steady" and "only 2 of 4 replicas are ready workers" in cond["message"]
+    pods = [pod(f"w-{i}") for i in range(4)]
+    st = await tick(scaler, body, pods)
+    assert deployments.patches == [4, 6] and scaling_condition(st)["reason"] == "ScaledUp"
+
+
+async def test_scale_down_waits_for_the_window_and_unknown_metrics_hold(setup):
+    scaler, metrics, deployments, clock = setup
+    deployments.replicas = 3
+    body, pods = pool(scaleDownStabilizationSeconds=60), [pod("w-0"), pod("w-1"), pod("w-2")]
+    metrics.signals = (None, None)
+    st = await tick(scaler, body, pods)
+    assert deployments.patches == [] and st["desiredReplicas"] == 3 and "hitRate" not in st
+    assert scaling_condition(st)["message"].startswith("3 replicas: no metrics")
+    metrics.signals = (0.99, 0.1)
+    clock.now += 30
+    st = await tick(scaler, body, pods)
+    assert deployments.patches == [] and "held at 3 by the 60 s scale-down" in scaling_condition(st)["message"]
+    clock.now += 30  # a whole window watched since the first pass
+    st = await tick(scaler, body, pods)
+    assert deployments.patches == [2] and scaling_condition(st)["reason"] == "ScaledDown"
+    assert st["kvUsage"] == 0.1 and st["hitRate"] == 0.99
+
+
+async def test_out_of_bounds_is_corrected_without_asking_prometheus(setup):
+    scaler, metrics, deployments, _ = setup
+    deployments.replicas = 9
+    metrics.signals = MetricsError("down")
+    st = await tick(scaler, pool(), [pod("w-0")])
+    assert deployments.patches == [6] and metrics.asked == []
+    assert scaling_condition(st)["message"] == "9 -> 6 replicas: 9 replicas is above maxReplicas 6"
+    deployments.replicas = 0  # scaled to zero by hand: left alone, as HPA does
+    st = await tick(scaler, pool(), [pod("w-0")])
+    assert deployments.patches == [6] and scaling_condition(st)["reason"] == "Steady"
+
+
+@pytest.mark.parametrize(("fail", "reason", "message"), [
+    ("metrics", "MetricsUnavailable", "spec.scaling.prometheusURL: down; replicas stay at 2"),
+    ("get", "FailedGetScale", "spec.scaling.target: HTTP 403: forbidden"),
+    ("missing", "TargetNotFound", "spec.scaling.target: Deployment 'workers' not found in namespace 'ns'"),
+    ("patch", "FailedUpdateScale", "spec.scaling.target: HTTP 409: conflict; replicas stay at 2"),
+])
+async def test_failures_are_a_false_condition_and_change_nothing(setup, fail, reason, message):
+    scaler, metrics, deployments, _ = setup
+    metrics.signals = MetricsError("down") if fail == "metrics" else (0.95, 0.99)
+    deployments.get_error = {"get": KubeError("HTTP 403: forbidden", 403),
+                             "missing": TargetNotFound("Deployment 'workers' not found in namespace 'ns'", 404)
+                             }.get(fail)
+    if fail == "patch":
+        deployments.patch_error = KubeError("HTTP 409: conflict", 409)
+    before = {"hitRate": 0.5, "kvUsage": 0.4, "desiredReplicas": 2, "lastScaleTime": "2025-12-31T00:00:00Z"}
+    st = await tick(scaler, pool(status=dict(before)), [pod("w-0"), pod("w-1")])
+    cond = scaling_condition(st)
+    assert (cond["status"], cond["reason"], cond["message"]) == ("False", reason, message)
+    assert deployments.replicas == 2 and deployments.patches == []
+    assert {k: st[k] for k in before} == before  # the last known values stay
+
+
+async def test_an_invalid_spec_is_named_and_removing_scaling_clears_its_status(setup):
+    scaler, _, deployments, _ = setup
+    ready = {"type": "Ready", "status": "True", "reason": "Workers", "message": "2 ready workers",
+             "lastTransitionTime": NOW}
+    body = pool(status={"conditions": [ready], "kvUsage": 0.3}, kvLow=0.9)
+    st = await tick(scaler, body, [])
+    assert st["conditions"][0] == ready  # the reconcile's condition is kept as it is
+    cond = scaling_condition(st)
+    assert (cond["status"], cond["reason"]) == ("False", "InvalidSpec")
+    assert cond["message"].startswith("spec.scaling.kvLow: 0.9 must be below spec.scaling.kvHigh")
+    body["spec"]["scaling"]["kvLow"] = 0.3
+    st = await tick(scaler, body, [])
+    assert st["desiredReplicas"] == 2 and [c["type"] for c in st["conditions"]] == ["Ready", "Scaling"]
+    del body["spec"]["scaling"]
+    st = await tick(scaler, body, [])
+    assert st == {"conditions": [ready], "kvUsage": 0.3}  # kvUsage: the reconcile's again
+    assert deployments.patches == []
+
+
+def test_merge_conditions_keeps_the_other_writers_types():
+    ready, scaling = {"type": "Ready", "status": "True"}, {"type": "Scaling", "status": "True"}
+    new_ready = {"type": "Ready", "status": "False"}
+    assert merge_conditions({"conditions": [ready, scaling]}, {"conditions": [new_ready], "adapters": 1}) == {
+        "conditions": [new_ready, scaling], "adapters": 1}
+    assert merge_conditions({"conditions": [scaling]}, {"conditions": [new_ready]}) == {
+        "conditions": [scaling, new_ready]}
+    assert merge_conditions({"conditions": [ready, scaling]}, {}, drop=["Scaling"]) == {"conditions": [ready]}
+    assert merge_conditions(None, {"readyWorkers": 1}) == {"readyWorkers": 1}
+    # Nothing to drop: the list is not written at all (a new pool without spec.scaling).
+    assert merge_conditions({}, {"hitRate": None}, drop=["Scaling"]) == {"hitRate": None}
+    assert merge_conditions({"conditions": [ready]}, {}, drop=["Scaling"]) == {}

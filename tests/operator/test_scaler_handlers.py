@@ -1,0 +1,135 @@
+"""The autoscaler in the running operator: kopf in-process against the kmock emulator (with apps/v1
+Deployments), a real Prometheus scraping fake worker metrics, the stager doubles as sidecars."""
+
+from __future__ import annotations
+
+import copy
+
+import kmock
+import kopf
+
+from lorafleet.operator.deployments import DeploymentClient
+from tests.s3_server import free_port
+
+from .fake_metrics import FakePod, scraped
+from .test_deployments import DEPLOYMENTS, create_deployment
+from .test_handlers import (  # noqa: F401  (fixtures)
+    NS,
+    POOL,
+    POOLS,
+    cluster,
+    create,
+    eventually,
+    patch,
+    pod_body,
+    running_operator,
+    sidecars,
+)
+
+
+def scaling_pool(name: str, prometheus_url: str, selector: dict | None = None, **scaling) -> dict:
+    body = copy.deepcopy(POOL)
+    body["metadata"]["name"] = name
+    if selector is not None:
+        body["spec"]["workerSelector"] = {"matchLabels": selector}
+    body["spec"]["scaling"] = {"target": "workers", "prometheusURL": prometheus_url, "maxReplicas": 6, **scaling}
+    return body
+
+
+def pool_status(emulator, name: str = "main") -> dict:
+    return emulator.objects[POOLS, NS, name].get("status") or {}
+
+
+def condition(emulator, name: str, ctype: str = "Scaling") -> dict:
+    """The pool's condition of that type; {} while there is none."""
+    return next((c for c in pool_status(emulator, name).get("conditions") or [] if c["type"] == ctype), {})
+
+
+def replicas_history(emulator, name: str = "workers") -> list[int]:
+    return [v["spec"]["replicas"] for v in emulator.objects[DEPLOYMENTS, NS, name].history]
+
+
+def operator_for(url: str):
+    """The operator with its autoscaler talking to the emulator, every 0.3 s."""
+    return running_operator(url, scale_interval=0.3,
+                            deployments=DeploymentClient(kopf.ConnectionInfo(server=url, token="test"), timeout=2.0))
+
+
+async def with_deployments(emulator) -> None:
+    emulator.resources[DEPLOYMENTS] = kmock.ResourceInfo(kind="Deployment", singular="deployment", namespaced=True,
+                                                        subresources=["status", "scale"],
+                                                        verbs={"list", "watch", "get", "patch", "create"})
+    await create_deployment(emulator, "workers", 2)
+
+
+async def start_workers(emulator, stagers) -> None:
+    for i, s in enumerate(stagers):
+        await create(emulator, "pods", pod_body(f"worker-{i}", s.port))
+
+
+async def test_high_kv_usage_scales_the_deployment_up(cluster, sidecars, tmp_path):  # noqa: F811
+    emulator, url = cluster
+    await with_deployments(emulator)
+    pods = {(NS, "worker-0"): FakePod(hits=19, misses=1, kv_usage=0.95),
+            (NS, "worker-1"): FakePod(hits=19, misses=1, kv_usage=0.95),
+            (NS, "worker-9"): FakePod(hits=0, misses=1, kv_usage=0.0)}  # not a pod of the pool
+    async with scraped(tmp_path, pods) as (_, prom):
+        def has_rates() -> bool:
+            result = prom.query('count(rate(lorafleet_adapter_hits_total{tier="gpu"}[2m]))')
+            return bool(result) and result[0]["value"][1] == "3"
+
+        await prom.wait_for(has_rates, "two samples of every fake pod")
+        async with operator_for(url):
+            await start_workers(emulator, sidecars)
+            await create(emulator, "lorapools", scaling_pool("main", prom.url, kvHigh=0.6))
+            # ceil(2 * 0.95 / 0.6) = 4 replicas at once.
+            await eventually(lambda: replicas_history(emulator) == [2, 4], "the Deployment patched to 4")
+            # Only two of four replicas are ready workers: no further step until the others are.
+            cond = await eventually(lambda: condition(emulator, "main")["reason"] == "Steady"
+                                    and condition(emulator, "main"), "a steady pass after the scale-up")
+            assert cond["status"] == "True" and "only 2 of 4 replicas are ready workers" in cond["message"]
+            st = pool_status(emulator)
+            assert (st["desiredReplicas"], st["kvUsage"], st["hitRate"]) == (4, 0.95, 0.95)
+            assert st["lastScaleTime"].endswith("Z")
+            assert condition(emulator, "main", "Ready")["status"] == "True"  # the reconcile's, kept
+            assert replicas_history(emulator) == [2, 4]
+    history = [v.get("status") or {} for v in emulator.objects[POOLS, NS, "main"].history]
+    scaled = [c for s in history for c in s.get("conditions", []) if c.get("reason") == "ScaledUp"]
+    assert scaled and scaled[0]["message"].startswith("2 -> 4 replicas: KV usage 0.95 > kvHigh 0.6; KV usage 0.95")
+    # The reconcile never wrote its own kvUsage (the sidecars report 0.1) over the autoscaler's.
+    assert {s["kvUsage"] for s in history if "kvUsage" in s} == {0.95}
+
+
+async def test_failures_are_conditions_and_touch_no_replicas(cluster, sidecars):  # noqa: F811
+    emulator, url = cluster
+    await with_deployments(emulator)
+    down = f"http://127.0.0.1:{free_port()}"  # no Prometheus there
+    async with operator_for(url):
+        await start_workers(emulator, sidecars)
+        await create(emulator, "lorapools", scaling_pool("main", down))
+        await create(emulator, "lorapools", scaling_pool("other", down, {"app": "none"}, target="no-such-workers"))
+        invalid = scaling_pool("zeta", down, {"app": "none"})
+        del invalid["spec"]["scaling"]["prometheusURL"]
+        await create(emulator, "lorapools", invalid)
+
+        cond = await eventually(lambda: condition(emulator, "main"), "a Scaling condition on main")
+        assert (cond["status"], cond["reason"]) == ("False", "MetricsUnavailable")
+        assert cond["message"].startswith(f"spec.scaling.prometheusURL: {down}/api/v1/query:")
+        assert cond["message"].endswith("replicas stay at 2")
+        cond = await eventually(lambda: condition(emulator, "other"), "a Scaling condition on other")
+        assert (cond["status"], cond["reason"], cond["message"]) == (
+            "False", "TargetNotFound", "spec.scaling.target: Deployment 'no-such-workers' not found in namespace 'fleet'")
+        cond = await eventually(lambda: condition(emulator, "zeta"), "a Scaling condition on zeta")
+        assert (cond["status"], cond["reason"]) == ("False", "InvalidSpec")
+        assert cond["message"].startswith("spec.scaling.prometheusURL: required")
+        ready = await eventually(lambda: condition(emulator, "zeta", "Ready"), "zeta's Ready condition")
+        assert ready["reason"] == "InvalidSpec" and ready["message"] == cond["message"]
+        assert replicas_history(emulator) == [2]
+        assert "desiredReplicas" not in pool_status(emulator, "main")
+
+        # spec.scaling removed: its condition goes, kvUsage is the reconcile's again (the sidecars' 0.1).
+        await patch(emulator, "lorapools", "main", {"metadata": {"generation": 2}, "spec": {"scaling": None}})
+        await eventually(lambda: pool_status(emulator).get("kvUsage") == 0.1
+                         and [c["type"] for c in pool_status(emulator)["conditions"]] == ["Ready"],
+                         "the Scaling condition dropped")
+    assert replicas_history(emulator) == [2]
