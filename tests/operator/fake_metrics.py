@@ -19,6 +19,8 @@ from aiohttp import web
 
 from tests.prometheus_server import PrometheusServer, prometheus_binary
 
+from .local_http import start_app
+
 
 @dataclass(slots=True)
 class FakePod:
@@ -56,11 +58,7 @@ class FakeMetrics:
     async def start(self) -> None:
         app = web.Application()
         app.router.add_get("/pods/{namespace}/{pod}/metrics", self._metrics)
-        self.runner = web.AppRunner(app)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]
+        self.runner, self.port = await start_app(app)
 
     async def stop(self) -> None:
         if self.runner is not None:

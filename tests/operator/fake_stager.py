@@ -13,6 +13,8 @@ from aiohttp import web
 
 from lorafleet.worker.directives import AdapterState, DesiredState, DirectiveError, ReportedState
 
+from .local_http import start_app
+
 ADAPTER_BYTES = 4096
 
 
@@ -75,11 +77,7 @@ class FakeStager:
         app = web.Application()
         app.router.add_put("/v1/directives", self._put)
         app.router.add_get("/v1/state", self._get)
-        self.runner = web.AppRunner(app)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]
+        self.runner, self.port = await start_app(app)
 
     async def stop(self) -> None:
         if self.runner is not None:

@@ -31,36 +31,24 @@ def test_examples_validate_and_parse():
         (PoolSpec if d["kind"] == "LoRAPool" else AdapterSpec).parse(d)
 
 
-@pytest.mark.parametrize(("path", "value"), [
-    (("spec", "canary", "weight"), 120),
-    (("spec", "canary", "weight"), -1),
-    (("spec", "source", "uri"), "http://example.com/adapter"),
-    (("spec", "source", "sha256"), "not-a-digest"),
-    (("spec", "pool"), "Not_A_Name"),
+@pytest.mark.parametrize(("kind", "path", "value"), [
+    ("LoRAAdapter", ("spec", "canary", "weight"), 120),
+    ("LoRAAdapter", ("spec", "canary", "weight"), -1),
+    ("LoRAAdapter", ("spec", "source", "uri"), "http://example.com/adapter"),
+    ("LoRAAdapter", ("spec", "source", "sha256"), "not-a-digest"),
+    ("LoRAAdapter", ("spec", "pool"), "Not_A_Name"),
+    ("LoRAPool", ("spec", "adapterMemory", "gpuBytes"), "16 gigs"),
+    ("LoRAPool", ("spec", "eviction"), "random"),
+    ("LoRAPool", ("spec", "scaling", "kvHigh"), 1.5),
 ])
-def test_crd_schema_refuses_bad_adapters(path, value):
-    doc = next(d for d in example_docs() if d["kind"] == "LoRAAdapter" and d["spec"].get("canary"))
+def test_crd_schema_refuses_bad_objects(kind, path, value):
+    doc = next(d for d in example_docs() if d["kind"] == kind and (kind != "LoRAAdapter" or d["spec"].get("canary")))
     node = doc
     for key in path[:-1]:
         node = node[key]
     node[path[-1]] = value
     with pytest.raises(jsonschema.ValidationError):
-        validate(doc, "loraadapters")
-
-
-@pytest.mark.parametrize(("path", "value"), [
-    (("spec", "adapterMemory", "gpuBytes"), "16 gigs"),
-    (("spec", "eviction"), "random"),
-    (("spec", "scaling", "kvHigh"), 1.5),
-])
-def test_crd_schema_refuses_bad_pools(path, value):
-    doc = next(d for d in example_docs() if d["kind"] == "LoRAPool")
-    node = doc
-    for key in path[:-1]:
-        node = node[key]
-    node[path[-1]] = value
-    with pytest.raises(jsonschema.ValidationError):
-        validate(doc, "lorapools")
+        validate(doc, kind.lower() + "s")
 
 
 def test_crd_refuses_a_canary_without_source_or_equal_to_the_stable_version():

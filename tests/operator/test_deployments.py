@@ -12,6 +12,7 @@ from aiohttp import web
 from lorafleet.operator.deployments import DeploymentClient, KubeError, TargetNotFound
 from tests.s3_server import free_port
 
+from .local_http import serving
 from .test_handlers import NS, api, cluster  # noqa: F401  (fixtures)
 
 DEPLOYMENTS = "apps/v1/deployments"
@@ -55,14 +56,8 @@ async def test_get_and_patch_replicas(cluster):  # noqa: F811
 async def api_stub(handler):
     app = web.Application()
     app.router.add_route("*", "/apis/apps/v1/namespaces/{ns}/deployments/{name}", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
-    finally:
-        await runner.cleanup()
+    async with serving(app) as url:
+        yield url
 
 
 async def test_a_rotated_token_logs_in_again_once():

@@ -13,6 +13,7 @@ from lorafleet.operator.prometheus import MetricsError, PrometheusClient, kv_usa
 from tests.s3_server import free_port
 
 from .fake_metrics import FakePod, scraped
+from .local_http import serving
 
 POOL_PODS = ["worker.a", "worker-b"]
 
@@ -66,14 +67,8 @@ async def stub(handler):
     """An HTTP server on 127.0.0.1 answering every /api/v1/query with ``handler``."""
     app = web.Application()
     app.router.add_get("/api/v1/query", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
-    finally:
-        await runner.cleanup()
+    async with serving(app) as url:
+        yield url
 
 
 def answer(text: str, status: int = 200):
