@@ -72,9 +72,7 @@ class AdapterPlacement:
         adapters (no references, not pinned, nobody waiting for them) if that is enough. Returns
         pages freed."""
         with self._lock:
-            idle = [e for e in self._slot_owner.values()
-                    if e.resident and e.refcount == 0 and not e.pinned and not e.waiters
-                    and self._pending.get(e.name) != e.key]
+            idle = self._idle_resident()
             if sum(len(e.page_ids) for e in idle) < num_pages:
                 return 0
             freed = 0
@@ -85,6 +83,16 @@ class AdapterPlacement:
                 self._evict_gpu(victim, "kv")
             self._update_gauges()
             return freed
+
+    def reclaimable_pages(self) -> int:
+        """Pages of idle GPU-resident adapters: the KV cache could have them (see reclaim_for_kv)."""
+        with self._lock:
+            return sum(len(e.page_ids) for e in self._idle_resident())
+
+    def _idle_resident(self) -> list[AdapterEntry]:
+        """Resident adapters no request uses, holds or waits for, not pinned, not being replaced."""
+        return [e for e in self._slot_owner.values()
+                if e.resident and e.refcount == 0 and not e.pinned and not e.waiters and self._pending.get(e.name) != e.key]
 
     def _drop(self, entry: AdapterEntry, *, reason: str) -> None:
         if entry.resident:

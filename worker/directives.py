@@ -221,7 +221,7 @@ class ReportedState(_Message):
     adapters: list[AdapterState] = field(default_factory=list)
     pool_bytes: int = 0  # adapter bytes the pool can hold (GPU)
     pool_used_bytes: int = 0
-    kv_usage: float = 0.0  # fraction of the page pool holding KV blocks, 0..1
+    kv_usage: float = 0.0  # KV pages over those the KV cache could hold (free and idle adapters'), 0..1
     error: str | None = None  # a directive the receiver refused, with the reason
 
     def __post_init__(self) -> None:

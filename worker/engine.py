@@ -387,4 +387,8 @@ class Engine:
 
     @property
     def kv_usage(self) -> float:
-        return self.page_pool.num_used("kv") / self.page_pool.num_pages
+        """KV pages over the pages the KV cache could hold now: free ones and idle adapters' (unified
+        paging), not those of pinned or in-use adapters. 1.0 when adapters hold the whole pool."""
+        kv = self.page_pool.num_used("kv")
+        capacity = kv + self.page_pool.num_free + self.adapter_pool.reclaimable_pages()
+        return kv / capacity if capacity else 1.0

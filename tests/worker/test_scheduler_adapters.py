@@ -145,3 +145,22 @@ def test_a_request_outgrowing_what_pinned_adapters_leave_fails_instead_of_loopin
     assert [o.finish_reason for o in done] == ["error"] and isinstance(done[0].exception, CapacityError)
     assert "needs 13 KV pages" in done[0].error
     _assert_all_free(engine)
+
+
+def test_kv_usage_counts_the_pages_the_kv_cache_could_have(tiny_llama_dir):
+    """KV usage (metrics, the sidecar's report, the autoscaler's signal) is KV pages over those the KV cache
+    could hold now: free pages and idle adapters' count, pinned adapters' do not, so a pool whose pinned
+    adapters hold a quarter of the pages still reads 1.0 once the KV cache fills the rest."""
+    engine = _engine(tiny_llama_dir)  # 16 pages of 4-token blocks
+    engine.adapter_pool.add("p@1", random_weights(0, rank=4, projs=ADAPTER_PROJS), pinned=True)
+    engine.adapter_pool.load("p@1")
+    _add_adapter(engine, "x@1", seed=1)
+    engine.adapter_pool.load("x@1")  # idle: reclaimable
+    assert engine.page_pool.num_used("adapter") == 8 and engine.kv_usage == 0.0
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    engine.add_request("r", [3] * 16, params)
+    engine.step()  # prefill: 4 KV pages of the 12 the KV cache could have (4 free, 4 of idle x)
+    assert engine.page_pool.num_used("kv") == 4 and engine.kv_usage == pytest.approx(4 / 12)
+    engine.add_request("big", [5] * 27, params)
+    engine.step()  # r's 17th token and big's 27: 8 more pages, x gives its 4 to the KV cache; the pinned adapter's stay
+    assert engine.page_pool.num_used("adapter") == 4 and engine.kv_usage == 1.0
