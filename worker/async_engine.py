@@ -63,7 +63,7 @@ class AsyncEngine:
             streams, self._streams = self._streams, {}
         for rid, (loop, q) in streams.items():
             self.engine.abort(rid)
-            loop.call_soon_threadsafe(q.put_nowait, RuntimeError("the engine stopped"))
+            _post(loop, q.put_nowait, RuntimeError("the engine stopped"))
         self.engine.close()
 
     @property
@@ -189,7 +189,7 @@ class AsyncEngine:
                 if stream is not None:
                     by_loop.setdefault(stream[0], []).append((stream[1], out))
         for loop, items in by_loop.items():
-            loop.call_soon_threadsafe(_put_all, items)
+            _post(loop, _put_all, items)
 
     def _run(self) -> None:
         engine = self.engine
@@ -229,10 +229,29 @@ class AsyncEngine:
         with self._lock:
             streams = dict(self._streams)
         for rid, (loop, q) in streams.items():
-            self.engine.abort(rid)
-            loop.call_soon_threadsafe(q.put_nowait, RuntimeError(f"engine step failed: {exc}"))
+            self._abort_quietly(rid)
+            _post(loop, q.put_nowait, RuntimeError(f"engine step failed: {exc}"))
         for rid in list(self.engine.requests):
+            self._abort_quietly(rid)
+
+    def _abort_quietly(self, rid: str) -> None:
+        """Abort after a failed step: the step may have left a request half-moved (in neither queue), and
+        an abort that fails too must not end this thread, which every other stream needs."""
+        try:
             self.engine.abort(rid)
+        except Exception:
+            log.exception("aborting %s after a failed step failed; dropping it", rid)
+            self.engine.requests.pop(rid, None)
+            self.engine.outputs.forget(rid)
+
+
+def _post(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+    """Hand `fn(*args)` to a client's event loop; one closed meanwhile (its client is gone) drops it
+    instead of raising in the engine thread."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # "Event loop is closed"
+        log.debug("a stream's event loop closed before its output arrived; dropped")
 
 
 def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:

@@ -189,3 +189,24 @@ async def test_a_client_leaving_while_its_request_is_added_does_not_stop_the_eng
         lambda e: (dict(e.requests), e.page_pool.num_used("kv")))), timeout=10)
     assert state == ({}, 0) and async_engine.is_running
     assert (await _collect(async_engine, "next", PROMPTS[3]))[-1].finished
+
+
+async def test_a_client_whose_event_loop_closed_does_not_stop_the_engine(async_engine):
+    """A stream opened from an event loop that then closes (its client gone without leaving the stream):
+    handing that stream its next output must not end the engine thread, which every other stream needs."""
+    long = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+
+    def client_in_its_own_loop() -> None:
+        loop = asyncio.new_event_loop()
+
+        async def first_output():
+            stream = async_engine.generate("gone", PROMPTS[1], long)
+            await stream.__anext__()
+            return stream  # left open
+
+        loop.run_until_complete(first_output())
+        loop.close()
+
+    await asyncio.get_running_loop().run_in_executor(None, client_in_its_own_loop)
+    outs = await asyncio.wait_for(_collect(async_engine, "ok", PROMPTS[0]), timeout=60)
+    assert outs[-1].finished and async_engine.is_running
