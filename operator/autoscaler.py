@@ -33,6 +33,8 @@ def _ratio(value: Any, field_name: str) -> float:
 
 @dataclass(slots=True, frozen=True)
 class ScalingSpec:
+    """A pool's ``spec.scaling``, defaults applied."""
+
     target: str  # the worker Deployment, in the pool's namespace
     prometheus_url: str
     max_replicas: int
@@ -45,6 +47,7 @@ class ScalingSpec:
 
     @classmethod
     def parse(cls, data: Any) -> ScalingSpec:
+        """The block as the CRD describes it; ``SpecError`` naming the field otherwise."""
         if not isinstance(data, dict):
             raise SpecError(f"{FIELD}: must be an object (target, prometheusURL, maxReplicas, ...)")
         target = data.get("target")
@@ -99,7 +102,9 @@ def bound_correction(spec: ScalingSpec, current: int) -> tuple[int, str] | None:
 def recommend(spec: ScalingSpec, hit_rate: float | None, kv_usage: float | None, current: int) -> tuple[int, str]:
     """(replicas, why) for one observation. Up: KV usage above kvHigh (proportionally, at least one more)
     or the hit rate below target (one more); down by one: KV usage below kvLow with the hit rate unknown
-    or on target; otherwise hold. Clamped to [minReplicas, maxReplicas]."""
+    or on target, unless the KV in use spread over one fewer replica would be above kvHigh (it would be
+    scaled up again at once); otherwise hold. Clamped to [minReplicas, maxReplicas], and never down to 0:
+    at 0 no worker is left to show demand, so nothing could wake the pool."""
     corrected = bound_correction(spec, current)
     if corrected is not None:
         return corrected
@@ -125,10 +130,15 @@ def recommend(spec: ScalingSpec, hit_rate: float | None, kv_usage: float | None,
     elif kv_usage is not None and kv_usage < spec.kv_low:
         wanted = current - 1
         reasons.append(f"KV usage {kv_usage:.3g} < kvLow {spec.kv_low:g}")
+        if wanted >= max(spec.min_replicas, 1) and kv_usage * current / wanted > spec.kv_high:
+            return current, (f"{reasons[-1]}, but one fewer replica would put KV usage at "
+                             f"{kv_usage * current / wanted:.3g} > kvHigh {spec.kv_high:g}")
     else:
         return current, "within bounds"
     clamped = min(max(wanted, spec.min_replicas), spec.max_replicas)
     why = " and ".join(reasons)
+    if clamped == 0:
+        return 1, why + " (capped at 1: at 0 no worker would be left to show demand and wake the pool)"
     if clamped != wanted:
         why += f" (capped at {'maxReplicas' if wanted > clamped else 'minReplicas'} {clamped})"
     return clamped, why
@@ -136,22 +146,30 @@ def recommend(spec: ScalingSpec, hit_rate: float | None, kv_usage: float | None,
 
 class Stabilizer:
     """HPA's stabilization windows for one pool: a scale-up goes to the lowest recommendation of the last
-    ``up_seconds``, a scale-down to the highest of the last ``down_seconds``. A fresh one (a new pool, an
-    operator restart: the history is memory) scales down only once it has watched a whole down window."""
+    ``up_seconds``, a scale-down to the highest of the last ``down_seconds``. What was not watched counts as
+    the current count (HPA seeds a fresh history with it): a fresh one (a new pool, an operator restart:
+    the history is memory), or one that observed nothing for longer than both windows (a standby replica
+    leading again, a long metrics outage), scales up only once it has watched a whole up window and down
+    only once it has watched a whole down window."""
 
     def __init__(self) -> None:
         self._history: deque[tuple[float, int]] = deque()  # (time, recommendation), oldest first
-        self._since: float | None = None  # time of the first observation
+        self._since: float = 0.0  # start of the observations without a gap
+        self._last: float | None = None  # time of the last observation
 
     def stabilize(self, recommended: int, current: int, *, now: float, up_seconds: float,
                   down_seconds: float) -> int:
         """The replica count to set now; records ``recommended``."""
-        if self._since is None:
+        horizon = max(up_seconds, down_seconds)
+        if self._last is None or now - self._last >= horizon:  # nothing observed in either window
             self._since = now
-        while self._history and self._history[0][0] <= now - max(up_seconds, down_seconds):
+        self._last = now
+        while self._history and self._history[0][0] <= now - horizon:
             self._history.popleft()
         up = min([r for t, r in self._history if t > now - up_seconds] + [recommended])
         down = max([r for t, r in self._history if t > now - down_seconds] + [recommended])
+        if now - self._since < up_seconds:
+            up = min(up, current)
         if now - self._since < down_seconds:
             down = max(down, current)
         self._history.append((now, recommended))

@@ -1,4 +1,6 @@
-"""The autoscaler's only Kubernetes calls: read and merge-patch ``spec.replicas`` of an apps/v1 Deployment.
+"""The autoscaler's only Kubernetes calls: read and merge-patch ``spec.replicas`` of an apps/v1 Deployment
+through its ``scale`` subresource (an autoscaling/v1 Scale), all that RBAC has to grant: ``patch`` on the
+Deployment itself could change its pod template (any image, service account or secret).
 
 Kopf's own API client is private, so this is a minimal one. Its connection is either given (tests pass
 the emulator's URL) or comes from kopf's public login functions: the pod's service account, else a
@@ -40,6 +42,8 @@ def default_login() -> kopf.ConnectionInfo:
 
 
 class DeploymentClient:
+    """``get_replicas`` / ``set_replicas`` of Deployments, over one aiohttp session (closed by ``close``)."""
+
     def __init__(self, connection: kopf.ConnectionInfo | None = None, *, timeout: float = 5.0,
                  login: Callable[[], kopf.ConnectionInfo] = default_login) -> None:
         self._connection = connection
@@ -67,6 +71,7 @@ class DeploymentClient:
         return self._session, info.server.rstrip("/")
 
     async def close(self) -> None:
+        """Close the session; later calls raise ``KubeError`` instead of reconnecting."""
         self._closed = True  # a pass still finishing after shutdown must not open a new session
         await self._drop_session()
 
@@ -76,9 +81,9 @@ class DeploymentClient:
 
     async def _request(self, method: str, namespace: str, name: str, body: dict[str, Any] | None = None,
                        *, retry: bool = True) -> dict[str, Any]:
-        what = f"{method} deployments/{name} in namespace {namespace}"
+        what = f"{method} deployments/{name}/scale in namespace {namespace}"
         session, server = self._client()
-        url = f"{server}/apis/apps/v1/namespaces/{namespace}/deployments/{name}"
+        url = f"{server}/apis/apps/v1/namespaces/{namespace}/deployments/{name}/scale"
         headers = {"Content-Type": "application/merge-patch+json"} if body is not None else None
         try:
             async with session.request(method, url, data=None if body is None else json.dumps(body),
@@ -104,12 +109,14 @@ class DeploymentClient:
         return data
 
     async def get_replicas(self, namespace: str, name: str) -> int:
-        """The Deployment's ``spec.replicas`` (1 when unset, as the API server defaults it)."""
+        """The Deployment's ``spec.replicas``, as its Scale says (which omits 0)."""
         spec = (await self._request("GET", namespace, name)).get("spec") or {}
-        replicas = spec.get("replicas", 1)
+        replicas = spec.get("replicas", 0)
         if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 0:
             raise KubeError(f"Deployment {name!r} in namespace {namespace!r} has spec.replicas {replicas!r}")
         return replicas
 
     async def set_replicas(self, namespace: str, name: str, replicas: int) -> None:
+        """Merge-patch the Deployment's Scale to ``replicas`` (no precondition: the last writer wins, as
+        with ``kubectl scale``)."""
         await self._request("PATCH", namespace, name, {"spec": {"replicas": replicas}})

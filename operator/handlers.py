@@ -60,6 +60,17 @@ def _slim_pod(body: kopf.Body) -> dict[str, Any]:
     }
 
 
+class QuietTimers(logging.Filter):
+    """Drops kopf's INFO "Timer '...' succeeded." records (every timer pass of every object: drift checks,
+    adapter refreshes, autoscaler passes); kept when the logger is at DEBUG. What a pass did is logged by
+    the pass, failures by kopf at ERROR."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno == logging.INFO and record.getMessage().startswith("Timer ")
+                    and record.getMessage().endswith(" succeeded.")
+                    and not logging.getLogger(record.name).isEnabledFor(logging.DEBUG))
+
+
 @dataclass(slots=True)
 class Controllers:
     """What the handlers share: closed when the operator stops."""
@@ -92,6 +103,9 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
         settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
             prefix="lorafleet.dev", key="last-handled-configuration")
         settings.posting.level = logging.WARNING
+        objects_log = logging.getLogger("kopf.objects")
+        if not any(isinstance(f, QuietTimers) for f in objects_log.filters):
+            objects_log.addFilter(QuietTimers())
         settings.watching.server_timeout = 60
         if config.peering:
             settings.peering.name = config.peering
@@ -160,9 +174,11 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
     @kopf.timer(*res_pools, interval=config.scale_interval, registry=registry)
     async def pool_autoscale(namespace: str, name: str, body: kopf.Body, status: kopf.Status, patch: kopf.Patch,
                              **kwargs: Any) -> None:
+        scaler.retain(set(kwargs["pools_by_name"]))  # memory of pools deleted while this replica stood by
         if body.metadata.get("deletionTimestamp"):
             return
-        wanted = await scaler.run(dict(body), pods=kwargs["worker_pods"].get(namespace, []),
+        # ``status`` is kopf's live view: the pass merges its condition into the status as it is at its end.
+        wanted = await scaler.run(dict(body), status=status, pods=kwargs["worker_pods"].get(namespace, []),
                                   other_pools=other_pools(namespace, name, kwargs), now=utc_now())
         patch.status.update(status_changes(dict(status), wanted))
 

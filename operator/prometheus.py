@@ -43,6 +43,7 @@ def pod_selector(namespace: str, pods: list[str]) -> str:
 
 
 def hit_rate_query(namespace: str, pods: list[str]) -> str:
+    """PromQL: these pods' GPU hit rate over the last ``RATE_WINDOW`` (NaN without lookups)."""
     # A counter a worker has not incremented yet may not be exported at all: absent counts as 0, and
     # both absent is 0/0 = NaN (unknown).
     sel = f'tier="gpu", {pod_selector(namespace, pods)}'
@@ -52,10 +53,14 @@ def hit_rate_query(namespace: str, pods: list[str]) -> str:
 
 
 def kv_usage_query(namespace: str, pods: list[str]) -> str:
+    """PromQL: these pods' mean KV-cache usage (no sample without series)."""
     return f"avg({KV_USAGE}{{{pod_selector(namespace, pods)}}})"
 
 
 class PrometheusClient:
+    """Instant queries to any Prometheus (the URL is per call: each pool names its own), over one aiohttp
+    session with a ``timeout`` per query (closed by ``close``)."""
+
     def __init__(self, *, timeout: float) -> None:
         self.timeout = timeout
         self._session: aiohttp.ClientSession | None = None
@@ -69,12 +74,14 @@ class PrometheusClient:
         return self._session
 
     async def close(self) -> None:
+        """Close the session; later queries raise ``MetricsError`` instead of reconnecting."""
         self._closed = True  # a pass still finishing after shutdown must not open a new session
         if self._session is not None:
             await self._session.close()
 
     async def query(self, base_url: str, promql: str) -> float | None:
-        """The value of an instant query that yields at most one sample; None when it yields none or NaN."""
+        """The value of an instant query that yields at most one sample; None when it yields none, NaN or
+        an infinity."""
         url = base_url.rstrip("/") + "/api/v1/query"
         try:
             async with self._client().get(url, params={"query": promql}) as resp:

@@ -3,12 +3,15 @@
 Kopf-free glue between the pool's autoscale timer and ``autoscaler`` (the policy). A pass:
 
 1. parses the pool (a bad spec: Scaling False ``InvalidSpec``, naming the field);
-2. reads the target Deployment's ``spec.replicas`` (``TargetNotFound`` / ``FailedGetScale``);
-3. a count outside [minReplicas, maxReplicas] is corrected at once, without metrics (as HPA does);
-4. else asks Prometheus for the pool's ready worker pods' hit rate and KV usage (``MetricsUnavailable``),
+2. leaves a Deployment that another live pool, first by name, also targets to that pool
+   (``AmbiguousTarget``): two pools would undo each other's replicas every pass;
+3. reads the target Deployment's ``spec.replicas`` (``TargetNotFound`` / ``FailedGetScale``);
+4. a count outside [minReplicas, maxReplicas] is corrected at once, without metrics (as HPA does);
+5. else asks Prometheus for the pool's ready worker pods' hit rate and KV usage (``MetricsUnavailable``),
    recommends, stabilizes, and holds a scale-up while earlier new replicas are not ready workers yet
-   (their load is not in the metrics: scaling again would overshoot);
-5. patches ``spec.replicas`` when the result differs (``FailedUpdateScale``).
+   (their load is not in the metrics: scaling again would overshoot), for at most ``MAX_READY_WAIT``
+   seconds per replica count (a replica that never becomes ready must not hold scale-ups forever);
+6. patches ``spec.replicas`` when the result differs (``FailedUpdateScale``).
 
 It returns the status keys it owns: ``hitRate`` and ``kvUsage`` (when known), ``desiredReplicas``,
 ``lastScaleTime`` (when it scaled) and the ``Scaling`` condition. A failed pass changes no replicas.
@@ -16,9 +19,11 @@ It returns the status keys it owns: ``hitRate`` and ``kvUsage`` (when known), ``
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from lorafleet.operator.autoscaler import ScalingSpec, Stabilizer, bound_correction, recommend
@@ -31,6 +36,9 @@ from lorafleet.operator.statuses import condition
 log = logging.getLogger(__name__)
 SCALING = "Scaling"
 OWNED_KEYS = ("hitRate", "desiredReplicas", "lastScaleTime")  # kvUsage goes back to the reconcile
+# Seconds a scale-up waits, at one replica count, for replicas that are not ready workers (the chart's
+# startup probe gives a worker 10 minutes to load its model).
+MAX_READY_WAIT = 600.0
 
 
 def _signals(spec: ScalingSpec, hit_rate: float | None, kv_usage: float | None) -> str:
@@ -40,42 +48,70 @@ def _signals(spec: ScalingSpec, hit_rate: float | None, kv_usage: float | None) 
             f"(targetHitRate {spec.target_hit_rate:g})")
 
 
+@dataclass(slots=True)
+class _PoolMemory:
+    """What a pool's passes remember: HPA-like history, and since when replicas are missing."""
+
+    target: str
+    stabilizer: Stabilizer
+    short: tuple[int, float] | None = None  # (replicas, since when fewer were ready workers at that count)
+
+
 class PoolScaler:
+    """The autoscaler of every pool (one pass: ``run``), with each pool's memory (``forget`` / ``retain``)."""
+
     def __init__(self, metrics: PrometheusClient, deployments: DeploymentClient, *,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.metrics = metrics
         self.deployments = deployments
         self.clock = clock
-        self._stabilizers: dict[PoolKey, tuple[str, Stabilizer]] = {}  # per pool, for its current target
+        self._memory: dict[PoolKey, _PoolMemory] = {}  # per pool, for its current target
 
     async def close(self) -> None:
+        """Close both clients; a pass still running afterwards fails instead of reconnecting."""
         await self.metrics.close()
         await self.deployments.close()
 
     def forget(self, key: PoolKey) -> None:
-        self._stabilizers.pop(key, None)
+        """Drop a pool's memory (it was deleted, or no longer has ``spec.scaling``)."""
+        self._memory.pop(key, None)
 
-    def _stabilizer(self, key: PoolKey, target: str) -> Stabilizer:
-        known = self._stabilizers.get(key)
-        if known is None or known[0] != target:  # another Deployment: earlier recommendations do not apply
-            known = self._stabilizers[key] = (target, Stabilizer())
-        return known[1]
+    def retain(self, keys: set[PoolKey]) -> None:
+        """Keep the memory of these pools only (the live ones): a pool deleted while this replica stood by,
+        or whose last pass ended after its finalizer's ``forget``, leaves nothing behind."""
+        for key in set(self._memory) - keys:
+            del self._memory[key]
 
-    async def run(self, body: dict[str, Any], *, pods: Iterable[dict[str, Any]],
-                  other_pools: Iterable[dict[str, Any]], now: str) -> dict[str, Any]:
+    def known_pools(self) -> list[PoolKey]:
+        """The pools this scaler holds memory for."""
+        return list(self._memory)
+
+    def _pool_memory(self, key: PoolKey, target: str) -> _PoolMemory:
+        known = self._memory.get(key)
+        if known is None or known.target != target:  # another Deployment: earlier recommendations do not apply
+            known = self._memory[key] = _PoolMemory(target, Stabilizer())
+        return known
+
+    async def run(self, body: dict[str, Any], *, status: Mapping[str, Any] | None = None,
+                  pods: Iterable[dict[str, Any]], other_pools: Iterable[dict[str, Any]], now: str) -> dict[str, Any]:
         """The status keys this pass owns, as they should be (``conditions``: the pool's current ones with
-        Scaling replaced); a pool without ``spec.scaling`` gets them removed."""
-        status = dict(body.get("status") or {})
+        Scaling replaced); a pool without ``spec.scaling`` gets them removed. ``status``: the pool's status
+        as it is when the pass ends (kopf's live view; default: the body's), read after the pass's I/O so
+        that a condition another writer set meanwhile is kept."""
         if (body.get("spec") or {}).get("scaling") is None:
             meta = body.get("metadata") or {}
             self.forget((meta.get("namespace", ""), meta.get("name", "")))
-            return merge_conditions(status, {k: None for k in OWNED_KEYS}, drop=[SCALING])
-        return merge_conditions(status, await self._run(body, status, pods, other_pools, now))
+            return merge_conditions(dict((body.get("status") if status is None else status) or {}),
+                                    {k: None for k in OWNED_KEYS}, drop=[SCALING])
+        own, (ok, reason, message) = await self._run(body, pods, other_pools, now)
+        live = dict((body.get("status") if status is None else status) or {})  # read after the pass's I/O
+        return merge_conditions(live, {**own, "conditions": [condition(live, SCALING, ok, reason, message, now)]})
 
-    async def _run(self, body: dict[str, Any], status: dict[str, Any], pods: Iterable[dict[str, Any]],
-                   other_pools: Iterable[dict[str, Any]], now: str) -> dict[str, Any]:
-        def scaling(ok: bool, reason: str, message: str) -> dict[str, Any]:
-            return {"conditions": [condition(status, SCALING, ok, reason, message, now)]}
+    async def _run(self, body: dict[str, Any], pods: Iterable[dict[str, Any]], other_pools: Iterable[dict[str, Any]],
+                   now: str) -> tuple[dict[str, Any], tuple[bool, str, str]]:
+        """(the status keys it owns but conditions, the Scaling condition's (ok, reason, message))."""
+        def scaling(ok: bool, reason: str, message: str) -> tuple[dict[str, Any], tuple[bool, str, str]]:
+            return {}, (ok, reason, message)
 
         try:
             pool = PoolSpec.parse(body)
@@ -83,6 +119,13 @@ class PoolScaler:
             return scaling(False, "InvalidSpec", str(exc))
         spec, namespace, key = pool.scaling, pool.namespace, (pool.namespace, pool.name)
         assert spec is not None  # spec.scaling is set
+        rival = _rival(pool.name, spec.target, other_pools)
+        if rival is not None:
+            self.forget(key)
+            return scaling(False, "AmbiguousTarget", f"spec.scaling.target: Deployment {spec.target!r} is also the "
+                                                     f"target of LoRAPool {rival!r}, which scales it (the first by "
+                                                     f"name); give each pool its own Deployment")
+        memory = self._pool_memory(key, spec.target)
         try:
             current = await self.deployments.get_replicas(namespace, spec.target)
         except TargetNotFound as exc:
@@ -103,14 +146,23 @@ class PoolScaler:
                 return scaling(False, "MetricsUnavailable", f"spec.scaling.prometheusURL: {exc}; replicas stay "
                                                             f"at {current}")
             recommended, why = recommend(spec, hit_rate, kv_usage, current)
-            wanted = self._stabilizer(key, spec.target).stabilize(
-                recommended, current, now=self.clock(), up_seconds=spec.scale_up_seconds,
-                down_seconds=spec.scale_down_seconds)
+            clock = self.clock()
+            wanted = memory.stabilizer.stabilize(recommended, current, now=clock, up_seconds=spec.scale_up_seconds,
+                                                 down_seconds=spec.scale_down_seconds)
             note = self._note(spec, recommended, wanted, current)
-            if wanted > current and len(worker_pods) < current:
-                note = (f"; recommended {wanted}, but only {len(worker_pods)} of {current} replicas are ready "
-                        f"workers: waiting for them before scaling up again")
-                wanted = current
+            num_ready = len(worker_pods)
+            if num_ready >= current:
+                memory.short = None
+            elif memory.short is None or memory.short[0] != current:  # a new count: its replicas get a wait
+                memory.short = (current, clock)
+            if wanted > current and memory.short is not None:
+                if clock - memory.short[1] < MAX_READY_WAIT:
+                    note = (f"; recommended {wanted}, but only {num_ready} of {current} replicas are ready "
+                            f"workers: waiting for them before scaling up again")
+                    wanted = current
+                else:
+                    note += (f"; {current - num_ready} of {current} replicas not ready workers for "
+                             f"{MAX_READY_WAIT:g} s: not waiting for them")
 
         result: dict[str, Any] = {"desiredReplicas": wanted}
         if hit_rate is not None:
@@ -119,15 +171,14 @@ class PoolScaler:
             result["kvUsage"] = round(kv_usage, 4)
         signals = "" if corrected is not None else f"; {_signals(spec, hit_rate, kv_usage)}"
         if wanted == current:
-            return {**result, **scaling(True, "Steady", f"{current} replicas: {why}{note}{signals}")}
+            return result, (True, "Steady", f"{current} replicas: {why}{note}{signals}")
         try:
             await self.deployments.set_replicas(namespace, spec.target, wanted)
         except KubeError as exc:
             return scaling(False, "FailedUpdateScale", f"spec.scaling.target: {exc}; replicas stay at {current}")
         log.info("LoRAPool %s/%s: Deployment %s scaled %d -> %d (%s)", *key, spec.target, current, wanted, why)
         reason = "ScaledUp" if wanted > current else "ScaledDown"
-        return {**result, "lastScaleTime": now,
-                **scaling(True, reason, f"{current} -> {wanted} replicas: {why}{note}{signals}")}
+        return {**result, "lastScaleTime": now}, (True, reason, f"{current} -> {wanted} replicas: {why}{note}{signals}")
 
     @staticmethod
     def _note(spec: ScalingSpec, recommended: int, wanted: int, current: int) -> str:
@@ -139,3 +190,18 @@ class PoolScaler:
                     f"stabilization window")
         return (f"; recommended {recommended}, limited to {wanted} by the {spec.scale_up_seconds} s scale-up "
                 f"stabilization window")
+
+
+def _rival(name: str, target: str, other_pools: Iterable[dict[str, Any]]) -> str | None:
+    """The first by name of the live pools that sort before ``name`` and scale ``target`` too (a pool whose
+    spec does not parse scales nothing)."""
+    rivals = []
+    for body in other_pools:
+        meta = body.get("metadata") or {}
+        if meta.get("name", "") >= name or meta.get("deletionTimestamp"):
+            continue
+        with contextlib.suppress(SpecError):
+            scaling = PoolSpec.parse(body).scaling
+            if scaling is not None and scaling.target == target:
+                rivals.append(meta.get("name", ""))
+    return min(rivals, default=None)

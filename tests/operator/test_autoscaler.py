@@ -119,8 +119,33 @@ def test_min_zero_wakes_on_any_demand(hit_rate, kv_usage, expected):
     assert recommend(spec(minReplicas=0), hit_rate, kv_usage, 0)[0] == expected
 
 
-def test_min_zero_scales_down_to_zero():
-    assert recommend(spec(minReplicas=0), 0.95, 0.1, 1)[0] == 0
+def test_min_zero_never_scales_itself_to_zero():
+    """At 0 no worker is left to show demand, so nothing could wake the pool: the autoscaler stops at 1."""
+    replicas, why = recommend(spec(minReplicas=0), 0.95, 0.1, 1)
+    assert replicas == 1 and "at 0 no worker would be left to show demand" in why
+    assert recommend(spec(minReplicas=0), 0.95, 0.1, 2)[0] == 1
+
+
+def test_a_scale_down_that_would_cross_kv_high_holds():
+    s = spec(kvLow=0.5, kvHigh=0.6)
+    # 2 workers at 0.45: one would carry 0.9 > kvHigh and be scaled up again at once.
+    replicas, why = recommend(s, 0.95, 0.45, 2)
+    assert replicas == 2 and "one fewer replica would put KV usage at 0.9 > kvHigh 0.6" in why
+    assert recommend(s, 0.95, 0.4, 4)[0] == 3  # 3 would carry 0.533 <= 0.6
+
+
+@pytest.mark.parametrize(("kv_low", "kv_high"), [(0.3, 0.85), (0.5, 0.6), (0.45, 0.5), (0.1, 0.9), (0.7, 0.75)])
+def test_a_constant_load_settles_without_flapping(kv_low, kv_high):
+    """The KV in use stays the same while the replicas change (it spreads over them): every pass follows the
+    recommendation, and the count must settle, not go down and up again."""
+    s = spec(kvLow=kv_low, kvHigh=kv_high, maxReplicas=40)
+    for tenths in range(1, 120):
+        load, current, seen = tenths / 10, 1, []  # KV in use, in workers' worth
+        for _ in range(40):
+            current = recommend(s, 0.95, min(1.0, load / current), current)[0]
+            seen.append(current)
+        turns = [i for i in range(1, len(seen) - 1) if (seen[i] - seen[i - 1]) * (seen[i + 1] - seen[i]) < 0]
+        assert not turns and seen[-1] == seen[-2], (load, seen)
 
 
 # --- stabilizer ------------------------------------------------------------------------------------
@@ -162,6 +187,22 @@ def test_scale_up_is_not_held_by_the_down_window():
     assert steps(s, 2, [(0, 1), (10, 5)]) == [2, 5]
     # Down to 3 is held while the 5 is in the window; up is free at any time.
     assert steps(s, 5, [(20, 3), (30, 7)]) == [5, 7]
+
+
+def test_a_fresh_stabilizer_waits_a_whole_up_window_before_scaling_up():
+    """As HPA, whose fresh history holds the current count: after a restart a spike must last the whole up
+    window too, not scale up on the first observation."""
+    assert steps(Stabilizer(), 2, [(1000, 5), (1030, 5), (1059, 5), (1060, 5)], up=60) == [2, 2, 2, 5]
+    assert steps(Stabilizer(), 2, [(1000, 5), (1030, 3), (1060, 5)], up=60) == [2, 2, 3]
+
+
+def test_a_gap_longer_than_the_windows_is_a_fresh_start():
+    """No observation in either window (a standby replica that leads again, a long metrics outage): what
+    happened meanwhile is unknown, so no scale-down before a whole window is watched again."""
+    s = Stabilizer()
+    assert steps(s, 4, [(t, 4) for t in range(0, 600, 30)])[-1] == 4
+    assert steps(s, 4, [(5000, 1), (5200, 1), (5300, 1)]) == [4, 4, 1]
+    assert steps(s, 2, [(9000, 6), (9030, 6), (9060, 6)], up=60) == [2, 2, 6]
 
 
 def test_old_history_is_dropped():

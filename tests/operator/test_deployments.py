@@ -33,11 +33,9 @@ async def create_deployment(emulator, name: str, replicas: int | None) -> None:
 async def test_get_and_patch_replicas(cluster):  # noqa: F811
     emulator, url = cluster
     await create_deployment(emulator, "workers", 2)
-    await create_deployment(emulator, "defaulted", None)
     client = DeploymentClient(kopf.ConnectionInfo(server=url, token="test"), timeout=2.0)
     try:
         assert await client.get_replicas(NS, "workers") == 2
-        assert await client.get_replicas(NS, "defaulted") == 1  # as the API server defaults it
         await client.set_replicas(NS, "workers", 5)
         assert await client.get_replicas(NS, "workers") == 5
         deployment = emulator.objects[DEPLOYMENTS, NS, "workers"]
@@ -55,9 +53,43 @@ async def test_get_and_patch_replicas(cluster):  # noqa: F811
 @contextlib.asynccontextmanager
 async def api_stub(handler):
     app = web.Application()
-    app.router.add_route("*", "/apis/apps/v1/namespaces/{ns}/deployments/{name}", handler)
+    app.router.add_route("*", "/apis/apps/v1/namespaces/{ns}/deployments/{name}/scale", handler)
     async with serving(app) as url:
         yield url
+
+
+async def test_only_the_scale_subresource_is_needed():
+    """The chart's Role grants get/patch on deployments/scale only (patch on a whole Deployment could change
+    its pod template: any image, service account or secret): the client must need nothing else."""
+    requests, scales = [], {"workers": {"replicas": 2}, "idle": {}}  # a Scale omits replicas 0
+
+    async def forbidden(request: web.Request) -> web.Response:
+        requests.append((request.method, request.path))
+        return web.json_response({"kind": "Status", "message": "forbidden"}, status=403)
+
+    async def scale(request: web.Request) -> web.Response:
+        requests.append((request.method, request.path))
+        name = request.match_info["name"]
+        if request.method == "PATCH":
+            assert request.content_type == "application/merge-patch+json"
+            scales[name] = (await request.json())["spec"]
+        return web.json_response({"kind": "Scale", "apiVersion": "autoscaling/v1", "spec": scales[name],
+                                  "status": {"replicas": 2, "selector": "app=w"}})
+
+    app = web.Application()
+    app.router.add_route("*", "/apis/apps/v1/namespaces/{ns}/deployments/{name}", forbidden)
+    app.router.add_route("*", "/apis/apps/v1/namespaces/{ns}/deployments/{name}/scale", scale)
+    async with serving(app) as url:
+        client = DeploymentClient(kopf.ConnectionInfo(server=url), timeout=2.0)
+        try:
+            assert await client.get_replicas(NS, "workers") == 2
+            assert await client.get_replicas(NS, "idle") == 0
+            await client.set_replicas(NS, "workers", 4)
+            assert await client.get_replicas(NS, "workers") == 4
+        finally:
+            await client.close()
+    assert {path for _, path in requests} == {f"/apis/apps/v1/namespaces/{NS}/deployments/{n}/scale"
+                                              for n in ("workers", "idle")}
 
 
 async def test_a_rotated_token_logs_in_again_once():
@@ -109,7 +141,7 @@ async def test_refusals_are_kube_errors(status, body, error):
 async def test_no_api_server_and_no_credentials_are_kube_errors():
     client = DeploymentClient(kopf.ConnectionInfo(server=f"http://127.0.0.1:{free_port()}"), timeout=2.0)
     try:
-        with pytest.raises(KubeError, match="GET deployments/workers in namespace fleet"):
+        with pytest.raises(KubeError, match="GET deployments/workers/scale in namespace fleet"):
             await client.get_replicas(NS, "workers")
     finally:
         await client.close()

@@ -10,7 +10,7 @@ import pytest
 from lorafleet.operator.controller import merge_conditions
 from lorafleet.operator.deployments import KubeError, TargetNotFound
 from lorafleet.operator.prometheus import MetricsError
-from lorafleet.operator.scaler import PoolScaler
+from lorafleet.operator.scaler import MAX_READY_WAIT, PoolScaler
 
 NOW = "2026-01-01T00:00:00Z"
 PROM = "http://prometheus:9090"
@@ -201,3 +201,88 @@ def test_merge_conditions_keeps_the_other_writers_types():
     # Nothing to drop: the list is not written at all (a new pool without spec.scaling).
     assert merge_conditions({}, {"hitRate": None}, drop=["Scaling"]) == {"hitRate": None}
     assert merge_conditions({"conditions": [ready]}, {}, drop=["Scaling"]) == {}
+
+
+async def test_replicas_that_never_become_ready_hold_a_scale_up_for_a_bounded_time(setup):
+    """A replica stuck unready (unschedulable, crash-looping) must not hold every scale-up forever."""
+    scaler, metrics, deployments, clock = setup
+    deployments.replicas = 3
+    metrics.signals = (0.95, 0.99)
+    body, pods = pool(), [pod("w-0"), pod("w-1"), pod("w-2", ready=False)]
+    st = await tick(scaler, body, pods)
+    assert deployments.patches == [] and "only 2 of 3 replicas are ready workers" in scaling_condition(st)["message"]
+    clock.now += MAX_READY_WAIT - 1
+    await tick(scaler, body, pods)
+    assert deployments.patches == []
+    clock.now += 1
+    st = await tick(scaler, body, pods)
+    assert deployments.patches == [4]  # ceil(3 * 0.99 / 0.85)
+    assert "1 of 3 replicas not ready workers for 600 s: not waiting for them" in scaling_condition(st)["message"]
+    # The new replica gets its own wait (it is not ready yet either).
+    clock.now += 30
+    st = await tick(scaler, body, pods)
+    assert deployments.patches == [4] and "only 2 of 4 replicas are ready workers" in scaling_condition(st)["message"]
+    clock.now += MAX_READY_WAIT
+    await tick(scaler, body, pods)
+    assert deployments.patches == [4, 5]
+    # Ready again: a later shortfall waits afresh.
+    await tick(scaler, body, [pod(f"w-{i}") for i in range(5)])
+    assert deployments.patches == [4, 5, 6]
+    await tick(scaler, body, [pod(f"w-{i}") for i in range(5)])
+    assert deployments.patches == [4, 5, 6]
+
+
+async def test_the_scaling_condition_goes_into_the_status_as_it_is_after_the_pass(setup):
+    """The reconcile writes Ready while a pass waits for Prometheus: the pass must not put the Ready it read
+    at its start back (a merge patch replaces the conditions list whole)."""
+    scaler, metrics, _, _ = setup
+    old_ready = {"type": "Ready", "status": "True", "reason": "Workers", "message": "2 ready workers",
+                 "lastTransitionTime": NOW}
+    new_ready = {**old_ready, "status": "False", "reason": "NoWorkers", "message": "0 ready workers"}
+    body = pool(status={"conditions": [old_ready]})
+    live = copy.deepcopy(body["status"])
+
+    async def reconcile_writes(url: str, namespace: str, pods: list[str]):
+        live["conditions"] = [new_ready]
+        return 0.95, 0.5
+
+    metrics.pool_signals = reconcile_writes
+    wanted = await scaler.run(copy.deepcopy(body), status=live, pods=[pod("w-0"), pod("w-1")], other_pools=[],
+                              now=NOW)
+    assert [c for c in wanted["conditions"] if c["type"] == "Ready"] == [new_ready]
+    assert scaling_condition(wanted)["reason"] == "Steady"
+
+
+async def test_a_deployment_two_pools_scale_is_scaled_by_the_first_by_name(setup):
+    """Two pools with one target would undo each other's replicas every pass (e.g. different bounds)."""
+    scaler, metrics, deployments, _ = setup
+    deployments.replicas = 9
+    body, other = pool(), pool(maxReplicas=9)
+    other["metadata"]["name"] = "a-first"
+    wanted = await scaler.run(copy.deepcopy(body), pods=[pod("w-0")], other_pools=[other], now=NOW)
+    cond = scaling_condition(wanted)
+    assert (cond["status"], cond["reason"]) == ("False", "AmbiguousTarget")
+    assert cond["message"] == ("spec.scaling.target: Deployment 'workers' is also the target of LoRAPool 'a-first', "
+                               "which scales it (the first by name); give each pool its own Deployment")
+    assert deployments.patches == [] and metrics.asked == []
+    # Another target, a deleting pool, a pool after this one by name, or one that scales nothing (its spec
+    # does not parse): no conflict.
+    for rival in [{**other, "spec": {**other["spec"], "scaling": {**other["spec"]["scaling"], "target": "others"}}},
+                  {**other, "metadata": {**other["metadata"], "deletionTimestamp": NOW}},
+                  {**other, "metadata": {**other["metadata"], "name": "z-last"}},
+                  {**other, "spec": {**other["spec"], "scaling": {**other["spec"]["scaling"], "kvLow": 0.9}}}]:
+        wanted = await scaler.run(copy.deepcopy(body), pods=[pod("w-0")], other_pools=[rival], now=NOW)
+        assert scaling_condition(wanted)["reason"] != "AmbiguousTarget"
+
+
+async def test_memory_of_pools_that_are_gone_is_dropped(setup):
+    """Pools deleted while this replica stood by (or whose pass ended after the finalizer) leave nothing."""
+    scaler, metrics, _, _ = setup
+    metrics.signals = (0.95, 0.5)
+    for name in ("p", "q"):
+        body = pool()
+        body["metadata"]["name"] = name
+        await scaler.run(body, pods=[pod("w-0")], other_pools=[], now=NOW)
+    assert set(scaler.known_pools()) == {("ns", "p"), ("ns", "q")}
+    scaler.retain({("ns", "q")})
+    assert set(scaler.known_pools()) == {("ns", "q")}

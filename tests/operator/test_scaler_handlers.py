@@ -4,6 +4,7 @@ Deployments), a real Prometheus scraping fake worker metrics, the stager doubles
 from __future__ import annotations
 
 import copy
+import logging
 
 import kmock
 import kopf
@@ -133,3 +134,28 @@ async def test_failures_are_conditions_and_touch_no_replicas(cluster, sidecars):
                          and [c["type"] for c in pool_status(emulator)["conditions"]] == ["Ready"],
                          "the Scaling condition dropped")
     assert replicas_history(emulator) == [2]
+
+
+class CountingDeployments(DeploymentClient):
+    """The emulator's Deployments, counting the autoscaler's reads (one per pass that gets that far)."""
+
+    num_gets = 0
+
+    async def get_replicas(self, namespace: str, name: str) -> int:
+        self.num_gets += 1
+        return await super().get_replicas(namespace, name)
+
+
+async def test_passes_that_change_nothing_log_nothing(cluster, sidecars, caplog):  # noqa: F811
+    """Every timer pass of every pool (autoscale, drift) logging 'succeeded' at INFO buries what matters."""
+    emulator, url = cluster
+    await with_deployments(emulator)
+    caplog.set_level(logging.INFO)
+    deployments = CountingDeployments(kopf.ConnectionInfo(server=url, token="test"), timeout=2.0)
+    async with running_operator(url, scale_interval=0.3, deployments=deployments):
+        await start_workers(emulator, sidecars)
+        await create(emulator, "lorapools", scaling_pool("main", f"http://127.0.0.1:{free_port()}"))
+        await eventually(lambda: deployments.num_gets >= 5, "five autoscaler passes")
+    messages = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
+    assert any("pool_changed' succeeded" in m for m in messages)  # a handler's outcome is still logged
+    assert not [m for m in messages if m.startswith("Timer ")]
