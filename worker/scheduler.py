@@ -9,11 +9,12 @@ starts the load) while the others run; `max_loras_per_batch` bounds the distinct
 (too many segments slow the LoRA kernels), except for a sequence that has waited
 `max_adapter_wait_steps` steps, which is admitted anyway so no tenant starves. For the same reason a
 sequence that has waited that long for an adapter that is loaded but finds no GPU room is no longer
-overtaken while requests run: the pages they give back go to its adapter (a load in flight never
-holds anyone back). An adapter a queued sequence holds (a preempted one keeps its reference) or was
-loaded for is never evicted: when the queue's head cannot get pages and nothing runs, the others let go
-of theirs. A sequence that preempted itself running alone (adapters hold the rest of the pool) is
-readmitted only once the pages of all its tokens can be had, not chunk by chunk into the same wall.
+overtaken: the pages running requests give back go to its adapter (a load in flight never holds
+anyone back). An adapter a queued sequence holds (a preempted one keeps its reference) or was loaded
+for is never evicted: when nothing runs and the queue's head cannot get pages, or such a starved
+sequence's adapter finds no room, the others let go of theirs. A sequence that preempted itself running
+alone (adapters hold the rest of the pool) is readmitted only once the pages of all its tokens can be
+had, not chunk by chunk into the same wall.
 """
 
 from __future__ import annotations
@@ -183,7 +184,7 @@ class Scheduler:
         if batch.preempted:
             return batch
         skipped: list[Sequence] = []  # passed over for their adapter (count towards max_adapter_wait_steps)
-        stuck: Sequence | None = None  # cannot get pages while nothing runs
+        stuck: Sequence | None = None  # cannot get room (KV pages, or its adapter's) while nothing runs
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting.popleft()
             try:
@@ -192,23 +193,27 @@ class Scheduler:
                 self._fail(seq, exc)
                 continue
             if not admit:
+                if not self._starved_for_room(seq):
+                    skipped.append(seq)
+                    continue
+                # No overtaking it any more: the pages running requests give back go to its adapter. With
+                # nothing running, the queue's adapters hold the room: they are let go of (below).
+                if not self.running:
+                    if self._gave_up(seq, f"its adapter {seq.adapter} finds no GPU pages or slot, and no more can be "
+                                          "freed (pinned adapters hold them); unpin adapters, raise --max-loras or "
+                                          "give the engine a larger pool"):
+                        continue
+                    stuck = seq
                 skipped.append(seq)
-                if self.running and self._starved_for_room(seq):
-                    break  # no overtaking it any more: the pages running requests give back go to its adapter
-                continue
+                break
             num_new = self._num_new_tokens(seq, budget)
             whole = seq.num_uncomputed_tokens if seq.seq_id in self._short_alone else num_new
             if num_new == 0 or not self._allocate(seq, whole):
-                if num_new and not self.running:
-                    # Nothing runs, so no KV page will come back. Wait out transient holders (an
-                    # adapter copy in flight becomes reclaimable once done), then fail the request.
-                    self._stuck_steps += 1
-                    if self._stuck_steps > self.max_stuck_steps:
-                        self._stuck_steps = 0
-                        self._fail(seq, CapacityError(
-                            f"needs {self.block_manager.num_blocks_needed(seq, whole)} KV pages but no more can be "
-                            "freed (pinned or in-use adapters hold the rest of the pool); shorten the prompt, unpin "
-                            "adapters or give the engine a larger pool"))
+                if num_new and not self.running:  # nothing runs, so no KV page will come back
+                    if self._gave_up(seq, f"needs {self.block_manager.num_blocks_needed(seq, whole)} KV pages but "
+                                          "no more can be freed (pinned or in-use adapters hold the rest of the "
+                                          "pool); shorten the prompt, unpin adapters or give the engine a larger "
+                                          "pool"):
                         continue
                     stuck = seq
                 self.waiting.appendleft(seq)  # arrival order for pages: no overtaking a big prompt
@@ -277,11 +282,21 @@ class Scheduler:
             and self.adapter_state(seq.adapter) == "room"
         )
 
+    def _gave_up(self, seq: Sequence, message: str) -> bool:
+        """Nothing runs and (dequeued) `seq` cannot get room. Wait out transient holders (an adapter copy in
+        flight becomes reclaimable once done) for max_stuck_steps steps, then fail it: True if it failed."""
+        self._stuck_steps += 1
+        if self._stuck_steps <= self.max_stuck_steps:
+            return False
+        self._stuck_steps = 0
+        self._fail(seq, CapacityError(message))
+        return True
+
     def _let_go_of_adapters(self, *, but: Sequence) -> None:
-        """Nothing runs and `but` cannot get pages: the other queued sequences give back the adapters they
-        hold or wait for, so that idle adapters can give their pages to the KV cache (an adapter a queued
-        request holds, or was loaded for, is never evicted). Each takes its adapter again when admitted.
-        A replaced version is kept: it could not be taken again."""
+        """Nothing runs and `but` cannot get pages (for its KV cache or its adapter) or an adapter slot: the
+        other queued sequences give back the adapters they hold or wait for, so that idle adapters can give
+        their room away (an adapter a queued request holds, or was loaded for, is never evicted). Each takes
+        its adapter again when admitted. A replaced version is kept: it could not be taken again."""
         for seq in self.waiting:
             if seq is but or seq.adapter is None or self.adapter_pool is None:
                 continue
@@ -299,6 +314,8 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = "error"
         self.block_manager.free(seq)
+        if seq.adapter_slot is None and seq.adapter is not None and self.adapter_pool is not None:
+            self.adapter_pool.abandon(seq.adapter, seq.seq_id)  # it may wait for its adapter's room
         self._release_adapter(seq)
         self._skipped_steps.pop(seq.seq_id, None)
         self._short_alone.discard(seq.seq_id)

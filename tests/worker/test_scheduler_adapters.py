@@ -164,3 +164,55 @@ def test_kv_usage_counts_the_pages_the_kv_cache_could_have(tiny_llama_dir):
     engine.add_request("big", [5] * 27, params)
     engine.step()  # r's 17th token and big's 27: 8 more pages, x gives its 4 to the KV cache; the pinned adapter's stay
     assert engine.page_pool.num_used("adapter") == 4 and engine.kv_usage == 1.0
+
+
+def _run_until_done(engine: Engine, max_steps: int) -> list:
+    """Step (adapter copies done between steps) until nothing is left; the finished outputs in order."""
+    finished = []
+    for _ in range(max_steps):
+        finished += [o for o in engine.step() if o.finished]
+        engine.adapter_pool.wait_idle()
+        if not engine.has_unfinished():
+            return finished
+    raise AssertionError(f"not done after {max_steps} steps: {list(engine.requests.values())}")
+
+
+def test_requests_waiting_for_the_adapter_in_the_way_do_not_overtake_a_request_starved_for_room(tiny_llama_dir):
+    """One adapter slot, one sequence at a time. e0 takes the slot for e (copy in flight); x's request, behind
+    it, finds no slot; e1..e8, behind x, wait for e's copy, and so keep e from being evicted. Whenever nothing
+    ran, one of them overtook x's request, until all had run. After max_adapter_wait_steps skips no more may:
+    with nothing running, they let go of e, and x takes the slot."""
+    engine = _engine(tiny_llama_dir, num_pages=64, max_loras=1, max_num_seqs=1, max_adapter_wait_steps=2)
+    _add_adapter(engine, "e@1", seed=1)
+    _add_adapter(engine)
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    engine.add_request("e0", [1, 2], params, adapter="e")
+    engine.add_request("x", [7, 8, 9], params, adapter="x")
+    for i in range(1, 9):
+        engine.add_request(f"e{i}", [1, 2], params, adapter="e")
+    finished = _run_until_done(engine, max_steps=200)
+    assert [o.error for o in finished] == [None] * 10
+    order = [o.request_id for o in finished]
+    overtakers = order[1:order.index("x")]  # e0 came first
+    assert len(overtakers) <= engine.config.max_adapter_wait_steps, order
+    _assert_all_free(engine)
+
+
+def test_a_request_whose_adapter_never_finds_room_fails_instead_of_waiting_forever(tiny_llama_dir):
+    """8 pages, 4 held by a pinned adapter: a rank-8 adapter (7 pages) can never be placed, though it fits
+    the pool. Its request fails with CapacityError within the stuck bound; a base request is served."""
+    from lorafleet.worker.scheduler import CapacityError
+
+    engine = _engine(tiny_llama_dir, num_pages=8, max_adapter_wait_steps=2)
+    engine.adapter_pool.add("p@1", random_weights(0, rank=4, projs=ADAPTER_PROJS), pinned=True)
+    engine.adapter_pool.load("p@1")
+    engine.adapter_pool.add("big@1", random_weights(1, rank=8, projs=ADAPTER_PROJS))
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    engine.add_request("lora", [7, 8, 9], params, adapter="big")
+    engine.add_request("base", [1, 2, 3], params)
+    finished = _run_until_done(engine, max_steps=engine.scheduler.max_stuck_steps + 50)
+    outcome = {o.request_id: (o.finish_reason, type(o.exception)) for o in finished}
+    assert outcome == {"base": ("length", type(None)), "lora": ("error", CapacityError)}
+    assert "big@1" in next(o.error for o in finished if o.request_id == "lora")
+    assert not engine.adapter_pool.entry("big@1").waiters
+    _assert_all_free(engine)
