@@ -9,7 +9,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from lorafleet.worker.engine_config import EngineConfig
 from lorafleet.worker.server import create_app
 from lorafleet.worker.worker_config import WorkerConfig
 from tests.lora_factory import make_peft_adapter
+from tests.prometheus_server import PrometheusServer, prometheus_binary
 
 ADMIN = "admin-token-for-tests"
 KEY_ACME, KEY_GLOBEX = "sk-acme-test", "sk-globex-test"
@@ -531,47 +531,19 @@ async def test_metrics_endpoint_has_request_and_vllm_series(server):
     assert values["lorafleet_adapter_hits_total"] > 0
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 async def test_real_prometheus_scrapes_the_worker(server, tmp_path):
-    binary = shutil.which("prometheus")
-    if binary is None:
+    if prometheus_binary() is None:
         pytest.skip("prometheus is not installed (make prometheus)")
-    target = server.removeprefix("http://")
-    (tmp_path / "prometheus.yml").write_text(
-        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
-        f"scrape_configs: [{{job_name: worker, static_configs: [{{targets: ['{target}']}}]}}]\n")
-    port = _free_port()
-    proc = subprocess.Popen([binary, f"--config.file={tmp_path / 'prometheus.yml'}",
-                             f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
-                            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "prom.log", "w"))  # noqa: SIM115
-    try:
-        deadline = time.monotonic() + 90
+    scrape = [{"job_name": "worker", "static_configs": [{"targets": [server.removeprefix("http://")]}]}]
+    with PrometheusServer(tmp_path / "prometheus", scrape) as prom:
         result = []
-        async with aiohttp.ClientSession() as s:
-            while not result and time.monotonic() < deadline:
-                try:
-                    async with s.get(f"http://127.0.0.1:{port}/api/v1/query",
-                                     params={"query": "vllm:num_requests_running"}) as r:
-                        if r.status == 200:
-                            result = (await r.json())["data"]["result"]
-                except aiohttp.ClientError:
-                    pass
-                if not result:
-                    await asyncio.sleep(0.5)
-        assert result, (tmp_path / "prom.log").read_text()[-2000:]
+
+        def scraped() -> bool:
+            result[:] = prom.query("vllm:num_requests_running")
+            return bool(result)
+
+        await prom.wait_for(scraped, "the worker's vllm:num_requests_running")
         assert result[0]["metric"]["__name__"] == "vllm:num_requests_running"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 # ---- admin: desired state, canary, load failures, vLLM load/unload (mutates the served set: runs last) -----
