@@ -82,3 +82,10 @@ class FakeStager:
     async def stop(self) -> None:
         if self.runner is not None:
             await self.runner.cleanup()
+
+    async def __aenter__(self) -> FakeStager:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.stop()

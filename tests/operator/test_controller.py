@@ -43,12 +43,8 @@ class Clock:
 
 @pytest.fixture()
 async def stager():
-    s = FakeStager(TOKEN)
-    await s.start()
-    try:
+    async with FakeStager(TOKEN) as s:
         yield s
-    finally:
-        await s.stop()
 
 
 async def test_a_failed_version_is_re_pushed_with_backoff_until_it_stages(stager):

@@ -82,14 +82,8 @@ async def cluster():
 
 @pytest.fixture()
 async def sidecars():
-    stagers = [FakeStager(TOKEN), FakeStager(TOKEN)]
-    try:
-        for s in stagers:
-            await s.start()
-        yield stagers
-    finally:
-        for s in stagers:
-            await s.stop()
+    async with FakeStager(TOKEN) as first, FakeStager(TOKEN) as second:
+        yield [first, second]
 
 
 @contextlib.asynccontextmanager

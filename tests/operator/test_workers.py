@@ -52,12 +52,8 @@ def test_discovery_brackets_ipv6_pod_ips(ip, url):
 
 @pytest.fixture()
 async def sidecar():
-    s = FakeStager("sidecar-token-123456")
-    await s.start()
-    try:
+    async with FakeStager("sidecar-token-123456") as s:
         yield s
-    finally:
-        await s.stop()
 
 
 async def test_client_push_read_and_stale_generation(sidecar):
