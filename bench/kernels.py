@@ -14,7 +14,9 @@ measured and subtracted); the torch reference (gather + bmm) and a per-adapter l
 eagerly (they synchronise with the host).
 Base GEMMs: the layer's four fused matmuls, same method. Chain latency: eight dependent launches of
 a one-load kernel (the layer's delta is eight dependent kernels), warm, with and without programmatic
-dependent launch: the part of the delta no bandwidth removes.
+dependent launch: the part of the delta no bandwidth removes. Structure floor (decode cases): the
+same eight dependent kernels doing nothing but read the bytes their LoRA kernels read
+(bench/kernel_floor.py), the best any eight-kernel design can do; also four kernels and one.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import triton
-import triton.language as tl
+from kernel_floor import chain_latency, structure_floor  # same folder
 from kernel_setup import (  # same folder
     ADAPTERS,
     DIMS,
@@ -51,8 +53,7 @@ from lorafleet.kernels.activation import silu_mul
 from lorafleet.kernels.attention import paged_attention_prefill
 from lorafleet.kernels.attention_triton import paged_attention_decode_triton, paged_attention_prefill_triton
 from lorafleet.kernels.lora import lora_delta, lora_silu_mul, lora_xa
-from lorafleet.kernels.lora_sgmv import gdc_launch_dependents, gdc_wait
-from lorafleet.kernels.lora_triton import lora_expand_triton, lora_shrink_triton, pdl_supported
+from lorafleet.kernels.lora_triton import lora_expand_triton, lora_shrink_triton
 
 
 def torch_act(gate_up: torch.Tensor, out: torch.Tensor) -> None:
@@ -139,7 +140,7 @@ def bench_lora(timer: Timer, copy_gbs: float, gen: torch.Generator, quick: bool,
     rows = []
     key_cases = {(64, 32, "16"), (256, 32, "16"), (1, 8, "16"), (1024, 8, "16")}
     sweep_cases = {(64, 32, "16"), (1024, 8, "16")}
-    sweep = {}
+    sweep, floors = {}, {}
     for rank_name in ("16", "8", "64", "mixed", "30"):
         for num_adapters in ADAPTERS:
             if (rank_name == "30" and num_adapters != 32) or (only and not any(a == num_adapters and r == rank_name for _, a, r in only)):
@@ -169,6 +170,11 @@ def bench_lora(timer: Timer, copy_gbs: float, gen: torch.Generator, quick: bool,
                     per_token = LoRALayer(layout, dense, num_tokens, num_adapters, gen, grouped=False)
                     row["triton_per_token_us"] = timer.graph(per_token.triton)
                 key = (num_tokens, num_adapters, rank_name)
+                if key in key_cases and num_tokens <= 256:  # decode: what any chain of eight dependent kernels costs
+                    distinct_ranks = tuple(ranks_by_slot[:distinct])
+                    if distinct_ranks not in floors:
+                        floors[distinct_ranks] = structure_floor(timer, list(distinct_ranks), copy_gbs)
+                    row["structure_floor"] = floors[distinct_ranks]
                 if key in key_cases:
                     row["reference_us"] = timer.eager(layer.reference)
                     row["loop_us"] = timer.eager(layer.loop, reps=3)
@@ -261,33 +267,6 @@ def bench_activation(timer: Timer, copy_gbs: float, gen: torch.Generator) -> dic
     return res
 
 
-@triton.jit
-def _one_load(src, dst, PDL: tl.constexpr):
-    """dst[pid] = src[pid] + 1; with PDL, after the previous kernel, letting the next one launch."""
-    pid = tl.program_id(0)
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
-    tl.store(dst + pid, tl.load(src + pid) + 1)
-
-
-def chain_latency(timer: Timer, kernels: int = 8) -> dict:
-    """What a layer's chain of dependent launches costs by itself (its delta is eight kernels, each
-    needing the previous one's output): a one-load kernel launched `kernels` times from a graph, warm,
-    on one program and on one per SM, with and without programmatic dependent launch."""
-    buf = torch.zeros(4096, device="cuda")
-    res = {}
-    for pdl in (False, True) if pdl_supported("cuda") else (False,):
-        for programs in (1, torch.cuda.get_device_properties(0).multi_processor_count):
-            def chain(pdl=pdl, programs=programs) -> None:
-                for _ in range(kernels):
-                    _one_load[(programs,)](buf, buf, PDL=pdl, **({"launch_pdl": True} if pdl else {}))
-
-            res[f"{'pdl' if pdl else 'plain'}_{programs}_programs_us"] = timer.graph(chain, cold=False)
-    print(f"{kernels} dependent launches (us):", {k: round(v, 2) for k, v in res.items()}, flush=True)
-    return res
-
-
 def bench_attention(timer: Timer, copy_gbs: float, gen: torch.Generator) -> dict:
     num_seqs, context, block_size = 64, 2048, 16
     num_pages = num_seqs * context // block_size
@@ -344,6 +323,10 @@ def bench_attention(timer: Timer, copy_gbs: float, gen: torch.Generator) -> dict
     return res
 
 
+def _floor_summary(floor: dict) -> dict:
+    return {k: v for k, v in floor.items() if k.startswith(("chain", "one"))}
+
+
 def summarize(rows: list, base: dict, attn: dict, copy_gbs: float) -> dict:
     """The issue's target figures, for the cases that were run."""
     by_key = {(r["tokens"], r["adapters"], r["rank"]): r for r in rows}
@@ -358,6 +341,8 @@ def summarize(rows: list, base: dict, attn: dict, copy_gbs: float) -> dict:
                 out[f"decode_T{t}_32x_r16"]["accumulate_us"] = row["triton_accumulate_us"]
             if "in_layer" in row:
                 out[f"decode_T{t}_32x_r16"]["in_layer"] = {k: v for k, v in row["in_layer"].items() if k != "rounds"}
+            if "structure_floor" in row:
+                out[f"decode_T{t}_32x_r16"]["structure_floor"] = _floor_summary(row["structure_floor"])
             if "reference_us" in row:
                 out[f"decode_T{t}_32x_r16"].update(vs_reference=row["reference_us"] / row["triton_us"], target_vs_reference=20,
                                                    vs_loop=row["loop_us"] / row["triton_us"], target_vs_loop=200)  # fmt: skip
@@ -369,6 +354,8 @@ def summarize(rows: list, base: dict, attn: dict, copy_gbs: float) -> dict:
                                        "in_layer": pre.get("in_layer"), "target_fraction": 0.10}  # fmt: skip
     if t1 := by_key.get((1, 8, "16")):
         out["decode_T1_8x_r16"] = {"triton_us": t1["triton_us"], "floor_us": t1["floor_us"], "base_gemm_us": base[1]}
+        if "structure_floor" in t1:
+            out["decode_T1_8x_r16"]["structure_floor"] = _floor_summary(t1["structure_floor"])
     out["attention_decode_B64_ctx2048"] = {"us": attn["decode_us"], "floor_us": attn["floor_us"], "bandwidth_frac": attn["bandwidth_frac"], "target_frac": 0.70}
     out["copy_gbs"] = copy_gbs
     return out
