@@ -44,6 +44,7 @@ class ScalingSpec:
     kv_low: float = 0.3
     scale_up_seconds: int = 0  # stabilization windows
     scale_down_seconds: int = 300
+    rate_window_seconds: int = 120  # the hit rate's rate() window
 
     @classmethod
     def parse(cls, data: Any) -> ScalingSpec:
@@ -84,6 +85,7 @@ class ScalingSpec:
                                   f"{FIELD}.scaleUpStabilizationSeconds", lo=0),
             scale_down_seconds=_int(data.get("scaleDownStabilizationSeconds", 300),
                                     f"{FIELD}.scaleDownStabilizationSeconds", lo=0),
+            rate_window_seconds=_int(data.get("rateWindowSeconds", 120), f"{FIELD}.rateWindowSeconds", lo=10, hi=86400),
         )
 
 

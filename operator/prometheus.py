@@ -4,7 +4,7 @@ Both are restricted to the pool's ready worker pods by the ``namespace`` and ``p
 Kubernetes scrape config attaches (the chart's ServiceMonitor does):
 
 * GPU hit rate: rate of ``lorafleet_adapter_hits_total{tier="gpu"}`` over hits + misses at that tier
-  (the Grafana dashboard's expression, over a shorter window);
+  (the Grafana dashboard's expression, over the pool's ``rateWindowSeconds``, default 120);
 * KV usage: the mean of ``lorafleet_kv_cache_usage_ratio``.
 
 An empty result or NaN (no series, no traffic) is ``None``: unknown. Anything else that goes wrong
@@ -19,7 +19,7 @@ import math
 
 import aiohttp
 
-RATE_WINDOW = "2m"
+DEFAULT_RATE_WINDOW_SECONDS = 120  # spec.scaling.rateWindowSeconds
 HITS = "lorafleet_adapter_hits_total"
 MISSES = "lorafleet_adapter_misses_total"
 KV_USAGE = "lorafleet_kv_cache_usage_ratio"
@@ -42,13 +42,13 @@ def pod_selector(namespace: str, pods: list[str]) -> str:
     return f"namespace={_string(namespace)}, pod=~{_string(regex)}"
 
 
-def hit_rate_query(namespace: str, pods: list[str]) -> str:
-    """PromQL: these pods' GPU hit rate over the last ``RATE_WINDOW`` (NaN without lookups)."""
+def hit_rate_query(namespace: str, pods: list[str], window_seconds: int = DEFAULT_RATE_WINDOW_SECONDS) -> str:
+    """PromQL: these pods' GPU hit rate over the last window_seconds (NaN without lookups)."""
     # A counter a worker has not incremented yet may not be exported at all: absent counts as 0, and
     # both absent is 0/0 = NaN (unknown).
     sel = f'tier="gpu", {pod_selector(namespace, pods)}'
-    hits = f"(sum(rate({HITS}{{{sel}}}[{RATE_WINDOW}])) or vector(0))"
-    misses = f"(sum(rate({MISSES}{{{sel}}}[{RATE_WINDOW}])) or vector(0))"
+    hits = f"(sum(rate({HITS}{{{sel}}}[{window_seconds}s])) or vector(0))"
+    misses = f"(sum(rate({MISSES}{{{sel}}}[{window_seconds}s])) or vector(0))"
     return f"{hits} / ({hits} + {misses})"
 
 
@@ -102,11 +102,12 @@ class PrometheusClient:
                                f"{str(body.get('error', text))[:300]}")
         return _single_value(url, body.get("data"))
 
-    async def pool_signals(self, base_url: str, namespace: str, pods: list[str]) -> tuple[float | None, float | None]:
-        """(GPU hit rate, KV usage) of these pods; (None, None) without pods."""
+    async def pool_signals(self, base_url: str, namespace: str, pods: list[str], *,
+                           rate_window_seconds: int = DEFAULT_RATE_WINDOW_SECONDS) -> tuple[float | None, float | None]:
+        """(GPU hit rate over the last rate_window_seconds, KV usage) of these pods; (None, None) without pods."""
         if not pods:
             return None, None
-        hit_rate, kv_usage = await asyncio.gather(self.query(base_url, hit_rate_query(namespace, pods)),
+        hit_rate, kv_usage = await asyncio.gather(self.query(base_url, hit_rate_query(namespace, pods, rate_window_seconds)),
                                                   self.query(base_url, kv_usage_query(namespace, pods)))
         return hit_rate, kv_usage
 

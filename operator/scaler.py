@@ -141,7 +141,8 @@ class PoolScaler:
         else:
             worker_pods = ready_worker_pods(pool, pods, other_pools)
             try:
-                hit_rate, kv_usage = await self.metrics.pool_signals(spec.prometheus_url, namespace, worker_pods)
+                hit_rate, kv_usage = await self.metrics.pool_signals(spec.prometheus_url, namespace, worker_pods,
+                                                                     rate_window_seconds=spec.rate_window_seconds)
             except MetricsError as exc:
                 return scaling(False, "MetricsUnavailable", f"spec.scaling.prometheusURL: {exc}; replicas stay "
                                                             f"at {current}")

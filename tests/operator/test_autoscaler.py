@@ -21,14 +21,14 @@ def test_parse_defaults():
     s = ScalingSpec.parse(BASE)
     assert (s.target, s.prometheus_url, s.max_replicas) == ("lorafleet-worker", BASE["prometheusURL"], 8)
     assert (s.min_replicas, s.target_hit_rate, s.kv_high, s.kv_low) == (1, 0.9, 0.85, 0.3)
-    assert (s.scale_up_seconds, s.scale_down_seconds) == (0, 300)
+    assert (s.scale_up_seconds, s.scale_down_seconds, s.rate_window_seconds) == (0, 300, 120)
 
 
 def test_parse_all_fields():
     s = spec(minReplicas=0, targetHitRate=1, kvHigh=0.7, kvLow=0, scaleUpStabilizationSeconds=60,
-             scaleDownStabilizationSeconds=0)
+             scaleDownStabilizationSeconds=0, rateWindowSeconds=600)
     assert (s.min_replicas, s.target_hit_rate, s.kv_high, s.kv_low) == (0, 1.0, 0.7, 0.0)
-    assert (s.scale_up_seconds, s.scale_down_seconds) == (60, 0)
+    assert (s.scale_up_seconds, s.scale_down_seconds, s.rate_window_seconds) == (60, 0, 600)
 
 
 @pytest.mark.parametrize(("data", "field"), [
@@ -43,6 +43,8 @@ def test_parse_all_fields():
     ({**BASE, "minReplicas": -1}, "spec.scaling.minReplicas"),
     ({**BASE, "minReplicas": 9}, "spec.scaling.minReplicas"),
     ({**BASE, "targetHitRate": 1.5}, "spec.scaling.targetHitRate"),
+    ({**BASE, "rateWindowSeconds": 5}, "spec.scaling.rateWindowSeconds"),
+    ({**BASE, "rateWindowSeconds": "2m"}, "spec.scaling.rateWindowSeconds"),
     ({**BASE, "kvHigh": True}, "spec.scaling.kvHigh"),
     ({**BASE, "kvLow": "low"}, "spec.scaling.kvLow"),
     ({**BASE, "kvLow": 0.9, "kvHigh": 0.8}, "spec.scaling.kvLow"),

@@ -104,7 +104,8 @@ def test_crd_and_parser_agree_on_scaling_bounds(scaling, ok):
     ({"target": "Workers"}, False), ({"target": "workers.v2"}, True), ({"target": "w" * 254}, False),
     ({"prometheusURL": "prometheus:9090"}, False), ({"prometheusURL": "https://prom.example/sub"}, True),
     ({"maxReplicas": 0}, False), ({"minReplicas": 0}, True), ({"targetHitRate": 1.2}, False),
-    ({"scaleDownStabilizationSeconds": -5}, False),
+    ({"scaleDownStabilizationSeconds": -5}, False), ({"rateWindowSeconds": 300}, True), ({"rateWindowSeconds": 9}, False),
+    ({"rateWindowSeconds": 86401}, False), ({"rateWindowSeconds": "2m"}, False),
 ])
 def test_crd_and_parser_agree_on_scaling_fields(scaling, ok):
     doc = next(d for d in example_docs() if d["kind"] == "LoRAPool")

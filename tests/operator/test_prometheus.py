@@ -9,7 +9,13 @@ import contextlib
 import pytest
 from aiohttp import web
 
-from lorafleet.operator.prometheus import MetricsError, PrometheusClient, kv_usage_query, pod_selector
+from lorafleet.operator.prometheus import (
+    MetricsError,
+    PrometheusClient,
+    hit_rate_query,
+    kv_usage_query,
+    pod_selector,
+)
 from tests.s3_server import free_port
 
 from .fake_metrics import FakePod, scraped
@@ -22,6 +28,8 @@ def test_pod_selector_escapes_names_and_strings():
     assert pod_selector("fleet", POOL_PODS) == r'namespace="fleet", pod=~"worker\\.a|worker-b"'
     assert pod_selector('a"b', ["x+y(1)"]) == r'namespace="a\"b", pod=~"x\\+y\\(1\\)"'
     assert kv_usage_query("ns", ["p"]) == 'avg(lorafleet_kv_cache_usage_ratio{namespace="ns", pod=~"p"})'
+    # The hit rate's window: 120 s unless the pool sets spec.scaling.rateWindowSeconds.
+    assert hit_rate_query("ns", ["p"]).count("[120s]") == 3 and hit_rate_query("ns", ["p"], 600).count("[600s]") == 3
 
 
 async def test_hit_rate_and_kv_usage_of_the_pool_pods_only(tmp_path):
@@ -50,6 +58,8 @@ async def test_hit_rate_and_kv_usage_of_the_pool_pods_only(tmp_path):
             assert hit_rate == pytest.approx(0.75, rel=1e-9)
             assert kv_usage == pytest.approx(0.7, rel=1e-9)
             assert await client.pool_signals(prom.url + "/", "fleet", ["worker-b"]) == pytest.approx((0.75, 0.5))
+            # A longer window over the same steady counters: the same ratio.
+            assert await client.pool_signals(prom.url, "fleet", POOL_PODS, rate_window_seconds=600) == pytest.approx((0.75, 0.7))
             assert await client.pool_signals(prom.url, "other", ["worker-b"]) == (0.0, 1.0)
             # Unknown: no traffic (NaN), no series, no pods.
             assert await client.pool_signals(prom.url, "fleet", ["idle"]) == (None, 0.2)

@@ -20,10 +20,12 @@ class Metrics:
     def __init__(self) -> None:
         self.signals: tuple[float | None, float | None] | Exception = (None, None)
         self.asked: list[list[str]] = []
+        self.windows: list[int] = []
 
-    async def pool_signals(self, url: str, namespace: str, pods: list[str]):
+    async def pool_signals(self, url: str, namespace: str, pods: list[str], *, rate_window_seconds: int):
         assert (url, namespace) == (PROM, "ns")
         self.asked.append(pods)
+        self.windows.append(rate_window_seconds)
         if isinstance(self.signals, Exception):
             raise self.signals
         return self.signals
@@ -116,6 +118,14 @@ async def test_high_kv_scales_up_in_proportion_then_waits_for_the_new_workers(se
     pods = [pod(f"w-{i}") for i in range(4)]
     st = await tick(scaler, body, pods)
     assert deployments.patches == [4, 6] and scaling_condition(st)["reason"] == "ScaledUp"
+    assert metrics.windows == [120, 120, 120]  # the hit rate's default window
+
+
+async def test_the_hit_rate_window_is_the_pools(setup):
+    scaler, metrics, _, _ = setup
+    metrics.signals = (0.95, 0.5)
+    await tick(scaler, pool(rateWindowSeconds=600), [pod("w-0"), pod("w-1")])
+    assert metrics.windows == [600]
 
 
 async def test_scale_down_waits_for_the_window_and_unknown_metrics_hold(setup):
@@ -242,7 +252,7 @@ async def test_the_scaling_condition_goes_into_the_status_as_it_is_after_the_pas
     body = pool(status={"conditions": [old_ready]})
     live = copy.deepcopy(body["status"])
 
-    async def reconcile_writes(url: str, namespace: str, pods: list[str]):
+    async def reconcile_writes(url: str, namespace: str, pods: list[str], **_):
         live["conditions"] = [new_ready]
         return 0.95, 0.5
 
