@@ -21,8 +21,6 @@ from lorafleet.worker.sequence import TokenLogprob
 from lorafleet.worker.tenants import Tenant
 from lorafleet.worker.token_bytes import token_bytes
 
-_CONTINUATION = bytes(range(0x80, 0xC0))  # UTF-8 bytes that continue a character
-
 
 @dataclass(slots=True)
 class CompletionJob:
@@ -74,10 +72,13 @@ class CompletionJob:
                 "total_tokens": prompt_tokens + completion_tokens}
 
     def choice(self, tokenizer, index: int, text: str, lps: list[TokenLogprob] | None, finish_reason: str | None,
-               *, delta: bool, first: bool = False, text_start: int = 0) -> dict[str, Any]:
-        """One entry of `choices`: a whole choice, or a streamed delta (`first`: the choice's first chunk)."""
+               *, delta: bool, first: bool = False,
+               offsets: TextOffsets | None = None) -> dict[str, Any]:
+        """One entry of `choices`: a whole choice, or a streamed delta (`first`: the choice's first chunk;
+        `offsets`: the choice's TextOffsets, kept over all its chunks)."""
         if self.endpoint == "completions":
-            return {"index": index, "text": text, "logprobs": completion_logprobs(tokenizer, lps, text_start),
+            offsets = offsets if offsets is not None else TextOffsets()
+            return {"index": index, "text": text, "logprobs": completion_logprobs(tokenizer, lps, offsets),
                     "finish_reason": finish_reason}
         if delta:
             message = ({"role": "assistant"} if first else {}) | ({"content": text} if text or first else {})
@@ -102,40 +103,42 @@ def raw_bytes(tokenizer, token_id: int) -> bytes:
     return token_bytes(tokenizer)(token_id) if tokenizer is not None else str(token_id).encode()
 
 
-def text_offsets(pieces: list[bytes], start: int) -> list[int]:
-    """Where each token's text starts in the choice's text, in characters, from the tokens' bytes: a
-    token that continues a character begun by an earlier token is at that character. `start`: the
-    characters already sent. Continuation bytes that open a chunk end a character begun in an earlier
-    chunk, whose text was held back until complete: it sits at `start`. Running example, "é!" as
-    tokens [c3] [a9] [21]: 0, 0, 1; streamed as [c3] | [a9] [21]: 0 | 0, 1."""
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="ignore")
-    offsets, pos = [], start
-    held, in_run = 0, True  # the run of continuation bytes that opens the chunk, and whether it goes on
-    for piece in pieces:
-        if in_run:
-            rest = piece.lstrip(_CONTINUATION)
-            if rest and len(rest) == len(piece):  # the run ended before this token
-                in_run, pos = False, pos + (held > 0)
-            offsets.append(pos)
-            if in_run:
-                held += len(piece) - len(rest)
-                if not rest:
-                    continue
-                in_run, pos, piece = False, pos + 1, rest  # the run ends inside this token
-        else:
-            offsets.append(pos)
-        pos += len(decoder.decode(piece))
-    return offsets
+class TextOffsets:
+    """Where each token's text starts in its choice's text, in characters, counted from the tokens'
+    bytes over all the choice's chunks (one instance per choice): a token that continues a character
+    begun by an earlier token is at that character. Running example, "é!" as tokens [c3] [a9] [21]:
+    0, 0, 1, whether sent in one chunk or streamed as [c3] | [a9] [21]. Counting the tokens, not the
+    text sent so far, keeps offsets right while text is held back (a possible stop string). Bytes that
+    are not valid UTF-8 count as U+FFFD, as they do in the text."""
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._num_chars = 0  # characters the tokens so far decode to (a partial character not yet)
+
+    def __call__(self, pieces: list[bytes]) -> list[int]:
+        offsets = []
+        for piece in pieces:
+            offsets.append(self._num_chars)
+            self._num_chars += len(self._decoder.decode(piece))
+        return offsets
 
 
-def completion_logprobs(tokenizer, lps: list[TokenLogprob] | None, text_start: int) -> dict[str, Any] | None:
+def completion_logprobs(tokenizer, lps: list[TokenLogprob] | None,
+                        offsets: TextOffsets) -> dict[str, Any] | None:
     if lps is None:
         return None
+
+    def top(lp: TokenLogprob) -> dict[str, float]:
+        entries = {token_text(tokenizer, t): v for t, v in lp.top}
+        # As OpenAI and vLLM: the sampled token is always there, so up to `logprobs` + 1 entries.
+        entries.setdefault(token_text(tokenizer, lp.token_id), lp.logprob)
+        return entries
+
     return {
         "tokens": [token_text(tokenizer, lp.token_id) for lp in lps],
         "token_logprobs": [lp.logprob for lp in lps],
-        "top_logprobs": [{token_text(tokenizer, t): v for t, v in lp.top} for lp in lps],
-        "text_offset": text_offsets([raw_bytes(tokenizer, lp.token_id) for lp in lps], text_start),
+        "top_logprobs": [top(lp) for lp in lps],
+        "text_offset": offsets([raw_bytes(tokenizer, lp.token_id) for lp in lps]),
     }
 
 

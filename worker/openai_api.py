@@ -34,7 +34,7 @@ from lorafleet.worker.app_keys import (
     STATUS,
     TENANTS,
 )
-from lorafleet.worker.completion_job import CompletionJob
+from lorafleet.worker.completion_job import CompletionJob, TextOffsets
 from lorafleet.worker.engine import EngineError, ShutdownError, UnknownAdapterError
 from lorafleet.worker.metrics import BASE_MODEL_LABEL
 from lorafleet.worker.openai_protocol import (
@@ -297,7 +297,7 @@ async def _stream(request: web.Request, job: CompletionJob, outputs: AsyncIterat
     tokenizer = _tokenizer(request)
     response: web.StreamResponse | None = None
     started: set[int] = set()
-    text_pos = [0] * job.num_choices
+    offsets = [TextOffsets() for _ in range(job.num_choices)]  # text_offset over each choice's chunks
     completion_tokens = 0
 
     async def send(payload: dict[str, Any] | str) -> None:
@@ -318,8 +318,7 @@ async def _stream(request: web.Request, job: CompletionJob, outputs: AsyncIterat
                 if out.new_text or out.new_token_ids or first or out.finished:
                     choice = job.choice(tokenizer, i, out.new_text, out.new_logprobs,
                                      out.finish_reason if out.finished else None, delta=True, first=first,
-                                     text_start=text_pos[i])
-                    text_pos[i] += len(out.new_text)
+                                     offsets=offsets[i])
                     await send(job.envelope([choice], chunk=True))
         except (APIError, asyncio.CancelledError):
             raise

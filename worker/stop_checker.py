@@ -25,23 +25,24 @@ class StopChecker:
         token = seq.output_token_ids[-1]
         stop_token = token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)
         end = len(seq.output_token_ids) - 1 if stop_token else len(seq.output_token_ids)
-        if self.detokenizer is not None:
-            prev = len(seq.text)
-            self.detokenizer.append(seq, end)
-            if params.stop and not stop_token:
-                window = max(0, prev - max(len(s) for s in params.stop) + 1)
-                hits = [(i, s) for s in params.stop if (i := seq.text.find(s, window)) >= 0]
-                if hits:
-                    i, s = min(hits)
-                    seq.text = seq.text[: i + len(s) if params.include_stop_str_in_output else i]
-                    seq.finish_reason = "stop"
-                    return
         if stop_token:
             seq.finish_reason = "stop"
         elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             seq.finish_reason = "length"
-        if seq.finish_reason is not None and self.detokenizer is not None:
+        if self.detokenizer is None:
+            return
+        prev = len(seq.text)
+        if seq.finish_reason is None:
+            self.detokenizer.append(seq, end)
+        else:  # the last text, held back so far when it ended inside a character: search it too
             self.detokenizer.flush(seq, end)
+        if params.stop:
+            window = max(0, prev - max(len(s) for s in params.stop) + 1)
+            hits = [(i, s) for s in params.stop if (i := seq.text.find(s, window)) >= 0]
+            if hits:
+                i, s = min(hits)
+                seq.text = seq.text[: i + len(s) if params.include_stop_str_in_output else i]
+                seq.finish_reason = "stop"
 
     @staticmethod
     def final_text_len(seq: Sequence, emitted: int) -> int:

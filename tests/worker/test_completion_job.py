@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from lorafleet.worker.completion_job import chat_logprobs, completion_logprobs, text_offsets
+from lorafleet.worker.completion_job import TextOffsets, chat_logprobs, completion_logprobs
 from lorafleet.worker.sequence import TokenLogprob
 from lorafleet.worker.token_bytes import token_bytes
 from lorafleet.worker.tokenizer import Tokenizer
@@ -66,21 +66,35 @@ def test_special_tokens_are_their_content(byte_tokenizer, sentencepiece_tokenize
 
 def test_text_offsets_point_at_the_character_a_token_belongs_to(byte_tokenizer):
     ids = byte_tokenizer.encode("é😊!", add_special_tokens=False)  # 2 + 4 + 1 byte tokens
-    whole = completion_logprobs(byte_tokenizer, _lps(ids), 0)["text_offset"]
+    whole = completion_logprobs(byte_tokenizer, _lps(ids), TextOffsets())["text_offset"]
     assert whole == [0, 0, 1, 1, 1, 1, 2]
-    # Streamed: the emoji's text is held back until its last byte, so the second chunk starts at 1.
-    first = completion_logprobs(byte_tokenizer, _lps(ids[:4]), 0)["text_offset"]
-    second = completion_logprobs(byte_tokenizer, _lps(ids[4:]), 1)["text_offset"]
+    # Streamed: one TextOffsets per choice carries the emoji begun in the first chunk into the second.
+    offsets = TextOffsets()
+    first = completion_logprobs(byte_tokenizer, _lps(ids[:4]), offsets)["text_offset"]
+    second = completion_logprobs(byte_tokenizer, _lps(ids[4:]), offsets)["text_offset"]
     assert first + second == whole
 
 
-@pytest.mark.parametrize("pieces, start, offsets", [
-    ([b"h", b"i"], 5, [5, 6]),
-    ([b"\xc3", b"\xa9", b"!"], 0, [0, 0, 1]),
-    ([b"\xa9", b"!"], 3, [3, 4]),  # the chunk opens with the end of a held-back "é" at 3
-    ([b"\xa9!", b"x"], 3, [3, 5]),
-    ([b"\x9f", b"\x98", b"\x8a", b"\xf0"], 2, [2, 2, 2, 3]),
-    ([], 0, []),
+def test_completion_top_logprobs_always_hold_the_sampled_token(byte_tokenizer):
+    """OpenAI's completions `logprobs`: the sampled token is always among `top_logprobs` (so up to
+    `logprobs` + 1 entries), also when it is not one of the most likely."""
+    a, b, c = byte_tokenizer.encode("abc", add_special_tokens=False)
+    lps = [TokenLogprob(token_id=c, logprob=-3.0, top=[(a, -0.5), (b, -1.0)]),  # sampled, not in the top 2
+           TokenLogprob(token_id=a, logprob=-0.5, top=[(a, -0.5), (b, -1.0)]),  # sampled, the most likely
+           TokenLogprob(token_id=b, logprob=-1.0, top=[])]  # logprobs=0: only the sampled token
+    tops = completion_logprobs(byte_tokenizer, lps, TextOffsets())["top_logprobs"]
+    assert tops == [{"a": -0.5, "b": -1.0, "c": -3.0}, {"a": -0.5, "b": -1.0}, {"b": -1.0}]
+
+
+@pytest.mark.parametrize("chunks, offsets", [
+    ([[b"h", b"i"]], [[0, 1]]),
+    ([[b"\xc3", b"\xa9", b"!"]], [[0, 0, 1]]),
+    ([[b"ab\xc3"], [b"\xa9", b"!"]], [[0], [2, 3]]),  # the next chunk opens with the end of "é" at 2
+    ([[b"\xc3"], [b"\xa9!", b"x"]], [[0], [0, 2]]),
+    ([[b"ab\xf0"], [b"\x9f", b"\x98", b"\x8a", b"\xf0"]], [[0], [2, 2, 2, 3]]),
+    ([[b"a"], [], [b"b"]], [[0], [], [1]]),
+    ([[b"a\xff", b"b"]], [[0, 2]]),  # a byte that is no UTF-8 is one U+FFFD in the text
 ])
-def test_text_offsets(pieces, start, offsets):
-    assert text_offsets(pieces, start) == offsets
+def test_text_offsets(chunks, offsets):
+    text_offsets = TextOffsets()
+    assert [text_offsets(pieces) for pieces in chunks] == offsets

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from lorafleet.worker.engine_config import EngineConfig
@@ -46,3 +48,51 @@ async def test_a_version_replaced_between_arrival_and_admission_is_re_resolved(
     calls.clear()
     pinned = await client.post("/v1/completions", json=body | {"model": "alpha@nope"})
     assert pinned.status == 404  # a pinned version that does not exist is the caller's error
+
+
+@pytest.fixture
+async def base_client(aiohttp_client, tiny_llama_dir):
+    """A development-mode worker serving only the base model, `tiny`."""
+    config = WorkerConfig(engine=EngineConfig(model=str(tiny_llama_dir), dtype="float32", max_model_len=128),
+                          served_model_name="tiny")
+    return await aiohttp_client(create_app(config))
+
+
+async def _complete(client, body: dict) -> list[dict]:
+    """The choices of a completion; streamed, its chunks' choices in order."""
+    resp = await client.post("/v1/completions", json=body)
+    assert resp.status == 200, await resp.text()
+    if not body.get("stream"):
+        return (await resp.json())["choices"]
+    events = [line[6:] for line in (await resp.text()).split("\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [c for e in events[:-1] for c in json.loads(e)["choices"]]
+
+
+def _joined_logprobs(choices: list[dict]) -> dict[str, list]:
+    keys = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+    joined = {k: [v for c in choices for v in c["logprobs"][k]] for k in keys}
+    return joined | {"text": "".join(c["text"] for c in choices)}
+
+
+async def test_streamed_text_offsets_match_the_response_while_a_stop_string_holds_text(base_client):
+    """A possible stop string holds the last characters back from the stream; each token's text_offset
+    is still where its text starts in the choice's text, as in the response that is not streamed."""
+    body = {"model": "tiny", "prompt": "hello world", "max_tokens": 16, "temperature": 0, "logprobs": 0}
+    plain = _joined_logprobs(await _complete(base_client, body))
+    for extra in ({"stop": ["\u2603\u2603\u2603\u2603\u2603"]}, {"stream": True},
+                  {"stream": True, "stop": ["\u2603\u2603\u2603\u2603\u2603"]}):
+        got = _joined_logprobs(await _complete(base_client, body | extra))
+        assert got == plain, extra
+    offsets = plain["text_offset"]
+    assert offsets == sorted(offsets) and offsets[-1] < len(plain["text"])
+
+
+async def test_completion_top_logprobs_hold_the_sampled_token(base_client):
+    """OpenAI (and vLLM): `top_logprobs` always holds the sampled token: up to `logprobs` + 1 entries."""
+    body = {"model": "tiny", "prompt": "hello", "max_tokens": 16, "temperature": 1, "seed": 3, "logprobs": 1}
+    for stream in (False, True):
+        lps = _joined_logprobs(await _complete(base_client, body | {"stream": stream}))
+        for token, top in zip(lps["tokens"], lps["top_logprobs"], strict=True):
+            assert token in top and 1 <= len(top) <= 2, (token, top)  # two tokens may share a text ("\ufffd")
+        assert any(len(top) == 2 for top in lps["top_logprobs"])  # sampled tokens outside the top 1 occurred

@@ -64,3 +64,21 @@ def test_eos_stop_ids_ignore_eos_and_lengths(tiny_llama_dir):
     seq = Sequence("r", [1, 2, 3], SamplingParams(max_tokens=10))
     _feed(checker, seq, [a] * 10)
     assert seq.num_tokens == 6 and seq.finish_reason == "length"  # max_model_len
+
+
+def test_a_stop_string_in_text_held_back_to_the_last_token_is_cut(tiny_llama_dir, tmp_path):
+    """A token may hold a stop string and the first byte of a character ("\\n" + c3): its text waits for
+    the character's end. When the request ends first (max_tokens, EOS), that last text is searched too."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    tok = HFTokenizer.from_file(str(tiny_llama_dir / "tokenizer.json"))
+    tok.add_tokens(["ĊÃ"])  # byte-level spelling of b"\n\xc3"
+    tok.save(str(tmp_path / "tokenizer.json"))
+    tok = Tokenizer(tmp_path)
+    newline_c3 = tok.token_to_id("ĊÃ")
+    (a,) = tok.encode("a", add_special_tokens=False)
+    checker = StopChecker(tok, [EOS], 1000)
+    for ids, max_tokens in (([a, newline_c3], 2), ([a, newline_c3, EOS], 10)):
+        seq = Sequence("r", [1], SamplingParams(max_tokens=max_tokens, stop=["\n"]))
+        pieces = _feed(checker, seq, ids)
+        assert (seq.text, seq.finish_reason, "".join(pieces)) == ("a", "stop", "a"), ids
