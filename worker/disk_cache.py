@@ -36,12 +36,16 @@ class DiskCache:
         self._used: dict[str, int] = {}  # key -> logical time of last use
         self._bytes: dict[str, int] = {}
         self.evictions = 0
+        # Entries an earlier run wrote: complete when renamed, but a crash or power loss may have kept the
+        # rename and lost data not yet on disk. Their owner checks them before first use (mark_verified).
+        self.unverified: set[str] = set()
         for child in sorted(self.root.iterdir()):
             if child.name.startswith(_TMP):
                 shutil.rmtree(child, ignore_errors=True)  # a download interrupted by a crash
             elif child.is_dir():
                 self._bytes[child.name] = dir_bytes(child)
                 self._used[child.name] = 0
+                self.unverified.add(child.name)
 
     def get(self, key: str) -> Path | None:
         with self._lock:
@@ -77,6 +81,18 @@ class DiskCache:
         self.trim(lambda: {*keys(), key})
         return final
 
+    def mark_verified(self, key: str) -> None:
+        with self._lock:
+            self.unverified.discard(key)
+
+    def discard(self, key: str) -> None:
+        """Remove entry `key` (found corrupt); a later `put` creates it again."""
+        with self._lock:
+            if self._bytes.pop(key, None) is not None:
+                shutil.rmtree(self.root / key, ignore_errors=True)
+                self._used.pop(key, None)
+            self.unverified.discard(key)
+
     def trim(self, protect: Protect = frozenset()) -> None:
         """Evict least recently used entries until within budget, never a protected one."""
         with self._lock:
@@ -90,6 +106,7 @@ class DiskCache:
                 shutil.rmtree(self.root / key, ignore_errors=True)
                 total -= self._bytes.pop(key)
                 self._used.pop(key, None)
+                self.unverified.discard(key)
                 self.evictions += 1
 
     def entries(self) -> list[str]:

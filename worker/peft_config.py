@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,7 @@ def refuse_unsupported(config: dict, where: Path) -> None:
     targets = config.get("target_modules")
     if targets is None:
         raise AdapterError(f"{where}: target_modules is missing; it must name the adapted projections")
+    _refuse_malformed(config, where)
     for name in ("r", "lora_alpha"):
         value = config.get(name, 8)
         if not _is_positive_number(value):
@@ -61,6 +63,47 @@ def refuse_unsupported(config: dict, where: Path) -> None:
         if not isinstance(pattern, dict) or not all(_is_positive_number(v) for v in pattern.values()):
             raise AdapterError(f"{where}: {name} must map module-name patterns to finite positive numbers, "
                                f"got {pattern!r}")
+
+
+def _refuse_malformed(config: dict, where: Path) -> None:
+    """Fields of the wrong JSON type, or regexes that do not compile, refused here with the field's name:
+    PEFT's matching rules (worker/peft_patterns.py) would otherwise fail with a TypeError or re.error."""
+    def names(field: str, *, regex: bool) -> None:
+        value = config.get(field)
+        if value is None:
+            return
+        if isinstance(value, str):
+            if regex:
+                _compile(field, value, where)
+            return
+        if not isinstance(value, list | dict) or not all(isinstance(v, str) for v in value):
+            raise AdapterError(f"{where}: {field} must be a list of module names or a regex string, got {value!r}")
+
+    names("target_modules", regex=config.get("target_modules") != "all-linear")
+    names("exclude_modules", regex=True)
+    layers = config.get("layers_to_transform")
+    if layers is not None and not (_is_int(layers) or isinstance(layers, list) and all(map(_is_int, layers))):
+        raise AdapterError(f"{where}: layers_to_transform must be a layer index or a list of them, got {layers!r}")
+    for field in ("rank_pattern", "alpha_pattern"):
+        pattern = config.get(field)
+        for key in pattern if isinstance(pattern, dict) else ():
+            _compile(field, rf"(.*\.)?({key})$", where, shown=key)
+    base = config.get("base_model_name_or_path")
+    if base is not None and not isinstance(base, str):
+        raise AdapterError(f"{where}: base_model_name_or_path must be a string, got {base!r}")
+
+
+def _compile(field: str, pattern: str, where: Path, *, shown: str | None = None) -> None:
+    shown = pattern if shown is None else shown
+    try:
+        re.compile(pattern)
+    except (re.error, RecursionError, OverflowError) as exc:
+        raise AdapterError(f"{where}: {field} {shown!r} is not a valid regex ({exc}); "
+                           f"fix {CONFIG_FILE}") from None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_positive_number(value: Any) -> bool:

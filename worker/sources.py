@@ -13,8 +13,11 @@ uses as its default version, so a directive's `sha256` and an adapter's version 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -24,11 +27,13 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 ADAPTER_FILES = (CONFIG_FILE, WEIGHTS_FILE)
 # What a PEFT directory may carry besides the adapter itself (tokenizer files are checked on load).
 OPTIONAL_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "README.md")
+MAX_ATTEMPTS = 3  # downloads of one adapter whose objects changed meanwhile
+CHUNK_BYTES = 256 << 10  # progress granularity of a download
 
 
 class SourceError(ValueError):
     """A source that is not allowed, malformed, missing, or whose digest does not match.
-    `kind`: not_allowed | bad_uri | missing | digest_mismatch | too_large."""
+    `kind`: not_allowed | bad_uri | missing | digest_mismatch | too_large | changed."""
 
     def __init__(self, message: str, kind: str = "bad_uri") -> None:
         super().__init__(message)
@@ -159,42 +164,38 @@ class Sources:
                                  secure=c.s3_secure, region=c.s3_region, http_client=http)
         return self._client
 
-    def download(self, uri: str, dest: Path, *, progress: Callable[[int, int], None] | None = None) -> Path:
+    def download(self, uri: str, dest: Path, *, progress: Callable[[int, int], None] | None = None,
+                 deadline: float | None = None) -> Path:
         """Download the adapter files under an allowed S3 prefix into `dest` (created). Only the PEFT
         files are fetched; anything else under the prefix (pickles included) is ignored.
-        `progress(done_bytes, total_bytes)` is called as bytes arrive."""
+        `progress(done_bytes, total_bytes)` is called when the download starts and as bytes arrive.
+
+        Every object is read at the version the listing saw (If-Match on its ETag): an object replaced
+        mid-download would otherwise mix files of two uploads; the download then starts over, up to
+        `MAX_ATTEMPTS` times. `deadline` (time.monotonic()) ends a slow download with TimeoutError, even
+        in the middle of a read, so nothing keeps writing after the caller gave up."""
         loc = self.check_s3(uri)
         client = self.client()
         wanted = {loc.prefix + n: n for n in (*ADAPTER_FILES, *OPTIONAL_FILES)}
-        objects = {o.object_name: o.size for o in client.list_objects(loc.bucket, prefix=loc.prefix)
-                   if o.object_name in wanted}
-        missing = [n for n in ADAPTER_FILES if loc.prefix + n not in objects]
-        if missing:
-            raise SourceError(f"{uri}: missing {', '.join(missing)} (a PEFT adapter directory needs both; "
-                              f"pickle .bin files are not served)", "missing")
-        total = sum(objects.values())
-        if any(size > self.config.max_file_bytes for size in objects.values()):
-            raise SourceError(f"{uri}: an object is larger than max_file_bytes={self.config.max_file_bytes}",
-                              "too_large")
         dest.mkdir(parents=True, exist_ok=True)
-        done = 0
-        for key, size in sorted(objects.items()):
-            response = client.get_object(loc.bucket, key)
-            try:
-                with open(dest / wanted[key], "wb") as f:
-                    for chunk in response.stream(1 << 20):
-                        f.write(chunk)
-                        done += len(chunk)
-                        if progress is not None:
-                            progress(done, total)
-            finally:
-                response.close()
-                response.release_conn()
-            if (dest / wanted[key]).stat().st_size != size:
-                raise SourceError(f"{uri}{wanted[key]}: got {(dest / wanted[key]).stat().st_size} of {size} bytes",
-                                  "missing")
-        return dest
-
+        for _ in range(MAX_ATTEMPTS):
+            objects = {o.object_name: (o.size, o.etag) for o in client.list_objects(loc.bucket, prefix=loc.prefix)
+                       if o.object_name in wanted}
+            missing = [n for n in ADAPTER_FILES if loc.prefix + n not in objects]
+            if missing:
+                raise SourceError(f"{uri}: missing {', '.join(missing)} (a PEFT adapter directory needs both; "
+                                  f"pickle .bin files are not served)", "missing")
+            if any(size > self.config.max_file_bytes for size, _ in objects.values()):
+                raise SourceError(f"{uri}: an object is larger than max_file_bytes={self.config.max_file_bytes}",
+                                  "too_large")
+            for name in wanted.values():  # what an earlier attempt wrote
+                (dest / name).unlink(missing_ok=True)
+            fetched = _Fetch(sum(size for size, _ in objects.values()), progress, deadline, uri)
+            if all(fetched.object(client, loc.bucket, key, etag, size, dest / wanted[key])
+                   for key, (size, etag) in sorted(objects.items())):
+                return dest
+        raise SourceError(f"{uri}: the objects changed during {MAX_ATTEMPTS} download attempts; retry once the "
+                          f"upload has finished", "changed")
 
     def object_etags(self, uri: str) -> list[tuple[str, str]]:
         """(name, etag) of the adapter files under an S3 prefix: identifies content without a digest."""
@@ -232,3 +233,62 @@ def verify_digest(path: Path, sha256: str | None, where: str) -> str:
         raise SourceError(f"{where}: sha256 mismatch: expected {sha256}, the files hash to {digest} "
                           f"(corrupt or changed upload; fix the object or the directive's sha256)", "digest_mismatch")
     return digest
+
+
+class _Fetch:
+    """One download attempt's reads: progress over all objects, and the deadline."""
+
+    def __init__(self, total: int, progress: Callable[[int, int], None] | None, deadline: float | None,
+                 uri: str) -> None:
+        self.total, self.done, self.progress, self.deadline, self.uri = total, 0, progress, deadline, uri
+        self._report()
+
+    def _report(self) -> None:
+        if self.progress is not None:
+            self.progress(self.done, self.total)
+
+    def _check_deadline(self) -> None:
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            raise TimeoutError(f"{self.uri}: download timed out ({self.done} of {self.total} bytes)")
+
+    def object(self, client, bucket: str, key: str, etag: str | None, size: int, path: Path) -> bool:
+        """Read `key` into `path`; False when it no longer has the listed `etag` (replaced meanwhile)."""
+        from minio.error import S3Error
+
+        self._check_deadline()
+        headers = {"If-Match": f'"{etag}"'} if etag else None
+        try:
+            response = client.get_object(bucket, key, request_headers=headers)
+        except S3Error as exc:
+            if exc.code == "PreconditionFailed":
+                return False
+            raise
+        # At the deadline the socket is shut down: a read blocked on a stalled store returns at once.
+        timer = None
+        if self.deadline is not None:
+            timer = threading.Timer(max(0.0, self.deadline - time.monotonic()), _shutdown, (response,))
+            timer.daemon = True
+            timer.start()
+        try:
+            with open(path, "wb") as f:
+                for chunk in response.stream(CHUNK_BYTES):
+                    f.write(chunk)
+                    self.done += len(chunk)
+                    self._report()
+        except Exception:
+            self._check_deadline()  # a read ended by the deadline is a timeout, not a broken store
+            raise
+        finally:
+            if timer is not None:
+                timer.cancel()
+            response.close()
+            response.release_conn()
+        self._check_deadline()
+        if path.stat().st_size != size:
+            raise SourceError(f"{self.uri}{path.name}: got {path.stat().st_size} of {size} bytes", "missing")
+        return True
+
+
+def _shutdown(response) -> None:
+    with contextlib.suppress(ValueError, RuntimeError, OSError):  # already released: the read is over anyway
+        response.shutdown()

@@ -27,11 +27,11 @@ token comes from `LORAFLEET_STAGER_TOKEN` (an environment variable, so it is not
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import hmac
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,22 +51,14 @@ from lorafleet.worker.directives import (
 from lorafleet.worker.disk_cache import DiskCache, dir_bytes
 from lorafleet.worker.openai_protocol import APIError
 from lorafleet.worker.sources import SourceError, Sources, verify_digest
+from lorafleet.worker.staged_copy import Staged, verify_staged_copy
 from lorafleet.worker.stager_config import StagerConfig
 from lorafleet.worker.stager_seed import SeedReport, seed, seed_until_done
 from lorafleet.worker.staging_errors import staging_error
 from lorafleet.worker.tenants import bearer_token
 
 log = logging.getLogger("lorafleet.stager")
-
-
-@dataclass(slots=True)
-class Staged:
-    path: Path
-    sha256: str
-    cached: bool
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"path": str(self.path), "sha256": self.sha256, "cached": self.cached, "bytes": dir_bytes(self.path)}
+_STALL_GRACE_S = 120.0  # beyond download_timeout_s: listings are bounded by the client's read timeouts and retries
 
 
 class Stager:
@@ -75,6 +67,7 @@ class Stager:
         self.sources = Sources(config.sources_config())
         self.cache = DiskCache(Path(config.stager_cache_dir), config.stager_cache_bytes)
         self._locks: dict[str, asyncio.Lock] = {}
+        self._flights: dict[tuple[str, str], asyncio.Future] = {}  # (cache key, uri) -> its stage in progress
         self._by_uri: dict[str, str] = {}  # uri -> cache key of its last staged copy (store-down fallback)
         self.counts = {"downloads": 0, "download_bytes": 0, "hits": 0, "misses": 0, "failures": 0}
         self.download_seconds: list[float] = []
@@ -135,20 +128,47 @@ class Stager:
             now = time.monotonic()
             self._leases = {k: t for k, t in self._leases.items() if t > now}
             self._leases[key] = now + self.config.stage_lease_s
+        # Concurrent requests for one adapter share one flight: one download, and all of them get its
+        # result or its error. A caller that goes away (client disconnect) does not cancel it for the others.
+        flight = self._flights.get((key, uri))
+        if flight is None:
+            flight = asyncio.ensure_future(self._stage_key(uri, sha256, key))
+            self._flights[(key, uri)] = flight
+            flight.add_done_callback(functools.partial(self._landed, (key, uri)))
+        try:
+            staged = await asyncio.shield(flight)
+        except Exception:
+            self._count_request("miss")
+            raise
+        self._count_request("hit" if staged.cached else "miss")
+        return staged
+
+    def _landed(self, flight_key: tuple[str, str], flight: asyncio.Future) -> None:
+        if self._flights.get(flight_key) is flight:
+            del self._flights[flight_key]
+        if not flight.cancelled():
+            flight.exception()  # retrieved: every waiter may have gone
+
+    def _count_request(self, outcome: str) -> None:
+        self.counts["hits" if outcome == "hit" else "misses"] += 1
+        self.m_requests.labels(outcome).inc()
+
+    async def _stage_key(self, uri: str, sha256: str | None, key: str) -> Staged:
         lock = self._locks.setdefault(key, asyncio.Lock())
-        async with lock:  # concurrent requests for one adapter: one download
+        async with lock:  # one cache key, other URIs: the second finds the first's copy
             path = self.cache.get(key)
+            if path is not None and key in self.cache.unverified:
+                path = await asyncio.to_thread(verify_staged_copy, self.cache, key)
             if path is not None:
-                self.counts["hits"] += 1
-                self.m_requests.labels("hit").inc()
                 self._by_uri[uri] = key
                 return Staged(path, (path / ".sha256").read_text().strip(), cached=True)
-            self.counts["misses"] += 1
-            self.m_requests.labels("miss").inc()
             t0 = time.perf_counter()
+            deadline = time.monotonic() + self.config.download_timeout_s
             try:
-                path = await asyncio.wait_for(asyncio.to_thread(self._download, uri, sha256, key),
-                                              self.config.download_timeout_s)
+                # The download gives up at the deadline itself (and removes its temp copy); the outer bound
+                # only covers a store that stalls a listing beyond the client's read timeouts.
+                path = await asyncio.wait_for(asyncio.to_thread(self._download, uri, sha256, key, deadline),
+                                              self.config.download_timeout_s + _STALL_GRACE_S)
             except Exception:
                 self.counts["failures"] += 1
                 self.m_failures.inc()
@@ -162,12 +182,12 @@ class Stager:
             self._by_uri[uri] = key
             return Staged(path, (path / ".sha256").read_text().strip(), cached=False)
 
-    def _download(self, uri: str, sha256: str | None, key: str) -> Path:
+    def _download(self, uri: str, sha256: str | None, key: str, deadline: float) -> Path:
         def progress(done: int, total: int) -> None:
             self.downloading[uri] = (done, total)
 
         def fill(tmp: Path) -> None:
-            self.sources.download(uri, tmp, progress=progress)
+            self.sources.download(uri, tmp, progress=progress, deadline=deadline)
             digest = verify_digest(tmp, sha256, uri)  # before the rename: a bad download is never visible
             (tmp / ".sha256").write_text(digest + "\n")
 

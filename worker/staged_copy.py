@@ -1,0 +1,43 @@
+"""Staged: an adapter copy the stager hands out, and the check a copy from an earlier run passes before
+it is handed out again."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lorafleet.worker.disk_cache import DiskCache, dir_bytes
+from lorafleet.worker.sources import adapter_digest
+
+log = logging.getLogger("lorafleet.stager")
+DIGEST_FILE = ".sha256"  # beside the adapter files in a cache entry: the digest they had when staged
+
+
+@dataclass(slots=True)
+class Staged:
+    path: Path
+    sha256: str
+    cached: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": str(self.path), "sha256": self.sha256, "cached": self.cached, "bytes": dir_bytes(self.path)}
+
+
+def verify_staged_copy(cache: DiskCache, key: str) -> Path | None:
+    """The entry `key`, written by an earlier run, if its files still hash to the recorded digest (and to
+    the key, when the key is the digest); else the entry is dropped (None: download it again). A crash or
+    power loss can leave a renamed entry whose data never reached the disk."""
+    path = cache.root / key
+    try:
+        recorded = (path / DIGEST_FILE).read_text().strip()
+        digest = adapter_digest(path)
+    except OSError:
+        recorded = digest = None
+    if digest is not None and digest == recorded and (len(key) != 64 or key == digest):
+        cache.mark_verified(key)
+        return path
+    log.warning("disk cache entry %s does not hash to its recorded digest; it is downloaded again", key)
+    cache.discard(key)
+    return None
