@@ -44,6 +44,7 @@ from lorafleet.worker.openai_protocol import (
     parse_json,
 )
 from lorafleet.worker.request_output import RequestOutput
+from lorafleet.worker.scheduler import CapacityError
 from lorafleet.worker.tenants import AuthenticationError, Tenant
 from lorafleet.worker.tokenizer import TokenizerError
 
@@ -180,6 +181,8 @@ def _engine_error(exc: BaseException, job: CompletionJob, request: web.Request) 
         return APIError(400, message, code="invalid_request")
     if isinstance(exc, ShutdownError):
         return APIError(503, message, type="service_unavailable", code="shutting_down", headers={"Retry-After": "1"})
+    if isinstance(exc, CapacityError):  # the pool is held (pinned or busy adapters): not the request's fault
+        return APIError(503, message, type="service_unavailable", code="no_capacity", headers={"Retry-After": "5"})
     return APIError(500, f"the engine failed on this request: {message}", type="server_error", code="engine_error")
 
 

@@ -7,7 +7,8 @@ import asyncio
 from lorafleet.worker.openai_protocol import APIError
 from lorafleet.worker.sources import SourceError
 
-_STATUS = {"not_allowed": 403, "bad_uri": 400, "missing": 404, "digest_mismatch": 422, "too_large": 413}
+_STATUS = {"not_allowed": 403, "bad_uri": 400, "missing": 404, "digest_mismatch": 422, "too_large": 413,
+           "changed": 409}  # changed: the objects kept changing while downloaded (an upload in progress)
 
 
 def staging_error(exc: Exception, uri: str) -> APIError:
