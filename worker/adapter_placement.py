@@ -73,8 +73,8 @@ class AdapterPlacement:
         pages freed."""
         with self._lock:
             idle = self._idle_resident()
-            if sum(len(e.page_ids) for e in idle) < num_pages:
-                return 0
+            if self._usable_by_kv(idle) < num_pages:
+                return 0  # evicting them all would not be enough: evict none
             freed = 0
             for victim in self._eviction_order(idle):
                 if freed >= num_pages:
@@ -87,7 +87,13 @@ class AdapterPlacement:
     def reclaimable_pages(self) -> int:
         """Pages of idle GPU-resident adapters: the KV cache could have them (see reclaim_for_kv)."""
         with self._lock:
-            return sum(len(e.page_ids) for e in self._idle_resident())
+            return self._usable_by_kv(self._idle_resident())
+
+    def _usable_by_kv(self, idle: list[AdapterEntry]) -> int:
+        """Pages the KV cache would gain if `idle` were evicted: those below the adapters' page floor
+        (min_pages) stay reserved for adapters."""
+        spare = self.page_pool.num_used("adapter") - self.page_pool.config.min_pages.get("adapter", 0)
+        return max(0, min(sum(len(e.page_ids) for e in idle), spare))
 
     def _idle_resident(self) -> list[AdapterEntry]:
         """Resident adapters no request uses, holds or waits for, not pinned, not being replaced."""

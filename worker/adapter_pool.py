@@ -99,8 +99,8 @@ class AdapterPool(AdapterLoading, AdapterPlacement, AdapterReports):
             pinned: bool = False, make_current: bool = True, read_seconds: float = 0.0) -> None:
         """Register `name@version` from CPU `weights` (packed now, read_seconds after the caller read them:
         the disk -> CPU load time; re-read through `weights.reload` if it has one, so the CPU tier alone
-        bounds the copies kept) or a `loader` (run in a loader thread on first use). A second version of a
-        name loads beside the first, current once resident. Re-adding a key with other content is refused."""
+        bounds the copies kept) or a `loader` (run in a loader thread on first use). A second version loads
+        beside the first, current once resident unless the first is added again; a key's content is fixed."""
         name, version = split_key(key)
         if weights is None and loader is None:
             raise ValueError(f"{key}: give weights or a loader")
@@ -117,12 +117,9 @@ class AdapterPool(AdapterLoading, AdapterPlacement, AdapterReports):
                         f"version (name@other-version) so no request is served stale weights"
                     )
                 if not entry.retired:
-                    entry.pinned = entry.pinned or pinned
-                    if entry.pinned:
-                        self._want(entry)
-                    return
-                # A replaced version registered again (a rollback): it comes back as it was.
-                entry.retired, entry.loader, entry.pinned = False, loader, pinned
+                    pinned = entry.pinned = entry.pinned or pinned
+                else:  # a replaced version registered again (a rollback): it comes back as it was
+                    entry.retired, entry.loader, entry.pinned = False, loader, pinned
             else:
                 entry = AdapterEntry(key, name, version, tenant, loader, pinned=pinned)
                 self._entries[key] = entry
@@ -140,6 +137,8 @@ class AdapterPool(AdapterLoading, AdapterPlacement, AdapterReports):
                     self._switch(entry)
                 else:
                     self._want(entry)
+            elif make_current and (loading := self._pending.pop(name, None)) not in (None, key):
+                self._retire(self._entries[loading])  # it stays current: the version loading to replace it goes
             if pinned:
                 self._want(entry)
             self._update_gauges()
@@ -227,7 +226,8 @@ class AdapterPool(AdapterLoading, AdapterPlacement, AdapterReports):
                 raise entry.error
             if waiter is None and entry.failed_anonymous:
                 entry.failed_anonymous = False
-                raise entry.error
+                if entry.error is not None and not entry.resident:  # else a later load succeeded
+                    raise entry.error
             # A replaced version still serves requests that resolved it before the switch (queued
             # ones too) while it is resident; it is the first to go when memory is needed.
             if entry.retired and not entry.resident:
@@ -326,13 +326,13 @@ class AdapterPool(AdapterLoading, AdapterPlacement, AdapterReports):
             self._wait_some(0.005)
 
     def evict(self, key: str, tier: str = "gpu") -> None:
-        """Evict `key` from a tier. Refused while requests use it or it is pinned (GPU tier)."""
+        """Evict `key` from a tier. Refused while requests use or wait for it, or it is pinned (GPU tier)."""
         with self._lock:
             entry = self._get(key)
             if tier == "gpu":
-                if entry.refcount > 0 or entry.pinned or entry.copying is not None:
+                if entry.refcount > 0 or entry.pinned or entry.copying is not None or entry.waiters:
                     raise RuntimeError(f"{key} cannot be evicted: refcount={entry.refcount}, pinned={entry.pinned}, "
-                                       f"copying={entry.copying is not None}")
+                                       f"copying={entry.copying is not None}, queued requests={len(entry.waiters)}")
                 if entry.resident:
                     self._evict_gpu(entry, "capacity")
             elif tier == "cpu":

@@ -126,6 +126,9 @@ class PagePool:
         short = num_pages - self.available(kind)
         if short <= 0:
             return True
+        ceiling = self.config.max_pages.get(kind)
+        if ceiling is not None and self._used_by_kind[kind] + num_pages > ceiling:
+            return False  # over its own ceiling: pages the others give back would not help
         for other, reclaim in list(self._reclaimers.items()):
             if other != kind:
                 reclaim(short)  # called without our lock: the reclaimer takes its own, then ours

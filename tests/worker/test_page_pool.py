@@ -139,3 +139,20 @@ def test_random_operations_keep_invariants(ops):
         pool.check()
         assert pool.num_used("adapter") <= 8
         assert pool.num_free + pool.num_used("kv") + pool.num_used("adapter") == 12
+
+
+def test_a_kind_at_its_ceiling_asks_no_other_kind_to_give_pages_back():
+    """Reclaiming adapter pages for a KV cache at its own ceiling would evict adapters for nothing."""
+    pool = make_pool(num_pages=8, max_pages={"kv": 4, "adapter": None})
+    pool.allocate(4, ("kv", 1))
+    pool.allocate(4, ("adapter", "x@1"))
+    asked = []
+
+    def reclaim(n: int) -> int:
+        asked.append(n)
+        return pool.free_owner(("adapter", "x@1"))
+
+    pool.set_reclaimer("adapter", reclaim)
+    assert not pool.can_allocate(1, "kv")
+    assert asked == [] and pool.num_used("adapter") == 4
+    pool.check()

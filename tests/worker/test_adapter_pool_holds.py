@@ -1,0 +1,133 @@
+"""AdapterPool: what keeps an adapter on the GPU (a queued request, the adapters' page floor), which
+version a re-registration leaves current, and what a caller hears after a failed load recovered."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from lorafleet.worker.adapter_entry import AdapterLoadError
+from lorafleet.worker.adapter_pool import AdapterPool, AdapterPoolConfig
+from lorafleet.worker.page_pool import PagePool, PagePoolConfig
+from tests.lora_factory import TINY_DIMS, random_weights
+from tests.worker.test_adapter_pool import PAGE_ELEMS, make_pool
+
+
+@pytest.fixture(scope="module")
+def adapter_pages() -> int:
+    """Pages one `random_weights` adapter (default rank) takes."""
+    probe = make_pool()
+    try:
+        probe.add("probe@1", random_weights(0))
+        return probe.entry("probe@1").image.num_pages
+    finally:
+        probe.close()
+
+
+def test_an_anonymous_acquire_after_a_recovered_load_gets_the_slot():
+    pool = make_pool()
+    try:
+        broken = {"on": True}
+
+        def loader():
+            if broken["on"]:
+                raise ConnectionError("object store unreachable")
+            return random_weights(5)
+
+        pool.add("flaky@1", loader=loader)
+        assert pool.acquire("flaky@1", waiter="w1") is None
+        pool.wait_idle()
+        with pytest.raises(AdapterLoadError, match="object store unreachable"):
+            pool.acquire("flaky@1", waiter="w1")
+        broken["on"] = False
+        assert pool.acquire("flaky@1", waiter="w2") is None  # a new request loads it again
+        pool.wait_idle()
+        slot = pool.acquire("flaky@1", waiter="w2")
+        assert slot is not None
+        assert pool.acquire("flaky@1") == slot  # the old failure is over: no error, stale or None
+        pool.release(slot)
+        pool.release(slot)
+        pool.check()
+    finally:
+        pool.close()
+
+
+def test_evict_refuses_an_adapter_a_queued_request_waits_for():
+    pool = make_pool()
+    try:
+        pool.add("a@1", random_weights(1))
+        assert pool.acquire("a@1", waiter="queued") is None
+        pool.wait_idle()
+        assert pool.entry("a@1").resident
+        with pytest.raises(RuntimeError, match="cannot be evicted.*queued requests=1"):
+            pool.evict("a@1")
+        slot = pool.acquire("a@1", waiter="queued")
+        assert slot is not None and pool.stats()["evictions"]["gpu"] == {}
+        pool.release(slot)
+        pool.evict("a@1")  # nobody holds or waits for it now
+        assert not pool.entry("a@1").resident
+        pool.check()
+    finally:
+        pool.close()
+
+
+def test_kv_reclaim_evicts_no_adapter_when_the_adapter_floor_keeps_the_pages(adapter_pages):
+    """Pages below the adapters' floor (min_pages) never go to the KV cache: evicting adapters that
+    would only free such pages loses them for nothing."""
+    n = adapter_pages
+    pages = PagePool(PagePoolConfig(num_pages=3 * n, page_elems=PAGE_ELEMS, min_pages={"kv": 0, "adapter": 2 * n}))
+    pool = AdapterPool(pages, TINY_DIMS, AdapterPoolConfig(max_slots=4, max_rank=32, num_load_threads=1))
+    try:
+        for i in range(3):
+            pool.add(f"a{i}@1", random_weights(i))
+            pool.load(f"a{i}@1")
+        assert pages.num_free == 0
+        assert pool.reclaimable_pages() == n  # only the pages above the floor
+        assert not pages.can_allocate(2 * n, "kv")
+        assert all(pool.entry(f"a{i}@1").resident for i in range(3))
+        assert pool.stats()["evictions"]["gpu"] == {}
+        assert pages.can_allocate(n, "kv")  # one adapter's pages are above the floor: that one goes
+        assert sum(pool.entry(f"a{i}@1").resident for i in range(3)) == 2
+        pool.check()
+    finally:
+        pool.close()
+
+
+def test_registering_the_current_version_again_drops_the_version_loading_to_replace_it():
+    """A rollback pushed while the new version still loads: the re-registered version stays current."""
+    pool = make_pool()
+    gate = threading.Event()
+
+    def slow_v2():
+        gate.wait(30)
+        return random_weights(2)
+
+    try:
+        pool.add("a@1", random_weights(1))
+        pool.load("a@1")
+        pool.add("a@2", loader=slow_v2)  # current once resident
+        pool.add("a@1", random_weights(1))
+        gate.set()
+        pool.wait_idle()
+        assert pool.resolve("a") == "a@1"
+        assert pool.registered() == ["a@1"]
+        pool.check()
+    finally:
+        gate.set()
+        pool.close()
+
+
+def test_registering_a_canary_again_as_current_promotes_it():
+    pool = make_pool()
+    try:
+        pool.add("a@1", random_weights(1))
+        pool.add("a@2", random_weights(2), make_current=False)
+        assert pool.resolve("a") == "a@1"
+        pool.add("a@2", random_weights(2))  # make_current=True: current once resident
+        pool.load("a@2")
+        assert pool.resolve("a") == "a@2"
+        assert pool.registered() == ["a@2"]
+        pool.check()
+    finally:
+        pool.close()
