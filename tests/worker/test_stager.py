@@ -36,15 +36,10 @@ SPECS = {
 
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory):
-    server = S3Server(tmp_path_factory.mktemp("s3"))
-    server.start()
-    try:
-        client = server.client()
-        client.make_bucket("adapters")
-        client.make_bucket("private")
+    with S3Server(tmp_path_factory.mktemp("s3")) as server:
+        for bucket in ("adapters", "private"):
+            server.client().make_bucket(bucket)
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")

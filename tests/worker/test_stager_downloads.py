@@ -21,13 +21,9 @@ pytestmark = pytest.mark.skipif(weed_binary() is None, reason="weed (seaweedfs-b
 
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory):
-    server = S3Server(tmp_path_factory.mktemp("s3"))
-    server.start()
-    try:
+    with S3Server(tmp_path_factory.mktemp("s3")) as server:
         server.client().make_bucket("adapters")
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")
