@@ -41,11 +41,16 @@ model: install
 	$(PY) -m lorafleet.worker.default_model
 
 # The worker on 127.0.0.1:8000 with the embedded model and the demo adapters (Ctrl-C stops it).
+# The printed curl follows a port and a keys file given in RUN_ARGS (or as LORAFLEET_* variables).
 RUN_MODEL := $(if $(wildcard examples/adapters/shout),shout,SmolLM2-135M-Instruct)
-RUN_CURL := curl -s http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' -d '{"model": "$(RUN_MODEL)", "prompt": "Words: red fish open sky\nReply:", "max_tokens": 12, "temperature": 0}'
-export RUN_CURL
+RUN_PORT := $(or $(patsubst --port=%,%,$(lastword $(filter --port=%,$(subst --port ,--port=,$(RUN_ARGS))))),$(LORAFLEET_PORT),8000)
+RUN_KEYS := $(or $(findstring --api-keys-file,$(RUN_ARGS)),$(LORAFLEET_API_KEYS_FILE))
+RUN_CURL := curl -s http://127.0.0.1:$(RUN_PORT)/v1/completions -H 'Content-Type: application/json'$(if $(RUN_KEYS), -H 'Authorization: Bearer YOUR_KEY') -d '{"model": "$(RUN_MODEL)", "prompt": "Words: red fish open sky\nReply:", "max_tokens": 12, "temperature": 0}'
+RUN_NOTE := $(if $(RUN_KEYS),(YOUR_KEY: a key of the --api-keys-file whose tenant may use $(RUN_MODEL)))
+export RUN_CURL RUN_NOTE
 run: install model
-	@printf 'Starting the worker; once it logs "Running on http://127.0.0.1:8000", try:\n\n  %s\n\n' "$$RUN_CURL"
+	@printf 'Starting the worker; once it logs "Running on http://...:%s", try:\n\n  %s\n' "$(RUN_PORT)" "$$RUN_CURL"
+	@if [ -n "$$RUN_NOTE" ]; then printf '  %s\n' "$$RUN_NOTE"; fi; echo
 	$(PY) -m lorafleet.worker $(if $(wildcard examples/adapters),--adapters examples/adapters) $(RUN_ARGS)
 
 demo: install model

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import logging
+import socket
 import sys
 from collections.abc import Sequence
 
@@ -16,18 +18,51 @@ DESCRIPTION = (
 )
 
 
+def listen_problem(host: str, port: int) -> str | None:
+    """Why the worker could not listen on host:port, or None. Checked before the model loads, so a
+    port in use is refused at once rather than after minutes of loading weights."""
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        return f"--host {host}: cannot resolve it ({exc.strerror})"
+    for family, kind, proto, _, address in addresses:
+        try:
+            sock = socket.socket(family, kind, proto)
+        except OSError:  # a family this machine lacks (IPv6 off): the server skips it too
+            continue
+        with sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind(address)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    return (f"--port {port}: {host}:{port} is already in use; stop what listens there or "
+                            "choose another --port")
+                return f"--host {host} --port {port}: cannot listen there ({exc.strerror})"
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     config = config_from_args(WorkerConfig, argv, prog="python -m lorafleet.worker", description=DESCRIPTION)
     logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from lorafleet.worker.server import run  # after parsing: --help stays fast
+    log = logging.getLogger("lorafleet.worker")
+    if problem := listen_problem(config.host, config.port):
+        log.error("cannot start: %s", problem)
+        return 1
+    from lorafleet.worker.default_model import ConversionError  # after parsing: --help stays fast
+    from lorafleet.worker.server import run
     from lorafleet.worker.stager_client import StagerError
 
     try:
         run(config)
-    except (ValueError, OSError, StagerError) as exc:  # bad model/adapters/keys file, port in use, stager
-        logging.getLogger("lorafleet.worker").error("cannot start: %s", exc)
+    except (ValueError, OSError, StagerError, ConversionError) as exc:  # bad model/adapters/keys, stager
+        log.error("cannot start: %s", exc)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C while the model loads (once serving, the server handles it)
+        return 130
     return 0
 
 

@@ -178,11 +178,20 @@ def _dequantize(tensor) -> np.ndarray:
 
 def convert_gguf(src: Path, model_dir: Path, *, progress: bool = True) -> Path:
     """Convert a llama GGUF into an HF-style dir at `model_dir` (atomically: temp dir + rename)."""
-    from gguf import GGUFReader
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        raise ConversionError("the package `gguf` is needed to convert the model; run `pip install gguf` "
+                              "(or `make install`)") from None
 
     src, model_dir = Path(src), Path(model_dir)
+    if not src.is_file():
+        raise ConversionError(f"{src} does not exist")
     start = time.monotonic()
-    reader = GGUFReader(src)
+    try:
+        reader = GGUFReader(src)
+    except ValueError as exc:  # gguf's reader raises ValueError for a bad magic, version or layout
+        raise ConversionError(f"{src} is not a readable GGUF file: {exc}") from None
     config = llama_config(reader)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     tensors: dict[str, torch.Tensor] = {}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -52,8 +53,10 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {self.dtype!r}")
         if self.kernel_backend not in KERNEL_BACKENDS:
             raise ValueError(f"kernel_backend must be one of {KERNEL_BACKENDS}, got {self.kernel_backend!r}")
-        if torch.device(self.device).type not in ("cpu", "cuda"):
-            raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
+        self._check_device()
+        if self.tokenizer is not None and not (Path(self.tokenizer) / "tokenizer.json").is_file():
+            raise ValueError(f"--tokenizer {self.tokenizer}: no tokenizer.json there (give the directory that "
+                             "holds it, or leave --tokenizer unset to use the model directory's)")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_loras", "max_lora_rank",
                      "lora_segment_len"):
             if getattr(self, name) < 1:
@@ -66,6 +69,23 @@ class EngineConfig:
             raise ValueError(f"max_loras_per_batch must be >= 1 or None, got {self.max_loras_per_batch}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+    def _check_device(self) -> None:
+        """cpu, cuda or cuda:N, and a CUDA device must exist: refused here, not as a traceback at load."""
+        try:
+            device = torch.device(self.device)
+        except RuntimeError:
+            device = None
+        if device is None or device.type not in ("cpu", "cuda"):
+            raise ValueError(f"--device must be cpu, cuda or cuda:N, got {self.device!r}")
+        if device.type != "cuda":
+            return
+        if not torch.cuda.is_available():
+            why = "this torch is built without CUDA" if torch.version.cuda is None else "no GPU is visible"
+            raise ValueError(f"--device {self.device}: CUDA is not available ({why}); use --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {self.device}: this machine has {torch.cuda.device_count()} CUDA "
+                             f"device(s), cuda:0 to cuda:{torch.cuda.device_count() - 1}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -98,6 +118,9 @@ class EngineConfig:
         lowered to the cache's with a warning; an explicit `max_model_len` the cache cannot hold is
         refused, since requests would be refused or cut short at a length the user did not choose."""
         kv_tokens = num_pages * self.block_size
+        if self.max_model_len is not None and self.max_model_len > model_max:
+            log.warning("--max-model-len %d is more than the model's max_position_embeddings (%d): the engine "
+                        "serves at most %d tokens", self.max_model_len, model_max, model_max)
         wanted = min(self.max_model_len or model_max, model_max)
         if wanted <= kv_tokens:
             return wanted

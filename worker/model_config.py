@@ -16,6 +16,7 @@ import torch
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
 class ModelConfigError(ValueError):
@@ -63,6 +64,15 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict, *, name: str = "") -> ModelConfig:
+        if not isinstance(raw, dict):
+            raise ModelConfigError(f"config.json holds a {type(raw).__name__}, not an object")
+        missing = [k for k in REQUIRED_KEYS if k not in raw]
+        if missing:
+            raise ModelConfigError(f"config.json lacks {', '.join(missing)}: not a complete Llama config")
+        bad = [k for k in REQUIRED_KEYS if not (isinstance(raw[k], int) and raw[k] > 0)]
+        if bad:
+            raise ModelConfigError("config.json: " + ", ".join(f"{k}={raw[k]!r}" for k in bad)
+                                   + " (each must be a positive integer)")
         archs = raw.get("architectures") or ["LlamaForCausalLM"]
         if not any(a in SUPPORTED_ARCHITECTURES for a in archs) and raw.get("model_type") not in ("llama", "mistral"):
             raise ModelConfigError(f"architecture {archs} is not supported; expected a Llama-architecture model")
@@ -101,7 +111,14 @@ class ModelConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise ModelConfigError(f"{path} not found: a model directory needs config.json")
-        return cls.from_dict(json.loads(path.read_text()), name=Path(model_dir).name)
+        try:
+            raw = json.loads(path.read_text())
+        except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
+            raise ModelConfigError(f"{path} is not valid JSON: {exc}") from None
+        try:
+            return cls.from_dict(raw, name=Path(model_dir).name)
+        except ModelConfigError as exc:
+            raise ModelConfigError(f"{model_dir}: {exc}") from None
 
     def inv_freq(self) -> torch.Tensor:
         """RoPE inverse frequencies [head_dim // 2], float32, with the configured scaling applied."""

@@ -1,7 +1,8 @@
 """Model loading: safetensors weights of an HF-style directory (one file or a sharded index).
 
 Only safetensors are read; a directory holding nothing but pickle checkpoints (`*.bin`, `*.pt`) is
-refused rather than unpickled.
+refused rather than unpickled, and so is an index that names anything but safetensors files inside
+the directory.
 """
 
 from __future__ import annotations
@@ -11,19 +12,39 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from lorafleet.worker.llama import LlamaModel
 from lorafleet.worker.model_config import ModelConfig, ModelConfigError
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def _shard_names(index: Path) -> list[str]:
+    """The shard files an index names, each a plain `*.safetensors` name in the index's directory."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
+        raise ModelConfigError(f"{index} is not valid JSON: {exc}") from None
+    except (KeyError, TypeError):
+        raise ModelConfigError(f"{index} has no \"weight_map\" object (tensor name -> shard file)") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise ModelConfigError(f"{index}: \"weight_map\" must map tensor names to shard file names")
+    files = sorted(set(weight_map.values()))
+    bad = [f for f in files if Path(f).name != f or not f.endswith(".safetensors")]
+    if bad:
+        raise ModelConfigError(f"{index} names shards that are not safetensors files in its directory: {bad}")
+    if not files:
+        raise ModelConfigError(f"{index} names no shards")
+    return files
 
 
 def weight_files(model_dir: str | Path) -> list[Path]:
     """The safetensors files of a model directory, in index order when sharded."""
     model_dir = Path(model_dir)
-    index = model_dir / "model.safetensors.index.json"
+    index = model_dir / INDEX_FILE
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted(set(weight_map.values()))
+        files = _shard_names(index)
         missing = [f for f in files if not (model_dir / f).is_file()]
         if missing:
             raise ModelConfigError(f"{index} names shards that are not there: {missing}")
@@ -41,9 +62,12 @@ def weight_files(model_dir: str | Path) -> list[Path]:
 
 def iter_weights(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     for path in weight_files(model_dir):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                yield name, f.get_tensor(name)
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    yield name, f.get_tensor(name)
+        except SafetensorError as exc:  # truncated or not a safetensors file at all
+            raise ModelConfigError(f"{path} is not a readable safetensors file: {exc}") from None
 
 
 def load_model(

