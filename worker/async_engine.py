@@ -56,11 +56,13 @@ class AsyncEngine:
         thread, self._thread = self._thread, None
         if thread is None:
             return
-        self._stop.set()
+        with self._lock:  # no request or call is handed over after this without being refused
+            self._stop.set()
         self._wake.set()
         await asyncio.get_running_loop().run_in_executor(None, thread.join)
         with self._lock:
             streams, self._streams = self._streams, {}
+        self._refuse_commands(RuntimeError("the engine stopped"))  # handed over after the thread's last look
         for rid, (loop, q) in streams.items():
             self.engine.abort(rid)
             _post(loop, q.put_nowait, RuntimeError("the engine stopped"))
@@ -81,12 +83,14 @@ class AsyncEngine:
             raise RuntimeError("the engine is not running (call start() first)")
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
+        added: Future = Future()
         with self._lock:
+            if self._stop.is_set():
+                raise RuntimeError("the engine stopped")
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in flight")
             self._streams[request_id] = (loop, q)
-        added: Future = Future()
-        self._commands.put(("add", request_id, prompt, params, adapter, added))
+            self._commands.put(("add", request_id, prompt, params, adapter, added))
         self._wake.set()
         finished = False
         try:
@@ -115,7 +119,11 @@ class AsyncEngine:
     def call(self, fn: Callable[[Engine], object]) -> Future:
         """Run `fn(engine)` in the engine thread between steps (e.g. to change adapters)."""
         done: Future = Future()
-        self._commands.put(("call", fn, done))
+        with self._lock:
+            if self._stop.is_set():
+                done.set_exception(RuntimeError("the engine is not running: it stopped"))
+                return done
+            self._commands.put(("call", fn, done))
         self._wake.set()
         return done
 
@@ -180,6 +188,20 @@ class AsyncEngine:
                     done.set_result(fn(self.engine))
                 except Exception as exc:
                     done.set_exception(exc)
+
+    def _refuse_commands(self, exc: Exception) -> None:
+        """After the thread ended: end what it never took (a caller would wait forever for it)."""
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "abort":
+                self.engine.abort(cmd[1])
+                continue
+            done = cmd[-1]
+            if done.set_running_or_notify_cancel():
+                done.set_exception(exc)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}

@@ -12,6 +12,10 @@ A tenant may also use every adapter whose directive names it as `tenant` (see di
 Without a keys file the worker is open (development mode): every caller is the `dev` tenant and may
 use everything; the server logs that at start-up. A keys file never opens the worker, not even one
 that lists no key (every caller is then refused). Keys are kept only as SHA-256 digests.
+
+The file is read again when it changes (Kubernetes swaps a new file into a mounted Secret): a revoked
+key stops working and a new one works without a restart. A file that turns unreadable or malformed
+keeps the keys read last, logged; it neither opens the worker nor locks every tenant out.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import json
+import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +32,8 @@ from typing import Any
 import yaml
 
 DEV_TENANT = "dev"
+
+log = logging.getLogger(__name__)
 
 
 class TenantsError(ValueError):
@@ -63,6 +71,15 @@ def _digest(key: str) -> str:
     return hashlib.sha256(token_bytes(key)).hexdigest()
 
 
+def _stamp(path: Path) -> tuple[int, int, int, int] | None:
+    """What tells a changed file: a swapped-in file has another inode, a rewritten one another mtime."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
 def bearer_token(authorization: str | None) -> str | None:
     """The token of an `Authorization: Bearer <token>` header, else None."""
     if not authorization:
@@ -81,6 +98,8 @@ class Tenants:
         self._tenants = {t.name: t for t in tenants or []}
         self._by_digest = {_digest(k): name for k, name in (keys or {}).items()}
         self._is_open = is_open
+        self._path: Path | None = None  # the keys file, re-read when it changes
+        self._stamp: tuple[int, int, int, int] | None = None
         for name in self._by_digest.values():
             if name not in self._tenants:
                 raise TenantsError(f"key maps to unknown tenant {name!r}")
@@ -103,6 +122,13 @@ class Tenants:
         if path is None:
             return cls(is_open=True)
         path = Path(path)
+        stamp = _stamp(path)  # before reading: a change while it is read is seen at the next call
+        tenants = cls._read(path)
+        tenants._path, tenants._stamp = path, stamp
+        return tenants
+
+    @classmethod
+    def _read(cls, path: Path) -> Tenants:
         try:
             text = path.read_text()
         except OSError as exc:
@@ -142,10 +168,28 @@ class Tenants:
             tenants.append(Tenant(str(name), tuple(patterns), base_model))
         return cls(tenants, keys)
 
+    def reload_if_changed(self) -> bool:
+        """Read the keys file again if it changed since it was read; True if new keys are in force."""
+        if self._path is None:
+            return False
+        stamp = _stamp(self._path)
+        if stamp == self._stamp:
+            return False
+        self._stamp = stamp
+        try:
+            fresh = self._read(self._path)
+        except TenantsError as exc:
+            log.error("%s; the keys read before stay in force until the file is fixed", exc)
+            return False
+        self._tenants, self._by_digest = fresh._tenants, fresh._by_digest
+        log.info("API keys file %s changed: keys reloaded for tenants: %s", self._path, ", ".join(self.names))
+        return True
+
     def authenticate(self, authorization: str | None) -> Tenant:
         """The caller's tenant from its `Authorization` header; raises AuthenticationError."""
         if self.is_open:
             return Tenant(DEV_TENANT, is_dev=True)
+        self.reload_if_changed()
         token = bearer_token(authorization)
         if token is None:
             raise AuthenticationError(

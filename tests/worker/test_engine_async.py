@@ -210,3 +210,41 @@ async def test_a_client_whose_event_loop_closed_does_not_stop_the_engine(async_e
     await asyncio.get_running_loop().run_in_executor(None, client_in_its_own_loop)
     outs = await asyncio.wait_for(_collect(async_engine, "ok", PROMPTS[0]), timeout=60)
     assert outs[-1].finished and async_engine.is_running
+
+
+async def test_stop_ends_a_request_whose_add_was_still_queued(tiny_llama_dir):
+    """A request handed over just before stop() but not yet taken by the engine thread ends with an
+    error, as the running ones do, instead of waiting forever for the engine to take it."""
+    engine = Engine(EngineConfig(model=str(tiny_llama_dir), num_pages=64, block_size=4))
+    in_step, go_on = threading.Event(), threading.Event()
+    step = engine.step
+
+    def held_step():
+        in_step.set()
+        go_on.wait(10)  # the engine thread is inside a step while the next request is handed over
+        return step()
+
+    engine.step = held_step
+    ae = AsyncEngine(engine)
+    await ae.start()
+    running = ae.generate("running", PROMPTS[0], SamplingParams(max_tokens=200, ignore_eos=True))
+    first = asyncio.create_task(running.__anext__())
+    assert await asyncio.to_thread(in_step.wait, 10)
+    late = asyncio.create_task(_collect(ae, "late", PROMPTS[3]))
+    await asyncio.sleep(0)  # `late` hands its request over, then waits for the engine thread to take it
+    stopping = asyncio.create_task(ae.stop())
+    await asyncio.sleep(0)  # stop() has asked the thread to end: it leaves after this step
+    go_on.set()
+    await stopping
+    with pytest.raises(RuntimeError, match="stopped"):
+        await asyncio.wait_for(late, timeout=30)
+    first.cancel()
+    await asyncio.gather(first, return_exceptions=True)
+    await running.aclose()
+    assert engine.page_pool.num_used("kv") == 0
+
+
+async def test_a_call_handed_over_after_stop_fails_instead_of_hanging(async_engine):
+    await async_engine.stop()
+    with pytest.raises(RuntimeError, match="not running"):
+        await asyncio.wait_for(asyncio.wrap_future(async_engine.call(lambda e: e.num_running)), timeout=30)

@@ -90,3 +90,37 @@ def test_a_keys_file_without_keys_refuses_everyone_instead_of_opening(tmp_path, 
 def test_keys_that_are_not_utf8_are_refused_not_crashed(tenants):
     with pytest.raises(AuthenticationError, match="invalid API key"):
         tenants.authenticate("Bearer sk-\udcff\udcfe")  # how aiohttp hands over bytes that are not UTF-8
+
+
+def test_a_rewritten_keys_file_takes_effect_without_a_restart(tmp_path):
+    """The keys file is a mounted Secret that Kubernetes updates in place (a new file swapped in):
+    a revoked key stops working and a new one works, without restarting the worker."""
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps({"tenants": {"acme": {"keys": ["sk-old"], "adapters": ["sql"]}}}))
+    tenants = Tenants.from_file(path)
+    assert tenants.authenticate("Bearer sk-old").name == "acme"
+    rotated = tmp_path / "keys.json.new"
+    rotated.write_text(json.dumps({"tenants": {"acme": {"keys": ["sk-new"], "adapters": ["sql", "chat"]}}}))
+    rotated.replace(path)
+    with pytest.raises(AuthenticationError, match="invalid API key"):
+        tenants.authenticate("Bearer sk-old")
+    assert tenants.authenticate("Bearer sk-new").may_use("chat")
+
+
+@pytest.mark.parametrize("broken", ["{not json", None])
+def test_a_keys_file_that_turns_bad_keeps_the_last_good_keys(tmp_path, broken):
+    """A half-written or deleted keys file neither opens the worker nor locks every tenant out."""
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps(KEYS))
+    tenants = Tenants.from_file(path)
+    if broken is None:
+        path.unlink()
+    else:
+        path.write_text(broken)
+    assert tenants.authenticate("Bearer sk-acme").name == "acme"
+    with pytest.raises(AuthenticationError):
+        tenants.authenticate("Bearer sk-wrong")
+    path.write_text(json.dumps({"tenants": {"acme": {"keys": ["sk-acme-2"]}}}))  # fixed again: read again
+    assert tenants.authenticate("Bearer sk-acme-2").name == "acme"
+    with pytest.raises(AuthenticationError):
+        tenants.authenticate("Bearer sk-acme")
