@@ -192,6 +192,7 @@ class AdapterPool(AdapterLoading, AdapterPlacement, AdapterReports):
             if self._pending.get(entry.name) == key:
                 del self._pending[entry.name]
             self._retire(entry, reason="unregister")
+            self._update_gauges()
 
     def pin(self, key: str) -> None:
         with self._lock:
@@ -208,12 +209,12 @@ class AdapterPool(AdapterLoading, AdapterPlacement, AdapterReports):
             return [k for k, e in self._entries.items() if not e.retired]
 
     # ---- the step loop's verbs -----------------------------------------------------------------
-    def acquire(self, key: str, waiter: object = None) -> int | None:
+    def acquire(self, key: str, waiter: object = None, *, count: bool = True) -> int | None:
         """Slot of `key` with one more reference, or None while it loads (the load is started here;
         call again next step). `key` is `name@version`, or a bare name resolved to its current
         version at this call (`slot_key(slot)` tells which). `waiter` (the sequence id) lets a failed
         load fail exactly the requests that waited for it: they get AdapterLoadError; later requests
-        start a new load."""
+        start a new load. count=False: a request taking it again is not a new GPU hit or miss."""
         with self._lock:
             self._advance()
             if "@" not in key:
@@ -237,12 +238,13 @@ class AdapterPool(AdapterLoading, AdapterPlacement, AdapterReports):
                 entry.refcount += 1
                 entry.uses += 1
                 entry.last_used = self._tick
-                if waiter is None or waiter not in entry.waiters:
+                if count and (waiter is None or waiter not in entry.waiters):
                     self._count("hits", "gpu")
                 entry.waiters.discard(waiter)
                 return entry.slot
             if waiter is None or waiter not in entry.waiters:
-                self._count("misses", "gpu")
+                if count:
+                    self._count("misses", "gpu")
                 if not entry.on_gpu and entry.fetching is None:  # this request starts the load
                     self._count("hits" if entry.image is not None else "misses", "cpu")
                 if waiter is not None:

@@ -37,7 +37,7 @@ class AdapterSlots(Protocol):
     """The part of the AdapterPool the scheduler uses. `acquire` raises when the adapter cannot be
     loaded (only the sequences waiting for it fail)."""
 
-    def acquire(self, key: str, waiter: object = None) -> int | None: ...
+    def acquire(self, key: str, waiter: object = None, *, count: bool = True) -> int | None: ...
     def release(self, slot: int) -> None: ...
     def abandon(self, key: str, waiter: object) -> None: ...
 
@@ -270,7 +270,9 @@ class Scheduler:
         ):
             return False
         if seq.adapter_slot is None:
-            seq.adapter_slot = self.adapter_pool.acquire(seq.adapter, seq.seq_id)
+            # Taken again after giving it back (_let_go_of_adapters): the request was counted once already.
+            seq.adapter_slot = self.adapter_pool.acquire(seq.adapter, seq.seq_id, count=not seq.adapter_counted)
+            seq.adapter_counted = True
         return seq.adapter_slot is not None
 
     def _starved_for_room(self, seq: Sequence) -> bool:

@@ -45,6 +45,7 @@ class Sequence:
         self.params = params
         self.adapter = adapter  # "name@version" or None (base model)
         self.adapter_slot: int | None = None  # GPU slot while the pool reference is held
+        self.adapter_counted = False  # its adapter lookup is in the hit/miss counts (once per request)
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.block_table: list[int] = []  # page ids

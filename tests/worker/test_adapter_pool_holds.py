@@ -131,3 +131,27 @@ def test_registering_a_canary_again_as_current_promotes_it():
         pool.check()
     finally:
         pool.close()
+
+
+
+def test_a_request_taking_its_adapter_again_is_one_gpu_lookup_and_removal_updates_the_gauges():
+    """A queued request that gave its adapter back (so it could be evicted) and takes it again is not a
+    second GPU hit (the autoscaler's hit rate); removing a version updates the gauges at once, not at
+    the next poll."""
+    pool = make_pool()
+    try:
+        pool.add("a@1", random_weights(1))
+        pool.add("a@2", random_weights(2), make_current=False)
+        pool.load("a@1")
+        pool.load("a@2")
+        slot = pool.acquire("a@1", waiter=7)
+        pool.release(slot)
+        assert pool.acquire("a@1", waiter=7, count=False) == slot
+        assert pool.stats()["hits"].get("gpu", 0) == 1 and not pool.stats()["misses"].get("gpu", 0)
+        pool.release(slot)
+        gauge = pool.metrics.resident.labels("cpu")
+        assert gauge._value.get() == pool.stats()["resident"]["cpu"] == 2
+        pool.remove("a@2")  # its CPU copy goes at once (its GPU copy stays until the room is needed)
+        assert gauge._value.get() == pool.stats()["resident"]["cpu"] == 1
+    finally:
+        pool.close()

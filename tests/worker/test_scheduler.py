@@ -21,7 +21,7 @@ class FakeAdapterPool:
         self.abandoned: list[tuple[str, object]] = []
         self.broken: set[str] = set()
 
-    def acquire(self, key, waiter=None):
+    def acquire(self, key, waiter=None, *, count=True):
         self.asked.append(key)
         if key in self.broken:
             raise RuntimeError(f"adapter {key}: load failed")

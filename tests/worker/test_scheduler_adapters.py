@@ -195,6 +195,9 @@ def test_requests_waiting_for_the_adapter_in_the_way_do_not_overtake_a_request_s
     order = [o.request_id for o in finished]
     overtakers = order[1:order.index("x")]  # e0 came first
     assert len(overtakers) <= engine.config.max_adapter_wait_steps, order
+    # Requests that let go of e and took it again are one GPU lookup each (the autoscaler's hit rate).
+    stats = engine.adapter_pool.stats()
+    assert stats["hits"].get("gpu", 0) + stats["misses"].get("gpu", 0) == 10, stats
     _assert_all_free(engine)
 
 
