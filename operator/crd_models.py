@@ -44,7 +44,7 @@ def parse_quantity(value: Any, field_name: str) -> int:
     """Kubernetes byte quantity ("16Gi", "500M", "1e9", 1024) -> bytes, rounded up like Quantity.Value()."""
     if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_QUANTITY:
         return value
-    m = _QUANTITY_RE.match(value) if isinstance(value, str) else None
+    m = _QUANTITY_RE.fullmatch(value) if isinstance(value, str) else None
     if m is None:
         raise SpecError(f"{field_name}: {value!r} is not a byte quantity >= 0 (e.g. 512Mi, 16Gi, 1e9, 1000000)")
     number, binary, decimal, exponent = Fraction(m.group(1)), m.group(2), m.group(3), m.group(4)
@@ -68,7 +68,7 @@ def _int(value: Any, field_name: str, *, lo: int | None = None, hi: int | None =
 
 
 def _name(value: Any, field_name: str) -> str:
-    if not isinstance(value, str) or not NAME_RE.match(value):
+    if not isinstance(value, str) or not NAME_RE.fullmatch(value):
         raise SpecError(f"{field_name}: {value!r} must be 1-253 letters, digits, '.', '_' or '-' "
                         f"(starting with a letter or digit)")
     return value
@@ -84,10 +84,10 @@ class Source:
     def parse(cls, data: Any, field_name: str) -> Source:
         if not isinstance(data, dict) or not isinstance(data.get("uri"), str):
             raise SpecError(f"{field_name}.uri: required (s3://bucket/prefix/, file:///path or /path)")
-        if not URI_RE.match(data["uri"]):
+        if not URI_RE.fullmatch(data["uri"]):
             raise SpecError(f"{field_name}.uri: {data['uri']!r} must be s3://bucket/prefix, file:///path or /path")
         sha256 = data.get("sha256")
-        if sha256 is not None and not (isinstance(sha256, str) and SHA256_RE.match(sha256)):
+        if sha256 is not None and not (isinstance(sha256, str) and SHA256_RE.fullmatch(sha256)):
             raise SpecError(f"{field_name}.sha256: {sha256!r} must be 64 lowercase hex digits (sha256sum of "
                             f"adapter_model.safetensors)")
         secret = data.get("credentialsSecret")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 from lorafleet.operator.crd_models import AdapterSpec
 from lorafleet.operator.reports import WorkerIndex
 
@@ -14,8 +16,15 @@ def warm_count(a: AdapterSpec, num_workers: int) -> int:
 
 
 def adapter_bytes(a: AdapterSpec, workers: list[WorkerIndex]) -> int:
-    reported = [s.bytes for x in workers for s in x.by_name.get(a.name, ()) if s.version == a.version]
-    return max([a.known_bytes, *reported]) or UNKNOWN_BYTES
+    """GPU bytes of one warm copy: a warm worker prefetches the canary beside the stable version (and pins
+    both when pinned), so both count; a canary no worker has reported yet is taken to be the stable version's size."""
+
+    def reported(version: str) -> list[int]:
+        return [s.bytes for x in workers for s in x.by_name.get(a.name, ()) if s.version == version]
+
+    stable = max([a.known_bytes, *reported(a.version)])
+    canary = 0 if a.canary is None else max(reported(a.canary.version), default=0) or stable
+    return stable + canary or UNKNOWN_BYTES
 
 
 def place_warm(adapters: list[AdapterSpec], workers: list[WorkerIndex], *, default_capacity: int = 0
@@ -26,24 +35,29 @@ def place_warm(adapters: list[AdapterSpec], workers: list[WorkerIndex], *, defau
     capacity = {w.pod: w.w.reported.pool_bytes or default_capacity or None for w in workers}
     sizes = {a.name: adapter_bytes(a, workers) for a in adapters}
     order = sorted(adapters, key=lambda a: (not a.pinned, -a.priority, -sizes[a.name], a.name))
-    placement: dict[str, list[str]] = {}
-    for a in order:
-        size, n = sizes[a.name], warm_count(a, len(workers))
-        if n == 0:
-            placement[a.name] = []
-            continue
+    placement: dict[str, list[str]] = {a.name: [] for a in adapters}
 
-        def holds(w: WorkerIndex, a: AdapterSpec = a) -> bool:
-            st = w.find(a.name, a.version)
-            pushed = w.pushed.get(a.name)
-            return (st is not None and st.tier == "gpu") or (pushed is not None and pushed.warm)
+    def place(a: AdapterSpec, candidates: list[WorkerIndex]) -> None:
+        size, chosen = sizes[a.name], placement[a.name]
+        fitting = [w for w in candidates if w.pod not in chosen and (
+            capacity[w.pod] is None or load[w.pod] + size <= capacity[w.pod])]
+        for w in sorted(fitting, key=lambda w: (load[w.pod], w.pod))[:warm_count(a, len(workers)) - len(chosen)]:
+            load[w.pod] += size
+            chosen.append(w.pod)
 
-        def fits(w: WorkerIndex, size: int = size) -> bool:
-            return capacity[w.pod] is None or load[w.pod] + size <= capacity[w.pod]
+    # Rank by rank (pinned, then priority), the copies workers already hold are kept before any new copy is
+    # placed: a newcomer displaces a resident adapter of a lower rank only, never one of its own.
+    for _, group in itertools.groupby(order, key=lambda a: (a.pinned, a.priority)):
+        ranked = list(group)
+        for a in ranked:
+            place(a, [w for w in workers if holds(w, a)])
+        for a in ranked:
+            place(a, workers)
+    return {name: sorted(pods) for name, pods in placement.items()}
 
-        candidates = sorted((w for w in workers if fits(w)), key=lambda w: (not holds(w), load[w.pod], w.pod))
-        chosen = [w.pod for w in candidates[:n]]
-        for pod in chosen:
-            load[pod] += size
-        placement[a.name] = sorted(chosen)
-    return placement
+
+def holds(w: WorkerIndex, a: AdapterSpec) -> bool:
+    """``w`` has ``a``'s version GPU-resident, or was told to keep it warm by the last push."""
+    st = w.find(a.name, a.version)
+    pushed = w.pushed.get(a.name)
+    return (st is not None and st.tier == "gpu") or (pushed is not None and pushed.warm)

@@ -19,10 +19,12 @@ Placement policy (stated, tested; placement.py):
     still keeps one resident copy (a pinned adapter that lives nowhere pins nothing);
   * adapters are placed pinned first, then by priority, then largest first (better bin packing);
   * a worker that already holds it (reported GPU tier, or placed there by the last push) keeps it, so
-    a reconcile never shuffles healthy placements; the rest go to the workers with the fewest
-    assigned GPU bytes (ties by pod name), skipping a worker whose pool would overflow (its reported
-    pool size, else the pool's spec.adapterMemory.gpuBytes); an adapter that fits on fewer workers than
-    asked is Degraded with a message naming spec.warm.
+    a reconcile never shuffles healthy placements: within a rank (pinned, priority) the copies held are
+    kept before any new copy is placed, so a newcomer displaces only adapters of a lower rank; the rest
+    go to the workers with the fewest assigned GPU bytes (ties by pod name), skipping a worker whose pool
+    would overflow (its reported pool size, else the pool's spec.adapterMemory.gpuBytes; a warm copy
+    counts its canary's bytes too); an adapter that fits on fewer workers than asked is Degraded with a
+    message naming spec.warm (spec.pinned for a pinned one with warm: 0).
 
 Statuses come only from what workers report (statuses.py); never because a directive was sent.
 """
@@ -180,18 +182,19 @@ def over_quota(pool: PoolSpec | None, adapters: list[AdapterSpec]) -> dict[str, 
     for tenant, group in by_tenant.items():
         # First come, first served within a priority: a new adapter never evicts an admitted older one.
         group.sort(key=lambda a: (-a.priority, a.created, a.name))
-        total = 0
-        for i, a in enumerate(group):
-            total += a.known_bytes
-            if pool.max_adapters_per_tenant is not None and i >= pool.max_adapters_per_tenant:
+        num_admitted = total = 0  # a refused adapter takes neither a slot nor bytes of the quota
+        for a in group:
+            if pool.max_adapters_per_tenant is not None and num_admitted >= pool.max_adapters_per_tenant:
                 failures[a.name] = (f"spec.tenant: tenant {tenant!r} is over LoRAPool {pool.name!r} "
                                     f"spec.tenantQuota.maxAdapters ({pool.max_adapters_per_tenant}); delete "
                                     f"one of its adapters or raise the quota")
-            elif pool.max_bytes_per_tenant is not None and total > pool.max_bytes_per_tenant:
+            elif pool.max_bytes_per_tenant is not None and total + a.known_bytes > pool.max_bytes_per_tenant:
                 failures[a.name] = (f"spec.tenant: tenant {tenant!r} is over LoRAPool {pool.name!r} "
                                     f"spec.tenantQuota.maxBytes ({pool.max_bytes_per_tenant} bytes; "
-                                    f"{total} with this adapter)")
-                total -= a.known_bytes
+                                    f"{total + a.known_bytes} with this adapter)")
+            else:
+                num_admitted += 1
+                total += a.known_bytes
     return failures
 
 

@@ -63,8 +63,10 @@ def adapter_status(a: AdapterSpec, live: list[WorkerIndex], warm_pods: list[str]
         phase, msg = "Degraded", "; ".join(errors) + " (failed versions are re-pushed with a backoff)"
     elif requested is not None and target < requested:
         phase = "Degraded"
-        msg = (f"spec.warm: {a.warm} asks for {requested} GPU-resident copies but only {target} workers have room "
-               f"for its {adapter_size_text(a, live)} in their GPU adapter pool; it is served on demand elsewhere")
+        asks = ("spec.pinned: true (with warm: 0) asks for 1 GPU-resident copy" if a.pinned and a.warm == 0
+                else f"spec.warm: {a.warm} asks for {requested} GPU-resident copies")
+        msg = (f"{asks} but only {target} workers have room for its {adapter_size_text(a, live)} in their GPU "
+               f"adapter pool; it is served on demand elsewhere")
     elif registered == len(live) and resident == target and (a.canary is None or canary_registered == len(live)):
         phase = "Ready"
         msg = (f"{a.version} GPU-resident on {resident}/{target} warm workers, registered on {registered}"
@@ -120,7 +122,9 @@ def unserved_status(x: AdapterSpec | InvalidAdapter, phase: str, message: str, l
 
 def adapter_size_text(a: AdapterSpec, live: list[WorkerIndex]) -> str:
     size = adapter_bytes(a, live)
-    return f"{size / (1 << 20):.1f} MiB" if size > UNKNOWN_BYTES else "unknown size"
+    if size <= UNKNOWN_BYTES:
+        return "unknown size"
+    return f"{size / (1 << 20):.1f} MiB" + (" (stable and canary versions)" if a.canary is not None else "")
 
 
 def _status(x: AdapterSpec | InvalidAdapter, phase: str, message: str, *, now: str, validated: bool,

@@ -153,6 +153,8 @@ def test_operator_rbac_is_least_privilege():
         # subresource, nothing else (patch on deployments could change the pod template).
         deployments = [r for r in rules if any(x.startswith("deployments") for x in r["resources"])]
         assert deployments == [{"apiGroups": ["apps"], "resources": ["deployments/scale"], "verbs": ["get", "patch"]}]
+        events = [r for r in rules if "events" in r["resources"]]
+        assert events == [{"apiGroups": [""], "resources": ["events"], "verbs": ["create"]}]  # kopf: core v1 only
         replicated = values.get("operator", {}).get("replicas", 1) > 1
         assert any("kopf.dev" in r["apiGroups"] for r in rules) == replicated
         operator = find(docs, "Deployment", "-operator")["spec"]["template"]["spec"]["containers"][0]

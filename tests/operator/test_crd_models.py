@@ -17,7 +17,7 @@ def test_parse_quantity(value, expected):
     assert parse_quantity(value, "f") == expected
 
 
-@pytest.mark.parametrize("value", ["16 GB", "-1", "Gi", True, None, -5, "1e1.5", "1e19", 2**63])
+@pytest.mark.parametrize("value", ["16 GB", "-1", "Gi", True, None, -5, "1e1.5", "1e19", 2**63, "1Gi\n"])
 def test_parse_quantity_refuses(value):
     with pytest.raises(SpecError, match="^spec.x: "):
         parse_quantity(value, "spec.x")
@@ -72,6 +72,11 @@ BASE = {"pool": "p", "tenant": "t", "baseModel": "m", "version": "v1", "source":
     ({"canary": {"version": "v 2", "weight": 10, "source": {"uri": "/x"}}}, "spec.canary.version"),
     ({"priority": "high"}, "spec.priority"),
     ({"pinned": "false"}, "spec.pinned"),
+    # A trailing newline: the CRDs' patterns (RE2, whole string) refuse it; so does parsing.
+    ({"version": "v1\n"}, "spec.version"),
+    ({"tenant": "t\n"}, "spec.tenant"),
+    ({"source": {"uri": "s3://b/a/v1/\n"}}, "spec.source.uri"),
+    ({"source": {"uri": "/a", "sha256": "0" * 64 + "\n"}}, "spec.source.sha256"),
 ])
 def test_adapter_refusals(patch, field):
     with pytest.raises(SpecError, match=f"^{field.replace('.', '[.]')}:"):

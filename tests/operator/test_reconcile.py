@@ -246,6 +246,14 @@ def test_tenant_quota_max_bytes():
     assert plan.adapter_statuses["c"]["phase"] != "Failed"
 
 
+def test_tenant_quota_an_adapter_refused_for_bytes_takes_no_adapter_slot():
+    ads = [adapter("a", status={"bytes": 80 * MB}, created="1"), adapter("b", status={"bytes": 80 * MB}, created="2"),
+           adapter("c", status={"bytes": 10 * MB}, created="3")]
+    plan = reconcile_pool(pool(tenantQuota={"maxAdapters": 2, "maxBytes": "100Mi"}), ads, workers(1), now=NOW)
+    assert "spec.tenantQuota.maxBytes" in plan.adapter_statuses["b"]["message"]
+    assert {d.name for d in plan.desired["w0"].adapters} == {"a", "c"}
+
+
 def test_missing_pool_degrades_adapters_with_a_message():
     plan = reconcile_pool(None, [adapter("a")], [], now=NOW)
     st_ = plan.adapter_statuses["a"]

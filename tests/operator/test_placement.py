@@ -1,0 +1,59 @@
+"""Warm placement against worker capacity: stability when adapters arrive, canary bytes, pinned copies."""
+
+from __future__ import annotations
+
+from lorafleet.operator.reconcile import WorkerReport, reconcile_pool
+
+from .test_reconcile import MB, NOW, adapter, converge, pool, report, workers
+
+CANARY = {"version": "v2", "source": {"uri": "s3://adapters/a/v2/"}, "weight": 20}
+
+
+def test_a_new_adapter_of_the_same_rank_does_not_displace_resident_ones():
+    full = pool(adapterMemory={"gpuBytes": "100Mi"})
+    ws = workers(2)
+    ads = [adapter("a", warm=1, status={"bytes": 60 * MB}), adapter("b", warm=1, status={"bytes": 60 * MB})]
+    before = converge(full, ads, ws, bytes_of={"a": 60 * MB, "b": 60 * MB}).placement
+    assert sorted(before["a"] + before["b"]) == ["w0", "w1"]
+    # A bigger adapter of the same priority arrives: it waits for room instead of pushing a or b out.
+    plan = reconcile_pool(full, [*ads, adapter("z", warm=1, status={"bytes": 70 * MB})], ws, now=NOW)
+    assert plan.placement["a"] == before["a"] and plan.placement["b"] == before["b"] and plan.placement["z"] == []
+    for pod, desired in plan.desired.items():  # z is registered everywhere; nothing warm moves
+        assert {d.name for d in desired.adapters if d.warm} == {n for n in ("a", "b") if pod in before[n]}
+    assert plan.adapter_statuses["z"]["message"].startswith("spec.warm: 1 asks for 1 GPU-resident copies")
+
+
+def test_a_new_adapter_of_a_higher_priority_still_takes_the_room():
+    full = pool(adapterMemory={"gpuBytes": "100Mi"})
+    ws = workers(1)
+    ads = [adapter("a", warm=1, status={"bytes": 60 * MB})]
+    assert converge(full, ads, ws, bytes_of={"a": 60 * MB}).placement["a"] == ["w0"]
+    plan = reconcile_pool(full, [*ads, adapter("paid", warm=1, priority=5, status={"bytes": 60 * MB})], ws, now=NOW)
+    assert plan.placement == {"a": [], "paid": ["w0"]}
+
+
+def test_a_warm_copy_counts_its_canary_bytes():
+    # A warm worker prefetches the canary beside the stable version: 50 + 50 + 40 MiB do not fit in 128 MiB.
+    ws = [WorkerReport("w0", report(("a", "v1", "gpu", 0, 0, 50 * MB), ("a", "v2", "disk", 0, 0, 50 * MB),
+                                    pool_bytes=128 * MB))]
+    ads = [adapter("a", warm=1, canary=CANARY, status={"bytes": 50 * MB}),
+           adapter("b", warm=1, status={"bytes": 40 * MB})]
+    plan = reconcile_pool(pool(), ads, ws, now=NOW)
+    assert plan.placement == {"a": ["w0"], "b": []}
+
+
+def test_a_canary_not_reported_yet_is_taken_to_be_the_stable_size():
+    ads = [adapter("a", warm=1, canary=CANARY, status={"bytes": 50 * MB}),
+           adapter("b", warm=1, status={"bytes": 40 * MB})]
+    plan = reconcile_pool(pool(adapterMemory={"gpuBytes": "128Mi"}), ads, workers(1), now=NOW)
+    assert plan.placement == {"a": ["w0"], "b": []}
+    st_ = plan.adapter_statuses["a"]
+    assert st_["phase"] != "Degraded"
+
+
+def test_a_pinned_adapter_without_room_names_spec_pinned():
+    plan = reconcile_pool(pool(adapterMemory={"gpuBytes": "10Mi"}),
+                          [adapter("a", pinned=True, status={"bytes": 20 * MB})], workers(1), now=NOW)
+    st_ = plan.adapter_statuses["a"]
+    assert st_["phase"] == "Degraded" and plan.placement["a"] == []
+    assert st_["message"].startswith("spec.pinned: true (with warm: 0) asks for 1 GPU-resident copy but only 0")
