@@ -54,13 +54,13 @@ class ScalingSpec:
         target = data.get("target")
         if not isinstance(target, str) or not target:
             raise SpecError(f"{FIELD}.target: required (the name of the worker Deployment in the pool's namespace)")
-        if len(target) > 253 or not DEPLOYMENT_NAME_RE.match(target):
+        if len(target) > 253 or not DEPLOYMENT_NAME_RE.fullmatch(target):
             raise SpecError(f"{FIELD}.target: {target!r} is not a Deployment name (lowercase letters, digits, "
                             f"'-' and '.', at most 253)")
         url = data.get("prometheusURL")
         if url is None:
             raise SpecError(f"{FIELD}.prometheusURL: required (e.g. http://prometheus.monitoring:9090)")
-        if not isinstance(url, str) or not URL_RE.match(url):
+        if not isinstance(url, str) or not URL_RE.fullmatch(url):
             raise SpecError(f"{FIELD}.prometheusURL: {url!r} must be an http:// or https:// URL")
         if data.get("maxReplicas") is None:
             raise SpecError(f"{FIELD}.maxReplicas: required (the most worker replicas the autoscaler may set)")

@@ -44,6 +44,8 @@ def test_parse_all_fields():
     ({**BASE, "minReplicas": 9}, "spec.scaling.minReplicas"),
     ({**BASE, "targetHitRate": 1.5}, "spec.scaling.targetHitRate"),
     ({**BASE, "rateWindowSeconds": 5}, "spec.scaling.rateWindowSeconds"),
+    ({**BASE, "target": "workers\n"}, "spec.scaling.target"),  # a trailing newline is no part of a name or URL
+    ({**BASE, "prometheusURL": "http://p:9090\n"}, "spec.scaling.prometheusURL"),
     ({**BASE, "rateWindowSeconds": "2m"}, "spec.scaling.rateWindowSeconds"),
     ({**BASE, "kvHigh": True}, "spec.scaling.kvHigh"),
     ({**BASE, "kvLow": "low"}, "spec.scaling.kvLow"),
