@@ -204,17 +204,13 @@ class AdapterPool(AdapterLoading, AdapterPlacement, AdapterReports):
         with self._lock:
             self._get(key).pinned = False
 
-    def registered(self) -> list[str]:
-        with self._lock:
-            return [k for k, e in self._entries.items() if not e.retired]
-
     # ---- the step loop's verbs -----------------------------------------------------------------
     def acquire(self, key: str, waiter: object = None, *, count: bool = True) -> int | None:
-        """Slot of `key` with one more reference, or None while it loads (the load is started here;
-        call again next step). `key` is `name@version`, or a bare name resolved to its current
-        version at this call (`slot_key(slot)` tells which). `waiter` (the sequence id) lets a failed
-        load fail exactly the requests that waited for it: they get AdapterLoadError; later requests
-        start a new load. count=False: a request taking it again is not a new GPU hit or miss."""
+        """Slot of `key` with one more reference, or None while it loads (the load is started here; call
+        again next step). `key` is `name@version`, or a bare name resolved to its current version now
+        (`slot_key(slot)` tells which). `waiter` (the sequence id) lets a failed load fail exactly the
+        requests that waited for it (AdapterLoadError; later ones start a new load). count=False: a
+        request taking it again is not a new GPU hit or miss."""
         with self._lock:
             self._advance()
             if "@" not in key:
@@ -234,17 +230,16 @@ class AdapterPool(AdapterLoading, AdapterPlacement, AdapterReports):
             if entry.retired and not entry.resident:
                 raise AdapterNotFoundError(f"adapter {key!r} was replaced or unregistered")
             self._tick += 1
+            first_look = waiter is None or waiter not in entry.waiters  # a waiting request was counted
+            if count and first_look:
+                self._count("hits" if entry.resident else "misses", "gpu")
             if entry.resident:
                 entry.refcount += 1
                 entry.uses += 1
                 entry.last_used = self._tick
-                if count and (waiter is None or waiter not in entry.waiters):
-                    self._count("hits", "gpu")
                 entry.waiters.discard(waiter)
                 return entry.slot
-            if waiter is None or waiter not in entry.waiters:
-                if count:
-                    self._count("misses", "gpu")
+            if first_look:
                 if not entry.on_gpu and entry.fetching is None:  # this request starts the load
                     self._count("hits" if entry.image is not None else "misses", "cpu")
                 if waiter is not None:

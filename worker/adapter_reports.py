@@ -25,6 +25,10 @@ class AdapterReports:
                 })
             return out
 
+    def registered(self) -> list[str]:
+        with self._lock:
+            return [k for k, e in self._entries.items() if not e.retired]
+
     def stats(self) -> dict:
         with self._lock:
             gpu = [e for e in self._entries.values() if e.resident]
