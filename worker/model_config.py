@@ -11,6 +11,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -21,6 +22,14 @@ REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_l
 
 class ModelConfigError(ValueError):
     """The model directory cannot be served (missing file, unsupported architecture or option)."""
+
+
+def read_json(path: Path) -> Any:
+    """A model directory's JSON file (config.json, the safetensors index); ModelConfigError naming it if not JSON."""
+    try:
+        return json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
+        raise ModelConfigError(f"{path} is not valid JSON: {exc}") from None
 
 
 @dataclass(slots=True)
@@ -111,10 +120,7 @@ class ModelConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise ModelConfigError(f"{path} not found: a model directory needs config.json")
-        try:
-            raw = json.loads(path.read_text())
-        except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
-            raise ModelConfigError(f"{path} is not valid JSON: {exc}") from None
+        raw = read_json(path)
         try:
             return cls.from_dict(raw, name=Path(model_dir).name)
         except ModelConfigError as exc:

@@ -7,7 +7,6 @@ the directory.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from lorafleet.worker.llama import LlamaModel
-from lorafleet.worker.model_config import ModelConfig, ModelConfigError
+from lorafleet.worker.model_config import ModelConfig, ModelConfigError, read_json
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -23,9 +22,7 @@ INDEX_FILE = "model.safetensors.index.json"
 def _shard_names(index: Path) -> list[str]:
     """The shard files an index names, each a plain `*.safetensors` name in the index's directory."""
     try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
-        raise ModelConfigError(f"{index} is not valid JSON: {exc}") from None
+        weight_map = read_json(index)["weight_map"]
     except (KeyError, TypeError):
         raise ModelConfigError(f"{index} has no \"weight_map\" object (tensor name -> shard file)") from None
     if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
