@@ -51,7 +51,7 @@ from lorafleet.worker.directives import (
 from lorafleet.worker.disk_cache import DiskCache, dir_bytes
 from lorafleet.worker.openai_protocol import APIError
 from lorafleet.worker.sources import SourceError, Sources, verify_digest
-from lorafleet.worker.staged_copy import Staged, verify_staged_copy
+from lorafleet.worker.staged_copy import DIGEST_FILE, Staged, verify_staged_copy
 from lorafleet.worker.stager_config import StagerConfig
 from lorafleet.worker.stager_seed import SeedReport, seed, seed_until_done
 from lorafleet.worker.staging_errors import staging_error
@@ -161,7 +161,7 @@ class Stager:
                 path = await asyncio.to_thread(verify_staged_copy, self.cache, key)
             if path is not None:
                 self._by_uri[uri] = key
-                return Staged(path, (path / ".sha256").read_text().strip(), cached=True)
+                return Staged(path, (path / DIGEST_FILE).read_text().strip(), cached=True)
             t0 = time.perf_counter()
             deadline = time.monotonic() + self.config.download_timeout_s
             try:
@@ -176,11 +176,12 @@ class Stager:
             self.download_seconds.append(time.perf_counter() - t0)
             self.m_seconds.observe(self.download_seconds[-1])
             self.counts["downloads"] += 1
-            self.counts["download_bytes"] += dir_bytes(path)
+            nbytes = dir_bytes(path)
+            self.counts["download_bytes"] += nbytes
             self.m_downloads.inc()
-            self.m_download_bytes.inc(dir_bytes(path))
+            self.m_download_bytes.inc(nbytes)
             self._by_uri[uri] = key
-            return Staged(path, (path / ".sha256").read_text().strip(), cached=False)
+            return Staged(path, (path / DIGEST_FILE).read_text().strip(), cached=False)
 
     def _download(self, uri: str, sha256: str | None, key: str, deadline: float) -> Path:
         def progress(done: int, total: int) -> None:
@@ -189,7 +190,7 @@ class Stager:
         def fill(tmp: Path) -> None:
             self.sources.download(uri, tmp, progress=progress, deadline=deadline)
             digest = verify_digest(tmp, sha256, uri)  # before the rename: a bad download is never visible
-            (tmp / ".sha256").write_text(digest + "\n")
+            (tmp / DIGEST_FILE).write_text(digest + "\n")
 
         try:
             return self.cache.put(key, fill, protect=self._protected)
