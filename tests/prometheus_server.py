@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import subprocess
 import time
 import urllib.error
 import urllib.parse
@@ -24,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tests.child_server import ChildServer
 from tests.s3_server import free_port
 
 
@@ -31,12 +31,13 @@ def prometheus_binary() -> str | None:
     return shutil.which("prometheus")
 
 
-class PrometheusServer:
+class PrometheusServer(ChildServer):
+    stop_grace_s = 10.0
+
     def __init__(self, root: Path, scrape_configs: list[dict[str, Any]], *, scrape_interval: str = "1s") -> None:
         self.root = Path(root)
         self.scrape_configs, self.scrape_interval = scrape_configs, scrape_interval
         self.port = free_port()
-        self.proc: subprocess.Popen | None = None
         self.log_path = self.root / "prometheus.log"
 
     @property
@@ -53,11 +54,8 @@ class PrometheusServer:
             "global": {"scrape_interval": self.scrape_interval, "evaluation_interval": self.scrape_interval},
             "scrape_configs": self.scrape_configs,
         }))
-        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            [binary, f"--config.file={config}", f"--storage.tsdb.path={self.root / 'data'}",
-             f"--web.listen-address=127.0.0.1:{self.port}"],
-            stdout=self._log, stderr=subprocess.STDOUT, cwd=self.root)
+        self._spawn([binary, f"--config.file={config}", f"--storage.tsdb.path={self.root / 'data'}",
+                     f"--web.listen-address=127.0.0.1:{self.port}"], cwd=self.root)
         deadline = time.monotonic() + timeout
         while True:
             code = self.proc.poll()
@@ -87,27 +85,3 @@ class PrometheusServer:
             if time.monotonic() > deadline:
                 raise AssertionError(f"Prometheus never had {what}: {self.log_tail()}")
             await asyncio.sleep(0.2)
-
-    def log_tail(self) -> str:
-        return self.log_path.read_text(errors="replace")[-2000:] if self.log_path.exists() else ""
-
-    def stop(self) -> None:
-        proc, self.proc = self.proc, None
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
-        log = getattr(self, "_log", None)
-        if log is not None:
-            log.close()
-            self._log = None
-
-    def __enter__(self) -> PrometheusServer:
-        self.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()

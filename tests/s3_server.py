@@ -12,14 +12,13 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from tests.child_server import ChildServer
 
 ACCESS_KEY = "lorafleet-test"
 SECRET_KEY = "lorafleet-test-secret-key"
@@ -36,13 +35,14 @@ def weed_binary() -> str | None:
     return str(here) if here.exists() else shutil.which("weed")
 
 
-class S3Server:
+class S3Server(ChildServer):
+    own_session = True  # weed starts helpers: KILL reaches them too
+
     def __init__(self, root: Path, *, access_key: str = ACCESS_KEY, secret_key: str = SECRET_KEY) -> None:
         self.root = Path(root)
         self.access_key, self.secret_key = access_key, secret_key
         self.port = free_port()
         self._ports = {name: free_port() for name in ("master", "volume", "filer", "admin")}
-        self.proc: subprocess.Popen | None = None
         self.log_path = self.root / "weed.log"
 
     @property
@@ -77,22 +77,20 @@ class S3Server:
         ]
         # gRPC ports default to http port + 10000: a collision with another server would be possible.
         cmd += [f"-{name}.port.grpc={free_port()}" for name in ("master", "volume", "filer", "s3", "admin")]
-        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=self.root,
-                                     start_new_session=True)
+        self._spawn(cmd, cwd=self.root)
         deadline = time.monotonic() + timeout
         client = self.client()
         while True:
             if self.proc.poll() is not None:
                 self._close_log()
-                raise RuntimeError(f"weed exited with {self.proc.returncode}: {self.log_path.read_text()[-2000:]}")
+                raise RuntimeError(f"weed exited with {self.proc.returncode}: {self.log_tail()}")
             try:
                 self._probe(client)
                 return
             except Exception:
                 if time.monotonic() > deadline:
                     self.stop()
-                    raise RuntimeError(f"S3 server not ready after {timeout} s: {self.log_path.read_text()[-2000:]}") from None
+                    raise RuntimeError(f"S3 server not ready after {timeout} s: {self.log_tail()}") from None
                 time.sleep(0.1)
 
     @staticmethod
@@ -110,29 +108,3 @@ class S3Server:
                     response.close()
                     response.release_conn()
                 break
-
-    def stop(self) -> None:
-        proc, self.proc = self.proc, None
-        if proc is None:
-            return
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(5)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)  # its own session: the group is only weed
-                proc.wait(5)
-        self._close_log()
-
-    def _close_log(self) -> None:
-        log = getattr(self, "_log", None)
-        if log is not None:
-            log.close()
-            self._log = None
-
-    def __enter__(self) -> S3Server:
-        self.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()

@@ -1,0 +1,52 @@
+"""What the test servers (`S3Server`, `PrometheusServer`) share: one child process started by the test,
+its output in a log file, and a `stop()` that always reaches the PID it started (TERM, then KILL after
+`stop_grace_s`; with `own_session`, KILL goes to the child's process group). A context manager."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+
+class ChildServer:
+    stop_grace_s = 5.0
+    own_session = False  # the child runs in its own session: KILL its whole group (helpers it spawned)
+    log_path: Path
+
+    proc: subprocess.Popen | None = None
+    _log = None
+
+    def _spawn(self, cmd: list[str], cwd: Path) -> None:
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=cwd, start_new_session=self.own_session)
+
+    def log_tail(self) -> str:
+        return self.log_path.read_text(errors="replace")[-2000:] if self.log_path.exists() else ""
+
+    def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(self.stop_grace_s)
+            except subprocess.TimeoutExpired:
+                if self.own_session:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                else:
+                    proc.kill()
+                proc.wait(self.stop_grace_s)
+        self._close_log()
+
+    def _close_log(self) -> None:
+        log, self._log = self._log, None
+        if log is not None:
+            log.close()
+
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
