@@ -2,31 +2,79 @@
 
 Counted in the HTTP layer, before a request reaches the engine, so a burst is refused at once
 with `Retry-After` instead of growing an unbounded queue that only times out later.
+
+An optional per-tenant cap keeps one tenant from filling the whole queue: with capacity 8 and
+`max_per_tenant` 3, acme holding 3 sequences is refused its 4th while globex may still take 3.
+Tenants are counted only while they hold sequences, so the table never outgrows the tenants in flight.
 """
 
 from __future__ import annotations
 
+QUEUE_FULL = "queue_full"  # the worker holds `capacity` sequences
+TENANT_QUEUE_FULL = "tenant_queue_full"  # the tenant holds `max_per_tenant` sequences
+
 
 class Admission:
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, max_per_tenant: int = 0) -> None:
         if capacity < 1:
             raise ValueError(f"admission capacity must be >= 1, got {capacity}")
+        if max_per_tenant < 0:
+            raise ValueError(
+                f"admission max_per_tenant must be >= 0 (0 = no per-tenant limit), got {max_per_tenant}"
+            )
         self.capacity = capacity
+        self.max_per_tenant = max_per_tenant  # 0 = no per-tenant limit
         self.num_admitted = 0  # sequences admitted and not yet released
+        self.num_admitted_by_tenant: dict[str, int] = {}  # tenant -> its share of num_admitted; no zeros
         self.num_refused = 0
 
-    def can_admit(self, num_seqs: int) -> bool:
-        return self.num_admitted + num_seqs <= self.capacity
+    @property
+    def max_seqs_per_request(self) -> int:
+        """The most sequences one request can ever be admitted with; a larger one never fits."""
+        return min(self.capacity, self.max_per_tenant) if self.max_per_tenant else self.capacity
 
-    def admit(self, num_seqs: int) -> bool:
-        """Take room for `num_seqs` sequences; False (and nothing taken) when the queue is full."""
-        if not self.can_admit(num_seqs):
+    def refusal(self, num_seqs: int, tenant: str) -> str | None:
+        """Why `num_seqs` more sequences of `tenant` do not fit now (TENANT_QUEUE_FULL, QUEUE_FULL), or None.
+
+        The tenant's own cap is named first: while it holds, a retry fails however idle the worker gets.
+        """
+        if (
+            self.max_per_tenant
+            and self.num_admitted_by_tenant.get(tenant, 0) + num_seqs > self.max_per_tenant
+        ):
+            return TENANT_QUEUE_FULL
+        if self.num_admitted + num_seqs > self.capacity:
+            return QUEUE_FULL
+        return None
+
+    def can_admit(self, num_seqs: int, tenant: str) -> bool:
+        return self.refusal(num_seqs, tenant) is None
+
+    def admit(self, num_seqs: int, tenant: str) -> bool:
+        """Take room for `num_seqs` sequences of `tenant`; False (and nothing taken) when the worker's
+        queue or the tenant's share of it is full (`refusal` says which)."""
+        _check_positive(num_seqs)
+        if not self.can_admit(num_seqs, tenant):
             self.num_refused += 1
             return False
         self.num_admitted += num_seqs
+        self.num_admitted_by_tenant[tenant] = self.num_admitted_by_tenant.get(tenant, 0) + num_seqs
         return True
 
-    def release(self, num_seqs: int) -> None:
-        if num_seqs > self.num_admitted:
-            raise ValueError(f"releasing {num_seqs} sequences but only {self.num_admitted} are admitted")
+    def release(self, num_seqs: int, tenant: str) -> None:
+        _check_positive(num_seqs)
+        held = self.num_admitted_by_tenant.get(tenant, 0)
+        if num_seqs > held:
+            raise ValueError(
+                f"releasing {num_seqs} sequences of tenant {tenant!r} but only {held} are admitted"
+            )
         self.num_admitted -= num_seqs
+        if held == num_seqs:
+            del self.num_admitted_by_tenant[tenant]  # no entry per tenant ever seen
+        else:
+            self.num_admitted_by_tenant[tenant] = held - num_seqs
+
+
+def _check_positive(num_seqs: int) -> None:
+    if num_seqs < 1:  # a request has at least one sequence; 0 would leave a zero entry behind
+        raise ValueError(f"num_seqs must be >= 1, got {num_seqs}")

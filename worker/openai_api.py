@@ -25,6 +25,7 @@ import jinja2
 from aiohttp import web
 
 from lorafleet.worker.adapter_entry import AdapterLoadError
+from lorafleet.worker.admission import QUEUE_FULL, TENANT_QUEUE_FULL
 from lorafleet.worker.app_keys import (
     ADAPTERS,
     ADMISSION,
@@ -215,6 +216,32 @@ class _ChoiceTimer:
         self.metrics.e2e.labels(self.label).observe(time.monotonic() - self.arrived)
 
 
+def _admit(app: web.Application, job: CompletionJob, tenant: str) -> None:
+    """Take admission room for the job's sequences, or raise: 400 if they can never fit, 429 if not now."""
+    admission, metrics = app[ADMISSION], app[METRICS]
+    if job.num_choices > admission.capacity:  # would never fit: retrying cannot help
+        raise APIError(400, f"this request needs {job.num_choices} sequences (prompts x n); the worker runs at "
+                            f"most {admission.capacity} at once. Lower n or send fewer prompts.", code="invalid_value",
+                       param="n")
+    if job.num_choices > admission.max_seqs_per_request:
+        raise APIError(400, f"this request needs {job.num_choices} sequences (prompts x n); the worker admits at "
+                            f"most {admission.max_per_tenant} per tenant at once. Lower n or send fewer prompts.",
+                       code="invalid_value", param="n")
+    if admission.admit(job.num_choices, tenant):
+        return
+    reason = admission.refusal(job.num_choices, tenant)  # nothing changed since admit: the same answer
+    metrics.rejected.labels(reason).inc()
+    retry = str(app[CONFIG].retry_after_s)
+    if reason == TENANT_QUEUE_FULL:
+        held = admission.num_admitted_by_tenant.get(tenant, 0)
+        raise APIError(429, f"tenant {tenant} has {held} sequences admitted and may have at most "
+                            f"{admission.max_per_tenant} at once (--max-sequences-per-tenant); this request needs "
+                            f"{job.num_choices} more. Retry after {retry} s or when your requests in flight finish",
+                       type="rate_limit_error", code=TENANT_QUEUE_FULL, headers={"Retry-After": retry})
+    raise APIError(429, f"the worker's queue is full ({admission.capacity} sequences admitted); retry "
+                        f"after {retry} s", type="rate_limit_error", code=QUEUE_FULL, headers={"Retry-After": retry})
+
+
 async def _serve(request: web.Request, endpoint: str) -> web.StreamResponse:
     app = request.app
     metrics = app[METRICS]
@@ -222,17 +249,8 @@ async def _serve(request: web.Request, endpoint: str) -> web.StreamResponse:
     job: CompletionJob | None = None
     try:
         job = await _prepare(request, endpoint)
-        admission = app[ADMISSION]
-        if job.num_choices > admission.capacity:  # would never fit: retrying cannot help
-            raise APIError(400, f"this request needs {job.num_choices} sequences (prompts x n); the worker runs at "
-                                f"most {admission.capacity} at once. Lower n or send fewer prompts.", code="invalid_value",
-                           param="n")
-        if not admission.admit(job.num_choices):
-            metrics.rejected.labels("queue_full").inc()
-            retry = str(app[CONFIG].retry_after_s)
-            raise APIError(429, f"the worker's queue is full ({admission.capacity} sequences admitted); retry "
-                                f"after {retry} s", type="rate_limit_error", code="queue_full",
-                           headers={"Retry-After": retry})
+        admission, tenant = app[ADMISSION], job.tenant.name
+        _admit(app, job, tenant)  # raises, having taken nothing, or took room released just below
         try:
             timer = _ChoiceTimer(metrics, job)
             metrics.prompt_tokens.labels(timer.label).inc(sum(len(job.prompt_ids[p]) for p in job.choice_prompt))
@@ -243,7 +261,7 @@ async def _serve(request: web.Request, endpoint: str) -> web.StreamResponse:
                 response = await _collect(request, job, outputs, timer)
             timer.done()
         finally:
-            admission.release(job.num_choices)
+            admission.release(job.num_choices, tenant)
         status = response.status
         return response
     except APIError as err:

@@ -50,6 +50,11 @@ class WorkerConfig:
     max_queued_requests: int = field(
         default=256, metadata=_help("sequences that may wait beyond the running batch (max_num_seqs); more "
                                     "are refused with 429 and Retry-After"))
+    max_sequences_per_tenant: int = field(
+        default=0, metadata=_help("sequences one tenant may have admitted at once (running + queued); more are "
+                                  "refused with 429 tenant_queue_full and Retry-After, so one tenant cannot fill "
+                                  "the queue; 0 = no per-tenant limit. Without --api-keys-file every caller is "
+                                  "tenant dev, so the limit then caps all callers together"))
     retry_after_s: int = field(default=1, metadata=_help("Retry-After seconds sent with 429"))
     shutdown_grace_s: float = field(
         default=30.0, metadata=_help("on SIGTERM: seconds in-flight requests get to finish; then they end with "
@@ -74,6 +79,9 @@ class WorkerConfig:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         if self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
+        if self.max_sequences_per_tenant < 0:
+            raise ValueError(f"max_sequences_per_tenant must be >= 0 (0 = no per-tenant limit), got "
+                             f"{self.max_sequences_per_tenant}")
         if self.retry_after_s < 1:
             raise ValueError(f"retry_after_s must be >= 1, got {self.retry_after_s}")
         if self.shutdown_grace_s < 0:

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import threading
 
 import pytest
 
+from lorafleet.worker.app_keys import ADMISSION, ENGINE
 from lorafleet.worker.engine_config import EngineConfig
 from lorafleet.worker.served_adapters import ServedAdapters
 from lorafleet.worker.server import create_app
@@ -96,3 +100,92 @@ async def test_completion_top_logprobs_hold_the_sampled_token(base_client):
         for token, top in zip(lps["tokens"], lps["top_logprobs"], strict=True):
             assert token in top and 1 <= len(top) <= 2, (token, top)  # two tokens may share a text ("\ufffd")
         assert any(len(top) == 2 for top in lps["top_logprobs"])  # sampled tokens outside the top 1 occurred
+
+
+# ---- per-tenant admission ----------------------------------------------------------------------------
+KEY_ACME, KEY_GLOBEX = "sk-acme-test", "sk-globex-test"
+
+
+@contextlib.asynccontextmanager
+async def engine_held(app):
+    """The engine thread waits until the block ends: requests admitted meanwhile stay admitted."""
+    gate = threading.Event()
+    app[ENGINE].call(lambda _engine: gate.wait(60))
+    try:
+        yield
+    finally:
+        gate.set()
+
+
+async def until_admitted(admission, tenant: str, num_seqs: int) -> None:
+    """Poll until `tenant` holds `num_seqs` admitted sequences (its requests went through admission)."""
+    for _ in range(2000):
+        if admission.num_admitted_by_tenant.get(tenant, 0) == num_seqs:
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"{tenant} holds {admission.num_admitted_by_tenant.get(tenant, 0)}, not {num_seqs}")
+
+
+async def _tenant_client(aiohttp_client, tiny_llama_dir, tmp_path, max_sequences_per_tenant: int, *, keys: bool):
+    keys_file = None
+    if keys:
+        keys_file = tmp_path / "keys.json"
+        keys_file.write_text(json.dumps({"tenants": {"acme": {"keys": [KEY_ACME]}, "globex": {"keys": [KEY_GLOBEX]}}}))
+    config = WorkerConfig(engine=EngineConfig(model=str(tiny_llama_dir), dtype="float32", max_model_len=128),
+                          served_model_name="tiny", api_keys_file=keys_file and str(keys_file),
+                          max_sequences_per_tenant=max_sequences_per_tenant)
+    return await aiohttp_client(create_app(config))
+
+
+def _complete_as(client, key: str | None, **extra):
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 2, "temperature": 0} | extra
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return asyncio.ensure_future(client.post("/v1/completions", json=body, headers=headers))
+
+
+async def _assert_tenant_queue_full(pending, tenant: str, limit: int) -> None:
+    """A refusal needs no engine step: it comes while the engine is held (an admitted request would not)."""
+    resp = await asyncio.wait_for(pending, 30)
+    err = (await resp.json())["error"]
+    assert resp.status == 429 and int(resp.headers["Retry-After"]) >= 1, err
+    assert (err["code"], err["type"]) == ("tenant_queue_full", "rate_limit_error")
+    assert f"tenant {tenant}" in err["message"] and f"at most {limit}" in err["message"], err["message"]
+
+
+async def test_a_tenant_over_its_share_gets_429_while_another_tenant_is_served(aiohttp_client, tiny_llama_dir,
+                                                                              tmp_path):
+    """--max-sequences-per-tenant 2 on a worker that holds far more: acme's 2 sequences in flight fill its
+    share, its next request is refused at once, and globex is admitted and served meanwhile."""
+    client = await _tenant_client(aiohttp_client, tiny_llama_dir, tmp_path, 2, keys=True)
+    app = client.server.app
+    admission = app[ADMISSION]
+    too_big = await _complete_as(client, KEY_ACME, n=3)  # can never fit its share: retrying cannot help
+    err = (await too_big.json())["error"]
+    assert too_big.status == 400 and err["code"] == "invalid_value" and "at most 2 per tenant" in err["message"]
+
+    async with engine_held(app):
+        acme = [_complete_as(client, KEY_ACME), _complete_as(client, KEY_ACME)]
+        await until_admitted(admission, "acme", 2)
+        await _assert_tenant_queue_full(_complete_as(client, KEY_ACME), "acme", 2)
+        globex = _complete_as(client, KEY_GLOBEX, n=2)
+        await until_admitted(admission, "globex", 2)
+    for resp in await asyncio.gather(*acme, globex):
+        assert resp.status == 200, await resp.text()
+    assert (admission.num_admitted, admission.num_admitted_by_tenant) == (0, {})  # each admit released once
+    assert (await _complete_as(client, KEY_ACME, n=2)).status == 200  # acme's share is free again
+
+    metrics = await (await client.get("/metrics")).text()
+    assert 'lorafleet_requests_rejected_total{reason="tenant_queue_full"} 1.0' in metrics
+    assert 'reason="queue_full"' not in metrics
+
+
+async def test_without_api_keys_the_cap_binds_the_one_dev_tenant(aiohttp_client, tiny_llama_dir, tmp_path):
+    """Development mode: every caller is tenant `dev`, so the per-tenant cap caps all callers together."""
+    client = await _tenant_client(aiohttp_client, tiny_llama_dir, tmp_path, 1, keys=False)
+    app = client.server.app
+    async with engine_held(app):
+        first = _complete_as(client, None)
+        await until_admitted(app[ADMISSION], "dev", 1)
+        await _assert_tenant_queue_full(_complete_as(client, "sk-anything"), "dev", 1)
+    assert (await first).status == 200
+    assert app[ADMISSION].num_admitted_by_tenant == {}

@@ -36,6 +36,8 @@ def assert_one_line_error(out: subprocess.CompletedProcess, code: int, *needles:
     pytest.param(["--device", "cuda:x"], ["--device", "'cuda:x'"], id="malformed-device"),
     pytest.param(["--tokenizer", "/nonexistent/tokenizer-dir"], ["--tokenizer", "tokenizer.json"],
                  id="tokenizer-without-tokenizer-json"),
+    pytest.param(["--max-sequences-per-tenant", "-1"], ["max_sequences_per_tenant must be >= 0"],
+                 id="negative-per-tenant-limit"),
 ])
 def test_bad_flags_exit_2_with_one_line_naming_the_flag(tiny_llama_dir, args, needles):
     out = run_worker("--model", str(tiny_llama_dir), "--port", "0", *args)

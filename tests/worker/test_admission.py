@@ -1,0 +1,102 @@
+"""Admission: the worker-wide capacity and the optional per-tenant cap, and the flag that sets the cap."""
+
+from __future__ import annotations
+
+import pytest
+
+from lorafleet.worker.admission import QUEUE_FULL, TENANT_QUEUE_FULL, Admission
+from lorafleet.worker.cli import config_from_args
+from lorafleet.worker.worker_config import WorkerConfig
+
+
+def held(admission: Admission) -> tuple[int, dict[str, int]]:
+    return admission.num_admitted, dict(admission.num_admitted_by_tenant)
+
+
+def test_without_a_per_tenant_cap_one_tenant_may_fill_the_worker():
+    admission = Admission(4)
+    assert admission.admit(4, "acme")
+    assert not admission.admit(1, "globex")
+    assert admission.refusal(1, "globex") == QUEUE_FULL
+    assert held(admission) == (4, {"acme": 4}) and admission.num_refused == 1
+
+
+def test_a_tenant_at_its_cap_is_refused_while_another_is_admitted():
+    admission = Admission(8, max_per_tenant=3)
+    assert admission.admit(2, "acme")
+    assert not admission.admit(2, "acme")  # 4 > 3: refused, nothing taken
+    assert admission.refusal(2, "acme") == TENANT_QUEUE_FULL
+    assert held(admission) == (2, {"acme": 2}) and admission.num_refused == 1
+    assert admission.admit(3, "globex")
+    assert admission.admit(1, "acme")  # exactly at the cap
+    assert held(admission) == (6, {"acme": 3, "globex": 3})
+
+
+def test_the_worker_capacity_still_binds_below_the_tenant_caps():
+    admission = Admission(4, max_per_tenant=3)
+    assert admission.admit(3, "acme") and admission.admit(1, "globex")
+    assert admission.refusal(1, "globex") == QUEUE_FULL  # globex holds 1 of its 3, the worker is full
+    assert not admission.admit(1, "globex")
+    assert admission.refusal(1, "acme") == TENANT_QUEUE_FULL  # both full: the tenant's own cap is named
+
+
+def test_release_gives_back_both_counts_and_forgets_idle_tenants():
+    admission = Admission(8, max_per_tenant=2)
+    for i in range(1000):  # many tenants come and go: the table holds only those in flight
+        tenant = f"tenant-{i}"
+        assert admission.admit(2, tenant)
+        assert admission.admit(1, "steady")
+        admission.release(1, tenant)
+        assert held(admission) == (2, {tenant: 1, "steady": 1})
+        admission.release(1, tenant)
+        admission.release(1, "steady")
+        assert held(admission) == (0, {})
+    assert admission.admit(2, "acme") and not admission.admit(1, "acme")
+    admission.release(2, "acme")
+    assert admission.admit(2, "acme")  # the released share is available again
+
+
+@pytest.mark.parametrize(
+    ("num_seqs", "tenant"), [(1, "globex"), (3, "acme")], ids=["other-tenant", "too-many"]
+)
+def test_releasing_what_a_tenant_does_not_hold_is_refused(num_seqs, tenant):
+    admission = Admission(4)
+    admission.admit(2, "acme")
+    with pytest.raises(ValueError, match="releasing"):
+        admission.release(num_seqs, tenant)
+    assert held(admission) == (2, {"acme": 2})
+
+
+@pytest.mark.parametrize(
+    ("capacity", "max_per_tenant", "needle"), [(0, 0, "capacity"), (4, -1, "max_per_tenant")]
+)
+def test_bad_limits_are_refused(capacity, max_per_tenant, needle):
+    with pytest.raises(ValueError, match=needle):
+        Admission(capacity, max_per_tenant)
+
+
+def test_zero_sequences_are_refused():
+    admission = Admission(4, max_per_tenant=2)
+    for verb in (admission.admit, admission.release):
+        with pytest.raises(ValueError, match="num_seqs must be >= 1"):
+            verb(0, "acme")
+    assert held(admission) == (0, {})
+
+
+@pytest.mark.parametrize(("capacity", "max_per_tenant", "largest"), [(8, 0, 8), (8, 3, 3), (4, 10, 4)])
+def test_the_largest_request_that_can_ever_be_admitted(capacity, max_per_tenant, largest):
+    admission = Admission(capacity, max_per_tenant)
+    assert admission.max_seqs_per_request == largest
+    assert admission.can_admit(largest, "acme") and not admission.can_admit(largest + 1, "acme")
+
+
+def test_the_per_tenant_cap_is_a_flag_and_an_environment_variable():
+    assert config_from_args(WorkerConfig, [], env={}).max_sequences_per_tenant == 0  # default: no cap
+    env = {"LORAFLEET_MAX_SEQUENCES_PER_TENANT": "5"}
+    assert config_from_args(WorkerConfig, [], env=env).max_sequences_per_tenant == 5
+    assert (
+        config_from_args(WorkerConfig, ["--max-sequences-per-tenant", "3"], env=env).max_sequences_per_tenant
+        == 3
+    )
+    with pytest.raises(ValueError, match="max_sequences_per_tenant must be >= 0"):
+        WorkerConfig(max_sequences_per_tenant=-1)
