@@ -199,6 +199,7 @@ class Engine:
         weights = load_peft_adapter(
             path, self.model_config, dtype=self.dtype, strict_base=self.config.strict_base,
             base_model_name=self.model_name, tokenizer_digest=self.tokenizer_digest, name=name, version=version,
+            max_file_bytes=self.config.max_adapter_file_bytes,
         )
         key = f"{name}@{weights.version}"
         self.adapter_pool.add(key, weights, tenant=tenant, pinned=pinned, make_current=make_current,

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from lorafleet.worker.file_limits import MAX_FILE_BYTES
+
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -43,6 +45,7 @@ class EngineConfig:
     max_loras_per_batch: int | None = None  # distinct adapters per step; None = no bound
     max_adapter_wait_steps: int = 32  # a request skipped that many steps for grouping is admitted anyway
     strict_base: bool = True  # refuse adapters trained on another base model / tokenizer
+    max_adapter_file_bytes: int = MAX_FILE_BYTES  # largest adapter weights file read (the stager's limit of the same name)
     lora_segment_len: int = 64  # most tokens of one adapter per LoRA kernel segment; a step's own grows from 16 with its size (kernels.lora_layout.segment_len)
     cuda_graphs: bool = True  # cuda + triton kernels: replay decode steps as CUDA graphs (worker/cuda_graphs.py)
     warmup: bool = True  # cuda + triton kernels: compile the kernels of common step shapes at start
@@ -58,7 +61,7 @@ class EngineConfig:
             raise ValueError(f"--tokenizer {self.tokenizer}: no tokenizer.json there (give the directory that "
                              "holds it, or leave --tokenizer unset to use the model directory's)")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_loras", "max_lora_rank",
-                     "lora_segment_len"):
+                     "lora_segment_len", "max_adapter_file_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_pages is not None and self.num_pages < 1:

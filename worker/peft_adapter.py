@@ -43,6 +43,7 @@ import safetensors.torch
 import torch
 
 from lorafleet.kernels.lora_layout import PROJS
+from lorafleet.worker.file_limits import MAX_FILE_BYTES
 from lorafleet.worker.peft_config import (
     CONFIG_FILE,
     PARENT,
@@ -202,6 +203,7 @@ def load_peft_adapter(
     name: str | None = None,
     version: str | None = None,
     expect_digest: str | None = None,
+    max_file_bytes: int = MAX_FILE_BYTES,
 ) -> LoRAWeights:
     """Load and validate a PEFT LoRA dir for a base described by `model_config`.
 
@@ -209,7 +211,7 @@ def load_peft_adapter(
     files rewritten in place since are refused rather than served under the old version).
     strict_base: "strict" (True) refuses a base-model-name or tokenizer mismatch, "warn" (False)
     logs it, "off" skips both checks. base_model_name / tokenizer_digest describe the served base;
-    None skips that check. Raises AdapterError.
+    None skips that check. max_file_bytes: the largest weights file read (refused before reading). Raises AdapterError.
     """
     path = Path(path)
     mode = _strictness(strict_base)
@@ -241,7 +243,7 @@ def load_peft_adapter(
     if not weights_path.is_file():
         raise AdapterError(f"{path}: {WEIGHTS_FILE} not found (only safetensors weights are accepted)")
     shapes = projection_shapes(model_config)
-    raw = read_bytes(weights_path)
+    raw = read_bytes(weights_path, max_file_bytes)
     digest = _content_digest(config_raw, raw)  # of the bytes served
     if expect_digest is not None and digest != expect_digest:
         raise AdapterError(f"{path}: the adapter's files changed after version {version} was loaded from them; "
@@ -293,7 +295,7 @@ def load_peft_adapter(
     name, version = name or path.name, version or digest[:12]
     reload = functools.partial(load_peft_adapter, path, model_config, dtype=dtype, strict_base=strict_base,
                                base_model_name=base_model_name, tokenizer_digest=tokenizer_digest, name=name,
-                               version=version, expect_digest=digest)
+                               version=version, expect_digest=digest, max_file_bytes=max_file_bytes)
     return LoRAWeights(name=name, version=version, base_model=base, modules=modules, nbytes=nbytes, reload=reload)
 
 

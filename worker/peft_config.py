@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from lorafleet.kernels.lora_layout import PROJS
+from lorafleet.worker.file_limits import MAX_FILE_BYTES, FileLimitError, read_limited
 from lorafleet.worker.peft_patterns import is_targeted
 
 CONFIG_FILE = "adapter_config.json"
@@ -149,8 +150,12 @@ def read_config(path: Path) -> tuple[dict, bytes]:
     return config, raw
 
 
-def read_bytes(file: Path) -> bytes:
+def read_bytes(file: Path, max_bytes: int = MAX_FILE_BYTES) -> bytes:
+    """The bytes of an adapter file, refused before it is read when it is not a regular file or over its
+    limit (worker/file_limits.py: adapter_config.json at most 1 MiB, other files max_bytes)."""
     try:
-        return file.read_bytes()
+        return read_limited(file, max_bytes)
+    except FileLimitError as exc:
+        raise AdapterError(str(exc)) from None
     except OSError as exc:
         raise AdapterError(f"{file}: cannot be read ({exc})") from exc

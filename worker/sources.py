@@ -18,9 +18,11 @@ import hashlib
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
+
+from lorafleet.worker.file_limits import MAX_FILE_BYTES, FileLimitError, check_file, check_size, read_chunks
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -29,11 +31,12 @@ ADAPTER_FILES = (CONFIG_FILE, WEIGHTS_FILE)
 OPTIONAL_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "README.md")
 MAX_ATTEMPTS = 3  # downloads of one adapter whose objects changed meanwhile
 CHUNK_BYTES = 256 << 10  # progress granularity of a download
+RAISE_LIMIT = "raise the stager's --max-adapter-file-bytes (LORAFLEET_MAX_ADAPTER_FILE_BYTES)"
 
 
 class SourceError(ValueError):
     """A source that is not allowed, malformed, missing, or whose digest does not match.
-    `kind`: not_allowed | bad_uri | missing | digest_mismatch | too_large | changed."""
+    `kind`: not_allowed | bad_uri | missing | digest_mismatch | too_large | not_a_file | changed."""
 
     def __init__(self, message: str, kind: str = "bad_uri") -> None:
         super().__init__(message)
@@ -59,7 +62,7 @@ class SourcesConfig:
     s3_secret_key: str | None = None
     s3_secure: bool = True
     s3_region: str | None = None
-    max_file_bytes: int = 4 << 30  # refuse absurd objects instead of filling the disk
+    max_adapter_file_bytes: int = MAX_FILE_BYTES  # per file (worker/file_limits.py): refused before it is read
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides) -> SourcesConfig:
@@ -185,17 +188,27 @@ class Sources:
             if missing:
                 raise SourceError(f"{uri}: missing {', '.join(missing)} (a PEFT adapter directory needs both; "
                                   f"pickle .bin files are not served)", "missing")
-            if any(size > self.config.max_file_bytes for size, _ in objects.values()):
-                raise SourceError(f"{uri}: an object is larger than max_file_bytes={self.config.max_file_bytes}",
-                                  "too_large")
+            with _as_source_error():  # before a byte is downloaded
+                for key, (size, _) in sorted(objects.items()):
+                    check_size(loc.uri + wanted[key], size, self.config.max_adapter_file_bytes, fix=RAISE_LIMIT)
             for name in wanted.values():  # what an earlier attempt wrote
                 (dest / name).unlink(missing_ok=True)
-            fetched = _Fetch(sum(size for size, _ in objects.values()), progress, deadline, uri)
+            fetched = _Fetch(sum(size for size, _ in objects.values()), progress, deadline, loc.uri)
             if all(fetched.object(client, loc.bucket, key, etag, size, dest / wanted[key])
                    for key, (size, etag) in sorted(objects.items())):
                 return dest
         raise SourceError(f"{uri}: the objects changed during {MAX_ATTEMPTS} download attempts; retry once the "
                           f"upload has finished", "changed")
+
+    def verify_local(self, path: Path, sha256: str | None, where: str) -> str:
+        """The digest of the local adapter directory `path` (as `verify_digest`). Every file the engine may
+        read from it is held to the size limit first, by stat alone: a huge or endless file (a FIFO, a
+        device) is refused before a byte of any of them is read."""
+        with _as_source_error():
+            for name in (*ADAPTER_FILES, *OPTIONAL_FILES):
+                if (path / name).exists():  # a missing one is refused when it is read
+                    check_file(path / name, self.config.max_adapter_file_bytes, fix=RAISE_LIMIT)
+        return verify_digest(path, sha256, where, self.config.max_adapter_file_bytes)
 
     def object_etags(self, uri: str) -> list[tuple[str, str]]:
         """(name, etag) of the adapter files under an S3 prefix: identifies content without a digest."""
@@ -216,23 +229,35 @@ class Sources:
         return sorted(found)
 
 
-def adapter_digest(path: Path) -> str:
-    """sha256 over adapter_config.json then adapter_model.safetensors."""
+def adapter_digest(path: Path, max_file_bytes: int | None = None) -> str:
+    """sha256 over adapter_config.json then adapter_model.safetensors. A file that is not a regular file
+    (it could block the read or never end) is refused, and so is one over its limit under
+    `max_file_bytes` (None: no size limit), before it is read (SourceError)."""
     h = hashlib.sha256()
-    for name in ADAPTER_FILES:
-        with open(Path(path) / name, "rb") as f:
-            for chunk in iter(lambda f=f: f.read(1 << 20), b""):
+    with _as_source_error():
+        for name in ADAPTER_FILES:
+            for chunk in read_chunks(Path(path) / name, max_file_bytes, chunk_bytes=1 << 20, fix=RAISE_LIMIT):
                 h.update(chunk)
     return h.hexdigest()
 
 
-def verify_digest(path: Path, sha256: str | None, where: str) -> str:
-    """The directory's digest; raises SourceError when `sha256` is given and differs."""
-    digest = adapter_digest(path)
+def verify_digest(path: Path, sha256: str | None, where: str, max_file_bytes: int | None = None) -> str:
+    """The directory's digest (files held to `max_file_bytes` as in `adapter_digest`); raises SourceError
+    when `sha256` is given and differs."""
+    digest = adapter_digest(path, max_file_bytes)
     if sha256 is not None and digest != sha256.lower():
         raise SourceError(f"{where}: sha256 mismatch: expected {sha256}, the files hash to {digest} "
                           f"(corrupt or changed upload; fix the object or the directive's sha256)", "digest_mismatch")
     return digest
+
+
+@contextlib.contextmanager
+def _as_source_error() -> Iterator[None]:
+    """A file refused by its limits (worker/file_limits.py) as the SourceError the stager answers with."""
+    try:
+        yield
+    except FileLimitError as exc:
+        raise SourceError(str(exc), exc.kind) from None
 
 
 class _Fetch:
@@ -269,9 +294,18 @@ class _Fetch:
             timer = threading.Timer(max(0.0, self.deadline - time.monotonic()), _shutdown, (response,))
             timer.daemon = True
             timer.start()
+        where, received = f"{self.uri}{path.name}", 0
         try:
+            announced = response.headers.get("Content-Length")
+            if announced is not None and int(announced) > size:
+                raise SourceError(f"{where}: the store announces {announced} bytes, more than the {size} it listed; "
+                                  f"refused before downloading it", "too_large")
             with open(path, "wb") as f:
                 for chunk in response.stream(CHUNK_BYTES):
+                    received += len(chunk)
+                    if received > size:  # no Content-Length (chunked): what the listing said is the bound
+                        raise SourceError(f"{where}: the store sent more than the {size} bytes it listed; the "
+                                          f"download was stopped", "too_large")
                     f.write(chunk)
                     self.done += len(chunk)
                     self._report()
@@ -285,7 +319,7 @@ class _Fetch:
             response.release_conn()
         self._check_deadline()
         if path.stat().st_size != size:
-            raise SourceError(f"{self.uri}{path.name}: got {path.stat().st_size} of {size} bytes", "missing")
+            raise SourceError(f"{where}: got {path.stat().st_size} of {size} bytes", "missing")
         return True
 
 

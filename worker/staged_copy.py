@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from lorafleet.worker.disk_cache import DiskCache, dir_bytes
-from lorafleet.worker.sources import adapter_digest
+from lorafleet.worker.sources import SourceError, adapter_digest
 
 log = logging.getLogger("lorafleet.stager")
 DIGEST_FILE = ".sha256"  # beside the adapter files in a cache entry: the digest they had when staged
@@ -33,7 +33,7 @@ def verify_staged_copy(cache: DiskCache, key: str) -> Path | None:
     try:
         recorded = (path / DIGEST_FILE).read_text().strip()
         digest = adapter_digest(path)
-    except OSError:
+    except (OSError, SourceError):  # SourceError: a file that is no regular file
         recorded = digest = None
     if digest is not None and digest == recorded and (len(key) != 64 or key == digest):
         cache.mark_verified(key)

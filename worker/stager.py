@@ -105,7 +105,7 @@ class Stager:
             sha256 = sha256.lower()
         if not self.sources.is_s3(uri):
             path = self.sources.local_path(uri)
-            digest = await asyncio.to_thread(verify_digest, path, sha256, uri)
+            digest = await asyncio.to_thread(self.sources.verify_local, path, sha256, uri)
             self.m_requests.labels("local").inc()
             return Staged(path, digest, cached=True)
         self.sources.check_s3(uri)

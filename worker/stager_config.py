@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from lorafleet.worker.file_limits import MAX_FILE_BYTES
 from lorafleet.worker.sources import SourcesConfig
 
 
@@ -18,6 +19,9 @@ class StagerConfig:
     stager_port: int = field(default=8100, metadata=_help("TCP port"))
     stager_cache_dir: str = field(default="/var/cache/lorafleet", metadata=_help("node-local disk cache"))
     stager_cache_bytes: int = field(default=50 << 30, metadata=_help("byte budget of the disk cache"))
+    max_adapter_file_bytes: int = field(default=MAX_FILE_BYTES, metadata=_help(
+        "largest adapter file staged (adapter_config.json: at most 1 MiB); a larger one, or one that is not a "
+        "regular file (a FIFO, a device), is refused before it is read or downloaded"))
     local_roots: list[str] = field(default_factory=list, metadata=_help("directories local sources may be in"))
     s3_allow: list[str] = field(default_factory=list, metadata=_help("allowed `bucket` or `bucket/prefix/`"))
     s3_endpoint: str | None = field(default=None, metadata=_help("object store host:port"))
@@ -40,8 +44,11 @@ class StagerConfig:
             raise ValueError(f"stager_port must be in 0..65535, got {self.stager_port}")
         if self.stager_cache_bytes <= 0 or self.download_timeout_s <= 0 or self.stage_lease_s <= 0:
             raise ValueError("stager_cache_bytes, download_timeout_s and stage_lease_s must be > 0")
+        if self.max_adapter_file_bytes <= 0:
+            raise ValueError(f"max_adapter_file_bytes must be > 0, got {self.max_adapter_file_bytes}")
 
     def sources_config(self) -> SourcesConfig:
         return SourcesConfig(local_roots=list(self.local_roots), s3_allow=list(self.s3_allow),
                              s3_endpoint=self.s3_endpoint, s3_access_key=self.s3_access_key,
-                             s3_secret_key=self.s3_secret_key, s3_secure=self.s3_secure, s3_region=self.s3_region)
+                             s3_secret_key=self.s3_secret_key, s3_secure=self.s3_secure, s3_region=self.s3_region,
+                             max_adapter_file_bytes=self.max_adapter_file_bytes)

@@ -8,6 +8,7 @@ from lorafleet.worker.openai_protocol import APIError
 from lorafleet.worker.sources import SourceError
 
 _STATUS = {"not_allowed": 403, "bad_uri": 400, "missing": 404, "digest_mismatch": 422, "too_large": 413,
+           "not_a_file": 422,  # a FIFO or device where an adapter file should be
            "changed": 409}  # changed: the objects kept changing while downloaded (an upload in progress)
 
 

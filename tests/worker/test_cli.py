@@ -111,3 +111,17 @@ def test_worker_help_runs_as_a_module():
     for flag in ("--model", "--adapters", "--host", "--port", "--device", "--admin-token", "--api-keys-file"):
         assert flag in out.stdout
     assert "LORAFLEET_PORT" in out.stdout
+
+
+def test_stager_file_limit_is_a_flag_and_an_env_var(capsys):
+    from lorafleet.worker.stager_config import StagerConfig
+
+    env = {"LORAFLEET_STAGER_TOKEN": "t" * 20}
+    assert config_from_args(StagerConfig, [], env=env).max_adapter_file_bytes == 4 << 30
+    assert config_from_args(StagerConfig, ["--max-adapter-file-bytes", "1024"], env=env).max_adapter_file_bytes == 1024
+    env_limit = {**env, "LORAFLEET_MAX_ADAPTER_FILE_BYTES": "2048"}
+    assert config_from_args(StagerConfig, [], env=env_limit).max_adapter_file_bytes == 2048
+    assert "largest adapter file staged" in build_parser(StagerConfig, env=env).format_help()
+    with pytest.raises(SystemExit):
+        config_from_args(StagerConfig, ["--max-adapter-file-bytes", "0"], env=env)
+    assert "max_adapter_file_bytes must be > 0" in capsys.readouterr().err

@@ -1,4 +1,5 @@
-"""Adapter sources: allow-lists for local roots and S3 prefixes, `..` and symlink escapes, digests."""
+"""Adapter sources: allow-lists for local roots and S3 prefixes, `..` and symlink escapes, digests, and
+stores that send more than they list."""
 
 import os
 
@@ -167,7 +168,56 @@ async def test_an_object_store_redirect_is_not_followed_out_of_the_allow_list(ai
 
     other = await aiohttp_server(_app([web.get("/{name}", elsewhere)]))
 
-    async def bucket(request: web.Request) -> web.Response:  # ListObjectsV2 of the allowed prefix
+    async def redirect(request: web.Request) -> web.Response:
+        raise web.HTTPTemporaryRedirect(str(other.make_url(f"/{request.path.rsplit('/', 1)[1]}")))
+
+    store = await aiohttp_server(_app([web.get("/adapters", _listing(objects)),
+                                       web.get("/adapters/{key:.+}", redirect)]))
+    with pytest.raises(InvalidResponseError, match="307"):
+        await asyncio.to_thread(_store_sources(store).download, "s3://adapters/team/alpha/", tmp_path / "staged")
+    assert elsewhere_hits == []
+
+
+@pytest.mark.parametrize("how", ["chunked", "content_length"])
+async def test_a_store_sending_more_than_it_listed_is_cut_off(aiohttp_server, tmp_path, how):
+    """A store that lists 7 bytes of weights but sends more (a longer Content-Length, or a chunked body
+    without one that would not end) must not fill the disk: the listed size bounds the download."""
+    import asyncio
+    import contextlib
+
+    from aiohttp import web
+
+    objects = {"team/alpha/adapter_config.json": b'{"r": 4}', "team/alpha/adapter_model.safetensors": b"weights"}
+
+    async def get(request: web.Request) -> web.StreamResponse:
+        key = request.match_info["key"]
+        if key.endswith("adapter_config.json"):
+            return web.Response(body=objects[key])
+        if how == "content_length":
+            return web.Response(body=b"x" * 100)
+        response = web.StreamResponse()
+        response.enable_chunked_encoding()
+        await response.prepare(request)
+        with contextlib.suppress(ConnectionResetError):  # the client hangs up once it has had enough
+            for _ in range(64):
+                await response.write(b"x" * (128 << 10))
+        return response
+
+    store = await aiohttp_server(_app([web.get("/adapters", _listing(objects)), web.get("/adapters/{key:.+}", get)]))
+    with pytest.raises(SourceError) as err:
+        await asyncio.to_thread(_store_sources(store).download, "s3://adapters/team/alpha/", tmp_path / "staged")
+    expected = "announces 100 bytes, more than the 7" if how == "content_length" else "sent more than the 7 bytes"
+    assert err.value.kind == "too_large" and expected in str(err.value), str(err.value)
+    assert str(err.value).startswith("s3://adapters/team/alpha/adapter_model.safetensors: ")
+    weights = tmp_path / "staged" / "adapter_model.safetensors"
+    assert (not weights.exists()) if how == "content_length" else weights.stat().st_size <= 7
+
+
+def _listing(objects: dict[str, bytes]):
+    """A ListObjectsV2 handler of bucket `adapters`, prefix team/alpha/, listing `objects`."""
+    from aiohttp import web
+
+    async def bucket(request: web.Request) -> web.Response:
         contents = "".join(f"<Contents><Key>{k}</Key><Size>{len(v)}</Size><ETag>\"e\"</ETag>"
                            f"<LastModified>2026-01-01T00:00:00.000Z</LastModified></Contents>" for k, v in objects.items())
         xml = ('<?xml version="1.0" encoding="UTF-8"?><ListBucketResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/">'
@@ -175,15 +225,12 @@ async def test_an_object_store_redirect_is_not_followed_out_of_the_allow_list(ai
                f"<IsTruncated>false</IsTruncated>{contents}</ListBucketResult>")
         return web.Response(text=xml, content_type="application/xml")
 
-    async def redirect(request: web.Request) -> web.Response:
-        raise web.HTTPTemporaryRedirect(str(other.make_url(f"/{request.path.rsplit('/', 1)[1]}")))
+    return bucket
 
-    store = await aiohttp_server(_app([web.get("/adapters", bucket), web.get("/adapters/{key:.+}", redirect)]))
-    src = Sources(SourcesConfig(s3_allow=["adapters/team/"], s3_endpoint=f"127.0.0.1:{store.port}", s3_access_key="ak",
-                                s3_secret_key="sk", s3_secure=False, s3_region="us-east-1"))
-    with pytest.raises(InvalidResponseError, match="307"):
-        await asyncio.to_thread(src.download, "s3://adapters/team/alpha/", tmp_path / "staged")
-    assert elsewhere_hits == []
+
+def _store_sources(store) -> Sources:
+    return Sources(SourcesConfig(s3_allow=["adapters/team/"], s3_endpoint=f"127.0.0.1:{store.port}", s3_access_key="ak",
+                                 s3_secret_key="sk", s3_secure=False, s3_region="us-east-1"))
 
 
 def _app(routes):

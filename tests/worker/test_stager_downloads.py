@@ -1,18 +1,30 @@
 """Stager downloads against a real S3 server (SeaweedFS on 127.0.0.1) when things go wrong: waiters of
 one failing download, a store too slow to finish in time, objects replaced while they are downloaded,
-and disk-cache entries a crash may have left unwritten."""
+disk-cache entries a crash may have left unwritten, and files over the size limit or not regular files."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import re
+import shutil
+import threading
 from pathlib import Path
 
 import pytest
 
-from lorafleet.worker.sources import SourceError, Sources, SourcesConfig, adapter_digest
+from lorafleet.worker.sources import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    SourceError,
+    Sources,
+    SourcesConfig,
+    adapter_digest,
+)
 from lorafleet.worker.stager import Stager
 from lorafleet.worker.stager_config import StagerConfig
+from lorafleet.worker.staging_errors import staging_error
 from tests.lora_factory import make_peft_adapter
 from tests.s3_server import S3Server, weed_binary
 
@@ -148,3 +160,70 @@ async def test_entries_from_an_earlier_run_are_checked_before_they_are_served(s3
     intact = stager_for(s3.endpoint, s3, tmp_path / "cache")  # a clean restart: intact copies are hits
     assert (await intact.stage(uri, sha)).cached and (await intact.stage(uri, None)).cached
     assert intact.counts["downloads"] == 0
+
+
+@contextlib.contextmanager
+def fifo_writer(fifo: Path):
+    """A writer that opens `fifo` and closes it at once: a reader that opens the FIFO reads it as empty
+    instead of waiting forever. On exit, a writer still waiting for a reader is let go."""
+    writer = threading.Thread(target=lambda: os.close(os.open(fifo, os.O_WRONLY)), daemon=True)
+    writer.start()
+    try:
+        yield
+    finally:
+        reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # a reader at last: the writer's open returns
+        writer.join()
+        os.close(reader)
+
+
+@pytest.mark.parametrize("bad", ["weights_over_the_limit", "config_over_1_mib", "fifo"])
+async def test_bad_local_files_are_refused_before_they_are_read(bad, adapters, tmp_path):
+    root = tmp_path / "local"
+    good, broken = shutil.copytree(adapters["v1"], root / "good"), shutil.copytree(adapters["v1"], root / "broken")
+    weights, config = broken / WEIGHTS_FILE, broken / CONFIG_FILE
+    size = weights.stat().st_size
+    limits = {}
+    if bad == "weights_over_the_limit":
+        limits = {"max_adapter_file_bytes": size}  # the good adapter's weights fit exactly
+        with weights.open("ab") as f:
+            f.write(b"\0")
+        kind, status = "too_large", 413
+        message = rf"{re.escape(WEIGHTS_FILE)}: {size + 1} bytes \(.+\), over the limit of {size} bytes"
+    elif bad == "config_over_1_mib":
+        config.write_text(config.read_text() + " " * (1 << 20))  # still valid JSON
+        kind, status, message = "too_large", 413, re.escape(f"{CONFIG_FILE}: {config.stat().st_size} bytes (1.0 MiB), "
+                                                            f"over the limit of 1048576 bytes (1.0 MiB) for {CONFIG_FILE}")
+    else:
+        weights.unlink()
+        os.mkfifo(weights)
+        kind, status, message = "not_a_file", 422, re.escape(f"{WEIGHTS_FILE}: not a regular file (a FIFO)")
+    stager = Stager(StagerConfig(stager_token="t" * 20, stager_cache_dir=str(tmp_path / "cache"),
+                                 local_roots=[str(root)], **limits))
+    with fifo_writer(weights) if bad == "fifo" else contextlib.nullcontext(), pytest.raises(SourceError) as err:
+        await stager.stage(str(broken), None)
+    assert err.value.kind == kind and re.search(message, str(err.value)), str(err.value)
+    answer = staging_error(err.value, str(broken))
+    assert answer.status == status and answer.message == str(err.value)
+    # The stager keeps serving: a good adapter beside it stages.
+    staged = await stager.stage(str(good), adapter_digest(adapters["v1"]))
+    assert staged.path == good.resolve() and staged.sha256 == adapter_digest(adapters["v1"])
+
+
+async def test_an_object_over_the_limit_is_refused_before_it_is_downloaded(s3, adapters, tmp_path):
+    client = s3.client()
+    upload(client, "team/huge/", adapters["big"])
+    upload(client, "team/fits/", adapters["v1"])
+    limit, size = ((adapters[n] / WEIGHTS_FILE).stat().st_size for n in ("v1", "big"))
+    stager = stager_for(s3.endpoint, s3, tmp_path / "cache", max_adapter_file_bytes=limit)
+    progress = []
+    with pytest.raises(SourceError) as err:
+        stager.sources.download("s3://adapters/team/huge/", tmp_path / "d", progress=lambda *p: progress.append(p))
+    message = str(err.value)
+    assert err.value.kind == "too_large" and staging_error(err.value, "s3://adapters/team/huge/").status == 413
+    assert f"s3://adapters/team/huge/{WEIGHTS_FILE}: {size} bytes" in message and f"limit of {limit} bytes" in message
+    assert progress == [] and list((tmp_path / "d").iterdir()) == []  # not a byte was downloaded
+    with pytest.raises(SourceError, match="over the limit"):
+        await stager.stage("s3://adapters/team/huge/", None)
+    assert stager.counts["download_bytes"] == 0 and stager.cache.entries() == []
+    staged = await stager.stage("s3://adapters/team/fits/", adapter_digest(adapters["v1"]))
+    assert not staged.cached and adapter_digest(staged.path) == adapter_digest(adapters["v1"])

@@ -1,0 +1,103 @@
+"""Limits on adapter files (worker/file_limits.py): checked before a byte is read, in the loader too."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from lorafleet.worker.file_limits import (
+    MAX_CONFIG_BYTES,
+    MAX_FILE_BYTES,
+    FileLimitError,
+    check_file,
+    read_limited,
+)
+
+
+def test_the_loader_refuses_oversize_files_before_reading_them(tiny_llama_dir, tmp_path):
+    """The loader reads a file into memory whole: its size is checked first (the weights here are a
+    sparse file of more than 4 GiB, so nothing is written or read)."""
+    import torch
+
+    from lorafleet.worker.model_config import ModelConfig
+    from lorafleet.worker.peft_adapter import AdapterError, load_peft_adapter
+    from tests.lora_factory import make_peft_adapter
+
+    d = make_peft_adapter(tiny_llama_dir, tmp_path / "x", rank=4, seed=0, targets=["q_proj"])
+    weights, config = d / "adapter_model.safetensors", d / "adapter_config.json"
+    model_config = ModelConfig.from_dir(tiny_llama_dir)
+    good = weights.read_bytes()
+    os.truncate(weights, MAX_FILE_BYTES + 1)
+    expected = (
+        f"{weights}: {MAX_FILE_BYTES + 1} bytes (4.0 GiB), over the limit of {MAX_FILE_BYTES} bytes "
+        f"(4.0 GiB) for one adapter file; refused before reading it"
+    )
+    with pytest.raises(AdapterError, match=re.escape(expected)):
+        load_peft_adapter(d, model_config, dtype=torch.float32, strict_base="off")
+    weights.write_bytes(good)
+    config.write_text(config.read_text() + " " * MAX_CONFIG_BYTES)  # still valid JSON
+    expected = (
+        f"{config}: {config.stat().st_size} bytes (1.0 MiB), over the limit of {MAX_CONFIG_BYTES} bytes "
+        f"(1.0 MiB) for adapter_config.json"
+    )
+    with pytest.raises(AdapterError, match=re.escape(expected)):
+        load_peft_adapter(d, model_config, dtype=torch.float32, strict_base="off")
+
+
+def test_the_loaders_limit_is_the_engines_setting(tiny_llama_dir, tmp_path):
+    """The worker's loader takes its limit from --max-adapter-file-bytes (EngineConfig), the flag of
+    the same name as the stager's, so raising one for both raises it for the worker too."""
+    import torch
+
+    from lorafleet.worker.cli import config_from_args
+    from lorafleet.worker.model_config import ModelConfig
+    from lorafleet.worker.peft_adapter import AdapterError, load_peft_adapter
+    from lorafleet.worker.worker_config import WorkerConfig
+    from tests.lora_factory import make_peft_adapter
+
+    d = make_peft_adapter(tiny_llama_dir, tmp_path / "x", rank=4, seed=0, targets=["q_proj"])
+    size = (d / "adapter_model.safetensors").stat().st_size
+    model_config = ModelConfig.from_dir(tiny_llama_dir)
+    with pytest.raises(AdapterError, match=re.escape(f"over the limit of {size - 1} bytes")):
+        load_peft_adapter(d, model_config, dtype=torch.float32, strict_base="off", max_file_bytes=size - 1)
+    weights = load_peft_adapter(d, model_config, dtype=torch.float32, strict_base="off", max_file_bytes=size)
+    assert weights.reload.keywords["max_file_bytes"] == size  # a reload keeps the limit it was loaded under
+    config = config_from_args(WorkerConfig, ["--max-adapter-file-bytes", str(size - 1)], env={})
+    assert config.engine.max_adapter_file_bytes == size - 1
+    with pytest.raises(SystemExit):
+        config_from_args(WorkerConfig, ["--max-adapter-file-bytes", "0"], env={})
+
+
+@pytest.mark.parametrize("special", ["/dev/zero", "fifo"])
+def test_a_file_that_is_not_a_regular_file_is_refused_without_opening_it(special, tmp_path):
+    path = Path(special) if special.startswith("/") else tmp_path / "adapter_model.safetensors"
+    if special == "fifo":
+        os.mkfifo(path)  # opening it to read would wait for a writer
+    for refuse in (check_file, read_limited):
+        with pytest.raises(
+            FileLimitError, match=r": not a regular file \(a (character device|FIFO)\)"
+        ) as err:
+            refuse(path, MAX_FILE_BYTES)
+        assert err.value.kind == "not_a_file"
+
+
+def test_a_file_longer_than_its_size_is_refused():
+    """procfs reports size 0 for files that read as more: what was checked must bound what is read."""
+    status = Path("/proc/self/status")
+    if not status.is_file():
+        pytest.skip("no /proc")
+    with pytest.raises(FileLimitError, match="grew beyond the 0 bytes it had when opened") as err:
+        read_limited(status, MAX_FILE_BYTES)
+    assert err.value.kind == "changed"
+
+
+def test_no_limit_reads_any_regular_file(tmp_path):
+    f = tmp_path / "adapter_config.json"
+    f.write_bytes(b" " * (MAX_CONFIG_BYTES + 1))
+    assert len(read_limited(f, None)) == MAX_CONFIG_BYTES + 1  # None: cache entries, already checked
+    with pytest.raises(FileLimitError, match="over the limit") as err:
+        read_limited(f, MAX_FILE_BYTES)
+    assert err.value.kind == "too_large"
