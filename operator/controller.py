@@ -3,12 +3,12 @@
 Kopf-free glue between the thin handlers and the pure ``reconcile_pool``; one pass per pool at a
 time (a lock per pool), and the last plan is kept so per-adapter timers do not each redo the pass.
 A deleting pool is drained: its workers are told to hold nothing (its finalizer waits for that).
+Which pool owns a pod that several select: ``_own_pods``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import datetime
 import logging
 import time
@@ -17,7 +17,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from lorafleet.operator.crd_models import PoolSpec, SpecError, parse_adapter
+from lorafleet.operator.crd_models import PoolSpec, SpecError, parse_adapter, pool_selector
+from lorafleet.operator.push_record import PushRecord
 from lorafleet.operator.reconcile import PoolPlan, WorkerReport, reconcile_pool
 from lorafleet.operator.workers import StagerClient, discover_workers, selector_matches
 
@@ -90,6 +91,7 @@ class PoolController:
         self._locks: dict[PoolKey, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._results: dict[PoolKey, PassResult] = {}
         self._backoff: dict[PoolKey, RetryBackoff] = defaultdict(lambda: RetryBackoff(retry_base, retry_cap))
+        self.push_records: dict[PoolKey, PushRecord] = defaultdict(PushRecord)  # what each pool's pods accepted
 
     async def run(self, key: PoolKey, *, pools: Iterable[dict[str, Any]], adapters: Iterable[dict[str, Any]],
                   pods: Iterable[dict[str, Any]], other_pools: Iterable[dict[str, Any]] = (),
@@ -127,20 +129,26 @@ class PoolController:
         specs = [parse_adapter(body) for body in adapters]  # an unparsable one is still unloaded by name
         # An invalid pool leaves its workers alone; a deleting one empties those no live pool took over.
         target = pool or draining
-        pods, shared = _own_pods(key[1], target, pods, other_pools, draining=draining is not None)
+        pods, shared = _own_pods(key[1], target.worker_selector if target else None, pods, other_pools,
+                                 draining=draining is not None)
+        record = self.push_records[key]
+        record.retain(pods)  # pods gone (or re-created under their name) lose what was pushed to them
         workers = discover_workers(pods, target.worker_selector, default_port=target.stager_port) if target else []
         reports = await self.client.fetch_states(workers)
         backoff, now = self._backoff[key], self.clock()
-        views = [WorkerReport(w.pod, r, self.client.last_pushed.get(w.url), may_retry=backoff.may_retry(w.url, now))
+        views = [WorkerReport(w.pod, r, record.last(w), may_retry=backoff.may_retry(w.url, now))
                  for w, r in zip(workers, reports, strict=True)]
         plan = reconcile_pool(pool, specs, views, now=utc_now(), generation_floor=time.time_ns() // 1_000_000,
                               pool_error=pool_error, shared_pods=shared)
         by_pod = {w.pod: w for w in workers}
-        pushed = await asyncio.gather(*(self.client.push(by_pod[pod], d) for pod, d in plan.pushes.items()))
-        accepted = {pod for pod, ok in zip(plan.pushes, pushed, strict=True) if ok}
-        for pod, desired in plan.pushes.items():
-            if pod in accepted:
+        outcomes = await asyncio.gather(*(self.client.push(by_pod[pod], d) for pod, d in plan.pushes.items()))
+        accepted = {pod for pod, ok in zip(plan.pushes, outcomes, strict=True) if ok}
+        for (pod, desired), ok in zip(plan.pushes.items(), outcomes, strict=True):
+            if ok:
+                record.record(by_pod[pod], desired)
                 log.info("pushed generation %d (%d adapters) to %s", desired.generation, len(desired.adapters), pod)
+            elif ok is False:  # refused: no answer (None) leaves the record as it was
+                record.forget(by_pod[pod])
         backoff.retain({w.url for w in workers})
         for w, view in zip(workers, views, strict=True):
             if w.pod in plan.failing:
@@ -152,36 +160,67 @@ class PoolController:
     def forget(self, key: PoolKey) -> None:
         self._results.pop(key, None)
         self._backoff.pop(key, None)
+        self.push_records.pop(key, None)
 
 
 def ready_worker_pods(pool: PoolSpec, pods: Iterable[dict[str, Any]], other_pools: Iterable[dict[str, Any]]) -> list[str]:
     """Names of the pool's ready worker pods, as a reconcile pass finds them (sorted)."""
-    own, _ = _own_pods(pool.name, pool, list(pods), list(other_pools))
+    own, _ = _own_pods(pool.name, pool.worker_selector, list(pods), list(other_pools))
     return [w.pod for w in discover_workers(own, pool.worker_selector, default_port=pool.stager_port)]
 
 
-def _own_pods(name: str, pool: PoolSpec | None, pods: list[dict], other_pools: list[dict], *,
+def invalid_pool_claim(body: dict[str, Any], pods: Iterable[dict[str, Any]],
+                       other_pools: Iterable[dict[str, Any]]) -> tuple[list[str], dict[str, str]]:
+    """(names of the pods a pool whose spec is invalid holds, pod -> the earlier pool that owns each other pod
+    it selects), by the rule of ``_own_pods``; nothing when its spec.workerSelector is invalid too."""
+    selector = pool_selector(body)
+    if selector is None:
+        return [], {}
+    name = (body.get("metadata") or {}).get("name", "")
+    own, shared = _own_pods(name, selector, list(pods), list(other_pools))
+    return sorted((p.get("metadata") or {}).get("name", "") for p in own), shared
+
+
+def _own_pods(name: str, selector: dict[str, Any] | None, pods: list[dict], other_pools: list[dict], *,
               draining: bool = False) -> tuple[list[dict], dict[str, str]]:
-    """A pod matched by several pools belongs to the one whose name sorts first; the others leave it
-    alone (each push is a pod's whole adapter set, so two owners would undo each other). A ``draining``
-    (deleting) pool has handed every pod another live pool selects over to that pool."""
-    if pool is None:
+    """(the pods pool ``name`` owns among those its ``selector`` matches, pod -> owner of each of the others).
+
+    A pod matched by several live pools belongs to the one whose name sorts first; the others leave it
+    alone and report it (each push is a pod's whole adapter set, so two owners would undo each other).
+    A pool whose spec is invalid keeps its place in that order: it pushes nothing, so the pods it owns
+    stay as they are, but no pool after it takes them over (a typo in one pool's spec must not hand its
+    workers to another pool that happens to match them); its status names the pods it holds. If its
+    spec.workerSelector is invalid too, it holds nothing: which pods it meant is unknown.
+
+    A ``draining`` (deleting) pool hands each pod over to the live pool that owns it next when that pool
+    pushes its own set (a valid spec) or held the pod already (an invalid spec, before this one by name);
+    it empties the rest, so no adapter of a deleted pool is left behind on a pod nobody pushes to.
+    ``selector`` None (no pool to act for): every pod, as given.
+    """
+    if selector is None:
         return pods, {}
-    earlier = []
+    claims = []  # (name, selector, spec is valid) of the other live pools whose selector parses, by name
     for body in other_pools:
-        other = (body.get("metadata") or {}).get("name", "")
-        if (other < name or draining) and not (body.get("metadata") or {}).get("deletionTimestamp"):
-            with contextlib.suppress(SpecError):
-                earlier.append((other, PoolSpec.parse(body).worker_selector))
+        meta = body.get("metadata") or {}
+        other_selector = pool_selector(body)
+        if other_selector is None or meta.get("deletionTimestamp"):
+            continue
+        try:
+            PoolSpec.parse(body)
+            is_valid = True
+        except SpecError:
+            is_valid = False
+        claims.append((meta.get("name", ""), other_selector, is_valid))
+    claims.sort(key=lambda c: c[0])
     own, shared = [], {}
     for pod in pods:
         meta = pod.get("metadata") or {}
         labels = meta.get("labels") or {}
-        if not selector_matches(pool.worker_selector, labels):
+        if not selector_matches(selector, labels):
             continue
-        owner = next((o for o, sel in earlier if selector_matches(sel, labels)), None)
-        if owner is None:
-            own.append(pod)
+        first = next(((other, ok) for other, sel, ok in claims if selector_matches(sel, labels)), None)
+        if first is not None and (first[0] < name or (draining and first[1])):
+            shared[meta.get("name", "")] = first[0]
         else:
-            shared[meta.get("name", "")] = owner
+            own.append(pod)
     return own, shared

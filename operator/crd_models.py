@@ -121,6 +121,15 @@ def _selector(selector: Any) -> dict[str, Any]:
     return selector
 
 
+def pool_selector(body: dict[str, Any]) -> dict[str, Any] | None:
+    """A pool's spec.workerSelector when that parses, whether or not the rest of its spec does: a pool with
+    an invalid spec still holds the pods it selects (controller.py). None: the selector itself is invalid."""
+    try:
+        return _selector((body.get("spec") or {}).get("workerSelector"))
+    except SpecError:
+        return None
+
+
 @dataclass(slots=True)
 class PoolSpec:
     name: str

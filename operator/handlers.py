@@ -25,7 +25,13 @@ from typing import Any
 
 import kopf
 
-from lorafleet.operator.controller import PoolController, merge_conditions, status_changes, utc_now
+from lorafleet.operator.controller import (
+    PoolController,
+    invalid_pool_claim,
+    merge_conditions,
+    status_changes,
+    utc_now,
+)
 from lorafleet.operator.crd_models import (
     ADAPTERS,
     GROUP,
@@ -51,7 +57,8 @@ MAX_RETRY_DELAY = 300.0  # seconds: the cap of the backoff for re-pushing versio
 def _slim_pod(body: kopf.Body) -> dict[str, Any]:
     """What discovery needs of a pod; indexes hold this, not the whole pod."""
     return {
-        "metadata": {"name": body.metadata.name, "labels": dict(body.metadata.labels),
+        "metadata": {"name": body.metadata.name, "uid": body.metadata.uid,
+                     "labels": dict(body.metadata.labels),
                      "deletionTimestamp": body.metadata.get("deletionTimestamp")},
         "status": {"podIP": body.status.get("podIP"), "phase": body.status.get("phase"),
                    "conditions": [dict(c) for c in body.status.get("conditions") or []]},
@@ -152,8 +159,11 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
         try:
             PoolSpec.parse(dict(body))
         except SpecError as exc:
+            # It keeps its claim on the pods it selects (see controller._own_pods), and says so.
+            held, shared = invalid_pool_claim(dict(body), kwargs["worker_pods"].get(namespace, []),
+                                              other_pools(namespace, name, kwargs))
             wanted = invalid_pool_status(dict(status), int(body.metadata.get("generation") or 0), str(exc),
-                                         now=utc_now())
+                                         now=utc_now(), held=held, shared_pods=shared)
             patch.status.update(status_changes(dict(status), merge_conditions(dict(status), wanted)))
             raise kopf.PermanentError(str(exc)) from None
         plan = await run_pass(namespace, name, kwargs, max_age=max_age)

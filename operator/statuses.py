@@ -156,8 +156,7 @@ def pool_status(pool: PoolSpec, num_adapters: int, workers: list[WorkerReport], 
     if errors:
         msg += "; " + "; ".join(errors)
     if shared_pods:  # two pools pushing whole adapter sets to one pod would undo each other
-        msg += "; spec.workerSelector also matches " + ", ".join(
-            f"{pod} (owned by LoRAPool {owner!r})" for pod, owner in sorted(shared_pods.items()))
+        msg += _shared_text(shared_pods)
     status = {
         "readyWorkers": len(live),
         "adapters": num_adapters,
@@ -171,7 +170,21 @@ def pool_status(pool: PoolSpec, num_adapters: int, workers: list[WorkerReport], 
     return status
 
 
-def invalid_pool_status(status: dict[str, Any], generation: int, message: str, *, now: str) -> dict[str, Any]:
-    """A pool spec the operator cannot parse: Ready False naming the field, for this generation."""
+def invalid_pool_status(status: dict[str, Any], generation: int, message: str, *, now: str,
+                        held: list[str] | tuple[str, ...] = (), shared_pods: dict[str, str] | None = None
+                        ) -> dict[str, Any]:
+    """A pool spec the operator cannot parse: Ready False naming the field, for this generation. ``held``: the
+    pods it still owns (nothing is pushed to them, and no other pool takes them over, until the spec is fixed);
+    ``shared_pods``: pods it selects that an earlier pool owns (pod -> owner), as a valid pool reports them."""
+    if held:
+        message += (f"; its spec.workerSelector still holds {', '.join(held)}: left as they are, and taken over "
+                    f"by no other LoRAPool, until the spec is fixed")
+    if shared_pods:
+        message += _shared_text(shared_pods)
     return {"observedGeneration": generation,
             "conditions": [condition(status, "Ready", False, "InvalidSpec", message, now)]}
+
+
+def _shared_text(shared_pods: dict[str, str]) -> str:
+    return "; spec.workerSelector also matches " + ", ".join(
+        f"{pod} (owned by LoRAPool {owner!r})" for pod, owner in sorted(shared_pods.items()))

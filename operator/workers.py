@@ -26,6 +26,7 @@ STAGER_PORT_NAME = "stager"
 class Worker:
     pod: str
     url: str  # base URL of the pod's stager sidecar
+    uid: str = ""  # metadata.uid: a pod re-created under the same name is another worker
 
 
 def selector_matches(selector: dict[str, Any], labels: dict[str, str]) -> bool:
@@ -80,12 +81,13 @@ def discover_workers(pods: Iterable[dict[str, Any]], selector: dict[str, Any], *
     for pod in pods:
         meta = pod.get("metadata") or {}
         if selector_matches(selector, meta.get("labels") or {}) and pod_is_ready(pod):
-            found.append(Worker(meta["name"], base_url(pod["status"]["podIP"], stager_port(pod, default_port))))
+            url = base_url(pod["status"]["podIP"], stager_port(pod, default_port))
+            found.append(Worker(meta["name"], url, meta.get("uid") or ""))
     return sorted(found, key=lambda w: w.pod)
 
 
 class StagerClient:
-    """Talks to sidecars; remembers what it last pushed to each pod (lost on restart, by design)."""
+    """Talks to sidecars. What each pod accepted is remembered per pool by the caller (push_record.py)."""
 
     def __init__(self, *, token: str, timeout: float, push_timeout: float | None = None) -> None:
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -93,7 +95,6 @@ class StagerClient:
         self._push_timeout = aiohttp.ClientTimeout(total=push_timeout or timeout)
         self._session: aiohttp.ClientSession | None = None
         self._closed = False
-        self.last_pushed: dict[str, DesiredState] = {}  # worker url -> last accepted push
 
     def _client(self) -> aiohttp.ClientSession:
         if self._closed:
@@ -122,20 +123,19 @@ class StagerClient:
     async def fetch_states(self, workers: list[Worker]) -> list[ReportedState | None]:
         return list(await asyncio.gather(*(self.fetch_state(w) for w in workers)))
 
-    async def push(self, worker: Worker, desired: DesiredState) -> bool:
-        """PUT the desired state; True when accepted. A 409 (stale generation) is not recorded as pushed."""
+    async def push(self, worker: Worker, desired: DesiredState) -> bool | None:
+        """PUT the desired state. True: accepted; False: refused (a 409 for a stale generation, a bad token):
+        what the pod holds is not what was last pushed; None: no answer (it may have landed or not)."""
         try:
             async with self._client().put(f"{worker.url}/v1/directives", data=desired.to_json(),
                                           headers={"Content-Type": "application/json"},
                                           timeout=self._push_timeout) as resp:
                 if resp.status in (200, 202):
-                    self.last_pushed[worker.url] = desired
                     return True
                 text = (await resp.text())[:300]
                 log.warning("sidecar of %s refused generation %d: %s %s", worker.pod, desired.generation,
                             resp.status, text)
-                self.last_pushed.pop(worker.url, None)
                 return False
         except (TimeoutError, aiohttp.ClientError) as exc:
             log.warning("push to the sidecar of %s failed: %s", worker.pod, exc)
-            return False
+            return None

@@ -101,3 +101,49 @@ async def test_a_deleting_pool_drains_its_own_workers_only(stager):
     finally:
         await controller.client.close()
         await other.stop()
+
+
+async def test_an_invalid_pool_keeps_its_workers_from_a_later_pool(stager):
+    """"alpha" sorts first and its spec is invalid: "main" selects the same pod yet pushes nothing to it."""
+    controller = PoolController(StagerClient(token=TOKEN, timeout=2.0))
+    alpha = {**POOL, "metadata": {**POOL["metadata"], "name": "alpha"}, "spec": {**POOL["spec"], "eviction": "fifo"}}
+    try:
+        plan = await controller.run(KEY, pools=[POOL], adapters=[adapter_body("sql")],
+                                    pods=[pod_body("worker-0", stager.port)], other_pools=[alpha])
+        assert plan.pushes == {} and stager.pushes == []
+        [ready] = plan.pool_status["conditions"]
+        assert ready["status"] == "False" and "worker-0 (owned by LoRAPool 'alpha')" in ready["message"]
+    finally:
+        await controller.client.close()
+
+
+def with_uid(pod: dict, uid: str) -> dict:
+    return {**pod, "metadata": {**pod["metadata"], "uid": uid}}
+
+
+async def test_pushes_are_remembered_for_the_pods_listed_now_only(stager):
+    """Pod churn: a pod gone drops out of the record, and a pod re-created under its name (a new uid) gets a
+    fresh push even where its sidecar still reports what the earlier pod was pushed."""
+    other = FakeStager(TOKEN)
+    await other.start()
+    controller = PoolController(StagerClient(token=TOKEN, timeout=2.0))
+    record = controller.push_records[KEY]
+    first = [with_uid(pod_body("worker-0", stager.port), "a0"), with_uid(pod_body("worker-1", other.port), "a1")]
+    inputs = {"pools": [POOL], "adapters": [adapter_body("sql")]}
+    try:
+        plan = await controller.run(KEY, pods=first, **inputs)
+        assert set(plan.pushes) == {"worker-0", "worker-1"} and len(record) == 2
+        assert (await controller.run(KEY, pods=first, **inputs)).pushes == {}  # converged
+        plan = await controller.run(KEY, pods=first[:1], **inputs)  # worker-1 deleted
+        assert plan.pushes == {} and len(record) == 1
+        # Re-created on the same sidecar, whose report matches the last push to the pod that is gone.
+        again = [first[0], with_uid(pod_body("worker-1", other.port), "b1")]
+        plan = await controller.run(KEY, pods=again, **inputs)
+        assert set(plan.pushes) == {"worker-1"} and len(other.pushes) == 2 and len(record) == 2
+        # Re-created between two passes, never seen missing: the new uid alone makes it a new pod.
+        again[0] = with_uid(pod_body("worker-0", stager.port), "b0")
+        plan = await controller.run(KEY, pods=again, **inputs)
+        assert set(plan.pushes) == {"worker-0"} and len(stager.pushes) == 2 and len(record) == 2
+    finally:
+        await controller.client.close()
+        await other.stop()

@@ -11,6 +11,7 @@ from .test_handlers import (  # noqa: F401  (fixtures)
     POOL,
     POOLS,
     adapter_body,
+    api,
     cluster,
     create,
     delete,
@@ -129,3 +130,47 @@ async def test_a_version_that_failed_to_stage_is_retried(operator, sidecars):  #
     sidecars[0].unavailable.clear()  # the object store has it now: only a re-push makes the stager try again
     await eventually(lambda: status(emulator, "sql")["phase"] == "Ready", "Ready after a retry")
     assert len(sidecars[0].pushes) > num_pushes
+
+
+def pool_ready(emulator, name: str) -> dict:
+    return next(c for c in emulator.objects[POOLS, NS, name]["status"]["conditions"] if c["type"] == "Ready")
+
+
+async def test_an_invalid_pool_keeps_its_workers_from_a_later_pool(operator, sidecars):  # noqa: F811
+    emulator = operator
+    for i, s in enumerate(sidecars):
+        await create(emulator, "pods", pod_body(f"worker-{i}", s.port))
+    alpha = copy.deepcopy(POOL)
+    alpha["metadata"]["name"] = "alpha"  # sorts before "main", and selects the same pods
+    alpha["spec"]["eviction"] = "fifo"  # past an older CRD
+    await create(emulator, "lorapools", alpha)
+    held = await eventually(lambda: "still holds worker-0, worker-1" in pool_ready(emulator, "alpha")["message"]
+                            and pool_ready(emulator, "alpha"), "alpha reports its claim")
+    assert held["reason"] == "InvalidSpec" and held["message"].startswith("spec.eviction:")
+
+    await create(emulator, "lorapools", POOL)
+    await create(emulator, "loraadapters", adapter_body("sql"))
+    ready = await eventually(lambda: "owned by LoRAPool 'alpha'" in pool_ready(emulator, "main")["message"]
+                             and pool_ready(emulator, "main"), "main reports the conflict")
+    assert ready["status"] == "False" and "worker-1 (owned by LoRAPool 'alpha')" in ready["message"]
+    await eventually(lambda: status(emulator, "sql")["phase"] == "Pending", "sql has no worker")
+    assert all(s.pushes == [] for s in sidecars)
+
+    # Once "alpha" goes, "main" is the first pool by name that selects them.
+    await delete(emulator, "lorapools", "alpha")
+    await eventually(lambda: status(emulator, "sql")["phase"] == "Ready", "main serves sql")
+    assert all(holds(s, "sql") == {"v1"} for s in sidecars)
+
+
+async def test_a_re_created_worker_pod_gets_a_fresh_push(operator, sidecars):  # noqa: F811
+    emulator = operator
+    await start_pool(emulator, sidecars)
+    await create(emulator, "loraadapters", adapter_body("sql"))
+    await eventually(lambda: status(emulator, "sql")["phase"] == "Ready", "sql Ready")
+    num_pushes = len(sidecars[1].pushes)
+    await api(emulator, "DELETE", f"/api/v1/namespaces/{NS}/pods/worker-1", {})
+    # The same name and sidecar (which still reports what the pod that is gone was pushed), another pod.
+    again = pod_body("worker-1", sidecars[1].port)
+    again["metadata"]["uid"] = "uid-worker-1-again"
+    await create(emulator, "pods", again)
+    await eventually(lambda: len(sidecars[1].pushes) > num_pushes, "a fresh push to the new worker-1")

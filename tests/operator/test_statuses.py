@@ -23,6 +23,13 @@ def test_invalid_pool_status_has_the_generation_and_moves_only_on_a_transition()
     assert invalid_pool_status(ready, 5, "x", now=LATER)["conditions"][0]["lastTransitionTime"] == LATER
 
 
+def test_an_invalid_pool_status_names_the_pods_it_holds_and_those_another_pool_owns():
+    [cond] = invalid_pool_status({}, 1, "spec.eviction: bad", now=NOW, held=["w-0", "w-1"],
+                                 shared_pods={"w-2": "alpha"})["conditions"]
+    assert cond["message"].startswith("spec.eviction: bad; its spec.workerSelector still holds w-0, w-1")
+    assert cond["message"].endswith("; spec.workerSelector also matches w-2 (owned by LoRAPool 'alpha')")
+
+
 def test_with_spec_scaling_the_reconcile_leaves_kv_usage_and_the_scaling_condition_alone():
     scaling = {"target": "worker", "prometheusURL": "http://prometheus:9090", "maxReplicas": 4}
     plan = reconcile_pool(pool(scaling=scaling), [adapter("a")], workers(1), now=NOW)

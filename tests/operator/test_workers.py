@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from lorafleet.operator.controller import _own_pods, invalid_pool_claim
 from lorafleet.operator.workers import StagerClient, Worker, discover_workers, pod_is_ready, selector_matches
 from lorafleet.worker.directives import AdapterDirective, DesiredState, VersionRef
 
@@ -61,33 +62,71 @@ async def test_client_push_read_and_stale_generation(sidecar):
     worker = Worker("w", f"http://127.0.0.1:{sidecar.port}")
     desired = DesiredState(5, [AdapterDirective("a", "t", VersionRef("v1", "s3://b/a/v1/"), warm=True)])
     try:
-        assert await client.push(worker, desired)
-        assert client.last_pushed[worker.url] == desired
+        assert await client.push(worker, desired) is True
         state = await client.fetch_state(worker)
         assert state.generation_applied == 5 and state.find("a", "v1").tier == "gpu"
-        # A stale generation is refused (409) and not remembered as pushed.
-        assert not await client.push(worker, DesiredState(4, []))
-        assert worker.url not in client.last_pushed and sidecar.refused == 1
-        # A sidecar that is gone: no state, no exception.
+        # A stale generation is refused (409): an answer, unlike a sidecar that does not answer.
+        assert await client.push(worker, DesiredState(4, [])) is False
+        assert sidecar.refused == 1
+        # A sidecar that is gone: no state, no answer to a push, no exception.
         await sidecar.stop()
         assert await client.fetch_state(worker) is None
-        assert not await client.push(worker, desired)
+        assert await client.push(worker, desired) is None
     finally:
         await client.close()
 
 
+def pool_body(name, labels, **spec):
+    return {"metadata": {"name": name},
+            "spec": {"baseModel": "m", "workerSelector": {"matchLabels": labels}, **spec}}
+
+
+def names(pods):
+    return [p["metadata"]["name"] for p in pods]
+
+
+TWO_PODS = [pod("both", labels={"app": "w", "gpu": "h200"}), pod("mine", labels={"app": "w"})]
+
+
 def test_a_pod_matched_by_two_pools_belongs_to_the_first_by_name():
-    from lorafleet.operator.controller import _own_pods
-    from lorafleet.operator.crd_models import PoolSpec
-
-    def pool_body(name, labels):
-        return {"metadata": {"name": name}, "spec": {"baseModel": "m", "workerSelector": {"matchLabels": labels}}}
-
-    pods = [pod("both", labels={"app": "w", "gpu": "h200"}), pod("mine", labels={"app": "w"})]
-    mine = PoolSpec.parse(pool_body("zeta", {"app": "w"}))
-    own, shared = _own_pods("zeta", mine, pods, [pool_body("alpha", {"gpu": "h200"})])
-    assert [p["metadata"]["name"] for p in own] == ["mine"] and shared == {"both": "alpha"}
+    own, shared = _own_pods("zeta", {"matchLabels": {"app": "w"}}, TWO_PODS, [pool_body("alpha", {"gpu": "h200"})])
+    assert names(own) == ["mine"] and shared == {"both": "alpha"}
     # The first pool by name keeps it.
-    alpha = PoolSpec.parse(pool_body("alpha", {"gpu": "h200"}))
-    own, shared = _own_pods("alpha", alpha, pods, [pool_body("zeta", {"app": "w"})])
-    assert [p["metadata"]["name"] for p in own] == ["both"] and shared == {}
+    own, shared = _own_pods("alpha", {"matchLabels": {"gpu": "h200"}}, TWO_PODS, [pool_body("zeta", {"app": "w"})])
+    assert names(own) == ["both"] and shared == {}
+
+
+@pytest.mark.parametrize("bad_spec", [{"eviction": "fifo"}, {"baseModel": ""}, {"stagerPort": 0}])
+def test_an_invalid_pool_keeps_its_place_in_the_order_by_name(bad_spec):
+    """An invalid spec pushes nothing, yet a later pool does not take its pods over; both report it."""
+    alpha = pool_body("alpha", {"gpu": "h200"}, **bad_spec)
+    own, shared = _own_pods("zeta", {"matchLabels": {"app": "w"}}, TWO_PODS, [alpha])
+    assert names(own) == ["mine"] and shared == {"both": "alpha"}
+    assert invalid_pool_claim(alpha, TWO_PODS, [pool_body("zeta", {"app": "w"})]) == (["both"], {})
+    # An invalid pool after a valid one by name: the valid one keeps the pod, the invalid one reports it.
+    zeta = pool_body("zeta", {"app": "w"}, **bad_spec)
+    assert invalid_pool_claim(zeta, TWO_PODS, [pool_body("alpha", {"gpu": "h200"})]) == (["mine"], {"both": "alpha"})
+
+
+def test_an_invalid_selector_claims_nothing_and_a_deleting_pool_claims_nothing():
+    unknown = pool_body("alpha", {}, eviction="fifo")  # which pods it meant is unknown
+    assert invalid_pool_claim(unknown, TWO_PODS, []) == ([], {})
+    own, shared = _own_pods("zeta", {"matchLabels": {"app": "w"}}, TWO_PODS, [unknown])
+    assert names(own) == ["both", "mine"] and shared == {}
+    deleting = pool_body("alpha", {"gpu": "h200"}, eviction="fifo")
+    deleting["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    own, shared = _own_pods("zeta", {"matchLabels": {"app": "w"}}, TWO_PODS, [deleting])
+    assert names(own) == ["both", "mine"] and shared == {}
+
+
+@pytest.mark.parametrize(("others", "handed_over"), [
+    ([pool_body("zeta", {"gpu": "h200"})], {"both": "zeta"}),  # a valid pool pushes its own set over it
+    ([pool_body("alpha", {"gpu": "h200"}, eviction="fifo")], {"both": "alpha"}),  # it held the pod already
+    ([pool_body("zeta", {"gpu": "h200"}, eviction="fifo")], {}),  # pushes nothing: the deleting pool empties it
+    # The pool that owns it next is invalid and never held it: emptied, though a valid one comes after.
+    ([pool_body("zeta", {"gpu": "h200"}), pool_body("nu", {"gpu": "h200"}, eviction="fifo")], {}),
+    ([pool_body("omega", {"gpu": "h200"}), pool_body("zeta", {"gpu": "h200"}, eviction="fifo")], {"both": "omega"}),
+])
+def test_a_deleting_pool_empties_what_no_pool_takes_over(others, handed_over):
+    own, shared = _own_pods("main", {"matchLabels": {"app": "w"}}, TWO_PODS, others, draining=True)
+    assert shared == handed_over and sorted(names(own) + list(shared)) == ["both", "mine"]
