@@ -43,7 +43,7 @@ import safetensors.torch
 import torch
 
 from lorafleet.kernels.lora_layout import PROJS
-from lorafleet.worker.file_limits import MAX_FILE_BYTES
+from lorafleet.worker.file_limits import MAX_FILE_BYTES, FileLimitError
 from lorafleet.worker.peft_config import (
     CONFIG_FILE,
     PARENT,
@@ -211,7 +211,8 @@ def load_peft_adapter(
     files rewritten in place since are refused rather than served under the old version).
     strict_base: "strict" (True) refuses a base-model-name or tokenizer mismatch, "warn" (False)
     logs it, "off" skips both checks. base_model_name / tokenizer_digest describe the served base;
-    None skips that check. max_file_bytes: the largest weights file read (refused before reading). Raises AdapterError.
+    None skips that check. max_file_bytes: the largest weights or tokenizer file read (refused before
+    reading). Raises AdapterError.
     """
     path = Path(path)
     mode = _strictness(strict_base)
@@ -219,7 +220,7 @@ def load_peft_adapter(
     if not path.is_dir():
         raise AdapterError(f"{path}: not a directory; an adapter is a PEFT dir with {CONFIG_FILE} + {WEIGHTS_FILE}")
     _refuse_pickles(path)
-    config, config_raw = read_config(path)
+    config, config_raw = read_config(path, max_file_bytes)
     refuse_unsupported(config, path)
     num_layers = int(_cfg(model_config, "num_hidden_layers"))
     refuse_embedding_targets(config, path, num_layers)
@@ -229,7 +230,9 @@ def load_peft_adapter(
             _mismatch(mode, f"{path}: adapter was trained on base model {base!r}, this server serves "
                             f"{base_model_name!r}; serve it on its own base, or load with strictness 'warn'/'off'")
         try:
-            theirs = vocab_digest(path)
+            theirs = vocab_digest(path, max_file_bytes)
+        except FileLimitError as exc:  # a limit, not a mismatch: refused whatever the strictness
+            raise AdapterError(str(exc)) from None
         except TokenizerFileError as exc:
             theirs = None
             _mismatch(mode, f"{exc}; the adapter's vocabulary cannot be compared with the served base model's. "

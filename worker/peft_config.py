@@ -135,12 +135,12 @@ def refuse_embedding_targets(config: dict, where: Path, num_layers: int) -> None
             )
 
 
-def read_config(path: Path) -> tuple[dict, bytes]:
-    """adapter_config.json parsed, and its bytes (for the content digest)."""
+def read_config(path: Path, max_bytes: int = MAX_FILE_BYTES) -> tuple[dict, bytes]:
+    """adapter_config.json parsed, and its bytes (for the content digest); at most 1 MiB or `max_bytes`."""
     config_path = path / CONFIG_FILE
     if not config_path.is_file():
         raise AdapterError(f"{path}: {CONFIG_FILE} not found; a PEFT adapter dir needs {CONFIG_FILE} + {WEIGHTS_FILE}")
-    raw = read_bytes(config_path)
+    raw = read_bytes(config_path, max_bytes)
     try:
         config = json.loads(raw.decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:

@@ -153,7 +153,9 @@ async def _stager_ctx(app: web.Application) -> AsyncIterator[None]:
     stager = StagerProcess(cache_dir=cache_dir, port=config.stager_port, env=env,
                            log_path=cache_dir.parent / "stager.log",
                            args=["--stager-adapters", uri, "--s3-allow", uri.removeprefix("s3://"),
-                                 "--engine-url", engine_url(config)])
+                                 "--engine-url", engine_url(config),
+                                 # it stages what this worker loads: the same limit, however it was given
+                                 "--max-adapter-file-bytes", str(config.engine.max_adapter_file_bytes)])
     await asyncio.to_thread(stager.start, 60.0)
     log.info("stager child (pid %d) is staging the adapters under %s into %s; log: %s", stager.proc.pid, uri,
              cache_dir, stager.log_path)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from lorafleet.worker.file_limits import MAX_FILE_BYTES, FileLimitError, check_file, check_size, read_chunks
+from lorafleet.worker.vocab_digest import TOKENIZER_FILES
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -184,10 +185,7 @@ class Sources:
         for _ in range(MAX_ATTEMPTS):
             objects = {o.object_name: (o.size, o.etag) for o in client.list_objects(loc.bucket, prefix=loc.prefix)
                        if o.object_name in wanted}
-            missing = [n for n in ADAPTER_FILES if loc.prefix + n not in objects]
-            if missing:
-                raise SourceError(f"{uri}: missing {', '.join(missing)} (a PEFT adapter directory needs both; "
-                                  f"pickle .bin files are not served)", "missing")
+            _refuse_missing(uri, [n for n in ADAPTER_FILES if loc.prefix + n not in objects])
             with _as_source_error():  # before a byte is downloaded
                 for key, (size, _) in sorted(objects.items()):
                     check_size(loc.uri + wanted[key], size, self.config.max_adapter_file_bytes, fix=RAISE_LIMIT)
@@ -203,10 +201,12 @@ class Sources:
     def verify_local(self, path: Path, sha256: str | None, where: str) -> str:
         """The digest of the local adapter directory `path` (as `verify_digest`). Every file the engine may
         read from it is held to the size limit first, by stat alone: a huge or endless file (a FIFO, a
-        device) is refused before a byte of any of them is read."""
+        device) is refused before a byte of any of them is read. A folder without one of the two adapter
+        files is a missing source, as an S3 prefix without it is."""
+        _refuse_missing(where, [n for n in ADAPTER_FILES if not (path / n).exists()])
         with _as_source_error():
-            for name in (*ADAPTER_FILES, *OPTIONAL_FILES):
-                if (path / name).exists():  # a missing one is refused when it is read
+            for name in dict.fromkeys((*ADAPTER_FILES, *OPTIONAL_FILES, *TOKENIZER_FILES)):
+                if (path / name).exists():
                     check_file(path / name, self.config.max_adapter_file_bytes, fix=RAISE_LIMIT)
         return verify_digest(path, sha256, where, self.config.max_adapter_file_bytes)
 
@@ -232,12 +232,16 @@ class Sources:
 def adapter_digest(path: Path, max_file_bytes: int | None = None) -> str:
     """sha256 over adapter_config.json then adapter_model.safetensors. A file that is not a regular file
     (it could block the read or never end) is refused, and so is one over its limit under
-    `max_file_bytes` (None: no size limit), before it is read (SourceError)."""
+    `max_file_bytes` (None: no size limit), before it is read (SourceError), and a missing one is a
+    missing source (SourceError `missing`)."""
     h = hashlib.sha256()
     with _as_source_error():
         for name in ADAPTER_FILES:
-            for chunk in read_chunks(Path(path) / name, max_file_bytes, chunk_bytes=1 << 20, fix=RAISE_LIMIT):
-                h.update(chunk)
+            try:
+                for chunk in read_chunks(Path(path) / name, max_file_bytes, chunk_bytes=1 << 20, fix=RAISE_LIMIT):
+                    h.update(chunk)
+            except FileNotFoundError:  # removed since the folder was checked
+                _refuse_missing(str(path), [name])
     return h.hexdigest()
 
 
@@ -249,6 +253,13 @@ def verify_digest(path: Path, sha256: str | None, where: str, max_file_bytes: in
         raise SourceError(f"{where}: sha256 mismatch: expected {sha256}, the files hash to {digest} "
                           f"(corrupt or changed upload; fix the object or the directive's sha256)", "digest_mismatch")
     return digest
+
+
+def _refuse_missing(where: str, missing: list[str]) -> None:
+    """A missing source (404) when `where`, an S3 prefix or a local folder, lacks adapter files."""
+    if missing:
+        raise SourceError(f"{where}: missing {', '.join(missing)} (a PEFT adapter directory needs both; "
+                          f"pickle .bin files are not served)", "missing")
 
 
 @contextlib.contextmanager

@@ -147,6 +147,9 @@ class Tenants:
         keys: dict[str, str] = {}
         for name, entry in data["tenants"].items():
             where = f"{source}: tenants.{name}"
+            if not isinstance(name, str) or not name:
+                # YAML reads `1:` as an int: str() would merge it with a tenant "1" (permissions and caps shared).
+                raise TenantsError(f"{where}: a tenant name must be a non-empty string; quote it (\"{name}\":)")
             if not isinstance(entry, dict):
                 raise TenantsError(f"{where}: expected a mapping with keys, adapters, base_model")
             unknown = set(entry) - {"keys", "adapters", "base_model"}
@@ -164,8 +167,8 @@ class Tenants:
             for key in entry_keys:
                 if key in keys:
                     raise TenantsError(f"{where}.keys: a key is shared with tenant {keys[key]!r}")
-                keys[key] = str(name)
-            tenants.append(Tenant(str(name), tuple(patterns), base_model))
+                keys[key] = name
+            tenants.append(Tenant(name, tuple(patterns), base_model))
         return cls(tenants, keys)
 
     def reload_if_changed(self) -> bool:

@@ -9,7 +9,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from lorafleet.worker.file_limits import FileLimitError, read_limited
+
 T = TypeVar("T")
+# The files a tokenizer is read from: tokenizer.json, else vocab.json (+ merges.txt, added tokens).
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "added_tokens.json", "tokenizer_config.json")
 
 
 class TokenizerFileError(ValueError):
@@ -17,13 +21,16 @@ class TokenizerFileError(ValueError):
     message names the file."""
 
 
-def _parse(file: Path, interpret: Callable[[Any], T]) -> T:
-    """`interpret(json of file)`; any malformation becomes a TokenizerFileError naming the file."""
+def _parse(file: Path, interpret: Callable[[Any], T], max_bytes: int | None) -> T:
+    """`interpret(json of file)`; any malformation becomes a TokenizerFileError naming the file. A file
+    over `max_bytes` (None: no limit) or not a regular file raises FileLimitError, unread."""
     try:
-        raw = json.loads(file.read_text(encoding="utf-8"))
+        raw = json.loads(read_limited(file, max_bytes).decode("utf-8"))
         if not isinstance(raw, dict):
             raise TypeError(f"expected a JSON object, found a JSON {type(raw).__name__}")
         return interpret(raw)
+    except FileLimitError:
+        raise
     except (OSError, ValueError, RecursionError, KeyError, IndexError, TypeError, AttributeError) as exc:
         # ValueError covers JSONDecodeError and UnicodeDecodeError.
         raise TokenizerFileError(f"{file}: not a readable tokenizer file ({type(exc).__name__}: {exc})") from exc
@@ -52,42 +59,45 @@ def _checked(vocab: dict) -> dict[str, int]:
     return vocab
 
 
-def _vocab_and_merges_from_dir(path: Path) -> tuple[dict[str, int], list[str]] | None:
+def _vocab_and_merges_from_dir(path: Path, max_bytes: int | None) -> tuple[dict[str, int], list[str]] | None:
     tok_json = path / "tokenizer.json"
     if tok_json.is_file():
-        return _parse(tok_json, _from_tokenizer_json)
+        return _parse(tok_json, _from_tokenizer_json, max_bytes)
     vocab_json = path / "vocab.json"
     if vocab_json.is_file():
-        vocab = _parse(vocab_json, _checked)
+        vocab = _parse(vocab_json, _checked, max_bytes)
         merges_txt = path / "merges.txt"
         merges = []
         if merges_txt.is_file():
             try:
-                text = merges_txt.read_text(encoding="utf-8")
+                text = read_limited(merges_txt, max_bytes).decode("utf-8")
+            except FileLimitError:
+                raise
             except (OSError, ValueError) as exc:
                 raise TokenizerFileError(f"{merges_txt}: not a readable merges file ({exc})") from exc
             merges = [ln for ln in text.splitlines() if ln and not ln.startswith("#version")]
         added = path / "added_tokens.json"
         if added.is_file():
-            vocab.update(_parse(added, _checked))
+            vocab.update(_parse(added, _checked, max_bytes))
         cfg = path / "tokenizer_config.json"
         if cfg.is_file():
-            vocab.update(_parse(cfg, _added_tokens_decoder))
+            vocab.update(_parse(cfg, _added_tokens_decoder, max_bytes))
         return vocab, merges
     return None
 
 
-def vocab_digest(path: str | Path) -> str | None:
+def vocab_digest(path: str | Path, max_file_bytes: int | None = None) -> str | None:
     """Digest of a tokenizer's vocabulary (token -> id, added tokens included) and BPE merges.
 
     `path` is a model/adapter dir or a tokenizer.json; None when it holds no tokenizer files.
     Equal digests mean the same text becomes the same ids, whatever file format carried them.
-    Raises TokenizerFileError (naming the file) when a tokenizer file is malformed.
+    Raises TokenizerFileError (naming the file) when a tokenizer file is malformed, and FileLimitError,
+    before reading it, when one is over `max_file_bytes` (None: no size limit) or not a regular file.
     """
     path = Path(path)
     if path.is_file():
         path = path.parent
-    found = _vocab_and_merges_from_dir(path)
+    found = _vocab_and_merges_from_dir(path, max_file_bytes)
     if found is None:
         return None
     vocab, merges = found

@@ -3,6 +3,7 @@ the answer, and a message that names none of another tenant's adapters."""
 
 from types import SimpleNamespace
 
+import pytest
 from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 
@@ -41,3 +42,26 @@ def test_a_stage_whose_objects_kept_changing_is_a_conflict():
 
     err = staging_error(SourceError("s3://b/a/: the objects changed during 3 download attempts", "changed"), "s3://b/a/")
     assert (err.status, err.code) == (409, "changed")
+
+
+@pytest.mark.parametrize("gone", ["adapter_config.json", "adapter_model.safetensors"])
+async def test_a_local_adapter_missing_a_file_is_a_404_naming_it(tmp_path, gone):
+    """A local folder without one of its two files is answered as an S3 prefix without it is (404
+    `missing`, naming the file), not as a broken object store (502)."""
+    from lorafleet.worker.sources import SourceError
+    from lorafleet.worker.stager import Stager
+    from lorafleet.worker.stager_config import StagerConfig
+    from lorafleet.worker.staging_errors import staging_error
+
+    folder = tmp_path / "root" / "alpha"
+    folder.mkdir(parents=True)
+    (folder / "adapter_config.json").write_text('{"r": 4}')
+    (folder / "adapter_model.safetensors").write_bytes(b"weights")
+    (folder / gone).unlink()
+    stager = Stager(StagerConfig(stager_token="t" * 20, stager_cache_dir=str(tmp_path / "cache"),
+                                 local_roots=[str(tmp_path / "root")]))
+    with pytest.raises(SourceError) as err:
+        await stager.stage(str(folder), None)
+    answer = staging_error(err.value, str(folder))
+    assert (answer.status, answer.code) == (404, "missing"), answer.message
+    assert answer.message.startswith(f"{folder}: missing {gone} ")

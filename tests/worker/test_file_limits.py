@@ -71,6 +71,52 @@ def test_the_loaders_limit_is_the_engines_setting(tiny_llama_dir, tmp_path):
         config_from_args(WorkerConfig, ["--max-adapter-file-bytes", "0"], env={})
 
 
+def test_the_loader_holds_adapter_config_json_to_a_limit_below_1_mib(tiny_llama_dir, tmp_path):
+    """adapter_config.json may have at most 1 MiB, or --max-adapter-file-bytes when that is less (as the
+    stager holds it): a config over a lower limit is refused, not read under the 1 MiB bound."""
+    import torch
+
+    from lorafleet.worker.model_config import ModelConfig
+    from lorafleet.worker.peft_adapter import AdapterError, load_peft_adapter
+    from tests.lora_factory import make_peft_adapter
+
+    d = make_peft_adapter(tiny_llama_dir, tmp_path / "x", rank=4, seed=0, targets=["q_proj"])
+    config = d / "adapter_config.json"
+    limit = config.stat().st_size - 1
+    with pytest.raises(AdapterError, match=re.escape(f"{config}: {limit + 1} bytes")) as err:
+        load_peft_adapter(d, ModelConfig.from_dir(tiny_llama_dir), dtype=torch.float32, strict_base="off",
+                          max_file_bytes=limit)
+    assert f"over the limit of {limit} bytes" in str(err.value)
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "merges.txt"])
+def test_the_loader_holds_the_adapters_tokenizer_files_to_the_limit(tiny_llama_dir, tmp_path, name):
+    """The tokenizer files the loader compares with the base's (tokenizer.json, or vocab.json + merges.txt)
+    are adapter files too: one over the limit is refused before it is read, also when a tokenizer
+    mismatch would only be logged (strictness 'warn')."""
+    import shutil
+
+    import torch
+
+    from lorafleet.worker.model_config import ModelConfig
+    from lorafleet.worker.peft_adapter import AdapterError, load_peft_adapter
+    from tests.lora_factory import make_peft_adapter
+
+    d = make_peft_adapter(tiny_llama_dir, tmp_path / "x", rank=4, seed=0, targets=["q_proj"])
+    if name == "merges.txt":
+        (d / "vocab.json").write_text('{"a": 0, "b": 1, "ab": 2}')
+        (d / name).write_text("#version: 0.2\na b\n")
+    else:
+        shutil.copy(tiny_llama_dir / name, d / name)
+    limit = max((d / f).stat().st_size for f in ("adapter_model.safetensors", name))  # the others fit
+    with (d / name).open("a") as f:  # still a valid file of its kind, one byte over the limit
+        f.write("\n" * (limit + 1 - (d / name).stat().st_size))
+    model_config = ModelConfig.from_dir(tiny_llama_dir)
+    for strict_base in (True, "warn"):
+        with pytest.raises(AdapterError, match=re.escape(f"{d / name}: {limit + 1} bytes")):
+            load_peft_adapter(d, model_config, dtype=torch.float32, strict_base=strict_base, max_file_bytes=limit)
+
+
 @pytest.mark.parametrize("special", ["/dev/zero", "fifo"])
 def test_a_file_that_is_not_a_regular_file_is_refused_without_opening_it(special, tmp_path):
     path = Path(special) if special.startswith("/") else tmp_path / "adapter_model.safetensors"
@@ -101,3 +147,41 @@ def test_no_limit_reads_any_regular_file(tmp_path):
     with pytest.raises(FileLimitError, match="over the limit") as err:
         read_limited(f, MAX_FILE_BYTES)
     assert err.value.kind == "too_large"
+
+
+async def test_the_stager_child_stages_under_the_workers_limit(tiny_llama_dir, tmp_path, monkeypatch):
+    """A worker with s3:// adapters starts a stager child: given --max-adapter-file-bytes, the child gets
+    the same limit, so it stages the files the worker will load (and refuses the ones it would not)."""
+    from aiohttp import web
+
+    from lorafleet.worker import server, stager_client
+    from lorafleet.worker.app_keys import CONFIG
+    from lorafleet.worker.cli import config_from_args
+    from lorafleet.worker.stager_config import StagerConfig
+    from lorafleet.worker.worker_config import WorkerConfig
+
+    started: list[list[str]] = []
+
+    class RecordedStager:  # records the child's arguments instead of starting it
+        def __init__(self, *, cache_dir, port, env, args, log_path) -> None:
+            started.append(args)
+            self.proc, self.log_path = type("Proc", (), {"pid": 0})(), log_path
+
+        def start(self, timeout: float) -> None:
+            pass
+
+        def stop(self) -> None:
+            pass
+
+    monkeypatch.setattr(stager_client, "StagerProcess", RecordedStager)
+    limit = 8 << 30
+    app = web.Application()
+    app[CONFIG] = config_from_args(WorkerConfig, [
+        "--model", str(tiny_llama_dir), "--adapters", "s3://adapters/team/", "--max-adapter-file-bytes", str(limit),
+        "--stager-cache-dir", str(tmp_path / "cache")], env={})
+    ctx = server._stager_ctx(app)
+    await anext(ctx)
+    with pytest.raises(StopAsyncIteration):
+        await anext(ctx)
+    child = config_from_args(StagerConfig, started[0], env={"LORAFLEET_STAGER_TOKEN": "t" * 20})
+    assert child.max_adapter_file_bytes == limit

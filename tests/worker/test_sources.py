@@ -118,6 +118,29 @@ def test_digest_is_the_adapter_content_digest(tmp_path):
     assert err.value.kind == "digest_mismatch"
 
 
+def test_an_adapter_file_gone_before_it_is_hashed_is_missing(tmp_path):
+    """A file removed after the folder was checked (or never there) is a missing source (404), not an
+    OSError the stager would answer as a broken object store (502)."""
+    d = fake_adapter(tmp_path / "a")
+    (d / "adapter_model.safetensors").unlink()
+    with pytest.raises(SourceError, match="missing adapter_model.safetensors") as err:
+        adapter_digest(d)
+    assert err.value.kind == "missing"
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "vocab.json", "merges.txt", "added_tokens.json"])
+def test_every_file_the_loader_reads_from_a_local_adapter_is_held_to_the_limit(tmp_path, name):
+    """The loader reads the tokenizer files beside the adapter (vocab.json + merges.txt as well as
+    tokenizer.json): staging a local folder checks each of them as it checks the weights."""
+    root = tmp_path / "root"
+    d = fake_adapter(root / "a")  # 8 bytes of config, 7 of weights: within the limit below
+    (d / name).write_bytes(b" " * 9)
+    src = Sources(SourcesConfig(local_roots=[str(root)], max_adapter_file_bytes=8))
+    with pytest.raises(SourceError, match=f"{name}: 9 bytes, over the limit of 8 bytes") as err:
+        src.verify_local(src.local_path(str(d)), None, str(d))
+    assert err.value.kind == "too_large"
+
+
 def test_digest_agrees_with_the_peft_loader_version(tmp_path, tiny_llama_dir):
     from lorafleet.worker.model_config import ModelConfig
     from lorafleet.worker.peft_adapter import load_peft_adapter

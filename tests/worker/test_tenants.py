@@ -124,3 +124,14 @@ def test_a_keys_file_that_turns_bad_keeps_the_last_good_keys(tmp_path, broken):
     assert tenants.authenticate("Bearer sk-acme-2").name == "acme"
     with pytest.raises(AuthenticationError):
         tenants.authenticate("Bearer sk-acme")
+
+
+def test_a_tenant_name_yaml_reads_as_a_number_is_refused(tmp_path):
+    """YAML reads `1:` as an int; taken as "1" it would merge with a tenant "1" (one cap, one set of
+    permissions for two entries). It must be quoted."""
+    path = tmp_path / "keys.yaml"
+    path.write_text("tenants:\n  1: {keys: [k1]}\n  '1': {keys: [k2], adapters: ['x-*']}\n")
+    with pytest.raises(TenantsError, match=r"tenants\.1: a tenant name must be a non-empty string; quote it"):
+        Tenants.from_file(path)
+    path.write_text("tenants:\n  '1': {keys: [k2]}\n")
+    assert Tenants.from_file(path).authenticate("Bearer k2").name == "1"
