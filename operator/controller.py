@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from lorafleet.operator.crd_models import PoolSpec, SpecError, parse_adapter, pool_selector
+from lorafleet.operator.crd_models import PoolSpec, SpecError, drain_spec, parse_adapter, pool_selector
 from lorafleet.operator.push_record import PushRecord
 from lorafleet.operator.reconcile import PoolPlan, WorkerReport, reconcile_pool
 from lorafleet.operator.workers import StagerClient, discover_workers, selector_matches
@@ -116,18 +116,21 @@ class PoolController:
             try:
                 parsed = PoolSpec.parse(body)
             except SpecError as exc:
-                if deleting:  # its selector is unknown: nothing can be drained
-                    log.warning("LoRAPool %s/%s deleted with an invalid spec (%s); its workers are left as they are",
-                                key[0], key[1], exc)
-                else:
+                if not deleting:
                     pool_error = str(exc)
-                continue
+                    continue
+                parsed = drain_spec(body)  # its selector still says which workers hold its adapters
+                if parsed is None:  # its selector is invalid: which pods it meant is unknown
+                    log.warning("LoRAPool %s/%s deleted with an invalid spec.workerSelector (%s); its workers are "
+                                "left as they are", key[0], key[1], exc)
+                    continue
             if deleting:
                 draining = parsed
             else:
                 pool = parsed
         specs = [parse_adapter(body) for body in adapters]  # an unparsable one is still unloaded by name
-        # An invalid pool leaves its workers alone; a deleting one empties those no live pool took over.
+        # An invalid pool leaves its workers alone; a deleting one (its spec invalid too, where its
+        # selector is valid) empties those no live pool took over.
         target = pool or draining
         pods, shared = _own_pods(key[1], target.worker_selector if target else None, pods, other_pools,
                                  draining=draining is not None)
@@ -147,7 +150,7 @@ class PoolController:
             if ok:
                 record.record(by_pod[pod], desired)
                 log.info("pushed generation %d (%d adapters) to %s", desired.generation, len(desired.adapters), pod)
-            elif ok is False:  # refused: no answer (None) leaves the record as it was
+            else:  # refused, or no answer (it may have landed): what the pod holds is not known
                 record.forget(by_pod[pod])
         backoff.retain({w.url for w in workers})
         for w, view in zip(workers, views, strict=True):
@@ -155,12 +158,30 @@ class PoolController:
                 backoff.failing(w.url, now, pushed=w.pod in accepted)
             elif view.reported is not None:
                 backoff.clear(w.url)
+        if target is None:  # no pool to push for (gone, or invalid): nothing to remember
+            self.push_records.pop(key, None)
+            self._backoff.pop(key, None)
         return plan
 
     def forget(self, key: PoolKey) -> None:
         self._results.pop(key, None)
         self._backoff.pop(key, None)
         self.push_records.pop(key, None)
+
+    def retain(self, keys: set[PoolKey]) -> None:
+        """Keep the memory of these pools only (the live ones): a pool deleted while this replica stood by
+        leaves nothing behind."""
+        for key in self.known_pools():
+            if key in keys:
+                continue
+            self.forget(key)
+            lock = self._locks.get(key)
+            if lock is not None and not lock.locked():  # a pass in flight keeps its lock
+                del self._locks[key]
+
+    def known_pools(self) -> list[PoolKey]:
+        """The pools this controller holds memory for."""
+        return sorted(set(self._results) | set(self._backoff) | set(self.push_records) | set(self._locks))
 
 
 def ready_worker_pods(pool: PoolSpec, pods: Iterable[dict[str, Any]], other_pools: Iterable[dict[str, Any]]) -> list[str]:

@@ -182,6 +182,20 @@ class PoolSpec:
         )
 
 
+def drain_spec(body: dict[str, Any]) -> PoolSpec | None:
+    """What draining a deleting pool whose spec does not parse needs: its workerSelector and its sidecars'
+    port (spec.stagerPort, the default where that is the invalid field). None: its selector is invalid."""
+    selector = pool_selector(body)
+    if selector is None:
+        return None
+    meta, spec = body.get("metadata") or {}, body.get("spec") or {}
+    try:
+        port = _int(spec.get("stagerPort", DEFAULT_STAGER_PORT), "spec.stagerPort", lo=1, hi=65535)
+    except SpecError:
+        port = DEFAULT_STAGER_PORT
+    return PoolSpec(meta.get("name", ""), meta.get("namespace", ""), "", selector, stager_port=port)
+
+
 @dataclass(slots=True)
 class AdapterSpec:
     name: str

@@ -178,6 +178,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
 
     @kopf.timer(*res_pools, interval=config.interval, registry=registry)
     async def pool_drift(**kwargs: Any) -> None:
+        controller.retain(set(kwargs["pools_by_name"]))  # memory of pools deleted while this replica stood by
         with contextlib.suppress(kopf.PermanentError):  # a bad spec is already reported in status
             await reconcile_pool_handler(max_age=config.interval / 2, **kwargs)
 

@@ -1,8 +1,9 @@
 """What the operator last pushed to each worker pod of one pool: memory only (lost on restart, by design).
 
 The record follows the pods that exist, not every pod that ever did: each pass drops the entries of the
-pods its pool no longer lists, and an entry is tied to the pod's uid, so a pod re-created under the same
-name starts with no record and gets a fresh push (its whole desired state under a new generation).
+pods its pool no longer lists, and an entry is tied to the pod's uid and its sidecar's address, so a pod
+re-created under the same name, or answering at another address (its IP changed), starts with no record
+and gets a fresh push (its whole desired state under a new generation).
 """
 
 from __future__ import annotations
@@ -15,25 +16,27 @@ from lorafleet.worker.directives import DesiredState
 
 
 class PushRecord:
-    """The last push each of one pool's pods accepted, tied to the pod's uid."""
+    """The last push each of one pool's pods accepted, tied to the pod's uid and sidecar URL."""
 
     def __init__(self) -> None:
-        self._last: dict[str, tuple[str, DesiredState]] = {}  # pod name -> (its uid, last accepted push)
+        self._last: dict[str, tuple[str, str, DesiredState]] = {}  # pod name -> (uid, url, last accepted push)
 
     def __len__(self) -> int:
         return len(self._last)
 
     def last(self, worker: Worker) -> DesiredState | None:
-        """The last push ``worker`` accepted; None if none is known (or it was an earlier pod so named)."""
+        """The last push ``worker`` accepted; None if none is known (or it went to an earlier pod so named, or to
+        another address)."""
         entry = self._last.get(worker.pod)
-        return entry[1] if entry is not None and entry[0] == worker.uid else None
+        return entry[2] if entry is not None and entry[:2] == (worker.uid, worker.url) else None
 
     def record(self, worker: Worker, desired: DesiredState) -> None:
         """``worker`` accepted ``desired``."""
-        self._last[worker.pod] = (worker.uid, desired)
+        self._last[worker.pod] = (worker.uid, worker.url, desired)
 
     def forget(self, worker: Worker) -> None:
-        """``worker`` refused a push (e.g. a stale generation): what it holds is not what was last pushed."""
+        """A push to ``worker`` was refused (e.g. a stale generation) or not answered (it may have landed): what
+        it holds is not known to be what was last pushed."""
         self._last.pop(worker.pod, None)
 
     def retain(self, pods: Iterable[dict[str, Any]]) -> None:
@@ -41,5 +44,5 @@ class PushRecord:
         present = {
             (meta.get("name"), meta.get("uid") or "") for meta in (p.get("metadata") or {} for p in pods)
         }
-        for pod in [pod for pod, (uid, _) in self._last.items() if (pod, uid) not in present]:
+        for pod in [pod for pod, (uid, _, _) in self._last.items() if (pod, uid) not in present]:
             del self._last[pod]

@@ -14,7 +14,7 @@ class WorkerReport:
 
     pod: str
     reported: ReportedState | None  # None: its sidecar did not answer this round
-    last_pushed: DesiredState | None = None  # operator memory (push_record.py); None after a restart, for a new pod
+    last_pushed: DesiredState | None = None  # operator memory (push_record.py); None: none accepted known
     may_retry: bool = True  # the backoff allows re-pushing versions it reported as failed
 
 

@@ -125,7 +125,8 @@ class StagerClient:
 
     async def push(self, worker: Worker, desired: DesiredState) -> bool | None:
         """PUT the desired state. True: accepted; False: refused (a 409 for a stale generation, a bad token):
-        what the pod holds is not what was last pushed; None: no answer (it may have landed or not)."""
+        what the pod holds is not what was last pushed; None: no answer (it may have landed or not). The caller
+        takes neither as accepted."""
         try:
             async with self._client().put(f"{worker.url}/v1/directives", data=desired.to_json(),
                                           headers={"Content-Type": "application/json"},

@@ -4,10 +4,13 @@ It applies ``DesiredState`` pushes the way the contract says (bearer token, gene
 reports a ``ReportedState``: registered versions at tier ``disk``, warm ones at ``gpu``. A stable version
 in ``unavailable`` (name, version) when a push is applied fails to stage, like a real stager's: reported
 at tier ``none`` with an error until a later push (a new generation) stages it again.
-``restart()`` forgets everything, like a pod whose containers came back empty.
+``restart()`` forgets everything, like a pod whose containers came back empty. ``stall``, while an unset
+event: a push is applied but its reply waits for the event (a reply lost, or later than the client waits).
 """
 
 from __future__ import annotations
+
+import asyncio
 
 from aiohttp import web
 
@@ -27,6 +30,7 @@ class FakeStager:
         self.refused = 0  # stale generations answered with 409
         self.unavailable: set[tuple[str, str]] = set()  # (name, version) the object store cannot deliver now
         self.failed: set[tuple[str, str]] = set()  # failed when the applied push was staged
+        self.stall: asyncio.Event | None = None
         self.runner: web.AppRunner | None = None
         self.port = 0
 
@@ -66,6 +70,8 @@ class FakeStager:
             self.tokens.append(request.headers["Authorization"].removeprefix("Bearer "))
             self.applied = desired
             self.failed = {(d.name, d.stable.version) for d in desired.adapters} & self.unavailable
+        if self.stall is not None:
+            await self.stall.wait()
         return web.json_response(self.state().to_dict())
 
     async def _get(self, request: web.Request) -> web.Response:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from lorafleet.operator.controller import PoolController, RetryBackoff
@@ -147,3 +149,88 @@ async def test_pushes_are_remembered_for_the_pods_listed_now_only(stager):
     finally:
         await controller.client.close()
         await other.stop()
+
+
+async def test_a_worker_at_a_new_address_gets_a_fresh_push(stager):
+    """The same pod (name and uid) answers at another address (its IP changed with its sandbox): what the
+    old address accepted says nothing of the new one, even where the new sidecar reports the same state."""
+    other = FakeStager(TOKEN)
+    await other.start()
+    controller = PoolController(StagerClient(token=TOKEN, timeout=2.0))
+    inputs = {"pools": [POOL], "adapters": [adapter_body("sql")]}
+    try:
+        plan = await controller.run(KEY, pods=[with_uid(pod_body("worker-0", stager.port), "a0")], **inputs)
+        assert set(plan.pushes) == {"worker-0"}
+        other.applied = stager.applied
+        plan = await controller.run(KEY, pods=[with_uid(pod_body("worker-0", other.port), "a0")], **inputs)
+        assert set(plan.pushes) == {"worker-0"} and len(other.pushes) == 1
+    finally:
+        await controller.client.close()
+        await other.stop()
+
+
+async def test_an_unanswered_push_is_not_taken_as_accepted(stager):
+    """A push that got no answer may have landed: the pod holds either push, so the next pass re-pushes (here
+    an edit reverted: the stale record would match it, and no report shows the priority that landed)."""
+    controller = PoolController(StagerClient(token=TOKEN, timeout=2.0, push_timeout=0.2))
+    pods = [pod_body("worker-0", stager.port)]
+    try:
+        await controller.run(KEY, pools=[POOL], adapters=[adapter_body("sql")], pods=pods)
+        stager.stall = asyncio.Event()
+        await controller.run(KEY, pools=[POOL], adapters=[adapter_body("sql", priority=5)], pods=pods)
+        assert stager.applied.by_name()["sql"].priority == 5  # applied; the reply never came
+        stager.stall.set()
+        stager.stall = None
+        plan = await controller.run(KEY, pools=[POOL], adapters=[adapter_body("sql")], pods=pods)
+        assert set(plan.pushes) == {"worker-0"} and stager.applied.by_name()["sql"].priority == 0
+    finally:
+        if stager.stall is not None:
+            stager.stall.set()
+        await controller.client.close()
+
+
+async def test_no_memory_is_kept_for_a_pool_that_is_gone(stager):
+    controller = PoolController(StagerClient(token=TOKEN, timeout=2.0))
+    inputs = {"adapters": [adapter_body("sql")], "pods": [pod_body("worker-0", stager.port)]}
+    try:
+        await controller.run(KEY, pools=[POOL], **inputs)
+        controller.forget(KEY)  # its finalizer, done
+        # A pass that ends after it (an adapter's timer): the pool is not listed any more.
+        await controller.run(KEY, pools=[], **inputs)
+        assert KEY not in controller.push_records
+        # Pools deleted while this replica stood by: dropped when a pool timer names the live ones.
+        await controller.run(KEY, pools=[POOL], **inputs)
+        controller.retain({(NS, "other")})
+        assert controller.known_pools() == []
+    finally:
+        await controller.client.close()
+
+
+@pytest.mark.parametrize("bad_spec", [{"eviction": "fifo"}, {"baseModel": ""}, {"stagerPort": 0}])
+async def test_a_deleting_pool_with_an_invalid_spec_is_drained_by_its_selector(stager, bad_spec):
+    controller = PoolController(StagerClient(token=TOKEN, timeout=2.0))
+    inputs = {"adapters": [adapter_body("sql", pinned=True)], "pods": [pod_body("worker-0", stager.port)]}
+    deleting = {**POOL, "metadata": {**POOL["metadata"], "deletionTimestamp": "2026-01-01T00:00:00Z"},
+                "spec": {**POOL["spec"], **bad_spec}}
+    try:
+        await controller.run(KEY, pools=[POOL], **inputs)
+        assert stager.applied.adapters
+        plan = await controller.run(KEY, pools=[deleting], **inputs)
+        assert set(plan.pushes) == {"worker-0"} and plan.draining == ["worker-0"]
+        assert stager.applied.adapters == []
+        assert (await controller.run(KEY, pools=[deleting], **inputs)).draining == []
+    finally:
+        await controller.client.close()
+
+
+async def test_a_deleting_pool_with_an_invalid_selector_leaves_its_workers_alone(stager):
+    controller = PoolController(StagerClient(token=TOKEN, timeout=2.0))
+    inputs = {"adapters": [adapter_body("sql")], "pods": [pod_body("worker-0", stager.port)]}
+    deleting = {**POOL, "metadata": {**POOL["metadata"], "deletionTimestamp": "2026-01-01T00:00:00Z"},
+                "spec": {**POOL["spec"], "workerSelector": {"matchLabels": {}}}}
+    try:
+        await controller.run(KEY, pools=[POOL], **inputs)
+        plan = await controller.run(KEY, pools=[deleting], **inputs)
+        assert plan.pushes == {} and plan.draining == [] and [d.name for d in stager.applied.adapters] == ["sql"]
+    finally:
+        await controller.client.close()

@@ -174,3 +174,17 @@ async def test_a_re_created_worker_pod_gets_a_fresh_push(operator, sidecars):  #
     again["metadata"]["uid"] = "uid-worker-1-again"
     await create(emulator, "pods", again)
     await eventually(lambda: len(sidecars[1].pushes) > num_pushes, "a fresh push to the new worker-1")
+
+
+async def test_deleting_a_pool_whose_spec_turned_invalid_empties_its_workers(operator, sidecars):  # noqa: F811
+    emulator = operator
+    await start_pool(emulator, sidecars)
+    await create(emulator, "loraadapters", adapter_body("sql", warm="all", pinned=True))
+    await eventually(lambda: status(emulator, "sql")["phase"] == "Ready", "sql Ready")
+    await patch(emulator, "lorapools", "main", {"metadata": {"generation": 2}, "spec": {"eviction": "fifo"}})
+    await eventually(lambda: pool_ready(emulator, "main")["reason"] == "InvalidSpec", "the bad spec seen")
+    assert all(holds(s, "sql") == {"v1"} for s in sidecars)  # an invalid pool leaves its workers as they are
+    # Its workerSelector is valid: the finalizer drains the pods it selects, as for a valid pool.
+    await delete(emulator, "lorapools", "main")
+    await eventually(lambda: pool_gone(emulator), "pool gone")
+    assert all(s.state().adapters == [] for s in sidecars)
