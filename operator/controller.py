@@ -3,7 +3,9 @@
 Kopf-free glue between the thin handlers and the pure ``reconcile_pool``; one pass per pool at a
 time (a lock per pool), and the last plan is kept so per-adapter timers do not each redo the pass.
 A deleting pool is drained: its workers are told to hold nothing (its finalizer waits for that).
-Which pool owns a pod that several select: ``_own_pods``.
+Which pool owns a pod that several select: ``_own_pods``. A pod a live pool pushed to and no longer owns
+(its labels or the pool's workerSelector changed) is drained the same way unless another pool takes it
+over: ``_released_pods``.
 """
 
 from __future__ import annotations
@@ -130,20 +132,26 @@ class PoolController:
                 pool = parsed
         specs = [parse_adapter(body) for body in adapters]  # an unparsable one is still unloaded by name
         # An invalid pool leaves its workers alone; a deleting one (its spec invalid too, where its
-        # selector is valid) empties those no live pool took over.
+        # selector is valid) empties those no live pool took over; a valid or deleting one empties the
+        # pods it pushed to and released.
         target = pool or draining
-        pods, shared = _own_pods(key[1], target.worker_selector if target else None, pods, other_pools,
-                                 draining=draining is not None)
+        own, shared = _own_pods(key[1], target.worker_selector if target else None, pods, other_pools,
+                                draining=draining is not None)
         record = self.push_records[key]
-        record.retain(pods)  # pods gone (or re-created under their name) lose what was pushed to them
-        workers = discover_workers(pods, target.worker_selector, default_port=target.stager_port) if target else []
-        reports = await self.client.fetch_states(workers)
+        released = _released_pods(key[1], record.pod_ids(), pods, {*_names(own), *shared},
+                                  other_pools) if target else []
+        record.retain(own + released)  # pods gone (or re-created under their name) lose what was pushed to them
+        workers = discover_workers(own, target.worker_selector, default_port=target.stager_port) if target else []
+        # Released pods no longer match the selector: {} (Kubernetes' empty selector) matches every pod.
+        emptied = discover_workers(released, {}, default_port=target.stager_port) if target else []
+        reports = await self.client.fetch_states(workers + emptied)
         backoff, now = self._backoff[key], self.clock()
         views = [WorkerReport(w.pod, r, record.last(w), may_retry=backoff.may_retry(w.url, now))
-                 for w, r in zip(workers, reports, strict=True)]
+                 for w, r in zip(workers + emptied, reports, strict=True)]
+        views, released_views = views[:len(workers)], views[len(workers):]
         plan = reconcile_pool(pool, specs, views, now=utc_now(), generation_floor=time.time_ns() // 1_000_000,
-                              pool_error=pool_error, shared_pods=shared)
-        by_pod = {w.pod: w for w in workers}
+                              pool_error=pool_error, shared_pods=shared, released=released_views)
+        by_pod = {w.pod: w for w in workers + emptied}
         outcomes = await asyncio.gather(*(self.client.push(by_pod[pod], d) for pod, d in plan.pushes.items()))
         accepted = {pod for pod, ok in zip(plan.pushes, outcomes, strict=True) if ok}
         for (pod, desired), ok in zip(plan.pushes.items(), outcomes, strict=True):
@@ -152,15 +160,20 @@ class PoolController:
                 log.info("pushed generation %d (%d adapters) to %s", desired.generation, len(desired.adapters), pod)
             else:  # refused, or no answer (it may have landed): what the pod holds is not known
                 record.forget(by_pod[pod])
+        for w, view in zip(emptied, released_views, strict=True):
+            last = record.last(w)
+            if view.reported is not None and not view.reported.adapters and last is not None and not last.adapters:
+                record.drop(w)  # told to hold nothing, and holds nothing: released for good
         backoff.retain({w.url for w in workers})
         for w, view in zip(workers, views, strict=True):
             if w.pod in plan.failing:
                 backoff.failing(w.url, now, pushed=w.pod in accepted)
             elif view.reported is not None:
                 backoff.clear(w.url)
-        if target is None:  # no pool to push for (gone, or invalid): nothing to remember
-            self.push_records.pop(key, None)
+        if target is None:  # no pool to push for (gone, or invalid): nothing to retry
             self._backoff.pop(key, None)
+            if pool_error is None:  # gone: nothing to remember; an invalid pool pushes nothing meanwhile, and
+                self.push_records.pop(key, None)  # keeps the pods it pushed to for when it is fixed
         return plan
 
     def forget(self, key: PoolKey) -> None:
@@ -220,7 +233,45 @@ def _own_pods(name: str, selector: dict[str, Any] | None, pods: list[dict], othe
     """
     if selector is None:
         return pods, {}
-    claims = []  # (name, selector, spec is valid) of the other live pools whose selector parses, by name
+    claims = _claims(other_pools)
+    own, shared = [], {}
+    for pod in pods:
+        meta = pod.get("metadata") or {}
+        labels = meta.get("labels") or {}
+        if not selector_matches(selector, labels):
+            continue
+        owner = _taken_by(name, labels, claims, draining=draining)
+        if owner is not None:
+            shared[meta.get("name", "")] = owner
+        else:
+            own.append(pod)
+    return own, shared
+
+
+def _released_pods(name: str, remembered: set[tuple[str, str]], pods: list[dict], kept: set[str],
+                   other_pools: list[dict]) -> list[dict]:
+    """The pods pool ``name`` pushed to (``remembered``: (name, uid)) that still exist and that neither it nor
+    another pool holds now (``kept``: the names of those its selector still matches, owned or shared).
+
+    A pod that left the pool is handed over as a deleting pool hands its pods over (``_own_pods``): to the
+    first live pool by name that selects it, if that pool's spec is valid or it sorts before ``name``. The
+    rest are emptied, so none keeps adapters that no pool pushes to. A pod that is gone is simply not here.
+    """
+    claims = _claims(other_pools)
+    released = []
+    for pod in pods:
+        meta = pod.get("metadata") or {}
+        pod_name = meta.get("name", "")
+        if (pod_name, meta.get("uid") or "") not in remembered or pod_name in kept:
+            continue
+        if _taken_by(name, meta.get("labels") or {}, claims, draining=True) is None:
+            released.append(pod)
+    return released
+
+
+def _claims(other_pools: list[dict]) -> list[tuple[str, dict[str, Any], bool]]:
+    """(name, selector, spec is valid) of the live pools whose selector parses, by name."""
+    claims = []
     for body in other_pools:
         meta = body.get("metadata") or {}
         other_selector = pool_selector(body)
@@ -232,16 +283,17 @@ def _own_pods(name: str, selector: dict[str, Any] | None, pods: list[dict], othe
         except SpecError:
             is_valid = False
         claims.append((meta.get("name", ""), other_selector, is_valid))
-    claims.sort(key=lambda c: c[0])
-    own, shared = [], {}
-    for pod in pods:
-        meta = pod.get("metadata") or {}
-        labels = meta.get("labels") or {}
-        if not selector_matches(selector, labels):
-            continue
-        first = next(((other, ok) for other, sel, ok in claims if selector_matches(sel, labels)), None)
-        if first is not None and (first[0] < name or (draining and first[1])):
-            shared[meta.get("name", "")] = first[0]
-        else:
-            own.append(pod)
-    return own, shared
+    return sorted(claims, key=lambda c: c[0])
+
+
+def _taken_by(name: str, labels: dict[str, str], claims: list[tuple[str, dict[str, Any], bool]], *,
+              draining: bool) -> str | None:
+    """The other pool that owns a pod with ``labels`` rather than pool ``name`` (see ``_own_pods``), or None."""
+    first = next(((other, ok) for other, sel, ok in claims if selector_matches(sel, labels)), None)
+    if first is not None and (first[0] < name or (draining and first[1])):
+        return first[0]
+    return None
+
+
+def _names(pods: Iterable[dict[str, Any]]) -> list[str]:
+    return [(p.get("metadata") or {}).get("name", "") for p in pods]

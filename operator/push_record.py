@@ -4,6 +4,10 @@ The record follows the pods that exist, not every pod that ever did: each pass d
 pods its pool no longer lists, and an entry is tied to the pod's uid and its sidecar's address, so a pod
 re-created under the same name, or answering at another address (its IP changed), starts with no record
 and gets a fresh push (its whole desired state under a new generation).
+
+It is also how a pool knows which pods it may have given adapters to: a pod that leaves the pool (its
+labels or the pool's workerSelector changed) and that no other pool takes over keeps its entry until it
+was told to hold nothing and reports nothing (controller.py).
 """
 
 from __future__ import annotations
@@ -19,10 +23,15 @@ class PushRecord:
     """The last push each of one pool's pods accepted, tied to the pod's uid and sidecar URL."""
 
     def __init__(self) -> None:
-        self._last: dict[str, tuple[str, str, DesiredState]] = {}  # pod name -> (uid, url, last accepted push)
+        # pod name -> (uid, url, last accepted push); None: pushed to, what it holds is not known
+        self._last: dict[str, tuple[str, str, DesiredState | None]] = {}
 
     def __len__(self) -> int:
         return len(self._last)
+
+    def pod_ids(self) -> set[tuple[str, str]]:
+        """(name, uid) of every pod remembered: those this pool pushed to, as they were listed then."""
+        return {(pod, uid) for pod, (uid, _, _) in self._last.items()}
 
     def last(self, worker: Worker) -> DesiredState | None:
         """The last push ``worker`` accepted; None if none is known (or it went to an earlier pod so named, or to
@@ -36,11 +45,16 @@ class PushRecord:
 
     def forget(self, worker: Worker) -> None:
         """A push to ``worker`` was refused (e.g. a stale generation) or not answered (it may have landed): what
-        it holds is not known to be what was last pushed."""
+        it holds is not known to be what was last pushed. The pod stays remembered as one pushed to."""
+        self._last[worker.pod] = (worker.uid, worker.url, None)
+
+    def drop(self, worker: Worker) -> None:
+        """``worker`` left the pool and holds nothing: no longer remembered."""
         self._last.pop(worker.pod, None)
 
     def retain(self, pods: Iterable[dict[str, Any]]) -> None:
-        """Keep the entries of ``pods`` (the pool's pods as listed now, ready or not) and drop the rest."""
+        """Keep the entries of ``pods`` (the pool's pods as listed now, ready or not, and those it released that
+        still hold something) and drop the rest."""
         present = {
             (meta.get("name"), meta.get("uid") or "") for meta in (p.get("metadata") or {} for p in pods)
         }

@@ -53,22 +53,28 @@ class PoolPlan:
     pool_status: dict[str, Any] = field(default_factory=dict)
     failing: list[str] = field(default_factory=list)  # pods reporting an error for a desired version
     draining: list[str] | None = None  # no pool: pods still reporting any adapter (None: the pool exists)
+    releasing: list[str] = field(default_factory=list)  # released pods still reporting any adapter
 
 
 def reconcile_pool(pool: PoolSpec | None, adapters: Sequence[AdapterSpec | InvalidAdapter],
                    workers: list[WorkerReport], *, now: str, generation_floor: int = 0,
-                   pool_error: str | None = None, shared_pods: dict[str, str] | None = None) -> PoolPlan:
+                   pool_error: str | None = None, shared_pods: dict[str, str] | None = None,
+                   released: Sequence[WorkerReport] = ()) -> PoolPlan:
     """``now``: RFC 3339 time for condition transitions; ``generation_floor``: see ``_next_generation``;
-    ``shared_pods``: pods this pool's selector matches but another pool owns (pod -> owner), left out.
+    ``shared_pods``: pods this pool's selector matches but another pool owns (pod -> owner), left out;
+    ``released``: pods this pool pushed to that it no longer owns and no other pool took over (controller.py).
 
     ``pool`` None: nothing is served. The workers passed (a deleting pool's: see controller.py) are
-    each told to hold nothing, and ``plan.draining`` lists those still reporting an adapter.
+    each told to hold nothing, and ``plan.draining`` lists those still reporting an adapter. Released pods
+    are drained the same way, pool or not: ``plan.releasing`` lists those still reporting an adapter, and
+    they count in ``plan.unloading``, but never in a status.
     """
     plan = PoolPlan()
     live = [WorkerIndex.of(w) for w in workers if w.reported is not None]
+    emptied = [WorkerIndex.of(w) for w in released if w.reported is not None]
     for x in adapters:
         if x.deleting:  # unloaded by name, parsable or not; the finalizer waits for []
-            plan.unloading[x.name] = [w.pod for w in live if w.by_name.get(x.name)]
+            plan.unloading[x.name] = [w.pod for w in live + emptied if w.by_name.get(x.name)]
     served, failures = admit(pool, [x for x in adapters if not x.deleting], pool_error=pool_error)
     variants: dict[str, tuple[AdapterDirective, AdapterDirective]] = {}  # name -> (not warm, warm) here
     for name, a in sorted(served.items()):
@@ -81,14 +87,10 @@ def reconcile_pool(pool: PoolSpec | None, adapters: Sequence[AdapterSpec | Inval
     plan.placement = place_warm(list(served.values()), live, default_capacity=pool.gpu_bytes if pool else 0)
     warm_sets = {name: set(pods) for name, pods in plan.placement.items()}
     for w in live:
-        directives = [variants[name][w.pod in warm_sets[name]] for name in sorted(served)]
-        generation, push = _next_generation(w, directives, generation_floor)
-        desired = DesiredState(generation, directives)
-        plan.desired[w.pod] = desired
-        if push:
-            plan.pushes[w.pod] = desired
-        if w.failed_versions(directives):
-            plan.failing.append(w.pod)
+        _desire(plan, w, [variants[name][w.pod in warm_sets[name]] for name in sorted(served)], generation_floor)
+    for w in emptied:  # told to hold nothing, pinned adapters included, like a deleting pool's workers
+        _desire(plan, w, [], generation_floor)
+    plan.releasing = [w.pod for w in emptied if w.by_name]
 
     for x in adapters:
         if x.deleting:
@@ -105,7 +107,7 @@ def reconcile_pool(pool: PoolSpec | None, adapters: Sequence[AdapterSpec | Inval
             status["lastValidSpec"] = a.spec_json
         plan.adapter_statuses[x.name] = status
     if pool is None:
-        plan.draining = [w.pod for w in live if w.by_name]
+        plan.draining = [w.pod for w in live if w.by_name] + plan.releasing
     else:
         plan.pool_status = pool_status(pool, len(served), workers, now=now, shared_pods=shared_pods or {})
     return plan
@@ -207,6 +209,17 @@ def _directive(a: AdapterSpec, *, pod_warm: bool) -> AdapterDirective:
         canary=canary, canary_weight=a.canary.weight if canary else 0,
         warm=pod_warm, pinned=pod_warm and a.pinned, priority=a.priority,
     )
+
+
+def _desire(plan: PoolPlan, w: WorkerIndex, directives: list[AdapterDirective], floor: int) -> None:
+    """``w``'s desired state in ``plan``, pushed when ``_next_generation`` says so."""
+    generation, push = _next_generation(w, directives, floor)
+    desired = DesiredState(generation, directives)
+    plan.desired[w.pod] = desired
+    if push:
+        plan.pushes[w.pod] = desired
+    if w.failed_versions(directives):
+        plan.failing.append(w.pod)
 
 
 def _next_generation(x: WorkerIndex, directives: list[AdapterDirective], floor: int) -> tuple[int, bool]:

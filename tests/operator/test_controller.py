@@ -1,4 +1,5 @@
-"""One pass of PoolController against fake sidecars: retry backoff for failed versions, a deleting pool's drain."""
+"""One pass of PoolController against fake sidecars: retry backoff for failed versions, a deleting pool's drain,
+pods a pool released."""
 
 from __future__ import annotations
 
@@ -232,5 +233,87 @@ async def test_a_deleting_pool_with_an_invalid_selector_leaves_its_workers_alone
         await controller.run(KEY, pools=[POOL], **inputs)
         plan = await controller.run(KEY, pools=[deleting], **inputs)
         assert plan.pushes == {} and plan.draining == [] and [d.name for d in stager.applied.adapters] == ["sql"]
+    finally:
+        await controller.client.close()
+
+
+def relabeled(pod: dict, labels: dict) -> dict:
+    return {**pod, "metadata": {**pod["metadata"], "labels": labels}}
+
+
+async def test_a_released_pod_is_emptied_unless_another_pool_takes_it(stager):
+    """Both pods leave "main"'s selector (their labels changed): worker-1 is "zeta"'s now and left to it;
+    worker-0 no pool selects, so it is told to hold nothing, pinned adapters included, as a deleting pool's
+    workers are, and a deleting adapter's finalizer waits for it too. Once it holds nothing it is let go."""
+    other = FakeStager(TOKEN)
+    await other.start()
+    controller = PoolController(StagerClient(token=TOKEN, timeout=2.0))
+    record = controller.push_records[KEY]
+    pods = [pod_body("worker-0", stager.port), pod_body("worker-1", other.port)]
+    pods[1]["metadata"]["labels"]["gpu"] = "h200"
+    zeta = {**POOL, "metadata": {**POOL["metadata"], "name": "zeta"},
+            "spec": {**POOL["spec"], "workerSelector": {"matchLabels": {"gpu": "h200"}}}}
+    sql = adapter_body("sql", pinned=True, warm="all")
+    chat = adapter_body("chat", warm="all")
+    deleting_chat = {**chat, "metadata": {**chat["metadata"], "deletionTimestamp": "2026-01-01T00:00:00Z"}}
+    try:
+        await controller.run(KEY, pools=[POOL], adapters=[sql, chat], pods=pods, other_pools=[zeta])
+        assert all({d.name for d in s.applied.adapters} == {"sql", "chat"} for s in (stager, other))
+        moved = [relabeled(pods[0], {}), relabeled(pods[1], {"gpu": "h200"})]
+        inputs = {"pools": [POOL], "adapters": [sql, deleting_chat], "pods": moved, "other_pools": [zeta]}
+        plan = await controller.run(KEY, **inputs)
+        assert set(plan.pushes) == {"worker-0"} and plan.pushes["worker-0"].adapters == []
+        assert stager.applied.adapters == []
+        assert plan.releasing == ["worker-0"] and plan.unloading == {"chat": ["worker-0"]}  # as reported before
+        assert len(other.pushes) == 1 and {d.name for d in other.applied.adapters} == {"sql", "chat"}
+        assert plan.adapter_statuses["sql"]["instances"] == []  # statuses count the pool's own pods only
+
+        num_pushes = len(stager.pushes)
+        plan = await controller.run(KEY, **inputs)
+        assert plan.releasing == [] and plan.unloading == {"chat": []} and plan.pushes == {}
+        assert len(record) == 0  # holds nothing: let go
+        assert (await controller.run(KEY, **inputs)).pushes == {} and len(stager.pushes) == num_pushes
+        # Selected again, then released while not ready (remembered, nothing to reach), then simply gone: no error.
+        await controller.run(KEY, pools=[POOL], adapters=[sql], pods=pods[:1], other_pools=[zeta])
+        assert [d.name for d in stager.applied.adapters] == ["sql"] and len(record) == 1
+        not_ready = relabeled(pods[0], {})
+        not_ready["status"] = {**not_ready["status"], "phase": "Pending"}
+        plan = await controller.run(KEY, pools=[POOL], adapters=[sql], pods=[not_ready], other_pools=[zeta])
+        assert plan.pushes == {} and plan.releasing == [] and len(record) == 1
+        plan = await controller.run(KEY, pools=[POOL], adapters=[sql], pods=[], other_pools=[zeta])
+        assert plan.pushes == {} and len(record) == 0
+    finally:
+        await controller.client.close()
+        await other.stop()
+
+
+async def test_a_pod_released_while_the_pool_spec_was_invalid_is_emptied_once_it_is_fixed(stager):
+    controller = PoolController(StagerClient(token=TOKEN, timeout=2.0))
+    inputs = {"adapters": [adapter_body("sql", pinned=True)], "pods": [pod_body("worker-0", stager.port)]}
+    moved = {"workerSelector": {"matchLabels": {"app.kubernetes.io/component": "gateway"}}}
+    invalid = {**POOL, "spec": {**POOL["spec"], **moved, "eviction": "fifo"}}
+    fixed = {**POOL, "spec": {**POOL["spec"], **moved}}
+    try:
+        await controller.run(KEY, pools=[POOL], **inputs)
+        assert (await controller.run(KEY, pools=[invalid], **inputs)).pushes == {}  # left as it is meanwhile
+        assert [d.name for d in stager.applied.adapters] == ["sql"]
+        plan = await controller.run(KEY, pools=[fixed], **inputs)
+        assert set(plan.pushes) == {"worker-0"} and stager.applied.adapters == []
+    finally:
+        await controller.client.close()
+
+
+async def test_a_deleting_pool_waits_for_the_pods_it_released(stager):
+    """A pool deleted right after its selector stopped matching a pod: its finalizer waits for that pod too."""
+    controller = PoolController(StagerClient(token=TOKEN, timeout=2.0))
+    pods = [pod_body("worker-0", stager.port)]
+    deleting = {**POOL, "metadata": {**POOL["metadata"], "deletionTimestamp": "2026-01-01T00:00:00Z"},
+                "spec": {**POOL["spec"], "workerSelector": {"matchLabels": {"gpu": "h200"}}}}
+    inputs = {"pools": [deleting], "adapters": [adapter_body("sql")], "pods": pods}
+    try:
+        await controller.run(KEY, pools=[POOL], adapters=[adapter_body("sql")], pods=pods)
+        plan = await controller.run(KEY, **inputs)
+        assert plan.draining == ["worker-0"] and stager.applied.adapters == []
+        assert (await controller.run(KEY, **inputs)).draining == []
     finally:
         await controller.client.close()

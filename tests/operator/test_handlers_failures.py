@@ -188,3 +188,30 @@ async def test_deleting_a_pool_whose_spec_turned_invalid_empties_its_workers(ope
     await delete(emulator, "lorapools", "main")
     await eventually(lambda: pool_gone(emulator), "pool gone")
     assert all(s.state().adapters == [] for s in sidecars)
+
+
+async def test_a_pod_the_pool_stops_selecting_is_emptied(operator, sidecars):  # noqa: F811
+    """The pool's workerSelector narrows to worker-1: worker-0, which no pool selects now, gets an empty push
+    (its pinned adapter included), and a deleted adapter's finalizer waits until it reports nothing."""
+    emulator = operator
+    for i, s in enumerate(sidecars):
+        pod = pod_body(f"worker-{i}", s.port)
+        pod["metadata"]["labels"]["slot"] = str(i)
+        await create(emulator, "pods", pod)
+    await create(emulator, "lorapools", POOL)
+    await create(emulator, "loraadapters", adapter_body("sql", warm="all", pinned=True))
+    await create(emulator, "loraadapters", adapter_body("chat", warm="all"))
+    await eventually(lambda: status(emulator, "sql")["phase"] == "Ready"
+                     and status(emulator, "chat")["phase"] == "Ready", "both Ready")
+
+    await patch(emulator, "lorapools", "main", {"metadata": {"generation": 2},
+                                                "spec": {"workerSelector": {"matchLabels": {"slot": "1"}}}})
+    await delete(emulator, "loraadapters", "chat")
+    await eventually(lambda: sidecars[0].pushes[-1].adapters == [] and sidecars[0].state().adapters == [],
+                     "worker-0 told to hold nothing")
+    await eventually(lambda: gone(emulator, "chat"), "chat deleted")
+    assert all(holds(s, "chat") == set() for s in sidecars)
+    st = await eventually(lambda: status(emulator, "sql")["ready"] == "1/1" and status(emulator, "sql"),
+                          "sql served by worker-1 alone")
+    assert st["phase"] == "Ready" and [i["pod"] for i in st["instances"]] == ["worker-1"]
+    assert holds(sidecars[1], "sql") == {"v1"} and sidecars[0].state().adapters == []
