@@ -34,6 +34,7 @@ from lorafleet.worker.openai_protocol import (
     parse_unload_adapter_request,
 )
 from lorafleet.worker.sources import SourceError, Sources, SourcesConfig
+from lorafleet.worker.staging_errors import READ_ERROR_KINDS, source_status
 from lorafleet.worker.tenants import AuthenticationError, bearer_token, token_bytes
 
 T = TypeVar("T")
@@ -75,7 +76,8 @@ def _local_source(app: web.Application, uri: str, what: str) -> str:
     An object-store URI (not staged) or a folder that does not exist passes unchanged: registering it
     fails and the failure is reported for that version. Anything else is refused: 403 for a path out
     of the roots or with '..', 400 for a relative or malformed one (it would be read relative to the
-    worker's working directory)."""
+    worker's working directory), and as the stager answers it for a folder or file that cannot be read
+    (403 permission denied, 422 a symlink loop or another read error)."""
     sources = Sources(SourcesConfig(local_roots=app[CONFIG].local_adapter_roots))
     if sources.is_s3(uri):
         return uri
@@ -87,6 +89,10 @@ def _local_source(app: web.Application, uri: str, what: str) -> str:
         if exc.kind == "not_allowed":
             raise APIError(403, f"{what}: {exc}; set --adapter-roots (LORAFLEET_ADAPTER_ROOTS) to allow a folder",
                            type="permission_error", code="source_not_allowed") from None
+        if exc.kind in READ_ERROR_KINDS:
+            status = source_status(exc.kind)
+            raise APIError(status, f"{what}: {exc}", type="permission_error" if status == 403 else
+                           "invalid_request_error", code=exc.kind) from None
         raise APIError(400, f"{what}: {exc}", code="invalid_source") from None
 
 

@@ -6,9 +6,17 @@ symlinks, so a link pointing out of a root is refused, and so is `..`), S3 URIs 
 of `s3_allow` (`bucket` or `bucket/prefix/`). Object-store access (minio client; endpoint,
 credentials and TLS from the config or `LORAFLEET_S3_*` env vars) happens only in the stager.
 
+Both kinds of source stage the same files (`STAGED_FILES`): the adapter's two, every file the
+loader's tokenizer check reads (`vocab_digest.TOKENIZER_FILES`: tokenizer.json, or vocab.json +
+merges.txt + added tokens), and a few optional ones; each is held to the same size limit.
+
 The digest of an adapter directory is sha256 over `adapter_config.json` then
 `adapter_model.safetensors` (the bytes of both, in that order) — the same value `load_peft_adapter`
-uses as its default version, so a directive's `sha256` and an adapter's version agree.
+uses as its default version, so a directive's `sha256` and an adapter's version agree. Tokenizer files
+are staged but not digested, for local folders and S3 prefixes alike: the loader checks them against
+the served base on every load, and digests of copies already cached stay valid.
+
+A local file or folder that cannot be read is refused naming it and why (worker/source_error.py).
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -23,25 +32,18 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from lorafleet.worker.file_limits import MAX_FILE_BYTES, FileLimitError, check_file, check_size, read_chunks
+from lorafleet.worker.source_error import SourceError, read_error
 from lorafleet.worker.vocab_digest import TOKENIZER_FILES
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 ADAPTER_FILES = (CONFIG_FILE, WEIGHTS_FILE)
-# What a PEFT directory may carry besides the adapter itself (tokenizer files are checked on load).
-OPTIONAL_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "README.md")
+OPTIONAL_FILES = ("special_tokens_map.json", "README.md")  # carried along, never read by the loader
+# Every file staged, from a local folder or an S3 prefix alike: the tokenizer files are checked on load.
+STAGED_FILES = tuple(dict.fromkeys((*ADAPTER_FILES, *TOKENIZER_FILES, *OPTIONAL_FILES)))
 MAX_ATTEMPTS = 3  # downloads of one adapter whose objects changed meanwhile
 CHUNK_BYTES = 256 << 10  # progress granularity of a download
 RAISE_LIMIT = "raise the stager's --max-adapter-file-bytes (LORAFLEET_MAX_ADAPTER_FILE_BYTES)"
-
-
-class SourceError(ValueError):
-    """A source that is not allowed, malformed, missing, or whose digest does not match.
-    `kind`: not_allowed | bad_uri | missing | digest_mismatch | too_large | not_a_file | changed."""
-
-    def __init__(self, message: str, kind: str = "bad_uri") -> None:
-        super().__init__(message)
-        self.kind = kind
 
 
 @dataclass(slots=True, frozen=True)
@@ -138,16 +140,21 @@ class Sources:
                           f"add it to LORAFLEET_S3_ALLOW", "not_allowed")
 
     def local_path(self, uri: str) -> Path:
-        """The resolved directory of a local source, refused unless it lies inside a configured root."""
-        path = Path(local_uri_path(uri)).resolve()  # follows symlinks: a link out of a root lands outside it
+        """The resolved directory of a local source, refused unless it lies inside a configured root.
+        A folder or file in it that cannot be read (a symlink loop, a permission error) is refused too."""
+        path = _resolve(Path(local_uri_path(uri)))  # follows symlinks: a link out of a root lands outside it
         if not any(path == root or path.is_relative_to(root) for root in self._roots):
             raise SourceError(f"{uri}: resolves to {path}, outside the allowed local roots "
                               f"({', '.join(map(str, self._roots)) or 'none configured'})", "not_allowed")
-        if not path.is_dir():
-            raise SourceError(f"{uri}: no such adapter directory", "missing")
-        for f in path.iterdir():  # the loader reads tokenizer files beside the adapter's own
-            if f.is_symlink() and not any(f.resolve().is_relative_to(r) for r in self._roots):
-                raise SourceError(f"{f}: symlink points outside the allowed roots", "not_allowed")
+        with _as_source_error(path):
+            info = _stat(path)
+            if info is None or not stat.S_ISDIR(info.st_mode):
+                raise SourceError(f"{uri}: no such adapter directory", "missing")
+            for f in path.iterdir():  # the loader reads tokenizer files beside the adapter's own
+                if f.is_symlink():
+                    if not any(_resolve(f).is_relative_to(r) for r in self._roots):
+                        raise SourceError(f"{f}: symlink points outside the allowed roots", "not_allowed")
+                    _stat(f)  # a loop that resolve() leaves unresolved (Python 3.13 on)
         return path
 
     # ---- fetching ------------------------------------------------------------------------------
@@ -171,7 +178,7 @@ class Sources:
     def download(self, uri: str, dest: Path, *, progress: Callable[[int, int], None] | None = None,
                  deadline: float | None = None) -> Path:
         """Download the adapter files under an allowed S3 prefix into `dest` (created). Only the PEFT
-        files are fetched; anything else under the prefix (pickles included) is ignored.
+        files (`STAGED_FILES`) are fetched; anything else under the prefix (pickles included) is ignored.
         `progress(done_bytes, total_bytes)` is called when the download starts and as bytes arrive.
 
         Every object is read at the version the listing saw (If-Match on its ETag): an object replaced
@@ -180,7 +187,7 @@ class Sources:
         in the middle of a read, so nothing keeps writing after the caller gave up."""
         loc = self.check_s3(uri)
         client = self.client()
-        wanted = {loc.prefix + n: n for n in (*ADAPTER_FILES, *OPTIONAL_FILES)}
+        wanted = {loc.prefix + n: n for n in STAGED_FILES}
         dest.mkdir(parents=True, exist_ok=True)
         for _ in range(MAX_ATTEMPTS):
             objects = {o.object_name: (o.size, o.etag) for o in client.list_objects(loc.bucket, prefix=loc.prefix)
@@ -203,17 +210,18 @@ class Sources:
         read from it is held to the size limit first, by stat alone: a huge or endless file (a FIFO, a
         device) is refused before a byte of any of them is read. A folder without one of the two adapter
         files is a missing source, as an S3 prefix without it is."""
-        _refuse_missing(where, [n for n in ADAPTER_FILES if not (path / n).exists()])
-        with _as_source_error():
-            for name in dict.fromkeys((*ADAPTER_FILES, *OPTIONAL_FILES, *TOKENIZER_FILES)):
-                if (path / name).exists():
-                    check_file(path / name, self.config.max_adapter_file_bytes, fix=RAISE_LIMIT)
+        with _as_source_error(path):
+            present = [n for n in STAGED_FILES if _stat(path / n) is not None]
+            _refuse_missing(where, [n for n in ADAPTER_FILES if n not in present])
+            for name in present:
+                check_file(path / name, self.config.max_adapter_file_bytes, fix=RAISE_LIMIT)
         return verify_digest(path, sha256, where, self.config.max_adapter_file_bytes)
 
     def object_etags(self, uri: str) -> list[tuple[str, str]]:
-        """(name, etag) of the adapter files under an S3 prefix: identifies content without a digest."""
+        """(name, etag) of the staged files (`STAGED_FILES`, tokenizer files included) under an S3 prefix:
+        identifies content without a digest."""
         loc = self.check_s3(uri)
-        names = {loc.prefix + n for n in (*ADAPTER_FILES, *OPTIONAL_FILES)}
+        names = {loc.prefix + n for n in STAGED_FILES}
         return sorted((o.object_name, o.etag or "") for o in self.client().list_objects(loc.bucket, prefix=loc.prefix)
                       if o.object_name in names)
 
@@ -235,8 +243,8 @@ def adapter_digest(path: Path, max_file_bytes: int | None = None) -> str:
     `max_file_bytes` (None: no size limit), before it is read (SourceError), and a missing one is a
     missing source (SourceError `missing`)."""
     h = hashlib.sha256()
-    with _as_source_error():
-        for name in ADAPTER_FILES:
+    for name in ADAPTER_FILES:
+        with _as_source_error(Path(path) / name):
             try:
                 for chunk in read_chunks(Path(path) / name, max_file_bytes, chunk_bytes=1 << 20, fix=RAISE_LIMIT):
                     h.update(chunk)
@@ -262,13 +270,34 @@ def _refuse_missing(where: str, missing: list[str]) -> None:
                           f"pickle .bin files are not served)", "missing")
 
 
+def _resolve(path: Path) -> Path:
+    """`path` with its symlinks followed; a loop among them is refused, naming `path`."""
+    try:
+        return path.resolve()
+    except (OSError, RuntimeError) as exc:
+        raise read_error(path, exc) from None
+
+
+def _stat(path: Path) -> os.stat_result | None:
+    """os.stat of `path`, None when it does not exist. Any other failure (a permission error, a symlink
+    loop) raises, where Path.exists() would call some of them missing."""
+    try:
+        return os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
 @contextlib.contextmanager
-def _as_source_error() -> Iterator[None]:
-    """A file refused by its limits (worker/file_limits.py) as the SourceError the stager answers with."""
+def _as_source_error(where: str | Path = "") -> Iterator[None]:
+    """A file refused by its limits (worker/file_limits.py), or a local one that cannot be read (`where`,
+    unless the error names the file), as the SourceError the stager answers with: never an OSError, which
+    it would answer as a broken object store."""
     try:
         yield
     except FileLimitError as exc:
         raise SourceError(str(exc), exc.kind) from None
+    except OSError as exc:
+        raise read_error(where, exc) from None
 
 
 class _Fetch:

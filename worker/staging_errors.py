@@ -9,13 +9,21 @@ from lorafleet.worker.sources import SourceError
 
 _STATUS = {"not_allowed": 403, "bad_uri": 400, "missing": 404, "digest_mismatch": 422, "too_large": 413,
            "not_a_file": 422,  # a FIFO or device where an adapter file should be
-           "changed": 409}  # changed: the objects kept changing while downloaded (an upload in progress)
+           "changed": 409,  # the objects kept changing while downloaded (an upload in progress)
+           # A local file the stager may not read, a symlink loop, another read error: the source's to fix.
+           "permission_denied": 403, "symlink_loop": 422, "unreadable": 422}
+READ_ERROR_KINDS = ("permission_denied", "symlink_loop", "unreadable")  # worker/source_error.py
+
+
+def source_status(kind: str) -> int:
+    """The HTTP status a SourceError of `kind` is answered with."""
+    return _STATUS.get(kind, 400)
 
 
 def staging_error(exc: Exception, uri: str) -> APIError:
     """The refusal a failed stage of `uri` answers with (its message is what reports show)."""
     if isinstance(exc, SourceError):
-        return APIError(_STATUS.get(exc.kind, 400), str(exc), code=exc.kind)
+        return APIError(source_status(exc.kind), str(exc), code=exc.kind)
     if isinstance(exc, TimeoutError | asyncio.TimeoutError):
         return APIError(504, f"{uri}: download timed out", type="server_error", code="download_timeout")
     name = type(exc).__name__

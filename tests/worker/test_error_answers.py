@@ -1,6 +1,7 @@
 """What a caller gets when the engine fails its request or a stage fails: the status, type and code of
 the answer, and a message that names none of another tenant's adapters."""
 
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -65,3 +66,76 @@ async def test_a_local_adapter_missing_a_file_is_a_404_naming_it(tmp_path, gone)
     answer = staging_error(err.value, str(folder))
     assert (answer.status, answer.code) == (404, "missing"), answer.message
     assert answer.message.startswith(f"{folder}: missing {gone} ")
+
+
+def _adapter_folder(root, name: str):
+    folder = root / name
+    folder.mkdir(parents=True)
+    (folder / "adapter_config.json").write_text('{"r": 4}')
+    (folder / "adapter_model.safetensors").write_bytes(b"weights")
+    return folder
+
+
+def _break(folder, how: str):
+    """Break `folder` as `how` says; the files of which the answer must name one."""
+    weights = folder / "adapter_model.safetensors"
+    if how == "weights_symlink_loop":
+        weights.unlink()
+        weights.symlink_to(weights.name)  # a link to itself
+        return (weights,)
+    if how == "tokenizer_symlink_loop":  # vocab.json -> merges.txt -> vocab.json
+        (folder / "vocab.json").symlink_to("merges.txt")
+        (folder / "merges.txt").symlink_to("vocab.json")
+        return folder / "vocab.json", folder / "merges.txt"
+    if how == "folder_symlink_loop":
+        folder.rename(folder.with_name("moved"))
+        folder.symlink_to(folder.name)
+        return (folder,)
+    if how == "weights_is_a_directory":
+        weights.unlink()
+        weights.mkdir()
+        return (weights,)
+    if how == "weights_mode_000":
+        weights.chmod(0)
+        return (weights,)
+    assert how == "folder_mode_000"
+    folder.chmod(0)
+    return (folder,)
+
+
+UNREADABLE = [("weights_symlink_loop", 422, "symlink_loop", "symlink loop"),
+              ("tokenizer_symlink_loop", 422, "symlink_loop", "symlink loop"),
+              ("folder_symlink_loop", 422, "symlink_loop", "symlink loop"),
+              ("weights_is_a_directory", 422, "not_a_file", "not a regular file (a directory)"),
+              ("weights_mode_000", 403, "permission_denied", "permission denied"),
+              ("folder_mode_000", 403, "permission_denied", "permission denied")]
+NOT_ROOT = pytest.mark.skipif(os.geteuid() == 0, reason="root reads a file whatever its mode; the symlink loop "
+                                                         "cases cover the other read errors")
+
+
+@pytest.mark.parametrize(("how", "status", "code", "reason"), [
+    pytest.param(*case, marks=NOT_ROOT) if "mode_000" in case[0] else case for case in UNREADABLE])
+async def test_a_local_adapter_that_cannot_be_read_is_a_4xx_naming_the_file(tmp_path, how, status, code, reason):
+    """A local file the stager cannot read (a permission error, a symlink loop, a directory where a file
+    should be) is the caller's to fix: a 4xx naming the file and why, never a broken object store (502)."""
+    from lorafleet.worker.sources import SourceError
+    from lorafleet.worker.stager import Stager
+    from lorafleet.worker.stager_config import StagerConfig
+    from lorafleet.worker.staging_errors import staging_error
+
+    root = tmp_path / "root"
+    good, folder = _adapter_folder(root, "good"), _adapter_folder(root, "broken")
+    named = _break(folder, how)
+    stager = Stager(StagerConfig(stager_token="t" * 20, stager_cache_dir=str(tmp_path / "cache"),
+                                 local_roots=[str(root)]))
+    try:
+        with pytest.raises(SourceError) as err:
+            await stager.stage(str(folder), None)
+    finally:
+        if how == "folder_mode_000":
+            folder.chmod(0o755)  # or tmp_path cannot be removed
+    answer = staging_error(err.value, str(folder))
+    assert (answer.status, answer.code) == (status, code), answer.message
+    assert answer.message.startswith(tuple(f"{f}: " for f in named)) and reason in answer.message, answer.message
+    assert "object store" not in answer.message
+    assert (await stager.stage(str(good), None)).path == good.resolve()  # the stager keeps serving

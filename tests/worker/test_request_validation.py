@@ -1,10 +1,12 @@
 """Bad input over HTTP (a worker on 127.0.0.1, tiny model): text that is not valid Unicode and adapter
 paths no file system takes get a 400 naming the field, not a 500; a source whose tokenizer file links
-out of the adapter roots is refused like any other link out of them."""
+out of the adapter roots is refused like any other link out of them, and one the worker cannot read (a
+symlink loop, a folder it may not list) is a 4xx naming the file."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -96,3 +98,47 @@ async def test_a_tokenizer_file_linked_out_of_the_adapter_roots_is_refused(clien
                                            "stable": {"version": "v1", "uri": str(linked)}}]}
     resp = await client.put("/admin/v1/state", json=push, headers=ADMIN)
     assert resp.status == 403 and (await resp.json())["error"]["code"] == "source_not_allowed"
+
+
+@pytest.mark.parametrize(("how", "status", "code"), [
+    ("weights_symlink_loop", 422, "symlink_loop"), ("tokenizer_symlink_loop", 422, "symlink_loop"),
+    ("folder_symlink_loop", 422, "symlink_loop"),
+    pytest.param("folder_mode_000", 403, "permission_denied", marks=pytest.mark.skipif(
+        os.geteuid() == 0, reason="root lists a folder whatever its mode; the symlink loop cases cover read errors")),
+])
+async def test_an_adapter_folder_the_worker_cannot_read_is_a_4xx_naming_it(client, qv_adapters_dir, tmp_path, how,
+                                                                           status, code):
+    folder = qv_adapters_dir / f"unreadable-{tmp_path.name}"
+    shutil.copytree(qv_adapters_dir / "alpha", folder)
+    named = [folder]  # the answer names one of them
+    if how == "weights_symlink_loop":
+        named = [folder / "adapter_model.safetensors"]
+        named[0].unlink()
+        named[0].symlink_to(named[0].name)  # a link to itself
+    elif how == "tokenizer_symlink_loop":
+        named = [folder / "vocab.json", folder / "merges.txt"]
+        named[0].symlink_to("merges.txt")
+        named[1].symlink_to("vocab.json")
+    elif how == "folder_symlink_loop":
+        shutil.rmtree(folder)
+        folder.symlink_to(folder.name)
+    else:
+        folder.chmod(0)
+    try:
+        resp = await client.post("/v1/load_lora_adapter", json={"lora_name": "unreadable", "lora_path": str(folder)},
+                                 headers=ADMIN)
+        err = (await resp.json())["error"]
+        assert (resp.status, err["code"]) == (status, code), err
+        assert any(f"{f}: " in err["message"] for f in named), err
+        push = {"generation": 2, "adapters": [{"name": "unreadable", "tenant": "acme",
+                                               "stable": {"version": "v1", "uri": str(folder)}}]}
+        resp = await client.put("/admin/v1/state", json=push, headers=ADMIN)
+        assert (resp.status, (await resp.json())["error"]["code"]) == (status, code)
+    finally:
+        if folder.is_symlink():
+            folder.unlink()
+        else:
+            folder.chmod(0o755)
+            shutil.rmtree(folder)
+    state = await (await client.get("/admin/v1/state", headers=ADMIN)).json()
+    assert state["generation_applied"] == 1 and {a["name"] for a in state["adapters"]} == {"alpha"}

@@ -1,19 +1,24 @@
-"""Adapter sources: allow-lists for local roots and S3 prefixes, `..` and symlink escapes, digests, and
-stores that send more than they list."""
+"""Adapter sources: allow-lists for local roots and S3 prefixes, `..` and symlink escapes, digests,
+the files staged, local read errors, and stores that send more than they list."""
 
+import errno
 import os
 
 import pytest
 
 from lorafleet.worker.disk_cache import DiskCache
 from lorafleet.worker.sources import (
+    ADAPTER_FILES,
+    STAGED_FILES,
     SourceError,
     Sources,
     SourcesConfig,
     adapter_digest,
     parse_s3,
+    read_error,
     verify_digest,
 )
+from lorafleet.worker.vocab_digest import TOKENIZER_FILES
 
 
 def fake_adapter(path, payload=b"weights"):
@@ -139,6 +144,26 @@ def test_every_file_the_loader_reads_from_a_local_adapter_is_held_to_the_limit(t
     with pytest.raises(SourceError, match=f"{name}: 9 bytes, over the limit of 8 bytes") as err:
         src.verify_local(src.local_path(str(d)), None, str(d))
     assert err.value.kind == "too_large"
+
+
+def test_local_and_s3_sources_stage_every_file_the_tokenizer_check_reads():
+    """One list for both kinds of source: what the loader's tokenizer check reads is staged from S3 too."""
+    assert set(ADAPTER_FILES) | set(TOKENIZER_FILES) <= set(STAGED_FILES)
+
+
+@pytest.mark.parametrize(("exc", "kind", "says"), [
+    (PermissionError(errno.EACCES, "Permission denied", "/r/a/vocab.json"), "permission_denied", "permission denied"),
+    (OSError(errno.ELOOP, "Too many levels of symbolic links", "/r/a/vocab.json"), "symlink_loop", "a symlink loop"),
+    (RuntimeError("Symlink loop from '/r/a/vocab.json'"), "symlink_loop", "a symlink loop"),
+    (OSError(errno.EIO, "Input/output error", "/r/a/vocab.json"), "unreadable", "cannot be read (Input/output error)"),
+])
+def test_a_local_read_error_names_the_file_and_why(exc, kind, says):
+    """The read errors a test cannot cause as root (a permission error) map as those it can (a loop)."""
+    from lorafleet.worker.staging_errors import staging_error
+
+    err = read_error("/r/a/vocab.json", exc)
+    assert err.kind == kind and str(err).startswith(f"/r/a/vocab.json: {says}"), str(err)
+    assert 400 <= staging_error(err, "/r/a").status < 500
 
 
 def test_digest_agrees_with_the_peft_loader_version(tmp_path, tiny_llama_dir):

@@ -1,11 +1,14 @@
 """Stager downloads against a real S3 server (SeaweedFS on 127.0.0.1) when things go wrong: waiters of
 one failing download, a store too slow to finish in time, objects replaced while they are downloaded,
-disk-cache entries a crash may have left unwritten, and files over the size limit or not regular files."""
+disk-cache entries a crash may have left unwritten, files over the size limit or not regular files, and
+tokenizer files the loader checks (vocab.json + merges.txt as well as tokenizer.json)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
+import json
 import os
 import re
 import shutil
@@ -14,6 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from lorafleet.worker.model_config import ModelConfig
+from lorafleet.worker.peft_adapter import load_peft_adapter
+from lorafleet.worker.peft_config import AdapterError
 from lorafleet.worker.sources import (
     CONFIG_FILE,
     WEIGHTS_FILE,
@@ -25,6 +31,7 @@ from lorafleet.worker.sources import (
 from lorafleet.worker.stager import Stager
 from lorafleet.worker.stager_config import StagerConfig
 from lorafleet.worker.staging_errors import staging_error
+from lorafleet.worker.vocab_digest import TOKENIZER_FILES, vocab_digest
 from tests.lora_factory import make_peft_adapter
 from tests.s3_server import S3Server, weed_binary
 
@@ -227,3 +234,74 @@ async def test_an_object_over_the_limit_is_refused_before_it_is_downloaded(s3, a
     assert stager.counts["download_bytes"] == 0 and stager.cache.entries() == []
     staged = await stager.stage("s3://adapters/team/fits/", adapter_digest(adapters["v1"]))
     assert not staged.cached and adapter_digest(staged.path) == adapter_digest(adapters["v1"])
+
+
+def write_vocab_files(folder: Path, tiny_llama_dir: Path, vocabulary: str) -> None:
+    """vocab.json + merges.txt (+ added_tokens.json): the base's vocabulary (`same`), or another one."""
+    if vocabulary == "same":
+        raw = json.loads((tiny_llama_dir / "tokenizer.json").read_text())
+        vocab, added, merges = raw["model"]["vocab"], {t["content"]: t["id"] for t in raw["added_tokens"]}, ""
+    else:
+        vocab, added, merges = {"a": 0, "b": 1, "ab": 2}, {"<s>": 3}, "a b\n"
+    (folder / "vocab.json").write_text(json.dumps(vocab))
+    (folder / "merges.txt").write_text("#version: 0.2\n" + merges)
+    (folder / "added_tokens.json").write_text(json.dumps(added))
+
+
+@pytest.mark.parametrize("vocabulary", ["same", "other"])
+async def test_an_adapter_shipping_vocab_json_and_merges_txt_has_its_tokenizer_checked(
+        s3, adapters, tiny_llama_dir, tmp_path, vocabulary):
+    """The loader reads vocab.json + merges.txt (+ added_tokens.json) when there is no tokenizer.json:
+    staging from the store must bring them along, or an adapter of another vocabulary is served unchecked."""
+    folder = shutil.copytree(adapters["v1"], tmp_path / "with-vocab")
+    write_vocab_files(folder, tiny_llama_dir, vocabulary)
+    assert (vocab_digest(folder) == vocab_digest(tiny_llama_dir)) == (vocabulary == "same")
+    upload(s3.client(), f"team/vocab-{vocabulary}/", folder)
+    stager = stager_for(s3.endpoint, s3, tmp_path / "cache")
+    staged = await stager.stage(f"s3://adapters/team/vocab-{vocabulary}/", None)
+    for name in ("vocab.json", "merges.txt", "added_tokens.json"):
+        assert (staged.path / name).read_bytes() == (folder / name).read_bytes()
+    assert staged.sha256 == adapter_digest(adapters["v1"])  # tokenizer files are staged, not digested
+
+    def load():
+        return load_peft_adapter(staged.path, ModelConfig.from_dir(tiny_llama_dir), dtype="float32",
+                                 tokenizer_digest=vocab_digest(tiny_llama_dir))
+
+    if vocabulary == "same":
+        assert load().version == staged.sha256[:12]
+    else:
+        with pytest.raises(AdapterError, match="vocabulary differs from the served base model's"):
+            load()
+
+
+async def test_new_tokenizer_objects_make_a_new_cached_copy(s3, adapters, tiny_llama_dir, tmp_path):
+    """A copy staged without a sha256 is keyed by the objects' ETags: another vocab.json beside the same
+    adapter files is another copy, never the one with the old vocabulary."""
+    client = s3.client()
+    folder = shutil.copytree(adapters["v1"], tmp_path / "with-vocab")
+    write_vocab_files(folder, tiny_llama_dir, "other")
+    upload(client, "team/vocab-keyed/", folder)
+    uri = "s3://adapters/team/vocab-keyed/"
+    stager = stager_for(s3.endpoint, s3, tmp_path / "cache")
+    first = await stager.stage(uri, None)
+    write_vocab_files(folder, tiny_llama_dir, "same")
+    upload(client, "team/vocab-keyed/", folder, ("vocab.json", "merges.txt", "added_tokens.json"))
+    second = await stager.stage(uri, None)
+    assert not second.cached and second.path != first.path
+    assert (second.path / "vocab.json").read_bytes() == (folder / "vocab.json").read_bytes()
+
+
+@pytest.mark.parametrize("name", TOKENIZER_FILES)
+def test_every_tokenizer_object_is_held_to_the_limit(s3, tmp_path, name):
+    """The objects the loader reads besides the adapter's own are held to the limit, as the weights are,
+    before a byte of any of them is downloaded (tests/worker/test_sources.py: the same for local folders)."""
+    client, prefix = s3.client(), f"team/limit-{name}/"
+    for key, data in ((CONFIG_FILE, b'{"r": 4}'), (WEIGHTS_FILE, b"weights"), (name, b" " * 9)):
+        client.put_object("adapters", prefix + key, io.BytesIO(data), len(data))
+    src = Sources(SourcesConfig(s3_allow=["adapters/team/"], s3_endpoint=s3.endpoint, s3_access_key=s3.access_key,
+                                s3_secret_key=s3.secret_key, s3_secure=False, max_adapter_file_bytes=8))
+    with pytest.raises(SourceError) as err:
+        src.download(f"s3://adapters/{prefix}", tmp_path / "d")
+    assert err.value.kind == "too_large", str(err.value)
+    assert str(err.value).startswith(f"s3://adapters/{prefix}{name}: 9 bytes, over the limit of 8 bytes")
+    assert list((tmp_path / "d").iterdir()) == []
