@@ -152,6 +152,8 @@ class PoolController:
         plan = reconcile_pool(pool, specs, views, now=utc_now(), generation_floor=time.time_ns() // 1_000_000,
                               pool_error=pool_error, shared_pods=shared, released=released_views)
         by_pod = {w.pod: w for w in workers + emptied}
+        for pod in plan.pushes:  # unknown until answered: a pass cut short (cancelled) must not keep the old record
+            record.forget(by_pod[pod])
         outcomes = await asyncio.gather(*(self.client.push(by_pod[pod], d) for pod, d in plan.pushes.items()))
         accepted = {pod for pod, ok in zip(plan.pushes, outcomes, strict=True) if ok}
         for (pod, desired), ok in zip(plan.pushes.items(), outcomes, strict=True):

@@ -11,7 +11,7 @@ from lorafleet.operator.controller import PoolController, RetryBackoff
 from lorafleet.operator.workers import StagerClient
 
 from .fake_stager import FakeStager
-from .test_handlers import NS, POOL, TOKEN, adapter_body, pod_body
+from .test_handlers import NS, POOL, TOKEN, adapter_body, eventually, pod_body
 
 KEY = (NS, "main")
 
@@ -180,6 +180,30 @@ async def test_an_unanswered_push_is_not_taken_as_accepted(stager):
         stager.stall = asyncio.Event()
         await controller.run(KEY, pools=[POOL], adapters=[adapter_body("sql", priority=5)], pods=pods)
         assert stager.applied.by_name()["sql"].priority == 5  # applied; the reply never came
+        stager.stall.set()
+        stager.stall = None
+        plan = await controller.run(KEY, pools=[POOL], adapters=[adapter_body("sql")], pods=pods)
+        assert set(plan.pushes) == {"worker-0"} and stager.applied.by_name()["sql"].priority == 0
+    finally:
+        if stager.stall is not None:
+            stager.stall.set()
+        await controller.client.close()
+
+
+async def test_a_pass_cut_short_while_pushing_does_not_keep_the_old_record(stager):
+    """A pass cancelled (operator stopping, handler cancelled) after its push landed but before the answer: the
+    pod's record must not still say it holds the earlier push, else reverting the edit pushes nothing."""
+    controller = PoolController(StagerClient(token=TOKEN, timeout=2.0))
+    pods = [pod_body("worker-0", stager.port)]
+    try:
+        await controller.run(KEY, pools=[POOL], adapters=[adapter_body("sql")], pods=pods)
+        stager.stall = asyncio.Event()
+        cut = asyncio.create_task(controller.run(KEY, pools=[POOL], adapters=[adapter_body("sql", priority=5)],
+                                                 pods=pods))
+        await eventually(lambda: stager.applied.by_name()["sql"].priority == 5, "the push applied")
+        cut.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await cut
         stager.stall.set()
         stager.stall = None
         plan = await controller.run(KEY, pools=[POOL], adapters=[adapter_body("sql")], pods=pods)
