@@ -135,11 +135,11 @@ class PoolController:
         # selector is valid) empties those no live pool took over; a valid or deleting one empties the
         # pods it pushed to and released.
         target = pool or draining
-        own, shared = _own_pods(key[1], target.worker_selector if target else None, pods, other_pools,
+        claims = _claims(other_pools)
+        own, shared = _own_pods(key[1], target.worker_selector if target else None, pods, claims,
                                 draining=draining is not None)
         record = self.push_records[key]
-        released = _released_pods(key[1], record.pod_ids(), pods, {*_names(own), *shared},
-                                  other_pools) if target else []
+        released = _released_pods(key[1], record.pod_ids(), pods, {*_names(own), *shared}, claims) if target else []
         record.retain(own + released)  # pods gone (or re-created under their name) lose what was pushed to them
         workers = discover_workers(own, target.worker_selector, default_port=target.stager_port) if target else []
         # Released pods no longer match the selector: {} (Kubernetes' empty selector) matches every pod.
@@ -157,11 +157,9 @@ class PoolController:
         outcomes = await asyncio.gather(*(self.client.push(by_pod[pod], d) for pod, d in plan.pushes.items()))
         accepted = {pod for pod, ok in zip(plan.pushes, outcomes, strict=True) if ok}
         for (pod, desired), ok in zip(plan.pushes.items(), outcomes, strict=True):
-            if ok:
+            if ok:  # else refused, or no answer (it may have landed): it stays forgotten, pushed again next pass
                 record.record(by_pod[pod], desired)
                 log.info("pushed generation %d (%d adapters) to %s", desired.generation, len(desired.adapters), pod)
-            else:  # refused, or no answer (it may have landed): what the pod holds is not known
-                record.forget(by_pod[pod])
         for w, view in zip(emptied, released_views, strict=True):
             last = record.last(w)
             if view.reported is not None and not view.reported.adapters and last is not None and not last.adapters:
@@ -201,8 +199,11 @@ class PoolController:
 
 def ready_worker_pods(pool: PoolSpec, pods: Iterable[dict[str, Any]], other_pools: Iterable[dict[str, Any]]) -> list[str]:
     """Names of the pool's ready worker pods, as a reconcile pass finds them (sorted)."""
-    own, _ = _own_pods(pool.name, pool.worker_selector, list(pods), list(other_pools))
+    own, _ = _own_pods(pool.name, pool.worker_selector, list(pods), _claims(other_pools))
     return [w.pod for w in discover_workers(own, pool.worker_selector, default_port=pool.stager_port)]
+
+
+_Claim = tuple[str, dict[str, Any], bool]  # another pool's (name, workerSelector, spec is valid)
 
 
 def invalid_pool_claim(body: dict[str, Any], pods: Iterable[dict[str, Any]],
@@ -213,11 +214,11 @@ def invalid_pool_claim(body: dict[str, Any], pods: Iterable[dict[str, Any]],
     if selector is None:
         return [], {}
     name = (body.get("metadata") or {}).get("name", "")
-    own, shared = _own_pods(name, selector, list(pods), list(other_pools))
-    return sorted((p.get("metadata") or {}).get("name", "") for p in own), shared
+    own, shared = _own_pods(name, selector, list(pods), _claims(other_pools))
+    return sorted(_names(own)), shared
 
 
-def _own_pods(name: str, selector: dict[str, Any] | None, pods: list[dict], other_pools: list[dict], *,
+def _own_pods(name: str, selector: dict[str, Any] | None, pods: list[dict], claims: list[_Claim], *,
               draining: bool = False) -> tuple[list[dict], dict[str, str]]:
     """(the pods pool ``name`` owns among those its ``selector`` matches, pod -> owner of each of the others).
 
@@ -235,7 +236,6 @@ def _own_pods(name: str, selector: dict[str, Any] | None, pods: list[dict], othe
     """
     if selector is None:
         return pods, {}
-    claims = _claims(other_pools)
     own, shared = [], {}
     for pod in pods:
         meta = pod.get("metadata") or {}
@@ -251,7 +251,7 @@ def _own_pods(name: str, selector: dict[str, Any] | None, pods: list[dict], othe
 
 
 def _released_pods(name: str, remembered: set[tuple[str, str]], pods: list[dict], kept: set[str],
-                   other_pools: list[dict]) -> list[dict]:
+                   claims: list[_Claim]) -> list[dict]:
     """The pods pool ``name`` pushed to (``remembered``: (name, uid)) that still exist and that neither it nor
     another pool holds now (``kept``: the names of those its selector still matches, owned or shared).
 
@@ -259,7 +259,6 @@ def _released_pods(name: str, remembered: set[tuple[str, str]], pods: list[dict]
     first live pool by name that selects it, if that pool's spec is valid or it sorts before ``name``. The
     rest are emptied, so none keeps adapters that no pool pushes to. A pod that is gone is simply not here.
     """
-    claims = _claims(other_pools)
     released = []
     for pod in pods:
         meta = pod.get("metadata") or {}
@@ -271,8 +270,8 @@ def _released_pods(name: str, remembered: set[tuple[str, str]], pods: list[dict]
     return released
 
 
-def _claims(other_pools: list[dict]) -> list[tuple[str, dict[str, Any], bool]]:
-    """(name, selector, spec is valid) of the live pools whose selector parses, by name."""
+def _claims(other_pools: Iterable[dict[str, Any]]) -> list[_Claim]:
+    """(name, selector, spec is valid) of the live pools whose selector parses, by name: parsed once a pass."""
     claims = []
     for body in other_pools:
         meta = body.get("metadata") or {}
@@ -288,7 +287,7 @@ def _claims(other_pools: list[dict]) -> list[tuple[str, dict[str, Any], bool]]:
     return sorted(claims, key=lambda c: c[0])
 
 
-def _taken_by(name: str, labels: dict[str, str], claims: list[tuple[str, dict[str, Any], bool]], *,
+def _taken_by(name: str, labels: dict[str, str], claims: list[_Claim], *,
               draining: bool) -> str | None:
     """The other pool that owns a pod with ``labels`` rather than pool ``name`` (see ``_own_pods``), or None."""
     first = next(((other, ok) for other, sel, ok in claims if selector_matches(sel, labels)), None)
