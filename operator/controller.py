@@ -93,7 +93,7 @@ class PoolController:
         self._locks: dict[PoolKey, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._results: dict[PoolKey, PassResult] = {}
         self._backoff: dict[PoolKey, RetryBackoff] = defaultdict(lambda: RetryBackoff(retry_base, retry_cap))
-        self.push_records: dict[PoolKey, PushRecord] = defaultdict(PushRecord)  # what each pool's pods accepted
+        self.push_records: dict[PoolKey, PushRecord] = {}  # what each pool's pods accepted
 
     async def run(self, key: PoolKey, *, pools: Iterable[dict[str, Any]], adapters: Iterable[dict[str, Any]],
                   pods: Iterable[dict[str, Any]], other_pools: Iterable[dict[str, Any]] = (),
@@ -138,7 +138,9 @@ class PoolController:
         claims = _claims(other_pools)
         own, shared = _own_pods(key[1], target.worker_selector if target else None, pods, claims,
                                 draining=draining is not None)
-        record = self.push_records[key]
+        record = self.push_records.get(key)
+        if record is None:  # the first pass since this operator started: the pods a predecessor pushed to
+            record = self.push_records[key] = PushRecord.from_status(_status_of(pools))
         released = _released_pods(key[1], record.pod_ids(), pods, {*_names(own), *shared}, claims) if target else []
         record.retain(own + released)  # pods gone (or re-created under their name) lose what was pushed to them
         workers = discover_workers(own, target.worker_selector, default_port=target.stager_port) if target else []
@@ -170,6 +172,8 @@ class PoolController:
                 backoff.failing(w.url, now, pushed=w.pod in accepted)
             elif view.reported is not None:
                 backoff.clear(w.url)
+        if pool is not None:  # written with the status, read back after a restart
+            plan.pool_status["pushedPods"] = record.to_status()
         if target is None:  # no pool to push for (gone, or invalid): nothing to retry
             self._backoff.pop(key, None)
             if pool_error is None:  # gone: nothing to remember; an invalid pool pushes nothing meanwhile, and
@@ -294,6 +298,11 @@ def _taken_by(name: str, labels: dict[str, str], claims: list[_Claim], *,
     if first is not None and (first[0] < name or (draining and first[1])):
         return first[0]
     return None
+
+
+def _status_of(pools: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The status of the pool's object (live or deleting), if any."""
+    return next((body.get("status") for body in pools if body.get("status")), None)
 
 
 def _names(pods: Iterable[dict[str, Any]]) -> list[str]:

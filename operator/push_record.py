@@ -1,4 +1,8 @@
-"""What the operator last pushed to each worker pod of one pool: memory only (lost on restart, by design).
+"""What the operator last pushed to each worker pod of one pool.
+
+What each pod accepted is kept in memory only: after a restart every pod gets a fresh push. Which pods were
+pushed to is also written to the pool's ``status.pushedPods`` (name and uid) and read back by a new
+operator (or a new leader), so a pod released while it was down is still emptied (controller.py).
 
 The record follows the pods that exist, not every pod that ever did: each pass drops the entries of the
 pods its pool no longer lists, and an entry is tied to the pod's uid and its sidecar's address, so a pod
@@ -28,6 +32,20 @@ class PushRecord:
 
     def __len__(self) -> int:
         return len(self._last)
+
+    @classmethod
+    def from_status(cls, status: dict[str, Any] | None) -> PushRecord:
+        """A record of the pods a pool's ``status.pushedPods`` names (what they accepted is not known)."""
+        record = cls()
+        for entry in (status or {}).get("pushedPods") or []:
+            name, uid = (entry.get("name"), entry.get("uid")) if isinstance(entry, dict) else (None, None)
+            if isinstance(name, str) and name and isinstance(uid, str):
+                record._last[name] = (uid, "", None)  # no address: the next push to it is a fresh one
+        return record
+
+    def to_status(self) -> list[dict[str, str]]:
+        """``status.pushedPods``: the pods remembered, by name."""
+        return [{"name": pod, "uid": uid} for pod, (uid, _, _) in sorted(self._last.items())]
 
     def pod_ids(self) -> set[tuple[str, str]]:
         """(name, uid) of every pod remembered: those this pool pushed to, as they were listed then."""

@@ -130,23 +130,22 @@ async def test_pushes_are_remembered_for_the_pods_listed_now_only(stager):
     other = FakeStager(TOKEN)
     await other.start()
     controller = PoolController(StagerClient(token=TOKEN, timeout=2.0))
-    record = controller.push_records[KEY]
     first = [with_uid(pod_body("worker-0", stager.port), "a0"), with_uid(pod_body("worker-1", other.port), "a1")]
     inputs = {"pools": [POOL], "adapters": [adapter_body("sql")]}
     try:
         plan = await controller.run(KEY, pods=first, **inputs)
-        assert set(plan.pushes) == {"worker-0", "worker-1"} and len(record) == 2
+        assert set(plan.pushes) == {"worker-0", "worker-1"} and len(controller.push_records[KEY]) == 2
         assert (await controller.run(KEY, pods=first, **inputs)).pushes == {}  # converged
         plan = await controller.run(KEY, pods=first[:1], **inputs)  # worker-1 deleted
-        assert plan.pushes == {} and len(record) == 1
+        assert plan.pushes == {} and len(controller.push_records[KEY]) == 1
         # Re-created on the same sidecar, whose report matches the last push to the pod that is gone.
         again = [first[0], with_uid(pod_body("worker-1", other.port), "b1")]
         plan = await controller.run(KEY, pods=again, **inputs)
-        assert set(plan.pushes) == {"worker-1"} and len(other.pushes) == 2 and len(record) == 2
+        assert set(plan.pushes) == {"worker-1"} and len(other.pushes) == 2 and len(controller.push_records[KEY]) == 2
         # Re-created between two passes, never seen missing: the new uid alone makes it a new pod.
         again[0] = with_uid(pod_body("worker-0", stager.port), "b0")
         plan = await controller.run(KEY, pods=again, **inputs)
-        assert set(plan.pushes) == {"worker-0"} and len(stager.pushes) == 2 and len(record) == 2
+        assert set(plan.pushes) == {"worker-0"} and len(stager.pushes) == 2 and len(controller.push_records[KEY]) == 2
     finally:
         await controller.client.close()
         await other.stop()
@@ -258,7 +257,6 @@ async def test_a_released_pod_is_emptied_unless_another_pool_takes_it(stager):
     other = FakeStager(TOKEN)
     await other.start()
     controller = PoolController(StagerClient(token=TOKEN, timeout=2.0))
-    record = controller.push_records[KEY]
     pods = [pod_body("worker-0", stager.port), pod_body("worker-1", other.port)]
     pods[1]["metadata"]["labels"]["gpu"] = "h200"
     zeta = {**POOL, "metadata": {**POOL["metadata"], "name": "zeta"},
@@ -281,17 +279,17 @@ async def test_a_released_pod_is_emptied_unless_another_pool_takes_it(stager):
         num_pushes = len(stager.pushes)
         plan = await controller.run(KEY, **inputs)
         assert plan.releasing == [] and plan.unloading == {"chat": []} and plan.pushes == {}
-        assert len(record) == 0  # holds nothing: let go
+        assert len(controller.push_records[KEY]) == 0  # holds nothing: let go
         assert (await controller.run(KEY, **inputs)).pushes == {} and len(stager.pushes) == num_pushes
         # Selected again, then released while not ready (remembered, nothing to reach), then simply gone: no error.
         await controller.run(KEY, pools=[POOL], adapters=[sql], pods=pods[:1], other_pools=[zeta])
-        assert [d.name for d in stager.applied.adapters] == ["sql"] and len(record) == 1
+        assert [d.name for d in stager.applied.adapters] == ["sql"] and len(controller.push_records[KEY]) == 1
         not_ready = relabeled(pods[0], {})
         not_ready["status"] = {**not_ready["status"], "phase": "Pending"}
         plan = await controller.run(KEY, pools=[POOL], adapters=[sql], pods=[not_ready], other_pools=[zeta])
-        assert plan.pushes == {} and plan.releasing == [] and len(record) == 1
+        assert plan.pushes == {} and plan.releasing == [] and len(controller.push_records[KEY]) == 1
         plan = await controller.run(KEY, pools=[POOL], adapters=[sql], pods=[], other_pools=[zeta])
-        assert plan.pushes == {} and len(record) == 0
+        assert plan.pushes == {} and len(controller.push_records[KEY]) == 0
     finally:
         await controller.client.close()
         await other.stop()
@@ -327,3 +325,41 @@ async def test_a_deleting_pool_waits_for_the_pods_it_released(stager):
         assert (await controller.run(KEY, **inputs)).draining == []
     finally:
         await controller.client.close()
+
+
+async def test_a_pod_released_while_the_operator_was_down_is_emptied(stager):
+    """The pods a pool pushed to are kept in its status.pushedPods: a new operator (a restart, a new leader)
+    finds there a pod the pool stopped selecting meanwhile and empties it, as the one before would have.
+    A pod the status does not name (never pushed to) is left alone, and one re-created under its name (a new
+    uid) is not the pod pushed to."""
+    other = FakeStager(TOKEN)
+    await other.start()
+    pods = [with_uid(pod_body("worker-0", stager.port), "a0"), with_uid(pod_body("worker-1", other.port), "a1")]
+    inputs = {"adapters": [adapter_body("sql", pinned=True, warm="all")]}
+    first = PoolController(StagerClient(token=TOKEN, timeout=2.0))
+    second = PoolController(StagerClient(token=TOKEN, timeout=2.0))
+    try:
+        plan = await first.run(KEY, pools=[POOL], pods=pods[:1], **inputs)
+        assert plan.pool_status["pushedPods"] == [{"name": "worker-0", "uid": "a0"}]
+        other.applied = stager.applied  # holds the same, pushed by someone else
+        # The operator restarts; meanwhile both pods left the pool (their labels changed) and worker-1 came.
+        pool = {**POOL, "status": plan.pool_status}
+        moved = [relabeled(pods[0], {}), relabeled(pods[1], {})]
+        plan = await second.run(KEY, pools=[pool], pods=moved, **inputs)
+        assert set(plan.pushes) == {"worker-0"} and stager.applied.adapters == [] and plan.releasing == ["worker-0"]
+        assert other.pushes == [] and [d.name for d in other.applied.adapters] == ["sql"]
+        plan = await second.run(KEY, pools=[pool], pods=moved, **inputs)
+        assert plan.releasing == [] and plan.pool_status["pushedPods"] == []  # holds nothing: let go
+        # Re-created under its name before the new operator's first pass: not the pod pushed to.
+        third = PoolController(StagerClient(token=TOKEN, timeout=2.0))
+        stager.applied = other.applied
+        recreated = relabeled(with_uid(pod_body("worker-0", stager.port), "b0"), {})
+        try:
+            assert (await third.run(KEY, pools=[{**POOL, "status": {"pushedPods": [{"name": "worker-0", "uid": "a0"}]}}],
+                                    pods=[recreated], **inputs)).pushes == {}
+        finally:
+            await third.client.close()
+    finally:
+        await first.client.close()
+        await second.client.close()
+        await other.stop()
