@@ -83,7 +83,9 @@ class ServedAdapters:
 
     def resolve(self, model: str, tenant: Tenant, user: str | None) -> str | None:
         """The engine key (`name@version`, None for the base model) that serves `model` for this
-        caller; raises APIError 404 (unknown), 403 (not the caller's) or 503 (failed to load)."""
+        caller; raises APIError 404 (unknown, or another tenant's: the same answer, so that a caller
+        cannot learn which adapter names other tenants have), 403 (the base model, to a tenant without
+        it) or 503 (failed to load)."""
         if model == self.base_model:
             if not tenant.may_use(None):
                 raise APIError(403, f"tenant {tenant.name!r} may not call the base model {model!r}; name one of "
@@ -92,13 +94,10 @@ class ServedAdapters:
             return None
         name, _, version = model.partition("@")
         served = self._adapters.get(name)
-        if served is None:
+        if served is None or not tenant.may_use(name, served.tenant):
             raise APIError(404, f"The model `{model}` does not exist on this worker (GET /v1/models lists the "
                                 "ones you may use)", type="invalid_request_error", code="model_not_found",
                            param="model")
-        if not tenant.may_use(name, served.tenant):
-            raise APIError(403, f"tenant {tenant.name!r} may not use adapter {name!r}", type="permission_error",
-                           code="model_not_allowed", param="model")
         if not version:
             version = self.resolver.pick(name, served.split, user)
         if version not in served.sources:

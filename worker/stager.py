@@ -55,7 +55,7 @@ from lorafleet.worker.staged_copy import DIGEST_FILE, Staged, verify_staged_copy
 from lorafleet.worker.stager_config import StagerConfig
 from lorafleet.worker.stager_seed import SeedReport, seed, seed_until_done
 from lorafleet.worker.staging_errors import staging_error
-from lorafleet.worker.tenants import bearer_token
+from lorafleet.worker.tenants import bearer_token, token_bytes
 
 log = logging.getLogger("lorafleet.stager")
 _STALL_GRACE_S = 120.0  # beyond download_timeout_s: listings are bounded by the client's read timeouts and retries
@@ -305,7 +305,8 @@ async def _errors_and_auth(request: web.Request, handler):
         if request.path not in ("/healthz", "/metrics"):
             token = bearer_token(request.headers.get("Authorization"))
             expected = request.app[STAGER].config.stager_token
-            if token is None or not hmac.compare_digest(token.encode(), expected.encode()):
+            # token_bytes: a header that is not UTF-8 reaches here as lone surrogates, which encode() refuses.
+            if token is None or not hmac.compare_digest(token_bytes(token), token_bytes(expected)):
                 raise APIError(401, "missing or wrong bearer token for the stager", type="authentication_error",
                                code="invalid_token")
         return await handler(request)

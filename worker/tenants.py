@@ -80,6 +80,16 @@ def _stamp(path: Path) -> tuple[int, int, int, int] | None:
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """What is wrong in a YAML keys file and where, without the text there: PyYAML's own message quotes
+    the offending line, which may hold a key, and the message is logged."""
+    if not isinstance(exc, yaml.MarkedYAMLError):
+        return str(exc)  # a ReaderError names the character's code and position only
+    what = ": ".join(part for part in (exc.context, exc.problem) if part) or "malformed YAML"
+    mark = exc.problem_mark or exc.context_mark
+    return what if mark is None else f"{what} (line {mark.line + 1}, column {mark.column + 1})"
+
+
 def bearer_token(authorization: str | None) -> str | None:
     """The token of an `Authorization: Bearer <token>` header, else None."""
     if not authorization:
@@ -130,13 +140,17 @@ class Tenants:
     @classmethod
     def _read(cls, path: Path) -> Tenants:
         try:
-            text = path.read_text()
+            text = path.read_text(encoding="utf-8")
         except OSError as exc:
             raise TenantsError(f"cannot read API keys file {path}: {exc.strerror}") from None
+        except UnicodeDecodeError as exc:  # else it escapes reload_if_changed: every request would fail
+            raise TenantsError(f"API keys file {path} is not UTF-8 text (byte {exc.start})") from None
         try:
             data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-        except (ValueError, yaml.YAMLError) as exc:
+        except ValueError as exc:  # JSONDecodeError: a position, never the text around it
             raise TenantsError(f"API keys file {path} is not valid JSON/YAML: {exc}") from None
+        except yaml.YAMLError as exc:
+            raise TenantsError(f"API keys file {path} is not valid JSON/YAML: {_yaml_problem(exc)}") from None
         return cls.from_dict(data, source=str(path))
 
     @classmethod

@@ -1,5 +1,5 @@
-"""What a caller gets when the engine fails its request or a stage fails: the status, type and code of
-the answer, and a message that names none of another tenant's adapters."""
+"""What a caller gets when the engine fails its request, a stage fails or the stager refuses its token:
+the status, type and code of the answer, and a message that names none of another tenant's adapters."""
 
 import os
 from types import SimpleNamespace
@@ -139,3 +139,27 @@ async def test_a_local_adapter_that_cannot_be_read_is_a_4xx_naming_the_file(tmp_
     assert answer.message.startswith(tuple(f"{f}: " for f in named)) and reason in answer.message, answer.message
     assert "object store" not in answer.message
     assert (await stager.stage(str(good), None)).path == good.resolve()  # the stager keeps serving
+
+
+async def test_a_stager_token_that_is_not_utf8_is_a_401_not_a_crash(aiohttp_client, tmp_path):
+    """aiohttp hands over header bytes that are not UTF-8 as lone surrogates: the stager's token check
+    must refuse such a token as it refuses any wrong one, not fail with a 500 (and a logged traceback)."""
+    import asyncio
+    import json
+
+    from lorafleet.worker.stager import create_app
+    from lorafleet.worker.stager_config import StagerConfig
+
+    client = await aiohttp_client(create_app(StagerConfig(stager_token="t" * 20,
+                                                          stager_cache_dir=str(tmp_path / "cache"))))
+    for method, path in (("GET", "/v1/state"), ("POST", "/v1/stage"), ("PUT", "/v1/directives")):
+        reader, writer = await asyncio.open_connection("127.0.0.1", client.server.port)
+        writer.write(f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\nContent-Length: 0\r\n"
+                     "Authorization: Bearer ".encode() + b"t" * 18 + b"\xff\xfe\r\n\r\n")
+        await writer.drain()
+        response = await reader.read()
+        writer.close()
+        await writer.wait_closed()
+        head, _, body = response.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 401"), (path, response)
+        assert json.loads(body)["error"]["code"] == "invalid_token"

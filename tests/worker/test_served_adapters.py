@@ -84,7 +84,7 @@ def test_resolution_errors_are_404_403_503():
     host, served = RecordingHost(failing={"/c/bad/v1"}), ServedAdapters("base")
     served.apply(state(1, SQL, {"name": "bad", "tenant": "acme", "stable": {"version": "v1", "uri": "/c/bad/v1"}}),
                  host)
-    for model, tenant, status in [("nope", ACME, 404), ("sql@v9", ACME, 404), ("sql", GLOBEX, 403),
+    for model, tenant, status in [("nope", ACME, 404), ("sql@v9", ACME, 404), ("sql", GLOBEX, 404),
                                   ("bad", ACME, 503), ("base", Tenant("t", base_model=False), 403)]:
         with pytest.raises(APIError) as exc:
             served.resolve(model, tenant, None)
@@ -93,6 +93,21 @@ def test_resolution_errors_are_404_403_503():
     served.mark_failed("sql@v1", "disk read failed")
     with pytest.raises(APIError, match="disk read failed"):
         served.resolve("sql", ACME, None)
+
+
+@pytest.mark.parametrize("model", ["sql", "sql@v1", "sql@v9"])
+def test_another_tenants_adapter_is_answered_as_one_that_does_not_exist(model):
+    """An answer that differs between "exists, but not yours" and "does not exist" would let any tenant
+    probe for the names (and versions) of the others' adapters."""
+    host, served = RecordingHost(), ServedAdapters("base")
+    served.apply(state(1, SQL), host)
+    answers = []
+    for probe in (model, model.replace("sql", "nope")):
+        with pytest.raises(APIError) as exc:
+            served.resolve(probe, GLOBEX, None)
+        err = exc.value
+        answers.append((err.status, err.type, err.code, err.param, err.message.replace(probe, "<model>")))
+    assert answers[0] == answers[1] and answers[0][:3] == (404, "invalid_request_error", "model_not_found")
 
 
 def test_a_push_replaces_the_set_and_retires_old_versions_after_publishing():

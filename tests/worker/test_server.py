@@ -329,7 +329,8 @@ BAD_REQUESTS = [
     ("unknown adapter", "/v1/completions", {"model": "nope", "prompt": "x"}, KEY_ACME, 404, "model_not_found"),
     ("unknown version", "/v1/completions", {"model": "alpha@nope", "prompt": "x"}, KEY_ACME, 404,
      "model_not_found"),
-    ("forbidden adapter", "/v1/completions", {"model": "beta", "prompt": "x"}, KEY_ACME, 403, "model_not_allowed"),
+    ("another tenant's adapter", "/v1/completions", {"model": "beta", "prompt": "x"}, KEY_ACME, 404,
+     "model_not_found"),
     ("forbidden base model", "/v1/chat/completions",
      {"model": "tiny", "messages": [{"role": "user", "content": "x"}]}, KEY_GLOBEX, 403, "model_not_allowed"),
     ("no key", "/v1/completions", {"model": "alpha", "prompt": "x"}, None, 401, "invalid_api_key"),
@@ -364,7 +365,7 @@ async def test_tenants_see_and_call_only_their_adapters(server):
         assert status == 200 and {m["id"] for m in globex["data"]} == {"beta"}
         assert (await models(None))[0] == 401
         assert (await post(s, f"{server}/v1/completions", {"model": "alpha", "prompt": "x", "max_tokens": 1},
-                           key=KEY_GLOBEX))[0] == 403
+                           key=KEY_GLOBEX))[0] == 404
         status, _, text = await post(s, f"{server}/v1/completions", {"model": "beta", "prompt": "x", "max_tokens": 1},
                                      key=KEY_GLOBEX)
         assert status == 200, text

@@ -1,6 +1,6 @@
 """Tenant isolation over HTTP (a worker on 127.0.0.1, tiny model, real PEFT adapters): a keys file never
-opens the worker, keys that are not UTF-8 are refused, errors name no adapter of another tenant, and a
-stable version demoted to canary keeps serving its share."""
+opens the worker, keys that are not UTF-8 are refused, errors name no adapter of another tenant (nor tell
+that it exists), and a stable version demoted to canary keeps serving its share."""
 
 from __future__ import annotations
 
@@ -122,6 +122,28 @@ async def test_a_pinned_version_dropped_after_arrival_is_404_naming_no_other_ada
         await openai_client(client, KEY_ACME).completions.create(model="alpha@v1", prompt="x", max_tokens=1)
     assert err.value.code == "model_not_found" and "alpha@v1" in err.value.message
     assert "globex" not in err.value.message, err.value.message
+
+
+async def test_another_tenants_adapter_is_answered_as_one_that_does_not_exist(aiohttp_client, tiny_llama_dir,
+                                                                           qv_adapters_dir, tmp_path):
+    """acme probing for globex's adapter (by name, or name@version) gets the very answer a name that
+    exists nowhere gets: no status, code or wording tells it that globex has such an adapter."""
+    client = await aiohttp_client(create_app(worker_config(tiny_llama_dir, qv_adapters_dir, tmp_path)))
+    await push(client, 1, directive("globex-secret", "globex", "g1", qv_adapters_dir / "beta"))
+
+    async def answer(model: str) -> tuple[int, dict]:
+        resp = await client.post("/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 1},
+                                 headers={"Authorization": f"Bearer {KEY_ACME}"})
+        body = await resp.json()
+        body["error"]["message"] = body["error"]["message"].replace(model, "<model>")
+        return resp.status, body
+
+    for model in ("globex-secret", "globex-secret@g1"):
+        assert await answer(model) == await answer(model.replace("globex-secret", "globex-nothing")), model
+        assert (await answer(model))[0] == 404
+    resp = await client.post("/v1/completions", json={"model": "globex-secret", "prompt": "x", "max_tokens": 1},
+                             headers={"Authorization": f"Bearer {KEY_GLOBEX}"})
+    assert resp.status == 200, await resp.text()
 
 
 async def test_a_stable_version_kept_as_the_canary_serves_its_share(aiohttp_client, tiny_llama_dir, qv_adapters_dir,

@@ -107,14 +107,17 @@ def test_a_rewritten_keys_file_takes_effect_without_a_restart(tmp_path):
     assert tenants.authenticate("Bearer sk-new").may_use("chat")
 
 
-@pytest.mark.parametrize("broken", ["{not json", None])
+@pytest.mark.parametrize("broken", ["{not json", b'{"tenants": {"acme": {"keys": ["sk-\xff"]}}}', None],
+                         ids=["not-json", "not-utf8", "deleted"])
 def test_a_keys_file_that_turns_bad_keeps_the_last_good_keys(tmp_path, broken):
-    """A half-written or deleted keys file neither opens the worker nor locks every tenant out."""
+    """A half-written, garbled or deleted keys file neither opens the worker nor locks every tenant out."""
     path = tmp_path / "keys.json"
     path.write_text(json.dumps(KEYS))
     tenants = Tenants.from_file(path)
     if broken is None:
         path.unlink()
+    elif isinstance(broken, bytes):
+        path.write_bytes(broken)
     else:
         path.write_text(broken)
     assert tenants.authenticate("Bearer sk-acme").name == "acme"
@@ -124,6 +127,23 @@ def test_a_keys_file_that_turns_bad_keeps_the_last_good_keys(tmp_path, broken):
     assert tenants.authenticate("Bearer sk-acme-2").name == "acme"
     with pytest.raises(AuthenticationError):
         tenants.authenticate("Bearer sk-acme")
+
+
+def test_a_malformed_yaml_keys_file_is_reported_without_its_keys(tmp_path, caplog):
+    """PyYAML quotes the line it stumbled on; the keys file's error is logged (at start-up, and at every
+    reload), so it must say what and where, never the text, which may be a key."""
+    path = tmp_path / "keys.yaml"
+    good = "tenants:\n  acme:\n    keys: [sk-acme-secret-1]\n"
+    bad = 'tenants:\n  acme:\n    keys: ["sk-acme-secret-1", "sk-acme-secret-2"\n    adapters: ["x"]\n'
+    path.write_text(bad)
+    with pytest.raises(TenantsError, match="line 4, column 5") as err:
+        Tenants.from_file(path)
+    assert "secret" not in str(err.value), str(err.value)
+    path.write_text(good)
+    tenants = Tenants.from_file(path)
+    path.write_text(bad + "\n")  # another size: seen as changed
+    assert tenants.authenticate("Bearer sk-acme-secret-1").name == "acme"  # the last good keys hold
+    assert "not valid JSON/YAML" in caplog.text and "secret" not in caplog.text, caplog.text
 
 
 def test_a_tenant_name_yaml_reads_as_a_number_is_refused(tmp_path):
