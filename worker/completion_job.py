@@ -57,8 +57,8 @@ class CompletionJob:
             if len(ids) + max_tokens > max_model_len:
                 raise APIError(400, f"This model's maximum context length is {max_model_len} tokens; you requested "
                                     f"{len(ids) + max_tokens} ({len(ids)} in the prompt, {max_tokens} to generate). "
-                                    "Lower max_tokens or shorten the prompt.", code="context_length_exceeded",
-                               param="max_tokens")
+                                    f"Lower {o.max_tokens_param} or shorten the prompt.",
+                               code="context_length_exceeded", param=o.max_tokens_param)
             for j in range(o.n):
                 seed = None if o.seed is None else o.seed + j  # n choices with one seed must still differ
                 self.params.append(SamplingParams(

@@ -2,8 +2,9 @@
 
 Parsing is strict where it matters: wrong types, out-of-range values and unknown top-level fields
 are refused with a 400 that names the field (as OpenAI does: "Unrecognized request argument");
-options we cannot honour (`echo`, `best_of > 1`, penalties, `logit_bias`) are refused rather than
-silently ignored. Tokenization and the context-length check happen later, in openai_api.py.
+options we cannot honour (`echo`, `best_of > 1`, penalties, `logit_bias`, tool calls, also in a chat's
+history) are refused rather than silently ignored. Tokenization happens later, in openai_api.py, and
+the context-length check in completion_job.py.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class SamplingOptions:
     """The per-request options shared by both endpoints, before the engine's SamplingParams."""
 
     max_tokens: int | None = None  # None: up to the end of the context
+    max_tokens_param: str = "max_tokens"  # the field that set it: errors name what the caller sent
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 = off (vLLM's -1 is accepted as off too)
@@ -208,11 +210,11 @@ def _stop(f: _Fields) -> list[str]:
 
 
 def _common(f: _Fields, max_tokens_names: tuple[str, ...], default_max_tokens: int | None) -> SamplingOptions:
-    max_tokens = default_max_tokens
-    for name in max_tokens_names:
+    max_tokens, max_tokens_param = default_max_tokens, max_tokens_names[0]
+    for name in max_tokens_names:  # the later name wins (chat: max_completion_tokens over max_tokens)
         value = f.integer(name, None, 1)
         if value is not None:
-            max_tokens = value
+            max_tokens, max_tokens_param = value, name
     stream = f.flag("stream", False)
     stream_options = f.get("stream_options")
     include_usage = False
@@ -229,6 +231,7 @@ def _common(f: _Fields, max_tokens_names: tuple[str, ...], default_max_tokens: i
     f.neutral("logit_bias", {}, "logit bias is not implemented")
     return SamplingOptions(
         max_tokens=max_tokens,
+        max_tokens_param=max_tokens_param,
         temperature=f.number("temperature", 1.0, 0.0, 2.0),
         top_p=f.number("top_p", 1.0, 0.0, 1.0, lo_open=True),
         top_k=max(0, f.integer("top_k", 0, -1, 1 << 20)),
@@ -294,7 +297,7 @@ def _content(v: Any, where: str) -> str:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise bad_request(f"{where}: only text content parts are supported", "messages", "invalid_type")
             parts.append(part["text"])
-        return _text("".join(parts), "messages")
+        return _text("\n".join(parts), "messages")  # as vLLM renders text parts for a string template
     if v is None:
         return ""
     raise bad_request(f"{where}: 'content' must be a string or a list of text parts", "messages", "invalid_type")
@@ -321,6 +324,10 @@ def parse_chat_request(body: Any) -> ChatRequest:
             raise bad_request(f"{where}.name must be a string", "messages", "invalid_type")
         if name is not None:
             _text(name, "messages")
+        for key in ("tool_calls", "function_call"):  # empty: what a response without calls carries back
+            if m.get(key):
+                raise bad_request(f"{where}.{key}: tool calling is not implemented, and the chat template "
+                                  "would be rendered without these calls", "messages", "unsupported_parameter")
         messages.append(ChatMessage(role, _content(m.get("content"), where), name))
     if not any(m.content for m in messages):
         raise bad_request("'messages' must contain some text", "messages", "empty_prompt")

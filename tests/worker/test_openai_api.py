@@ -102,6 +102,21 @@ async def test_completion_top_logprobs_hold_the_sampled_token(base_client):
         assert any(len(top) == 2 for top in lps["top_logprobs"])  # sampled tokens outside the top 1 occurred
 
 
+async def test_a_context_overflow_names_the_field_the_caller_sent(base_client):
+    """Chat takes `max_completion_tokens` (OpenAI's current name) or `max_tokens`: a request too long for the
+    context is refused naming the one the caller sent, so a client can tell which argument to lower."""
+    from openai import AsyncOpenAI, BadRequestError
+
+    client = AsyncOpenAI(base_url=str(base_client.make_url("/v1")), api_key="sk-any", max_retries=0)
+    messages = [{"role": "user", "content": "hi"}]
+    for name in ("max_completion_tokens", "max_tokens"):
+        with pytest.raises(BadRequestError) as exc:
+            await client.chat.completions.create(model="tiny", messages=messages, **{name: 500})
+        err = exc.value
+        assert (err.code, err.param) == ("context_length_exceeded", name), err.body
+        assert f"Lower {name}" in err.body["message"], err.body
+
+
 # ---- per-tenant admission ----------------------------------------------------------------------------
 KEY_ACME, KEY_GLOBEX = "sk-acme-test", "sk-globex-test"
 

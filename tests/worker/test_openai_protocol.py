@@ -138,3 +138,30 @@ def test_load_adapter_names_follow_the_directive_schema(name):
     assert exc.value.status == 400 and exc.value.param == "lora_name"
     assert "letters, digits, '.', '_' or '-'" in exc.value.message
     assert parse_load_adapter_request({"lora_name": "sql-v1.2_b", "lora_path": "/p"}) == ("sql-v1.2_b", "/p")
+
+
+def test_chat_text_parts_are_joined_by_newlines_as_vllm_does():
+    """vLLM renders a content list of text parts as the parts joined by "\\n": the same request must not
+    become another prompt here (joined without a separator, "Translate:bonjour" tokenizes differently)."""
+    parts = [{"type": "text", "text": "Translate:"}, {"type": "text", "text": "bonjour"}]
+    r = parse_chat_request({"model": "m", "messages": [{"role": "user", "content": parts}]})
+    assert r.messages[0].content == "Translate:\nbonjour"
+
+
+@pytest.mark.parametrize("key", ["tool_calls", "function_call"])
+def test_chat_history_with_tool_calls_is_refused_not_dropped(key):
+    """An assistant turn that called tools: the template would be rendered without the calls (a
+    different prompt than the caller sent), so it is refused; an empty `tool_calls` (what a response
+    without calls carries back into the history) is accepted."""
+    call = {"name": "lookup", "arguments": "{}"}
+    value = [{"id": "c1", "type": "function", "function": call}] if key == "tool_calls" else call
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, key: value},
+                {"role": "tool", "content": "42"}]
+    with pytest.raises(APIError) as exc:
+        parse_chat_request({"model": "m", "messages": messages})
+    err = exc.value
+    assert (err.status, err.param, err.code) == (400, "messages", "unsupported_parameter")
+    assert f"messages[1].{key}" in err.message and "tool calling is not implemented" in err.message
+    empty = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok", "tool_calls": [],
+                                                  "function_call": None}]
+    assert [m.content for m in parse_chat_request({"model": "m", "messages": empty}).messages] == ["hi", "ok"]
