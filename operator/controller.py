@@ -112,7 +112,7 @@ class PoolController:
 
     async def _run(self, key: PoolKey, pools: list[dict], adapters: list[dict], pods: list[dict],
                    other_pools: list[dict]) -> PoolPlan:
-        pool, pool_error, draining = None, None, None
+        pool, pool_error, draining, invalid = None, None, None, None
         for body in pools:
             deleting = bool((body.get("metadata") or {}).get("deletionTimestamp"))
             try:
@@ -120,6 +120,7 @@ class PoolController:
             except SpecError as exc:
                 if not deleting:
                     pool_error = str(exc)
+                    invalid = drain_spec(body)  # which pods it holds (None: its selector is invalid too)
                     continue
                 parsed = drain_spec(body)  # its selector still says which workers hold its adapters
                 if parsed is None:  # its selector is invalid: which pods it meant is unknown
@@ -146,14 +147,20 @@ class PoolController:
         workers = discover_workers(own, target.worker_selector, default_port=target.stager_port) if target else []
         # Released pods no longer match the selector: {} (Kubernetes' empty selector) matches every pod.
         emptied = discover_workers(released, {}, default_port=target.stager_port) if target else []
-        reports = await self.client.fetch_states(workers + emptied)
+        held = []  # an invalid pool's pods, reached only to unload adapters being deleted
+        if target is None and invalid is not None and any(s.deleting for s in specs):
+            held = discover_workers(_own_pods(key[1], invalid.worker_selector, pods, claims)[0],
+                                    invalid.worker_selector, default_port=invalid.stager_port)
+        reached = workers + emptied + held
+        reports = await self.client.fetch_states(reached)
         backoff, now = self._backoff[key], self.clock()
         views = [WorkerReport(w.pod, r, record.last(w), may_retry=backoff.may_retry(w.url, now))
-                 for w, r in zip(workers + emptied, reports, strict=True)]
-        views, released_views = views[:len(workers)], views[len(workers):]
+                 for w, r in zip(reached, reports, strict=True)]
+        num_emptied = len(workers) + len(emptied)
+        views, released_views, held_views = views[:len(workers)], views[len(workers):num_emptied], views[num_emptied:]
         plan = reconcile_pool(pool, specs, views, now=utc_now(), generation_floor=time.time_ns() // 1_000_000,
-                              pool_error=pool_error, shared_pods=shared, released=released_views)
-        by_pod = {w.pod: w for w in workers + emptied}
+                              pool_error=pool_error, shared_pods=shared, released=released_views, held=held_views)
+        by_pod = {w.pod: w for w in reached}
         for pod in plan.pushes:  # unknown until answered: a pass cut short (cancelled) must not keep the old record
             record.forget(by_pod[pod])
         outcomes = await asyncio.gather(*(self.client.push(by_pod[pod], d) for pod, d in plan.pushes.items()))

@@ -238,7 +238,11 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
             raise kopf.TemporaryError("waiting for a reconcile that sees the deletion", delay=config.retry_delay)
         holding = plan.unloading[name]
         if holding:
-            raise kopf.TemporaryError(f"unloading; still reported by {', '.join(holding)}",
+            why = ""
+            if stuck := sorted(set(holding) & set(plan.unreachable)):
+                why = (f"; LoRAPool {spec.get('pool', '')!r} has an invalid spec and what {', '.join(stuck)} last "
+                       f"accepted is not known (an operator restart): they unload it once the spec is fixed")
+            raise kopf.TemporaryError(f"unloading; still reported by {', '.join(holding)}{why}",
                                       delay=config.retry_delay)
 
     return controllers

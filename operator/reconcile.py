@@ -54,12 +54,13 @@ class PoolPlan:
     failing: list[str] = field(default_factory=list)  # pods reporting an error for a desired version
     draining: list[str] | None = None  # no pool: pods still reporting any adapter (None: the pool exists)
     releasing: list[str] = field(default_factory=list)  # released pods still reporting any adapter
+    unreachable: list[str] = field(default_factory=list)  # an invalid pool's pods holding a deleting adapter, not told
 
 
 def reconcile_pool(pool: PoolSpec | None, adapters: Sequence[AdapterSpec | InvalidAdapter],
                    workers: list[WorkerReport], *, now: str, generation_floor: int = 0,
                    pool_error: str | None = None, shared_pods: dict[str, str] | None = None,
-                   released: Sequence[WorkerReport] = ()) -> PoolPlan:
+                   released: Sequence[WorkerReport] = (), held: Sequence[WorkerReport] = ()) -> PoolPlan:
     """``now``: RFC 3339 time for condition transitions; ``generation_floor``: see ``_next_generation``;
     ``shared_pods``: pods this pool's selector matches but another pool owns (pod -> owner), left out;
     ``released``: pods this pool pushed to that it no longer owns and no other pool took over (controller.py).
@@ -68,13 +69,26 @@ def reconcile_pool(pool: PoolSpec | None, adapters: Sequence[AdapterSpec | Inval
     each told to hold nothing, and ``plan.draining`` lists those still reporting an adapter. Released pods
     are drained the same way, pool or not: ``plan.releasing`` lists those still reporting an adapter, and
     they count in ``plan.unloading``, but never in a status.
+
+    ``held``: the pods an invalid pool holds (``pool`` None, ``pool_error`` set), given while an adapter is
+    being deleted. Its pods are otherwise left as they are, but a deleted adapter must not stay served
+    because of a typo in the pool: each is told what it last accepted less the adapters being deleted, and
+    they count in ``plan.unloading``. One whose last push is not known (an operator restart) cannot be told
+    without guessing the rest of its set: ``plan.unreachable`` lists it until the spec is fixed.
     """
     plan = PoolPlan()
     live = [WorkerIndex.of(w) for w in workers if w.reported is not None]
     emptied = [WorkerIndex.of(w) for w in released if w.reported is not None]
+    kept = [WorkerIndex.of(w) for w in held if w.reported is not None]
+    deleting = {x.name for x in adapters if x.deleting}
     for x in adapters:
         if x.deleting:  # unloaded by name, parsable or not; the finalizer waits for []
-            plan.unloading[x.name] = [w.pod for w in live + emptied if w.by_name.get(x.name)]
+            plan.unloading[x.name] = [w.pod for w in live + emptied + kept if w.by_name.get(x.name)]
+    for w in kept:
+        if w.w.last_pushed is not None:
+            _desire(plan, w, [d for d in w.w.last_pushed.adapters if d.name not in deleting], generation_floor)
+        elif deleting & set(w.by_name):
+            plan.unreachable.append(w.pod)
     served, failures = admit(pool, [x for x in adapters if not x.deleting], pool_error=pool_error)
     variants: dict[str, tuple[AdapterDirective, AdapterDirective]] = {}  # name -> (not warm, warm) here
     for name, a in sorted(served.items()):

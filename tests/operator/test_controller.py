@@ -363,3 +363,29 @@ async def test_a_pod_released_while_the_operator_was_down_is_emptied(stager):
         await first.client.close()
         await second.client.close()
         await other.stop()
+
+
+async def test_an_adapter_deleted_while_the_pool_spec_is_invalid_is_still_unloaded(stager):
+    """An invalid pool leaves its pods as they are, except that an adapter being deleted leaves them: each is
+    told what it last accepted less that adapter, and the adapter's finalizer waits for it. A new operator
+    that does not know what a pod last accepted cannot tell it (it would have to guess the rest of its set):
+    it says so, and the finalizer waits for the spec to be fixed."""
+    pods = [pod_body("worker-0", stager.port)]
+    sql, chat = adapter_body("sql"), adapter_body("chat")
+    deleting_chat = {**chat, "metadata": {**chat["metadata"], "deletionTimestamp": "2026-01-01T00:00:00Z"}}
+    invalid = {**POOL, "spec": {**POOL["spec"], "eviction": "fifo"}}
+    controller = PoolController(StagerClient(token=TOKEN, timeout=2.0))
+    restarted = PoolController(StagerClient(token=TOKEN, timeout=2.0))
+    try:
+        await controller.run(KEY, pools=[POOL], adapters=[sql, chat], pods=pods)
+        assert (await controller.run(KEY, pools=[invalid], adapters=[sql, chat], pods=pods)).pushes == {}
+        plan = await restarted.run(KEY, pools=[invalid], adapters=[sql, deleting_chat], pods=pods)
+        assert plan.pushes == {} and plan.unloading == {"chat": ["worker-0"]} and plan.unreachable == ["worker-0"]
+        plan = await controller.run(KEY, pools=[invalid], adapters=[sql, deleting_chat], pods=pods)
+        assert set(plan.pushes) == {"worker-0"} and [d.name for d in stager.applied.adapters] == ["sql"]
+        assert plan.unloading == {"chat": ["worker-0"]}  # as reported before the push
+        plan = await controller.run(KEY, pools=[invalid], adapters=[sql, deleting_chat], pods=pods)
+        assert plan.pushes == {} and plan.unloading == {"chat": []} and plan.unreachable == []
+    finally:
+        await controller.client.close()
+        await restarted.client.close()
