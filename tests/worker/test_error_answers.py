@@ -144,22 +144,16 @@ async def test_a_local_adapter_that_cannot_be_read_is_a_4xx_naming_the_file(tmp_
 async def test_a_stager_token_that_is_not_utf8_is_a_401_not_a_crash(aiohttp_client, tmp_path):
     """aiohttp hands over header bytes that are not UTF-8 as lone surrogates: the stager's token check
     must refuse such a token as it refuses any wrong one, not fail with a 500 (and a logged traceback)."""
-    import asyncio
     import json
 
     from lorafleet.worker.stager import create_app
     from lorafleet.worker.stager_config import StagerConfig
 
+    from .test_tenant_isolation import raw_bearer_request
+
     client = await aiohttp_client(create_app(StagerConfig(stager_token="t" * 20,
                                                           stager_cache_dir=str(tmp_path / "cache"))))
     for method, path in (("GET", "/v1/state"), ("POST", "/v1/stage"), ("PUT", "/v1/directives")):
-        reader, writer = await asyncio.open_connection("127.0.0.1", client.server.port)
-        writer.write(f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\nContent-Length: 0\r\n"
-                     "Authorization: Bearer ".encode() + b"t" * 18 + b"\xff\xfe\r\n\r\n")
-        await writer.drain()
-        response = await reader.read()
-        writer.close()
-        await writer.wait_closed()
-        head, _, body = response.partition(b"\r\n\r\n")
-        assert head.startswith(b"HTTP/1.1 401"), (path, response)
+        head, body = await raw_bearer_request(client.server.port, method, path, b"t" * 18 + b"\xff\xfe")
+        assert head.startswith(b"HTTP/1.1 401"), (path, head)
         assert json.loads(body)["error"]["code"] == "invalid_token"

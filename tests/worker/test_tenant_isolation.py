@@ -68,19 +68,25 @@ async def test_a_keys_file_without_keys_refuses_every_caller(aiohttp_client, tin
     assert (await client.get("/v1/models")).status == 401
 
 
+async def raw_bearer_request(port: int, method: str, path: str, token: bytes) -> tuple[bytes, bytes]:
+    """(status line and headers, body) of a request whose bearer token is raw bytes (not UTF-8 perhaps)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\nContent-Length: 0\r\n"
+                 "Authorization: Bearer ".encode() + token + b"\r\n\r\n")
+    await writer.drain()
+    response = await reader.read()
+    writer.close()
+    await writer.wait_closed()
+    head, _, body = response.partition(b"\r\n\r\n")
+    return head, body
+
+
 async def test_an_authorization_header_that_is_not_utf8_is_refused(aiohttp_client, tiny_llama_dir, qv_adapters_dir,
                                                                    tmp_path):
     client = await aiohttp_client(create_app(worker_config(tiny_llama_dir, qv_adapters_dir, tmp_path)))
     for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("GET", "/admin/v1/state")):
-        reader, writer = await asyncio.open_connection("127.0.0.1", client.server.port)
-        writer.write(f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\nContent-Length: 0\r\n"
-                     "Authorization: Bearer ".encode() + b"sk-\xff\xfe\r\n\r\n")
-        await writer.drain()
-        response = await reader.read()
-        writer.close()
-        await writer.wait_closed()
-        head, _, body = response.partition(b"\r\n\r\n")
-        assert head.startswith(b"HTTP/1.1 401"), (path, response)
+        head, body = await raw_bearer_request(client.server.port, method, path, b"sk-\xff\xfe")
+        assert head.startswith(b"HTTP/1.1 401"), (path, head)
         assert json.loads(body)["error"]["type"] == "authentication_error"
 
 
