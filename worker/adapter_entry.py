@@ -48,6 +48,7 @@ class AdapterEntry:
     tenant: str
     loader: Loader | None
     pinned: bool = False
+    priority: int = 0  # higher survives GPU eviction longer (the pushed directive's priority)
     image: AdapterImage | None = None  # CPU tier
     digest: str | None = None  # content digest fixed at first load: a reload must match it
     slot: int | None = None
@@ -66,7 +67,8 @@ class AdapterEntry:
     copy_seconds: float = 0.0  # last CPU->GPU copy
     error: AdapterLoadError | None = None  # last failure, for reports
     waiters: set = field(default_factory=set)  # waiter ids of acquire() calls that got None
-    failed_waiters: set = field(default_factory=set)  # waiters to be told about the last failure
+    # Waiter -> the failure of the load it waited for, to be told once (a later load may have succeeded).
+    failed_waiters: dict = field(default_factory=dict)
     failed_anonymous: bool = False
 
     @property

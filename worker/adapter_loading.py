@@ -119,7 +119,7 @@ class AdapterLoading:
     def _fail(self, entry: AdapterEntry, message: str, *, tier: str) -> None:
         err = AdapterLoadError(entry.key, message)
         entry.error = err
-        entry.failed_waiters |= entry.waiters
+        entry.failed_waiters.update(dict.fromkeys(entry.waiters, err))
         entry.failed_anonymous = True
         entry.waiters = set()
         self._wanted.pop(entry.key, None)
@@ -140,6 +140,8 @@ class AdapterLoading:
         except Exception as exc:
             self._release_gpu(entry)
             self._fail(entry, f"copy to the device failed: {exc}", tier="gpu")
+            if entry.retired:  # replaced or unregistered meanwhile: nothing of it stays
+                self._drop(entry, reason=entry.retire_reason)
             return
         if entry.retired:
             self._release_gpu(entry)

@@ -2,7 +2,7 @@
 
 Placing an adapter on the GPU (pages + a slot, within its tenant's quota, evicting idle adapters if
 that makes it fit) and eviction from the GPU and CPU tiers: replaced or unregistered versions first,
-then the configured policy's order (worker/eviction.py). Never evicted: adapters in use, pinned, a
+then (GPU) lower priorities first, then the configured policy's order (worker/eviction.py). Never evicted: adapters in use, pinned, a
 new version about to become current, or loaded for requests that have not picked them up yet. It
 works on the pool's state declared in `AdapterPool.__init__`; loading is in worker/adapter_loading.py.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 from lorafleet.worker.adapter_entry import AdapterEntry
 from lorafleet.worker.adapter_image import clear_slot
 from lorafleet.worker.eviction import EvictionCandidate, plan_placement
+from lorafleet.worker.page_pool import PagePoolError
 
 
 class AdapterPlacement:
@@ -59,7 +60,13 @@ class AdapterPlacement:
             over = quota.exceeded(len(mine) + 1, sum(e.gpu_bytes for e in mine) + entry.image.nbytes)
             self._evict_gpu(victim, "quota" if over and victim.tenant == entry.tenant else "capacity")
         image = entry.image
-        entry.page_ids = self.page_pool.allocate(image.num_pages, ("adapter", entry.key), used_elems=image.used_elems)
+        try:
+            entry.page_ids = self.page_pool.allocate(image.num_pages, ("adapter", entry.key),
+                                                     used_elems=image.used_elems)
+        except PagePoolError:
+            # Placed from another thread (a push's prefetch or pin): the engine thread's KV cache took the
+            # pages since the plan. It stays wanted and is placed when room comes back, as if it had waited.
+            return False
         entry.slot = self._free_slots.pop()
         entry.gpu_bytes = image.nbytes
         self._slot_owner[entry.slot] = entry
@@ -153,11 +160,18 @@ class AdapterPlacement:
             total -= victim.image.nbytes
             self._evict_cpu(victim, "budget")
 
+    def set_priority(self, key: str, priority: int) -> None:
+        """A higher priority survives GPU eviction longer: lower ones go first, the policy orders each."""
+        with self._lock:
+            self._get(key).priority = priority
+
     def _eviction_order(self, candidates: list[AdapterEntry]) -> list[AdapterEntry]:
-        """Replaced/unregistered versions first, then the configured policy's order."""
+        """Replaced/unregistered versions first, then lower priorities first, each in the configured
+        policy's order (the sort is stable)."""
         retired = [e for e in candidates if e.retired]
-        rest = self.policy.order([self._candidate(e) for e in candidates if not e.retired])
-        return retired + [self._entries[c.key] for c in rest]
+        rest = [self._entries[c.key] for c in self.policy.order([self._candidate(e) for e in candidates
+                                                                  if not e.retired])]
+        return retired + sorted(rest, key=lambda e: e.priority)
 
     def _candidate(self, entry: AdapterEntry, tier: str = "gpu") -> EvictionCandidate:
         if tier == "gpu":

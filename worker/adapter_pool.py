@@ -219,8 +219,7 @@ class AdapterPool(AdapterLoading, AdapterPlacement, AdapterReports):
             if entry is None:
                 raise AdapterNotFoundError(f"adapter {key!r} is not registered")
             if waiter is not None and waiter in entry.failed_waiters:
-                entry.failed_waiters.discard(waiter)
-                raise entry.error
+                raise entry.failed_waiters.pop(waiter)
             if waiter is None and entry.failed_anonymous:
                 entry.failed_anonymous = False
                 if entry.error is not None and not entry.resident:  # else a later load succeeded
@@ -262,7 +261,7 @@ class AdapterPool(AdapterLoading, AdapterPlacement, AdapterReports):
             entry = self._entries.get(key)
             if entry is not None:
                 entry.waiters.discard(waiter)
-                entry.failed_waiters.discard(waiter)
+                entry.failed_waiters.pop(waiter, None)
 
     def poll(self) -> list[tuple[str, AdapterLoadError]]:
         """Advance loads without waiting: finish parsed loads and completed copies, place wanted

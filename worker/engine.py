@@ -25,6 +25,7 @@ from lorafleet.worker.adapter_pool import AdapterPool, AdapterPoolConfig
 from lorafleet.worker.block_manager import BlockManager
 from lorafleet.worker.cuda_graphs import DecodeGraphs
 from lorafleet.worker.engine_config import EngineConfig
+from lorafleet.worker.engine_errors import EngineError, UnknownAdapterError
 from lorafleet.worker.model_config import ModelConfig
 from lorafleet.worker.model_loader import load_model
 from lorafleet.worker.model_runner import ModelRunner
@@ -42,14 +43,6 @@ from lorafleet.worker.vocab_digest import vocab_digest
 log = logging.getLogger(__name__)
 
 Prompt = str | list[int]
-
-
-class EngineError(ValueError):
-    """A request the engine cannot serve (bad prompt, unknown adapter, too long); the message says why."""
-
-
-class UnknownAdapterError(EngineError):
-    """The request names an adapter (version) that is not registered, e.g. one replaced meanwhile."""
 
 
 class ShutdownError(RuntimeError):

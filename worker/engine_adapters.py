@@ -49,6 +49,9 @@ class EngineAdapters:
         else:
             self.pool.unpin(key)
 
+    def set_adapter_priority(self, key: str, priority: int) -> None:
+        self.pool.set_priority(key, priority)
+
     def prefetch_adapter(self, key: str) -> None:
         self.pool.prefetch(key, "gpu")
 

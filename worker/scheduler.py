@@ -24,7 +24,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from lorafleet.worker.adapter_entry import AdapterNotFoundError
 from lorafleet.worker.block_manager import BlockManager
+from lorafleet.worker.engine_errors import UnknownAdapterError
 from lorafleet.worker.page_pool import PagePoolError
 from lorafleet.worker.sequence import Sequence, SequenceStatus
 
@@ -189,6 +191,11 @@ class Scheduler:
             seq = self.waiting.popleft()
             try:
                 admit = self._can_admit_adapter(seq, loras)
+            except AdapterNotFoundError as exc:
+                # Its version was replaced or unregistered before the pool could load it for this request.
+                # With nothing generated yet the caller may resolve the name again (UnknownAdapterError).
+                self._fail(seq, exc if seq.output_token_ids else UnknownAdapterError(str(exc)))
+                continue
             except Exception as exc:  # the adapter failed to load: this request fails, others go on
                 self._fail(seq, exc)
                 continue

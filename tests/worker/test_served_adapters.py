@@ -39,6 +39,9 @@ class RecordingHost:
     def set_adapter_pinned(self, key, pinned):
         self.keys[key]["pinned"] = pinned
 
+    def set_adapter_priority(self, key, priority):
+        self.keys[key]["priority"] = priority
+
     def prefetch_adapter(self, key):
         self.calls.append(("prefetch", key))
 
