@@ -18,12 +18,15 @@ Loader = Callable[[], Any]  # returns LoRAWeights (modules, nbytes, ...); runs i
 
 
 class AdapterLoadError(RuntimeError):
-    """Loading `key` failed (download, digest, corrupt file, shape); only its waiting requests fail."""
+    """Loading `key` failed (download, digest, corrupt file, shape); only its waiting requests fail.
+    `retryable`: the cause may pass (a read error, a timeout, a failed device copy, slots held by pinned
+    adapters), so a later request loads it again; else the files or the settings must change first."""
 
-    def __init__(self, key: str, message: str) -> None:
+    def __init__(self, key: str, message: str, *, retryable: bool = False) -> None:
         super().__init__(f"adapter {key}: {message}")
         self.key = key
         self.reason = message
+        self.retryable = retryable
 
 
 class AdapterNotFoundError(KeyError):

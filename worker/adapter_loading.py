@@ -35,7 +35,8 @@ class AdapterLoading:
                 changed = True
             elif entry.fetching is not None and timeout is not None and now - entry.fetch_started > timeout:
                 entry.fetching = None  # the stuck thread's result, if it ever comes, is dropped
-                self._fail(entry, f"load timed out after {timeout:g} s (download or disk too slow?)", tier="disk")
+                self._fail(entry, f"load timed out after {timeout:g} s (download or disk too slow?)", tier="disk",
+                           retryable=True)
                 changed = True
             if entry.copying is not None and self._copier.is_done(entry.copying):
                 self._finish_copy(entry)
@@ -89,7 +90,8 @@ class AdapterLoading:
         try:
             image, seconds = future.result()
         except Exception as exc:  # any loader failure fails only this adapter's waiters
-            self._fail(entry, f"load failed: {exc}", tier="disk")
+            # A read error may pass; what the files hold (format, shapes, config) does not change by itself.
+            self._fail(entry, f"load failed: {exc}", tier="disk", retryable=isinstance(exc, OSError))
             return
         if entry.retired:
             return
@@ -116,8 +118,8 @@ class AdapterLoading:
         if entry.key in self._wanted:
             self._try_place(entry)
 
-    def _fail(self, entry: AdapterEntry, message: str, *, tier: str) -> None:
-        err = AdapterLoadError(entry.key, message)
+    def _fail(self, entry: AdapterEntry, message: str, *, tier: str, retryable: bool = False) -> None:
+        err = AdapterLoadError(entry.key, message, retryable=retryable)
         entry.error = err
         entry.failed_waiters.update(dict.fromkeys(entry.waiters, err))
         entry.failed_anonymous = True
@@ -139,7 +141,7 @@ class AdapterLoading:
             seconds = self._copier.seconds(handle)
         except Exception as exc:
             self._release_gpu(entry)
-            self._fail(entry, f"copy to the device failed: {exc}", tier="gpu")
+            self._fail(entry, f"copy to the device failed: {exc}", tier="gpu", retryable=True)
             if entry.retired:  # replaced or unregistered meanwhile: nothing of it stays
                 self._drop(entry, reason=entry.retire_reason)
             return

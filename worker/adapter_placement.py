@@ -52,7 +52,7 @@ class AdapterPlacement:
                 # Pinned adapters never leave on their own: waiting would hang the request.
                 pinned = ", ".join(sorted(e.key for e in self._slot_owner.values()))
                 self._fail(entry, f"every adapter slot ({len(self._slot_owner)}, --max-loras) is held by pinned "
-                                  f"adapters ({pinned}); unpin one or raise --max-loras", tier="gpu")
+                                  f"adapters ({pinned}); unpin one or raise --max-loras", tier="gpu", retryable=True)
             return False
         quota = self.config.quota(entry.tenant)
         for victim in victims:

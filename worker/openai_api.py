@@ -174,9 +174,11 @@ def _engine_error(exc: BaseException, job: CompletionJob, request: web.Request) 
                              "after this request arrived; retry (GET /v1/models lists the ones you may use)",
                         code="model_not_found", param="model")
     if isinstance(exc, AdapterLoadError):
-        adapters.mark_failed(exc.key, exc.reason)
+        if not exc.retryable:  # later requests are answered at once, until a push registers it again
+            adapters.mark_failed(exc.key, exc.reason)
         return APIError(503, f"adapter {exc.key} failed to load: {adapters.redact(exc.reason, job.tenant)}",
-                        type="service_unavailable", code="adapter_load_failed", param="model")
+                        type="service_unavailable", code="adapter_load_failed", param="model",
+                        headers={"Retry-After": "5"} if exc.retryable else None)
     message = adapters.redact(str(exc), job.tenant)
     if isinstance(exc, EngineError):
         return APIError(400, message, code="invalid_request")

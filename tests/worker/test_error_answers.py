@@ -10,6 +10,7 @@ from aiohttp.test_utils import make_mocked_request
 
 from lorafleet.worker.app_keys import ADAPTERS
 from lorafleet.worker.openai_api import _engine_error
+from lorafleet.worker.openai_protocol import APIError
 from lorafleet.worker.scheduler import CapacityError
 from lorafleet.worker.served_adapters import ServedAdapters
 from lorafleet.worker.tenants import Tenant
@@ -157,3 +158,25 @@ async def test_a_stager_token_that_is_not_utf8_is_a_401_not_a_crash(aiohttp_clie
         head, body = await raw_bearer_request(client.server.port, method, path, b"t" * 18 + b"\xff\xfe")
         assert head.startswith(b"HTTP/1.1 401"), (path, head)
         assert json.loads(body)["error"]["code"] == "invalid_token"
+
+
+@pytest.mark.parametrize("retryable", [True, False])
+def test_only_a_load_failure_that_cannot_pass_by_itself_is_remembered(retryable):
+    """A failed load that may pass (a read error, a timeout, slots held by pinned adapters) is a 503 with
+    Retry-After, and the next request loads the version again; one whose files or settings must change
+    first (corrupt, wrong shapes) is remembered, so later requests get the 503 at once until a push."""
+    from lorafleet.worker.adapter_entry import AdapterLoadError
+
+    from .test_served_adapters import ACME, SQL, RecordingHost, state
+
+    request = _request()
+    request.app[ADAPTERS].apply(state(1, SQL), RecordingHost())
+    job = SimpleNamespace(model="sql", tenant=ACME)
+    err = _engine_error(AdapterLoadError("sql@v1", "load failed: disk read error", retryable=retryable), job, request)
+    assert (err.status, err.code) == (503, "adapter_load_failed") and bool(err.headers.get("Retry-After")) == retryable
+    if retryable:
+        assert request.app[ADAPTERS].resolve("sql", ACME, None) == "sql@v1"
+    else:
+        with pytest.raises(APIError, match="disk read error") as answer:
+            request.app[ADAPTERS].resolve("sql", ACME, None)
+        assert answer.value.status == 503
