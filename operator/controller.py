@@ -161,8 +161,15 @@ class PoolController:
         plan = reconcile_pool(pool, specs, views, now=utc_now(), generation_floor=time.time_ns() // 1_000_000,
                               pool_error=pool_error, shared_pods=shared, released=released_views, held=held_views)
         by_pod = {w.pod: w for w in reached}
-        for pod in plan.pushes:  # unknown until answered: a pass cut short (cancelled) must not keep the old record
-            record.forget(by_pod[pod])
+        held_pods = {w.pod for w in held}
+        for pod, desired in plan.pushes.items():
+            if pod in held_pods:
+                # What it last accepted less the deleting adapters: what it is to hold whether or not this push
+                # lands (one that did not reports a lower generation and is told again). Forgotten, its set would
+                # be unknown and the deleted adapter left on it until the pool's spec is fixed.
+                record.record(by_pod[pod], desired)
+            else:  # unknown until answered: a pass cut short (cancelled) must not keep the old record
+                record.forget(by_pod[pod])
         outcomes = await asyncio.gather(*(self.client.push(by_pod[pod], d) for pod, d in plan.pushes.items()))
         accepted = {pod for pod, ok in zip(plan.pushes, outcomes, strict=True) if ok}
         for (pod, desired), ok in zip(plan.pushes.items(), outcomes, strict=True):

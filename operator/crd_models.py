@@ -156,8 +156,7 @@ class PoolSpec:
         if not isinstance(spec.get("baseModel"), str) or not spec["baseModel"]:
             raise SpecError("spec.baseModel: required (the base model identity adapters must match)")
         selector = _selector(spec.get("workerSelector"))
-        memory = spec.get("adapterMemory") or {}
-        quota = spec.get("tenantQuota") or {}
+        memory, quota = _object(spec, "adapterMemory"), _object(spec, "tenantQuota")
         max_adapters, max_bytes = quota.get("maxAdapters"), quota.get("maxBytes")
         eviction = spec.get("eviction", "lru")
         if eviction not in EVICTION_POLICIES:
@@ -180,6 +179,15 @@ class PoolSpec:
             generation=int(meta.get("generation", 0)),
             status=dict(body.get("status") or {}),
         )
+
+
+def _object(spec: dict[str, Any], key: str) -> dict[str, Any]:
+    """An optional block of a spec, {} when absent; a SpecError where it is not an object (it would raise an
+    AttributeError, which no caller takes for an invalid spec: every pool's pass that reads it would fail)."""
+    value = spec.get(key) or {}
+    if not isinstance(value, dict):
+        raise SpecError(f"spec.{key}: {value!r} must be an object")
+    return value
 
 
 def drain_spec(body: dict[str, Any]) -> PoolSpec | None:

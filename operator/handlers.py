@@ -200,7 +200,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
         if plan.draining is None:  # that pass did not see the deletion yet
             raise kopf.TemporaryError("waiting for a reconcile that sees the deletion", delay=config.retry_delay)
         if plan.draining:
-            raise kopf.TemporaryError(f"unloading every adapter first; still reported by {', '.join(plan.draining)}",
+            raise kopf.TemporaryError(f"unloading every adapter first; {_holders(plan.draining, plan.silent)}",
                                       delay=config.retry_delay)
         controller.forget((namespace, name))
         scaler.forget((namespace, name))
@@ -242,7 +242,16 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
             if stuck := sorted(set(holding) & set(plan.unreachable)):
                 why = (f"; LoRAPool {spec.get('pool', '')!r} has an invalid spec and what {', '.join(stuck)} last "
                        f"accepted is not known (an operator restart): they unload it once the spec is fixed")
-            raise kopf.TemporaryError(f"unloading; still reported by {', '.join(holding)}{why}",
-                                      delay=config.retry_delay)
+            raise kopf.TemporaryError(f"unloading; {_holders(holding, plan.silent)}{why}", delay=config.retry_delay)
 
     return controllers
+
+
+def _holders(pods: list[str], silent: list[str]) -> str:
+    """Which pods a finalizer waits for: those still reporting, and those whose sidecar did not answer."""
+    reporting = [pod for pod in pods if pod not in silent]
+    unanswered = [pod for pod in pods if pod in silent]
+    parts = [f"still reported by {', '.join(reporting)}"] if reporting else []
+    if unanswered:
+        parts.append(f"no answer from the sidecar of {', '.join(unanswered)} (it may still serve it)")
+    return "; ".join(parts)

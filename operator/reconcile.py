@@ -52,9 +52,10 @@ class PoolPlan:
     unloading: dict[str, list[str]] = field(default_factory=dict)  # deleting adapter -> pods still holding it
     pool_status: dict[str, Any] = field(default_factory=dict)
     failing: list[str] = field(default_factory=list)  # pods reporting an error for a desired version
-    draining: list[str] | None = None  # no pool: pods still reporting any adapter (None: the pool exists)
-    releasing: list[str] = field(default_factory=list)  # released pods still reporting any adapter
+    draining: list[str] | None = None  # no pool: pods still holding any adapter (None: the pool exists)
+    releasing: list[str] = field(default_factory=list)  # released pods still holding any adapter
     unreachable: list[str] = field(default_factory=list)  # an invalid pool's pods holding a deleting adapter, not told
+    silent: list[str] = field(default_factory=list)  # pods reached whose sidecar did not answer this pass
 
 
 def reconcile_pool(pool: PoolSpec | None, adapters: Sequence[AdapterSpec | InvalidAdapter],
@@ -75,15 +76,24 @@ def reconcile_pool(pool: PoolSpec | None, adapters: Sequence[AdapterSpec | Inval
     because of a typo in the pool: each is told what it last accepted less the adapters being deleted, and
     they count in ``plan.unloading``. One whose last push is not known (an operator restart) cannot be told
     without guessing the rest of its set: ``plan.unreachable`` lists it until the spec is fixed.
+
+    A pod whose sidecar did not answer this pass may still serve what it was given: it counts in
+    ``plan.unloading``, ``plan.draining`` and ``plan.releasing`` (``plan.silent`` lists it) unless the last
+    push it accepted left that adapter (for the last two: every adapter) out. Else a finalizer would go
+    while the pod is unreachable, and a deleted adapter (or a deleted pool's, whose pods no pass reaches
+    any more) would stay served.
     """
     plan = PoolPlan()
     live = [WorkerIndex.of(w) for w in workers if w.reported is not None]
     emptied = [WorkerIndex.of(w) for w in released if w.reported is not None]
     kept = [WorkerIndex.of(w) for w in held if w.reported is not None]
     deleting = {x.name for x in adapters if x.deleting}
+    silent = [w for w in (*workers, *released, *held) if w.reported is None]
+    plan.silent = [w.pod for w in silent]
     for x in adapters:
         if x.deleting:  # unloaded by name, parsable or not; the finalizer waits for []
-            plan.unloading[x.name] = [w.pod for w in live + emptied + kept if w.by_name.get(x.name)]
+            plan.unloading[x.name] = ([w.pod for w in live + emptied + kept if w.by_name.get(x.name)]
+                                      + [w.pod for w in silent if _may_hold(w, x.name)])
     for w in kept:
         if w.w.last_pushed is not None:
             _desire(plan, w, [d for d in w.w.last_pushed.adapters if d.name not in deleting], generation_floor)
@@ -104,7 +114,7 @@ def reconcile_pool(pool: PoolSpec | None, adapters: Sequence[AdapterSpec | Inval
         _desire(plan, w, [variants[name][w.pod in warm_sets[name]] for name in sorted(served)], generation_floor)
     for w in emptied:  # told to hold nothing, pinned adapters included, like a deleting pool's workers
         _desire(plan, w, [], generation_floor)
-    plan.releasing = [w.pod for w in emptied if w.by_name]
+    plan.releasing = [w.pod for w in emptied if w.by_name] + [w.pod for w in released if _may_hold(w)]
 
     for x in adapters:
         if x.deleting:
@@ -121,7 +131,7 @@ def reconcile_pool(pool: PoolSpec | None, adapters: Sequence[AdapterSpec | Inval
             status["lastValidSpec"] = a.spec_json
         plan.adapter_statuses[x.name] = status
     if pool is None:
-        plan.draining = [w.pod for w in live if w.by_name] + plan.releasing
+        plan.draining = [w.pod for w in live if w.by_name] + [w.pod for w in workers if _may_hold(w)] + plan.releasing
     else:
         plan.pool_status = pool_status(pool, len(served), workers, now=now, shared_pods=shared_pods or {})
     return plan
@@ -225,6 +235,14 @@ def _directive(a: AdapterSpec, *, pod_warm: bool) -> AdapterDirective:
     )
 
 
+def _may_hold(w: WorkerReport, name: str | None = None) -> bool:
+    """``w``'s sidecar did not answer, and for all the operator knows it still holds adapter ``name`` (None:
+    any adapter): no push it accepted is known, or the last one listed it."""
+    if w.reported is not None:
+        return False
+    return w.last_pushed is None or (bool(w.last_pushed.adapters) if name is None else name in w.last_pushed.by_name())
+
+
 def _desire(plan: PoolPlan, w: WorkerIndex, directives: list[AdapterDirective], floor: int) -> None:
     """``w``'s desired state in ``plan``, pushed when ``_next_generation`` says so."""
     generation, push = _next_generation(w, directives, floor)
@@ -247,9 +265,11 @@ def _next_generation(x: WorkerIndex, directives: list[AdapterDirective], floor: 
     last = x.w.last_pushed
     if last is None or last.adapters != directives:
         return max((last.generation if last else 0) + 1, applied + 1, floor), True
-    if applied < last.generation or drifted(x, directives):
-        # Reported below what was accepted: the engine (or the pod) restarted. Receivers treat an equal
-        # generation as a no-op, so the re-push needs a new one.
+    if applied != last.generation or drifted(x, directives):
+        # Reported below what was accepted: the engine (or the pod) restarted; above it: another operator
+        # pushed since (a replica leading again after standing by remembers the pushes from before), and
+        # what the pod holds need not be what was accepted here. Receivers treat an equal generation as a
+        # no-op, so the re-push needs a new one.
         return max(last.generation + 1, applied + 1, floor), True
     return last.generation, False
 

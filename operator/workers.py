@@ -133,7 +133,8 @@ class StagerClient:
                                           timeout=self._push_timeout) as resp:
                 if resp.status in (200, 202):
                     return True
-                text = (await resp.text())[:300]
+                # Replaced, not refused: an undecodable body raising here would fail the whole pass, every pod's.
+                text = (await resp.text(errors="replace"))[:300]
                 log.warning("sidecar of %s refused generation %d: %s %s", worker.pod, desired.generation,
                             resp.status, text)
                 return False

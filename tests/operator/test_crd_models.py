@@ -45,6 +45,9 @@ def test_pool_parse():
      "spec.tenantQuota.maxAdapters"),
     ({"baseModel": "m", "workerSelector": {"matchLabels": {"a": "b"}}, "adapterMemory": {"gpuBytes": "lots"}},
      "spec.adapterMemory.gpuBytes"),
+    ({"baseModel": "m", "workerSelector": {"matchLabels": {"a": "b"}}, "tenantQuota": 3}, "spec.tenantQuota"),
+    ({"baseModel": "m", "workerSelector": {"matchLabels": {"a": "b"}}, "adapterMemory": "16Gi"},
+     "spec.adapterMemory"),
 ])
 def test_pool_refusals(spec, field):
     with pytest.raises(SpecError, match=f"^{field}:"):

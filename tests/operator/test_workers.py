@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import pytest
+from aiohttp import web
 
 from lorafleet.operator.controller import _claims, _own_pods, invalid_pool_claim
 from lorafleet.operator.workers import StagerClient, Worker, discover_workers, pod_is_ready, selector_matches
 from lorafleet.worker.directives import AdapterDirective, DesiredState, VersionRef
 
 from .fake_stager import FakeStager
+from .local_http import serving
 
 
 @pytest.mark.parametrize(("selector", "labels", "expected"), [
@@ -130,3 +132,19 @@ def test_an_invalid_selector_claims_nothing_and_a_deleting_pool_claims_nothing()
 def test_a_deleting_pool_empties_what_no_pool_takes_over(others, handed_over):
     own, shared = _own_pods("main", {"matchLabels": {"app": "w"}}, TWO_PODS, _claims(others), draining=True)
     assert shared == handed_over and sorted(names(own) + list(shared)) == ["both", "mine"]
+
+
+async def test_a_refusal_whose_body_is_not_text_is_a_refusal():
+    """A sidecar (or whatever answers at its address) refusing a push with bytes that are not UTF-8: the push
+    is refused, as any other, rather than raising out of the pass that pushes to every pod."""
+    async def refuse(_: web.Request) -> web.Response:
+        return web.Response(status=503, body=b"\xff\xfe busy", content_type="text/plain")
+
+    app = web.Application()
+    app.router.add_put("/v1/directives", refuse)
+    client = StagerClient(token="t", timeout=2.0)
+    try:
+        async with serving(app) as url:
+            assert await client.push(Worker("w0", url), DesiredState(1, [])) is False
+    finally:
+        await client.close()
