@@ -215,10 +215,15 @@ class PoolController:
         return sorted(set(self._results) | set(self._backoff) | set(self.push_records) | set(self._locks))
 
 
-def ready_worker_pods(pool: PoolSpec, pods: Iterable[dict[str, Any]], other_pools: Iterable[dict[str, Any]]) -> list[str]:
-    """Names of the pool's ready worker pods, as a reconcile pass finds them (sorted)."""
-    own, _ = _own_pods(pool.name, pool.worker_selector, list(pods), _claims(other_pools))
-    return [w.pod for w in discover_workers(own, pool.worker_selector, default_port=pool.stager_port)]
+def ready_worker_pods(pool: PoolSpec, pods: Iterable[dict[str, Any]],
+                      other_pools: Iterable[dict[str, Any]]) -> tuple[list[str], dict[str, str]]:
+    """(names of the pool's ready worker pods, as a reconcile pass finds them (sorted); the ready pods its
+    selector matches that another pool owns -> that pool)."""
+    pods = list(pods)
+    own, shared = _own_pods(pool.name, pool.worker_selector, pods, _claims(other_pools))
+    ready = discover_workers(own + [p for p in pods if (p.get("metadata") or {}).get("name", "") in shared],
+                             pool.worker_selector, default_port=pool.stager_port)
+    return [w.pod for w in ready if w.pod not in shared], {w.pod: shared[w.pod] for w in ready if w.pod in shared}
 
 
 _Claim = tuple[str, dict[str, Any], bool]  # another pool's (name, workerSelector, spec is valid)

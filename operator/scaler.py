@@ -139,7 +139,7 @@ class PoolScaler:
             wanted, why = corrected
             note = ""
         else:
-            worker_pods = ready_worker_pods(pool, pods, other_pools)
+            worker_pods, others = ready_worker_pods(pool, pods, other_pools)
             try:
                 hit_rate, kv_usage = await self.metrics.pool_signals(spec.prometheus_url, namespace, worker_pods,
                                                                      rate_window_seconds=spec.rate_window_seconds)
@@ -152,7 +152,8 @@ class PoolScaler:
                                                  down_seconds=spec.scale_down_seconds)
             note = self._note(spec, recommended, wanted, current)
             num_ready = len(worker_pods)
-            if num_ready >= current:
+            # Ready pods another pool owns never become this pool's workers: no scale-up waits for them.
+            if num_ready + len(others) >= current:
                 memory.short = None
             elif memory.short is None or memory.short[0] != current:  # a new count: its replicas get a wait
                 memory.short = (current, clock)
@@ -164,6 +165,10 @@ class PoolScaler:
                 else:
                     note += (f"; {current - num_ready} of {current} replicas not ready workers for "
                              f"{MAX_READY_WAIT:g} s: not waiting for them")
+            if others:
+                owners = ", ".join(sorted(set(others.values())))
+                note += (f"; {len(others)} ready pods spec.workerSelector matches belong to LoRAPool {owners} "
+                         f"(an earlier pool by name, or the first valid one): they do not serve this pool")
 
         result: dict[str, Any] = {"desiredReplicas": wanted}
         if hit_rate is not None:

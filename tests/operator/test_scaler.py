@@ -296,3 +296,20 @@ async def test_memory_of_pools_that_are_gone_is_dropped(setup):
     assert set(scaler.known_pools()) == {("ns", "p"), ("ns", "q")}
     scaler.retain({("ns", "q")})
     assert set(scaler.known_pools()) == {("ns", "q")}
+
+
+async def test_ready_pods_another_pool_owns_do_not_hold_a_scale_up(setup):
+    """An earlier pool (here one whose spec is invalid: it keeps the pods it selects) owns one of the two
+    replicas: that pod will never be this pool's worker, so a scale-up does not wait for it to become one,
+    and the condition says where it went."""
+    scaler, metrics, deployments, _ = setup
+    metrics.signals = (0.95, 0.99)
+    earlier = pool()
+    earlier["metadata"]["name"] = "a-earlier"
+    earlier["spec"] = {**earlier["spec"], "workerSelector": {"matchLabels": {"gpu": "h200"}}, "eviction": "fifo"}
+    taken = pod("w-1")
+    taken["metadata"]["labels"]["gpu"] = "h200"
+    wanted = await scaler.run(pool(), pods=[pod("w-0"), taken], other_pools=[earlier], now=NOW)
+    assert deployments.patches == [3] and metrics.asked == [["w-0"]]  # ceil(2 * 0.99 / 0.85); its own pod only
+    message = scaling_condition(wanted)["message"]
+    assert "1 ready pods spec.workerSelector matches belong to LoRAPool a-earlier" in message, message
