@@ -4,6 +4,7 @@ failures, metrics."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -22,6 +23,27 @@ def make_pool(num_pages=256, **kw) -> AdapterPool:
     pages = PagePool(PagePoolConfig(num_pages=num_pages, page_elems=PAGE_ELEMS))
     cfg = AdapterPoolConfig(**{"max_slots": 4, "max_rank": 32, "num_load_threads": 1, **kw})
     return AdapterPool(pages, TINY_DIMS, cfg)
+
+
+def flaky_loader() -> tuple[dict[str, bool], Callable[[], object]]:
+    """(switch, loader): the loader raises ConnectionError while switch["on"], else returns an adapter."""
+    broken = {"on": True}
+
+    def loader():
+        if broken["on"]:
+            raise ConnectionError("object store unreachable")
+        return random_weights(5)
+
+    return broken, loader
+
+
+def failed_load(pool: AdapterPool, key: str = "flaky@1", waiter: str = "w1") -> dict[str, bool]:
+    """Register ``key`` with a flaky loader and let the load ``waiter`` starts fail; returns its switch."""
+    broken, loader = flaky_loader()
+    pool.add(key, loader=loader)
+    assert pool.acquire(key, waiter=waiter) is None
+    pool.wait_idle()
+    return broken
 
 
 def dense_from_layout(pool: AdapterPool, slot: int, layer: int, proj: str):
@@ -228,12 +250,7 @@ def test_lru_keeps_the_hot_adapter_when_cold_ones_stream_through():
 
 
 def test_failed_load_fails_only_its_waiters_and_can_recover(pool):
-    broken = {"on": True}
-
-    def loader():
-        if broken["on"]:
-            raise ConnectionError("object store unreachable")
-        return random_weights(5)
+    broken, loader = flaky_loader()
 
     pool.add("ok@1", random_weights(4))
     pool.load("ok@1")

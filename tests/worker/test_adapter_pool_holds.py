@@ -11,7 +11,7 @@ from lorafleet.worker.adapter_entry import AdapterLoadError
 from lorafleet.worker.adapter_pool import AdapterPool, AdapterPoolConfig
 from lorafleet.worker.page_pool import PagePool, PagePoolConfig
 from tests.lora_factory import TINY_DIMS, random_weights
-from tests.worker.test_adapter_pool import PAGE_ELEMS, make_pool
+from tests.worker.test_adapter_pool import PAGE_ELEMS, failed_load, make_pool
 
 
 @pytest.fixture(scope="module")
@@ -28,16 +28,7 @@ def adapter_pages() -> int:
 def test_an_anonymous_acquire_after_a_recovered_load_gets_the_slot():
     pool = make_pool()
     try:
-        broken = {"on": True}
-
-        def loader():
-            if broken["on"]:
-                raise ConnectionError("object store unreachable")
-            return random_weights(5)
-
-        pool.add("flaky@1", loader=loader)
-        assert pool.acquire("flaky@1", waiter="w1") is None
-        pool.wait_idle()
+        broken = failed_load(pool)
         with pytest.raises(AdapterLoadError, match="object store unreachable"):
             pool.acquire("flaky@1", waiter="w1")
         broken["on"] = False

@@ -7,7 +7,7 @@ import pytest
 
 from lorafleet.worker.adapter_entry import AdapterLoadError
 from tests.lora_factory import random_weights
-from tests.worker.test_adapter_pool import make_pool
+from tests.worker.test_adapter_pool import failed_load, make_pool
 
 
 def test_a_waiter_of_a_failed_load_hears_that_failure_after_another_load_succeeded():
@@ -15,16 +15,7 @@ def test_a_waiter_of_a_failed_load_hears_that_failure_after_another_load_succeed
     the adapter. w1 is told the failure it waited for, an AdapterLoadError, never a bare TypeError."""
     pool = make_pool()
     try:
-        broken = {"on": True}
-
-        def loader():
-            if broken["on"]:
-                raise ConnectionError("object store unreachable")
-            return random_weights(5)
-
-        pool.add("flaky@1", loader=loader)
-        assert pool.acquire("flaky@1", waiter="w1") is None
-        pool.wait_idle()
+        broken = failed_load(pool)
         broken["on"] = False
         pool.prefetch("flaky@1")
         pool.wait_idle()
