@@ -139,9 +139,8 @@ class PoolController:
         claims = _claims(other_pools)
         own, shared = _own_pods(key[1], target.worker_selector if target else None, pods, claims,
                                 draining=draining is not None)
-        record = self.push_records.get(key)
-        if record is None:  # the first pass since this operator started: the pods a predecessor pushed to
-            record = self.push_records[key] = PushRecord.from_status(_status_of(pools))
+        record = self.push_records.setdefault(key, PushRecord())
+        record.merge_status(_status_of(pools))  # pods another operator (or leader) pushed to
         released = _released_pods(key[1], record.pod_ids(), pods, {*_names(own), *shared}, claims) if target else []
         record.retain(own + released)  # pods gone (or re-created under their name) lose what was pushed to them
         workers = discover_workers(own, target.worker_selector, default_port=target.stager_port) if target else []
@@ -178,8 +177,8 @@ class PoolController:
                 log.info("pushed generation %d (%d adapters) to %s", desired.generation, len(desired.adapters), pod)
         for w, view in zip(emptied, released_views, strict=True):
             last = record.last(w)
-            if view.reported is not None and not view.reported.adapters and last is not None and not last.adapters:
-                record.drop(w)  # told to hold nothing, and holds nothing: released for good
+            if view.reported is not None and not view.reported.adapters and (last is None or not last.adapters):
+                record.drop(w)  # holds nothing (told so, or found so): released for good
         backoff.retain({w.url for w in workers})
         for w, view in zip(workers, views, strict=True):
             if w.pod in plan.failing:

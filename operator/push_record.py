@@ -33,15 +33,14 @@ class PushRecord:
     def __len__(self) -> int:
         return len(self._last)
 
-    @classmethod
-    def from_status(cls, status: dict[str, Any] | None) -> PushRecord:
-        """A record of the pods a pool's ``status.pushedPods`` names (what they accepted is not known)."""
-        record = cls()
+    def merge_status(self, status: dict[str, Any] | None) -> None:
+        """Remember the pods a pool's ``status.pushedPods`` names that this record lacks (what they accepted is
+        not known): those a predecessor pushed to (a restart), or another leader while this replica stood
+        by. A pod remembered under its name already keeps its entry (the status may lag behind it)."""
         for entry in (status or {}).get("pushedPods") or []:
             name, uid = (entry.get("name"), entry.get("uid")) if isinstance(entry, dict) else (None, None)
-            if isinstance(name, str) and name and isinstance(uid, str):
-                record._last[name] = (uid, "", None)  # no address: the next push to it is a fresh one
-        return record
+            if isinstance(name, str) and name and isinstance(uid, str) and name not in self._last:
+                self._last[name] = (uid, "", None)  # no address: the next push to it is a fresh one
 
     def to_status(self) -> list[dict[str, str]]:
         """``status.pushedPods``: the pods remembered, by name."""

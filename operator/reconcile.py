@@ -113,7 +113,8 @@ def reconcile_pool(pool: PoolSpec | None, adapters: Sequence[AdapterSpec | Inval
     for w in live:
         _desire(plan, w, [variants[name][w.pod in warm_sets[name]] for name in sorted(served)], generation_floor)
     for w in emptied:  # told to hold nothing, pinned adapters included, like a deleting pool's workers
-        _desire(plan, w, [], generation_floor)
+        if w.by_name or w.w.last_pushed is not None:  # one found holding nothing, never told here, is let go
+            _desire(plan, w, [], generation_floor)
     plan.releasing = [w.pod for w in emptied if w.by_name] + [w.pod for w in released if _may_hold(w)]
 
     for x in adapters:

@@ -389,3 +389,32 @@ async def test_an_adapter_deleted_while_the_pool_spec_is_invalid_is_still_unload
     finally:
         await controller.client.close()
         await restarted.client.close()
+
+
+async def test_a_replica_leading_again_empties_a_pod_another_leader_pushed_to_and_released(stager):
+    """Replica A pushed to worker-0, then stood by; B led, pushed to worker-1 (a new pod) and wrote both in
+    status.pushedPods; worker-1 then left the pool. A leads again: what it remembers lacks worker-1, but
+    the status names it, so A empties it. A status that lags behind (naming a pod A already let go, which
+    holds nothing) costs no push."""
+    other = FakeStager(TOKEN)
+    await other.start()
+    pods = [with_uid(pod_body("worker-0", stager.port), "a0"), with_uid(pod_body("worker-1", other.port), "a1")]
+    inputs = {"adapters": [adapter_body("sql", warm="all")]}
+    a, b = (PoolController(StagerClient(token=TOKEN, timeout=2.0)) for _ in range(2))
+    try:
+        await a.run(KEY, pools=[POOL], pods=pods[:1], **inputs)
+        plan = await b.run(KEY, pools=[POOL], pods=pods, **inputs)
+        assert plan.pool_status["pushedPods"] == [{"name": "worker-0", "uid": "a0"}, {"name": "worker-1", "uid": "a1"}]
+        pool = {**POOL, "status": plan.pool_status}
+        moved = [pods[0], relabeled(pods[1], {})]
+        plan = await a.run(KEY, pools=[pool], pods=moved, **inputs)
+        assert "worker-1" in plan.pushes and other.applied.adapters == []
+        plan = await a.run(KEY, pools=[pool], pods=moved, **inputs)
+        assert plan.releasing == [] and plan.pool_status["pushedPods"] == [{"name": "worker-0", "uid": "a0"}]
+        num_pushes = len(other.pushes)
+        plan = await a.run(KEY, pools=[pool], pods=moved, **inputs)  # the status still names worker-1
+        assert plan.pushes == {} and len(other.pushes) == num_pushes and plan.releasing == []
+    finally:
+        await a.client.close()
+        await b.client.close()
+        await other.stop()
