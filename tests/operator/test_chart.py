@@ -3,6 +3,7 @@ env names match the processes' config fields."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -46,13 +47,18 @@ VALUE_SETS = {
 }
 
 
-def render(values: dict) -> list[dict]:
-    manifests = helm.Chart.load(str(CHART)).render(values, name="demo", namespace="fleet", is_install=True)
+def render(values: dict, *, name: str = "demo", namespace: str = "fleet") -> list[dict]:
+    manifests = helm.Chart.load(str(CHART)).render(values, name=name, namespace=namespace, is_install=True)
     docs = []
     for path, text in sorted(manifests.items()):
         if path.endswith((".yaml", ".yml")):
             docs.extend(d for d in yaml.safe_load_all(text) if d)
     return docs
+
+
+def notes(values: dict, *, name: str = "demo", namespace: str = "fleet") -> str:
+    manifests = helm.Chart.load(str(CHART)).render(values, name=name, namespace=namespace, is_install=True)
+    return next(text for path, text in manifests.items() if path.endswith("/NOTES.txt"))
 
 
 def find(docs: list[dict], kind: str, suffix: str = "") -> dict:
@@ -183,3 +189,135 @@ def test_grafana_dashboard_queries_exported_metrics():
     for name in names:
         base = re.sub(r"_(total|bucket|sum|count)$", "", name)
         assert f'"{base}"' in exported, f"dashboard queries {name}, which the worker does not export"
+
+
+def test_standalone_operator_is_never_rolled_beside_its_successor():
+    """Without peering two operator pods would both handle every pool and adapter: a rolling update (the
+    default strategy) starts the new one before the old one stops, so a standalone operator is recreated."""
+    for name, values in VALUE_SETS.items():
+        docs = render(values)
+        if not any(d["kind"] == "Deployment" and d["metadata"]["name"].endswith("-operator") for d in docs):
+            continue
+        deployment = find(docs, "Deployment", "-operator")
+        operator = deployment["spec"]["template"]["spec"]["containers"][0]
+        if "LORAFLEET_PEERING" not in env_names(operator):
+            assert deployment["spec"].get("strategy") == {"type": "Recreate"}, name
+
+
+def test_worker_pods_mount_no_service_account_token():
+    """The engine and the stager never call the Kubernetes API (nothing under worker/ imports a client), so
+    the pods that run tenants' adapters carry no API token."""
+    sources = "".join(path.read_text() for path in (ROOT / "worker").glob("*.py"))
+    assert not re.search(r"^\s*(import|from) (kopf|kubernetes)\b", sources, re.MULTILINE)
+    for name, values in VALUE_SETS.items():
+        docs = render(values)
+        if any(d["kind"] == "Deployment" and d["metadata"]["name"].endswith("-worker") for d in docs):
+            pod = find(docs, "Deployment", "-worker")["spec"]["template"]["spec"]
+            assert pod.get("automountServiceAccountToken") is False, name
+
+
+@pytest.mark.parametrize("grace", [30, 60, 300])
+def test_worker_drain_ends_within_the_termination_grace(grace):
+    """SIGTERM follows the preStop sleep; the engine then drains for --shutdown-grace-s and needs up to 3 s to
+    end what is left. All of it must fit the pod's grace period (else the kubelet kills requests mid-stream),
+    and a longer grace period must give requests longer to finish."""
+    docs = render({"worker": {"terminationGracePeriodSeconds": grace}})
+    pod = find(docs, "Deployment", "-worker")["spec"]["template"]["spec"]
+    engine = pod["containers"][0]
+    env = {e["name"]: e["value"] for e in engine["env"] if "value" in e}
+    worker_config = pytest.importorskip("lorafleet.worker.worker_config")
+    default = next(f.default for f in dataclasses.fields(worker_config.WorkerConfig) if f.name == "shutdown_grace_s")
+    drain = getattr(build_parser(worker_config.WorkerConfig, env=env).parse_args([]), "shutdown_grace_s", default)
+    pre_stop = engine["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert pod["terminationGracePeriodSeconds"] == grace
+    assert pre_stop + drain + 3 <= grace
+    assert drain >= grace - pre_stop - 5
+
+
+@pytest.mark.parametrize(("field", "short"), [("stagerToken", 15), ("adminToken", 7)])
+def test_tokens_the_processes_refuse_are_refused_by_the_chart(field, short):
+    """A given token shorter than the stager (16) or the worker (8) accepts fails at install, not as a pod
+    that crashes at start."""
+    from lorafleet.worker.stager_config import StagerConfig
+
+    with pytest.raises(ValueError):
+        StagerConfig(stager_token="s" * 15)
+    worker_config = pytest.importorskip("lorafleet.worker.worker_config")
+    with pytest.raises(ValueError):
+        worker_config.WorkerConfig(admin_token="a" * 7)
+    with pytest.raises(helm.HelmValuesError):
+        render({"secrets": {field: "t" * short}})
+    secret = "admin-token" if field == "adminToken" else "stager-token"
+    rendered = find(render({"secrets": {field: "t" * (short + 1)}}), "Secret", secret)
+    assert rendered["data"]["token"]
+    assert find(render({}), "Secret", secret)["data"]["token"]  # empty: generated
+
+
+def test_adapter_cache_host_path_is_never_created_by_the_kubelet():
+    """A hostPath the kubelet creates (DirectoryOrCreate) is root's with mode 0755, and fsGroup does not apply
+    to hostPath volumes: the non-root stager could not stage a single adapter into it."""
+    docs = render(VALUE_SETS["replicated-clusterwide"])
+    pod = find(docs, "Deployment", "-worker")["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    cache = next(v for v in pod["volumes"] if v["name"] == "adapter-cache")
+    assert cache["hostPath"]["type"] == "Directory"
+
+
+def _readme_install() -> tuple[str, str, dict]:
+    """(release, namespace, values) of the README's `helm install` of this chart."""
+    text = (ROOT / "README.md").read_text()
+    command = re.search(r"^helm install .*?(?<!\\)$", text, re.MULTILINE | re.DOTALL)
+    assert command, "the README installs the chart with helm install"
+    words = command.group(0).replace("\\\n", " ").split()
+    release, chart = words[2], words[3]
+    assert (ROOT / chart).resolve() == CHART
+    namespace = words[words.index("-n") + 1]
+    values: dict = {}
+    for i, word in enumerate(words):
+        if word == "--set":
+            expression = helm.parse_set_string(words[i + 1])
+            merge = values
+            while len(expression) == 1 and isinstance(next(iter(expression.values())), dict):
+                key, expression = next(iter(expression.items()))
+                merge = merge.setdefault(key, {})
+            merge.update(expression)
+    return release, namespace, values
+
+
+def test_readme_quick_start_pool_owns_the_chart_workers():
+    """The README installs the chart, then applies examples/k8s/: the example pool must be the only pool that
+    selects the release's workers (of two, the first by name owns a worker, and the chart's own pool sorts
+    first), live in the release's namespace and autoscale the release's worker Deployment."""
+    release, namespace, values = _readme_install()
+    docs = render(values, name=release, namespace=namespace)
+    pod = find(docs, "Deployment", "-worker")["spec"]["template"]
+    labels = pod["metadata"]["labels"]
+    assert not [d for d in docs if d["kind"] == "LoRAPool" and selector_matches(d["spec"]["workerSelector"], labels)]
+    examples = [d for path in sorted((ROOT / "examples" / "k8s").glob("*.yaml"))
+                for d in yaml.safe_load_all(path.read_text()) if d]
+    pools = [d for d in examples if d["kind"] == "LoRAPool"]
+    assert pools
+    deployments = {d["metadata"]["name"] for d in docs if d["kind"] == "Deployment"}
+    for pool in pools:
+        assert pool["metadata"]["namespace"] == namespace
+        assert selector_matches(pool["spec"]["workerSelector"], labels)
+        assert pool["spec"]["stagerPort"] == values.get("worker", {}).get("stagerPort", 8001)
+        assert pool["spec"]["scaling"]["target"] in deployments
+    names = {p["metadata"]["name"] for p in pools}
+    for adapter in (d for d in examples if d["kind"] == "LoRAAdapter"):
+        assert adapter["spec"]["pool"] in names and adapter["metadata"]["namespace"] == namespace
+
+
+def test_notes_match_the_release():
+    """NOTES advise applying examples/k8s/ (which brings its own pool) only where the chart made no pool,
+    warn when the workers run without API keys, and uninstall from the release's namespace."""
+    text = notes({})
+    assert "kubectl apply -f examples/k8s/" not in text
+    assert "pool.create=false" in text
+    assert "WARNING" in text and "development" in text
+    assert "helm uninstall demo -n fleet" in text
+    text = notes({"pool": {"create": False}, "secrets": {"existingApiKeysSecret": "keys"}})
+    assert "kubectl apply -f examples/k8s/" in text and "demo-lorafleet-worker" in text
+    assert "WARNING" not in text
+    text = notes(VALUE_SETS["operator-only"])
+    assert "Inference" not in text and "WARNING" not in text
