@@ -106,7 +106,9 @@ class Scheduler:
         self._short_alone: set[int] = set()
         self.num_preemptions = 0
         self.max_stuck_steps = 100  # steps a request that cannot get pages, with nothing running, may wait
-        self._stuck_steps = 0
+        # seq_id -> steps it waited so far; a sequence leaving the queue takes its count along (the next one
+        # gets a wait of its own), and any admission clears them all (something runs: pages will come back).
+        self._stuck_steps: dict[int, int] = {}
         self.failed: list[Sequence] = []  # finished by the scheduler (adapter load failed); engine reports them
 
     # ---- queue -----------------------------------------------------------------------------------
@@ -140,6 +142,7 @@ class Scheduler:
             self.adapter_pool.abandon(seq.adapter, seq.seq_id)
         self._skipped_steps.pop(seq.seq_id, None)
         self._short_alone.discard(seq.seq_id)
+        self._stuck_steps.pop(seq.seq_id, None)
 
     def fail(self, seqs: list[Sequence], exc: Exception) -> None:
         """End `seqs` with `exc`: pages and adapter references are released at once, and the engine
@@ -225,7 +228,7 @@ class Scheduler:
                     stuck = seq
                 self.waiting.appendleft(seq)  # arrival order for pages: no overtaking a big prompt
                 break
-            self._stuck_steps = 0
+            self._stuck_steps.clear()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self._skipped_steps.pop(seq.seq_id, None)
@@ -294,10 +297,9 @@ class Scheduler:
     def _gave_up(self, seq: Sequence, message: str) -> bool:
         """Nothing runs and (dequeued) `seq` cannot get room. Wait out transient holders (an adapter copy in
         flight becomes reclaimable once done) for max_stuck_steps steps, then fail it: True if it failed."""
-        self._stuck_steps += 1
-        if self._stuck_steps <= self.max_stuck_steps:
+        steps = self._stuck_steps[seq.seq_id] = self._stuck_steps.get(seq.seq_id, 0) + 1
+        if steps <= self.max_stuck_steps:
             return False
-        self._stuck_steps = 0
         self._fail(seq, CapacityError(message))
         return True
 
@@ -328,6 +330,7 @@ class Scheduler:
         self._release_adapter(seq)
         self._skipped_steps.pop(seq.seq_id, None)
         self._short_alone.discard(seq.seq_id)
+        self._stuck_steps.pop(seq.seq_id, None)
         self.failed.append(seq)
 
     def _add_to_batch(self, batch: ScheduledBatch, seq: Sequence, num_new: int) -> None:

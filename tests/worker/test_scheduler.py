@@ -306,6 +306,25 @@ def test_a_request_that_can_never_fit_fails_instead_of_blocking_the_queue():
     assert [s for s, _ in batch.scheduled] == [small]
 
 
+def test_the_wait_of_an_aborted_stuck_head_is_not_charged_to_the_next_request():
+    """Nothing runs and the head waits for pages an adapter copy in flight holds; its client gives up. The
+    next request, which fits once the copy is done, gets a wait of its own, not what was left of the
+    aborted one's (it failed with CapacityError at its first step)."""
+    sched, pool = _sched(num_pages=4)
+    sched.max_stuck_steps = 5
+    copying = pool.allocate(3, ("adapter", "copying@1"))  # not reclaimable until the copy is done
+    gone = _seq(9)
+    sched.add(gone)
+    for _ in range(sched.max_stuck_steps):
+        assert _run_step(sched).is_empty and not sched.failed
+    sched.finish(gone, "abort")
+    later = _seq(5)
+    sched.add(later)
+    assert _run_step(sched).is_empty and not sched.failed
+    pool.free(copying)
+    assert _run_step(sched).prefills == [(later, 5)]
+
+
 def test_pages_taken_by_another_thread_between_check_and_allocate():
     """An adapter load on another thread may take the pages between can_allocate and allocate: the
     request waits for the next step instead of the step failing."""
