@@ -185,6 +185,14 @@ class PoolController:
                 backoff.failing(w.url, now, pushed=w.pod in accepted)
             elif view.reported is not None:
                 backoff.clear(w.url)
+        if draining is not None:
+            # Pods it gave adapters to that are not ready cannot be told now; once the pool is gone no pass would
+            # reach them when they are ready again, so its finalizer waits for them too (or for their deletion).
+            reached_pods = {w.pod for w in workers + emptied}
+            plan.not_ready = sorted(m.get("name", "") for m in (p.get("metadata") or {} for p in own + released)
+                                    if m.get("name", "") not in reached_pods
+                                    and record.may_hold(m.get("name", ""), m.get("uid") or ""))
+            plan.draining = (plan.draining or []) + plan.not_ready
         if pool is not None:  # written with the status, read back after a restart
             plan.pool_status["pushedPods"] = record.to_status()
         if target is None:  # no pool to push for (gone, or invalid): nothing to retry

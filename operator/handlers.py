@@ -200,7 +200,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
         if plan.draining is None:  # that pass did not see the deletion yet
             raise kopf.TemporaryError("waiting for a reconcile that sees the deletion", delay=config.retry_delay)
         if plan.draining:
-            raise kopf.TemporaryError(f"unloading every adapter first; {_holders(plan.draining, plan.silent)}",
+            raise kopf.TemporaryError(f"unloading every adapter first; {_holders(plan.draining, plan.silent, plan.not_ready)}",
                                       delay=config.retry_delay)
         controller.forget((namespace, name))
         scaler.forget((namespace, name))
@@ -247,11 +247,15 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
     return controllers
 
 
-def _holders(pods: list[str], silent: list[str]) -> str:
-    """Which pods a finalizer waits for: those still reporting, and those whose sidecar did not answer."""
-    reporting = [pod for pod in pods if pod not in silent]
+def _holders(pods: list[str], silent: list[str], not_ready: list[str] = ()) -> str:
+    """Which pods a finalizer waits for: those still reporting, those whose sidecar did not answer, and (a
+    deleting pool) those not ready that may hold its adapters."""
+    reporting = [pod for pod in pods if pod not in silent and pod not in not_ready]
     unanswered = [pod for pod in pods if pod in silent]
     parts = [f"still reported by {', '.join(reporting)}"] if reporting else []
     if unanswered:
         parts.append(f"no answer from the sidecar of {', '.join(unanswered)} (it may still serve it)")
+    if not_ready:
+        parts.append(f"not ready: {', '.join(not_ready)} (it may hold adapters once ready; deleting the pod ends "
+                     f"the wait)")
     return "; ".join(parts)

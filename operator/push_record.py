@@ -50,6 +50,12 @@ class PushRecord:
         """(name, uid) of every pod remembered: those this pool pushed to, as they were listed then."""
         return {(pod, uid) for pod, (uid, _, _) in self._last.items()}
 
+    def may_hold(self, pod: str, uid: str) -> bool:
+        """Whether pod (name, uid) was pushed to and may hold adapters: its last known push listed some, or what
+        it accepted is not known."""
+        entry = self._last.get(pod)
+        return entry is not None and entry[0] == uid and (entry[2] is None or bool(entry[2].adapters))
+
     def last(self, worker: Worker) -> DesiredState | None:
         """The last push ``worker`` accepted; None if none is known (or it went to an earlier pod so named, or to
         another address)."""

@@ -56,6 +56,7 @@ class PoolPlan:
     releasing: list[str] = field(default_factory=list)  # released pods still holding any adapter
     unreachable: list[str] = field(default_factory=list)  # an invalid pool's pods holding a deleting adapter, not told
     silent: list[str] = field(default_factory=list)  # pods reached whose sidecar did not answer this pass
+    not_ready: list[str] = field(default_factory=list)  # a deleting pool's pods, not ready, that may hold adapters
 
 
 def reconcile_pool(pool: PoolSpec | None, adapters: Sequence[AdapterSpec | InvalidAdapter],

@@ -4,6 +4,7 @@ pods a pool released."""
 from __future__ import annotations
 
 import asyncio
+import copy
 
 import pytest
 
@@ -418,3 +419,27 @@ async def test_a_replica_leading_again_empties_a_pod_another_leader_pushed_to_an
         await a.client.close()
         await b.client.close()
         await other.stop()
+
+
+async def test_a_deleting_pool_waits_for_its_pods_that_are_not_ready(stager):
+    """A pool deleted while a pod it gave adapters to is not ready: that pod cannot be told now, and once the
+    pool is gone no pass would reach it when it is ready again, so the finalizer waits for it. A pod it
+    never pushed to is not waited for."""
+    pods = [with_uid(pod_body("worker-0", stager.port), "a0")]
+    not_ready = copy.deepcopy(pods[0])
+    not_ready["status"]["conditions"] = [{"type": "Ready", "status": "False"}]
+    stranger = with_uid(pod_body("worker-9", stager.port), "a9")
+    stranger["status"]["conditions"] = [{"type": "Ready", "status": "False"}]
+    deleting = {**POOL, "metadata": {**POOL["metadata"], "deletionTimestamp": "2026-01-01T00:00:00Z"}}
+    inputs = {"adapters": [adapter_body("sql", pinned=True)]}
+    controller = PoolController(StagerClient(token=TOKEN, timeout=2.0))
+    try:
+        await controller.run(KEY, pools=[POOL], pods=pods, **inputs)
+        plan = await controller.run(KEY, pools=[deleting], pods=[not_ready, stranger], **inputs)
+        assert plan.draining == ["worker-0"] and plan.not_ready == ["worker-0"] and plan.pushes == {}
+        plan = await controller.run(KEY, pools=[deleting], pods=pods, **inputs)  # ready again: emptied
+        assert set(plan.pushes) == {"worker-0"} and stager.applied.adapters == []
+        plan = await controller.run(KEY, pools=[deleting], pods=pods, **inputs)
+        assert plan.draining == [] and plan.not_ready == []
+    finally:
+        await controller.client.close()
