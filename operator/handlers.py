@@ -90,6 +90,29 @@ class Controllers:
         await self.scaler.close()
 
 
+def configure_settings(settings: kopf.OperatorSettings, config: OperatorConfig) -> None:
+    """Kopf's settings for this operator (the startup handler's whole work)."""
+    settings.persistence.finalizer = FINALIZER
+    # Handler progress in annotations: the CRDs' status schemas are strict and would prune status.kopf.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="lorafleet.dev")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix="lorafleet.dev", key="last-handled-configuration")
+    settings.posting.level = logging.WARNING
+    objects_log = logging.getLogger("kopf.objects")
+    if not any(isinstance(f, QuietTimers) for f in objects_log.filters):
+        objects_log.addFilter(QuietTimers())
+    settings.watching.server_timeout = 60
+    if config.peering:
+        settings.peering.name = config.peering
+        settings.peering.standalone = False
+        settings.peering.clusterwide = config.namespace is None
+    else:
+        settings.peering.standalone = True
+    # One namespace: the chart's Role grants nothing cluster-wide, so kopf's scan of namespaces and CRDs would
+    # only log permission warnings at every start; the resources it serves are known at startup.
+    settings.scanning.disabled = config.namespace is not None
+
+
 def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
              deployments: DeploymentClient | None = None) -> Controllers:
     """Attach all handlers to ``registry``. ``deployments``: the autoscaler's Kubernetes client (default:
@@ -104,22 +127,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
 
     @kopf.on.startup(registry=registry)
     async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
-        settings.persistence.finalizer = FINALIZER
-        # Handler progress in annotations: the CRDs' status schemas are strict and would prune status.kopf.
-        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="lorafleet.dev")
-        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-            prefix="lorafleet.dev", key="last-handled-configuration")
-        settings.posting.level = logging.WARNING
-        objects_log = logging.getLogger("kopf.objects")
-        if not any(isinstance(f, QuietTimers) for f in objects_log.filters):
-            objects_log.addFilter(QuietTimers())
-        settings.watching.server_timeout = 60
-        if config.peering:
-            settings.peering.name = config.peering
-            settings.peering.standalone = False
-            settings.peering.clusterwide = config.namespace is None
-        else:
-            settings.peering.standalone = True
+        configure_settings(settings, config)
 
     @kopf.on.cleanup(registry=registry)
     async def close(**_: Any) -> None:

@@ -15,7 +15,7 @@ import kopf
 import pytest
 
 from lorafleet.operator.__main__ import main, run
-from lorafleet.operator.handlers import FINALIZER
+from lorafleet.operator.handlers import FINALIZER, configure_settings
 from lorafleet.operator.operator_config import OperatorConfig
 
 from .fake_stager import FakeStager
@@ -308,3 +308,15 @@ async def test_replicas_elect_one_leader(cluster, caplog):
             assert sidecar.tokens and set(sidecar.tokens) == {TOKEN} and sidecar.refused == 0
     finally:
         await sidecar.stop()
+
+
+@pytest.mark.parametrize(("namespace", "peering"), [(None, None), ("ns", None), ("ns", "fleet"), (None, "fleet")])
+def test_kopf_settings_follow_the_watched_namespaces(namespace, peering):
+    """One namespace: no cluster-wide scan of namespaces and CRDs (the chart's Role grants nothing
+    cluster-wide: kopf would log permission warnings at every start), and namespaced peering."""
+    settings = kopf.OperatorSettings()
+    configure_settings(settings, OperatorConfig(namespace=namespace, peering=peering, stager_token=TOKEN))
+    assert settings.scanning.disabled == (namespace is not None)
+    assert settings.peering.standalone == (peering is None) and settings.persistence.finalizer == FINALIZER
+    if peering:
+        assert settings.peering.name == peering and settings.peering.clusterwide == (namespace is None)
