@@ -342,7 +342,10 @@ async def _stream(request: web.Request, job: CompletionJob, outputs: AsyncIterat
                     choice = job.choice(tokenizer, i, out.new_text, out.new_logprobs,
                                      out.finish_reason if out.finished else None, delta=True, first=first,
                                      offsets=offsets[i])
-                    await send(job.envelope([choice], chunk=True))
+                    chunk = job.envelope([choice], chunk=True)
+                    if job.options.include_usage:  # as OpenAI: every chunk has the field, null but the last
+                        chunk["usage"] = None
+                    await send(chunk)
         except (APIError, asyncio.CancelledError):
             raise
         except (ConnectionResetError, ConnectionError):

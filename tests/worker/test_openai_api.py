@@ -73,6 +73,21 @@ async def _complete(client, body: dict) -> list[dict]:
     return [c for e in events[:-1] for c in json.loads(e)["choices"]]
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_with_include_usage_every_chunk_has_a_usage_field(base_client, path):
+    """OpenAI's streams with stream_options.include_usage: every chunk carries `usage`, null but in the last
+    chunk before [DONE] (no choices, the request's counts); typed clients of other languages rely on it."""
+    prompt = {"prompt": "hello"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
+    resp = await base_client.post(path, json={"model": "tiny", "max_tokens": 4, "temperature": 0, "stream": True,
+                                              "stream_options": {"include_usage": True}, **prompt})
+    assert resp.status == 200, await resp.text()
+    events = [line[6:] for line in (await resp.text()).split("\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all("usage" in c and c["usage"] is None for c in chunks[:-1]) and len(chunks) > 2
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
+
+
 def _joined_logprobs(choices: list[dict]) -> dict[str, list]:
     keys = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
     joined = {k: [v for c in choices for v in c["logprobs"][k]] for k in keys}
