@@ -8,7 +8,7 @@ Every adapter learns one visible transformation of a short list of words, from s
     piglatin  -> " edray ishfay openway yskay"
 
 Each is a PEFT LoRA dir under examples/adapters/<name>/ (adapter_config.json +
-adapter_model.safetensors, bf16, 1-3 MB). Ranks, alphas and target modules differ on purpose, so
+adapter_model.safetensors, bf16, 0.7-2 MB). Ranks, alphas and target modules differ on purpose, so
 the demo batch mixes ranks and module subsets:
 
     shout     r=4, alpha=8,  all seven projections
