@@ -33,6 +33,7 @@ from lorafleet.worker.page_pool import PagePool, PagePoolConfig, kv_page_elems
 from lorafleet.worker.peft_adapter import load_peft_adapter
 from lorafleet.worker.request_output import OutputTracker, RequestOutput
 from lorafleet.worker.sampler import Sampler
+from lorafleet.worker.sampling_defaults import SamplingDefaults, read_sampling_defaults
 from lorafleet.worker.sampling_params import SamplingParams
 from lorafleet.worker.scheduler import Scheduler
 from lorafleet.worker.sequence import Sequence
@@ -58,6 +59,7 @@ class Engine:
 
             model_dir = str(default_model_dir())
         self.model_dir = Path(model_dir)
+        self.sampling_defaults = read_sampling_defaults(self.model_dir) if config.generation_config else SamplingDefaults()
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
         self.model_config = ModelConfig.from_dir(self.model_dir)

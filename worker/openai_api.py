@@ -82,9 +82,10 @@ async def _prepare(request: web.Request, endpoint: str) -> CompletionJob:
                        type="service_unavailable", code="not_ready", headers={"Retry-After": "1"})
     tenant = authenticate(request)
     body = await read_json(request)
-    parsed = parse_chat_request(body) if endpoint == "chat" else parse_completion_request(body)
-    adapter = app[ADAPTERS].resolve(parsed.model, tenant, parsed.options.user)
     engine = app[ENGINE].engine
+    parse = parse_chat_request if endpoint == "chat" else parse_completion_request
+    parsed = parse(body, engine.sampling_defaults)
+    adapter = app[ADAPTERS].resolve(parsed.model, tenant, parsed.options.user)
 
     def tokenize() -> list[list[int]]:
         if endpoint == "chat":

@@ -15,6 +15,7 @@ from typing import Any
 
 from lorafleet.worker.directives import DirectiveError
 from lorafleet.worker.directives import _name as directive_name
+from lorafleet.worker.sampling_defaults import SamplingDefaults
 
 MAX_N = 16
 MAX_STOP = 4
@@ -209,7 +210,8 @@ def _stop(f: _Fields) -> list[str]:
     return [_text(s, "stop") for s in stops]
 
 
-def _common(f: _Fields, max_tokens_names: tuple[str, ...], default_max_tokens: int | None) -> SamplingOptions:
+def _common(f: _Fields, max_tokens_names: tuple[str, ...], default_max_tokens: int | None,
+            defaults: SamplingDefaults) -> SamplingOptions:
     max_tokens, max_tokens_param = default_max_tokens, max_tokens_names[0]
     for name in max_tokens_names:  # the later name wins (chat: max_completion_tokens over max_tokens)
         value = f.integer(name, None, 1)
@@ -232,9 +234,9 @@ def _common(f: _Fields, max_tokens_names: tuple[str, ...], default_max_tokens: i
     return SamplingOptions(
         max_tokens=max_tokens,
         max_tokens_param=max_tokens_param,
-        temperature=f.number("temperature", 1.0, 0.0, 2.0),
-        top_p=f.number("top_p", 1.0, 0.0, 1.0, lo_open=True),
-        top_k=max(0, f.integer("top_k", 0, -1, 1 << 20)),
+        temperature=f.number("temperature", defaults.temperature, 0.0, 2.0),
+        top_p=f.number("top_p", defaults.top_p, 0.0, 1.0, lo_open=True),
+        top_k=max(0, f.integer("top_k", defaults.top_k, -1, 1 << 20)),
         n=f.integer("n", 1, 1, MAX_N),
         seed=f.integer("seed", None, -(2**63), 2**63 - 1),
         stop=_stop(f),
@@ -275,11 +277,12 @@ def _prompts(v: Any) -> list[str | list[int]]:
     return prompts
 
 
-def parse_completion_request(body: Any) -> CompletionRequest:
+def parse_completion_request(body: Any, defaults: SamplingDefaults = SamplingDefaults()) -> CompletionRequest:
+    """``defaults``: what an unset temperature, top_p or top_k means (the model's, sampling_defaults.py)."""
     f = _Fields(body, "completions")
     model = _model(f)
     prompts = _prompts(f.get("prompt"))
-    options = _common(f, ("max_tokens",), 16)
+    options = _common(f, ("max_tokens",), 16, defaults)
     options.logprobs = f.integer("logprobs", None, 0, MAX_COMPLETION_LOGPROBS)
     f.neutral("echo", False, "echo is not implemented")
     f.neutral("best_of", 1, "best_of is not implemented; use n")
@@ -303,7 +306,8 @@ def _content(v: Any, where: str) -> str:
     raise bad_request(f"{where}: 'content' must be a string or a list of text parts", "messages", "invalid_type")
 
 
-def parse_chat_request(body: Any) -> ChatRequest:
+def parse_chat_request(body: Any, defaults: SamplingDefaults = SamplingDefaults()) -> ChatRequest:
+    """``defaults``: as for ``parse_completion_request``."""
     f = _Fields(body, "chat completions")
     model = _model(f)
     raw = f.get("messages")
@@ -331,7 +335,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
         messages.append(ChatMessage(role, _content(m.get("content"), where), name))
     if not any(m.content for m in messages):
         raise bad_request("'messages' must contain some text", "messages", "empty_prompt")
-    options = _common(f, ("max_tokens", "max_completion_tokens"), None)
+    options = _common(f, ("max_tokens", "max_completion_tokens"), None, defaults)
     if f.flag("logprobs", False):
         options.logprobs = f.integer("top_logprobs", 0, 0, MAX_CHAT_TOP_LOGPROBS)
     elif f.get("top_logprobs") is not None:

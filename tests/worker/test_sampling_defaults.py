@@ -1,0 +1,73 @@
+"""The model's generation_config.json sampling defaults: read as vLLM reads them, applied only where a
+request leaves the field unset, and served by the HTTP API."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+
+import pytest
+
+from lorafleet.worker.engine_config import EngineConfig
+from lorafleet.worker.openai_protocol import parse_chat_request, parse_completion_request
+from lorafleet.worker.sampling_defaults import SamplingDefaults, read_sampling_defaults
+from lorafleet.worker.server import create_app
+from lorafleet.worker.worker_config import WorkerConfig
+
+
+@pytest.mark.parametrize(("config", "expected", "warned"), [
+    ({"bos_token_id": 1, "eos_token_id": 2}, SamplingDefaults(), None),
+    ({"temperature": 0.6, "top_p": 0.9, "do_sample": True}, SamplingDefaults(0.6, 0.9, 0), None),
+    ({"top_k": 40.0, "temperature": 0}, SamplingDefaults(0.0, 1.0, 40), None),
+    ({"temperature": 3.0, "top_p": 0, "top_k": True}, SamplingDefaults(), "outside what requests may ask for"),
+    ({"temperature": 0.7, "repetition_penalty": 1.1, "min_p": 0.0}, SamplingDefaults(0.7), "repetition_penalty=1.1"),
+    ([1, 2], SamplingDefaults(), "not a JSON object"),
+])
+def test_only_the_keys_the_file_sets_and_the_engine_can_honour_count(tmp_path, caplog, config, expected, warned):
+    (tmp_path / "generation_config.json").write_text(json.dumps(config))
+    with caplog.at_level(logging.WARNING, logger="lorafleet.worker.sampling_defaults"):
+        assert read_sampling_defaults(tmp_path) == expected
+    assert (warned in caplog.text) if warned else not caplog.records
+
+
+def test_no_file_or_a_broken_one_means_openais_defaults(tmp_path, caplog):
+    assert read_sampling_defaults(tmp_path) == SamplingDefaults()
+    (tmp_path / "generation_config.json").write_text("{not json")
+    with caplog.at_level(logging.WARNING, logger="lorafleet.worker.sampling_defaults"):
+        assert read_sampling_defaults(tmp_path) == SamplingDefaults()
+    assert "cannot be read" in caplog.text
+
+
+@pytest.mark.parametrize("parse", [parse_completion_request, parse_chat_request])
+def test_a_request_keeps_what_it_sets_and_takes_the_defaults_for_the_rest(parse):
+    body = {"model": "m", "prompt": "x", "messages": [{"role": "user", "content": "x"}]}
+    body.pop("messages" if parse is parse_completion_request else "prompt")
+    defaults = SamplingDefaults(temperature=0.6, top_p=0.9, top_k=40)
+    o = parse(body, defaults).options
+    assert (o.temperature, o.top_p, o.top_k) == (0.6, 0.9, 40)
+    o = parse(body | {"temperature": 1.0, "top_p": 1.0, "top_k": -1}, defaults).options
+    assert (o.temperature, o.top_p, o.top_k) == (1.0, 1.0, 0)
+    o = parse(body).options  # no defaults given: OpenAI's
+    assert (o.temperature, o.top_p, o.top_k) == (1.0, 1.0, 0)
+
+
+@pytest.mark.parametrize("use_file", [True, False])
+async def test_a_model_whose_generation_config_says_greedy_is_served_greedy(aiohttp_client, tiny_llama_dir, tmp_path,
+                                                                            use_file):
+    """temperature 0 in generation_config.json: requests without a temperature decode greedily whatever their
+    seed, as one that asks for temperature 0 does; with the option off they sample (OpenAI's temperature 1)."""
+    model = shutil.copytree(tiny_llama_dir, tmp_path / "model")
+    (model / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "eos_token_id": 2}))
+    engine = EngineConfig(model=str(model), dtype="float32", max_model_len=128, generation_config=use_file)
+    client = await aiohttp_client(create_app(WorkerConfig(engine=engine, served_model_name="tiny")))
+
+    async def text(**extra) -> str:
+        body = {"model": "tiny", "prompt": "hello there", "max_tokens": 12, "ignore_eos": True, **extra}
+        resp = await client.post("/v1/completions", json=body)
+        assert resp.status == 200, await resp.text()
+        return (await resp.json())["choices"][0]["text"]
+
+    greedy = await text(temperature=0)
+    unset = {await text(seed=seed) for seed in range(4)}
+    assert (unset == {greedy}) == use_file
