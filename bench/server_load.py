@@ -6,7 +6,7 @@ Makes `--num-adapters` random PEFT adapters (rank 8, all projections) for the mo
 `python -m lorafleet.worker` on 127.0.0.1, and fires the same streaming workload twice: every request
 on one adapter, then requests spread uniformly over all adapters. Reports generated tokens/s, TTFT and
 end-to-end p50/p99, and the mean adapters per engine step from the worker's own histogram; writes
-JSON to bench/results/server_load.json. The ratio mixed/single is the cost of serving many tenants in
+JSON to bench/results/server_load_<date>_<device>.json (or --out). The ratio mixed/single is the cost of serving many tenants in
 one batch (the seed brief's reference on an A100: 0.9-0.95x).
 """
 
@@ -149,8 +149,12 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "server_load.json"))
+    p.add_argument("--out", help="JSON file (default: bench/results/server_load_<date>_<device>.json, so a run "
+                                 "leaves the results of other days and devices alone)")
     args = p.parse_args()
+    if args.out is None:
+        stamp = time.strftime("%Y%m%d")
+        args.out = str(Path(__file__).parent / "results" / f"server_load_{stamp}_{args.device.split(':')[0]}.json")
     if not args.model and not args.random_model:
         p.error("give --model or --random-model")
     with tempfile.TemporaryDirectory() as tmp:

@@ -13,7 +13,8 @@ Kopf-free glue between the pool's autoscale timer and ``autoscaler`` (the policy
    seconds per replica count (a replica that never becomes ready must not hold scale-ups forever);
 6. patches ``spec.replicas`` when the result differs (``FailedUpdateScale``).
 
-It returns the status keys it owns: ``hitRate`` and ``kvUsage`` (when known), ``desiredReplicas``,
+It returns the status keys it writes: ``hitRate`` and ``kvUsage`` (when known; ``OWNED_KEYS`` leaves
+``kvUsage`` out, as the reconcile writes it again once ``spec.scaling`` goes), ``desiredReplicas``,
 ``lastScaleTime`` (when it scaled) and the ``Scaling`` condition. A failed pass changes no replicas.
 """
 
