@@ -63,7 +63,9 @@ class CompletionJob:
                 seed = None if o.seed is None else o.seed + j  # n choices with one seed must still differ
                 self.params.append(SamplingParams(
                     max_tokens=max_tokens, temperature=o.temperature, top_p=o.top_p, top_k=o.top_k, seed=seed,
-                    stop=list(o.stop), logprobs=o.logprobs, ignore_eos=o.ignore_eos))
+                    stop=list(o.stop), logprobs=o.logprobs, ignore_eos=o.ignore_eos,
+                    presence_penalty=o.presence_penalty, frequency_penalty=o.frequency_penalty,
+                    repetition_penalty=o.repetition_penalty))
                 self.choice_prompt.append(p)
 
     def usage(self, completion_tokens: int) -> dict[str, int]:

@@ -2,7 +2,7 @@
 
 Parsing is strict where it matters: wrong types, out-of-range values and unknown top-level fields
 are refused with a 400 that names the field (as OpenAI does: "Unrecognized request argument");
-options we cannot honour (`echo`, `best_of > 1`, penalties, `logit_bias`, tool calls, also in a chat's
+options we cannot honour (`echo`, `best_of > 1`, `logit_bias`, tool calls, also in a chat's
 history) are refused rather than silently ignored. Tokenization happens later, in openai_api.py, and
 the context-length check in completion_job.py.
 """
@@ -10,6 +10,7 @@ the context-length check in completion_job.py.
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,6 +72,9 @@ class SamplingOptions:
     include_usage: bool = False  # stream_options.include_usage
     user: str | None = None
     ignore_eos: bool = False  # vLLM extension: generate max_tokens even past end-of-sequence (benchmarks)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # vLLM extension (transformers' semantics); unset: the model's default
 
 
 @dataclass(slots=True)
@@ -147,15 +151,18 @@ class _Fields:
             raise bad_request(f"'{name}' must be {bound} (got {v})", name)
         return v
 
-    def number(self, name: str, default: float, lo: float, hi: float, *, lo_open: bool = False) -> float:
+    def number(self, name: str, default: float, lo: float, hi: float | None, *, lo_open: bool = False) -> float:
+        """hi None: any finite number above lo."""
         v = self.get(name)
         if v is None:
             return default
         if not _is_number(v):
             raise bad_request(f"'{name}' must be a number (got {json.dumps(v)})", name, "invalid_type")
-        if v != v or v > hi or v < lo or (lo_open and v == lo):
-            bound = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
-            raise bad_request(f"'{name}' must be in {bound} (got {v})", name)
+        top = sys.float_info.max if hi is None else hi
+        if v != v or v > top or v < lo or (lo_open and v == lo):
+            bound = f"in ({lo}, {hi}]" if lo_open else f"in [{lo}, {hi}]"
+            bound = f"a finite number {'>' if lo_open else '>='} {lo}" if hi is None else bound
+            raise bad_request(f"'{name}' must be {bound} (got {v})", name)
         return float(v)
 
     def flag(self, name: str, default: bool) -> bool:
@@ -228,8 +235,6 @@ def _common(f: _Fields, max_tokens_names: tuple[str, ...], default_max_tokens: i
         include_usage = stream_options.get("include_usage", False)
         if not isinstance(include_usage, bool):
             raise bad_request("'stream_options.include_usage' must be true or false", "stream_options")
-    f.neutral("presence_penalty", 0, "penalties are not implemented")
-    f.neutral("frequency_penalty", 0, "penalties are not implemented")
     f.neutral("logit_bias", {}, "logit bias is not implemented")
     return SamplingOptions(
         max_tokens=max_tokens,
@@ -244,6 +249,9 @@ def _common(f: _Fields, max_tokens_names: tuple[str, ...], default_max_tokens: i
         include_usage=include_usage,
         user=f.string("user"),
         ignore_eos=f.flag("ignore_eos", False),
+        presence_penalty=f.number("presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=f.number("frequency_penalty", 0.0, -2.0, 2.0),
+        repetition_penalty=f.number("repetition_penalty", defaults.repetition_penalty, 0.0, None, lo_open=True),
     )
 
 

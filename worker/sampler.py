@@ -4,9 +4,22 @@ Randomness is drawn per sequence: a seeded request owns a torch.Generator, so it
 only on its own logits and seed, never on which other requests share the batch. Sampling uses the
 exponential-race form of the categorical draw, `argmax(p / Exp(1))`, which needs one draw per
 vocabulary entry and no cumulative sums over the batch.
+
+Penalties come first, on the raw logits and before temperature, top-k and top-p (greedy requests
+included), as vLLM applies them: for each token, repetition_penalty r when it occurs in the prompt or
+the output (a positive logit divided by r, any other multiplied by r: transformers'
+RepetitionPenaltyLogitsProcessor), then `- frequency_penalty * count - presence_penalty * (count > 0)`
+with counts over the generated tokens only (OpenAI's). Counts are taken from the sequence's tokens at
+each step, so a recomputed (preempted) sequence samples exactly as before. Only the rows of requests
+that set a penalty are touched; the others are bit-identical to a batch without penalties.
+
+Logprobs are those of the model's raw distribution: before penalties, temperature, top-k and top-p
+(vLLM's default `logprobs_mode`, raw_logprobs).
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 
@@ -21,6 +34,8 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, TokenLogprob | None]]:
         """logits: float32 [N, V], row i belongs to seqs[i]."""
+        raw = logits
+        logits = apply_penalties(logits, seqs)
         tokens = logits.argmax(dim=-1)
         sampled_rows = [i for i, s in enumerate(seqs) if not s.params.is_greedy]
         if sampled_rows:
@@ -40,7 +55,7 @@ class Sampler:
         token_list = tokens.tolist()
         if all(w is None for w in want):
             return [(t, None) for t in token_list]
-        logprobs = torch.log_softmax(logits, dim=-1)  # of the model's distribution, before processing
+        logprobs = torch.log_softmax(raw, dim=-1)  # of the model's distribution, before any processing
         chosen = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
         k = max(w or 0 for w in want)
         top_vals, top_ids = [[]] * len(seqs), [[]] * len(seqs)
@@ -55,6 +70,47 @@ class Sampler:
                 top = list(zip(top_ids[i][:w], top_vals[i][:w], strict=True))
                 out.append((token_list[i], TokenLogprob(token_list[i], chosen[i], top)))
         return out
+
+
+def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """`logits` with each sequence's presence, frequency and repetition penalties applied (vLLM's order);
+    the same tensor when no sequence sets one. Only the rows that set a penalty are computed."""
+    rows = [i for i, s in enumerate(seqs) if s.params.has_penalties]
+    if not rows:
+        return logits
+    device, vocab = logits.device, logits.shape[-1]
+    params = [seqs[i].params for i in rows]
+    outputs = [seqs[i].output_token_ids for i in rows]
+    # The prompt only matters for a repetition penalty; the others skip the prompt's scatter.
+    prompts = [seqs[i].prompt_token_ids if p.repetition_penalty != 1.0 else [] for i, p in zip(rows, params, strict=True)]
+    out_counts = _token_counts(outputs, vocab, device, logits.dtype)
+    seen = out_counts > 0
+    if any(prompts):
+        seen |= _token_counts(prompts, vocab, device, logits.dtype) > 0
+    index = torch.tensor(rows, device=device)
+    sub = logits[index]
+    rep = torch.tensor([p.repetition_penalty for p in params], device=device, dtype=logits.dtype)[:, None]
+    sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    freq = torch.tensor([p.frequency_penalty for p in params], device=device, dtype=logits.dtype)[:, None]
+    pres = torch.tensor([p.presence_penalty for p in params], device=device, dtype=logits.dtype)[:, None]
+    sub = sub - freq * out_counts
+    sub = sub - pres * (out_counts > 0).to(logits.dtype)
+    if len(rows) == len(seqs):
+        return sub
+    out = logits.clone()
+    out[index] = sub
+    return out
+
+
+def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """[len(token_lists), vocab] occurrences of each token id (ids outside the vocabulary are dropped)."""
+    ids = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.int64)
+    ids[(ids < 0) | (ids >= vocab)] = vocab  # a spare column, cut off below
+    rows = torch.repeat_interleave(torch.arange(len(token_lists)), torch.tensor([len(t) for t in token_lists]))
+    flat = (rows * (vocab + 1) + ids).to(device, non_blocking=True)
+    counts = torch.zeros(len(token_lists) * (vocab + 1), device=device, dtype=dtype)
+    counts.scatter_add_(0, flat, torch.ones(flat.shape, device=device, dtype=dtype))  # whole numbers: exact in any order
+    return counts.view(len(token_lists), vocab + 1)[:, :vocab]
 
 
 def _processed_probs(logits: torch.Tensor, params: list) -> torch.Tensor:

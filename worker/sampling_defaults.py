@@ -3,7 +3,8 @@
 As vLLM does by default (`--generation-config auto`): a model published with, say, `temperature: 0.6,
 top_p: 0.9` samples that way unless the request says otherwise. Only the keys present in the file count
 (transformers' own defaults, such as top_k 50, do not); `do_sample` is not read, as vLLM does not.
-Sampling controls the engine lacks (repetition_penalty, min_p) are named in a warning, not applied.
+`repetition_penalty` is a default like the others; sampling controls the engine lacks (min_p) are named in a
+warning, not applied.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-UNSUPPORTED = {"repetition_penalty": 1.0, "min_p": 0.0}  # key -> the value that changes nothing
+UNSUPPORTED = {"min_p": 0.0}  # key -> the value that changes nothing
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,9 +27,11 @@ class SamplingDefaults:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
+    repetition_penalty: float = 1.0  # 1 = off
 
     def __post_init__(self) -> None:
-        if not (0.0 <= self.temperature <= 2.0 and 0.0 < self.top_p <= 1.0 and self.top_k >= 0):
+        if not (0.0 <= self.temperature <= 2.0 and 0.0 < self.top_p <= 1.0 and self.top_k >= 0
+                and 0.0 < self.repetition_penalty < math.inf):
             raise ValueError(f"sampling defaults out of range: {self}")
 
 
@@ -47,7 +50,8 @@ def read_sampling_defaults(model_dir: Path) -> SamplingDefaults:
         return SamplingDefaults()
     found = {}
     for key, kind, ok in (("temperature", float, lambda v: 0.0 <= v <= 2.0), ("top_p", float, lambda v: 0.0 < v <= 1.0),
-                          ("top_k", int, lambda v: v >= 0)):  # fmt: skip
+                          ("top_k", int, lambda v: v >= 0),
+                          ("repetition_penalty", float, lambda v: v > 0.0)):  # fmt: skip
         value = data.get(key)
         if value is None:
             continue

@@ -219,3 +219,25 @@ async def test_without_api_keys_the_cap_binds_the_one_dev_tenant(aiohttp_client,
         await _assert_tenant_queue_full(_complete_as(client, "sk-anything"), "dev", 1)
     assert (await first).status == 200
     assert app[ADMISSION].num_admitted_by_tenant == {}
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_penalties_reach_the_engine_and_out_of_range_ones_are_400(base_client, path):
+    prompt = {"prompt": "hello"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
+    body = {"model": "tiny", "max_tokens": 24, "temperature": 0, "ignore_eos": True, **prompt}
+
+    async def text(**extra) -> str:
+        resp = await base_client.post(path, json=body | extra)
+        assert resp.status == 200, await resp.text()
+        choice = (await resp.json())["choices"][0]
+        return choice["text"] if "text" in choice else choice["message"]["content"]
+
+    plain = await text()
+    assert plain == await text(presence_penalty=0, frequency_penalty=0, repetition_penalty=1)
+    penalized = {await text(frequency_penalty=2), await text(presence_penalty=2), await text(repetition_penalty=1.5)}
+    assert plain not in penalized
+    for field, value in (("presence_penalty", 2.5), ("frequency_penalty", -2.1), ("repetition_penalty", 0)):
+        resp = await base_client.post(path, json=body | {field: value})
+        assert resp.status == 400
+        error = (await resp.json())["error"]
+        assert error["param"] == field and field in error["message"]

@@ -71,7 +71,17 @@ BAD_COMPLETIONS = [
     ({"model": "m", "prompt": "x", "stream_options": {"include_usage": True}}, "only allowed", "invalid_value"),
     ({"model": "m", "prompt": "x", "echo": True}, "not supported", "unsupported_parameter"),
     ({"model": "m", "prompt": "x", "best_of": 2}, "not supported", "unsupported_parameter"),
-    ({"model": "m", "prompt": "x", "frequency_penalty": 0.5}, "not supported", "unsupported_parameter"),
+    ({"model": "m", "prompt": "x", "frequency_penalty": 2.5}, "'frequency_penalty' must be in [-2.0, 2.0]",
+     "invalid_value"),
+    ({"model": "m", "prompt": "x", "presence_penalty": -3}, "'presence_penalty' must be in [-2.0, 2.0]",
+     "invalid_value"),
+    ({"model": "m", "prompt": "x", "presence_penalty": "1"}, "'presence_penalty' must be a number", "invalid_type"),
+    ({"model": "m", "prompt": "x", "repetition_penalty": 0}, "'repetition_penalty' must be a finite number > 0",
+     "invalid_value"),
+    ({"model": "m", "prompt": "x", "repetition_penalty": -1.2}, "'repetition_penalty' must be", "invalid_value"),
+    ({"model": "m", "prompt": "x", "repetition_penalty": float("inf")}, "'repetition_penalty' must be",
+     "invalid_value"),
+    ({"model": "m", "prompt": "x", "repetition_penalty": True}, "must be a number", "invalid_type"),
     ({"model": "m", "prompt": "x", "bogus": 1}, "Unrecognized request argument supplied: bogus",
      "unrecognized_argument"),
 ]
@@ -83,7 +93,22 @@ def test_bad_completion_bodies_are_400_naming_the_problem(body, needle, code):
         parse_completion_request(body)
     err = exc.value
     assert err.status == 400 and needle in err.message and err.code == code
+    if "penalty" in needle:
+        assert err.param == needle.split("'")[1]
     assert set(err.body()["error"]) == {"message", "type", "code", "param"}
+
+
+@pytest.mark.parametrize("parse", [parse_completion_request, parse_chat_request])
+def test_penalties_are_accepted_within_range(parse):
+    base = {"model": "m", "prompt": "x"} if parse is parse_completion_request else {
+        "model": "m", "messages": [{"role": "user", "content": "x"}]}
+    o = parse(base).options
+    assert (o.presence_penalty, o.frequency_penalty, o.repetition_penalty) == (0.0, 0.0, 1.0)
+    o = parse(base | {"presence_penalty": -2, "frequency_penalty": 2, "repetition_penalty": 1.3}).options
+    assert (o.presence_penalty, o.frequency_penalty, o.repetition_penalty) == (-2.0, 2.0, 1.3)
+    assert isinstance(o.presence_penalty, float) and isinstance(o.frequency_penalty, float)
+    o = parse(base | {"presence_penalty": 0.5, "frequency_penalty": -0.25, "repetition_penalty": 3}).options
+    assert (o.presence_penalty, o.frequency_penalty, o.repetition_penalty) == (0.5, -0.25, 3.0)  # vLLM: only > 0
 
 
 BAD_CHATS = [

@@ -1,11 +1,13 @@
-"""Sampler: greedy, temperature, top-k, top-p, per-request seeds, logprobs."""
+"""Sampler: greedy, temperature, top-k, top-p, per-request seeds, logprobs, penalties."""
 
 from __future__ import annotations
+
+import random
 
 import pytest
 import torch
 
-from lorafleet.worker.sampler import Sampler
+from lorafleet.worker.sampler import Sampler, apply_penalties
 from lorafleet.worker.sampling_params import SamplingParams
 from lorafleet.worker.sequence import Sequence
 
@@ -98,7 +100,10 @@ def test_logprobs_zero_gives_only_the_chosen_token():
 
 
 @pytest.mark.parametrize("kw", [dict(max_tokens=0), dict(temperature=-1), dict(top_p=0.0), dict(top_k=-1),
-                                dict(logprobs=21), dict(stop=[""])])
+                                dict(logprobs=21), dict(stop=[""]), dict(presence_penalty=2.01),
+                                dict(frequency_penalty=-2.5), dict(repetition_penalty=0.0),
+                                dict(repetition_penalty=-1.0), dict(repetition_penalty=float("inf")),
+                                dict(repetition_penalty=float("nan")), dict(presence_penalty=float("nan"))])
 def test_invalid_params_are_refused(kw):
     with pytest.raises(ValueError):
         SamplingParams(**kw)
@@ -111,3 +116,105 @@ def test_tiny_temperature_is_greedy_not_nan(temperature):
     logits = _logits(3, seed=6)
     out = Sampler().sample(logits, [_seq(temperature=temperature, seed=s) for s in range(3)])
     assert [t for t, _ in out] == logits.argmax(-1).tolist()
+
+
+def _reference_penalties(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
+    """One row, token by token: vLLM's order (repetition over prompt and output, then frequency, then presence)."""
+    p, row = seq.params, logits.clone()
+    counts: dict[int, int] = {}
+    for t in seq.output_token_ids:
+        counts[t] = counts.get(t, 0) + 1
+    for t in set(seq.prompt_token_ids) | set(seq.output_token_ids):
+        row[t] = row[t] / p.repetition_penalty if row[t] > 0 else row[t] * p.repetition_penalty
+    for t, c in counts.items():
+        row[t] = row[t] - p.frequency_penalty * c
+        row[t] = row[t] - p.presence_penalty
+    return row
+
+
+def _history_seq(rng: random.Random, vocab: int, **kw) -> Sequence:
+    seq = _seq(**kw)
+    seq.prompt_token_ids = [rng.randrange(vocab) for _ in range(rng.randrange(1, 40))]
+    seq.output_token_ids = [rng.randrange(vocab // 4) for _ in range(rng.randrange(0, 30))]  # repeats likely
+    return seq
+
+
+PENALTIES = [{}, dict(presence_penalty=1.5), dict(frequency_penalty=0.7), dict(repetition_penalty=1.3),
+             dict(repetition_penalty=0.6), dict(presence_penalty=-0.5, frequency_penalty=2.0, repetition_penalty=1.8),
+             dict(frequency_penalty=-1.0)]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_penalties_match_a_per_sequence_reference(seed):
+    rng = random.Random(seed)
+    seqs = [_history_seq(rng, VOCAB, temperature=0.0, **rng.choice(PENALTIES)) for _ in range(12)]
+    seqs[0].params = SamplingParams(temperature=0.0, frequency_penalty=1.0)
+    seqs[0].output_token_ids = []  # no output yet: nothing to penalize
+    logits = _logits(len(seqs), seed=seed)
+    got = apply_penalties(logits.clone(), seqs)
+    for i, seq in enumerate(seqs):
+        ref = _reference_penalties(logits[i], seq)
+        if seq.params.has_penalties:
+            torch.testing.assert_close(got[i], ref, rtol=0, atol=1e-6)
+        else:
+            assert torch.equal(got[i], logits[i])  # untouched, bit for bit
+    assert torch.equal(got[0], logits[0])
+    out = Sampler().sample(logits, seqs)
+    assert [t for t, _ in out] == [int(_reference_penalties(logits[i], s).argmax()) for i, s in enumerate(seqs)]
+
+
+def test_a_batch_without_penalties_is_left_alone():
+    logits = _logits(3, seed=7)
+    seqs = [_seq(temperature=0.0), _seq(seed=1), _seq(top_k=5, seed=2)]
+    assert apply_penalties(logits, seqs) is logits
+
+
+def test_penalties_change_the_greedy_choice_as_expected():
+    logits = torch.zeros(1, VOCAB)
+    logits[0, :4] = torch.tensor([5.0, 4.5, 4.0, -1.0])
+    prompt, output = [3, 9], [0, 0, 0, 1]
+
+    def greedy(**kw) -> int:
+        seq = _seq(temperature=0.0, **kw)
+        seq.prompt_token_ids, seq.output_token_ids = list(prompt), list(output)
+        return Sampler().sample(logits, [seq])[0][0]
+
+    assert greedy() == 0
+    assert greedy(presence_penalty=1.2) == 2  # 0 and 1 both seen: 3.8, 3.3 < 4.0
+    assert greedy(presence_penalty=0.6) == 0  # 4.4 > 4.0 > 3.9
+    assert greedy(frequency_penalty=0.4) == 1  # 5 - 1.2 = 3.8, 4.5 - 0.4 = 4.1 > 4.0
+    assert greedy(presence_penalty=-2.0) == 0 and greedy(frequency_penalty=-0.5) == 0  # negative: repeat more
+    assert greedy(repetition_penalty=1.3) == 2  # 5 / 1.3 = 3.85, 4.5 / 1.3 = 3.46 < 4.0 (prompt token 3 stays < 0)
+    assert greedy(repetition_penalty=0.5) == 0  # r < 1 favours the seen tokens
+    logits[0, 3] = 4.9  # a prompt token: repetition penalizes it, frequency and presence do not
+    assert greedy(repetition_penalty=1.3) == 2 and greedy(presence_penalty=2.0) == 3
+
+
+def test_negative_logits_are_multiplied_by_the_repetition_penalty():
+    logits = torch.tensor([[-1.0, -2.0, 0.0, -1.5]])
+    seq = _seq(temperature=0.0, repetition_penalty=2.0, logprobs=2)
+    seq.prompt_token_ids = [2, 0]
+    got = apply_penalties(logits, [seq])
+    assert got.tolist() == [[-2.0, -2.0, 0.0, -1.5]]
+    token, lp = Sampler().sample(logits, [seq])[0]
+    assert token == 2
+    # Logprobs stay those of the model's raw distribution, as without penalties.
+    assert lp.logprob == pytest.approx(torch.log_softmax(logits[0], -1)[2].item(), abs=1e-6)
+
+
+def test_penalties_leave_other_rows_bit_identical_when_sampling():
+    logits = _logits(4, seed=8)
+    plain = [_seq(seed=s, top_p=0.9, logprobs=2) for s in range(4)]
+    alone = Sampler().sample(logits, plain)
+    mixed = [*plain]
+    penalized = _seq(temperature=0.0, presence_penalty=2.0, repetition_penalty=1.5)
+    penalized.output_token_ids = list(range(VOCAB // 2))
+    mixed[1] = penalized
+    for s in range(4):
+        if s != 1:
+            plain[s].generator.manual_seed(s)
+    out = Sampler().sample(logits, mixed)
+    for i in (0, 2, 3):
+        assert out[i][0] == alone[i][0]
+        assert out[i][1].logprob == alone[i][1].logprob and out[i][1].top == alone[i][1].top
+    assert out[1][0] == int(_reference_penalties(logits[1], penalized).argmax())

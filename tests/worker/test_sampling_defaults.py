@@ -21,7 +21,11 @@ from lorafleet.worker.worker_config import WorkerConfig
     ({"temperature": 0.6, "top_p": 0.9, "do_sample": True}, SamplingDefaults(0.6, 0.9, 0), None),
     ({"top_k": 40.0, "temperature": 0}, SamplingDefaults(0.0, 1.0, 40), None),
     ({"temperature": 3.0, "top_p": 0, "top_k": True}, SamplingDefaults(), "outside what requests may ask for"),
-    ({"temperature": 0.7, "repetition_penalty": 1.1, "min_p": 0.0}, SamplingDefaults(0.7), "repetition_penalty=1.1"),
+    ({"temperature": 0.7, "repetition_penalty": 1.1, "min_p": 0.0}, SamplingDefaults(0.7, repetition_penalty=1.1),
+     None),
+    ({"repetition_penalty": 1.05, "min_p": 0.1}, SamplingDefaults(repetition_penalty=1.05), "min_p=0.1"),
+    ({"repetition_penalty": 0, "top_k": 5}, SamplingDefaults(top_k=5), "outside what requests may ask for"),
+    ({"repetition_penalty": "1.1"}, SamplingDefaults(), "outside what requests may ask for"),
     ([1, 2], SamplingDefaults(), "not a JSON object"),
 ])
 def test_only_the_keys_the_file_sets_and_the_engine_can_honour_count(tmp_path, caplog, config, expected, warned):
@@ -50,6 +54,18 @@ def test_a_request_keeps_what_it_sets_and_takes_the_defaults_for_the_rest(parse)
     assert (o.temperature, o.top_p, o.top_k) == (1.0, 1.0, 0)
     o = parse(body).options  # no defaults given: OpenAI's
     assert (o.temperature, o.top_p, o.top_k) == (1.0, 1.0, 0)
+
+
+@pytest.mark.parametrize("parse", [parse_completion_request, parse_chat_request])
+def test_the_models_repetition_penalty_applies_when_a_request_leaves_it_unset(parse):
+    body = {"model": "m", "prompt": "x", "messages": [{"role": "user", "content": "x"}]}
+    body.pop("messages" if parse is parse_completion_request else "prompt")
+    defaults = SamplingDefaults(repetition_penalty=1.2)
+    assert parse(body, defaults).options.repetition_penalty == 1.2
+    assert parse(body | {"repetition_penalty": 1.0}, defaults).options.repetition_penalty == 1.0
+    assert parse(body).options.repetition_penalty == 1.0
+    job_options = parse(body | {"presence_penalty": 0.5, "frequency_penalty": 0.25}, defaults).options
+    assert (job_options.presence_penalty, job_options.frequency_penalty) == (0.5, 0.25)  # no model default for these
 
 
 @pytest.mark.parametrize("use_file", [True, False])
