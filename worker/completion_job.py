@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from lorafleet.worker.logit_bias import out_of_vocab
 from lorafleet.worker.openai_protocol import APIError, SamplingOptions
 from lorafleet.worker.sampling_params import SamplingParams
 from lorafleet.worker.sequence import TokenLogprob
@@ -45,9 +46,14 @@ class CompletionJob:
     def num_choices(self) -> int:
         return len(self.params)
 
-    def add_choices(self, max_model_len: int) -> None:
-        """One SamplingParams per (prompt, n); refuses prompts that do not fit the context (400)."""
+    def add_choices(self, max_model_len: int, vocab_size: int | None = None) -> None:
+        """One SamplingParams per (prompt, n); refuses prompts that do not fit the context, and `logit_bias`
+        token ids outside the vocabulary (as vLLM does), with a 400."""
         o = self.options
+        bad = out_of_vocab(o.logit_bias, vocab_size) if vocab_size is not None else []
+        if bad:
+            raise APIError(400, f"'logit_bias' names token ids outside the vocabulary (0..{vocab_size - 1}): "
+                                f"{', '.join(map(str, bad[:5]))}", code="invalid_value", param="logit_bias")
         for p, ids in enumerate(self.prompt_ids):
             if len(ids) >= max_model_len:
                 raise APIError(400, f"This model's maximum context length is {max_model_len} tokens; the prompt "
@@ -65,7 +71,7 @@ class CompletionJob:
                     max_tokens=max_tokens, temperature=o.temperature, top_p=o.top_p, top_k=o.top_k, seed=seed,
                     stop=list(o.stop), logprobs=o.logprobs, ignore_eos=o.ignore_eos,
                     presence_penalty=o.presence_penalty, frequency_penalty=o.frequency_penalty,
-                    repetition_penalty=o.repetition_penalty))
+                    repetition_penalty=o.repetition_penalty, logit_bias=o.logit_bias, min_p=o.min_p))
                 self.choice_prompt.append(p)
 
     def usage(self, completion_tokens: int) -> dict[str, int]:

@@ -258,6 +258,9 @@ class Engine:
         if params.stop and self.tokenizer is None:
             raise EngineError("stop strings need a tokenizer (this model directory has no tokenizer.json); "
                               "use stop_token_ids")
+        if params.logit_bias and max(params.logit_bias) >= self.model_config.vocab_size:
+            raise EngineError(f"logit_bias token id {max(params.logit_bias)} is outside the vocabulary "
+                              f"(0..{self.model_config.vocab_size - 1})")
         prompt_ids = self.encode(prompt)
         if not prompt_ids:
             raise EngineError("the prompt is empty")

@@ -109,7 +109,7 @@ async def _prepare(request: web.Request, endpoint: str) -> CompletionJob:
                         prompt_ids, parsed.options, tenant=tenant)
     if adapter is not None and "@" not in parsed.model:
         job.re_resolve = lambda: app[ADAPTERS].resolve(parsed.model, tenant, parsed.options.user)
-    job.add_choices(engine.max_model_len)
+    job.add_choices(engine.max_model_len, engine.model_config.vocab_size)
     return job
 
 

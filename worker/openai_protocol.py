@@ -2,8 +2,7 @@
 
 Parsing is strict where it matters: wrong types, out-of-range values and unknown top-level fields
 are refused with a 400 that names the field (as OpenAI does: "Unrecognized request argument");
-options we cannot honour (`echo`, `best_of > 1`, `logit_bias`, tool calls, also in a chat's
-history) are refused rather than silently ignored. Tokenization happens later, in openai_api.py, and
+options we cannot honour (`echo`, `best_of > 1`, tool calls, also in a chat's history) are refused rather than silently ignored. Tokenization happens later, in openai_api.py, and
 the context-length check in completion_job.py.
 """
 
@@ -16,6 +15,7 @@ from typing import Any
 
 from lorafleet.worker.directives import DirectiveError
 from lorafleet.worker.directives import _name as directive_name
+from lorafleet.worker.logit_bias import LogitBiasError, parse_logit_bias
 from lorafleet.worker.sampling_defaults import SamplingDefaults
 
 MAX_N = 16
@@ -75,6 +75,8 @@ class SamplingOptions:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # vLLM extension (transformers' semantics); unset: the model's default
+    logit_bias: dict[int, float] | None = None  # token id -> bias; the ids' vocabulary check: completion_job.py
+    min_p: float = 0.0  # vLLM extension; unset: the model's default
 
 
 @dataclass(slots=True)
@@ -235,7 +237,10 @@ def _common(f: _Fields, max_tokens_names: tuple[str, ...], default_max_tokens: i
         include_usage = stream_options.get("include_usage", False)
         if not isinstance(include_usage, bool):
             raise bad_request("'stream_options.include_usage' must be true or false", "stream_options")
-    f.neutral("logit_bias", {}, "logit bias is not implemented")
+    try:
+        logit_bias = parse_logit_bias(f.get("logit_bias"))
+    except LogitBiasError as exc:
+        raise bad_request(str(exc), "logit_bias", exc.code) from None
     return SamplingOptions(
         max_tokens=max_tokens,
         max_tokens_param=max_tokens_param,
@@ -252,6 +257,8 @@ def _common(f: _Fields, max_tokens_names: tuple[str, ...], default_max_tokens: i
         presence_penalty=f.number("presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=f.number("frequency_penalty", 0.0, -2.0, 2.0),
         repetition_penalty=f.number("repetition_penalty", defaults.repetition_penalty, 0.0, None, lo_open=True),
+        logit_bias=logit_bias,
+        min_p=f.number("min_p", defaults.min_p, 0.0, 1.0),
     )
 
 

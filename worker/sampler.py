@@ -5,15 +5,21 @@ only on its own logits and seed, never on which other requests share the batch. 
 exponential-race form of the categorical draw, `argmax(p / Exp(1))`, which needs one draw per
 vocabulary entry and no cumulative sums over the batch.
 
-Penalties come first, on the raw logits and before temperature, top-k and top-p (greedy requests
-included), as vLLM applies them: for each token, repetition_penalty r when it occurs in the prompt or
+The chain follows vLLM V1's sampler: `logit_bias` first, then the penalties, both on the raw logits
+and for greedy requests too (they can change the argmax); greedy rows then take the argmax, and sampled
+rows go on through temperature, `min_p`, top-k and top-p. `logit_bias` adds each bias to its token's
+logit (vLLM's LogitBiasLogitsProcessor). `min_p` drops the tokens whose probability, after temperature,
+is below min_p times the most likely token's (vLLM's MinPLogitsProcessor; it never changes the argmax,
+so greedy rows skip it). Rows that set neither are not touched, bit for bit.
+
+Penalties, as vLLM applies them: for each token, repetition_penalty r when it occurs in the prompt or
 the output (a positive logit divided by r, any other multiplied by r: transformers'
 RepetitionPenaltyLogitsProcessor), then `- frequency_penalty * count - presence_penalty * (count > 0)`
 with counts over the generated tokens only (OpenAI's). Counts are taken from the sequence's tokens at
 each step, so a recomputed (preempted) sequence samples exactly as before. Only the rows of requests
 that set a penalty are touched; the others are bit-identical to a batch without penalties.
 
-Logprobs are those of the model's raw distribution: before penalties, temperature, top-k and top-p
+Logprobs are those of the model's raw distribution: before logit_bias, penalties, temperature and the filters
 (vLLM's default `logprobs_mode`, raw_logprobs).
 """
 
@@ -35,7 +41,7 @@ class Sampler:
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, TokenLogprob | None]]:
         """logits: float32 [N, V], row i belongs to seqs[i]."""
         raw = logits
-        logits = apply_penalties(logits, seqs)
+        logits = apply_penalties(apply_logit_bias(logits, seqs), seqs)
         tokens = logits.argmax(dim=-1)
         sampled_rows = [i for i, s in enumerate(seqs) if not s.params.is_greedy]
         if sampled_rows:
@@ -70,6 +76,23 @@ class Sampler:
                 top = list(zip(top_ids[i][:w], top_vals[i][:w], strict=True))
                 out.append((token_list[i], TokenLogprob(token_list[i], chosen[i], top)))
         return out
+
+
+def apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """`logits` plus each sequence's logit_bias; the same tensor when no sequence sets one."""
+    rows, cols, biases = [], [], []
+    for i, s in enumerate(seqs):
+        for token_id, bias in (s.params.logit_bias or {}).items():
+            rows.append(i)
+            cols.append(token_id)
+            biases.append(bias)
+    if not rows:
+        return logits
+    device = logits.device
+    index = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
+    out = logits.clone()
+    out[index] += torch.tensor(biases, device=device, dtype=logits.dtype)  # a row names a token at most once
+    return out
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -114,10 +137,14 @@ def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device
 
 
 def _processed_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
-    """Temperature, top-k, then top-p; returns probabilities [N, V] (filtered entries exactly 0)."""
+    """Temperature, min_p, top-k, then top-p; returns probabilities [N, V] (filtered entries exactly 0)."""
     device = logits.device
     temps = torch.tensor([p.temperature for p in params], device=device, dtype=logits.dtype)[:, None]
     logits = logits / temps
+    if any(p.min_p > 0.0 for p in params):  # a row with min_p 0 masks nothing: its logits stay as they are
+        min_p = torch.tensor([p.min_p for p in params], device=device, dtype=logits.dtype)[:, None]
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
     vocab = logits.shape[-1]
     top_ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
     if any(top_ks):

@@ -3,8 +3,7 @@
 As vLLM does by default (`--generation-config auto`): a model published with, say, `temperature: 0.6,
 top_p: 0.9` samples that way unless the request says otherwise. Only the keys present in the file count
 (transformers' own defaults, such as top_k 50, do not); `do_sample` is not read, as vLLM does not.
-`repetition_penalty` is a default like the others; sampling controls the engine lacks (min_p) are named in a
-warning, not applied.
+`repetition_penalty` and `min_p` are defaults like the others.
 """
 
 from __future__ import annotations
@@ -17,8 +16,6 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-UNSUPPORTED = {"min_p": 0.0}  # key -> the value that changes nothing
-
 
 @dataclass(frozen=True, slots=True)
 class SamplingDefaults:
@@ -28,10 +25,11 @@ class SamplingDefaults:
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     repetition_penalty: float = 1.0  # 1 = off
+    min_p: float = 0.0  # 0 = off
 
     def __post_init__(self) -> None:
         if not (0.0 <= self.temperature <= 2.0 and 0.0 < self.top_p <= 1.0 and self.top_k >= 0
-                and 0.0 < self.repetition_penalty < math.inf):
+                and 0.0 < self.repetition_penalty < math.inf and 0.0 <= self.min_p <= 1.0):
             raise ValueError(f"sampling defaults out of range: {self}")
 
 
@@ -51,7 +49,8 @@ def read_sampling_defaults(model_dir: Path) -> SamplingDefaults:
     found = {}
     for key, kind, ok in (("temperature", float, lambda v: 0.0 <= v <= 2.0), ("top_p", float, lambda v: 0.0 < v <= 1.0),
                           ("top_k", int, lambda v: v >= 0),
-                          ("repetition_penalty", float, lambda v: v > 0.0)):  # fmt: skip
+                          ("repetition_penalty", float, lambda v: v > 0.0),
+                          ("min_p", float, lambda v: 0.0 <= v <= 1.0)):  # fmt: skip
         value = data.get(key)
         if value is None:
             continue
@@ -62,10 +61,6 @@ def read_sampling_defaults(model_dir: Path) -> SamplingDefaults:
             log.warning("%s: %s=%r is outside what requests may ask for; not applied", path, key, value)
             continue
         found[key] = kind(value)
-    ignored = {k: data[k] for k, neutral in UNSUPPORTED.items() if data.get(k) not in (None, neutral)}
-    if ignored:
-        log.warning("%s sets %s, which this engine does not implement; not applied", path,
-                    ", ".join(f"{k}={v!r}" for k, v in ignored.items()))
     defaults = SamplingDefaults(**found)
     if found:
         log.info("sampling defaults from %s for requests that leave them unset: %s", path,

@@ -26,6 +26,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # {token id: bias in [-100, 100]} added to the raw logits, greedy requests included (OpenAI's).
+    logit_bias: dict[int, float] | None = None
+    min_p: float = 0.0  # drop tokens below min_p * the top token's probability, after temperature; 0 = off
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -48,6 +51,12 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {value}")
         if not 0.0 < self.repetition_penalty < math.inf:
             raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        self.logit_bias = {int(t): float(b) for t, b in (self.logit_bias or {}).items()} or None
+        bad = {t: b for t, b in (self.logit_bias or {}).items() if t < 0 or not -100.0 <= b <= 100.0}
+        if bad:
+            raise ValueError(f"logit_bias needs token ids >= 0 and biases in [-100, 100], got {bad}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from lorafleet.worker import Engine, EngineConfig, SamplingParams
@@ -75,3 +76,22 @@ def test_a_mixed_batch_gives_each_request_its_tokens_alone_and_under_preemption(
     assert tight.scheduler.num_preemptions > 0
     chunked = _engine(tiny_llama_dir, max_num_batched_tokens=5)
     assert [o.token_ids for o in chunked.generate(prompts, MIXED)] == alone
+
+
+def test_logit_bias_and_min_p_through_the_engine_leave_other_requests_alone(tiny_llama_dir):
+    from lorafleet.worker.engine_errors import EngineError
+
+    engine = _engine(tiny_llama_dir)
+    prompts = _prompts()
+    plain = engine.generate(prompts, _greedy())
+    banned = {t: -100.0 for o in plain[:2] for t in o.token_ids}
+    params = [_greedy(logit_bias=banned), _greedy(logit_bias={42: 100.0}), _greedy(), _greedy(min_p=0.5),
+              SamplingParams(max_tokens=MAX_NEW, temperature=1.3, min_p=1.0, seed=1, ignore_eos=True), _greedy()]
+    outs = engine.generate(prompts, params)  # one batch
+    assert not set(outs[0].token_ids) & set(banned)
+    assert outs[1].token_ids == [42] * MAX_NEW
+    assert outs[2].token_ids == plain[2].token_ids and outs[5].token_ids == plain[5].token_ids
+    assert outs[3].token_ids == plain[3].token_ids  # min_p does not change the greedy choice
+    assert outs[4].token_ids == plain[4].token_ids  # min_p 1 keeps only the most likely token
+    with pytest.raises(EngineError, match="logit_bias"):
+        engine.add_request(None, prompts[0], _greedy(logit_bias={engine.model_config.vocab_size: 1.0}))

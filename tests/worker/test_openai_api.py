@@ -241,3 +241,40 @@ async def test_penalties_reach_the_engine_and_out_of_range_ones_are_400(base_cli
         assert resp.status == 400
         error = (await resp.json())["error"]
         assert error["param"] == field and field in error["message"]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_logit_bias_and_min_p_reach_the_engine(base_client, tiny_llama_dir, path):
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(tiny_llama_dir / "tokenizer.json"))
+    texts = {i: tokenizer.decode([i], skip_special_tokens=False) for i in range(tokenizer.get_vocab_size())}
+    prompt = {"prompt": "hello"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
+    body = {"model": "tiny", "max_tokens": 6, "temperature": 0, "ignore_eos": True, **prompt}
+
+    async def text(**extra) -> str:
+        resp = await base_client.post(path, json=body | extra)
+        assert resp.status == 200, await resp.text()
+        choice = (await resp.json())["choices"][0]
+        return choice["text"] if "text" in choice else choice["message"]["content"]
+
+    plain = await text()
+    first = (await text(max_tokens=1))[:1]
+    # Every token that reads as the greedy first character (byte tokens of one UTF-8 character all read U+FFFD).
+    banned = {str(i): -100 for i, t in texts.items() if t and t[:1] == first}
+    assert banned and (await text(logit_bias=banned))[:1] != first
+    assert await text(logit_bias={str(i): 0 for i in range(8)}) == plain
+    forced = str(tokenizer.token_to_id("a"))
+    assert await text(logit_bias={forced: 100}) == "a" * 6
+    assert await text(logit_bias={forced: 100}, temperature=1.5, seed=3) == "a" * 6
+    # min_p 1 keeps only the most likely token: sampling then gives the greedy text.
+    assert await text(temperature=1.5, seed=5, min_p=1.0) == plain
+    vocab_size = base_client.app[ENGINE].engine.model_config.vocab_size
+    assert await text(logit_bias={str(vocab_size - 1): -5})
+    for extra in ({"logit_bias": {str(vocab_size): 5}}, {"logit_bias": {"a": 5}},
+                  {"logit_bias": {"1": 101}}, {"min_p": 2}):
+        resp = await base_client.post(path, json=body | extra)
+        assert resp.status == 400, extra
+        error = (await resp.json())["error"]
+        field = next(iter(extra))
+        assert error["param"] == field and field in error["message"]

@@ -111,6 +111,52 @@ def test_penalties_are_accepted_within_range(parse):
     assert (o.presence_penalty, o.frequency_penalty, o.repetition_penalty) == (0.5, -0.25, 3.0)  # vLLM: only > 0
 
 
+@pytest.mark.parametrize("parse", [parse_completion_request, parse_chat_request])
+def test_logit_bias_and_min_p_are_parsed(parse):
+    base = {"model": "m", "prompt": "x"} if parse is parse_completion_request else {
+        "model": "m", "messages": [{"role": "user", "content": "x"}]}
+    o = parse(base).options
+    assert (o.logit_bias, o.min_p) == (None, 0.0)
+    o = parse(base | {"logit_bias": {"50256": -100, "7": 100, "0": 2.5}, "min_p": 0.1}).options
+    assert o.logit_bias == {50256: -100.0, 7: 100.0, 0: 2.5} and o.min_p == 0.1
+    assert all(isinstance(v, float) for v in o.logit_bias.values())
+    assert parse(base | {"logit_bias": {}, "min_p": 1}).options.logit_bias is None
+    assert parse(base | {"logit_bias": None}).options.logit_bias is None
+    assert len(parse(base | {"logit_bias": {str(i): 1 for i in range(1024)}}).options.logit_bias) == 1024
+
+
+BAD_SAMPLING_FIELDS = [
+    ({"logit_bias": [1, 2]}, "logit_bias", "must be an object", "invalid_type"),
+    ({"logit_bias": "50256"}, "logit_bias", "must be an object", "invalid_type"),
+    ({"logit_bias": {"abc": 1}}, "logit_bias", "token ids", "invalid_value"),
+    ({"logit_bias": {"-1": 1}}, "logit_bias", "token ids", "invalid_value"),
+    ({"logit_bias": {"1.5": 1}}, "logit_bias", "token ids", "invalid_value"),
+    ({"logit_bias": {" 12": 1}}, "logit_bias", "token ids", "invalid_value"),
+    ({"logit_bias": {"12": 1, "012": 2}}, "logit_bias", "twice", "invalid_value"),
+    ({"logit_bias": {"12": 100.5}}, "logit_bias", "[-100, 100]", "invalid_value"),
+    ({"logit_bias": {"12": -101}}, "logit_bias", "[-100, 100]", "invalid_value"),
+    ({"logit_bias": {"12": float("nan")}}, "logit_bias", "[-100, 100]", "invalid_value"),
+    ({"logit_bias": {"12": float("inf")}}, "logit_bias", "[-100, 100]", "invalid_value"),
+    ({"logit_bias": {"12": "5"}}, "logit_bias", "must be numbers", "invalid_type"),
+    ({"logit_bias": {"12": True}}, "logit_bias", "must be numbers", "invalid_type"),
+    ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias", "at most 1024", "invalid_value"),
+    ({"min_p": 1.5}, "min_p", "'min_p' must be in [0.0, 1.0]", "invalid_value"),
+    ({"min_p": -0.1}, "min_p", "'min_p' must be in", "invalid_value"),
+    ({"min_p": "0.1"}, "min_p", "'min_p' must be a number", "invalid_type"),
+]
+
+
+@pytest.mark.parametrize("parse", [parse_completion_request, parse_chat_request])
+@pytest.mark.parametrize(("extra", "param", "needle", "code"), BAD_SAMPLING_FIELDS)
+def test_bad_logit_bias_or_min_p_is_400_naming_the_field(parse, extra, param, needle, code):
+    base = {"model": "m", "prompt": "x"} if parse is parse_completion_request else {
+        "model": "m", "messages": [{"role": "user", "content": "x"}]}
+    with pytest.raises(APIError) as exc:
+        parse(base | extra)
+    err = exc.value
+    assert (err.status, err.param, err.code) == (400, param, code) and needle in err.message
+
+
 BAD_CHATS = [
     ({"model": "m"}, "'messages'"),
     ({"model": "m", "messages": []}, "non-empty"),

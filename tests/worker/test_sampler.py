@@ -1,4 +1,4 @@
-"""Sampler: greedy, temperature, top-k, top-p, per-request seeds, logprobs, penalties."""
+"""Sampler: greedy, temperature, top-k, top-p, per-request seeds, logprobs, penalties, logit_bias, min_p."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from lorafleet.worker.sampler import Sampler, apply_penalties
+from lorafleet.worker.sampler import Sampler, _processed_probs, apply_logit_bias, apply_penalties
 from lorafleet.worker.sampling_params import SamplingParams
 from lorafleet.worker.sequence import Sequence
 
@@ -103,7 +103,9 @@ def test_logprobs_zero_gives_only_the_chosen_token():
                                 dict(logprobs=21), dict(stop=[""]), dict(presence_penalty=2.01),
                                 dict(frequency_penalty=-2.5), dict(repetition_penalty=0.0),
                                 dict(repetition_penalty=-1.0), dict(repetition_penalty=float("inf")),
-                                dict(repetition_penalty=float("nan")), dict(presence_penalty=float("nan"))])
+                                dict(repetition_penalty=float("nan")), dict(presence_penalty=float("nan")),
+                                dict(min_p=-0.1), dict(min_p=1.01), dict(logit_bias={-1: 1.0}),
+                                dict(logit_bias={3: 100.5}), dict(logit_bias={3: float("nan")})])
 def test_invalid_params_are_refused(kw):
     with pytest.raises(ValueError):
         SamplingParams(**kw)
@@ -218,3 +220,91 @@ def test_penalties_leave_other_rows_bit_identical_when_sampling():
         assert out[i][0] == alone[i][0]
         assert out[i][1].logprob == alone[i][1].logprob and out[i][1].top == alone[i][1].top
     assert out[1][0] == int(_reference_penalties(logits[1], penalized).argmax())
+
+
+def _reference_min_p(logits: torch.Tensor, temperature: float, min_p: float) -> torch.Tensor:
+    """One row: the tokens min_p keeps after temperature (probability >= min_p * the largest)."""
+    probs = torch.softmax(logits / temperature, -1)
+    return probs >= min_p * probs.max()
+
+
+def test_logit_bias_is_added_to_the_raw_logits_of_the_rows_that_set_it():
+    rng = random.Random(0)
+    biases = [None, {3: -100.0}, {0: 2.5, 49: -0.5, 7: 100.0}, None, {rng.randrange(VOCAB): rng.uniform(-100, 100)
+                                                                      for _ in range(20)}]
+    seqs = [_seq(temperature=0.0, logit_bias=b) for b in biases]
+    logits = _logits(len(seqs), seed=10)
+    got = apply_logit_bias(logits.clone(), seqs)
+    for i, b in enumerate(biases):
+        ref = logits[i].clone()
+        for t, v in (b or {}).items():
+            ref[t] += v
+        assert torch.equal(got[i], ref)
+    assert apply_logit_bias(logits, [_seq(), _seq(temperature=0.0)]) is logits
+
+
+def test_logit_bias_comes_before_the_penalties_and_moves_the_greedy_choice():
+    logits = torch.zeros(1, VOCAB)
+    logits[0, :3] = torch.tensor([5.0, 4.0, 3.0])
+
+    def greedy(**kw) -> tuple[int, float]:
+        seq = _seq(temperature=0.0, logprobs=0, **kw)
+        seq.prompt_token_ids, seq.output_token_ids = [0], []
+        token, lp = Sampler().sample(logits, [seq])[0]
+        return token, lp.logprob
+
+    assert greedy()[0] == 0
+    assert greedy(logit_bias={0: -100.0})[0] == 1
+    assert greedy(logit_bias={2: 100.0})[0] == 2
+    # Bias first, then the repetition penalty (token 0 is in the prompt): (5 + 2) / 2 = 3.5 < 4, so token 1;
+    # the penalty first would give 5 / 2 + 2 = 4.5 > 4, token 0.
+    assert greedy(logit_bias={0: 2.0}, repetition_penalty=2.0)[0] == 1
+    # Logprobs stay those of the model's raw distribution.
+    assert greedy(logit_bias={2: 100.0})[1] == pytest.approx(torch.log_softmax(logits[0], -1)[2].item(), abs=1e-6)
+
+
+def test_min_p_keeps_what_a_reference_keeps_and_leaves_other_rows_alone():
+    logits = _logits(6, seed=11)
+    params = [SamplingParams(temperature=t, min_p=m, top_k=k) for t, m, k in
+              ((1.0, 0.0, 0), (0.7, 0.1, 0), (1.5, 0.3, 0), (1.0, 0.0, 5), (1.0, 1.0, 0), (0.5, 0.05, 3))]
+    got = _processed_probs(logits, params)
+    without = _processed_probs(logits, [SamplingParams(temperature=p.temperature, top_k=p.top_k) for p in params])
+    for i, p in enumerate(params):
+        if p.min_p == 0.0:
+            assert torch.equal(got[i], without[i])  # bit for bit
+            continue
+        keep = _reference_min_p(logits[i], p.temperature, p.min_p)
+        if p.top_k:
+            keep &= logits[i] >= logits[i].topk(p.top_k).values[-1]
+        assert torch.equal(got[i] > 0, keep)
+        ref = torch.softmax(logits[i] / p.temperature, -1) * keep
+        torch.testing.assert_close(got[i], ref / ref.sum(), rtol=0, atol=1e-6)
+    assert (got[4] > 0).sum() == 1  # min_p 1: only the most likely token
+
+
+def test_min_p_restricts_sampling_but_not_the_greedy_choice():
+    logits = _logits(1, seed=12)
+    keep = _reference_min_p(logits[0], 2.0, 0.2)
+    sampler = Sampler(seed=5)
+    seen = {sampler.sample(logits, [_seq(temperature=2.0, min_p=0.2)])[0][0] for _ in range(300)}
+    assert seen <= set(keep.nonzero().flatten().tolist()) and len(seen) > 1
+    assert Sampler().sample(logits, [_seq(temperature=0.0, min_p=0.9)])[0][0] == int(logits.argmax())
+
+
+def test_rows_without_logit_bias_or_min_p_are_bit_identical_in_a_mixed_batch():
+    logits = _logits(6, seed=13)
+
+    def plain() -> list[Sequence]:
+        return [_seq(seed=s, top_p=0.9, logprobs=2) if s % 2 else _seq(temperature=0.0, logprobs=1) for s in range(6)]
+
+    alone = Sampler().sample(logits, plain())
+    mixed = plain()
+    mixed[1] = _seq(seed=101, min_p=0.2, logit_bias={0: 5.0})
+    mixed[2] = _seq(temperature=0.0, logit_bias={int(logits[2].argmax()): -100.0})
+    mixed[3] = _seq(seed=103, min_p=0.5)
+    out = Sampler().sample(logits, mixed)
+    for i in (0, 4, 5):
+        assert out[i][0] == alone[i][0]
+        assert out[i][1].logprob == alone[i][1].logprob and out[i][1].top == alone[i][1].top
+    assert out[2][0] != int(logits[2].argmax())
+    assert out[3][0] in _reference_min_p(logits[3], 1.0, 0.5).nonzero().flatten().tolist()

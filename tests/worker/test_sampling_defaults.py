@@ -23,7 +23,9 @@ from lorafleet.worker.worker_config import WorkerConfig
     ({"temperature": 3.0, "top_p": 0, "top_k": True}, SamplingDefaults(), "outside what requests may ask for"),
     ({"temperature": 0.7, "repetition_penalty": 1.1, "min_p": 0.0}, SamplingDefaults(0.7, repetition_penalty=1.1),
      None),
-    ({"repetition_penalty": 1.05, "min_p": 0.1}, SamplingDefaults(repetition_penalty=1.05), "min_p=0.1"),
+    ({"repetition_penalty": 1.05, "min_p": 0.1}, SamplingDefaults(repetition_penalty=1.05, min_p=0.1), None),
+    ({"min_p": 1.5, "top_p": 0.8}, SamplingDefaults(top_p=0.8), "outside what requests may ask for"),
+    ({"min_p": "0.1"}, SamplingDefaults(), "outside what requests may ask for"),
     ({"repetition_penalty": 0, "top_k": 5}, SamplingDefaults(top_k=5), "outside what requests may ask for"),
     ({"repetition_penalty": "1.1"}, SamplingDefaults(), "outside what requests may ask for"),
     ([1, 2], SamplingDefaults(), "not a JSON object"),
@@ -66,6 +68,16 @@ def test_the_models_repetition_penalty_applies_when_a_request_leaves_it_unset(pa
     assert parse(body).options.repetition_penalty == 1.0
     job_options = parse(body | {"presence_penalty": 0.5, "frequency_penalty": 0.25}, defaults).options
     assert (job_options.presence_penalty, job_options.frequency_penalty) == (0.5, 0.25)  # no model default for these
+
+
+@pytest.mark.parametrize("parse", [parse_completion_request, parse_chat_request])
+def test_the_models_min_p_applies_when_a_request_leaves_it_unset(parse):
+    body = {"model": "m", "prompt": "x", "messages": [{"role": "user", "content": "x"}]}
+    body.pop("messages" if parse is parse_completion_request else "prompt")
+    defaults = SamplingDefaults(min_p=0.05)
+    assert parse(body, defaults).options.min_p == 0.05
+    assert parse(body | {"min_p": 0}, defaults).options.min_p == 0.0
+    assert parse(body).options.min_p == 0.0
 
 
 @pytest.mark.parametrize("use_file", [True, False])
