@@ -221,16 +221,26 @@ async def test_without_api_keys_the_cap_binds_the_one_dev_tenant(aiohttp_client,
     assert app[ADMISSION].num_admitted_by_tenant == {}
 
 
+def _greedy_body(path: str, **fields) -> dict:
+    """A greedy request to `tiny` on either endpoint, generating past EOS."""
+    prompt = {"prompt": "hello"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
+    return {"model": "tiny", "temperature": 0, "ignore_eos": True, **prompt, **fields}
+
+
+async def _text(client, path: str, body: dict) -> str:
+    """The first choice's text (completions) or message content (chat) of a 200 answer."""
+    resp = await client.post(path, json=body)
+    assert resp.status == 200, await resp.text()
+    choice = (await resp.json())["choices"][0]
+    return choice["text"] if "text" in choice else choice["message"]["content"]
+
+
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 async def test_penalties_reach_the_engine_and_out_of_range_ones_are_400(base_client, path):
-    prompt = {"prompt": "hello"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
-    body = {"model": "tiny", "max_tokens": 24, "temperature": 0, "ignore_eos": True, **prompt}
+    body = _greedy_body(path, max_tokens=24)
 
     async def text(**extra) -> str:
-        resp = await base_client.post(path, json=body | extra)
-        assert resp.status == 200, await resp.text()
-        choice = (await resp.json())["choices"][0]
-        return choice["text"] if "text" in choice else choice["message"]["content"]
+        return await _text(base_client, path, body | extra)
 
     plain = await text()
     assert plain == await text(presence_penalty=0, frequency_penalty=0, repetition_penalty=1)
@@ -249,14 +259,10 @@ async def test_logit_bias_and_min_p_reach_the_engine(base_client, tiny_llama_dir
 
     tokenizer = Tokenizer.from_file(str(tiny_llama_dir / "tokenizer.json"))
     texts = {i: tokenizer.decode([i], skip_special_tokens=False) for i in range(tokenizer.get_vocab_size())}
-    prompt = {"prompt": "hello"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
-    body = {"model": "tiny", "max_tokens": 6, "temperature": 0, "ignore_eos": True, **prompt}
+    body = _greedy_body(path, max_tokens=6)
 
     async def text(**extra) -> str:
-        resp = await base_client.post(path, json=body | extra)
-        assert resp.status == 200, await resp.text()
-        choice = (await resp.json())["choices"][0]
-        return choice["text"] if "text" in choice else choice["message"]["content"]
+        return await _text(base_client, path, body | extra)
 
     plain = await text()
     first = (await text(max_tokens=1))[:1]

@@ -45,10 +45,16 @@ def test_no_file_or_a_broken_one_means_openais_defaults(tmp_path, caplog):
     assert "cannot be read" in caplog.text
 
 
+def _request_body(parse) -> dict:
+    """The smallest valid request for the endpoint `parse` reads."""
+    if parse is parse_completion_request:
+        return {"model": "m", "prompt": "x"}
+    return {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+
+
 @pytest.mark.parametrize("parse", [parse_completion_request, parse_chat_request])
 def test_a_request_keeps_what_it_sets_and_takes_the_defaults_for_the_rest(parse):
-    body = {"model": "m", "prompt": "x", "messages": [{"role": "user", "content": "x"}]}
-    body.pop("messages" if parse is parse_completion_request else "prompt")
+    body = _request_body(parse)
     defaults = SamplingDefaults(temperature=0.6, top_p=0.9, top_k=40)
     o = parse(body, defaults).options
     assert (o.temperature, o.top_p, o.top_k) == (0.6, 0.9, 40)
@@ -59,25 +65,16 @@ def test_a_request_keeps_what_it_sets_and_takes_the_defaults_for_the_rest(parse)
 
 
 @pytest.mark.parametrize("parse", [parse_completion_request, parse_chat_request])
-def test_the_models_repetition_penalty_applies_when_a_request_leaves_it_unset(parse):
-    body = {"model": "m", "prompt": "x", "messages": [{"role": "user", "content": "x"}]}
-    body.pop("messages" if parse is parse_completion_request else "prompt")
-    defaults = SamplingDefaults(repetition_penalty=1.2)
-    assert parse(body, defaults).options.repetition_penalty == 1.2
-    assert parse(body | {"repetition_penalty": 1.0}, defaults).options.repetition_penalty == 1.0
-    assert parse(body).options.repetition_penalty == 1.0
-    job_options = parse(body | {"presence_penalty": 0.5, "frequency_penalty": 0.25}, defaults).options
-    assert (job_options.presence_penalty, job_options.frequency_penalty) == (0.5, 0.25)  # no model default for these
-
-
-@pytest.mark.parametrize("parse", [parse_completion_request, parse_chat_request])
-def test_the_models_min_p_applies_when_a_request_leaves_it_unset(parse):
-    body = {"model": "m", "prompt": "x", "messages": [{"role": "user", "content": "x"}]}
-    body.pop("messages" if parse is parse_completion_request else "prompt")
-    defaults = SamplingDefaults(min_p=0.05)
-    assert parse(body, defaults).options.min_p == 0.05
-    assert parse(body | {"min_p": 0}, defaults).options.min_p == 0.0
-    assert parse(body).options.min_p == 0.0
+@pytest.mark.parametrize(("field", "model", "asked", "openai"), [("repetition_penalty", 1.2, 1.0, 1.0),
+                                                                 ("min_p", 0.05, 0.0, 0.0)])
+def test_the_models_value_applies_when_a_request_leaves_the_field_unset(parse, field, model, asked, openai):
+    body = _request_body(parse)
+    defaults = SamplingDefaults(**{field: model})
+    assert getattr(parse(body, defaults).options, field) == model
+    assert getattr(parse(body | {field: asked}, defaults).options, field) == asked
+    assert getattr(parse(body).options, field) == openai
+    options = parse(body | {"presence_penalty": 0.5, "frequency_penalty": 0.25}, defaults).options
+    assert (options.presence_penalty, options.frequency_penalty) == (0.5, 0.25)  # no model default for these
 
 
 @pytest.mark.parametrize("use_file", [True, False])
