@@ -2,8 +2,9 @@
 
 Parsing is strict where it matters: wrong types, out-of-range values and unknown top-level fields
 are refused with a 400 that names the field (as OpenAI does: "Unrecognized request argument");
-options we cannot honour (`echo`, `best_of > 1`, tool calls, also in a chat's history) are refused rather than silently ignored. Tokenization happens later, in openai_api.py, and
-the context-length check in completion_job.py.
+options we cannot honour (`echo`, `best_of > 1`, tool calls, also in a chat's history) are refused
+rather than silently ignored. Tokenization happens later, in openai_api.py, and the context-length
+check in completion_job.py.
 """
 
 from __future__ import annotations
