@@ -82,14 +82,21 @@ async def test_a_failed_version_is_re_pushed_with_backoff_until_it_stages(stager
         await controller.client.close()
 
 
-async def test_a_deleting_pool_drains_its_own_workers_only(stager):
-    other = FakeStager(TOKEN)
-    await other.start()
-    controller = PoolController(StagerClient(token=TOKEN, timeout=2.0))
+def pods_and_zeta(stager: FakeStager, other: FakeStager) -> tuple[list[dict], dict]:
+    """worker-0 (on ``stager``) and worker-1 (on ``other``, labelled gpu=h200), and pool "zeta", which selects
+    gpu=h200 pods and sorts after "main"."""
     pods = [pod_body("worker-0", stager.port), pod_body("worker-1", other.port)]
     pods[1]["metadata"]["labels"]["gpu"] = "h200"
     zeta = {**POOL, "metadata": {**POOL["metadata"], "name": "zeta"},
             "spec": {**POOL["spec"], "workerSelector": {"matchLabels": {"gpu": "h200"}}}}
+    return pods, zeta
+
+
+async def test_a_deleting_pool_drains_its_own_workers_only(stager):
+    other = FakeStager(TOKEN)
+    await other.start()
+    controller = PoolController(StagerClient(token=TOKEN, timeout=2.0))
+    pods, zeta = pods_and_zeta(stager, other)
     adapters = [adapter_body("sql", pinned=True, warm="all")]
     try:
         plan = await controller.run(KEY, pools=[POOL], adapters=adapters, pods=pods, other_pools=[zeta])
@@ -258,10 +265,7 @@ async def test_a_released_pod_is_emptied_unless_another_pool_takes_it(stager):
     other = FakeStager(TOKEN)
     await other.start()
     controller = PoolController(StagerClient(token=TOKEN, timeout=2.0))
-    pods = [pod_body("worker-0", stager.port), pod_body("worker-1", other.port)]
-    pods[1]["metadata"]["labels"]["gpu"] = "h200"
-    zeta = {**POOL, "metadata": {**POOL["metadata"], "name": "zeta"},
-            "spec": {**POOL["spec"], "workerSelector": {"matchLabels": {"gpu": "h200"}}}}
+    pods, zeta = pods_and_zeta(stager, other)
     sql = adapter_body("sql", pinned=True, warm="all")
     chat = adapter_body("chat", warm="all")
     deleting_chat = {**chat, "metadata": {**chat["metadata"], "deletionTimestamp": "2026-01-01T00:00:00Z"}}
