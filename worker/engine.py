@@ -26,6 +26,7 @@ from lorafleet.worker.block_manager import BlockManager
 from lorafleet.worker.cuda_graphs import DecodeGraphs
 from lorafleet.worker.engine_config import EngineConfig
 from lorafleet.worker.engine_errors import EngineError, UnknownAdapterError
+from lorafleet.worker.logit_bias import out_of_vocab
 from lorafleet.worker.model_config import ModelConfig
 from lorafleet.worker.model_loader import load_model
 from lorafleet.worker.model_runner import ModelRunner
@@ -258,8 +259,8 @@ class Engine:
         if params.stop and self.tokenizer is None:
             raise EngineError("stop strings need a tokenizer (this model directory has no tokenizer.json); "
                               "use stop_token_ids")
-        if params.logit_bias and max(params.logit_bias) >= self.model_config.vocab_size:
-            raise EngineError(f"logit_bias token id {max(params.logit_bias)} is outside the vocabulary "
+        if bad := out_of_vocab(params.logit_bias, self.model_config.vocab_size):
+            raise EngineError(f"logit_bias token ids {bad[:5]} are outside the vocabulary "
                               f"(0..{self.model_config.vocab_size - 1})")
         prompt_ids = self.encode(prompt)
         if not prompt_ids:
