@@ -2,8 +2,8 @@
 
 Entries are directories `root/<key>`; a key is content-addressed (the adapter's sha256) when the
 digest is known. Writes are atomic: an entry is filled in `root/.tmp-<key>-<random>` and renamed into
-place only when complete and verified, so a reader never sees half a download and a crash leaves
-only a temp directory (removed at the next start). Over budget, least recently used entries go first,
+place only when complete, verified and on disk (fsync before the rename), so a reader never sees half a
+download and a crash or power loss leaves only a temp directory (removed at the next start). Over budget, least recently used entries go first,
 except the protected ones. `protect` may be a function naming them: it is called under the cache's
 lock, so an entry its owner protects before looking it up is either kept or already gone (`get`
 answers None), never deleted after `get` handed out its path.
@@ -24,6 +24,23 @@ Protect = Set[str] | Callable[[], Set[str]]  # cache keys, or a function naming 
 
 def dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
+
+
+def _sync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sync_tree(path: Path) -> None:
+    """Flush every file under `path`, then the directories that name them, to disk."""
+    for f in path.rglob("*"):
+        if f.is_file() and not f.is_symlink():
+            _sync(f)
+    for d in [*(d for d in path.rglob("*") if d.is_dir() and not d.is_symlink()), path]:
+        _sync(d)
 
 
 class DiskCache:
@@ -64,6 +81,7 @@ class DiskCache:
         tmp.mkdir()
         try:
             fill(tmp)
+            _sync_tree(tmp)  # else a power loss may keep the rename, lose the data, and only two files are rechecked
             size = dir_bytes(tmp)
             final = self.root / key
             with self._lock:
@@ -72,6 +90,7 @@ class DiskCache:
                 else:
                     os.rename(tmp, final)
                     self._bytes[key] = size
+                    _sync(self.root)  # the rename itself
                 self._clock += 1
                 self._used[key] = self._clock
         except BaseException:

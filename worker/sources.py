@@ -44,6 +44,7 @@ STAGED_FILES = tuple(dict.fromkeys((*ADAPTER_FILES, *TOKENIZER_FILES, *OPTIONAL_
 MAX_ATTEMPTS = 3  # downloads of one adapter whose objects changed meanwhile
 CHUNK_BYTES = 256 << 10  # progress granularity of a download
 RAISE_LIMIT = "raise the stager's --max-adapter-file-bytes (LORAFLEET_MAX_ADAPTER_FILE_BYTES)"
+Etags = list[tuple[str, str]]  # (object name, ETag) of the staged files under a prefix, sorted
 
 
 @dataclass(slots=True, frozen=True)
@@ -176,7 +177,7 @@ class Sources:
         return self._client
 
     def download(self, uri: str, dest: Path, *, progress: Callable[[int, int], None] | None = None,
-                 deadline: float | None = None) -> Path:
+                 deadline: float | None = None, etags: Etags | None = None) -> Path:
         """Download the adapter files under an allowed S3 prefix into `dest` (created). Only the PEFT
         files (`STAGED_FILES`) are fetched; anything else under the prefix (pickles included) is ignored.
         `progress(done_bytes, total_bytes)` is called when the download starts and as bytes arrive.
@@ -184,7 +185,9 @@ class Sources:
         Every object is read at the version the listing saw (If-Match on its ETag): an object replaced
         mid-download would otherwise mix files of two uploads; the download then starts over, up to
         `MAX_ATTEMPTS` times. `deadline` (time.monotonic()) ends a slow download with TimeoutError, even
-        in the middle of a read, so nothing keeps writing after the caller gave up."""
+        in the middle of a read, so nothing keeps writing after the caller gave up. `etags` (`object_etags`,
+        what the caller keyed its copy by): any other objects are refused (kind `changed`), never kept
+        under a key that names other content."""
         loc = self.check_s3(uri)
         client = self.client()
         wanted = {loc.prefix + n: n for n in STAGED_FILES}
@@ -193,6 +196,9 @@ class Sources:
             objects = {o.object_name: (o.size, o.etag) for o in client.list_objects(loc.bucket, prefix=loc.prefix)
                        if o.object_name in wanted}
             _refuse_missing(uri, [n for n in ADAPTER_FILES if loc.prefix + n not in objects])
+            if etags is not None and sorted((k, e or "") for k, (_, e) in objects.items()) != list(etags):
+                raise SourceError(f"{uri}: the objects changed since they were listed (a new upload?); stage it "
+                                  f"again", "changed")
             with _as_source_error():  # before a byte is downloaded
                 for key, (size, _) in sorted(objects.items()):
                     check_size(loc.uri + wanted[key], size, self.config.max_adapter_file_bytes, fix=RAISE_LIMIT)
@@ -217,7 +223,7 @@ class Sources:
                 check_file(path / name, self.config.max_adapter_file_bytes, fix=RAISE_LIMIT)
         return verify_digest(path, sha256, where, self.config.max_adapter_file_bytes)
 
-    def object_etags(self, uri: str) -> list[tuple[str, str]]:
+    def object_etags(self, uri: str) -> Etags:
         """(name, etag) of the staged files (`STAGED_FILES`, tokenizer files included) under an S3 prefix:
         identifies content without a digest."""
         loc = self.check_s3(uri)
@@ -358,8 +364,8 @@ class _Fetch:
             response.close()
             response.release_conn()
         self._check_deadline()
-        if path.stat().st_size != size:
-            raise SourceError(f"{where}: got {path.stat().st_size} of {size} bytes", "missing")
+        if path.stat().st_size != size:  # the store's fault (a dropped connection), not the adapter's: may pass
+            raise ConnectionError(f"{where}: the store sent {path.stat().st_size} of the {size} bytes it listed")
         return True
 
 

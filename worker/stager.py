@@ -31,12 +31,13 @@ import functools
 import hashlib
 import hmac
 import logging
+import re
 import time
 from pathlib import Path
 from typing import Any
 
 from aiohttp import ClientSession, ClientTimeout, web
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from lorafleet.worker.cli import config_from_args
@@ -50,14 +51,16 @@ from lorafleet.worker.directives import (
 )
 from lorafleet.worker.disk_cache import DiskCache, dir_bytes
 from lorafleet.worker.openai_protocol import APIError
-from lorafleet.worker.sources import SourceError, Sources, verify_digest
+from lorafleet.worker.sources import Etags, SourceError, Sources, verify_digest
 from lorafleet.worker.staged_copy import DIGEST_FILE, Staged, verify_staged_copy
 from lorafleet.worker.stager_config import StagerConfig
+from lorafleet.worker.stager_metrics import StagerMetrics
 from lorafleet.worker.stager_seed import SeedReport, seed, seed_until_done
 from lorafleet.worker.staging_errors import staging_error
 from lorafleet.worker.tenants import bearer_token, token_bytes
 
 log = logging.getLogger("lorafleet.stager")
+_SHA256_HEX = re.compile(r"[0-9a-fA-F]{64}")  # anything else could never match, nor name a cache entry
 _STALL_GRACE_S = 120.0  # beyond download_timeout_s: listings are bounded by the client's read timeouts and retries
 
 
@@ -81,20 +84,8 @@ class Stager:
         self._pushing: set[str] = set()  # cache keys the push in progress asked for
         self._leases: dict[str, float] = {}  # cache key -> until when (monotonic) /v1/stage's copy is kept
         self._apply_lock = asyncio.Lock()
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.m_requests = Counter("lorafleet_stager_stage_requests", "Stage requests by disk-cache outcome",
-                                  ["outcome"], registry=r)  # hit | miss | local
-        self.m_downloads = Counter("lorafleet_stager_downloads", "Completed, verified downloads", registry=r)
-        self.m_download_bytes = Counter("lorafleet_stager_download_bytes", "Bytes downloaded", registry=r)
-        self.m_failures = Counter("lorafleet_stager_failures", "Failed downloads (store, digest, timeout)",
-                                  registry=r)
-        self.m_seconds = Histogram("lorafleet_stager_download_seconds", "Download + verify time", registry=r,
-                                   buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
-        Gauge("lorafleet_stager_cache_bytes", "Bytes in the node-local disk cache", registry=r).set_function(
-            lambda: self.cache.used_bytes)
-        Gauge("lorafleet_stager_cache_entries", "Adapters in the node-local disk cache", registry=r).set_function(
-            lambda: len(self.cache.entries()))
+        self.metrics = StagerMetrics(self.cache)
+        self.registry = self.metrics.registry
 
     # ---- staging -------------------------------------------------------------------------------
     async def stage(self, uri: str, sha256: str | None, *, held: set[str] | None = None) -> Staged:
@@ -106,9 +97,10 @@ class Stager:
         if not self.sources.is_s3(uri):
             path = self.sources.local_path(uri)
             digest = await asyncio.to_thread(self.sources.verify_local, path, sha256, uri)
-            self.m_requests.labels("local").inc()
+            self.metrics.requests.labels("local").inc()
             return Staged(path, digest, cached=True)
         self.sources.check_s3(uri)
+        etags = None  # what the key names: the download must fetch exactly these objects
         if sha256 is not None:
             key = sha256
         else:
@@ -132,7 +124,7 @@ class Stager:
         # result or its error. A caller that goes away (client disconnect) does not cancel it for the others.
         flight = self._flights.get((key, uri))
         if flight is None:
-            flight = asyncio.ensure_future(self._stage_key(uri, sha256, key))
+            flight = asyncio.ensure_future(self._stage_key(uri, sha256, key, etags))
             self._flights[(key, uri)] = flight
             flight.add_done_callback(functools.partial(self._landed, (key, uri)))
         try:
@@ -151,9 +143,9 @@ class Stager:
 
     def _count_request(self, outcome: str) -> None:
         self.counts["hits" if outcome == "hit" else "misses"] += 1
-        self.m_requests.labels(outcome).inc()
+        self.metrics.requests.labels(outcome).inc()
 
-    async def _stage_key(self, uri: str, sha256: str | None, key: str) -> Staged:
+    async def _stage_key(self, uri: str, sha256: str | None, key: str, etags: Etags | None = None) -> Staged:
         lock = self._locks.setdefault(key, asyncio.Lock())
         async with lock:  # one cache key, other URIs: the second finds the first's copy
             path = self.cache.get(key)
@@ -167,28 +159,28 @@ class Stager:
             try:
                 # The download gives up at the deadline itself (and removes its temp copy); the outer bound
                 # only covers a store that stalls a listing beyond the client's read timeouts.
-                path = await asyncio.wait_for(asyncio.to_thread(self._download, uri, sha256, key, deadline),
+                path = await asyncio.wait_for(asyncio.to_thread(self._download, uri, sha256, key, deadline, etags),
                                               self.config.download_timeout_s + _STALL_GRACE_S)
             except Exception:
                 self.counts["failures"] += 1
-                self.m_failures.inc()
+                self.metrics.failures.inc()
                 raise
             self.download_seconds.append(time.perf_counter() - t0)
-            self.m_seconds.observe(self.download_seconds[-1])
+            self.metrics.seconds.observe(self.download_seconds[-1])
             self.counts["downloads"] += 1
             nbytes = dir_bytes(path)
             self.counts["download_bytes"] += nbytes
-            self.m_downloads.inc()
-            self.m_download_bytes.inc(nbytes)
+            self.metrics.downloads.inc()
+            self.metrics.download_bytes.inc(nbytes)
             self._by_uri[uri] = key
             return Staged(path, (path / DIGEST_FILE).read_text().strip(), cached=False)
 
-    def _download(self, uri: str, sha256: str | None, key: str, deadline: float) -> Path:
+    def _download(self, uri: str, sha256: str | None, key: str, deadline: float, etags: Etags | None) -> Path:
         def progress(done: int, total: int) -> None:
             self.downloading[uri] = (done, total)
 
         def fill(tmp: Path) -> None:
-            self.sources.download(uri, tmp, progress=progress, deadline=deadline)
+            self.sources.download(uri, tmp, progress=progress, deadline=deadline, etags=etags)
             digest = verify_digest(tmp, sha256, uri)  # before the rename: a bad download is never visible
             (tmp / DIGEST_FILE).write_text(digest + "\n")
 
@@ -331,7 +323,7 @@ async def post_stage(request: web.Request) -> web.Response:
     uri, sha256 = (body.get("uri"), body.get("sha256")) if isinstance(body, dict) else (None, None)
     if not isinstance(uri, str) or not uri:
         raise APIError(400, "body needs 'uri' (s3://bucket/prefix/, file:// or an absolute path)", param="uri")
-    if sha256 is not None and not (isinstance(sha256, str) and len(sha256) == 64):
+    if sha256 is not None and not (isinstance(sha256, str) and _SHA256_HEX.fullmatch(sha256)):
         raise APIError(400, "sha256 must be 64 hex digits", param="sha256")
     try:
         staged = await request.app[STAGER].stage(uri, sha256)

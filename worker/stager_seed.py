@@ -3,7 +3,7 @@
 Each folder is its own adapter (name = folder name, version = digest prefix). A folder that cannot
 be served (no safetensors, a name that is no adapter name, a digest that does not verify) is reported
 in `GET /v1/state` and never holds the others back; one that failed for a reason that may pass (store
-down, timeout) is tried again with backoff, and every retry pushes what is staged by then. A push
+down, timeout, an upload in progress) is tried again with backoff, and every retry pushes what is staged by then. A push
 from elsewhere (`PUT /v1/directives`) ends the seed: from then on the directives rule.
 """
 
@@ -55,7 +55,7 @@ async def seed(stager: Stager, uri: str) -> SeedReport:
             report.errors[folder] = f"{folder}: not served: {exc} (rename the folder)"
         except Exception as exc:
             report.errors[folder] = report.adapter_errors[(name, UNSTAGED)] = staging_error(exc, folder).message
-            if not isinstance(exc, SourceError):  # store down, timeout: may pass
+            if not isinstance(exc, SourceError) or exc.kind == "changed":  # store down, timeout, an upload: may pass
                 report.retrying.append(folder)
         else:
             served[folder] = AdapterDirective(name, "default", VersionRef(s.sha256[:12], folder, s.sha256))

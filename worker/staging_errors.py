@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 
 from lorafleet.worker.openai_protocol import APIError
 from lorafleet.worker.sources import SourceError
@@ -13,6 +14,7 @@ _STATUS = {"not_allowed": 403, "bad_uri": 400, "missing": 404, "digest_mismatch"
            # A local file the stager may not read, a symlink loop, another read error: the source's to fix.
            "permission_denied": 403, "symlink_loop": 422, "unreadable": 422}
 READ_ERROR_KINDS = ("permission_denied", "symlink_loop", "unreadable")  # worker/source_error.py
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)  # writing the node's disk cache, never an object store's answer
 
 
 def source_status(kind: str) -> int:
@@ -26,6 +28,11 @@ def staging_error(exc: Exception, uri: str) -> APIError:
         return APIError(source_status(exc.kind), str(exc), code=exc.kind)
     if isinstance(exc, TimeoutError | asyncio.TimeoutError):
         return APIError(504, f"{uri}: download timed out", type="server_error", code="download_timeout")
+    if isinstance(exc, OSError) and exc.errno in _DISK_FULL:
+        return APIError(507, f"{uri}: the node's adapter disk cache is full ({exc.strerror}, writing "
+                             f"{exc.filename or 'the cache'}); give the cache volume room for one more adapter above "
+                             f"--stager-cache-bytes (LORAFLEET_STAGER_CACHE_BYTES), or lower it",
+                        type="server_error", code="cache_disk_full")
     name = type(exc).__name__
     if name == "S3Error" and getattr(exc, "code", "") in ("NoSuchBucket", "NoSuchKey"):
         return APIError(404, f"{uri}: {exc}", code="missing")

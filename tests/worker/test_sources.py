@@ -1,5 +1,5 @@
 """Adapter sources: allow-lists for local roots and S3 prefixes, `..` and symlink escapes, digests,
-the files staged, local read errors, and stores that send more than they list."""
+the files staged, local read errors, and stores that send more or less than they list."""
 
 import errno
 import os
@@ -259,6 +259,33 @@ async def test_a_store_sending_more_than_it_listed_is_cut_off(aiohttp_server, tm
     assert str(err.value).startswith("s3://adapters/team/alpha/adapter_model.safetensors: ")
     weights = tmp_path / "staged" / "adapter_model.safetensors"
     assert (not weights.exists()) if how == "content_length" else weights.stat().st_size <= 7
+
+
+async def test_a_store_sending_less_than_it_listed_is_a_store_failure_not_a_missing_adapter(aiohttp_server, tmp_path):
+    """A chunked body that ends short of the listed size (a dropped connection) is the store's failure,
+    which may pass (502, retried by the seed), never a 404 saying the adapter is missing."""
+    import asyncio
+
+    from aiohttp import web
+
+    from lorafleet.worker.staging_errors import staging_error
+
+    objects = {"team/alpha/adapter_config.json": b'{"r": 4}', "team/alpha/adapter_model.safetensors": b"weights"}
+
+    async def get(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse()
+        response.enable_chunked_encoding()
+        await response.prepare(request)
+        await response.write(objects[request.match_info["key"]][:5])
+        await response.write_eof()
+        return response
+
+    store = await aiohttp_server(_app([web.get("/adapters", _listing(objects)), web.get("/adapters/{key:.+}", get)]))
+    with pytest.raises(Exception) as err:
+        await asyncio.to_thread(_store_sources(store).download, "s3://adapters/team/alpha/", tmp_path / "staged")
+    answer = staging_error(err.value, "s3://adapters/team/alpha/")
+    assert not isinstance(err.value, SourceError) and answer.status == 502, answer.message
+    assert "adapter_config.json: the store sent 5 of the 8 bytes it listed" in answer.message
 
 
 def _listing(objects: dict[str, bytes]):

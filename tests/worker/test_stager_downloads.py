@@ -1,6 +1,6 @@
 """Stager downloads against a real S3 server (SeaweedFS on 127.0.0.1) when things go wrong: waiters of
-one failing download, a store too slow to finish in time, objects replaced while they are downloaded,
-disk-cache entries a crash may have left unwritten, files over the size limit or not regular files, and
+one failing download, a store too slow to finish in time, objects replaced while they are downloaded or
+between the listing a copy is keyed by and its download, disk-cache entries a crash may have left unwritten, files over the size limit or not regular files, and
 tokenizer files the loader checks (vocab.json + merges.txt as well as tokenizer.json)."""
 
 from __future__ import annotations
@@ -167,6 +167,31 @@ async def test_entries_from_an_earlier_run_are_checked_before_they_are_served(s3
     intact = stager_for(s3.endpoint, s3, tmp_path / "cache")  # a clean restart: intact copies are hits
     assert (await intact.stage(uri, sha)).cached and (await intact.stage(uri, None)).cached
     assert intact.counts["downloads"] == 0
+
+
+async def test_a_copy_keyed_by_etags_holds_the_objects_those_etags_name(s3, adapters, tmp_path, monkeypatch):
+    """Without a sha256 a copy is keyed by the ETags listed first; an upload landing before the download
+    lists again must not be kept under that key, or rolling the prefix back to the old upload (same ETags)
+    would serve the newer weights from the cache."""
+    client = s3.client()
+    upload(client, "team/rollback/", adapters["v1"])
+    uri = "s3://adapters/team/rollback/"
+    stager = stager_for(s3.endpoint, s3, tmp_path / "cache")
+    listed = stager.sources.object_etags
+
+    def listed_then_replaced(u: str):
+        etags = listed(u)
+        monkeypatch.setattr(stager.sources, "object_etags", listed)  # once
+        upload(client, "team/rollback/", adapters["v2"])
+        return etags
+
+    monkeypatch.setattr(stager.sources, "object_etags", listed_then_replaced)
+    with pytest.raises(SourceError) as err:
+        await stager.stage(uri, None)
+    assert err.value.kind == "changed" and staging_error(err.value, uri).status == 409, str(err.value)
+    assert (await stager.stage(uri, None)).sha256 == adapter_digest(adapters["v2"])
+    upload(client, "team/rollback/", adapters["v1"])  # rolled back
+    assert (await stager.stage(uri, None)).sha256 == adapter_digest(adapters["v1"])
 
 
 @contextlib.contextmanager

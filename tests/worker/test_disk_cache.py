@@ -1,0 +1,39 @@
+"""DiskCache durability: an entry is renamed into place only once its files are on disk, so a power
+loss never leaves a complete-looking entry with lost data (the check of an earlier run's entries hashes
+only the adapter's two files, not the tokenizer files staged beside them)."""
+
+from __future__ import annotations
+
+import os
+
+from lorafleet.worker.disk_cache import DiskCache
+
+
+def test_every_file_and_the_entry_are_synced_before_the_rename(tmp_path, monkeypatch):
+    events: list[tuple[str, int]] = []
+    real_fsync, real_rename = os.fsync, os.rename
+
+    def fsync(fd: int) -> None:
+        events.append(("fsync", os.fstat(fd).st_ino))
+        real_fsync(fd)
+
+    def rename(src, dst) -> None:
+        events.append(("rename", os.stat(src).st_ino))
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", rename)
+
+    def fill(d):
+        (d / "adapter_model.safetensors").write_bytes(b"w" * 100)
+        (d / "tokenizer.json").write_text("{}")
+        (d / "nested").mkdir()
+        (d / "nested" / "merges.txt").write_text("#version: 0.2\n")
+
+    cache = DiskCache(tmp_path / "c", budget_bytes=1 << 20)
+    entry = cache.put("k", fill)
+    renamed = events.index(("rename", entry.stat().st_ino))
+    synced_first = {ino for what, ino in events[:renamed] if what == "fsync"}
+    for path in (entry, *entry.rglob("*")):  # every file and directory of the entry, before the rename
+        assert path.stat().st_ino in synced_first, path
+    assert ("fsync", cache.root.stat().st_ino) in events[renamed:]  # then the rename itself

@@ -1,0 +1,79 @@
+"""The stager's answers for failures that are neither the adapter's fault nor a broken object store: a
+sha256 that can never match, a node disk cache with no space left, and an upload in progress while the
+seed stages. No object store is needed: the download is replaced where a test needs one."""
+
+from __future__ import annotations
+
+import errno
+import json
+from pathlib import Path
+
+import pytest
+
+from lorafleet.worker.sources import SourceError
+from lorafleet.worker.stager import STAGER, Stager, create_app
+from lorafleet.worker.stager_config import StagerConfig
+from lorafleet.worker.stager_seed import seed
+
+TOKEN = "t" * 20
+URI = "s3://adapters/team/alpha/"
+
+
+def config(tmp_path: Path) -> StagerConfig:
+    return StagerConfig(stager_token=TOKEN, stager_cache_dir=str(tmp_path / "cache"), s3_allow=["adapters/team/"],
+                        s3_endpoint="127.0.0.1:9", s3_secure=False)
+
+
+@pytest.fixture
+async def client(aiohttp_client, tmp_path):
+    return await aiohttp_client(create_app(config(tmp_path)))
+
+
+async def stage(client, body: dict) -> tuple[int, dict]:
+    resp = await client.post("/v1/stage", json=body, headers={"Authorization": f"Bearer {TOKEN}"})
+    return resp.status, await resp.json()
+
+
+@pytest.mark.parametrize("sha256", ["g" * 64, "../" + "0" * 61, "." + "0" * 63, "0" * 63 + "\n"])
+async def test_a_sha256_that_is_not_hex_is_refused_before_anything_is_downloaded(client, sha256):
+    downloads = []
+    client.app[STAGER].sources.download = lambda *a, **kw: downloads.append(a)
+    status, body = await stage(client, {"uri": URI, "sha256": sha256})
+    assert status == 400 and body["error"]["param"] == "sha256", body
+    assert "64 hex digits" in body["error"]["message"] and downloads == []
+
+
+async def test_a_full_cache_disk_is_named_not_blamed_on_the_object_store(client, tmp_path):
+    """ENOSPC while a download is written is the node's disk, not the store: the answer says so and what to
+    change, nothing half-written stays, and the stager keeps answering."""
+    cache = tmp_path / "cache"
+
+    def download(uri: str, dest: Path, **kw) -> Path:
+        dest.mkdir(parents=True, exist_ok=True)
+        (dest / "adapter_config.json").write_text("{}")
+        raise OSError(errno.ENOSPC, "No space left on device", str(dest / "adapter_model.safetensors"))
+
+    client.app[STAGER].sources.download = download
+    status, body = await stage(client, {"uri": URI, "sha256": "0" * 64})
+    error = body["error"]
+    assert status == 507 and error["code"] == "cache_disk_full", body
+    assert "disk cache is full" in error["message"] and str(cache) in error["message"]
+    assert "object store" not in error["message"] and "LORAFLEET_STAGER_CACHE_BYTES" in error["message"]
+    assert [p.name for p in cache.iterdir()] == []
+    resp = await client.get("/v1/state", headers={"Authorization": f"Bearer {TOKEN}"})
+    assert resp.status == 200 and json.loads(await resp.text())["disk"]["failures"] == 1
+
+
+async def test_a_folder_caught_mid_upload_is_seeded_again(tmp_path, monkeypatch):
+    """Objects that changed while staged are an upload in progress: the seed tries the folder again, as
+    it does after a store outage, instead of leaving it unserved until the next push."""
+    stager = Stager(config(tmp_path))
+    monkeypatch.setattr(stager.sources, "list_adapters", lambda uri: [URI])
+
+    async def stage(uri: str, sha256: str | None, **kw):
+        raise SourceError(f"{uri}: the objects changed during 3 download attempts; retry once the upload has "
+                          f"finished", "changed")
+
+    monkeypatch.setattr(stager, "stage", stage)
+    report = await seed(stager, "s3://adapters/team/")
+    assert report.retrying == [URI] and "the objects changed" in report.errors[URI]

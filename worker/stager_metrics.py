@@ -1,0 +1,24 @@
+"""StagerMetrics: the stager's Prometheus registry (`GET /metrics`, `lorafleet_stager_*`): the disk
+tier's hits and misses, downloads, bytes, failures, download latency, cache bytes and entries."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from lorafleet.worker.disk_cache import DiskCache
+
+
+class StagerMetrics:
+    def __init__(self, cache: DiskCache) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("lorafleet_stager_stage_requests", "Stage requests by disk-cache outcome",
+                                ["outcome"], registry=r)  # hit | miss | local
+        self.downloads = Counter("lorafleet_stager_downloads", "Completed, verified downloads", registry=r)
+        self.download_bytes = Counter("lorafleet_stager_download_bytes", "Bytes downloaded", registry=r)
+        self.failures = Counter("lorafleet_stager_failures", "Failed downloads (store, digest, timeout)", registry=r)
+        self.seconds = Histogram("lorafleet_stager_download_seconds", "Download + verify time", registry=r,
+                                 buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
+        Gauge("lorafleet_stager_cache_bytes", "Bytes in the node-local disk cache", registry=r).set_function(
+            lambda: cache.used_bytes)
+        Gauge("lorafleet_stager_cache_entries", "Adapters in the node-local disk cache", registry=r).set_function(
+            lambda: len(cache.entries()))
