@@ -1,4 +1,6 @@
-"""The autoscaler's two signals of a pool, read from Prometheus' HTTP API (``GET /api/v1/query``).
+"""The autoscaler's two signals of a pool, read from Prometheus' HTTP API (``POST /api/v1/query``, the
+query form-encoded in the body: it names every worker pod, and a pool of a hundred pods makes a URL
+longer than proxies in front of Prometheus accept, 8 KiB for nginx).
 
 Both are restricted to the pool's ready worker pods by the ``namespace`` and ``pod`` labels a
 Kubernetes scrape config attaches (the chart's ServiceMonitor does):
@@ -84,7 +86,7 @@ class PrometheusClient:
         an infinity."""
         url = base_url.rstrip("/") + "/api/v1/query"
         try:
-            async with self._client().get(url, params={"query": promql}) as resp:
+            async with self._client().post(url, data={"query": promql}) as resp:
                 text = await resp.text()
                 status = resp.status
         except TimeoutError:

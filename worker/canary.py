@@ -4,7 +4,8 @@ A request names an adapter (`sql`) or pins a version (`sql@v3`). For a bare name
 picks the stable version, or the canary with probability `canary_weight` percent. The pick is
 sticky per `user`: `sha256(name, user)` maps every user to a fixed bucket in [0, 10000), and the
 canary serves buckets below `canary_weight * 100`; raising the weight only moves users from stable
-to canary, never back. Requests without a `user` draw a fresh bucket each time.
+to canary, never back. Requests without a `user` (or with an empty one, which names nobody) draw a
+fresh bucket each time.
 
 Running example: `sql` stable v2, canary v3 at 20 %: user "alice" hashes to bucket 1234 -> v3
 (1234 < 2000) on every request; user "bob" at bucket 8001 -> v2 until the weight passes 80.
@@ -53,5 +54,5 @@ class CanaryResolver:
     def pick(self, name: str, split: VersionSplit, user: str | None = None) -> str:
         if split.canary is None or split.canary_weight == 0:
             return split.stable
-        bucket = self._rng.randrange(NUM_BUCKETS) if user is None else user_bucket(name, user)
+        bucket = user_bucket(name, user) if user else self._rng.randrange(NUM_BUCKETS)
         return split.canary if bucket < split.canary_weight * (NUM_BUCKETS // 100) else split.stable

@@ -125,6 +125,8 @@ class ServedAdapters:
         served = self._adapters.get(name)
         if served is not None and version in served.sources:
             served.errors[version] = reason
+            if version == served.split.canary:  # its share of users goes back to the stable version
+                served.split = VersionSplit(served.split.stable)
 
     # ---- changes (blocking engine calls: run them off the event loop, one at a time) -------------
     # Copy-on-write: a change registers what is new in the engine, then publishes the new table in
@@ -172,17 +174,20 @@ class ServedAdapters:
         demoted = old.split.stable if old is not None and old.split.stable != d.stable.version else None
         if demoted not in versions:
             demoted = None
+        fallback = False
         for version, uri in versions.items():
             keep = (old is not None and old.sources.get(version) == uri and version not in old.errors
                     and version != demoted)
             stable = version == d.stable.version
             # A version registered beside the stable one (a canary) that now becomes stable.
             promoted = stable and old is not None and version in old.sources and version != old.split.stable
+            registered = keep
             try:
                 source = local_source(uri)
                 if not keep:
                     engine.register_adapter(d.name, source, version=version, tenant=d.tenant, pinned=d.pinned,
                                             make_current=stable)
+                registered = True
                 key = f"{d.name}@{version}"
                 if promoted or (stable and demoted is not None):
                     engine.make_adapter_current(key)  # the old stable version retires
@@ -194,10 +199,27 @@ class ServedAdapters:
                 served.errors[version] = str(exc) or type(exc).__name__
                 log.warning("adapter %s@%s cannot be served: %s", d.name, version, exc,
                             exc_info=not isinstance(exc, ValueError | KeyError | OSError | RuntimeError))
+                if stable and not registered:  # the engine still holds the version serving until now
+                    fallback = True
             served.sources[version] = uri
         if d.canary is not None and d.canary.version not in served.errors and d.stable.version not in served.errors:
             served.split = VersionSplit(d.stable.version, d.canary.version, d.canary_weight)
+        elif fallback and old is not None:
+            self._keep_serving(served, old)
         return served
+
+    @staticmethod
+    def _keep_serving(served: ServedAdapter, old: ServedAdapter) -> None:
+        """A new stable version that failed to register leaves the one serving until now in place (the
+        engine still holds it as current: only a registered new version replaces it), so a bad rollout is
+        reported (the failed version's error) instead of answering every request 503."""
+        previous = old.split.stable
+        if previous == served.split.stable or previous in old.errors:
+            return
+        if served.sources.get(previous, old.sources[previous]) != old.sources[previous] or previous in served.errors:
+            return  # pushed again from another source, or failed itself: not what was serving
+        served.sources[previous] = old.sources[previous]
+        served.split = VersionSplit(previous)
 
     def load(self, name: str, path: str, engine: AdapterHost) -> str:
         """vLLM's load_lora_adapter: register `name` from a local path; answers `name@version`."""

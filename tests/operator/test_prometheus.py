@@ -76,7 +76,7 @@ async def test_hit_rate_and_kv_usage_of_the_pool_pods_only(tmp_path):
 async def stub(handler):
     """An HTTP server on 127.0.0.1 answering every /api/v1/query with ``handler``."""
     app = web.Application()
-    app.router.add_get("/api/v1/query", handler)
+    app.router.add_route("*", "/api/v1/query", handler)
     async with serving(app) as url:
         yield url
 
@@ -124,6 +124,26 @@ async def test_values_nan_and_scalars():
             assert await client.query(url, "vector(3)") == 3.0
     finally:
         await client.close()
+
+
+async def test_a_large_pools_query_fits_behind_a_proxy():
+    """A pool of 300 pods names each in the query: as a URL that is far past the 8 KiB request line proxies
+    (and this stub's aiohttp) accept, so the query goes in the body."""
+    pods = [f"lorafleet-worker-7c9d8f6b5-{i:05d}" for i in range(300)]
+    asked = []
+
+    async def handler(request: web.Request) -> web.Response:
+        asked.append((request.method, (await request.post()).get("query")))
+        return web.Response(text=VECTOR % '[{"metric": {}, "value": [1, "0.5"]}]', content_type="application/json")
+
+    client = PrometheusClient(timeout=5.0)
+    try:
+        async with stub(handler) as url:
+            assert await client.pool_signals(url, "fleet", pods) == (0.5, 0.5)
+    finally:
+        await client.close()
+    assert sorted(asked) == sorted([("POST", hit_rate_query("fleet", pods)), ("POST", kv_usage_query("fleet", pods))])
+    assert len(asked[0][1]) > 8192
 
 
 async def test_no_server_and_no_answer_raise_metrics_errors():

@@ -44,6 +44,14 @@ def test_requests_without_user_are_split_per_request():
     assert abs(picks.count("v2") / 2000 - 0.3) < 0.05
 
 
+def test_an_empty_user_is_no_user():
+    """An empty `user` names nobody: it must not put every such request in one bucket (all of them on the
+    canary, or none), whatever the weight says."""
+    r = CanaryResolver(rng=random.Random(0))
+    picks = [r.pick("sql", VersionSplit("v1", "v2", 30), "") for _ in range(2000)]
+    assert abs(picks.count("v2") / 2000 - 0.3) < 0.05
+
+
 @pytest.mark.parametrize("bad", [dict(stable="v1", canary=None, canary_weight=5),
                                  dict(stable="v1", canary="v2", canary_weight=101)])
 def test_bad_splits_are_refused(bad):

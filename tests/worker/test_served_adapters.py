@@ -98,6 +98,59 @@ def test_resolution_errors_are_404_403_503():
         served.resolve("sql", ACME, None)
 
 
+def test_a_canary_that_fails_to_load_later_sends_its_users_back_to_stable():
+    """A canary registered fine but whose load fails when traffic reaches it (the engine reports it, the
+    request that hit it is answered 503): its share of users must go back to the stable version, not be
+    answered 503 until the next push."""
+    host, served = RecordingHost(), ServedAdapters("base")
+    served.apply(state(1, SQL_CANARY), host)
+    users = [f"u{i}" for i in range(40)]
+    assert {served.resolve("sql", ACME, u) for u in users} == {"sql@v1", "sql@v2"}
+    served.mark_failed("sql@v2", "adapter_model.safetensors: truncated")
+    assert {served.resolve("sql", ACME, u) for u in users} == {"sql@v1"}
+    with pytest.raises(APIError, match="truncated") as exc:  # pinning the failed version says why
+        served.resolve("sql@v2", ACME, None)
+    assert exc.value.status == 503
+    assert served.extras()["sql@v1"]["traffic_percent"] == 100 and served.extras()["sql@v2"]["traffic_percent"] == 0
+    assert {a.version: a.error for a in served.report(host).adapters}["v2"] == "adapter_model.safetensors: truncated"
+    served.apply(state(2, SQL_CANARY), host)  # the retry loads it again: the split is back
+    assert {served.resolve("sql", ACME, u) for u in users} == {"sql@v1", "sql@v2"}
+
+
+@pytest.mark.parametrize("rollout", [
+    SQL | {"stable": {"version": "v2", "uri": "/c/bad/v2"}},  # a new version
+    SQL | {"stable": {"version": "v2", "uri": "/c/bad/v2"}, "canary": {"version": "v1", "uri": "/c/sql/v1"},
+           "canary_weight": 10},  # a new version, the old one kept as the canary
+])
+def test_a_new_stable_version_that_fails_to_register_leaves_the_old_one_serving(rollout):
+    """The engine keeps the current version until a registered new one replaces it: the served table must
+    too, or a bad rollout answers every request 503 while the working version sits unused."""
+    host, served = RecordingHost(failing={"/c/bad/v2"}), ServedAdapters("base")
+    served.apply(state(1, SQL), host)
+    served.apply(state(2, rollout), host)
+    assert ("remove", "sql@v1") not in host.calls and "sql@v1" in host.keys
+    assert {served.resolve("sql", ACME, f"u{i}") for i in range(40)} == {"sql@v1"}
+    errors = {a.version: a.error for a in served.report(host).adapters}
+    assert errors["v1"] is None and "corrupt" in errors["v2"]
+    with pytest.raises(APIError) as exc:
+        served.resolve("sql@v2", ACME, None)
+    assert exc.value.status == 503
+    served.apply(state(3, rollout), host)  # retried, still failing: still the old version
+    assert served.resolve("sql", ACME, "u1") == "sql@v1"
+    host.failing = set()
+    served.apply(state(4, rollout), host)  # it loads now: it becomes current, the old one goes or stays canary
+    assert ("make_current", "sql@v2") in host.calls and served.resolve("sql", ACME, "u1") in ("sql@v2", "sql@v1")
+    assert served.get("sql").split.stable == "v2" and not served.get("sql").errors
+
+
+def test_a_new_adapter_that_fails_has_nothing_to_fall_back_to():
+    host, served = RecordingHost(failing={"/c/sql/v1"}), ServedAdapters("base")
+    served.apply(state(1, SQL), host)
+    with pytest.raises(APIError) as exc:
+        served.resolve("sql", ACME, None)
+    assert exc.value.status == 503
+
+
 @pytest.mark.parametrize("model", ["sql", "sql@v1", "sql@v9"])
 def test_another_tenants_adapter_is_answered_as_one_that_does_not_exist(model):
     """An answer that differs between "exists, but not yours" and "does not exist" would let any tenant
@@ -201,5 +254,26 @@ def test_a_bad_tokenizer_file_fails_only_its_adapter_with_the_real_engine(tiny_l
         with pytest.raises(APIError) as exc:
             served.resolve("bad", Tenant("t"), None)
         assert exc.value.status == 503 and f"{bad / 'tokenizer.json'}: not a readable tokenizer file" in exc.value.message
+    finally:
+        engine.close()
+
+
+def test_a_failed_rollout_keeps_the_real_engines_current_version(tiny_llama_dir, tmp_path):
+    from lorafleet.worker import Engine, EngineConfig
+    from lorafleet.worker.engine_adapters import EngineAdapters
+    from tests.lora_factory import make_peft_adapter
+
+    good = make_peft_adapter(tiny_llama_dir, tmp_path / "v1", rank=4, seed=1)
+    bad = make_peft_adapter(tiny_llama_dir, tmp_path / "v2", rank=4, seed=2)
+    (bad / "tokenizer.json").write_text("[]")  # valid JSON, not a tokenizer
+    engine = Engine(EngineConfig(model=str(tiny_llama_dir), device="cpu", dtype="float32"))
+    try:
+        host, served = EngineAdapters(engine), ServedAdapters("base")
+        sql = {"name": "sql", "tenant": "t", "stable": {"version": "v1", "uri": str(good)}}
+        served.apply(state(1, sql), host)
+        served.apply(state(2, sql | {"stable": {"version": "v2", "uri": str(bad)}}), host)
+        assert served.resolve("sql", Tenant("t"), None) == "sql@v1"
+        assert engine.adapters() == ["sql@v1"] and engine.adapter_pool.resolve("sql") == "sql@v1"
+        engine.adapter_pool.load("sql@v1")  # it still serves
     finally:
         engine.close()
