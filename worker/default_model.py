@@ -143,7 +143,7 @@ def llama_config(reader) -> dict:
         "max_position_embeddings": int(_field(reader, "llama.context_length", 2048)),
         "rms_norm_eps": float(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
         "rope_theta": float(_field(reader, "llama.rope.freq_base", 10000.0)),
-        "rope_scaling": None,
+        "rope_scaling": _rope_scaling(reader),
         "vocab_size": int(_field(reader, "llama.vocab_size", len(tokens))),
         "tie_word_embeddings": "output.weight" not in names,
         "attention_bias": False,
@@ -156,6 +156,20 @@ def llama_config(reader) -> dict:
     if "rope_freqs.weight" in names:
         raise ConversionError("GGUF carries llama3 rope_freqs; this converter does not handle rope scaling")
     return config
+
+
+def _rope_scaling(reader) -> dict | None:
+    """HF `rope_scaling` from the GGUF's RoPE metadata. Linear scaling is carried over; any other kind is
+    refused rather than dropped, which would serve the model with the wrong positions."""
+    kind = _field(reader, "llama.rope.scaling.type")
+    factor = _field(reader, "llama.rope.scaling.factor")
+    if kind is None and _field(reader, "llama.rope.scale_linear") is not None:  # older llama.cpp spelling
+        kind, factor = "linear", _field(reader, "llama.rope.scale_linear")
+    if kind in (None, "none") or (kind == "linear" and factor == 1.0):
+        return None
+    if kind == "linear" and factor is not None and factor > 0:
+        return {"rope_type": "linear", "factor": float(factor)}
+    raise ConversionError(f"GGUF rope scaling {kind!r} (factor {factor}) is not supported by this converter")
 
 
 def _hf_name(gguf_name: str) -> str:

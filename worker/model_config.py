@@ -62,6 +62,9 @@ class ModelConfig:
             raise ModelConfigError(
                 f"rope type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
             )
+        factor = (self.rope_scaling or {}).get("factor")
+        if rope_type != "default" and not _is_positive(factor):
+            raise ModelConfigError(f"{rope_type} rope scaling needs a positive number \"factor\", got {factor!r}")
 
     @property
     def q_size(self) -> int:
@@ -122,7 +125,7 @@ class ModelConfig:
             raise ModelConfigError(f"{path} not found: a model directory needs config.json")
         raw = read_json(path)
         try:
-            return cls.from_dict(raw, name=Path(model_dir).name)
+            return cls.from_dict(raw, name=_dir_model_name(Path(model_dir)))
         except ModelConfigError as exc:
             raise ModelConfigError(f"{model_dir}: {exc}") from None
 
@@ -137,6 +140,19 @@ class ModelConfig:
         if rope_type == "llama3":
             return _llama3_inv_freq(inv_freq, scaling, self.max_position_embeddings)
         return inv_freq
+
+
+def _is_positive(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+def _dir_model_name(model_dir: Path) -> str:
+    """The model's name for a directory: its folder name, or the repo id of a Hugging Face cache snapshot
+    (`.../models--org--name/snapshots/<commit>` is "org/name", not the commit hash)."""
+    repo = model_dir.parent.parent.name
+    if model_dir.parent.name == "snapshots" and repo.startswith("models--"):
+        return "/".join(repo.split("--")[1:])
+    return model_dir.name
 
 
 def _read_rope(raw: dict) -> tuple[float, dict | None]:

@@ -3,10 +3,15 @@
 Only safetensors are read; a directory holding nothing but pickle checkpoints (`*.bin`, `*.pt`) is
 refused rather than unpickled, and so is an index that names anything but safetensors files inside
 the directory.
+
+A load logs a line per file read (files, bytes and seconds so far): a large sharded model takes minutes,
+and the log shows it advancing rather than hung.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +20,8 @@ from safetensors import SafetensorError, safe_open
 
 from lorafleet.worker.llama import LlamaModel
 from lorafleet.worker.model_config import ModelConfig, ModelConfigError, read_json
+
+log = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -58,13 +65,24 @@ def weight_files(model_dir: str | Path) -> list[Path]:
 
 
 def iter_weights(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    for path in weight_files(model_dir):
+    files = weight_files(model_dir)
+    sizes = [path.stat().st_size for path in files]
+    total, done, start = sum(sizes), 0, time.monotonic()
+    log.info("loading %s: %d safetensors file(s), %s", model_dir, len(files), _gib(total))
+    for i, (path, size) in enumerate(zip(files, sizes, strict=True), 1):
         try:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                     yield name, f.get_tensor(name)
         except SafetensorError as exc:  # truncated or not a safetensors file at all
             raise ModelConfigError(f"{path} is not a readable safetensors file: {exc}") from None
+        done += size
+        log.info("loaded %s: file %d/%d, %s of %s in %.1f s", path.name, i, len(files), _gib(done), _gib(total),
+                 time.monotonic() - start)
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB"
 
 
 def load_model(

@@ -1,5 +1,6 @@
 """adapter_config.json of a PEFT LoRA adapter: read, and refused when it asks for what this server
-cannot serve (DoRA, modules_to_save, embedding or lm_head LoRA, biases, non-finite ranks or alphas, ...).
+cannot serve (DoRA, modules_to_save, embedding or lm_head LoRA, biases, non-finite ranks or alphas,
+PiSSA-style initialisations that change the base weights, ...).
 The weights file is checked against it in worker/peft_adapter.py."""
 
 from __future__ import annotations
@@ -47,6 +48,15 @@ def refuse_unsupported(config: dict, where: Path) -> None:
         (config.get("alora_invocation_tokens"), "activated LoRA (alora_invocation_tokens)",
          "train a plain LoRA adapter"),
         (config.get("use_qalora"), "QA-LoRA (use_qalora=true)", "train a plain LoRA adapter"),
+        (_is_set(config.get("use_bdlora")), "block-diagonal LoRA (use_bdlora)", "train a plain LoRA adapter"),
+        (_is_set(config.get("kasa_config")), "KaSA (kasa_config): it truncates the base weights",
+         "train a plain LoRA adapter"),
+        (_is_set(config.get("arrow_config")), "Arrow routing (arrow_config)", "serve each LoRA expert as its own adapter"),
+        (_changes_base_weights(config.get("init_lora_weights")),
+         f"init_lora_weights={config.get('init_lora_weights')!r}: this initialisation subtracts its initial "
+         f"B @ A from the base weights, so the adapter only fits that residual base, not the served one",
+         "convert it into a plain LoRA when saving (PEFT save_pretrained with "
+         "path_initial_model_for_weight_conversion), which gives init_lora_weights=true"),
     ]
     for bad, what, todo in checks:
         if bad:
@@ -64,6 +74,21 @@ def refuse_unsupported(config: dict, where: Path) -> None:
         if not isinstance(pattern, dict) or not all(_is_positive_number(v) for v in pattern.values()):
             raise AdapterError(f"{where}: {name} must map module-name patterns to finite positive numbers, "
                                f"got {pattern!r}")
+
+
+# Initialisations after which PEFT trains against a modified base (W - scale * B0 @ A0, or a quantized W):
+# the adapter's B @ A is only right on top of that base, not on the served one (PEFT's loader redoes the
+# change for PiSSA/CorDA/OLoRA; converted adapters say init_lora_weights=true).
+BASE_CHANGING_INITS = ("pissa", "corda", "olora", "lora_ga", "loftq")
+
+
+def _is_set(value: Any) -> bool:
+    """A sub-config is on whenever present: an empty one ({}) means all its defaults."""
+    return value is not None and value is not False
+
+
+def _changes_base_weights(init: Any) -> bool:
+    return isinstance(init, str) and init.lower().startswith(BASE_CHANGING_INITS)
 
 
 def _refuse_malformed(config: dict, where: Path) -> None:

@@ -68,11 +68,14 @@ def tiny_hf_model(tie: bool):
     return model
 
 
-def write_tiny_gguf(path, model) -> None:
+def write_tiny_gguf(path, model, rope_scaling: tuple[str, float] | None = None) -> None:
     """A llama GGUF as llama.cpp writes it; layer 1's ffn_up is Q4_1 (the model is set to its
-    dequantized value so the model stays the ground truth)."""
+    dequantized value so the model stays the ground truth). rope_scaling: (llama.cpp type, factor)."""
     cfg = model.config
     w = gguf.GGUFWriter(str(path), "llama")
+    if rope_scaling is not None:
+        w.add_rope_scaling_type(gguf.RopeScalingType(rope_scaling[0]))
+        w.add_rope_scaling_factor(rope_scaling[1])
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -146,6 +149,23 @@ def test_tiny_gguf_converts_to_the_model_it_came_from(tiny, tmp_path):
     ids = torch.tensor([[5, 17, 42, 99, 3, 150, 200, 7, 8, 9]])
     with torch.no_grad():
         torch.testing.assert_close(converted(ids).logits, model(ids).logits, rtol=0, atol=1e-5)
+
+
+def test_linear_rope_scaling_is_carried_over_and_other_kinds_refused(tmp_path):
+    model = tiny_hf_model(tie=True)
+    write_tiny_gguf(tmp_path / "linear.gguf", model, rope_scaling=("linear", 4.0))
+    out = convert_gguf(tmp_path / "linear.gguf", tmp_path / "out", progress=False)
+    converted = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    scaled_config = transformers.LlamaConfig.from_dict({
+        **model.config.to_dict(), "rope_parameters": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}})
+    scaled = transformers.LlamaForCausalLM(scaled_config).eval()
+    scaled.load_state_dict(model.state_dict())
+    ids = torch.tensor([[5, 17, 42, 99, 3, 150, 200, 7, 8, 9]])
+    with torch.no_grad():
+        torch.testing.assert_close(converted(ids).logits, scaled(ids).logits, rtol=0, atol=1e-5)
+    write_tiny_gguf(tmp_path / "yarn.gguf", tiny_hf_model(tie=True), rope_scaling=("yarn", 4.0))
+    with pytest.raises(ConversionError, match="rope scaling 'yarn'"):
+        convert_gguf(tmp_path / "yarn.gguf", tmp_path / "out2", progress=False)
 
 
 def test_rope_rows_are_unpermuted_not_just_copied(tmp_path):

@@ -83,3 +83,23 @@ def test_config_json_it_cannot_read_is_refused_naming_the_file(tmp_path, text, m
     with pytest.raises(ModelConfigError, match=match) as exc:
         ModelConfig.from_dir(tmp_path)
     assert str(tmp_path) in str(exc.value)
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "llama3"}, {"type": "linear"}, {"rope_type": "linear", "factor": "2"},
+                                  {**LLAMA3, "rope_type": "llama3", "factor": 0}])
+def test_rope_scaling_without_a_usable_factor_is_refused_naming_it(rope):
+    with pytest.raises(ModelConfigError, match="factor"):
+        ModelConfig.from_dict({**BASE, "rope_scaling": rope})
+
+
+def test_hugging_face_cache_snapshot_is_named_by_its_repo_id(tmp_path):
+    """A model served from the HF cache is named for its repo, not its commit hash, so adapters trained on
+    that repo pass the base-model check."""
+    snapshot = tmp_path / "models--org--tiny-llama" / "snapshots" / ("0123abcd" * 5)
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text(json.dumps(BASE))
+    assert ModelConfig.from_dir(snapshot).name == "org/tiny-llama"
+    plain = tmp_path / "Tiny-Llama"
+    plain.mkdir()
+    (plain / "config.json").write_text(json.dumps(BASE))
+    assert ModelConfig.from_dir(plain).name == "Tiny-Llama"

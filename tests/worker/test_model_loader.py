@@ -100,3 +100,15 @@ def test_truncated_safetensors_is_refused(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(ModelConfigError, match="not a readable safetensors file"):
         list(iter_weights(tmp_path))
+
+
+def test_a_load_logs_its_progress_file_by_file(tmp_path, caplog):
+    save_file({"a": torch.zeros(2)}, str(tmp_path / "model-00001-of-00002.safetensors"))
+    save_file({"b": torch.ones(3)}, str(tmp_path / "model-00002-of-00002.safetensors"))
+    write_index(tmp_path, {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"})
+    with caplog.at_level("INFO", logger="lorafleet.worker.model_loader"):
+        assert len(list(iter_weights(tmp_path))) == 2
+    lines = [r.getMessage() for r in caplog.records]
+    assert "2 safetensors file(s)" in lines[0]
+    assert "model-00001-of-00002.safetensors: file 1/2" in lines[1]
+    assert "model-00002-of-00002.safetensors: file 2/2" in lines[2]

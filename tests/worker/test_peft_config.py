@@ -46,3 +46,74 @@ def test_well_formed_optional_fields_still_load(tmp_path):
     w = load_peft_adapter(tmp_path / "x", tiny_base().config.to_dict(), dtype=torch.float32)
     assert sorted(w.modules) == [(1, "q_proj"), (1, "v_proj")]
     assert w.modules[(1, "q_proj")].scale == 4.0 and w.modules[(1, "v_proj")].scale == 2.0
+
+
+def _trained(pm, seed: int = 0):
+    """Random non-zero steps on every LoRA weight, as training would leave them."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_" in name:
+                p.add_(0.2 * torch.randn(p.shape, generator=g))
+    return pm.eval()
+
+
+@pytest.mark.parametrize("init", ["pissa", "pissa_niter_4", "olora"])
+def test_adapter_trained_against_a_changed_base_is_refused(init, tmp_path):
+    """PiSSA/OLoRA subtract their initial B @ A from the base weights: on the served, unmodified base the
+    adapter's outputs differ from PEFT's, so it is refused, naming the way to convert it."""
+    import peft
+
+    from tests.worker.test_peft_adapter import tiny_base
+
+    pm = peft.get_peft_model(tiny_base(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                          init_lora_weights=init, lora_dropout=0.0))
+    _trained(pm).save_pretrained(str(tmp_path / "x"))
+    with pytest.raises(AdapterError, match=f"init_lora_weights='{init}'.*path_initial_model_for_weight_conversion"):
+        load_peft_adapter(tmp_path / "x", tiny_base().config.to_dict(), dtype=torch.float32)
+
+
+def test_pissa_adapter_converted_to_plain_lora_loads_and_matches_peft(tmp_path):
+    import peft
+
+    from tests.worker.test_peft_adapter import IDS, tiny_base, unmerged_logits
+
+    pm = peft.get_peft_model(tiny_base(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                          init_lora_weights="pissa", lora_dropout=0.0))
+    pm.peft_config["default"].init_lora_weights = True
+    pm.save_pretrained(str(tmp_path / "init"))
+    pm.peft_config["default"].init_lora_weights = "pissa"
+    _trained(pm).save_pretrained(str(tmp_path / "x"), path_initial_model_for_weight_conversion=str(tmp_path / "init"))
+    with torch.no_grad():
+        trained = pm(IDS).logits
+    w = load_peft_adapter(tmp_path / "x", tiny_base().config.to_dict(), dtype=torch.float32)
+    assert w.ranks == {8}  # the conversion doubles the rank
+    torch.testing.assert_close(unmerged_logits(w, IDS), trained, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize(("changes", "what"), [
+    ({"use_bdlora": {"target_modules_bd_a": ["q_proj"], "nblocks": 2}}, "block-diagonal"),
+    ({"kasa_config": {}}, "KaSA"),
+    ({"arrow_config": {"top_k": 2}}, "Arrow"),
+    ({"init_lora_weights": "corda"}, "corda"),
+    ({"init_lora_weights": "loftq"}, "loftq"),
+    ({"init_lora_weights": "lora_ga"}, "lora_ga"),
+])
+def test_variants_that_change_the_forward_are_refused_by_config(changes, what, tmp_path):
+    from tests.worker.test_peft_adapter import tiny_base
+
+    make_adapter(tmp_path / "x", r=4, lora_alpha=8, target_modules=["q_proj"])
+    config_path = tmp_path / "x" / "adapter_config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), **changes}))
+    with pytest.raises(AdapterError, match=f"{what}.*not supported"):
+        load_peft_adapter(tmp_path / "x", tiny_base().config.to_dict(), dtype=torch.float32)
+
+
+@pytest.mark.parametrize("init", [True, False, "gaussian", "eva", "orthogonal", "mica"])
+def test_initialisations_that_keep_the_base_still_load(init, tmp_path):
+    from tests.worker.test_peft_adapter import tiny_base
+
+    make_adapter(tmp_path / "x", r=4, lora_alpha=8, target_modules=["q_proj"])
+    config_path = tmp_path / "x" / "adapter_config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "init_lora_weights": init}))
+    assert load_peft_adapter(tmp_path / "x", tiny_base().config.to_dict(), dtype=torch.float32).ranks == {4}
