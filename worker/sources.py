@@ -33,6 +33,7 @@ from pathlib import Path, PurePosixPath
 
 from lorafleet.worker.file_limits import MAX_FILE_BYTES, FileLimitError, check_file, check_size, read_chunks
 from lorafleet.worker.source_error import SourceError, read_error
+from lorafleet.worker.stager_digests import LocalDigests
 from lorafleet.worker.vocab_digest import TOKENIZER_FILES
 
 CONFIG_FILE = "adapter_config.json"
@@ -125,6 +126,7 @@ class Sources:
         self.config = config
         self._roots = [Path(r).resolve() for r in config.local_roots]
         self._client = None
+        self.digests = LocalDigests()  # of local folders: an unchanged one is not read again
 
     # ---- checks --------------------------------------------------------------------------------
     def is_s3(self, uri: str) -> bool:
@@ -215,13 +217,16 @@ class Sources:
         """The digest of the local adapter directory `path` (as `verify_digest`). Every file the engine may
         read from it is held to the size limit first, by stat alone: a huge or endless file (a FIFO, a
         device) is refused before a byte of any of them is read. A folder without one of the two adapter
-        files is a missing source, as an S3 prefix without it is."""
+        files is a missing source, as an S3 prefix without it is. Files unchanged since an earlier call
+        are not read again (worker/stager_digests.py)."""
         with _as_source_error(path):
             present = [n for n in STAGED_FILES if _stat(path / n) is not None]
             _refuse_missing(where, [n for n in ADAPTER_FILES if n not in present])
             for name in present:
                 check_file(path / name, self.config.max_adapter_file_bytes, fix=RAISE_LIMIT)
-        return verify_digest(path, sha256, where, self.config.max_adapter_file_bytes)
+        digest = self.digests.digest(path, ADAPTER_FILES,
+                                     lambda: adapter_digest(path, self.config.max_adapter_file_bytes))
+        return _check_digest(digest, sha256, where)
 
     def object_etags(self, uri: str) -> Etags:
         """(name, etag) of the staged files (`STAGED_FILES`, tokenizer files included) under an S3 prefix:
@@ -262,7 +267,10 @@ def adapter_digest(path: Path, max_file_bytes: int | None = None) -> str:
 def verify_digest(path: Path, sha256: str | None, where: str, max_file_bytes: int | None = None) -> str:
     """The directory's digest (files held to `max_file_bytes` as in `adapter_digest`); raises SourceError
     when `sha256` is given and differs."""
-    digest = adapter_digest(path, max_file_bytes)
+    return _check_digest(adapter_digest(path, max_file_bytes), sha256, where)
+
+
+def _check_digest(digest: str, sha256: str | None, where: str) -> str:
     if sha256 is not None and digest != sha256.lower():
         raise SourceError(f"{where}: sha256 mismatch: expected {sha256}, the files hash to {digest} "
                           f"(corrupt or changed upload; fix the object or the directive's sha256)", "digest_mismatch")

@@ -33,6 +33,7 @@ import hmac
 import logging
 import re
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +55,8 @@ from lorafleet.worker.openai_protocol import APIError
 from lorafleet.worker.sources import Etags, SourceError, Sources, verify_digest
 from lorafleet.worker.staged_copy import DIGEST_FILE, Staged, verify_staged_copy
 from lorafleet.worker.stager_config import StagerConfig
-from lorafleet.worker.stager_metrics import StagerMetrics
+from lorafleet.worker.stager_locks import KeyLocks
+from lorafleet.worker.stager_metrics import StagerMetrics, progress_by_uri
 from lorafleet.worker.stager_seed import SeedReport, seed, seed_until_done
 from lorafleet.worker.staging_errors import staging_error
 from lorafleet.worker.tenants import bearer_token, token_bytes
@@ -62,6 +64,7 @@ from lorafleet.worker.tenants import bearer_token, token_bytes
 log = logging.getLogger("lorafleet.stager")
 _SHA256_HEX = re.compile(r"[0-9a-fA-F]{64}")  # anything else could never match, nor name a cache entry
 _STALL_GRACE_S = 120.0  # beyond download_timeout_s: listings are bounded by the client's read timeouts and retries
+RECENT_DOWNLOADS = 100  # download times kept for `disk_stats` (all of them: the histogram in /metrics)
 
 
 class Stager:
@@ -69,12 +72,12 @@ class Stager:
         self.config = config
         self.sources = Sources(config.sources_config())
         self.cache = DiskCache(Path(config.stager_cache_dir), config.stager_cache_bytes)
-        self._locks: dict[str, asyncio.Lock] = {}
+        self._locks = KeyLocks()  # per cache key, while in use
         self._flights: dict[tuple[str, str], asyncio.Future] = {}  # (cache key, uri) -> its stage in progress
         self._by_uri: dict[str, str] = {}  # uri -> cache key of its last staged copy (store-down fallback)
         self.counts = {"downloads": 0, "download_bytes": 0, "hits": 0, "misses": 0, "failures": 0}
-        self.download_seconds: list[float] = []
-        self.downloading: dict[str, tuple[int, int]] = {}  # uri -> (bytes done, bytes total), while in progress
+        self.download_seconds: deque[float] = deque(maxlen=RECENT_DOWNLOADS)
+        self.downloading: dict[str, tuple[str, int, int]] = {}  # cache key -> (uri, bytes done, total), in progress
         self.generation = 0
         self.desired: DesiredState | None = None
         self.forwarded: dict[str, AdapterDirective] = {}  # name -> directive with local paths
@@ -94,11 +97,10 @@ class Stager:
         `stage_lease_s`, as the engine loads from the path after it is handed out."""
         if sha256 is not None:
             sha256 = sha256.lower()
-        if not self.sources.is_s3(uri):
-            path = self.sources.local_path(uri)
-            digest = await asyncio.to_thread(self.sources.verify_local, path, sha256, uri)
+        if not self.sources.is_s3(uri):  # off the event loop: a slow or hung mount must not stop the stager
+            staged = await asyncio.to_thread(self._local, uri, sha256)
             self.metrics.requests.labels("local").inc()
-            return Staged(path, digest, cached=True)
+            return staged
         self.sources.check_s3(uri)
         etags = None  # what the key names: the download must fetch exactly these objects
         if sha256 is not None:
@@ -135,6 +137,10 @@ class Stager:
         self._count_request("hit" if staged.cached else "miss")
         return staged
 
+    def _local(self, uri: str, sha256: str | None) -> Staged:
+        path = self.sources.local_path(uri)
+        return Staged(path, self.sources.verify_local(path, sha256, uri), cached=True)
+
     def _landed(self, flight_key: tuple[str, str], flight: asyncio.Future) -> None:
         if self._flights.get(flight_key) is flight:
             del self._flights[flight_key]
@@ -146,8 +152,7 @@ class Stager:
         self.metrics.requests.labels(outcome).inc()
 
     async def _stage_key(self, uri: str, sha256: str | None, key: str, etags: Etags | None = None) -> Staged:
-        lock = self._locks.setdefault(key, asyncio.Lock())
-        async with lock:  # one cache key, other URIs: the second finds the first's copy
+        async with self._locks.hold(key):  # one cache key, other URIs: the second finds the first's copy
             path = self.cache.get(key)
             if path is not None and key in self.cache.unverified:
                 path = await asyncio.to_thread(verify_staged_copy, self.cache, key)
@@ -177,7 +182,7 @@ class Stager:
 
     def _download(self, uri: str, sha256: str | None, key: str, deadline: float, etags: Etags | None) -> Path:
         def progress(done: int, total: int) -> None:
-            self.downloading[uri] = (done, total)
+            self.downloading[key] = (uri, done, total)  # by key: one URI may be downloaded under two at once
 
         def fill(tmp: Path) -> None:
             self.sources.download(uri, tmp, progress=progress, deadline=deadline, etags=etags)
@@ -187,7 +192,7 @@ class Stager:
         try:
             return self.cache.put(key, fill, protect=self._protected)
         finally:
-            self.downloading.pop(uri, None)
+            self.downloading.pop(key, None)
 
     def _protected(self) -> set[str]:
         """Cache keys not to evict: the copies the engine is served, the push in progress's, and leased ones.
@@ -262,11 +267,13 @@ class Stager:
                 report = ReportedState(error=f"engine unreachable: {exc}")
         else:
             report = ReportedState(generation_applied=self.generation)
-        for (name, version), s in self.staged.items():
-            found = report.find(name, version)
-            if found is None:
-                report.adapters.append(AdapterState(name, version, tier="disk", bytes=dir_bytes(s.path)))
-            elif found.tier == "none":
+        staged = dict(self.staged)
+        unloaded = [key for key in staged if report.find(*key) is None]
+        # Sized off the event loop: a local source's folder may be on a slow mount.
+        sizes = await asyncio.to_thread(lambda: [dir_bytes(staged[key].path) for key in unloaded])
+        report.adapters += [AdapterState(*key, tier="disk", bytes=b) for key, b in zip(unloaded, sizes, strict=True)]
+        for key in staged:
+            if (found := report.find(*key)).tier == "none":
                 found.tier = "disk"
         for (name, version), message in self.errors.items():
             found = report.find(name, version)
@@ -279,8 +286,7 @@ class Stager:
     def disk_stats(self) -> dict[str, Any]:
         return {"cache_bytes": self.cache.used_bytes, "cache_entries": len(self.cache.entries()),
                 "cache_evictions": self.cache.evictions, **self.counts,
-                "downloading": {u: {"done": d, "total": t} for u, (d, t) in list(self.downloading.items())},
-                "download_seconds": list(self.download_seconds[-100:])}
+                "downloading": progress_by_uri(self.downloading), "download_seconds": list(self.download_seconds)}
 
     async def seed(self, uri: str) -> SeedReport:
         """Serve every adapter folder under `uri` that stages, report the others (worker/stager_seed.py)."""
@@ -331,7 +337,7 @@ async def post_stage(request: web.Request) -> web.Response:
         raise
     except Exception as exc:
         raise staging_error(exc, uri) from None
-    return web.json_response(staged.to_dict())
+    return web.json_response(await asyncio.to_thread(staged.to_dict))  # sizes a local source's folder
 
 
 async def put_directives(request: web.Request) -> web.Response:

@@ -1,5 +1,6 @@
 """StagerMetrics: the stager's Prometheus registry (`GET /metrics`, `lorafleet_stager_*`): the disk
-tier's hits and misses, downloads, bytes, failures, download latency, cache bytes and entries."""
+tier's hits and misses, downloads, bytes, failures, download latency, cache bytes and entries; and the
+progress of the downloads in progress, as `GET /v1/state` reports it."""
 
 from __future__ import annotations
 
@@ -22,3 +23,13 @@ class StagerMetrics:
             lambda: cache.used_bytes)
         Gauge("lorafleet_stager_cache_entries", "Adapters in the node-local disk cache", registry=r).set_function(
             lambda: len(cache.entries()))
+
+
+def progress_by_uri(downloading: dict[str, tuple[str, int, int]]) -> dict[str, dict[str, int]]:
+    """The downloads in progress (cache key -> (uri, bytes done, bytes total)) by URI: bytes done and total.
+    A URI downloaded under two cache keys at once (with and without its sha256): the two added."""
+    by_uri: dict[str, dict[str, int]] = {}
+    for uri, done, total in list(downloading.values()):  # a copy: download threads change it
+        p = by_uri.setdefault(uri, {"done": 0, "total": 0})
+        p["done"], p["total"] = p["done"] + done, p["total"] + total
+    return by_uri

@@ -116,8 +116,8 @@ async def test_a_slow_store_times_out_reports_progress_and_leaves_nothing(s3, ad
         task = asyncio.ensure_future(stager.stage(uri, sha))
         seen = []
         while not task.done():  # the download's progress is visible while it runs
-            if uri in stager.downloading:
-                seen.append(stager.downloading[uri])
+            if uri in (progress := stager.disk_stats()["downloading"]):
+                seen.append((progress[uri]["done"], progress[uri]["total"]))
             await asyncio.sleep(0.02)
         with pytest.raises(TimeoutError):
             await task

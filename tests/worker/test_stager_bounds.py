@@ -1,0 +1,225 @@
+"""The stager over a long life: local sources never block its event loop (a hung network mount leaves
+`/healthz` answering), what it keeps per download and per cache key stays bounded, progress is kept per
+download, and an unchanged local adapter is not read again on every push. No object store is needed:
+the download is replaced where a test needs one."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import lorafleet.worker.sources as sources_module
+from lorafleet.worker.directives import AdapterDirective, DesiredState, VersionRef
+from lorafleet.worker.sources import CONFIG_FILE, WEIGHTS_FILE, adapter_digest
+from lorafleet.worker.stager import RECENT_DOWNLOADS, STAGER, Stager, create_app
+from lorafleet.worker.stager_config import StagerConfig
+from lorafleet.worker.stager_digests import LocalDigests
+from lorafleet.worker.stager_locks import KeyLocks
+
+TOKEN = "t" * 20
+WEIGHTS = b"w" * 4096
+
+
+def config(tmp_path: Path) -> StagerConfig:
+    return StagerConfig(stager_token=TOKEN, stager_cache_dir=str(tmp_path / "cache"), s3_allow=["adapters/team/"],
+                        s3_endpoint="127.0.0.1:9", s3_secure=False, local_roots=[str(tmp_path / "local")])
+
+
+def fake_adapter(path: Path, weights: bytes = WEIGHTS) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / CONFIG_FILE).write_text('{"r": 4}')
+    (path / WEIGHTS_FILE).write_bytes(weights)
+    return path
+
+
+def settled(folder: Path) -> Path:
+    """`folder` with its adapter's files as if written a minute ago (the digest of a file written a moment
+    ago is not kept: it may still be being written)."""
+    then = time.time_ns() - 60 * 10**9
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        os.utime(folder / name, ns=(then, then))
+    return folder
+
+
+class FakeStore:
+    """Stands in for the object store: every prefix holds the same adapter; a download can be held."""
+
+    def __init__(self, stager: Stager, monkeypatch, *, hold: bool = False) -> None:
+        self.hold, self.calls = hold, []  # (cache entry's temp dir name, its release)
+        self.started = threading.Semaphore(0)
+        monkeypatch.setattr(stager.sources, "download", self.download)
+        monkeypatch.setattr(stager.sources, "object_etags", lambda uri: [(uri + WEIGHTS_FILE, "etag-" + uri)])
+
+    def download(self, uri: str, dest: Path, *, progress=None, deadline=None, etags=None) -> Path:
+        release = threading.Event()
+        self.calls.append((dest.name, release))
+        if progress is not None:
+            progress(len(WEIGHTS) // 2, len(WEIGHTS))
+        self.started.release()
+        if self.hold:
+            assert release.wait(10)
+        return fake_adapter(dest)
+
+    def release(self, key_start: str) -> None:
+        """Let the held download of the cache key starting with `key_start` finish."""
+        next(release for name, release in self.calls if name.startswith(".tmp-" + key_start)).set()
+
+
+@pytest.mark.parametrize("slow", ["local_path", "hashing"])
+async def test_a_hung_local_mount_leaves_the_stager_answering(aiohttp_client, tmp_path, monkeypatch, slow):
+    """Resolving, listing and hashing a local folder run off the event loop: while they hang, `/healthz`
+    answers; once they return, the stage completes."""
+    folder = fake_adapter(tmp_path / "local" / "a")
+    sha = adapter_digest(folder)
+    client = await aiohttp_client(create_app(config(tmp_path)))
+    entered, released, late = threading.Event(), threading.Event(), []
+
+    def hung(real):
+        def call(*args, **kwargs):
+            entered.set()
+            if not released.wait(5):
+                late.append(real.__name__)  # nothing else ran meanwhile: it blocked the event loop
+            return real(*args, **kwargs)
+        return call
+
+    if slow == "local_path":
+        sources = client.app[STAGER].sources
+        monkeypatch.setattr(sources, "local_path", hung(sources.local_path))
+    else:
+        monkeypatch.setattr(sources_module, "adapter_digest", hung(sources_module.adapter_digest))
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    staging = asyncio.ensure_future(client.post("/v1/stage", json={"uri": str(folder), "sha256": sha},
+                                                headers=headers))
+    assert await asyncio.to_thread(entered.wait, 10)
+    health = await asyncio.wait_for(client.get("/healthz"), 10)
+    assert health.status == 200 and late == [] and not staging.done()
+    released.set()
+    resp = await asyncio.wait_for(staging, 10)
+    body = await resp.json()
+    assert resp.status == 200 and body["path"] == str(folder.resolve()) and body["sha256"] == sha, body
+
+
+async def test_download_times_and_key_locks_stay_bounded(tmp_path, monkeypatch):
+    """Every download adds a time and takes its cache key's lock: the stager keeps the recent times only
+    (the histogram in /metrics counts them all) and no lock of a key nobody is staging."""
+    stager = Stager(config(tmp_path))
+    FakeStore(stager, monkeypatch)
+    n = RECENT_DOWNLOADS + 20
+    for i in range(n):
+        assert not (await stager.stage(f"s3://adapters/team/a{i}/", None)).cached
+    assert stager.counts["downloads"] == n and len(stager.download_seconds) == RECENT_DOWNLOADS
+    assert len(stager.disk_stats()["download_seconds"]) == RECENT_DOWNLOADS
+    assert stager.registry.get_sample_value("lorafleet_stager_download_seconds_count") == n
+    assert len(stager._locks) == 0
+
+
+async def test_one_cache_key_under_two_uris_is_downloaded_once(tmp_path, monkeypatch):
+    stager = Stager(config(tmp_path))
+    store = FakeStore(stager, monkeypatch)
+    sha = adapter_digest(fake_adapter(tmp_path / "template"))
+    first, second = await asyncio.gather(stager.stage("s3://adapters/team/x/", sha),
+                                         stager.stage("s3://adapters/team/y/", sha))
+    assert first.path == second.path and sorted((first.cached, second.cached)) == [False, True]
+    assert len(store.calls) == 1 and stager.counts["downloads"] == 1 and len(stager._locks) == 0
+
+
+async def test_key_locks_serialize_one_key_and_are_dropped_once_unused():
+    """A lock is dropped only when nobody holds or waits on it: one that arrives as the holder lets go
+    still waits for the waiter before it, and a waiter that gives up leaves nothing behind."""
+    locks, inside, most, order = KeyLocks(), [], [0], []
+    gates = {name: asyncio.Event() for name in "abcd"}
+
+    async def stage(name: str) -> None:
+        async with locks.hold("k"):
+            inside.append(name)
+            most[0] = max(most[0], len(inside))
+            order.append(name)
+            await gates[name].wait()
+            inside.remove(name)
+
+    a = asyncio.ensure_future(stage("a"))
+    b = asyncio.ensure_future(stage("b"))
+    gone = asyncio.ensure_future(stage("gone"))
+    while order != ["a"] or len(locks) != 1:
+        await asyncio.sleep(0)
+    gone.cancel()
+    gates["a"].set()
+    c = asyncio.ensure_future(stage("c"))  # arrives as `a` lets go, before `b` runs
+    for gate in ("b", "c"):
+        gates[gate].set()
+    await asyncio.gather(a, b, c)
+    assert gone.cancelled() and order == ["a", "b", "c"] and most == [1] and len(locks) == 0
+
+
+async def test_progress_is_kept_per_download_not_per_uri(tmp_path, monkeypatch):
+    """One URI staged with and without its sha256 is two downloads (two cache keys): each one's progress is
+    reported until it ends, whichever ends first."""
+    uri = "s3://adapters/team/a/"
+    stager = Stager(config(tmp_path))
+    store = FakeStore(stager, monkeypatch, hold=True)
+    sha = adapter_digest(fake_adapter(tmp_path / "template"))
+    by_digest = asyncio.ensure_future(stager.stage(uri, sha))
+    by_etags = asyncio.ensure_future(stager.stage(uri, None))
+    for _ in range(2):
+        assert await asyncio.to_thread(store.started.acquire, True, 10)
+    half, size = len(WEIGHTS) // 2, len(WEIGHTS)
+    assert stager.disk_stats()["downloading"] == {uri: {"done": 2 * half, "total": 2 * size}}
+    store.release(sha)
+    assert (await asyncio.wait_for(by_digest, 10)).sha256 == sha
+    assert stager.disk_stats()["downloading"] == {uri: {"done": half, "total": size}}  # the other one's
+    store.release("u-")
+    assert (await asyncio.wait_for(by_etags, 10)).sha256 == sha
+    assert stager.disk_stats()["downloading"] == {} and stager.counts["downloads"] == 2
+
+
+async def test_an_unchanged_local_adapter_is_not_read_again_on_every_push(tmp_path, monkeypatch):
+    folder = settled(fake_adapter(tmp_path / "local" / "a"))
+    sha = adapter_digest(folder)
+    stager = Stager(config(tmp_path))
+    hashed = []
+    real = sources_module.adapter_digest
+    monkeypatch.setattr(sources_module, "adapter_digest", lambda path, *a: hashed.append(path) or real(path, *a))
+
+    async def push(generation: int) -> str | None:
+        ref = VersionRef("v1", str(folder), sha)
+        report = await stager.apply(DesiredState(generation, [AdapterDirective("a", "t", ref)]))
+        return report.find("a", "v1").error
+
+    assert await push(1) is None and len(hashed) == 1
+    assert await push(2) is None and len(hashed) == 1  # unchanged: not read again
+    os.utime(folder / WEIGHTS_FILE)  # touched
+    assert await push(3) is None and len(hashed) == 2
+    settled(folder)
+    assert await push(4) is None and len(hashed) == 3
+    assert await push(5) is None and len(hashed) == 3
+    # Replaced by an upload that keeps the size and the old modification time (cp -p, rsync -t): hashed again.
+    mtime = (folder / WEIGHTS_FILE).stat().st_mtime_ns
+    new = fake_adapter(tmp_path / "upload", b"v" * len(WEIGHTS)) / WEIGHTS_FILE
+    os.utime(new, ns=(mtime, mtime))
+    os.replace(new, folder / WEIGHTS_FILE)
+    error = await push(6)
+    assert len(hashed) == 4 and error is not None and "sha256 mismatch" in error, error
+    assert stager.forwarded["a"].stable.sha256 == sha  # what was served keeps being served
+
+
+def test_local_digests_wait_for_files_to_settle_and_stay_bounded(tmp_path):
+    computed = []
+    digests = LocalDigests(max_folders=2)
+    folders = [fake_adapter(tmp_path / name) for name in "abc"]
+
+    def digest(folder: Path) -> str:
+        return digests.digest(folder, (CONFIG_FILE, WEIGHTS_FILE), lambda: computed.append(folder) or folder.name)
+
+    assert [digest(folders[0]) for _ in range(2)] == ["a", "a"] and len(computed) == 2  # fresh: read each time
+    for folder in folders:
+        settled(folder)
+        digest(folder)
+    assert len(computed) == 5 and len(digests) == 2  # `a`, the least recently used, went
+    assert [digest(f) for f in folders[1:]] == ["b", "c"] and len(computed) == 5
+    digest(folders[0])
+    assert len(computed) == 6
