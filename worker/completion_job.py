@@ -47,13 +47,15 @@ class CompletionJob:
         return len(self.params)
 
     def add_choices(self, max_model_len: int, vocab_size: int | None = None) -> None:
-        """One SamplingParams per (prompt, n); refuses prompts that do not fit the context, and `logit_bias`
-        token ids outside the vocabulary (as vLLM does), with a 400."""
+        """One SamplingParams per (prompt, n); refuses prompts that do not fit the context, `min_tokens` beyond
+        what the context leaves, and `logit_bias` or `stop_token_ids` token ids outside the vocabulary (as vLLM
+        does), with a 400."""
         o = self.options
-        bad = out_of_vocab(o.logit_bias, vocab_size) if vocab_size is not None else []
-        if bad:
-            raise APIError(400, f"'logit_bias' names token ids outside the vocabulary (0..{vocab_size - 1}): "
-                                f"{', '.join(map(str, bad[:5]))}", code="invalid_value", param="logit_bias")
+        for param, token_ids in (("logit_bias", o.logit_bias), ("stop_token_ids", o.stop_token_ids)):
+            bad = out_of_vocab(token_ids, vocab_size) if vocab_size is not None else []
+            if bad:
+                raise APIError(400, f"'{param}' names token ids outside the vocabulary (0..{vocab_size - 1}): "
+                                    f"{', '.join(map(str, bad[:5]))}", code="invalid_value", param=param)
         for p, ids in enumerate(self.prompt_ids):
             if len(ids) >= max_model_len:
                 raise APIError(400, f"This model's maximum context length is {max_model_len} tokens; the prompt "
@@ -65,13 +67,19 @@ class CompletionJob:
                                     f"{len(ids) + max_tokens} ({len(ids)} in the prompt, {max_tokens} to generate). "
                                     f"Lower {o.max_tokens_param} or shorten the prompt.",
                                code="context_length_exceeded", param=o.max_tokens_param)
+            if o.min_tokens > max_tokens:  # max_tokens unset: the context left after this prompt bounds it
+                raise APIError(400, f"'min_tokens' ({o.min_tokens}) is more than the {max_tokens} tokens this "
+                                    f"prompt leaves of the model's context ({max_model_len} tokens)",
+                               code="invalid_value", param="min_tokens")
             for j in range(o.n):
                 seed = None if o.seed is None else o.seed + j  # n choices with one seed must still differ
                 self.params.append(SamplingParams(
                     max_tokens=max_tokens, temperature=o.temperature, top_p=o.top_p, top_k=o.top_k, seed=seed,
                     stop=list(o.stop), logprobs=o.logprobs, ignore_eos=o.ignore_eos,
                     presence_penalty=o.presence_penalty, frequency_penalty=o.frequency_penalty,
-                    repetition_penalty=o.repetition_penalty, logit_bias=o.logit_bias, min_p=o.min_p))
+                    repetition_penalty=o.repetition_penalty, logit_bias=o.logit_bias, min_p=o.min_p,
+                    stop_token_ids=list(o.stop_token_ids), include_stop_str_in_output=o.include_stop_str_in_output,
+                    min_tokens=o.min_tokens, skip_special_tokens=o.skip_special_tokens))
                 self.choice_prompt.append(p)
 
     def usage(self, completion_tokens: int) -> dict[str, int]:

@@ -8,7 +8,8 @@ decodes to U+FFFD; its text waits until the character is complete. Running examp
 tokens [c3, a9]: after c3 the window decodes to "\ufffd" (nothing appended); after a9 to "é".
 While the window starts at the first output token, the last prompt tokens are its context (as vLLM):
 SentencePiece decoders strip the space of a decode's first token, so "▁Paris" after the prompt "The
-capital is" must read " Paris", not "Paris".
+capital is" must read " Paris", not "Paris". Special tokens are skipped unless the request's
+`skip_special_tokens` is false (then they read as their text, "</s>", the context's too).
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ class Detokenizer:
 
     def _window(self, seq: Sequence, end: int) -> tuple[str, str]:
         ids = seq.output_token_ids
-        decode = self.tokenizer.decode
+        skip = seq.params.skip_special_tokens
+        decode = lambda token_ids: self.tokenizer.decode(token_ids, skip_special_tokens=skip)
         context: list[int] = []
         if seq.detok_prefix == 0:
             context = seq.prompt_token_ids[-NUM_PROMPT_CONTEXT_TOKENS:]

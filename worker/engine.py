@@ -113,7 +113,7 @@ class Engine:
                                   graphs=graphs, lora_stream=lora_stream)
         if gpu_kernels:
             self._warm_up(config)
-        self.sampler = Sampler(seed=config.seed, device=self.device)
+        self.sampler = Sampler(seed=config.seed, device=self.device, eos_token_ids=self.eos_token_ids)
         self.stop_checker = StopChecker(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self.requests: dict[str, Sequence] = {}
         self.outputs = OutputTracker()
@@ -259,9 +259,10 @@ class Engine:
         if params.stop and self.tokenizer is None:
             raise EngineError("stop strings need a tokenizer (this model directory has no tokenizer.json); "
                               "use stop_token_ids")
-        if bad := out_of_vocab(params.logit_bias, self.model_config.vocab_size):
-            raise EngineError(f"logit_bias token ids {bad[:5]} are outside the vocabulary "
-                              f"(0..{self.model_config.vocab_size - 1})")
+        for name, token_ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
+            if bad := out_of_vocab(token_ids, self.model_config.vocab_size):
+                raise EngineError(f"{name} token ids {bad[:5]} are outside the vocabulary "
+                                  f"(0..{self.model_config.vocab_size - 1})")
         prompt_ids = self.encode(prompt)
         if not prompt_ids:
             raise EngineError("the prompt is empty")

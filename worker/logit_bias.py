@@ -8,6 +8,7 @@ vocabulary, known only once the request reaches a model (`out_of_vocab`).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Any
 
 MAX_ENTRIES = 1024  # entries per request
@@ -45,6 +46,7 @@ def parse_logit_bias(v: Any) -> dict[int, float] | None:
     return out or None
 
 
-def out_of_vocab(bias: dict[int, float] | None, vocab_size: int) -> list[int]:
-    """The token ids of `bias` outside the vocabulary [0, vocab_size), sorted."""
-    return sorted(t for t in bias or () if not 0 <= t < vocab_size)
+def out_of_vocab(token_ids: Iterable[int] | None, vocab_size: int) -> list[int]:
+    """The token ids outside the vocabulary [0, vocab_size), sorted: of a `logit_bias` (its keys) or of
+    `stop_token_ids`."""
+    return sorted({t for t in token_ids or () if not 0 <= t < vocab_size})

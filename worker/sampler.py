@@ -5,12 +5,16 @@ only on its own logits and seed, never on which other requests share the batch. 
 exponential-race form of the categorical draw, `argmax(p / Exp(1))`, which needs one draw per
 vocabulary entry and no cumulative sums over the batch.
 
-The chain follows vLLM V1's sampler: `logit_bias` first, then the penalties, both on the raw logits
-and for greedy requests too (they can change the argmax); greedy rows then take the argmax, and sampled
-rows go on through temperature, `min_p`, top-k and top-p. `logit_bias` adds each bias to its token's
-logit (vLLM's LogitBiasLogitsProcessor). `min_p` drops the tokens whose probability, after temperature,
-is below min_p times the most likely token's (vLLM's MinPLogitsProcessor; it never changes the argmax,
-so greedy rows skip it). Rows that set neither are not touched, bit for bit.
+The chain follows vLLM V1's sampler: `min_tokens` and `logit_bias` first, then the penalties, all on
+the raw logits and for greedy requests too (they can change the argmax); greedy rows then take the
+argmax, and sampled rows go on through temperature, `min_p`, top-k and top-p. `min_tokens` sets the
+logits of a sequence's stop tokens (its stop_token_ids, and EOS unless it ignores EOS) to -inf while
+it has generated fewer than min_tokens tokens (vLLM's MinTokensLogitsProcessor), counted from its own
+output tokens, so a recomputed (preempted) sequence is masked exactly as before. `logit_bias` adds
+each bias to its token's logit (vLLM's LogitBiasLogitsProcessor). `min_p` drops the tokens whose
+probability, after temperature, is below min_p times the most likely token's (vLLM's
+MinPLogitsProcessor; it never changes the argmax, so greedy rows skip it). Rows that set none of
+these are not touched, bit for bit.
 
 Penalties, as vLLM applies them: for each token, repetition_penalty r when it occurs in the prompt or
 the output (a positive logit divided by r, any other multiplied by r: transformers'
@@ -26,6 +30,7 @@ Logprobs are those of the model's raw distribution: before logit_bias, penalties
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable
 
 import torch
 
@@ -33,15 +38,17 @@ from lorafleet.worker.sequence import Sequence, TokenLogprob
 
 
 class Sampler:
-    def __init__(self, *, seed: int = 0, device: torch.device | str = "cpu") -> None:
+    def __init__(self, *, seed: int = 0, device: torch.device | str = "cpu",
+                 eos_token_ids: Iterable[int] = ()) -> None:
         # Unseeded requests share one engine-wide generator.
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        self.eos_token_ids = frozenset(eos_token_ids)  # masked with a request's stop_token_ids by min_tokens
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, TokenLogprob | None]]:
         """logits: float32 [N, V], row i belongs to seqs[i]."""
         raw = logits
-        logits = apply_penalties(apply_logit_bias(logits, seqs), seqs)
+        logits = apply_penalties(apply_logit_bias(apply_min_tokens(logits, seqs, self.eos_token_ids), seqs), seqs)
         tokens = logits.argmax(dim=-1)
         sampled_rows = [i for i, s in enumerate(seqs) if not s.params.is_greedy]
         if sampled_rows:
@@ -76,6 +83,27 @@ class Sampler:
                 top = list(zip(top_ids[i][:w], top_vals[i][:w], strict=True))
                 out.append((token_list[i], TokenLogprob(token_list[i], chosen[i], top)))
         return out
+
+
+def apply_min_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: frozenset[int]) -> torch.Tensor:
+    """`logits` with -inf for the stop tokens of each sequence that has generated fewer than min_tokens
+    tokens: its stop_token_ids, and the EOS ids unless it ignores EOS; the same tensor when none needs it."""
+    rows, cols = [], []
+    vocab = logits.shape[-1]
+    for i, s in enumerate(seqs):
+        params = s.params
+        if len(s.output_token_ids) >= params.min_tokens:
+            continue
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else eos_token_ids)
+        for token_id in sorted(t for t in stops if 0 <= t < vocab):
+            rows.append(i)
+            cols.append(token_id)
+    if not rows:
+        return logits
+    device = logits.device
+    out = logits.clone()
+    out[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = float("-inf")
+    return out
 
 
 def apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

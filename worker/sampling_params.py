@@ -17,9 +17,13 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     seed: int | None = None  # same seed + same prompt + same adapter -> same tokens, whatever the batch
     stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)  # end the request like EOS (not in the text)
     ignore_eos: bool = False
-    include_stop_str_in_output: bool = False
+    include_stop_str_in_output: bool = False  # keep the matched stop string (or stop token's text) in the text
+    # Before this many tokens are generated, EOS and stop_token_ids are never sampled (their logits are
+    # -inf) and stop strings are not searched (vLLM's). 0 = off.
+    min_tokens: int = 0
+    skip_special_tokens: bool = True  # special tokens left out of the text (they are in logprobs' tokens)
     logprobs: int | None = None  # None: none; 0: the chosen token's; k: plus the k most likely
     # Penalties (vLLM's): presence/frequency over the generated tokens (OpenAI's), repetition over the
     # prompt and the generated tokens (transformers'); 0, 0 and 1 change nothing. See sampler.py.
@@ -37,6 +41,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids)
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be between 0 and max_tokens ({self.max_tokens}), got {self.min_tokens}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -57,6 +63,8 @@ class SamplingParams:
         bad = {t: b for t, b in (self.logit_bias or {}).items() if t < 0 or not -100.0 <= b <= 100.0}
         if bad:
             raise ValueError(f"logit_bias needs token ids >= 0 and biases in [-100, 100], got {bad}")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be >= 0, got {self.stop_token_ids}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
 

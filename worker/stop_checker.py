@@ -1,9 +1,12 @@
 """StopChecker: after each new token, the sequence's text, whether it is done, and how much of its
 text is final (safe to stream).
 
-Text is the decode of all generated tokens (special tokens skipped; a final stop token is not
-text), grown incrementally by the Detokenizer. A stop string ends the request with the text cut before it (or after it when asked); it is
-searched only where it could newly appear: from `len(previous text) - len(longest stop) + 1`.
+Text is the decode of all generated tokens (special tokens skipped unless the request keeps them; a
+final stop token, EOS or one of stop_token_ids, is not text unless include_stop_str_in_output, as in
+vLLM), grown incrementally by the Detokenizer. A stop string ends the request with the text cut before
+it (or after it when asked); it is searched only where it could newly appear: from
+`len(previous text) - len(longest stop) + 1`. Before the sequence has min_tokens tokens, neither stop
+tokens nor stop strings end it (vLLM's; the sampler keeps stop tokens from being drawn meanwhile).
 """
 
 from __future__ import annotations
@@ -23,8 +26,11 @@ class StopChecker:
         """Update seq.text and set seq.finish_reason ("stop" | "length") when the last token ends it."""
         params = seq.params
         token = seq.output_token_ids[-1]
-        stop_token = token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)
-        end = len(seq.output_token_ids) - 1 if stop_token else len(seq.output_token_ids)
+        checked = len(seq.output_token_ids) >= params.min_tokens  # vLLM: no stop checks before min_tokens
+        eos = not params.ignore_eos and token in self.eos_token_ids
+        stop_token = checked and (eos or token in params.stop_token_ids)
+        keep = not stop_token or params.include_stop_str_in_output  # vLLM keeps the stop token's text when asked
+        end = len(seq.output_token_ids) if keep else len(seq.output_token_ids) - 1
         if stop_token:
             seq.finish_reason = "stop"
         elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
@@ -36,7 +42,7 @@ class StopChecker:
             self.detokenizer.append(seq, end)
         else:  # the last text, held back so far when it ended inside a character: search it too
             self.detokenizer.flush(seq, end)
-        if params.stop:
+        if params.stop and checked:
             window = max(0, prev - max(len(s) for s in params.stop) + 1)
             hits = [(i, s) for s in params.stop if (i := seq.text.find(s, window)) >= 0]
             if hits:

@@ -284,3 +284,75 @@ async def test_logit_bias_and_min_p_reach_the_engine(base_client, tiny_llama_dir
         error = (await resp.json())["error"]
         field = next(iter(extra))
         assert error["param"] == field and field in error["message"]
+
+
+async def _answer(client, path: str, body: dict) -> tuple[list[str], list[str], int]:
+    """Per choice its text and finish_reason, and the completion tokens, of a 200 answer, streamed or not."""
+    stream = {"stream": True, "stream_options": {"include_usage": True}} if body.get("stream") else {}
+    resp = await client.post(path, json=body | stream)
+    assert resp.status == 200, await resp.text()
+    if not stream:
+        data = await resp.json()
+        texts = [c["text"] if "text" in c else c["message"]["content"] for c in data["choices"]]
+        return texts, [c["finish_reason"] for c in data["choices"]], data["usage"]["completion_tokens"]
+    events = [line[6:] for line in (await resp.text()).split("\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    texts, reasons = {}, {}
+    for c in (c for chunk in chunks for c in chunk["choices"]):
+        piece = c["text"] if "text" in c else c["delta"].get("content", "")
+        texts[c["index"]] = texts.get(c["index"], "") + piece
+        reasons[c["index"]] = c["finish_reason"] or reasons.get(c["index"])
+    return [texts[i] for i in sorted(texts)], [reasons[i] for i in sorted(texts)], chunks[-1]["usage"]["completion_tokens"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_vllm_min_tokens_stop_token_ids_and_stop_string_options(base_client, tiny_llama_dir, path, stream):
+    from tests.worker.conftest import EOS_ID
+
+    a = base_client.app[ENGINE].engine.tokenizer.token_to_id("a")
+    body = _greedy_body(path, max_tokens=12, stream=stream)
+    del body["ignore_eos"]
+    eos_first, a_first = {str(EOS_ID): 100}, {str(a): 100}  # the greedy choice at every step
+
+    async def answer(**extra) -> tuple[list[str], list[str], int]:
+        return await _answer(base_client, path, body | extra)
+
+    greedy = (await answer(ignore_eos=True, max_tokens=5))[0][0]
+    assert await answer(logit_bias=eos_first) == ([""], ["stop"], 1)
+    # min_tokens: EOS is held back for 5 tokens (the greedy ones), then it ends the request, not as text.
+    assert await answer(logit_bias=eos_first, min_tokens=5) == ([greedy], ["stop"], 6)
+    texts, reasons, tokens = await answer(logit_bias=eos_first, min_tokens=4, n=2, temperature=1, seed=2)
+    assert reasons == ["stop", "stop"] and tokens == 2 * 5 and all(texts)
+    # stop_token_ids: the first one ends the request, its text kept only with include_stop_str_in_output.
+    assert await answer(logit_bias=a_first, stop_token_ids=[a]) == ([""], ["stop"], 1)
+    assert await answer(logit_bias=a_first, stop_token_ids=[a], include_stop_str_in_output=True) == (["a"], ["stop"], 1)
+    (text,), reasons, tokens = await answer(logit_bias=a_first, stop_token_ids=[a, EOS_ID], min_tokens=3)
+    assert "a" not in text and (reasons, tokens) == (["stop"], 4)
+    # Stop strings: searched only once min_tokens tokens are there (then in the text new since the last step).
+    assert await answer(logit_bias=a_first, stop=["a"]) == ([""], ["stop"], 1)
+    assert await answer(logit_bias=a_first, stop=["a"], include_stop_str_in_output=True) == (["a"], ["stop"], 1)
+    assert await answer(logit_bias=a_first, stop=["aa"], min_tokens=3) == (["a"], ["stop"], 3)
+    assert await answer(logit_bias=a_first, stop=["aa"], min_tokens=3, include_stop_str_in_output=True) == (
+        ["aaa"], ["stop"], 3)
+    # skip_special_tokens false: special tokens are text.
+    assert await answer(logit_bias=eos_first, ignore_eos=True, max_tokens=3) == ([""], ["length"], 3)
+    assert await answer(logit_bias=eos_first, ignore_eos=True, max_tokens=3, skip_special_tokens=False) == (
+        ["</s></s></s>"], ["length"], 3)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_stop_token_ids_outside_the_vocabulary_and_min_tokens_beyond_the_context_are_400(base_client, path):
+    vocab_size = base_client.app[ENGINE].engine.model_config.vocab_size
+    body = _greedy_body(path, max_tokens=4)
+    assert (await base_client.post(path, json=body | {"stop_token_ids": [vocab_size - 1]})).status == 200
+    bad = [({"stop_token_ids": [1, vocab_size]}, "stop_token_ids", f"0..{vocab_size - 1}"),
+           ({"min_tokens": 5}, "min_tokens", "'max_tokens' (4)"),
+           ({"spaces_between_special_tokens": False}, "spaces_between_special_tokens", "not supported")]
+    if path == "/v1/chat/completions":  # max_tokens unset: the context left after the prompt bounds min_tokens
+        bad.append(({"max_tokens": None, "min_tokens": 128}, "min_tokens", "model's context (128 tokens)"))
+    for extra, param, needle in bad:
+        resp = await base_client.post(path, json=body | extra)
+        error = (await resp.json())["error"]
+        assert resp.status == 400 and error["param"] == param and needle in error["message"], (extra, error)

@@ -125,6 +125,35 @@ def test_logit_bias_and_min_p_are_parsed(parse):
     assert len(parse(base | {"logit_bias": {str(i): 1 for i in range(1024)}}).options.logit_bias) == 1024
 
 
+@pytest.mark.parametrize("parse", [parse_completion_request, parse_chat_request])
+def test_vllm_stop_and_min_tokens_extensions_are_parsed(parse):
+    base = {"model": "m", "prompt": "x"} if parse is parse_completion_request else {
+        "model": "m", "messages": [{"role": "user", "content": "x"}]}
+    o = parse(base).options
+    assert (o.stop_token_ids, o.include_stop_str_in_output, o.min_tokens, o.skip_special_tokens) == ([], False, 0, True)
+    o = parse(base | {"stop_token_ids": [2, 0, 2], "include_stop_str_in_output": True, "min_tokens": 16,
+                      "skip_special_tokens": False, "spaces_between_special_tokens": True}).options
+    assert (o.stop_token_ids, o.include_stop_str_in_output, o.min_tokens, o.skip_special_tokens) == (
+        [2, 0, 2], True, 16, False)
+    o = parse(base | {"stop_token_ids": list(range(64)), "min_tokens": 0, "max_tokens": 1}).options
+    assert len(o.stop_token_ids) == 64 and o.min_tokens == 0
+    assert parse(base | {"stop_token_ids": None, "min_tokens": None}).options.stop_token_ids == []
+    assert parse(base | {"max_tokens": 3, "min_tokens": 3}).options.min_tokens == 3
+
+
+def test_min_tokens_is_bounded_by_the_max_tokens_the_caller_sent():
+    """Completions: max_tokens defaults to 16 (OpenAI's, vLLM's); chat: unset, the context bounds it
+    (checked against the prompt in completion_job.py); the error names the field that was sent."""
+    with pytest.raises(APIError) as exc:
+        parse_completion_request({"model": "m", "prompt": "x", "min_tokens": 17})
+    assert exc.value.param == "min_tokens" and "'max_tokens' (16)" in exc.value.message
+    chat = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    assert parse_chat_request(chat | {"min_tokens": 500}).options.min_tokens == 500
+    with pytest.raises(APIError) as exc:
+        parse_chat_request(chat | {"min_tokens": 9, "max_completion_tokens": 8})
+    assert exc.value.param == "min_tokens" and "'max_completion_tokens' (8)" in exc.value.message
+
+
 BAD_SAMPLING_FIELDS = [
     ({"logit_bias": [1, 2]}, "logit_bias", "must be an object", "invalid_type"),
     ({"logit_bias": "50256"}, "logit_bias", "must be an object", "invalid_type"),
@@ -143,6 +172,20 @@ BAD_SAMPLING_FIELDS = [
     ({"min_p": 1.5}, "min_p", "'min_p' must be in [0.0, 1.0]", "invalid_value"),
     ({"min_p": -0.1}, "min_p", "'min_p' must be in", "invalid_value"),
     ({"min_p": "0.1"}, "min_p", "'min_p' must be a number", "invalid_type"),
+    ({"stop_token_ids": 5}, "stop_token_ids", "must be a list of token ids", "invalid_type"),
+    ({"stop_token_ids": [1, "2"]}, "stop_token_ids", "must be a list of token ids", "invalid_type"),
+    ({"stop_token_ids": [True]}, "stop_token_ids", "must be a list of token ids", "invalid_type"),
+    ({"stop_token_ids": [1.0]}, "stop_token_ids", "must be a list of token ids", "invalid_type"),
+    ({"stop_token_ids": [3, -1]}, "stop_token_ids", ">= 0", "invalid_value"),
+    ({"stop_token_ids": list(range(65))}, "stop_token_ids", "at most 64", "invalid_value"),
+    ({"include_stop_str_in_output": "yes"}, "include_stop_str_in_output", "true or false", "invalid_type"),
+    ({"min_tokens": -1}, "min_tokens", "'min_tokens' must be >= 0", "invalid_value"),
+    ({"min_tokens": 2.5}, "min_tokens", "must be an integer", "invalid_type"),
+    ({"min_tokens": 5, "max_tokens": 4}, "min_tokens", "'min_tokens' (5) must not exceed 'max_tokens' (4)",
+     "invalid_value"),
+    ({"skip_special_tokens": 0}, "skip_special_tokens", "true or false", "invalid_type"),
+    ({"spaces_between_special_tokens": False}, "spaces_between_special_tokens", "not supported",
+     "unsupported_parameter"),
 ]
 
 

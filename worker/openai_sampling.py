@@ -1,0 +1,142 @@
+"""The sampling options both OpenAI endpoints share, parsed from a request body into SamplingOptions.
+
+OpenAI's fields, and vLLM's extensions a vLLM client sends: `top_k`, `min_p`, `repetition_penalty`,
+`ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`, `min_tokens` and `skip_special_tokens`
+(`spaces_between_special_tokens` only at its default, true: the `tokenizers` decoder places special
+tokens its own way, as vLLM's fast-tokenizer path does). What depends on the model (token ids within
+its vocabulary, `min_tokens` within the context left by the prompt) is checked in completion_job.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lorafleet.worker.logit_bias import LogitBiasError, parse_logit_bias
+from lorafleet.worker.openai_fields import Fields, bad_request, check_text, is_int
+from lorafleet.worker.sampling_defaults import SamplingDefaults
+
+MAX_N = 16
+MAX_STOP = 4
+MAX_STOP_TOKEN_IDS = 64
+
+
+@dataclass(slots=True)
+class SamplingOptions:
+    """The per-request options shared by both endpoints, before the engine's SamplingParams."""
+
+    max_tokens: int | None = None  # None: up to the end of the context
+    max_tokens_param: str = "max_tokens"  # the field that set it: errors name what the caller sent
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off (vLLM's -1 is accepted as off too)
+    n: int = 1
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    logprobs: int | None = None  # number of top alternatives per token; None = no logprobs
+    stream: bool = False
+    include_usage: bool = False  # stream_options.include_usage
+    user: str | None = None
+    ignore_eos: bool = False  # vLLM extension: generate max_tokens even past end-of-sequence (benchmarks)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # vLLM extension (transformers' semantics); unset: the model's default
+    logit_bias: dict[int, float] | None = None  # token id -> bias; the ids' vocabulary check: completion_job.py
+    min_p: float = 0.0  # vLLM extension; unset: the model's default
+    # vLLM extensions: token ids that end the request like EOS (vocabulary check: completion_job.py); the
+    # matched stop string (or stop token's text) kept in the text; tokens generated before EOS, a stop
+    # token or a stop string may end it; special tokens left out of the text.
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+
+
+def _stop(f: Fields) -> list[str]:
+    v = f.get("stop")
+    if v is None:
+        return []
+    stops = [v] if isinstance(v, str) else v
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise bad_request("'stop' must be a string or a list of strings", "stop", "invalid_type")
+    if len(stops) > MAX_STOP:
+        raise bad_request(f"'stop' takes at most {MAX_STOP} sequences (got {len(stops)})", "stop")
+    if any(s == "" for s in stops):
+        raise bad_request("'stop' sequences must not be empty", "stop")
+    return [check_text(s, "stop") for s in stops]
+
+
+def _stop_token_ids(f: Fields) -> list[int]:
+    """vLLM's `stop_token_ids`: a list of token ids (their upper bound, the vocabulary: completion_job.py)."""
+    v = f.get("stop_token_ids")
+    if v is None:
+        return []
+    if not isinstance(v, list) or not all(is_int(t) for t in v):
+        raise bad_request("'stop_token_ids' must be a list of token ids (integers)", "stop_token_ids", "invalid_type")
+    if len(v) > MAX_STOP_TOKEN_IDS:
+        raise bad_request(f"'stop_token_ids' takes at most {MAX_STOP_TOKEN_IDS} token ids (got {len(v)})",
+                          "stop_token_ids")
+    if any(t < 0 for t in v):
+        raise bad_request("'stop_token_ids' must hold token ids >= 0", "stop_token_ids")
+    return list(v)
+
+
+def _min_tokens(f: Fields, max_tokens: int | None, max_tokens_param: str) -> int:
+    """vLLM's `min_tokens`: at most `max_tokens` (when the context bounds it instead: completion_job.py)."""
+    min_tokens = f.integer("min_tokens", 0, 0)
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise bad_request(f"'min_tokens' ({min_tokens}) must not exceed '{max_tokens_param}' ({max_tokens})",
+                          "min_tokens")
+    return min_tokens
+
+
+def parse_sampling_options(f: Fields, max_tokens_names: tuple[str, ...], default_max_tokens: int | None,
+                           defaults: SamplingDefaults) -> SamplingOptions:
+    """The fields both endpoints share; ``defaults``: what an unset temperature, top_p, top_k, min_p or
+    repetition_penalty means (the model's, sampling_defaults.py)."""
+    max_tokens, max_tokens_param = default_max_tokens, max_tokens_names[0]
+    for name in max_tokens_names:  # the later name wins (chat: max_completion_tokens over max_tokens)
+        value = f.integer(name, None, 1)
+        if value is not None:
+            max_tokens, max_tokens_param = value, name
+    stream = f.flag("stream", False)
+    stream_options = f.get("stream_options")
+    include_usage = False
+    if stream_options is not None:
+        if not isinstance(stream_options, dict) or set(stream_options) - {"include_usage"}:
+            raise bad_request("'stream_options' must be an object with only 'include_usage'", "stream_options")
+        if not stream:
+            raise bad_request("'stream_options' is only allowed with 'stream': true", "stream_options")
+        include_usage = stream_options.get("include_usage", False)
+        if not isinstance(include_usage, bool):
+            raise bad_request("'stream_options.include_usage' must be true or false", "stream_options")
+    try:
+        logit_bias = parse_logit_bias(f.get("logit_bias"))
+    except LogitBiasError as exc:
+        raise bad_request(str(exc), "logit_bias", exc.code) from None
+    if not f.flag("spaces_between_special_tokens", True):
+        raise bad_request("'spaces_between_special_tokens': false is not supported by this server (special "
+                          "tokens are decoded as the tokenizer's decoder places them)",
+                          "spaces_between_special_tokens", "unsupported_parameter")
+    return SamplingOptions(
+        max_tokens=max_tokens,
+        max_tokens_param=max_tokens_param,
+        temperature=f.number("temperature", defaults.temperature, 0.0, 2.0),
+        top_p=f.number("top_p", defaults.top_p, 0.0, 1.0, lo_open=True),
+        top_k=max(0, f.integer("top_k", defaults.top_k, -1, 1 << 20)),
+        n=f.integer("n", 1, 1, MAX_N),
+        seed=f.integer("seed", None, -(2**63), 2**63 - 1),
+        stop=_stop(f),
+        stream=stream,
+        include_usage=include_usage,
+        user=f.string("user"),
+        ignore_eos=f.flag("ignore_eos", False),
+        presence_penalty=f.number("presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=f.number("frequency_penalty", 0.0, -2.0, 2.0),
+        repetition_penalty=f.number("repetition_penalty", defaults.repetition_penalty, 0.0, None, lo_open=True),
+        logit_bias=logit_bias,
+        min_p=f.number("min_p", defaults.min_p, 0.0, 1.0),
+        stop_token_ids=_stop_token_ids(f),
+        include_stop_str_in_output=f.flag("include_stop_str_in_output", False),
+        min_tokens=_min_tokens(f, max_tokens, max_tokens_param),
+        skip_special_tokens=f.flag("skip_special_tokens", True),
+    )
