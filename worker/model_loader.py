@@ -1,5 +1,9 @@
 """Model loading: safetensors weights of an HF-style directory (one file or a sharded index).
 
+Which files, as transformers picks them: `model.safetensors` when present (an index beside it is
+ignored), else the shards `model.safetensors.index.json` names, else every `*.safetensors` file. A tensor
+found in two files is refused rather than one copy silently replacing the other.
+
 Only safetensors are read; a directory holding nothing but pickle checkpoints (`*.bin`, `*.pt`) is
 refused rather than unpickled, and so is an index that names anything but safetensors files inside
 the directory.
@@ -26,8 +30,8 @@ log = logging.getLogger(__name__)
 INDEX_FILE = "model.safetensors.index.json"
 
 
-def _shard_names(index: Path) -> list[str]:
-    """The shard files an index names, each a plain `*.safetensors` name in the index's directory."""
+def _weight_map(index: Path) -> dict[str, str]:
+    """The index's tensor name -> shard file, each shard a plain `*.safetensors` name in its directory."""
     try:
         weight_map = read_json(index)["weight_map"]
     except (KeyError, TypeError):
@@ -40,32 +44,65 @@ def _shard_names(index: Path) -> list[str]:
         raise ModelConfigError(f"{index} names shards that are not safetensors files in its directory: {bad}")
     if not files:
         raise ModelConfigError(f"{index} names no shards")
-    return files
+    return weight_map
 
 
-def weight_files(model_dir: str | Path) -> list[Path]:
-    """The safetensors files of a model directory, in index order when sharded."""
-    model_dir = Path(model_dir)
+def _weight_source(model_dir: Path) -> tuple[list[Path], dict[str, str] | None]:
+    """The files to read and, when they come from the shard index, its weight_map. Same order as
+    transformers: model.safetensors first, then the index (a stale index beside a whole file is ignored)."""
+    single = model_dir / "model.safetensors"
     index = model_dir / INDEX_FILE
+    if single.is_file():
+        if index.is_file():
+            log.warning("%s: both model.safetensors and %s are present; reading model.safetensors, as "
+                        "transformers does (the index is ignored)", model_dir, INDEX_FILE)
+        return [single], None
     if index.is_file():
-        files = _shard_names(index)
+        weight_map = _weight_map(index)
+        files = sorted(set(weight_map.values()))
         missing = [f for f in files if not (model_dir / f).is_file()]
         if missing:
             raise ModelConfigError(f"{index} names shards that are not there: {missing}")
-        return [model_dir / f for f in files]
-    single = model_dir / "model.safetensors"
-    if single.is_file():
-        return [single]
+        return [model_dir / f for f in files], weight_map
     found = sorted(model_dir.glob("*.safetensors"))
     if found:
-        return found
+        return found, None
     if list(model_dir.glob("*.bin")) or list(model_dir.glob("*.pt")):
         raise ModelConfigError(f"{model_dir} holds only pickle checkpoints; convert them to safetensors")
     raise ModelConfigError(f"no safetensors weights in {model_dir}")
 
 
+def weight_files(model_dir: str | Path) -> list[Path]:
+    """The safetensors files of a model directory, in index order when sharded."""
+    return _weight_source(Path(model_dir))[0]
+
+
+def _check_shards(model_dir: Path, files: list[Path], weight_map: dict[str, str] | None) -> None:
+    """From the files' headers, before any tensor is read: a tensor in two files is refused (one would
+    silently replace the other). Like transformers, every tensor of every shard is read, wherever the index
+    places it; a tensor the index names but no shard holds is refused (shards of another download)."""
+    owner: dict[str, Path] = {}
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                names = list(f.keys())  # noqa: SIM118 (safe_open is not a mapping)
+        except SafetensorError as exc:  # truncated or not a safetensors file at all
+            raise ModelConfigError(f"{path} is not a readable safetensors file: {exc}") from None
+        for name in names:
+            first = owner.setdefault(name, path)
+            if first != path:
+                raise ModelConfigError(f"tensor {name!r} is in two weight files, {first} and {path}; a checkpoint "
+                                       f"holds each tensor once (remove the stale file or download the model again)")
+    absent = [name for name in (weight_map or {}) if name not in owner]
+    if absent:
+        raise ModelConfigError(
+            f"{model_dir / INDEX_FILE} places tensor {absent[0]!r} in {weight_map[absent[0]]}, but no shard holds it "
+            f"({len(absent)} such tensor(s)); the shards do not belong to this index (download the model again)")
+
+
 def iter_weights(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    files = weight_files(model_dir)
+    files, weight_map = _weight_source(Path(model_dir))
+    _check_shards(Path(model_dir), files, weight_map)
     sizes = [path.stat().st_size for path in files]
     total, done, start = sum(sizes), 0, time.monotonic()
     log.info("loading %s: %d safetensors file(s), %s", model_dir, len(files), _gib(total))

@@ -12,6 +12,8 @@ decides the adapter's output travels with the weights and is checked here, once,
 * features we cannot serve (DoRA, `modules_to_save`, embedding or lm_head LoRA, LoRA biases, ...)
   are refused with a message instead of being silently ignored;
 * pickle files (`adapter_model.bin`, `*.pt`, ...) are refused outright: they are never opened;
+* VeLoRA and MonteCLoRA adapters (`velora_config`, `monteclora_config`) are served: in eval mode PEFT's
+  forward for them is plain LoRA, so their training-only tensors are ignored (`_TRAINING_ONLY`);
 * the weights are copied out of the file's bytes, read once (never a memory map of the file, which a
   file rewritten in place later would change under the server), and must be finite in the served
   dtype; scales must be finite in float32.
@@ -67,6 +69,16 @@ _KEY = re.compile(
     r"^(?P<module>(?:.*\.)?layers\.(?P<layer>\d+)\.(?P<parent>self_attn|mlp)\.(?P<proj>[a-z_]+))"
     r"\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$"
 )
+# Tensors PEFT saves beside lora_A/lora_B for LoRA variants that are plain LoRA at inference (eval mode):
+# VeLoRA's activation projection serves only its training backward pass, MonteCLoRA's sampler perturbs
+# lora_A only in training. Exactly these are ignored, and only when adapter_config.json enables the variant.
+_MODULE = r"^(?P<module>(?:.*\.)?layers\.(?P<layer>\d+)\.(?:self_attn|mlp)\.(?P<proj>[a-z_]+))"
+_TRAINING_ONLY = {
+    "velora_config": re.compile(_MODULE + r"\.lora_velora_embed(?:\.[^.]+)?$"),
+    "monteclora_config": re.compile(
+        _MODULE + r"\.lora_monteclora_sampler(?:\.[^.]+)?\.(?:expert_weights|expert_weights_prior|gaussian_var_prior"
+        r"|std_prior)$"),
+}
 
 
 @dataclass(slots=True)
@@ -162,8 +174,9 @@ def _is_float32_finite(value: float) -> bool:
     return bool(torch.isfinite(torch.tensor(value, dtype=torch.float32)))
 
 
-def _read_tensors(raw: bytes, path: Path, num_layers: int) -> tuple[dict, dict[tuple[int, str], str]]:
-    """(layer, proj) -> {"A": lora_A, "B": lora_B}, and the module name each came with.
+def _read_tensors(raw: bytes, path: Path, num_layers: int, config: dict) -> tuple[dict, dict[tuple[int, str], str]]:
+    """(layer, proj) -> {"A": lora_A, "B": lora_B}, and the module name each came with (a variant's
+    training-only tensors, `_TRAINING_ONLY`, are dropped).
 
     From the file's bytes, read once, never from a memory map of the file: the tensors own their
     memory, so a file rewritten in place later changes nothing served (and truncating it cannot
@@ -175,7 +188,13 @@ def _read_tensors(raw: bytes, path: Path, num_layers: int) -> tuple[dict, dict[t
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     module_names: dict[tuple[int, str], str] = {}
     key_of: dict[tuple[int, str, str], str] = {}
+    ignored: dict[tuple[int, str], str] = {}
+    variants = [pattern for field, pattern in _TRAINING_ONLY.items() if config.get(field) is not None]
     for key in sorted(tensors):
+        extra = next((m for m in (p.match(key) for p in variants) if m), None)
+        if extra:
+            ignored.setdefault((int(extra["layer"]), extra["proj"]), key)
+            continue
         layer, proj, ab, module = _classify_key(key, path)
         if proj not in PROJS:
             raise AdapterError(f"{path}: tensor {key!r} adapts {proj!r}, which is not a Llama projection; "
@@ -189,6 +208,10 @@ def _read_tensors(raw: bytes, path: Path, num_layers: int) -> tuple[dict, dict[t
                                f"save one adapter per directory (PEFT save_pretrained of a single adapter)")
         pairs.setdefault((layer, proj), {})[ab] = tensors[key]
         module_names.setdefault((layer, proj), module)
+    stray = [key for module, key in ignored.items() if module not in pairs]
+    if stray:
+        raise AdapterError(f"{path}: tensor {stray[0]!r} belongs to a module without lora_A/lora_B weights; "
+                           f"the file is incomplete or mixed up")
     return pairs, module_names
 
 
@@ -251,7 +274,7 @@ def load_peft_adapter(
     if expect_digest is not None and digest != expect_digest:
         raise AdapterError(f"{path}: the adapter's files changed after version {version} was loaded from them; "
                            f"register the new files as a new version")
-    pairs, module_names = _read_tensors(raw, path, num_layers)
+    pairs, module_names = _read_tensors(raw, path, num_layers, config)
     del raw  # the tensors hold copies
     if not pairs:
         raise AdapterError(f"{weights_path}: holds no LoRA tensors (lora_A/lora_B of q/k/v/o/gate/up/down_proj)")

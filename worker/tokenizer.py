@@ -28,19 +28,22 @@ class Tokenizer:
         if not path.is_file():
             raise TokenizerError(f"{path} not found: the engine needs a `tokenizers` tokenizer.json")
         self.path = path
-        self._tok = HFTokenizer.from_file(str(path))
+        try:
+            self._tok = HFTokenizer.from_file(str(path))
+        except Exception as exc:  # the tokenizers library raises a bare Exception (bad JSON, UTF-8, structure)
+            raise _file_error(path, "not a readable tokenizers file", exc) from None
         cfg_path = model_dir / "tokenizer_config.json"
-        self.config: dict = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        self.config: dict = _read_config(cfg_path) if cfg_path.is_file() else {}
         template_file = model_dir / "chat_template.jinja"
-        self.chat_template: str | None = self.config.get("chat_template")
+        self.chat_template: str | None = _chat_template(self.config.get("chat_template"), cfg_path)
         if template_file.is_file():
-            self.chat_template = template_file.read_text()
-        if isinstance(self.chat_template, list):  # named templates: take "default"
-            named = {t["name"]: t["template"] for t in self.chat_template}
-            self.chat_template = named.get("default") or next(iter(named.values()), None)
-        self.bos_token = _token_text(self.config.get("bos_token"))
-        self.eos_token = _token_text(self.config.get("eos_token"))
-        self.add_bos_token = bool(self.config.get("add_bos_token", False))
+            self.chat_template = _read_text(template_file)
+        self.bos_token = _token_text(self.config.get("bos_token"), cfg_path, "bos_token")
+        self.eos_token = _token_text(self.config.get("eos_token"), cfg_path, "eos_token")
+        add_bos = self.config.get("add_bos_token", False)
+        if add_bos is not None and not isinstance(add_bos, bool):
+            raise TokenizerError(f"{cfg_path}: add_bos_token must be true or false, got {add_bos!r}")
+        self.add_bos_token = bool(add_bos)
 
     @property
     def vocab_size(self) -> int:
@@ -95,7 +98,50 @@ class Tokenizer:
         )
 
 
-def _token_text(value) -> str | None:
+def _file_error(path: Path, what: str, exc: BaseException) -> TokenizerError:
+    """One line naming the file and the problem (start-up errors are printed as one line)."""
+    detail = " ".join(str(exc).split())
+    return TokenizerError(f"{path}: {what} ({type(exc).__name__}: {detail})")
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise _file_error(path, "cannot be read as UTF-8 text", exc) from None
+
+
+def _read_config(path: Path) -> dict:
+    text = _read_text(path)
+    try:
+        config = json.loads(text)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
+        raise _file_error(path, "not valid JSON", exc) from None
+    if not isinstance(config, dict):
+        raise TokenizerError(f"{path}: expected a JSON object, found a JSON {type(config).__name__}")
+    return config
+
+
+def _chat_template(value, cfg_path: Path) -> str | None:
+    """chat_template: a string, or named templates [{"name", "template"}, ...] of which "default" is taken."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(t, dict) and isinstance(t.get("name"), str)
+                                       and isinstance(t.get("template"), str) for t in value):
+        named = {t["name"]: t["template"] for t in value}
+        return named.get("default") or next(iter(named.values()), None)
+    raise TokenizerError(f"{cfg_path}: chat_template must be a string or a list of "
+                         f"{{\"name\": ..., \"template\": ...}} objects, got {_short(value)}")
+
+
+def _token_text(value, cfg_path: Path, key: str) -> str | None:
     if isinstance(value, dict):  # {"content": "<s>", ...} in older configs
-        return value.get("content")
+        value = value.get("content")
+    if value is not None and not isinstance(value, str):
+        raise TokenizerError(f"{cfg_path}: {key} must be a token string or {{\"content\": ...}}, got {_short(value)}")
     return value
+
+
+def _short(value) -> str:
+    text = " ".join(repr(value).split())
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -65,3 +65,36 @@ def test_template_errors_and_missing_file(tiny_llama_dir, tmp_path):
 
     with pytest.raises(jinja2.TemplateError, match="user first"):
         tok.apply_chat_template([{"role": "system", "content": "x"}])
+
+
+def _truncated(tiny_llama_dir) -> bytes:
+    data = (tiny_llama_dir / "tokenizer.json").read_bytes()
+    return data[: len(data) // 2]
+
+
+@pytest.mark.parametrize(("file", "content", "needle"), [
+    ("tokenizer.json", _truncated, "not a readable tokenizers file"),
+    ("tokenizer.json", b"", "not a readable tokenizers file"),
+    ("tokenizer.json", b"\xff\xfe\x00garbage", "not a readable tokenizers file"),
+    ("tokenizer.json", b"[1, 2]", "not a readable tokenizers file"),
+    ("tokenizer.json", b'{"model": 5}', "not a readable tokenizers file"),
+    ("tokenizer_config.json", b'{"bos_token": ', "not valid JSON"),
+    ("tokenizer_config.json", b"\xff{}", "cannot be read as UTF-8 text"),
+    ("tokenizer_config.json", b"[1]", "expected a JSON object, found a JSON list"),
+    ("tokenizer_config.json", b'{"bos_token": 5}', "bos_token must be a token string"),
+    ("tokenizer_config.json", b'{"eos_token": {"content": ["x"]}}', "eos_token must be a token string"),
+    ("tokenizer_config.json", b'{"chat_template": 5}', "chat_template must be a string"),
+    ("tokenizer_config.json", b'{"chat_template": [{"name": "default"}]}', "chat_template must be a string"),
+    ("tokenizer_config.json", b'{"add_bos_token": "false"}', "add_bos_token must be true or false"),
+    ("chat_template.jinja", b"\xff", "cannot be read as UTF-8 text"),
+])
+def test_malformed_tokenizer_files_are_a_tokenizer_error_naming_the_file(tiny_llama_dir, tmp_path, file, content,
+                                                                        needle):
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / f).write_bytes((tiny_llama_dir / f).read_bytes())
+    (tmp_path / file).write_bytes(content(tiny_llama_dir) if callable(content) else content)
+    with pytest.raises(TokenizerError) as exc:
+        Tokenizer(tmp_path)
+    message = str(exc.value)
+    assert message.startswith(f"{tmp_path / file}: ") and needle in message
+    assert "\n" not in message

@@ -54,6 +54,7 @@ def test_port_in_use_is_refused_naming_the_port(tiny_llama_dir):
 
 
 def _drop_weight_map(d: Path) -> None:
+    (d / "model.safetensors").rename(d / "model-00001-of-00001.safetensors")  # else model.safetensors wins over the index
     (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}}))
 
 
