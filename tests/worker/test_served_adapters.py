@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 from lorafleet.worker.directives import DesiredState
@@ -236,7 +238,9 @@ def test_relative_and_dotdot_sources_are_never_registered(uri):
         assert exc.value.status == 400 and "absolute path without '..'" in exc.value.message and not host.keys
 
 
-def test_a_bad_tokenizer_file_fails_only_its_adapter_with_the_real_engine(tiny_llama_dir, tmp_path):
+@contextlib.contextmanager
+def _real_engine_with_good_and_bad(tiny_llama_dir, tmp_path):
+    """A CPU engine, its adapter host, and two adapters: `good`, and `bad` whose tokenizer.json is no tokenizer."""
     from lorafleet.worker import Engine, EngineConfig
     from lorafleet.worker.engine_adapters import EngineAdapters
     from tests.lora_factory import make_peft_adapter
@@ -246,7 +250,14 @@ def test_a_bad_tokenizer_file_fails_only_its_adapter_with_the_real_engine(tiny_l
     (bad / "tokenizer.json").write_text("[]")  # valid JSON, not a tokenizer
     engine = Engine(EngineConfig(model=str(tiny_llama_dir), device="cpu", dtype="float32"))
     try:
-        host, served = EngineAdapters(engine), ServedAdapters("base")
+        yield engine, EngineAdapters(engine), good, bad
+    finally:
+        engine.close()
+
+
+def test_a_bad_tokenizer_file_fails_only_its_adapter_with_the_real_engine(tiny_llama_dir, tmp_path):
+    with _real_engine_with_good_and_bad(tiny_llama_dir, tmp_path) as (engine, host, good, bad):
+        served = ServedAdapters("base")
         served.apply(state(1, {"name": "bad", "tenant": "t", "stable": {"version": "v1", "uri": str(bad)}},
                            {"name": "good", "tenant": "t", "stable": {"version": "v1", "uri": str(good)}}), host)
         assert served.generation == 1 and engine.adapters() == ["good@v1"]
@@ -254,26 +265,14 @@ def test_a_bad_tokenizer_file_fails_only_its_adapter_with_the_real_engine(tiny_l
         with pytest.raises(APIError) as exc:
             served.resolve("bad", Tenant("t"), None)
         assert exc.value.status == 503 and f"{bad / 'tokenizer.json'}: not a readable tokenizer file" in exc.value.message
-    finally:
-        engine.close()
 
 
 def test_a_failed_rollout_keeps_the_real_engines_current_version(tiny_llama_dir, tmp_path):
-    from lorafleet.worker import Engine, EngineConfig
-    from lorafleet.worker.engine_adapters import EngineAdapters
-    from tests.lora_factory import make_peft_adapter
-
-    good = make_peft_adapter(tiny_llama_dir, tmp_path / "v1", rank=4, seed=1)
-    bad = make_peft_adapter(tiny_llama_dir, tmp_path / "v2", rank=4, seed=2)
-    (bad / "tokenizer.json").write_text("[]")  # valid JSON, not a tokenizer
-    engine = Engine(EngineConfig(model=str(tiny_llama_dir), device="cpu", dtype="float32"))
-    try:
-        host, served = EngineAdapters(engine), ServedAdapters("base")
+    with _real_engine_with_good_and_bad(tiny_llama_dir, tmp_path) as (engine, host, good, bad):
+        served = ServedAdapters("base")
         sql = {"name": "sql", "tenant": "t", "stable": {"version": "v1", "uri": str(good)}}
         served.apply(state(1, sql), host)
         served.apply(state(2, sql | {"stable": {"version": "v2", "uri": str(bad)}}), host)
         assert served.resolve("sql", Tenant("t"), None) == "sql@v1"
         assert engine.adapters() == ["sql@v1"] and engine.adapter_pool.resolve("sql") == "sql@v1"
         engine.adapter_pool.load("sql@v1")  # it still serves
-    finally:
-        engine.close()

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 
 def run_worker(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -53,9 +54,43 @@ def test_port_in_use_is_refused_naming_the_port(tiny_llama_dir):
     assert_one_line_error(out, 1, "cannot start", f"--port {port}", "already in use")
 
 
+def _shard(d: Path, duplicate: bool) -> None:
+    """model.safetensors split in two shards (one tensor in both when `duplicate`) named by an index."""
+    tensors = load_file(str(d / "model.safetensors"))
+    (d / "model.safetensors").unlink()  # else it is read and the index is not (as transformers does)
+    names = sorted(tensors)
+    first, second = names[: len(names) // 2], names[len(names) // 2:]
+    save_file({n: tensors[n] for n in first}, str(d / "model-00001-of-00002.safetensors"))
+    save_file({n: tensors[n] for n in second + first[:1] * duplicate}, str(d / "model-00002-of-00002.safetensors"))
+    weight_map = {n: "model-00001-of-00002.safetensors" for n in first}
+    weight_map.update({n: "model-00002-of-00002.safetensors" for n in second})
+    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
 def _drop_weight_map(d: Path) -> None:
-    (d / "model.safetensors").rename(d / "model-00001-of-00001.safetensors")  # else model.safetensors wins over the index
+    _shard(d, duplicate=False)
     (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}}))
+
+
+def _tensor_in_two_shards(d: Path) -> None:
+    _shard(d, duplicate=True)
+
+
+def _truncate_tokenizer(d: Path) -> None:
+    data = (d / "tokenizer.json").read_bytes()
+    (d / "tokenizer.json").write_bytes(data[: len(data) // 2])
+
+
+def _tokenizer_not_utf8(d: Path) -> None:
+    (d / "tokenizer.json").write_bytes(b"\xff\xfe\x00garbage")
+
+
+def _tokenizer_config_not_json(d: Path) -> None:
+    (d / "tokenizer_config.json").write_text('{"bos_token": ')
+
+
+def _tokenizer_config_wrong_type(d: Path) -> None:
+    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": 5}))
 
 
 def _truncate_weights(d: Path) -> None:
@@ -73,20 +108,25 @@ def _config_not_an_object(d: Path) -> None:
     (d / "config.json").write_text("[1, 2]")
 
 
-@pytest.mark.parametrize(("breakage", "needle"), [
-    (_drop_weight_map, "weight_map"),
-    (_truncate_weights, "model.safetensors is not a readable safetensors file"),
-    (_drop_config_key, "lacks hidden_size"),
-    (_config_not_an_object, "not an object"),
+@pytest.mark.parametrize(("breakage", "needles"), [
+    (_drop_weight_map, ["weight_map"]),
+    (_tensor_in_two_shards, ["is in two weight files", "model-00001-of-00002", "model-00002-of-00002"]),
+    (_truncate_weights, ["model.safetensors is not a readable safetensors file"]),
+    (_drop_config_key, ["lacks hidden_size"]),
+    (_config_not_an_object, ["not an object"]),
+    (_truncate_tokenizer, ["tokenizer.json: not a readable tokenizers file"]),
+    (_tokenizer_not_utf8, ["tokenizer.json: not a readable tokenizers file"]),
+    (_tokenizer_config_not_json, ["tokenizer_config.json: not valid JSON"]),
+    (_tokenizer_config_wrong_type, ["tokenizer_config.json: chat_template must be a string"]),
 ])
-def test_model_dir_it_cannot_serve_is_one_line(tiny_llama_dir, tmp_path, breakage, needle):
+def test_model_dir_it_cannot_serve_is_one_line(tiny_llama_dir, tmp_path, breakage, needles):
     model = tmp_path / "model"
     model.mkdir()
     for f in tiny_llama_dir.iterdir():
         (model / f.name).write_bytes(f.read_bytes())
     breakage(model)
     out = run_worker("--model", str(model), "--port", "0")
-    assert_one_line_error(out, 1, "cannot start", needle)
+    assert_one_line_error(out, 1, "cannot start", *needles)
 
 
 def test_default_model_that_cannot_be_converted_is_one_line(tmp_path):
