@@ -5,6 +5,14 @@ A request becomes `len(prompts) * n` choices, each one engine request with its o
 follow OpenAI's: `text_completion` / `chat.completion` / `chat.completion.chunk`, `usage`, and
 logprobs in the completions (`tokens`, `token_logprobs`, `top_logprobs`, `text_offset`) or chat
 (`content: [{token, logprob, bytes, top_logprobs}]`) form.
+
+`echo` (completions, OpenAI's legacy semantics): a choice's text is the prompt's text (a string prompt as
+sent, token ids decoded with special tokens) followed by the completion; streamed, the prompt's text is
+in the choice's first chunk. With `logprobs`, the prompt's tokens come first, the first of them with null
+`token_logprobs` and `top_logprobs` (as OpenAI and vLLM answer), and `text_offset` counts through the
+echoed text. vLLM's `prompt_logprobs` answers, per prompt token, None for the first, then
+`{token_id: {logprob, rank, decoded_token}}` for the prompt token and the k most likely: in each choice
+(completions) or beside the choices (chat), as vLLM places it.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from typing import Any
 
 from lorafleet.worker.logit_bias import out_of_vocab
 from lorafleet.worker.openai_protocol import APIError, SamplingOptions
+from lorafleet.worker.request_output import RequestOutput
 from lorafleet.worker.sampling_params import SamplingParams
 from lorafleet.worker.sequence import TokenLogprob
 from lorafleet.worker.tenants import Tenant
@@ -39,6 +48,7 @@ class CompletionJob:
     # Resolves `model` again when the version chosen on arrival was replaced before the engine took the
     # request (a directive push between the two); None when the caller pinned `name@version`.
     re_resolve: Callable[[], str | None] | None = None
+    prompts: list[str | list[int]] | None = None  # completions: the prompts as sent (what `echo` repeats)
     created: int = field(default_factory=lambda: int(time.time()))
     arrived: float = field(default_factory=time.monotonic)
 
@@ -71,6 +81,9 @@ class CompletionJob:
                 raise APIError(400, f"'min_tokens' ({o.min_tokens}) is more than the {max_tokens} tokens this "
                                     f"prompt leaves of the model's context ({max_model_len} tokens)",
                                code="invalid_value", param="min_tokens")
+            # echo with logprobs needs the prompt's logprobs too: the engine computes the larger k of the two
+            prompt_k = max(o.prompt_logprobs or 0, o.logprobs or 0) if o.echo and o.logprobs is not None else None
+            prompt_k = o.prompt_logprobs if prompt_k is None else prompt_k
             for j in range(o.n):
                 seed = None if o.seed is None else o.seed + j  # n choices with one seed must still differ
                 self.params.append(SamplingParams(
@@ -79,7 +92,7 @@ class CompletionJob:
                     presence_penalty=o.presence_penalty, frequency_penalty=o.frequency_penalty,
                     repetition_penalty=o.repetition_penalty, logit_bias=o.logit_bias, min_p=o.min_p,
                     stop_token_ids=list(o.stop_token_ids), include_stop_str_in_output=o.include_stop_str_in_output,
-                    min_tokens=o.min_tokens, skip_special_tokens=o.skip_special_tokens))
+                    min_tokens=o.min_tokens, skip_special_tokens=o.skip_special_tokens, prompt_logprobs=prompt_k))
                 self.choice_prompt.append(p)
 
     def usage(self, completion_tokens: int) -> dict[str, int]:
@@ -87,21 +100,47 @@ class CompletionJob:
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": prompt_tokens + completion_tokens}
 
+    def echo_text(self, tokenizer, p: int) -> str:
+        """The text `echo` repeats for prompt `p`: a string prompt as sent, token ids decoded."""
+        prompt = self.prompts[p] if self.prompts is not None else self.prompt_ids[p]
+        if isinstance(prompt, str):
+            return prompt
+        return tokenizer.decode(prompt, skip_special_tokens=False) if tokenizer is not None else ""
+
     def choice(self, tokenizer, index: int, text: str, lps: list[TokenLogprob] | None, finish_reason: str | None,
-               *, delta: bool, first: bool = False,
-               offsets: TextOffsets | None = None) -> dict[str, Any]:
+               *, delta: bool, first: bool = False, offsets: TextOffsets | None = None,
+               prompt_lps: list[TokenLogprob | None] | None = None) -> dict[str, Any]:
         """One entry of `choices`: a whole choice, or a streamed delta (`first`: the choice's first chunk;
-        `offsets`: the choice's TextOffsets, kept over all its chunks)."""
+        `offsets`: the choice's TextOffsets, kept over all its chunks; `prompt_lps`: the output's prompt
+        logprobs, for `echo` and `prompt_logprobs`)."""
         if self.endpoint == "completions":
             offsets = offsets if offsets is not None else TextOffsets()
-            return {"index": index, "text": text, "logprobs": completion_logprobs(tokenizer, lps, offsets),
-                    "finish_reason": finish_reason}
+            p = self.choice_prompt[index]
+            echo = self.options.echo and (first or not delta)
+            prompt = (self.prompt_ids[p], prompt_lps) if echo else None
+            choice = {"index": index, "text": self.echo_text(tokenizer, p) + text if echo else text,
+                      "logprobs": completion_logprobs(tokenizer, lps, offsets, prompt, self.options.logprobs),
+                      "finish_reason": finish_reason}
+            if self.options.prompt_logprobs is not None and not delta:
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(tokenizer, prompt_lps, self.options.prompt_logprobs)
+            return choice
         if delta:
             message = ({"role": "assistant"} if first else {}) | ({"content": text} if text or first else {})
             return {"index": index, "delta": message, "logprobs": chat_logprobs(tokenizer, lps),
                     "finish_reason": finish_reason}
         return {"index": index, "message": {"role": "assistant", "content": text},
                 "logprobs": chat_logprobs(tokenizer, lps), "finish_reason": finish_reason}
+
+    def response(self, tokenizer, final: dict[int, RequestOutput]) -> dict[str, Any]:
+        """The whole answer (not streamed) from each choice's finished output."""
+        choices = [self.choice(tokenizer, i, final[i].text, final[i].logprobs, final[i].finish_reason, delta=False,
+                               prompt_lps=final[i].prompt_logprobs) for i in range(self.num_choices)]
+        body = self.envelope(choices, chunk=False)
+        if self.endpoint == "chat" and self.options.prompt_logprobs is not None:  # one prompt: beside the choices
+            body["prompt_logprobs"] = vllm_prompt_logprobs(tokenizer, final[0].prompt_logprobs,
+                                                           self.options.prompt_logprobs)
+        body["usage"] = self.usage(sum(len(o.token_ids) for o in final.values()))
+        return body
 
     def envelope(self, choices: list[dict[str, Any]], *, chunk: bool) -> dict[str, Any]:
         kind = {"completions": "text_completion", "chat": "chat.completion.chunk" if chunk else "chat.completion"}
@@ -139,23 +178,50 @@ class TextOffsets:
         return offsets
 
 
-def completion_logprobs(tokenizer, lps: list[TokenLogprob] | None,
-                        offsets: TextOffsets) -> dict[str, Any] | None:
+def completion_logprobs(tokenizer, lps: list[TokenLogprob] | None, offsets: TextOffsets,
+                        prompt: tuple[list[int], list[TokenLogprob | None] | None] | None = None,
+                        k: int | None = None) -> dict[str, Any] | None:
+    """`prompt`: (token ids, logprobs) of an echoed prompt, its tokens first (the first prompt token, and any
+    without logprobs, with null token_logprobs and top_logprobs); `k`: top entries of a prompt token."""
     if lps is None:
         return None
 
-    def top(lp: TokenLogprob) -> dict[str, float]:
-        entries = {token_text(tokenizer, t): v for t, v in lp.top}
+    def top(lp: TokenLogprob, most: int | None = None) -> dict[str, float]:
+        entries = {token_text(tokenizer, t): v for t, v in lp.top[:most]}
         # As OpenAI and vLLM: the sampled token is always there, so up to `logprobs` + 1 entries.
         entries.setdefault(token_text(tokenizer, lp.token_id), lp.logprob)
         return entries
 
+    ids, prompt_lps = prompt if prompt is not None else ([], [])
+    prompt_lps = list(prompt_lps or [])[: len(ids)]
+    prompt_lps += [None] * (len(ids) - len(prompt_lps))
     return {
-        "tokens": [token_text(tokenizer, lp.token_id) for lp in lps],
-        "token_logprobs": [lp.logprob for lp in lps],
-        "top_logprobs": [top(lp) for lp in lps],
-        "text_offset": offsets([raw_bytes(tokenizer, lp.token_id) for lp in lps]),
+        "tokens": [token_text(tokenizer, t) for t in ids] + [token_text(tokenizer, lp.token_id) for lp in lps],
+        "token_logprobs": [None if lp is None else lp.logprob for lp in prompt_lps] + [lp.logprob for lp in lps],
+        "top_logprobs": [None if lp is None else top(lp, k) for lp in prompt_lps] + [top(lp) for lp in lps],
+        "text_offset": offsets([raw_bytes(tokenizer, t) for t in ids] + [raw_bytes(tokenizer, lp.token_id) for lp in lps]),
     }
+
+
+def vllm_prompt_logprobs(tokenizer, lps: list[TokenLogprob | None] | None, k: int) -> list[dict | None] | None:
+    """vLLM's `prompt_logprobs`: per prompt token None (the first) or {token id: {logprob, rank, decoded_token}},
+    the prompt token first, then the k most likely (ranks 1..k)."""
+    if lps is None:
+        return None
+
+    def entry(token_id: int, logprob: float, rank: int | None) -> dict[str, Any]:
+        return {"logprob": logprob, "rank": rank, "decoded_token": token_text(tokenizer, token_id)}
+
+    out: list[dict | None] = []
+    for lp in lps:
+        if lp is None:
+            out.append(None)
+            continue
+        entries = {lp.token_id: entry(lp.token_id, lp.logprob, lp.rank)}
+        for rank, (t, v) in enumerate(lp.top[:k], 1):
+            entries.setdefault(t, entry(t, v, rank))
+        out.append(entries)
+    return out
 
 
 def chat_logprobs(tokenizer, lps: list[TokenLogprob] | None) -> dict[str, Any] | None:

@@ -15,6 +15,7 @@ from lorafleet.worker.block_manager import BlockManager
 from lorafleet.worker.cuda_graphs import DecodeGraphs, DecodeInputs, group_by_slot
 from lorafleet.worker.forward_context import ForwardContext
 from lorafleet.worker.llama import LlamaModel
+from lorafleet.worker.prompt_logprobs import fill_prompt_logprobs
 from lorafleet.worker.scheduler import ScheduledBatch
 from lorafleet.worker.sequence import Sequence
 
@@ -184,6 +185,7 @@ class ModelRunner:
                 return self.graphs.run(inputs), list(batch.decodes)
         ctx, samplers = self.prepare(batch)
         hidden = self.model(ctx)
+        fill_prompt_logprobs(self.model.compute_logits, hidden, batch.scheduled)  # extra rows, apart from these
         if not samplers:
             return None, samplers
         return self.model.compute_logits(hidden[ctx.logits_indices]), samplers

@@ -106,7 +106,7 @@ async def _prepare(request: web.Request, endpoint: str) -> CompletionJob:
                        param="messages") from None
     prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
     job = CompletionJob(endpoint, f"{prefix}-{uuid.uuid4().hex}", adapter or app[ADAPTERS].base_model, adapter,
-                        prompt_ids, parsed.options, tenant=tenant)
+                        prompt_ids, parsed.options, tenant=tenant, prompts=getattr(parsed, "prompts", None))
     if adapter is not None and "@" not in parsed.model:
         job.re_resolve = lambda: app[ADAPTERS].resolve(parsed.model, tenant, parsed.options.user)
     job.add_choices(engine.max_model_len, engine.model_config.vocab_size)
@@ -308,12 +308,7 @@ async def _collect(request: web.Request, job: CompletionJob, outputs: AsyncItera
             raise
         except Exception as exc:
             raise _engine_error(exc, job, request) from None
-    tokenizer = _tokenizer(request)
-    choices = [job.choice(tokenizer, i, final[i].text, final[i].logprobs, final[i].finish_reason, delta=False)
-               for i in range(job.num_choices)]
-    body = job.envelope(choices, chunk=False)
-    body["usage"] = job.usage(sum(len(o.token_ids) for o in final.values()))
-    return web.json_response(body, headers={ADAPTER_HEADER: job.model})
+    return web.json_response(job.response(_tokenizer(request), final), headers={ADAPTER_HEADER: job.model})
 
 
 async def _stream(request: web.Request, job: CompletionJob, outputs: AsyncIterator[tuple[int, RequestOutput]],
@@ -342,7 +337,7 @@ async def _stream(request: web.Request, job: CompletionJob, outputs: AsyncIterat
                 if out.new_text or out.new_token_ids or first or out.finished:
                     choice = job.choice(tokenizer, i, out.new_text, out.new_logprobs,
                                      out.finish_reason if out.finished else None, delta=True, first=first,
-                                     offsets=offsets[i])
+                                     offsets=offsets[i], prompt_lps=out.prompt_logprobs)
                     chunk = job.envelope([choice], chunk=True)
                     if job.options.include_usage:  # as OpenAI: every chunk has the field, null but the last
                         chunk["usage"] = None

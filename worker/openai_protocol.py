@@ -2,8 +2,8 @@
 
 Parsing is strict where it matters: wrong types, out-of-range values and unknown top-level fields
 are refused with a 400 that names the field (as OpenAI does: "Unrecognized request argument");
-options we cannot honour (`echo`, `best_of > 1`, tool calls, also in a chat's history) are refused
-rather than silently ignored. Tokenization happens later, in openai_api.py, and the context-length
+options we cannot honour (`best_of > 1`, `suffix`, chat's `echo`, tool calls, also in a chat's history)
+are refused rather than silently ignored. Tokenization happens later, in openai_api.py, and the context-length
 check in completion_job.py. The typed field access and the error shape live in openai_fields.py, the
 sampling options both endpoints share in openai_sampling.py.
 """
@@ -97,7 +97,7 @@ def parse_completion_request(body: Any, defaults: SamplingDefaults = SamplingDef
     prompts = _prompts(f.get("prompt"))
     options = parse_sampling_options(f, ("max_tokens",), 16, defaults)
     options.logprobs = f.integer("logprobs", None, 0, MAX_COMPLETION_LOGPROBS)
-    f.neutral("echo", False, "echo is not implemented")
+    options.echo = f.flag("echo", False)
     f.neutral("best_of", 1, "best_of is not implemented; use n")
     f.neutral("suffix", "", "suffix (insertion) is not implemented")
     f.refuse_unknown()
@@ -153,6 +153,8 @@ def parse_chat_request(body: Any, defaults: SamplingDefaults = SamplingDefaults(
         options.logprobs = f.integer("top_logprobs", 0, 0, MAX_CHAT_TOP_LOGPROBS)
     elif f.get("top_logprobs") is not None:
         raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    f.neutral("echo", False, "chat's echo (repeating the last message) is not implemented; /v1/completions "
+                             "takes echo, and prompt_logprobs works on both")
     f.neutral("tools", [], "tool calling is not implemented")
     f.neutral("tool_choice", "none", "tool calling is not implemented")
     f.neutral("response_format", {"type": "text"}, "structured output is not implemented")

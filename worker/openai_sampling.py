@@ -1,7 +1,8 @@
 """The sampling options both OpenAI endpoints share, parsed from a request body into SamplingOptions.
 
 OpenAI's fields, and vLLM's extensions a vLLM client sends: `top_k`, `min_p`, `repetition_penalty`,
-`ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`, `min_tokens` and `skip_special_tokens`
+`ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`, `min_tokens`, `skip_special_tokens` and
+`prompt_logprobs` (0..20, as vLLM's default max_logprobs; refused with `stream`, as vLLM does)
 (`spaces_between_special_tokens` only at its default, true: the `tokenizers` decoder places special
 tokens its own way, as vLLM's fast-tokenizer path does). What depends on the model (token ids within
 its vocabulary, `min_tokens` within the context left by the prompt) is checked in completion_job.py.
@@ -14,6 +15,9 @@ from dataclasses import dataclass, field
 from lorafleet.worker.logit_bias import LogitBiasError, parse_logit_bias
 from lorafleet.worker.openai_fields import Fields, bad_request, check_text, is_int
 from lorafleet.worker.sampling_defaults import SamplingDefaults
+from lorafleet.worker.sampling_params import MAX_LOGPROBS
+
+MAX_PROMPT_LOGPROBS = MAX_LOGPROBS  # vLLM's default max_logprobs
 
 MAX_N = 16
 MAX_STOP = 4
@@ -33,6 +37,8 @@ class SamplingOptions:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     logprobs: int | None = None  # number of top alternatives per token; None = no logprobs
+    echo: bool = False  # completions: each choice's text (and logprobs) starts with the prompt's
+    prompt_logprobs: int | None = None  # vLLM extension: per prompt token, its logprob and the top k; None = off
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage
     user: str | None = None
@@ -117,8 +123,12 @@ def parse_sampling_options(f: Fields, max_tokens_names: tuple[str, ...], default
         raise bad_request("'spaces_between_special_tokens': false is not supported by this server (special "
                           "tokens are decoded as the tokenizer's decoder places them)",
                           "spaces_between_special_tokens", "unsupported_parameter")
+    prompt_logprobs = f.integer("prompt_logprobs", None, 0, MAX_PROMPT_LOGPROBS)
+    if prompt_logprobs is not None and stream:
+        raise bad_request("'prompt_logprobs' is not available with 'stream': true", "prompt_logprobs")
     return SamplingOptions(
         max_tokens=max_tokens,
+        prompt_logprobs=prompt_logprobs,
         max_tokens_param=max_tokens_param,
         temperature=f.number("temperature", defaults.temperature, 0.0, 2.0),
         top_p=f.number("top_p", defaults.top_p, 0.0, 1.0, lo_open=True),

@@ -18,6 +18,9 @@ class RequestOutput:
     token_ids: list[int]  # all generated tokens so far
     text: str  # all generated text so far (stop strings cut off)
     logprobs: list[TokenLogprob] | None = None  # per generated token, when asked for
+    # Per prompt token (None for the first) with SamplingParams.prompt_logprobs; complete from the first
+    # output that has tokens on.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None  # set with finish_reason "error" (e.g. the adapter failed to load)
@@ -56,6 +59,7 @@ class OutputTracker:
             token_ids=list(seq.output_token_ids),
             text=text,
             logprobs=list(seq.logprobs) if want_lp else None,
+            prompt_logprobs=list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None,
             finished=seq.is_finished,
             finish_reason=seq.finish_reason,
             error=seq.error,

@@ -68,12 +68,11 @@ class Sampler:
         token_list = tokens.tolist()
         if all(w is None for w in want):
             return [(t, None) for t in token_list]
-        logprobs = torch.log_softmax(raw, dim=-1)  # of the model's distribution, before any processing
-        chosen = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
         k = max(w or 0 for w in want)
+        _, chosen, vals, ids = raw_logprobs(raw, tokens, k)  # the model's distribution, before any processing
+        chosen = chosen.tolist()
         top_vals, top_ids = [[]] * len(seqs), [[]] * len(seqs)
         if k:
-            vals, ids = logprobs.topk(k, dim=-1)
             top_vals, top_ids = vals.tolist(), ids.tolist()
         out: list[tuple[int, TokenLogprob | None]] = []
         for i, w in enumerate(want):
@@ -83,6 +82,19 @@ class Sampler:
                 top = list(zip(top_ids[i][:w], top_vals[i][:w], strict=True))
                 out.append((token_list[i], TokenLogprob(token_list[i], chosen[i], top)))
         return out
+
+
+def raw_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
+                 k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Of float32 logits [N, V] (row i's token tokens[i]): the log_softmax [N, V], each row's token's
+    logprob [N], and the k most likely tokens' logprobs and ids [N, k] (most likely first; None when k is 0).
+    Sampled tokens' and prompt tokens' logprobs (prompt_logprobs.py) are ranked by this one rule."""
+    logprobs = torch.log_softmax(logits, dim=-1)
+    chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
+    if not k:
+        return logprobs, chosen, None, None
+    vals, ids = logprobs.topk(k, dim=-1)
+    return logprobs, chosen, vals, ids
 
 
 def apply_min_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: frozenset[int]) -> torch.Tensor:

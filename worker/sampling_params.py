@@ -25,6 +25,9 @@ class SamplingParams:
     min_tokens: int = 0
     skip_special_tokens: bool = True  # special tokens left out of the text (they are in logprobs' tokens)
     logprobs: int | None = None  # None: none; 0: the chosen token's; k: plus the k most likely
+    # vLLM's: per prompt token (but the first), its logprob given the tokens before it, plus the k most
+    # likely alternatives; None: off. See prompt_logprobs.py.
+    prompt_logprobs: int | None = None
     # Penalties (vLLM's): presence/frequency over the generated tokens (OpenAI's), repetition over the
     # prompt and the generated tokens (transformers'); 0, 0 and 1 change nothing. See sampler.py.
     presence_penalty: float = 0.0
@@ -51,6 +54,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.prompt_logprobs}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not -2.0 <= value <= 2.0:

@@ -22,6 +22,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # the `logprobs` most likely tokens, most likely first
+    rank: int | None = None  # prompt logprobs: 1 + the tokens more likely than token_id (ties count: vLLM's)
 
 
 _seq_ids = itertools.count()
@@ -51,6 +52,9 @@ class Sequence:
         self.block_table: list[int] = []  # page ids
         self.num_preemptions = 0
         self.logprobs: list[TokenLogprob] = []
+        # Per prompt token with params.prompt_logprobs (the first has none); kept over preemptions, so a
+        # recomputed prompt fills only the positions still missing (prompt_logprobs.py).
+        self.prompt_logprobs: list[TokenLogprob | None] = [None] if params.prompt_logprobs is not None else []
         self.finish_reason: str | None = None
         self.error: str | None = None  # why the request failed (finish_reason "error")
         self.exception: Exception | None = None  # the failure itself (e.g. AdapterLoadError)

@@ -44,6 +44,16 @@ def test_chat_messages_and_logprobs():
     assert parse_chat_request({"model": "m", "messages": [{"role": "user", "content": "x"}]}).options.max_tokens is None
     assert parse_chat_request({"model": "m", "messages": [{"role": "user", "content": "x"}],
                                "logprobs": True}).options.logprobs == 0
+    o = parse_chat_request({"model": "m", "messages": [{"role": "user", "content": "x"}], "prompt_logprobs": 20,
+                            "echo": False}).options
+    assert (o.prompt_logprobs, o.echo) == (20, False)
+
+
+def test_completion_echo_and_prompt_logprobs():
+    o = parse_completion_request({"model": "m", "prompt": [1, 2], "echo": True, "logprobs": 1, "max_tokens": 1}).options
+    assert (o.echo, o.logprobs, o.prompt_logprobs) == (True, 1, None)
+    o = parse_completion_request({"model": "m", "prompt": "x", "prompt_logprobs": 0}).options
+    assert (o.echo, o.prompt_logprobs) == (False, 0)
 
 
 BAD_COMPLETIONS = [
@@ -69,7 +79,12 @@ BAD_COMPLETIONS = [
     ({"model": "m", "prompt": "x", "logprobs": 6}, "'logprobs' must be between", "invalid_value"),
     ({"model": "m", "prompt": "x", "stream": "yes"}, "true or false", "invalid_type"),
     ({"model": "m", "prompt": "x", "stream_options": {"include_usage": True}}, "only allowed", "invalid_value"),
-    ({"model": "m", "prompt": "x", "echo": True}, "not supported", "unsupported_parameter"),
+    ({"model": "m", "prompt": "x", "echo": "yes"}, "'echo' must be true or false", "invalid_type"),
+    ({"model": "m", "prompt": "x", "prompt_logprobs": 21}, "'prompt_logprobs' must be between 0 and 20",
+     "invalid_value"),
+    ({"model": "m", "prompt": "x", "prompt_logprobs": -1}, "'prompt_logprobs' must be between", "invalid_value"),
+    ({"model": "m", "prompt": "x", "prompt_logprobs": 1, "stream": True}, "not available with 'stream'",
+     "invalid_value"),
     ({"model": "m", "prompt": "x", "best_of": 2}, "not supported", "unsupported_parameter"),
     ({"model": "m", "prompt": "x", "frequency_penalty": 2.5}, "'frequency_penalty' must be in [-2.0, 2.0]",
      "invalid_value"),
@@ -211,6 +226,8 @@ BAD_CHATS = [
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "needs 'logprobs'"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
      "not supported"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "echo": True}, "chat's echo"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "prompt_logprobs": 21}, "'prompt_logprobs'"),
 ]
 
 

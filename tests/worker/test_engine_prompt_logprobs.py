@@ -1,0 +1,202 @@
+"""vLLM's `prompt_logprobs` through the engine, on the tiny random Llama (fp32): each prompt token's logprob
+given the tokens before it (and the top k, and its rank) equals transformers' (or PEFT's, with an adapter)
+log_softmax over the prompt, alone, in a batch, under chunked prefill and under preemption; other requests
+of the batch are not changed by a bit."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from lorafleet.worker import Engine, EngineConfig, SamplingParams
+from lorafleet.worker import prompt_logprobs as prompt_logprobs_module
+
+PROMPT_LENS = (3, 17, 9, 30, 1, 12)
+MAX_NEW = 6
+TOL = 1e-4
+
+
+def _engine(model_dir, **kw) -> Engine:
+    kw.setdefault("num_pages", 64)
+    kw.setdefault("block_size", 4)
+    return Engine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32", **kw))
+
+
+def _prompts(lens=PROMPT_LENS, seed=0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(256) for _ in range(n)] for n in lens]
+
+
+def _greedy(**kw) -> SamplingParams:
+    kw.setdefault("max_tokens", MAX_NEW)
+    return SamplingParams(temperature=0.0, ignore_eos=True, **kw)
+
+
+def hf_prompt_logprobs(model, prompts) -> list[torch.Tensor]:
+    """Per prompt, alone: log_softmax of the model's logits at each prompt position [len, V] (row p predicts
+    token p + 1)."""
+    out = []
+    for p in prompts:
+        with torch.no_grad():
+            logits = model(torch.tensor([p])).logits[0]
+        out.append(torch.log_softmax(logits.float(), -1))
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_llama_dir):
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def hf_ref(hf_model):
+    return hf_prompt_logprobs(hf_model, _prompts())
+
+
+def _assert_matches(out, prompt: list[int], ref: torch.Tensor, k: int) -> None:
+    lps = out.prompt_logprobs
+    assert lps is not None and len(lps) == len(prompt) and lps[0] is None
+    for pos, lp in enumerate(lps[1:], 1):
+        row = ref[pos - 1]
+        assert lp.token_id == prompt[pos]
+        assert abs(lp.logprob - row[prompt[pos]].item()) < TOL, pos
+        # rank: 1 + the tokens more likely (vLLM's count of logprobs >= the token's), up to near-ties
+        assert (row > lp.logprob + TOL).sum().item() + 1 <= lp.rank <= (row >= lp.logprob - TOL).sum().item()
+        assert len(lp.top) == k
+        assert [t for t, _ in lp.top] == row.topk(k).indices.tolist()
+        for tok, val in lp.top:
+            assert abs(val - row[tok].item()) < TOL
+
+
+def test_prompt_logprobs_match_transformers_alone_and_in_a_batch(tiny_llama_dir, hf_ref):
+    engine = _engine(tiny_llama_dir)
+    prompts = _prompts()
+    for k in (0, 3):
+        for prompt, ref in zip(prompts, hf_ref, strict=True):
+            _assert_matches(engine.generate([prompt], _greedy(prompt_logprobs=k))[0], prompt, ref, k)
+    outs = engine.generate(prompts, [_greedy(prompt_logprobs=k) for k in (2, 0, 5, 20, 1, 3)])
+    for out, prompt, ref, k in zip(outs, prompts, hf_ref, (2, 0, 5, 20, 1, 3), strict=True):
+        _assert_matches(out, prompt, ref, k)
+    assert engine.generate([prompts[0]], _greedy())[0].prompt_logprobs is None  # off unless asked for
+
+
+def test_prompt_logprobs_are_computed_in_slices(tiny_llama_dir, hf_ref, monkeypatch):
+    """A long prompt's rows go through the LM head a slice at a time; slices of 4 rows give the same tokens
+    and ranks (the values up to the float rounding of a GEMM of another shape)."""
+    engine = _engine(tiny_llama_dir)
+    prompts = _prompts()
+    whole = engine.generate(prompts, _greedy(prompt_logprobs=4))
+    monkeypatch.setattr(prompt_logprobs_module, "SLICE_ROWS", 4)
+    sliced = engine.generate(prompts, _greedy(prompt_logprobs=4))
+    for a, b, prompt, ref in zip(whole, sliced, prompts, hf_ref, strict=True):
+        _assert_matches(b, prompt, ref, 4)
+        assert [(x.token_id, [t for t, _ in x.top], x.rank) for x in b.prompt_logprobs[1:]] == [
+            (x.token_id, [t for t, _ in x.top], x.rank) for x in a.prompt_logprobs[1:]]
+
+
+def test_chunked_prefill_fills_each_position_once_and_the_first_output_has_them_all(tiny_llama_dir, hf_ref):
+    engine = _engine(tiny_llama_dir, max_num_batched_tokens=5)
+    chunks = []
+    schedule = engine.scheduler.schedule
+
+    def spy():
+        batch = schedule()
+        chunks.extend(n for s, n in batch.prefills if n < s.num_prompt_tokens)
+        return batch
+
+    engine.scheduler.schedule = spy
+    prompts = _prompts()
+    outs = engine.generate(prompts, _greedy(prompt_logprobs=3))
+    assert chunks, "no prompt was split into chunks"
+    for out, prompt, ref in zip(outs, prompts, hf_ref, strict=True):
+        _assert_matches(out, prompt, ref, 3)
+    # Streamed: the first output with a token carries every prompt token's entry.
+    engine.add_request("long", prompts[3], _greedy(prompt_logprobs=1))
+    steps = 0
+    while not (outs := engine.step()):  # the prompt's chunks: no output until the first token
+        steps += 1
+    assert steps >= 5 and len(outs) == 1 and outs[0].new_token_ids
+    first = outs[0]
+    _assert_matches(first, prompts[3], hf_ref[3], 1)
+    while engine.has_unfinished():
+        engine.step()
+
+
+def test_a_preempted_and_recomputed_prompt_keeps_one_entry_per_token(tiny_llama_dir, hf_ref):
+    prompts = _prompts()
+    engine = _engine(tiny_llama_dir, num_pages=12)  # requests get preempted and recomputed
+    outs = engine.generate(prompts, _greedy(prompt_logprobs=2, max_tokens=16))
+    assert engine.scheduler.num_preemptions > 0 and any(o.num_preemptions for o in outs)
+    for out, prompt, ref in zip(outs, prompts, hf_ref, strict=True):
+        _assert_matches(out, prompt, ref, 2)
+    # Chunked and preempted together.
+    tight = _engine(tiny_llama_dir, num_pages=12, max_num_batched_tokens=7)
+    outs = tight.generate(prompts, _greedy(prompt_logprobs=2, max_tokens=16))
+    assert tight.scheduler.num_preemptions > 0
+    for out, prompt, ref in zip(outs, prompts, hf_ref, strict=True):
+        _assert_matches(out, prompt, ref, 2)
+
+
+def test_prompt_logprobs_with_lora_adapters_match_peft(tiny_llama_dir, qv_adapters_dir):
+    from peft import PeftModel
+    from transformers import LlamaForCausalLM
+
+    prompts = _prompts()
+    names = ["alpha", None, "beta", "alpha", "beta", None]
+    refs = {None: hf_prompt_logprobs(LlamaForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval(),
+                                     prompts)}
+    for name in ("alpha", "beta"):
+        peft_model = PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32),
+                                               qv_adapters_dir / name).eval()
+        refs[name] = hf_prompt_logprobs(peft_model, prompts)
+    assert not torch.allclose(refs["alpha"][3], refs[None][3], atol=1e-2)  # the adapters matter
+    for kw in ({}, {"max_num_batched_tokens": 5}):
+        engine = _engine(tiny_llama_dir, adapters=str(qv_adapters_dir), **kw)
+        outs = engine.generate(prompts, _greedy(prompt_logprobs=3), adapters=names)
+        for i, (out, name) in enumerate(zip(outs, names, strict=True)):
+            _assert_matches(out, prompts[i], refs[name][i], 3)
+
+
+MIXED = [_greedy(max_tokens=24, logprobs=2),
+         SamplingParams(max_tokens=24, temperature=1.0, seed=8, ignore_eos=True, logprobs=1),
+         _greedy(max_tokens=24, frequency_penalty=1.0), _greedy(max_tokens=24, logprobs=0),
+         SamplingParams(max_tokens=24, temperature=0.8, seed=3, ignore_eos=True), _greedy(max_tokens=24, logprobs=3)]
+SCORED = {1, 3, 5}  # these ask for prompt logprobs in the mixed batch
+
+
+def _with_prompt_logprobs(params: SamplingParams, k: int) -> SamplingParams:
+    from dataclasses import replace
+
+    return replace(params, prompt_logprobs=k)
+
+
+@pytest.mark.parametrize("kw", [{}, {"max_num_batched_tokens": 5}, {"num_pages": 16}])
+def test_other_requests_of_a_batch_are_bit_identical(tiny_llama_dir, hf_ref, kw):
+    """The sampler sees exactly the rows it sees without prompt logprobs: in the same batch, every request's
+    tokens and logprobs are bit-identical whether some of them ask for prompt logprobs or not, and equal to
+    each request's tokens alone."""
+    prompts = _prompts()
+    engine = _engine(tiny_llama_dir, **kw)
+    alone = [engine.generate([p], [params])[0].token_ids for p, params in zip(prompts, MIXED, strict=True)]
+    plain = engine.generate(prompts, MIXED)
+    scored_params = [_with_prompt_logprobs(p, 4) if i in SCORED else p for i, p in enumerate(MIXED)]
+    scored = engine.generate(prompts, scored_params)
+    if "num_pages" in kw:
+        assert engine.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in plain] == alone
+    for i, (a, b) in enumerate(zip(plain, scored, strict=True)):
+        assert b.token_ids == a.token_ids and b.logprobs == a.logprobs, i
+        assert (b.prompt_logprobs is not None) == (i in SCORED)
+        if i in SCORED:
+            _assert_matches(b, prompts[i], hf_ref[i], 4)
+
+
+def test_prompt_logprobs_beyond_twenty_are_refused():
+    for bad in (-1, 21):
+        with pytest.raises(ValueError, match="prompt_logprobs"):
+            SamplingParams(prompt_logprobs=bad)
+    assert SamplingParams(prompt_logprobs=20).prompt_logprobs == 20
