@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from aiohttp import web
 
@@ -20,6 +20,7 @@ from lorafleet.worker.worker_config import WorkerConfig
 class ServerStatus:
     ready: bool = False  # model loaded and engine stepping
     draining: bool = False  # SIGTERM received: refuse new work
+    end_now: asyncio.Event = field(default_factory=asyncio.Event)  # set: the shutdown grace ends at once
     started_at: float = 0.0
 
 

@@ -9,7 +9,8 @@
 Only the engine thread touches the scheduler: requests and aborts travel through a thread-safe queue
 and are applied between steps; outputs travel back with `call_soon_threadsafe`. Leaving the `async
 for` early (client gone, task cancelled) aborts the request, which frees its KV pages and adapter
-reference at the next step boundary.
+reference at the next step boundary. Should the thread die of a bug outside a step (a failed step
+only fails its requests), `failure` says why and every stream in flight ends with an error at once.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()  # guards _streams
         self.num_steps = 0
+        self.failure: BaseException | None = None  # what ended the engine thread, if not stop()
 
     # ---- lifecycle ----------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -64,13 +66,13 @@ class AsyncEngine:
             streams, self._streams = self._streams, {}
         self._refuse_commands(RuntimeError("the engine stopped"))  # handed over after the thread's last look
         for rid, (loop, q) in streams.items():
-            self.engine.abort(rid)
+            self._abort_quietly(rid)
             _post(loop, q.put_nowait, RuntimeError("the engine stopped"))
         self.engine.close()
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._thread is not None and self._thread.is_alive() and self.failure is None
 
     # ---- requests -----------------------------------------------------------------------------------
     async def generate(
@@ -79,6 +81,8 @@ class AsyncEngine:
         """Outputs of one request as steps produce them. Raises EngineError (bad request) before the
         first output; the request's failure (AdapterLoadError, CapacityError); RuntimeError if the
         engine stops or fails."""
+        if self.failure is not None:
+            raise RuntimeError(f"the engine thread died: {self.failure!r}")
         if not self.is_running:
             raise RuntimeError("the engine is not running (call start() first)")
         loop = asyncio.get_running_loop()
@@ -179,7 +183,7 @@ class AsyncEngine:
                 else:
                     added.set_result(rid)
             elif kind == "abort":
-                self.engine.abort(cmd[1])
+                self._abort_quietly(cmd[1])  # one request's broken abort must not end the thread
             elif kind == "call":
                 _, fn, done = cmd
                 if not done.set_running_or_notify_cancel():  # the caller gave up on it
@@ -197,7 +201,7 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if cmd[0] == "abort":
-                self.engine.abort(cmd[1])
+                self._abort_quietly(cmd[1])
                 continue
             done = cmd[-1]
             if done.set_running_or_notify_cancel():
@@ -214,6 +218,21 @@ class AsyncEngine:
             _post(loop, _put_all, items)
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # a bug outside a step: nothing would ever answer the streams again
+            log.critical("the engine thread died; failing every request in flight", exc_info=exc)
+            self.failure = exc
+            with self._lock:  # as stop(): no request or call is handed over after this
+                self._stop.set()
+                streams, self._streams = self._streams, {}
+            error = RuntimeError(f"the engine thread died: {exc!r}")
+            self._refuse_commands(error)
+            for rid, (loop, q) in streams.items():
+                self._abort_quietly(rid)
+                _post(loop, q.put_nowait, error)
+
+    def _loop(self) -> None:
         engine = self.engine
         while not self._stop.is_set():
             self._apply_commands()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
+import math
 import os
 import re
 import types
@@ -128,9 +129,12 @@ def _convert(kind: Any, text: str) -> Any:
         return tuple(values) if typing.get_origin(kind) is tuple else values
     if kind in (int, float, str):
         try:
-            return kind(text)
+            value = kind(text)
         except ValueError:
             raise ValueError(f"expected {kind.__name__}, got {text!r}") from None
+        if kind is float and not math.isfinite(value):  # nan passes every range check (a grace of nan: none)
+            raise ValueError(f"expected a finite number, got {text!r}")
+        return value
     raise TypeError(f"cli cannot parse fields of type {kind!r}")
 
 

@@ -3,19 +3,23 @@
 State lives under typed `web.AppKey`s (no module globals). The engine is built and its step thread
 started in a `cleanup_ctx`, and stopped there after the last request handler is done. `run(config)`
 serves the app: on SIGTERM it stops accepting connections, /readyz turns 503, in-flight requests get
-`shutdown_grace_s` to finish, those still running then end with an error (a stream with an in-band
-error chunk; the engine frees their pages at once), and the process exits 0. Every error leaves as an
-OpenAI-shaped body (`{"error": {...}}`).
+`shutdown_grace_s` to finish (a second SIGTERM ends it at once), those still running then end with an
+error (a stream with an in-band error chunk; the engine frees their pages at once), and the process
+exits 0. SIGTERM while the model loads exits at once. Should the engine thread die, /healthz and
+/readyz turn 503. Every error leaves as an OpenAI-shaped body (`{"error": {...}}`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
 import secrets
+import signal
 import socket
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -39,6 +43,7 @@ from lorafleet.worker.app_keys import (
 from lorafleet.worker.async_engine import AsyncEngine
 from lorafleet.worker.engine import Engine, ShutdownError
 from lorafleet.worker.engine_adapters import EngineAdapters
+from lorafleet.worker.engine_config import EngineConfig
 from lorafleet.worker.metrics import CONTENT_TYPE, EngineSnapshot, WorkerMetrics
 from lorafleet.worker.openai_api import openai_routes
 from lorafleet.worker.openai_protocol import APIError
@@ -105,13 +110,42 @@ def engine_snapshot(app: web.Application) -> EngineSnapshot:
     )
 
 
+async def _load_engine(config: EngineConfig) -> Engine:
+    """`Engine(config)` in a daemon thread. SIGTERM during a load of minutes then exits at once: an
+    executor thread would be joined at exit, so the process would linger until the load is done."""
+    loop = asyncio.get_running_loop()
+    loaded: asyncio.Future[Engine] = loop.create_future()
+
+    def settle(engine: Engine | None, exc: BaseException | None) -> None:
+        if loaded.done():  # cancelled meanwhile
+            return
+        if exc is not None:
+            loaded.set_exception(exc)
+        else:
+            loaded.set_result(engine)
+
+    def load() -> None:
+        try:
+            engine, exc = Engine(config), None
+        except BaseException as error:
+            engine, exc = None, error
+        with contextlib.suppress(RuntimeError):  # the loop closed: the worker stopped while the model loaded
+            loop.call_soon_threadsafe(settle, engine, exc)
+
+    threading.Thread(target=load, name="model-load", daemon=True).start()
+    try:
+        return await loaded
+    except asyncio.CancelledError:
+        log.warning("stopping while the model loads: exiting without serving")
+        raise
+
+
 async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
-    loop = asyncio.get_running_loop()
     t0 = time.monotonic()
     # An object-store --adapters is the stager child's business; the engine starts without it.
     engine_config = dataclasses.replace(config.engine, adapters=None) if config.adapters_uri else config.engine
-    engine = await loop.run_in_executor(None, Engine, engine_config)
+    engine = await _load_engine(engine_config)
     async_engine = AsyncEngine(engine, on_step=lambda e: app[METRICS].observe_step(
         num_seqs=e.last_batch_size, num_adapters=e.last_batch_adapters))
     host = EngineAdapters(engine)
@@ -181,23 +215,34 @@ async def in_flight_middleware(request: web.Request, handler: Callable[[web.Requ
 
 async def _drain(app: web.Application) -> None:
     """On SIGTERM (after the listeners closed, before aiohttp awaits the handlers): refuse new work,
-    give in-flight requests `shutdown_grace_s` to finish, then end the rest. The engine fails them
-    with ShutdownError, so a stream ends with an in-band error chunk and a plain request with an error
-    body; a handler that is still running `_CUT_S` later is cancelled. aiohttp's own shutdown timeout
-    would wait the grace once for the handlers and once more after cancelling their payloads."""
-    app[STATUS].draining = True  # new requests on kept-alive connections get 503
+    give in-flight requests `shutdown_grace_s` to finish (a second signal ends it), then end the rest.
+    The engine fails them with ShutdownError, so a stream ends with an in-band error chunk and a plain
+    request with an error body; a handler that is still running `_CUT_S` later is cancelled. aiohttp's
+    own shutdown timeout would wait the grace once for the handlers and once more after cancelling
+    their payloads."""
+    status = app[STATUS]
+    status.draining = True  # new requests on kept-alive connections get 503
     grace, handlers = app[CONFIG].shutdown_grace_s, app[IN_FLIGHT]
+    log.info("shutting down: %d requests in flight get up to %g s to finish", len(handlers), grace)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + grace
-    while handlers and (left := deadline - loop.time()) > 0:
-        await asyncio.wait(set(handlers), timeout=left)
+    end_now = asyncio.ensure_future(status.end_now.wait())
+    try:
+        while handlers and not end_now.done() and (left := deadline - loop.time()) > 0:
+            await asyncio.wait({*handlers, end_now}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        end_now.cancel()
     if not handlers:
         return
-    log.warning("shutdown grace of %g s is over: ending %d requests still in flight", grace, len(handlers))
+    if status.end_now.is_set():
+        why = "the worker was told to stop at once"
+        log.warning("second signal: ending %d requests still in flight now", len(handlers))
+    else:
+        why = f"this request outlived its shutdown grace of {grace:g} s"
+        log.warning("shutdown grace of %g s is over: ending %d requests still in flight", grace, len(handlers))
     engine = app.get(ENGINE)
     if engine is not None and engine.is_running:
-        exc = ShutdownError(f"the worker is shutting down and this request outlived its shutdown grace of {grace:g} "
-                            "s; retry it on another worker")
+        exc = ShutdownError(f"the worker is shutting down and {why}; retry it on another worker")
         engine.call(lambda e: e.scheduler.fail_all(exc))
         await asyncio.wait(set(handlers), timeout=_CUT_S)
     for task in list(handlers):
@@ -206,13 +251,25 @@ async def _drain(app: web.Application) -> None:
         await asyncio.wait(set(handlers), timeout=_CUT_S)
 
 
+def _engine_failure(app: web.Application) -> web.Response | None:
+    """503 once the engine thread died: no request can be served any more, so the liveness probe
+    fails and the kubelet restarts the container, instead of a pod that is never ready nor restarted."""
+    engine = app.get(ENGINE)
+    if engine is None or engine.failure is None:
+        return None
+    return web.json_response({"status": "failed", "error": f"the engine thread died: {engine.failure!r}"},
+                             status=503)
+
+
 async def healthz(request: web.Request) -> web.Response:
-    return web.json_response({"status": "alive"})
+    return _engine_failure(request.app) or web.json_response({"status": "alive"})
 
 
 async def readyz(request: web.Request) -> web.Response:
     status = request.app[STATUS]
     engine = request.app.get(ENGINE)
+    if failed := _engine_failure(request.app):
+        return failed
     if status.draining:
         return web.json_response({"status": "draining"}, status=503)
     if not status.ready or engine is None or not engine.is_running:
@@ -258,14 +315,26 @@ def create_app(config: WorkerConfig) -> web.Application:
     return app
 
 
+async def _second_signal_ends_the_grace(app: web.Application) -> None:
+    """Shutting down: SIGTERM/SIGINT again ends the requests still in flight at once (as the grace's end
+    does), instead of aiohttp's handler, which would exit 1 mid-cleanup, cutting streams and leaving
+    the stager child running."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, app[STATUS].end_now.set)  # aiohttp removes it after its cleanup
+
+
 def run(config: WorkerConfig) -> None:
-    """Serve until SIGTERM/SIGINT; in-flight requests get `shutdown_grace_s`, then exit 0."""
+    """Serve until SIGTERM/SIGINT; in-flight requests get `shutdown_grace_s` (a second signal ends it),
+    then exit 0."""
     if config.adapters_uri and config.port == 0:  # the stager child must know where to push
         with socket.socket() as sock:
             sock.bind((config.host, 0))
             config = dataclasses.replace(config, port=sock.getsockname()[1])
+    app = create_app(config)
+    app.on_shutdown.insert(0, _second_signal_ends_the_grace)  # before _drain
     web.run_app(
-        create_app(config),
+        app,
         host=config.host,
         port=config.port,
         shutdown_timeout=_CUT_S,  # _drain has already waited the grace and ended what was left

@@ -55,6 +55,8 @@ def test_env_sets_fields_and_flags_win():
         (["--model", "m"], {"LORAFLEET_PORT": "eighty"}, "LORAFLEET_PORT"),
         (["--model", "m"], {"LORAFLEET_VERBOSE": "maybe"}, "LORAFLEET_VERBOSE"),
         (["--model", "m", "--port", "70000"], {}, "port must be in"),  # __post_init__ validation
+        (["--model", "m", "--ratio", "nan"], {}, "expected a finite number"),  # nan passes every range check
+        (["--model", "m"], {"LORAFLEET_RATIO": "inf"}, "LORAFLEET_RATIO: expected a finite number"),
     ],
 )
 def test_bad_values_exit_with_usage_naming_the_problem(argv, env, needle, capsys):

@@ -248,3 +248,55 @@ async def test_a_call_handed_over_after_stop_fails_instead_of_hanging(async_engi
     await async_engine.stop()
     with pytest.raises(RuntimeError, match="not running"):
         await asyncio.wait_for(asyncio.wrap_future(async_engine.call(lambda e: e.num_running)), timeout=30)
+
+
+async def test_an_abort_that_fails_does_not_end_the_engine_thread(async_engine):
+    """A client leaves and aborting its request raises (a bug in the bookkeeping): the engine thread
+    drops that request and goes on serving the other streams, instead of dying with them all hanging."""
+    engine = async_engine.engine
+    abort = engine.abort
+
+    def broken_abort(request_id):
+        if request_id == "gone":
+            raise RuntimeError("broken abort")
+        return abort(request_id)
+
+    engine.abort = broken_abort
+    long = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    kept = async_engine.generate("kept", PROMPTS[0], long)
+    await kept.__anext__()
+    gone = async_engine.generate("gone", PROMPTS[1], long)
+    await gone.__anext__()
+    await gone.aclose()
+    rest = await asyncio.wait_for(_collect_rest(kept), timeout=60)  # hung once the thread had died
+    assert rest[-1].finish_reason == "length" and async_engine.is_running and async_engine.failure is None
+
+
+async def test_a_dead_engine_thread_fails_the_streams_in_flight(tiny_llama_dir):
+    """The engine thread dies of a bug outside a step: every stream in flight ends with an error at once
+    (none waits forever), `failure` says why, and later requests are refused naming it."""
+    engine = Engine(EngineConfig(model=str(tiny_llama_dir), num_pages=64, block_size=4))
+    ae = AsyncEngine(engine)
+    await ae.start()
+    try:
+        long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+        stream = ae.generate("r", PROMPTS[0], long)
+        await stream.__anext__()
+
+        def broken(*_):
+            raise RuntimeError("scheduler bug")
+
+        engine.has_unfinished = broken
+        with pytest.raises(RuntimeError, match="engine thread died.*scheduler bug"):
+            await asyncio.wait_for(_collect_rest(stream), timeout=30)
+        assert not ae.is_running and "scheduler bug" in repr(ae.failure)
+        with pytest.raises(RuntimeError, match="engine thread died"):
+            await _collect(ae, "later", PROMPTS[3])
+        with pytest.raises(RuntimeError, match="not running"):
+            await asyncio.wait_for(asyncio.wrap_future(ae.call(lambda e: e.num_running)), timeout=30)
+    finally:
+        await ae.stop()
+
+
+async def _collect_rest(stream):
+    return [out async for out in stream]

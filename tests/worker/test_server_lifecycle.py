@@ -1,0 +1,129 @@
+"""The worker's lifecycle as a Kubernetes probe or a client sees it: health when the engine thread
+dies, SIGTERM while the model loads, and a second SIGTERM while in-flight requests drain."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from lorafleet.worker.app_keys import ENGINE
+from lorafleet.worker.engine_config import EngineConfig
+from lorafleet.worker.server import create_app
+from lorafleet.worker.worker_config import WorkerConfig
+from tests.worker.test_server import WorkerProcess
+
+
+def config(tiny_llama_dir, **worker) -> WorkerConfig:
+    return WorkerConfig(engine=EngineConfig(model=str(tiny_llama_dir), dtype="float32", max_model_len=256),
+                        served_model_name="tiny", **worker)
+
+
+async def test_a_dead_engine_thread_fails_liveness_and_ends_the_streams_in_flight(aiohttp_client, tiny_llama_dir):
+    """A bug outside a step ends the engine thread: the stream in flight ends with an in-band error (it
+    does not hang), and /healthz turns 503 so that the kubelet restarts the container (a pod that only
+    turns unready would stay so for ever)."""
+    app = create_app(config(tiny_llama_dir))
+    client = await aiohttp_client(app)
+    assert (await client.get("/healthz")).status == 200
+    resp = await client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 200,
+                                                      "ignore_eos": True, "stream": True})
+    assert resp.status == 200
+    assert (await resp.content.readline()).startswith(b"data: {")
+
+    def broken():
+        raise RuntimeError("scheduler bug")
+
+    app[ENGINE].engine.has_unfinished = broken
+    rest = await asyncio.wait_for(resp.read(), timeout=60)  # the old engine thread left it hanging
+    events = [line.removeprefix(b"data: ") for line in rest.splitlines() if line.startswith(b"data: ")]
+    last = json.loads(events[-1])
+    assert last["error"]["code"] == "engine_error" and "engine thread died" in last["error"]["message"], last
+    health = await client.get("/healthz")
+    assert health.status == 503 and "scheduler bug" in (await health.json())["error"]
+    assert (await client.get("/readyz")).status == 503
+    resp = await client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
+    assert resp.status == 500 and "engine thread died" in (await resp.json())["error"]["message"]
+
+
+# ---- process: signals while loading and while draining -----------------------------------------------------
+def _wait_for_log(worker, needle: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while needle not in worker.log_path.read_text():
+        if worker.proc.poll() is not None or time.monotonic() > deadline:
+            raise AssertionError(f"no {needle!r} in the worker's log:\n{worker.log_path.read_text()[-3000:]}")
+        time.sleep(0.05)
+
+
+_SLOW_LOAD = """
+import sys, threading
+from lorafleet.worker.engine import Engine
+from lorafleet.worker.__main__ import main
+load = Engine.__init__
+def slow_load(self, *args, **kwargs):
+    print("model load started", flush=True)
+    threading.Event().wait(600)  # a model that takes minutes to load
+    load(self, *args, **kwargs)
+Engine.__init__ = slow_load
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_sigterm_while_the_model_loads_exits_at_once(tiny_llama_dir, tmp_path):
+    """A pod deleted while its model loads stops at once (exit 0, saying so) instead of lingering until
+    the load is done and the kubelet kills it."""
+    log_path = tmp_path / "w.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-c", _SLOW_LOAD, "--model", str(tiny_llama_dir), "--port", "0",
+                                 "--host", "127.0.0.1", "--dtype", "float32"], stdout=log, stderr=subprocess.STDOUT,
+                                env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        try:
+            deadline = time.monotonic() + 120
+            while "model load started" not in log_path.read_text() and time.monotonic() < deadline:
+                assert proc.poll() is None, log_path.read_text()
+                time.sleep(0.05)
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(60) == 0, log_path.read_text()[-3000:]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert "stopping while the model loads" in log_path.read_text()
+
+
+def test_a_second_sigterm_ends_the_grace_with_an_in_band_error_and_exits_0(tiny_llama_dir, tmp_path):
+    """SIGTERM starts a long grace; a second SIGTERM ends the requests in flight at once as the grace's
+    end would (a stream gets its error chunk, not a broken transfer) and the process still exits 0."""
+    import urllib.request
+
+    worker = WorkerProcess(["--model", str(tiny_llama_dir), "--dtype", "float32", "--max-model-len", "512",
+                            "--shutdown-grace-s", "300"], tmp_path / "w.log")
+    try:
+        url = worker.wait_ready()
+        body = {"model": worker_model(url), "prompt": ["bye"] * 4, "n": 16, "max_tokens": 500, "ignore_eos": True,
+                "stream": True}
+        req = urllib.request.Request(f"{url}/v1/completions", method="POST", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            assert r.readline().startswith(b"data: {")
+            worker.proc.send_signal(signal.SIGTERM)
+            _wait_for_log(worker, "shutting down: 1 requests in flight")
+            worker.proc.send_signal(signal.SIGTERM)
+            rest = r.read().decode()  # a broken transfer raises IncompleteRead here
+        events = [line.removeprefix("data: ") for line in rest.splitlines() if line.startswith("data: ")]
+        last = json.loads(events[-1])
+        assert last["error"]["code"] == "shutting_down" and "stop at once" in last["error"]["message"], last
+        assert worker.proc.wait(60) == 0, worker.log_path.read_text()[-3000:]
+    finally:
+        worker.stop()
+
+
+def worker_model(url: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(f"{url}/v1/models") as r:
+        return json.loads(r.read())["data"][0]["id"]
