@@ -27,7 +27,7 @@ from lorafleet.worker.app_keys import (
     TENANTS,
 )
 from lorafleet.worker.directives import DesiredState, DirectiveError, VersionRef
-from lorafleet.worker.openai_api import read_json
+from lorafleet.worker.intake import read_json
 from lorafleet.worker.openai_protocol import (
     APIError,
     parse_load_adapter_request,

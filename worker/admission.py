@@ -6,27 +6,35 @@ with `Retry-After` instead of growing an unbounded queue that only times out lat
 An optional per-tenant cap keeps one tenant from filling the whole queue: with capacity 8 and
 `max_per_tenant` 3, acme holding 3 sequences is refused its 4th while globex may still take 3.
 Tenants are counted only while they hold sequences, so the table never outgrows the tenants in flight.
+
+Intake (reading a body, parsing it, tokenizing) comes before a request's sequences are known; it is
+bounded apart: at most `max_intake` requests at once (worker/intake.py refuses the rest with 429).
 """
 
 from __future__ import annotations
 
 QUEUE_FULL = "queue_full"  # the worker holds `capacity` sequences
 TENANT_QUEUE_FULL = "tenant_queue_full"  # the tenant holds `max_per_tenant` sequences
+INTAKE_FULL = "intake_full"  # `max_intake` requests are being read, parsed or tokenized
 
 
 class Admission:
-    def __init__(self, capacity: int, max_per_tenant: int = 0) -> None:
+    def __init__(self, capacity: int, max_per_tenant: int = 0, max_intake: int = 0) -> None:
         if capacity < 1:
             raise ValueError(f"admission capacity must be >= 1, got {capacity}")
         if max_per_tenant < 0:
             raise ValueError(
                 f"admission max_per_tenant must be >= 0 (0 = no per-tenant limit), got {max_per_tenant}"
             )
+        if max_intake < 0:
+            raise ValueError(f"admission max_intake must be >= 0 (0 = no limit), got {max_intake}")
         self.capacity = capacity
         self.max_per_tenant = max_per_tenant  # 0 = no per-tenant limit
         self.num_admitted = 0  # sequences admitted and not yet released
         self.num_admitted_by_tenant: dict[str, int] = {}  # tenant -> its share of num_admitted; no zeros
         self.num_refused = 0
+        self.max_intake = max_intake  # requests in intake at once; 0 = no limit
+        self.num_in_intake = 0
 
     @property
     def max_seqs_per_request(self) -> int:
@@ -60,6 +68,19 @@ class Admission:
         self.num_admitted += num_seqs
         self.num_admitted_by_tenant[tenant] = self.num_admitted_by_tenant.get(tenant, 0) + num_seqs
         return True
+
+    def enter_intake(self) -> bool:
+        """Take an intake place for one request; False (and nothing taken) when all are taken."""
+        if self.max_intake and self.num_in_intake >= self.max_intake:
+            self.num_refused += 1
+            return False
+        self.num_in_intake += 1
+        return True
+
+    def leave_intake(self) -> None:
+        if self.num_in_intake < 1:
+            raise ValueError("leaving intake but no request is in it")
+        self.num_in_intake -= 1
 
     def release(self, num_seqs: int, tenant: str) -> None:
         _check_positive(num_seqs)

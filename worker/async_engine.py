@@ -10,7 +10,8 @@ Only the engine thread touches the scheduler: requests and aborts travel through
 and are applied between steps; outputs travel back with `call_soon_threadsafe`. Leaving the `async
 for` early (client gone, task cancelled) aborts the request, which frees its KV pages and adapter
 reference at the next step boundary. Should the thread die of a bug outside a step (a failed step
-only fails its requests), `failure` says why and every stream in flight ends with an error at once.
+only fails its requests), or after `max_failed_forwards` failed forwards in a row (a broken device:
+worker/forward_failures.py), `failure` says why and every stream in flight ends with an error at once.
 """
 
 from __future__ import annotations
@@ -262,6 +263,7 @@ class AsyncEngine:
                     log.exception("on_step callback failed")
             if outputs:
                 self._deliver(outputs)
+            engine.forward_failures.check()  # forwards failing in a row end the thread as a bug would
             if not engine.last_batch_size:
                 self._wake.wait(_IDLE_WAIT_S)
                 self._wake.clear()

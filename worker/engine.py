@@ -26,6 +26,7 @@ from lorafleet.worker.block_manager import BlockManager
 from lorafleet.worker.cuda_graphs import DecodeGraphs
 from lorafleet.worker.engine_config import EngineConfig
 from lorafleet.worker.engine_errors import EngineError, UnknownAdapterError
+from lorafleet.worker.forward_failures import ForwardFailures
 from lorafleet.worker.logit_bias import out_of_vocab
 from lorafleet.worker.model_config import ModelConfig
 from lorafleet.worker.model_loader import load_model
@@ -119,6 +120,7 @@ class Engine:
         self.outputs = OutputTracker()
         self._ids = itertools.count()
         self.last_batch_size, self.last_batch_adapters = 0, 0
+        self.forward_failures = ForwardFailures(config.max_failed_forwards)  # many in a row: unhealthy
         if config.adapters:
             self.register_adapter_dir(config.adapters)
 
@@ -309,8 +311,9 @@ class Engine:
         if batch.is_empty:
             return outputs
         try:
-            logits, samplers = self.runner.run(batch)
-            sampled = self.sampler.sample(logits, samplers) if logits is not None else []
+            with self.forward_failures:
+                logits, samplers = self.runner.run(batch)
+                sampled = self.sampler.sample(logits, samplers) if logits is not None else []
         except Exception as exc:  # fails the requests of this forward only; the engine serves the others
             log.exception("a forward of %d requests failed; they end with an error", batch.num_seqs)
             self.scheduler.fail([seq for seq, _ in batch.scheduled], exc)

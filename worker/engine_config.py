@@ -51,6 +51,7 @@ class EngineConfig:
     cuda_graphs: bool = True  # cuda + triton kernels: replay decode steps as CUDA graphs (worker/cuda_graphs.py)
     warmup: bool = True  # cuda + triton kernels: compile the kernels of common step shapes at start
     lora_overlap: bool = True  # cuda: run LoRA deltas on a side stream beside the base GEMMs (worker/lora_linear.py)
+    max_failed_forwards: int = 8  # forwards failing in a row (e.g. a lasting CUDA error) that mark the engine unhealthy: /healthz and /readyz answer 503 so the container restarts; a single failure fails only its requests
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -62,7 +63,7 @@ class EngineConfig:
             raise ValueError(f"--tokenizer {self.tokenizer}: no tokenizer.json there (give the directory that "
                              "holds it, or leave --tokenizer unset to use the model directory's)")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_loras", "max_lora_rank",
-                     "lora_segment_len", "max_adapter_file_bytes"):
+                     "lora_segment_len", "max_adapter_file_bytes", "max_failed_forwards"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_pages is not None and self.num_pages < 1:

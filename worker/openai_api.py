@@ -25,11 +25,9 @@ import jinja2
 from aiohttp import web
 
 from lorafleet.worker.adapter_entry import AdapterLoadError
-from lorafleet.worker.admission import QUEUE_FULL, TENANT_QUEUE_FULL
 from lorafleet.worker.app_keys import (
     ADAPTERS,
     ADMISSION,
-    CONFIG,
     ENGINE,
     METRICS,
     STATUS,
@@ -37,12 +35,12 @@ from lorafleet.worker.app_keys import (
 )
 from lorafleet.worker.completion_job import CompletionJob, TextOffsets
 from lorafleet.worker.engine import EngineError, ShutdownError, UnknownAdapterError
+from lorafleet.worker.intake import check_room, intake_place, read_json, refused
 from lorafleet.worker.metrics import BASE_MODEL_LABEL
 from lorafleet.worker.openai_protocol import (
     APIError,
     parse_chat_request,
     parse_completion_request,
-    parse_json,
 )
 from lorafleet.worker.request_output import RequestOutput
 from lorafleet.worker.scheduler import CapacityError
@@ -71,39 +69,36 @@ def authenticate(request: web.Request) -> Tenant:
                        headers={"WWW-Authenticate": "Bearer"}) from None
 
 
-async def read_json(request: web.Request) -> Any:
-    return parse_json(await request.read())  # over --max-body-bytes: aiohttp raises 413
-
-
 async def _prepare(request: web.Request, endpoint: str) -> CompletionJob:
     app = request.app
     if app[STATUS].draining or ENGINE not in app:
         raise APIError(503, "the worker is shutting down or not ready; retry on another worker",
                        type="service_unavailable", code="not_ready", headers={"Retry-After": "1"})
     tenant = authenticate(request)
-    body = await read_json(request)
-    engine = app[ENGINE].engine
-    parse = parse_chat_request if endpoint == "chat" else parse_completion_request
-    parsed = parse(body, engine.sampling_defaults)
-    adapter = app[ADAPTERS].resolve(parsed.model, tenant, parsed.options.user)
+    check_room(app, tenant.name)  # a full worker reads no body: 429 at once
+    with intake_place(app):  # body read, parse, tokenization: a bounded number at once (429 beyond)
+        engine = app[ENGINE].engine
+        parse = parse_chat_request if endpoint == "chat" else parse_completion_request
+        parsed = await read_json(request, lambda body: parse(body, engine.sampling_defaults))
+        adapter = app[ADAPTERS].resolve(parsed.model, tenant, parsed.options.user)
 
-    def tokenize() -> list[list[int]]:
-        if endpoint == "chat":
-            if engine.tokenizer is None:
-                raise EngineError("this model has no tokenizer; use /v1/completions with token ids")
-            messages = [{"role": m.role, "content": m.content} | ({"name": m.name} if m.name else {})
-                        for m in parsed.messages]
-            text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-            return [engine.tokenizer.encode(text, add_special_tokens=False)]
-        return [engine.encode(p) for p in parsed.prompts]
+        def tokenize() -> list[list[int]]:
+            if endpoint == "chat":
+                if engine.tokenizer is None:
+                    raise EngineError("this model has no tokenizer; use /v1/completions with token ids")
+                messages = [{"role": m.role, "content": m.content} | ({"name": m.name} if m.name else {})
+                            for m in parsed.messages]
+                text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+                return [engine.tokenizer.encode(text, add_special_tokens=False)]
+            return [engine.encode(p) for p in parsed.prompts]
 
-    try:
-        prompt_ids = await asyncio.get_running_loop().run_in_executor(None, tokenize)
-    except (EngineError, TokenizerError) as exc:
-        raise APIError(400, str(exc), code="invalid_prompt") from None
-    except jinja2.TemplateError as exc:  # the chat template refuses (e.g. roles out of order)
-        raise APIError(400, f"the chat template refused these messages: {exc}", code="invalid_messages",
-                       param="messages") from None
+        try:
+            prompt_ids = await asyncio.get_running_loop().run_in_executor(None, tokenize)
+        except (EngineError, TokenizerError) as exc:
+            raise APIError(400, str(exc), code="invalid_prompt") from None
+        except jinja2.TemplateError as exc:  # the chat template refuses (e.g. roles out of order)
+            raise APIError(400, f"the chat template refused these messages: {exc}", code="invalid_messages",
+                           param="messages") from None
     prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
     job = CompletionJob(endpoint, f"{prefix}-{uuid.uuid4().hex}", adapter or app[ADAPTERS].base_model, adapter,
                         prompt_ids, parsed.options, tenant=tenant, prompts=getattr(parsed, "prompts", None))
@@ -221,7 +216,7 @@ class _ChoiceTimer:
 
 def _admit(app: web.Application, job: CompletionJob, tenant: str) -> None:
     """Take admission room for the job's sequences, or raise: 400 if they can never fit, 429 if not now."""
-    admission, metrics = app[ADMISSION], app[METRICS]
+    admission = app[ADMISSION]
     if job.num_choices > admission.capacity:  # would never fit: retrying cannot help
         raise APIError(400, f"this request needs {job.num_choices} sequences (prompts x n); the worker runs at "
                             f"most {admission.capacity} at once. Lower n or send fewer prompts.", code="invalid_value",
@@ -232,17 +227,8 @@ def _admit(app: web.Application, job: CompletionJob, tenant: str) -> None:
                        code="invalid_value", param="n")
     if admission.admit(job.num_choices, tenant):
         return
-    reason = admission.refusal(job.num_choices, tenant)  # nothing changed since admit: the same answer
-    metrics.rejected.labels(reason).inc()
-    retry = str(app[CONFIG].retry_after_s)
-    if reason == TENANT_QUEUE_FULL:
-        held = admission.num_admitted_by_tenant.get(tenant, 0)
-        raise APIError(429, f"tenant {tenant} has {held} sequences admitted and may have at most "
-                            f"{admission.max_per_tenant} at once (--max-sequences-per-tenant); this request needs "
-                            f"{job.num_choices} more. Retry after {retry} s or when your requests in flight finish",
-                       type="rate_limit_error", code=TENANT_QUEUE_FULL, headers={"Retry-After": retry})
-    raise APIError(429, f"the worker's queue is full ({admission.capacity} sequences admitted); retry "
-                        f"after {retry} s", type="rate_limit_error", code=QUEUE_FULL, headers={"Retry-After": retry})
+    # nothing changed since admit: the same answer
+    raise refused(app, admission.refusal(job.num_choices, tenant), tenant, job.num_choices)
 
 
 async def _serve(request: web.Request, endpoint: str) -> web.StreamResponse:

@@ -290,7 +290,7 @@ def create_app(config: WorkerConfig) -> web.Application:
     app[CONFIG] = config
     app[TENANTS] = tenants
     app[STATUS] = ServerStatus(started_at=time.time())
-    app[ADMISSION] = Admission(config.capacity, config.max_sequences_per_tenant)
+    app[ADMISSION] = Admission(config.capacity, config.max_sequences_per_tenant, config.intake_limit)
     app[ADMIN_LOCK] = asyncio.Lock()
     app[METRICS] = WorkerMetrics(lambda: engine_snapshot(app))
     app[IN_FLIGHT] = set()

@@ -9,6 +9,7 @@ admin API; the engine process never holds object-store credentials.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -55,6 +56,11 @@ class WorkerConfig:
                                   "refused with 429 tenant_queue_full and Retry-After, so one tenant cannot fill "
                                   "the queue; 0 = no per-tenant limit. Without --api-keys-file every caller is "
                                   "tenant dev, so the limit then caps all callers together"))
+    max_intake_requests: int = field(
+        default=0, metadata=_help("requests whose bodies may be read, JSON-parsed and tokenized at once; more are "
+                                  "refused with 429 intake_full and Retry-After before their body is read (as "
+                                  "is every request while the queue is full); 0 = 4 x the CPUs of this process, or as many bodies of "
+                                  "--max-body-bytes as fit in 256 MiB when that is more"))
     retry_after_s: int = field(default=1, metadata=_help("Retry-After seconds sent with 429"))
     shutdown_grace_s: float = field(
         default=30.0, metadata=_help("on SIGTERM: seconds in-flight requests get to finish; then they end with "
@@ -82,6 +88,8 @@ class WorkerConfig:
         if self.max_sequences_per_tenant < 0:
             raise ValueError(f"max_sequences_per_tenant must be >= 0 (0 = no per-tenant limit), got "
                              f"{self.max_sequences_per_tenant}")
+        if self.max_intake_requests < 0:
+            raise ValueError(f"max_intake_requests must be >= 0 (0 = sized from the CPUs), got {self.max_intake_requests}")
         if self.retry_after_s < 1:
             raise ValueError(f"retry_after_s must be >= 1, got {self.retry_after_s}")
         if self.shutdown_grace_s < 0:
@@ -123,3 +131,12 @@ class WorkerConfig:
     def capacity(self) -> int:
         """Sequences admitted at once: the running batch plus the queue."""
         return self.engine.max_num_seqs + self.max_queued_requests
+
+    @property
+    def intake_limit(self) -> int:
+        """Requests in intake at once (body read, parse, tokenization): `max_intake_requests`, or 4 x CPUs,
+        or more when bodies are small (256 MiB of them), so that a burst of small requests is not refused."""
+        if self.max_intake_requests:
+            return self.max_intake_requests
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        return max(4 * cpus, (256 << 20) // self.max_body_bytes)

@@ -100,3 +100,19 @@ def test_the_per_tenant_cap_is_a_flag_and_an_environment_variable():
     )
     with pytest.raises(ValueError, match="max_sequences_per_tenant must be >= 0"):
         WorkerConfig(max_sequences_per_tenant=-1)
+
+
+def test_intake_places_are_bounded_and_given_back():
+    admission = Admission(4, max_intake=2)
+    assert admission.enter_intake() and admission.enter_intake()
+    assert not admission.enter_intake() and admission.num_in_intake == 2 and admission.num_refused == 1
+    admission.leave_intake()
+    assert admission.enter_intake()
+    for _ in range(2):
+        admission.leave_intake()
+    with pytest.raises(ValueError, match="leaving intake"):
+        admission.leave_intake()
+    unbounded = Admission(4)  # 0: no limit
+    assert all(unbounded.enter_intake() for _ in range(100))
+    with pytest.raises(ValueError, match="max_intake"):
+        Admission(4, max_intake=-1)

@@ -12,15 +12,16 @@ import sys
 import time
 
 from lorafleet.worker.app_keys import ENGINE
+from lorafleet.worker.cli import config_from_args
 from lorafleet.worker.engine_config import EngineConfig
 from lorafleet.worker.server import create_app
 from lorafleet.worker.worker_config import WorkerConfig
 from tests.worker.test_server import WorkerProcess
 
 
-def config(tiny_llama_dir, **worker) -> WorkerConfig:
-    return WorkerConfig(engine=EngineConfig(model=str(tiny_llama_dir), dtype="float32", max_model_len=256),
-                        served_model_name="tiny", **worker)
+def config(tiny_llama_dir, engine: dict | None = None, **worker) -> WorkerConfig:
+    return WorkerConfig(engine=EngineConfig(model=str(tiny_llama_dir), dtype="float32", max_model_len=256,
+                                            **(engine or {})), served_model_name="tiny", **worker)
 
 
 async def test_a_dead_engine_thread_fails_liveness_and_ends_the_streams_in_flight(aiohttp_client, tiny_llama_dir):
@@ -48,6 +49,44 @@ async def test_a_dead_engine_thread_fails_liveness_and_ends_the_streams_in_fligh
     assert (await client.get("/readyz")).status == 503
     resp = await client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
     assert resp.status == 500 and "engine thread died" in (await resp.json())["error"]["message"]
+
+
+async def test_forwards_failing_in_a_row_fail_liveness_and_fewer_do_not(aiohttp_client, tiny_llama_dir):
+    """A broken device fails every forward: after --max-failed-forwards (3 here) in a row /healthz and
+    /readyz turn 503, so that the kubelet restarts the container. Fewer in a row, with forwards that
+    succeed between them (a bad adapter, one bad batch), fail only their requests: health stays green."""
+    app = create_app(config(tiny_llama_dir, engine={"max_failed_forwards": 3}))
+    client = await aiohttp_client(app)
+    engine = app[ENGINE].engine
+    run, failing = engine.runner.run, [False]
+
+    def faulty_run(batch):
+        if failing[0]:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return run(batch)
+
+    engine.runner.run = faulty_run
+
+    async def complete() -> int:  # one forward: the prefill samples the only token
+        resp = await client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 1})
+        return resp.status
+
+    for fail in (True, True, False, True, True, False, True, True):
+        failing[0] = fail
+        assert await complete() == (500 if fail else 200)
+        assert (await client.get("/healthz")).status == 200 and (await client.get("/readyz")).status == 200
+    assert engine.forward_failures.in_a_row == 2
+    assert await complete() == 500  # the third in a row
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 30
+    while (health := await client.get("/healthz")).status == 200:  # the engine thread ends just after
+        assert loop.time() < deadline, "healthz stayed 200"
+        await asyncio.sleep(0.01)
+    assert health.status == 503 and "3 forwards in a row failed" in (await health.json())["error"]
+    assert (await client.get("/readyz")).status == 503
+    assert config_from_args(WorkerConfig, [], env={}).engine.max_failed_forwards == 8
+    assert config_from_args(WorkerConfig, [], env={"LORAFLEET_MAX_FAILED_FORWARDS": "2"}).engine.max_failed_forwards == 2
+    assert config_from_args(WorkerConfig, ["--max-failed-forwards", "5"], env={}).engine.max_failed_forwards == 5
 
 
 # ---- process: signals while loading and while draining -----------------------------------------------------

@@ -1,0 +1,146 @@
+"""Intake before admission: a full worker refuses without reading the body, the requests being read,
+parsed and tokenized at once are bounded, and large bodies are parsed off the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import pytest
+
+from lorafleet.worker import intake
+from lorafleet.worker.app_keys import ADMISSION, ENGINE
+from lorafleet.worker.cli import config_from_args
+from lorafleet.worker.engine_config import EngineConfig
+from lorafleet.worker.server import create_app
+from lorafleet.worker.worker_config import WorkerConfig
+
+BODY = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 2}).encode()
+
+
+def config(tiny_llama_dir, max_num_seqs: int = 64, **worker) -> WorkerConfig:
+    return WorkerConfig(engine=EngineConfig(model=str(tiny_llama_dir), dtype="float32", max_model_len=256,
+                                            max_num_seqs=max_num_seqs), served_model_name="tiny", **worker)
+
+
+async def send_head(port: int, length: int, first: bytes = b""):
+    """A POST whose headers announce `length` body bytes, of which only `first` is sent (so far)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {length}\r\n\r\n".encode() + first)
+    await writer.drain()
+    return reader, writer
+
+
+async def read_answer(reader: asyncio.StreamReader, timeout: float = 60.0) -> tuple[int, dict[str, str], dict]:
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout)
+    status_line, *lines = head.decode().strip().split("\r\n")
+    headers = {k.lower(): v for k, v in (line.split(": ", 1) for line in lines)}
+    body = await asyncio.wait_for(reader.readexactly(int(headers["content-length"])), timeout)
+    return int(status_line.split()[1]), headers, json.loads(body)
+
+
+async def wait_until(predicate, timeout: float = 30.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate():
+        assert loop.time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+async def test_a_full_worker_refuses_before_reading_the_body(aiohttp_client, tiny_llama_dir):
+    """Capacity 1, held by a request whose forward waits: the next request gets 429 queue_full with
+    Retry-After from its headers alone (its 4 MB body is never sent); once the first is done, requests
+    are served again."""
+    app = create_app(config(tiny_llama_dir, max_num_seqs=1, max_queued_requests=0))
+    client = await aiohttp_client(app)
+    engine = app[ENGINE].engine
+    gate, run = threading.Event(), engine.runner.run
+
+    def held_run(batch):
+        gate.wait(60)
+        return run(batch)
+
+    engine.runner.run = held_run
+    writer = None
+    try:
+        first = asyncio.create_task(client.post("/v1/completions", data=BODY))
+        await wait_until(lambda: app[ADMISSION].num_admitted == 1)
+        reader, writer = await send_head(client.server.port, 4_000_000)
+        status, headers, body = await read_answer(reader, timeout=10)
+        assert status == 429 and int(headers["retry-after"]) >= 1, body
+        assert body["error"]["code"] == "queue_full" and body["error"]["type"] == "rate_limit_error"
+        assert app[ADMISSION].num_in_intake == 0
+    finally:
+        gate.set()
+        if writer is not None:
+            writer.close()
+    assert (await first).status == 200
+    await wait_until(lambda: app[ADMISSION].num_admitted == 0)
+    resp = await client.post("/v1/completions", data=BODY)
+    assert resp.status == 200 and (await resp.json())["choices"][0]["finish_reason"] == "length"
+
+
+async def test_requests_in_intake_are_bounded(aiohttp_client, tiny_llama_dir):
+    """Two bodies half sent fill an intake of 2: a third request is refused with 429 intake_full before
+    its body is read; the two are served once their bodies arrive, and intake is open again."""
+    app = create_app(config(tiny_llama_dir, max_intake_requests=2))
+    client = await aiohttp_client(app)
+    port, writers = client.server.port, []
+    try:
+        held = [await send_head(port, len(BODY), BODY[:10]) for _ in range(2)]
+        writers += [w for _, w in held]
+        await wait_until(lambda: app[ADMISSION].num_in_intake == 2)
+        reader, writer = await send_head(port, 4_000_000)
+        writers.append(writer)
+        status, headers, body = await read_answer(reader, timeout=10)
+        assert status == 429 and int(headers["retry-after"]) >= 1, body
+        assert body["error"]["code"] == "intake_full" and "--max-intake-requests" in body["error"]["message"]
+        for held_reader, held_writer in held:
+            held_writer.write(BODY[10:])
+            await held_writer.drain()
+            status, _, body = await read_answer(held_reader)
+            assert status == 200 and body["choices"][0]["finish_reason"] == "length", body
+    finally:
+        for w in writers:
+            w.close()
+    assert app[ADMISSION].num_in_intake == 0
+    assert (await client.post("/v1/completions", data=BODY)).status == 200
+
+
+async def test_healthz_answers_while_large_bodies_are_parsed(aiohttp_client, tiny_llama_dir, monkeypatch):
+    """Four bodies over 64 KiB are parsed at once, each parse held until released: /healthz still answers
+    (the parses are off the event loop), and the four are served afterwards."""
+    app = create_app(config(tiny_llama_dir, max_intake_requests=8))
+    client = await aiohttp_client(app)
+    gate, entered, released, parse_json = threading.Event(), [], [], intake.parse_json
+
+    def held_parse(raw):  # on the event loop, the first would block it until its wait times out
+        entered.append(len(raw))
+        released.append(gate.wait(10))
+        return parse_json(raw)
+
+    monkeypatch.setattr(intake, "parse_json", held_parse)
+    large = BODY[:-1] + b" " * (100 * 1024) + b"}"  # valid JSON, padded over LARGE_BODY_BYTES
+    assert len(large) > intake.LARGE_BODY_BYTES
+    posts = [asyncio.create_task(client.post("/v1/completions", data=large)) for _ in range(4)]
+    try:
+        await wait_until(lambda: len(entered) == 4, timeout=5)
+        health = await asyncio.wait_for(client.get("/healthz"), timeout=5)
+        assert health.status == 200 and not gate.is_set()
+        assert not any(p.done() for p in posts)
+    finally:
+        gate.set()
+    assert [r.status for r in await asyncio.gather(*posts)] == [200] * 4
+    assert released == [True] * 4  # every parse waited for the gate, none timed out
+
+
+def test_the_intake_bound_is_a_flag_and_an_environment_variable():
+    assert config_from_args(WorkerConfig, [], env={}).max_intake_requests == 0  # default: from CPUs, body size
+    assert config_from_args(WorkerConfig, [], env={}).intake_limit >= 64  # 256 MiB of 4 MiB bodies at least
+    env = {"LORAFLEET_MAX_INTAKE_REQUESTS": "5"}
+    assert config_from_args(WorkerConfig, [], env=env).intake_limit == 5
+    assert config_from_args(WorkerConfig, ["--max-intake-requests", "3"], env=env).intake_limit == 3
+    with pytest.raises(ValueError, match="max_intake_requests must be >= 0"):
+        WorkerConfig(max_intake_requests=-1)

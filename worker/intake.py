@@ -1,0 +1,82 @@
+"""Request intake: what a request costs before admission counts its sequences (reading its body,
+parsing the JSON, tokenizing), bounded so that a burst cannot grow memory and CPU with connections x
+--max-body-bytes while the queue is full anyway.
+
+Before the body is read, a request is refused with 429 and `Retry-After` when not even one more
+sequence of its tenant would be admitted now (`queue_full`, `tenant_queue_full`), or when
+`--max-intake-requests` requests are in intake already (`intake_full`). Bodies over LARGE_BODY_BYTES
+are parsed in the default executor, where tokenization runs too, so that the event loop (and
+/healthz with it) keeps answering while they are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from aiohttp import web
+
+from lorafleet.worker.admission import INTAKE_FULL, TENANT_QUEUE_FULL
+from lorafleet.worker.app_keys import ADMISSION, CONFIG, METRICS
+from lorafleet.worker.openai_protocol import APIError, parse_json
+
+LARGE_BODY_BYTES = 64 * 1024  # larger bodies are parsed off the event loop
+
+
+def refused(app: web.Application, reason: str, tenant: str, num_seqs: int | None = None) -> APIError:
+    """The 429 of a refusal by admission (`reason`: queue_full, tenant_queue_full, intake_full), counted in
+    the metrics. `num_seqs`: what the request needs, when known (after its body was parsed)."""
+    admission = app[ADMISSION]
+    app[METRICS].rejected.labels(reason).inc()
+    retry = str(app[CONFIG].retry_after_s)
+    headers = {"Retry-After": retry}
+    needs = f"{num_seqs} more" if num_seqs else "at least 1 more"
+    if reason == TENANT_QUEUE_FULL:
+        held = admission.num_admitted_by_tenant.get(tenant, 0)
+        return APIError(429, f"tenant {tenant} has {held} sequences admitted and may have at most "
+                             f"{admission.max_per_tenant} at once (--max-sequences-per-tenant); this request needs "
+                             f"{needs}. Retry after {retry} s or when your requests in flight finish",
+                        type="rate_limit_error", code=reason, headers=headers)
+    if reason == INTAKE_FULL:
+        return APIError(429, f"the worker is reading {admission.num_in_intake} requests already (at most "
+                             f"{admission.max_intake} at once, --max-intake-requests); retry after {retry} s",
+                        type="rate_limit_error", code=reason, headers=headers)
+    return APIError(429, f"the worker's queue is full ({admission.capacity} sequences admitted); retry "
+                         f"after {retry} s", type="rate_limit_error", code=reason, headers=headers)
+
+
+def check_room(app: web.Application, tenant: str) -> None:
+    """Raise the 429 at once, before the body is read, when not even one more sequence of `tenant` fits."""
+    admission = app[ADMISSION]
+    if reason := admission.refusal(1, tenant):
+        admission.num_refused += 1
+        raise refused(app, reason, tenant)
+
+
+@contextlib.contextmanager
+def intake_place(app: web.Application) -> Iterator[None]:
+    """Hold one of the `--max-intake-requests` intake places while reading, parsing and tokenizing; none
+    free: 429 intake_full, the body unread."""
+    admission = app[ADMISSION]
+    if not admission.enter_intake():
+        raise refused(app, INTAKE_FULL, "")
+    try:
+        yield
+    finally:
+        admission.leave_intake()
+
+
+async def read_json(request: web.Request, then: Callable[[Any], Any] | None = None) -> Any:
+    """The parsed body, and `then(body)` when given: in the default executor for a body over
+    LARGE_BODY_BYTES. Over --max-body-bytes: aiohttp raises 413."""
+    raw = await request.read()
+
+    def parse() -> Any:
+        body = parse_json(raw)
+        return body if then is None else then(body)
+
+    if len(raw) <= LARGE_BODY_BYTES:
+        return parse()
+    return await asyncio.get_running_loop().run_in_executor(None, parse)
