@@ -99,18 +99,25 @@ def test_preemption_keeps_outputs_identical(tiny_llama_dir, hf_ref):
     _assert_all_free(engine)
 
 
-def test_chunked_prefill_identical(tiny_llama_dir, hf_ref):
-    engine = _engine(tiny_llama_dir, max_num_batched_tokens=5)
-    chunked = []
-    orig = engine.scheduler.schedule
+def record_prefill_chunks(engine, max_tokens: int | None = None) -> list[int]:
+    """The sizes of the partial prefill chunks the engine's scheduler hands out from now on (each step
+    checked to stay within max_tokens)."""
+    chunks: list[int] = []
+    schedule = engine.scheduler.schedule
 
     def spy():
-        batch = orig()
-        assert batch.num_tokens <= 5
-        chunked.extend(n for s, n in batch.prefills if n < s.num_prompt_tokens)
+        batch = schedule()
+        assert max_tokens is None or batch.num_tokens <= max_tokens
+        chunks.extend(n for s, n in batch.prefills if n < s.num_prompt_tokens)
         return batch
 
     engine.scheduler.schedule = spy
+    return chunks
+
+
+def test_chunked_prefill_identical(tiny_llama_dir, hf_ref):
+    engine = _engine(tiny_llama_dir, max_num_batched_tokens=5)
+    chunked = record_prefill_chunks(engine, 5)
     outs = engine.generate(_prompts(), GREEDY)
     assert chunked, "no prompt was split into chunks"
     _assert_matches(outs, hf_ref)

@@ -12,6 +12,7 @@ import torch
 
 from lorafleet.worker import Engine, EngineConfig, SamplingParams
 from lorafleet.worker import prompt_logprobs as prompt_logprobs_module
+from tests.worker.test_engine import record_prefill_chunks
 
 PROMPT_LENS = (3, 17, 9, 30, 1, 12)
 MAX_NEW = 6
@@ -100,15 +101,7 @@ def test_prompt_logprobs_are_computed_in_slices(tiny_llama_dir, hf_ref, monkeypa
 
 def test_chunked_prefill_fills_each_position_once_and_the_first_output_has_them_all(tiny_llama_dir, hf_ref):
     engine = _engine(tiny_llama_dir, max_num_batched_tokens=5)
-    chunks = []
-    schedule = engine.scheduler.schedule
-
-    def spy():
-        batch = schedule()
-        chunks.extend(n for s, n in batch.prefills if n < s.num_prompt_tokens)
-        return batch
-
-    engine.scheduler.schedule = spy
+    chunks = record_prefill_chunks(engine)
     prompts = _prompts()
     outs = engine.generate(prompts, _greedy(prompt_logprobs=3))
     assert chunks, "no prompt was split into chunks"
