@@ -45,7 +45,7 @@ def hf_ref(tiny_llama_dir):
 def _engine(model_dir, **kw) -> Engine:
     kw.setdefault("num_pages", 64)
     kw.setdefault("block_size", 4)
-    return Engine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32", **kw))
+    return Engine(EngineConfig(model=str(model_dir), device=kw.pop("device", "cpu"), dtype="float32", **kw))
 
 
 def _assert_all_free(engine: Engine) -> None:

@@ -4,8 +4,6 @@ ends at once unless `min_tokens` holds EOS back."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
@@ -13,20 +11,10 @@ from lorafleet.worker import Engine, EngineConfig, SamplingParams
 from lorafleet.worker.sampler import Sampler, apply_min_tokens
 from lorafleet.worker.sequence import Sequence
 from tests.worker.conftest import EOS_ID
+from tests.worker.test_engine import _engine, _prompts
 
 MAX_NEW = 24
 EOS_FIRST = {EOS_ID: 100.0}  # EOS is the argmax whenever it may be drawn
-
-
-def _engine(model_dir, **kw) -> Engine:
-    kw.setdefault("num_pages", 64)
-    kw.setdefault("block_size", 4)
-    return Engine(EngineConfig(model=str(model_dir), device=kw.pop("device", "cpu"), dtype="float32", **kw))
-
-
-def _prompts(lens=(3, 17, 9, 30, 1, 12), seed=0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(256) for _ in range(n)] for n in lens]
 
 
 def _greedy(**kw) -> SamplingParams:

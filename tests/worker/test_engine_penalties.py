@@ -2,25 +2,13 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
-from lorafleet.worker import Engine, EngineConfig, SamplingParams
+from lorafleet.worker import SamplingParams
+from tests.worker.test_engine import _engine, _prompts
 
 MAX_NEW = 24
-
-
-def _engine(model_dir, **kw) -> Engine:
-    kw.setdefault("num_pages", 64)
-    kw.setdefault("block_size", 4)
-    return Engine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32", **kw))
-
-
-def _prompts(lens=(3, 17, 9, 30, 1, 12), seed=0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(256) for _ in range(n)] for n in lens]
 
 
 def _greedy(**kw) -> SamplingParams:

@@ -5,29 +5,15 @@ of the batch are not changed by a bit."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
-from lorafleet.worker import Engine, EngineConfig, SamplingParams
+from lorafleet.worker import SamplingParams
 from lorafleet.worker import prompt_logprobs as prompt_logprobs_module
-from tests.worker.test_engine import record_prefill_chunks
+from tests.worker.test_engine import _engine, _prompts, record_prefill_chunks
 
-PROMPT_LENS = (3, 17, 9, 30, 1, 12)
 MAX_NEW = 6
 TOL = 1e-4
-
-
-def _engine(model_dir, **kw) -> Engine:
-    kw.setdefault("num_pages", 64)
-    kw.setdefault("block_size", 4)
-    return Engine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32", **kw))
-
-
-def _prompts(lens=PROMPT_LENS, seed=0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(256) for _ in range(n)] for n in lens]
 
 
 def _greedy(**kw) -> SamplingParams:
