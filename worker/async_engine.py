@@ -65,11 +65,15 @@ class AsyncEngine:
         await asyncio.get_running_loop().run_in_executor(None, thread.join)
         with self._lock:
             streams, self._streams = self._streams, {}
-        self._refuse_commands(RuntimeError("the engine stopped"))  # handed over after the thread's last look
+        self._fail_streams(streams, RuntimeError("the engine stopped"))  # and what was handed over after the thread's last look
+        self.engine.close()
+
+    def _fail_streams(self, streams: dict, error: BaseException) -> None:
+        """Refuse the commands still queued, abort these streams' requests and end each stream with `error`."""
+        self._refuse_commands(error)
         for rid, (loop, q) in streams.items():
             self._abort_quietly(rid)
-            _post(loop, q.put_nowait, RuntimeError("the engine stopped"))
-        self.engine.close()
+            _post(loop, q.put_nowait, error)
 
     @property
     def is_running(self) -> bool:
@@ -227,11 +231,7 @@ class AsyncEngine:
             with self._lock:  # as stop(): no request or call is handed over after this
                 self._stop.set()
                 streams, self._streams = self._streams, {}
-            error = RuntimeError(f"the engine thread died: {exc!r}")
-            self._refuse_commands(error)
-            for rid, (loop, q) in streams.items():
-                self._abort_quietly(rid)
-                _post(loop, q.put_nowait, error)
+            self._fail_streams(streams, RuntimeError(f"the engine thread died: {exc!r}"))
 
     def _loop(self) -> None:
         engine = self.engine

@@ -66,6 +66,9 @@ class CompletionJob:
             if bad:
                 raise APIError(400, f"'{param}' names token ids outside the vocabulary (0..{vocab_size - 1}): "
                                     f"{', '.join(map(str, bad[:5]))}", code="invalid_value", param=param)
+        # echo with logprobs needs the prompt's logprobs too: the engine computes the larger k of the two
+        echo_k = max(o.prompt_logprobs or 0, o.logprobs) if o.echo and o.logprobs is not None else None
+        prompt_k = o.prompt_logprobs if echo_k is None else echo_k
         for p, ids in enumerate(self.prompt_ids):
             if len(ids) >= max_model_len:
                 raise APIError(400, f"This model's maximum context length is {max_model_len} tokens; the prompt "
@@ -81,9 +84,6 @@ class CompletionJob:
                 raise APIError(400, f"'min_tokens' ({o.min_tokens}) is more than the {max_tokens} tokens this "
                                     f"prompt leaves of the model's context ({max_model_len} tokens)",
                                code="invalid_value", param="min_tokens")
-            # echo with logprobs needs the prompt's logprobs too: the engine computes the larger k of the two
-            prompt_k = max(o.prompt_logprobs or 0, o.logprobs or 0) if o.echo and o.logprobs is not None else None
-            prompt_k = o.prompt_logprobs if prompt_k is None else prompt_k
             for j in range(o.n):
                 seed = None if o.seed is None else o.seed + j  # n choices with one seed must still differ
                 self.params.append(SamplingParams(
