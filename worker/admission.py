@@ -58,6 +58,13 @@ class Admission:
     def can_admit(self, num_seqs: int, tenant: str) -> bool:
         return self.refusal(num_seqs, tenant) is None
 
+    def early_refusal(self, tenant: str) -> str | None:
+        """`refusal(1, tenant)`, counted as a refusal when there is one: not even one more sequence fits."""
+        reason = self.refusal(1, tenant)
+        if reason:
+            self.num_refused += 1
+        return reason
+
     def admit(self, num_seqs: int, tenant: str) -> bool:
         """Take room for `num_seqs` sequences of `tenant`; False (and nothing taken) when the worker's
         queue or the tenant's share of it is full (`refusal` says which)."""

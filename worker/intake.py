@@ -49,9 +49,7 @@ def refused(app: web.Application, reason: str, tenant: str, num_seqs: int | None
 
 def check_room(app: web.Application, tenant: str) -> None:
     """Raise the 429 at once, before the body is read, when not even one more sequence of `tenant` fits."""
-    admission = app[ADMISSION]
-    if reason := admission.refusal(1, tenant):
-        admission.num_refused += 1
+    if reason := app[ADMISSION].early_refusal(tenant):
         raise refused(app, reason, tenant)
 
 
