@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import threading
 import uuid
 from collections.abc import Callable, Set
@@ -34,13 +35,23 @@ def _sync(path: Path) -> None:
         os.close(fd)
 
 
-def _sync_tree(path: Path) -> None:
-    """Flush every file under `path`, then the directories that name them, to disk."""
-    for f in path.rglob("*"):
-        if f.is_file() and not f.is_symlink():
-            _sync(f)
-    for d in [*(d for d in path.rglob("*") if d.is_dir() and not d.is_symlink()), path]:
-        _sync(d)
+def _sync_tree(path: Path) -> int:
+    """Flush every regular file under `path`, then the directories that name them, to disk, in one walk;
+    returns the files' bytes (what dir_bytes counts)."""
+    total = 0
+    for root, _dirs, files in os.walk(path, topdown=False):  # symlinked folders are not entered
+        for name in files:
+            f = os.path.join(root, name)
+            if not stat.S_ISREG(os.lstat(f).st_mode):  # symlinks and special files are neither synced nor counted
+                continue
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                total += os.fstat(fd).st_size
+            finally:
+                os.close(fd)
+        _sync(Path(root))
+    return total
 
 
 class DiskCache:
@@ -81,8 +92,7 @@ class DiskCache:
         tmp.mkdir()
         try:
             fill(tmp)
-            _sync_tree(tmp)  # else a power loss may keep the rename, lose the data, and only two files are rechecked
-            size = dir_bytes(tmp)
+            size = _sync_tree(tmp)  # else a power loss may keep the rename, lose the data, and only two files are rechecked
             final = self.root / key
             with self._lock:
                 if final.exists():  # a concurrent fill won; its content is the same (same key)

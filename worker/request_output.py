@@ -59,7 +59,7 @@ class OutputTracker:
             token_ids=list(seq.output_token_ids),
             text=text,
             logprobs=list(seq.logprobs) if want_lp else None,
-            prompt_logprobs=list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None,
+            prompt_logprobs=seq.prompt_logprobs if seq.params.prompt_logprobs is not None else None,  # filled by prefill only: shared, not copied per output
             finished=seq.is_finished,
             finish_reason=seq.finish_reason,
             error=seq.error,
