@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
-from kernel_floor import kernel_bytes, structure_floor  # same folder
+from kernel_floor import kernel_bytes, read_range, structure_floor  # same folder
 from kernel_setup import Timer, copy_bandwidth, recorded_command  # same folder
 
 from lorafleet.kernels.lora_sgmv import gdc_launch_dependents, gdc_wait
@@ -55,17 +55,6 @@ def _cluster_barrier(pid):
 
 
 @triton.jit
-def _read(src, lo, hi, BLOCK: tl.constexpr, UNROLL: tl.constexpr):
-    arange = tl.arange(0, BLOCK)
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for s in range(lo, hi, BLOCK * UNROLL):
-        for u in tl.static_range(UNROLL):
-            offs = s + u * BLOCK + arange
-            acc += tl.load(src + offs, mask=offs < hi, other=0.0).to(tl.float32)
-    return tl.sum(acc, axis=0)
-
-
-@triton.jit
 def group_reads(a_src, b_src, part, out, a_n, b_n, a_per, b_per, C: tl.constexpr, BLOCK: tl.constexpr, UNROLL: tl.constexpr,
                 PDL: tl.constexpr, SYNC: tl.constexpr):  # fmt: skip
     """One group's reads: a_per elements of A, a partial stored; with SYNC a cluster barrier and the C
@@ -74,13 +63,13 @@ def group_reads(a_src, b_src, part, out, a_n, b_n, a_per, b_per, C: tl.constexpr
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-    a_sum = _read(a_src, pid * a_per, tl.minimum(pid * a_per + a_per, a_n), BLOCK, UNROLL)
+    a_sum = read_range(a_src, pid * a_per, tl.minimum(pid * a_per + a_per, a_n), BLOCK, UNROLL)
     tl.store(part + pid, a_sum)
     if SYNC:
         rank = _cluster_rank(pid)
         _cluster_barrier(pid)
         a_sum = tl.sum(tl.load(part + (pid - rank) + tl.arange(0, C), cache_modifier=".cg"), axis=0)
-    tl.store(out + pid, a_sum + _read(b_src, pid * b_per, tl.minimum(pid * b_per + b_per, b_n), BLOCK, UNROLL))
+    tl.store(out + pid, a_sum + read_range(b_src, pid * b_per, tl.minimum(pid * b_per + b_per, b_n), BLOCK, UNROLL))
 
 
 def _as_clusters(compiled, size: int) -> None:

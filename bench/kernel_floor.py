@@ -26,6 +26,18 @@ VARIANTS = [dict(per_sm=p, block=2048, unroll=u, warps=8) for p, u in itertools.
 
 
 @triton.jit
+def read_range(src, lo, hi, BLOCK: tl.constexpr, UNROLL: tl.constexpr):
+    """The float32 sum of src[lo:hi], UNROLL loads of BLOCK elements in flight per step (the floors' one read loop)."""
+    arange = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(lo, hi, BLOCK * UNROLL):
+        for u in tl.static_range(UNROLL):
+            offs = start + u * BLOCK + arange
+            acc += tl.load(src + offs, mask=offs < hi, other=0.0).to(tl.float32)
+    return tl.sum(acc, axis=0)
+
+
+@triton.jit
 def _read_sum(src, out, n, per_program, BLOCK: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr):
     """out[pid] = sum of src[pid * per_program : (pid + 1) * per_program] (float32), after the previous kernel."""
     pid = tl.program_id(0)
@@ -33,14 +45,7 @@ def _read_sum(src, out, n, per_program, BLOCK: tl.constexpr, UNROLL: tl.constexp
         gdc_wait()
         gdc_launch_dependents()
     lo = pid * per_program
-    hi = tl.minimum(lo + per_program, n)
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    arange = tl.arange(0, BLOCK)
-    for start in range(lo, hi, BLOCK * UNROLL):
-        for u in tl.static_range(UNROLL):
-            offs = start + u * BLOCK + arange
-            acc += tl.load(src + offs, mask=offs < hi, other=0.0).to(tl.float32)
-    tl.store(out + pid, tl.sum(acc, axis=0))
+    tl.store(out + pid, read_range(src, lo, tl.minimum(lo + per_program, n), BLOCK, UNROLL))
 
 
 def read_sum(buf: torch.Tensor, out: torch.Tensor, *, per_sm: int, block: int, unroll: int, warps: int) -> None:
