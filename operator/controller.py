@@ -3,9 +3,15 @@
 Kopf-free glue between the thin handlers and the pure ``reconcile_pool``; one pass per pool at a
 time (a lock per pool), and the last plan is kept so per-adapter timers do not each redo the pass.
 A deleting pool is drained: its workers are told to hold nothing (its finalizer waits for that).
-Which pool owns a pod that several select: ``_own_pods``. A pod a live pool pushed to and no longer owns
-(its labels or the pool's workerSelector changed) is drained the same way unless another pool takes it
-over: ``_released_pods``.
+Which pool owns a pod that several select: ``ownership.own_pods``. A pod a live pool pushed to and no longer
+owns (its labels or the pool's workerSelector changed, or an earlier pool with an invalid spec came to
+select it) is drained the same way unless another pool takes it over: ``ownership.released_pods``.
+
+While an adapter is being deleted, the pods that cannot be pushed the pool's set are reached too, to unload
+it: a live pool's running pods that are not ready, an invalid pool's pods (reconcile.py: ``held``). A pod
+that cannot be told (its sidecar does not answer; or it is not ready and what it accepted is not known) holds
+up the adapter's finalizer for ``unload_grace`` seconds at most when its pool will tell it its set once it
+can (a valid pool, or a deleting one, whose finalizer waits for it): ``plan.overdue`` lists those past it.
 """
 
 from __future__ import annotations
@@ -19,10 +25,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from lorafleet.operator.crd_models import PoolSpec, SpecError, drain_spec, parse_adapter, pool_selector
+from lorafleet.operator.crd_models import PoolSpec, SpecError, drain_spec, parse_adapter
+from lorafleet.operator.ownership import own_pods, pod_names, pool_claims, released_pods
 from lorafleet.operator.push_record import PushRecord
 from lorafleet.operator.reconcile import PoolPlan, WorkerReport, reconcile_pool
-from lorafleet.operator.workers import StagerClient, discover_workers, selector_matches
+from lorafleet.operator.workers import StagerClient, Worker, discover_workers
 
 log = logging.getLogger(__name__)
 PoolKey = tuple[str, str]  # (namespace, pool name)
@@ -87,9 +94,11 @@ class RetryBackoff:
 
 class PoolController:
     def __init__(self, client: StagerClient, *, retry_base: float = 10.0, retry_cap: float = 300.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 unload_grace: float = 300.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.client = client
         self.clock = clock
+        self.unload_grace = unload_grace
+        self._untold: dict[PoolKey, dict[tuple[str, str], float]] = {}  # (pod, uid) -> when last it could be told
         self._locks: dict[PoolKey, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._results: dict[PoolKey, PassResult] = {}
         self._backoff: dict[PoolKey, RetryBackoff] = defaultdict(lambda: RetryBackoff(retry_base, retry_cap))
@@ -136,20 +145,25 @@ class PoolController:
         # selector is valid) empties those no live pool took over; a valid or deleting one empties the
         # pods it pushed to and released.
         target = pool or draining
-        claims = _claims(other_pools)
-        own, shared = _own_pods(key[1], target.worker_selector if target else None, pods, claims,
-                                draining=draining is not None)
+        claims = pool_claims(other_pools)
+        own, shared = own_pods(key[1], target.worker_selector if target else None, pods, claims,
+                               draining=draining is not None)
         record = self.push_records.setdefault(key, PushRecord())
         record.merge_status(_status_of(pools))  # pods another operator (or leader) pushed to
-        released = _released_pods(key[1], record.pod_ids(), pods, {*_names(own), *shared}, claims) if target else []
+        released = released_pods(key[1], record.pod_ids(), pods, set(pod_names(own)), claims) if target else []
         record.retain(own + released)  # pods gone (or re-created under their name) lose what was pushed to them
         workers = discover_workers(own, target.worker_selector, default_port=target.stager_port) if target else []
         # Released pods no longer match the selector: {} (Kubernetes' empty selector) matches every pod.
         emptied = discover_workers(released, {}, default_port=target.stager_port) if target else []
-        held = []  # an invalid pool's pods, reached only to unload adapters being deleted
-        if target is None and invalid is not None and any(s.deleting for s in specs):
-            held = discover_workers(_own_pods(key[1], invalid.worker_selector, pods, claims)[0],
-                                    invalid.worker_selector, default_port=invalid.stager_port)
+        held: list[Worker] = []  # reached only to unload adapters being deleted (a deleting pool empties its pods)
+        if draining is None and any(s.deleting for s in specs):
+            if pool is not None:  # not ready: it may still serve what it holds, and will once ready
+                held = discover_workers(own, pool.worker_selector, default_port=pool.stager_port, not_ready=True)
+            elif invalid is not None:
+                mine = own_pods(key[1], invalid.worker_selector, pods, claims)[0]
+                held = sorted(discover_workers(mine, invalid.worker_selector, default_port=invalid.stager_port)
+                              + discover_workers(mine, invalid.worker_selector, default_port=invalid.stager_port,
+                                                 not_ready=True), key=lambda w: w.pod)
         reached = workers + emptied + held
         reports = await self.client.fetch_states(reached)
         backoff, now = self._backoff[key], self.clock()
@@ -159,6 +173,10 @@ class PoolController:
         views, released_views, held_views = views[:len(workers)], views[len(workers):num_emptied], views[num_emptied:]
         plan = reconcile_pool(pool, specs, views, now=utc_now(), generation_floor=time.time_ns() // 1_000_000,
                               pool_error=pool_error, shared_pods=shared, released=released_views, held=held_views)
+        # Told its set once it can be (by this valid pool, or this deleting one, whose finalizer waits for it),
+        # a pod that cannot be told now holds up an adapter's finalizer for the grace only.
+        plan.overdue = self._overdue(key, reached, plan, told_later=workers + emptied + held if target else [],
+                                     now=now)
         by_pod = {w.pod: w for w in reached}
         held_pods = {w.pod for w in held}
         for pod, desired in plan.pushes.items():
@@ -201,8 +219,21 @@ class PoolController:
                 self.push_records.pop(key, None)  # keeps the pods it pushed to for when it is fixed
         return plan
 
+    def _overdue(self, key: PoolKey, reached: list[Worker], plan: PoolPlan, *, told_later: list[Worker],
+                 now: float) -> list[str]:
+        """The pods of ``told_later`` that could not be told (``plan.silent``, ``plan.unreachable``) for
+        ``unload_grace`` seconds or more: since the last pass that could tell them, else since the first that
+        could not."""
+        untold = set(plan.silent) | set(plan.unreachable)
+        last = self._untold.get(key, {})
+        # (pod, uid) -> the last time it could be told, as far as this memory goes (a pod not reached drops out)
+        since = {(w.pod, w.uid): last.get((w.pod, w.uid), now) if w.pod in untold else now for w in reached}
+        self._untold[key] = since
+        return sorted(w.pod for w in told_later if now - since.get((w.pod, w.uid), now) >= self.unload_grace)
+
     def forget(self, key: PoolKey) -> None:
         self._results.pop(key, None)
+        self._untold.pop(key, None)
         self._backoff.pop(key, None)
         self.push_records.pop(key, None)
 
@@ -219,117 +250,10 @@ class PoolController:
 
     def known_pools(self) -> list[PoolKey]:
         """The pools this controller holds memory for."""
-        return sorted(set(self._results) | set(self._backoff) | set(self.push_records) | set(self._locks))
-
-
-def ready_worker_pods(pool: PoolSpec, pods: Iterable[dict[str, Any]],
-                      other_pools: Iterable[dict[str, Any]]) -> tuple[list[str], dict[str, str]]:
-    """(names of the pool's ready worker pods, as a reconcile pass finds them (sorted); the ready pods its
-    selector matches that another pool owns -> that pool)."""
-    pods = list(pods)
-    own, shared = _own_pods(pool.name, pool.worker_selector, pods, _claims(other_pools))
-    ready = discover_workers(own + [p for p in pods if (p.get("metadata") or {}).get("name", "") in shared],
-                             pool.worker_selector, default_port=pool.stager_port)
-    return [w.pod for w in ready if w.pod not in shared], {w.pod: shared[w.pod] for w in ready if w.pod in shared}
-
-
-_Claim = tuple[str, dict[str, Any], bool]  # another pool's (name, workerSelector, spec is valid)
-
-
-def invalid_pool_claim(body: dict[str, Any], pods: Iterable[dict[str, Any]],
-                       other_pools: Iterable[dict[str, Any]]) -> tuple[list[str], dict[str, str]]:
-    """(names of the pods a pool whose spec is invalid holds, pod -> the earlier pool that owns each other pod
-    it selects), by the rule of ``_own_pods``; nothing when its spec.workerSelector is invalid too."""
-    selector = pool_selector(body)
-    if selector is None:
-        return [], {}
-    name = (body.get("metadata") or {}).get("name", "")
-    own, shared = _own_pods(name, selector, list(pods), _claims(other_pools))
-    return sorted(_names(own)), shared
-
-
-def _own_pods(name: str, selector: dict[str, Any] | None, pods: list[dict], claims: list[_Claim], *,
-              draining: bool = False) -> tuple[list[dict], dict[str, str]]:
-    """(the pods pool ``name`` owns among those its ``selector`` matches, pod -> owner of each of the others).
-
-    A pod matched by several live pools belongs to the one whose name sorts first; the others leave it
-    alone and report it (each push is a pod's whole adapter set, so two owners would undo each other).
-    A pool whose spec is invalid keeps its place in that order: it pushes nothing, so the pods it owns
-    stay as they are, but no pool after it takes them over (a typo in one pool's spec must not hand its
-    workers to another pool that happens to match them); its status names the pods it holds. If its
-    spec.workerSelector is invalid too, it holds nothing: which pods it meant is unknown.
-
-    A ``draining`` (deleting) pool hands each pod over to the live pool that owns it next when that pool
-    pushes its own set (a valid spec) or held the pod already (an invalid spec, before this one by name);
-    it empties the rest, so no adapter of a deleted pool is left behind on a pod nobody pushes to.
-    ``selector`` None (no pool to act for): every pod, as given.
-    """
-    if selector is None:
-        return pods, {}
-    own, shared = [], {}
-    for pod in pods:
-        meta = pod.get("metadata") or {}
-        labels = meta.get("labels") or {}
-        if not selector_matches(selector, labels):
-            continue
-        owner = _taken_by(name, labels, claims, draining=draining)
-        if owner is not None:
-            shared[meta.get("name", "")] = owner
-        else:
-            own.append(pod)
-    return own, shared
-
-
-def _released_pods(name: str, remembered: set[tuple[str, str]], pods: list[dict], kept: set[str],
-                   claims: list[_Claim]) -> list[dict]:
-    """The pods pool ``name`` pushed to (``remembered``: (name, uid)) that still exist and that neither it nor
-    another pool holds now (``kept``: the names of those its selector still matches, owned or shared).
-
-    A pod that left the pool is handed over as a deleting pool hands its pods over (``_own_pods``): to the
-    first live pool by name that selects it, if that pool's spec is valid or it sorts before ``name``. The
-    rest are emptied, so none keeps adapters that no pool pushes to. A pod that is gone is simply not here.
-    """
-    released = []
-    for pod in pods:
-        meta = pod.get("metadata") or {}
-        pod_name = meta.get("name", "")
-        if (pod_name, meta.get("uid") or "") not in remembered or pod_name in kept:
-            continue
-        if _taken_by(name, meta.get("labels") or {}, claims, draining=True) is None:
-            released.append(pod)
-    return released
-
-
-def _claims(other_pools: Iterable[dict[str, Any]]) -> list[_Claim]:
-    """(name, selector, spec is valid) of the live pools whose selector parses, by name: parsed once a pass."""
-    claims = []
-    for body in other_pools:
-        meta = body.get("metadata") or {}
-        other_selector = pool_selector(body)
-        if other_selector is None or meta.get("deletionTimestamp"):
-            continue
-        try:
-            PoolSpec.parse(body)
-            is_valid = True
-        except SpecError:
-            is_valid = False
-        claims.append((meta.get("name", ""), other_selector, is_valid))
-    return sorted(claims, key=lambda c: c[0])
-
-
-def _taken_by(name: str, labels: dict[str, str], claims: list[_Claim], *,
-              draining: bool) -> str | None:
-    """The other pool that owns a pod with ``labels`` rather than pool ``name`` (see ``_own_pods``), or None."""
-    first = next(((other, ok) for other, sel, ok in claims if selector_matches(sel, labels)), None)
-    if first is not None and (first[0] < name or (draining and first[1])):
-        return first[0]
-    return None
+        return sorted(set(self._results) | set(self._backoff) | set(self.push_records) | set(self._locks)
+                      | set(self._untold))
 
 
 def _status_of(pools: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The status of the pool's object (live or deleting), if any."""
     return next((body.get("status") for body in pools if body.get("status")), None)
-
-
-def _names(pods: Iterable[dict[str, Any]]) -> list[str]:
-    return [(p.get("metadata") or {}).get("name", "") for p in pods]

@@ -5,11 +5,14 @@
 ``PoolController.run`` (gather -> pure ``reconcile_pool`` -> push) and writes the status the plan
 computed from workers' reports.
 
-* indexes: worker pods by namespace, adapters and pools by (namespace, pool) -- no extra API reads;
+* indexes: worker pods by namespace, adapters and pools by (namespace, pool), adapters being deleted by
+  namespace -- no extra API reads;
 * pool create/update/resume + a timer every ``interval`` s: directives pushed, drift caught;
 * adapter create/update/resume + a timer: status refreshed from reports (an unparsable spec too: its
   pass keeps the last valid spec in force and reports Failed naming the field);
-* adapter deletion: a finalizer that holds the object until no worker reports the adapter any more;
+* adapter deletion: a finalizer that holds the object until no worker of any pool of its namespace reports
+  the adapter any more (every pool's pass unloads the namespace's deleting adapters; finalizers.py), a pod
+  that cannot be told for ``unload_grace`` s aside;
 * pool autoscale timer every ``scale_interval`` s (``PoolScaler``): a pool with ``spec.scaling`` gets its
   Deployment's replicas set from Prometheus' view of its workers; the Scaling condition says how it went;
 * pool deletion: a finalizer that first tells the pool's workers to hold nothing and waits until they
@@ -18,6 +21,7 @@ computed from workers' reports.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass
@@ -25,13 +29,7 @@ from typing import Any
 
 import kopf
 
-from lorafleet.operator.controller import (
-    PoolController,
-    invalid_pool_claim,
-    merge_conditions,
-    status_changes,
-    utc_now,
-)
+from lorafleet.operator.controller import PoolController, merge_conditions, status_changes, utc_now
 from lorafleet.operator.crd_models import (
     ADAPTERS,
     GROUP,
@@ -43,7 +41,9 @@ from lorafleet.operator.crd_models import (
     parse_adapter,
 )
 from lorafleet.operator.deployments import DeploymentClient
+from lorafleet.operator.finalizers import adapter_unload_wait, holders_text
 from lorafleet.operator.operator_config import OperatorConfig
+from lorafleet.operator.ownership import invalid_pool_claim
 from lorafleet.operator.prometheus import PrometheusClient
 from lorafleet.operator.scaler import PoolScaler
 from lorafleet.operator.statuses import invalid_pool_status
@@ -119,7 +119,8 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
     one that logs in as kopf does without a client library: service account, else kubeconfig)."""
     controller = PoolController(StagerClient(token=config.stager_token, timeout=config.request_timeout,
                                                push_timeout=config.push_timeout),
-                                retry_base=config.interval, retry_cap=max(config.interval, MAX_RETRY_DELAY))
+                                retry_base=config.interval, retry_cap=max(config.interval, MAX_RETRY_DELAY),
+                                unload_grace=config.unload_grace)
     scaler = PoolScaler(PrometheusClient(timeout=config.request_timeout),
                         deployments or DeploymentClient(timeout=config.request_timeout))
     controllers = Controllers(controller, scaler)
@@ -145,16 +146,23 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
     def adapters_by_pool(namespace: str, body: kopf.Body, spec: kopf.Spec, **_: Any) -> dict[Any, Any]:
         return {(namespace, spec.get("pool", "")): dict(body)}
 
+    @kopf.index(*res_adapters, id="deleting_adapters", registry=registry)
+    def deleting_adapters(namespace: str, body: kopf.Body, **_: Any) -> dict[Any, Any] | None:
+        return {namespace: dict(body)} if body.metadata.get("deletionTimestamp") else None
+
     def other_pools(namespace: str, pool: str, indexes: dict[str, kopf.Index]) -> list[dict[str, Any]]:
         pools = indexes["pools_by_name"]
         return [body for k in list(pools) if k[0] == namespace and k[1] != pool for body in pools.get(k, [])]
 
     async def run_pass(namespace: str, pool: str, indexes: dict[str, kopf.Index], *, max_age: float = 0.0):
         key = (namespace, pool)
+        # Another pool's adapter being deleted too: it may have moved here from this pool, whose pods hold it.
+        moved = [body for body in indexes["deleting_adapters"].get(namespace, [])
+                 if (body.get("spec") or {}).get("pool", "") != pool]
         return await controller.run(
             key,
             pools=indexes["pools_by_name"].get(key, []),
-            adapters=indexes["adapters_by_pool"].get(key, []),
+            adapters=[*indexes["adapters_by_pool"].get(key, []), *moved],
             pods=indexes["worker_pods"].get(namespace, []),
             other_pools=other_pools(namespace, pool, indexes),
             max_age=max_age,
@@ -167,7 +175,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
         try:
             PoolSpec.parse(dict(body))
         except SpecError as exc:
-            # It keeps its claim on the pods it selects (see controller._own_pods), and says so.
+            # It keeps its claim on the pods it selects (see ownership.own_pods), and says so.
             held, shared = invalid_pool_claim(dict(body), kwargs["worker_pods"].get(namespace, []),
                                               other_pools(namespace, name, kwargs))
             wanted = invalid_pool_status(dict(status), int(body.metadata.get("generation") or 0), str(exc),
@@ -208,7 +216,8 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
         if plan.draining is None:  # that pass did not see the deletion yet
             raise kopf.TemporaryError("waiting for a reconcile that sees the deletion", delay=config.retry_delay)
         if plan.draining:
-            raise kopf.TemporaryError(f"unloading every adapter first; {_holders(plan.draining, plan.silent, plan.not_ready)}",
+            raise kopf.TemporaryError(f"unloading every adapter first; "
+                                      f"{holders_text(plan.draining, plan.silent, plan.not_ready)}",
                                       delay=config.retry_delay)
         controller.forget((namespace, name))
         scaler.forget((namespace, name))
@@ -239,31 +248,21 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
             await write_adapter_status(max_age=config.interval / 2, **kwargs)
 
     @kopf.on.delete(*res_adapters, registry=registry)
-    async def adapter_deleted(namespace: str, name: str, spec: kopf.Spec, **kwargs: Any) -> None:
-        """The finalizer: the object goes only when no worker reports the adapter any more."""
-        plan = await run_pass(namespace, spec.get("pool", ""), kwargs)
-        if name not in plan.unloading:  # that pass did not see the deletion yet
+    async def adapter_deleted(namespace: str, name: str, spec: kopf.Spec, logger: kopf.Logger,
+                              **kwargs: Any) -> None:
+        """The finalizer: the object goes only when no worker of its namespace's pools reports the adapter any
+        more (finalizers.py says which pods it waits for, and which it stops waiting for)."""
+        pools = {spec.get("pool", ""), *(k[1] for k in list(kwargs["pools_by_name"]) if k[0] == namespace)}
+        plans = await asyncio.gather(*(run_pass(namespace, pool, kwargs) for pool in sorted(pools)))
+        wait = adapter_unload_wait(name, plans)
+        if wait is None:  # a pass did not see the deletion yet
             raise kopf.TemporaryError("waiting for a reconcile that sees the deletion", delay=config.retry_delay)
-        holding = plan.unloading[name]
-        if holding:
-            why = ""
-            if stuck := sorted(set(holding) & set(plan.unreachable)):
-                why = (f"; LoRAPool {spec.get('pool', '')!r} has an invalid spec and what {', '.join(stuck)} last "
-                       f"accepted is not known (an operator restart): they unload it once the spec is fixed")
-            raise kopf.TemporaryError(f"unloading; {_holders(holding, plan.silent)}{why}", delay=config.retry_delay)
+        if wait.waiting:
+            raise kopf.TemporaryError(f"unloading; {wait.message}", delay=config.retry_delay)
+        if wait.given_up:
+            logger.warning("deleted while %s could not be told to unload it for %s s or more (--unload-grace: its "
+                           "sidecar did not answer, or it was not ready and what it accepted was not known); each is "
+                           "told its pool's adapters, which leave this one out, once it can be",
+                           ", ".join(wait.given_up), config.unload_grace)
 
     return controllers
-
-
-def _holders(pods: list[str], silent: list[str], not_ready: list[str] = ()) -> str:
-    """Which pods a finalizer waits for: those still reporting, those whose sidecar did not answer, and (a
-    deleting pool) those not ready that may hold its adapters."""
-    reporting = [pod for pod in pods if pod not in silent and pod not in not_ready]
-    unanswered = [pod for pod in pods if pod in silent]
-    parts = [f"still reported by {', '.join(reporting)}"] if reporting else []
-    if unanswered:
-        parts.append(f"no answer from the sidecar of {', '.join(unanswered)} (it may still serve it)")
-    if not_ready:
-        parts.append(f"not ready: {', '.join(not_ready)} (it may hold adapters once ready; deleting the pod ends "
-                     f"the wait)")
-    return "; ".join(parts)

@@ -17,6 +17,10 @@ class OperatorConfig:
         "help": "seconds for one sidecar state read, Prometheus query or Kubernetes API call"})
     push_timeout: float = field(default=300.0, metadata={
         "help": "seconds for one directive push (the sidecar stages every version before it answers)"})
+    unload_grace: float = field(default=300.0, metadata={
+        "help": "seconds a deleted adapter's finalizer waits for a worker pod that cannot be told to unload it (its "
+                "sidecar does not answer); after that the object goes, a warning event names the pod, and the pod is "
+                "told its pool's adapters once it answers"})
     peering: str | None = field(default=None, metadata={
         "help": "KopfPeering name for leader election when the operator runs replicated (unset: standalone)"})
     peering_priority: int | None = field(default=None, metadata={
@@ -35,5 +39,7 @@ class OperatorConfig:
             raise ValueError(f"request_timeout must be > 0 seconds (got {self.request_timeout})")
         if self.push_timeout <= 0:
             raise ValueError(f"push_timeout must be > 0 seconds (got {self.push_timeout})")
+        if self.unload_grace <= 0:
+            raise ValueError(f"unload_grace must be > 0 seconds (got {self.unload_grace})")
         if not 0 <= self.liveness_port < 65536:
             raise ValueError(f"liveness_port must be a TCP port or 0 (got {self.liveness_port})")

@@ -23,6 +23,16 @@ from lorafleet.operator.workers import Worker
 from lorafleet.worker.directives import DesiredState
 
 
+def pushed_pod_ids(status: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """(name, uid) of each well-formed entry of a pool's ``status.pushedPods``, in order."""
+    ids = []
+    for entry in (status or {}).get("pushedPods") or []:
+        name, uid = (entry.get("name"), entry.get("uid")) if isinstance(entry, dict) else (None, None)
+        if isinstance(name, str) and name and isinstance(uid, str):
+            ids.append((name, uid))
+    return ids
+
+
 class PushRecord:
     """The last push each of one pool's pods accepted, tied to the pod's uid and sidecar URL."""
 
@@ -37,9 +47,8 @@ class PushRecord:
         """Remember the pods a pool's ``status.pushedPods`` names that this record lacks (what they accepted is
         not known): those a predecessor pushed to (a restart), or another leader while this replica stood
         by. A pod remembered under its name already keeps its entry (the status may lag behind it)."""
-        for entry in (status or {}).get("pushedPods") or []:
-            name, uid = (entry.get("name"), entry.get("uid")) if isinstance(entry, dict) else (None, None)
-            if isinstance(name, str) and name and isinstance(uid, str) and name not in self._last:
+        for name, uid in pushed_pod_ids(status):
+            if name not in self._last:
                 self._last[name] = (uid, "", None)  # no address: the next push to it is a fresh one
 
     def to_status(self) -> list[dict[str, str]]:

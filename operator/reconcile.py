@@ -54,9 +54,10 @@ class PoolPlan:
     failing: list[str] = field(default_factory=list)  # pods reporting an error for a desired version
     draining: list[str] | None = None  # no pool: pods still holding any adapter (None: the pool exists)
     releasing: list[str] = field(default_factory=list)  # released pods still holding any adapter
-    unreachable: list[str] = field(default_factory=list)  # an invalid pool's pods holding a deleting adapter, not told
+    unreachable: list[str] = field(default_factory=list)  # ``held`` pods holding a deleting adapter, not told
     silent: list[str] = field(default_factory=list)  # pods reached whose sidecar did not answer this pass
     not_ready: list[str] = field(default_factory=list)  # a deleting pool's pods, not ready, that may hold adapters
+    overdue: list[str] = field(default_factory=list)  # silent or unreachable past the unload grace (controller.py)
 
 
 def reconcile_pool(pool: PoolSpec | None, adapters: Sequence[AdapterSpec | InvalidAdapter],
@@ -72,11 +73,13 @@ def reconcile_pool(pool: PoolSpec | None, adapters: Sequence[AdapterSpec | Inval
     are drained the same way, pool or not: ``plan.releasing`` lists those still reporting an adapter, and
     they count in ``plan.unloading``, but never in a status.
 
-    ``held``: the pods an invalid pool holds (``pool`` None, ``pool_error`` set), given while an adapter is
-    being deleted. Its pods are otherwise left as they are, but a deleted adapter must not stay served
-    because of a typo in the pool: each is told what it last accepted less the adapters being deleted, and
-    they count in ``plan.unloading``. One whose last push is not known (an operator restart) cannot be told
-    without guessing the rest of its set: ``plan.unreachable`` lists it until the spec is fixed.
+    ``held``: pods that cannot be pushed the pool's set, given while an adapter is being deleted: those an
+    invalid pool holds (``pool`` None, ``pool_error`` set), and a pool's running pods that are not ready (a
+    pod briefly not ready still serves what it holds). They are otherwise left as they are, but a deleted
+    adapter must not stay served because of a typo in the pool or a failing readiness probe: each that holds
+    one, or was last told one, is told what it last accepted less the adapters being deleted, and they count
+    in ``plan.unloading``. One whose last push is not known (an operator restart) cannot be told without
+    guessing the rest of its set: ``plan.unreachable`` lists it until it is ready (its pool's spec fixed).
 
     A pod whose sidecar did not answer this pass may still serve what it was given: it counts in
     ``plan.unloading``, ``plan.draining`` and ``plan.releasing`` (``plan.silent`` lists it) unless the last
@@ -96,6 +99,8 @@ def reconcile_pool(pool: PoolSpec | None, adapters: Sequence[AdapterSpec | Inval
             plan.unloading[x.name] = ([w.pod for w in live + emptied + kept if w.by_name.get(x.name)]
                                       + [w.pod for w in silent if _may_hold(w, x.name)])
     for w in kept:
+        if not deleting & {*w.by_name, *w.pushed}:  # holds none of them: left as it is
+            continue
         if w.w.last_pushed is not None:
             _desire(plan, w, [d for d in w.w.last_pushed.adapters if d.name not in deleting], generation_floor)
         elif deleting & set(w.by_name):

@@ -28,9 +28,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from lorafleet.operator.autoscaler import ScalingSpec, Stabilizer, bound_correction, recommend
-from lorafleet.operator.controller import PoolKey, merge_conditions, ready_worker_pods
+from lorafleet.operator.controller import PoolKey, merge_conditions
 from lorafleet.operator.crd_models import PoolSpec, SpecError
 from lorafleet.operator.deployments import DeploymentClient, KubeError, TargetNotFound
+from lorafleet.operator.ownership import ready_worker_pods
 from lorafleet.operator.prometheus import MetricsError, PrometheusClient
 from lorafleet.operator.statuses import condition
 

@@ -1,4 +1,5 @@
-"""Worker pods of a pool: discovery by label selector (ready pods only) and the sidecar HTTP client.
+"""Worker pods of a pool: discovery by label selector (ready pods; running ones not ready apart) and the
+sidecar HTTP client.
 
 The operator never talks to an engine: each pod's stager sidecar takes ``PUT /v1/directives`` (a
 ``DesiredState``) and answers ``GET /v1/state`` (a ``ReportedState``), both with a bearer token.
@@ -49,14 +50,20 @@ def selector_matches(selector: dict[str, Any], labels: dict[str, str]) -> bool:
     return True
 
 
-def pod_is_ready(pod: dict[str, Any]) -> bool:
-    """Running, Ready condition True, has an IP, not terminating."""
+def pod_is_running(pod: dict[str, Any]) -> bool:
+    """Running, has an IP, not terminating: its sidecar can be reached, and its engine may serve what it holds
+    (a pod that is not ready may be one whose readiness probe fails under load, or for a moment)."""
     status = pod.get("status") or {}
     if (pod.get("metadata") or {}).get("deletionTimestamp") or not status.get("podIP"):
         return False
-    if status.get("phase") != "Running":
-        return False
-    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
+    return status.get("phase") == "Running"
+
+
+def pod_is_ready(pod: dict[str, Any]) -> bool:
+    """Running, Ready condition True, has an IP, not terminating."""
+    status = pod.get("status") or {}
+    return pod_is_running(pod) and any(c.get("type") == "Ready" and c.get("status") == "True"
+                                       for c in status.get("conditions") or [])
 
 
 def stager_port(pod: dict[str, Any], default: int) -> int:
@@ -76,11 +83,14 @@ def base_url(pod_ip: str, port: int) -> str:
     return f"http://{host}:{port}"
 
 
-def discover_workers(pods: Iterable[dict[str, Any]], selector: dict[str, Any], *, default_port: int) -> list[Worker]:
+def discover_workers(pods: Iterable[dict[str, Any]], selector: dict[str, Any], *, default_port: int,
+                     not_ready: bool = False) -> list[Worker]:
+    """The ready pods ``selector`` matches, by name; ``not_ready``: those running but not ready instead."""
     found = []
     for pod in pods:
         meta = pod.get("metadata") or {}
-        if selector_matches(selector, meta.get("labels") or {}) and pod_is_ready(pod):
+        wanted = pod_is_running(pod) and pod_is_ready(pod) != not_ready
+        if selector_matches(selector, meta.get("labels") or {}) and wanted:
             url = base_url(pod["status"]["podIP"], stager_port(pod, default_port))
             found.append(Worker(meta["name"], url, meta.get("uid") or ""))
     return sorted(found, key=lambda w: w.pod)

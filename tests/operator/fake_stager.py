@@ -6,6 +6,7 @@ in ``unavailable`` (name, version) when a push is applied fails to stage, like a
 at tier ``none`` with an error until a later push (a new generation) stages it again.
 ``restart()`` forgets everything, like a pod whose containers came back empty. ``stall``, while an unset
 event: a push is applied but its reply waits for the event (a reply lost, or later than the client waits).
+``mute``: every request is answered 503 and nothing is applied (a sidecar that does not answer sensibly).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class FakeStager:
         self.unavailable: set[tuple[str, str]] = set()  # (name, version) the object store cannot deliver now
         self.failed: set[tuple[str, str]] = set()  # failed when the applied push was staged
         self.stall: asyncio.Event | None = None
+        self.mute = False
         self.runner: web.AppRunner | None = None
         self.port = 0
 
@@ -52,6 +54,8 @@ class FakeStager:
                              pool_bytes=1 << 20, kv_usage=0.1)
 
     def _authorized(self, request: web.Request) -> bool:
+        if self.mute:
+            raise web.HTTPServiceUnavailable(text="muted")
         return request.headers.get("Authorization", "").removeprefix("Bearer ") in self.tokens_accepted
 
     async def _put(self, request: web.Request) -> web.Response:

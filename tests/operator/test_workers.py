@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from aiohttp import web
 
-from lorafleet.operator.controller import _claims, _own_pods, invalid_pool_claim
+from lorafleet.operator.ownership import invalid_pool_claim, own_pods, pool_claims
 from lorafleet.operator.workers import StagerClient, Worker, discover_workers, pod_is_ready, selector_matches
 from lorafleet.worker.directives import AdapterDirective, DesiredState, VersionRef
 
@@ -91,10 +91,10 @@ TWO_PODS = [pod("both", labels={"app": "w", "gpu": "h200"}), pod("mine", labels=
 
 
 def test_a_pod_matched_by_two_pools_belongs_to_the_first_by_name():
-    own, shared = _own_pods("zeta", {"matchLabels": {"app": "w"}}, TWO_PODS, _claims([pool_body("alpha", {"gpu": "h200"})]))
+    own, shared = own_pods("zeta", {"matchLabels": {"app": "w"}}, TWO_PODS, pool_claims([pool_body("alpha", {"gpu": "h200"})]))
     assert names(own) == ["mine"] and shared == {"both": "alpha"}
     # The first pool by name keeps it.
-    own, shared = _own_pods("alpha", {"matchLabels": {"gpu": "h200"}}, TWO_PODS, _claims([pool_body("zeta", {"app": "w"})]))
+    own, shared = own_pods("alpha", {"matchLabels": {"gpu": "h200"}}, TWO_PODS, pool_claims([pool_body("zeta", {"app": "w"})]))
     assert names(own) == ["both"] and shared == {}
 
 
@@ -102,7 +102,7 @@ def test_a_pod_matched_by_two_pools_belongs_to_the_first_by_name():
 def test_an_invalid_pool_keeps_its_place_in_the_order_by_name(bad_spec):
     """An invalid spec pushes nothing, yet a later pool does not take its pods over; both report it."""
     alpha = pool_body("alpha", {"gpu": "h200"}, **bad_spec)
-    own, shared = _own_pods("zeta", {"matchLabels": {"app": "w"}}, TWO_PODS, _claims([alpha]))
+    own, shared = own_pods("zeta", {"matchLabels": {"app": "w"}}, TWO_PODS, pool_claims([alpha]))
     assert names(own) == ["mine"] and shared == {"both": "alpha"}
     assert invalid_pool_claim(alpha, TWO_PODS, [pool_body("zeta", {"app": "w"})]) == (["both"], {})
     # An invalid pool after a valid one by name: the valid one keeps the pod, the invalid one reports it.
@@ -113,11 +113,11 @@ def test_an_invalid_pool_keeps_its_place_in_the_order_by_name(bad_spec):
 def test_an_invalid_selector_claims_nothing_and_a_deleting_pool_claims_nothing():
     unknown = pool_body("alpha", {}, eviction="fifo")  # which pods it meant is unknown
     assert invalid_pool_claim(unknown, TWO_PODS, []) == ([], {})
-    own, shared = _own_pods("zeta", {"matchLabels": {"app": "w"}}, TWO_PODS, _claims([unknown]))
+    own, shared = own_pods("zeta", {"matchLabels": {"app": "w"}}, TWO_PODS, pool_claims([unknown]))
     assert names(own) == ["both", "mine"] and shared == {}
     deleting = pool_body("alpha", {"gpu": "h200"}, eviction="fifo")
     deleting["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
-    own, shared = _own_pods("zeta", {"matchLabels": {"app": "w"}}, TWO_PODS, _claims([deleting]))
+    own, shared = own_pods("zeta", {"matchLabels": {"app": "w"}}, TWO_PODS, pool_claims([deleting]))
     assert names(own) == ["both", "mine"] and shared == {}
 
 
@@ -130,7 +130,7 @@ def test_an_invalid_selector_claims_nothing_and_a_deleting_pool_claims_nothing()
     ([pool_body("omega", {"gpu": "h200"}), pool_body("zeta", {"gpu": "h200"}, eviction="fifo")], {"both": "omega"}),
 ])
 def test_a_deleting_pool_empties_what_no_pool_takes_over(others, handed_over):
-    own, shared = _own_pods("main", {"matchLabels": {"app": "w"}}, TWO_PODS, _claims(others), draining=True)
+    own, shared = own_pods("main", {"matchLabels": {"app": "w"}}, TWO_PODS, pool_claims(others), draining=True)
     assert shared == handed_over and sorted(names(own) + list(shared)) == ["both", "mine"]
 
 
