@@ -1,7 +1,10 @@
 """Prometheus metrics of one worker: a registry per app, never the process-global one.
 
-Request-side series (counts, TTFT, inter-token and end-to-end latency per adapter, tokens) are
-observed by the HTTP handlers; batch size and adapters per batch are observed once per engine step;
+Request-side series (counts, TTFT, inter-token and end-to-end latency, tokens) are observed by the
+HTTP handlers, labelled with the adapter's name and the version the request resolved to (`version`,
+empty for the base model and for requests refused before a version was chosen), so a canary's
+latency and errors can be compared with its stable version's. A name keeps the series of the versions
+it serves: `retain_versions` drops those of versions a push retired; batch size and adapters per batch are observed once per engine step;
 queue depth, KV usage and the running/waiting adapters are read at scrape time from an
 `EngineSnapshot`. The adapter pool's own series (tier hits/misses, load latency, evictions, bytes per
 tier: adapter_metrics.py) are registered into the same registry with `register()`. The vLLM-compatible names let existing routers (Gateway API
@@ -10,9 +13,10 @@ inference extension) pick workers by queue length, KV usage and resident adapter
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -75,15 +79,16 @@ class WorkerMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("lorafleet_requests", "Finished HTTP inference requests.",
-                                ["adapter", "endpoint", "status"], registry=r)
+                                ["adapter", "version", "endpoint", "status"], registry=r)
         self.ttft = Histogram("lorafleet_time_to_first_token_seconds", "Arrival to first token.",
-                              ["adapter"], buckets=_LATENCY_BUCKETS, registry=r)
+                              ["adapter", "version"], buckets=_LATENCY_BUCKETS, registry=r)
         self.inter_token = Histogram("lorafleet_inter_token_latency_seconds", "Gap between streamed tokens.",
-                                     ["adapter"], buckets=_TOKEN_GAP_BUCKETS, registry=r)
+                                     ["adapter", "version"], buckets=_TOKEN_GAP_BUCKETS, registry=r)
         self.e2e = Histogram("lorafleet_e2e_request_latency_seconds", "Arrival to last token.",
-                             ["adapter"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.prompt_tokens = Counter("lorafleet_prompt_tokens", "Prompt tokens processed.", ["adapter"], registry=r)
-        self.generation_tokens = Counter("lorafleet_generation_tokens", "Tokens generated.", ["adapter"],
+                             ["adapter", "version"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("lorafleet_prompt_tokens", "Prompt tokens processed.", ["adapter", "version"],
+                                     registry=r)
+        self.generation_tokens = Counter("lorafleet_generation_tokens", "Tokens generated.", ["adapter", "version"],
                                          registry=r)
         self.batch_size = Histogram("lorafleet_batch_size", "Sequences per engine step.",
                                     buckets=_COUNT_BUCKETS, registry=r)
@@ -92,18 +97,54 @@ class WorkerMetrics:
         self.rejected = Counter("lorafleet_requests_rejected", "Requests refused before reaching the engine.",
                                 ["reason"], registry=r)
         self._recent_tokens: deque[tuple[float, int]] = deque()
+        # adapter -> version -> (endpoint, status) of its request series: what retain_versions removes
+        self._versions: dict[str, dict[str, set[tuple[str, str]]]] = {}
         r.register(_EngineCollector(snapshot, self.tokens_per_second))
 
-    def observe_request(self, *, adapter: str | None, endpoint: str, status: int) -> None:
-        self.requests.labels(adapter or BASE_MODEL_LABEL, endpoint, str(status)).inc()
+    def _labels(self, adapter: str | None, version: str) -> tuple[str, str]:
+        adapter = adapter or BASE_MODEL_LABEL
+        self._versions.setdefault(adapter, {}).setdefault(version, set())
+        return adapter, version
 
-    def observe_tokens(self, adapter: str | None, num_tokens: int, *, now: float | None = None) -> None:
+    def observe_request(self, *, adapter: str | None, endpoint: str, status: int, version: str = "") -> None:
+        labels = self._labels(adapter, version)
+        self._versions[labels[0]][version].add((endpoint, str(status)))
+        self.requests.labels(*labels, endpoint, str(status)).inc()
+
+    def observe_prompt_tokens(self, adapter: str | None, num_tokens: int, *, version: str = "") -> None:
+        self.prompt_tokens.labels(*self._labels(adapter, version)).inc(num_tokens)
+
+    def observe_first_token(self, adapter: str | None, seconds: float, *, version: str = "") -> None:
+        self.ttft.labels(*self._labels(adapter, version)).observe(seconds)
+
+    def observe_token_gaps(self, adapter: str | None, seconds: float, count: int, *, version: str = "") -> None:
+        """`count` tokens that arrived `seconds` apart each."""
+        child = self.inter_token.labels(*self._labels(adapter, version))
+        for _ in range(count):
+            child.observe(seconds)
+
+    def observe_e2e(self, adapter: str | None, seconds: float, *, version: str = "") -> None:
+        self.e2e.labels(*self._labels(adapter, version)).observe(seconds)
+
+    def observe_tokens(self, adapter: str | None, num_tokens: int, *, version: str = "",
+                       now: float | None = None) -> None:
         if num_tokens <= 0:
             return
-        self.generation_tokens.labels(adapter or BASE_MODEL_LABEL).inc(num_tokens)
+        self.generation_tokens.labels(*self._labels(adapter, version)).inc(num_tokens)
         now = time.monotonic() if now is None else now
         self._recent_tokens.append((now, num_tokens))
         self._trim(now)
+
+    def retain_versions(self, adapter: str, versions: Collection[str]) -> None:
+        """Drop the request series of `adapter`'s versions not in `versions` (the ones served): each push
+        that rolls out a version would otherwise leave the series of the one it retired, forever."""
+        seen = self._versions.get(adapter)
+        for version in [v for v in seen or () if v not in versions]:
+            for endpoint, status in seen.pop(version):
+                self.requests.remove(adapter, version, endpoint, status)
+            for metric in (self.ttft, self.inter_token, self.e2e, self.prompt_tokens, self.generation_tokens):
+                with contextlib.suppress(KeyError):  # never observed: older prometheus-client versions raise
+                    metric.remove(adapter, version)
 
     def tokens_per_second(self, *, now: float | None = None) -> float:
         now = time.monotonic() if now is None else now

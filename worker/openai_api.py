@@ -36,7 +36,6 @@ from lorafleet.worker.app_keys import (
 from lorafleet.worker.completion_job import CompletionJob, TextOffsets
 from lorafleet.worker.engine import EngineError, ShutdownError, UnknownAdapterError
 from lorafleet.worker.intake import check_room, intake_place, read_json, refused
-from lorafleet.worker.metrics import BASE_MODEL_LABEL
 from lorafleet.worker.openai_protocol import (
     APIError,
     parse_chat_request,
@@ -190,28 +189,39 @@ class _ChoiceTimer:
 
     def __init__(self, metrics, job: CompletionJob) -> None:
         self.metrics = metrics
-        self.label = job.adapter.partition("@")[0] if job.adapter else BASE_MODEL_LABEL
+        self.job = job
         self.arrived = job.arrived
         self.first: float | None = None
         self.last: dict[int, float] = {}  # choice index -> time of its latest tokens
+
+    @property
+    def labels(self) -> tuple[str | None, str]:
+        """(adapter, version) of the version serving the job: read each time, as a re-resolve changes it."""
+        return _request_labels(self.job.adapter)
 
     def tokens(self, choice: int, num_tokens: int) -> None:
         if num_tokens <= 0:
             return
         now = time.monotonic()
+        adapter, version = self.labels
         if self.first is None:
             self.first = now
-            self.metrics.ttft.labels(self.label).observe(now - self.arrived)
+            self.metrics.observe_first_token(adapter, now - self.arrived, version=version)
         last = self.last.get(choice)
         if last is not None:
-            gap = (now - last) / num_tokens
-            for _ in range(num_tokens):
-                self.metrics.inter_token.labels(self.label).observe(gap)
+            self.metrics.observe_token_gaps(adapter, (now - last) / num_tokens, num_tokens, version=version)
         self.last[choice] = now
-        self.metrics.observe_tokens(self.label, num_tokens)
+        self.metrics.observe_tokens(adapter, num_tokens, version=version)
 
     def done(self) -> None:
-        self.metrics.e2e.labels(self.label).observe(time.monotonic() - self.arrived)
+        adapter, version = self.labels
+        self.metrics.observe_e2e(adapter, time.monotonic() - self.arrived, version=version)
+
+
+def _request_labels(key: str | None) -> tuple[str | None, str]:
+    """Metrics labels of engine key `name@version`: (name, version); the base model's: (None, "")."""
+    name, _, version = (key or "").partition("@")
+    return name or None, version
 
 
 def _admit(app: web.Application, job: CompletionJob, tenant: str) -> None:
@@ -242,7 +252,9 @@ async def _serve(request: web.Request, endpoint: str) -> web.StreamResponse:
         _admit(app, job, tenant)  # raises, having taken nothing, or took room released just below
         try:
             timer = _ChoiceTimer(metrics, job)
-            metrics.prompt_tokens.labels(timer.label).inc(sum(len(job.prompt_ids[p]) for p in job.choice_prompt))
+            adapter, version = timer.labels
+            metrics.observe_prompt_tokens(adapter, sum(len(job.prompt_ids[p]) for p in job.choice_prompt),
+                                          version=version)
             outputs = _merged_outputs(app[ENGINE], job)
             if job.options.stream:
                 response = await _stream(request, job, outputs, timer)
@@ -264,10 +276,13 @@ async def _serve(request: web.Request, endpoint: str) -> web.StreamResponse:
         raise
     finally:
         if job is None:  # refused before the model was resolved (bad body, auth, unknown adapter)
-            label = UNRESOLVED_LABEL
+            adapter, version = UNRESOLVED_LABEL, ""
         else:
-            label = job.adapter.partition("@")[0] if job.adapter else None
-        metrics.observe_request(adapter=label, endpoint=endpoint, status=status)
+            adapter, version = _request_labels(job.adapter)
+        metrics.observe_request(adapter=adapter, version=version, endpoint=endpoint, status=status)
+        if adapter is not None and version:  # the series of versions no longer served go
+            served = app[ADAPTERS].get(adapter)
+            metrics.retain_versions(adapter, {version, *(served.sources if served is not None else ())})
 
 
 async def completions(request: web.Request) -> web.StreamResponse:

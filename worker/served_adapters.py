@@ -11,6 +11,11 @@ Running example: push gen 3 {sql: stable v1}, then gen 4 {sql: stable v1, canary
 v2 is registered beside v1 (not current), 20 % of users resolve to `sql@v2`; gen 5 {sql: stable v2}
 makes the registered v2 current without reloading it and retires v1; gen 6 without `sql`
 unregisters it, requests in flight finish on the version they hold.
+
+A new stable version that was never a canary (gen 7 {sql: stable v3}) replaces v2 in the engine only
+once it has loaded; until then v2 stays in the table as the fallback: if v3 fails to load
+(`mark_failed`), bare `sql` requests go back to v2, as a failed canary's users go back to stable. The
+first push after v3 has loaded retires v2.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ class ServedAdapter:
     errors: dict[str, str] = field(default_factory=dict)  # version -> why it cannot be served
     warm: bool = False
     pinned: bool = False
+    fallback: str | None = None  # the stable version a new one replaces, kept until the new one has loaded
 
 
 def local_source(uri: str) -> str:
@@ -125,8 +131,12 @@ class ServedAdapters:
         served = self._adapters.get(name)
         if served is not None and version in served.sources:
             served.errors[version] = reason
-            if version == served.split.canary:  # its share of users goes back to the stable version
-                served.split = VersionSplit(served.split.stable)
+            split = served.split
+            if version == split.canary:  # its share of users goes back to the stable version
+                served.split = VersionSplit(split.stable)
+            elif version == split.stable and served.fallback not in (None, *served.errors):  # ...a new stable's, to the old
+                served.split = VersionSplit(served.fallback, split.canary, split.canary_weight)
+                served.fallback = None
 
     # ---- changes (blocking engine calls: run them off the event loop, one at a time) -------------
     # Copy-on-write: a change registers what is new in the engine, then publishes the new table in
@@ -151,6 +161,10 @@ class ServedAdapters:
                                 f"{self.generation}; refusing to roll back", code="stale_generation")
         old_table = self._adapters
         table = {d.name: self._register(d, old_table.get(d.name), engine) for d in state.adapters}
+        current = {a["name"]: a["version"] for a in engine.describe_adapters() if a.get("current")}
+        for name, served in table.items():
+            if name in old_table:
+                self._keep_fallback(served, old_table[name], current.get(name))
         self._adapters = table
         self.generation = state.generation
         for name, old in old_table.items():
@@ -179,8 +193,9 @@ class ServedAdapters:
             keep = (old is not None and old.sources.get(version) == uri and version not in old.errors
                     and version != demoted)
             stable = version == d.stable.version
-            # A version registered beside the stable one (a canary) that now becomes stable.
-            promoted = stable and old is not None and version in old.sources and version != old.split.stable
+            # A version kept registered beside the stable one (a canary) that now becomes stable. One
+            # registered again (it had failed) switches in the engine once loaded, like a new version.
+            promoted = stable and keep and version != old.split.stable
             registered = keep
             try:
                 source = local_source(uri)
@@ -221,6 +236,19 @@ class ServedAdapters:
         served.sources[previous] = old.sources[previous]
         served.split = VersionSplit(previous)
 
+    @staticmethod
+    def _keep_fallback(served: ServedAdapter, old: ServedAdapter, current: str | None) -> None:
+        """A new stable version registered but not loaded yet: the engine keeps `current`, the version
+        serving until now, until the new one is resident. The table keeps it too, as the fallback that
+        `mark_failed` sends requests back to if the new one fails to load, instead of answering them all
+        503. Once the engine has switched (the new version loaded), the next push retires it as usual."""
+        if current is None or current == served.split.stable or current in served.sources:
+            return  # switched already (loaded, or a promoted canary), or still served anyway
+        if current not in (old.split.stable, old.fallback) or current in old.errors:
+            return
+        served.sources[current] = old.sources[current]
+        served.fallback = current
+
     def load(self, name: str, path: str, engine: AdapterHost) -> str:
         """vLLM's load_lora_adapter: register `name` from a local path; answers `name@version`."""
         if name in self._adapters or name == self.base_model:
@@ -255,6 +283,8 @@ class ServedAdapters:
         states: list[AdapterState] = []
         for name, served in sorted(self._adapters.items()):
             for version in sorted(served.sources):
+                if version == served.fallback and f"{name}@{version}" not in held:
+                    continue  # the engine retired it: the version replacing it has loaded
                 d = held.get(f"{name}@{version}", {})
                 error = served.errors.get(version) or d.get("error")
                 states.append(AdapterState(

@@ -30,28 +30,83 @@ def test_engine_snapshot_feeds_vllm_compatible_gauges():
 
 def test_request_and_step_observations():
     m = WorkerMetrics()
-    m.observe_request(adapter="sql", endpoint="completions", status=200)
+    m.observe_request(adapter="sql", version="v1", endpoint="completions", status=200)
     m.observe_request(adapter=None, endpoint="chat", status=429)
-    m.ttft.labels("sql").observe(0.02)
+    m.observe_first_token("sql", 0.02, version="v1")
     m.observe_step(num_seqs=6, num_adapters=3)
-    m.observe_tokens("sql", 20, now=100.0)
-    m.observe_tokens("sql", 10, now=105.0)
+    m.observe_tokens("sql", 20, version="v1", now=100.0)
+    m.observe_tokens("sql", 10, version="v1", now=105.0)
     assert m.tokens_per_second(now=106.0) == 3.0
     assert m.tokens_per_second(now=112.0) == 1.0  # the first batch left the window
     s = _samples(m)
-    assert s[("lorafleet_requests_total", (("adapter", "sql"), ("endpoint", "completions"), ("status", "200")))] == 1
-    assert s[("lorafleet_requests_total", (("adapter", "__base__"), ("endpoint", "chat"), ("status", "429")))] == 1
-    assert s[("lorafleet_time_to_first_token_seconds_count", (("adapter", "sql"),))] == 1
+    assert s[("lorafleet_requests_total", (("adapter", "sql"), ("endpoint", "completions"), ("status", "200"),
+                                           ("version", "v1")))] == 1
+    assert s[("lorafleet_requests_total", (("adapter", "__base__"), ("endpoint", "chat"), ("status", "429"),
+                                           ("version", "")))] == 1
+    assert s[("lorafleet_time_to_first_token_seconds_count", (("adapter", "sql"), ("version", "v1")))] == 1
     assert s[("lorafleet_adapters_per_batch_sum", ())] == 3
     assert s[("lorafleet_batch_size_bucket", (("le", "8.0"),))] == 1
-    assert s[("lorafleet_generation_tokens_total", (("adapter", "sql"),))] == 30
+    assert s[("lorafleet_generation_tokens_total", (("adapter", "sql"), ("version", "v1")))] == 30
+
+
+def _observe_one(m: WorkerMetrics, adapter: str, version: str, status: int = 200) -> None:
+    m.observe_prompt_tokens(adapter, 5, version=version)
+    m.observe_first_token(adapter, 0.1, version=version)
+    m.observe_token_gaps(adapter, 0.01, 2, version=version)
+    m.observe_tokens(adapter, 3, version=version)
+    m.observe_e2e(adapter, 0.2, version=version)
+    m.observe_request(adapter=adapter, version=version, endpoint="completions", status=status)
+
+
+def _versions(m: WorkerMetrics, adapter: str) -> dict[str, set[str]]:
+    """metric family -> versions of `adapter` it has series of"""
+    out: dict[str, set[str]] = {}
+    for name, labels in _samples(m):
+        labels = dict(labels)
+        if labels.get("adapter") == adapter:
+            out.setdefault(name, set()).add(labels["version"])
+    return out
+
+
+def test_canary_and_stable_versions_are_separate_series():
+    """During a rollout the operator compares the canary's latency and errors with the stable version's:
+    each version a request resolved to has its own series of every request metric."""
+    m = WorkerMetrics()
+    _observe_one(m, "sql", "v1")
+    _observe_one(m, "sql", "v2", status=503)
+    s = _samples(m)
+    for version, status in (("v1", "200"), ("v2", "503")):
+        assert s[("lorafleet_requests_total", (("adapter", "sql"), ("endpoint", "completions"), ("status", status),
+                                               ("version", version)))] == 1
+    assert set(_versions(m, "sql")) >= {
+        "lorafleet_requests_total", "lorafleet_time_to_first_token_seconds_count",
+        "lorafleet_inter_token_latency_seconds_count", "lorafleet_e2e_request_latency_seconds_count",
+        "lorafleet_prompt_tokens_total", "lorafleet_generation_tokens_total"}
+    assert all(versions == {"v1", "v2"} for versions in _versions(m, "sql").values())
+
+
+def test_series_of_versions_no_longer_served_are_dropped():
+    """Every rollout brings a new version: the series of the ones it retired must go, or a long-lived
+    worker exposes (and Prometheus stores) one more set per rollout, for ever."""
+    m = WorkerMetrics()
+    for version in ("v1", "v2", "v3"):
+        _observe_one(m, "sql", version)
+    _observe_one(m, "chat", "c1")
+    _observe_one(m, None, "")  # the base model
+    m.retain_versions("sql", {"v2", "v3"})
+    assert all(versions == {"v2", "v3"} for versions in _versions(m, "sql").values()), _versions(m, "sql")
+    assert all(versions == {"c1"} for versions in _versions(m, "chat").values())
+    assert _versions(m, "__base__")["lorafleet_requests_total"] == {""}
+    _observe_one(m, "sql", "v1")  # a request that resolved v1 before it retired, finishing late: counted anew
+    m.retain_versions("sql", {"v3"})
+    assert all(versions == {"v3"} for versions in _versions(m, "sql").values()), _versions(m, "sql")
 
 
 def test_registries_are_per_instance():
     a, b = WorkerMetrics(), WorkerMetrics()
-    a.observe_request(adapter="x", endpoint="completions", status=200)
-    assert ("lorafleet_requests_total", (("adapter", "x"), ("endpoint", "completions"), ("status", "200"))) \
-        not in _samples(b)
+    a.observe_request(adapter="x", version="1", endpoint="completions", status=200)
+    assert ("lorafleet_requests_total", (("adapter", "x"), ("endpoint", "completions"), ("status", "200"),
+                                         ("version", "1"))) not in _samples(b)
 
 
 def test_adapter_pool_series_join_the_registry():

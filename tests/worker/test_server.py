@@ -506,7 +506,7 @@ def test_fuzzed_request_bodies_never_break_the_server(server):
 
 
 # ---- metrics ---------------------------------------------------------------------------------------------
-async def test_metrics_endpoint_has_request_and_vllm_series(server):
+async def test_metrics_endpoint_has_request_and_vllm_series(server, served_keys):
     async with aiohttp.ClientSession() as s:
         for _ in range(2):  # the second finds alpha resident: a GPU-tier hit
             await post(s, f"{server}/v1/completions", {"model": "alpha", "prompt": "m", "max_tokens": 3})
@@ -519,12 +519,15 @@ async def test_metrics_endpoint_has_request_and_vllm_series(server):
                  "vllm:lora_requests_info{", "lorafleet_time_to_first_token_seconds_bucket{adapter=\"alpha\"",
                  "lorafleet_e2e_request_latency_seconds", "lorafleet_inter_token_latency_seconds",
                  "lorafleet_batch_size_bucket", "lorafleet_adapters_per_batch_bucket", "lorafleet_adapter_hits_total",
-                 "lorafleet_requests_total{adapter=\"alpha\",endpoint=\"completions\",status=\"200\"}",
-                 "lorafleet_requests_total{adapter=\"__unresolved__\",endpoint=\"completions\",status=\"413\"}",
                  "lorafleet_generation_tokens_per_second", "lorafleet_queue_depth"):
         assert name in text, name
     from prometheus_client.parser import text_string_to_metric_families
 
+    requests = {(s.labels["adapter"], s.labels["version"], s.labels["endpoint"], s.labels["status"])
+                for fam in text_string_to_metric_families(text) for s in fam.samples
+                if s.name == "lorafleet_requests_total"}
+    assert ("alpha", served_keys["alpha"].partition("@")[2], "completions", "200") in requests, requests
+    assert ("__unresolved__", "", "completions", "413") in requests, requests  # refused before a version was chosen
     values = {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
               if not s.labels or s.labels.get("tier") == "gpu"}
     # Observed, not just declared: steps ran with adapters, and an adapter was found resident.
@@ -548,7 +551,7 @@ async def test_real_prometheus_scrapes_the_worker(server, tmp_path):
 
 
 # ---- admin: desired state, canary, load failures, vLLM load/unload (mutates the served set: runs last) -----
-async def test_admin_push_canary_failures_and_vllm_load(server, adapters_dir, spare_adapters):
+async def test_admin_push_canary_failures_and_vllm_load(server, adapters_dir, spare_adapters, served_keys):
     alpha_dir = str(adapters_dir / "alpha")
     push = {"generation": 1, "adapters": [
         {"name": "alpha", "tenant": "acme", "stable": {"version": "v1", "uri": alpha_dir},
@@ -566,7 +569,10 @@ async def test_admin_push_canary_failures_and_vllm_load(server, adapters_dir, sp
         assert status == 200, report
         assert report["generation_applied"] == 1
         versions = {(a["name"], a["version"]): a for a in report["adapters"]}
-        assert set(versions) == {("alpha", "v1"), ("alpha", "v2"), ("beta", "s1"), ("bad", "b1")}
+        # The versions served since start-up stay, without traffic, until the new stable versions have loaded.
+        started = {tuple(key.split("@")) for key in served_keys.values()}
+        assert set(versions) - started == {("alpha", "v1"), ("alpha", "v2"), ("beta", "s1"), ("bad", "b1")}
+        assert all(versions[k]["traffic_percent"] == 0 and not versions[k]["error"] for k in set(versions) & started)
         assert versions[("bad", "b1")]["error"] and versions[("beta", "s1")]["pinned"]
         assert versions[("alpha", "v2")]["traffic_percent"] == 50
 

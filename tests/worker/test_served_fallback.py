@@ -1,0 +1,201 @@
+"""A new stable version that registers but fails to load: the version it was to replace keeps serving
+(worker/served_adapters.py), against an engine-like stand-in and over HTTP with the real engine; and the
+request metrics of a rollout, per version."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from lorafleet.worker.engine_config import EngineConfig
+from lorafleet.worker.openai_protocol import APIError
+from lorafleet.worker.served_adapters import ServedAdapters
+from lorafleet.worker.server import create_app
+from lorafleet.worker.worker_config import WorkerConfig
+from tests.worker.test_served_adapters import ACME, SQL, SQL_CANARY, RecordingHost, state
+
+SQL_V2 = SQL | {"stable": {"version": "v2", "uri": "/c/sql/v2"}}
+USERS = [f"u{i}" for i in range(40)]
+
+
+class SwitchingHost(RecordingHost):
+    """Versions as the engine's pool keeps them: a new version registered as current replaces the current one
+    only once it has loaded (`loaded`); a promoted canary replaces it at once; the current one cannot be
+    removed by version."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.current: dict[str, str] = {}
+        self.pending: dict[str, str] = {}
+
+    def register_adapter(self, name, source, *, version=None, tenant=None, pinned=False, make_current=True):
+        key = super().register_adapter(name, source, version=version, tenant=tenant, pinned=pinned,
+                                       make_current=make_current)
+        if name not in self.current:
+            self.current[name] = key
+        elif make_current and self.current[name] != key:
+            self.pending[name] = key
+        return key
+
+    def make_adapter_current(self, key):
+        super().make_adapter_current(key)
+        self._switch(key)
+
+    def loaded(self, key):
+        if self.pending.get(key.partition("@")[0]) == key:
+            self._switch(key)
+
+    def _switch(self, key):
+        name = key.partition("@")[0]
+        old, self.current[name] = self.current.get(name), key
+        self.pending.pop(name, None)
+        if old not in (None, key):
+            self.keys.pop(old)  # retired, no request holds it
+
+    def remove_adapter_version(self, key):
+        if self.current.get(key.partition("@")[0]) == key:
+            raise ValueError(f"{key} is the current version")
+        if key not in self.keys:
+            raise KeyError(key)
+        super().remove_adapter_version(key)
+
+    def describe_adapters(self):
+        return [d | {"current": self.current.get(d["name"]) == d["key"]} for d in super().describe_adapters()]
+
+
+def picks(served: ServedAdapters) -> set[str]:
+    return {served.resolve("sql", ACME, u) for u in USERS}
+
+
+def test_a_new_stable_that_fails_to_load_sends_its_requests_back_to_the_previous_version():
+    host, served = SwitchingHost(), ServedAdapters("base")
+    served.apply(state(1, SQL), host)
+    served.apply(state(2, SQL_V2), host)
+    assert picks(served) == {"sql@v2"}  # it serves (it loads on first use) ...
+    assert host.current["sql"] == "sql@v1" and {a.version for a in served.report(host).adapters} == {"v1", "v2"}
+    assert served.extras()["sql@v1"]["traffic_percent"] == 0
+    served.mark_failed("sql@v2", "adapter_model.safetensors: truncated")  # ... until its load fails
+    assert picks(served) == {"sql@v1"}
+    with pytest.raises(APIError, match="truncated") as exc:  # naming the failed version says why
+        served.resolve("sql@v2", ACME, None)
+    assert exc.value.status == 503
+    assert served.extras()["sql@v1"]["traffic_percent"] == 100
+    assert {a.version: a.error for a in served.report(host).adapters} == {
+        "v1": None, "v2": "adapter_model.safetensors: truncated"}
+
+    served.apply(state(3, SQL_V2), host)  # the same push again: v2 is retried, v1 stays the fallback
+    assert picks(served) == {"sql@v2"} and ("remove", "sql@v1") not in host.calls
+    served.mark_failed("sql@v2", "adapter_model.safetensors: truncated")
+    assert picks(served) == {"sql@v1"}
+
+    served.apply(state(4, SQL_V2), host)
+    host.loaded("sql@v2")  # it loads this time: the engine retires v1 ...
+    assert [a.version for a in served.report(host).adapters] == ["v2"]
+    served.apply(state(5, SQL_V2), host)  # ... and the next push does too
+    assert served.get("sql").sources == {"v2": "/c/sql/v2"} and served.get("sql").fallback is None
+    served.mark_failed("sql@v2", "disk read failed")  # nothing left to fall back to
+    with pytest.raises(APIError, match="disk read failed"):
+        served.resolve("sql", ACME, None)
+
+
+def test_a_push_while_the_new_stable_loads_keeps_the_version_serving_as_the_fallback():
+    """v2 never loaded and v3 replaces it: the engine still serves v1, which stays the fallback."""
+    host, served = SwitchingHost(), ServedAdapters("base")
+    served.apply(state(1, SQL), host)
+    served.apply(state(2, SQL_V2), host)
+    served.apply(state(3, SQL | {"stable": {"version": "v3", "uri": "/c/sql/v3"}}), host)
+    assert set(served.get("sql").sources) == {"v1", "v3"} and ("remove", "sql@v2") in host.calls
+    served.mark_failed("sql@v3", "truncated")
+    assert picks(served) == {"sql@v1"}
+
+
+def test_a_promoted_canary_replaces_the_stable_version_at_once():
+    """Promoting a canary switches the engine now: the old stable version is gone, not a fallback."""
+    host, served = SwitchingHost(), ServedAdapters("base")
+    served.apply(state(1, SQL_CANARY), host)
+    served.apply(state(2, SQL_V2), host)
+    assert set(served.get("sql").sources) == {"v2"} and "sql@v1" not in host.keys
+    served.mark_failed("sql@v2", "truncated")
+    with pytest.raises(APIError) as exc:
+        served.resolve("sql", ACME, None)
+    assert exc.value.status == 503
+
+
+# ---- over HTTP, the real engine: a version that registers but cannot be placed on the device ----------------
+ADMIN = "admin-token-for-tests"
+
+
+def metric_samples(text: str, name: str, adapter: str) -> dict[tuple, float]:
+    """(version, status) -> value of `name`'s samples of `adapter` (status "" where the series has none)"""
+    return {(s.labels["version"], s.labels.get("status", "")): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples
+            if s.name == name and s.labels.get("adapter") == adapter}
+
+
+@pytest.fixture
+async def client(aiohttp_client, tiny_llama_dir, qv_adapters_dir, tmp_path):
+    from tests.lora_factory import make_peft_adapter
+
+    # 32 pages of the pool: above the 8 that adapters may use, so it registers but never loads.
+    make_peft_adapter(tiny_llama_dir, tmp_path / "big", rank=32, seed=3)
+    engine = EngineConfig(model=str(tiny_llama_dir), dtype="float32", max_model_len=128, max_adapter_pages=8)
+    config = WorkerConfig(engine=engine, served_model_name="tiny", admin_token=ADMIN,
+                          adapter_roots=f"{qv_adapters_dir},{tmp_path}")
+    return await aiohttp_client(create_app(config))
+
+
+async def push(client, generation: int, stable: dict, **extra) -> dict:
+    body = {"generation": generation, "adapters": [{"name": "alpha", "tenant": "acme", "stable": stable, **extra}]}
+    resp = await client.put("/admin/v1/state", json=body, headers={"Authorization": f"Bearer {ADMIN}"})
+    assert resp.status == 200, await resp.text()
+    return await resp.json()
+
+
+async def complete(client, model: str, user: str = "u") -> tuple[int, dict]:
+    resp = await client.post("/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 2, "user": user})
+    return resp.status, await resp.json()
+
+
+async def test_a_new_stable_version_that_fails_to_load_leaves_the_old_one_serving_over_http(
+        client, qv_adapters_dir, tmp_path):
+    await push(client, 1, {"version": "v1", "uri": str(qv_adapters_dir / "alpha")})
+    status, body = await complete(client, "alpha")
+    assert status == 200 and body["model"] == "alpha@v1"
+    await push(client, 2, {"version": "v2", "uri": str(tmp_path / "big")})
+    status, body = await complete(client, "alpha")  # the request that finds out v2 cannot load
+    assert status == 503 and body["error"]["code"] == "adapter_load_failed" and "pages" in body["error"]["message"]
+    for user in ("u1", "u2", "u3"):
+        status, body = await complete(client, "alpha", user)
+        assert status == 200 and body["model"] == "alpha@v1", body
+    status, body = await complete(client, "alpha@v2")
+    assert status == 503 and "pages" in body["error"]["message"]
+    report = await (await client.get("/admin/v1/state", headers={"Authorization": f"Bearer {ADMIN}"})).json()
+    traffic = {a["version"]: (a["traffic_percent"], bool(a["error"])) for a in report["adapters"]}
+    assert traffic == {"v1": (100, False), "v2": (0, True)}
+
+    text = await (await client.get("/metrics")).text()
+    requests = metric_samples(text, "lorafleet_requests_total", "alpha")
+    assert requests == {("v1", "200"): 4, ("v2", "503"): 1}, requests  # alpha@v2 refused unresolved
+
+
+async def test_request_metrics_tell_canary_from_stable_and_forget_retired_versions_over_http(
+        client, qv_adapters_dir):
+    v1, v2 = ({"version": v, "uri": str(qv_adapters_dir / d)} for v, d in (("v1", "alpha"), ("v2", "beta")))
+    await push(client, 1, v1, canary=v2, canary_weight=50)
+    models = {(await complete(client, "alpha", f"user-{i}"))[1]["model"] for i in range(16)}
+    assert models == {"alpha@v1", "alpha@v2"}
+    text = await (await client.get("/metrics")).text()
+    for name in ("lorafleet_requests_total", "lorafleet_time_to_first_token_seconds_count",
+                 "lorafleet_e2e_request_latency_seconds_count", "lorafleet_generation_tokens_total",
+                 "lorafleet_prompt_tokens_total"):
+        assert {version for version, _ in metric_samples(text, name, "alpha")} == {"v1", "v2"}, name
+
+    await push(client, 2, v2)  # v2 promoted: v1 retired
+    status, body = await complete(client, "alpha")
+    assert status == 200 and body["model"] == "alpha@v2"
+    text = await (await client.get("/metrics")).text()
+    assert {version for version, _ in metric_samples(text, "lorafleet_requests_total", "alpha")} == {"v2"}
+    assert metric_samples(text, "lorafleet_requests_total", "__unresolved__") == {}
+    status, _ = await complete(client, "nope")
+    text = await (await client.get("/metrics")).text()
+    assert metric_samples(text, "lorafleet_requests_total", "__unresolved__") == {("", "404"): 1}
