@@ -4,7 +4,9 @@ parsing the JSON, tokenizing), bounded so that a burst cannot grow memory and CP
 
 Before the body is read, a request is refused with 429 and `Retry-After` when not even one more
 sequence of its tenant would be admitted now (`queue_full`, `tenant_queue_full`), or when
-`--max-intake-requests` requests are in intake already (`intake_full`). Bodies over LARGE_BODY_BYTES
+`--max-intake-requests` requests are in intake already (`intake_full`). A body that has not arrived
+`--request-read-timeout-s` after the worker began reading it is answered 408 (`request_timeout`), which
+frees its intake place: clients that upload slowly cannot hold intake. Bodies over LARGE_BODY_BYTES
 are parsed in the default executor, where tokenization runs too, so that the event loop (and
 /healthz with it) keeps answering while they are.
 """
@@ -23,6 +25,7 @@ from lorafleet.worker.app_keys import ADMISSION, CONFIG, METRICS
 from lorafleet.worker.openai_protocol import APIError, parse_json
 
 LARGE_BODY_BYTES = 64 * 1024  # larger bodies are parsed off the event loop
+REQUEST_TIMEOUT = "request_timeout"  # the rejected metric's reason for a body that came too slowly
 
 
 def refused(app: web.Application, reason: str, tenant: str, num_seqs: int | None = None) -> APIError:
@@ -66,10 +69,23 @@ def intake_place(app: web.Application) -> Iterator[None]:
         admission.leave_intake()
 
 
+async def read_body(request: web.Request) -> bytes:
+    """The whole body, or 408 request_timeout (counted in the metrics) when it has not arrived within
+    --request-read-timeout-s. Over --max-body-bytes: aiohttp raises 413."""
+    app = request.app
+    timeout = app[CONFIG].request_read_timeout_s
+    try:
+        return await asyncio.wait_for(request.read(), timeout)
+    except TimeoutError:
+        app[METRICS].rejected.labels(REQUEST_TIMEOUT).inc()
+        raise APIError(408, f"the request body did not arrive within {timeout:g} s (--request-read-timeout-s); "
+                            "send the body with the headers, or retry", code=REQUEST_TIMEOUT) from None
+
+
 async def read_json(request: web.Request, then: Callable[[Any], Any] | None = None) -> Any:
-    """The parsed body, and `then(body)` when given: in the default executor for a body over
-    LARGE_BODY_BYTES. Over --max-body-bytes: aiohttp raises 413."""
-    raw = await request.read()
+    """The parsed body (see `read_body`), and `then(body)` when given: in the default executor for a body
+    over LARGE_BODY_BYTES."""
+    raw = await read_body(request)
 
     def parse() -> Any:
         body = parse_json(raw)

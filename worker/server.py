@@ -6,7 +6,9 @@ serves the app: on SIGTERM it stops accepting connections, /readyz turns 503, in
 `shutdown_grace_s` to finish (a second SIGTERM ends it at once), those still running then end with an
 error (a stream with an in-band error chunk; the engine frees their pages at once), and the process
 exits 0. SIGTERM while the model loads exits at once. Should the engine thread die, /healthz and
-/readyz turn 503. Every error leaves as an OpenAI-shaped body (`{"error": {...}}`).
+/readyz turn 503. With an s3:// --adapters, /readyz stays 503 `loading_adapters` until the stager child's
+start-up adapters are registered (worker/startup_adapters.py). Every error leaves as an OpenAI-shaped
+body (`{"error": {...}}`).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from lorafleet.worker.metrics import CONTENT_TYPE, EngineSnapshot, WorkerMetrics
 from lorafleet.worker.openai_api import openai_routes
 from lorafleet.worker.openai_protocol import APIError
 from lorafleet.worker.served_adapters import ServedAdapters
+from lorafleet.worker.startup_adapters import STARTUP_ADAPTERS, StartupAdapters, watch_seed
 from lorafleet.worker.tenants import Tenants
 from lorafleet.worker.worker_config import WorkerConfig
 
@@ -74,7 +77,10 @@ async def error_middleware(request: web.Request, handler: Callable[[web.Request]
     try:
         return await handler(request)
     except APIError as err:
-        return _error_response(err)
+        resp = _error_response(err)
+        if err.status == 408:  # the rest of its body may still come: this connection cannot carry another request
+            resp.force_close()
+        return resp
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -193,9 +199,15 @@ async def _stager_ctx(app: web.Application) -> AsyncIterator[None]:
     await asyncio.to_thread(stager.start, 60.0)
     log.info("stager child (pid %d) is staging the adapters under %s into %s; log: %s", stager.proc.pid, uri,
              cache_dir, stager.log_path)
+    app[STARTUP_ADAPTERS] = startup = StartupAdapters(uri)  # /readyz: 503 until they are registered
+    watch = asyncio.create_task(watch_seed(startup, url=stager.url, token=stager.token,
+                                           generation_applied=lambda: app[ADAPTERS].generation))
     try:
         yield
     finally:
+        watch.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watch
         await asyncio.to_thread(stager.stop)
 
 
@@ -274,6 +286,9 @@ async def readyz(request: web.Request) -> web.Response:
         return web.json_response({"status": "draining"}, status=503)
     if not status.ready or engine is None or not engine.is_running:
         return web.json_response({"status": "starting"}, status=503)
+    startup = request.app.get(STARTUP_ADAPTERS)
+    if startup is not None and not startup.is_loaded:
+        return web.json_response(startup.answer(), status=503)
     return web.json_response({"status": "ready"})
 
 

@@ -16,7 +16,7 @@ needs `Authorization: Bearer <stager token>`:
   reaches it); the copies the push replaced are the first to go once it has.
 * `GET /v1/state`: the engine's `ReportedState`, plus tier `disk` for staged versions the engine has
   not loaded, staging errors, a `disk` section (cache bytes, downloads, hits, progress) and, while
-  `--stager-adapters` is what is served, a `seed` section (folders not served, and why).
+  `--stager-adapters` is what is served, a `seed` section (folders not served and why, its push's generation).
 * `GET /metrics` (no token; Prometheus text): the disk tier's hits, misses, downloads, bytes, failures,
   download latency histogram, cache bytes and entries (`lorafleet_stager_*`).
 
@@ -349,7 +349,8 @@ async def put_directives(request: web.Request) -> web.Response:
 async def get_state(request: web.Request) -> web.Response:
     stager = request.app[STAGER]
     report = await stager.state()
-    seed = {"seed": stager.seed_report.to_dict()} if stager.seed_report is not None else {}
+    report_seed = stager.seed_report
+    seed = {"seed": {**report_seed.to_dict(), "generation": stager.generation}} if report_seed is not None else {}
     return web.json_response({**report.to_dict(), "disk": stager.disk_stats(), **seed})
 
 

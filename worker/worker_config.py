@@ -9,6 +9,7 @@ admin API; the engine process never holds object-store credentials.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,6 +62,10 @@ class WorkerConfig:
                                   "refused with 429 intake_full and Retry-After before their body is read (as "
                                   "is every request while the queue is full); 0 = 4 x the CPUs of this process, or as many bodies of "
                                   "--max-body-bytes as fit in 256 MiB when that is more"))
+    request_read_timeout_s: float = field(
+        default=30.0, metadata=_help("seconds a request's body may take to arrive once the worker reads it; a "
+                                     "slower one is answered 408 request_timeout and its intake place freed, so "
+                                     "clients that upload slowly cannot hold --max-intake-requests"))
     retry_after_s: int = field(default=1, metadata=_help("Retry-After seconds sent with 429"))
     shutdown_grace_s: float = field(
         default=30.0, metadata=_help("on SIGTERM: seconds in-flight requests get to finish; then they end with "
@@ -90,6 +95,8 @@ class WorkerConfig:
                              f"{self.max_sequences_per_tenant}")
         if self.max_intake_requests < 0:
             raise ValueError(f"max_intake_requests must be >= 0 (0 = sized from the CPUs), got {self.max_intake_requests}")
+        if not (math.isfinite(self.request_read_timeout_s) and self.request_read_timeout_s > 0):
+            raise ValueError(f"request_read_timeout_s must be a finite number > 0, got {self.request_read_timeout_s}")
         if self.retry_after_s < 1:
             raise ValueError(f"retry_after_s must be >= 1, got {self.retry_after_s}")
         if self.shutdown_grace_s < 0:

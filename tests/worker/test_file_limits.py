@@ -166,6 +166,7 @@ async def test_the_stager_child_stages_under_the_workers_limit(tiny_llama_dir, t
         def __init__(self, *, cache_dir, port, env, args, log_path) -> None:
             started.append(args)
             self.proc, self.log_path = type("Proc", (), {"pid": 0})(), log_path
+            self.url, self.token = "http://127.0.0.1:9", "stager-token-for-tests"  # nothing answers there
 
         def start(self, timeout: float) -> None:
             pass

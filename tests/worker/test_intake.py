@@ -109,6 +109,27 @@ async def test_requests_in_intake_are_bounded(aiohttp_client, tiny_llama_dir):
     assert (await client.post("/v1/completions", data=BODY)).status == 200
 
 
+async def test_a_body_that_stalls_is_answered_408_and_frees_its_intake_place(aiohttp_client, tiny_llama_dir):
+    """A client sends its headers and part of its body, then stalls (slowloris): with one intake place it
+    holds that place only until --request-read-timeout-s, then it gets 408 request_timeout (counted in the
+    rejected metric, its connection closed), the place is free and the next request is served."""
+    app = create_app(config(tiny_llama_dir, max_intake_requests=1, request_read_timeout_s=0.5))
+    client = await aiohttp_client(app)
+    reader, writer = await send_head(client.server.port, len(BODY), BODY[:10])
+    try:
+        await wait_until(lambda: app[ADMISSION].num_in_intake == 1)
+        status, headers, body = await read_answer(reader)
+        assert status == 408 and headers["connection"].lower() == "close", (headers, body)
+        assert body["error"]["code"] == "request_timeout" and "--request-read-timeout-s" in body["error"]["message"]
+    finally:
+        writer.close()
+    assert app[ADMISSION].num_in_intake == 0
+    resp = await client.post("/v1/completions", data=BODY)
+    assert resp.status == 200 and (await resp.json())["choices"][0]["finish_reason"] == "length"
+    metrics = await (await client.get("/metrics")).text()
+    assert 'lorafleet_requests_rejected_total{reason="request_timeout"} 1.0' in metrics
+
+
 async def test_healthz_answers_while_large_bodies_are_parsed(aiohttp_client, tiny_llama_dir, monkeypatch):
     """Four bodies over 64 KiB are parsed at once, each parse held until released: /healthz still answers
     (the parses are off the event loop), and the four are served afterwards."""
@@ -144,3 +165,13 @@ def test_the_intake_bound_is_a_flag_and_an_environment_variable():
     assert config_from_args(WorkerConfig, ["--max-intake-requests", "3"], env=env).intake_limit == 3
     with pytest.raises(ValueError, match="max_intake_requests must be >= 0"):
         WorkerConfig(max_intake_requests=-1)
+
+
+def test_the_body_read_deadline_is_a_flag_and_an_environment_variable():
+    assert config_from_args(WorkerConfig, [], env={}).request_read_timeout_s == 30.0
+    env = {"LORAFLEET_REQUEST_READ_TIMEOUT_S": "2.5"}
+    assert config_from_args(WorkerConfig, [], env=env).request_read_timeout_s == 2.5
+    assert config_from_args(WorkerConfig, ["--request-read-timeout-s", "7"], env=env).request_read_timeout_s == 7.0
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="request_read_timeout_s must be a finite number > 0"):
+            WorkerConfig(request_read_timeout_s=bad)

@@ -1,0 +1,77 @@
+"""Readiness while `--adapters s3://...` is staged. The stager child seeds the start-up adapters after the
+engine is up and registers them through the worker's admin API; until that push is applied the worker
+would answer 404 for adapters it is about to serve. So /readyz answers 503 `loading_adapters` until the
+seed's push with no folder left to retry is applied here (or a push from elsewhere took over from the
+seed). Folders that can never be served (a bad name, no safetensors) do not hold readiness back: each
+is reported (the stager's /v1/state, GET /admin/v1/state) and the others are served. (A local --adapters
+folder is registered before the worker listens; a bad adapter there stops the start instead.)
+
+    stager /v1/state: no "seed" yet                         -> loading_adapters
+                      seed {retrying: [beta], generation: 1} -> loading_adapters (beta is tried again)
+                      seed {retrying: [], generation: 2}     -> ready once generation 2 is applied here
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import ClientError, ClientSession, ClientTimeout, web
+
+log = logging.getLogger("lorafleet.worker")
+
+POLL_S = 0.25  # between two looks at the stager's state while loading
+_CALL_TIMEOUT_S = 10.0
+
+
+@dataclass(slots=True)
+class StartupAdapters:
+    """What /readyz says about the start-up adapters under `uri`."""
+
+    uri: str
+    is_loaded: bool = False
+    detail: str = "the stager child is listing and staging them"
+
+    def answer(self) -> dict[str, str]:
+        return {"status": "loading_adapters", "adapters": self.uri, "detail": self.detail}
+
+
+STARTUP_ADAPTERS = web.AppKey("startup_adapters", StartupAdapters)
+
+
+def seed_progress(state: dict[str, Any], generation_applied: int) -> str | None:
+    """None once the start-up adapters are registered (or have failed for good), else what is awaited.
+    `state`: the stager's GET /v1/state; `generation_applied`: the generation this worker applied."""
+    seed = state.get("seed")
+    if seed is None:  # the seed has pushed nothing yet, or a push from elsewhere took over from it
+        return None if generation_applied > 0 else "the stager child is listing and staging them"
+    if retrying := seed.get("retrying"):
+        return (f"{len(retrying)} folders failed for a reason that may pass and are tried again: "
+                f"{', '.join(retrying)}; see the stager's log")
+    if generation_applied < seed["generation"]:
+        return "staged; registering them"
+    return None
+
+
+async def watch_seed(startup: StartupAdapters, *, url: str, token: str,
+                     generation_applied: Callable[[], int]) -> None:
+    """Poll the stager's state until `seed_progress` says the start-up adapters are loaded."""
+    headers = {"Authorization": f"Bearer {token}"}
+    async with ClientSession(timeout=ClientTimeout(total=_CALL_TIMEOUT_S), headers=headers) as http:
+        while True:
+            try:
+                async with http.get(url.rstrip("/") + "/v1/state") as resp:
+                    resp.raise_for_status()
+                    state = await resp.json()
+                detail = seed_progress(state, generation_applied())
+            except (TimeoutError, ClientError, ValueError) as exc:  # it may be restarting: look again
+                detail = f"the stager child did not answer: {exc!r}"
+            if detail is None:
+                startup.is_loaded = True
+                log.info("the adapters under %s are registered: ready", startup.uri)
+                return
+            startup.detail = detail
+            await asyncio.sleep(POLL_S)
