@@ -6,6 +6,7 @@ the forward itself never syncs with the host.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -48,6 +49,7 @@ class ModelRunner:
         self._pin = device.type == "cuda"
         self.graphs = graphs  # pure decode steps are replayed from CUDA graphs when set
         self.lora_stream = lora_stream  # LoRA deltas beside the base GEMMs when set
+        self.prompt_logprobs_lists: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # prompt_logprobs.py
 
     def _to_device(self, data: list, dtype: torch.dtype) -> torch.Tensor:
         t = torch.tensor(data, dtype=dtype)
@@ -185,7 +187,8 @@ class ModelRunner:
                 return self.graphs.run(inputs), list(batch.decodes)
         ctx, samplers = self.prepare(batch)
         hidden = self.model(ctx)
-        fill_prompt_logprobs(self.model.compute_logits, hidden, batch.scheduled)  # extra rows, apart from these
+        # Extra rows, apart from these; choices of one prompt share theirs.
+        fill_prompt_logprobs(self.model.compute_logits, hidden, batch.scheduled, self.prompt_logprobs_lists)
         if not samplers:
             return None, samplers
         return self.model.compute_logits(hidden[ctx.logits_indices]), samplers

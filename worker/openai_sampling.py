@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from lorafleet.worker.logit_bias import LogitBiasError, parse_logit_bias
 from lorafleet.worker.openai_fields import Fields, bad_request, check_text, is_int
-from lorafleet.worker.sampling_defaults import SamplingDefaults
+from lorafleet.worker.sampling_defaults import RANGES, SamplingDefaults
 from lorafleet.worker.sampling_params import MAX_LOGPROBS
 
 MAX_PROMPT_LOGPROBS = MAX_LOGPROBS  # vLLM's default max_logprobs
@@ -95,6 +95,12 @@ def _min_tokens(f: Fields, max_tokens: int | None, max_tokens_param: str) -> int
     return min_tokens
 
 
+def _ranged(f: Fields, name: str, default: float) -> float:
+    """A field whose range a model's default shares (sampling_defaults.RANGES)."""
+    r = RANGES[name]
+    return f.number(name, default, r.lo, r.hi, lo_open=r.lo_open)
+
+
 def parse_sampling_options(f: Fields, max_tokens_names: tuple[str, ...], default_max_tokens: int | None,
                            defaults: SamplingDefaults) -> SamplingOptions:
     """The fields both endpoints share; ``defaults``: what an unset temperature, top_p, top_k, min_p or
@@ -130,8 +136,8 @@ def parse_sampling_options(f: Fields, max_tokens_names: tuple[str, ...], default
         max_tokens=max_tokens,
         prompt_logprobs=prompt_logprobs,
         max_tokens_param=max_tokens_param,
-        temperature=f.number("temperature", defaults.temperature, 0.0, 2.0),
-        top_p=f.number("top_p", defaults.top_p, 0.0, 1.0, lo_open=True),
+        temperature=_ranged(f, "temperature", defaults.temperature),
+        top_p=_ranged(f, "top_p", defaults.top_p),
         top_k=max(0, f.integer("top_k", defaults.top_k, -1, 1 << 20)),
         n=f.integer("n", 1, 1, MAX_N),
         seed=f.integer("seed", None, -(2**63), 2**63 - 1),
@@ -142,9 +148,9 @@ def parse_sampling_options(f: Fields, max_tokens_names: tuple[str, ...], default
         ignore_eos=f.flag("ignore_eos", False),
         presence_penalty=f.number("presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=f.number("frequency_penalty", 0.0, -2.0, 2.0),
-        repetition_penalty=f.number("repetition_penalty", defaults.repetition_penalty, 0.0, None, lo_open=True),
+        repetition_penalty=_ranged(f, "repetition_penalty", defaults.repetition_penalty),
         logit_bias=logit_bias,
-        min_p=f.number("min_p", defaults.min_p, 0.0, 1.0),
+        min_p=_ranged(f, "min_p", defaults.min_p),
         stop_token_ids=_stop_token_ids(f),
         include_stop_str_in_output=f.flag("include_stop_str_in_output", False),
         min_tokens=_min_tokens(f, max_tokens, max_tokens_param),

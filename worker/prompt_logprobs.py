@@ -14,10 +14,17 @@ Chunked prefill: a chunk's positions fill the entries up to the first token of t
 position predicts it). Preemption: a recomputed prompt runs its positions again, but the sequence keeps
 the entries it has and only positions not yet filled are computed. Pure decode steps (CUDA graphs) never
 need a row: a decode's position is at least the prompt's last, which predicts no prompt token.
+
+Sharing: the n choices of a request are n sequences of one prompt, adapter and k, whose entries are the
+same. Before its first entry, a sequence takes the list that one in flight with the same three holds, so
+each position is computed once, by whichever of them runs it first (in the same step too): a sharer never
+runs a position before the list has its entry, since any position it ran is filled. A choice admitted only
+after all the others finished computes its own.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -34,25 +41,50 @@ def prompt_rows(scheduled: list[tuple[Sequence, int]]) -> tuple[list[int], list[
     rows: list[int] = []
     targets: list[int] = []
     owners: list[tuple[Sequence, int]] = []
+    filled: dict[int, int] = {}  # id(list) -> its entries once this step's rows so far are in (shared lists)
     offset = 0  # the sequence's first row in the step
     for seq, num_new in scheduled:
         if seq.params.prompt_logprobs is not None:
             start = seq.num_computed_tokens
-            lo = max(start, len(seq.prompt_logprobs) - 1)  # positions before lo are filled already
+            entries = filled.get(id(seq.prompt_logprobs), len(seq.prompt_logprobs))
+            lo = max(start, entries - 1)  # positions before lo are filled already
             hi = min(start + num_new, seq.num_prompt_tokens - 1)
             if lo < hi:
                 rows.extend(range(offset + lo - start, offset + hi - start))
                 targets.extend(seq.prompt_token_ids[lo + 1 : hi + 1])
                 owners.append((seq, hi - lo))
+                filled[id(seq.prompt_logprobs)] = hi + 1
         offset += num_new
     return rows, targets, owners
 
 
+def share_prompt_logprobs(scheduled: list[tuple[Sequence, int]], lists: weakref.WeakValueDictionary) -> None:
+    """Give a sequence about to compute its first prompt logprobs the list that an unfinished sequence with the
+    same prompt, adapter and k holds. `lists`: (adapter, k, prompt) -> the last list made for them (kept by the
+    caller from step to step; an entry goes with its list)."""
+    for seq, _ in scheduled:
+        k = seq.params.prompt_logprobs
+        if k is None or len(seq.prompt_logprobs) > 1 or seq.num_prompt_tokens < 2:
+            continue  # none asked, some entries in already (its own or shared), or none to compute
+        key = (seq.adapter, k, tuple(seq.prompt_token_ids))
+        shared = lists.get(key)
+        if shared is seq.prompt_logprobs:
+            continue
+        if shared is not None and any(not s.is_finished for s in shared.holders):
+            seq.prompt_logprobs = shared
+            shared.holders.add(seq)
+        else:  # none, or only finished requests' (a later request computes its own)
+            lists[key] = seq.prompt_logprobs
+
+
 @torch.inference_mode()
 def fill_prompt_logprobs(compute_logits: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
-                         scheduled: list[tuple[Sequence, int]]) -> None:
+                         scheduled: list[tuple[Sequence, int]], lists: weakref.WeakValueDictionary | None = None) -> None:
     """Append this step's prompt logprobs to the sequences that ask for them. `compute_logits`: hidden rows
-    -> float32 logits (the model's LM head); `hidden`: the step's hidden states [T, H]."""
+    -> float32 logits (the model's LM head); `hidden`: the step's hidden states [T, H]; `lists`: as
+    share_prompt_logprobs takes it (None: no list shared)."""
+    if lists is not None:
+        share_prompt_logprobs(scheduled, lists)
     rows, targets, owners = prompt_rows(scheduled)
     if not rows:
         return

@@ -19,9 +19,10 @@ these are not touched, bit for bit.
 Penalties, as vLLM applies them: for each token, repetition_penalty r when it occurs in the prompt or
 the output (a positive logit divided by r, any other multiplied by r: transformers'
 RepetitionPenaltyLogitsProcessor), then `- frequency_penalty * count - presence_penalty * (count > 0)`
-with counts over the generated tokens only (OpenAI's). Counts are taken from the sequence's tokens at
-each step, so a recomputed (preempted) sequence samples exactly as before. Only the rows of requests
-that set a penalty are touched; the others are bit-identical to a batch without penalties.
+with counts over the generated tokens only (OpenAI's). The counts are kept from step to step, growing by
+each step's new token (token_counts.py): a step costs O(vocabulary) per penalized sequence, not
+O(prompt + output), and a recomputed (preempted) sequence samples exactly as before. Only the rows of
+requests that set a penalty are touched; the others are bit-identical to a batch without penalties.
 
 Logprobs are those of the model's raw distribution: before logit_bias, penalties, temperature and the filters
 (vLLM's default `logprobs_mode`, raw_logprobs).
@@ -29,12 +30,12 @@ Logprobs are those of the model's raw distribution: before logit_bias, penalties
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
 from lorafleet.worker.sequence import Sequence, TokenLogprob
+from lorafleet.worker.token_counts import TokenCounts
 
 
 class Sampler:
@@ -44,11 +45,16 @@ class Sampler:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self.eos_token_ids = frozenset(eos_token_ids)  # masked with a request's stop_token_ids by min_tokens
+        self.token_counts = TokenCounts()  # the penalties' counts, kept from step to step
+        self._min_tokens_index = LastBuilt()
+        self._logit_bias_index = LastBuilt()
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, TokenLogprob | None]]:
         """logits: float32 [N, V], row i belongs to seqs[i]."""
         raw = logits
-        logits = apply_penalties(apply_logit_bias(apply_min_tokens(logits, seqs, self.eos_token_ids), seqs), seqs)
+        logits = apply_min_tokens(logits, seqs, self.eos_token_ids, self._min_tokens_index)
+        logits = apply_logit_bias(logits, seqs, self._logit_bias_index)
+        logits = apply_penalties(logits, seqs, self.token_counts)
         tokens = logits.argmax(dim=-1)
         sampled_rows = [i for i, s in enumerate(seqs) if not s.params.is_greedy]
         if sampled_rows:
@@ -97,83 +103,100 @@ def raw_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
     return logprobs, chosen, vals, ids
 
 
-def apply_min_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: frozenset[int]) -> torch.Tensor:
+class LastBuilt:
+    """The value built for the last key: a step's index tensors, reused while the same sequences sample in the
+    same rows (a run of decode steps) instead of built from the requests' options at every step."""
+
+    def __init__(self) -> None:
+        self.key: object = None
+        self.value: object = None
+
+    def get(self, key: object, build: Callable[[], object]) -> object:
+        if key != self.key:
+            self.key, self.value = key, build()
+        return self.value
+
+
+def apply_min_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: frozenset[int],
+                     last: LastBuilt | None = None) -> torch.Tensor:
     """`logits` with -inf for the stop tokens of each sequence that has generated fewer than min_tokens
     tokens: its stop_token_ids, and the EOS ids unless it ignores EOS; the same tensor when none needs it."""
-    rows, cols = [], []
-    vocab = logits.shape[-1]
-    for i, s in enumerate(seqs):
-        params = s.params
-        if len(s.output_token_ids) >= params.min_tokens:
-            continue
-        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else eos_token_ids)
-        for token_id in sorted(t for t in stops if 0 <= t < vocab):
-            rows.append(i)
-            cols.append(token_id)
-    if not rows:
+    masked = [(i, s) for i, s in enumerate(seqs) if len(s.output_token_ids) < s.params.min_tokens]
+    if not masked:
         return logits
-    device = logits.device
+    vocab, device = logits.shape[-1], logits.device
+
+    def build() -> tuple[torch.Tensor, torch.Tensor]:
+        rows, cols = [], []
+        for i, s in masked:
+            params = s.params
+            stops = set(params.stop_token_ids) | (set() if params.ignore_eos else eos_token_ids)
+            for token_id in sorted(t for t in stops if 0 <= t < vocab):
+                rows.append(i)
+                cols.append(token_id)
+        return torch.tensor(rows, device=device, dtype=torch.int64), torch.tensor(cols, device=device, dtype=torch.int64)
+
+    key = (vocab, device, eos_token_ids, tuple((i, s.seq_id) for i, s in masked))
+    index = (last or LastBuilt()).get(key, build)
+    if not index[0].numel():
+        return logits
     out = logits.clone()
-    out[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = float("-inf")
+    out[index] = float("-inf")
     return out
 
 
-def apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+def apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence], last: LastBuilt | None = None) -> torch.Tensor:
     """`logits` plus each sequence's logit_bias; the same tensor when no sequence sets one."""
-    rows, cols, biases = [], [], []
-    for i, s in enumerate(seqs):
-        for token_id, bias in (s.params.logit_bias or {}).items():
-            rows.append(i)
-            cols.append(token_id)
-            biases.append(bias)
-    if not rows:
+    biased = [(i, s) for i, s in enumerate(seqs) if s.params.logit_bias]
+    if not biased:
         return logits
-    device = logits.device
-    index = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
+    device, dtype = logits.device, logits.dtype
+
+    def build() -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+        rows, cols, biases = [], [], []
+        for i, s in biased:
+            bias = s.params.logit_bias
+            rows.extend([i] * len(bias))
+            cols.extend(bias.keys())
+            biases.extend(bias.values())
+        index = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
+        return index, torch.tensor(biases, device=device, dtype=dtype)
+
+    index, biases = (last or LastBuilt()).get((device, dtype, tuple((i, s.seq_id) for i, s in biased)), build)
     out = logits.clone()
-    out[index] += torch.tensor(biases, device=device, dtype=logits.dtype)  # a row names a token at most once
+    out[index] += biases  # a row names a token at most once
     return out
 
 
-def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], counts: TokenCounts | None = None) -> torch.Tensor:
     """`logits` with each sequence's presence, frequency and repetition penalties applied (vLLM's order);
-    the same tensor when no sequence sets one. Only the rows that set a penalty are computed."""
+    the same tensor when no sequence sets one. Only the rows that set a penalty are computed, and only the
+    terms some row sets (a 1 or a 0 changes no bit). `counts`: the sampler's, kept from step to step (a
+    one-off table when None)."""
     rows = [i for i, s in enumerate(seqs) if s.params.has_penalties]
     if not rows:
         return logits
-    device, vocab = logits.device, logits.shape[-1]
+    device, dtype = logits.device, logits.dtype
     params = [seqs[i].params for i in rows]
-    outputs = [seqs[i].output_token_ids for i in rows]
-    # The prompt only matters for a repetition penalty; the others skip the prompt's scatter.
-    prompts = [seqs[i].prompt_token_ids if p.repetition_penalty != 1.0 else [] for i, p in zip(rows, params, strict=True)]
-    out_counts = _token_counts(outputs, vocab, device, logits.dtype)
-    seen = out_counts > 0
-    if any(prompts):
-        seen |= _token_counts(prompts, vocab, device, logits.dtype) > 0
+    counts = counts if counts is not None else TokenCounts()
+    table_rows = counts.update([seqs[i] for i in rows], logits)
     index = torch.tensor(rows, device=device)
-    sub = logits[index]
-    rep = torch.tensor([p.repetition_penalty for p in params], device=device, dtype=logits.dtype)[:, None]
-    sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
-    freq = torch.tensor([p.frequency_penalty for p in params], device=device, dtype=logits.dtype)[:, None]
-    pres = torch.tensor([p.presence_penalty for p in params], device=device, dtype=logits.dtype)[:, None]
-    sub = sub - freq * out_counts
-    sub = sub - pres * (out_counts > 0).to(logits.dtype)
+    sub = logits[index]  # [R, V]
+    if any(p.repetition_penalty != 1.0 for p in params):
+        seen = counts.seen.index_select(0, table_rows)
+        rep = torch.tensor([p.repetition_penalty for p in params], device=device, dtype=dtype)[:, None]
+        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params):
+        out_counts = counts.output_counts.index_select(0, table_rows)
+        freq = torch.tensor([p.frequency_penalty for p in params], device=device, dtype=dtype)[:, None]
+        pres = torch.tensor([p.presence_penalty for p in params], device=device, dtype=dtype)[:, None]
+        sub = sub - freq * out_counts
+        sub = sub - pres * (out_counts > 0).to(dtype)
     if len(rows) == len(seqs):
         return sub
     out = logits.clone()
     out[index] = sub
     return out
-
-
-def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """[len(token_lists), vocab] occurrences of each token id (ids outside the vocabulary are dropped)."""
-    ids = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.int64)
-    ids[(ids < 0) | (ids >= vocab)] = vocab  # a spare column, cut off below
-    rows = torch.repeat_interleave(torch.arange(len(token_lists)), torch.tensor([len(t) for t in token_lists]))
-    flat = (rows * (vocab + 1) + ids).to(device, non_blocking=True)
-    counts = torch.zeros(len(token_lists) * (vocab + 1), device=device, dtype=dtype)
-    counts.scatter_add_(0, flat, torch.ones(flat.shape, device=device, dtype=dtype))  # whole numbers: exact in any order
-    return counts.view(len(token_lists), vocab + 1)[:, :vocab]
 
 
 def _processed_probs(logits: torch.Tensor, params: list) -> torch.Tensor:

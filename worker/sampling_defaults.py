@@ -18,6 +18,27 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
+class Range:
+    """The values a request may ask for (openai_sampling.py parses them by it), so a model's default may be."""
+
+    lo: float
+    hi: float | None = None  # None: any finite number
+    lo_open: bool = False
+    whole: bool = False  # an integer
+
+    def __contains__(self, value: object) -> bool:
+        if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+            return False
+        if self.whole and not float(value).is_integer():
+            return False
+        return (value > self.lo if self.lo_open else value >= self.lo) and (self.hi is None or value <= self.hi)
+
+
+RANGES = {"temperature": Range(0.0, 2.0), "top_p": Range(0.0, 1.0, lo_open=True), "top_k": Range(0, whole=True),
+          "repetition_penalty": Range(0.0, lo_open=True), "min_p": Range(0.0, 1.0)}
+
+
+@dataclass(frozen=True, slots=True)
 class SamplingDefaults:
     """What a request that does not set them samples with (OpenAI's defaults unless the model says)."""
 
@@ -28,8 +49,7 @@ class SamplingDefaults:
     min_p: float = 0.0  # 0 = off
 
     def __post_init__(self) -> None:
-        if not (0.0 <= self.temperature <= 2.0 and 0.0 < self.top_p <= 1.0 and self.top_k >= 0
-                and 0.0 < self.repetition_penalty < math.inf and 0.0 <= self.min_p <= 1.0):
+        if any(getattr(self, name) not in allowed for name, allowed in RANGES.items()):
             raise ValueError(f"sampling defaults out of range: {self}")
 
 
@@ -47,20 +67,14 @@ def read_sampling_defaults(model_dir: Path) -> SamplingDefaults:
         log.warning("%s is not a JSON object: OpenAI's sampling defaults apply", path)
         return SamplingDefaults()
     found = {}
-    for key, kind, ok in (("temperature", float, lambda v: 0.0 <= v <= 2.0), ("top_p", float, lambda v: 0.0 < v <= 1.0),
-                          ("top_k", int, lambda v: v >= 0),
-                          ("repetition_penalty", float, lambda v: v > 0.0),
-                          ("min_p", float, lambda v: 0.0 <= v <= 1.0)):  # fmt: skip
+    for key, allowed in RANGES.items():
         value = data.get(key)
         if value is None:
             continue
-        valid = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-        if kind is int:
-            valid = valid and float(value).is_integer()
-        if not valid or not ok(value):
+        if value not in allowed:
             log.warning("%s: %s=%r is outside what requests may ask for; not applied", path, key, value)
             continue
-        found[key] = kind(value)
+        found[key] = int(value) if allowed.whole else float(value)
     defaults = SamplingDefaults(**found)
     if found:
         log.info("sampling defaults from %s for requests that leave them unset: %s", path,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,17 @@ class TokenLogprob:
     logprob: float
     top: list[tuple[int, float]]  # the `logprobs` most likely tokens, most likely first
     rank: int | None = None  # prompt logprobs: 1 + the tokens more likely than token_id (ties count: vLLM's)
+
+
+class PromptLogprobs(list):
+    """A sequence's prompt logprobs, per prompt token (None for the first). The sequences filling it are its
+    `holders`: the n choices of a request share one (prompt_logprobs.py)."""
+
+    __slots__ = ("__weakref__", "holders")
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.holders: weakref.WeakSet[Sequence] = weakref.WeakSet()
 
 
 _seq_ids = itertools.count()
@@ -54,7 +66,8 @@ class Sequence:
         self.logprobs: list[TokenLogprob] = []
         # Per prompt token with params.prompt_logprobs (the first has none); kept over preemptions, so a
         # recomputed prompt fills only the positions still missing (prompt_logprobs.py).
-        self.prompt_logprobs: list[TokenLogprob | None] = [None] if params.prompt_logprobs is not None else []
+        self.prompt_logprobs = PromptLogprobs([None] if params.prompt_logprobs is not None else [])
+        self.prompt_logprobs.holders.add(self)
         self.finish_reason: str | None = None
         self.error: str | None = None  # why the request failed (finish_reason "error")
         self.exception: Exception | None = None  # the failure itself (e.g. AdapterLoadError)

@@ -59,6 +59,9 @@ def test_a_mixed_batch_gives_each_request_its_tokens_alone_and_under_preemption(
     alone = [engine.generate([p], [params])[0].token_ids for p, params in zip(prompts, MIXED, strict=True)]
     mixed = [o.token_ids for o in engine.generate(prompts, MIXED)]
     assert mixed == alone
+    # n > 1: choices of one prompt, each its own sequence with counts of its own.
+    n = [o.token_ids for o in engine.generate([prompts[3]] * 3, [MIXED[3], MIXED[0], MIXED[3]])]
+    assert n == [alone[3], engine.generate([prompts[3]], [MIXED[0]])[0].token_ids, alone[3]]
     tight = _engine(tiny_llama_dir, num_pages=16)  # requests get preempted and recomputed
     assert [o.token_ids for o in tight.generate(prompts, MIXED)] == alone
     assert tight.scheduler.num_preemptions > 0

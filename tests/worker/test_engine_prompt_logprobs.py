@@ -140,6 +140,38 @@ def test_prompt_logprobs_with_lora_adapters_match_peft(tiny_llama_dir, qv_adapte
             _assert_matches(out, prompts[i], refs[name][i], 3)
 
 
+@pytest.mark.parametrize("kw", [{}, {"max_num_batched_tokens": 5}, {"num_pages": 16}])
+def test_the_choices_of_one_prompt_compute_its_logprobs_once(tiny_llama_dir, hf_ref, monkeypatch, kw):
+    """n > 1: the choices in flight together share one list, each position computed once (chunked too; under
+    preemption a choice admitted after the others finished computes its own); another k, or a request that
+    comes after the first finished, computes its own."""
+    prompts = _prompts()
+    engine = _engine(tiny_llama_dir, **kw)
+    rows: list[int] = []
+    real = prompt_logprobs_module.raw_logprobs
+    monkeypatch.setattr(prompt_logprobs_module, "raw_logprobs",
+                        lambda logits, *args: rows.append(len(logits)) or real(logits, *args))
+    choices = [SamplingParams(max_tokens=16, temperature=1.0, seed=s, ignore_eos=True, prompt_logprobs=3)
+               for s in range(3)]
+    outs = engine.generate([prompts[3]] * 3 + [prompts[1]], [*choices, _greedy(prompt_logprobs=3)])
+    if "num_pages" in kw:
+        assert engine.scheduler.num_preemptions > 0
+    else:
+        assert sum(rows) == len(prompts[3]) - 1 + len(prompts[1]) - 1
+        assert outs[0].prompt_logprobs is outs[1].prompt_logprobs is outs[2].prompt_logprobs
+    assert len({tuple(o.token_ids) for o in outs[:3]}) == 3  # the choices sample apart all the same
+    for out in outs[:3]:
+        _assert_matches(out, prompts[3], hf_ref[3], 3)
+    _assert_matches(outs[3], prompts[1], hf_ref[1], 3)
+    rows.clear()
+    outs = engine.generate([prompts[3]] * 2, [_greedy(prompt_logprobs=3), _greedy(prompt_logprobs=2)])
+    assert sum(rows) == 2 * (len(prompts[3]) - 1)
+    _assert_matches(outs[1], prompts[3], hf_ref[3], 2)
+    rows.clear()
+    _assert_matches(engine.generate([prompts[3]], _greedy(prompt_logprobs=3))[0], prompts[3], hf_ref[3], 3)
+    assert sum(rows) == len(prompts[3]) - 1
+
+
 MIXED = [_greedy(max_tokens=24, logprobs=2),
          SamplingParams(max_tokens=24, temperature=1.0, seed=8, ignore_eos=True, logprobs=1),
          _greedy(max_tokens=24, frequency_penalty=1.0), _greedy(max_tokens=24, logprobs=0),

@@ -7,7 +7,13 @@ import random
 import pytest
 import torch
 
-from lorafleet.worker.sampler import Sampler, _processed_probs, apply_logit_bias, apply_penalties
+from lorafleet.worker.sampler import (
+    Sampler,
+    _processed_probs,
+    apply_logit_bias,
+    apply_min_tokens,
+    apply_penalties,
+)
 from lorafleet.worker.sampling_params import SamplingParams
 from lorafleet.worker.sequence import Sequence
 
@@ -308,3 +314,23 @@ def test_rows_without_logit_bias_or_min_p_are_bit_identical_in_a_mixed_batch():
         assert out[i][1].logprob == alone[i][1].logprob and out[i][1].top == alone[i][1].top
     assert out[2][0] != int(logits[2].argmax())
     assert out[3][0] in _reference_min_p(logits[3], 1.0, 0.5).nonzero().flatten().tolist()
+
+
+def test_min_tokens_and_logit_bias_tensors_kept_over_steps_follow_the_batch():
+    """The sampler reuses the last step's index tensors while the same sequences sample in the same rows;
+    whenever a row changes (a sequence joins, leaves, moves or passes min_tokens) they are built again."""
+    rng = random.Random(3)
+    biases = [None, {3: -100.0, 7: 2.0}, {rng.randrange(VOCAB): rng.uniform(-5, 5) for _ in range(10)}, {0: 50.0}]
+    seqs = [_seq(temperature=0.0, logit_bias=biases[i % 4], min_tokens=i % 5, max_tokens=20, stop_token_ids=[i])
+            for i in range(8)]
+    sampler, eos = Sampler(eos_token_ids=[9]), frozenset({9})
+    for step in range(12):
+        batch = rng.sample(seqs, rng.randrange(1, len(seqs))) if step % 3 else seqs[:5]
+        logits = _logits(len(batch), seed=step)
+        one_off = apply_logit_bias(apply_min_tokens(logits, batch, eos), batch)
+        kept = apply_min_tokens(logits, batch, eos, sampler._min_tokens_index)
+        kept = apply_logit_bias(kept, batch, sampler._logit_bias_index)
+        assert torch.equal(kept, one_off)
+        for seq, (token, _) in zip(batch, sampler.sample(logits, batch), strict=True):
+            assert token == int(one_off[batch.index(seq)].argmax())
+            seq.output_token_ids.append(token)

@@ -45,6 +45,28 @@ def test_no_file_or_a_broken_one_means_openais_defaults(tmp_path, caplog):
     assert "cannot be read" in caplog.text
 
 
+@pytest.mark.parametrize(("field", "value"), [("temperature", -0.1), ("temperature", 2.5), ("top_p", 0.0),
+                                            ("top_p", 1.01), ("repetition_penalty", 0.0), ("min_p", -0.1),
+                                            ("min_p", 1.1)])
+def test_a_default_is_refused_where_a_request_would_be(tmp_path, caplog, field, value):
+    """One range per field (sampling_defaults.RANGES) for the model's defaults and the requests' values."""
+    from lorafleet.worker.openai_protocol import APIError
+
+    (tmp_path / "generation_config.json").write_text(json.dumps({field: value}))
+    with caplog.at_level(logging.WARNING, logger="lorafleet.worker.sampling_defaults"):
+        assert read_sampling_defaults(tmp_path) == SamplingDefaults()
+    assert "outside what requests may ask for" in caplog.text
+    with pytest.raises(ValueError, match="out of range"):
+        SamplingDefaults(**{field: value})
+    with pytest.raises(APIError, match=field):
+        parse_completion_request(_request_body(parse_completion_request) | {field: value})
+    edge = {"top_p": 1.0, "repetition_penalty": 1e-3}.get(field, 0.0 if value < 0 else 2.0 if field == "temperature"
+                                                            else 1.0)
+    assert getattr(parse_completion_request(_request_body(parse_completion_request) | {field: edge}).options,
+                   field) == edge
+    assert getattr(SamplingDefaults(**{field: edge}), field) == edge
+
+
 def _request_body(parse) -> dict:
     """The smallest valid request for the endpoint `parse` reads."""
     if parse is parse_completion_request:
