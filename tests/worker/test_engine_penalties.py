@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lorafleet.worker import SamplingParams
+from lorafleet.worker import Engine, EngineConfig, SamplingParams
 from tests.worker.test_engine import _engine, _prompts
 
 MAX_NEW = 24
@@ -86,3 +86,22 @@ def test_logit_bias_and_min_p_through_the_engine_leave_other_requests_alone(tiny
     assert outs[4].token_ids == plain[4].token_ids  # min_p 1 keeps only the most likely token
     with pytest.raises(EngineError, match="logit_bias"):
         engine.add_request(None, prompts[0], _greedy(logit_bias={engine.model_config.vocab_size: 1.0}))
+
+
+
+@pytest.mark.gpu
+def test_penalties_kept_on_the_device_match_with_and_without_cuda_graphs(tiny_llama_dir):
+    """The kept counts live on the device: each request gets its tokens alone, in one mixed batch and with
+    n > 1, with CUDA-graph decode steps and without."""
+    prompts = _prompts()
+    outs = {}
+    for graphs in (False, True):
+        engine = Engine(EngineConfig(model=str(tiny_llama_dir), device="cuda", dtype="float32", block_size=16,
+                                     max_num_seqs=8, pool_bytes=64 << 20, cuda_graphs=graphs))
+        alone = [engine.generate([p], [params])[0].token_ids for p, params in zip(prompts, MIXED, strict=True)]
+        mixed = [o.token_ids for o in engine.generate(prompts, MIXED)]
+        n = [o.token_ids for o in engine.generate([prompts[3]] * 3, [MIXED[3], MIXED[0], MIXED[3]])]
+        assert mixed == alone and n[0] == n[2] == alone[3]
+        assert (engine.runner.graphs is not None and engine.runner.graphs.replays > 5) == graphs
+        outs[graphs] = mixed
+    assert outs[True] == outs[False]
