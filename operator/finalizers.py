@@ -22,7 +22,8 @@ class UnloadWait:
 
 def adapter_unload_wait(name: str, plans: Iterable[PoolPlan]) -> UnloadWait | None:
     """What adapter ``name``'s finalizer waits for across ``plans``; None while a pass has not seen it deleted."""
-    holding: set[str] = set()
+    waiting: set[str] = set()
+    reported: set[str] = set()
     silent: set[str] = set()
     unknown: set[str] = set()
     overdue: set[str] = set()
@@ -30,20 +31,24 @@ def adapter_unload_wait(name: str, plans: Iterable[PoolPlan]) -> UnloadWait | No
         if name not in plan.unloading:
             return None
         pods = set(plan.unloading[name])
-        holding |= pods
+        # Given up by the pass that could not tell it, but still waited for where another pass sees it hold the
+        # adapter (a pod two pools reach: its owner, and one it was released by or held for).
+        overdue |= pods & set(plan.overdue)
+        pods -= set(plan.overdue)
+        waiting |= pods
+        reported |= pods - set(plan.silent)
         silent |= pods & set(plan.silent)
         unknown |= pods & set(plan.unreachable)
-        overdue |= pods & set(plan.overdue)
-    waiting = sorted(holding - overdue)
-    parts = [holders_text(waiting, sorted(silent))] if waiting else []
-    if stuck := sorted(unknown - overdue):
+    overdue -= waiting
+    parts = [holders_text(sorted(waiting), sorted(silent - reported))] if waiting else []
+    if stuck := sorted(unknown):
         parts.append(f"what {', '.join(stuck)} last accepted is not known (an operator restart) and its pool's set "
                      f"cannot be pushed to it now (it is not ready, or its LoRAPool's spec is invalid): it unloads "
                      f"the adapter once it can be told (deleting the pod ends the wait)")
     if overdue:
         parts.append(f"no longer waited for: {', '.join(sorted(overdue))} (not told for longer than the unload "
                      f"grace; it is told its pool's set, which leaves the adapter out, once it can be)")
-    return UnloadWait(waiting, sorted(overdue), "; ".join(parts) if waiting else "")
+    return UnloadWait(sorted(waiting), sorted(overdue), "; ".join(parts) if waiting else "")
 
 
 def holders_text(pods: list[str], silent: list[str], not_ready: list[str] = ()) -> str:

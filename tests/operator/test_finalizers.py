@@ -225,6 +225,17 @@ def test_unload_wait_combines_the_plans_of_every_pool():
     assert done.waiting == [] and done.given_up == [] and done.message == ""
 
 
+def test_a_pod_given_up_by_one_pass_is_waited_for_while_another_sees_it_hold_the_adapter():
+    """w0 is silent past the grace to the pool that released it (a wrong port, say), but the invalid pool that
+    holds it reaches it and sees it report the adapter: the deletion waits for it."""
+    released = plan_of(unloading={"chat": ["w0"]}, silent=["w0"], overdue=["w0"])
+    held = plan_of(unloading={"chat": ["w0", "w1"]}, unreachable=["w0"])
+    wait = adapter_unload_wait("chat", [released, held])
+    assert wait.waiting == ["w0", "w1"] and wait.given_up == []
+    assert "still reported by w0, w1" in wait.message and "no answer" not in wait.message
+    assert "what w0 last accepted is not known" in wait.message
+
+
 async def test_an_adapter_moved_off_an_invalid_pool_is_unloaded_from_its_pods(operator, sidecars):  # noqa: F811
     """The adapter served by "main" moves to "zeta" while main's spec is invalid (main pushes nothing): when it
     is deleted, main's pods, which still hold it, are told to drop it, and the finalizer waits for them."""

@@ -5,11 +5,14 @@ of the batch are not changed by a bit."""
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
 from lorafleet.worker import SamplingParams
 from lorafleet.worker import prompt_logprobs as prompt_logprobs_module
+from lorafleet.worker.sequence import Sequence, SequenceStatus
 from tests.worker.test_engine import _engine, _prompts, record_prefill_chunks
 
 MAX_NEW = 6
@@ -211,3 +214,18 @@ def test_prompt_logprobs_beyond_twenty_are_refused():
         with pytest.raises(ValueError, match="prompt_logprobs"):
             SamplingParams(prompt_logprobs=bad)
     assert SamplingParams(prompt_logprobs=20).prompt_logprobs == 20
+
+
+def test_a_prompt_logprobs_list_is_shared_only_for_one_adapter_version_and_k_while_a_holder_runs():
+    def seq(adapter: str, k: int = 2) -> Sequence:
+        return Sequence("r", [1, 2, 3], _greedy(prompt_logprobs=k), adapter=adapter)
+
+    lists: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+    first, canary, other_k, sibling = seq("a@v1"), seq("a@v2"), seq("a@v1", 3), seq("a@v1")
+    prompt_logprobs_module.share_prompt_logprobs([(s, 3) for s in (first, canary, other_k, sibling)], lists)
+    assert sibling.prompt_logprobs is first.prompt_logprobs
+    assert canary.prompt_logprobs is not first.prompt_logprobs and other_k.prompt_logprobs is not first.prompt_logprobs
+    first.status = sibling.status = SequenceStatus.FINISHED
+    later = seq("a@v1")
+    prompt_logprobs_module.share_prompt_logprobs([(later, 3)], lists)
+    assert later.prompt_logprobs is not first.prompt_logprobs  # its holders finished: it computes its own

@@ -334,3 +334,17 @@ def test_min_tokens_and_logit_bias_tensors_kept_over_steps_follow_the_batch():
         for seq, (token, _) in zip(batch, sampler.sample(logits, batch), strict=True):
             assert token == int(one_off[batch.index(seq)].argmax())
             seq.output_token_ids.append(token)
+
+
+def test_kept_index_tensors_are_rebuilt_for_other_sequences_in_the_same_rows():
+    """Same rows, same number of sequences, but other sequences (other options): nothing of the last step's
+    tensors is reused."""
+    sampler, eos = Sampler(eos_token_ids=[9]), frozenset({9})
+    first = [_seq(temperature=0.0, logit_bias={1: 5.0}, min_tokens=3, stop_token_ids=[2]) for _ in range(2)]
+    then = [_seq(temperature=0.0, logit_bias={4: -5.0}, min_tokens=3, stop_token_ids=[6], ignore_eos=True)
+            for _ in range(2)]
+    logits = _logits(2)
+    for batch in (first, then, first):
+        kept = apply_min_tokens(logits, batch, eos, sampler._min_tokens_index)
+        kept = apply_logit_bias(kept, batch, sampler._logit_bias_index)
+        assert torch.equal(kept, apply_logit_bias(apply_min_tokens(logits, batch, eos), batch))

@@ -3,6 +3,7 @@ step, through new sequences, finished ones (rows taken back) and n choices of on
 
 from __future__ import annotations
 
+import gc
 import random
 
 import torch
@@ -97,3 +98,31 @@ def test_the_samplers_kept_counts_penalize_as_a_one_off_count_does():
         for seq, (token, _) in zip(seqs, sampler.sample(logits, seqs), strict=True):
             assert token == int(fresh[seqs.index(seq)].argmax())
             seq.output_token_ids.append(token)
+
+
+def test_rows_of_dropped_sequences_are_reused_cleared_and_another_vocabulary_starts_afresh():
+    """A sequence dropped without finishing (its object gone) gives its row back, and the next owner finds it
+    cleared; logits of another width (another model) start a new table, and a sequence counted in the old one
+    is counted again in full."""
+    table = TokenCounts()
+    logits = torch.zeros(1, VOCAB)
+    params = SamplingParams(repetition_penalty=1.5, frequency_penalty=1.0)
+    kept = [Sequence(f"k{i}", [1, 2], params) for i in range(7)]
+    for seq in kept:
+        seq.output_token_ids.extend([3, 3, 4])
+    dropped = Sequence("dropped", list(range(30)), params)
+    dropped.output_token_ids.extend(range(10, 20))
+    _check(table, [*kept, dropped], torch.zeros(8, VOCAB))
+    assert table.output_counts.shape[0] == 8
+    del dropped
+    gc.collect()
+    fresh = Sequence("fresh", [5], params)
+    fresh.output_token_ids.append(6)
+    _check(table, [fresh], logits)  # the dropped one's row, its prompt and outputs gone
+    assert table.output_counts.shape[0] == 8
+    wider = torch.zeros(1, VOCAB + 8)
+    kept[0].output_token_ids.append(VOCAB + 3)
+    rows = table.update([kept[0]], wider)
+    assert table.num_rows == 1 and table.output_counts.shape == (8, VOCAB + 8)
+    assert table.output_counts[rows[0], [3, 4, VOCAB + 3]].tolist() == [2.0, 1.0, 1.0]
+    assert table.seen[rows[0]].nonzero().flatten().tolist() == [1, 2, 3, 4, VOCAB + 3]
