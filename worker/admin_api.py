@@ -4,7 +4,8 @@
 the `ReportedState` after applying it; the same generation twice is a no-op, an older one is
 refused with 409 (body: the current report with `error` set). `GET /admin/v1/state` adds the
 worker-only keys (KV pages, running/waiting requests, pool stats) to the report. Registration
-reads adapter files, so it runs off the event loop, one admin change at a time.
+reads adapter files, so it runs off the event loop, one admin change at a time; a change that
+unregisters a name (a push that no longer lists it, an unload) drops its request metrics.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from lorafleet.worker.app_keys import (
     CONFIG,
     ENGINE,
     HOST,
+    METRICS,
     TENANTS,
 )
 from lorafleet.worker.directives import DesiredState, DirectiveError, VersionRef
@@ -118,7 +120,10 @@ async def admin_change(app: web.Application, fn: Callable[..., T], *args: Any) -
 
     async def locked() -> T:
         async with app[ADMIN_LOCK]:
-            return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+            try:
+                return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+            finally:  # names it unregistered take their request series along: tenants come and go
+                app[METRICS].retain_adapters(app[ADAPTERS].names())
 
     return await asyncio.shield(asyncio.ensure_future(locked()))
 

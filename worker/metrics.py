@@ -4,7 +4,8 @@ Request-side series (counts, TTFT, inter-token and end-to-end latency, tokens) a
 HTTP handlers, labelled with the adapter's name and the version the request resolved to (`version`,
 empty for the base model and for requests refused before a version was chosen), so a canary's
 latency and errors can be compared with its stable version's. A name keeps the series of the versions
-it serves: `retain_versions` drops those of versions a push retired; batch size and adapters per batch are observed once per engine step;
+it serves: `retain_versions` drops those of versions a push retired, `retain_adapters` every series of
+names no longer served (unregistered or unloaded); batch size and adapters per batch are observed once per engine step;
 queue depth, KV usage and the running/waiting adapters are read at scrape time from an
 `EngineSnapshot`. The adapter pool's own series (tier hits/misses, load latency, evictions, bytes per
 tier: adapter_metrics.py) are registered into the same registry with `register()`. The vLLM-compatible names let existing routers (Gateway API
@@ -25,6 +26,7 @@ from prometheus_client.registry import Collector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 BASE_MODEL_LABEL = "__base__"  # the adapter label of requests without an adapter
+UNRESOLVED_LABEL = "__unresolved__"  # the adapter label of requests refused before `model` was resolved
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -139,12 +141,24 @@ class WorkerMetrics:
         """Drop the request series of `adapter`'s versions not in `versions` (the ones served): each push
         that rolls out a version would otherwise leave the series of the one it retired, forever."""
         seen = self._versions.get(adapter)
-        for version in [v for v in seen or () if v not in versions]:
+        if seen is None:
+            return
+        for version in [v for v in seen if v not in versions]:
             for endpoint, status in seen.pop(version):
                 self.requests.remove(adapter, version, endpoint, status)
             for metric in (self.ttft, self.inter_token, self.e2e, self.prompt_tokens, self.generation_tokens):
                 with contextlib.suppress(KeyError):  # never observed: older prometheus-client versions raise
                     metric.remove(adapter, version)
+        if not seen:
+            del self._versions[adapter]
+
+    def retain_adapters(self, names: Collection[str]) -> None:
+        """Drop every request series of adapter names not in `names` (the ones served), but the base
+        model's and the unresolved requests': with tenants' adapters coming and going, the series of
+        removed names would otherwise pile up in /metrics for ever."""
+        kept = {*names, BASE_MODEL_LABEL, UNRESOLVED_LABEL}
+        for adapter in [a for a in self._versions if a not in kept]:
+            self.retain_versions(adapter, ())
 
     def tokens_per_second(self, *, now: float | None = None) -> float:
         now = time.monotonic() if now is None else now

@@ -1,9 +1,10 @@
 """OpenAI-compatible inference: `/v1/completions`, `/v1/chat/completions`, `/v1/models`.
 
 One HTTP request becomes `len(prompts) * n` engine requests ("choices"), all on the same adapter
-version, resolved once on arrival. Their outputs are merged as they come. Streaming (SSE) starts
-with the first output, so a request that fails before producing anything (adapter failed to load,
-bad prompt) still gets a proper status code. Leaving early for any reason (client gone, error,
+version, resolved on arrival (one naming no version moves once, before any output, if the engine
+dropped that version or it cannot load: worker/job_outputs.py). Their outputs are merged as they
+come. Streaming (SSE) starts with the first output, so a request that fails before producing
+anything (adapter failed to load, bad prompt) still gets a proper status code. Leaving early for any reason (client gone, error,
 shutdown) cancels the engine iterators, which aborts the requests: KV pages and the adapter
 reference are released at once.
 
@@ -36,6 +37,8 @@ from lorafleet.worker.app_keys import (
 from lorafleet.worker.completion_job import CompletionJob, TextOffsets
 from lorafleet.worker.engine import EngineError, ShutdownError, UnknownAdapterError
 from lorafleet.worker.intake import check_room, intake_place, read_json, refused
+from lorafleet.worker.job_outputs import merged_outputs
+from lorafleet.worker.metrics import UNRESOLVED_LABEL
 from lorafleet.worker.openai_protocol import (
     APIError,
     parse_chat_request,
@@ -47,8 +50,6 @@ from lorafleet.worker.tenants import AuthenticationError, Tenant
 from lorafleet.worker.tokenizer import TokenizerError
 
 ADAPTER_HEADER = "X-Lorafleet-Adapter"
-_RE_RESOLVE_TRIES, _RE_RESOLVE_PAUSE_S = 100, 0.02  # up to 2 s for a directive push to finish
-UNRESOLVED_LABEL = "__unresolved__"  # metrics label of requests refused before `model` was resolved
 
 
 def openai_routes() -> list[web.RouteDef]:
@@ -108,59 +109,6 @@ async def _prepare(request: web.Request, endpoint: str) -> CompletionJob:
 
 
 # ---- running a job ------------------------------------------------------------------------------------
-async def _merged_outputs(async_engine, job: CompletionJob) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(choice index, output) from all choices as they arrive. Closing it aborts what is still running."""
-    queue: asyncio.Queue[tuple[int, RequestOutput | None, BaseException | None]] = asyncio.Queue()
-
-    async def pump(i: int) -> None:
-        request_id, prompt = f"{job.request_id}-{i}", job.prompt_ids[job.choice_prompt[i]]
-        try:
-            adapter = job.adapter
-            try:
-                async for out in async_engine.generate(request_id, prompt, job.params[i], adapter):
-                    queue.put_nowait((i, out, None))
-            except UnknownAdapterError:
-                # The version resolved on arrival was replaced before the engine took the request (nothing
-                # was generated): resolve once more, for all choices of the job, and run on that.
-                if job.adapter == adapter:  # the first choice to notice re-resolves for all of them
-                    if job.re_resolve is None:
-                        raise
-                    # The push swaps the served table right after registering the new version: until
-                    # then the old table may still name the dropped version. Bounded wait for the swap.
-                    for _ in range(_RE_RESOLVE_TRIES):
-                        if job.adapter != adapter:  # another choice of the job re-resolved meanwhile
-                            break
-                        if (key := job.re_resolve()) != adapter:
-                            job.adapter, job.model, job.re_resolve = key, key or job.model, None
-                            break
-                        await asyncio.sleep(_RE_RESOLVE_PAUSE_S)
-                    else:
-                        raise
-                async for out in async_engine.generate(f"{request_id}r", prompt, job.params[i], job.adapter):
-                    queue.put_nowait((i, out, None))
-            queue.put_nowait((i, None, None))
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            queue.put_nowait((i, None, exc))
-
-    tasks = [asyncio.create_task(pump(i)) for i in range(job.num_choices)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            i, out, exc = await queue.get()
-            if exc is not None:
-                raise exc
-            if out is None:
-                remaining -= 1
-                continue
-            yield i, out
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
 def _engine_error(exc: BaseException, job: CompletionJob, request: web.Request) -> APIError:
     """The engine's failure as the caller's error; it names no adapter the caller may not use."""
     adapters = request.app[ADAPTERS]
@@ -255,7 +203,7 @@ async def _serve(request: web.Request, endpoint: str) -> web.StreamResponse:
             adapter, version = timer.labels
             metrics.observe_prompt_tokens(adapter, sum(len(job.prompt_ids[p]) for p in job.choice_prompt),
                                           version=version)
-            outputs = _merged_outputs(app[ENGINE], job)
+            outputs = merged_outputs(app[ENGINE], job, app[ADAPTERS])
             if job.options.stream:
                 response = await _stream(request, job, outputs, timer)
             else:
@@ -282,7 +230,8 @@ async def _serve(request: web.Request, endpoint: str) -> web.StreamResponse:
         metrics.observe_request(adapter=adapter, version=version, endpoint=endpoint, status=status)
         if adapter is not None and version:  # the series of versions no longer served go
             served = app[ADAPTERS].get(adapter)
-            metrics.retain_versions(adapter, {version, *(served.sources if served is not None else ())})
+            # A name unregistered while this request ran keeps none: nothing would drop them later.
+            metrics.retain_versions(adapter, {version, *served.sources} if served is not None else ())
 
 
 async def completions(request: web.Request) -> web.StreamResponse:

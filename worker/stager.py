@@ -11,9 +11,9 @@ needs `Authorization: Bearer <stager token>`:
   paths to the engine's `PUT /admin/v1/state`. Same generation: no-op; lower: 409. A version that
   cannot be staged (store down, digest mismatch) is reported with its error; an adapter whose new
   version fails keeps its previously forwarded (already local) version, so the store being down
-  never takes away what is served. The disk cache keeps, whatever its budget, the copies the engine is
-  served and those the push in progress stages (the engine serves the previous set until the push
-  reaches it); the copies the push replaced are the first to go once it has.
+  never takes away what is served. The disk cache keeps, whatever its budget, the copies the engine may
+  read (worker/stager_holds.py): those it is served, those the push in progress stages, and those of
+  versions a push replaced while the engine still reports them (a fallback); the others go first.
 * `GET /v1/state`: the engine's `ReportedState`, plus tier `disk` for staged versions the engine has
   not loaded, staging errors, a `disk` section (cache bytes, downloads, hits, progress) and, while
   `--stager-adapters` is what is served, a `seed` section (folders not served and why, its push's generation).
@@ -55,6 +55,7 @@ from lorafleet.worker.openai_protocol import APIError
 from lorafleet.worker.sources import Etags, SourceError, Sources, verify_digest
 from lorafleet.worker.staged_copy import DIGEST_FILE, Staged, verify_staged_copy
 from lorafleet.worker.stager_config import StagerConfig
+from lorafleet.worker.stager_holds import CacheHolds
 from lorafleet.worker.stager_locks import KeyLocks
 from lorafleet.worker.stager_metrics import StagerMetrics, progress_by_uri
 from lorafleet.worker.stager_seed import SeedReport, seed, seed_until_done
@@ -75,6 +76,7 @@ class Stager:
         self._locks = KeyLocks()  # per cache key, while in use
         self._flights: dict[tuple[str, str], asyncio.Future] = {}  # (cache key, uri) -> its stage in progress
         self._by_uri: dict[str, str] = {}  # uri -> cache key of its last staged copy (store-down fallback)
+        self.holds = CacheHolds(self.cache.root, config.stage_lease_s)
         self.counts = {"downloads": 0, "download_bytes": 0, "hits": 0, "misses": 0, "failures": 0}
         self.download_seconds: deque[float] = deque(maxlen=RECENT_DOWNLOADS)
         self.downloading: dict[str, tuple[str, int, int]] = {}  # cache key -> (uri, bytes done, total), in progress
@@ -84,8 +86,6 @@ class Stager:
         self.staged: dict[tuple[str, str], Staged] = {}  # (name, version) -> staged copy
         self.errors: dict[tuple[str, str], str] = {}
         self.seed_report: SeedReport | None = None  # while what is served is the seed's (`--stager-adapters`)
-        self._pushing: set[str] = set()  # cache keys the push in progress asked for
-        self._leases: dict[str, float] = {}  # cache key -> until when (monotonic) /v1/stage's copy is kept
         self._apply_lock = asyncio.Lock()
         self.metrics = StagerMetrics(self.cache)
         self.registry = self.metrics.registry
@@ -119,9 +119,7 @@ class Stager:
         if held is not None:
             held.add(key)
         else:
-            now = time.monotonic()
-            self._leases = {k: t for k, t in self._leases.items() if t > now}
-            self._leases[key] = now + self.config.stage_lease_s
+            self.holds.lease(key)
         # Concurrent requests for one adapter share one flight: one download, and all of them get its
         # result or its error. A caller that goes away (client disconnect) does not cancel it for the others.
         flight = self._flights.get((key, uri))
@@ -134,6 +132,9 @@ class Stager:
         except Exception:
             self._count_request("miss")
             raise
+        finally:
+            if held is None:  # the engine's request; a push forgets once, when it is done
+                self._forget_uris()
         self._count_request("hit" if staged.cached else "miss")
         return staged
 
@@ -195,11 +196,15 @@ class Stager:
             self.downloading.pop(key, None)
 
     def _protected(self) -> set[str]:
-        """Cache keys not to evict: the copies the engine is served, the push in progress's, and leased ones.
-        Called by the cache's trim in a download thread: it reads copies of what the event loop changes."""
-        now = time.monotonic()
-        served = {s.path.name for s in list(self.staged.values()) if s.path.parent == self.cache.root}
-        return served | set(self._pushing) | {k for k, until in list(self._leases.items()) if until > now}
+        return self.holds.protected(self.staged)
+
+    def _forget_uris(self) -> None:
+        """Forget the URIs no longer desired whose copy left the cache (no outage fallback left to give):
+        one entry per URI ever staged would pile up over a long life of adapter churn."""
+        desired = {ref.uri for a in (self.desired.adapters if self.desired is not None else ())
+                   for ref in (a.stable, a.canary) if ref is not None}
+        cached = set(self.cache.entries())
+        self._by_uri = {u: k for u, k in self._by_uri.items() if k in cached or u in desired}
 
     # ---- directives ----------------------------------------------------------------------------
     async def apply(self, desired: DesiredState, *, seed: SeedReport | None = None) -> ReportedState:
@@ -216,7 +221,7 @@ class Stager:
             forwarded: dict[str, AdapterDirective] = {}
             errors: dict[tuple[str, str], str] = dict(seed.adapter_errors) if seed else {}
             staged: dict[tuple[str, str], Staged] = {}
-            self._pushing = pushing = set()
+            self.holds.pushing = pushing = set()
             for a in desired.adapters:
                 local: dict[str, VersionRef] = {}
                 for ref in (a.stable, a.canary):
@@ -240,13 +245,16 @@ class Stager:
                     for v in self.forwarded[a.name].versions:
                         if (a.name, v) in self.staged:
                             staged[(a.name, v)] = self.staged[(a.name, v)]
-            self.forwarded, self.errors, self.staged, self._pushing = forwarded, errors, staged, set()
+            self.holds.hold_replaced(self.staged, staged)
+            self.forwarded, self.errors, self.staged, self.holds.pushing = forwarded, errors, staged, set()
             self.desired, self.generation, self.seed_report = desired, desired.generation, seed
             if self.config.engine_url:
                 await self._engine("PUT", "/admin/v1/state",
                                    DesiredState(desired.generation, list(forwarded.values())).to_dict())
-            await asyncio.to_thread(self.cache.trim, self._protected)  # the engine has let go of the replaced
-            return await self.state()
+            report = await self.state()  # which replaced versions the engine still holds
+            await asyncio.to_thread(self.cache.trim, self._protected)
+            self._forget_uris()
+            return report
 
     async def _engine(self, method: str, path: str, body: dict | None = None) -> dict:
         headers = {"Authorization": f"Bearer {self.config.admin_token}"} if self.config.admin_token else {}
@@ -267,6 +275,8 @@ class Stager:
                 report = ReportedState(error=f"engine unreachable: {exc}")
         else:
             report = ReportedState(generation_applied=self.generation)
+        if report.error is None and report.generation_applied >= self.generation:  # not one from before a push
+            self.holds.release_replaced(report)
         staged = dict(self.staged)
         unloaded = [key for key in staged if report.find(*key) is None]
         # Sized off the event loop: a local source's folder may be on a slow mount.
@@ -375,7 +385,6 @@ def create_app(config: StagerConfig) -> web.Application:
     ])
 
     async def seed_ctx(app: web.Application):
-
         task = None
         if config.stager_adapters:
             task = asyncio.create_task(seed_until_done(app[STAGER], config.stager_adapters))

@@ -102,6 +102,24 @@ def test_series_of_versions_no_longer_served_are_dropped():
     assert all(versions == {"v3"} for versions in _versions(m, "sql").values()), _versions(m, "sql")
 
 
+def test_series_of_names_no_longer_served_are_dropped():
+    """Tenants' adapters come and go: every series of a name no longer served goes, the base model's and
+    the unresolved requests' stay."""
+    m = WorkerMetrics()
+    for adapter, version in (("sql", "v1"), ("sql", "v2"), ("chat", "c1"), ("gone", "g1"), (None, ""),
+                             ("__unresolved__", "")):
+        _observe_one(m, adapter, version)
+    m.retain_adapters(["sql", "chat"])
+    assert {adapter for _, labels in _samples(m) for key, adapter in labels if key == "adapter"} == {
+        "sql", "chat", "__base__", "__unresolved__"}
+    m.retain_adapters([])
+    assert {adapter for _, labels in _samples(m) for key, adapter in labels if key == "adapter"} == {
+        "__base__", "__unresolved__"}
+    assert set(m._versions) == {"__base__", "__unresolved__"}  # nothing kept per removed name either
+    _observe_one(m, "sql", "v3")  # the name served again: counted anew
+    assert _versions(m, "sql")["lorafleet_requests_total"] == {"v3"}
+
+
 def test_registries_are_per_instance():
     a, b = WorkerMetrics(), WorkerMetrics()
     a.observe_request(adapter="x", version="1", endpoint="completions", status=200)

@@ -162,8 +162,8 @@ async def test_a_new_stable_version_that_fails_to_load_leaves_the_old_one_servin
     status, body = await complete(client, "alpha")
     assert status == 200 and body["model"] == "alpha@v1"
     await push(client, 2, {"version": "v2", "uri": str(tmp_path / "big")})
-    status, body = await complete(client, "alpha")  # the request that finds out v2 cannot load
-    assert status == 503 and body["error"]["code"] == "adapter_load_failed" and "pages" in body["error"]["message"]
+    status, body = await complete(client, "alpha")  # the request that finds out v2 cannot load runs on v1
+    assert status == 200 and body["model"] == "alpha@v1", body
     for user in ("u1", "u2", "u3"):
         status, body = await complete(client, "alpha", user)
         assert status == 200 and body["model"] == "alpha@v1", body
@@ -175,7 +175,27 @@ async def test_a_new_stable_version_that_fails_to_load_leaves_the_old_one_servin
 
     text = await (await client.get("/metrics")).text()
     requests = metric_samples(text, "lorafleet_requests_total", "alpha")
-    assert requests == {("v1", "200"): 4, ("v2", "503"): 1}, requests  # alpha@v2 refused unresolved
+    assert requests == {("v1", "200"): 5}, requests  # alpha@v2 refused unresolved
+
+
+async def test_a_request_naming_the_version_that_cannot_load_is_refused_a_streamed_one_moves(
+        client, qv_adapters_dir, tmp_path):
+    """Only a request that named no version moves to the fallback; one streamed moves before its first byte."""
+    await push(client, 1, {"version": "v1", "uri": str(qv_adapters_dir / "alpha")})
+    assert (await complete(client, "alpha"))[0] == 200
+    big = {"version": "v2", "uri": str(tmp_path / "big")}
+    await push(client, 2, big)
+    status, body = await complete(client, "alpha@v2")  # the request that finds out, naming v2
+    assert status == 503 and body["error"]["code"] == "adapter_load_failed" and "pages" in body["error"]["message"]
+    assert (await complete(client, "alpha"))[1]["model"] == "alpha@v1"
+
+    await push(client, 3, big)  # v2 tried again: bare requests resolve to it until its load fails again
+    resp = await client.post("/v1/completions", json={"model": "alpha", "prompt": "x", "max_tokens": 2,
+                                                      "stream": True})
+    text = await resp.text()
+    assert resp.status == 200 and resp.headers["X-Lorafleet-Adapter"] == "alpha@v1", text
+    chunks = [line.removeprefix("data: ") for line in text.splitlines() if line.startswith("data: ")]
+    assert chunks[-1] == "[DONE]" and all('"model":"alpha@v1"' in c for c in chunks[:-1]), chunks
 
 
 async def test_request_metrics_tell_canary_from_stable_and_forget_retired_versions_over_http(

@@ -6,6 +6,7 @@ the download is replaced where a test needs one."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import threading
 import time
@@ -116,6 +117,25 @@ async def test_download_times_and_key_locks_stay_bounded(tmp_path, monkeypatch):
     assert len(stager.disk_stats()["download_seconds"]) == RECENT_DOWNLOADS
     assert stager.registry.get_sample_value("lorafleet_stager_download_seconds_count") == n
     assert len(stager._locks) == 0
+
+
+async def test_uris_no_longer_desired_whose_copy_left_the_cache_are_forgotten(tmp_path, monkeypatch):
+    """The store-down fallback remembers each URI's last copy: pushes and the engine's requests that bring
+    ever new URIs must not make that map grow for ever; a desired URI is remembered while its copy is cached."""
+    copy_bytes = len('{"r": 4}') + len(WEIGHTS) + 65  # + the cache's .sha256 file
+    stager = Stager(dataclasses.replace(config(tmp_path), stager_cache_bytes=int(2.5 * copy_bytes),
+                                        stage_lease_s=1e-6))  # a lease that ends at once: copies may go
+    FakeStore(stager, monkeypatch)
+    n = 12
+    for generation in range(1, n + 1):
+        ref = VersionRef("v1", f"s3://adapters/team/pushed-{generation}/")
+        assert (await stager.apply(DesiredState(generation, [AdapterDirective("a", "t", ref)]))).find("a", "v1")
+    for i in range(n):
+        await stager.stage(f"s3://adapters/team/asked-{i}/", None)
+    assert stager.cache.evictions >= 2 * n - 3
+    cached = set(stager.cache.entries())
+    assert len(stager._by_uri) <= len(cached) + 1 and set(stager._by_uri.values()) <= cached
+    assert f"s3://adapters/team/pushed-{n}/" in stager._by_uri  # the desired one: its copy is protected
 
 
 async def test_one_cache_key_under_two_uris_is_downloaded_once(tmp_path, monkeypatch):

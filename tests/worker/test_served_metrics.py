@@ -1,0 +1,91 @@
+"""Request metrics follow the served table: a name that a push no longer lists, or that is unloaded, takes
+every series of it along (with tenants' adapters coming and going, /metrics would otherwise only grow),
+also when a request on it finishes after it went; the base model's and the unresolved requests' stay."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from lorafleet.worker.app_keys import ENGINE
+from lorafleet.worker.engine_config import EngineConfig
+from lorafleet.worker.server import create_app
+from lorafleet.worker.worker_config import WorkerConfig
+
+ADMIN = "admin-token-for-tests"
+AUTH = {"Authorization": f"Bearer {ADMIN}"}
+
+
+@pytest.fixture
+async def client(aiohttp_client, tiny_llama_dir, qv_adapters_dir):
+    engine = EngineConfig(model=str(tiny_llama_dir), dtype="float32", max_model_len=128)
+    config = WorkerConfig(engine=engine, served_model_name="tiny", admin_token=ADMIN,
+                          adapter_roots=str(qv_adapters_dir))
+    return await aiohttp_client(create_app(config))
+
+
+async def push(client, generation: int, root, *names: str) -> None:
+    body = {"generation": generation, "adapters": [
+        {"name": n, "tenant": "acme", "stable": {"version": "v1", "uri": str(root / n)}} for n in names]}
+    resp = await client.put("/admin/v1/state", json=body, headers=AUTH)
+    assert resp.status == 200, await resp.text()
+
+
+async def complete(client, model: str, **extra) -> int:
+    resp = await client.post("/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 2, **extra})
+    await resp.read()
+    return resp.status
+
+
+async def adapter_labels(client) -> set[str]:
+    """The `adapter` label of every request series in /metrics."""
+    text = await (await client.get("/metrics")).text()
+    return {s.labels["adapter"] for fam in text_string_to_metric_families(text) for s in fam.samples
+            if s.name.startswith("lorafleet_") and "adapter" in s.labels}
+
+
+async def test_series_of_names_a_push_or_an_unload_removes_are_dropped(client, qv_adapters_dir):
+    await push(client, 1, qv_adapters_dir, "alpha", "beta")
+    for model in ("alpha", "beta", "tiny"):
+        assert await complete(client, model) == 200
+    assert await complete(client, "nope") == 404
+    assert await adapter_labels(client) == {"alpha", "beta", "__base__", "__unresolved__"}
+
+    await push(client, 2, qv_adapters_dir, "alpha")  # beta unregistered
+    assert await adapter_labels(client) == {"alpha", "__base__", "__unresolved__"}
+
+    resp = await client.post("/v1/load_lora_adapter", headers=AUTH,
+                             json={"lora_name": "gamma", "lora_path": str(qv_adapters_dir / "beta")})
+    assert resp.status == 200, await resp.text()
+    assert await complete(client, "gamma") == 200
+    assert "gamma" in await adapter_labels(client)
+    resp = await client.post("/v1/unload_lora_adapter", headers=AUTH, json={"lora_name": "gamma"})
+    assert resp.status == 200, await resp.text()
+    assert await adapter_labels(client) == {"alpha", "__base__", "__unresolved__"}
+
+
+async def test_a_request_that_finishes_after_its_name_went_leaves_no_series(client, qv_adapters_dir,
+                                                                             monkeypatch):
+    """The request holds its version to the end, then counts; its name is gone by then, so its series go."""
+    await push(client, 1, qv_adapters_dir, "alpha", "beta")
+    engine = client.app[ENGINE]
+    started, go_on = asyncio.Event(), asyncio.Event()
+    real_generate = engine.generate
+
+    async def held(request_id, prompt, params, adapter):
+        async for out in real_generate(request_id, prompt, params, adapter):
+            yield out
+            if adapter is not None and adapter.startswith("beta@"):
+                started.set()
+                await go_on.wait()  # the push below happens while it runs
+
+    monkeypatch.setattr(engine, "generate", held)
+    request = asyncio.ensure_future(complete(client, "beta", max_tokens=4, ignore_eos=True))
+    await asyncio.wait_for(started.wait(), 30)
+    await push(client, 2, qv_adapters_dir, "alpha")
+    assert "beta" not in await adapter_labels(client)
+    go_on.set()
+    assert await asyncio.wait_for(request, 30) == 200
+    assert "beta" not in await adapter_labels(client)

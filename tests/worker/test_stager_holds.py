@@ -1,0 +1,72 @@
+"""worker/stager_holds.py: a version a push replaced keeps its copy in the disk cache while the engine still
+reports it (the fallback the engine keeps until the new stable version has loaded, and reads from disk again
+if it was evicted from memory meanwhile); once the engine no longer does, the copy may go. Against an engine
+admin API stand-in on a local port; the object store is replaced by tests/worker/test_stager_bounds.py's."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from aiohttp import web
+
+from lorafleet.worker.directives import DesiredState
+from lorafleet.worker.disk_cache import dir_bytes
+from lorafleet.worker.stager import Stager
+from tests.worker.test_stager_bounds import FakeStore, config
+
+
+async def stand_in_engine(aiohttp_server, reported: list[tuple[str, str]]):
+    """An engine admin API that takes every push and reports the (name, version) pairs in `reported`."""
+    applied = [0]
+
+    def report() -> web.Response:
+        return web.json_response({"generation_applied": applied[0], "adapters": [
+            {"name": n, "version": v, "tier": "cpu"} for n, v in reported]})
+
+    async def put_state(request: web.Request) -> web.Response:
+        applied[0] = (await request.json())["generation"]
+        return report()
+
+    async def get_state(request: web.Request) -> web.Response:
+        return report()
+
+    app = web.Application()
+    app.add_routes([web.put("/admin/v1/state", put_state), web.get("/admin/v1/state", get_state)])
+    return await aiohttp_server(app)
+
+
+def push(generation: int, **stable: str) -> DesiredState:
+    return DesiredState.from_dict({"generation": generation, "adapters": [
+        {"name": name, "tenant": "t", "stable": {"version": version, "uri": f"s3://adapters/team/{name}-{version}/"}}
+        for name, version in stable.items()]})
+
+
+async def test_a_replaced_version_the_engine_still_reports_keeps_its_copy(aiohttp_server, tmp_path, monkeypatch):
+    reported = [("sql", "v1")]
+    engine = await stand_in_engine(aiohttp_server, reported)
+    stager = Stager(dataclasses.replace(config(tmp_path), engine_url=str(engine.make_url(""))))
+    FakeStore(stager, monkeypatch)
+    await stager.apply(push(1, sql="v1"))
+    v1 = stager.staged[("sql", "v1")].path
+    stager.cache.budget_bytes = int(1.5 * dir_bytes(v1))  # one copy fits
+
+    reported.append(("sql", "v2"))  # v2 registered; the engine serves v1 until v2 has loaded
+    await stager.apply(push(2, sql="v2"))
+    assert v1.is_dir() and stager.holds.replaced == {("sql", "v1")}
+    report = await stager.apply(push(3, sql="v2", chat="c1"))  # a download, and its trim, meanwhile
+    assert v1.is_dir() and report.find("sql", "v1") is not None
+
+    reported.remove(("sql", "v1"))  # v2 has loaded: the engine retired v1
+    await stager.apply(push(4, sql="v2", chat="c1", extra="e1"))
+    assert not v1.is_dir() and stager.holds.replaced == set()
+    assert all(s.path.is_dir() for s in stager.staged.values())
+
+
+async def test_without_an_engine_nothing_replaced_is_held(tmp_path, monkeypatch):
+    stager = Stager(config(tmp_path))
+    FakeStore(stager, monkeypatch)
+    await stager.apply(push(1, sql="v1"))
+    v1 = stager.staged[("sql", "v1")].path
+    stager.cache.budget_bytes = int(1.5 * dir_bytes(v1))
+    await stager.apply(push(2, sql="v2"))
+    assert not v1.is_dir() and stager.holds.replaced == set()

@@ -1,0 +1,108 @@
+"""The outputs of one CompletionJob's choices, merged as they arrive, and the one move a job may make.
+
+A job runs on the version it resolved on arrival. A job that named no version (a bare adapter name,
+`re_resolve` set) moves once, before any choice produced an output, so one answer never mixes versions
+and a stream never restarts: when the engine no longer holds its version (a push replaced it meanwhile),
+to the version serving now; when its version cannot load (a new stable version with a bad file), to the
+version the name's split falls back to (`ServedAdapters.mark_failed`). A job that pinned `name@version`,
+one that moved already, and one with output are answered with the failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from lorafleet.worker.adapter_entry import AdapterLoadError
+from lorafleet.worker.completion_job import CompletionJob
+from lorafleet.worker.engine import UnknownAdapterError
+from lorafleet.worker.openai_protocol import APIError
+from lorafleet.worker.request_output import RequestOutput
+from lorafleet.worker.served_adapters import ServedAdapters
+
+_RE_RESOLVE_TRIES, _RE_RESOLVE_PAUSE_S = 100, 0.02  # up to 2 s for a directive push to finish
+
+
+async def merged_outputs(async_engine, job: CompletionJob,
+                         adapters: ServedAdapters) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(choice index, output) from all choices as they arrive. Closing it aborts what is still running."""
+    queue: asyncio.Queue[tuple[int, RequestOutput | None, BaseException | None]] = asyncio.Queue()
+    produced = False  # an output was queued: the job stays on the version that produced it
+
+    async def run(i: int, request_id: str, adapter: str | None) -> None:
+        nonlocal produced
+        async for out in async_engine.generate(request_id, job.prompt_ids[job.choice_prompt[i]], job.params[i],
+                                               adapter):
+            produced = True
+            queue.put_nowait((i, out, None))
+
+    async def pump(i: int) -> None:
+        request_id = f"{job.request_id}-{i}"
+        try:
+            adapter = job.adapter
+            try:
+                await run(i, request_id, adapter)
+            except UnknownAdapterError:
+                # The version resolved on arrival was replaced before the engine took the request (nothing
+                # was generated): resolve once more, for all choices of the job, and run on that.
+                if job.adapter == adapter and not await _re_resolve(job, adapter):  # the first to notice
+                    raise
+                await run(i, f"{request_id}r", job.adapter)
+            except AdapterLoadError as exc:
+                if job.adapter == adapter and (produced or not _fall_back(job, exc, adapters)):
+                    raise
+                await run(i, f"{request_id}r", job.adapter)
+            queue.put_nowait((i, None, None))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            queue.put_nowait((i, None, exc))
+
+    tasks = [asyncio.create_task(pump(i)) for i in range(job.num_choices)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, out, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            if out is None:
+                remaining -= 1
+                continue
+            yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _re_resolve(job: CompletionJob, adapter: str | None) -> bool:
+    """Move the job off `adapter`, which the engine no longer holds; False if nothing replaced it."""
+    if job.re_resolve is None:
+        return False
+    # The push swaps the served table right after registering the new version: until then the old table
+    # may still name the dropped version. Bounded wait for the swap.
+    for _ in range(_RE_RESOLVE_TRIES):
+        if job.adapter != adapter:  # another choice of the job re-resolved meanwhile
+            return True
+        if (key := job.re_resolve()) != adapter:
+            job.adapter, job.model, job.re_resolve = key, key or job.model, None
+            return True
+        await asyncio.sleep(_RE_RESOLVE_PAUSE_S)
+    return False
+
+
+def _fall_back(job: CompletionJob, exc: AdapterLoadError, adapters: ServedAdapters) -> bool:
+    """Move a job that named no version, and whose version cannot load, to the version the name's split
+    now points to (the one a new stable version was to replace), before it produced anything; False if
+    there is none. Once per job: resolving spends `re_resolve`, so a second failure is the answer."""
+    if exc.retryable or job.re_resolve is None:  # a retryable failure leaves the split as it is
+        return False
+    adapters.mark_failed(exc.key, exc.reason)
+    try:
+        key = job.re_resolve()
+    except APIError:  # nothing to fall back to (503), or the name is gone: the load failure is the answer
+        return False
+    if key == job.adapter:
+        return False
+    job.adapter, job.model, job.re_resolve = key, key or job.model, None
+    return True
