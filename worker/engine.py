@@ -27,6 +27,7 @@ from lorafleet.worker.cuda_graphs import DecodeGraphs
 from lorafleet.worker.engine_config import EngineConfig
 from lorafleet.worker.engine_errors import EngineError, UnknownAdapterError
 from lorafleet.worker.forward_failures import ForwardFailures
+from lorafleet.worker.json_guide import JsonGuide
 from lorafleet.worker.logit_bias import out_of_vocab
 from lorafleet.worker.model_config import ModelConfig
 from lorafleet.worker.model_loader import load_model
@@ -114,7 +115,8 @@ class Engine:
                                   graphs=graphs, lora_stream=lora_stream)
         if gpu_kernels:
             self._warm_up(config)
-        self.sampler = Sampler(seed=config.seed, device=self.device, eos_token_ids=self.eos_token_ids)
+        self.sampler = Sampler(seed=config.seed, device=self.device, eos_token_ids=self.eos_token_ids,
+                               json_guide=JsonGuide.of(self.tokenizer, mc.vocab_size, self.eos_token_ids, self.device))
         self.stop_checker = StopChecker(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self.requests: dict[str, Sequence] = {}
         self.outputs = OutputTracker()
@@ -258,9 +260,9 @@ class Engine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise EngineError(f"request id {request_id!r} is already in flight")
-        if params.stop and self.tokenizer is None:
-            raise EngineError("stop strings need a tokenizer (this model directory has no tokenizer.json); "
-                              "use stop_token_ids")
+        if (params.stop or params.json_object) and self.tokenizer is None:
+            raise EngineError("stop strings and JSON mode need a tokenizer (this model directory has no "
+                              "tokenizer.json); use stop_token_ids")
         for name, token_ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
             if bad := out_of_vocab(token_ids, self.model_config.vocab_size):
                 raise EngineError(f"{name} token ids {bad[:5]} are outside the vocabulary "
@@ -320,7 +322,10 @@ class Engine:
             return outputs + self._report_failed()
         for seq, num_new in batch.scheduled:
             seq.num_computed_tokens += num_new
-        for seq, (token, logprob) in zip(samplers, sampled, strict=True):
+        for i, (seq, (token, logprob)) in enumerate(zip(samplers, sampled, strict=True)):
+            if (exc := self.sampler.row_errors.get(i)) is not None:  # this request fails, the others go on
+                self.scheduler.fail([seq], exc)
+                continue
             seq.output_token_ids.append(token)
             if logprob is not None:
                 seq.logprobs.append(logprob)
@@ -328,7 +333,7 @@ class Engine:
             if seq.finish_reason is not None:
                 self.scheduler.finish(seq, seq.finish_reason)
             outputs.append(self._output(seq))
-        return outputs
+        return outputs + (self._report_failed() if self.sampler.row_errors else [])
 
     def _report_failed(self) -> list[RequestOutput]:
         outputs = [self._output(seq) for seq in self.scheduler.failed]

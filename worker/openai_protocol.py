@@ -157,7 +157,6 @@ def parse_chat_request(body: Any, defaults: SamplingDefaults = SamplingDefaults(
                              "takes echo, and prompt_logprobs works on both")
     f.neutral("tools", [], "tool calling is not implemented")
     f.neutral("tool_choice", "none", "tool calling is not implemented")
-    f.neutral("response_format", {"type": "text"}, "structured output is not implemented")
     f.refuse_unknown()
     return ChatRequest(model, messages, options)
 

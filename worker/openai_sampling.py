@@ -1,8 +1,9 @@
 """The sampling options both OpenAI endpoints share, parsed from a request body into SamplingOptions.
 
 OpenAI's fields, and vLLM's extensions a vLLM client sends: `top_k`, `min_p`, `repetition_penalty`,
-`ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`, `min_tokens`, `skip_special_tokens` and
-`prompt_logprobs` (0..20, as vLLM's default max_logprobs; refused with `stream`, as vLLM does)
+`ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`, `min_tokens`, `skip_special_tokens`,
+`prompt_logprobs` (0..20, as vLLM's default max_logprobs; refused with `stream`, as vLLM does), and
+`response_format` ("text" or "json_object", on both endpoints as vLLM takes it)
 (`spaces_between_special_tokens` only at its default, true: the `tokenizers` decoder places special
 tokens its own way, as vLLM's fast-tokenizer path does). What depends on the model (token ids within
 its vocabulary, `min_tokens` within the context left by the prompt) is checked in completion_job.py.
@@ -10,6 +11,7 @@ its vocabulary, `min_tokens` within the context left by the prompt) is checked i
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from lorafleet.worker.logit_bias import LogitBiasError, parse_logit_bias
@@ -55,6 +57,7 @@ class SamplingOptions:
     include_stop_str_in_output: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
+    json_object: bool = False  # response_format {"type": "json_object"}: JSON mode (json_guide.py)
 
 
 def _stop(f: Fields) -> list[str]:
@@ -93,6 +96,29 @@ def _min_tokens(f: Fields, max_tokens: int | None, max_tokens_param: str) -> int
         raise bad_request(f"'min_tokens' ({min_tokens}) must not exceed '{max_tokens_param}' ({max_tokens})",
                           "min_tokens")
     return min_tokens
+
+
+def _response_format(f: Fields) -> bool:
+    """OpenAI's `response_format` (vLLM takes it on /v1/completions too): "text", or "json_object" for JSON
+    mode; True for JSON mode. json_schema (structured output) is refused, not silently ignored."""
+    v = f.get("response_format")
+    if v is None:
+        return False
+    kind = v.get("type") if isinstance(v, dict) else None
+    if not isinstance(kind, str):
+        raise bad_request('\'response_format\' must be an object like {"type": "json_object"} or {"type": "text"}',
+                          "response_format", "invalid_type")
+    if kind == "json_schema":
+        raise bad_request("'response_format' type 'json_schema' (structured output) is not supported by this "
+                          "server; use {\"type\": \"json_object\"} (any JSON object) and describe the schema in "
+                          "the prompt", "response_format", "unsupported_parameter")
+    if kind not in ("text", "json_object"):
+        raise bad_request(f"'response_format' type must be 'text' or 'json_object' (got {json.dumps(kind)})",
+                          "response_format")
+    if set(v) != {"type"}:
+        extra = ", ".join(sorted(set(v) - {"type"}))
+        raise bad_request(f"'response_format' of type '{kind}' takes only 'type' (got {extra})", "response_format")
+    return kind == "json_object"
 
 
 def _ranged(f: Fields, name: str, default: float) -> float:
@@ -155,4 +181,5 @@ def parse_sampling_options(f: Fields, max_tokens_names: tuple[str, ...], default
         include_stop_str_in_output=f.flag("include_stop_str_in_output", False),
         min_tokens=_min_tokens(f, max_tokens, max_tokens_param),
         skip_special_tokens=f.flag("skip_special_tokens", True),
+        json_object=_response_format(f),
     )

@@ -24,6 +24,10 @@ each step's new token (token_counts.py): a step costs O(vocabulary) per penalize
 O(prompt + output), and a recomputed (preempted) sequence samples exactly as before. Only the rows of
 requests that set a penalty are touched; the others are bit-identical to a batch without penalties.
 
+JSON mode rows (json_guide.py) draw as above; a token that cannot continue the row's JSON object is drawn
+again with the same draw among the tokens that can, which samples the distribution restricted to them
+exactly. The other rows are not touched, and a row that fails ends only its own request (`row_errors`).
+
 Logprobs are those of the model's raw distribution: before logit_bias, penalties, temperature and the filters
 (vLLM's default `logprobs_mode`, raw_logprobs).
 """
@@ -34,13 +38,14 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from lorafleet.worker.json_guide import JsonGuide, JsonModeError
 from lorafleet.worker.sequence import Sequence, TokenLogprob
 from lorafleet.worker.token_counts import TokenCounts
 
 
 class Sampler:
     def __init__(self, *, seed: int = 0, device: torch.device | str = "cpu",
-                 eos_token_ids: Iterable[int] = ()) -> None:
+                 eos_token_ids: Iterable[int] = (), json_guide: JsonGuide | None = None) -> None:
         # Unseeded requests share one engine-wide generator.
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
@@ -48,6 +53,8 @@ class Sampler:
         self.token_counts = TokenCounts()  # the penalties' counts, kept from step to step
         self._min_tokens_index = LastBuilt()
         self._logit_bias_index = LastBuilt()
+        self.json_guide = json_guide  # JSON mode's constraint (None: the engine has no tokenizer)
+        self.row_errors: dict[int, Exception] = {}  # the last sample's rows that failed (their requests end)
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, TokenLogprob | None]]:
         """logits: float32 [N, V], row i belongs to seqs[i]."""
@@ -57,6 +64,7 @@ class Sampler:
         logits = apply_penalties(logits, seqs, self.token_counts)
         tokens = logits.argmax(dim=-1)
         sampled_rows = [i for i, s in enumerate(seqs) if not s.params.is_greedy]
+        race = noise = None
         if sampled_rows:
             rows = torch.tensor(sampled_rows, device=logits.device)
             probs = _processed_probs(logits[rows], [seqs[i].params for i in sampled_rows])
@@ -69,7 +77,11 @@ class Sampler:
                 if gen is not None:
                     noise[j].exponential_(generator=gen)
             tokens = tokens.clone()
-            tokens[rows] = (probs / noise).argmax(dim=-1)
+            race = probs / noise
+            tokens[rows] = race.argmax(dim=-1)
+        self.row_errors = {}
+        if any(s.params.json_object for s in seqs):
+            tokens = self._constrain_json(tokens, logits, seqs, sampled_rows, race, noise)
         want = [s.params.logprobs for s in seqs]
         token_list = tokens.tolist()
         if all(w is None for w in want):
@@ -88,6 +100,40 @@ class Sampler:
                 top = list(zip(top_ids[i][:w], top_vals[i][:w], strict=True))
                 out.append((token_list[i], TokenLogprob(token_list[i], chosen[i], top)))
         return out
+
+
+    def _constrain_json(self, tokens: torch.Tensor, logits: torch.Tensor, seqs: list[Sequence], sampled_rows: list[int],
+                        race: torch.Tensor | None, noise: torch.Tensor | None) -> torch.Tensor:
+        """JSON-mode rows keep their token when it is valid, else draw again among the valid tokens with the same
+        draw: the argmax of the logits, or of the race `p / Exp(1)`, over the valid tokens. Restricting an
+        exponential race to a subset samples p restricted to it, so the result is exactly that distribution
+        (and the same as masking first). A row that fails lands in row_errors; the other rows go on."""
+        guide = self.json_guide
+        token_list = tokens.tolist()
+        race_row = {i: j for j, i in enumerate(sampled_rows)}
+        for i, seq in enumerate(seqs):
+            if not seq.params.json_object:
+                continue
+            try:
+                if guide is None:
+                    raise JsonModeError("JSON mode needs the model's tokenizer (tokenizer.json)")
+                if guide.accepts(seq, token_list[i]):
+                    continue
+                invalid = guide.invalid(seq, logits.device)
+                j = race_row.get(i)
+                if j is None:
+                    row = logits[i].masked_fill(invalid, float("-inf"))
+                    if not bool(torch.isfinite(row.max())):  # every valid token's logit is -inf: take the first
+                        row = (~invalid).to(logits.dtype)
+                else:
+                    row = race[j].masked_fill(invalid, -1.0)
+                    if not bool(row.max() > 0):  # top-k / top-p left no valid token: filter among the valid ones
+                        probs = _processed_probs(logits[i:i + 1].masked_fill(invalid, float("-inf")), [seq.params])
+                        row = (probs[0] / noise[j]).nan_to_num(0.0).masked_fill(invalid, -1.0)
+                tokens[i] = row.argmax()
+            except Exception as exc:  # this request fails; the engine serves the others
+                self.row_errors[i] = exc
+        return tokens
 
 
 def raw_logprobs(logits: torch.Tensor, tokens: torch.Tensor,

@@ -36,6 +36,9 @@ class SamplingParams:
     # {token id: bias in [-100, 100]} added to the raw logits, greedy requests included (OpenAI's).
     logit_bias: dict[int, float] | None = None
     min_p: float = 0.0  # drop tokens below min_p * the top token's probability, after temperature; 0 = off
+    # JSON mode (OpenAI's response_format json_object): the output is a prefix of one JSON object, and EOS or
+    # a stop token only ends a complete one (json_guide.py).
+    json_object: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

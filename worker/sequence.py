@@ -75,6 +75,7 @@ class Sequence:
         self.detok_prefix = 0  # output-token offsets of the Detokenizer (see detokenizer.py)
         self.detok_read = 0
         self.generator: torch.Generator | None = None  # per-sequence RNG when seeded
+        self.json_state: tuple[int, tuple[str, str]] | None = None  # JSON mode: (output tokens covered, state)
 
     @property
     def num_tokens(self) -> int:

@@ -47,6 +47,7 @@ class TokenBytes:
         self.tokenizer = tokenizer
         spec = json.loads(tokenizer.path.read_text())
         self._added = {t["id"]: t["content"].encode() for t in spec.get("added_tokens", [])}
+        self.special_ids = frozenset(t["id"] for t in spec.get("added_tokens", []) if t.get("special"))
         types = _decoder_types(spec.get("decoder"))
         self._byte_level = _gpt2_byte_decoder() if "ByteLevel" in types else None
         self._byte_fallback = "ByteFallback" in types

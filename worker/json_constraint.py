@@ -1,0 +1,167 @@
+"""JSON mode's validator: whether bytes extend a prefix of one JSON object (RFC 8259), byte by byte.
+
+A pushdown automaton whose state is a small mode plus the stack of open containers ('{' or '['):
+
+    state = ("start", "")        nothing yet (whitespace may come before the object)
+    advance(state, b'{"a": [1')  -> ("int", "{[")      inside a number, in an array, in an object
+    advance(_, b"]}")            -> ("done", "")       the object is complete: no byte may follow
+    advance(("start", ""), b"[") -> None               the top-level value must be an object
+
+States are plain tuples of strings: hashable (token masks are cached per state, json_vocab.py) and
+copied for free. Inside strings any byte >= 0x80 is accepted (a token may hold part of a UTF-8
+character); control bytes below 0x20 are not (RFC 8259 wants them escaped).
+"""
+
+from __future__ import annotations
+
+import re
+
+JsonState = tuple[str, str]  # (mode, open containers, innermost last)
+
+START: JsonState = ("start", "")
+DONE = "done"
+
+_WS = frozenset(b" \t\n\r")
+_DIGITS = frozenset(b"0123456789")
+_HEX = frozenset(b"0123456789abcdefABCDEF")
+_ESCAPES = frozenset(b'"\\/bfnrt')
+_LITERALS = {ord("t"): "lit:rue", ord("f"): "lit:alse", ord("n"): "lit:ull"}
+_NUMBER_ENDS = frozenset({"zero", "int", "frac", "exp_int"})  # a number may end here (on a delimiter)
+_STRING_STOP = re.compile(rb'["\\\x00-\x1f]')  # the bytes that end a run of plain string content
+
+
+def is_complete(state: JsonState) -> bool:
+    return state[0] == DONE
+
+
+def is_in_string(state: JsonState) -> bool:
+    """Inside a key or value string, outside an escape: plain content leaves the state as it is."""
+    return state[0] in ("str", "key")
+
+
+def _value(c: int, stack: str) -> JsonState | None:
+    """The state after the first byte `c` of a value."""
+    if c == 0x22:  # '"'
+        return "str", stack
+    if c == 0x7B:  # '{'
+        return "obj_open", stack + "{"
+    if c == 0x5B:  # '['
+        return "arr_open", stack + "["
+    if c == 0x2D:  # '-'
+        return "minus", stack
+    if c == 0x30:
+        return "zero", stack
+    if c in _DIGITS:
+        return "int", stack
+    lit = _LITERALS.get(c)
+    return (lit, stack) if lit else None
+
+
+def _close(stack: str) -> JsonState:
+    stack = stack[:-1]
+    return (DONE, "") if not stack else ("after", stack)
+
+
+def _after(c: int, stack: str) -> JsonState | None:
+    """After a value inside a container: whitespace, ',' or the matching closing bracket."""
+    if c in _WS:
+        return "after", stack
+    top = stack[-1]
+    if c == 0x2C:  # ','
+        return ("obj_key", stack) if top == "{" else ("value", stack)
+    if (c == 0x7D and top == "{") or (c == 0x5D and top == "["):
+        return _close(stack)
+    return None
+
+
+def _step(mode: str, stack: str, c: int) -> JsonState | None:
+    """One byte outside the plain-string fast path."""
+    if mode in ("str", "key"):
+        if c == 0x22:
+            return ("after", stack) if mode == "str" else ("colon", stack)
+        if c == 0x5C:  # '\\'
+            return mode + "_esc", stack
+        return None  # a control byte (the fast path takes every other byte)
+    if mode.endswith("_esc"):
+        base = mode[:-4]
+        if c in _ESCAPES:
+            return base, stack
+        return (base + "_u4", stack) if c == 0x75 else None  # 'u'
+    if mode[-3:-1] == "_u":  # \uXXXX: hex digits left
+        if c not in _HEX:
+            return None
+        left = int(mode[-1]) - 1
+        return (mode[:-3], stack) if left == 0 else (f"{mode[:-1]}{left}", stack)
+    if mode == "start":
+        if c in _WS:
+            return "start", ""
+        return ("obj_open", "{") if c == 0x7B else None
+    if mode in ("value", "arr_open"):
+        if c in _WS:
+            return mode, stack
+        if mode == "arr_open" and c == 0x5D:
+            return _close(stack)
+        return _value(c, stack)
+    if mode in ("obj_open", "obj_key"):
+        if c in _WS:
+            return mode, stack
+        if c == 0x22:
+            return "key", stack
+        return _close(stack) if mode == "obj_open" and c == 0x7D else None
+    if mode == "colon":
+        if c in _WS:
+            return "colon", stack
+        return ("value", stack) if c == 0x3A else None
+    if mode == "after":
+        return _after(c, stack)
+    if mode.startswith("lit:"):
+        rest = mode[4:]
+        if c != ord(rest[0]):
+            return None
+        return ("after", stack) if len(rest) == 1 else ("lit:" + rest[1:], stack)
+    return _number(mode, stack, c)
+
+
+def _number(mode: str, stack: str, c: int) -> JsonState | None:
+    digit = c in _DIGITS
+    if mode == "minus":
+        return ("zero" if c == 0x30 else "int", stack) if digit else None
+    if mode == "int" and digit:
+        return "int", stack
+    if mode in ("zero", "int") and c == 0x2E:  # '.'
+        return "dot", stack
+    if mode in ("zero", "int", "frac") and c in (0x65, 0x45):  # 'e', 'E'
+        return "exp", stack
+    if mode in ("dot", "frac") and digit:
+        return "frac", stack
+    if mode == "exp" and c in (0x2B, 0x2D):  # '+', '-'
+        return "exp_sign", stack
+    if mode in ("exp", "exp_sign", "exp_int") and digit:
+        return "exp_int", stack
+    if mode in _NUMBER_ENDS:  # the number ended: this byte follows it
+        return _after(c, stack)
+    return None
+
+
+def advance(state: JsonState, data: bytes) -> JsonState | None:
+    """The state after `data`, or None when `data` cannot continue a JSON object's prefix from `state`."""
+    mode, stack = state
+    i, n = 0, len(data)
+    while i < n:
+        if mode == DONE:
+            return None
+        if mode in ("str", "key"):  # skip the run of plain content at once
+            hit = _STRING_STOP.search(data, i)
+            if hit is None:
+                return mode, stack
+            i = hit.start()
+        nxt = _step(mode, stack, data[i])
+        if nxt is None:
+            return None
+        mode, stack = nxt
+        i += 1
+    return mode, stack
+
+
+def is_valid_prefix(data: bytes) -> bool:
+    return advance(START, data) is not None

@@ -1,0 +1,140 @@
+"""JsonVocab: which vocabulary tokens may follow a JSON-mode state (json_constraint.py), as boolean masks.
+
+A token may follow when its bytes (token_bytes.py) continue the JSON object's prefix. Special tokens and
+tokens of no bytes never do (their text is not JSON, and an empty token would not advance the object);
+the stop tokens (EOS, stop_token_ids) are the sampler's business, not this table's.
+
+Scanning ~49k tokens in Python at every step would cost tens of milliseconds, so:
+* masks are cached per (state, may_complete) in a bounded LRU, on the device: a request's states recur (inside a string,
+  after a value, ...) and requests share them;
+* tokens are bucketed by first byte, and only the buckets whose first byte is valid are scanned;
+* inside a string, the tokens of plain content (no '"', '\\' or control byte) are valid as one precomputed
+  mask, and only the other tokens are scanned.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from lorafleet.worker.json_constraint import JsonState, advance, is_complete, is_in_string
+from lorafleet.worker.token_bytes import token_bytes
+from lorafleet.worker.tokenizer import Tokenizer
+
+_WS = b" \t\n\r"
+MAX_CACHED_MASKS = 512  # 512 masks of 49k booleans: 25 MB
+
+
+class JsonVocab:
+    def __init__(self, token_bytes: list[bytes | None], *, device: torch.device | str = "cpu") -> None:
+        """`token_bytes[i]`: token i's bytes, None for a token that is never JSON text (special tokens)."""
+        self.vocab_size = len(token_bytes)
+        self.device = torch.device(device)
+        self._bytes = [b or b"" for b in token_bytes]
+        # Buckets: [first byte] -> {second byte (-1: none) -> token ids}, so that a scan skips whole groups.
+        self._buckets = _new_buckets()  # tokens not led by whitespace
+        self._special_buckets = _new_buckets()  # every token that is not plain string content
+        # Tokens led by whitespace (half of a GPT-2 style vocabulary: " the"), by the bytes after it: where
+        # whitespace leaves the state as it is, such a token is valid when the rest of it is.
+        self._ws_buckets = _new_buckets()
+        self._rest: dict[int, bytes] = {}
+        plain = torch.zeros(self.vocab_size, dtype=torch.bool)
+        all_ws = torch.zeros(self.vocab_size, dtype=torch.bool)
+        for token_id, data in enumerate(token_bytes):
+            if not data:
+                continue
+            rest = data.lstrip(_WS)
+            if not rest:
+                all_ws[token_id] = True
+            elif len(rest) < len(data):
+                _add(self._ws_buckets, rest, token_id)
+                self._rest[token_id] = rest
+            else:
+                _add(self._buckets, data, token_id)
+            if advance(("str", "{"), data) == ("str", "{"):
+                plain[token_id] = True
+            else:
+                _add(self._special_buckets, data, token_id)
+        self._plain, self._all_ws = plain, all_ws
+        self._none = torch.zeros(self.vocab_size, dtype=torch.bool)
+        self._masks: OrderedDict[tuple[JsonState, bool], tuple[torch.Tensor, int]] = OrderedDict()
+        self.num_built = 0  # masks scanned (cache misses), for tests and benchmarks
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's bytes; empty for special tokens and ids past the tokenizer's vocabulary."""
+        return self._bytes[token_id] if 0 <= token_id < self.vocab_size else b""
+
+    def accepts(self, state: JsonState, token_id: int, may_complete: bool = True) -> bool:
+        """Whether token `token_id` may follow `state`; with may_complete False, not a token that completes it."""
+        data = self.token_bytes(token_id)
+        if not data:
+            return False
+        nxt = advance(state, data)
+        return nxt is not None and (may_complete or not is_complete(nxt))
+
+    def mask(self, state: JsonState, may_complete: bool = True) -> tuple[torch.Tensor, int]:
+        """(bool [V] on the device, True where a token may NOT follow `state`; how many may). Cached: do not
+        modify it."""
+        key = (state, may_complete)
+        hit = self._masks.get(key)
+        if hit is not None:
+            self._masks.move_to_end(key)
+            return hit
+        valid = self._build(state, may_complete)
+        hit = (~valid).to(self.device), int(valid.sum())
+        self._masks[key] = hit
+        if len(self._masks) > MAX_CACHED_MASKS:
+            self._masks.popitem(last=False)
+        return hit
+
+    def _build(self, state: JsonState, may_complete: bool) -> torch.Tensor:
+        self.num_built += 1
+        ids: list[int] = []
+        if is_in_string(state):
+            mask = self._plain.clone()
+            self._scan(state, self._special_buckets, self._bytes, may_complete, ids)
+        else:
+            mask = self._none.clone()
+            self._scan(state, self._buckets, self._bytes, may_complete, ids)
+            after_ws = advance(state, b" ")  # every whitespace byte leads to the same state here
+            if after_ws is not None:
+                mask |= self._all_ws
+                self._scan(after_ws, self._ws_buckets, self._rest, may_complete, ids)
+        if ids:
+            mask[torch.tensor(ids, dtype=torch.int64)] = True
+        return mask  # bool [V] on the CPU, True where a token may follow
+
+    @staticmethod
+    def _scan(state: JsonState, buckets: list[dict[int, list[int]]], data_of, may_complete: bool,
+              ids: list[int]) -> None:
+        """Append to `ids` the tokens of `buckets` whose bytes `data_of[id]` may follow `state`."""
+        for first, groups in enumerate(buckets):
+            if not groups:
+                continue
+            after_first = advance(state, bytes((first,)))
+            if after_first is None:
+                continue
+            for second, group in groups.items():
+                if second >= 0 and advance(after_first, bytes((second,))) is None:
+                    continue
+                for token_id in group:
+                    nxt = advance(state, data_of[token_id])
+                    if nxt is not None and (may_complete or nxt[0] != "done"):
+                        ids.append(token_id)
+
+
+def _new_buckets() -> list[dict[int, list[int]]]:
+    return [{} for _ in range(256)]
+
+
+def _add(buckets: list[dict[int, list[int]]], data: bytes, token_id: int) -> None:
+    buckets[data[0]].setdefault(data[1] if len(data) > 1 else -1, []).append(token_id)
+
+
+def json_vocab(tokenizer: Tokenizer, vocab_size: int, device: torch.device | str = "cpu") -> JsonVocab:
+    """The JsonVocab of a model's `vocab_size` logits (ids past the tokenizer's vocabulary never JSON)."""
+    spell = token_bytes(tokenizer)
+    num_known = min(vocab_size, tokenizer.vocab_size)
+    return JsonVocab([None if i in spell.special_ids else spell(i) for i in range(num_known)]
+                     + [None] * (vocab_size - num_known), device=device)
