@@ -7,6 +7,13 @@ import pytest
 # Must be set before any @triton.jit function is imported.
 if not os.environ.get("LORAFLEET_TEST_GPU"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # One CPU thread per process for torch's and numpy's own ops (set before either is imported; the
+    # worker and stager children inherit it). The CPU tests run tiny tensors, where a parallel region
+    # costs more than it saves, and every process of a test (engine thread, worker children, pytest)
+    # competes for the same few cores: on a 2-core machine, each tiny op waited on a thread
+    # barrier for another process's time slice (tests ran several times slower). Set the variable
+    # to run with more threads.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 

@@ -14,11 +14,16 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tests.parallel_runs import ParallelRuns
+
+
+def worker_cmd(*args: str, env: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
+    return [sys.executable, "-m", "lorafleet.worker", *args], {**os.environ, "LORAFLEET_LOG_LEVEL": "error", **(env or {})}
+
 
 def run_worker(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "LORAFLEET_LOG_LEVEL": "error", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "lorafleet.worker", *args], capture_output=True, text=True,
-                          timeout=120, env=env)
+    cmd, env = worker_cmd(*args, env=env)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
 
 
 def assert_one_line_error(out: subprocess.CompletedProcess, code: int, *needles: str) -> None:
@@ -29,7 +34,7 @@ def assert_one_line_error(out: subprocess.CompletedProcess, code: int, *needles:
         assert needle in last, out.stderr
 
 
-@pytest.mark.parametrize(("args", "needles"), [
+BAD_FLAGS = [
     pytest.param(["--device", "cuda"], ["--device cuda", "CUDA is not available", "--device cpu"],
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA"),
                  id="cuda-without-cuda"),
@@ -39,9 +44,12 @@ def assert_one_line_error(out: subprocess.CompletedProcess, code: int, *needles:
                  id="tokenizer-without-tokenizer-json"),
     pytest.param(["--max-sequences-per-tenant", "-1"], ["max_sequences_per_tenant must be >= 0"],
                  id="negative-per-tenant-limit"),
-])
-def test_bad_flags_exit_2_with_one_line_naming_the_flag(tiny_llama_dir, args, needles):
-    out = run_worker("--model", str(tiny_llama_dir), "--port", "0", *args)
+]
+
+
+@pytest.mark.parametrize(("args", "needles"), BAD_FLAGS)
+def test_bad_flags_exit_2_with_one_line_naming_the_flag(worker_runs, args, needles):
+    out = worker_runs.result(("flags", *args))
     assert_one_line_error(out, 2, "error:", *needles)
 
 
@@ -108,7 +116,7 @@ def _config_not_an_object(d: Path) -> None:
     (d / "config.json").write_text("[1, 2]")
 
 
-@pytest.mark.parametrize(("breakage", "needles"), [
+BROKEN_MODEL_DIRS = [
     (_drop_weight_map, ["weight_map"]),
     (_tensor_in_two_shards, ["is in two weight files", "model-00001-of-00002", "model-00002-of-00002"]),
     (_truncate_weights, ["model.safetensors is not a readable safetensors file"]),
@@ -118,14 +126,38 @@ def _config_not_an_object(d: Path) -> None:
     (_tokenizer_not_utf8, ["tokenizer.json: not a readable tokenizers file"]),
     (_tokenizer_config_not_json, ["tokenizer_config.json: not valid JSON"]),
     (_tokenizer_config_wrong_type, ["tokenizer_config.json: chat_template must be a string"]),
-])
-def test_model_dir_it_cannot_serve_is_one_line(tiny_llama_dir, tmp_path, breakage, needles):
-    model = tmp_path / "model"
+]
+
+
+def broken_model_dir(tiny_llama_dir: Path, root: Path, breakage) -> Path:
+    model = root / "model"
     model.mkdir()
     for f in tiny_llama_dir.iterdir():
         (model / f.name).write_bytes(f.read_bytes())
     breakage(model)
-    out = run_worker("--model", str(model), "--port", "0")
+    return model
+
+
+@pytest.fixture(scope="module")
+def worker_runs(tiny_llama_dir, tmp_path_factory):
+    """The worker runs of the bad-flag and broken-model-dir cases, started together (each one spends
+    most of its time importing torch); every test checks its own run."""
+    with ParallelRuns() as runs:
+        for case in BAD_FLAGS:
+            args, _ = case.values
+            if not any(m.name == "skipif" and m.args[0] for m in case.marks):
+                cmd, env = worker_cmd("--model", str(tiny_llama_dir), "--port", "0", *args)
+                runs.submit(("flags", *args), cmd, env=env)
+        for breakage, _ in BROKEN_MODEL_DIRS:
+            model = broken_model_dir(tiny_llama_dir, tmp_path_factory.mktemp(breakage.__name__), breakage)
+            cmd, env = worker_cmd("--model", str(model), "--port", "0")
+            runs.submit(("model_dir", breakage.__name__), cmd, env=env)
+        yield runs
+
+
+@pytest.mark.parametrize(("breakage", "needles"), BROKEN_MODEL_DIRS)
+def test_model_dir_it_cannot_serve_is_one_line(worker_runs, breakage, needles):
+    out = worker_runs.result(("model_dir", breakage.__name__))
     assert_one_line_error(out, 1, "cannot start", *needles)
 
 
