@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 import sys
@@ -28,6 +29,13 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def upload_folder(client, bucket: str, prefix: str, directory: Path, names: tuple[str, ...] | None = None) -> None:
+    """Put the files of `directory` (only `names`, when given) under `prefix` in `bucket`."""
+    for f in sorted(directory.iterdir()):
+        if f.is_file() and (names is None or f.name in names):
+            client.fput_object(bucket, prefix + f.name, str(f))
 
 
 def weed_binary() -> str | None:
@@ -48,6 +56,11 @@ class S3Server(ChildServer):
     @property
     def endpoint(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    def environ(self) -> dict[str, str]:
+        """This process's environment plus the LORAFLEET_S3_* variables that point a stager at this server."""
+        return dict(os.environ, LORAFLEET_S3_ENDPOINT=self.endpoint, LORAFLEET_S3_ACCESS_KEY=self.access_key,
+                    LORAFLEET_S3_SECRET_KEY=self.secret_key, LORAFLEET_S3_SECURE="false")
 
     def client(self, *, secret_key: str | None = None):
         from minio import Minio

