@@ -147,8 +147,8 @@ async def test_a_stager_token_that_is_not_utf8_is_a_401_not_a_crash(aiohttp_clie
     must refuse such a token as it refuses any wrong one, not fail with a 500 (and a logged traceback)."""
     import json
 
-    from lorafleet.worker.stager import create_app
     from lorafleet.worker.stager_config import StagerConfig
+    from lorafleet.worker.stager_http import create_app
 
     from .test_tenant_isolation import raw_bearer_request
 

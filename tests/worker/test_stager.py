@@ -386,7 +386,7 @@ async def test_seed_serves_the_good_folders_and_reports_the_bad(s3, peft_dirs, a
 
     import aiohttp
 
-    from lorafleet.worker.stager import STAGER, create_app
+    from lorafleet.worker.stager_http import STAGER, create_app
 
     client = s3.client()
     for name in ("alpha", "beta", "_bad"):
@@ -439,7 +439,7 @@ async def test_cache_keeps_what_the_push_staged_and_evicts_stale_copies(s3, tiny
     import aiohttp
 
     from lorafleet.worker.disk_cache import dir_bytes
-    from lorafleet.worker.stager import STAGER, create_app
+    from lorafleet.worker.stager_http import STAGER, create_app
 
     client = s3.client()
     names = ("a", "b", "c", "d", "e")

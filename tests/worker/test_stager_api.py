@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from lorafleet.worker.sources import SourceError
-from lorafleet.worker.stager import STAGER, Stager, create_app
+from lorafleet.worker.stager import Stager
 from lorafleet.worker.stager_config import StagerConfig
+from lorafleet.worker.stager_http import STAGER, create_app
 from lorafleet.worker.stager_seed import seed
 
 TOKEN = "t" * 20

@@ -17,9 +17,10 @@ import pytest
 import lorafleet.worker.sources as sources_module
 from lorafleet.worker.directives import AdapterDirective, DesiredState, VersionRef
 from lorafleet.worker.sources import CONFIG_FILE, WEIGHTS_FILE, adapter_digest
-from lorafleet.worker.stager import RECENT_DOWNLOADS, STAGER, Stager, create_app
+from lorafleet.worker.stager import RECENT_DOWNLOADS, Stager
 from lorafleet.worker.stager_config import StagerConfig
 from lorafleet.worker.stager_digests import LocalDigests
+from lorafleet.worker.stager_http import STAGER, create_app
 from lorafleet.worker.stager_locks import KeyLocks
 
 TOKEN = "t" * 20

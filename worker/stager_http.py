@@ -1,0 +1,114 @@
+"""The stager's HTTP API over one `Stager` (stager.py): `POST /v1/stage`, `PUT /v1/directives`,
+`GET /v1/state`, `/healthz` and `/metrics`; every route but the last two needs the stager token."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import re
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from lorafleet.worker.directives import DesiredState, DirectiveError, ReportedState
+from lorafleet.worker.openai_protocol import APIError
+from lorafleet.worker.stager import Stager
+from lorafleet.worker.stager_config import StagerConfig
+from lorafleet.worker.stager_seed import seed_until_done
+from lorafleet.worker.staging_errors import staging_error
+from lorafleet.worker.tenants import bearer_token, token_bytes
+
+_SHA256_HEX = re.compile(r"[0-9a-fA-F]{64}")  # anything else could never match, nor name a cache entry
+
+STAGER = web.AppKey("stager", Stager)
+
+
+@web.middleware
+async def _errors_and_auth(request: web.Request, handler):
+    try:
+        if request.path not in ("/healthz", "/metrics"):
+            token = bearer_token(request.headers.get("Authorization"))
+            expected = request.app[STAGER].config.stager_token
+            # token_bytes: a header that is not UTF-8 reaches here as lone surrogates, which encode() refuses.
+            if token is None or not hmac.compare_digest(token_bytes(token), token_bytes(expected)):
+                raise APIError(401, "missing or wrong bearer token for the stager", type="authentication_error",
+                               code="invalid_token")
+        return await handler(request)
+    except APIError as exc:
+        body = exc.body()
+        if exc.status == 409 and exc.param:  # the current report travels with a refused stale push
+            body = {**ReportedState.from_json(exc.param).to_dict(), "error": exc.message}
+        return web.json_response(body, status=exc.status)
+    except DirectiveError as exc:
+        return web.json_response(APIError(400, str(exc)).body(), status=400)
+
+
+async def _read(request: web.Request) -> Any:
+    try:
+        return await request.json()
+    except ValueError:
+        raise APIError(400, "request body must be JSON") from None
+
+
+async def post_stage(request: web.Request) -> web.Response:
+    body = await _read(request)
+    uri, sha256 = (body.get("uri"), body.get("sha256")) if isinstance(body, dict) else (None, None)
+    if not isinstance(uri, str) or not uri:
+        raise APIError(400, "body needs 'uri' (s3://bucket/prefix/, file:// or an absolute path)", param="uri")
+    if sha256 is not None and not (isinstance(sha256, str) and _SHA256_HEX.fullmatch(sha256)):
+        raise APIError(400, "sha256 must be 64 hex digits", param="sha256")
+    try:
+        staged = await request.app[STAGER].stage(uri, sha256)
+    except APIError:
+        raise
+    except Exception as exc:
+        raise staging_error(exc, uri) from None
+    return web.json_response(await asyncio.to_thread(staged.to_dict))  # sizes a local source's folder
+
+
+async def put_directives(request: web.Request) -> web.Response:
+    desired = DesiredState.from_dict(await _read(request))
+    report = await request.app[STAGER].apply(desired)
+    return web.json_response(report.to_dict())
+
+
+async def get_state(request: web.Request) -> web.Response:
+    stager = request.app[STAGER]
+    report = await stager.state()
+    report_seed = stager.seed_report
+    seed = {"seed": {**report_seed.to_dict(), "generation": stager.generation}} if report_seed is not None else {}
+    return web.json_response({**report.to_dict(), "disk": stager.disk_stats(), **seed})
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = generate_latest(request.app[STAGER].registry)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def create_app(config: StagerConfig) -> web.Application:
+    app = web.Application(middlewares=[_errors_and_auth], client_max_size=1 << 20)
+    app[STAGER] = Stager(config)
+    app.add_routes([
+        web.post("/v1/stage", post_stage),
+        web.put("/v1/directives", put_directives),
+        web.get("/v1/state", get_state),
+        web.get("/healthz", healthz),
+        web.get("/metrics", metrics),
+    ])
+
+    async def seed_ctx(app: web.Application):
+        task = None
+        if config.stager_adapters:
+            task = asyncio.create_task(seed_until_done(app[STAGER], config.stager_adapters))
+        yield
+        if task is not None:
+            task.cancel()
+
+    app.cleanup_ctx.append(seed_ctx)
+    return app
