@@ -28,8 +28,8 @@ from lorafleet.worker.engine_config import EngineConfig
 from lorafleet.worker.engine_errors import EngineError, UnknownAdapterError
 from lorafleet.worker.forward_failures import ForwardFailures
 from lorafleet.worker.json_guide import JsonGuide
-from lorafleet.worker.logit_bias import out_of_vocab
 from lorafleet.worker.model_config import ModelConfig
+from lorafleet.worker.model_limits import check_params
 from lorafleet.worker.model_loader import load_model
 from lorafleet.worker.model_runner import ModelRunner
 from lorafleet.worker.page_pool import PagePool, PagePoolConfig, kv_page_elems
@@ -260,13 +260,7 @@ class Engine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise EngineError(f"request id {request_id!r} is already in flight")
-        if (params.stop or params.json_object) and self.tokenizer is None:
-            raise EngineError("stop strings and JSON mode need a tokenizer (this model directory has no "
-                              "tokenizer.json); use stop_token_ids")
-        for name, token_ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
-            if bad := out_of_vocab(token_ids, self.model_config.vocab_size):
-                raise EngineError(f"{name} token ids {bad[:5]} are outside the vocabulary "
-                                  f"(0..{self.model_config.vocab_size - 1})")
+        check_params(params, has_tokenizer=self.tokenizer is not None, vocab_size=self.model_config.vocab_size)
         prompt_ids = self.encode(prompt)
         if not prompt_ids:
             raise EngineError("the prompt is empty")
