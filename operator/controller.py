@@ -161,9 +161,8 @@ class PoolController:
                 held = discover_workers(own, pool.worker_selector, default_port=pool.stager_port, not_ready=True)
             elif invalid is not None:
                 mine = own_pods(key[1], invalid.worker_selector, pods, claims)[0]
-                held = sorted(discover_workers(mine, invalid.worker_selector, default_port=invalid.stager_port)
-                              + discover_workers(mine, invalid.worker_selector, default_port=invalid.stager_port,
-                                                 not_ready=True), key=lambda w: w.pod)
+                held = discover_workers(mine, invalid.worker_selector, default_port=invalid.stager_port,
+                                        not_ready=None)
         reached = workers + emptied + held
         reports = await self.client.fetch_states(reached)
         backoff, now = self._backoff[key], self.clock()
@@ -175,8 +174,7 @@ class PoolController:
                               pool_error=pool_error, shared_pods=shared, released=released_views, held=held_views)
         # Told its set once it can be (by this valid pool, or this deleting one, whose finalizer waits for it),
         # a pod that cannot be told now holds up an adapter's finalizer for the grace only.
-        plan.overdue = self._overdue(key, reached, plan, told_later=workers + emptied + held if target else [],
-                                     now=now)
+        plan.overdue = self._overdue(key, reached, plan, told_later=reached if target else [], now=now)
         by_pod = {w.pod: w for w in reached}
         held_pods = {w.pod for w in held}
         for pod, desired in plan.pushes.items():

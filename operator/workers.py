@@ -84,12 +84,13 @@ def base_url(pod_ip: str, port: int) -> str:
 
 
 def discover_workers(pods: Iterable[dict[str, Any]], selector: dict[str, Any], *, default_port: int,
-                     not_ready: bool = False) -> list[Worker]:
-    """The ready pods ``selector`` matches, by name; ``not_ready``: those running but not ready instead."""
+                     not_ready: bool | None = False) -> list[Worker]:
+    """The ready pods ``selector`` matches, by name; ``not_ready``: those running but not ready instead (None:
+    every running one, ready or not)."""
     found = []
     for pod in pods:
         meta = pod.get("metadata") or {}
-        wanted = pod_is_running(pod) and pod_is_ready(pod) != not_ready
+        wanted = pod_is_running(pod) and (not_ready is None or pod_is_ready(pod) != not_ready)
         if selector_matches(selector, meta.get("labels") or {}) and wanted:
             url = base_url(pod["status"]["podIP"], stager_port(pod, default_port))
             found.append(Worker(meta["name"], url, meta.get("uid") or ""))

@@ -80,10 +80,10 @@ class Sampler:
             race = probs / noise
             tokens[rows] = race.argmax(dim=-1)
         self.row_errors = {}
-        if any(s.params.json_object for s in seqs):
-            tokens = self._constrain_json(tokens, logits, seqs, sampled_rows, race, noise)
-        want = [s.params.logprobs for s in seqs]
         token_list = tokens.tolist()
+        if any(s.params.json_object for s in seqs):
+            tokens = self._constrain_json(tokens, token_list, logits, seqs, sampled_rows, race, noise)
+        want = [s.params.logprobs for s in seqs]
         if all(w is None for w in want):
             return [(t, None) for t in token_list]
         k = max(w or 0 for w in want)
@@ -101,15 +101,14 @@ class Sampler:
                 out.append((token_list[i], TokenLogprob(token_list[i], chosen[i], top)))
         return out
 
-
-    def _constrain_json(self, tokens: torch.Tensor, logits: torch.Tensor, seqs: list[Sequence], sampled_rows: list[int],
-                        race: torch.Tensor | None, noise: torch.Tensor | None) -> torch.Tensor:
+    def _constrain_json(self, tokens: torch.Tensor, token_list: list[int], logits: torch.Tensor, seqs: list[Sequence],
+                        sampled_rows: list[int], race: torch.Tensor | None, noise: torch.Tensor | None) -> torch.Tensor:
         """JSON-mode rows keep their token when it is valid, else draw again among the valid tokens with the same
         draw: the argmax of the logits, or of the race `p / Exp(1)`, over the valid tokens. Restricting an
         exponential race to a subset samples p restricted to it, so the result is exactly that distribution
-        (and the same as masking first). A row that fails lands in row_errors; the other rows go on."""
+        (and the same as masking first). A row that fails lands in row_errors; the other rows go on.
+        `token_list` (tokens as a list) is updated with the redrawn tokens too."""
         guide = self.json_guide
-        token_list = tokens.tolist()
         race_row = {i: j for j, i in enumerate(sampled_rows)}
         for i, seq in enumerate(seqs):
             if not seq.params.json_object:
@@ -130,7 +129,8 @@ class Sampler:
                     if not bool(row.max() > 0):  # top-k / top-p left no valid token: filter among the valid ones
                         probs = _processed_probs(logits[i:i + 1].masked_fill(invalid, float("-inf")), [seq.params])
                         row = (probs[0] / noise[j]).nan_to_num(0.0).masked_fill(invalid, -1.0)
-                tokens[i] = row.argmax()
+                token_list[i] = int(row.argmax())
+                tokens[i] = token_list[i]
             except Exception as exc:  # this request fails; the engine serves the others
                 self.row_errors[i] = exc
         return tokens
