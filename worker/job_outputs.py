@@ -85,7 +85,7 @@ async def _re_resolve(job: CompletionJob, adapter: str | None) -> bool:
         if job.adapter != adapter:  # another choice of the job re-resolved meanwhile
             return True
         if (key := job.re_resolve()) != adapter:
-            job.adapter, job.model, job.re_resolve = key, key or job.model, None
+            _move(job, key)
             return True
         await asyncio.sleep(_RE_RESOLVE_PAUSE_S)
     return False
@@ -104,5 +104,10 @@ def _fall_back(job: CompletionJob, exc: AdapterLoadError, adapters: ServedAdapte
         return False
     if key == job.adapter:
         return False
-    job.adapter, job.model, job.re_resolve = key, key or job.model, None
+    _move(job, key)
     return True
+
+
+def _move(job: CompletionJob, key: str | None) -> None:
+    """The job's one move: to engine key `key`; it spends `re_resolve`."""
+    job.adapter, job.model, job.re_resolve = key, key or job.model, None

@@ -25,7 +25,7 @@ from typing import Any
 import jinja2
 from aiohttp import web
 
-from lorafleet.worker.adapter_entry import AdapterLoadError
+from lorafleet.worker.adapter_entry import AdapterLoadError, split_key
 from lorafleet.worker.app_keys import (
     ADAPTERS,
     ADMISSION,
@@ -168,8 +168,7 @@ class _ChoiceTimer:
 
 def _request_labels(key: str | None) -> tuple[str | None, str]:
     """Metrics labels of engine key `name@version`: (name, version); the base model's: (None, "")."""
-    name, _, version = (key or "").partition("@")
-    return name or None, version
+    return split_key(key) if key else (None, "")
 
 
 def _admit(app: web.Application, job: CompletionJob, tenant: str) -> None:

@@ -48,7 +48,7 @@ class CacheHolds:
         """Cache keys not to evict. Called by the cache's trim in a download thread: it reads copies of what
         the event loop changes."""
         now = time.monotonic()
-        copies = [*list(served.values()), *list(self._replaced.values())]
+        copies = [*served.values(), *self._replaced.values()]
         return ({s.path.name for s in copies if s.path.parent == self.root} | set(self.pushing)
                 | {k for k, until in list(self._leases.items()) if until > now})
 

@@ -25,6 +25,7 @@ log = logging.getLogger("lorafleet.worker")
 
 POLL_S = 0.25  # between two looks at the stager's state while loading
 _CALL_TIMEOUT_S = 10.0
+_LISTING = "the stager child is listing and staging them"  # nothing pushed by the seed yet
 
 
 @dataclass(slots=True)
@@ -33,7 +34,7 @@ class StartupAdapters:
 
     uri: str
     is_loaded: bool = False
-    detail: str = "the stager child is listing and staging them"
+    detail: str = _LISTING
 
     def answer(self) -> dict[str, str]:
         return {"status": "loading_adapters", "adapters": self.uri, "detail": self.detail}
@@ -47,7 +48,7 @@ def seed_progress(state: dict[str, Any], generation_applied: int) -> str | None:
     `state`: the stager's GET /v1/state; `generation_applied`: the generation this worker applied."""
     seed = state.get("seed")
     if seed is None:  # the seed has pushed nothing yet, or a push from elsewhere took over from it
-        return None if generation_applied > 0 else "the stager child is listing and staging them"
+        return None if generation_applied > 0 else _LISTING
     if retrying := seed.get("retrying"):
         return (f"{len(retrying)} folders failed for a reason that may pass and are tried again: "
                 f"{', '.join(retrying)}; see the stager's log")
