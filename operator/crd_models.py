@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
+from lorafleet.worker.directives import SHA256_RE
+
 if TYPE_CHECKING:
     from lorafleet.operator.autoscaler import ScalingSpec
 
@@ -33,7 +35,6 @@ _DECIMAL = {"n": -9, "u": -6, "m": -3, "k": 3, "M": 6, "G": 9, "T": 12, "P": 15,
 MAX_QUANTITY = 2**63 - 1  # int64, as the API server stores integers
 URI_RE = re.compile(r"^(s3://[^/]+/.*|file:///.*|/.*)$")
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")  # tenant, version, adapter name
-SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
 class SpecError(ValueError):

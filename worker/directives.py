@@ -25,7 +25,7 @@ from typing import Any
 TIERS = ("gpu", "cpu", "disk", "none")
 URI_SCHEMES = ("s3://", "file://", "/")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")
-_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+SHA256_RE = re.compile(r"^[0-9a-f]{64}$")  # a version's digest (the operator checks specs with it too)
 
 
 class _Message:
@@ -79,7 +79,7 @@ class VersionRef:
         _name(self.version, "version")
         _require(isinstance(self.uri, str) and self.uri.startswith(URI_SCHEMES), "uri",
                  f"must start with one of {', '.join(URI_SCHEMES)} (got {self.uri!r})")
-        _require(self.sha256 is None or (isinstance(self.sha256, str) and bool(_SHA256_RE.match(self.sha256))),
+        _require(self.sha256 is None or (isinstance(self.sha256, str) and bool(SHA256_RE.match(self.sha256))),
                  "sha256", "must be 64 lowercase hex digits")
 
     @classmethod
