@@ -5,7 +5,8 @@ the `ReportedState` after applying it; the same generation twice is a no-op, an 
 refused with 409 (body: the current report with `error` set). `GET /admin/v1/state` adds the
 worker-only keys (KV pages, running/waiting requests, pool stats) to the report. Registration
 reads adapter files, so it runs off the event loop, one admin change at a time; a change that
-unregisters a name (a push that no longer lists it, an unload) drops its request metrics.
+unregisters a name (a push that no longer lists it, an unload) or retires a version (a rolled-back
+canary, a replaced stable version) drops its request metrics.
 """
 
 from __future__ import annotations
@@ -122,8 +123,9 @@ async def admin_change(app: web.Application, fn: Callable[..., T], *args: Any) -
         async with app[ADMIN_LOCK]:
             try:
                 return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
-            finally:  # names it unregistered take their request series along: tenants come and go
-                app[METRICS].retain_adapters(app[ADAPTERS].names())
+            finally:  # names and versions it retired take their request series along: tenants and
+                # rollouts come and go, and a retired version must not linger until its name's next request
+                app[METRICS].retain_served(app[ADAPTERS].served_versions())
 
     return await asyncio.shield(asyncio.ensure_future(locked()))
 

@@ -4,12 +4,14 @@ Request-side series (counts, TTFT, inter-token and end-to-end latency, tokens) a
 HTTP handlers, labelled with the adapter's name and the version the request resolved to (`version`,
 empty for the base model and for requests refused before a version was chosen), so a canary's
 latency and errors can be compared with its stable version's. A name keeps the series of the versions
-it serves: `retain_versions` drops those of versions a push retired, `retain_adapters` every series of
-names no longer served (unregistered or unloaded); batch size and adapters per batch are observed once per engine step;
-queue depth, KV usage and the running/waiting adapters are read at scrape time from an
-`EngineSnapshot`. The adapter pool's own series (tier hits/misses, load latency, evictions, bytes per
-tier: adapter_metrics.py) are registered into the same registry with `register()`. The vLLM-compatible names let existing routers (Gateway API
-inference extension) pick workers by queue length, KV usage and resident adapters.
+it serves: after each admin change (a push, a load, an unload) `retain_served` drops the series of the
+names and versions it retired, and a request that finishes on a version retired meanwhile drops its own
+(`retain_versions`), so /metrics shows what is served, not what was. Batch size and adapters per batch
+are observed once per engine step; queue depth, KV usage and the running/waiting adapters are read at
+scrape time from an `EngineSnapshot`. The adapter pool's own series (tier hits/misses, load latency,
+evictions, bytes per tier: adapter_metrics.py) are registered into the same registry with `register()`.
+The vLLM-compatible names let existing routers (Gateway API inference extension) pick workers by queue
+length, KV usage and resident adapters.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -159,6 +161,14 @@ class WorkerMetrics:
         kept = {*names, BASE_MODEL_LABEL, UNRESOLVED_LABEL}
         for adapter in [a for a in self._versions if a not in kept]:
             self.retain_versions(adapter, ())
+
+    def retain_served(self, served: Mapping[str, Collection[str]]) -> None:
+        """Keep the series of the names and versions in `served` (name -> its versions), the base model's
+        and the unresolved requests'; drop the rest. Called when a change retires versions, so that a
+        rolled-back canary or a replaced stable version leaves /metrics then, not at the name's next request."""
+        self.retain_adapters(served)
+        for adapter, versions in served.items():
+            self.retain_versions(adapter, versions)
 
     def tokens_per_second(self, *, now: float | None = None) -> float:
         now = time.monotonic() if now is None else now

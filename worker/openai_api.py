@@ -229,8 +229,8 @@ async def _serve(request: web.Request, endpoint: str) -> web.StreamResponse:
         metrics.observe_request(adapter=adapter, version=version, endpoint=endpoint, status=status)
         if adapter is not None and version:  # the series of versions no longer served go
             served = app[ADAPTERS].get(adapter)
-            # A name unregistered while this request ran keeps none: nothing would drop them later.
-            metrics.retain_versions(adapter, {version, *served.sources} if served is not None else ())
+            # A name or version retired while this request ran keeps none: nothing would drop them later.
+            metrics.retain_versions(adapter, served.sources if served is not None else ())
 
 
 async def completions(request: web.Request) -> web.StreamResponse:

@@ -85,6 +85,10 @@ class ServedAdapters:
     def names(self) -> list[str]:
         return sorted(self._adapters)
 
+    def served_versions(self) -> dict[str, set[str]]:
+        """Each name's versions in the table (stable, canary, a fallback kept while its successor loads)."""
+        return {name: set(a.sources) for name, a in self._adapters.items()}
+
     def visible_to(self, tenant: Tenant) -> list[ServedAdapter]:
         return [a for _, a in sorted(self._adapters.items()) if tenant.may_use(a.name, a.tenant)]
 

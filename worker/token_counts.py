@@ -8,8 +8,15 @@ only the output tokens it gained since (one, at a decode). A row counts the firs
 tokens, so a preempted sequence (recomputed: its tokens kept, its KV cache not) finds its row as it left it,
 and the n choices of a request, each its own sequence, count their own outputs.
 
-Rows of finished (or dropped) sequences are taken back when a new sequence needs one; the table grows,
-doubling, only when none can be.
+Each step first releases the rows of sequences that finished (or were dropped: their objects gone) since
+the last one, so a new sequence reuses them; the table grows, doubling, only when none is free. When a burst
+of penalized requests is over and at most a quarter of the rows are in use, the table halves (down to
+`MIN_ROWS`), the rows in use moved below the new end: a burst's rows ([rows, V] twice, 5 bytes a token with
+float32 logits, 640 KiB a row at a 128K vocabulary) do not stay allocated for as long as the worker runs.
+
+Running example: 100 penalized sequences in rows 0..99 of a 128-row table; all but those in rows 0, 40 and
+80 finish. The next step releases 97 rows, halves 128 -> 64 -> 32 -> 16 -> 8 (MIN_ROWS: 3 rows in use are
+at most a quarter of each), copies rows 40 and 80 into free rows 1 and 2, and leaves row 0 where it is.
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ from dataclasses import dataclass
 import torch
 
 from lorafleet.worker.sequence import Sequence
+
+MIN_ROWS = 8  # the table's smallest size once it exists: it neither grows nor shrinks below this
 
 
 @dataclass(slots=True)
@@ -52,6 +61,7 @@ class TokenCounts:
         table = self.output_counts
         if (table.shape[1], table.device, table.dtype) != (logits.shape[-1], logits.device, logits.dtype):
             self._reset(logits)  # the first step, or another model's logits
+        self.release_finished()
         rows: list[int] = []
         new_rows: list[Sequence] = []
         add_rows: list[int] = []  # (row, token) pairs of the output tokens gained since the last step
@@ -105,25 +115,47 @@ class TokenCounts:
 
     def _take_row(self) -> int:
         if not self._free:
-            self._take_back()
-        if not self._free:
             old = self.output_counts.shape[0]
-            new = max(8, 2 * old)
-            self.output_counts = _grow(self.output_counts, new)
-            self.seen = _grow(self.seen, new)
+            new = max(MIN_ROWS, 2 * old)
+            self.output_counts = _resize(self.output_counts, new)
+            self.seen = _resize(self.seen, new)
             self._free.extend(range(new - 1, old - 1, -1))
         return self._free.pop()
 
-    def _take_back(self) -> None:
-        """Free the rows of sequences that finished or are gone: they never sample again."""
+    def release_finished(self) -> None:
+        """Free the rows of sequences that finished or are gone (they never sample again), and shrink the
+        table when at most a quarter of it is in use."""
         for seq_id, row in list(self._rows.items()):
             seq = row.seq()
             if seq is None or seq.is_finished:
                 del self._rows[seq_id]
                 self._free.append(row.index)
+        size = new = self.output_counts.shape[0]
+        while new > MIN_ROWS and len(self._rows) <= new // 4:
+            new //= 2
+        if new < size:
+            self._shrink(new)
+
+    def _shrink(self, num_rows: int) -> None:
+        """Keep the first `num_rows` rows: those in use past them move into free rows below."""
+        movers = [row for row in self._rows.values() if row.index >= num_rows]
+        used = {row.index for row in self._rows.values()}
+        free = [i for i in range(num_rows) if i not in used]  # ascending; movers take the lowest
+        src = torch.tensor([row.index for row in movers], dtype=torch.int64, device=self._device)
+        dst = torch.tensor(free[: len(movers)], dtype=torch.int64, device=self._device)
+        counts, seen = _resize(self.output_counts, num_rows), _resize(self.seen, num_rows)
+        if movers:
+            counts[dst] = self.output_counts[src]
+            seen[dst] = self.seen[src]
+        for row, index in zip(movers, free, strict=False):
+            row.index = index
+        self.output_counts, self.seen = counts, seen  # the larger tables are freed here
+        self._free = free[len(movers):][::-1]  # popped from the end: the lowest first
 
 
-def _grow(table: torch.Tensor, num_rows: int) -> torch.Tensor:
+def _resize(table: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """A new [num_rows, V] table holding `table`'s first rows (zeros past its end)."""
     out = table.new_zeros(num_rows, table.shape[1])
-    out[: table.shape[0]] = table
+    keep = min(num_rows, table.shape[0])
+    out[:keep] = table[:keep]
     return out

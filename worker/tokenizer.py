@@ -1,5 +1,10 @@
 """Tokenizer: `tokenizer.json` through the `tokenizers` library, chat template from
-`tokenizer_config.json` (or `chat_template.jinja`) rendered with jinja2."""
+`tokenizer_config.json` (or `chat_template.jinja`) rendered with jinja2.
+
+A "developer" message (OpenAI's newer name for the system role, sent by recent clients) is rendered
+as "system" unless the template tests for "developer" itself (gpt-oss's does): templates that do not
+know the role render a turn the model never saw (Llama 3, SmolLM2), drop it silently (Qwen2.5) or
+raise (Mistral)."""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ from functools import cached_property
 from pathlib import Path
 
 import jinja2
+import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -84,12 +90,23 @@ class Tokenizer:
         env.filters["tojson"] = lambda v, indent=None: json.dumps(v, indent=indent, ensure_ascii=False)
         return env.from_string(self.chat_template)
 
+    @cached_property
+    def template_knows_developer(self) -> bool:
+        """Whether the chat template names the "developer" role: a string constant of its code (a role
+        test, a list of roles), not words of its text ("You are a developer")."""
+        source = self._template.environment.parse(self.chat_template)
+        return any(node.value == "developer" for node in source.find_all(jinja2.nodes.Const))
+
     def apply_chat_template(
         self, messages: list[dict], *, add_generation_prompt: bool = True, tools: list[dict] | None = None
     ) -> str:
         """The prompt text for a chat; special tokens are part of the text (encode it with
-        add_special_tokens=False)."""
-        return self._template.render(
+        add_special_tokens=False). "developer" messages become "system" ones unless the template knows
+        the role."""
+        template = self._template
+        if not self.template_knows_developer:
+            messages = [m | {"role": "system"} if m.get("role") == "developer" else m for m in messages]
+        return template.render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",

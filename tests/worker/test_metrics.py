@@ -120,6 +120,18 @@ def test_series_of_names_no_longer_served_are_dropped():
     assert _versions(m, "sql")["lorafleet_requests_total"] == {"v3"}
 
 
+def test_retain_served_drops_retired_names_and_versions_at_once():
+    """One call after an admin change: names gone and versions retired of the names kept."""
+    m = WorkerMetrics()
+    for adapter, version in (("sql", "v1"), ("sql", "v2"), ("chat", "c1"), ("gone", "g1"), (None, "")):
+        _observe_one(m, adapter, version)
+    m.retain_served({"sql": {"v2"}, "chat": {"c1", "c2"}, "new": {"n1"}})
+    assert all(versions == {"v2"} for versions in _versions(m, "sql").values())
+    assert all(versions == {"c1"} for versions in _versions(m, "chat").values())
+    assert _versions(m, "gone") == {} and _versions(m, "__base__")["lorafleet_requests_total"] == {""}
+    assert set(m._versions) == {"sql", "chat", "__base__"}
+
+
 def test_registries_are_per_instance():
     a, b = WorkerMetrics(), WorkerMetrics()
     a.observe_request(adapter="x", version="1", endpoint="completions", status=200)

@@ -356,3 +356,21 @@ async def test_stop_token_ids_outside_the_vocabulary_and_min_tokens_beyond_the_c
         resp = await base_client.post(path, json=body | extra)
         error = (await resp.json())["error"]
         assert resp.status == 400 and error["param"] == param and needle in error["message"], (extra, error)
+
+
+async def test_developer_messages_are_the_system_prompt_and_unknown_roles_a_400(base_client):
+    """Recent OpenAI clients send the system prompt as role "developer": the model gets it as its template's
+    system turn (the test model's template renders roles verbatim, so the prompt's length tells)."""
+    usage = {}
+    for role in ("developer", "system"):
+        body = {"model": "tiny", "max_tokens": 1, "messages": [{"role": role, "content": "be brief"},
+                                                                {"role": "user", "content": "hi"}]}
+        resp = await base_client.post("/v1/chat/completions", json=body)
+        assert resp.status == 200, await resp.text()
+        usage[role] = (await resp.json())["usage"]["prompt_tokens"]
+    assert usage["developer"] == usage["system"]
+    resp = await base_client.post("/v1/chat/completions", json={"model": "tiny", "messages": [
+        {"role": "robot", "content": "hi"}]})
+    error = (await resp.json())["error"]
+    assert resp.status == 400 and error["param"] == "messages"
+    assert "messages[0].role must be one of system, user, assistant, developer, tool" in error["message"]

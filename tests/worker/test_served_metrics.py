@@ -1,6 +1,7 @@
 """Request metrics follow the served table: a name that a push no longer lists, or that is unloaded, takes
-every series of it along (with tenants' adapters coming and going, /metrics would otherwise only grow),
-also when a request on it finishes after it went; the base model's and the unresolved requests' stay."""
+every series of it along (with tenants' adapters coming and going, /metrics would otherwise only grow), and
+a version a push retires takes its own, when the push happens; also when a request on it finishes after it
+went. The base model's and the unresolved requests' series stay."""
 
 from __future__ import annotations
 
@@ -89,3 +90,58 @@ async def test_a_request_that_finishes_after_its_name_went_leaves_no_series(clie
     go_on.set()
     assert await asyncio.wait_for(request, 30) == 200
     assert "beta" not in await adapter_labels(client)
+
+
+async def push_versions(client, generation: int, root, stable: str, canary: str | None = None) -> None:
+    """Adapter `alpha` at version `stable`, with `canary` at 50 % (all versions from alpha's folder)."""
+    d = {"name": "alpha", "tenant": "acme", "stable": {"version": stable, "uri": str(root / "alpha")}}
+    if canary is not None:
+        d |= {"canary": {"version": canary, "uri": str(root / "alpha")}, "canary_weight": 50}
+    resp = await client.put("/admin/v1/state", json={"generation": generation, "adapters": [d]}, headers=AUTH)
+    assert resp.status == 200, await resp.text()
+
+
+async def version_labels(client, adapter: str) -> set[str]:
+    """The `version` label of every request series of `adapter` in /metrics."""
+    text = await (await client.get("/metrics")).text()
+    return {s.labels["version"] for fam in text_string_to_metric_families(text) for s in fam.samples
+            if s.name.startswith("lorafleet_") and s.labels.get("adapter") == adapter}
+
+
+async def test_series_of_versions_a_push_retires_are_dropped_by_the_push(client, qv_adapters_dir):
+    """A rolled-back canary's series, and the old stable's once a canary is promoted, go when the push
+    retires the version, not when the next request for the adapter happens to arrive."""
+    await push_versions(client, 1, qv_adapters_dir, "v1", canary="v2")
+    for model in ("alpha@v1", "alpha@v2"):
+        assert await complete(client, model) == 200
+    assert await version_labels(client, "alpha") == {"v1", "v2"}
+    await push_versions(client, 2, qv_adapters_dir, "v1")  # the canary rolled back
+    assert await version_labels(client, "alpha") == {"v1"}
+    await push_versions(client, 3, qv_adapters_dir, "v1", canary="v3")
+    assert await complete(client, "alpha@v3") == 200
+    await push_versions(client, 4, qv_adapters_dir, "v3")  # the canary promoted: v1 retires
+    assert await version_labels(client, "alpha") == {"v3"}
+
+
+async def test_a_request_that_finishes_after_its_version_retired_leaves_no_series(client, qv_adapters_dir,
+                                                                                  monkeypatch):
+    """As for a name: the request counts on the version it holds, then that version's series go."""
+    await push_versions(client, 1, qv_adapters_dir, "v1", canary="v2")
+    engine = client.app[ENGINE]
+    started, go_on = asyncio.Event(), asyncio.Event()
+    real_generate = engine.generate
+
+    async def held(request_id, prompt, params, adapter):
+        async for out in real_generate(request_id, prompt, params, adapter):
+            yield out
+            if adapter == "alpha@v2":
+                started.set()
+                await go_on.wait()  # the push below happens while it runs
+
+    monkeypatch.setattr(engine, "generate", held)
+    request = asyncio.ensure_future(complete(client, "alpha@v2", max_tokens=4, ignore_eos=True))
+    await asyncio.wait_for(started.wait(), 30)
+    await push_versions(client, 2, qv_adapters_dir, "v1")
+    go_on.set()
+    assert await asyncio.wait_for(request, 30) == 200
+    assert "v2" not in await version_labels(client, "alpha")

@@ -126,3 +126,32 @@ def test_rows_of_dropped_sequences_are_reused_cleared_and_another_vocabulary_sta
     assert table.num_rows == 1 and table.output_counts.shape == (8, VOCAB + 8)
     assert table.output_counts[rows[0], [3, 4, VOCAB + 3]].tolist() == [2.0, 1.0, 1.0]
     assert table.seen[rows[0]].nonzero().flatten().tolist() == [1, 2, 3, 4, VOCAB + 3]
+
+
+def test_rows_of_finished_sequences_are_released_at_the_next_step_and_a_bursts_table_shrinks():
+    """A burst of penalized requests grows the table; once they finish, the next step releases their rows
+    and gives the memory back (down to what the sequences left need), the survivors' counts moved intact."""
+    rng = random.Random(3)
+    params = SamplingParams(repetition_penalty=1.3, frequency_penalty=0.5)
+    burst = [Sequence(f"b{i}", [rng.randrange(VOCAB) for _ in range(5)], params) for i in range(100)]
+    table = TokenCounts()
+    for _ in range(2):
+        for seq in burst:
+            seq.output_token_ids.append(rng.randrange(VOCAB))
+        _check(table, burst, torch.zeros(len(burst), VOCAB))
+    assert table.output_counts.shape[0] == 128
+    survivors = burst[::40]  # rows 0, 40 and 80: two of them sit past the shrunken table's end
+    for seq in burst:
+        if seq not in survivors:
+            seq.status = SequenceStatus.FINISHED
+    for seq in survivors:
+        seq.output_token_ids.append(rng.randrange(VOCAB))
+    _check(table, survivors, torch.zeros(len(survivors), VOCAB))
+    assert table.num_rows == len(survivors)  # the finished ones' rows released, not only when one is needed
+    assert table.output_counts.shape[0] == table.seen.shape[0] <= 16  # not the burst's 128 rows for ever
+    for seq in survivors:
+        seq.status = SequenceStatus.FINISHED
+    late = Sequence("late", [1, 2], params)
+    late.output_token_ids.append(3)
+    _check(table, [late], torch.zeros(1, VOCAB))
+    assert table.num_rows == 1 and table.output_counts.shape[0] == 8

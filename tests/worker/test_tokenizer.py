@@ -98,3 +98,50 @@ def test_malformed_tokenizer_files_are_a_tokenizer_error_naming_the_file(tiny_ll
     message = str(exc.value)
     assert message.startswith(f"{tmp_path / file}: ") and needle in message
     assert "\n" not in message
+
+
+VERBATIM = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"  # the test model's
+QWEN_LIKE = ("{% if messages[0]['role'] == 'system' %}<s>{{ messages[0]['content'] }}\n{% else %}<s>default\n"
+             "{% endif %}{% for m in messages %}{% if m.role == 'user' or (m.role == 'system' and not loop.first) %}"
+             "<{{ m.role }}>{{ m.content }}\n{% elif m.role == 'assistant' %}<a>{{ m.content }}\n{% endif %}"
+             "{% endfor %}")  # as Qwen2.5's: a role it does not know is dropped without a word
+KNOWS_DEVELOPER = ("{% for m in messages %}{% if m['role'] == 'developer' %}[dev]{% else %}[{{ m['role'] }}]"
+                   "{% endif %}{{ m['content'] }}{% endfor %}")  # as gpt-oss's: developer is a role of its own
+CHAT = [{"role": "developer", "content": "Answer in capitals."}, {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "HI"}, {"role": "developer", "content": "Now in French."},
+        {"role": "user", "content": "bye"}]
+
+
+def _with_template(tiny_llama_dir, tmp_path, template: str) -> Tokenizer:
+    import json
+
+    (tmp_path / "tokenizer.json").write_bytes((tiny_llama_dir / "tokenizer.json").read_bytes())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    return Tokenizer(tmp_path)
+
+
+@pytest.mark.parametrize("template", [VERBATIM, QWEN_LIKE], ids=["verbatim", "qwen-like"])
+def test_developer_messages_render_as_system_where_the_template_does_not_know_the_role(
+        tiny_llama_dir, tmp_path, template):
+    """OpenAI's clients send 'developer' for what was 'system'; a template that does not know it would render
+    a turn the model never saw in training, or drop the instructions."""
+    tok = _with_template(tiny_llama_dir, tmp_path, template)
+    as_system = [m | {"role": "system"} if m["role"] == "developer" else m for m in CHAT]
+    text = tok.apply_chat_template(CHAT, add_generation_prompt=False)
+    assert text == tok.apply_chat_template(as_system, add_generation_prompt=False)
+    assert "capitals" in text and "French" in text and "developer" not in text
+    assert CHAT[0]["role"] == "developer"  # the caller's messages are left as they were
+
+
+def test_a_template_that_knows_the_developer_role_gets_it_as_sent(tiny_llama_dir, tmp_path):
+    tok = _with_template(tiny_llama_dir, tmp_path, KNOWS_DEVELOPER)
+    assert tok.apply_chat_template(CHAT[:2]) == "[dev]Answer in capitals.[user]hi"
+    tok = _with_template(tiny_llama_dir, tmp_path, "{{ 'You are a developer.' }}" + VERBATIM)  # text, not a role
+    assert tok.apply_chat_template(CHAT[:1]).endswith("<|system|>Answer in capitals.\n")
+
+
+def test_developer_renders_as_system_on_smollm2(smollm2_dir):
+    """The default model's template would add its own system prompt before a 'developer' turn."""
+    tok = Tokenizer(smollm2_dir)
+    text = tok.apply_chat_template(CHAT[:2])
+    assert text.startswith("<|im_start|>system\nAnswer in capitals.<|im_end|>\n") and "SmolLM" not in text
