@@ -9,7 +9,9 @@
 Only the engine thread touches the scheduler: requests and aborts travel through a thread-safe queue
 and are applied between steps; outputs travel back with `call_soon_threadsafe`. Leaving the `async
 for` early (client gone, task cancelled) aborts the request, which frees its KV pages and adapter
-reference at the next step boundary. Should the thread die of a bug outside a step (a failed step
+reference at the next step boundary. A JSON-mode request first waits, in its caller's event loop, for JSON
+mode's table of the vocabulary (json_guide.py), built once in a worker thread: the engine thread never
+builds it, so the other requests keep decoding meanwhile. Should the thread die of a bug outside a step (a failed step
 only fails its requests), or after `max_failed_forwards` failed forwards in a row (a broken device:
 worker/forward_failures.py), `failure` says why and every stream in flight ends with an error at once.
 """
@@ -83,13 +85,15 @@ class AsyncEngine:
     async def generate(
         self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, adapter: str | None = None
     ) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request as steps produce them. Raises EngineError (bad request) before the
-        first output; the request's failure (AdapterLoadError, CapacityError); RuntimeError if the
-        engine stops or fails."""
+        """Outputs of one request as steps produce them. Raises EngineError (bad request) or JsonModeError
+        (JSON mode unavailable) before the first output; the request's failure (AdapterLoadError,
+        CapacityError); RuntimeError if the engine stops or fails."""
         if self.failure is not None:
             raise RuntimeError(f"the engine thread died: {self.failure!r}")
         if not self.is_running:
             raise RuntimeError("the engine is not running (call start() first)")
+        if params is not None and params.json_object:
+            await self._json_vocab_ready()  # raises JsonModeError when the table cannot be built
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         added: Future = Future()
@@ -119,6 +123,11 @@ class AsyncEngine:
                 self._streams.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
+
+    async def _json_vocab_ready(self) -> None:
+        guide = self.engine.sampler.json_guide  # None without a tokenizer: the engine refuses JSON mode then
+        if guide is not None and not guide.is_ready:
+            await asyncio.wrap_future(guide.prepare())
 
     def abort(self, request_id: str) -> None:
         """Abort from any thread; applied before the next step."""

@@ -8,8 +8,14 @@ A pushdown automaton whose state is a small mode plus the stack of open containe
     advance(("start", ""), b"[") -> None               the top-level value must be an object
 
 States are plain tuples of strings: hashable (token masks are cached per state, json_vocab.py) and
-copied for free. Inside strings any byte >= 0x80 is accepted (a token may hold part of a UTF-8
-character); control bytes below 0x20 are not (RFC 8259 wants them escaped).
+copied for free. Control bytes below 0x20 are refused in strings (RFC 8259 wants them escaped), and so is
+any byte >= 0x80 that is not part of well-formed UTF-8 (RFC 3629: no overlong form, no surrogate
+D800-DFFF, nothing past U+10FFFF), since a JSON text must be UTF-8. A character may be split across
+tokens: its lead byte opens a mode "<string mode>~<bytes left><lowest><highest next byte, hex>",
+
+    advance(("str", "{"), b"\xe4")  -> ("str~280bf", "{")  two continuation bytes 80..BF to come
+    advance(("str", "{"), b"\xed")  -> ("str~2809f", "{")  80..9F next: ED A0..BF would be a surrogate
+    advance(("str~280bf", "{"), b'\xb8"') -> None           the quote cuts the character
 """
 
 from __future__ import annotations
@@ -27,7 +33,26 @@ _HEX = frozenset(b"0123456789abcdefABCDEF")
 _ESCAPES = frozenset(b'"\\/bfnrt')
 _LITERALS = {ord("t"): "lit:rue", ord("f"): "lit:alse", ord("n"): "lit:ull"}
 _NUMBER_ENDS = frozenset({"zero", "int", "frac", "exp_int"})  # a number may end here (on a delimiter)
-_STRING_STOP = re.compile(rb'["\\\x00-\x1f]')  # the bytes that end a run of plain string content
+
+# A run of plain string content: printable ASCII but '"' and '\\', and whole well-formed UTF-8 characters.
+_PLAIN_RUN = re.compile(
+    rb"(?:[\x20\x21\x23-\x5b\x5d-\x7f]|[\xc2-\xdf][\x80-\xbf]|\xe0[\xa0-\xbf][\x80-\xbf]"
+    rb"|[\xe1-\xec\xee\xef][\x80-\xbf]{2}|\xed[\x80-\x9f][\x80-\xbf]|\xf0[\x90-\xbf][\x80-\xbf]{2}"
+    rb"|[\xf1-\xf3][\x80-\xbf]{3}|\xf4[\x80-\x8f][\x80-\xbf]{2})*"
+)
+
+
+def _utf8_leads() -> dict[int, str]:
+    """Lead byte -> the mode suffix it opens: continuation bytes left, then the range of the next one."""
+    leads = {c: "180bf" for c in range(0xC2, 0xE0)}  # C0, C1 would be overlong
+    leads |= {c: "280bf" for c in range(0xE1, 0xF0)}
+    leads |= {0xE0: "2a0bf", 0xED: "2809f"}  # no overlong 3-byte form; no surrogate
+    leads |= {c: "380bf" for c in range(0xF1, 0xF4)}
+    leads |= {0xF0: "390bf", 0xF4: "3808f"}  # no overlong 4-byte form; nothing past U+10FFFF
+    return leads
+
+
+_UTF8_LEADS = _utf8_leads()
 
 
 def is_complete(state: JsonState) -> bool:
@@ -35,7 +60,7 @@ def is_complete(state: JsonState) -> bool:
 
 
 def is_in_string(state: JsonState) -> bool:
-    """Inside a key or value string, outside an escape: plain content leaves the state as it is."""
+    """Inside a key or value string, outside an escape or a character: plain content leaves the state as it is."""
     return state[0] in ("str", "key")
 
 
@@ -81,7 +106,14 @@ def _step(mode: str, stack: str, c: int) -> JsonState | None:
             return ("after", stack) if mode == "str" else ("colon", stack)
         if c == 0x5C:  # '\\'
             return mode + "_esc", stack
-        return None  # a control byte (the fast path takes every other byte)
+        lead = _UTF8_LEADS.get(c)  # else a control byte, a stray continuation byte or one never in UTF-8
+        return (f"{mode}~{lead}", stack) if lead else None
+    if "~" in mode:  # inside a UTF-8 character
+        base, rest = mode.split("~")
+        if not int(rest[1:3], 16) <= c <= int(rest[3:5], 16):
+            return None
+        left = int(rest[0]) - 1
+        return (base, stack) if left == 0 else (f"{base}~{left}80bf", stack)
     if mode.endswith("_esc"):
         base = mode[:-4]
         if c in _ESCAPES:
@@ -151,10 +183,9 @@ def advance(state: JsonState, data: bytes) -> JsonState | None:
         if mode == DONE:
             return None
         if mode in ("str", "key"):  # skip the run of plain content at once
-            hit = _STRING_STOP.search(data, i)
-            if hit is None:
+            i = _PLAIN_RUN.match(data, i).end()
+            if i == n:
                 return mode, stack
-            i = hit.start()
         nxt = _step(mode, stack, data[i])
         if nxt is None:
             return None

@@ -1,11 +1,21 @@
 """JsonGuide: JSON mode (`response_format: {"type": "json_object"}`) for the sampler's constrained rows.
 
 A constrained sequence's output is a prefix of one JSON object. Its stop tokens (EOS and its
-stop_token_ids, EOS even with ignore_eos) may be drawn only once the object is complete, and then
-nothing else may; while it has fewer than min_tokens - 1 tokens, no token may complete the object (it
-could not end there). Each sequence's validator state is kept on it with the number of output tokens it
-covers and advanced by the tokens gained since, so a recomputed (preempted) sequence, which keeps its
-output tokens, finds it as it left it.
+stop_token_ids) may be drawn only once the object is complete, and then nothing else may (ignore_eos: see
+below); while it has fewer than min_tokens - 1 tokens, no token may complete the object (it could not end
+there). Each sequence's validator state is kept on it with the number of output tokens it covers and
+advanced by the tokens gained since, so a recomputed (preempted) sequence, which keeps its output tokens,
+finds it as it left it.
+
+With ignore_eos, EOS ends nothing, so after the object only its stop_token_ids and tokens of JSON
+whitespace may follow: the request still runs to max_tokens as ignore_eos asks (fixed-length outputs, as
+for rows without JSON mode) and its output stays one JSON text (RFC 8259: `ws object ws`) that any JSON
+parser takes, instead of an object followed by EOS ids until max_tokens.
+
+The vocabulary table (json_vocab.py) scans the whole vocabulary, up to a second on real tokenizers, so it
+is built once in a worker thread (`prepare`), never in a step of the engine's thread, where it would stall
+every other request's decoding: the AsyncEngine has a JSON-mode request wait for it before the engine sees
+the request. Offline use (Engine.generate) builds it at its first JSON-mode step.
 
 The sampler draws as usual and keeps the token when the row accepts it; otherwise it draws again among
 the row's mask (sampler.py), which is exactly the distribution restricted to the valid tokens.
@@ -13,7 +23,9 @@ the row's mask (sampler.py), which is exactly the distribution restricted to the
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 
 import torch
 
@@ -29,8 +41,10 @@ class JsonModeError(RuntimeError):
 
 class JsonGuide:
     def __init__(self, build_vocab: Callable[[], JsonVocab], eos_token_ids: Iterable[int] = ()) -> None:
-        self._build_vocab = build_vocab  # built at the first JSON-mode step: a scan of the whole vocabulary
+        self._build_vocab = build_vocab  # a scan of the whole vocabulary: run by prepare(), in a worker thread
         self._vocab: JsonVocab | None = None
+        self._building: Future | None = None  # the build in flight, shared by every request that waits for it
+        self._lock = threading.Lock()  # guards _vocab and _building
         self.eos_token_ids = frozenset(eos_token_ids)
 
     @classmethod
@@ -42,13 +56,54 @@ class JsonGuide:
         return cls(lambda: json_vocab(tokenizer, vocab_size, device), eos_token_ids)
 
     @property
+    def is_ready(self) -> bool:
+        """Whether the vocabulary table is built: JSON-mode rows then cost no scan of the whole vocabulary."""
+        return self._vocab is not None
+
+    def prepare(self) -> Future:
+        """Future of the vocabulary table, built once in a worker thread; concurrent callers share the build.
+        A failed build sets a JsonModeError that says so, and the next call tries again. Cancelling the
+        future does nothing (a caller that leaves must not cancel the others' build)."""
+        with self._lock:
+            if self._building is not None:
+                return self._building
+            done: Future = Future()
+            done.set_running_or_notify_cancel()
+            if self._vocab is not None:
+                done.set_result(self._vocab)
+                return done
+            self._building = done
+        threading.Thread(target=self._build, args=(done,), name="json-vocab", daemon=True).start()
+        return done
+
+    def _build(self, done: Future) -> None:
+        try:
+            vocab = self._build_vocab()
+        except Exception as exc:
+            error = JsonModeError(f"JSON mode is unavailable: building its table of the model's vocabulary "
+                                  f"failed ({exc!r}); retry, or send the request without response_format")
+            error.__cause__ = exc
+            with self._lock:
+                self._building = None
+            done.set_exception(error)
+            return
+        with self._lock:
+            self._vocab, self._building = vocab, None
+        done.set_result(vocab)
+
+    @property
     def vocab(self) -> JsonVocab:
-        if self._vocab is None:
-            self._vocab = self._build_vocab()
-        return self._vocab
+        """The vocabulary table; built here, waiting for it, when no request prepared it (offline use)."""
+        vocab = self._vocab
+        return vocab if vocab is not None else self.prepare().result()
 
     def stop_ids(self, seq: Sequence) -> frozenset[int]:
         return self.eos_token_ids | frozenset(seq.params.stop_token_ids)
+
+    def end_ids(self, seq: Sequence) -> frozenset[int]:
+        """The stop tokens that end the request: its stop_token_ids, and EOS unless it ignores EOS."""
+        ends = frozenset(seq.params.stop_token_ids)
+        return ends if seq.params.ignore_eos else ends | self.eos_token_ids
 
     def state(self, seq: Sequence) -> JsonState:
         """The validator's state after the sequence's output tokens."""
@@ -57,10 +112,11 @@ class JsonGuide:
         if num_done > len(output):  # never expected (outputs only grow): start over
             num_done, state = 0, START
         stops = self.stop_ids(seq)
+        vocab = self.vocab
         for token_id in output[num_done:]:
-            if token_id in stops and is_complete(state):
-                continue  # a stop token that did not end the request (ignore_eos)
-            data = self.vocab.token_bytes(token_id) if token_id not in stops else b""
+            if is_complete(state) and (token_id in stops or vocab.is_whitespace(token_id)):
+                continue  # trailing whitespace, or a stop token that did not end the request (ignore_eos)
+            data = vocab.token_bytes(token_id) if token_id not in stops else b""
             nxt = advance(state, data) if data else None
             if nxt is None:
                 raise JsonModeError(f"JSON mode: output token {token_id} does not continue the JSON object")
@@ -75,8 +131,10 @@ class JsonGuide:
 
     def accepts(self, seq: Sequence, token_id: int) -> bool:
         state = self.state(seq)
+        if is_complete(state):
+            return token_id in self.end_ids(seq) or (seq.params.ignore_eos and self.vocab.is_whitespace(token_id))
         if token_id in self.stop_ids(seq):
-            return is_complete(state)
+            return False
         return self.vocab.accepts(state, token_id, self.may_complete(seq))
 
     def invalid(self, seq: Sequence, device: torch.device) -> torch.Tensor:
@@ -84,13 +142,9 @@ class JsonGuide:
         draw none). The vocabulary's cached mask itself unless a stop token id is also a text token."""
         state = self.state(seq)
         vocab = self.vocab
-        stops = sorted(t for t in self.stop_ids(seq) if 0 <= t < vocab.vocab_size)
         if is_complete(state):
-            if not stops:
-                raise JsonModeError("JSON mode: the object is complete but no stop token may end the request")
-            invalid = torch.ones(vocab.vocab_size, dtype=torch.bool, device=device)
-            invalid[torch.tensor(stops, device=device)] = False
-            return invalid
+            return self._after_object(seq, vocab, device)
+        stops = _ids(self.stop_ids(seq), vocab)
         invalid, num_valid = vocab.mask(state, self.may_complete(seq))
         text_stops = [t for t in stops if vocab.token_bytes(t)]  # stop ids are never content, even text tokens
         if text_stops:
@@ -99,3 +153,22 @@ class JsonGuide:
         if num_valid <= len(text_stops) and not bool((~invalid).any()):
             raise JsonModeError("JSON mode: no token of the vocabulary continues the JSON object")
         return invalid.to(device)
+
+    def _after_object(self, seq: Sequence, vocab: JsonVocab, device: torch.device) -> torch.Tensor:
+        """The invalid mask once the object is complete: all but the tokens that end the request, and with
+        ignore_eos the JSON whitespace tokens too (the module's docstring says why)."""
+        ends = _ids(self.end_ids(seq), vocab)
+        if seq.params.ignore_eos and vocab.num_whitespace:
+            invalid = vocab.not_whitespace().to(device, copy=True)
+            invalid[torch.tensor(_ids(self.eos_token_ids, vocab), dtype=torch.int64, device=device)] = True
+        elif ends:
+            invalid = torch.ones(vocab.vocab_size, dtype=torch.bool, device=device)
+        else:
+            raise JsonModeError("JSON mode: the object is complete but no stop token may end the request")
+        invalid[torch.tensor(ends, dtype=torch.int64, device=device)] = False
+        return invalid
+
+
+def _ids(token_ids: Iterable[int], vocab: JsonVocab) -> list[int]:
+    """The ids of `token_ids` within the vocabulary, sorted."""
+    return sorted(t for t in token_ids if 0 <= t < vocab.vocab_size)

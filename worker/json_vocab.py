@@ -8,8 +8,9 @@ Scanning ~49k tokens in Python at every step would cost tens of milliseconds, so
 * masks are cached per (state, may_complete) in a bounded LRU, on the device: a request's states recur (inside a string,
   after a value, ...) and requests share them;
 * tokens are bucketed by first byte, and only the buckets whose first byte is valid are scanned;
-* inside a string, the tokens of plain content (no '"', '\\' or control byte) are valid as one precomputed
-  mask, and only the other tokens are scanned.
+* inside a string, the tokens of plain content (whole UTF-8 characters, no '"', '\\' or control byte) are
+  valid as one precomputed mask, and only the other tokens are scanned; inside a character split across
+  tokens, only the buckets led by one of its continuation bytes are.
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ class JsonVocab:
             else:
                 _add(self._special_buckets, data, token_id)
         self._plain, self._all_ws = plain, all_ws
+        self._not_ws = (~all_ws).to(self.device)  # what may not follow a complete object in a JSON text
+        self.num_whitespace = int(all_ws.sum())
         self._none = torch.zeros(self.vocab_size, dtype=torch.bool)
         self._masks: OrderedDict[tuple[JsonState, bool], tuple[torch.Tensor, int]] = OrderedDict()
         self.num_built = 0  # masks scanned (cache misses), for tests and benchmarks
@@ -64,6 +67,14 @@ class JsonVocab:
     def token_bytes(self, token_id: int) -> bytes:
         """The token's bytes; empty for special tokens and ids past the tokenizer's vocabulary."""
         return self._bytes[token_id] if 0 <= token_id < self.vocab_size else b""
+
+    def is_whitespace(self, token_id: int) -> bool:
+        """Whether the token is JSON whitespace only (RFC 8259's `ws`, which may follow the object)."""
+        return 0 <= token_id < self.vocab_size and bool(self._all_ws[token_id])
+
+    def not_whitespace(self) -> torch.Tensor:
+        """bool [V] on the device, True where a token is not JSON whitespace only. Do not modify it."""
+        return self._not_ws
 
     def accepts(self, state: JsonState, token_id: int, may_complete: bool = True) -> bool:
         """Whether token `token_id` may follow `state`; with may_complete False, not a token that completes it."""

@@ -5,6 +5,7 @@ once the object is complete."""
 
 from __future__ import annotations
 
+import codecs
 import json
 from dataclasses import replace
 
@@ -41,8 +42,10 @@ def _check(engine, outs, params) -> int:
     """Every output is a JSON object's prefix; a stopped one a whole object. Returns how many stopped."""
     stopped = 0
     for out, p in zip(outs, params, strict=True):
-        state = advance(START, _body(engine, out))
+        body = _body(engine, out)
+        state = advance(START, body)
         assert state is not None, out.text
+        codecs.getincrementaldecoder("utf-8")().decode(body)  # well-formed UTF-8 (a last character may be cut)
         if out.finish_reason == "stop":
             assert out.token_ids[-1] == EOS_ID and is_complete(state)
             assert isinstance(json.loads(out.text), dict)
@@ -76,16 +79,39 @@ def test_a_complete_object_only_takes_stop_tokens(tiny_llama_dir):
     prompt = _prompts()[1]
     ended = engine.generate([prompt], _json(temperature=0.0, logit_bias=_braces_first(engine)))[0]
     assert ended.finish_reason == "stop" and ended.text == "{}" and len(ended.token_ids) == 3
-    # ignore_eos: EOS ends nothing, and after the object EOS is still the only token allowed.
+    # ignore_eos: EOS would end nothing, so after the object only JSON's trailing whitespace may come.
     out = engine.generate([prompt], _json(temperature=0.0, logit_bias=_braces_first(engine), ignore_eos=True,
                                           max_tokens=len(ended.token_ids) + 3))[0]
-    assert out.token_ids == ended.token_ids + [EOS_ID] * 3 and out.finish_reason == "length"
+    assert out.token_ids[:2] == ended.token_ids[:2] and out.finish_reason == "length" and len(out.token_ids) == 6
+    assert EOS_ID not in out.token_ids and json.loads(out.text) == {} and not out.text[2:].strip(" \t\n\r")
     # A stop token id ends a complete object like EOS; before that it is never drawn.
     stop_id = ord("x")
     out = engine.generate([prompt], _json(temperature=1.0, seed=5, logit_bias={stop_id: 8.0},
                                           stop_token_ids=[stop_id], max_tokens=80))[0]
     assert stop_id not in out.token_ids[:-1]
     assert out.finish_reason == "length" or is_complete(advance(START, _body(engine, out)))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_ignore_eos_pads_a_complete_object_with_whitespace_not_eos(tiny_llama_dir, temperature):
+    """ignore_eos asks for max_tokens tokens: after the object they are JSON's trailing whitespace, so the
+    output stays one JSON text and no EOS id lands in it; a stop token id still ends the request."""
+    engine = _engine(tiny_llama_dir)
+    prompts = _prompts()
+    bias = _braces_first(engine)
+    params = [_json(temperature=temperature, seed=i, logit_bias=bias, ignore_eos=True, max_tokens=12)
+              for i in range(len(prompts))]
+    outs = engine.generate(prompts, params)
+    for out in outs:
+        assert out.finish_reason == "length" and len(out.token_ids) == 12 and EOS_ID not in out.token_ids
+        assert isinstance(json.loads(out.text), dict), out.text
+        body = _body(engine, out)
+        end = len(body.rstrip(b" \t\n\r"))
+        assert is_complete(advance(START, body[:end])) and end < len(body)
+    stop = _json(temperature=temperature, seed=1, logit_bias=bias, ignore_eos=True, stop_token_ids=[EOS_ID],
+                 max_tokens=12)
+    out = engine.generate([prompts[0]], stop)[0]
+    assert out.finish_reason == "stop" and out.token_ids[-1] == EOS_ID and json.loads(out.text) == {}
 
 
 def test_min_tokens_keeps_the_object_open_until_it_may_end(tiny_llama_dir):

@@ -90,7 +90,7 @@ def test_one_token_can_close_several_levels_and_bytes_after_the_object_are_refus
 def test_split_utf8_and_number_endings():
     emoji = "\U0001f600".encode()
     state = advance(START, b'{"a":"' + emoji[:2])
-    assert state == ("str", "{") and advance(state, emoji[2:] + b'"}') == ("done", "")
+    assert state == ("str~280bf", "{") and advance(state, emoji[2:] + b'"}') == ("done", "")  # 2 bytes to come
     assert advance(START, b'{"a":12') == ("int", "{")
     assert advance(START, b'{"a":12 ') == ("after", "{")
     assert advance(START, b'{"a":0') == ("zero", "{")

@@ -92,3 +92,16 @@ def test_preempted_sequences_rebuild_or_keep_their_state():
     assert guide.state(seq) == ("colon", "{") and seq.json_state[0] == 4
     seq.json_state = None  # dropped: rebuilt from the output tokens
     assert guide.state(seq) == ("colon", "{")
+
+
+def test_after_the_object_ignore_eos_takes_whitespace_or_a_stop_token_id_never_eos():
+    sampler = _sampler()
+    guide = sampler.json_guide
+    seq = _seq([WHOLE], temperature=0.0, ignore_eos=True)
+    assert sampler.sample(_logits(EOS, A), [seq])[0][0] == SPACE
+    assert guide.accepts(seq, SPACE) and not guide.accepts(seq, EOS) and not guide.accepts(seq, A)
+    seq.output_token_ids.append(SPACE)
+    assert guide.state(seq) == ("done", "") and sampler.sample(_logits(EOS), [seq])[0][0] == SPACE
+    stop = _seq([WHOLE], temperature=0.0, ignore_eos=True, stop_token_ids=[ONE])
+    assert sampler.sample(_logits(ONE, SPACE), [stop])[0][0] == ONE
+    assert sampler.sample(_logits(EOS, SPACE), [_seq([WHOLE], temperature=0.0)])[0][0] == EOS  # as before

@@ -108,3 +108,25 @@ def test_text_and_json_object_are_accepted(parse):
     assert not parse(body).options.json_object
     assert not parse(body | {"response_format": {"type": "text"}}).options.json_object
     assert parse(body | {"response_format": JSON_MODE}).options.json_object
+
+
+async def test_a_failed_json_table_build_is_an_error_that_says_so(aiohttp_client, tiny_llama_dir):
+    """The table is built outside the engine's thread: its failure ends the JSON-mode request, not the worker."""
+    from lorafleet.worker.app_keys import ENGINE
+
+    config = WorkerConfig(engine=EngineConfig(model=str(tiny_llama_dir), dtype="float32", max_model_len=128),
+                          served_model_name="tiny")
+    client = await aiohttp_client(create_app(config))
+
+    def broken():
+        raise RuntimeError("tokenizer broke")
+
+    client.app[ENGINE].engine.sampler.json_guide._build_vocab = broken
+    body = {"model": "tiny", "prompt": "JSON:", "max_tokens": 4}
+    for stream in (False, True):
+        resp = await client.post("/v1/completions", json=body | {"response_format": JSON_MODE, "stream": stream})
+        error = (await resp.json())["error"]
+        assert resp.status == 500 and "JSON mode is unavailable" in error["message"], error
+        assert "tokenizer broke" in error["message"]
+    resp = await client.post("/v1/completions", json=body)
+    assert resp.status == 200 and client.app[ENGINE].is_running
