@@ -221,6 +221,8 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], counts: TokenCou
     one-off table when None)."""
     rows = [i for i, s in enumerate(seqs) if s.params.has_penalties]
     if not rows:
+        if counts is not None:  # a burst of penalized requests over: their rows go now, not at the next one
+            counts.release_finished()
         return logits
     device, dtype = logits.device, logits.dtype
     params = [seqs[i].params for i in rows]

@@ -155,3 +155,18 @@ def test_rows_of_finished_sequences_are_released_at_the_next_step_and_a_bursts_t
     late.output_token_ids.append(3)
     _check(table, [late], torch.zeros(1, VOCAB))
     assert table.num_rows == 1 and table.output_counts.shape[0] == 8
+
+
+def test_steps_without_penalties_give_a_finished_bursts_rows_back():
+    """After a burst of penalized requests, the steps of requests that set no penalty release the burst's
+    rows and shrink the table: the memory does not wait for the next penalized request."""
+    params = SamplingParams(frequency_penalty=0.5)
+    burst = [Sequence(f"b{i}", [1, 2], params) for i in range(40)]
+    sampler_counts = TokenCounts()
+    apply_penalties(torch.zeros(len(burst), VOCAB), burst, sampler_counts)
+    assert sampler_counts.output_counts.shape[0] == 64
+    for seq in burst:
+        seq.status = SequenceStatus.FINISHED
+    plain = [Sequence("plain", [1, 2], SamplingParams())]
+    apply_penalties(torch.zeros(1, VOCAB), plain, sampler_counts)
+    assert sampler_counts.num_rows == 0 and sampler_counts.output_counts.shape[0] == 8
