@@ -1,4 +1,5 @@
-"""OpenAI-compatible inference: `/v1/completions`, `/v1/chat/completions`, `/v1/models`.
+"""OpenAI-compatible inference: `/v1/completions`, `/v1/chat/completions`, `/v1/models` (and
+`/v1/models/{id}`).
 
 One HTTP request becomes `len(prompts) * n` engine requests ("choices"), all on the same adapter
 version, resolved on arrival (one naming no version moves once, before any output, if the engine
@@ -57,6 +58,7 @@ def openai_routes() -> list[web.RouteDef]:
         web.post("/v1/completions", completions),
         web.post("/v1/chat/completions", chat_completions),
         web.get("/v1/models", list_models),
+        web.get("/v1/models/{model:.+}", retrieve_model),
     ]
 
 
@@ -314,7 +316,23 @@ async def _stream(request: web.Request, job: CompletionJob, outputs: AsyncIterat
 
 
 async def list_models(request: web.Request) -> web.Response:
-    tenant = authenticate(request)
+    return web.json_response({"object": "list", "data": _models(request, authenticate(request))})
+
+
+async def retrieve_model(request: web.Request) -> web.Response:
+    """One entry of /v1/models by its id (the client's `models.retrieve`); 404 for a name the caller may
+    not see, as for one that does not exist."""
+    model = request.match_info["model"]
+    for entry in _models(request, authenticate(request)):
+        if entry["id"] == model:
+            return web.json_response(entry)
+    raise APIError(404, f"The model `{model}` does not exist on this worker (GET /v1/models lists the ones you "
+                        "may use)", code="model_not_found", param="model")
+
+
+def _models(request: web.Request, tenant: Tenant) -> list[dict[str, Any]]:
+    """The model objects this caller may use: the base model (unless its tenant may not call it), then
+    its adapters with their versions and canary split."""
     app = request.app
     if ENGINE not in app:
         raise APIError(503, "the worker is starting", type="service_unavailable", code="not_ready")
@@ -329,4 +347,4 @@ async def list_models(request: web.Request) -> web.Response:
         data.append({"id": a.name, "object": "model", "created": created, "owned_by": a.tenant or "lorafleet",
                      "root": a.name, "parent": adapters.base_model, "max_model_len": limit, "versions": sorted(a.sources),
                      "stable": a.split.stable, "canary": a.split.canary, "canary_weight": a.split.canary_weight})
-    return web.json_response({"object": "list", "data": data})
+    return data

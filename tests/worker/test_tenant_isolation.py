@@ -152,6 +152,27 @@ async def test_another_tenants_adapter_is_answered_as_one_that_does_not_exist(ai
     assert resp.status == 200, await resp.text()
 
 
+async def test_models_retrieve_finds_ones_own_models_and_not_another_tenants(aiohttp_client, tiny_llama_dir,
+                                                                              qv_adapters_dir, tmp_path):
+    """`client.models.retrieve(id)` (GET /v1/models/{id}) answers the entry /v1/models lists; another
+    tenant's adapter gets the very 404 a name that exists nowhere gets."""
+    client = await aiohttp_client(create_app(worker_config(tiny_llama_dir, qv_adapters_dir, tmp_path)))
+    await push(client, 1, directive("globex-secret", "globex", "g1", qv_adapters_dir / "beta"))
+    globex, acme = openai_client(client, KEY_GLOBEX), openai_client(client, KEY_ACME)
+    listed = {m.id: m for m in (await globex.models.list()).data}
+    got = await globex.models.retrieve("globex-secret")
+    assert got.id == "globex-secret" and got.model_dump() == listed["globex-secret"].model_dump()
+    assert (await globex.models.retrieve("tiny")).id == "tiny"
+    answers = []
+    for model in ("globex-secret", "globex-nothing"):
+        with pytest.raises(openai.NotFoundError) as err:
+            await acme.models.retrieve(model)
+        answers.append((err.value.code, err.value.message.replace(model, "<model>")))
+    assert answers[0] == answers[1] and answers[0][0] == "model_not_found"
+    with pytest.raises(openai.AuthenticationError):
+        await openai_client(client, "sk-nobody").models.retrieve("tiny")
+
+
 async def test_a_stable_version_kept_as_the_canary_serves_its_share(aiohttp_client, tiny_llama_dir, qv_adapters_dir,
                                                                     tmp_path):
     """Rolling out v2 while v1 (the stable until now) stays as the canary: the switch to v2 must not
