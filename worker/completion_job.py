@@ -10,7 +10,8 @@ logprobs in the completions (`tokens`, `token_logprobs`, `top_logprobs`, `text_o
 sent, token ids decoded with special tokens) followed by the completion; streamed, the prompt's text is
 in the choice's first chunk. With `logprobs`, the prompt's tokens come first, the first of them with null
 `token_logprobs` and `top_logprobs` (as OpenAI and vLLM answer), and `text_offset` counts through the
-echoed text. vLLM's `prompt_logprobs` answers, per prompt token, None for the first, then
+echoed text (a BOS token's "<s>" or SentencePiece's leading space, which a string prompt as sent lacks,
+at 0). Special tokens the text skips take no room in `text_offset`. vLLM's `prompt_logprobs` answers, per prompt token, None for the first, then
 `{token_id: {logprob, rank, decoded_token}}` for the prompt token and the k most likely: in each choice
 (completions) or beside the choices (chat), as vLLM places it.
 """
@@ -118,9 +119,11 @@ class CompletionJob:
             offsets = offsets if offsets is not None else TextOffsets()
             p = self.choice_prompt[index]
             echo = self.options.echo and (first or not delta)
-            prompt = (self.prompt_ids[p], prompt_lps) if echo else None
-            choice = {"index": index, "text": self.echo_text(tokenizer, p) + text if echo else text,
-                      "logprobs": completion_logprobs(tokenizer, lps, offsets, prompt, self.options.logprobs),
+            echo_text = self.echo_text(tokenizer, p) if echo else ""
+            prompt = (self.prompt_ids[p], prompt_lps, echo_text) if echo else None
+            choice = {"index": index, "text": echo_text + text,
+                      "logprobs": completion_logprobs(tokenizer, lps, offsets, prompt, self.options.logprobs,
+                                                      self.options.skip_special_tokens),
                       "finish_reason": finish_reason}
             if self.options.prompt_logprobs is not None and not delta:
                 choice["prompt_logprobs"] = vllm_prompt_logprobs(tokenizer, prompt_lps, self.options.prompt_logprobs)
@@ -159,33 +162,63 @@ def raw_bytes(tokenizer, token_id: int) -> bytes:
     return token_bytes(tokenizer)(token_id) if tokenizer is not None else str(token_id).encode()
 
 
+def _num_ended(state: tuple[bytes, int], byte: bytes) -> int:
+    """How many characters a UTF-8 decoder in `state` writes for its held-back bytes once `byte` follows
+    them: all it writes then, but the last when that one holds `byte` (nothing is held back after it)."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    decoder.setstate(state)
+    num_chars = len(decoder.decode(byte))
+    return num_chars - (num_chars > 0 and not decoder.getstate()[0])
+
+
 class TextOffsets:
-    """Where each token's text starts in its choice's text, in characters, counted from the tokens'
-    bytes over all the choice's chunks (one instance per choice): a token that continues a character
-    begun by an earlier token is at that character. Running example, "é!" as tokens [c3] [a9] [21]:
-    0, 0, 1, whether sent in one chunk or streamed as [c3] | [a9] [21]. Counting the tokens, not the
-    text sent so far, keeps offsets right while text is held back (a possible stop string). Bytes that
-    are not valid UTF-8 count as U+FFFD, as they do in the text."""
+    """Where each token's text starts in its choice's text, in characters: the number of characters the
+    bytes before the token decode to (vLLM's "length of the text before the token", counted in the text
+    returned), over all the choice's chunks (one instance per choice). A token that continues a character
+    begun by an earlier token is at that character. Running examples: "é!" as [c3] [a9] [21] is at 0, 0, 1,
+    whether sent in one chunk or streamed as [c3] | [a9] [21]; U+FFFD "AB" as [c3] [41] [42] is at 0, 1, 2:
+    "A" cannot continue c3, so c3 is a U+FFFD of its own, before "A" (the decoder holds c3 back and writes
+    that U+FFFD only once "A" arrives). Counting the tokens, not the text sent so far, keeps offsets right
+    while text is held back (a possible stop string). Bytes that are not valid UTF-8 count as U+FFFD, as
+    they do in the text."""
 
     def __init__(self) -> None:
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._num_chars = 0  # characters the tokens so far decode to (a partial character not yet)
+        self._num_chars = 0  # characters the tokens so far decode to (held-back bytes not yet)
 
     def __call__(self, pieces: list[bytes]) -> list[int]:
         offsets = []
-        for piece in pieces:
-            offsets.append(self._num_chars)
+        for i, piece in enumerate(pieces):
+            state = self._decoder.getstate()
+            ended = 0  # held-back bytes that turn out to be U+FFFD before this token
+            if state[0]:  # the next byte decides; a token without bytes looks past itself, within this chunk
+                ended = _num_ended(state, next((p[:1] for p in pieces[i:] if p), b""))
+            offsets.append(self._num_chars + ended)
             self._num_chars += len(self._decoder.decode(piece))
         return offsets
 
+    def echo(self, pieces: list[bytes], text: str) -> list[int]:
+        """Offsets of an echoed prompt's tokens in `text`, the prompt as the choice repeats it; the tokens
+        that follow count from its end. The prompt tokens' bytes may spell more than `text` at its start (a
+        BOS token's "<s>", SentencePiece's leading space): their offsets are aligned on the end of `text`."""
+        prompt = TextOffsets()
+        offsets = prompt(pieces)
+        num_chars = prompt._num_chars + len(prompt._decoder.decode(b"", final=True))
+        self._decoder.reset()
+        self._num_chars = len(text)
+        return [min(max(o - (num_chars - len(text)), 0), len(text)) for o in offsets]
+
 
 def completion_logprobs(tokenizer, lps: list[TokenLogprob] | None, offsets: TextOffsets,
-                        prompt: tuple[list[int], list[TokenLogprob | None] | None] | None = None,
-                        k: int | None = None) -> dict[str, Any] | None:
-    """`prompt`: (token ids, logprobs) of an echoed prompt, its tokens first (the first prompt token, and any
-    without logprobs, with null token_logprobs and top_logprobs); `k`: top entries of a prompt token."""
+                        prompt: tuple[list[int], list[TokenLogprob | None] | None, str] | None = None,
+                        k: int | None = None, skip_special_tokens: bool = False) -> dict[str, Any] | None:
+    """`prompt`: (token ids, logprobs, text) of an echoed prompt, its tokens first (the first prompt token, and
+    any without logprobs, with null token_logprobs and top_logprobs); `k`: top entries of a prompt token;
+    `skip_special_tokens`: special tokens are not in the text, so take no room in `text_offset`."""
     if lps is None:
         return None
+    skipped = token_bytes(tokenizer).special_ids if skip_special_tokens and tokenizer is not None else ()
+    pieces = [b"" if lp.token_id in skipped else raw_bytes(tokenizer, lp.token_id) for lp in lps]
 
     def top(lp: TokenLogprob, most: int | None = None) -> dict[str, float]:
         entries = {token_text(tokenizer, t): v for t, v in lp.top[:most]}
@@ -193,14 +226,15 @@ def completion_logprobs(tokenizer, lps: list[TokenLogprob] | None, offsets: Text
         entries.setdefault(token_text(tokenizer, lp.token_id), lp.logprob)
         return entries
 
-    ids, prompt_lps = prompt if prompt is not None else ([], [])
+    ids, prompt_lps, prompt_text = prompt if prompt is not None else ([], [], "")
+    text_offset = offsets.echo([raw_bytes(tokenizer, t) for t in ids], prompt_text) if prompt is not None else []
     prompt_lps = list(prompt_lps or [])[: len(ids)]
     prompt_lps += [None] * (len(ids) - len(prompt_lps))
     return {
         "tokens": [token_text(tokenizer, t) for t in ids] + [token_text(tokenizer, lp.token_id) for lp in lps],
         "token_logprobs": [None if lp is None else lp.logprob for lp in prompt_lps] + [lp.logprob for lp in lps],
         "top_logprobs": [None if lp is None else top(lp, k) for lp in prompt_lps] + [top(lp) for lp in lps],
-        "text_offset": offsets([raw_bytes(tokenizer, t) for t in ids] + [raw_bytes(tokenizer, lp.token_id) for lp in lps]),
+        "text_offset": text_offset + offsets(pieces),
     }
 
 

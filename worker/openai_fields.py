@@ -126,6 +126,19 @@ class Fields:
             raise bad_request(f"'{name}' must be a string (got {json.dumps(v)})", name, "invalid_type")
         return check_text(v, name)
 
+    def string_map(self, name: str) -> dict[str, str] | None:
+        """An object whose values are strings (OpenAI's `metadata`)."""
+        v = self.get(name)
+        if v is None:
+            return None
+        if not isinstance(v, dict) or not all(isinstance(x, str) for x in v.values()):
+            raise bad_request(f"'{name}' must be an object whose values are strings (got {json.dumps(v)})", name,
+                              "invalid_type")
+        for key, value in v.items():
+            check_text(key, name)
+            check_text(value, name)
+        return v
+
     def neutral(self, name: str, neutral: Any, why: str) -> None:
         """Accept a field only at its no-op value; anything else would be silently wrong."""
         v = self.get(name)

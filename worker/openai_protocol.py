@@ -2,8 +2,9 @@
 
 Parsing is strict where it matters: wrong types, out-of-range values and unknown top-level fields
 are refused with a 400 that names the field (as OpenAI does: "Unrecognized request argument");
-options we cannot honour (`best_of > 1`, `suffix`, chat's `echo`, tool calls, also in a chat's history)
-are refused rather than silently ignored. Tokenization happens later, in openai_api.py, and the context-length
+options we cannot honour (`best_of > 1`, `suffix`, chat's `echo`, tool calls, also in a chat's history,
+`reasoning_effort`, non-text `modalities`) are refused rather than silently ignored; documented fields
+that do not change the output (`store`, `metadata`, `service_tier`, ...) are type-checked and ignored. Tokenization happens later, in openai_api.py, and the context-length
 check in completion_job.py. The typed field access and the error shape live in openai_fields.py, the
 sampling options both endpoints share in openai_sampling.py.
 """
@@ -157,8 +158,30 @@ def parse_chat_request(body: Any, defaults: SamplingDefaults = SamplingDefaults(
                              "takes echo, and prompt_logprobs works on both")
     f.neutral("tools", [], "tool calling is not implemented")
     f.neutral("tool_choice", "none", "tool calling is not implemented")
+    _chat_extras(f)
     f.refuse_unknown()
     return ChatRequest(model, messages, options)
+
+
+def _chat_extras(f: Fields) -> None:
+    """OpenAI's chat fields beyond sampling: those that change nothing the model generates are type-checked
+    and ignored; those whose effect would be silently lost are accepted only at their no-op value."""
+    f.flag("store", False)  # nothing is stored here for later retrieval
+    f.string_map("metadata")  # tags of a stored completion
+    for name in ("service_tier", "prompt_cache_key", "safety_identifier"):  # billing, cache routing, abuse reports
+        f.string(name)
+    f.flag("parallel_tool_calls", True)  # `tools` is refused: there are no calls to run in parallel
+    if not isinstance(f.get("prediction"), dict | None):  # predicted output: only a speed-up, the same text
+        raise bad_request("'prediction' must be an object", "prediction", "invalid_type")
+    f.neutral("functions", [], "function calling is not implemented")
+    f.neutral("function_call", "none", "function calling is not implemented")
+    f.neutral("modalities", ["text"], "only text output; send [\"text\"] or leave it out")
+    f.neutral("audio", None, "only text output")
+    f.neutral("web_search_options", None, "web search is not implemented")
+    f.neutral("verbosity", None, "the model's verbosity cannot be set; ask for it in the prompt")
+    # Refused, not ignored (vLLM only hands it to the chat template): OpenAI answers a 400 too for a model
+    # without a reasoning mode, and accepting "high" would pretend to honour it. "none" is what happens.
+    f.neutral("reasoning_effort", "none", "the model has no reasoning mode to set; send \"none\" or leave it out")
 
 
 def parse_load_adapter_request(body: Any) -> tuple[str, str]:

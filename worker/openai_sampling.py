@@ -24,6 +24,7 @@ MAX_PROMPT_LOGPROBS = MAX_LOGPROBS  # vLLM's default max_logprobs
 MAX_N = 16
 MAX_STOP = 4
 MAX_STOP_TOKEN_IDS = 64
+STREAM_OPTIONS = ("include_usage", "include_obfuscation", "continuous_usage_stats")
 
 
 @dataclass(slots=True)
@@ -121,6 +122,31 @@ def _response_format(f: Fields) -> bool:
     return kind == "json_object"
 
 
+def _stream_options(v: object, stream: bool) -> bool:
+    """`stream_options` -> include_usage. OpenAI's `include_obfuscation` is accepted and ignored: it pads
+    chunks against a length side channel, the text is the same without it. vLLM's `continuous_usage_stats`
+    (running usage in every chunk) is refused when true: the stream would silently lack it."""
+    if v is None:
+        return False
+    if not isinstance(v, dict):
+        raise bad_request(f"'stream_options' must be an object (got {json.dumps(v)})", "stream_options", "invalid_type")
+    unknown = sorted(set(v) - set(STREAM_OPTIONS))
+    if unknown:
+        raise bad_request(f"'stream_options' takes only {', '.join(STREAM_OPTIONS)} (got {', '.join(unknown)})",
+                          "stream_options")
+    if not stream:
+        raise bad_request("'stream_options' is only allowed with 'stream': true", "stream_options")
+    for key, value in v.items():
+        if value is not None and not isinstance(value, bool):
+            raise bad_request(f"'stream_options.{key}' must be true or false (got {json.dumps(value)})",
+                              "stream_options", "invalid_type")
+    if v.get("continuous_usage_stats"):
+        raise bad_request("'stream_options.continuous_usage_stats' is not supported by this server; "
+                          "'include_usage': true sends the usage in a last chunk", "stream_options",
+                          "unsupported_parameter")
+    return bool(v.get("include_usage"))
+
+
 def _ranged(f: Fields, name: str, default: float) -> float:
     """A field whose range a model's default shares (sampling_defaults.RANGES)."""
     r = RANGES[name]
@@ -137,16 +163,7 @@ def parse_sampling_options(f: Fields, max_tokens_names: tuple[str, ...], default
         if value is not None:
             max_tokens, max_tokens_param = value, name
     stream = f.flag("stream", False)
-    stream_options = f.get("stream_options")
-    include_usage = False
-    if stream_options is not None:
-        if not isinstance(stream_options, dict) or set(stream_options) - {"include_usage"}:
-            raise bad_request("'stream_options' must be an object with only 'include_usage'", "stream_options")
-        if not stream:
-            raise bad_request("'stream_options' is only allowed with 'stream': true", "stream_options")
-        include_usage = stream_options.get("include_usage", False)
-        if not isinstance(include_usage, bool):
-            raise bad_request("'stream_options.include_usage' must be true or false", "stream_options")
+    include_usage = _stream_options(f.get("stream_options"), stream)
     try:
         logit_bias = parse_logit_bias(f.get("logit_bias"))
     except LogitBiasError as exc:

@@ -98,3 +98,92 @@ def test_completion_top_logprobs_always_hold_the_sampled_token(byte_tokenizer):
 def test_text_offsets(chunks, offsets):
     text_offsets = TextOffsets()
     assert [text_offsets(pieces) for pieces in chunks] == offsets
+
+
+def _reference_offsets(pieces: list[bytes]) -> tuple[str, list[int]]:
+    """The final text and, per token, how many of its characters end within the bytes before the token.
+    Character spans come from the strict codec: a valid character, or the maximal invalid run it reports
+    (one U+FFFD in the lenient text)."""
+    data, spans, pos = b"".join(pieces), [], 0
+    while pos < len(data):
+        try:
+            width = len(data[pos:].decode()[0].encode())
+        except UnicodeDecodeError as exc:  # a valid character before the error, or the error's run
+            width = len(data[pos:pos + exc.start].decode()[0].encode()) if exc.start else exc.end
+        spans.append((pos, pos + width))
+        pos += width
+    starts = [sum(map(len, pieces[:i])) for i in range(len(pieces))]
+    text = data.decode(errors="replace")
+    assert len(spans) == len(text)
+    return text, [sum(end <= start for _, end in spans) for start in starts]
+
+
+BYTE_RUNS = [
+    ([b"\xc3", b"A", b"B"], [0, 1, 2]),  # "\ufffdAB": "A" cannot continue c3
+    ([b"\xc3", b"\xc3", b"A"], [0, 1, 2]),  # a run of lead bytes: one U+FFFD each
+    ([b"\xf0", b"\xf0", b"\xf0\x9f\x98\x8a", b"!"], [0, 1, 2, 3]),
+    ([b"\xe2", b"\x82", b"A"], [0, 0, 1]),  # "\xe2\x82" is one U+FFFD (a truncated "€")
+    ([b"\xe2\x82", b"A"], [0, 1]),
+    ([b"\xf0\x9f", b"\x98", b"A", b"\xc3\xa9"], [0, 0, 1, 2]),
+    ([b"\xc3", b"\xa9", b"\xc3", b"B"], [0, 0, 1, 2]),  # "é\ufffdB"
+    ([b"\xe2", b"\x82\xac", b"x"], [0, 0, 1]),  # "€x": a valid character split over tokens
+    ([b"\xed\xa0", b"\x80"], [0, 2]),  # an encoded surrogate: three U+FFFD
+    ([b"\xff\xfe", b"x"], [0, 2]),
+    ([b"a", b"\xe2", b"\x82"], [0, 1, 1]),  # ends inside a character: a U+FFFD at the end of the text
+    ([b"\xc3", b"", b"A"], [0, 1, 1]),  # a token without bytes: after the U+FFFD, at "A"
+]
+
+
+@pytest.mark.parametrize(("pieces", "expected"), BYTE_RUNS)
+def test_text_offsets_follow_the_returned_text_after_invalid_bytes(pieces, expected):
+    text, reference = _reference_offsets(pieces)
+    assert reference == expected
+    assert TextOffsets()(pieces) == expected
+    for i, piece in enumerate(pieces):  # each token's text starts where its offset points (U+FFFD aside)
+        if piece and piece.decode(errors="replace").isascii():
+            assert text[expected[i]:].startswith(piece.decode())
+    for cut in range(1, len(pieces)):  # streamed in two chunks: the same offsets
+        if pieces[cut - 1]:  # (a token without bytes at a chunk's end cannot look past it)
+            offsets = TextOffsets()
+            assert offsets(pieces[:cut]) + offsets(pieces[cut:]) == expected
+
+
+def _echo_job(tokenizer, prompt: str, skip_special_tokens: bool = True):
+    from lorafleet.worker.completion_job import CompletionJob
+    from lorafleet.worker.openai_protocol import SamplingOptions
+    from lorafleet.worker.tenants import Tenant
+
+    options = SamplingOptions(max_tokens=4, logprobs=0, echo=True, skip_special_tokens=skip_special_tokens)
+    return CompletionJob("completions", "cmpl-1", "m", None, [tokenizer.encode(prompt)], options,
+                         Tenant("t", is_dev=True), prompts=[prompt], choice_prompt=[0])
+
+
+def test_echoed_offsets_follow_the_prompt_as_sent(sentencepiece_tokenizer):
+    """A string prompt is echoed as sent, without the BOS token's "<s>" and SentencePiece's leading space
+    its tokens spell: the completion's tokens start at the end of the echoed prompt, not beyond."""
+    tok = sentencepiece_tokenizer
+    job = _echo_job(tok, "hé!")
+    job.prompt_ids[0].insert(0, 1)  # <s>, as a Llama 2 tokenizer adds it
+    completion = [258, 259, 261]  # "▁", "h", "!": " h!"
+    choice = job.choice(tok, 0, " h!", _lps(completion), "length", delta=False)
+    text, offsets = choice["text"], choice["logprobs"]["text_offset"]
+    assert text == "hé! h!"
+    assert offsets[-len(completion):] == [3, 4, 5]
+    assert offsets[:len(job.prompt_ids[0])] == [0, 0, 0, 1, 2]  # <s> and "▁" at the prompt's start
+    streamed = TextOffsets()
+    first = job.choice(tok, 0, " h", _lps(completion[:2]), None, delta=True, first=True, offsets=streamed)
+    last = job.choice(tok, 0, "!", _lps(completion[2:]), "length", delta=True, offsets=streamed)
+    assert first["logprobs"]["text_offset"] + last["logprobs"]["text_offset"] == offsets
+
+
+def test_skipped_special_tokens_take_no_room(byte_tokenizer):
+    """With skip_special_tokens (the default) "</s>" is not in the text: tokens after it start where it was."""
+    tok = byte_tokenizer
+    h, i = tok.encode("hi", add_special_tokens=False)
+    job = _echo_job(tok, "a")
+    job.options.echo = False
+    choice = job.choice(tok, 0, "hi", _lps([h, tok.eos_token_id, i]), "length", delta=False)
+    assert choice["logprobs"]["text_offset"] == [0, 1, 1]
+    job.options.skip_special_tokens = False
+    choice = job.choice(tok, 0, "h</s>i", _lps([h, tok.eos_token_id, i]), "length", delta=False)
+    assert choice["logprobs"]["text_offset"] == [0, 1, 5]

@@ -142,3 +142,25 @@ async def test_an_adapter_folder_the_worker_cannot_read_is_a_4xx_naming_it(clien
             shutil.rmtree(folder)
     state = await (await client.get("/admin/v1/state", headers=ADMIN)).json()
     assert state["generation_applied"] == 1 and {a["name"] for a in state["adapters"]} == {"alpha"}
+
+
+async def test_documented_openai_fields_are_accepted_or_refused_by_name(client):
+    """What an OpenAI client sends beside the prompt: fields that change nothing are answered, streamed too;
+    one whose effect would be lost is a 400 naming it, not "Unrecognized request argument"."""
+    inert = {"store": False, "metadata": {"team": "search"}, "service_tier": "auto", "prompt_cache_key": "k",
+             "safety_identifier": "u7", "parallel_tool_calls": True, "functions": [], "function_call": "none",
+             "modalities": ["text"], "user": "u7"}
+    resp = await client.post("/v1/chat/completions", json=CHAT | inert)
+    assert resp.status == 200, await resp.text()
+    stream = {"stream": True, "stream_options": {"include_usage": True, "include_obfuscation": False}}
+    resp = await client.post("/v1/completions", json=COMPLETION | stream)
+    assert resp.status == 200 and (await resp.text()).rstrip().endswith("data: [DONE]")
+    for path, body, param in [
+        ("/v1/chat/completions", CHAT | {"reasoning_effort": "high"}, "reasoning_effort"),
+        ("/v1/chat/completions", CHAT | {"stream": True, "stream_options": {"continuous_usage_stats": True}},
+         "stream_options"),
+        ("/v1/completions", COMPLETION | {"suffix": "</code>"}, "suffix"),
+    ]:
+        resp = await client.post(path, json=body)
+        err = (await resp.json())["error"]
+        assert (resp.status, err["code"], err["param"]) == (400, "unsupported_parameter", param), err
