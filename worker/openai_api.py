@@ -291,7 +291,8 @@ async def _stream(request: web.Request, job: CompletionJob, outputs: AsyncIterat
                                      offsets=offsets[i], prompt_lps=out.prompt_logprobs)
                     chunk = job.envelope([choice], chunk=True)
                     if job.options.include_usage:  # as OpenAI: every chunk has the field, null but the last
-                        chunk["usage"] = None
+                        # (vLLM's continuous_usage_stats: the counts so far)
+                        chunk["usage"] = job.usage(completion_tokens) if job.options.continuous_usage else None
                     await send(chunk)
         except (APIError, asyncio.CancelledError):
             raise

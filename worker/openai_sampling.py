@@ -44,6 +44,7 @@ class SamplingOptions:
     prompt_logprobs: int | None = None  # vLLM extension: per prompt token, its logprob and the top k; None = off
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage
+    continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats (with include_usage)
     user: str | None = None
     ignore_eos: bool = False  # vLLM extension: generate max_tokens even past end-of-sequence (benchmarks)
     presence_penalty: float = 0.0
@@ -122,12 +123,12 @@ def _response_format(f: Fields) -> bool:
     return kind == "json_object"
 
 
-def _stream_options(v: object, stream: bool) -> bool:
-    """`stream_options` -> include_usage. OpenAI's `include_obfuscation` is accepted and ignored: it pads
-    chunks against a length side channel, the text is the same without it. vLLM's `continuous_usage_stats`
-    (running usage in every chunk) is refused when true: the stream would silently lack it."""
+def _stream_options(v: object, stream: bool) -> tuple[bool, bool]:
+    """`stream_options` -> (include_usage, continuous_usage). OpenAI's `include_obfuscation` is accepted and
+    ignored: it pads chunks against a length side channel, the text is the same without it. vLLM's
+    `continuous_usage_stats` puts the running usage in every chunk, with include_usage (as vLLM)."""
     if v is None:
-        return False
+        return False, False
     if not isinstance(v, dict):
         raise bad_request(f"'stream_options' must be an object (got {json.dumps(v)})", "stream_options", "invalid_type")
     unknown = sorted(set(v) - set(STREAM_OPTIONS))
@@ -140,11 +141,8 @@ def _stream_options(v: object, stream: bool) -> bool:
         if value is not None and not isinstance(value, bool):
             raise bad_request(f"'stream_options.{key}' must be true or false (got {json.dumps(value)})",
                               "stream_options", "invalid_type")
-    if v.get("continuous_usage_stats"):
-        raise bad_request("'stream_options.continuous_usage_stats' is not supported by this server; "
-                          "'include_usage': true sends the usage in a last chunk", "stream_options",
-                          "unsupported_parameter")
-    return bool(v.get("include_usage"))
+    include_usage = bool(v.get("include_usage"))
+    return include_usage, include_usage and bool(v.get("continuous_usage_stats"))
 
 
 def _ranged(f: Fields, name: str, default: float) -> float:
@@ -163,7 +161,7 @@ def parse_sampling_options(f: Fields, max_tokens_names: tuple[str, ...], default
         if value is not None:
             max_tokens, max_tokens_param = value, name
     stream = f.flag("stream", False)
-    include_usage = _stream_options(f.get("stream_options"), stream)
+    include_usage, continuous_usage = _stream_options(f.get("stream_options"), stream)
     try:
         logit_bias = parse_logit_bias(f.get("logit_bias"))
     except LogitBiasError as exc:
@@ -187,6 +185,7 @@ def parse_sampling_options(f: Fields, max_tokens_names: tuple[str, ...], default
         stop=_stop(f),
         stream=stream,
         include_usage=include_usage,
+        continuous_usage=continuous_usage,
         user=f.string("user"),
         ignore_eos=f.flag("ignore_eos", False),
         presence_penalty=f.number("presence_penalty", 0.0, -2.0, 2.0),

@@ -88,6 +88,29 @@ async def test_with_include_usage_every_chunk_has_a_usage_field(base_client, pat
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_continuous_usage_stats_put_the_counts_so_far_in_every_chunk(base_client, path):
+    """vLLM's stream_options.continuous_usage_stats (with include_usage): each chunk's usage is the counts
+    so far, growing by the tokens it carries, up to the last chunk's totals; n=2 counts both choices."""
+    prompt = {"prompt": "hello"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
+    resp = await base_client.post(path, json={"model": "tiny", "max_tokens": 5, "n": 2, "temperature": 1, "seed": 3,
+                                              "ignore_eos": True, "stream": True, **prompt,
+                                              "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    assert resp.status == 200, await resp.text()
+    events = [line[6:] for line in (await resp.text()).split("\n") if line.startswith("data: ")]
+    chunks = [json.loads(e) for e in events[:-1]]
+    totals = chunks[-1]["usage"]
+    assert chunks[-1]["choices"] == [] and totals["completion_tokens"] == 10
+    used = [c["usage"]["completion_tokens"] for c in chunks[:-1]]
+    assert used == sorted(used) and used[-1] == 10 and len(set(used)) > 2
+    assert all(c["usage"]["prompt_tokens"] == totals["prompt_tokens"] for c in chunks)
+    assert all(c["usage"]["total_tokens"] == c["usage"]["prompt_tokens"] + c["usage"]["completion_tokens"]
+               for c in chunks)
+    resp = await base_client.post(path, json={"model": "tiny", "max_tokens": 2, "stream": True, **prompt,
+                                              "stream_options": {"continuous_usage_stats": True}})
+    assert "usage" not in (await resp.text()).split("\n")[0]  # without include_usage: no usage (as vLLM)
+
+
 def _joined_logprobs(choices: list[dict]) -> dict[str, list]:
     keys = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
     joined = {k: [v for c in choices for v in c["logprobs"][k]] for k in keys}

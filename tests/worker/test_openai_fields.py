@@ -74,7 +74,6 @@ def test_chat_refuses_fields_whose_effect_would_be_lost(extra, param, code, word
 
 @pytest.mark.parametrize("parse, base", [(parse_chat_request, CHAT), (parse_completion_request, COMPLETION)])
 @pytest.mark.parametrize(("stream_options", "code", "words"), [
-    ({"continuous_usage_stats": True}, "unsupported_parameter", "'include_usage': true"),
     ({"include_obfuscation": "no"}, "invalid_type", "'stream_options.include_obfuscation' must be true or false"),
     ({"include_usage": 1}, "invalid_type", "'stream_options.include_usage' must be true or false"),
     ({"bogus": True}, "invalid_value", "takes only include_usage, include_obfuscation, continuous_usage_stats"),
