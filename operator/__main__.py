@@ -6,6 +6,7 @@ import asyncio
 import logging
 import random
 import sys
+import threading
 from collections.abc import Sequence
 
 import kopf
@@ -17,9 +18,11 @@ from lorafleet.worker.cli import config_from_args
 
 
 async def run(config: OperatorConfig, *, registry: kopf.OperatorRegistry | None = None,
-              stop_flag: asyncio.Event | None = None, ready_flag: asyncio.Event | None = None,
+              stop_flag: asyncio.Event | threading.Event | None = None,
+              ready_flag: asyncio.Event | threading.Event | None = None,
               deployments: DeploymentClient | None = None) -> None:
-    """``deployments``: the autoscaler's Kubernetes client (default: logged in as kopf does, see handlers)."""
+    """``deployments``: the autoscaler's Kubernetes client (default: logged in as kopf does, see handlers).
+    ``stop_flag``/``ready_flag``: threading events where the operator runs in a thread of its own."""
     registry = registry or kopf.OperatorRegistry()
     controllers = register(registry, config, deployments)
     liveness = f"http://0.0.0.0:{config.liveness_port}/healthz" if config.liveness_port else None

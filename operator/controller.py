@@ -8,7 +8,9 @@ owns (its labels or the pool's workerSelector changed, or an earlier pool with a
 select it) is drained the same way unless another pool takes it over: ``ownership.released_pods``.
 
 While an adapter is being deleted, the pods that cannot be pushed the pool's set are reached too, to unload
-it: a live pool's running pods that are not ready, an invalid pool's pods (reconcile.py: ``held``). A pod
+it: a live pool's running pods that are not ready, an invalid pool's pods (reconcile.py: ``held``); where its
+workerSelector is invalid too, the pods its push record names (it pushed to them while valid) that no other
+pool selects, else one would keep serving the adapter until the pool's spec is fixed. A pod
 that cannot be told (its sidecar does not answer; or it is not ready and what it accepted is not known) holds
 up the adapter's finalizer for ``unload_grace`` seconds at most when its pool will tell it its set once it
 can (a valid pool, or a deleting one, whose finalizer waits for it): ``plan.overdue`` lists those past it.
@@ -26,8 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from lorafleet.operator.crd_models import PoolSpec, SpecError, drain_spec, parse_adapter
-from lorafleet.operator.ownership import own_pods, pod_names, pool_claims, released_pods
-from lorafleet.operator.push_record import PushRecord
+from lorafleet.operator.ownership import first_claim, own_pods, pod_names, pool_claims, released_pods
+from lorafleet.operator.push_record import PushRecord, pushed_pod_ids
 from lorafleet.operator.reconcile import PoolPlan, WorkerReport, reconcile_pool
 from lorafleet.operator.workers import StagerClient, Worker, discover_workers
 
@@ -121,7 +123,7 @@ class PoolController:
 
     async def _run(self, key: PoolKey, pools: list[dict], adapters: list[dict], pods: list[dict],
                    other_pools: list[dict]) -> PoolPlan:
-        pool, pool_error, draining, invalid = None, None, None, None
+        pool, pool_error, draining, invalid, lost = None, None, None, None, None
         for body in pools:
             deleting = bool((body.get("metadata") or {}).get("deletionTimestamp"))
             try:
@@ -130,6 +132,7 @@ class PoolController:
                 if not deleting:
                     pool_error = str(exc)
                     invalid = drain_spec(body)  # which pods it holds (None: its selector is invalid too)
+                    lost = drain_spec(body, selector={}) if invalid is None else None  # its sidecars' port
                     continue
                 parsed = drain_spec(body)  # its selector still says which workers hold its adapters
                 if parsed is None:  # its selector is invalid: which pods it meant is unknown
@@ -163,6 +166,11 @@ class PoolController:
                 mine = own_pods(key[1], invalid.worker_selector, pods, claims)[0]
                 held = discover_workers(mine, invalid.worker_selector, default_port=invalid.stager_port,
                                         not_ready=None)
+            elif lost is not None:  # its selector is invalid too: the pods it pushed to that no other pool selects
+                pushed = record.pod_ids()
+                mine = [p for p in pods if ((m := p.get("metadata") or {}).get("name", ""), m.get("uid") or "")
+                        in pushed and first_claim(m.get("labels") or {}, claims) is None]
+                held = discover_workers(mine, {}, default_port=lost.stager_port, not_ready=None)
         reached = workers + emptied + held
         reports = await self.client.fetch_states(reached)
         backoff, now = self._backoff[key], self.clock()
@@ -228,6 +236,26 @@ class PoolController:
         since = {(w.pod, w.uid): last.get((w.pod, w.uid), now) if w.pod in untold else now for w in reached}
         self._untold[key] = since
         return sorted(w.pod for w in told_later if now - since.get((w.pod, w.uid), now) >= self.unload_grace)
+
+    def may_hold(self, key: PoolKey, name: str, pools: Iterable[dict[str, Any]]) -> bool:
+        """Whether a pod pool ``key`` reaches may hold adapter ``name`` (``pools``: the pool's bodies), as far as
+        this controller knows: the finalizer of a deleted adapter runs the passes of these pools only (and of
+        its own pool). Yes while that is not known: no pass of the pool here yet, a pass in flight, the pool
+        being deleted, a pod its status.pushedPods names that its push record lacks (another leader pushed to
+        it); and when its last pass saw a pod report the adapter, or a pod's last push listed it or is not
+        known (not answered; pushed to before a restart). A pod comes to hold an adapter only by a push, which
+        its pool's record notes before it is sent, or by a pool taking over a pod another pool filled, which
+        that pool's record names."""
+        pools = list(pools)
+        last, record, lock = self._results.get(key), self.push_records.get(key), self._locks.get(key)
+        if last is None or record is None or (lock is not None and lock.locked()):
+            return True
+        if any((body.get("metadata") or {}).get("deletionTimestamp") for body in pools):
+            return True
+        if name in last.plan.reported or record.may_hold_adapter(name):
+            return True
+        known = record.pod_ids()
+        return any(pod_id not in known for pod_id in pushed_pod_ids(_status_of(pools)))
 
     def forget(self, key: PoolKey) -> None:
         self._results.pop(key, None)

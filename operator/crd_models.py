@@ -191,10 +191,11 @@ def _object(spec: dict[str, Any], key: str) -> dict[str, Any]:
     return value
 
 
-def drain_spec(body: dict[str, Any]) -> PoolSpec | None:
-    """What draining a deleting pool whose spec does not parse needs: its workerSelector and its sidecars'
-    port (spec.stagerPort, the default where that is the invalid field). None: its selector is invalid."""
-    selector = pool_selector(body)
+def drain_spec(body: dict[str, Any], *, selector: dict[str, Any] | None = None) -> PoolSpec | None:
+    """What draining a deleting pool whose spec does not parse needs: its workerSelector (``selector`` in its
+    place, if given) and its sidecars' port (spec.stagerPort, the default where that is the invalid field).
+    None: its selector is invalid (and none is given)."""
+    selector = pool_selector(body) if selector is None else selector
     if selector is None:
         return None
     meta, spec = body.get("metadata") or {}, body.get("spec") or {}

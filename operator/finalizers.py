@@ -1,8 +1,10 @@
 """What the finalizers wait for, and the messages they wait with: pure, from the plans of reconcile passes.
 
-An adapter's finalizer combines the plans of every pool of its namespace: an adapter that moved from one
-pool to another may still be held by the first pool's pods (one whose spec is invalid pushes nothing
-else), and each pool's pass unloads every adapter of the namespace being deleted from its pods.
+An adapter's finalizer combines the plans of its pool and of every other pool of its namespace whose pods may
+hold it (``PoolController.may_hold``): an adapter that moved from one pool to another may still be held by
+the first pool's pods (one whose spec is invalid pushes nothing else), and each pool's pass unloads every
+adapter of the namespace being deleted from its pods. A pool known to have given it to none of its pods,
+whose pods report it nowhere, runs no pass for it.
 """
 
 from __future__ import annotations

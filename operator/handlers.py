@@ -10,13 +10,15 @@ computed from workers' reports.
 * pool create/update/resume + a timer every ``interval`` s: directives pushed, drift caught;
 * adapter create/update/resume + a timer: status refreshed from reports (an unparsable spec too: its
   pass keeps the last valid spec in force and reports Failed naming the field);
-* adapter deletion: a finalizer that holds the object until no worker of any pool of its namespace reports
-  the adapter any more (every pool's pass unloads the namespace's deleting adapters; finalizers.py), a pod
-  that cannot be told for ``unload_grace`` s aside;
+* adapter deletion: a finalizer that holds the object until no worker reports the adapter any more: those of
+  its pool and of each other pool of its namespace whose pods may hold it (one it moved away from;
+  ``PoolController.may_hold``), only those pools' passes run on each retry (every pool's pass unloads the
+  namespace's deleting adapters; finalizers.py), a pod that cannot be told for ``unload_grace`` s aside;
 * pool autoscale timer every ``scale_interval`` s (``PoolScaler``): a pool with ``spec.scaling`` gets its
   Deployment's replicas set from Prometheus' view of its workers; the Scaling condition says how it went;
 * pool deletion: a finalizer that first tells the pool's workers to hold nothing and waits until they
-  report nothing; its adapters turn Degraded (their timers see the pool gone from the index).
+  report nothing; its adapters turn Degraded (their timers see the pool gone from the index);
+* every timer enters ``TimerTasks`` first, so that stopping the operator ends them all at once.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from lorafleet.operator.ownership import invalid_pool_claim
 from lorafleet.operator.prometheus import PrometheusClient
 from lorafleet.operator.scaler import PoolScaler
 from lorafleet.operator.statuses import invalid_pool_status
+from lorafleet.operator.timer_tasks import TimerTasks
 from lorafleet.operator.workers import StagerClient
 
 log = logging.getLogger(__name__)
@@ -124,6 +127,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
     scaler = PoolScaler(PrometheusClient(timeout=config.request_timeout),
                         deployments or DeploymentClient(timeout=config.request_timeout))
     controllers = Controllers(controller, scaler)
+    timers = TimerTasks()  # stopped at once when the operator stops (timer_tasks.py)
     res_pools, res_adapters = (GROUP, VERSION, POOLS), (GROUP, VERSION, ADAPTERS)
 
     @kopf.on.startup(registry=registry)
@@ -132,6 +136,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
 
     @kopf.on.cleanup(registry=registry)
     async def close(**_: Any) -> None:
+        timers.stop()  # the watches are over: no timer is spawned after this
         await controllers.close()
 
     @kopf.index("pods", id="worker_pods", registry=registry)
@@ -193,14 +198,18 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
         await reconcile_pool_handler(max_age=0.0, **kwargs)
 
     @kopf.timer(*res_pools, interval=config.interval, registry=registry)
-    async def pool_drift(**kwargs: Any) -> None:
+    async def pool_drift(stopped: kopf.DaemonStopped, **kwargs: Any) -> None:
+        if not timers.enter(stopped):
+            return
         controller.retain(set(kwargs["pools_by_name"]))  # memory of pools deleted while this replica stood by
         with contextlib.suppress(kopf.PermanentError):  # a bad spec is already reported in status
             await reconcile_pool_handler(max_age=config.interval / 2, **kwargs)
 
     @kopf.timer(*res_pools, interval=config.scale_interval, registry=registry)
     async def pool_autoscale(namespace: str, name: str, body: kopf.Body, status: kopf.Status, patch: kopf.Patch,
-                             **kwargs: Any) -> None:
+                             stopped: kopf.DaemonStopped, **kwargs: Any) -> None:
+        if not timers.enter(stopped):
+            return
         scaler.retain(set(kwargs["pools_by_name"]))  # memory of pools deleted while this replica stood by
         if body.metadata.get("deletionTimestamp"):
             return
@@ -243,16 +252,21 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
         await write_adapter_status(max_age=0.0, **kwargs)
 
     @kopf.timer(*res_adapters, interval=config.interval, registry=registry)
-    async def adapter_refresh(**kwargs: Any) -> None:
+    async def adapter_refresh(stopped: kopf.DaemonStopped, **kwargs: Any) -> None:
+        if not timers.enter(stopped):
+            return
         with contextlib.suppress(kopf.PermanentError):  # a bad spec is already reported in status
             await write_adapter_status(max_age=config.interval / 2, **kwargs)
 
     @kopf.on.delete(*res_adapters, registry=registry)
     async def adapter_deleted(namespace: str, name: str, spec: kopf.Spec, logger: kopf.Logger,
                               **kwargs: Any) -> None:
-        """The finalizer: the object goes only when no worker of its namespace's pools reports the adapter any
-        more (finalizers.py says which pods it waits for, and which it stops waiting for)."""
-        pools = {spec.get("pool", ""), *(k[1] for k in list(kwargs["pools_by_name"]) if k[0] == namespace)}
+        """The finalizer: the object goes only when no worker of the pools that may hold it reports the adapter
+        any more (finalizers.py says which pods it waits for, and which it stops waiting for)."""
+        # Its own pool, and the others whose pods may hold it (one it moved away from; controller.may_hold).
+        by_name = kwargs["pools_by_name"]
+        pools = {spec.get("pool", ""), *(k[1] for k in list(by_name)
+                                         if k[0] == namespace and controller.may_hold(k, name, by_name.get(k, [])))}
         plans = await asyncio.gather(*(run_pass(namespace, pool, kwargs) for pool in sorted(pools)))
         wait = adapter_unload_wait(name, plans)
         if wait is None:  # a pass did not see the deletion yet

@@ -58,8 +58,10 @@ def own_pods(name: str, selector: dict[str, Any] | None, pods: list[dict], claim
     A pool whose spec is invalid keeps its place in that order: it pushes nothing, so the pods it owns
     stay as they are, but no pool after it takes them over (a typo in one pool's spec must not hand its
     workers to another pool that happens to match them); its status names the pods it holds. If its
-    spec.workerSelector is invalid too, it holds nothing: which pods it meant is unknown. A pod a later
-    pool pushed to before such a pool came to select it is emptied by that later pool (``released_pods``).
+    spec.workerSelector is invalid too, it holds nothing: which pods it meant is unknown (it still reaches
+    the pods it pushed to that no other pool selects, to unload adapters being deleted: controller.py). A pod
+    a later pool pushed to before such a pool came to select it is emptied by that later pool
+    (``released_pods``).
 
     A ``draining`` (deleting) pool hands each pod over to the live pool that owns it next when that pool
     pushes its own set (a valid spec) or sorts before this one (an invalid spec); it empties the rest, so no

@@ -65,6 +65,11 @@ class PushRecord:
         entry = self._last.get(pod)
         return entry is not None and entry[0] == uid and (entry[2] is None or bool(entry[2].adapters))
 
+    def may_hold_adapter(self, name: str) -> bool:
+        """Whether a pod remembered may hold adapter ``name``: its last known push listed it, or what it accepted
+        is not known."""
+        return any(last is None or name in last.by_name() for _, _, last in self._last.values())
+
     def last(self, worker: Worker) -> DesiredState | None:
         """The last push ``worker`` accepted; None if none is known (or it went to an earlier pod so named, or to
         another address)."""

@@ -58,6 +58,7 @@ class PoolPlan:
     silent: list[str] = field(default_factory=list)  # pods reached whose sidecar did not answer this pass
     not_ready: list[str] = field(default_factory=list)  # a deleting pool's pods, not ready, that may hold adapters
     overdue: list[str] = field(default_factory=list)  # silent or unreachable past the unload grace (controller.py)
+    reported: list[str] = field(default_factory=list)  # adapters some pod reached reports (any tier, version)
 
 
 def reconcile_pool(pool: PoolSpec | None, adapters: Sequence[AdapterSpec | InvalidAdapter],
@@ -94,6 +95,7 @@ def reconcile_pool(pool: PoolSpec | None, adapters: Sequence[AdapterSpec | Inval
     deleting = {x.name for x in adapters if x.deleting}
     silent = [w for w in (*workers, *released, *held) if w.reported is None]
     plan.silent = [w.pod for w in silent]
+    plan.reported = sorted({name for w in live + emptied + kept for name in w.by_name})
     for x in adapters:
         if x.deleting:  # unloaded by name, parsable or not; the finalizer waits for []
             plan.unloading[x.name] = ([w.pod for w in live + emptied + kept if w.by_name.get(x.name)]

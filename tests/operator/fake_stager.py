@@ -7,6 +7,7 @@ at tier ``none`` with an error until a later push (a new generation) stages it a
 ``restart()`` forgets everything, like a pod whose containers came back empty. ``stall``, while an unset
 event: a push is applied but its reply waits for the event (a reply lost, or later than the client waits).
 ``mute``: every request is answered 503 and nothing is applied (a sidecar that does not answer sensibly).
+``reads`` counts the state reads it was sent (one per pass of a pool that reaches it).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class FakeStager:
         self.failed: set[tuple[str, str]] = set()  # failed when the applied push was staged
         self.stall: asyncio.Event | None = None
         self.mute = False
+        self.reads = 0
         self.runner: web.AppRunner | None = None
         self.port = 0
 
@@ -79,6 +81,7 @@ class FakeStager:
         return web.json_response(self.state().to_dict())
 
     async def _get(self, request: web.Request) -> web.Response:
+        self.reads += 1
         if not self._authorized(request):
             return web.json_response({"error": {"message": "bad token", "type": "auth", "code": 401}}, status=401)
         return web.json_response(self.state().to_dict())

@@ -3,6 +3,7 @@ unload grace), pods of the invalid pool an adapter moved away from, and a pod an
 
 from __future__ import annotations
 
+import asyncio
 import copy
 
 import pytest
@@ -28,6 +29,7 @@ from .test_handlers import (  # noqa: F401  (fixtures)
     operator,
     patch,
     pod_body,
+    running_operator,
     sidecars,
     status,
 )
@@ -256,6 +258,86 @@ async def test_an_adapter_moved_off_an_invalid_pool_is_unloaded_from_its_pods(op
     await delete(emulator, "loraadapters", "chat")
     await eventually(lambda: gone(emulator, "chat"), "chat deleted")
     assert holds(sidecars[0], "chat") == set() and holds(sidecars[0], "sql") == {"v1"}
+
+
+async def test_an_adapter_moved_off_a_pool_whose_selector_is_invalid_too_is_unloaded(stager):
+    """A pool whose spec.workerSelector is invalid too selects no pod, but the pods its push record names (pushed
+    to while it was valid) may hold what it gave them: an adapter deleted meanwhile is unloaded from them, and
+    its finalizer waits for them. One another live pool selects is left to that pool."""
+    pods = [with_uid(pod_body("worker-0", stager.port), "a0")]
+    sql, chat = adapter_body("sql"), adapter_body("chat")
+    lost = {**POOL, "spec": {**POOL["spec"], **INVALID, "workerSelector": {"matchLabels": {}}}}
+    controller = controller_for()
+    try:
+        await controller.run(KEY, pools=[POOL], adapters=[sql, chat], pods=pods)
+        assert (await controller.run(KEY, pools=[lost], adapters=[sql, chat], pods=pods)).pushes == {}
+        inputs = {"pools": [lost], "adapters": [sql, deleting(chat)], "pods": pods}
+        plan = await controller.run(KEY, **inputs)
+        assert plan.unloading == {"chat": ["worker-0"]} and set(plan.pushes) == {"worker-0"}
+        assert adapter_unload_wait("chat", [plan]).waiting == ["worker-0"]
+        assert holds(stager, "chat") == set() and holds(stager, "sql") == {"v1"}
+        plan = await controller.run(KEY, **inputs)
+        assert plan.unloading == {"chat": []} and plan.pushes == {}
+        zeta = {**POOL, "metadata": {**POOL["metadata"], "name": "zeta"}}
+        plan = await controller.run(KEY, **{**inputs, "adapters": [deleting(sql)]}, other_pools=[zeta])
+        assert plan.unloading == {"sql": []} and plan.pushes == {} and holds(stager, "sql") == {"v1"}
+    finally:
+        await controller.client.close()
+
+
+async def test_which_pools_may_hold_an_adapter(stager):
+    """What decides which pools' passes a deleted adapter's finalizer runs (besides its own pool's): those whose
+    pods may hold it, and every pool while that is not known."""
+    pods = [with_uid(pod_body("worker-0", stager.port), "a0")]
+    sql, chat = adapter_body("sql"), adapter_body("chat")
+    controller = controller_for()
+    try:
+        assert controller.may_hold(KEY, "chat", [POOL])  # no pass of it here yet
+        await controller.run(KEY, pools=[POOL], adapters=[sql], pods=pods)
+        assert not controller.may_hold(KEY, "chat", [POOL]) and controller.may_hold(KEY, "sql", [POOL])
+        assert controller.may_hold(KEY, "chat", [deleting(POOL)])
+        led = {**POOL, "status": {"pushedPods": [{"name": "worker-0", "uid": "a0"}, {"name": "worker-9", "uid": "a9"}]}}
+        assert controller.may_hold(KEY, "chat", [led])  # another leader pushed to worker-9
+        await controller.run(KEY, pools=[POOL], adapters=[sql, chat], pods=pods)
+        plan = await controller.run(KEY, pools=[POOL], adapters=[sql], pods=pods)  # chat moved to another pool
+        assert set(plan.pushes) == {"worker-0"} and controller.may_hold(KEY, "chat", [POOL])  # still reported
+        await controller.run(KEY, pools=[POOL], adapters=[sql], pods=pods)
+        assert not controller.may_hold(KEY, "chat", [POOL])
+    finally:
+        await controller.client.close()
+
+
+async def quiet(stager: FakeStager, *, pause: float = 0.5, attempts: int = 40) -> int:
+    """The number of reads ``stager`` was sent, once none came for ``pause`` s (the handlers' passes are over)."""
+    for _ in range(attempts):
+        reads = stager.reads
+        await asyncio.sleep(pause)
+        if stager.reads == reads:
+            return reads
+    raise AssertionError("the sidecar is read all the time")
+
+
+async def test_an_adapter_finalizer_runs_no_pass_of_a_pool_that_never_held_it(cluster, sidecars):  # noqa: F811
+    """Deleting an adapter of "main" runs no pass of "zeta", whose pods were never given it (each pass reads
+    every sidecar of its pool; one slow to answer would hold up each retry of the finalizer)."""
+    emulator, url = cluster
+    zeta_pod = pod_body("worker-1", sidecars[1].port)
+    zeta_pod["metadata"]["labels"] = {"tier": "zeta"}
+    zeta = copy.deepcopy(POOL)
+    zeta["metadata"]["name"] = "zeta"
+    zeta["spec"]["workerSelector"] = {"matchLabels": {"tier": "zeta"}}
+    async with running_operator(url, interval=60):  # no timer pass meanwhile: the handlers' only
+        await create(emulator, "pods", pod_body("worker-0", sidecars[0].port))
+        await create(emulator, "pods", zeta_pod)
+        await create(emulator, "lorapools", POOL)
+        await create(emulator, "lorapools", zeta)
+        await create(emulator, "loraadapters", adapter_body("chat"))
+        await create(emulator, "loraadapters", adapter_body("sum", pool="zeta"))
+        await eventually(lambda: holds(sidecars[0], "chat") and holds(sidecars[1], "sum"), "both pushed")
+        reads = await quiet(sidecars[1])
+        await delete(emulator, "loraadapters", "chat")
+        await eventually(lambda: gone(emulator, "chat"), "chat deleted")
+        assert holds(sidecars[0], "chat") == set() and sidecars[1].reads == reads
 
 
 def test_the_unload_grace_is_a_config_field_and_must_be_positive():
