@@ -2,7 +2,9 @@
 
 Kopf-free glue between the thin handlers and the pure ``reconcile_pool``; one pass per pool at a
 time (a lock per pool), and the last plan is kept so per-adapter timers do not each redo the pass.
-A deleting pool is drained: its workers are told to hold nothing (its finalizer waits for that).
+A deleting pool is drained: its workers are told to hold nothing (its finalizer waits for that); one whose
+workerSelector is invalid owns no pod, and drains the pods its push record names (after a restart, those its
+status.pushedPods names) as pods it released: which pods it selected is unknown.
 Which pool owns a pod that several select: ``ownership.own_pods``. A pod a live pool pushed to and no longer
 owns (its labels or the pool's workerSelector changed, or an earlier pool with an invalid spec came to
 select it) is drained the same way unless another pool takes it over: ``ownership.released_pods``.
@@ -124,6 +126,7 @@ class PoolController:
     async def _run(self, key: PoolKey, pools: list[dict], adapters: list[dict], pods: list[dict],
                    other_pools: list[dict]) -> PoolPlan:
         pool, pool_error, draining, invalid, lost = None, None, None, None, None
+        blind = False  # deleting with an invalid workerSelector: only its push record names its pods
         for body in pools:
             deleting = bool((body.get("metadata") or {}).get("deletionTimestamp"))
             try:
@@ -135,24 +138,27 @@ class PoolController:
                     lost = drain_spec(body, selector={}) if invalid is None else None  # its sidecars' port
                     continue
                 parsed = drain_spec(body)  # its selector still says which workers hold its adapters
-                if parsed is None:  # its selector is invalid: which pods it meant is unknown
-                    log.warning("LoRAPool %s/%s deleted with an invalid spec.workerSelector (%s); its workers are "
-                                "left as they are", key[0], key[1], exc)
-                    continue
+                if parsed is None:  # its selector is invalid: it owns no pod, and empties those it pushed to
+                    parsed, blind = drain_spec(body, selector={}), True
             if deleting:
                 draining = parsed
             else:
                 pool = parsed
         specs = [parse_adapter(body) for body in adapters]  # an unparsable one is still unloaded by name
-        # An invalid pool leaves its workers alone; a deleting one (its spec invalid too, where its
-        # selector is valid) empties those no live pool took over; a valid or deleting one empties the
-        # pods it pushed to and released.
+        # An invalid pool leaves its workers alone; a deleting one (its spec invalid too) empties those no live
+        # pool took over; a valid or deleting one empties the pods it pushed to and released (all of them, for
+        # a deleting one whose selector is invalid: which pods it selected is unknown).
         target = pool or draining
         claims = pool_claims(other_pools)
-        own, shared = own_pods(key[1], target.worker_selector if target else None, pods, claims,
-                               draining=draining is not None)
+        own, shared = ([], {}) if blind else own_pods(key[1], target.worker_selector if target else None, pods,
+                                                      claims, draining=draining is not None)
         record = self.push_records.setdefault(key, PushRecord())
         record.merge_status(_status_of(pools))  # pods another operator (or leader) pushed to
+        # Nothing names a pod it pushed to (no status.pushedPods, and a restart since), nor did at an earlier pass of
+        # its deletion (the pods named then were emptied, or are gone): its workers are unknown.
+        last = self._results.get(key)
+        workers_unknown = blind and len(record) == 0 and (last is None or last.plan.draining is None
+                                                           or last.plan.workers_unknown)
         released = released_pods(key[1], record.pod_ids(), pods, set(pod_names(own)), claims) if target else []
         record.retain(own + released)  # pods gone (or re-created under their name) lose what was pushed to them
         workers = discover_workers(own, target.worker_selector, default_port=target.stager_port) if target else []
@@ -217,6 +223,7 @@ class PoolController:
                                     if m.get("name", "") not in reached_pods
                                     and record.may_hold(m.get("name", ""), m.get("uid") or ""))
             plan.draining = (plan.draining or []) + plan.not_ready
+            plan.workers_unknown = workers_unknown
         if pool is not None:  # written with the status, read back after a restart
             plan.pool_status["pushedPods"] = record.to_status()
         if target is None:  # no pool to push for (gone, or invalid): nothing to retry

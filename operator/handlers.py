@@ -17,7 +17,8 @@ computed from workers' reports.
 * pool autoscale timer every ``scale_interval`` s (``PoolScaler``): a pool with ``spec.scaling`` gets its
   Deployment's replicas set from Prometheus' view of its workers; the Scaling condition says how it went;
 * pool deletion: a finalizer that first tells the pool's workers to hold nothing and waits until they
-  report nothing; its adapters turn Degraded (their timers see the pool gone from the index);
+  report nothing (with an invalid workerSelector: the pods it pushed to); its adapters turn Degraded (their
+  timers see the pool gone from the index);
 * every timer enters ``TimerTasks`` first, so that stopping the operator ends them all at once.
 """
 
@@ -41,6 +42,7 @@ from lorafleet.operator.crd_models import (
     PoolSpec,
     SpecError,
     parse_adapter,
+    pool_selector,
 )
 from lorafleet.operator.deployments import DeploymentClient
 from lorafleet.operator.finalizers import adapter_unload_wait, holders_text
@@ -219,15 +221,22 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
         patch.status.update(status_changes(dict(status), wanted))
 
     @kopf.on.delete(*res_pools, registry=registry)
-    async def pool_deleted(namespace: str, name: str, **kwargs: Any) -> None:
-        """The finalizer: the pool goes only once its workers report no adapter (pinned ones included)."""
+    async def pool_deleted(namespace: str, name: str, body: kopf.Body, logger: kopf.Logger, **kwargs: Any) -> None:
+        """The finalizer: the pool goes only once its workers report no adapter (pinned ones included); with an
+        invalid workerSelector, its workers are the pods it pushed to (controller.py)."""
         plan = await run_pass(namespace, name, kwargs)
         if plan.draining is None:  # that pass did not see the deletion yet
             raise kopf.TemporaryError("waiting for a reconcile that sees the deletion", delay=config.retry_delay)
         if plan.draining:
-            raise kopf.TemporaryError(f"unloading every adapter first; "
+            lost = (" (its spec.workerSelector is invalid: from the pods it pushed to)"
+                    if pool_selector(dict(body)) is None else "")
+            raise kopf.TemporaryError(f"unloading every adapter first{lost}; "
                                       f"{holders_text(plan.draining, plan.silent, plan.not_ready)}",
                                       delay=config.retry_delay)
+        if plan.workers_unknown:
+            logger.warning("deleted with an invalid spec.workerSelector, and no pod it pushed to is known (neither "
+                           "the operator's memory nor its status.pushedPods names one): its workers, if "
+                           "any, are left as they are, holding its adapters; delete those pods to unload them")
         controller.forget((namespace, name))
         scaler.forget((namespace, name))
         log.warning("LoRAPool %s/%s deleted; its adapters turn Degraded until it exists again", namespace, name)

@@ -65,7 +65,8 @@ def own_pods(name: str, selector: dict[str, Any] | None, pods: list[dict], claim
 
     A ``draining`` (deleting) pool hands each pod over to the live pool that owns it next when that pool
     pushes its own set (a valid spec) or sorts before this one (an invalid spec); it empties the rest, so no
-    adapter of a deleted pool is left behind on a pod nobody pushes to.
+    adapter of a deleted pool is left behind on a pod nobody pushes to. One whose spec.workerSelector is invalid
+    owns no pod: the pods it pushed to are its released pods, handed over by the rule of ``released_pods``.
     ``selector`` None (no pool to act for): every pod, as given.
     """
     if selector is None:

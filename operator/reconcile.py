@@ -57,6 +57,7 @@ class PoolPlan:
     unreachable: list[str] = field(default_factory=list)  # ``held`` pods holding a deleting adapter, not told
     silent: list[str] = field(default_factory=list)  # pods reached whose sidecar did not answer this pass
     not_ready: list[str] = field(default_factory=list)  # a deleting pool's pods, not ready, that may hold adapters
+    workers_unknown: bool = False  # a deleting pool, its workerSelector invalid, naming no pod it pushed to
     overdue: list[str] = field(default_factory=list)  # silent or unreachable past the unload grace (controller.py)
     reported: list[str] = field(default_factory=list)  # adapters some pod reached reports (any tier, version)
 

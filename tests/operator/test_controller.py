@@ -1,10 +1,9 @@
-"""One pass of PoolController against fake sidecars: retry backoff for failed versions, a deleting pool's drain,
-pods a pool released."""
+"""One pass of PoolController against fake sidecars: retry backoff for failed versions, pod churn, pushes not
+answered, pods a pool released, an invalid pool's pods (a deleting pool's drain: test_pool_deletion.py)."""
 
 from __future__ import annotations
 
 import asyncio
-import copy
 
 import pytest
 
@@ -90,28 +89,6 @@ def pods_and_zeta(stager: FakeStager, other: FakeStager) -> tuple[list[dict], di
     zeta = {**POOL, "metadata": {**POOL["metadata"], "name": "zeta"},
             "spec": {**POOL["spec"], "workerSelector": {"matchLabels": {"gpu": "h200"}}}}
     return pods, zeta
-
-
-async def test_a_deleting_pool_drains_its_own_workers_only(stager):
-    other = FakeStager(TOKEN)
-    await other.start()
-    controller = PoolController(StagerClient(token=TOKEN, timeout=2.0))
-    pods, zeta = pods_and_zeta(stager, other)
-    adapters = [adapter_body("sql", pinned=True, warm="all")]
-    try:
-        plan = await controller.run(KEY, pools=[POOL], adapters=adapters, pods=pods, other_pools=[zeta])
-        assert plan.draining is None and all(s.applied.adapters for s in (stager, other))
-        deleting = {**POOL, "metadata": {**POOL["metadata"], "deletionTimestamp": "2026-01-01T00:00:00Z"}}
-        # "zeta" (live) selects worker-1: the deleting pool hands it over and empties only worker-0.
-        plan = await controller.run(KEY, pools=[deleting], adapters=adapters, pods=pods, other_pools=[zeta])
-        assert set(plan.pushes) == {"worker-0"} and stager.applied.adapters == []
-        assert plan.draining == ["worker-0"]  # as reported before that push
-        plan = await controller.run(KEY, pools=[deleting], adapters=adapters, pods=pods, other_pools=[zeta])
-        assert plan.draining == [] and plan.adapter_statuses["sql"]["phase"] == "Degraded"
-        assert [d.name for d in other.applied.adapters] == ["sql"]
-    finally:
-        await controller.client.close()
-        await other.stop()
 
 
 async def test_an_invalid_pool_keeps_its_workers_from_a_later_pool(stager):
@@ -224,36 +201,6 @@ async def test_no_memory_is_kept_for_a_pool_that_is_gone(stager):
         await controller.client.close()
 
 
-@pytest.mark.parametrize("bad_spec", [{"eviction": "fifo"}, {"baseModel": ""}, {"stagerPort": 0}])
-async def test_a_deleting_pool_with_an_invalid_spec_is_drained_by_its_selector(stager, bad_spec):
-    controller = PoolController(StagerClient(token=TOKEN, timeout=2.0))
-    inputs = {"adapters": [adapter_body("sql", pinned=True)], "pods": [pod_body("worker-0", stager.port)]}
-    deleting = {**POOL, "metadata": {**POOL["metadata"], "deletionTimestamp": "2026-01-01T00:00:00Z"},
-                "spec": {**POOL["spec"], **bad_spec}}
-    try:
-        await controller.run(KEY, pools=[POOL], **inputs)
-        assert stager.applied.adapters
-        plan = await controller.run(KEY, pools=[deleting], **inputs)
-        assert set(plan.pushes) == {"worker-0"} and plan.draining == ["worker-0"]
-        assert stager.applied.adapters == []
-        assert (await controller.run(KEY, pools=[deleting], **inputs)).draining == []
-    finally:
-        await controller.client.close()
-
-
-async def test_a_deleting_pool_with_an_invalid_selector_leaves_its_workers_alone(stager):
-    controller = PoolController(StagerClient(token=TOKEN, timeout=2.0))
-    inputs = {"adapters": [adapter_body("sql")], "pods": [pod_body("worker-0", stager.port)]}
-    deleting = {**POOL, "metadata": {**POOL["metadata"], "deletionTimestamp": "2026-01-01T00:00:00Z"},
-                "spec": {**POOL["spec"], "workerSelector": {"matchLabels": {}}}}
-    try:
-        await controller.run(KEY, pools=[POOL], **inputs)
-        plan = await controller.run(KEY, pools=[deleting], **inputs)
-        assert plan.pushes == {} and plan.draining == [] and [d.name for d in stager.applied.adapters] == ["sql"]
-    finally:
-        await controller.client.close()
-
-
 def relabeled(pod: dict, labels: dict) -> dict:
     return {**pod, "metadata": {**pod["metadata"], "labels": labels}}
 
@@ -312,22 +259,6 @@ async def test_a_pod_released_while_the_pool_spec_was_invalid_is_emptied_once_it
         assert [d.name for d in stager.applied.adapters] == ["sql"]
         plan = await controller.run(KEY, pools=[fixed], **inputs)
         assert set(plan.pushes) == {"worker-0"} and stager.applied.adapters == []
-    finally:
-        await controller.client.close()
-
-
-async def test_a_deleting_pool_waits_for_the_pods_it_released(stager):
-    """A pool deleted right after its selector stopped matching a pod: its finalizer waits for that pod too."""
-    controller = PoolController(StagerClient(token=TOKEN, timeout=2.0))
-    pods = [pod_body("worker-0", stager.port)]
-    deleting = {**POOL, "metadata": {**POOL["metadata"], "deletionTimestamp": "2026-01-01T00:00:00Z"},
-                "spec": {**POOL["spec"], "workerSelector": {"matchLabels": {"gpu": "h200"}}}}
-    inputs = {"pools": [deleting], "adapters": [adapter_body("sql")], "pods": pods}
-    try:
-        await controller.run(KEY, pools=[POOL], adapters=[adapter_body("sql")], pods=pods)
-        plan = await controller.run(KEY, **inputs)
-        assert plan.draining == ["worker-0"] and stager.applied.adapters == []
-        assert (await controller.run(KEY, **inputs)).draining == []
     finally:
         await controller.client.close()
 
@@ -423,27 +354,3 @@ async def test_a_replica_leading_again_empties_a_pod_another_leader_pushed_to_an
         await a.client.close()
         await b.client.close()
         await other.stop()
-
-
-async def test_a_deleting_pool_waits_for_its_pods_that_are_not_ready(stager):
-    """A pool deleted while a pod it gave adapters to is not ready: that pod cannot be told now, and once the
-    pool is gone no pass would reach it when it is ready again, so the finalizer waits for it. A pod it
-    never pushed to is not waited for."""
-    pods = [with_uid(pod_body("worker-0", stager.port), "a0")]
-    not_ready = copy.deepcopy(pods[0])
-    not_ready["status"]["conditions"] = [{"type": "Ready", "status": "False"}]
-    stranger = with_uid(pod_body("worker-9", stager.port), "a9")
-    stranger["status"]["conditions"] = [{"type": "Ready", "status": "False"}]
-    deleting = {**POOL, "metadata": {**POOL["metadata"], "deletionTimestamp": "2026-01-01T00:00:00Z"}}
-    inputs = {"adapters": [adapter_body("sql", pinned=True)]}
-    controller = PoolController(StagerClient(token=TOKEN, timeout=2.0))
-    try:
-        await controller.run(KEY, pools=[POOL], pods=pods, **inputs)
-        plan = await controller.run(KEY, pools=[deleting], pods=[not_ready, stranger], **inputs)
-        assert plan.draining == ["worker-0"] and plan.not_ready == ["worker-0"] and plan.pushes == {}
-        plan = await controller.run(KEY, pools=[deleting], pods=pods, **inputs)  # ready again: emptied
-        assert set(plan.pushes) == {"worker-0"} and stager.applied.adapters == []
-        plan = await controller.run(KEY, pools=[deleting], pods=pods, **inputs)
-        assert plan.draining == [] and plan.not_ready == []
-    finally:
-        await controller.client.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import logging
 
 from .test_handlers import (  # noqa: F401  (fixtures)
     ADAPTERS,
@@ -21,6 +22,7 @@ from .test_handlers import (  # noqa: F401  (fixtures)
     operator,
     patch,
     pod_body,
+    running_operator,
     sidecars,
     status,
 )
@@ -32,9 +34,9 @@ async def start_pool(emulator, stagers) -> None:
     await create(emulator, "lorapools", POOL)
 
 
-def pool_gone(emulator) -> bool:
+def pool_gone(emulator, name: str = "main") -> bool:
     try:
-        return emulator.objects[POOLS, NS, "main"].deleted
+        return emulator.objects[POOLS, NS, name].deleted
     except KeyError:
         return True
 
@@ -192,6 +194,36 @@ async def test_deleting_a_pool_whose_spec_turned_invalid_empties_its_workers(ope
     await delete(emulator, "lorapools", "main")
     await eventually(lambda: pool_gone(emulator), "pool gone")
     assert all(s.state().adapters == [] for s in sidecars)
+
+
+async def test_a_pool_deleted_with_an_invalid_selector_after_a_restart_empties_the_pods_it_pushed_to(
+        cluster, sidecars, caplog):  # noqa: F811
+    """Its workerSelector went bad while no operator ran: the new one knows neither what it selected nor what it
+    pushed, but its status.pushedPods names its workers, and its finalizer empties them. A pool that names no
+    pod ("spare", which never pushed to one) goes at once, and the operator says its workers are unknown."""
+    caplog.set_level(logging.WARNING, logger="kopf.objects")
+    emulator, url = cluster
+    spare = copy.deepcopy(POOL)
+    spare["metadata"]["name"] = "spare"
+    spare["spec"]["workerSelector"] = {"matchLabels": {"slot": "none"}}
+    async with running_operator(url):
+        await start_pool(emulator, sidecars)
+        await create(emulator, "lorapools", spare)
+        await create(emulator, "loraadapters", adapter_body("sql", warm="all", pinned=True))
+        await eventually(lambda: len(emulator.objects[POOLS, NS, "main"]["status"]["pushedPods"]) == 2
+                         and emulator.objects[POOLS, NS, "spare"]["status"]["pushedPods"] == [], "pushedPods written")
+    lost = {"metadata": {"generation": 2}, "spec": {"workerSelector": {"matchLabels": {"tier": 7}}}}
+    for name in ("main", "spare"):
+        await patch(emulator, "lorapools", name, lost)
+    async with running_operator(url):
+        await eventually(lambda: pool_ready(emulator, "main")["reason"] == "InvalidSpec", "the bad spec seen")
+        assert all(holds(s, "sql") == {"v1"} for s in sidecars)
+        await delete(emulator, "lorapools", "main")
+        await eventually(lambda: pool_gone(emulator), "pool gone")
+        assert all(s.state().adapters == [] for s in sidecars)
+        await delete(emulator, "lorapools", "spare")
+        await eventually(lambda: pool_gone(emulator, "spare"), "spare gone")
+    assert any("no pod it pushed to is known" in r.getMessage() for r in caplog.records)
 
 
 async def test_a_pod_the_pool_stops_selecting_is_emptied(operator, sidecars):  # noqa: F811
