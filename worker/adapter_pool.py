@@ -10,13 +10,16 @@ complete, so nothing ever computes with a half-loaded adapter.
 
 Versions: keys are `name@version`; `resolve(name)` answers the current version. Adding a new
 version loads it beside the old one and switches `resolve` when it is resident; requests holding the
-old slot finish on it, and the old version is dropped when its last reference is released. A version
-registered beside the current one (`make_current=False`, a canary) is promoted with
-`make_current(key)`, which retires the old one the same way. The content digest of a key is fixed at
-its first load: a reload with other bytes fails instead of serving them under the old key.
+old slot finish on it, and the old version is dropped (pages and slot freed) as soon as nothing holds
+it: no reference, no copy in flight, no queued request it was loaded for. The same goes for a version
+unregistered or removed. A version registered beside the current one (`make_current=False`, a canary)
+is promoted with `make_current(key)`, which retires the old one the same way. The content digest of a
+key is fixed at its first load: a reload with other bytes fails instead of serving them under the old
+key; a dropped key is forgotten, and registering it again makes a fresh version.
 
-Here: the public verbs and versions; loading in adapter_loading.py, placement and eviction in
-adapter_placement.py, reports, counters and the invariant check in adapter_reports.py.
+Here: the public verbs; registration and versions in adapter_versions.py, loading in
+adapter_loading.py, placement and eviction in adapter_placement.py, reports, counters and the
+invariant check in adapter_reports.py.
 """
 
 from __future__ import annotations
@@ -29,19 +32,14 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from lorafleet.kernels.lora_layout import NUM_PROJS, LoRALayout
-from lorafleet.worker.adapter_entry import (
-    AdapterEntry,
-    AdapterLoadError,
-    AdapterNotFoundError,
-    Loader,
-    split_key,
-)
+from lorafleet.worker.adapter_entry import AdapterEntry, AdapterLoadError, AdapterNotFoundError
 from lorafleet.worker.adapter_image import ModelDims
 from lorafleet.worker.adapter_loading import AdapterLoading, limit_cpu_threads
 from lorafleet.worker.adapter_metrics import AdapterMetrics
 from lorafleet.worker.adapter_placement import AdapterPlacement
 from lorafleet.worker.adapter_pool_config import AdapterPoolConfig, TenantQuota
 from lorafleet.worker.adapter_reports import AdapterReports
+from lorafleet.worker.adapter_versions import AdapterVersions
 from lorafleet.worker.eviction import make_policy
 from lorafleet.worker.page_copier import PageCopier
 from lorafleet.worker.page_pool import PagePool
@@ -49,7 +47,7 @@ from lorafleet.worker.page_pool import PagePool
 __all__ = ["AdapterPool", "AdapterPoolConfig", "TenantQuota"]
 
 
-class AdapterPool(AdapterLoading, AdapterPlacement, AdapterReports):
+class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterReports):
     def __init__(self, page_pool: PagePool, dims: ModelDims, config: AdapterPoolConfig | None = None) -> None:
         self.config = config = config or AdapterPoolConfig()
         self.page_pool = page_pool
@@ -94,106 +92,7 @@ class AdapterPool(AdapterLoading, AdapterPlacement, AdapterReports):
             "evictions": {"gpu": {}, "cpu": {}},
         }
 
-    # ---- registration and versions -------------------------------------------------------------
-    def add(self, key: str, weights=None, *, loader: Loader | None = None, tenant: str = "default",
-            pinned: bool = False, make_current: bool = True, read_seconds: float = 0.0) -> None:
-        """Register `name@version` from CPU `weights` (packed now, read_seconds after the caller read them:
-        the disk -> CPU load time; re-read through `weights.reload` if it has one, so the CPU tier alone
-        bounds the copies kept) or a `loader` (run in a loader thread on first use). A second version loads
-        beside the first, current once resident unless the first is added again; a key's content is fixed."""
-        name, version = split_key(key)
-        if weights is None and loader is None:
-            raise ValueError(f"{key}: give weights or a loader")
-        started = time.perf_counter()
-        image = self._pack(weights) if weights is not None else None
-        if loader is None:  # re-read from the adapter's directory if it has one, else the caller's CPU copy
-            loader = getattr(weights, "reload", None) or (lambda: weights)
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is not None:
-                if image is not None and entry.digest is not None and image.digest != entry.digest:
-                    raise ValueError(
-                        f"{key} is already registered with different weights; register them as a new "
-                        f"version (name@other-version) so no request is served stale weights"
-                    )
-                if not entry.retired:
-                    pinned = entry.pinned = entry.pinned or pinned
-                else:  # a replaced version registered again (a rollback): it comes back as it was
-                    entry.retired, entry.loader, entry.pinned = False, loader, pinned
-            else:
-                entry = AdapterEntry(key, name, version, tenant, loader, pinned=pinned)
-                self._entries[key] = entry
-                if image is not None:
-                    self._set_image(entry, image)
-                    self._loaded_from_disk(entry, read_seconds + time.perf_counter() - started)
-            if name not in self._current:
-                self._current[name] = key
-            elif make_current and self._current[name] != key:
-                old_pending = self._pending.get(name)
-                self._pending[name] = key
-                if old_pending is not None and old_pending != key:
-                    self._retire(self._entries[old_pending])
-                if entry.resident:
-                    self._switch(entry)
-                else:
-                    self._want(entry)
-            elif make_current and (loading := self._pending.pop(name, None)) not in (None, key):
-                self._retire(self._entries[loading])  # it stays current: the version loading to replace it goes
-            if pinned:
-                self._want(entry)
-            self._update_gauges()
-
-    def make_current(self, key: str) -> None:
-        """Make the registered `key` its name's current version now (a canary promoted to stable):
-        `resolve(name)` answers it from this call on. The previous current version retires as when a
-        new version replaces it: requests holding it finish on it, it is evicted first, and no new
-        request resolves to it. A different version still loading to become current is retired too.
-        Raises AdapterNotFoundError for a key that is not registered."""
-        with self._lock:
-            entry = self._get(key)
-            pending = self._pending.pop(entry.name, None)
-            if pending is not None and pending != key:
-                self._retire(self._entries[pending])
-            self._switch(entry)
-            self._update_gauges()
-
-    def resolve(self, name_or_key: str) -> str:
-        """`name` -> current `name@version`; a full key is checked and returned."""
-        with self._lock:
-            self._advance()  # a finished load of a new version switches here, before anyone resolves
-            if "@" in name_or_key:
-                entry = self._entries.get(name_or_key)
-                if entry is None or entry.retired:
-                    raise AdapterNotFoundError(f"adapter {name_or_key!r} is not registered")
-                return name_or_key
-            key = self._current.get(name_or_key)
-            if key is None:
-                raise AdapterNotFoundError(f"adapter {name_or_key!r} is not registered")
-            return key
-
-    def unregister(self, name: str) -> None:
-        """Remove every version of `name`; versions in use are dropped when their last reference goes."""
-        with self._lock:
-            keys = [k for k, e in self._entries.items() if e.name == name]
-            if not keys:
-                raise AdapterNotFoundError(f"adapter {name!r} is not registered")
-            self._current.pop(name, None)
-            self._pending.pop(name, None)
-            for key in keys:
-                self._retire(self._entries[key], reason="unregister")
-            self._update_gauges()
-
-    def remove(self, key: str) -> None:
-        """Remove one version (dropped when unused). The current version cannot be removed this way."""
-        with self._lock:
-            entry = self._get(key)
-            if self._current.get(entry.name) == key:
-                raise ValueError(f"{key} is the current version of {entry.name}; unregister the name instead")
-            if self._pending.get(entry.name) == key:
-                del self._pending[entry.name]
-            self._retire(entry, reason="unregister")
-            self._update_gauges()
-
+    # ---- pinning -------------------------------------------------------------------------------
     def pin(self, key: str) -> None:
         with self._lock:
             entry = self._get(key)
@@ -224,8 +123,8 @@ class AdapterPool(AdapterLoading, AdapterPlacement, AdapterReports):
                 entry.failed_anonymous = False
                 if entry.error is not None and not entry.resident:  # else a later load succeeded
                     raise entry.error
-            # A replaced version still serves requests that resolved it before the switch (queued
-            # ones too) while it is resident; it is the first to go when memory is needed.
+            # A replaced version still serves the requests that hold it or that it was loaded for; once
+            # none does it is dropped, and a request that resolved it earlier resolves the name again.
             if entry.retired and not entry.resident:
                 raise AdapterNotFoundError(f"adapter {key!r} was replaced or unregistered")
             self._tick += 1
@@ -252,7 +151,11 @@ class AdapterPool(AdapterLoading, AdapterPlacement, AdapterReports):
             if entry is None or entry.refcount <= 0:
                 raise RuntimeError(f"release of slot {slot} that holds no reference")
             entry.refcount -= 1
-            if entry.refcount == 0 and self._wanted:
+            if entry.refcount > 0:
+                return
+            if self._drop_if_unused(entry):  # a replaced or unregistered version's last request finished
+                self._update_gauges()
+            if self._wanted:
                 self._sweep_wanted()  # it may make room for an adapter nobody's acquire retries (prefetch, pin)
 
     def abandon(self, key: str, waiter: object) -> None:
@@ -262,6 +165,8 @@ class AdapterPool(AdapterLoading, AdapterPlacement, AdapterReports):
             if entry is not None:
                 entry.waiters.discard(waiter)
                 entry.failed_waiters.pop(waiter, None)
+                if self._drop_if_unused(entry):  # loaded for that request only, and replaced since
+                    self._update_gauges()
 
     def poll(self) -> list[tuple[str, AdapterLoadError]]:
         """Advance loads without waiting: finish parsed loads and completed copies, place wanted
@@ -367,30 +272,3 @@ class AdapterPool(AdapterLoading, AdapterPlacement, AdapterReports):
     def slot_key(self, slot: int) -> str | None:
         entry = self._slot_owner.get(slot)
         return entry.key if entry is not None else None
-
-    # ---- internals: versions -------------------------------------------------------------------
-    def _get(self, key: str) -> AdapterEntry:
-        entry = self._entries.get(key)
-        if entry is None or entry.retired:
-            raise AdapterNotFoundError(f"adapter {key!r} is not registered")
-        return entry
-
-    def _switch(self, entry: AdapterEntry) -> None:
-        """Atomic version switch: one assignment under the lock; the old version retires."""
-        old_key = self._current.get(entry.name)
-        self._current[entry.name] = entry.key
-        self._pending.pop(entry.name, None)
-        if old_key is not None and old_key != entry.key:
-            self._retire(self._entries[old_key], reason="version")
-
-    def _retire(self, entry: AdapterEntry, reason: str = "version") -> None:
-        """No new request resolves to it; it stays while resident (requests that resolved it earlier
-        still get it) and is evicted before anything else, then forgotten."""
-        entry.retired, entry.retire_reason = True, reason
-        entry.pinned = False  # pinning holds the version being served: a retired one goes once unused
-        self._wanted.pop(entry.key, None)
-        entry.loader = None  # never reloaded: drops the caller's CPU copy with it
-        if entry.image is not None and entry.copying is None:
-            self._evict_cpu(entry, reason)
-        if not entry.on_gpu:
-            self._drop(entry, reason=reason)

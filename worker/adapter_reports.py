@@ -15,7 +15,7 @@ class AdapterReports:
             out = []
             for e in self._entries.values():
                 if e.retired and e.refcount == 0:
-                    continue  # replaced: lingers only as evictable memory
+                    continue  # replaced: held only for queued requests it was loaded for
                 out.append({
                     "key": e.key, "name": e.name, "version": e.version, "tenant": e.tenant,
                     "tier": e.tier(), "refcount": e.refcount, "hits": e.uses,

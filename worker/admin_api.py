@@ -3,10 +3,12 @@
 `PUT /admin/v1/state` takes a `directives.DesiredState` (from the pod's stager sidecar) and answers
 the `ReportedState` after applying it; the same generation twice is a no-op, an older one is
 refused with 409 (body: the current report with `error` set). `GET /admin/v1/state` adds the
-worker-only keys (KV pages, running/waiting requests, pool stats) to the report. Registration
-reads adapter files, so it runs off the event loop, one admin change at a time; a change that
-unregisters a name (a push that no longer lists it, an unload) or retires a version (a rolled-back
-canary, a replaced stable version) drops its request metrics.
+worker-only keys (KV pages, running/waiting requests, pool stats) to the report. Checking the
+adapter paths and registering them read the file system (a hung mount may block for minutes), so
+both run off the event loop, one admin change at a time: health probes and requests for adapters
+already served are answered meanwhile. A change that unregisters a name (a push that no longer lists
+it, an unload) or retires a version (a rolled-back canary, a replaced stable version) drops its
+request metrics.
 """
 
 from __future__ import annotations
@@ -160,9 +162,8 @@ async def put_state(request: web.Request) -> web.Response:
     except DirectiveError as exc:
         raise APIError(400, f"bad desired state: {exc}", code="invalid_directive") from None
     app = request.app
-    state = _with_local_sources(app, state)
     try:
-        await admin_change(app, app[ADAPTERS].apply, state, app[HOST])
+        await admin_change(app, _apply_state, app, state)
     except APIError as err:
         if err.status != 409:
             raise
@@ -170,6 +171,11 @@ async def put_state(request: web.Request) -> web.Response:
         report["error"] = err.message
         return web.json_response(report, status=409)
     return web.json_response(state_report(app))
+
+
+def _apply_state(app: web.Application, state: DesiredState) -> bool:
+    """Check the sources of `state`, then apply it (in the admin change's thread: both touch the disk)."""
+    return app[ADAPTERS].apply(_with_local_sources(app, state), app[HOST])
 
 
 async def get_state(request: web.Request) -> web.Response:
@@ -182,10 +188,13 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
     require_admin(request)
     _require_engine(request)
     name, path = parse_load_adapter_request(await read_json(request))
-    app = request.app
-    source = _local_source(app, path, f"lora_path of {name!r}")
-    key = await admin_change(app, app[ADAPTERS].load, name, source, app[HOST])
+    key = await admin_change(request.app, _load_adapter, request.app, name, path)
     return web.Response(text=f"Success: LoRA adapter '{name}' added successfully ({key}).")
+
+
+def _load_adapter(app: web.Application, name: str, path: str) -> str:
+    """Check `path`, then register it as `name` (in the admin change's thread: both touch the disk)."""
+    return app[ADAPTERS].load(name, _local_source(app, path, f"lora_path of {name!r}"), app[HOST])
 
 
 async def unload_lora_adapter(request: web.Request) -> web.Response:

@@ -186,20 +186,22 @@ class Engine:
     # ---- adapters -----------------------------------------------------------------------------------
     def register_adapter(
         self, name: str, path: str | Path, version: str | None = None, *, tenant: str = "default",
-        pinned: bool = False, make_current: bool = True,
+        pinned: bool = False, make_current: bool = True, sha256: str | None = None,
     ) -> str:
         """Load and validate a PEFT adapter directory and register it as `name@version`; returns the key.
 
         `version` defaults to the adapter's content digest. The adapter is copied to the GPU pool on
         first use (or now when pinned). A new version of a registered name becomes current once
-        resident; with `make_current=False` it is only registered beside the current one (a canary)."""
+        resident; with `make_current=False` it is only registered beside the current one (a canary).
+        `sha256`, when given, is the digest the files must have (as `sources.adapter_digest`); other files
+        are refused (AdapterError naming both digests) before their weights are parsed."""
         if not name or "@" in name or "/" in name:
             raise EngineError(f"adapter name {name!r} must be non-empty and contain neither '@' nor '/'")
         started = time.perf_counter()
         weights = load_peft_adapter(
             path, self.model_config, dtype=self.dtype, strict_base=self.config.strict_base,
             base_model_name=self.model_name, tokenizer_digest=self.tokenizer_digest, name=name, version=version,
-            max_file_bytes=self.config.max_adapter_file_bytes,
+            max_file_bytes=self.config.max_adapter_file_bytes, sha256=sha256,
         )
         key = f"{name}@{weights.version}"
         self.adapter_pool.add(key, weights, tenant=tenant, pinned=pinned, make_current=make_current,

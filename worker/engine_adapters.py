@@ -19,10 +19,11 @@ class EngineAdapters:
         self.pool = engine.adapter_pool
 
     def register_adapter(self, name: str, source: str, *, version: str | None = None, tenant: str | None = None,
-                         pinned: bool = False, make_current: bool = True) -> str:
-        """Validate and register a local PEFT directory as `name@version`; returns the key."""
+                         pinned: bool = False, make_current: bool = True, sha256: str | None = None) -> str:
+        """Validate and register a local PEFT directory as `name@version` (its files must hash to `sha256`
+        when given); returns the key."""
         return self.engine.register_adapter(name, source, version, tenant=tenant or "default", pinned=pinned,
-                                            make_current=make_current)
+                                            make_current=make_current, sha256=sha256)
 
     def make_adapter_current(self, key: str) -> None:
         """Make the registered `key` its name's current version; the previous one retires."""

@@ -226,12 +226,16 @@ def load_peft_adapter(
     name: str | None = None,
     version: str | None = None,
     expect_digest: str | None = None,
+    sha256: str | None = None,
     max_file_bytes: int = MAX_FILE_BYTES,
 ) -> LoRAWeights:
     """Load and validate a PEFT LoRA dir for a base described by `model_config`.
 
     expect_digest: the content digest the files must still have (a reload of a registered version:
     files rewritten in place since are refused rather than served under the old version).
+    sha256: the digest the files must have (a pushed directive's; as `sources.adapter_digest`): a
+    mismatch is refused before the weights are parsed. Both are checked against the digest of the
+    bytes read for loading, so checking costs nothing more.
     strict_base: "strict" (True) refuses a base-model-name or tokenizer mismatch, "warn" (False)
     logs it, "off" skips both checks. base_model_name / tokenizer_digest describe the served base;
     None skips that check. max_file_bytes: the largest weights or tokenizer file read (refused before
@@ -271,6 +275,9 @@ def load_peft_adapter(
     shapes = projection_shapes(model_config)
     raw = read_bytes(weights_path, max_file_bytes)
     digest = _content_digest(config_raw, raw)  # of the bytes served
+    if sha256 is not None and digest != sha256.lower():
+        raise AdapterError(f"{path}: sha256 mismatch: expected {sha256}, the files hash to {digest} (corrupt or "
+                           f"changed files; fix the files or the expected sha256)")
     if expect_digest is not None and digest != expect_digest:
         raise AdapterError(f"{path}: the adapter's files changed after version {version} was loaded from them; "
                            f"register the new files as a new version")

@@ -39,7 +39,7 @@ class AdapterHost(Protocol):
     """What this registry needs from the engine (worker/engine.py)."""
 
     def register_adapter(self, name: str, source: str, *, version: str | None = None, tenant: str | None = None,
-                         pinned: bool = False, make_current: bool = True) -> str: ...
+                         pinned: bool = False, make_current: bool = True, sha256: str | None = None) -> str: ...
     def make_adapter_current(self, key: str) -> None: ...
     def unregister_adapter(self, name: str) -> None: ...
     def remove_adapter_version(self, key: str) -> None: ...
@@ -184,8 +184,10 @@ class ServedAdapters:
 
     def _register(self, d: AdapterDirective, old: ServedAdapter | None, engine: AdapterHost) -> ServedAdapter:
         versions = {d.stable.version: d.stable.uri}
+        digests = {d.stable.version: d.stable.sha256}  # the files must hash to it (None: not checked)
         if d.canary is not None:
             versions[d.canary.version] = d.canary.uri
+            digests[d.canary.version] = d.canary.sha256
         served = ServedAdapter(d.name, d.tenant, VersionSplit(d.stable.version), warm=d.warm, pinned=d.pinned)
         # The old stable version stays as the canary (a rollback): the new stable's switch would retire
         # it, so the switch happens now and the old version is registered again (it comes back).
@@ -205,7 +207,7 @@ class ServedAdapters:
                 source = local_source(uri)
                 if not keep:
                     engine.register_adapter(d.name, source, version=version, tenant=d.tenant, pinned=d.pinned,
-                                            make_current=stable)
+                                            make_current=stable, sha256=digests[version])
                 registered = True
                 key = f"{d.name}@{version}"
                 if promoted or (stable and demoted is not None):

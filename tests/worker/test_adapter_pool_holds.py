@@ -142,7 +142,7 @@ def test_a_request_taking_its_adapter_again_is_one_gpu_lookup_and_removal_update
         pool.release(slot)
         gauge = pool.metrics.resident.labels("cpu")
         assert gauge._value.get() == pool.stats()["resident"]["cpu"] == 2
-        pool.remove("a@2")  # its CPU copy goes at once (its GPU copy stays until the room is needed)
+        pool.remove("a@2")  # unused: its CPU and GPU copies go at once
         assert gauge._value.get() == pool.stats()["resident"]["cpu"] == 1
     finally:
         pool.close()

@@ -19,7 +19,8 @@ class RecordingHost:
         self.calls: list[tuple] = []
         self.failing = failing
 
-    def register_adapter(self, name, source, *, version=None, tenant=None, pinned=False, make_current=True):
+    def register_adapter(self, name, source, *, version=None, tenant=None, pinned=False, make_current=True,
+                         sha256=None):
         self.calls.append(("register", f"{name}@{version}", make_current))
         if source in self.failing:
             raise ValueError(f"{source}: adapter_model.safetensors is corrupt")

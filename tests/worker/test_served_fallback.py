@@ -28,9 +28,10 @@ class SwitchingHost(RecordingHost):
         self.current: dict[str, str] = {}
         self.pending: dict[str, str] = {}
 
-    def register_adapter(self, name, source, *, version=None, tenant=None, pinned=False, make_current=True):
+    def register_adapter(self, name, source, *, version=None, tenant=None, pinned=False, make_current=True,
+                         sha256=None):
         key = super().register_adapter(name, source, version=version, tenant=tenant, pinned=pinned,
-                                       make_current=make_current)
+                                       make_current=make_current, sha256=sha256)
         if name not in self.current:
             self.current[name] = key
         elif make_current and self.current[name] != key:

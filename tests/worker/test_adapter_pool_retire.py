@@ -1,0 +1,120 @@
+"""AdapterPool: a replaced or unregistered version gives its GPU pages and slot back as soon as nothing
+uses it (no reference, no copy in flight, no queued request it was loaded for), and registering the same
+`name@version` again afterwards makes a fresh version (its new tenant, its new weights)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lorafleet.worker.adapter_entry import AdapterNotFoundError
+from tests.lora_factory import random_weights
+from tests.worker.test_adapter_pool import dense_from_layout, make_pool
+
+
+@pytest.fixture
+def pool():
+    p = make_pool()
+    yield p
+    p.close()
+
+
+def gpu_held(pool) -> tuple[int, int]:
+    """(adapter pages, slots) held on the GPU."""
+    return pool.page_pool.num_used("adapter"), pool.config.max_slots - len(pool._free_slots)
+
+
+def test_an_unregistered_version_in_use_is_dropped_when_its_last_reference_goes(pool):
+    pool.add("sql@v1", random_weights(1), tenant="acme")
+    slot = pool.load("sql@v1")
+    assert pool.acquire("sql@v1") == slot  # a request in flight
+    pool.unregister("sql")
+    assert pool.slot_key(slot) == "sql@v1" and pool.layout.ranks[:, :, slot].sum() > 0  # it still computes
+    pool.release(slot)  # the request finished
+    assert pool.slot_key(slot) is None and gpu_held(pool) == (0, 0)
+    assert int(pool.layout.ranks[:, :, slot].abs().sum()) == 0
+    assert pool.stats()["resident"] == {"gpu": 0, "cpu": 0}
+    assert pool.stats()["evictions"]["gpu"] == {"unregister": 1}
+    pool.check()
+
+
+@pytest.mark.parametrize("how", ["unregister", "remove", "new_version", "make_current"])
+def test_an_idle_version_is_dropped_when_it_retires(pool, how):
+    pool.add("m@1", random_weights(1))
+    pool.add("m@2", random_weights(2), make_current=False)
+    pool.load("m@1")
+    pool.load("m@2")
+    old = "m@2" if how == "remove" else "m@1"
+    if how == "unregister":
+        pool.unregister("m")
+    elif how == "remove":
+        pool.remove("m@2")
+    elif how == "new_version":
+        pool.add("m@3", random_weights(3))
+        pool.wait_idle()
+    else:
+        pool.make_current("m@2")
+    assert old not in pool._entries
+    assert old not in {pool.slot_key(s) for s in range(pool.config.max_slots)}
+    resident = [k for k in pool._entries if pool._entries[k].resident]
+    assert gpu_held(pool)[1] == len(resident)
+    assert pool.page_pool.num_used("adapter") == sum(len(pool._entries[k].page_ids) for k in resident)
+    pool.check()
+
+
+def test_a_retired_version_loaded_for_a_queued_request_waits_for_it_then_goes(pool):
+    """Loaded for a queued request that has not picked it up yet: it stays for that request (abandoning
+    it or taking it and finishing frees it)."""
+    for waiter_takes_it in (True, False):
+        pool.add("q@1", random_weights(1))
+        assert pool.acquire("q@1", waiter="r1") is None
+        pool.wait_idle()
+        assert pool.entry("q@1").resident
+        pool.unregister("q")
+        assert pool._entries["q@1"].resident  # kept for r1
+        if waiter_takes_it:
+            slot = pool.acquire("q@1", waiter="r1")
+            assert slot is not None and pool.slot_key(slot) == "q@1"
+            pool.release(slot)
+        else:
+            pool.abandon("q@1", "r1")
+        assert "q@1" not in pool._entries and gpu_held(pool) == (0, 0)
+        with pytest.raises(AdapterNotFoundError):
+            pool.acquire("q@1", waiter="r1")
+        pool.check()
+
+
+def test_registering_a_dropped_version_again_makes_a_fresh_one(pool):
+    """sql@v1 (acme's weights) is unloaded while a request uses it; later sql@v1 is pushed again for
+    globex from other files: it is registered, with globex as its tenant, and serves the new weights."""
+    alpha, beta = random_weights(1), random_weights(2)
+    pool.add("sql@v1", alpha, tenant="acme")
+    slot = pool.load("sql@v1")
+    assert pool.acquire("sql@v1") == slot
+    pool.unregister("sql")
+    pool.release(slot)
+    pool.add("sql@v1", beta, tenant="globex")
+    assert pool.resolve("sql") == "sql@v1" and pool.entry("sql@v1").tenant == "globex"
+    slot = pool.load("sql@v1")
+    a, b, _ = dense_from_layout(pool, slot, 0, "q_proj")
+    assert torch.equal(a, beta.modules[(0, "q_proj")].a) and torch.equal(b, beta.modules[(0, "q_proj")].b)
+    pool.check()
+
+
+def test_registering_a_version_still_in_use_again(pool):
+    """Re-registered while a request still holds it: the same weights bring it back (for its new tenant),
+    other weights are refused until that request finished."""
+    weights = random_weights(1)
+    pool.add("sql@v1", weights, tenant="acme")
+    slot = pool.load("sql@v1")
+    assert pool.acquire("sql@v1") == slot
+    pool.unregister("sql")
+    with pytest.raises(ValueError, match="still in use.*requests in flight"):
+        pool.add("sql@v1", random_weights(2), tenant="globex")
+    pool.add("sql@v1", weights, tenant="globex")
+    assert pool.resolve("sql") == "sql@v1" and pool.entry("sql@v1").tenant == "globex"
+    assert pool.acquire("sql") == slot  # the same copy, no reload
+    pool.release(slot)
+    pool.release(slot)
+    assert pool.entry("sql@v1").resident  # registered again: kept like any idle adapter
+    pool.check()

@@ -1,0 +1,127 @@
+"""The admin API in process, with the real engine: a push whose adapter path hangs (a stuck mount) leaves
+health probes and served models answering; a directive's sha256 is checked against the files loaded; a
+version unloaded and pushed again from other files serves the new ones."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from lorafleet.worker.app_keys import ENGINE
+from lorafleet.worker.engine_config import EngineConfig
+from lorafleet.worker.server import create_app
+from lorafleet.worker.sources import Sources, adapter_digest
+from lorafleet.worker.worker_config import WorkerConfig
+
+ADMIN = {"Authorization": "Bearer admin-token-for-tests"}
+
+
+@pytest.fixture
+async def client(aiohttp_client, tiny_llama_dir, qv_adapters_dir):
+    config = WorkerConfig(engine=EngineConfig(model=str(tiny_llama_dir), dtype="float32", max_model_len=128),
+                          served_model_name="tiny", admin_token=ADMIN["Authorization"].split()[1],
+                          adapter_roots=str(qv_adapters_dir))
+    return await aiohttp_client(create_app(config))
+
+
+def directive(name: str, uri, *, tenant: str = "acme", sha256: str | None = None, warm: bool = False) -> dict:
+    stable = {"version": "v1", "uri": str(uri)} | ({"sha256": sha256} if sha256 else {})
+    return {"name": name, "tenant": tenant, "stable": stable, "warm": warm}
+
+
+async def push(client, generation: int, *adapters: dict) -> dict:
+    resp = await client.put("/admin/v1/state", json={"generation": generation, "adapters": list(adapters)},
+                            headers=ADMIN)
+    body = await resp.json()
+    assert resp.status == 200, body
+    return {(a["name"], a["version"]): a for a in body["adapters"]}
+
+
+async def complete(client, model: str) -> tuple[int, dict]:
+    resp = await client.post("/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 2})
+    return resp.status, await resp.json()
+
+
+@pytest.mark.parametrize("endpoint", ["state", "load_lora_adapter"])
+async def test_a_hung_adapter_path_stalls_neither_health_probes_nor_served_models(client, qv_adapters_dir,
+                                                                                  monkeypatch, endpoint):
+    """Checking a pushed path resolves and lists it: on a hung network mount that blocks until the mount
+    recovers. It runs off the event loop: /healthz, the base model and a resident adapter answer while it
+    waits, and the push completes once the path answers."""
+    await push(client, 1, directive("alpha", qv_adapters_dir / "alpha", warm=True))
+    entered, release, stalled = threading.Event(), threading.Event(), []
+    real = Sources.local_path
+
+    def hung(self, uri):
+        if "beta" in str(uri):
+            entered.set()
+            stalled.append(not release.wait(30))  # timed out: nothing else could run meanwhile
+        return real(self, uri)
+
+    monkeypatch.setattr(Sources, "local_path", hung)
+    beta = qv_adapters_dir / "beta"
+    if endpoint == "state":
+        body = {"generation": 2, "adapters": [directive("alpha", qv_adapters_dir / "alpha", warm=True),
+                                              directive("beta", beta)]}
+        pending = asyncio.ensure_future(client.put("/admin/v1/state", json=body, headers=ADMIN))
+    else:
+        body = {"lora_name": "beta", "lora_path": str(beta)}
+        pending = asyncio.ensure_future(client.post("/v1/load_lora_adapter", json=body, headers=ADMIN))
+    try:
+        assert await asyncio.to_thread(entered.wait, 30)
+        assert (await client.get("/healthz")).status == 200
+        for model in ("tiny", "alpha"):
+            status, answer = await complete(client, model)
+            assert status == 200, answer
+        assert not pending.done()  # still waiting for the mount
+    finally:
+        release.set()
+    resp = await pending
+    assert resp.status == 200, await resp.text()
+    assert stalled == [False]
+    status, answer = await complete(client, "beta")
+    assert status == 200, answer
+
+
+async def test_a_pushed_sha256_the_files_do_not_have_is_that_versions_error(client, qv_adapters_dir):
+    """The stager checks a directive's sha256 when it downloads; a local path pushed straight to the worker
+    is checked by the engine, on the bytes it loads. A mismatch is that version's error (503 for its
+    requests, never served); the right digest serves it."""
+    alpha = qv_adapters_dir / "alpha"
+    real, wrong = adapter_digest(alpha), adapter_digest(qv_adapters_dir / "beta")
+    reported = await push(client, 1, directive("alpha", alpha, sha256=wrong))
+    error = reported[("alpha", "v1")]["error"]
+    assert error and "sha256 mismatch" in error and wrong in error and real in error, error
+    status, answer = await complete(client, "alpha")
+    assert status == 503 and answer["error"]["code"] == "adapter_load_failed", answer
+    assert "sha256 mismatch" in answer["error"]["message"]
+
+    reported = await push(client, 2, directive("alpha", alpha, sha256=real))
+    assert reported[("alpha", "v1")]["error"] is None
+    status, answer = await complete(client, "alpha")
+    assert status == 200, answer
+
+
+async def test_a_version_unloaded_and_pushed_again_from_other_files_serves_them(client, qv_adapters_dir):
+    """Generation 1 serves sql@v1 from alpha's files (acme), generation 2 removes it: its GPU pages and
+    slot are freed at once. Generation 3 pushes sql@v1 again, for globex, from beta's files: a new
+    version, with globex as its owner and beta's weights, not a 503 'registered with different weights'."""
+    pool = client.app[ENGINE].engine.adapter_pool
+    await push(client, 1, directive("sql", qv_adapters_dir / "alpha", warm=True))
+    await asyncio.to_thread(pool.wait_idle)
+    assert pool.entry("sql@v1").resident
+    status, answer = await complete(client, "sql")
+    assert status == 200, answer
+
+    await push(client, 2)
+    assert pool.stats()["resident"]["gpu"] == 0 and pool.page_pool.num_used("adapter") == 0
+
+    beta = qv_adapters_dir / "beta"
+    reported = await push(client, 3, directive("sql", beta, tenant="globex"), directive("ref", beta, tenant="globex"))
+    assert reported[("sql", "v1")]["error"] is None
+    status, answer = await complete(client, "sql")
+    assert status == 200, answer
+    entry = pool.entry("sql@v1")
+    assert entry.tenant == "globex" and entry.digest == pool.entry("ref@v1").digest
