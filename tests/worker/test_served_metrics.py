@@ -67,10 +67,9 @@ async def test_series_of_names_a_push_or_an_unload_removes_are_dropped(client, q
     assert await adapter_labels(client) == {"alpha", "__base__", "__unresolved__"}
 
 
-async def test_a_request_that_finishes_after_its_name_went_leaves_no_series(client, qv_adapters_dir,
-                                                                             monkeypatch):
-    """The request holds its version to the end, then counts; its name is gone by then, so its series go."""
-    await push(client, 1, qv_adapters_dir, "alpha", "beta")
+def hold_outputs(client, monkeypatch, holds) -> tuple[asyncio.Event, asyncio.Event]:
+    """Requests on an adapter key `holds` accepts stop after their first output (`started` set) until
+    `go_on` is set: a push can land while they run."""
     engine = client.app[ENGINE]
     started, go_on = asyncio.Event(), asyncio.Event()
     real_generate = engine.generate
@@ -78,11 +77,19 @@ async def test_a_request_that_finishes_after_its_name_went_leaves_no_series(clie
     async def held(request_id, prompt, params, adapter):
         async for out in real_generate(request_id, prompt, params, adapter):
             yield out
-            if adapter is not None and adapter.startswith("beta@"):
+            if adapter is not None and holds(adapter):
                 started.set()
-                await go_on.wait()  # the push below happens while it runs
+                await go_on.wait()
 
     monkeypatch.setattr(engine, "generate", held)
+    return started, go_on
+
+
+async def test_a_request_that_finishes_after_its_name_went_leaves_no_series(client, qv_adapters_dir,
+                                                                             monkeypatch):
+    """The request holds its version to the end, then counts; its name is gone by then, so its series go."""
+    await push(client, 1, qv_adapters_dir, "alpha", "beta")
+    started, go_on = hold_outputs(client, monkeypatch, lambda adapter: adapter.startswith("beta@"))
     request = asyncio.ensure_future(complete(client, "beta", max_tokens=4, ignore_eos=True))
     await asyncio.wait_for(started.wait(), 30)
     await push(client, 2, qv_adapters_dir, "alpha")
@@ -127,18 +134,7 @@ async def test_a_request_that_finishes_after_its_version_retired_leaves_no_serie
                                                                                   monkeypatch):
     """As for a name: the request counts on the version it holds, then that version's series go."""
     await push_versions(client, 1, qv_adapters_dir, "v1", canary="v2")
-    engine = client.app[ENGINE]
-    started, go_on = asyncio.Event(), asyncio.Event()
-    real_generate = engine.generate
-
-    async def held(request_id, prompt, params, adapter):
-        async for out in real_generate(request_id, prompt, params, adapter):
-            yield out
-            if adapter == "alpha@v2":
-                started.set()
-                await go_on.wait()  # the push below happens while it runs
-
-    monkeypatch.setattr(engine, "generate", held)
+    started, go_on = hold_outputs(client, monkeypatch, lambda adapter: adapter == "alpha@v2")
     request = asyncio.ensure_future(complete(client, "alpha@v2", max_tokens=4, ignore_eos=True))
     await asyncio.wait_for(started.wait(), 30)
     await push_versions(client, 2, qv_adapters_dir, "v1")
