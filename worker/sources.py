@@ -68,6 +68,7 @@ class SourcesConfig:
     s3_secure: bool = True
     s3_region: str | None = None
     max_adapter_file_bytes: int = MAX_FILE_BYTES  # per file (worker/file_limits.py): refused before it is read
+    store_check_timeout_s: float = 3.0  # read timeout of a quick listing (`object_etags(quick=True)`)
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides) -> SourcesConfig:
@@ -125,7 +126,7 @@ class Sources:
     def __init__(self, config: SourcesConfig) -> None:
         self.config = config
         self._roots = [Path(r).resolve() for r in config.local_roots]
-        self._client = None
+        self._client = self._quick_client = None
         self.digests = LocalDigests()  # of local folders: an unchanged one is not read again
 
     # ---- checks --------------------------------------------------------------------------------
@@ -161,22 +162,31 @@ class Sources:
         return path
 
     # ---- fetching ------------------------------------------------------------------------------
-    def client(self):
+    def client(self, *, quick: bool = False):
+        """The object-store client; `quick`: one whose reads give up after `store_check_timeout_s` (retried
+        once), for checks that have a cached copy to fall back on or a store that did not answer lately."""
+        if quick:
+            if self._quick_client is None:
+                self._quick_client = self._new_client(self.config.store_check_timeout_s, retries=1)
+            return self._quick_client
         if self._client is None:
-            from minio import Minio
-
-            c = self.config
-            if not c.s3_endpoint:
-                raise SourceError("no object store configured: set LORAFLEET_S3_ENDPOINT (host:port)")
-            import urllib3
-
-            # Fail fast when the store is down (minio's default retries for minutes). A redirect is an
-            # error, never followed: it could point anywhere, out of the bucket/prefix allow-list.
-            http = urllib3.PoolManager(timeout=urllib3.Timeout(connect=3.0, read=30.0),
-                                       retries=urllib3.Retry(total=2, backoff_factor=0.1, connect=1, redirect=False))
-            self._client = Minio(c.s3_endpoint, access_key=c.s3_access_key, secret_key=c.s3_secret_key,
-                                 secure=c.s3_secure, region=c.s3_region, http_client=http)
+            self._client = self._new_client(30.0, retries=2)
         return self._client
+
+    def _new_client(self, read_s: float, *, retries: int):
+        from minio import Minio
+
+        c = self.config
+        if not c.s3_endpoint:
+            raise SourceError("no object store configured: set LORAFLEET_S3_ENDPOINT (host:port)")
+        import urllib3
+
+        # Fail fast when the store is down (minio's default retries for minutes). A redirect is an
+        # error, never followed: it could point anywhere, out of the bucket/prefix allow-list.
+        http = urllib3.PoolManager(timeout=urllib3.Timeout(connect=3.0, read=read_s),
+                                   retries=urllib3.Retry(total=retries, backoff_factor=0.1, connect=1, redirect=False))
+        return Minio(c.s3_endpoint, access_key=c.s3_access_key, secret_key=c.s3_secret_key, secure=c.s3_secure,
+                     region=c.s3_region, http_client=http)
 
     def download(self, uri: str, dest: Path, *, progress: Callable[[int, int], None] | None = None,
                  deadline: float | None = None, etags: Etags | None = None) -> Path:
@@ -228,13 +238,13 @@ class Sources:
                                      lambda: adapter_digest(path, self.config.max_adapter_file_bytes))
         return _check_digest(digest, sha256, where)
 
-    def object_etags(self, uri: str) -> Etags:
+    def object_etags(self, uri: str, *, quick: bool = False) -> Etags:
         """(name, etag) of the staged files (`STAGED_FILES`, tokenizer files included) under an S3 prefix:
-        identifies content without a digest."""
+        identifies content without a digest. `quick`: with the quick client (`client(quick=True)`)."""
         loc = self.check_s3(uri)
         names = {loc.prefix + n for n in STAGED_FILES}
-        return sorted((o.object_name, o.etag or "") for o in self.client().list_objects(loc.bucket, prefix=loc.prefix)
-                      if o.object_name in names)
+        listing = self.client(quick=quick).list_objects(loc.bucket, prefix=loc.prefix)
+        return sorted((o.object_name, o.etag or "") for o in listing if o.object_name in names)
 
     def list_adapters(self, uri: str) -> list[str]:
         """URIs of the adapter directories (folders with adapter_config.json) directly under a prefix."""

@@ -11,9 +11,11 @@ needs `Authorization: Bearer <stager token>` (the routes: stager_http.py):
   paths to the engine's `PUT /admin/v1/state`. Same generation: no-op; lower: 409. A version that
   cannot be staged (store down, digest mismatch) is reported with its error; an adapter whose new
   version fails keeps its previously forwarded (already local) version, so the store being down
-  never takes away what is served. The disk cache keeps, whatever its budget, the copies the engine may
-  read (worker/stager_holds.py): those it is served, those the push in progress stages, and those of
-  versions a push replaced while the engine still reports them (a fallback); the others go first.
+  never takes away what is served. A store that does not answer costs a push one quick check, not
+  every version's timeouts (worker/stager_store.py): the rest of the push serves cached copies. The
+  disk cache keeps, whatever its budget, the copies the engine may read (worker/stager_holds.py):
+  those it is served, those the push in progress stages, and those of versions a push replaced while
+  the engine still reports them (a fallback); the others go first.
 * `GET /v1/state`: the engine's `ReportedState`, plus tier `disk` for staged versions the engine has
   not loaded, staging errors, a `disk` section (cache bytes, downloads, hits, progress) and, while
   `--stager-adapters` is what is served, a `seed` section (folders not served and why, its push's generation).
@@ -54,6 +56,7 @@ from lorafleet.worker.stager_holds import CacheHolds
 from lorafleet.worker.stager_locks import KeyLocks
 from lorafleet.worker.stager_metrics import StagerMetrics, progress_by_uri
 from lorafleet.worker.stager_seed import SeedReport, seed
+from lorafleet.worker.stager_store import StoreHealth
 from lorafleet.worker.staging_errors import staging_error
 
 log = logging.getLogger("lorafleet.stager")
@@ -82,12 +85,15 @@ class Stager:
         self._apply_lock = asyncio.Lock()
         self.metrics = StagerMetrics(self.cache)
         self.registry = self.metrics.registry
+        self.store = StoreHealth(self.metrics)
 
     # ---- staging -------------------------------------------------------------------------------
-    async def stage(self, uri: str, sha256: str | None, *, held: set[str] | None = None) -> Staged:
+    async def stage(self, uri: str, sha256: str | None, *, held: set[str] | None = None,
+                    push_start: float | None = None) -> Staged:
         """Stage `uri` into the disk cache. Its cache key is protected from eviction before the cache is
         looked up: added to `held` (a push's keys), or else (the engine's request) leased for
-        `stage_lease_s`, as the engine loads from the path after it is handed out."""
+        `stage_lease_s`, as the engine loads from the path after it is handed out. `push_start`
+        (time.monotonic()) of a push: the store is not called again once it failed since (StoreHealth)."""
         if sha256 is not None:
             sha256 = sha256.lower()
         if not self.sources.is_s3(uri):  # off the event loop: a slow or hung mount must not stop the stager
@@ -98,17 +104,25 @@ class Stager:
         etags = None  # what the key names: the download must fetch exactly these objects
         if sha256 is not None:
             key = sha256
+            if self.cache.get(key) is None:  # to be downloaded: a store seen down is checked quickly first
+                self.store.skip(push_start)
+                if self.store.is_quick(push_start):
+                    await self._list(uri, True)
         else:
+            fallback = self._by_uri.get(uri)  # the last staged copy of this URI, served while the store is down
+            if fallback is not None and self.cache.get(fallback) is None:
+                fallback = None
             try:
-                etags = await asyncio.to_thread(self.sources.object_etags, uri)
+                self.store.skip(push_start)
+                etags = await self._list(uri, fallback is not None or self.store.is_quick(push_start))
                 key = "u-" + hashlib.sha256(repr((uri, etags)).encode()).hexdigest()[:40]
             except SourceError:
                 raise
             except Exception:
-                # Store down: the last staged copy of this URI still serves.
-                key = self._by_uri.get(uri)
-                if key is None or self.cache.get(key) is None:
+                if fallback is None:
                     raise
+                key = fallback
+                self.store.fell_back(uri, key)
         if held is not None:
             held.add(key)
         else:
@@ -130,6 +144,15 @@ class Stager:
                 self._forget_uris()
         self._count_request("hit" if staged.cached else "miss")
         return staged
+
+    async def _list(self, uri: str, quick: bool) -> Etags:
+        try:
+            etags = await asyncio.to_thread(self.sources.object_etags, uri, quick=quick)
+        except Exception as exc:
+            self.store.failed(exc)
+            raise
+        self.store.answered()
+        return etags
 
     def _local(self, uri: str, sha256: str | None) -> Staged:
         path = self.sources.local_path(uri)
@@ -160,10 +183,12 @@ class Stager:
                 # only covers a store that stalls a listing beyond the client's read timeouts.
                 path = await asyncio.wait_for(asyncio.to_thread(self._download, uri, sha256, key, deadline, etags),
                                               self.config.download_timeout_s + _STALL_GRACE_S)
-            except Exception:
+            except Exception as exc:
                 self.counts["failures"] += 1
                 self.metrics.failures.inc()
+                self.store.failed(exc)
                 raise
+            self.store.answered()
             self.download_seconds.append(time.perf_counter() - t0)
             self.metrics.seconds.observe(self.download_seconds[-1])
             self.counts["downloads"] += 1
@@ -215,13 +240,14 @@ class Stager:
             errors: dict[tuple[str, str], str] = dict(seed.adapter_errors) if seed else {}
             staged: dict[tuple[str, str], Staged] = {}
             self.holds.pushing = pushing = set()
+            push_start = time.monotonic()
             for a in desired.adapters:
                 local: dict[str, VersionRef] = {}
                 for ref in (a.stable, a.canary):
                     if ref is None:
                         continue
                     try:
-                        s = await self.stage(ref.uri, ref.sha256, held=pushing)
+                        s = await self.stage(ref.uri, ref.sha256, held=pushing, push_start=push_start)
                     except Exception as exc:
                         errors[(a.name, ref.version)] = staging_error(exc, ref.uri).message
                         log.warning("staging %s@%s failed: %s", a.name, ref.version, errors[(a.name, ref.version)])
@@ -288,7 +314,7 @@ class Stager:
 
     def disk_stats(self) -> dict[str, Any]:
         return {"cache_bytes": self.cache.used_bytes, "cache_entries": len(self.cache.entries()),
-                "cache_evictions": self.cache.evictions, **self.counts,
+                "cache_evictions": self.cache.evictions, **self.counts, "store": self.store.to_dict(),
                 "downloading": progress_by_uri(self.downloading), "download_seconds": list(self.download_seconds)}
 
     async def seed(self, uri: str) -> SeedReport:

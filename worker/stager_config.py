@@ -30,6 +30,9 @@ class StagerConfig:
     s3_secure: bool = field(default=True, metadata=_help("use TLS to the object store"))
     s3_region: str | None = field(default=None, metadata=_help("object store region"))
     download_timeout_s: float = field(default=300.0, metadata=_help("give up on one adapter download after"))
+    store_check_timeout_s: float = field(default=3.0, metadata=_help(
+        "read timeout of a listing that checks a cached copy is current, and of a push's first call to a store "
+        "that did not answer; no answer in time (one retry) takes the store as down for the push"))
     stage_lease_s: float = field(default=600.0, metadata=_help(
         "keep a copy /v1/stage handed out from eviction this long (the engine loads from its path)"))
     engine_url: str | None = field(default=None, metadata=_help("engine base URL (http://127.0.0.1:8000)"))
@@ -42,8 +45,8 @@ class StagerConfig:
             raise ValueError("stager_token must be at least 16 characters (set LORAFLEET_STAGER_TOKEN)")
         if not 0 <= self.stager_port < 65536:
             raise ValueError(f"stager_port must be in 0..65535, got {self.stager_port}")
-        if self.stager_cache_bytes <= 0 or self.download_timeout_s <= 0 or self.stage_lease_s <= 0:
-            raise ValueError("stager_cache_bytes, download_timeout_s and stage_lease_s must be > 0")
+        if min(self.stager_cache_bytes, self.download_timeout_s, self.stage_lease_s, self.store_check_timeout_s) <= 0:
+            raise ValueError("stager_cache_bytes, download_timeout_s, stage_lease_s and store_check_timeout_s must be > 0")
         if self.max_adapter_file_bytes <= 0:
             raise ValueError(f"max_adapter_file_bytes must be > 0, got {self.max_adapter_file_bytes}")
 
@@ -51,4 +54,5 @@ class StagerConfig:
         return SourcesConfig(local_roots=list(self.local_roots), s3_allow=list(self.s3_allow),
                              s3_endpoint=self.s3_endpoint, s3_access_key=self.s3_access_key,
                              s3_secret_key=self.s3_secret_key, s3_secure=self.s3_secure, s3_region=self.s3_region,
-                             max_adapter_file_bytes=self.max_adapter_file_bytes)
+                             max_adapter_file_bytes=self.max_adapter_file_bytes,
+                             store_check_timeout_s=self.store_check_timeout_s)

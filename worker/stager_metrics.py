@@ -1,5 +1,6 @@
 """StagerMetrics: the stager's Prometheus registry (`GET /metrics`, `lorafleet_stager_*`): the disk
-tier's hits and misses, downloads, bytes, failures, download latency, cache bytes and entries; and the
+tier's hits and misses, downloads, bytes, failures, download latency, cache bytes and entries, whether the
+object store answers and the cached copies served unchecked while it does not; and the
 progress of the downloads in progress, as `GET /v1/state` reports it."""
 
 from __future__ import annotations
@@ -19,6 +20,11 @@ class StagerMetrics:
         self.failures = Counter("lorafleet_stager_failures", "Failed downloads (store, digest, timeout)", registry=r)
         self.seconds = Histogram("lorafleet_stager_download_seconds", "Download + verify time", registry=r,
                                  buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
+        # worker/stager_store.py: an outage lasts from a failure to reach the store to its next answer.
+        self.store_up = Gauge("lorafleet_stager_store_up", "0 while the object store is unreachable", registry=r)
+        self.store_fallbacks = Counter("lorafleet_stager_store_fallbacks",
+                                       "Versions served from a cached copy the unreachable store could not check",
+                                       registry=r)
         Gauge("lorafleet_stager_cache_bytes", "Bytes in the node-local disk cache", registry=r).set_function(
             lambda: cache.used_bytes)
         Gauge("lorafleet_stager_cache_entries", "Adapters in the node-local disk cache", registry=r).set_function(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -44,13 +45,20 @@ async def seed(stager: Stager, uri: str) -> SeedReport:
     report names the others."""
     report = SeedReport(uri)
     served = {a.stable.uri: a for a in stager.desired.adapters} if stager.seed_report is not None else {}
-    for folder in await asyncio.to_thread(stager.sources.list_adapters, uri):
+    push_start = time.monotonic()  # a store that fails one folder is not tried again for the others
+    try:
+        folders = await asyncio.to_thread(stager.sources.list_adapters, uri)
+    except Exception as exc:
+        stager.store.failed(exc)
+        raise
+    stager.store.answered()
+    for folder in folders:
         if folder in served:
             continue
         name = folder.rstrip("/").rsplit("/", 1)[-1]
         try:
             AdapterDirective(name, "default", VersionRef(UNSTAGED, folder))  # a bad name: no download
-            s = await stager.stage(folder, None)
+            s = await stager.stage(folder, None, push_start=push_start)
         except DirectiveError as exc:
             report.errors[folder] = f"{folder}: not served: {exc} (rename the folder)"
         except Exception as exc:

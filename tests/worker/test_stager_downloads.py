@@ -177,8 +177,8 @@ async def test_a_copy_keyed_by_etags_holds_the_objects_those_etags_name(s3, adap
     stager = stager_for(s3.endpoint, s3, tmp_path / "cache")
     listed = stager.sources.object_etags
 
-    def listed_then_replaced(u: str):
-        etags = listed(u)
+    def listed_then_replaced(u: str, quick: bool = False):
+        etags = listed(u, quick=quick)
         monkeypatch.setattr(stager.sources, "object_etags", listed)  # once
         upload(client, "team/rollback/", adapters["v2"])
         return etags

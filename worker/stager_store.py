@@ -1,0 +1,94 @@
+"""StoreHealth: whether the object store answers, as the stager last saw it.
+
+A push stages its versions one after another. A store that is down, or hung (it accepts connections and
+never answers), would make every version's listing wait out the client's read timeouts and retries,
+minutes per push, while later pushes queue behind it. So:
+
+* a push's first call to the store, every check that a cached copy is current (a version without a
+  sha256) and every call while the store is down are quick ones (`store_check_timeout_s`, one retry);
+* the first failure to reach the store marks it down: for the rest of that push no version calls it
+  again (`StoreDown`): a version with a cached copy is served from it, one without fails at once;
+* the next push calls it again (quickly), and the first answer ends the outage: versions are checked
+  and new uploads picked up as before.
+
+The outage is logged when it starts and ends, counted in `lorafleet_stager_store_up` and
+`lorafleet_stager_store_fallbacks`, and reported under `"store"` in `GET /v1/state`'s `disk` section.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from lorafleet.worker.stager_metrics import StagerMetrics
+from lorafleet.worker.staging_errors import staging_error
+
+log = logging.getLogger("lorafleet.stager")
+
+
+class StoreDown(ConnectionError):
+    """Not tried: the store did not answer earlier in this push (answered as object store unavailable)."""
+
+
+def is_outage(exc: BaseException) -> bool:
+    """A failure to reach the store (down, hung, a dropped connection), not its refusal (an S3 error
+    answer), a timed-out download, the adapter's fault or the node's full disk."""
+    return (isinstance(exc, Exception) and type(exc).__name__ != "S3Error"
+            and staging_error(exc, "").code == "object_store_unavailable")
+
+
+class StoreHealth:
+    def __init__(self, metrics: StagerMetrics) -> None:
+        self.metrics = metrics
+        self.down_since: float | None = None  # time.monotonic() of the failure that started the outage
+        self.failed_at: float | None = None  # of the latest failure of the outage
+        self.answered_at: float | None = None  # of the latest answer
+        self.error: str | None = None  # the latest failure
+        self.num_fallbacks = 0  # versions served from a cached copy the store could not check
+        metrics.store_up.set(1)
+
+    @property
+    def is_down(self) -> bool:
+        return self.down_since is not None
+
+    def is_quick(self, push_start: float | None) -> bool:
+        """Whether the next call should be a quick one: while the store is down, and as a push's first
+        call (`push_start`: time.monotonic() when the push began; None: not a push's call)."""
+        return self.is_down or (push_start is not None and (self.answered_at or -1.0) < push_start)
+
+    def skip(self, push_start: float | None) -> None:
+        """Raise StoreDown when the store failed during the push that began at `push_start`."""
+        if push_start is not None and self.failed_at is not None and self.failed_at >= push_start:
+            raise StoreDown(f"not tried: the store did not answer earlier in this push; the next push tries it "
+                            f"again ({self.error})")
+
+    def failed(self, exc: BaseException) -> None:
+        """Note `exc` when it says the store could not be reached."""
+        if isinstance(exc, StoreDown) or not is_outage(exc):
+            return
+        self.failed_at = now = time.monotonic()
+        self.error = f"{type(exc).__name__}: {exc}"[:300]
+        if self.down_since is None:
+            self.down_since = now
+            self.metrics.store_up.set(0)
+            log.warning("object store unreachable (%s): cached copies are served unchecked and other versions "
+                        "fail until it answers; each push tries it once, quickly", self.error)
+
+    def answered(self) -> None:
+        self.answered_at = now = time.monotonic()
+        if self.down_since is not None:
+            log.info("object store answers again after %.0f s of outage", now - self.down_since)
+            self.down_since = self.failed_at = None
+            self.metrics.store_up.set(1)
+
+    def fell_back(self, uri: str, key: str) -> None:
+        """`uri` is served from its cached copy `key`: the store could not say whether it is current."""
+        self.num_fallbacks += 1
+        self.metrics.store_fallbacks.inc()
+        log.info("%s: serving the cached copy %s unchecked (object store unreachable)", uri, key)
+
+    def to_dict(self) -> dict[str, Any]:
+        down_s = None if self.down_since is None else round(time.monotonic() - self.down_since, 1)
+        return {"reachable": not self.is_down, "down_s": down_s, "error": self.error if self.is_down else None,
+                "fallbacks": self.num_fallbacks}
