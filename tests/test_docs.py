@@ -10,13 +10,16 @@ import sys
 from pathlib import Path
 
 import pytest
+from prometheus_client import generate_latest
 
 from lorafleet.operator.operator_config import OperatorConfig
 from lorafleet.worker.adapter_metrics import AdapterMetrics
 from lorafleet.worker.cli import build_parser
+from lorafleet.worker.disk_cache import DiskCache
 from lorafleet.worker.metrics import WorkerMetrics
 from lorafleet.worker.sources import adapter_digest
 from lorafleet.worker.stager_config import StagerConfig
+from lorafleet.worker.stager_metrics import StagerMetrics
 from lorafleet.worker.worker_config import WorkerConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,10 +86,11 @@ def test_readme_flag_example_matches_its_variable():
         assert flag in WORKER_FLAGS and env in WORKER_ENV
 
 
-def test_metric_names_exist():
+def test_metric_names_exist(tmp_path):
     metrics = WorkerMetrics()
     metrics.register(AdapterMetrics().collectors())
-    exposition = metrics.render().decode()
+    stager = StagerMetrics(DiskCache(tmp_path, 1 << 20))  # the stager's own /metrics
+    exposition = metrics.render().decode() + generate_latest(stager.registry).decode()
     # A name, with `{a,b}` alternatives inside it (lorafleet_page_pool_{kv,adapter}_pages); `{tier}` after
     # a name is its labels. A prefix such as lorafleet_stager_* is not a name.
     pattern = r"\blorafleet_(?:[a-z0-9_]|\{[a-z0-9_]+(?:,[a-z0-9_]+)+\}(?=_))*[a-z0-9](?![\w*])"
@@ -97,7 +101,7 @@ def test_metric_names_exist():
                 names = [m[1] + part + m[3] for part in m[2].split(",")]
             for name in names:
                 assert re.search(rf"^# TYPE {re.escape(name)} ", exposition, re.M), \
-                    f"{doc} names the metric {name}, which the worker does not export"
+                    f"{doc} names the metric {name}, which neither the worker nor the stager exports"
 
 
 def test_bench_result_files_exist():
