@@ -1,12 +1,18 @@
 """The autoscaling policy of a LoRAPool (``spec.scaling``): pure, no I/O, no clock (times are passed in).
 
-``ScalingSpec.parse`` reads the block; ``recommend`` turns the pool's two signals into a replica count;
+``ScalingSpec.parse`` reads the block; ``recommend`` turns the pool's signals into a replica count;
 ``Stabilizer`` smooths recommendations over time as Kubernetes' HPA does. Signals:
 
 * hit rate: the share of adapter lookups the workers served from GPU-resident adapters;
-* KV usage: the workers' mean KV-cache usage (0..1).
+* KV usage: the workers' mean KV-cache usage (0..1);
+* waiting: the mean number of requests per worker waiting to be scheduled. A worker saturates on
+  ``max_num_seqs`` (or its token budget) long before a large KV cache fills: then requests queue and are
+  refused with 429 ``queue_full`` while KV usage stays low, so KV usage alone would scale it down.
 
-Either may be unknown (``None``: no series, no traffic); an unknown signal never scales on its own.
+Any may be unknown (``None``: no series, no traffic); an unknown signal never scales on its own. The hit
+rate scales up only under load pressure (KV usage at or above kvLow, or requests waiting): adapters and
+KV blocks share each worker's page pool, so spreading the load frees pages for adapters; an idle pool's
+misses are long-tail traffic that more replicas, each with a pool of the same size, would miss as often.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ class ScalingSpec:
     target_hit_rate: float = 0.9
     kv_high: float = 0.85
     kv_low: float = 0.3
+    waiting_high: float = 2.0  # mean requests waiting per worker above which the pool scales up
     scale_up_seconds: int = 0  # stabilization windows
     scale_down_seconds: int = 300
     rate_window_seconds: int = 120  # the hit rate's rate() window
@@ -73,6 +80,10 @@ class ScalingSpec:
         kv_low = _ratio(data.get("kvLow", 0.3), f"{FIELD}.kvLow")
         if kv_low >= kv_high:
             raise SpecError(f"{FIELD}.kvLow: {kv_low} must be below {FIELD}.kvHigh ({kv_high})")
+        waiting_high = data.get("waitingHigh", 2)
+        if isinstance(waiting_high, bool) or not isinstance(waiting_high, int | float) or not waiting_high >= 0.1:
+            raise SpecError(f"{FIELD}.waitingHigh: {waiting_high!r} must be a number >= 0.1 (mean requests waiting "
+                            f"per worker)")
         return cls(
             target=target,
             prometheus_url=url,
@@ -81,6 +92,7 @@ class ScalingSpec:
             target_hit_rate=_ratio(data.get("targetHitRate", 0.9), f"{FIELD}.targetHitRate"),
             kv_high=kv_high,
             kv_low=kv_low,
+            waiting_high=float(waiting_high),
             scale_up_seconds=_int(data.get("scaleUpStabilizationSeconds", 0),
                                   f"{FIELD}.scaleUpStabilizationSeconds", lo=0),
             scale_down_seconds=_int(data.get("scaleDownStabilizationSeconds", 300),
@@ -101,42 +113,71 @@ def bound_correction(spec: ScalingSpec, current: int) -> tuple[int, str] | None:
     return None
 
 
-def recommend(spec: ScalingSpec, hit_rate: float | None, kv_usage: float | None, current: int) -> tuple[int, str]:
-    """(replicas, why) for one observation. Up: KV usage above kvHigh (proportionally, at least one more)
-    or the hit rate below target (one more); down by one: KV usage below kvLow with the hit rate unknown
-    or on target, unless the KV in use spread over one fewer replica would be above kvHigh (it would be
-    scaled up again at once); otherwise hold. Clamped to [minReplicas, maxReplicas], and never down to 0:
-    at 0 no worker is left to show demand, so nothing could wake the pool."""
+# Mean requests waiting per worker from which requests count as waiting (a queue): below it they are
+# mostly arrivals between two engine steps, which any busy worker shows at every scrape.
+WAITING = 1.0
+
+
+def _waiting_up(spec: ScalingSpec, waiting: float, current: int) -> int:
+    """The queue spread over more workers lands at waitingHigh (HPA's average-value target), at least one
+    more and at most double: a queue is backlog, not a rate, so it overstates the capacity missing."""
+    return max(current + 1, min(2 * current, math.ceil(current * waiting / spec.waiting_high - 1e-9)))
+
+
+def recommend(spec: ScalingSpec, hit_rate: float | None, kv_usage: float | None, current: int,
+              waiting: float | None = None) -> tuple[int, str]:
+    """(replicas, why) for one observation. Up: KV usage above kvHigh (proportionally, at least one more),
+    requests waiting per worker above waitingHigh (proportionally, at least one more, at most double), or
+    the hit rate below target under load pressure (KV usage >= kvLow or requests waiting: one more); the
+    largest of these. Down by one: KV usage below kvLow, unless requests wait (at least ``WAITING`` per
+    worker) or one fewer replica would put the KV in use above kvHigh or the queue above waitingHigh (it
+    would be scaled up again at once); otherwise hold. Clamped to [minReplicas, maxReplicas], and never down
+    to 0: at 0 no worker is left to show demand, so nothing could wake the pool."""
     corrected = bound_correction(spec, current)
     if corrected is not None:
         return corrected
-    if hit_rate is None and kv_usage is None:
+    if hit_rate is None and kv_usage is None and waiting is None:
         return current, "no metrics for the pool's workers (no series or no traffic yet)"
-    if current == 0:  # minReplicas 0: any traffic or KV in use wakes the pool
-        if hit_rate is not None or (kv_usage or 0.0) > 0:
+    if current == 0:  # minReplicas 0: any traffic, KV in use or queued request wakes the pool
+        if hit_rate is not None or (kv_usage or 0.0) > 0 or (waiting or 0.0) > 0:
             return 1, "demand while scaled to 0"
         return 0, "no demand"
-    kv_high = kv_usage is not None and kv_usage > spec.kv_high
+    is_waiting = waiting is not None and waiting >= WAITING
+    pressure = is_waiting or (kv_usage is not None and kv_usage >= spec.kv_low)
     hit_low = hit_rate is not None and hit_rate < spec.target_hit_rate
-    reasons = []
-    if kv_high:
+    reasons, ups = [], []
+    if kv_usage is not None and kv_usage > spec.kv_high:
         reasons.append(f"KV usage {kv_usage:.3g} > kvHigh {spec.kv_high:g}")
-    if hit_low:
-        reasons.append(f"GPU hit rate {hit_rate:.3g} < targetHitRate {spec.target_hit_rate:g}")
-    if kv_high:
         # The KV load spread over more workers lands at kvHigh; the epsilon keeps an exact product from
         # rounding up one more.
-        wanted = max(current + 1, math.ceil(current * kv_usage / spec.kv_high - 1e-9))
-    elif hit_low:
-        wanted = current + 1
-    elif kv_usage is not None and kv_usage < spec.kv_low:
+        ups.append(max(current + 1, math.ceil(current * kv_usage / spec.kv_high - 1e-9)))
+    if waiting is not None and waiting > spec.waiting_high:
+        reasons.append(f"{waiting:.3g} requests waiting per worker > waitingHigh {spec.waiting_high:g}")
+        ups.append(_waiting_up(spec, waiting, current))
+    if hit_low and pressure:
+        reasons.append(f"GPU hit rate {hit_rate:.3g} < targetHitRate {spec.target_hit_rate:g}")
+        ups.append(current + 1)
+    if ups:
+        wanted = max(ups)
+    else:
+        if hit_low:  # without load pressure: hold, or let the kvLow rule scale down
+            reasons.append(f"GPU hit rate {hit_rate:.3g} < targetHitRate {spec.target_hit_rate:g}, but no load "
+                           f"pressure (KV usage below kvLow, no requests waiting): more replicas would not hold "
+                           f"more adapters")
+        if kv_usage is None or kv_usage >= spec.kv_low:
+            return current, " and ".join(reasons) or "within bounds"
         wanted = current - 1
         reasons.append(f"KV usage {kv_usage:.3g} < kvLow {spec.kv_low:g}")
-        if wanted >= max(spec.min_replicas, 1) and kv_usage * current / wanted > spec.kv_high:
-            return current, (f"{reasons[-1]}, but one fewer replica would put KV usage at "
-                             f"{kv_usage * current / wanted:.3g} > kvHigh {spec.kv_high:g}")
-    else:
-        return current, "within bounds"
+        why = " and ".join(reasons)
+        if wanted >= max(spec.min_replicas, 1):
+            if is_waiting:
+                return current, f"{why}, but {waiting:.3g} requests wait per worker: no scale-down while requests wait"
+            if waiting is not None and waiting * current / wanted > spec.waiting_high:
+                return current, (f"{why}, but one fewer replica would put {waiting * current / wanted:.3g} "
+                                 f"requests waiting per worker > waitingHigh {spec.waiting_high:g}")
+            if kv_usage * current / wanted > spec.kv_high:
+                return current, (f"{why}, but one fewer replica would put KV usage at "
+                                 f"{kv_usage * current / wanted:.3g} > kvHigh {spec.kv_high:g}")
     clamped = min(max(wanted, spec.min_replicas), spec.max_replicas)
     why = " and ".join(reasons)
     if clamped == 0:

@@ -33,6 +33,28 @@ _QUANTITY_RE = re.compile(r"^\+?([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:([KMGTPE]i)|([n
 _BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
 _DECIMAL = {"n": -9, "u": -6, "m": -3, "k": 3, "M": 6, "G": 9, "T": 12, "P": 15, "E": 18}
 MAX_QUANTITY = 2**63 - 1  # int64, as the API server stores integers
+
+
+def _bounded_quantity_pattern() -> str:
+    """The quantity syntax with at most as many digits before the point as keep the value below 1.2e18 (so
+    within int64) for each unit: 18 without one (or with n, u, m, a negative exponent), 15 with k, Ki or
+    e0-e3, 12 with M, Mi or e4-e6, 9 with G, Gi or e7-e9, 6 with T, Ti or e10-e12, 3 with P, Pi or
+    e13-e15, and one digit 0-6 with E, Ei or e16-e18. The CRDs carry it as it is (a schema test checks)."""
+    def mantissa(digits: int) -> str:
+        return rf"0*[0-9]{{1,{digits}}}(\.[0-9]*)?|\.[0-9]+"
+
+    units = [(mantissa(18), r"[num]?|[eE]-[0-9]+"), (mantissa(15), r"k|Ki|[eE]\+?0*[0-3]"),
+             (mantissa(12), r"M|Mi|[eE]\+?0*[4-6]"), (mantissa(9), r"G|Gi|[eE]\+?0*[7-9]"),
+             (mantissa(6), r"T|Ti|[eE]\+?0*1[0-2]"), (mantissa(3), r"P|Pi|[eE]\+?0*1[3-5]"),
+             (r"0*[0-6](\.[0-9]*)?|\.[0-9]+", r"E|Ei|[eE]\+?0*1[6-8]")]
+    return r"^\+?(" + "|".join(f"({m})({u})" for m, u in units) + r")$"
+
+
+BOUNDED_QUANTITY_PATTERN = _bounded_quantity_pattern()
+_BOUNDED_QUANTITY_RE = re.compile(BOUNDED_QUANTITY_PATTERN)
+QUANTITY_LIMITS = ("about 1e18 bytes at most: up to 18 digits before the point, 15 with k/Ki/e0-e3, 12 with "
+                   "M/Mi/e4-e6, 9 with G/Gi/e7-e9, 6 with T/Ti/e10-e12, 3 with P/Pi/e13-e15, one digit 0-6 with "
+                   "E/Ei/e16-e18")
 URI_RE = re.compile(r"^(s3://[^/]+/.*|file:///.*|/.*)$")
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")  # tenant, version, adapter name
 
@@ -43,11 +65,15 @@ class SpecError(ValueError):
 
 def parse_quantity(value: Any, field_name: str) -> int:
     """Kubernetes byte quantity ("16Gi", "500M", "1e9", 1024) -> bytes, rounded up like Quantity.Value()."""
-    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_QUANTITY:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        if value > MAX_QUANTITY:
+            raise SpecError(f"{field_name}: {value!r} is more than {MAX_QUANTITY} bytes")
         return value
     m = _QUANTITY_RE.fullmatch(value) if isinstance(value, str) else None
     if m is None:
         raise SpecError(f"{field_name}: {value!r} is not a byte quantity >= 0 (e.g. 512Mi, 16Gi, 1e9, 1000000)")
+    if not _BOUNDED_QUANTITY_RE.fullmatch(value):  # as the CRD refuses it
+        raise SpecError(f"{field_name}: {value!r} is too large for a byte quantity ({QUANTITY_LIMITS})")
     number, binary, decimal, exponent = Fraction(m.group(1)), m.group(2), m.group(3), m.group(4)
     if binary:
         number *= _BINARY[binary]

@@ -1,13 +1,15 @@
-"""The autoscaler's two signals of a pool, read from Prometheus' HTTP API (``POST /api/v1/query``, the
+"""The autoscaler's three signals of a pool, read from Prometheus' HTTP API (``POST /api/v1/query``, the
 query form-encoded in the body: it names every worker pod, and a pool of a hundred pods makes a URL
 longer than proxies in front of Prometheus accept, 8 KiB for nginx).
 
-Both are restricted to the pool's ready worker pods by the ``namespace`` and ``pod`` labels a
+All are restricted to the pool's ready worker pods by the ``namespace`` and ``pod`` labels a
 Kubernetes scrape config attaches (the chart's ServiceMonitor does):
 
 * GPU hit rate: rate of ``lorafleet_adapter_hits_total{tier="gpu"}`` over hits + misses at that tier
   (the Grafana dashboard's expression, over the pool's ``rateWindowSeconds``, default 120);
-* KV usage: the mean of ``lorafleet_kv_cache_usage_ratio``.
+* KV usage: the mean of ``lorafleet_kv_cache_usage_ratio``;
+* waiting: the mean of ``lorafleet_queue_depth`` (requests waiting to be scheduled, per worker; the worker
+  exports the same value as ``vllm:num_requests_waiting``).
 
 An empty result or NaN (no series, no traffic) is ``None``: unknown. Anything else that goes wrong
 (no answer, an HTTP error, a body that is not Prometheus' JSON) raises ``MetricsError``.
@@ -18,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+from typing import NamedTuple
 
 import aiohttp
 
@@ -25,6 +28,7 @@ DEFAULT_RATE_WINDOW_SECONDS = 120  # spec.scaling.rateWindowSeconds
 HITS = "lorafleet_adapter_hits_total"
 MISSES = "lorafleet_adapter_misses_total"
 KV_USAGE = "lorafleet_kv_cache_usage_ratio"
+QUEUE_DEPTH = "lorafleet_queue_depth"
 _RE2_SPECIAL = set(r"\.+*?()|[]{}^$")
 
 
@@ -57,6 +61,20 @@ def hit_rate_query(namespace: str, pods: list[str], window_seconds: int = DEFAUL
 def kv_usage_query(namespace: str, pods: list[str]) -> str:
     """PromQL: these pods' mean KV-cache usage (no sample without series)."""
     return f"avg({KV_USAGE}{{{pod_selector(namespace, pods)}}})"
+
+
+def waiting_query(namespace: str, pods: list[str]) -> str:
+    """PromQL: these pods' mean number of requests waiting to be scheduled (no sample without series: a
+    gauge the worker always exports, so absent means unknown, not 0)."""
+    return f"avg({QUEUE_DEPTH}{{{pod_selector(namespace, pods)}}})"
+
+
+class PoolSignals(NamedTuple):
+    """A pool's signals; None: unknown (no series, or no traffic)."""
+
+    hit_rate: float | None
+    kv_usage: float | None
+    waiting: float | None = None
 
 
 class PrometheusClient:
@@ -105,13 +123,15 @@ class PrometheusClient:
         return _single_value(url, body.get("data"))
 
     async def pool_signals(self, base_url: str, namespace: str, pods: list[str], *,
-                           rate_window_seconds: int = DEFAULT_RATE_WINDOW_SECONDS) -> tuple[float | None, float | None]:
-        """(GPU hit rate over the last rate_window_seconds, KV usage) of these pods; (None, None) without pods."""
+                           rate_window_seconds: int = DEFAULT_RATE_WINDOW_SECONDS) -> PoolSignals:
+        """(GPU hit rate over the last rate_window_seconds, KV usage, requests waiting per pod) of these pods;
+        all None without pods."""
         if not pods:
-            return None, None
-        hit_rate, kv_usage = await asyncio.gather(self.query(base_url, hit_rate_query(namespace, pods, rate_window_seconds)),
-                                                  self.query(base_url, kv_usage_query(namespace, pods)))
-        return hit_rate, kv_usage
+            return PoolSignals(None, None, None)
+        values = await asyncio.gather(self.query(base_url, hit_rate_query(namespace, pods, rate_window_seconds)),
+                                      self.query(base_url, kv_usage_query(namespace, pods)),
+                                      self.query(base_url, waiting_query(namespace, pods)))
+        return PoolSignals(*values)
 
 
 def _single_value(url: str, data: object) -> float | None:

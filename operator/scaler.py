@@ -7,7 +7,8 @@ Kopf-free glue between the pool's autoscale timer and ``autoscaler`` (the policy
    (``AmbiguousTarget``): two pools would undo each other's replicas every pass;
 3. reads the target Deployment's ``spec.replicas`` (``TargetNotFound`` / ``FailedGetScale``);
 4. a count outside [minReplicas, maxReplicas] is corrected at once, without metrics (as HPA does);
-5. else asks Prometheus for the pool's ready worker pods' hit rate and KV usage (``MetricsUnavailable``),
+5. else asks Prometheus for the pool's ready worker pods' hit rate, KV usage and requests waiting
+   (``MetricsUnavailable``),
    recommends, stabilizes, and holds a scale-up while earlier new replicas are not ready workers yet
    (their load is not in the metrics: scaling again would overshoot), for at most ``MAX_READY_WAIT``
    seconds per replica count (a replica that never becomes ready must not hold scale-ups forever);
@@ -32,7 +33,7 @@ from lorafleet.operator.controller import PoolKey, merge_conditions
 from lorafleet.operator.crd_models import PoolSpec, SpecError
 from lorafleet.operator.deployments import DeploymentClient, KubeError, TargetNotFound
 from lorafleet.operator.ownership import ready_worker_pods
-from lorafleet.operator.prometheus import MetricsError, PrometheusClient
+from lorafleet.operator.prometheus import MetricsError, PoolSignals, PrometheusClient
 from lorafleet.operator.statuses import condition
 
 log = logging.getLogger(__name__)
@@ -43,11 +44,11 @@ OWNED_KEYS = ("hitRate", "desiredReplicas", "lastScaleTime")  # kvUsage goes bac
 MAX_READY_WAIT = 600.0
 
 
-def _signals(spec: ScalingSpec, hit_rate: float | None, kv_usage: float | None) -> str:
-    kv = "unknown" if kv_usage is None else f"{kv_usage:.3g}"
-    hit = "unknown" if hit_rate is None else f"{hit_rate:.3g}"
+def _signals(spec: ScalingSpec, signals: PoolSignals) -> str:
+    hit, kv, waiting = ("unknown" if v is None else f"{v:.3g}" for v in signals)
     return (f"KV usage {kv} (kvLow {spec.kv_low:g}, kvHigh {spec.kv_high:g}), GPU hit rate {hit} "
-            f"(targetHitRate {spec.target_hit_rate:g})")
+            f"(targetHitRate {spec.target_hit_rate:g}), requests waiting per worker {waiting} "
+            f"(waitingHigh {spec.waiting_high:g})")
 
 
 @dataclass(slots=True)
@@ -135,7 +136,7 @@ class PoolScaler:
         except KubeError as exc:
             return scaling(False, "FailedGetScale", f"spec.scaling.target: {exc}")
 
-        hit_rate = kv_usage = None
+        signals = PoolSignals(None, None, None)
         corrected = bound_correction(spec, current)
         if corrected is not None:
             wanted, why = corrected
@@ -143,12 +144,12 @@ class PoolScaler:
         else:
             worker_pods, others = ready_worker_pods(pool, pods, other_pools)
             try:
-                hit_rate, kv_usage = await self.metrics.pool_signals(spec.prometheus_url, namespace, worker_pods,
-                                                                     rate_window_seconds=spec.rate_window_seconds)
+                signals = PoolSignals(*await self.metrics.pool_signals(
+                    spec.prometheus_url, namespace, worker_pods, rate_window_seconds=spec.rate_window_seconds))
             except MetricsError as exc:
                 return scaling(False, "MetricsUnavailable", f"spec.scaling.prometheusURL: {exc}; replicas stay "
                                                             f"at {current}")
-            recommended, why = recommend(spec, hit_rate, kv_usage, current)
+            recommended, why = recommend(spec, signals.hit_rate, signals.kv_usage, current, signals.waiting)
             clock = self.clock()
             wanted = memory.stabilizer.stabilize(recommended, current, now=clock, up_seconds=spec.scale_up_seconds,
                                                  down_seconds=spec.scale_down_seconds)
@@ -173,20 +174,20 @@ class PoolScaler:
                          f"(an earlier pool by name, or the first valid one): they do not serve this pool")
 
         result: dict[str, Any] = {"desiredReplicas": wanted}
-        if hit_rate is not None:
-            result["hitRate"] = round(hit_rate, 4)
-        if kv_usage is not None:
-            result["kvUsage"] = round(kv_usage, 4)
-        signals = "" if corrected is not None else f"; {_signals(spec, hit_rate, kv_usage)}"
+        if signals.hit_rate is not None:
+            result["hitRate"] = round(signals.hit_rate, 4)
+        if signals.kv_usage is not None:
+            result["kvUsage"] = round(signals.kv_usage, 4)
+        observed = "" if corrected is not None else f"; {_signals(spec, signals)}"
         if wanted == current:
-            return result, (True, "Steady", f"{current} replicas: {why}{note}{signals}")
+            return result, (True, "Steady", f"{current} replicas: {why}{note}{observed}")
         try:
             await self.deployments.set_replicas(namespace, spec.target, wanted)
         except KubeError as exc:
             return scaling(False, "FailedUpdateScale", f"spec.scaling.target: {exc}; replicas stay at {current}")
         log.info("LoRAPool %s/%s: Deployment %s scaled %d -> %d (%s)", *key, spec.target, current, wanted, why)
         reason = "ScaledUp" if wanted > current else "ScaledDown"
-        return {**result, "lastScaleTime": now}, (True, reason, f"{current} -> {wanted} replicas: {why}{note}{signals}")
+        return {**result, "lastScaleTime": now}, (True, reason, f"{current} -> {wanted} replicas: {why}{note}{observed}")
 
     @staticmethod
     def _note(spec: ScalingSpec, recommended: int, wanted: int, current: int) -> str:

@@ -1,5 +1,5 @@
 """Worker ``/metrics`` doubles for a real Prometheus to scrape: one aiohttp server on 127.0.0.1 serving,
-for each fake pod, the three series the autoscaler reads, in the text exposition format.
+for each fake pod, the series the autoscaler reads, in the text exposition format.
 
 Each pod is its own scrape target (``/pods/<namespace>/<pod>/metrics``) with static ``namespace`` and
 ``pod`` labels, as Kubernetes service discovery would attach them. Counters move per scrape, not per
@@ -27,6 +27,7 @@ class FakePod:
     hits: int = 0  # added to lorafleet_adapter_hits_total{tier="gpu"} per scrape
     misses: int = 0  # added to lorafleet_adapter_misses_total{tier="gpu"} per scrape
     kv_usage: float = 0.0
+    waiting: int | None = None  # lorafleet_queue_depth; None: not exported
     num_scrapes: int = 0
 
     def exposition(self) -> str:
@@ -40,6 +41,7 @@ class FakePod:
             f'lorafleet_adapter_misses_total{{tier="gpu"}} {self.misses * n}\n'
             "# TYPE lorafleet_kv_cache_usage_ratio gauge\n"
             f"lorafleet_kv_cache_usage_ratio {self.kv_usage}\n"
+            + ("" if self.waiting is None else f"# TYPE lorafleet_queue_depth gauge\nlorafleet_queue_depth {self.waiting}\n")
         )
 
 

@@ -21,13 +21,13 @@ def test_parse_defaults():
     s = ScalingSpec.parse(BASE)
     assert (s.target, s.prometheus_url, s.max_replicas) == ("lorafleet-worker", BASE["prometheusURL"], 8)
     assert (s.min_replicas, s.target_hit_rate, s.kv_high, s.kv_low) == (1, 0.9, 0.85, 0.3)
-    assert (s.scale_up_seconds, s.scale_down_seconds, s.rate_window_seconds) == (0, 300, 120)
+    assert (s.scale_up_seconds, s.scale_down_seconds, s.rate_window_seconds, s.waiting_high) == (0, 300, 120, 2.0)
 
 
 def test_parse_all_fields():
     s = spec(minReplicas=0, targetHitRate=1, kvHigh=0.7, kvLow=0, scaleUpStabilizationSeconds=60,
-             scaleDownStabilizationSeconds=0, rateWindowSeconds=600)
-    assert (s.min_replicas, s.target_hit_rate, s.kv_high, s.kv_low) == (0, 1.0, 0.7, 0.0)
+             scaleDownStabilizationSeconds=0, rateWindowSeconds=600, waitingHigh=0.5)
+    assert (s.min_replicas, s.target_hit_rate, s.kv_high, s.kv_low, s.waiting_high) == (0, 1.0, 0.7, 0.0, 0.5)
     assert (s.scale_up_seconds, s.scale_down_seconds, s.rate_window_seconds) == (60, 0, 600)
 
 
@@ -53,6 +53,9 @@ def test_parse_all_fields():
     ({**BASE, "kvLow": 0.9}, "spec.scaling.kvLow"),  # above the default kvHigh
     ({**BASE, "scaleUpStabilizationSeconds": -1}, "spec.scaling.scaleUpStabilizationSeconds"),
     ({**BASE, "scaleDownStabilizationSeconds": 1.5}, "spec.scaling.scaleDownStabilizationSeconds"),
+    ({**BASE, "waitingHigh": 0}, "spec.scaling.waitingHigh"),
+    ({**BASE, "waitingHigh": "2"}, "spec.scaling.waitingHigh"),
+    ({**BASE, "waitingHigh": True}, "spec.scaling.waitingHigh"),
 ])
 def test_parse_refusals_name_the_field(data, field):
     with pytest.raises(SpecError, match=f"^{field.replace('.', '[.]')}:"):
@@ -79,15 +82,16 @@ def test_a_bad_scaling_block_is_a_pool_spec_error():
     (None, 1.0, 4, 5, "KV usage"),  # ceil(4 * 1.0 / 0.85) = 5
     (0.95, 1.0, 6, 8, "KV usage"),  # ceil(6 / 0.85) = 8
     (0.5, 0.95, 6, 7, "and GPU hit rate 0.5 < targetHitRate 0.9"),  # both: the proportional step
-    # Hit rate below target: one more.
+    # Hit rate below target with KV in use (adapters and KV blocks share the page pool): one more.
     (0.5, 0.5, 3, 4, "GPU hit rate 0.5 < targetHitRate 0.9"),
-    (0.5, None, 3, 4, "GPU hit rate"),
+    (0.5, 0.3, 3, 4, "GPU hit rate"),  # exactly kvLow counts as load
+    (0.5, None, 3, 3, "but no load pressure"),  # no load signal: the hit rate alone never scales
     # KV below kvLow with the hit rate on target or unknown: one fewer.
     (0.95, 0.1, 3, 2, "KV usage 0.1 < kvLow 0.3"),
     (0.9, 0.1, 3, 2, "KV usage"),  # exactly on target counts as on target
     (None, 0.1, 3, 2, "KV usage"),
     # Otherwise hold.
-    (0.5, 0.1, 3, 4, "GPU hit rate"),  # a missed target wins over idle KV
+    (0.5, 0.1, 3, 2, "more replicas would not hold more adapters and KV usage 0.1 < kvLow 0.3"),  # idle
     (0.95, 0.5, 3, 3, "within bounds"),
     (0.95, 0.85, 3, 3, "within bounds"),  # exactly kvHigh is not above it
     (0.95, 0.3, 3, 3, "within bounds"),  # exactly kvLow is not below it
@@ -213,3 +217,64 @@ def test_old_history_is_dropped():
     s = Stabilizer()
     steps(s, 2, [(t, 2) for t in range(0, 3000, 10)])
     assert len(s._history) <= 31  # only the last down window (300 s at 10 s steps)
+
+
+# --- requests waiting, and the hit rate without load ----------------------------------------------
+
+@pytest.mark.parametrize(("kv_usage", "waiting", "current", "expected", "why"), [
+    # max_num_seqs saturates long before a large KV cache: requests queue while KV usage is under kvLow.
+    (0.121, 3.0, 4, 6, "3 requests waiting per worker > waitingHigh 2"),  # ceil(4 * 3 / 2)
+    (0.121, 2.5, 4, 5, "requests waiting"),
+    (0.121, 2.1, 4, 5, "requests waiting"),  # at least one more
+    (0.121, 40.0, 3, 6, "requests waiting"),  # a queue is backlog: at most double per pass
+    (0.121, 40.0, 6, 8, "(capped at maxReplicas 8)"),
+    (0.9, 3.0, 2, 3, "KV usage 0.9 > kvHigh 0.85 and 3 requests waiting"),  # both: the larger step
+    (0.5, 6.0, 2, 4, "requests waiting"),
+    # Requests wait (a queue, not arrivals between two steps): never a scale-down.
+    (0.121, 2.0, 4, 4, "no scale-down while requests wait"),  # exactly waitingHigh is not above it
+    (0.121, 1.0, 4, 4, "no scale-down while requests wait"),
+    # A worker or two between steps: down, unless one fewer would queue above waitingHigh.
+    (0.121, 0.5, 4, 3, "KV usage 0.121 < kvLow 0.3"),
+    (0.121, 0.0, 4, 3, "KV usage"),
+    (0.121, 0.9, 2, 2, "one fewer replica would put 1.8 requests waiting per worker > waitingHigh 1.5"),
+    (0.5, 1.5, 4, 4, "within bounds"),
+])
+def test_requests_waiting(kv_usage, waiting, current, expected, why):
+    s = spec(waitingHigh=1.5) if "1.5" in why else spec()
+    replicas, reason = recommend(s, hit_rate=0.95, kv_usage=kv_usage, current=current, waiting=waiting)
+    assert replicas == expected and why in reason, reason
+
+
+def test_a_saturated_pool_is_never_scaled_down():
+    """The reviewed case: 4 workers at max_num_seqs, requests refused with 429 queue_full, KV usage 0.121."""
+    replicas, why = recommend(spec(), hit_rate=0.95, kv_usage=0.121, current=4, waiting=12.0)
+    assert replicas == 8 and "requests waiting per worker" in why
+    assert recommend(spec(), hit_rate=0.95, kv_usage=0.121, current=4)[0] == 3  # no queue signal: as before
+
+
+@pytest.mark.parametrize(("hit_rate", "kv_usage", "waiting", "current", "expected", "why"), [
+    # Sparse long-tail traffic on an idle pool: more replicas would miss as often; kvLow scales down.
+    (0.5, 0.05, None, 2, 1, "but no load pressure"),
+    (0.5, 0.05, 0.0, 4, 3, "but no load pressure"),
+    (0.5, 0.2, None, 3, 2, "KV usage 0.2 < kvLow 0.3"),
+    # Load pressure makes evictions plausible: one more.
+    (0.5, 0.05, 1.0, 2, 3, "GPU hit rate 0.5 < targetHitRate 0.9"),  # requests wait
+    (0.5, 0.6, 0.0, 2, 3, "GPU hit rate"),  # KV in use
+    (0.5, None, 1.0, 2, 3, "GPU hit rate"),
+    (0.5, None, 0.2, 2, 2, "but no load pressure"),  # hold: no KV signal, no queue
+])
+def test_a_low_hit_rate_scales_up_only_under_load(hit_rate, kv_usage, waiting, current, expected, why):
+    replicas, reason = recommend(spec(), hit_rate, kv_usage, current, waiting)
+    assert replicas == expected and why in reason, reason
+
+
+def test_an_idle_pool_with_a_low_hit_rate_settles_at_min_replicas():
+    s, current = spec(minReplicas=1, maxReplicas=6), 2
+    for _ in range(10):
+        current = recommend(s, 0.5, 0.05, current, 0.0)[0]
+    assert current == 1
+
+
+def test_min_zero_wakes_on_waiting_requests():
+    assert recommend(spec(minReplicas=0), None, None, 0, 3.0)[0] == 1
+    assert recommend(spec(minReplicas=0), None, None, 0, 0.0)[0] == 0

@@ -30,6 +30,7 @@ VALUE_SETS = {
     "replicated-clusterwide": {
         "operator": {"replicas": 2, "watchNamespace": "*"},
         "metrics": {"serviceMonitor": {"enabled": True}},
+        "pool": {"scaling": {"prometheusURL": "http://prometheus.monitoring:9090", "maxReplicas": 4}},
         "secrets": {"apiKeys": {"tenants": {"acme": {"keys": ["sk-acme-1"], "adapters": ["sql"]}}}},
         "objectStore": {"endpoint": "minio.storage:9000", "accessKey": "a", "secretKey": "b", "secure": False},
         "worker": {"adapterCache": {"hostPath": "/var/lib/lorafleet/adapters"}, "model": "/models/llama",
@@ -321,3 +322,24 @@ def test_notes_match_the_release():
     assert "WARNING" not in text
     text = notes(VALUE_SETS["operator-only"])
     assert "Inference" not in text and "WARNING" not in text
+
+
+def test_worker_replicas_are_left_to_the_autoscaler():
+    """A helm upgrade must not reset the count the autoscaler set: spec.replicas is rendered only for a
+    Deployment nothing the chart knows of autoscales, and never when worker.replicas is null."""
+    assert find(render({}), "Deployment", "-worker")["spec"]["replicas"] == 2
+    assert find(render({"worker": {"replicas": 0}}), "Deployment", "-worker")["spec"]["replicas"] == 0
+    # null: a LoRAPool of the user's own (examples/k8s/pool.yaml) autoscales the Deployment.
+    docs = render({"worker": {"replicas": None}, "pool": {"create": False}})
+    assert "replicas" not in find(docs, "Deployment", "-worker")["spec"]
+    # The chart's own pool autoscales its workers: the target is the worker Deployment unless set.
+    scaling = {"prometheusURL": "http://prometheus.monitoring:9090", "maxReplicas": 8, "kvLow": 0.2}
+    docs = render({"pool": {"scaling": scaling}})
+    deployment, pool = find(docs, "Deployment", "-worker"), find(docs, "LoRAPool")
+    assert "replicas" not in deployment["spec"]
+    assert pool["spec"]["scaling"] == {**scaling, "target": deployment["metadata"]["name"]}
+    validate(pool, "lorapools")
+    assert PoolSpec.parse(pool).scaling.target == "demo-lorafleet-worker"
+    assert find(render({"pool": {"scaling": {**scaling, "target": "other"}}}), "LoRAPool")["spec"]["scaling"][
+        "target"] == "other"
+    assert "scaling" not in find(render({}), "LoRAPool")["spec"]

@@ -10,7 +10,13 @@ import jsonschema
 import pytest
 import yaml
 
-from lorafleet.operator.crd_models import AdapterSpec, PoolSpec, SpecError
+from lorafleet.operator.crd_models import (
+    BOUNDED_QUANTITY_PATTERN,
+    MAX_QUANTITY,
+    AdapterSpec,
+    PoolSpec,
+    SpecError,
+)
 
 from .crd_validation import cel_rules, crd_schema, validate
 
@@ -106,6 +112,8 @@ def test_crd_and_parser_agree_on_scaling_bounds(scaling, ok):
     ({"maxReplicas": 0}, False), ({"minReplicas": 0}, True), ({"targetHitRate": 1.2}, False),
     ({"scaleDownStabilizationSeconds": -5}, False), ({"rateWindowSeconds": 300}, True), ({"rateWindowSeconds": 9}, False),
     ({"rateWindowSeconds": 86401}, False), ({"rateWindowSeconds": "2m"}, False),
+    ({"waitingHigh": 2}, True), ({"waitingHigh": 0.5}, True), ({"waitingHigh": 0}, False),
+    ({"waitingHigh": 0.05}, False), ({"waitingHigh": "2"}, False),
 ])
 def test_crd_and_parser_agree_on_scaling_fields(scaling, ok):
     doc = next(d for d in example_docs() if d["kind"] == "LoRAPool")
@@ -122,7 +130,11 @@ def accepts(check) -> bool:
 
 
 QUANTITIES = [0, 1024, -1, 2**62, "16Gi", "512Mi", "1e9", "1E3", "2Ei", "+1k", ".5", "1.", "100m", "5n", "1.5Ki",
-              "-1", "-1Gi", "1e1.5", "16 GB", "Gi", "1KiB", "", "0x10", "1e-3"]
+              "-1", "-1Gi", "1e1.5", "16 GB", "Gi", "1KiB", "", "0x10", "1e-3",
+              # Past int64, or close to it: refused by both, not a pool that goes InvalidSpec.
+              MAX_QUANTITY, MAX_QUANTITY + 1, 99999999999999999999, "99999999999999999999", "1e19", "16Ei", "1e400",
+              "8Ei", "7E", "1000Pi", "1e+019", "0000000000000000000001Ei", "6.99999999999999999999Ei", "999Pi",
+              "999999999999999999", "1e-400", "1e0018", ".9999E"]
 
 
 @pytest.mark.parametrize("value", QUANTITIES)
@@ -130,6 +142,48 @@ def test_crd_and_parser_agree_on_byte_quantities(value):
     doc = next(d for d in example_docs() if d["kind"] == "LoRAPool")
     doc["spec"]["adapterMemory"]["gpuBytes"] = value
     assert accepts(lambda: validate(doc, "lorapools")) == accepts(lambda: PoolSpec.parse(doc))
+
+
+@pytest.mark.parametrize("value", ["1e19", "16Ei", "1e400", "99999999999999999999", 99999999999999999999])
+@pytest.mark.parametrize("field", [("adapterMemory", "gpuBytes"), ("adapterMemory", "cpuBytes"),
+                                   ("tenantQuota", "maxBytes")])
+def test_crd_refuses_byte_quantities_past_int64(field, value):
+    """Each would make the operator refuse the whole pool (InvalidSpec): the API server refuses it first."""
+    doc = next(d for d in example_docs() if d["kind"] == "LoRAPool")
+    doc["spec"][field[0]][field[1]] = value
+    with pytest.raises(jsonschema.ValidationError):
+        validate(doc, "lorapools")
+    with pytest.raises(SpecError, match=f"^spec.{field[0]}.{field[1]}: .* (too large|more than)"):
+        PoolSpec.parse(doc)
+
+
+def test_every_quantity_the_crd_accepts_fits_int64():
+    """The CRD's pattern is the parser's, and its largest value of every unit stays within int64."""
+    schema = crd_schema("lorapools")["properties"]["spec"]["properties"]
+    for node in (schema["adapterMemory"]["properties"]["gpuBytes"], schema["adapterMemory"]["properties"]["cpuBytes"],
+                 schema["tenantQuota"]["properties"]["maxBytes"]):
+        assert node["pattern"] == BOUNDED_QUANTITY_PATTERN and node["maximum"] == MAX_QUANTITY
+    doc = next(d for d in example_docs() if d["kind"] == "LoRAPool")
+    for value in ["9" * 18, "9" * 18 + ".9", "9" * 15 + ".9k", "9" * 15 + ".9Ki", "9" * 15 + "e3", "9" * 12 + "Mi",
+                  "9" * 12 + "e6", "9" * 9 + "Gi", "9" * 9 + "e9", "9" * 6 + "Ti", "9" * 6 + "e12", "999.9Pi",
+                  "999e15", "6.9E", "6.99999999999999999999Ei", "6e18", "6.9e+018"]:
+        doc["spec"]["adapterMemory"]["gpuBytes"] = value
+        validate(doc, "lorapools")
+        assert 10**17 < PoolSpec.parse(doc).gpu_bytes <= MAX_QUANTITY, value
+
+
+@pytest.mark.parametrize(("pool", "ok"), [
+    ("main", True), ("main.v2", True), ("a" * 70, True), ("a" * 253, True), ("a.b-c.d", True),
+    ("a" * 254, False), ("Main", False), ("main.", False), (".main", False), ("a..b", False), ("-a", False),
+    ("a_b", False),
+])
+def test_an_adapter_can_name_every_valid_pool(pool, ok):
+    """LoRAPool names are DNS-1123 subdomains (dots, up to 253): spec.pool takes every one, and only those."""
+    doc = next(d for d in example_docs() if d["kind"] == "LoRAAdapter")
+    doc["spec"]["pool"] = pool
+    assert accepts(lambda: validate(doc, "loraadapters")) == ok
+    if ok:
+        assert AdapterSpec.parse(doc).pool == pool
 
 
 @pytest.mark.parametrize("selector", [

@@ -1,5 +1,5 @@
 """The autoscaler's Prometheus client: against a real Prometheus scraping fake worker pods (hit rate, KV
-usage, only the pool's pods), and against stub servers for every way a query can fail."""
+usage, requests waiting, only the pool's pods), and against stub servers for every way a query can fail."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from lorafleet.operator.prometheus import (
     hit_rate_query,
     kv_usage_query,
     pod_selector,
+    waiting_query,
 )
 from tests.s3_server import free_port
 
@@ -28,19 +29,21 @@ def test_pod_selector_escapes_names_and_strings():
     assert pod_selector("fleet", POOL_PODS) == r'namespace="fleet", pod=~"worker\\.a|worker-b"'
     assert pod_selector('a"b', ["x+y(1)"]) == r'namespace="a\"b", pod=~"x\\+y\\(1\\)"'
     assert kv_usage_query("ns", ["p"]) == 'avg(lorafleet_kv_cache_usage_ratio{namespace="ns", pod=~"p"})'
+    assert waiting_query("ns", ["p"]) == 'avg(lorafleet_queue_depth{namespace="ns", pod=~"p"})'
     # The hit rate's window: 120 s unless the pool sets spec.scaling.rateWindowSeconds.
     assert hit_rate_query("ns", ["p"]).count("[120s]") == 3 and hit_rate_query("ns", ["p"], 600).count("[600s]") == 3
 
 
 async def test_hit_rate_and_kv_usage_of_the_pool_pods_only(tmp_path):
     pods = {
-        # The pool: 3 of 4 GPU lookups hit on both (their rates differ), KV 0.9 and 0.5.
-        ("fleet", "worker.a"): FakePod(hits=3, misses=1, kv_usage=0.9),
-        ("fleet", "worker-b"): FakePod(hits=6, misses=2, kv_usage=0.5),
+        # The pool: 3 of 4 GPU lookups hit on both (their rates differ), KV 0.9 and 0.5, 6 and 1 requests
+        # waiting.
+        ("fleet", "worker.a"): FakePod(hits=3, misses=1, kv_usage=0.9, waiting=6),
+        ("fleet", "worker-b"): FakePod(hits=6, misses=2, kv_usage=0.5, waiting=1),
         # Not the pool: a name an unescaped "worker.a" would match, the same name in another namespace.
-        ("fleet", "workerxa"): FakePod(hits=0, misses=5, kv_usage=0.0),
-        ("other", "worker-b"): FakePod(hits=0, misses=5, kv_usage=1.0),
-        # No adapter lookups at all: the hit rate is 0/0.
+        ("fleet", "workerxa"): FakePod(hits=0, misses=5, kv_usage=0.0, waiting=100),
+        ("other", "worker-b"): FakePod(hits=0, misses=5, kv_usage=1.0, waiting=0),
+        # No adapter lookups at all: the hit rate is 0/0; no queue series: unknown.
         ("fleet", "idle"): FakePod(kv_usage=0.2),
     }
     async with scraped(tmp_path, pods) as (_, prom):
@@ -54,17 +57,20 @@ async def test_hit_rate_and_kv_usage_of_the_pool_pods_only(tmp_path):
         assert prom.query('count(lorafleet_kv_cache_usage_ratio{pod=~"worker.a"})')[0]["value"][1] == "2"
         client = PrometheusClient(timeout=5.0)
         try:
-            hit_rate, kv_usage = await client.pool_signals(prom.url, "fleet", POOL_PODS)
+            hit_rate, kv_usage, waiting = await client.pool_signals(prom.url, "fleet", POOL_PODS)
             assert hit_rate == pytest.approx(0.75, rel=1e-9)
             assert kv_usage == pytest.approx(0.7, rel=1e-9)
-            assert await client.pool_signals(prom.url + "/", "fleet", ["worker-b"]) == pytest.approx((0.75, 0.5))
+            assert waiting == 3.5  # (6 + 1) / 2 per worker
+            signals = await client.pool_signals(prom.url + "/", "fleet", ["worker-b"])
+            assert signals == pytest.approx((0.75, 0.5, 1.0)) and signals.waiting == 1.0
             # A longer window over the same steady counters: the same ratio.
-            assert await client.pool_signals(prom.url, "fleet", POOL_PODS, rate_window_seconds=600) == pytest.approx((0.75, 0.7))
-            assert await client.pool_signals(prom.url, "other", ["worker-b"]) == (0.0, 1.0)
-            # Unknown: no traffic (NaN), no series, no pods.
-            assert await client.pool_signals(prom.url, "fleet", ["idle"]) == (None, 0.2)
-            assert await client.pool_signals(prom.url, "fleet", ["gone"]) == (None, None)
-            assert await client.pool_signals(prom.url, "fleet", []) == (None, None)
+            assert await client.pool_signals(prom.url, "fleet", POOL_PODS, rate_window_seconds=600) == pytest.approx((0.75, 0.7, 3.5))
+            assert await client.pool_signals(prom.url, "other", ["worker-b"]) == (0.0, 1.0, 0.0)
+            # Unknown: no traffic (NaN), no series, no pods; a pod without the queue series counts in no mean.
+            assert await client.pool_signals(prom.url, "fleet", ["idle"]) == (None, 0.2, None)
+            assert await client.pool_signals(prom.url, "fleet", ["worker-b", "idle"]) == pytest.approx((0.75, 0.35, 1.0))
+            assert await client.pool_signals(prom.url, "fleet", ["gone"]) == (None, None, None)
+            assert await client.pool_signals(prom.url, "fleet", []) == (None, None, None)
             # A query Prometheus refuses: its own error, named.
             with pytest.raises(MetricsError, match="HTTP 400: bad_data"):
                 await client.query(prom.url, "sum(")
@@ -139,10 +145,11 @@ async def test_a_large_pools_query_fits_behind_a_proxy():
     client = PrometheusClient(timeout=5.0)
     try:
         async with stub(handler) as url:
-            assert await client.pool_signals(url, "fleet", pods) == (0.5, 0.5)
+            assert await client.pool_signals(url, "fleet", pods) == (0.5, 0.5, 0.5)
     finally:
         await client.close()
-    assert sorted(asked) == sorted([("POST", hit_rate_query("fleet", pods)), ("POST", kv_usage_query("fleet", pods))])
+    assert sorted(asked) == sorted([("POST", hit_rate_query("fleet", pods)), ("POST", kv_usage_query("fleet", pods)),
+                                    ("POST", waiting_query("fleet", pods))])
     assert len(asked[0][1]) > 8192
 
 

@@ -18,7 +18,8 @@ PROM = "http://prometheus:9090"
 
 class Metrics:
     def __init__(self) -> None:
-        self.signals: tuple[float | None, float | None] | Exception = (None, None)
+        # (hit rate, KV usage) or (hit rate, KV usage, requests waiting per worker), or what to raise
+        self.signals: tuple[float | None, ...] | Exception = (None, None)
         self.asked: list[list[str]] = []
         self.windows: list[int] = []
 
@@ -313,3 +314,36 @@ async def test_ready_pods_another_pool_owns_do_not_hold_a_scale_up(setup):
     assert deployments.patches == [3] and metrics.asked == [["w-0"]]  # ceil(2 * 0.99 / 0.85); its own pod only
     message = scaling_condition(wanted)["message"]
     assert "1 ready pods spec.workerSelector matches belong to LoRAPool a-earlier" in message, message
+
+
+async def test_a_saturated_pool_with_little_kv_in_use_scales_up(setup):
+    """Workers at max_num_seqs with a large KV pool: requests queue (and get 429 queue_full) while KV usage
+    stays under kvLow. The queue scales the pool up; it is never taken for an idle pool."""
+    scaler, metrics, deployments, clock = setup
+    deployments.replicas = 4
+    metrics.signals = (0.95, 0.121, 3.0)
+    body = pool(maxReplicas=8)
+    st = await tick(scaler, body, [pod(f"w-{i}") for i in range(4)])
+    assert deployments.patches == [6]  # ceil(4 * 3 / waitingHigh 2)
+    message = scaling_condition(st)["message"]
+    assert message.startswith("4 -> 6 replicas: 3 requests waiting per worker > waitingHigh 2"), message
+    assert "requests waiting per worker 3 (waitingHigh 2)" in message
+    metrics.signals = (0.95, 0.121, 1.2)  # the new workers drain the queue, some requests still wait
+    for _ in range(3):
+        clock.now += 30
+        st = await tick(scaler, body, [pod(f"w-{i}") for i in range(6)])
+    assert deployments.patches == [6] and "no scale-down while requests wait" in scaling_condition(st)["message"]
+
+
+async def test_a_low_hit_rate_on_an_idle_pool_does_not_pin_max_replicas(setup):
+    """Sparse long-tail traffic: GPU hit rate 0.5 with KV usage 0.05. More replicas hold no more adapters
+    each, so the pool is not scaled up for the hit rate, and kvLow scales it down."""
+    scaler, metrics, deployments, clock = setup
+    metrics.signals = (0.5, 0.05)
+    body = pool(minReplicas=1, scaleDownStabilizationSeconds=300)
+    for _ in range(20):
+        st = await tick(scaler, body, [pod(f"w-{i}") for i in range(deployments.replicas)])
+        clock.now += 30
+    assert deployments.patches == [1] and deployments.replicas == 1
+    message = scaling_condition(st)["message"]
+    assert "GPU hit rate 0.5 < targetHitRate 0.9, but no load pressure" in message, message
