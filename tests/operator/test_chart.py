@@ -291,8 +291,9 @@ def test_readme_quick_start_pool_owns_the_chart_workers():
     first), live in the release's namespace and autoscale the release's worker Deployment."""
     release, namespace, values = _readme_install()
     docs = render(values, name=release, namespace=namespace)
-    pod = find(docs, "Deployment", "-worker")["spec"]["template"]
-    labels = pod["metadata"]["labels"]
+    worker = find(docs, "Deployment", "-worker")["spec"]
+    assert "replicas" not in worker  # the example pool's autoscaler sets them; helm upgrade must not reset them
+    labels = worker["template"]["metadata"]["labels"]
     assert not [d for d in docs if d["kind"] == "LoRAPool" and selector_matches(d["spec"]["workerSelector"], labels)]
     examples = [d for path in sorted((ROOT / "examples" / "k8s").glob("*.yaml"))
                 for d in yaml.safe_load_all(path.read_text()) if d]
