@@ -122,10 +122,34 @@ def _gib(n: int) -> str:
     return f"{n / (1 << 30):.2f} GiB"
 
 
+def weight_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of the base model's weights at `dtype`: embeddings, each layer's projections and norms, the
+    final norm and the LM head (unless tied to the embeddings)."""
+    h, inter = config.hidden_size, config.intermediate_size
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    layer = 2 * h * q + 2 * h * kv + 3 * h * inter + 2 * h  # q, o; k, v; gate, up, down; two norms
+    embeddings = config.vocab_size * h * (1 if config.tie_word_embeddings else 2)
+    return (config.num_hidden_layers * layer + embeddings + h) * torch.empty((), dtype=dtype).element_size()
+
+
+def check_fits_one_device(config: ModelConfig, dtype: torch.dtype, free_bytes: int, device: str) -> None:
+    """A worker holds one whole copy of the base model on one GPU: there is no tensor parallelism, so no
+    adapter is ever split into shards that could disagree between GPUs (a model too large for one GPU is
+    refused here, before anything is allocated, instead of failing with an out-of-memory error mid-load)."""
+    need = weight_bytes(config, dtype)
+    if need > free_bytes:
+        raise ModelConfigError(
+            f"the base model's weights take {_gib(need)} in {str(dtype).removeprefix('torch.')}, more than the "
+            f"{_gib(free_bytes)} free on {device}: a worker serves one whole copy of the model per GPU (no tensor "
+            "parallelism); use a GPU with more memory, a smaller model, or --dtype bfloat16 for a float32 one")
+
+
 def load_model(
     model_dir: str | Path, *, dtype: torch.dtype, device: torch.device | str, config: ModelConfig | None = None
 ) -> LlamaModel:
     config = config or ModelConfig.from_dir(model_dir)
+    if torch.device(device).type == "cuda":
+        check_fits_one_device(config, dtype, torch.cuda.mem_get_info(torch.device(device))[0], str(device))
     model = LlamaModel(config, dtype=dtype, device=device)
     model.load_weights(iter_weights(model_dir))
     return model.eval()
