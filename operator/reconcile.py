@@ -26,6 +26,10 @@ Placement policy (stated, tested; placement.py):
     counts its canary's bytes too); an adapter that fits on fewer workers than asked is Degraded with a
     message naming spec.warm (spec.pinned for a pinned one with warm: 0).
 
+Pool settings: each push to a pool's worker carries the pool's ``spec.eviction`` and
+``spec.adapterMemory.cpuBytes`` (left out when 0: the worker keeps its own CPU tier budget); a change of
+either is a content change, pushed under a new generation like an adapter change.
+
 Statuses come only from what workers report (statuses.py); never because a directive was sent.
 """
 
@@ -34,13 +38,21 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from lorafleet.operator.crd_models import AdapterSpec, InvalidAdapter, PoolSpec
 from lorafleet.operator.placement import place_warm, warm_count
 from lorafleet.operator.reports import WorkerIndex, WorkerReport
 from lorafleet.operator.statuses import adapter_status, pool_status, unserved_status
 from lorafleet.worker.directives import AdapterDirective, DesiredState, DirectiveError, VersionRef
+
+
+class PoolSettings(NamedTuple):
+    """A pool's settings for every worker's adapter pool (``DesiredState.eviction``/``cpu_bytes``); None: the
+    worker's own."""
+
+    eviction: str | None = None
+    cpu_bytes: int | None = None
 
 
 @dataclass(slots=True)
@@ -105,7 +117,9 @@ def reconcile_pool(pool: PoolSpec | None, adapters: Sequence[AdapterSpec | Inval
         if not deleting & {*w.by_name, *w.pushed}:  # holds none of them: left as it is
             continue
         if w.w.last_pushed is not None:
-            _desire(plan, w, [d for d in w.w.last_pushed.adapters if d.name not in deleting], generation_floor)
+            last = w.w.last_pushed
+            _desire(plan, w, [d for d in last.adapters if d.name not in deleting], generation_floor,
+                    PoolSettings(last.eviction, last.cpu_bytes))
         elif deleting & set(w.by_name):
             plan.unreachable.append(w.pod)
     served, failures = admit(pool, [x for x in adapters if not x.deleting], pool_error=pool_error)
@@ -119,11 +133,13 @@ def reconcile_pool(pool: PoolSpec | None, adapters: Sequence[AdapterSpec | Inval
 
     plan.placement = place_warm(list(served.values()), live, default_capacity=pool.gpu_bytes if pool else 0)
     warm_sets = {name: set(pods) for name, pods in plan.placement.items()}
+    settings = pool_settings(pool)
     for w in live:
-        _desire(plan, w, [variants[name][w.pod in warm_sets[name]] for name in sorted(served)], generation_floor)
+        _desire(plan, w, [variants[name][w.pod in warm_sets[name]] for name in sorted(served)], generation_floor,
+                settings)
     for w in emptied:  # told to hold nothing, pinned adapters included, like a deleting pool's workers
         if w.by_name or w.w.last_pushed is not None:  # one found holding nothing, never told here, is let go
-            _desire(plan, w, [], generation_floor)
+            _desire(plan, w, [], generation_floor, PoolSettings())
     plan.releasing = [w.pod for w in emptied if w.by_name] + [w.pod for w in released if _may_hold(w)]
 
     for x in adapters:
@@ -253,10 +269,19 @@ def _may_hold(w: WorkerReport, name: str | None = None) -> bool:
     return w.last_pushed is None or (bool(w.last_pushed.adapters) if name is None else name in w.last_pushed.by_name())
 
 
-def _desire(plan: PoolPlan, w: WorkerIndex, directives: list[AdapterDirective], floor: int) -> None:
+def pool_settings(pool: PoolSpec | None) -> PoolSettings:
+    """What a pool's workers are told besides adapters: ``spec.eviction``, and ``spec.adapterMemory.cpuBytes``
+    unless 0 (not set: each worker keeps its own CPU tier budget). No pool: the workers' own settings."""
+    if pool is None:
+        return PoolSettings()
+    return PoolSettings(pool.eviction, pool.cpu_bytes or None)
+
+
+def _desire(plan: PoolPlan, w: WorkerIndex, directives: list[AdapterDirective], floor: int,
+            settings: PoolSettings) -> None:
     """``w``'s desired state in ``plan``, pushed when ``_next_generation`` says so."""
-    generation, push = _next_generation(w, directives, floor)
-    desired = DesiredState(generation, directives)
+    generation, push = _next_generation(w, directives, settings, floor)
+    desired = DesiredState(generation, directives, eviction=settings.eviction, cpu_bytes=settings.cpu_bytes)
     plan.desired[w.pod] = desired
     if push:
         plan.pushes[w.pod] = desired
@@ -264,8 +289,10 @@ def _desire(plan: PoolPlan, w: WorkerIndex, directives: list[AdapterDirective], 
         plan.failing.append(w.pod)
 
 
-def _next_generation(x: WorkerIndex, directives: list[AdapterDirective], floor: int) -> tuple[int, bool]:
-    """(generation, push now?). A new generation on a content change or drift, never below ``floor``.
+def _next_generation(x: WorkerIndex, directives: list[AdapterDirective], settings: PoolSettings,
+                     floor: int) -> tuple[int, bool]:
+    """(generation, push now?). A new generation on a content change (adapters or pool settings) or drift,
+    never below ``floor``.
 
     The caller passes a clock in milliseconds as ``floor``: a receiver may have accepted pushes this
     process no longer remembers (an operator restart, a push that timed out after it landed), and a
@@ -273,7 +300,7 @@ def _next_generation(x: WorkerIndex, directives: list[AdapterDirective], floor: 
     """
     applied = x.w.reported.generation_applied
     last = x.w.last_pushed
-    if last is None or last.adapters != directives:
+    if last is None or last.adapters != directives or PoolSettings(last.eviction, last.cpu_bytes) != settings:
         return max((last.generation if last else 0) + 1, applied + 1, floor), True
     if applied != last.generation or drifted(x, directives):
         # Reported below what was accepted: the engine (or the pod) restarted; above it: another operator

@@ -28,6 +28,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import torch
 
@@ -50,6 +51,7 @@ __all__ = ["AdapterPool", "AdapterPoolConfig", "TenantQuota"]
 class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterReports):
     def __init__(self, page_pool: PagePool, dims: ModelDims, config: AdapterPoolConfig | None = None) -> None:
         self.config = config = config or AdapterPoolConfig()
+        self._own_config = config  # as started: what configure(None) goes back to
         self.page_pool = page_pool
         self.dims = dims
         self.policy = make_policy(config.eviction_policy)
@@ -91,6 +93,23 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterRepo
             "load_failures": 0,
             "evictions": {"gpu": {}, "cpu": {}},
         }
+
+    # ---- pool-wide settings (a push may set them) ------------------------------------------------
+    def configure(self, *, eviction_policy: str | None = None, cpu_budget_bytes: int | None = None) -> None:
+        """Switch the eviction policy and the CPU tier's byte budget at runtime; None = the value the pool
+        was started with. Entries keep their use counts and last uses, so a new policy orders them at once.
+        A smaller budget evicts CPU copies now, in the policy's order, never one being copied to the GPU
+        or about to be."""
+        with self._lock:
+            own = self._own_config
+            policy = own.eviction_policy if eviction_policy is None else eviction_policy
+            budget = own.cpu_budget_bytes if cpu_budget_bytes is None else cpu_budget_bytes
+            config = replace(self.config, eviction_policy=policy, cpu_budget_bytes=budget)  # validates both
+            if policy != self.policy.name:
+                self.policy = make_policy(policy)
+            self.config = config
+            self._trim_cpu(protect=None)
+            self._update_gauges()
 
     # ---- pinning -------------------------------------------------------------------------------
     def pin(self, key: str) -> None:

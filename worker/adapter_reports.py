@@ -35,6 +35,8 @@ class AdapterReports:
             cpu = [e for e in self._entries.values() if e.image is not None]
             return {
                 "registered": sum(1 for e in self._entries.values() if not e.retired),
+                "eviction": self.policy.name,
+                "cpu_budget_bytes": self.config.cpu_budget_bytes,
                 "resident": {"gpu": len(gpu), "cpu": len(cpu)},
                 "bytes": {"gpu": sum(e.gpu_bytes for e in gpu), "cpu": sum(e.image.nbytes for e in cpu)},
                 "hits": dict(self._counts["hits"]),

@@ -3,12 +3,12 @@
 `PUT /admin/v1/state` takes a `directives.DesiredState` (from the pod's stager sidecar) and answers
 the `ReportedState` after applying it; the same generation twice is a no-op, an older one is
 refused with 409 (body: the current report with `error` set). `GET /admin/v1/state` adds the
-worker-only keys (KV pages, running/waiting requests, pool stats) to the report. Checking the
-adapter paths and registering them read the file system (a hung mount may block for minutes), so
-both run off the event loop, one admin change at a time: health probes and requests for adapters
-already served are answered meanwhile. A change that unregisters a name (a push that no longer lists
-it, an unload) or retires a version (a rolled-back canary, a replaced stable version) drops its
-request metrics.
+worker-only keys (KV pages, running/waiting requests, pool stats with the eviction policy and CPU
+tier budget in use) to the report. Checking the adapter paths and registering them read the file
+system (a hung mount may block for minutes), so both run off the event loop, one admin change at a
+time: health probes and requests for adapters already served are answered meanwhile. A change that
+unregisters a name (a push that no longer lists it, an unload) or retires a version (a rolled-back
+canary, a replaced stable version) drops its request metrics.
 """
 
 from __future__ import annotations

@@ -22,10 +22,14 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from lorafleet.worker.eviction import POLICIES
+
 TIERS = ("gpu", "cpu", "disk", "none")
 URI_SCHEMES = ("s3://", "file://", "/")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")
 SHA256_RE = re.compile(r"^[0-9a-f]{64}$")  # a version's digest (the operator checks specs with it too)
+EVICTION_POLICIES = tuple(POLICIES)  # lru, lfu, cost
+_SETTINGS = ("eviction", "cpu_bytes")  # DesiredState's pool-wide settings
 
 
 class _Message:
@@ -144,25 +148,44 @@ class AdapterDirective:
 
 @dataclass(slots=True)
 class DesiredState(_Message):
-    """A worker's full desired adapter set; anything registered but not listed is to be unloaded."""
+    """A worker's full desired adapter set; anything registered but not listed is to be unloaded.
+
+    The pool-wide settings (its LoRAPool's ``spec.eviction`` and ``spec.adapterMemory.cpuBytes``) are
+    optional: None means the worker's own configuration, and a push without them (an older operator)
+    leaves them out of its JSON.
+    """
 
     generation: int
     adapters: list[AdapterDirective] = field(default_factory=list)
+    eviction: str | None = None  # eviction policy of the adapter pool: lru | lfu | cost
+    cpu_bytes: int | None = None  # byte budget of the CPU (warm) tier
 
     def __post_init__(self) -> None:
         _int(self.generation, "generation", lo=0)
         dup = sorted(n for n, c in Counter(a.name for a in self.adapters).items() if c > 1)
         _require(not dup, "adapters", f"names must be unique (duplicated: {', '.join(dup)})")
+        _require(self.eviction is None or self.eviction in EVICTION_POLICIES, "eviction",
+                 f"must be one of {', '.join(EVICTION_POLICIES)} or absent (got {self.eviction!r})")
+        if self.cpu_bytes is not None:
+            _int(self.cpu_bytes, "cpu_bytes", lo=0)
 
     def by_name(self) -> dict[str, AdapterDirective]:
         return {a.name: a for a in self.adapters}
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        for key in _SETTINGS:
+            if data[key] is None:  # the worker's own: absent, as an older operator sends it
+                del data[key]
+        return data
 
     @classmethod
     def from_dict(cls, data: Any) -> DesiredState:
         _require(isinstance(data, dict), "desired state", "must be a JSON object")
         adapters = data.get("adapters", [])
         _require(isinstance(adapters, list), "adapters", "must be a list")
-        return cls(generation=data.get("generation"), adapters=[AdapterDirective.from_dict(a) for a in adapters])
+        return cls(generation=data.get("generation"), adapters=[AdapterDirective.from_dict(a) for a in adapters],
+                   eviction=data.get("eviction"), cpu_bytes=data.get("cpu_bytes"))
 
     @classmethod
     def from_json(cls, text: str | bytes) -> DesiredState:

@@ -59,5 +59,9 @@ class EngineAdapters:
     def describe_adapters(self) -> list[dict[str, Any]]:
         return self.pool.describe()
 
+    def configure_pool(self, *, eviction: str | None, cpu_bytes: int | None) -> None:
+        """The pool-wide settings a push carries; None = the worker's own."""
+        self.pool.configure(eviction_policy=eviction, cpu_budget_bytes=cpu_bytes)
+
     def pool_stats(self) -> dict[str, Any]:
         return self.pool.stats()

@@ -5,7 +5,9 @@ load/unload change it; every inference request resolves its `model` through it. 
 adapter pool holds the weights; this holds names, owners (tenants), the stable/canary split and
 the reason a version failed to load, so a request for it is answered 503 with that reason instead
 of waiting. A request resolves to one full key `name@version` once, on arrival: it keeps that
-version to the end even if a push switches the stable version meanwhile (hot update).
+version to the end even if a push switches the stable version meanwhile (hot update). A push's
+pool-wide settings (eviction policy, CPU tier budget) go to the engine's pool when they differ from
+the last push's; a push without them gives the pool back its own.
 
 Running example: push gen 3 {sql: stable v1}, then gen 4 {sql: stable v1, canary v2 at 20 %}:
 v2 is registered beside v1 (not current), 20 % of users resolve to `sql@v2`; gen 5 {sql: stable v2}
@@ -47,6 +49,7 @@ class AdapterHost(Protocol):
     def set_adapter_priority(self, key: str, priority: int) -> None: ...
     def prefetch_adapter(self, key: str) -> None: ...
     def describe_adapters(self) -> list[dict[str, Any]]: ...
+    def configure_pool(self, *, eviction: str | None, cpu_bytes: int | None) -> None: ...
 
 
 @dataclass(slots=True)
@@ -77,6 +80,7 @@ class ServedAdapters:
         self.generation = 0
         self.resolver = CanaryResolver()
         self._adapters: dict[str, ServedAdapter] = {}
+        self.settings: tuple[str | None, int | None] = (None, None)  # pushed (eviction, cpu_bytes); None: own
 
     # ---- queries --------------------------------------------------------------------------------
     def get(self, name: str) -> ServedAdapter | None:
@@ -163,6 +167,10 @@ class ServedAdapters:
         if state.generation < self.generation:
             raise APIError(409, f"generation {state.generation} is older than the applied generation "
                                 f"{self.generation}; refusing to roll back", code="stale_generation")
+        settings = (state.eviction, state.cpu_bytes)
+        if settings != self.settings:  # first: what this push registers loads under the new settings
+            engine.configure_pool(eviction=state.eviction, cpu_bytes=state.cpu_bytes)
+            self.settings = settings
         old_table = self._adapters
         table = {d.name: self._register(d, old_table.get(d.name), engine) for d in state.adapters}
         current = {a["name"]: a["version"] for a in engine.describe_adapters() if a.get("current")}

@@ -34,6 +34,7 @@ import hashlib
 import logging
 import time
 from collections import deque
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -268,8 +269,9 @@ class Stager:
             self.forwarded, self.errors, self.staged, self.holds.pushing = forwarded, errors, staged, set()
             self.desired, self.generation, self.seed_report = desired, desired.generation, seed
             if self.config.engine_url:
+                # The pool-wide settings go through as pushed: only the adapters are rewritten.
                 await self._engine("PUT", "/admin/v1/state",
-                                   DesiredState(desired.generation, list(forwarded.values())).to_dict())
+                                   replace(desired, adapters=list(forwarded.values())).to_dict())
             report = await self.state()  # which replaced versions the engine still holds
             await asyncio.to_thread(self.cache.trim, self._protected)
             self._forget_uris()
