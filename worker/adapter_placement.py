@@ -2,9 +2,11 @@
 
 Placing an adapter on the GPU (pages + a slot, within its tenant's quota, evicting idle adapters if
 that makes it fit) and eviction from the GPU and CPU tiers: replaced or unregistered versions first,
-then (GPU) lower priorities first, then the configured policy's order (worker/eviction.py). Never evicted: adapters in use, pinned, a
-new version about to become current, or loaded for requests that have not picked them up yet. It
-works on the pool's state declared in `AdapterPool.__init__`; loading is in worker/adapter_loading.py.
+then (GPU) lower priorities first, within a priority cold versions before warm ones (a directive's
+`warm`, worker/adapter_warmth.py), then the configured policy's order (worker/eviction.py). Never
+evicted: adapters in use, pinned, a new version about to become current, or loaded for requests that
+have not picked them up yet. It works on the pool's state declared in `AdapterPool.__init__`; loading
+is in worker/adapter_loading.py.
 """
 
 from __future__ import annotations
@@ -59,6 +61,10 @@ class AdapterPlacement:
             mine = [e for e in self._slot_owner.values() if e.tenant == entry.tenant]
             over = quota.exceeded(len(mine) + 1, sum(e.gpu_bytes for e in mine) + entry.image.nbytes)
             self._evict_gpu(victim, "quota" if over and victim.tenant == entry.tenant else "capacity")
+        return self._place(entry)
+
+    def _place(self, entry: AdapterEntry) -> bool:
+        """Take pages and a slot for `entry` (room made already) and start its copy."""
         image = entry.image
         try:
             entry.page_ids = self.page_pool.allocate(image.num_pages, ("adapter", entry.key),
@@ -79,6 +85,7 @@ class AdapterPlacement:
         adapters (no references, not pinned, nobody waiting for them) if that is enough. Returns
         pages freed."""
         with self._lock:
+            self._kv_short = True  # warm versions wait for room until the next check (adapter_warmth.py)
             idle = self._idle_resident()
             if self._usable_by_kv(idle) < num_pages:
                 return 0  # evicting them all would not be enough: evict none
@@ -166,12 +173,13 @@ class AdapterPlacement:
             self._get(key).priority = priority
 
     def _eviction_order(self, candidates: list[AdapterEntry]) -> list[AdapterEntry]:
-        """Replaced/unregistered versions first, then lower priorities first, each in the configured
-        policy's order (the sort is stable)."""
+        """Replaced/unregistered versions first, then lower priorities first; within a priority cold
+        versions before those a directive keeps warm; each group in the configured policy's order (the
+        sort is stable)."""
         retired = [e for e in candidates if e.retired]
         rest = [self._entries[c.key] for c in self.policy.order([self._candidate(e) for e in candidates
                                                                   if not e.retired])]
-        return retired + sorted(rest, key=lambda e: e.priority)
+        return retired + sorted(rest, key=lambda e: (e.priority, e.key in self._warm))
 
     def _candidate(self, entry: AdapterEntry, tier: str = "gpu") -> EvictionCandidate:
         if tier == "gpu":

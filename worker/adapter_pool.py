@@ -18,8 +18,8 @@ key is fixed at its first load: a reload with other bytes fails instead of servi
 key; a dropped key is forgotten, and registering it again makes a fresh version.
 
 Here: the public verbs; registration and versions in adapter_versions.py, loading in
-adapter_loading.py, placement and eviction in adapter_placement.py, reports, counters and the
-invariant check in adapter_reports.py.
+adapter_loading.py, placement and eviction in adapter_placement.py, keeping a directive's `warm`
+versions resident in adapter_warmth.py, reports, counters and the invariant check in adapter_reports.py.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from lorafleet.worker.adapter_placement import AdapterPlacement
 from lorafleet.worker.adapter_pool_config import AdapterPoolConfig, TenantQuota
 from lorafleet.worker.adapter_reports import AdapterReports
 from lorafleet.worker.adapter_versions import AdapterVersions
+from lorafleet.worker.adapter_warmth import AdapterWarmth, WarmState
 from lorafleet.worker.eviction import make_policy
 from lorafleet.worker.page_copier import PageCopier
 from lorafleet.worker.page_pool import PagePool
@@ -48,7 +49,7 @@ from lorafleet.worker.page_pool import PagePool
 __all__ = ["AdapterPool", "AdapterPoolConfig", "TenantQuota"]
 
 
-class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterReports):
+class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarmth, AdapterReports):
     def __init__(self, page_pool: PagePool, dims: ModelDims, config: AdapterPoolConfig | None = None) -> None:
         self.config = config = config or AdapterPoolConfig()
         self._own_config = config  # as started: what configure(None) goes back to
@@ -86,11 +87,15 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterRepo
         self._failures: deque[tuple[str, AdapterLoadError]] = deque(maxlen=100)
         self._inflight: set[str] = set()  # keys with a load or copy running
         self._tick = 0
+        self._warm: dict[str, WarmState] = {}  # versions a directive keeps warm (adapter_warmth.py)
+        self._next_warm_check = 0.0  # monotonic time of the next look for missing warm versions
+        self._kv_short = False  # the KV cache asked for pages since the last look
         self._counts = {
             "hits": dict.fromkeys(("gpu", "cpu", "disk"), 0),
             "misses": dict.fromkeys(("gpu", "cpu", "disk"), 0),
             "loads": {"cpu": 0, "gpu": 0},
             "load_failures": 0,
+            "rewarms": 0,
             "evictions": {"gpu": {}, "cpu": {}},
         }
 
@@ -189,19 +194,22 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterRepo
 
     def poll(self) -> list[tuple[str, AdapterLoadError]]:
         """Advance loads without waiting: finish parsed loads and completed copies, place wanted
-        adapters. Returns the failures since the last call (the last 100)."""
+        adapters, bring back evicted warm versions when a check is due (`keep_warm`). Returns the
+        failures since the last call (the last 100)."""
         with self._lock:
             self._advance()
             self._sweep_wanted()
+            self._check_warm(kv_reserve=0)
             failures = list(self._failures)
             self._failures.clear()
             self._update_gauges()
             return failures
 
     def has_pending_loads(self) -> bool:
-        """True while loads are in flight or adapters wait to be placed (poll() moves them on)."""
+        """True while loads are in flight, adapters wait to be placed, or a look for missing warm
+        versions is due (poll() moves them on)."""
         with self._lock:
-            return bool(self._inflight or self._wanted)
+            return bool(self._inflight or self._wanted) or self._warm_check_due()
 
     # ---- explicit residency: can_load / load / evict, prefetch ---------------------------------
     def prefetch(self, key: str, tier: str = "gpu") -> None:

@@ -33,6 +33,10 @@ class AdapterPoolConfig:
     # CUDA workers: intra-op CPU threads of each loader thread (None = torch's default). Measured on an
     # H200 (bench/adapter_pool.py --only decode): limiting to 1 made loads longer and the step loop slower.
     loader_cpu_threads: int | None = None
+    # Versions a directive keeps warm come back into free room after pressure evicted them, looked for
+    # this often (worker/adapter_warmth.py); a failed load waits warm_retry_s, doubling per failure in a row.
+    warm_check_s: float = 0.5
+    warm_retry_s: float = 5.0
 
     def __post_init__(self) -> None:
         if self.max_slots <= 0 or self.max_rank <= 0:
@@ -41,6 +45,8 @@ class AdapterPoolConfig:
             raise ValueError("cpu_budget_bytes must be >= 0")
         if self.load_timeout_s is not None and self.load_timeout_s <= 0:
             raise ValueError("load_timeout_s must be > 0 or None")
+        if self.warm_check_s < 0 or self.warm_retry_s <= 0:
+            raise ValueError(f"need warm_check_s >= 0 ({self.warm_check_s}) and warm_retry_s > 0 ({self.warm_retry_s})")
         make_policy(self.eviction_policy)  # validates the name
 
     def quota(self, tenant: str) -> TenantQuota:

@@ -43,6 +43,7 @@ class AdapterReports:
                 "misses": dict(self._counts["misses"]),
                 "loads": dict(self._counts["loads"]),
                 "load_failures": self._counts["load_failures"],
+                "warm": len(self._warm), "rewarms": self._counts["rewarms"],
                 "evictions": {t: dict(v) for t, v in self._counts["evictions"].items()},
                 "in_flight": sum(1 for e in self._entries.values() if e.fetching is not None or e.copying is not None),
                 "waiting": len(self._wanted),

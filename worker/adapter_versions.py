@@ -146,6 +146,7 @@ class AdapterVersions:
         it is dropped as soon as none does (`_drop_if_unused`: here, on release, on abandon)."""
         entry.retired, entry.retire_reason = True, reason
         entry.pinned = False  # pinning holds the version being served: a retired one goes once unused
+        self._warm.pop(entry.key, None)  # ...and is never brought back to the GPU (adapter_warmth.py)
         self._wanted.pop(entry.key, None)
         entry.loader = None  # never reloaded: drops the caller's CPU copy with it
         if entry.image is not None and entry.copying is None:

@@ -302,6 +302,7 @@ class Engine:
 
     # ---- one step -----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        self.adapter_pool.keep_warm(kv_reserve=self.num_running)  # never blocks (adapter_warmth.py)
         batch = self.scheduler.schedule()
         self.last_batch_size = batch.num_seqs
         self.last_batch_adapters = len(batch.adapters())

@@ -53,6 +53,10 @@ class EngineAdapters:
     def set_adapter_priority(self, key: str, priority: int) -> None:
         self.pool.set_priority(key, priority)
 
+    def set_adapter_warm(self, key: str, warm: bool) -> None:
+        """Keep `key` GPU-resident when room allows (a directive's `warm`), or stop."""
+        self.pool.set_warm(key, warm)
+
     def prefetch_adapter(self, key: str) -> None:
         self.pool.prefetch(key, "gpu")
 

@@ -7,7 +7,9 @@ the reason a version failed to load, so a request for it is answered 503 with th
 of waiting. A request resolves to one full key `name@version` once, on arrival: it keeps that
 version to the end even if a push switches the stable version meanwhile (hot update). A push's
 pool-wide settings (eviction policy, CPU tier budget) go to the engine's pool when they differ from
-the last push's; a push without them gives the pool back its own.
+the last push's; a push without them gives the pool back its own. A directive's `warm` prefetches
+its versions and marks them warm in the pool, which brings them back to the GPU by itself after
+pressure evicted them (worker/adapter_warmth.py); a push without it unmarks them.
 
 Running example: push gen 3 {sql: stable v1}, then gen 4 {sql: stable v1, canary v2 at 20 %}:
 v2 is registered beside v1 (not current), 20 % of users resolve to `sql@v2`; gen 5 {sql: stable v2}
@@ -47,6 +49,7 @@ class AdapterHost(Protocol):
     def remove_adapter_version(self, key: str) -> None: ...
     def set_adapter_pinned(self, key: str, pinned: bool) -> None: ...
     def set_adapter_priority(self, key: str, priority: int) -> None: ...
+    def set_adapter_warm(self, key: str, warm: bool) -> None: ...
     def prefetch_adapter(self, key: str) -> None: ...
     def describe_adapters(self) -> list[dict[str, Any]]: ...
     def configure_pool(self, *, eviction: str | None, cpu_bytes: int | None) -> None: ...
@@ -222,6 +225,7 @@ class ServedAdapters:
                     engine.make_adapter_current(key)  # the old stable version retires
                 engine.set_adapter_pinned(key, d.pinned)
                 engine.set_adapter_priority(key, d.priority)
+                engine.set_adapter_warm(key, d.warm)  # brought back after pressure evicted it, or no longer
                 if d.warm:
                     engine.prefetch_adapter(key)
             except Exception as exc:  # whatever it is, it is this version's: the rest of the push applies

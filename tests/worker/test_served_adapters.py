@@ -18,6 +18,7 @@ class RecordingHost:
         self.keys: dict[str, dict] = {}
         self.calls: list[tuple] = []
         self.failing = failing
+        self.warm: dict[str, bool] = {}  # key -> the warm flag of the last push naming it
 
     def register_adapter(self, name, source, *, version=None, tenant=None, pinned=False, make_current=True,
                          sha256=None):
@@ -44,6 +45,9 @@ class RecordingHost:
 
     def set_adapter_priority(self, key, priority):
         self.keys[key]["priority"] = priority
+
+    def set_adapter_warm(self, key, warm):
+        self.warm[key] = warm
 
     def prefetch_adapter(self, key):
         self.calls.append(("prefetch", key))

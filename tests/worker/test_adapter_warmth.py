@@ -1,0 +1,222 @@
+"""A directive's `warm` versions stay GPU-resident: the pool brings one back after pressure evicted it,
+only into room nobody else needs, backs off from one that fails to load, and stops once a push drops
+the flag or the version (worker/adapter_warmth.py). Time is a fake clock: checks run when it says so."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from lorafleet.worker import adapter_warmth
+from lorafleet.worker.app_keys import ENGINE
+from lorafleet.worker.directives import DesiredState
+from lorafleet.worker.served_adapters import ServedAdapters
+from tests.lora_factory import random_weights
+from tests.worker.test_adapter_pool import flaky_loader, make_pool
+from tests.worker.test_admin_pushes import client, directive, push  # noqa: F401 (client: a fixture)
+from tests.worker.test_served_adapters import SQL, RecordingHost
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float = 1.0) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock(monkeypatch) -> FakeClock:
+    clock = FakeClock()
+    monkeypatch.setattr(adapter_warmth, "time", clock)
+    return clock
+
+
+def checks(pool, clock: FakeClock, n: int = 5, seconds: float = 1.0) -> None:
+    """`n` due checks, each after `seconds`, with whatever loads they start finished."""
+    for _ in range(n):
+        clock.advance(seconds)
+        pool.poll()
+        pool.wait_idle()
+
+
+def take_kv_pages(pool) -> list[int]:
+    """A KV cache that wants every page: idle adapters are evicted for it (unified paging)."""
+    pages = pool.page_pool
+    n = pages.available("kv") + pool.reclaimable_pages()
+    assert pages.can_allocate(n, "kv")
+    return pages.allocate(n, ("kv", "long-request"))
+
+
+def test_a_warm_adapter_evicted_by_kv_pressure_comes_back_once_room_frees(clock):
+    pool = make_pool()
+    pool.add("warm@1", random_weights(1))
+    pool.add("cold@1", random_weights(2))
+    pool.set_warm("warm@1", True)
+    pool.load("warm@1")
+    pool.load("cold@1")
+    kv = take_kv_pages(pool)
+    assert not pool.entry("warm@1").resident and not pool.entry("cold@1").resident
+    checks(pool, clock)  # the KV cache holds every page: nothing to come back into
+    assert not pool.entry("warm@1").on_gpu and pool.page_pool.num_used("adapter") == 0
+
+    pool.page_pool.free(kv)  # the request finished; no push, no traffic for the adapter
+    checks(pool, clock, n=1)
+    assert pool.entry("warm@1").resident
+    assert not pool.entry("cold@1").on_gpu  # only what a directive keeps warm comes back
+    assert pool.stats()["rewarms"] == 1
+    pool.check()
+    pool.close()
+
+
+def test_a_warm_adapter_comes_back_only_into_free_room_never_evicting(clock):
+    """Another tenant's adapters took every slot; once idle they could be evicted, yet the warm one
+    waits for a slot freed by itself: coming back evicts nothing, cold or warm."""
+    pool = make_pool(max_slots=2)
+    for i, key in enumerate(("warm@1", "c1@1", "c2@1")):
+        pool.add(key, random_weights(i + 1), tenant="acme" if key == "warm@1" else "globex")
+    pool.set_warm("warm@1", True)
+    pool.load("warm@1")
+    pool.load("c1@1")
+    held = pool.acquire("c1@1")  # a request uses it
+    pool.load("c2@1")  # the warm adapter is the only idle one: it goes
+    assert not pool.entry("warm@1").on_gpu
+    pool.release(held)
+    evictions = pool.stats()["evictions"]["gpu"]
+    checks(pool, clock, n=10)
+    assert pool.entry("c1@1").resident and pool.entry("c2@1").resident and not pool.entry("warm@1").on_gpu
+    assert pool.stats()["evictions"]["gpu"] == evictions and pool.stats()["rewarms"] == 0
+
+    pool.unregister("c2")  # a slot frees
+    checks(pool, clock, n=1)
+    assert pool.entry("warm@1").resident and pool.entry("c1@1").resident
+    pool.check()
+    pool.close()
+
+
+@pytest.mark.parametrize("warm_priority", [0, -1])
+def test_warm_adapters_are_evicted_after_cold_ones_of_their_priority(clock, warm_priority):
+    pool = make_pool(max_slots=2)
+    for i, key in enumerate(("warm@1", "cold@1", "new@1")):
+        pool.add(key, random_weights(i + 1))
+    pool.set_warm("warm@1", True)
+    pool.set_priority("warm@1", warm_priority)
+    pool.load("warm@1")  # least recently used, yet kept over the cold one of its priority
+    pool.load("cold@1")
+    pool.release(pool.acquire("cold@1"))  # used since
+    pool.load("new@1")
+    survivor, victim = ("warm@1", "cold@1") if warm_priority == 0 else ("cold@1", "warm@1")
+    assert pool.entry(survivor).resident and not pool.entry(victim).on_gpu
+    pool.close()
+
+
+@pytest.mark.parametrize(("error", "retried"), [(ConnectionError, True), (ValueError, False)])
+def test_a_warm_adapter_that_fails_to_load_backs_off(clock, error, retried):
+    """Its CPU copy gone too, it is read again: a read error is retried after 5 s, then 10 s, then 20 s
+    (never in a tight loop); a failure the files must fix is not retried until a load succeeds."""
+    broken, flaky = flaky_loader()
+    calls = []
+
+    def loader():
+        calls.append(clock.now)
+        if broken["on"]:
+            raise error("object store unreachable")
+        return flaky()
+
+    broken["on"] = False
+    pool = make_pool()
+    pool.add("warm@1", loader=loader)
+    pool.set_warm("warm@1", True)
+    pool.load("warm@1")
+    broken["on"] = True
+    pool.evict("warm@1", "gpu")
+    pool.evict("warm@1", "cpu")
+    checks(pool, clock, n=30)
+    assert not pool.entry("warm@1").on_gpu and pool.entry("warm@1").error is not None
+    first = calls[1]
+    if not retried:
+        assert len(calls) == 2
+        return
+    assert [t - first for t in calls[1:]] == [0, 6, 17]  # 5 s, 10 s, 20 s after each failure was seen
+    broken["on"] = False
+    checks(pool, clock, n=40)
+    assert pool.entry("warm@1").resident and len(calls) == 5
+    pool.close()
+
+
+def test_a_dropped_warm_flag_or_a_retired_version_is_not_brought_back(clock):
+    pool = make_pool()
+    pool.add("warm@1", random_weights(1))
+    pool.set_warm("warm@1", True)
+    pool.load("warm@1")
+    pool.evict("warm@1", "gpu")
+    pool.set_warm("warm@1", False)
+    checks(pool, clock)
+    assert not pool.entry("warm@1").on_gpu and not pool.is_warm("warm@1")
+    pool.set_warm("warm@1", True)
+    checks(pool, clock, n=1)
+    assert pool.entry("warm@1").resident
+
+    pool.add("warm@2", random_weights(2))  # a new version: the old one retires once this one is resident
+    pool.load("warm@2")
+    assert not pool.is_warm("warm@1") and pool.stats()["warm"] == 0
+    pool.close()
+
+
+def test_a_push_marks_its_versions_warm_and_a_later_push_unmarks_them():
+    host, served = RecordingHost(), ServedAdapters("base")
+    canary = SQL | {"canary": {"version": "v2", "uri": "/c/sql/v2"}, "canary_weight": 50}
+    served.apply(DesiredState.from_dict({"generation": 1, "adapters": [canary]}), host)
+    assert host.warm == {"sql@v1": True, "sql@v2": True}
+    served.apply(DesiredState.from_dict({"generation": 2, "adapters": [canary | {"warm": False}]}), host)
+    assert host.warm == {"sql@v1": False, "sql@v2": False}
+
+
+def test_the_engine_step_brings_a_warm_adapter_back_while_busy(clock, tiny_llama_dir, qv_adapters_dir):
+    """A worker busy with other traffic never goes idle: the step loop itself brings it back."""
+    from lorafleet.worker import Engine, EngineConfig, SamplingParams
+
+    engine = Engine(EngineConfig(model=str(tiny_llama_dir), device="cpu", dtype="float32", max_model_len=128))
+    pool = engine.adapter_pool
+    key = engine.register_adapter("alpha", qv_adapters_dir / "alpha")
+    pool.set_warm(key, True)
+    pool.load(key)
+    kv = take_kv_pages(pool)
+    assert not pool.entry(key).on_gpu
+    pool.page_pool.free(kv)
+    for _ in range(200):
+        if not engine.has_unfinished():
+            engine.add_request(None, [1, 2, 3], SamplingParams(max_tokens=20, temperature=0))
+        clock.advance()
+        engine.step()
+        if pool.entry(key).resident:
+            break
+    assert pool.entry(key).resident
+    engine.close()
+
+
+async def test_a_pushed_warm_adapter_comes_back_without_a_push_until_one_drops_warm(client, qv_adapters_dir):  # noqa: F811
+    """Through the admin API with the running engine (its idle loop does the checks, on real time)."""
+    pool = client.app[ENGINE].engine.adapter_pool
+    alpha = qv_adapters_dir / "alpha"
+    await push(client, 1, directive("alpha", alpha, warm=True))
+    await asyncio.to_thread(pool.wait_idle)
+    assert pool.entry("alpha@v1").resident
+    kv = await asyncio.to_thread(take_kv_pages, pool)
+    assert not pool.entry("alpha@v1").on_gpu
+    pool.page_pool.free(kv)
+    for _ in range(600):  # the same generation is never pushed again: no push brings it back
+        if pool.entry("alpha@v1").resident:
+            break
+        await asyncio.sleep(0.05)
+    assert pool.entry("alpha@v1").resident
+
+    await push(client, 2, directive("alpha", alpha, warm=False))
+    assert not pool.is_warm("alpha@v1")
+    pool.page_pool.free(await asyncio.to_thread(take_kv_pages, pool))
+    await asyncio.to_thread(pool.wait_idle)
+    assert not pool.entry("alpha@v1").on_gpu and pool.stats()["rewarms"] == 1

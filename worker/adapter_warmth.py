@@ -1,0 +1,119 @@
+"""AdapterWarmth: keeping a directive's `warm` versions GPU-resident, as part of `AdapterPool`
+(worker/adapter_pool.py). (`warm` here is the directive's flag, GPU-resident on this worker; the
+pool's CPU tier is another thing.)
+
+A push marks the versions this worker keeps warm (`set_warm`) and prefetches them once. Pressure may
+evict one later: the KV cache's growth, or another adapter's load. The pool brings it back by itself,
+but only into room nobody else needs: a free slot and free adapter pages beyond the `kv_reserve` pages
+running requests may take next, within its tenant's quota, evicting nothing; never while another
+adapter waits for room (requests first), nor when the KV cache was short of pages since the last
+check. Its CPU copy is placed; without one it is read again only if the CPU tier has room for it (its
+size when last loaded), and placed by a later check. Pinned versions need none of this (never evicted).
+
+The check runs at most every `warm_check_s`, from `keep_warm` (once per engine step) and `poll` (the
+idle loop; `has_pending_loads` says when one is due), looks only at warm versions, and never blocks:
+loads and copies run as any other. A failed load is tried again after `warm_retry_s`, doubling with
+each failure in a row (at most 64 times); one that the files or settings must fix first waits for a
+load that succeeds (a push). A retired version (replaced, removed, unregistered) and one that a push
+no longer marks warm are never re-warmed. Among idle adapters of one priority, cold ones are evicted
+before warm ones (adapter_placement.py). It works on the pool's state declared in `AdapterPool.__init__`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from lorafleet.worker.adapter_entry import AdapterEntry, AdapterLoadError
+
+MAX_BACKOFF = 64  # the retry delay stops doubling at warm_retry_s × this
+
+
+@dataclass(slots=True)
+class WarmState:
+    """How re-warming one warm version went lately."""
+
+    failures: int = 0  # failed loads in a row
+    retry_at: float = 0.0  # monotonic time before which it is not loaded again
+    seen_error: AdapterLoadError | None = None  # the entry's failure already counted
+    num_pages: int = 0  # its image's GPU pages and CPU bytes when last seen (0: never loaded)
+    nbytes: int = 0
+
+
+class AdapterWarmth:
+    def set_warm(self, key: str, warm: bool) -> None:
+        """Keep `key` GPU-resident whenever room allows (a directive's `warm`), or stop doing so."""
+        with self._lock:
+            entry = self._get(key)
+            if not warm:
+                self._warm.pop(key, None)
+            elif key not in self._warm:
+                self._warm[key] = WarmState(seen_error=entry.error)
+
+    def is_warm(self, key: str) -> bool:
+        with self._lock:
+            return key in self._warm
+
+    def keep_warm(self, kv_reserve: int = 0) -> None:
+        """Once per engine step, never blocking: finish loads in flight (only those are looked at) and, when
+        a check is due, bring back warm versions that pressure evicted, leaving `kv_reserve` free pages to
+        the running requests."""
+        with self._lock:
+            if self._inflight:
+                self._advance()
+            self._check_warm(kv_reserve)
+
+    # ---- internals -----------------------------------------------------------------------------
+    def _warm_check_due(self) -> bool:
+        """A check is due and a warm version is missing from the GPU (cheap: only warm versions)."""
+        if not self._warm or time.monotonic() < self._next_warm_check:
+            return False
+        return any((e := self._entries.get(k)) is None or not e.on_gpu for k in self._warm)
+
+    def _check_warm(self, kv_reserve: int) -> None:
+        now = time.monotonic()
+        if not self._warm or now < self._next_warm_check:
+            return
+        self._next_warm_check = now + self.config.warm_check_s
+        kv_short, self._kv_short = self._kv_short, False
+        missing: list[tuple[AdapterEntry, WarmState]] = []
+        for key, state in list(self._warm.items()):
+            entry = self._entries.get(key)
+            if entry is None or entry.retired:
+                del self._warm[key]  # replaced, removed or unregistered: never re-warmed
+                continue
+            self._note_outcome(entry, state, now)
+            if entry.on_gpu or entry.pinned or entry.fetching is not None or now < state.retry_at:
+                continue  # there, on its way, kept by pinning, or backing off
+            if entry.error is not None and not entry.error.retryable:
+                continue  # the files or settings must change first
+            missing.append((entry, state))
+        waiting = any((e := self._entries.get(k)) is not None and not e.on_gpu for k in self._wanted)
+        if kv_short or waiting:
+            return  # the KV cache or a request's adapter needs the room first
+        for entry, state in sorted(missing, key=lambda m: -m[0].priority):
+            self._rewarm(entry, state, kv_reserve)
+
+    def _note_outcome(self, entry: AdapterEntry, state: WarmState, now: float) -> None:
+        """Count a load of `entry` that failed since the last check (anyone's), or clear the count."""
+        if entry.image is not None:
+            state.num_pages, state.nbytes = entry.image.num_pages, entry.image.nbytes
+        if entry.resident:
+            state.failures = 0
+        elif entry.error is not None and entry.error is not state.seen_error:
+            state.failures += 1
+            state.retry_at = now + self.config.warm_retry_s * min(2 ** (state.failures - 1), MAX_BACKOFF)
+        state.seen_error = entry.error
+
+    def _rewarm(self, entry: AdapterEntry, state: WarmState, kv_reserve: int) -> None:
+        """Start bringing `entry` back if it fits without evicting anything."""
+        room = self.page_pool.available("adapter") - kv_reserve
+        if not self._free_slots:
+            return
+        if entry.image is None:
+            cpu_bytes = sum(e.image.nbytes for e in self._entries.values() if e.image is not None)
+            if state.num_pages <= room and cpu_bytes + state.nbytes <= self.config.cpu_budget_bytes:
+                self._start_fetch(entry)  # a later check places it
+            return
+        if entry.image.num_pages <= room and self._placement_plan(entry) == [] and self._place(entry):
+            self._counts["rewarms"] += 1
