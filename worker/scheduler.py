@@ -1,34 +1,40 @@
-"""Scheduler: continuous batching over a paged KV cache, adapter-aware.
+"""Scheduler: continuous batching over a paged KV cache, adapter-aware, fair across tenants.
 
 Each step: running sequences first (a decode token, or the next chunk of an unfinished prefill),
-then waiting ones in arrival order, all within `max_num_batched_tokens` tokens and `max_num_seqs`
-sequences. When the KV pages run out, the most recently admitted running sequence is preempted:
-its pages are freed and it goes back to the head of the queue to be recomputed later (it keeps its
-adapter reference). A waiting sequence whose adapter is not resident yet is skipped (the pool
-starts the load) while the others run; `max_loras_per_batch` bounds the distinct adapters of a step
-(too many segments slow the LoRA kernels), except for a sequence that has waited
-`max_adapter_wait_steps` steps, which is admitted anyway so no tenant starves. For the same reason a
-sequence that has waited that long for an adapter that is loaded but finds no GPU room is no longer
-overtaken: the pages running requests give back go to its adapter (a load in flight never holds
-anyone back). An adapter a queued sequence holds (a preempted one keeps its reference) or was loaded
-for is never evicted: when nothing runs and the queue's head cannot get pages, or such a starved
-sequence's adapter finds no room, the others let go of theirs. A sequence that preempted itself running
-alone (adapters hold the rest of the pool) is readmitted only once the pages of all its tokens can be
-had, not chunk by chunk into the same wall.
+then waiting ones, all within `max_num_batched_tokens` tokens and `max_num_seqs` sequences. Each seat
+goes to the tenant (its adapter's name while the request names none) with a preempted sequence, else
+the fewest running sequences, else the longest unserved; FCFS within a tenant (waiting_queue.py). When
+the KV pages run out, the most recently admitted running sequence is preempted: its pages are freed
+and it goes back to the head of its tenant's queue to be recomputed later (it keeps its adapter
+reference). A waiting sequence whose adapter is not resident yet is skipped (the pool starts the
+load) with those of its tenant waiting for the same adapter, while the others run;
+`max_loras_per_batch` bounds the distinct adapters of a step (too many segments slow the LoRA
+kernels), except for a sequence that has waited `max_adapter_wait_steps` steps, which is admitted
+anyway so no tenant starves. For the same reason a sequence that has waited that long for an adapter
+that is loaded but finds no GPU room is no longer overtaken for it: short of pages, nothing more is
+admitted, so the pages running requests give back go to its adapter; short of a slot only, requests
+that would take one (a new slot, or a new reference to an adapter running requests use) wait behind
+it, the others (base model, or a slot already held) go on while they leave its pages free. A load in
+flight never holds anyone back. An adapter a queued sequence holds (a preempted one keeps its
+reference) or was loaded for is never evicted: when nothing runs and a queue's head cannot get pages,
+or such a starved sequence's adapter finds no room, the others let go of theirs. A sequence that
+preempted itself running alone (adapters hold the rest of the pool) is readmitted only once the pages
+of all its tokens can be had, not chunk by chunk into the same wall.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import heapq
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Protocol
 
-from lorafleet.worker.adapter_entry import AdapterNotFoundError
+from lorafleet.worker.adapter_entry import AdapterEntry, AdapterNotFoundError
 from lorafleet.worker.block_manager import BlockManager
 from lorafleet.worker.engine_errors import UnknownAdapterError
 from lorafleet.worker.page_pool import PagePoolError
+from lorafleet.worker.scheduled_batch import ScheduledBatch
 from lorafleet.worker.sequence import Sequence, SequenceStatus
+from lorafleet.worker.waiting_queue import WaitingQueue
 
 
 class CapacityError(RuntimeError):
@@ -42,33 +48,7 @@ class AdapterSlots(Protocol):
     def acquire(self, key: str, waiter: object = None, *, count: bool = True) -> int | None: ...
     def release(self, slot: int) -> None: ...
     def abandon(self, key: str, waiter: object) -> None: ...
-
-
-@dataclass(slots=True)
-class ScheduledBatch:
-    decodes: list[Sequence] = field(default_factory=list)  # one new token each
-    prefills: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens this step)
-    preempted: list[Sequence] = field(default_factory=list)
-
-    @property
-    def scheduled(self) -> list[tuple[Sequence, int]]:
-        """(sequence, new tokens) in forward order: decodes first, then prefill chunks."""
-        return [(s, 1) for s in self.decodes] + self.prefills
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.decodes) + sum(n for _, n in self.prefills)
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.decodes) + len(self.prefills)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.decodes and not self.prefills
-
-    def adapters(self) -> set[str]:
-        return {s.adapter for s, _ in self.scheduled if s.adapter is not None}
+    def entry(self, key: str) -> AdapterEntry: ...
 
 
 class Scheduler:
@@ -98,7 +78,7 @@ class Scheduler:
         # Where an adapter is: "gpu" (its pages taken: resident or being copied), "room" (in CPU memory,
         # waiting only for GPU pages or a slot) or "load" (being read).
         self.adapter_state = adapter_state
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = WaitingQueue()
         self.running: list[Sequence] = []
         self._skipped_steps: dict[int, int] = {}  # seq_id -> steps skipped for adapter grouping
         # Sequences that preempted themselves running alone: readmitted only once the pages of all their
@@ -130,7 +110,7 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: str) -> None:
         """Finished or aborted: KV pages and the adapter reference are released at once."""
         if seq.status is SequenceStatus.RUNNING:
-            self.running.remove(seq)
+            self._remove_running(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         was_waiting_for_adapter = seq.status is SequenceStatus.WAITING and seq.adapter_slot is None
@@ -186,63 +166,142 @@ class Scheduler:
             i += 1
 
         # 2. Waiting sequences (none while preempting: pages are short).
-        if batch.preempted:
-            return batch
+        if not batch.preempted:
+            self._admit_waiting(batch, budget, loras)
+        return batch
+
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int, loras: set[str]) -> None:
+        """Admit waiting sequences while seats and tokens last, each from the tenant ranked first
+        (WaitingQueue.rank), FCFS within a tenant. A head passed over for its adapter lets the tenant's
+        others go; a head short of KV pages stops admission (no overtaking a big prompt)."""
+        heap = [self.waiting.rank(t) for t in self.waiting.tenants()]
+        heapq.heapify(heap)
+        passed: set[tuple[str, str | None]] = set()  # (tenant, adapter) queues passed over this step
         skipped: list[Sequence] = []  # passed over for their adapter (count towards max_adapter_wait_steps)
         stuck: Sequence | None = None  # cannot get room (KV pages, or its adapter's) while nothing runs
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting.popleft()
+        starved: Sequence | None = None  # next in line for a GPU slot (see _starved_for_room)
+        reserve = 0  # KV pages left free for the starved sequence's adapter
+        busy: set[str] = set()  # adapters running requests use: they must drain for it (see _waits_behind)
+        while heap and budget > 0 and len(self.running) < self.max_num_seqs:
+            tenant = heapq.heappop(heap)[-1]
+            seq = self._next_head(tenant, passed, busy if starved is not None else None)
+            if seq is None:
+                continue  # nothing more of this tenant can go this step
             try:
                 admit = self._can_admit_adapter(seq, loras)
             except AdapterNotFoundError as exc:
                 # Its version was replaced or unregistered before the pool could load it for this request.
                 # With nothing generated yet the caller may resolve the name again (UnknownAdapterError).
-                self._fail(seq, exc if seq.output_token_ids else UnknownAdapterError(str(exc)))
+                self.fail([seq], exc if seq.output_token_ids else UnknownAdapterError(str(exc)))
+                self._requeue(heap, tenant)
                 continue
             except Exception as exc:  # the adapter failed to load: this request fails, others go on
-                self._fail(seq, exc)
+                self.fail([seq], exc)
+                self._requeue(heap, tenant)
                 continue
             if not admit:
-                if not self._starved_for_room(seq):
-                    skipped.append(seq)
-                    continue
-                # No overtaking it any more: the pages running requests give back go to its adapter. With
-                # nothing running, the queue's adapters hold the room: they are let go of (below).
-                if not self.running:
-                    if self._gave_up(seq, f"its adapter {seq.adapter} finds no GPU pages or slot, and no more can be "
-                                          "freed (pinned adapters hold them); unpin adapters, raise --max-loras or "
-                                          "give the engine a larger pool"):
-                        continue
-                    stuck = seq
+                passed.add((tenant, seq.adapter))
+                if starved is None and self._starved_for_room(seq):
+                    # No overtaking it for GPU room any more: with nothing running, the queue's adapters hold
+                    # the room (let go of below); short of pages, the pages running requests give back go to
+                    # its adapter; short of a slot only, requests that need no new slot still go.
+                    starved = seq
+                    if not self.running:
+                        if self._gave_up(seq, f"its adapter {seq.adapter} finds no GPU pages or slot, and no more "
+                                              "can be freed (pinned adapters hold them); unpin adapters, raise "
+                                              "--max-loras or give the engine a larger pool"):
+                            self._requeue(heap, tenant)
+                            continue
+                        stuck = seq
+                    pages = self._adapter_pages(seq.adapter)
+                    if stuck is not None or pages is None or not self.block_manager.allocator.can_allocate(
+                            pages, "adapter"):
+                        skipped.append(seq)
+                        break
+                    reserve = pages
+                    busy = {s.adapter for s in self.running if s.adapter is not None}
                 skipped.append(seq)
-                break
+                self._requeue(heap, tenant)
+                continue
             num_new = self._num_new_tokens(seq, budget)
             whole = seq.num_uncomputed_tokens if seq.seq_id in self._short_alone else num_new
-            if num_new == 0 or not self._allocate(seq, whole):
+            if (num_new == 0 or (reserve and not self.block_manager.can_allocate(seq, whole, reserve=reserve))
+                    or not self._allocate(seq, whole)):
                 if num_new and not self.running:  # nothing runs, so no KV page will come back
                     if self._gave_up(seq, f"needs {self.block_manager.num_blocks_needed(seq, whole)} KV pages but "
                                           "no more can be freed (pinned or in-use adapters hold the rest of the "
                                           "pool); shorten the prompt, unpin adapters or give the engine a larger "
                                           "pool"):
+                        self._requeue(heap, tenant)
                         continue
                     stuck = seq
-                self.waiting.appendleft(seq)  # arrival order for pages: no overtaking a big prompt
-                break
+                break  # arrival order for pages: no overtaking a big prompt
+            self.waiting.popleft(tenant, seq.adapter)
             self._stuck_steps.clear()
             seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            self._add_running(seq)
             self._skipped_steps.pop(seq.seq_id, None)
             self._short_alone.discard(seq.seq_id)
             self._add_to_batch(batch, seq, num_new)
             if seq.adapter is not None:
                 loras.add(seq.adapter)
+                if starved is not None:
+                    busy.add(seq.adapter)
             budget -= num_new
-        for seq in reversed(skipped):
+            self._requeue(heap, tenant)
+        for seq in skipped:
             self._skipped_steps[seq.seq_id] = self._skipped_steps.get(seq.seq_id, 0) + 1
-            self.waiting.appendleft(seq)
         if stuck is not None:
             self._let_go_of_adapters(but=stuck)
-        return batch
+
+    def _requeue(self, heap: list[tuple], tenant: str) -> None:
+        if self.waiting.has_tenant(tenant):
+            heapq.heappush(heap, self.waiting.rank(tenant))
+
+    def _next_head(self, tenant: str, passed: set[tuple[str, str | None]], busy: set[str] | None) -> Sequence | None:
+        """The tenant's oldest head not passed over this step. `busy` is set once a sequence is starved for a
+        GPU slot: then those that would take its slot wait behind it (_waits_behind)."""
+        for _, seq in self.waiting.heads(tenant):
+            if (tenant, seq.adapter) in passed:
+                continue
+            if busy is not None and self._waits_behind(seq, busy):
+                passed.add((tenant, seq.adapter))
+                continue
+            return seq
+        return None
+
+    def _waits_behind(self, seq: Sequence, busy: set[str]) -> bool:
+        """With a sequence starved for a GPU slot, does admitting `seq` keep that slot from it? A new slot
+        would, and so would a new reference to an adapter running requests use (a stream of them would
+        never let it go idle, to be evicted). A base-model request, one holding its slot (preempted), or
+        one for an adapter on the GPU that no running request uses (it waits for its requests, or is
+        pinned: never evicted either way) goes on."""
+        if seq.adapter is None or seq.adapter_slot is not None:
+            return False
+        if self.adapter_state is None or self.adapter_state(seq.adapter) != "gpu":
+            return True
+        if seq.adapter not in busy:
+            return False
+        try:
+            return not self.adapter_pool.entry(seq.adapter).pinned
+        except AdapterNotFoundError:
+            return True
+
+    def _adapter_pages(self, key: str) -> int | None:
+        """GPU pages adapter `key` takes (None: not in CPU memory, or unknown)."""
+        try:
+            image = self.adapter_pool.entry(key).image
+        except AdapterNotFoundError:
+            return None
+        return None if image is None else image.num_pages
+
+    def _add_running(self, seq: Sequence) -> None:
+        self.running.append(seq)
+        self.waiting.started(seq)
+
+    def _remove_running(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.waiting.stopped(seq)
 
     def _allocate(self, seq: Sequence, num_new: int) -> bool:
         """Give `seq` the pages for `num_new` more tokens if they can be had (reclaiming idle
@@ -300,7 +359,7 @@ class Scheduler:
         steps = self._stuck_steps[seq.seq_id] = self._stuck_steps.get(seq.seq_id, 0) + 1
         if steps <= self.max_stuck_steps:
             return False
-        self._fail(seq, CapacityError(message))
+        self.fail([seq], CapacityError(message))
         return True
 
     def _let_go_of_adapters(self, *, but: Sequence) -> None:
@@ -318,21 +377,6 @@ class Scheduler:
             else:
                 self.adapter_pool.abandon(seq.adapter, seq.seq_id)
 
-    def _fail(self, seq: Sequence, exc: Exception) -> None:
-        """Finish a waiting (already dequeued) sequence with an error the engine reports."""
-        seq.error = str(exc)
-        seq.exception = exc
-        seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = "error"
-        self.block_manager.free(seq)
-        if seq.adapter_slot is None and seq.adapter is not None and self.adapter_pool is not None:
-            self.adapter_pool.abandon(seq.adapter, seq.seq_id)  # it may wait for its adapter's room
-        self._release_adapter(seq)
-        self._skipped_steps.pop(seq.seq_id, None)
-        self._short_alone.discard(seq.seq_id)
-        self._stuck_steps.pop(seq.seq_id, None)
-        self.failed.append(seq)
-
     def _add_to_batch(self, batch: ScheduledBatch, seq: Sequence, num_new: int) -> None:
         if num_new == 1 and seq.num_uncomputed_tokens == 1:  # a decode samples (a 1-token chunk may not)
             batch.decodes.append(seq)
@@ -341,7 +385,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         # Recompute later: drop the cache, keep the tokens (prompt + output so far) and the adapter.
-        self.running.remove(seq)
+        self._remove_running(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1

@@ -48,6 +48,7 @@ class Sequence:
         params: SamplingParams,
         *,
         adapter: str | None = None,
+        tenant: str | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: the prompt is empty")
@@ -57,6 +58,7 @@ class Sequence:
         self.output_token_ids: list[int] = []
         self.params = params
         self.adapter = adapter  # "name@version" or None (base model)
+        self.tenant = tenant  # the caller's tenant: admission is fair across tenants (waiting_queue.py)
         self.adapter_slot: int | None = None  # GPU slot while the pool reference is held
         self.adapter_counted = False  # its adapter lookup is in the hit/miss counts (once per request)
         self.status = SequenceStatus.WAITING

@@ -159,7 +159,7 @@ def test_preemption_frees_the_youngest_and_recomputes_it_later():
             break
     assert preempted == [young]
     assert young.status is SequenceStatus.WAITING and young.block_table == [] and young.num_computed_tokens == 0
-    assert young.num_preemptions == 1 and sched.waiting[0] is young
+    assert young.num_preemptions == 1 and next(iter(sched.waiting)) is young
     assert young.output_token_ids  # generated tokens are kept and recomputed with the prompt
     sched.finish(old, "length")
     num_tokens = young.num_tokens

@@ -7,8 +7,9 @@ on and off. Each seed is one deterministic workload (adapter reads and copies fi
 Checked: every request ends within the step bound; one that fits the pool alone (pinned adapters'
 pages taken off) ends with its tokens, the greedy tokens of the request run alone in a roomy engine,
 and one that does not with CapacityError; a failed forward fails only its requests; kv_usage stays in
-[0, 1]; once its adapter is loaded, a request is passed over by later arrivals in at most
-max_adapter_wait_steps steps (not counting those its adapter's copy is in flight); at the end no KV
+[0, 1]; once its adapter is loaded, a request is passed over by later arrivals of its own tenant (here
+its adapter's name, or the base model: later arrivals of other tenants may go first, by fair share) in
+at most max_adapter_wait_steps steps (not counting those its adapter's copy is in flight); at the end no KV
 page is used, the pools check out and no adapter is referenced or waited for.
 """
 
@@ -22,6 +23,7 @@ import pytest
 from lorafleet.worker import Engine, EngineConfig, SamplingParams
 from lorafleet.worker.scheduler import CapacityError
 from lorafleet.worker.sequence import SequenceStatus
+from lorafleet.worker.waiting_queue import fairness_key
 from tests.lora_factory import random_weights
 
 BS = 4  # tokens per KV block (one page)
@@ -130,8 +132,8 @@ def alone(tiny_llama_dir):
 
 def _serve(engine: Engine, wl: Workload):
     """Run the workload step by step. Returns (finished outputs by request id, None if aborted; per request,
-    the steps in which it waited with its adapter loaded, and not being copied, while a later arrival was
-    admitted; the requests of failed forwards)."""
+    the steps in which it waited with its adapter loaded, and not being copied, while a later arrival of
+    its tenant was admitted; the requests of failed forwards)."""
     by_arrival = sorted(wl.requests, key=lambda r: r.arrival)  # stable: the order they are added in
     order = {r.request_id: i for i, r in enumerate(by_arrival)}
     done, overtaken, admitted, faulted = {}, dict.fromkeys(order, 0), set(), set()
@@ -160,7 +162,8 @@ def _serve(engine: Engine, wl: Workload):
         admitted |= newly
         for rid in ready:  # a copy in flight holds no one back: those steps do not count
             if rid not in newly and not _adapter_copying(engine, seqs[rid].adapter):
-                overtaken[rid] += any(order[q] > order[rid] for q in newly)
+                tenant = fairness_key(seqs[rid])
+                overtaken[rid] += any(order[q] > order[rid] and fairness_key(seqs[q]) == tenant for q in newly)
         done.update((out.request_id, out) for out in outs if out.finished)
         engine.adapter_pool.wait_idle()  # copies and reads finish between steps: the run is deterministic
         if step >= by_arrival[-1].arrival and not engine.has_unfinished():
@@ -208,7 +211,8 @@ def _run_and_check(engine: Engine, wl: Workload, alone) -> None:
             continue
         assert (out.finish_reason, out.error) == ("length", None), req
         assert out.token_ids == alone(req.prompt, req.adapter)[: _num_tokens(req, engine.max_model_len)], req
-    # Fairness: passed over (for adapter grouping or GPU room) in at most max_adapter_wait_steps steps.
+    # Fairness: passed over by its own tenant (for adapter grouping or GPU room) in at most max_adapter_wait_steps
+    # steps.
     assert max(overtaken.values()) <= wl.config["max_adapter_wait_steps"], overtaken
     engine.page_pool.check()
     engine.adapter_pool.check()

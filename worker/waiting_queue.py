@@ -1,0 +1,122 @@
+"""WaitingQueue: the scheduler's waiting sequences, one FCFS queue per tenant, served fairly.
+
+Each tenant's queue is split by adapter, so that the scheduler looks only at the head of each
+(tenant, adapter) queue: the sequences behind a head share its adapter, and with it the reason it
+waits. Arrival tickets keep FCFS within a tenant across its adapters; a sequence put back at the
+front (preempted) gets a ticket below every other, so it comes first, as at the front of one queue.
+
+Running example: tenant t1 sends a@1 (ticket 0), base (1), a@1 (2); t2 sends b@1 (3). Queues:
+t1 -> {a@1: [0, 2], None: [1]}, t2 -> {b@1: [3]}; heads(t1) = [a@1 #0, base #1]. Preempting the
+base sequence of t1 puts it back as ticket -1: heads(t1) = [base #-1, a@1 #0].
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Iterator
+
+from lorafleet.worker.sequence import Sequence
+
+
+def fairness_key(seq: Sequence) -> str:
+    """Whose share a sequence counts against: its tenant when known, else its adapter's name (the
+    base model is one more key)."""
+    if seq.tenant is not None:
+        return f"tenant {seq.tenant}"
+    return "base" if seq.adapter is None else f"adapter {seq.adapter.split('@')[0]}"
+
+
+class WaitingQueue:
+    def __init__(self) -> None:
+        # tenant -> adapter key (None = base model) -> deque of (ticket, sequence), tickets increasing.
+        self._queues: dict[str, dict[str | None, deque[tuple[int, Sequence]]]] = {}
+        self._tickets = itertools.count()  # arrivals
+        self._front_tickets = itertools.count(-1, -1)  # put back at the front: below every arrival
+        self._len = 0
+        self._num_running: dict[str, int] = {}  # tenant -> its running sequences
+        self._served_at: dict[str, int] = {}  # tenant -> number of its last admission
+        self._admissions = itertools.count()
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __bool__(self) -> bool:
+        return self._len > 0
+
+    def __iter__(self) -> Iterator[Sequence]:
+        """Tenant by tenant, each in its order. A snapshot: safe while the engine thread changes it."""
+        for subs in list(self._queues.values()):
+            for _, seq in sorted((item for q in list(subs.values()) for item in list(q)), key=lambda it: it[0]):
+                yield seq
+
+    def append(self, seq: Sequence) -> None:
+        self._queue(seq).append((next(self._tickets), seq))
+        self._len += 1
+
+    def appendleft(self, seq: Sequence) -> None:
+        self._queue(seq).appendleft((next(self._front_tickets), seq))
+        self._len += 1
+
+    def remove(self, seq: Sequence) -> None:
+        tenant = fairness_key(seq)
+        q = self._queues[tenant][seq.adapter]
+        for item in q:
+            if item[1] is seq:
+                q.remove(item)
+                break
+        else:
+            raise ValueError(f"{seq!r} is not waiting")
+        self._len -= 1
+        self._drop_if_empty(tenant, seq.adapter)
+
+    def tenants(self) -> list[str]:
+        return list(self._queues)
+
+    def has_tenant(self, tenant: str) -> bool:
+        return tenant in self._queues
+
+    def heads(self, tenant: str) -> list[tuple[int, Sequence]]:
+        """(ticket, sequence) at the head of each of the tenant's adapter queues, oldest first."""
+        return sorted((q[0] for q in self._queues[tenant].values()), key=lambda it: it[0])
+
+    def rank(self, tenant: str) -> tuple[bool, int, int, int, str]:
+        """Order in which waiting tenants are served (lowest first): one with a preempted sequence first (it
+        keeps its place), then the fewest running sequences, the longest since its last admission, the
+        oldest head."""
+        ticket = self.heads(tenant)[0][0]
+        return ticket >= 0, self._num_running.get(tenant, 0), self._served_at.get(tenant, -1), ticket, tenant
+
+    def started(self, seq: Sequence) -> None:
+        """`seq` (just taken from the queue) runs: it counts against its tenant's share."""
+        tenant = fairness_key(seq)
+        self._num_running[tenant] = self._num_running.get(tenant, 0) + 1
+        self._served_at[tenant] = next(self._admissions)
+
+    def stopped(self, seq: Sequence) -> None:
+        """`seq` no longer runs (finished, failed or preempted)."""
+        tenant = fairness_key(seq)
+        self._num_running[tenant] -= 1
+        if not self._num_running[tenant]:
+            del self._num_running[tenant]
+            if tenant not in self._queues:
+                self._served_at.pop(tenant, None)
+
+    def popleft(self, tenant: str, adapter: str | None) -> Sequence:
+        q = self._queues[tenant][adapter]
+        _, seq = q.popleft()
+        self._len -= 1
+        self._drop_if_empty(tenant, adapter)
+        return seq
+
+    def _queue(self, seq: Sequence) -> deque[tuple[int, Sequence]]:
+        return self._queues.setdefault(fairness_key(seq), {}).setdefault(seq.adapter, deque())
+
+    def _drop_if_empty(self, tenant: str, adapter: str | None) -> None:
+        subs = self._queues[tenant]
+        if not subs[adapter]:
+            del subs[adapter]
+            if not subs:
+                del self._queues[tenant]
+                if tenant not in self._num_running:
+                    self._served_at.pop(tenant, None)
