@@ -36,3 +36,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         if "slow" in item.keywords and not os.environ.get("LORAFLEET_SLOW"):
             item.add_marker(skip_slow)
+
+
+@pytest.fixture(autouse=True)
+def _forget_finished_apps():
+    """aiohttp memoizes each request's middleware chain in a module-level LRU cache (1024 entries) keyed
+    by the app: every test app, with its engine, model and KV pool, stayed alive until the end of the
+    suite, which then held tens of GB. A server runs one app for its life; a test suite runs hundreds."""
+    yield
+    from aiohttp import web_app
+
+    cache = getattr(web_app, "_cached_build_middleware", None)
+    if cache is not None:
+        cache.cache_clear()
