@@ -83,11 +83,13 @@ class AsyncEngine:
 
     # ---- requests -----------------------------------------------------------------------------------
     async def generate(
-        self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, adapter: str | None = None
+        self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, adapter: str | None = None,
+        tenant: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as steps produce them. Raises EngineError (bad request) or JsonModeError
         (JSON mode unavailable) before the first output; the request's failure (AdapterLoadError,
-        CapacityError); RuntimeError if the engine stops or fails."""
+        CapacityError); RuntimeError if the engine stops or fails. `tenant`: whose request it is, for the
+        scheduler's fairness across tenants (None: its adapter's name stands for it)."""
         if self.failure is not None:
             raise RuntimeError(f"the engine thread died: {self.failure!r}")
         if not self.is_running:
@@ -103,7 +105,7 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in flight")
             self._streams[request_id] = (loop, q)
-            self._commands.put(("add", request_id, prompt, params, adapter, added))
+            self._commands.put(("add", request_id, prompt, params, adapter, tenant, added))
         self._wake.set()
         finished = False
         try:
@@ -182,7 +184,7 @@ class AsyncEngine:
                 return
             kind = cmd[0]
             if kind == "add":
-                _, rid, prompt, params, adapter, added = cmd
+                _, rid, prompt, params, adapter, tenant, added = cmd
                 with self._lock:
                     wanted = rid in self._streams  # the caller may have gone before we got here
                 # Running, the future can no longer be cancelled by a caller leaving meanwhile (setting
@@ -191,7 +193,7 @@ class AsyncEngine:
                     added.cancel()
                     continue
                 try:
-                    self.engine.add_request(rid, prompt, params, adapter=adapter)
+                    self.engine.add_request(rid, prompt, params, adapter=adapter, tenant=tenant)
                 except Exception as exc:
                     added.set_exception(exc)
                 else:

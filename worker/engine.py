@@ -255,9 +255,8 @@ class Engine:
             raise EngineError(f"token ids {bad[:5]} are outside the vocabulary (0..{self.model_config.vocab_size - 1})")
         return ids
 
-    def add_request(
-        self, request_id: str | None, prompt: Prompt, params: SamplingParams | None = None, *, adapter: str | None = None
-    ) -> str:
+    def add_request(self, request_id: str | None, prompt: Prompt, params: SamplingParams | None = None, *,
+                    adapter: str | None = None, tenant: str | None = None) -> str:
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
@@ -269,7 +268,7 @@ class Engine:
         if len(prompt_ids) >= self.max_model_len:
             raise EngineError(f"the prompt has {len(prompt_ids)} tokens; the model accepts at most "
                               f"{self.max_model_len - 1} (max_model_len {self.max_model_len})")
-        seq = Sequence(request_id, prompt_ids, params, adapter=self._resolve_adapter(adapter))
+        seq = Sequence(request_id, prompt_ids, params, adapter=self._resolve_adapter(adapter), tenant=tenant)
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.device)
             seq.generator.manual_seed(params.seed)

@@ -28,11 +28,13 @@ async def merged_outputs(async_engine, job: CompletionJob,
     """(choice index, output) from all choices as they arrive. Closing it aborts what is still running."""
     queue: asyncio.Queue[tuple[int, RequestOutput | None, BaseException | None]] = asyncio.Queue()
     produced = False  # an output was queued: the job stays on the version that produced it
+    # The scheduler shares seats across tenants; in development mode (one open tenant) by adapter instead.
+    tenant = None if job.tenant is None or job.tenant.is_dev else job.tenant.name
 
     async def run(i: int, request_id: str, adapter: str | None) -> None:
         nonlocal produced
         async for out in async_engine.generate(request_id, job.prompt_ids[job.choice_prompt[i]], job.params[i],
-                                               adapter):
+                                               adapter, tenant=tenant):
             produced = True
             queue.put_nowait((i, out, None))
 

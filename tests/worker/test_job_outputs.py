@@ -27,7 +27,7 @@ class StandInEngine:
         self.calls: list[tuple[str, str]] = []  # (request id, adapter)
         self.first_out = asyncio.Event()
 
-    async def generate(self, request_id, prompt, params, adapter):
+    async def generate(self, request_id, prompt, params, adapter, tenant=None):
         self.calls.append((request_id, adapter))
         await asyncio.sleep(0)  # as the engine: every choice is submitted before the load ends
         if self.hold and not request_id.endswith("-0"):

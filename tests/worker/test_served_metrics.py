@@ -74,8 +74,8 @@ def hold_outputs(client, monkeypatch, holds) -> tuple[asyncio.Event, asyncio.Eve
     started, go_on = asyncio.Event(), asyncio.Event()
     real_generate = engine.generate
 
-    async def held(request_id, prompt, params, adapter):
-        async for out in real_generate(request_id, prompt, params, adapter):
+    async def held(request_id, prompt, params, adapter, tenant=None):
+        async for out in real_generate(request_id, prompt, params, adapter, tenant=tenant):
             yield out
             if adapter is not None and holds(adapter):
                 started.set()

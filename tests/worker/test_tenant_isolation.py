@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lorafleet.worker.app_keys import HOST
+from lorafleet.worker.app_keys import ENGINE, HOST
 from lorafleet.worker.engine_config import EngineConfig
 from lorafleet.worker.served_adapters import ServedAdapters
 from lorafleet.worker.server import create_app
@@ -190,3 +190,23 @@ async def test_a_stable_version_kept_as_the_canary_serves_its_share(aiohttp_clie
         for model, served in (("alpha", canary_key), (canary_key, canary_key), (stable_key, stable_key)):
             resp = await acme.completions.create(model=model, prompt="x", max_tokens=1, user="u-1")
             assert resp.model == served, (generation, model)
+
+
+async def test_the_engine_learns_whose_request_it_is_for_fair_seats(aiohttp_client, tiny_llama_dir, qv_adapters_dir,
+                                                                     tmp_path, monkeypatch):
+    """The scheduler shares seats across tenants (worker/waiting_queue.py): each engine request carries the
+    caller's tenant; in development mode (one open tenant) none, so seats are shared by adapter instead."""
+    seen = []
+    for tenants, key, want in ((TENANTS, KEY_GLOBEX, "globex"), (None, "sk-anything", None)):
+        app = create_app(worker_config(tiny_llama_dir, qv_adapters_dir, tmp_path, tenants))
+        client = await aiohttp_client(app)
+        engine = app[ENGINE].engine
+        real = engine.add_request
+
+        def add_request(*args, real=real, **kwargs):
+            seen.append(kwargs.get("tenant"))
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(engine, "add_request", add_request)
+        await openai_client(client, key).completions.create(model="tiny", prompt="hi", max_tokens=2, n=2)
+        assert seen[-2:] == [want, want]
