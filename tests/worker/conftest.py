@@ -77,3 +77,13 @@ def qv_adapters_dir(tiny_llama_dir, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_llama_tied_dir(tmp_path_factory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("tiny_llama_tied"), tie=True, seed=1)
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    """A real S3 server (tests/s3_server.py) with an `adapters` bucket, one per test module that asks."""
+    from tests.s3_server import S3Server
+
+    with S3Server(tmp_path_factory.mktemp("s3")) as server:
+        server.client().make_bucket("adapters")
+        yield server

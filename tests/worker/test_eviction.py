@@ -46,10 +46,8 @@ def test_policies_are_chosen_by_name():
         AdapterPoolConfig(eviction_policy="fifo")
 
 
-@pytest.mark.parametrize(("policy", "survivor"), [("lru", "recent"), ("lfu", "frequent")])
-def test_policy_decides_the_victim_inside_the_pool(policy, survivor):
-    pages = PagePool(PagePoolConfig(num_pages=256, page_elems=1000))
-    pool = AdapterPool(pages, TINY_DIMS, AdapterPoolConfig(max_slots=2, eviction_policy=policy, num_load_threads=1))
+def use_frequent_then_recent(pool: AdapterPool) -> None:
+    """Both slots filled: `frequent@1` used five times, then `recent@1` once (LRU and LFU disagree)."""
     pool.add("frequent@1", random_weights(1))
     pool.add("recent@1", random_weights(2))
     pool.load("frequent@1")
@@ -57,6 +55,13 @@ def test_policy_decides_the_victim_inside_the_pool(policy, survivor):
         pool.release(pool.acquire("frequent@1"))
     pool.load("recent@1")
     pool.release(pool.acquire("recent@1"))
+
+
+@pytest.mark.parametrize(("policy", "survivor"), [("lru", "recent"), ("lfu", "frequent")])
+def test_policy_decides_the_victim_inside_the_pool(policy, survivor):
+    pages = PagePool(PagePoolConfig(num_pages=256, page_elems=1000))
+    pool = AdapterPool(pages, TINY_DIMS, AdapterPoolConfig(max_slots=2, eviction_policy=policy, num_load_threads=1))
+    use_frequent_then_recent(pool)
     pool.add("newcomer@1", random_weights(3))
     pool.load("newcomer@1")
     assert pool.entry(f"{survivor}@1").resident

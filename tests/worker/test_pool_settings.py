@@ -14,6 +14,7 @@ from lorafleet.worker.page_pool import PagePool, PagePoolConfig
 from lorafleet.worker.served_adapters import ServedAdapters
 from lorafleet.worker.stager import Stager
 from tests.lora_factory import TINY_DIMS, random_weights
+from tests.worker.test_eviction import use_frequent_then_recent
 from tests.worker.test_served_adapters import SQL, RecordingHost
 from tests.worker.test_stager_bounds import FakeStore, config
 
@@ -56,13 +57,7 @@ def test_switching_to_lfu_at_runtime_evicts_the_least_used():
     """Under LRU the newcomer would evict `frequent` (used longest ago); the entries keep their counts,
     so LFU at once evicts `recent` (used once) instead."""
     pool = make_pool()
-    pool.add("frequent@1", random_weights(1))
-    pool.add("recent@1", random_weights(2))
-    pool.load("frequent@1")
-    for _ in range(5):
-        pool.release(pool.acquire("frequent@1"))
-    pool.load("recent@1")
-    pool.release(pool.acquire("recent@1"))
+    use_frequent_then_recent(pool)
     pool.configure(eviction_policy="lfu")
     assert pool.policy.name == "lfu" and pool.stats()["eviction"] == "lfu"
     pool.add("newcomer@1", random_weights(3))

@@ -39,13 +39,6 @@ pytestmark = pytest.mark.skipif(weed_binary() is None, reason="weed (seaweedfs-b
 
 
 @pytest.fixture(scope="module")
-def s3(tmp_path_factory):
-    with S3Server(tmp_path_factory.mktemp("s3")) as server:
-        server.client().make_bucket("adapters")
-        yield server
-
-
-@pytest.fixture(scope="module")
 def adapters(tiny_llama_dir, tmp_path_factory) -> dict[str, Path]:
     """`v1`/`v2`: two uploads of one adapter (same shapes, other weights and alpha); `big`: rank 32."""
     root = tmp_path_factory.mktemp("peft")

@@ -27,13 +27,6 @@ HANG_S = 15.0  # a hang detector, not a measurement: each listing of a hung stor
 
 
 @pytest.fixture(scope="module")
-def s3(tmp_path_factory):
-    with S3Server(tmp_path_factory.mktemp("s3")) as server:
-        server.client().make_bucket("adapters")
-        yield server
-
-
-@pytest.fixture(scope="module")
 def adapters(tiny_llama_dir, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("peft")
     return {"v1": make_peft_adapter(tiny_llama_dir, root / "v1", rank=4, seed=1),
