@@ -26,8 +26,9 @@ from lorafleet.worker.eviction import POLICIES
 
 TIERS = ("gpu", "cpu", "disk", "none")
 URI_SCHEMES = ("s3://", "file://", "/")
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")
-SHA256_RE = re.compile(r"^[0-9a-f]{64}$")  # a version's digest (the operator checks specs with it too)
+# Whole strings only (fullmatch: `$` would also take a trailing newline, a forged line in the logs).
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}")
+SHA256_RE = re.compile(r"[0-9a-f]{64}")  # a version's digest (the operator checks specs with it too)
 EVICTION_POLICIES = tuple(POLICIES)  # lru, lfu, cost
 _SETTINGS = ("eviction", "cpu_bytes")  # DesiredState's pool-wide settings
 
@@ -54,7 +55,7 @@ def _require(cond: bool, field_name: str, problem: str) -> None:
 
 
 def _name(value: Any, field_name: str) -> str:
-    _require(isinstance(value, str) and bool(_NAME_RE.match(value)), field_name,
+    _require(isinstance(value, str) and bool(_NAME_RE.fullmatch(value)), field_name,
              f"must be a name of letters, digits, '.', '_' or '-' (got {value!r})")
     return value
 
@@ -83,7 +84,8 @@ class VersionRef:
         _name(self.version, "version")
         _require(isinstance(self.uri, str) and self.uri.startswith(URI_SCHEMES), "uri",
                  f"must start with one of {', '.join(URI_SCHEMES)} (got {self.uri!r})")
-        _require(self.sha256 is None or (isinstance(self.sha256, str) and bool(SHA256_RE.match(self.sha256))),
+        _require(self.uri.isprintable(), "uri", f"must hold no control characters (got {self.uri!r})")
+        _require(self.sha256 is None or (isinstance(self.sha256, str) and bool(SHA256_RE.fullmatch(self.sha256))),
                  "sha256", "must be 64 lowercase hex digits")
 
     @classmethod

@@ -33,14 +33,15 @@ def parse_logit_bias(v: Any) -> dict[int, float] | None:
         raise LogitBiasError(f"'logit_bias' takes at most {MAX_ENTRIES} entries (got {len(v)})")
     out: dict[int, float] = {}
     for key, bias in v.items():
-        if not (isinstance(key, str) and key.isascii() and key.isdigit()):
+        # A token id has at most 10 digits (int() of thousands of digits raises, and takes quadratic time).
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10):
             raise LogitBiasError(f"'logit_bias' keys must be token ids, as strings of digits (got {key!r})")
         token_id = int(key)
         if token_id in out:
             raise LogitBiasError(f"'logit_bias' names token id {token_id} twice")
         if not isinstance(bias, int | float) or isinstance(bias, bool):
             raise LogitBiasError(f"'logit_bias' values must be numbers (got {bias!r} for {key})", "invalid_type")
-        if not (math.isfinite(bias) and -MAX_BIAS <= bias <= MAX_BIAS):
+        if not (-MAX_BIAS <= bias <= MAX_BIAS and math.isfinite(bias)):  # a huge int: no float conversion
             raise LogitBiasError(f"'logit_bias' values must be in [-100, 100] (got {bias!r} for {key})")
         out[token_id] = float(bias)
     return out or None

@@ -48,7 +48,7 @@ async def _errors_and_auth(request: web.Request, handler):
 async def _read(request: web.Request) -> Any:
     try:
         return await request.json()
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser's stack
         raise APIError(400, "request body must be JSON") from None
 
 

@@ -66,6 +66,15 @@ def test_desired_state_round_trip_property(gen, name, version, weight, warm, pin
                                          "canary": {"version": "v1", "uri": "/q"}}]}, "canary.version"),
         ({"generation": 1, "adapters": [{"name": "../etc", "tenant": "t",
                                          "stable": {"version": "v1", "uri": "/p"}}]}, "name"),
+        # A trailing newline (`$` took it) or a control character would forge a line in the logs.
+        ({"generation": 1, "adapters": [{"name": "a\n", "tenant": "t",
+                                         "stable": {"version": "v1", "uri": "/p"}}]}, "name"),
+        ({"generation": 1, "adapters": [{"name": "a", "tenant": "t",
+                                         "stable": {"version": "v1\n", "uri": "/p"}}]}, "version"),
+        ({"generation": 1, "adapters": [{"name": "a", "tenant": "t",
+                                         "stable": {"version": "v1", "uri": "/p\nCRITICAL x"}}]}, "uri"),
+        ({"generation": 1, "adapters": [{"name": "a", "tenant": "t", "stable": {
+            "version": "v1", "uri": "/p", "sha256": "0" * 64 + "\n"}}]}, "sha256"),
         ({"generation": 1, "adapters": [{"name": "a", "tenant": "t", "stable": {"version": "v1", "uri": "/p"}},
                                         {"name": "a", "tenant": "t", "stable": {"version": "v2", "uri": "/p"}}]},
          "adapters"),

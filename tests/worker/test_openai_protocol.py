@@ -140,6 +140,15 @@ def test_logit_bias_and_min_p_are_parsed(parse):
     assert len(parse(base | {"logit_bias": {str(i): 1 for i in range(1024)}}).options.logit_bias) == 1024
 
 
+@pytest.mark.parametrize("logit_bias", [{"1" * 5000: 1}, {"12345678901": 1}, {"5": 10**400}, {"5": -(10**30)}])
+def test_logit_bias_of_huge_numbers_is_a_400_naming_it(logit_bias):
+    """A key of thousands of digits (int() refuses past 4300, after quadratic time) or a value too large for
+    a float once raised past the 400 and ended as a 500 with a traceback in the log."""
+    with pytest.raises(APIError) as exc:
+        parse_completion_request({"model": "m", "prompt": "x", "logit_bias": logit_bias})
+    assert (exc.value.status, exc.value.param) == (400, "logit_bias"), exc.value.message
+
+
 @pytest.mark.parametrize("parse", [parse_completion_request, parse_chat_request])
 def test_vllm_stop_and_min_tokens_extensions_are_parsed(parse):
     base = {"model": "m", "prompt": "x"} if parse is parse_completion_request else {

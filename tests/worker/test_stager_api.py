@@ -35,6 +35,15 @@ async def stage(client, body: dict) -> tuple[int, dict]:
     return resp.status, await resp.json()
 
 
+@pytest.mark.parametrize("path", ["/v1/stage", "/v1/directives"])
+async def test_json_nested_past_the_parsers_stack_is_a_400(client, path):
+    """`[` * 100000 raised RecursionError, which ended as a 500 with a traceback in the log."""
+    method = client.post if path == "/v1/stage" else client.put
+    resp = await method(path, data="[" * 100_000, headers={"Authorization": f"Bearer {TOKEN}",
+                                                            "Content-Type": "application/json"})
+    assert resp.status == 400 and "must be JSON" in (await resp.json())["error"]["message"]
+
+
 @pytest.mark.parametrize("sha256", ["g" * 64, "../" + "0" * 61, "." + "0" * 63, "0" * 63 + "\n"])
 async def test_a_sha256_that_is_not_hex_is_refused_before_anything_is_downloaded(client, sha256):
     downloads = []
