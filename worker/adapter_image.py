@@ -106,6 +106,15 @@ def clear_slot(layout, slot: int) -> None:
     layout.scales[:, :, slot] = 0.0
 
 
+def _rank_refusal(modules: dict, name: str | None, max_rank: int) -> str:
+    """Why an adapter above the pool's max_rank is refused, and the --max-lora-rank that would take it."""
+    ordered = sorted(modules, key=lambda k: (k[0], PROJ_IDS.get(k[1], 99)))  # the packing order
+    (layer, proj), top = max(((key, modules[key].a.shape[0]) for key in ordered), key=lambda kv: kv[1])
+    who = f"adapter {name!r}" if name else "the adapter"
+    return (f"{who} has rank {top} (layers.{layer}.{proj}), above the pool's max_rank {max_rank}: "
+            f"raise --max-lora-rank (at least {top}), or serve a version of it trained at rank {max_rank} or less")
+
+
 def pack_adapter(
     modules: dict,
     dims: ModelDims,
@@ -114,9 +123,10 @@ def pack_adapter(
     max_rank: int,
     dtype: torch.dtype,
     pin: bool = False,
+    name: str | None = None,
 ) -> AdapterImage:
     """Validate `modules` ((layer, proj name) -> ModuleLoRA-like with .a [r,in], .b [out,r], .scale)
-    against the base model and pack them into pages."""
+    against the base model and pack them into pages. `name` (the adapter's) is named in refusals."""
     mats: list[torch.Tensor] = []  # per module: A [r, in], then B^T [r, out]; each row is one pool row
     entries: list[tuple[int, int, int, float]] = []  # layer, proj id, rank, scale
     for (layer, proj), mod in sorted(modules.items(), key=lambda kv: (kv[0][0], PROJ_IDS.get(kv[0][1], 99))):
@@ -133,7 +143,7 @@ def pack_adapter(
                 f"model (expected A [r, {fan_in}] and B [{fan_out}, r])"
             )
         if r > max_rank:
-            raise AdapterShapeError(f"layers.{layer}.{proj}: rank {r} is above the pool's max_rank {max_rank}")
+            raise AdapterShapeError(_rank_refusal(modules, name, max_rank))
         if max(fan_in, fan_out) > page_elems:
             raise AdapterShapeError(f"a row of {max(fan_in, fan_out)} elements does not fit a page of {page_elems}")
         mats += [a, b.t()]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -120,9 +121,9 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        if problem := model_dir_problem(model_dir):
+            raise ModelConfigError(problem)
         path = Path(model_dir) / "config.json"
-        if not path.is_file():
-            raise ModelConfigError(f"{path} not found: a model directory needs config.json")
         raw = read_json(path)
         try:
             return cls.from_dict(raw, name=_dir_model_name(Path(model_dir)))
@@ -140,6 +141,33 @@ class ModelConfig:
         if rope_type == "llama3":
             return _llama3_inv_freq(inv_freq, scaling, self.max_position_embeddings)
         return inv_freq
+
+
+def model_dir_problem(model_dir: str | Path) -> str | None:
+    """Why `model_dir` is not a model directory (config.json, weights, tokenizer), or None."""
+    path = Path(model_dir)
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return None
+        return (f"model directory {path} has no config.json; --model takes a Hugging Face-style directory "
+                "holding config.json, the *.safetensors weights and tokenizer.json")
+    if path.exists():
+        hint = f" (such as {path.parent})" if (path.parent / "config.json").is_file() else ""
+        return (f"--model {path} is a file, not a directory; --model takes the model directory{hint}, the one "
+                "holding config.json, the *.safetensors weights and tokenizer.json")
+    if _looks_like_hub_id(str(model_dir)):
+        from lorafleet.worker.default_model import MODEL_NAME  # the embedded model; only for this message
+
+        return (f"--model {model_dir}: no such directory, and the worker does not download models from the "
+                f"Hugging Face Hub; download it first and pass its local directory (e.g. `hf download "
+                f"{model_dir} --local-dir DIR`, then --model DIR), or leave --model unset to serve the embedded "
+                f"default model {MODEL_NAME} (as `make run` does)")
+    return f"--model {path}: the model directory does not exist; pass a local Hugging Face-style model directory"
+
+
+def _looks_like_hub_id(name: str) -> bool:
+    """`org/name` as the Hugging Face Hub spells repo ids (a path that exists was looked at before)."""
+    return re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]*[A-Za-z0-9]", name) is not None
 
 
 def _is_positive(value: Any) -> bool:

@@ -90,6 +90,27 @@ def _yaml_problem(exc: yaml.YAMLError) -> str:
     return what if mark is None else f"{what} (line {mark.line + 1}, column {mark.column + 1})"
 
 
+def keys_file_problem(path: str | Path) -> str | None:
+    """Why `path` cannot be the API keys file (missing, a directory), or None: checked at start-up."""
+    path = Path(path)
+    if path.is_file():
+        return None
+    if path.is_dir():
+        try:  # a mounted Secret's folder: name the files in it (Kubernetes' own entries start with "..")
+            found = sorted(p.name for p in path.iterdir() if p.is_file() and not p.name.startswith("."))
+        except OSError:
+            found = []
+        if not found:
+            return (f"--api-keys-file {path} is a directory, not a file, and holds no file: pass the path of "
+                    "the JSON/YAML keys file itself")
+        return (f"--api-keys-file {path} is a directory, not a file: pass the JSON/YAML keys file itself, "
+                f"e.g. --api-keys-file {path / found[0]} (the folder holds {', '.join(found[:3])})")
+    if path.exists():
+        return f"--api-keys-file {path} is not a regular file: pass a JSON/YAML keys file"
+    return (f"--api-keys-file {path} does not exist: pass the path of a JSON/YAML keys file, or leave the flag "
+            "unset to run open to everyone (development mode)")
+
+
 def bearer_token(authorization: str | None) -> str | None:
     """The token of an `Authorization: Bearer <token>` header, else None."""
     if not authorization:
@@ -141,6 +162,8 @@ class Tenants:
     def _read(cls, path: Path) -> Tenants:
         try:
             text = path.read_text(encoding="utf-8")
+        except IsADirectoryError:  # a mounted Secret's folder instead of the file in it
+            raise TenantsError(keys_file_problem(path) or f"API keys file {path} is a directory") from None
         except OSError as exc:
             raise TenantsError(f"cannot read API keys file {path}: {exc.strerror}") from None
         except UnicodeDecodeError as exc:  # else it escapes reload_if_changed: every request would fail

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lorafleet.worker.engine_config import EngineConfig
+from lorafleet.worker.tenants import keys_file_problem
 
 REMOTE_SCHEMES = ("s3://",)
 
@@ -105,8 +106,8 @@ class WorkerConfig:
             raise ValueError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
         if self.admin_token is not None and len(self.admin_token) < 8:
             raise ValueError("admin_token must be at least 8 characters")
-        if self.api_keys_file is not None and not Path(self.api_keys_file).is_file():
-            raise ValueError(f"api_keys_file {self.api_keys_file} does not exist")
+        if self.api_keys_file is not None and (problem := keys_file_problem(self.api_keys_file)):
+            raise ValueError(problem)
         adapters = self.engine.adapters
         if adapters and not self.adapters_uri and not Path(adapters).is_dir():
             raise ValueError(f"--adapters {adapters}: not a directory (give a directory of PEFT adapter folders "

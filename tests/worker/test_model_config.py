@@ -103,3 +103,32 @@ def test_hugging_face_cache_snapshot_is_named_by_its_repo_id(tmp_path):
     plain.mkdir()
     (plain / "config.json").write_text(json.dumps(BASE))
     assert ModelConfig.from_dir(plain).name == "Tiny-Llama"
+
+
+def test_missing_model_directory_is_named_as_missing(tmp_path):
+    missing = tmp_path / "nonexistent"
+    with pytest.raises(ModelConfigError) as exc:
+        ModelConfig.from_dir(missing)
+    assert f"--model {missing}: the model directory does not exist" in str(exc.value)
+    assert "config.json not found" not in str(exc.value)
+
+
+def test_hub_id_is_told_the_worker_does_not_download(tmp_path, monkeypatch):
+    """`--model org/name` is not fetched from the Hub: say so, and how to serve a model instead."""
+    monkeypatch.chdir(tmp_path)  # the id is no relative path here
+    with pytest.raises(ModelConfigError) as exc:
+        ModelConfig.from_dir("HuggingFaceTB/SmolLM2-135M-Instruct")
+    message = str(exc.value)
+    assert "does not download models from the Hugging Face Hub" in message
+    assert "pass its local directory" in message
+    assert "leave --model unset" in message and "SmolLM2-135M-Instruct (as `make run` does)" in message
+
+
+def test_a_file_is_refused_as_not_a_directory(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(BASE))
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"")
+    with pytest.raises(ModelConfigError) as exc:
+        ModelConfig.from_dir(weights)
+    assert f"--model {weights} is a file, not a directory" in str(exc.value)
+    assert f"(such as {tmp_path})" in str(exc.value)  # the folder that does hold config.json

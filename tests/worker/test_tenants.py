@@ -155,3 +155,27 @@ def test_a_tenant_name_yaml_reads_as_a_number_is_refused(tmp_path):
         Tenants.from_file(path)
     path.write_text("tenants:\n  '1': {keys: [k2]}\n")
     assert Tenants.from_file(path).authenticate("Bearer k2").name == "1"
+
+
+def test_keys_file_that_is_a_directory_is_named_as_one(tmp_path):
+    """A Secret's mount folder given instead of the file in it: say so and name the file to pass."""
+    (tmp_path / "keys.yaml").write_text("tenants: {}\n")
+    from lorafleet.worker.worker_config import WorkerConfig
+
+    with pytest.raises(ValueError) as exc:
+        WorkerConfig(api_keys_file=str(tmp_path))
+    assert f"--api-keys-file {tmp_path} is a directory, not a file" in str(exc.value)
+    assert f"--api-keys-file {tmp_path / 'keys.yaml'}" in str(exc.value)
+    assert "does not exist" not in str(exc.value)
+
+
+def test_keys_file_turned_directory_on_reread_is_named_as_one(tmp_path):
+    with pytest.raises(TenantsError, match="is a directory, not a file"):
+        Tenants._read(tmp_path)
+
+
+def test_missing_keys_file_says_what_to_pass(tmp_path):
+    from lorafleet.worker.worker_config import WorkerConfig
+
+    with pytest.raises(ValueError, match="does not exist: pass the path of a JSON/YAML keys file"):
+        WorkerConfig(api_keys_file=str(tmp_path / "keys.yaml"))
