@@ -58,7 +58,7 @@ def read_sampling_defaults(model_dir: Path) -> SamplingDefaults:
     path = model_dir / "generation_config.json"
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # no file, or --model is not a directory (refused later)
         return SamplingDefaults()
     except (OSError, ValueError) as exc:
         log.warning("%s cannot be read (%s): OpenAI's sampling defaults apply", path, exc)

@@ -118,3 +118,13 @@ async def test_a_model_whose_generation_config_says_greedy_is_served_greedy(aioh
     greedy = await text(temperature=0)
     unset = {await text(seed=seed) for seed in range(4)}
     assert (unset == {greedy}) == use_file
+
+
+def test_a_model_path_that_is_a_file_logs_no_generation_config_warning(tmp_path, caplog):
+    """--model pointing at a weights file is refused by the model's own check, with its own message; the
+    sampling defaults must not first warn about a generation_config.json that cannot be read."""
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"")
+    with caplog.at_level("WARNING"):
+        assert read_sampling_defaults(weights) == SamplingDefaults()
+    assert not caplog.records
