@@ -12,7 +12,8 @@ class OperatorConfig:
     scale_interval: float = field(default=30.0, metadata={
         "help": "seconds between autoscaler passes over every pool with spec.scaling"})
     retry_delay: float = field(default=2.0, metadata={"help": "seconds before a recoverable step is retried"})
-    stager_token: str = field(default="", metadata={"help": "bearer token of the worker sidecars (from a Secret)"})
+    stager_token: str = field(default="", metadata={
+        "help": "bearer token of the worker sidecars (from a Secret; required, >= 16 chars as the stager requires)"})
     request_timeout: float = field(default=5.0, metadata={
         "help": "seconds for one sidecar state read, Prometheus query or Kubernetes API call"})
     push_timeout: float = field(default=300.0, metadata={
@@ -43,3 +44,6 @@ class OperatorConfig:
             raise ValueError(f"unload_grace must be > 0 seconds (got {self.unload_grace})")
         if not 0 <= self.liveness_port < 65536:
             raise ValueError(f"liveness_port must be a TCP port or 0 (got {self.liveness_port})")
+        if len(self.stager_token) < 16:  # every stager refuses a shorter one (worker/stager_config.py)
+            raise ValueError("stager_token must be at least 16 characters, the sidecars' token "
+                             "(set LORAFLEET_STAGER_TOKEN)")

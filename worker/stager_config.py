@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from lorafleet.worker.file_limits import MAX_FILE_BYTES
 from lorafleet.worker.sources import SourcesConfig
@@ -49,6 +51,17 @@ class StagerConfig:
             raise ValueError("stager_cache_bytes, download_timeout_s, stage_lease_s and store_check_timeout_s must be > 0")
         if self.max_adapter_file_bytes <= 0:
             raise ValueError(f"max_adapter_file_bytes must be > 0, got {self.max_adapter_file_bytes}")
+
+    def cache_dir_problem(self) -> str | None:
+        """Why the cache folder cannot be used, or None; a missing one is made (checked at start)."""
+        path = self.stager_cache_dir
+        try:
+            Path(path).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            return f"--stager-cache-dir {path}: cannot create it ({exc.strerror}); choose a writable folder"
+        if not os.access(path, os.W_OK | os.X_OK):
+            return f"--stager-cache-dir {path}: not writable by this process; choose a writable folder"
+        return None
 
     def sources_config(self) -> SourcesConfig:
         return SourcesConfig(local_roots=list(self.local_roots), s3_allow=list(self.s3_allow),

@@ -343,6 +343,6 @@ async def test_an_adapter_finalizer_runs_no_pass_of_a_pool_that_never_held_it(cl
 def test_the_unload_grace_is_a_config_field_and_must_be_positive():
     from lorafleet.operator.operator_config import OperatorConfig
 
-    assert OperatorConfig().unload_grace == 300.0
+    assert OperatorConfig(stager_token="s" * 16).unload_grace == 300.0
     with pytest.raises(ValueError, match="unload_grace must be > 0"):
-        OperatorConfig(unload_grace=0)
+        OperatorConfig(stager_token="s" * 16, unload_grace=0)

@@ -23,7 +23,7 @@ from lorafleet.operator.operator_config import OperatorConfig
 from .fake_stager import FakeStager
 
 NS = "fleet"
-TOKEN = "sidecar-secret"
+TOKEN = "sidecar-secret-0123"
 POOLS = "lorafleet.dev/v1alpha1/lorapools"
 ADAPTERS = "lorafleet.dev/v1alpha1/loraadapters"
 
