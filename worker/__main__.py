@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from lorafleet.worker.cli import config_from_args
 from lorafleet.worker.worker_config import WorkerConfig
@@ -16,6 +17,22 @@ DESCRIPTION = (
     "(/v1/completions, /v1/chat/completions, /v1/models), with an admin API for adapter directives, "
     "/metrics, /healthz and /readyz."
 )
+
+
+EPILOG = (
+    "An s3:// --adapters is downloaded by a stager child, which reads the object store's settings from the "
+    "environment: LORAFLEET_S3_ENDPOINT (host:port, required), LORAFLEET_S3_ACCESS_KEY and "
+    "LORAFLEET_S3_SECRET_KEY (unset: anonymous), LORAFLEET_S3_SECURE (TLS, default true), LORAFLEET_S3_REGION."
+)
+
+
+def object_store_problem(config: WorkerConfig, env: Mapping[str, str]) -> str | None:
+    """Why an s3:// --adapters cannot be staged, or None: without an endpoint the stager child would
+    retry forever and the worker never turn ready."""
+    if config.adapters_uri and not env.get("LORAFLEET_S3_ENDPOINT"):
+        return (f"--adapters {config.adapters_uri}: no object store configured; set LORAFLEET_S3_ENDPOINT "
+                "(host:port) and, unless the bucket is public, LORAFLEET_S3_ACCESS_KEY and LORAFLEET_S3_SECRET_KEY")
+    return None
 
 
 def listen_problem(host: str, port: int) -> str | None:
@@ -45,7 +62,11 @@ def listen_problem(host: str, port: int) -> str | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    config = config_from_args(WorkerConfig, argv, prog="python -m lorafleet.worker", description=DESCRIPTION)
+    prog = "python -m lorafleet.worker"
+    config = config_from_args(WorkerConfig, argv, prog=prog, description=DESCRIPTION, epilog=EPILOG)
+    if problem := object_store_problem(config, os.environ):
+        print(f"{prog}: error: {problem}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("lorafleet.worker")

@@ -153,20 +153,28 @@ def _default_text(opt: _Option) -> str:
     return str(value)
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> typing.NoReturn:
+        """One line, not the usage of every flag before it (--help has that)."""
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def build_parser(
     config_cls: type,
     *,
     prog: str | None = None,
     description: str | None = None,
+    epilog: str | None = None,
     env: Mapping[str, str] | None = None,
     env_prefix: str = ENV_PREFIX,
 ) -> argparse.ArgumentParser:
     """An argparse parser with one flag per config field; defaults come from `env` when set there."""
     env = os.environ if env is None else env
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog=prog,
         description=description,
-        epilog=f"Every flag can also be set by the environment variable shown with it ({env_prefix}*).",
+        epilog=" ".join(filter(None, [
+            f"Every flag can also be set by the environment variable shown with it ({env_prefix}*).", epilog])),
     )
     for opt in _options(config_cls):
         env_name = opt.env_var(env_prefix)
@@ -233,11 +241,13 @@ def config_from_args(
     *,
     prog: str | None = None,
     description: str | None = None,
+    epilog: str | None = None,
     env: Mapping[str, str] | None = None,
     env_prefix: str = ENV_PREFIX,
 ) -> T:
-    """Parse flags (and the environment) into a validated config; a bad value exits with usage (2)."""
-    parser = build_parser(config_cls, prog=prog, description=description, env=env, env_prefix=env_prefix)
+    """Parse flags (and the environment) into a validated config; a bad value exits 2 with one line."""
+    parser = build_parser(config_cls, prog=prog, description=description, epilog=epilog, env=env,
+                          env_prefix=env_prefix)
     namespace = vars(parser.parse_args(argv))
     values = {tuple(dest.split("__")): value for dest, value in namespace.items()}
     try:

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from lorafleet.kernels.lora import resolve_backend
+from lorafleet.worker.adapter_dir import AdapterDirReport, register_adapter_dir
 from lorafleet.worker.adapter_entry import AdapterNotFoundError
 from lorafleet.worker.adapter_image import ModelDims
 from lorafleet.worker.adapter_pool import AdapterPool, AdapterPoolConfig
@@ -69,6 +70,9 @@ class Engine:
         mc = self.model_config
         tok_dir = Path(config.tokenizer or self.model_dir)
         self.tokenizer = Tokenizer(tok_dir) if (tok_dir / "tokenizer.json").is_file() else None
+        if self.tokenizer is None:
+            log.warning("%s has no tokenizer.json: only prompts of token ids work, text prompts and chat are "
+                        "refused (give --tokenizer DIR)", tok_dir)
         self._tokenizer_digest: str | None = None
         self.eos_token_ids = self._eos_ids()
 
@@ -123,6 +127,7 @@ class Engine:
         self._ids = itertools.count()
         self.last_batch_size, self.last_batch_adapters = 0, 0
         self.forward_failures = ForwardFailures(config.max_failed_forwards)  # many in a row: unhealthy
+        self.adapter_dir_report = AdapterDirReport()  # what --adapters DIR registered, and what not
         if config.adapters:
             self.register_adapter_dir(config.adapters)
 
@@ -211,14 +216,10 @@ class Engine:
         return key
 
     def register_adapter_dir(self, directory: str | Path) -> list[str]:
-        """Register every PEFT subdirectory of `directory` (name = folder name)."""
-        directory = Path(directory)
-        if not directory.is_dir():
-            raise EngineError(f"adapters directory {directory} does not exist")
-        subdirs = sorted(p for p in directory.iterdir() if (p / "adapter_config.json").is_file())
-        if not subdirs:
-            raise EngineError(f"{directory} holds no PEFT adapter (no subfolder with adapter_config.json)")
-        return [self.register_adapter(p.name, p) for p in subdirs]
+        """Register every PEFT subfolder of `directory` (name = folder name); those that fail are logged
+        and kept in `adapter_dir_report` (worker/adapter_dir.py). Returns the keys registered."""
+        self.adapter_dir_report = register_adapter_dir(self, directory)
+        return self.adapter_dir_report.keys
 
     def unregister_adapter(self, name: str) -> None:
         """Remove every version of `name`; requests already using it finish on it."""

@@ -14,14 +14,19 @@ from lorafleet.worker.engine import Engine, EngineError
 
 
 class EngineAdapters:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, base_model: str | None = None) -> None:
         self.engine = engine
         self.pool = engine.adapter_pool
+        self.base_model = base_model  # the name requests use for the base model: no adapter may take it
 
     def register_adapter(self, name: str, source: str, *, version: str | None = None, tenant: str | None = None,
                          pinned: bool = False, make_current: bool = True, sha256: str | None = None) -> str:
         """Validate and register a local PEFT directory as `name@version` (its files must hash to `sha256`
-        when given); returns the key."""
+        when given); returns the key. The base model's name is refused: requests naming it get the base
+        model, so such an adapter could never be called."""
+        if name == self.base_model:
+            raise EngineError(f"adapter name {name!r} is the served model name of the base model; give the "
+                              "adapter another name")
         return self.engine.register_adapter(name, source, version, tenant=tenant or "default", pinned=pinned,
                                             make_current=make_current, sha256=sha256)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,6 +60,9 @@ class EngineConfig:
         if self.kernel_backend not in KERNEL_BACKENDS:
             raise ValueError(f"kernel_backend must be one of {KERNEL_BACKENDS}, got {self.kernel_backend!r}")
         self._check_device()
+        if self.kernel_backend == "triton" and self.device.startswith("cpu") and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("--kernel-backend triton needs --device cuda; on cpu use --kernel-backend auto or "
+                             "reference (TRITON_INTERPRET=1 runs the Triton kernels in its slow interpreter instead)")
         if self.tokenizer is not None and not (Path(self.tokenizer) / "tokenizer.json").is_file():
             raise ValueError(f"--tokenizer {self.tokenizer}: no tokenizer.json there (give the directory that "
                              "holds it, or leave --tokenizer unset to use the model directory's)")

@@ -116,6 +116,9 @@ def engine_snapshot(app: web.Application) -> EngineSnapshot:
     )
 
 
+_LOAD_THREAD = "model-load"
+
+
 async def _load_engine(config: EngineConfig) -> Engine:
     """`Engine(config)` in a daemon thread. SIGTERM during a load of minutes then exits at once: an
     executor thread would be joined at exit, so the process would linger until the load is done."""
@@ -138,7 +141,7 @@ async def _load_engine(config: EngineConfig) -> Engine:
         with contextlib.suppress(RuntimeError):  # the loop closed: the worker stopped while the model loaded
             loop.call_soon_threadsafe(settle, engine, exc)
 
-    threading.Thread(target=load, name="model-load", daemon=True).start()
+    threading.Thread(target=load, name=_LOAD_THREAD, daemon=True).start()
     try:
         return await loaded
     except asyncio.CancelledError:
@@ -154,8 +157,12 @@ async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
     engine = await _load_engine(engine_config)
     async_engine = AsyncEngine(engine, on_step=lambda e: app[METRICS].observe_step(
         num_seqs=e.last_batch_size, num_adapters=e.last_batch_adapters))
-    host = EngineAdapters(engine)
-    adapters = ServedAdapters(served_model_name(config, engine))
+    base_model = served_model_name(config, engine)
+    if any(key.partition("@")[0] == base_model for key in engine.adapters()):
+        raise ValueError(f"the base model is served as {base_model!r}, the name of an adapter under --adapters "
+                         f"{config.engine.adapters} too: rename that folder or set --served-model-name")
+    host = EngineAdapters(engine, base_model=base_model)
+    adapters = ServedAdapters(base_model)
     adapters.adopt(host)
     app[ENGINE] = async_engine
     app[HOST] = host
@@ -167,6 +174,9 @@ async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
     log.info("model %s loaded in %.1f s on %s; serving it as %r with adapters: %s", engine.model_dir,
              time.monotonic() - t0, config.engine.device, adapters.base_model,
              ", ".join(adapters.names()) or "none yet")
+    if failed := engine.adapter_dir_report.failed:
+        log.warning("%d adapter(s) under --adapters %s not served (fix them and push or restart): %s", len(failed),
+                    config.engine.adapters, "; ".join(f"{name}: {why}" for name, why in failed.items()))
     try:
         yield
     finally:
@@ -339,6 +349,15 @@ async def _second_signal_ends_the_grace(app: web.Application) -> None:
         loop.add_signal_handler(sig, app[STATUS].end_now.set)  # aiohttp removes it after its cleanup
 
 
+def _exit_if_still_loading(code: int) -> None:
+    """Stopped while the model loads: end the process now. The load thread is still inside torch, and
+    an interpreter shutdown around it aborts the process (\"terminate called without an active
+    exception\", exit 134). The stager child starts only after the load, so none runs yet."""
+    if any(t.name == _LOAD_THREAD and t.is_alive() for t in threading.enumerate()):
+        logging.shutdown()  # flush the log: os._exit skips it
+        os._exit(code)
+
+
 def run(config: WorkerConfig) -> None:
     """Serve until SIGTERM/SIGINT; in-flight requests get `shutdown_grace_s` (a second signal ends it),
     then exit 0."""
@@ -348,6 +367,15 @@ def run(config: WorkerConfig) -> None:
             config = dataclasses.replace(config, port=sock.getsockname()[1])
     app = create_app(config)
     app.on_shutdown.insert(0, _second_signal_ends_the_grace)  # before _drain
+    try:
+        _serve(app, config)
+    except KeyboardInterrupt:
+        _exit_if_still_loading(130)
+        raise
+    _exit_if_still_loading(0)
+
+
+def _serve(app: web.Application, config: WorkerConfig) -> None:
     web.run_app(
         app,
         host=config.host,

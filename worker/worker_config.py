@@ -112,6 +112,10 @@ class WorkerConfig:
         if adapters and not self.adapters_uri and not Path(adapters).is_dir():
             raise ValueError(f"--adapters {adapters}: not a directory (give a directory of PEFT adapter folders "
                              "or an s3:// URI)")
+        name = self.served_model_name
+        if name and adapters and not self.adapters_uri and (Path(adapters) / name / "adapter_config.json").is_file():
+            raise ValueError(f"--served-model-name {name} is also the name of the adapter {Path(adapters) / name}: "
+                             "requests naming it would get the base model; choose another --served-model-name")
 
     @property
     def adapters_uri(self) -> str | None:

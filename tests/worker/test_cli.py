@@ -63,7 +63,9 @@ def test_bad_values_exit_with_usage_naming_the_problem(argv, env, needle, capsys
     with pytest.raises(SystemExit) as exc:
         config_from_args(Outer, argv, env=env)
     assert exc.value.code == 2
-    assert needle in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert needle in err
+    assert "usage:" not in err and len(err.strip().splitlines()) == 1 and err.rstrip().endswith("(see --help)"), err
 
 
 def test_help_explains_every_field_and_its_env_var():
@@ -113,6 +115,8 @@ def test_worker_help_runs_as_a_module():
     for flag in ("--model", "--adapters", "--host", "--port", "--device", "--admin-token", "--api-keys-file"):
         assert flag in out.stdout
     assert "LORAFLEET_PORT" in out.stdout
+    for env_var in ("LORAFLEET_S3_ENDPOINT", "LORAFLEET_S3_ACCESS_KEY", "LORAFLEET_S3_SECRET_KEY"):
+        assert env_var in out.stdout  # an s3:// --adapters reads them
 
 
 def test_stager_file_limit_is_a_flag_and_an_env_var(capsys):

@@ -47,10 +47,31 @@ BAD_FLAGS = [
 ]
 
 
+DEMO_ADAPTERS = str(Path(__file__).parents[2] / "examples" / "adapters")
+
+# Settings the worker cannot serve with, refused before the model loads: (args, env vars unset, needles).
+UNUSABLE_SETTINGS = [
+    pytest.param(["--adapters", "s3://bucket/team/"], ["LORAFLEET_S3_ENDPOINT"],
+                 ["s3://bucket/team/", "LORAFLEET_S3_ENDPOINT", "LORAFLEET_S3_ACCESS_KEY"], id="s3-without-endpoint"),
+    pytest.param(["--kernel-backend", "triton", "--device", "cpu"], ["TRITON_INTERPRET"],
+                 ["--kernel-backend triton", "--device cuda"], id="triton-on-cpu"),
+    pytest.param(["--adapters", DEMO_ADAPTERS, "--served-model-name", "shout"], [],
+                 ["--served-model-name shout", "adapter"], id="served-name-of-an-adapter"),
+]
+
+
 @pytest.mark.parametrize(("args", "needles"), BAD_FLAGS)
 def test_bad_flags_exit_2_with_one_line_naming_the_flag(worker_runs, args, needles):
     out = worker_runs.result(("flags", *args))
     assert_one_line_error(out, 2, "error:", *needles)
+    assert "usage:" not in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr  # no wall of flags
+
+
+@pytest.mark.parametrize(("args", "unset", "needles"), UNUSABLE_SETTINGS)
+def test_settings_it_cannot_serve_with_exit_2_before_the_model_loads(worker_runs, args, unset, needles):
+    out = worker_runs.result(("unusable", *args))
+    assert_one_line_error(out, 2, "python -m lorafleet.worker: error:", *needles)
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
 
 
 def test_port_in_use_is_refused_naming_the_port(tiny_llama_dir):
@@ -148,6 +169,10 @@ def worker_runs(tiny_llama_dir, tmp_path_factory):
             if not any(m.name == "skipif" and m.args[0] for m in case.marks):
                 cmd, env = worker_cmd("--model", str(tiny_llama_dir), "--port", "0", *args)
                 runs.submit(("flags", *args), cmd, env=env)
+        for case in UNUSABLE_SETTINGS:
+            args, unset, _ = case.values
+            cmd, env = worker_cmd("--model", str(tiny_llama_dir), "--port", "0", *args)
+            runs.submit(("unusable", *args), cmd, env={k: v for k, v in env.items() if k not in unset})
         for breakage, _ in BROKEN_MODEL_DIRS:
             model = broken_model_dir(tiny_llama_dir, tmp_path_factory.mktemp(breakage.__name__), breakage)
             cmd, env = worker_cmd("--model", str(model), "--port", "0")

@@ -1,0 +1,93 @@
+"""What the worker does at start with settings or files it can only partly use: a broken adapter among
+the local --adapters is logged and the others served, a model without tokenizer.json says that only
+token ids work, and no adapter (start-up or pushed) can take the base model's name."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+
+from lorafleet.worker.adapter_dir import register_adapter_dir
+from lorafleet.worker.engine import Engine, EngineError
+from lorafleet.worker.engine_config import EngineConfig
+from lorafleet.worker.server import create_app
+from lorafleet.worker.worker_config import WorkerConfig
+
+ADMIN = {"Authorization": "Bearer admin-token-for-tests"}
+
+
+def adapters_with_a_broken_one(qv_adapters_dir: Path, root: Path) -> Path:
+    """alpha and beta as made, gamma with truncated weights, notes/ without adapter_config.json."""
+    shutil.copytree(qv_adapters_dir, root, dirs_exist_ok=True)
+    shutil.copytree(qv_adapters_dir / "beta", root / "gamma")
+    weights = root / "gamma" / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    (root / "notes").mkdir()
+    (root / "notes" / "README.txt").write_text("not an adapter")
+    return root
+
+
+async def test_a_broken_adapter_is_logged_and_the_others_are_served(aiohttp_client, tiny_llama_dir, qv_adapters_dir,
+                                                                     tmp_path, caplog):
+    adapters = adapters_with_a_broken_one(qv_adapters_dir, tmp_path / "adapters")
+    config = WorkerConfig(engine=EngineConfig(model=str(tiny_llama_dir), dtype="float32", max_model_len=128,
+                                              adapters=str(adapters)), served_model_name="tiny")
+    with caplog.at_level(logging.INFO):
+        client = await aiohttp_client(create_app(config))
+        resp = await client.get("/v1/models")
+        assert resp.status == 200
+        assert [m["id"] for m in (await resp.json())["data"]] == ["tiny", "alpha", "beta"]
+        resp = await client.post("/v1/completions", json={"model": "beta", "prompt": "hi", "max_tokens": 2})
+        assert resp.status == 200, await resp.text()
+    text = caplog.text
+    assert "adapter gamma not served:" in text and "adapter_model.safetensors" in text, text
+    assert "notes skipped: no adapter_config.json" in text, text
+    assert "not served" not in text.replace("adapter gamma not served", "").replace("not served (fix", ""), text
+
+
+class _Refusing:
+    def register_adapter(self, name: str, path) -> str:
+        raise EngineError(f"{name} is broken")
+
+
+def test_a_folder_where_no_adapter_loads_is_refused_naming_each(qv_adapters_dir):
+    with pytest.raises(EngineError, match="no adapter under .* can be served .*alpha: alpha is broken; beta: beta"):
+        register_adapter_dir(_Refusing(), qv_adapters_dir)
+
+
+def test_a_model_without_tokenizer_warns_that_only_token_ids_work(tiny_llama_dir, tmp_path, caplog):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama_dir, model)
+    (model / "tokenizer.json").unlink()
+    with caplog.at_level(logging.WARNING):
+        engine = Engine(EngineConfig(model=str(model), dtype="float32", max_model_len=64))
+    assert engine.tokenizer is None
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("no tokenizer.json" in w and "token ids" in w for w in warnings), warnings
+
+
+def test_served_model_name_of_a_start_up_adapter_is_refused(tiny_llama_dir, qv_adapters_dir):
+    with pytest.raises(ValueError, match="--served-model-name beta is also the name of the adapter"):
+        WorkerConfig(engine=EngineConfig(model=str(tiny_llama_dir), adapters=str(qv_adapters_dir)),
+                     served_model_name="beta")
+
+
+async def test_a_pushed_adapter_named_like_the_base_model_is_that_versions_error(aiohttp_client, tiny_llama_dir,
+                                                                                 qv_adapters_dir):
+    config = WorkerConfig(engine=EngineConfig(model=str(tiny_llama_dir), dtype="float32", max_model_len=128),
+                          served_model_name="tiny", admin_token=ADMIN["Authorization"].split()[1],
+                          adapter_roots=str(qv_adapters_dir))
+    client = await aiohttp_client(create_app(config))
+    directives = [{"name": name, "tenant": "acme", "stable": {"version": "v1", "uri": str(qv_adapters_dir / folder)}}
+                  for name, folder in (("tiny", "alpha"), ("beta", "beta"))]
+    resp = await client.put("/admin/v1/state", json={"generation": 1, "adapters": directives}, headers=ADMIN)
+    body = await resp.json()
+    assert resp.status == 200, body
+    reported = {a["name"]: a for a in body["adapters"]}
+    assert "served model name" in (reported["tiny"]["error"] or ""), reported
+    assert reported["beta"]["error"] is None, reported
+    resp = await client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
+    assert resp.status == 200 and (await resp.json())["model"] == "tiny"  # still the base model
