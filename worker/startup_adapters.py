@@ -4,7 +4,8 @@ would answer 404 for adapters it is about to serve. So /readyz answers 503 `load
 seed's push with no folder left to retry is applied here (or a push from elsewhere took over from the
 seed). Folders that can never be served (a bad name, no safetensors) do not hold readiness back: each
 is reported (the stager's /v1/state, GET /admin/v1/state) and the others are served. (A local --adapters
-folder is registered before the worker listens; a bad adapter there stops the start instead.)
+folder is registered before the worker listens; a bad adapter there is logged and the others are served,
+and only a folder where none loads stops the start: worker/adapter_dir.py.)
 
     stager /v1/state: no "seed" yet                         -> loading_adapters
                       seed {retrying: [beta], generation: 1} -> loading_adapters (beta is tried again)
