@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
-import socket
 import sys
 from collections.abc import Mapping, Sequence
 
 from lorafleet.worker.cli import config_from_args
+from lorafleet.worker.listen import close_all, listen_sockets
 from lorafleet.worker.worker_config import WorkerConfig
 
 DESCRIPTION = (
@@ -39,25 +38,9 @@ def listen_problem(host: str, port: int) -> str | None:
     """Why the worker could not listen on host:port, or None. Checked before the model loads, so a
     port in use is refused at once rather than after minutes of loading weights."""
     try:
-        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as exc:
-        return f"--host {host}: cannot resolve it ({exc.strerror})"
-    for family, kind, proto, _, address in addresses:
-        try:
-            sock = socket.socket(family, kind, proto)
-        except OSError:  # a family this machine lacks (IPv6 off): the server skips it too
-            continue
-        with sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds
-            if family == socket.AF_INET6:
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            try:
-                sock.bind(address)
-            except OSError as exc:
-                if exc.errno == errno.EADDRINUSE:
-                    return (f"--port {port}: {host}:{port} is already in use; stop what listens there or "
-                            "choose another --port")
-                return f"--host {host} --port {port}: cannot listen there ({exc.strerror})"
+        close_all(listen_sockets(host, port))
+    except ValueError as exc:
+        return str(exc)
     return None
 
 

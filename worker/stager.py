@@ -29,11 +29,9 @@ token comes from `LORAFLEET_STAGER_TOKEN` (an environment variable, so it is not
 from __future__ import annotations
 
 import asyncio
-import errno
 import functools
 import hashlib
 import logging
-import socket
 import sys
 import time
 from collections import deque
@@ -52,6 +50,7 @@ from lorafleet.worker.directives import (
     VersionRef,
 )
 from lorafleet.worker.disk_cache import DiskCache, dir_bytes
+from lorafleet.worker.listen import close_all, listen_sockets
 from lorafleet.worker.openai_protocol import APIError
 from lorafleet.worker.sources import Etags, SourceError, Sources, verify_digest
 from lorafleet.worker.staged_copy import DIGEST_FILE, Staged, verify_staged_copy
@@ -327,46 +326,6 @@ class Stager:
         return await seed(self, uri)
 
 
-def listen_sockets(host: str, port: int) -> list[socket.socket]:
-    """Listening sockets on every address of host:port, bound before the app starts, so a port in use is
-    refused by name (ValueError) instead of failing inside the server."""
-    try:
-        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as exc:
-        raise ValueError(f"--stager-host {host}: cannot resolve it ({exc.strerror})") from None
-    sockets: list[socket.socket] = []
-    try:
-        for family, kind, proto, _, address in addresses:
-            try:
-                sock = socket.socket(family, kind, proto)
-            except OSError:  # a family this machine lacks (IPv6 off)
-                continue
-            sockets.append(sock)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if family == socket.AF_INET6:
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            try:
-                sock.bind(address)
-            except OSError as exc:
-                if exc.errno == errno.EADDRINUSE:
-                    raise ValueError(f"--stager-port {port}: {host}:{port} is already in use; stop what listens "
-                                     "there or choose another --stager-port") from None
-                raise ValueError(f"--stager-host {host} --stager-port {port}: cannot listen there "
-                                 f"({exc.strerror})") from None
-            sock.listen()
-        if not sockets:
-            raise ValueError(f"--stager-host {host}: no address of it can be listened on")
-    except BaseException:
-        _close(sockets)
-        raise
-    return sockets
-
-
-def _close(sockets: list[socket.socket]) -> None:
-    for sock in sockets:
-        sock.close()
-
-
 def main(argv: list[str] | None = None) -> None:
     from lorafleet.worker.stager_http import create_app  # the HTTP half imports this module
 
@@ -378,14 +337,15 @@ def main(argv: list[str] | None = None) -> None:
         log.error("cannot start: %s", problem)
         sys.exit(2)
     try:
-        sockets = listen_sockets(config.stager_host, config.stager_port)
+        sockets = listen_sockets(config.stager_host, config.stager_port, host_flag="--stager-host",
+                                 port_flag="--stager-port")
     except ValueError as exc:
         log.error("cannot start: %s", exc)
         sys.exit(2)
     try:
         app = create_app(config)
     except OSError as exc:  # the cache folder's entries could not be read
-        _close(sockets)
+        close_all(sockets)
         log.error("cannot start: --stager-cache-dir %s: %s", config.stager_cache_dir, exc)
         sys.exit(2)
     port = sockets[0].getsockname()[1]  # the one chosen when --stager-port is 0

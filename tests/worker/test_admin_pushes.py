@@ -18,12 +18,17 @@ from lorafleet.worker.worker_config import WorkerConfig
 ADMIN = {"Authorization": "Bearer admin-token-for-tests"}
 
 
-@pytest.fixture
-async def client(aiohttp_client, tiny_llama_dir, qv_adapters_dir):
+async def admin_client(aiohttp_client, tiny_llama_dir, qv_adapters_dir):
+    """A worker serving the tiny model as `tiny`, taking pushes of the test adapters with the ADMIN token."""
     config = WorkerConfig(engine=EngineConfig(model=str(tiny_llama_dir), dtype="float32", max_model_len=128),
                           served_model_name="tiny", admin_token=ADMIN["Authorization"].split()[1],
                           adapter_roots=str(qv_adapters_dir))
     return await aiohttp_client(create_app(config))
+
+
+@pytest.fixture
+async def client(aiohttp_client, tiny_llama_dir, qv_adapters_dir):
+    return await admin_client(aiohttp_client, tiny_llama_dir, qv_adapters_dir)
 
 
 def directive(name: str, uri, *, tenant: str = "acme", sha256: str | None = None, warm: bool = False) -> dict:

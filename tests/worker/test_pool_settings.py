@@ -156,15 +156,9 @@ async def test_the_stager_forwards_the_pool_settings(aiohttp_server, tmp_path, m
 
 async def test_the_admin_push_applies_the_settings_and_the_report_shows_them(aiohttp_client, tiny_llama_dir,
                                                                             qv_adapters_dir):
-    from lorafleet.worker.engine_config import EngineConfig
-    from lorafleet.worker.server import create_app
-    from lorafleet.worker.worker_config import WorkerConfig
-    from tests.worker.test_admin_pushes import ADMIN, directive
+    from tests.worker.test_admin_pushes import ADMIN, admin_client, directive
 
-    worker = WorkerConfig(engine=EngineConfig(model=str(tiny_llama_dir), dtype="float32", max_model_len=128),
-                          served_model_name="tiny", admin_token=ADMIN["Authorization"].split()[1],
-                          adapter_roots=str(qv_adapters_dir))
-    client = await aiohttp_client(create_app(worker))
+    client = await admin_client(aiohttp_client, tiny_llama_dir, qv_adapters_dir)
     alpha = directive("alpha", qv_adapters_dir / "alpha")
 
     async def push(body: dict) -> dict:

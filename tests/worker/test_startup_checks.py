@@ -15,8 +15,7 @@ from lorafleet.worker.engine import Engine, EngineError
 from lorafleet.worker.engine_config import EngineConfig
 from lorafleet.worker.server import create_app
 from lorafleet.worker.worker_config import WorkerConfig
-
-ADMIN = {"Authorization": "Bearer admin-token-for-tests"}
+from tests.worker.test_admin_pushes import ADMIN, admin_client
 
 
 def adapters_with_a_broken_one(qv_adapters_dir: Path, root: Path) -> Path:
@@ -77,10 +76,7 @@ def test_served_model_name_of_a_start_up_adapter_is_refused(tiny_llama_dir, qv_a
 
 async def test_a_pushed_adapter_named_like_the_base_model_is_that_versions_error(aiohttp_client, tiny_llama_dir,
                                                                                  qv_adapters_dir):
-    config = WorkerConfig(engine=EngineConfig(model=str(tiny_llama_dir), dtype="float32", max_model_len=128),
-                          served_model_name="tiny", admin_token=ADMIN["Authorization"].split()[1],
-                          adapter_roots=str(qv_adapters_dir))
-    client = await aiohttp_client(create_app(config))
+    client = await admin_client(aiohttp_client, tiny_llama_dir, qv_adapters_dir)
     directives = [{"name": name, "tenant": "acme", "stable": {"version": "v1", "uri": str(qv_adapters_dir / folder)}}
                   for name, folder in (("tiny", "alpha"), ("beta", "beta"))]
     resp = await client.put("/admin/v1/state", json={"generation": 1, "adapters": directives}, headers=ADMIN)
