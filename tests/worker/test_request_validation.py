@@ -75,19 +75,22 @@ async def test_admin_adapter_paths_no_file_system_takes_are_a_400(client, qv_ada
                                                "stable": {"version": "v1", "uri": uri}}]}
         resp = await client.put("/admin/v1/state", json=push, headers=ADMIN)
         body = await resp.json()
-        assert resp.status == 400 and body["error"]["code"] == "invalid_source", body
+        # A control character is refused with the directive itself (it would forge a line in the logs).
+        assert resp.status == 400 and body["error"]["code"] == "invalid_directive", body
+        assert "control characters" in body["error"]["message"], body
     state = await (await client.get("/admin/v1/state", headers=ADMIN)).json()
     assert state["generation_applied"] == 1 and {a["name"] for a in state["adapters"]} == {"alpha"}
 
 
 async def test_a_tokenizer_file_linked_out_of_the_adapter_roots_is_refused(client, tiny_llama_dir, qv_adapters_dir,
-                                                                           tmp_path):
+                                                                           tmp_path, request):
     """The loader reads tokenizer files beside the adapter; one that is a symlink out of the roots
     would make the worker read a file no configured location holds."""
     outside = tmp_path / "outside-tokenizer.json"
     shutil.copy(tiny_llama_dir / "tokenizer.json", outside)
     linked = qv_adapters_dir / f"linked-{tmp_path.name}"
     shutil.copytree(qv_adapters_dir / "alpha", linked)
+    request.addfinalizer(lambda: shutil.rmtree(linked))  # the adapters folder is shared by the session
     (linked / "tokenizer.json").symlink_to(outside)
     resp = await client.post("/v1/load_lora_adapter", json={"lora_name": "linked", "lora_path": str(linked)},
                              headers=ADMIN)

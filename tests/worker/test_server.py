@@ -786,7 +786,7 @@ def test_start_up_errors_exit_1_with_one_line(tmp_path):
     out = subprocess.run([sys.executable, "-m", "lorafleet.worker", "--model", str(tmp_path / "no-model"),
                           "--port", "0"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 1
-    assert "cannot start:" in out.stderr and "config.json" in out.stderr and "Traceback" not in out.stderr
+    assert "cannot start:" in out.stderr and "model directory does not exist" in out.stderr and "Traceback" not in out.stderr
 
 
 async def test_admin_adapter_paths_are_limited_to_the_adapter_roots(server, spare_adapters, tmp_path):

@@ -20,7 +20,8 @@ from tests.worker.test_admin_pushes import ADMIN, admin_client
 
 def adapters_with_a_broken_one(qv_adapters_dir: Path, root: Path) -> Path:
     """alpha and beta as made, gamma with truncated weights, notes/ without adapter_config.json."""
-    shutil.copytree(qv_adapters_dir, root, dirs_exist_ok=True)
+    for name in ("alpha", "beta"):  # by name: other tests may add folders to the shared fixture's
+        shutil.copytree(qv_adapters_dir / name, root / name)
     shutil.copytree(qv_adapters_dir / "beta", root / "gamma")
     weights = root / "gamma" / "adapter_model.safetensors"
     weights.write_bytes(weights.read_bytes()[:100])
