@@ -58,6 +58,8 @@ class AdapterWarmth:
         """Once per engine step, never blocking: finish loads in flight (only those are looked at) and, when
         a check is due, bring back warm versions that pressure evicted, leaving `kv_reserve` free pages to
         the running requests."""
+        if not self._inflight and (not self._warm or time.monotonic() < self._next_warm_check):
+            return  # most steps: nothing to look at (read without the lock: a stale look waits one step)
         with self._lock:
             if self._inflight:
                 self._advance()
