@@ -23,12 +23,11 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from lorafleet.operator.crd_models import SpecError, _int
+from lorafleet.operator.crd_models import SpecError, _int, deployment_name
+from lorafleet.operator.prometheus_allowlist import url_problem
 
 FIELD = "spec.scaling"
 URL_RE = re.compile(r"^https?://.+")
-# A Deployment name: a DNS-1123 subdomain.
-DEPLOYMENT_NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 
 
 def _ratio(value: Any, field_name: str) -> float:
@@ -61,14 +60,14 @@ class ScalingSpec:
         target = data.get("target")
         if not isinstance(target, str) or not target:
             raise SpecError(f"{FIELD}.target: required (the name of the worker Deployment in the pool's namespace)")
-        if len(target) > 253 or not DEPLOYMENT_NAME_RE.fullmatch(target):
-            raise SpecError(f"{FIELD}.target: {target!r} is not a Deployment name (lowercase letters, digits, "
-                            f"'-' and '.', at most 253)")
+        deployment_name(target, f"{FIELD}.target")
         url = data.get("prometheusURL")
         if url is None:
             raise SpecError(f"{FIELD}.prometheusURL: required (e.g. http://prometheus.monitoring:9090)")
         if not isinstance(url, str) or not URL_RE.fullmatch(url):
             raise SpecError(f"{FIELD}.prometheusURL: {url!r} must be an http:// or https:// URL")
+        if (problem := url_problem(url)) is not None:  # not echoed: it may hold a password
+            raise SpecError(f"{FIELD}.prometheusURL: {problem}")
         if data.get("maxReplicas") is None:
             raise SpecError(f"{FIELD}.maxReplicas: required (the most worker replicas the autoscaler may set)")
         max_replicas = _int(data["maxReplicas"], f"{FIELD}.maxReplicas", lo=1)

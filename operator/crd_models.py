@@ -57,6 +57,8 @@ QUANTITY_LIMITS = ("about 1e18 bytes at most: up to 18 digits before the point, 
                    "E/Ei/e16-e18")
 URI_RE = re.compile(r"^(s3://[^/]+/.*|file:///.*|/.*)$")
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")  # tenant, version, adapter name
+# A Deployment name: a DNS-1123 subdomain.
+DEPLOYMENT_NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 
 
 class SpecError(ValueError):
@@ -91,6 +93,13 @@ def _int(value: Any, field_name: str, *, lo: int | None = None, hi: int | None =
             hi is not None and value > hi):
         bound = f" {lo}..{hi}" if hi is not None else f" >= {lo}" if lo is not None else ""
         raise SpecError(f"{field_name}: {value!r} must be an integer{bound}")
+    return value
+
+
+def deployment_name(value: Any, field_name: str) -> str:
+    if not isinstance(value, str) or len(value) > 253 or not DEPLOYMENT_NAME_RE.fullmatch(value):
+        raise SpecError(f"{field_name}: {value!r} is not a Deployment name (lowercase letters, digits, '-' and '.', "
+                        f"at most 253)")
     return value
 
 
@@ -185,6 +194,8 @@ class PoolSpec:
         selector = _selector(spec.get("workerSelector"))
         memory, quota = _object(spec, "adapterMemory"), _object(spec, "tenantQuota")
         max_adapters, max_bytes = quota.get("maxAdapters"), quota.get("maxBytes")
+        if spec.get("workerDeployment") is not None:  # read from the body where trust is decided (worker_trust.py)
+            deployment_name(spec["workerDeployment"], "spec.workerDeployment")
         eviction = spec.get("eviction", "lru")
         if eviction not in EVICTION_POLICIES:
             raise SpecError(f"spec.eviction: {eviction!r} must be one of {', '.join(EVICTION_POLICIES)}")

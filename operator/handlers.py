@@ -5,8 +5,10 @@
 ``PoolController.run`` (gather -> pure ``reconcile_pool`` -> push) and writes the status the plan
 computed from workers' reports.
 
-* indexes: worker pods by namespace, adapters and pools by (namespace, pool), adapters being deleted by
-  namespace -- no extra API reads;
+* indexes: worker pods and ReplicaSets by namespace, adapters and pools by (namespace, pool), adapters being
+  deleted by namespace -- no extra API reads;
+* a pool's passes see only the pods it may send the stager token to (``WorkerTrust``: those its worker
+  Deployment made, where it names one);
 * pool create/update/resume + a timer every ``interval`` s: directives pushed, drift caught;
 * adapter create/update/resume + a timer: status refreshed from reports (an unparsable spec too: its
   pass keeps the last valid spec in force and reports Failed naming the field);
@@ -49,9 +51,11 @@ from lorafleet.operator.finalizers import adapter_unload_wait, holders_text
 from lorafleet.operator.operator_config import OperatorConfig
 from lorafleet.operator.ownership import invalid_pool_claim
 from lorafleet.operator.prometheus import PrometheusClient
+from lorafleet.operator.prometheus_allowlist import PrometheusAllowlist
 from lorafleet.operator.scaler import PoolScaler
 from lorafleet.operator.statuses import invalid_pool_status
 from lorafleet.operator.timer_tasks import TimerTasks
+from lorafleet.operator.worker_trust import WorkerTrust, slim_replicaset, trusted_pods
 from lorafleet.operator.workers import StagerClient
 
 log = logging.getLogger(__name__)
@@ -64,7 +68,9 @@ def _slim_pod(body: kopf.Body) -> dict[str, Any]:
     return {
         "metadata": {"name": body.metadata.name, "uid": body.metadata.uid,
                      "labels": dict(body.metadata.labels),
-                     "deletionTimestamp": body.metadata.get("deletionTimestamp")},
+                     "deletionTimestamp": body.metadata.get("deletionTimestamp"),
+                     "ownerReferences": [{k: ref.get(k) for k in ("kind", "name", "uid", "controller")}
+                                         for ref in body.metadata.get("ownerReferences") or []]},
         "status": {"podIP": body.status.get("podIP"), "phase": body.status.get("phase"),
                    "conditions": [dict(c) for c in body.status.get("conditions") or []]},
         "spec": {"containers": [{"ports": [dict(p) for p in c.get("ports") or []]}
@@ -127,8 +133,10 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
                                 retry_base=config.interval, retry_cap=max(config.interval, MAX_RETRY_DELAY),
                                 unload_grace=config.unload_grace)
     scaler = PoolScaler(PrometheusClient(timeout=config.request_timeout),
-                        deployments or DeploymentClient(timeout=config.request_timeout))
+                        deployments or DeploymentClient(timeout=config.request_timeout),
+                        allowed=PrometheusAllowlist(config.prometheus_urls))
     controllers = Controllers(controller, scaler)
+    trust = WorkerTrust()  # which pods each pool may reach (worker_trust.py)
     timers = TimerTasks()  # stopped at once when the operator stops (timer_tasks.py)
     res_pools, res_adapters = (GROUP, VERSION, POOLS), (GROUP, VERSION, ADAPTERS)
 
@@ -144,6 +152,15 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
     @kopf.index("pods", id="worker_pods", registry=registry)
     def worker_pods(namespace: str, body: kopf.Body, **_: Any) -> dict[str, Any]:
         return {namespace: _slim_pod(body)}
+
+    @kopf.index("apps", "v1", "replicasets", id="worker_replicasets", registry=registry)
+    def worker_replicasets(namespace: str, body: kopf.Body, **_: Any) -> dict[str, Any]:
+        return {namespace: slim_replicaset(dict(body))}
+
+    def pool_pods(namespace: str, body: dict[str, Any], indexes: dict[str, kopf.Index]) -> list[dict[str, Any]]:
+        """The pods pool ``body`` may reach (nothing logged: its passes' ``trust.admit`` logs those it may not)."""
+        return trusted_pods(body, indexes["worker_pods"].get(namespace, []),
+                            indexes["worker_replicasets"].get(namespace, []))[0]
 
     @kopf.index(*res_pools, id="pools_by_name", registry=registry)
     def pools_by_name(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[Any, Any]:
@@ -163,14 +180,16 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
 
     async def run_pass(namespace: str, pool: str, indexes: dict[str, kopf.Index], *, max_age: float = 0.0):
         key = (namespace, pool)
+        bodies = indexes["pools_by_name"].get(key, [])
         # Another pool's adapter being deleted too: it may have moved here from this pool, whose pods hold it.
         moved = [body for body in indexes["deleting_adapters"].get(namespace, [])
                  if (body.get("spec") or {}).get("pool", "") != pool]
         return await controller.run(
             key,
-            pools=indexes["pools_by_name"].get(key, []),
+            pools=bodies,
             adapters=[*indexes["adapters_by_pool"].get(key, []), *moved],
-            pods=indexes["worker_pods"].get(namespace, []),
+            pods=trust.admit(key, bodies, indexes["worker_pods"].get(namespace, []),
+                             indexes["worker_replicasets"].get(namespace, [])),
             other_pools=other_pools(namespace, pool, indexes),
             max_age=max_age,
         )
@@ -183,7 +202,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
             PoolSpec.parse(dict(body))
         except SpecError as exc:
             # It keeps its claim on the pods it selects (see ownership.own_pods), and says so.
-            held, shared = invalid_pool_claim(dict(body), kwargs["worker_pods"].get(namespace, []),
+            held, shared = invalid_pool_claim(dict(body), pool_pods(namespace, dict(body), kwargs),
                                               other_pools(namespace, name, kwargs))
             wanted = invalid_pool_status(dict(status), int(body.metadata.get("generation") or 0), str(exc),
                                          now=utc_now(), held=held, shared_pods=shared)
@@ -204,6 +223,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
         if not timers.enter(stopped):
             return
         controller.retain(set(kwargs["pools_by_name"]))  # memory of pools deleted while this replica stood by
+        trust.retain(set(kwargs["pools_by_name"]))
         with contextlib.suppress(kopf.PermanentError):  # a bad spec is already reported in status
             await reconcile_pool_handler(max_age=config.interval / 2, **kwargs)
 
@@ -216,7 +236,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
         if body.metadata.get("deletionTimestamp"):
             return
         # ``status`` is kopf's live view: the pass merges its condition into the status as it is at its end.
-        wanted = await scaler.run(dict(body), status=status, pods=kwargs["worker_pods"].get(namespace, []),
+        wanted = await scaler.run(dict(body), status=status, pods=pool_pods(namespace, dict(body), kwargs),
                                   other_pools=other_pools(namespace, name, kwargs), now=utc_now())
         patch.status.update(status_changes(dict(status), wanted))
 
@@ -239,6 +259,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
                            "any, are left as they are, holding its adapters; delete those pods to unload them")
         controller.forget((namespace, name))
         scaler.forget((namespace, name))
+        trust.forget((namespace, name))
         log.warning("LoRAPool %s/%s deleted; its adapters turn Degraded until it exists again", namespace, name)
 
     # --- LoRAAdapter -----------------------------------------------------------------------------

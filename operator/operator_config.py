@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from lorafleet.operator.prometheus_allowlist import PrometheusAllowlist
+
 
 @dataclass(slots=True)
 class OperatorConfig:
@@ -11,6 +13,9 @@ class OperatorConfig:
     interval: float = field(default=10.0, metadata={"help": "seconds between drift checks of every pool"})
     scale_interval: float = field(default=30.0, metadata={
         "help": "seconds between autoscaler passes over every pool with spec.scaling"})
+    prometheus_urls: tuple[str, ...] = field(default=(), metadata={
+        "help": "the Prometheus servers a pool's spec.scaling.prometheusURL may name, as scheme://host:port, "
+                "comma-separated (any path on one is allowed); empty: none, and no pool is autoscaled"})
     retry_delay: float = field(default=2.0, metadata={"help": "seconds before a recoverable step is retried"})
     stager_token: str = field(default="", metadata={
         "help": "bearer token of the worker sidecars (from a Secret; required, >= 16 chars as the stager requires)"})
@@ -42,6 +47,7 @@ class OperatorConfig:
             raise ValueError(f"push_timeout must be > 0 seconds (got {self.push_timeout})")
         if self.unload_grace <= 0:
             raise ValueError(f"unload_grace must be > 0 seconds (got {self.unload_grace})")
+        PrometheusAllowlist(self.prometheus_urls)  # raises ValueError naming a malformed entry
         if not 0 <= self.liveness_port < 65536:
             raise ValueError(f"liveness_port must be a TCP port or 0 (got {self.liveness_port})")
         if len(self.stager_token) < 16:  # every stager refuses a shorter one (worker/stager_config.py)

@@ -78,8 +78,9 @@ class PoolSignals(NamedTuple):
 
 
 class PrometheusClient:
-    """Instant queries to any Prometheus (the URL is per call: each pool names its own), over one aiohttp
-    session with a ``timeout`` per query (closed by ``close``)."""
+    """Instant queries to a Prometheus (the URL is per call: each pool names its own, which the scaler first
+    checks against the operator's allowlist), over one aiohttp session with a ``timeout`` per query (closed by
+    ``close``). A redirect is not followed: it would lead the request to a URL no allowlist vetted."""
 
     def __init__(self, *, timeout: float) -> None:
         self.timeout = timeout
@@ -104,7 +105,7 @@ class PrometheusClient:
         an infinity."""
         url = base_url.rstrip("/") + "/api/v1/query"
         try:
-            async with self._client().post(url, data={"query": promql}) as resp:
+            async with self._client().post(url, data={"query": promql}, allow_redirects=False) as resp:
                 text = await resp.text()
                 status = resp.status
         except TimeoutError:

@@ -3,16 +3,18 @@
 Kopf-free glue between the pool's autoscale timer and ``autoscaler`` (the policy). A pass:
 
 1. parses the pool (a bad spec: Scaling False ``InvalidSpec``, naming the field);
-2. leaves a Deployment that another live pool, first by name, also targets to that pool
+2. stops where the operator may not ask the pool's Prometheus (``PrometheusURLNotAllowed``, naming the
+   setting: prometheus_allowlist.py): no request goes to it, no replicas change;
+3. leaves a Deployment that another live pool, first by name, also targets to that pool
    (``AmbiguousTarget``): two pools would undo each other's replicas every pass;
-3. reads the target Deployment's ``spec.replicas`` (``TargetNotFound`` / ``FailedGetScale``);
-4. a count outside [minReplicas, maxReplicas] is corrected at once, without metrics (as HPA does);
-5. else asks Prometheus for the pool's ready worker pods' hit rate, KV usage and requests waiting
+4. reads the target Deployment's ``spec.replicas`` (``TargetNotFound`` / ``FailedGetScale``);
+5. a count outside [minReplicas, maxReplicas] is corrected at once, without metrics (as HPA does);
+6. else asks Prometheus for the pool's ready worker pods' hit rate, KV usage and requests waiting
    (``MetricsUnavailable``),
    recommends, stabilizes, and holds a scale-up while earlier new replicas are not ready workers yet
    (their load is not in the metrics: scaling again would overshoot), for at most ``MAX_READY_WAIT``
    seconds per replica count (a replica that never becomes ready must not hold scale-ups forever);
-6. patches ``spec.replicas`` when the result differs (``FailedUpdateScale``).
+7. patches ``spec.replicas`` when the result differs (``FailedUpdateScale``).
 
 It returns the status keys it writes: ``hitRate`` and ``kvUsage`` (when known; ``OWNED_KEYS`` leaves
 ``kvUsage`` out, as the reconcile writes it again once ``spec.scaling`` goes), ``desiredReplicas``,
@@ -34,6 +36,7 @@ from lorafleet.operator.crd_models import PoolSpec, SpecError
 from lorafleet.operator.deployments import DeploymentClient, KubeError, TargetNotFound
 from lorafleet.operator.ownership import ready_worker_pods
 from lorafleet.operator.prometheus import MetricsError, PoolSignals, PrometheusClient
+from lorafleet.operator.prometheus_allowlist import PrometheusAllowlist
 from lorafleet.operator.statuses import condition
 
 log = logging.getLogger(__name__)
@@ -63,9 +66,10 @@ class _PoolMemory:
 class PoolScaler:
     """The autoscaler of every pool (one pass: ``run``), with each pool's memory (``forget`` / ``retain``)."""
 
-    def __init__(self, metrics: PrometheusClient, deployments: DeploymentClient, *,
+    def __init__(self, metrics: PrometheusClient, deployments: DeploymentClient, *, allowed: PrometheusAllowlist,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.metrics = metrics
+        self.allowed = allowed  # the Prometheus servers it may ask
         self.deployments = deployments
         self.clock = clock
         self._memory: dict[PoolKey, _PoolMemory] = {}  # per pool, for its current target
@@ -122,6 +126,10 @@ class PoolScaler:
             return scaling(False, "InvalidSpec", str(exc))
         spec, namespace, key = pool.scaling, pool.namespace, (pool.namespace, pool.name)
         assert spec is not None  # spec.scaling is set
+        refused = self.allowed.problem(spec.prometheus_url)
+        if refused is not None:
+            return scaling(False, "PrometheusURLNotAllowed", f"spec.scaling.prometheusURL: {refused}; replicas are "
+                                                             f"left as they are")
         rival = _rival(pool.name, spec.target, other_pools)
         if rival is not None:
             self.forget(key)

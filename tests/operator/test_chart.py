@@ -15,6 +15,7 @@ import yaml
 
 from lorafleet.operator.crd_models import PoolSpec
 from lorafleet.operator.operator_config import OperatorConfig
+from lorafleet.operator.prometheus_allowlist import PrometheusAllowlist
 from lorafleet.operator.workers import selector_matches
 from lorafleet.worker.cli import build_parser
 
@@ -72,6 +73,13 @@ def env_names(container: dict) -> set[str]:
     return {e["name"] for e in container.get("env") or [] if e["name"].startswith("LORAFLEET_")}
 
 
+def operator_prometheus(docs: list[dict]) -> PrometheusAllowlist:
+    """The Prometheus servers the rendered operator may ask."""
+    operator = find(docs, "Deployment", "-operator")["spec"]["template"]["spec"]["containers"][0]
+    value = next(e["value"] for e in operator["env"] if e["name"] == "LORAFLEET_PROMETHEUS_URLS")
+    return OperatorConfig(stager_token="s" * 16, prometheus_urls=tuple(filter(None, value.split(",")))).prometheus_urls
+
+
 def config_env_names(cls) -> set[str]:
     parser = build_parser(cls, env={})
     text = " ".join(parser.format_help().split())  # argparse wraps lines at spaces
@@ -124,9 +132,11 @@ def test_worker_pod_engine_and_sidecar():
     assert cache == {m["mountPath"] for m in stager["volumeMounts"] if m["name"] == "adapter-cache"}
     # Object-store credentials live only in the sidecar.
     assert not any(n.startswith("LORAFLEET_S3") for n in env_names(engine))
-    # The pool the chart creates selects exactly these pods, and the Service routes to them.
+    # The pool the chart creates selects exactly these pods, reaches only those the Deployment made, and the
+    # Service routes to them.
     pool = find(docs, "LoRAPool")
     assert selector_matches(pool["spec"]["workerSelector"], pod["metadata"]["labels"])
+    assert pool["spec"]["workerDeployment"] == find(docs, "Deployment", "-worker")["metadata"]["name"]
     assert selector_matches({"matchLabels": find(docs, "Service")["spec"]["selector"]}, pod["metadata"]["labels"])
 
 
@@ -160,6 +170,9 @@ def test_operator_rbac_is_least_privilege():
         # subresource, nothing else (patch on deployments could change the pod template).
         deployments = [r for r in rules if any(x.startswith("deployments") for x in r["resources"])]
         assert deployments == [{"apiGroups": ["apps"], "resources": ["deployments/scale"], "verbs": ["get", "patch"]}]
+        # Which Deployment made a worker pod: read through its ReplicaSet.
+        replicasets = [r for r in rules if "replicasets" in r["resources"]]
+        assert replicasets == [{"apiGroups": ["apps"], "resources": ["replicasets"], "verbs": ["get", "list", "watch"]}]
         events = [r for r in rules if "events" in r["resources"]]
         assert events == [{"apiGroups": [""], "resources": ["events"], "verbs": ["create"]}]  # kopf: core v1 only
         replicated = values.get("operator", {}).get("replicas", 1) > 1
@@ -300,11 +313,13 @@ def test_readme_quick_start_pool_owns_the_chart_workers():
     pools = [d for d in examples if d["kind"] == "LoRAPool"]
     assert pools
     deployments = {d["metadata"]["name"] for d in docs if d["kind"] == "Deployment"}
+    allowed = PrometheusAllowlist(operator_prometheus(docs))
     for pool in pools:
         assert pool["metadata"]["namespace"] == namespace
         assert selector_matches(pool["spec"]["workerSelector"], labels)
         assert pool["spec"]["stagerPort"] == values.get("worker", {}).get("stagerPort", 8001)
         assert pool["spec"]["scaling"]["target"] in deployments
+        assert allowed.problem(pool["spec"]["scaling"]["prometheusURL"]) is None  # the operator may ask it
     names = {p["metadata"]["name"] for p in pools}
     for adapter in (d for d in examples if d["kind"] == "LoRAAdapter"):
         assert adapter["spec"]["pool"] in names and adapter["metadata"]["namespace"] == namespace
@@ -344,3 +359,17 @@ def test_worker_replicas_are_left_to_the_autoscaler():
     assert find(render({"pool": {"scaling": {**scaling, "target": "other"}}}), "LoRAPool")["spec"]["scaling"][
         "target"] == "other"
     assert "scaling" not in find(render({}), "LoRAPool")["spec"]
+
+
+def test_the_operator_asks_only_the_prometheus_servers_the_release_names():
+    """operator.prometheusURLs (default: the README's Prometheus), plus the origin of the chart's own pool's
+    prometheusURL; [] leaves autoscaling off."""
+    assert operator_prometheus(render({})) == ("http://prometheus.monitoring:9090",)
+    scaling = {"prometheusURL": "https://metrics.example:8443/prometheus", "maxReplicas": 4}
+    assert operator_prometheus(render({"pool": {"scaling": scaling}})) == (
+        "http://prometheus.monitoring:9090", "https://metrics.example:8443")
+    assert operator_prometheus(render({"operator": {"prometheusURLs": []}})) == ()
+    assert operator_prometheus(render({"operator": {"prometheusURLs": []}, "pool": {"create": False,
+                                                                                   "scaling": scaling}})) == ()
+    with pytest.raises(helm.HelmValuesError):
+        render({"operator": {"prometheusURLs": ["http://user:pw@prometheus:9090"]}})

@@ -109,6 +109,8 @@ def test_crd_and_parser_agree_on_scaling_bounds(scaling, ok):
     ({}, True), ({"target": None}, False), ({"prometheusURL": None}, False), ({"maxReplicas": None}, False),
     ({"target": "Workers"}, False), ({"target": "workers.v2"}, True), ({"target": "w" * 254}, False),
     ({"prometheusURL": "prometheus:9090"}, False), ({"prometheusURL": "https://prom.example/sub"}, True),
+    ({"prometheusURL": "http://user:pw@prom:9090"}, False), ({"prometheusURL": "http://prom:9090@169.254.169.254"}, False),
+    ({"prometheusURL": "http://prom:9090/a@b"}, True), ({"prometheusURL": "http:///prom"}, False),
     ({"maxReplicas": 0}, False), ({"minReplicas": 0}, True), ({"targetHitRate": 1.2}, False),
     ({"scaleDownStabilizationSeconds": -5}, False), ({"rateWindowSeconds": 300}, True), ({"rateWindowSeconds": 9}, False),
     ({"rateWindowSeconds": 86401}, False), ({"rateWindowSeconds": "2m"}, False),
@@ -118,6 +120,14 @@ def test_crd_and_parser_agree_on_scaling_bounds(scaling, ok):
 def test_crd_and_parser_agree_on_scaling_fields(scaling, ok):
     doc = next(d for d in example_docs() if d["kind"] == "LoRAPool")
     doc["spec"]["scaling"] = {k: v for k, v in {**doc["spec"]["scaling"], **scaling}.items() if v is not None}
+    assert accepts(lambda: validate(doc, "lorapools")) == ok == accepts(lambda: PoolSpec.parse(doc))
+
+
+@pytest.mark.parametrize(("name", "ok"), [("lorafleet-worker", True), ("workers.v2", True), ("Workers", False),
+                                          ("w" * 254, False), (7, False), ("", False)])
+def test_crd_and_parser_agree_on_the_worker_deployment(name, ok):
+    doc = next(d for d in example_docs() if d["kind"] == "LoRAPool")
+    doc["spec"]["workerDeployment"] = name
     assert accepts(lambda: validate(doc, "lorapools")) == ok == accepts(lambda: PoolSpec.parse(doc))
 
 

@@ -30,6 +30,25 @@ async def create_deployment(emulator, name: str, replicas: int | None) -> None:
     await api(emulator, "POST", f"/apis/apps/v1/namespaces/{NS}/deployments", deployment_body(name, replicas))
 
 
+async def create_replicaset(emulator, deployment: str | None, name: str) -> dict:
+    """A ReplicaSet that ``deployment`` controls (None: none does), as the Deployment controller makes one;
+    returns the controller reference its pods carry."""
+    meta = {"name": name, "namespace": NS, "resourceVersion": "1", "uid": f"uid-{name}"}
+    if deployment is not None:
+        meta["ownerReferences"] = [{"apiVersion": "apps/v1", "kind": "Deployment", "name": deployment,
+                                    "uid": f"uid-{deployment}", "controller": True, "blockOwnerDeletion": True}]
+    body = {"apiVersion": "apps/v1", "kind": "ReplicaSet", "metadata": meta,
+            "spec": {"selector": {"matchLabels": {"app.kubernetes.io/component": "worker"}}}}
+    await api(emulator, "POST", f"/apis/apps/v1/namespaces/{NS}/replicasets", body)
+    return {"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": name, "uid": meta["uid"], "controller": True,
+            "blockOwnerDeletion": True}
+
+
+def controlled_by(pod: dict, owner: dict) -> dict:
+    """``pod`` with ``owner`` as its controller reference."""
+    return {**pod, "metadata": {**pod["metadata"], "ownerReferences": [owner]}}
+
+
 async def test_get_and_patch_replicas(cluster):  # noqa: F811
     emulator, url = cluster
     await create_deployment(emulator, "workers", 2)

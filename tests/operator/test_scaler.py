@@ -10,6 +10,7 @@ import pytest
 from lorafleet.operator.controller import merge_conditions
 from lorafleet.operator.deployments import KubeError, TargetNotFound
 from lorafleet.operator.prometheus import MetricsError
+from lorafleet.operator.prometheus_allowlist import PrometheusAllowlist
 from lorafleet.operator.scaler import MAX_READY_WAIT, PoolScaler
 
 NOW = "2026-01-01T00:00:00Z"
@@ -82,7 +83,8 @@ def pool(status: dict | None = None, **scaling) -> dict:
 @pytest.fixture()
 def setup():
     metrics, deployments, clock = Metrics(), Deployments(2), Clock()
-    return PoolScaler(metrics, deployments, clock=clock), metrics, deployments, clock
+    scaler = PoolScaler(metrics, deployments, allowed=PrometheusAllowlist([PROM]), clock=clock)
+    return scaler, metrics, deployments, clock
 
 
 async def tick(scaler: PoolScaler, body: dict, pods: list[dict]) -> dict:

@@ -13,7 +13,8 @@ from lorafleet.operator.deployments import DeploymentClient
 from tests.s3_server import free_port
 
 from .fake_metrics import FakePod, scraped
-from .test_deployments import DEPLOYMENTS, create_deployment
+from .local_http import serving
+from .test_deployments import DEPLOYMENTS, controlled_by, create_deployment, create_replicaset
 from .test_handlers import (  # noqa: F401  (fixtures)
     NS,
     POOL,
@@ -26,6 +27,7 @@ from .test_handlers import (  # noqa: F401  (fixtures)
     running_operator,
     sidecars,
 )
+from .test_prometheus_allowlist import Recorder
 
 
 def scaling_pool(name: str, prometheus_url: str, selector: dict | None = None, **scaling) -> dict:
@@ -50,9 +52,9 @@ def replicas_history(emulator, name: str = "workers") -> list[int]:
     return [v["spec"]["replicas"] for v in emulator.objects[DEPLOYMENTS, NS, name].history]
 
 
-def operator_for(url: str):
-    """The operator with its autoscaler talking to the emulator, every 0.3 s."""
-    return running_operator(url, scale_interval=0.3,
+def operator_for(url: str, prometheus_url: str):
+    """The operator with its autoscaler talking to the emulator, every 0.3 s, allowed to ask that Prometheus."""
+    return running_operator(url, scale_interval=0.3, prometheus_urls=(prometheus_url,),
                             deployments=DeploymentClient(kopf.ConnectionInfo(server=url, token="test"), timeout=2.0))
 
 
@@ -64,8 +66,10 @@ async def with_deployments(emulator) -> None:
 
 
 async def start_workers(emulator, stagers) -> None:
+    """Pods the pools' target Deployment made: the only ones they reach (worker_trust.py)."""
+    owner = await create_replicaset(emulator, "workers", "workers-5d8f7c")
     for i, s in enumerate(stagers):
-        await create(emulator, "pods", pod_body(f"worker-{i}", s.port))
+        await create(emulator, "pods", controlled_by(pod_body(f"worker-{i}", s.port), owner))
 
 
 async def test_high_kv_usage_scales_the_deployment_up(cluster, sidecars, tmp_path):  # noqa: F811
@@ -80,7 +84,7 @@ async def test_high_kv_usage_scales_the_deployment_up(cluster, sidecars, tmp_pat
             return bool(result) and result[0]["value"][1] == "3"
 
         await prom.wait_for(has_rates, "two samples of every fake pod")
-        async with operator_for(url):
+        async with operator_for(url, prom.url):
             await start_workers(emulator, sidecars)
             await create(emulator, "lorapools", scaling_pool("main", prom.url, kvHigh=0.6))
             # ceil(2 * 0.95 / 0.6) = 4 replicas at once.
@@ -108,7 +112,7 @@ async def test_failures_are_conditions_and_touch_no_replicas(cluster, sidecars):
     emulator, url = cluster
     await with_deployments(emulator)
     down = f"http://127.0.0.1:{free_port()}"  # no Prometheus there
-    async with operator_for(url):
+    async with operator_for(url, down):
         await start_workers(emulator, sidecars)
         await create(emulator, "lorapools", scaling_pool("main", down))
         await create(emulator, "lorapools", scaling_pool("other", down, {"app": "none"}, target="no-such-workers"))
@@ -155,10 +159,35 @@ async def test_passes_that_change_nothing_log_nothing(cluster, sidecars, caplog)
     await with_deployments(emulator)
     caplog.set_level(logging.INFO)
     deployments = CountingDeployments(kopf.ConnectionInfo(server=url, token="test"), timeout=2.0)
-    async with running_operator(url, scale_interval=0.3, deployments=deployments):
+    down = f"http://127.0.0.1:{free_port()}"
+    async with running_operator(url, scale_interval=0.3, prometheus_urls=(down,), deployments=deployments):
         await start_workers(emulator, sidecars)
-        await create(emulator, "lorapools", scaling_pool("main", f"http://127.0.0.1:{free_port()}"))
+        await create(emulator, "lorapools", scaling_pool("main", down))
         await eventually(lambda: deployments.num_gets >= 5, "five autoscaler passes")
     messages = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
     assert any("pool_changed' succeeded" in m for m in messages)  # a handler's outcome is still logged
     assert not [m for m in messages if m.startswith("Timer ")]
+
+
+async def test_a_prometheus_the_operator_may_not_ask_gets_no_request(cluster, sidecars):  # noqa: F811
+    """Whoever may write a pool must not make the operator send requests wherever the pool points: a pool
+    whose prometheusURL is not on --prometheus-urls is told so, its Prometheus (a local server standing at
+    that URL) gets nothing, and the pool still serves its adapters."""
+    emulator, url = cluster
+    await with_deployments(emulator)
+    recorder = Recorder()
+    async with serving(recorder.app()) as elsewhere, operator_for(url, "http://prometheus.monitoring:9090"):
+        await start_workers(emulator, sidecars)
+        await create(emulator, "lorapools", scaling_pool("main", f"{elsewhere}/latest/meta-data"))
+        cond = await eventually(lambda: condition(emulator, "main"), "a Scaling condition on main")
+        assert (cond["status"], cond["reason"]) == ("False", "PrometheusURLNotAllowed")
+        assert cond["message"].startswith(f"spec.scaling.prometheusURL: '{elsewhere}/latest/meta-data' is not on a "
+                                          f"Prometheus the operator may ask (http://prometheus.monitoring:9090)")
+        assert "--prometheus-urls (env LORAFLEET_PROMETHEUS_URLS" in cond["message"]
+        await eventually(lambda: condition(emulator, "main", "Ready")["status"] == "True", "the pool Ready")
+        # With its ready workers known, a pass (of the edited spec) asks no Prometheus either.
+        await patch(emulator, "lorapools", "main", {"metadata": {"generation": 2}, "spec": {"scaling": {
+            "prometheusURL": f"{elsewhere}/computeMetadata/v1"}}})
+        await eventually(lambda: "/computeMetadata/v1' is not on" in condition(emulator, "main")["message"],
+                         "a pass of the edited spec")
+    assert recorder.requests == [] and replicas_history(emulator) == [2]

@@ -25,6 +25,17 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/component: operator
 {{- end -}}
 
+{{/* The operator's allowed Prometheus origins: operator.prometheusURLs and the chart's own pool's. */}}
+{{- define "lorafleet.prometheusURLs" -}}
+{{- $urls := .Values.operator.prometheusURLs | default list -}}
+{{- $scaling := .Values.pool.scaling | default dict -}}
+{{- if and .Values.worker.enabled .Values.pool.create $scaling.prometheusURL -}}
+{{- $url := urlParse $scaling.prometheusURL -}}
+{{- $urls = append $urls (printf "%s://%s" $url.scheme $url.host) -}}
+{{- end -}}
+{{- $urls | uniq | join "," -}}
+{{- end -}}
+
 {{- define "lorafleet.image" -}}
 {{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
 {{- end -}}

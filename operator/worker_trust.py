@@ -1,0 +1,155 @@
+"""Which of the pods a pool's workerSelector matches the operator may talk to: those its worker Deployment made.
+
+Every request to a sidecar (state read, push) carries the stager token, the same for every sidecar, and a
+selector is only labels: anyone who may create a pod in the namespace could give one the labels and collect
+the token. So a pool that names its worker Deployment (``spec.workerDeployment``, else ``spec.scaling.target``,
+the Deployment it scales) reaches only the pods whose controller is a ReplicaSet of that Deployment: the
+ReplicaSet as the operator's index has it, by name and uid, controlled by a Deployment of that name. The rest
+are left out of the pool's pass altogether (never read, pushed to or emptied), and logged once each.
+
+A pod's ownerReferences are written by whoever creates it, so this does not stop one who forges them; but
+the ReplicaSet controller counts such a pod among its replicas and deletes the surplus, an unscheduled new
+pod first, so it rarely lives to be ready (only ready pods are pushed to). A pool that names no Deployment
+reaches every pod its selector matches, as before; it is logged once that it does.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+from lorafleet.operator.controller import PoolKey
+from lorafleet.operator.crd_models import pool_selector
+from lorafleet.operator.workers import selector_matches
+
+log = logging.getLogger(__name__)
+
+
+def worker_deployment(body: dict[str, Any]) -> str | None:
+    """The Deployment a pool's workers must come from: ``spec.workerDeployment``, else ``spec.scaling.target``;
+    None where it names neither. Read from the body, valid or not: an invalid pool's pass still reaches its
+    pods to unload deleted adapters. A value that is not a name ("" where not a string) matches no pod."""
+    spec = body.get("spec") or {}
+    scaling = spec.get("scaling")
+    name = spec.get("workerDeployment")
+    if name is None and isinstance(scaling, dict):
+        name = scaling.get("target")
+    if name is None:
+        return None
+    return name if isinstance(name, str) else ""
+
+
+def slim_replicaset(body: dict[str, Any]) -> dict[str, Any]:
+    """What the check needs of a ReplicaSet (the index holds this): its name, uid and controlling Deployment."""
+    meta = body.get("metadata") or {}
+    owner = _controller(meta)
+    deployment = owner.get("name") if owner and owner.get("kind") == "Deployment" else None
+    return {"name": meta.get("name"), "uid": meta.get("uid"), "deployment": deployment}
+
+
+def _controller(meta: dict[str, Any]) -> dict[str, Any] | None:
+    return next((ref for ref in meta.get("ownerReferences") or [] if ref.get("controller")), None)
+
+
+def made_by(
+    pod: dict[str, Any], deployment: str, replicasets: dict[tuple[str, str], str | None]
+) -> str | None:
+    """None when ``deployment`` made the pod, through a ReplicaSet it controls (``replicasets``: (name, uid) ->
+    controlling Deployment); else the pod's controller, as it is."""
+    owner = _controller(pod.get("metadata") or {})
+    if owner is None:
+        return "none"
+    named = f"{owner.get('kind')} {owner.get('name')!r}"
+    if owner.get("kind") != "ReplicaSet":
+        return named
+    rs = (owner.get("name"), owner.get("uid"))
+    if rs not in replicasets:
+        return f"{named}, not known under uid {owner.get('uid')!r}"
+    if replicasets[rs] != deployment:
+        return (
+            f"{named} of Deployment {replicasets[rs]!r}" if replicasets[rs] else f"{named}, of no Deployment"
+        )
+    return None
+
+
+def trusted_pods(
+    body: dict[str, Any], pods: Iterable[dict[str, Any]], replicasets: Iterable[dict[str, Any]]
+) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """(the pods pool ``body`` may reach, pod name -> its controller for each pod its selector matches that it
+    may not reach)."""
+    pods = list(pods)
+    deployment = worker_deployment(body)
+    if deployment is None:
+        return pods, {}
+    made = {(rs["name"], rs["uid"]): rs["deployment"] for rs in replicasets}
+    selector = pool_selector(body)
+    trusted, skipped = [], {}
+    for pod in pods:
+        meta = pod.get("metadata") or {}
+        why = made_by(pod, deployment, made)
+        if why is None:
+            trusted.append(pod)
+        elif selector is not None and selector_matches(selector, meta.get("labels") or {}):
+            skipped[meta.get("name", "")] = why
+    return trusted, skipped
+
+
+class WorkerTrust:
+    """``trusted_pods`` for each pool's pass, logging each pod it leaves out once (while it is left out), and
+    once that a pool names no Deployment."""
+
+    def __init__(self) -> None:
+        self._skipped: dict[PoolKey, set[tuple[str, str]]] = {}  # (pod, uid) left out at the last pass
+        self._open: set[PoolKey] = set()  # pools that name no Deployment, as logged
+
+    def admit(
+        self,
+        key: PoolKey,
+        pools: Iterable[dict[str, Any]],
+        pods: Iterable[dict[str, Any]],
+        replicasets: Iterable[dict[str, Any]],
+    ) -> list[dict[str, Any]]:
+        """The pods pool ``key`` (``pools``: its bodies, live or deleting) may reach; none without a pool."""
+        body = next(iter(pools), None)
+        if body is None:
+            return []
+        pods = list(pods)
+        trusted, skipped = trusted_pods(body, pods, replicasets)
+        deployment = worker_deployment(body)
+        if deployment is None and key not in self._open:
+            self._open.add(key)
+            log.warning(
+                "LoRAPool %s/%s names no worker Deployment: every pod its workerSelector matches is sent the "
+                "stager token; set spec.workerDeployment to the Deployment that runs its workers to reach only "
+                "the pods it made",
+                *key,
+            )
+        elif deployment is not None:
+            self._open.discard(key)
+        uids = {
+            (p.get("metadata") or {}).get("name", ""): (p.get("metadata") or {}).get("uid") or ""
+            for p in pods
+        }
+        now = {(name, uids.get(name, "")) for name in skipped}
+        for pod, _ in sorted(now - self._skipped.get(key, set())):
+            log.warning(
+                "LoRAPool %s/%s: pod %s matches spec.workerSelector, but its controller (%s) is no ReplicaSet of "
+                "Deployment %r (spec.workerDeployment, else spec.scaling.target): it is sent nothing, the stager "
+                "token included",
+                *key,
+                pod,
+                skipped[pod],
+                deployment,
+            )
+        self._skipped[key] = now
+        return trusted
+
+    def forget(self, key: PoolKey) -> None:
+        self._skipped.pop(key, None)
+        self._open.discard(key)
+
+    def retain(self, keys: set[PoolKey]) -> None:
+        """Keep the memory of these pools only (the live ones)."""
+        for key in (set(self._skipped) | self._open) - keys:
+            self.forget(key)

@@ -1,0 +1,173 @@
+"""The stager token goes only to pods the pool's worker Deployment made: which pods a pool may reach, the
+log of those it may not (once each), and, in the running operator, a pod that only copies the workers'
+labels (a sidecar double stands for it) being sent nothing."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+
+from lorafleet.operator.worker_trust import WorkerTrust, slim_replicaset, trusted_pods, worker_deployment
+
+from .fake_stager import FakeStager
+from .test_deployments import controlled_by, create_replicaset
+from .test_handlers import (  # noqa: F401  (fixtures)
+    NS,
+    POOL,
+    TOKEN,
+    adapter_body,
+    cluster,
+    create,
+    eventually,
+    pod_body,
+    running_operator,
+    status,
+)
+
+KEY = ("ns", "p")
+LABELS = {"app": "w"}
+
+
+def pool(**spec) -> dict:
+    body = {
+        "metadata": {"name": "p", "namespace": "ns"},
+        "spec": {"baseModel": "m", "workerSelector": {"matchLabels": LABELS}},
+    }
+    body["spec"].update(spec)
+    return body
+
+
+def rs_ref(name: str, uid: str | None = None, kind: str = "ReplicaSet") -> dict:
+    return {
+        "apiVersion": "apps/v1",
+        "kind": kind,
+        "name": name,
+        "uid": uid or f"uid-{name}",
+        "controller": True,
+    }
+
+
+def pod(name: str, *refs: dict, labels: dict | None = None) -> dict:
+    return {
+        "metadata": {
+            "name": name,
+            "uid": f"uid-{name}",
+            "labels": LABELS if labels is None else labels,
+            "ownerReferences": list(refs),
+        }
+    }
+
+
+def replicaset(name: str, deployment: str | None) -> dict:
+    refs = (
+        []
+        if deployment is None
+        else [{"kind": "Deployment", "name": deployment, "uid": "d", "controller": True}]
+    )
+    return slim_replicaset({"metadata": {"name": name, "uid": f"uid-{name}", "ownerReferences": refs}})
+
+
+REPLICASETS = [
+    replicaset("workers-1", "workers"),
+    replicaset("workers-2", "workers"),
+    replicaset("other-1", "other"),
+    replicaset("bare-1", None),
+]
+
+
+def test_the_worker_deployment_is_named_or_the_scaling_target():
+    assert worker_deployment(pool(workerDeployment="workers")) == "workers"
+    assert worker_deployment(pool(scaling={"target": "scaled"})) == "scaled"
+    assert worker_deployment(pool(workerDeployment="workers", scaling={"target": "scaled"})) == "workers"
+    assert worker_deployment(pool()) is None
+    assert worker_deployment(pool(scaling="bad")) is None
+    assert worker_deployment(pool(workerDeployment=7)) == ""  # an invalid pool's: matches nothing
+
+
+def test_only_pods_a_replicaset_of_the_deployment_made_are_reached():
+    pods = [
+        pod("w-1", rs_ref("workers-1")),
+        pod("w-2", rs_ref("workers-2")),  # another revision of the same Deployment
+        pod("w-moved", rs_ref("workers-1"), labels={"app": "moved"}),  # released: still its workers'
+        pod("rogue"),  # only the labels
+        pod("forged", rs_ref("workers-1", uid="made-up")),
+        pod("other", rs_ref("other-1")),
+        pod("bare", rs_ref("bare-1")),
+        pod("job", rs_ref("backup", kind="Job")),
+        pod("unrelated", labels={"app": "x"}),  # not selected: not reached, and nothing to say about it
+    ]
+    trusted, skipped = trusted_pods(pool(workerDeployment="workers"), pods, REPLICASETS)
+    assert [p["metadata"]["name"] for p in trusted] == ["w-1", "w-2", "w-moved"]
+    assert skipped == {
+        "rogue": "none",
+        "forged": "ReplicaSet 'workers-1', not known under uid 'made-up'",
+        "other": "ReplicaSet 'other-1' of Deployment 'other'",
+        "bare": "ReplicaSet 'bare-1', of no Deployment",
+        "job": "Job 'backup'",
+    }
+    assert trusted_pods(pool(), pods, REPLICASETS) == (pods, {})  # names no Deployment: every pod, as before
+
+
+def test_each_pod_left_out_is_logged_once(caplog):
+    caplog.set_level(logging.WARNING, logger="lorafleet.operator.worker_trust")
+    trust, body = WorkerTrust(), pool(workerDeployment="workers")
+    pods = [pod("w-1", rs_ref("workers-1")), pod("rogue")]
+    for _ in range(3):
+        assert [p["metadata"]["name"] for p in trust.admit(KEY, [body], pods, REPLICASETS)] == ["w-1"]
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages == [
+        "LoRAPool ns/p: pod rogue matches spec.workerSelector, but its controller (none) is no "
+        "ReplicaSet of Deployment 'workers' (spec.workerDeployment, else spec.scaling.target): it is "
+        "sent nothing, the stager token included"
+    ]
+    # Another pod under that name (a new uid) is told of again; so is one after its pool's memory went.
+    renewed = copy.deepcopy(pods)
+    renewed[1]["metadata"]["uid"] = "uid-rogue-2"
+    trust.admit(KEY, [body], renewed, REPLICASETS)
+    trust.retain(set())
+    trust.admit(KEY, [body], renewed, REPLICASETS)
+    assert len(caplog.records) == 3
+    assert trust.admit(KEY, [], pods, REPLICASETS) == []  # no pool, no pod to reach
+
+
+def test_a_pool_naming_no_deployment_is_logged_once(caplog):
+    caplog.set_level(logging.WARNING, logger="lorafleet.operator.worker_trust")
+    trust, pods = WorkerTrust(), [pod("rogue")]
+    assert trust.admit(KEY, [pool()], pods, []) == pods
+    assert trust.admit(KEY, [pool()], pods, []) == pods
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 1 and messages[0].startswith(
+        "LoRAPool ns/p names no worker Deployment: every pod"
+    )
+    assert "set spec.workerDeployment" in messages[0]
+
+
+@pytest.mark.parametrize("forged", [False, True])
+async def test_a_pod_with_the_workers_labels_only_is_sent_nothing(cluster, caplog, forged):  # noqa: F811
+    """A pod anyone may create with the workers' labels (or a controller reference to their ReplicaSet under a
+    made-up uid) gets no request, and the token with none; the Deployment's own pod is served as ever."""
+    emulator, url = cluster
+    caplog.set_level(logging.WARNING, logger="lorafleet.operator.worker_trust")
+    body = copy.deepcopy(POOL)
+    body["spec"]["workerDeployment"] = "workers"
+    async with FakeStager(TOKEN) as worker, FakeStager(TOKEN) as rogue, running_operator(url):
+        owner = await create_replicaset(emulator, "workers", "workers-5d8f7c")
+        await create(emulator, "pods", controlled_by(pod_body("worker-0", worker.port), owner))
+        impostor = pod_body("rogue", rogue.port)
+        await create(
+            emulator, "pods", controlled_by(impostor, {**owner, "uid": "made-up"}) if forged else impostor
+        )
+        await create(emulator, "lorapools", body)
+        await create(emulator, "loraadapters", adapter_body("sql"))
+        await eventually(
+            lambda: (
+                status(emulator, "sql")["instances"] == [{"pod": "worker-0", "version": "v1", "tier": "gpu"}]
+            ),
+            "sql served by worker-0",
+        )
+        await eventually(lambda: worker.reads >= 5, "several passes of the pool")
+    assert rogue.reads == 0 and rogue.pushes == [] and rogue.tokens == []
+    skipped = [r.getMessage() for r in caplog.records if "pod rogue" in r.getMessage()]
+    assert len(skipped) == 1 and "no ReplicaSet of Deployment 'workers'" in skipped[0]
