@@ -34,6 +34,7 @@ from pathlib import Path, PurePosixPath
 from lorafleet.worker.file_limits import MAX_FILE_BYTES, FileLimitError, check_file, check_size, read_chunks
 from lorafleet.worker.source_error import SourceError, read_error
 from lorafleet.worker.stager_digests import LocalDigests
+from lorafleet.worker.store_clients import StoreClients
 from lorafleet.worker.vocab_digest import TOKENIZER_FILES
 
 CONFIG_FILE = "adapter_config.json"
@@ -126,7 +127,7 @@ class Sources:
     def __init__(self, config: SourcesConfig) -> None:
         self.config = config
         self._roots = [Path(r).resolve() for r in config.local_roots]
-        self._client = self._quick_client = None
+        self.clients = StoreClients(config)  # worker/store_clients.py
         self.digests = LocalDigests()  # of local folders: an unchanged one is not read again
 
     # ---- checks --------------------------------------------------------------------------------
@@ -162,32 +163,6 @@ class Sources:
         return path
 
     # ---- fetching ------------------------------------------------------------------------------
-    def client(self, *, quick: bool = False):
-        """The object-store client; `quick`: one whose reads give up after `store_check_timeout_s` (retried
-        once), for checks that have a cached copy to fall back on or a store that did not answer lately."""
-        if quick:
-            if self._quick_client is None:
-                self._quick_client = self._new_client(self.config.store_check_timeout_s, retries=1)
-            return self._quick_client
-        if self._client is None:
-            self._client = self._new_client(30.0, retries=2)
-        return self._client
-
-    def _new_client(self, read_s: float, *, retries: int):
-        from minio import Minio
-
-        c = self.config
-        if not c.s3_endpoint:
-            raise SourceError("no object store configured: set LORAFLEET_S3_ENDPOINT (host:port)")
-        import urllib3
-
-        # Fail fast when the store is down (minio's default retries for minutes). A redirect is an
-        # error, never followed: it could point anywhere, out of the bucket/prefix allow-list.
-        http = urllib3.PoolManager(timeout=urllib3.Timeout(connect=3.0, read=read_s),
-                                   retries=urllib3.Retry(total=retries, backoff_factor=0.1, connect=1, redirect=False))
-        return Minio(c.s3_endpoint, access_key=c.s3_access_key, secret_key=c.s3_secret_key, secure=c.s3_secure,
-                     region=c.s3_region, http_client=http)
-
     def download(self, uri: str, dest: Path, *, progress: Callable[[int, int], None] | None = None,
                  deadline: float | None = None, etags: Etags | None = None) -> Path:
         """Download the adapter files under an allowed S3 prefix into `dest` (created). Only the PEFT
@@ -197,11 +172,12 @@ class Sources:
         Every object is read at the version the listing saw (If-Match on its ETag): an object replaced
         mid-download would otherwise mix files of two uploads; the download then starts over, up to
         `MAX_ATTEMPTS` times. `deadline` (time.monotonic()) ends a slow download with TimeoutError, even
-        in the middle of a read, so nothing keeps writing after the caller gave up. `etags` (`object_etags`,
+        in the middle of a read, so nothing keeps writing after the caller gave up; a store that stops
+        answering fails each request by then too (worker/store_clients.py). `etags` (`object_etags`,
         what the caller keyed its copy by): any other objects are refused (kind `changed`), never kept
         under a key that names other content."""
         loc = self.check_s3(uri)
-        client = self.client()
+        client = self.clients.client(deadline=deadline)
         wanted = {loc.prefix + n: n for n in STAGED_FILES}
         dest.mkdir(parents=True, exist_ok=True)
         for _ in range(MAX_ATTEMPTS):
@@ -238,19 +214,19 @@ class Sources:
                                      lambda: adapter_digest(path, self.config.max_adapter_file_bytes))
         return _check_digest(digest, sha256, where)
 
-    def object_etags(self, uri: str, *, quick: bool = False) -> Etags:
+    def object_etags(self, uri: str, *, quick: bool = False, deadline: float | None = None) -> Etags:
         """(name, etag) of the staged files (`STAGED_FILES`, tokenizer files included) under an S3 prefix:
-        identifies content without a digest. `quick`: with the quick client (`client(quick=True)`)."""
+        identifies content without a digest. `quick`, `deadline`: which client lists (worker/store_clients.py)."""
         loc = self.check_s3(uri)
         names = {loc.prefix + n for n in STAGED_FILES}
-        listing = self.client(quick=quick).list_objects(loc.bucket, prefix=loc.prefix)
+        listing = self.clients.client(quick=quick, deadline=deadline).list_objects(loc.bucket, prefix=loc.prefix)
         return sorted((o.object_name, o.etag or "") for o in listing if o.object_name in names)
 
     def list_adapters(self, uri: str) -> list[str]:
         """URIs of the adapter directories (folders with adapter_config.json) directly under a prefix."""
         loc = self.check_s3(uri)
         found = []
-        for o in self.client().list_objects(loc.bucket, prefix=loc.prefix, recursive=True):
+        for o in self.clients.client().list_objects(loc.bucket, prefix=loc.prefix, recursive=True):
             rest = o.object_name[len(loc.prefix):]
             folder, _, name = rest.partition("/")
             if name == CONFIG_FILE and folder:

@@ -11,8 +11,9 @@ needs `Authorization: Bearer <stager token>` (the routes: stager_http.py):
   paths to the engine's `PUT /admin/v1/state`. Same generation: no-op; lower: 409. A version that
   cannot be staged (store down, digest mismatch) is reported with its error; an adapter whose new
   version fails keeps its previously forwarded (already local) version, so the store being down
-  never takes away what is served. A store that does not answer costs a push one quick check, not
-  every version's timeouts (worker/stager_store.py): the rest of the push serves cached copies. The
+  never takes away what is served. A store that does not answer costs a push one quick check, and one
+  that stops answering during the push one download's timeout, not every version's timeouts
+  (worker/stager_store.py): the rest of the push serves cached copies. The
   disk cache keeps, whatever its budget, the copies the engine may read (worker/stager_holds.py):
   those it is served, those the push in progress stages, and those of versions a push replaced while
   the engine still reports them (a fallback); the others go first.
@@ -59,11 +60,11 @@ from lorafleet.worker.stager_holds import CacheHolds
 from lorafleet.worker.stager_locks import KeyLocks
 from lorafleet.worker.stager_metrics import StagerMetrics, progress_by_uri
 from lorafleet.worker.stager_seed import SeedReport, seed
-from lorafleet.worker.stager_store import StoreHealth
+from lorafleet.worker.stager_store import StoreDown, StoreHealth
 from lorafleet.worker.staging_errors import staging_error
 
 log = logging.getLogger("lorafleet.stager")
-_STALL_GRACE_S = 120.0  # beyond download_timeout_s: listings are bounded by the client's read timeouts and retries
+_STALL_GRACE_S = 120.0  # beyond download_timeout_s: the store's calls end by then, what follows (verifying) may not
 RECENT_DOWNLOADS = 100  # download times kept for `disk_stats` (all of them: the histogram in /metrics)
 
 
@@ -134,7 +135,7 @@ class Stager:
         # result or its error. A caller that goes away (client disconnect) does not cancel it for the others.
         flight = self._flights.get((key, uri))
         if flight is None:
-            flight = asyncio.ensure_future(self._stage_key(uri, sha256, key, etags))
+            flight = asyncio.ensure_future(self._stage_key(uri, sha256, key, etags, push_start))
             self._flights[(key, uri)] = flight
             flight.add_done_callback(functools.partial(self._landed, (key, uri)))
         try:
@@ -149,8 +150,10 @@ class Stager:
         return staged
 
     async def _list(self, uri: str, quick: bool) -> Etags:
+        """The objects under `uri`: a quick check, or a listing that ends by `download_timeout_s`."""
+        deadline = None if quick else time.monotonic() + self.config.download_timeout_s
         try:
-            etags = await asyncio.to_thread(self.sources.object_etags, uri, quick=quick)
+            etags = await asyncio.to_thread(self.sources.object_etags, uri, quick=quick, deadline=deadline)
         except Exception as exc:
             self.store.failed(exc)
             raise
@@ -171,7 +174,8 @@ class Stager:
         self.counts["hits" if outcome == "hit" else "misses"] += 1
         self.metrics.requests.labels(outcome).inc()
 
-    async def _stage_key(self, uri: str, sha256: str | None, key: str, etags: Etags | None = None) -> Staged:
+    async def _stage_key(self, uri: str, sha256: str | None, key: str, etags: Etags | None = None,
+                         push_start: float | None = None) -> Staged:
         async with self._locks.hold(key):  # one cache key, other URIs: the second finds the first's copy
             path = self.cache.get(key)
             if path is not None and key in self.cache.unverified:
@@ -183,9 +187,12 @@ class Stager:
             deadline = time.monotonic() + self.config.download_timeout_s
             try:
                 # The download gives up at the deadline itself (and removes its temp copy); the outer bound
-                # only covers a store that stalls a listing beyond the client's read timeouts.
-                path = await asyncio.wait_for(asyncio.to_thread(self._download, uri, sha256, key, deadline, etags),
-                                              self.config.download_timeout_s + _STALL_GRACE_S)
+                # only covers a thread that still hangs after it.
+                path = await asyncio.wait_for(
+                    asyncio.to_thread(self._download, uri, sha256, key, deadline, etags, push_start),
+                    self.config.download_timeout_s + _STALL_GRACE_S)
+            except StoreDown:  # not tried: no failed download
+                raise
             except Exception as exc:
                 self.counts["failures"] += 1
                 self.metrics.failures.inc()
@@ -202,7 +209,12 @@ class Stager:
             self._by_uri[uri] = key
             return Staged(path, (path / DIGEST_FILE).read_text().strip(), cached=False)
 
-    def _download(self, uri: str, sha256: str | None, key: str, deadline: float, etags: Etags | None) -> Path:
+    def _download(self, uri: str, sha256: str | None, key: str, deadline: float, etags: Etags | None,
+                  push_start: float | None) -> Path:
+        # Checked as the thread starts: a stage of this push that waited (for this key's lock, for a thread)
+        # while another download found the store down does not call it.
+        self.store.skip(push_start)
+
         def progress(done: int, total: int) -> None:
             self.downloading[key] = (uri, done, total)  # by key: one URI may be downloaded under two at once
 

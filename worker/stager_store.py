@@ -6,8 +6,13 @@ minutes per push, while later pushes queue behind it. So:
 
 * a push's first call to the store, every check that a cached copy is current (a version without a
   sha256) and every call while the store is down are quick ones (`store_check_timeout_s`, one retry);
-* the first failure to reach the store marks it down: for the rest of that push no version calls it
-  again (`StoreDown`): a version with a cached copy is served from it, one without fails at once;
+  the others (a download, the listing a copy without a sha256 is keyed by) end by `download_timeout_s`
+  (worker/store_clients.py), so a store that answered the push's first call and then hangs costs the
+  push one download's timeout;
+* the first failure to reach the store, or a call it did not answer in time, marks it down: for the
+  rest of that push no version calls it again (`StoreDown`): a version with a cached copy is served from
+  it, one without fails at once. Stages of one push that run at once share this: one that waited for
+  another's download (the same cache key) or for a thread does not call the store once it is down;
 * the next push calls it again (quickly), and the first answer ends the outage: versions are checked
   and new uploads picked up as before.
 
@@ -32,10 +37,11 @@ class StoreDown(ConnectionError):
 
 
 def is_outage(exc: BaseException) -> bool:
-    """A failure to reach the store (down, hung, a dropped connection), not its refusal (an S3 error
-    answer), a timed-out download, the adapter's fault or the node's full disk."""
+    """A failure to reach the store (down, hung, a dropped connection) or a call it did not answer in time
+    (a timed-out listing or download), not its refusal (an S3 error answer: a missing object, access
+    denied), the adapter's fault (a digest mismatch) or the node's full disk."""
     return (isinstance(exc, Exception) and type(exc).__name__ != "S3Error"
-            and staging_error(exc, "").code == "object_store_unavailable")
+            and staging_error(exc, "").code in ("object_store_unavailable", "download_timeout"))
 
 
 class StoreHealth:
@@ -64,7 +70,7 @@ class StoreHealth:
                             f"again ({self.error})")
 
     def failed(self, exc: BaseException) -> None:
-        """Note `exc` when it says the store could not be reached."""
+        """Note `exc` when it says the store could not be reached or did not answer in time."""
         if isinstance(exc, StoreDown) or not is_outage(exc):
             return
         self.failed_at = now = time.monotonic()

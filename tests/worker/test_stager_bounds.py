@@ -55,7 +55,7 @@ class FakeStore:
         self.hold, self.calls = hold, []  # (cache entry's temp dir name, its release)
         self.started = threading.Semaphore(0)
         monkeypatch.setattr(stager.sources, "download", self.download)
-        monkeypatch.setattr(stager.sources, "object_etags", lambda uri, quick=False: [(uri + WEIGHTS_FILE, "etag-" + uri)])
+        monkeypatch.setattr(stager.sources, "object_etags", lambda uri, quick=False, deadline=None: [(uri + WEIGHTS_FILE, "etag-" + uri)])
 
     def download(self, uri: str, dest: Path, *, progress=None, deadline=None, etags=None) -> Path:
         release = threading.Event()

