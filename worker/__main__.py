@@ -1,4 +1,12 @@
-"""`python -m lorafleet.worker`: the GPU worker's HTTP service (see `--help`)."""
+"""`python -m lorafleet.worker`: the GPU worker's HTTP service (see `--help`).
+
+Exit codes: 0 after a clean stop (SIGTERM); 2 when what the user gave or the machine cannot be used, with
+one line on stderr naming the flag, what is wrong and what to do, no traceback: a bad flag or variable,
+and at start a port in use, a model folder, API keys file or --adapters folder whose content cannot be
+served (worker/startup_errors.py); 1 for an internal failure; 130 for Ctrl-C while the model loads.
+
+The flags are parsed before anything heavy is imported: `--help` and a bad flag answer without torch.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +17,7 @@ from collections.abc import Mapping, Sequence
 
 from lorafleet.worker.cli import config_from_args
 from lorafleet.worker.listen import close_all, listen_sockets
+from lorafleet.worker.startup_errors import StartupError
 from lorafleet.worker.worker_config import WorkerConfig
 
 DESCRIPTION = (
@@ -34,35 +43,53 @@ def object_store_problem(config: WorkerConfig, env: Mapping[str, str]) -> str | 
     return None
 
 
-def listen_problem(host: str, port: int) -> str | None:
+def listen_problem(host: str, port: int, *, host_flag: str = "--host", port_flag: str = "--port") -> str | None:
     """Why the worker could not listen on host:port, or None. Checked before the model loads, so a
     port in use is refused at once rather than after minutes of loading weights."""
     try:
-        close_all(listen_sockets(host, port))
-    except ValueError as exc:
+        close_all(listen_sockets(host, port, host_flag=host_flag, port_flag=port_flag))
+    except StartupError as exc:
         return str(exc)
+    return None
+
+
+def stager_problem(config: WorkerConfig) -> str | None:
+    """Why the stager child of an s3:// --adapters could not start (its cache folder, its port), or None:
+    it starts only once the model has loaded, and would then end the start with its log's tail."""
+    if not config.adapters_uri:
+        return None
+    from lorafleet.worker.stager_config import cache_dir_problem
+
+    if problem := cache_dir_problem(config.stager_cache):
+        return problem
+    if config.stager_port:
+        return listen_problem("127.0.0.1", config.stager_port, port_flag="--stager-port")
     return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     prog = "python -m lorafleet.worker"
     config = config_from_args(WorkerConfig, argv, prog=prog, description=DESCRIPTION, epilog=EPILOG)
-    if problem := object_store_problem(config, os.environ):
+
+    def refuse(problem: str) -> int:
         print(f"{prog}: error: {problem}", file=sys.stderr)
         return 2
+
+    if problem := object_store_problem(config, os.environ) or listen_problem(config.host, config.port):
+        return refuse(problem)
+    if problem := stager_problem(config):
+        return refuse(problem)
     logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("lorafleet.worker")
-    if problem := listen_problem(config.host, config.port):
-        log.error("cannot start: %s", problem)
-        return 1
-    from lorafleet.worker.default_model import ConversionError  # after parsing: --help stays fast
-    from lorafleet.worker.server import run
+    from lorafleet.worker.server import run  # after parsing and these checks: torch is imported from here on
     from lorafleet.worker.stager_client import StagerError
 
     try:
         run(config)
-    except (ValueError, OSError, StagerError, ConversionError) as exc:  # bad model/adapters/keys, stager
+    except StartupError as exc:  # the model folder, keys file or adapters the user gave (worker/server.py)
+        return refuse(str(exc))
+    except (ValueError, OSError, StagerError) as exc:  # not the user's to fix: one line all the same
         log.error("cannot start: %s", exc)
         return 1
     except KeyboardInterrupt:  # Ctrl-C while the model loads (once serving, the server handles it)

@@ -4,11 +4,14 @@
 the `ReportedState` after applying it; the same generation twice is a no-op, an older one is
 refused with 409 (body: the current report with `error` set). `GET /admin/v1/state` adds the
 worker-only keys (KV pages, running/waiting requests, pool stats with the eviction policy and CPU
-tier budget in use) to the report. Checking the adapter paths and registering them read the file
-system (a hung mount may block for minutes), so both run off the event loop, one admin change at a
-time: health probes and requests for adapters already served are answered meanwhile. A change that
-unregisters a name (a push that no longer lists it, an unload) or retires a version (a rolled-back
-canary, a replaced stable version) drops its request metrics.
+tier budget in use) to the report and, while adapters of a local --adapters folder that failed to load
+at start-up are reported (each is also an `adapters` entry with its error, as a pushed version that
+failed: worker/served_adapters.py), `"startup": {"adapters": DIR, "errors": {folder: why}}`. Checking
+the adapter paths and registering them read the file system (a hung mount may block for minutes), so
+both run off the event loop, one admin change at a time: health probes and requests for adapters
+already served are answered meanwhile. A change that unregisters a name (a push that no longer lists
+it, an unload) or retires a version (a rolled-back canary, a replaced stable version) drops its request
+metrics.
 """
 
 from __future__ import annotations
@@ -150,6 +153,8 @@ def state_report(app: web.Application) -> dict[str, Any]:
     body["requests"] = {"running": engine.num_running, "waiting": engine.num_waiting,
                         "admitted": app[ADMISSION].num_admitted}
     body["pool"] = stats
+    if adapters.startup_errors:  # every folder, also one whose name no `adapters` entry can carry
+        body["startup"] = {"adapters": app[CONFIG].engine.adapters, "errors": dict(adapters.startup_errors)}
     return body
 
 

@@ -31,6 +31,9 @@ _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}")
 SHA256_RE = re.compile(r"[0-9a-f]{64}")  # a version's digest (the operator checks specs with it too)
 EVICTION_POLICIES = tuple(POLICIES)  # lru, lfu, cost
 _SETTINGS = ("eviction", "cpu_bytes")  # DesiredState's pool-wide settings
+# The version an `AdapterState` reports for a start-up adapter folder that is not served (one the stager's
+# seed could not stage, a local --adapters one that did not load): no version of it exists, its digest is unknown.
+UNSTAGED = "unstaged"
 
 
 class _Message:
@@ -58,6 +61,11 @@ def _name(value: Any, field_name: str) -> str:
     _require(isinstance(value, str) and bool(_NAME_RE.fullmatch(value)), field_name,
              f"must be a name of letters, digits, '.', '_' or '-' (got {value!r})")
     return value
+
+
+def is_name(value: Any) -> bool:
+    """Whether `value` may name an adapter or a version (in a push, a report, load_lora_adapter)."""
+    return isinstance(value, str) and bool(_NAME_RE.fullmatch(value))
 
 
 def _int(value: Any, field_name: str, *, lo: int | None = None, hi: int | None = None) -> int:

@@ -10,7 +10,6 @@ thread). Adapters are registered by name; requests name an adapter ("name" or "n
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import time
 from collections.abc import Sequence as Seq
@@ -29,20 +28,17 @@ from lorafleet.worker.engine_config import EngineConfig
 from lorafleet.worker.engine_errors import EngineError, UnknownAdapterError
 from lorafleet.worker.forward_failures import ForwardFailures
 from lorafleet.worker.json_guide import JsonGuide
-from lorafleet.worker.model_config import ModelConfig
+from lorafleet.worker.model_dir import read_model_dir
 from lorafleet.worker.model_limits import check_params
-from lorafleet.worker.model_loader import load_model
 from lorafleet.worker.model_runner import ModelRunner
 from lorafleet.worker.page_pool import PagePool, PagePoolConfig, kv_page_elems
 from lorafleet.worker.peft_adapter import load_peft_adapter
 from lorafleet.worker.request_output import OutputTracker, RequestOutput
 from lorafleet.worker.sampler import Sampler
-from lorafleet.worker.sampling_defaults import SamplingDefaults, read_sampling_defaults
 from lorafleet.worker.sampling_params import SamplingParams
 from lorafleet.worker.scheduler import Scheduler
 from lorafleet.worker.sequence import Sequence
 from lorafleet.worker.stop_checker import StopChecker
-from lorafleet.worker.tokenizer import Tokenizer
 from lorafleet.worker.vocab_digest import vocab_digest
 
 log = logging.getLogger(__name__)
@@ -63,20 +59,13 @@ class Engine:
 
             model_dir = str(default_model_dir())
         self.model_dir = Path(model_dir)
-        self.sampling_defaults = read_sampling_defaults(self.model_dir) if config.generation_config else SamplingDefaults()
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
-        self.model_config = ModelConfig.from_dir(self.model_dir)
-        mc = self.model_config
-        tok_dir = Path(config.tokenizer or self.model_dir)
-        self.tokenizer = Tokenizer(tok_dir) if (tok_dir / "tokenizer.json").is_file() else None
-        if self.tokenizer is None:
-            log.warning("%s has no tokenizer.json: only prompts of token ids work, text prompts and chat are "
-                        "refused (give --tokenizer DIR)", tok_dir)
         self._tokenizer_digest: str | None = None
-        self.eos_token_ids = self._eos_ids()
-
-        self.model = load_model(self.model_dir, dtype=self.dtype, device=self.device, config=mc)
+        read = read_model_dir(self.model_dir, config, dtype=self.dtype, device=self.device)
+        self.sampling_defaults, self.model_config, self.tokenizer = read.sampling_defaults, read.config, read.tokenizer
+        self.eos_token_ids, self.model = read.eos_token_ids, read.model
+        mc = self.model_config
         page_elems = kv_page_elems(num_layers=mc.num_hidden_layers, block_size=config.block_size,
                                    num_kv_heads=mc.num_key_value_heads, head_dim=mc.head_dim)
         num_pages = config.resolve_num_pages(page_elems)
@@ -147,16 +136,6 @@ class Engine:
                      self.runner.graphs.buckets, time.perf_counter() - t0)
 
     # ---- setup helpers ------------------------------------------------------------------------------
-    def _eos_ids(self) -> list[int]:
-        ids = list(self.model_config.eos_token_ids)
-        gen = self.model_dir / "generation_config.json"
-        if gen.is_file():
-            eos = json.loads(gen.read_text()).get("eos_token_id")
-            ids += [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            ids.append(self.tokenizer.eos_token_id)
-        return sorted(set(ids))
-
     def _lora_layout(self):
         return self.adapter_pool.layout
 

@@ -1,19 +1,28 @@
-"""EngineConfig: everything the offline engine needs to start, validated on construction."""
+"""EngineConfig: everything the offline engine needs to start, validated on construction.
+
+It imports torch only where a value needs it (a cuda device to check, the dtype, the pool's size): the
+worker's and the stager's flags are generated from it, and `--help` or a bad flag answers without torch.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from lorafleet.worker.file_limits import MAX_FILE_BYTES
+from lorafleet.worker.startup_errors import StartupError
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")  # names of torch dtypes
+_DEVICE = re.compile(r"(cpu|cuda)(?::(\d+))?")  # what torch.device accepts of the two kinds served
 KERNEL_BACKENDS = ("auto", "reference", "triton")
 
 
@@ -81,32 +90,35 @@ class EngineConfig:
 
     def _check_device(self) -> None:
         """cpu, cuda or cuda:N, and a CUDA device must exist: refused here, not as a traceback at load."""
-        try:
-            device = torch.device(self.device)
-        except RuntimeError:
-            device = None
-        if device is None or device.type not in ("cpu", "cuda"):
+        device = _DEVICE.fullmatch(self.device)
+        if device is None:
             raise ValueError(f"--device must be cpu, cuda or cuda:N, got {self.device!r}")
-        if device.type != "cuda":
+        if device[1] != "cuda":
             return
+        import torch
+
         if not torch.cuda.is_available():
             why = "this torch is built without CUDA" if torch.version.cuda is None else "no GPU is visible"
             raise ValueError(f"--device {self.device}: CUDA is not available ({why}); use --device cpu")
-        if device.index is not None and device.index >= torch.cuda.device_count():
+        if device[2] is not None and int(device[2]) >= torch.cuda.device_count():
             raise ValueError(f"--device {self.device}: this machine has {torch.cuda.device_count()} CUDA "
                              f"device(s), cuda:0 to cuda:{torch.cuda.device_count() - 1}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        import torch
+
         if self.dtype == "auto":
             return torch.bfloat16 if torch.device(self.device).type == "cuda" else torch.float32
-        return DTYPES[self.dtype]
+        return getattr(torch, self.dtype)
 
     def resolve_num_pages(self, page_elems: int) -> int:
         """Pages of the pool: `num_pages`, else `pool_bytes`, else `pool_memory_fraction` of the free
         CUDA memory (call it after the weights are loaded); 256 MiB on cpu."""
         if self.num_pages is not None:
             return self.num_pages
+        import torch
+
         page_bytes = page_elems * torch.tensor([], dtype=self.torch_dtype).element_size()
         pool_bytes = self.pool_bytes
         if pool_bytes is None:
@@ -118,7 +130,8 @@ class EngineConfig:
                 pool_bytes = 256 << 20
         num_pages = pool_bytes // page_bytes
         if num_pages < 1:
-            raise ValueError(f"a pool of {pool_bytes} bytes holds no page of {page_bytes} bytes")
+            raise StartupError(f"a pool of {pool_bytes} bytes holds no page of {page_bytes} bytes; give the engine a "
+                               "larger pool (--pool-bytes, --pool-memory-fraction or --num-pages)")
         return int(num_pages)
 
     def resolve_max_model_len(self, model_max: int, num_pages: int) -> int:
@@ -136,10 +149,10 @@ class EngineConfig:
         fix = ("give the engine a larger pool (--pool-bytes, --pool-memory-fraction or --num-pages; now "
                f"{num_pages} pages of {self.block_size} tokens)")
         if self.max_model_len is not None:
-            raise ValueError(f"max_model_len {self.max_model_len} is larger than the KV cache holds ({kv_tokens} "
-                             f"tokens); lower --max-model-len to at most {kv_tokens} or {fix}")
+            raise StartupError(f"max_model_len {self.max_model_len} is larger than the KV cache holds ({kv_tokens} "
+                               f"tokens); lower --max-model-len to at most {kv_tokens} or {fix}")
         if kv_tokens < 2:
-            raise ValueError(f"the KV cache holds {kv_tokens} token; {fix}")
+            raise StartupError(f"the KV cache holds {kv_tokens} token; {fix}")
         log.warning("max_model_len lowered from the model's %d to %d tokens, what the KV cache holds; to serve "
                     "the full context, %s", model_max, kv_tokens, fix)
         return kv_tokens

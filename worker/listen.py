@@ -1,19 +1,27 @@
 """Binding a server's listening sockets before it starts, so that a port in use (or a host that cannot be
-listened on) is one clear error naming the flag, not a traceback from inside the server."""
+listened on) is one clear error naming the flag (a StartupError: exit 2), not a traceback from inside the
+server."""
 
 from __future__ import annotations
 
 import errno
 import socket
 
+from lorafleet.worker.startup_errors import StartupError
+
+
+def port_in_use(host: str, port: int, port_flag: str = "--port") -> StartupError:
+    return StartupError(f"{port_flag} {port}: {host}:{port} is already in use; stop what listens there or choose "
+                        f"another {port_flag}")
+
 
 def listen_sockets(host: str, port: int, *, host_flag: str = "--host", port_flag: str = "--port") -> list[socket.socket]:
     """Listening sockets on every address of host:port (as aiohttp binds them: SO_REUSEADDR, IPv6 only on
-    IPv6 addresses); ValueError naming `host_flag`/`port_flag` when one cannot be had."""
+    IPv6 addresses); StartupError naming `host_flag`/`port_flag` when one cannot be had."""
     try:
         addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
-        raise ValueError(f"{host_flag} {host}: cannot resolve it ({exc.strerror})") from None
+        raise StartupError(f"{host_flag} {host}: cannot resolve it ({exc.strerror})") from None
     sockets: list[socket.socket] = []
     try:
         for family, kind, proto, _, address in addresses:
@@ -29,12 +37,12 @@ def listen_sockets(host: str, port: int, *, host_flag: str = "--host", port_flag
                 sock.bind(address)
             except OSError as exc:
                 if exc.errno == errno.EADDRINUSE:
-                    raise ValueError(f"{port_flag} {port}: {host}:{port} is already in use; stop what listens "
-                                     f"there or choose another {port_flag}") from None
-                raise ValueError(f"{host_flag} {host} {port_flag} {port}: cannot listen there ({exc.strerror})") from None
+                    raise port_in_use(host, port, port_flag) from None
+                raise StartupError(f"{host_flag} {host} {port_flag} {port}: cannot listen there ({exc.strerror}); "
+                                   f"choose another {host_flag} or {port_flag}") from None
             sock.listen()
         if not sockets:
-            raise ValueError(f"{host_flag} {host}: no address of it can be listened on")
+            raise StartupError(f"{host_flag} {host}: no address of it can be listened on; choose another {host_flag}")
     except BaseException:
         close_all(sockets)
         raise

@@ -20,6 +20,14 @@ A new stable version that was never a canary (gen 7 {sql: stable v3}) replaces v
 once it has loaded; until then v2 stays in the table as the fallback: if v3 fails to load
 (`mark_failed`), bare `sql` requests go back to v2, as a failed canary's users go back to stable. The
 first push after v3 has loaded retires v2.
+
+A local `--adapters DIR` folder that failed to load at start-up (worker/adapter_dir.py) is reported the
+way a pushed version that failed is: an entry of the state's `adapters` with its `error`, its version
+`unstaged` (as the stager's seed reports a folder it could not stage: no version of it exists), tier
+`none` (one whose folder name is no adapter name is listed only in the state's `startup` section:
+worker/admin_api.py). It is not served (a request for it is 404, as for any name not served). It is
+reported until a push replaces the start-up set (from then on the directives rule) or a
+load_lora_adapter of that name succeeds.
 """
 
 from __future__ import annotations
@@ -30,7 +38,14 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from lorafleet.worker.canary import CanaryResolver, VersionSplit
-from lorafleet.worker.directives import AdapterDirective, AdapterState, DesiredState, ReportedState
+from lorafleet.worker.directives import (
+    UNSTAGED,
+    AdapterDirective,
+    AdapterState,
+    DesiredState,
+    ReportedState,
+    is_name,
+)
 from lorafleet.worker.openai_protocol import APIError
 from lorafleet.worker.sources import local_uri_path
 from lorafleet.worker.tenants import Tenant
@@ -84,6 +99,7 @@ class ServedAdapters:
         self.resolver = CanaryResolver()
         self._adapters: dict[str, ServedAdapter] = {}
         self.settings: tuple[str | None, int | None] = (None, None)  # pushed (eviction, cpu_bytes); None: own
+        self.startup_errors: dict[str, str] = {}  # start-up folder -> why it is not served (see the module doc)
 
     # ---- queries --------------------------------------------------------------------------------
     def get(self, name: str) -> ServedAdapter | None:
@@ -153,14 +169,16 @@ class ServedAdapters:
     # Copy-on-write: a change registers what is new in the engine, then publishes the new table in
     # one assignment, then retires what is gone. A request never sees a name or version that the
     # engine does not hold yet, and the event loop can read the table while a change runs.
-    def adopt(self, engine: AdapterHost) -> None:
-        """Take over the adapters the engine registered at start-up (`--adapters DIR`)."""
+    def adopt(self, engine: AdapterHost, failed: dict[str, str] | None = None) -> None:
+        """Take over the adapters the engine registered at start-up (`--adapters DIR`), and report those
+        of its folders that failed to load (`failed`: folder name -> why)."""
         table = dict(self._adapters)
         for d in engine.describe_adapters():
             if d.get("current") and d["name"] not in table:
                 table[d["name"]] = ServedAdapter(d["name"], None, VersionSplit(d["version"]),
                                                  {d["version"]: d.get("source", "")})
         self._adapters = table
+        self.startup_errors = {name: why for name, why in (failed or {}).items() if name not in table}
 
     def apply(self, state: DesiredState, engine: AdapterHost) -> bool:
         """Make the served set equal `state`. False when it was already applied (same generation);
@@ -175,6 +193,7 @@ class ServedAdapters:
             engine.configure_pool(eviction=state.eviction, cpu_bytes=state.cpu_bytes)
             self.settings = settings
         old_table = self._adapters
+        self.startup_errors = {}  # the directives rule from now on: what the push failed is its own report
         table = {d.name: self._register(d, old_table.get(d.name), engine) for d in state.adapters}
         current = {a["name"]: a["version"] for a in engine.describe_adapters() if a.get("current")}
         for name, served in table.items():
@@ -279,6 +298,7 @@ class ServedAdapters:
                            param="lora_path") from None
         version = key.partition("@")[2]
         self._adapters = {**self._adapters, name: ServedAdapter(name, None, VersionSplit(version), {version: path})}
+        self.startup_errors = {n: why for n, why in self.startup_errors.items() if n != name}
         return key
 
     def unload(self, name: str, engine: AdapterHost) -> None:
@@ -316,6 +336,9 @@ class ServedAdapters:
                 states.append(AdapterState(name=d["name"], version=d["version"], tier=d.get("tier", "none"),
                                            refcount=d["refcount"], hits=d.get("hits", 0), bytes=d.get("bytes", 0),
                                            pinned=bool(d.get("pinned", False))))
+        for name, why in sorted(self.startup_errors.items()):  # start-up folders that did not load
+            if is_name(name):  # one named unlike an adapter is only in the state's "startup" (admin_api.py)
+                states.append(AdapterState(name=name, version=UNSTAGED, tier="none", error=why))
         return ReportedState(generation_applied=self.generation, adapters=states)
 
     def extras(self) -> dict[str, dict[str, Any]]:
@@ -326,4 +349,6 @@ class ServedAdapters:
                 weight = served.split.canary_weight if version == served.split.canary else (
                     100 - served.split.canary_weight if version == served.split.stable else 0)
                 out[f"{name}@{version}"] = {"tenant": served.tenant, "traffic_percent": weight}
+        for name in self.startup_errors:
+            out.setdefault(f"{name}@{UNSTAGED}", {"tenant": None, "traffic_percent": 0})
         return out

@@ -5,7 +5,9 @@ started in a `cleanup_ctx`, and stopped there after the last request handler is 
 serves the app: on SIGTERM it stops accepting connections, /readyz turns 503, in-flight requests get
 `shutdown_grace_s` to finish (a second SIGTERM ends it at once), those still running then end with an
 error (a stream with an in-band error chunk; the engine frees their pages at once), and the process
-exits 0. SIGTERM while the model loads exits at once. Should the engine thread die, /healthz and
+exits 0. SIGTERM while the model loads exits at once. A model folder, keys file or --adapters folder
+whose content cannot be served is raised as a StartupError naming the flag (worker/startup_errors.py:
+`python -m lorafleet.worker` exits 2 with that one line). Should the engine thread die, /healthz and
 /readyz turn 503. With an s3:// --adapters, /readyz stays 503 `loading_adapters` until the stager child's
 start-up adapters are registered (worker/startup_adapters.py). Every error leaves as an OpenAI-shaped
 body (`{"error": {...}}`).
@@ -16,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import logging
 import os
 import secrets
@@ -46,12 +49,15 @@ from lorafleet.worker.async_engine import AsyncEngine
 from lorafleet.worker.engine import Engine, ShutdownError
 from lorafleet.worker.engine_adapters import EngineAdapters
 from lorafleet.worker.engine_config import EngineConfig
+from lorafleet.worker.listen import port_in_use
 from lorafleet.worker.metrics import CONTENT_TYPE, EngineSnapshot, WorkerMetrics
 from lorafleet.worker.openai_api import openai_routes
 from lorafleet.worker.openai_protocol import APIError
 from lorafleet.worker.served_adapters import ServedAdapters
 from lorafleet.worker.startup_adapters import STARTUP_ADAPTERS, StartupAdapters, watch_seed
-from lorafleet.worker.tenants import Tenants
+from lorafleet.worker.startup_errors import StartupError
+from lorafleet.worker.startup_refusals import keys_file_refusal, load_refusal
+from lorafleet.worker.tenants import Tenants, TenantsError
 from lorafleet.worker.worker_config import WorkerConfig
 
 log = logging.getLogger("lorafleet.worker")
@@ -154,16 +160,21 @@ async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
     t0 = time.monotonic()
     # An object-store --adapters is the stager child's business; the engine starts without it.
     engine_config = dataclasses.replace(config.engine, adapters=None) if config.adapters_uri else config.engine
-    engine = await _load_engine(engine_config)
+    try:
+        engine = await _load_engine(engine_config)
+    except Exception as exc:
+        if (refusal := load_refusal(config.engine, exc)) is None:
+            raise
+        raise refusal from exc
     async_engine = AsyncEngine(engine, on_step=lambda e: app[METRICS].observe_step(
         num_seqs=e.last_batch_size, num_adapters=e.last_batch_adapters))
     base_model = served_model_name(config, engine)
     if any(key.partition("@")[0] == base_model for key in engine.adapters()):
-        raise ValueError(f"the base model is served as {base_model!r}, the name of an adapter under --adapters "
+        raise StartupError(f"the base model is served as {base_model!r}, the name of an adapter under --adapters "
                          f"{config.engine.adapters} too: rename that folder or set --served-model-name")
     host = EngineAdapters(engine, base_model=base_model)
     adapters = ServedAdapters(base_model)
-    adapters.adopt(host)
+    adapters.adopt(host, engine.adapter_dir_report.failed)  # those that failed: GET /admin/v1/state reports them
     app[ENGINE] = async_engine
     app[HOST] = host
     app[ADAPTERS] = adapters
@@ -175,7 +186,8 @@ async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
              time.monotonic() - t0, config.engine.device, adapters.base_model,
              ", ".join(adapters.names()) or "none yet")
     if failed := engine.adapter_dir_report.failed:
-        log.warning("%d adapter(s) under --adapters %s not served (fix them and push or restart): %s", len(failed),
+        log.warning("%d adapter(s) under --adapters %s not served (fix them and push or restart; GET "
+                    "/admin/v1/state lists them): %s", len(failed),
                     config.engine.adapters, "; ".join(f"{name}: {why}" for name, why in failed.items()))
     try:
         yield
@@ -310,7 +322,10 @@ async def metrics(request: web.Request) -> web.Response:
 def create_app(config: WorkerConfig) -> web.Application:
     if config.adapters_uri and config.admin_token is None:  # the stager child needs the admin API
         config = dataclasses.replace(config, admin_token=secrets.token_urlsafe(24))
-    tenants = Tenants.from_file(config.api_keys_file)
+    try:
+        tenants = Tenants.from_file(config.api_keys_file)
+    except TenantsError as exc:
+        raise keys_file_refusal(config.api_keys_file, exc) from exc
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=[in_flight_middleware, error_middleware])
     app[CONFIG] = config
     app[TENANTS] = tenants
@@ -372,6 +387,10 @@ def run(config: WorkerConfig) -> None:
     except KeyboardInterrupt:
         _exit_if_still_loading(130)
         raise
+    except OSError as exc:  # the port was free when checked, before the model loaded, and is taken now
+        if exc.errno != errno.EADDRINUSE:
+            raise
+        raise port_in_use(config.host, config.port) from exc
     _exit_if_still_loading(0)
 
 

@@ -54,14 +54,7 @@ class StagerConfig:
 
     def cache_dir_problem(self) -> str | None:
         """Why the cache folder cannot be used, or None; a missing one is made (checked at start)."""
-        path = self.stager_cache_dir
-        try:
-            Path(path).mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            return f"--stager-cache-dir {path}: cannot create it ({exc.strerror}); choose a writable folder"
-        if not os.access(path, os.W_OK | os.X_OK):
-            return f"--stager-cache-dir {path}: not writable by this process; choose a writable folder"
-        return None
+        return cache_dir_problem(self.stager_cache_dir)
 
     def sources_config(self) -> SourcesConfig:
         return SourcesConfig(local_roots=list(self.local_roots), s3_allow=list(self.s3_allow),
@@ -69,3 +62,15 @@ class StagerConfig:
                              s3_secret_key=self.s3_secret_key, s3_secure=self.s3_secure, s3_region=self.s3_region,
                              max_adapter_file_bytes=self.max_adapter_file_bytes,
                              store_check_timeout_s=self.store_check_timeout_s)
+
+
+def cache_dir_problem(path: str | Path) -> str | None:
+    """Why `path` cannot be a stager's cache folder, or None; a missing one is made. The worker checks the
+    one of its stager child too, before the model loads."""
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"--stager-cache-dir {path}: cannot create it ({exc.strerror}); choose a writable folder"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return f"--stager-cache-dir {path}: not writable by this process; choose a writable folder"
+    return None

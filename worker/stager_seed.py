@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from lorafleet.worker.directives import AdapterDirective, DesiredState, DirectiveError, VersionRef
+from lorafleet.worker.directives import UNSTAGED, AdapterDirective, DesiredState, DirectiveError, VersionRef
 from lorafleet.worker.sources import SourceError
 from lorafleet.worker.staging_errors import staging_error
 
@@ -23,8 +23,6 @@ if TYPE_CHECKING:
     from lorafleet.worker.stager import Stager
 
 log = logging.getLogger("lorafleet.stager")
-
-UNSTAGED = "unstaged"  # the version reported for a folder that did not stage: its digest is unknown
 
 
 @dataclass(slots=True)

@@ -31,7 +31,8 @@ def test_rank_named_is_the_adapters_largest():
 
 
 def test_registering_an_adapter_above_max_rank_names_it():
-    """What start-up reports ("cannot start: ...") for a local --adapters folder of too high a rank."""
+    """What start-up reports (in the log and GET /admin/v1/state, or in the refusal when no adapter of the
+    folder loads) for a local --adapters folder of too high a rank."""
     pages = PagePool(PagePoolConfig(num_pages=64, page_elems=PAGE_ELEMS))
     pool = AdapterPool(pages, TINY_DIMS, AdapterPoolConfig(max_slots=2, max_rank=2, num_load_threads=1))
     with pytest.raises(ValueError, match=r"adapter 'shout' has rank 4 .*raise --max-lora-rank \(at least 4\)"):

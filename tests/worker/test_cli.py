@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -117,6 +118,59 @@ def test_worker_help_runs_as_a_module():
     assert "LORAFLEET_PORT" in out.stdout
     for env_var in ("LORAFLEET_S3_ENDPOINT", "LORAFLEET_S3_ACCESS_KEY", "LORAFLEET_S3_SECRET_KEY"):
         assert env_var in out.stdout  # an s3:// --adapters reads them
+
+
+HEAVY = ("torch", "triton", "transformers", "minio", "kubernetes")
+
+# Runs `python -m MODULE ARGS...` as -m does, then prints which of HEAVY it imported, however it ended
+# (--help and a bad flag end in SystemExit).
+_IMPORTS_OF = """
+import runpy, sys
+heavy = set(sys.argv.pop().split(","))
+module, sys.argv = sys.argv[1], sys.argv[1:]
+try:
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+finally:
+    print("HEAVY:" + ",".join(sorted({m.partition(".")[0] for m in sys.modules} & heavy)), file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize(("module", "args", "needle"), [
+    ("lorafleet.worker", ["--help"], "--max-num-seqs"),
+    ("lorafleet.worker", ["--port", "eighty"], "--port: expected int, got 'eighty'"),  # argparse refuses it
+    ("lorafleet.worker", ["--max-num-seqs", "0"], "max_num_seqs must be >= 1"),  # the config's validation does
+    ("lorafleet.worker", ["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    ("lorafleet.worker.stager", ["--help"], "--stager-cache-dir"),
+    ("lorafleet.worker.stager", ["--stager-port", "eighty"], "--stager-port: expected int, got 'eighty'"),
+], ids=["worker-help", "worker-bad-value", "worker-invalid", "worker-unknown-flag", "stager-help", "stager-bad-value"])
+def test_help_and_bad_flags_answer_without_importing_torch(module, args, needle):
+    """`--help` took seconds: the package imported torch (and the engine) before the flags were parsed.
+    Which modules were imported is checked, not how long it took."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "LORAFLEET_STAGER_TOKEN": "t" * 20}  # the stager's required setting
+    out = subprocess.run([sys.executable, "-c", _IMPORTS_OF, module, *args, ",".join(HEAVY)], capture_output=True,
+                         text=True, timeout=120, env=env)
+    assert "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.strip().splitlines()[-1] == "HEAVY:", out.stderr  # none of them
+    if args == ["--help"]:
+        assert out.returncode == 0 and needle in out.stdout, out.stdout
+    else:
+        assert out.returncode == 2 and f"python -m {module}: error:" in out.stderr and needle in out.stderr, out.stderr
+
+
+def test_the_package_exports_its_api_on_first_use():
+    """`from lorafleet.worker import Engine` still works: the package imports it when it is asked for."""
+    import subprocess
+    import sys
+
+    code = ("import sys, lorafleet.worker as w; assert 'torch' not in sys.modules; "
+            "from lorafleet.worker import Engine, EngineConfig, RequestOutput, SamplingParams; "
+            "assert 'torch' in sys.modules and Engine.__module__ == 'lorafleet.worker.engine'; "
+            "assert w.SamplingParams is SamplingParams and 'Engine' in dir(w)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
 
 
 def test_stager_file_limit_is_a_flag_and_an_env_var(capsys):

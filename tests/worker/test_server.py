@@ -782,11 +782,13 @@ def test_s3_adapters_are_staged_by_a_stager_child(tiny_llama_dir, adapters_dir, 
             assert worker.stop() == 0
 
 
-def test_start_up_errors_exit_1_with_one_line(tmp_path):
+def test_start_up_errors_exit_2_with_one_line(tmp_path):
     out = subprocess.run([sys.executable, "-m", "lorafleet.worker", "--model", str(tmp_path / "no-model"),
                           "--port", "0"], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 1
-    assert "cannot start:" in out.stderr and "model directory does not exist" in out.stderr and "Traceback" not in out.stderr
+    assert out.returncode == 2, out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("python -m lorafleet.worker: error: --model ") and "model directory does not exist" in last
+    assert "Traceback" not in out.stderr, out.stderr
 
 
 async def test_admin_adapter_paths_are_limited_to_the_adapter_roots(server, spare_adapters, tmp_path):

@@ -48,6 +48,53 @@ async def test_a_broken_adapter_is_logged_and_the_others_are_served(aiohttp_clie
     assert "not served" not in text.replace("adapter gamma not served", "").replace("not served (fix", ""), text
 
 
+async def test_admin_state_reports_each_start_up_adapter_that_failed_to_load(aiohttp_client, tiny_llama_dir,
+                                                                             qv_adapters_dir, tmp_path):
+    """A broken folder under a local --adapters was only in the log: GET /admin/v1/state lists it now, as it
+    lists a pushed version that failed (an `adapters` entry with its error: version `unstaged`, tier
+    `none`), and every failed folder with its reason under `startup`, also one whose name no entry can
+    carry. The good adapter is served; a push replaces the start-up set, and its report with it."""
+    root = tmp_path / "adapters"
+    shutil.copytree(qv_adapters_dir / "alpha", root / "alpha")
+    shutil.copytree(qv_adapters_dir / "beta", root / "gamma")
+    weights = root / "gamma" / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    shutil.copytree(qv_adapters_dir / "beta", root / "my beta")  # loads, but no push or report could name it
+    config = WorkerConfig(engine=EngineConfig(model=str(tiny_llama_dir), dtype="float32", max_model_len=128,
+                                              adapters=str(root)),
+                          served_model_name="tiny", admin_token=ADMIN["Authorization"].split()[1],
+                          adapter_roots=str(qv_adapters_dir))
+    client = await aiohttp_client(create_app(config))
+
+    resp = await client.get("/admin/v1/state", headers=ADMIN)
+    body = await resp.json()
+    assert resp.status == 200, body
+    reported = {a["name"]: a for a in body["adapters"]}
+    assert sorted(reported) == ["alpha", "gamma"], reported
+    assert reported["alpha"]["error"] is None and reported["alpha"]["traffic_percent"] == 100, reported
+    gamma = reported["gamma"]
+    assert (gamma["version"], gamma["tier"], gamma["traffic_percent"]) == ("unstaged", "none", 0), gamma
+    assert "adapter_model.safetensors" in gamma["error"] and "\n" not in gamma["error"], gamma
+    errors = body["startup"]["errors"]
+    assert body["startup"]["adapters"] == str(root) and sorted(errors) == ["gamma", "my beta"], body["startup"]
+    assert errors["gamma"] == gamma["error"], errors
+    assert "is no adapter name" in errors["my beta"] and "rename the folder" in errors["my beta"], errors
+
+    models = {m["id"] for m in (await (await client.get("/v1/models")).json())["data"]}
+    assert models == {"tiny", "alpha"}, models
+    resp = await client.post("/v1/completions", json={"model": "alpha", "prompt": "hi", "max_tokens": 2})
+    assert resp.status == 200, await resp.text()
+    resp = await client.post("/v1/completions", json={"model": "gamma", "prompt": "hi", "max_tokens": 2})
+    assert resp.status == 404, await resp.text()
+
+    push = {"generation": 1, "adapters": [
+        {"name": "beta", "tenant": "acme", "stable": {"version": "v1", "uri": str(qv_adapters_dir / "beta")}}]}
+    resp = await client.put("/admin/v1/state", json=push, headers=ADMIN)
+    body = await resp.json()
+    assert resp.status == 200, body
+    assert [(a["name"], a["error"]) for a in body["adapters"]] == [("beta", None)] and "startup" not in body, body
+
+
 class _Refusing:
     def register_adapter(self, name: str, path) -> str:
         raise EngineError(f"{name} is broken")
