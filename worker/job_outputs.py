@@ -5,13 +5,23 @@ A job runs on the version it resolved on arrival. A job that named no version (a
 and a stream never restarts: when the engine no longer holds its version (a push replaced it meanwhile),
 to the version serving now; when its version cannot load (a new stable version with a bad file), to the
 version the name's split falls back to (`ServedAdapters.mark_failed`). A job that pinned `name@version`,
-one that moved already, and one with output are answered with the failure.
+one that moved already, and one with output are answered with the failure: also when a later choice, still
+queued while the earlier ones ran, finds the version gone (unloaded, or replaced by a push, once its last
+request finished), it fails the answer rather than running on the version serving now. A choice that
+started on the job's old version before the job moved has produced nothing (a move needs that): its output
+from the old version is dropped and it runs again on the new one.
+
+The job holds its version through its choices in the engine only: one still queued holds nothing (the pool
+would drop a retired version as soon as the choices running on it finished). A hold from here would keep
+the version's GPU slot while nothing runs on it, which the scheduler cannot let go of when other requests
+need the room (`Scheduler._let_go_of_adapters`); such answers fail (404, retry) instead.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import contextlib
+from collections.abc import AsyncIterator, Callable
 
 from lorafleet.worker.adapter_entry import AdapterLoadError
 from lorafleet.worker.completion_job import CompletionJob
@@ -27,16 +37,22 @@ async def merged_outputs(async_engine, job: CompletionJob,
                          adapters: ServedAdapters) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(choice index, output) from all choices as they arrive. Closing it aborts what is still running."""
     queue: asyncio.Queue[tuple[int, RequestOutput | None, BaseException | None]] = asyncio.Queue()
-    produced = False  # an output was queued: the job stays on the version that produced it
+    # An output was queued: the job stays on the version that produced it (`job.adapter`, which cannot
+    # move once this is set: every output queued came from it).
+    produced = False
     # The scheduler shares seats across tenants; in development mode (one open tenant) by adapter instead.
     tenant = None if job.tenant is None or job.tenant.is_dev else job.tenant.name
 
     async def run(i: int, request_id: str, adapter: str | None) -> None:
         nonlocal produced
-        async for out in async_engine.generate(request_id, job.prompt_ids[job.choice_prompt[i]], job.params[i],
-                                               adapter, tenant=tenant):
-            produced = True
-            queue.put_nowait((i, out, None))
+        generated = async_engine.generate(request_id, job.prompt_ids[job.choice_prompt[i]], job.params[i],
+                                          adapter, tenant=tenant)
+        async with contextlib.aclosing(generated):  # leaving early aborts the engine request at once
+            async for out in generated:
+                if job.adapter != adapter:  # the job moved while this choice started on its old version
+                    raise _Moved(adapter)
+                produced = True
+                queue.put_nowait((i, out, None))
 
     async def pump(i: int) -> None:
         request_id = f"{job.request_id}-{i}"
@@ -44,10 +60,11 @@ async def merged_outputs(async_engine, job: CompletionJob,
             adapter = job.adapter
             try:
                 await run(i, request_id, adapter)
-            except UnknownAdapterError:
-                # The version resolved on arrival was replaced before the engine took the request (nothing
-                # was generated): resolve once more, for all choices of the job, and run on that.
-                if job.adapter == adapter and not await _re_resolve(job, adapter):  # the first to notice
+            except (UnknownAdapterError, _Moved):
+                # The version resolved on arrival went before this choice produced anything (replaced or
+                # unloaded): resolve once more, for all choices of the job, and run on that; unless the job
+                # has output already (from that version: it cannot change versions any more).
+                if job.adapter == adapter and (produced or not await _re_resolve(job, adapter, lambda: produced)):
                     raise
                 await run(i, f"{request_id}r", job.adapter)
             except AdapterLoadError as exc:
@@ -77,8 +94,17 @@ async def merged_outputs(async_engine, job: CompletionJob,
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _re_resolve(job: CompletionJob, adapter: str | None) -> bool:
-    """Move the job off `adapter`, which the engine no longer holds; False if nothing replaced it."""
+class _Moved(Exception):
+    """A choice's output came from a version the job has moved off (before any of its output was sent)."""
+
+    def __init__(self, adapter: str | None) -> None:
+        super().__init__(f"the job moved off {adapter}")
+
+
+async def _re_resolve(job: CompletionJob, adapter: str | None, produced: Callable[[], bool]) -> bool:
+    """Move the job off `adapter`, which the engine no longer holds; False if nothing replaced it, if the
+    name itself is gone or refused now (the caller answers the original failure: the version went), or if
+    a choice produced an output meanwhile (`produced()`: the job stays on the version that made it)."""
     if job.re_resolve is None:
         return False
     # The push swaps the served table right after registering the new version: until then the old table
@@ -86,7 +112,13 @@ async def _re_resolve(job: CompletionJob, adapter: str | None) -> bool:
     for _ in range(_RE_RESOLVE_TRIES):
         if job.adapter != adapter:  # another choice of the job re-resolved meanwhile
             return True
-        if (key := job.re_resolve()) != adapter:
+        if produced():
+            return False
+        try:
+            key = job.re_resolve()
+        except APIError:  # unloaded, or no longer this tenant's: no version to move to
+            return False
+        if key != adapter:
             _move(job, key)
             return True
         await asyncio.sleep(_RE_RESOLVE_PAUSE_S)

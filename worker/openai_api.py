@@ -5,7 +5,9 @@ One HTTP request becomes `len(prompts) * n` engine requests ("choices"), all on 
 version, resolved on arrival (one naming no version moves once, before any output, if the engine
 dropped that version or it cannot load: worker/job_outputs.py). Their outputs are merged as they
 come. Streaming (SSE) starts with the first output, so a request that fails before producing
-anything (adapter failed to load, bad prompt) still gets a proper status code. Leaving early for any reason (client gone, error,
+anything (adapter failed to load, bad prompt) still gets a proper status code; one that fails after (its
+version went, the engine failed) ends with an in-band error event and no `[DONE]`, and counts in /metrics
+with that error's status, not as a completion. Leaving early for any reason (client gone, error,
 shutdown) cancels the engine iterators, which aborts the requests: KV pages and the adapter
 reference are released at once.
 
@@ -20,7 +22,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import jinja2
@@ -71,7 +73,11 @@ def authenticate(request: web.Request) -> Tenant:
                        headers={"WWW-Authenticate": "Bearer"}) from None
 
 
-async def _prepare(request: web.Request, endpoint: str) -> CompletionJob:
+async def _prepare(request: web.Request, endpoint: str,
+                   resolved: Callable[[str | None], None] = lambda key: None) -> CompletionJob:
+    """The request as a CompletionJob, or an APIError. `resolved` is told the engine key the model resolved
+    to (None: the base model) as soon as it is known, so a refusal after that (a bad prompt, a context too
+    long) is counted on it."""
     app = request.app
     if app[STATUS].draining or ENGINE not in app:
         raise APIError(503, "the worker is shutting down or not ready; retry on another worker",
@@ -83,6 +89,7 @@ async def _prepare(request: web.Request, endpoint: str) -> CompletionJob:
         parse = parse_chat_request if endpoint == "chat" else parse_completion_request
         parsed = await read_json(request, lambda body: parse(body, engine.sampling_defaults))
         adapter = app[ADAPTERS].resolve(parsed.model, tenant, parsed.options.user)
+        resolved(adapter)
 
         def tokenize() -> list[list[int]]:
             if endpoint == "chat":
@@ -195,8 +202,9 @@ async def _serve(request: web.Request, endpoint: str) -> web.StreamResponse:
     metrics = app[METRICS]
     status = 500
     job: CompletionJob | None = None
+    resolved: list[str | None] = []  # the engine key the model resolved to, once it did
     try:
-        job = await _prepare(request, endpoint)
+        job = await _prepare(request, endpoint, resolved.append)
         admission, tenant = app[ADMISSION], job.tenant.name
         _admit(app, job, tenant)  # raises, having taken nothing, or took room released just below
         try:
@@ -205,14 +213,18 @@ async def _serve(request: web.Request, endpoint: str) -> web.StreamResponse:
             metrics.observe_prompt_tokens(adapter, sum(len(job.prompt_ids[p]) for p in job.choice_prompt),
                                           version=version)
             outputs = merged_outputs(app[ENGINE], job, app[ADAPTERS])
+            failure: APIError | None = None  # what ended a stream after its headers went
             if job.options.stream:
-                response = await _stream(request, job, outputs, timer)
+                response, failure = await _stream(request, job, outputs, timer)
             else:
                 response = await _collect(request, job, outputs, timer)
-            timer.done()
+            if failure is None:  # a stream that failed half-way is no completion: its latency is not one
+                timer.done()
         finally:
             admission.release(job.num_choices, tenant)
-        status = response.status
+        # A stream that failed after its 200 went counts as what it was answered in-band (5xx for the
+        # canary's comparison with stable: README, "Canary rollouts").
+        status = failure.status if failure is not None else response.status
         return response
     except APIError as err:
         status = err.status
@@ -224,10 +236,12 @@ async def _serve(request: web.Request, endpoint: str) -> web.StreamResponse:
         status = 499  # client closed the request
         raise
     finally:
-        if job is None:  # refused before the model was resolved (bad body, auth, unknown adapter)
-            adapter, version = UNRESOLVED_LABEL, ""
-        else:
+        if job is not None:
             adapter, version = _request_labels(job.adapter)
+        elif resolved:  # refused after the model was resolved (a bad prompt, a context too long)
+            adapter, version = _request_labels(resolved[0])
+        else:  # refused before the model was resolved (bad body, auth, unknown adapter)
+            adapter, version = UNRESOLVED_LABEL, ""
         metrics.observe_request(adapter=adapter, version=version, endpoint=endpoint, status=status)
         if adapter is not None and version:  # the series of versions no longer served go
             served = app[ADAPTERS].get(adapter)
@@ -263,7 +277,10 @@ async def _collect(request: web.Request, job: CompletionJob, outputs: AsyncItera
 
 
 async def _stream(request: web.Request, job: CompletionJob, outputs: AsyncIterator[tuple[int, RequestOutput]],
-                  timer: _ChoiceTimer) -> web.StreamResponse:
+                  timer: _ChoiceTimer) -> tuple[web.StreamResponse, APIError | None]:
+    """The SSE answer, and None, or the APIError that ended it after its headers went (sent in-band as the
+    stream's last event, with no [DONE]). A failure before the first output is raised (its own status);
+    the client leaving is a CancelledError."""
     tokenizer = _tokenizer(request)
     response: web.StreamResponse | None = None
     started: set[int] = set()
@@ -294,26 +311,33 @@ async def _stream(request: web.Request, job: CompletionJob, outputs: AsyncIterat
                         # (vLLM's continuous_usage_stats: the counts so far)
                         chunk["usage"] = job.usage(completion_tokens) if job.options.continuous_usage else None
                     await send(chunk)
-        except (APIError, asyncio.CancelledError):
+        except asyncio.CancelledError:
             raise
-        except (ConnectionResetError, ConnectionError):
+        except ConnectionError:
             raise asyncio.CancelledError from None  # the client left: stop, the iterators abort
-        except Exception as exc:
-            err = _engine_error(exc, job, request)
+        except Exception as exc:  # an APIError (the job's version went) or the engine's failure
+            failure = exc if isinstance(exc, APIError) else _engine_error(exc, job, request)
             if response is None:
-                raise err from None
-            await send(err.body())  # headers are gone: report in-band, then end the stream
-            await response.write_eof()
-            return response
+                raise failure from None
+        else:
+            failure = None
+    # Leaving `outputs` aborted what still ran. With the headers gone, a failure can only go in-band: a
+    # second response from error_middleware would be written inside this one's chunked body.
     if response is None:  # nothing came back at all
         raise APIError(500, "the engine produced no output", type="server_error", code="engine_error")
-    if job.options.include_usage:
-        usage_chunk = job.envelope([], chunk=True)
-        usage_chunk["usage"] = job.usage(completion_tokens)
-        await send(usage_chunk)
-    await send("[DONE]")
-    await response.write_eof()
-    return response
+    try:
+        if failure is not None:
+            await send(failure.body())  # the stream's last event: no [DONE] after a failure
+        else:
+            if job.options.include_usage:
+                usage_chunk = job.envelope([], chunk=True)
+                usage_chunk["usage"] = job.usage(completion_tokens)
+                await send(usage_chunk)
+            await send("[DONE]")
+        await response.write_eof()
+    except ConnectionError:
+        raise asyncio.CancelledError from None  # the client left before the end
+    return response, failure
 
 
 async def list_models(request: web.Request) -> web.Response:

@@ -1,5 +1,6 @@
 """worker/job_outputs.py: a job that named no version moves once to the version its name falls back to when
-its own cannot load, and only before any of its choices produced an output; against an engine stand-in."""
+its own cannot load, or to the one serving now when its own went, and only before any of its choices
+produced an output; against engine stand-ins."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 
 from lorafleet.worker.adapter_entry import AdapterLoadError
 from lorafleet.worker.completion_job import CompletionJob
+from lorafleet.worker.engine import UnknownAdapterError
 from lorafleet.worker.job_outputs import merged_outputs
 from lorafleet.worker.openai_protocol import SamplingOptions
 from lorafleet.worker.served_adapters import ServedAdapters
@@ -109,3 +111,83 @@ async def test_no_move_once_a_choice_produced_an_output():
         with pytest.raises(AdapterLoadError):
             await anext(merged)
     assert job.adapter == "sql@v2" and not any(rid.endswith("r") for rid, _ in engine.calls)
+
+
+class GoneEngine:
+    """The engine after the versions in `gone` were dropped (replaced or unloaded): a request on one fails
+    with UnknownAdapterError. Choice 0 runs on the job's first version (it held it: it started before the
+    version went); the others start only once choice 0 has an output (`late`) or at once."""
+
+    def __init__(self, gone: set[str], *, late: bool = True) -> None:
+        self.gone, self.late = gone, late
+        self.calls: list[tuple[str, str]] = []
+        self.first_out = asyncio.Event()
+        self.moved = asyncio.Event()  # choice 0 waits for it before its output, when not `late`
+
+    async def generate(self, request_id, prompt, params, adapter, tenant=None):
+        self.calls.append((request_id, adapter))
+        await asyncio.sleep(0)
+        if request_id.endswith("-0"):
+            if not self.late:  # its output comes after another choice moved the job
+                await self.moved.wait()
+        else:
+            if self.late:
+                await self.first_out.wait()
+            if adapter in self.gone:
+                raise UnknownAdapterError(f"adapter {adapter!r} is not registered")
+            self.moved.set()
+        yield f"{adapter} {request_id}"
+        self.first_out.set()
+
+
+def replaced() -> tuple[ServedAdapters, CompletionJob]:
+    """A job that resolved `sql` to v1 on arrival; a push made v2 stable since."""
+    served = ServedAdapters("base")
+    served.apply(state(1, SQL), SwitchingHost())
+    job = job_for(served, "sql")
+    served.apply(state(2, SQL_V2), SwitchingHost())
+    return served, job
+
+
+def unloaded() -> tuple[ServedAdapters, CompletionJob]:
+    """A job on sql@v1 whose name is unloaded once it arrived: re-resolving it is a 404."""
+    served = ServedAdapters("base")
+    served.apply(state(1, SQL), SwitchingHost())
+    job = job_for(served, "sql")
+    served.apply(state(2), SwitchingHost())
+    return served, job
+
+
+async def test_a_later_choice_whose_version_went_fails_the_answer_once_a_choice_has_output():
+    """Choice 0 ran on v1; v1 was replaced (v2 serves now) before choice 1 started: choice 1 does not run
+    on v2 (the answer would mix versions), the job's version went is the answer."""
+    served, job = replaced()
+    engine = GoneEngine({"sql@v1"})
+    merged = merged_outputs(engine, job, served)
+    async with contextlib.aclosing(merged):
+        assert await anext(merged) == (0, "sql@v1 cmpl-1-0")
+        with pytest.raises(UnknownAdapterError):
+            await anext(merged)
+    assert job.adapter == job.model == "sql@v1" and engine.calls == [("cmpl-1-0", "sql@v1"), ("cmpl-1-1", "sql@v1")]
+
+
+async def test_a_version_gone_with_its_name_keeps_its_own_failure():
+    """Nothing to re-resolve to (the name was unloaded): the answer is the version's going (the caller's
+    404 `model_not_found`, retry), not the name's lookup failing half-way through the request."""
+    served, job = unloaded()
+    engine = GoneEngine({"sql@v1"}, late=False)
+    engine.moved.set()
+    with pytest.raises(UnknownAdapterError):
+        await outputs(engine, job, served)
+    assert job.adapter == "sql@v1"
+
+
+async def test_a_choice_that_started_on_the_old_version_runs_again_on_the_new_one():
+    """Choice 1 found v1 gone before any output and moved the job to v2; choice 0, which had started on
+    v1 meanwhile, has its v1 output dropped and runs again on v2: every output comes from v2."""
+    served, job = replaced()
+    engine = GoneEngine({"sql@v1"}, late=False)
+    assert sorted(await outputs(engine, job, served)) == ["sql@v2 cmpl-1-0r", "sql@v2 cmpl-1-1r"]
+    assert job.adapter == job.model == "sql@v2"
+    assert sorted(engine.calls) == [("cmpl-1-0", "sql@v1"), ("cmpl-1-0r", "sql@v2"),
+                                    ("cmpl-1-1", "sql@v1"), ("cmpl-1-1r", "sql@v2")]

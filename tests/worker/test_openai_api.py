@@ -397,3 +397,144 @@ async def test_developer_messages_are_the_system_prompt_and_unknown_roles_a_400(
     error = (await resp.json())["error"]
     assert resp.status == 400 and error["param"] == "messages"
     assert "messages[0].role must be one of system, user, assistant, developer, tool" in error["message"]
+
+
+# ---- a job whose version goes while its later choices wait ---------------------------------------------
+ADMIN = {"Authorization": "Bearer admintoken123456"}
+
+
+@pytest.fixture
+async def churn_client(aiohttp_client, tiny_llama_dir, tmp_path):
+    """Adapter `alpha` (from ./alpha) on a worker running one sequence at a time; ./other is another
+    adapter's folder, for loading `alpha` again as another version."""
+    make_peft_adapter(tiny_llama_dir, tmp_path / "alpha", rank=4, seed=1, targets=["q_proj", "v_proj"])
+    make_peft_adapter(tiny_llama_dir, tmp_path / "other", rank=4, seed=5, targets=["q_proj", "v_proj"])
+    engine = EngineConfig(model=str(tiny_llama_dir), dtype="float32", max_model_len=128, max_num_seqs=1)
+    config = WorkerConfig(engine=engine, served_model_name="tiny", admin_token="admintoken123456",
+                          adapter_roots=str(tmp_path))
+    client = await aiohttp_client(create_app(config))
+    resp = await client.post("/v1/load_lora_adapter", headers=ADMIN,
+                             json={"lora_name": "alpha", "lora_path": str(tmp_path / "alpha")})
+    assert resp.status == 200, await resp.text()
+    client.adapters_root = tmp_path
+    return client
+
+
+def hold_later_choices(client, monkeypatch) -> asyncio.Event:
+    """The job's choices after the first reach the engine only once the returned event is set (they wait
+    in the queue behind it, as with --max-num-seqs 1, until the test changed the adapters)."""
+    engine = client.app[ENGINE]
+    go_on = asyncio.Event()
+    real_generate = engine.generate
+
+    async def held(request_id, prompt, params, adapter, tenant=None):
+        if not request_id.endswith("-0"):
+            await go_on.wait()
+        async for out in real_generate(request_id, prompt, params, adapter, tenant=tenant):
+            yield out
+
+    monkeypatch.setattr(engine, "generate", held)
+    return go_on
+
+
+async def _events(resp) -> list[str]:
+    return [line[6:] for line in (await asyncio.wait_for(resp.text(), 30)).split("\n") if line.startswith("data: ")]
+
+
+@pytest.mark.parametrize("reload", [False, True], ids=["unloaded", "reloaded_as_another_version"])
+async def test_a_stream_whose_version_goes_mid_way_ends_with_an_in_band_error(churn_client, monkeypatch, reload):
+    """Choice 0 streamed on alpha's version; before choice 1 starts, alpha is unloaded (and maybe loaded again
+    from another folder: another version). The stream, whose headers are gone, ends with one in-band error
+    event and a proper end of the chunked body (no second HTTP response inside it, no hang), and choice 1
+    never runs on another version than choice 0's: one answer never mixes versions."""
+    go_on = hold_later_choices(churn_client, monkeypatch)
+    body = {"model": "alpha", "prompt": "hi", "max_tokens": 8, "ignore_eos": True, "n": 2, "stream": True}
+    resp = await churn_client.post("/v1/completions", json=body)
+    assert resp.status == 200
+    first = json.loads((await asyncio.wait_for(resp.content.readline(), 30))[6:])
+    served = first["model"]
+    assert served.startswith("alpha@") and resp.headers["X-Lorafleet-Adapter"] == served
+    unload = await churn_client.post("/v1/unload_lora_adapter", headers=ADMIN, json={"lora_name": "alpha"})
+    assert unload.status == 200, await unload.text()
+    if reload:
+        load = await churn_client.post("/v1/load_lora_adapter", headers=ADMIN, json={
+            "lora_name": "alpha", "lora_path": str(churn_client.adapters_root / "other")})
+        assert load.status == 200, await load.text()
+    go_on.set()
+    raw = await asyncio.wait_for(resp.content.read(), 30)  # the chunked body ends (no hang, no broken transfer)
+    assert b"HTTP/1.1" not in raw
+    events = [line[6:] for line in raw.decode().split("\n") if line.startswith("data: ")]
+    assert "[DONE]" not in events
+    chunks = [json.loads(e) for e in events]
+    error = chunks[-1]["error"]
+    assert error["code"] == "model_not_found" and "no longer served" in error["message"], error
+    assert {c["model"] for c in chunks[:-1]} == {served}
+    assert {ch["index"] for c in chunks[:-1] for ch in c["choices"]} == {0}
+    # the connection still serves requests
+    again = await churn_client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
+    assert again.status == 200, await again.text()
+
+
+async def test_an_answer_whose_version_goes_mid_way_is_not_served_by_another_version(churn_client, monkeypatch):
+    """Not streamed: choice 0 came from the old version, so choice 1 on the new one would mix them; the
+    answer is the failure (404: retry), not a response that claims the new version."""
+    go_on = hold_later_choices(churn_client, monkeypatch)
+    engine = churn_client.app[ENGINE]
+    first_done = asyncio.Event()
+    real_generate = engine.generate
+
+    async def noted(request_id, prompt, params, adapter, tenant=None):
+        async for out in real_generate(request_id, prompt, params, adapter, tenant=tenant):
+            yield out
+            if out.finished and request_id.endswith("-0"):
+                first_done.set()
+
+    monkeypatch.setattr(engine, "generate", noted)
+    body = {"model": "alpha", "prompt": "hi", "max_tokens": 8, "ignore_eos": True, "n": 2}
+    request = asyncio.ensure_future(churn_client.post("/v1/completions", json=body))
+    await asyncio.wait_for(first_done.wait(), 30)
+    assert (await churn_client.post("/v1/unload_lora_adapter", headers=ADMIN, json={"lora_name": "alpha"})).status == 200
+    load = await churn_client.post("/v1/load_lora_adapter", headers=ADMIN, json={
+        "lora_name": "alpha", "lora_path": str(churn_client.adapters_root / "other")})
+    assert load.status == 200, await load.text()
+    go_on.set()
+    resp = await asyncio.wait_for(request, 30)
+    data = await resp.json()
+    assert resp.status == 404 and data["error"]["code"] == "model_not_found", data
+
+
+async def test_a_push_that_replaces_the_version_before_a_later_choice_starts_fails_the_stream(
+        aiohttp_client, tiny_llama_dir, tmp_path, monkeypatch):
+    """As an unload: a directive push makes v2 stable while choice 1 still waits; v1 is dropped once choice 0
+    finished on it, and choice 1 does not run on v2: the stream ends with the in-band error."""
+    make_peft_adapter(tiny_llama_dir, tmp_path / "alpha", rank=4, seed=1, targets=["q_proj", "v_proj"])
+    make_peft_adapter(tiny_llama_dir, tmp_path / "other", rank=4, seed=5, targets=["q_proj", "v_proj"])
+    config = WorkerConfig(engine=EngineConfig(model=str(tiny_llama_dir), dtype="float32", max_model_len=128),
+                          served_model_name="tiny", admin_token="admintoken123456", adapter_roots=str(tmp_path))
+    client = await aiohttp_client(create_app(config))
+
+    async def push(generation: int, version: str, folder: str) -> None:
+        body = {"generation": generation, "adapters": [
+            {"name": "alpha", "tenant": "acme", "stable": {"version": version, "uri": str(tmp_path / folder)}}]}
+        resp = await client.put("/admin/v1/state", json=body, headers=ADMIN)
+        assert resp.status == 200, await resp.text()
+
+    await push(1, "v1", "alpha")
+    go_on = hold_later_choices(client, monkeypatch)
+    resp = await client.post("/v1/completions", json={"model": "alpha", "prompt": "hi", "max_tokens": 8,
+                                                      "ignore_eos": True, "n": 2, "stream": True})
+    assert resp.status == 200
+    assert json.loads((await asyncio.wait_for(resp.content.readline(), 30))[6:])["model"] == "alpha@v1"
+    await push(2, "v2", "other")
+    pool = client.app[ENGINE].engine.adapter_pool
+    for _ in range(3000):  # v2 loads beside v1, then becomes current
+        if pool.resolve("alpha") == "alpha@v2":
+            break
+        await asyncio.sleep(0.01)
+    assert pool.resolve("alpha") == "alpha@v2"
+    go_on.set()
+    events = [line[6:] for line in (await asyncio.wait_for(resp.text(), 30)).split("\n") if line.startswith("data: ")]
+    chunks = [json.loads(e) for e in events]  # no [DONE]
+    assert chunks[-1]["error"]["code"] == "model_not_found", chunks[-1]
+    assert {c["model"] for c in chunks[:-1]} == {"alpha@v1"}
+    assert {ch["index"] for c in chunks[:-1] for ch in c["choices"]} == {0}

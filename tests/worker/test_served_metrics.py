@@ -6,11 +6,13 @@ went. The base model's and the unresolved requests' series stay."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from lorafleet.worker.app_keys import ENGINE
+from lorafleet.worker.engine import ShutdownError
 from lorafleet.worker.engine_config import EngineConfig
 from lorafleet.worker.server import create_app
 from lorafleet.worker.worker_config import WorkerConfig
@@ -141,3 +143,67 @@ async def test_a_request_that_finishes_after_its_version_retired_leaves_no_serie
     go_on.set()
     assert await asyncio.wait_for(request, 30) == 200
     assert "v2" not in await version_labels(client, "alpha")
+
+
+def samples(text: str, name: str) -> list:
+    return [s for fam in text_string_to_metric_families(text) for s in fam.samples if s.name == name]
+
+
+async def request_counts(client, adapter: str) -> dict[str, float]:
+    """status -> lorafleet_requests_total of `adapter`'s completions."""
+    text = await (await client.get("/metrics")).text()
+    return {s.labels["status"]: s.value for s in samples(text, "lorafleet_requests_total")
+            if s.labels["adapter"] == adapter and s.labels["endpoint"] == "completions"}
+
+
+async def completed_latencies(client, adapter: str) -> float:
+    """How many requests of `adapter` the end-to-end latency histogram recorded."""
+    text = await (await client.get("/metrics")).text()
+    return sum(s.value for s in samples(text, "lorafleet_e2e_request_latency_seconds_count")
+               if s.labels["adapter"] == adapter)
+
+
+def fail_after_first_output(client, monkeypatch, exc: Exception) -> None:
+    """Requests on an adapter fail with `exc` right after their first output (the stream has started)."""
+    engine = client.app[ENGINE]
+    real_generate = engine.generate
+
+    async def failing(request_id, prompt, params, adapter, tenant=None):
+        async for out in real_generate(request_id, prompt, params, adapter, tenant=tenant):
+            yield out
+            if adapter is not None:
+                raise exc
+
+    monkeypatch.setattr(engine, "generate", failing)
+
+
+@pytest.mark.parametrize(("exc", "status"), [(RuntimeError("the device fell over"), "500"),
+                                             (ShutdownError("the worker is shutting down"), "503")])
+async def test_a_stream_that_fails_after_its_headers_counts_as_its_error(client, qv_adapters_dir, monkeypatch,
+                                                                         exc, status):
+    """Its 200 went with the headers, but the answer is the in-band error: /metrics counts the error's status
+    (5xx, which the canary's comparison with stable reads) and no completion latency."""
+    await push(client, 1, qv_adapters_dir, "alpha")
+    assert await complete(client, "alpha") == 200
+    assert await request_counts(client, "alpha") == {"200": 1} and await completed_latencies(client, "alpha") == 1
+    fail_after_first_output(client, monkeypatch, exc)
+    resp = await client.post("/v1/completions", json={"model": "alpha", "prompt": "x", "max_tokens": 4,
+                                                      "ignore_eos": True, "stream": True})
+    assert resp.status == 200
+    events = [line[6:] for line in (await resp.text()).split("\n") if line.startswith("data: ")]
+    assert "error" in json.loads(events[-1]) and "[DONE]" not in events
+    assert await request_counts(client, "alpha") == {"200": 1, status: 1}
+    assert await completed_latencies(client, "alpha") == 1
+
+
+async def test_a_context_too_long_on_a_resolved_adapter_is_counted_on_it(client, qv_adapters_dir):
+    """The adapter was resolved before the prompt was tokenized: its 400 is counted on its version, not as
+    an unresolved request."""
+    await push(client, 1, qv_adapters_dir, "alpha")
+    for body in ({"prompt": "x" * 200}, {"prompt": "x", "max_tokens": 500}):
+        resp = await client.post("/v1/completions", json={"model": "alpha", "max_tokens": 2} | body)
+        assert resp.status == 400 and (await resp.json())["error"]["code"] == "context_length_exceeded"
+    text = await (await client.get("/metrics")).text()
+    counted = {(s.labels["adapter"], s.labels["version"], s.labels["status"]): s.value
+               for s in samples(text, "lorafleet_requests_total")}
+    assert counted == {("alpha", "v1", "400"): 2}
