@@ -1,10 +1,12 @@
 """AdapterReports: what `AdapterPool` (worker/adapter_pool.py) tells about itself: per-adapter
-descriptions for state reports, counters and byte totals, Prometheus gauges, and the invariant check.
+descriptions for state reports, the pages a request's KV cache can never have (worker/kv_room.py),
+counters and byte totals, Prometheus gauges, and the invariant check.
 It reads the pool's state declared in `AdapterPool.__init__`.
 """
 
 from __future__ import annotations
 
+from lorafleet.worker.adapter_entry import AdapterEntry
 from lorafleet.worker.adapter_pool_check import check_adapter_pool
 
 
@@ -28,6 +30,16 @@ class AdapterReports:
     def registered(self) -> list[str]:
         with self._lock:
             return [k for k, e in self._entries.items() if not e.retired]
+
+    def kv_held_pages(self, key: str | None) -> tuple[int, int]:
+        """(adapter `key`'s pages, pinned adapters' pages): what the KV cache of a request for `key`
+        (None: the base model) can never have while it runs. Pinned adapters are placed as soon as there
+        is room and never evicted; an adapter neither in CPU memory nor on the GPU counts as no pages (its
+        size is not known)."""
+        with self._lock:
+            own = self._entries.get(key) if key is not None else None
+            pinned = sum(_num_pages(e) for e in self._entries.values() if e.pinned and e is not own)
+            return (_num_pages(own) if own is not None else 0), pinned
 
     def stats(self) -> dict:
         with self._lock:
@@ -73,3 +85,10 @@ class AdapterReports:
         m.bytes.labels("cpu").set(sum(e.image.nbytes for e in cpu))
         m.fragmentation.set(self.page_pool.fragmentation("adapter"))
         m.watch_page_pool(self.page_pool)  # page counts are read at scrape time, KV pages move every step
+
+
+def _num_pages(entry: AdapterEntry) -> int:
+    """GPU pages `entry` holds, or will take once placed (0: its size is not known yet)."""
+    if entry.on_gpu:
+        return len(entry.page_ids)
+    return entry.image.num_pages if entry.image is not None else 0

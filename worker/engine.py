@@ -25,9 +25,10 @@ from lorafleet.worker.adapter_pool import AdapterPool, AdapterPoolConfig
 from lorafleet.worker.block_manager import BlockManager
 from lorafleet.worker.cuda_graphs import DecodeGraphs
 from lorafleet.worker.engine_config import EngineConfig
-from lorafleet.worker.engine_errors import EngineError, UnknownAdapterError
+from lorafleet.worker.engine_errors import ContextLengthError, EngineError, UnknownAdapterError
 from lorafleet.worker.forward_failures import ForwardFailures
 from lorafleet.worker.json_guide import JsonGuide
+from lorafleet.worker.kv_room import KVRoom
 from lorafleet.worker.model_dir import read_model_dir
 from lorafleet.worker.model_limits import check_params
 from lorafleet.worker.model_runner import ModelRunner
@@ -81,6 +82,9 @@ class Engine:
             AdapterPoolConfig(max_slots=config.max_loras, max_rank=config.max_lora_rank),
         )
         self._rank_of_key: dict[str, int] = {}
+        # A request that could never get its KV pages (its adapter's and pinned ones' taken off) is refused.
+        self.kv_room = KVRoom(self.adapter_pool, num_pages=num_pages, block_size=config.block_size,
+                              max_model_len=self.max_model_len)
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=config.max_num_seqs,
@@ -91,6 +95,7 @@ class Engine:
             max_adapter_wait_steps=config.max_adapter_wait_steps,
             reclaim_pages=self._reclaim_adapter_pages,
             adapter_state=self._adapter_state,
+            never_fits=self.kv_room.refusal,
         )
         kv_caches = self.page_pool.kv_caches(num_layers=mc.num_hidden_layers, block_size=config.block_size,
                                              num_kv_heads=mc.num_key_value_heads, head_dim=mc.head_dim)
@@ -246,9 +251,11 @@ class Engine:
         if not prompt_ids:
             raise EngineError("the prompt is empty")
         if len(prompt_ids) >= self.max_model_len:
-            raise EngineError(f"the prompt has {len(prompt_ids)} tokens; the model accepts at most "
-                              f"{self.max_model_len - 1} (max_model_len {self.max_model_len})")
+            raise ContextLengthError(f"the prompt has {len(prompt_ids)} tokens; the model accepts at most "
+                                     f"{self.max_model_len - 1} (max_model_len {self.max_model_len})")
         seq = Sequence(request_id, prompt_ids, params, adapter=self._resolve_adapter(adapter), tenant=tenant)
+        if (refusal := self.kv_room.refusal(seq)) is not None:
+            raise refusal
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.device)
             seq.generator.manual_seed(params.seed)
@@ -369,6 +376,11 @@ class Engine:
     @property
     def num_waiting(self) -> int:
         return self.scheduler.num_waiting
+
+    @property
+    def num_preemptions(self) -> int:
+        """Running sequences preempted for KV pages since the start (each recomputed later)."""
+        return self.scheduler.num_preemptions
 
     @property
     def kv_usage(self) -> float:

@@ -9,3 +9,13 @@ class EngineError(ValueError):
 
 class UnknownAdapterError(EngineError):
     """The request names an adapter (version) that is not registered, e.g. one replaced meanwhile."""
+
+
+class ContextLengthError(EngineError):
+    """Prompt and max_tokens ask for more context than the engine can ever give the request: more than
+    max_model_len, or than the KV pages its adapter and pinned adapters leave of the pool (kv_room.py)."""
+
+
+class CapacityError(RuntimeError):
+    """A request got no room for max_stuck_steps steps with nothing running; what holds it (adapters being
+    copied or replaced) may let go later. One that never fits fails with a ContextLengthError instead."""

@@ -7,11 +7,11 @@ latency and errors can be compared with its stable version's. A name keeps the s
 it serves: after each admin change (a push, a load, an unload) `retain_served` drops the series of the
 names and versions it retired, and a request that finishes on a version retired meanwhile drops its own
 (`retain_versions`), so /metrics shows what is served, not what was. Batch size and adapters per batch
-are observed once per engine step; queue depth, KV usage and the running/waiting adapters are read at
-scrape time from an `EngineSnapshot`. The adapter pool's own series (tier hits/misses, load latency,
-evictions, bytes per tier: adapter_metrics.py) are registered into the same registry with `register()`.
-The vLLM-compatible names let existing routers (Gateway API inference extension) pick workers by queue
-length, KV usage and resident adapters.
+are observed once per engine step; queue depth, KV usage, preemptions and the running/waiting adapters
+are read at scrape time from an `EngineSnapshot`. The adapter pool's own series (tier hits/misses, load
+latency, evictions, bytes per tier: adapter_metrics.py) are registered into the same registry with
+`register()`. The vLLM-compatible names let existing routers (Gateway API inference extension) pick
+workers by queue length, KV usage and resident adapters.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -45,6 +45,7 @@ class EngineSnapshot:
     num_waiting: int = 0  # requests admitted by the server but not yet scheduled
     kv_usage: float = 0.0  # fraction of the page pool's KV capacity in use, 0..1
     max_lora: int = 0  # adapters the GPU pool can hold at once (slots)
+    num_preemptions: int = 0  # running requests preempted for KV pages since the start (recomputed later)
     running_adapters: list[str] = field(default_factory=list)
     waiting_adapters: list[str] = field(default_factory=list)
 
@@ -59,6 +60,8 @@ class _EngineCollector(Collector):
         yield GaugeMetricFamily("vllm:num_requests_running", "Requests in the running batch.", s.num_running)
         yield GaugeMetricFamily("vllm:num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
         yield GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent.", s.kv_usage)
+        yield CounterMetricFamily("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
+                                  s.num_preemptions)
         info = GaugeMetricFamily(
             "vllm:lora_requests_info",
             "Running stats on LoRA requests.",
@@ -71,6 +74,8 @@ class _EngineCollector(Collector):
         yield info
         yield GaugeMetricFamily("lorafleet_queue_depth", "Requests waiting to be scheduled.", s.num_waiting)
         yield GaugeMetricFamily("lorafleet_kv_cache_usage_ratio", "Fraction of KV capacity in use.", s.kv_usage)
+        yield CounterMetricFamily("lorafleet_preemptions", "Running requests preempted for KV pages.",
+                                  s.num_preemptions)
         yield GaugeMetricFamily("lorafleet_generation_tokens_per_second",
                                 f"Generated tokens per second over the last {THROUGHPUT_WINDOW_S:.0f} s.",
                                 self._throughput())

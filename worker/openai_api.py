@@ -39,6 +39,7 @@ from lorafleet.worker.app_keys import (
 )
 from lorafleet.worker.completion_job import CompletionJob, TextOffsets
 from lorafleet.worker.engine import EngineError, ShutdownError, UnknownAdapterError
+from lorafleet.worker.engine_errors import ContextLengthError
 from lorafleet.worker.intake import check_room, intake_place, read_json, refused
 from lorafleet.worker.job_outputs import merged_outputs
 from lorafleet.worker.metrics import UNRESOLVED_LABEL
@@ -132,6 +133,8 @@ def _engine_error(exc: BaseException, job: CompletionJob, request: web.Request) 
                         type="service_unavailable", code="adapter_load_failed", param="model",
                         headers={"Retry-After": "5"} if exc.retryable else None)
     message = adapters.redact(str(exc), job.tenant)
+    if isinstance(exc, ContextLengthError):  # its adapter and pinned ones leave too little of the pool
+        return APIError(400, message, code="context_length_exceeded", param=job.options.max_tokens_param)
     if isinstance(exc, EngineError):
         return APIError(400, message, code="invalid_request")
     if isinstance(exc, ShutdownError):

@@ -39,6 +39,9 @@ class SamplingParams:
     # JSON mode (OpenAI's response_format json_object): the output is a prefix of one JSON object, and EOS or
     # a stop token only ends a complete one (json_guide.py).
     json_object: bool = False
+    # max_tokens was not given: it is the context left after the prompt, lowered to what the KV pages the
+    # request's adapter and pinned adapters leave can hold, instead of refusing it (kv_room.py).
+    max_tokens_to_fit: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -13,6 +13,25 @@ class ScheduledBatch:
     prefills: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens this step)
     preempted: list[Sequence] = field(default_factory=list)
 
+    def add(self, seq: Sequence, num_new: int) -> None:
+        """Run `num_new` tokens of `seq`: a decode when it samples its one new token, else a prefill chunk
+        (a 1-token chunk of a longer prefill samples nothing)."""
+        if num_new == 1 and seq.num_uncomputed_tokens == 1:
+            self.decodes.append(seq)
+        else:
+            self.prefills.append((seq, num_new))
+
+    def remove(self, seq: Sequence) -> int:
+        """Take `seq` out of the step (preempted after it was added); returns its tokens, 0 if not in it."""
+        if seq in self.decodes:
+            self.decodes.remove(seq)
+            return 1
+        for i, (s, num_new) in enumerate(self.prefills):
+            if s is seq:
+                del self.prefills[i]
+                return num_new
+        return 0
+
     @property
     def scheduled(self) -> list[tuple[Sequence, int]]:
         """(sequence, new tokens) in forward order: decodes first, then prefill chunks."""

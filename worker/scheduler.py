@@ -4,22 +4,23 @@ Each step: running sequences first (a decode token, or the next chunk of an unfi
 then waiting ones, all within `max_num_batched_tokens` tokens and `max_num_seqs` sequences. Each seat
 goes to the tenant (its adapter's name while the request names none) with a preempted sequence, else
 the fewest running sequences, else the longest unserved; FCFS within a tenant (waiting_queue.py). When
-the KV pages run out, the most recently admitted running sequence is preempted: its pages are freed
-and it goes back to the head of its tenant's queue to be recomputed later (it keeps its adapter
-reference). A waiting sequence whose adapter is not resident yet is skipped (the pool starts the
-load) with those of its tenant waiting for the same adapter, while the others run;
-`max_loras_per_batch` bounds the distinct adapters of a step (too many segments slow the LoRA
-kernels), except for a sequence that has waited `max_adapter_wait_steps` steps, which is admitted
-anyway so no tenant starves. For the same reason a sequence that has waited that long for an adapter
-that is loaded but finds no GPU room is no longer overtaken for it: short of pages, nothing more is
-admitted, so the pages running requests give back go to its adapter; short of a slot only, requests
-that would take one (a new slot, or a new reference to an adapter running requests use) wait behind
-it, the others (base model, or a slot already held) go on while they leave its pages free. A load in
-flight never holds anyone back. An adapter a queued sequence holds (a preempted one keeps its
-reference) or was loaded for is never evicted: when nothing runs and a queue's head cannot get pages,
-or such a starved sequence's adapter finds no room, the others let go of theirs. A sequence that
-preempted itself running alone (adapters hold the rest of the pool) is readmitted only once the pages
-of all its tokens can be had, not chunk by chunk into the same wall.
+the KV pages run out, the youngest running sequence of the tenant with the most is preempted (one
+scheduled earlier in the step leaves the batch): its pages are freed and it goes back to the head of
+its tenant's queue to be recomputed later (it keeps its adapter reference). A waiting sequence whose
+adapter is not resident yet is skipped (the pool starts the load) with those of its tenant waiting for
+the same adapter, while the others run; `max_loras_per_batch` bounds the distinct adapters of a step
+(too many segments slow the LoRA kernels), except for a sequence that has waited
+`max_adapter_wait_steps` steps, which is admitted anyway so no tenant starves. For the same reason a
+sequence that has waited that long for an adapter that is loaded but finds no GPU room is no longer
+overtaken for it: short of pages, nothing more is admitted, so the pages running requests give back go
+to its adapter; short of a slot only, requests that would take one (a new slot, or a new reference to an
+adapter running requests use) wait behind it, the others (base model, or a slot already held) go on
+while they leave its pages free. A load in flight never holds anyone back. An adapter a queued sequence
+holds (a preempted one keeps its reference) or was loaded for is never evicted: when nothing runs and a
+queue's head cannot get pages, or such a starved sequence's adapter finds no room, the others let go of
+theirs. A sequence that preempted itself running alone (adapters hold the rest of the pool) is
+readmitted only once the pages of all its tokens can be had, not chunk by chunk into the same wall; one
+that never can (`never_fits`: its adapter and pinned ones leave too little of the pool) fails at once.
 """
 
 from __future__ import annotations
@@ -30,15 +31,11 @@ from typing import Protocol
 
 from lorafleet.worker.adapter_entry import AdapterEntry, AdapterNotFoundError
 from lorafleet.worker.block_manager import BlockManager
-from lorafleet.worker.engine_errors import UnknownAdapterError
+from lorafleet.worker.engine_errors import CapacityError, EngineError, UnknownAdapterError
 from lorafleet.worker.page_pool import PagePoolError
 from lorafleet.worker.scheduled_batch import ScheduledBatch
 from lorafleet.worker.sequence import Sequence, SequenceStatus
-from lorafleet.worker.waiting_queue import WaitingQueue
-
-
-class CapacityError(RuntimeError):
-    """A request can never get the KV pages it needs in the current pool."""
+from lorafleet.worker.waiting_queue import WaitingQueue, preemption_victim
 
 
 class AdapterSlots(Protocol):
@@ -64,6 +61,7 @@ class Scheduler:
         max_adapter_wait_steps: int = 32,
         reclaim_pages: Callable[[int], int] | None = None,
         adapter_state: Callable[[str], str] | None = None,
+        never_fits: Callable[[Sequence], EngineError | None] | None = None,
     ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
@@ -78,6 +76,7 @@ class Scheduler:
         # Where an adapter is: "gpu" (its pages taken: resident or being copied), "room" (in CPU memory,
         # waiting only for GPU pages or a slot) or "load" (being read).
         self.adapter_state = adapter_state
+        self.never_fits = never_fits  # why a sequence can never get the KV pages it needs (kv_room.py)
         self.waiting = WaitingQueue()
         self.running: list[Sequence] = []
         self._skipped_steps: dict[int, int] = {}  # seq_id -> steps skipped for adapter grouping
@@ -142,7 +141,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         loras: set[str] = set()
 
-        # 1. Running sequences, oldest first; preempt from the young end when pages run out.
+        # 1. Running sequences, oldest first; when pages run out, preempt (preemption_victim) until they fit.
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -151,15 +150,17 @@ class Scheduler:
                 i += 1
                 continue
             while not self._allocate(seq, num_new):
-                victim = self.running[-1]
+                victim = preemption_victim(self.running)
+                if self.running.index(victim) < i:  # scheduled already: it leaves the batch, seq moves up
+                    budget, i = budget + batch.remove(victim), i - 1
                 self._preempt(victim, batch)
                 if victim is seq:
                     if not self.running:
                         self._short_alone.add(seq.seq_id)
                     break
             if seq.status is not SequenceStatus.RUNNING:
-                break  # seq preempted itself: nothing after it remains either
-            self._add_to_batch(batch, seq, num_new)
+                continue  # seq preempted itself: running[i] is the next one
+            batch.add(seq, num_new)
             if seq.adapter is not None:
                 loras.add(seq.adapter)
             budget -= num_new
@@ -195,7 +196,7 @@ class Scheduler:
                 self.fail([seq], exc if seq.output_token_ids else UnknownAdapterError(str(exc)))
                 self._requeue(heap, tenant)
                 continue
-            except Exception as exc:  # the adapter failed to load: this request fails, others go on
+            except Exception as exc:  # its adapter failed to load or leaves too little room: it fails
                 self.fail([seq], exc)
                 self._requeue(heap, tenant)
                 continue
@@ -242,7 +243,7 @@ class Scheduler:
             self._add_running(seq)
             self._skipped_steps.pop(seq.seq_id, None)
             self._short_alone.discard(seq.seq_id)
-            self._add_to_batch(batch, seq, num_new)
+            batch.add(seq, num_new)
             if seq.adapter is not None:
                 loras.add(seq.adapter)
                 if starved is not None:
@@ -342,6 +343,8 @@ class Scheduler:
             # Taken again after giving it back (_let_go_of_adapters): the request was counted once already.
             seq.adapter_slot = self.adapter_pool.acquire(seq.adapter, seq.seq_id, count=not seq.adapter_counted)
             seq.adapter_counted = True
+            if seq.adapter_slot is not None and self.never_fits is not None and (exc := self.never_fits(seq)):
+                raise exc  # its adapter's size is known now
         return seq.adapter_slot is not None
 
     def _starved_for_room(self, seq: Sequence) -> bool:
@@ -354,12 +357,14 @@ class Scheduler:
         )
 
     def _gave_up(self, seq: Sequence, message: str) -> bool:
-        """Nothing runs and (dequeued) `seq` cannot get room. Wait out transient holders (an adapter copy in
-        flight becomes reclaimable once done) for max_stuck_steps steps, then fail it: True if it failed."""
+        """Nothing runs and (dequeued) `seq` cannot get room. One that never can (`never_fits`) fails at once;
+        else wait out transient holders (an adapter copy in flight becomes reclaimable once done) for
+        max_stuck_steps steps, then fail it: True if it failed."""
         steps = self._stuck_steps[seq.seq_id] = self._stuck_steps.get(seq.seq_id, 0) + 1
-        if steps <= self.max_stuck_steps:
+        never = self.never_fits(seq) if self.never_fits is not None else None
+        if never is None and steps <= self.max_stuck_steps:
             return False
-        self.fail([seq], CapacityError(message))
+        self.fail([seq], never or CapacityError(message))
         return True
 
     def _let_go_of_adapters(self, *, but: Sequence) -> None:
@@ -376,12 +381,6 @@ class Scheduler:
                 self._release_adapter(seq)
             else:
                 self.adapter_pool.abandon(seq.adapter, seq.seq_id)
-
-    def _add_to_batch(self, batch: ScheduledBatch, seq: Sequence, num_new: int) -> None:
-        if num_new == 1 and seq.num_uncomputed_tokens == 1:  # a decode samples (a 1-token chunk may not)
-            batch.decodes.append(seq)
-        else:
-            batch.prefills.append((seq, num_new))
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         # Recompute later: drop the cache, keep the tokens (prompt + output so far) and the adapter.

@@ -113,8 +113,7 @@ def engine_snapshot(app: web.Application) -> EngineSnapshot:
     e = engine.engine
     running, waiting = engine.adapters_in_use()
     return EngineSnapshot(
-        num_running=e.num_running,
-        num_waiting=e.num_waiting,
+        num_running=e.num_running, num_waiting=e.num_waiting, num_preemptions=e.num_preemptions,
         kv_usage=e.kv_usage,
         max_lora=e.config.max_loras,
         running_adapters=running,

@@ -1,4 +1,5 @@
-"""WaitingQueue: the scheduler's waiting sequences, one FCFS queue per tenant, served fairly.
+"""WaitingQueue: the scheduler's waiting sequences, one FCFS queue per tenant, served fairly; and the
+running sequence to preempt, taken from the tenant that holds the most seats.
 
 Each tenant's queue is split by adapter, so that the scheduler looks only at the head of each
 (tenant, adapter) queue: the sequences behind a head share its adapter, and with it the reason it
@@ -13,7 +14,7 @@ base sequence of t1 puts it back as ticket -1: heads(t1) = [base #-1, a@1 #0].
 from __future__ import annotations
 
 import itertools
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterator
 
 from lorafleet.worker.sequence import Sequence
@@ -25,6 +26,15 @@ def fairness_key(seq: Sequence) -> str:
     if seq.tenant is not None:
         return f"tenant {seq.tenant}"
     return "base" if seq.adapter is None else f"adapter {seq.adapter.split('@')[0]}"
+
+
+def preemption_victim(running: list[Sequence]) -> Sequence:
+    """Whom to preempt when KV pages run out: the youngest of `running` (in admission order) whose tenant
+    runs the most sequences, so that the pressure falls on the tenant holding the most seats, as admission
+    gives seats to the one holding the fewest; among tied tenants, the youngest overall."""
+    counts = Counter(fairness_key(s) for s in running)
+    most = max(counts.values())
+    return next(s for s in reversed(running) if counts[fairness_key(s)] == most)
 
 
 class WaitingQueue:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from prometheus_client.parser import text_string_to_metric_families
 
 from lorafleet.worker.metrics import EngineSnapshot, WorkerMetrics
@@ -26,6 +28,30 @@ def test_engine_snapshot_feeds_vllm_compatible_gauges():
     assert info == [("vllm:lora_requests_info", (("max_lora", "8"), ("running_lora_adapters", "a@1,b@1"),
                                                   ("waiting_lora_adapters", "c@2")))]
     assert s[("lorafleet_queue_depth", ())] == 2
+
+
+def test_preemptions_are_counters_under_both_names():
+    s = _samples(WorkerMetrics(lambda: EngineSnapshot(num_preemptions=7)))
+    assert s[("vllm:num_preemptions_total", ())] == s[("lorafleet_preemptions_total", ())] == 7
+
+
+async def test_metrics_count_the_preemptions_of_a_run(aiohttp_client, tiny_llama_dir):
+    """Three requests of 8 + 20 tokens (7 pages each) on a pool of 12 pages preempt one another: /metrics
+    reports as many preemptions as the scheduler made."""
+    from lorafleet.worker import EngineConfig, SamplingParams
+    from lorafleet.worker.app_keys import ENGINE
+    from lorafleet.worker.server import create_app
+    from lorafleet.worker.worker_config import WorkerConfig
+
+    config = EngineConfig(model=str(tiny_llama_dir), dtype="float32", block_size=4, num_pages=12)
+    client = await aiohttp_client(create_app(WorkerConfig(engine=config, served_model_name="tiny")))
+    engine = client.app[ENGINE]
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    outs = await asyncio.wrap_future(engine.call(lambda e: e.generate([[i] * 8 for i in (1, 2, 3)], params)))
+    assert [o.finish_reason for o in outs] == ["length"] * 3 and engine.engine.num_preemptions > 0
+    text = await (await client.get("/metrics")).text()
+    s = {m.name: m.value for fam in text_string_to_metric_families(text) for m in fam.samples if not m.labels}
+    assert s["vllm:num_preemptions_total"] == s["lorafleet_preemptions_total"] == engine.engine.num_preemptions
 
 
 def test_request_and_step_observations():

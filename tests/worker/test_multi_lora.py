@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from lorafleet.worker import Engine, EngineConfig, SamplingParams
+from lorafleet.worker.engine_errors import ContextLengthError
 
 MAX_NEW = 8
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -307,8 +308,10 @@ def test_request_that_can_never_fit_fails_instead_of_hanging(tiny_llama_dir, ada
     for key in engine.adapters():
         engine.adapter_pool.pin(key)
         engine.adapter_pool.load(key)
-    long, short = engine.generate([list(range(30)), [1, 2, 3]], SamplingParams(max_tokens=4, temperature=0.0))
-    assert long.finish_reason == "error" and "KV pages" in long.error
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    with pytest.raises(ContextLengthError, match="pinned adapters take"):  # refused at once: it can never fit
+        engine.generate([list(range(30)), [1, 2, 3]], params)
+    (short,) = engine.generate([[1, 2, 3]], params)
     assert short.finish_reason == "length" and len(short.token_ids) == 4
     _assert_all_free(engine)
 

@@ -3,6 +3,7 @@ and no tenant's adapter may fail or starve another tenant's requests (nor be sta
 
 from __future__ import annotations
 
+import re
 import threading
 
 import pytest
@@ -128,22 +129,23 @@ def test_an_adapter_still_loading_holds_no_other_request_back(tiny_llama_dir):
 @pytest.mark.parametrize("max_num_batched_tokens", [64, 8])
 def test_a_request_outgrowing_what_pinned_adapters_leave_fails_instead_of_looping(tiny_llama_dir,
                                                                                  max_num_batched_tokens):
-    """16 pages, 4 held by a pinned adapter: a 45-token request growing to 63 tokens would need all 16.
-    It fails with CapacityError within the stuck bound, also when prefilled in chunks: those fit up to
-    the page it then preempts itself for, so readmitting it chunk by chunk would loop forever."""
-    from lorafleet.worker.scheduler import CapacityError
+    """16 pages; a 45-token request growing to 63 tokens needs all 16, and a push pins an adapter of 4 pages
+    after it was admitted. It fails with ContextLengthError (it can never fit: not retryable) once it outgrows
+    the 12 left, without waiting for the stuck bound, also when prefilled in chunks: those fit up to the page
+    it then preempts itself for, so readmitting it chunk by chunk would loop forever."""
+    from lorafleet.worker.engine_errors import ContextLengthError
 
     engine = _engine(tiny_llama_dir, max_num_batched_tokens=max_num_batched_tokens)
+    engine.add_request("big", [3] * 45, SamplingParams(max_tokens=18, temperature=0, ignore_eos=True))
     engine.adapter_pool.add("p@1", random_weights(0, rank=4, projs=ADAPTER_PROJS), pinned=True)
     engine.adapter_pool.load("p@1")
-    engine.add_request("big", [3] * 45, SamplingParams(max_tokens=18, temperature=0, ignore_eos=True))
     done = []
-    for _ in range(engine.scheduler.max_stuck_steps + 50):
+    for _ in range(50):
         done += [o for o in engine.step() if o.finished]
         if done:
             break
-    assert [o.finish_reason for o in done] == ["error"] and isinstance(done[0].exception, CapacityError)
-    assert "needs 13 KV pages" in done[0].error
+    assert [o.finish_reason for o in done] == ["error"] and isinstance(done[0].exception, ContextLengthError)
+    assert "pinned adapters take 4, leaving 12; you requested 63 tokens" in done[0].error
     _assert_all_free(engine)
 
 
@@ -201,21 +203,33 @@ def test_requests_waiting_for_the_adapter_in_the_way_do_not_overtake_a_request_s
     _assert_all_free(engine)
 
 
-def test_a_request_whose_adapter_never_finds_room_fails_instead_of_waiting_forever(tiny_llama_dir):
+@pytest.mark.parametrize("size_known", [True, False])
+def test_a_request_whose_adapter_never_finds_room_fails_instead_of_waiting_forever(tiny_llama_dir, size_known):
     """8 pages, 4 held by a pinned adapter: a rank-8 adapter (7 pages) can never be placed, though it fits
-    the pool. Its request fails with CapacityError within the stuck bound; a base request is served."""
-    from lorafleet.worker.scheduler import CapacityError
+    the pool. Its request is refused with ContextLengthError (not retryable): at admission when the adapter is
+    in memory, else once it is read, within max_adapter_wait_steps, not the stuck bound. A base request is
+    served."""
+    from lorafleet.worker.engine_errors import ContextLengthError
 
     engine = _engine(tiny_llama_dir, num_pages=8, max_adapter_wait_steps=2)
     engine.adapter_pool.add("p@1", random_weights(0, rank=4, projs=ADAPTER_PROJS), pinned=True)
     engine.adapter_pool.load("p@1")
-    engine.adapter_pool.add("big@1", random_weights(1, rank=8, projs=ADAPTER_PROJS))
+    weights = random_weights(1, rank=8, projs=ADAPTER_PROJS)
+    engine.adapter_pool.add("big@1", weights if size_known else None, loader=None if size_known else lambda: weights)
     params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
-    engine.add_request("lora", [7, 8, 9], params, adapter="big")
+    refusal = "cannot run: .* its adapter big@1 takes 7 and pinned adapters take 4, leaving 0"
+    if size_known:
+        with pytest.raises(ContextLengthError, match=refusal):
+            engine.add_request("lora", [7, 8, 9], params, adapter="big")
+    else:
+        engine.add_request("lora", [7, 8, 9], params, adapter="big")
     engine.add_request("base", [1, 2, 3], params)
-    finished = _run_until_done(engine, max_steps=engine.scheduler.max_stuck_steps + 50)
+    finished = _run_until_done(engine, max_steps=20)
     outcome = {o.request_id: (o.finish_reason, type(o.exception)) for o in finished}
-    assert outcome == {"base": ("length", type(None)), "lora": ("error", CapacityError)}
-    assert "big@1" in next(o.error for o in finished if o.request_id == "lora")
+    assert outcome.pop("base") == ("length", type(None))
+    if not size_known:
+        assert outcome.pop("lora") == ("error", ContextLengthError)
+        assert re.search(refusal, next(o.error for o in finished if o.request_id == "lora"))
+    assert outcome == {}
     assert not engine.adapter_pool.entry("big@1").waiters
     _assert_all_free(engine)

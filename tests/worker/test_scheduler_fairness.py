@@ -138,3 +138,43 @@ def test_a_step_asks_only_the_head_of_each_adapter_queue(num_waiting):
         sched.add(_seq(3, adapter="cold@1"))
     _run_step(sched)
     assert adapters.asked == ["cold@1"]
+
+
+def test_preemption_takes_from_the_tenant_holding_the_most_seats(tiny_llama_dir):
+    """Ten 16-token pages; acme sends three requests, globex one three steps later, each of 10 + 44 tokens (4
+    pages at the end): pages run out. The victims are acme's, never globex's lone request (the youngest,
+    which alone was preempted before the fix, twice). Every request gets the tokens it gets alone."""
+    engine = _engine(tiny_llama_dir, num_pages=10, block_size=16)
+    params = SamplingParams(max_tokens=44, temperature=0, ignore_eos=True)
+    arrivals = {0: [(f"acme{i}", [20 + i] * 10, "acme") for i in range(3)], 3: [("globex", [40] * 10, "globex")]}
+    seqs, tokens, step = {}, {}, 0
+    while step <= max(arrivals) or engine.has_unfinished():
+        for rid, prompt, tenant in arrivals.get(step, []):
+            engine.add_request(rid, prompt, params, tenant=tenant)
+            seqs[rid] = engine.requests[rid]
+        for out in engine.step():
+            tokens[out.request_id] = out.token_ids
+        step += 1
+        assert step < 200, "not done"
+    preemptions = {rid: seq.num_preemptions for rid, seq in seqs.items()}
+    assert preemptions["globex"] == 0 and sum(preemptions.values()) > 0, preemptions
+    alone = _engine(tiny_llama_dir, num_pages=64, block_size=16)
+    assert tokens == {rid: alone.generate([p], params)[0].token_ids for reqs in arrivals.values() for rid, p, _ in reqs}
+    assert engine.page_pool.num_used("kv") == 0 and engine.requests == {}
+
+
+def test_a_victim_scheduled_earlier_in_the_step_leaves_the_batch():
+    """Pages run out at t2's lone sequence, the youngest: the victim is t1's youngest, already in the step's
+    batch; it leaves the batch and t2's sequence runs."""
+    sched, pool = _sched(num_pages=5)
+    a1, a2, b = _seq(5), _seq(5), _seq(4)
+    a1.tenant, a2.tenant, b.tenant = "t1", "t1", "t2"
+    sched.add(a1)
+    sched.add(a2)
+    _run_step(sched)  # 2 pages each
+    sched.add(b)
+    _run_step(sched)  # b's prompt takes the last page; a1 and a2 decode within their pages
+    assert pool.num_free == 0 and sched.running == [a1, a2, b]
+    batch = _run_step(sched)  # b's decode needs a page
+    assert batch.preempted == [a2] and batch.decodes == [a1, b] and batch.num_tokens == 2
+    assert a2.block_table == [] and b.num_preemptions == 0

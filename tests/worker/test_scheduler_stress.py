@@ -6,11 +6,12 @@ on and off. Each seed is one deterministic workload (adapter reads and copies fi
 
 Checked: every request ends within the step bound; one that fits the pool alone (pinned adapters'
 pages taken off) ends with its tokens, the greedy tokens of the request run alone in a roomy engine,
-and one that does not with CapacityError; a failed forward fails only its requests; kv_usage stays in
-[0, 1]; once its adapter is loaded, a request is passed over by later arrivals of its own tenant (here
-its adapter's name, or the base model: later arrivals of other tenants may go first, by fair share) in
-at most max_adapter_wait_steps steps (not counting those its adapter's copy is in flight); at the end no KV
-page is used, the pools check out and no adapter is referenced or waited for.
+and one that does not is refused with ContextLengthError (at admission, or once its adapter is read); a
+failed forward fails only its requests; kv_usage stays in [0, 1]; once its adapter is loaded, a request
+is passed over by later arrivals of its own tenant (here its adapter's name, or the base model: later
+arrivals of other tenants may go first, by fair share) in at most max_adapter_wait_steps steps (not
+counting those its adapter's copy is in flight); at the end no KV page is used, the pools check out and
+no adapter is referenced or waited for.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 import pytest
 
 from lorafleet.worker import Engine, EngineConfig, SamplingParams
-from lorafleet.worker.scheduler import CapacityError
+from lorafleet.worker.engine_errors import ContextLengthError
 from lorafleet.worker.sequence import SequenceStatus
 from lorafleet.worker.waiting_queue import fairness_key
 from tests.lora_factory import random_weights
@@ -131,9 +132,10 @@ def alone(tiny_llama_dir):
 
 
 def _serve(engine: Engine, wl: Workload):
-    """Run the workload step by step. Returns (finished outputs by request id, None if aborted; per request,
-    the steps in which it waited with its adapter loaded, and not being copied, while a later arrival of
-    its tenant was admitted; the requests of failed forwards)."""
+    """Run the workload step by step. Returns (finished outputs by request id, None if aborted, the
+    ContextLengthError if refused at admission; per request, the steps in which it waited with its adapter
+    loaded, and not being copied, while a later arrival of its tenant was admitted; the requests of failed
+    forwards)."""
     by_arrival = sorted(wl.requests, key=lambda r: r.arrival)  # stable: the order they are added in
     order = {r.request_id: i for i, r in enumerate(by_arrival)}
     done, overtaken, admitted, faulted = {}, dict.fromkeys(order, 0), set(), set()
@@ -150,7 +152,10 @@ def _serve(engine: Engine, wl: Workload):
         for req in by_arrival:
             if req.arrival == step:
                 params = SamplingParams(max_tokens=req.max_tokens, temperature=0, ignore_eos=True)
-                engine.add_request(req.request_id, req.prompt, params, adapter=req.adapter)
+                try:
+                    engine.add_request(req.request_id, req.prompt, params, adapter=req.adapter)
+                except ContextLengthError as exc:  # it can never fit: refused at admission
+                    done[req.request_id] = exc
             if req.abort_at == step and engine.abort(req.request_id):
                 done[req.request_id] = None
         seqs = dict(engine.requests)
@@ -207,8 +212,9 @@ def _run_and_check(engine: Engine, wl: Workload, alone) -> None:
             assert out.error == "injected fault", (req, out)
             continue
         if not _fits_alone(req, wl, engine.max_model_len):
-            assert out.finish_reason == "error" and isinstance(out.exception, CapacityError), (req, out)
+            assert isinstance(out, ContextLengthError) or isinstance(out.exception, ContextLengthError), (req, out)
             continue
+        assert not isinstance(out, Exception), (req, out)
         assert (out.finish_reason, out.error) == ("length", None), req
         assert out.token_ids == alone(req.prompt, req.adapter)[: _num_tokens(req, engine.max_model_len)], req
     # Fairness: passed over by its own tenant (for adapter grouping or GPU room) in at most max_adapter_wait_steps
