@@ -35,11 +35,15 @@ class AdapterReports:
         """(adapter `key`'s pages, pinned adapters' pages): what the KV cache of a request for `key`
         (None: the base model) can never have while it runs. Pinned adapters are placed as soon as there
         is room and never evicted; an adapter neither in CPU memory nor on the GPU counts as no pages (its
-        size is not known)."""
+        size is not known). A name counts once, at its largest pinned version: while a pinned version
+        replaces another, only one of the two stays; the request's own adapter's name is its own pages."""
         with self._lock:
             own = self._entries.get(key) if key is not None else None
-            pinned = sum(_num_pages(e) for e in self._entries.values() if e.pinned and e is not own)
-            return (_num_pages(own) if own is not None else 0), pinned
+            by_name: dict[str, int] = {}
+            for e in self._entries.values():
+                if e.pinned and (own is None or e.name != own.name):
+                    by_name[e.name] = max(by_name.get(e.name, 0), _num_pages(e))
+            return (_num_pages(own) if own is not None else 0), sum(by_name.values())
 
     def stats(self) -> dict:
         with self._lock:

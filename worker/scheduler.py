@@ -20,7 +20,8 @@ holds (a preempted one keeps its reference) or was loaded for is never evicted: 
 queue's head cannot get pages, or such a starved sequence's adapter finds no room, the others let go of
 theirs. A sequence that preempted itself running alone (adapters hold the rest of the pool) is
 readmitted only once the pages of all its tokens can be had, not chunk by chunk into the same wall; one
-that never can (`never_fits`: its adapter and pinned ones leave too little of the pool) fails at once.
+that never can (`never_fits`: its adapter and pinned ones leave too little of the pool) fails at once, or
+ends by length if its max_tokens, lowered to fit (kv_room.py), is reached.
 """
 
 from __future__ import annotations
@@ -63,13 +64,9 @@ class Scheduler:
         adapter_state: Callable[[str], str] | None = None,
         never_fits: Callable[[Sequence], EngineError | None] | None = None,
     ) -> None:
-        self.block_manager = block_manager
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.enable_chunked_prefill = enable_chunked_prefill
-        self.adapter_pool = adapter_pool
-        self.max_loras_per_batch = max_loras_per_batch
-        self.max_adapter_wait_steps = max_adapter_wait_steps
+        self.block_manager, self.max_num_seqs, self.max_num_batched_tokens = block_manager, max_num_seqs, max_num_batched_tokens
+        self.enable_chunked_prefill, self.adapter_pool = enable_chunked_prefill, adapter_pool
+        self.max_loras_per_batch, self.max_adapter_wait_steps = max_loras_per_batch, max_adapter_wait_steps
         # Unified paging: idle adapters (no request uses them) give their pages to the KV cache
         # before any request is preempted. Returns how many pages were freed.
         self.reclaim_pages = reclaim_pages
@@ -88,7 +85,7 @@ class Scheduler:
         # seq_id -> steps it waited so far; a sequence leaving the queue takes its count along (the next one
         # gets a wait of its own), and any admission clears them all (something runs: pages will come back).
         self._stuck_steps: dict[int, int] = {}
-        self.failed: list[Sequence] = []  # finished by the scheduler (adapter load failed); engine reports them
+        self.failed: list[Sequence] = []  # ended by the scheduler (a failure, or max_tokens lowered to fit); engine reports them
 
     # ---- queue -----------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -362,6 +359,10 @@ class Scheduler:
         max_stuck_steps steps, then fail it: True if it failed."""
         steps = self._stuck_steps[seq.seq_id] = self._stuck_steps.get(seq.seq_id, 0) + 1
         never = self.never_fits(seq) if self.never_fits is not None else None
+        if never is None and len(seq.output_token_ids) >= seq.params.max_tokens:  # lowered to fit, reached
+            self.finish(seq, "length")
+            self.failed.append(seq)  # reported at the engine's next step
+            return True
         if never is None and steps <= self.max_stuck_steps:
             return False
         self.fail([seq], never or CapacityError(message))

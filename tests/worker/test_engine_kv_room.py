@@ -171,3 +171,40 @@ async def test_the_worker_answers_400_without_retry_after(aiohttp_client, tiny_l
     assert resp.status == 200, out
     usage = out["usage"]
     assert out["choices"][0]["finish_reason"] == "length" and usage["prompt_tokens"] + usage["completion_tokens"] == 33
+
+
+def test_a_pinned_version_replacing_another_counts_once(engine):
+    """p@1 is pinned and resident; a push adds p@2, pinned, which waits for pages a request holds: the name
+    counts once (its larger version), so a base-model request that fits beside one of them is admitted and
+    an unset max_tokens is not lowered for good."""
+    engine.adapter_pool.add("p@1", random_weights(2, rank=4, projs=ADAPTER_PROJS), pinned=True)
+    engine.adapter_pool.load("p@1")
+    engine.add_request("busy", PROMPT, _params(23))
+    for _ in range(19):
+        engine.step()
+    engine.adapter_pool.add("p@2", random_weights(3, rank=4, projs=ADAPTER_PROJS), pinned=True)
+    assert not engine.adapter_pool.entry("p@2").on_gpu
+    assert engine.adapter_pool.kv_held_pages(None) == (0, 4)
+    engine.add_request("late", PROMPT, _params(23))
+    fit = SamplingParams(max_tokens=NUM_PAGES * BS - len(PROMPT), temperature=0, ignore_eos=True, max_tokens_to_fit=True)
+    engine.add_request("unset", PROMPT, fit)
+    assert fit.max_tokens == 23
+    done = _run(engine, max_steps=200)
+    assert {rid: o.finish_reason for rid, o in done.items()} == dict.fromkeys(("busy", "late", "unset"), "length")
+    assert engine.adapter_pool.resolve("p") == "p@2"
+
+
+def test_an_unset_max_tokens_lowered_below_what_was_generated_ends_by_length(engine):
+    """A pin lands while a request without max_tokens runs on the whole pool: once it outgrows what p leaves
+    it is preempted, and its max_tokens lowered to fit, no more than the tokens it has: it ends by length with
+    what it has, not with an error after the stuck bound."""
+    params = SamplingParams(max_tokens=NUM_PAGES * BS - len(PROMPT), temperature=0, ignore_eos=True,
+                            max_tokens_to_fit=True)
+    engine.add_request("whole", PROMPT, params)
+    for _ in range(5):
+        engine.step()
+    engine.adapter_pool.add("p@1", random_weights(2, rank=4, projs=ADAPTER_PROJS), pinned=True)
+    engine.adapter_pool.load("p@1")
+    out = _run(engine, max_steps=80)["whole"]
+    assert out.finish_reason == "length" and out.error is None, out.error
+    assert params.max_tokens == 23 and len(out.token_ids) >= 23
