@@ -75,7 +75,9 @@ class CompletionJob:
                 raise APIError(400, f"This model's maximum context length is {max_model_len} tokens; the prompt "
                                     f"has {len(ids)} tokens. Shorten the prompt.", code="context_length_exceeded",
                                param="messages" if self.endpoint == "chat" else "prompt")
-            max_tokens = o.max_tokens if o.max_tokens is not None else max_model_len - len(ids)
+            left = max_model_len - len(ids)  # unset: the model's default (at least min_tokens) within the context
+            max_tokens = o.max_tokens if o.max_tokens is not None else min(left, max(o.default_max_tokens or left,
+                                                                                      o.min_tokens))
             if len(ids) + max_tokens > max_model_len:
                 raise APIError(400, f"This model's maximum context length is {max_model_len} tokens; you requested "
                                     f"{len(ids) + max_tokens} ({len(ids)} in the prompt, {max_tokens} to generate). "

@@ -32,6 +32,7 @@ from lorafleet.worker.adapter_entry import AdapterLoadError, split_key
 from lorafleet.worker.app_keys import (
     ADAPTERS,
     ADMISSION,
+    CONFIG,
     ENGINE,
     METRICS,
     STATUS,
@@ -96,17 +97,16 @@ async def _prepare(request: web.Request, endpoint: str,
             if endpoint == "chat":
                 if engine.tokenizer is None:
                     raise EngineError("this model has no tokenizer; use /v1/completions with token ids")
-                messages = [{"role": m.role, "content": m.content} | ({"name": m.name} if m.name else {})
-                            for m in parsed.messages]
-                text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-                return [engine.tokenizer.encode(text, add_special_tokens=False)]
+                in_content = app[CONFIG].chat_control_tokens_in_content  # vLLM's way: they stay control tokens
+                return [engine.tokenizer.encode_chat(parsed.template_messages(), parsed.template,
+                                                     control_tokens_in_content=in_content)]
             return [engine.encode(p) for p in parsed.prompts]
 
         try:
             prompt_ids = await asyncio.get_running_loop().run_in_executor(None, tokenize)
         except (EngineError, TokenizerError) as exc:
             raise APIError(400, str(exc), code="invalid_prompt") from None
-        except jinja2.TemplateError as exc:  # the chat template refuses (e.g. roles out of order)
+        except jinja2.TemplateError as exc:  # the chat template refuses (roles out of order) or fails (a TypeError)
             raise APIError(400, f"the chat template refused these messages: {exc}", code="invalid_messages",
                            param="messages") from None
     prefix = "chatcmpl" if endpoint == "chat" else "cmpl"

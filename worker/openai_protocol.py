@@ -3,10 +3,12 @@
 Parsing is strict where it matters: wrong types, out-of-range values and unknown top-level fields
 are refused with a 400 that names the field (as OpenAI does: "Unrecognized request argument");
 options we cannot honour (`best_of > 1`, `suffix`, chat's `echo`, tool calls, also in a chat's history,
-`reasoning_effort`, non-text `modalities`) are refused rather than silently ignored; documented fields
-that do not change the output (`store`, `metadata`, `service_tier`, ...) are type-checked and ignored. Tokenization happens later, in openai_api.py, and the context-length
-check in completion_job.py. The typed field access and the error shape live in openai_fields.py, the
-sampling options both endpoints share in openai_sampling.py.
+`reasoning_effort`, non-text `modalities`, vLLM's `documents`) are refused rather than silently ignored;
+documented fields that do not change the output (`store`, `metadata`, `service_tier`, ...) are type-checked
+and ignored. vLLM's chat fields `add_generation_prompt`, `continue_final_message`, `chat_template_kwargs` and
+`add_special_tokens` are taken with vLLM's meaning (chat_template.py). Tokenization happens later, in
+openai_api.py, and the context-length check in completion_job.py. The typed field access and the error shape
+live in openai_fields.py, the sampling options both endpoints share in openai_sampling.py.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from lorafleet.worker.chat_template import ChatTemplateOptions, is_reserved
 from lorafleet.worker.directives import DirectiveError
 from lorafleet.worker.directives import _name as directive_name
 from lorafleet.worker.openai_fields import APIError, Fields, bad_request, check_text, is_int, parse_json
@@ -31,6 +34,7 @@ MAX_COMPLETION_LOGPROBS = 5
 MAX_CHAT_TOP_LOGPROBS = 20
 MAX_PROMPTS = 16
 CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
+MAX_KWARGS_DEPTH = 32  # chat_template_kwargs: its values are walked (checked, control tokens wrapped)
 
 
 @dataclass(slots=True)
@@ -45,6 +49,7 @@ class ChatMessage:
     role: str
     content: str
     name: str | None = None
+    tool_call_id: str | None = None  # a tool message's: which call it answers
 
 
 @dataclass(slots=True)
@@ -52,6 +57,13 @@ class ChatRequest:
     model: str
     messages: list[ChatMessage]
     options: SamplingOptions
+    template: ChatTemplateOptions  # vLLM's chat template fields
+
+    def template_messages(self) -> list[dict[str, str]]:
+        """The messages as the chat template sees them: role and content, name and tool_call_id where sent."""
+        return [{"role": m.role, "content": m.content}
+                | {k: v for k, v in (("name", m.name), ("tool_call_id", m.tool_call_id)) if v is not None}
+                for m in self.messages]
 
 
 def _model(f: Fields) -> str:
@@ -137,19 +149,14 @@ def parse_chat_request(body: Any, defaults: SamplingDefaults = SamplingDefaults(
         if role not in CHAT_ROLES:
             raise bad_request(f"{where}.role must be one of {', '.join(CHAT_ROLES)} (got {json.dumps(role)})",
                               "messages")
-        name = m.get("name")
-        if name is not None and not isinstance(name, str):
-            raise bad_request(f"{where}.name must be a string", "messages", "invalid_type")
-        if name is not None:
-            check_text(name, "messages")
+        name, tool_call_id = (_message_string(m, key, where) for key in ("name", "tool_call_id"))
         for key in ("tool_calls", "function_call"):  # empty: what a response without calls carries back
             if m.get(key):
                 raise bad_request(f"{where}.{key}: tool calling is not implemented, and the chat template "
                                   "would be rendered without these calls", "messages", "unsupported_parameter")
-        messages.append(ChatMessage(role, _content(m.get("content"), where), name))
-    if not any(m.content for m in messages):
-        raise bad_request("'messages' must contain some text", "messages", "empty_prompt")
+        messages.append(ChatMessage(role, _content(m.get("content"), where), name, tool_call_id))
     options = parse_sampling_options(f, ("max_tokens", "max_completion_tokens"), None, defaults)
+    options.default_max_tokens = defaults.max_tokens
     if f.flag("logprobs", False):
         options.logprobs = f.integer("top_logprobs", 0, 0, MAX_CHAT_TOP_LOGPROBS)
     elif f.get("top_logprobs") is not None:
@@ -159,8 +166,54 @@ def parse_chat_request(body: Any, defaults: SamplingDefaults = SamplingDefaults(
     f.neutral("tools", [], "tool calling is not implemented")
     f.neutral("tool_choice", "none", "tool calling is not implemented")
     _chat_extras(f)
+    template = _template_options(f)
     f.refuse_unknown()
-    return ChatRequest(model, messages, options)
+    return ChatRequest(model, messages, options, template)
+
+
+def _message_string(m: dict, key: str, where: str) -> str | None:
+    v = m.get(key)
+    if v is not None and not isinstance(v, str):
+        raise bad_request(f"{where}.{key} must be a string", "messages", "invalid_type")
+    return None if v is None else check_text(v, "messages")
+
+
+def _template_options(f: Fields) -> ChatTemplateOptions:
+    """vLLM's chat template fields. add_generation_prompt defaults to true, or to false with
+    continue_final_message (vLLM refuses the pair, so a client sends both; either way no new turn is opened)."""
+    continue_final = f.flag("continue_final_message", False)
+    add_generation_prompt = f.flag("add_generation_prompt", not continue_final)
+    if continue_final and add_generation_prompt:
+        raise bad_request("'continue_final_message' and 'add_generation_prompt' cannot both be true: the one "
+                          "continues the last message, the other starts a new assistant turn",
+                          "continue_final_message")
+    kwargs = f.get("chat_template_kwargs")
+    if not isinstance(kwargs, dict | None):
+        raise bad_request("'chat_template_kwargs' must be an object of template variables", "chat_template_kwargs",
+                          "invalid_type")
+    kwargs = kwargs or {}
+    reserved = sorted(k for k in kwargs if is_reserved(k))
+    if reserved:
+        raise bad_request(f"'chat_template_kwargs' must not set {', '.join(reserved)}: the worker passes the chat "
+                          "template its messages, options (use the request's own fields) and special tokens",
+                          "chat_template_kwargs")
+    _check_strings(kwargs, "chat_template_kwargs")
+    return ChatTemplateOptions(add_generation_prompt, continue_final, kwargs, f.flag("add_special_tokens", False))
+
+
+def _check_strings(v: Any, param: str, depth: int = 0) -> None:
+    """Every string of a JSON value (keys too) valid Unicode (check_text), nested at most MAX_KWARGS_DEPTH deep."""
+    if depth > MAX_KWARGS_DEPTH:
+        raise bad_request(f"'{param}' is nested deeper than {MAX_KWARGS_DEPTH} levels", param)
+    if isinstance(v, str):
+        check_text(v, param)
+    elif isinstance(v, dict):
+        for key, value in v.items():
+            check_text(key, param)
+            _check_strings(value, param, depth + 1)
+    elif isinstance(v, list):
+        for item in v:
+            _check_strings(item, param, depth + 1)
 
 
 def _chat_extras(f: Fields) -> None:

@@ -31,7 +31,8 @@ STREAM_OPTIONS = ("include_usage", "include_obfuscation", "continuous_usage_stat
 class SamplingOptions:
     """The per-request options shared by both endpoints, before the engine's SamplingParams."""
 
-    max_tokens: int | None = None  # None: up to the end of the context
+    max_tokens: int | None = None  # None: up to the end of the context, or default_max_tokens
+    default_max_tokens: int | None = None  # chat: the model's max_new_tokens for an unset max_tokens
     max_tokens_param: str = "max_tokens"  # the field that set it: errors name what the caller sent
     temperature: float = 1.0
     top_p: float = 1.0

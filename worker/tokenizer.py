@@ -1,30 +1,29 @@
-"""Tokenizer: `tokenizer.json` through the `tokenizers` library, chat template from
-`tokenizer_config.json` (or `chat_template.jinja`) rendered with jinja2.
+"""Tokenizer: `tokenizer.json` through the `tokenizers` library, chat template from `tokenizer_config.json`
+(or `chat_template.jinja`) compiled when it loads and rendered as transformers does (chat_template.py).
 
-A "developer" message (OpenAI's newer name for the system role, sent by recent clients) is rendered
-as "system" unless the template tests for "developer" itself (gpt-oss's does): templates that do not
-know the role render a turn the model never saw (Llama 3, SmolLM2), drop it silently (Qwen2.5) or
-raise (Mistral)."""
+The template sees every named special token of tokenizer_config.json (`bos_token`, `eos_token`, `unk_token`,
+`pad_token`, any other `*_token`, named `extra_special_tokens`) and `additional_special_tokens`, as
+transformers passes them. A chat's prompt ids are its rendered text encoded without the tokenizer's own
+special tokens (the template writes them), except that control-token strings from the caller's messages are
+encoded as plain text (control_tokens.py) unless the worker is told to let them be tokens, as vLLM does.
+"""
 
 from __future__ import annotations
 
 import json
-from datetime import datetime
 from functools import cached_property
 from pathlib import Path
+from typing import Any
 
 import jinja2
-import jinja2.nodes
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
+
+from lorafleet.worker.chat_template import ChatTemplate, ChatTemplateOptions
+from lorafleet.worker.control_tokens import ControlTokens
 
 
 class TokenizerError(ValueError):
     """The model directory's tokenizer files are missing or unusable."""
-
-
-def _raise(message: str) -> None:
-    raise jinja2.TemplateError(message)
 
 
 class Tokenizer:
@@ -44,8 +43,10 @@ class Tokenizer:
         self.chat_template: str | None = _chat_template(self.config.get("chat_template"), cfg_path)
         if template_file.is_file():
             self.chat_template = _read_text(template_file)
-        self.bos_token = _token_text(self.config.get("bos_token"), cfg_path, "bos_token")
-        self.eos_token = _token_text(self.config.get("eos_token"), cfg_path, "eos_token")
+        self.template = _compile(self.chat_template, template_file if template_file.is_file() else cfg_path)
+        self.special_tokens = _special_tokens(self.config, cfg_path)
+        self.bos_token: str | None = self.special_tokens.get("bos_token")
+        self.eos_token: str | None = self.special_tokens.get("eos_token")
         add_bos = self.config.get("add_bos_token", False)
         if add_bos is not None and not isinstance(add_bos, bool):
             raise TokenizerError(f"{cfg_path}: add_bos_token must be true or false, got {add_bos!r}")
@@ -68,10 +69,7 @@ class Tokenizer:
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
-        bos = self.bos_token_id
-        if add_special_tokens and self.add_bos_token and bos is not None and (not ids or ids[0] != bos):
-            ids = [bos, *ids]
-        return ids
+        return self._with_bos(ids) if add_special_tokens else ids
 
     def decode(self, token_ids: list[int], *, skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
@@ -80,39 +78,78 @@ class Tokenizer:
         return self._tok.id_to_token(token_id)
 
     @cached_property
-    def _template(self) -> jinja2.Template:
-        if not self.chat_template:
+    def control_tokens(self) -> ControlTokens:
+        """The special tokens, and the added tokens the chat template writes (or those tokenizer_config.json
+        lists as `chat_control_tokens`), as transformers' sanitize_control_tokens takes them."""
+        listed = self.config.get("chat_control_tokens")
+        written = self.template.literal_text if self.template is not None else ""
+        return ControlTokens(t.content for t in self._tok.get_added_tokens_decoder().values() if t.special or (
+            t.content in listed if isinstance(listed, list) else t.content in written and not t.content.isspace()))
+
+    def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True,
+                            continue_final_message: bool = False, template_kwargs: dict | None = None) -> str:
+        """The prompt text for a chat; special tokens are part of the text (encode it with
+        add_special_tokens=False). `template_kwargs`: more template variables (a request's chat_template_kwargs).
+        Raises TokenizerError without a template, jinja2.TemplateError when it fails on these messages."""
+        if self.template is None:
             raise TokenizerError("this model has no chat template (tokenizer_config.json lacks chat_template)")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=["jinja2.ext.loopcontrols"])
-        env.globals["raise_exception"] = _raise
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        env.filters["tojson"] = lambda v, indent=None: json.dumps(v, indent=indent, ensure_ascii=False)
-        return env.from_string(self.chat_template)
+        variables = {"bos_token": "", "eos_token": ""} | self.special_tokens | (template_kwargs or {})
+        return self.template.render(messages, variables, add_generation_prompt=add_generation_prompt,
+                                    continue_final_message=continue_final_message)
+
+    def encode_chat(self, messages: list[dict], options: ChatTemplateOptions | None = None, *,
+                    control_tokens_in_content: bool = False) -> list[int]:
+        """A chat's prompt ids. Control-token strings in the messages and in options.kwargs are encoded as
+        plain text, unless `control_tokens_in_content` (vLLM's way: they become the tokens)."""
+        options = options or ChatTemplateOptions()
+        render = {"add_generation_prompt": options.add_generation_prompt,
+                  "continue_final_message": options.continue_final_message}
+        if control_tokens_in_content:
+            text = self.apply_chat_template(messages, template_kwargs=options.kwargs, **render)
+            return self.encode(text, add_special_tokens=options.add_special_tokens)
+        marks = self.control_tokens
+        text = self.apply_chat_template(marks.wrap(messages), template_kwargs=marks.wrap(options.kwargs), **render)
+        pieces = marks.split(text)
+        if len(pieces) == 1:
+            return self.encode(pieces[0][0], add_special_tokens=options.add_special_tokens)
+        ids = self._tok.encode(pieces[0][0], add_special_tokens=False).ids
+        for piece, is_text in pieces[1:]:
+            ids += self._encode_piece(piece, is_text)
+        if options.add_special_tokens:
+            before, after = self._frame
+            ids = self._with_bos([*before, *ids, *after])
+        return ids
+
+    def _encode_piece(self, piece: str, is_text: bool) -> list[int]:
+        """A piece from the middle of a prompt; `is_text`: with no added token matched. Encoded after a newline
+        that is then dropped, so that a SentencePiece tokenizer adds no word-start space (transformers' way)."""
+        encode = self._encode_text if is_text else lambda t: self._tok.encode(t, add_special_tokens=False).ids
+        newline = self._tok.encode("\n", add_special_tokens=False).ids
+        ids = encode("\n" + piece)
+        ids = ids[len(newline):] if ids[:len(newline)] == newline else encode(piece)
+        if is_text and self.token_to_id(piece) in ids:
+            raise TokenizerError(f"the chat's text holds {piece!r}, which this model's tokenizer cannot encode as text")
+        return ids
+
+    def _encode_text(self, text: str) -> list[int]:
+        """`text` encoded by the tokenizer's model alone, no added token matched (nor a special one)."""
+        tok = self._tok
+        text = tok.normalizer.normalize_str(text) if tok.normalizer is not None else text
+        splits = [s for s, _ in tok.pre_tokenizer.pre_tokenize_str(text)] if tok.pre_tokenizer is not None else [text]
+        return [t.id for split in splits for t in tok.model.tokenize(split)]
 
     @cached_property
-    def template_knows_developer(self) -> bool:
-        """Whether the chat template names the "developer" role: a string constant of its code (a role
-        test, a list of roles), not words of its text ("You are a developer")."""
-        source = self._template.environment.parse(self.chat_template)
-        return any(node.value == "developer" for node in source.find_all(jinja2.nodes.Const))
+    def _frame(self) -> tuple[list[int], list[int]]:
+        """The ids the tokenizer's post-processor puts before and after one sequence (Llama's BOS)."""
+        bare = self._tok.encode("a", add_special_tokens=False).ids
+        framed = self._tok.encode("a", add_special_tokens=True).ids
+        at = next((i for i in range(len(framed) - len(bare) + 1) if framed[i:i + len(bare)] == bare), len(framed))
+        return framed[:at], framed[at + len(bare):]
 
-    def apply_chat_template(
-        self, messages: list[dict], *, add_generation_prompt: bool = True, tools: list[dict] | None = None
-    ) -> str:
-        """The prompt text for a chat; special tokens are part of the text (encode it with
-        add_special_tokens=False). "developer" messages become "system" ones unless the template knows
-        the role."""
-        template = self._template
-        if not self.template_knows_developer:
-            messages = [m | {"role": "system"} if m.get("role") == "developer" else m for m in messages]
-        return template.render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
-            tools=tools,
-        )
+    def _with_bos(self, ids: list[int]) -> list[int]:
+        """`ids` with BOS first where tokenizer_config.json's add_bos_token asks for it and it is not there."""
+        bos = self.bos_token_id
+        return [bos, *ids] if self.add_bos_token and bos is not None and (not ids or ids[0] != bos) else ids
 
 
 def _file_error(path: Path, what: str, exc: BaseException) -> TokenizerError:
@@ -149,6 +186,36 @@ def _chat_template(value, cfg_path: Path) -> str | None:
         return named.get("default") or next(iter(named.values()), None)
     raise TokenizerError(f"{cfg_path}: chat_template must be a string or a list of "
                          f"{{\"name\": ..., \"template\": ...}} objects, got {_short(value)}")
+
+
+def _compile(source: str | None, path: Path) -> ChatTemplate | None:
+    """The chat template, compiled; a template jinja2 cannot parse is a TokenizerError naming its file."""
+    if not source:
+        return None
+    try:
+        return ChatTemplate(source)
+    except (jinja2.TemplateError, RecursionError) as exc:
+        line = f" at line {exc.lineno}" if isinstance(exc, jinja2.TemplateSyntaxError) else ""
+        raise _file_error(path, f"the chat template cannot be parsed by jinja2{line}", exc) from None
+
+
+def _special_tokens(config: dict, cfg_path: Path) -> dict[str, Any]:
+    """The variables of the special tokens (transformers' rule): each `*_token` whose value is a token, and
+    the named `extra_special_tokens`; `additional_special_tokens` (or a list `extra_special_tokens`) as a list."""
+    named = config.get("extra_special_tokens")
+    tokens = {key: _token_text(value, cfg_path, key) if key in ("bos_token", "eos_token") else _token(value)
+              for key, value in config.items() if key.endswith("_token")}
+    tokens |= {key: _token(value) for key, value in (named.items() if isinstance(named, dict) else ())}
+    extra = config.get("additional_special_tokens", named if isinstance(named, list) else None)
+    if isinstance(extra, list):
+        tokens["additional_special_tokens"] = [t for t in map(_token, extra) if t is not None]
+    return {key: value for key, value in tokens.items() if value is not None}
+
+
+def _token(value) -> str | None:
+    """A token's text: a string, or {"content": ...} (older configs); None for anything else (add_bos_token)."""
+    value = value.get("content") if isinstance(value, dict) else value
+    return value if isinstance(value, str) else None
 
 
 def _token_text(value, cfg_path: Path, key: str) -> str | None:

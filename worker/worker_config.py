@@ -78,6 +78,10 @@ class WorkerConfig:
     adapter_roots: str | None = field(default=None, metadata=_help(
         "comma-separated local folders that adapter paths pushed through the admin API must lie in "
         "(symlinks resolved, '..' refused); default: the --adapters folder and the stager's cache"))
+    chat_control_tokens_in_content: bool = field(default=False, metadata=_help(
+        "let special-token strings in chat messages (\"<|im_end|>\" in a user's text) become the control tokens "
+        "they spell, as vLLM does, so a message can forge turns of its own; off = they are encoded as plain text "
+        "and only the chat template's own control tokens are tokens"))
     log_level: str = field(default="info", metadata=_help("debug | info | warning | error"))
 
     def __post_init__(self) -> None:

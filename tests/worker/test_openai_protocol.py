@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from lorafleet.worker.chat_template import ChatTemplateOptions
 from lorafleet.worker.openai_protocol import (
     APIError,
     parse_chat_request,
@@ -231,7 +232,10 @@ BAD_CHATS = [
     ({"model": "m", "messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
     ({"model": "m", "messages": [{"role": "user", "content": 5}]}, "'content' must be"),
     ({"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "only text"),
-    ({"model": "m", "messages": [{"role": "user", "content": ""}]}, "some text"),
+    ({"model": "m", "messages": [{"role": "tool", "content": "x", "tool_call_id": 5}]},
+     "messages[0].tool_call_id must be a string"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "documents": [{"text": "d"}]},
+     "Unrecognized request argument supplied: documents"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "needs 'logprobs'"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
      "not supported"),
@@ -305,3 +309,49 @@ def test_chat_history_with_tool_calls_is_refused_not_dropped(key):
     empty = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok", "tool_calls": [],
                                                   "function_call": None}]
     assert [m.content for m in parse_chat_request({"model": "m", "messages": empty}).messages] == ["hi", "ok"]
+
+
+def test_a_chat_of_empty_messages_is_accepted_as_vllm_does():
+    """The rendered prompt holds the template's own text; a prompt that is really empty is the engine's to refuse."""
+    r = parse_chat_request({"model": "m", "messages": [{"role": "user", "content": ""},
+                                                       {"role": "assistant", "content": None}]})
+    assert [m.content for m in r.messages] == ["", ""]
+
+
+def test_message_fields_the_template_sees():
+    """Role and content, and name and tool_call_id where sent (an empty name too, as transformers passes it)."""
+    messages = [{"role": "user", "content": "hi", "name": ""},
+                {"role": "tool", "content": "42", "tool_call_id": "call_1", "name": None}]
+    r = parse_chat_request({"model": "m", "messages": messages})
+    assert r.template_messages() == [{"role": "user", "content": "hi", "name": ""},
+                                     {"role": "tool", "content": "42", "tool_call_id": "call_1"}]
+
+
+def test_vllm_chat_template_fields_are_taken_with_vllms_meaning():
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    assert parse_chat_request(body).template == ChatTemplateOptions(True, False, {}, False)
+    t = parse_chat_request(body | {"add_generation_prompt": False, "add_special_tokens": True,
+                                   "chat_template_kwargs": {"enable_thinking": False, "n": [{"a": "é"}]}}).template
+    assert t == ChatTemplateOptions(False, False, {"enable_thinking": False, "n": [{"a": "é"}]}, True)
+    for extra in ({"continue_final_message": True}, {"continue_final_message": True, "add_generation_prompt": False}):
+        t = parse_chat_request(body | extra).template  # unset, add_generation_prompt gives way
+        assert (t.add_generation_prompt, t.continue_final_message) == (False, True)
+
+
+@pytest.mark.parametrize(("extra", "param", "needle"), [
+    ({"continue_final_message": True, "add_generation_prompt": True}, "continue_final_message", "cannot both be true"),
+    ({"chat_template_kwargs": ["x"]}, "chat_template_kwargs", "must be an object"),
+    ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs", "must not set messages"),
+    ({"chat_template_kwargs": {"add_generation_prompt": False, "bos_token": ""}}, "chat_template_kwargs",
+     "must not set add_generation_prompt, bos_token"),
+    ({"chat_template_kwargs": {"raise_exception": 1, "tokenize": True}}, "chat_template_kwargs",
+     "must not set raise_exception, tokenize"),
+    ({"chat_template_kwargs": {"x": "\ud800"}}, "chat_template_kwargs", "not valid Unicode"),
+    ({"chat_template_kwargs": {"x": [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[["deep"]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]}},
+     "chat_template_kwargs", "nested deeper than 32"),
+    ({"add_special_tokens": "yes"}, "add_special_tokens", "must be true or false"),
+])
+def test_bad_chat_template_fields_are_400_naming_them(extra, param, needle):
+    with pytest.raises(APIError) as exc:
+        parse_chat_request({"model": "m", "messages": [{"role": "user", "content": "x"}], **extra})
+    assert (exc.value.status, exc.value.param) == (400, param) and needle in exc.value.message

@@ -29,6 +29,11 @@ from lorafleet.worker.worker_config import WorkerConfig
     ({"repetition_penalty": 0, "top_k": 5}, SamplingDefaults(top_k=5), "outside what requests may ask for"),
     ({"repetition_penalty": "1.1"}, SamplingDefaults(), "outside what requests may ask for"),
     ([1, 2], SamplingDefaults(), "not a JSON object"),
+    ({"max_new_tokens": 512, "max_length": 20}, SamplingDefaults(max_tokens=512), None),
+    ({"max_new_tokens": 64.0, "top_k": 20}, SamplingDefaults(top_k=20, max_tokens=64), None),
+    ({"max_new_tokens": 0}, SamplingDefaults(), "max_new_tokens=0 is not a whole number >= 1"),
+    ({"max_new_tokens": True}, SamplingDefaults(), "max_new_tokens=True is not a whole number >= 1"),
+    ({"max_new_tokens": "64"}, SamplingDefaults(), "max_new_tokens='64' is not a whole number >= 1"),
 ])
 def test_only_the_keys_the_file_sets_and_the_engine_can_honour_count(tmp_path, caplog, config, expected, warned):
     (tmp_path / "generation_config.json").write_text(json.dumps(config))
@@ -128,3 +133,40 @@ def test_a_model_path_that_is_a_file_logs_no_generation_config_warning(tmp_path,
     with caplog.at_level("WARNING"):
         assert read_sampling_defaults(weights) == SamplingDefaults()
     assert not caplog.records
+
+
+def test_max_new_tokens_is_the_max_tokens_of_a_chat_that_sets_none():
+    """vLLM's get_max_tokens: the model's default for chat's unset max_tokens (the context still bounds it, in
+    completion_job.py); a max_tokens sent is kept; completions keep their 16."""
+    defaults = SamplingDefaults(max_tokens=5)
+    chat = parse_chat_request(_request_body(parse_chat_request), defaults).options
+    assert (chat.max_tokens, chat.default_max_tokens) == (None, 5)  # unset: still lowered to fit (kv_room.py)
+    assert parse_chat_request(_request_body(parse_chat_request) | {"max_tokens": 9}, defaults).options.max_tokens == 9
+    completion = parse_completion_request(_request_body(parse_completion_request), defaults).options
+    assert (completion.max_tokens, completion.default_max_tokens) == (16, None)
+    with pytest.raises(ValueError, match="out of range"):
+        SamplingDefaults(max_tokens=0)
+
+
+async def test_a_chat_without_max_tokens_generates_max_new_tokens(aiohttp_client, tiny_llama_dir, tmp_path):
+    """max_new_tokens 3: a chat without max_tokens ends after 3 tokens (finish_reason length), one with
+    max_tokens or min_tokens more generates those, one whose prompt leaves less context gets what it leaves."""
+    model = shutil.copytree(tiny_llama_dir, tmp_path / "model")
+    (model / "generation_config.json").write_text(json.dumps({"max_new_tokens": 3, "eos_token_id": 2}))
+    engine = EngineConfig(model=str(model), dtype="float32", max_model_len=64)
+    client = await aiohttp_client(create_app(WorkerConfig(engine=engine, served_model_name="tiny")))
+
+    async def generated(content: str = "hi", **extra) -> tuple[int, str]:
+        body = {"model": "tiny", "messages": [{"role": "user", "content": content}], "ignore_eos": True, **extra}
+        resp = await client.post("/v1/chat/completions", json=body)
+        data = await resp.json()
+        assert resp.status == 200, data
+        return data["usage"]["completion_tokens"], data["choices"][0]["finish_reason"]
+
+    assert await generated() == (3, "length")
+    assert await generated(max_tokens=6) == (6, "length")
+    assert await generated(min_tokens=5) == (5, "length")
+    prompt = "x" * 40  # 40 bytes and the template's 22: 62 of the 64 tokens, 2 left
+    assert await generated(prompt) == (2, "length")
+    resp = await client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "ignore_eos": True})
+    assert (await resp.json())["usage"]["completion_tokens"] == 16

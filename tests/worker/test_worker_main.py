@@ -187,6 +187,10 @@ def _tokenizer_config_wrong_type(d: Path) -> None:
     (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": 5}))
 
 
+def _chat_template_not_jinja(d: Path) -> None:
+    (d / "chat_template.jinja").write_text("{% for m in messages %}{% generate %}{{ m.content }}{% endfor %}")
+
+
 def _truncate_weights(d: Path) -> None:
     path = d / "model.safetensors"
     path.write_bytes(path.read_bytes()[:1000])
@@ -223,6 +227,8 @@ BROKEN_MODEL_DIRS = [
     (_tokenizer_not_utf8, ["tokenizer.json: not a readable tokenizers file"]),
     (_tokenizer_config_not_json, ["tokenizer_config.json: not valid JSON"]),
     (_tokenizer_config_wrong_type, ["tokenizer_config.json: chat_template must be a string"]),
+    (_chat_template_not_jinja, ["chat_template.jinja: the chat template cannot be parsed by jinja2 at line 1",
+                                "unknown tag 'generate'"]),
     (_weight_of_another_shape, ["q_proj.weight", "checkpoint shape"]),  # were exit 1 without the folder's name
     (_generation_config_not_json, ["generation_config.json is not valid JSON"]),
 ]
