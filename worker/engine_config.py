@@ -34,7 +34,7 @@ class EngineConfig:
     dtype: str = "auto"  # float32 | bfloat16 | float16 | auto (bfloat16 on cuda, float32 on cpu)
     kernel_backend: str = "auto"  # auto = triton on cuda, the torch reference on cpu
     seed: int = 0  # for requests without their own seed
-    generation_config: bool = True  # requests that leave temperature, top_p, top_k or repetition_penalty unset take the model's generation_config.json values (as vLLM's --generation-config auto); off: OpenAI's defaults
+    generation_config: bool = True  # requests that leave temperature, top_p, top_k, min_p or repetition_penalty (chat: max_tokens, from max_new_tokens) unset take the model's generation_config.json values (as vLLM's --generation-config auto); off: OpenAI's defaults
 
     # Paged KV cache and adapters share one page pool.
     block_size: int = 16  # tokens per KV block (= one page)
