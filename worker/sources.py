@@ -34,7 +34,7 @@ from pathlib import Path, PurePosixPath
 from lorafleet.worker.file_limits import MAX_FILE_BYTES, FileLimitError, check_file, check_size, read_chunks
 from lorafleet.worker.source_error import SourceError, read_error
 from lorafleet.worker.stager_digests import LocalDigests
-from lorafleet.worker.store_clients import StoreClients
+from lorafleet.worker.store_clients import StoreClients, StoreSilent
 from lorafleet.worker.vocab_digest import TOKENIZER_FILES
 
 CONFIG_FILE = "adapter_config.json"
@@ -44,7 +44,7 @@ OPTIONAL_FILES = ("special_tokens_map.json", "README.md")  # carried along, neve
 # Every file staged, from a local folder or an S3 prefix alike: the tokenizer files are checked on load.
 STAGED_FILES = tuple(dict.fromkeys((*ADAPTER_FILES, *TOKENIZER_FILES, *OPTIONAL_FILES)))
 MAX_ATTEMPTS = 3  # downloads of one adapter whose objects changed meanwhile
-CHUNK_BYTES = 256 << 10  # progress granularity of a download
+CHUNK_BYTES = 256 << 10  # the most one read of a download takes (it takes what has come, reporting progress)
 RAISE_LIMIT = "raise the stager's --max-adapter-file-bytes (LORAFLEET_MAX_ADAPTER_FILE_BYTES)"
 Etags = list[tuple[str, str]]  # (object name, ETag) of the staged files under a prefix, sorted
 
@@ -173,7 +173,8 @@ class Sources:
         mid-download would otherwise mix files of two uploads; the download then starts over, up to
         `MAX_ATTEMPTS` times. `deadline` (time.monotonic()) ends a slow download with TimeoutError, even
         in the middle of a read, so nothing keeps writing after the caller gave up; a store that stops
-        answering fails each request by then too (worker/store_clients.py). `etags` (`object_etags`,
+        answering fails each request by then too, and an object none of whose bytes came by then raises
+        StoreSilent (worker/store_clients.py). `etags` (`object_etags`,
         what the caller keyed its copy by): any other objects are refused (kind `changed`), never kept
         under a key that names other content."""
         loc = self.check_s3(uri)
@@ -312,9 +313,25 @@ class _Fetch:
         if self.progress is not None:
             self.progress(self.done, self.total)
 
-    def _check_deadline(self) -> None:
-        if self.deadline is not None and time.monotonic() >= self.deadline:
-            raise TimeoutError(f"{self.uri}: download timed out ({self.done} of {self.total} bytes)")
+    def _check_deadline(self, where: str = "", silent: bool = False) -> None:
+        """Once the deadline passed: TimeoutError, the download ran out of its time (it may have been
+        receiving, too slowly); StoreSilent when `silent`, the object `where` was read and none of its
+        bytes had come: the store did not answer."""
+        if self.deadline is None or time.monotonic() < self.deadline:
+            return
+        if silent:
+            raise StoreSilent(f"{where}: the store sent none of its bytes before the download's deadline "
+                              f"({self.done} of {self.total} bytes)")
+        raise TimeoutError(f"{self.uri}: download timed out ({self.done} of {self.total} bytes)")
+
+    def _read(self, response, where: str, received: int, size: int) -> bytes:
+        """The next bytes of `response` as they come (up to CHUNK_BYTES; b"" at its end). A read the deadline
+        ended (the socket is shut down then) is a timeout, not a broken store."""
+        try:
+            return response.read1(CHUNK_BYTES)
+        except Exception:
+            self._check_deadline(where, received == 0 < size)
+            raise
 
     def object(self, client, bucket: str, key: str, etag: str | None, size: int, path: Path) -> bool:
         """Read `key` into `path`; False when it no longer has the listed `etag` (replaced meanwhile)."""
@@ -341,7 +358,7 @@ class _Fetch:
                 raise SourceError(f"{where}: the store announces {announced} bytes, more than the {size} it listed; "
                                   f"refused before downloading it", "too_large")
             with open(path, "wb") as f:
-                for chunk in response.stream(CHUNK_BYTES):
+                while chunk := self._read(response, where, received, size):
                     received += len(chunk)
                     if received > size:  # no Content-Length (chunked): what the listing said is the bound
                         raise SourceError(f"{where}: the store sent more than the {size} bytes it listed; the "
@@ -349,15 +366,12 @@ class _Fetch:
                     f.write(chunk)
                     self.done += len(chunk)
                     self._report()
-        except Exception:
-            self._check_deadline()  # a read ended by the deadline is a timeout, not a broken store
-            raise
         finally:
             if timer is not None:
                 timer.cancel()
             response.close()
             response.release_conn()
-        self._check_deadline()
+        self._check_deadline(where, received == 0 < size)  # a read the deadline ended may end the body early
         if path.stat().st_size != size:  # the store's fault (a dropped connection), not the adapter's: may pass
             raise ConnectionError(f"{where}: the store sent {path.stat().st_size} of the {size} bytes it listed")
         return True

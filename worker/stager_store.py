@@ -9,9 +9,11 @@ minutes per push, while later pushes queue behind it. So:
   the others (a download, the listing a copy without a sha256 is keyed by) end by `download_timeout_s`
   (worker/store_clients.py), so a store that answered the push's first call and then hangs costs the
   push one download's timeout;
-* the first failure to reach the store, or a call it did not answer in time, marks it down: for the
-  rest of that push no version calls it again (`StoreDown`): a version with a cached copy is served from
-  it, one without fails at once. Stages of one push that run at once share this: one that waited for
+* the first failure to reach the store, or a call it did not answer in time (a connect or read timeout,
+  an object none of whose bytes came by the deadline), marks it down: for the rest of that push no
+  version calls it again (`StoreDown`): a version with a cached copy is served from it, one without fails
+  at once. A download that was receiving bytes and ran out of `download_timeout_s` (a big adapter, a slow
+  link) is that version's failure alone: the store answered, the other versions still call it. Stages of one push that run at once share this: one that waited for
   another's download (the same cache key) or for a thread does not call the store once it is down;
 * the next push calls it again (quickly), and the first answer ends the outage: versions are checked
   and new uploads picked up as before.
@@ -38,10 +40,11 @@ class StoreDown(ConnectionError):
 
 def is_outage(exc: BaseException) -> bool:
     """A failure to reach the store (down, hung, a dropped connection) or a call it did not answer in time
-    (a timed-out listing or download), not its refusal (an S3 error answer: a missing object, access
-    denied), the adapter's fault (a digest mismatch) or the node's full disk."""
+    (a read timeout, StoreSilent), not its refusal (an S3 error answer: a missing object, access denied), a
+    download that ran out of its time while bytes came (TimeoutError), the adapter's fault (a digest
+    mismatch) or the node's full disk."""
     return (isinstance(exc, Exception) and type(exc).__name__ != "S3Error"
-            and staging_error(exc, "").code in ("object_store_unavailable", "download_timeout"))
+            and staging_error(exc, "").code == "object_store_unavailable")
 
 
 class StoreHealth:

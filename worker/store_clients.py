@@ -5,7 +5,8 @@
   fall back on, and calls to a store that did not answer lately (worker/stager_store.py);
 * `client(deadline=...)`: one of its own for a download or listing that must end by its deadline: each
   request's attempts, retries included, share the time left when it is sent, so a store that stops
-  answering holds the call until about its deadline, never for every attempt's full read timeout.
+  answering holds the call until about its deadline, never for every attempt's full read timeout (a read
+  timeout: the store did not answer; `StoreSilent`: an object none of whose bytes came by the deadline).
 
 Every client fails fast when the store is down (minio's default retries for minutes), and a redirect is
 an error, never followed: it could point anywhere, out of the bucket/prefix allow-list.
@@ -26,6 +27,12 @@ if TYPE_CHECKING:
 READ_S = 30.0  # read timeout of the full client
 CONNECT_S = 3.0
 RETRIES = 2  # of the full client and of a deadline's
+
+
+class StoreSilent(ConnectionError):
+    """The store sent nothing of an answer before the call's deadline (hung, frozen): an outage, answered as
+    object store unavailable. A download that was receiving bytes and ran out of time is a TimeoutError,
+    the version's own failure."""
 
 
 class StoreClients:

@@ -288,6 +288,44 @@ async def test_a_store_sending_less_than_it_listed_is_a_store_failure_not_a_miss
     assert "adapter_config.json: the store sent 5 of the 8 bytes it listed" in answer.message
 
 
+@pytest.mark.parametrize("sending", [True, False])
+async def test_a_download_past_its_deadline_is_the_version_s_timeout_unless_the_store_sent_nothing(
+        aiohttp_server, tmp_path, sending):
+    """A body still arriving at the download's deadline (too slow for its timeout) ends in TimeoutError, the
+    version's own failure; a body none of whose bytes came is the store not answering (an outage)."""
+    import asyncio
+    import contextlib
+    import time
+
+    from aiohttp import web
+
+    from lorafleet.worker.stager_store import is_outage
+
+    objects = {"team/alpha/adapter_config.json": b'{"r": 4}', "team/alpha/adapter_model.safetensors": b"w" * 100_000}
+
+    async def get(request: web.Request) -> web.StreamResponse:
+        key = request.match_info["key"]
+        if key.endswith("adapter_config.json"):
+            return web.Response(body=objects[key])
+        response = web.StreamResponse(headers={"Content-Length": str(len(objects[key]))})
+        await response.prepare(request)
+        with contextlib.suppress(ConnectionError):  # the client hangs up at its deadline
+            for _ in range(40):
+                if sending:
+                    await response.write(b"w" * 100)
+                await asyncio.sleep(0.05)
+        return response
+
+    store = await aiohttp_server(_app([web.get("/adapters", _listing(objects)), web.get("/adapters/{key:.+}", get)]))
+    deadline = time.monotonic() + 0.6
+    with pytest.raises(Exception) as err:
+        await asyncio.to_thread(_store_sources(store).download, "s3://adapters/team/alpha/", tmp_path / "staged",
+                                deadline=deadline)
+    assert is_outage(err.value) is not sending, repr(err.value)
+    if sending:
+        assert type(err.value) is TimeoutError and "download timed out" in str(err.value), repr(err.value)
+
+
 def _listing(objects: dict[str, bytes]):
     """A ListObjectsV2 handler of bucket `adapters`, prefix team/alpha/, listing `objects`."""
     from aiohttp import web

@@ -2,8 +2,9 @@
 server (SeaweedFS on 127.0.0.1): versions already staged are forwarded from their cached copies after
 one quick check, versions without a copy fail at once naming the store, and once the store answers again
 the next push checks every version and picks up new uploads. A store that answers a push's check and then
-hangs, or is too slow for a download, costs the push one download's timeout; a missing object or a
-refusal is the version's own failure and never marks the store down."""
+hangs costs the push one download's timeout; a download that runs out of its time while the store sends
+(a big adapter on a slow link), a missing object or a refusal is the version's own failure and never
+marks the store down."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from lorafleet.worker.sources import SourceError, adapter_digest
 from lorafleet.worker.stager import Stager
 from lorafleet.worker.stager_config import StagerConfig
 from lorafleet.worker.stager_store import StoreDown, is_outage
+from lorafleet.worker.store_clients import StoreSilent
 from tests.lora_factory import make_peft_adapter
 from tests.s3_server import S3Server, free_port, upload_folder, weed_binary
 from tests.store_proxy import trickling_proxy
@@ -34,6 +36,7 @@ pytestmark = pytest.mark.skipif(weed_binary() is None, reason="weed (seaweedfs-b
 NUM_CACHED = 3
 NUM_COLD = 4
 DOWNLOAD_S = 1.0  # --download-timeout-s where a download meets a hung or slow store
+BIG_BYTES = 1 << 20  # an adapter a slow link cannot bring in DOWNLOAD_S
 HANG_S = 15.0  # a hang detector, not a measurement: each listing of a hung store used to take ~90 s
 
 
@@ -230,40 +233,52 @@ async def test_a_store_that_hangs_after_the_push_s_check_costs_it_one_download(s
     assert stager.registry.get_sample_value("lorafleet_stager_store_up") == 1
 
 
-async def test_a_download_that_times_out_ends_the_push_s_calls_to_the_store(s3, adapters, tmp_path, monkeypatch):
-    """A store that answers the push's check but sends too slowly for any download to finish in time: the
-    first download times out, and the rest of the push does not call the store (each would wait out its
-    timeout too); the store is reported down."""
-    cold = [f"slow-cold{i}" for i in range(NUM_COLD)]
-    for i, name in enumerate(cold):
+async def test_a_download_too_slow_for_its_timeout_fails_alone(s3, adapters, tmp_path, monkeypatch):
+    """A store that answers steadily, on a link too slow for one big adapter to arrive within its download
+    timeout: that version fails with its own timeout, the store is not marked down, and the small versions
+    after it are downloaded, push after push."""
+    big = tmp_path / "big"
+    big.mkdir()
+    (big / "adapter_config.json").write_bytes((adapters["cold0"] / "adapter_config.json").read_bytes())
+    (big / "adapter_model.safetensors").write_bytes(os.urandom(BIG_BYTES))
+    small = [f"steady-small{i}" for i in range(NUM_COLD - 1)]
+    upload_folder(s3.client(), "adapters", "team/steady-big/", big)
+    for i, name in enumerate(small):
         upload_folder(s3.client(), "adapters", f"team/{name}/", adapters[f"cold{i}"])
-    async with trickling_proxy(s3.port, chunk=512) as endpoint:
+    async with trickling_proxy(s3.port, chunk=16 << 10) as endpoint:  # ~320 kB/s
         stager = stager_for(endpoint, s3, tmp_path / "cache", download_timeout_s=DOWNLOAD_S)
         started = count_downloads(stager, monkeypatch)
-        report = await asyncio.wait_for(stager.apply(push(1, cold)), HANG_S)
-    assert started == [uri(cold[0])]
-    errors = cold_errors(report, cold)
-    assert "not tried" not in errors[0] and all("not tried" in e for e in errors[1:]), errors
-    assert stager.forwarded == {} and stager.disk_stats()["store"]["reachable"] is False
-    assert stager.registry.get_sample_value("lorafleet_stager_store_up") == 0
+        for generation in (1, 2):
+            report = await asyncio.wait_for(stager.apply(push(generation, ["steady-big", *small])), HANG_S)
+            error = report.find("steady-big", "v1").error
+            assert "download timed out" in error and "object store unavailable" not in error, error
+            assert list(stager.errors) == [("steady-big", "v1")] and sorted(stager.forwarded) == small
+            assert stager.disk_stats()["store"]["reachable"] is True
+            assert stager.registry.get_sample_value("lorafleet_stager_store_up") == 1
+    assert started == [uri(n) for n in ["steady-big", *small, "steady-big"]]
 
 
 async def test_stages_of_one_push_queued_behind_a_timed_out_download_do_not_call_the_store(s3, adapters, tmp_path,
                                                                                           monkeypatch):
-    """Two names for one adapter (one sha256, so one cache key) staged at once by one push from a store too
-    slow for a download: the second waits for the first's download and, once that timed out, fails without
-    calling the store."""
+    """Two names for one adapter (one sha256, so one cache key) staged at once by one push from a store that
+    answered the push's first stage and then froze: the second waits for the first's download and, once
+    that found the store not answering, fails without calling the store."""
     names = ["twin-a", "twin-b"]
     for name in names:
         upload_folder(s3.client(), "adapters", f"team/{name}/", adapters["cold0"])
+    upload_folder(s3.client(), "adapters", "team/twin-first/", adapters["cold1"])
     sha = adapter_digest(adapters["cold0"])
-    async with trickling_proxy(s3.port, chunk=512) as endpoint:
-        stager = stager_for(endpoint, s3, tmp_path / "cache", download_timeout_s=DOWNLOAD_S)
-        started = count_downloads(stager, monkeypatch)
-        push_start = time.monotonic()
+    stager = stager_for(s3.endpoint, s3, tmp_path / "cache", download_timeout_s=DOWNLOAD_S)
+    push_start = time.monotonic()
+    await stager.stage(uri("twin-first"), adapter_digest(adapters["cold1"]), held=set(), push_start=push_start)
+    started = count_downloads(stager, monkeypatch)
+    os.killpg(s3.proc.pid, signal.SIGSTOP)
+    try:
         results = await asyncio.wait_for(asyncio.gather(
             *(stager.stage(uri(n), sha, held=set(), push_start=push_start) for n in names),
             return_exceptions=True), HANG_S)
+    finally:
+        os.killpg(s3.proc.pid, signal.SIGCONT)
     assert len(started) == 1, started
     tried, queued = sorted(results, key=lambda r: isinstance(r, StoreDown))
     assert is_outage(tried) and not isinstance(tried, StoreDown), results
@@ -302,10 +317,11 @@ async def test_a_missing_adapter_does_not_mark_the_store_down(s3, adapters, tmp_
     (SourceError("s3://adapters/team/x/: sha256 mismatch", "digest_mismatch"), False),
     (S3Error(urllib3.HTTPResponse(status=404), "NoSuchKey", "no such key", "/adapters/x", "r", "h"), False),
     (S3Error(urllib3.HTTPResponse(status=403), "AccessDenied", "Access Denied.", "/adapters/x", "r", "h"), False),
-    (TimeoutError("s3://adapters/team/x/: download timed out (0 of 10 bytes)"), True),
+    (TimeoutError("s3://adapters/team/x/: download timed out (4 of 10 bytes)"), False),
+    (StoreSilent("s3://adapters/team/x/adapter_model.safetensors: the store sent none of its bytes"), True),
     (ConnectionResetError("connection reset by peer"), True),
 ])
 def test_what_marks_the_store_down(exc, down):
-    """A refusal by the store (404, access denied) or the adapter's own fault never marks it down; a call
-    it did not answer, in time or at all, does."""
+    """A refusal by the store (404, access denied), the adapter's own fault or a download that ran out of
+    its time while bytes came never marks it down; a call it did not answer, in time or at all, does."""
     assert is_outage(exc) is down
