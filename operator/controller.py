@@ -110,8 +110,9 @@ class PoolController:
 
     async def run(self, key: PoolKey, *, pools: Iterable[dict[str, Any]], adapters: Iterable[dict[str, Any]],
                   pods: Iterable[dict[str, Any]], other_pools: Iterable[dict[str, Any]] = (),
-                  max_age: float = 0.0) -> PoolPlan:
-        """A fresh plan (or the last one when younger than ``max_age`` seconds) for pool ``key``."""
+                  replicasets: Iterable[dict[str, Any]] = (), max_age: float = 0.0) -> PoolPlan:
+        """A fresh plan (or the last one when younger than ``max_age`` seconds) for pool ``key``. ``replicasets``:
+        the namespace's (worker_trust.slim_replicaset), which say which pods the other pools may reach."""
         started = time.monotonic()
         async with self._locks[key]:
             last = self._results.get(key)
@@ -119,12 +120,12 @@ class PoolController:
             if last is not None and (last.started >= started or time.monotonic() - last.started < max_age):
                 return last.plan
             began = time.monotonic()
-            plan = await self._run(key, list(pools), list(adapters), list(pods), list(other_pools))
+            plan = await self._run(key, list(pools), list(adapters), list(pods), list(other_pools), list(replicasets))
             self._results[key] = PassResult(plan, began)
             return plan
 
     async def _run(self, key: PoolKey, pools: list[dict], adapters: list[dict], pods: list[dict],
-                   other_pools: list[dict]) -> PoolPlan:
+                   other_pools: list[dict], replicasets: list[dict]) -> PoolPlan:
         pool, pool_error, draining, invalid, lost = None, None, None, None, None
         blind = False  # deleting with an invalid workerSelector: only its push record names its pods
         for body in pools:
@@ -149,7 +150,7 @@ class PoolController:
         # pool took over; a valid or deleting one empties the pods it pushed to and released (all of them, for
         # a deleting one whose selector is invalid: which pods it selected is unknown).
         target = pool or draining
-        claims = pool_claims(other_pools)
+        claims = pool_claims(other_pools, replicasets)
         own, shared = ([], {}) if blind else own_pods(key[1], target.worker_selector if target else None, pods,
                                                       claims, draining=draining is not None)
         record = self.push_records.setdefault(key, PushRecord())
@@ -175,7 +176,7 @@ class PoolController:
             elif lost is not None:  # its selector is invalid too: the pods it pushed to that no other pool selects
                 pushed = record.pod_ids()
                 mine = [p for p in pods if ((m := p.get("metadata") or {}).get("name", ""), m.get("uid") or "")
-                        in pushed and first_claim(m.get("labels") or {}, claims) is None]
+                        in pushed and first_claim(p, claims) is None]
                 held = discover_workers(mine, {}, default_port=lost.stager_port, not_ready=None)
         reached = workers + emptied + held
         reports = await self.client.fetch_states(reached)

@@ -191,6 +191,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
             pods=trust.admit(key, bodies, indexes["worker_pods"].get(namespace, []),
                              indexes["worker_replicasets"].get(namespace, [])),
             other_pools=other_pools(namespace, pool, indexes),
+            replicasets=indexes["worker_replicasets"].get(namespace, []),
             max_age=max_age,
         )
 
@@ -203,7 +204,8 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
         except SpecError as exc:
             # It keeps its claim on the pods it selects (see ownership.own_pods), and says so.
             held, shared = invalid_pool_claim(dict(body), pool_pods(namespace, dict(body), kwargs),
-                                              other_pools(namespace, name, kwargs))
+                                              other_pools(namespace, name, kwargs),
+                                              kwargs["worker_replicasets"].get(namespace, []))
             wanted = invalid_pool_status(dict(status), int(body.metadata.get("generation") or 0), str(exc),
                                          now=utc_now(), held=held, shared_pods=shared)
             patch.status.update(status_changes(dict(status), merge_conditions(dict(status), wanted)))
@@ -237,7 +239,8 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
             return
         # ``status`` is kopf's live view: the pass merges its condition into the status as it is at its end.
         wanted = await scaler.run(dict(body), status=status, pods=pool_pods(namespace, dict(body), kwargs),
-                                  other_pools=other_pools(namespace, name, kwargs), now=utc_now())
+                                  other_pools=other_pools(namespace, name, kwargs),
+                                  replicasets=kwargs["worker_replicasets"].get(namespace, []), now=utc_now())
         patch.status.update(status_changes(dict(status), wanted))
 
     @kopf.on.delete(*res_pools, registry=registry)

@@ -2,17 +2,20 @@
 
 Pure: pools come as their bodies (from the index), pods as the slim bodies discovery keeps. The rule
 (``own_pods``) is by name; a pool's ``status.pushedPods`` says which pods it pushed to (push_record.py), so
-an invalid pool is known to hold a pod only where it pushed to it before its spec went bad.
+an invalid pool is known to hold a pod only where it pushed to it before its spec went bad. A pool claims only
+the pods it may reach (worker_trust.py: those its spec.workerDeployment made, where it names one), so a pod
+that two pools select, and only the later may reach, is that one's: the earlier would never push to it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from lorafleet.operator.crd_models import PoolSpec, SpecError, pool_selector
 from lorafleet.operator.push_record import pushed_pod_ids
+from lorafleet.operator.worker_trust import made_by, worker_deployment
 from lorafleet.operator.workers import discover_workers, selector_matches
 
 
@@ -24,28 +27,35 @@ class Claim:
     selector: dict[str, Any]
     is_valid: bool  # its spec parses: it pushes its own set to the pods it owns
     pushed: frozenset[tuple[str, str]]  # (name, uid) of the pods its status.pushedPods lists
+    deployment: str | None = None  # its spec.workerDeployment: it may reach only the pods that one made
+    made: Mapping[tuple[str, str], str | None] = field(default_factory=dict, compare=False)  # ReplicaSets
+
+    def reaches(self, pod: dict[str, Any]) -> bool:
+        """Whether this pool may reach ``pod`` (worker_trust.py): one it may not, it never pushes to."""
+        return self.deployment is None or made_by(pod, self.deployment, self.made) is None
 
 
-def ready_worker_pods(pool: PoolSpec, pods: Iterable[dict[str, Any]],
-                      other_pools: Iterable[dict[str, Any]]) -> tuple[list[str], dict[str, str]]:
+def ready_worker_pods(pool: PoolSpec, pods: Iterable[dict[str, Any]], other_pools: Iterable[dict[str, Any]],
+                      replicasets: Iterable[dict[str, Any]] = ()) -> tuple[list[str], dict[str, str]]:
     """(names of the pool's ready worker pods, as a reconcile pass finds them (sorted); the ready pods its
-    selector matches that another pool owns -> that pool)."""
+    selector matches that another pool owns -> that pool). ``replicasets``: the namespace's, as
+    worker_trust.slim_replicaset has them."""
     pods = list(pods)
-    own, shared = own_pods(pool.name, pool.worker_selector, pods, pool_claims(other_pools))
+    own, shared = own_pods(pool.name, pool.worker_selector, pods, pool_claims(other_pools, replicasets))
     ready = discover_workers(own + [p for p in pods if (p.get("metadata") or {}).get("name", "") in shared],
                              pool.worker_selector, default_port=pool.stager_port)
     return [w.pod for w in ready if w.pod not in shared], {w.pod: shared[w.pod] for w in ready if w.pod in shared}
 
 
-def invalid_pool_claim(body: dict[str, Any], pods: Iterable[dict[str, Any]],
-                       other_pools: Iterable[dict[str, Any]]) -> tuple[list[str], dict[str, str]]:
+def invalid_pool_claim(body: dict[str, Any], pods: Iterable[dict[str, Any]], other_pools: Iterable[dict[str, Any]],
+                       replicasets: Iterable[dict[str, Any]] = ()) -> tuple[list[str], dict[str, str]]:
     """(names of the pods a pool whose spec is invalid holds, pod -> the earlier pool that owns each other pod
     it selects), by the rule of ``own_pods``; nothing when its spec.workerSelector is invalid too."""
     selector = pool_selector(body)
     if selector is None:
         return [], {}
     name = (body.get("metadata") or {}).get("name", "")
-    own, shared = own_pods(name, selector, list(pods), pool_claims(other_pools))
+    own, shared = own_pods(name, selector, list(pods), pool_claims(other_pools, replicasets))
     return sorted(pod_names(own)), shared
 
 
@@ -53,8 +63,9 @@ def own_pods(name: str, selector: dict[str, Any] | None, pods: list[dict], claim
              draining: bool = False) -> tuple[list[dict], dict[str, str]]:
     """(the pods pool ``name`` owns among those its ``selector`` matches, pod -> owner of each of the others).
 
-    A pod matched by several live pools belongs to the one whose name sorts first; the others leave it
-    alone and report it (each push is a pod's whole adapter set, so two owners would undo each other).
+    A pod matched by several live pools that may reach it (``Claim.reaches``) belongs to the one whose name
+    sorts first; the others leave it alone and report it (each push is a pod's whole adapter set, so two owners
+    would undo each other).
     A pool whose spec is invalid keeps its place in that order: it pushes nothing, so the pods it owns
     stay as they are, but no pool after it takes them over (a typo in one pool's spec must not hand its
     workers to another pool that happens to match them); its status names the pods it holds. If its
@@ -77,7 +88,7 @@ def own_pods(name: str, selector: dict[str, Any] | None, pods: list[dict], claim
         labels = meta.get("labels") or {}
         if not selector_matches(selector, labels):
             continue
-        claim = first_claim(labels, claims)
+        claim = first_claim(pod, claims)
         if claim is not None and (claim.name < name or (draining and claim.is_valid)):
             shared[meta.get("name", "")] = claim.name
         else:
@@ -102,14 +113,16 @@ def released_pods(name: str, remembered: set[tuple[str, str]], pods: list[dict],
         pod_id = (meta.get("name", ""), meta.get("uid") or "")
         if pod_id not in remembered or pod_id[0] in own:
             continue
-        claim = first_claim(meta.get("labels") or {}, claims)
+        claim = first_claim(pod, claims)
         if claim is None or not (claim.is_valid or (claim.name < name and pod_id in claim.pushed)):
             released.append(pod)
     return released
 
 
-def pool_claims(other_pools: Iterable[dict[str, Any]]) -> list[Claim]:
-    """The claims of the live pools whose selector parses, by name: parsed once a pass."""
+def pool_claims(other_pools: Iterable[dict[str, Any]], replicasets: Iterable[dict[str, Any]] = ()) -> list[Claim]:
+    """The claims of the live pools whose selector parses, by name: parsed once a pass. ``replicasets``: the
+    namespace's (worker_trust.slim_replicaset), which say which pods a pool naming its Deployment may reach."""
+    made = {(rs["name"], rs["uid"]): rs["deployment"] for rs in replicasets}
     claims = []
     for body in other_pools:
         meta = body.get("metadata") or {}
@@ -122,13 +135,14 @@ def pool_claims(other_pools: Iterable[dict[str, Any]]) -> list[Claim]:
         except SpecError:
             is_valid = False
         claims.append(Claim(meta.get("name", ""), other_selector, is_valid,
-                            frozenset(pushed_pod_ids(body.get("status")))))
+                            frozenset(pushed_pod_ids(body.get("status"))), worker_deployment(body), made))
     return sorted(claims, key=lambda c: c.name)
 
 
-def first_claim(labels: dict[str, str], claims: list[Claim]) -> Claim | None:
-    """The first other pool by name whose selector matches a pod with ``labels``."""
-    return next((c for c in claims if selector_matches(c.selector, labels)), None)
+def first_claim(pod: dict[str, Any], claims: list[Claim]) -> Claim | None:
+    """The first other pool by name whose selector matches ``pod`` and that may reach it."""
+    labels = (pod.get("metadata") or {}).get("labels") or {}
+    return next((c for c in claims if selector_matches(c.selector, labels) and c.reaches(pod)), None)
 
 
 def pod_names(pods: Iterable[dict[str, Any]]) -> list[str]:

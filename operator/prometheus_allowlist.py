@@ -24,7 +24,8 @@ Origin = tuple[str, str, int]  # (scheme, host, port)
 
 def url_problem(url: str) -> str | None:
     """Why the operator must never send a request to ``url`` whatever the setting lists, or None: not http or
-    https, no host, or a user or password in it (a pool's spec is readable by whoever may read the pool)."""
+    https, no host, or a user or password in it (a pool's spec is readable by whoever may read the pool). The
+    URL is never echoed: it may hold a password."""
     try:
         parsed = URL(url)
     except ValueError as exc:
@@ -32,7 +33,11 @@ def url_problem(url: str) -> str | None:
     if parsed.scheme not in ("http", "https"):
         return "must be an http:// or https:// URL"
     if parsed.user is not None or parsed.password is not None:
-        return "must carry no user or password (user:password@host): the pool's spec is readable by whoever may read it"
+        return (
+            "carries a user or password (user:password@host), and credentials in the URL are not allowed: the "
+            "operator does not send them, as the pool's spec is readable by whoever may read it; remove them, "
+            "and name a Prometheus the operator may ask without them (listed in " + SETTING + ")"
+        )
     if not parsed.host:
         return "names no host"
     return None

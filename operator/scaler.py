@@ -100,22 +100,24 @@ class PoolScaler:
         return known
 
     async def run(self, body: dict[str, Any], *, status: Mapping[str, Any] | None = None,
-                  pods: Iterable[dict[str, Any]], other_pools: Iterable[dict[str, Any]], now: str) -> dict[str, Any]:
+                  pods: Iterable[dict[str, Any]], other_pools: Iterable[dict[str, Any]],
+                  replicasets: Iterable[dict[str, Any]] = (), now: str) -> dict[str, Any]:
         """The status keys this pass owns, as they should be (``conditions``: the pool's current ones with
         Scaling replaced); a pool without ``spec.scaling`` gets them removed. ``status``: the pool's status
         as it is when the pass ends (kopf's live view; default: the body's), read after the pass's I/O so
-        that a condition another writer set meanwhile is kept."""
+        that a condition another writer set meanwhile is kept. ``replicasets``: the namespace's
+        (worker_trust.slim_replicaset), which say which pods the other pools may reach."""
         if (body.get("spec") or {}).get("scaling") is None:
             meta = body.get("metadata") or {}
             self.forget((meta.get("namespace", ""), meta.get("name", "")))
             return merge_conditions(dict((body.get("status") if status is None else status) or {}),
                                     {k: None for k in OWNED_KEYS}, drop=[SCALING])
-        own, (ok, reason, message) = await self._run(body, pods, other_pools, now)
+        own, (ok, reason, message) = await self._run(body, pods, other_pools, replicasets, now)
         live = dict((body.get("status") if status is None else status) or {})  # read after the pass's I/O
         return merge_conditions(live, {**own, "conditions": [condition(live, SCALING, ok, reason, message, now)]})
 
     async def _run(self, body: dict[str, Any], pods: Iterable[dict[str, Any]], other_pools: Iterable[dict[str, Any]],
-                   now: str) -> tuple[dict[str, Any], tuple[bool, str, str]]:
+                   replicasets: Iterable[dict[str, Any]], now: str) -> tuple[dict[str, Any], tuple[bool, str, str]]:
         """(the status keys it owns but conditions, the Scaling condition's (ok, reason, message))."""
         def scaling(ok: bool, reason: str, message: str) -> tuple[dict[str, Any], tuple[bool, str, str]]:
             return {}, (ok, reason, message)
@@ -150,7 +152,7 @@ class PoolScaler:
             wanted, why = corrected
             note = ""
         else:
-            worker_pods, others = ready_worker_pods(pool, pods, other_pools)
+            worker_pods, others = ready_worker_pods(pool, pods, other_pools, replicasets)
             try:
                 signals = PoolSignals(*await self.metrics.pool_signals(
                     spec.prometheus_url, namespace, worker_pods, rate_window_seconds=spec.rate_window_seconds))

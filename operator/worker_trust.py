@@ -2,39 +2,39 @@
 
 Every request to a sidecar (state read, push) carries the stager token, the same for every sidecar, and a
 selector is only labels: anyone who may create a pod in the namespace could give one the labels and collect
-the token. So a pool that names its worker Deployment (``spec.workerDeployment``, else ``spec.scaling.target``,
-the Deployment it scales) reaches only the pods whose controller is a ReplicaSet of that Deployment: the
-ReplicaSet as the operator's index has it, by name and uid, controlled by a Deployment of that name. The rest
-are left out of the pool's pass altogether (never read, pushed to or emptied), and logged once each.
+the token. So a pool that names its worker Deployment (``spec.workerDeployment``) reaches only the pods whose
+controller is a ReplicaSet of that Deployment: the ReplicaSet as the operator's index has it, by name and uid,
+controlled by a Deployment of that name. The rest are left out of the pool's pass altogether (never read,
+pushed to or emptied), and logged once each. ``spec.scaling.target`` is not read here: a pool's workers may
+run in several Deployments with the same labels (one per GPU type), of which it scales one.
 
 A pod's ownerReferences are written by whoever creates it, so this does not stop one who forges them; but
 the ReplicaSet controller counts such a pod among its replicas and deletes the surplus, an unscheduled new
 pod first, so it rarely lives to be ready (only ready pods are pushed to). A pool that names no Deployment
-reaches every pod its selector matches, as before; it is logged once that it does.
+reaches every pod its selector matches, as before; it is logged once that it does. Which pool owns a pod that
+several select counts only the pools that may reach it (ownership.py).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from lorafleet.operator.controller import PoolKey
 from lorafleet.operator.crd_models import pool_selector
 from lorafleet.operator.workers import selector_matches
+
+if TYPE_CHECKING:  # controller.py imports ownership.py, which imports this
+    from lorafleet.operator.controller import PoolKey
 
 log = logging.getLogger(__name__)
 
 
 def worker_deployment(body: dict[str, Any]) -> str | None:
-    """The Deployment a pool's workers must come from: ``spec.workerDeployment``, else ``spec.scaling.target``;
-    None where it names neither. Read from the body, valid or not: an invalid pool's pass still reaches its
-    pods to unload deleted adapters. A value that is not a name ("" where not a string) matches no pod."""
-    spec = body.get("spec") or {}
-    scaling = spec.get("scaling")
-    name = spec.get("workerDeployment")
-    if name is None and isinstance(scaling, dict):
-        name = scaling.get("target")
+    """The Deployment a pool's workers must come from: ``spec.workerDeployment``; None where it names none.
+    Read from the body, valid or not: an invalid pool's pass still reaches its pods to unload deleted adapters.
+    A value that is not a name ("" where not a string) matches no pod."""
+    name = (body.get("spec") or {}).get("workerDeployment")
     if name is None:
         return None
     return name if isinstance(name, str) else ""
@@ -122,7 +122,8 @@ class WorkerTrust:
             log.warning(
                 "LoRAPool %s/%s names no worker Deployment: every pod its workerSelector matches is sent the "
                 "stager token; set spec.workerDeployment to the Deployment that runs its workers to reach only "
-                "the pods it made",
+                "the pods it made (spec.scaling.target does not count: a pool's workers may run in several "
+                "Deployments)",
                 *key,
             )
         elif deployment is not None:
@@ -135,7 +136,7 @@ class WorkerTrust:
         for pod, _ in sorted(now - self._skipped.get(key, set())):
             log.warning(
                 "LoRAPool %s/%s: pod %s matches spec.workerSelector, but its controller (%s) is no ReplicaSet of "
-                "Deployment %r (spec.workerDeployment, else spec.scaling.target): it is sent nothing, the stager "
+                "Deployment %r (spec.workerDeployment): it is sent nothing, the stager "
                 "token included",
                 *key,
                 pod,

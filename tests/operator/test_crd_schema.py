@@ -109,8 +109,9 @@ def test_crd_and_parser_agree_on_scaling_bounds(scaling, ok):
     ({}, True), ({"target": None}, False), ({"prometheusURL": None}, False), ({"maxReplicas": None}, False),
     ({"target": "Workers"}, False), ({"target": "workers.v2"}, True), ({"target": "w" * 254}, False),
     ({"prometheusURL": "prometheus:9090"}, False), ({"prometheusURL": "https://prom.example/sub"}, True),
-    ({"prometheusURL": "http://user:pw@prom:9090"}, False), ({"prometheusURL": "http://prom:9090@169.254.169.254"}, False),
-    ({"prometheusURL": "http://prom:9090/a@b"}, True), ({"prometheusURL": "http:///prom"}, False),
+    # A user, a password or no host is the allowlist's to refuse (Scaling False), not an invalid pool.
+    ({"prometheusURL": "http://user:pw@prom:9090"}, True), ({"prometheusURL": "http://prom:9090@169.254.169.254"}, True),
+    ({"prometheusURL": "http://prom:9090/a@b"}, True), ({"prometheusURL": "http:///prom"}, True),
     ({"maxReplicas": 0}, False), ({"minReplicas": 0}, True), ({"targetHitRate": 1.2}, False),
     ({"scaleDownStabilizationSeconds": -5}, False), ({"rateWindowSeconds": 300}, True), ({"rateWindowSeconds": 9}, False),
     ({"rateWindowSeconds": 86401}, False), ({"rateWindowSeconds": "2m"}, False),

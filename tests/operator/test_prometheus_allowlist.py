@@ -9,7 +9,6 @@ import pytest
 from aiohttp import web
 
 from lorafleet.operator.autoscaler import ScalingSpec
-from lorafleet.operator.crd_models import SpecError
 from lorafleet.operator.operator_config import OperatorConfig
 from lorafleet.operator.prometheus import MetricsError, PrometheusClient
 from lorafleet.operator.prometheus_allowlist import PrometheusAllowlist
@@ -90,10 +89,18 @@ def test_the_setting_by_flag_and_environment():
 @pytest.mark.parametrize(
     "url", ["http://user:secret@prometheus:9090", "http://:secret@prometheus:9090/", "http:///x"]
 )
-def test_a_pool_url_with_a_user_or_no_host_is_a_spec_error(url):
-    with pytest.raises(SpecError, match=r"^spec\.scaling\.prometheusURL: ") as refused:
-        ScalingSpec.parse({"target": "workers", "prometheusURL": url, "maxReplicas": 2})
-    assert "secret" not in str(refused.value)  # a password is never echoed into a status or a log
+def test_a_pool_url_with_a_user_or_no_host_is_a_valid_spec_the_allowlist_refuses(url):
+    """A pool that used a basic-auth Prometheus stays valid (its adapters are still pushed); only its
+    autoscaling stops, and the refusal never echoes the password into a status or a log."""
+    spec = ScalingSpec.parse({"target": "workers", "prometheusURL": url, "maxReplicas": 2})
+    problem = PrometheusAllowlist([ALLOWED]).problem(spec.prometheus_url)
+    assert problem is not None and "secret" not in problem
+
+
+def test_a_refused_user_and_password_says_what_to_do():
+    problem = PrometheusAllowlist([ALLOWED]).problem("http://user:secret@prometheus.monitoring:9090")
+    assert "credentials in the URL are not allowed" in problem and "remove them" in problem
+    assert "--prometheus-urls" in problem and "secret" not in problem
 
 
 class Recorder:
@@ -165,6 +172,22 @@ async def test_a_pool_whose_prometheus_is_not_allowed_sends_it_no_request(listed
         cond["message"].startswith("spec.scaling.prometheusURL: ") and "--prometheus-urls" in cond["message"]
     )
     assert cond["message"].endswith("replicas are left as they are")
+    assert recorder.requests == [] and deployments.num_gets == 0
+
+
+async def test_a_listed_prometheus_named_with_a_password_is_not_asked(caplog):
+    """Credentials in a pool's URL are never sent, even to a listed origin: Scaling is False, the pool's
+    workers are still served (its spec is valid), and the password is in no status or log."""
+    recorder, deployments = Recorder(), Deployments()
+    async with serving(recorder.app()) as url:
+        scaler = PoolScaler(PrometheusClient(timeout=2.0), deployments, allowed=PrometheusAllowlist([url]))
+        try:
+            cond = await scaling_condition(scaler, url.replace("http://", "http://user:secret@"))
+        finally:
+            await scaler.close()
+    assert (cond["status"], cond["reason"]) == ("False", "PrometheusURLNotAllowed")
+    assert "credentials in the URL are not allowed" in cond["message"]
+    assert "secret" not in cond["message"] and "secret" not in caplog.text
     assert recorder.requests == [] and deployments.num_gets == 0
 
 

@@ -9,6 +9,8 @@ import logging
 
 import pytest
 
+from lorafleet.operator.crd_models import PoolSpec
+from lorafleet.operator.ownership import invalid_pool_claim, own_pods, pool_claims, ready_worker_pods
 from lorafleet.operator.worker_trust import WorkerTrust, slim_replicaset, trusted_pods, worker_deployment
 
 from .fake_stager import FakeStager
@@ -77,9 +79,9 @@ REPLICASETS = [
 ]
 
 
-def test_the_worker_deployment_is_named_or_the_scaling_target():
+def test_the_worker_deployment_is_only_the_one_named():
     assert worker_deployment(pool(workerDeployment="workers")) == "workers"
-    assert worker_deployment(pool(scaling={"target": "scaled"})) == "scaled"
+    assert worker_deployment(pool(scaling={"target": "scaled"})) is None  # the scaled one is not all workers
     assert worker_deployment(pool(workerDeployment="workers", scaling={"target": "scaled"})) == "workers"
     assert worker_deployment(pool()) is None
     assert worker_deployment(pool(scaling="bad")) is None
@@ -110,6 +112,43 @@ def test_only_pods_a_replicaset_of_the_deployment_made_are_reached():
     assert trusted_pods(pool(), pods, REPLICASETS) == (pods, {})  # names no Deployment: every pod, as before
 
 
+def test_a_pool_scaling_one_of_its_deployments_still_reaches_the_others():
+    """Workers in two Deployments with the same labels (one per GPU type), one of them autoscaled: without
+    spec.workerDeployment every selected pod is reached, as before the trust rule."""
+    pods = [pod("h100-0", rs_ref("workers-h100-x")), pod("a100-0", rs_ref("workers-a100-y"))]
+    replicasets = [replicaset("workers-h100-x", "workers-h100"), replicaset("workers-a100-y", "workers-a100")]
+    scaling = {"target": "workers-h100", "prometheusURL": "http://prom:9090", "maxReplicas": 4}
+    assert trusted_pods(pool(scaling=scaling), pods, replicasets) == (pods, {})
+    trusted, skipped = trusted_pods(pool(scaling=scaling, workerDeployment="workers-h100"), pods, replicasets)
+    assert [p["metadata"]["name"] for p in trusted] == ["h100-0"] and list(skipped) == ["a100-0"]
+
+
+def test_a_pod_is_owned_only_by_a_pool_that_may_reach_it():
+    """Two pools with overlapping selectors, each naming its own Deployment: the first by name does not take
+    the other's pods (it would never push to them, and neither would their own pool)."""
+    ready = {"phase": "Running", "podIP": "10.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]}
+    pods = [{**pod("a-0", rs_ref("a-x")), "status": ready}, {**pod("b-0", rs_ref("b-y")), "status": ready}]
+    replicasets = [replicaset("a-x", "a-workers"), replicaset("b-y", "b-workers")]
+    pools = {}
+    for name, deployment in (("alpha", "a-workers"), ("beta", "b-workers")):
+        pools[name] = pool(workerDeployment=deployment)
+        pools[name]["metadata"]["name"] = name
+    for name, mine in (("alpha", "a-0"), ("beta", "b-0")):
+        body, others = pools[name], [b for n, b in pools.items() if n != name]
+        reach = trusted_pods(body, pods, replicasets)[0]
+        own, shared = own_pods(name, body["spec"]["workerSelector"], reach, pool_claims(others, replicasets))
+        assert ([p["metadata"]["name"] for p in own], shared) == ([mine], {})
+        assert ready_worker_pods(PoolSpec.parse(body), reach, others, replicasets) == ([mine], {})
+        assert invalid_pool_claim(body, reach, others, replicasets) == ([mine], {})
+    # A first pool that names no Deployment may reach every pod it selects: it still owns them.
+    open_alpha = {**pools["alpha"], "spec": {k: v for k, v in pools["alpha"]["spec"].items()
+                                             if k != "workerDeployment"}}
+    reach = trusted_pods(pools["beta"], pods, replicasets)[0]
+    own, shared = own_pods("beta", pools["beta"]["spec"]["workerSelector"], reach,
+                           pool_claims([open_alpha], replicasets))
+    assert (own, shared) == ([], {"b-0": "alpha"})
+
+
 def test_each_pod_left_out_is_logged_once(caplog):
     caplog.set_level(logging.WARNING, logger="lorafleet.operator.worker_trust")
     trust, body = WorkerTrust(), pool(workerDeployment="workers")
@@ -119,7 +158,7 @@ def test_each_pod_left_out_is_logged_once(caplog):
     messages = [r.getMessage() for r in caplog.records]
     assert messages == [
         "LoRAPool ns/p: pod rogue matches spec.workerSelector, but its controller (none) is no "
-        "ReplicaSet of Deployment 'workers' (spec.workerDeployment, else spec.scaling.target): it is "
+        "ReplicaSet of Deployment 'workers' (spec.workerDeployment): it is "
         "sent nothing, the stager token included"
     ]
     # Another pod under that name (a new uid) is told of again; so is one after its pool's memory went.
@@ -141,7 +180,11 @@ def test_a_pool_naming_no_deployment_is_logged_once(caplog):
     assert len(messages) == 1 and messages[0].startswith(
         "LoRAPool ns/p names no worker Deployment: every pod"
     )
-    assert "set spec.workerDeployment" in messages[0]
+    assert "set spec.workerDeployment" in messages[0] and "spec.scaling.target does not count" in messages[0]
+    scaled = pool(scaling={"target": "workers", "prometheusURL": "http://prom:9090", "maxReplicas": 2})
+    assert WorkerTrust().admit(("ns", "q"), [scaled], pods, []) == pods
+    assert len(caplog.records) == 2
+    assert caplog.records[1].getMessage().startswith("LoRAPool ns/q names no worker")
 
 
 @pytest.mark.parametrize("forged", [False, True])
@@ -171,3 +214,25 @@ async def test_a_pod_with_the_workers_labels_only_is_sent_nothing(cluster, caplo
     assert rogue.reads == 0 and rogue.pushes == [] and rogue.tokens == []
     skipped = [r.getMessage() for r in caplog.records if "pod rogue" in r.getMessage()]
     assert len(skipped) == 1 and "no ReplicaSet of Deployment 'workers'" in skipped[0]
+
+
+async def test_a_pod_an_earlier_pool_may_not_reach_is_served_by_its_own(cluster):  # noqa: F811
+    """An earlier pool by name whose selector matches the same labels, naming another Deployment, does not
+    take this pool's pod over: the pod is still pushed this pool's adapters, and the earlier pool sends it
+    nothing."""
+    emulator, url = cluster
+    body, alpha = copy.deepcopy(POOL), copy.deepcopy(POOL)
+    body["spec"]["workerDeployment"] = "workers"
+    alpha["metadata"]["name"], alpha["spec"]["workerDeployment"] = "alpha", "alpha-workers"
+    async with FakeStager(TOKEN) as worker, running_operator(url):
+        owner = await create_replicaset(emulator, "workers", "workers-5d8f7c")
+        await create(emulator, "pods", controlled_by(pod_body("worker-0", worker.port), owner))
+        await create(emulator, "lorapools", alpha)
+        await create(emulator, "lorapools", body)
+        await create(emulator, "loraadapters", adapter_body("sql"))
+        await eventually(
+            lambda: (
+                status(emulator, "sql")["instances"] == [{"pod": "worker-0", "version": "v1", "tier": "gpu"}]
+            ),
+            "sql served by worker-0",
+        )
