@@ -204,12 +204,7 @@ async def test_a_pod_with_the_workers_labels_only_is_sent_nothing(cluster, caplo
         )
         await create(emulator, "lorapools", body)
         await create(emulator, "loraadapters", adapter_body("sql"))
-        await eventually(
-            lambda: (
-                status(emulator, "sql")["instances"] == [{"pod": "worker-0", "version": "v1", "tier": "gpu"}]
-            ),
-            "sql served by worker-0",
-        )
+        await _sql_served_by_worker_0(emulator)
         await eventually(lambda: worker.reads >= 5, "several passes of the pool")
     assert rogue.reads == 0 and rogue.pushes == [] and rogue.tokens == []
     skipped = [r.getMessage() for r in caplog.records if "pod rogue" in r.getMessage()]
@@ -230,9 +225,11 @@ async def test_a_pod_an_earlier_pool_may_not_reach_is_served_by_its_own(cluster)
         await create(emulator, "lorapools", alpha)
         await create(emulator, "lorapools", body)
         await create(emulator, "loraadapters", adapter_body("sql"))
-        await eventually(
-            lambda: (
-                status(emulator, "sql")["instances"] == [{"pod": "worker-0", "version": "v1", "tier": "gpu"}]
-            ),
-            "sql served by worker-0",
-        )
+        await _sql_served_by_worker_0(emulator)
+
+
+async def _sql_served_by_worker_0(emulator) -> None:
+    await eventually(
+        lambda: status(emulator, "sql")["instances"] == [{"pod": "worker-0", "version": "v1", "tier": "gpu"}],
+        "sql served by worker-0",
+    )
