@@ -193,7 +193,6 @@ class ServedAdapters:
             engine.configure_pool(eviction=state.eviction, cpu_bytes=state.cpu_bytes)
             self.settings = settings
         old_table = self._adapters
-        self.startup_errors = {}  # the directives rule from now on: what the push failed is its own report
         table = {d.name: self._register(d, old_table.get(d.name), engine) for d in state.adapters}
         current = {a["name"]: a["version"] for a in engine.describe_adapters() if a.get("current")}
         for name, served in table.items():
@@ -201,6 +200,7 @@ class ServedAdapters:
                 self._keep_fallback(served, old_table[name], current.get(name))
         self._adapters = table
         self.generation = state.generation
+        self.startup_errors = {}  # the directives rule from now on: what the push failed is its own report
         for name, old in old_table.items():
             if name not in table:
                 self._unregister(name, engine)
