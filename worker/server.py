@@ -49,10 +49,10 @@ from lorafleet.worker.async_engine import AsyncEngine
 from lorafleet.worker.engine import Engine, ShutdownError
 from lorafleet.worker.engine_adapters import EngineAdapters
 from lorafleet.worker.engine_config import EngineConfig
+from lorafleet.worker.error_middleware import error_middleware
 from lorafleet.worker.listen import port_in_use
 from lorafleet.worker.metrics import CONTENT_TYPE, EngineSnapshot, WorkerMetrics
 from lorafleet.worker.openai_api import openai_routes
-from lorafleet.worker.openai_protocol import APIError
 from lorafleet.worker.served_adapters import ServedAdapters
 from lorafleet.worker.startup_adapters import STARTUP_ADAPTERS, StartupAdapters, watch_seed
 from lorafleet.worker.startup_errors import StartupError
@@ -65,45 +65,6 @@ log = logging.getLogger("lorafleet.worker")
 
 def served_model_name(config: WorkerConfig, engine: Engine) -> str:
     return config.served_model_name or engine.model_name
-
-
-def _error_response(err: APIError) -> web.Response:
-    return web.json_response(err.body(), status=err.status, headers=err.headers)
-
-
-_HTTP_ERRORS = {
-    404: ("invalid_request_error", "not_found"),
-    405: ("invalid_request_error", "method_not_allowed"),
-    413: ("invalid_request_error", "request_too_large"),
-}
-
-
-@web.middleware
-async def error_middleware(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
-    try:
-        return await handler(request)
-    except APIError as err:
-        resp = _error_response(err)
-        if err.status == 408:  # the rest of its body may still come: this connection cannot carry another request
-            resp.force_close()
-        return resp
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        kind, code = _HTTP_ERRORS.get(exc.status, ("invalid_request_error", "http_error"))
-        message = exc.text or exc.reason
-        if exc.status == 413:
-            limit = request.app[CONFIG].max_body_bytes
-            message = f"request body too large: the limit is {limit} bytes (--max-body-bytes)"
-        elif exc.status == 404:
-            message = f"no route {request.method} {request.path}; see /v1/completions, /v1/chat/completions"
-        return _error_response(APIError(exc.status, message, type=kind, code=code))
-    except (asyncio.CancelledError, ConnectionResetError):
-        raise
-    except Exception:
-        log.exception("unhandled error in %s %s", request.method, request.path)
-        return _error_response(APIError(500, "internal server error; the worker logged the details",
-                                        type="server_error", code="internal_error"))
 
 
 def engine_snapshot(app: web.Application) -> EngineSnapshot:
