@@ -45,6 +45,7 @@ class KVRoom:
         one token (and min_tokens) still does."""
         wanted = min(seq.num_prompt_tokens + seq.params.max_tokens, self.max_model_len)
         own, pinned = self.adapters.kv_held_pages(seq.adapter)
+        seq.kv_room_checked = seq.adapter is None or own > 0
         room = max(0, self.num_pages - own - pinned)
         limit = min(self.max_model_len, room * self.block_size + 1)
         if wanted <= limit:

@@ -340,7 +340,7 @@ class Scheduler:
             # Taken again after giving it back (_let_go_of_adapters): the request was counted once already.
             seq.adapter_slot = self.adapter_pool.acquire(seq.adapter, seq.seq_id, count=not seq.adapter_counted)
             seq.adapter_counted = True
-            if seq.adapter_slot is not None and self.never_fits is not None and (exc := self.never_fits(seq)):
+            if seq.adapter_slot is not None and not seq.kv_room_checked and self.never_fits and (exc := self.never_fits(seq)):
                 raise exc  # its adapter's size is known now
         return seq.adapter_slot is not None
 
