@@ -21,7 +21,8 @@ computed from workers' reports.
 * pool deletion: a finalizer that first tells the pool's workers to hold nothing and waits until they
   report nothing (with an invalid workerSelector: the pods it pushed to); its adapters turn Degraded (their
   timers see the pool gone from the index);
-* every timer enters ``TimerTasks`` first, so that stopping the operator ends them all at once.
+* every timer enters ``TimerTasks`` first and runs its pass through it, so that stopping the operator ends them
+  all at once, passes in progress included.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ from lorafleet.operator.workers import StagerClient
 log = logging.getLogger(__name__)
 FINALIZER = "lorafleet.dev/unload"
 MAX_RETRY_DELAY = 300.0  # seconds: the cap of the backoff for re-pushing versions a worker failed to stage
+STOPPING_TIMER_WAIT = 2.0  # seconds kopf waits for a stopping timer (its pass cut short) before leaving it
 
 
 def _slim_pod(body: kopf.Body) -> dict[str, Any]:
@@ -113,6 +115,9 @@ def configure_settings(settings: kopf.OperatorSettings, config: OperatorConfig) 
     if not any(isinstance(f, QuietTimers) for f in objects_log.filters):
         objects_log.addFilter(QuietTimers())
     settings.watching.server_timeout = 60
+    # A stopping timer ends its pass at once (TimerTasks.run); kopf's default wait for that is ten loop cycles,
+    # fewer than cancelling a pass's HTTP request takes, after which it logs the timer orphaned.
+    settings.background.instant_exit_timeout = STOPPING_TIMER_WAIT
     if config.peering:
         settings.peering.name = config.peering
         settings.peering.standalone = False
@@ -227,7 +232,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
         controller.retain(set(kwargs["pools_by_name"]))  # memory of pools deleted while this replica stood by
         trust.retain(set(kwargs["pools_by_name"]))
         with contextlib.suppress(kopf.PermanentError):  # a bad spec is already reported in status
-            await reconcile_pool_handler(max_age=config.interval / 2, **kwargs)
+            await timers.run(stopped, reconcile_pool_handler(max_age=config.interval / 2, **kwargs))
 
     @kopf.timer(*res_pools, interval=config.scale_interval, registry=registry)
     async def pool_autoscale(namespace: str, name: str, body: kopf.Body, status: kopf.Status, patch: kopf.Patch,
@@ -238,9 +243,12 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
         if body.metadata.get("deletionTimestamp"):
             return
         # ``status`` is kopf's live view: the pass merges its condition into the status as it is at its end.
-        wanted = await scaler.run(dict(body), status=status, pods=pool_pods(namespace, dict(body), kwargs),
-                                  other_pools=other_pools(namespace, name, kwargs),
-                                  replicasets=kwargs["worker_replicasets"].get(namespace, []), now=utc_now())
+        wanted = await timers.run(stopped, scaler.run(
+            dict(body), status=status, pods=pool_pods(namespace, dict(body), kwargs),
+            other_pools=other_pools(namespace, name, kwargs),
+            replicasets=kwargs["worker_replicasets"].get(namespace, []), now=utc_now()))
+        if wanted is None:  # cut short by the operator's stop
+            return
         patch.status.update(status_changes(dict(status), wanted))
 
     @kopf.on.delete(*res_pools, registry=registry)
@@ -289,7 +297,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
         if not timers.enter(stopped):
             return
         with contextlib.suppress(kopf.PermanentError):  # a bad spec is already reported in status
-            await write_adapter_status(max_age=config.interval / 2, **kwargs)
+            await timers.run(stopped, write_adapter_status(max_age=config.interval / 2, **kwargs))
 
     @kopf.on.delete(*res_adapters, registry=registry)
     async def adapter_deleted(namespace: str, name: str, spec: kopf.Spec, logger: kopf.Logger,

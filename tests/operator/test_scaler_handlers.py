@@ -3,11 +3,14 @@ Deployments), a real Prometheus scraping fake worker metrics, the stager doubles
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import logging
+import time
 
 import kmock
 import kopf
+from aiohttp import web
 
 from lorafleet.operator.deployments import DeploymentClient
 from tests.s3_server import free_port
@@ -191,3 +194,36 @@ async def test_a_prometheus_the_operator_may_not_ask_gets_no_request(cluster, si
         await eventually(lambda: "/computeMetadata/v1' is not on" in condition(emulator, "main")["message"],
                          "a pass of the edited spec")
     assert recorder.requests == [] and replicas_history(emulator) == [2]
+
+
+async def test_stopping_during_a_pass_that_waits_on_a_slow_server_ends_the_pass(cluster, sidecars, caplog):  # noqa: F811
+    """A pass waiting on a Prometheus that does not answer (its timeout 30 s) must not hold the operator's
+    stop: kopf gives a timer a few loop cycles, then logs it 'did not exit in time' and leaves it running
+    against clients the operator is closing."""
+    emulator, url = cluster
+    await with_deployments(emulator)
+    asked, release = asyncio.Event(), asyncio.Event()
+
+    async def hang(request: web.Request) -> web.Response:
+        asked.set()
+        await release.wait()
+        return web.json_response({"status": "success", "data": {"resultType": "vector", "result": []}})
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", hang)
+    caplog.set_level(logging.INFO)
+    async with serving(app) as slow:
+        try:
+            async with running_operator(url, scale_interval=0.3, prometheus_urls=(slow,), request_timeout=30.0,
+                                        deployments=CountingDeployments(kopf.ConnectionInfo(server=url, token="test"),
+                                                                        timeout=2.0)):
+                await start_workers(emulator, sidecars)
+                await create(emulator, "lorapools", scaling_pool("main", slow))
+                await asyncio.wait_for(asked.wait(), 30)
+                began = time.monotonic()
+            took = time.monotonic() - began
+        finally:
+            release.set()
+    messages = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not [m for m in messages if "did not exit in time" in m]
+    assert took < 3.0, f"the operator took {took:.1f} s to stop"

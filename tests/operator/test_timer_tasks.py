@@ -42,3 +42,65 @@ async def test_stop_cancels_the_timers_kopf_did_not_tell_to_stop():
     with pytest.raises(asyncio.CancelledError):
         await late
     assert passes == ["told", "untold"]
+
+
+class StopFlag:
+    """kopf's ``stopped`` flag with its wait(), for ``TimerTasks.run``."""
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+
+    def __bool__(self) -> bool:
+        return self.event.is_set()
+
+    async def wait(self) -> None:
+        await self.event.wait()
+
+
+async def test_run_gives_the_pass_result_and_cuts_a_pass_short_when_the_timer_is_told_to_stop():
+    timers, stopped = TimerTasks(), StopFlag()
+
+    async def quick() -> str:
+        return "wanted"
+
+    assert await timers.run(stopped, quick()) == "wanted"
+
+    cancelled = asyncio.Event()
+
+    async def waiting_on_a_server() -> str:
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        return "late"
+
+    timer = asyncio.create_task(timers.run(stopped, waiting_on_a_server()))
+    await asyncio.sleep(0)
+    stopped.event.set()
+    assert await asyncio.wait_for(timer, 1) is None and cancelled.is_set()
+
+
+async def test_run_passes_on_the_pass_error_and_ends_the_pass_when_the_timer_is_cancelled():
+    timers, stopped = TimerTasks(), StopFlag()
+
+    async def failing() -> None:
+        raise ValueError("bad spec")
+
+    with pytest.raises(ValueError, match="bad spec"):
+        await timers.run(stopped, failing())
+
+    cancelled = asyncio.Event()
+
+    async def waiting_on_a_server() -> None:
+        try:
+            await asyncio.sleep(60)
+        finally:
+            cancelled.set()
+
+    timer = asyncio.create_task(timers.run(stopped, waiting_on_a_server()))
+    await asyncio.sleep(0)
+    timer.cancel()  # TimerTasks.stop
+    with pytest.raises(asyncio.CancelledError):
+        await timer
+    assert cancelled.is_set()
