@@ -79,6 +79,9 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
         page_pool.set_reclaimer("adapter", self.reclaim_for_kv)
         self._lock = threading.RLock()
         self._entries: dict[str, AdapterEntry] = {}
+        # Keys of entries that were pinned at some point, a superset of the pinned ones (pruned as read): the
+        # KV cache's room is asked about per request, and pinned versions are few among thousands of adapters.
+        self._pinned_keys: set[str] = set()
         self._current: dict[str, str] = {}  # name -> key that resolve() answers
         self._pending: dict[str, str] = {}  # name -> new version loading beside the current one
         self._slot_owner: dict[int, AdapterEntry] = {}
@@ -121,6 +124,7 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
         with self._lock:
             entry = self._get(key)
             entry.pinned = True
+            self._pinned_keys.add(key)
             self._want(entry)
 
     def unpin(self, key: str) -> None:

@@ -40,8 +40,11 @@ class AdapterReports:
         with self._lock:
             own = self._entries.get(key) if key is not None else None
             by_name: dict[str, int] = {}
-            for e in self._entries.values():
-                if e.pinned and (own is None or e.name != own.name):
+            for k in list(self._pinned_keys):  # O(pinned versions), not O(registered)
+                e = self._entries.get(k)
+                if e is None or not e.pinned:
+                    self._pinned_keys.discard(k)
+                elif own is None or e.name != own.name:
                     by_name[e.name] = max(by_name.get(e.name, 0), _num_pages(e))
             return (_num_pages(own) if own is not None else 0), sum(by_name.values())
 

@@ -58,6 +58,8 @@ class AdapterVersions:
                 if image is not None:
                     self._set_image(entry, image)
                     self._loaded_from_disk(entry, read_seconds + time.perf_counter() - started)
+            if entry.pinned:
+                self._pinned_keys.add(key)
             if name not in self._current:
                 self._current[name] = key
             elif make_current and self._current[name] != key:

@@ -146,3 +146,32 @@ def test_a_request_taking_its_adapter_again_is_one_gpu_lookup_and_removal_update
         assert gauge._value.get() == pool.stats()["resident"]["cpu"] == 1
     finally:
         pool.close()
+
+
+class _NoScan(dict):
+    """The pool's table of entries, refusing a walk over all of them."""
+
+    def values(self):
+        raise AssertionError("a walk over every registered adapter")
+
+
+def test_kv_held_pages_reads_the_pinned_versions_only(adapter_pages):
+    """It is asked per request: with thousands of adapters registered it must not walk them all. Pinned,
+    unpinned, re-pinned and removed versions are counted as they are now."""
+    pool = make_pool()
+    try:
+        for i in range(3):
+            pool.add(f"a{i}@1", random_weights(i))
+        pool.add("p@1", random_weights(5), pinned=True)
+        pool.add("q@1", random_weights(6))
+        pool.pin("q@1")
+        pool._entries = _NoScan(pool._entries)
+        assert pool.kv_held_pages("a0@1") == (adapter_pages, 2 * adapter_pages)
+        assert pool.kv_held_pages("p@1") == (adapter_pages, adapter_pages)  # its own name is its own pages
+        pool.unpin("q@1")
+        assert pool.kv_held_pages(None) == (0, adapter_pages)
+        pool.pin("q@1")
+        assert pool.kv_held_pages(None) == (0, 2 * adapter_pages)
+    finally:
+        pool._entries = dict(pool._entries)
+        pool.close()
