@@ -10,7 +10,8 @@ A pushdown automaton whose state is a small mode plus the stack of open containe
 States are plain tuples of strings: hashable (token masks are cached per state, json_vocab.py) and
 copied for free. Control bytes below 0x20 are refused in strings (RFC 8259 wants them escaped), and so is
 any byte >= 0x80 that is not part of well-formed UTF-8 (RFC 3629: no overlong form, no surrogate
-D800-DFFF, nothing past U+10FFFF), since a JSON text must be UTF-8. A character may be split across
+D800-DFFF, nothing past U+10FFFF), since a JSON text must be UTF-8; for the same reason an escaped
+surrogate (\\uD83D\\uDE00) is accepted only as a high-low pair. A character may be split across
 tokens: its lead byte opens a mode "<string mode>~<bytes left><lowest><highest next byte, hex>",
 
     advance(("str", "{"), b"\xe4")  -> ("str~280bf", "{")  two continuation bytes 80..BF to come
@@ -119,11 +120,9 @@ def _step(mode: str, stack: str, c: int) -> JsonState | None:
         if c in _ESCAPES:
             return base, stack
         return (base + "_u4", stack) if c == 0x75 else None  # 'u'
-    if mode[-3:-1] == "_u":  # \uXXXX: hex digits left
-        if c not in _HEX:
-            return None
-        left = int(mode[-1]) - 1
-        return (mode[:-3], stack) if left == 0 else (f"{mode[:-1]}{left}", stack)
+    if mode.startswith(("str_", "key_")):  # inside a \uXXXX escape
+        nxt = _unicode_escape(mode, c)
+        return None if nxt is None else (nxt, stack)
     if mode == "start":
         if c in _WS:
             return "start", ""
@@ -152,6 +151,36 @@ def _step(mode: str, stack: str, c: int) -> JsonState | None:
             return None
         return ("after", stack) if len(rest) == 1 else ("lit:" + rest[1:], stack)
     return _number(mode, stack, c)
+
+
+def _unicode_escape(mode: str, c: int) -> str | None:
+    """The mode after byte `c` inside a \\uXXXX escape of a string or key. A surrogate (D800-DFFF) is only
+    valid as a pair, a high one then an escaped low one: a lone surrogate is not text, and strict parsers
+    (serde_json, Go's encoding/json replaces it) refuse or mangle it. Modes: `_u<n>` n hex digits left,
+    `_ud` a D was read, `_h<n>` digits left of a high surrogate, `_hi` its pair's backslash next, `_hiu` its
+    'u', `_lo4` its D, `_lo3` its second digit C-F."""
+    base, _, part = mode.partition("_")
+    if part == "hi":
+        return f"{base}_hiu" if c == 0x5C else None
+    if part == "hiu":
+        return f"{base}_lo4" if c == 0x75 else None
+    if c not in _HEX:
+        return None
+    digit = int(chr(c), 16)
+    if part == "u4":
+        return f"{base}_ud" if digit == 0xD else f"{base}_u3"
+    if part == "ud":  # D0-D7: a BMP character; D8-DB: a high surrogate; DC-DF: a lone low one
+        return f"{base}_u2" if digit < 8 else f"{base}_h2" if digit < 0xC else None
+    if part in ("u3", "u2", "u1"):
+        left = int(part[1]) - 1
+        return base if left == 0 else f"{base}_u{left}"
+    if part in ("h2", "h1"):
+        return f"{base}_h1" if part == "h2" else f"{base}_hi"
+    if part == "lo4":
+        return f"{base}_lo3" if digit == 0xD else None
+    if part == "lo3":
+        return f"{base}_u2" if digit >= 0xC else None
+    raise AssertionError(f"unknown escape mode {mode!r}")
 
 
 def _number(mode: str, stack: str, c: int) -> JsonState | None:

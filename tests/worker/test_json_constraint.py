@@ -44,6 +44,13 @@ INVALID = [
     b'{"a":{]}',
     b'{"a":"x\\q"}',  # not an escape
     b'{"a":"\\u12G4"}',
+    b'{"a":"\\ud800"}',  # a lone high surrogate: not text (strict parsers refuse it)
+    b'{"a":"\\uDBFFx"}',
+    b'{"a":"\\udc00"}',  # a lone low surrogate
+    b'{"a":"\\ud83d\\n"}',  # a high surrogate must be followed by an escaped low one
+    b'{"a":"\\ud83d\\u0041"}',
+    b'{"a":"\\ud83d\\ud83d"}',
+    b'{"\\udfff":1}',
     b'{"a":"tab\there"}',  # control bytes must be escaped in strings
     b"{}}",
     b"{} ",  # nothing may follow the object, not even whitespace
@@ -149,3 +156,19 @@ def test_masks_match_accepts_and_are_cached():
     assert vocab.accepts(advance(START, b'{"a":[{"b":1'), pieces.index(b"}]}"))  # three levels at once
     closing = advance(START, b'{"a":[1]')
     assert vocab.accepts(closing, pieces.index(b"}"), True) and not vocab.accepts(closing, pieces.index(b"}"), False)
+
+
+def test_escaped_text_is_accepted_and_escaped_lone_surrogates_are_not():
+    """json.dumps(ensure_ascii) writes characters past U+FFFF as escaped surrogate pairs: accepted, split
+    anywhere; Python's json also reads a lone escaped surrogate, which is no character: refused."""
+    rng = random.Random(1)
+    points = [c for c in range(0x20, 0x110000, 97) if not 0xD800 <= c <= 0xDFFF] + [0xD7FF, 0xE000, 0x10FFFF]
+    for _ in range(300):
+        text = json.dumps({"".join(map(chr, rng.sample(points, 2))): "".join(map(chr, rng.sample(points, 6)))}).encode()
+        assert is_complete(advance(START, text)), text
+        cut = rng.randrange(1, len(text))
+        assert advance(advance(START, text[:cut]), text[cut:]) == ("done", "")
+    for lone in (0xD800, 0xDBFF, 0xDC00, 0xDFFF):
+        for text in (json.dumps({"a": chr(lone)}), json.dumps({"a": "x" + chr(lone) + "\U0001f600"}),
+                     json.dumps({chr(lone): 1})):
+            assert json.loads(text) and advance(START, text.encode()) is None, text
