@@ -15,16 +15,22 @@ def warm_count(a: AdapterSpec, num_workers: int) -> int:
     return max(n, 1 if a.pinned and num_workers else 0)
 
 
-def adapter_bytes(a: AdapterSpec, workers: list[WorkerIndex]) -> int:
-    """GPU bytes of one warm copy: a warm worker prefetches the canary beside the stable version (and pins
-    both when pinned), so both count; a canary no worker has reported yet is taken to be the stable version's size."""
+def spec_bytes(a: AdapterSpec, workers: list[WorkerIndex]) -> int:
+    """Bytes of one copy of what the spec serves: the stable version and its canary (a warm worker
+    prefetches the canary beside the stable version, and pins both when pinned); a canary no worker has
+    reported yet is taken to be the stable version's size. 0 while no size is known."""
 
     def reported(version: str) -> list[int]:
         return [s.bytes for x in workers for s in x.by_name.get(a.name, ()) if s.version == version]
 
     stable = max([a.known_bytes, *reported(a.version)])
     canary = 0 if a.canary is None else max(reported(a.canary.version), default=0) or stable
-    return stable + canary or UNKNOWN_BYTES
+    return stable + canary
+
+
+def adapter_bytes(a: AdapterSpec, workers: list[WorkerIndex]) -> int:
+    """GPU bytes of one warm copy (spec_bytes); an adapter of unknown size counts, so placement spreads it."""
+    return spec_bytes(a, workers) or UNKNOWN_BYTES
 
 
 def place_warm(adapters: list[AdapterSpec], workers: list[WorkerIndex], *, default_capacity: int = 0

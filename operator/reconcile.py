@@ -9,8 +9,9 @@ Admission (stated, tested):
   * a refused *edit* never takes down what is serving: while the current spec does not parse or fails a
     per-adapter check or the tenant quota (phase Failed, the message names the field) the last valid
     spec stays in force, unchanged on the workers, as long as it is for this pool and still passes.
-    Tenant quota counts the specs in force. An unchanged spec that stops passing (the pool's baseModel or quota changed) is
-    not served;
+    Tenant quota counts the specs in force, a canary's bytes with its stable version's (the stable's size
+    until a worker reports the canary's). A spec over the byte quota only with its canary is served
+    without it. An unchanged spec that stops passing (the pool's baseModel or quota changed) is not served;
   * one adapter's directive is built inside its own error boundary: a bad one fails alone.
 
 Placement policy (stated, tested; placement.py):
@@ -35,13 +36,14 @@ Statuses come only from what workers report (statuses.py); never because a direc
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from lorafleet.operator.crd_models import AdapterSpec, InvalidAdapter, PoolSpec
-from lorafleet.operator.placement import place_warm, warm_count
+from lorafleet.operator.placement import place_warm, spec_bytes, warm_count
 from lorafleet.operator.reports import WorkerIndex, WorkerReport
 from lorafleet.operator.statuses import adapter_status, pool_status, unserved_status
 from lorafleet.worker.directives import AdapterDirective, DesiredState, DirectiveError, VersionRef
@@ -122,7 +124,7 @@ def reconcile_pool(pool: PoolSpec | None, adapters: Sequence[AdapterSpec | Inval
                     PoolSettings(last.eviction, last.cpu_bytes))
         elif deleting & set(w.by_name):
             plan.unreachable.append(w.pod)
-    served, failures = admit(pool, [x for x in adapters if not x.deleting], pool_error=pool_error)
+    served, failures = admit(pool, [x for x in adapters if not x.deleting], pool_error=pool_error, workers=live)
     variants: dict[str, tuple[AdapterDirective, AdapterDirective]] = {}  # name -> (not warm, warm) here
     for name, a in sorted(served.items()):
         try:
@@ -164,10 +166,13 @@ def reconcile_pool(pool: PoolSpec | None, adapters: Sequence[AdapterSpec | Inval
 
 
 def admit(pool: PoolSpec | None, adapters: Sequence[AdapterSpec | InvalidAdapter], *,
-          pool_error: str | None = None) -> tuple[dict[str, AdapterSpec], dict[str, str]]:
+          pool_error: str | None = None, workers: Sequence[WorkerIndex] = ()
+          ) -> tuple[dict[str, AdapterSpec], dict[str, str]]:
     """(name -> the spec in force, name -> why its current spec is refused, naming the field).
 
-    A name in both is served with its last valid spec while the current one is refused.
+    A name in both is served with its last valid spec while the current one is refused; a spec over the
+    tenant's byte quota only with its canary is served without the canary. ``workers``: their reports give
+    the sizes the byte quota counts (the canary's too, see placement.spec_bytes).
     """
     served: dict[str, AdapterSpec] = {}
     failures: dict[str, str] = {}
@@ -180,16 +185,20 @@ def admit(pool: PoolSpec | None, adapters: Sequence[AdapterSpec | InvalidAdapter
         held = _fallback(pool, x)
         if held is not None:
             served[x.name] = held
-    refused = over_quota(pool, list(served.values()))
+    refused = over_quota(pool, list(served.values()), workers)
     for name, msg in refused.items():
         failures.setdefault(name, msg)
         # An edit refused by the quota (moved to a full tenant, grown): the last valid spec, if it still
-        # fits, stays in force like after any refused edit.
-        held = _fallback(pool, served.pop(name))
+        # fits, stays in force like after any refused edit; else, when a canary is what does not fit (its
+        # size known once a worker staged it), the stable version alone.
+        a = served.pop(name)
+        held = _fallback(pool, a)
+        if held is None and a.canary is not None:
+            held = dataclasses.replace(a, canary=None)
         if held is not None:
             served[name] = held
     if any(name in served for name in refused):
-        for name, msg in over_quota(pool, list(served.values())).items():
+        for name, msg in over_quota(pool, list(served.values()), workers).items():
             del served[name]
             failures.setdefault(name, msg)
     return served, failures
@@ -223,8 +232,10 @@ def check_adapter(pool: PoolSpec | None, a: AdapterSpec, *, pool_error: str | No
     return None
 
 
-def over_quota(pool: PoolSpec | None, adapters: list[AdapterSpec]) -> dict[str, str]:
-    """Tenant quota over the specs in force: adapter name -> message naming spec.tenant."""
+def over_quota(pool: PoolSpec | None, adapters: list[AdapterSpec], workers: Sequence[WorkerIndex] = ()
+               ) -> dict[str, str]:
+    """Tenant quota over the specs in force: adapter name -> message naming spec.tenant. A spec's bytes are
+    its stable version's and its canary's (placement.spec_bytes)."""
     if pool is None:
         return {}
     failures: dict[str, str] = {}
@@ -236,17 +247,19 @@ def over_quota(pool: PoolSpec | None, adapters: list[AdapterSpec]) -> dict[str, 
         group.sort(key=lambda a: (-a.priority, a.created, a.name))
         num_admitted = total = 0  # a refused adapter takes neither a slot nor bytes of the quota
         for a in group:
+            size = spec_bytes(a, list(workers))
             if pool.max_adapters_per_tenant is not None and num_admitted >= pool.max_adapters_per_tenant:
                 failures[a.name] = (f"spec.tenant: tenant {tenant!r} is over LoRAPool {pool.name!r} "
                                     f"spec.tenantQuota.maxAdapters ({pool.max_adapters_per_tenant}); delete "
                                     f"one of its adapters or raise the quota")
-            elif pool.max_bytes_per_tenant is not None and total + a.known_bytes > pool.max_bytes_per_tenant:
+            elif pool.max_bytes_per_tenant is not None and total + size > pool.max_bytes_per_tenant:
+                what = "with this adapter and its canary" if a.canary is not None else "with this adapter"
                 failures[a.name] = (f"spec.tenant: tenant {tenant!r} is over LoRAPool {pool.name!r} "
                                     f"spec.tenantQuota.maxBytes ({pool.max_bytes_per_tenant} bytes; "
-                                    f"{total + a.known_bytes} with this adapter)")
+                                    f"{total + size} {what})")
             else:
                 num_admitted += 1
-                total += a.known_bytes
+                total += size
     return failures
 
 

@@ -211,3 +211,32 @@ def test_quota_counts_the_spec_in_force():
     assert {d.name for d in plan.desired["w0"].adapters} == {"a", "b"}
     assert plan.adapter_statuses["b"]["message"].startswith("spec.baseModel:")
     assert plan.adapter_statuses["c"]["message"].startswith("spec.tenant:")
+
+
+def test_the_byte_quota_counts_the_canary_and_a_canary_over_it_leaves_the_stable_version_serving():
+    """A canary is held beside its stable version: the quota counts both (the stable's size until a worker
+    reports the canary's). A canary found too large once staged is dropped, not the adapter: before, only
+    the stable version counted, so a promotion of that canary unloaded the adapter everywhere."""
+    ws = workers(2)
+    q = pool(tenantQuota={"maxBytes": "15Mi"})
+    plan = converge(q, [parse_adapter(body(status={"bytes": 6 * 2**20}))], ws, bytes_of={"a": 6 * 2**20})
+    st = plan.adapter_statuses["a"]
+    assert st["phase"] == "Ready" and st["bytes"] == 6 * 2**20
+
+    # A canary of unknown size counts as large as the stable version: 12 MiB fit.
+    canary = parse_adapter(body(status=st, generation=4, canary=CANARY))
+    plan = reconcile_pool(q, [canary], ws, now=NOW)
+    assert served(plan, "a") == dict.fromkeys(("w0", "w1"), ("v1", "v2", True))
+    # Staged, the canary reports 400 MiB: the canary is refused, v1 keeps serving.
+    for w in ws:
+        w.reported = ReportedState(generation_applied=plan.desired[w.pod].generation, adapters=[
+            AdapterState("a", "v1", "gpu", bytes=6 * 2**20), AdapterState("a", "v2", "disk", bytes=400 * 2**20)])
+    plan = reconcile_pool(q, [canary], ws, now=NOW)
+    assert served(plan, "a") == dict.fromkeys(("w0", "w1"), ("v1", None, True))
+    st = plan.adapter_statuses["a"]
+    assert st["phase"] == "Failed" and st["canaryVersion"] is None
+    assert st["message"].startswith("spec.tenant: tenant 'acme' is over LoRAPool 'p' spec.tenantQuota.maxBytes "
+                                    "(15728640 bytes; 425721856 with this adapter and its canary)")
+    # Another adapter of the tenant is not refused for the canary that is not served.
+    other = parse_adapter(body("b", created="2026-01-01T00:00:01Z", status={"bytes": 2**20}))
+    assert reconcile_pool(q, [canary, other], ws, now=NOW).adapter_statuses["b"]["phase"] != "Failed"
