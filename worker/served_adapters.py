@@ -193,12 +193,22 @@ class ServedAdapters:
             engine.configure_pool(eviction=state.eviction, cpu_bytes=state.cpu_bytes)
             self.settings = settings
         old_table = self._adapters
-        table = {d.name: self._register(d, old_table.get(d.name), engine) for d in state.adapters}
+        promoted: list[tuple[ServedAdapter, str]] = []  # canaries that become stable: switched once published
+        table = {d.name: self._register(d, old_table.get(d.name), engine, promoted) for d in state.adapters}
         current = {a["name"]: a["version"] for a in engine.describe_adapters() if a.get("current")}
+        current |= {served.name: version for served, version in promoted}
         for name, served in table.items():
             if name in old_table:
                 self._keep_fallback(served, old_table[name], current.get(name))
         self._adapters = table
+        # A promoted canary switches only now: the switch retires the old stable version, which the table
+        # published until now still sends bare requests to (they would fail for the rest of the push).
+        for served, version in promoted:
+            try:
+                engine.make_adapter_current(f"{served.name}@{version}")
+            except (ValueError, KeyError, RuntimeError) as exc:  # answered 503 with why, as a version that failed
+                served.errors[version] = str(exc) or type(exc).__name__
+                log.warning("adapter %s@%s cannot be made current: %s", served.name, version, exc)
         self.generation = state.generation
         self.startup_errors = {}  # the directives rule from now on: what the push failed is its own report
         for name, old in old_table.items():
@@ -212,7 +222,8 @@ class ServedAdapters:
                     log.info("dropping %s@%s: %s", name, version, exc)
         return True
 
-    def _register(self, d: AdapterDirective, old: ServedAdapter | None, engine: AdapterHost) -> ServedAdapter:
+    def _register(self, d: AdapterDirective, old: ServedAdapter | None, engine: AdapterHost,
+                  promoted: list[tuple[ServedAdapter, str]]) -> ServedAdapter:
         versions = {d.stable.version: d.stable.uri}
         digests = {d.stable.version: d.stable.sha256}  # the files must hash to it (None: not checked)
         if d.canary is not None:
@@ -231,7 +242,7 @@ class ServedAdapters:
             stable = version == d.stable.version
             # A version kept registered beside the stable one (a canary) that now becomes stable. One
             # registered again (it had failed) switches in the engine once loaded, like a new version.
-            promoted = stable and keep and version != old.split.stable
+            is_promoted = stable and keep and version != old.split.stable
             registered = keep
             try:
                 source = local_source(uri)
@@ -240,8 +251,10 @@ class ServedAdapters:
                                             make_current=stable, sha256=digests[version])
                 registered = True
                 key = f"{d.name}@{version}"
-                if promoted or (stable and demoted is not None):
-                    engine.make_adapter_current(key)  # the old stable version retires
+                if stable and demoted is not None:
+                    engine.make_adapter_current(key)  # the old stable version retires (and comes back below)
+                elif is_promoted:
+                    promoted.append((served, version))  # switched once the new table is published
                 engine.set_adapter_pinned(key, d.pinned)
                 engine.set_adapter_priority(key, d.priority)
                 engine.set_adapter_warm(key, d.warm)  # brought back after pressure evicted it, or no longer

@@ -220,3 +220,25 @@ async def test_request_metrics_tell_canary_from_stable_and_forget_retired_versio
     status, _ = await complete(client, "nope")
     text = await (await client.get("/metrics")).text()
     assert metric_samples(text, "lorafleet_requests_total", "__unresolved__") == {("", "404"): 1}
+
+
+def test_a_promoted_canary_switches_only_once_the_push_is_published():
+    """Promoting sql's canary retires v1 in the engine; if that happened while the push still registered other
+    adapters, bare `sql` requests, still sent to v1 by the table in force, failed (404 after their retries)."""
+    host, served = SwitchingHost(), ServedAdapters("base")
+    served.apply(state(1, SQL_CANARY), host)
+    seen: list[tuple[set[str], set[str]]] = []  # (what bare requests resolve to, what the engine holds)
+    register = host.register_adapter
+
+    def register_watching(name, source, **kw):
+        if name == "zeta":  # registered after sql in the same push
+            seen.append((picks(served), set(host.keys)))
+        return register(name, source, **kw)
+
+    host.register_adapter = register_watching
+    promoted = SQL | {"stable": {"version": "v2", "uri": "/c/sql/v2"}}
+    zeta = {"name": "zeta", "tenant": "acme", "stable": {"version": "v1", "uri": "/c/zeta/v1"}}
+    served.apply(state(2, promoted, zeta), host)
+    (resolved, held), = seen
+    assert resolved <= held, f"requests sent to {resolved - held}, which the engine no longer holds"
+    assert picks(served) == {"sql@v2"} and host.current["sql"] == "sql@v2" and "sql@v1" not in host.keys
