@@ -68,6 +68,16 @@ _STALL_GRACE_S = 120.0  # beyond download_timeout_s: the store's calls end by th
 RECENT_DOWNLOADS = 100  # download times kept for `disk_stats` (all of them: the histogram in /metrics)
 
 
+def _keep_stable(old: AdapterDirective, a: AdapterDirective, local: dict[str, VersionRef]) -> AdapterDirective:
+    """What to forward for `a` when its stable version could not be staged: the stable version forwarded
+    until now, with the rest of this push, so that a push which also removes a bad canary or turns its
+    weight to 0 (the kill switch) is not undone by a typo in its new stable version. The canary is this
+    push's, if it staged; owner, warm, pinned and priority are this push's."""
+    canary = local.get(a.canary.version) if a.canary is not None and a.canary.version != old.stable.version else None
+    return AdapterDirective(a.name, a.tenant, old.stable, canary, a.canary_weight if canary else 0,
+                            a.warm, a.pinned, a.priority)
+
+
 class Stager:
     def __init__(self, config: StagerConfig) -> None:
         self.config = config
@@ -274,10 +284,10 @@ class Stager:
                     forwarded[a.name] = AdapterDirective(
                         a.name, a.tenant, local[a.stable.version], canary, a.canary_weight if canary else 0,
                         a.warm, a.pinned, a.priority)
-                elif a.name in self.forwarded:
-                    forwarded[a.name] = self.forwarded[a.name]  # keep serving what is already local
-                    for v in self.forwarded[a.name].versions:
-                        if (a.name, v) in self.staged:
+                elif a.name in self.forwarded:  # keep serving the stable version already local
+                    forwarded[a.name] = kept = _keep_stable(self.forwarded[a.name], a, local)
+                    for v in kept.versions:
+                        if (a.name, v) in self.staged and (a.name, v) not in staged:
                             staged[(a.name, v)] = self.staged[(a.name, v)]
             self.holds.hold_replaced(self.staged, staged)
             self.forwarded, self.errors, self.staged, self.holds.pushing = forwarded, errors, staged, set()
@@ -368,3 +378,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
