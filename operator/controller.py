@@ -42,7 +42,7 @@ PoolKey = tuple[str, str]  # (namespace, pool name)
 @dataclass(slots=True)
 class PassResult:
     plan: PoolPlan
-    started: float  # time.monotonic() when its inputs were read
+    started: float  # time.monotonic() when its caller had read its inputs (when it called run)
 
 
 def utc_now() -> str:
@@ -113,15 +113,16 @@ class PoolController:
                   replicasets: Iterable[dict[str, Any]] = (), max_age: float = 0.0) -> PoolPlan:
         """A fresh plan (or the last one when younger than ``max_age`` seconds) for pool ``key``. ``replicasets``:
         the namespace's (worker_trust.slim_replicaset), which say which pods the other pools may reach."""
-        started = time.monotonic()
+        started = time.monotonic()  # the caller read the inputs it passes before this call
         async with self._locks[key]:
             last = self._results.get(key)
-            # A pass that read its inputs after this call began is as fresh as a new one.
+            # A pass whose caller read its inputs after this call began is as fresh as a new one. Not one that
+            # merely ran later: a timer's call that read them before an edit, then waited for the lock, would
+            # answer the edit's call with the spec before the edit.
             if last is not None and (last.started >= started or time.monotonic() - last.started < max_age):
                 return last.plan
-            began = time.monotonic()
             plan = await self._run(key, list(pools), list(adapters), list(pods), list(other_pools), list(replicasets))
-            self._results[key] = PassResult(plan, began)
+            self._results[key] = PassResult(plan, started)
             return plan
 
     async def _run(self, key: PoolKey, pools: list[dict], adapters: list[dict], pods: list[dict],
