@@ -1,7 +1,9 @@
 """LoRAAdapter and LoRAPool statuses, computed only from what workers report (never from what was sent).
 
 An adapter is Ready when every worker that should hold it GPU-resident reports its stable version at
-tier ``gpu`` without error, and every ready worker has it registered. Conditions keep their
+tier ``gpu`` without error, every ready worker has it registered, and every worker that reports its traffic
+split sends the name's users as the spec says (an edit of the canary, its removal or promotion is Loading
+until applied; meanwhile stableVersion, canaryVersion and canaryWeight are the split the workers report). Conditions keep their
 ``lastTransitionTime`` until their status flips.
 """
 
@@ -48,11 +50,24 @@ def adapter_status(a: AdapterSpec, live: list[WorkerIndex], warm_pods: list[str]
                 canary_registered += 1
     instances.sort(key=lambda i: (i["pod"], i["version"]))
     canary_version = a.canary.version if a.canary and canary_registered else None
+    canary_weight = a.canary.weight if canary_version else 0
     canary_active = canary_version is not None and canary_registered == len(live) and a.canary.weight > 0
     stable_seen = sorted(versions_seen - ({a.canary.version} if a.canary else set()))
     stable_version = a.version if a.version in versions_seen else (
         a.status.get("stableVersion") if a.status.get("stableVersion") in stable_seen else
         (stable_seen[0] if stable_seen else None))
+    # Workers that send the name's users elsewhere than the spec says (a push not applied yet, or refused).
+    pending = {w.pod: split for w in live if (split := _split(w, a.name)) is not None and split != _wanted_split(a)}
+    if pending:  # the fields say what is served: the workers' split when they agree on one, else no canary
+        splits = {tuple(sorted(split.items())) for split in pending.values()}
+        agreed = dict(splits.pop()) if len(splits) == 1 and len(pending) == len(live) else None
+        if agreed:  # the version the last status called stable, else the one most users go to
+            previous = a.status.get("stableVersion")
+            stable_version = previous if previous in agreed else max(agreed, key=lambda v: (agreed[v], v == a.version))
+        others = sorted(v for v in (agreed or {}) if v != stable_version)
+        canary_version = others[0] if len(others) == 1 else None
+        canary_weight = agreed[canary_version] if canary_version else 0
+        canary_active = canary_weight > 0
     target = len(warm_pods)
     if failure is not None:
         phase = "Failed"
@@ -67,7 +82,8 @@ def adapter_status(a: AdapterSpec, live: list[WorkerIndex], warm_pods: list[str]
                 else f"spec.warm: {a.warm} asks for {requested} GPU-resident copies")
         msg = (f"{asks} but only {target} workers have room for its {adapter_size_text(a, live)} in their GPU "
                f"adapter pool; it is served on demand elsewhere")
-    elif registered == len(live) and resident == target and (a.canary is None or canary_registered == len(live)):
+    elif (registered == len(live) and resident == target and (a.canary is None or canary_registered == len(live))
+          and not pending):
         phase = "Ready"
         msg = (f"{a.version} GPU-resident on {resident}/{target} warm workers, registered on {registered}"
                if target else f"{a.version} on demand (warm: 0), registered on {registered} workers")
@@ -79,21 +95,43 @@ def adapter_status(a: AdapterSpec, live: list[WorkerIndex], warm_pods: list[str]
                f"{resident}/{target} warm workers")
         if a.canary is not None:
             msg += f"; canary {a.canary.version} registered on {canary_registered}/{len(live)}"
+        if pending:
+            msg += "; the traffic split is not applied yet on " + ", ".join(
+                f"{pod} ({_split_text(split)})" for pod, split in sorted(pending.items()))
+            msg += f", the spec asks {_split_text(_wanted_split(a))}"
         worker_errors = [f"{w.pod}: {w.w.reported.error}" for w in live if w.w.reported.error]
         if worker_errors:  # e.g. the sidecar cannot reach its engine: say why it is not loading
             msg += "; " + "; ".join(worker_errors)
-    canary_text = f"canary {a.canary.version} at {a.canary.weight}%" if canary_active else None
+    canary_text = f"canary {canary_version} at {canary_weight}%" if canary_active else None
     status = _status(a, phase, msg, now=now, validated=failure is None, canary_text=canary_text)
     status.update({
         "stableVersion": stable_version,
         "canaryVersion": canary_version,
-        "canaryWeight": a.canary.weight if canary_version else 0,
+        "canaryWeight": canary_weight,
         "instances": instances,
         "warmWorkers": warm_pods,
         "ready": f"{resident}/{target}" if target else f"{registered}/{len(live)}",
         "bytes": size or a.known_bytes,
     })
     return status
+
+
+def _wanted_split(a: AdapterSpec) -> dict[str, int]:
+    """version -> share of the name's users the spec sends to it (only shares above 0)."""
+    weight = a.canary.weight if a.canary is not None else 0
+    split = {a.version: 100 - weight, **({a.canary.version: weight} if a.canary is not None else {})}
+    return {v: p for v, p in split.items() if p}
+
+
+def _split(w: WorkerIndex, name: str) -> dict[str, int] | None:
+    """The split worker ``w`` reports for ``name`` (shares above 0); None when it reports none (it does not
+    hold the name, or its sidecar does not report splits): nothing to compare."""
+    states = [st for st in w.by_name.get(name, ()) if st.traffic_percent is not None and st.error is None]
+    return {st.version: st.traffic_percent for st in states if st.traffic_percent} if states else None
+
+
+def _split_text(split: dict[str, int]) -> str:
+    return ", ".join(f"{v} {p}%" for v, p in sorted(split.items())) or "no version"
 
 
 def unserved_status(x: AdapterSpec | InvalidAdapter, phase: str, message: str, live: list[WorkerIndex], *,

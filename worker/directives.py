@@ -218,6 +218,9 @@ class AdapterState:
     bytes: int = 0
     pinned: bool = False
     error: str | None = None  # last staging/loading failure for this version
+    # Share of the name's users the worker sends to this version now (its split as applied); None: not told
+    # (a version only staged on disk, or a worker that does not report it).
+    traffic_percent: int | None = None
 
     def __post_init__(self) -> None:
         _name(self.name, "name")
@@ -227,6 +230,8 @@ class AdapterState:
             _int(getattr(self, f), f, lo=0)
         _bool(self.pinned, "pinned")
         _require(self.error is None or isinstance(self.error, str), "error", "must be a string or null")
+        if self.traffic_percent is not None:
+            _int(self.traffic_percent, "traffic_percent", lo=0, hi=100)
 
     @property
     def is_loaded(self) -> bool:
@@ -236,8 +241,8 @@ class AdapterState:
     @classmethod
     def from_dict(cls, data: Any) -> AdapterState:
         _require(isinstance(data, dict), "adapters[]", "must be an object")
-        known = {k: data[k] for k in ("name", "version", "tier", "refcount", "hits", "bytes", "pinned", "error")
-                 if k in data}
+        known = {k: data[k] for k in ("name", "version", "tier", "refcount", "hits", "bytes", "pinned", "error",
+                                      "traffic_percent") if k in data}
         try:
             return cls(**known)
         except TypeError as exc:

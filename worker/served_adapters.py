@@ -341,17 +341,17 @@ class ServedAdapters:
                 states.append(AdapterState(
                     name=name, version=version, tier=d.get("tier", "none"), refcount=d.get("refcount", 0),
                     hits=d.get("hits", 0), bytes=d.get("bytes", 0), pinned=bool(d.get("pinned", served.pinned)),
-                    error=error,
+                    error=error, traffic_percent=_traffic_percent(served.split, version),
                 ))
         reported = {(a.name, a.version) for a in states}
         for d in held.values():  # versions on their way out that in-flight requests still hold
             if d.get("refcount", 0) > 0 and (d["name"], d["version"]) not in reported:
                 states.append(AdapterState(name=d["name"], version=d["version"], tier=d.get("tier", "none"),
                                            refcount=d["refcount"], hits=d.get("hits", 0), bytes=d.get("bytes", 0),
-                                           pinned=bool(d.get("pinned", False))))
+                                           pinned=bool(d.get("pinned", False)), traffic_percent=0))
         for name, why in sorted(self.startup_errors.items()):  # start-up folders that did not load
             if is_name(name):  # one named unlike an adapter is only in the state's "startup" (admin_api.py)
-                states.append(AdapterState(name=name, version=UNSTAGED, tier="none", error=why))
+                states.append(AdapterState(name=name, version=UNSTAGED, tier="none", error=why, traffic_percent=0))
         return ReportedState(generation_applied=self.generation, adapters=states)
 
     def extras(self) -> dict[str, dict[str, Any]]:
@@ -359,9 +359,15 @@ class ServedAdapters:
         out = {}
         for name, served in self._adapters.items():
             for version in served.sources:
-                weight = served.split.canary_weight if version == served.split.canary else (
-                    100 - served.split.canary_weight if version == served.split.stable else 0)
-                out[f"{name}@{version}"] = {"tenant": served.tenant, "traffic_percent": weight}
+                out[f"{name}@{version}"] = {"tenant": served.tenant,
+                                            "traffic_percent": _traffic_percent(served.split, version)}
         for name in self.startup_errors:
             out.setdefault(f"{name}@{UNSTAGED}", {"tenant": None, "traffic_percent": 0})
         return out
+
+
+def _traffic_percent(split: VersionSplit, version: str) -> int:
+    """Share of the name's users `split` sends to `version`."""
+    if version == split.canary:
+        return split.canary_weight
+    return 100 - split.canary_weight if version == split.stable else 0
