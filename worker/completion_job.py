@@ -50,6 +50,7 @@ class CompletionJob:
     # request (a directive push between the two); None when the caller pinned `name@version`.
     re_resolve: Callable[[], str | None] | None = None
     prompts: list[str | list[int]] | None = None  # completions: the prompts as sent (what `echo` repeats)
+    failed_over: str | None = None  # the engine key it moved off because that version failed to load
     created: int = field(default_factory=lambda: int(time.time()))
     arrived: float = field(default_factory=time.monotonic)
 

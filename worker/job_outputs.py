@@ -138,6 +138,7 @@ def _fall_back(job: CompletionJob, exc: AdapterLoadError, adapters: ServedAdapte
         return False
     if key == job.adapter:
         return False
+    job.failed_over = job.adapter  # counted on that version too (a canary's failures must show on it)
     _move(job, key)
     return True
 

@@ -51,6 +51,7 @@ from lorafleet.worker.openai_protocol import (
 )
 from lorafleet.worker.request_output import RequestOutput
 from lorafleet.worker.scheduler import CapacityError
+from lorafleet.worker.served_adapters import VersionUnavailable
 from lorafleet.worker.tenants import AuthenticationError, Tenant
 from lorafleet.worker.tokenizer import TokenizerError
 
@@ -90,7 +91,11 @@ async def _prepare(request: web.Request, endpoint: str,
         engine = app[ENGINE].engine
         parse = parse_chat_request if endpoint == "chat" else parse_completion_request
         parsed = await read_json(request, lambda body: parse(body, engine.sampling_defaults))
-        adapter = app[ADAPTERS].resolve(parsed.model, tenant, parsed.options.user)
+        try:
+            adapter = app[ADAPTERS].resolve(parsed.model, tenant, parsed.options.user)
+        except VersionUnavailable as exc:  # counted on the version that failed, not as unresolved
+            resolved(exc.key)
+            raise
         resolved(adapter)
 
         def tokenize() -> list[list[int]]:
@@ -246,6 +251,9 @@ async def _serve(request: web.Request, endpoint: str) -> web.StreamResponse:
         else:  # refused before the model was resolved (bad body, auth, unknown adapter)
             adapter, version = UNRESOLVED_LABEL, ""
         metrics.observe_request(adapter=adapter, version=version, endpoint=endpoint, status=status)
+        if job is not None and job.failed_over is not None:  # the version it moved off failed to load: 503 there
+            failed, failed_version = _request_labels(job.failed_over)
+            metrics.observe_request(adapter=failed, version=failed_version, endpoint=endpoint, status=503)
         if adapter is not None and version:  # the series of versions no longer served go
             served = app[ADAPTERS].get(adapter)
             # A name or version retired while this request ran keeps none: nothing would drop them later.

@@ -70,6 +70,14 @@ class AdapterHost(Protocol):
     def configure_pool(self, *, eviction: str | None, cpu_bytes: int | None) -> None: ...
 
 
+class VersionUnavailable(APIError):
+    """503: the version `key` the request resolved to failed to load (its request series count it)."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(503, message, type="service_unavailable", code="adapter_load_failed", param="model")
+        self.key = key
+
+
 @dataclass(slots=True)
 class ServedAdapter:
     name: str
@@ -138,8 +146,8 @@ class ServedAdapters:
             raise APIError(404, f"adapter {name!r} has no version {version!r} here (versions: "
                                 f"{', '.join(sorted(served.sources))})", code="model_not_found", param="model")
         if version in served.errors:
-            raise APIError(503, f"adapter {name}@{version} failed to load: {self.redact(served.errors[version], tenant)}",
-                           type="service_unavailable", code="adapter_load_failed", param="model")
+            raise VersionUnavailable(f"{name}@{version}",
+                                     f"adapter {name}@{version} failed to load: {self.redact(served.errors[version], tenant)}")
         return f"{name}@{version}"
 
     def redact(self, message: str, tenant: Tenant) -> str:

@@ -176,7 +176,10 @@ async def test_a_new_stable_version_that_fails_to_load_leaves_the_old_one_servin
 
     text = await (await client.get("/metrics")).text()
     requests = metric_samples(text, "lorafleet_requests_total", "alpha")
-    assert requests == {("v1", "200"): 5}, requests  # alpha@v2 refused unresolved
+    # v2's failures show on v2: the request that found out (answered by v1, so counted there as well) and the
+    # one naming alpha@v2 (refused as it resolved, not as an unresolved request).
+    assert requests == {("v1", "200"): 5, ("v2", "503"): 2}, requests
+    assert metric_samples(text, "lorafleet_requests_total", "__unresolved__") == {}
 
 
 async def test_a_request_naming_the_version_that_cannot_load_is_refused_a_streamed_one_moves(
