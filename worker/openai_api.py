@@ -356,12 +356,16 @@ async def list_models(request: web.Request) -> web.Response:
 
 
 async def retrieve_model(request: web.Request) -> web.Response:
-    """One entry of /v1/models by its id (the client's `models.retrieve`); 404 for a name the caller may
-    not see, as for one that does not exist."""
+    """One entry of /v1/models by its id (the client's `models.retrieve`), or by `name@version` (the `model`
+    of an answer) for a version the name has; 404 for a name the caller may not see, as for one that does
+    not exist."""
     model = request.match_info["model"]
+    name, _, version = model.partition("@")
     for entry in _models(request, authenticate(request)):
         if entry["id"] == model:
             return web.json_response(entry)
+        if version and entry["id"] == name and version in entry.get("versions", ()):  # the id answers carry
+            return web.json_response(entry | {"id": model})
     raise APIError(404, f"The model `{model}` does not exist on this worker (GET /v1/models lists the ones you "
                         "may use)", code="model_not_found", param="model")
 

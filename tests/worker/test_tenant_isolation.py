@@ -163,12 +163,18 @@ async def test_models_retrieve_finds_ones_own_models_and_not_another_tenants(aio
     got = await globex.models.retrieve("globex-secret")
     assert got.id == "globex-secret" and got.model_dump() == listed["globex-secret"].model_dump()
     assert (await globex.models.retrieve("tiny")).id == "tiny"
+    # The `model` an answer names (name@version) is found too, as the name's entry.
+    by_version = await globex.models.retrieve("globex-secret@g1")
+    assert by_version.id == "globex-secret@g1" and by_version.model_dump() == listed["globex-secret"].model_dump() | {
+        "id": "globex-secret@g1"}
+    with pytest.raises(openai.NotFoundError):
+        await globex.models.retrieve("globex-secret@g2")
     answers = []
-    for model in ("globex-secret", "globex-nothing"):
+    for model in ("globex-secret", "globex-nothing", "globex-secret@g1"):
         with pytest.raises(openai.NotFoundError) as err:
             await acme.models.retrieve(model)
         answers.append((err.value.code, err.value.message.replace(model, "<model>")))
-    assert answers[0] == answers[1] and answers[0][0] == "model_not_found"
+    assert answers[0] == answers[1] == answers[2] and answers[0][0] == "model_not_found"
     with pytest.raises(openai.AuthenticationError):
         await openai_client(client, "sk-nobody").models.retrieve("tiny")
 
