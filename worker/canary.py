@@ -2,7 +2,7 @@
 
 A request names an adapter (`sql`) or pins a version (`sql@v3`). For a bare name the resolver
 picks the stable version, or the canary with probability `canary_weight` percent. The pick is
-sticky per `user`: `sha256(name, user)` maps every user to a fixed bucket in [0, 10000), and the
+sticky per `user` (or `safety_identifier`, OpenAI's successor of it): `sha256(name, user)` maps every user to a fixed bucket in [0, 10000), and the
 canary serves buckets below `canary_weight * 100`; raising the weight only moves users from stable
 to canary, never back. Requests without a `user` (or with an empty one, which names nobody) draw a
 fresh bucket each time.

@@ -187,7 +187,7 @@ def parse_sampling_options(f: Fields, max_tokens_names: tuple[str, ...], default
         stream=stream,
         include_usage=include_usage,
         continuous_usage=continuous_usage,
-        user=f.string("user"),
+        user=f.string("user") or f.string("safety_identifier"),  # OpenAI's successor of `user`: the canary split
         ignore_eos=f.flag("ignore_eos", False),
         presence_penalty=f.number("presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=f.number("frequency_penalty", 0.0, -2.0, 2.0),

@@ -15,7 +15,7 @@ INERT_CHAT_FIELDS = [
     {"store": True}, {"store": False},
     {"metadata": {"team": "search", "run": "42"}}, {"metadata": {}},
     {"service_tier": "auto"}, {"service_tier": "flex"},
-    {"prompt_cache_key": "user-7-session"}, {"safety_identifier": "hashed-user-7"},
+    {"prompt_cache_key": "user-7-session"},  # safety_identifier names the user: test_openai_protocol.py
     {"parallel_tool_calls": False}, {"parallel_tool_calls": True},
     {"functions": []}, {"function_call": "none"},
     {"modalities": ["text"]}, {"reasoning_effort": "none"},

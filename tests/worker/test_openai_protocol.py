@@ -50,6 +50,16 @@ def test_chat_messages_and_logprobs():
     assert (o.prompt_logprobs, o.echo) == (20, False)
 
 
+def test_safety_identifier_names_the_user_as_user_does():
+    """OpenAI's successor of `user`: a client that moved to it keeps its canary bucket (user wins if both)."""
+    chat = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    assert parse_chat_request(chat | {"safety_identifier": "alice"}).options.user == "alice"
+    assert parse_chat_request(chat | {"safety_identifier": "alice", "user": "bob"}).options.user == "bob"
+    assert parse_completion_request({"model": "m", "prompt": "x", "safety_identifier": "alice"}).options.user == "alice"
+    with pytest.raises(APIError, match="safety_identifier"):
+        parse_chat_request(chat | {"safety_identifier": 7})
+
+
 def test_completion_echo_and_prompt_logprobs():
     o = parse_completion_request({"model": "m", "prompt": [1, 2], "echo": True, "logprobs": 1, "max_tokens": 1}).options
     assert (o.echo, o.logprobs, o.prompt_logprobs) == (True, 1, None)
