@@ -4,7 +4,8 @@ A job runs on the version it resolved on arrival. A job that named no version (a
 `re_resolve` set) moves once, before any choice produced an output, so one answer never mixes versions
 and a stream never restarts: when the engine no longer holds its version (a push replaced it meanwhile),
 to the version serving now; when its version cannot load (a new stable version with a bad file), to the
-version the name's split falls back to (`ServedAdapters.mark_failed`). A job that pinned `name@version`,
+version the name's split falls back to (`ServedAdapters.mark_failed`); when its canary cannot load for now
+(a retryable failure), to the stable version, the split left as it is. A job that pinned `name@version`,
 one that moved already, and one with output are answered with the failure: also when a later choice, still
 queued while the earlier ones ran, finds the version gone (unloaded, or replaced by a push, once its last
 request finished), it fails the answer rather than running on the version serving now. A choice that
@@ -128,14 +129,23 @@ async def _re_resolve(job: CompletionJob, adapter: str | None, produced: Callabl
 def _fall_back(job: CompletionJob, exc: AdapterLoadError, adapters: ServedAdapters) -> bool:
     """Move a job that named no version, and whose version cannot load, to the version the name's split
     now points to (the one a new stable version was to replace), before it produced anything; False if
-    there is none. Once per job: resolving spends `re_resolve`, so a second failure is the answer."""
-    if exc.retryable or job.re_resolve is None:  # a retryable failure leaves the split as it is
+    there is none. Once per job: resolving spends `re_resolve`, so a second failure is the answer. A
+    retryable failure leaves the split as it is; but a canary's user is served by the stable version this
+    time (a canary must not answer 503 where the stable version would answer)."""
+    if job.re_resolve is None:
         return False
-    adapters.mark_failed(exc.key, exc.reason)
-    try:
-        key = job.re_resolve()
-    except APIError:  # nothing to fall back to (503), or the name is gone: the load failure is the answer
-        return False
+    if exc.retryable:
+        name, _, version = exc.key.partition("@")
+        served = adapters.get(name)
+        if served is None or version != served.split.canary or served.split.stable in served.errors:
+            return False
+        key = f"{name}@{served.split.stable}"
+    else:
+        adapters.mark_failed(exc.key, exc.reason)
+        try:
+            key = job.re_resolve()
+        except APIError:  # nothing to fall back to (503), or the name is gone: the load failure is the answer
+            return False
     if key == job.adapter:
         return False
     job.failed_over = job.adapter  # counted on that version too (a canary's failures must show on it)

@@ -191,3 +191,20 @@ async def test_a_choice_that_started_on_the_old_version_runs_again_on_the_new_on
     assert job.adapter == job.model == "sql@v2"
     assert sorted(engine.calls) == [("cmpl-1-0", "sql@v1"), ("cmpl-1-0r", "sql@v2"),
                                     ("cmpl-1-1", "sql@v1"), ("cmpl-1-1r", "sql@v2")]
+
+
+async def test_a_canary_user_whose_canary_cannot_load_for_now_is_served_by_the_stable_version():
+    """A retryable failure (e.g. every slot held by pinned adapters) leaves the split as it is, but the canary's
+    user is answered by the stable version rather than a 503 the stable version would not give."""
+    served, host = ServedAdapters("base"), SwitchingHost()
+    served.apply(state(1, SQL | {"canary": {"version": "v2", "uri": "/c/sql/v2"}, "canary_weight": 100}), host)
+    job = job_for(served, "sql")
+    assert job.adapter == "sql@v2"
+    engine = StandInEngine({"sql@v2"}, retryable=True)
+    assert sorted(await outputs(engine, job, served)) == ["sql@v1 cmpl-1-0r", "sql@v1 cmpl-1-1r"]
+    assert (job.adapter, job.failed_over) == ("sql@v1", "sql@v2")
+    assert served.resolve("sql", ACME, None) == "sql@v2"  # still the canary: the failure may pass
+    # A pinned request for the canary gets the failure.
+    pinned = job_for(served, "sql@v2")
+    with pytest.raises(AdapterLoadError):
+        await outputs(StandInEngine({"sql@v2"}, retryable=True), pinned, served)
