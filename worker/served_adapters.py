@@ -13,7 +13,8 @@ pressure evicted them (worker/adapter_warmth.py); a push without it unmarks them
 
 Running example: push gen 3 {sql: stable v1}, then gen 4 {sql: stable v1, canary v2 at 20 %}:
 v2 is registered beside v1 (not current), 20 % of users resolve to `sql@v2`; gen 5 {sql: stable v2}
-makes the registered v2 current without reloading it and retires v1; gen 6 without `sql`
+makes the registered v2 current without reloading it and retires v1 (once the new table is published; a
+v2 that never loaded, no user having reached it, is made current as a new stable version is, below); gen 6 without `sql`
 unregisters it, requests in flight finish on the version they hold.
 
 A new stable version that was never a canary (gen 7 {sql: stable v3}) replaces v2 in the engine only
@@ -201,22 +202,33 @@ class ServedAdapters:
             engine.configure_pool(eviction=state.eviction, cpu_bytes=state.cpu_bytes)
             self.settings = settings
         old_table = self._adapters
-        promoted: list[tuple[ServedAdapter, str]] = []  # canaries that become stable: switched once published
+        promoted: list[tuple[ServedAdapter, str, str | None]] = []  # canaries that become stable (and sha256)
         table = {d.name: self._register(d, old_table.get(d.name), engine, promoted) for d in state.adapters}
-        current = {a["name"]: a["version"] for a in engine.describe_adapters() if a.get("current")}
-        current |= {served.name: version for served, version in promoted}
+        held = engine.describe_adapters()
+        current = {a["name"]: a["version"] for a in held if a.get("current")}
+        loaded = {a["key"] for a in held if a.get("tier") in ("gpu", "cpu") and not a.get("error")}
+        # A promoted canary that has loaded switches at once; one that never did (no user reached it) is made
+        # current as a new stable version is, once it has loaded, the old one kept as the fallback meanwhile.
+        switch = [(s, v) for s, v, _ in promoted if f"{s.name}@{v}" in loaded]
+        current |= {served.name: version for served, version in switch}
         for name, served in table.items():
             if name in old_table:
                 self._keep_fallback(served, old_table[name], current.get(name))
         self._adapters = table
-        # A promoted canary switches only now: the switch retires the old stable version, which the table
-        # published until now still sends bare requests to (they would fail for the rest of the push).
-        for served, version in promoted:
+        # Only now: the switch retires the old stable version, which the table published until now still sends
+        # bare requests to (they would fail for the rest of the push).
+        for served, version, sha256 in promoted:
+            key = f"{served.name}@{version}"
             try:
-                engine.make_adapter_current(f"{served.name}@{version}")
-            except (ValueError, KeyError, RuntimeError) as exc:  # answered 503 with why, as a version that failed
+                if key in loaded:
+                    engine.make_adapter_current(key)
+                else:
+                    engine.register_adapter(served.name, local_source(served.sources[version]), version=version,
+                                            tenant=served.tenant, pinned=served.pinned, make_current=True,
+                                            sha256=sha256)
+            except (ValueError, KeyError, OSError, RuntimeError) as exc:  # answered 503 with why, as a failed version
                 served.errors[version] = str(exc) or type(exc).__name__
-                log.warning("adapter %s@%s cannot be made current: %s", served.name, version, exc)
+                log.warning("adapter %s cannot be made current: %s", key, exc)
         self.generation = state.generation
         self.startup_errors = {}  # the directives rule from now on: what the push failed is its own report
         for name, old in old_table.items():
@@ -231,7 +243,7 @@ class ServedAdapters:
         return True
 
     def _register(self, d: AdapterDirective, old: ServedAdapter | None, engine: AdapterHost,
-                  promoted: list[tuple[ServedAdapter, str]]) -> ServedAdapter:
+                  promoted: list[tuple[ServedAdapter, str, str | None]]) -> ServedAdapter:
         versions = {d.stable.version: d.stable.uri}
         digests = {d.stable.version: d.stable.sha256}  # the files must hash to it (None: not checked)
         if d.canary is not None:
@@ -262,7 +274,7 @@ class ServedAdapters:
                 if stable and demoted is not None:
                     engine.make_adapter_current(key)  # the old stable version retires (and comes back below)
                 elif is_promoted:
-                    promoted.append((served, version))  # switched once the new table is published
+                    promoted.append((served, version, digests[version]))  # switched once the table is published
                 engine.set_adapter_pinned(key, d.pinned)
                 engine.set_adapter_priority(key, d.priority)
                 engine.set_adapter_warm(key, d.warm)  # brought back after pressure evicted it, or no longer

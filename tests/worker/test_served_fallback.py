@@ -245,3 +245,23 @@ def test_a_promoted_canary_switches_only_once_the_push_is_published():
     (resolved, held), = seen
     assert resolved <= held, f"requests sent to {resolved - held}, which the engine no longer holds"
     assert picks(served) == {"sql@v2"} and host.current["sql"] == "sql@v2" and "sql@v1" not in host.keys
+
+
+def test_a_promoted_canary_that_never_loaded_replaces_the_stable_version_only_once_loaded():
+    """A canary no user reached (weight 0) is promoted: like a new stable version it becomes current once it
+    has loaded, v1 kept as the fallback meanwhile; if its load fails, bare requests go back to v1."""
+    host, served = SwitchingHost(), ServedAdapters("base")
+    served.apply(state(1, SQL | {"canary": {"version": "v2", "uri": "/c/sql/v2"}, "canary_weight": 0}), host)
+    host.keys["sql@v2"]["tier"] = "disk"  # registered, its files never read
+    served.apply(state(2, SQL_V2), host)
+    assert host.current["sql"] == "sql@v1" and host.pending["sql"] == "sql@v2"
+    assert picks(served) == {"sql@v2"} and served.get("sql").fallback == "v1"
+    served.mark_failed("sql@v2", "adapter_model.safetensors: truncated")
+    assert picks(served) == {"sql@v1"}
+
+    host, served = SwitchingHost(), ServedAdapters("base")  # the same, and its load succeeds
+    served.apply(state(1, SQL | {"canary": {"version": "v2", "uri": "/c/sql/v2"}, "canary_weight": 0}), host)
+    host.keys["sql@v2"]["tier"] = "disk"
+    served.apply(state(2, SQL_V2), host)
+    host.loaded("sql@v2")
+    assert host.current["sql"] == "sql@v2" and "sql@v1" not in host.keys and picks(served) == {"sql@v2"}
