@@ -1,7 +1,7 @@
 """LoRAAdapter and LoRAPool statuses, computed only from what workers report (never from what was sent).
 
-An adapter is Ready when every worker that should hold it GPU-resident reports its stable version at
-tier ``gpu`` without error, every ready worker has it registered, and every worker that reports its traffic
+An adapter is Ready when every worker that should hold it GPU-resident reports its stable version (and its
+canary, which a warm worker prefetches too) at tier ``gpu`` without error, every ready worker has it registered, and every worker that reports its traffic
 split sends the name's users as the spec says (an edit of the canary, its removal or promotion is Loading
 until applied; meanwhile stableVersion, canaryVersion and canaryWeight are the split the workers report). Conditions keep their
 ``lastTransitionTime`` until their status flips.
@@ -31,7 +31,7 @@ def adapter_status(a: AdapterSpec, live: list[WorkerIndex], warm_pods: list[str]
     its last valid spec, stays in force (phase Failed, yet the fields say what is really served)."""
     instances, errors = [], []
     versions_seen: set[str] = set()
-    registered = resident = canary_registered = 0
+    registered = resident = canary_registered = canary_resident = 0
     size = 0
     warm_set = set(warm_pods)
     for w in live:
@@ -48,6 +48,7 @@ def adapter_status(a: AdapterSpec, live: list[WorkerIndex], warm_pods: list[str]
                 resident += w.pod in warm_set and st.tier == "gpu"
             elif a.canary is not None and st.version == a.canary.version:
                 canary_registered += 1
+                canary_resident += w.pod in warm_set and st.tier == "gpu"  # a warm worker prefetches it too
     instances.sort(key=lambda i: (i["pod"], i["version"]))
     canary_version = a.canary.version if a.canary and canary_registered else None
     canary_weight = a.canary.weight if canary_version else 0
@@ -82,8 +83,8 @@ def adapter_status(a: AdapterSpec, live: list[WorkerIndex], warm_pods: list[str]
                 else f"spec.warm: {a.warm} asks for {requested} GPU-resident copies")
         msg = (f"{asks} but only {target} workers have room for its {adapter_size_text(a, live)} in their GPU "
                f"adapter pool; it is served on demand elsewhere")
-    elif (registered == len(live) and resident == target and (a.canary is None or canary_registered == len(live))
-          and not pending):
+    elif (registered == len(live) and resident == target and not pending
+          and (a.canary is None or (canary_registered == len(live) and canary_resident == target))):
         phase = "Ready"
         msg = (f"{a.version} GPU-resident on {resident}/{target} warm workers, registered on {registered}"
                if target else f"{a.version} on demand (warm: 0), registered on {registered} workers")
@@ -94,7 +95,8 @@ def adapter_status(a: AdapterSpec, live: list[WorkerIndex], warm_pods: list[str]
         msg = (f"{a.version}: registered on {registered}/{len(live)} workers, GPU-resident on "
                f"{resident}/{target} warm workers")
         if a.canary is not None:
-            msg += f"; canary {a.canary.version} registered on {canary_registered}/{len(live)}"
+            msg += (f"; canary {a.canary.version} registered on {canary_registered}/{len(live)}, GPU-resident on "
+                    f"{canary_resident}/{target} warm workers")
         if pending:
             msg += "; the traffic split is not applied yet on " + ", ".join(
                 f"{pod} ({_split_text(split)})" for pod, split in sorted(pending.items()))

@@ -1,7 +1,7 @@
 """A stager sidecar double that speaks the real HTTP contract on 127.0.0.1 (no engine behind it).
 
 It applies ``DesiredState`` pushes the way the contract says (bearer token, generation rules) and
-reports a ``ReportedState``: registered versions at tier ``disk``, warm ones at ``gpu``. A stable version
+reports a ``ReportedState``: registered versions at tier ``disk``, warm ones (a canary too) at ``gpu``. A stable version
 in ``unavailable`` (name, version) when a push is applied fails to stage, like a real stager's: reported
 at tier ``none`` with an error until a later push (a new generation) stages it again.
 ``restart()`` forgets everything, like a pod whose containers came back empty. ``stall``, while an unset
@@ -50,8 +50,8 @@ class FakeStager:
             else:
                 states.append(AdapterState(d.name, d.stable.version, "gpu" if d.warm else "disk",
                                            bytes=ADAPTER_BYTES, pinned=d.pinned))
-            if d.canary:
-                states.append(AdapterState(d.name, d.canary.version, "disk", bytes=ADAPTER_BYTES))
+            if d.canary:  # prefetched beside the stable version by a warm worker
+                states.append(AdapterState(d.name, d.canary.version, "gpu" if d.warm else "disk", bytes=ADAPTER_BYTES))
         return ReportedState(generation_applied=self.applied.generation if self.applied else 0, adapters=states,
                              pool_bytes=1 << 20, kv_usage=0.1)
 

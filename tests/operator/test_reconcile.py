@@ -53,8 +53,8 @@ def converge(p, adapters, ws, rounds=1, *, tier="gpu", bytes_of=None):
             for d in desired.adapters:
                 size = (bytes_of or {}).get(d.name, MB)
                 states.append(AdapterState(d.name, d.stable.version, tier if d.warm else "disk", bytes=size))
-                if d.canary:
-                    states.append(AdapterState(d.name, d.canary.version, "disk", bytes=size))
+                if d.canary:  # a warm worker prefetches the canary too
+                    states.append(AdapterState(d.name, d.canary.version, tier if d.warm else "disk", bytes=size))
             w.reported = ReportedState(generation_applied=desired.generation, adapters=states)
     return reconcile_pool(p, adapters, ws, now=NOW)
 
