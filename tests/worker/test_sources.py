@@ -288,6 +288,9 @@ async def test_a_store_sending_less_than_it_listed_is_a_store_failure_not_a_miss
     assert "adapter_config.json: the store sent 5 of the 8 bytes it listed" in answer.message
 
 
+DEADLINE_S = 5.0
+
+
 @pytest.mark.parametrize("sending", [True, False])
 async def test_a_download_past_its_deadline_is_the_version_s_timeout_unless_the_store_sent_nothing(
         aiohttp_server, tmp_path, sending):
@@ -310,14 +313,18 @@ async def test_a_download_past_its_deadline_is_the_version_s_timeout_unless_the_
         response = web.StreamResponse(headers={"Content-Length": str(len(objects[key]))})
         await response.prepare(request)
         with contextlib.suppress(ConnectionError):  # the client hangs up at its deadline
-            for _ in range(40):
+            for _ in range(int(DEADLINE_S / 0.05) + 40):  # past the deadline: 2 kB/s never brings 100 kB in time
+                if request.transport is None or request.transport.is_closing():
+                    break
                 if sending:
                     await response.write(b"w" * 100)
                 await asyncio.sleep(0.05)
         return response
 
     store = await aiohttp_server(_app([web.get("/adapters", _listing(objects)), web.get("/adapters/{key:.+}", get)]))
-    deadline = time.monotonic() + 0.6
+    # Long enough for the listing and the config on a loaded machine: each call before the body may wait
+    # a third of what is left (store_clients.py), and with 0.6 s a slow listing timed out as an outage.
+    deadline = time.monotonic() + DEADLINE_S
     with pytest.raises(Exception) as err:
         await asyncio.to_thread(_store_sources(store).download, "s3://adapters/team/alpha/", tmp_path / "staged",
                                 deadline=deadline)
