@@ -18,6 +18,7 @@ from .test_controller import KEY, Clock, pods_and_zeta, with_uid
 from .test_handlers import (  # noqa: F401  (fixtures)
     NS,
     POOL,
+    POOLS,
     TOKEN,
     adapter_body,
     cluster,
@@ -248,6 +249,10 @@ async def test_an_adapter_moved_off_an_invalid_pool_is_unloaded_from_its_pods(op
     await create(emulator, "loraadapters", adapter_body("chat"))
     await eventually(lambda: status(emulator, "chat")["phase"] == "Ready", "chat Ready")
     await patch(emulator, "lorapools", "main", {"metadata": {"generation": 2}, "spec": INVALID})
+    # Seen invalid before chat moves: else a pass of main still valid in the operator's index (under load)
+    # may push its pods their set without chat, which this test says an invalid pool does not do.
+    await eventually(lambda: emulator.objects[POOLS, NS, "main"]["status"]["observedGeneration"] == 2,
+                     "main's invalid spec seen")
     zeta = copy.deepcopy(POOL)
     zeta["metadata"]["name"] = "zeta"
     zeta["spec"]["workerSelector"] = {"matchLabels": {"gpu": "h200"}}
