@@ -45,6 +45,17 @@ class PrometheusServer(ChildServer):
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 60.0) -> None:
+        """Start, and wait until ready; on a fresh port when another process took the one picked (up to 3)."""
+        for attempt in range(3):
+            try:
+                return self._start(timeout)
+            except RuntimeError as exc:
+                if "address already in use" not in str(exc) or attempt == 2:
+                    raise
+                self.log_path.unlink(missing_ok=True)
+                self.port = free_port()
+
+    def _start(self, timeout: float) -> None:
         binary = prometheus_binary()
         if binary is None:
             raise RuntimeError("prometheus not found (make prometheus)")
