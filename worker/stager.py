@@ -72,7 +72,10 @@ def _keep_stable(old: AdapterDirective, a: AdapterDirective, local: dict[str, Ve
     """What to forward for `a` when its stable version could not be staged: the stable version forwarded
     until now, with the rest of this push, so that a push which also removes a bad canary or turns its
     weight to 0 (the kill switch) is not undone by a typo in its new stable version. The canary is this
-    push's, if it staged; owner, warm, pinned and priority are this push's."""
+    push's, if it staged; warm, pinned and priority are this push's. A name that changed owner keeps what
+    was forwarded, unchanged: its old weights must not go to the new owner."""
+    if old.tenant != a.tenant:
+        return old
     canary = local.get(a.canary.version) if a.canary is not None and a.canary.version != old.stable.version else None
     return AdapterDirective(a.name, a.tenant, old.stable, canary, a.canary_weight if canary else 0,
                             a.warm, a.pinned, a.priority)

@@ -11,8 +11,8 @@ GOOD, BAD = "s3://adapters/team/", "s3://elsewhere/team/"  # BAD: outside the al
 
 
 def push(generation: int, stable: tuple[str, str], canary: tuple[str, str] | None = None, weight: int = 0,
-         **flags) -> DesiredState:
-    a = {"name": "sql", "tenant": "acme", "stable": {"version": stable[0], "uri": f"{stable[1]}sql-{stable[0]}/"},
+         tenant: str = "acme", **flags) -> DesiredState:
+    a = {"name": "sql", "tenant": tenant, "stable": {"version": stable[0], "uri": f"{stable[1]}sql-{stable[0]}/"},
          **flags}
     if canary is not None:
         a |= {"canary": {"version": canary[0], "uri": f"{canary[1]}sql-{canary[0]}/"}, "canary_weight": weight}
@@ -44,3 +44,11 @@ async def test_a_push_that_drops_the_canary_and_names_a_stable_version_it_cannot
 
     await stager.apply(push(6, ("v3", BAD), ("v1", GOOD), 50))  # the canary is the stable version kept
     assert forwarded(stager) == ("v1", None, 0, False, False)
+
+
+async def test_a_name_that_changed_owner_does_not_give_the_new_owner_the_old_weights(tmp_path, monkeypatch):
+    stager = Stager(config(tmp_path))
+    FakeStore(stager, monkeypatch)
+    await stager.apply(push(1, ("v1", GOOD)))
+    await stager.apply(push(2, ("v9", BAD), tenant="globex"))  # now globex's, its version cannot be staged
+    assert stager.forwarded["sql"].tenant == "acme" and stager.forwarded["sql"].stable.version == "v1"
