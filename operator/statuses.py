@@ -58,13 +58,15 @@ def adapter_status(a: AdapterSpec, live: list[WorkerIndex], warm_pods: list[str]
         a.status.get("stableVersion") if a.status.get("stableVersion") in stable_seen else
         (stable_seen[0] if stable_seen else None))
     # Workers that send the name's users elsewhere than the spec says (a push not applied yet, or refused).
-    pending = {w.pod: split for w in live if (split := _split(w, a.name)) is not None and split != _wanted_split(a)}
+    reported = {w.pod: split for w in live if (split := _split(w, a.name)) is not None}
+    pending = {pod: _used(split) for pod, split in reported.items() if _used(split) != _wanted_split(a)}
     if pending:  # the fields say what is served: the workers' split when they agree on one, else no canary
         splits = {tuple(sorted(split.items())) for split in pending.values()}
         agreed = dict(splits.pop()) if len(splits) == 1 and len(pending) == len(live) else None
-        if agreed:  # the version the last status called stable, else the one most users go to
+        if agreed:  # the version the last status called stable (at 0 % under a 100 % canary), else the most used
             previous = a.status.get("stableVersion")
-            stable_version = previous if previous in agreed else max(agreed, key=lambda v: (agreed[v], v == a.version))
+            held = {v for split in reported.values() for v in split}
+            stable_version = previous if previous in held else max(agreed, key=lambda v: (agreed[v], v == a.version))
         others = sorted(v for v in (agreed or {}) if v != stable_version)
         canary_version = others[0] if len(others) == 1 else None
         canary_weight = agreed[canary_version] if canary_version else 0
@@ -126,10 +128,14 @@ def _wanted_split(a: AdapterSpec) -> dict[str, int]:
 
 
 def _split(w: WorkerIndex, name: str) -> dict[str, int] | None:
-    """The split worker ``w`` reports for ``name`` (shares above 0); None when it reports none (it does not
-    hold the name, or its sidecar does not report splits): nothing to compare."""
+    """The split worker ``w`` reports for ``name``, versions at 0 % included; None when it reports none (it
+    does not hold the name, or its sidecar does not report splits): nothing to compare."""
     states = [st for st in w.by_name.get(name, ()) if st.traffic_percent is not None and st.error is None]
-    return {st.version: st.traffic_percent for st in states if st.traffic_percent} if states else None
+    return {st.version: st.traffic_percent for st in states} if states else None
+
+
+def _used(split: dict[str, int]) -> dict[str, int]:
+    return {v: p for v, p in split.items() if p}
 
 
 def _split_text(split: dict[str, int]) -> str:

@@ -66,3 +66,10 @@ def test_workers_that_differ_leave_no_canary_claimed_and_one_without_splits_is_n
     quiet = [WorkerReport(w.pod, ReportedState(generation_applied=1, adapters=[
         AdapterState("a", s.version, "gpu", bytes=MB) for s in w.reported.adapters])) for w in ws]
     assert status({"canary": CANARY | {"weight": 50}}, quiet)["phase"] == "Ready"  # a sidecar without splits
+
+
+def test_a_canary_at_100_percent_is_still_the_canary_while_a_lower_weight_applies():
+    """Every user on the canary (v1 at 0 %): v1 is still the stable version the last status named."""
+    st = status({"canary": CANARY | {"weight": 50}}, serving(("v1", 0), ("v2", 100)), last={"stableVersion": "v1"})
+    assert (st["phase"], st["stableVersion"], st["canaryVersion"], st["canaryWeight"]) == ("Loading", "v1", "v2", 100)
+    assert canary_condition(st) == ("True", "canary v2 at 100%")
