@@ -260,6 +260,7 @@ class AdapterSpec:
     created: str = ""  # creationTimestamp: quota admission is first come, first served
     deleting: bool = False
     known_bytes: int = 0  # last size a worker reported (status.bytes): quota counts it once known
+    known_canary_bytes: int = 0  # the same for its canary version (status.canaryBytes of that version)
     status: dict[str, Any] = field(default_factory=dict)
     raw_spec: dict[str, Any] = field(default_factory=dict)  # as written; remembered once accepted
     last_valid: AdapterSpec | None = None  # from status.lastValidSpec: kept in force while an edit is invalid
@@ -317,9 +318,19 @@ class AdapterSpec:
             created=str(meta.get("creationTimestamp", "")),
             deleting=bool(meta.get("deletionTimestamp")),
             known_bytes=int(status.get("bytes", 0) or 0),
+            known_canary_bytes=_canary_bytes(status, canary),
             status=dict(status),
             raw_spec=dict(spec),
         )
+
+
+def _canary_bytes(status: dict[str, Any], canary: Canary | None) -> int:
+    """status.canaryBytes when it is of this canary version (else 0: not known)."""
+    remembered = status.get("canaryBytes")
+    if canary is None or not isinstance(remembered, dict) or remembered.get("version") != canary.version:
+        return 0
+    size = remembered.get("bytes")
+    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else 0
 
 
 def last_valid_spec(meta: dict[str, Any], status: dict[str, Any]) -> AdapterSpec | None:

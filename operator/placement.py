@@ -20,12 +20,17 @@ def spec_bytes(a: AdapterSpec, workers: list[WorkerIndex]) -> int:
     prefetches the canary beside the stable version, and pins both when pinned); a canary no worker has
     reported yet is taken to be the stable version's size. 0 while no size is known."""
 
-    def reported(version: str) -> list[int]:
-        return [s.bytes for x in workers for s in x.by_name.get(a.name, ()) if s.version == version]
+    stable = max([a.known_bytes, *(s.bytes for x in workers for s in x.by_name.get(a.name, ()) if s.version == a.version)])
+    return stable + canary_bytes(a, workers, default=stable)
 
-    stable = max([a.known_bytes, *reported(a.version)])
-    canary = 0 if a.canary is None else max(reported(a.canary.version), default=0) or stable
-    return stable + canary
+
+def canary_bytes(a: AdapterSpec, workers: list[WorkerIndex], *, default: int = 0) -> int:
+    """Bytes of ``a``'s canary version: the largest a worker reports now or reported before (status.canaryBytes,
+    kept after the workers dropped it); ``default`` while no size is known; 0 without a canary."""
+    if a.canary is None:
+        return 0
+    sizes = [s.bytes for x in workers for s in x.by_name.get(a.name, ()) if s.version == a.canary.version]
+    return max([a.known_canary_bytes, *sizes]) or default
 
 
 def adapter_bytes(a: AdapterSpec, workers: list[WorkerIndex]) -> int:

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from lorafleet.operator.crd_models import AdapterSpec, InvalidAdapter, PoolSpec
-from lorafleet.operator.placement import place_warm, spec_bytes, warm_count
+from lorafleet.operator.placement import canary_bytes, place_warm, spec_bytes, warm_count
 from lorafleet.operator.reports import WorkerIndex, WorkerReport
 from lorafleet.operator.statuses import adapter_status, pool_status, unserved_status
 from lorafleet.worker.directives import AdapterDirective, DesiredState, DirectiveError, VersionRef
@@ -157,6 +157,10 @@ def reconcile_pool(pool: PoolSpec | None, adapters: Sequence[AdapterSpec | Inval
                                 failure=failure)
         if failure is None:
             status["lastValidSpec"] = a.spec_json
+        # The canary's size is remembered: once workers dropped a canary over the quota, none reports it.
+        wanted = x if isinstance(x, AdapterSpec) and x.canary is not None else a
+        if wanted.canary is not None and (size := canary_bytes(wanted, live)):
+            status["canaryBytes"] = {"version": wanted.canary.version, "bytes": size}
         plan.adapter_statuses[x.name] = status
     if pool is None:
         plan.draining = [w.pod for w in live if w.by_name] + [w.pod for w in workers if _may_hold(w)] + plan.releasing
@@ -197,10 +201,15 @@ def admit(pool: PoolSpec | None, adapters: Sequence[AdapterSpec | InvalidAdapter
             held = dataclasses.replace(a, canary=None)
         if held is not None:
             served[name] = held
-    if any(name in served for name in refused):
+    for _ in range(2):  # a spec held that is over the quota too: without its canary, then not at all
         for name, msg in over_quota(pool, list(served.values()), workers).items():
-            del served[name]
             failures.setdefault(name, msg)
+            a = served.pop(name)
+            if a.canary is not None:
+                served[name] = dataclasses.replace(a, canary=None)
+    for name, msg in over_quota(pool, list(served.values()), workers).items():
+        del served[name]
+        failures.setdefault(name, msg)
     return served, failures
 
 

@@ -240,3 +240,18 @@ def test_the_byte_quota_counts_the_canary_and_a_canary_over_it_leaves_the_stable
     # Another adapter of the tenant is not refused for the canary that is not served.
     other = parse_adapter(body("b", created="2026-01-01T00:00:01Z", status={"bytes": 2**20}))
     assert reconcile_pool(q, [canary, other], ws, now=NOW).adapter_statuses["b"]["phase"] != "Failed"
+    assert st["canaryBytes"] == {"version": "v2", "bytes": 400 * 2**20}
+
+    # The workers dropped v2 and report it no more: its remembered size keeps it out (no flapping back in).
+    for w in ws:
+        w.reported = ReportedState(generation_applied=plan.desired[w.pod].generation, adapters=[
+            AdapterState("a", "v1", "gpu", bytes=6 * 2**20)])
+    again = parse_adapter(body(status=st, generation=4, canary=CANARY))
+    plan = reconcile_pool(q, [again], ws, now=NOW)
+    assert served(plan, "a") == dict.fromkeys(("w0", "w1"), ("v1", None, True))
+    assert plan.adapter_statuses["a"]["canaryBytes"] == {"version": "v2", "bytes": 400 * 2**20}
+    # An edit meanwhile (the weight) is refused as well, its last valid spec served without the canary.
+    edited = parse_adapter(body(status=st, generation=5, canary=CANARY | {"weight": 30}))
+    plan = reconcile_pool(q, [edited], ws, now=NOW)
+    assert served(plan, "a") == dict.fromkeys(("w0", "w1"), ("v1", None, True))
+    assert plan.adapter_statuses["a"]["phase"] == "Failed"
