@@ -137,7 +137,8 @@ def _fall_back(job: CompletionJob, exc: AdapterLoadError, adapters: ServedAdapte
     if exc.retryable:
         name, _, version = exc.key.partition("@")
         served = adapters.get(name)
-        if served is None or version != served.split.canary or served.split.stable in served.errors:
+        if (served is None or version != served.split.canary or served.split.stable in served.errors
+                or not job.tenant.may_use(name, served.tenant)):  # the name may have changed owner meanwhile
             return False
         key = f"{name}@{served.split.stable}"
     else:

@@ -226,9 +226,9 @@ class ServedAdapters:
                     engine.register_adapter(served.name, local_source(served.sources[version]), version=version,
                                             tenant=served.tenant, pinned=served.pinned, make_current=True,
                                             sha256=sha256)
-            except (ValueError, KeyError, OSError, RuntimeError) as exc:  # answered 503 with why, as a failed version
-                served.errors[version] = str(exc) or type(exc).__name__
-                log.warning("adapter %s cannot be made current: %s", key, exc)
+            except (ValueError, KeyError, OSError, RuntimeError) as exc:  # as a version that failed to load:
+                log.warning("adapter %s cannot be made current: %s", key, exc)  # back to the fallback, if any
+                self.mark_failed(key, str(exc) or type(exc).__name__)
         self.generation = state.generation
         self.startup_errors = {}  # the directives rule from now on: what the push failed is its own report
         for name, old in old_table.items():

@@ -208,3 +208,14 @@ async def test_a_canary_user_whose_canary_cannot_load_for_now_is_served_by_the_s
     pinned = job_for(served, "sql@v2")
     with pytest.raises(AdapterLoadError):
         await outputs(StandInEngine({"sql@v2"}, retryable=True), pinned, served)
+
+
+async def test_no_move_to_the_stable_version_of_a_name_that_changed_owner_meanwhile():
+    served, host = ServedAdapters("base"), SwitchingHost()
+    canary = {"canary": {"version": "v2", "uri": "/c/sql/v2"}, "canary_weight": 100}
+    served.apply(state(1, SQL | canary), host)
+    job = job_for(served, "sql")
+    served.apply(state(2, SQL | canary | {"tenant": "globex"}), host)  # now globex's
+    with pytest.raises(AdapterLoadError):
+        await outputs(StandInEngine({"sql@v2"}, retryable=True), job, served)
+    assert job.adapter == "sql@v2"

@@ -265,3 +265,13 @@ def test_a_promoted_canary_that_never_loaded_replaces_the_stable_version_only_on
     served.apply(state(2, SQL_V2), host)
     host.loaded("sql@v2")
     assert host.current["sql"] == "sql@v2" and "sql@v1" not in host.keys and picks(served) == {"sql@v2"}
+
+
+def test_a_promoted_canary_that_cannot_be_registered_as_current_sends_requests_back_to_the_old_version():
+    host, served = SwitchingHost(), ServedAdapters("base")
+    served.apply(state(1, SQL | {"canary": {"version": "v2", "uri": "/c/sql/v2"}, "canary_weight": 0}), host)
+    host.keys["sql@v2"]["tier"] = "disk"
+    host.failing = {"/c/sql/v2"}  # e.g. its files changed under it: the digest no longer matches
+    served.apply(state(2, SQL_V2), host)
+    assert host.current["sql"] == "sql@v1" and picks(served) == {"sql@v1"}
+    assert "corrupt" in served.get("sql").errors["v2"]
