@@ -54,7 +54,7 @@ from lorafleet.operator.ownership import invalid_pool_claim
 from lorafleet.operator.prometheus import PrometheusClient
 from lorafleet.operator.prometheus_allowlist import PrometheusAllowlist
 from lorafleet.operator.scaler import PoolScaler
-from lorafleet.operator.statuses import invalid_pool_status
+from lorafleet.operator.statuses import invalid_pool_status, with_ready_note
 from lorafleet.operator.timer_tasks import TimerTasks
 from lorafleet.operator.worker_trust import WorkerTrust, slim_replicaset, trusted_pods
 from lorafleet.operator.workers import StagerClient
@@ -216,8 +216,9 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
             patch.status.update(status_changes(dict(status), merge_conditions(dict(status), wanted)))
             raise kopf.PermanentError(str(exc)) from None
         plan = await run_pass(namespace, name, kwargs, max_age=max_age)
+        wanted = with_ready_note(plan.pool_status, trust.left_out((namespace, name)))
         # Merged into the live conditions: the plan's pool body may predate the autoscaler's last write.
-        patch.status.update(status_changes(dict(status), merge_conditions(dict(status), plan.pool_status)))
+        patch.status.update(status_changes(dict(status), merge_conditions(dict(status), wanted)))
 
     @kopf.on.create(*res_pools, registry=registry)
     @kopf.on.update(*res_pools, field="spec", registry=registry)

@@ -216,6 +216,15 @@ def pool_status(pool: PoolSpec, num_adapters: int, workers: list[WorkerReport], 
     return status
 
 
+def with_ready_note(status: dict[str, Any], note: str | None) -> dict[str, Any]:
+    """A pool status (``pool_status``'s) with ``note`` added to its Ready condition's message; as it is without."""
+    if not note or not status.get("conditions"):
+        return status
+    conditions = [{**c, "message": f"{c['message']}; {note}"} if c.get("type") == "Ready" else c
+                  for c in status["conditions"]]
+    return {**status, "conditions": conditions}
+
+
 def invalid_pool_status(status: dict[str, Any], generation: int, message: str, *, now: str,
                         held: list[str] | tuple[str, ...] = (), shared_pods: dict[str, str] | None = None
                         ) -> dict[str, Any]:

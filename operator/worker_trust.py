@@ -101,6 +101,7 @@ class WorkerTrust:
 
     def __init__(self) -> None:
         self._skipped: dict[PoolKey, set[tuple[str, str]]] = {}  # (pod, uid) left out at the last pass
+        self._reasons: dict[PoolKey, tuple[str, dict[str, str], bool]] = {}  # (deployment, pod -> why, RS seen)
         self._open: set[PoolKey] = set()  # pools that name no Deployment, as logged
 
     def admit(
@@ -114,9 +115,10 @@ class WorkerTrust:
         body = next(iter(pools), None)
         if body is None:
             return []
-        pods = list(pods)
+        pods, replicasets = list(pods), list(replicasets)
         trusted, skipped = trusted_pods(body, pods, replicasets)
         deployment = worker_deployment(body)
+        self._reasons[key] = (deployment or "", skipped, bool(replicasets))
         if deployment is None and key not in self._open:
             self._open.add(key)
             log.warning(
@@ -146,11 +148,26 @@ class WorkerTrust:
         self._skipped[key] = now
         return trusted
 
+    def left_out(self, key: PoolKey) -> str | None:
+        """For the pool's Ready condition: the pods its selector matches that its last pass left out, and why;
+        None when there are none."""
+        deployment, skipped, replicasets_seen = self._reasons.get(key, ("", {}, True))
+        if not skipped:
+            return None
+        pods = ", ".join(f"{pod} ({why})" for pod, why in sorted(skipped.items()))
+        text = (f"spec.workerSelector also matches pods that are no ReplicaSet's of Deployment {deployment!r} "
+                f"(spec.workerDeployment), sent nothing: {pods}")
+        if not replicasets_seen:
+            text += ("; the operator sees no ReplicaSet in this namespace: its role needs get, list and watch "
+                     "on apps/replicasets")
+        return text
+
     def forget(self, key: PoolKey) -> None:
         self._skipped.pop(key, None)
+        self._reasons.pop(key, None)
         self._open.discard(key)
 
     def retain(self, keys: set[PoolKey]) -> None:
         """Keep the memory of these pools only (the live ones)."""
-        for key in (set(self._skipped) | self._open) - keys:
+        for key in (set(self._skipped) | set(self._reasons) | self._open) - keys:
             self.forget(key)

@@ -18,6 +18,7 @@ from .test_deployments import controlled_by, create_replicaset
 from .test_handlers import (  # noqa: F401  (fixtures)
     NS,
     POOL,
+    POOLS,
     TOKEN,
     adapter_body,
     cluster,
@@ -171,6 +172,23 @@ def test_each_pod_left_out_is_logged_once(caplog):
     assert trust.admit(KEY, [], pods, REPLICASETS) == []  # no pool, no pod to reach
 
 
+def test_the_pods_left_out_are_named_for_the_pool_status_with_a_hint_when_no_replicaset_is_seen():
+    trust, body = WorkerTrust(), pool(workerDeployment="workers")
+    trust.admit(KEY, [body], [pod("w-1", rs_ref("workers-1")), pod("rogue")], REPLICASETS)
+    assert trust.left_out(KEY) == ("spec.workerSelector also matches pods that are no ReplicaSet's of Deployment "
+                                   "'workers' (spec.workerDeployment), sent nothing: rogue (none)")
+    # An operator whose role may not list ReplicaSets (an upgrade without the chart's new rule) sees none.
+    assert trust.admit(KEY, [body], [pod("w-1", rs_ref("workers-1"))], []) == []
+    assert trust.left_out(KEY).endswith("w-1 (ReplicaSet 'workers-1', not known under uid 'uid-workers-1'); the "
+                                        "operator sees no ReplicaSet in this namespace: its role needs get, list "
+                                        "and watch on apps/replicasets")
+    trust.admit(KEY, [body], [pod("w-1", rs_ref("workers-1"))], REPLICASETS)
+    assert trust.left_out(KEY) is None
+    trust.admit(KEY, [body], [pod("rogue")], REPLICASETS)
+    trust.retain(set())
+    assert trust.left_out(KEY) is None
+
+
 def test_a_pool_naming_no_deployment_is_logged_once(caplog):
     caplog.set_level(logging.WARNING, logger="lorafleet.operator.worker_trust")
     trust, pods = WorkerTrust(), [pod("rogue")]
@@ -207,6 +225,8 @@ async def test_a_pod_with_the_workers_labels_only_is_sent_nothing(cluster, caplo
         await _sql_served_by_worker_0(emulator)
         await eventually(lambda: worker.reads >= 5, "several passes of the pool")
     assert rogue.reads == 0 and rogue.pushes == [] and rogue.tokens == []
+    ready = next(c for c in emulator.objects[POOLS, NS, "main"]["status"]["conditions"] if c["type"] == "Ready")
+    assert ready["status"] == "True" and "sent nothing: rogue (" in ready["message"], ready
     skipped = [r.getMessage() for r in caplog.records if "pod rogue" in r.getMessage()]
     assert len(skipped) == 1 and "no ReplicaSet of Deployment 'workers'" in skipped[0]
 
