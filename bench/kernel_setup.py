@@ -174,8 +174,9 @@ class LoRALayer:
             lora_expand_reference(xa=xa, layout=self.layout, layer=0, proj_ids=proj_ids, batch=self.batch, y=y, out_slices=sl)
 
     def loop(self) -> None:
-        """The naive baseline: one small matmul chain per adapter and projection."""
-        for slot in self.batch.seg_slots.tolist():
+        """The naive baseline: one small matmul chain per adapter and projection (each adapter once, however
+        many segments its tokens take)."""
+        for slot in sorted(set(self.batch.seg_slots.tolist()) - {-1}):
             idx = (self.slots == slot).nonzero().squeeze(1)
             for (proj_ids, _), x, y, sl in zip(GROUPS, self.xs, self.ys, self.slices, strict=True):
                 xs = x[idx]
