@@ -58,6 +58,16 @@ def _check_common(name: str, layout: LoRALayout, layer: int, proj_ids: list[int]
             raise ValueError(f"{name}: {label} is on {t.device}, the activations on {device}")
 
 
+def _check_widths(name: str, layout: LoRALayout, proj_ids: list[int], widths: list[int], *, side: int) -> None:
+    """Where the layout records its projections' widths (the adapter pool's does): each of `widths` must be
+    projection proj_ids[i]'s in (side 0) or out (side 1) features."""
+    if layout.widths is None:
+        return
+    expected = [layout.widths[p][side] for p in proj_ids]
+    if list(widths) != expected:
+        raise ValueError(f"{name} {list(widths)} are not the adapters' {expected} for projections {proj_ids}")
+
+
 def shrink_buffer(*, x: Tensor, proj_ids: list[int], batch: LoRABatch, backend: str = "auto") -> Tensor:
     """An uninitialised float32 [S, P, T, R] output for `lora_shrink` (R = batch.max_rank, at least 1).
 
@@ -93,8 +103,9 @@ def lora_shrink(*, x: Tensor, layout: LoRALayout, layer: int, proj_ids: list[int
 
     Semantics: sum_s out[s, i, t, j] = sum_k x[t, k] * A[slot(t), layer, proj_ids[i]][j, k] for j < rank, every t with slot(t) >= 0.
 
-    x: [T, K] model dtype (the pool's), last dim contiguous. layout: `LoRALayout` (A rows of K elements: the
-    layout does not record K, so matching it is the caller's contract; a wrong K reads the wrong pool elements).
+    x: [T, K] model dtype (the pool's), last dim contiguous. layout: `LoRALayout` (A rows of K elements: a
+    layout that records its widths refuses another K; one that does not leaves it to the caller, as a wrong K
+    reads the wrong pool elements).
     layer: int. proj_ids: list of P ints in [0, 7) (ids into PROJS). batch: `LoRABatch` over the T tokens.
     out: float32 [S, P, T, R] with S >= 1 partial sums over K and R >= batch.max_rank, contiguous
     (`shrink_buffer` makes one; a [P, T, R] buffer is one split, which leaves the GPU less parallel). Entries past a slot's rank, of tokens without a slot, or of a module
@@ -103,6 +114,7 @@ def lora_shrink(*, x: Tensor, layout: LoRALayout, layer: int, proj_ids: list[int
     _check_common("lora_shrink", layout, layer, proj_ids, batch, x.device)
     if x.dim() != 2 or x.shape[0] != batch.num_tokens or x.stride(1) != 1:
         raise ValueError(f"lora_shrink: x must be [T={batch.num_tokens}, K] with a contiguous last dim, got {tuple(x.shape)} strides {x.stride()}")
+    _check_widths("lora_shrink: x's K", layout, proj_ids, [x.shape[1]] * len(proj_ids), side=0)
     if x.dtype != layout.pool.dtype:
         raise ValueError(f"lora_shrink: x is {x.dtype}, the adapter pool {layout.pool.dtype}; they must match")
     out = _as_splits("lora_shrink: out", out, len(proj_ids), batch)
@@ -168,6 +180,7 @@ def lora_expand(
     if xa.device != y.device:
         raise ValueError(f"lora_expand: xa is on {xa.device}, y on {y.device}")
     slices = output_slices(out_offsets, num, y.shape[1])
+    _check_widths("lora_expand: the output slices' widths", layout, proj_ids, [n for _, n in slices], side=1)
     if not accumulate and batch.max_rank == 0:  # no slot adapts anything: the delta is zeros (the kernels launch nothing)
         for start, n in slices:
             y[:, start : start + n].index_fill_(0, batch.sorted_token_ids.long(), 0)
@@ -216,6 +229,7 @@ def lora_silu_mul(*, gate_up: Tensor, xa: Tensor, layout: LoRALayout, layer: int
         raise ValueError(f"lora_silu_mul: gate_up must be contiguous [T={num_tokens}, 2 * I] and out [T, I], got {tuple(gate_up.shape)} and {tuple(out.shape)}")
     if out.shape[0] != num_tokens or out.stride(1) != 1:
         raise ValueError(f"lora_silu_mul: out must be [T={num_tokens}, I] with a contiguous last dim, got {tuple(out.shape)} strides {out.stride()}")
+    _check_widths("lora_silu_mul: I", layout, [GATE, UP], [inter, inter], side=1)
     if gate_up.dtype != layout.pool.dtype or out.dtype != layout.pool.dtype:
         raise ValueError(f"lora_silu_mul: gate_up {gate_up.dtype} and out {out.dtype} must be the adapter pool's {layout.pool.dtype}")
     xa = _as_splits("lora_silu_mul: xa", xa, 2, batch)

@@ -37,6 +37,9 @@ class LoRALayout:
     a_offsets: Tensor  # int64 [num_layers, 7, max_slots, max_rank]: element offset of A row j
     b_offsets: Tensor  # int64 [num_layers, 7, max_slots, max_rank]: element offset of B^T row j
     row_align: int = 1  # every row offset is a multiple of this (a power of two); lets kernels vectorize loads
+    # (in, out) features of each projection, by proj id: the launchers refuse activations of other widths (an A
+    # row read with the wrong K reads the wrong pool elements). None: not recorded, the caller's contract.
+    widths: tuple[tuple[int, int], ...] | None = None
 
     def __post_init__(self) -> None:
         if self.pool.dim() != 2 or not self.pool.is_contiguous():
@@ -62,6 +65,10 @@ class LoRALayout:
             raise ValueError(f"LoRALayout.pool must hold the model's floating dtype, got {self.pool.dtype}")
         if self.b_offsets.shape != self.a_offsets.shape:
             raise ValueError(f"LoRALayout.a_offsets and b_offsets must have one shape, got {tuple(self.a_offsets.shape)} and {tuple(self.b_offsets.shape)}")
+        if self.widths is not None:
+            self.widths = tuple((int(k), int(n)) for k, n in self.widths)
+            if len(self.widths) != NUM_PROJS or any(k <= 0 or n <= 0 for k, n in self.widths):
+                raise ValueError(f"LoRALayout.widths must be {NUM_PROJS} positive (in, out) pairs, got {self.widths}")
         devices = {t.device for t in (self.pool, self.ranks, self.scales, self.a_offsets, self.b_offsets)}
         if len(devices) != 1:
             raise ValueError(f"LoRALayout's tensors must share one device, got {sorted(map(str, devices))}")

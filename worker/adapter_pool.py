@@ -32,7 +32,7 @@ from dataclasses import replace
 
 import torch
 
-from lorafleet.kernels.lora_layout import NUM_PROJS, LoRALayout
+from lorafleet.kernels.lora_layout import NUM_PROJS, PROJS, LoRALayout
 from lorafleet.worker.adapter_entry import AdapterEntry, AdapterLoadError, AdapterNotFoundError
 from lorafleet.worker.adapter_image import ModelDims
 from lorafleet.worker.adapter_loading import AdapterLoading, limit_cpu_threads
@@ -70,6 +70,7 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
             a_offsets=torch.zeros(*shape, config.max_rank, dtype=torch.int64, device=self.device),
             b_offsets=torch.zeros(*shape, config.max_rank, dtype=torch.int64, device=self.device),
             row_align=dims.row_align(page_pool.page_elems),
+            widths=tuple(dims.in_out(p) for p in PROJS),
         )
         # Optionally bound the CPU threads a loader's torch ops fan out to (GPU workers only).
         cpu_threads = config.loader_cpu_threads if self._cuda else None

@@ -111,3 +111,21 @@ def test_triton_on_cpu_needs_the_interpreter(gen, monkeypatch):
     with pytest.raises(ValueError, match="needs CUDA tensors"):
         lora_shrink(x=x, layout=layout, layer=0, proj_ids=[0], batch=batch, out=torch.zeros(1, 1, 3, 4), backend="triton")
     lora_delta(x=x, layout=layout, layer=0, proj_ids=[0], batch=batch, y=torch.zeros(3, 16), out_offsets=[0], backend="auto")  # auto: the reference
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_layout_recording_its_widths_refuses_activations_of_other_widths(backend, gen):
+    """The adapter pool's layout records each projection's (in, out) features: an x of another K (which would
+    read A rows at the wrong pool elements) or an output slice of another width is refused, naming both."""
+    layout, batch = _case(gen)
+    layout = dataclasses.replace(layout, widths=((64, 48), (64, 16), (64, 16), (48, 64), (64, 96), (64, 96), (96, 64)))
+    out = torch.zeros(1, 2, 3, 4)
+    lora_shrink(x=torch.randn(3, 64), layout=layout, layer=0, proj_ids=[0, 1], batch=batch, out=out, backend=backend)
+    with pytest.raises(ValueError, match=r"x's K \[63, 63\] are not the adapters' \[64, 64\] for projections \[0, 1\]"):
+        lora_shrink(x=torch.randn(3, 63), layout=layout, layer=0, proj_ids=[0, 1], batch=batch, out=out, backend=backend)
+    y = torch.zeros(3, 64)
+    lora_expand(xa=out, layout=layout, layer=0, proj_ids=[0, 1], batch=batch, y=y, out_offsets=[0, 48], backend=backend)
+    with pytest.raises(ValueError, match=r"slices' widths \[40, 24\] are not the adapters' \[48, 16\]"):
+        lora_expand(xa=out, layout=layout, layer=0, proj_ids=[0, 1], batch=batch, y=y, out_offsets=[0, 40], backend=backend)
+    with pytest.raises(ValueError, match="7 positive"):
+        dataclasses.replace(layout, widths=((64, 48),))

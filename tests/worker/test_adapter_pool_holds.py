@@ -175,3 +175,14 @@ def test_kv_held_pages_reads_the_pinned_versions_only(adapter_pages):
     finally:
         pool._entries = dict(pool._entries)
         pool.close()
+
+
+def test_the_pool_layout_records_each_projection_s_widths():
+    """So the LoRA launchers refuse activations of other widths (kernels/lora.py `_check_widths`)."""
+    from lorafleet.kernels.lora_layout import PROJS
+
+    pool = make_pool()
+    try:
+        assert pool.layout.widths == tuple(TINY_DIMS.in_out(p) for p in PROJS)
+    finally:
+        pool.close()
