@@ -68,6 +68,10 @@ def _decode_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
+    """One program per (sequence b, KV head, context split): the GROUP query heads sharing that KV head
+    against the split's pages of the sequence's block table. q [B, Hq, D]; kc, vc [pages, PAGE, Hkv, D]
+    (strides per page, offset, head); tables int32 [B, max_pages]; lens int32 [B]. Writes the split's
+    unnormalised output and (max, sum) for the merge kernel. Meaning: kernels/attention.py."""
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -149,6 +153,10 @@ def _prefill_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
+    """One program per (BLOCK_M query rows, query head, sequence b): causal attention of the sequence's new
+    queries over its cached context and itself, read through its block table. q, out [T, Hq, D] (the
+    sequences' queries packed, qsl int32 [B+1] their starts); kc, vc [pages, PAGE, Hkv, D]; tables int32
+    [B, max_pages]; lens int32 [B] (context + new tokens). Meaning: kernels/attention.py."""
     m0 = tl.program_id(0) * BLOCK_M
     h = tl.program_id(1)
     b = tl.program_id(2)

@@ -219,7 +219,8 @@ def lora_silu_mul(*, gate_up: Tensor, xa: Tensor, layout: LoRALayout, layer: int
 
     gate_up: [T, 2 * I] model dtype, contiguous (the base GEMM's output, gate columns first). xa: float32
     [S, 2, T, R], R >= batch.max_rank: `lora_shrink`'s partial sums for proj_ids [4, 5] (gate, up). out: [T, I]
-    model dtype, last dim contiguous. layer: int. batch: `LoRABatch` over the T tokens, ranks up to 128 on Triton.
+    model dtype, last dim contiguous. layout: `LoRALayout` (its widths, where recorded, must give I). layer: int.
+    batch: `LoRABatch` over the T tokens, ranks up to 128 on Triton. backend: "auto", "reference" or "triton".
     """
     from lorafleet.kernels.lora_act import GATE, UP, silu_mul_lora_reference, silu_mul_lora_triton
 

@@ -60,6 +60,9 @@ def silu_mul_lora_kernel(
     ALIGN: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
+    """One program per (segment, column range of I): the gate and up deltas of the tile from xa and the slot's
+    B^T rows, added to gate_up's two halves, then silu(gate) * up written to out; the deltas are never
+    stored. Launcher: silu_mul_lora_triton; meaning: kernels/lora.py lora_silu_mul."""
     seg = tl.program_id(0)
     n_lo = tl.program_id(1) * cols_per_program
     n_hi = tl.minimum(n_lo + cols_per_program, inter)

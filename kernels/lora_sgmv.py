@@ -77,6 +77,9 @@ def shrink_kernel(
     UPCAST: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    """One program per (segment, chunks of (projection, A rank rows), K split): the segment's tokens of x
+    times the slot's A rows (true rank only), one float32 partial sum per split into out[split, p, t, :rank]. Launcher:
+    lora_triton.lora_shrink_triton; meaning: kernels/lora.py lora_shrink."""
     seg = tl.program_id(0)
     split = tl.program_id(2)
     # Round trip 1: independent metadata (in _shrink_rows, the program's projections).
@@ -207,6 +210,9 @@ def expand_kernel(
     PDL: tl.constexpr,
     ACCUMULATE: tl.constexpr,  # 1: y += delta; 0: y = delta (zeros where the slot does not adapt the module)
 ):
+    """One program per (segment, projection, column range of its slice): the K splits of xa summed, times the
+    slot's B^T rows (true rank) and scale, added into (or written to) y's columns of that range. Launcher:
+    lora_triton.lora_expand_triton; meaning: kernels/lora.py lora_expand."""
     seg = tl.program_id(0)
     i = tl.program_id(1)
     c = tl.program_id(2)
