@@ -226,4 +226,4 @@ async def test_stopping_during_a_pass_that_waits_on_a_slow_server_ends_the_pass(
             release.set()
     messages = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert not [m for m in messages if "did not exit in time" in m]
-    assert took < 3.0, f"the operator took {took:.1f} s to stop"
+    assert took < 4.5, f"the operator took {took:.1f} s to stop"  # an orphaned timer held it 5 s or more
