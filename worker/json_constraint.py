@@ -120,7 +120,7 @@ def _step(mode: str, stack: str, c: int) -> JsonState | None:
         if c in _ESCAPES:
             return base, stack
         return (base + "_u4", stack) if c == 0x75 else None  # 'u'
-    if mode.startswith(("str_", "key_")):  # inside a \uXXXX escape
+    if mode.startswith(("str_", "key_")):  # inside a \u escape (four hex digits)
         nxt = _unicode_escape(mode, c)
         return None if nxt is None else (nxt, stack)
     if mode == "start":
@@ -154,7 +154,7 @@ def _step(mode: str, stack: str, c: int) -> JsonState | None:
 
 
 def _unicode_escape(mode: str, c: int) -> str | None:
-    """The mode after byte `c` inside a \\uXXXX escape of a string or key. A surrogate (D800-DFFF) is only
+    """The mode after byte `c` inside a \\u escape (four hex digits) of a string or key. A surrogate (D800-DFFF) is only
     valid as a pair, a high one then an escaped low one: a lone surrogate is not text, and strict parsers
     (serde_json, Go's encoding/json replaces it) refuse or mangle it. Modes: `_u<n>` n hex digits left,
     `_ud` a D was read, `_h<n>` digits left of a high surrogate, `_hi` its pair's backslash next, `_hiu` its
