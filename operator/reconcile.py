@@ -189,27 +189,16 @@ def admit(pool: PoolSpec | None, adapters: Sequence[AdapterSpec | InvalidAdapter
         held = _fallback(pool, x)
         if held is not None:
             served[x.name] = held
-    refused = over_quota(pool, list(served.values()), workers)
-    for name, msg in refused.items():
-        failures.setdefault(name, msg)
-        # An edit refused by the quota (moved to a full tenant, grown): the last valid spec, if it still
-        # fits, stays in force like after any refused edit; else, when a canary is what does not fit (its
-        # size known once a worker staged it), the stable version alone.
-        a = served.pop(name)
-        held = _fallback(pool, a)
-        if held is None and a.canary is not None:
-            held = dataclasses.replace(a, canary=None)
-        if held is not None:
-            served[name] = held
-    for _ in range(2):  # a spec held that is over the quota too: without its canary, then not at all
-        for name, msg in over_quota(pool, list(served.values()), workers).items():
+    # A spec over the quota steps down until it fits: an edit (moved to a full tenant, grown) to its last valid
+    # spec, like after any refused edit; a spec with a canary (its size known once a worker staged it) to its
+    # stable version alone; else it is not served. Each name steps down at most three times.
+    while refused := over_quota(pool, list(served.values()), workers):
+        for name, msg in refused.items():
             failures.setdefault(name, msg)
             a = served.pop(name)
-            if a.canary is not None:
-                served[name] = dataclasses.replace(a, canary=None)
-    for name, msg in over_quota(pool, list(served.values()), workers).items():
-        del served[name]
-        failures.setdefault(name, msg)
+            lighter = _fallback(pool, a) or (dataclasses.replace(a, canary=None) if a.canary is not None else None)
+            if lighter is not None:
+                served[name] = lighter
     return served, failures
 
 
