@@ -1,6 +1,8 @@
 """What the test servers (`S3Server`, `PrometheusServer`) share: one child process started by the test,
 its output in a log file, and a `stop()` that always reaches the PID it started (TERM, then KILL after
-`stop_grace_s`; with `own_session`, KILL goes to the child's process group). A context manager."""
+`stop_grace_s`; with `own_session`, KILL goes to the child's process group). A context manager. A first
+start whose port another process took meanwhile (free_port only picked it) starts again on fresh ports; a
+restart keeps its ports (clients know them)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,10 @@ import subprocess
 from pathlib import Path
 
 
+class PortTaken(RuntimeError):
+    """The child could not bind a port it was given."""
+
+
 class ChildServer:
     stop_grace_s = 5.0
     own_session = False  # the child runs in its own session: KILL its whole group (helpers it spawned)
@@ -17,6 +23,29 @@ class ChildServer:
 
     proc: subprocess.Popen | None = None
     _log = None
+    _ready_once = False
+    start_timeout_s = 30.0
+
+    def start(self, timeout: float | None = None) -> None:
+        """Start and wait until ready (`_start`, which raises PortTaken where a port was taken), at most
+        `timeout` seconds (default `start_timeout_s`) per try."""
+        timeout = self.start_timeout_s if timeout is None else timeout
+        for attempt in range(3):
+            try:
+                self._start(timeout)
+                self._ready_once = True
+                return
+            except PortTaken:
+                if self._ready_once or attempt == 2:
+                    raise
+                self.log_path.unlink(missing_ok=True)  # a start again logs afresh
+                self._fresh_ports()
+
+    def _start(self, timeout: float) -> None:
+        raise NotImplementedError
+
+    def _fresh_ports(self) -> None:
+        raise NotImplementedError
 
     def _spawn(self, cmd: list[str], cwd: Path) -> None:
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()

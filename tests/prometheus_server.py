@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tests.child_server import ChildServer
+from tests.child_server import ChildServer, PortTaken
 from tests.s3_server import free_port
 
 
@@ -32,6 +32,7 @@ def prometheus_binary() -> str | None:
 
 
 class PrometheusServer(ChildServer):
+    start_timeout_s = 60.0
     stop_grace_s = 10.0
 
     def __init__(self, root: Path, scrape_configs: list[dict[str, Any]], *, scrape_interval: str = "1s") -> None:
@@ -44,16 +45,8 @@ class PrometheusServer(ChildServer):
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout: float = 60.0) -> None:
-        """Start, and wait until ready; on a fresh port when another process took the one picked (up to 3)."""
-        for attempt in range(3):
-            try:
-                return self._start(timeout)
-            except RuntimeError as exc:
-                if "address already in use" not in str(exc) or attempt == 2:
-                    raise
-                self.log_path.unlink(missing_ok=True)
-                self.port = free_port()
+    def _fresh_ports(self) -> None:
+        self.port = free_port()
 
     def _start(self, timeout: float) -> None:
         binary = prometheus_binary()
@@ -72,7 +65,9 @@ class PrometheusServer(ChildServer):
             code = self.proc.poll()
             if code is not None:
                 self.stop()
-                raise RuntimeError(f"prometheus exited with {code}: {self.log_tail()}")
+                tail = self.log_tail()
+                raise (PortTaken if "address already in use" in tail else RuntimeError)(
+                    f"prometheus exited with {code}: {tail}")
             try:
                 with urllib.request.urlopen(f"{self.url}/-/ready", timeout=2) as resp:
                     if resp.status == 200:

@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.child_server import ChildServer
+from tests.child_server import ChildServer, PortTaken
 
 ACCESS_KEY = "lorafleet-test"
 SECRET_KEY = "lorafleet-test-secret-key"
@@ -43,13 +43,8 @@ def weed_binary() -> str | None:
     return str(here) if here.exists() else shutil.which("weed")
 
 
-class PortTaken(RuntimeError):
-    """weed could not bind a port it was given."""
-
-
 class S3Server(ChildServer):
     own_session = True  # weed starts helpers: KILL reaches them too
-    _ready_once = False
 
     def __init__(self, root: Path, *, access_key: str = ACCESS_KEY, secret_key: str = SECRET_KEY) -> None:
         self.root = Path(root)
@@ -73,17 +68,9 @@ class S3Server(ChildServer):
         return Minio(self.endpoint, access_key=self.access_key, secret_key=secret_key or self.secret_key,
                      secure=False)
 
-    def start(self, timeout: float = 30.0) -> None:
-        """Start, and wait until ready. A first start whose ports another process took meanwhile (free_port
-        only picked them) starts again on fresh ones; a restart keeps its ports (clients know them)."""
-        for attempt in range(3):
-            try:
-                return self._start(timeout)
-            except PortTaken:
-                if self._ready_once or attempt == 2:
-                    raise
-                self.port = free_port()
-                self._ports = {name: free_port() for name in self._ports}
+    def _fresh_ports(self) -> None:
+        self.port = free_port()
+        self._ports = {name: free_port() for name in self._ports}
 
     def _start(self, timeout: float) -> None:
         binary = weed_binary()
@@ -114,12 +101,10 @@ class S3Server(ChildServer):
             if self.proc.poll() is not None:
                 self._close_log()
                 tail = self.log_tail()
-                self.log_path.unlink(missing_ok=True)  # a start again logs afresh
                 error = PortTaken if "Port allocation failed" in tail else RuntimeError
                 raise error(f"weed exited with {self.proc.returncode}: {tail}")
             try:
                 self._probe(client)
-                self._ready_once = True
                 return
             except Exception:
                 if time.monotonic() > deadline:
