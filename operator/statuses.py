@@ -59,7 +59,8 @@ def adapter_status(a: AdapterSpec, live: list[WorkerIndex], warm_pods: list[str]
         (stable_seen[0] if stable_seen else None))
     # Workers that send the name's users elsewhere than the spec says (a push not applied yet, or refused).
     reported = {w.pod: split for w in live if (split := _split(w, a.name)) is not None}
-    pending = {pod: _used(split) for pod, split in reported.items() if _used(split) != _wanted_split(a)}
+    wanted_split = _wanted_split(a)
+    pending = {pod: used for pod, split in reported.items() if (used := _used(split)) != wanted_split}
     if pending:  # the fields say what is served: the workers' split when they agree on one, else no canary
         splits = {tuple(sorted(split.items())) for split in pending.values()}
         agreed = dict(splits.pop()) if len(splits) == 1 and len(pending) == len(live) else None
@@ -102,7 +103,7 @@ def adapter_status(a: AdapterSpec, live: list[WorkerIndex], warm_pods: list[str]
         if pending:
             msg += "; the traffic split is not applied yet on " + ", ".join(
                 f"{pod} ({_split_text(split)})" for pod, split in sorted(pending.items()))
-            msg += f", the spec asks {_split_text(_wanted_split(a))}"
+            msg += f", the spec asks {_split_text(wanted_split)}"
         worker_errors = [f"{w.pod}: {w.w.reported.error}" for w in live if w.w.reported.error]
         if worker_errors:  # e.g. the sidecar cannot reach its engine: say why it is not loading
             msg += "; " + "; ".join(worker_errors)
