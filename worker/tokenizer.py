@@ -6,6 +6,8 @@ The template sees every named special token of tokenizer_config.json (`bos_token
 transformers passes them. A chat's prompt ids are its rendered text encoded without the tokenizer's own
 special tokens (the template writes them), except that control-token strings from the caller's messages are
 encoded as plain text (control_tokens.py) unless the worker is told to let them be tokens, as vLLM does.
+Where transformers' LlamaTokenizer replaces tokenizer.json's normalizer, pre-tokenizer and decoder with its own
+(a Llama-2-style file whose tokenizer_config.json names that class), so does the worker (llama_pipeline.py).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from lorafleet.worker.chat_template import ChatTemplate, ChatTemplateOptions
 from lorafleet.worker.control_tokens import ControlTokens
+from lorafleet.worker.llama_pipeline import LlamaPipeline, llama_pipeline
 
 
 class TokenizerError(ValueError):
@@ -39,6 +42,9 @@ class Tokenizer:
             raise _file_error(path, "not a readable tokenizers file", exc) from None
         cfg_path = model_dir / "tokenizer_config.json"
         self.config: dict = _read_config(cfg_path) if cfg_path.is_file() else {}
+        self.llama_pipeline: LlamaPipeline | None = llama_pipeline(model_dir, self.config, self._tok)
+        if self.llama_pipeline is not None:  # transformers' LlamaTokenizer: its own pipeline, not the file's
+            self.llama_pipeline.apply(self._tok)
         template_file = model_dir / "chat_template.jinja"
         self.chat_template: str | None = _chat_template(self.config.get("chat_template"), cfg_path)
         if template_file.is_file():
