@@ -3,6 +3,7 @@ layer of adapters packed by the pool's rule, and one layer's LoRA inputs and out
 
 from __future__ import annotations
 
+import bisect
 import statistics
 import sys
 from pathlib import Path
@@ -10,9 +11,17 @@ from pathlib import Path
 import torch
 
 from lorafleet.kernels.lora import lora_delta, shrink_buffer
-from lorafleet.kernels.lora_layout import NUM_PROJS, LoRALayout, make_lora_batch, place_rows, segment_len
+from lorafleet.kernels.lora_layout import (
+    NUM_PROJS,
+    LoRABatch,
+    LoRALayout,
+    make_lora_batch,
+    place_rows,
+    segment_len,
+)
 from lorafleet.kernels.lora_reference import lora_expand_reference, lora_shrink_reference
 from lorafleet.kernels.lora_triton import lora_expand_triton, lora_shrink_triton
+from lorafleet.worker.cuda_graphs import graph_segments, padded_groups, rank_bounds
 
 HIDDEN, INTER, Q_SIZE, KV_SIZE = 4096, 14336, 4096, 1024
 DIMS = {0: (HIDDEN, Q_SIZE), 1: (HIDDEN, KV_SIZE), 2: (HIDDEN, KV_SIZE), 3: (Q_SIZE, HIDDEN), 4: (HIDDEN, INTER), 5: (HIDDEN, INTER), 6: (INTER, HIDDEN)}
@@ -135,6 +144,34 @@ def build_layout(ranks_by_slot: list[int], gen: torch.Generator) -> tuple[LoRALa
     return layout, dense
 
 
+def widened(layout: LoRALayout, max_rank: int) -> LoRALayout:
+    """The same adapters in a layout whose rank bound is max_rank, as the engine's pool holds them
+    (--max-lora-rank, default 64): row offset tables padded with zeros past each slot's rank."""
+    pad = max_rank - layout.max_rank
+    if pad < 0:
+        raise ValueError(f"widened: the layout's rank bound {layout.max_rank} is above {max_rank}")
+    grow = lambda t: torch.nn.functional.pad(t, (0, pad)).contiguous()
+    return LoRALayout(pool=layout.pool, ranks=layout.ranks, scales=layout.scales, a_offsets=grow(layout.a_offsets), b_offsets=grow(layout.b_offsets),
+                      row_align=layout.row_align, widths=layout.widths)  # fmt: skip
+
+
+def graph_batch(slots: torch.Tensor, layout: LoRALayout, most_segment_len: int, pool_bound: bool = False) -> LoRABatch:
+    """The LoRA batch a captured decode step replays (worker/cuda_graphs.py): segments padded with empty
+    ones of slot -1 to the most the step's size can cut, the rank bound of the graph its adapters'
+    largest rank picks, no mean rank (the graph is captured once for every mix of adapters).
+    pool_bound: the shape graphs had before rank bounds, one segment per row and the pool's rank."""
+    size = slots.shape[0]
+    live = slots[slots >= 0].long()
+    top = int(layout.max_rank_by_slot()[live].max()) if live.numel() else 0
+    bound = rank_bounds(layout.max_rank)[bisect.bisect_left(rank_bounds(layout.max_rank), top)] if top else 0
+    segs = graph_segments(size, most_segment_len, layout.max_slots)
+    if pool_bound:
+        bound, segs = layout.max_rank, size
+    ids, starts, seg_slots = padded_groups(slots.tolist(), most_segment_len, size, segs)
+    i32 = {"dtype": torch.int32, "device": slots.device}
+    return LoRABatch(slots, torch.tensor(ids, **i32), torch.tensor(starts, **i32), torch.tensor(seg_slots, **i32), max_rank=bound)
+
+
 def adapter_bytes(ranks: list[int]) -> int:
     return sum(r * (k + n) * 2 for r in ranks for k, n in DIMS.values())
 
@@ -143,12 +180,17 @@ class LoRALayer:
     """Inputs and outputs of one layer's four fused LoRA groups for T tokens; run with any backend."""
 
     def __init__(self, layout: LoRALayout, dense: dict, num_tokens: int, num_adapters: int, gen: torch.Generator, grouped: bool = True,
-                 most_segment_len: int = 64) -> None:  # fmt: skip
+                 most_segment_len: int = 64, graph_shaped: str = "") -> None:  # fmt: skip
+        """graph_shaped: "engine", the batch as a captured decode step holds it (`graph_batch`); "pool_bound",
+        as it did before rank bounds; "": the step's exact batch, as an eager step builds it."""
         self.layout, self.dense = layout, dense
         self.slots = (torch.arange(num_tokens, device="cuda") % num_adapters).to(torch.int32)
         # Segments as the engine cuts them (16 tokens in a small step, up to most_segment_len in a long one).
         self.segment_len = segment_len(num_tokens, most_segment_len)
-        self.batch = make_lora_batch(self.slots, layout.max_rank_by_slot(), grouped=grouped, max_segment_len=self.segment_len)
+        if graph_shaped:
+            self.batch = graph_batch(self.slots, layout, most_segment_len, pool_bound=graph_shaped == "pool_bound")
+        else:
+            self.batch = make_lora_batch(self.slots, layout.max_rank_by_slot(), grouped=grouped, max_segment_len=self.segment_len)
         self.xs = [torch.randn(num_tokens, DIMS[p[0]][0], device="cuda", generator=gen).to(DT) for p, _ in GROUPS]
         self.ys = [torch.zeros(num_tokens, sum(w), dtype=DT, device="cuda") for _, w in GROUPS]
         self.xas = [shrink_buffer(x=x, proj_ids=p, batch=self.batch, backend="triton") for x, (p, _) in zip(self.xs, GROUPS, strict=True)]

@@ -8,10 +8,14 @@ tokens cut into segments as the engine cuts a step of T tokens (16 tokens up to 
 then 64: kernels.lora_layout.segment_len, bounded by --segment-len, default 64), ranks 8, 16,
 64 or mixed {8, 16, 32, 64}; the delta as the engine computes it (expand in write mode, y = delta;
 "triton_accumulate_us": adding into y), and for T >= 64 what it adds to the layer's GEMMs
-("in_layer"). Floor = the distinct adapters' bytes / copy bandwidth measured in the same run. Triton
+("in_layer"); for T=64 and T=256 over 32 adapters, "graph_shaped_us": the same delta with the
+batch a captured decode step replays in a pool of rank 64 (the engine's default --max-lora-rank):
+the rank bound of the graph its adapters pick, no mean rank, segments padded to the most the step
+can cut (worker/cuda_graphs.py); "graph_pool_bound_us": as graphs were before rank bounds (the
+pool's rank, one segment per row). Floor = the distinct adapters' bytes / copy bandwidth measured in the same run. Triton
 kernels are timed as CUDA-graph replays with the L2 flushed before each layer (the flush's own time
-measured and subtracted); the torch reference (gather + bmm) and a per-adapter loop are timed
-eagerly (they synchronise with the host).
+measured and subtracted); the torch reference (gather + bmm) and a per-adapter loop, for every case,
+are timed eagerly (they synchronise with the host).
 Base GEMMs: the layer's four fused matmuls, same method. Chain latency: eight dependent launches of
 a one-load kernel (the layer's delta is eight dependent kernels), warm, with and without programmatic
 dependent launch: the part of the delta no bandwidth removes. Structure floor (decode cases): the
@@ -47,6 +51,7 @@ from kernel_setup import (  # same folder
     build_layout,
     copy_bandwidth,
     recorded_command,
+    widened,
 )
 
 from lorafleet.kernels.activation import silu_mul
@@ -54,6 +59,8 @@ from lorafleet.kernels.attention import paged_attention_prefill
 from lorafleet.kernels.attention_triton import paged_attention_decode_triton, paged_attention_prefill_triton
 from lorafleet.kernels.lora import lora_delta, lora_silu_mul, lora_xa
 from lorafleet.kernels.lora_triton import lora_expand_triton, lora_shrink_triton
+
+ENGINE_MAX_RANK = 64  # the engine's default --max-lora-rank: the rank bound of its captured decode graphs
 
 
 def torch_act(gate_up: torch.Tensor, out: torch.Tensor) -> None:
@@ -166,6 +173,13 @@ def bench_lora(timer: Timer, copy_gbs: float, gen: torch.Generator, quick: bool,
                 if num_tokens >= 64 and num_adapters in (8, 32) and rank_name == "16":
                     # Prefill: the delta is ~10% of GEMMs whose time drifts by a few percent, more rounds.
                     row["in_layer"] = layer_added(layer, timer, rounds=25 if num_tokens >= 1024 else 11)
+                if num_tokens in (64, 256) and num_adapters == 32 and rank_name in ("16", "mixed"):
+                    # The engine's captured decode step: rank bound the pool's (--max-lora-rank), no mean rank.
+                    wide = widened(layout, ENGINE_MAX_RANK)
+                    for shape in ("engine", "pool_bound"):
+                        engine = LoRALayer(wide, dense, num_tokens, num_adapters, gen, most_segment_len=most_segment_len, graph_shaped=shape)
+                        row["graph_shaped_us" if shape == "engine" else "graph_pool_bound_us"] = timer.graph(engine.triton)
+                    del engine, wide
                 if num_tokens <= 256 and num_tokens >= num_adapters:
                     per_token = LoRALayer(layout, dense, num_tokens, num_adapters, gen, grouped=False)
                     row["triton_per_token_us"] = timer.graph(per_token.triton)
@@ -175,7 +189,7 @@ def bench_lora(timer: Timer, copy_gbs: float, gen: torch.Generator, quick: bool,
                     if distinct_ranks not in floors:
                         floors[distinct_ranks] = structure_floor(timer, list(distinct_ranks), copy_gbs)
                     row["structure_floor"] = floors[distinct_ranks]
-                if key in key_cases:
+                if rank_name != "30":  # the baselines, every case of the grid
                     row["reference_us"] = timer.eager(layer.reference)
                     row["loop_us"] = timer.eager(layer.loop, reps=3)
                 if not quick and key in sweep_cases:
@@ -339,6 +353,9 @@ def summarize(rows: list, base: dict, attn: dict, copy_gbs: float) -> dict:
             }  # fmt: skip
             if "triton_accumulate_us" in row:
                 out[f"decode_T{t}_32x_r16"]["accumulate_us"] = row["triton_accumulate_us"]
+            if "graph_shaped_us" in row:
+                out[f"decode_T{t}_32x_r16"].update(graph_shaped_us=row["graph_shaped_us"], graph_shaped_x_floor=row["graph_shaped_us"] / row["floor_us"],
+                                                   graph_pool_bound_us=row["graph_pool_bound_us"])  # fmt: skip
             if "in_layer" in row:
                 out[f"decode_T{t}_32x_r16"]["in_layer"] = {k: v for k, v in row["in_layer"].items() if k != "rounds"}
             if "structure_floor" in row:

@@ -84,6 +84,7 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--mixes", default="8,32")
     ap.add_argument("--segment-len", type=int, default=64, help="EngineConfig.lora_segment_len (most tokens per segment)")
+    ap.add_argument("--max-lora-rank", type=int, default=64, help="EngineConfig.max_lora_rank, the pool's rank bound (the engine's default: 64)")
     ap.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                     help="EngineConfig.cuda_graphs: replay decode steps from CUDA graphs")
     ap.add_argument("--out", default=None, help="folder for JSON and PNG (default: print only)")
@@ -94,7 +95,7 @@ def main() -> None:
         model = make_model(Path(tmp) / "model", args.layers, args.device)
         engine = Engine(EngineConfig(model=str(model), device=args.device, dtype="bfloat16",
                                      max_num_seqs=args.requests, max_loras=max(mixes) + 1,
-                                     max_lora_rank=max(args.rank, 16), max_num_batched_tokens=8192,
+                                     max_lora_rank=max(args.rank, args.max_lora_rank), max_num_batched_tokens=8192,
                                      lora_segment_len=args.segment_len, cuda_graphs=args.cuda_graphs))
     names = register_random_adapters(engine, max(mixes), args.rank)
     rng = random.Random(0)
@@ -127,7 +128,7 @@ def main() -> None:
     result = {"date": dt.date.today().isoformat(), "command": recorded_command(),
               "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
               "model": f"random Llama-3-8B shapes, {args.layers} layers, bf16", "rank": args.rank,
-              "segment_len": args.segment_len, "cuda_graphs": engine.runner.graphs is not None, "requests": args.requests, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "runs": {}}
+              "segment_len": args.segment_len, "max_lora_rank": engine.config.max_lora_rank, "cuda_graphs": engine.runner.graphs is not None, "requests": args.requests, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "runs": {}}
     print(f"{'run':<12}{'wall s':>9}{'gen tok/s':>12}{'vs single':>11}")
     for name, (wall, n) in rows.items():
         tps = n / wall
@@ -138,7 +139,7 @@ def main() -> None:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         stem = (f"multi_lora_{result['date'].replace('-', '')}_{'h200' if 'H200' in result['gpu'] else 'run'}"
-                f"_seg{args.segment_len}{'' if args.cuda_graphs else '_eager'}")
+                f"_seg{args.segment_len}_r{engine.config.max_lora_rank}{'' if args.cuda_graphs else '_eager'}")
         (out / f"{stem}.json").write_text(json.dumps(result, indent=2))
         import matplotlib
         matplotlib.use("Agg")

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "kernels"))
 
 from kernel_floor import kernel_bytes  # noqa: E402
 from kernel_setup import adapter_bytes  # noqa: E402
@@ -29,3 +30,33 @@ def test_cluster_barrier_orders_the_clusters_partials() -> None:
     from kernel_cluster_floor import cluster_barrier_works
 
     assert cluster_barrier_works(size=4, clusters=8) and cluster_barrier_works(size=8, clusters=16)
+
+
+def test_engine_shaped_layout_and_batch_give_the_exact_delta() -> None:
+    """bench/kernels.py's graph-shaped case (rank bound widened to the engine's 64, the batch padded as a
+    captured decode step's) computes the same delta as the exact layout and batch, on the reference backend."""
+    import torch
+    from kernel_cases import random_pool_layout
+    from kernel_setup import graph_batch, widened
+
+    from lorafleet.kernels.lora import lora_delta
+    from lorafleet.kernels.lora_layout import make_lora_batch
+
+    gen = torch.Generator().manual_seed(0)
+    dims = {p: (32, 48) for p in range(7)}
+    layout = random_pool_layout(ranks_by_slot=[1, 7, 16], dims=dims, page_elems=512, dtype=torch.float32, device="cpu", gen=gen)
+    wide = widened(layout, 64)
+    assert wide.max_rank == 64 and torch.equal(wide.a_offsets[..., :16], layout.a_offsets) and not wide.a_offsets[..., 16:].any()
+    slots = torch.tensor([2, -1, 0, 2, 1, 0], dtype=torch.int32)
+    exact, padded, old = make_lora_batch(slots, layout.max_rank_by_slot()), graph_batch(slots, wide, 64), graph_batch(slots, wide, 64, pool_bound=True)
+    assert padded.max_rank == 16 and padded.num_segments == 1 + 3 and padded.mean_rank == 0  # ceil(6 / 16) + 3 slots
+    assert old.max_rank == 64 and old.num_segments == len(slots)
+    x = torch.randn(len(slots), 32, generator=gen)
+    ys = []
+    for lay, batch in ((layout, exact), (wide, padded), (wide, old)):
+        y = torch.zeros(len(slots), 96)
+        lora_delta(x=x, layout=lay, layer=0, proj_ids=[4, 5], batch=batch, y=y, out_offsets=[0, 48], backend="reference", accumulate=True)
+        ys.append(y)
+    assert ys[0].abs().sum() > 0
+    torch.testing.assert_close(ys[1], ys[0])
+    torch.testing.assert_close(ys[2], ys[0])

@@ -4,17 +4,23 @@ An eager decode step of an 8B model launches over a thousand kernels; their Pyth
 (tens of milliseconds) is the step's time on a fast GPU, and any other Python thread in the process
 (adapter loads) stretches it further. A captured step is replayed with one call.
 
-A graph is captured per (batch-size bucket, with or without adapters), all of them at engine start
-(`capture_all`); a step pads its batch to its bucket and copies every per-step input into static
-buffers before the replay. What makes the step capturable:
+A graph is captured per (batch-size bucket, rank bound), all of them at engine start (`capture_all`):
+rank bound 0 is the step without adapters, the others the rank classes of `rank_bounds` up to the
+pool's largest rank. A step pads its batch to its bucket, replays the graph of the smallest bound that
+holds its adapters' ranks, and copies every per-step input into static buffers before the replay. The
+LoRA kernels size their grids and tiles for the batch's rank bound and programs for its segments: on
+the H200, one layer's delta for 32 rank-16 adapters took 94 us (T=64) and 143 us (T=256) in graphs
+sized for the pool's rank 64 with one segment per row, against 58 and 66 us now and 54 and 58 us for
+the exact batch of an eager step (bench/results/kernels_graph_bounds_20261201_h200.json). What makes
+the step capturable:
 
 * padding rows: token 0 at position 0, `slot_mapping` -1 (writes no KV), context length 0 (attention
   returns zeros), adapter slot -1 (the LoRA kernels skip it);
 * block tables always as wide as the longest sequence the engine admits;
 * the LoRA batch grouped by slot on the host (`group_by_slot`, as eager steps do: one adapter's rows
-  are read once for all its tokens), its segment list padded to one per row with empty segments of
-  slot -1 (a program each, exiting at once), and the pool's largest rank as its rank bound: kernels
-  stop at each slot's true rank;
+  are read once for all its tokens), its segment list padded with empty segments of slot -1 (a
+  program each, exiting at once) to the most a step of the bucket can cut (`graph_segments`), and the
+  graph's rank bound as its max_rank: kernels stop at each slot's true rank;
 * the adapter layout's tensors are updated in place by the pool; a graph remembers their addresses and
   is captured again should they ever change.
 
@@ -24,13 +30,14 @@ Prefill and mixed steps run eagerly (their shapes vary with every step).
 from __future__ import annotations
 
 import bisect
+import collections
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from lorafleet.kernels.lora_layout import LoRABatch, LoRALayout, segment_len
+from lorafleet.kernels.lora_layout import SEGMENT_LEN_MIN, LoRABatch, LoRALayout, segment_len
 from lorafleet.worker.forward_context import ForwardContext
 from lorafleet.worker.llama import LlamaModel
 
@@ -69,11 +76,34 @@ def group_by_slot(token_slots: list[int], most_segment_len: int) -> tuple[list[i
     return sorted_ids, seg_starts, seg_slots
 
 
-def padded_groups(token_slots: list[int], most_segment_len: int, size: int) -> tuple[list[int], list[int], list[int]]:
-    """`group_by_slot` at a fixed shape for `size` rows: ids [size] (past the live ones never read),
-    starts [size + 1] and slots [size], the unused segments empty (start == end) and of slot -1."""
+def padded_groups(token_slots: list[int], most_segment_len: int, size: int, num_segments: int | None = None) -> tuple[list[int], list[int], list[int]]:
+    """`group_by_slot` at a fixed shape for `size` rows cut into at most `num_segments` segments (default
+    size): ids [size] (past the live ones never read), starts [num_segments + 1] and slots [num_segments],
+    the unused segments empty (start == end) and of slot -1."""
     ids, starts, slots = group_by_slot(token_slots, most_segment_len)
-    return ids + [0] * (size - len(ids)), starts + [starts[-1]] * (size + 1 - len(starts)), slots + [-1] * (size - len(slots))
+    num_segments = size if num_segments is None else num_segments
+    if len(slots) > num_segments:
+        raise ValueError(f"padded_groups: the step cuts {len(slots)} segments, above the {num_segments} its graph holds")
+    return ids + [0] * (size - len(ids)), starts + [starts[-1]] * (num_segments + 1 - len(starts)), slots + [-1] * (num_segments - len(slots))
+
+
+def graph_segments(size: int, most_segment_len: int, max_slots: int) -> int:
+    """The most segments `group_by_slot` cuts from a step of at most `size` tokens over `max_slots` adapter
+    slots: each slot's run of n tokens gives ceil(n / L) <= n / L + 1 segments, L >= min(16, most) the
+    shortest segment length (`segment_len`), so at most ceil(size / L) + the slots used, and never more
+    than one per token. Running example: size 256, most 64, 16 slots -> 16 + 16 = 32 (not 256)."""
+    shortest = min(most_segment_len, SEGMENT_LEN_MIN)
+    return min(size, -(-size // shortest) + min(max_slots, size))
+
+
+def rank_bounds(max_rank: int) -> list[int]:
+    """Rank bounds of the captured LoRA graphs for a pool of rank max_rank: the kernels' rank classes 16,
+    32, 64, 128... below it, then max_rank. Running example: 64 -> [16, 32, 64]; 100 -> [16, 32, 64, 100]; 8 -> [8]."""
+    bounds, r = [], 16
+    while r < max_rank:
+        bounds.append(r)
+        r *= 2
+    return [*bounds, max_rank]
 
 
 def layout_key(layout: LoRALayout | None) -> tuple:
@@ -93,6 +123,7 @@ class DecodeInputs:
     context_lens: list[int]
     block_tables: list[list[int]]
     token_slots: list[int]  # adapter slot per sequence, -1 = none
+    max_rank: int = 0  # largest rank of the step's adapters (host-side); 0: unknown, the graph of the pool's rank
 
 
 @dataclass
@@ -136,10 +167,12 @@ class DecodeGraphs:
         self.logits_indices = torch.arange(n, **i64)
         self.query_start_loc = torch.arange(n + 1, **i32)
         self.max_blocks = max_blocks
-        self._graphs: dict[tuple[int, bool], _Graph] = {}
+        self.logits: torch.Tensor | None = None  # float32 [n, V]: every graph writes its rows here (one buffer for all)
+        self._graphs: dict[tuple[int, int], _Graph] = {}  # (bucket, rank bound; 0: no adapters) -> graph
         self._pool = torch.cuda.graph_pool_handle()
         self.captures = 0  # graphs captured so far (a re-capture counts again)
         self.replays = 0
+        self.replays_by_bound: collections.Counter[int] = collections.Counter()  # replays per rank bound (0: no adapters)
 
     def bucket(self, num_seqs: int) -> int | None:
         """The captured size a batch of num_seqs decodes pads to (None: too large, run eagerly)."""
@@ -149,12 +182,27 @@ class DecodeGraphs:
     def fits(self, inputs: DecodeInputs) -> bool:
         return self.bucket(len(inputs.input_ids)) is not None and max(map(len, inputs.block_tables)) <= self.max_blocks
 
-    def _context(self, size: int, with_lora: bool) -> ForwardContext:
-        layout = self.lora_layout() if with_lora else None
+    def rank_bound(self, max_rank: int) -> int:
+        """The rank bound of the graph a step whose adapters' largest rank is max_rank replays (0: none;
+        a rank above every bound, or unknown, takes the pool's)."""
+        layout = self.lora_layout()
+        if max_rank <= 0 or layout is None:
+            return 0
+        bounds = rank_bounds(layout.max_rank)
+        i = bisect.bisect_left(bounds, max_rank)
+        return bounds[min(i, len(bounds) - 1)]
+
+    def _num_segments(self, size: int) -> int:
+        layout = self.lora_layout()
+        return graph_segments(size, self.lora_segment_len, layout.max_slots if layout is not None else size)
+
+    def _context(self, size: int, bound: int) -> ForwardContext:
+        layout = self.lora_layout() if bound else None
         lora = None
-        if with_lora:
+        if bound:
+            segs = self._num_segments(size)
             lora = LoRABatch(token_slots=self.token_slots[:size], sorted_token_ids=self.sorted_ids[:size],
-                             seg_starts=self.seg_starts[: size + 1], seg_slots=self.seg_slots[:size], max_rank=layout.max_rank)
+                             seg_starts=self.seg_starts[: segs + 1], seg_slots=self.seg_slots[:segs], max_rank=bound)
         return ForwardContext(
             input_ids=self.input_ids[:size], positions=self.positions[:size], slot_mapping=self.slot_mapping[:size],
             block_tables=self.block_tables[:size], context_lens=self.context_lens[:size],
@@ -163,20 +211,22 @@ class DecodeGraphs:
             lora=lora, lora_layout=layout, lora_stream=self.lora_stream,
         )
 
-    def _forward(self, ctx: ForwardContext) -> torch.Tensor:
-        return self.model.compute_logits(self.model(ctx))
+    def _forward(self, ctx: ForwardContext, size: int) -> torch.Tensor:
+        if self.logits is None:
+            self.logits = torch.empty(self.buckets[-1], self.model.lm_head.shape[0], dtype=torch.float32, device=self.device)
+        return self.model.compute_logits(self.model(ctx), out=self.logits[:size])
 
-    def _capture(self, size: int, with_lora: bool) -> _Graph:
+    def _capture(self, size: int, bound: int) -> _Graph:
         self._fill(DecodeInputs([], [], [], [], [], []), size)  # padding rows only: nothing written to the KV cache
-        ctx = self._context(size, with_lora)
+        ctx = self._context(size, bound)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            self._forward(ctx)  # compiles the Triton kernels and settles the allocator before capture
+            self._forward(ctx, size)  # compiles the Triton kernels and settles the allocator before capture
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            logits = self._forward(ctx)
+            logits = self._forward(ctx, size)
         self.captures += 1
         return _Graph(graph, logits, layout_key(ctx.lora_layout))
 
@@ -188,7 +238,8 @@ class DecodeGraphs:
             [*inputs.input_ids, *[0] * pad, *inputs.positions, *[0] * pad, *inputs.slot_mapping, *[-1] * pad],
             dtype=torch.int64,
         ).view(3, size)
-        sorted_ids, starts, seg_slots = padded_groups(inputs.token_slots, self.lora_segment_len, size)
+        segs = self._num_segments(size)
+        sorted_ids, starts, seg_slots = padded_groups(inputs.token_slots, self.lora_segment_len, size, segs)
         small = torch.tensor([*inputs.context_lens, *[0] * pad, *inputs.token_slots, *[-1] * pad, *sorted_ids, *seg_slots,
                               *starts], dtype=torch.int32)
         tables = np.zeros((size, width), dtype=np.int32)
@@ -198,18 +249,21 @@ class DecodeGraphs:
         self.input_ids[:size].copy_(host[0], non_blocking=True)
         self.positions[:size].copy_(host[1], non_blocking=True)
         self.slot_mapping[:size].copy_(host[2], non_blocking=True)
-        for i, buf in enumerate((self.context_lens, self.token_slots, self.sorted_ids, self.seg_slots)):
+        for i, buf in enumerate((self.context_lens, self.token_slots, self.sorted_ids)):
             buf[:size].copy_(small[i * size : (i + 1) * size], non_blocking=True)
-        self.seg_starts[: size + 1].copy_(small[4 * size :], non_blocking=True)
+        self.seg_slots[:segs].copy_(small[3 * size : 3 * size + segs], non_blocking=True)
+        self.seg_starts[: segs + 1].copy_(small[3 * size + segs :], non_blocking=True)
         self.block_tables[:size].copy_(tables, non_blocking=True)
 
     @torch.inference_mode()
     def capture_all(self) -> None:
-        """Capture every bucket, with and without adapters, now (at start) rather than on first use."""
+        """Capture every bucket, without adapters and at each rank bound, now (at start) rather than on first use."""
+        layout = self.lora_layout()
+        bounds = [0, *(rank_bounds(layout.max_rank) if layout is not None else [])]
         for size in reversed(self.buckets):  # the largest first: its memory serves the smaller ones
-            for with_lora in (False, True):
-                if (size, with_lora) not in self._graphs:
-                    self._graphs[(size, with_lora)] = self._capture(size, with_lora)
+            for bound in bounds:
+                if (size, bound) not in self._graphs:
+                    self._graphs[(size, bound)] = self._capture(size, bound)
 
     @torch.inference_mode()
     def run(self, inputs: DecodeInputs) -> torch.Tensor:
@@ -217,13 +271,15 @@ class DecodeGraphs:
         n = len(inputs.input_ids)
         size = self.bucket(n)
         with_lora = any(s >= 0 for s in inputs.token_slots)
-        key = (size, with_lora)
+        bound = self.rank_bound(inputs.max_rank or (1 << 30)) if with_lora else 0
+        key = (size, bound)
         entry = self._graphs.get(key)
-        if entry is not None and with_lora and entry.layout_key != layout_key(self.lora_layout()):
+        if entry is not None and bound and entry.layout_key != layout_key(self.lora_layout()):
             entry = None  # the layout moved: the old graph would read stale addresses
         if entry is None:  # not captured at start, or the layout moved since
-            entry = self._graphs[key] = self._capture(size, with_lora)
+            entry = self._graphs[key] = self._capture(size, bound)
         self._fill(inputs, size)
         entry.graph.replay()
         self.replays += 1
+        self.replays_by_bound[bound] += 1
         return entry.logits[:n]

@@ -144,8 +144,11 @@ class LlamaModel(nn.Module):
         return self.norm(h)
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 logits [T, V]; out: a float32 [T, V] buffer to write them into (a captured graph's)."""
+        if out is None:
+            return F.linear(hidden, self.lm_head).float()
+        return out.copy_(F.linear(hidden, self.lm_head))
 
     @torch.inference_mode()
     def load_weights(self, weights) -> None:

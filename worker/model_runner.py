@@ -142,6 +142,8 @@ class ModelRunner:
             inputs.context_lens.append(pos + 1)
             inputs.block_tables.append(table)
             inputs.token_slots.append(-1 if seq.adapter_slot is None else seq.adapter_slot)
+            if seq.adapter_slot is not None:
+                inputs.max_rank = max(inputs.max_rank, self.slot_max_rank(seq.adapter_slot))
         return inputs
 
     @torch.inference_mode()

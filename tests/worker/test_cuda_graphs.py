@@ -10,12 +10,19 @@ import pytest
 import torch
 
 from lorafleet.worker import Engine, EngineConfig, SamplingParams
-from lorafleet.worker.cuda_graphs import batch_buckets, group_by_slot, padded_groups
+from lorafleet.worker.cuda_graphs import (
+    batch_buckets,
+    graph_segments,
+    group_by_slot,
+    padded_groups,
+    rank_bounds,
+)
 from tests.lora_factory import make_peft_adapter
 
 ADAPTERS = {"g4": dict(rank=4, alpha=8, targets=["q_proj", "v_proj"]),
             "g8": dict(rank=8, alpha=16),
-            "g16": dict(rank=16, alpha=8, use_rslora=True, targets=["o_proj", "gate_proj", "down_proj"])}
+            "g16": dict(rank=16, alpha=8, use_rslora=True, targets=["o_proj", "gate_proj", "down_proj"]),
+            "g40": dict(rank=40, alpha=40, targets=["k_proj", "up_proj"])}
 
 
 def test_batch_buckets_cover_every_size_once():
@@ -40,6 +47,39 @@ def test_group_by_slot_keeps_order_drops_base_and_cuts_long_runs():
     assert group_by_slot([0] * 1024, 32)[1] == list(range(0, 1025, 32))
 
 
+def test_rank_bounds_are_the_kernels_rank_classes_up_to_the_pools():
+    assert rank_bounds(64) == [16, 32, 64]
+    assert rank_bounds(100) == [16, 32, 64, 100]
+    assert rank_bounds(16) == [16] and rank_bounds(8) == [8] and rank_bounds(1) == [1]
+    assert rank_bounds(128) == [16, 32, 64, 128]
+
+
+@pytest.mark.parametrize("most", [1, 8, 16, 64])
+def test_graph_segments_hold_every_step_of_the_bucket(most):
+    """However a step of at most `size` rows spreads over `max_slots` slots, its segments fit the graph's
+    (padded_groups refuses a step that would not), and the bound is well below one per row once the
+    bucket is large."""
+    rng = random.Random(most)
+    for size in (1, 2, 7, 16, 64, 100, 256):
+        for max_slots in (1, 4, 16, 64):
+            segs = graph_segments(size, most, max_slots)
+            assert segs <= size
+            for _ in range(40):
+                n = rng.randint(0, size)
+                shape = rng.choice(["one", "uniform", "runs"])
+                if shape == "one":
+                    slots = [rng.randrange(max_slots)] * n
+                elif shape == "uniform":
+                    slots = [rng.randrange(-1, max_slots) for _ in range(n)]
+                else:  # each slot a run a little longer than a segment: the most segments per slot
+                    slots = [s % max_slots for s in range(max_slots) for _ in range(rng.randint(1, 17))][:n]
+                ids, starts, seg_slots = padded_groups(slots, most, size, segs)
+                assert len(seg_slots) == segs and len(starts) == segs + 1 and len(ids) == size
+    assert graph_segments(256, 64, 16) == 16 + 16 and graph_segments(64, 64, 16) == 4 + 16 and graph_segments(8, 64, 16) == 8
+    with pytest.raises(ValueError, match="above the 2 its graph holds"):
+        padded_groups([0, 1, 2], 16, 3, 2)
+
+
 @pytest.fixture(scope="module")
 def graph_adapters(tiny_llama_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("graph_adapters")
@@ -49,24 +89,31 @@ def graph_adapters(tiny_llama_dir, tmp_path_factory):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_graph_decode_matches_eager(tiny_llama_dir, graph_adapters, dtype):
+@pytest.mark.parametrize("dtype, max_lora_rank", [("float32", 16), ("bfloat16", 16), ("float32", 64)])
+def test_graph_decode_matches_eager(tiny_llama_dir, graph_adapters, dtype, max_lora_rank):
+    """max_lora_rank 64: graphs at rank bounds 16, 32 and 64; steps of ranks <= 16 replay the first, a
+    step holding the rank-40 adapter the last."""
     rng = random.Random(0)
-    names = [None, "g4", "g8", "g16"]
-    adapters = [names[i % 4] for i in range(13)]
+    names = [None, "g4", "g8", "g16"] if max_lora_rank == 16 else [None, "g4", "g8", "g16", "g40"]
+    adapters = [names[i % len(names)] for i in range(13)]
     prompts = [[rng.randrange(256) for _ in range(rng.randrange(2, 30))] for _ in adapters]
     params = [SamplingParams(max_tokens=3 + 2 * i, temperature=0.0, logprobs=3) for i in range(len(prompts))]
     outs = {}
     for graphs in (False, True):
         # Two adapter slots for three adapters: slots are reused by other adapters between steps.
         engine = Engine(EngineConfig(model=str(tiny_llama_dir), device="cuda", dtype=dtype, block_size=16,
-                                     adapters=str(graph_adapters), max_lora_rank=16, max_loras=2, max_num_seqs=16,
+                                     adapters=str(graph_adapters), max_lora_rank=max_lora_rank, max_loras=2, max_num_seqs=16,
                                      pool_bytes=64 << 20, cuda_graphs=graphs))
         outs[graphs] = engine.generate(prompts, params, adapters=adapters)
         if graphs:
             g = engine.runner.graphs
-            # Captured once at start (every bucket, with and without adapters); the layout never moved.
-            assert g is not None and g.captures == 2 * len(g.buckets) and g.replays > 10
+            # Captured once at start (every bucket, without adapters and at each rank bound); the layout never moved.
+            bounds = rank_bounds(max_lora_rank)
+            assert g is not None and g.captures == (1 + len(bounds)) * len(g.buckets) and g.replays > 10
+            assert g.rank_bound(0) == 0 and g.rank_bound(4) == bounds[0] and g.rank_bound(1 << 30) == max_lora_rank
+            if max_lora_rank == 64:
+                assert g.rank_bound(16) == 16 and g.rank_bound(17) == 32 and g.rank_bound(40) == 64
+                assert g.replays_by_bound[16] > 0 and g.replays_by_bound[64] > 0
         else:
             assert engine.runner.graphs is None
         engine.page_pool.check()
