@@ -3,7 +3,6 @@ layer of adapters packed by the pool's rule, and one layer's LoRA inputs and out
 
 from __future__ import annotations
 
-import bisect
 import statistics
 import sys
 from pathlib import Path
@@ -21,7 +20,7 @@ from lorafleet.kernels.lora_layout import (
 )
 from lorafleet.kernels.lora_reference import lora_expand_reference, lora_shrink_reference
 from lorafleet.kernels.lora_triton import lora_expand_triton, lora_shrink_triton
-from lorafleet.worker.cuda_graphs import graph_segments, padded_groups, rank_bounds
+from lorafleet.worker.cuda_graphs import graph_ranks, graph_segments, padded_groups
 
 HIDDEN, INTER, Q_SIZE, KV_SIZE = 4096, 14336, 4096, 1024
 DIMS = {0: (HIDDEN, Q_SIZE), 1: (HIDDEN, KV_SIZE), 2: (HIDDEN, KV_SIZE), 3: (Q_SIZE, HIDDEN), 4: (HIDDEN, INTER), 5: (HIDDEN, INTER), 6: (INTER, HIDDEN)}
@@ -157,19 +156,19 @@ def widened(layout: LoRALayout, max_rank: int) -> LoRALayout:
 
 def graph_batch(slots: torch.Tensor, layout: LoRALayout, most_segment_len: int, pool_bound: bool = False) -> LoRABatch:
     """The LoRA batch a captured decode step replays (worker/cuda_graphs.py): segments padded with empty
-    ones of slot -1 to the most the step's size can cut, the rank bound of the graph its adapters'
-    largest rank picks, no mean rank (the graph is captured once for every mix of adapters).
+    ones of slot -1 to the most the step's size can cut, the rank bound and planning rank of the graph
+    its adapters' ranks pick (`graph_ranks`).
     pool_bound: the shape graphs had before rank bounds, one segment per row and the pool's rank."""
     size = slots.shape[0]
-    live = slots[slots >= 0].long()
-    top = int(layout.max_rank_by_slot()[live].max()) if live.numel() else 0
-    bound = rank_bounds(layout.max_rank)[bisect.bisect_left(rank_bounds(layout.max_rank), top)] if top else 0
+    ranks = layout.max_rank_by_slot()[slots[slots >= 0].long()].float()
+    bound, plan = graph_ranks(layout.max_rank, int(ranks.max()), float(ranks.mean())) if ranks.numel() else (0, 0)
     segs = graph_segments(size, most_segment_len, layout.max_slots)
     if pool_bound:
-        bound, segs = layout.max_rank, size
+        bound, plan, segs = layout.max_rank, 0, size
     ids, starts, seg_slots = padded_groups(slots.tolist(), most_segment_len, size, segs)
     i32 = {"dtype": torch.int32, "device": slots.device}
-    return LoRABatch(slots, torch.tensor(ids, **i32), torch.tensor(starts, **i32), torch.tensor(seg_slots, **i32), max_rank=bound)
+    return LoRABatch(slots, torch.tensor(ids, **i32), torch.tensor(starts, **i32), torch.tensor(seg_slots, **i32), max_rank=bound,
+                     mean_rank=float(plan))
 
 
 def adapter_bytes(ranks: list[int]) -> int:

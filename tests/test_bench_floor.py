@@ -49,7 +49,7 @@ def test_engine_shaped_layout_and_batch_give_the_exact_delta() -> None:
     assert wide.max_rank == 64 and torch.equal(wide.a_offsets[..., :16], layout.a_offsets) and not wide.a_offsets[..., 16:].any()
     slots = torch.tensor([2, -1, 0, 2, 1, 0], dtype=torch.int32)
     exact, padded, old = make_lora_batch(slots, layout.max_rank_by_slot()), graph_batch(slots, wide, 64), graph_batch(slots, wide, 64, pool_bound=True)
-    assert padded.max_rank == 16 and padded.num_segments == 1 + 3 and padded.mean_rank == 0  # ceil(6 / 16) + 3 slots
+    assert padded.max_rank == 16 and padded.num_segments == 1 + 3 and padded.mean_rank == 16  # ceil(6 / 16) + 3 slots
     assert old.max_rank == 64 and old.num_segments == len(slots)
     x = torch.randn(len(slots), 32, generator=gen)
     ys = []

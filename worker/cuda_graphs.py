@@ -4,15 +4,19 @@ An eager decode step of an 8B model launches over a thousand kernels; their Pyth
 (tens of milliseconds) is the step's time on a fast GPU, and any other Python thread in the process
 (adapter loads) stretches it further. A captured step is replayed with one call.
 
-A graph is captured per (batch-size bucket, rank bound), all of them at engine start (`capture_all`):
-rank bound 0 is the step without adapters, the others the rank classes of `rank_bounds` up to the
-pool's largest rank. A step pads its batch to its bucket, replays the graph of the smallest bound that
-holds its adapters' ranks, and copies every per-step input into static buffers before the replay. The
-LoRA kernels size their grids and tiles for the batch's rank bound and programs for its segments: on
-the H200, one layer's delta for 32 rank-16 adapters took 94 us (T=64) and 143 us (T=256) in graphs
-sized for the pool's rank 64 with one segment per row, against 58 and 66 us now and 54 and 58 us for
-the exact batch of an eager step (bench/results/kernels_graph_bounds_20261201_h200.json). What makes
-the step capturable:
+A graph is captured per (batch-size bucket, rank bound, planning rank), all of them at engine start
+(`capture_all`): rank bound 0 is the step without adapters, the others the rank classes of
+`rank_bounds` up to the pool's largest rank, each with every class up to it as the rank the kernels
+plan their grids for (a batch's mean rank: mixed ranks are not planned as if all were the largest). A
+step pads its batch to its bucket, replays the graph of the smallest bound that holds its adapters'
+ranks and the smallest planning rank at or above their mean, and copies every per-step input into
+static buffers before the replay. The LoRA kernels size their grids and tiles for the batch's ranks
+and programs for its segments: on the H200, one layer's delta for 32 rank-16 adapters took 94 us
+(T=64) and 143 us (T=256) in graphs sized for the pool's rank 64 with one segment per row, against
+58 and 67 us now and 54 and 58 us for the exact batch of an eager step; mixed ranks {8, 16, 32, 64}
+took 141 and 210 us, now 83 and 97 us, against 83 and 88 us (planning ranks: without them, 105 and
+124 us; bench/results/kernels_graph_plans_20261201_h200.json, kernels_graph_bounds_20261201_h200.json).
+What makes the step capturable:
 
 * padding rows: token 0 at position 0, `slot_mapping` -1 (writes no KV), context length 0 (attention
   returns zeros), adapter slot -1 (the LoRA kernels skip it);
@@ -106,6 +110,19 @@ def rank_bounds(max_rank: int) -> list[int]:
     return [*bounds, max_rank]
 
 
+def graph_ranks(pool_max_rank: int, max_rank: int, mean_rank: float) -> tuple[int, int]:
+    """(rank bound, planning rank) of the graph a step replays in a pool of rank pool_max_rank: the smallest
+    bound at or above the step's largest rank (0, unknown: the pool's), and the smallest one at or above
+    its mean rank (0: the bound). Running example, pool 64: ranks {8, 16} -> (16, 16); {8, 40}, mean 20 -> (64, 32)."""
+    bounds = rank_bounds(pool_max_rank)
+
+    def pick(rank: float) -> int:
+        return bounds[min(bisect.bisect_left(bounds, rank), len(bounds) - 1)]
+
+    bound = pick(max_rank or pool_max_rank)
+    return bound, min(bound, pick(mean_rank or bound))
+
+
 def layout_key(layout: LoRALayout | None) -> tuple:
     """Addresses a captured graph reads the adapter layout from."""
     if layout is None:
@@ -124,6 +141,7 @@ class DecodeInputs:
     block_tables: list[list[int]]
     token_slots: list[int]  # adapter slot per sequence, -1 = none
     max_rank: int = 0  # largest rank of the step's adapters (host-side); 0: unknown, the graph of the pool's rank
+    mean_rank: float = 0.0  # their mean over the step's tokens with an adapter; 0: unknown, planned for max_rank
 
 
 @dataclass
@@ -168,7 +186,7 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(n + 1, **i32)
         self.max_blocks = max_blocks
         self.logits: torch.Tensor | None = None  # float32 [n, V]: every graph writes its rows here (one buffer for all)
-        self._graphs: dict[tuple[int, int], _Graph] = {}  # (bucket, rank bound; 0: no adapters) -> graph
+        self._graphs: dict[tuple[int, int, int], _Graph] = {}  # (bucket, rank bound, planning rank; 0, 0: no adapters) -> graph
         self._pool = torch.cuda.graph_pool_handle()
         self.captures = 0  # graphs captured so far (a re-capture counts again)
         self.replays = 0
@@ -182,27 +200,25 @@ class DecodeGraphs:
     def fits(self, inputs: DecodeInputs) -> bool:
         return self.bucket(len(inputs.input_ids)) is not None and max(map(len, inputs.block_tables)) <= self.max_blocks
 
-    def rank_bound(self, max_rank: int) -> int:
-        """The rank bound of the graph a step whose adapters' largest rank is max_rank replays (0: none;
-        a rank above every bound, or unknown, takes the pool's)."""
+    def graph_key(self, inputs: DecodeInputs, size: int) -> tuple[int, int, int]:
+        """(bucket, rank bound, planning rank) of the graph a step replays."""
         layout = self.lora_layout()
-        if max_rank <= 0 or layout is None:
-            return 0
-        bounds = rank_bounds(layout.max_rank)
-        i = bisect.bisect_left(bounds, max_rank)
-        return bounds[min(i, len(bounds) - 1)]
+        if layout is None or not any(s >= 0 for s in inputs.token_slots):
+            return size, 0, 0
+        return size, *graph_ranks(layout.max_rank, inputs.max_rank, inputs.mean_rank)
 
     def _num_segments(self, size: int) -> int:
         layout = self.lora_layout()
         return graph_segments(size, self.lora_segment_len, layout.max_slots if layout is not None else size)
 
-    def _context(self, size: int, bound: int) -> ForwardContext:
+    def _context(self, size: int, bound: int, plan: int) -> ForwardContext:
         layout = self.lora_layout() if bound else None
         lora = None
         if bound:
             segs = self._num_segments(size)
             lora = LoRABatch(token_slots=self.token_slots[:size], sorted_token_ids=self.sorted_ids[:size],
-                             seg_starts=self.seg_starts[: segs + 1], seg_slots=self.seg_slots[:segs], max_rank=bound)
+                             seg_starts=self.seg_starts[: segs + 1], seg_slots=self.seg_slots[:segs], max_rank=bound,
+                             mean_rank=float(plan))
         return ForwardContext(
             input_ids=self.input_ids[:size], positions=self.positions[:size], slot_mapping=self.slot_mapping[:size],
             block_tables=self.block_tables[:size], context_lens=self.context_lens[:size],
@@ -216,9 +232,9 @@ class DecodeGraphs:
             self.logits = torch.empty(self.buckets[-1], self.model.lm_head.shape[0], dtype=torch.float32, device=self.device)
         return self.model.compute_logits(self.model(ctx), out=self.logits[:size])
 
-    def _capture(self, size: int, bound: int) -> _Graph:
+    def _capture(self, size: int, bound: int, plan: int) -> _Graph:
         self._fill(DecodeInputs([], [], [], [], [], []), size)  # padding rows only: nothing written to the KV cache
-        ctx = self._context(size, bound)
+        ctx = self._context(size, bound, plan)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -257,27 +273,28 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture_all(self) -> None:
-        """Capture every bucket, without adapters and at each rank bound, now (at start) rather than on first use."""
+        """Capture every bucket, without adapters and at each (rank bound, planning rank), now (at start)
+        rather than on first use."""
         layout = self.lora_layout()
-        bounds = [0, *(rank_bounds(layout.max_rank) if layout is not None else [])]
+        bounds = rank_bounds(layout.max_rank) if layout is not None else []
+        ranks = [(0, 0), *((bound, plan) for bound in bounds for plan in bounds if plan <= bound)]
         for size in reversed(self.buckets):  # the largest first: its memory serves the smaller ones
-            for bound in bounds:
-                if (size, bound) not in self._graphs:
-                    self._graphs[(size, bound)] = self._capture(size, bound)
+            for bound, plan in ranks:
+                if (size, bound, plan) not in self._graphs:
+                    self._graphs[(size, bound, plan)] = self._capture(size, bound, plan)
 
     @torch.inference_mode()
     def run(self, inputs: DecodeInputs) -> torch.Tensor:
         """float32 logits [num_seqs, V] of one decode step (`fits(inputs)` must hold)."""
         n = len(inputs.input_ids)
         size = self.bucket(n)
-        with_lora = any(s >= 0 for s in inputs.token_slots)
-        bound = self.rank_bound(inputs.max_rank or (1 << 30)) if with_lora else 0
-        key = (size, bound)
+        key = self.graph_key(inputs, size)
+        _, bound, plan = key
         entry = self._graphs.get(key)
         if entry is not None and bound and entry.layout_key != layout_key(self.lora_layout()):
             entry = None  # the layout moved: the old graph would read stale addresses
         if entry is None:  # not captured at start, or the layout moved since
-            entry = self._graphs[key] = self._capture(size, bound)
+            entry = self._graphs[key] = self._capture(size, bound, plan)
         self._fill(inputs, size)
         entry.graph.replay()
         self.replays += 1

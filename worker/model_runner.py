@@ -133,6 +133,7 @@ class ModelRunner:
         """Host inputs of a pure decode step (every sequence adds one token and samples)."""
         bs = self.block_manager.block_size
         inputs = DecodeInputs([], [], [], [], [], [])
+        rank_sum, num_lora = 0, 0
         for seq in batch.decodes:
             pos = seq.num_computed_tokens
             table = seq.block_table
@@ -143,7 +144,10 @@ class ModelRunner:
             inputs.block_tables.append(table)
             inputs.token_slots.append(-1 if seq.adapter_slot is None else seq.adapter_slot)
             if seq.adapter_slot is not None:
-                inputs.max_rank = max(inputs.max_rank, self.slot_max_rank(seq.adapter_slot))
+                rank = self.slot_max_rank(seq.adapter_slot)
+                inputs.max_rank = max(inputs.max_rank, rank)
+                rank_sum, num_lora = rank_sum + rank, num_lora + 1
+        inputs.mean_rank = rank_sum / num_lora if num_lora else 0.0
         return inputs
 
     @torch.inference_mode()

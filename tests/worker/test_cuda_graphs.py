@@ -12,6 +12,7 @@ import torch
 from lorafleet.worker import Engine, EngineConfig, SamplingParams
 from lorafleet.worker.cuda_graphs import (
     batch_buckets,
+    graph_ranks,
     graph_segments,
     group_by_slot,
     padded_groups,
@@ -54,6 +55,15 @@ def test_rank_bounds_are_the_kernels_rank_classes_up_to_the_pools():
     assert rank_bounds(128) == [16, 32, 64, 128]
 
 
+def test_graph_ranks_pick_the_smallest_bound_and_planning_rank_that_hold_the_step():
+    assert graph_ranks(64, 16, 16.0) == (16, 16) and graph_ranks(64, 4, 4.0) == (16, 16)
+    assert graph_ranks(64, 17, 17.0) == (32, 32)
+    assert graph_ranks(64, 40, 20.0) == (64, 32) and graph_ranks(64, 64, 8.0) == (64, 16)
+    assert graph_ranks(64, 0, 0.0) == (64, 64)  # unknown: the pool's rank, planned for it
+    assert graph_ranks(64, 999, 999.0) == (64, 64)
+    assert graph_ranks(100, 70, 50.0) == (100, 64) and graph_ranks(8, 3, 2.0) == (8, 8)
+
+
 @pytest.mark.parametrize("most", [1, 8, 16, 64])
 def test_graph_segments_hold_every_step_of_the_bucket(most):
     """However a step of at most `size` rows spreads over `max_slots` slots, its segments fit the graph's
@@ -91,8 +101,8 @@ def graph_adapters(tiny_llama_dir, tmp_path_factory):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype, max_lora_rank", [("float32", 16), ("bfloat16", 16), ("float32", 64)])
 def test_graph_decode_matches_eager(tiny_llama_dir, graph_adapters, dtype, max_lora_rank):
-    """max_lora_rank 64: graphs at rank bounds 16, 32 and 64; steps of ranks <= 16 replay the first, a
-    step holding the rank-40 adapter the last."""
+    """max_lora_rank 64: graphs at rank bounds 16, 32 and 64 (each with its planning ranks); steps of
+    ranks <= 16 replay bound 16, a step holding the rank-40 adapter bound 64."""
     rng = random.Random(0)
     names = [None, "g4", "g8", "g16"] if max_lora_rank == 16 else [None, "g4", "g8", "g16", "g40"]
     adapters = [names[i % len(names)] for i in range(13)]
@@ -109,10 +119,9 @@ def test_graph_decode_matches_eager(tiny_llama_dir, graph_adapters, dtype, max_l
             g = engine.runner.graphs
             # Captured once at start (every bucket, without adapters and at each rank bound); the layout never moved.
             bounds = rank_bounds(max_lora_rank)
-            assert g is not None and g.captures == (1 + len(bounds)) * len(g.buckets) and g.replays > 10
-            assert g.rank_bound(0) == 0 and g.rank_bound(4) == bounds[0] and g.rank_bound(1 << 30) == max_lora_rank
-            if max_lora_rank == 64:
-                assert g.rank_bound(16) == 16 and g.rank_bound(17) == 32 and g.rank_bound(40) == 64
+            pairs = len(bounds) * (len(bounds) + 1) // 2  # (rank bound, planning rank <= bound)
+            assert g is not None and g.captures == (1 + pairs) * len(g.buckets) and g.replays > 10
+            if max_lora_rank == 64:  # steps without g40 replay bound 16, with it bound 64
                 assert g.replays_by_bound[16] > 0 and g.replays_by_bound[64] > 0
         else:
             assert engine.runner.graphs is None
