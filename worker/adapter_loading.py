@@ -128,6 +128,7 @@ class AdapterLoading:
         self._wanted.pop(entry.key, None)
         if self._pending.get(entry.name) == entry.key:
             del self._pending[entry.name]  # the current version keeps serving
+            self._kept.pop(entry.name, None)
         self._counts["load_failures"] += 1
         self.metrics.load_failures.labels(tier).inc()
         self._failures.append((entry.key, err))

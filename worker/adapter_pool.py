@@ -13,9 +13,10 @@ version loads it beside the old one and switches `resolve` when it is resident; 
 old slot finish on it, and the old version is dropped (pages and slot freed) as soon as nothing holds
 it: no reference, no copy in flight, no queued request it was loaded for. The same goes for a version
 unregistered or removed. A version registered beside the current one (`make_current=False`, a canary)
-is promoted with `make_current(key)`, which retires the old one the same way. The content digest of a
-key is fixed at its first load: a reload with other bytes fails instead of serving them under the old
-key; a dropped key is forgotten, and registering it again makes a fresh version.
+is promoted with `make_current(key)`, which retires the old one the same way; the current version
+registered again as a canary while a new one loads stays registered beside it (a swap). The content
+digest of a key is fixed at its first load: a reload with other bytes fails instead of serving them
+under the old key; a dropped key is forgotten, and registering it again makes a fresh version.
 
 Here: the public verbs; registration and versions in adapter_versions.py, loading in
 adapter_loading.py, placement and eviction in adapter_placement.py, keeping a directive's `warm`
@@ -85,6 +86,7 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
         self._pinned_keys: set[str] = set()
         self._current: dict[str, str] = {}  # name -> key that resolve() answers
         self._pending: dict[str, str] = {}  # name -> new version loading beside the current one
+        self._kept: dict[str, str] = {}  # name -> its current key, registered again as a canary: kept at the switch
         self._slot_owner: dict[int, AdapterEntry] = {}
         self._free_slots = list(range(config.max_slots - 1, -1, -1))
         self._wanted: dict[str, None] = {}  # keys to bring to the GPU, in request order

@@ -8,6 +8,9 @@ reference (requests in flight finish on it), no copy in flight, no queued reques
 A dropped version is forgotten: registering the same `name@version` again makes a fresh one (its new
 tenant, its new weights). While a retired version is still held, registering it again brings it back
 for the new tenant if the weights are the same, and refuses other weights (one key, one content).
+Except a current version registered again with `make_current=False` while a new one loads to replace it:
+it becomes the new one's canary (stable and canary swapped in one push), so the switch keeps it
+registered, not current (`_kept`), instead of retiring it.
 It works on the pool's state declared in `AdapterPool.__init__`.
 """
 
@@ -24,8 +27,9 @@ class AdapterVersions:
         """Register `name@version` from CPU `weights` (packed now, read_seconds after the caller read them:
         the disk -> CPU load time; re-read through `weights.reload` if it has one, so the CPU tier alone
         bounds the copies kept) or a `loader` (run in a loader thread on first use). A second version loads
-        beside the first, current once resident unless the first is added again; a key's content is fixed
-        while it is registered or held."""
+        beside the first, current once resident unless the first is added again (as current; as a canary,
+        `make_current=False`, it stays registered beside the second once that is current); a key's content
+        is fixed while it is registered or held."""
         name, version = split_key(key)
         if weights is None and loader is None:
             raise ValueError(f"{key}: give weights or a loader")
@@ -65,6 +69,7 @@ class AdapterVersions:
             elif make_current and self._current[name] != key:
                 old_pending = self._pending.get(name)
                 self._pending[name] = key
+                self._kept.pop(name, None)  # only a canary registration after this one keeps the current version
                 if old_pending is not None and old_pending != key:
                     self._retire(self._entries[old_pending])
                 if entry.resident:
@@ -72,7 +77,10 @@ class AdapterVersions:
                 else:
                     self._want(entry)
             elif make_current and (loading := self._pending.pop(name, None)) not in (None, key):
+                self._kept.pop(name, None)
                 self._retire(self._entries[loading])  # it stays current: the version loading to replace it goes
+            elif not make_current and self._current[name] == key and name in self._pending:
+                self._kept[name] = key  # the old stable version is the new one's canary: kept at the switch
             if pinned:
                 self._want(entry)
             self._update_gauges()
@@ -85,6 +93,7 @@ class AdapterVersions:
         Raises AdapterNotFoundError for a key that is not registered."""
         with self._lock:
             entry = self._get(key)
+            self._kept.pop(entry.name, None)
             pending = self._pending.pop(entry.name, None)
             if pending is not None and pending != key:
                 self._retire(self._entries[pending])
@@ -113,6 +122,7 @@ class AdapterVersions:
                 raise AdapterNotFoundError(f"adapter {name!r} is not registered")
             self._current.pop(name, None)
             self._pending.pop(name, None)
+            self._kept.pop(name, None)
             for key in keys:
                 self._retire(self._entries[key], reason="unregister")
             self._update_gauges()
@@ -125,6 +135,7 @@ class AdapterVersions:
                 raise ValueError(f"{key} is the current version of {entry.name}; unregister the name instead")
             if self._pending.get(entry.name) == key:
                 del self._pending[entry.name]
+                self._kept.pop(entry.name, None)
             self._retire(entry, reason="unregister")
             self._update_gauges()
 
@@ -136,11 +147,13 @@ class AdapterVersions:
         return entry
 
     def _switch(self, entry: AdapterEntry) -> None:
-        """Atomic version switch: one assignment under the lock; the old version retires."""
+        """Atomic version switch: one assignment under the lock; the old version retires, unless it was
+        registered again as a canary while this one loaded (`_kept`): then it stays registered."""
         old_key = self._current.get(entry.name)
         self._current[entry.name] = entry.key
         self._pending.pop(entry.name, None)
-        if old_key is not None and old_key != entry.key:
+        kept = self._kept.pop(entry.name, None)
+        if old_key is not None and old_key not in (entry.key, kept):
             self._retire(self._entries[old_key], reason="version")
 
     def _retire(self, entry: AdapterEntry, reason: str = "version") -> None:

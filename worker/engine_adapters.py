@@ -2,7 +2,8 @@
 
 Thin and explicit: each verb calls `Engine` or its `AdapterPool`. A canary is registered beside the
 current version (`make_current=False`) and promoted with `make_adapter_current`, which retires the
-previous stable version.
+previous stable version. The current version registered as a canary while a new stable version loads
+(stable and canary swapped) stays registered once the new one is current (worker/adapter_versions.py).
 """
 
 from __future__ import annotations

@@ -22,6 +22,14 @@ once it has loaded; until then v2 stays in the table as the fallback: if v3 fail
 (`mark_failed`), bare `sql` requests go back to v2, as a failed canary's users go back to stable. The
 first push after v3 has loaded retires v2.
 
+Stable and canary swapped in one push (gen 8 {sql: stable v4, canary v3 at 10 %} after {sql: stable v3,
+canary v4 at 10 %}), or a new stable v4 rolled out with v3 kept as its canary: a loaded v4 becomes
+current at once (v3 retires and is registered again as the canary). A v4 not loaded becomes current as a
+new stable version does, once it has loaded: v3, registered again as its canary, stays the engine's current
+version and the fallback until then, and registered as the canary after. Meanwhile the split is already
+the new one: the canary share is served by v3, the rest waits for v4's load, as after gen 7; if v4 fails
+to load, every user goes back to v3.
+
 A local `--adapters DIR` folder that failed to load at start-up (worker/adapter_dir.py) is reported the
 way a pushed version that failed is: an entry of the state's `adapters` with its `error`, its version
 `unstaged` (as the stager's seed reports a folder it could not stage: no version of it exists), tier
@@ -36,8 +44,9 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
+from lorafleet.worker.adapter_host import AdapterHost
 from lorafleet.worker.canary import CanaryResolver, VersionSplit
 from lorafleet.worker.directives import (
     UNSTAGED,
@@ -53,22 +62,6 @@ from lorafleet.worker.tenants import Tenant
 
 log = logging.getLogger(__name__)
 _KEY_RE = re.compile(r"\b([A-Za-z0-9][A-Za-z0-9._-]*)@([A-Za-z0-9._-]*[A-Za-z0-9_-])")  # name@version in a message
-
-
-class AdapterHost(Protocol):
-    """What this registry needs from the engine (worker/engine.py)."""
-
-    def register_adapter(self, name: str, source: str, *, version: str | None = None, tenant: str | None = None,
-                         pinned: bool = False, make_current: bool = True, sha256: str | None = None) -> str: ...
-    def make_adapter_current(self, key: str) -> None: ...
-    def unregister_adapter(self, name: str) -> None: ...
-    def remove_adapter_version(self, key: str) -> None: ...
-    def set_adapter_pinned(self, key: str, pinned: bool) -> None: ...
-    def set_adapter_priority(self, key: str, priority: int) -> None: ...
-    def set_adapter_warm(self, key: str, warm: bool) -> None: ...
-    def prefetch_adapter(self, key: str) -> None: ...
-    def describe_adapters(self) -> list[dict[str, Any]]: ...
-    def configure_pool(self, *, eviction: str | None, cpu_bytes: int | None) -> None: ...
 
 
 class VersionUnavailable(APIError):
@@ -171,7 +164,8 @@ class ServedAdapters:
             if version == split.canary:  # its share of users goes back to the stable version
                 served.split = VersionSplit(split.stable)
             elif version == split.stable and served.fallback not in (None, *served.errors):  # ...a new stable's, to the old
-                served.split = VersionSplit(served.fallback, split.canary, split.canary_weight)
+                swapped = split.canary == served.fallback  # the old one was its canary: now it takes all users
+                served.split = VersionSplit(served.fallback, *(() if swapped else (split.canary, split.canary_weight)))
                 served.fallback = None
 
     # ---- changes (blocking engine calls: run them off the event loop, one at a time) -------------
@@ -203,10 +197,11 @@ class ServedAdapters:
             self.settings = settings
         old_table = self._adapters
         promoted: list[tuple[ServedAdapter, str, str | None]] = []  # canaries that become stable (and sha256)
-        table = {d.name: self._register(d, old_table.get(d.name), engine, promoted) for d in state.adapters}
+        loaded = _loaded(engine.describe_adapters())  # what a swap of stable and canary may switch to now
+        table = {d.name: self._register(d, old_table.get(d.name), engine, promoted, loaded) for d in state.adapters}
         held = engine.describe_adapters()
         current = {a["name"]: a["version"] for a in held if a.get("current")}
-        loaded = {a["key"] for a in held if a.get("tier") in ("gpu", "cpu") and not a.get("error")}
+        loaded = _loaded(held)
         # A promoted canary that has loaded switches at once; one that never did (no user reached it) is made
         # current as a new stable version is, once it has loaded, the old one kept as the fallback meanwhile.
         switch = [(s, v) for s, v, _ in promoted if f"{s.name}@{v}" in loaded]
@@ -243,26 +238,32 @@ class ServedAdapters:
         return True
 
     def _register(self, d: AdapterDirective, old: ServedAdapter | None, engine: AdapterHost,
-                  promoted: list[tuple[ServedAdapter, str, str | None]]) -> ServedAdapter:
+                  promoted: list[tuple[ServedAdapter, str, str | None]], loaded: set[str]) -> ServedAdapter:
         versions = {d.stable.version: d.stable.uri}
         digests = {d.stable.version: d.stable.sha256}  # the files must hash to it (None: not checked)
         if d.canary is not None:
             versions[d.canary.version] = d.canary.uri
             digests[d.canary.version] = d.canary.sha256
         served = ServedAdapter(d.name, d.tenant, VersionSplit(d.stable.version), warm=d.warm, pinned=d.pinned)
-        # The old stable version stays as the canary (a rollback): the new stable's switch would retire
-        # it, so the switch happens now and the old version is registered again (it comes back).
+        # The old stable version stays as the canary (stable and canary swapped, or a new stable version with
+        # the old one kept as its canary); it is registered again as the canary after the new stable version.
         demoted = old.split.stable if old is not None and old.split.stable != d.stable.version else None
         if demoted not in versions:
             demoted = None
         fallback = False
         for version, uri in versions.items():
-            keep = (old is not None and old.sources.get(version) == uri and version not in old.errors
-                    and version != demoted)
             stable = version == d.stable.version
+            key = f"{d.name}@{version}"
+            # Registered as is; not the old fallback as the canary: the engine retires it once its successor loaded.
+            keep = (old is not None and old.sources.get(version) == uri and version not in old.errors
+                    and version != demoted and (stable or version != old.fallback))
+            # The stable version of a swap (module doc): switched now if loaded, else registered as current.
+            swap = stable and demoted is not None
+            if swap and key not in loaded:
+                keep = False
             # A version kept registered beside the stable one (a canary) that now becomes stable. One
             # registered again (it had failed) switches in the engine once loaded, like a new version.
-            is_promoted = stable and keep and version != old.split.stable
+            is_promoted = stable and keep and version != old.split.stable and not swap
             registered = keep
             try:
                 source = local_source(uri)
@@ -270,9 +271,8 @@ class ServedAdapters:
                     engine.register_adapter(d.name, source, version=version, tenant=d.tenant, pinned=d.pinned,
                                             make_current=stable, sha256=digests[version])
                 registered = True
-                key = f"{d.name}@{version}"
-                if stable and demoted is not None:
-                    engine.make_adapter_current(key)  # the old stable version retires (and comes back below)
+                if swap and keep:
+                    engine.make_adapter_current(key)  # loaded: the old stable version retires (and comes back below)
                 elif is_promoted:
                     promoted.append((served, version, digests[version]))  # switched once the table is published
                 engine.set_adapter_pinned(key, d.pinned)
@@ -311,12 +311,13 @@ class ServedAdapters:
         """A new stable version registered but not loaded yet: the engine keeps `current`, the version
         serving until now, until the new one is resident. The table keeps it too, as the fallback that
         `mark_failed` sends requests back to if the new one fails to load, instead of answering them all
-        503. Once the engine has switched (the new version loaded), the next push retires it as usual."""
-        if current is None or current == served.split.stable or current in served.sources:
-            return  # switched already (loaded, or a promoted canary), or still served anyway
+        503 (also when it is the new one's canary: a swap). Once the engine has switched (the new version
+        loaded), the next push retires it as usual, or keeps it as the canary."""
+        if current is None or current == served.split.stable:
+            return  # switched already (loaded, or a promoted canary)
         if current not in (old.split.stable, old.fallback) or current in old.errors:
             return
-        served.sources[current] = old.sources[current]
+        served.sources.setdefault(current, old.sources[current])  # or served as the canary (a swap) anyway
         served.fallback = current
 
     def load(self, name: str, path: str, engine: AdapterHost) -> str:
@@ -384,6 +385,11 @@ class ServedAdapters:
         for name in self.startup_errors:
             out.setdefault(f"{name}@{UNSTAGED}", {"tenant": None, "traffic_percent": 0})
         return out
+
+
+def _loaded(held: list[dict[str, Any]]) -> set[str]:
+    """Keys of the versions the engine holds in memory (GPU or CPU), without a load error."""
+    return {a["key"] for a in held if a.get("tier") in ("gpu", "cpu") and not a.get("error")}
 
 
 def _traffic_percent(split: VersionSplit, version: str) -> int:
