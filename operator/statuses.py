@@ -3,7 +3,9 @@
 An adapter is Ready when every worker that should hold it GPU-resident reports its stable version (and its
 canary, which a warm worker prefetches too) at tier ``gpu`` without error, every ready worker has it registered, and every worker that reports its traffic
 split sends the name's users as the spec says (an edit of the canary, its removal or promotion is Loading
-until applied; meanwhile stableVersion, canaryVersion and canaryWeight are the split the workers report). Conditions keep their
+until applied; meanwhile stableVersion, canaryVersion and canaryWeight are the split the workers report). A
+warm worker whose GPU adapter slots are all held by pinned adapters can never make it resident: Degraded,
+naming the worker and what to change, rather than Loading for ever. Conditions keep their
 ``lastTransitionTime`` until their status flips.
 """
 
@@ -29,7 +31,7 @@ def adapter_status(a: AdapterSpec, live: list[WorkerIndex], warm_pods: list[str]
                    requested: int | None = None, failure: str | None = None) -> dict[str, Any]:
     """The status of an adapter served as ``a``. ``failure``: why its current spec is refused while ``a``,
     its last valid spec, stays in force (phase Failed, yet the fields say what is really served)."""
-    instances, errors = [], []
+    instances, errors, slot_bound = [], [], []
     versions_seen: set[str] = set()
     registered = resident = canary_registered = canary_resident = 0
     size = 0
@@ -40,6 +42,11 @@ def adapter_status(a: AdapterSpec, live: list[WorkerIndex], warm_pods: list[str]
                 errors.append(f"{w.pod}: {st.name}@{st.version}: {st.error}")
                 continue
             versions_seen.add(st.version)
+            if w.pod in warm_set and st.num_pinned_slots is not None and st.tier != "gpu" and st.version in (
+                    a.version, a.canary.version if a.canary else None):  # Ready would wait for ever
+                slot_bound.append(f"warm worker {w.pod}: all {st.num_pinned_slots} of its GPU adapter slots "
+                                  f"(--max-loras) are held by pinned adapters, so {st.name}@{st.version} cannot "
+                                  "become GPU-resident there")
             if st.tier != "none":
                 instances.append({"pod": w.pod, "version": st.version, "tier": st.tier})
             if st.version == a.version:
@@ -80,6 +87,10 @@ def adapter_status(a: AdapterSpec, live: list[WorkerIndex], warm_pods: list[str]
         phase, msg = "Pending", f"no ready worker matches LoRAPool {a.pool!r} spec.workerSelector"
     elif errors:
         phase, msg = "Degraded", "; ".join(errors) + " (failed versions are re-pushed with a backoff)"
+    elif slot_bound:  # an older worker does not say (num_pinned_slots absent): Loading, as before
+        phase = "Degraded"
+        msg = "; ".join(slot_bound) + ("; raise --max-loras of the pool's workers, or unpin an adapter there "
+                                       "(spec.pinned: false on its LoRAAdapter)")
     elif requested is not None and target < requested:
         phase = "Degraded"
         asks = ("spec.pinned: true (with warm: 0) asks for 1 GPU-resident copy" if a.pinned and a.warm == 0

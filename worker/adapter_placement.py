@@ -50,11 +50,10 @@ class AdapterPlacement:
             elif entry.image.num_pages > most:
                 self._fail(entry, f"needs {entry.image.num_pages} pages; adapters may use at most {most} pages of "
                                   f"the pool (raise the pool size or the adapter ceiling)", tier="gpu")
-            elif not self._free_slots and all(e.pinned for e in self._slot_owner.values()):
+            elif (pinned := self.pinned_slot_keys()) is not None:
                 # Pinned adapters never leave on their own: waiting would hang the request.
-                pinned = ", ".join(sorted(e.key for e in self._slot_owner.values()))
-                self._fail(entry, f"every adapter slot ({len(self._slot_owner)}, --max-loras) is held by pinned "
-                                  f"adapters ({pinned}); unpin one or raise --max-loras", tier="gpu", retryable=True)
+                self._fail(entry, f"every adapter slot ({len(pinned)}, --max-loras) is held by pinned adapters "
+                                  f"({', '.join(pinned)}); unpin one or raise --max-loras", tier="gpu", retryable=True)
             return False
         quota = self.config.quota(entry.tenant)
         for victim in victims:

@@ -27,6 +27,16 @@ class AdapterReports:
                 })
             return out
 
+    def pinned_slot_keys(self) -> list[str] | None:
+        """Keys of the adapters holding the GPU slots when every slot (--max-loras) is held by a pinned one,
+        else None. Pinned adapters never leave on their own: until one is unpinned or --max-loras raised, no
+        other version can become GPU-resident (a warm one that pressure evicted is never placed again)."""
+        with self._lock:
+            owners = list(self._slot_owner.values())
+            if self._free_slots or not all(e.pinned for e in owners):
+                return None
+            return sorted(e.key for e in owners)
+
     def registered(self) -> list[str]:
         with self._lock:
             return [k for k, e in self._entries.items() if not e.retired]

@@ -10,8 +10,10 @@ failed: worker/served_adapters.py), `"startup": {"adapters": DIR, "errors": {fol
 the adapter paths and registering them read the file system (a hung mount may block for minutes), so
 both run off the event loop, one admin change at a time: health probes and requests for adapters
 already served are answered meanwhile. A change that unregisters a name (a push that no longer lists
-it, an unload) or retires a version (a rolled-back canary, a replaced stable version) drops its request
-metrics.
+it, an unload) or retires a version (a rolled-back canary, a replaced stable version) retires its request
+metrics (dropped once no request runs on it and a scrape could read its last counts: worker/metrics.py).
+While every GPU adapter slot is held by a pinned adapter, each other version reported says so
+(`num_pinned_slots`): it cannot become GPU-resident here until one is unpinned or --max-loras raised.
 """
 
 from __future__ import annotations
@@ -139,6 +141,11 @@ def state_report(app: web.Application) -> dict[str, Any]:
     adapters, host = app[ADAPTERS], app[HOST]
     engine = app[ENGINE].engine
     report = adapters.report(host)
+    holders = engine.adapter_pool.pinned_slot_keys()  # None unless every GPU adapter slot is pinned
+    if holders is not None:  # the others are stuck off the GPU until one is unpinned or --max-loras raised
+        for st in report.adapters:
+            if f"{st.name}@{st.version}" not in holders:
+                st.num_pinned_slots = len(holders)
     stats = host.pool_stats()
     if stats:
         report.pool_bytes = int(stats.get("capacity_bytes", 0))

@@ -221,6 +221,12 @@ class AdapterState:
     # Share of the name's users the worker sends to this version now (its split as applied); None: not told
     # (a version only staged on disk, or a worker that does not report it).
     traffic_percent: int | None = None
+    # The stager is still staging it for the push it applies (a download in progress): not lost, on its way.
+    staging: bool = False
+    # Set when this version is not GPU-resident and cannot become so on this worker: every one of its GPU
+    # adapter slots (--max-loras), this many, is held by a pinned adapter. None: it can, or the worker does
+    # not say (an older one).
+    num_pinned_slots: int | None = None
 
     def __post_init__(self) -> None:
         _name(self.name, "name")
@@ -232,6 +238,9 @@ class AdapterState:
         _require(self.error is None or isinstance(self.error, str), "error", "must be a string or null")
         if self.traffic_percent is not None:
             _int(self.traffic_percent, "traffic_percent", lo=0, hi=100)
+        _bool(self.staging, "staging")
+        if self.num_pinned_slots is not None:
+            _int(self.num_pinned_slots, "num_pinned_slots", lo=1)
 
     @property
     def is_loaded(self) -> bool:
@@ -242,7 +251,7 @@ class AdapterState:
     def from_dict(cls, data: Any) -> AdapterState:
         _require(isinstance(data, dict), "adapters[]", "must be an object")
         known = {k: data[k] for k in ("name", "version", "tier", "refcount", "hits", "bytes", "pinned", "error",
-                                      "traffic_percent") if k in data}
+                                      "traffic_percent", "staging", "num_pinned_slots") if k in data}
         try:
             return cls(**known)
         except TypeError as exc:

@@ -4,9 +4,11 @@ Request-side series (counts, TTFT, inter-token and end-to-end latency, tokens) a
 HTTP handlers, labelled with the adapter's name and the version the request resolved to (`version`,
 empty for the base model and for requests refused before a version was chosen), so a canary's
 latency and errors can be compared with its stable version's. A name keeps the series of the versions
-it serves: after each admin change (a push, a load, an unload) `retain_served` drops the series of the
-names and versions it retired, and a request that finishes on a version retired meanwhile drops its own
-(`retain_versions`), so /metrics shows what is served, not what was. Batch size and adapters per batch
+it serves: after each admin change (a push, a load, an unload) `retain_served` retires the names and
+versions no longer served, and a request that finishes on a version retired meanwhile retires it too
+(`retain_versions`). A retired version's series stay while requests hold it (`acquire` / `release`) and
+for `retired_grace_s` after its last one was counted, so a scrape sees the final counts of a rolled-back
+canary (retired_series.py); then they go, so /metrics shows what is served, not what was. Batch size and adapters per batch
 are observed once per engine step; queue depth, KV usage, preemptions and the running/waiting adapters
 are read at scrape time from an `EngineSnapshot`. The adapter pool's own series (tier hits/misses, load
 latency, evictions, bytes per tier: adapter_metrics.py) are registered into the same registry with
@@ -26,6 +28,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from lorafleet.worker.retired_series import RetiredSeries
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 BASE_MODEL_LABEL = "__base__"  # the adapter label of requests without an adapter
 UNRESOLVED_LABEL = "__unresolved__"  # the adapter label of requests refused before `model` was resolved
@@ -35,6 +39,9 @@ _TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1
 _COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 _ADAPTER_COUNT_BUCKETS = (0, *_COUNT_BUCKETS)  # 0: a step of base-model requests only
 THROUGHPUT_WINDOW_S = 10.0
+# Seconds a retired version's series outlive its last request: several scrapes at the chart's 15 s, two at
+# Prometheus' default 1 min.
+RETIRED_GRACE_S = 120.0
 
 
 @dataclass(slots=True)
@@ -84,7 +91,8 @@ class _EngineCollector(Collector):
 class WorkerMetrics:
     """All series of one worker, on a registry of its own."""
 
-    def __init__(self, snapshot: Callable[[], EngineSnapshot] = EngineSnapshot) -> None:
+    def __init__(self, snapshot: Callable[[], EngineSnapshot] = EngineSnapshot, *,
+                 retired_grace_s: float = RETIRED_GRACE_S, clock: Callable[[], float] = time.monotonic) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("lorafleet_requests", "Finished HTTP inference requests.",
@@ -108,6 +116,7 @@ class WorkerMetrics:
         self._recent_tokens: deque[tuple[float, int]] = deque()
         # adapter -> version -> (endpoint, status) of its request series: what retain_versions removes
         self._versions: dict[str, dict[str, set[tuple[str, str]]]] = {}
+        self.retired = RetiredSeries(retired_grace_s, clock)
         r.register(_EngineCollector(snapshot, self.tokens_per_second))
 
     def _labels(self, adapter: str | None, version: str) -> tuple[str, str]:
@@ -144,23 +153,41 @@ class WorkerMetrics:
         self._recent_tokens.append((now, num_tokens))
         self._trim(now)
 
+    def acquire(self, adapter: str | None, version: str) -> None:
+        """A request resolved to this version: its series stay, retired or not, until `release`."""
+        self.retired.acquire((adapter or BASE_MODEL_LABEL, version))
+
+    def release(self, adapter: str | None, version: str) -> None:
+        """The request of an `acquire` has been counted."""
+        self.retired.release((adapter or BASE_MODEL_LABEL, version))
+        self.drop_expired()
+
     def retain_versions(self, adapter: str, versions: Collection[str]) -> None:
-        """Drop the request series of `adapter`'s versions not in `versions` (the ones served): each push
-        that rolls out a version would otherwise leave the series of the one it retired, forever."""
-        seen = self._versions.get(adapter)
-        if seen is None:
-            return
-        for version in [v for v in seen if v not in versions]:
-            for endpoint, status in seen.pop(version):
+        """Retire the request series of `adapter`'s versions not in `versions` (the ones served): each push
+        that rolls out a version would otherwise leave the series of the one it retired, forever. They go
+        once no request holds them and their grace is over (`drop_expired`)."""
+        for version in self._versions.get(adapter, ()):
+            key = (adapter, version)
+            if version in versions:
+                self.retired.restore(key)
+            else:
+                self.retired.retire(key)
+        self.drop_expired()
+
+    def drop_expired(self) -> None:
+        """Drop the series of retired versions that no request holds and whose grace is over."""
+        for adapter, version in self.retired.expired():
+            seen = self._versions.get(adapter, {})
+            for endpoint, status in seen.pop(version, ()):
                 self.requests.remove(adapter, version, endpoint, status)
             for metric in (self.ttft, self.inter_token, self.e2e, self.prompt_tokens, self.generation_tokens):
                 with contextlib.suppress(KeyError):  # never observed: older prometheus-client versions raise
                     metric.remove(adapter, version)
-        if not seen:
-            del self._versions[adapter]
+            if not seen:
+                self._versions.pop(adapter, None)
 
     def retain_adapters(self, names: Collection[str]) -> None:
-        """Drop every request series of adapter names not in `names` (the ones served), but the base
+        """Retire every request series of adapter names not in `names` (the ones served), but the base
         model's and the unresolved requests': with tenants' adapters coming and going, the series of
         removed names would otherwise pile up in /metrics for ever."""
         kept = {*names, BASE_MODEL_LABEL, UNRESOLVED_LABEL}
@@ -169,8 +196,9 @@ class WorkerMetrics:
 
     def retain_served(self, served: Mapping[str, Collection[str]]) -> None:
         """Keep the series of the names and versions in `served` (name -> its versions), the base model's
-        and the unresolved requests'; drop the rest. Called when a change retires versions, so that a
-        rolled-back canary or a replaced stable version leaves /metrics then, not at the name's next request."""
+        and the unresolved requests'; retire the rest. Called when a change retires versions, so that a
+        rolled-back canary or a replaced stable version leaves /metrics once its last request was counted and
+        scraped (its grace), not at the name's next request."""
         self.retain_adapters(served)
         for adapter, versions in served.items():
             self.retain_versions(adapter, versions)
@@ -194,4 +222,5 @@ class WorkerMetrics:
             self.registry.register(c)
 
     def render(self) -> bytes:
+        self.drop_expired()  # also without admin changes or requests: a scrape ends the grace of those due
         return generate_latest(self.registry)

@@ -211,8 +211,13 @@ async def _serve(request: web.Request, endpoint: str) -> web.StreamResponse:
     status = 500
     job: CompletionJob | None = None
     resolved: list[str | None] = []  # the engine key the model resolved to, once it did
+
+    def hold(key: str | None) -> None:  # its series stay, even if a push retires it, until this request counts
+        resolved.append(key)
+        metrics.acquire(*_request_labels(key))
+
     try:
-        job = await _prepare(request, endpoint, resolved.append)
+        job = await _prepare(request, endpoint, hold)
         admission, tenant = app[ADMISSION], job.tenant.name
         _admit(app, job, tenant)  # raises, having taken nothing, or took room released just below
         try:
@@ -256,8 +261,10 @@ async def _serve(request: web.Request, endpoint: str) -> web.StreamResponse:
             metrics.observe_request(adapter=failed, version=failed_version, endpoint=endpoint, status=503)
         if adapter is not None and version:  # the series of versions no longer served go
             served = app[ADAPTERS].get(adapter)
-            # A name or version retired while this request ran keeps none: nothing would drop them later.
+            # A version retired before this request first counted on it had no series then: retired here.
             metrics.retain_versions(adapter, served.sources if served is not None else ())
+        for key in resolved:  # counted: a retired version's grace starts now
+            metrics.release(*_request_labels(key))
 
 
 async def completions(request: web.Request) -> web.StreamResponse:

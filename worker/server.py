@@ -292,7 +292,7 @@ def create_app(config: WorkerConfig) -> web.Application:
     app[STATUS] = ServerStatus(started_at=time.time())
     app[ADMISSION] = Admission(config.capacity, config.max_sequences_per_tenant, config.intake_limit)
     app[ADMIN_LOCK] = asyncio.Lock()
-    app[METRICS] = WorkerMetrics(lambda: engine_snapshot(app))
+    app[METRICS] = WorkerMetrics(lambda: engine_snapshot(app), retired_grace_s=config.retired_series_grace_s)
     app[IN_FLIGHT] = set()
     app.cleanup_ctx.append(_engine_ctx)
     app.cleanup_ctx.append(_stager_ctx)

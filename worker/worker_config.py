@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lorafleet.worker.engine_config import EngineConfig
+from lorafleet.worker.metrics import RETIRED_GRACE_S
 from lorafleet.worker.tenants import keys_file_problem
 
 REMOTE_SCHEMES = ("s3://",)
@@ -71,6 +72,10 @@ class WorkerConfig:
     shutdown_grace_s: float = field(
         default=30.0, metadata=_help("on SIGTERM: seconds in-flight requests get to finish; then they end with "
                                      "an error (a stream with an in-band error event)"))
+    retired_series_grace_s: float = field(default=RETIRED_GRACE_S, metadata=_help(
+        "seconds the request series of a retired adapter version (a rolled-back canary, a replaced stable "
+        "version, an unloaded name) stay in /metrics after its last request was counted, so a scrape reads "
+        "the final counts; keep it above Prometheus' scrape interval"))
     stager_port: int = field(default=0, metadata=_help(
         "port of the stager child started for an s3:// --adapters (0 = a free port)"))
     stager_cache_dir: str | None = field(default=None, metadata=_help(
@@ -106,6 +111,8 @@ class WorkerConfig:
             raise ValueError(f"retry_after_s must be >= 1, got {self.retry_after_s}")
         if self.shutdown_grace_s < 0:
             raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
+        if not (math.isfinite(self.retired_series_grace_s) and self.retired_series_grace_s >= 0):
+            raise ValueError(f"retired_series_grace_s must be a finite number >= 0, got {self.retired_series_grace_s}")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise ValueError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
         if self.admin_token is not None and len(self.admin_token) < 8:

@@ -114,7 +114,7 @@ def test_canary_and_stable_versions_are_separate_series():
 def test_series_of_versions_no_longer_served_are_dropped():
     """Every rollout brings a new version: the series of the ones it retired must go, or a long-lived
     worker exposes (and Prometheus stores) one more set per rollout, for ever."""
-    m = WorkerMetrics()
+    m = WorkerMetrics(retired_grace_s=0)  # no grace (see below): retired series go at once
     for version in ("v1", "v2", "v3"):
         _observe_one(m, "sql", version)
     _observe_one(m, "chat", "c1")
@@ -131,7 +131,7 @@ def test_series_of_versions_no_longer_served_are_dropped():
 def test_series_of_names_no_longer_served_are_dropped():
     """Tenants' adapters come and go: every series of a name no longer served goes, the base model's and
     the unresolved requests' stay."""
-    m = WorkerMetrics()
+    m = WorkerMetrics(retired_grace_s=0)
     for adapter, version in (("sql", "v1"), ("sql", "v2"), ("chat", "c1"), ("gone", "g1"), (None, ""),
                              ("__unresolved__", "")):
         _observe_one(m, adapter, version)
@@ -148,7 +148,7 @@ def test_series_of_names_no_longer_served_are_dropped():
 
 def test_retain_served_drops_retired_names_and_versions_at_once():
     """One call after an admin change: names gone and versions retired of the names kept."""
-    m = WorkerMetrics()
+    m = WorkerMetrics(retired_grace_s=0)
     for adapter, version in (("sql", "v1"), ("sql", "v2"), ("chat", "c1"), ("gone", "g1"), (None, "")):
         _observe_one(m, adapter, version)
     m.retain_served({"sql": {"v2"}, "chat": {"c1", "c2"}, "new": {"n1"}})
@@ -156,6 +156,62 @@ def test_retain_served_drops_retired_names_and_versions_at_once():
     assert all(versions == {"c1"} for versions in _versions(m, "chat").values())
     assert _versions(m, "gone") == {} and _versions(m, "__base__")["lorafleet_requests_total"] == {""}
     assert set(m._versions) == {"sql", "chat", "__base__"}
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_retired_version_keeps_its_series_while_held_and_for_its_grace():
+    """A canary rolled back while requests run on it: its series stay until the last of them was counted
+    and, after that, for the grace a scrape needs to read the final counts; then they go."""
+    clock = _Clock()
+    m = WorkerMetrics(retired_grace_s=60, clock=clock)
+    _observe_one(m, "sql", "v1")
+    for _ in range(2):  # two requests resolved to the canary
+        m.acquire("sql", "v2")
+        m.observe_prompt_tokens("sql", 5, version="v2")
+    m.retain_versions("sql", {"v1"})  # the rollback
+    clock.now = 1000.0
+    m.observe_request(adapter="sql", version="v2", endpoint="completions", status=500)
+    m.release("sql", "v2")
+    assert "v2" in _versions(m, "sql")["lorafleet_requests_total"]  # the other request still runs
+    _observe_one(m, "sql", "v2", status=500)
+    m.release("sql", "v2")
+    clock.now = 1059.0
+    s = _samples(m)
+    assert s[("lorafleet_requests_total", (("adapter", "sql"), ("endpoint", "completions"), ("status", "500"),
+                                           ("version", "v2")))] == 2
+    clock.now = 1060.0
+    assert all(versions == {"v1"} for versions in _versions(m, "sql").values()), _versions(m, "sql")
+    assert set(m._versions["sql"]) == {"v1"}
+
+
+def test_a_retired_version_no_request_holds_goes_after_its_grace():
+    clock = _Clock()
+    m = WorkerMetrics(retired_grace_s=60, clock=clock)
+    _observe_one(m, "sql", "v1")
+    _observe_one(m, "gone", "g1")
+    m.retain_served({"sql": set()})  # every version of sql and the name gone retired at t=0
+    clock.now = 59.0
+    assert _versions(m, "sql") and _versions(m, "gone")  # a scrape still reads their last counts
+    clock.now = 60.0
+    assert _versions(m, "sql") == _versions(m, "gone") == {} and not ({"sql", "gone"} & set(m._versions))
+
+
+def test_a_version_served_again_keeps_its_series():
+    clock = _Clock()
+    m = WorkerMetrics(retired_grace_s=60, clock=clock)
+    _observe_one(m, "sql", "v2")
+    m.retain_versions("sql", ())
+    clock.now = 30.0
+    m.retain_versions("sql", {"v2"})  # registered again before its grace was over
+    clock.now = 1000.0
+    assert _versions(m, "sql")["lorafleet_requests_total"] == {"v2"}
 
 
 def test_registries_are_per_instance():

@@ -4,9 +4,12 @@ request metrics of a rollout, per version."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from lorafleet.worker.app_keys import METRICS
 from lorafleet.worker.engine_config import EngineConfig
 from lorafleet.worker.openai_protocol import APIError
 from lorafleet.worker.served_adapters import ServedAdapters
@@ -20,13 +23,14 @@ USERS = [f"u{i}" for i in range(40)]
 
 class SwitchingHost(RecordingHost):
     """Versions as the engine's pool keeps them: a new version registered as current replaces the current one
-    only once it has loaded (`loaded`); a promoted canary replaces it at once; the current one cannot be
-    removed by version."""
+    only once it has loaded (`loaded`), and the current one registered again as a canary meanwhile stays
+    registered after; a promoted canary replaces it at once; the current one cannot be removed by version."""
 
     def __init__(self) -> None:
         super().__init__()
         self.current: dict[str, str] = {}
         self.pending: dict[str, str] = {}
+        self.kept: dict[str, str] = {}  # name -> its current key, kept registered when the pending one switches
 
     def register_adapter(self, name, source, *, version=None, tenant=None, pinned=False, make_current=True,
                          sha256=None):
@@ -36,10 +40,14 @@ class SwitchingHost(RecordingHost):
             self.current[name] = key
         elif make_current and self.current[name] != key:
             self.pending[name] = key
+            self.kept.pop(name, None)
+        elif not make_current and self.current[name] == key and name in self.pending:
+            self.kept[name] = key
         return key
 
     def make_adapter_current(self, key):
         super().make_adapter_current(key)
+        self.kept.pop(key.partition("@")[0], None)
         self._switch(key)
 
     def loaded(self, key):
@@ -50,7 +58,7 @@ class SwitchingHost(RecordingHost):
         name = key.partition("@")[0]
         old, self.current[name] = self.current.get(name), key
         self.pending.pop(name, None)
-        if old not in (None, key):
+        if old not in (None, key, self.kept.pop(name, None)):
             self.keys.pop(old)  # retired, no request holds it
 
     def remove_adapter_version(self, key):
@@ -217,6 +225,8 @@ async def test_request_metrics_tell_canary_from_stable_and_forget_retired_versio
     await push(client, 2, v2)  # v2 promoted: v1 retired
     status, body = await complete(client, "alpha")
     assert status == 200 and body["model"] == "alpha@v2"
+    retired = client.app[METRICS].retired
+    retired.clock = lambda: time.monotonic() + retired.grace_s  # v1's grace (for a last scrape) is over
     text = await (await client.get("/metrics")).text()
     assert {version for version, _ in metric_samples(text, "lorafleet_requests_total", "alpha")} == {"v2"}
     assert metric_samples(text, "lorafleet_requests_total", "__unresolved__") == {}

@@ -1,7 +1,8 @@
 """Request metrics follow the served table: a name that a push no longer lists, or that is unloaded, takes
 every series of it along (with tenants' adapters coming and going, /metrics would otherwise only grow), and
-a version a push retires takes its own, when the push happens; also when a request on it finishes after it
-went. The base model's and the unresolved requests' series stay."""
+a version a push retires takes its own. They go once no request holds the version and its grace
+(--retired-series-grace-s) is over, so that a scrape reads the counts of requests that finished on a
+rolled-back canary after the push. The base model's and the unresolved requests' series stay."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import json
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from lorafleet.worker.app_keys import ENGINE
+from lorafleet.worker.app_keys import CONFIG, ENGINE, METRICS
 from lorafleet.worker.engine import ShutdownError
 from lorafleet.worker.engine_config import EngineConfig
 from lorafleet.worker.server import create_app
@@ -27,6 +28,26 @@ async def client(aiohttp_client, tiny_llama_dir, qv_adapters_dir):
     config = WorkerConfig(engine=engine, served_model_name="tiny", admin_token=ADMIN,
                           adapter_roots=str(qv_adapters_dir))
     return await aiohttp_client(create_app(config))
+
+
+class Clock:
+    """The clock of the retired series' grace, moved by hand."""
+
+    def __init__(self, grace_s: float) -> None:
+        self.now, self.grace_s = 0.0, grace_s
+
+    def __call__(self) -> float:
+        return self.now
+
+    def pass_grace(self) -> None:
+        self.now += self.grace_s
+
+
+@pytest.fixture
+def clock(client) -> Clock:
+    c = Clock(client.app[CONFIG].retired_series_grace_s)
+    client.app[METRICS].retired.clock = c
+    return c
 
 
 async def push(client, generation: int, root, *names: str) -> None:
@@ -49,7 +70,7 @@ async def adapter_labels(client) -> set[str]:
             if s.name.startswith("lorafleet_") and "adapter" in s.labels}
 
 
-async def test_series_of_names_a_push_or_an_unload_removes_are_dropped(client, qv_adapters_dir):
+async def test_series_of_names_a_push_or_an_unload_removes_are_dropped(client, clock, qv_adapters_dir):
     await push(client, 1, qv_adapters_dir, "alpha", "beta")
     for model in ("alpha", "beta", "tiny"):
         assert await complete(client, model) == 200
@@ -57,6 +78,8 @@ async def test_series_of_names_a_push_or_an_unload_removes_are_dropped(client, q
     assert await adapter_labels(client) == {"alpha", "beta", "__base__", "__unresolved__"}
 
     await push(client, 2, qv_adapters_dir, "alpha")  # beta unregistered
+    assert "beta" in await adapter_labels(client)  # its final counts, until the grace is over
+    clock.pass_grace()
     assert await adapter_labels(client) == {"alpha", "__base__", "__unresolved__"}
 
     resp = await client.post("/v1/load_lora_adapter", headers=AUTH,
@@ -66,6 +89,7 @@ async def test_series_of_names_a_push_or_an_unload_removes_are_dropped(client, q
     assert "gamma" in await adapter_labels(client)
     resp = await client.post("/v1/unload_lora_adapter", headers=AUTH, json={"lora_name": "gamma"})
     assert resp.status == 200, await resp.text()
+    clock.pass_grace()
     assert await adapter_labels(client) == {"alpha", "__base__", "__unresolved__"}
 
 
@@ -87,17 +111,21 @@ def hold_outputs(client, monkeypatch, holds) -> tuple[asyncio.Event, asyncio.Eve
     return started, go_on
 
 
-async def test_a_request_that_finishes_after_its_name_went_leaves_no_series(client, qv_adapters_dir,
-                                                                             monkeypatch):
-    """The request holds its version to the end, then counts; its name is gone by then, so its series go."""
+async def test_a_request_that_finishes_after_its_name_went_is_counted_then_dropped(client, clock, qv_adapters_dir,
+                                                                                     monkeypatch):
+    """The request holds its version to the end, then counts; its name is gone by then, so its series go
+    after the grace that lets a scrape read that count."""
     await push(client, 1, qv_adapters_dir, "alpha", "beta")
     started, go_on = hold_outputs(client, monkeypatch, lambda adapter: adapter.startswith("beta@"))
     request = asyncio.ensure_future(complete(client, "beta", max_tokens=4, ignore_eos=True))
     await asyncio.wait_for(started.wait(), 30)
     await push(client, 2, qv_adapters_dir, "alpha")
-    assert "beta" not in await adapter_labels(client)
+    clock.pass_grace()  # the request still runs: its series stay
+    assert "beta" in await adapter_labels(client)
     go_on.set()
     assert await asyncio.wait_for(request, 30) == 200
+    assert await request_counts(client, "beta") == {"200": 1}
+    clock.pass_grace()
     assert "beta" not in await adapter_labels(client)
 
 
@@ -117,32 +145,49 @@ async def version_labels(client, adapter: str) -> set[str]:
             if s.name.startswith("lorafleet_") and s.labels.get("adapter") == adapter}
 
 
-async def test_series_of_versions_a_push_retires_are_dropped_by_the_push(client, qv_adapters_dir):
-    """A rolled-back canary's series, and the old stable's once a canary is promoted, go when the push
-    retires the version, not when the next request for the adapter happens to arrive."""
+async def test_series_of_versions_a_push_retires_are_dropped_after_their_grace(client, clock, qv_adapters_dir):
+    """A rolled-back canary's series, and the old stable's once a canary is promoted, go once the grace
+    after the push that retired the version is over (a scrape reads their last counts first), not when
+    the next request for the adapter happens to arrive."""
     await push_versions(client, 1, qv_adapters_dir, "v1", canary="v2")
     for model in ("alpha@v1", "alpha@v2"):
         assert await complete(client, model) == 200
     assert await version_labels(client, "alpha") == {"v1", "v2"}
     await push_versions(client, 2, qv_adapters_dir, "v1")  # the canary rolled back
+    assert await version_labels(client, "alpha") == {"v1", "v2"}
+    clock.pass_grace()
     assert await version_labels(client, "alpha") == {"v1"}
     await push_versions(client, 3, qv_adapters_dir, "v1", canary="v3")
     assert await complete(client, "alpha@v3") == 200
     await push_versions(client, 4, qv_adapters_dir, "v3")  # the canary promoted: v1 retires
+    clock.pass_grace()
     assert await version_labels(client, "alpha") == {"v3"}
 
 
-async def test_a_request_that_finishes_after_its_version_retired_leaves_no_series(client, qv_adapters_dir,
-                                                                                  monkeypatch):
-    """As for a name: the request counts on the version it holds, then that version's series go."""
+async def version_counts(client, adapter: str) -> dict[tuple[str, str], float]:
+    """(version, status) -> lorafleet_requests_total of `adapter`."""
+    text = await (await client.get("/metrics")).text()
+    return {(s.labels["version"], s.labels["status"]): s.value for s in samples(text, "lorafleet_requests_total")
+            if s.labels["adapter"] == adapter}
+
+
+async def test_a_request_in_flight_on_a_rolled_back_canary_is_counted(client, clock, qv_adapters_dir, monkeypatch):
+    """The push that rolls the canary back lands while a request runs on it: that request (the kind of
+    failure a rollback follows) is counted on the canary when it finishes and a scrape can read it; the
+    canary's series go only after the grace that follows it."""
     await push_versions(client, 1, qv_adapters_dir, "v1", canary="v2")
     started, go_on = hold_outputs(client, monkeypatch, lambda adapter: adapter == "alpha@v2")
     request = asyncio.ensure_future(complete(client, "alpha@v2", max_tokens=4, ignore_eos=True))
     await asyncio.wait_for(started.wait(), 30)
     await push_versions(client, 2, qv_adapters_dir, "v1")
+    clock.pass_grace()  # longer than the grace, but the request holds the version
+    assert "v2" in await version_labels(client, "alpha")
     go_on.set()
     assert await asyncio.wait_for(request, 30) == 200
-    assert "v2" not in await version_labels(client, "alpha")
+    assert await version_counts(client, "alpha") == {("v2", "200"): 1}
+    assert await completed_latencies(client, "alpha") == 1
+    clock.pass_grace()
+    assert await version_labels(client, "alpha") == set()
 
 
 def samples(text: str, name: str) -> list:

@@ -1,0 +1,59 @@
+"""A warm worker whose GPU adapter slots are all held by pinned adapters can never make the adapter resident:
+its status is Degraded, naming the worker, its slots and what to change, instead of Loading for ever. A
+worker that does not report `num_pinned_slots` (an older one) leaves the status as it was: Loading."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from lorafleet.operator.reconcile import reconcile_pool
+from lorafleet.worker.directives import AdapterState, ReportedState
+
+from .test_reconcile import NOW, adapter, converge, pool, workers
+
+CANARY = {"version": "v2", "source": {"uri": "s3://adapters/a/v2/"}, "weight": 10}
+
+
+def stuck(ws, pod: str, version: str, num_pinned_slots: int | None) -> None:
+    """Worker ``pod`` holds ``version`` in CPU memory only, with ``num_pinned_slots`` as it reports it."""
+    w = next(w for w in ws if w.pod == pod)
+    w.reported = ReportedState(w.reported.generation_applied, [
+        dataclasses.replace(s, tier="cpu", num_pinned_slots=num_pinned_slots) if s.version == version else s
+        for s in w.reported.adapters])
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])  # the stable version, the canary a warm worker prefetches
+def test_a_warm_worker_with_every_slot_pinned_makes_the_adapter_degraded(version):
+    ws = workers(2)
+    spec = [adapter("a", warm=2, canary=CANARY)]
+    assert converge(pool(), spec, ws).adapter_statuses["a"]["phase"] == "Ready"
+    stuck(ws, "w1", version, 4)
+    st = reconcile_pool(pool(), spec, ws, now=NOW).adapter_statuses["a"]
+    assert st["phase"] == "Degraded"
+    assert st["message"] == (f"warm worker w1: all 4 of its GPU adapter slots (--max-loras) are held by pinned "
+                             f"adapters, so a@{version} cannot become GPU-resident there; raise --max-loras of the "
+                             "pool's workers, or unpin an adapter there (spec.pinned: false on its LoRAAdapter)")
+    ready = next(c for c in st["conditions"] if c["type"] == "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "Degraded")
+
+
+def test_a_worker_that_does_not_report_pinned_slots_is_loading_as_before():
+    ws = workers(2)
+    spec = [adapter("a", warm=2)]
+    converge(pool(), spec, ws)
+    stuck(ws, "w1", "v1", None)
+    st = reconcile_pool(pool(), spec, ws, now=NOW).adapter_statuses["a"]
+    assert st["phase"] == "Loading" and "GPU-resident on 1/2 warm workers" in st["message"]
+
+
+def test_pinned_slots_of_a_worker_that_need_not_keep_it_resident_leave_it_ready():
+    """w1 is not warm for `a` (warm: 1): Ready asks nothing of its GPU."""
+    ws = workers(2)
+    spec = [adapter("a", warm=1)]
+    plan = converge(pool(), spec, ws)
+    cold = next(p for p in ("w0", "w1") if p not in plan.placement["a"])
+    w = next(w for w in ws if w.pod == cold)
+    w.reported = ReportedState(w.reported.generation_applied, [AdapterState("a", "v1", "disk", num_pinned_slots=4)])
+    assert reconcile_pool(pool(), spec, ws, now=NOW).adapter_statuses["a"]["phase"] == "Ready"
