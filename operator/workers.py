@@ -135,12 +135,13 @@ class StagerClient:
         return list(await asyncio.gather(*(self.fetch_state(w) for w in workers)))
 
     async def push(self, worker: Worker, desired: DesiredState) -> bool | None:
-        """PUT the desired state. True: accepted; False: refused (a 409 for a stale generation, a bad token):
-        what the pod holds is not what was last pushed; None: no answer (it may have landed or not). The caller
-        takes neither as accepted."""
+        """PUT the desired state. True: accepted (202: what needs no download is applied, the rest is being
+        staged, reported as ``staging`` until it is: the pool's lock is not held through another adapter's
+        download); False: refused (a 409 for a stale generation, a bad token): what the pod holds is not what
+        was last pushed; None: no answer (it may have landed or not). The caller takes neither as accepted."""
         try:
             async with self._client().put(f"{worker.url}/v1/directives", data=desired.to_json(),
-                                          headers={"Content-Type": "application/json"},
+                                          headers={"Content-Type": "application/json", "Prefer": "respond-async"},
                                           timeout=self._push_timeout) as resp:
                 if resp.status in (200, 202):
                     return True

@@ -7,8 +7,11 @@ needs `Authorization: Bearer <stager token>` (the routes: stager_http.py):
 
 * `POST /v1/stage {"uri", "sha256"?}` -> `{"path", "sha256", "cached", "bytes"}`: the engine asks for
   an adapter it lacks. Concurrent requests for one adapter share one download.
-* `PUT /v1/directives` (a `DesiredState`): stage every version, then forward the state with local
-  paths to the engine's `PUT /admin/v1/state`. Same generation: no-op; lower: 409. A version that
+* `PUT /v1/directives` (a `DesiredState`): forward at once, with local paths, to the engine's
+  `PUT /admin/v1/state` what needs no download (worker/stager_push.py), stage every version, then forward
+  the rest; a newer push takes over from one still staging. Answered once staged, or with `Prefer:
+  respond-async` (the operator's) 202 once forwarded at once while its versions are still being staged
+  (reported at tier `none` with `staging`). Same generation: no-op; lower: 409. A version that
   cannot be staged (store down, digest mismatch) is reported with its error; an adapter whose new
   version fails keeps its previously forwarded (already local) version, so the store being down
   never takes away what is served. A store that does not answer costs a push one quick check, and one
@@ -36,11 +39,10 @@ import logging
 import sys
 import time
 from collections import deque
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from aiohttp import ClientSession, ClientTimeout, web
+from aiohttp import web
 
 from lorafleet.worker.cli import config_from_args
 from lorafleet.worker.directives import (
@@ -48,37 +50,23 @@ from lorafleet.worker.directives import (
     AdapterState,
     DesiredState,
     ReportedState,
-    VersionRef,
 )
 from lorafleet.worker.disk_cache import DiskCache, dir_bytes
 from lorafleet.worker.listen import close_all, listen_sockets
-from lorafleet.worker.openai_protocol import APIError
 from lorafleet.worker.sources import Etags, SourceError, Sources, verify_digest
 from lorafleet.worker.staged_copy import DIGEST_FILE, Staged, verify_staged_copy
 from lorafleet.worker.stager_config import StagerConfig
+from lorafleet.worker.stager_engine import EngineLink
 from lorafleet.worker.stager_holds import CacheHolds
 from lorafleet.worker.stager_locks import KeyLocks
 from lorafleet.worker.stager_metrics import StagerMetrics, progress_by_uri
+from lorafleet.worker.stager_push import apply_push
 from lorafleet.worker.stager_seed import SeedReport, seed
 from lorafleet.worker.stager_store import StoreDown, StoreHealth
-from lorafleet.worker.staging_errors import staging_error
 
 log = logging.getLogger("lorafleet.stager")
 _STALL_GRACE_S = 120.0  # beyond download_timeout_s: the store's calls end by then, what follows (verifying) may not
 RECENT_DOWNLOADS = 100  # download times kept for `disk_stats` (all of them: the histogram in /metrics)
-
-
-def _keep_stable(old: AdapterDirective, a: AdapterDirective, local: dict[str, VersionRef]) -> AdapterDirective:
-    """What to forward for `a` when its stable version could not be staged: the stable version forwarded
-    until now, with the rest of this push, so that a push which also removes a bad canary or turns its
-    weight to 0 (the kill switch) is not undone by a typo in its new stable version. The canary is this
-    push's, if it staged; warm, pinned and priority are this push's. A name that changed owner keeps what
-    was forwarded, unchanged: its old weights must not go to the new owner."""
-    if old.tenant != a.tenant:
-        return old
-    canary = local.get(a.canary.version) if a.canary is not None and a.canary.version != old.stable.version else None
-    return AdapterDirective(a.name, a.tenant, old.stable, canary, a.canary_weight if canary else 0,
-                            a.warm, a.pinned, a.priority)
 
 
 class Stager:
@@ -98,8 +86,12 @@ class Stager:
         self.forwarded: dict[str, AdapterDirective] = {}  # name -> directive with local paths
         self.staged: dict[tuple[str, str], Staged] = {}  # (name, version) -> staged copy
         self.errors: dict[tuple[str, str], str] = {}
+        self.pending: set[tuple[str, str]] = set()  # versions of the push in progress not forwarded yet
         self.seed_report: SeedReport | None = None  # while what is served is the seed's (`--stager-adapters`)
-        self._apply_lock = asyncio.Lock()
+        self.engine = EngineLink(config.engine_url, config.admin_token) if config.engine_url else None
+        self.apply_lock = asyncio.Lock()  # a push's steps that change what is forwarded (never a download)
+        self.staging_lock = asyncio.Lock()  # one push stages at a time
+        self._pushes: set[asyncio.Task] = set()  # start()'s
         self.metrics = StagerMetrics(self.cache)
         self.registry = self.metrics.registry
         self.store = StoreHealth(self.metrics)
@@ -158,7 +150,7 @@ class Stager:
             raise
         finally:
             if held is None:  # the engine's request; a push forgets once, when it is done
-                self._forget_uris()
+                self.forget_uris()
         self._count_request("hit" if staged.cached else "miss")
         return staged
 
@@ -237,14 +229,18 @@ class Stager:
             (tmp / DIGEST_FILE).write_text(digest + "\n")
 
         try:
-            return self.cache.put(key, fill, protect=self._protected)
+            return self.cache.put(key, fill, protect=self.protected)
         finally:
             self.downloading.pop(key, None)
 
-    def _protected(self) -> set[str]:
+    def last_copy(self, uri: str) -> str | None:
+        """The cache key of `uri`'s last staged copy (what a store outage falls back to)."""
+        return self._by_uri.get(uri)
+
+    def protected(self) -> set[str]:
         return self.holds.protected(self.staged)
 
-    def _forget_uris(self) -> None:
+    def forget_uris(self) -> None:
         """Forget the URIs no longer desired whose copy left the cache (no outage fallback left to give):
         one entry per URI ever staged would pile up over a long life of adapter churn."""
         desired = {ref.uri for a in (self.desired.adapters if self.desired is not None else ())
@@ -253,72 +249,33 @@ class Stager:
         self._by_uri = {u: k for u, k in self._by_uri.items() if k in cached or u in desired}
 
     # ---- directives ----------------------------------------------------------------------------
-    async def apply(self, desired: DesiredState, *, seed: SeedReport | None = None) -> ReportedState:
-        """Stage and forward `desired`. `seed`: the seed's report when it made this push (its failures
-        are reported with the push's own); None for a push from elsewhere, which ends the seed."""
-        async with self._apply_lock:
-            if desired.generation < self.generation:
-                state = await self.state()
-                state.error = (f"generation {desired.generation} is older than the applied {self.generation}; "
-                               f"ignored")
-                raise APIError(409, state.error, code="stale_generation", param=state.to_json())
-            if desired.generation == self.generation and self.desired is not None:
-                return await self.state()
-            forwarded: dict[str, AdapterDirective] = {}
-            errors: dict[tuple[str, str], str] = dict(seed.adapter_errors) if seed else {}
-            staged: dict[tuple[str, str], Staged] = {}
-            self.holds.pushing = pushing = set()
-            push_start = time.monotonic()
-            for a in desired.adapters:
-                local: dict[str, VersionRef] = {}
-                for ref in (a.stable, a.canary):
-                    if ref is None:
-                        continue
-                    try:
-                        s = await self.stage(ref.uri, ref.sha256, held=pushing, push_start=push_start)
-                    except Exception as exc:
-                        errors[(a.name, ref.version)] = staging_error(exc, ref.uri).message
-                        log.warning("staging %s@%s failed: %s", a.name, ref.version, errors[(a.name, ref.version)])
-                        continue
-                    staged[(a.name, ref.version)] = s
-                    local[ref.version] = VersionRef(ref.version, str(s.path), s.sha256)
-                if a.stable.version in local:
-                    canary = local.get(a.canary.version) if a.canary is not None else None
-                    forwarded[a.name] = AdapterDirective(
-                        a.name, a.tenant, local[a.stable.version], canary, a.canary_weight if canary else 0,
-                        a.warm, a.pinned, a.priority)
-                elif a.name in self.forwarded:  # keep serving the stable version already local
-                    forwarded[a.name] = kept = _keep_stable(self.forwarded[a.name], a, local)
-                    for v in kept.versions:
-                        if (a.name, v) in self.staged and (a.name, v) not in staged:
-                            staged[(a.name, v)] = self.staged[(a.name, v)]
-            self.holds.hold_replaced(self.staged, staged)
-            self.forwarded, self.errors, self.staged, self.holds.pushing = forwarded, errors, staged, set()
-            self.desired, self.generation, self.seed_report = desired, desired.generation, seed
-            if self.config.engine_url:
-                # The pool-wide settings go through as pushed: only the adapters are rewritten.
-                await self._engine("PUT", "/admin/v1/state",
-                                   replace(desired, adapters=list(forwarded.values())).to_dict())
-            report = await self.state()  # which replaced versions the engine still holds
-            await asyncio.to_thread(self.cache.trim, self._protected)
-            self._forget_uris()
-            return report
+    async def apply(self, desired: DesiredState, *, seed: SeedReport | None = None,
+                    begun: asyncio.Event | None = None) -> ReportedState:
+        """Stage and forward `desired` (worker/stager_push.py); its report once its versions are staged, or once
+        a newer push took over. What needs no download reaches the engine first: `begun` is set then. `seed`:
+        the seed's report when it made this push (its failures are reported with the push's own); None for
+        a push from elsewhere, which ends the seed."""
+        return await apply_push(self, desired, seed=seed, begun=begun)
 
-    async def _engine(self, method: str, path: str, body: dict | None = None) -> dict:
-        headers = {"Authorization": f"Bearer {self.config.admin_token}"} if self.config.admin_token else {}
-        async with ClientSession(timeout=ClientTimeout(total=120)) as session, session.request(
-                method, self.config.engine_url.rstrip("/") + path, json=body, headers=headers) as resp:
-            data = await resp.json(content_type=None)
-            if resp.status >= 400 and resp.status != 409:
-                message = (data or {}).get("error", {}).get("message", str(data)[:200])
-                raise APIError(502, f"engine refused {method} {path}: {resp.status} {message}", type="server_error",
-                               code="engine_error")
-            return data
+    def start(self, desired: DesiredState) -> tuple[asyncio.Task, asyncio.Event]:
+        """`apply(desired)` in a task of the stager's own, which runs to its end whether or not anyone waits
+        for it (a push answered before its downloads are in), and the event `apply` sets once the push has
+        reached the engine with what needs no download (or was refused)."""
+        begun = asyncio.Event()
+        task = asyncio.ensure_future(self.apply(desired, begun=begun))
+        self._pushes.add(task)
+        task.add_done_callback(self._pushes.discard)
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved: its waiter may have gone
+        return task, begun
+
+    def cancel_pushes(self) -> None:
+        for task in list(self._pushes):
+            task.cancel()
 
     async def state(self) -> ReportedState:
-        if self.config.engine_url:
+        if self.engine is not None:
             try:
-                report = ReportedState.from_dict(await self._engine("GET", "/admin/v1/state"))
+                report = await self.engine.report()
             except Exception as exc:
                 report = ReportedState(error=f"engine unreachable: {exc}")
         else:
@@ -333,6 +290,9 @@ class Stager:
         for key in staged:
             if (found := report.find(*key)).tier == "none":
                 found.tier = "disk"
+        for name, version in sorted(self.pending):  # the push's versions still being staged
+            if report.find(name, version) is None:
+                report.adapters.append(AdapterState(name, version, tier="none", staging=True))
         for (name, version), message in self.errors.items():
             found = report.find(name, version)
             if found is None:

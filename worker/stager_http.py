@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 import re
 from typing import Any
 
@@ -20,6 +21,7 @@ from lorafleet.worker.stager_seed import seed_until_done
 from lorafleet.worker.staging_errors import staging_error
 from lorafleet.worker.tenants import bearer_token, token_bytes
 
+log = logging.getLogger("lorafleet.stager")
 _SHA256_HEX = re.compile(r"[0-9a-fA-F]{64}")  # anything else could never match, nor name a cache entry
 
 STAGER = web.AppKey("stager", Stager)
@@ -69,9 +71,28 @@ async def post_stage(request: web.Request) -> web.Response:
 
 
 async def put_directives(request: web.Request) -> web.Response:
+    """The push's report once its versions are staged; with `Prefer: respond-async` (RFC 7240), 202 and the
+    report so far once it has reached the engine with what needs no download, its downloads still going on
+    (the operator's pushes: one adapter's download must not hold up its pool's next edit)."""
     desired = DesiredState.from_dict(await _read(request))
-    report = await request.app[STAGER].apply(desired)
+    stager = request.app[STAGER]
+    task, begun = stager.start(desired)  # runs to its end if the client goes away
+    if "respond-async" in request.headers.get("Prefer", "").lower():
+        waiter = asyncio.ensure_future(begun.wait())
+        try:
+            await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
+        if not task.done():
+            task.add_done_callback(_log_failure)  # nobody else waits for it
+            return web.json_response((await stager.state()).to_dict(), status=202)
+    report = await asyncio.shield(task)
     return web.json_response(report.to_dict())
+
+
+def _log_failure(task: asyncio.Task) -> None:
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        log.warning("push answered before its downloads were in, then failed: %s", exc)
 
 
 async def get_state(request: web.Request) -> web.Response:
@@ -102,13 +123,14 @@ def create_app(config: StagerConfig) -> web.Application:
         web.get("/metrics", metrics),
     ])
 
-    async def seed_ctx(app: web.Application):
+    async def background_ctx(app: web.Application):
         task = None
         if config.stager_adapters:
             task = asyncio.create_task(seed_until_done(app[STAGER], config.stager_adapters))
         yield
         if task is not None:
             task.cancel()
+        app[STAGER].cancel_pushes()  # those answered before their downloads were in
 
-    app.cleanup_ctx.append(seed_ctx)
+    app.cleanup_ctx.append(background_ctx)
     return app

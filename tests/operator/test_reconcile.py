@@ -308,6 +308,21 @@ def test_operator_restart_pushes_above_what_workers_applied():
     assert plan.adapter_statuses["a"]["phase"] == "Ready"  # from reports, unaffected by the restart
 
 
+def test_a_new_version_its_stager_is_still_downloading_is_not_drift():
+    """A warm adapter's new version reported at tier none is drift (the engine lost it) unless its stager says
+    it is still staging it: the push is answered before the download ends, and a re-push would only start over."""
+    ws = workers(1)
+    converge(pool(), [adapter("a", warm=1)], ws)
+    plan = reconcile_pool(pool(), [adapter("a", warm=1, version="v2")], ws, now=NOW)
+    pushed = ws[0].last_pushed = plan.pushes["w0"]
+    for staging in (True, False):
+        ws[0].reported = ReportedState(generation_applied=pushed.generation, adapters=[
+            AdapterState("a", "v1", "gpu"), AdapterState("a", "v2", "none", staging=staging)])
+        plan = reconcile_pool(pool(), [adapter("a", warm=1, version="v2")], ws, now=NOW)
+        assert ("w0" in plan.pushes) is not staging
+        assert "w0" not in plan.failing
+
+
 def test_extra_adapter_on_a_worker_is_drift():
     ws = workers(1)
     converge(pool(), [adapter("a")], ws)

@@ -148,3 +148,24 @@ async def test_a_refusal_whose_body_is_not_text_is_a_refusal():
             assert await client.push(Worker("w0", url), DesiredState(1, [])) is False
     finally:
         await client.close()
+
+
+async def test_a_push_asks_to_be_answered_before_downloads_and_takes_202_as_accepted():
+    """The sidecar answers 202 once what needs no download is applied, its downloads going on: the pool's
+    lock is not held through one adapter's download, so its next edit (a kill switch) goes out at once."""
+    seen: list[str] = []
+
+    async def accept(request: web.Request) -> web.Response:
+        seen.append(request.headers.get("Prefer", ""))
+        return web.json_response({"generation_applied": 1, "adapters": [
+            {"name": "a", "version": "v2", "tier": "none", "staging": True}]}, status=202)
+
+    app = web.Application()
+    app.router.add_put("/v1/directives", accept)
+    client = StagerClient(token="t", timeout=2.0)
+    try:
+        async with serving(app) as url:
+            assert await client.push(Worker("w0", url), DesiredState(1, [])) is True
+    finally:
+        await client.close()
+    assert seen == ["respond-async"]

@@ -1,0 +1,82 @@
+"""EngineLink: the stager's side of its engine's admin API (`PUT` and `GET /admin/v1/state`).
+
+A push may reach the engine twice (worker/stager_push.py): at once with what needs no download, then once its
+downloads are in. The engine applies a generation once (the same one again is a no-op), so the stager numbers
+what it forwards itself, `max(push generation, last forwarded + 1)`, and reports the push generation each one
+carries out as `generation_applied`: the operator compares it with what it pushed.
+
+Running example: push 7 {sql: v2 (downloading), chat: canary at 0 %} is forwarded as 7 with sql still at v1,
+then as 8 with sql at v2; the engine reports 8, the stager 7. Push 8 next is forwarded as 9, reported as 8.
+An engine generation the stager did not forward (the engine restarted: 0), or one whose push then failed to
+reach the engine, is reported as 0: not applied, and the operator pushes again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from aiohttp import ClientSession, ClientTimeout
+
+from lorafleet.worker.directives import DesiredState, ReportedState
+from lorafleet.worker.openai_protocol import APIError
+
+MAX_KEPT = 16  # engine generations whose push generation is remembered (the engine reports its latest)
+
+
+class EngineLink:
+    def __init__(self, url: str, token: str | None) -> None:
+        self.url = url.rstrip("/")
+        self.token = token
+        self.generation = 0  # of the last forward the engine took (0: none since the stager started)
+        self._content: DesiredState | None = None  # what it carried (under generation 0)
+        self._pushes: dict[int, int] = {}  # engine generation -> the push generation it carries out
+
+    async def call(self, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        async with ClientSession(timeout=ClientTimeout(total=120)) as session, session.request(
+                method, self.url + path, json=body, headers=headers) as resp:
+            data = await resp.json(content_type=None)
+            if resp.status >= 400 and resp.status != 409:
+                message = (data or {}).get("error", {}).get("message", str(data)[:200])
+                raise APIError(502, f"engine refused {method} {path}: {resp.status} {message}", type="server_error",
+                               code="engine_error")
+            return resp.status, data
+
+    def holds(self, state: DesiredState) -> bool:
+        """Whether the last forward the engine took carried `state` (its generation aside)."""
+        return self.generation > 0 and self._content == replace(state, generation=0)
+
+    def carries(self, push_generation: int) -> None:
+        """The last forward the engine took is what push `push_generation` asks for now: reported as applied."""
+        if self.generation > 0:
+            self._note(self.generation, push_generation)
+
+    async def forward(self, state: DesiredState) -> None:
+        """Send `state` (local paths) under an engine generation it has not applied; reported as `state`'s."""
+        generation = max(state.generation, self.generation + 1)
+        try:
+            status, data = await self.call("PUT", "/admin/v1/state", replace(state, generation=generation).to_dict())
+            if status == 409:  # it applied a higher one (forwarded before this stager started): go above it
+                generation = max(generation, int((data or {}).get("generation_applied") or 0)) + 1
+                status, data = await self.call("PUT", "/admin/v1/state", replace(state, generation=generation).to_dict())
+            if status == 409:
+                raise APIError(502, f"engine refused generation {generation}: {(data or {}).get('error')}",
+                               type="server_error", code="engine_error")
+        except BaseException:
+            # What it holds is not this push: reported as not applied, so that the operator pushes again.
+            self._pushes = {g: p for g, p in self._pushes.items() if p != state.generation}
+            raise
+        self.generation, self._content = generation, replace(state, generation=0)
+        self._note(generation, state.generation)
+
+    async def report(self) -> ReportedState:
+        """The engine's report, its `generation_applied` as the push generation it carries out."""
+        report = ReportedState.from_dict((await self.call("GET", "/admin/v1/state"))[1])
+        if self.generation > 0:  # else nothing forwarded since the stager started: the engine's own number
+            report.generation_applied = self._pushes.get(report.generation_applied, 0)
+        return report
+
+    def _note(self, generation: int, push_generation: int) -> None:
+        self._pushes[generation] = push_generation
+        for old in sorted(self._pushes)[:-MAX_KEPT]:
+            del self._pushes[old]

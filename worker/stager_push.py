@@ -1,0 +1,210 @@
+"""A push in progress at the stager, and what it forwards to the engine.
+
+A push reaches the engine in two steps (worker/stager.py): at once, with every version that needs no store
+call, download or hashing (the copy already forwarded for that same source, or a cached copy of its sha256),
+so that an edit that only changes weights, flags or the adapter set (a kill switch: a canary's weight turned
+to 0, a canary or an adapter removed) is not held up by another adapter's download; then once its versions
+are staged, one after another as before, if that changes what the engine has. Until then an adapter whose
+new version is still being staged keeps what was forwarded for it, exactly as when the version cannot be
+staged (`keep_stable`).
+
+Running example: forwarded {sql: v1 + canary v2 at 20 %, chat: c1}; push {sql: v3 (not cached), chat: c1 +
+canary c2 at 0 %, c2 cached}: at once {sql: v1 without its canary, chat: c1 + c2 at 0 %}; once v3 is in,
+{sql: v3, chat: c1 + c2 at 0 %}.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+from lorafleet.worker.directives import AdapterDirective, DesiredState, ReportedState, VersionRef
+from lorafleet.worker.openai_protocol import APIError
+from lorafleet.worker.staged_copy import Staged
+from lorafleet.worker.staging_errors import staging_error
+
+if TYPE_CHECKING:
+    from lorafleet.worker.stager import Stager
+    from lorafleet.worker.stager_seed import SeedReport
+
+log = logging.getLogger("lorafleet.stager")
+Key = tuple[str, str]  # (adapter name, version)
+
+
+@dataclass(slots=True)
+class Push:
+    """One push: what its staging found so far. A newer push replaces the stager's view of it (its own
+    errors and pending versions); what an older one still finds is written to its own objects only."""
+
+    desired: DesiredState
+    errors: dict[Key, str]  # its versions' staging failures (the previous push's until tried again)
+    pending: set[Key]  # versions not forwarded as the push says yet: still to be staged, or staged since
+    staged: dict[Key, Staged] = field(default_factory=dict)  # what its staging staged
+    forwarded: bool = False  # the engine was sent this push already (its first step)
+
+
+def version_refs(desired: DesiredState) -> list[tuple[str, VersionRef]]:
+    """(name, ref) of every version of `desired`, in its order: the order a push stages them in."""
+    return [(a.name, ref) for a in desired.adapters for ref in (a.stable, a.canary) if ref is not None]
+
+
+def keep_stable(old: AdapterDirective, a: AdapterDirective, local: dict[str, VersionRef]) -> AdapterDirective:
+    """What to forward for `a` when its stable version is not staged (it failed, or is not staged yet): the
+    stable version forwarded until now, with the rest of this push, so that a push which also removes a bad
+    canary or turns its weight to 0 (the kill switch) is not undone by a typo in its new stable version. The
+    canary is this push's, if staged; warm, pinned and priority are this push's. A name that changed owner
+    keeps what was forwarded, unchanged: its old weights must not go to the new owner."""
+    if old.tenant != a.tenant:
+        return old
+    canary = local.get(a.canary.version) if a.canary is not None and a.canary.version != old.stable.version else None
+    return AdapterDirective(a.name, a.tenant, old.stable, canary, a.canary_weight if canary else 0,
+                            a.warm, a.pinned, a.priority)
+
+
+def forwardable(desired: DesiredState, copies: dict[Key, Staged], old: dict[str, AdapterDirective],
+                old_copies: dict[Key, Staged]) -> tuple[dict[str, AdapterDirective], dict[Key, Staged]]:
+    """The directives (local paths) to forward for `desired` given the staged `copies` of its versions, and
+    the copies they use. An adapter whose stable version has no copy keeps what `old` (forwarded until now,
+    with `old_copies`) gave it, or is left out when it had nothing."""
+    forwarded: dict[str, AdapterDirective] = {}
+    staged: dict[Key, Staged] = {}
+    for a in desired.adapters:
+        local: dict[str, VersionRef] = {}
+        for ref in (a.stable, a.canary):
+            s = copies.get((a.name, ref.version)) if ref is not None else None
+            if s is not None:
+                staged[(a.name, ref.version)] = s
+                local[ref.version] = VersionRef(ref.version, str(s.path), s.sha256)
+        if a.stable.version in local:
+            canary = local.get(a.canary.version) if a.canary is not None else None
+            forwarded[a.name] = AdapterDirective(a.name, a.tenant, local[a.stable.version], canary,
+                                                 a.canary_weight if canary else 0, a.warm, a.pinned, a.priority)
+        elif a.name in old:  # keep serving the stable version already local
+            forwarded[a.name] = kept = keep_stable(old[a.name], a, local)
+            for v in kept.versions:
+                if (a.name, v) in old_copies and (a.name, v) not in staged:
+                    staged[(a.name, v)] = old_copies[(a.name, v)]
+    return forwarded, staged
+
+
+async def apply_push(stager: Stager, desired: DesiredState, *, seed: SeedReport | None = None,
+                     begun: asyncio.Event | None = None) -> ReportedState:
+    """Stager.apply: forward at once what needs no download (then set `begun`), stage, forward the rest."""
+    try:
+        push = await _begin(stager, desired, seed)
+    finally:
+        if begun is not None:
+            begun.set()
+    if push is None:  # the generation applied already
+        return await stager.state()
+    await _stage(stager, push)
+    return await _finish(stager, push)
+
+
+async def _begin(stager: Stager, desired: DesiredState, seed: SeedReport | None) -> Push | None:
+    async with stager.apply_lock:
+        if desired.generation < stager.generation:
+            state = await stager.state()
+            state.error = f"generation {desired.generation} is older than the applied {stager.generation}; ignored"
+            raise APIError(409, state.error, code="stale_generation", param=state.to_json())
+        if desired.generation == stager.generation and stager.desired is not None:
+            return None
+        now = {(name, ref.version): s for name, ref in version_refs(desired)
+               if (s := ready_now(stager, name, ref)) is not None}
+        keys = {(name, ref.version) for name, ref in version_refs(desired)}
+        errors = dict(seed.adapter_errors) if seed else {}
+        errors |= {key: message for key, message in stager.errors.items() if key in keys}  # until tried again
+        push = Push(desired, errors, keys - set(now))
+        forwarded, staged = forwardable(desired, now, stager.forwarded, stager.staged)
+        stager.holds.hold_replaced(stager.staged, staged)
+        stager.forwarded, stager.errors, stager.staged, stager.pending = forwarded, errors, staged, push.pending
+        stager.desired, stager.generation, stager.seed_report = desired, desired.generation, seed
+        try:
+            await _forward(stager, push, forwarded, first=True)
+        except BaseException:
+            push.pending.clear()  # the push failed (the engine refused it): nothing of it is being staged
+            raise
+        return push
+
+
+def ready_now(stager: Stager, name: str, ref: VersionRef) -> Staged | None:
+    """The copy of `ref` that needs no store call, download or hashing: the one forwarded for this version if
+    it is of the same source (its sha256; else the URI's last staged copy, or for a local folder the same
+    one as in the last push), or a checked cached copy of its sha256 (from an allowed location)."""
+    served, copy = stager.forwarded.get(name), stager.staged.get((name, ref.version))
+    if served is not None and copy is not None and ref.version in served.versions:
+        if ref.sha256 is not None:
+            same = copy.sha256 == ref.sha256
+        elif stager.sources.is_s3(ref.uri):
+            same = copy.path.parent == stager.cache.root and stager.last_copy(ref.uri) == copy.path.name
+        else:
+            last = stager.desired.by_name().get(name) if stager.desired is not None else None
+            same = last is not None and ref in (last.stable, last.canary)
+        if same:
+            return copy
+    if ref.sha256 is None or not stager.sources.is_s3(ref.uri) or ref.sha256 in stager.cache.unverified:
+        return None
+    try:
+        stager.sources.check_s3(ref.uri)
+    except Exception:  # refused when it is staged, with its reason
+        return None
+    path = stager.cache.get(ref.sha256)
+    return Staged(path, ref.sha256, cached=True) if path is not None else None
+
+
+async def _stage(stager: Stager, push: Push) -> None:
+    """Stage the push's versions one after another: the store's rules (worker/stager_store.py) hold per push.
+    One push stages at a time; one that a newer push replaced stops before its next version."""
+    async with stager.staging_lock:
+        stager.holds.pushing = pushing = set()  # until its copies are served (_finish) or a newer push stages
+        push_start = time.monotonic()
+        for name, ref in version_refs(push.desired):
+            if stager.generation != push.desired.generation:
+                return
+            key = (name, ref.version)
+            try:
+                push.staged[key] = await stager.stage(ref.uri, ref.sha256, held=pushing, push_start=push_start)
+            except Exception as exc:
+                push.errors[key] = staging_error(exc, ref.uri).message
+                push.pending.discard(key)
+                log.warning("staging %s@%s failed: %s", name, ref.version, push.errors[key])
+            else:
+                push.errors.pop(key, None)
+
+
+async def _finish(stager: Stager, push: Push) -> ReportedState:
+    """Forward what the push staged, unless a newer push took over (it forwards its own)."""
+    async with stager.apply_lock:
+        if stager.generation != push.desired.generation:
+            return await stager.state()
+        forwarded, staged = forwardable(push.desired, push.staged, stager.forwarded, stager.staged)
+        stager.holds.hold_replaced(stager.staged, staged)
+        stager.forwarded, stager.staged, stager.holds.pushing = forwarded, staged, set()
+        try:
+            await _forward(stager, push, forwarded, first=False)
+        finally:
+            push.pending.clear()
+        report = await stager.state()  # which replaced versions the engine still holds
+        await asyncio.to_thread(stager.cache.trim, stager.protected)
+        stager.forget_uris()
+        return report
+
+
+async def _forward(stager: Stager, push: Push, forwarded: dict[str, AdapterDirective], *, first: bool) -> None:
+    """Send the engine the push with `forwarded` as its adapters (the pool-wide settings go through as pushed).
+    At once: unless it holds that already, or nothing was forwarded since the stager started (what the engine
+    holds is not known: the push's staged set goes). Then: if that changes what it holds, and at least once
+    per push (an engine that restarted holds nothing)."""
+    if stager.engine is None:
+        return
+    state = replace(push.desired, adapters=list(forwarded.values()))
+    if first and stager.engine.generation == 0:
+        return
+    if stager.engine.holds(state) and (first or push.forwarded):
+        stager.engine.carries(push.desired.generation)
+        return
+    await stager.engine.forward(state)
+    push.forwarded = True
