@@ -9,8 +9,9 @@ then 64: kernels.lora_layout.segment_len, bounded by --segment-len, default 64),
 64 or mixed {8, 16, 32, 64}; the delta as the engine computes it (expand in write mode, y = delta;
 "triton_accumulate_us": adding into y), and for T >= 64 what it adds to the layer's GEMMs
 ("in_layer"); for T=64 and T=256 over 32 adapters, "graph_shaped_us": the same delta with the
-batch a captured decode step replays in a pool of rank 64 (the engine's default --max-lora-rank):
-the rank bound of the graph its adapters pick, no mean rank, segments padded to the most the step
+batch a captured decode step replays in a pool of rank 64 (the engine's default --max-lora-rank) and
+32 slots (segments are padded by the pool's slots: a pool of more slots pads more):
+the rank bound and planning rank of the graph its adapters pick, segments padded to the most the step
 can cut (worker/cuda_graphs.py); "graph_pool_bound_us": as graphs were before rank bounds (the
 pool's rank, one segment per row). Floor = the distinct adapters' bytes / copy bandwidth measured in the same run. Triton
 kernels are timed as CUDA-graph replays with the L2 flushed before each layer (the flush's own time
@@ -174,7 +175,7 @@ def bench_lora(timer: Timer, copy_gbs: float, gen: torch.Generator, quick: bool,
                     # Prefill: the delta is ~10% of GEMMs whose time drifts by a few percent, more rounds.
                     row["in_layer"] = layer_added(layer, timer, rounds=25 if num_tokens >= 1024 else 11)
                 if num_tokens in (64, 256) and num_adapters == 32 and rank_name in ("16", "mixed"):
-                    # The engine's captured decode step: rank bound the pool's (--max-lora-rank), no mean rank.
+                    # The engine's captured decode step in a pool of rank ENGINE_MAX_RANK and 32 slots (the layout's).
                     wide = widened(layout, ENGINE_MAX_RANK)
                     for shape in ("engine", "pool_bound"):
                         engine = LoRALayer(wide, dense, num_tokens, num_adapters, gen, most_segment_len=most_segment_len, graph_shaped=shape)

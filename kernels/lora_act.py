@@ -53,6 +53,7 @@ def silu_mul_lora_kernel(
     stride_xt,
     max_slots,
     layout_max_rank,
+    batch_max_rank,  # ranks above it are cut to it (the xa buffer holds batch.max_rank rows)
     BLOCK_T: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -71,8 +72,8 @@ def silu_mul_lora_kernel(
     end = tl.load(seg_starts_ptr + seg + 1)
     meta_g = (layer * 7 + 4) * max_slots + tl.maximum(slot, 0)
     meta_u = meta_g + max_slots  # UP = GATE + 1
-    rank_g = tl.where(slot < 0, 0, tl.load(ranks_ptr + meta_g))
-    rank_u = tl.where(slot < 0, 0, tl.load(ranks_ptr + meta_u))
+    rank_g = tl.where(slot < 0, 0, tl.minimum(tl.load(ranks_ptr + meta_g), batch_max_rank))
+    rank_u = tl.where(slot < 0, 0, tl.minimum(tl.load(ranks_ptr + meta_u), batch_max_rank))
     scale_g = tl.load(scales_ptr + meta_g)
     scale_u = tl.load(scales_ptr + meta_u)
     arange_r = tl.arange(0, BLOCK_R)
@@ -128,7 +129,7 @@ def silu_mul_lora_triton(*, gate_up: Tensor, xa: Tensor, layout: LoRALayout, lay
     silu_mul_lora_kernel[grid](
         gate_up, xa, layout.pool, layout.ranks, layout.scales, layout.b_offsets, batch.sorted_token_ids, batch.seg_starts, batch.seg_slots, out,
         layer, inter, cols, gate_up.stride(0), out.stride(0), xa.stride(0), xa.stride(1), xa.stride(2), layout.max_slots, layout.max_rank,
-        BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_N=block_n, SPLITS=xa.shape[0], ALIGN=layout.row_align, UPCAST=_upcast(out.dtype), num_warps=num_warps,
+        batch.max_rank, BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_N=block_n, SPLITS=xa.shape[0], ALIGN=layout.row_align, UPCAST=_upcast(out.dtype), num_warps=num_warps,
     )  # fmt: skip
 
 

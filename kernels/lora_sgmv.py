@@ -69,6 +69,7 @@ def shrink_kernel(
     stride_ot,
     max_slots,
     layout_max_rank,
+    batch_max_rank,  # ranks above it are cut to it (the xa buffer holds batch.max_rank rows)
     BLOCK_T: tl.constexpr,
     BLOCK_R: tl.constexpr,
     CHUNKS: tl.constexpr,  # (projection, rank chunk) pairs per program: their rows share each x tile
@@ -88,7 +89,7 @@ def shrink_kernel(
     end = tl.load(seg_starts_ptr + seg + 1)
     # Round trip 2: ranks, row offsets and the first token ids together.
     i, offs_r, a_row, r_mask, idle = _shrink_rows(proj_ids_ptr, ranks_ptr, a_off_ptr, slot, layer, num_r_chunks, num_chunks, max_slots, layout_max_rank,
-                                                  BLOCK_R, CHUNKS, ALIGN)  # fmt: skip
+                                                  batch_max_rank, BLOCK_R, CHUNKS, ALIGN)  # fmt: skip
     arange_t = tl.arange(0, BLOCK_T)
     tok = tl.load(token_ids_ptr + start + arange_t, mask=start + arange_t < end, other=0)
     # No slot, modules the slot does not adapt, or rank chunks past the slot's ranks: nothing to do.
@@ -123,8 +124,8 @@ def shrink_kernel(
 
 
 @triton.jit
-def _shrink_rows(proj_ids_ptr, ranks_ptr, a_off_ptr, slot, layer, num_r_chunks, num_chunks, max_slots, layout_max_rank, BLOCK_R: tl.constexpr,
-                 CHUNKS: tl.constexpr, ALIGN: tl.constexpr):  # fmt: skip
+def _shrink_rows(proj_ids_ptr, ranks_ptr, a_off_ptr, slot, layer, num_r_chunks, num_chunks, max_slots, layout_max_rank, batch_max_rank,
+                 BLOCK_R: tl.constexpr, CHUNKS: tl.constexpr, ALIGN: tl.constexpr):  # fmt: skip
     """A shrink program's rows: CHUNKS (projection, rank chunk) pairs of BLOCK_R rows from program_id(1) *
     CHUNKS, pair j = projection j // num_r_chunks, rank rows from (j % num_r_chunks) * BLOCK_R. Returns the
     projection index (per row, or one for the program), the rank rows, their pool offsets, which rows are
@@ -143,7 +144,7 @@ def _shrink_rows(proj_ids_ptr, ranks_ptr, a_off_ptr, slot, layer, num_r_chunks, 
         valid = (chunk < num_chunks) & (offs_r < layout_max_rank)
     proj = tl.load(proj_ids_ptr + i)
     meta = (layer * 7 + proj) * max_slots + tl.maximum(slot, 0)
-    rank = tl.where(slot < 0, 0, tl.load(ranks_ptr + meta))
+    rank = tl.where(slot < 0, 0, tl.minimum(tl.load(ranks_ptr + meta), batch_max_rank))
     a_row = tl.multiple_of(tl.load(a_off_ptr + meta.to(tl.int64) * layout_max_rank + offs_r, mask=valid, other=0), ALIGN)
     if CHUNKS == 1:
         r_mask = offs_r < rank  # rank <= layout_max_rank
@@ -193,6 +194,7 @@ def expand_kernel(
     stride_yt,
     max_slots,
     layout_max_rank,
+    batch_max_rank,  # ranks above it are cut to it (the xa buffer holds batch.max_rank rows)
     cols_per_program,  # columns of a program whose slot's rank class is REF_RANK
     BLOCK_T: tl.constexpr,
     BLOCK_R: tl.constexpr,  # rank tile: the batch's largest rank class (or a smaller tile with MULTI_CHUNK)
@@ -226,7 +228,7 @@ def expand_kernel(
     end = tl.load(seg_starts_ptr + seg + 1)
     # Round trip 2: rank, scale and the first token ids together.
     meta = (layer * 7 + proj) * max_slots + tl.maximum(slot, 0)
-    rank = tl.load(ranks_ptr + meta)
+    rank = tl.minimum(tl.load(ranks_ptr + meta), batch_max_rank)
     scale = tl.load(scales_ptr + meta)
     b_rows = b_off_ptr + meta.to(tl.int64) * layout_max_rank
     arange_t = tl.arange(0, BLOCK_T)

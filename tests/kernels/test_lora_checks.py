@@ -129,3 +129,47 @@ def test_a_layout_recording_its_widths_refuses_activations_of_other_widths(backe
         lora_expand(xa=out, layout=layout, layer=0, proj_ids=[0, 1], batch=batch, y=y, out_offsets=[0, 40], backend=backend)
     with pytest.raises(ValueError, match="7 positive"):
         dataclasses.replace(layout, widths=((64, 48),))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ranks_above_the_batchs_bound_are_cut_to_it_on_every_backend(backend, gen):
+    """A slot whose rank is above batch.max_rank (a host-side bound that was wrong) gets the delta of its first
+    batch.max_rank rows on both backends, and nothing is written past the xa buffer (which holds that many rows
+    per token): the other tokens' deltas are exact. A captured decode graph's bound comes from host bookkeeping;
+    a mistake there must not corrupt a neighbour's output."""
+    from kernel_cases import SMALL_DIMS
+
+    from lorafleet.kernels.lora import lora_silu_mul, lora_xa
+
+    _, layout = small_layout(gen, dtype=torch.float32, num_slots=3, ranks=(40,), skip_prob=0.0)
+    _, small = small_layout(gen, dtype=torch.float32, num_slots=3, ranks=(8,), skip_prob=0.0)
+    layout.ranks[:, :, 0] = small.ranks[:, :, 0].clamp(max=8)  # slot 0: rank 8 (its first 8 rows), slot 1: rank 40
+    # Token 0 (slot 1) is followed by slot 0's tokens, whose segment the kernels run first: rows of token 0
+    # written past the buffer's 16 would land on theirs.
+    slots = torch.tensor([1, 0, 0, 1, -1, 0], dtype=torch.int32)
+    exact = make_lora_batch(slots, layout.max_rank_by_slot())
+    cut = dataclasses.replace(exact, max_rank=16)
+    x = torch.randn(len(slots), SMALL_DIMS[0][0], generator=gen)
+    widths = [SMALL_DIMS[p][1] for p in (0, 1, 2)]
+    offsets = [0, widths[0], widths[0] + widths[1]]
+    deltas = {}
+    for name, batch in (("exact", exact), ("cut", cut)):
+        y = torch.zeros(len(slots), sum(widths))
+        lora_delta(x=x, layout=layout, layer=0, proj_ids=[0, 1, 2], batch=batch, y=y, out_offsets=offsets, backend=backend)
+        deltas[name] = y
+    truncated = dataclasses.replace(layout, ranks=layout.ranks.clamp(max=16))
+    want = torch.zeros(len(slots), sum(widths))
+    lora_delta(x=x, layout=truncated, layer=0, proj_ids=[0, 1, 2], batch=exact, y=want, out_offsets=offsets, backend="reference")
+    rank8 = slots == 0
+    torch.testing.assert_close(deltas["cut"][rank8], deltas["exact"][rank8])  # the rank-8 tokens: untouched by the cut
+    torch.testing.assert_close(deltas["cut"], want, rtol=1e-4, atol=1e-4)
+    inter = SMALL_DIMS[4][1]
+    gate_up = torch.randn(len(slots), 2 * inter, generator=gen)
+    acts = []
+    for lay, batch in ((layout, cut), (truncated, exact)):
+        xa = lora_xa(x=torch.randn(len(slots), SMALL_DIMS[4][0], generator=torch.Generator().manual_seed(1)), layout=lay, layer=0, proj_ids=[4, 5],
+                     batch=batch, backend=backend)  # fmt: skip
+        out = torch.zeros(len(slots), inter)
+        lora_silu_mul(gate_up=gate_up, xa=xa, layout=lay, layer=0, batch=batch, out=out, backend=backend)
+        acts.append(out)
+    torch.testing.assert_close(acts[0], acts[1], rtol=1e-4, atol=1e-4)

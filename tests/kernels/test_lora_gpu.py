@@ -156,18 +156,27 @@ def test_folded_activation_at_llama3_8b_shapes_in_bf16_on_gpu(popularity, num_to
 @pytest.mark.parametrize("num_live,bucket", [(1, 1), (13, 16), (64, 64), (200, 208)])
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_graph_shaped_decode_batch_at_llama3_8b_shapes_on_gpu(num_live, bucket, accumulate, gen):
-    """The batch a captured decode step replays: live rows padded to the graph's bucket, one segment per
-    row (the unused ones empty, of slot -1), the layout's largest rank as the rank bound and no mean rank.
-    The Triton delta equals the reference's on the live rows; padding rows are left alone."""
+    """The batch a captured decode step replays: live rows padded to the graph's bucket, segments padded
+    with empty ones of slot -1 to `graph_segments`, the rank bound and planning rank `graph_ranks` picks
+    (and, as graphs were before rank bounds, one segment per row with the layout's rank). The Triton delta
+    equals the reference's on the live rows; padding rows are left alone."""
     from lorafleet.kernels.lora_layout import LoRABatch
-    from lorafleet.worker.cuda_graphs import padded_groups
+    from lorafleet.worker.cuda_graphs import graph_ranks, graph_segments, padded_groups
 
     layout = _llama_layout(gen)
     live = token_slots("mixed_none", num_live, 24, gen).tolist()
-    ids, starts, seg_slots = padded_groups(live, 64, bucket)
     i32 = {"dtype": torch.int32, "device": "cuda"}
     slots = torch.tensor([*live, *[-1] * (bucket - num_live)], **i32)
-    batch = LoRABatch(slots, torch.tensor(ids, **i32), torch.tensor(starts, **i32), torch.tensor(seg_slots, **i32), max_rank=layout.max_rank)
+    ranks = [int(layout.max_rank_by_slot()[s]) for s in live if s >= 0]
+    bound, plan = graph_ranks(layout.max_rank, max(ranks, default=0), sum(ranks) / max(len(ranks), 1))
+    for segs, max_rank, mean_rank in ((graph_segments(bucket, 64, layout.max_slots), bound, plan), (bucket, layout.max_rank, 0)):
+        ids, starts, seg_slots = padded_groups(live, 64, bucket, segs)
+        batch = LoRABatch(slots, torch.tensor(ids, **i32), torch.tensor(starts, **i32), torch.tensor(seg_slots, **i32), max_rank=max_rank,
+                          mean_rank=float(mean_rank))  # fmt: skip
+        _check_graph_batch(layout, batch, bucket, num_live, accumulate, gen)
+
+
+def _check_graph_batch(layout, batch, bucket: int, num_live: int, accumulate: bool, gen) -> None:
     for group, (proj_ids, widths) in LLAMA_GROUPS.items():
         x = torch.randn(bucket, LLAMA3_8B_DIMS[proj_ids[0]][0], generator=gen).to(torch.bfloat16).cuda()
         offsets = [0, *torch.tensor(widths).cumsum(0).tolist()[:-1]]
