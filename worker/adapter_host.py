@@ -4,8 +4,8 @@
 stand-ins. Versions as the pool keeps them: `register_adapter(make_current=True)` makes a new version
 current once it has loaded, the one it replaces retiring then; `make_current=False` registers a canary
 beside the current one, or, for the current version while a new one loads to replace it, keeps it
-registered as that one's canary after the switch (stable and canary swapped in one push);
-`make_adapter_current` switches now.
+registered as that one's canary after the switch (stable and canary swapped in one push), until the new
+one is registered again as current; `make_adapter_current` switches now.
 """
 
 from __future__ import annotations

@@ -3,7 +3,9 @@
 disk/stager -> `AdapterImage` in (pinned) CPU memory in a loader thread (`_start_fetch`), then CPU ->
 its pool pages through the `PageCopier` (`_start_copy`); `_advance` finishes whatever completed
 without blocking, `_sweep_wanted` moves the adapters waiting for room on. A slot becomes visible in
-the layout only when its copy finished. A failure fails exactly the requests waiting for that load.
+the layout only when its copy finished. A failure fails exactly the requests waiting for that load; a new
+version loading to become current stays so after a retryable failure (a read error, a timeout: the next
+request's load may succeed and switch to it), not after one that cannot pass by itself (its files).
 It works on the pool's state (`_entries`, `_wanted`, `_inflight`, `_pending`, ...) declared in
 `AdapterPool.__init__`; placement and eviction are in worker/adapter_placement.py.
 """
@@ -126,8 +128,10 @@ class AdapterLoading:
         entry.failed_anonymous = True
         entry.waiters = set()
         self._wanted.pop(entry.key, None)
-        if self._pending.get(entry.name) == entry.key:
-            del self._pending[entry.name]  # the current version keeps serving
+        # The current version keeps serving. A new version that may load on a retry (the next request's
+        # load) stays pending, so it still switches once resident; one that cannot, no longer replaces it.
+        if self._pending.get(entry.name) == entry.key and not retryable:
+            del self._pending[entry.name]
             self._kept.pop(entry.name, None)
         self._counts["load_failures"] += 1
         self.metrics.load_failures.labels(tier).inc()

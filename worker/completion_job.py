@@ -49,6 +49,9 @@ class CompletionJob:
     # Resolves `model` again when the version chosen on arrival was replaced before the engine took the
     # request (a directive push between the two); None when the caller pinned `name@version`.
     re_resolve: Callable[[], str | None] | None = None
+    # Told the engine key the job moves to (worker/job_outputs.py): the request holds that version's metric
+    # series too, until it has counted on it (worker/retired_series.py).
+    on_move: Callable[[str | None], None] | None = None
     prompts: list[str | list[int]] | None = None  # completions: the prompts as sent (what `echo` repeats)
     failed_over: str | None = None  # the engine key it moved off because that version failed to load
     created: int = field(default_factory=lambda: int(time.time()))

@@ -155,5 +155,8 @@ def _fall_back(job: CompletionJob, exc: AdapterLoadError, adapters: ServedAdapte
 
 
 def _move(job: CompletionJob, key: str | None) -> None:
-    """The job's one move: to engine key `key`; it spends `re_resolve`."""
+    """The job's one move: to engine key `key`; it spends `re_resolve`. The request holds `key`'s metric
+    series from now on (`on_move`): a push may retire `key` while the job runs on it."""
     job.adapter, job.model, job.re_resolve = key, key or job.model, None
+    if job.on_move is not None:
+        job.on_move(key)

@@ -80,7 +80,7 @@ async def _prepare(request: web.Request, endpoint: str,
                    resolved: Callable[[str | None], None] = lambda key: None) -> CompletionJob:
     """The request as a CompletionJob, or an APIError. `resolved` is told the engine key the model resolved
     to (None: the base model) as soon as it is known, so a refusal after that (a bad prompt, a context too
-    long) is counted on it."""
+    long) is counted on it; and the key the job moves to, if it does (worker/job_outputs.py)."""
     app = request.app
     if app[STATUS].draining or ENGINE not in app:
         raise APIError(503, "the worker is shutting down or not ready; retry on another worker",
@@ -119,6 +119,7 @@ async def _prepare(request: web.Request, endpoint: str,
                         prompt_ids, parsed.options, tenant=tenant, prompts=getattr(parsed, "prompts", None))
     if adapter is not None and "@" not in parsed.model:
         job.re_resolve = lambda: app[ADAPTERS].resolve(parsed.model, tenant, parsed.options.user)
+        job.on_move = resolved  # the version it moves to is counted on too
     job.add_choices(engine.max_model_len, engine.model_config.vocab_size)
     return job
 
@@ -210,7 +211,7 @@ async def _serve(request: web.Request, endpoint: str) -> web.StreamResponse:
     metrics = app[METRICS]
     status = 500
     job: CompletionJob | None = None
-    resolved: list[str | None] = []  # the engine key the model resolved to, once it did
+    resolved: list[str | None] = []  # engine keys it holds: the one resolved, then one moved to
 
     def hold(key: str | None) -> None:  # its series stay, even if a push retires it, until this request counts
         resolved.append(key)

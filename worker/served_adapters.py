@@ -23,12 +23,15 @@ once it has loaded; until then v2 stays in the table as the fallback: if v3 fail
 first push after v3 has loaded retires v2.
 
 Stable and canary swapped in one push (gen 8 {sql: stable v4, canary v3 at 10 %} after {sql: stable v3,
-canary v4 at 10 %}), or a new stable v4 rolled out with v3 kept as its canary: a loaded v4 becomes
-current at once (v3 retires and is registered again as the canary). A v4 not loaded becomes current as a
-new stable version does, once it has loaded: v3, registered again as its canary, stays the engine's current
-version and the fallback until then, and registered as the canary after. Meanwhile the split is already
-the new one: the canary share is served by v3, the rest waits for v4's load, as after gen 7; if v4 fails
-to load, every user goes back to v3.
+canary v4 at 10 %}), or a new stable v4 rolled out with v3 kept as its canary: a v4 resident on the GPU
+becomes current at once (v3 retires and is registered again as the canary). A v4 not on the GPU (only in
+CPU memory, which may never fit there, or not loaded) becomes current as a new stable version does, once
+resident: v3, registered again as its canary, stays the engine's current version and the fallback until
+then, and registered as the canary after. Meanwhile the split is already the new one: the canary share is
+served by v3, the rest waits for v4's load, as after gen 7; if v4 fails to load, every user goes back to
+v3. A push before v4 has loaded that no longer names v3 as the canary registers v4 again, so that v3
+retires at the switch (worker/served_fallback.py). A canary promoted to stable switches at once only if it
+is resident on the GPU too.
 
 A local `--adapters DIR` folder that failed to load at start-up (worker/adapter_dir.py) is reported the
 way a pushed version that failed is: an entry of the state's `adapters` with its `error`, its version
@@ -57,6 +60,13 @@ from lorafleet.worker.directives import (
     is_name,
 )
 from lorafleet.worker.openai_protocol import APIError
+from lorafleet.worker.served_fallback import (
+    drops_kept,
+    gpu_resident,
+    keep_fallback,
+    keep_serving,
+    register_again,
+)
 from lorafleet.worker.sources import local_uri_path
 from lorafleet.worker.tenants import Tenant
 
@@ -197,18 +207,20 @@ class ServedAdapters:
             self.settings = settings
         old_table = self._adapters
         promoted: list[tuple[ServedAdapter, str, str | None]] = []  # canaries that become stable (and sha256)
-        loaded = _loaded(engine.describe_adapters())  # what a swap of stable and canary may switch to now
-        table = {d.name: self._register(d, old_table.get(d.name), engine, promoted, loaded) for d in state.adapters}
+        held = engine.describe_adapters()  # what a swap of stable and canary may switch to now, and what serves
+        loaded, current_keys = gpu_resident(held), {a["key"] for a in held if a.get("current")}
+        table = {d.name: self._register(d, old_table.get(d.name), engine, promoted, loaded, current_keys)
+                 for d in state.adapters}
         held = engine.describe_adapters()
         current = {a["name"]: a["version"] for a in held if a.get("current")}
-        loaded = _loaded(held)
-        # A promoted canary that has loaded switches at once; one that never did (no user reached it) is made
-        # current as a new stable version is, once it has loaded, the old one kept as the fallback meanwhile.
+        loaded = gpu_resident(held)
+        # A promoted canary resident on the GPU switches at once; one that is not (no user reached it, or it was
+        # evicted) is made current as a new stable version is, once loaded, the old one the fallback meanwhile.
         switch = [(s, v) for s, v, _ in promoted if f"{s.name}@{v}" in loaded]
         current |= {served.name: version for served, version in switch}
         for name, served in table.items():
             if name in old_table:
-                self._keep_fallback(served, old_table[name], current.get(name))
+                keep_fallback(served, old_table[name], current.get(name))
         self._adapters = table
         # Only now: the switch retires the old stable version, which the table published until now still sends
         # bare requests to (they would fail for the rest of the push).
@@ -238,7 +250,8 @@ class ServedAdapters:
         return True
 
     def _register(self, d: AdapterDirective, old: ServedAdapter | None, engine: AdapterHost,
-                  promoted: list[tuple[ServedAdapter, str, str | None]], loaded: set[str]) -> ServedAdapter:
+                  promoted: list[tuple[ServedAdapter, str, str | None]], loaded: set[str],
+                  current: set[str]) -> ServedAdapter:
         versions = {d.stable.version: d.stable.uri}
         digests = {d.stable.version: d.stable.sha256}  # the files must hash to it (None: not checked)
         if d.canary is not None:
@@ -257,7 +270,7 @@ class ServedAdapters:
             # Registered as is; not the old fallback as the canary: the engine retires it once its successor loaded.
             keep = (old is not None and old.sources.get(version) == uri and version not in old.errors
                     and version != demoted and (stable or version != old.fallback))
-            # The stable version of a swap (module doc): switched now if loaded, else registered as current.
+            # The stable version of a swap (module doc): switched now if on the GPU, else registered as current.
             swap = stable and demoted is not None
             if swap and key not in loaded:
                 keep = False
@@ -270,6 +283,8 @@ class ServedAdapters:
                 if not keep:
                     engine.register_adapter(d.name, source, version=version, tenant=d.tenant, pinned=d.pinned,
                                             make_current=stable, sha256=digests[version])
+                elif stable and old is not None and drops_kept(d, old, current):
+                    register_again(engine, d, source)  # the old stable version retires at the switch
                 registered = True
                 if swap and keep:
                     engine.make_adapter_current(key)  # loaded: the old stable version retires (and comes back below)
@@ -290,35 +305,8 @@ class ServedAdapters:
         if d.canary is not None and d.canary.version not in served.errors and d.stable.version not in served.errors:
             served.split = VersionSplit(d.stable.version, d.canary.version, d.canary_weight)
         elif fallback and old is not None:
-            self._keep_serving(served, old)
+            keep_serving(served, old)
         return served
-
-    @staticmethod
-    def _keep_serving(served: ServedAdapter, old: ServedAdapter) -> None:
-        """A new stable version that failed to register leaves the one serving until now in place (the
-        engine still holds it as current: only a registered new version replaces it), so a bad rollout is
-        reported (the failed version's error) instead of answering every request 503."""
-        previous = old.split.stable
-        if previous == served.split.stable or previous in old.errors:
-            return
-        if served.sources.get(previous, old.sources[previous]) != old.sources[previous] or previous in served.errors:
-            return  # pushed again from another source, or failed itself: not what was serving
-        served.sources[previous] = old.sources[previous]
-        served.split = VersionSplit(previous)
-
-    @staticmethod
-    def _keep_fallback(served: ServedAdapter, old: ServedAdapter, current: str | None) -> None:
-        """A new stable version registered but not loaded yet: the engine keeps `current`, the version
-        serving until now, until the new one is resident. The table keeps it too, as the fallback that
-        `mark_failed` sends requests back to if the new one fails to load, instead of answering them all
-        503 (also when it is the new one's canary: a swap). Once the engine has switched (the new version
-        loaded), the next push retires it as usual, or keeps it as the canary."""
-        if current is None or current == served.split.stable:
-            return  # switched already (loaded, or a promoted canary)
-        if current not in (old.split.stable, old.fallback) or current in old.errors:
-            return
-        served.sources.setdefault(current, old.sources[current])  # or served as the canary (a swap) anyway
-        served.fallback = current
 
     def load(self, name: str, path: str, engine: AdapterHost) -> str:
         """vLLM's load_lora_adapter: register `name` from a local path; answers `name@version`."""
@@ -385,11 +373,6 @@ class ServedAdapters:
         for name in self.startup_errors:
             out.setdefault(f"{name}@{UNSTAGED}", {"tenant": None, "traffic_percent": 0})
         return out
-
-
-def _loaded(held: list[dict[str, Any]]) -> set[str]:
-    """Keys of the versions the engine holds in memory (GPU or CPU), without a load error."""
-    return {a["key"] for a in held if a.get("tier") in ("gpu", "cpu") and not a.get("error")}
 
 
 def _traffic_percent(split: VersionSplit, version: str) -> int:

@@ -1,6 +1,7 @@
 """AdapterPool versions (worker/adapter_versions.py): stable and canary swapped in one push. The current
 version registered again as the canary of the version loading to replace it stays registered (and on the
-GPU) once that one switches; only that registration keeps it."""
+GPU) once that one switches; only that registration keeps it. A new version whose load failed for now
+(a retryable failure) still replaces the current one once a retry loads it."""
 
 from __future__ import annotations
 
@@ -9,30 +10,34 @@ from collections.abc import Callable
 
 import pytest
 
+from lorafleet.worker.adapter_entry import AdapterLoadError
 from lorafleet.worker.adapter_pool import AdapterPool
 from tests.lora_factory import random_weights
 from tests.worker.test_adapter_pool import make_pool
 
+READ_ERROR = OSError("adapter_model.safetensors: read error")  # may pass: a retryable failure
+BAD_FILE = ValueError("adapter_model.safetensors: not a safetensors file")  # cannot pass by itself
 
-def gated(seed: int, fails: bool = False) -> tuple[threading.Event, Callable[[], object]]:
-    """(gate, loader): the loader returns an adapter (or raises, `fails`) once the gate is set."""
+
+def gated(seed: int, error: Exception | None = None) -> tuple[threading.Event, Callable[[], object]]:
+    """(gate, loader): the loader returns an adapter (or raises `error`) once the gate is set."""
     gate = threading.Event()
 
     def loader():
         gate.wait(10)
-        if fails:
-            raise OSError("adapter_model.safetensors: truncated")
+        if error is not None:
+            raise error
         return random_weights(seed)
 
     return gate, loader
 
 
-def swap_loading(pool: AdapterPool, fails: bool = False) -> threading.Event:
+def swap_loading(pool: AdapterPool, error: Exception | None = None) -> threading.Event:
     """a@1 current and resident, a@2 its canary never loaded; then swapped: a@2 registered as current (its
     load held at the gate returned), a@1 again as the canary."""
     pool.add("a@1", random_weights(1))
     pool.load("a@1")
-    gate, loader = gated(2, fails)
+    gate, loader = gated(2, error)
     pool.add("a@2", loader=loader, make_current=False)
     pool.add("a@2", loader=loader)
     pool.add("a@1", random_weights(1), make_current=False)
@@ -59,9 +64,10 @@ def test_the_old_stable_version_stays_registered_and_resident_as_the_canary_of_t
         pool.close()
 
 
-def test_a_swap_whose_new_stable_version_fails_to_load_leaves_the_old_one_current():
+@pytest.mark.parametrize("error", [READ_ERROR, BAD_FILE], ids=["retryable", "not_retryable"])
+def test_a_swap_whose_new_stable_version_fails_to_load_leaves_the_old_one_current(error):
     pool = make_pool()
-    gate = swap_loading(pool, fails=True)
+    gate = swap_loading(pool, error)
     try:
         gate.set()
         pool.wait_idle()
@@ -71,12 +77,13 @@ def test_a_swap_whose_new_stable_version_fails_to_load_leaves_the_old_one_curren
         pool.close()
 
 
-@pytest.mark.parametrize("how", ["failed_load", "replaced", "make_current"])
+@pytest.mark.parametrize("how", ["failed_load", "replaced", "make_current", "registered_again"])
 def test_only_the_swap_keeps_the_old_version_a_later_switch_retires_it(how):
     """The canary registration keeps the current version for the switch to the version loading then; one that
-    failed, was replaced by another, or a switch made at once (`make_current`) retires it as usual."""
+    failed (for good), was replaced by another, or a switch made at once (`make_current`) retires it as usual;
+    so does the switch to the version loading if it was registered again as current after that registration."""
     pool = make_pool()
-    gate = swap_loading(pool, fails=how == "failed_load")
+    gate = swap_loading(pool, BAD_FILE if how == "failed_load" else None)
     try:
         if how == "failed_load":
             gate.set()
@@ -84,6 +91,11 @@ def test_only_the_swap_keeps_the_old_version_a_later_switch_retires_it(how):
         if how == "make_current":
             pool.make_current("a@2")
             assert pool.registered() == ["a@2"]
+        elif how == "registered_again":  # a push that no longer names a@1 as the canary
+            pool.add("a@2", random_weights(2))
+            gate.set()
+            pool.load("a@2")
+            assert pool.resolve("a") == "a@2" and pool.registered() == ["a@2"]
         else:
             pool.add("a@3", random_weights(3))  # a new stable version, no canary
             gate.set()  # the one loader thread is free again
@@ -93,4 +105,40 @@ def test_only_the_swap_keeps_the_old_version_a_later_switch_retires_it(how):
         pool.check()
     finally:
         gate.set()
+        pool.close()
+
+
+@pytest.mark.parametrize("swap", [False, True])
+@pytest.mark.parametrize("retryable", [True, False])
+def test_a_new_version_whose_load_failed_for_now_becomes_current_once_a_retry_loads_it(swap, retryable):
+    """After a failure that may pass (a read error, a timeout), the new version still replaces the current one
+    once a later load succeeds (keeping the old one if it is its canary); after one that cannot pass by itself,
+    the current one stays current even if the version loads later (it must be registered again)."""
+    pool = make_pool()
+    broken = {"on": True}
+
+    def loader():
+        if broken["on"]:
+            raise READ_ERROR if retryable else BAD_FILE
+        return random_weights(2)
+
+    try:
+        pool.add("a@1", random_weights(1))
+        pool.load("a@1")
+        pool.add("a@2", loader=loader)
+        if swap:
+            pool.add("a@1", random_weights(1), make_current=False)
+        assert pool.acquire("a@2", waiter="r1") is None
+        pool.wait_idle()
+        with pytest.raises(AdapterLoadError) as exc:
+            pool.acquire("a@2", waiter="r1")
+        assert exc.value.retryable == retryable and pool.resolve("a") == "a@1"
+        broken["on"] = False
+        assert pool.acquire("a@2", waiter="r2") is None
+        pool.wait_idle()
+        pool.release(pool.acquire("a@2", waiter="r2"))
+        assert pool.resolve("a") == ("a@2" if retryable else "a@1")
+        assert pool.registered() == (["a@2"] if retryable and not swap else ["a@1", "a@2"])
+        pool.check()
+    finally:
         pool.close()

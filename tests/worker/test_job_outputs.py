@@ -74,6 +74,17 @@ async def test_a_bare_name_whose_version_cannot_load_moves_to_the_fallback():
     assert served.resolve("sql", ACME, None) == "sql@v1"  # later requests go there at once
 
 
+async def test_a_job_that_moves_tells_the_version_it_moves_to_once():
+    """Its request holds that version's metric series until it has counted on it (worker/retired_series.py):
+    one move, one hold, however many of its choices found that their version cannot load."""
+    served = rollout()
+    job = job_for(served, "sql", n=3)
+    moves: list[str | None] = []
+    job.on_move = moves.append
+    await outputs(StandInEngine({"sql@v2"}), job, served)
+    assert moves == ["sql@v1"] and job.adapter == "sql@v1"
+
+
 async def test_the_move_happens_once_when_the_fallback_fails_too():
     served = rollout()
     job = job_for(served, "sql")

@@ -25,8 +25,9 @@ class RecordingHost:
         self.calls.append(("register", f"{name}@{version}", make_current))
         if source in self.failing:
             raise ValueError(f"{source}: adapter_model.safetensors is corrupt")
+        # Loaded, on the GPU; a test sets "tier" to "cpu" (only in memory), "disk" or "none" where it is not.
         self.keys[f"{name}@{version}"] = {"key": f"{name}@{version}", "name": name, "version": version,
-                                         "tier": "cpu", "refcount": 0, "hits": 0, "bytes": 10, "pinned": pinned}
+                                         "tier": "gpu", "refcount": 0, "hits": 0, "bytes": 10, "pinned": pinned}
         return f"{name}@{version}"
 
     def make_adapter_current(self, key):

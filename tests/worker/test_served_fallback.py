@@ -4,18 +4,20 @@ request metrics of a rollout, per version."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from lorafleet.worker.app_keys import METRICS
+from lorafleet.worker.app_keys import CONFIG, METRICS
 from lorafleet.worker.engine_config import EngineConfig
 from lorafleet.worker.openai_protocol import APIError
 from lorafleet.worker.served_adapters import ServedAdapters
 from lorafleet.worker.server import create_app
 from lorafleet.worker.worker_config import WorkerConfig
 from tests.worker.test_served_adapters import ACME, SQL, SQL_CANARY, RecordingHost, state
+from tests.worker.test_served_metrics import hold_outputs
 
 SQL_V2 = SQL | {"stable": {"version": "v2", "uri": "/c/sql/v2"}}
 USERS = [f"u{i}" for i in range(40)]
@@ -210,6 +212,59 @@ async def test_a_request_naming_the_version_that_cannot_load_is_refused_a_stream
     assert chunks[-1] == "[DONE]" and all('"model":"alpha@v1"' in c for c in chunks[:-1]), chunks
 
 
+@pytest.mark.parametrize("rollout", ["swap", "promote"])
+async def test_a_canary_in_memory_that_cannot_be_placed_is_not_switched_to_over_http(
+        client, qv_adapters_dir, tmp_path, rollout):
+    """The canary v2 registered (its copy in CPU memory) but needs more pages than an adapter may have. Made
+    stable (swapped with v1, or promoted), it became current at once: v1 retired, and the requests of every
+    user but the canary's were answered 503 until the next push. v1 serves until v2 is on the GPU."""
+    v1 = {"version": "v1", "uri": str(qv_adapters_dir / "alpha")}
+    big = {"version": "v2", "uri": str(tmp_path / "big")}
+    await push(client, 1, v1, canary=big, canary_weight=10)
+    assert (await complete(client, "alpha@v1"))[0] == 200
+    report = await (await client.get("/admin/v1/state", headers={"Authorization": f"Bearer {ADMIN}"})).json()
+    assert {a["version"]: a["tier"] for a in report["adapters"]} == {"v1": "gpu", "v2": "cpu"}
+    await push(client, 2, big, **({"canary": v1, "canary_weight": 10} if rollout == "swap" else {}))
+    answers = set()
+    for i in range(20):
+        status, body = await complete(client, "alpha", f"user-{i}")
+        answers.add((status, body.get("model") or body["error"]["code"]))
+    assert answers == {(200, "alpha@v1")}
+
+
+async def test_a_request_that_moved_holds_the_series_of_the_version_it_runs_on(
+        client, qv_adapters_dir, tmp_path, monkeypatch):
+    """A bare request whose version (v2) cannot load moves to the fallback v1 and runs there. Pushes retire v1
+    meanwhile and its grace passes: the series the request counts on must stay until it has counted (it
+    held only v2's, the version it resolved to on arrival), and go after the grace that follows."""
+    now = [0.0]
+    client.app[METRICS].retired.clock = lambda: now[0]
+    grace = client.app[CONFIG].retired_series_grace_s
+    await push(client, 1, {"version": "v1", "uri": str(qv_adapters_dir / "alpha")})
+    assert (await complete(client, "alpha"))[1]["model"] == "alpha@v1"
+    await push(client, 2, {"version": "v2", "uri": str(tmp_path / "big")})
+    started, go_on = hold_outputs(client, monkeypatch, lambda adapter: adapter == "alpha@v1")
+    request = asyncio.ensure_future(client.post("/v1/completions", json={
+        "model": "alpha", "prompt": "x", "max_tokens": 4, "ignore_eos": True, "user": "mover"}))
+    await asyncio.wait_for(started.wait(), 60)  # moved to v1, running there
+    v3 = {"version": "v3", "uri": str(qv_adapters_dir / "beta")}
+    await push(client, 3, v3)
+    assert (await complete(client, "alpha@v3"))[0] == 200  # v3 has loaded: the engine retires v1
+    await push(client, 4, v3)  # the table drops v1: its series retire
+    now[0] += grace + 1
+    assert ("v1", "200") in metric_samples(await (await client.get("/metrics")).text(), "lorafleet_requests_total",
+                                           "alpha")
+    go_on.set()
+    resp = await asyncio.wait_for(request, 60)
+    assert resp.status == 200 and (await resp.json())["model"] == "alpha@v1"
+    text = await (await client.get("/metrics")).text()
+    assert metric_samples(text, "lorafleet_requests_total", "alpha")[("v1", "200")] == 2
+    assert metric_samples(text, "lorafleet_time_to_first_token_seconds_count", "alpha")[("v1", "")] == 2
+    now[0] += grace + 1  # counted, its grace over: v1's series go (the request holds nothing any more)
+    text = await (await client.get("/metrics")).text()
+    assert {v for v, _ in metric_samples(text, "lorafleet_requests_total", "alpha")} == {"v3"}
+
+
 async def test_request_metrics_tell_canary_from_stable_and_forget_retired_versions_over_http(
         client, qv_adapters_dir):
     v1, v2 = ({"version": v, "uri": str(qv_adapters_dir / d)} for v, d in (("v1", "alpha"), ("v2", "beta")))
@@ -257,12 +312,14 @@ def test_a_promoted_canary_switches_only_once_the_push_is_published():
     assert picks(served) == {"sql@v2"} and host.current["sql"] == "sql@v2" and "sql@v1" not in host.keys
 
 
-def test_a_promoted_canary_that_never_loaded_replaces_the_stable_version_only_once_loaded():
+@pytest.mark.parametrize("tier", ["disk", "cpu"])
+def test_a_promoted_canary_that_never_loaded_replaces_the_stable_version_only_once_loaded(tier):
     """A canary no user reached (weight 0) is promoted: like a new stable version it becomes current once it
-    has loaded, v1 kept as the fallback meanwhile; if its load fails, bare requests go back to v1."""
+    has loaded, v1 kept as the fallback meanwhile; if its load fails, bare requests go back to v1. Also when
+    its copy is in CPU memory: it may never fit on the GPU."""
     host, served = SwitchingHost(), ServedAdapters("base")
     served.apply(state(1, SQL | {"canary": {"version": "v2", "uri": "/c/sql/v2"}, "canary_weight": 0}), host)
-    host.keys["sql@v2"]["tier"] = "disk"  # registered, its files never read
+    host.keys["sql@v2"]["tier"] = tier  # registered, its files never read (disk), or only read (cpu)
     served.apply(state(2, SQL_V2), host)
     assert host.current["sql"] == "sql@v1" and host.pending["sql"] == "sql@v2"
     assert picks(served) == {"sql@v2"} and served.get("sql").fallback == "v1"
@@ -271,7 +328,7 @@ def test_a_promoted_canary_that_never_loaded_replaces_the_stable_version_only_on
 
     host, served = SwitchingHost(), ServedAdapters("base")  # the same, and its load succeeds
     served.apply(state(1, SQL | {"canary": {"version": "v2", "uri": "/c/sql/v2"}, "canary_weight": 0}), host)
-    host.keys["sql@v2"]["tier"] = "disk"
+    host.keys["sql@v2"]["tier"] = tier
     served.apply(state(2, SQL_V2), host)
     host.loaded("sql@v2")
     assert host.current["sql"] == "sql@v2" and "sql@v1" not in host.keys and picks(served) == {"sql@v2"}

@@ -74,6 +74,45 @@ def test_once_the_new_stable_version_has_loaded_the_old_one_stays_registered_as_
     assert "sql@v1" in host.keys and resolved(served, CANARY_USERS) == {"sql@v1"}
 
 
+def without_old_canary(rollout: str, kind: str) -> dict:
+    """The push after `rollout` that keeps its new stable version but names v1 no longer as the canary."""
+    stable = V2 if rollout == "swap" else V3
+    return SQL | {"stable": stable} | ({"canary": V3 if rollout == "swap" else V2, "canary_weight": 10}
+                                      if kind == "new_canary" else {})
+
+
+@pytest.mark.parametrize("kind", ["kill_switch", "new_canary"])
+@pytest.mark.parametrize("rollout", ["swap", "new_beside_old"])
+def test_a_push_no_longer_naming_the_old_stable_version_as_the_canary_lets_the_switch_retire_it(rollout, kind):
+    """While the new stable version loads, v1 (the engine's current version) is kept as its canary. A push
+    without v1 as the canary registers the new version again as current, so that the engine retires v1 at the
+    switch instead of keeping it registered for good (on the GPU, and pinned or warm if it was)."""
+    host, served, new = swap_to_unloaded(rollout)
+    served.apply(state(3, without_old_canary(rollout, kind)), host)
+    assert host.calls.count(("register", new, True)) == 2 and "sql" not in host.kept
+    assert served.get("sql").fallback == "v1" and host.current["sql"] == "sql@v1"  # v1 serves until then
+    host.loaded(new)
+    assert host.current["sql"] == new and "sql@v1" not in host.keys
+
+
+@pytest.mark.parametrize("rollout", ["swap", "new_beside_old"])
+def test_once_switched_a_push_dropping_the_old_canary_registers_nothing_again(rollout):
+    host, served, new = swap_to_unloaded(rollout)
+    host.loaded(new)  # v1 kept as the canary
+    served.apply(state(3, without_old_canary(rollout, "kill_switch")), host)
+    assert host.calls.count(("register", new, True)) == 1 and ("remove", "sql@v1") in host.calls
+
+
+def test_a_failed_registration_again_changes_nothing_that_serves():
+    """Registering the loading version again only lets the switch retire v1: if it fails (its files changed),
+    the version stays served and loading, and v1 the fallback (kept registered after the switch)."""
+    host, served, _ = swap_to_unloaded("swap")
+    host.failing = {"/c/sql/v2"}
+    served.apply(state(3, without_old_canary("swap", "kill_switch")), host)
+    assert not served.get("sql").errors and served.get("sql").fallback == "v1" and host.pending["sql"] == "sql@v2"
+    assert resolved(served, set(USERS)) == {"sql@v2"}
+
+
 def test_a_push_again_while_the_new_stable_version_loads_keeps_the_old_one_as_the_fallback():
     host, served, _ = swap_to_unloaded("swap")
     served.apply(state(3, SWAPPED), host)
@@ -90,6 +129,20 @@ def test_a_swap_to_a_loaded_canary_switches_at_once():
     assert ("register", "sql@v1", False) in host.calls and "sql@v1" in host.keys  # the old one back as the canary
     assert resolved(served, CANARY_USERS) == {"sql@v1"} and resolved(served, STABLE_USERS) == {"sql@v2"}
     assert served.get("sql").fallback is None
+
+
+@pytest.mark.parametrize("tier", ["none", "cpu"])
+def test_a_swap_to_a_canary_not_on_the_gpu_switches_only_once_it_is(tier):
+    """A copy in CPU memory is no loaded version: it may never fit on the GPU (more pages than an adapter may
+    have). Switching to it at once retired v1, the one version that served, and stable users got 503."""
+    host, served = SwitchingHost(), ServedAdapters("base")
+    served.apply(state(1, CANARY_V2), host)
+    host.keys["sql@v2"]["tier"] = tier
+    served.apply(state(2, SWAPPED), host)
+    assert ("make_current", "sql@v2") not in host.calls and ("register", "sql@v2", True) in host.calls
+    assert host.current["sql"] == "sql@v1" and host.pending["sql"] == "sql@v2" and served.get("sql").fallback == "v1"
+    served.mark_failed("sql@v2", "needs 32 pages; adapters may use at most 8 pages of the pool")
+    assert resolved(served, set(USERS)) == {"sql@v1"}
 
 
 def test_a_swap_whose_new_stable_version_cannot_be_registered_leaves_the_old_one_serving_everyone():

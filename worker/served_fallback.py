@@ -1,0 +1,82 @@
+"""The fallback: the stable version a new one replaces, served while the new one loads (ServedAdapters).
+
+The engine makes a new stable version current only once it is resident on the GPU; until then it keeps the
+version serving until now, and so does the served table, as the `fallback` that a failed load sends users
+back to (`ServedAdapters.mark_failed`). What a push may switch at once is only what is GPU-resident: a copy
+in CPU memory may never fit on the GPU (more pages than the pool lets an adapter have), and switching to it
+would retire the one version that serves.
+
+Running example (stable and canary swapped, worker/served_adapters.py): {sql: stable v1, canary v2}, then
+{sql: stable v2, canary v1} with v2 not resident: v2 loads to become current, v1 is registered again as its
+canary, so the engine keeps it registered at the switch (worker/adapter_versions.py). A push meanwhile that
+no longer names v1 as the canary ({sql: stable v2}, or {sql: stable v2, canary v3}) registers v2 again as
+current: the engine then retires v1 at the switch instead of keeping it, its GPU slot and its pinned or warm
+flags with it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from lorafleet.worker.adapter_host import AdapterHost
+from lorafleet.worker.canary import VersionSplit
+from lorafleet.worker.directives import AdapterDirective
+
+if TYPE_CHECKING:
+    from lorafleet.worker.served_adapters import ServedAdapter
+
+log = logging.getLogger(__name__)
+
+
+def gpu_resident(held: list[dict[str, Any]]) -> set[str]:
+    """Keys of the versions resident on the GPU, without a load error: those a push may switch to at once."""
+    return {a["key"] for a in held if a.get("tier") == "gpu" and not a.get("error")}
+
+
+def drops_kept(d: AdapterDirective, old: ServedAdapter, current: set[str]) -> bool:
+    """True when `d` keeps `old`'s stable version, still loading to replace the fallback that the engine
+    keeps as its canary (`current`: the engine's current keys), but names that fallback no longer as the
+    canary: the stable version must be registered again as current, so the switch retires the fallback."""
+    kept = old.fallback
+    if kept is None or kept != old.split.canary or f"{d.name}@{kept}" not in current:
+        return False
+    return d.stable.version == old.split.stable and (d.canary is None or d.canary.version != kept)
+
+
+def register_again(engine: AdapterHost, d: AdapterDirective, source: str) -> None:
+    """Register `d`'s stable version again as current (see `drops_kept`). A failure changes nothing that
+    serves: the version stays registered and loading, the fallback stays registered after the switch."""
+    try:
+        engine.register_adapter(d.name, source, version=d.stable.version, tenant=d.tenant, pinned=d.pinned,
+                                make_current=True, sha256=d.stable.sha256)
+    except (ValueError, KeyError, OSError, RuntimeError) as exc:
+        log.warning("adapter %s@%s: registering it again failed (%s); the version it replaces stays registered "
+                    "after the switch until the name is pushed again", d.name, d.stable.version, exc)
+
+
+def keep_serving(served: ServedAdapter, old: ServedAdapter) -> None:
+    """A new stable version that failed to register leaves the one serving until now in place (the
+    engine still holds it as current: only a registered new version replaces it), so a bad rollout is
+    reported (the failed version's error) instead of answering every request 503."""
+    previous = old.split.stable
+    if previous == served.split.stable or previous in old.errors:
+        return
+    if served.sources.get(previous, old.sources[previous]) != old.sources[previous] or previous in served.errors:
+        return  # pushed again from another source, or failed itself: not what was serving
+    served.sources[previous] = old.sources[previous]
+    served.split = VersionSplit(previous)
+
+
+def keep_fallback(served: ServedAdapter, old: ServedAdapter, current: str | None) -> None:
+    """A new stable version registered but not loaded yet: the engine keeps `current`, the version
+    serving until now, until the new one is resident. The table keeps it too, as the fallback that
+    `mark_failed` sends requests back to if the new one fails to load, instead of answering them all
+    503 (also when it is the new one's canary: a swap). Once the engine has switched (the new version
+    loaded), the next push retires it as usual, or keeps it as the canary."""
+    if current is None or current == served.split.stable:
+        return  # switched already (loaded, or a promoted canary)
+    if current not in (old.split.stable, old.fallback) or current in old.errors:
+        return
+    served.sources.setdefault(current, old.sources[current])  # or served as the canary (a swap) anyway
+    served.fallback = current
