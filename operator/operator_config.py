@@ -22,7 +22,8 @@ class OperatorConfig:
     request_timeout: float = field(default=5.0, metadata={
         "help": "seconds for one sidecar state read, Prometheus query or Kubernetes API call"})
     push_timeout: float = field(default=300.0, metadata={
-        "help": "seconds for one directive push (the sidecar answers once what needs no download is applied)"})
+        "help": "seconds for one directive push (the sidecar answers once what needs no download is applied; "
+                "its first push since it started, once staged)"})
     unload_grace: float = field(default=300.0, metadata={
         "help": "seconds a deleted adapter's finalizer waits for a worker pod that cannot be told to unload it (its "
                 "sidecar does not answer); after that the object goes, a warning event names the pod, and the pod is "

@@ -323,15 +323,16 @@ def _next_generation(x: WorkerIndex, directives: list[AdapterDirective], setting
 
 
 def drifted(x: WorkerIndex, directives: list[AdapterDirective]) -> bool:
-    """The worker claims the push applied yet lost what it was told to hold (restart), keeps a removed one,
-    or failed to stage a version and its retry backoff has elapsed (a new generation makes the stager
-    try again; ``WorkerReport.may_retry`` bounds how often). A version its stager is still staging (a
-    download in progress) is on its way, not lost."""
+    """The worker claims the push applied yet lost what it was told to hold (restart), its stable version or
+    its canary, keeps a removed one, or failed to stage a version and its retry backoff has elapsed (a new
+    generation makes the stager try again; ``WorkerReport.may_retry`` bounds how often). A version its
+    stager is still staging (a download in progress, a retry included) is on its way, not lost."""
     for d in directives:
-        st = x.find(d.name, d.stable.version)
-        if st is None or (d.warm and st.tier == "none" and st.error is None and not st.staging):
-            return True
-    if x.w.may_retry and x.failed_versions(directives):
+        for version in d.versions:
+            st = x.find(d.name, version)
+            if st is None or (d.warm and st.tier == "none" and st.error is None and not st.staging):
+                return True
+    if x.w.may_retry and x.failed_versions(directives, retrying=False):
         return True
     wanted = {d.name for d in directives}
     return any(name not in wanted for name in x.by_name)

@@ -40,7 +40,10 @@ class WorkerIndex:
     def find(self, name: str, version: str) -> AdapterState | None:
         return next((st for st in self.by_name.get(name, ()) if st.version == version), None)
 
-    def failed_versions(self, directives: list[AdapterDirective]) -> list[str]:
-        """``name@version`` of each desired version this worker reports an error for (staging or loading)."""
+    def failed_versions(self, directives: list[AdapterDirective], *, retrying: bool = True) -> list[str]:
+        """``name@version`` of each desired version this worker reports an error for (staging or loading).
+        ``retrying``: with those its stager is staging again (``staging``, the last error standing until the
+        retry ends): failing still (the retry backoff goes on), yet not to re-push, which would supersede the
+        retry."""
         return [f"{d.name}@{v}" for d in directives for v in d.versions
-                if (st := self.find(d.name, v)) is not None and st.error]
+                if (st := self.find(d.name, v)) is not None and st.error and (retrying or not st.staging)]

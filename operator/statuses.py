@@ -1,7 +1,8 @@
 """LoRAAdapter and LoRAPool statuses, computed only from what workers report (never from what was sent).
 
 An adapter is Ready when every worker that should hold it GPU-resident reports its stable version (and its
-canary, which a warm worker prefetches too) at tier ``gpu`` without error, every ready worker has it registered, and every worker that reports its traffic
+canary, which a warm worker prefetches too) at tier ``gpu`` without error, every ready worker has it registered
+(a version its stager still stages, ``staging``, is not registered yet), and every worker that reports its traffic
 split sends the name's users as the spec says (an edit of the canary, its removal or promotion is Loading
 until applied; meanwhile stableVersion, canaryVersion and canaryWeight are the split the workers report). A
 warm worker whose GPU adapter slots are all held by pinned adapters can never make it resident: Degraded,
@@ -39,7 +40,10 @@ def adapter_status(a: AdapterSpec, live: list[WorkerIndex], warm_pods: list[str]
     for w in live:
         for st in w.by_name.get(a.name, ()):
             if st.error:
-                errors.append(f"{w.pod}: {st.name}@{st.version}: {st.error}")
+                errors.append(f"{w.pod}: {st.name}@{st.version}: {st.error}" + (" (being staged again)"
+                                                                                 if st.staging else ""))
+                continue
+            if st.staging:  # still being downloaded: not registered yet
                 continue
             versions_seen.add(st.version)
             if w.pod in warm_set and st.num_pinned_slots is not None and st.tier != "gpu" and st.version in (

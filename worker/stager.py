@@ -11,7 +11,8 @@ needs `Authorization: Bearer <stager token>` (the routes: stager_http.py):
   `PUT /admin/v1/state` what needs no download (worker/stager_push.py), stage every version, then forward
   the rest; a newer push takes over from one still staging. Answered once staged, or with `Prefer:
   respond-async` (the operator's) 202 once forwarded at once while its versions are still being staged
-  (reported at tier `none` with `staging`). Same generation: no-op; lower: 409. A version that
+  (reported at tier `none` with `staging`); a stager that has forwarded nothing yet (what the engine holds
+  is not known) answers once staged. Same generation: no-op; lower: 409. A version that
   cannot be staged (store down, digest mismatch) is reported with its error; an adapter whose new
   version fails keeps its previously forwarded (already local) version, so the store being down
   never takes away what is served. A store that does not answer costs a push one quick check, and one
@@ -91,6 +92,7 @@ class Stager:
         self.engine = EngineLink(config.engine_url, config.admin_token) if config.engine_url else None
         self.apply_lock = asyncio.Lock()  # a push's steps that change what is forwarded (never a download)
         self.staging_lock = asyncio.Lock()  # one push stages at a time
+        self.superseded = asyncio.Event()  # the latest push's: set once a newer one begins
         self._pushes: set[asyncio.Task] = set()  # start()'s
         self.metrics = StagerMetrics(self.cache)
         self.registry = self.metrics.registry
@@ -252,7 +254,8 @@ class Stager:
     async def apply(self, desired: DesiredState, *, seed: SeedReport | None = None,
                     begun: asyncio.Event | None = None) -> ReportedState:
         """Stage and forward `desired` (worker/stager_push.py); its report once its versions are staged, or once
-        a newer push took over. What needs no download reaches the engine first: `begun` is set then. `seed`:
+        a newer push took over. What needs no download reaches the engine first: `begun` is set then (else, when
+        nothing was forwarded since the stager started, once the push ends). `seed`:
         the seed's report when it made this push (its failures are reported with the push's own); None for
         a push from elsewhere, which ends the seed."""
         return await apply_push(self, desired, seed=seed, begun=begun)
@@ -260,7 +263,7 @@ class Stager:
     def start(self, desired: DesiredState) -> tuple[asyncio.Task, asyncio.Event]:
         """`apply(desired)` in a task of the stager's own, which runs to its end whether or not anyone waits
         for it (a push answered before its downloads are in), and the event `apply` sets once the push has
-        reached the engine with what needs no download (or was refused)."""
+        reached the engine with what needs no download, or once it ends (refused, or its first step left out)."""
         begun = asyncio.Event()
         task = asyncio.ensure_future(self.apply(desired, begun=begun))
         self._pushes.add(task)

@@ -7,8 +7,10 @@ carries out as `generation_applied`: the operator compares it with what it pushe
 
 Running example: push 7 {sql: v2 (downloading), chat: canary at 0 %} is forwarded as 7 with sql still at v1,
 then as 8 with sql at v2; the engine reports 8, the stager 7. Push 8 next is forwarded as 9, reported as 8.
-An engine generation the stager did not forward (the engine restarted: 0), or one whose push then failed to
-reach the engine, is reported as 0: not applied, and the operator pushes again.
+An engine generation this stager did not forward (the engine restarted: 0; the stager restarted, the engine
+keeping what the one before forwarded, maybe only a push's first step), or one whose push then failed to reach
+the engine, is reported as 0: not applied, and the operator pushes again. A forward's generation is noted before
+it is sent: a report read while the engine has applied it and not answered yet says it is applied.
 """
 
 from __future__ import annotations
@@ -55,9 +57,12 @@ class EngineLink:
         """Send `state` (local paths) under an engine generation it has not applied; reported as `state`'s."""
         generation = max(state.generation, self.generation + 1)
         try:
+            self._note(generation, state.generation)  # before the engine applies it: a report may come first
             status, data = await self.call("PUT", "/admin/v1/state", replace(state, generation=generation).to_dict())
             if status == 409:  # it applied a higher one (forwarded before this stager started): go above it
+                self._pushes.pop(generation, None)
                 generation = max(generation, int((data or {}).get("generation_applied") or 0)) + 1
+                self._note(generation, state.generation)
                 status, data = await self.call("PUT", "/admin/v1/state", replace(state, generation=generation).to_dict())
             if status == 409:
                 raise APIError(502, f"engine refused generation {generation}: {(data or {}).get('error')}",
@@ -67,13 +72,12 @@ class EngineLink:
             self._pushes = {g: p for g, p in self._pushes.items() if p != state.generation}
             raise
         self.generation, self._content = generation, replace(state, generation=0)
-        self._note(generation, state.generation)
 
     async def report(self) -> ReportedState:
         """The engine's report, its `generation_applied` as the push generation it carries out."""
         report = ReportedState.from_dict((await self.call("GET", "/admin/v1/state"))[1])
-        if self.generation > 0:  # else nothing forwarded since the stager started: the engine's own number
-            report.generation_applied = self._pushes.get(report.generation_applied, 0)
+        # Always mapped: an engine generation this stager did not forward may carry only a push's first step.
+        report.generation_applied = self._pushes.get(report.generation_applied, 0)
         return report
 
     def _note(self, generation: int, push_generation: int) -> None:

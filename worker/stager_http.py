@@ -73,7 +73,8 @@ async def post_stage(request: web.Request) -> web.Response:
 async def put_directives(request: web.Request) -> web.Response:
     """The push's report once its versions are staged; with `Prefer: respond-async` (RFC 7240), 202 and the
     report so far once it has reached the engine with what needs no download, its downloads still going on
-    (the operator's pushes: one adapter's download must not hold up its pool's next edit)."""
+    (the operator's pushes: one adapter's download must not hold up its pool's next edit); the report once
+    staged when that first step is left out (nothing forwarded since the stager started: worker/stager_push.py)."""
     desired = DesiredState.from_dict(await _read(request))
     stager = request.app[STAGER]
     task, begun = stager.start(desired)  # runs to its end if the client goes away

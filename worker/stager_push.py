@@ -6,7 +6,8 @@ so that an edit that only changes weights, flags or the adapter set (a kill swit
 to 0, a canary or an adapter removed) is not held up by another adapter's download; then once its versions
 are staged, one after another as before, if that changes what the engine has. Until then an adapter whose
 new version is still being staged keeps what was forwarded for it, exactly as when the version cannot be
-staged (`keep_stable`).
+staged (`keep_stable`). A stager that has forwarded nothing yet leaves the first step out (what the engine
+holds is not known): its push is answered once staged. A newer push takes over at once from one staging.
 
 Running example: forwarded {sql: v1 + canary v2 at 20 %, chat: c1}; push {sql: v3 (not cached), chat: c1 +
 canary c2 at 0 %, c2 cached}: at once {sql: v1 without its canary, chat: c1 + c2 at 0 %}; once v3 is in,
@@ -44,6 +45,8 @@ class Push:
     pending: set[Key]  # versions not forwarded as the push says yet: still to be staged, or staged since
     staged: dict[Key, Staged] = field(default_factory=dict)  # what its staging staged
     forwarded: bool = False  # the engine was sent this push already (its first step)
+    at_once: bool = False  # its first step reached the engine (else a respond-async push is answered once staged)
+    superseded: asyncio.Event = field(default_factory=asyncio.Event)  # set once a newer push begins
 
 
 def version_refs(desired: DesiredState) -> list[tuple[str, VersionRef]]:
@@ -92,16 +95,19 @@ def forwardable(desired: DesiredState, copies: dict[Key, Staged], old: dict[str,
 
 async def apply_push(stager: Stager, desired: DesiredState, *, seed: SeedReport | None = None,
                      begun: asyncio.Event | None = None) -> ReportedState:
-    """Stager.apply: forward at once what needs no download (then set `begun`), stage, forward the rest."""
+    """Stager.apply: forward at once what needs no download (then set `begun`; when that step is left out, once
+    the push ends), stage, forward the rest."""
+    begun = begun or asyncio.Event()
     try:
         push = await _begin(stager, desired, seed)
-    finally:
-        if begun is not None:
+        if push is None:  # the generation applied already
+            return await stager.state()
+        if push.at_once:
             begun.set()
-    if push is None:  # the generation applied already
-        return await stager.state()
-    await _stage(stager, push)
-    return await _finish(stager, push)
+        await _stage(stager, push)
+        return await _finish(stager, push)
+    finally:
+        begun.set()
 
 
 async def _begin(stager: Stager, desired: DesiredState, seed: SeedReport | None) -> Push | None:
@@ -122,8 +128,10 @@ async def _begin(stager: Stager, desired: DesiredState, seed: SeedReport | None)
         stager.holds.hold_replaced(stager.staged, staged)
         stager.forwarded, stager.errors, stager.staged, stager.pending = forwarded, errors, staged, push.pending
         stager.desired, stager.generation, stager.seed_report = desired, desired.generation, seed
+        stager.superseded.set()  # the push staging until now stops waiting for its download
+        stager.superseded = push.superseded
         try:
-            await _forward(stager, push, forwarded, first=True)
+            push.at_once = await _forward(stager, push, forwarded, first=True)
         except BaseException:
             push.pending.clear()  # the push failed (the engine refused it): nothing of it is being staged
             raise
@@ -151,28 +159,56 @@ def ready_now(stager: Stager, name: str, ref: VersionRef) -> Staged | None:
         stager.sources.check_s3(ref.uri)
     except Exception:  # refused when it is staged, with its reason
         return None
+    # Protected before it is looked up (worker/disk_cache.py): a download thread's trim may run before the copy
+    # is among the served ones.
+    stager.holds.lease(ref.sha256)
     path = stager.cache.get(ref.sha256)
     return Staged(path, ref.sha256, cached=True) if path is not None else None
 
 
 async def _stage(stager: Stager, push: Push) -> None:
     """Stage the push's versions one after another: the store's rules (worker/stager_store.py) hold per push.
-    One push stages at a time; one that a newer push replaced stops before its next version."""
+    One push stages at a time; one that a newer push replaced stops at once, without waiting for the version it
+    is staging: that stage goes on by itself (a download in progress completes for whoever wants its copy, the
+    newer push included), and the newer push does not wait behind it."""
     async with stager.staging_lock:
         stager.holds.pushing = pushing = set()  # until its copies are served (_finish) or a newer push stages
         push_start = time.monotonic()
-        for name, ref in version_refs(push.desired):
-            if stager.generation != push.desired.generation:
-                return
-            key = (name, ref.version)
-            try:
-                push.staged[key] = await stager.stage(ref.uri, ref.sha256, held=pushing, push_start=push_start)
-            except Exception as exc:
-                push.errors[key] = staging_error(exc, ref.uri).message
-                push.pending.discard(key)
-                log.warning("staging %s@%s failed: %s", name, ref.version, push.errors[key])
-            else:
-                push.errors.pop(key, None)
+        superseded = asyncio.ensure_future(push.superseded.wait())
+        try:
+            for name, ref in version_refs(push.desired):
+                if push.superseded.is_set():
+                    return
+                staging = asyncio.ensure_future(stager.stage(ref.uri, ref.sha256, held=pushing, push_start=push_start))
+                try:
+                    await asyncio.wait({staging, superseded}, return_when=asyncio.FIRST_COMPLETED)
+                except BaseException:  # cancelled: the stager stops
+                    staging.cancel()
+                    raise
+                if not staging.done():
+                    staging.add_done_callback(_retrieved)
+                    return
+                _note_staged(push, name, ref, staging)
+        finally:
+            superseded.cancel()
+
+
+def _note_staged(push: Push, name: str, ref: VersionRef, staging: asyncio.Future) -> None:
+    """What staging `name`@`ref.version` gave: its copy, or its error."""
+    key = (name, ref.version)
+    try:
+        push.staged[key] = staging.result()
+    except Exception as exc:
+        push.errors[key] = staging_error(exc, ref.uri).message
+        push.pending.discard(key)
+        log.warning("staging %s@%s failed: %s", name, ref.version, push.errors[key])
+    else:
+        push.errors.pop(key, None)
+
+
+def _retrieved(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()  # nobody waits for it any more
 
 
 async def _finish(stager: Stager, push: Push) -> ReportedState:
@@ -193,18 +229,24 @@ async def _finish(stager: Stager, push: Push) -> ReportedState:
         return report
 
 
-async def _forward(stager: Stager, push: Push, forwarded: dict[str, AdapterDirective], *, first: bool) -> None:
+async def _forward(stager: Stager, push: Push, forwarded: dict[str, AdapterDirective], *, first: bool) -> bool:
     """Send the engine the push with `forwarded` as its adapters (the pool-wide settings go through as pushed).
     At once: unless it holds that already, or nothing was forwarded since the stager started (what the engine
     holds is not known: the push's staged set goes). Then: if that changes what it holds, and at least once
-    per push (an engine that restarted holds nothing)."""
+    per push (an engine that restarted holds nothing). False: nothing was sent, as what the engine holds is not
+    known."""
     if stager.engine is None:
-        return
+        return True
     state = replace(push.desired, adapters=list(forwarded.values()))
     if first and stager.engine.generation == 0:
-        return
+        # Its first step left out, the push is answered once staged, even with `Prefer: respond-async`: answered
+        # at once, it would be reported as not applied (0) until staged, and the operator would push it again every
+        # pass, each push taking over from the one staging, none reaching the engine before every download is in.
+        # Answered once staged, the operator's push waits for it (up to its push timeout), once per stager start.
+        return False
     if stager.engine.holds(state) and (first or push.forwarded):
         stager.engine.carries(push.desired.generation)
-        return
+        return True
     await stager.engine.forward(state)
     push.forwarded = True
+    return True

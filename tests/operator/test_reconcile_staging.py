@@ -1,0 +1,64 @@
+"""Versions a worker's stager reports with ``staging`` (a download in progress, answered before it ends): on
+their way, neither drift nor registered, nor a failure to re-push while staged again; a canary the worker
+claims to have applied yet does not report is lost, as a stable version is."""
+
+from __future__ import annotations
+
+import pytest
+
+from lorafleet.operator.reconcile import reconcile_pool
+from lorafleet.worker.directives import AdapterState, ReportedState
+
+from .test_reconcile import NOW, adapter, converge, pool, workers
+
+CANARY = {"version": "v2", "source": {"uri": "s3://adapters/a/v2/"}, "weight": 20}
+
+
+@pytest.mark.parametrize("warm", [0, 1])
+def test_a_canary_claimed_applied_and_not_reported_is_pushed_again_unless_it_is_staging(warm):
+    """The worker reports the push's generation (a stager restarted between a push's two steps, say) with a's
+    stable version and without its canary: pushed again. Reported as still staging: it is on its way."""
+    ws = workers(1)
+    converge(pool(), [adapter("a", warm=warm)], ws)
+    spec = adapter("a", warm=warm, canary=CANARY)
+    pushed = ws[0].last_pushed = reconcile_pool(pool(), [spec], ws, now=NOW).pushes["w0"]
+    for canary, again in ((None, True), (AdapterState("a", "v2", "none", staging=True), False)):
+        ws[0].reported = ReportedState(generation_applied=pushed.generation, adapters=[
+            AdapterState("a", "v1", "gpu" if warm else "disk"), *([canary] if canary else [])])
+        plan = reconcile_pool(pool(), [spec], ws, now=NOW)
+        assert ("w0" in plan.pushes) is again
+        assert plan.adapter_statuses["a"]["phase"] == "Loading"
+
+
+def test_a_version_still_downloading_is_not_registered():
+    """A new on-demand adapter (warm: 0) whose only version its stager is still downloading is Loading, not
+    Ready; Ready once it is staged."""
+    ws = workers(1)
+    spec = adapter("a")
+    pushed = ws[0].last_pushed = reconcile_pool(pool(), [spec], ws, now=NOW).pushes["w0"]
+    ws[0].reported = ReportedState(generation_applied=pushed.generation, adapters=[
+        AdapterState("a", "v1", "none", staging=True)])
+    plan = reconcile_pool(pool(), [spec], ws, now=NOW)
+    st = plan.adapter_statuses["a"]
+    assert (st["phase"], st["ready"], st["stableVersion"]) == ("Loading", "0/1", None), st
+    assert "registered on 0/1 workers" in st["message"] and "w0" not in plan.pushes
+    ws[0].reported.adapters = [AdapterState("a", "v1", "disk")]
+    assert reconcile_pool(pool(), [spec], ws, now=NOW).adapter_statuses["a"]["phase"] == "Ready"
+
+
+def test_a_failed_version_being_staged_again_is_not_pushed_again_until_its_retry_ends():
+    """A version that failed is reported, once its retry began, with ``staging`` and its last error: a re-push
+    now would supersede the retry. The worker stays failing (the retry backoff goes on) and the adapter Degraded,
+    its message saying the version is being staged again; once the retry failed too, it is pushed again."""
+    ws = workers(1)
+    converge(pool(), [adapter("a")], ws)
+    pushed = ws[0].last_pushed
+    error = "s3://adapters/a/v1/: object store unavailable"
+    for staging, again in ((True, False), (False, True)):
+        ws[0].reported = ReportedState(generation_applied=pushed.generation, adapters=[
+            AdapterState("a", "v1", "none", error=error, staging=staging)])
+        plan = reconcile_pool(pool(), [adapter("a")], ws, now=NOW)
+        assert ("w0" in plan.pushes) is again and plan.failing == ["w0"]
+        st = plan.adapter_statuses["a"]
+        assert st["phase"] == "Degraded" and error in st["message"], st
+        assert ("being staged again" in st["message"]) is staging

@@ -1,0 +1,180 @@
+"""What the stager reports as applied (worker/stager_engine.py): only what it forwarded itself, from the moment
+the engine may have applied it. A stager restarted between a push's two steps reports the engine's generation
+as not applied (it may carry that push's first step only); a report read while the engine answers a forward
+says it is applied; a stager that has forwarded nothing yet answers the operator's push (`Prefer:
+respond-async`) once staged, so that it is not pushed again every pass. Against an engine admin API stand-in."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+
+import pytest
+from aiohttp import web
+
+from lorafleet.operator.reconcile import PoolSettings, _next_generation
+from lorafleet.operator.reports import WorkerIndex, WorkerReport
+from lorafleet.worker.directives import DesiredState, ReportedState
+from lorafleet.worker.stager import Stager
+from lorafleet.worker.stager_http import STAGER, create_app
+from tests.worker.test_stager_bounds import TOKEN, FakeStore, config
+
+HANG_S = 30.0  # a hang detector, not a measurement
+
+
+class Engine:
+    """The engine's admin API: applies a push of a higher generation than its own (a lower one: 409), reports
+    the last one's versions at tier cpu. While `gate` is clear, a push it applied is answered only once the test
+    sets it; `applied` is set at every push applied."""
+
+    def __init__(self) -> None:
+        self.pushes: list[dict] = []
+        self.generation = 0
+        self.applied = asyncio.Event()
+        self.gate = asyncio.Event()
+        self.gate.set()
+
+    def report(self) -> dict:
+        last = self.pushes[-1] if self.pushes else {"adapters": []}
+        return {"generation_applied": self.generation, "adapters": [
+            {"name": a["name"], "version": ref["version"], "tier": "cpu"}
+            for a in last["adapters"] for ref in (a["stable"], a["canary"]) if ref is not None]}
+
+    async def put_state(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        if body["generation"] < self.generation:
+            return web.json_response({**self.report(), "error": "stale generation"}, status=409)
+        if body["generation"] > self.generation:
+            self.pushes.append(body)
+            self.generation = body["generation"]
+            self.applied.set()
+        await self.gate.wait()
+        return web.json_response(self.report())
+
+    async def get_state(self, request: web.Request) -> web.Response:
+        return web.json_response(self.report())
+
+    async def serve(self, aiohttp_server) -> str:
+        app = web.Application()
+        app.add_routes([web.put("/admin/v1/state", self.put_state), web.get("/admin/v1/state", self.get_state)])
+        return str((await aiohttp_server(app)).make_url(""))
+
+
+def split(push: dict, name: str) -> tuple[str, str | None, int]:
+    """(stable version, canary version, canary weight) of adapter `name` in an engine push."""
+    a = next(a for a in push["adapters"] if a["name"] == name)
+    return a["stable"]["version"], (a["canary"] or {}).get("version"), a["canary_weight"]
+
+
+def adapter(name: str, version: str, *, canary: str | None = None, weight: int = 0, warm: bool = False) -> dict:
+    def ref(v: str) -> dict:
+        return {"version": v, "uri": f"s3://adapters/team/{name}-{v}/"}
+
+    return {"name": name, "tenant": "acme", "stable": ref(version), "warm": warm,
+            **({"canary": ref(canary), "canary_weight": weight} if canary else {})}
+
+
+def push(generation: int, *adapters: dict) -> DesiredState:
+    return DesiredState.from_dict({"generation": generation, "adapters": list(adapters)})
+
+
+def pushed_again(report: ReportedState, desired: DesiredState) -> bool:
+    """Whether the operator's next pass pushes `desired` again to a worker that reports `report`."""
+    x = WorkerIndex.of(WorkerReport("w0", report, last_pushed=desired))
+    return _next_generation(x, desired.adapters, PoolSettings(), 0)[1]
+
+
+def release_all(store: FakeStore) -> None:
+    for _, release in store.calls:
+        release.set()
+
+
+async def test_a_stager_restarted_between_a_push_s_two_steps_reports_it_not_applied(aiohttp_server, tmp_path,
+                                                                                  monkeypatch):
+    """Push 2000 gives a a canary c2 (downloading) and turns b's canary to 0 %: the first step reaches the engine
+    (a without its canary) under the push's own number; the sidecar restarts before c2 is in. The new stager has
+    forwarded nothing: it reports the engine's generation as not applied, and the operator pushes again."""
+    engine = Engine()
+    stager_config = dataclasses.replace(config(tmp_path), engine_url=await engine.serve(aiohttp_server))
+    old = Stager(stager_config)
+    store = FakeStore(old, monkeypatch)
+    await asyncio.wait_for(old.apply(push(1000, adapter("a", "v1", warm=True),
+                                          adapter("b", "v1", canary="v2", weight=30))), HANG_S)
+    num_downloads = old.counts["downloads"]
+    store.hold = True
+    desired = push(2000, adapter("a", "v1", canary="c2", weight=20, warm=True),
+                   adapter("b", "v1", canary="v2", weight=0))
+    task, begun = old.start(desired)
+    try:
+        await asyncio.wait_for(begun.wait(), HANG_S)
+        assert engine.generation == 2000 and split(engine.pushes[-1], "a") == ("v1", None, 0)
+        assert split(engine.pushes[-1], "b") == ("v1", "v2", 0)
+        assert (await old.state()).generation_applied == 2000 and not task.done()
+        task.cancel()  # the old process ends: its push never forwards c2
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    finally:
+        release_all(store)
+    while old.counts["downloads"] == num_downloads:  # c2's download (shielded) ends in its thread
+        await asyncio.sleep(0.01)
+
+    new = Stager(stager_config)
+    FakeStore(new, monkeypatch)
+    report = await new.state()
+    assert engine.generation == 2000 and report.generation_applied == 0, report
+    assert pushed_again(report, desired)
+
+
+@pytest.mark.parametrize("engine_ahead", [False, True])
+async def test_a_report_read_while_the_engine_answers_a_forward_says_it_is_applied(aiohttp_server, tmp_path,
+                                                                                  monkeypatch, engine_ahead):
+    """The engine applied push 2 (a made warm: forwarded at once) and its answer is not back yet: a report read
+    then says push 2 is applied, as it will once the answer is in. `engine_ahead`: the engine applied a higher
+    generation meanwhile (forwarded by a stager before this one), so the stager's first PUT gets 409 and the
+    push goes above it."""
+    engine = Engine()
+    stager = Stager(dataclasses.replace(config(tmp_path), engine_url=await engine.serve(aiohttp_server)))
+    FakeStore(stager, monkeypatch)
+    await asyncio.wait_for(stager.apply(push(1, adapter("a", "v1"))), HANG_S)
+    if engine_ahead:
+        engine.generation = 9000
+    engine.applied.clear()
+    engine.gate.clear()
+    applying = asyncio.ensure_future(stager.apply(push(2, adapter("a", "v1", warm=True))))
+    try:
+        await asyncio.wait_for(engine.applied.wait(), HANG_S)
+        assert engine.pushes[-1]["adapters"][0]["warm"] and engine.generation == (9001 if engine_ahead else 2)
+        report = await stager.state()
+        assert report.generation_applied == 2 and not applying.done(), report
+        assert not pushed_again(report, push(2, adapter("a", "v1", warm=True)))
+    finally:
+        engine.gate.set()
+    await asyncio.wait_for(applying, HANG_S)
+    assert (await stager.state()).generation_applied == 2
+
+
+async def test_a_fresh_stager_answers_the_operator_s_first_push_once_staged(aiohttp_server, aiohttp_client, tmp_path,
+                                                                           monkeypatch):
+    """A new pod's stager has forwarded nothing (what its engine holds is not known), so it leaves out a push's
+    first step: answered at once, the push would be reported as not applied until its downloads are in, and
+    the operator would push it again every pass. It answers once the push reached the engine."""
+    engine = Engine()
+    client = await aiohttp_client(create_app(dataclasses.replace(config(tmp_path),
+                                                                 engine_url=await engine.serve(aiohttp_server))))
+    store = FakeStore(client.app[STAGER], monkeypatch, hold=True)
+    desired = push(1000, adapter("a", "v1"), adapter("b", "v1"))
+    answer = asyncio.ensure_future(client.put("/v1/directives", json=desired.to_dict(), headers={
+        "Authorization": f"Bearer {TOKEN}", "Prefer": "respond-async"}))
+    try:
+        assert await asyncio.to_thread(store.started.acquire, True, HANG_S)  # a's download, held
+        assert engine.pushes == []
+    finally:
+        store.hold = False
+        release_all(store)
+    resp = await asyncio.wait_for(answer, HANG_S)
+    body = await resp.json()
+    assert resp.status == 200 and body["generation_applied"] == 1000, body
+    assert not any(s.get("staging") for s in body["adapters"]), body
+    assert [sorted(a["name"] for a in p["adapters"]) for p in engine.pushes] == [["a", "b"]]
+    assert not pushed_again(ReportedState.from_dict(body), desired)
