@@ -140,14 +140,7 @@ async def test_a_refusal_whose_body_is_not_text_is_a_refusal():
     async def refuse(_: web.Request) -> web.Response:
         return web.Response(status=503, body=b"\xff\xfe busy", content_type="text/plain")
 
-    app = web.Application()
-    app.router.add_put("/v1/directives", refuse)
-    client = StagerClient(token="t", timeout=2.0)
-    try:
-        async with serving(app) as url:
-            assert await client.push(Worker("w0", url), DesiredState(1, [])) is False
-    finally:
-        await client.close()
+    assert await _push_to(refuse) is False
 
 
 async def test_a_push_asks_to_be_answered_before_downloads_and_takes_202_as_accepted():
@@ -160,12 +153,17 @@ async def test_a_push_asks_to_be_answered_before_downloads_and_takes_202_as_acce
         return web.json_response({"generation_applied": 1, "adapters": [
             {"name": "a", "version": "v2", "tier": "none", "staging": True}]}, status=202)
 
+    assert await _push_to(accept) is True
+    assert seen == ["respond-async"]
+
+
+async def _push_to(handler) -> bool | None:
+    """StagerClient.push of an empty state to a sidecar whose PUT /v1/directives is `handler`."""
     app = web.Application()
-    app.router.add_put("/v1/directives", accept)
+    app.router.add_put("/v1/directives", handler)
     client = StagerClient(token="t", timeout=2.0)
     try:
         async with serving(app) as url:
-            assert await client.push(Worker("w0", url), DesiredState(1, [])) is True
+            return await client.push(Worker("w0", url), DesiredState(1, []))
     finally:
         await client.close()
-    assert seen == ["respond-async"]

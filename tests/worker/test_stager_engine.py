@@ -18,28 +18,26 @@ from lorafleet.operator.reports import WorkerIndex, WorkerReport
 from lorafleet.worker.directives import DesiredState, ReportedState
 from lorafleet.worker.stager import Stager
 from lorafleet.worker.stager_http import STAGER, create_app
+from tests.worker.engine_admin_stub import EngineAdminStub, split
 from tests.worker.test_stager_bounds import TOKEN, FakeStore, config
 
 HANG_S = 30.0  # a hang detector, not a measurement
 
 
-class Engine:
+class Engine(EngineAdminStub):
     """The engine's admin API: applies a push of a higher generation than its own (a lower one: 409), reports
     the last one's versions at tier cpu. While `gate` is clear, a push it applied is answered only once the test
     sets it; `applied` is set at every push applied."""
 
     def __init__(self) -> None:
-        self.pushes: list[dict] = []
+        super().__init__()
         self.generation = 0
         self.applied = asyncio.Event()
         self.gate = asyncio.Event()
         self.gate.set()
 
-    def report(self) -> dict:
-        last = self.pushes[-1] if self.pushes else {"adapters": []}
-        return {"generation_applied": self.generation, "adapters": [
-            {"name": a["name"], "version": ref["version"], "tier": "cpu"}
-            for a in last["adapters"] for ref in (a["stable"], a["canary"]) if ref is not None]}
+    def applied_generation(self) -> int:
+        return self.generation
 
     async def put_state(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -51,20 +49,6 @@ class Engine:
             self.applied.set()
         await self.gate.wait()
         return web.json_response(self.report())
-
-    async def get_state(self, request: web.Request) -> web.Response:
-        return web.json_response(self.report())
-
-    async def serve(self, aiohttp_server) -> str:
-        app = web.Application()
-        app.add_routes([web.put("/admin/v1/state", self.put_state), web.get("/admin/v1/state", self.get_state)])
-        return str((await aiohttp_server(app)).make_url(""))
-
-
-def split(push: dict, name: str) -> tuple[str, str | None, int]:
-    """(stable version, canary version, canary weight) of adapter `name` in an engine push."""
-    a = next(a for a in push["adapters"] if a["name"] == name)
-    return a["stable"]["version"], (a["canary"] or {}).get("version"), a["canary_weight"]
 
 
 def adapter(name: str, version: str, *, canary: str | None = None, weight: int = 0, warm: bool = False) -> dict:

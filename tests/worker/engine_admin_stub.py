@@ -1,0 +1,39 @@
+"""An engine admin API stand-in for the stager's tests: what it was pushed, reported back at tier cpu."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+
+class EngineAdminStub:
+    """`PUT` and `GET /admin/v1/state`; subclasses decide what a push does (`put_state`) and which generation
+    the report names (`applied_generation`)."""
+
+    def __init__(self) -> None:
+        self.pushes: list[dict] = []
+
+    def applied_generation(self) -> int:
+        return self.pushes[-1]["generation"] if self.pushes else 0
+
+    def report(self) -> dict:
+        last = self.pushes[-1] if self.pushes else {"adapters": []}
+        return {"generation_applied": self.applied_generation(), "adapters": [
+            {"name": a["name"], "version": ref["version"], "tier": "cpu"}
+            for a in last["adapters"] for ref in (a["stable"], a["canary"]) if ref is not None]}
+
+    async def put_state(self, request: web.Request) -> web.Response:
+        raise NotImplementedError
+
+    async def get_state(self, request: web.Request) -> web.Response:
+        return web.json_response(self.report())
+
+    async def serve(self, aiohttp_server) -> str:
+        app = web.Application()
+        app.add_routes([web.put("/admin/v1/state", self.put_state), web.get("/admin/v1/state", self.get_state)])
+        return str((await aiohttp_server(app)).make_url(""))
+
+
+def split(push: dict, name: str) -> tuple[str, str | None, int]:
+    """(stable version, canary version, canary weight) of adapter `name` in an engine push."""
+    a = next(a for a in push["adapters"] if a["name"] == name)
+    return a["stable"]["version"], (a["canary"] or {}).get("version"), a["canary_weight"]
