@@ -5,7 +5,9 @@ stand-ins. Versions as the pool keeps them: `register_adapter(make_current=True)
 current once it has loaded, the one it replaces retiring then; `make_current=False` registers a canary
 beside the current one, or, for the current version while a new one loads to replace it, keeps it
 registered as that one's canary after the switch (stable and canary swapped in one push), until the new
-one is registered again as current; `make_adapter_current` switches now.
+one is registered again as current; `make_adapter_current` switches now, or with `if_resident=True` only
+if the version is on the GPU (checked and switched in one step), else once it is, as a new version
+registered as current does, without reading its files again; it answers whether the version is current.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any, Protocol
 class AdapterHost(Protocol):
     def register_adapter(self, name: str, source: str, *, version: str | None = None, tenant: str | None = None,
                          pinned: bool = False, make_current: bool = True, sha256: str | None = None) -> str: ...
-    def make_adapter_current(self, key: str) -> None: ...
+    def make_adapter_current(self, key: str, *, if_resident: bool = False) -> bool: ...
     def unregister_adapter(self, name: str) -> None: ...
     def remove_adapter_version(self, key: str) -> None: ...
     def set_adapter_pinned(self, key: str, pinned: bool) -> None: ...

@@ -68,15 +68,7 @@ class AdapterVersions:
             if name not in self._current:
                 self._current[name] = key
             elif make_current and self._current[name] != key:
-                old_pending = self._pending.get(name)
-                self._pending[name] = key
-                self._kept.pop(name, None)  # only a canary registration after this one keeps the current version
-                if old_pending is not None and old_pending != key:
-                    self._retire(self._entries[old_pending])
-                if entry.resident:
-                    self._switch(entry)
-                else:
-                    self._want(entry)
+                self._make_pending(entry)
             elif make_current and (loading := self._pending.pop(name, None)) not in (None, key):
                 self._kept.pop(name, None)
                 self._retire(self._entries[loading])  # it stays current: the version loading to replace it goes
@@ -86,20 +78,29 @@ class AdapterVersions:
                 self._want(entry)
             self._update_gauges()
 
-    def make_current(self, key: str) -> None:
+    def make_current(self, key: str, *, if_resident: bool = False) -> bool:
         """Make the registered `key` its name's current version now (a canary promoted to stable):
         `resolve(name)` answers it from this call on. The previous current version retires as when a
         new version replaces it: requests holding it finish on it, then it is dropped, and no new
         request resolves to it. A different version still loading to become current is retired too.
-        Raises AdapterNotFoundError for a key that is not registered."""
+        if_resident: only if `key` is on the GPU; else it becomes current once it is, as a new version
+        added as current does (the current one serves, and is kept if registered again as a canary, until
+        then), its weights not read again. True if `key` is current now. Raises AdapterNotFoundError for a
+        key that is not registered."""
         with self._lock:
             entry = self._get(key)
+            # Checked and switched under one lock: the engine thread cannot evict it in between.
+            if if_resident and not entry.resident and self._current.get(entry.name) != key:
+                self._make_pending(entry)
+                self._update_gauges()
+                return False
             self._kept.pop(entry.name, None)
             pending = self._pending.pop(entry.name, None)
             if pending is not None and pending != key:
                 self._retire(self._entries[pending])
             self._switch(entry)
             self._update_gauges()
+            return True
 
     def resolve(self, name_or_key: str) -> str:
         """`name` -> current `name@version`; a full key is checked and returned."""
@@ -146,6 +147,19 @@ class AdapterVersions:
         if entry is None or entry.retired:
             raise AdapterNotFoundError(f"adapter {key!r} is not registered")
         return entry
+
+    def _make_pending(self, entry: AdapterEntry) -> None:
+        """`entry` replaces its name's current version once resident (now, if it is); a different version
+        loading to replace it retires. Only a canary registration after this keeps the current version."""
+        old_pending = self._pending.get(entry.name)
+        self._pending[entry.name] = entry.key
+        self._kept.pop(entry.name, None)
+        if old_pending is not None and old_pending != entry.key:
+            self._retire(self._entries[old_pending])
+        if entry.resident:
+            self._switch(entry)
+        else:
+            self._want(entry)
 
     def _switch(self, entry: AdapterEntry) -> None:
         """Atomic version switch: one assignment under the lock; the old version retires, unless it was

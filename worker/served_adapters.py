@@ -31,7 +31,8 @@ then, and registered as the canary after. Meanwhile the split is already the new
 served by v3, the rest waits for v4's load, as after gen 7; if v4 fails to load, every user goes back to
 v3. A push before v4 has loaded that no longer names v3 as the canary registers v4 again, so that v3
 retires at the switch (worker/served_fallback.py). A canary promoted to stable switches at once only if it
-is resident on the GPU too.
+is resident on the GPU too. Resident means at the switch, checked in the same step (the pool's lock): a
+directive earlier in the push, or the engine, may have evicted it since the push began.
 
 A local `--adapters DIR` folder that failed to load at start-up (worker/adapter_dir.py) is reported the
 way a pushed version that failed is: an entry of the state's `adapters` with its `error`, its version
@@ -212,12 +213,12 @@ class ServedAdapters:
         table = {d.name: self._register(d, old_table.get(d.name), engine, promoted, loaded, current_keys)
                  for d in state.adapters}
         held = engine.describe_adapters()
-        current = {a["name"]: a["version"] for a in held if a.get("current")}
+        serving = {a["name"]: a["version"] for a in held if a.get("current")}
         loaded = gpu_resident(held)
         # A promoted canary resident on the GPU switches at once; one that is not (no user reached it, or it was
         # evicted) is made current as a new stable version is, once loaded, the old one the fallback meanwhile.
         switch = [(s, v) for s, v, _ in promoted if f"{s.name}@{v}" in loaded]
-        current |= {served.name: version for served, version in switch}
+        current = serving | {served.name: version for served, version in switch}
         for name, served in table.items():
             if name in old_table:
                 keep_fallback(served, old_table[name], current.get(name))
@@ -227,8 +228,9 @@ class ServedAdapters:
         for served, version, sha256 in promoted:
             key = f"{served.name}@{version}"
             try:
-                if key in loaded:
-                    engine.make_adapter_current(key)
+                if key in loaded:  # unless evicted since: then current once resident, the old one the fallback
+                    if not engine.make_adapter_current(key, if_resident=True):
+                        keep_fallback(served, old_table[served.name], serving.get(served.name))
                 else:
                     engine.register_adapter(served.name, local_source(served.sources[version]), version=version,
                                             tenant=served.tenant, pinned=served.pinned, make_current=True,
@@ -287,7 +289,8 @@ class ServedAdapters:
                     register_again(engine, d, source)  # the old stable version retires at the switch
                 registered = True
                 if swap and keep:
-                    engine.make_adapter_current(key)  # loaded: the old stable version retires (and comes back below)
+                    # On the GPU when the push began; if a directive before evicted it, current once resident.
+                    engine.make_adapter_current(key, if_resident=True)  # the old one comes back below as canary
                 elif is_promoted:
                     promoted.append((served, version, digests[version]))  # switched once the table is published
                 engine.set_adapter_pinned(key, d.pinned)

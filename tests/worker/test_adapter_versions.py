@@ -52,7 +52,7 @@ def test_the_old_stable_version_stays_registered_and_resident_as_the_canary_of_t
         slot = pool.acquire("a")
         gate.set()
         pool.wait_idle()
-        assert pool.resolve("a") == "a@2" and pool.registered() == ["a@1", "a@2"]
+        assert pool.resolve("a") == "a@2" and sorted(pool.registered()) == ["a@1", "a@2"]
         assert pool.acquire("a@1") == slot  # the canary share needs no reload
         described = {d["key"]: d for d in pool.describe()}
         assert described["a@2"]["current"] and not described["a@1"]["current"]
@@ -139,6 +139,28 @@ def test_a_new_version_whose_load_failed_for_now_becomes_current_once_a_retry_lo
         pool.release(pool.acquire("a@2", waiter="r2"))
         assert pool.resolve("a") == ("a@2" if retryable else "a@1")
         assert pool.registered() == (["a@2"] if retryable and not swap else ["a@1", "a@2"])
+        pool.check()
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize("resident", [True, False])
+def test_make_current_if_resident_switches_now_only_a_version_on_the_gpu(resident):
+    """a@1 current, a@2 its canary (resident or only in CPU memory): make_current(if_resident) switches to a
+    resident a@2 at once; else a@1 keeps serving, and a@1 registered again as the canary (a swap) stays
+    registered once a@2 has loaded and switched."""
+    pool = make_pool()
+    try:
+        pool.add("a@1", random_weights(1))
+        pool.load("a@1")
+        pool.add("a@2", random_weights(2), make_current=False)
+        if resident:
+            pool.load("a@2")
+        assert pool.make_current("a@2", if_resident=True) is resident
+        assert pool.resolve("a") == ("a@2" if resident else "a@1")
+        pool.add("a@1", random_weights(1), make_current=False)  # back as the canary
+        pool.wait_idle()
+        assert pool.resolve("a") == "a@2" and sorted(pool.registered()) == ["a@1", "a@2"]
         pool.check()
     finally:
         pool.close()

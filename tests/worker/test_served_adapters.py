@@ -30,8 +30,9 @@ class RecordingHost:
                                          "tier": "gpu", "refcount": 0, "hits": 0, "bytes": 10, "pinned": pinned}
         return f"{name}@{version}"
 
-    def make_adapter_current(self, key):
+    def make_adapter_current(self, key, *, if_resident=False):
         self.calls.append(("make_current", key))
+        return True
 
     def unregister_adapter(self, name):
         self.calls.append(("unregister", name))

@@ -26,7 +26,8 @@ USERS = [f"u{i}" for i in range(40)]
 class SwitchingHost(RecordingHost):
     """Versions as the engine's pool keeps them: a new version registered as current replaces the current one
     only once it has loaded (`loaded`), and the current one registered again as a canary meanwhile stays
-    registered after; a promoted canary replaces it at once; the current one cannot be removed by version."""
+    registered after; a promoted canary replaces it at once (with `if_resident`, only if on the GPU, else once
+    loaded); the current one cannot be removed by version."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -47,10 +48,16 @@ class SwitchingHost(RecordingHost):
             self.kept[name] = key
         return key
 
-    def make_adapter_current(self, key):
-        super().make_adapter_current(key)
-        self.kept.pop(key.partition("@")[0], None)
+    def make_adapter_current(self, key, *, if_resident=False):
+        super().make_adapter_current(key, if_resident=if_resident)
+        name = key.partition("@")[0]
+        if if_resident and self.keys[key]["tier"] != "gpu" and self.current.get(name) != key:
+            self.pending[name] = key  # evicted meanwhile: current once it has loaded (`loaded`)
+            self.kept.pop(name, None)
+            return False
+        self.kept.pop(name, None)
         self._switch(key)
+        return True
 
     def loaded(self, key):
         if self.pending.get(key.partition("@")[0]) == key:

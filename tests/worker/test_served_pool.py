@@ -114,3 +114,68 @@ def test_a_new_stable_version_whose_load_failed_for_now_becomes_current_once_a_r
     served.apply(state(3, sql(V2)), host)
     assert pool.registered() == ["sql@v2"] and served.get("sql").sources.keys() == {"v2"}
     pool.check()
+
+
+class PackingEngine(GatedEngine):
+    """As the real Engine: a version's weights are read and packed in register_adapter, so a pinned one takes
+    its GPU slot (evicting another) before register_adapter returns."""
+
+    def register_adapter(self, name, path, version=None, *, tenant="default", pinned=False, make_current=True,
+                         sha256=None) -> str:
+        key = f"{name}@{version}"
+        weights = random_weights(int(version.removeprefix("v")))
+        self.adapter_pool.add(key, weights, tenant=tenant, pinned=pinned, make_current=make_current)
+        return key
+
+
+class EvictingAdapters(EngineAdapters):
+    """The engine thread evicts the version to switch to (pressure from other requests) just before the switch."""
+
+    def make_adapter_current(self, key: str, *, if_resident: bool = False) -> bool:
+        if self.pool.entry(key).resident:
+            self.pool.evict(key)
+        return super().make_adapter_current(key, if_resident=if_resident)
+
+
+def tier(pool: AdapterPool, key: str) -> str:
+    return {d["key"]: d["tier"] for d in pool.describe()}[key]
+
+
+def test_a_swap_does_not_switch_to_a_version_an_earlier_directive_of_the_push_evicted():
+    """{sql: v1, canary v2}, both on the GPU (2 slots), then {aaa pinned}, {sql: v2, canary v1}: registering the
+    pinned aaa evicts v2, which was resident when the push began. The swap switched to v2 anyway, only in CPU
+    memory, and retired v1; with every slot pinned, stable users got 503 until the next push."""
+    engine = PackingEngine(make_pool(max_slots=2, num_load_threads=2))
+    pool, served, host = engine.adapter_pool, ServedAdapters("base"), EngineAdapters(engine)
+    try:
+        served.apply(state(1, sql(V1, V2)), host)
+        for key in ("sql@v2", "sql@v1"):
+            pool.load(key)
+        pool.release(pool.acquire("sql@v1", waiter="r1"))  # v2 is the least recently used: the victim
+        aaa = SQL | {"name": "aaa", "stable": {"version": "v9", "uri": "/c/aaa/v9"}, "warm": False, "pinned": True}
+        served.apply(state(2, aaa, sql(V2, V1)), host)
+        assert pool.resolve("sql") == "sql@v1" or tier(pool, "sql@v2") == "gpu"
+        assert pool.resolve("sql@v1") == "sql@v1" and served.get("sql").split.stable == "v2"
+        pool.wait_idle()
+        assert pool.resolve("sql") == "sql@v2" and tier(pool, "sql@v2") == "gpu"
+        assert pool.resolve("sql@v1") == "sql@v1"  # kept as the canary
+        pool.check()
+    finally:
+        pool.close()
+
+
+def test_a_promoted_canary_evicted_before_the_switch_becomes_current_once_resident(engine):
+    """{sql: v1, canary v2}, then {sql: v2}: v2 was on the GPU when the push looked, evicted before the switch.
+    The switch made the CPU-only v2 current and retired v1; now v1 serves, the fallback, until v2 has loaded."""
+    pool, served, host = engine.adapter_pool, ServedAdapters("base"), EvictingAdapters(engine)
+    served.apply(state(1, sql(V1, V2)), host)
+    engine.load("sql@v1")
+    engine.load("sql@v2")
+    served.apply(state(2, sql(V2)), host)
+    assert pool.resolve("sql") == "sql@v1" and tier(pool, "sql@v2") != "gpu"
+    assert served.get("sql").fallback == "v1" and served.get("sql").split.stable == "v2"
+    pool.load("sql@v2")
+    assert pool.resolve("sql") == "sql@v2"
+    served.apply(state(3, sql(V2)), host)
+    assert pool.registered() == ["sql@v2"]
+    pool.check()
