@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from aiohttp import web
+
+HANG_S = 30.0  # a hang detector, not a measurement
 
 
 class EngineAdminStub:
@@ -37,3 +41,10 @@ def split(push: dict, name: str) -> tuple[str, str | None, int]:
     """(stable version, canary version, canary weight) of adapter `name` in an engine push."""
     a = next(a for a in push["adapters"] if a["name"] == name)
     return a["stable"]["version"], (a["canary"] or {}).get("version"), a["canary_weight"]
+
+
+async def until(condition) -> None:
+    """Poll `condition` until it holds; HANG_S bounds the wait (a hang detector, not a measurement)."""
+    async with asyncio.timeout(HANG_S):
+        while not condition():
+            await asyncio.sleep(0.01)

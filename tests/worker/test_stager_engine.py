@@ -18,10 +18,8 @@ from lorafleet.operator.reports import WorkerIndex, WorkerReport
 from lorafleet.worker.directives import DesiredState, ReportedState
 from lorafleet.worker.stager import Stager
 from lorafleet.worker.stager_http import STAGER, create_app
-from tests.worker.engine_admin_stub import EngineAdminStub, split
+from tests.worker.engine_admin_stub import HANG_S, EngineAdminStub, split, until
 from tests.worker.test_stager_bounds import TOKEN, FakeStore, config
-
-HANG_S = 30.0  # a hang detector, not a measurement
 
 
 class Engine(EngineAdminStub):
@@ -89,19 +87,20 @@ async def test_a_stager_restarted_between_a_push_s_two_steps_reports_it_not_appl
     store.hold = True
     desired = push(2000, adapter("a", "v1", canary="c2", weight=20, warm=True),
                    adapter("b", "v1", canary="v2", weight=0))
+    num_calls = len(store.calls)
     task, begun = old.start(desired)
     try:
         await asyncio.wait_for(begun.wait(), HANG_S)
         assert engine.generation == 2000 and split(engine.pushes[-1], "a") == ("v1", None, 0)
         assert split(engine.pushes[-1], "b") == ("v1", "v2", 0)
         assert (await old.state()).generation_applied == 2000 and not task.done()
+        await until(lambda: len(store.calls) > num_calls)  # c2's download has begun (held)
         task.cancel()  # the old process ends: its push never forwards c2
         with contextlib.suppress(asyncio.CancelledError):
             await task
     finally:
         release_all(store)
-    while old.counts["downloads"] == num_downloads:  # c2's download (shielded) ends in its thread
-        await asyncio.sleep(0.01)
+    await until(lambda: old.counts["downloads"] > num_downloads)  # c2's download (shielded) ends in its thread
 
     new = Stager(stager_config)
     FakeStore(new, monkeypatch)

