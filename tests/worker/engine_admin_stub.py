@@ -10,8 +10,8 @@ HANG_S = 30.0  # a hang detector, not a measurement
 
 
 class EngineAdminStub:
-    """`PUT` and `GET /admin/v1/state`; subclasses decide what a push does (`put_state`) and which generation
-    the report names (`applied_generation`)."""
+    """`PUT` and `GET /admin/v1/state`: takes every push and reports the last one; subclasses change what a push
+    does (`put_state`) and which generation the report names (`applied_generation`)."""
 
     def __init__(self) -> None:
         self.pushes: list[dict] = []
@@ -26,7 +26,9 @@ class EngineAdminStub:
             for a in last["adapters"] for ref in (a["stable"], a["canary"]) if ref is not None]}
 
     async def put_state(self, request: web.Request) -> web.Response:
-        raise NotImplementedError
+        """Take every push (subclasses refuse some, or hold their answers)."""
+        self.pushes.append(await request.json())
+        return web.json_response(self.report())
 
     async def get_state(self, request: web.Request) -> web.Response:
         return web.json_response(self.report())
