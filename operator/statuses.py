@@ -5,8 +5,9 @@ canary, which a warm worker prefetches too) at tier ``gpu`` without error, every
 (a version its stager still stages, ``staging``, is not registered yet), and every worker that reports its traffic
 split sends the name's users as the spec says (an edit of the canary, its removal or promotion is Loading
 until applied; meanwhile stableVersion, canaryVersion and canaryWeight are the split the workers report). A
-warm worker whose GPU adapter slots are all held by pinned adapters can never make it resident: Degraded,
-naming the worker and what to change, rather than Loading for ever. Conditions keep their
+worker whose GPU adapter slots are all held by pinned adapters can never make it resident: Degraded, naming
+the worker and what to change, rather than Loading for ever on a warm worker, or Ready while an on-demand
+worker refuses each of its requests (503). Conditions keep their
 ``lastTransitionTime`` until their status flips.
 """
 
@@ -46,11 +47,14 @@ def adapter_status(a: AdapterSpec, live: list[WorkerIndex], warm_pods: list[str]
             if st.staging:  # still being downloaded: not registered yet
                 continue
             versions_seen.add(st.version)
-            if w.pod in warm_set and st.num_pinned_slots is not None and st.tier != "gpu" and st.version in (
-                    a.version, a.canary.version if a.canary else None):  # Ready would wait for ever
-                slot_bound.append(f"warm worker {w.pod}: all {st.num_pinned_slots} of its GPU adapter slots "
-                                  f"(--max-loras) are held by pinned adapters, so {st.name}@{st.version} cannot "
-                                  "become GPU-resident there")
+            if st.num_pinned_slots is not None and st.tier != "gpu" and st.version in (
+                    a.version, a.canary.version if a.canary else None):  # a warm worker: Ready would wait for ever
+                slot_bound.append(
+                    f"warm worker {w.pod}: all {st.num_pinned_slots} of its GPU adapter slots (--max-loras) are held "
+                    f"by pinned adapters, so {st.name}@{st.version} cannot become GPU-resident there"
+                    if w.pod in warm_set else  # on demand there: each of its requests fails to load (503)
+                    f"worker {w.pod}: all {st.num_pinned_slots} of its GPU adapter slots (--max-loras) are held by "
+                    f"pinned adapters, so its requests for {st.name}@{st.version} are refused (503)")
             if st.tier != "none":
                 instances.append({"pod": w.pod, "version": st.version, "tier": st.tier})
             if st.version == a.version:

@@ -1,6 +1,7 @@
 """A warm worker whose GPU adapter slots are all held by pinned adapters can never make the adapter resident:
-its status is Degraded, naming the worker, its slots and what to change, instead of Loading for ever. A
-worker that does not report `num_pinned_slots` (an older one) leaves the status as it was: Loading."""
+its status is Degraded, naming the worker, its slots and what to change, instead of Loading for ever; an
+on-demand worker in that state refuses the adapter's requests (503): Degraded too, not Ready. A worker that
+does not report `num_pinned_slots` (an older one) leaves the status as it was."""
 
 from __future__ import annotations
 
@@ -48,12 +49,28 @@ def test_a_worker_that_does_not_report_pinned_slots_is_loading_as_before():
     assert st["phase"] == "Loading" and "GPU-resident on 1/2 warm workers" in st["message"]
 
 
-def test_pinned_slots_of_a_worker_that_need_not_keep_it_resident_leave_it_ready():
-    """w1 is not warm for `a` (warm: 1): Ready asks nothing of its GPU."""
+def test_pinned_slots_of_an_on_demand_worker_make_the_adapter_degraded():
+    """w1 is not warm for `a` (warm: 1), yet it serves `a` on demand: with every slot pinned there, each
+    request routed to it fails to load (503). It was Ready."""
     ws = workers(2)
     spec = [adapter("a", warm=1)]
     plan = converge(pool(), spec, ws)
     cold = next(p for p in ("w0", "w1") if p not in plan.placement["a"])
     w = next(w for w in ws if w.pod == cold)
     w.reported = ReportedState(w.reported.generation_applied, [AdapterState("a", "v1", "disk", num_pinned_slots=4)])
+    st = reconcile_pool(pool(), spec, ws, now=NOW).adapter_statuses["a"]
+    assert st["phase"] == "Degraded"
+    assert st["message"].startswith(f"worker {cold}: all 4 of its GPU adapter slots (--max-loras) are held by pinned "
+                                    "adapters, so its requests for a@v1 are refused (503); raise --max-loras")
+
+
+def test_an_on_demand_worker_holding_the_adapter_on_gpu_leaves_it_ready():
+    """Every slot pinned, one of them by `a` itself (the worker reports no num_pinned_slots for a holder,
+    and a GPU-resident copy serves): nothing is refused."""
+    ws = workers(2)
+    spec = [adapter("a", warm=1)]
+    plan = converge(pool(), spec, ws)
+    cold = next(p for p in ("w0", "w1") if p not in plan.placement["a"])
+    w = next(w for w in ws if w.pod == cold)
+    w.reported = ReportedState(w.reported.generation_applied, [AdapterState("a", "v1", "gpu", num_pinned_slots=4)])
     assert reconcile_pool(pool(), spec, ws, now=NOW).adapter_statuses["a"]["phase"] == "Ready"
