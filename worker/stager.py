@@ -158,11 +158,12 @@ class Stager:
 
     async def _list(self, uri: str, quick: bool) -> Etags:
         """The objects under `uri`: a quick check, or a listing that ends by `download_timeout_s`."""
-        deadline = None if quick else time.monotonic() + self.config.download_timeout_s
+        start = time.monotonic()
+        deadline = None if quick else start + self.config.download_timeout_s
         try:
             etags = await asyncio.to_thread(self.sources.object_etags, uri, quick=quick, deadline=deadline)
         except Exception as exc:
-            self.store.failed(exc)
+            self.store.failed(exc, start)
             raise
         self.store.answered()
         return etags
@@ -190,8 +191,8 @@ class Stager:
             if path is not None:
                 self._by_uri[uri] = key
                 return Staged(path, (path / DIGEST_FILE).read_text().strip(), cached=True)
-            t0 = time.perf_counter()
-            deadline = time.monotonic() + self.config.download_timeout_s
+            t0, start = time.perf_counter(), time.monotonic()
+            deadline = start + self.config.download_timeout_s
             try:
                 # The download gives up at the deadline itself (and removes its temp copy); the outer bound
                 # only covers a thread that still hangs after it.
@@ -203,7 +204,7 @@ class Stager:
             except Exception as exc:
                 self.counts["failures"] += 1
                 self.metrics.failures.inc()
-                self.store.failed(exc)
+                self.store.failed(exc, start)  # made before a newer push began: that push still tries the store
                 raise
             self.store.answered()
             self.download_seconds.append(time.perf_counter() - t0)

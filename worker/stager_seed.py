@@ -47,7 +47,7 @@ async def seed(stager: Stager, uri: str) -> SeedReport:
     try:
         folders = await asyncio.to_thread(stager.sources.list_adapters, uri)
     except Exception as exc:
-        stager.store.failed(exc)
+        stager.store.failed(exc, push_start)
         raise
     stager.store.answered()
     for folder in folders:

@@ -10,8 +10,10 @@ minutes per push, while later pushes queue behind it. So:
   (worker/store_clients.py), so a store that answered the push's first call and then hangs costs the
   push one download's timeout;
 * the first failure to reach the store, or a call it did not answer in time (a connect or read timeout,
-  an object none of whose bytes came by the deadline), marks it down: for the rest of that push no
-  version calls it again (`StoreDown`): a version with a cached copy is served from it, one without fails
+  an object none of whose bytes came by the deadline), marks it down: for the rest of the push that made
+  that call no version calls it again (`StoreDown`); a call made before a push began (a superseded push's
+  download, left running, that times out later) marks the store down but does not spare the newer push
+  its own quick call: a version with a cached copy is served from it, one without fails
   at once. A download that was receiving bytes and ran out of `download_timeout_s` (a big adapter, a slow
   link) is that version's failure alone: the store answered, the other versions still call it. Stages of one push that run at once share this: one that waited for
   another's download (the same cache key) or for a thread does not call the store once it is down;
@@ -51,7 +53,7 @@ class StoreHealth:
     def __init__(self, metrics: StagerMetrics) -> None:
         self.metrics = metrics
         self.down_since: float | None = None  # time.monotonic() of the failure that started the outage
-        self.failed_at: float | None = None  # of the latest failure of the outage
+        self.failed_call_at: float | None = None  # when the call that failed last was made
         self.answered_at: float | None = None  # of the latest answer
         self.error: str | None = None  # the latest failure
         self.num_fallbacks = 0  # versions served from a cached copy the store could not check
@@ -67,16 +69,19 @@ class StoreHealth:
         return self.is_down or (push_start is not None and (self.answered_at or -1.0) < push_start)
 
     def skip(self, push_start: float | None) -> None:
-        """Raise StoreDown when the store failed during the push that began at `push_start`."""
-        if push_start is not None and self.failed_at is not None and self.failed_at >= push_start:
+        """Raise StoreDown when a call made since the push that began at `push_start` found the store down."""
+        if push_start is not None and self.failed_call_at is not None and self.failed_call_at >= push_start:
             raise StoreDown(f"not tried: the store did not answer earlier in this push; the next push tries it "
                             f"again ({self.error})")
 
-    def failed(self, exc: BaseException) -> None:
-        """Note `exc` when it says the store could not be reached or did not answer in time."""
+    def failed(self, exc: BaseException, call_start: float | None = None) -> None:
+        """Note `exc` when it says the store could not be reached or did not answer in time. `call_start`
+        (time.monotonic()): when the failed call was made (default: now), which decides the pushes it spares
+        the store (`skip`)."""
         if isinstance(exc, StoreDown) or not is_outage(exc):
             return
-        self.failed_at = now = time.monotonic()
+        now = time.monotonic()
+        self.failed_call_at = now if call_start is None else call_start
         self.error = f"{type(exc).__name__}: {exc}"[:300]
         if self.down_since is None:
             self.down_since = now
@@ -88,7 +93,7 @@ class StoreHealth:
         self.answered_at = now = time.monotonic()
         if self.down_since is not None:
             log.info("object store answers again after %.0f s of outage", now - self.down_since)
-            self.down_since = self.failed_at = None
+            self.down_since = self.failed_call_at = None
             self.metrics.store_up.set(1)
 
     def fell_back(self, uri: str, key: str) -> None:

@@ -325,3 +325,25 @@ def test_what_marks_the_store_down(exc, down):
     """A refusal by the store (404, access denied), the adapter's own fault or a download that ran out of
     its time while bytes came never marks it down; a call it did not answer, in time or at all, does."""
     assert is_outage(exc) is down
+
+
+def test_a_call_made_before_a_push_does_not_spare_that_push_its_own_quick_call(tmp_path):
+    """A superseded push's download, left running, that finds the store down after a newer push began
+    marks it down, but the newer push still calls it once, quickly; a call made during a push that finds
+    it down spares the rest of that push the store. (The newer push used to skip the store untried.)"""
+    from lorafleet.worker.disk_cache import DiskCache
+    from lorafleet.worker.stager_metrics import StagerMetrics
+    from lorafleet.worker.stager_store import StoreHealth
+
+    health = StoreHealth(StagerMetrics(DiskCache(tmp_path / "cache", 1 << 20)))
+    old_call = time.monotonic()
+    push_start = old_call + 1.0  # the newer push began after the old download was made
+    health.failed(StoreSilent("s3://adapters/team/x/: the store sent none of its bytes"), old_call)
+    assert health.is_down and health.is_quick(push_start)
+    health.skip(push_start)  # not StoreDown: this push has not tried the store yet
+    health.failed(ConnectionResetError("connection reset by peer"), push_start + 0.5)  # its own quick call
+    with pytest.raises(StoreDown):
+        health.skip(push_start)
+    health.answered()  # the next push's call: the outage ends
+    assert not health.is_down
+    health.skip(push_start)
