@@ -53,7 +53,7 @@ class StoreHealth:
     def __init__(self, metrics: StagerMetrics) -> None:
         self.metrics = metrics
         self.down_since: float | None = None  # time.monotonic() of the failure that started the outage
-        self.failed_call_at: float | None = None  # when the call that failed last was made
+        self.failed_call_at: float | None = None  # when the latest-made call that failed in this outage was made
         self.answered_at: float | None = None  # of the latest answer
         self.error: str | None = None  # the latest failure
         self.num_fallbacks = 0  # versions served from a cached copy the store could not check
@@ -81,7 +81,8 @@ class StoreHealth:
         if isinstance(exc, StoreDown) or not is_outage(exc):
             return
         now = time.monotonic()
-        self.failed_call_at = now if call_start is None else call_start
+        made = now if call_start is None else call_start
+        self.failed_call_at = made if self.failed_call_at is None else max(self.failed_call_at, made)
         self.error = f"{type(exc).__name__}: {exc}"[:300]
         if self.down_since is None:
             self.down_since = now

@@ -344,6 +344,9 @@ def test_a_call_made_before_a_push_does_not_spare_that_push_its_own_quick_call(t
     health.failed(ConnectionResetError("connection reset by peer"), push_start + 0.5)  # its own quick call
     with pytest.raises(StoreDown):
         health.skip(push_start)
+    health.failed(StoreSilent("s3://adapters/team/y/: the store sent none of its bytes"), old_call)  # another old one
+    with pytest.raises(StoreDown):  # still: this push's own call found the store down
+        health.skip(push_start)
     health.answered()  # the next push's call: the outage ends
     assert not health.is_down
     health.skip(push_start)
