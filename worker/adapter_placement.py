@@ -5,7 +5,8 @@ that makes it fit) and eviction from the GPU and CPU tiers: replaced or unregist
 then (GPU) lower priorities first, within a priority cold versions before warm ones (a directive's
 `warm`, worker/adapter_warmth.py), then the configured policy's order (worker/eviction.py). Never
 evicted: adapters in use, pinned, a new version about to become current, or loaded for requests that
-have not picked them up yet. It works on the pool's state declared in `AdapterPool.__init__`; loading
+have not picked them up yet; except that a pinned current version gives way to the new version that
+replaces it when nothing else makes room (every slot pinned), the switch happening then. It works on the pool's state declared in `AdapterPool.__init__`; loading
 is in worker/adapter_loading.py.
 """
 
@@ -25,6 +26,29 @@ class AdapterPlacement:
         candidates = [e for e in self._slot_owner.values()
                       if e.resident and e.refcount == 0 and not e.pinned and e is not entry
                       and not e.waiters and self._pending.get(e.name) != e.key]
+        plan = self._plan_with(entry, candidates)
+        replaced = self._replaced_pinned(entry)
+        if plan is None and replaced is not None and replaced.refcount == 0 and not replaced.waiters \
+                and self.pinned_slot_keys() is not None:
+            # A pinned version's successor while every slot is pinned: the old version gives way (`_try_place`
+            # switches to the new one then); else the new one would never be placed. (Short of pages only, the
+            # new one waits for them beside the old one, as any version does.)
+            plan = self._plan_with(entry, [replaced, *candidates])
+        return plan
+
+    def _replaced_pinned(self, entry: AdapterEntry) -> AdapterEntry | None:
+        """The pinned, GPU-resident current version that `entry`, pending to replace it, may take the slot of."""
+        if self._pending.get(entry.name) != entry.key:
+            return None
+        replaced = self._entries.get(self._current.get(entry.name, ""))
+        return replaced if replaced is not None and replaced.pinned and replaced.resident else None
+
+    def _gives_way_later(self, entry: AdapterEntry) -> bool:
+        """Whether the pinned version `entry` replaces would give way but for requests using or awaiting it."""
+        replaced = self._replaced_pinned(entry)
+        return replaced is not None and bool(replaced.refcount or replaced.waiters)
+
+    def _plan_with(self, entry: AdapterEntry, candidates: list[AdapterEntry]) -> list[AdapterEntry] | None:
         mine = [e for e in self._slot_owner.values() if e.tenant == entry.tenant]
         keys = plan_placement(
             need_pages=entry.image.num_pages, nbytes=entry.image.nbytes, tenant=entry.tenant,
@@ -50,16 +74,21 @@ class AdapterPlacement:
             elif entry.image.num_pages > most:
                 self._fail(entry, f"needs {entry.image.num_pages} pages; adapters may use at most {most} pages of "
                                   f"the pool (raise the pool size or the adapter ceiling)", tier="gpu")
+            elif self._gives_way_later(entry):
+                pass  # stays wanted: placed when the requests on the version it replaces release it (the sweep)
             elif (pinned := self.pinned_slot_keys()) is not None:
                 # Pinned adapters never leave on their own: waiting would hang the request.
                 self._fail(entry, f"every adapter slot ({len(pinned)}, --max-loras) is held by pinned adapters "
                                   f"({', '.join(pinned)}); unpin one or raise --max-loras", tier="gpu", retryable=True)
             return False
         quota = self.config.quota(entry.tenant)
+        replaced = self._current.get(entry.name)
         for victim in victims:
             mine = [e for e in self._slot_owner.values() if e.tenant == entry.tenant]
             over = quota.exceeded(len(mine) + 1, sum(e.gpu_bytes for e in mine) + entry.image.nbytes)
             self._evict_gpu(victim, "quota" if over and victim.tenant == entry.tenant else "capacity")
+            if victim.key == replaced:  # the pinned version this one replaces gave way: switch now, so its
+                self._switch(entry)  # requests wait for this copy rather than for a slot it can never get
         return self._place(entry)
 
     def _place(self, entry: AdapterEntry) -> bool:

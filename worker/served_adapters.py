@@ -210,7 +210,8 @@ class ServedAdapters:
         promoted: list[tuple[ServedAdapter, str, str | None]] = []  # canaries that become stable (and sha256)
         held = engine.describe_adapters()  # what a swap of stable and canary may switch to now, and what serves
         loaded, current_keys = gpu_resident(held), {a["key"] for a in held if a.get("current")}
-        table = {d.name: self._register(d, old_table.get(d.name), engine, promoted, loaded, current_keys)
+        registered = {a["key"] for a in held}
+        table = {d.name: self._register(d, old_table.get(d.name), engine, promoted, loaded, current_keys, registered)
                  for d in state.adapters}
         held = engine.describe_adapters()
         serving = {a["name"]: a["version"] for a in held if a.get("current")}
@@ -253,7 +254,7 @@ class ServedAdapters:
 
     def _register(self, d: AdapterDirective, old: ServedAdapter | None, engine: AdapterHost,
                   promoted: list[tuple[ServedAdapter, str, str | None]], loaded: set[str],
-                  current: set[str]) -> ServedAdapter:
+                  current: set[str], held: set[str]) -> ServedAdapter:
         versions = {d.stable.version: d.stable.uri}
         digests = {d.stable.version: d.stable.sha256}  # the files must hash to it (None: not checked)
         if d.canary is not None:
@@ -269,9 +270,10 @@ class ServedAdapters:
         for version, uri in versions.items():
             stable = version == d.stable.version
             key = f"{d.name}@{version}"
-            # Registered as is; not the old fallback as the canary: the engine retires it once its successor loaded.
+            # Registered as is; not the old fallback as the canary: the engine retires it once its successor loaded
+            # (and once it has, a rollback to it registers it again: the table lists it until this push).
             keep = (old is not None and old.sources.get(version) == uri and version not in old.errors
-                    and version != demoted and (stable or version != old.fallback))
+                    and version != demoted and (stable or version != old.fallback) and key in held)
             # The stable version of a swap (module doc): switched now if on the GPU, else registered as current.
             swap = stable and demoted is not None
             if swap and key not in loaded:
