@@ -157,6 +157,7 @@ class AdapterLoading:
             return
         entry.image.write_slot(self.layout, entry.slot, entry.page_ids)  # the slot becomes visible here
         entry.resident = True
+        entry.error = None  # a placement that failed before (every slot pinned, a failed copy) is over
         entry.copy_seconds = seconds
         self._counts["loads"]["gpu"] += 1
         self.metrics.load_seconds.labels("gpu").observe(seconds)

@@ -93,3 +93,24 @@ def test_a_report_without_the_field_parses_as_before():
     assert ReportedState.from_dict(old).adapters[0].num_pinned_slots is None
     new = ReportedState(1, [AdapterState("a", "v1", "cpu", num_pinned_slots=4)])
     assert ReportedState.from_json(new.to_json()) == new
+
+
+def test_a_version_placed_after_its_placement_failed_reports_no_error():
+    """other@1 cannot be placed while the one slot is pinned (a retryable error); once p0 is unpinned it loads
+    and serves, yet its old error stayed: the state report showed a failure and the operator re-pushed it."""
+    pool = make_pool(max_slots=1)
+    try:
+        pool.add("p0@1", random_weights(0), pinned=True)
+        pool.add("other@1", random_weights(1))
+        pool.wait_idle()
+        with pytest.raises(Exception, match="held by pinned adapters"):
+            pool.load("other@1", timeout=5)
+        pool.unpin("p0@1")
+        assert pool.acquire("other@1", waiter="r1") is None  # a request's load, as the engine makes it
+        pool.wait_idle()
+        slot = pool.acquire("other@1", waiter="r1")
+        pool.release(slot)
+        entry = {d["key"]: d for d in pool.describe()}["other@1"]
+        assert (entry["tier"], entry.get("error")) == ("gpu", None) and pool.entry("other@1").error is None
+    finally:
+        pool.close()
