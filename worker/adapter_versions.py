@@ -53,8 +53,9 @@ class AdapterVersions:
                         f"{key} is already registered with different weights; register them as a new "
                         f"version (name@other-version) so no request is served stale weights"
                     )
-                if not entry.retired:
+                if not entry.retired:  # registered again: its owner may have changed (GPU quota is charged to it)
                     pinned = entry.pinned = entry.pinned or pinned
+                    entry.tenant = tenant
                 else:  # retired but still held (a quick rollback): the same weights come back, for the new owner
                     entry.retired, entry.loader, entry.pinned, entry.tenant = False, loader, pinned, tenant
             else:

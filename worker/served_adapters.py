@@ -273,7 +273,8 @@ class ServedAdapters:
             # Registered as is; not the old fallback as the canary: the engine retires it once its successor loaded
             # (and once it has, a rollback to it registers it again: the table lists it until this push).
             keep = (old is not None and old.sources.get(version) == uri and version not in old.errors
-                    and version != demoted and (stable or version != old.fallback) and key in held)
+                    and version != demoted and (stable or version != old.fallback) and key in held
+                    and old.tenant == d.tenant)  # a new owner: registered again, so the pool charges its quota
             # The stable version of a swap (module doc): switched now if on the GPU, else registered as current.
             swap = stable and demoted is not None
             if swap and key not in loaded:

@@ -87,3 +87,15 @@ def test_a_pinned_rollout_while_the_old_version_is_in_use_switches_once_it_is_re
         pool.check()
     finally:
         pool.close()
+
+
+def test_a_version_handed_to_another_tenant_is_charged_to_that_tenant(engine):
+    """{sql v1, tenant acme}, then the same version for tenant globex: access followed globex, but the pool kept
+    charging acme's GPU quota for it (and reported acme as its owner)."""
+    pool, served, host = engine.adapter_pool, ServedAdapters("base"), EngineAdapters(engine)
+    served.apply(state(1, sql(V1)), host)
+    engine.load("sql@v1")
+    served.apply(state(2, sql(V1, tenant="globex")), host)
+    assert served.get("sql").tenant == "globex" and pool.entry("sql@v1").tenant == "globex"
+    assert {d["key"]: d["tier"] for d in pool.describe()}["sql@v1"] == "gpu" and pool.resolve("sql") == "sql@v1"
+    pool.check()
