@@ -79,15 +79,16 @@ class AdapterVersions:
                 self._want(entry)
             self._update_gauges()
 
-    def make_current(self, key: str, *, if_resident: bool = False) -> bool:
+    def make_current(self, key: str, *, if_resident: bool = False, keep_previous: bool = False) -> bool:
         """Make the registered `key` its name's current version now (a canary promoted to stable):
         `resolve(name)` answers it from this call on. The previous current version retires as when a
         new version replaces it: requests holding it finish on it, then it is dropped, and no new
         request resolves to it. A different version still loading to become current is retired too.
         if_resident: only if `key` is on the GPU; else it becomes current once it is, as a new version
         added as current does (the current one serves, and is kept if registered again as a canary, until
-        then), its weights not read again. True if `key` is current now. Raises AdapterNotFoundError for a
-        key that is not registered."""
+        then), its weights not read again. keep_previous: the previous current version stays registered (the
+        new one's canary: stable and canary swapped) instead of retiring. True if `key` is current now. Raises
+        AdapterNotFoundError for a key that is not registered."""
         with self._lock:
             entry = self._get(key)
             # Checked and switched under one lock: the engine thread cannot evict it in between.
@@ -99,6 +100,9 @@ class AdapterVersions:
             pending = self._pending.pop(entry.name, None)
             if pending is not None and pending != key:
                 self._retire(self._entries[pending])
+            previous = self._current.get(entry.name)
+            if keep_previous and previous not in (None, key):
+                self._kept[entry.name] = previous  # `_switch` keeps it registered
             self._switch(entry)
             self._update_gauges()
             return True

@@ -31,12 +31,12 @@ class EngineAdapters:
         return self.engine.register_adapter(name, source, version, tenant=tenant or "default", pinned=pinned,
                                             make_current=make_current, sha256=sha256)
 
-    def make_adapter_current(self, key: str, *, if_resident: bool = False) -> bool:
-        """Make the registered `key` its name's current version; the previous one retires. if_resident: only
-        now if it is on the GPU, else once it is (the pool checks and switches under its lock). True if
-        `key` is current now."""
+    def make_adapter_current(self, key: str, *, if_resident: bool = False, keep_previous: bool = False) -> bool:
+        """Make the registered `key` its name's current version; the previous one retires (keep_previous: stays
+        registered, the new one's canary). if_resident: only now if it is on the GPU, else once it is (the pool
+        checks and switches under its lock). True if `key` is current now."""
         try:
-            return self.pool.make_current(key, if_resident=if_resident)
+            return self.pool.make_current(key, if_resident=if_resident, keep_previous=keep_previous)
         except AdapterNotFoundError as exc:
             raise KeyError(str(exc)) from None
 

@@ -293,7 +293,9 @@ class ServedAdapters:
                 registered = True
                 if swap and keep:
                     # On the GPU when the push began; if a directive before evicted it, current once resident.
-                    engine.make_adapter_current(key, if_resident=True)  # the old one comes back below as canary
+                    # The old one stays registered, on the GPU, as the canary (registered again below as such):
+                    # the table published until this push ends still sends most users to it.
+                    engine.make_adapter_current(key, if_resident=True, keep_previous=True)
                 elif is_promoted:
                     promoted.append((served, version, digests[version]))  # switched once the table is published
                 engine.set_adapter_pinned(key, d.pinned)

@@ -30,7 +30,7 @@ class RecordingHost:
                                          "tier": "gpu", "refcount": 0, "hits": 0, "bytes": 10, "pinned": pinned}
         return f"{name}@{version}"
 
-    def make_adapter_current(self, key, *, if_resident=False):
+    def make_adapter_current(self, key, *, if_resident=False, keep_previous=False):
         self.calls.append(("make_current", key))
         return True
 

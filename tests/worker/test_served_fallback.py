@@ -48,14 +48,16 @@ class SwitchingHost(RecordingHost):
             self.kept[name] = key
         return key
 
-    def make_adapter_current(self, key, *, if_resident=False):
-        super().make_adapter_current(key, if_resident=if_resident)
+    def make_adapter_current(self, key, *, if_resident=False, keep_previous=False):
+        super().make_adapter_current(key, if_resident=if_resident, keep_previous=keep_previous)
         name = key.partition("@")[0]
         if if_resident and self.keys[key]["tier"] != "gpu" and self.current.get(name) != key:
             self.pending[name] = key  # evicted meanwhile: current once it has loaded (`loaded`)
             self.kept.pop(name, None)
             return False
         self.kept.pop(name, None)
+        if keep_previous and self.current.get(name) not in (None, key):
+            self.kept[name] = self.current[name]
         self._switch(key)
         return True
 

@@ -131,10 +131,10 @@ class PackingEngine(GatedEngine):
 class EvictingAdapters(EngineAdapters):
     """The engine thread evicts the version to switch to (pressure from other requests) just before the switch."""
 
-    def make_adapter_current(self, key: str, *, if_resident: bool = False) -> bool:
+    def make_adapter_current(self, key: str, *, if_resident: bool = False, keep_previous: bool = False) -> bool:
         if self.pool.entry(key).resident:
             self.pool.evict(key)
-        return super().make_adapter_current(key, if_resident=if_resident)
+        return super().make_adapter_current(key, if_resident=if_resident, keep_previous=keep_previous)
 
 
 def tier(pool: AdapterPool, key: str) -> str:

@@ -99,3 +99,37 @@ def test_a_version_handed_to_another_tenant_is_charged_to_that_tenant(engine):
     assert served.get("sql").tenant == "globex" and pool.entry("sql@v1").tenant == "globex"
     assert {d["key"]: d["tier"] for d in pool.describe()}["sql@v1"] == "gpu" and pool.resolve("sql") == "sql@v1"
     pool.check()
+
+
+class ProbingAdapters(EngineAdapters):
+    """Records, as the push registers the old stable version again as the canary, whether the pool still had it
+    registered (the table published until the push ends sends most users to it)."""
+
+    def __init__(self, engine) -> None:
+        super().__init__(engine)
+        self.old_registered: list[bool] = []
+
+    def register_adapter(self, name, source, *, version=None, tenant=None, pinned=False, make_current=True, sha256=None):
+        if not make_current:
+            self.old_registered.append(f"{name}@{version}" in self.pool.registered())
+        return super().register_adapter(name, source, version=version, tenant=tenant, pinned=pinned,
+                                        make_current=make_current, sha256=sha256)
+
+
+def test_a_swap_to_a_resident_canary_keeps_the_old_stable_version_registered_and_on_the_gpu(engine):
+    """{v1, canary v2}, both on the GPU, then {v2, canary v1}: the switch to v2 retired v1 before the new table
+    was published (explicit sql@v1 requests got 404, bare ones waited) and v1 was read again from its files,
+    into CPU memory only."""
+    pool, served, host = engine.adapter_pool, ServedAdapters("base"), ProbingAdapters(engine)
+    served.apply(state(1, sql(V1, V2)), host)
+    engine.load("sql@v1")
+    engine.load("sql@v2")
+    host.old_registered.clear()
+    served.apply(state(2, sql(V2, V1)), host)
+    assert host.old_registered == [True]
+    assert pool.resolve("sql") == "sql@v2" and pool.resolve("sql@v1") == "sql@v1"
+    assert {d["key"]: d["tier"] for d in pool.describe()}["sql@v1"] == "gpu"
+    assert served.get("sql").split.stable == "v2" and served.get("sql").split.canary == "v1"
+    served.apply(state(3, sql(V2)), host)  # the canary dropped: retired now
+    assert pool.registered() == ["sql@v2"]
+    pool.check()
