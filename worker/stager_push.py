@@ -112,6 +112,8 @@ async def apply_push(stager: Stager, desired: DesiredState, *, seed: SeedReport 
 
 async def _begin(stager: Stager, desired: DesiredState, seed: SeedReport | None) -> Push | None:
     async with stager.apply_lock:
+        if seed is not None and stager.desired is not None and stager.seed_report is None:
+            return None  # a push from elsewhere came while the seed pass staged: it rules (stager_seed.py)
         if desired.generation < stager.generation:
             state = await stager.state()
             state.error = f"generation {desired.generation} is older than the applied {stager.generation}; ignored"

@@ -87,3 +87,29 @@ async def test_a_folder_caught_mid_upload_is_seeded_again(tmp_path, monkeypatch)
     monkeypatch.setattr(stager, "stage", stage)
     report = await seed(stager, "s3://adapters/team/")
     assert report.retrying == [URI] and "the objects changed" in report.errors[URI]
+
+
+async def test_a_push_from_elsewhere_during_a_seed_pass_is_not_overwritten_by_it(tmp_path, monkeypatch):
+    """The operator's push arrives while a seed pass downloads: it rules from then on. The seed pass went on to
+    push its folders anyway (a newer generation), taking over from the operator's push."""
+    import asyncio
+
+    from lorafleet.worker.directives import DesiredState
+    from lorafleet.worker.staged_copy import Staged
+
+    stager = Stager(config(tmp_path))
+    monkeypatch.setattr(stager.sources, "list_adapters", lambda uri: [URI])
+    downloading, finish = asyncio.Event(), asyncio.Event()
+
+    async def stage(uri: str, sha256: str | None, **kw):
+        downloading.set()
+        await finish.wait()
+        return Staged(tmp_path, "a" * 64, cached=False)
+
+    monkeypatch.setattr(stager, "stage", stage)
+    seeding = asyncio.ensure_future(seed(stager, "s3://adapters/team/"))
+    await asyncio.wait_for(downloading.wait(), 10)
+    await stager.apply(DesiredState(7, []))  # the operator's push: no adapters here
+    finish.set()
+    await asyncio.wait_for(seeding, 10)
+    assert (stager.generation, stager.desired.adapters, stager.seed_report) == (7, [], None)
