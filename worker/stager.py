@@ -165,7 +165,7 @@ class Stager:
         except Exception as exc:
             self.store.failed(exc, start)
             raise
-        self.store.answered()
+        self.store.answered(start)
         return etags
 
     def _local(self, uri: str, sha256: str | None) -> Staged:
@@ -206,7 +206,7 @@ class Stager:
                 self.metrics.failures.inc()
                 self.store.failed(exc, start)  # made before a newer push began: that push still tries the store
                 raise
-            self.store.answered()
+            self.store.answered(start)
             self.download_seconds.append(time.perf_counter() - t0)
             self.metrics.seconds.observe(self.download_seconds[-1])
             self.counts["downloads"] += 1

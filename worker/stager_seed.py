@@ -49,7 +49,7 @@ async def seed(stager: Stager, uri: str) -> SeedReport:
     except Exception as exc:
         stager.store.failed(exc, push_start)
         raise
-    stager.store.answered()
+    stager.store.answered(push_start)
     for folder in folders:
         if folder in served:
             continue

@@ -13,7 +13,8 @@ minutes per push, while later pushes queue behind it. So:
   an object none of whose bytes came by the deadline), marks it down: for the rest of the push that made
   that call no version calls it again (`StoreDown`); a call made before a push began (a superseded push's
   download, left running, that times out later) marks the store down but does not spare the newer push
-  its own quick call: a version with a cached copy is served from it, one without fails
+  its own quick call; the state is the one the latest-made call found (a late failure of a call older than
+  one the store answered, or a late answer to a call older than one it failed, changes nothing): a version with a cached copy is served from it, one without fails
   at once. A download that was receiving bytes and ran out of `download_timeout_s` (a big adapter, a slow
   link) is that version's failure alone: the store answered, the other versions still call it. Stages of one push that run at once share this: one that waited for
   another's download (the same cache key) or for a thread does not call the store once it is down;
@@ -55,6 +56,7 @@ class StoreHealth:
         self.down_since: float | None = None  # time.monotonic() of the failure that started the outage
         self.failed_call_at: float | None = None  # when the latest-made call that failed in this outage was made
         self.answered_at: float | None = None  # of the latest answer
+        self.answered_call_at: float | None = None  # when the latest-made call that was answered was made
         self.error: str | None = None  # the latest failure
         self.num_fallbacks = 0  # versions served from a cached copy the store could not check
         metrics.store_up.set(1)
@@ -82,6 +84,8 @@ class StoreHealth:
             return
         now = time.monotonic()
         made = now if call_start is None else call_start
+        if self.answered_call_at is not None and made < self.answered_call_at:
+            return  # older news: a call made after this one was answered (a superseded push's download)
         self.failed_call_at = made if self.failed_call_at is None else max(self.failed_call_at, made)
         self.error = f"{type(exc).__name__}: {exc}"[:300]
         if self.down_since is None:
@@ -90,8 +94,14 @@ class StoreHealth:
             log.warning("object store unreachable (%s): cached copies are served unchecked and other versions "
                         "fail until it answers; each push tries it once, quickly", self.error)
 
-    def answered(self) -> None:
+    def answered(self, call_start: float | None = None) -> None:
+        """Note an answer to a call made at `call_start` (default: now). It ends an outage unless a call made
+        after it found the store down (a late answer to an older call: the push that failed stays off it)."""
         self.answered_at = now = time.monotonic()
+        made = now if call_start is None else call_start
+        self.answered_call_at = made if self.answered_call_at is None else max(self.answered_call_at, made)
+        if self.failed_call_at is not None and made < self.failed_call_at:
+            return
         if self.down_since is not None:
             log.info("object store answers again after %.0f s of outage", now - self.down_since)
             self.down_since = self.failed_call_at = None

@@ -347,6 +347,30 @@ def test_a_call_made_before_a_push_does_not_spare_that_push_its_own_quick_call(t
     health.failed(StoreSilent("s3://adapters/team/y/: the store sent none of its bytes"), old_call)  # another old one
     with pytest.raises(StoreDown):  # still: this push's own call found the store down
         health.skip(push_start)
-    health.answered()  # the next push's call: the outage ends
+    health.answered(push_start + 2)  # the next push's call: the outage ends
     assert not health.is_down
+    health.skip(push_start)
+
+
+def test_late_news_of_an_older_call_does_not_change_what_a_newer_call_found(tmp_path):
+    """The store's state is what the latest-made call found: a late answer to a call made before one that failed
+    does not end the outage for the push that failed (it called the store again, with full timeouts), and a late
+    failure of a call made before one that was answered does not start a false outage."""
+    from lorafleet.worker.disk_cache import DiskCache
+    from lorafleet.worker.stager_metrics import StagerMetrics
+    from lorafleet.worker.stager_store import StoreHealth
+
+    metrics = StagerMetrics(DiskCache(tmp_path / "cache", 1 << 20))
+    health = StoreHealth(metrics)
+    t0 = time.monotonic()
+    push_start = t0 + 10
+    health.failed(ConnectionResetError("connection reset by peer"), push_start + 0.1)  # the push's quick check
+    health.answered(t0)  # a superseded push's download, made before, finishes now
+    assert health.is_down
+    with pytest.raises(StoreDown):
+        health.skip(push_start)
+    health.answered(push_start + 1)  # a call made after the failure is answered: the outage ends
+    assert not health.is_down and metrics.registry.get_sample_value("lorafleet_stager_store_up") == 1
+    health.failed(StoreSilent("s3://adapters/team/x/: the store sent none of its bytes"), t0)  # older than that answer
+    assert not health.is_down and metrics.registry.get_sample_value("lorafleet_stager_store_up") == 1
     health.skip(push_start)
