@@ -13,6 +13,7 @@ from lorafleet.worker.sources import SourceError, adapter_digest
 
 log = logging.getLogger("lorafleet.stager")
 DIGEST_FILE = ".sha256"  # beside the adapter files in a cache entry: the digest they had when staged
+SOURCE_FILE = ".source"  # ...and the URI they were staged from (a restarted stager's store-outage fallback)
 
 
 @dataclass(slots=True)
@@ -41,3 +42,19 @@ def verify_staged_copy(cache: DiskCache, key: str) -> Path | None:
     log.warning("disk cache entry %s does not hash to its recorded digest; it is downloaded again", key)
     cache.discard(key)
     return None
+
+
+def last_copies(cache: DiskCache) -> dict[str, str]:
+    """URI -> cache key of its most recently staged copy, from the entries an earlier run left (each records
+    its URI, SOURCE_FILE): a stager restarted while the store is down still serves what it had staged, its
+    copies checked (`verify_staged_copy`) on first use as every entry of an earlier run is."""
+    found: dict[str, tuple[float, str]] = {}
+    for key in cache.entries():
+        try:
+            source = cache.root / key / SOURCE_FILE
+            uri, when = source.read_text().strip(), source.stat().st_mtime
+        except (OSError, UnicodeDecodeError):
+            continue  # an entry of an older version, or unreadable: no fallback from it
+        if uri and (uri not in found or when > found[uri][0]):
+            found[uri] = (when, key)
+    return {uri: key for uri, (_, key) in found.items()}

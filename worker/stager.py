@@ -15,7 +15,8 @@ needs `Authorization: Bearer <stager token>` (the routes: stager_http.py):
   is not known) answers once staged. Same generation: no-op; lower: 409. A version that
   cannot be staged (store down, digest mismatch) is reported with its error; an adapter whose new
   version fails keeps its previously forwarded (already local) version, so the store being down
-  never takes away what is served. A store that does not answer costs a push one quick check, and one
+  never takes away what is served (nor after a restart: each cache entry records the URI it was staged
+  from, so a version without a sha256 falls back to its last copy as before the restart). A store that does not answer costs a push one quick check, and one
   that stops answering during the push one download's timeout, not every version's timeouts
   (worker/stager_store.py): the rest of the push serves cached copies. The
   disk cache keeps, whatever its budget, the copies the engine may read (worker/stager_holds.py):
@@ -55,7 +56,7 @@ from lorafleet.worker.directives import (
 from lorafleet.worker.disk_cache import DiskCache, dir_bytes
 from lorafleet.worker.listen import close_all, listen_sockets
 from lorafleet.worker.sources import Etags, SourceError, Sources, verify_digest
-from lorafleet.worker.staged_copy import DIGEST_FILE, Staged, verify_staged_copy
+from lorafleet.worker.staged_copy import DIGEST_FILE, SOURCE_FILE, Staged, last_copies, verify_staged_copy
 from lorafleet.worker.stager_config import StagerConfig
 from lorafleet.worker.stager_engine import EngineLink
 from lorafleet.worker.stager_holds import CacheHolds
@@ -77,7 +78,8 @@ class Stager:
         self.cache = DiskCache(Path(config.stager_cache_dir), config.stager_cache_bytes)
         self._locks = KeyLocks()  # per cache key, while in use
         self._flights: dict[tuple[str, str], asyncio.Future] = {}  # (cache key, uri) -> its stage in progress
-        self._by_uri: dict[str, str] = {}  # uri -> cache key of its last staged copy (store-down fallback)
+        # uri -> cache key of its last staged copy (store-down fallback); an earlier run's, from the cache's entries
+        self._by_uri: dict[str, str] = last_copies(self.cache)
         self.holds = CacheHolds(self.cache.root, config.stage_lease_s)
         self.counts = {"downloads": 0, "download_bytes": 0, "hits": 0, "misses": 0, "failures": 0}
         self.download_seconds: deque[float] = deque(maxlen=RECENT_DOWNLOADS)
@@ -230,6 +232,7 @@ class Stager:
             self.sources.download(uri, tmp, progress=progress, deadline=deadline, etags=etags)
             digest = verify_digest(tmp, sha256, uri)  # before the rename: a bad download is never visible
             (tmp / DIGEST_FILE).write_text(digest + "\n")
+            (tmp / SOURCE_FILE).write_text(uri + "\n")
 
         try:
             return self.cache.put(key, fill, protect=self.protected)

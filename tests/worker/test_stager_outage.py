@@ -374,3 +374,23 @@ def test_late_news_of_an_older_call_does_not_change_what_a_newer_call_found(tmp_
     health.failed(StoreSilent("s3://adapters/team/x/: the store sent none of its bytes"), t0)  # older than that answer
     assert not health.is_down and metrics.registry.get_sample_value("lorafleet_stager_store_up") == 1
     health.skip(push_start)
+
+
+async def test_a_stager_restarted_while_the_store_hangs_serves_what_it_had_staged(s3, adapters, tmp_path):
+    """Versions without a sha256 staged by an earlier run of the stager (a sidecar restart) are forwarded from
+    their cached copies while the store hangs. They were failed instead (the fallback map lived in memory only),
+    and the engine dropped adapters it was serving."""
+    client = s3.client()
+    names = ["kept0", "kept1"]
+    for name in names:
+        upload_folder(client, "adapters", f"team/{name}/", adapters["v1"])
+    first = stager_for(s3.endpoint, s3, tmp_path / "cache")
+    await asyncio.wait_for(first.apply(push(1, names)), HANG_S)
+    before = {n: a.stable.uri for n, a in first.forwarded.items()}
+    assert sorted(before) == names and first.errors == {}
+    async with store_hung(s3):
+        restarted = stager_for(s3.endpoint, s3, tmp_path / "cache")
+        report = await asyncio.wait_for(restarted.apply(push(1, names)), HANG_S)
+        assert {n: a.stable.uri for n, a in restarted.forwarded.items()} == before, report.to_dict()
+        assert restarted.errors == {} and restarted.disk_stats()["store"]["fallbacks"] == len(names)
+    assert served_digests(restarted) == dict.fromkeys(names, adapter_digest(adapters["v1"]))
