@@ -85,6 +85,7 @@ class Stager:
         self.download_seconds: deque[float] = deque(maxlen=RECENT_DOWNLOADS)
         self.downloading: dict[str, tuple[str, int, int]] = {}  # cache key -> (uri, bytes done, total), in progress
         self.generation = 0
+        self.unsent: int | None = None  # a generation whose forward the engine refused: taken again if pushed again
         self.desired: DesiredState | None = None
         self.forwarded: dict[str, AdapterDirective] = {}  # name -> directive with local paths
         self.staged: dict[tuple[str, str], Staged] = {}  # (name, version) -> staged copy

@@ -118,7 +118,7 @@ async def _begin(stager: Stager, desired: DesiredState, seed: SeedReport | None)
             state = await stager.state()
             state.error = f"generation {desired.generation} is older than the applied {stager.generation}; ignored"
             raise APIError(409, state.error, code="stale_generation", param=state.to_json())
-        if desired.generation == stager.generation and stager.desired is not None:
+        if desired.generation == stager.generation and stager.desired is not None and stager.unsent != desired.generation:
             return None
         now = {(name, ref.version): s for name, ref in version_refs(desired)
                if (s := ready_now(stager, name, ref)) is not None}
@@ -136,7 +136,9 @@ async def _begin(stager: Stager, desired: DesiredState, seed: SeedReport | None)
             push.at_once = await _forward(stager, push, forwarded, first=True)
         except BaseException:
             push.pending.clear()  # the push failed (the engine refused it): nothing of it is being staged
+            stager.unsent = desired.generation  # sent again with its generation, it is applied, not a no-op
             raise
+        stager.unsent = None
         return push
 
 
@@ -223,6 +225,11 @@ async def _finish(stager: Stager, push: Push) -> ReportedState:
         stager.forwarded, stager.staged, stager.holds.pushing = forwarded, staged, set()
         try:
             await _forward(stager, push, forwarded, first=False)
+        except BaseException:
+            stager.unsent = push.desired.generation
+            raise
+        else:
+            stager.unsent = None
         finally:
             push.pending.clear()
         report = await stager.state()  # which replaced versions the engine still holds

@@ -161,3 +161,34 @@ async def test_a_fresh_stager_answers_the_operator_s_first_push_once_staged(aioh
     assert not any(s.get("staging") for s in body["adapters"]), body
     assert [sorted(a["name"] for a in p["adapters"]) for p in engine.pushes] == [["a", "b"]]
     assert not pushed_again(ReportedState.from_dict(body), desired)
+
+
+class RefusingEngine(Engine):
+    """Answers the next `refuse` pushes 500 without applying them (an engine restarting, say)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refuse = 0
+
+    async def put_state(self, request: web.Request) -> web.Response:
+        if self.refuse:
+            self.refuse -= 1
+            return web.json_response({"error": {"message": "the engine is starting"}}, status=500)
+        return await super().put_state(request)
+
+
+async def test_a_push_the_engine_refused_is_applied_when_sent_again_with_its_generation(aiohttp_server, tmp_path,
+                                                                                      monkeypatch):
+    """The engine refused push 2 (a made warm, forwarded at once): the stager recorded push 2 as applied all the
+    same, so the same push sent again was a no-op answered 200, and the engine never got it."""
+    engine = RefusingEngine()
+    stager = Stager(dataclasses.replace(config(tmp_path), engine_url=await engine.serve(aiohttp_server)))
+    FakeStore(stager, monkeypatch)
+    await asyncio.wait_for(stager.apply(push(1, adapter("a", "v1"))), HANG_S)
+    engine.refuse = 1
+    with pytest.raises(Exception):  # noqa: B017 - whatever the forward raises, the push is not applied
+        await asyncio.wait_for(stager.apply(push(2, adapter("a", "v1", warm=True))), HANG_S)
+    assert engine.generation == 1
+    report = await asyncio.wait_for(stager.apply(push(2, adapter("a", "v1", warm=True))), HANG_S)
+    assert engine.generation == 2 and engine.pushes[-1]["adapters"][0]["warm"]
+    assert report.generation_applied == 2
