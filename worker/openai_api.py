@@ -263,7 +263,10 @@ async def _serve(request: web.Request, endpoint: str) -> web.StreamResponse:
         if adapter is not None and version:  # the series of versions no longer served go
             served = app[ADAPTERS].get(adapter)
             # A version retired before this request first counted on it had no series then: retired here.
-            metrics.retain_versions(adapter, served.sources if served is not None else ())
+            versions = set(served.sources) if served is not None else set()
+            if served is not None and served.fallback not in (None, version) and version == served.split.stable:
+                versions.discard(served.fallback)  # it ran on the version replacing the fallback: the engine retired that
+            metrics.retain_versions(adapter, versions)
         for key in resolved:  # counted: a retired version's grace starts now
             metrics.release(*_request_labels(key))
 

@@ -351,3 +351,19 @@ def test_a_promoted_canary_that_cannot_be_registered_as_current_sends_requests_b
     served.apply(state(2, SQL_V2), host)
     assert host.current["sql"] == "sql@v1" and picks(served) == {"sql@v1"}
     assert "corrupt" in served.get("sql").errors["v2"]
+
+
+async def test_the_series_of_a_rollout_s_fallback_go_once_the_new_version_served(client, qv_adapters_dir):
+    """{v1}, then {v2}: once a request ran on v2 the engine has retired v1 (the fallback until then), and its
+    series go after their grace. They stayed until the next push (the table still lists the fallback)."""
+    v1, v2 = ({"version": v, "uri": str(qv_adapters_dir / d)} for v, d in (("v1", "alpha"), ("v2", "beta")))
+    await push(client, 1, v1)
+    assert (await complete(client, "alpha"))[1]["model"] == "alpha@v1"
+    await push(client, 2, v2)
+    status, body = await complete(client, "alpha")
+    assert status == 200 and body["model"] == "alpha@v2"
+    retired = client.app[METRICS].retired
+    retired.clock = lambda: time.monotonic() + retired.grace_s  # v1's grace (for a last scrape) is over
+    await complete(client, "alpha")
+    text = await (await client.get("/metrics")).text()
+    assert {version for version, _ in metric_samples(text, "lorafleet_requests_total", "alpha")} == {"v2"}
