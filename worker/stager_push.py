@@ -176,7 +176,10 @@ async def _stage(stager: Stager, push: Push) -> None:
     is staging: that stage goes on by itself (a download in progress completes for whoever wants its copy, the
     newer push included), and the newer push does not wait behind it."""
     async with stager.staging_lock:
-        stager.holds.pushing = pushing = set()  # until its copies are served (_finish) or a newer push stages
+        # Until its copies are served (_finish) or a newer push stages: from the start, the copies it knows of
+        # (a version's sha256, a URI's last copy), else an earlier version's download could trim them away.
+        stager.holds.pushing = pushing = {k for _, ref in version_refs(push.desired)
+                                          if (k := (ref.sha256 or "").lower() or stager.last_copy(ref.uri)) is not None}
         push_start = time.monotonic()
         superseded = asyncio.ensure_future(push.superseded.wait())
         try:

@@ -244,3 +244,21 @@ def test_local_digests_wait_for_files_to_settle_and_stay_bounded(tmp_path):
     assert [digest(f) for f in folders[1:]] == ["b", "c"] and len(computed) == 5
     digest(folders[0])
     assert len(computed) == 6
+
+
+async def test_a_push_protects_the_cached_copies_of_all_its_versions_from_the_start(tmp_path, monkeypatch):
+    """A push's first download fills the cache past its budget: the copy of one of its later versions, cached but
+    not served, was not protected yet (only once the push reached that version) and was evicted by that trim,
+    then downloaded again."""
+    copy_bytes = len('{"r": 4}') + len(WEIGHTS) + 65 + 40  # + the cache's .sha256 and .source files
+    stager = Stager(dataclasses.replace(config(tmp_path), stager_cache_bytes=int(2.5 * copy_bytes),
+                                        stage_lease_s=1e-6))  # a lease that ends at once: copies may go
+    FakeStore(stager, monkeypatch)
+    later, other = "s3://adapters/team/later/", "s3://adapters/team/other/"
+    assert not (await stager.stage(later, None)).cached
+    assert not (await stager.stage(other, None)).cached  # the cache now holds later (least recent) and other
+    desired = DesiredState(1, [AdapterDirective("first", "t", VersionRef("v1", "s3://adapters/team/first/")),
+                               AdapterDirective("later", "t", VersionRef("v1", later))])
+    await stager.apply(desired)
+    assert stager.counts["downloads"] == 3 and stager.errors == {}  # later, other, first: later not again
+    assert stager.staged[("later", "v1")].cached
