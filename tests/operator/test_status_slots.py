@@ -49,28 +49,27 @@ def test_a_worker_that_does_not_report_pinned_slots_is_loading_as_before():
     assert st["phase"] == "Loading" and "GPU-resident on 1/2 warm workers" in st["message"]
 
 
-def test_pinned_slots_of_an_on_demand_worker_make_the_adapter_degraded():
-    """w1 is not warm for `a` (warm: 1), yet it serves `a` on demand: with every slot pinned there, each
-    request routed to it fails to load (503). It was Ready."""
+def on_demand_status(tier: str) -> tuple[str, dict]:
+    """(the pod not warm for `a` (warm: 1), `a`'s status) when that pod reports a@v1 at `tier` with every GPU
+    slot pinned."""
     ws = workers(2)
     spec = [adapter("a", warm=1)]
     plan = converge(pool(), spec, ws)
     cold = next(p for p in ("w0", "w1") if p not in plan.placement["a"])
     w = next(w for w in ws if w.pod == cold)
-    w.reported = ReportedState(w.reported.generation_applied, [AdapterState("a", "v1", "disk", num_pinned_slots=4)])
-    st = reconcile_pool(pool(), spec, ws, now=NOW).adapter_statuses["a"]
+    w.reported = ReportedState(w.reported.generation_applied, [AdapterState("a", "v1", tier, num_pinned_slots=4)])
+    return cold, reconcile_pool(pool(), spec, ws, now=NOW).adapter_statuses["a"]
+
+
+def test_pinned_slots_of_an_on_demand_worker_make_the_adapter_degraded():
+    """w1 is not warm for `a` (warm: 1), yet it serves `a` on demand: with every slot pinned there, each
+    request routed to it fails to load (503). It was Ready."""
+    cold, st = on_demand_status("disk")
     assert st["phase"] == "Degraded"
     assert st["message"].startswith(f"worker {cold}: all 4 of its GPU adapter slots (--max-loras) are held by pinned "
                                     "adapters, so its requests for a@v1 are refused (503); raise --max-loras")
 
 
 def test_an_on_demand_worker_holding_the_adapter_on_gpu_leaves_it_ready():
-    """Every slot pinned, one of them by `a` itself (the worker reports no num_pinned_slots for a holder,
-    and a GPU-resident copy serves): nothing is refused."""
-    ws = workers(2)
-    spec = [adapter("a", warm=1)]
-    plan = converge(pool(), spec, ws)
-    cold = next(p for p in ("w0", "w1") if p not in plan.placement["a"])
-    w = next(w for w in ws if w.pod == cold)
-    w.reported = ReportedState(w.reported.generation_applied, [AdapterState("a", "v1", "gpu", num_pinned_slots=4)])
-    assert reconcile_pool(pool(), spec, ws, now=NOW).adapter_statuses["a"]["phase"] == "Ready"
+    """Every slot pinned, one of them by `a` itself (a GPU-resident copy serves): nothing is refused."""
+    assert on_demand_status("gpu")[1]["phase"] == "Ready"

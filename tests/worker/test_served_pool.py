@@ -56,13 +56,18 @@ class GatedEngine:
         self.adapter_pool.load(key)
 
 
-@pytest.fixture
-def engine():
+def gated_engine():
+    """A GatedEngine over a pool of two slots, for a fixture: its gates opened and its pool closed after."""
     gated = GatedEngine(make_pool(max_slots=2, num_load_threads=2))
     yield gated
     for gate in list(gated.gates.values()):
         gate.set()
     gated.adapter_pool.close()
+
+
+@pytest.fixture
+def engine():
+    yield from gated_engine()
 
 
 def sql(stable: dict, canary: dict | None = None, **flags) -> dict:

@@ -4,24 +4,22 @@ pinned, a version whose load failed once and then succeeded, and a version hande
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 from lorafleet.worker.engine_adapters import EngineAdapters
 from lorafleet.worker.served_adapters import ServedAdapters
 from tests.worker.test_adapter_pool import make_pool
 from tests.worker.test_served_adapters import ACME, state
-from tests.worker.test_served_pool import V1, V2, V3, GatedEngine, PackingEngine, sql
+from tests.worker.test_served_pool import V1, V2, V3, PackingEngine, gated_engine, sql
 
 USERS = [f"user-{i}" for i in range(20)]
 
 
 @pytest.fixture
 def engine():
-    gated = GatedEngine(make_pool(max_slots=2, num_load_threads=2))
-    yield gated
-    for gate in list(gated.gates.values()):
-        gate.set()
-    gated.adapter_pool.close()
+    yield from gated_engine()
 
 
 def served_keys(served: ServedAdapters) -> set[str]:
@@ -48,57 +46,46 @@ def test_rolling_back_to_the_version_a_finished_rollout_retired_serves_it_again(
     pool.check()
 
 
-def test_a_pinned_adapter_rolled_out_while_every_slot_is_pinned_takes_its_old_version_s_slot():
-    """Two slots, both pinned (aaa, sql@v1), then {sql: v2 pinned}: v1 held its slot until v2 was resident, and v2
-    could never be placed (every slot pinned): every sql request got 503 for good while v1 could serve."""
+AAA = {"name": "aaa", "tenant": "acme", "stable": {"version": "v9", "uri": "/c/aaa/v9"}, "warm": False, "pinned": True}
+
+
+@contextlib.contextmanager
+def every_slot_pinned():
+    """Two GPU slots, both pinned: aaa@v9 and sql@v1 (the pool, the table, the engine facade)."""
     engine = PackingEngine(make_pool(max_slots=2, num_load_threads=2))
     pool, served, host = engine.adapter_pool, ServedAdapters("base"), EngineAdapters(engine)
-    aaa = {"name": "aaa", "tenant": "acme", "stable": {"version": "v9", "uri": "/c/aaa/v9"}, "warm": False, "pinned": True}
     try:
-        served.apply(state(1, aaa, sql(V1, pinned=True)), host)
+        served.apply(state(1, AAA, sql(V1, pinned=True)), host)
         pool.wait_idle()
         assert sorted(pool.pinned_slot_keys()) == ["aaa@v9", "sql@v1"]
-        served.apply(state(2, aaa, sql(V2, pinned=True)), host)
+        yield pool, served, host
+        pool.check()
+    finally:
+        pool.close()
+
+
+def test_a_pinned_adapter_rolled_out_while_every_slot_is_pinned_takes_its_old_version_s_slot():
+    """Both slots pinned (aaa, sql@v1), then {sql: v2 pinned}: v1 held its slot until v2 was resident, and v2
+    could never be placed (every slot pinned): every sql request got 503 for good while v1 could serve."""
+    with every_slot_pinned() as (pool, served, host):
+        served.apply(state(2, AAA, sql(V2, pinned=True)), host)
         pool.load("sql@v2", timeout=10)
         assert pool.resolve("sql") == "sql@v2" and "sql@v1" not in pool.registered()
         assert sorted(pool.pinned_slot_keys()) == ["aaa@v9", "sql@v2"]
         assert served_keys(served) == {"sql@v2"}
-        pool.check()
-    finally:
-        pool.close()
 
 
 def test_a_pinned_rollout_while_the_old_version_is_in_use_switches_once_it_is_released():
     """As above, with a request running on v1 when v2 is pushed: v1 serves on, and v2 takes its slot once the
     request has released it (no request asks for v2 until then: the pool places it by itself)."""
-    engine = PackingEngine(make_pool(max_slots=2, num_load_threads=2))
-    pool, served, host = engine.adapter_pool, ServedAdapters("base"), EngineAdapters(engine)
-    aaa = {"name": "aaa", "tenant": "acme", "stable": {"version": "v9", "uri": "/c/aaa/v9"}, "warm": False, "pinned": True}
-    try:
-        served.apply(state(1, aaa, sql(V1, pinned=True)), host)
-        pool.wait_idle()
+    with every_slot_pinned() as (pool, served, host):
         slot = pool.acquire("sql@v1", waiter="r1")
-        served.apply(state(2, aaa, sql(V2, pinned=True)), host)
+        served.apply(state(2, AAA, sql(V2, pinned=True)), host)
         pool.wait_idle()
         assert pool.resolve("sql") == "sql@v1"  # in use: it keeps its slot meanwhile
         pool.release(slot)
         pool.wait_idle()
         assert pool.resolve("sql") == "sql@v2" and "sql@v1" not in pool.registered()
-        pool.check()
-    finally:
-        pool.close()
-
-
-def test_a_version_handed_to_another_tenant_is_charged_to_that_tenant(engine):
-    """{sql v1, tenant acme}, then the same version for tenant globex: access followed globex, but the pool kept
-    charging acme's GPU quota for it (and reported acme as its owner)."""
-    pool, served, host = engine.adapter_pool, ServedAdapters("base"), EngineAdapters(engine)
-    served.apply(state(1, sql(V1)), host)
-    engine.load("sql@v1")
-    served.apply(state(2, sql(V1, tenant="globex")), host)
-    assert served.get("sql").tenant == "globex" and pool.entry("sql@v1").tenant == "globex"
-    assert {d["key"]: d["tier"] for d in pool.describe()}["sql@v1"] == "gpu" and pool.resolve("sql") == "sql@v1"
-    pool.check()
 
 
 class ProbingAdapters(EngineAdapters):
