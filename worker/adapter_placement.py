@@ -48,6 +48,19 @@ class AdapterPlacement:
         replaced = self._replaced_pinned(entry)
         return replaced is not None and bool(replaced.refcount or replaced.waiters)
 
+    def _set_tenant(self, entry: AdapterEntry, tenant: str) -> None:
+        """See AdapterPool.set_tenant."""
+        if entry.tenant == tenant:
+            return
+        entry.tenant = tenant
+        if not entry.resident or entry.refcount or entry.waiters:
+            return  # a copy or a request in flight: the new owner's next placement brings it within its quota
+        mine = [e for e in self._slot_owner.values() if e.tenant == tenant]
+        if self.config.quota(tenant).exceeded(len(mine), sum(e.gpu_bytes for e in mine)):
+            self._evict_gpu(entry, "quota")
+            if entry.pinned or entry.key in self._warm:
+                self._want(entry)
+
     def _plan_with(self, entry: AdapterEntry, candidates: list[AdapterEntry]) -> list[AdapterEntry] | None:
         mine = [e for e in self._slot_owner.values() if e.tenant == entry.tenant]
         keys = plan_placement(
@@ -82,13 +95,15 @@ class AdapterPlacement:
                                   f"({', '.join(pinned)}); unpin one or raise --max-loras", tier="gpu", retryable=True)
             return False
         quota = self.config.quota(entry.tenant)
-        replaced = self._current.get(entry.name)
         for victim in victims:
+            if victim.pinned:  # only the pinned version `entry` replaces is ever a pinned victim (_placement_plan):
+                self._switch(entry)  # switch now, so its requests wait for this copy, not for a slot they never get;
+                if not victim.on_gpu:  # retired, it was dropped (slot and pages freed)
+                    continue
+                victim.pinned = False  # kept registered (the new one's canary): it leaves the GPU as any other
             mine = [e for e in self._slot_owner.values() if e.tenant == entry.tenant]
             over = quota.exceeded(len(mine) + 1, sum(e.gpu_bytes for e in mine) + entry.image.nbytes)
             self._evict_gpu(victim, "quota" if over and victim.tenant == entry.tenant else "capacity")
-            if victim.key == replaced:  # the pinned version this one replaces gave way: switch now, so its
-                self._switch(entry)  # requests wait for this copy rather than for a slot it can never get
         return self._place(entry)
 
     def _place(self, entry: AdapterEntry) -> bool:

@@ -134,6 +134,13 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
         with self._lock:
             self._get(key).pinned = False
 
+    def set_tenant(self, key: str, tenant: str) -> None:
+        """`key`'s owner is now `tenant` (its GPU quota is charged to it). On the GPU, idle and over the new
+        owner's quota there, it leaves the GPU; pinned or warm, it comes back within that quota (evicting the
+        owner's other idle adapters first)."""
+        with self._lock:
+            self._set_tenant(self._get(key), tenant)
+
     # ---- the step loop's verbs -----------------------------------------------------------------
     def acquire(self, key: str, waiter: object = None, *, count: bool = True) -> int | None:
         """Slot of `key` with one more reference, or None while it loads (the load is started here; call

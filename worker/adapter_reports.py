@@ -22,7 +22,7 @@ class AdapterReports:
                     "key": e.key, "name": e.name, "version": e.version, "tenant": e.tenant,
                     "tier": e.tier(), "refcount": e.refcount, "hits": e.uses,
                     "bytes": e.gpu_bytes if e.on_gpu else (e.image.nbytes if e.image is not None else 0),
-                    "pinned": e.pinned, "current": self._current.get(e.name) == e.key,
+                    "pinned": e.pinned, "current": self._current.get(e.name) == e.key, "retired": e.retired,
                     "error": str(e.error) if e.error is not None else None,
                 })
             return out

@@ -55,7 +55,7 @@ class AdapterVersions:
                     )
                 if not entry.retired:  # registered again: its owner may have changed (GPU quota is charged to it)
                     pinned = entry.pinned = entry.pinned or pinned
-                    entry.tenant = tenant
+                    self._set_tenant(entry, tenant)
                 else:  # retired but still held (a quick rollback): the same weights come back, for the new owner
                     entry.retired, entry.loader, entry.pinned, entry.tenant = False, loader, pinned, tenant
             else:

@@ -61,6 +61,10 @@ class EngineAdapters:
     def set_adapter_priority(self, key: str, priority: int) -> None:
         self.pool.set_priority(key, priority)
 
+    def set_adapter_tenant(self, key: str, tenant: str) -> None:
+        """`key` now belongs to `tenant`: its GPU quota is charged to it (the pool's `set_tenant`)."""
+        self.pool.set_tenant(key, tenant or "default")
+
     def set_adapter_warm(self, key: str, warm: bool) -> None:
         """Keep `key` GPU-resident when room allows (a directive's `warm`), or stop."""
         self.pool.set_warm(key, warm)

@@ -210,7 +210,7 @@ class ServedAdapters:
         promoted: list[tuple[ServedAdapter, str, str | None]] = []  # canaries that become stable (and sha256)
         held = engine.describe_adapters()  # what a swap of stable and canary may switch to now, and what serves
         loaded, current_keys = gpu_resident(held), {a["key"] for a in held if a.get("current")}
-        registered = {a["key"] for a in held}
+        registered = {a["key"] for a in held if not a.get("retired")}  # a retired one requests still hold: not
         table = {d.name: self._register(d, old_table.get(d.name), engine, promoted, loaded, current_keys, registered)
                  for d in state.adapters}
         held = engine.describe_adapters()
@@ -273,8 +273,7 @@ class ServedAdapters:
             # Registered as is; not the old fallback as the canary: the engine retires it once its successor loaded
             # (and once it has, a rollback to it registers it again: the table lists it until this push).
             keep = (old is not None and old.sources.get(version) == uri and version not in old.errors
-                    and version != demoted and (stable or version != old.fallback) and key in held
-                    and old.tenant == d.tenant)  # a new owner: registered again, so the pool charges its quota
+                    and version != demoted and (stable or version != old.fallback) and key in held)
             # The stable version of a swap (module doc): switched now if on the GPU, else registered as current.
             swap = stable and demoted is not None
             if swap and key not in loaded:
@@ -298,6 +297,8 @@ class ServedAdapters:
                     engine.make_adapter_current(key, if_resident=True, keep_previous=True)
                 elif is_promoted:
                     promoted.append((served, version, digests[version]))  # switched once the table is published
+                if keep and old.tenant != d.tenant:  # a new owner: the pool charges its GPU quota to it
+                    engine.set_adapter_tenant(key, d.tenant)
                 engine.set_adapter_pinned(key, d.pinned)
                 engine.set_adapter_priority(key, d.priority)
                 engine.set_adapter_warm(key, d.warm)  # brought back after pressure evicted it, or no longer

@@ -48,6 +48,10 @@ class RecordingHost:
     def set_adapter_priority(self, key, priority):
         self.keys[key]["priority"] = priority
 
+    def set_adapter_tenant(self, key, tenant):
+        self.calls.append(("tenant", key, tenant))
+        self.keys[key]["tenant"] = tenant
+
     def set_adapter_warm(self, key, warm):
         self.warm[key] = warm
 

@@ -12,7 +12,7 @@ from lorafleet.worker.engine_adapters import EngineAdapters
 from lorafleet.worker.served_adapters import ServedAdapters
 from tests.worker.test_adapter_pool import make_pool
 from tests.worker.test_served_adapters import ACME, state
-from tests.worker.test_served_pool import V1, V2, V3, PackingEngine, gated_engine, sql
+from tests.worker.test_served_pool import V1, V2, V3, GatedEngine, PackingEngine, gated_engine, sql
 
 USERS = [f"user-{i}" for i in range(20)]
 
@@ -119,4 +119,79 @@ def test_a_swap_to_a_resident_canary_keeps_the_old_stable_version_registered_and
     assert served.get("sql").split.stable == "v2" and served.get("sql").split.canary == "v1"
     served.apply(state(3, sql(V2)), host)  # the canary dropped: retired now
     assert pool.registered() == ["sql@v2"]
+    pool.check()
+
+
+def test_loading_a_canary_that_evicts_the_stable_version_does_not_make_it_current():
+    """One slot: the canary v2's load evicts the stable v1 (idle, not pinned). v2 became current and v1 was
+    dropped, while the table still sent most users to v1 (404 until the next push)."""
+    engine = GatedEngine(make_pool(max_slots=1, num_load_threads=2))
+    pool, served, host = engine.adapter_pool, ServedAdapters("base"), EngineAdapters(engine)
+    try:
+        served.apply(state(1, sql(V1, V2)), host)
+        engine.load("sql@v1")
+        engine.load("sql@v2")
+        assert pool.resolve("sql") == "sql@v1" and sorted(pool.registered()) == ["sql@v1", "sql@v2"]
+        pool.check()
+    finally:
+        for gate in list(engine.gates.values()):
+            gate.set()
+        pool.close()
+
+
+def test_rolling_back_to_a_retired_version_a_request_still_holds_serves_it(engine):
+    """{v1}, {v2} loaded while a request runs on v1 (retired, still held), then {v1}: v1 was taken as registered
+    (the engine still listed it), its pin call failed and every request got 503 until the next push."""
+    pool, served, host = engine.adapter_pool, ServedAdapters("base"), EngineAdapters(engine)
+    served.apply(state(1, sql(V1)), host)
+    engine.load("sql@v1")
+    slot = pool.acquire("sql@v1", waiter="long")
+    served.apply(state(2, sql(V2)), host)
+    engine.load("sql@v2")
+    served.apply(state(3, sql(V1)), host)
+    assert served.get("sql").errors == {} and served_keys(served) == {"sql@v1"}
+    pool.release(slot)
+    pool.load("sql@v1")
+    assert pool.resolve("sql") == "sql@v1"
+    pool.check()
+
+
+def test_a_version_handed_to_another_tenant_is_charged_to_that_tenant_within_its_quota():
+    """{sql v1, acme}, then the same version for globex, whose quota (1 adapter) its chat@1 already fills: access
+    followed globex, but the pool kept charging acme's quota for sql@v1 (and reported acme as its owner)."""
+    from lorafleet.worker.adapter_pool_config import TenantQuota
+    from lorafleet.worker.tenants import Tenant
+    from tests.lora_factory import random_weights
+
+    engine = GatedEngine(make_pool(max_slots=4, num_load_threads=2, tenant_quotas={"globex": TenantQuota(max_adapters=1)}))
+    pool, served, host = engine.adapter_pool, ServedAdapters("base"), EngineAdapters(engine)
+    try:
+        pool.add("chat@1", random_weights(7), tenant="globex")
+        pool.load("chat@1")
+        served.apply(state(1, sql(V1)), host)
+        engine.load("sql@v1")
+        served.apply(state(2, sql(V1, tenant="globex")), host)
+        assert served.get("sql").tenant == "globex" and pool.entry("sql@v1").tenant == "globex"
+        pool.check()  # globex holds one adapter on the GPU at most
+        assert pool.resolve("sql") == "sql@v1" and served.resolve("sql", Tenant("globex"), None) == "sql@v1"
+        pool.load("sql@v1")  # a request's load: within globex's quota, its chat@1 makes room
+        assert {d["key"]: d["tier"] for d in pool.describe()}["sql@v1"] == "gpu"
+        pool.check()
+    finally:
+        for gate in list(engine.gates.values()):
+            gate.set()
+        pool.close()
+
+
+def test_a_swap_that_also_changes_the_owner_keeps_the_old_stable_version_on_the_gpu(engine):
+    """As the swap above, the push also naming another tenant: v2 was registered again as a new current version,
+    which retired v1 before the table was published."""
+    pool, served, host = engine.adapter_pool, ServedAdapters("base"), ProbingAdapters(engine)
+    served.apply(state(1, sql(V1, V2)), host)
+    engine.load("sql@v1")
+    engine.load("sql@v2")
+    host.old_registered.clear()
+    served.apply(state(2, sql(V2, V1, tenant="globex")), host)
+    assert host.old_registered == [True] and pool.resolve("sql") == "sql@v2"
+    assert {d["key"]: (d["tier"], d["tenant"]) for d in pool.describe()} == {"sql@v1": ("gpu", "globex"), "sql@v2": ("gpu", "globex")}
     pool.check()
