@@ -134,6 +134,13 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
         with self._lock:
             self._get(key).pinned = False
 
+    def replaces_pinned(self, key: str) -> bool:
+        """Whether `key` is about to replace its name's pinned, GPU-resident version, which gives it its slot
+        (now, or once the requests on it are done) even when every slot is pinned."""
+        with self._lock:
+            entry = self._entries.get(key)
+            return entry is not None and not entry.retired and self._replaced_pinned(entry) is not None
+
     def set_tenant(self, key: str, tenant: str) -> None:
         """`key`'s owner is now `tenant` (its GPU quota is charged to it). On the GPU, idle and over the new
         owner's quota there, it leaves the GPU; pinned or warm, it comes back within that quota (evicting the

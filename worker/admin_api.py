@@ -141,10 +141,12 @@ def state_report(app: web.Application) -> dict[str, Any]:
     adapters, host = app[ADAPTERS], app[HOST]
     engine = app[ENGINE].engine
     report = adapters.report(host)
-    holders = engine.adapter_pool.pinned_slot_keys()  # None unless every GPU adapter slot is pinned
-    if holders is not None:  # the others are stuck off the GPU until one is unpinned or --max-loras raised
-        for st in report.adapters:
-            if f"{st.name}@{st.version}" not in holders:
+    pool = engine.adapter_pool
+    holders = pool.pinned_slot_keys()  # None unless every GPU adapter slot is pinned
+    if holders is not None:  # the others are stuck off the GPU until one is unpinned or --max-loras raised,
+        for st in report.adapters:  # except a new version of a pinned one: it takes that one's slot
+            key = f"{st.name}@{st.version}"
+            if key not in holders and not pool.replaces_pinned(key):
                 st.num_pinned_slots = len(holders)
     stats = host.pool_stats()
     if stats:

@@ -83,6 +83,8 @@ def test_a_pinned_rollout_while_the_old_version_is_in_use_switches_once_it_is_re
         served.apply(state(2, AAA, sql(V2, pinned=True)), host)
         pool.wait_idle()
         assert pool.resolve("sql") == "sql@v1"  # in use: it keeps its slot meanwhile
+        # ...which v2 is about to take: its state report does not say it is stuck behind pinned slots.
+        assert pool.replaces_pinned("sql@v2") and not pool.replaces_pinned("aaa@v9")
         pool.release(slot)
         pool.wait_idle()
         assert pool.resolve("sql") == "sql@v2" and "sql@v1" not in pool.registered()
