@@ -4,6 +4,7 @@ it is handed out again."""
 from __future__ import annotations
 
 import logging
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,15 +45,27 @@ def verify_staged_copy(cache: DiskCache, key: str) -> Path | None:
     return None
 
 
+def record_source(path: Path, uri: str) -> None:
+    """Note in the cache entry at `path` that `uri` was staged (or served) from it, now: the newest such note
+    of a URI is its last copy for `last_copies`."""
+    try:
+        (path / SOURCE_FILE).write_text(uri + "\n")
+    except OSError as exc:  # a read-only or full disk: only the fallback after a restart is lost
+        log.warning("cannot note %s's source in %s: %s", uri, path, exc)
+
+
 def last_copies(cache: DiskCache) -> dict[str, str]:
     """URI -> cache key of its most recently staged copy, from the entries an earlier run left (each records
     its URI, SOURCE_FILE): a stager restarted while the store is down still serves what it had staged, its
     copies checked (`verify_staged_copy`) on first use as every entry of an earlier run is."""
     found: dict[str, tuple[float, str]] = {}
     for key in cache.entries():
+        source = cache.root / key / SOURCE_FILE
         try:
-            source = cache.root / key / SOURCE_FILE
-            uri, when = source.read_text().strip(), source.stat().st_mtime
+            st = source.lstat()
+            if not stat.S_ISREG(st.st_mode) or st.st_size > 4096:
+                continue  # not what record_source writes (a FIFO would block the start)
+            uri, when = source.read_text().strip(), st.st_mtime
         except (OSError, UnicodeDecodeError):
             continue  # an entry of an older version, or unreadable: no fallback from it
         if uri and (uri not in found or when > found[uri][0]):

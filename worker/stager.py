@@ -56,7 +56,7 @@ from lorafleet.worker.directives import (
 from lorafleet.worker.disk_cache import DiskCache, dir_bytes
 from lorafleet.worker.listen import close_all, listen_sockets
 from lorafleet.worker.sources import Etags, SourceError, Sources, verify_digest
-from lorafleet.worker.staged_copy import DIGEST_FILE, SOURCE_FILE, Staged, last_copies, verify_staged_copy
+from lorafleet.worker.staged_copy import DIGEST_FILE, Staged, last_copies, record_source, verify_staged_copy
 from lorafleet.worker.stager_config import StagerConfig
 from lorafleet.worker.stager_engine import EngineLink
 from lorafleet.worker.stager_holds import CacheHolds
@@ -193,6 +193,7 @@ class Stager:
                 path = await asyncio.to_thread(verify_staged_copy, self.cache, key)
             if path is not None:
                 self._by_uri[uri] = key
+                record_source(path, uri)  # its last copy now, also for a stager restarted later
                 return Staged(path, (path / DIGEST_FILE).read_text().strip(), cached=True)
             t0, start = time.perf_counter(), time.monotonic()
             deadline = start + self.config.download_timeout_s
@@ -233,7 +234,7 @@ class Stager:
             self.sources.download(uri, tmp, progress=progress, deadline=deadline, etags=etags)
             digest = verify_digest(tmp, sha256, uri)  # before the rename: a bad download is never visible
             (tmp / DIGEST_FILE).write_text(digest + "\n")
-            (tmp / SOURCE_FILE).write_text(uri + "\n")
+            record_source(tmp, uri)
 
         try:
             return self.cache.put(key, fill, protect=self.protected)

@@ -262,3 +262,26 @@ async def test_a_push_protects_the_cached_copies_of_all_its_versions_from_the_st
     await stager.apply(desired)
     assert stager.counts["downloads"] == 3 and stager.errors == {}  # later, other, first: later not again
     assert stager.staged[("later", "v1")].cached
+
+
+async def test_a_restarted_stager_falls_back_to_the_copy_last_served_not_last_downloaded(tmp_path, monkeypatch):
+    """X staged (upload 1), re-uploaded (2, downloaded), then upload 1 put back: its copy is served from the cache.
+    A stager restarted then fell back to copy 2 (the newest download) while the store was down."""
+    from lorafleet.worker.staged_copy import SOURCE_FILE
+
+    uri = "s3://adapters/team/x/"
+    stager = Stager(config(tmp_path))
+    FakeStore(stager, monkeypatch)
+
+    def upload(tag: str) -> None:
+        monkeypatch.setattr(stager.sources, "object_etags", lambda uri, quick=False, deadline=None: [(uri + WEIGHTS_FILE, tag)])
+
+    keys = []
+    for age, tag in ((30, "etag-1"), (20, "etag-2")):
+        upload(tag)
+        keys.append((await stager.stage(uri, None)).path.name)
+        then = time.time() - age  # the two downloads well apart in time
+        os.utime(stager.cache.root / keys[-1] / SOURCE_FILE, (then, then))
+    upload("etag-1")
+    assert (await stager.stage(uri, None)).path.name == keys[0]  # served from the cache
+    assert Stager(config(tmp_path)).last_copy(uri) == keys[0]
