@@ -264,7 +264,8 @@ async def _serve(request: web.Request, endpoint: str) -> web.StreamResponse:
             served = app[ADAPTERS].get(adapter)
             # A version retired before this request first counted on it had no series then: retired here.
             versions = set(served.sources) if served is not None else set()
-            if served is not None and served.fallback not in (None, version) and version == served.split.stable:
+            if (served is not None and served.fallback not in (None, version, served.split.canary)
+                    and version == served.split.stable):
                 versions.discard(served.fallback)  # it ran on the version replacing the fallback: the engine retired that
             metrics.retain_versions(adapter, versions)
         for key in resolved:  # counted: a retired version's grace starts now

@@ -367,3 +367,21 @@ async def test_the_series_of_a_rollout_s_fallback_go_once_the_new_version_served
     await complete(client, "alpha")
     text = await (await client.get("/metrics")).text()
     assert {version for version, _ in metric_samples(text, "lorafleet_requests_total", "alpha")} == {"v2"}
+
+
+async def test_the_series_of_a_fallback_kept_as_the_canary_stay_after_the_new_version_served(client, qv_adapters_dir):
+    """{v1}, then {v2, canary v1}: v1 is the fallback and also the canary, still served to its share of users. A
+    request on v2 retired v1's series (restored at v1's next request: counters reset after a quiet grace)."""
+    v1, v2 = ({"version": v, "uri": str(qv_adapters_dir / d)} for v, d in (("v1", "alpha"), ("v2", "beta")))
+    await push(client, 1, v1)
+    assert (await complete(client, "alpha"))[1]["model"] == "alpha@v1"
+    await push(client, 2, v2, canary=v1, canary_weight=50)
+    models = {(await complete(client, "alpha", f"user-{i}"))[1]["model"] for i in range(12)}
+    assert models == {"alpha@v1", "alpha@v2"}
+    on_v2 = [f"user-{i}" for i in range(12) if (await complete(client, "alpha", f"user-{i}"))[1]["model"] == "alpha@v2"]
+    await complete(client, "alpha", on_v2[0])
+    retired = client.app[METRICS].retired
+    retired.clock = lambda: time.monotonic() + retired.grace_s  # a quiet spell on the canary, longer than the grace
+    await complete(client, "alpha", on_v2[0])
+    text = await (await client.get("/metrics")).text()
+    assert {version for version, _ in metric_samples(text, "lorafleet_requests_total", "alpha")} == {"v1", "v2"}
