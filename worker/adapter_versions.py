@@ -93,7 +93,7 @@ class AdapterVersions:
             entry = self._get(key)
             # Checked and switched under one lock: the engine thread cannot evict it in between.
             if if_resident and not entry.resident and self._current.get(entry.name) != key:
-                self._make_pending(entry)
+                self._make_pending(entry, keep=keep_previous)
                 self._update_gauges()
                 return False
             self._kept.pop(entry.name, None)
@@ -153,12 +153,15 @@ class AdapterVersions:
             raise AdapterNotFoundError(f"adapter {key!r} is not registered")
         return entry
 
-    def _make_pending(self, entry: AdapterEntry) -> None:
+    def _make_pending(self, entry: AdapterEntry, keep: bool = False) -> None:
         """`entry` replaces its name's current version once resident (now, if it is); a different version
-        loading to replace it retires. Only a canary registration after this keeps the current version."""
+        loading to replace it retires. The current version is kept registered at the switch with `keep`, or
+        if registered again as a canary after this."""
         old_pending = self._pending.get(entry.name)
         self._pending[entry.name] = entry.key
         self._kept.pop(entry.name, None)
+        if keep and (previous := self._current.get(entry.name)) not in (None, entry.key):
+            self._kept[entry.name] = previous
         if old_pending is not None and old_pending != entry.key:
             self._retire(self._entries[old_pending])
         if entry.resident:

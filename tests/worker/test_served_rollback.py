@@ -197,3 +197,30 @@ def test_a_swap_that_also_changes_the_owner_keeps_the_old_stable_version_on_the_
     assert host.old_registered == [True] and pool.resolve("sql") == "sql@v2"
     assert {d["key"]: (d["tier"], d["tenant"]) for d in pool.describe()} == {"sql@v1": ("gpu", "globex"), "sql@v2": ("gpu", "globex")}
     pool.check()
+
+
+def test_a_swap_to_a_canary_evicted_just_before_the_switch_keeps_the_old_stable_version(engine):
+    """{v1, canary v2}, both on the GPU, then {v2, canary v1}; v2 is evicted just before the switch (pressure from
+    other requests), so it becomes current only once loaded again. If that load finished while the push still
+    read v1's files, v1 was retired before being registered again as the canary (404s for sql@v1, then a
+    re-read): the pool now keeps v1 at that switch whenever it happens."""
+    from tests.worker.test_served_pool import EvictingAdapters
+
+    pool, served, host = engine.adapter_pool, ServedAdapters("base"), EvictingAdapters(engine)
+    served.apply(state(1, sql(V1, V2)), host)
+    engine.load("sql@v1")
+    engine.load("sql@v2")
+    switched_before_canary = []
+
+    def register(name, source, *, make_current=True, **kw):  # v2's reload lands before v1 is registered again
+        if not make_current:
+            pool.load("sql@v2")
+            switched_before_canary.append(pool.resolve("sql") == "sql@v2")
+        return EngineAdapters.register_adapter(host, name, source, make_current=make_current, **kw)
+
+    host.register_adapter = register
+    served.apply(state(2, sql(V2, V1)), host)
+    assert switched_before_canary == [True]
+    assert pool.resolve("sql") == "sql@v2" and pool.resolve("sql@v1") == "sql@v1"
+    assert {d["key"]: d["tier"] for d in pool.describe()}["sql@v1"] == "gpu"
+    pool.check()
