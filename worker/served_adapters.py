@@ -281,35 +281,42 @@ class ServedAdapters:
             # A version kept registered beside the stable one (a canary) that now becomes stable. One
             # registered again (it had failed) switches in the engine once loaded, like a new version.
             is_promoted = stable and keep and version != old.split.stable and not swap
-            registered = keep
-            try:
-                source = local_source(uri)
-                if not keep:
-                    engine.register_adapter(d.name, source, version=version, tenant=d.tenant, pinned=d.pinned,
-                                            make_current=stable, sha256=digests[version])
-                elif stable and old is not None and drops_kept(d, old, current):
-                    register_again(engine, d, source)  # the old stable version retires at the switch
-                registered = True
-                if swap and keep:
-                    # On the GPU when the push began; if a directive before evicted it, current once resident.
-                    # The old one stays registered, on the GPU, as the canary (registered again below as such):
-                    # the table published until this push ends still sends most users to it.
-                    engine.make_adapter_current(key, if_resident=True, keep_previous=True)
-                elif is_promoted:
-                    promoted.append((served, version, digests[version]))  # switched once the table is published
-                if keep and old.tenant != d.tenant:  # a new owner: the pool charges its GPU quota to it
-                    engine.set_adapter_tenant(key, d.tenant)
-                engine.set_adapter_pinned(key, d.pinned)
-                engine.set_adapter_priority(key, d.priority)
-                engine.set_adapter_warm(key, d.warm)  # brought back after pressure evicted it, or no longer
-                if d.warm:
-                    engine.prefetch_adapter(key)
-            except Exception as exc:  # whatever it is, it is this version's: the rest of the push applies
-                served.errors[version] = str(exc) or type(exc).__name__
-                log.warning("adapter %s@%s cannot be served: %s", d.name, version, exc,
-                            exc_info=not isinstance(exc, ValueError | KeyError | OSError | RuntimeError))
-                if stable and not registered:  # the engine still holds the version serving until now
-                    fallback = True
+            for again in (False, True):
+                registered = keep
+                try:
+                    source = local_source(uri)
+                    if not keep:
+                        engine.register_adapter(d.name, source, version=version, tenant=d.tenant, pinned=d.pinned,
+                                                make_current=stable, sha256=digests[version])
+                    elif stable and old is not None and drops_kept(d, old, current):
+                        register_again(engine, d, source)  # the old stable version retires at the switch
+                    registered = True
+                    if swap and keep:
+                        # On the GPU when the push began; if a directive before evicted it, current once resident.
+                        # The old one stays registered, on the GPU, as the canary (registered again below as such):
+                        # the table published until this push ends still sends most users to it.
+                        engine.make_adapter_current(key, if_resident=True, keep_previous=True)
+                    elif is_promoted:
+                        promoted.append((served, version, digests[version]))  # switched once the table is published
+                    if keep and old.tenant != d.tenant:  # a new owner: the pool charges its GPU quota to it
+                        engine.set_adapter_tenant(key, d.tenant)
+                    engine.set_adapter_pinned(key, d.pinned)
+                    engine.set_adapter_priority(key, d.priority)
+                    engine.set_adapter_warm(key, d.warm)  # brought back after pressure evicted it, or no longer
+                    if d.warm:
+                        engine.prefetch_adapter(key)
+                except Exception as exc:  # whatever it is, it is this version's: the rest of the push applies
+                    if keep and not again and isinstance(exc, KeyError):
+                        # Dropped by the engine since the push looked (its successor switched meanwhile and no
+                        # request held it any more): registered again, as a version the engine does not hold.
+                        keep = is_promoted = False
+                        continue
+                    served.errors[version] = str(exc) or type(exc).__name__
+                    log.warning("adapter %s@%s cannot be served: %s", d.name, version, exc,
+                                exc_info=not isinstance(exc, ValueError | KeyError | OSError | RuntimeError))
+                    if stable and not registered:  # the engine still holds the version serving until now
+                        fallback = True
+                break
             served.sources[version] = uri
         if d.canary is not None and d.canary.version not in served.errors and d.stable.version not in served.errors:
             served.split = VersionSplit(d.stable.version, d.canary.version, d.canary_weight)

@@ -224,3 +224,29 @@ def test_a_swap_to_a_canary_evicted_just_before_the_switch_keeps_the_old_stable_
     assert pool.resolve("sql") == "sql@v2" and pool.resolve("sql@v1") == "sql@v1"
     assert {d["key"]: d["tier"] for d in pool.describe()}["sql@v1"] == "gpu"
     pool.check()
+
+
+def test_a_rollback_whose_version_is_dropped_while_the_push_runs_registers_it_again():
+    """Every slot pinned; {sql v2} waits for the last request on the pinned v1; then the rollback {v1}, during which
+    that request ends (v2 takes v1's slot, v1 is dropped). The push, which had seen v1 held, took it as registered:
+    its pin call failed, and every sql request got 503 until the next push, the pool serving v1 all along."""
+
+    class Host(EngineAdapters):
+        meanwhile = None
+
+        def set_adapter_pinned(self, key, pinned):
+            if self.meanwhile is not None:  # the engine thread, while the push runs
+                self.meanwhile, run = None, self.meanwhile
+                run()
+            super().set_adapter_pinned(key, pinned)
+
+    with every_slot_pinned() as (pool, served, _):
+        host = Host(_.engine)
+        slot = pool.acquire("sql@v1", waiter="r1")
+        served.apply(state(2, AAA, sql(V2, pinned=True)), host)
+        pool.wait_idle()
+        host.meanwhile = lambda: (pool.release(slot), pool.wait_idle())
+        served.apply(state(3, AAA, sql(V1, pinned=True)), host)
+        pool.wait_idle()
+        assert served.get("sql").errors == {} and served_keys(served) == {"sql@v1"}
+        assert pool.resolve("sql") == "sql@v1"
