@@ -52,6 +52,7 @@ from lorafleet.worker.openai_protocol import (
 from lorafleet.worker.request_output import RequestOutput
 from lorafleet.worker.scheduler import CapacityError
 from lorafleet.worker.served_adapters import VersionUnavailable
+from lorafleet.worker.served_fallback import versions_still_served
 from lorafleet.worker.tenants import AuthenticationError, Tenant
 from lorafleet.worker.tokenizer import TokenizerError
 
@@ -263,11 +264,7 @@ async def _serve(request: web.Request, endpoint: str) -> web.StreamResponse:
         if adapter is not None and version:  # the series of versions no longer served go
             served = app[ADAPTERS].get(adapter)
             # A version retired before this request first counted on it had no series then: retired here.
-            versions = set(served.sources) if served is not None else set()
-            if (served is not None and served.fallback not in (None, version, served.split.canary)
-                    and version == served.split.stable):
-                versions.discard(served.fallback)  # it ran on the version replacing the fallback: the engine retired that
-            metrics.retain_versions(adapter, versions)
+            metrics.retain_versions(adapter, versions_still_served(served, version))
         for key in resolved:  # counted: a retired version's grace starts now
             metrics.release(*_request_labels(key))
 

@@ -80,3 +80,15 @@ def keep_fallback(served: ServedAdapter, old: ServedAdapter, current: str | None
         return
     served.sources.setdefault(current, old.sources[current])  # or served as the canary (a swap) anyway
     served.fallback = current
+
+
+def versions_still_served(served: ServedAdapter | None, ran_on: str) -> set[str]:
+    """The versions of `served` whose request series stay after a request ran on `ran_on`: its table's,
+    less a fallback (not the canary too) once a request ran on the stable version replacing it, which the
+    engine has retired by then."""
+    if served is None:
+        return set()
+    versions = set(served.sources)
+    if served.fallback not in (None, ran_on, served.split.canary) and ran_on == served.split.stable:
+        versions.discard(served.fallback)
+    return versions
