@@ -6,8 +6,8 @@ then (GPU) lower priorities first, within a priority cold versions before warm o
 `warm`, worker/adapter_warmth.py), then the configured policy's order (worker/eviction.py). Never
 evicted: adapters in use, pinned, a new version about to become current, or loaded for requests that
 have not picked them up yet; except that a pinned current version gives way to the new version that
-replaces it when nothing else makes room (every slot pinned), the switch happening then. It works on the pool's state declared in `AdapterPool.__init__`; loading
-is in worker/adapter_loading.py.
+replaces it when nothing else makes room (every slot pinned), the switch happening then. It works on the
+pool's state declared in `AdapterPool.__init__`; loading is in worker/adapter_loading.py.
 """
 
 from __future__ import annotations

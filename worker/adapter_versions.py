@@ -100,9 +100,8 @@ class AdapterVersions:
             pending = self._pending.pop(entry.name, None)
             if pending is not None and pending != key:
                 self._retire(self._entries[pending])
-            previous = self._current.get(entry.name)
-            if keep_previous and previous not in (None, key):
-                self._kept[entry.name] = previous  # `_switch` keeps it registered
+            if keep_previous:
+                self._keep_current(entry)
             self._switch(entry)
             self._update_gauges()
             return True
@@ -160,14 +159,19 @@ class AdapterVersions:
         old_pending = self._pending.get(entry.name)
         self._pending[entry.name] = entry.key
         self._kept.pop(entry.name, None)
-        if keep and (previous := self._current.get(entry.name)) not in (None, entry.key):
-            self._kept[entry.name] = previous
+        if keep:
+            self._keep_current(entry)
         if old_pending is not None and old_pending != entry.key:
             self._retire(self._entries[old_pending])
         if entry.resident:
             self._switch(entry)
         else:
             self._want(entry)
+
+    def _keep_current(self, entry: AdapterEntry) -> None:
+        """The name's current version stays registered when `entry` replaces it (`_switch`): its canary."""
+        if (previous := self._current.get(entry.name)) not in (None, entry.key):
+            self._kept[entry.name] = previous
 
     def _switch(self, entry: AdapterEntry) -> None:
         """Atomic version switch: one assignment under the lock; the old version retires, unless it was

@@ -16,8 +16,9 @@ needs `Authorization: Bearer <stager token>` (the routes: stager_http.py):
   cannot be staged (store down, digest mismatch) is reported with its error; an adapter whose new
   version fails keeps its previously forwarded (already local) version, so the store being down
   never takes away what is served (nor after a restart: each cache entry records the URI it was staged
-  from, so a version without a sha256 falls back to its last copy as before the restart). A store that does not answer costs a push one quick check, and one
-  that stops answering during the push one download's timeout, not every version's timeouts
+  from, so a version without a sha256 falls back to its last copy as before the restart). A store that
+  does not answer costs a push one quick check, and one that stops answering during the push one
+  download's timeout, not every version's timeouts
   (worker/stager_store.py): the rest of the push serves cached copies. The
   disk cache keeps, whatever its budget, the copies the engine may read (worker/stager_holds.py):
   those it is served, those the push in progress stages, and those of versions a push replaced while

@@ -136,9 +136,7 @@ async def _begin(stager: Stager, desired: DesiredState, seed: SeedReport | None)
             push.at_once = await _forward(stager, push, forwarded, first=True)
         except BaseException:
             push.pending.clear()  # the push failed (the engine refused it): nothing of it is being staged
-            stager.unsent = desired.generation  # sent again with its generation, it is applied, not a no-op
             raise
-        stager.unsent = None
         return push
 
 
@@ -178,8 +176,8 @@ async def _stage(stager: Stager, push: Push) -> None:
     async with stager.staging_lock:
         # Until its copies are served (_finish) or a newer push stages: from the start, the copies it knows of
         # (a version's sha256, a URI's last copy), else an earlier version's download could trim them away.
-        stager.holds.pushing = pushing = {k for _, ref in version_refs(push.desired)
-                                          if (k := (ref.sha256 or "").lower() or stager.last_copy(ref.uri)) is not None}
+        known = ((ref.sha256 or "").lower() or stager.last_copy(ref.uri) for _, ref in version_refs(push.desired))
+        stager.holds.pushing = pushing = {k for k in known if k}
         push_start = time.monotonic()
         superseded = asyncio.ensure_future(push.superseded.wait())
         try:
@@ -228,11 +226,6 @@ async def _finish(stager: Stager, push: Push) -> ReportedState:
         stager.forwarded, stager.staged, stager.holds.pushing = forwarded, staged, set()
         try:
             await _forward(stager, push, forwarded, first=False)
-        except BaseException:
-            stager.unsent = push.desired.generation
-            raise
-        else:
-            stager.unsent = None
         finally:
             push.pending.clear()
         report = await stager.state()  # which replaced versions the engine still holds
@@ -258,7 +251,13 @@ async def _forward(stager: Stager, push: Push, forwarded: dict[str, AdapterDirec
         return False
     if stager.engine.holds(state) and (first or push.forwarded):
         stager.engine.carries(push.desired.generation)
+        stager.unsent = None
         return True
-    await stager.engine.forward(state)
+    try:
+        await stager.engine.forward(state)
+    except BaseException:
+        stager.unsent = push.desired.generation  # sent again with its generation, it is applied, not a no-op
+        raise
+    stager.unsent = None
     push.forwarded = True
     return True
