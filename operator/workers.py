@@ -137,8 +137,8 @@ class StagerClient:
     async def push(self, worker: Worker, desired: DesiredState) -> bool | None:
         """PUT the desired state. True: accepted (202: what needs no download is applied, the rest is being
         staged, reported as ``staging`` until it is: the pool's lock is not held through another adapter's
-        download; a sidecar's first push since it started is answered once staged, as what its engine holds is
-        not known); False: refused (a 409 for a stale generation, a bad token): what the pod holds is not what
+        download; a sidecar's first push since it started is answered once staged only when its engine cannot
+        tell what it holds); False: refused (a 409 for a stale generation, a bad token): what the pod holds is not what
         was last pushed; None: no answer (it may have landed or not). The caller takes neither as accepted."""
         try:
             async with self._client().put(f"{worker.url}/v1/directives", data=desired.to_json(),

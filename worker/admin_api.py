@@ -14,6 +14,7 @@ it, an unload) or retires a version (a rolled-back canary, a replaced stable ver
 metrics (dropped once no request runs on it and a scrape could read its last counts: worker/metrics.py).
 While every GPU adapter slot is held by a pinned adapter, each other version reported says so
 (`num_pinned_slots`): it cannot become GPU-resident here until one is unpinned or --max-loras raised.
+`GET /admin/v1/directives` answers the last push as the stager sent it, while what is served is that push's.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ def admin_routes() -> list[web.RouteDef]:
     return [
         web.put("/admin/v1/state", put_state),
         web.get("/admin/v1/state", get_state),
+        web.get("/admin/v1/directives", get_directives),
         web.post("/v1/load_lora_adapter", load_lora_adapter),
         web.post("/v1/unload_lora_adapter", unload_lora_adapter),
     ]
@@ -189,7 +191,24 @@ async def put_state(request: web.Request) -> web.Response:
 
 def _apply_state(app: web.Application, state: DesiredState) -> bool:
     """Check the sources of `state`, then apply it (in the admin change's thread: both touch the disk)."""
-    return app[ADAPTERS].apply(_with_local_sources(app, state), app[HOST])
+    adapters = app[ADAPTERS]
+    pushed, adapters.pushed = adapters.pushed, None  # unknown while it is applied (a failure may stop it midway)
+    applied = adapters.apply(_with_local_sources(app, state), app[HOST])
+    adapters.pushed = state if applied else pushed
+    return applied
+
+
+async def get_directives(request: web.Request) -> web.Response:
+    """The last push as it was sent (`directives`, null if none) while what is served is that push's, and the
+    names served: a stager restarted beside this engine learns what its predecessor forwarded, so that its first
+    push can reach the engine at once with what needs no download (worker/stager_engine.py). A change that is
+    not a push (a vLLM load or unload, a push that failed midway) makes `directives` null until the next push."""
+    require_admin(request)
+    _require_engine(request)
+    adapters = request.app[ADAPTERS]
+    pushed = adapters.pushed.to_dict() if adapters.pushed is not None else None
+    return web.json_response({"generation_applied": adapters.generation, "directives": pushed,
+                              "served": adapters.names()})
 
 
 async def get_state(request: web.Request) -> web.Response:
@@ -208,7 +227,13 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
 
 def _load_adapter(app: web.Application, name: str, path: str) -> str:
     """Check `path`, then register it as `name` (in the admin change's thread: both touch the disk)."""
+    app[ADAPTERS].pushed = None  # what is served is no longer a push's
     return app[ADAPTERS].load(name, _local_source(app, path, f"lora_path of {name!r}"), app[HOST])
+
+
+def _unload_adapter(app: web.Application, name: str) -> None:
+    app[ADAPTERS].pushed = None
+    app[ADAPTERS].unload(name, app[HOST])
 
 
 async def unload_lora_adapter(request: web.Request) -> web.Response:
@@ -216,5 +241,5 @@ async def unload_lora_adapter(request: web.Request) -> web.Response:
     _require_engine(request)
     name = parse_unload_adapter_request(await read_json(request))
     app = request.app
-    await admin_change(app, app[ADAPTERS].unload, name, app[HOST])
+    await admin_change(app, _unload_adapter, app, name)
     return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")

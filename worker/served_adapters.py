@@ -113,6 +113,7 @@ class ServedAdapters:
         self._adapters: dict[str, ServedAdapter] = {}
         self.settings: tuple[str | None, int | None] = (None, None)  # pushed (eviction, cpu_bytes); None: own
         self.startup_errors: dict[str, str] = {}  # start-up folder -> why it is not served (see the module doc)
+        self.pushed: DesiredState | None = None  # the last push as sent, while the table is its (admin_api.py)
 
     # ---- queries --------------------------------------------------------------------------------
     def get(self, name: str) -> ServedAdapter | None:

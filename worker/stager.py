@@ -11,8 +11,9 @@ needs `Authorization: Bearer <stager token>` (the routes: stager_http.py):
   `PUT /admin/v1/state` what needs no download (worker/stager_push.py), stage every version, then forward
   the rest; a newer push takes over from one still staging. Answered once staged, or with `Prefer:
   respond-async` (the operator's) 202 once forwarded at once while its versions are still being staged
-  (reported at tier `none` with `staging`); a stager that has forwarded nothing yet (what the engine holds
-  is not known) answers once staged. Same generation: no-op; lower: 409. A version that
+  (reported at tier `none` with `staging`); a stager that has forwarded nothing yet takes what its engine
+  reports it holds (`GET /admin/v1/directives`) as forwarded, and answers once staged only when the engine
+  cannot tell (it serves adapters no push gave it). Same generation: no-op; lower: 409. A version that
   cannot be staged (store down, digest mismatch) is reported with its error; an adapter whose new
   version fails keeps its previously forwarded (already local) version, so the store being down
   never takes away what is served (nor after a restart: each cache entry records the URI it was staged

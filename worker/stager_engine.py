@@ -31,6 +31,7 @@ class EngineLink:
         self.token = token
         self.generation = 0  # of the last forward the engine took (0: none since the stager started)
         self._content: DesiredState | None = None  # what it carried (under generation 0)
+        self.known = False  # what the engine holds: forwarded by this stager, or adopted from the engine (adopt)
         self._pushes: dict[int, int] = {}  # engine generation -> the push generation it carries out
 
     async def call(self, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
@@ -45,12 +46,14 @@ class EngineLink:
             return resp.status, data
 
     def holds(self, state: DesiredState) -> bool:
-        """Whether the last forward the engine took carried `state` (its generation aside)."""
-        return self.generation > 0 and self._content == replace(state, generation=0)
+        """Whether the engine holds `state` (its generation aside): the last forward it took, or what it was
+        found to hold (`adopt`)."""
+        return self.known and self._content == replace(state, generation=0)
 
     def carries(self, push_generation: int) -> None:
-        """The last forward the engine took is what push `push_generation` asks for now: reported as applied."""
-        if self.generation > 0:
+        """What the engine holds is what push `push_generation` asks for now: reported as applied. (Under the
+        engine's generation 0, until a forward: an engine found to hold nothing, asked for nothing yet.)"""
+        if self.known:
             self._note(self.generation, push_generation)
 
     async def forward(self, state: DesiredState) -> None:
@@ -72,6 +75,24 @@ class EngineLink:
             self._pushes = {g: p for g, p in self._pushes.items() if p != state.generation}
             raise
         self.generation, self._content = generation, replace(state, generation=0)
+        self.known = True
+        self._pushes.pop(0, None)  # from now on, an engine reporting 0 has restarted: it holds nothing of this
+
+    async def adopt(self) -> DesiredState | None:
+        """What the engine holds, when it can be known without a forward: the push an earlier stager sent it (a
+        stager restarted beside a running engine), or nothing (a new pod's engine, which serves nothing yet).
+        From then on the engine is taken to hold it, as if this stager had forwarded it. None: not known (it
+        serves what no push gave it, start-up `--adapters` or a vLLM load; or it cannot tell: an older engine)."""
+        status, data = await self.call("GET", "/admin/v1/directives")
+        if status != 200 or not isinstance(data, dict):
+            return None
+        served, pushed = set(data.get("served") or ()), data.get("directives")
+        state = DesiredState.from_dict(pushed) if pushed is not None else DesiredState(generation=0)
+        if not served <= set(state.by_name()):
+            return None
+        self.generation, self._content = state.generation, replace(state, generation=0)
+        self.known = True
+        return state
 
     async def report(self) -> ReportedState:
         """The engine's report, its `generation_applied` as the push generation it carries out."""

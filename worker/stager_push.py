@@ -6,8 +6,10 @@ so that an edit that only changes weights, flags or the adapter set (a kill swit
 to 0, a canary or an adapter removed) is not held up by another adapter's download; then once its versions
 are staged, one after another as before, if that changes what the engine has. Until then an adapter whose
 new version is still being staged keeps what was forwarded for it, exactly as when the version cannot be
-staged (`keep_stable`). A stager that has forwarded nothing yet leaves the first step out (what the engine
-holds is not known): its push is answered once staged. A newer push takes over at once from one staging.
+staged (`keep_stable`). A stager that has forwarded nothing yet first asks the engine what it holds (the
+push an earlier stager sent it, or nothing: `EngineLink.adopt`) and takes that as forwarded; when the engine
+cannot tell (it serves what no push gave it), the first step is left out and the push answered once staged.
+A newer push takes over at once from one staging.
 
 Running example: forwarded {sql: v1 + canary v2 at 20 %, chat: c1}; push {sql: v3 (not cached), chat: c1 +
 canary c2 at 0 %, c2 cached}: at once {sql: v1 without its canary, chat: c1 + c2 at 0 %}; once v3 is in,
@@ -20,6 +22,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lorafleet.worker.directives import AdapterDirective, DesiredState, ReportedState, VersionRef
@@ -120,6 +123,8 @@ async def _begin(stager: Stager, desired: DesiredState, seed: SeedReport | None)
             raise APIError(409, state.error, code="stale_generation", param=state.to_json())
         if desired.generation == stager.generation and stager.desired is not None and stager.unsent != desired.generation:
             return None
+        if stager.engine is not None and not stager.engine.known:
+            await _adopt(stager)
         now = {(name, ref.version): s for name, ref in version_refs(desired)
                if (s := ready_now(stager, name, ref)) is not None}
         keys = {(name, ref.version) for name, ref in version_refs(desired)}
@@ -138,6 +143,21 @@ async def _begin(stager: Stager, desired: DesiredState, seed: SeedReport | None)
             push.pending.clear()  # the push failed (the engine refused it): nothing of it is being staged
             raise
         return push
+
+
+async def _adopt(stager: Stager) -> None:
+    """Take what the engine holds as forwarded, when it can tell (a stager that forwarded nothing yet)."""
+    try:
+        state = await stager.engine.adopt()
+    except Exception as exc:  # unreachable, or an engine without the route: as if it could not tell
+        log.info("what the engine holds is not known (%s): the push reaches it once staged", exc)
+        return
+    if state is None:
+        log.info("the engine serves adapters no push gave it: the push reaches it once staged")
+        return
+    stager.forwarded = state.by_name()
+    stager.staged = {(a.name, ref.version): Staged(Path(ref.uri), ref.sha256 or "", Path(ref.uri).parent == stager.cache.root)
+                     for a in state.adapters for ref in (a.stable, a.canary) if ref is not None}  # fmt: skip
 
 
 def ready_now(stager: Stager, name: str, ref: VersionRef) -> Staged | None:
@@ -243,7 +263,7 @@ async def _forward(stager: Stager, push: Push, forwarded: dict[str, AdapterDirec
     if stager.engine is None:
         return True
     state = replace(push.desired, adapters=list(forwarded.values()))
-    if first and stager.engine.generation == 0:
+    if first and not stager.engine.known:
         # Its first step left out, the push is answered once staged, even with `Prefer: respond-async`: answered
         # at once, it would be reported as not applied (0) until staged, and the operator would push it again every
         # pass, each push taking over from the one staging, none reaching the engine before every download is in.

@@ -1,6 +1,6 @@
 """The admin API in process, with the real engine: a push whose adapter path hangs (a stuck mount) leaves
 health probes and served models answering; a directive's sha256 is checked against the files loaded; a
-version unloaded and pushed again from other files serves the new ones."""
+version unloaded and pushed again from other files serves the new ones; the last push is answered as sent."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import threading
 import pytest
 
 from lorafleet.worker.app_keys import ENGINE
+from lorafleet.worker.directives import DesiredState
 from lorafleet.worker.engine_config import EngineConfig
 from lorafleet.worker.server import create_app
 from lorafleet.worker.sources import Sources, adapter_digest
@@ -130,3 +131,26 @@ async def test_a_version_unloaded_and_pushed_again_from_other_files_serves_them(
     assert status == 200, answer
     entry = pool.entry("sql@v1")
     assert entry.tenant == "globex" and entry.digest == pool.entry("ref@v1").digest
+
+
+async def test_the_last_push_is_answered_as_sent_while_the_engine_serves_it(client, qv_adapters_dir):
+    """GET /admin/v1/directives (what a restarted stager adopts): the last push as sent, while what is served is
+    that push's; nothing pushed yet, an empty table; a vLLM load or unload since, not known (null)."""
+    resp = await client.get("/admin/v1/directives")
+    assert resp.status == 401
+    body = await (await client.get("/admin/v1/directives", headers=ADMIN)).json()
+    assert body == {"generation_applied": 0, "directives": None, "served": []}
+    sent = {"generation": 7, "adapters": [directive("alpha", qv_adapters_dir / "alpha")], "eviction": "lfu"}
+    assert (await client.put("/admin/v1/state", json=sent, headers=ADMIN)).status == 200
+    body = await (await client.get("/admin/v1/directives", headers=ADMIN)).json()
+    assert body["generation_applied"] == 7 and body["served"] == ["alpha"]
+    assert DesiredState.from_dict(body["directives"]) == DesiredState.from_dict(sent)
+    resp = await client.post("/v1/load_lora_adapter", json={"lora_name": "beta", "lora_path": str(qv_adapters_dir / "beta")},
+                             headers=ADMIN)
+    assert resp.status == 200, await resp.text()
+    body = await (await client.get("/admin/v1/directives", headers=ADMIN)).json()
+    assert body["directives"] is None and body["served"] == ["alpha", "beta"]
+    await push(client, 8, directive("alpha", qv_adapters_dir / "alpha"))
+    assert (await (await client.get("/admin/v1/directives", headers=ADMIN)).json())["served"] == ["alpha"]
+    assert (await client.post("/v1/unload_lora_adapter", json={"lora_name": "alpha"}, headers=ADMIN)).status == 200
+    assert (await (await client.get("/admin/v1/directives", headers=ADMIN)).json())["directives"] is None

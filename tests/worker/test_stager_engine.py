@@ -137,18 +137,24 @@ async def test_a_report_read_while_the_engine_answers_a_forward_says_it_is_appli
     assert (await stager.state()).generation_applied == 2
 
 
-async def test_a_fresh_stager_answers_the_operator_s_first_push_once_staged(aiohttp_server, aiohttp_client, tmp_path,
-                                                                           monkeypatch):
-    """A new pod's stager has forwarded nothing (what its engine holds is not known), so it leaves out a push's
-    first step: answered at once, the push would be reported as not applied until its downloads are in, and
-    the operator would push it again every pass. It answers once the push reached the engine."""
+async def operator_push(client, desired: DesiredState) -> asyncio.Future:
+    return asyncio.ensure_future(client.put("/v1/directives", json=desired.to_dict(), headers={
+        "Authorization": f"Bearer {TOKEN}", "Prefer": "respond-async"}))
+
+
+async def test_a_fresh_stager_beside_an_engine_that_cannot_tell_answers_the_first_push_once_staged(
+        aiohttp_server, aiohttp_client, tmp_path, monkeypatch):
+    """A new stager whose engine serves adapters no push gave it (start-up `--adapters`) does not know what it
+    holds, so it leaves out a push's first step: answered at once, the push would be reported as not applied
+    until its downloads are in, and the operator would push it again every pass. It answers once the push
+    reached the engine."""
     engine = Engine()
+    engine.unpushed = ["startup"]
     client = await aiohttp_client(create_app(dataclasses.replace(config(tmp_path),
                                                                  engine_url=await engine.serve(aiohttp_server))))
     store = FakeStore(client.app[STAGER], monkeypatch, hold=True)
     desired = push(1000, adapter("a", "v1"), adapter("b", "v1"))
-    answer = asyncio.ensure_future(client.put("/v1/directives", json=desired.to_dict(), headers={
-        "Authorization": f"Bearer {TOKEN}", "Prefer": "respond-async"}))
+    answer = await operator_push(client, desired)
     try:
         assert await asyncio.to_thread(store.started.acquire, True, HANG_S)  # a's download, held
         assert engine.pushes == []
@@ -161,6 +167,40 @@ async def test_a_fresh_stager_answers_the_operator_s_first_push_once_staged(aioh
     assert not any(s.get("staging") for s in body["adapters"]), body
     assert [sorted(a["name"] for a in p["adapters"]) for p in engine.pushes] == [["a", "b"]]
     assert not pushed_again(ReportedState.from_dict(body), desired)
+
+
+@pytest.mark.parametrize("engine_holds", ["nothing", "an earlier stager's push"])
+async def test_a_fresh_stager_answers_the_operator_s_first_push_before_its_downloads(
+        aiohttp_server, aiohttp_client, tmp_path, monkeypatch, engine_holds):
+    """A new pod's engine (it serves nothing) or one an earlier stager pushed to (the sidecar restarted): the new
+    stager asks it what it holds, so the operator's first push is answered 202 at once, reported as applied
+    with its downloads staging (not pushed again), and the pool's next edit is not held up behind them; the
+    engine keeps what it serves meanwhile, and gets the downloaded versions once in. Before, the push was
+    answered only once every download was in."""
+    engine = Engine()
+    url = await engine.serve(aiohttp_server)
+    if engine_holds != "nothing":
+        earlier = Stager(dataclasses.replace(config(tmp_path), engine_url=url))
+        FakeStore(earlier, monkeypatch)
+        await asyncio.wait_for(earlier.apply(push(1000, adapter("a", "v1"))), HANG_S)
+    served = list(engine.pushes)
+    client = await aiohttp_client(create_app(dataclasses.replace(config(tmp_path), engine_url=url)))
+    store = FakeStore(client.app[STAGER], monkeypatch, hold=True)
+    desired = push(2000, adapter("a", "v1"), adapter("b", "v1"))
+    try:
+        resp = await asyncio.wait_for(await operator_push(client, desired), HANG_S)  # b's download is held
+        body = await resp.json()
+        assert resp.status == 202 and body["generation_applied"] == 2000, body
+        report = ReportedState.from_dict(body)
+        assert report.find("b", "v1").staging and not pushed_again(report, desired), body
+        assert engine.pushes == served  # what it holds is what the push asks for at once (a's copy is cached)
+    finally:
+        release_all(store)
+        store.hold = False
+    await until(lambda: len(engine.pushes) > len(served))
+    assert sorted(a["name"] for a in engine.pushes[-1]["adapters"]) == ["a", "b"]
+    assert len(store.calls) == (2 if engine_holds == "nothing" else 1)  # a's earlier copy serves: not downloaded
+    assert (await client.app[STAGER].state()).generation_applied == 2000
 
 
 class RefusingEngine(Engine):
