@@ -86,6 +86,9 @@ class EngineLink:
         status, data = await self.call("GET", "/admin/v1/directives")
         if status != 200 or not isinstance(data, dict):
             return None
+        # Numbered above it in any case: the same generation again would be answered 200 and ignored (an earlier
+        # stager may have forwarded this push's number with other content: its first step, say).
+        self.generation = max(self.generation, int(data.get("generation_applied") or 0))
         served, pushed = set(data.get("served") or ()), data.get("directives")
         state = DesiredState.from_dict(pushed) if pushed is not None else DesiredState(generation=0)
         if not served <= set(state.by_name()):

@@ -232,3 +232,18 @@ async def test_a_push_the_engine_refused_is_applied_when_sent_again_with_its_gen
     report = await asyncio.wait_for(stager.apply(push(2, adapter("a", "v1", warm=True))), HANG_S)
     assert engine.generation == 2 and engine.pushes[-1]["adapters"][0]["warm"]
     assert report.generation_applied == 2
+
+
+async def test_a_fresh_stager_numbers_its_first_forward_above_what_the_engine_applied(aiohttp_server, tmp_path,
+                                                                                     monkeypatch):
+    """An earlier stager forwarded push 2000 in two steps, as engine generations 2000 and 2001, and the engine
+    then took a vLLM load (what it holds is not known). The new stager's push 2001 used to be forwarded as 2001,
+    which the engine answers 200 and ignores (it applied that generation): it never got the push."""
+    engine = Engine()
+    stager_config = dataclasses.replace(config(tmp_path), engine_url=await engine.serve(aiohttp_server))
+    engine.generation, engine.unpushed = 2001, ["loaded"]
+    stager = Stager(stager_config)
+    FakeStore(stager, monkeypatch)
+    report = await asyncio.wait_for(stager.apply(push(2001, adapter("a", "v1"), adapter("b", "v1"))), HANG_S)
+    assert engine.generation == 2002 and [a["name"] for a in engine.pushes[-1]["adapters"]] == ["a", "b"]
+    assert report.generation_applied == 2001
