@@ -163,6 +163,7 @@ class AdapterLoading:
         self.metrics.load_seconds.labels("gpu").observe(seconds)
         if self._pending.get(entry.name) == entry.key:
             self._switch(entry)
+        self._check_quota_due(entry)
         self._trim_cpu(protect=None)
 
     def _wait_some(self, timeout: float) -> None:

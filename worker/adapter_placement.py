@@ -53,13 +53,22 @@ class AdapterPlacement:
         if entry.tenant == tenant:
             return
         entry.tenant = tenant
-        if not entry.resident or entry.refcount or entry.waiters:
-            return  # a copy or a request in flight: the new owner's next placement brings it within its quota
-        mine = [e for e in self._slot_owner.values() if e.tenant == tenant]
-        if self.config.quota(tenant).exceeded(len(mine), sum(e.gpu_bytes for e in mine)):
+        self._quota_due.add(entry.key)
+        self._check_quota_due(entry)
+
+    def _check_quota_due(self, entry: AdapterEntry) -> None:
+        """`entry` changed owner: once on the GPU and idle (at once, or when its copy lands, or its last request
+        is released), it leaves the GPU if the new owner is over its quota there."""
+        if entry.key not in self._quota_due or (entry.on_gpu and not entry.resident):
+            return  # nothing due, or copying: checked when the copy lands
+        if entry.resident and (entry.refcount or entry.waiters):
+            return  # in use: checked when its last request releases it
+        self._quota_due.discard(entry.key)
+        mine = [e for e in self._slot_owner.values() if e.tenant == entry.tenant]
+        if entry.resident and self.config.quota(entry.tenant).exceeded(len(mine), sum(e.gpu_bytes for e in mine)):
             self._evict_gpu(entry, "quota")
             if entry.pinned or entry.key in self._warm:
-                self._want(entry)
+                self._want(entry)  # back within that quota, evicting the owner's other idle adapters first
 
     def _plan_with(self, entry: AdapterEntry, candidates: list[AdapterEntry]) -> list[AdapterEntry] | None:
         mine = [e for e in self._slot_owner.values() if e.tenant == entry.tenant]
@@ -166,6 +175,7 @@ class AdapterPlacement:
         if entry.fetching is not None:
             entry.fetching.cancel()
         self._entries.pop(entry.key, None)
+        self._quota_due.discard(entry.key)
 
     def _release_gpu(self, entry: AdapterEntry) -> None:
         slot = entry.slot

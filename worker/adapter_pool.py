@@ -90,6 +90,7 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
         self._slot_owner: dict[int, AdapterEntry] = {}
         self._free_slots = list(range(config.max_slots - 1, -1, -1))
         self._wanted: dict[str, None] = {}  # keys to bring to the GPU, in request order
+        self._quota_due: set[str] = set()  # keys whose owner changed while in use or copying (set_tenant)
         self._failures: deque[tuple[str, AdapterLoadError]] = deque(maxlen=100)
         self._inflight: set[str] = set()  # keys with a load or copy running
         self._tick = 0
@@ -142,9 +143,9 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
             return entry is not None and not entry.retired and self._replaced_pinned(entry) is not None
 
     def set_tenant(self, key: str, tenant: str) -> None:
-        """`key`'s owner is now `tenant` (its GPU quota is charged to it). On the GPU, idle and over the new
-        owner's quota there, it leaves the GPU; pinned or warm, it comes back within that quota (evicting the
-        owner's other idle adapters first)."""
+        """`key`'s owner is now `tenant` (its GPU quota is charged to it). On the GPU and over the new owner's
+        quota there, it leaves the GPU once idle (at once, or when its last request releases it or its copy
+        lands); pinned or warm, it comes back within that quota (evicting the owner's other idle adapters first)."""
         with self._lock:
             self._set_tenant(self._get(key), tenant)
 
@@ -200,6 +201,8 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
                 return
             if self._drop_if_unused(entry):  # a replaced or unregistered version's last request finished
                 self._update_gauges()
+            else:
+                self._check_quota_due(entry)
             if self._wanted:
                 self._sweep_wanted()  # it may make room for an adapter nobody's acquire retries (prefetch, pin)
 
@@ -212,6 +215,8 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
                 entry.failed_waiters.pop(waiter, None)
                 if self._drop_if_unused(entry):  # loaded for that request only, and replaced since
                     self._update_gauges()
+                else:
+                    self._check_quota_due(entry)
 
     def poll(self) -> list[tuple[str, AdapterLoadError]]:
         """Advance loads without waiting: finish parsed loads and completed copies, place wanted

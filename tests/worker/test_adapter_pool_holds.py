@@ -1,5 +1,6 @@
 """AdapterPool: what keeps an adapter on the GPU (a queued request, the adapters' page floor), which
-version a re-registration leaves current, and what a caller hears after a failed load recovered."""
+version a re-registration leaves current, what a caller hears after a failed load recovered, and when a
+version handed to another tenant is brought within that tenant's quota."""
 
 from __future__ import annotations
 
@@ -184,5 +185,36 @@ def test_the_pool_layout_records_each_projection_s_widths():
     pool = make_pool()
     try:
         assert pool.layout.widths == tuple(TINY_DIMS.in_out(p) for p in PROJS)
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize("busy", ["in_use", "copying"])
+def test_a_version_handed_to_a_tenant_over_its_quota_leaves_the_gpu_once_idle(busy):
+    """sql@v1 changes owner to globex, whose quota (1 adapter) chat@1 fills, while a request holds it (or while
+    its copy runs): the quota check was skipped, and globex stayed over its quota until its next placement. Now
+    sql@v1 leaves the GPU when its last request releases it (its copy lands)."""
+    from lorafleet.worker.adapter_pool_config import TenantQuota
+
+    pool = make_pool(tenant_quotas={"globex": TenantQuota(max_adapters=1)})
+    try:
+        pool.add("chat@1", random_weights(1), tenant="globex")
+        pool.load("chat@1")
+        pool.add("sql@v1", random_weights(2), tenant="acme")
+        if busy == "in_use":
+            pool.load("sql@v1")
+            slot = pool.acquire("sql@v1")
+            pool.set_tenant("sql@v1", "globex")
+            assert pool.entry("sql@v1").resident  # its request runs on
+            pool.release(slot)
+        else:
+            with pool._lock:  # the copy starts, then the owner changes before it lands
+                pool._want(pool.entry("sql@v1"))
+                assert pool.entry("sql@v1").on_gpu and not pool.entry("sql@v1").resident
+                pool.set_tenant("sql@v1", "globex")
+            pool.wait_idle()
+        resident = {d["key"] for d in pool.describe() if d["tier"] == "gpu"}
+        assert resident == {"chat@1"} and pool.entry("sql@v1").tenant == "globex"
+        pool.check()
     finally:
         pool.close()
