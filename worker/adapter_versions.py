@@ -24,13 +24,14 @@ from lorafleet.worker.adapter_entry import AdapterEntry, AdapterNotFoundError, L
 
 class AdapterVersions:
     def add(self, key: str, weights=None, *, loader: Loader | None = None, tenant: str = "default",
-            pinned: bool = False, make_current: bool = True, read_seconds: float = 0.0) -> None:
+            pinned: bool = False, make_current: bool = True, keep_previous: bool = False,
+            read_seconds: float = 0.0) -> None:
         """Register `name@version` from CPU `weights` (packed now, read_seconds after the caller read them:
         the disk -> CPU load time; re-read through `weights.reload` if it has one, so the CPU tier alone
         bounds the copies kept) or a `loader` (run in a loader thread on first use). A second version loads
         beside the first, current once resident unless the first is added again (as current; as a canary,
-        `make_current=False`, it stays registered beside the second once that is current); a key's content
-        is fixed while it is registered or held."""
+        `make_current=False`, it stays registered beside the second once that is current, as with
+        `keep_previous`: stable and canary swapped); a key's content is fixed while it is registered or held."""
         name, version = split_key(key)
         if weights is None and loader is None:
             raise ValueError(f"{key}: give weights or a loader")
@@ -69,7 +70,7 @@ class AdapterVersions:
             if name not in self._current:
                 self._current[name] = key
             elif make_current and self._current[name] != key:
-                self._make_pending(entry)
+                self._make_pending(entry, keep=keep_previous)
             elif make_current and (loading := self._pending.pop(name, None)) not in (None, key):
                 self._kept.pop(name, None)
                 self._retire(self._entries[loading])  # it stays current: the version loading to replace it goes

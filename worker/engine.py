@@ -175,13 +175,14 @@ class Engine:
     # ---- adapters -----------------------------------------------------------------------------------
     def register_adapter(
         self, name: str, path: str | Path, version: str | None = None, *, tenant: str = "default",
-        pinned: bool = False, make_current: bool = True, sha256: str | None = None,
+        pinned: bool = False, make_current: bool = True, sha256: str | None = None, keep_previous: bool = False,
     ) -> str:
         """Load and validate a PEFT adapter directory and register it as `name@version`; returns the key.
 
         `version` defaults to the adapter's content digest. The adapter is copied to the GPU pool on
         first use (or now when pinned). A new version of a registered name becomes current once
-        resident; with `make_current=False` it is only registered beside the current one (a canary).
+        resident (`keep_previous`: the version it replaces then stays registered, its canary); with
+        `make_current=False` it is only registered beside the current one (a canary).
         `sha256`, when given, is the digest the files must have (as `sources.adapter_digest`); other files
         are refused (AdapterError naming both digests) before their weights are parsed."""
         if not name or "@" in name or "/" in name:
@@ -194,7 +195,7 @@ class Engine:
         )
         key = f"{name}@{weights.version}"
         self.adapter_pool.add(key, weights, tenant=tenant, pinned=pinned, make_current=make_current,
-                              read_seconds=time.perf_counter() - started)
+                              keep_previous=keep_previous, read_seconds=time.perf_counter() - started)
         self._rank_of_key[key] = max((m.a.shape[0] for m in weights.modules.values()), default=0)
         log.info("registered adapter %s from %s", key, path)
         return key

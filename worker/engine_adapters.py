@@ -21,7 +21,8 @@ class EngineAdapters:
         self.base_model = base_model  # the name requests use for the base model: no adapter may take it
 
     def register_adapter(self, name: str, source: str, *, version: str | None = None, tenant: str | None = None,
-                         pinned: bool = False, make_current: bool = True, sha256: str | None = None) -> str:
+                         pinned: bool = False, make_current: bool = True, sha256: str | None = None,
+                         keep_previous: bool = False) -> str:
         """Validate and register a local PEFT directory as `name@version` (its files must hash to `sha256`
         when given); returns the key. The base model's name is refused: requests naming it get the base
         model, so such an adapter could never be called."""
@@ -29,7 +30,7 @@ class EngineAdapters:
             raise EngineError(f"adapter name {name!r} is the served model name of the base model; give the "
                               "adapter another name")
         return self.engine.register_adapter(name, source, version, tenant=tenant or "default", pinned=pinned,
-                                            make_current=make_current, sha256=sha256)
+                                            make_current=make_current, sha256=sha256, keep_previous=keep_previous)
 
     def make_adapter_current(self, key: str, *, if_resident: bool = False, keep_previous: bool = False) -> bool:
         """Make the registered `key` its name's current version; the previous one retires (keep_previous: stays

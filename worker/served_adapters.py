@@ -288,7 +288,7 @@ class ServedAdapters:
                     source = local_source(uri)
                     if not keep:
                         engine.register_adapter(d.name, source, version=version, tenant=d.tenant, pinned=d.pinned,
-                                                make_current=stable, sha256=digests[version])
+                                                make_current=stable, sha256=digests[version], keep_previous=swap)
                     elif stable and old is not None and drops_kept(d, old, current):
                         register_again(engine, d, source)  # the old stable version retires at the switch
                     registered = True

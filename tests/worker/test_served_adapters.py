@@ -21,7 +21,7 @@ class RecordingHost:
         self.warm: dict[str, bool] = {}  # key -> the warm flag of the last push naming it
 
     def register_adapter(self, name, source, *, version=None, tenant=None, pinned=False, make_current=True,
-                         sha256=None):
+                         sha256=None, keep_previous=False):
         self.calls.append(("register", f"{name}@{version}", make_current))
         if source in self.failing:
             raise ValueError(f"{source}: adapter_model.safetensors is corrupt")

@@ -36,9 +36,9 @@ class SwitchingHost(RecordingHost):
         self.kept: dict[str, str] = {}  # name -> its current key, kept registered when the pending one switches
 
     def register_adapter(self, name, source, *, version=None, tenant=None, pinned=False, make_current=True,
-                         sha256=None):
+                         sha256=None, keep_previous=False):
         key = super().register_adapter(name, source, version=version, tenant=tenant, pinned=pinned,
-                                       make_current=make_current, sha256=sha256)
+                                       make_current=make_current, sha256=sha256, keep_previous=keep_previous)
         if name not in self.current:
             self.current[name] = key
         elif make_current and self.current[name] != key:

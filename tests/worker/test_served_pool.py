@@ -31,7 +31,7 @@ class GatedEngine:
         self.broken: set[str] = set()
 
     def register_adapter(self, name, path, version=None, *, tenant="default", pinned=False, make_current=True,
-                         sha256=None) -> str:
+                         sha256=None, keep_previous=False) -> str:
         key = f"{name}@{version}"
         gate, seed = self.gates[key], int(version.removeprefix("v"))
 
@@ -41,7 +41,8 @@ class GatedEngine:
                 raise OSError(f"{path}/adapter_model.safetensors: read error")
             return random_weights(seed)
 
-        self.adapter_pool.add(key, loader=loader, tenant=tenant, pinned=pinned, make_current=make_current)
+        self.adapter_pool.add(key, loader=loader, tenant=tenant, pinned=pinned, make_current=make_current,
+                              keep_previous=keep_previous)
         return key
 
     def unregister_adapter(self, name: str) -> None:
@@ -126,10 +127,11 @@ class PackingEngine(GatedEngine):
     its GPU slot (evicting another) before register_adapter returns."""
 
     def register_adapter(self, name, path, version=None, *, tenant="default", pinned=False, make_current=True,
-                         sha256=None) -> str:
+                         sha256=None, keep_previous=False) -> str:
         key = f"{name}@{version}"
         weights = random_weights(int(version.removeprefix("v")))
-        self.adapter_pool.add(key, weights, tenant=tenant, pinned=pinned, make_current=make_current)
+        self.adapter_pool.add(key, weights, tenant=tenant, pinned=pinned, make_current=make_current,
+                              keep_previous=keep_previous)
         return key
 
 

@@ -1,6 +1,7 @@
 """Rollbacks and rollouts through ServedAdapters in front of the engine's real AdapterPool (no model): a
 rollback to the version a finished rollout retired, a pinned adapter rolled out while every GPU slot is
-pinned, a version whose load failed once and then succeeded, and a version handed to another tenant."""
+pinned, a version whose load failed once and then succeeded, a version handed to another tenant, and swaps of
+stable and canary whose switch happens while the push runs."""
 
 from __future__ import annotations
 
@@ -98,11 +99,10 @@ class ProbingAdapters(EngineAdapters):
         super().__init__(engine)
         self.old_registered: list[bool] = []
 
-    def register_adapter(self, name, source, *, version=None, tenant=None, pinned=False, make_current=True, sha256=None):
+    def register_adapter(self, name, source, *, make_current=True, **kw):
         if not make_current:
-            self.old_registered.append(f"{name}@{version}" in self.pool.registered())
-        return super().register_adapter(name, source, version=version, tenant=tenant, pinned=pinned,
-                                        make_current=make_current, sha256=sha256)
+            self.old_registered.append(f"{name}@{kw['version']}" in self.pool.registered())
+        return super().register_adapter(name, source, make_current=make_current, **kw)
 
 
 def test_a_swap_to_a_resident_canary_keeps_the_old_stable_version_registered_and_on_the_gpu(engine):
@@ -223,6 +223,32 @@ def test_a_swap_to_a_canary_evicted_just_before_the_switch_keeps_the_old_stable_
     assert switched_before_canary == [True]
     assert pool.resolve("sql") == "sql@v2" and pool.resolve("sql@v1") == "sql@v1"
     assert {d["key"]: d["tier"] for d in pool.describe()}["sql@v1"] == "gpu"
+    pool.check()
+
+
+def test_a_swap_to_a_canary_off_the_gpu_keeps_the_old_stable_version_when_it_lands_mid_push(engine):
+    """{v1, canary v2}, v2 not on the GPU, then {v2, canary v1}: v2 is registered as current (current once on
+    the GPU). If its copy landed while the push still read v1's files to register it again as the canary (the
+    engine reads them inside `register_adapter`), the switch retired v1 (404s for sql@v1, then v1 read again
+    into CPU memory only): v1 is now kept at that switch."""
+    pool, served, host = engine.adapter_pool, ServedAdapters("base"), ProbingAdapters(engine)
+    served.apply(state(1, sql(V1, V2)), host)
+    engine.load("sql@v1")
+    assert {d["key"]: d["tier"] for d in pool.describe()}["sql@v2"] != "gpu"
+    real, landed = host.register_adapter, []
+
+    def register(name, source, *, make_current=True, **kw):
+        if not make_current:  # v1's files are being read: v2's copy lands meanwhile
+            engine.load("sql@v2")
+            landed.append(pool.resolve("sql") == "sql@v2")
+        return real(name, source, make_current=make_current, **kw)
+
+    host.register_adapter, host.old_registered = register, []
+    served.apply(state(2, sql(V2, V1)), host)
+    assert landed == [True] and host.old_registered == [True]
+    assert pool.resolve("sql") == "sql@v2" and pool.resolve("sql@v1") == "sql@v1"
+    assert {d["key"]: d["tier"] for d in pool.describe()}["sql@v1"] == "gpu"
+    assert served.get("sql").split.stable == "v2" and served.get("sql").split.canary == "v1"
     pool.check()
 
 
