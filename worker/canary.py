@@ -38,6 +38,12 @@ class VersionSplit:
     def versions(self) -> tuple[str, ...]:
         return (self.stable,) if self.canary is None else (self.stable, self.canary)
 
+    def percent_of(self, version: str) -> int:
+        """Share of the name's users sent to `version`."""
+        if version == self.canary:
+            return self.canary_weight
+        return 100 - self.canary_weight if version == self.stable else 0
+
 
 def user_bucket(name: str, user: str) -> int:
     """A stable bucket in [0, NUM_BUCKETS) for (adapter, user); independent across adapters."""

@@ -11,10 +11,10 @@ the last push's; a push without them gives the pool back its own. A directive's 
 its versions and marks them warm in the pool, which brings them back to the GPU by itself after
 pressure evicted them (worker/adapter_warmth.py); a push without it unmarks them.
 
-Running example: push gen 3 {sql: stable v1}, then gen 4 {sql: stable v1, canary v2 at 20 %}:
-v2 is registered beside v1 (not current), 20 % of users resolve to `sql@v2`; gen 5 {sql: stable v2}
-makes the registered v2 current without reloading it and retires v1 (once the new table is published; a
-v2 that never loaded, no user having reached it, is made current as a new stable version is, below); gen 6 without `sql`
+Running example: push gen 3 {sql: stable v1}, then gen 4 {sql: stable v1, canary v2 at 20 %}: v2 is
+registered beside v1 (not current), 20 % of users resolve to `sql@v2`; gen 5 {sql: stable v2} makes the
+registered v2 current without reloading it and retires v1 (once the new table is published; a v2 that never
+loaded, no user having reached it, is made current as a new stable version is, below); gen 6 without `sql`
 unregisters it, requests in flight finish on the version they hold.
 
 A new stable version that was never a canary (gen 7 {sql: stable v3}) replaces v2 in the engine only
@@ -24,15 +24,15 @@ first push after v3 has loaded retires v2.
 
 Stable and canary swapped in one push (gen 8 {sql: stable v4, canary v3 at 10 %} after {sql: stable v3,
 canary v4 at 10 %}), or a new stable v4 rolled out with v3 kept as its canary: a v4 resident on the GPU
-becomes current at once (v3 retires and is registered again as the canary). A v4 not on the GPU (only in
+becomes current at once, v3 staying registered (and on the GPU) as the canary. A v4 not on the GPU (only in
 CPU memory, which may never fit there, or not loaded) becomes current as a new stable version does, once
-resident: v3, registered again as its canary, stays the engine's current version and the fallback until
-then, and registered as the canary after. Meanwhile the split is already the new one: the canary share is
-served by v3, the rest waits for v4's load, as after gen 7; if v4 fails to load, every user goes back to
-v3. A push before v4 has loaded that no longer names v3 as the canary registers v4 again, so that v3
-retires at the switch (worker/served_fallback.py). A canary promoted to stable switches at once only if it
-is resident on the GPU too. Resident means at the switch, checked in the same step (the pool's lock): a
-directive earlier in the push, or the engine, may have evicted it since the push began.
+resident: v3 stays the engine's current version and the fallback until then, its canary after (a v3 that
+cannot be registered again, its files gone, leaves the engine). The split is already the new one: the canary
+share is served by v3, the rest waits for v4's load, as after gen 7; if v4 fails to load, every user goes
+back to v3. A push before v4 has loaded that no longer names v3 as the canary registers v4 again, so that v3
+retires at the switch (worker/served_fallback.py). A canary promoted to stable switches at once only if it is
+resident on the GPU too, at the switch, checked in the same step (the pool's lock): a directive earlier in
+the push, or the engine, may have evicted it since the push began.
 
 A local `--adapters DIR` folder that failed to load at start-up (worker/adapter_dir.py) is reported the
 way a pushed version that failed is: an entry of the state's `adapters` with its `error`, its version
@@ -62,6 +62,7 @@ from lorafleet.worker.directives import (
 )
 from lorafleet.worker.openai_protocol import APIError
 from lorafleet.worker.served_fallback import (
+    drop_unserved_failures,
     drops_kept,
     gpu_resident,
     keep_fallback,
@@ -242,6 +243,7 @@ class ServedAdapters:
                 self.mark_failed(key, str(exc) or type(exc).__name__)
         self.generation = state.generation
         self.startup_errors = {}  # the directives rule from now on: what the push failed is its own report
+        drop_unserved_failures(table, engine)
         for name, old in old_table.items():
             if name not in table:
                 self._unregister(name, engine)
@@ -367,7 +369,7 @@ class ServedAdapters:
                 states.append(AdapterState(
                     name=name, version=version, tier=d.get("tier", "none"), refcount=d.get("refcount", 0),
                     hits=d.get("hits", 0), bytes=d.get("bytes", 0), pinned=bool(d.get("pinned", served.pinned)),
-                    error=error, traffic_percent=_traffic_percent(served.split, version),
+                    error=error, traffic_percent=served.split.percent_of(version),
                 ))
         reported = {(a.name, a.version) for a in states}
         for d in held.values():  # versions on their way out that in-flight requests still hold
@@ -386,14 +388,8 @@ class ServedAdapters:
         for name, served in self._adapters.items():
             for version in served.sources:
                 out[f"{name}@{version}"] = {"tenant": served.tenant,
-                                            "traffic_percent": _traffic_percent(served.split, version)}
+                                            "traffic_percent": served.split.percent_of(version)}
         for name in self.startup_errors:
             out.setdefault(f"{name}@{UNSTAGED}", {"tenant": None, "traffic_percent": 0})
         return out
 
-
-def _traffic_percent(split: VersionSplit, version: str) -> int:
-    """Share of the name's users `split` sends to `version`."""
-    if version == split.canary:
-        return split.canary_weight
-    return 100 - split.canary_weight if version == split.stable else 0

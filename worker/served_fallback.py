@@ -92,3 +92,19 @@ def versions_still_served(served: ServedAdapter | None, ran_on: str) -> set[str]
     if served.fallback not in (None, ran_on, served.split.canary) and ran_on == served.split.stable:
         versions.discard(served.fallback)
     return versions
+
+
+def drop_unserved_failures(table: dict[str, ServedAdapter], engine: AdapterHost) -> None:
+    """Remove from the engine the versions a push failed to register that no request reaches (not in their
+    split, nor the fallback), yet the engine holds from an earlier registration: the old stable version kept
+    as a swap's canary whose files are gone, a canary whose new files failed. They would keep their GPU slot
+    and memory until a push no longer named them; their error stays reported."""
+    held = {a["key"]: a for a in engine.describe_adapters()}
+    for served in table.values():
+        for version in set(served.errors) - {served.split.stable, served.split.canary, served.fallback}:
+            key = f"{served.name}@{version}"
+            if key in held and not held[key].get("current"):
+                try:
+                    engine.remove_adapter_version(key)
+                except (ValueError, KeyError) as exc:
+                    log.info("dropping %s, which failed: %s", key, exc)

@@ -252,6 +252,30 @@ def test_a_swap_to_a_canary_off_the_gpu_keeps_the_old_stable_version_when_it_lan
     pool.check()
 
 
+def test_a_swap_whose_old_stable_version_cannot_be_registered_again_takes_it_off_the_engine(engine):
+    """{v1, canary v2}, both on the GPU, then {v2, canary v1} with v1's files gone: the swap keeps v1 registered
+    as the canary, its registration again fails, and the split leaves it out. It stayed registered and on the
+    GPU, reached by no request, until a push no longer named it; it now leaves, its error reported."""
+    pool, served, host = engine.adapter_pool, ServedAdapters("base"), EngineAdapters(engine)
+    served.apply(state(1, sql(V1, V2)), host)
+    engine.load("sql@v1")
+    engine.load("sql@v2")
+    real = host.register_adapter
+
+    def register(name, source, *, make_current=True, **kw):
+        if not make_current:
+            raise OSError(f"{source}/adapter_config.json: No such file or directory")
+        return real(name, source, make_current=make_current, **kw)
+
+    host.register_adapter = register
+    served.apply(state(2, sql(V2, V1)), host)
+    assert pool.resolve("sql") == "sql@v2" and pool.registered() == ["sql@v2"]
+    assert served_keys(served) == {"sql@v2"}
+    v1 = served.report(host).find("sql", "v1")
+    assert v1 is not None and "No such file" in v1.error and v1.tier == "none"
+    pool.check()
+
+
 def test_a_rollback_whose_version_is_dropped_while_the_push_runs_registers_it_again():
     """Every slot pinned; {sql v2} waits for the last request on the pinned v1; then the rollback {v1}, during which
     that request ends (v2 takes v1's slot, v1 is dropped). The push, which had seen v1 held, took it as registered:
