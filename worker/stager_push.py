@@ -237,21 +237,24 @@ def _retrieved(task: asyncio.Future) -> None:
 
 
 async def _finish(stager: Stager, push: Push) -> ReportedState:
-    """Forward what the push staged, unless a newer push took over (it forwards its own)."""
+    """Forward what the push staged, unless a newer push took over (it forwards its own). The report and the
+    cache's trim come after, without the lock: a hung engine report or a slow disk does not hold up the next
+    push (its report may then be the newer push's, as when one took over)."""
     async with stager.apply_lock:
-        if stager.generation != push.desired.generation:
-            return await stager.state()
-        forwarded, staged = forwardable(push.desired, push.staged, stager.forwarded, stager.staged)
-        stager.holds.hold_replaced(stager.staged, staged)
-        stager.forwarded, stager.staged, stager.holds.pushing = forwarded, staged, set()
-        try:
-            await _forward(stager, push, forwarded, first=False)
-        finally:
-            push.pending.clear()
-        report = await stager.state()  # which replaced versions the engine still holds
+        superseded = stager.generation != push.desired.generation
+        if not superseded:
+            forwarded, staged = forwardable(push.desired, push.staged, stager.forwarded, stager.staged)
+            stager.holds.hold_replaced(stager.staged, staged)
+            stager.forwarded, stager.staged, stager.holds.pushing = forwarded, staged, set()
+            try:
+                await _forward(stager, push, forwarded, first=False)
+            finally:
+                push.pending.clear()
+    report = await stager.state()  # also lets go of the replaced versions the engine no longer holds
+    if not superseded:
         await asyncio.to_thread(stager.cache.trim, stager.protected)
         stager.forget_uris()
-        return report
+    return report
 
 
 async def _forward(stager: Stager, push: Push, forwarded: dict[str, AdapterDirective], *, first: bool) -> bool:

@@ -1,8 +1,10 @@
 """What the stager reports as applied (worker/stager_engine.py): only what it forwarded itself, from the moment
 the engine may have applied it. A stager restarted between a push's two steps reports the engine's generation
 as not applied (it may carry that push's first step only); a report read while the engine answers a forward
-says it is applied; a stager that has forwarded nothing yet answers the operator's push (`Prefer:
-respond-async`) once staged, so that it is not pushed again every pass. Against an engine admin API stand-in."""
+says it is applied; a stager that has forwarded nothing yet takes what the engine reports it holds as forwarded,
+and answers the operator's push (`Prefer: respond-async`) once staged only if the engine cannot tell, so that
+it is not pushed again every pass; a hung engine report does not hold up the next push. Against an engine
+admin API stand-in."""
 
 from __future__ import annotations
 
@@ -247,3 +249,37 @@ async def test_a_fresh_stager_numbers_its_first_forward_above_what_the_engine_ap
     report = await asyncio.wait_for(stager.apply(push(2001, adapter("a", "v1"), adapter("b", "v1"))), HANG_S)
     assert engine.generation == 2002 and [a["name"] for a in engine.pushes[-1]["adapters"]] == ["a", "b"]
     assert report.generation_applied == 2001
+
+
+class HangingReports(Engine):
+    """Its state report hangs while `reports_hang` is clear and `hang_reports` is set (a hung engine)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hang_reports, self.reports_hang, self.report_hung = False, asyncio.Event(), asyncio.Event()
+
+    async def get_state(self, request: web.Request) -> web.Response:
+        if self.hang_reports:
+            self.report_hung.set()
+            await self.reports_hang.wait()
+        return await super().get_state(request)
+
+
+async def test_a_hung_engine_report_after_a_push_does_not_hold_up_the_next_one(aiohttp_server, tmp_path, monkeypatch):
+    """Push 2's download is in and forwarded; the report that ends the push hangs (a hung engine). Push 3, which
+    only makes a warm, waited behind it: the report was read holding the lock a push's first step takes."""
+    engine = HangingReports()
+    stager = Stager(dataclasses.replace(config(tmp_path), engine_url=await engine.serve(aiohttp_server)))
+    FakeStore(stager, monkeypatch)
+    await asyncio.wait_for(stager.apply(push(1, adapter("a", "v1"))), HANG_S)
+    engine.hang_reports = True
+    second = asyncio.ensure_future(stager.apply(push(2, adapter("a", "v1"), adapter("b", "v1"))))
+    try:
+        await asyncio.wait_for(engine.report_hung.wait(), HANG_S)  # b forwarded, then the report hangs
+        assert [a["name"] for a in engine.pushes[-1]["adapters"]] == ["a", "b"]
+        _, begun = stager.start(push(3, adapter("a", "v1", warm=True), adapter("b", "v1")))
+        await asyncio.wait_for(begun.wait(), HANG_S)
+        assert engine.pushes[-1]["adapters"][0]["warm"] and not second.done()
+    finally:
+        engine.reports_hang.set()
+    await asyncio.wait_for(second, HANG_S)
