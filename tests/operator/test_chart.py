@@ -35,6 +35,7 @@ VALUE_SETS = {
         "secrets": {"apiKeys": {"tenants": {"acme": {"keys": ["sk-acme-1"], "adapters": ["sql"]}}}},
         "objectStore": {"endpoint": "minio.storage:9000", "accessKey": "a", "secretKey": "b", "secure": False},
         "worker": {"adapterCache": {"hostPath": "/var/lib/lorafleet/adapters"}, "model": "/models/llama",
+                   "compileCache": {"hostPath": "/var/lib/lorafleet/triton"},
                    "extraVolumes": [{"name": "model", "persistentVolumeClaim": {"claimName": "llama"}}],
                    "extraVolumeMounts": [{"name": "model", "mountPath": "/models/llama", "readOnly": True}]},
     },
@@ -275,6 +276,23 @@ def test_adapter_cache_host_path_is_never_created_by_the_kubelet():
     assert pod["securityContext"]["runAsNonRoot"] is True
     cache = next(v for v in pod["volumes"] if v["name"] == "adapter-cache")
     assert cache["hostPath"]["type"] == "Directory"
+
+
+def test_triton_s_compile_cache_outlives_the_pod_on_a_node_local_directory():
+    """Set, `worker.compileCache.hostPath` is where the engine's compiled kernels go (a new pod on the node skips
+    the warm-up's compiles); unset, the pod's tmp volume as before."""
+    def engine_and_volumes(values: dict) -> tuple[dict, dict]:
+        pod = find(render(values), "Deployment", "-worker")["spec"]["template"]["spec"]
+        return next(c for c in pod["containers"] if c["name"] == "engine"), {v["name"]: v for v in pod["volumes"]}
+
+    engine, volumes = engine_and_volumes(VALUE_SETS["replicated-clusterwide"])
+    env = {e["name"]: e.get("value") for e in engine["env"]}
+    mounts = {m["name"]: m["mountPath"] for m in engine["volumeMounts"]}
+    assert env["TRITON_CACHE_DIR"] == mounts["compile-cache"] == "/var/cache/lorafleet/triton"
+    assert volumes["compile-cache"]["hostPath"] == {"path": "/var/lib/lorafleet/triton", "type": "Directory"}
+    engine, volumes = engine_and_volumes({})
+    assert {e["name"]: e.get("value") for e in engine["env"]}["TRITON_CACHE_DIR"] == "/tmp/triton-cache"
+    assert "compile-cache" not in volumes
 
 
 def _readme_install() -> tuple[str, str, dict]:
