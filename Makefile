@@ -5,6 +5,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+# Test processes (pytest-xdist): one per core, at most 4; a module's tests share one process, so its servers
+# start once. PYTEST_WORKERS=1 runs the suite in one process.
+PYTEST_WORKERS ?= auto
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
@@ -35,7 +38,7 @@ lint: install
 
 test: install prometheus lint
 	@# pytest exits 5 when nothing was collected; that is not a failure of the suite.
-	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; exit $$rc
+	$(PY) -m pytest $(if $(filter 1,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --maxprocesses 4 --dist loadscope) $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; exit $$rc
 
 model: install
 	$(PY) -m lorafleet.worker.default_model
