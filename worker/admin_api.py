@@ -192,8 +192,14 @@ async def put_state(request: web.Request) -> web.Response:
 def _apply_state(app: web.Application, state: DesiredState) -> bool:
     """Check the sources of `state`, then apply it (in the admin change's thread: both touch the disk)."""
     adapters = app[ADAPTERS]
+    checked = _with_local_sources(app, state)  # a source refused here changes nothing
     pushed, adapters.pushed = adapters.pushed, None  # unknown while it is applied (a failure may stop it midway)
-    applied = adapters.apply(_with_local_sources(app, state), app[HOST])
+    try:
+        applied = adapters.apply(checked, app[HOST])
+    except APIError as exc:
+        if exc.status == 409:  # a stale generation, refused before any change
+            adapters.pushed = pushed
+        raise
     adapters.pushed = state if applied else pushed
     return applied
 
@@ -227,13 +233,14 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
 
 def _load_adapter(app: web.Application, name: str, path: str) -> str:
     """Check `path`, then register it as `name` (in the admin change's thread: both touch the disk)."""
+    key = app[ADAPTERS].load(name, _local_source(app, path, f"lora_path of {name!r}"), app[HOST])
     app[ADAPTERS].pushed = None  # what is served is no longer a push's
-    return app[ADAPTERS].load(name, _local_source(app, path, f"lora_path of {name!r}"), app[HOST])
+    return key
 
 
 def _unload_adapter(app: web.Application, name: str) -> None:
-    app[ADAPTERS].pushed = None
     app[ADAPTERS].unload(name, app[HOST])
+    app[ADAPTERS].pushed = None
 
 
 async def unload_lora_adapter(request: web.Request) -> web.Response:

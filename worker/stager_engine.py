@@ -91,9 +91,11 @@ class EngineLink:
         self.generation = max(self.generation, int(data.get("generation_applied") or 0))
         served, pushed = set(data.get("served") or ()), data.get("directives")
         state = DesiredState.from_dict(pushed) if pushed is not None else DesiredState(generation=0)
-        if not served <= set(state.by_name()):
-            return None
-        self.generation, self._content = state.generation, replace(state, generation=0)
+        refs = [ref for a in state.adapters for ref in (a.stable, a.canary) if ref is not None]
+        if not served <= set(state.by_name()) or not all(r.sha256 and r.uri.startswith("/") for r in refs):
+            return None  # what a stager forwards is a local path and its digest: this came from elsewhere
+        # An empty table after a vLLM unload or a push that failed: held under the generation the engine applied.
+        self.generation, self._content = max(self.generation, state.generation), replace(state, generation=0)
         self.known = True
         return state
 

@@ -153,10 +153,10 @@ async def _adopt(stager: Stager) -> None:
         log.info("what the engine holds is not known (%s): the push reaches it once staged", exc)
         return
     if state is None:
-        log.info("the engine serves adapters no push gave it: the push reaches it once staged")
+        log.info("the engine serves adapters no push of a stager gave it: the push reaches it once staged")
         return
     stager.forwarded = state.by_name()
-    stager.staged = {(a.name, ref.version): Staged(Path(ref.uri), ref.sha256 or "", Path(ref.uri).parent == stager.cache.root)
+    stager.staged = {(a.name, ref.version): Staged(Path(ref.uri), ref.sha256, Path(ref.uri).parent == stager.cache.root)
                      for a in state.adapters for ref in (a.stable, a.canary) if ref is not None}  # fmt: skip
 
 

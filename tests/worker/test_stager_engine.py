@@ -236,14 +236,16 @@ async def test_a_push_the_engine_refused_is_applied_when_sent_again_with_its_gen
     assert report.generation_applied == 2
 
 
+@pytest.mark.parametrize("since", ["a vLLM load", "a vLLM unload"])
 async def test_a_fresh_stager_numbers_its_first_forward_above_what_the_engine_applied(aiohttp_server, tmp_path,
-                                                                                     monkeypatch):
+                                                                                     monkeypatch, since):
     """An earlier stager forwarded push 2000 in two steps, as engine generations 2000 and 2001, and the engine
-    then took a vLLM load (what it holds is not known). The new stager's push 2001 used to be forwarded as 2001,
-    which the engine answers 200 and ignores (it applied that generation): it never got the push."""
+    then took a vLLM load (what it holds is not known) or unload (it holds nothing). The new stager's push 2001
+    used to be forwarded as 2001, which the engine answers 200 and ignores (it applied that generation): it
+    never got the push, reported as applied all the same."""
     engine = Engine()
     stager_config = dataclasses.replace(config(tmp_path), engine_url=await engine.serve(aiohttp_server))
-    engine.generation, engine.unpushed = 2001, ["loaded"]
+    engine.generation, engine.unpushed = 2001, ["loaded"] if since == "a vLLM load" else []
     stager = Stager(stager_config)
     FakeStore(stager, monkeypatch)
     report = await asyncio.wait_for(stager.apply(push(2001, adapter("a", "v1"), adapter("b", "v1"))), HANG_S)
