@@ -58,7 +58,8 @@ class AdapterVersions:
                     pinned = entry.pinned = entry.pinned or pinned
                     self._set_tenant(entry, tenant)
                 else:  # retired but still held (a quick rollback): the same weights come back, for the new owner
-                    entry.retired, entry.loader, entry.pinned, entry.tenant = False, loader, pinned, tenant
+                    entry.retired, entry.loader, entry.pinned = False, loader, pinned
+                    self._set_tenant(entry, tenant)
             else:
                 entry = AdapterEntry(key, name, version, tenant, loader, pinned=pinned)
                 self._entries[key] = entry

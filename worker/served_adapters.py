@@ -269,6 +269,8 @@ class ServedAdapters:
         demoted = old.split.stable if old is not None and old.split.stable != d.stable.version else None
         if demoted not in versions:
             demoted = None
+        # Kept at the switch only if it is what the engine serves (not while a rollout to it still loads).
+        keeps = demoted is not None and f"{d.name}@{demoted}" in current
         fallback = False
         for version, uri in versions.items():
             stable = version == d.stable.version
@@ -290,7 +292,7 @@ class ServedAdapters:
                     source = local_source(uri)
                     if not keep:
                         engine.register_adapter(d.name, source, version=version, tenant=d.tenant, pinned=d.pinned,
-                                                make_current=stable, sha256=digests[version], keep_previous=swap)
+                                                make_current=stable, sha256=digests[version], keep_previous=keeps)
                     elif stable and old is not None and drops_kept(d, old, current):
                         register_again(engine, d, source)  # the old stable version retires at the switch
                     registered = True
@@ -298,7 +300,7 @@ class ServedAdapters:
                         # On the GPU when the push began; if a directive before evicted it, current once resident.
                         # The old one stays registered, on the GPU, as the canary (registered again below as such):
                         # the table published until this push ends still sends most users to it.
-                        engine.make_adapter_current(key, if_resident=True, keep_previous=True)
+                        engine.make_adapter_current(key, if_resident=True, keep_previous=keeps)
                     elif is_promoted:
                         promoted.append((served, version, digests[version]))  # switched once the table is published
                     if keep and old.tenant != d.tenant:  # a new owner: the pool charges its GPU quota to it
@@ -321,6 +323,9 @@ class ServedAdapters:
                         fallback = True
                 break
             served.sources[version] = uri
+        if keeps and demoted in served.errors and d.stable.version not in served.errors:
+            # Kept for the canary, which it cannot be (its files are gone, say): it retires at the switch after all.
+            engine.make_adapter_current(f"{d.name}@{d.stable.version}", if_resident=True)
         if d.canary is not None and d.canary.version not in served.errors and d.stable.version not in served.errors:
             served.split = VersionSplit(d.stable.version, d.canary.version, d.canary_weight)
         elif fallback and old is not None:

@@ -218,3 +218,27 @@ def test_a_version_handed_to_a_tenant_over_its_quota_leaves_the_gpu_once_idle(bu
         pool.check()
     finally:
         pool.close()
+
+
+def test_a_retired_version_still_held_and_rolled_back_for_another_tenant_is_brought_within_its_quota():
+    """sql@v1 (acme) is held by a request when v2 replaces it; a rollback registers v1 again for globex, whose
+    quota (1 adapter) chat@1 fills. Its owner was set without the quota check, so globex stayed over its quota
+    once the request released v1."""
+    from lorafleet.worker.adapter_pool_config import TenantQuota
+
+    pool = make_pool(tenant_quotas={"globex": TenantQuota(max_adapters=1)})
+    try:
+        pool.add("chat@1", random_weights(1), tenant="globex")
+        pool.load("chat@1")
+        pool.add("sql@v1", random_weights(2), tenant="acme")
+        pool.load("sql@v1")
+        slot = pool.acquire("sql@v1")
+        pool.add("sql@v2", random_weights(3), tenant="acme")
+        pool.load("sql@v2")  # v1 retired, held by its request
+        pool.add("sql@v1", random_weights(2), tenant="globex")  # the rollback, for another owner
+        pool.release(slot)
+        pool.wait_idle()
+        assert sum(d["tier"] == "gpu" and d["tenant"] == "globex" for d in pool.describe()) == 1
+        pool.check()
+    finally:
+        pool.close()

@@ -276,6 +276,45 @@ def test_a_swap_whose_old_stable_version_cannot_be_registered_again_takes_it_off
     pool.check()
 
 
+@pytest.mark.parametrize("flags", [{}, {"pinned": True}], ids=["plain", "pinned"])
+def test_a_swap_while_a_rollout_loads_does_not_keep_the_rollout_s_fallback(engine, flags):
+    """{v1}, {v2} (v2 still loading: v1 serves, the fallback), then {v3, canary v2} with v3 off the GPU: the pool
+    was told to keep its current version at v3's switch, which was v1, not v2; v1 stayed registered (pinned, it
+    held a slot the canary v2 then never got). v1 retires at the switch, as before the swap's keep."""
+    pool, served, host = engine.adapter_pool, ServedAdapters("base"), EngineAdapters(engine)
+    served.apply(state(1, sql(V1, **flags)), host)
+    engine.load("sql@v1")
+    served.apply(state(2, sql(V2, **flags)), host)
+    assert pool.resolve("sql") == "sql@v1"
+    served.apply(state(3, sql(V3, V2, **flags)), host)
+    engine.load("sql@v3")
+    assert pool.resolve("sql") == "sql@v3" and "sql@v1" not in pool.registered()
+    pool.check()
+
+
+@pytest.mark.parametrize("flags", [{}, {"pinned": True}], ids=["plain", "pinned"])
+def test_a_swap_off_the_gpu_whose_old_stable_version_cannot_be_the_canary_retires_it_at_the_switch(engine, flags):
+    """{v1, canary v2}, v2 off the GPU, then {v2, canary v1} with v1's files gone: v2 was registered to keep v1
+    at its switch, v1's registration as the canary then failed, and v1 stayed registered (and on the GPU) after
+    the switch, reached by no request."""
+    pool, served, host = engine.adapter_pool, ServedAdapters("base"), EngineAdapters(engine)
+    served.apply(state(1, sql(V1, V2, **flags)), host)
+    engine.load("sql@v1")
+    real = host.register_adapter
+
+    def register(name, source, *, make_current=True, **kw):
+        if not make_current:
+            raise OSError(f"{source}/adapter_config.json: No such file or directory")
+        return real(name, source, make_current=make_current, **kw)
+
+    host.register_adapter = register
+    served.apply(state(2, sql(V2, V1, **flags)), host)
+    assert pool.resolve("sql") == "sql@v1"  # serves until v2 is on the GPU
+    engine.load("sql@v2")
+    assert pool.resolve("sql") == "sql@v2" and pool.registered() == ["sql@v2"]
+    pool.check()
+
+
 def test_a_rollback_whose_version_is_dropped_while_the_push_runs_registers_it_again():
     """Every slot pinned; {sql v2} waits for the last request on the pinned v1; then the rollback {v1}, during which
     that request ends (v2 takes v1's slot, v1 is dropped). The push, which had seen v1 held, took it as registered:
