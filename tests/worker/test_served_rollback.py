@@ -252,14 +252,8 @@ def test_a_swap_to_a_canary_off_the_gpu_keeps_the_old_stable_version_when_it_lan
     pool.check()
 
 
-def test_a_swap_whose_old_stable_version_cannot_be_registered_again_takes_it_off_the_engine(engine):
-    """{v1, canary v2}, both on the GPU, then {v2, canary v1} with v1's files gone: the swap keeps v1 registered
-    as the canary, its registration again fails, and the split leaves it out. It stayed registered and on the
-    GPU, reached by no request, until a push no longer named it; it now leaves, its error reported."""
-    pool, served, host = engine.adapter_pool, ServedAdapters("base"), EngineAdapters(engine)
-    served.apply(state(1, sql(V1, V2)), host)
-    engine.load("sql@v1")
-    engine.load("sql@v2")
+def canaries_cannot_be_registered(host: EngineAdapters) -> None:
+    """From now on a version registered as a canary fails as one whose files are gone."""
     real = host.register_adapter
 
     def register(name, source, *, make_current=True, **kw):
@@ -268,6 +262,17 @@ def test_a_swap_whose_old_stable_version_cannot_be_registered_again_takes_it_off
         return real(name, source, make_current=make_current, **kw)
 
     host.register_adapter = register
+
+
+def test_a_swap_whose_old_stable_version_cannot_be_registered_again_takes_it_off_the_engine(engine):
+    """{v1, canary v2}, both on the GPU, then {v2, canary v1} with v1's files gone: the swap keeps v1 registered
+    as the canary, its registration again fails, and the split leaves it out. It stayed registered and on the
+    GPU, reached by no request, until a push no longer named it; it now leaves, its error reported."""
+    pool, served, host = engine.adapter_pool, ServedAdapters("base"), EngineAdapters(engine)
+    served.apply(state(1, sql(V1, V2)), host)
+    engine.load("sql@v1")
+    engine.load("sql@v2")
+    canaries_cannot_be_registered(host)
     served.apply(state(2, sql(V2, V1)), host)
     assert pool.resolve("sql") == "sql@v2" and pool.registered() == ["sql@v2"]
     assert served_keys(served) == {"sql@v2"}
@@ -300,14 +305,7 @@ def test_a_swap_off_the_gpu_whose_old_stable_version_cannot_be_the_canary_retire
     pool, served, host = engine.adapter_pool, ServedAdapters("base"), EngineAdapters(engine)
     served.apply(state(1, sql(V1, V2, **flags)), host)
     engine.load("sql@v1")
-    real = host.register_adapter
-
-    def register(name, source, *, make_current=True, **kw):
-        if not make_current:
-            raise OSError(f"{source}/adapter_config.json: No such file or directory")
-        return real(name, source, make_current=make_current, **kw)
-
-    host.register_adapter = register
+    canaries_cannot_be_registered(host)
     served.apply(state(2, sql(V2, V1, **flags)), host)
     assert pool.resolve("sql") == "sql@v1"  # serves until v2 is on the GPU
     engine.load("sql@v2")
