@@ -86,7 +86,7 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
         self._pinned_keys: set[str] = set()
         self._current: dict[str, str] = {}  # name -> key that resolve() answers
         self._pending: dict[str, str] = {}  # name -> new version loading beside the current one
-        self._kept: dict[str, str] = {}  # name -> its current key, registered again as a canary: kept at the switch
+        self._kept: dict[str, str] = {}  # name -> the key kept registered at the switch if it is the current one then
         self._slot_owner: dict[int, AdapterEntry] = {}
         self._free_slots = list(range(config.max_slots - 1, -1, -1))
         self._wanted: dict[str, None] = {}  # keys to bring to the GPU, in request order

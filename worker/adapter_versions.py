@@ -24,14 +24,15 @@ from lorafleet.worker.adapter_entry import AdapterEntry, AdapterNotFoundError, L
 
 class AdapterVersions:
     def add(self, key: str, weights=None, *, loader: Loader | None = None, tenant: str = "default",
-            pinned: bool = False, make_current: bool = True, keep_previous: bool = False,
+            pinned: bool = False, make_current: bool = True, keep_previous: str | None = None,
             read_seconds: float = 0.0) -> None:
         """Register `name@version` from CPU `weights` (packed now, read_seconds after the caller read them:
         the disk -> CPU load time; re-read through `weights.reload` if it has one, so the CPU tier alone
         bounds the copies kept) or a `loader` (run in a loader thread on first use). A second version loads
         beside the first, current once resident unless the first is added again (as current; as a canary,
-        `make_current=False`, it stays registered beside the second once that is current, as with
-        `keep_previous`: stable and canary swapped); a key's content is fixed while it is registered or held."""
+        `make_current=False`, it stays registered beside the second once that is current, as does the key
+        `keep_previous` names if it is the current one at the switch: stable and canary swapped); a key's content
+        is fixed while it is registered or held."""
         name, version = split_key(key)
         if weights is None and loader is None:
             raise ValueError(f"{key}: give weights or a loader")
@@ -81,15 +82,16 @@ class AdapterVersions:
                 self._want(entry)
             self._update_gauges()
 
-    def make_current(self, key: str, *, if_resident: bool = False, keep_previous: bool = False) -> bool:
+    def make_current(self, key: str, *, if_resident: bool = False, keep_previous: str | None = None) -> bool:
         """Make the registered `key` its name's current version now (a canary promoted to stable):
         `resolve(name)` answers it from this call on. The previous current version retires as when a
         new version replaces it: requests holding it finish on it, then it is dropped, and no new
         request resolves to it. A different version still loading to become current is retired too.
         if_resident: only if `key` is on the GPU; else it becomes current once it is, as a new version
         added as current does (the current one serves, and is kept if registered again as a canary, until
-        then), its weights not read again. keep_previous: the previous current version stays registered (the
-        new one's canary: stable and canary swapped) instead of retiring. True if `key` is current now. Raises
+        then), its weights not read again. keep_previous: the key that stays registered instead of retiring if it
+        is the current version at the switch (the new one's canary: stable and canary swapped; decided then,
+        under the pool's lock, not on what the caller saw earlier). True if `key` is current now. Raises
         AdapterNotFoundError for a key that is not registered."""
         with self._lock:
             entry = self._get(key)
@@ -102,8 +104,8 @@ class AdapterVersions:
             pending = self._pending.pop(entry.name, None)
             if pending is not None and pending != key:
                 self._retire(self._entries[pending])
-            if keep_previous:
-                self._keep_current(entry)
+            if keep_previous is not None:
+                self._kept[entry.name] = keep_previous
             self._switch(entry)
             self._update_gauges()
             return True
@@ -154,26 +156,21 @@ class AdapterVersions:
             raise AdapterNotFoundError(f"adapter {key!r} is not registered")
         return entry
 
-    def _make_pending(self, entry: AdapterEntry, keep: bool = False) -> None:
+    def _make_pending(self, entry: AdapterEntry, keep: str | None = None) -> None:
         """`entry` replaces its name's current version once resident (now, if it is); a different version
-        loading to replace it retires. The current version is kept registered at the switch with `keep`, or
-        if registered again as a canary after this."""
+        loading to replace it retires. The current version is kept registered at the switch if it is `keep`
+        then, or if registered again as a canary after this."""
         old_pending = self._pending.get(entry.name)
         self._pending[entry.name] = entry.key
         self._kept.pop(entry.name, None)
-        if keep:
-            self._keep_current(entry)
+        if keep is not None:
+            self._kept[entry.name] = keep
         if old_pending is not None and old_pending != entry.key:
             self._retire(self._entries[old_pending])
         if entry.resident:
             self._switch(entry)
         else:
             self._want(entry)
-
-    def _keep_current(self, entry: AdapterEntry) -> None:
-        """The name's current version stays registered when `entry` replaces it (`_switch`): its canary."""
-        if (previous := self._current.get(entry.name)) not in (None, entry.key):
-            self._kept[entry.name] = previous
 
     def _switch(self, entry: AdapterEntry) -> None:
         """Atomic version switch: one assignment under the lock; the old version retires, unless it was

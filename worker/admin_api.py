@@ -239,8 +239,13 @@ def _load_adapter(app: web.Application, name: str, path: str) -> str:
 
 
 def _unload_adapter(app: web.Application, name: str) -> None:
-    app[ADAPTERS].unload(name, app[HOST])
-    app[ADAPTERS].pushed = None
+    adapters = app[ADAPTERS]
+    pushed, adapters.pushed = adapters.pushed, None  # before the table changes: a read meanwhile must not adopt it
+    try:
+        adapters.unload(name, app[HOST])
+    except APIError:  # not served: nothing changed
+        adapters.pushed = pushed
+        raise
 
 
 async def unload_lora_adapter(request: web.Request) -> web.Response:

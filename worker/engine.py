@@ -175,13 +175,13 @@ class Engine:
     # ---- adapters -----------------------------------------------------------------------------------
     def register_adapter(
         self, name: str, path: str | Path, version: str | None = None, *, tenant: str = "default",
-        pinned: bool = False, make_current: bool = True, sha256: str | None = None, keep_previous: bool = False,
+        pinned: bool = False, make_current: bool = True, sha256: str | None = None, keep_previous: str | None = None,
     ) -> str:
         """Load and validate a PEFT adapter directory and register it as `name@version`; returns the key.
 
         `version` defaults to the adapter's content digest. The adapter is copied to the GPU pool on
         first use (or now when pinned). A new version of a registered name becomes current once
-        resident (`keep_previous`: the version it replaces then stays registered, its canary); with
+        resident (`keep_previous`: that key, if it is the version replaced then, stays registered: its canary); with
         `make_current=False` it is only registered beside the current one (a canary).
         `sha256`, when given, is the digest the files must have (as `sources.adapter_digest`); other files
         are refused (AdapterError naming both digests) before their weights are parsed."""

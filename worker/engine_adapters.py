@@ -22,7 +22,7 @@ class EngineAdapters:
 
     def register_adapter(self, name: str, source: str, *, version: str | None = None, tenant: str | None = None,
                          pinned: bool = False, make_current: bool = True, sha256: str | None = None,
-                         keep_previous: bool = False) -> str:
+                         keep_previous: str | None = None) -> str:
         """Validate and register a local PEFT directory as `name@version` (its files must hash to `sha256`
         when given); returns the key. The base model's name is refused: requests naming it get the base
         model, so such an adapter could never be called."""
@@ -32,10 +32,11 @@ class EngineAdapters:
         return self.engine.register_adapter(name, source, version, tenant=tenant or "default", pinned=pinned,
                                             make_current=make_current, sha256=sha256, keep_previous=keep_previous)
 
-    def make_adapter_current(self, key: str, *, if_resident: bool = False, keep_previous: bool = False) -> bool:
-        """Make the registered `key` its name's current version; the previous one retires (keep_previous: stays
-        registered, the new one's canary). if_resident: only now if it is on the GPU, else once it is (the pool
-        checks and switches under its lock). True if `key` is current now."""
+    def make_adapter_current(self, key: str, *, if_resident: bool = False, keep_previous: str | None = None) -> bool:
+        """Make the registered `key` its name's current version; the previous one retires (keep_previous: that
+        key, if it is the previous one at the switch, stays registered, the new one's canary). if_resident: only
+        now if it is on the GPU, else once it is (the pool checks and switches under its lock). True if `key` is
+        current now."""
         try:
             return self.pool.make_current(key, if_resident=if_resident, keep_previous=keep_previous)
         except AdapterNotFoundError as exc:

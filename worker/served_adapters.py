@@ -269,8 +269,8 @@ class ServedAdapters:
         demoted = old.split.stable if old is not None and old.split.stable != d.stable.version else None
         if demoted not in versions:
             demoted = None
-        # Kept at the switch only if it is what the engine serves (not while a rollout to it still loads).
-        keeps = demoted is not None and f"{d.name}@{demoted}" in current
+        # Kept at the switch if the engine serves it then (not while a rollout to it still loads): the pool decides.
+        keeps = f"{d.name}@{demoted}" if demoted is not None else None
         fallback = False
         for version, uri in versions.items():
             stable = version == d.stable.version
@@ -323,7 +323,7 @@ class ServedAdapters:
                         fallback = True
                 break
             served.sources[version] = uri
-        if keeps and demoted in served.errors and d.stable.version not in served.errors:
+        if keeps is not None and demoted in served.errors and d.stable.version not in served.errors:
             # Kept for the canary, which it cannot be (its files are gone, say): it retires at the switch after all.
             engine.make_adapter_current(f"{d.name}@{d.stable.version}", if_resident=True)
         if d.canary is not None and d.canary.version not in served.errors and d.stable.version not in served.errors:

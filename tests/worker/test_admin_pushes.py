@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from lorafleet.worker.app_keys import ENGINE
+from lorafleet.worker.app_keys import ENGINE, HOST
 from lorafleet.worker.directives import DesiredState
 from lorafleet.worker.engine_config import EngineConfig
 from lorafleet.worker.server import create_app
@@ -162,3 +162,28 @@ async def test_the_last_push_is_answered_as_sent_while_the_engine_serves_it(clie
     assert (await (await client.get("/admin/v1/directives", headers=ADMIN)).json())["served"] == ["alpha"]
     assert (await client.post("/v1/unload_lora_adapter", json={"lora_name": "alpha"}, headers=ADMIN)).status == 200
     assert (await (await client.get("/admin/v1/directives", headers=ADMIN)).json())["directives"] is None
+
+
+async def test_an_unload_in_progress_is_not_answered_as_the_last_push(client, qv_adapters_dir):
+    """While a vLLM unload runs (the table already without alpha, the engine's unregister still going on), the
+    last push was answered with alpha in it and alpha no longer served: a stager starting then took alpha as
+    held by the engine."""
+    sent = {"generation": 7, "adapters": [directive(n, qv_adapters_dir / n) for n in ("alpha", "beta")]}
+    assert (await client.put("/admin/v1/state", json=sent, headers=ADMIN)).status == 200
+    host = client.server.app[HOST]
+    entered, release, real = threading.Event(), threading.Event(), host.unregister_adapter
+
+    def slow_unregister(name):  # the engine thread holds the pool's lock for a moment, say
+        entered.set()
+        release.wait(30)
+        return real(name)
+
+    host.unregister_adapter = slow_unregister
+    pending = asyncio.ensure_future(client.post("/v1/unload_lora_adapter", json={"lora_name": "alpha"}, headers=ADMIN))
+    try:
+        assert await asyncio.to_thread(entered.wait, 30)
+        body = await (await client.get("/admin/v1/directives", headers=ADMIN)).json()
+        assert body["directives"] is None, body
+    finally:
+        release.set()
+    assert (await pending).status == 200

@@ -21,7 +21,7 @@ class RecordingHost:
         self.warm: dict[str, bool] = {}  # key -> the warm flag of the last push naming it
 
     def register_adapter(self, name, source, *, version=None, tenant=None, pinned=False, make_current=True,
-                         sha256=None, keep_previous=False):
+                         sha256=None, keep_previous=None):
         self.calls.append(("register", f"{name}@{version}", make_current))
         if source in self.failing:
             raise ValueError(f"{source}: adapter_model.safetensors is corrupt")
@@ -30,7 +30,7 @@ class RecordingHost:
                                          "tier": "gpu", "refcount": 0, "hits": 0, "bytes": 10, "pinned": pinned}
         return f"{name}@{version}"
 
-    def make_adapter_current(self, key, *, if_resident=False, keep_previous=False):
+    def make_adapter_current(self, key, *, if_resident=False, keep_previous=None):
         self.calls.append(("make_current", key))
         return True
 

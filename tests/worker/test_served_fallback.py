@@ -33,10 +33,10 @@ class SwitchingHost(RecordingHost):
         super().__init__()
         self.current: dict[str, str] = {}
         self.pending: dict[str, str] = {}
-        self.kept: dict[str, str] = {}  # name -> its current key, kept registered when the pending one switches
+        self.kept: dict[str, str] = {}  # name -> the key kept registered if current when the pending one switches
 
     def register_adapter(self, name, source, *, version=None, tenant=None, pinned=False, make_current=True,
-                         sha256=None, keep_previous=False):
+                         sha256=None, keep_previous=None):
         key = super().register_adapter(name, source, version=version, tenant=tenant, pinned=pinned,
                                        make_current=make_current, sha256=sha256, keep_previous=keep_previous)
         if name not in self.current:
@@ -44,20 +44,24 @@ class SwitchingHost(RecordingHost):
         elif make_current and self.current[name] != key:
             self.pending[name] = key
             self.kept.pop(name, None)
+            if keep_previous is not None:
+                self.kept[name] = keep_previous
         elif not make_current and self.current[name] == key and name in self.pending:
             self.kept[name] = key
         return key
 
-    def make_adapter_current(self, key, *, if_resident=False, keep_previous=False):
+    def make_adapter_current(self, key, *, if_resident=False, keep_previous=None):
         super().make_adapter_current(key, if_resident=if_resident, keep_previous=keep_previous)
         name = key.partition("@")[0]
         if if_resident and self.keys[key]["tier"] != "gpu" and self.current.get(name) != key:
             self.pending[name] = key  # evicted meanwhile: current once it has loaded (`loaded`)
             self.kept.pop(name, None)
+            if keep_previous is not None:
+                self.kept[name] = keep_previous
             return False
         self.kept.pop(name, None)
-        if keep_previous and self.current.get(name) not in (None, key):
-            self.kept[name] = self.current[name]
+        if keep_previous is not None:
+            self.kept[name] = keep_previous
         self._switch(key)
         return True
 

@@ -31,7 +31,7 @@ class GatedEngine:
         self.broken: set[str] = set()
 
     def register_adapter(self, name, path, version=None, *, tenant="default", pinned=False, make_current=True,
-                         sha256=None, keep_previous=False) -> str:
+                         sha256=None, keep_previous=None) -> str:
         key = f"{name}@{version}"
         gate, seed = self.gates[key], int(version.removeprefix("v"))
 
@@ -127,7 +127,7 @@ class PackingEngine(GatedEngine):
     its GPU slot (evicting another) before register_adapter returns."""
 
     def register_adapter(self, name, path, version=None, *, tenant="default", pinned=False, make_current=True,
-                         sha256=None, keep_previous=False) -> str:
+                         sha256=None, keep_previous=None) -> str:
         key = f"{name}@{version}"
         weights = random_weights(int(version.removeprefix("v")))
         self.adapter_pool.add(key, weights, tenant=tenant, pinned=pinned, make_current=make_current,
@@ -138,7 +138,7 @@ class PackingEngine(GatedEngine):
 class EvictingAdapters(EngineAdapters):
     """The engine thread evicts the version to switch to (pressure from other requests) just before the switch."""
 
-    def make_adapter_current(self, key: str, *, if_resident: bool = False, keep_previous: bool = False) -> bool:
+    def make_adapter_current(self, key: str, *, if_resident: bool = False, keep_previous: str | None = None) -> bool:
         if self.pool.entry(key).resident:
             self.pool.evict(key)
         return super().make_adapter_current(key, if_resident=if_resident, keep_previous=keep_previous)

@@ -313,6 +313,39 @@ def test_a_swap_off_the_gpu_whose_old_stable_version_cannot_be_the_canary_retire
     pool.check()
 
 
+def test_a_swap_keeps_the_version_serving_at_the_switch_not_at_the_push_s_start():
+    """{v1, canary v3}, {v2 (loading: v1 serves), canary v3}; then {aaa, sql: v3, canary v2}, and v2's load ends
+    while aaa registers (v2 serves now). Whether to keep v2 at v3's switch was decided on what served when the
+    push began (v1): v2 was retired at once, bare sql requests failed until v2 was read again, into CPU only."""
+    engine = GatedEngine(make_pool(max_slots=4, num_load_threads=2))
+    pool, served, host = engine.adapter_pool, ServedAdapters("base"), EngineAdapters(engine)
+    try:
+        served.apply(state(1, sql(V1, V3)), host)
+        engine.load("sql@v1")
+        engine.load("sql@v3")
+        served.apply(state(2, sql(V2, V3)), host)
+        assert pool.resolve("sql") == "sql@v1"
+        real, seen = host.register_adapter, []
+
+        def register(name, source, **kw):
+            if name == "aaa":  # meanwhile the engine thread finishes v2's load: v2 current, v1 retired
+                engine.load("sql@v2")
+            if name == "sql" and not kw.get("make_current", True):  # v2 about to be read again as the canary
+                seen.append(pool.resolve(served.resolve("sql", ACME, "user-x")))
+            return real(name, source, **kw)
+
+        host.register_adapter = register
+        aaa = {"name": "aaa", "tenant": "acme", "stable": {"version": "v9", "uri": "/c/aaa/v9"}, "warm": False}
+        served.apply(state(3, aaa, sql(V3, V2)), host)
+        assert seen == ["sql@v2"] and pool.resolve("sql") == "sql@v3"
+        assert {d["key"]: d["tier"] for d in pool.describe()}["sql@v2"] == "gpu"
+        pool.check()
+    finally:
+        for gate in list(engine.gates.values()):
+            gate.set()
+        pool.close()
+
+
 def test_a_rollback_whose_version_is_dropped_while_the_push_runs_registers_it_again():
     """Every slot pinned; {sql v2} waits for the last request on the pinned v1; then the rollback {v1}, during which
     that request ends (v2 takes v1's slot, v1 is dropped). The push, which had seen v1 held, took it as registered:
