@@ -62,6 +62,7 @@ from lorafleet.worker.directives import (
 )
 from lorafleet.worker.openai_protocol import APIError
 from lorafleet.worker.served_fallback import (
+    drop_kept_canary,
     drop_unserved_failures,
     drops_kept,
     gpu_resident,
@@ -324,8 +325,7 @@ class ServedAdapters:
                 break
             served.sources[version] = uri
         if keeps is not None and demoted in served.errors and d.stable.version not in served.errors:
-            # Kept for the canary, which it cannot be (its files are gone, say): it retires at the switch after all.
-            engine.make_adapter_current(f"{d.name}@{d.stable.version}", if_resident=True)
+            drop_kept_canary(engine, d.name, d.stable.version, demoted)
         if d.canary is not None and d.canary.version not in served.errors and d.stable.version not in served.errors:
             served.split = VersionSplit(d.stable.version, d.canary.version, d.canary_weight)
         elif fallback and old is not None:

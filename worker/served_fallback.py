@@ -108,3 +108,13 @@ def drop_unserved_failures(table: dict[str, ServedAdapter], engine: AdapterHost)
                     engine.remove_adapter_version(key)
                 except (ValueError, KeyError) as exc:
                     log.info("dropping %s, which failed: %s", key, exc)
+
+
+def drop_kept_canary(engine: AdapterHost, name: str, stable: str, demoted: str) -> None:
+    """A swap asked the engine to keep `demoted` (its old stable version) at the switch to `stable`, as the
+    canary, which its registration failed to become (its files gone, say): it retires at the switch after all.
+    Only while the engine still serves it and waits to switch (looked up now, not when the push began); once
+    switched, the push's end drops it with its failures (`drop_unserved_failures`)."""
+    current = {a["key"] for a in engine.describe_adapters() if a.get("current")}
+    if f"{name}@{demoted}" in current:
+        engine.make_adapter_current(f"{name}@{stable}", if_resident=True)  # waits to switch, keeping nothing

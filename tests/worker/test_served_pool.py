@@ -57,9 +57,10 @@ class GatedEngine:
         self.adapter_pool.load(key)
 
 
-def gated_engine():
-    """A GatedEngine over a pool of two slots, for a fixture: its gates opened and its pool closed after."""
-    gated = GatedEngine(make_pool(max_slots=2, num_load_threads=2))
+def gated_engine(engine_type: type | None = None, **pool_config):
+    """A GatedEngine (or `engine_type`) over a pool of two slots (or `pool_config`), for a fixture or a `with`
+    (contextlib.contextmanager): its gates opened and its pool closed after."""
+    gated = (engine_type or GatedEngine)(make_pool(**{"max_slots": 2, "num_load_threads": 2, **pool_config}))
     yield gated
     for gate in list(gated.gates.values()):
         gate.set()
