@@ -64,19 +64,23 @@ class AdapterPlacement:
         if entry.resident and (entry.refcount or entry.waiters):
             return  # in use: checked when its last request releases it
         self._quota_due.discard(entry.key)
-        mine = [e for e in self._slot_owner.values() if e.tenant == entry.tenant]
-        if entry.resident and self.config.quota(entry.tenant).exceeded(len(mine), sum(e.gpu_bytes for e in mine)):
+        if entry.resident and self.config.quota(entry.tenant).exceeded(*self._gpu_usage(entry.tenant)):
             self._evict_gpu(entry, "quota")
             if entry.pinned or entry.key in self._warm:
                 self._want(entry)  # back within that quota, evicting the owner's other idle adapters first
 
+    def _gpu_usage(self, tenant: str) -> tuple[int, int]:
+        """(adapters, bytes) `tenant` holds on the GPU: what its quota counts."""
+        mine = [e for e in self._slot_owner.values() if e.tenant == tenant]
+        return len(mine), sum(e.gpu_bytes for e in mine)
+
     def _plan_with(self, entry: AdapterEntry, candidates: list[AdapterEntry]) -> list[AdapterEntry] | None:
-        mine = [e for e in self._slot_owner.values() if e.tenant == entry.tenant]
+        count, nbytes = self._gpu_usage(entry.tenant)
         keys = plan_placement(
             need_pages=entry.image.num_pages, nbytes=entry.image.nbytes, tenant=entry.tenant,
             quota=self.config.quota(entry.tenant),
             ordered=[(e.key, e.tenant, len(e.page_ids), e.gpu_bytes) for e in self._eviction_order(candidates)],
-            tenant_count=len(mine), tenant_bytes=sum(e.gpu_bytes for e in mine),
+            tenant_count=count, tenant_bytes=nbytes,
             free_pages=self.page_pool.available("adapter"), free_slots=len(self._free_slots))
         return None if keys is None else [self._entries[k] for k in keys]
 
@@ -110,8 +114,8 @@ class AdapterPlacement:
                 if not victim.on_gpu:  # retired, it was dropped (slot and pages freed)
                     continue
                 victim.pinned = False  # kept registered (the new one's canary): it leaves the GPU as any other
-            mine = [e for e in self._slot_owner.values() if e.tenant == entry.tenant]
-            over = quota.exceeded(len(mine) + 1, sum(e.gpu_bytes for e in mine) + entry.image.nbytes)
+            count, nbytes = self._gpu_usage(entry.tenant)
+            over = quota.exceeded(count + 1, nbytes + entry.image.nbytes)
             self._evict_gpu(victim, "quota" if over and victim.tenant == entry.tenant else "capacity")
         return self._place(entry)
 

@@ -55,12 +55,11 @@ class AdapterVersions:
                         f"{key} is already registered with different weights; register them as a new "
                         f"version (name@other-version) so no request is served stale weights"
                     )
-                if not entry.retired:  # registered again: its owner may have changed (GPU quota is charged to it)
+                if not entry.retired:
                     pinned = entry.pinned = entry.pinned or pinned
-                    self._set_tenant(entry, tenant)
                 else:  # retired but still held (a quick rollback): the same weights come back, for the new owner
                     entry.retired, entry.loader, entry.pinned = False, loader, pinned
-                    self._set_tenant(entry, tenant)
+                self._set_tenant(entry, tenant)  # its owner may have changed: the GPU quota is charged to it
             else:
                 entry = AdapterEntry(key, name, version, tenant, loader, pinned=pinned)
                 self._entries[key] = entry

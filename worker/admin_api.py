@@ -44,6 +44,7 @@ from lorafleet.worker.openai_protocol import (
     parse_load_adapter_request,
     parse_unload_adapter_request,
 )
+from lorafleet.worker.served_adapters import ServedAdapters
 from lorafleet.worker.sources import SourceError, Sources, SourcesConfig
 from lorafleet.worker.staging_errors import READ_ERROR_KINDS, source_status
 from lorafleet.worker.tenants import AuthenticationError, bearer_token, token_bytes
@@ -189,18 +190,24 @@ async def put_state(request: web.Request) -> web.Response:
     return web.json_response(state_report(app))
 
 
+def _changing(adapters: ServedAdapters, change: Callable[..., T], *args: Any) -> T:
+    """Run a change of the served table with no record of the last push meanwhile (a read then must not take
+    the table for that push's; a failure midway leaves it so); put back when the change is refused (APIError:
+    a stale generation, a name not served or already loaded, raised before anything changes)."""
+    pushed, adapters.pushed = adapters.pushed, None
+    try:
+        return change(*args)
+    except APIError:
+        adapters.pushed = pushed
+        raise
+
+
 def _apply_state(app: web.Application, state: DesiredState) -> bool:
     """Check the sources of `state`, then apply it (in the admin change's thread: both touch the disk)."""
     adapters = app[ADAPTERS]
-    checked = _with_local_sources(app, state)  # a source refused here changes nothing
-    pushed, adapters.pushed = adapters.pushed, None  # unknown while it is applied (a failure may stop it midway)
-    try:
-        applied = adapters.apply(checked, app[HOST])
-    except APIError as exc:
-        if exc.status == 409:  # a stale generation, refused before any change
-            adapters.pushed = pushed
-        raise
-    adapters.pushed = state if applied else pushed
+    checked, pushed = _with_local_sources(app, state), adapters.pushed  # a source refused here changes nothing
+    applied = _changing(adapters, adapters.apply, checked, app[HOST])
+    adapters.pushed = state if applied else pushed  # not applied: the same generation again
     return applied
 
 
@@ -233,19 +240,12 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
 
 def _load_adapter(app: web.Application, name: str, path: str) -> str:
     """Check `path`, then register it as `name` (in the admin change's thread: both touch the disk)."""
-    key = app[ADAPTERS].load(name, _local_source(app, path, f"lora_path of {name!r}"), app[HOST])
-    app[ADAPTERS].pushed = None  # what is served is no longer a push's
-    return key
+    source = _local_source(app, path, f"lora_path of {name!r}")
+    return _changing(app[ADAPTERS], app[ADAPTERS].load, name, source, app[HOST])  # what is served is no push's
 
 
 def _unload_adapter(app: web.Application, name: str) -> None:
-    adapters = app[ADAPTERS]
-    pushed, adapters.pushed = adapters.pushed, None  # before the table changes: a read meanwhile must not adopt it
-    try:
-        adapters.unload(name, app[HOST])
-    except APIError:  # not served: nothing changed
-        adapters.pushed = pushed
-        raise
+    _changing(app[ADAPTERS], app[ADAPTERS].unload, name, app[HOST])
 
 
 async def unload_lora_adapter(request: web.Request) -> web.Response:

@@ -99,15 +99,17 @@ def drop_unserved_failures(table: dict[str, ServedAdapter], engine: AdapterHost)
     split, nor the fallback), yet the engine holds from an earlier registration: the old stable version kept
     as a swap's canary whose files are gone, a canary whose new files failed. They would keep their GPU slot
     and memory until a push no longer named them; their error stays reported."""
+    unserved = [f"{served.name}@{version}" for served in table.values()
+                for version in set(served.errors) - {served.split.stable, served.split.canary, served.fallback}]
+    if not unserved:
+        return  # the usual push: nothing to look up
     held = {a["key"]: a for a in engine.describe_adapters()}
-    for served in table.values():
-        for version in set(served.errors) - {served.split.stable, served.split.canary, served.fallback}:
-            key = f"{served.name}@{version}"
-            if key in held and not held[key].get("current"):
-                try:
-                    engine.remove_adapter_version(key)
-                except (ValueError, KeyError) as exc:
-                    log.info("dropping %s, which failed: %s", key, exc)
+    for key in unserved:
+        if key in held and not held[key].get("current"):
+            try:
+                engine.remove_adapter_version(key)
+            except (ValueError, KeyError) as exc:
+                log.info("dropping %s, which failed: %s", key, exc)
 
 
 def drop_kept_canary(engine: AdapterHost, name: str, stable: str, demoted: str) -> None:

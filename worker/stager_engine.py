@@ -94,9 +94,7 @@ class EngineLink:
         refs = [ref for a in state.adapters for ref in (a.stable, a.canary) if ref is not None]
         if not served <= set(state.by_name()) or not all(r.sha256 and r.uri.startswith("/") for r in refs):
             return None  # what a stager forwards is a local path and its digest: this came from elsewhere
-        # An empty table after a vLLM unload or a push that failed: held under the generation the engine applied.
-        self.generation, self._content = max(self.generation, state.generation), replace(state, generation=0)
-        self.known = True
+        self._content, self.known = replace(state, generation=0), True  # held under the generation it applied
         return state
 
     async def report(self) -> ReportedState:

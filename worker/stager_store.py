@@ -14,10 +14,11 @@ minutes per push, while later pushes queue behind it. So:
   that call no version calls it again (`StoreDown`); a call made before a push began (a superseded push's
   download, left running, that times out later) marks the store down but does not spare the newer push
   its own quick call; the state is the one the latest-made call found (a late failure of a call older than
-  one the store answered, or a late answer to a call older than one it failed, changes nothing): a version with a cached copy is served from it, one without fails
-  at once. A download that was receiving bytes and ran out of `download_timeout_s` (a big adapter, a slow
-  link) is that version's failure alone: the store answered, the other versions still call it. Stages of one push that run at once share this: one that waited for
-  another's download (the same cache key) or for a thread does not call the store once it is down;
+  one the store answered, or a late answer to a call older than one it failed, changes nothing): a version
+  with a cached copy is served from it, one without fails at once. A download that was receiving bytes and
+  ran out of `download_timeout_s` (a big adapter, a slow link) is that version's failure alone: the store
+  answered, the other versions still call it. Stages of one push that run at once share this: one that
+  waited for another's download (the same cache key) or for a thread does not call the store once it is down;
 * the next push calls it again (quickly), and the first answer ends the outage: versions are checked
   and new uploads picked up as before.
 
