@@ -271,17 +271,29 @@ class DecodeGraphs:
         self.seg_starts[: segs + 1].copy_(small[3 * size + segs :], non_blocking=True)
         self.block_tables[:size].copy_(tables, non_blocking=True)
 
-    @torch.inference_mode()
-    def capture_all(self) -> None:
-        """Capture every bucket, without adapters and at each (rank bound, planning rank), now (at start)
-        rather than on first use."""
+    def _start_keys(self) -> list[tuple[int, int, int]]:
+        """(bucket, rank bound, planning rank) of every graph captured at start: each bucket without
+        adapters and at each bound and planning rank, the largest bucket first (its memory serves the
+        smaller ones)."""
         layout = self.lora_layout()
         bounds = rank_bounds(layout.max_rank) if layout is not None else []
         ranks = [(0, 0), *((bound, plan) for bound in bounds for plan in bounds if plan <= bound)]
-        for size in reversed(self.buckets):  # the largest first: its memory serves the smaller ones
-            for bound, plan in ranks:
-                if (size, bound, plan) not in self._graphs:
-                    self._graphs[(size, bound, plan)] = self._capture(size, bound, plan)
+        return [(size, bound, plan) for size in reversed(self.buckets) for bound, plan in ranks]
+
+    @torch.inference_mode()
+    def capture_all(self) -> None:
+        """Capture every graph of `_start_keys` now (at start) rather than on first use."""
+        for key in self._start_keys():
+            if key not in self._graphs:
+                self._graphs[key] = self._capture(*key)
+
+    @torch.inference_mode()
+    def rehearse_all(self) -> None:
+        """Run the forward of every capture `capture_all` would make, eagerly and captured into nothing:
+        under kernels.compile_ahead.launches_recorded this lists the Triton kernels the captures need."""
+        for size, bound, plan in self._start_keys():
+            self._fill(DecodeInputs([], [], [], [], [], []), size)
+            self._forward(self._context(size, bound, plan), size)
 
     @torch.inference_mode()
     def run(self, inputs: DecodeInputs) -> torch.Tensor:

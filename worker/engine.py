@@ -41,6 +41,7 @@ from lorafleet.worker.scheduler import Scheduler
 from lorafleet.worker.sequence import Sequence
 from lorafleet.worker.stop_checker import StopChecker
 from lorafleet.worker.vocab_digest import vocab_digest
+from lorafleet.worker.warmup import warm_up
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +113,7 @@ class Engine:
                                   slot_max_rank=self._slot_max_rank, lora_segment_len=config.lora_segment_len,
                                   graphs=graphs, lora_stream=lora_stream)
         if gpu_kernels:
-            self._warm_up(config)
+            warm_up(self.runner, config)
         self.sampler = Sampler(seed=config.seed, device=self.device, eos_token_ids=self.eos_token_ids,
                                json_guide=JsonGuide.of(self.tokenizer, mc.vocab_size, self.eos_token_ids, self.device))
         self.stop_checker = StopChecker(self.tokenizer, self.eos_token_ids, self.max_model_len)
@@ -124,21 +125,6 @@ class Engine:
         self.adapter_dir_report = AdapterDirReport()  # what --adapters DIR registered, and what not
         if config.adapters:
             self.register_adapter_dir(config.adapters)
-
-    def _warm_up(self, config: EngineConfig) -> None:
-        """Compile and capture at start what served steps would otherwise stall on (logged)."""
-        if config.warmup:
-            t0 = time.perf_counter()
-            most = config.max_num_batched_tokens
-            counts = sorted({c for c in (1, 16, 64, 256, 512, 1024) if c < most} | {most})  # 512: 32-token segments
-            ranks = sorted({min(r, config.max_lora_rank) for r in (16, 32, 64, 128)})
-            runs = self.runner.warmup(counts, ranks)
-            log.info("warm-up: %d forwards (tokens %s, rank bounds %s) in %.1f s", runs, counts, ranks, time.perf_counter() - t0)
-        if self.runner.graphs is not None:
-            t0 = time.perf_counter()
-            self.runner.graphs.capture_all()
-            log.info("captured %d CUDA graphs of decode steps (batch sizes %s) in %.1f s", self.runner.graphs.captures,
-                     self.runner.graphs.buckets, time.perf_counter() - t0)
 
     # ---- setup helpers ------------------------------------------------------------------------------
     def _lora_layout(self):

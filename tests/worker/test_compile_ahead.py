@@ -1,0 +1,101 @@
+"""Compiling the start-up's Triton kernels ahead, on threads (kernels/compile_ahead.py,
+worker/warmup.py). On the CPU: what decides whether and how wide it runs. On the GPU (gpu marker):
+a recorded launch is neither compiled nor run, the list compiles, and an engine started in a fresh
+process with an empty Triton cache compiles nothing at launch after it, and answers as one that
+compiled each kernel at its first launch."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lorafleet.kernels import compile_ahead
+from lorafleet.worker import EngineConfig
+
+
+def test_the_interpreter_compiles_nothing_ahead(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not compile_ahead.supported()
+
+
+@pytest.mark.parametrize("text, cpus", [("max 100000\n", None), ("200000 100000\n", 2), ("50000 100000", 1),
+                                        ("1600000 100000", 16), ("garbled", None)])
+def test_a_cgroup_quota_bounds_the_threads(tmp_path, text, cpus):
+    path = tmp_path / "cpu.max"
+    path.write_text(text)
+    assert compile_ahead._cgroup_cpus(str(path)) == cpus
+    assert compile_ahead._cgroup_cpus(str(tmp_path / "absent")) is None
+    assert 1 <= compile_ahead.default_threads() <= 16
+
+
+def test_compile_threads_must_not_be_negative(tiny_llama_dir):
+    with pytest.raises(ValueError, match="compile_threads must be >= 0"):
+        EngineConfig(model=str(tiny_llama_dir), compile_threads=-1)
+
+
+@pytest.mark.gpu
+def test_a_recorded_launch_is_neither_compiled_nor_run_and_compiles_ahead():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def add_k(x_ptr, n, K: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) + K, mask=offs < n)
+
+    assert compile_ahead.supported()
+    x = torch.zeros(1000, device="cuda")
+    with compile_ahead.launches_recorded() as found:
+        for _ in range(2):  # the same specialization twice: listed once
+            for k, block in ((1, 128), (2, 256)):
+                add_k[(triton.cdiv(1000, block),)](x, 1000, K=k, BLOCK=block)
+    torch.cuda.synchronize()
+    assert x.abs().sum().item() == 0  # nothing ran
+    assert len(found) == 2 and {s.name for s in found} == {"add_k"}
+    for caches in add_k.device_caches.values():  # what stood in for the recorded ones while recording is gone
+        assert not any(isinstance(k, compile_ahead._Skip) for k in caches[0].values())
+    assert compile_ahead.compile_all(found[:1], threads=2) == 1  # the second is left to its launch
+    launch_compiles = []
+    previous = triton.knobs.runtime.jit_cache_hook
+    triton.knobs.runtime.jit_cache_hook = lambda **kw: launch_compiles.append(kw["key"])
+    try:
+        for k, block in ((1, 128), (2, 256)):
+            add_k[(triton.cdiv(1000, block),)](x, 1000, K=k, BLOCK=block)
+    finally:
+        triton.knobs.runtime.jit_cache_hook = previous
+    assert len(launch_compiles) == 1 and launch_compiles[0] == found[1].key  # only the one not compiled ahead
+    assert torch.equal(x, torch.full_like(x, 3.0))
+
+
+_START = """
+import json, sys
+from triton import knobs
+from lorafleet.worker import Engine, EngineConfig, SamplingParams
+launched = []
+knobs.runtime.jit_post_compile_hook = lambda **kw: launched.append(kw["fn"].name) if not kw["is_manual_warmup"] else None
+model, adapters, threads = sys.argv[1], sys.argv[2], int(sys.argv[3])
+engine = Engine(EngineConfig(model=model, device="cuda", dtype="float32", adapters=adapters, max_lora_rank=16,
+                             max_num_seqs=4, max_num_batched_tokens=256, pool_bytes=64 << 20, compile_threads=threads))
+at_start = len(launched)
+outs = engine.generate([[5, 6, 7], [9, 10, 11, 12]], SamplingParams(max_tokens=6, temperature=0.0), adapters=["alpha", None])
+print(json.dumps({"compiled_at_launch": at_start, "tokens": [o.token_ids for o in outs]}))
+"""
+
+
+@pytest.mark.gpu
+def test_an_engine_compiles_ahead_then_launches_compiled_kernels(tiny_llama_dir, qv_adapters_dir, tmp_path):
+    results = {}
+    for threads in (4, 1):
+        env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / f"cache{threads}")}  # empty: every kernel compiles
+        run = subprocess.run([sys.executable, "-c", _START, str(tiny_llama_dir), str(qv_adapters_dir), str(threads)],
+                             capture_output=True, text=True, env=env, timeout=900)
+        assert run.returncode == 0, run.stderr[-3000:]
+        results[threads] = json.loads(run.stdout.strip().splitlines()[-1])
+    assert results[4]["compiled_at_launch"] == 0  # the warm-up and captures found every kernel compiled
+    assert results[1]["compiled_at_launch"] > 0  # one thread: each compiled at its first launch, as before
+    assert results[4]["tokens"] == results[1]["tokens"]
