@@ -5,24 +5,32 @@ dtypes and the divisibility of its integer arguments), one after the other. An 8
 and graph captures need about 150 of them, over 100 s on an empty cache. Instead:
 
     with launches_recorded() as found:
-        run the warm-up's forwards       # no Triton kernel is compiled or run, each one is listed
+        run the warm-up's forwards       # each launch that would compile is listed, not run
     compile_all(found, threads=16)       # the list, compiled at once on a thread pool
 
 and the warm-up proper then finds every kernel compiled. The compiler's MLIR passes and ptxas run
-outside the GIL, so the threads overlap. While launches are recorded, the outputs of the skipped
-kernels are whatever their buffers held: the forwards run only to reach every launch, and their
-results are dropped. None of the kernels here writes indices that torch reads back, so the rest of
-a forward runs on those values without fault.
+outside the GIL, so the threads overlap. While launches are recorded, kernels compiled already run
+as usual and the skipped ones leave their outputs as their buffers held them: the forwards run only
+to reach every launch, and their results are dropped. None of the kernels here writes indices that
+torch or another kernel reads back, so the rest of a forward runs on those values without fault.
+
+Triton's hook is one for the whole process: one thread records at a time (a second waits), and only
+its own launches are skipped. Another thread's launch compiles as usual, also one the recording
+thread listed already (see `_Skip`).
 
 Both use Triton's own hooks (`knobs.runtime.jit_cache_hook`, `JITFunction.preload` and its
-asynchronous compile mode); `supported()` says whether this Triton has them. Where it does not, or
-under the interpreter, the warm-up compiles as it goes, as before.
+asynchronous compile mode, with the `ignore_errors` of Triton 3.6 and later); `supported()` says
+whether this Triton has them. Where it does not, or under the interpreter, the warm-up compiles as
+it goes, as before.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
+import logging
 import os
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -35,13 +43,19 @@ try:
 except ImportError:  # an older Triton, or none
     triton = knobs = _async_compile = JITFunction = None
 
+log = logging.getLogger(__name__)
+_RECORDING = threading.RLock()  # one recording window at a time: the hook is the process's
+
 
 def supported() -> bool:
     """This Triton can record launches and compile the list ahead (never under the interpreter)."""
     if knobs is None or os.environ.get("TRITON_INTERPRET") == "1":
         return False
-    return (hasattr(knobs.runtime, "jit_cache_hook") and hasattr(JITFunction, "preload")
-            and hasattr(_async_compile, "AsyncCompileMode"))
+    if not (hasattr(knobs.runtime, "jit_cache_hook") and hasattr(JITFunction, "preload")
+            and hasattr(_async_compile, "AsyncCompileMode")):
+        return False
+    # Before `ignore_errors`, a failed compile left the mode active with its pool shut down.
+    return "ignore_errors" in inspect.signature(_async_compile.AsyncCompileMode).parameters
 
 
 @dataclass(frozen=True)
@@ -58,95 +72,125 @@ class Specialization:
 
 
 class _Skip:
-    """Stands in a kernel's in-memory cache for a specialization recorded already, while launches
-    are recorded: its later launches do nothing, and cost no second call of the hook."""
+    """Stands in a kernel's in-memory cache for a specialization listed already while launches are
+    recorded, so that its later launches cost no second call of the hook. On the recording thread a
+    launch does nothing. On any other thread it compiles the specialization (which then replaces
+    this in the cache) and launches it, as Triton's own launch would (JITFunction.run: launch
+    metadata, then run with the kernel's function and packed metadata)."""
+
+    def __init__(self, spec: Specialization, cache: dict, owner: int) -> None:
+        self.spec, self.cache, self.owner = spec, cache, owner
+        self._compiled = None
+
+    def _kernel(self):
+        if self._compiled is None:
+            self.spec.kernel.preload(self.spec.data)
+            self._compiled = self.cache[self.spec.key]
+        return self._compiled
+
+    def launch_metadata(self, grid, stream, *args):
+        if threading.get_ident() == self.owner:
+            return None
+        return self._kernel().launch_metadata(grid, stream, *args)
+
+    def run(self, grid_0, grid_1, grid_2, stream, function, packed_metadata, launch_metadata, *rest):
+        if threading.get_ident() == self.owner:
+            return None
+        kernel = self._kernel()
+        return kernel.run(grid_0, grid_1, grid_2, stream, kernel.function, kernel.packed_metadata, launch_metadata,
+                          *rest)
 
     function = packed_metadata = None
-
-    def launch_metadata(self, *args, **kwargs) -> None:
-        return None
-
-    def run(self, *args, **kwargs) -> None:
-        return None
 
 
 @contextlib.contextmanager
 def launches_recorded() -> Iterator[list[Specialization]]:
-    """Within: a Triton launch that would compile is neither compiled nor run; its specialization
-    is appended to the yielded list (once per distinct one). Launches of kernels compiled already
-    run as usual. On leaving, Triton's previous cache hook is put back and its caches hold only
-    what they held before, and what compiled meanwhile."""
-    found: list[Specialization] = []
-    skips: list[tuple[dict, str]] = []
-    skip = _Skip()
+    """Within: a launch from this thread that would compile is neither compiled nor run; its
+    specialization is appended to the yielded list (once per distinct one). Launches of kernels
+    compiled already run as usual, and other threads' launches as they would. On leaving, Triton's
+    previous cache hook is put back and the kernels' caches hold what they held before, and what
+    compiled meanwhile."""
+    with _RECORDING:
+        found: list[Specialization] = []
+        skips: list[tuple[dict, str, _Skip]] = []
+        owner = threading.get_ident()
+        previous = knobs.runtime.jit_cache_hook
 
-    def record(*, key, fn, compile, **_) -> bool:
-        kernel = fn.jit_function
-        found.append(Specialization(kernel, key, compile["specialization_data"]))
-        cache = kernel.device_caches[compile["device"]][0]
-        cache[key] = skip  # its next launches find it "compiled" and do nothing
-        skips.append((cache, key))
-        return True  # Triton: skip the compile, and with it this launch
+        def record(*, key, fn, compile, **kwargs) -> bool | None:
+            if threading.get_ident() != owner:
+                return previous(key=key, fn=fn, compile=compile, **kwargs) if previous else None
+            spec = Specialization(fn.jit_function, key, compile["specialization_data"])
+            found.append(spec)
+            cache = spec.kernel.device_caches[compile["device"]][0]
+            cache[key] = skip = _Skip(spec, cache, owner)  # its next launches find it "compiled"
+            skips.append((cache, key, skip))
+            return True  # Triton: skip the compile, and with it this launch
 
-    previous = knobs.runtime.jit_cache_hook
-    knobs.runtime.jit_cache_hook = record
-    try:
-        yield found
-    finally:
-        knobs.runtime.jit_cache_hook = previous
-        for cache, key in skips:
-            if cache.get(key) is skip:
-                del cache[key]
+        knobs.runtime.jit_cache_hook = record
+        try:
+            yield found
+        finally:
+            knobs.runtime.jit_cache_hook = previous
+            for cache, key, skip in skips:
+                if cache.get(key) is skip:
+                    del cache[key]
 
 
 def compile_all(found: list[Specialization], threads: int) -> int:
     """Compile every specialization in `found` on `threads` threads (Triton's disk cache serves
     those compiled before); each lands in its kernel's in-memory cache as a launch would leave it.
-    A specialization that fails to compile is dropped here: its launch compiles it again and raises
-    there, where the error belongs. Returns how many compiled."""
+    A specialization that fails to compile is logged and left out: its launch compiles it again and
+    raises there, where the error belongs. Returns how many compiled."""
     if not found:
         return 0
-    mode_class = _async_compile.AsyncCompileMode
-    with ThreadPoolExecutor(max(1, threads), thread_name_prefix="triton-compile") as pool:
-        try:
-            mode = mode_class(pool, ignore_errors=True)
-        except TypeError:  # a Triton whose mode has no ignore_errors: a failure raises on leaving
-            mode = mode_class(pool)
-        with contextlib.suppress(Exception), mode:
-            for spec in found:
+    pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="triton-compile")
+    with pool, _async_compile.AsyncCompileMode(pool, ignore_errors=True):
+        for spec in found:
+            try:
                 spec.kernel.preload(spec.data)
-    return sum(1 for spec in found if _compiled(spec))
+            except Exception as e:  # noqa: BLE001 - any failure: the launch compiles it as usual
+                log.warning("compiling %s ahead failed (%s): it compiles at its first launch", spec.name, e)
+    compiled = 0
+    for spec in found:
+        for caches in getattr(spec.kernel, "device_caches", {}).values():
+            kernel = caches[0].get(spec.key)
+            if isinstance(kernel, _async_compile.FutureKernel):
+                del caches[0][spec.key]  # failed, in a Triton that keeps it: the launch compiles anew
+            elif kernel is not None:
+                compiled += 1
+                break
+    return compiled
 
 
-def _compiled(spec: Specialization) -> bool:
-    """The kernel's in-memory cache holds a compiled kernel under the specialization's key."""
-    for caches in getattr(spec.kernel, "device_caches", {}).values():
-        kernel = caches[0].get(spec.key)
-        if kernel is not None and not isinstance(kernel, _async_compile.FutureKernel):
-            return True
-    return False
-
-
-def default_threads() -> int:
+def default_threads(cgroup_root: str = "/sys/fs/cgroup") -> int:
     """One compile thread per CPU core this process may use (its affinity, and its cgroup's CPU
     quota where one is set, as in a pod with a CPU limit), at most 16."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cores = os.cpu_count() or 1
-    quota = _cgroup_cpus()
+    quota = _cgroup_cpus(cgroup_root)
     if quota is not None:
         cores = min(cores, quota)
     return max(1, min(16, cores))
 
 
-def _cgroup_cpus(path: str = "/sys/fs/cgroup/cpu.max") -> int | None:
-    """Whole CPUs of a cgroup v2 quota ("200000 100000" -> 2), or None where there is none."""
+def _cgroup_cpus(root: str) -> int | None:
+    """Whole CPUs of the cgroup's quota (v2 cpu.max "200000 100000", or v1 cpu.cfs_quota_us and
+    cpu.cfs_period_us: 2), at least 1; None where no quota is set or none can be read."""
     try:
-        with open(path) as f:
+        with open(os.path.join(root, "cpu.max")) as f:
             quota, period = f.read().split()[:2]
     except (OSError, ValueError):
+        try:
+            with open(os.path.join(root, "cpu", "cpu.cfs_quota_us")) as f:
+                quota = f.read().strip()
+            with open(os.path.join(root, "cpu", "cpu.cfs_period_us")) as f:
+                period = f.read().strip()
+        except OSError:
+            return None
+    try:
+        quota_us, period_us = int(quota), int(period)
+    except ValueError:  # "max", or unreadable
         return None
-    if quota == "max":
-        return None
-    return max(1, int(quota) // int(period))
+    return max(1, quota_us // period_us) if quota_us > 0 and period_us > 0 else None

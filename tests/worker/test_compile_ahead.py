@@ -1,8 +1,9 @@
 """Compiling the start-up's Triton kernels ahead, on threads (kernels/compile_ahead.py,
-worker/warmup.py). On the CPU: what decides whether and how wide it runs. On the GPU (gpu marker):
-a recorded launch is neither compiled nor run, the list compiles, and an engine started in a fresh
-process with an empty Triton cache compiles nothing at launch after it, and answers as one that
-compiled each kernel at its first launch."""
+worker/warmup.py). On the CPU: what decides whether and how wide it runs, and that one thread records
+at a time while other threads' compiles go through. On the GPU (gpu marker): a recorded launch is
+neither compiled nor run while another thread's launch of it runs, the list compiles, and an engine
+started in a fresh process with an empty Triton cache compiles nothing at launch after it, leaves no
+hook behind, and answers as one that compiled each kernel at its first launch."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -21,16 +23,60 @@ from lorafleet.worker import EngineConfig
 def test_the_interpreter_compiles_nothing_ahead(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert not compile_ahead.supported()
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert compile_ahead.supported()  # the Triton installed here has the hooks and ignore_errors
 
 
-@pytest.mark.parametrize("text, cpus", [("max 100000\n", None), ("200000 100000\n", 2), ("50000 100000", 1),
-                                        ("1600000 100000", 16), ("garbled", None)])
-def test_a_cgroup_quota_bounds_the_threads(tmp_path, text, cpus):
-    path = tmp_path / "cpu.max"
-    path.write_text(text)
-    assert compile_ahead._cgroup_cpus(str(path)) == cpus
-    assert compile_ahead._cgroup_cpus(str(tmp_path / "absent")) is None
-    assert 1 <= compile_ahead.default_threads() <= 16
+@pytest.mark.parametrize(
+    "files, cpus",
+    [
+        ({"cpu.max": "max 100000\n"}, None),
+        ({"cpu.max": "200000 100000\n"}, 2),
+        ({"cpu.max": "50000 100000"}, 1),
+        ({"cpu.max": "garbled"}, None),
+        ({"cpu/cpu.cfs_quota_us": "300000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 3),  # cgroup v1
+        ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),
+        ({}, None),
+    ],
+)
+def test_a_cgroup_quota_bounds_the_threads(tmp_path, files, cpus):
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert compile_ahead._cgroup_cpus(str(tmp_path)) == cpus
+    cores = len(os.sched_getaffinity(0))
+    assert compile_ahead.default_threads(str(tmp_path)) == min(16, cores, cpus or cores)
+
+
+def test_one_thread_records_at_a_time_and_the_hook_comes_back():
+    from triton import knobs
+
+    assert knobs.runtime.jit_cache_hook is None
+    first_in, second_in, order = threading.Event(), threading.Event(), []
+
+    def second():
+        first_in.wait()
+        with compile_ahead.launches_recorded():
+            order.append("second")
+            second_in.set()
+
+    t = threading.Thread(target=second)
+    t.start()
+    with compile_ahead.launches_recorded():
+        first_in.set()
+        assert not second_in.wait(0.2)  # it waits for this window to close
+        hook = knobs.runtime.jit_cache_hook
+        passed = []  # another thread's compile goes through: not skipped, not listed
+        other = threading.Thread(target=lambda: passed.append(hook(key="k", fn=None, compile={})))
+        other.start()
+        other.join()
+        assert passed == [None]
+        order.append("first")
+    t.join()
+    assert order == ["first", "second"] and knobs.runtime.jit_cache_hook is None
+    with pytest.raises(RuntimeError), compile_ahead.launches_recorded():
+        raise RuntimeError("a failed forward")
+    assert knobs.runtime.jit_cache_hook is None
 
 
 def test_compile_threads_must_not_be_negative(tiny_llama_dir):
@@ -72,6 +118,32 @@ def test_a_recorded_launch_is_neither_compiled_nor_run_and_compiles_ahead():
     assert torch.equal(x, torch.full_like(x, 3.0))
 
 
+@pytest.mark.gpu
+def test_another_threads_launch_runs_while_this_one_records():
+    """The recording thread's launch is skipped; another thread's launch of the same specialization,
+    listed already, compiles and runs."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def add_k(x_ptr, n, K: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) + K, mask=offs < n)
+
+    mine, theirs = torch.zeros(1000, device="cuda"), torch.zeros(1000, device="cuda")
+    with compile_ahead.launches_recorded() as found:
+        add_k[(8,)](mine, 1000, K=5, BLOCK=128)
+        other = threading.Thread(target=lambda: add_k[(8,)](theirs, 1000, K=5, BLOCK=128))
+        other.start()
+        other.join()
+        add_k[(8,)](mine, 1000, K=5, BLOCK=128)
+    torch.cuda.synchronize()
+    assert len(found) == 1 and mine.abs().sum().item() == 0
+    assert torch.equal(theirs, torch.full_like(theirs, 5.0))
+    add_k[(8,)](mine, 1000, K=5, BLOCK=128)  # compiled by the other thread's launch
+    assert torch.equal(mine, torch.full_like(mine, 5.0))
+
+
 _START = """
 import json, sys
 from triton import knobs
@@ -83,7 +155,8 @@ engine = Engine(EngineConfig(model=model, device="cuda", dtype="float32", adapte
                              max_num_seqs=4, max_num_batched_tokens=256, pool_bytes=64 << 20, compile_threads=threads))
 at_start = len(launched)
 outs = engine.generate([[5, 6, 7], [9, 10, 11, 12]], SamplingParams(max_tokens=6, temperature=0.0), adapters=["alpha", None])
-print(json.dumps({"compiled_at_launch": at_start, "tokens": [o.token_ids for o in outs]}))
+print(json.dumps({"compiled_at_launch": at_start, "tokens": [o.token_ids for o in outs],
+                  "hook_left": knobs.runtime.jit_cache_hook is not None}))
 """
 
 
@@ -99,3 +172,4 @@ def test_an_engine_compiles_ahead_then_launches_compiled_kernels(tiny_llama_dir,
     assert results[4]["compiled_at_launch"] == 0  # the warm-up and captures found every kernel compiled
     assert results[1]["compiled_at_launch"] > 0  # one thread: each compiled at its first launch, as before
     assert results[4]["tokens"] == results[1]["tokens"]
+    assert not results[4]["hook_left"] and not results[1]["hook_left"]
