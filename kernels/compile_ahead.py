@@ -88,17 +88,18 @@ class _Skip:
             self._compiled = self.cache[self.spec.key]
         return self._compiled
 
-    def launch_metadata(self, grid, stream, *args):
+    def launch_metadata(self, *args, **kwargs):
         if threading.get_ident() == self.owner:
             return None
-        return self._kernel().launch_metadata(grid, stream, *args)
+        return self._kernel().launch_metadata(*args, **kwargs)
 
-    def run(self, grid_0, grid_1, grid_2, stream, function, packed_metadata, launch_metadata, *rest):
+    def run(self, *args, **kwargs):
+        """Triton's call: (grid x, y, z, stream, function, packed metadata, launch metadata, ...)."""
         if threading.get_ident() == self.owner:
             return None
         kernel = self._kernel()
-        return kernel.run(grid_0, grid_1, grid_2, stream, kernel.function, kernel.packed_metadata, launch_metadata,
-                          *rest)
+        launcher = kernel.run  # loads the kernel's module where not loaded yet
+        return launcher(*args[:4], kernel.function, kernel.packed_metadata, *args[6:], **kwargs)
 
     function = packed_metadata = None
 
