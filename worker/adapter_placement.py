@@ -43,6 +43,15 @@ class AdapterPlacement:
         replaced = self._entries.get(self._current.get(entry.name, ""))
         return replaced if replaced is not None and replaced.pinned and replaced.resident else None
 
+    def _over_quota(self, entry: AdapterEntry) -> bool:
+        """Whether `entry`'s owner would be over its GPU quota with it while every slot is pinned: only the
+        version `entry` replaces may leave then, and it frees quota only if it is the same owner's."""
+        count, nbytes = self._gpu_usage(entry.tenant)
+        replaced = self._replaced_pinned(entry)
+        if replaced is not None and replaced.tenant == entry.tenant:
+            count, nbytes = count - 1, nbytes - replaced.gpu_bytes
+        return self.config.quota(entry.tenant).exceeded(count + 1, nbytes + entry.image.nbytes)
+
     def _gives_way_later(self, entry: AdapterEntry) -> bool:
         """Whether the pinned version `entry` replaces would give way but for requests using or awaiting it."""
         replaced = self._replaced_pinned(entry)
@@ -102,7 +111,10 @@ class AdapterPlacement:
                                   f"the pool (raise the pool size or the adapter ceiling)", tier="gpu")
             elif self._gives_way_later(entry):
                 pass  # stays wanted: placed when the requests on the version it replaces release it (the sweep)
-            elif (pinned := self.pinned_slot_keys()) is not None:
+            elif (pinned := self.pinned_slot_keys()) is not None and self._over_quota(entry):
+                self._fail(entry, f"tenant {entry.tenant!r} is at its GPU quota, held by its pinned adapters; unpin "
+                                  "one of them or raise the quota", tier="gpu", retryable=True)
+            elif pinned is not None:
                 # Pinned adapters never leave on their own: waiting would hang the request.
                 self._fail(entry, f"every adapter slot ({len(pinned)}, --max-loras) is held by pinned adapters "
                                   f"({', '.join(pinned)}); unpin one or raise --max-loras", tier="gpu", retryable=True)

@@ -29,8 +29,8 @@ CPU memory, which may never fit there, or not loaded) becomes current as a new s
 resident: v3 stays the engine's current version and the fallback until then, its canary after (a v3 that
 cannot be registered again, its files gone, leaves the engine). The split is already the new one: the canary
 share is served by v3, the rest waits for v4's load, as after gen 7; if v4 fails to load, every user goes
-back to v3. A push before v4 has loaded that no longer names v3 as the canary registers v4 again, so that v3
-retires at the switch (worker/served_fallback.py). A canary promoted to stable switches at once only if it is
+back to v3. A push before v4 has loaded that no longer names v3 as the canary makes v4 current again, so that
+v3 retires at the switch (worker/served_fallback.py). A canary promoted to stable switches at once only if it is
 resident on the GPU too, at the switch, checked in the same step (the pool's lock): a directive earlier in
 the push, or the engine, may have evicted it since the push began.
 
@@ -62,13 +62,16 @@ from lorafleet.worker.directives import (
 )
 from lorafleet.worker.openai_protocol import APIError
 from lorafleet.worker.served_fallback import (
+    drop_gone,
     drop_kept_canary,
     drop_unserved_failures,
     drops_kept,
     gpu_resident,
     keep_fallback,
     keep_serving,
-    register_again,
+    make_current_again,
+    replay_failures,
+    unregister,
 )
 from lorafleet.worker.sources import local_uri_path
 from lorafleet.worker.tenants import Tenant
@@ -214,8 +217,11 @@ class ServedAdapters:
         held = engine.describe_adapters()  # what a swap of stable and canary may switch to now, and what serves
         loaded, current_keys = gpu_resident(held), {a["key"] for a in held if a.get("current")}
         registered = {a["key"] for a in held if not a.get("retired")}  # a retired one requests still hold: not
-        table = {d.name: self._register(d, old_table.get(d.name), engine, promoted, loaded, current_keys, registered)
-                 for d in state.adapters}
+        seen: dict[str, set[str]] = {}  # each name's failed versions as the push reads it (replay_failures)
+        table = {}
+        for d in state.adapters:
+            seen[d.name] = set(old_table[d.name].errors) if d.name in old_table else set()
+            table[d.name] = self._register(d, old_table.get(d.name), engine, promoted, loaded, current_keys, registered)
         held = engine.describe_adapters()
         serving = {a["name"]: a["version"] for a in held if a.get("current")}
         loaded = gpu_resident(held)
@@ -227,6 +233,7 @@ class ServedAdapters:
             if name in old_table:
                 keep_fallback(served, old_table[name], current.get(name))
         self._adapters = table
+        replay_failures(old_table, table, seen, self.mark_failed)
         # Only now: the switch retires the old stable version, which the table published until now still sends
         # bare requests to (they would fail for the rest of the push).
         for served, version, sha256 in promoted:
@@ -245,15 +252,7 @@ class ServedAdapters:
         self.generation = state.generation
         self.startup_errors = {}  # the directives rule from now on: what the push failed is its own report
         drop_unserved_failures(table, engine)
-        for name, old in old_table.items():
-            if name not in table:
-                self._unregister(name, engine)
-                continue
-            for version in set(old.sources) - set(table[name].sources):
-                try:
-                    engine.remove_adapter_version(f"{name}@{version}")
-                except (ValueError, KeyError) as exc:  # e.g. still the engine's current version
-                    log.info("dropping %s@%s: %s", name, version, exc)
+        drop_gone(old_table, table, engine)
         return True
 
     def _register(self, d: AdapterDirective, old: ServedAdapter | None, engine: AdapterHost,
@@ -295,7 +294,7 @@ class ServedAdapters:
                         engine.register_adapter(d.name, source, version=version, tenant=d.tenant, pinned=d.pinned,
                                                 make_current=stable, sha256=digests[version], keep_previous=keeps)
                     elif stable and old is not None and drops_kept(d, old, current):
-                        register_again(engine, d, source)  # the old stable version retires at the switch
+                        make_current_again(engine, d)  # the old stable version retires at the switch
                     registered = True
                     if swap and keep:
                         # On the GPU when the push began; if a directive before evicted it, current once resident.
@@ -352,14 +351,7 @@ class ServedAdapters:
             raise APIError(404, f"The lora adapter '{name}' cannot be found.", code="model_not_found",
                            param="lora_name")
         self._adapters = {n: a for n, a in self._adapters.items() if n != name}
-        self._unregister(name, engine)
-
-    @staticmethod
-    def _unregister(name: str, engine: AdapterHost) -> None:
-        try:
-            engine.unregister_adapter(name)
-        except KeyError as exc:
-            log.info("unregistering %s: %s", name, exc)
+        unregister(name, engine)
 
     # ---- report ---------------------------------------------------------------------------------
     def report(self, engine: AdapterHost) -> ReportedState:

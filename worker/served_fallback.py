@@ -9,8 +9,8 @@ would retire the one version that serves.
 Running example (stable and canary swapped, worker/served_adapters.py): {sql: stable v1, canary v2}, then
 {sql: stable v2, canary v1} with v2 not resident: v2 loads to become current, v1 is registered again as its
 canary, so the engine keeps it registered at the switch (worker/adapter_versions.py). A push meanwhile that
-no longer names v1 as the canary ({sql: stable v2}, or {sql: stable v2, canary v3}) registers v2 again as
-current: the engine then retires v1 at the switch instead of keeping it, its GPU slot and its pinned or warm
+no longer names v1 as the canary ({sql: stable v2}, or {sql: stable v2, canary v3}) makes v2 current again
+(its files not read again): the engine then retires v1 at the switch instead of keeping it, its GPU slot and its pinned or warm
 flags with it.
 """
 
@@ -44,14 +44,14 @@ def drops_kept(d: AdapterDirective, old: ServedAdapter, current: set[str]) -> bo
     return d.stable.version == old.split.stable and (d.canary is None or d.canary.version != kept)
 
 
-def register_again(engine: AdapterHost, d: AdapterDirective, source: str) -> None:
-    """Register `d`'s stable version again as current (see `drops_kept`). A failure changes nothing that
-    serves: the version stays registered and loading, the fallback stays registered after the switch."""
+def make_current_again(engine: AdapterHost, d: AdapterDirective) -> None:
+    """Make `d`'s stable version current again, keeping nothing at the switch (see `drops_kept`), without
+    reading its files again. A failure changes nothing that serves: the version stays registered and
+    loading, the fallback stays registered after the switch."""
     try:
-        engine.register_adapter(d.name, source, version=d.stable.version, tenant=d.tenant, pinned=d.pinned,
-                                make_current=True, sha256=d.stable.sha256)
+        engine.make_adapter_current(f"{d.name}@{d.stable.version}", if_resident=True)
     except (ValueError, KeyError, OSError, RuntimeError) as exc:
-        log.warning("adapter %s@%s: registering it again failed (%s); the version it replaces stays registered "
+        log.warning("adapter %s@%s: making it current again failed (%s); the version it replaces stays registered "
                     "after the switch until the name is pushed again", d.name, d.stable.version, exc)
 
 
@@ -120,3 +120,36 @@ def drop_kept_canary(engine: AdapterHost, name: str, stable: str, demoted: str) 
     current = {a["key"] for a in engine.describe_adapters() if a.get("current")}
     if f"{name}@{demoted}" in current:
         engine.make_adapter_current(f"{name}@{stable}", if_resident=True)  # waits to switch, keeping nothing
+
+
+def replay_failures(old_table: dict[str, ServedAdapter], table: dict[str, ServedAdapter],
+                    seen: dict[str, set[str]], mark_failed) -> None:
+    """Failures recorded while a push built `table` (a request's load failed, and `mark_failed` wrote to
+    `old_table`, the one published then): recorded again on `table`, for the versions it kept as they were.
+    `seen`: each name's failed versions when the push read them (those it registered again itself)."""
+    for name, served in table.items():
+        old = old_table.get(name)
+        for version, why in list(old.errors.items()) if old is not None else ():
+            if (version not in seen.get(name, ()) and version not in served.errors
+                    and old.sources.get(version) == served.sources.get(version)):
+                mark_failed(f"{name}@{version}", why)
+
+
+def unregister(name: str, engine: AdapterHost) -> None:
+    try:
+        engine.unregister_adapter(name)
+    except KeyError as exc:
+        log.info("unregistering %s: %s", name, exc)
+
+
+def drop_gone(old_table: dict[str, ServedAdapter], table: dict[str, ServedAdapter], engine: AdapterHost) -> None:
+    """After a push: names it no longer serves leave the engine, and so do versions it no longer names."""
+    for name, old in old_table.items():
+        if name not in table:
+            unregister(name, engine)
+            continue
+        for version in set(old.sources) - set(table[name].sources):
+            try:
+                engine.remove_adapter_version(f"{name}@{version}")
+            except (ValueError, KeyError) as exc:  # e.g. still the engine's current version
+                log.info("dropping %s@%s: %s", name, version, exc)

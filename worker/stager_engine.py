@@ -58,6 +58,10 @@ class EngineLink:
 
     async def forward(self, state: DesiredState) -> None:
         """Send `state` (local paths) under an engine generation it has not applied; reported as `state`'s."""
+        if not self.known:  # not adopted (an engine without the route, a failed look-up): a generation it applied
+            # already would be answered 200 and ignored, so this one is numbered above what it reports
+            _, data = await self.call("GET", "/admin/v1/state")
+            self.generation = max(self.generation, int((data or {}).get("generation_applied") or 0))
         generation = max(state.generation, self.generation + 1)
         try:
             self._note(generation, state.generation)  # before the engine applies it: a report may come first

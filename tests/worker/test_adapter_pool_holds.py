@@ -242,3 +242,25 @@ def test_a_retired_version_still_held_and_rolled_back_for_another_tenant_is_brou
         pool.check()
     finally:
         pool.close()
+
+
+def test_a_successor_over_its_new_owner_s_quota_says_so_not_that_every_slot_is_pinned():
+    """Every slot pinned, and sql@v2 handed to beta, whose quota one pinned adapter fills: v1 (acme's) may
+    give way, but frees none of beta's quota. The error names the quota, not --max-loras."""
+    from lorafleet.worker.adapter_pool_config import TenantQuota
+
+    pool = make_pool(max_slots=2, tenant_quotas={"beta": TenantQuota(max_adapters=1)})
+    try:
+        pool.add("sql@v1", random_weights(0), tenant="acme", pinned=True)
+        pool.add("chat@c1", random_weights(1), tenant="beta", pinned=True)
+        pool.wait_idle()
+        assert pool.pinned_slot_keys() == ["chat@c1", "sql@v1"]
+        pool.add("sql@v2", random_weights(2), tenant="beta", pinned=True)
+        assert pool.acquire("sql@v2", waiter="r") is None
+        pool.poll()
+        with pytest.raises(AdapterLoadError, match="tenant 'beta' is at its GPU quota") as exc:
+            pool.acquire("sql@v2", waiter="r")
+        assert exc.value.retryable and "--max-loras" not in str(exc.value)
+        pool.check()
+    finally:
+        pool.close()

@@ -389,3 +389,25 @@ async def test_the_series_of_a_fallback_kept_as_the_canary_stay_after_the_new_ve
     await complete(client, "alpha", on_v2[0])
     text = await (await client.get("/metrics")).text()
     assert {version for version, _ in metric_samples(text, "lorafleet_requests_total", "alpha")} == {"v1", "v2"}
+
+
+def test_a_load_failure_recorded_while_a_push_applies_is_not_lost():
+    """v2 (replacing v1) fails to load after the push read its name and before the push published its table:
+    the failure went to the table being replaced, and is recorded again on the new one, so bare requests stay
+    on v1 and `sql@v2` answers the failure."""
+    host, served = SwitchingHost(), ServedAdapters("base")
+    served.apply(state(1, SQL), host)
+    served.apply(state(2, SQL_V2), host)
+    priority = host.set_adapter_priority
+
+    def failing_meanwhile(key, value):  # a request's load of v2 fails while the push runs
+        priority(key, value)
+        if key == "sql@v2":
+            served.mark_failed(key, "adapter_model.safetensors: truncated")
+
+    host.set_adapter_priority = failing_meanwhile
+    served.apply(state(3, SQL_V2), host)
+    assert host.calls.count(("register", "sql@v2", True)) == 1  # kept by push 3, not registered again
+    assert picks(served) == {"sql@v1"} and "truncated" in served.get("sql").errors["v2"]
+    with pytest.raises(APIError, match="truncated"):
+        served.resolve("sql@v2", ACME, None)

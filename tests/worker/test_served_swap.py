@@ -85,11 +85,13 @@ def without_old_canary(rollout: str, kind: str) -> dict:
 @pytest.mark.parametrize("rollout", ["swap", "new_beside_old"])
 def test_a_push_no_longer_naming_the_old_stable_version_as_the_canary_lets_the_switch_retire_it(rollout, kind):
     """While the new stable version loads, v1 (the engine's current version) is kept as its canary. A push
-    without v1 as the canary registers the new version again as current, so that the engine retires v1 at the
-    switch instead of keeping it registered for good (on the GPU, and pinned or warm if it was)."""
+    without v1 as the canary makes the new version current again (its files not read again), so that the
+    engine retires v1 at the switch instead of keeping it registered for good (on the GPU, and pinned or warm if it was)."""
     host, served, new = swap_to_unloaded(rollout)
+    host.keys[new]["tier"] = "none"  # still loading
     served.apply(state(3, without_old_canary(rollout, kind)), host)
-    assert host.calls.count(("register", new, True)) == 2 and "sql" not in host.kept
+    assert ("make_current", new) in host.calls and "sql" not in host.kept
+    assert host.calls.count(("register", new, True)) == 1  # its files are not read again
     assert served.get("sql").fallback == "v1" and host.current["sql"] == "sql@v1"  # v1 serves until then
     host.loaded(new)
     assert host.current["sql"] == new and "sql@v1" not in host.keys
@@ -103,11 +105,20 @@ def test_once_switched_a_push_dropping_the_old_canary_registers_nothing_again(ro
     assert host.calls.count(("register", new, True)) == 1 and ("remove", "sql@v1") in host.calls
 
 
-def test_a_failed_registration_again_changes_nothing_that_serves():
-    """Registering the loading version again only lets the switch retire v1: if it fails (its files changed),
-    the version stays served and loading, and v1 the fallback (kept registered after the switch)."""
+def test_a_failure_to_make_it_current_again_changes_nothing_that_serves():
+    """Making the loading version current again only lets the switch retire v1: if that fails (the engine
+    dropped it meanwhile, say), the version stays served and loading, and v1 the fallback (kept registered
+    after the switch)."""
     host, served, _ = swap_to_unloaded("swap")
-    host.failing = {"/c/sql/v2"}
+    host.keys["sql@v2"]["tier"] = "none"  # still loading
+    make_current = host.make_adapter_current
+
+    def refusing(key, **kw):
+        if key == "sql@v2" and not kw.get("keep_previous"):
+            raise KeyError(key)
+        return make_current(key, **kw)
+
+    host.make_adapter_current = refusing
     served.apply(state(3, without_old_canary("swap", "kill_switch")), host)
     assert not served.get("sql").errors and served.get("sql").fallback == "v1" and host.pending["sql"] == "sql@v2"
     assert resolved(served, set(USERS)) == {"sql@v2"}

@@ -285,3 +285,26 @@ async def test_a_hung_engine_report_after_a_push_does_not_hold_up_the_next_one(a
     finally:
         engine.reports_hang.set()
     await asyncio.wait_for(second, HANG_S)
+
+
+class EngineWithoutDirectives(Engine):
+    """An engine older than the stager: no GET /admin/v1/directives, so what it holds cannot be adopted."""
+
+    async def get_directives(self, request: web.Request) -> web.Response:
+        return web.json_response({"error": {"message": "Not Found"}}, status=404)
+
+
+async def test_a_stager_that_cannot_adopt_numbers_its_forward_above_what_the_engine_applied(
+        aiohttp_server, tmp_path, monkeypatch):
+    """An earlier stager forwarded push 2000's first step (b only) as engine generation 2000, then restarted.
+    The new one cannot adopt it: its forward of a+b must not reuse 2000, which the engine would answer 200
+    and ignore, while the stager reported 2000 applied."""
+    engine = EngineWithoutDirectives()
+    url = await engine.serve(aiohttp_server)
+    engine.generation = 2000
+    engine.pushes.append({"generation": 2000, "adapters": [adapter("b", "v1") | {"canary": None}]})
+    stager = Stager(dataclasses.replace(config(tmp_path), engine_url=url))
+    FakeStore(stager, monkeypatch)
+    report = await asyncio.wait_for(stager.apply(push(2000, adapter("a", "v1"), adapter("b", "v1"))), HANG_S)
+    assert engine.generation == 2001 and [a["name"] for a in engine.pushes[-1]["adapters"]] == ["a", "b"]
+    assert report.generation_applied == 2000
