@@ -5,7 +5,7 @@ stand-ins. Versions as the pool keeps them: `register_adapter(make_current=True)
 current once it has loaded, the one it replaces retiring then; `make_current=False` registers a canary
 beside the current one, or, for the current version while a new one loads to replace it, keeps it
 registered as that one's canary after the switch (stable and canary swapped in one push), until the new
-one is registered again as current; `make_adapter_current` switches now, or with `if_resident=True` only
+one is registered again, or made current again, as current; `make_adapter_current` switches now, or with `if_resident=True` only
 if the version is on the GPU (checked and switched in one step), else once it is, as a new version
 registered as current does, without reading its files again; it answers whether the version is current.
 """

@@ -10,8 +10,8 @@ tenant, its new weights). While a retired version is still held, registering it 
 for the new tenant if the weights are the same, and refuses other weights (one key, one content).
 Except a current version registered again with `make_current=False` while a new one loads to replace it:
 it becomes the new one's canary (stable and canary swapped in one push), so the switch keeps it
-registered, not current (`_kept`), instead of retiring it; until the new one is registered again as current
-(a push that no longer names the old one as its canary): then the switch retires the old one.
+registered, not current (`_kept`), instead of retiring it; until the new one is registered or made current
+again as current (a push that no longer names the old one as its canary): then the switch retires the old one.
 It works on the pool's state declared in `AdapterPool.__init__`.
 """
 

@@ -217,11 +217,9 @@ class ServedAdapters:
         held = engine.describe_adapters()  # what a swap of stable and canary may switch to now, and what serves
         loaded, current_keys = gpu_resident(held), {a["key"] for a in held if a.get("current")}
         registered = {a["key"] for a in held if not a.get("retired")}  # a retired one requests still hold: not
-        seen: dict[str, set[str]] = {}  # each name's failed versions as the push reads it (replay_failures)
-        table = {}
-        for d in state.adapters:
-            seen[d.name] = set(old_table[d.name].errors) if d.name in old_table else set()
-            table[d.name] = self._register(d, old_table.get(d.name), engine, promoted, loaded, current_keys, registered)
+        kept: set[str] = set()  # keys kept as they were, read without an error then (replay_failures)
+        table = {d.name: self._register(d, old_table.get(d.name), engine, promoted, loaded, current_keys, registered,
+                                        kept) for d in state.adapters}
         held = engine.describe_adapters()
         serving = {a["name"]: a["version"] for a in held if a.get("current")}
         loaded = gpu_resident(held)
@@ -233,7 +231,7 @@ class ServedAdapters:
             if name in old_table:
                 keep_fallback(served, old_table[name], current.get(name))
         self._adapters = table
-        replay_failures(old_table, table, seen, self.mark_failed)
+        replay_failures(old_table, table, kept, self.mark_failed)
         # Only now: the switch retires the old stable version, which the table published until now still sends
         # bare requests to (they would fail for the rest of the push).
         for served, version, sha256 in promoted:
@@ -257,7 +255,7 @@ class ServedAdapters:
 
     def _register(self, d: AdapterDirective, old: ServedAdapter | None, engine: AdapterHost,
                   promoted: list[tuple[ServedAdapter, str, str | None]], loaded: set[str],
-                  current: set[str], held: set[str]) -> ServedAdapter:
+                  current: set[str], held: set[str], kept: set[str]) -> ServedAdapter:
         versions = {d.stable.version: d.stable.uri}
         digests = {d.stable.version: d.stable.sha256}  # the files must hash to it (None: not checked)
         if d.canary is not None:
@@ -323,6 +321,8 @@ class ServedAdapters:
                         fallback = True
                 break
             served.sources[version] = uri
+            if keep and version not in served.errors:
+                kept.add(key)
         if keeps is not None and demoted in served.errors and d.stable.version not in served.errors:
             drop_kept_canary(engine, d.name, d.stable.version, demoted)
         if d.canary is not None and d.canary.version not in served.errors and d.stable.version not in served.errors:

@@ -37,7 +37,7 @@ def gpu_resident(held: list[dict[str, Any]]) -> set[str]:
 def drops_kept(d: AdapterDirective, old: ServedAdapter, current: set[str]) -> bool:
     """True when `d` keeps `old`'s stable version, still loading to replace the fallback that the engine
     keeps as its canary (`current`: the engine's current keys), but names that fallback no longer as the
-    canary: the stable version must be registered again as current, so the switch retires the fallback."""
+    canary: the stable version must be made current again, so the switch retires the fallback."""
     kept = old.fallback
     if kept is None or kept != old.split.canary or f"{d.name}@{kept}" not in current:
         return False
@@ -122,16 +122,16 @@ def drop_kept_canary(engine: AdapterHost, name: str, stable: str, demoted: str) 
         engine.make_adapter_current(f"{name}@{stable}", if_resident=True)  # waits to switch, keeping nothing
 
 
-def replay_failures(old_table: dict[str, ServedAdapter], table: dict[str, ServedAdapter],
-                    seen: dict[str, set[str]], mark_failed) -> None:
+def replay_failures(old_table: dict[str, ServedAdapter], table: dict[str, ServedAdapter], kept: set[str],
+                    mark_failed) -> None:
     """Failures recorded while a push built `table` (a request's load failed, and `mark_failed` wrote to
-    `old_table`, the one published then): recorded again on `table`, for the versions it kept as they were.
-    `seen`: each name's failed versions when the push read them (those it registered again itself)."""
+    `old_table`, the one published then): recorded again on `table`, for the versions the push kept as they
+    were (`kept`: keys it found without an error, so any error now came after; one it registered again
+    itself, retrying a failure, is not among them)."""
     for name, served in table.items():
         old = old_table.get(name)
         for version, why in list(old.errors.items()) if old is not None else ():
-            if (version not in seen.get(name, ()) and version not in served.errors
-                    and old.sources.get(version) == served.sources.get(version)):
+            if f"{name}@{version}" in kept and version not in served.errors:
                 mark_failed(f"{name}@{version}", why)
 
 

@@ -264,3 +264,52 @@ def test_a_successor_over_its_new_owner_s_quota_says_so_not_that_every_slot_is_p
         pool.check()
     finally:
         pool.close()
+
+
+def test_a_pinned_version_gives_way_to_its_successor_when_their_owner_s_quota_is_full():
+    """A slot is free, but beta's quota (one adapter) is held by sql@v1, pinned: v2, replacing it, would
+    wait for ever beside it. v1 gives way as it does when every slot is pinned, and v2 becomes current."""
+    from lorafleet.worker.adapter_pool_config import TenantQuota
+
+    pool = make_pool(max_slots=3, tenant_quotas={"beta": TenantQuota(max_adapters=1)})
+    try:
+        pool.add("sql@v1", random_weights(0), tenant="beta", pinned=True)
+        pool.wait_idle()
+        pool.add("sql@v2", random_weights(1), tenant="beta", pinned=True)
+        assert pool.acquire("sql@v2", waiter="r") is None
+        pool.wait_idle()
+        assert not pool.poll() and (slot := pool.acquire("sql@v2", waiter="r")) is not None
+        assert pool.resolve("sql") == "sql@v2"
+        with pytest.raises(KeyError):  # retired at the switch, held by no request: dropped
+            pool.entry("sql@v1")
+        pool.release(slot)
+        pool.check()
+    finally:
+        pool.close()
+
+
+def test_a_version_kept_out_by_its_owner_s_pinned_adapters_fails_rather_than_waits():
+    """A slot is free, but beta's quota (one adapter) is held by chat@c1, pinned, which never leaves by
+    itself: a request for beta's other adapter is refused (retryable, with what to change), not left
+    waiting for ever."""
+    from lorafleet.worker.adapter_pool_config import TenantQuota
+
+    pool = make_pool(max_slots=3, tenant_quotas={"beta": TenantQuota(max_adapters=1)})
+    try:
+        pool.add("chat@c1", random_weights(0), tenant="beta", pinned=True)
+        pool.add("sql@v1", random_weights(1), tenant="beta")
+        pool.wait_idle()
+        assert pool.pinned_slot_keys() is None
+        assert pool.acquire("sql@v1", waiter="r") is None
+        pool.poll()
+        with pytest.raises(AdapterLoadError, match="tenant 'beta' is at its GPU quota, held by its pinned") as exc:
+            pool.acquire("sql@v1", waiter="r")
+        assert exc.value.retryable
+        pool.unpin("chat@c1")  # what the message says to do: then it is placed (chat@c1 evicted for the quota)
+        assert pool.acquire("sql@v1", waiter="r2") is None
+        pool.wait_idle()
+        assert (slot := pool.acquire("sql@v1", waiter="r2")) is not None and not pool.entry("chat@c1").on_gpu
+        pool.release(slot)
+        pool.check()
+    finally:
+        pool.close()

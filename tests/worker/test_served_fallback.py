@@ -411,3 +411,25 @@ def test_a_load_failure_recorded_while_a_push_applies_is_not_lost():
     assert picks(served) == {"sql@v1"} and "truncated" in served.get("sql").errors["v2"]
     with pytest.raises(APIError, match="truncated"):
         served.resolve("sql@v2", ACME, None)
+
+
+def test_a_version_a_push_registers_again_after_a_failure_meanwhile_is_not_marked_failed():
+    """While push 2 reads the new stable v2's files, a request's load of the canary c1 fails. The push then
+    finds c1 failed and registers it again (a retry): the failure it has answered is not recorded again on the
+    new table, and c1 stays registered and serves its share."""
+    c1 = SQL | {"canary": {"version": "c1", "uri": "/c/sql/c1"}, "canary_weight": 50}
+    host, served = SwitchingHost(), ServedAdapters("base")
+    served.apply(state(1, c1), host)
+    host.loaded("sql@v1")
+    register = host.register_adapter
+
+    def reading_files(name, source, **kw):
+        if kw.get("version") == "v2":
+            served.mark_failed("sql@c1", "c1: truncated")
+        return register(name, source, **kw)
+
+    host.register_adapter = reading_files
+    served.apply(state(2, c1 | {"stable": {"version": "v2", "uri": "/c/sql/v2"}}), host)
+    assert host.calls.count(("register", "sql@c1", False)) == 2  # registered again by push 2: a retry
+    assert "c1" not in served.get("sql").errors and ("remove", "sql@c1") not in host.calls
+    assert served.get("sql").split.canary == "c1"
