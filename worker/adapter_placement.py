@@ -7,8 +7,8 @@ then (GPU) lower priorities first, within a priority cold versions before warm o
 evicted: adapters in use, pinned, a new version about to become current, or loaded for requests that
 have not picked them up yet; except that a pinned current version gives way to the new version that
 replaces it when nothing else makes room (every slot pinned, or their owner's GPU quota full), the switch
-happening then. A version kept out by pinned adapters alone (every slot, or its owner's quota) fails its
-requests (retryable, with what to change) rather than have them wait for what never leaves. It works on the
+happening then. A version kept out while every slot is pinned fails its requests (retryable, with what to
+change: the slots, or its owner's quota) rather than have them wait for what never leaves. It works on the
 pool's state declared in `AdapterPool.__init__`; loading is in worker/adapter_loading.py.
 """
 
@@ -34,7 +34,8 @@ class AdapterPlacement:
                 and (self.pinned_slot_keys() is not None or self._own_quota_full(entry, replaced)):
             # A pinned version's successor while every slot is pinned, or while the quota of their owner is full:
             # the old version gives way (`_try_place` switches to the new one then); else the new one would never
-            # be placed. (Short of pages only, the new one waits for them beside the old one, as any version does.)
+            # be placed. (Short of pages only, with the quota not full, the new one waits for them beside the old
+            # one, as any version does.)
             plan = self._plan_with(entry, [replaced, *candidates])
         return plan
 
@@ -51,18 +52,14 @@ class AdapterPlacement:
         return replaced.tenant == entry.tenant and self.config.quota(entry.tenant).exceeded(
             count + 1, nbytes + entry.image.nbytes)
 
-    def _pinned_over_quota(self, entry: AdapterEntry) -> bool:
-        """Whether `entry`'s owner's pinned adapters on the GPU, which never leave on their own, keep it over
-        the owner's GPU quota: waiting would hang its requests. The pinned version `entry` replaces counts
-        out if it is the same owner's (it gives way to `entry`). False for another version while every slot
-        is pinned: the slots are what keeps it out first."""
+    def _over_quota(self, entry: AdapterEntry) -> bool:
+        """Whether `entry`'s owner would be over its GPU quota with it while every slot is pinned: only the
+        version `entry` replaces may leave then, and it frees quota only if it is the same owner's."""
+        count, nbytes = self._gpu_usage(entry.tenant)
         replaced = self._replaced_pinned(entry)
-        if replaced is None and self.pinned_slot_keys() is not None:
-            return False
-        pinned = [e for e in self._slot_owner.values()
-                  if e.tenant == entry.tenant and e.pinned and not e.retired and e is not replaced]
-        return self.config.quota(entry.tenant).exceeded(len(pinned) + 1,
-                                                        sum(e.gpu_bytes for e in pinned) + entry.image.nbytes)
+        if replaced is not None and replaced.tenant == entry.tenant:
+            count, nbytes = count - 1, nbytes - replaced.gpu_bytes
+        return self.config.quota(entry.tenant).exceeded(count + 1, nbytes + entry.image.nbytes)
 
     def _gives_way_later(self, entry: AdapterEntry) -> bool:
         """Whether the pinned version `entry` replaces would give way but for requests using or awaiting it."""
@@ -123,10 +120,10 @@ class AdapterPlacement:
                                   f"the pool (raise the pool size or the adapter ceiling)", tier="gpu")
             elif self._gives_way_later(entry):
                 pass  # stays wanted: placed when the requests on the version it replaces release it (the sweep)
-            elif self._pinned_over_quota(entry):  # as below: its owner's pinned adapters never leave by themselves
+            elif (pinned := self.pinned_slot_keys()) is not None and self._over_quota(entry):
                 self._fail(entry, f"tenant {entry.tenant!r} is at its GPU quota, held by its pinned adapters; unpin "
                                   "one of them or raise the quota", tier="gpu", retryable=True)
-            elif (pinned := self.pinned_slot_keys()) is not None:
+            elif pinned is not None:
                 # Pinned adapters never leave on their own: waiting would hang the request.
                 self._fail(entry, f"every adapter slot ({len(pinned)}, --max-loras) is held by pinned adapters "
                                   f"({', '.join(pinned)}); unpin one or raise --max-loras", tier="gpu", retryable=True)

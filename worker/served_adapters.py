@@ -217,9 +217,9 @@ class ServedAdapters:
         held = engine.describe_adapters()  # what a swap of stable and canary may switch to now, and what serves
         loaded, current_keys = gpu_resident(held), {a["key"] for a in held if a.get("current")}
         registered = {a["key"] for a in held if not a.get("retired")}  # a retired one requests still hold: not
-        kept: set[str] = set()  # keys kept as they were, read without an error then (replay_failures)
+        seen: set[str] = set()  # keys found failed when the push handled them (replay_failures)
         table = {d.name: self._register(d, old_table.get(d.name), engine, promoted, loaded, current_keys, registered,
-                                        kept) for d in state.adapters}
+                                        seen) for d in state.adapters}
         held = engine.describe_adapters()
         serving = {a["name"]: a["version"] for a in held if a.get("current")}
         loaded = gpu_resident(held)
@@ -231,10 +231,12 @@ class ServedAdapters:
             if name in old_table:
                 keep_fallback(served, old_table[name], current.get(name))
         self._adapters = table
-        replay_failures(old_table, table, kept, self.mark_failed)
+        replay_failures(old_table, table, seen, self.mark_failed)
         # Only now: the switch retires the old stable version, which the table published until now still sends
         # bare requests to (they would fail for the rest of the push).
         for served, version, sha256 in promoted:
+            if version in served.errors:  # failed meanwhile (replayed): not made current
+                continue
             key = f"{served.name}@{version}"
             try:
                 if key in loaded:  # unless evicted since: then current once resident, the old one the fallback
@@ -255,7 +257,7 @@ class ServedAdapters:
 
     def _register(self, d: AdapterDirective, old: ServedAdapter | None, engine: AdapterHost,
                   promoted: list[tuple[ServedAdapter, str, str | None]], loaded: set[str],
-                  current: set[str], held: set[str], kept: set[str]) -> ServedAdapter:
+                  current: set[str], held: set[str], seen: set[str]) -> ServedAdapter:
         versions = {d.stable.version: d.stable.uri}
         digests = {d.stable.version: d.stable.sha256}  # the files must hash to it (None: not checked)
         if d.canary is not None:
@@ -273,6 +275,8 @@ class ServedAdapters:
         for version, uri in versions.items():
             stable = version == d.stable.version
             key = f"{d.name}@{version}"
+            if old is not None and version in old.errors:
+                seen.add(key)  # handled below (registered again: a retry); one failing from now on is replayed
             # Registered as is; not the old fallback as the canary: the engine retires it once its successor loaded
             # (and once it has, a rollback to it registers it again: the table lists it until this push).
             keep = (old is not None and old.sources.get(version) == uri and version not in old.errors
@@ -321,8 +325,6 @@ class ServedAdapters:
                         fallback = True
                 break
             served.sources[version] = uri
-            if keep and version not in served.errors:
-                kept.add(key)
         if keeps is not None and demoted in served.errors and d.stable.version not in served.errors:
             drop_kept_canary(engine, d.name, d.stable.version, demoted)
         if d.canary is not None and d.canary.version not in served.errors and d.stable.version not in served.errors:

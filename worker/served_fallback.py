@@ -122,16 +122,16 @@ def drop_kept_canary(engine: AdapterHost, name: str, stable: str, demoted: str) 
         engine.make_adapter_current(f"{name}@{stable}", if_resident=True)  # waits to switch, keeping nothing
 
 
-def replay_failures(old_table: dict[str, ServedAdapter], table: dict[str, ServedAdapter], kept: set[str],
+def replay_failures(old_table: dict[str, ServedAdapter], table: dict[str, ServedAdapter], seen: set[str],
                     mark_failed) -> None:
     """Failures recorded while a push built `table` (a request's load failed, and `mark_failed` wrote to
-    `old_table`, the one published then): recorded again on `table`, for the versions the push kept as they
-    were (`kept`: keys it found without an error, so any error now came after; one it registered again
-    itself, retrying a failure, is not among them)."""
+    `old_table`, the one published then): recorded again on `table` for the versions it serves from the same
+    source. `seen`: keys already failed when the push handled them, which it registered again (a retry)."""
     for name, served in table.items():
         old = old_table.get(name)
         for version, why in list(old.errors.items()) if old is not None else ():
-            if f"{name}@{version}" in kept and version not in served.errors:
+            if (f"{name}@{version}" not in seen and version not in served.errors
+                    and old.sources.get(version) == served.sources.get(version)):
                 mark_failed(f"{name}@{version}", why)
 
 

@@ -287,29 +287,3 @@ def test_a_pinned_version_gives_way_to_its_successor_when_their_owner_s_quota_is
     finally:
         pool.close()
 
-
-def test_a_version_kept_out_by_its_owner_s_pinned_adapters_fails_rather_than_waits():
-    """A slot is free, but beta's quota (one adapter) is held by chat@c1, pinned, which never leaves by
-    itself: a request for beta's other adapter is refused (retryable, with what to change), not left
-    waiting for ever."""
-    from lorafleet.worker.adapter_pool_config import TenantQuota
-
-    pool = make_pool(max_slots=3, tenant_quotas={"beta": TenantQuota(max_adapters=1)})
-    try:
-        pool.add("chat@c1", random_weights(0), tenant="beta", pinned=True)
-        pool.add("sql@v1", random_weights(1), tenant="beta")
-        pool.wait_idle()
-        assert pool.pinned_slot_keys() is None
-        assert pool.acquire("sql@v1", waiter="r") is None
-        pool.poll()
-        with pytest.raises(AdapterLoadError, match="tenant 'beta' is at its GPU quota, held by its pinned") as exc:
-            pool.acquire("sql@v1", waiter="r")
-        assert exc.value.retryable
-        pool.unpin("chat@c1")  # what the message says to do: then it is placed (chat@c1 evicted for the quota)
-        assert pool.acquire("sql@v1", waiter="r2") is None
-        pool.wait_idle()
-        assert (slot := pool.acquire("sql@v1", waiter="r2")) is not None and not pool.entry("chat@c1").on_gpu
-        pool.release(slot)
-        pool.check()
-    finally:
-        pool.close()

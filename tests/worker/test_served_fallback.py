@@ -433,3 +433,44 @@ def test_a_version_a_push_registers_again_after_a_failure_meanwhile_is_not_marke
     assert host.calls.count(("register", "sql@c1", False)) == 2  # registered again by push 2: a retry
     assert "c1" not in served.get("sql").errors and ("remove", "sql@c1") not in host.calls
     assert served.get("sql").split.canary == "c1"
+
+
+def test_a_failure_meanwhile_of_a_version_the_push_registered_again_for_a_swap_is_kept():
+    """{stable v1, canary v2 in CPU memory} swapped to {stable v2, canary v1}: v2 is registered again as current
+    (not on the GPU), and the load that starts fails while the push registers v1 as the canary. The failure,
+    written to the table being replaced, is recorded on the new one: users go back to v1."""
+    swapped = SQL | {"stable": {"version": "v2", "uri": "/c/sql/v2"},
+                     "canary": {"version": "v1", "uri": "/c/sql/v1"}, "canary_weight": 50}
+    host, served = SwitchingHost(), ServedAdapters("base")
+    served.apply(state(1, SQL_CANARY), host)
+    host.keys["sql@v2"]["tier"] = "cpu"
+    register = host.register_adapter
+
+    def failing_meanwhile(name, source, **kw):
+        if kw.get("version") == "v1":  # after v2's registration in this push
+            served.mark_failed("sql@v2", "adapter_model.safetensors: truncated")
+        return register(name, source, **kw)
+
+    host.register_adapter = failing_meanwhile
+    served.apply(state(2, swapped), host)
+    assert "truncated" in served.get("sql").errors["v2"] and picks(served) == {"sql@v1"}
+
+
+def test_a_promoted_canary_that_failed_meanwhile_is_not_made_current():
+    """A canary in CPU memory promoted to stable fails to load while the push runs: the replayed failure sends
+    users to v1, and the push does not then register v2 as current (v1 would retire under them)."""
+    host, served = SwitchingHost(), ServedAdapters("base")
+    served.apply(state(1, SQL_CANARY), host)
+    host.keys["sql@v2"]["tier"] = "cpu"
+    warm = host.set_adapter_warm
+
+    def failing_meanwhile(key, value):
+        warm(key, value)
+        if key == "sql@v2":
+            served.mark_failed("sql@v2", "adapter_model.safetensors: truncated")
+
+    host.set_adapter_warm = failing_meanwhile
+    host.calls.clear()
+    served.apply(state(2, SQL | {"stable": {"version": "v2", "uri": "/c/sql/v2"}}), host)
+    assert "truncated" in served.get("sql").errors["v2"] and picks(served) == {"sql@v1"}
+    assert ("register", "sql@v2", True) not in host.calls and host.current["sql"] == "sql@v1"
