@@ -131,21 +131,16 @@ def _fall_back(job: CompletionJob, exc: AdapterLoadError, adapters: ServedAdapte
     now points to (the one a new stable version was to replace), before it produced anything; False if
     there is none. Once per job: resolving spends `re_resolve`, so a second failure is the answer. A
     retryable failure leaves the split as it is; but a canary's user is served by the stable version this
-    time (a canary must not answer 503 where the stable version would answer), and a new stable version's
-    user by the fallback, the version it is to replace, which the engine still serves."""
+    time (a canary must not answer 503 where the stable version would answer)."""
     if job.re_resolve is None:
         return False
     if exc.retryable:
         name, _, version = exc.key.partition("@")
         served = adapters.get(name)
-        if served is None or not job.tenant.may_use(name, served.tenant):  # it may have changed owner meanwhile
+        if (served is None or version != served.split.canary or served.split.stable in served.errors
+                or not job.tenant.may_use(name, served.tenant)):  # the name may have changed owner meanwhile
             return False
-        if version == served.split.canary and served.split.stable not in served.errors:
-            key = f"{name}@{served.split.stable}"
-        elif version == served.split.stable and served.fallback not in (None, *served.errors):
-            key = f"{name}@{served.fallback}"
-        else:
-            return False
+        key = f"{name}@{served.split.stable}"
     else:
         adapters.mark_failed(exc.key, exc.reason)
         try:
