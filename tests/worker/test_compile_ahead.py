@@ -15,9 +15,18 @@ import threading
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from lorafleet.kernels import compile_ahead
 from lorafleet.worker import EngineConfig
+
+
+@triton.jit
+def add_k(x_ptr, n, K: tl.constexpr, BLOCK: tl.constexpr):
+    """x[:n] += K (the GPU tests' kernel: each test launches its own specializations of it)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) + K, mask=offs < n)
 
 
 def test_the_interpreter_compiles_nothing_ahead(monkeypatch):
@@ -86,14 +95,6 @@ def test_compile_threads_must_not_be_negative(tiny_llama_dir):
 
 @pytest.mark.gpu
 def test_a_recorded_launch_is_neither_compiled_nor_run_and_compiles_ahead():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def add_k(x_ptr, n, K: tl.constexpr, BLOCK: tl.constexpr):
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) + K, mask=offs < n)
-
     assert compile_ahead.supported()
     x = torch.zeros(1000, device="cuda")
     with compile_ahead.launches_recorded() as found:
@@ -122,14 +123,6 @@ def test_a_recorded_launch_is_neither_compiled_nor_run_and_compiles_ahead():
 def test_another_threads_launch_runs_while_this_one_records():
     """The recording thread's launch is skipped; another thread's launch of the same specialization,
     listed already, compiles and runs."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def add_k(x_ptr, n, K: tl.constexpr, BLOCK: tl.constexpr):
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) + K, mask=offs < n)
-
     mine, theirs = torch.zeros(1000, device="cuda"), torch.zeros(1000, device="cuda")
     with compile_ahead.launches_recorded() as found:
         add_k[(8,)](mine, 1000, K=5, BLOCK=128)
