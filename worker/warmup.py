@@ -3,9 +3,9 @@ on, then capture the decode steps' CUDA graphs (each logged with its time).
 
 On an empty Triton cache most of that time is compiling, one kernel after another as the forwards
 launch them. With `compile_threads` above 1 (and a Triton that allows it, kernels.compile_ahead), the
-warm-up's forwards and the captures' forwards first run with every launch skipped and listed, the
-list is compiled at once on that many threads, and the warm-up and captures then find their kernels
-compiled.
+warm-up's forwards and the captures' forwards first run with every launch that would compile skipped
+and listed, the list is compiled at once on that many threads, and the warm-up and captures then find
+their kernels compiled.
 """
 
 from __future__ import annotations
