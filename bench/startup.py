@@ -8,7 +8,8 @@ case, each building the same Engine (bf16, 16 sequences, 8192 batched tokens, Lo
 * one thread, empty cache: each kernel compiled at its first launch (`--compile-threads 1`);
 * N threads, empty cache: the kernels listed first and compiled on N threads (the default);
 * N threads, cache kept: the same again over the cache the last case left (a later pod on a node
-  whose chart sets worker.compileCache.hostPath).
+  whose chart sets worker.compileCache.hostPath);
+* one thread, cache kept: the first case again over its own cache (what the listing pass costs there).
 
 Each case reports the engine's own log lines (compile ahead, warm-up, captures) and the time to
 build the Engine. Prints a table, writes JSON.
@@ -84,9 +85,10 @@ def main() -> None:
         torch.cuda.empty_cache()
         cases = [("1 thread, empty cache", 1, Path(tmp) / "cache1"),
                  ("threads, empty cache", args.compile_threads, Path(tmp) / "cacheN"),
-                 ("threads, cache kept", args.compile_threads, Path(tmp) / "cacheN")]
+                 ("threads, cache kept", args.compile_threads, Path(tmp) / "cacheN"),
+                 ("1 thread, cache kept", 1, Path(tmp) / "cache1")]
         results = {}
-        for name, threads, cache in cases[1:] if args.threaded_only else cases:
+        for name, threads, cache in cases[1:3] if args.threaded_only else cases:
             results[name] = run_case(model, threads, cache)
             print(f"{name}: {results[name]}", flush=True)
     print(f"\n{'case':<24}{'ahead: listed + compiled':>26}{'warm-up s':>11}{'capture s':>11}{'engine s':>10}")
