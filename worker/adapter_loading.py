@@ -137,6 +137,19 @@ class AdapterLoading:
         self.metrics.load_failures.labels(tier).inc()
         self._failures.append((entry.key, err))
 
+    def _refuse_waiters(self, entry: AdapterEntry, message: str) -> None:
+        """Fail the requests waiting for `entry` (retryable) while it stays wanted (and pending if it is),
+        so it is placed once there is room. With no request waiting, nothing to answer: it only waits."""
+        if not entry.waiters:
+            return
+        err = AdapterLoadError(entry.key, message, retryable=True)
+        entry.error = err  # reported until it lands
+        entry.failed_waiters.update(dict.fromkeys(entry.waiters, err))
+        entry.waiters = set()
+        self._counts["load_failures"] += 1
+        self.metrics.load_failures.labels("gpu").inc()
+        self._failures.append((entry.key, err))
+
     def _start_copy(self, entry: AdapterEntry) -> None:
         self._inflight.add(entry.key)
         entry.copying = self._copier.start(entry.image.pages, entry.page_ids)

@@ -8,7 +8,9 @@ evicted: adapters in use, pinned, a new version about to become current, or load
 have not picked them up yet; except that a pinned current version gives way to the new version that
 replaces it when nothing else makes room (every slot pinned, or their owner's GPU quota full), the switch
 happening then. A version kept out while every slot is pinned fails its requests (retryable, with what to
-change: the slots, or its owner's quota) rather than have them wait for what never leaves. It works on the
+change: the slots, or its owner's quota) rather than have them wait for what never leaves; one kept out by
+its owner's pinned adapters with slots free fails the requests waiting for it the same way, and stays
+wanted: it is placed once they leave (unpinned) or the quota is raised. It works on the
 pool's state declared in `AdapterPool.__init__`; loading is in worker/adapter_loading.py.
 """
 
@@ -60,6 +62,15 @@ class AdapterPlacement:
         if replaced is not None and replaced.tenant == entry.tenant:
             count, nbytes = count - 1, nbytes - replaced.gpu_bytes
         return self.config.quota(entry.tenant).exceeded(count + 1, nbytes + entry.image.nbytes)
+
+    def _pinned_over_quota(self, entry: AdapterEntry) -> bool:
+        """Whether the owner's pinned adapters on the GPU, which never leave by themselves, keep `entry`
+        over its owner's GPU quota. A current version with a successor pending does not count: it gives
+        way or retires at the switch."""
+        pinned = [e for e in self._slot_owner.values() if e.tenant == entry.tenant and e.pinned and not e.retired
+                  and self._pending.get(e.name) in (None, e.key)]
+        return self.config.quota(entry.tenant).exceeded(len(pinned) + 1,
+                                                        sum(e.gpu_bytes for e in pinned) + entry.image.nbytes)
 
     def _gives_way_later(self, entry: AdapterEntry) -> bool:
         """Whether the pinned version `entry` replaces would give way but for requests using or awaiting it."""
@@ -127,6 +138,9 @@ class AdapterPlacement:
                 # Pinned adapters never leave on their own: waiting would hang the request.
                 self._fail(entry, f"every adapter slot ({len(pinned)}, --max-loras) is held by pinned adapters "
                                   f"({', '.join(pinned)}); unpin one or raise --max-loras", tier="gpu", retryable=True)
+            elif self._pinned_over_quota(entry):  # slots free, but its owner's pinned adapters fill its quota
+                self._refuse_waiters(entry, f"tenant {entry.tenant!r} is at its GPU quota, held by its pinned "
+                                            "adapters; unpin one of them or raise the quota")
             return False
         quota = self.config.quota(entry.tenant)
         for victim in victims:

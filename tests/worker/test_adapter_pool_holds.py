@@ -287,3 +287,30 @@ def test_a_pinned_version_gives_way_to_its_successor_when_their_owner_s_quota_is
     finally:
         pool.close()
 
+
+
+def test_requests_for_a_version_its_owner_s_pinned_adapters_keep_out_are_refused_and_it_stays_wanted():
+    """A slot is free, but beta's quota (one adapter) is held by chat@c1, pinned, which never leaves by itself:
+    the request waiting for beta's sql@v1 is refused (retryable, saying what to change), not left waiting for
+    ever; sql@v1 stays wanted, and is placed, without another request, once chat@c1 is unpinned."""
+    from lorafleet.worker.adapter_pool_config import TenantQuota
+
+    pool = make_pool(max_slots=3, tenant_quotas={"beta": TenantQuota(max_adapters=1)})
+    try:
+        pool.add("chat@c1", random_weights(0), tenant="beta", pinned=True)
+        pool.add("sql@v1", random_weights(1), tenant="beta")
+        pool.wait_idle()
+        assert pool.pinned_slot_keys() is None
+        assert pool.acquire("sql@v1", waiter="r") is None
+        assert [key for key, _ in pool.poll()] == ["sql@v1"]
+        with pytest.raises(AdapterLoadError, match="tenant 'beta' is at its GPU quota, held by its pinned") as exc:
+            pool.acquire("sql@v1", waiter="r")
+        assert exc.value.retryable and pool.has_pending_loads()
+        assert not pool.poll()  # nobody waits now: nothing more to answer
+        pool.unpin("chat@c1")
+        pool.poll()
+        pool.wait_idle()
+        assert pool.entry("sql@v1").resident and not pool.entry("chat@c1").on_gpu
+        pool.check()
+    finally:
+        pool.close()
