@@ -65,12 +65,18 @@ class AdapterPlacement:
 
     def _pinned_over_quota(self, entry: AdapterEntry) -> bool:
         """Whether the owner's pinned adapters on the GPU, which never leave by themselves, keep `entry`
-        over its owner's GPU quota. A current version with a successor pending does not count: it gives
-        way or retires at the switch."""
-        pinned = [e for e in self._slot_owner.values() if e.tenant == entry.tenant and e.pinned and not e.retired
-                  and self._pending.get(e.name) in (None, e.key)]
+        over its owner's GPU quota. A current version whose successor is on its way (wanted, or on the GPU)
+        does not count: it gives way or retires at the switch."""
+        pinned = [e for e in self._slot_owner.values()
+                  if e.tenant == entry.tenant and e.pinned and not e.retired and not self._successor_coming(e)]
         return self.config.quota(entry.tenant).exceeded(len(pinned) + 1,
                                                         sum(e.gpu_bytes for e in pinned) + entry.image.nbytes)
+
+    def _successor_coming(self, entry: AdapterEntry) -> bool:
+        """A version pending to replace `entry` is wanted or on the GPU (one whose load failed is neither)."""
+        pending = self._pending.get(entry.name)
+        successor = self._entries.get(pending) if pending not in (None, entry.key) else None
+        return successor is not None and (successor.key in self._wanted or successor.on_gpu)
 
     def _gives_way_later(self, entry: AdapterEntry) -> bool:
         """Whether the pinned version `entry` replaces would give way but for requests using or awaiting it."""

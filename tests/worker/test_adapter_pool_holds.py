@@ -12,7 +12,7 @@ from lorafleet.worker.adapter_entry import AdapterLoadError
 from lorafleet.worker.adapter_pool import AdapterPool, AdapterPoolConfig
 from lorafleet.worker.page_pool import PagePool, PagePoolConfig
 from tests.lora_factory import TINY_DIMS, random_weights
-from tests.worker.test_adapter_pool import PAGE_ELEMS, failed_load, make_pool
+from tests.worker.test_adapter_pool import PAGE_ELEMS, failed_load, flaky_loader, make_pool
 
 
 @pytest.fixture(scope="module")
@@ -311,6 +311,31 @@ def test_requests_for_a_version_its_owner_s_pinned_adapters_keep_out_are_refused
         pool.poll()
         pool.wait_idle()
         assert pool.entry("sql@v1").resident and not pool.entry("chat@c1").on_gpu
+        pool.check()
+    finally:
+        pool.close()
+
+
+def test_a_pinned_version_whose_successor_failed_to_load_still_counts_against_the_quota():
+    """a@2 replaces the pinned a@1 but its load failed (retryable): it stays pending, wanted by no one, so
+    a@1 stays; beta's quota (two adapters) is held by a@1 and b@1, pinned, and x@1's request is refused."""
+    from lorafleet.worker.adapter_pool_config import TenantQuota
+
+    pool = make_pool(max_slots=4, tenant_quotas={"beta": TenantQuota(max_adapters=2)})
+    try:
+        pool.add("a@1", random_weights(0), tenant="beta", pinned=True)
+        pool.add("b@1", random_weights(1), tenant="beta", pinned=True)
+        pool.wait_idle()
+        _, loader = flaky_loader()
+        pool.add("a@2", loader=loader, tenant="beta")
+        pool.wait_idle()
+        pool.poll()
+        pool.add("x@1", random_weights(2), tenant="beta")
+        assert pool.acquire("x@1", waiter="r") is None
+        pool.wait_idle()
+        pool.poll()
+        with pytest.raises(AdapterLoadError, match="held by its pinned adapters"):
+            pool.acquire("x@1", waiter="r")
         pool.check()
     finally:
         pool.close()
