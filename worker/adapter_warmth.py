@@ -90,9 +90,10 @@ class AdapterWarmth:
             if entry.error is not None and not entry.error.retryable:
                 continue  # the files or settings must change first
             missing.append((entry, state))
-        waiting = any((e := self._entries.get(k)) is not None and not e.on_gpu for k in self._wanted)
+        waiting = any((e := self._entries.get(k)) is not None and not e.on_gpu
+                      and not (e.image is not None and self._pinned_over_quota(e)) for k in self._wanted)
         if kv_short or waiting:
-            return  # the KV cache or a request's adapter needs the room first
+            return  # the KV cache or a request's adapter needs the room first (not one its owner's pinned quota keeps out)
         for entry, state in sorted(missing, key=lambda m: -m[0].priority):
             self._rewarm(entry, state, kv_reserve)
 

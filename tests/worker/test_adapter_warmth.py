@@ -98,6 +98,28 @@ def test_a_warm_adapter_comes_back_only_into_free_room_never_evicting(clock):
     pool.close()
 
 
+def test_a_version_its_owner_s_pinned_adapters_keep_out_does_not_hold_warm_ones_back(clock):
+    """sql@v1 stays wanted while beta's pinned chat@c1 fills beta's quota: it needs no room a warm adapter
+    would take, so the warm one evicted by KV pressure comes back all the same."""
+    from lorafleet.worker.adapter_pool_config import TenantQuota
+
+    pool = make_pool(tenant_quotas={"beta": TenantQuota(max_adapters=1)})
+    pool.add("chat@c1", random_weights(0), tenant="beta", pinned=True)
+    pool.add("sql@v1", random_weights(1), tenant="beta")
+    pool.add("warm@1", random_weights(2), tenant="acme")
+    pool.set_warm("warm@1", True)
+    pool.load("warm@1")
+    pool.wait_idle()
+    kv = take_kv_pages(pool)
+    assert not pool.entry("warm@1").on_gpu
+    pool.page_pool.free(kv)
+    assert pool.acquire("sql@v1", waiter="r") is None and pool.has_pending_loads()  # refused, still wanted
+    checks(pool, clock, n=3)  # the first look passes: the KV cache was short since the last one
+    assert pool.entry("warm@1").resident and not pool.entry("sql@v1").on_gpu
+    pool.check()
+    pool.close()
+
+
 @pytest.mark.parametrize("warm_priority", [0, -1])
 def test_warm_adapters_are_evicted_after_cold_ones_of_their_priority(clock, warm_priority):
     pool = make_pool(max_slots=2)
