@@ -22,6 +22,10 @@ from lorafleet.worker.eviction import EvictionCandidate, plan_placement
 from lorafleet.worker.page_pool import PagePoolError
 
 
+def _pinned_quota_message(entry: AdapterEntry) -> str:
+    return f"tenant {entry.tenant!r} is at its GPU quota, held by its pinned adapters; unpin one of them or raise the quota"
+
+
 class AdapterPlacement:
     def _placement_plan(self, entry: AdapterEntry) -> list[AdapterEntry] | None:
         """Victims to evict so `entry` fits (pages, slot, tenant quota), or None if it cannot fit now."""
@@ -48,29 +52,27 @@ class AdapterPlacement:
         replaced = self._entries.get(self._current.get(entry.name, ""))
         return replaced if replaced is not None and replaced.pinned and replaced.resident else None
 
+    def _exceeds_quota(self, entry: AdapterEntry, held: list[AdapterEntry]) -> bool:
+        """Whether `entry` on the GPU beside `held` (adapters of its owner there) is over its owner's quota."""
+        return self.config.quota(entry.tenant).exceeded(len(held) + 1,
+                                                        sum(e.gpu_bytes for e in held) + entry.image.nbytes)
+
     def _own_quota_full(self, entry: AdapterEntry, replaced: AdapterEntry) -> bool:
         """Whether `entry` is over its owner's GPU quota, `replaced` (the version it replaces) counting in it."""
-        count, nbytes = self._gpu_usage(entry.tenant)
-        return replaced.tenant == entry.tenant and self.config.quota(entry.tenant).exceeded(
-            count + 1, nbytes + entry.image.nbytes)
+        return replaced.tenant == entry.tenant and self._exceeds_quota(entry, self._owned(entry.tenant))
 
     def _over_quota(self, entry: AdapterEntry) -> bool:
         """Whether `entry`'s owner would be over its GPU quota with it while every slot is pinned: only the
         version `entry` replaces may leave then, and it frees quota only if it is the same owner's."""
-        count, nbytes = self._gpu_usage(entry.tenant)
         replaced = self._replaced_pinned(entry)
-        if replaced is not None and replaced.tenant == entry.tenant:
-            count, nbytes = count - 1, nbytes - replaced.gpu_bytes
-        return self.config.quota(entry.tenant).exceeded(count + 1, nbytes + entry.image.nbytes)
+        return self._exceeds_quota(entry, [e for e in self._owned(entry.tenant) if e is not replaced])
 
     def _pinned_over_quota(self, entry: AdapterEntry) -> bool:
         """Whether the owner's pinned adapters on the GPU, which never leave by themselves, keep `entry`
         over its owner's GPU quota. A current version whose successor is on its way (wanted, or on the GPU)
         does not count: it gives way or retires at the switch."""
-        pinned = [e for e in self._slot_owner.values()
-                  if e.tenant == entry.tenant and e.pinned and not e.retired and not self._successor_coming(e)]
-        return self.config.quota(entry.tenant).exceeded(len(pinned) + 1,
-                                                        sum(e.gpu_bytes for e in pinned) + entry.image.nbytes)
+        return self._exceeds_quota(entry, [e for e in self._owned(entry.tenant)
+                                           if e.pinned and not e.retired and not self._successor_coming(e)])
 
     def _successor_coming(self, entry: AdapterEntry) -> bool:
         """A version pending to replace `entry` is wanted or on the GPU (one whose load failed is neither)."""
@@ -104,9 +106,13 @@ class AdapterPlacement:
             if entry.pinned or entry.key in self._warm:
                 self._want(entry)  # back within that quota, evicting the owner's other idle adapters first
 
+    def _owned(self, tenant: str) -> list[AdapterEntry]:
+        """The adapters `tenant` holds on the GPU (slots): what its quota counts."""
+        return [e for e in self._slot_owner.values() if e.tenant == tenant]
+
     def _gpu_usage(self, tenant: str) -> tuple[int, int]:
-        """(adapters, bytes) `tenant` holds on the GPU: what its quota counts."""
-        mine = [e for e in self._slot_owner.values() if e.tenant == tenant]
+        """(adapters, bytes) `tenant` holds on the GPU."""
+        mine = self._owned(tenant)
         return len(mine), sum(e.gpu_bytes for e in mine)
 
     def _plan_with(self, entry: AdapterEntry, candidates: list[AdapterEntry]) -> list[AdapterEntry] | None:
@@ -138,25 +144,21 @@ class AdapterPlacement:
             elif self._gives_way_later(entry):
                 pass  # stays wanted: placed when the requests on the version it replaces release it (the sweep)
             elif (pinned := self.pinned_slot_keys()) is not None and self._over_quota(entry):
-                self._fail(entry, f"tenant {entry.tenant!r} is at its GPU quota, held by its pinned adapters; unpin "
-                                  "one of them or raise the quota", tier="gpu", retryable=True)
+                self._fail(entry, _pinned_quota_message(entry), tier="gpu", retryable=True)
             elif pinned is not None:
                 # Pinned adapters never leave on their own: waiting would hang the request.
                 self._fail(entry, f"every adapter slot ({len(pinned)}, --max-loras) is held by pinned adapters "
                                   f"({', '.join(pinned)}); unpin one or raise --max-loras", tier="gpu", retryable=True)
             elif self._pinned_over_quota(entry):  # slots free, but its owner's pinned adapters fill its quota
-                self._refuse_waiters(entry, f"tenant {entry.tenant!r} is at its GPU quota, held by its pinned "
-                                            "adapters; unpin one of them or raise the quota")
+                self._refuse_waiters(entry, _pinned_quota_message(entry))
             return False
-        quota = self.config.quota(entry.tenant)
         for victim in victims:
             if victim.pinned:  # only the pinned version `entry` replaces is ever a pinned victim (_placement_plan):
                 self._switch(entry)  # switch now, so its requests wait for this copy, not for a slot they never get;
                 if not victim.on_gpu:  # retired, it was dropped (slot and pages freed)
                     continue
                 victim.pinned = False  # kept registered (the new one's canary): it leaves the GPU as any other
-            count, nbytes = self._gpu_usage(entry.tenant)
-            over = quota.exceeded(count + 1, nbytes + entry.image.nbytes)
+            over = self._exceeds_quota(entry, self._owned(entry.tenant))
             self._evict_gpu(victim, "quota" if over and victim.tenant == entry.tenant else "capacity")
         return self._place(entry)
 

@@ -296,7 +296,7 @@ class ServedAdapters:
                         engine.register_adapter(d.name, source, version=version, tenant=d.tenant, pinned=d.pinned,
                                                 make_current=stable, sha256=digests[version], keep_previous=keeps)
                     elif stable and old is not None and drops_kept(d, old, current):
-                        make_current_again(engine, d)  # the old stable version retires at the switch
+                        make_current_again(engine, d.name, d.stable.version)  # the old one retires at the switch
                     registered = True
                     if swap and keep:
                         # On the GPU when the push began; if a directive before evicted it, current once resident.

@@ -44,15 +44,15 @@ def drops_kept(d: AdapterDirective, old: ServedAdapter, current: set[str]) -> bo
     return d.stable.version == old.split.stable and (d.canary is None or d.canary.version != kept)
 
 
-def make_current_again(engine: AdapterHost, d: AdapterDirective) -> None:
-    """Make `d`'s stable version current again, keeping nothing at the switch (see `drops_kept`), without
-    reading its files again. A failure changes nothing that serves: the version stays registered and
+def make_current_again(engine: AdapterHost, name: str, stable: str) -> None:
+    """Make `name@stable` current again, keeping nothing at the switch (see `drops_kept`, `drop_kept_canary`),
+    without reading its files again. A failure changes nothing that serves: the version stays registered and
     loading, the fallback stays registered after the switch."""
     try:
-        engine.make_adapter_current(f"{d.name}@{d.stable.version}", if_resident=True)
+        engine.make_adapter_current(f"{name}@{stable}", if_resident=True)
     except (ValueError, KeyError, OSError, RuntimeError) as exc:
         log.warning("adapter %s@%s: making it current again failed (%s); the version it replaces stays registered "
-                    "after the switch until the name is pushed again", d.name, d.stable.version, exc)
+                    "after the switch until the name is pushed again", name, stable, exc)
 
 
 def keep_serving(served: ServedAdapter, old: ServedAdapter) -> None:
@@ -119,7 +119,7 @@ def drop_kept_canary(engine: AdapterHost, name: str, stable: str, demoted: str) 
     switched, the push's end drops it with its failures (`drop_unserved_failures`)."""
     current = {a["key"] for a in engine.describe_adapters() if a.get("current")}
     if f"{name}@{demoted}" in current:
-        engine.make_adapter_current(f"{name}@{stable}", if_resident=True)  # waits to switch, keeping nothing
+        make_current_again(engine, name, stable)  # waits to switch, keeping nothing
 
 
 def replay_failures(old_table: dict[str, ServedAdapter], table: dict[str, ServedAdapter], seen: set[str],
