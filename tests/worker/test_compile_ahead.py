@@ -122,19 +122,24 @@ def test_a_recorded_launch_is_neither_compiled_nor_run_and_compiles_ahead():
 @pytest.mark.gpu
 def test_another_threads_launch_runs_while_this_one_records():
     """The recording thread's launch is skipped; another thread's launch of the same specialization,
-    listed already, compiles and runs."""
+    listed already, compiles and runs, and from then on it is a compiled kernel for every thread."""
     mine, theirs = torch.zeros(1000, device="cuda"), torch.zeros(1000, device="cuda")
     with compile_ahead.launches_recorded() as found:
         add_k[(8,)](mine, 1000, K=5, BLOCK=128)
+        torch.cuda.synchronize()
+        assert mine.abs().sum().item() == 0  # listed, not run
         other = threading.Thread(target=lambda: add_k[(8,)](theirs, 1000, K=5, BLOCK=128))
         other.start()
         other.join()
-        add_k[(8,)](mine, 1000, K=5, BLOCK=128)
+        torch.cuda.synchronize()
+        assert torch.equal(theirs, torch.full_like(theirs, 5.0))
+        add_k[(8,)](mine, 1000, K=5, BLOCK=128)  # compiled now: it runs as any compiled kernel does
     torch.cuda.synchronize()
-    assert len(found) == 1 and mine.abs().sum().item() == 0
-    assert torch.equal(theirs, torch.full_like(theirs, 5.0))
-    add_k[(8,)](mine, 1000, K=5, BLOCK=128)  # compiled by the other thread's launch
-    assert torch.equal(mine, torch.full_like(mine, 5.0))
+    assert len(found) == 1 and torch.equal(mine, torch.full_like(mine, 5.0))
+    for caches in add_k.device_caches.values():
+        assert not any(isinstance(k, compile_ahead._Skip) for k in caches[0].values())
+    add_k[(8,)](mine, 1000, K=5, BLOCK=128)
+    assert torch.equal(mine, torch.full_like(mine, 10.0))
 
 
 _START = """
