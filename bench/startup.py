@@ -8,7 +8,9 @@ case, each building the same Engine (bf16, 16 sequences, 8192 batched tokens, Lo
 * one thread, empty cache: each kernel compiled at its first launch (`--compile-threads 1`);
 * N threads, empty cache: the kernels listed first and compiled on N threads (the default);
 * N threads, cache kept: the same again over the cache the last case left (a later pod on a node
-  whose chart sets worker.compileCache.hostPath);
+  whose chart sets worker.compileCache.hostPath), which holds the engine's kernel list as well: the
+  kernels are compiled from it, without the listing forwards;
+* N threads, cache kept, list gone: the same with the list removed (they are listed again);
 * one thread, cache kept: the first case again over its own cache (what the listing pass costs there).
 
 Each case reports the engine's own log lines (compile ahead, warm-up, captures) and the time to
@@ -29,7 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
-_PHASES = {"compile ahead": r"(\d+) Triton kernels listed in ([\d.]+) s, (\d+) of them compiled on (\d+) threads in ([\d.]+) s",
+_PHASES = {"compile ahead": r"(\d+) Triton kernels (?:listed in ([\d.]+) s|as an earlier start listed them \([^)]*\)), "
+                            r"(\d+) of them compiled on (\d+) threads in ([\d.]+) s",
            "warm-up": r"warm-up: \d+ forwards .* in ([\d.]+) s", "capture": r"captured \d+ CUDA graphs .* in ([\d.]+) s"}
 
 
@@ -51,8 +54,11 @@ def child(model: str, threads: int) -> None:
     print(json.dumps({"engine_s": round(time.perf_counter() - t0, 1), "log": lines}))
 
 
-def run_case(model: Path, threads: int, cache: Path) -> dict:
+def run_case(model: Path, threads: int, cache: Path, keep_list: bool = True) -> dict:
     env = {**os.environ, "TRITON_CACHE_DIR": str(cache)}
+    if not keep_list:
+        for path in cache.glob("lorafleet-start-*.json"):
+            path.unlink()
     entries = len(list(cache.iterdir())) if cache.exists() else 0
     out = subprocess.run([sys.executable, __file__, "--child", str(model), "--compile-threads", str(threads)],
                          capture_output=True, text=True, env=env, check=True)
@@ -61,7 +67,7 @@ def run_case(model: Path, threads: int, cache: Path) -> dict:
     for phase, pattern in _PHASES.items():
         for line in result["log"]:
             if m := re.search(pattern, line):
-                result[phase] = [float(g) for g in m.groups()] if phase == "compile ahead" else float(m.group(1))
+                result[phase] = [float(g or 0) for g in m.groups()] if phase == "compile ahead" else float(m.group(1))
     return result
 
 
@@ -83,13 +89,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = make_model(Path(tmp) / "model", args.layers, "cuda")
         torch.cuda.empty_cache()
-        cases = [("1 thread, empty cache", 1, Path(tmp) / "cache1"),
-                 ("threads, empty cache", args.compile_threads, Path(tmp) / "cacheN"),
-                 ("threads, cache kept", args.compile_threads, Path(tmp) / "cacheN"),
-                 ("1 thread, cache kept", 1, Path(tmp) / "cache1")]
+        cases = [("1 thread, empty cache", 1, Path(tmp) / "cache1", True),
+                 ("threads, empty cache", args.compile_threads, Path(tmp) / "cacheN", True),
+                 ("threads, cache kept", args.compile_threads, Path(tmp) / "cacheN", True),
+                 ("threads, cache, no list", args.compile_threads, Path(tmp) / "cacheN", False),
+                 ("1 thread, cache kept", 1, Path(tmp) / "cache1", True)]
         results = {}
-        for name, threads, cache in cases[1:3] if args.threaded_only else cases:
-            results[name] = run_case(model, threads, cache)
+        for name, threads, cache, keep_list in cases[1:4] if args.threaded_only else cases:
+            results[name] = run_case(model, threads, cache, keep_list)
             print(f"{name}: {results[name]}", flush=True)
     print(f"\n{'case':<24}{'ahead: listed + compiled':>26}{'warm-up s':>11}{'capture s':>11}{'engine s':>10}")
     for name, r in results.items():

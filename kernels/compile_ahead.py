@@ -9,7 +9,8 @@ and graph captures need about 150 of them, over 100 s on an empty cache. Instead
     compile_all(found, threads=16)       # the list, compiled at once on a thread pool
 
 and the warm-up proper then finds every kernel compiled. The compiler's MLIR passes and ptxas run
-outside the GIL, so the threads overlap. While launches are recorded, kernels compiled already run
+outside the GIL, so the threads overlap. `save_list` keeps the list beside Triton's disk cache, and a
+later start of the same engine compiles it (`load_list`) without running the listing forwards again. While launches are recorded, kernels compiled already run
 as usual and the skipped ones leave their outputs as their buffers held them: the forwards run only
 to reach every launch, and their results are dropped. None of the kernels here writes indices that
 torch or another kernel reads back, so the rest of a forward runs on those values without fault.
@@ -27,13 +28,16 @@ it goes, as before.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import inspect
+import json
 import logging
 import os
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 try:
     import triton
@@ -105,12 +109,13 @@ class _Skip:
 
 
 @contextlib.contextmanager
-def launches_recorded() -> Iterator[list[Specialization]]:
+def launches_recorded(skip: bool = True) -> Iterator[list[Specialization]]:
     """Within: a launch from this thread that would compile is neither compiled nor run; its
     specialization is appended to the yielded list (once per distinct one). Launches of kernels
     compiled already run as usual, and other threads' launches as they would. On leaving, Triton's
     previous cache hook is put back and the kernels' caches hold what they held before, and what
-    compiled meanwhile."""
+    compiled meanwhile. With `skip` False, the launches that compile are listed and compile and run
+    as usual."""
     with _RECORDING:
         found: list[Specialization] = []
         skips: list[tuple[dict, str, _Skip]] = []
@@ -122,9 +127,11 @@ def launches_recorded() -> Iterator[list[Specialization]]:
                 return previous(key=key, fn=fn, compile=compile, **kwargs) if previous else None
             spec = Specialization(fn.jit_function, key, compile["specialization_data"])
             found.append(spec)
+            if not skip:
+                return False
             cache = spec.kernel.device_caches[compile["device"]][0]
-            cache[key] = skip = _Skip(spec, cache, owner)  # its next launches find it "compiled"
-            skips.append((cache, key, skip))
+            cache[key] = skip_it = _Skip(spec, cache, owner)  # its next launches find it "compiled"
+            skips.append((cache, key, skip_it))
             return True  # Triton: skip the compile, and with it this launch
 
         knobs.runtime.jit_cache_hook = record
@@ -132,8 +139,8 @@ def launches_recorded() -> Iterator[list[Specialization]]:
             yield found
         finally:
             knobs.runtime.jit_cache_hook = previous
-            for cache, key, skip in skips:
-                if cache.get(key) is skip:
+            for cache, key, skip_it in skips:
+                if cache.get(key) is skip_it:
                     del cache[key]
 
 
@@ -161,6 +168,47 @@ def compile_all(found: list[Specialization], threads: int) -> int:
                 compiled += 1
                 break
     return compiled
+
+
+_LIST_FORMAT = 1
+
+
+def save_list(found: list[Specialization], path: Path) -> None:
+    """Write `found` to `path` (JSON, replaced at once: workers sharing a cache may write it together)
+    for `load_list`. Each kernel is named by its module and name, with the hash of its source."""
+    entries = [{"kernel": f"{s.kernel.fn.__module__}:{s.kernel.fn.__qualname__}", "source": s.kernel.cache_key,
+                "key": s.key, "data": s.data} for s in found]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
+    tmp.write_text(json.dumps({"format": _LIST_FORMAT, "specializations": entries}))
+    os.replace(tmp, path)
+
+
+def load_list(path: Path) -> list[Specialization] | None:
+    """The list `save_list` wrote at `path`; None where there is none, or it cannot be read, or it no
+    longer fits this code: a kernel gone, outside this package, or changed since (its source hash
+    differs). Nothing in it runs: kernels are looked up by name among this package's own modules."""
+    try:
+        saved = json.loads(path.read_text())
+        if saved.get("format") != _LIST_FORMAT:
+            raise ValueError(f"format {saved.get('format')!r}")
+        found = []
+        for entry in saved["specializations"]:
+            module, _, name = entry["kernel"].partition(":")
+            if not module.startswith(f"{__package__.split('.')[0]}."):
+                raise ValueError(f"{entry['kernel']} is not a kernel of this package")
+            kernel = importlib.import_module(module)
+            for part in name.split("."):
+                kernel = getattr(kernel, part)
+            if not isinstance(kernel, JITFunction) or kernel.cache_key != entry["source"]:
+                raise ValueError(f"{entry['kernel']} changed since the list was written")
+            found.append(Specialization(kernel, str(entry["key"]), str(entry["data"])))
+    except FileNotFoundError:
+        return None
+    except Exception as e:  # noqa: BLE001 - any unreadable or stale list is listed again
+        log.info("the kernel list of an earlier start (%s) is not used: %s", path, e)
+        return None
+    return found
 
 
 def default_threads(cgroup_root: str = "/sys/fs/cgroup") -> int:

@@ -5,44 +5,100 @@ On an empty Triton cache most of that time is compiling, one kernel after anothe
 launch them. With `compile_threads` above 1 (and a Triton that allows it, kernels.compile_ahead), the
 warm-up's forwards and the captures' forwards first run with every launch that would compile skipped
 and listed, the list is compiled at once on that many threads, and the warm-up and captures then find
-their kernels compiled.
+their kernels compiled. The list is kept beside Triton's disk cache, named by what decides it (this
+code, the engine's and the model's configuration, the GPU, torch and Triton): a later start of the
+same engine compiles it straight away, without the listing forwards. A launch the list missed
+compiles as usual, and is added to it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import hashlib
+import importlib
+import json
 import logging
 import time
+from pathlib import Path
 
 from lorafleet.kernels import compile_ahead
 from lorafleet.worker.engine_config import EngineConfig
+from lorafleet.worker.model_config import ModelConfig
 from lorafleet.worker.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
 
-def warm_up(runner: ModelRunner, config: EngineConfig) -> None:
+def warm_up(runner: ModelRunner, config: EngineConfig, model_config: ModelConfig) -> None:
     """Compile ahead, warm up and capture, as `config` asks."""
     most = config.max_num_batched_tokens
     counts = sorted({c for c in (1, 16, 64, 256, 512, 1024) if c < most} | {most})  # 512: 32-token segments
     ranks = sorted({min(r, config.max_lora_rank) for r in (16, 32, 64, 128)})
     threads = config.compile_threads or compile_ahead.default_threads()
-    if threads > 1 and compile_ahead.supported() and (config.warmup or runner.graphs is not None):
+    ahead = threads > 1 and compile_ahead.supported() and (config.warmup or runner.graphs is not None)
+    if ahead:
+        import torch
+
+        gpu = f"{torch.cuda.get_device_name(runner.device)} {torch.cuda.get_device_capability(runner.device)}"
+        list_path = start_list_path(config, model_config, gpu)
+        listed = compile_ahead.load_list(list_path) if list_path is not None else None
         t0 = time.perf_counter()
-        with compile_ahead.launches_recorded() as found:
-            if config.warmup:
-                runner.warmup(counts, ranks)
-            if runner.graphs is not None:
-                runner.graphs.rehearse_all()
+        if listed is None:
+            with compile_ahead.launches_recorded() as found:
+                _forwards(runner, config, counts, ranks, capture=False)
+        else:
+            found = listed
         t1 = time.perf_counter()
         compiled = compile_ahead.compile_all(found, threads)
-        log.info("compiled ahead: %d Triton kernels listed in %.1f s, %d of them compiled on %d threads in %.1f s",
-                 len(found), t1 - t0, compiled, threads, time.perf_counter() - t1)
+        how = f"listed in {t1 - t0:.1f} s" if listed is None else f"as an earlier start listed them ({list_path.name})"
+        log.info("compiled ahead: %d Triton kernels %s, %d of them compiled on %d threads in %.1f s",
+                 len(found), how, compiled, threads, time.perf_counter() - t1)
+    with compile_ahead.launches_recorded(skip=False) if ahead else contextlib.nullcontext([]) as missed:
+        _forwards(runner, config, counts, ranks, capture=True)
+    if ahead and list_path is not None and (listed is None or missed):
+        if missed:
+            log.info("%d Triton kernels compiled at their launch, not ahead: added to the list for the next start", len(missed))
+        kept = {(s.name, s.key): s for s in [*found, *missed]}
+        try:
+            compile_ahead.save_list(list(kept.values()), list_path)
+        except OSError as e:
+            log.warning("the kernel list for the next start is not kept (%s): it lists them again", e)
+
+
+def _forwards(runner: ModelRunner, config: EngineConfig, counts: list[int], ranks: list[int], *, capture: bool) -> None:
+    """The warm-up's forwards and the captures (with `capture`, logged), or their rehearsal."""
     if config.warmup:
         t0 = time.perf_counter()
         runs = runner.warmup(counts, ranks)
-        log.info("warm-up: %d forwards (tokens %s, rank bounds %s) in %.1f s", runs, counts, ranks, time.perf_counter() - t0)
-    if runner.graphs is not None:
-        t0 = time.perf_counter()
-        runner.graphs.capture_all()
-        log.info("captured %d CUDA graphs of decode steps (batch sizes %s) in %.1f s", runner.graphs.captures,
-                 runner.graphs.buckets, time.perf_counter() - t0)
+        if capture:
+            log.info("warm-up: %d forwards (tokens %s, rank bounds %s) in %.1f s", runs, counts, ranks, time.perf_counter() - t0)
+    if runner.graphs is None:
+        return
+    if not capture:
+        runner.graphs.rehearse_all()
+        return
+    t0 = time.perf_counter()
+    runner.graphs.capture_all()
+    log.info("captured %d CUDA graphs of decode steps (batch sizes %s) in %.1f s", runner.graphs.captures,
+             runner.graphs.buckets, time.perf_counter() - t0)
+
+
+def start_list_path(config: EngineConfig, model_config: ModelConfig, gpu: str) -> Path | None:
+    """Where the start's kernel list is kept: in Triton's cache directory, named by a hash of what
+    decides which kernels a start launches (`gpu`: the device's name and compute capability). None
+    where this Triton names no cache directory."""
+    cache_dir = getattr(getattr(compile_ahead.knobs, "cache", None), "dir", None)
+    if not cache_dir:
+        return None
+    import torch
+    import triton
+
+    code = hashlib.sha256()
+    for package in ("lorafleet.kernels", "lorafleet.worker"):
+        for path in sorted(Path(importlib.import_module(package).__file__).parent.glob("*.py")):
+            code.update(path.name.encode() + b"\0" + path.read_bytes())
+    facts = {"code": code.hexdigest(), "torch": torch.__version__, "triton": triton.__version__, "gpu": gpu,
+             "config": dataclasses.asdict(config), "model": dataclasses.asdict(model_config)}
+    digest = hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:24]
+    return Path(cache_dir) / f"lorafleet-start-{digest}.json"

@@ -7,6 +7,7 @@ hook behind, and answers as one that compiled each kernel at its first launch.""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -17,9 +18,12 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.jit import JITFunction
 
-from lorafleet.kernels import compile_ahead
+from lorafleet.kernels import activation, compile_ahead
 from lorafleet.worker import EngineConfig
+from lorafleet.worker.model_config import ModelConfig
+from lorafleet.worker.warmup import start_list_path
 
 
 @triton.jit
@@ -93,6 +97,60 @@ def test_compile_threads_must_not_be_negative(tiny_llama_dir):
         EngineConfig(model=str(tiny_llama_dir), compile_threads=-1)
 
 
+@pytest.fixture
+def silu_mul_kernel(monkeypatch):
+    """A kernel of this package as a compiled Triton kernel (the suite's interpreter wraps them)."""
+    kernel = JITFunction(activation.silu_mul_kernel.fn)
+    monkeypatch.setattr(activation, "silu_mul_kernel", kernel)
+    return kernel
+
+
+def test_launches_listed_without_skipping_compile_and_run_as_usual(silu_mul_kernel):
+    from triton import knobs
+
+    class Launched:  # what Triton hands its hook: the launch's kernel and specialization
+        jit_function = silu_mul_kernel
+
+    with compile_ahead.launches_recorded(skip=False) as found:
+        hook = knobs.runtime.jit_cache_hook
+        assert hook(key="k1", fn=Launched, compile={"specialization_data": "{}", "device": 0}) is False
+    assert [(s.kernel, s.key) for s in found] == [(silu_mul_kernel, "k1")]
+    assert knobs.runtime.jit_cache_hook is None
+
+
+def test_a_saved_list_comes_back_and_a_stale_or_foreign_one_is_not_used(tmp_path, silu_mul_kernel):
+    path = tmp_path / "cache" / "start.json"
+    assert compile_ahead.load_list(path) is None  # none yet
+    found = [compile_ahead.Specialization(silu_mul_kernel, f"key{i}", f'{{"name": "silu_mul_kernel", "i": {i}}}') for i in range(2)]
+    compile_ahead.save_list(found, path)
+    assert compile_ahead.load_list(path) == found
+    assert [p.name for p in path.parent.iterdir()] == ["start.json"]  # written whole, nothing left beside it
+    saved = json.loads(path.read_text())
+    bad = {"not json": "{", "another format": {**saved, "format": 0},
+           "a kernel changed since": {**saved, "specializations": [{**saved["specializations"][0], "source": "0" * 64}]},
+           "a kernel gone": {**saved, "specializations": [{**saved["specializations"][0], "kernel": "lorafleet.kernels.activation:gone"}]},
+           "outside this package": {**saved, "specializations": [{**saved["specializations"][0], "kernel": "os:system"}]},
+           "not a kernel": {**saved, "specializations": [{**saved["specializations"][0], "kernel": "lorafleet.kernels.activation:silu_mul"}]},
+           "entries garbled": {**saved, "specializations": [["lorafleet.kernels.activation:silu_mul_kernel"]]}}
+    for why, content in bad.items():
+        path.write_text(content if isinstance(content, str) else json.dumps(content))
+        assert compile_ahead.load_list(path) is None, why
+
+
+def test_the_list_is_named_by_what_decides_the_kernels(tiny_llama_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    model = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    config = EngineConfig(model=str(tiny_llama_dir))
+    path = start_list_path(config, model, "H200 (9, 0)")
+    assert path.parent == tmp_path and path.name.startswith("lorafleet-start-")
+    assert start_list_path(EngineConfig(model=str(tiny_llama_dir)), model, "H200 (9, 0)") == path
+    others = {start_list_path(EngineConfig(model=str(tiny_llama_dir), max_num_batched_tokens=4096), model, "H200 (9, 0)"),
+              start_list_path(config, ModelConfig(**{**dataclasses.asdict(model), "head_dim": 32}), "H200 (9, 0)"),
+              start_list_path(config, model, "H100 (9, 0)")}
+    assert len(others) == 3 and path not in others
+
+
 @pytest.mark.gpu
 def test_a_recorded_launch_is_neither_compiled_nor_run_and_compiles_ahead():
     assert compile_ahead.supported()
@@ -143,10 +201,13 @@ def test_another_threads_launch_runs_while_this_one_records():
 
 
 _START = """
-import json, sys
+import json, logging, sys
 from triton import knobs
 from lorafleet.worker import Engine, EngineConfig, SamplingParams
-launched = []
+launched, ahead = [], []
+logging.basicConfig(level=logging.WARNING)
+logging.getLogger("lorafleet.worker.warmup").setLevel(logging.INFO)
+logging.getLogger("lorafleet.worker.warmup").addFilter(lambda r: ahead.append(r.getMessage()) or True)
 knobs.runtime.jit_post_compile_hook = lambda **kw: launched.append(kw["fn"].name) if not kw["is_manual_warmup"] else None
 model, adapters, threads = sys.argv[1], sys.argv[2], int(sys.argv[3])
 engine = Engine(EngineConfig(model=model, device="cuda", dtype="float32", adapters=adapters, max_lora_rank=16,
@@ -154,20 +215,25 @@ engine = Engine(EngineConfig(model=model, device="cuda", dtype="float32", adapte
 at_start = len(launched)
 outs = engine.generate([[5, 6, 7], [9, 10, 11, 12]], SamplingParams(max_tokens=6, temperature=0.0), adapters=["alpha", None])
 print(json.dumps({"compiled_at_launch": at_start, "tokens": [o.token_ids for o in outs],
-                  "hook_left": knobs.runtime.jit_cache_hook is not None}))
+                  "hook_left": knobs.runtime.jit_cache_hook is not None, "ahead": [m for m in ahead if "ahead" in m]}))
 """
 
 
 @pytest.mark.gpu
 def test_an_engine_compiles_ahead_then_launches_compiled_kernels(tiny_llama_dir, qv_adapters_dir, tmp_path):
     results = {}
-    for threads in (4, 1):
-        env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / f"cache{threads}")}  # empty: every kernel compiles
+    for case, threads in (("first", 4), ("again", 4), ("one", 1)):
+        env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / f"cache{threads}")}  # empty at each first start
         run = subprocess.run([sys.executable, "-c", _START, str(tiny_llama_dir), str(qv_adapters_dir), str(threads)],
                              capture_output=True, text=True, env=env, timeout=900)
         assert run.returncode == 0, run.stderr[-3000:]
-        results[threads] = json.loads(run.stdout.strip().splitlines()[-1])
-    assert results[4]["compiled_at_launch"] == 0  # the warm-up and captures found every kernel compiled
-    assert results[1]["compiled_at_launch"] > 0  # one thread: each compiled at its first launch, as before
-    assert results[4]["tokens"] == results[1]["tokens"]
-    assert not results[4]["hook_left"] and not results[1]["hook_left"]
+        results[case] = json.loads(run.stdout.strip().splitlines()[-1])
+    assert results["first"]["compiled_at_launch"] == 0  # the warm-up and captures found every kernel compiled
+    assert results["one"]["compiled_at_launch"] > 0  # one thread: each compiled at its first launch, as before
+    assert results["first"]["tokens"] == results["again"]["tokens"] == results["one"]["tokens"]
+    assert not any(r["hook_left"] for r in results.values())
+    # The first start listed its kernels and kept the list; the next one compiled that list straight away.
+    assert len(results["first"]["ahead"]) == 1 and "listed in" in results["first"]["ahead"][0]
+    assert [p.name.startswith("lorafleet-start-") for p in (tmp_path / "cache4").glob("lorafleet-start-*.json")] == [True]
+    assert len(results["again"]["ahead"]) == 1 and "as an earlier start listed them" in results["again"]["ahead"][0]
+    assert results["again"]["compiled_at_launch"] == 0
