@@ -275,11 +275,12 @@ class ServedAdapters:
         for version, uri in versions.items():
             stable = version == d.stable.version
             key = f"{d.name}@{version}"
-            if old is not None and version in old.errors:
+            failed = old is not None and version in old.errors  # read once: the event loop may write it any time
+            if failed:
                 seen.add(key)  # handled below (registered again: a retry); one failing from now on is replayed
             # Registered as is; not the old fallback as the canary: the engine retires it once its successor loaded
             # (and once it has, a rollback to it registers it again: the table lists it until this push).
-            keep = (old is not None and old.sources.get(version) == uri and version not in old.errors
+            keep = (old is not None and old.sources.get(version) == uri and not failed
                     and version != demoted and (stable or version != old.fallback) and key in held)
             # The stable version of a swap (module doc): switched now if on the GPU, else registered as current.
             swap = stable and demoted is not None

@@ -131,7 +131,8 @@ def replay_failures(old_table: dict[str, ServedAdapter], table: dict[str, Served
         old = old_table.get(name)
         for version, why in list(old.errors.items()) if old is not None else ():
             if (f"{name}@{version}" not in seen and version not in served.errors
-                    and old.sources.get(version) == served.sources.get(version)):
+                    and old.sources.get(version) == served.sources.get(version)
+                    and old.tenant == served.tenant):  # a new owner: the old one's failure (its quota) is not its
                 mark_failed(f"{name}@{version}", why)
 
 
