@@ -28,12 +28,14 @@ it goes, as before.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import inspect
 import json
 import logging
 import os
+import sys
+import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -171,43 +173,91 @@ def compile_all(found: list[Specialization], threads: int) -> int:
 
 
 _LIST_FORMAT = 1
+_LIST_BYTES = 8 << 20  # a start lists ~150 specializations of ~1 kB each
+_LIST_DAYS = 30  # a list no start has used for that long is removed when another is written
+LIST_PREFIX = "lorafleet-start-"
+
+
+def kernel_name(kernel) -> str:
+    return f"{kernel.fn.__module__}:{kernel.fn.__qualname__}"
+
+
+def own_kernels() -> dict[str, object]:
+    """This package's Triton kernels (JITFunctions) by `kernel_name`, from its kernel modules imported
+    so far (the engine imports them all before it starts)."""
+    table = {}
+    for name, module in list(sys.modules.items()):
+        if name.startswith(f"{__package__}.") and module is not None:
+            for value in list(vars(module).values()):
+                if isinstance(value, JITFunction) and value.fn.__module__ == name:
+                    table[kernel_name(value)] = value
+    return table
 
 
 def save_list(found: list[Specialization], path: Path) -> None:
-    """Write `found` to `path` (JSON, replaced at once: workers sharing a cache may write it together)
-    for `load_list`. Each kernel is named by its module and name, with the hash of its source."""
-    entries = [{"kernel": f"{s.kernel.fn.__module__}:{s.kernel.fn.__qualname__}", "source": s.kernel.cache_key,
-                "key": s.key, "data": s.data} for s in found]
+    """Write this package's kernels of `found` to `path` for `load_list` (JSON: each kernel named by
+    module and name, with the hash of its source), through a file of its own replaced at once, as
+    workers sharing a cache may write it together. Lists beside it unused for 30 days are removed."""
+    own = own_kernels()
+    entries = [{"kernel": kernel_name(s.kernel), "source": s.kernel.cache_key, "key": s.key, "data": s.data}
+               for s in found if own.get(kernel_name(s.kernel)) is s.kernel]
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
-    tmp.write_text(json.dumps({"format": _LIST_FORMAT, "specializations": entries}))
-    os.replace(tmp, path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{LIST_PREFIX}")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump({"format": _LIST_FORMAT, "specializations": entries}, f)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    for old in path.parent.glob(f"{LIST_PREFIX}*.json"):
+        with contextlib.suppress(OSError):
+            if old != path and time.time() - old.stat().st_mtime > _LIST_DAYS * 86400:
+                old.unlink()
 
 
 def load_list(path: Path) -> list[Specialization] | None:
-    """The list `save_list` wrote at `path`; None where there is none, or it cannot be read, or it no
-    longer fits this code: a kernel gone, outside this package, or changed since (its source hash
-    differs). Nothing in it runs: kernels are looked up by name among this package's own modules."""
+    """The list `save_list` wrote at `path`, less the entries that no longer fit this code (a kernel
+    gone, not this package's, or changed since: its source hash differs) or that do not agree with
+    themselves; None where there is none left, or the file is not a regular file of at most 8 MiB
+    that reads as such a list. It is trusted as Triton's cache beside it is (whoever may write there
+    may put compiled kernels there too), but its text is never imported: kernels are looked up by
+    name among this package's kernel modules."""
     try:
-        saved = json.loads(path.read_text())
+        if not path.is_file():  # also a fifo or device behind a link
+            return None
+        with open(path, "rb") as f:
+            text = f.read(_LIST_BYTES + 1)
+        if len(text) > _LIST_BYTES:
+            raise ValueError(f"larger than {_LIST_BYTES} bytes")
+        saved = json.loads(text)
         if saved.get("format") != _LIST_FORMAT:
             raise ValueError(f"format {saved.get('format')!r}")
-        found = []
-        for entry in saved["specializations"]:
-            module, _, name = entry["kernel"].partition(":")
-            if not module.startswith(f"{__package__.split('.')[0]}."):
-                raise ValueError(f"{entry['kernel']} is not a kernel of this package")
-            kernel = importlib.import_module(module)
-            for part in name.split("."):
-                kernel = getattr(kernel, part)
-            if not isinstance(kernel, JITFunction) or kernel.cache_key != entry["source"]:
-                raise ValueError(f"{entry['kernel']} changed since the list was written")
-            found.append(Specialization(kernel, str(entry["key"]), str(entry["data"])))
-    except FileNotFoundError:
+        entries = list(saved["specializations"])
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
+        log.warning("the kernel list of an earlier start (%s) is not used: %s", path, e)
         return None
-    except Exception as e:  # noqa: BLE001 - any unreadable or stale list is listed again
-        log.info("the kernel list of an earlier start (%s) is not used: %s", path, e)
+    own, found, dropped = own_kernels(), [], []
+    for entry in entries:
+        try:
+            kernel, key, data = own.get(entry["kernel"]), str(entry["key"]), str(entry["data"])
+            if kernel is None or kernel.cache_key != entry["source"]:
+                raise ValueError(f"{entry['kernel']} is not a kernel of this code")
+            described = json.loads(data)
+            names = (kernel.fn.__name__, f"{kernel.fn.__module__}.{kernel.fn.__qualname__}")  # as Triton versions write it
+            if described.get("key") != key or described.get("name") not in names:
+                raise ValueError(f"{entry['kernel']}: its specialization names another kernel or key")
+            found.append(Specialization(kernel, key, data))
+        except (TypeError, KeyError, ValueError, AttributeError) as e:
+            dropped.append(str(e)[:200])
+    if dropped:
+        log.warning("%d of %d entries of the kernel list %s are left out (%s): they compile at their launch",
+                    len(dropped), len(entries), path, dropped[0])
+    if not found:
         return None
+    with contextlib.suppress(OSError):
+        os.utime(path)  # in use
     return found
 
 

@@ -113,7 +113,7 @@ class Engine:
                                   slot_max_rank=self._slot_max_rank, lora_segment_len=config.lora_segment_len,
                                   graphs=graphs, lora_stream=lora_stream)
         if gpu_kernels:
-            warm_up(self.runner, config, mc)
+            warm_up(self.runner, config, mc, self.max_model_len)
         self.sampler = Sampler(seed=config.seed, device=self.device, eos_token_ids=self.eos_token_ids,
                                json_guide=JsonGuide.of(self.tokenizer, mc.vocab_size, self.eos_token_ids, self.device))
         self.stop_checker = StopChecker(self.tokenizer, self.eos_token_ids, self.max_model_len)

@@ -6,9 +6,10 @@ launch them. With `compile_threads` above 1 (and a Triton that allows it, kernel
 warm-up's forwards and the captures' forwards first run with every launch that would compile skipped
 and listed, the list is compiled at once on that many threads, and the warm-up and captures then find
 their kernels compiled. The list is kept beside Triton's disk cache, named by what decides it (this
-code, the engine's and the model's configuration, the GPU, torch and Triton): a later start of the
-same engine compiles it straight away, without the listing forwards. A launch the list missed
-compiles as usual, and is added to it.
+code, the engine's and the model's configuration and context length, the GPU, torch, Triton and its
+settings): a later start of the same engine compiles it straight away, without the listing forwards.
+A launch the list missed compiles as usual, and is added to it. Either way one recording window is
+open for the whole start (one engine of a process starts at a time).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from lorafleet.worker.model_runner import ModelRunner
 log = logging.getLogger(__name__)
 
 
-def warm_up(runner: ModelRunner, config: EngineConfig, model_config: ModelConfig) -> None:
+def warm_up(runner: ModelRunner, config: EngineConfig, model_config: ModelConfig, max_model_len: int) -> None:
     """Compile ahead, warm up and capture, as `config` asks."""
     most = config.max_num_batched_tokens
     counts = sorted({c for c in (1, 16, 64, 256, 512, 1024) if c < most} | {most})  # 512: 32-token segments
@@ -38,10 +39,7 @@ def warm_up(runner: ModelRunner, config: EngineConfig, model_config: ModelConfig
     threads = config.compile_threads or compile_ahead.default_threads()
     ahead = threads > 1 and compile_ahead.supported() and (config.warmup or runner.graphs is not None)
     if ahead:
-        import torch
-
-        gpu = f"{torch.cuda.get_device_name(runner.device)} {torch.cuda.get_device_capability(runner.device)}"
-        list_path = start_list_path(config, model_config, gpu)
+        list_path = start_list_path(config, model_config, max_model_len, gpu_facts(runner.device))
         listed = compile_ahead.load_list(list_path) if list_path is not None else None
         t0 = time.perf_counter()
         if listed is None:
@@ -59,7 +57,7 @@ def warm_up(runner: ModelRunner, config: EngineConfig, model_config: ModelConfig
     if ahead and list_path is not None and (listed is None or missed):
         if missed:
             log.info("%d Triton kernels compiled at their launch, not ahead: added to the list for the next start", len(missed))
-        kept = {(s.name, s.key): s for s in [*found, *missed]}
+        kept = {(compile_ahead.kernel_name(s.kernel), s.key): s for s in [*found, *missed]}
         try:
             compile_ahead.save_list(list(kept.values()), list_path)
         except OSError as e:
@@ -84,21 +82,41 @@ def _forwards(runner: ModelRunner, config: EngineConfig, counts: list[int], rank
              runner.graphs.buckets, time.perf_counter() - t0)
 
 
-def start_list_path(config: EngineConfig, model_config: ModelConfig, gpu: str) -> Path | None:
+# Settings that change no kernel a start launches: a list is shared whatever they are.
+_NOT_KERNELS = ("tokenizer", "seed", "generation_config", "adapters", "strict_base", "max_adapter_file_bytes",
+                "max_adapter_wait_steps", "compile_threads", "max_failed_forwards")
+
+
+def gpu_facts(device) -> str:
+    """The device's name, compute capability and SM count (a MIG slice has fewer SMs: other splits)."""
+    import torch
+
+    props = torch.cuda.get_device_properties(device)
+    return f"{props.name} sm_{props.major}{props.minor} {props.multi_processor_count} SMs"
+
+
+def start_list_path(config: EngineConfig, model_config: ModelConfig, max_model_len: int, gpu: str) -> Path | None:
     """Where the start's kernel list is kept: in Triton's cache directory, named by a hash of what
-    decides which kernels a start launches (`gpu`: the device's name and compute capability). None
-    where this Triton names no cache directory."""
+    decides which kernels a start launches (`gpu`: gpu_facts). None where this Triton names no cache
+    directory."""
     cache_dir = getattr(getattr(compile_ahead.knobs, "cache", None), "dir", None)
     if not cache_dir:
         return None
     import torch
     import triton
 
+    try:
+        from triton._C.libtriton import get_cache_invalidating_env_vars
+
+        triton_env = get_cache_invalidating_env_vars()  # TRITON_DEBUG and the like: in every kernel's key
+    except ImportError:
+        triton_env = {}
     code = hashlib.sha256()
     for package in ("lorafleet.kernels", "lorafleet.worker"):
         for path in sorted(Path(importlib.import_module(package).__file__).parent.glob("*.py")):
             code.update(path.name.encode() + b"\0" + path.read_bytes())
-    facts = {"code": code.hexdigest(), "torch": torch.__version__, "triton": triton.__version__, "gpu": gpu,
-             "config": dataclasses.asdict(config), "model": dataclasses.asdict(model_config)}
+    engine = {k: v for k, v in dataclasses.asdict(config).items() if k not in _NOT_KERNELS}
+    facts = {"code": code.hexdigest(), "torch": torch.__version__, "triton": triton.__version__, "triton_env": triton_env,
+             "gpu": gpu, "config": engine, "model": dataclasses.asdict(model_config), "max_model_len": max_model_len}
     digest = hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:24]
-    return Path(cache_dir) / f"lorafleet-start-{digest}.json"
+    return Path(cache_dir) / f"{compile_ahead.LIST_PREFIX}{digest}.json"

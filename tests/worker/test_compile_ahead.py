@@ -7,7 +7,6 @@ hook behind, and answers as one that compiled each kernel at its first launch.""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -18,12 +17,9 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.jit import JITFunction
 
-from lorafleet.kernels import activation, compile_ahead
+from lorafleet.kernels import compile_ahead
 from lorafleet.worker import EngineConfig
-from lorafleet.worker.model_config import ModelConfig
-from lorafleet.worker.warmup import start_list_path
 
 
 @triton.jit
@@ -95,60 +91,6 @@ def test_one_thread_records_at_a_time_and_the_hook_comes_back():
 def test_compile_threads_must_not_be_negative(tiny_llama_dir):
     with pytest.raises(ValueError, match="compile_threads must be >= 0"):
         EngineConfig(model=str(tiny_llama_dir), compile_threads=-1)
-
-
-@pytest.fixture
-def silu_mul_kernel(monkeypatch):
-    """A kernel of this package as a compiled Triton kernel (the suite's interpreter wraps them)."""
-    kernel = JITFunction(activation.silu_mul_kernel.fn)
-    monkeypatch.setattr(activation, "silu_mul_kernel", kernel)
-    return kernel
-
-
-def test_launches_listed_without_skipping_compile_and_run_as_usual(silu_mul_kernel):
-    from triton import knobs
-
-    class Launched:  # what Triton hands its hook: the launch's kernel and specialization
-        jit_function = silu_mul_kernel
-
-    with compile_ahead.launches_recorded(skip=False) as found:
-        hook = knobs.runtime.jit_cache_hook
-        assert hook(key="k1", fn=Launched, compile={"specialization_data": "{}", "device": 0}) is False
-    assert [(s.kernel, s.key) for s in found] == [(silu_mul_kernel, "k1")]
-    assert knobs.runtime.jit_cache_hook is None
-
-
-def test_a_saved_list_comes_back_and_a_stale_or_foreign_one_is_not_used(tmp_path, silu_mul_kernel):
-    path = tmp_path / "cache" / "start.json"
-    assert compile_ahead.load_list(path) is None  # none yet
-    found = [compile_ahead.Specialization(silu_mul_kernel, f"key{i}", f'{{"name": "silu_mul_kernel", "i": {i}}}') for i in range(2)]
-    compile_ahead.save_list(found, path)
-    assert compile_ahead.load_list(path) == found
-    assert [p.name for p in path.parent.iterdir()] == ["start.json"]  # written whole, nothing left beside it
-    saved = json.loads(path.read_text())
-    bad = {"not json": "{", "another format": {**saved, "format": 0},
-           "a kernel changed since": {**saved, "specializations": [{**saved["specializations"][0], "source": "0" * 64}]},
-           "a kernel gone": {**saved, "specializations": [{**saved["specializations"][0], "kernel": "lorafleet.kernels.activation:gone"}]},
-           "outside this package": {**saved, "specializations": [{**saved["specializations"][0], "kernel": "os:system"}]},
-           "not a kernel": {**saved, "specializations": [{**saved["specializations"][0], "kernel": "lorafleet.kernels.activation:silu_mul"}]},
-           "entries garbled": {**saved, "specializations": [["lorafleet.kernels.activation:silu_mul_kernel"]]}}
-    for why, content in bad.items():
-        path.write_text(content if isinstance(content, str) else json.dumps(content))
-        assert compile_ahead.load_list(path) is None, why
-
-
-def test_the_list_is_named_by_what_decides_the_kernels(tiny_llama_dir, tmp_path, monkeypatch):
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    model = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=16)
-    config = EngineConfig(model=str(tiny_llama_dir))
-    path = start_list_path(config, model, "H200 (9, 0)")
-    assert path.parent == tmp_path and path.name.startswith("lorafleet-start-")
-    assert start_list_path(EngineConfig(model=str(tiny_llama_dir)), model, "H200 (9, 0)") == path
-    others = {start_list_path(EngineConfig(model=str(tiny_llama_dir), max_num_batched_tokens=4096), model, "H200 (9, 0)"),
-              start_list_path(config, ModelConfig(**{**dataclasses.asdict(model), "head_dim": 32}), "H200 (9, 0)"),
-              start_list_path(config, model, "H100 (9, 0)")}
-    assert len(others) == 3 and path not in others
 
 
 @pytest.mark.gpu
