@@ -126,6 +126,7 @@ class AdapterLoading:
         entry.error = err
         entry.failed_waiters.update(dict.fromkeys(entry.waiters, err))
         entry.failed_anonymous = True
+        entry.asked_anonymously = False
         entry.waiters = set()
         self._wanted.pop(entry.key, None)
         # The current version keeps serving. A new version that may load on a retry (the next request's
@@ -138,13 +139,16 @@ class AdapterLoading:
         self._failures.append((entry.key, err))
 
     def _refuse_waiters(self, entry: AdapterEntry, message: str) -> None:
-        """Fail the requests waiting for `entry` (retryable) while it stays wanted (and pending if it is),
-        so it is placed once there is room. With no request waiting, nothing to answer: it only waits."""
-        if not entry.waiters:
+        """Fail the requests waiting for `entry` (retryable), and an anonymous caller asking for it (acquire()
+        without a waiter, load()), while it stays wanted (and pending if it is), so it is placed once there is
+        room. With nobody waiting, nothing to answer: it only waits."""
+        if not entry.waiters and not entry.asked_anonymously:
             return
         err = AdapterLoadError(entry.key, message, retryable=True)
         entry.error = err  # reported until it lands
         entry.failed_waiters.update(dict.fromkeys(entry.waiters, err))
+        entry.failed_anonymous = entry.failed_anonymous or entry.asked_anonymously
+        entry.asked_anonymously = False
         entry.waiters = set()
         self._counts["load_failures"] += 1
         self.metrics.load_failures.labels("gpu").inc()
@@ -171,6 +175,7 @@ class AdapterLoading:
         entry.image.write_slot(self.layout, entry.slot, entry.page_ids)  # the slot becomes visible here
         entry.resident = True
         entry.error = None  # a placement that failed before (every slot pinned, a failed copy) is over
+        entry.asked_anonymously = False
         entry.copy_seconds = seconds
         self._counts["loads"]["gpu"] += 1
         self.metrics.load_seconds.labels("gpu").observe(seconds)

@@ -45,12 +45,15 @@ class AdapterPlacement:
             plan = self._plan_with(entry, [replaced, *candidates])
         return plan
 
-    def _replaced_pinned(self, entry: AdapterEntry) -> AdapterEntry | None:
-        """The pinned, GPU-resident current version that `entry`, pending to replace it, may take the slot of."""
+    def _replaced_pinned(self, entry: AdapterEntry, *, copying: bool = False) -> AdapterEntry | None:
+        """The pinned, GPU-resident current version that `entry`, pending to replace it, may take the slot of
+        (with `copying`, also one whose copy to the GPU is still in flight: it is never a victim)."""
         if self._pending.get(entry.name) != entry.key:
             return None
         replaced = self._entries.get(self._current.get(entry.name, ""))
-        return replaced if replaced is not None and replaced.pinned and replaced.resident else None
+        if replaced is None or not replaced.pinned:
+            return None
+        return replaced if replaced.resident or (copying and replaced.on_gpu) else None
 
     def _exceeds_quota(self, entry: AdapterEntry, held: list[AdapterEntry]) -> bool:
         """Whether `entry` on the GPU beside `held` (adapters of its owner there) is over its owner's quota."""
@@ -81,9 +84,10 @@ class AdapterPlacement:
         return successor is not None and (successor.key in self._wanted or successor.on_gpu)
 
     def _gives_way_later(self, entry: AdapterEntry) -> bool:
-        """Whether the pinned version `entry` replaces would give way but for requests using or awaiting it."""
-        replaced = self._replaced_pinned(entry)
-        return replaced is not None and bool(replaced.refcount or replaced.waiters)
+        """Whether the pinned version `entry` replaces would give way but for requests using or awaiting it,
+        or for its own copy to the GPU, still in flight."""
+        replaced = self._replaced_pinned(entry, copying=True)
+        return replaced is not None and (not replaced.resident or bool(replaced.refcount or replaced.waiters))
 
     def _set_tenant(self, entry: AdapterEntry, tenant: str) -> None:
         """See AdapterPool.set_tenant."""

@@ -188,6 +188,8 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
                     self._count("hits" if entry.image is not None else "misses", "cpu")
                 if waiter is not None:
                     entry.waiters.add(waiter)
+                else:
+                    entry.asked_anonymously = True
             self._want(entry)
             return None
 
@@ -264,6 +266,7 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
             entry = self._get(key)
             entry.failed_anonymous = False
             entry.error = None
+            entry.asked_anonymously = True
             self._want(entry)
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
@@ -271,7 +274,8 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
                 self.poll()
                 if entry.resident:
                     return entry.slot
-                if entry.error is not None and key not in self._wanted and entry.fetching is None:
+                # Its load failed (no longer wanted), or its owner's pinned adapters keep it out (still wanted).
+                if entry.error is not None and entry.failed_anonymous:
                     entry.failed_anonymous = False
                     raise entry.error
             if deadline is not None and time.monotonic() > deadline:

@@ -1,0 +1,82 @@
+"""AdapterPool: versions kept off the GPU by pinned adapters. A caller with no request behind it (load(),
+the admin path, and an acquire without a waiter) is refused as a request is when its owner's pinned
+adapters fill its GPU quota with slots free, rather than waiting out its timeout or hearing None for
+ever; and a pinned version's successor that arrives while the old version's copy is still in flight,
+every slot pinned, waits for it to land and then takes its slot."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from lorafleet.worker.adapter_entry import AdapterLoadError
+from lorafleet.worker.adapter_pool_config import TenantQuota
+from tests.lora_factory import random_weights
+from tests.worker.test_adapter_pool import make_pool
+
+QUOTA_MSG = "tenant 'beta' is at its GPU quota, held by its pinned"
+
+
+def beta_kept_out():
+    """3 slots, beta's quota 1 adapter held by the pinned chat@c1; sql@v1 (beta) in CPU memory."""
+    pool = make_pool(max_slots=3, tenant_quotas={"beta": TenantQuota(max_adapters=1)})
+    pool.add("chat@c1", random_weights(0), tenant="beta", pinned=True)
+    pool.add("sql@v1", random_weights(1), tenant="beta")
+    pool.wait_idle()
+    assert pool.pinned_slot_keys() is None  # a slot is free
+    return pool
+
+
+def test_load_of_a_version_its_owner_s_pinned_adapters_keep_out_fails_at_once_and_it_stays_wanted():
+    pool = beta_kept_out()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(AdapterLoadError, match=QUOTA_MSG) as exc:
+            pool.load("sql@v1", timeout=60.0)
+        assert exc.value.retryable and time.monotonic() - t0 < 30.0  # refused, not timed out
+        assert pool.has_pending_loads()  # still wanted: placed once there is room
+        pool.unpin("chat@c1")
+        pool.wait_idle()
+        assert pool.entry("sql@v1").resident
+        pool.check()
+    finally:
+        pool.close()
+
+
+def test_an_acquire_without_a_waiter_is_refused_as_a_request_is():
+    pool = beta_kept_out()
+    try:
+        assert pool.acquire("sql@v1") is None
+        pool.poll()
+        with pytest.raises(AdapterLoadError, match=QUOTA_MSG) as exc:
+            pool.acquire("sql@v1")
+        assert exc.value.retryable and pool.has_pending_loads()
+        pool.check()
+    finally:
+        pool.close()
+
+
+def test_a_successor_arriving_while_its_pinned_predecessor_copies_is_placed_once_it_lands():
+    """2 slots: aaa@9 pinned and resident; sql@v1 pinned, its copy in flight, when sql@v2 (pinned) replaces it.
+    Every slot is pinned then; v1 is not resident yet, so it cannot give way, and v2 fails. Once v1 lands,
+    v2 should take its slot by itself (as when v1 was resident from the start), without any request."""
+    pool = make_pool(max_slots=2)
+    try:
+        pool.add("aaa@9", random_weights(9), pinned=True)
+        pool.wait_idle()
+        with pool._lock:  # the engine thread has not finished v1's copy when the push registers v2
+            pool.add("sql@v1", random_weights(1), pinned=True)
+            v1 = pool.entry("sql@v1")
+            assert v1.on_gpu and not v1.resident
+            assert pool.pinned_slot_keys() == ["aaa@9", "sql@v1"]
+            pool.add("sql@v2", random_weights(2), pinned=True)
+        pool.wait_idle()
+        pool.poll()
+        v2 = pool.entry("sql@v2")
+        state = (pool.resolve("sql"), v2.resident, "sql@v2" in pool._wanted, v2.error and v2.error.reason)
+        assert pool.resolve("sql") == "sql@v2", state
+        assert sorted(pool.pinned_slot_keys()) == ["aaa@9", "sql@v2"]
+        pool.check()
+    finally:
+        pool.close()
