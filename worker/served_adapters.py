@@ -66,6 +66,7 @@ from lorafleet.worker.served_fallback import (
     drop_kept_canary,
     drop_unserved_failures,
     drops_kept,
+    fall_back,
     gpu_resident,
     keep_fallback,
     keep_serving,
@@ -119,6 +120,7 @@ class ServedAdapters:
         self.settings: tuple[str | None, int | None] = (None, None)  # pushed (eviction, cpu_bytes); None: own
         self.startup_errors: dict[str, str] = {}  # start-up folder -> why it is not served (see the module doc)
         self.pushed: DesiredState | None = None  # the last push as sent, while the table is its (admin_api.py)
+        self._engine: AdapterHost | None = None  # the one apply() changed: mark_failed asks it about a fallback
 
     # ---- queries --------------------------------------------------------------------------------
     def get(self, name: str) -> ServedAdapter | None:
@@ -181,9 +183,7 @@ class ServedAdapters:
             if version == split.canary:  # its share of users goes back to the stable version
                 served.split = VersionSplit(split.stable)
             elif version == split.stable and served.fallback not in (None, *served.errors):  # ...a new stable's, to the old
-                swapped = split.canary == served.fallback  # the old one was its canary: now it takes all users
-                served.split = VersionSplit(served.fallback, *(() if swapped else (split.canary, split.canary_weight)))
-                served.fallback = None
+                fall_back(served, self._engine)
 
     # ---- changes (blocking engine calls: run them off the event loop, one at a time) -------------
     # Copy-on-write: a change registers what is new in the engine, then publishes the new table in
@@ -208,6 +208,7 @@ class ServedAdapters:
         if state.generation < self.generation:
             raise APIError(409, f"generation {state.generation} is older than the applied generation "
                                 f"{self.generation}; refusing to roll back", code="stale_generation")
+        self._engine = engine
         settings = (state.eviction, state.cpu_bytes)
         if settings != self.settings:  # first: what this push registers loads under the new settings
             engine.configure_pool(eviction=state.eviction, cpu_bytes=state.cpu_bytes)

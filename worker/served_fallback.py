@@ -94,6 +94,23 @@ def versions_still_served(served: ServedAdapter | None, ran_on: str) -> set[str]
     return versions
 
 
+def still_held(engine: AdapterHost, key: str) -> bool:
+    """Whether the engine still holds `key` registered (not retired): a fallback the table keeps until the next
+    push is retired by the engine as soon as the version replacing it has loaded (a kept canary stays)."""
+    return any(a["key"] == key and not a.get("retired") for a in engine.describe_adapters())
+
+
+def fall_back(served: ServedAdapter, engine: AdapterHost | None) -> None:
+    """The new stable version of `served` failed: its users go back to the old one (the fallback), unless the
+    engine retired that, as it does once the new version has loaded (the table learns it at the next push):
+    then nothing is left to go back to, and the failure is the answer (503), as without one."""
+    split, fallback = served.split, served.fallback
+    served.fallback = None
+    if engine is None or still_held(engine, f"{served.name}@{fallback}"):
+        swapped = split.canary == fallback  # the old one was its canary: now it takes all users
+        served.split = VersionSplit(fallback, *(() if swapped else (split.canary, split.canary_weight)))
+
+
 def drop_unserved_failures(table: dict[str, ServedAdapter], engine: AdapterHost) -> None:
     """Remove from the engine the versions a push failed to register that no request reaches (not in their
     split, nor the fallback), yet the engine holds from an earlier registration: the old stable version kept
