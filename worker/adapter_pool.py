@@ -136,11 +136,11 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
             self._get(key).pinned = False
 
     def replaces_pinned(self, key: str) -> bool:
-        """Whether `key` is about to replace its name's pinned, GPU-resident version, which gives it its slot
-        (now, or once the requests on it are done) even when every slot is pinned."""
+        """Whether `key` is about to replace its name's pinned version on the GPU, which gives it its slot (now,
+        once the requests on it are done, or once its own copy lands) even when every slot is pinned."""
         with self._lock:
             entry = self._entries.get(key)
-            return entry is not None and not entry.retired and self._replaced_pinned(entry) is not None
+            return entry is not None and not entry.retired and self._replaced_pinned(entry, copying=True) is not None
 
     def set_tenant(self, key: str, tenant: str) -> None:
         """`key`'s owner is now `tenant` (its GPU quota is charged to it). On the GPU and over the new owner's
@@ -266,7 +266,7 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
             entry = self._get(key)
             entry.failed_anonymous = False
             entry.error = None
-            entry.asked_anonymously = True
+            entry.asked_anonymously = not entry.on_gpu  # refused, as requests are, while pinned adapters keep it out
             self._want(entry)
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
@@ -274,11 +274,14 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
                 self.poll()
                 if entry.resident:
                     return entry.slot
-                # Its load failed (no longer wanted), or its owner's pinned adapters keep it out (still wanted).
-                if entry.error is not None and entry.failed_anonymous:
-                    entry.failed_anonymous = False
+                # Its load failed (no longer wanted: told here or to another caller without a waiter), or its
+                # owner's pinned adapters keep it out (still wanted).
+                if entry.error is not None and (entry.failed_anonymous or (key not in self._wanted and entry.fetching is None)):
+                    entry.failed_anonymous = entry.asked_anonymously = False
                     raise entry.error
             if deadline is not None and time.monotonic() > deadline:
+                with self._lock:
+                    entry.asked_anonymously = False
                 raise TimeoutError(f"{key} did not become resident within {timeout} s (pool full of pinned "
                                    f"or in-use adapters, or KV cache holding the pages?)")
             self._wait_some(0.005)

@@ -6,6 +6,7 @@ every slot pinned, waits for it to land and then takes its slot."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -78,5 +79,80 @@ def test_a_successor_arriving_while_its_pinned_predecessor_copies_is_placed_once
         assert pool.resolve("sql") == "sql@v2", state
         assert sorted(pool.pinned_slot_keys()) == ["aaa@9", "sql@v2"]
         pool.check()
+    finally:
+        pool.close()
+
+
+def test_load_hears_a_failure_another_caller_without_a_waiter_was_told_first():
+    """load() waits on a fetch that fails for good; an acquire without a waiter looks first and is told.
+    load() still raises it, rather than waiting out its timeout."""
+    pool = make_pool()
+    gate, waiting, out = threading.Event(), threading.Event(), {}
+
+    def loader():
+        gate.wait(10)
+        raise ValueError("corrupt safetensors header")
+
+    def run_load():
+        try:
+            pool.load("bad@1", timeout=60.0)
+            out["r"] = "slot"
+        except Exception as exc:  # noqa: BLE001 - the test reads which
+            out["r"] = exc
+
+    wait_some = pool._wait_some
+    pool._wait_some = lambda seconds: (waiting.set(), wait_some(seconds))[1]
+    pool.add("bad@1", loader=loader)
+    try:
+        assert pool.acquire("bad@1") is None  # starts the load (held in the loader)
+        t = threading.Thread(target=run_load)
+        t.start()
+        assert waiting.wait(10)  # load() polls
+        with pool._lock:
+            gate.set()
+            pool.entry("bad@1").fetching.exception(timeout=10)  # failed; nobody has finished it yet
+            with pytest.raises(AdapterLoadError, match="corrupt"):
+                pool.acquire("bad@1")  # told first
+        t.join(30)
+        assert isinstance(out["r"], AdapterLoadError), out
+    finally:
+        pool.close()
+
+
+def test_nobody_asking_is_nobody_refused():
+    """A load() of an adapter on the GPU asks for nothing: a later prefetch of it (nobody waiting) that its
+    owner's pinned adapters keep out is not refused, and the next acquire without a waiter is not told so."""
+    pool = make_pool(max_slots=3, tenant_quotas={"beta": TenantQuota(max_adapters=1)})
+    try:
+        pool.add("sql@v1", random_weights(1), tenant="beta")
+        pool.load("sql@v1")
+        pool.load("sql@v1")  # resident already
+        pool.evict("sql@v1")
+        pool.add("chat@c1", random_weights(0), tenant="beta", pinned=True)
+        pool.wait_idle()
+        before = pool.stats()["load_failures"]
+        pool.prefetch("sql@v1", "gpu")
+        pool.poll()
+        assert pool.stats()["load_failures"] == before and pool.entry("sql@v1").error is None
+        assert pool.acquire("sql@v1") is None  # asks now: refused at its next look
+        pool.poll()
+        with pytest.raises(AdapterLoadError, match=QUOTA_MSG):
+            pool.acquire("sql@v1")
+    finally:
+        pool.close()
+
+
+def test_the_state_report_knows_a_successor_waits_for_its_predecessor_s_copy():
+    """The admin state marks a version kept out by pinned slots unless replaces_pinned(key): while the
+    pinned predecessor still copies, its successor takes the slot once it lands, and is not so marked."""
+    pool = make_pool(max_slots=2)
+    try:
+        pool.add("aaa@9", random_weights(9), pinned=True)
+        pool.wait_idle()
+        with pool._lock:
+            pool.add("sql@v1", random_weights(1), pinned=True)
+            pool.add("sql@v2", random_weights(2), pinned=True)
+            assert not pool.entry("sql@v1").resident and "sql@v2" in pool._wanted
+            assert pool.replaces_pinned("sql@v2")
     finally:
         pool.close()
