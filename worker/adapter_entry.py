@@ -73,6 +73,7 @@ class AdapterEntry:
     # Waiter -> the failure of the load it waited for, to be told once (a later load may have succeeded).
     failed_waiters: dict = field(default_factory=dict)
     failed_anonymous: bool = False
+    failures: int = 0  # loads failed and callers refused so far: a load() waiting tells the ones after its start
     asked_anonymously: bool = False  # an acquire() without a waiter, or load(), waits for it: refused as a waiter is
 
     @property

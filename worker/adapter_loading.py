@@ -127,6 +127,7 @@ class AdapterLoading:
         entry.failed_waiters.update(dict.fromkeys(entry.waiters, err))
         entry.failed_anonymous = True
         entry.asked_anonymously = False
+        entry.failures += 1
         entry.waiters = set()
         self._wanted.pop(entry.key, None)
         # The current version keeps serving. A new version that may load on a retry (the next request's
@@ -149,6 +150,7 @@ class AdapterLoading:
         entry.failed_waiters.update(dict.fromkeys(entry.waiters, err))
         entry.failed_anonymous = entry.failed_anonymous or entry.asked_anonymously
         entry.asked_anonymously = False
+        entry.failures += 1
         entry.waiters = set()
         self._counts["load_failures"] += 1
         self.metrics.load_failures.labels("gpu").inc()

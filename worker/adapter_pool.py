@@ -267,6 +267,7 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
             entry.failed_anonymous = False
             entry.error = None
             entry.asked_anonymously = not entry.on_gpu  # refused, as requests are, while pinned adapters keep it out
+            failures = entry.failures
             self._want(entry)
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
@@ -274,10 +275,10 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
                 self.poll()
                 if entry.resident:
                     return entry.slot
-                # Its load failed (no longer wanted: told here or to another caller without a waiter), or its
-                # owner's pinned adapters keep it out (still wanted).
-                if entry.error is not None and (entry.failed_anonymous or (key not in self._wanted and entry.fetching is None)):
-                    entry.failed_anonymous = entry.asked_anonymously = False
+                # A load of it failed, or its owner's pinned adapters keep it out (still wanted), since this call
+                # began (told here or first to another caller), and no copy to the GPU has begun since.
+                if entry.failures != failures and entry.error is not None and not entry.on_gpu:
+                    entry.failed_anonymous = False
                     raise entry.error
             if deadline is not None and time.monotonic() > deadline:
                 with self._lock:

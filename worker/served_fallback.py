@@ -109,6 +109,8 @@ def fall_back(served: ServedAdapter, engine: AdapterHost | None) -> None:
     if engine is None or still_held(engine, f"{served.name}@{fallback}"):
         swapped = split.canary == fallback  # the old one was its canary: now it takes all users
         served.split = VersionSplit(fallback, *(() if swapped else (split.canary, split.canary_weight)))
+    else:
+        served.sources.pop(fallback, None)  # gone from the engine: not reported, resolved or counted as served
 
 
 def drop_unserved_failures(table: dict[str, ServedAdapter], engine: AdapterHost) -> None:

@@ -156,3 +156,79 @@ def test_the_state_report_knows_a_successor_waits_for_its_predecessor_s_copy():
             assert pool.replaces_pinned("sql@v2")
     finally:
         pool.close()
+
+
+def _beta_gated():
+    """beta's quota 1, held by the pinned chat@c1; sql@v1 (beta) loads through a loader held by a gate."""
+    pool = make_pool(max_slots=3, tenant_quotas={"beta": TenantQuota(max_adapters=1)})
+    pool.add("chat@c1", random_weights(0), tenant="beta", pinned=True)
+    pool.wait_idle()
+    gate = threading.Event()
+    pool.add("sql@v1", loader=lambda: (gate.wait(10), random_weights(1))[1], tenant="beta")
+    return pool, gate
+
+
+def _load_in_thread(pool, out: dict, polls: list) -> threading.Thread:
+    """pool.load("sql@v1") on a thread, started and polling when this returns; `polls` counts its looks."""
+    wait_some = pool._wait_some
+    pool._wait_some = lambda seconds: (polls.append(1), wait_some(seconds))[1]
+
+    def run():
+        try:
+            out["r"] = pool.load("sql@v1", timeout=60.0)
+        except Exception as exc:  # noqa: BLE001 - the test reads which
+            out["r"] = exc
+
+    t = threading.Thread(target=run)
+    t.start()
+    deadline = time.monotonic() + 10
+    while not polls and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return t
+
+
+def _refused_to_another_caller_first(pool, gate) -> None:
+    with pool._lock:
+        gate.set()
+        pool.entry("sql@v1").fetching.result(timeout=10)
+        with pytest.raises(AdapterLoadError, match=QUOTA_MSG):
+            pool.acquire("sql@v1")  # an acquire without a waiter is told the refusal first
+
+
+def test_load_hears_a_refusal_another_caller_was_told_first():
+    pool, gate = _beta_gated()
+    out, polls = {}, []
+    try:
+        t = _load_in_thread(pool, out, polls)
+        _refused_to_another_caller_first(pool, gate)
+        t.join(30)
+        assert isinstance(out.get("r"), AdapterLoadError) and QUOTA_MSG in str(out["r"]), out
+    finally:
+        pool.close()
+
+
+def test_load_waits_for_a_copy_that_began_after_its_refusal():
+    """Refused (told first to another caller), then room is made and the copy to the GPU begins: load()
+    waits for the copy and returns the slot, rather than raising the refusal that is over."""
+    pool, gate = _beta_gated()
+    out, polls = {}, []
+    try:
+        t = _load_in_thread(pool, out, polls)
+        landed = threading.Event()
+        is_done = pool._copier.is_done
+        pool._copier.is_done = lambda handle: landed.is_set() and is_done(handle)  # the copy takes a while
+        with pool._lock:
+            _refused_to_another_caller_first(pool, gate)
+            pool.unpin("chat@c1")
+            pool.evict("chat@c1")  # room in beta's quota
+            pool.poll()
+            assert pool.entry("sql@v1").copying is not None
+            looked = len(polls)
+        deadline = time.monotonic() + 10
+        while len(polls) < looked + 2 and time.monotonic() < deadline:  # load() looks while the copy runs
+            time.sleep(0.001)
+        landed.set()
+        t.join(30)
+        assert out.get("r") == pool.entry("sql@v1").slot is not None, out
+    finally:
+        pool.close()

@@ -75,3 +75,13 @@ async def test_over_http_a_served_name_is_not_answered_404(client, qv_adapters_d
     answers = [await complete(client, "alpha", f"user-{i}") for i in range(2)]
     got = [(s, b.get("model") or b["error"]["code"]) for s, b in answers]
     assert got == [(503, "adapter_load_failed")] * 2, got
+
+
+def test_the_retired_fallback_is_no_longer_reported_or_resolved_once_the_failure_stands():
+    host, served = switched_rollout()
+    served.mark_failed("sql@v2", "its content changed since it was first loaded")
+    assert [a.version for a in served.report(host).adapters] == ["v2"]
+    assert served.served_versions() == {"sql": {"v2"}}
+    with pytest.raises(APIError) as exc:
+        served.resolve("sql@v1", ACME, None)
+    assert exc.value.status == 404
