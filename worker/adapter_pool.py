@@ -275,11 +275,15 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
                 self.poll()
                 if entry.resident:
                     return entry.slot
+                if self._entries.get(key) is not entry or entry.retired:
+                    raise AdapterNotFoundError(f"adapter {key!r} was removed or replaced while it loaded")
                 # A load of it failed, or its owner's pinned adapters keep it out (still wanted), since this call
                 # began (told here or first to another caller), and no copy to the GPU has begun since.
                 if entry.failures != failures and entry.error is not None and not entry.on_gpu:
                     entry.failed_anonymous = False
                     raise entry.error
+                if key not in self._wanted and not entry.on_gpu and entry.fetching is None:
+                    self._want(entry)  # it landed and left the GPU again before this looked
             if deadline is not None and time.monotonic() > deadline:
                 with self._lock:
                     entry.asked_anonymously = False
