@@ -126,8 +126,8 @@ def recommend(spec: ScalingSpec, hit_rate: float | None, kv_usage: float | None,
     requests waiting per worker above waitingHigh (proportionally, at least one more, at most double), or
     the hit rate below target under load pressure (KV usage >= kvLow or requests waiting: one more); the
     largest of these. Down by one: KV usage below kvLow, unless requests wait (at least ``WAITING`` per
-    worker) or one fewer replica would put the KV in use above kvHigh or the queue above waitingHigh (it
-    would be scaled up again at once); otherwise hold. Clamped to [minReplicas, maxReplicas], and never down
+    worker) or one fewer replica would put the KV in use above kvHigh or the queue above waitingHigh, or,
+    with the hit rate below target, under load pressure (it would be scaled up again at once); otherwise hold. Clamped to [minReplicas, maxReplicas], and never down
     to 0: at 0 no worker is left to show demand, so nothing could wake the pool."""
     corrected = bound_correction(spec, current)
     if corrected is not None:
@@ -174,6 +174,11 @@ def recommend(spec: ScalingSpec, hit_rate: float | None, kv_usage: float | None,
             if kv_usage * current / wanted > spec.kv_high:
                 return current, (f"{why}, but one fewer replica would put KV usage at "
                                  f"{kv_usage * current / wanted:.3g} > kvHigh {spec.kv_high:g}")
+            # (The epsilon: the KV in use spread back over one fewer is the reading that was scaled up from.)
+            if hit_low and (kv_usage * current / wanted >= spec.kv_low - 1e-9
+                            or (waiting is not None and waiting * current / wanted >= WAITING - 1e-9)):
+                return current, (f"{why}, but one fewer replica would be under load pressure with the hit rate below "
+                                 f"target, and be scaled up again at once")
     clamped = min(max(wanted, spec.min_replicas), spec.max_replicas)
     why = " and ".join(reasons)
     if clamped == 0:
