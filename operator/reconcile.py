@@ -324,7 +324,7 @@ def _next_generation(x: WorkerIndex, directives: list[AdapterDirective], setting
 
 def drifted(x: WorkerIndex, directives: list[AdapterDirective]) -> bool:
     """The worker claims the push applied yet lost what it was told to hold (restart), its stable version or
-    its canary, keeps a removed one, or failed to stage a version and its retry backoff has elapsed (a new
+    its canary, keeps a removed one (other than for its requests in flight), or failed to stage a version and its retry backoff has elapsed (a new
     generation makes the stager try again; ``WorkerReport.may_retry`` bounds how often). A version its
     stager is still staging (a download in progress, a retry included) is on its way, not lost."""
     for d in directives:
@@ -335,4 +335,7 @@ def drifted(x: WorkerIndex, directives: list[AdapterDirective]) -> bool:
     if x.w.may_retry and x.failed_versions(directives, retrying=False):
         return True
     wanted = {d.name for d in directives}
-    return any(name not in wanted for name in x.by_name)
+    # A removed adapter the engine still reports only for the requests in flight on it (held, no traffic
+    # share) is on its way out, not drift: a push could not drop it sooner.
+    return any(name not in wanted and not all(st.refcount > 0 and not st.traffic_percent for st in states)
+               for name, states in x.by_name.items())
