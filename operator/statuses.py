@@ -76,17 +76,27 @@ def adapter_status(a: AdapterSpec, live: list[WorkerIndex], warm_pods: list[str]
     reported = {w.pod: split for w in live if (split := _split(w, a.name)) is not None}
     wanted_split = _wanted_split(a)
     pending = {pod: used for pod, split in reported.items() if (used := _used(split)) != wanted_split}
-    if pending:  # the fields say what is served: the workers' split when they agree on one, else no canary
+    differ = None
+    if pending:  # the fields say what is served: the workers' split when they agree on one, else see below
         splits = {tuple(sorted(split.items())) for split in pending.values()}
         agreed = dict(splits.pop()) if len(splits) == 1 and len(pending) == len(live) else None
         if agreed:  # the version the last status called stable (at 0 % under a 100 % canary), else the most used
             previous = a.status.get("stableVersion")
             held = {v for split in reported.values() for v in split}
             stable_version = previous if previous in held else max(agreed, key=lambda v: (agreed[v], v == a.version))
-        others = sorted(v for v in (agreed or {}) if v != stable_version)
-        canary_version = others[0] if len(others) == 1 else None
-        canary_weight = agreed[canary_version] if canary_version else 0
-        canary_active = canary_weight > 0
+            others = sorted(v for v in agreed if v != stable_version)
+            canary_version = others[0] if len(others) == 1 else None
+            canary_weight = agreed[canary_version] if canary_version else 0
+        else:  # the workers differ: the version besides the stable one that some still send users to (when one),
+            # at the largest share one gives it, and each worker's split in the condition
+            shares = [(p, v) for split in reported.values() for v, p in _used(split).items() if v != stable_version]
+            others = sorted({v for _, v in shares})
+            canary_version = others[0] if len(others) == 1 else None
+            canary_weight = max(shares)[0] if canary_version else 0
+            if shares:
+                differ = "workers differ while the split is applied: " + "; ".join(
+                    f"{pod} {_split_text(_used(split))}" for pod, split in sorted(reported.items()))
+        canary_active = canary_weight > 0 or differ is not None
     target = len(warm_pods)
     if failure is not None:
         phase = "Failed"
@@ -126,7 +136,7 @@ def adapter_status(a: AdapterSpec, live: list[WorkerIndex], warm_pods: list[str]
         worker_errors = [f"{w.pod}: {w.w.reported.error}" for w in live if w.w.reported.error]
         if worker_errors:  # e.g. the sidecar cannot reach its engine: say why it is not loading
             msg += "; " + "; ".join(worker_errors)
-    canary_text = f"canary {canary_version} at {canary_weight}%" if canary_active else None
+    canary_text = differ or (f"canary {canary_version} at {canary_weight}%" if canary_active else None)
     status = _status(a, phase, msg, now=now, validated=failure is None, canary_text=canary_text)
     status.update({
         "stableVersion": stable_version,

@@ -57,12 +57,16 @@ def test_a_promotion_is_loading_while_the_workers_still_serve_the_old_stable_ver
     assert (st["phase"], st["stableVersion"], st["canaryVersion"]) == ("Ready", "v2", None)
 
 
-def test_workers_that_differ_leave_no_canary_claimed_and_one_without_splits_is_not_compared():
+def test_workers_that_differ_name_the_canary_they_serve_and_one_without_splits_is_not_compared():
+    """A weight edit applied on one worker only: both still send users to v2, at 20 % and 50 %. The status
+    names v2 at the largest share and each worker's split, not "no canary is being served"."""
     ws = serving(("v1", 80), ("v2", 20))
     ws[1] = serving(("v1", 50), ("v2", 50))[1]
     st = status({"canary": CANARY | {"weight": 50}}, ws)
     assert st["phase"] == "Loading" and "w0 (v1 80%, v2 20%)" in st["message"] and "w1 (" not in st["message"]
-    assert (st["canaryVersion"], st["canaryWeight"]) == (None, 0)
+    assert (st["canaryVersion"], st["canaryWeight"]) == ("v2", 50)
+    assert canary_condition(st) == ("True", "workers differ while the split is applied: w0 v1 80%, v2 20%; "
+                                            "w1 v1 50%, v2 50%")
     quiet = [WorkerReport(w.pod, ReportedState(generation_applied=1, adapters=[
         AdapterState("a", s.version, "gpu", bytes=MB) for s in w.reported.adapters])) for w in ws]
     assert status({"canary": CANARY | {"weight": 50}}, quiet)["phase"] == "Ready"  # a sidecar without splits
@@ -73,3 +77,11 @@ def test_a_canary_at_100_percent_is_still_the_canary_while_a_lower_weight_applie
     st = status({"canary": CANARY | {"weight": 50}}, serving(("v1", 0), ("v2", 100)), last={"stableVersion": "v1"})
     assert (st["phase"], st["stableVersion"], st["canaryVersion"], st["canaryWeight"]) == ("Loading", "v1", "v2", 100)
     assert canary_condition(st) == ("True", "canary v2 at 100%")
+
+
+def test_a_rollback_applied_on_one_worker_only_still_shows_the_canary_the_other_serves():
+    ws = serving(("v1", 80), ("v2", 20))
+    ws[0] = serving(("v1", 100))[0]
+    st = status({}, ws)  # the canary removed from the spec
+    assert (st["phase"], st["stableVersion"], st["canaryVersion"], st["canaryWeight"]) == ("Loading", "v1", "v2", 20)
+    assert canary_condition(st)[0] == "True" and "w1 v1 80%, v2 20%" in canary_condition(st)[1]
