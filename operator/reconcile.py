@@ -337,5 +337,5 @@ def drifted(x: WorkerIndex, directives: list[AdapterDirective]) -> bool:
     wanted = {d.name for d in directives}
     # A removed adapter the engine still reports only for the requests in flight on it (held, no traffic
     # share) is on its way out, not drift: a push could not drop it sooner.
-    return any(name not in wanted and not all(st.refcount > 0 and not st.traffic_percent for st in states)
+    return any(name not in wanted and not all(st.refcount > 0 and st.traffic_percent == 0 for st in states)
                for name, states in x.by_name.items())

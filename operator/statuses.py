@@ -80,23 +80,25 @@ def adapter_status(a: AdapterSpec, live: list[WorkerIndex], warm_pods: list[str]
     if pending:  # the fields say what is served: the workers' split when they agree on one, else see below
         splits = {tuple(sorted(split.items())) for split in pending.values()}
         agreed = dict(splits.pop()) if len(splits) == 1 and len(pending) == len(live) else None
-        if agreed:  # the version the last status called stable (at 0 % under a 100 % canary), else the most used
-            previous = a.status.get("stableVersion")
-            held = {v for split in reported.values() for v in split}
+        # The version the last status called stable while a worker still has it (at 0 % under a 100 % canary)
+        previous = a.status.get("stableVersion")
+        held = {v for split in reported.values() for v in split}
+        if agreed:  # else the most used
             stable_version = previous if previous in held else max(agreed, key=lambda v: (agreed[v], v == a.version))
             others = sorted(v for v in agreed if v != stable_version)
             canary_version = others[0] if len(others) == 1 else None
             canary_weight = agreed[canary_version] if canary_version else 0
-        else:  # the workers differ: the version besides the stable one that some still send users to (when one),
-            # at the largest share one gives it, and each worker's split in the condition
-            shares = [(p, v) for split in reported.values() for v, p in _used(split).items() if v != stable_version]
-            others = sorted({v for _, v in shares})
-            canary_version = others[0] if len(others) == 1 else None
-            canary_weight = max(shares)[0] if canary_version else 0
+        else:  # the workers differ: else the spec's. A canary (the spec's, or the one the last status named)
+            # that some still send users to is named at the largest share one gives it, with each worker's split.
+            stable_version = previous if previous in held else a.version
+            canaries = {a.canary.version if a.canary else None, a.status.get("canaryVersion")} - {None, stable_version}
+            shares = [(p, v) for split in reported.values() for v, p in _used(split).items() if v in canaries]
+            canary_version = max(shares)[1] if shares else None
+            canary_weight = max(shares)[0] if shares else 0
             if shares:
-                differ = "workers differ while the split is applied: " + "; ".join(
+                differ = f"canary {canary_version} while workers differ in the split: " + "; ".join(
                     f"{pod} {_split_text(_used(split))}" for pod, split in sorted(reported.items()))
-        canary_active = canary_weight > 0 or differ is not None
+        canary_active = canary_weight > 0
     target = len(warm_pods)
     if failure is not None:
         phase = "Failed"

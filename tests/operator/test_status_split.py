@@ -65,7 +65,7 @@ def test_workers_that_differ_name_the_canary_they_serve_and_one_without_splits_i
     st = status({"canary": CANARY | {"weight": 50}}, ws)
     assert st["phase"] == "Loading" and "w0 (v1 80%, v2 20%)" in st["message"] and "w1 (" not in st["message"]
     assert (st["canaryVersion"], st["canaryWeight"]) == ("v2", 50)
-    assert canary_condition(st) == ("True", "workers differ while the split is applied: w0 v1 80%, v2 20%; "
+    assert canary_condition(st) == ("True", "canary v2 while workers differ in the split: w0 v1 80%, v2 20%; "
                                             "w1 v1 50%, v2 50%")
     quiet = [WorkerReport(w.pod, ReportedState(generation_applied=1, adapters=[
         AdapterState("a", s.version, "gpu", bytes=MB) for s in w.reported.adapters])) for w in ws]
@@ -82,6 +82,21 @@ def test_a_canary_at_100_percent_is_still_the_canary_while_a_lower_weight_applie
 def test_a_rollback_applied_on_one_worker_only_still_shows_the_canary_the_other_serves():
     ws = serving(("v1", 80), ("v2", 20))
     ws[0] = serving(("v1", 100))[0]
-    st = status({}, ws)  # the canary removed from the spec
+    st = status({}, ws, last={"stableVersion": "v1", "canaryVersion": "v2"})  # the canary removed from the spec
     assert (st["phase"], st["stableVersion"], st["canaryVersion"], st["canaryWeight"]) == ("Loading", "v1", "v2", 20)
-    assert canary_condition(st)[0] == "True" and "w1 v1 80%, v2 20%" in canary_condition(st)[1]
+    assert canary_condition(st) == ("True", "canary v2 while workers differ in the split: w0 v1 100%; w1 v1 80%, v2 20%")
+
+
+def test_a_promotion_or_an_update_applied_on_one_worker_only_names_no_false_canary():
+    """While workers differ, the stable version stays the one the last status named as long as a worker still
+    has it, and only a canary (the spec's or the last status's) is called one: the outgoing stable version of
+    a promotion or of a plain update is not shown as a canary."""
+    ws = serving(("v1", 80), ("v2", 20))
+    ws[0] = serving(("v2", 100))[0]
+    st = status({"version": "v2"}, ws, last={"stableVersion": "v1", "canaryVersion": "v2"})  # v2 promoted
+    assert (st["stableVersion"], st["canaryVersion"], st["canaryWeight"]) == ("v1", "v2", 100)
+    ws = serving(("v1", 100))
+    ws[0] = serving(("v3", 100))[0]
+    st = status({"version": "v3"}, ws, last={"stableVersion": "v1"})  # v1 -> v3, no canary ever
+    assert (st["phase"], st["stableVersion"], st["canaryVersion"], st["canaryWeight"]) == ("Loading", "v1", None, 0)
+    assert canary_condition(st) == ("False", "no canary is being served")
