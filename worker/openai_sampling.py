@@ -63,6 +63,13 @@ class SamplingOptions:
     json_object: bool = False  # response_format {"type": "json_object"}: JSON mode (json_guide.py)
 
 
+def _user(f: Fields) -> str | None:
+    """`user`, else OpenAI's successor of it, `safety_identifier`: who the request is for (the canary split).
+    Both are read, so each is type-checked and neither is refused as unknown when both are sent."""
+    user, safety_identifier = f.string("user"), f.string("safety_identifier")
+    return user or safety_identifier
+
+
 def _stop(f: Fields) -> list[str]:
     v = f.get("stop")
     if v is None:
@@ -187,7 +194,7 @@ def parse_sampling_options(f: Fields, max_tokens_names: tuple[str, ...], default
         stream=stream,
         include_usage=include_usage,
         continuous_usage=continuous_usage,
-        user=f.string("user") or f.string("safety_identifier"),  # OpenAI's successor of `user`: the canary split
+        user=_user(f),
         ignore_eos=f.flag("ignore_eos", False),
         presence_penalty=f.number("presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=f.number("frequency_penalty", 0.0, -2.0, 2.0),

@@ -56,8 +56,12 @@ def test_safety_identifier_names_the_user_as_user_does():
     assert parse_chat_request(chat | {"safety_identifier": "alice"}).options.user == "alice"
     assert parse_chat_request(chat | {"safety_identifier": "alice", "user": "bob"}).options.user == "bob"
     assert parse_completion_request({"model": "m", "prompt": "x", "safety_identifier": "alice"}).options.user == "alice"
-    with pytest.raises(APIError, match="safety_identifier"):
-        parse_chat_request(chat | {"safety_identifier": 7})
+    both = {"model": "m", "prompt": "x", "safety_identifier": "alice", "user": "bob"}  # was refused as unknown
+    assert parse_completion_request(both).options.user == "bob"
+    for parse, body in ((parse_chat_request, chat), (parse_completion_request, {"model": "m", "prompt": "x"})):
+        with pytest.raises(APIError) as exc:
+            parse(body | {"safety_identifier": 7, "user": "bob"})
+        assert (exc.value.param, exc.value.code) == ("safety_identifier", "invalid_type")
 
 
 def test_completion_echo_and_prompt_logprobs():

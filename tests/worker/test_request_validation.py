@@ -165,3 +165,10 @@ async def test_documented_openai_fields_are_accepted_or_refused_by_name(client):
         resp = await client.post(path, json=body)
         err = (await resp.json())["error"]
         assert (resp.status, err["code"], err["param"]) == (400, "unsupported_parameter", param), err
+
+
+async def test_token_ids_outside_the_vocabulary_are_a_400_naming_the_prompt(client):
+    """The tiny model's vocabulary is 260 ids."""
+    resp = await client.post("/v1/completions", json={"model": "tiny", "prompt": [999, 1], "max_tokens": 1})
+    err = (await resp.json())["error"]
+    assert resp.status == 400 and (err["code"], err["param"]) == ("invalid_prompt", "prompt"), err
