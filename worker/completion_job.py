@@ -8,7 +8,9 @@ logprobs in the completions (`tokens`, `token_logprobs`, `top_logprobs`, `text_o
 
 `echo` (completions, OpenAI's legacy semantics): a choice's text is the prompt's text (a string prompt as
 sent, token ids decoded with special tokens) followed by the completion; streamed, the prompt's text is
-in the choice's first chunk. With `logprobs`, the prompt's tokens come first, the first of them with null
+in the choice's first chunk. With `max_tokens` 0 the prompt is only scored (as OpenAI's legacy API and
+vLLM do): the engine generates one token that the answer leaves out (no text, no logprobs, no completion
+tokens in `usage`, finish_reason "length"). With `logprobs`, the prompt's tokens come first, the first of them with null
 `token_logprobs` and `top_logprobs` (as OpenAI and vLLM answer), and `text_offset` counts through the
 echoed text (a BOS token's "<s>" or SentencePiece's leading space, which a string prompt as sent lacks,
 at 0). Special tokens the text skips take no room in `text_offset`. vLLM's `prompt_logprobs` answers, per prompt token, None for the first, then
@@ -54,6 +56,7 @@ class CompletionJob:
     on_move: Callable[[str | None], None] | None = None
     prompts: list[str | list[int]] | None = None  # completions: the prompts as sent (what `echo` repeats)
     failed_over: str | None = None  # the engine key it moved off because that version failed to load
+    score_only: bool = False  # echo with max_tokens 0: the one token generated is left out of the answer
     created: int = field(default_factory=lambda: int(time.time()))
     arrived: float = field(default_factory=time.monotonic)
 
@@ -82,6 +85,8 @@ class CompletionJob:
             left = max_model_len - len(ids)  # unset: the model's default (at least min_tokens) within the context
             max_tokens = o.max_tokens if o.max_tokens is not None else min(left, max(o.default_max_tokens or left,
                                                                                       o.min_tokens))
+            self.score_only = max_tokens == 0
+            max_tokens = max(max_tokens, 1)  # scored only: the prompt's logprobs come with one token's step
             if len(ids) + max_tokens > max_model_len:
                 raise APIError(400, f"This model's maximum context length is {max_model_len} tokens; you requested "
                                     f"{len(ids) + max_tokens} ({len(ids)} in the prompt, {max_tokens} to generate). "
@@ -104,6 +109,7 @@ class CompletionJob:
                 self.choice_prompt.append(p)
 
     def usage(self, completion_tokens: int) -> dict[str, int]:
+        completion_tokens = 0 if self.score_only else completion_tokens
         prompt_tokens = sum(len(self.prompt_ids[p]) for p in sorted(set(self.choice_prompt)))
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": prompt_tokens + completion_tokens}
@@ -122,6 +128,9 @@ class CompletionJob:
         `offsets`: the choice's TextOffsets, kept over all its chunks; `prompt_lps`: the output's prompt
         logprobs, for `echo` and `prompt_logprobs`)."""
         if self.endpoint == "completions":
+            if self.score_only:
+                text, lps = "", [] if lps is not None else None
+                finish_reason = finish_reason and "length"
             offsets = offsets if offsets is not None else TextOffsets()
             p = self.choice_prompt[index]
             echo = self.options.echo and (first or not delta)

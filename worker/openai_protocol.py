@@ -108,9 +108,10 @@ def parse_completion_request(body: Any, defaults: SamplingDefaults = SamplingDef
     f = Fields(body, "completions")
     model = _model(f)
     prompts = _prompts(f.get("prompt"))
-    options = parse_sampling_options(f, ("max_tokens",), 16, defaults)
+    echo = f.flag("echo", False)  # with max_tokens 0: the prompt scored, nothing generated (OpenAI's legacy API)
+    options = parse_sampling_options(f, ("max_tokens",), 16, defaults, least_max_tokens=0 if echo else 1)
     options.logprobs = f.integer("logprobs", None, 0, MAX_COMPLETION_LOGPROBS)
-    options.echo = f.flag("echo", False)
+    options.echo = echo
     f.neutral("best_of", 1, "best_of is not implemented; use n")
     f.neutral("suffix", "", "suffix (insertion) is not implemented")
     f.refuse_unknown()

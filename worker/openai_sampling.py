@@ -160,12 +160,13 @@ def _ranged(f: Fields, name: str, default: float) -> float:
 
 
 def parse_sampling_options(f: Fields, max_tokens_names: tuple[str, ...], default_max_tokens: int | None,
-                           defaults: SamplingDefaults) -> SamplingOptions:
+                           defaults: SamplingDefaults, least_max_tokens: int = 1) -> SamplingOptions:
     """The fields both endpoints share; ``defaults``: what an unset temperature, top_p, top_k, min_p or
-    repetition_penalty means (the model's, sampling_defaults.py)."""
+    repetition_penalty means (the model's, sampling_defaults.py); ``least_max_tokens``: 0 where a request
+    may only score its prompt (completions with echo)."""
     max_tokens, max_tokens_param = default_max_tokens, max_tokens_names[0]
     for name in max_tokens_names:  # the later name wins (chat: max_completion_tokens over max_tokens)
-        value = f.integer(name, None, 1)
+        value = f.integer(name, None, least_max_tokens)
         if value is not None:
             max_tokens, max_tokens_param = value, name
     stream = f.flag("stream", False)

@@ -204,10 +204,30 @@ async def test_limits_are_400s_naming_the_field(client):
     bad = [("/v1/completions", completion | {"prompt_logprobs": 21}, "prompt_logprobs"),
            ("/v1/chat/completions", chat | {"prompt_logprobs": 21}, "prompt_logprobs"),
            ("/v1/completions", completion | {"echo": True, "logprobs": 6}, "logprobs"),
-           ("/v1/completions", completion | {"echo": True, "max_tokens": 0}, "max_tokens"),
+           ("/v1/completions", completion | {"echo": True, "max_tokens": -1}, "max_tokens"),
            ("/v1/completions", completion | {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
            ("/v1/chat/completions", chat | {"echo": True}, "echo")]
     for path, body, param in bad:
         resp = await client.post(path, json=body)
         error = (await resp.json())["error"]
         assert resp.status == 400 and error["param"] == param and param in error["message"], (body, error)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_echo_with_max_tokens_0_scores_the_prompt_and_generates_nothing(client, hf_model, stream):
+    """OpenAI's legacy API and vLLM: the prompt and its logprobs, no completion (finish_reason "length",
+    no completion tokens); the same prompt logprobs as with one token generated. Without echo, 0 is a 400."""
+    body = {"model": "tiny", "prompt": "hello world", "temperature": 0, "logprobs": 2, "echo": True, "stream": stream}
+    (one,) = await _choices(client, body | {"max_tokens": 1})
+    (scored,) = await _choices(client, body | {"max_tokens": 0})
+    n = len(_tokens(client, "hello world"))
+    assert scored["text"] == "hello world" and scored["finish_reason"] == "length"
+    assert scored["logprobs"]["tokens"] == one["logprobs"]["tokens"][:n] == list("hello world")
+    assert scored["logprobs"]["token_logprobs"] == one["logprobs"]["token_logprobs"][:n]
+    if not stream:
+        resp = await client.post("/v1/completions", json=body | {"max_tokens": 0, "n": 2})
+        usage = (await resp.json())["usage"]
+        assert (usage["prompt_tokens"], usage["completion_tokens"]) == (n, 0)
+    resp = await client.post("/v1/completions", json=body | {"max_tokens": 0, "echo": False})
+    err = (await resp.json())["error"]
+    assert resp.status == 400 and err["param"] == "max_tokens", err
