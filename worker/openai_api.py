@@ -167,7 +167,7 @@ class _ChoiceTimer:
         return _request_labels(self.job.adapter)
 
     def tokens(self, choice: int, num_tokens: int) -> None:
-        if num_tokens <= 0:
+        if num_tokens <= 0 or self.job.score_only:  # scored only: the token generated is not the caller's
             return
         now = time.monotonic()
         adapter, version = self.labels

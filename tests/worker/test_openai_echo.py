@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lorafleet.worker import Engine, EngineConfig, SamplingParams
-from lorafleet.worker.app_keys import ENGINE
+from lorafleet.worker.app_keys import ENGINE, METRICS
 from lorafleet.worker.server import create_app
 from lorafleet.worker.worker_config import WorkerConfig
 
@@ -225,9 +225,13 @@ async def test_echo_with_max_tokens_0_scores_the_prompt_and_generates_nothing(cl
     assert scored["logprobs"]["tokens"] == one["logprobs"]["tokens"][:n] == list("hello world")
     assert scored["logprobs"]["token_logprobs"] == one["logprobs"]["token_logprobs"][:n]
     if not stream:
+        metrics = client.app[METRICS].generation_tokens
+        counted = lambda: sum(s.value for f in metrics.collect() for s in f.samples if s.name.endswith("_total"))  # noqa: E731
+        before = counted()
         resp = await client.post("/v1/completions", json=body | {"max_tokens": 0, "n": 2})
         usage = (await resp.json())["usage"]
         assert (usage["prompt_tokens"], usage["completion_tokens"]) == (n, 0)
+        assert counted() == before  # nor in the metrics: the token generated to score is not the caller's
     resp = await client.post("/v1/completions", json=body | {"max_tokens": 0, "echo": False})
     err = (await resp.json())["error"]
     assert resp.status == 400 and err["param"] == "max_tokens", err
