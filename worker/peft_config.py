@@ -11,6 +11,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+import regex
+
 from lorafleet.kernels.lora_layout import PROJS
 from lorafleet.worker.file_limits import MAX_FILE_BYTES, FileLimitError, read_limited
 from lorafleet.worker.peft_patterns import is_targeted
@@ -123,7 +125,8 @@ def _compile(field: str, pattern: str, where: Path, *, shown: str | None = None)
     shown = pattern if shown is None else shown
     try:
         re.compile(pattern)
-    except (re.error, RecursionError, OverflowError) as exc:
+        regex.compile(pattern)  # what worker/peft_patterns.py matches it with
+    except (re.error, regex.error, RecursionError, OverflowError) as exc:
         raise AdapterError(f"{where}: {field} {shown!r} is not a valid regex ({exc}); "
                            f"fix {CONFIG_FILE}") from None
 

@@ -1,18 +1,38 @@
 """PEFT's matching rules for adapter_config.json: which modules an adapter targets, and the rank,
-alpha and scale of each (rank_pattern / alpha_pattern / rsLoRA), as PEFT itself applies them."""
+alpha and scale of each (rank_pattern / alpha_pattern / rsLoRA), as PEFT itself applies them.
+
+The adapter's own patterns (target_modules, exclude_modules, the pattern keys) are matched with the
+`regex` engine under a time limit and without holding the interpreter lock: a pattern that backtracks
+for ever (`(.*.*)*!`) refuses its adapter, where Python's `re` would stall the whole worker."""
 
 from __future__ import annotations
 
 import math
 import re
 
+import regex
+
 from lorafleet.kernels.lora_layout import PROJS
+
+MATCH_SECONDS = 0.2  # one match of an adapter's pattern against a module name (real ones take microseconds)
+
+
+def _match(pattern: str, module_name: str, field: str, *, full: bool) -> bool:
+    try:
+        found = (regex.fullmatch if full else regex.match)(pattern, module_name, timeout=MATCH_SECONDS,
+                                                            concurrent=True)
+    except TimeoutError:
+        from lorafleet.worker.peft_config import CONFIG_FILE, AdapterError
+
+        raise AdapterError(f"{field}: the regex {pattern!r} takes over {MATCH_SECONDS} s to match the module name "
+                           f"{module_name!r} (it backtracks without end); simplify it in {CONFIG_FILE}") from None
+    return found is not None
 
 
 def pattern_key(pattern_keys: list[str], module_name: str) -> str | None:
     """PEFT's `get_pattern_key`: the first key that matches the end of the module name."""
     for key in pattern_keys:
-        if re.match(rf"(.*\.)?({key})$", module_name):
+        if _match(rf"(.*\.)?({key})$", module_name, "rank_pattern / alpha_pattern", full=False):
             return key
     return None
 
@@ -33,7 +53,7 @@ def is_targeted(config: dict, module_name: str) -> bool:
     exclude = config.get("exclude_modules")
     if exclude:
         if isinstance(exclude, str):
-            if re.fullmatch(exclude, module_name):
+            if _match(exclude, module_name, "exclude_modules", full=True):
                 return False
         elif module_name in exclude or any(module_name.endswith(f".{e}") for e in exclude):
             return False
@@ -43,7 +63,7 @@ def is_targeted(config: dict, module_name: str) -> bool:
     if isinstance(targets, str):
         if targets.lower() == "all-linear":  # every Linear but the output layer
             return module_name.rsplit(".", 1)[-1] in PROJS
-        return re.fullmatch(targets, module_name) is not None
+        return _match(targets, module_name, "target_modules", full=True)
     if module_name in targets:
         return True
     found = any(module_name.endswith(f".{t}") for t in targets)

@@ -117,3 +117,39 @@ def test_initialisations_that_keep_the_base_still_load(init, tmp_path):
     config_path = tmp_path / "x" / "adapter_config.json"
     config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "init_lora_weights": init}))
     assert load_peft_adapter(tmp_path / "x", tiny_base().config.to_dict(), dtype=torch.float32).ranks == {4}
+
+
+@pytest.mark.parametrize("field", ["target_modules", "exclude_modules", "rank_pattern"])
+def test_a_regex_that_backtracks_without_end_refuses_its_adapter_and_stalls_no_one(field, tmp_path):
+    """Matched by Python's `re`, such a pattern against a module name takes longer than any worker would
+    wait, holding the interpreter lock all the while (no probe or request answered); even the `regex`
+    engine, which sees through `(.*.*)*!`, does not end this one. It is refused, naming the field, while
+    another thread keeps running."""
+    import threading
+    import time
+
+    from tests.worker.test_peft_adapter import tiny_base
+
+    evil = r"(?:.{1,40}){1,40}\d{3}|.*\.q_proj"  # the second branch keeps it a valid target set
+    changes = {"target_modules": {"target_modules": evil}, "exclude_modules": {"exclude_modules": evil},
+               "rank_pattern": {"rank_pattern": {evil.split("|")[0]: 4}}}[field]
+    make_adapter(tmp_path / "x", r=4, lora_alpha=8, target_modules=["q_proj"])
+    config_path = tmp_path / "x" / "adapter_config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), **changes}))
+    ticks, done = [], threading.Event()
+
+    def tick():  # another thread: runs while the pattern is matched
+        while not done.is_set():
+            ticks.append(time.monotonic())
+            time.sleep(0.01)
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    try:
+        with pytest.raises(AdapterError, match=f"{field}.*backtracks"):
+            load_peft_adapter(tmp_path / "x", tiny_base().config.to_dict(), dtype=torch.float32,
+                              base_model_name="org/tiny-llama")
+    finally:
+        done.set()
+        ticker.join()
+    assert max(b - a for a, b in zip(ticks, ticks[1:], strict=False)) < 0.15  # never held up for a whole match
