@@ -10,8 +10,9 @@ and graph captures need about 150 of them, over 100 s on an empty cache. Instead
 
 and the warm-up proper then finds every kernel compiled. The compiler's MLIR passes and ptxas run
 outside the GIL, so the threads overlap. `save_list` keeps the list beside Triton's disk cache, and a
-later start of the same engine compiles it (`load_list`) without running the listing forwards again. While launches are recorded, kernels compiled already run
-as usual and the skipped ones leave their outputs as their buffers held them: the forwards run only
+later start of the same engine compiles it (`load_list`) without running the listing forwards again.
+While launches are recorded, kernels compiled already run as usual and the skipped ones leave their
+outputs as their buffers held them: the forwards run only
 to reach every launch, and their results are dropped. None of the kernels here writes indices that
 torch or another kernel reads back, so the rest of a forward runs on those values without fault.
 
@@ -196,16 +197,19 @@ def own_kernels() -> dict[str, object]:
 
 def save_list(found: list[Specialization], path: Path) -> None:
     """Write this package's kernels of `found` to `path` for `load_list` (JSON: each kernel named by
-    module and name, with the hash of its source), through a file of its own replaced at once, as
-    workers sharing a cache may write it together. Lists beside it unused for 30 days are removed."""
-    own = own_kernels()
-    entries = [{"kernel": kernel_name(s.kernel), "source": s.kernel.cache_key, "key": s.key, "data": s.data}
-               for s in found if own.get(kernel_name(s.kernel)) is s.kernel]
+    module and name, with the hash of its source; one entry per kernel and key), through a file of its
+    own replaced at once, as workers sharing a cache may write it together. Lists beside it unused for
+    30 days are removed."""
+    own, entries = own_kernels(), {}
+    for s in found:
+        name = kernel_name(s.kernel)
+        if own.get(name) is s.kernel:
+            entries[name, s.key] = {"kernel": name, "source": s.kernel.cache_key, "key": s.key, "data": s.data}
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{LIST_PREFIX}")
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump({"format": _LIST_FORMAT, "specializations": entries}, f)
+            json.dump({"format": _LIST_FORMAT, "specializations": list(entries.values())}, f)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):

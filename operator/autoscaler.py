@@ -127,8 +127,9 @@ def recommend(spec: ScalingSpec, hit_rate: float | None, kv_usage: float | None,
     the hit rate below target under load pressure (KV usage >= kvLow or requests waiting: one more); the
     largest of these. Down by one: KV usage below kvLow, unless requests wait (at least ``WAITING`` per
     worker) or one fewer replica would put the KV in use above kvHigh or the queue above waitingHigh, or,
-    with the hit rate below target, under load pressure (it would be scaled up again at once); otherwise hold. Clamped to [minReplicas, maxReplicas], and never down
-    to 0: at 0 no worker is left to show demand, so nothing could wake the pool."""
+    with the hit rate below target, under load pressure (it would be scaled up again at once); otherwise
+    hold. Clamped to [minReplicas, maxReplicas], and never down to 0: at 0 no worker is left to show
+    demand, so nothing could wake the pool."""
     corrected = bound_correction(spec, current)
     if corrected is not None:
         return corrected

@@ -324,9 +324,10 @@ def _next_generation(x: WorkerIndex, directives: list[AdapterDirective], setting
 
 def drifted(x: WorkerIndex, directives: list[AdapterDirective]) -> bool:
     """The worker claims the push applied yet lost what it was told to hold (restart), its stable version or
-    its canary, keeps a removed one (other than for its requests in flight), or failed to stage a version and its retry backoff has elapsed (a new
-    generation makes the stager try again; ``WorkerReport.may_retry`` bounds how often). A version its
-    stager is still staging (a download in progress, a retry included) is on its way, not lost."""
+    its canary, keeps a removed one (other than for its requests in flight), or failed to stage a version
+    and its retry backoff has elapsed (a new generation makes the stager try again;
+    ``WorkerReport.may_retry`` bounds how often). A version its stager is still staging (a download in
+    progress, a retry included) is on its way, not lost."""
     for d in directives:
         for version in d.versions:
             st = x.find(d.name, version)

@@ -10,12 +10,13 @@ logprobs in the completions (`tokens`, `token_logprobs`, `top_logprobs`, `text_o
 sent, token ids decoded with special tokens) followed by the completion; streamed, the prompt's text is
 in the choice's first chunk. With `max_tokens` 0 the prompt is only scored (as OpenAI's legacy API and
 vLLM do): the engine generates one token that the answer leaves out (no text, no logprobs, no completion
-tokens in `usage`, finish_reason "length"). With `logprobs`, the prompt's tokens come first, the first of them with null
-`token_logprobs` and `top_logprobs` (as OpenAI and vLLM answer), and `text_offset` counts through the
-echoed text (a BOS token's "<s>" or SentencePiece's leading space, which a string prompt as sent lacks,
-at 0). Special tokens the text skips take no room in `text_offset`. vLLM's `prompt_logprobs` answers, per prompt token, None for the first, then
-`{token_id: {logprob, rank, decoded_token}}` for the prompt token and the k most likely: in each choice
-(completions) or beside the choices (chat), as vLLM places it.
+tokens in `usage`, finish_reason "length"). With `logprobs`, the prompt's tokens come first, the first
+of them with null `token_logprobs` and `top_logprobs` (as OpenAI and vLLM answer), and `text_offset`
+counts through the echoed text (a BOS token's "<s>" or SentencePiece's leading space, which a string
+prompt as sent lacks, at 0). Special tokens the text skips take no room in `text_offset`. vLLM's
+`prompt_logprobs` answers, per prompt token, None for the first, then `{token_id: {logprob, rank,
+decoded_token}}` for the prompt token and the k most likely: in each choice (completions) or beside the
+choices (chat), as vLLM places it.
 """
 
 from __future__ import annotations

@@ -111,7 +111,8 @@ async def _prepare(request: web.Request, endpoint: str,
         try:
             prompt_ids = await asyncio.get_running_loop().run_in_executor(None, tokenize)
         except (EngineError, TokenizerError) as exc:
-            raise APIError(400, str(exc), code="invalid_prompt", param="messages" if endpoint == "chat" else "prompt") from None
+            raise APIError(400, str(exc), code="invalid_prompt",
+                           param="messages" if endpoint == "chat" else "prompt") from None
         except jinja2.TemplateError as exc:  # the chat template refuses (roles out of order) or fails (a TypeError)
             raise APIError(400, f"the chat template refused these messages: {exc}", code="invalid_messages",
                            param="messages") from None

@@ -57,9 +57,8 @@ def warm_up(runner: ModelRunner, config: EngineConfig, model_config: ModelConfig
     if ahead and list_path is not None and (listed is None or missed):
         if missed:
             log.info("%d Triton kernels compiled at their launch, not ahead: added to the list for the next start", len(missed))
-        kept = {(compile_ahead.kernel_name(s.kernel), s.key): s for s in [*found, *missed]}
         try:
-            compile_ahead.save_list(list(kept.values()), list_path)
+            compile_ahead.save_list([*found, *missed], list_path)
         except OSError as e:
             log.warning("the kernel list for the next start is not kept (%s): it lists them again", e)
 

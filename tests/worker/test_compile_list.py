@@ -50,7 +50,7 @@ def test_a_saved_list_comes_back_less_what_no_longer_fits(tmp_path, kernel, capl
     assert compile_ahead.load_list(path) is None  # none yet
     foreign = compile_ahead.Specialization(JITFunction(other_kernel), "f", "{}")  # not this package's: not kept
     found = [spec(kernel, "key0"), spec(kernel, "key1")]
-    compile_ahead.save_list([*found, foreign], path)
+    compile_ahead.save_list([*found, foreign, *found], path)  # one entry per kernel and key
     assert compile_ahead.load_list(path) == found
     assert [p.name for p in path.parent.iterdir()] == ["start.json"]  # nothing left beside it
     saved = json.loads(path.read_text())
