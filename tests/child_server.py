@@ -54,6 +54,15 @@ class ChildServer:
     def log_tail(self) -> str:
         return self.log_path.read_text(errors="replace")[-2000:] if self.log_path.exists() else ""
 
+    port_taken_markers: tuple[str, ...] = ("address already in use",)
+
+    def exited(self, name: str, code: int) -> RuntimeError:
+        """The error for a child that exited while starting: PortTaken where its whole log (a port's
+        message may lie before a long stack trace) shows a port it was given was taken."""
+        log = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        error = PortTaken if any(marker in log for marker in self.port_taken_markers) else RuntimeError
+        return error(f"{name} exited with {code}: {log[-2000:]}")
+
     def stop(self) -> None:
         proc, self.proc = self.proc, None
         if proc is not None and proc.poll() is None:

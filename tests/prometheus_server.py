@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tests.child_server import ChildServer, PortTaken
+from tests.child_server import ChildServer
 from tests.s3_server import free_port
 
 
@@ -65,9 +65,7 @@ class PrometheusServer(ChildServer):
             code = self.proc.poll()
             if code is not None:
                 self.stop()
-                tail = self.log_tail()
-                raise (PortTaken if "address already in use" in tail else RuntimeError)(
-                    f"prometheus exited with {code}: {tail}")
+                raise self.exited("prometheus", code)
             try:
                 with urllib.request.urlopen(f"{self.url}/-/ready", timeout=2) as resp:
                     if resp.status == 200:

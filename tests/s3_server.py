@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.child_server import ChildServer, PortTaken
+from tests.child_server import ChildServer
 
 ACCESS_KEY = "lorafleet-test"
 SECRET_KEY = "lorafleet-test-secret-key"
@@ -68,6 +68,9 @@ class S3Server(ChildServer):
         return Minio(self.endpoint, access_key=self.access_key, secret_key=secret_key or self.secret_key,
                      secure=False)
 
+    # weed's own allocator reports the first; a listener that loses the race to another process, the second
+    port_taken_markers = ("Port allocation failed", "address already in use")
+
     def _fresh_ports(self) -> None:
         self.port = free_port()
         self._ports = {name: free_port() for name in self._ports}
@@ -100,9 +103,7 @@ class S3Server(ChildServer):
         while True:
             if self.proc.poll() is not None:
                 self._close_log()
-                tail = self.log_tail()
-                error = PortTaken if "Port allocation failed" in tail else RuntimeError
-                raise error(f"weed exited with {self.proc.returncode}: {tail}")
+                raise self.exited("weed", self.proc.returncode)
             try:
                 self._probe(client)
                 return
