@@ -38,22 +38,34 @@ def adapter_bytes(a: AdapterSpec, workers: list[WorkerIndex]) -> int:
     return spec_bytes(a, workers) or UNKNOWN_BYTES
 
 
+def copy_slots(a: AdapterSpec) -> int:
+    """GPU adapter slots one warm copy takes: the stable version's, and its canary's (prefetched beside it)."""
+    return 2 if a.canary is not None else 1
+
+
 def place_warm(adapters: list[AdapterSpec], workers: list[WorkerIndex], *, default_capacity: int = 0
                ) -> dict[str, list[str]]:
     """adapter name -> pods that keep it GPU-resident (see reconcile.py's docstring for the policy)."""
     load = {w.pod: 0 for w in workers}
+    taken = {w.pod: 0 for w in workers}
     # A worker's own report of its adapter pool size wins; else the pool's spec.adapterMemory.gpuBytes.
     capacity = {w.pod: w.w.reported.pool_bytes or default_capacity or None for w in workers}
+    slots = {w.pod: w.w.reported.pool_slots or None for w in workers}  # None: a worker that does not say
     sizes = {a.name: adapter_bytes(a, workers) for a in adapters}
     order = sorted(adapters, key=lambda a: (not a.pinned, -a.priority, -sizes[a.name], a.name))
     placement: dict[str, list[str]] = {a.name: [] for a in adapters}
 
+    def room(pod: str, size: int, need: int) -> bool:
+        return ((capacity[pod] is None or load[pod] + size <= capacity[pod])
+                and (slots[pod] is None or taken[pod] + need <= slots[pod]))
+
     def place(a: AdapterSpec, candidates: list[WorkerIndex]) -> None:
-        size, chosen = sizes[a.name], placement[a.name]
-        fitting = [w for w in candidates if w.pod not in chosen and (
-            capacity[w.pod] is None or load[w.pod] + size <= capacity[w.pod])]
-        for w in sorted(fitting, key=lambda w: (load[w.pod], w.pod))[:warm_count(a, len(workers)) - len(chosen)]:
+        size, need, chosen = sizes[a.name], copy_slots(a), placement[a.name]
+        fitting = [w for w in candidates if w.pod not in chosen and room(w.pod, size, need)]
+        for w in sorted(fitting, key=lambda w: (load[w.pod], taken[w.pod], w.pod))[
+                :warm_count(a, len(workers)) - len(chosen)]:
             load[w.pod] += size
+            taken[w.pod] += need
             chosen.append(w.pod)
 
     # Rank by rank (pinned, then priority), the copies workers already hold are kept before any new copy is

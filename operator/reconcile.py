@@ -24,7 +24,8 @@ Placement policy (stated, tested; placement.py):
     kept before any new copy is placed, so a newcomer displaces only adapters of a lower rank; the rest
     go to the workers with the fewest assigned GPU bytes (ties by pod name), skipping a worker whose pool
     would overflow (its reported pool size, else the pool's spec.adapterMemory.gpuBytes; a warm copy
-    counts its canary's bytes too); an adapter that fits on fewer workers than asked is Degraded with a
+    counts its canary's bytes too) or whose GPU adapter slots would (its reported --max-loras; a warm
+    copy with a canary takes two); an adapter that fits on fewer workers than asked is Degraded with a
     message naming spec.warm (spec.pinned for a pinned one with warm: 0).
 
 Pool settings: each push to a pool's worker carries the pool's ``spec.eviction`` and

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from lorafleet.operator.crd_models import AdapterSpec, InvalidAdapter, PoolSpec
-from lorafleet.operator.placement import UNKNOWN_BYTES, adapter_bytes
+from lorafleet.operator.placement import UNKNOWN_BYTES, adapter_bytes, copy_slots
 from lorafleet.operator.reports import WorkerIndex, WorkerReport
 
 
@@ -115,8 +115,10 @@ def adapter_status(a: AdapterSpec, live: list[WorkerIndex], warm_pods: list[str]
         phase = "Degraded"
         asks = ("spec.pinned: true (with warm: 0) asks for 1 GPU-resident copy" if a.pinned and a.warm == 0
                 else f"spec.warm: {a.warm} asks for {requested} GPU-resident copies")
-        msg = (f"{asks} but only {target} workers have room for its {adapter_size_text(a, live)} in their GPU "
-               f"adapter pool; it is served on demand elsewhere")
+        need = copy_slots(a)
+        msg = (f"{asks} but only {target} workers have room for its {adapter_size_text(a, live)} and "
+               f"{need} adapter slot{'s' if need > 1 else ''} (their --max-loras) in their GPU adapter pool; "
+               f"it is served on demand elsewhere")
     elif (registered == len(live) and resident == target and not pending
           and (a.canary is None or (canary_registered == len(live) and canary_resident == target))):
         phase = "Ready"

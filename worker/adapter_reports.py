@@ -64,6 +64,9 @@ class AdapterReports:
             cpu = [e for e in self._entries.values() if e.image is not None]
             return {
                 "registered": sum(1 for e in self._entries.values() if not e.retired),
+                # the most adapter bytes and adapters the GPU pool could hold at once (the operator places by them)
+                "capacity_bytes": self.page_pool.most("adapter") * self.page_pool.stats()["page_bytes"],
+                "slots": self.config.max_slots,
                 "eviction": self.policy.name,
                 "cpu_budget_bytes": self.config.cpu_budget_bytes,
                 "resident": {"gpu": len(gpu), "cpu": len(cpu)},

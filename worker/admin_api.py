@@ -154,6 +154,7 @@ def state_report(app: web.Application) -> dict[str, Any]:
     stats = host.pool_stats()
     if stats:
         report.pool_bytes = int(stats.get("capacity_bytes", 0))
+        report.pool_slots = int(stats.get("slots", 0))
         report.pool_used_bytes = int(stats.get("bytes", {}).get("gpu", 0))
     report.kv_usage = min(1.0, max(0.0, float(engine.kv_usage)))
     body = report.to_dict()

@@ -267,6 +267,7 @@ class ReportedState(_Message):
     generation_applied: int = 0  # highest DesiredState.generation fully acted upon
     adapters: list[AdapterState] = field(default_factory=list)
     pool_bytes: int = 0  # adapter bytes the pool can hold (GPU)
+    pool_slots: int = 0  # adapters the pool can hold on the GPU at once (its --max-loras); 0 = not said
     pool_used_bytes: int = 0
     kv_usage: float = 0.0  # KV pages over those the KV cache could hold (free and idle adapters'), 0..1
     error: str | None = None  # a directive the receiver refused, with the reason
@@ -274,6 +275,7 @@ class ReportedState(_Message):
     def __post_init__(self) -> None:
         _int(self.generation_applied, "generation_applied", lo=0)
         _int(self.pool_bytes, "pool_bytes", lo=0)
+        _int(self.pool_slots, "pool_slots", lo=0)
         _int(self.pool_used_bytes, "pool_used_bytes", lo=0)
         _require(isinstance(self.kv_usage, int | float) and 0.0 <= self.kv_usage <= 1.0, "kv_usage",
                  f"must be a fraction in [0, 1] (got {self.kv_usage!r})")
@@ -293,6 +295,7 @@ class ReportedState(_Message):
             generation_applied=data.get("generation_applied", 0),
             adapters=[AdapterState.from_dict(a) for a in adapters],
             pool_bytes=data.get("pool_bytes", 0),
+            pool_slots=data.get("pool_slots", 0),
             pool_used_bytes=data.get("pool_used_bytes", 0),
             kv_usage=data.get("kv_usage", 0.0),
             error=data.get("error"),

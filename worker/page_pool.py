@@ -95,6 +95,13 @@ class PagePool:
             return self.num_pages - len(self._free)
         return self._used_by_kind[kind]
 
+    def most(self, kind: str) -> int:
+        """Pages `kind` could ever hold at once: the pool less the other kinds' floors, capped by its ceiling."""
+        _check_kind(kind)
+        room = self.num_pages - sum(self.config.min_pages.get(other, 0) for other in KINDS if other != kind)
+        ceiling = self.config.max_pages.get(kind)
+        return max(0, room if ceiling is None else min(room, ceiling))
+
     def pages_of(self, owner: Owner) -> list[int]:
         return list(self._pages_of.get(owner, ()))
 

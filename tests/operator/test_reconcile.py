@@ -33,8 +33,8 @@ def adapter(name: str, *, version="v1", created="2026-01-01T00:00:00Z", deleting
     return AdapterSpec.parse({"metadata": meta, "spec": base, "status": status or {}})
 
 
-def report(*states: tuple, applied=0, pool_bytes=0) -> ReportedState:
-    return ReportedState(generation_applied=applied, pool_bytes=pool_bytes,
+def report(*states: tuple, applied=0, pool_bytes=0, pool_slots=0) -> ReportedState:
+    return ReportedState(generation_applied=applied, pool_bytes=pool_bytes, pool_slots=pool_slots,
                          adapters=[AdapterState(*s) for s in states])
 
 

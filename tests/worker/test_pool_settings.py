@@ -9,7 +9,8 @@ import pytest
 from aiohttp import web
 
 from lorafleet.worker.adapter_pool import AdapterPool, AdapterPoolConfig
-from lorafleet.worker.directives import DesiredState, DirectiveError
+from lorafleet.worker.directives import DesiredState, DirectiveError, ReportedState
+from lorafleet.worker.engine_config import EngineConfig
 from lorafleet.worker.page_pool import PagePool, PagePoolConfig
 from lorafleet.worker.served_adapters import ServedAdapters
 from lorafleet.worker.stager import Stager
@@ -173,3 +174,17 @@ async def test_the_admin_push_applies_the_settings_and_the_report_shows_them(aio
     assert await push({"generation": 2, "adapters": [alpha], "eviction": "lfu", "cpu_bytes": GIB}) == {
         "eviction": "lfu", "cpu_budget_bytes": GIB}
     assert await push({"generation": 3, "adapters": [alpha]}) == own
+
+
+async def test_the_state_report_says_how_many_adapter_bytes_and_slots_the_gpu_pool_holds(aiohttp_client,
+                                                                                        tiny_llama_dir, qv_adapters_dir):
+    # The operator places warm copies by them: a worker that reported neither was taken to be unbounded.
+    from tests.worker.test_admin_pushes import ADMIN, admin_client
+
+    client = await admin_client(aiohttp_client, tiny_llama_dir, qv_adapters_dir)
+    resp = await client.get("/admin/v1/state", headers=ADMIN)
+    body = await resp.json()
+    page_pool = body["pool"]["page_pool"]
+    assert body["pool_bytes"] == page_pool["num_pages"] * page_pool["page_bytes"] > 0
+    assert body["pool_slots"] == EngineConfig().max_loras == body["pool"]["slots"]
+    assert ReportedState.from_dict(body).pool_slots == body["pool_slots"]
