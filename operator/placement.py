@@ -48,8 +48,10 @@ def place_warm(adapters: list[AdapterSpec], workers: list[WorkerIndex], *, defau
     """adapter name -> pods that keep it GPU-resident (see reconcile.py's docstring for the policy)."""
     load = {w.pod: 0 for w in workers}
     taken = {w.pod: 0 for w in workers}
-    # A worker's own report of its adapter pool size wins; else the pool's spec.adapterMemory.gpuBytes.
-    capacity = {w.pod: w.w.reported.pool_bytes or default_capacity or None for w in workers}
+    # The smaller of the worker's own report of its adapter pool size (the pages adapters may take, which
+    # the KV cache shares) and the pool's spec.adapterMemory.gpuBytes, where each is known.
+    capacity = {w.pod: min([b for b in (w.w.reported.pool_bytes, default_capacity) if b], default=None)
+                for w in workers}
     slots = {w.pod: w.w.reported.pool_slots or None for w in workers}  # None: a worker that does not say
     sizes = {a.name: adapter_bytes(a, workers) for a in adapters}
     order = sorted(adapters, key=lambda a: (not a.pinned, -a.priority, -sizes[a.name], a.name))

@@ -23,7 +23,7 @@ Placement policy (stated, tested; placement.py):
     a reconcile never shuffles healthy placements: within a rank (pinned, priority) the copies held are
     kept before any new copy is placed, so a newcomer displaces only adapters of a lower rank; the rest
     go to the workers with the fewest assigned GPU bytes (ties by pod name), skipping a worker whose pool
-    would overflow (its reported pool size, else the pool's spec.adapterMemory.gpuBytes; a warm copy
+    would overflow (the smaller of its reported pool size and the pool's spec.adapterMemory.gpuBytes; a warm copy
     counts its canary's bytes too) or whose GPU adapter slots would (its reported --max-loras; a warm
     copy with a canary takes two); an adapter that fits on fewer workers than asked is Degraded with a
     message naming spec.warm (spec.pinned for a pinned one with warm: 0).

@@ -88,3 +88,14 @@ def test_a_worker_that_does_not_say_its_slots_is_placed_by_bytes_alone():
     ads = [adapter(f"s{i}", warm=1, status={"bytes": MB}) for i in range(40)]
     plan = reconcile_pool(pool(), ads, ws, now=NOW)
     assert all(pods == ["w0"] for pods in plan.placement.values())
+
+
+def test_the_pools_gpu_bytes_bound_placement_below_what_a_worker_reports():
+    # The worker's pages are shared with its KV cache: spec.adapterMemory.gpuBytes is the budget asked for.
+    ws = workers(1, pool_bytes=1024 * MB)
+    ads = [adapter("a", warm=1, status={"bytes": 60 * MB}), adapter("b", warm=1, status={"bytes": 60 * MB})]
+    plan = reconcile_pool(pool(adapterMemory={"gpuBytes": "100Mi"}), ads, ws, now=NOW)
+    assert sorted(plan.placement.values()) == [[], ["w0"]]
+    ws = workers(1, pool_bytes=100 * MB)  # and a worker's smaller report bounds a larger budget
+    plan = reconcile_pool(pool(adapterMemory={"gpuBytes": "1Gi"}), ads, ws, now=NOW)
+    assert sorted(plan.placement.values()) == [[], ["w0"]]
