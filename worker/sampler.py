@@ -269,9 +269,12 @@ def _processed_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
         top_p = torch.tensor(top_ps, device=device, dtype=probs.dtype)[:, None]
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         # Drop a token when the tokens before it already reach top_p (the first token always stays).
+        # A row with top_p 1 drops nothing: its cumulative sum can reach 1 by rounding before its tail ends,
+        # and its probabilities stay exactly as they are alone (no renormalising either).
+        uses = top_p < 1.0
         before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        drop_sorted = before >= top_p
+        drop_sorted = (before >= top_p) & uses
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
+        probs = torch.where(uses, probs / probs.sum(dim=-1, keepdim=True), probs)
     return probs

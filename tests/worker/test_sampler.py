@@ -348,3 +348,18 @@ def test_kept_index_tensors_are_rebuilt_for_other_sequences_in_the_same_rows():
         kept = apply_min_tokens(logits, batch, eos, sampler._min_tokens_index)
         kept = apply_logit_bias(kept, batch, sampler._logit_bias_index)
         assert torch.equal(kept, apply_logit_bias(apply_min_tokens(logits, batch, eos), batch))
+
+
+def test_a_top_p_one_row_keeps_its_whole_distribution_beside_rows_that_cut():
+    # With a vocabulary of Llama's size, float32 cumulative sums reach 1 before the tail ends: a row asking
+    # top_p 1 lost its tail tokens (and was renormalised) once another row of the batch set top_p < 1.
+    torch.manual_seed(3)
+    logits = torch.randn(4, 32000) * 3
+    params = [SamplingParams(temperature=1.0, top_p=p) for p in (1.0, 0.5, 1.0, 0.9)]
+    mixed = _processed_probs(logits, params)
+    alone = _processed_probs(logits, [SamplingParams(temperature=1.0)] * 4)
+    for i in (0, 2):
+        assert torch.equal(mixed[i], alone[i])  # bit for bit: nothing dropped, nothing rescaled
+        assert bool((mixed[i] > 0).all())
+    assert (mixed[1] > 0).sum() < 32000 and (mixed[3] > 0).sum() < 32000
+    torch.testing.assert_close(mixed[1].sum(), torch.tensor(1.0))
