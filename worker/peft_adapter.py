@@ -199,6 +199,9 @@ def _read_tensors(raw: bytes, path: Path, num_layers: int, config: dict) -> tupl
         if proj not in PROJS:
             raise AdapterError(f"{path}: tensor {key!r} adapts {proj!r}, which is not a Llama projection; "
                                f"supported: {', '.join(PROJS)}")
+        if not module.endswith(f".{PARENT[proj]}.{proj}"):  # mlp.q_proj: no such module in a Llama layer
+            raise AdapterError(f"{path}: tensor {key!r} puts {proj} under {module.rsplit('.', 2)[-2]}, but a Llama "
+                               f"layer has it under {PARENT[proj]}; wrong base architecture or a bad conversion?")
         if layer >= num_layers:
             raise AdapterError(f"{path}: tensor {key!r} is for layer {layer}, but the base model has "
                                f"{num_layers} layers (0..{num_layers - 1}); wrong base model?")

@@ -264,8 +264,13 @@ def test_refuses_incomplete_or_mismatched_weight_files(tmp_path, model_config):
     _edit_config(tmp_path / "x", target_modules=["q_proj"])
     with pytest.raises(AdapterError, match="v_proj has weights but target_modules"):
         load_peft_adapter(tmp_path / "x", model_config, dtype=torch.float32)
-    path.write_bytes(b"not a safetensors file")
+    # q_proj's tensors under mlp: no such module in a Llama layer (another architecture, a bad conversion)
     _edit_config(tmp_path / "x", target_modules=["q_proj", "v_proj"])
+    save_file({k.replace("layers.0.self_attn.q_proj", "layers.0.mlp.q_proj"): v for k, v in full.items()}, str(path))
+    with pytest.raises(AdapterError, match=r"layers\.0\.mlp\.q_proj\.lora_A.*puts q_proj under mlp, but a Llama "
+                                           r"layer has it under self_attn"):
+        load_peft_adapter(tmp_path / "x", model_config, dtype=torch.float32)
+    path.write_bytes(b"not a safetensors file")
     with pytest.raises(AdapterError, match="cannot read safetensors"):
         load_peft_adapter(tmp_path / "x", model_config, dtype=torch.float32)
 
@@ -345,9 +350,8 @@ def test_weights_must_be_finite_in_the_served_dtype(tmp_path, model_config):
     # A second PEFT adapter name saved into the same file.
     (lambda k: k.replace(".lora_A.weight", ".lora_A.other.weight"),
      "layers.0.self_attn.q_proj.lora_A.other.weight", "layers.0.self_attn.q_proj.lora_A.weight"),
-    # The same projection under another parent module.
-    (lambda k: k.replace("self_attn.q_proj", "mlp.q_proj"),
-     "layers.0.mlp.q_proj.lora_A.weight", "layers.0.self_attn.q_proj.lora_A.weight"),
+    # The same projection under another parent module (which no Llama layer has: refused as such first).
+    (lambda k: k.replace("self_attn.q_proj", "mlp.q_proj"), "layers.0.mlp.q_proj.lora_A.weight", None),
 ], ids=["two-adapter-names", "two-parents"])
 def test_refuses_two_tensors_for_one_module(rename, first, second, tmp_path, model_config):
     """Two lora_A (or lora_B) tensors for one (layer, projection): one would silently replace the other,
@@ -357,9 +361,10 @@ def test_refuses_two_tensors_for_one_module(rename, first, second, tmp_path, mod
     tensors = load_file(str(path))
     extra = {rename(k): torch.full_like(v, 7.0) for k, v in tensors.items() if rename(k) != k}
     save_file({**tensors, **extra}, str(path))
-    with pytest.raises(AdapterError, match="are both lora_A of layer 0 q_proj") as err:
+    with pytest.raises(AdapterError, match="are both lora_A of layer 0 q_proj" if second else "puts q_proj under mlp"
+                       ) as err:
         load_peft_adapter(tmp_path / "x", model_config, dtype=torch.float32)
-    assert first in str(err.value) and second in str(err.value)
+    assert first in str(err.value) and (second is None or second in str(err.value))
 
 
 # ---- base model and tokenizer ----------------------------------------------------------------------
