@@ -57,6 +57,11 @@ class AdapterVersions:
                     )
                 if not entry.retired:
                     pinned = entry.pinned = entry.pinned or pinned
+                    # Registered again from another place (a push that moved the version's folder): later
+                    # loads read from there, as the old one may be gone (a reload is held to the digest).
+                    entry.loader = loader
+                    if entry.image is None and image is not None:
+                        self._set_image(entry, image)
                 else:  # retired but still held (a quick rollback): the same weights come back, for the new owner
                     entry.retired, entry.loader, entry.pinned = False, loader, pinned
                 self._set_tenant(entry, tenant)  # its owner may have changed: the GPU quota is charged to it
