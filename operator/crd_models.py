@@ -122,6 +122,9 @@ class Source:
             raise SpecError(f"{field_name}.uri: required (s3://bucket/prefix/, file:///path or /path)")
         if not URI_RE.fullmatch(data["uri"]):
             raise SpecError(f"{field_name}.uri: {data['uri']!r} must be s3://bucket/prefix, file:///path or /path")
+        if not data["uri"].isprintable():  # as the worker's directive holds it (a pasted no-break space, a tab)
+            raise SpecError(f"{field_name}.uri: {data['uri']!r} must hold no control or invisible characters "
+                            f"(tabs, line breaks, no-break spaces)")
         sha256 = data.get("sha256")
         if sha256 is not None and not (isinstance(sha256, str) and SHA256_RE.fullmatch(sha256)):
             raise SpecError(f"{field_name}.sha256: {sha256!r} must be 64 lowercase hex digits (sha256sum of "

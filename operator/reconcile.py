@@ -132,6 +132,13 @@ def reconcile_pool(pool: PoolSpec | None, adapters: Sequence[AdapterSpec | Inval
             variants[name] = (_directive(a, pod_warm=False), _directive(a, pod_warm=True))
         except DirectiveError as exc:  # parsing checks the same fields: a second line, for this adapter only
             failures.setdefault(name, f"spec: no worker directive can be built from it ({exc})")
+            held = _fallback(pool, a)  # a refused edit never takes down what is serving
+            if held is not None:
+                try:
+                    variants[name] = (_directive(held, pod_warm=False), _directive(held, pod_warm=True))
+                    served[name] = held
+                except DirectiveError:
+                    pass
     served = {name: a for name, a in served.items() if name in variants}
 
     plan.placement = place_warm(list(served.values()), live, default_capacity=pool.gpu_bytes if pool else 0)

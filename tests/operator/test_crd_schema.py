@@ -42,6 +42,9 @@ def test_examples_validate_and_parse():
     ("LoRAAdapter", ("spec", "canary", "weight"), -1),
     ("LoRAAdapter", ("spec", "source", "uri"), "http://example.com/adapter"),
     ("LoRAAdapter", ("spec", "source", "sha256"), "not-a-digest"),
+    ("LoRAAdapter", ("spec", "source", "uri"), "s3://adapters/sql/v1\u00a0/"),  # no-break space
+    ("LoRAAdapter", ("spec", "canary", "source", "uri"), "s3://adapters/sql/\nv2/"),
+    ("LoRAPool", ("spec", "modelURI"), "/models/llama\t3"),
     ("LoRAAdapter", ("spec", "pool"), "Not_A_Name"),
     ("LoRAPool", ("spec", "adapterMemory", "gpuBytes"), "16 gigs"),
     ("LoRAPool", ("spec", "eviction"), "random"),

@@ -50,6 +50,8 @@ def served(plan, name: str) -> dict[str, tuple]:
     ({"baseModel": "smollm2-135m-typo"}, "spec.baseModel"),
     ({"source": {"uri": "http://example.com/a"}}, "spec.source.uri"),  # unparsable
     ({"source": {"uri": "s3://adapters/a/v1/", "sha256": "ABCDEF"}}, "spec.source.sha256"),  # unparsable
+    ({"source": {"uri": "s3://adapters/a/v2\u00a0/"}}, "spec.source.uri"),  # a pasted no-break space
+    ({"canary": {"version": "v2", "source": {"uri": "s3://adapters/a/\tv2/"}, "weight": 20}}, "spec.canary.source.uri"),
 ])
 def test_a_refused_edit_keeps_the_last_valid_spec_serving(edit, field):
     ws = workers(2)
@@ -73,6 +75,30 @@ def test_a_refused_edit_keeps_the_last_valid_spec_serving(edit, field):
     assert set(served(plan, "a").values()) == {("v3", None, True)}
     assert plan.adapter_statuses["a"]["phase"] == "Ready"
     assert json.loads(plan.adapter_statuses["a"]["lastValidSpec"])["version"] == "v3"
+
+
+def test_an_edit_no_directive_can_be_built_from_keeps_the_last_valid_spec_serving(monkeypatch):
+    # The worker's directive checks more than the spec's parser might: such an edit is refused alone and
+    # what was serving stays, as for any refused edit (it used to be unloaded from every worker).
+    from lorafleet.operator import reconcile
+    from lorafleet.worker.directives import DirectiveError
+
+    ws = workers(2)
+    plan = converge(pool(), [parse_adapter(body())], ws)
+    before, st = served(plan, "a"), plan.adapter_statuses["a"]
+    build = reconcile._directive
+
+    def directive(a, *, pod_warm):
+        if a.version == "v2":
+            raise DirectiveError("stable.uri: must hold no control characters")
+        return build(a, pod_warm=pod_warm)
+
+    monkeypatch.setattr(reconcile, "_directive", directive)
+    plan = reconcile_pool(pool(), [parse_adapter(body(version="v2", status=st, generation=4))], ws, now=NOW)
+    assert served(plan, "a") == before and plan.pushes == {}
+    st = plan.adapter_statuses["a"]
+    assert st["phase"] == "Failed" and "no worker directive can be built" in st["message"]
+    assert "last valid spec (version v1) stays in force" in st["message"]
 
 
 def test_an_unchanged_spec_that_stops_passing_is_unloaded_and_its_status_cleared():
