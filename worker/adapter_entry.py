@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from lorafleet.worker.adapter_image import AdapterImage
 
@@ -87,3 +87,14 @@ class AdapterEntry:
         if self.image is not None:
             return "cpu"
         return "none"
+
+
+class AdapterSlots(Protocol):
+    """The part of the AdapterPool the scheduler uses. `acquire` raises when the adapter cannot be
+    loaded (only the sequences waiting for it fail)."""
+
+    def acquire(self, key: str, waiter: object = None, *, count: bool = True) -> int | None: ...
+    def release(self, slot: int) -> None: ...
+    def abandon(self, key: str, waiter: object) -> None: ...
+    def entry(self, key: str) -> AdapterEntry: ...
+    def copying(self) -> bool: ...

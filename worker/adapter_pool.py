@@ -239,6 +239,11 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
         with self._lock:
             return bool(self._inflight or self._wanted) or self._warm_check_due()
 
+    def copying(self) -> bool:
+        """True while an adapter's copy to the GPU is in flight: its pages are taken, reclaimable once done."""
+        with self._lock:
+            return any(self._entries[k].copying is not None for k in self._inflight if k in self._entries)
+
     # ---- explicit residency: can_load / load / evict, prefetch ---------------------------------
     def prefetch(self, key: str, tier: str = "gpu") -> None:
         """Warm an adapter before traffic arrives: into the CPU tier, or all the way to the GPU."""

@@ -18,7 +18,7 @@ adapter running requests use) wait behind it, the others (base model, or a slot 
 while they leave its pages free. A load in flight never holds anyone back. An adapter a queued sequence
 holds (a preempted one keeps its reference) or was loaded for is never evicted: when nothing runs and a
 queue's head cannot get pages, or such a starved sequence's adapter finds no room, the others let go of
-theirs. A sequence that preempted itself running alone (adapters hold the rest of the pool) is
+theirs, and those holding a replaced version (never taken again once let go) go ahead of it. A sequence that preempted itself running alone (adapters hold the rest of the pool) is
 readmitted only once the pages of all its tokens can be had, not chunk by chunk into the same wall; one
 that never can (`never_fits`: its adapter and pinned ones leave too little of the pool) fails at once, or
 ends by length if its max_tokens, lowered to fit (kv_room.py), is reached.
@@ -28,25 +28,14 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable
-from typing import Protocol
 
-from lorafleet.worker.adapter_entry import AdapterEntry, AdapterNotFoundError
+from lorafleet.worker.adapter_entry import AdapterNotFoundError, AdapterSlots
 from lorafleet.worker.block_manager import BlockManager
 from lorafleet.worker.engine_errors import CapacityError, EngineError, UnknownAdapterError
 from lorafleet.worker.page_pool import PagePoolError
 from lorafleet.worker.scheduled_batch import ScheduledBatch
 from lorafleet.worker.sequence import Sequence, SequenceStatus
-from lorafleet.worker.waiting_queue import WaitingQueue, preemption_victim
-
-
-class AdapterSlots(Protocol):
-    """The part of the AdapterPool the scheduler uses. `acquire` raises when the adapter cannot be
-    loaded (only the sequences waiting for it fail)."""
-
-    def acquire(self, key: str, waiter: object = None, *, count: bool = True) -> int | None: ...
-    def release(self, slot: int) -> None: ...
-    def abandon(self, key: str, waiter: object) -> None: ...
-    def entry(self, key: str) -> AdapterEntry: ...
+from lorafleet.worker.waiting_queue import WaitingQueue, preemption_victim, waits_behind
 
 
 class Scheduler:
@@ -179,7 +168,7 @@ class Scheduler:
         stuck: Sequence | None = None  # cannot get room (KV pages, or its adapter's) while nothing runs
         starved: Sequence | None = None  # next in line for a GPU slot (see _starved_for_room)
         reserve = 0  # KV pages left free for the starved sequence's adapter
-        busy: set[str] = set()  # adapters running requests use: they must drain for it (see _waits_behind)
+        busy: set[str] = set()  # adapters running requests use: they must drain for it (see waits_behind)
         while heap and budget > 0 and len(self.running) < self.max_num_seqs:
             tenant = heapq.heappop(heap)[-1]
             seq = self._next_head(tenant, passed, busy if starved is not None else None)
@@ -234,23 +223,35 @@ class Scheduler:
                         continue
                     stuck = seq
                 break  # arrival order for pages: no overtaking a big prompt
-            self.waiting.popleft(tenant, seq.adapter)
-            self._stuck_steps.clear()
-            seq.status = SequenceStatus.RUNNING
-            self._add_running(seq)
-            self._skipped_steps.pop(seq.seq_id, None)
-            self._short_alone.discard(seq.seq_id)
-            batch.add(seq, num_new)
-            if seq.adapter is not None:
-                loras.add(seq.adapter)
-                if starved is not None:
-                    busy.add(seq.adapter)
+            self._start(seq, batch, num_new, loras)
+            if seq.adapter is not None and starved is not None:
+                busy.add(seq.adapter)
             budget -= num_new
             self._requeue(heap, tenant)
         for seq in skipped:
             self._skipped_steps[seq.seq_id] = self._skipped_steps.get(seq.seq_id, 0) + 1
         if stuck is not None:
-            self._let_go_of_adapters(but=stuck)
+            # Those that keep a replaced version's slot (it cannot be let go) go ahead of `stuck`: they
+            # finish on it and free its pages, where waiting behind `stuck` nothing would ever free them.
+            for seq in self._let_go_of_adapters(but=stuck):
+                if len(self.running) >= self.max_num_seqs:
+                    break
+                num_new = self._num_new_tokens(seq, budget)
+                whole = seq.num_uncomputed_tokens if seq.seq_id in self._short_alone else num_new
+                if num_new and self._allocate(seq, whole):
+                    self._start(seq, batch, num_new, loras)
+                    budget -= num_new
+
+    def _start(self, seq: Sequence, batch: ScheduledBatch, num_new: int, loras: set[str]) -> None:
+        self.waiting.remove(seq)
+        self._stuck_steps.clear()
+        seq.status = SequenceStatus.RUNNING
+        self._add_running(seq)
+        self._skipped_steps.pop(seq.seq_id, None)
+        self._short_alone.discard(seq.seq_id)
+        batch.add(seq, num_new)
+        if seq.adapter is not None:
+            loras.add(seq.adapter)
 
     def _requeue(self, heap: list[tuple], tenant: str) -> None:
         if self.waiting.has_tenant(tenant):
@@ -258,32 +259,15 @@ class Scheduler:
 
     def _next_head(self, tenant: str, passed: set[tuple[str, str | None]], busy: set[str] | None) -> Sequence | None:
         """The tenant's oldest head not passed over this step. `busy` is set once a sequence is starved for a
-        GPU slot: then those that would take its slot wait behind it (_waits_behind)."""
+        GPU slot: then those that would take its slot wait behind it (waits_behind)."""
         for _, seq in self.waiting.heads(tenant):
             if (tenant, seq.adapter) in passed:
                 continue
-            if busy is not None and self._waits_behind(seq, busy):
+            if busy is not None and waits_behind(seq, busy, self.adapter_state, self.adapter_pool):
                 passed.add((tenant, seq.adapter))
                 continue
             return seq
         return None
-
-    def _waits_behind(self, seq: Sequence, busy: set[str]) -> bool:
-        """With a sequence starved for a GPU slot, does admitting `seq` keep that slot from it? A new slot
-        would, and so would a new reference to an adapter running requests use (a stream of them would
-        never let it go idle, to be evicted). A base-model request, one holding its slot (preempted), or
-        one for an adapter on the GPU that no running request uses (it waits for its requests, or is
-        pinned: never evicted either way) goes on."""
-        if seq.adapter is None or seq.adapter_slot is not None:
-            return False
-        if self.adapter_state is None or self.adapter_state(seq.adapter) != "gpu":
-            return True
-        if seq.adapter not in busy:
-            return False
-        try:
-            return not self.adapter_pool.entry(seq.adapter).pinned
-        except AdapterNotFoundError:
-            return True
 
     def _adapter_pages(self, key: str) -> int | None:
         """GPU pages adapter `key` takes (None: not in CPU memory, or unknown)."""
@@ -356,8 +340,10 @@ class Scheduler:
     def _gave_up(self, seq: Sequence, message: str) -> bool:
         """Nothing runs and (dequeued) `seq` cannot get room. One that never can (`never_fits`) fails at once;
         else wait out transient holders (an adapter copy in flight becomes reclaimable once done) for
-        max_stuck_steps steps, then fail it: True if it failed."""
-        steps = self._stuck_steps[seq.seq_id] = self._stuck_steps.get(seq.seq_id, 0) + 1
+        max_stuck_steps steps (not counting those with an adapter copy in flight, as a step that runs nothing can
+        be shorter than a copy), then fail it: True if it failed."""
+        waits = self.adapter_pool is not None and self.adapter_pool.copying()
+        steps = self._stuck_steps[seq.seq_id] = self._stuck_steps.get(seq.seq_id, 0) + (not waits)
         never = self.never_fits(seq) if self.never_fits is not None else None
         if never is None and len(seq.output_token_ids) >= seq.params.max_tokens:  # lowered to fit, reached
             self.finish(seq, "length")
@@ -368,20 +354,25 @@ class Scheduler:
         self.fail([seq], never or CapacityError(message))
         return True
 
-    def _let_go_of_adapters(self, *, but: Sequence) -> None:
+    def _let_go_of_adapters(self, *, but: Sequence) -> list[Sequence]:
         """Nothing runs and `but` cannot get pages (for its KV cache or its adapter) or an adapter slot: the
         other queued sequences give back the adapters they hold or wait for, so that idle adapters can give
         their room away (an adapter a queued request holds, or was loaded for, is never evicted). Each takes
-        its adapter again when admitted. A replaced version is kept: it could not be taken again."""
-        for seq in self.waiting:
+        its adapter again when admitted. A replaced version is kept, as it could not be taken again: those
+        holding one are returned."""
+        kept = []
+        for seq in list(self.waiting):
             if seq is but or seq.adapter is None or self.adapter_pool is None:
                 continue
             if self.adapter_state is not None and self.adapter_state(seq.adapter) != "gpu":
+                if seq.adapter_slot is not None:
+                    kept.append(seq)
                 continue
             if seq.adapter_slot is not None:
                 self._release_adapter(seq)
             else:
                 self.adapter_pool.abandon(seq.adapter, seq.seq_id)
+        return kept
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         # Recompute later: drop the cache, keep the tokens (prompt + output so far) and the adapter.

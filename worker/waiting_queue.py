@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter, deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
+from lorafleet.worker.adapter_entry import AdapterNotFoundError, AdapterSlots
 from lorafleet.worker.sequence import Sequence
 
 
@@ -130,3 +131,22 @@ class WaitingQueue:
                 del self._queues[tenant]
                 if tenant not in self._num_running:
                     self._served_at.pop(tenant, None)
+
+
+def waits_behind(seq: Sequence, busy: set[str], adapter_state: Callable[[str], str] | None,
+                 adapter_pool: AdapterSlots | None) -> bool:
+    """With a sequence starved for a GPU slot, does admitting `seq` keep that slot from it? A new slot
+    would, and so would a new reference to an adapter running requests use (`busy`: a stream of them would
+    never let it go idle, to be evicted). A base-model request, one holding its slot (preempted), or
+    one for an adapter on the GPU that no running request uses (it waits for its requests, or is
+    pinned: never evicted either way) goes on."""
+    if seq.adapter is None or seq.adapter_slot is not None:
+        return False
+    if adapter_state is None or adapter_state(seq.adapter) != "gpu":
+        return True
+    if seq.adapter not in busy:
+        return False
+    try:
+        return not adapter_pool.entry(seq.adapter).pinned
+    except AdapterNotFoundError:
+        return True

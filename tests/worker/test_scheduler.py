@@ -36,6 +36,9 @@ class FakeAdapterPool:
     def abandon(self, key, waiter):
         self.abandoned.append((key, waiter))
 
+    def copying(self):
+        return False
+
 
 def _sched(num_pages=64, adapter_pool=None, **kw):
     pool = PagePool(PagePoolConfig(num_pages=num_pages, page_elems=8))

@@ -58,6 +58,44 @@ def test_a_queued_request_holding_an_adapter_does_not_fail_a_request_that_fits_t
     _assert_all_free(engine)
 
 
+@pytest.mark.parametrize("retire", ["replaced", "unregistered"])
+def test_a_queued_request_on_a_replaced_version_goes_ahead_of_a_request_that_needs_its_pages(tiny_llama_dir,
+                                                                                             retire):
+    """As above, but x@1 is replaced (or unregistered) while its request waits, preempted: a replaced version
+    cannot be let go and taken again, so its request must run ahead of the base request (and finish on x@1)
+    to free x@1's pages. Waiting behind it, the base request failed with CapacityError after 100 steps."""
+    prompts = [[3] * 30, [4, 5, 6]]
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    roomy = _engine(tiny_llama_dir, num_pages=40)
+    _add_adapter(roomy)
+    expected = [o.token_ids for o in roomy.generate(prompts, params, adapters=[None, "x"])]
+
+    engine = _engine(tiny_llama_dir)
+    _add_adapter(engine)
+    engine.adapter_pool.load("x@1")
+    engine.add_request("base", prompts[0], params, tenant="t2")
+    engine.add_request("lora", prompts[1], params, adapter="x", tenant="t1")
+    lora, retired, done = engine.requests["lora"], False, {}
+    for _ in range(400):
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        if not retired and lora.status.name == "WAITING" and lora.output_token_ids:  # preempted, holding x@1
+            if retire == "replaced":
+                _add_adapter(engine, "x@2", seed=1)  # current once resident; x@1 retires, its request keeps it
+                engine.adapter_pool.make_current("x@2")
+            else:
+                engine.unregister_adapter("x")
+            retired = True
+        if not engine.has_unfinished():
+            break
+    assert retired
+    assert {k: (o.finish_reason, o.error) for k, o in done.items()} == {"base": ("length", None),
+                                                                       "lora": ("length", None)}
+    assert [done["base"].token_ids, done["lora"].token_ids] == expected  # lora finished on x@1
+    assert done["base"].num_preemptions >= 1 or done["lora"].num_preemptions >= 1
+
+
 def _serve_with_steady_traffic(engine: Engine, *, adapter_request_at: int, max_steps: int, on_step=None,
                                others_adapter: str | None = None):
     """Keep three other requests (of `others_adapter`) queued every step, so that they take every KV page
