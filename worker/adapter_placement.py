@@ -247,6 +247,7 @@ class AdapterPlacement:
         self._count_eviction("gpu", reason)
         if entry.retired:
             self._drop(entry, reason=reason)
+        self._update_gauges()  # also where no other change follows (a quota eviction at a release)
 
     def _count_eviction(self, tier: str, reason: str) -> None:
         self._counts["evictions"][tier][reason] = self._counts["evictions"][tier].get(reason, 0) + 1

@@ -327,6 +327,70 @@ def test_adapters_per_batch_tells_base_only_steps_from_one_adapter():
     assert s[("lorafleet_adapters_per_batch_bucket", (("le", "1.0"),))] == 2
 
 
+def test_a_capacity_eviction_is_counted_and_the_resident_bytes_follow():
+    # Thrashing shows as evictions by capacity beside misses: both must move with what the pool does.
+    from tests.lora_factory import random_weights
+
+    pool = _adapter_pool()  # 4 GPU slots, and fewer adapters' pages
+    try:
+        m = WorkerMetrics()
+        m.register(pool.metrics.collectors())
+        for i in range(5):
+            pool.add(f"a{i}@1", random_weights(i))
+            pool.load(f"a{i}@1")
+        s = _samples(m)
+        resident = [e for e in pool._entries.values() if e.resident]
+        assert 0 < len(resident) < 5 and s[("lorafleet_adapters_resident", (("tier", "gpu"),))] == len(resident)
+        assert s[("lorafleet_adapter_evictions_total", (("reason", "capacity"), ("tier", "gpu")))] == 5 - len(resident)
+        assert s[("lorafleet_adapter_bytes", (("tier", "gpu"),))] == sum(e.gpu_bytes for e in resident) > 0
+    finally:
+        pool.close()
+
+
+def test_a_quota_eviction_at_a_release_moves_the_residency_gauges():
+    from lorafleet.worker.adapter_pool import AdapterPool, AdapterPoolConfig, TenantQuota
+    from lorafleet.worker.page_pool import PagePool, PagePoolConfig
+    from tests.lora_factory import TINY_DIMS, random_weights
+
+    pool = AdapterPool(PagePool(PagePoolConfig(num_pages=256, page_elems=1000)), TINY_DIMS, AdapterPoolConfig(
+        max_slots=4, max_rank=32, num_load_threads=1, tenant_quotas={"B": TenantQuota(max_adapters=1)}))
+    try:
+        m = WorkerMetrics()
+        m.register(pool.metrics.collectors())
+        pool.add("x@1", random_weights(1), tenant="A")
+        pool.add("y@1", random_weights(2), tenant="B")
+        pool.load("x@1")
+        pool.load("y@1")
+        slot = pool.acquire("x@1", waiter="r")
+        pool.set_tenant("x@1", "B")  # a push gives x to B, over B's quota while r runs
+        pool.release(slot)  # r ends: x leaves the GPU for the quota, with nothing else changing after
+        s, stats = _samples(m), pool.stats()
+        assert s[("lorafleet_adapters_resident", (("tier", "gpu"),))] == stats["resident"]["gpu"] == 1
+        assert s[("lorafleet_adapter_bytes", (("tier", "gpu"),))] == stats["bytes"]["gpu"]
+    finally:
+        pool.close()
+
+
+def test_the_engine_counts_distinct_adapters_per_step_not_sequences(tiny_llama_dir):
+    from lorafleet.worker import Engine, EngineConfig, SamplingParams
+    from tests.lora_factory import random_weights
+
+    engine = Engine(EngineConfig(model=str(tiny_llama_dir), device="cpu", dtype="float32", num_pages=64))
+    for name in ("a", "b"):
+        engine.adapter_pool.add(f"{name}@1", random_weights(1, rank=4, projs=("q_proj", "v_proj")))
+        engine.adapter_pool.load(f"{name}@1")
+    params = SamplingParams(max_tokens=2, temperature=0)
+    for i, adapter in enumerate(["a", "a", "b", None]):
+        engine.add_request(f"r{i}", [1, 2, 3], params, adapter=adapter)
+    engine.step()
+    assert (engine.last_batch_size, engine.last_batch_adapters) == (4, 2)  # the base model is no adapter
+    while engine.has_unfinished():
+        engine.step()
+    engine.add_request("base", [1, 2, 3], params)
+    engine.step()
+    assert (engine.last_batch_size, engine.last_batch_adapters) == (1, 0)
+
+
 def test_dashboard_queries_name_exposed_series():
     import json
     import re
