@@ -24,7 +24,7 @@ from .crd_validation import validate
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "lorafleet"
 K8S_VERSION = "1.31.0"
-CUSTOM_KINDS = {"LoRAPool", "ServiceMonitor", "KopfPeering", "ClusterKopfPeering"}
+CUSTOM_KINDS = {"LoRAPool", "ServiceMonitor", "PodMonitor", "KopfPeering", "ClusterKopfPeering"}
 
 VALUE_SETS = {
     "defaults": {},
@@ -186,11 +186,38 @@ def test_operator_rbac_is_least_privilege():
 
 def test_optional_objects():
     kinds = {d["kind"] for d in render(VALUE_SETS["replicated-clusterwide"])}
-    assert {"ServiceMonitor", "ClusterKopfPeering", "ConfigMap"} <= kinds
+    assert {"ServiceMonitor", "PodMonitor", "ClusterKopfPeering", "ConfigMap"} <= kinds
     kinds = {d["kind"] for d in render(VALUE_SETS["existing-secrets-other-namespace"])}
-    assert not {"ServiceMonitor", "Secret", "ConfigMap"} & kinds
+    assert not {"ServiceMonitor", "PodMonitor", "Secret", "ConfigMap"} & kinds
     kinds = {d["kind"] for d in render(VALUE_SETS["operator-only"])}
     assert "Service" not in kinds and "LoRAPool" not in kinds
+
+
+def test_both_containers_metrics_are_scraped():
+    """The worker's /metrics through its Service, the stager sidecar's (object-store downloads: the cold
+    start's slowest leg) from the pods, by the port name the worker Deployment gives its container."""
+    docs = render(VALUE_SETS["replicated-clusterwide"])
+    monitor = next(d for d in docs if d["kind"] == "ServiceMonitor")
+    assert [(e["port"], e["path"]) for e in monitor["spec"]["endpoints"]] == [("http", "/metrics")]
+    pods = next(d for d in docs if d["kind"] == "PodMonitor")
+    assert [(e["port"], e["path"]) for e in pods["spec"]["podMetricsEndpoints"]] == [("stager", "/metrics")]
+    worker = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"].endswith("-worker"))
+    template = worker["spec"]["template"]
+    assert pods["spec"]["selector"]["matchLabels"].items() <= template["metadata"]["labels"].items()
+    stager = next(c for c in template["spec"]["containers"] if c["name"] == "stager")
+    assert "stager" in {p["name"] for p in stager["ports"]}
+
+
+def test_grafana_dashboard_plots_every_figure_the_troubleshooting_checklist_reads():
+    """Hit rate, adapters per batch, load times (GPU and disk legs, and the object store's), page-pool
+    occupancy and evictions: one panel each, so deleting one fails here."""
+    dashboard = json.loads((CHART / "files" / "grafana-dashboard.json").read_text())
+    exprs = [" ".join(t["expr"] for t in panel["targets"]) for panel in dashboard["panels"]]
+    for needed in ('lorafleet_adapter_hits_total{tier="gpu"}', "lorafleet_adapters_per_batch_bucket",
+                   "lorafleet_adapter_load_seconds_bucket", "lorafleet_stager_download_seconds_bucket",
+                   "lorafleet_page_pool_adapter_pages", "lorafleet_page_pool_kv_pages",
+                   "lorafleet_adapter_evictions_total", "lorafleet_stager_store_up"):
+        assert any(needed in e for e in exprs), f"no dashboard panel reads {needed}"
 
 
 def test_grafana_dashboard_queries_exported_metrics():
