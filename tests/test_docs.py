@@ -164,3 +164,15 @@ def test_make_run_address_is_the_default():
     parser = build_parser(WorkerConfig, env={})
     helps = {s: a.help for a in parser._actions for s in a.option_strings}
     assert "default: 127.0.0.1]" in helps["--host"] and "default: 8000]" in helps["--port"]
+
+
+def test_troubleshooting_answers_each_checklist_item():
+    """The brief's checklist: hit rate, adapters per batch, cold-load times (object store included), page-pool
+    occupancy and thrashing, and a same-request comparison with a worker serving the adapter alone."""
+    text = section(README, "Troubleshooting")
+    for figure in ('lorafleet_adapter_hits_total{tier="gpu"}', "lorafleet_adapters_per_batch",
+                   "lorafleet_adapter_load_seconds", "lorafleet_stager_download_seconds", "lorafleet_page_pool_kv_pages",
+                   "lorafleet_adapter_evictions_total", "--max-loras-per-batch", "python -m lorafleet.worker --model"):
+        assert figure in text, f"the README's troubleshooting section does not name {figure}"
+    flags = {s.split()[0] for s in inline_code(text) if s.startswith("--")}
+    assert flags and not flags - WORKER_FLAGS - STAGER_FLAGS, sorted(flags - WORKER_FLAGS - STAGER_FLAGS)
