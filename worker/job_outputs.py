@@ -37,7 +37,10 @@ _RE_RESOLVE_TRIES, _RE_RESOLVE_PAUSE_S = 100, 0.02  # up to 2 s for a directive 
 async def merged_outputs(async_engine, job: CompletionJob,
                          adapters: ServedAdapters) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(choice index, output) from all choices as they arrive. Closing it aborts what is still running."""
-    queue: asyncio.Queue[tuple[int, RequestOutput | None, BaseException | None]] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[int, bool, BaseException | None]] = asyncio.Queue()
+    # Per choice, its outputs not taken yet, as one (RequestOutput.then): a client that stops reading holds
+    # one output per choice here, not one per engine step, each with a copy of all generated so far.
+    pending: dict[int, RequestOutput] = {}
     # An output was queued: the job stays on the version that produced it (`job.adapter`, which cannot
     # move once this is set: every output queued came from it).
     produced = False
@@ -53,7 +56,11 @@ async def merged_outputs(async_engine, job: CompletionJob,
                 if job.adapter != adapter:  # the job moved while this choice started on its old version
                     raise _Moved(adapter)
                 produced = True
-                queue.put_nowait((i, out, None))
+                if i in pending:
+                    pending[i] = pending[i].then(out)
+                else:
+                    pending[i] = out
+                    queue.put_nowait((i, True, None))
 
     async def pump(i: int) -> None:
         request_id = f"{job.request_id}-{i}"
@@ -72,23 +79,23 @@ async def merged_outputs(async_engine, job: CompletionJob,
                 if job.adapter == adapter and (produced or not _fall_back(job, exc, adapters)):
                     raise
                 await run(i, f"{request_id}r", job.adapter)
-            queue.put_nowait((i, None, None))
+            queue.put_nowait((i, False, None))
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            queue.put_nowait((i, None, exc))
+            queue.put_nowait((i, False, exc))
 
     tasks = [asyncio.create_task(pump(i)) for i in range(job.num_choices)]
     try:
         remaining = len(tasks)
         while remaining:
-            i, out, exc = await queue.get()
+            i, has_output, exc = await queue.get()
             if exc is not None:
                 raise exc
-            if out is None:
+            if not has_output:
                 remaining -= 1
                 continue
-            yield i, out
+            yield i, pending.pop(i)
     finally:
         for t in tasks:
             t.cancel()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from lorafleet.worker.sequence import Sequence, TokenLogprob
@@ -27,6 +28,14 @@ class RequestOutput:
     exception: Exception | None = field(default=None, repr=False, compare=False)  # the failure, to re-raise
     adapter: str | None = None  # "name@version" that served it, None for the base model
     num_preemptions: int = 0
+
+    def then(self, later: RequestOutput) -> RequestOutput:
+        """This output and the `later` one of the same request as one: the new tokens, text and logprobs of
+        both, the rest as `later` says (a consumer that fell behind holds one output per request, not one per
+        step, each with a copy of everything generated so far)."""
+        new_logprobs = None if later.new_logprobs is None else (self.new_logprobs or []) + later.new_logprobs
+        return dataclasses.replace(later, new_token_ids=self.new_token_ids + later.new_token_ids,
+                                   new_text=self.new_text + later.new_text, new_logprobs=new_logprobs)
 
 
 class OutputTracker:

@@ -230,3 +230,36 @@ async def test_no_move_to_the_stable_version_of_a_name_that_changed_owner_meanwh
     with pytest.raises(AdapterLoadError):
         await outputs(StandInEngine({"sql@v2"}, retryable=True), job, served)
     assert job.adapter == "sql@v2"
+
+
+async def test_a_client_that_stops_reading_holds_one_output_per_choice_not_one_per_step():
+    """Each engine step's output copies all generated so far: queued one per step for a stream whose client
+    stopped reading, they grew with the square of the output length. Outputs not taken yet are one."""
+    from lorafleet.worker.request_output import RequestOutput
+    from lorafleet.worker.sequence import TokenLogprob
+
+    done = asyncio.Event()
+
+    class Steps:
+        async def generate(self, request_id, prompt, params, adapter, tenant=None):
+            for k in range(200):
+                yield RequestOutput(request_id, [1, 2], [k], f"<{k}>", [TokenLogprob(k, -1.0, [])], list(range(k + 1)),
+                                    "".join(f"<{j}>" for j in range(k + 1)), finished=k == 199,
+                                    finish_reason="length" if k == 199 else None)
+                await asyncio.sleep(0)
+            done.set()
+
+    served = rollout()
+    job = job_for(served, "sql@v1", n=1)
+    got = []
+    async with contextlib.aclosing(merged_outputs(Steps(), job, served)) as merged:
+        async for _, out in merged:
+            got.append(out)
+            if len(got) == 1:
+                await done.wait()  # the client stops reading while the engine generates the rest
+    assert len(got) == 2
+    first, rest = got
+    assert first.new_token_ids == [0] and rest.new_token_ids == list(range(1, 200))
+    assert rest.new_text == "".join(f"<{k}>" for k in range(1, 200)) and rest.text == first.text + rest.new_text
+    assert [lp.token_id for lp in rest.new_logprobs] == list(range(1, 200))
+    assert rest.finished and rest.finish_reason == "length" and rest.token_ids == list(range(200))
