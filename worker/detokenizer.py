@@ -14,7 +14,10 @@ capital is" must read " Paris", not "Paris". Special tokens are skipped unless t
 
 from __future__ import annotations
 
+import codecs
+
 from lorafleet.worker.sequence import Sequence
+from lorafleet.worker.token_bytes import TokenBytes, token_bytes
 from lorafleet.worker.tokenizer import Tokenizer
 
 NUM_PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded before the first output tokens (vLLM's offset)
@@ -23,13 +26,43 @@ NUM_PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded before the first output t
 class Detokenizer:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
+        self._token_bytes: TokenBytes | None = None
 
     def append(self, seq: Sequence, end: int) -> None:
         """Extend seq.text with the text of seq.output_token_ids[:end] that is complete."""
         prefix_text, new_text = self._window(seq, end)
-        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+        if new_text.endswith("\ufffd"):
+            # Only a character that later bytes may still complete waits: bytes that can never be UTF-8 (a
+            # run of continuation bytes) are final U+FFFDs now, else the window would grow, decoded again
+            # in full at every step, and nothing would stream until the run ended.
+            end = self._complete_up_to(seq, end)
+            if end <= seq.detok_read:
+                return
+            prefix_text, new_text = self._window(seq, end)
+        if len(new_text) > len(prefix_text):
             seq.text += new_text[len(prefix_text):]
             seq.detok_prefix, seq.detok_read = seq.detok_read, end
+
+    def _complete_up_to(self, seq: Sequence, end: int) -> int:
+        """The last token boundary at or before `end` that no still-incomplete UTF-8 character spans."""
+        pieces = [self._bytes(t) for t in seq.output_token_ids[seq.detok_read:end]]
+        if pieces and None in pieces:
+            return seq.detok_read  # a token without a byte table entry: wait, as for any partial character
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        decoder.decode(b"".join(pieces))
+        waiting = len(decoder.getstate()[0])  # bytes held back: the start of a character
+        while waiting > 0 and pieces:
+            waiting -= len(pieces.pop())
+            end -= 1
+        return end
+
+    def _bytes(self, token_id: int) -> bytes | None:
+        try:
+            if self._token_bytes is None:
+                self._token_bytes = token_bytes(self.tokenizer)
+            return self._token_bytes(token_id)
+        except Exception:  # no tokenizer.json to read the table from
+            return None
 
     def flush(self, seq: Sequence, end: int) -> None:
         """At the end: add what is left, an incomplete character rendered as U+FFFD like a full decode."""

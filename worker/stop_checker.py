@@ -52,12 +52,13 @@ class StopChecker:
 
     @staticmethod
     def final_text_len(seq: Sequence, emitted: int) -> int:
-        """Characters of seq.text that can be streamed: all once finished; otherwise hold back a trailing
-        partial UTF-8 character and anything that may still turn out to be the start of a stop string."""
+        """Characters of seq.text that can be streamed: all once finished; otherwise hold back anything that
+        may still turn out to be the start of a stop string (the detokenizer holds back a partial UTF-8
+        character itself: a U+FFFD in seq.text is final)."""
         text = seq.text
         if seq.is_finished:
             return len(text)
-        final = len(text.rstrip("\ufffd")) if text.endswith("\ufffd") else len(text)
+        final = len(text)
         if seq.params.stop:
             final = min(final, len(text) - max(len(s) for s in seq.params.stop) + 1)
         return max(emitted, final)

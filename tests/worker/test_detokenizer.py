@@ -98,3 +98,40 @@ def test_first_output_word_keeps_its_space_after_the_prompt(tmp_path):
     seq.output_token_ids = [6, 7]
     detok.flush(seq, 2)
     assert seq.text == "Paris."
+
+
+def _byte_token(tok: Tokenizer, byte: int) -> int:
+    from lorafleet.worker.token_bytes import token_bytes
+
+    table = token_bytes(tok)
+    return next(i for i in range(tok.vocab_size) if table(i) == bytes([byte]))
+
+
+def test_bytes_that_can_never_be_utf8_stream_at_once_and_keep_the_window_short(tiny_llama_dir):
+    """A run of continuation bytes (0x80) is U+FFFD for good: each one streams as it comes, and the window
+    decoded each step stays short (it grew with the run, decoded again in full every step, and streamed
+    nothing until the run ended). A character whose later bytes may still come waits as before."""
+    tok = Tokenizer(tiny_llama_dir)
+    cont, euro = _byte_token(tok, 0x80), tok.encode("€", add_special_tokens=False)
+    assert len(euro) == 3
+    ids = [cont] * 50 + euro + [cont] * 2 + euro[:2]
+    seq = Sequence("r", [1], SamplingParams())
+    detok, pieces, windows = Detokenizer(tok), [], []
+    for i, t in enumerate(ids):
+        seq.output_token_ids.append(t)
+        before = len(seq.text)
+        detok.append(seq, i + 1)
+        pieces.append(seq.text[before:])
+        windows.append(i + 1 - seq.detok_prefix)
+    assert pieces[:50] == ["\ufffd"] * 50
+    assert pieces[50:53] == ["", "", "€"] and pieces[53:55] == ["\ufffd"] * 2 and pieces[55:] == ["", ""]
+    assert max(windows) <= 4
+    detok.flush(seq, len(ids))
+    assert seq.text == tok.decode(ids)
+
+
+def test_a_generated_replacement_character_is_text_like_any_other(tiny_llama_dir):
+    tok = Tokenizer(tiny_llama_dir)
+    ids = tok.encode("a\ufffdb", add_special_tokens=False)
+    text, pieces = _incremental(tok, ids)
+    assert text == "a\ufffdb" and "".join(pieces[:-1]) in ("a\ufffd", "a\ufffdb")

@@ -82,3 +82,15 @@ def test_a_stop_string_in_text_held_back_to_the_last_token_is_cut(tiny_llama_dir
         seq = Sequence("r", [1], SamplingParams(max_tokens=max_tokens, stop=["\n"]))
         pieces = _feed(checker, seq, ids)
         assert (seq.text, seq.finish_reason, "".join(pieces)) == ("a", "stop", "a"), ids
+
+
+def test_bytes_that_can_never_be_utf8_stream_as_they_come(tiny_llama_dir):
+    # The detokenizer holds back a character that may still complete; a U+FFFD in the text is final, so the
+    # stream does not hold a run of them back until other text follows.
+    from tests.worker.test_detokenizer import _byte_token
+
+    tok = Tokenizer(tiny_llama_dir)
+    checker = StopChecker(tok, [EOS], 1000)
+    seq = Sequence("r", [1], SamplingParams(max_tokens=100))
+    pieces = _feed(checker, seq, [_byte_token(tok, 0x80)] * 5 + tok.encode("ok", add_special_tokens=False))
+    assert pieces[:5] == ["\ufffd"] * 5 and "".join(pieces[5:]) == "ok"
