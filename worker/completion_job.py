@@ -237,9 +237,15 @@ def completion_logprobs(tokenizer, lps: list[TokenLogprob] | None, offsets: Text
     pieces = [b"" if lp.token_id in skipped else raw_bytes(tokenizer, lp.token_id) for lp in lps]
 
     def top(lp: TokenLogprob, most: int | None = None) -> dict[str, float]:
-        entries = {token_text(tokenizer, t): v for t, v in lp.top[:most]}
+        # Tokens whose texts are equal (byte tokens that each read U+FFFD) share a key: it holds the sampled
+        # token's own logprob where it is that token's text (as token_logprobs says), else the likeliest's.
+        sampled = token_text(tokenizer, lp.token_id)
+        entries: dict[str, float] = {}
+        for t, v in lp.top[:most]:
+            text = token_text(tokenizer, t)
+            entries.setdefault(text, lp.logprob if text == sampled else v)
         # As OpenAI and vLLM: the sampled token is always there, so up to `logprobs` + 1 entries.
-        entries.setdefault(token_text(tokenizer, lp.token_id), lp.logprob)
+        entries.setdefault(sampled, lp.logprob)
         return entries
 
     ids, prompt_lps, prompt_text = prompt if prompt is not None else ([], [], "")

@@ -86,6 +86,19 @@ def test_completion_top_logprobs_always_hold_the_sampled_token(byte_tokenizer):
     assert tops == [{"a": -0.5, "b": -1.0, "c": -3.0}, {"a": -0.5, "b": -1.0}, {"b": -1.0}]
 
 
+def test_tokens_of_equal_text_keep_the_sampled_tokens_logprob_in_top_logprobs(byte_tokenizer):
+    """Byte tokens 0x80 and 0x81 both read U+FFFD: one key. It said the logprob of whichever came last,
+    not the sampled token's (token_logprobs said another value for the same token)."""
+    table = token_bytes(byte_tokenizer)
+    x80, x81 = (next(i for i in range(byte_tokenizer.vocab_size) if table(i) == bytes([b])) for b in (0x80, 0x81))
+    a = byte_tokenizer.encode("a", add_special_tokens=False)[0]
+    lps = [TokenLogprob(token_id=x80, logprob=-4.108, top=[(a, -1.0), (x80, -4.108), (x81, -4.128)]),
+           TokenLogprob(token_id=a, logprob=-1.0, top=[(x81, -0.9), (a, -1.0), (x80, -1.2)])]
+    got = completion_logprobs(byte_tokenizer, lps, TextOffsets())
+    assert got["token_logprobs"] == [-4.108, -1.0]
+    assert got["top_logprobs"] == [{"a": -1.0, "\ufffd": -4.108}, {"\ufffd": -0.9, "a": -1.0}]
+
+
 @pytest.mark.parametrize("chunks, offsets", [
     ([[b"h", b"i"]], [[0, 1]]),
     ([[b"\xc3", b"\xa9", b"!"]], [[0, 0, 1]]),
