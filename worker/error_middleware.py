@@ -46,7 +46,12 @@ async def error_middleware(request: web.Request, handler: Callable[[web.Request]
             message = f"request body too large: the limit is {limit} bytes (--max-body-bytes)"
         elif exc.status == 404:
             message = f"no route {request.method} {request.path}; see /v1/completions, /v1/chat/completions"
-        return _error_response(APIError(exc.status, message, type=kind, code=code))
+        headers = None
+        if exc.status == 405 and isinstance(exc, web.HTTPMethodNotAllowed):
+            allowed = ", ".join(sorted(exc.allowed_methods))
+            message = f"{request.method} is not allowed on {request.path}; use {allowed}"
+            headers = {"Allow": allowed}  # RFC 9110: a 405 names the methods the resource takes
+        return _error_response(APIError(exc.status, message, type=kind, code=code, headers=headers))
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception:

@@ -351,6 +351,14 @@ async def test_bad_requests_get_openai_errors(server, path, body, key, status, c
     assert err["code"] == code and err["message"] and err["type"]
 
 
+async def test_a_method_the_route_does_not_take_is_a_405_naming_the_allowed_ones(server):
+    async with aiohttp.ClientSession() as s, s.get(f"{server}/v1/completions", headers=headers(KEY_ACME)) as r:
+        assert r.status == 405
+        assert r.headers["Allow"] == "POST"  # RFC 9110
+        error = (await r.json())["error"]
+    assert error["code"] == "method_not_allowed" and "use POST" in error["message"]
+
+
 # ---- tenants and admin auth --------------------------------------------------------------------------------
 async def test_tenants_see_and_call_only_their_adapters(server):
     async with aiohttp.ClientSession() as s:
