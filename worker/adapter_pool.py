@@ -95,6 +95,7 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
         self._inflight: set[str] = set()  # keys with a load or copy running
         self._tick = 0
         self._warm: dict[str, WarmState] = {}  # versions a directive keeps warm (adapter_warmth.py)
+        self._pinned_retry: dict[str, WarmState] = {}  # pinned versions off the GPU: their backoff (same)
         self._next_warm_check = 0.0  # monotonic time of the next look for missing warm versions
         self._kv_short = False  # the KV cache asked for pages since the last look
         self._counts = {
@@ -134,6 +135,7 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
     def unpin(self, key: str) -> None:
         with self._lock:
             self._get(key).pinned = False
+            self._rewant_pinned(None)  # a pinned version refused for want of a slot may take this one's now
 
     def replaces_pinned(self, key: str) -> bool:
         """Whether `key` is about to replace its name's pinned version on the GPU, which gives it its slot (now,

@@ -8,7 +8,9 @@ but only into room nobody else needs: a free slot and free adapter pages beyond 
 running requests may take next, within its tenant's quota, evicting nothing; never while another
 adapter waits for room (requests first), nor when the KV cache was short of pages since the last
 check. Its CPU copy is placed; without one it is read again only if the CPU tier has room for it (its
-size when last loaded), and placed by a later check. Pinned versions need none of this (never evicted).
+size when last loaded), and placed by a later check. Pinned versions are never evicted; one off the GPU (its
+load failed, or every slot was pinned when it was pinned) is wanted again by the same check, after the same
+backoff, as a request would want it (evicting idle unpinned adapters), and at once when another is unpinned.
 
 The check runs at most every `warm_check_s`, from `keep_warm` (once per engine step) and `poll` (the
 idle loop; `has_pending_loads` says when one is due), looks only at warm versions, and never blocks:
@@ -58,7 +60,7 @@ class AdapterWarmth:
         """Once per engine step, never blocking: finish loads in flight (only those are looked at) and, when
         a check is due, bring back warm versions that pressure evicted, leaving `kv_reserve` free pages to
         the running requests."""
-        if not self._inflight and (not self._warm or time.monotonic() < self._next_warm_check):
+        if not self._inflight and (not (self._warm or self._pinned_keys) or time.monotonic() < self._next_warm_check):
             return  # most steps: nothing to look at (read without the lock: a stale look waits one step)
         with self._lock:
             if self._inflight:
@@ -67,16 +69,42 @@ class AdapterWarmth:
 
     # ---- internals -----------------------------------------------------------------------------
     def _warm_check_due(self) -> bool:
-        """A check is due and a warm version is missing from the GPU (cheap: only warm versions)."""
-        if not self._warm or time.monotonic() < self._next_warm_check:
+        """A check is due and a warm or pinned version is missing from the GPU (cheap: only those versions)."""
+        if not (self._warm or self._pinned_keys) or time.monotonic() < self._next_warm_check:
             return False
-        return any((e := self._entries.get(k)) is None or not e.on_gpu for k in self._warm)
+        now = time.monotonic()
+        return (any((e := self._entries.get(k)) is None or not e.on_gpu for k in self._warm)
+                or any((e := self._pinned_off(k)) is not None and (e.error is None or e.error.retryable)
+                       and (k not in self._pinned_retry or now >= self._pinned_retry[k].retry_at)
+                       for k in self._pinned_keys))
+
+    def _pinned_off(self, key: str) -> AdapterEntry | None:
+        """The pinned version `key` when it is off the GPU and nothing brings it there (no load, not wanted)."""
+        e = self._entries.get(key)
+        if e is None or e.retired or not e.pinned or e.on_gpu or e.fetching is not None or key in self._wanted:
+            return None
+        return e
+
+    def _rewant_pinned(self, now: float | None) -> None:
+        """Want again the pinned versions off the GPU whose failure may pass (after their backoff; `now` None:
+        at once, as an unpin may have made the room)."""
+        for key in list(self._pinned_keys):
+            entry = self._pinned_off(key)
+            if entry is None:
+                self._pinned_retry.pop(key, None)
+                continue
+            state = self._pinned_retry.setdefault(key, WarmState())
+            if now is not None:
+                self._note_outcome(entry, state, now)
+            if (now is None or now >= state.retry_at) and (entry.error is None or entry.error.retryable):
+                self._want(entry)
 
     def _check_warm(self, kv_reserve: int) -> None:
         now = time.monotonic()
-        if not self._warm or now < self._next_warm_check:
+        if not (self._warm or self._pinned_keys) or now < self._next_warm_check:
             return
         self._next_warm_check = now + self.config.warm_check_s
+        self._rewant_pinned(now)
         kv_short, self._kv_short = self._kv_short, False
         missing: list[tuple[AdapterEntry, WarmState]] = []
         for key, state in list(self._warm.items()):

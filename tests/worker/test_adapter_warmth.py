@@ -242,3 +242,41 @@ async def test_a_pushed_warm_adapter_comes_back_without_a_push_until_one_drops_w
     pool.page_pool.free(await asyncio.to_thread(take_kv_pages, pool))
     await asyncio.to_thread(pool.wait_idle)
     assert not pool.entry("alpha@v1").on_gpu and pool.stats()["rewarms"] == 1
+
+
+def test_a_pinned_version_whose_load_failed_comes_back_after_the_backoff(clock):
+    """Pinning was weaker than warm: a pinned version's failed load was never tried again (it left the
+    wanted set), so it stayed off the GPU until the next push or a request paid the cold load."""
+    pool = make_pool(warm_retry_s=5.0)
+    broken, loader = flaky_loader()
+    pool.add("p@1", loader=loader)
+    pool.pin("p@1")
+    pool.wait_idle()
+    assert pool.entry("p@1").error is not None and not pool.entry("p@1").on_gpu
+    broken["on"] = False  # the store answers again
+    checks(pool, clock, n=2, seconds=1.0)  # within the backoff: not yet
+    assert not pool.entry("p@1").on_gpu
+    checks(pool, clock, n=2, seconds=3.0)
+    assert pool.entry("p@1").resident and not pool.has_pending_loads()
+    pool.check()
+    pool.close()
+
+
+def test_unpinning_lets_a_pinned_version_refused_for_want_of_a_slot_take_it_at_once(clock):
+    # A push that moves a pin from a to c: its directives pin c (refused: every slot pinned) before a is
+    # unpinned. c must not stay in the CPU tier, reporting a stale refusal, while unpinned a keeps the slot.
+    pool = make_pool(max_slots=2)
+    for i, key in enumerate(("a@1", "b@1", "c@1")):
+        pool.add(key, random_weights(i))
+    pool.pin("a@1")
+    pool.pin("b@1")
+    pool.wait_idle()
+    pool.pin("c@1")
+    pool.wait_idle()
+    assert not pool.entry("c@1").on_gpu and "held by pinned adapters" in str(pool.entry("c@1").error)
+    pool.unpin("a@1")
+    pool.wait_idle()
+    pool.poll()
+    assert pool.entry("c@1").resident and not pool.entry("a@1").on_gpu
+    pool.check()
+    pool.close()
