@@ -147,6 +147,12 @@ class AdapterPlacement:
                                   f"the pool (raise the pool size or the adapter ceiling)", tier="gpu")
             elif self._gives_way_later(entry):
                 pass  # stays wanted: placed when the requests on the version it replaces release it (the sweep)
+            elif most < pp.num_pages and entry.image.num_pages > most - (held := self._pinned_pages(entry)):
+                # Pinned adapters never leave on their own: waiting would hold every request behind this one. (With
+                # no ceiling or floor, kv_room.py refuses the request: its KV pages count there too.)
+                self._fail(entry, f"needs {entry.image.num_pages} pages, but pinned adapters hold {held} of the "
+                                  f"{most} pages adapters may use; unpin one, or raise the pool size or the "
+                                  f"adapter ceiling (--max-adapter-pages)", tier="gpu", retryable=True)
             elif (pinned := self.pinned_slot_keys()) is not None and self._over_quota(entry):
                 self._fail(entry, _pinned_quota_message(entry), tier="gpu", retryable=True)
             elif pinned is not None:
@@ -165,6 +171,12 @@ class AdapterPlacement:
             over = self._exceeds_quota(entry, self._owned(entry.tenant))
             self._evict_gpu(victim, "quota" if over and victim.tenant == entry.tenant else "capacity")
         return self._place(entry)
+
+    def _pinned_pages(self, entry: AdapterEntry) -> int:
+        """GPU pages of the pinned adapters that stay (not the pinned version `entry` replaces)."""
+        replaced = self._replaced_pinned(entry, copying=True)
+        return sum(len(e.page_ids) for e in self._entries.values()
+                   if e.pinned and e.on_gpu and e is not entry and e is not replaced)
 
     def _place(self, entry: AdapterEntry) -> bool:
         """Take pages and a slot for `entry` (room made already) and start its copy."""

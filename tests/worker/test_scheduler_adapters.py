@@ -271,3 +271,32 @@ def test_a_request_whose_adapter_never_finds_room_fails_instead_of_waiting_forev
     assert outcome == {}
     assert not engine.adapter_pool.entry("big@1").waiters
     _assert_all_free(engine)
+
+
+def test_an_adapter_pinned_ones_leave_no_room_for_under_the_ceiling_fails_at_once(tiny_llama_dir):
+    """--max-adapter-pages 8 with a pinned adapter on 4 of them: one of 7 pages can never be placed. It
+    stayed wanted with no error; the scheduler, once it had waited its steps, admitted no one else (another
+    tenant's base requests included) until everything running finished and 100 more steps passed, then
+    failed it blaming --max-loras, with 15 slots free."""
+    engine = _engine(tiny_llama_dir, num_pages=64, max_adapter_pages=8, max_adapter_wait_steps=4, max_num_seqs=4)
+    pool = engine.adapter_pool
+    pool.add("p@1", random_weights(0, rank=4, projs=ADAPTER_PROJS), pinned=True)
+    pool.load("p@1")
+    pool.add("big@1", random_weights(1, rank=8, projs=ADAPTER_PROJS))
+    assert len(pool.entry("p@1").page_ids) + pool.entry("big@1").image.num_pages > 8
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    engine.add_request("lora", [7, 8, 9], params, adapter="big", tenant="t1")
+    for i in range(6):
+        engine.add_request(f"b{i}", [1, 2, 3], params, tenant="t2")
+    done = {}
+    for step in range(1000):
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = (step, out.error)
+        pool.wait_idle()
+        if not engine.has_unfinished():
+            break
+    assert "pinned adapters hold 4 of the 8 pages adapters may use" in done.pop("lora")[1]
+    assert len(done) == 6 and all(error is None for _, error in done.values())
+    assert max(step for step, _ in done.values()) < 45  # two rounds of 20 tokens on 4 seats: nobody held back
+    _assert_all_free(engine)
