@@ -59,7 +59,8 @@ class AdapterEntry:
     gpu_bytes: int = 0  # bytes of its GPU pages while on_gpu
     resident: bool = False
     fetching: Future | None = None
-    fetch_started: float = 0.0  # monotonic time the current load was started
+    fetch_started: float = 0.0  # monotonic time the current load was asked for
+    fetch_began: list = field(default_factory=list)  # [monotonic time a loader thread took it], once it did
     copying: Any = None  # a Future (CPU device) or a (done_event, start_event) pair (CUDA)
     refcount: int = 0
     uses: int = 0

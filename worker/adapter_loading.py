@@ -35,10 +35,12 @@ class AdapterLoading:
             if entry.fetching is not None and entry.fetching.done():
                 self._finish_fetch(entry)
                 changed = True
-            elif entry.fetching is not None and timeout is not None and now - entry.fetch_started > timeout:
-                entry.fetching = None  # the stuck thread's result, if it ever comes, is dropped
-                self._fail(entry, f"load timed out after {timeout:g} s (download or disk too slow?)", tier="disk",
-                           retryable=True)
+            elif entry.fetching is not None and timeout is not None and (
+                    why := self._fetch_overdue(entry, now, timeout)) is not None:
+                future, entry.fetching = entry.fetching, None
+                if not future.cancel():  # running: its thread is stuck (its result, if it ever comes, is dropped)
+                    self._count_stuck(future)
+                self._fail(entry, why, tier="disk", retryable=True)
                 changed = True
             if entry.copying is not None and self._copier.is_done(entry.copying):
                 self._finish_copy(entry)
@@ -78,15 +80,46 @@ class AdapterLoading:
 
     def _start_fetch(self, entry: AdapterEntry) -> None:
         loader, pack = entry.loader, self._pack
+        began: list[float] = []  # when a loader thread took the job (the time limit counts from there)
 
         def job():
+            began.append(time.monotonic())
             t0 = time.perf_counter()
             image = pack(loader())
             return image, time.perf_counter() - t0
 
         entry.fetch_started = time.monotonic()
+        entry.fetch_began = began
         entry.fetching = self._executor.submit(job)
         self._inflight.add(entry.key)
+
+    def _count_stuck(self, future) -> None:
+        """A load of the current loader threads ran past the time limit. Once every thread is held so (a
+        hung disk or mount), later loads go to fresh threads, the loads still queued with them: one tenant's
+        stuck reads never keep the others' adapters from loading."""
+        executor = self._executor
+        self._stuck += 1
+
+        def returned(_) -> None:
+            with self._lock:
+                if self._executor is executor:
+                    self._stuck -= 1
+
+        future.add_done_callback(returned)
+        if self._stuck < self.config.num_load_threads:
+            return
+        self._executor, self._stuck = self._loader_threads(), 0
+        for entry in list(self._entries.values()):
+            if entry.fetching is not None and entry.fetching.cancel():  # queued behind the stuck ones
+                self._start_fetch(entry)
+        executor.shutdown(wait=False)  # its threads end when their reads return
+
+    def _fetch_overdue(self, entry: AdapterEntry, now: float, timeout: float) -> str | None:
+        """Why `entry`'s load in flight fails now, if it does: it ran past the time limit, counted from when a
+        loader thread took it (one queued waits for a thread: `_count_stuck` sees that one comes)."""
+        if entry.fetch_began and now - entry.fetch_began[0] > timeout:
+            return f"load timed out after {timeout:g} s (download or disk too slow?)"
+        return None
 
     def _finish_fetch(self, entry: AdapterEntry) -> None:
         future, entry.fetching = entry.fetching, None

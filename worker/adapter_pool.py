@@ -73,11 +73,12 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
             row_align=dims.row_align(page_pool.page_elems),
             widths=tuple(dims.in_out(p) for p in PROJS),
         )
-        # Optionally bound the CPU threads a loader's torch ops fan out to (GPU workers only).
-        cpu_threads = config.loader_cpu_threads if self._cuda else None
-        self._executor = ThreadPoolExecutor(config.num_load_threads, thread_name_prefix="adapter-load",
-                                            initializer=limit_cpu_threads, initargs=(cpu_threads,))
-        self._copier = PageCopier(pool, self._executor)
+        self._executor = self._loader_threads()
+        self._stuck = 0  # loads of this executor past the time limit whose threads have not come back
+        # CPU devices copy pages on a thread of their own: a read stuck on a hung disk never holds a copy back.
+        self._copy_executor = (None if self._cuda else
+                               ThreadPoolExecutor(1, thread_name_prefix="adapter-copy"))
+        self._copier = PageCopier(pool, self._copy_executor)
         page_pool.set_reclaimer("adapter", self.reclaim_for_kv)
         self._lock = threading.RLock()
         self._entries: dict[str, AdapterEntry] = {}
@@ -246,6 +247,12 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
         with self._lock:
             return any(self._entries[k].copying is not None for k in self._inflight if k in self._entries)
 
+    def _loader_threads(self) -> ThreadPoolExecutor:
+        # Optionally bound the CPU threads a loader's torch ops fan out to (GPU workers only).
+        cpu_threads = self.config.loader_cpu_threads if self._cuda else None
+        return ThreadPoolExecutor(self.config.num_load_threads, thread_name_prefix="adapter-load",
+                                  initializer=limit_cpu_threads, initargs=(cpu_threads,))
+
     # ---- explicit residency: can_load / load / evict, prefetch ---------------------------------
     def prefetch(self, key: str, tier: str = "gpu") -> None:
         """Warm an adapter before traffic arrives: into the CPU tier, or all the way to the GPU."""
@@ -335,6 +342,8 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
 
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
+        if self._copy_executor is not None:
+            self._copy_executor.shutdown(wait=True, cancel_futures=True)
 
     # ---- queries -------------------------------------------------------------------------------
     def entry(self, key: str) -> AdapterEntry:

@@ -4,6 +4,7 @@ failures, metrics."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 import pytest
@@ -254,9 +255,11 @@ def test_failed_load_fails_only_its_waiters_and_can_recover(pool):
 
     pool.add("ok@1", random_weights(4))
     pool.load("ok@1")
-    pool.add("flaky@1", loader=loader)
+    asked = threading.Event()  # both requests wait for the one load before it fails
+    pool.add("flaky@1", loader=lambda: asked.wait(10) and loader())
     assert pool.acquire("flaky@1", waiter="w1") is None
     assert pool.acquire("flaky@1", waiter="w2") is None
+    asked.set()
     pool.wait_idle()
     failures = pool.poll()
     for w in ("w1", "w2"):
@@ -657,6 +660,52 @@ def test_a_load_that_never_returns_times_out_and_fails_only_its_waiters():
     stuck.set()  # the stuck thread finishes; its result is dropped
     pool.close()
     assert not pool.entry("stuck@1").resident
+
+
+def _acquire_within(pool: AdapterPool, key: str, waiter: str, seconds: float) -> int | None:
+    deadline = time.monotonic() + seconds
+    while (slot := pool.acquire(key, waiter=waiter)) is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return slot
+
+
+def test_one_tenants_hung_reads_keep_no_other_adapter_from_loading():
+    """Two reads of tenant A hang (a stalled mount) and hold both loader threads. Tenant B's load, queued
+    behind them, timed out without ever running ("download or disk too slow?"), and so did each retry. Once
+    every thread is held past the time limit, loads go to fresh threads; the time limit counts from a
+    thread taking the load."""
+    pool = make_pool(load_timeout_s=0.3, num_load_threads=2)
+    hung = threading.Event()
+    calls = []
+    pool.add("a1@1", loader=lambda: hung.wait(30) and random_weights(1), tenant="A")
+    pool.add("a2@1", loader=lambda: hung.wait(30) and random_weights(2), tenant="A")
+    pool.add("b@1", loader=lambda: calls.append(1) or random_weights(3), tenant="B")
+    try:
+        for key in ("a1@1", "a2@1", "b@1"):
+            assert pool.acquire(key, waiter=key) is None
+        assert _acquire_within(pool, "b@1", "b@1", 5.0) is not None
+        assert calls == [1]
+        for key in ("a1@1", "a2@1"):
+            with pytest.raises(AdapterLoadError, match="load timed out after 0.3 s"):
+                pool.acquire(key, waiter=key)
+        pool.check()
+    finally:
+        hung.set()
+        pool.close()
+
+
+def test_a_copy_on_a_cpu_device_is_not_queued_behind_hung_reads():
+    pool = make_pool(load_timeout_s=30, num_load_threads=2)
+    hung = threading.Event()
+    pool.add("a1@1", loader=lambda: hung.wait(30) and random_weights(1))
+    pool.add("a2@1", loader=lambda: hung.wait(30) and random_weights(2))
+    pool.add("b@1", random_weights(3))  # in the CPU tier: only its copy is left
+    try:
+        assert pool.acquire("a1@1", waiter="x") is None and pool.acquire("a2@1", waiter="y") is None
+        assert _acquire_within(pool, "b@1", "rb", 5.0) is not None
+    finally:
+        hung.set()
+        pool.close()
 
 
 @pytest.mark.gpu

@@ -391,16 +391,23 @@ def test_the_engine_counts_distinct_adapters_per_step_not_sequences(tiny_llama_d
     assert (engine.last_batch_size, engine.last_batch_adapters) == (1, 0)
 
 
-def test_dashboard_queries_name_exposed_series():
+def test_dashboard_queries_name_exposed_series(tmp_path):
     import json
     import re
     from pathlib import Path
 
     from lorafleet.worker.adapter_metrics import AdapterMetrics
 
+    from prometheus_client import generate_latest
+
+    from lorafleet.worker.disk_cache import DiskCache
+    from lorafleet.worker.stager_metrics import StagerMetrics
+
     m = WorkerMetrics()
     m.register(AdapterMetrics().collectors())
-    exposed = {fam.name for fam in text_string_to_metric_families(m.render().decode())}
+    stager = StagerMetrics(DiskCache(tmp_path, 1 << 20))  # the stager sidecar's own /metrics
+    text = m.render().decode() + generate_latest(stager.registry).decode()
+    exposed = {fam.name for fam in text_string_to_metric_families(text)}
     exposed |= {f"{n}_total" for n in exposed} | {f"{n}_{s}" for n in exposed for s in ("bucket", "count", "sum")}
     dashboard = Path(__file__).parents[2] / "charts/lorafleet/files/grafana-dashboard.json"
     exprs = [t["expr"] for p in json.loads(dashboard.read_text())["panels"] for t in p.get("targets", [])]
