@@ -23,6 +23,23 @@ _TMP = ".tmp-"
 Protect = Set[str] | Callable[[], Set[str]]  # cache keys, or a function naming them when the trim runs
 
 
+class CacheDiskError(OSError):
+    """Writing the node's disk cache failed (full, read-only, an I/O error): the node's to fix, never the
+    object store's answer."""
+
+    @classmethod
+    def of(cls, exc: OSError) -> CacheDiskError:
+        return exc if isinstance(exc, cls) else cls(exc.errno, exc.strerror or str(exc), exc.filename)
+
+
+def cache_write(fn: Callable[[], object]) -> object:
+    """Run `fn`, a write to the disk cache, its OSError raised as a CacheDiskError."""
+    try:
+        return fn()
+    except OSError as exc:
+        raise CacheDiskError.of(exc) from exc
+
+
 def dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
 
@@ -89,18 +106,19 @@ class DiskCache:
         if "/" in key or key.startswith(".") or not key:
             raise ValueError(f"bad cache key {key!r}")
         tmp = self.root / f"{_TMP}{key}-{uuid.uuid4().hex[:8]}"
-        tmp.mkdir()
+        cache_write(tmp.mkdir)
         try:
-            fill(tmp)
-            size = _sync_tree(tmp)  # else a power loss may keep the rename, lose the data, and only two files are rechecked
+            fill(tmp)  # its own writes to `tmp` go through cache_write: its other OSErrors are the source's
+            # Synced, else a power loss may keep the rename, lose the data, and only two files are rechecked.
+            size = cache_write(lambda: _sync_tree(tmp))
             final = self.root / key
             with self._lock:
                 if final.exists():  # a concurrent fill won; its content is the same (same key)
                     shutil.rmtree(tmp, ignore_errors=True)
                 else:
-                    os.rename(tmp, final)
+                    cache_write(lambda: os.rename(tmp, final))
                     self._bytes[key] = size
-                    _sync(self.root)  # the rename itself
+                    cache_write(lambda: _sync(self.root))  # the rename itself
                 self._clock += 1
                 self._used[key] = self._clock
         except BaseException:

@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
+from lorafleet.worker.disk_cache import cache_write
 from lorafleet.worker.file_limits import MAX_FILE_BYTES, FileLimitError, check_file, check_size, read_chunks
 from lorafleet.worker.source_error import SourceError, read_error
 from lorafleet.worker.stager_digests import LocalDigests
@@ -357,15 +358,18 @@ class _Fetch:
             if announced is not None and int(announced) > size:
                 raise SourceError(f"{where}: the store announces {announced} bytes, more than the {size} it listed; "
                                   f"refused before downloading it", "too_large")
-            with open(path, "wb") as f:
+            f = cache_write(lambda: open(path, "wb"))  # noqa: SIM115 - closed below
+            try:
                 while chunk := self._read(response, where, received, size):
                     received += len(chunk)
                     if received > size:  # no Content-Length (chunked): what the listing said is the bound
                         raise SourceError(f"{where}: the store sent more than the {size} bytes it listed; the "
                                           f"download was stopped", "too_large")
-                    f.write(chunk)
+                    cache_write(lambda c=chunk: f.write(c))
                     self.done += len(chunk)
                     self._report()
+            finally:
+                cache_write(f.close)  # the last buffered bytes are written here
         finally:
             if timer is not None:
                 timer.cancel()

@@ -43,6 +43,7 @@ import logging
 import sys
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +56,7 @@ from lorafleet.worker.directives import (
     DesiredState,
     ReportedState,
 )
-from lorafleet.worker.disk_cache import DiskCache, dir_bytes
+from lorafleet.worker.disk_cache import DiskCache, cache_write, dir_bytes
 from lorafleet.worker.listen import close_all, listen_sockets
 from lorafleet.worker.sources import Etags, SourceError, Sources, verify_digest
 from lorafleet.worker.staged_copy import DIGEST_FILE, Staged, last_copies, record_source, verify_staged_copy
@@ -99,6 +100,8 @@ class Stager:
         self.staging_lock = asyncio.Lock()  # one push stages at a time
         self.superseded = asyncio.Event()  # the latest push's: set once a newer one begins
         self._pushes: set[asyncio.Task] = set()  # start()'s
+        self._local_threads = ThreadPoolExecutor(4, thread_name_prefix="stager-local")
+        self._local_reads: dict[tuple[str, str | None], asyncio.Future] = {}  # local folders being checked
         self.metrics = StagerMetrics(self.cache)
         self.registry = self.metrics.registry
         self.store = StoreHealth(self.metrics)
@@ -112,15 +115,17 @@ class Stager:
         (time.monotonic()) of a push: the store is not called again once it failed since (StoreHealth)."""
         if sha256 is not None:
             sha256 = sha256.lower()
-        if not self.sources.is_s3(uri):  # off the event loop: a slow or hung mount must not stop the stager
-            staged = await asyncio.to_thread(self._local, uri, sha256)
+        if not self.sources.is_s3(uri):
+            staged = await self._stage_local(uri, sha256)
             self.metrics.requests.labels("local").inc()
             return staged
         self.sources.check_s3(uri)
         etags = None  # what the key names: the download must fetch exactly these objects
         if sha256 is not None:
             key = sha256
-            if self.cache.get(key) is None:  # to be downloaded: a store seen down is checked quickly first
+            if self.cache.get(key) is None and self._same_bytes(uri, sha256):
+                key = self._by_uri[uri]  # staged before under its listing's key (the seed's): no second download
+            elif self.cache.get(key) is None:  # to be downloaded: a store seen down is checked quickly first
                 self.store.skip(push_start)
                 if self.store.is_quick(push_start):
                     await self._list(uri, True)
@@ -132,10 +137,10 @@ class Stager:
                 self.store.skip(push_start)
                 etags = await self._list(uri, fallback is not None or self.store.is_quick(push_start))
                 key = "u-" + hashlib.sha256(repr((uri, etags)).encode()).hexdigest()[:40]
-            except SourceError:
-                raise
-            except Exception:
-                if fallback is None:
+            except Exception as exc:
+                # Only while the store cannot be reached: its refusal (access denied, the bucket gone) is an
+                # answer, and may be how an adapter was withdrawn.
+                if fallback is None or isinstance(exc, SourceError) or type(exc).__name__ == "S3Error":
                     raise
                 key = fallback
                 self.store.fell_back(uri, key)
@@ -172,6 +177,36 @@ class Stager:
             raise
         self.store.answered(start)
         return etags
+
+    async def _stage_local(self, uri: str, sha256: str | None) -> Staged:
+        """A local folder, checked on threads of its own (a hung mount holds those, never the threads S3
+        stages and state reports use), one read per folder at a time (a push repeated while it hangs waits
+        on the same read), for at most download_timeout_s."""
+        flight = self._local_reads.get((uri, sha256))
+        if flight is None:
+            flight = asyncio.get_running_loop().run_in_executor(self._local_threads, self._local, uri, sha256)
+            self._local_reads[(uri, sha256)] = flight
+            flight.add_done_callback(functools.partial(self._read_done, (uri, sha256)))
+        timeout = self.config.download_timeout_s
+        try:
+            return await asyncio.wait_for(asyncio.shield(flight), timeout)
+        except TimeoutError:
+            raise TimeoutError(f"{uri}: reading the folder took over {timeout:g} s (a hung mount?)") from None
+
+    def _read_done(self, key: tuple[str, str | None], flight: asyncio.Future) -> None:
+        if self._local_reads.get(key) is flight:
+            del self._local_reads[key]
+        if not flight.cancelled():
+            flight.exception()  # retrieved: every waiter may have gone
+
+    def _same_bytes(self, uri: str, sha256: str) -> bool:
+        """`uri`'s last staged copy holds exactly the files of digest `sha256` (and is still cached)."""
+        key = self._by_uri.get(uri)
+        path = self.cache.get(key) if key is not None else None
+        try:
+            return path is not None and (path / DIGEST_FILE).read_text().strip() == sha256
+        except OSError:
+            return False
 
     def _local(self, uri: str, sha256: str | None) -> Staged:
         path = self.sources.local_path(uri)
@@ -235,8 +270,8 @@ class Stager:
         def fill(tmp: Path) -> None:
             self.sources.download(uri, tmp, progress=progress, deadline=deadline, etags=etags)
             digest = verify_digest(tmp, sha256, uri)  # before the rename: a bad download is never visible
-            (tmp / DIGEST_FILE).write_text(digest + "\n")
-            record_source(tmp, uri)
+            cache_write(lambda: (tmp / DIGEST_FILE).write_text(digest + "\n"))
+            cache_write(lambda: record_source(tmp, uri))
 
         try:
             return self.cache.put(key, fill, protect=self.protected)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import errno
 
+from lorafleet.worker.disk_cache import CacheDiskError
 from lorafleet.worker.openai_protocol import APIError
 from lorafleet.worker.sources import SourceError
 
@@ -15,6 +16,7 @@ _STATUS = {"not_allowed": 403, "bad_uri": 400, "missing": 404, "digest_mismatch"
            "permission_denied": 403, "symlink_loop": 422, "unreadable": 422}
 READ_ERROR_KINDS = ("permission_denied", "symlink_loop", "unreadable")  # worker/source_error.py
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)  # writing the node's disk cache, never an object store's answer
+_REFUSED = ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AllAccessDisabled", "AccountProblem")
 
 
 def source_status(kind: str) -> int:
@@ -27,14 +29,24 @@ def staging_error(exc: Exception, uri: str) -> APIError:
     if isinstance(exc, SourceError):
         return APIError(source_status(exc.kind), str(exc), code=exc.kind)
     if isinstance(exc, TimeoutError | asyncio.TimeoutError):
-        return APIError(504, f"{uri}: download timed out", type="server_error", code="download_timeout")
+        said = str(exc)  # a local folder's read says which, and why
+        return APIError(504, said if said.startswith(uri) and uri else f"{uri}: download timed out",
+                        type="server_error", code="download_timeout")
     if isinstance(exc, OSError) and exc.errno in _DISK_FULL:
         return APIError(507, f"{uri}: the node's adapter disk cache is full ({exc.strerror}, writing "
                              f"{exc.filename or 'the cache'}); give the cache volume room for one more adapter above "
                              f"--stager-cache-bytes (LORAFLEET_STAGER_CACHE_BYTES), or lower it",
                         type="server_error", code="cache_disk_full")
+    if isinstance(exc, CacheDiskError):  # read-only after an error remount, an I/O error: the node's, not the store's
+        return APIError(500, f"{uri}: the node's adapter disk cache cannot be written ({exc.strerror}, writing "
+                             f"{exc.filename or 'the cache'}); check the cache volume (--stager-cache-dir)",
+                        type="server_error", code="cache_disk_error")
     name = type(exc).__name__
-    if name == "S3Error" and getattr(exc, "code", "") in ("NoSuchBucket", "NoSuchKey"):
+    code = getattr(exc, "code", "")
+    if name == "S3Error" and code in ("NoSuchBucket", "NoSuchKey"):
         return APIError(404, f"{uri}: {exc}", code="missing")
+    if name == "S3Error" and code in _REFUSED:  # the store answered: the stager's credentials may not read it
+        return APIError(403, f"{uri}: the object store refused the stager ({code}: {str(exc)[:200]}); check its "
+                             f"credentials and the bucket's policy", code="store_refused")
     return APIError(502, f"{uri}: object store unavailable ({name}: {str(exc)[:200]})", type="server_error",
                     code="object_store_unavailable")

@@ -1,0 +1,138 @@
+"""The stager tells the node's disk from the object store: a cache volume that cannot be written is the
+node's failure (the store is not marked down, later versions of the push are still fetched), and the
+store's refusal of a listing (access denied, the bucket gone) is an answer, never papered over with the
+URI's last cached copy as if the store could not be reached. And a copy staged by its listing serves a
+push of the same bytes by their digest (the seed's two steps) without a second download."""
+
+from __future__ import annotations
+
+import errno
+
+import pytest
+import urllib3
+from minio.error import S3Error
+
+import lorafleet.worker.disk_cache as disk_cache
+from lorafleet.worker.directives import AdapterDirective, DesiredState, VersionRef
+from lorafleet.worker.openai_protocol import APIError
+from lorafleet.worker.staged_copy import DIGEST_FILE
+from lorafleet.worker.stager import Stager
+from lorafleet.worker.stager_store import is_outage
+from lorafleet.worker.staging_errors import staging_error
+from tests.worker.test_stager_bounds import FakeStore, config
+
+
+async def test_a_cache_volume_that_cannot_be_written_is_the_nodes_failure_not_the_stores(tmp_path, monkeypatch):
+    stager = Stager(config(tmp_path))
+    store = FakeStore(stager, monkeypatch)
+    real, calls = disk_cache._sync_tree, []
+
+    def sync_tree(path):  # the volume was remounted read-only after an error, for the first entry
+        calls.append(path)
+        if len(calls) == 1:
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return real(path)
+
+    monkeypatch.setattr(disk_cache, "_sync_tree", sync_tree)
+    report = await stager.apply(DesiredState(1, [
+        AdapterDirective("a", "t", VersionRef("v1", "s3://adapters/team/a/")),
+        AdapterDirective("b", "t", VersionRef("v1", "s3://adapters/team/b/"))]))
+    errors = {a.name: a.error for a in report.adapters}
+    assert "disk cache cannot be written (Read-only file system" in errors["a"]
+    assert "object store" not in errors["a"]
+    assert errors["b"] is None or "object store" not in errors["b"]
+    assert len(store.calls) == 2  # b was still fetched: the store was never marked down
+    assert stager.disk_stats()["store"]["reachable"]
+    assert stager.metrics.store_up._value.get() == 1
+
+
+def _refusal(code: str) -> S3Error:
+    return S3Error(urllib3.HTTPResponse(status=403 if code == "AccessDenied" else 404), code, code, "/adapters",
+                   "r", "h")
+
+
+@pytest.mark.parametrize("code, status", [("AccessDenied", 403), ("NoSuchBucket", 404)])
+async def test_a_refused_listing_is_answered_not_served_from_the_last_cached_copy(tmp_path, monkeypatch, code,
+                                                                                status):
+    stager = Stager(config(tmp_path))
+    FakeStore(stager, monkeypatch)
+    uri = "s3://adapters/team/sql/"
+    assert (await stager.stage(uri, None)).path.exists()
+
+    def refused(uri, quick=False, deadline=None):
+        raise _refusal(code)
+
+    monkeypatch.setattr(stager.sources, "object_etags", refused)
+    with pytest.raises(S3Error):
+        await stager.stage(uri, None)  # access revoked, or the bucket deleted, to withdraw the adapter
+    store = stager.disk_stats()["store"]
+    assert store["reachable"] and store["fallbacks"] == 0
+    error = staging_error(_refusal(code), uri)
+    assert isinstance(error, APIError) and error.status == status and not is_outage(_refusal(code))
+
+
+async def test_an_unreachable_store_still_falls_back_to_the_last_cached_copy(tmp_path, monkeypatch):
+    stager = Stager(config(tmp_path))
+    FakeStore(stager, monkeypatch)
+    uri = "s3://adapters/team/sql/"
+    first = await stager.stage(uri, None)
+
+    def down(uri, quick=False, deadline=None):
+        raise urllib3.exceptions.MaxRetryError(None, uri, "connection refused")
+
+    monkeypatch.setattr(stager.sources, "object_etags", down)
+    again = await stager.stage(uri, None)
+    assert again.path == first.path and stager.disk_stats()["store"]["fallbacks"] == 1
+
+
+async def test_seeded_adapters_are_downloaded_and_kept_once(tmp_path, monkeypatch):
+    """The seed stages each folder by its listing (no digest known yet), then pushes it with the digest it
+    found: that push found no copy under the digest and downloaded every start-up adapter again, keeping
+    two copies of each (neither evictable while leased)."""
+    from tests.worker.test_stager_bounds import WEIGHTS, fake_adapter
+
+    stager = Stager(config(tmp_path))
+    FakeStore(stager, monkeypatch)
+    folders = [f"s3://adapters/team/seed/a{i}/" for i in range(3)]
+    monkeypatch.setattr(stager.sources, "list_adapters", lambda uri: folders)
+    monkeypatch.setattr(stager.sources, "download", lambda uri, dest, **_: fake_adapter(dest, WEIGHTS + uri.encode()))
+    report = await stager.seed("s3://adapters/team/seed/")
+    assert report.errors == {}
+    assert stager.counts["downloads"] == 3 and len(stager.cache.entries()) == 3
+    cached = {(stager.cache.get(k) / DIGEST_FILE).read_text().strip() for k in stager.cache.entries()}
+    assert {a.stable.sha256 for a in stager.desired.adapters} == cached  # pushed with their digests
+
+
+async def test_a_hung_local_folder_times_out_alone_and_holds_no_other_stage(tmp_path, monkeypatch):
+    """A local adapter folder on a mount that stopped answering: its check had no time limit, so the push
+    never ended and the versions after it were never staged; each newer push held one more thread of the
+    default pool, until S3 stages and state reports waited on it too."""
+    import asyncio
+    import dataclasses
+    import threading
+
+    from tests.worker.test_stager_bounds import fake_adapter
+
+    stager = Stager(dataclasses.replace(config(tmp_path), download_timeout_s=0.5))
+    FakeStore(stager, monkeypatch)
+    hung = fake_adapter(tmp_path / "local" / "hung")
+    release, real = threading.Event(), stager.sources.local_path
+
+    def local_path(uri):
+        if "hung" in uri:
+            release.wait(30)
+        return real(uri)
+
+    monkeypatch.setattr(stager.sources, "local_path", local_path)
+    try:
+        for generation in (1, 2, 3):
+            report = await asyncio.wait_for(stager.apply(DesiredState(generation, [
+                AdapterDirective("a", "t", VersionRef("v1", str(hung))),
+                AdapterDirective("b", "t", VersionRef(f"v{generation}", f"s3://adapters/team/b{generation}/"))])), 10)
+            errors = {a.name: a.error for a in report.adapters if a.version != "unstaged"}
+            assert "reading the folder took over 0.5 s (a hung mount?)" in errors["a"] and errors["b"] is None
+            assert len(stager._local_reads) == 1  # the pushes wait on the one read, not one thread each
+        assert (await asyncio.wait_for(stager.stage("s3://adapters/team/other/", None), 5)).path.exists()
+        await asyncio.wait_for(stager.state(), 5)
+    finally:
+        release.set()
