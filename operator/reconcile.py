@@ -158,10 +158,17 @@ def reconcile_pool(pool: PoolSpec | None, adapters: Sequence[AdapterSpec | Inval
         a = served.get(x.name)
         if a is None:  # a pool-level reason (the pool is missing or invalid) degrades; a bad spec fails
             phase = "Degraded" if pool is None and isinstance(x, AdapterSpec) else "Failed"
+            if pool is None and pool_error is not None and isinstance(x, AdapterSpec):
+                # An invalid pool leaves its pods as they are: say what they still serve, and that this
+                # spec, which parsed, could not be checked against the pool (not that it was refused).
+                message = f"{failures[x.name]}; its pods keep what they were last told"
+                plan.adapter_statuses[x.name] = unserved_status(x, phase, message, kept, now=now, validated=None)
+                continue
             plan.adapter_statuses[x.name] = unserved_status(x, phase, failures[x.name], live, now=now)
             continue
         failure = failures.get(x.name)
         status = adapter_status(a, live, plan.placement[x.name], now=now, requested=warm_count(a, len(live)),
+                                silent=[w.pod for w in workers if w.reported is None],
                                 failure=failure)
         if failure is None:
             status["lastValidSpec"] = a.spec_json

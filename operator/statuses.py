@@ -13,6 +13,7 @@ worker refuses each of its requests (503). Conditions keep their
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from lorafleet.operator.crd_models import AdapterSpec, InvalidAdapter, PoolSpec
@@ -20,19 +21,23 @@ from lorafleet.operator.placement import UNKNOWN_BYTES, adapter_bytes, copy_slot
 from lorafleet.operator.reports import WorkerIndex, WorkerReport
 
 
-def condition(old: dict[str, Any], ctype: str, ok: bool, reason: str, message: str, now: str) -> dict[str, Any]:
-    """One condition of ``old`` (a status) brought up to date; the transition time moves only on a flip."""
+def condition(old: dict[str, Any], ctype: str, ok: bool | None, reason: str, message: str, now: str) -> dict[str, Any]:
+    """One condition of ``old`` (a status) brought up to date (``ok`` None: Unknown); the transition time moves
+    only on a flip."""
     prev = next((c for c in old.get("conditions") or [] if c.get("type") == ctype), None)
-    status = "True" if ok else "False"
+    status = "Unknown" if ok is None else "True" if ok else "False"
     since = prev["lastTransitionTime"] if prev and prev.get("status") == status and prev.get(
         "lastTransitionTime") else now
     return {"type": ctype, "status": status, "reason": reason, "message": message, "lastTransitionTime": since}
 
 
 def adapter_status(a: AdapterSpec, live: list[WorkerIndex], warm_pods: list[str], *, now: str,
-                   requested: int | None = None, failure: str | None = None) -> dict[str, Any]:
+                   requested: int | None = None, failure: str | None = None, silent: Sequence[str] = ()
+                   ) -> dict[str, Any]:
     """The status of an adapter served as ``a``. ``failure``: why its current spec is refused while ``a``,
-    its last valid spec, stays in force (phase Failed, yet the fields say what is really served)."""
+    its last valid spec, stays in force (phase Failed, yet the fields say what is really served). ``silent``:
+    ready pods whose sidecar did not answer; with none that did, the last status's versions and instances
+    stay (those pods may still serve them)."""
     instances, errors, slot_bound = [], [], []
     versions_seen: set[str] = set()
     registered = resident = canary_registered = canary_resident = 0
@@ -103,6 +108,12 @@ def adapter_status(a: AdapterSpec, live: list[WorkerIndex], warm_pods: list[str]
     if failure is not None:
         phase = "Failed"
         msg = f"{failure}; the last valid spec (version {a.version}) stays in force until the spec is fixed"
+    elif not live and silent:
+        phase = "Pending"
+        msg = (f"no answer from the sidecar of {', '.join(silent)} (ready pods, which may still serve it); "
+               f"the status waits for their reports")
+        stable_version, canary_version = a.status.get("stableVersion"), a.status.get("canaryVersion")
+        canary_weight, instances = a.status.get("canaryWeight") or 0, list(a.status.get("instances") or [])
     elif not live:
         phase, msg = "Pending", f"no ready worker matches LoRAPool {a.pool!r} spec.workerSelector"
     elif errors:
@@ -177,10 +188,11 @@ def _split_text(split: dict[str, int]) -> str:
 
 
 def unserved_status(x: AdapterSpec | InvalidAdapter, phase: str, message: str, live: list[WorkerIndex], *,
-                    now: str) -> dict[str, Any]:
-    """An adapter no worker is told to serve: only what workers still report (as they unload it).
-    ``bytes`` stays: quota admission needs the last known size (clearing it would let an adapter over
-    spec.tenantQuota.maxBytes flap in and out)."""
+                    now: str, validated: bool | None = False) -> dict[str, Any]:
+    """An adapter no worker is told to serve: only what workers still report (as they unload it, or, in a
+    pool whose spec is invalid, as they keep it: ``validated`` None, as its spec cannot be checked against
+    the pool). ``bytes`` stays: quota admission needs the last known size (clearing it would let an adapter
+    over spec.tenantQuota.maxBytes flap in and out)."""
     instances, versions = [], set()
     for w in live:
         for st in w.by_name.get(x.name, ()):
@@ -190,7 +202,7 @@ def unserved_status(x: AdapterSpec | InvalidAdapter, phase: str, message: str, l
                     instances.append({"pod": w.pod, "version": st.version, "tier": st.tier})
     stable = x.status.get("stableVersion")
     return {
-        **_status(x, phase, message, now=now, validated=False),
+        **_status(x, phase, message, now=now, validated=validated),
         "stableVersion": stable if stable in versions else None,
         "canaryVersion": None,
         "canaryWeight": 0,
@@ -207,17 +219,21 @@ def adapter_size_text(a: AdapterSpec, live: list[WorkerIndex]) -> str:
     return f"{size / (1 << 20):.1f} MiB" + (" (stable and canary versions)" if a.canary is not None else "")
 
 
-def _status(x: AdapterSpec | InvalidAdapter, phase: str, message: str, *, now: str, validated: bool,
+def _status(x: AdapterSpec | InvalidAdapter, phase: str, message: str, *, now: str, validated: bool | None,
             canary_text: str | None = None) -> dict[str, Any]:
-    """phase, message, observedGeneration and the three conditions; ``canary_text``: the canary served."""
+    """phase, message, observedGeneration and the three conditions; ``canary_text``: the canary served;
+    ``validated`` None: its pool's spec is invalid, so the checks against the pool cannot run."""
+    if validated is None:
+        reason, text = "PoolInvalid", f"not checked against its pool, whose spec is invalid: {message}"
+    else:
+        reason, text = ("Valid", "spec accepted") if validated else ("Invalid", message)
     return {
         "phase": phase,
         "message": message,
         "observedGeneration": x.generation,
         "conditions": [
             condition(x.status, "Ready", phase == "Ready", phase, message, now),
-            condition(x.status, "Validated", validated, "Valid" if validated else "Invalid",
-                      "spec accepted" if validated else message, now),
+            condition(x.status, "Validated", validated, reason, text, now),
             condition(x.status, "CanaryActive", canary_text is not None,
                       "CanaryServing" if canary_text else "NoCanary", canary_text or "no canary is being served", now),
         ],

@@ -377,6 +377,37 @@ def test_invalid_pool_spec_is_named_in_adapter_status():
     assert msg.startswith("spec.pool: LoRAPool 'p' has an invalid spec") and "spec.workerSelector" in msg
 
 
+def test_an_invalid_pool_leaves_its_adapters_status_saying_what_its_pods_still_serve():
+    # The pool's pods keep serving: its adapters' specs were not refused (Validated Unknown, PoolInvalid),
+    # and their status still names the stable version and where it is (it read "nothing served").
+    ws = workers(2)
+    plan = converge(pool(), [adapter("a", warm=2)], ws)
+    st_ = plan.adapter_statuses["a"]
+    assert st_["phase"] == "Ready" and st_["stableVersion"] == "v1"
+    for w in ws:
+        w.reported = report(("a", "v1", "gpu", 0, 0, MB))
+    plan = reconcile_pool(None, [adapter("a", warm=2, status=st_)], [], now=NOW, pool_error="spec.workerSelector: required",
+                          held=ws)
+    st_ = plan.adapter_statuses["a"]
+    conditions = {c["type"]: (c["status"], c["reason"]) for c in st_["conditions"]}
+    assert st_["phase"] == "Degraded" and conditions["Validated"] == ("Unknown", "PoolInvalid")
+    assert "its pods keep what they were last told" in st_["message"]
+    assert st_["stableVersion"] == "v1" and [i["pod"] for i in st_["instances"]] == ["w0", "w1"]
+
+
+def test_sidecars_that_stop_answering_are_named_not_the_worker_selector():
+    # Every sidecar silent (a crash loop, a token mismatch) while the pods are ready and still serve: the
+    # status sent users to debug labels ("no ready worker matches ... workerSelector") and cleared the versions.
+    ws = workers(2)
+    st_ = converge(pool(), [adapter("a", warm=2)], ws).adapter_statuses["a"]
+    for w in ws:
+        w.reported = None
+    st_ = reconcile_pool(pool(), [adapter("a", warm=2, status=st_)], ws, now=NOW).adapter_statuses["a"]
+    assert st_["phase"] == "Pending" and "no answer from the sidecar of w0, w1" in st_["message"]
+    assert "workerSelector" not in st_["message"]
+    assert st_["stableVersion"] == "v1" and {i["pod"] for i in st_["instances"]} == {"w0", "w1"}
+
+
 def test_loading_message_says_why_a_worker_is_behind():
     ws = workers(2)
     converge(pool(), [adapter("a", warm=2)], ws)
