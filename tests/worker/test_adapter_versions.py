@@ -156,9 +156,12 @@ def test_make_current_if_resident_switches_now_only_a_version_on_the_gpu(residen
         pool.add("a@2", random_weights(2), make_current=False)
         if resident:
             pool.load("a@2")
+        copier = threading.Event()  # a@2's copy waits behind this: it lands only once a@1 came back
+        pool._copy_executor.submit(copier.wait, 10)
         assert pool.make_current("a@2", if_resident=True) is resident
         assert pool.resolve("a") == ("a@2" if resident else "a@1")
         pool.add("a@1", random_weights(1), make_current=False)  # back as the canary
+        copier.set()
         pool.wait_idle()
         assert pool.resolve("a") == "a@2" and sorted(pool.registered()) == ["a@1", "a@2"]
         pool.check()
