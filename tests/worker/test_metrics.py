@@ -396,10 +396,9 @@ def test_dashboard_queries_name_exposed_series(tmp_path):
     import re
     from pathlib import Path
 
-    from lorafleet.worker.adapter_metrics import AdapterMetrics
-
     from prometheus_client import generate_latest
 
+    from lorafleet.worker.adapter_metrics import AdapterMetrics
     from lorafleet.worker.disk_cache import DiskCache
     from lorafleet.worker.stager_metrics import StagerMetrics
 
