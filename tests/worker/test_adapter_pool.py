@@ -235,17 +235,18 @@ def test_an_adapter_waits_for_a_slot_that_an_in_flight_request_will_free():
     pool.close()
 
 
-def test_lru_keeps_the_hot_adapter_when_cold_ones_stream_through():
+@pytest.mark.parametrize("hot", ["hot@1", "a-hot@1"])  # named after and before the cold ones: no order by name passes
+def test_lru_keeps_the_hot_adapter_when_cold_ones_stream_through(hot):
     # The seed's pitfall: without LRU, cold adapters fill memory and push the hot one out.
     pool = make_pool(max_slots=3)
-    pool.add("hot@1", random_weights(0))
+    pool.add(hot, random_weights(0))
     for i in range(20):
-        pool.load("hot@1")
-        slot = pool.acquire("hot@1")
+        pool.load(hot)
+        slot = pool.acquire(hot)
         pool.release(slot)
         pool.add(f"cold{i}@1", random_weights(100 + i))
         pool.load(f"cold{i}@1")
-        assert pool.entry("hot@1").resident
+        assert pool.entry(hot).resident
     pool.check()
     pool.close()
 
