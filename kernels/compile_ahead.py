@@ -265,9 +265,14 @@ def load_list(path: Path) -> list[Specialization] | None:
     return found
 
 
-def default_threads(cgroup_root: str = "/sys/fs/cgroup") -> int:
+COMPILE_BYTES = 1 << 30  # memory left free per compile thread: a bound for LLVM and ptxas, not a measured peak
+
+
+def default_threads(cgroup_root: str = "/sys/fs/cgroup", meminfo: str = "/proc/meminfo") -> int:
     """One compile thread per CPU core this process may use (its affinity, and its cgroup's CPU
-    quota where one is set, as in a pod with a CPU limit), at most 16."""
+    quota where one is set, as in a pod with a CPU limit), at most 16, and at most one per
+    COMPILE_BYTES of the memory free to it (its cgroup's limit less its use, and the machine's
+    available memory): a pod with a small memory limit is not killed for compiling on every core."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
@@ -275,7 +280,40 @@ def default_threads(cgroup_root: str = "/sys/fs/cgroup") -> int:
     quota = _cgroup_cpus(cgroup_root)
     if quota is not None:
         cores = min(cores, quota)
+    free = [b for b in (_cgroup_free_bytes(cgroup_root), _available_bytes(meminfo)) if b is not None]
+    if free:
+        cores = min(cores, min(free) // COMPILE_BYTES)
     return max(1, min(16, cores))
+
+
+def _cgroup_free_bytes(root: str) -> int | None:
+    """The cgroup's memory limit less its use (v2 memory.max and memory.current, or v1's
+    memory.limit_in_bytes and memory.usage_in_bytes); None without a limit or where none can be read."""
+    for limit_file, usage_file in (("memory.max", "memory.current"),
+                                   ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+        try:
+            with open(os.path.join(root, limit_file)) as f:
+                limit = f.read().strip()
+            with open(os.path.join(root, usage_file)) as f:
+                usage = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit == "max" or not limit.isdigit() or int(limit) >= 1 << 60:  # v1 says "no limit" with a huge number
+            return None
+        return max(0, int(limit) - usage)
+    return None
+
+
+def _available_bytes(meminfo: str) -> int | None:
+    """MemAvailable of /proc/meminfo, in bytes; None where it cannot be read."""
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def _cgroup_cpus(root: str) -> int | None:

@@ -60,7 +60,7 @@ class EngineConfig:
     lora_segment_len: int = 64  # most tokens of one adapter per LoRA kernel segment; a step's own grows from 16 with its size (kernels.lora_layout.segment_len)
     cuda_graphs: bool = True  # cuda + triton kernels: replay decode steps as CUDA graphs (worker/cuda_graphs.py)
     warmup: bool = True  # cuda + triton kernels: compile the kernels of common step shapes at start
-    compile_threads: int = 0  # cuda + triton kernels: threads that compile the start-up's kernels ahead of the warm-up (0 = one per CPU core, at most 16; 1 = compile each as the warm-up first launches it)
+    compile_threads: int = 0  # cuda + triton kernels: threads that compile the start-up's kernels ahead of the warm-up (0 = one per CPU core, at most 16 and one per GiB free; 1 = compile each as the warm-up first launches it)
     lora_overlap: bool = True  # cuda: run LoRA deltas on a side stream beside the base GEMMs (worker/lora_linear.py)
     max_failed_forwards: int = 8  # forwards failing in a row (e.g. a lasting CUDA error) that mark the engine unhealthy: /healthz and /readyz answer 503 so the container restarts; a single failure fails only its requests
 

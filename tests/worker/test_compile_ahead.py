@@ -54,7 +54,34 @@ def test_a_cgroup_quota_bounds_the_threads(tmp_path, files, cpus):
         (tmp_path / name).write_text(text)
     assert compile_ahead._cgroup_cpus(str(tmp_path)) == cpus
     cores = len(os.sched_getaffinity(0))
-    assert compile_ahead.default_threads(str(tmp_path)) == min(16, cores, cpus or cores)
+    no_meminfo = str(tmp_path / "no-meminfo")
+    assert compile_ahead.default_threads(str(tmp_path), no_meminfo) == min(16, cores, cpus or cores)
+
+
+GIB = 1 << 30
+
+
+@pytest.mark.parametrize(
+    "files, meminfo_gib, most",
+    [
+        ({"memory.max": f"{4 * GIB}\n", "memory.current": f"{GIB}\n"}, 64, 3),  # a pod limited to 4 GiB, 1 used
+        ({"memory.max": "max\n", "memory.current": f"{GIB}\n"}, 5, 5),  # no limit: what the machine has free
+        ({"memory/memory.limit_in_bytes": f"{2 * GIB}\n", "memory/memory.usage_in_bytes": "0\n"}, 64, 2),  # v1
+        ({"memory/memory.limit_in_bytes": f"{1 << 62}\n", "memory/memory.usage_in_bytes": "0\n"}, 64, 16),
+        ({"memory.max": f"{GIB // 2}\n", "memory.current": "0\n"}, 64, 1),  # always one thread
+        ({}, None, 16),  # nothing readable: cores alone
+    ],
+)
+def test_free_memory_bounds_the_threads(tmp_path, files, meminfo_gib, most):
+    """Up to 16 LLVM and ptxas compiles at once: a pod with a small memory limit must not be killed for it."""
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text)
+    meminfo = tmp_path / "meminfo"
+    if meminfo_gib is not None:
+        meminfo.write_text(f"MemTotal: {128 << 20} kB\nMemAvailable: {meminfo_gib << 20} kB\n")
+    cores = len(os.sched_getaffinity(0))
+    assert compile_ahead.default_threads(str(tmp_path), str(meminfo)) == min(most, cores)
 
 
 def test_one_thread_records_at_a_time_and_the_hook_comes_back():
