@@ -166,8 +166,10 @@ class PoolController:
         workers = discover_workers(own, target.worker_selector, default_port=target.stager_port) if target else []
         # Released pods no longer match the selector: {} (Kubernetes' empty selector) matches every pod.
         emptied = discover_workers(released, {}, default_port=target.stager_port) if target else []
-        held: list[Worker] = []  # reached only to unload adapters being deleted (a deleting pool empties its pods)
-        if draining is None and any(s.deleting for s in specs):
+        # Reached to unload adapters being deleted (a deleting pool empties its pods), and, for an invalid pool,
+        # to read what its pods still serve (its adapters' status says so; they are told nothing else).
+        held: list[Worker] = []
+        if draining is None and (any(s.deleting for s in specs) or (pool is None and pool_error is not None)):
             if pool is not None:  # not ready: it may still serve what it holds, and will once ready
                 held = discover_workers(own, pool.worker_selector, default_port=pool.stager_port, not_ready=True)
             elif invalid is not None:

@@ -123,8 +123,10 @@ class Source:
         if not URI_RE.fullmatch(data["uri"]):
             raise SpecError(f"{field_name}.uri: {data['uri']!r} must be s3://bucket/prefix, file:///path or /path")
         if not data["uri"].isprintable():  # as the worker's directive holds it (a pasted no-break space, a tab)
+            i, bad = next((i, c) for i, c in enumerate(data["uri"]) if not c.isprintable())
             raise SpecError(f"{field_name}.uri: {data['uri']!r} must hold no control or invisible characters "
-                            f"(tabs, line breaks, no-break spaces)")
+                            f"(U+{ord(bad):04X} at position {i}; tabs, line breaks, no-break or zero-width spaces "
+                            f"are refused)")
         sha256 = data.get("sha256")
         if sha256 is not None and not (isinstance(sha256, str) and SHA256_RE.fullmatch(sha256)):
             raise SpecError(f"{field_name}.sha256: {sha256!r} must be 64 lowercase hex digits (sha256sum of "
@@ -178,7 +180,7 @@ class PoolSpec:
     model_uri: str = ""
     worker_port: int = 8000
     stager_port: int = DEFAULT_STAGER_PORT
-    gpu_bytes: int = 0  # per worker, for placement when a worker does not report its pool size
+    gpu_bytes: int = 0  # per worker: the most adapter bytes placement keeps warm there (with its own report)
     cpu_bytes: int = 0
     eviction: str = "lru"
     max_adapters_per_tenant: int | None = None

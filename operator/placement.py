@@ -54,30 +54,57 @@ def place_warm(adapters: list[AdapterSpec], workers: list[WorkerIndex], *, defau
                 for w in workers}
     slots = {w.pod: w.w.reported.pool_slots or None for w in workers}  # None: a worker that does not say
     sizes = {a.name: adapter_bytes(a, workers) for a in adapters}
+    # A copy's canary part: where only the stable version fits, the copy is kept for it alone (the canary
+    # then loads on demand there), rather than the stable version losing its warm or pinned copy.
+    canary_sizes = {a.name: min(canary_bytes(a, workers, default=sizes[a.name] // 2), sizes[a.name])
+                    for a in adapters if a.canary is not None}
     order = sorted(adapters, key=lambda a: (not a.pinned, -a.priority, -sizes[a.name], a.name))
     placement: dict[str, list[str]] = {a.name: [] for a in adapters}
+    with_canary: set[tuple[str, str]] = set()  # (name, pod) whose canary's bytes and slot are counted
 
     def room(pod: str, size: int, need: int) -> bool:
         return ((capacity[pod] is None or load[pod] + size <= capacity[pod])
                 and (slots[pod] is None or taken[pod] + need <= slots[pod]))
 
-    def place(a: AdapterSpec, candidates: list[WorkerIndex]) -> None:
-        size, need, chosen = sizes[a.name], copy_slots(a), placement[a.name]
-        fitting = [w for w in candidates if w.pod not in chosen and room(w.pod, size, need)]
-        for w in sorted(fitting, key=lambda w: (load[w.pod], taken[w.pod], w.pod))[
-                :warm_count(a, len(workers)) - len(chosen)]:
-            load[w.pod] += size
-            taken[w.pod] += need
-            chosen.append(w.pod)
+    def fullness(pod: str) -> tuple:
+        """The tighter of its byte and slot shares taken (raw bytes where neither is known), then bytes."""
+        shares = [load[pod] / capacity[pod] if capacity[pod] else None, taken[pod] / slots[pod] if slots[pod] else None]
+        return max([x for x in shares if x is not None], default=0.0), load[pod], taken[pod], pod
+
+    def count(a: AdapterSpec, pod: str, *, canary: bool) -> None:
+        extra = canary_sizes.get(a.name, 0)
+        load[pod] += sizes[a.name] - (0 if canary else extra)
+        taken[pod] += 2 if canary and a.canary is not None else 1
+        if canary and a.canary is not None:
+            with_canary.add((a.name, pod))
+
+    def place(a: AdapterSpec, candidates: list[WorkerIndex], *, canary: bool) -> None:
+        chosen = placement[a.name]
+        stable = sizes[a.name] - canary_sizes.get(a.name, 0)
+        fitting = [w.pod for w in candidates if w.pod not in chosen and room(w.pod, stable, 1)]
+        for pod in sorted(fitting, key=fullness)[:warm_count(a, len(workers)) - len(chosen)]:
+            count(a, pod, canary=canary and room(pod, sizes[a.name], copy_slots(a)))
+            chosen.append(pod)
+
+    def add_canaries(a: AdapterSpec) -> None:
+        for pod in placement[a.name]:
+            extra = canary_sizes.get(a.name)
+            if extra is not None and (a.name, pod) not in with_canary and room(pod, extra, 1):
+                load[pod] += extra
+                taken[pod] += 1
+                with_canary.add((a.name, pod))
 
     # Rank by rank (pinned, then priority), the copies workers already hold are kept before any new copy is
-    # placed: a newcomer displaces a resident adapter of a lower rank only, never one of its own.
+    # placed: a newcomer displaces a resident adapter of a lower rank only, never one of its own; and every
+    # held stable copy of the rank before any canary's slot (a canary added to one never moves another).
     for _, group in itertools.groupby(order, key=lambda a: (a.pinned, a.priority)):
         ranked = list(group)
         for a in ranked:
-            place(a, [w for w in workers if holds(w, a)])
+            place(a, [w for w in workers if holds(w, a)], canary=False)
         for a in ranked:
-            place(a, workers)
+            add_canaries(a)
+        for a in ranked:
+            place(a, workers, canary=True)
     return {name: sorted(pods) for name, pods in placement.items()}
 
 

@@ -112,8 +112,6 @@ def adapter_status(a: AdapterSpec, live: list[WorkerIndex], warm_pods: list[str]
         phase = "Pending"
         msg = (f"no answer from the sidecar of {', '.join(silent)} (ready pods, which may still serve it); "
                f"the status waits for their reports")
-        stable_version, canary_version = a.status.get("stableVersion"), a.status.get("canaryVersion")
-        canary_weight, instances = a.status.get("canaryWeight") or 0, list(a.status.get("instances") or [])
     elif not live:
         phase, msg = "Pending", f"no ready worker matches LoRAPool {a.pool!r} spec.workerSelector"
     elif errors:
@@ -152,6 +150,11 @@ def adapter_status(a: AdapterSpec, live: list[WorkerIndex], warm_pods: list[str]
         if worker_errors:  # e.g. the sidecar cannot reach its engine: say why it is not loading
             msg += "; " + "; ".join(worker_errors)
     canary_text = differ or (f"canary {canary_version} at {canary_weight}%" if canary_active else None)
+    if not live and silent:  # nothing reported: what the last status said stays (those pods may still serve it)
+        stable_version, canary_version = a.status.get("stableVersion"), a.status.get("canaryVersion")
+        canary_weight, instances = a.status.get("canaryWeight") or 0, list(a.status.get("instances") or [])
+        previous = next((c for c in a.status.get("conditions") or [] if c.get("type") == "CanaryActive"), {})
+        canary_text = previous.get("message") if previous.get("status") == "True" else None
     status = _status(a, phase, msg, now=now, validated=failure is None, canary_text=canary_text)
     status.update({
         "stableVersion": stable_version,
@@ -193,19 +196,25 @@ def unserved_status(x: AdapterSpec | InvalidAdapter, phase: str, message: str, l
     pool whose spec is invalid, as they keep it: ``validated`` None, as its spec cannot be checked against
     the pool). ``bytes`` stays: quota admission needs the last known size (clearing it would let an adapter
     over spec.tenantQuota.maxBytes flap in and out)."""
-    instances, versions = [], set()
+    instances, versions, shares = [], set(), {}
     for w in live:
         for st in w.by_name.get(x.name, ()):
             if not st.error:
                 versions.add(st.version)
+                shares[st.version] = max(shares.get(st.version, 0), st.traffic_percent or 0)
                 if st.tier != "none":
                     instances.append({"pod": w.pod, "version": st.version, "tier": st.tier})
     stable = x.status.get("stableVersion")
+    stable = stable if stable in versions else None
+    # Kept as it is (an invalid pool's pods): a canary they still send users to is still served.
+    canary = x.status.get("canaryVersion") if validated is None else None
+    weight = shares.get(canary, 0) if canary in versions and canary != stable else 0
     return {
-        **_status(x, phase, message, now=now, validated=validated),
-        "stableVersion": stable if stable in versions else None,
-        "canaryVersion": None,
-        "canaryWeight": 0,
+        **_status(x, phase, message, now=now, validated=validated,
+                  canary_text=f"canary {canary} at {weight}%" if weight else None),
+        "stableVersion": stable,
+        "canaryVersion": canary if weight else None,
+        "canaryWeight": weight,
         "instances": sorted(instances, key=lambda i: (i["pod"], i["version"])),
         "warmWorkers": [],
         "ready": "0/0",

@@ -354,3 +354,24 @@ async def test_a_replica_leading_again_empties_a_pod_another_leader_pushed_to_an
         await a.client.close()
         await b.client.close()
         await other.stop()
+
+
+async def test_an_invalid_pools_adapters_say_what_its_pods_still_serve(stager):
+    """An invalid pool leaves its pods as they are; its adapters' status read nothing served (no stable
+    version, no instances) unless some adapter was being deleted, the only case its pods were read."""
+    pods = [pod_body("worker-0", stager.port)]
+    sql = adapter_body("sql")
+    invalid = {**POOL, "spec": {**POOL["spec"], "eviction": "fifo"}}
+    controller = PoolController(StagerClient(token=TOKEN, timeout=2.0))
+    try:
+        await controller.run(KEY, pools=[POOL], adapters=[sql], pods=pods)
+        status = (await controller.run(KEY, pools=[POOL], adapters=[sql], pods=pods)).adapter_statuses["sql"]
+        assert status["phase"] == "Ready" and status["stableVersion"] == "v1"
+        pushed = len(stager.pushes)
+        plan = await controller.run(KEY, pools=[invalid], adapters=[{**sql, "status": status}], pods=pods)
+        status = plan.adapter_statuses["sql"]
+        assert status["phase"] == "Degraded" and "its pods keep what they were last told" in status["message"]
+        assert status["stableVersion"] == "v1" and [i["pod"] for i in status["instances"]] == ["worker-0"]
+        assert len(stager.pushes) == pushed  # read, never told anything
+    finally:
+        await controller.client.close()

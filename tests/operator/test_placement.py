@@ -99,3 +99,42 @@ def test_the_pools_gpu_bytes_bound_placement_below_what_a_worker_reports():
     ws = workers(1, pool_bytes=100 * MB)  # and a worker's smaller report bounds a larger budget
     plan = reconcile_pool(pool(adapterMemory={"gpuBytes": "1Gi"}), ads, ws, now=NOW)
     assert sorted(plan.placement.values()) == [[], ["w0"]]
+
+
+def _held(names, *, slots):
+    from lorafleet.worker.directives import AdapterState, ReportedState
+
+    return ReportedState(pool_bytes=1024 * MB, pool_slots=slots,
+                         adapters=[AdapterState(n, "v1", "gpu", bytes=8 * MB, pinned=True) for n in names])
+
+
+def test_a_held_pinned_adapter_that_gains_a_canary_keeps_its_stable_copy_where_one_slot_is_left():
+    # Its worker has the stable version's slot and no other: the canary loads on demand there; the stable
+    # version must stay pinned (it lost its only copy, pinned nowhere, for want of the canary's slot).
+    canary = {"version": "v2", "source": {"uri": "s3://adapters/a/v2/"}, "weight": 10}
+    ws = [WorkerReport("w0", _held(["a", "p1", "p2"], slots=3))]
+    others = [adapter(n, pinned=True, status={"bytes": 100 * MB}) for n in ("p1", "p2")]
+    plan = reconcile_pool(pool(), [adapter("a", pinned=True, canary=canary, status={"bytes": 8 * MB}), *others],
+                          ws, now=NOW)
+    assert plan.placement == {"a": ["w0"], "p1": ["w0"], "p2": ["w0"]}
+    directive = plan.desired["w0"].by_name()["a"]
+    assert directive.pinned and directive.warm
+
+
+def test_a_canary_added_to_one_held_adapter_moves_no_other_held_adapter():
+    canary = {"version": "v2", "source": {"uri": "s3://adapters/a/v2/"}, "weight": 10}
+    ws = [WorkerReport("w0", _held(["a", "b"], slots=2)), WorkerReport("w1", _held([], slots=2))]
+    b = adapter("b", pinned=True, tenant="other", status={"bytes": 8 * MB})
+    plan = reconcile_pool(pool(), [adapter("a", pinned=True, canary=canary, status={"bytes": 8 * MB}), b], ws, now=NOW)
+    assert plan.placement == {"a": ["w0"], "b": ["w0"]}
+
+
+def test_placement_balances_slots_as_well_as_bytes():
+    # One big adapter on w0 by bytes used to send every small one to w1 until its 16 slots were all pinned
+    # (every other adapter's request there then refused), with w0's slots free.
+    ws = workers(2, pool_bytes=1024 * MB, pool_slots=16)
+    ads = [adapter("big", pinned=True, status={"bytes": 200 * MB})]
+    ads += [adapter(f"s{i:02d}", pinned=True, status={"bytes": 8 * MB}) for i in range(20)]
+    plan = reconcile_pool(pool(), ads, ws, now=NOW)
+    per_pod = {pod: sum(pod in pods for pods in plan.placement.values()) for pod in ("w0", "w1")}
+    assert sum(per_pod.values()) == 21 and max(per_pod.values()) <= 11

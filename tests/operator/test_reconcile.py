@@ -408,6 +408,21 @@ def test_sidecars_that_stop_answering_are_named_not_the_worker_selector():
     assert st_["stableVersion"] == "v1" and {i["pod"] for i in st_["instances"]} == {"w0", "w1"}
 
 
+def test_silent_sidecars_keep_the_canary_the_last_status_named_and_a_refused_edit_keeps_it_too():
+    canary = {"version": "v2", "source": {"uri": "s3://adapters/a/v2/"}, "weight": 20}
+    ws = workers(2)
+    st_ = converge(pool(), [adapter("a", warm=2, canary=canary)], ws, rounds=2).adapter_statuses["a"]
+    conditions = {c["type"]: c["status"] for c in st_["conditions"]}
+    assert st_["canaryVersion"] == "v2" and conditions["CanaryActive"] == "True"
+    for w in ws:
+        w.reported = None
+    for spec in ({"canary": canary}, {"canary": canary, "baseModel": "another-base"}):  # the second is refused
+        got = reconcile_pool(pool(), [adapter("a", warm=2, status=st_, **spec)], ws, now=NOW).adapter_statuses["a"]
+        conditions = {c["type"]: c["status"] for c in got["conditions"]}
+        assert (got["stableVersion"], got["canaryVersion"], got["canaryWeight"]) == ("v1", "v2", 20), got
+        assert conditions["CanaryActive"] == "True" and len(got["instances"]) == len(st_["instances"])
+
+
 def test_loading_message_says_why_a_worker_is_behind():
     ws = workers(2)
     converge(pool(), [adapter("a", warm=2)], ws)
