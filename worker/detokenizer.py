@@ -26,7 +26,7 @@ NUM_PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded before the first output t
 class Detokenizer:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
-        self._token_bytes: TokenBytes | None = None
+        self._token_bytes: TokenBytes | None | bool = None  # False: none can be read
 
     def append(self, seq: Sequence, end: int) -> None:
         """Extend seq.text with the text of seq.output_token_ids[:end] that is complete."""
@@ -44,25 +44,33 @@ class Detokenizer:
             seq.detok_prefix, seq.detok_read = seq.detok_read, end
 
     def _complete_up_to(self, seq: Sequence, end: int) -> int:
-        """The last token boundary at or before `end` that no still-incomplete UTF-8 character spans."""
-        pieces = [self._bytes(t) for t in seq.output_token_ids[seq.detok_read:end]]
-        if pieces and None in pieces:
-            return seq.detok_read  # a token without a byte table entry: wait, as for any partial character
+        """The last token boundary at or before `end` where no UTF-8 character is left incomplete (the
+        tokens read so far decode to whole characters and final U+FFFDs); `seq.detok_read` where none is,
+        or where the bytes cannot be known."""
+        table = self._table()
+        # A SentencePiece byte-fallback decoder turns each byte of an invalid run into U+FFFD, not each
+        # maximal invalid part as UTF-8 does: a cut inside a run would read otherwise than one decode.
+        if table is None or table.byte_fallback:
+            return seq.detok_read
+        skipped = table.special_ids if seq.params.skip_special_tokens else ()
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        decoder.decode(b"".join(pieces))
-        waiting = len(decoder.getstate()[0])  # bytes held back: the start of a character
-        while waiting > 0 and pieces:
-            waiting -= len(pieces.pop())
-            end -= 1
-        return end
+        last = seq.detok_read
+        for i, token in enumerate(seq.output_token_ids[seq.detok_read:end], seq.detok_read + 1):
+            piece = b"" if token in skipped else table.exact(token)
+            if piece is None:
+                break  # a token whose bytes are not known: wait, as for any partial character
+            decoder.decode(piece)
+            if not decoder.getstate()[0]:
+                last = i
+        return last
 
-    def _bytes(self, token_id: int) -> bytes | None:
-        try:
-            if self._token_bytes is None:
+    def _table(self) -> TokenBytes | None:
+        if self._token_bytes is None:
+            try:
                 self._token_bytes = token_bytes(self.tokenizer)
-            return self._token_bytes(token_id)
-        except Exception:  # no tokenizer.json to read the table from
-            return None
+            except Exception:  # no tokenizer.json to read the table from
+                self._token_bytes = False
+        return self._token_bytes or None
 
     def flush(self, seq: Sequence, end: int) -> None:
         """At the end: add what is left, an incomplete character rendered as U+FFFD like a full decode."""

@@ -53,6 +53,12 @@ class TokenBytes:
         self._byte_fallback = "ByteFallback" in types
 
     def __call__(self, token_id: int) -> bytes:
+        exact = self.exact(token_id)
+        return exact if exact is not None else self.tokenizer.decode([token_id], skip_special_tokens=False).encode()
+
+    def exact(self, token_id: int) -> bytes | None:
+        """The token's bytes as its decoder spells them; None where only `decode([id])` can say (which
+        reads a partial character as U+FFFD)."""
         if token_id in self._added:
             return self._added[token_id]
         piece = self.tokenizer.id_to_token(token_id)
@@ -61,7 +67,11 @@ class TokenBytes:
         if piece is not None and self._byte_fallback:
             byte = _BYTE_TOKEN.fullmatch(piece)
             return bytes([int(byte.group(1), 16)]) if byte else piece.replace("▁", " ").encode()
-        return self.tokenizer.decode([token_id], skip_special_tokens=False).encode()
+        return None
+
+    @property
+    def byte_fallback(self) -> bool:
+        return self._byte_fallback
 
 
 @lru_cache(maxsize=8)

@@ -135,3 +135,51 @@ def test_a_generated_replacement_character_is_text_like_any_other(tiny_llama_dir
     ids = tok.encode("a\ufffdb", add_special_tokens=False)
     text, pieces = _incremental(tok, ids)
     assert text == "a\ufffdb" and "".join(pieces[:-1]) in ("a\ufffd", "a\ufffdb")
+
+
+def _byte_level_tokenizer(path, merged: list[bytes], special: list[str] = ()) -> tuple[Tokenizer, dict[bytes, int]]:
+    """A GPT-2 byte-level BPE: token b is byte b, plus one token per `merged` byte string."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    from lorafleet.worker.token_bytes import _gpt2_byte_decoder
+
+    spell = {b: c for c, b in _gpt2_byte_decoder().items()}
+    vocab = {spell[b]: b for b in range(256)}
+    ids = {}
+    for piece in merged:
+        ids[piece] = vocab["".join(spell[b] for b in piece)] = len(vocab)
+    hf = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    hf.add_special_tokens(list(special))
+    hf.save(str(path / "tokenizer.json"))
+    return Tokenizer(path), ids
+
+
+@pytest.mark.parametrize("case", ["token ends one character and starts the next", "skipped special token inside a "
+                                  "character", "invalid run then a character", "byte fallback invalid run"])
+def test_committing_final_replacement_characters_early_reads_as_one_decode(tmp_path, case):
+    """Each case once read otherwise than a full decode: a cut inside a character committed a U+FFFD."""
+    if case == "byte fallback invalid run":  # SentencePiece: every byte of an invalid run is its own U+FFFD
+        from tokenizers import Tokenizer as HFTokenizer
+        from tokenizers import decoders, models
+
+        vocab = {"<unk>": 0, "<s>": 1, **{f"<0x{b:02X}>": 2 + b for b in range(256)}, "▁": 258, "h": 259}
+        hf = HFTokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+        hf.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+        hf.save(str(tmp_path / "tokenizer.json"))
+        tok = Tokenizer(tmp_path)
+        ids = [2 + b for b in (0x80, 0xC3, 0xA9, 0x80, 0xE2, 0x82, 0xAC, 0x80, 0x80)] + [259]
+    else:
+        tok, merged = _byte_level_tokenizer(tmp_path, [b"\xb8\xad\xe5", b"\x9b\xbd"], ["<|tool|>"])
+        ids = {"token ends one character and starts the next": [0xE4, merged[b"\xb8\xad\xe5"], merged[b"\x9b\xbd"]],
+               "skipped special token inside a character": [0xE4, tok.token_to_id("<|tool|>"), 0xB8, 0xAD],
+               "invalid run then a character": [0x80, 0x80, 0xE4, 0xB8, 0xAD, 0x80, 0x41]}[case]
+    seq = Sequence("r", [259 if case == "byte fallback invalid run" else 0x61], SamplingParams())
+    detok = Detokenizer(tok)
+    for i, t in enumerate(ids):
+        seq.output_token_ids.append(t)
+        detok.append(seq, i + 1)
+    detok.flush(seq, len(ids))
+    assert seq.text == tok.decode(ids)
