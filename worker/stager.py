@@ -43,7 +43,6 @@ import logging
 import sys
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -63,11 +62,13 @@ from lorafleet.worker.staged_copy import DIGEST_FILE, Staged, last_copies, recor
 from lorafleet.worker.stager_config import StagerConfig
 from lorafleet.worker.stager_engine import EngineLink
 from lorafleet.worker.stager_holds import CacheHolds
+from lorafleet.worker.stager_local import LocalReads
 from lorafleet.worker.stager_locks import KeyLocks
 from lorafleet.worker.stager_metrics import StagerMetrics, progress_by_uri
 from lorafleet.worker.stager_push import apply_push
 from lorafleet.worker.stager_seed import SeedReport, seed
 from lorafleet.worker.stager_store import StoreDown, StoreHealth
+from lorafleet.worker.staging_errors import is_refusal
 
 log = logging.getLogger("lorafleet.stager")
 _STALL_GRACE_S = 120.0  # beyond download_timeout_s: the store's calls end by then, what follows (verifying) may not
@@ -100,8 +101,7 @@ class Stager:
         self.staging_lock = asyncio.Lock()  # one push stages at a time
         self.superseded = asyncio.Event()  # the latest push's: set once a newer one begins
         self._pushes: set[asyncio.Task] = set()  # start()'s
-        self._local_threads = ThreadPoolExecutor(4, thread_name_prefix="stager-local")
-        self._local_reads: dict[tuple[str, str | None], asyncio.Future] = {}  # local folders being checked
+        self.local_reads = LocalReads(self._local)  # local folders being checked, each on a thread of its own
         self.metrics = StagerMetrics(self.cache)
         self.registry = self.metrics.registry
         self.store = StoreHealth(self.metrics)
@@ -116,7 +116,7 @@ class Stager:
         if sha256 is not None:
             sha256 = sha256.lower()
         if not self.sources.is_s3(uri):
-            staged = await self._stage_local(uri, sha256)
+            staged = await self.local_reads.read(uri, sha256, self.config.download_timeout_s)
             self.metrics.requests.labels("local").inc()
             return staged
         self.sources.check_s3(uri)
@@ -140,7 +140,7 @@ class Stager:
             except Exception as exc:
                 # Only while the store cannot be reached: its refusal (access denied, the bucket gone) is an
                 # answer, and may be how an adapter was withdrawn.
-                if fallback is None or isinstance(exc, SourceError) or type(exc).__name__ == "S3Error":
+                if fallback is None or isinstance(exc, SourceError) or is_refusal(exc):
                     raise
                 key = fallback
                 self.store.fell_back(uri, key)
@@ -177,27 +177,6 @@ class Stager:
             raise
         self.store.answered(start)
         return etags
-
-    async def _stage_local(self, uri: str, sha256: str | None) -> Staged:
-        """A local folder, checked on threads of its own (a hung mount holds those, never the threads S3
-        stages and state reports use), one read per folder at a time (a push repeated while it hangs waits
-        on the same read), for at most download_timeout_s."""
-        flight = self._local_reads.get((uri, sha256))
-        if flight is None:
-            flight = asyncio.get_running_loop().run_in_executor(self._local_threads, self._local, uri, sha256)
-            self._local_reads[(uri, sha256)] = flight
-            flight.add_done_callback(functools.partial(self._read_done, (uri, sha256)))
-        timeout = self.config.download_timeout_s
-        try:
-            return await asyncio.wait_for(asyncio.shield(flight), timeout)
-        except TimeoutError:
-            raise TimeoutError(f"{uri}: reading the folder took over {timeout:g} s (a hung mount?)") from None
-
-    def _read_done(self, key: tuple[str, str | None], flight: asyncio.Future) -> None:
-        if self._local_reads.get(key) is flight:
-            del self._local_reads[key]
-        if not flight.cancelled():
-            flight.exception()  # retrieved: every waiter may have gone
 
     def _same_bytes(self, uri: str, sha256: str) -> bool:
         """`uri`'s last staged copy holds exactly the files of digest `sha256` (and is still cached)."""

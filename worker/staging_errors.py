@@ -16,7 +16,22 @@ _STATUS = {"not_allowed": 403, "bad_uri": 400, "missing": 404, "digest_mismatch"
            "permission_denied": 403, "symlink_loop": 422, "unreadable": 422}
 READ_ERROR_KINDS = ("permission_denied", "symlink_loop", "unreadable")  # worker/source_error.py
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)  # writing the node's disk cache, never an object store's answer
-_REFUSED = ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AllAccessDisabled", "AccountProblem")
+# The store's answer about the object: it may not be read (a withdrawal, a bucket policy).
+_REFUSED = ("AccessDenied", "AllAccessDisabled")
+# About the stager's own key, token, account or clock: the node's to fix, for every adapter alike.
+_CREDENTIALS = ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccountProblem", "ExpiredToken", "InvalidToken",
+                "TokenRefreshRequired", "RequestTimeTooSkewed")
+
+
+def is_refusal(exc: BaseException) -> bool:
+    """The store answered that this object may not, or does not, exist for the stager (a 4xx about it): an
+    answer, never papered over with a cached copy. Its 5xx answers (busy, restarting) and the stager's own
+    credential problems are not."""
+    if type(exc).__name__ != "S3Error" or getattr(exc, "code", "") in _CREDENTIALS:
+        return False
+    status = getattr(getattr(exc, "response", None), "status", None)
+    return getattr(exc, "code", "") in (*_REFUSED, "NoSuchBucket", "NoSuchKey") or (
+        isinstance(status, int) and 400 <= status < 500)
 
 
 def source_status(kind: str) -> int:
@@ -45,8 +60,12 @@ def staging_error(exc: Exception, uri: str) -> APIError:
     code = getattr(exc, "code", "")
     if name == "S3Error" and code in ("NoSuchBucket", "NoSuchKey"):
         return APIError(404, f"{uri}: {exc}", code="missing")
-    if name == "S3Error" and code in _REFUSED:  # the store answered: the stager's credentials may not read it
-        return APIError(403, f"{uri}: the object store refused the stager ({code}: {str(exc)[:200]}); check its "
-                             f"credentials and the bucket's policy", code="store_refused")
+    if name == "S3Error" and code in _REFUSED:  # the store answered: the stager may not read it
+        return APIError(403, f"{uri}: the object store refused the stager ({code}: {str(exc)[:200]}); check the "
+                             f"bucket's policy", code="store_refused")
+    if name == "S3Error" and code in _CREDENTIALS:
+        return APIError(502, f"{uri}: the object store does not accept the stager's credentials ({code}: "
+                             f"{str(exc)[:200]}); check its key (LORAFLEET_S3_ACCESS_KEY / _SECRET_KEY), token "
+                             f"and the node's clock", type="server_error", code="stager_credentials")
     return APIError(502, f"{uri}: object store unavailable ({name}: {str(exc)[:200]})", type="server_error",
                     code="object_store_unavailable")

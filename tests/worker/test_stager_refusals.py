@@ -71,18 +71,61 @@ async def test_a_refused_listing_is_answered_not_served_from_the_last_cached_cop
     assert isinstance(error, APIError) and error.status == status and not is_outage(_refusal(code))
 
 
-async def test_an_unreachable_store_still_falls_back_to_the_last_cached_copy(tmp_path, monkeypatch):
+def _answer(code: str, status: int) -> S3Error:
+    return S3Error(urllib3.HTTPResponse(status=status), code, code, "/adapters", "r", "h")
+
+
+@pytest.mark.parametrize("failure", ["unreachable", "SlowDown", "XMinioServerNotInitialized", "InvalidAccessKeyId"])
+async def test_a_store_that_cannot_answer_still_falls_back_to_the_last_cached_copy(tmp_path, monkeypatch, failure):
+    """Unreachable, busy or restarting (a 5xx with an XML body is an S3Error too), or refusing the stager's own
+    key (a rotated secret: every adapter alike, not a withdrawal of this one): the cached copy serves."""
     stager = Stager(config(tmp_path))
     FakeStore(stager, monkeypatch)
     uri = "s3://adapters/team/sql/"
     first = await stager.stage(uri, None)
+    status = {"SlowDown": 503, "XMinioServerNotInitialized": 503, "InvalidAccessKeyId": 403}.get(failure)
 
     def down(uri, quick=False, deadline=None):
-        raise urllib3.exceptions.MaxRetryError(None, uri, "connection refused")
+        if status is None:
+            raise urllib3.exceptions.MaxRetryError(None, uri, "connection refused")
+        raise _answer(failure, status)
 
     monkeypatch.setattr(stager.sources, "object_etags", down)
     again = await stager.stage(uri, None)
     assert again.path == first.path and stager.disk_stats()["store"]["fallbacks"] == 1
+    if failure == "InvalidAccessKeyId":
+        error = staging_error(_answer(failure, 403), uri)
+        assert error.code == "stager_credentials" and "LORAFLEET_S3_ACCESS_KEY" in error.message
+    elif status is not None:
+        assert is_outage(_answer(failure, status))
+
+
+async def test_a_healthy_local_folder_is_never_queued_behind_hung_ones(tmp_path, monkeypatch):
+    import asyncio
+    import dataclasses
+    import threading
+
+    from tests.worker.test_stager_bounds import fake_adapter
+
+    stager = Stager(dataclasses.replace(config(tmp_path), download_timeout_s=0.5))
+    hung = [fake_adapter(tmp_path / "local" / f"hung{i}") for i in range(6)]
+    healthy = fake_adapter(tmp_path / "local" / "healthy")
+    release, real = threading.Event(), stager.sources.local_path
+
+    def local_path(uri):
+        if "hung" in uri:
+            release.wait(30)
+        return real(uri)
+
+    monkeypatch.setattr(stager.sources, "local_path", local_path)
+    try:
+        for folder in hung:
+            with pytest.raises(TimeoutError, match="a hung mount"):
+                await stager.stage(str(folder), None)
+        staged = await asyncio.wait_for(stager.stage(str(healthy), None), 5)
+        assert staged.path == healthy
+    finally:
+        release.set()
 
 
 async def test_seeded_adapters_are_downloaded_and_kept_once(tmp_path, monkeypatch):
@@ -131,7 +174,7 @@ async def test_a_hung_local_folder_times_out_alone_and_holds_no_other_stage(tmp_
                 AdapterDirective("b", "t", VersionRef(f"v{generation}", f"s3://adapters/team/b{generation}/"))])), 10)
             errors = {a.name: a.error for a in report.adapters if a.version != "unstaged"}
             assert "reading the folder took over 0.5 s (a hung mount?)" in errors["a"] and errors["b"] is None
-            assert len(stager._local_reads) == 1  # the pushes wait on the one read, not one thread each
+            assert len(stager.local_reads) == 1  # the pushes wait on the one read, not one thread each
         assert (await asyncio.wait_for(stager.stage("s3://adapters/team/other/", None), 5)).path.exists()
         await asyncio.wait_for(stager.state(), 5)
     finally:

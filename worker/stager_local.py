@@ -1,0 +1,64 @@
+"""LocalReads: the stager's checks of local adapter folders (their files stat'ed, read and hashed), each on a
+thread of its own. A folder on a mount that stopped answering holds only its own thread, never the threads
+S3 stages, state reports or other folders' checks use; a check asked for again while one of the same folder
+and digest is running waits on that one (a push repeated while the mount hangs starts no second thread);
+a waiter gives up after its time limit, the thread ending whenever the read returns (a daemon thread: it
+does not keep the process from exiting)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class LocalReads(Generic[T]):
+    def __init__(self, read: Callable[[str, str | None], T]) -> None:
+        self._read = read
+        self._flights: dict[tuple[str, str | None], asyncio.Future] = {}
+
+    def __len__(self) -> int:
+        return len(self._flights)
+
+    async def read(self, uri: str, sha256: str | None, timeout: float) -> T:
+        """`read(uri, sha256)`'s result, or TimeoutError naming the folder after `timeout` seconds."""
+        key = (uri, sha256)
+        flight = self._flights.get(key)
+        if flight is None:
+            loop = asyncio.get_running_loop()
+            flight = loop.create_future()
+            threading.Thread(target=self._run, args=(loop, flight, uri, sha256), name="stager-local-read",
+                             daemon=True).start()
+            self._flights[key] = flight
+            flight.add_done_callback(lambda done: self._landed(key, done))
+        try:
+            return await asyncio.wait_for(asyncio.shield(flight), timeout)
+        except TimeoutError:
+            raise TimeoutError(f"{uri}: reading the folder took over {timeout:g} s (a hung mount?)") from None
+
+    def _run(self, loop: asyncio.AbstractEventLoop, flight: asyncio.Future, uri: str, sha256: str | None) -> None:
+        try:
+            outcome = (self._read(uri, sha256), None)
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiters
+            outcome = (None, exc)
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits any more
+            loop.call_soon_threadsafe(_settle, flight, *outcome)
+
+    def _landed(self, key: tuple[str, str | None], flight: asyncio.Future) -> None:
+        if self._flights.get(key) is flight:
+            del self._flights[key]
+        if not flight.cancelled():
+            flight.exception()  # retrieved: every waiter may have gone
+
+
+def _settle(flight: asyncio.Future, result, exc: BaseException | None) -> None:
+    if flight.done():
+        return
+    if exc is not None:
+        flight.set_exception(exc)
+    else:
+        flight.set_result(result)
