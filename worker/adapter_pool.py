@@ -242,11 +242,6 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
         with self._lock:
             return bool(self._inflight or self._wanted) or self._warm_check_due()
 
-    def copying(self) -> bool:
-        """True while an adapter's copy to the GPU is in flight: its pages are taken, reclaimable once done."""
-        with self._lock:
-            return any(self._entries[k].copying is not None for k in self._inflight if k in self._entries)
-
     def _loader_threads(self) -> ThreadPoolExecutor:
         # Optionally bound the CPU threads a loader's torch ops fan out to (GPU workers only).
         cpu_threads = self.config.loader_cpu_threads if self._cuda else None

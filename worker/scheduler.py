@@ -27,6 +27,7 @@ ends by length if its max_tokens, lowered to fit (kv_room.py), is reached.
 from __future__ import annotations
 
 import heapq
+import time
 from collections.abc import Callable
 
 from lorafleet.worker.adapter_entry import AdapterNotFoundError, AdapterSlots
@@ -70,10 +71,12 @@ class Scheduler:
         # tokens can be had (admitted chunk by chunk, they would get as far and preempt themselves again).
         self._short_alone: set[int] = set()
         self.num_preemptions = 0
-        self.max_stuck_steps = 100  # steps a request that cannot get pages, with nothing running, may wait
-        # seq_id -> steps it waited so far; a sequence leaving the queue takes its count along (the next one
-        # gets a wait of its own), and any admission clears them all (something runs: pages will come back).
-        self._stuck_steps: dict[int, int] = {}
+        # Steps, and seconds, a request that cannot get pages, with nothing running, may wait (both: a step
+        # that runs nothing can be far shorter than the adapter copy in flight it waits for).
+        self.max_stuck_steps, self.min_stuck_s = 100, 1.0
+        # seq_id -> (steps it waited so far, when it began); a sequence leaving the queue takes its count along
+        # (the next one gets a wait of its own), and any admission clears them all (something runs: pages come back).
+        self._stuck_steps: dict[int, tuple[int, float]] = {}
         self.failed: list[Sequence] = []  # ended by the scheduler (a failure, or max_tokens lowered to fit); engine reports them
 
     # ---- queue -----------------------------------------------------------------------------------
@@ -340,16 +343,15 @@ class Scheduler:
     def _gave_up(self, seq: Sequence, message: str) -> bool:
         """Nothing runs and (dequeued) `seq` cannot get room. One that never can (`never_fits`) fails at once;
         else wait out transient holders (an adapter copy in flight becomes reclaimable once done) for
-        max_stuck_steps steps (not counting those with an adapter copy in flight, as a step that runs nothing can
-        be shorter than a copy), then fail it: True if it failed."""
-        waits = self.adapter_pool is not None and self.adapter_pool.copying()
-        steps = self._stuck_steps[seq.seq_id] = self._stuck_steps.get(seq.seq_id, 0) + (not waits)
+        max_stuck_steps steps and min_stuck_s seconds, then fail it: True if it failed."""
+        steps, since = self._stuck_steps.get(seq.seq_id, (0, time.monotonic()))
+        self._stuck_steps[seq.seq_id] = (steps := steps + 1, since)
         never = self.never_fits(seq) if self.never_fits is not None else None
         if never is None and len(seq.output_token_ids) >= seq.params.max_tokens:  # lowered to fit, reached
             self.finish(seq, "length")
             self.failed.append(seq)  # reported at the engine's next step
             return True
-        if never is None and steps <= self.max_stuck_steps:
+        if never is None and (steps <= self.max_stuck_steps or time.monotonic() - since < self.min_stuck_s):
             return False
         self.fail([seq], never or CapacityError(message))
         return True

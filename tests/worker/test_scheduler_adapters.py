@@ -300,3 +300,25 @@ def test_an_adapter_pinned_ones_leave_no_room_for_under_the_ceiling_fails_at_onc
     assert len(done) == 6 and all(error is None for _, error in done.values())
     assert max(step for step, _ in done.values()) < 45  # two rounds of 20 tokens on 4 seats: nobody held back
     _assert_all_free(engine)
+
+
+def test_a_stuck_request_does_not_wait_forever_while_adapters_trade_the_only_slot(tiny_llama_dir):
+    """One GPU slot, two queued adapter requests and a base request that fits only with no adapter on the GPU.
+    Letting go of adapters for the stuck one made the two adapters trade the slot every step, a copy always in
+    flight; while steps with a copy in flight did not count, nobody ever finished (a copy per step)."""
+    import time
+
+    engine = _engine(tiny_llama_dir, max_loras=1)
+    _add_adapter(engine, "x@1", seed=1)
+    _add_adapter(engine, "y@1", seed=2)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    engine.add_request("r1", [4, 5, 6], params, adapter="x", tenant="t1")
+    engine.add_request("r2", [4, 5, 7], params, adapter="y", tenant="t2")
+    engine.add_request("s", [3] * 49, params, tenant="t0")  # 13 of 16 pages
+    deadline = time.monotonic() + 60
+    while engine.has_unfinished() and time.monotonic() < deadline:
+        engine.step()
+        if not engine.last_batch_size:
+            time.sleep(0.005)  # the engine thread's idle wait
+    assert not engine.has_unfinished()
+    _assert_all_free(engine)
