@@ -61,6 +61,7 @@ class AdapterEntry:
     fetching: Future | None = None
     fetch_started: float = 0.0  # monotonic time the current load was asked for
     fetch_began: list = field(default_factory=list)  # [monotonic time a loader thread took it], once it did
+    hung: Future | None = None  # a read past the time limit whose thread has not come back
     copying: Any = None  # a Future (CPU device) or a (done_event, start_event) pair (CUDA)
     refcount: int = 0
     uses: int = 0

@@ -37,9 +37,9 @@ class AdapterLoading:
                 changed = True
             elif entry.fetching is not None and timeout is not None and (
                     why := self._fetch_overdue(entry, now, timeout)) is not None:
-                future, entry.fetching = entry.fetching, None
-                if not future.cancel():  # running: its thread is stuck (its result, if it ever comes, is dropped)
-                    self._count_stuck(future)
+                # Its thread is stuck: its result, if it ever comes, is dropped, and no second read of this
+                # version starts while it has not come back (each would hold one more thread).
+                entry.hung, entry.fetching = entry.fetching, None
                 self._fail(entry, why, tier="disk", retryable=True)
                 changed = True
             if entry.copying is not None and self._copier.is_done(entry.copying):
@@ -47,6 +47,8 @@ class AdapterLoading:
                 changed = True
             if entry.fetching is None and entry.copying is None:
                 self._inflight.discard(key)
+        if timeout is not None and self._inflight:
+            self._replace_stuck_threads(now, timeout)
         if changed:  # memory moved: adapters waiting for room may fit now
             self._sweep_wanted()
             self._update_gauges()
@@ -79,6 +81,11 @@ class AdapterLoading:
             self._try_place(entry)
 
     def _start_fetch(self, entry: AdapterEntry) -> None:
+        if entry.hung is not None and not entry.hung.done():
+            self._fail(entry, "its last read has not come back (a hung disk or mount?); it is not read again "
+                              "until that one returns", tier="disk", retryable=True)
+            return
+        entry.hung = None
         loader, pack = entry.loader, self._pack
         began: list[float] = []  # when a loader thread took the job (the time limit counts from there)
 
@@ -90,33 +97,34 @@ class AdapterLoading:
 
         entry.fetch_started = time.monotonic()
         entry.fetch_began = began
-        entry.fetching = self._executor.submit(job)
+        entry.fetching = future = self._executor.submit(job)
+        self._jobs[future] = began
+        executor = self._executor
+        future.add_done_callback(lambda done: self._job_done(executor, done))
         self._inflight.add(entry.key)
 
-    def _count_stuck(self, future) -> None:
-        """A load of the current loader threads ran past the time limit. Once every thread is held so (a
-        hung disk or mount), later loads go to fresh threads, the loads still queued with them: one tenant's
-        stuck reads never keep the others' adapters from loading."""
-        executor = self._executor
-        self._stuck += 1
+    def _job_done(self, executor, future) -> None:
+        with self._lock:
+            if self._executor is executor:
+                self._jobs.pop(future, None)
 
-        def returned(_) -> None:
-            with self._lock:
-                if self._executor is executor:
-                    self._stuck -= 1
-
-        future.add_done_callback(returned)
-        if self._stuck < self.config.num_load_threads:
+    def _replace_stuck_threads(self, now: float, timeout: float) -> None:
+        """Once every loader thread is held by a read past the time limit (a hung disk or mount; its version's
+        load failed, or was dropped meanwhile), later loads go to fresh threads, the loads still queued with
+        them: one tenant's stuck reads never keep the others' adapters from loading."""
+        hung = sum(1 for future, began in self._jobs.items() if began and not future.done() and now - began[0] > timeout)
+        if hung < self.config.num_load_threads:
             return
-        self._executor, self._stuck = self._loader_threads(), 0
+        executor, self._executor, self._jobs = self._executor, self._loader_threads(), {}
         for entry in list(self._entries.values()):
             if entry.fetching is not None and entry.fetching.cancel():  # queued behind the stuck ones
+                entry.fetching = None
                 self._start_fetch(entry)
         executor.shutdown(wait=False)  # its threads end when their reads return
 
     def _fetch_overdue(self, entry: AdapterEntry, now: float, timeout: float) -> str | None:
         """Why `entry`'s load in flight fails now, if it does: it ran past the time limit, counted from when a
-        loader thread took it (one queued waits for a thread: `_count_stuck` sees that one comes)."""
+        loader thread took it (one queued waits for a thread: `_replace_stuck_threads` sees that one comes)."""
         if entry.fetch_began and now - entry.fetch_began[0] > timeout:
             return f"load timed out after {timeout:g} s (download or disk too slow?)"
         return None

@@ -37,13 +37,21 @@ class AdapterPlacement:
         plan = self._plan_with(entry, candidates)
         replaced = self._replaced_pinned(entry)
         if plan is None and replaced is not None and replaced.refcount == 0 and not replaced.waiters \
-                and (self.pinned_slot_keys() is not None or self._own_quota_full(entry, replaced)):
-            # A pinned version's successor while every slot is pinned, or while the quota of their owner is full:
-            # the old version gives way (`_try_place` switches to the new one then); else the new one would never
-            # be placed. (Short of pages only, with the quota not full, the new one waits for them beside the old
-            # one, as any version does.)
+                and (self.pinned_slot_keys() is not None or self._own_quota_full(entry, replaced)
+                     or self._ceiling_full(entry, replaced)):
+            # A pinned version's successor while every slot is pinned, while the quota of their owner is full, or
+            # while pinned adapters fill the pages adapters may take: the old version gives way (`_try_place`
+            # switches to the new one then); else the new one would never be placed. (Short of pages only, with
+            # room under the ceiling, the new one waits for them beside the old one, as any version does.)
             plan = self._plan_with(entry, [replaced, *candidates])
         return plan
+
+    def _ceiling_full(self, entry: AdapterEntry, replaced: AdapterEntry) -> bool:
+        """Whether `entry` beside the pinned version it replaces, and the other pinned adapters, is more than
+        the pages adapters may ever take (the pool less the KV floor, under --max-adapter-pages)."""
+        most = self.page_pool.most("adapter")
+        return (most < self.page_pool.num_pages
+                and entry.image.num_pages + len(replaced.page_ids) + self._pinned_pages(entry) > most)
 
     def _replaced_pinned(self, entry: AdapterEntry, *, copying: bool = False) -> AdapterEntry | None:
         """The pinned, GPU-resident current version that `entry`, pending to replace it, may take the slot of
@@ -107,6 +115,7 @@ class AdapterPlacement:
         self._quota_due.discard(entry.key)
         if entry.resident and self.config.quota(entry.tenant).exceeded(*self._gpu_usage(entry.tenant)):
             self._evict_gpu(entry, "quota")
+            self._update_gauges()  # at a release or an owner change: no other change follows to update them
             if entry.pinned or entry.key in self._warm:
                 self._want(entry)  # back within that quota, evicting the owner's other idle adapters first
 
@@ -135,10 +144,7 @@ class AdapterPlacement:
         victims = self._placement_plan(entry)
         if victims is None:
             quota = self.config.quota(entry.tenant)
-            pp = self.page_pool.config
-            most = pp.num_pages - pp.min_pages.get("kv", 0)
-            if pp.max_pages.get("adapter") is not None:
-                most = min(most, pp.max_pages["adapter"])
+            most = self.page_pool.most("adapter")
             if quota.max_bytes is not None and entry.image.nbytes > quota.max_bytes:
                 self._fail(entry, f"needs {entry.image.nbytes} bytes, above tenant {entry.tenant!r}'s GPU quota of "
                                   f"{quota.max_bytes} bytes", tier="gpu")
@@ -147,7 +153,7 @@ class AdapterPlacement:
                                   f"the pool (raise the pool size or the adapter ceiling)", tier="gpu")
             elif self._gives_way_later(entry):
                 pass  # stays wanted: placed when the requests on the version it replaces release it (the sweep)
-            elif most < pp.num_pages and entry.image.num_pages > most - (held := self._pinned_pages(entry)):
+            elif most < self.page_pool.num_pages and entry.image.num_pages > most - (held := self._pinned_pages(entry)):
                 # Pinned adapters never leave on their own: waiting would hold every request behind this one. (With
                 # no ceiling or floor, kv_room.py refuses the request: its KV pages count there too.)
                 self._fail(entry, f"needs {entry.image.num_pages} pages, but pinned adapters hold {held} of the "
@@ -259,7 +265,6 @@ class AdapterPlacement:
         self._count_eviction("gpu", reason)
         if entry.retired:
             self._drop(entry, reason=reason)
-        self._update_gauges()  # also where no other change follows (a quota eviction at a release)
 
     def _count_eviction(self, tier: str, reason: str) -> None:
         self._counts["evictions"][tier][reason] = self._counts["evictions"][tier].get(reason, 0) + 1

@@ -74,7 +74,7 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
             widths=tuple(dims.in_out(p) for p in PROJS),
         )
         self._executor = self._loader_threads()
-        self._stuck = 0  # loads of this executor past the time limit whose threads have not come back
+        self._jobs: dict = {}  # the loader threads' reads (future -> [when a thread took it]) not finished
         # CPU devices copy pages on a thread of their own: a read stuck on a hung disk never holds a copy back.
         self._copy_executor = (None if self._cuda else
                                ThreadPoolExecutor(1, thread_name_prefix="adapter-copy"))

@@ -91,7 +91,9 @@ class AdapterWarmth:
         for key in list(self._pinned_keys):
             entry = self._pinned_off(key)
             if entry is None:
-                self._pinned_retry.pop(key, None)
+                e = self._entries.get(key)
+                if e is None or e.retired or not e.pinned or e.resident:  # not while on its way: the backoff doubles
+                    self._pinned_retry.pop(key, None)
                 continue
             state = self._pinned_retry.setdefault(key, WarmState())
             if now is not None:

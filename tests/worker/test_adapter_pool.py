@@ -695,6 +695,49 @@ def test_one_tenants_hung_reads_keep_no_other_adapter_from_loading():
         pool.close()
 
 
+def test_a_hung_read_of_a_dropped_version_still_counts_for_fresh_threads():
+    """a1's read hangs and a1 is unregistered (its load cannot be cancelled once running), a2's read hangs
+    too: both threads are held, b's load queued behind them must still run (it waited forever, never failing,
+    as the dropped read was never counted as stuck)."""
+    pool = make_pool(load_timeout_s=0.3, num_load_threads=2)
+    hung = threading.Event()
+    pool.add("a1@1", loader=lambda: hung.wait(30) and random_weights(1))
+    pool.add("a2@1", loader=lambda: hung.wait(30) and random_weights(2))
+    pool.add("b@1", loader=lambda: random_weights(3))
+    try:
+        assert pool.acquire("a1@1", waiter="x") is None and pool.acquire("a2@1", waiter="y") is None
+        time.sleep(0.05)  # both reads running
+        pool.unregister("a1")
+        assert pool.acquire("b@1", waiter="b") is None
+        assert _acquire_within(pool, "b@1", "b", 5.0) is not None
+    finally:
+        hung.set()
+        pool.close()
+
+
+def test_a_version_whose_read_hangs_is_not_read_again_until_that_read_returns():
+    """Every retry of a read stuck on a hung mount held one more thread, for good (a pinned version is
+    retried by itself): the next one fails at once, retryable, until the stuck one has come back."""
+    pool = make_pool(load_timeout_s=0.2, num_load_threads=2)
+    hung, reads = threading.Event(), []
+    pool.add("p@1", loader=lambda: reads.append(1) or (hung.wait(30) and random_weights(1)))
+    try:
+        assert pool.acquire("p@1", waiter="1") is None
+        with pytest.raises(AdapterLoadError, match="timed out"):
+            _acquire_within(pool, "p@1", "1", 5.0)
+        with pytest.raises(AdapterLoadError, match="its last read has not come back") as again:
+            _acquire_within(pool, "p@1", "2", 5.0)
+        assert again.value.retryable and reads == [1]
+        hung.set()
+        deadline = time.monotonic() + 5
+        while pool.entry("p@1").hung is not None and not pool.entry("p@1").hung.done() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _acquire_within(pool, "p@1", "3", 5.0) is not None and reads == [1, 1]
+    finally:
+        hung.set()
+        pool.close()
+
+
 def test_a_copy_on_a_cpu_device_is_not_queued_behind_hung_reads():
     pool = make_pool(load_timeout_s=30, num_load_threads=2)
     hung = threading.Event()
@@ -741,11 +784,12 @@ def test_a_slot_is_invisible_to_kernels_until_its_copy_finished():
     # The seed's pitfall: requests computing with half-loaded weights during a (hot) update.
     pool = make_pool(num_load_threads=1)
     gate = threading.Event()
-    pool._executor.submit(gate.wait, 30)  # the only copy thread is busy: the copy below waits its turn
+    pool._copy_executor.submit(gate.wait, 30)  # the only copy thread is busy: the copy below waits its turn
     pool.add("h@1", random_weights(1))
     assert pool.acquire("h@1", waiter=1) is None
     entry = pool.entry("h@1")
     assert entry.slot is not None and entry.copying is not None and not entry.resident
+    assert not entry.copying.future.done()  # held by the gate: the copy is really in flight
     assert int(pool.layout.ranks[:, :, entry.slot].abs().sum()) == 0  # kernels see "no adapter"
     pool.check()
     gate.set()

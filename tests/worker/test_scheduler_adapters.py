@@ -322,3 +322,21 @@ def test_a_stuck_request_does_not_wait_forever_while_adapters_trade_the_only_slo
             time.sleep(0.005)  # the engine thread's idle wait
     assert not engine.has_unfinished()
     _assert_all_free(engine)
+
+
+def test_a_new_version_of_a_pinned_adapter_takes_its_pages_under_the_ceiling(tiny_llama_dir):
+    """--max-adapter-pages 8, p@1 pinned on 4 of them, its new version p@2 needs 7: it fits only in p@1's
+    place. It stayed wanted with no error (pages were thought to come back), and its requests failed."""
+    engine = _engine(tiny_llama_dir, num_pages=64, max_adapter_pages=8, max_adapter_wait_steps=4, max_num_seqs=4)
+    pool = engine.adapter_pool
+    pool.add("p@1", random_weights(0, rank=4, projs=ADAPTER_PROJS), pinned=True)
+    pool.load("p@1")
+    old_pages = len(pool.entry("p@1").page_ids)
+    pool.add("p@2", random_weights(1, rank=8, projs=ADAPTER_PROJS), pinned=True)  # a push's new version
+    assert old_pages + pool.entry("p@2").image.num_pages > 8
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    engine.add_request("new", [7, 8, 9], params, adapter="p@2")
+    finished = _run_until_done(engine, max_steps=200)
+    assert [(o.request_id, o.finish_reason, o.error) for o in finished] == [("new", "length", None)]
+    assert pool.resolve("p") == "p@2" and pool.entry("p@2").resident
+    _assert_all_free(engine)
