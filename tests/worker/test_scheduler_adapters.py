@@ -35,6 +35,18 @@ def _assert_all_free(engine: Engine) -> None:
     assert all(d["refcount"] == 0 for d in engine.adapter_pool.describe())
 
 
+def _expected_and_tight_engine(model_dir, prompts, params) -> tuple[list[list[int]], Engine]:
+    """The tokens of (base, x) requests for `prompts` from an engine with room to spare, and an engine of 16
+    pages with x@1 resident on 4 of them."""
+    roomy = _engine(model_dir, num_pages=40)
+    _add_adapter(roomy)
+    expected = [o.token_ids for o in roomy.generate(prompts, params, adapters=[None, "x"])]
+    engine = _engine(model_dir)
+    _add_adapter(engine)
+    engine.adapter_pool.load("x@1")
+    return expected, engine
+
+
 def test_a_queued_request_holding_an_adapter_does_not_fail_a_request_that_fits_the_pool_alone(tiny_llama_dir):
     """16 pages; adapter x resident on 4 of them. A 45-token base request takes the other 12; x's request,
     behind it, takes a reference on x but finds no KV page and waits. When the base request outgrows 12
@@ -43,13 +55,7 @@ def test_a_queued_request_holding_an_adapter_does_not_fail_a_request_that_fits_t
     fail with CapacityError, and recomputing it must not change its tokens."""
     prompts = [[3] * 45, [4, 5, 6]]
     params = SamplingParams(max_tokens=18, temperature=0, ignore_eos=True)
-    roomy = _engine(tiny_llama_dir, num_pages=40)
-    _add_adapter(roomy)
-    expected = [o.token_ids for o in roomy.generate(prompts, params, adapters=[None, "x"])]
-
-    engine = _engine(tiny_llama_dir)
-    _add_adapter(engine)
-    engine.adapter_pool.load("x@1")
+    expected, engine = _expected_and_tight_engine(tiny_llama_dir, prompts, params)
     assert engine.page_pool.num_used("adapter") == 4
     outs = engine.generate(prompts, params, adapters=[None, "x"])
     assert [(o.finish_reason, o.error) for o in outs] == [("length", None), ("length", None)]
@@ -66,13 +72,7 @@ def test_a_queued_request_on_a_replaced_version_goes_ahead_of_a_request_that_nee
     to free x@1's pages. Waiting behind it, the base request failed with CapacityError after 100 steps."""
     prompts = [[3] * 30, [4, 5, 6]]
     params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
-    roomy = _engine(tiny_llama_dir, num_pages=40)
-    _add_adapter(roomy)
-    expected = [o.token_ids for o in roomy.generate(prompts, params, adapters=[None, "x"])]
-
-    engine = _engine(tiny_llama_dir)
-    _add_adapter(engine)
-    engine.adapter_pool.load("x@1")
+    expected, engine = _expected_and_tight_engine(tiny_llama_dir, prompts, params)
     engine.add_request("base", prompts[0], params, tenant="t2")
     engine.add_request("lora", prompts[1], params, adapter="x", tenant="t1")
     lora, retired, done = engine.requests["lora"], False, {}

@@ -6,7 +6,10 @@ push of the same bytes by their digest (the seed's two steps) without a second d
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import errno
+import threading
 
 import pytest
 import urllib3
@@ -19,7 +22,7 @@ from lorafleet.worker.staged_copy import DIGEST_FILE
 from lorafleet.worker.stager import Stager
 from lorafleet.worker.stager_store import is_outage
 from lorafleet.worker.staging_errors import staging_error
-from tests.worker.test_stager_bounds import FakeStore, config
+from tests.worker.test_stager_bounds import WEIGHTS, FakeStore, config, fake_adapter
 
 
 async def test_a_cache_volume_that_cannot_be_written_is_the_nodes_failure_not_the_stores(tmp_path, monkeypatch):
@@ -101,23 +104,9 @@ async def test_a_store_that_cannot_answer_still_falls_back_to_the_last_cached_co
 
 
 async def test_a_healthy_local_folder_is_never_queued_behind_hung_ones(tmp_path, monkeypatch):
-    import asyncio
-    import dataclasses
-    import threading
-
-    from tests.worker.test_stager_bounds import fake_adapter
-
-    stager = Stager(dataclasses.replace(config(tmp_path), download_timeout_s=0.5))
+    stager, release = _stager_with_a_hung_mount(tmp_path, monkeypatch)
     hung = [fake_adapter(tmp_path / "local" / f"hung{i}") for i in range(6)]
     healthy = fake_adapter(tmp_path / "local" / "healthy")
-    release, real = threading.Event(), stager.sources.local_path
-
-    def local_path(uri):
-        if "hung" in uri:
-            release.wait(30)
-        return real(uri)
-
-    monkeypatch.setattr(stager.sources, "local_path", local_path)
     try:
         for folder in hung:
             with pytest.raises(TimeoutError, match="a hung mount"):
@@ -132,7 +121,6 @@ async def test_seeded_adapters_are_downloaded_and_kept_once(tmp_path, monkeypatc
     """The seed stages each folder by its listing (no digest known yet), then pushes it with the digest it
     found: that push found no copy under the digest and downloaded every start-up adapter again, keeping
     two copies of each (neither evictable while leased)."""
-    from tests.worker.test_stager_bounds import WEIGHTS, fake_adapter
 
     stager = Stager(config(tmp_path))
     FakeStore(stager, monkeypatch)
@@ -150,23 +138,9 @@ async def test_a_hung_local_folder_times_out_alone_and_holds_no_other_stage(tmp_
     """A local adapter folder on a mount that stopped answering: its check had no time limit, so the push
     never ended and the versions after it were never staged; each newer push held one more thread of the
     default pool, until S3 stages and state reports waited on it too."""
-    import asyncio
-    import dataclasses
-    import threading
-
-    from tests.worker.test_stager_bounds import fake_adapter
-
-    stager = Stager(dataclasses.replace(config(tmp_path), download_timeout_s=0.5))
+    stager, release = _stager_with_a_hung_mount(tmp_path, monkeypatch)
     FakeStore(stager, monkeypatch)
     hung = fake_adapter(tmp_path / "local" / "hung")
-    release, real = threading.Event(), stager.sources.local_path
-
-    def local_path(uri):
-        if "hung" in uri:
-            release.wait(30)
-        return real(uri)
-
-    monkeypatch.setattr(stager.sources, "local_path", local_path)
     try:
         for generation in (1, 2, 3):
             report = await asyncio.wait_for(stager.apply(DesiredState(generation, [
@@ -179,3 +153,17 @@ async def test_a_hung_local_folder_times_out_alone_and_holds_no_other_stage(tmp_
         await asyncio.wait_for(stager.state(), 5)
     finally:
         release.set()
+
+
+def _stager_with_a_hung_mount(tmp_path, monkeypatch) -> tuple[Stager, threading.Event]:
+    """A stager (0.5 s time limit) whose local folders named "hung..." do not answer until the event is set."""
+    stager = Stager(dataclasses.replace(config(tmp_path), download_timeout_s=0.5))
+    release, real = threading.Event(), stager.sources.local_path
+
+    def local_path(uri):
+        if "hung" in uri:
+            release.wait(30)
+        return real(uri)
+
+    monkeypatch.setattr(stager.sources, "local_path", local_path)
+    return stager, release
