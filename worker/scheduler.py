@@ -177,6 +177,13 @@ class Scheduler:
             seq = self._next_head(tenant, passed, busy if starved is not None else None)
             if seq is None:
                 continue  # nothing more of this tenant can go this step
+            if self._stuck_steps and not self.running and seq.seq_id not in self._stuck_steps \
+                    and seq.adapter is not None and seq.adapter_slot is None:
+                # Another request waits for the room adapters hold, with nothing running: no adapter is placed
+                # again meanwhile (two adapters would trade the room every step, and it would never come).
+                passed.add((tenant, seq.adapter))
+                self._requeue(heap, tenant)
+                continue
             try:
                 admit = self._can_admit_adapter(seq, loras)
             except AdapterNotFoundError as exc:
