@@ -54,10 +54,11 @@ def place_warm(adapters: list[AdapterSpec], workers: list[WorkerIndex], *, defau
                 for w in workers}
     slots = {w.pod: w.w.reported.pool_slots or None for w in workers}  # None: a worker that does not say
     sizes = {a.name: adapter_bytes(a, workers) for a in adapters}
-    # A copy's canary part: where only the stable version fits, the copy is kept for it alone (the canary
-    # then loads on demand there), rather than the stable version losing its warm or pinned copy.
+    # A warm copy's canary part: where only the stable version fits, the copy is kept for it alone (the worker
+    # prefetches the canary warm, into free room only, evicting nothing), rather than the stable version losing
+    # its copy. A pinned copy pins its canary too: it is placed whole or not at all.
     canary_sizes = {a.name: min(canary_bytes(a, workers, default=sizes[a.name] // 2), sizes[a.name])
-                    for a in adapters if a.canary is not None}
+                    for a in adapters if a.canary is not None and not a.pinned}
     order = sorted(adapters, key=lambda a: (not a.pinned, -a.priority, -sizes[a.name], a.name))
     placement: dict[str, list[str]] = {a.name: [] for a in adapters}
     with_canary: set[tuple[str, str]] = set()  # (name, pod) whose canary's bytes and slot are counted
@@ -66,12 +67,15 @@ def place_warm(adapters: list[AdapterSpec], workers: list[WorkerIndex], *, defau
         return ((capacity[pod] is None or load[pod] + size <= capacity[pod])
                 and (slots[pod] is None or taken[pod] + need <= slots[pod]))
 
+    by_bytes, by_slots = all(capacity.values()), all(slots.values())  # known for every worker (an upgrade)
+
     def fullness(pod: str) -> tuple:
-        """The tighter of its byte and slot shares taken (raw bytes where neither is known), then bytes."""
-        shares = [load[pod] / capacity[pod] if capacity[pod] else None, taken[pod] / slots[pod] if slots[pod] else None]
-        return max([x for x in shares if x is not None], default=0.0), load[pod], taken[pod], pod
+        """The tighter of its byte and slot shares taken (each where every worker says it), then bytes."""
+        shares = [load[pod] / capacity[pod] if by_bytes else 0.0, taken[pod] / slots[pod] if by_slots else 0.0]
+        return max(shares), load[pod], taken[pod], pod
 
     def count(a: AdapterSpec, pod: str, *, canary: bool) -> None:
+        canary = canary or (a.canary is not None and a.name not in canary_sizes)  # pinned: always whole
         extra = canary_sizes.get(a.name, 0)
         load[pod] += sizes[a.name] - (0 if canary else extra)
         taken[pod] += 2 if canary and a.canary is not None else 1
@@ -81,7 +85,8 @@ def place_warm(adapters: list[AdapterSpec], workers: list[WorkerIndex], *, defau
     def place(a: AdapterSpec, candidates: list[WorkerIndex], *, canary: bool) -> None:
         chosen = placement[a.name]
         stable = sizes[a.name] - canary_sizes.get(a.name, 0)
-        fitting = [w.pod for w in candidates if w.pod not in chosen and room(w.pod, stable, 1)]
+        need = 1 if a.name in canary_sizes or a.canary is None else 2  # a pinned one's canary is pinned too
+        fitting = [w.pod for w in candidates if w.pod not in chosen and room(w.pod, stable, need)]
         for pod in sorted(fitting, key=fullness)[:warm_count(a, len(workers)) - len(chosen)]:
             count(a, pod, canary=canary and room(pod, sizes[a.name], copy_slots(a)))
             chosen.append(pod)

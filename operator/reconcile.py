@@ -23,12 +23,14 @@ Placement policy (stated, tested; placement.py):
     a reconcile never shuffles healthy placements: within a rank (pinned, priority) the copies held are
     kept before any new copy is placed, so a newcomer displaces only adapters of a lower rank, and every held
     stable copy of a rank before any canary's slot; the rest go to the least full workers (the larger of
-    their shares of bytes and of slots taken; the fewest bytes where neither is known; ties by pod name),
+    their shares of bytes and of slots taken, each where every worker says it; else the fewest bytes; ties
+    by pod name),
     skipping a worker whose pool
     would overflow (the smaller of its reported pool size and the pool's spec.adapterMemory.gpuBytes; a warm copy
     counts its canary's bytes too) or whose GPU adapter slots would (its reported --max-loras; a warm
-    copy with a canary takes two; where only the stable version fits, the copy is kept for it alone and
-    the canary loads on demand there); an adapter that fits on fewer workers than asked is Degraded with a
+    copy with a canary takes two; where only the stable version of a warm one fits, the copy is kept for
+    it alone and its canary, prefetched into free room only, loads on demand there; a pinned one pins its
+    canary too, so it is placed whole or not at all); an adapter that fits on fewer workers than asked is Degraded with a
     message naming spec.warm (spec.pinned for a pinned one with warm: 0).
 
 Pool settings: each push to a pool's worker carries the pool's ``spec.eviction`` and

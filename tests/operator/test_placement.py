@@ -95,25 +95,47 @@ def _held(names, *, slots):
                          adapters=[AdapterState(n, "v1", "gpu", bytes=8 * MB, pinned=True) for n in names])
 
 
-def test_a_held_pinned_adapter_that_gains_a_canary_keeps_its_stable_copy_where_one_slot_is_left():
-    # Its worker has the stable version's slot and no other: the canary loads on demand there; the stable
-    # version must stay pinned (it lost its only copy, pinned nowhere, for want of the canary's slot).
+def test_a_warm_adapter_that_gains_a_canary_keeps_its_stable_copy_where_one_slot_is_left():
+    # Its worker has the stable version's slot and no other: the warm canary is prefetched only into free room
+    # there, so the stable version keeps its copy (it lost it, for want of the canary's slot).
     canary = {"version": "v2", "source": {"uri": "s3://adapters/a/v2/"}, "weight": 10}
     ws = [WorkerReport("w0", _held(["a", "p1", "p2"], slots=3))]
     others = [adapter(n, pinned=True, status={"bytes": 100 * MB}) for n in ("p1", "p2")]
-    plan = reconcile_pool(pool(), [adapter("a", pinned=True, canary=canary, status={"bytes": 8 * MB}), *others],
+    plan = reconcile_pool(pool(), [adapter("a", warm=1, canary=canary, status={"bytes": 8 * MB}), *others],
                           ws, now=NOW)
     assert plan.placement == {"a": ["w0"], "p1": ["w0"], "p2": ["w0"]}
-    directive = plan.desired["w0"].by_name()["a"]
-    assert directive.pinned and directive.warm
+    assert plan.desired["w0"].by_name()["a"].warm
 
 
-def test_a_canary_added_to_one_held_adapter_moves_no_other_held_adapter():
+def test_a_pinned_adapter_with_a_canary_takes_two_slots_and_moves_no_held_copy_of_its_rank():
+    # A pinned copy pins its canary too (the worker does): counted whole. b, held on w0, keeps its place only
+    # if two slots are left for a; here they are not, so a goes where both fit, and b stays put.
     canary = {"version": "v2", "source": {"uri": "s3://adapters/a/v2/"}, "weight": 10}
     ws = [WorkerReport("w0", _held(["a", "b"], slots=2)), WorkerReport("w1", _held([], slots=2))]
     b = adapter("b", pinned=True, tenant="other", status={"bytes": 8 * MB})
     plan = reconcile_pool(pool(), [adapter("a", pinned=True, canary=canary, status={"bytes": 8 * MB}), b], ws, now=NOW)
+    taken = {pod: sum((2 if name == "a" else 1) for name, pods in plan.placement.items() if pod in pods)
+             for pod in ("w0", "w1")}
+    assert plan.placement["a"] and plan.placement["b"] and max(taken.values()) <= 2
+
+
+def test_a_canary_added_to_one_held_warm_adapter_moves_no_other_held_adapter():
+    canary = {"version": "v2", "source": {"uri": "s3://adapters/a/v2/"}, "weight": 10}
+    ws = [WorkerReport("w0", _held(["a", "b"], slots=2)), WorkerReport("w1", _held([], slots=2))]
+    b = adapter("b", warm=1, tenant="other", status={"bytes": 8 * MB})
+    plan = reconcile_pool(pool(), [adapter("a", warm=1, canary=canary, status={"bytes": 8 * MB}), b], ws, now=NOW)
     assert plan.placement == {"a": ["w0"], "b": ["w0"]}
+
+
+def test_placement_balances_unknown_sizes_by_raw_counts():
+    # During an upgrade one worker says its pool size and slots, the other neither: it counted as empty
+    # forever and took nearly every copy.
+    from lorafleet.worker.directives import ReportedState
+
+    ws = [WorkerReport("w0", ReportedState(pool_bytes=1024 * MB, pool_slots=16)), WorkerReport("w1", ReportedState())]
+    plan = reconcile_pool(pool(), [adapter(f"s{i:02d}", warm=1, status={"bytes": MB}) for i in range(12)], ws, now=NOW)
+    per_pod = [sum(pod in pods for pods in plan.placement.values()) for pod in ("w0", "w1")]
+    assert per_pod == [6, 6]
 
 
 def test_placement_balances_slots_as_well_as_bytes():
