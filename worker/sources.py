@@ -214,7 +214,7 @@ class Sources:
                 check_file(path / name, self.config.max_adapter_file_bytes, fix=RAISE_LIMIT)
         digest = self.digests.digest(path, ADAPTER_FILES,
                                      lambda: adapter_digest(path, self.config.max_adapter_file_bytes))
-        return _check_digest(digest, sha256, where)
+        return check_digest(digest, sha256, where)
 
     def object_etags(self, uri: str, *, quick: bool = False, deadline: float | None = None) -> Etags:
         """(name, etag) of the staged files (`STAGED_FILES`, tokenizer files included) under an S3 prefix:
@@ -255,10 +255,10 @@ def adapter_digest(path: Path, max_file_bytes: int | None = None) -> str:
 def verify_digest(path: Path, sha256: str | None, where: str, max_file_bytes: int | None = None) -> str:
     """The directory's digest (files held to `max_file_bytes` as in `adapter_digest`); raises SourceError
     when `sha256` is given and differs."""
-    return _check_digest(adapter_digest(path, max_file_bytes), sha256, where)
+    return check_digest(adapter_digest(path, max_file_bytes), sha256, where)
 
 
-def _check_digest(digest: str, sha256: str | None, where: str) -> str:
+def check_digest(digest: str, sha256: str | None, where: str) -> str:
     if sha256 is not None and digest != sha256.lower():
         raise SourceError(f"{where}: sha256 mismatch: expected {sha256}, the files hash to {digest} "
                           f"(corrupt or changed upload; fix the object or the directive's sha256)", "digest_mismatch")

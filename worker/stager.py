@@ -57,7 +57,7 @@ from lorafleet.worker.directives import (
 )
 from lorafleet.worker.disk_cache import DiskCache, cache_write, dir_bytes
 from lorafleet.worker.listen import close_all, listen_sockets
-from lorafleet.worker.sources import Etags, SourceError, Sources, verify_digest
+from lorafleet.worker.sources import Etags, SourceError, Sources, check_digest, verify_digest
 from lorafleet.worker.staged_copy import DIGEST_FILE, Staged, last_copies, record_source, verify_staged_copy
 from lorafleet.worker.stager_config import StagerConfig
 from lorafleet.worker.stager_engine import EngineLink
@@ -116,7 +116,8 @@ class Stager:
         if sha256 is not None:
             sha256 = sha256.lower()
         if not self.sources.is_s3(uri):
-            staged = await self.local_reads.read(uri, sha256, self.config.download_timeout_s)
+            staged = await self.local_reads.read(uri, self.config.download_timeout_s)
+            check_digest(staged.sha256, sha256, uri)  # each caller's own: one read serves them all
             self.metrics.requests.labels("local").inc()
             return staged
         self.sources.check_s3(uri)
@@ -187,9 +188,9 @@ class Stager:
         except OSError:
             return False
 
-    def _local(self, uri: str, sha256: str | None) -> Staged:
+    def _local(self, uri: str) -> Staged:
         path = self.sources.local_path(uri)
-        return Staged(path, self.sources.verify_local(path, sha256, uri), cached=True)
+        return Staged(path, self.sources.verify_local(path, None, uri), cached=True)
 
     def _landed(self, flight_key: tuple[str, str], flight: asyncio.Future) -> None:
         if self._flights.get(flight_key) is flight:

@@ -1,7 +1,8 @@
 """LocalReads: the stager's checks of local adapter folders (their files stat'ed, read and hashed), each on a
 thread of its own. A folder on a mount that stopped answering holds only its own thread, never the threads
 S3 stages, state reports or other folders' checks use; a check asked for again while one of the same folder
-and digest is running waits on that one (a push repeated while the mount hangs starts no second thread);
+is running waits on that one, whatever digest it expects (a push repeated while the mount hangs starts no
+second thread);
 a waiter gives up after its time limit, the thread ending whenever the read returns (a daemon thread: it
 does not keep the process from exiting)."""
 
@@ -17,21 +18,21 @@ T = TypeVar("T")
 
 
 class LocalReads(Generic[T]):
-    def __init__(self, read: Callable[[str, str | None], T]) -> None:
+    def __init__(self, read: Callable[[str], T]) -> None:
         self._read = read
-        self._flights: dict[tuple[str, str | None], asyncio.Future] = {}
+        self._flights: dict[str, asyncio.Future] = {}
 
     def __len__(self) -> int:
         return len(self._flights)
 
-    async def read(self, uri: str, sha256: str | None, timeout: float) -> T:
-        """`read(uri, sha256)`'s result, or TimeoutError naming the folder after `timeout` seconds."""
-        key = (uri, sha256)
+    async def read(self, uri: str, timeout: float) -> T:
+        """`read(uri)`'s result, or TimeoutError naming the folder after `timeout` seconds."""
+        key = uri
         flight = self._flights.get(key)
         if flight is None:
             loop = asyncio.get_running_loop()
             flight = loop.create_future()
-            threading.Thread(target=self._run, args=(loop, flight, uri, sha256), name="stager-local-read",
+            threading.Thread(target=self._run, args=(loop, flight, uri), name="stager-local-read",
                              daemon=True).start()
             self._flights[key] = flight
             flight.add_done_callback(lambda done: self._landed(key, done))
@@ -40,15 +41,15 @@ class LocalReads(Generic[T]):
         except TimeoutError:
             raise TimeoutError(f"{uri}: reading the folder took over {timeout:g} s (a hung mount?)") from None
 
-    def _run(self, loop: asyncio.AbstractEventLoop, flight: asyncio.Future, uri: str, sha256: str | None) -> None:
+    def _run(self, loop: asyncio.AbstractEventLoop, flight: asyncio.Future, uri: str) -> None:
         try:
-            outcome = (self._read(uri, sha256), None)
+            outcome = (self._read(uri), None)
         except BaseException as exc:  # noqa: BLE001 - handed to the waiters
             outcome = (None, exc)
         with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits any more
             loop.call_soon_threadsafe(_settle, flight, *outcome)
 
-    def _landed(self, key: tuple[str, str | None], flight: asyncio.Future) -> None:
+    def _landed(self, key: str, flight: asyncio.Future) -> None:
         if self._flights.get(key) is flight:
             del self._flights[key]
         if not flight.cancelled():

@@ -47,9 +47,10 @@ def is_outage(exc: BaseException) -> bool:
     (a read timeout, StoreSilent), not its refusal (an S3 error answer: a missing object, access denied), a
     download that ran out of its time while bytes came (TimeoutError), the adapter's fault (a digest
     mismatch) or the node's full disk."""
-    if type(exc).__name__ == "S3Error":  # an answer: down only when it says so itself (busy, restarting)
+    if type(exc).__name__ == "S3Error":  # an answer: down only when it says so itself (busy, throttling, restarting)
         status = getattr(getattr(exc, "response", None), "status", None)
-        return isinstance(status, int) and status >= 500
+        return (isinstance(status, int) and (status >= 500 or status == 429)) or getattr(exc, "code", "") in (
+            "RequestTimeout", "SlowDown", "TooManyRequests")
     return isinstance(exc, Exception) and staging_error(exc, "").code == "object_store_unavailable"
 
 

@@ -24,14 +24,13 @@ _CREDENTIALS = ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccountProblem",
 
 
 def is_refusal(exc: BaseException) -> bool:
-    """The store answered that this object may not, or does not, exist for the stager (a 4xx about it): an
-    answer, never papered over with a cached copy. Its 5xx answers (busy, restarting) and the stager's own
-    credential problems are not."""
+    """The store answered that this object may not be read, or does not exist (403, 404): an answer, never
+    papered over with a cached copy. Its other answers (busy, throttling, a request timeout, restarting) and
+    the stager's own credential problems are not."""
     if type(exc).__name__ != "S3Error" or getattr(exc, "code", "") in _CREDENTIALS:
         return False
     status = getattr(getattr(exc, "response", None), "status", None)
-    return getattr(exc, "code", "") in (*_REFUSED, "NoSuchBucket", "NoSuchKey") or (
-        isinstance(status, int) and 400 <= status < 500)
+    return getattr(exc, "code", "") in (*_REFUSED, "NoSuchBucket", "NoSuchKey") or status in (403, 404)
 
 
 def source_status(kind: str) -> int:

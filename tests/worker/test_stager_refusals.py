@@ -78,7 +78,8 @@ def _answer(code: str, status: int) -> S3Error:
     return S3Error(urllib3.HTTPResponse(status=status), code, code, "/adapters", "r", "h")
 
 
-@pytest.mark.parametrize("failure", ["unreachable", "SlowDown", "XMinioServerNotInitialized", "InvalidAccessKeyId"])
+@pytest.mark.parametrize("failure", ["unreachable", "SlowDown", "XMinioServerNotInitialized", "InvalidAccessKeyId",
+                                     "RequestTimeout", "TooManyRequests"])
 async def test_a_store_that_cannot_answer_still_falls_back_to_the_last_cached_copy(tmp_path, monkeypatch, failure):
     """Unreachable, busy or restarting (a 5xx with an XML body is an S3Error too), or refusing the stager's own
     key (a rotated secret: every adapter alike, not a withdrawal of this one): the cached copy serves."""
@@ -86,7 +87,8 @@ async def test_a_store_that_cannot_answer_still_falls_back_to_the_last_cached_co
     FakeStore(stager, monkeypatch)
     uri = "s3://adapters/team/sql/"
     first = await stager.stage(uri, None)
-    status = {"SlowDown": 503, "XMinioServerNotInitialized": 503, "InvalidAccessKeyId": 403}.get(failure)
+    status = {"SlowDown": 503, "XMinioServerNotInitialized": 503, "InvalidAccessKeyId": 403, "RequestTimeout": 400,
+              "TooManyRequests": 429}.get(failure)
 
     def down(uri, quick=False, deadline=None):
         if status is None:
@@ -101,6 +103,27 @@ async def test_a_store_that_cannot_answer_still_falls_back_to_the_last_cached_co
         assert error.code == "stager_credentials" and "LORAFLEET_S3_ACCESS_KEY" in error.message
     elif status is not None:
         assert is_outage(_answer(failure, status))
+
+
+async def test_one_read_of_a_folder_serves_every_digest_asked_of_it(tmp_path, monkeypatch):
+    """Pushes that name one hung folder with another digest each started one more thread each; and each caller
+    still gets its own answer: the digest it expects, or a mismatch."""
+    from lorafleet.worker.sources import SourceError
+
+    stager, release = _stager_with_a_hung_mount(tmp_path, monkeypatch)
+    hung = fake_adapter(tmp_path / "local" / "hung")
+    try:
+        for digest in ("a" * 64, "b" * 64, None):
+            with pytest.raises(TimeoutError, match="a hung mount"):
+                await stager.stage(str(hung), digest)
+        assert len(stager.local_reads) == 1
+    finally:
+        release.set()
+    folder = fake_adapter(tmp_path / "local" / "fine")
+    digest = (await stager.stage(str(folder), None)).sha256
+    assert (await stager.stage(str(folder), digest)).sha256 == digest
+    with pytest.raises(SourceError, match="sha256 mismatch"):
+        await stager.stage(str(folder), "c" * 64)
 
 
 async def test_a_healthy_local_folder_is_never_queued_behind_hung_ones(tmp_path, monkeypatch):
