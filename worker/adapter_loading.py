@@ -40,6 +40,7 @@ class AdapterLoading:
                 # Its thread is stuck: its result, if it ever comes, is dropped, and no second read of this
                 # version starts while it has not come back (each would hold one more thread).
                 entry.hung, entry.fetching = entry.fetching, None
+                entry.hung.add_done_callback(lambda done, entry=entry: self._unhung(entry, done))
                 self._fail(entry, why, tier="disk", retryable=True)
                 changed = True
             if entry.copying is not None and self._copier.is_done(entry.copying):
@@ -102,6 +103,12 @@ class AdapterLoading:
         executor = self._executor
         future.add_done_callback(lambda done: self._job_done(executor, done))
         self._inflight.add(entry.key)
+
+    def _unhung(self, entry: AdapterEntry, future) -> None:
+        """A stuck read came back at last: its result (an image outside the CPU budget) is let go."""
+        with self._lock:
+            if entry.hung is future:
+                entry.hung = None
 
     def _job_done(self, executor, future) -> None:
         with self._lock:

@@ -59,7 +59,7 @@ class AdapterVersions:
                     pinned = entry.pinned = entry.pinned or pinned
                     # Registered again from another place (a push that moved the version's folder): later
                     # loads read from there, as the old one may be gone (a reload is held to the digest).
-                    entry.loader = loader
+                    entry.loader, entry.hung = loader, None  # a read stuck on the old place holds nothing back
                     if entry.image is None and image is not None:
                         self._set_image(entry, image)
                 else:  # retired but still held (a quick rollback): the same weights come back, for the new owner

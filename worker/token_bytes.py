@@ -60,6 +60,9 @@ class TokenBytes:
         """The token's bytes as its decoder spells them; None where only `decode([id])` can say (which
         reads a partial character as U+FFFD)."""
         if token_id in self._added:
+            content = self._added[token_id].decode()
+            if self._byte_level is not None and all(c in self._byte_level for c in content):
+                return bytes(self._byte_level[c] for c in content)  # the ByteLevel decoder maps it so too
             return self._added[token_id]
         piece = self.tokenizer.id_to_token(token_id)
         if piece is not None and self._byte_level is not None and all(c in self._byte_level for c in piece):

@@ -738,6 +738,23 @@ def test_a_version_whose_read_hangs_is_not_read_again_until_that_read_returns():
         pool.close()
 
 
+def test_registering_a_hung_version_again_from_elsewhere_reads_it_from_there():
+    """The stuck read's block on reading again held a version for as long as its old mount hung, also once a
+    push registered it again from another folder."""
+    pool = make_pool(load_timeout_s=0.2, num_load_threads=2)
+    hung = threading.Event()
+    pool.add("p@1", loader=lambda: hung.wait(30) and random_weights(1))
+    try:
+        assert pool.acquire("p@1", waiter="1") is None
+        with pytest.raises(AdapterLoadError, match="timed out"):
+            _acquire_within(pool, "p@1", "1", 5.0)
+        pool.add("p@1", loader=lambda: random_weights(1))  # the same version, its files moved
+        assert _acquire_within(pool, "p@1", "2", 5.0) is not None
+    finally:
+        hung.set()
+        pool.close()
+
+
 def test_a_copy_on_a_cpu_device_is_not_queued_behind_hung_reads():
     pool = make_pool(load_timeout_s=30, num_load_threads=2)
     hung = threading.Event()

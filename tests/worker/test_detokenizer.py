@@ -137,7 +137,8 @@ def test_a_generated_replacement_character_is_text_like_any_other(tiny_llama_dir
     assert text == "a\ufffdb" and "".join(pieces[:-1]) in ("a\ufffd", "a\ufffdb")
 
 
-def _byte_level_tokenizer(path, merged: list[bytes], special: list[str] = ()) -> tuple[Tokenizer, dict[bytes, int]]:
+def _byte_level_tokenizer(path, merged: list[bytes], special: list[str] = (), added: list[str] = ()
+                          ) -> tuple[Tokenizer, dict[bytes, int]]:
     """A GPT-2 byte-level BPE: token b is byte b, plus one token per `merged` byte string."""
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models, pre_tokenizers
@@ -153,12 +154,14 @@ def _byte_level_tokenizer(path, merged: list[bytes], special: list[str] = ()) ->
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     hf.decoder = decoders.ByteLevel()
     hf.add_special_tokens(list(special))
+    hf.add_tokens(list(added))
     hf.save(str(path / "tokenizer.json"))
     return Tokenizer(path), ids
 
 
 @pytest.mark.parametrize("case", ["token ends one character and starts the next", "skipped special token inside a "
-                                  "character", "invalid run then a character", "byte fallback invalid run"])
+                                  "character", "invalid run then a character", "byte fallback invalid run",
+                                  "added token spelled through the byte table"])
 def test_committing_final_replacement_characters_early_reads_as_one_decode(tmp_path, case):
     """Each case once read otherwise than a full decode: a cut inside a character committed a U+FFFD."""
     if case == "byte fallback invalid run":  # SentencePiece: every byte of an invalid run is its own U+FFFD
@@ -172,10 +175,12 @@ def test_committing_final_replacement_characters_early_reads_as_one_decode(tmp_p
         tok = Tokenizer(tmp_path)
         ids = [2 + b for b in (0x80, 0xC3, 0xA9, 0x80, 0xE2, 0x82, 0xAC, 0x80, 0x80)] + [259]
     else:
-        tok, merged = _byte_level_tokenizer(tmp_path, [b"\xb8\xad\xe5", b"\x9b\xbd"], ["<|tool|>"])
+        tok, merged = _byte_level_tokenizer(tmp_path, [b"\xb8\xad\xe5", b"\x9b\xbd"], ["<|tool|>"], ["xÃ"])
         ids = {"token ends one character and starts the next": [0xE4, merged[b"\xb8\xad\xe5"], merged[b"\x9b\xbd"]],
                "skipped special token inside a character": [0xE4, tok.token_to_id("<|tool|>"), 0xB8, 0xAD],
-               "invalid run then a character": [0x80, 0x80, 0xE4, 0xB8, 0xAD, 0x80, 0x41]}[case]
+               "invalid run then a character": [0x80, 0x80, 0xE4, 0xB8, 0xAD, 0x80, 0x41],
+               # "Ã" is byte c3 in the byte table: with a9 after it, the decoder reads "xé"
+               "added token spelled through the byte table": [tok.token_to_id("xÃ"), 0xA9, 0x41]}[case]
     seq = Sequence("r", [259 if case == "byte fallback invalid run" else 0x61], SamplingParams())
     detok = Detokenizer(tok)
     for i, t in enumerate(ids):
