@@ -36,7 +36,7 @@ from lorafleet.worker.engine_errors import CapacityError, EngineError, UnknownAd
 from lorafleet.worker.page_pool import PagePoolError
 from lorafleet.worker.scheduled_batch import ScheduledBatch
 from lorafleet.worker.sequence import Sequence, SequenceStatus
-from lorafleet.worker.waiting_queue import WaitingQueue, preemption_victim, waits_behind
+from lorafleet.worker.waiting_queue import WaitingQueue, pinned_on_gpu, preemption_victim, waits_behind
 
 
 class Scheduler:
@@ -178,9 +178,10 @@ class Scheduler:
             if seq is None:
                 continue  # nothing more of this tenant can go this step
             if self._stuck_steps and not self.running and seq.seq_id not in self._stuck_steps \
-                    and seq.adapter is not None and seq.adapter_slot is None:
-                # Another request waits for the room adapters hold, with nothing running: no adapter is placed
-                # again meanwhile (two adapters would trade the room every step, and it would never come).
+                    and seq.adapter is not None and seq.adapter_slot is None \
+                    and not pinned_on_gpu(seq.adapter, self.adapter_state, self.adapter_pool):
+                # Another waits for the room adapters hold, nothing running: no adapter is placed or held again
+                # meanwhile (two would trade the room every step); a pinned one never gives its room anyway.
                 passed.add((tenant, seq.adapter))
                 self._requeue(heap, tenant)
                 continue

@@ -150,3 +150,11 @@ def waits_behind(seq: Sequence, busy: set[str], adapter_state: Callable[[str], s
         return not adapter_pool.entry(seq.adapter).pinned
     except AdapterNotFoundError:
         return True
+
+
+def pinned_on_gpu(key: str, adapter_state: Callable[[str], str] | None, adapter_pool: AdapterSlots | None) -> bool:
+    """Adapter `key` is on the GPU and pinned: it never gives its room to anyone."""
+    try:
+        return adapter_state is not None and adapter_state(key) == "gpu" and adapter_pool.entry(key).pinned
+    except AdapterNotFoundError:
+        return False

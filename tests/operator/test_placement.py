@@ -107,16 +107,14 @@ def test_a_warm_adapter_that_gains_a_canary_keeps_its_stable_copy_where_one_slot
     assert plan.desired["w0"].by_name()["a"].warm
 
 
-def test_a_pinned_adapter_with_a_canary_takes_two_slots_and_moves_no_held_copy_of_its_rank():
-    # A pinned copy pins its canary too (the worker does): counted whole. b, held on w0, keeps its place only
-    # if two slots are left for a; here they are not, so a goes where both fit, and b stays put.
+def test_a_pinned_adapter_with_a_canary_takes_two_slots():
+    # A pinned copy pins its canary too (the worker does): counted whole, never over a worker's slots. Here a,
+    # larger with its canary, is placed first on w0, where both were held, and b moves to w1's free slots.
     canary = {"version": "v2", "source": {"uri": "s3://adapters/a/v2/"}, "weight": 10}
     ws = [WorkerReport("w0", _held(["a", "b"], slots=2)), WorkerReport("w1", _held([], slots=2))]
     b = adapter("b", pinned=True, tenant="other", status={"bytes": 8 * MB})
     plan = reconcile_pool(pool(), [adapter("a", pinned=True, canary=canary, status={"bytes": 8 * MB}), b], ws, now=NOW)
-    taken = {pod: sum((2 if name == "a" else 1) for name, pods in plan.placement.items() if pod in pods)
-             for pod in ("w0", "w1")}
-    assert plan.placement["a"] and plan.placement["b"] and max(taken.values()) <= 2
+    assert plan.placement == {"a": ["w0"], "b": ["w1"]}
 
 
 def test_a_canary_added_to_one_held_warm_adapter_moves_no_other_held_adapter():

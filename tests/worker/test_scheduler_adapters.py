@@ -309,6 +309,16 @@ def test_a_stuck_request_does_not_wait_forever_while_adapters_trade_the_only_slo
     import time
 
     engine = _engine(tiny_llama_dir, max_loras=1)
+    copier = engine.adapter_pool._copier
+
+    class SlowCopies:  # each copy takes 50 ms: steps see it in flight, as the trade needs, on any machine
+        def __init__(self, executor) -> None:
+            self.executor = executor
+
+        def submit(self, fn, *args):
+            return self.executor.submit(lambda: (time.sleep(0.05), fn(*args))[1])
+
+    copier.executor = SlowCopies(copier.executor)
     _add_adapter(engine, "x@1", seed=1)
     _add_adapter(engine, "y@1", seed=2)
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)

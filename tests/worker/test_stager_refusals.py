@@ -190,3 +190,29 @@ def _stager_with_a_hung_mount(tmp_path, monkeypatch) -> tuple[Stager, threading.
 
     monkeypatch.setattr(stager.sources, "local_path", local_path)
     return stager, release
+
+
+async def test_a_digest_asked_after_the_folder_changed_is_read_afresh(tmp_path):
+    """A push with the new files' digest joined a read that hashed the files before they changed and failed
+    with a mismatch ("corrupt or changed upload"), though the folder now matches it."""
+    stager = Stager(config(tmp_path))
+    folder = fake_adapter(tmp_path / "local" / "slow")
+    old_digest = (await stager.stage(str(folder), None)).sha256
+    gate, real = threading.Event(), stager.local_reads._read
+
+    def read(uri):
+        staged = real(uri)  # the files as they were
+        gate.wait(10)
+        return staged
+
+    stager.local_reads._read = read
+    first = asyncio.ensure_future(stager.stage(str(folder), old_digest))
+    await asyncio.sleep(0.1)
+    fake_adapter(folder, WEIGHTS + b"new")  # a new upload into the same folder
+    new_digest = stager.sources.verify_local(folder, None, str(folder))
+    assert new_digest != old_digest
+    second = asyncio.ensure_future(stager.stage(str(folder), new_digest))
+    await asyncio.sleep(0.05)
+    gate.set()
+    assert (await second).sha256 == new_digest
+    assert (await first).sha256 == old_digest
