@@ -18,10 +18,11 @@ adapter running requests use) wait behind it, the others (base model, or a slot 
 while they leave its pages free. A load in flight never holds anyone back. An adapter a queued sequence
 holds (a preempted one keeps its reference) or was loaded for is never evicted: when nothing runs and a
 queue's head cannot get pages, or such a starved sequence's adapter finds no room, the others let go of
-theirs, and those holding a replaced version (never taken again once let go) go ahead of it. A sequence that preempted itself running alone (adapters hold the rest of the pool) is
-readmitted only once the pages of all its tokens can be had, not chunk by chunk into the same wall; one
-that never can (`never_fits`: its adapter and pinned ones leave too little of the pool) fails at once, or
-ends by length if its max_tokens, lowered to fit (kv_room.py), is reached.
+theirs (those holding a replaced version, never taken again once let go, go ahead of it). One that
+preempted itself running alone (adapters hold the rest of the pool) is readmitted only once the pages of
+all its tokens can be had, not chunk by chunk into the same wall; one that never can (`never_fits`: its
+adapter and pinned ones leave too little of the pool) fails at once, or ends by length if its max_tokens,
+lowered to fit (kv_room.py), is reached.
 """
 
 from __future__ import annotations
@@ -71,11 +72,10 @@ class Scheduler:
         # tokens can be had (admitted chunk by chunk, they would get as far and preempt themselves again).
         self._short_alone: set[int] = set()
         self.num_preemptions = 0
-        # Steps, and seconds, a request that cannot get pages, with nothing running, may wait (both: a step
-        # that runs nothing can be far shorter than the adapter copy in flight it waits for).
+        # Steps and seconds a request that cannot get pages, nothing running, may wait (a step that runs nothing can
+        # be far shorter than the copy it waits for); seq_id -> (steps waited, since when): one leaving the queue
+        # takes its count along, any admission clears them all (something runs: pages will come back).
         self.max_stuck_steps, self.min_stuck_s = 100, 1.0
-        # seq_id -> (steps it waited so far, when it began); a sequence leaving the queue takes its count along
-        # (the next one gets a wait of its own), and any admission clears them all (something runs: pages come back).
         self._stuck_steps: dict[int, tuple[int, float]] = {}
         self.failed: list[Sequence] = []  # ended by the scheduler (a failure, or max_tokens lowered to fit); engine reports them
 
