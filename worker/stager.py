@@ -118,7 +118,7 @@ class Stager:
         if not self.sources.is_s3(uri):
             staged = await self.local_reads.read(uri, self.config.download_timeout_s)
             if sha256 is not None and staged.sha256 != sha256:  # a shared read may predate the files' change
-                staged = await self.local_reads.read(uri, self.config.download_timeout_s, fresh=True)
+                staged = await self.local_reads.read(uri, self.config.download_timeout_s)
             check_digest(staged.sha256, sha256, uri)  # each caller's own: one read serves them all
             self.metrics.requests.labels("local").inc()
             return staged

@@ -25,11 +25,11 @@ class LocalReads(Generic[T]):
     def __len__(self) -> int:
         return len(self._flights)
 
-    async def read(self, uri: str, timeout: float, *, fresh: bool = False) -> T:
-        """`read(uri)`'s result, or TimeoutError naming the folder after `timeout` seconds; `fresh`: from a read
-        begun now, not one already running (which may have read the files before they changed)."""
+    async def read(self, uri: str, timeout: float) -> T:
+        """`read(uri)`'s result, or TimeoutError naming the folder after `timeout` seconds. A read that has
+        returned has left the map before its waiters resume: a waiter reading again joins a later read only."""
         key = uri
-        flight = None if fresh else self._flights.get(key)
+        flight = self._flights.get(key)
         if flight is None:
             loop = asyncio.get_running_loop()
             flight = loop.create_future()

@@ -198,16 +198,17 @@ async def test_a_digest_asked_after_the_folder_changed_is_read_afresh(tmp_path):
     stager = Stager(config(tmp_path))
     folder = fake_adapter(tmp_path / "local" / "slow")
     old_digest = (await stager.stage(str(folder), None)).sha256
-    gate, real = threading.Event(), stager.local_reads._read
+    gate, hashed, real = threading.Event(), threading.Event(), stager.local_reads._read
 
     def read(uri):
         staged = real(uri)  # the files as they were
+        hashed.set()
         gate.wait(10)
         return staged
 
     stager.local_reads._read = read
     first = asyncio.ensure_future(stager.stage(str(folder), old_digest))
-    await asyncio.sleep(0.1)
+    assert await asyncio.to_thread(hashed.wait, 10)
     fake_adapter(folder, WEIGHTS + b"new")  # a new upload into the same folder
     new_digest = stager.sources.verify_local(folder, None, str(folder))
     assert new_digest != old_digest
@@ -216,3 +217,17 @@ async def test_a_digest_asked_after_the_folder_changed_is_read_afresh(tmp_path):
     gate.set()
     assert (await second).sha256 == new_digest
     assert (await first).sha256 == old_digest
+
+
+async def test_callers_of_a_wrong_digest_read_the_folder_twice_in_all(tmp_path):
+    # Each caller that found a shared read's digest wrong read again on a thread of its own: N + 1 reads (and
+    # threads, on a mount that then hung) for N callers. A reread joins the others'.
+    from lorafleet.worker.sources import SourceError
+
+    stager = Stager(config(tmp_path))
+    folder = fake_adapter(tmp_path / "local" / "corrupt")
+    reads, real = [], stager.local_reads._read
+    stager.local_reads._read = lambda uri: reads.append(uri) or real(uri)
+    results = await asyncio.gather(*(stager.stage(str(folder), "0" * 64) for _ in range(8)), return_exceptions=True)
+    assert all(isinstance(r, SourceError) and "sha256 mismatch" in str(r) for r in results)
+    assert len(reads) == 2
