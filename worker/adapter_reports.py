@@ -62,10 +62,11 @@ class AdapterReports:
         with self._lock:
             gpu = [e for e in self._entries.values() if e.resident]
             cpu = [e for e in self._entries.values() if e.image is not None]
+            pages = self.page_pool.stats()
             return {
                 "registered": sum(1 for e in self._entries.values() if not e.retired),
                 # the most adapter bytes and adapters the GPU pool could hold at once (the operator places by them)
-                "capacity_bytes": self.page_pool.most("adapter") * self.page_pool.stats()["page_bytes"],
+                "capacity_bytes": self.page_pool.most("adapter") * pages["page_bytes"],
                 "slots": self.config.max_slots,
                 "eviction": self.policy.name,
                 "cpu_budget_bytes": self.config.cpu_budget_bytes,
@@ -80,7 +81,7 @@ class AdapterReports:
                 "in_flight": sum(1 for e in self._entries.values() if e.fetching is not None or e.copying is not None),
                 "waiting": len(self._wanted),
                 "fragmentation": self.page_pool.fragmentation("adapter"),
-                "page_pool": self.page_pool.stats(),
+                "page_pool": pages,
             }
 
     def check(self) -> None:

@@ -74,9 +74,7 @@ class AdapterWarmth:
             return False
         now = time.monotonic()
         return (any((e := self._entries.get(k)) is None or not e.on_gpu for k in self._warm)
-                or any((e := self._pinned_off(k)) is not None and (e.error is None or e.error.retryable)
-                       and (k not in self._pinned_retry or now >= self._pinned_retry[k].retry_at)
-                       for k in self._pinned_keys))
+                or any((e := self._pinned_off(k)) is not None and self._pinned_retry_due(e, now) for k in self._pinned_keys))
 
     def _pinned_off(self, key: str) -> AdapterEntry | None:
         """The pinned version `key` when it is off the GPU and nothing brings it there (no load, not wanted)."""
@@ -84,6 +82,11 @@ class AdapterWarmth:
         if e is None or e.retired or not e.pinned or e.on_gpu or e.fetching is not None or key in self._wanted:
             return None
         return e
+
+    def _pinned_retry_due(self, entry: AdapterEntry, now: float) -> bool:
+        """A pinned version off the GPU may be wanted again: its failure may pass, and its backoff is over."""
+        state = self._pinned_retry.get(entry.key)
+        return (entry.error is None or entry.error.retryable) and (state is None or now >= state.retry_at)
 
     def _rewant_pinned(self, now: float | None) -> None:
         """Want again the pinned versions off the GPU whose failure may pass (after their backoff; `now` None:
@@ -95,10 +98,9 @@ class AdapterWarmth:
                 if e is None or e.retired or not e.pinned or e.resident:  # not while on its way: the backoff doubles
                     self._pinned_retry.pop(key, None)
                 continue
-            state = self._pinned_retry.setdefault(key, WarmState())
             if now is not None:
-                self._note_outcome(entry, state, now)
-            if (now is None or now >= state.retry_at) and (entry.error is None or entry.error.retryable):
+                self._note_outcome(entry, self._pinned_retry.setdefault(key, WarmState()), now)
+            if self._pinned_retry_due(entry, float("inf") if now is None else now):  # None: no backoff
                 self._want(entry)
 
     def _check_warm(self, kv_reserve: int) -> None:

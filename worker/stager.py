@@ -62,7 +62,7 @@ from lorafleet.worker.staged_copy import DIGEST_FILE, Staged, last_copies, recor
 from lorafleet.worker.stager_config import StagerConfig
 from lorafleet.worker.stager_engine import EngineLink
 from lorafleet.worker.stager_holds import CacheHolds
-from lorafleet.worker.stager_local import LocalReads
+from lorafleet.worker.stager_local import LocalReads, forget_flight
 from lorafleet.worker.stager_locks import KeyLocks
 from lorafleet.worker.stager_metrics import StagerMetrics, progress_by_uri
 from lorafleet.worker.stager_push import apply_push
@@ -157,7 +157,7 @@ class Stager:
         if flight is None:
             flight = asyncio.ensure_future(self._stage_key(uri, sha256, key, etags, push_start))
             self._flights[(key, uri)] = flight
-            flight.add_done_callback(functools.partial(self._landed, (key, uri)))
+            flight.add_done_callback(functools.partial(forget_flight, self._flights, (key, uri)))
         try:
             staged = await asyncio.shield(flight)
         except Exception:
@@ -193,12 +193,6 @@ class Stager:
     def _local(self, uri: str) -> Staged:
         path = self.sources.local_path(uri)
         return Staged(path, self.sources.verify_local(path, None, uri), cached=True)
-
-    def _landed(self, flight_key: tuple[str, str], flight: asyncio.Future) -> None:
-        if self._flights.get(flight_key) is flight:
-            del self._flights[flight_key]
-        if not flight.cancelled():
-            flight.exception()  # retrieved: every waiter may have gone
 
     def _count_request(self, outcome: str) -> None:
         self.counts["hits" if outcome == "hit" else "misses"] += 1

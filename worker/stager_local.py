@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import threading
 from collections.abc import Callable
 from typing import Generic, TypeVar
@@ -36,7 +37,7 @@ class LocalReads(Generic[T]):
             threading.Thread(target=self._run, args=(loop, flight, uri), name="stager-local-read",
                              daemon=True).start()
             self._flights[key] = flight
-            flight.add_done_callback(lambda done: self._landed(key, done))
+            flight.add_done_callback(functools.partial(forget_flight, self._flights, key))
         try:
             return await asyncio.wait_for(asyncio.shield(flight), timeout)
         except TimeoutError:
@@ -50,11 +51,6 @@ class LocalReads(Generic[T]):
         with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits any more
             loop.call_soon_threadsafe(_settle, flight, *outcome)
 
-    def _landed(self, key: str, flight: asyncio.Future) -> None:
-        if self._flights.get(key) is flight:
-            del self._flights[key]
-        if not flight.cancelled():
-            flight.exception()  # retrieved: every waiter may have gone
 
 
 def _settle(flight: asyncio.Future, result, exc: BaseException | None) -> None:
@@ -64,3 +60,12 @@ def _settle(flight: asyncio.Future, result, exc: BaseException | None) -> None:
         flight.set_exception(exc)
     else:
         flight.set_result(result)
+
+
+def forget_flight(flights: dict, key, flight: asyncio.Future) -> None:
+    """A flight shared by its waiters has landed: it leaves `flights` (unless a later one took its key), and
+    its exception counts as retrieved (every waiter may have gone)."""
+    if flights.get(key) is flight:
+        del flights[key]
+    if not flight.cancelled():
+        flight.exception()

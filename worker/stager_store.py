@@ -33,7 +33,7 @@ import time
 from typing import Any
 
 from lorafleet.worker.stager_metrics import StagerMetrics
-from lorafleet.worker.staging_errors import staging_error
+from lorafleet.worker.staging_errors import is_busy, staging_error
 
 log = logging.getLogger("lorafleet.stager")
 
@@ -48,9 +48,7 @@ def is_outage(exc: BaseException) -> bool:
     download that ran out of its time while bytes came (TimeoutError), the adapter's fault (a digest
     mismatch) or the node's full disk."""
     if type(exc).__name__ == "S3Error":  # an answer: down only when it says so itself (busy, throttling, restarting)
-        status = getattr(getattr(exc, "response", None), "status", None)
-        return (isinstance(status, int) and (status >= 500 or status == 429)) or getattr(exc, "code", "") in (
-            "RequestTimeout", "SlowDown", "TooManyRequests")
+        return is_busy(exc)
     return isinstance(exc, Exception) and staging_error(exc, "").code == "object_store_unavailable"
 
 

@@ -23,14 +23,32 @@ _CREDENTIALS = ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccountProblem",
                 "TokenRefreshRequired", "RequestTimeTooSkewed")
 
 
+_BUSY = ("RequestTimeout", "SlowDown", "TooManyRequests")  # answers of a store that cannot serve now
+
+
+def _s3_answer(exc: BaseException) -> tuple[str, int | None] | None:
+    """(code, HTTP status) of an S3 error answer; None for any other failure."""
+    if type(exc).__name__ != "S3Error":
+        return None
+    status = getattr(getattr(exc, "response", None), "status", None)
+    return getattr(exc, "code", ""), status if isinstance(status, int) else None
+
+
 def is_refusal(exc: BaseException) -> bool:
     """The store answered that this object may not be read, or does not exist (403, 404): an answer, never
     papered over with a cached copy. Its other answers (busy, throttling, a request timeout, restarting) and
     the stager's own credential problems are not."""
-    if type(exc).__name__ != "S3Error" or getattr(exc, "code", "") in _CREDENTIALS:
+    answer = _s3_answer(exc)
+    if answer is None or answer[0] in _CREDENTIALS:
         return False
-    status = getattr(getattr(exc, "response", None), "status", None)
-    return getattr(exc, "code", "") in (*_REFUSED, "NoSuchBucket", "NoSuchKey") or status in (403, 404)
+    return answer[0] in (*_REFUSED, "NoSuchBucket", "NoSuchKey") or answer[1] in (403, 404)
+
+
+def is_busy(exc: BaseException) -> bool:
+    """An S3 answer that the store cannot serve now (5xx, throttling, a request timeout): it counts as down."""
+    answer = _s3_answer(exc)
+    return answer is not None and (answer[0] in _BUSY or (answer[1] is not None and (answer[1] >= 500
+                                                                                     or answer[1] == 429)))
 
 
 def source_status(kind: str) -> int:
