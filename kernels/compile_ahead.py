@@ -29,10 +29,12 @@ it goes, as before.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import inspect
 import json
 import logging
 import os
+import pkgutil
 import sys
 import tempfile
 import threading
@@ -184,8 +186,13 @@ def kernel_name(kernel) -> str:
 
 
 def own_kernels() -> dict[str, object]:
-    """This package's Triton kernels (JITFunctions) by `kernel_name`, from its kernel modules imported
-    so far (the engine imports them all before it starts)."""
+    """This package's Triton kernels (JITFunctions) by `kernel_name`, from every module of the package
+    (imported here: the engine imports some only at their first launch, after the list is read)."""
+    for module in pkgutil.iter_modules(sys.modules[__package__].__path__):
+        try:
+            importlib.import_module(f"{__package__}.{module.name}")
+        except ImportError as e:  # its kernels are left out of the list: they compile at their launch
+            log.warning("kernel module %s does not import (%s): its kernels are not listed", module.name, e)
     table = {}
     for name, module in list(sys.modules.items()):
         if name.startswith(f"{__package__}.") and module is not None:

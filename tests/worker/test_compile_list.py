@@ -7,17 +7,22 @@ test_compile_ahead.py."""
 
 from __future__ import annotations
 
+import ast
 import collections
 import dataclasses
 import json
 import logging
 import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 from triton import knobs
 from triton.runtime.jit import JITFunction
 
+import lorafleet.kernels as kernels_package
 from lorafleet.kernels import activation, compile_ahead
 from lorafleet.worker import EngineConfig, warmup
 from lorafleet.worker.model_config import ModelConfig
@@ -177,3 +182,29 @@ def test_the_list_is_named_by_what_decides_the_kernels(tiny_llama_dir, tmp_path,
               start_list_path(config, MODEL, 4096, "H200 sm_90 132 SMs"),
               start_list_path(config, MODEL, 2048, "H200 sm_90 66 SMs")}
     assert len(others) == 4 and path not in others
+
+
+_OWN = """
+import json, sys
+from lorafleet.kernels import compile_ahead
+before = sorted(m for m in sys.modules if m.startswith("lorafleet.kernels."))
+print(json.dumps({"before": before, "own": sorted(compile_ahead.own_kernels())}))
+"""
+
+
+def test_every_kernel_of_the_package_is_its_own_also_one_imported_at_its_first_launch():
+    """A later start reads the list before the engine's first forward, which is when the attention
+    kernels' module is first imported: those entries were left out as "not a kernel of this code", and
+    compiled at their launch at every start. Every @triton.jit function of every kernel module counts."""
+    expected = set()
+    for path in sorted(Path(kernels_package.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and any(ast.unparse(d) == "triton.jit" for d in node.decorator_list):
+                expected.add(f"lorafleet.kernels.{path.stem}:{node.name}")
+    assert "lorafleet.kernels.attention_triton:_write_kv_kernel" in expected
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiled kernels, as on a GPU
+    run = subprocess.run([sys.executable, "-c", _OWN], capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert "lorafleet.kernels.attention_triton" not in result["before"]  # the engine imports it late
+    assert set(result["own"]) == expected
