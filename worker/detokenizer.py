@@ -10,6 +10,13 @@ While the window starts at the first output token, the last prompt tokens are it
 SentencePiece decoders strip the space of a decode's first token, so "▁Paris" after the prompt "The
 capital is" must read " Paris", not "Paris". Special tokens are skipped unless the request's
 `skip_special_tokens` is false (then they read as their text, "</s>", the context's too).
+
+SentencePiece byte fallback (Llama 2, Mistral) reads a run of "<0xNN>" tokens as one: its text where
+the whole run is UTF-8, else one U+FFFD per byte. Such tokenizers take `_advance_byte_runs`: text is
+committed at token boundaries where the run so far is whole characters; once the rest of a run can no
+longer be UTF-8 (a byte no character continues, or the run ends inside a character), each of its bytes
+is a U+FFFD at once, counted without decoding. A run that turns invalid after whole characters keeps
+their text (one decode would read those bytes as U+FFFDs too: streamed text is never taken back).
 """
 
 from __future__ import annotations
@@ -30,6 +37,9 @@ class Detokenizer:
 
     def append(self, seq: Sequence, end: int) -> None:
         """Extend seq.text with the text of seq.output_token_ids[:end] that is complete."""
+        table = self._table()
+        if table is not None and table.byte_fallback:
+            return self._advance_byte_runs(seq, end, table, final=False)
         prefix_text, new_text = self._window(seq, end)
         if new_text.endswith("\ufffd"):
             # Only a character that later bytes may still complete waits: bytes that can never be UTF-8 (a
@@ -48,9 +58,7 @@ class Detokenizer:
         tokens read so far decode to whole characters and final U+FFFDs); `seq.detok_read` where none is,
         or where the bytes cannot be known."""
         table = self._table()
-        # A SentencePiece byte-fallback decoder turns each byte of an invalid run into U+FFFD, not each
-        # maximal invalid part as UTF-8 does: a cut inside a run would read otherwise than one decode.
-        if table is None or table.byte_fallback:
+        if table is None:
             return seq.detok_read
         skipped = table.special_ids if seq.params.skip_special_tokens else ()
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -74,6 +82,9 @@ class Detokenizer:
 
     def flush(self, seq: Sequence, end: int) -> None:
         """At the end: add what is left, an incomplete character rendered as U+FFFD like a full decode."""
+        table = self._table()
+        if table is not None and table.byte_fallback:
+            return self._advance_byte_runs(seq, end, table, final=True)
         prefix_text, new_text = self._window(seq, end)
         seq.text += new_text[len(prefix_text):]
         seq.detok_prefix = seq.detok_read = end
@@ -89,3 +100,48 @@ class Detokenizer:
                 context = []
         prefix_ids = context + ids[seq.detok_prefix : seq.detok_read]
         return decode(prefix_ids), decode(context + ids[seq.detok_prefix : end])
+
+    def _advance_byte_runs(self, seq: Sequence, end: int, table: TokenBytes, *, final: bool) -> None:
+        """append / flush for a byte-fallback tokenizer (see the module's docstring). seq.detok_invalid_run:
+        the byte run open at seq.detok_read can no longer be UTF-8; then the window's prefix is the run's
+        last byte token, which decodes alone to one character as it does in any later window."""
+        ids = seq.output_token_ids
+        skipped = table.special_ids if seq.params.skip_special_tokens else frozenset()
+        is_byte = lambda token: token not in skipped and table.fallback_byte(token) is not None
+        while seq.detok_read < end:
+            read = seq.detok_read
+            if seq.detok_invalid_run:  # each byte of the run a U+FFFD, up to a token that ends the run
+                j, count = read, 0
+                while j < end and (ids[j] in skipped or is_byte(ids[j])):
+                    if is_byte(ids[j]):
+                        count, seq.detok_prefix = count + 1, j
+                    j += 1
+                seq.text += "\ufffd" * count
+                seq.detok_read, seq.detok_invalid_run = j, j == end
+                continue
+            decoder, commit, broken = codecs.getincrementaldecoder("utf-8")(), read, False
+            for j in range(read, end):
+                if ids[j] in skipped:
+                    pass
+                elif (byte := table.fallback_byte(ids[j])) is None:  # a text token ends the run
+                    if decoder.getstate()[0]:
+                        broken = True  # inside a character
+                        break
+                    decoder.reset()
+                else:
+                    try:
+                        decoder.decode(bytes([byte]))
+                    except UnicodeDecodeError:
+                        broken = True
+                        break
+                if not decoder.getstate()[0]:
+                    commit = j + 1
+            if commit > read:
+                prefix_text, new_text = self._window(seq, commit)
+                seq.text += new_text[len(prefix_text):]
+                if len(new_text) > len(prefix_text):  # else the window keeps its start (its context)
+                    seq.detok_prefix = read
+                seq.detok_read = commit
+            if not (broken or (final and commit < end)):  # the rest waits for the bytes that complete it
+                return
+            seq.detok_invalid_run = True  # the run's bytes from `commit` on are U+FFFDs

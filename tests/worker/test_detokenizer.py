@@ -188,3 +188,109 @@ def test_committing_final_replacement_characters_early_reads_as_one_decode(tmp_p
         detok.append(seq, i + 1)
     detok.flush(seq, len(ids))
     assert seq.text == tok.decode(ids)
+
+
+def _byte_fallback_tokenizer(path) -> Tokenizer:
+    """A Llama-2-style byte-fallback BPE: "<0xNN>" tokens, "▁" for a space, a decode's first space
+    stripped; ids 2 + b are the byte tokens, then "▁" (258), "h" (259), "▁x" (260), and "</s>" (261)."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models
+
+    vocab = {"<unk>": 0, "<s>": 1, **{f"<0x{b:02X}>": 2 + b for b in range(256)}, "▁": 258, "h": 259, "▁x": 260}
+    hf = HFTokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    hf.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                    decoders.Strip(" ", 1, 0)])
+    hf.add_special_tokens(["<s>", "</s>"])
+    hf.save(str(path / "tokenizer.json"))
+    return Tokenizer(path)
+
+
+def _bytes(*values: int) -> list[int]:
+    return [2 + b for b in values]
+
+
+def _fallback_runs(rng: random.Random) -> list[int]:
+    """Text tokens, special tokens and byte runs that are whole characters (then a text token), or that
+    can never be UTF-8 from their first byte, or that end inside their first character."""
+    ids = []
+    for _ in range(rng.randint(1, 12)):
+        kind = rng.choice(["text", "special", "chars", "invalid", "cut"])
+        if kind == "text":
+            ids.append(rng.choice([258, 259, 260]))
+        elif kind == "special":
+            ids.append(261)
+        elif kind == "chars":
+            ids += _bytes(*"".join(rng.choice("a\n é€日🤖") for _ in range(rng.randint(1, 4))).encode())
+            ids.append(rng.choice([258, 259, 260]))  # the run ends (bytes after it could break it)
+        elif kind == "invalid":
+            ids += _bytes(rng.choice([0x80, 0xBF, 0xC0, 0xFF]), *(rng.randrange(256) for _ in range(rng.randint(0, 4))))
+        else:
+            ids += _bytes(*rng.choice("é€日🤖").encode()[:-1])
+            ids.append(rng.choice([258, 259, 260]))
+    return ids
+
+
+def test_byte_fallback_runs_stream_and_read_as_one_decode(tmp_path):
+    tok = _byte_fallback_tokenizer(tmp_path)
+    rng = random.Random(0)
+    for _ in range(300):
+        ids = _fallback_runs(rng)
+        for skip in (True, False):
+            seq = Sequence("r", [1], SamplingParams(skip_special_tokens=skip))
+            detok = Detokenizer(tok)
+            for i, t in enumerate(ids):
+                seq.output_token_ids.append(t)
+                detok.append(seq, i + 1)
+            detok.flush(seq, len(ids))
+            prompt = tok.decode([1], skip_special_tokens=skip)  # the text continues the prompt's
+            assert seq.text == tok.decode([1, *ids], skip_special_tokens=skip)[len(prompt):], (ids, skip)
+
+
+def test_an_invalid_byte_fallback_run_streams_each_byte_at_once_without_decoding_it_again(tmp_path):
+    """A run of bytes that can never be UTF-8 is one U+FFFD per byte in a byte-fallback decode: each
+    streams as it comes, and the decodes of a step stay short (the run waited for a token to end it,
+    decoded again in full at every step). Whole characters stream as they complete; a newline byte at once."""
+    tok = _byte_fallback_tokenizer(tmp_path)
+    ids = [*_bytes(0x0A), 260, *_bytes(0xFF, *[0x80] * 400, 0x41), 260, *_bytes(*"é€".encode()), 259, *_bytes(0xE4, 0xB8), 259]
+    decoded = []
+    decode = tok.decode
+    tok.decode = lambda token_ids, **kw: decoded.append(len(token_ids)) or decode(token_ids, **kw)
+    seq = Sequence("r", [1], SamplingParams())
+    detok, pieces = Detokenizer(tok), []
+    for i, t in enumerate(ids):
+        seq.output_token_ids.append(t)
+        before = len(seq.text)
+        detok.append(seq, i + 1)
+        pieces.append(seq.text[before:])
+    assert pieces[:2] == ["\n", " x"] and pieces[2:404] == ["\ufffd"] * 402 and pieces[404] == " x"
+    assert pieces[405:411] == ["", "é", "", "", "€", "h"] and pieces[411:] == ["", "", "\ufffd\ufffdh"]
+    assert max(decoded) <= 8 and sum(decoded) < 4 * len(ids)
+    detok.flush(seq, len(ids))
+    assert seq.text == decode(ids)
+
+
+@pytest.mark.parametrize("tail", [[], [259]])
+def test_a_byte_fallback_run_that_turns_invalid_keeps_the_characters_it_streamed(tmp_path, tail):
+    """One decode reads every byte of a run that is not UTF-8 as U+FFFD, also the whole characters before
+    the byte that broke it; those were streamed already and stay: only the rest of the run is U+FFFDs."""
+    tok = _byte_fallback_tokenizer(tmp_path)
+    ids = _bytes(*"é".encode(), 0xFF, 0xE4) + tail
+    seq = Sequence("r", [1], SamplingParams())
+    detok = Detokenizer(tok)
+    for i, t in enumerate(ids):
+        seq.output_token_ids.append(t)
+        detok.append(seq, i + 1)
+    detok.flush(seq, len(ids))
+    assert tok.decode(ids) == "\ufffd" * 4 + "h" * len(tail)
+    assert seq.text == "é\ufffd\ufffd" + "h" * len(tail)
+
+
+def test_a_prompt_ending_in_byte_tokens_does_not_join_the_first_output_run(tmp_path):
+    tok = _byte_fallback_tokenizer(tmp_path)
+    seq = Sequence("r", [259, *_bytes(0xC3)], SamplingParams())  # the prompt ends inside "é"
+    detok = Detokenizer(tok)
+    for i, t in enumerate([*_bytes(0xA9), 260]):
+        seq.output_token_ids.append(t)
+        detok.append(seq, i + 1)
+    detok.flush(seq, 2)
+    assert seq.text == tok.decode(seq.output_token_ids) == "\ufffd x"
