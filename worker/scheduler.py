@@ -65,16 +65,15 @@ class Scheduler:
         # waiting only for GPU pages or a slot) or "load" (being read).
         self.adapter_state = adapter_state
         self.never_fits = never_fits  # why a sequence can never get the KV pages it needs (kv_room.py)
-        self.waiting = WaitingQueue()
+        self.waiting = WaitingQueue(page_wait_limit=max_adapter_wait_steps)
         self.running: list[Sequence] = []
         self._skipped_steps: dict[int, int] = {}  # seq_id -> steps skipped for adapter grouping
         # Sequences that preempted themselves running alone: readmitted only once the pages of all their
         # tokens can be had (admitted chunk by chunk, they would get as far and preempt themselves again).
         self._short_alone: set[int] = set()
         self.num_preemptions = 0
-        # Steps and seconds a request that cannot get pages, nothing running, may wait (a step that runs nothing can
-        # be far shorter than the copy it waits for); seq_id -> (steps waited, since when): one leaving the queue
-        # takes its count along, any admission clears them all (something runs: pages will come back).
+        # Steps and seconds a request that cannot get pages, nothing running, may wait (a step can be far shorter than the
+        # copy it waits for); seq_id -> (steps, since when), cleared by any admission (something runs: pages come back).
         self.max_stuck_steps, self.min_stuck_s = 100, 1.0
         self._stuck_steps: dict[int, tuple[int, float]] = {}
         self.failed: list[Sequence] = []  # ended by the scheduler (a failure, or max_tokens lowered to fit); engine reports them
@@ -154,7 +153,6 @@ class Scheduler:
                 loras.add(seq.adapter)
             budget -= num_new
             i += 1
-
         # 2. Waiting sequences (none while preempting: pages are short).
         if not batch.preempted:
             self._admit_waiting(batch, budget, loras)
@@ -233,7 +231,9 @@ class Scheduler:
                         self._requeue(heap, tenant)
                         continue
                     stuck = seq
-                break  # arrival order for pages: no overtaking a big prompt
+                if num_new:  # arrival order for pages: no overtaking a big prompt (nor for ever from ahead: rank)
+                    self.waiting.short_of_pages(seq)
+                break
             self._start(seq, batch, num_new, loras)
             if seq.adapter is not None and starved is not None:
                 busy.add(seq.adapter)

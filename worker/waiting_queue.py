@@ -5,6 +5,9 @@ Each tenant's queue is split by adapter, so that the scheduler looks only at the
 (tenant, adapter) queue: the sequences behind a head share its adapter, and with it the reason it
 waits. Arrival tickets keep FCFS within a tenant across its adapters; a sequence put back at the
 front (preempted) gets a ticket below every other, so it comes first, as at the front of one queue.
+A head passed over for KV pages `page_wait_limit` times keeps its place: its tenant ranks before those
+that would take the pages running requests give back (a stream of requests from tenants served less
+recently held a large prompt back for ever).
 
 Running example: tenant t1 sends a@1 (ticket 0), base (1), a@1 (2); t2 sends b@1 (3). Queues:
 t1 -> {a@1: [0, 2], None: [1]}, t2 -> {b@1: [3]}; heads(t1) = [a@1 #0, base #1]. Preempting the
@@ -39,7 +42,9 @@ def preemption_victim(running: list[Sequence]) -> Sequence:
 
 
 class WaitingQueue:
-    def __init__(self) -> None:
+    def __init__(self, page_wait_limit: int = 32) -> None:
+        self.page_wait_limit = page_wait_limit
+        self._page_waits: dict[int, int] = {}  # seq_id -> steps passed over for KV pages at its tenant's head
         # tenant -> adapter key (None = base model) -> deque of (ticket, sequence), tickets increasing.
         self._queues: dict[str, dict[str | None, deque[tuple[int, Sequence]]]] = {}
         self._tickets = itertools.count()  # arrivals
@@ -79,6 +84,7 @@ class WaitingQueue:
         else:
             raise ValueError(f"{seq!r} is not waiting")
         self._len -= 1
+        self._page_waits.pop(seq.seq_id, None)
         self._drop_if_empty(tenant, seq.adapter)
 
     def tenants(self) -> list[str]:
@@ -91,12 +97,17 @@ class WaitingQueue:
         """(ticket, sequence) at the head of each of the tenant's adapter queues, oldest first."""
         return sorted((q[0] for q in self._queues[tenant].values()), key=lambda it: it[0])
 
-    def rank(self, tenant: str) -> tuple[bool, int, int, int, str]:
+    def rank(self, tenant: str) -> tuple[bool, bool, int, int, int, str]:
         """Order in which waiting tenants are served (lowest first): one with a preempted sequence first (it
-        keeps its place), then the fewest running sequences, the longest since its last admission, the
-        oldest head."""
-        ticket = self.heads(tenant)[0][0]
-        return ticket >= 0, self._num_running.get(tenant, 0), self._served_at.get(tenant, -1), ticket, tenant
+        keeps its place), then one whose head has waited for KV pages `page_wait_limit` steps, then the
+        fewest running sequences, the longest since its last admission, the oldest head."""
+        ticket, head = self.heads(tenant)[0]
+        starved = self._page_waits.get(head.seq_id, 0) >= self.page_wait_limit
+        return ticket >= 0, not starved, self._num_running.get(tenant, 0), self._served_at.get(tenant, -1), ticket, tenant
+
+    def short_of_pages(self, seq: Sequence) -> None:
+        """`seq`, a head, was passed over this step for want of KV pages."""
+        self._page_waits[seq.seq_id] = self._page_waits.get(seq.seq_id, 0) + 1
 
     def started(self, seq: Sequence) -> None:
         """`seq` (just taken from the queue) runs: it counts against its tenant's share."""
@@ -117,6 +128,7 @@ class WaitingQueue:
         q = self._queues[tenant][adapter]
         _, seq = q.popleft()
         self._len -= 1
+        self._page_waits.pop(seq.seq_id, None)
         self._drop_if_empty(tenant, adapter)
         return seq
 

@@ -308,6 +308,28 @@ def test_a_request_that_can_never_fit_fails_instead_of_blocking_the_queue():
     assert [s for s, _ in batch.scheduled] == [small]
 
 
+def test_a_stream_of_other_tenants_requests_does_not_hold_a_large_prompt_back_for_ever():
+    """Tenants served less recently rank first, and their short requests took the pages running requests
+    gave back before the large prompt's turn came, step after step. Passed over for pages
+    max_adapter_wait_steps times, it keeps its place: the others wait behind it until it fits."""
+    sched, pool = _sched(num_pages=4)
+    first = Sequence("first", [1], SamplingParams(max_tokens=1), tenant="a")  # tenant a was served: it ranks last
+    big = Sequence("big", list(range(3 * BS)), SamplingParams(max_tokens=1), tenant="a")  # 3 of the 4 pages
+    sched.add(first)
+    sched.add(big)
+    admitted_at = None
+    for step in range(4 * sched.max_adapter_wait_steps):
+        sched.add(Sequence(f"small{step}", [1, 2], SamplingParams(max_tokens=3), tenant=f"b{step}"))  # a new tenant
+        batch = _run_step(sched)
+        for seq, _ in batch.scheduled:
+            if len(seq.output_token_ids) >= seq.params.max_tokens:
+                sched.finish(seq, "length")
+        if admitted_at is None and any(seq is big for seq, _ in batch.scheduled):
+            admitted_at = step
+    assert admitted_at is not None and admitted_at <= sched.max_adapter_wait_steps + 4
+    assert not sched.failed
+
+
 def test_the_wait_of_an_aborted_stuck_head_is_not_charged_to_the_next_request():
     """Nothing runs and the head waits for pages an adapter copy in flight holds; its client gives up. The
     next request, which fits once the copy is done, gets a wait of its own, not what was left of the
