@@ -242,6 +242,11 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
         with self._lock:
             return bool(self._inflight or self._wanted) or self._warm_check_due()
 
+    def loads_in_flight(self) -> bool:
+        """True while a read or a copy runs (it finishes on its own: poll() soon picks it up)."""
+        with self._lock:
+            return bool(self._inflight)
+
     def _loader_threads(self) -> ThreadPoolExecutor:
         # Optionally bound the CPU threads a loader's torch ops fan out to (GPU workers only).
         cpu_threads = self.config.loader_cpu_threads if self._cuda else None

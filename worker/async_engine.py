@@ -255,7 +255,10 @@ class AsyncEngine:
                 pool = engine.adapter_pool
                 if pool.has_pending_loads():
                     pool.poll()
-                    self._wake.wait(_IDLE_WAIT_S)
+                    # Adapters that wait only for room (a pinned owner's quota, every slot pinned) are looked at
+                    # every _IDLE_CHECK_S, not every 5 ms for as long as they wait: room comes back with an unpin
+                    # or an eviction, not with time.
+                    self._wake.wait(_IDLE_WAIT_S if pool.loads_in_flight() else _IDLE_CHECK_S)
                 else:
                     self._wake.wait(_IDLE_CHECK_S)
                 self._wake.clear()

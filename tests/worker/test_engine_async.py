@@ -300,3 +300,39 @@ async def test_a_dead_engine_thread_fails_the_streams_in_flight(tiny_llama_dir):
 
 async def _collect_rest(stream):
     return [out async for out in stream]
+
+
+async def test_an_idle_engine_does_not_spin_on_an_adapter_that_waits_for_room(tiny_llama_dir, tmp_path):
+    """A warm-up its owner's pinned adapter keeps out (the owner's GPU quota is one adapter) stays
+    wanted: the idle engine thread looks at it every 0.1 s, as when nothing is pending (it polled every
+    5 ms for as long as it waited), and places it once the pin is gone."""
+    from lorafleet.worker.adapter_pool_config import TenantQuota
+    from tests.lora_factory import make_peft_adapter
+
+    engine = Engine(EngineConfig(model=str(tiny_llama_dir), num_pages=64, block_size=4))
+    pool = engine.adapter_pool
+    pool.config.tenant_quotas = {"beta": TenantQuota(max_adapters=1)}
+    pinned = engine.register_adapter("pinned", make_peft_adapter(tiny_llama_dir, tmp_path / "p", rank=4, seed=1),
+                                     tenant="beta", pinned=True)
+    other = engine.register_adapter("other", make_peft_adapter(tiny_llama_dir, tmp_path / "o", rank=4, seed=2),
+                                    tenant="beta")
+    pool.wait_idle()
+    polls = []
+    poll = pool.poll
+    pool.poll = lambda: polls.append(None) or poll()
+    ae = AsyncEngine(engine)
+    await ae.start()
+    try:
+        await asyncio.to_thread(pool.prefetch, other, "gpu")
+        assert pool.has_pending_loads() and not pool.loads_in_flight()
+        polls.clear()
+        await asyncio.sleep(0.5)
+        assert len(polls) <= 10  # 0.5 s at one look per 0.1 s (100 at 5 ms)
+        await asyncio.to_thread(pool.unpin, pinned)
+        for _ in range(500):  # readiness poll, bounded (5 s)
+            if pool.entry(other).resident:
+                break
+            await asyncio.sleep(0.01)
+        assert pool.entry(other).resident
+    finally:
+        await ae.stop()
