@@ -95,7 +95,14 @@ class Detokenizer:
         decode = lambda token_ids: self.tokenizer.decode(token_ids, skip_special_tokens=skip)
         context: list[int] = []
         if seq.detok_prefix == 0:
-            context = seq.prompt_token_ids[-NUM_PROMPT_CONTEXT_TOKENS:]
+            prompt, start = seq.prompt_token_ids, max(0, len(seq.prompt_token_ids) - NUM_PROMPT_CONTEXT_TOKENS)
+            table = self._table()
+            if table is not None and table.byte_fallback:  # start on a character: a run cut inside one reads all U+FFFD
+                for _ in range(3):
+                    if start == 0 or not 0x80 <= (table.fallback_byte(prompt[start]) or 0) < 0xC0:
+                        break
+                    start -= 1
+            context = prompt[start:]
             if decode(context).endswith("\ufffd"):  # the prompt ends inside a character: no context
                 context = []
         prefix_ids = context + ids[seq.detok_prefix : seq.detok_read]
@@ -107,28 +114,31 @@ class Detokenizer:
         last byte token, which decodes alone to one character as it does in any later window."""
         ids = seq.output_token_ids
         skipped = table.special_ids if seq.params.skip_special_tokens else frozenset()
-        is_byte = lambda token: token not in skipped and table.fallback_byte(token) is not None
+        # Tokens the decode leaves out (skipped special ones, ids the vocabulary lacks) do not end a run.
+        absent = lambda token: token in skipped or self.tokenizer.id_to_token(token) is None
         while seq.detok_read < end:
             read = seq.detok_read
             if seq.detok_invalid_run:  # each byte of the run a U+FFFD, up to a token that ends the run
                 j, count = read, 0
-                while j < end and (ids[j] in skipped or is_byte(ids[j])):
-                    if is_byte(ids[j]):
+                while j < end and (absent(ids[j]) or table.fallback_byte(ids[j]) is not None):
+                    if not absent(ids[j]):
                         count, seq.detok_prefix = count + 1, j
                     j += 1
                 seq.text += "\ufffd" * count
                 seq.detok_read, seq.detok_invalid_run = j, j == end
                 continue
-            decoder, commit, broken = codecs.getincrementaldecoder("utf-8")(), read, False
+            decoder, commit, broken, run_start = codecs.getincrementaldecoder("utf-8")(), read, False, None
             for j in range(read, end):
-                if ids[j] in skipped:
+                if absent(ids[j]):
                     pass
                 elif (byte := table.fallback_byte(ids[j])) is None:  # a text token ends the run
                     if decoder.getstate()[0]:
                         broken = True  # inside a character
                         break
                     decoder.reset()
+                    run_start = None
                 else:
+                    run_start = j if run_start is None else run_start
                     try:
                         decoder.decode(bytes([byte]))
                     except UnicodeDecodeError:
@@ -138,10 +148,12 @@ class Detokenizer:
                     commit = j + 1
             if commit > read:
                 prefix_text, new_text = self._window(seq, commit)
-                seq.text += new_text[len(prefix_text):]
-                if len(new_text) > len(prefix_text):  # else the window keeps its start (its context)
-                    seq.detok_prefix = read
-                seq.detok_read = commit
+                if len(new_text) > len(prefix_text):
+                    seq.text += new_text[len(prefix_text):]
+                    seq.detok_prefix, seq.detok_read = read, commit
+                else:  # no text (a first space the decoder strips): the window keeps its start, and bytes of
+                    # a run still open stay unread (should the run break, they are U+FFFDs as well)
+                    seq.detok_read = commit if run_start is None or run_start >= commit else max(read, run_start)
             if not (broken or (final and commit < end)):  # the rest waits for the bytes that complete it
                 return
             seq.detok_invalid_run = True  # the run's bytes from `commit` on are U+FFFDs

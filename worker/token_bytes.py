@@ -77,8 +77,9 @@ class TokenBytes:
         return self._byte_fallback
 
     def fallback_byte(self, token_id: int) -> int | None:
-        """With a ByteFallback decoder, the byte a "<0xNN>" token stands for; None for any other token."""
-        if not self._byte_fallback or token_id in self._added:
+        """With a ByteFallback decoder, the byte a "<0xNN>" token stands for (an added token spelled so
+        too: the decoder reads the token's text); None for any other token."""
+        if not self._byte_fallback:
             return None
         byte = _BYTE_TOKEN.fullmatch(self.tokenizer.id_to_token(token_id) or "")
         return int(byte.group(1), 16) if byte else None

@@ -210,15 +210,17 @@ def _bytes(*values: int) -> list[int]:
 
 
 def _fallback_runs(rng: random.Random) -> list[int]:
-    """Text tokens, special tokens and byte runs that are whole characters (then a text token), or that
-    can never be UTF-8 from their first byte, or that end inside their first character."""
+    """Text tokens, special tokens, unknown ids and byte runs that are whole characters (then a text
+    token), or that can never be UTF-8 from their first byte, or that end inside their first character."""
     ids = []
     for _ in range(rng.randint(1, 12)):
-        kind = rng.choice(["text", "special", "chars", "invalid", "cut"])
+        kind = rng.choice(["text", "special", "unknown", "chars", "invalid", "cut"])
         if kind == "text":
             ids.append(rng.choice([258, 259, 260]))
         elif kind == "special":
             ids.append(261)
+        elif kind == "unknown":
+            ids.append(5000)  # an id the vocabulary lacks (the model's may be larger): the decode leaves it out
         elif kind == "chars":
             ids += _bytes(*"".join(rng.choice("a\n é€日🤖") for _ in range(rng.randint(1, 4))).encode())
             ids.append(rng.choice([258, 259, 260]))  # the run ends (bytes after it could break it)
@@ -294,3 +296,33 @@ def test_a_prompt_ending_in_byte_tokens_does_not_join_the_first_output_run(tmp_p
         detok.append(seq, i + 1)
     detok.flush(seq, 2)
     assert seq.text == tok.decode(seq.output_token_ids) == "\ufffd x"
+
+
+@pytest.mark.parametrize("case", ["an id the vocabulary lacks inside a run", "a first space byte the decoder strips",
+                                  "the prompt's last five tokens start inside a character",
+                                  "an added token spelled as a byte"])
+def test_byte_fallback_edge_cases_read_as_one_decode(tmp_path, case):
+    """Each once read otherwise than one decode of the prompt's context and the output."""
+    tok = _byte_fallback_tokenizer(tmp_path)
+    prompt, ids = {"an id the vocabulary lacks inside a run": ([259, 260], [*_bytes(0xC3), 5000, *_bytes(0xA9)]),
+                   "a first space byte the decoder strips": ([1], _bytes(0x20, 0xC3)),
+                   "the prompt's last five tokens start inside a character": ([259, 260, *_bytes(*"日本\n".encode())], [260]),
+                   "an added token spelled as a byte": ([259, 260], [*_bytes(0xC3, 0x0A, 0x41), 260])}[case]
+    if case == "an added token spelled as a byte":
+        from tokenizers import AddedToken
+        from tokenizers import Tokenizer as HFTokenizer
+
+        from lorafleet.worker.token_bytes import token_bytes
+
+        hf = HFTokenizer.from_file(str(tmp_path / "tokenizer.json"))
+        hf.add_tokens([AddedToken("<0x0A>", normalized=False)])  # as some converted tokenizers list it
+        hf.save(str(tmp_path / "tokenizer.json"))
+        tok = Tokenizer(tmp_path)
+        assert 2 + 0x0A in token_bytes(tok)._added
+    seq = Sequence("r", prompt, SamplingParams())
+    detok = Detokenizer(tok)
+    for i, t in enumerate(ids):
+        seq.output_token_ids.append(t)
+        detok.append(seq, i + 1)
+    detok.flush(seq, len(ids))
+    assert seq.text == tok.decode(prompt + ids)[len(tok.decode(prompt)):]
