@@ -97,6 +97,7 @@ class Stager:
         self.pending: set[tuple[str, str]] = set()  # versions of the push in progress not forwarded yet
         self.seed_report: SeedReport | None = None  # while what is served is the seed's (`--stager-adapters`)
         self.engine = EngineLink(config.engine_url, config.admin_token) if config.engine_url else None
+        self._pool_size = (0, 0)  # the engine's last reported (pool_bytes, pool_slots): said while it is away
         self.apply_lock = asyncio.Lock()  # a push's steps that change what is forwarded (never a download)
         self.staging_lock = asyncio.Lock()  # one push stages at a time
         self.superseded = asyncio.Event()  # the latest push's: set once a newer one begins
@@ -298,8 +299,11 @@ class Stager:
         if self.engine is not None:
             try:
                 report = await self.engine.report()
+                self._pool_size = (report.pool_bytes, report.pool_slots)
             except Exception as exc:
+                # Its pool's size does not change while it restarts: placement keeps counting its room.
                 report = ReportedState(error=f"engine unreachable: {exc}")
+                report.pool_bytes, report.pool_slots = self._pool_size
         else:
             report = ReportedState(generation_applied=self.generation)
         if report.error is None and report.generation_applied >= self.generation:  # not one from before a push

@@ -70,3 +70,20 @@ async def test_without_an_engine_nothing_replaced_is_held(tmp_path, monkeypatch)
     stager.cache.budget_bytes = int(1.5 * dir_bytes(v1))
     await stager.apply(push(2, sql="v2"))
     assert not v1.is_dir() and stager.holds.replaced == set()
+
+
+async def test_an_engine_away_is_reported_with_the_pool_size_it_last_said(aiohttp_server, tmp_path):
+    """The operator places warm copies by each worker's reported pool bytes and slots; an engine that did
+    not answer (restarting) was reported with neither, so placement counted its room as unbounded."""
+    async def get_state(request: web.Request) -> web.Response:
+        return web.json_response({"generation_applied": 0, "adapters": [], "pool_bytes": 1 << 30, "pool_slots": 8})
+
+    app = web.Application()
+    app.add_routes([web.get("/admin/v1/state", get_state)])
+    engine = await aiohttp_server(app)
+    stager = Stager(dataclasses.replace(config(tmp_path), engine_url=str(engine.make_url(""))))
+    report = await stager.state()
+    assert report.error is None and (report.pool_bytes, report.pool_slots) == (1 << 30, 8)
+    await engine.close()
+    report = await stager.state()
+    assert report.error.startswith("engine unreachable") and (report.pool_bytes, report.pool_slots) == (1 << 30, 8)
