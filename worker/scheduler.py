@@ -231,7 +231,7 @@ class Scheduler:
                         self._requeue(heap, tenant)
                         continue
                     stuck = seq
-                if num_new:  # arrival order for pages: no overtaking a big prompt (nor for ever from ahead: rank)
+                if num_new and not reserve:  # arrival order for pages: no overtaking a big prompt (nor for ever: rank)
                     self.waiting.short_of_pages(seq)
                 break
             self._start(seq, batch, num_new, loras)

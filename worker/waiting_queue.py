@@ -99,10 +99,13 @@ class WaitingQueue:
 
     def rank(self, tenant: str) -> tuple[bool, bool, int, int, int, str]:
         """Order in which waiting tenants are served (lowest first): one with a preempted sequence first (it
-        keeps its place), then one whose head has waited for KV pages `page_wait_limit` steps, then the
-        fewest running sequences, the longest since its last admission, the oldest head."""
-        ticket, head = self.heads(tenant)[0]
-        starved = self._page_waits.get(head.seq_id, 0) >= self.page_wait_limit
+        keeps its place), then one with a head that has waited for KV pages `page_wait_limit` steps, then the
+        fewest running sequences, the longest since its last admission (or its arrival, for a tenant with
+        nothing running or queued before: ranked ahead of all, a stream of such tenants' requests took every
+        seat), the oldest head."""
+        heads = self.heads(tenant)
+        starved = any(self._page_waits.get(seq.seq_id, 0) >= self.page_wait_limit for _, seq in heads)
+        ticket = heads[0][0]
         return ticket >= 0, not starved, self._num_running.get(tenant, 0), self._served_at.get(tenant, -1), ticket, tenant
 
     def short_of_pages(self, seq: Sequence) -> None:
@@ -133,7 +136,10 @@ class WaitingQueue:
         return seq
 
     def _queue(self, seq: Sequence) -> deque[tuple[int, Sequence]]:
-        return self._queues.setdefault(fairness_key(seq), {}).setdefault(seq.adapter, deque())
+        tenant = fairness_key(seq)
+        if tenant not in self._served_at:  # new, or back from idle: it counts from its arrival, not before all
+            self._served_at[tenant] = next(self._admissions)
+        return self._queues.setdefault(tenant, {}).setdefault(seq.adapter, deque())
 
     def _drop_if_empty(self, tenant: str, adapter: str | None) -> None:
         subs = self._queues[tenant]

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import pytest
+
 from lorafleet.worker.block_manager import BlockManager
 from lorafleet.worker.page_pool import PagePool, PagePoolConfig
 from lorafleet.worker.sampling_params import SamplingParams
@@ -308,26 +312,84 @@ def test_a_request_that_can_never_fit_fails_instead_of_blocking_the_queue():
     assert [s for s, _ in batch.scheduled] == [small]
 
 
-def test_a_stream_of_other_tenants_requests_does_not_hold_a_large_prompt_back_for_ever():
-    """Tenants served less recently rank first, and their short requests took the pages running requests
-    gave back before the large prompt's turn came, step after step. Passed over for pages
-    max_adapter_wait_steps times, it keeps its place: the others wait behind it until it fits."""
-    sched, pool = _sched(num_pages=4)
-    first = Sequence("first", [1], SamplingParams(max_tokens=1), tenant="a")  # tenant a was served: it ranks last
-    big = Sequence("big", list(range(3 * BS)), SamplingParams(max_tokens=1), tenant="a")  # 3 of the 4 pages
-    sched.add(first)
-    sched.add(big)
-    admitted_at = None
-    for step in range(4 * sched.max_adapter_wait_steps):
-        sched.add(Sequence(f"small{step}", [1, 2], SamplingParams(max_tokens=3), tenant=f"b{step}"))  # a new tenant
+def _stream_of_new_tenants(sched, big, steps, seats=False):
+    """Each step a tenant with nothing running or queued sends a short request (3 tokens to generate), and
+    `big` is queued once three are running; the step at which `big` is admitted, or None."""
+    for step in range(steps):
+        sched.add(Sequence(f"small{step}", [1, 2], SamplingParams(max_tokens=3), tenant=f"b{step % 5 if seats else step}"))
+        if step == 3:
+            sched.add(big)
         batch = _run_step(sched)
         for seq, _ in batch.scheduled:
             if len(seq.output_token_ids) >= seq.params.max_tokens:
                 sched.finish(seq, "length")
-        if admitted_at is None and any(seq is big for seq, _ in batch.scheduled):
-            admitted_at = step
+        if any(seq is big for seq, _ in batch.scheduled):
+            return step
+    return None
+
+
+@pytest.mark.parametrize("older_head", [False, True])
+def test_a_stream_of_other_tenants_requests_does_not_hold_a_large_prompt_back_for_ever(older_head):
+    """Tenant a runs one request, so tenants running none rank ahead of it, and their short requests took
+    the pages running requests gave back before its large prompt's turn, step after step. Passed over for
+    pages max_adapter_wait_steps times, it keeps its place (also behind an older head of its own that
+    waits for its adapter): the others wait behind it until it fits."""
+    pool = PagePool(PagePoolConfig(num_pages=4, page_elems=8))
+    sched = Scheduler(BlockManager(pool, 256), max_num_seqs=8, max_num_batched_tokens=1024, enable_chunked_prefill=False,
+                      adapter_pool=FakeAdapterPool(resident=()))
+    runner = Sequence("runner", [1], SamplingParams(max_tokens=1000), tenant="a")  # one page as long as the test
+    sched.add(runner)
+    _run_step(sched)
+    if older_head:
+        sched.add(Sequence("lora", [1], SamplingParams(max_tokens=1), tenant="a", adapter="x@1"))  # never resident
+    big = Sequence("big", list(range(300)), SamplingParams(max_tokens=1), tenant="a")  # two pages
+    admitted_at = _stream_of_new_tenants(sched, big, 4 * sched.max_adapter_wait_steps)
     assert admitted_at is not None and admitted_at <= sched.max_adapter_wait_steps + 4
-    assert not sched.failed
+    assert not sched.failed and runner.status is SequenceStatus.RUNNING
+
+
+def test_tenants_that_just_arrived_do_not_take_every_seat_from_one_that_waits():
+    """A tenant with nothing running or queued ranked as never served, ahead of every other: tenants sending
+    one request at a time took every seat as it came free, and a served tenant's queued request never ran."""
+    sched, _ = _sched(max_num_seqs=3)
+    for tenant in ("c", "d"):
+        sched.add(Sequence(f"pre-{tenant}", [1, 2], SamplingParams(max_tokens=3), tenant=tenant))
+    sched.add(Sequence("first", [1], SamplingParams(max_tokens=1), tenant="a"))  # takes the last seat
+    big = Sequence("big", list(range(3 * BS)), SamplingParams(max_tokens=1), tenant="a")
+    sched.add(big)
+    for step in range(40):
+        sched.add(Sequence(f"small{step}", [1, 2], SamplingParams(max_tokens=3), tenant=f"b{step % 5}"))
+        batch = _run_step(sched)
+        for seq, _ in batch.scheduled:
+            if len(seq.output_token_ids) >= seq.params.max_tokens:
+                sched.finish(seq, "length")
+        if any(seq is big for seq, _ in batch.scheduled):
+            break
+    else:
+        raise AssertionError("tenant a's second request never ran")
+
+
+def test_a_head_held_back_by_pages_kept_for_an_adapter_is_not_counted_as_short_of_pages():
+    """Pages kept free for a request starved for its adapter's room are not the head's to take: counting
+    those steps ranked it first, ahead of the reservation, and it took the kept pages."""
+    class Pool(FakeAdapterPool):
+        def entry(self, key):
+            return SimpleNamespace(image=SimpleNamespace(num_pages=3), pinned=False)  # x@1 needs 3 pages
+
+    sched, pool = _sched(num_pages=9, adapter_pool=Pool(resident=()), max_adapter_wait_steps=2,
+                         adapter_state=lambda key: "room")
+    long = Sequence("long", [1], SamplingParams(max_tokens=10_000), tenant="r")  # something runs
+    sched.add(long)
+    _run_step(sched)
+    pool.allocate(3, ("adapter", "other@1"))  # 5 pages free
+    sched.add(Sequence("x", [1, 2], SamplingParams(max_tokens=2), tenant="t1", adapter="x@1"))
+    for _ in range(3):
+        _run_step(sched)
+    head = Sequence("h", list(range(3 * BS)), SamplingParams(max_tokens=2), tenant="t2")  # 3 pages: 3 must stay free
+    sched.add(head)
+    for _ in range(8):
+        _run_step(sched)
+        assert head.status is SequenceStatus.WAITING and pool.num_free >= 3
 
 
 def test_the_wait_of_an_aborted_stuck_head_is_not_charged_to_the_next_request():
