@@ -17,6 +17,8 @@ committed at token boundaries where the run so far is whole characters; once the
 longer be UTF-8 (a byte no character continues, or the run ends inside a character), each of its bytes
 is a U+FFFD at once, counted without decoding. A run that turns invalid after whole characters keeps
 their text (one decode would read those bytes as U+FFFDs too: streamed text is never taken back).
+Their prompt context ends at the prompt's last text token: a byte run after it would join the output's
+first run (and reads as U+FFFDs where the five tokens cut it inside a character).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from lorafleet.worker.token_bytes import TokenBytes, token_bytes
 from lorafleet.worker.tokenizer import Tokenizer
 
 NUM_PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded before the first output tokens (vLLM's offset)
+_CONTEXT_SEARCH = 64  # byte fallback: prompt tokens looked through for the last text token (else no context)
 
 
 class Detokenizer:
@@ -94,28 +97,34 @@ class Detokenizer:
         skip = seq.params.skip_special_tokens
         decode = lambda token_ids: self.tokenizer.decode(token_ids, skip_special_tokens=skip)
         context: list[int] = []
-        if seq.detok_prefix == 0:
-            prompt, start = seq.prompt_token_ids, max(0, len(seq.prompt_token_ids) - NUM_PROMPT_CONTEXT_TOKENS)
-            table = self._table()
-            if table is not None and table.byte_fallback:  # start on a character: a run cut inside one reads all U+FFFD
-                for _ in range(3):
-                    if start == 0 or not 0x80 <= (table.fallback_byte(prompt[start]) or 0) < 0xC0:
-                        break
-                    start -= 1
-            context = prompt[start:]
+        table = self._table()
+        if seq.detok_prefix == 0 and table is not None and table.byte_fallback:
+            # The last prompt tokens up to its last text token: a byte run there would join the output's first
+            # (and read as U+FFFDs where cut inside a character), and the context is only for the first space.
+            prompt, absent = seq.prompt_token_ids, self._absent(seq, table)
+            last = len(prompt) - 1
+            while last >= max(0, len(prompt) - _CONTEXT_SEARCH) and (
+                    absent(prompt[last]) or table.fallback_byte(prompt[last]) is not None):
+                last -= 1
+            if last >= max(0, len(prompt) - _CONTEXT_SEARCH):
+                context = prompt[max(0, last + 1 - NUM_PROMPT_CONTEXT_TOKENS): last + 1]
+        elif seq.detok_prefix == 0:
+            context = seq.prompt_token_ids[-NUM_PROMPT_CONTEXT_TOKENS:]
             if decode(context).endswith("\ufffd"):  # the prompt ends inside a character: no context
                 context = []
         prefix_ids = context + ids[seq.detok_prefix : seq.detok_read]
         return decode(prefix_ids), decode(context + ids[seq.detok_prefix : end])
 
+    def _absent(self, seq: Sequence, table: TokenBytes):
+        """Whether the decode leaves a token out: a special one it skips, or an id the vocabulary lacks."""
+        skipped = table.special_ids if seq.params.skip_special_tokens else frozenset()
+        return lambda token: token in skipped or self.tokenizer.id_to_token(token) is None
+
     def _advance_byte_runs(self, seq: Sequence, end: int, table: TokenBytes, *, final: bool) -> None:
         """append / flush for a byte-fallback tokenizer (see the module's docstring). seq.detok_invalid_run:
         the byte run open at seq.detok_read can no longer be UTF-8; then the window's prefix is the run's
         last byte token, which decodes alone to one character as it does in any later window."""
-        ids = seq.output_token_ids
-        skipped = table.special_ids if seq.params.skip_special_tokens else frozenset()
-        # Tokens the decode leaves out (skipped special ones, ids the vocabulary lacks) do not end a run.
-        absent = lambda token: token in skipped or self.tokenizer.id_to_token(token) is None
+        ids, absent = seq.output_token_ids, self._absent(seq, table)  # tokens the decode leaves out end no run
         while seq.detok_read < end:
             read = seq.detok_read
             if seq.detok_invalid_run:  # each byte of the run a U+FFFD, up to a token that ends the run

@@ -61,6 +61,8 @@ class TokenBytes:
         reads a partial character as U+FFFD)."""
         if token_id in self._added:
             content = self._added[token_id].decode()
+            if self._byte_fallback and (byte := _BYTE_TOKEN.fullmatch(content)):
+                return bytes([int(byte.group(1), 16)])  # the decoder reads its text as the byte
             if self._byte_level is not None and all(c in self._byte_level for c in content):
                 return bytes(self._byte_level[c] for c in content)  # the ByteLevel decoder maps it so too
             return self._added[token_id]

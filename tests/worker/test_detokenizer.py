@@ -300,14 +300,20 @@ def test_a_prompt_ending_in_byte_tokens_does_not_join_the_first_output_run(tmp_p
 
 @pytest.mark.parametrize("case", ["an id the vocabulary lacks inside a run", "a first space byte the decoder strips",
                                   "the prompt's last five tokens start inside a character",
-                                  "an added token spelled as a byte"])
+                                  "an added token spelled as a byte", "the prompt ends in a whole U+FFFD character",
+                                  "skipped special tokens inside the prompt's last character",
+                                  "the prompt ends in an invalid byte run"])
 def test_byte_fallback_edge_cases_read_as_one_decode(tmp_path, case):
     """Each once read otherwise than one decode of the prompt's context and the output."""
     tok = _byte_fallback_tokenizer(tmp_path)
     prompt, ids = {"an id the vocabulary lacks inside a run": ([259, 260], [*_bytes(0xC3), 5000, *_bytes(0xA9)]),
                    "a first space byte the decoder strips": ([1], _bytes(0x20, 0xC3)),
                    "the prompt's last five tokens start inside a character": ([259, 260, *_bytes(*"日本\n".encode())], [260]),
-                   "an added token spelled as a byte": ([259, 260], [*_bytes(0xC3, 0x0A, 0x41), 260])}[case]
+                   "an added token spelled as a byte": ([259, 260], [*_bytes(0xC3, 0x0A, 0x41), 260]),
+                   "the prompt ends in a whole U+FFFD character": ([259, *_bytes(*"\ufffd".encode())], [260]),
+                   "skipped special tokens inside the prompt's last character":
+                       ([259, *_bytes(0xE6), 261, *_bytes(0x97), 261, 261, *_bytes(0xA5)], [260]),
+                   "the prompt ends in an invalid byte run": ([259, *_bytes(0x80)], [260])}[case]
     if case == "an added token spelled as a byte":
         from tokenizers import AddedToken
         from tokenizers import Tokenizer as HFTokenizer
@@ -318,7 +324,7 @@ def test_byte_fallback_edge_cases_read_as_one_decode(tmp_path, case):
         hf.add_tokens([AddedToken("<0x0A>", normalized=False)])  # as some converted tokenizers list it
         hf.save(str(tmp_path / "tokenizer.json"))
         tok = Tokenizer(tmp_path)
-        assert 2 + 0x0A in token_bytes(tok)._added
+        assert 2 + 0x0A in token_bytes(tok)._added and token_bytes(tok)(2 + 0x0A) == b"\n"  # logprobs' bytes too
     seq = Sequence("r", prompt, SamplingParams())
     detok = Detokenizer(tok)
     for i, t in enumerate(ids):
