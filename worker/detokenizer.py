@@ -41,6 +41,10 @@ class Detokenizer:
     def append(self, seq: Sequence, end: int) -> None:
         """Extend seq.text with the text of seq.output_token_ids[:end] that is complete."""
         table = self._table()
+        seen, seq.detok_seen = seq.detok_seen, end
+        if table is not None and seen < end and all(map(self._absent(seq, table), seq.output_token_ids[seen:end])):
+            return  # only tokens the decode leaves out since the last call: nothing changes (a long run of them
+            # kept the window growing, decoded again at every step)
         if table is not None and table.byte_fallback:
             return self._advance_byte_runs(seq, end, table, final=False)
         prefix_text, new_text = self._window(seq, end)

@@ -78,6 +78,7 @@ class Sequence:
         self.detok_prefix = 0  # output-token offsets of the Detokenizer (see detokenizer.py)
         self.detok_read = 0
         self.detok_invalid_run = False  # the byte run open at detok_read cannot be UTF-8 (byte fallback)
+        self.detok_seen = 0  # output tokens the Detokenizer's last append looked at
         self.generator: torch.Generator | None = None  # per-sequence RNG when seeded
         self.json_state: tuple[int, tuple[str, str]] | None = None  # JSON mode: (output tokens covered, state)
 

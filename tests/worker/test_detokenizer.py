@@ -332,3 +332,26 @@ def test_byte_fallback_edge_cases_read_as_one_decode(tmp_path, case):
         detok.append(seq, i + 1)
     detok.flush(seq, len(ids))
     assert seq.text == tok.decode(prompt + ids)[len(tok.decode(prompt)):]
+
+
+@pytest.mark.parametrize("kind", ["byte level", "byte fallback"])
+def test_a_long_run_of_tokens_the_decode_leaves_out_costs_nothing_per_step(tmp_path, kind):
+    """A model that keeps sampling a skipped special token (EOS under ignore_eos) or ids past the tokenizer's
+    vocabulary: the window grew with them, decoded again in full at every step (quadratic)."""
+    if kind == "byte level":
+        tok, _ = _byte_level_tokenizer(tmp_path, [], ["<|eos|>"])
+        first, filler, last = [0x68, 0xC3], tok.token_to_id("<|eos|>"), [0xA9, 0x78]
+    else:
+        tok = _byte_fallback_tokenizer(tmp_path)
+        first, filler, last = [259], 261, [*_bytes(0xC3, 0xA9), 260]
+    ids = [*first, *[filler, 5000] * 1000, *last]
+    decoded, decode = [], tok.decode
+    tok.decode = lambda token_ids, **kw: decoded.append(len(token_ids)) or decode(token_ids, **kw)
+    seq = Sequence("r", [1], SamplingParams())
+    detok = Detokenizer(tok)
+    for i, t in enumerate(ids):
+        seq.output_token_ids.append(t)
+        detok.append(seq, i + 1)
+    detok.flush(seq, len(ids))
+    assert seq.text == decode(ids)
+    assert sum(decoded) < 10 * len(ids)  # each token decoded a few times, not once per later step
