@@ -37,6 +37,7 @@ class Detokenizer:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self._token_bytes: TokenBytes | None | bool = None  # False: none can be read
+        self._letter: list[int] | None = None
 
     def append(self, seq: Sequence, end: int) -> None:
         """Extend seq.text with the text of seq.output_token_ids[:end] that is complete."""
@@ -105,19 +106,31 @@ class Detokenizer:
         if seq.detok_prefix == 0 and table is not None and table.byte_fallback:
             # The last prompt tokens up to its last text token: a byte run there would join the output's first
             # (and read as U+FFFDs where cut inside a character), and the context is only for the first space.
+            # A prompt ending in bytes is followed as one plain letter would be; one of skipped tokens only, by nothing.
             prompt, absent = seq.prompt_token_ids, self._absent(seq, table)
-            last = len(prompt) - 1
-            while last >= max(0, len(prompt) - _CONTEXT_SEARCH) and (
-                    absent(prompt[last]) or table.fallback_byte(prompt[last]) is not None):
+            last, floor = len(prompt) - 1, max(0, len(prompt) - _CONTEXT_SEARCH)
+            while last >= floor and absent(prompt[last]):
                 last -= 1
-            if last >= max(0, len(prompt) - _CONTEXT_SEARCH):
+            tail = last  # the last token the decode keeps
+            while last >= floor and (absent(prompt[last]) or table.fallback_byte(prompt[last]) is not None):
+                last -= 1
+            if last >= floor and last == tail:  # a text token
                 context = prompt[max(0, last + 1 - NUM_PROMPT_CONTEXT_TOKENS): last + 1]
+            elif tail >= floor:
+                context = self._plain_letter()
         elif seq.detok_prefix == 0:
             context = seq.prompt_token_ids[-NUM_PROMPT_CONTEXT_TOKENS:]
             if decode(context).endswith("\ufffd"):  # the prompt ends inside a character: no context
                 context = []
         prefix_ids = context + ids[seq.detok_prefix : seq.detok_read]
         return decode(prefix_ids), decode(context + ids[seq.detok_prefix : end])
+
+    def _plain_letter(self) -> list[int]:
+        """One token spelling an ASCII letter alone (no "▁"), as a context that reads as itself; [] with none."""
+        if self._letter is None:
+            ids = (self.tokenizer.token_to_id(c) for c in "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+            self._letter = next(([i] for i in ids if i is not None), [])
+        return self._letter
 
     def _absent(self, seq: Sequence, table: TokenBytes):
         """Whether the decode leaves a token out: a special one it skips, or an id the vocabulary lacks."""

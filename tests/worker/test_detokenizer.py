@@ -302,7 +302,8 @@ def test_a_prompt_ending_in_byte_tokens_does_not_join_the_first_output_run(tmp_p
                                   "the prompt's last five tokens start inside a character",
                                   "an added token spelled as a byte", "the prompt ends in a whole U+FFFD character",
                                   "skipped special tokens inside the prompt's last character",
-                                  "the prompt ends in an invalid byte run"])
+                                  "the prompt ends in an invalid byte run", "a prompt of byte tokens only",
+                                  "text then more byte tokens than the context's search"])
 def test_byte_fallback_edge_cases_read_as_one_decode(tmp_path, case):
     """Each once read otherwise than one decode of the prompt's context and the output."""
     tok = _byte_fallback_tokenizer(tmp_path)
@@ -313,7 +314,9 @@ def test_byte_fallback_edge_cases_read_as_one_decode(tmp_path, case):
                    "the prompt ends in a whole U+FFFD character": ([259, *_bytes(*"\ufffd".encode())], [260]),
                    "skipped special tokens inside the prompt's last character":
                        ([259, *_bytes(0xE6), 261, *_bytes(0x97), 261, 261, *_bytes(0xA5)], [260]),
-                   "the prompt ends in an invalid byte run": ([259, *_bytes(0x80)], [260])}[case]
+                   "the prompt ends in an invalid byte run": ([259, *_bytes(0x80)], [260]),
+                   "a prompt of byte tokens only": ([1, *_bytes(*"🤖".encode())], [260, 259]),
+                   "text then more byte tokens than the context's search": ([259, *_bytes(*("🤖" * 17).encode())], [260, 259])}[case]
     if case == "an added token spelled as a byte":
         from tokenizers import AddedToken
         from tokenizers import Tokenizer as HFTokenizer

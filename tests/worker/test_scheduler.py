@@ -312,11 +312,11 @@ def test_a_request_that_can_never_fit_fails_instead_of_blocking_the_queue():
     assert [s for s, _ in batch.scheduled] == [small]
 
 
-def _stream_of_new_tenants(sched, big, steps, seats=False):
+def _stream_of_new_tenants(sched, big, steps):
     """Each step a tenant with nothing running or queued sends a short request (3 tokens to generate), and
     `big` is queued once three are running; the step at which `big` is admitted, or None."""
     for step in range(steps):
-        sched.add(Sequence(f"small{step}", [1, 2], SamplingParams(max_tokens=3), tenant=f"b{step % 5 if seats else step}"))
+        sched.add(Sequence(f"small{step}", [1, 2], SamplingParams(max_tokens=3), tenant=f"b{step}"))
         if step == 3:
             sched.add(big)
         batch = _run_step(sched)
@@ -346,6 +346,26 @@ def test_a_stream_of_other_tenants_requests_does_not_hold_a_large_prompt_back_fo
     admitted_at = _stream_of_new_tenants(sched, big, 4 * sched.max_adapter_wait_steps)
     assert admitted_at is not None and admitted_at <= sched.max_adapter_wait_steps + 4
     assert not sched.failed and runner.status is SequenceStatus.RUNNING
+
+
+def test_a_head_short_of_pages_is_counted_also_while_pages_are_kept_for_an_adapter():
+    """An adapter waiting for a slot keeps a page free for as long as it waits; a long prompt that does not
+    fit even with that page was not counted meanwhile, and newcomers held it back all that time."""
+    class Pool(FakeAdapterPool):
+        def entry(self, key):
+            return SimpleNamespace(image=SimpleNamespace(num_pages=1), pinned=False)  # x@1 needs 1 page
+
+    pool = PagePool(PagePoolConfig(num_pages=6, page_elems=8))
+    sched = Scheduler(BlockManager(pool, 512), max_num_seqs=8, max_num_batched_tokens=8192, enable_chunked_prefill=False,
+                      adapter_pool=Pool(resident=()), max_adapter_wait_steps=4, adapter_state=lambda key: "room")
+    runner = Sequence("runner", [1], SamplingParams(max_tokens=10_000), tenant="a")  # one page throughout
+    sched.add(runner)
+    _run_step(sched)
+    sched.add(Sequence("x", [1, 2], SamplingParams(max_tokens=2), tenant="t1", adapter="x@1"))  # never gets a slot
+    for _ in range(6):
+        _run_step(sched)
+    big = Sequence("big", list(range(4 * 512)), SamplingParams(max_tokens=1), tenant="a")  # 4 of the 5 free pages
+    assert _stream_of_new_tenants(sched, big, 100) is not None
 
 
 def test_tenants_that_just_arrived_do_not_take_every_seat_from_one_that_waits():
