@@ -18,7 +18,8 @@ longer be UTF-8 (a byte no character continues, or the run ends inside a charact
 is a U+FFFD at once, counted without decoding. A run that turns invalid after whole characters keeps
 their text (one decode would read those bytes as U+FFFDs too: streamed text is never taken back).
 Their prompt context ends at the prompt's last text token: a byte run after it would join the output's
-first run (and reads as U+FFFDs where the five tokens cut it inside a character).
+first run (and reads as U+FFFDs where the five tokens cut it inside a character). A prompt that ends in
+byte tokens is followed as a plain letter is (the context only keeps the first output space).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from lorafleet.worker.token_bytes import TokenBytes, token_bytes
 from lorafleet.worker.tokenizer import Tokenizer
 
 NUM_PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded before the first output tokens (vLLM's offset)
-_CONTEXT_SEARCH = 64  # byte fallback: prompt tokens looked through for the last text token (else no context)
+_CONTEXT_SEARCH = 64  # byte fallback: prompt tokens looked through for the last text token
+_ABSENT_SEARCH = 4096  # and, before those, tokens the decode leaves out (skipped special ones) looked through
 
 
 class Detokenizer:
@@ -68,11 +70,11 @@ class Detokenizer:
         table = self._table()
         if table is None:
             return seq.detok_read
-        skipped = table.special_ids if seq.params.skip_special_tokens else ()
+        absent = self._absent(seq, table)
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         last = seq.detok_read
         for i, token in enumerate(seq.output_token_ids[seq.detok_read:end], seq.detok_read + 1):
-            piece = b"" if token in skipped else table.exact(token)
+            piece = b"" if absent(token) else table.exact(token)  # the decode leaves it out: no bytes
             if piece is None:
                 break  # a token whose bytes are not known: wait, as for any partial character
             decoder.decode(piece)
@@ -106,18 +108,18 @@ class Detokenizer:
         if seq.detok_prefix == 0 and table is not None and table.byte_fallback:
             # The last prompt tokens up to its last text token: a byte run there would join the output's first
             # (and read as U+FFFDs where cut inside a character), and the context is only for the first space.
-            # A prompt ending in bytes is followed as one plain letter would be; one of skipped tokens only, by nothing.
+            # A prompt ending in bytes is followed as one plain letter would be; one the decode leaves all out, by nothing.
             prompt, absent = seq.prompt_token_ids, self._absent(seq, table)
-            last, floor = len(prompt) - 1, max(0, len(prompt) - _CONTEXT_SEARCH)
-            while last >= floor and absent(prompt[last]):
+            last = len(prompt) - 1
+            while last >= max(0, len(prompt) - _ABSENT_SEARCH) and absent(prompt[last]):
                 last -= 1
-            tail = last  # the last token the decode keeps
+            tail, floor = last, max(0, last + 1 - _CONTEXT_SEARCH)  # tail: the last token the decode keeps
             while last >= floor and (absent(prompt[last]) or table.fallback_byte(prompt[last]) is not None):
                 last -= 1
             if last >= floor and last == tail:  # a text token
                 context = prompt[max(0, last + 1 - NUM_PROMPT_CONTEXT_TOKENS): last + 1]
-            elif tail >= floor:
-                context = self._plain_letter()
+            elif tail >= 0:
+                context = self._plain_letter(table)
         elif seq.detok_prefix == 0:
             context = seq.prompt_token_ids[-NUM_PROMPT_CONTEXT_TOKENS:]
             if decode(context).endswith("\ufffd"):  # the prompt ends inside a character: no context
@@ -125,11 +127,13 @@ class Detokenizer:
         prefix_ids = context + ids[seq.detok_prefix : seq.detok_read]
         return decode(prefix_ids), decode(context + ids[seq.detok_prefix : end])
 
-    def _plain_letter(self) -> list[int]:
-        """One token spelling an ASCII letter alone (no "▁"), as a context that reads as itself; [] with none."""
+    def _plain_letter(self, table: TokenBytes) -> list[int]:
+        """One token spelling an ASCII letter alone (no "▁", not special), a context that reads as itself; [] with none."""
         if self._letter is None:
-            ids = (self.tokenizer.token_to_id(c) for c in "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
-            self._letter = next(([i] for i in ids if i is not None), [])
+            letters = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+            ids = ((c, self.tokenizer.token_to_id(c)) for c in letters)
+            self._letter = next(([i] for c, i in ids if i is not None and i not in table.special_ids
+                                 and self.tokenizer.decode([i], skip_special_tokens=True) == c), [])
         return self._letter
 
     def _absent(self, seq: Sequence, table: TokenBytes):

