@@ -150,8 +150,8 @@ class Detokenizer:
             read = seq.detok_read
             if seq.detok_invalid_run:  # each byte of the run a U+FFFD, up to a token that ends the run
                 j, count = read, 0
-                while j < end and (absent(ids[j]) or table.fallback_byte(ids[j]) is not None):
-                    if not absent(ids[j]):
+                while j < end and ((gone := absent(ids[j])) or table.fallback_byte(ids[j]) is not None):
+                    if not gone:
                         count, seq.detok_prefix = count + 1, j
                     j += 1
                 seq.text += "\ufffd" * count

@@ -348,22 +348,36 @@ def test_a_stream_of_other_tenants_requests_does_not_hold_a_large_prompt_back_fo
     assert not sched.failed and runner.status is SequenceStatus.RUNNING
 
 
-def test_a_head_short_of_pages_is_counted_also_while_pages_are_kept_for_an_adapter():
-    """An adapter waiting for a slot keeps a page free for as long as it waits; a long prompt that does not
-    fit even with that page was not counted meanwhile, and newcomers held it back all that time."""
-    class Pool(FakeAdapterPool):
-        def entry(self, key):
-            return SimpleNamespace(image=SimpleNamespace(num_pages=1), pinned=False)  # x@1 needs 1 page
+class SizedAdapters(FakeAdapterPool):
+    """No adapter is resident; each takes `num_pages` GPU pages once placed."""
 
-    pool = PagePool(PagePoolConfig(num_pages=6, page_elems=8))
+    def __init__(self, num_pages):
+        super().__init__(resident=())
+        self.num_pages = num_pages
+
+    def entry(self, key):
+        return SimpleNamespace(image=SimpleNamespace(num_pages=self.num_pages), pinned=False)
+
+
+def _adapter_waits_for_room(pool, adapter_pages, reclaim=None):
+    """A scheduler over `pool` (512-token pages, no chunked prefill) where tenant a runs one request (one
+    page throughout) and x@1, `adapter_pages` pages, has waited past max_adapter_wait_steps (4) for a slot:
+    its pages are kept free from then on."""
     sched = Scheduler(BlockManager(pool, 512), max_num_seqs=8, max_num_batched_tokens=8192, enable_chunked_prefill=False,
-                      adapter_pool=Pool(resident=()), max_adapter_wait_steps=4, adapter_state=lambda key: "room")
-    runner = Sequence("runner", [1], SamplingParams(max_tokens=10_000), tenant="a")  # one page throughout
-    sched.add(runner)
+                      adapter_pool=SizedAdapters(adapter_pages), max_adapter_wait_steps=4,
+                      adapter_state=lambda key: "room", reclaim_pages=reclaim)
+    sched.add(Sequence("runner", [1], SamplingParams(max_tokens=10_000), tenant="a"))
     _run_step(sched)
     sched.add(Sequence("x", [1, 2], SamplingParams(max_tokens=2), tenant="t1", adapter="x@1"))  # never gets a slot
     for _ in range(6):
         _run_step(sched)
+    return sched
+
+
+def test_a_head_short_of_pages_is_counted_also_while_pages_are_kept_for_an_adapter():
+    """An adapter waiting for a slot keeps a page free for as long as it waits; a long prompt that does not
+    fit even with that page was not counted meanwhile, and newcomers held it back all that time."""
+    sched = _adapter_waits_for_room(PagePool(PagePoolConfig(num_pages=6, page_elems=8)), adapter_pages=1)
     big = Sequence("big", list(range(4 * 512)), SamplingParams(max_tokens=1), tenant="a")  # 4 of the 5 free pages
     assert _stream_of_new_tenants(sched, big, 100) is not None
 
@@ -371,10 +385,6 @@ def test_a_head_short_of_pages_is_counted_also_while_pages_are_kept_for_an_adapt
 def test_counting_a_head_short_of_pages_evicts_no_idle_adapter():
     """Whether a head held back while pages are kept for an adapter is short anyway is looked at without
     reclaiming: the look evicted an idle adapter for a head it then did not admit."""
-    class Pool(FakeAdapterPool):
-        def entry(self, key):
-            return SimpleNamespace(image=SimpleNamespace(num_pages=2), pinned=False)  # x@1 needs 2 pages
-
     pool = PagePool(PagePoolConfig(num_pages=8, page_elems=8))
     idle = pool.allocate(2, ("adapter", "idle@1"))
     evicted = []
@@ -387,14 +397,7 @@ def test_counting_a_head_short_of_pages_evicts_no_idle_adapter():
         return len(idle)
 
     pool.set_reclaimer("adapter", reclaim)
-    sched = Scheduler(BlockManager(pool, 512), max_num_seqs=8, max_num_batched_tokens=8192, enable_chunked_prefill=False,
-                      adapter_pool=Pool(resident=()), max_adapter_wait_steps=4, adapter_state=lambda key: "room",
-                      reclaim_pages=reclaim)
-    sched.add(Sequence("runner", [1], SamplingParams(max_tokens=10_000), tenant="a"))
-    _run_step(sched)
-    sched.add(Sequence("x", [1, 2], SamplingParams(max_tokens=2), tenant="t1", adapter="x@1"))
-    for _ in range(6):
-        _run_step(sched)
+    sched = _adapter_waits_for_room(pool, adapter_pages=2, reclaim=reclaim)
     sched.add(Sequence("big", list(range(6 * 512)), SamplingParams(max_tokens=1), tenant="a"))  # 6: 5 free, 2 idle
     for _ in range(3):
         _run_step(sched)
@@ -425,11 +428,7 @@ def test_tenants_that_just_arrived_do_not_take_every_seat_from_one_that_waits():
 def test_a_head_held_back_by_pages_kept_for_an_adapter_is_not_counted_as_short_of_pages():
     """Pages kept free for a request starved for its adapter's room are not the head's to take: counting
     those steps ranked it first, ahead of the reservation, and it took the kept pages."""
-    class Pool(FakeAdapterPool):
-        def entry(self, key):
-            return SimpleNamespace(image=SimpleNamespace(num_pages=3), pinned=False)  # x@1 needs 3 pages
-
-    sched, pool = _sched(num_pages=9, adapter_pool=Pool(resident=()), max_adapter_wait_steps=2,
+    sched, pool = _sched(num_pages=9, adapter_pool=SizedAdapters(3), max_adapter_wait_steps=2,
                          adapter_state=lambda key: "room")
     long = Sequence("long", [1], SamplingParams(max_tokens=10_000), tenant="r")  # something runs
     sched.add(long)
