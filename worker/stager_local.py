@@ -52,7 +52,6 @@ class LocalReads(Generic[T]):
             loop.call_soon_threadsafe(_settle, flight, *outcome)
 
 
-
 def _settle(flight: asyncio.Future, result, exc: BaseException | None) -> None:
     if flight.done():
         return
