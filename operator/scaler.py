@@ -13,10 +13,11 @@ Kopf-free glue between the pool's autoscale timer and ``autoscaler`` (the policy
    (``MetricsUnavailable``),
    recommends, stabilizes, and holds a scale-up while earlier new replicas are not ready workers yet
    (their load is not in the metrics: scaling again would overshoot), for at most ``MAX_READY_WAIT``
-   seconds per replica count (a replica that never becomes ready must not hold scale-ups forever);
+   seconds per replica count (a replica that never becomes ready must not hold scale-ups forever, nor
+   make each later one wait in full again);
 7. patches ``spec.replicas`` when the result differs (``FailedUpdateScale``).
 
-It returns the status keys it writes: ``hitRate`` and ``kvUsage`` (when known; ``OWNED_KEYS`` leaves
+It returns the status keys it writes: ``hitRate`` and ``kvUsage`` (removed when unknown; ``OWNED_KEYS`` leaves
 ``kvUsage`` out, as the reconcile writes it again once ``spec.scaling`` goes), ``desiredReplicas``,
 ``lastScaleTime`` (when it scaled) and the ``Scaling`` condition. A failed pass changes no replicas.
 """
@@ -54,6 +55,10 @@ def _signals(spec: ScalingSpec, signals: PoolSignals) -> str:
             f"(waitingHigh {spec.waiting_high:g})")
 
 
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)
+
+
 @dataclass(slots=True)
 class _PoolMemory:
     """What a pool's passes remember: HPA-like history, and since when replicas are missing."""
@@ -61,6 +66,7 @@ class _PoolMemory:
     target: str
     stabilizer: Stabilizer
     short: tuple[int, float] | None = None  # (replicas, since when fewer were ready workers at that count)
+    stuck: int = 0  # replicas not ready workers after a whole wait: a later scale-up waits only for the others
 
 
 class PoolScaler:
@@ -165,8 +171,11 @@ class PoolScaler:
                                                  down_seconds=spec.scale_down_seconds)
             note = self._note(spec, recommended, wanted, current)
             num_ready = len(worker_pods)
-            # Ready pods another pool owns never become this pool's workers: no scale-up waits for them.
-            if num_ready + len(others) >= current:
+            # Ready pods another pool owns never become this pool's workers: no scale-up waits for them. Nor
+            # for replicas already waited for in full (stuck: unschedulable, crash-looping): only for more.
+            missing = max(0, current - num_ready - len(others))
+            memory.stuck = min(memory.stuck, missing)  # those that became ready since count no more
+            if missing <= memory.stuck:
                 memory.short = None
             elif memory.short is None or memory.short[0] != current:  # a new count: its replicas get a wait
                 memory.short = (current, clock)
@@ -176,18 +185,18 @@ class PoolScaler:
                             f"workers: waiting for them before scaling up again")
                     wanted = current
                 else:
-                    note += (f"; {current - num_ready} of {current} replicas not ready workers for "
-                             f"{MAX_READY_WAIT:g} s: not waiting for them")
+                    memory.stuck, memory.short = missing, None
+            if memory.stuck and wanted > current:
+                note += (f"; {memory.stuck} of {current} replicas not ready workers for over "
+                         f"{MAX_READY_WAIT:g} s: not waiting for them")
             if others:
                 owners = ", ".join(sorted(set(others.values())))
                 note += (f"; {len(others)} ready pods spec.workerSelector matches belong to LoRAPool {owners} "
                          f"(an earlier pool by name, or the first valid one): they do not serve this pool")
 
-        result: dict[str, Any] = {"desiredReplicas": wanted}
-        if signals.hit_rate is not None:
-            result["hitRate"] = round(signals.hit_rate, 4)
-        if signals.kv_usage is not None:
-            result["kvUsage"] = round(signals.kv_usage, 4)
+        # Unknown (or not asked, correcting the bounds): an earlier pass's figures are removed, not kept.
+        result: dict[str, Any] = {"desiredReplicas": wanted, "hitRate": _rounded(signals.hit_rate),
+                                  "kvUsage": _rounded(signals.kv_usage)}
         observed = "" if corrected is not None else f"; {_signals(spec, signals)}"
         if wanted == current:
             return result, (True, "Steady", f"{current} replicas: {why}{note}{observed}")

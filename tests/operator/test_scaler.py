@@ -196,7 +196,9 @@ async def test_an_invalid_spec_is_named_and_removing_scaling_clears_its_status(s
     body["spec"]["scaling"]["kvLow"] = 0.3
     st = await tick(scaler, body, [])
     assert st["desiredReplicas"] == 2 and [c["type"] for c in st["conditions"]] == ["Ready", "Scaling"]
+    assert "kvUsage" not in st  # no workers: unknown
     del body["spec"]["scaling"]
+    body["status"]["kvUsage"] = 0.3  # the reconcile's, once spec.scaling is gone
     st = await tick(scaler, body, [])
     assert st == {"conditions": [ready], "kvUsage": 0.3}  # kvUsage: the reconcile's again
     assert deployments.patches == []
@@ -230,7 +232,7 @@ async def test_replicas_that_never_become_ready_hold_a_scale_up_for_a_bounded_ti
     clock.now += 1
     st = await tick(scaler, body, pods)
     assert deployments.patches == [4]  # ceil(3 * 0.99 / 0.85)
-    assert "1 of 3 replicas not ready workers for 600 s: not waiting for them" in scaling_condition(st)["message"]
+    assert "1 of 3 replicas not ready workers for over 600 s: not waiting for them" in scaling_condition(st)["message"]
     # The new replica gets its own wait (it is not ready yet either).
     clock.now += 30
     st = await tick(scaler, body, pods)
@@ -243,6 +245,41 @@ async def test_replicas_that_never_become_ready_hold_a_scale_up_for_a_bounded_ti
     assert deployments.patches == [4, 5, 6]
     await tick(scaler, body, [pod(f"w-{i}") for i in range(5)])
     assert deployments.patches == [4, 5, 6]
+
+
+async def test_a_replica_stuck_unready_makes_later_scale_ups_wait_only_for_their_own_replicas(setup):
+    """Waited for in full once, a stuck replica does not restart the wait at every later count: a load spike
+    would otherwise take one step per ten minutes while one pod is unschedulable."""
+    scaler, metrics, deployments, clock = setup
+    deployments.replicas = 3
+    metrics.signals = (0.95, 0.99)
+    body, stuck = pool(), pod("w-2", ready=False)
+    await tick(scaler, body, [pod("w-0"), pod("w-1"), stuck])
+    clock.now += MAX_READY_WAIT
+    await tick(scaler, body, [pod("w-0"), pod("w-1"), stuck])
+    assert deployments.patches == [4]
+    clock.now += 60  # the new replica is ready; the stuck one still is not
+    st = await tick(scaler, body, [pod("w-0"), pod("w-1"), stuck, pod("w-3")])
+    assert deployments.patches == [4, 5]  # ceil(4 * 0.99 / 0.85)
+    assert "1 of 4 replicas not ready workers for over 600 s" in scaling_condition(st)["message"]
+    # Its newest replica is not ready yet: that one is waited for.
+    clock.now += 60
+    st = await tick(scaler, body, [pod("w-0"), pod("w-1"), stuck, pod("w-3")])
+    assert deployments.patches == [4, 5] and "only 3 of 5 replicas are ready workers" in scaling_condition(st)["message"]
+
+
+async def test_signals_that_turn_unknown_leave_the_status_without_the_old_figures(setup):
+    """The Scaling condition says "unknown": the status columns must not show the figures of an hour ago."""
+    scaler, metrics, deployments, clock = setup
+    deployments.replicas = 2
+    body, pods = pool(), [pod("w-0"), pod("w-1")]
+    metrics.signals = (0.42, 0.5)
+    st = await tick(scaler, body, pods)
+    assert (st["hitRate"], st["kvUsage"]) == (0.42, 0.5)
+    metrics.signals = (None, None)
+    clock.now += 3600
+    st = await tick(scaler, body, pods)
+    assert "hitRate" not in st and "kvUsage" not in st and "unknown" in scaling_condition(st)["message"]
 
 
 async def test_the_scaling_condition_goes_into_the_status_as_it_is_after_the_pass(setup):
