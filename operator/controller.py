@@ -33,6 +33,7 @@ from lorafleet.operator.crd_models import PoolSpec, SpecError, drain_spec, parse
 from lorafleet.operator.ownership import first_claim, own_pods, pod_names, pool_claims, released_pods
 from lorafleet.operator.push_record import PushRecord, pushed_pod_ids
 from lorafleet.operator.reconcile import PoolPlan, WorkerReport, reconcile_pool
+from lorafleet.operator.statuses import with_refused_pushes
 from lorafleet.operator.workers import StagerClient, Worker, discover_workers
 
 log = logging.getLogger(__name__)
@@ -188,7 +189,8 @@ class PoolController:
                  for w, r in zip(reached, reports, strict=True)]
         num_emptied = len(workers) + len(emptied)
         views, released_views, held_views = views[:len(workers)], views[len(workers):num_emptied], views[num_emptied:]
-        plan = reconcile_pool(pool, specs, views, now=utc_now(), generation_floor=time.time_ns() // 1_000_000,
+        stamp = utc_now()
+        plan = reconcile_pool(pool, specs, views, now=stamp, generation_floor=time.time_ns() // 1_000_000,
                               pool_error=pool_error, shared_pods=shared, released=released_views, held=held_views)
         # Told its set once it can be (by this valid pool, or this deleting one, whose finalizer waits for it),
         # a pod that cannot be told now holds up an adapter's finalizer for the grace only.
@@ -205,6 +207,10 @@ class PoolController:
                 record.forget(by_pod[pod])
         outcomes = await asyncio.gather(*(self.client.push(by_pod[pod], d) for pod, d in plan.pushes.items()))
         accepted = {pod for pod, ok in zip(plan.pushes, outcomes, strict=True) if ok}
+        refused = {pod: self.client.push_refusals[pod] for pod, ok in zip(plan.pushes, outcomes, strict=True)
+                   if ok is False and pod in self.client.push_refusals}
+        if pool is not None:  # pushed again every pass until accepted: Ready says why meanwhile
+            plan.pool_status = with_refused_pushes(plan.pool_status, pool.status, refused, now=stamp)
         for (pod, desired), ok in zip(plan.pushes.items(), outcomes, strict=True):
             if ok:  # else refused, or no answer (it may have landed): it stays forgotten, pushed again next pass
                 record.record(by_pod[pod], desired)

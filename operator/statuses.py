@@ -284,6 +284,19 @@ def with_ready_note(status: dict[str, Any], note: str | None) -> dict[str, Any]:
     return {**status, "conditions": conditions}
 
 
+def with_refused_pushes(status: dict[str, Any], old: dict[str, Any], refused: dict[str, str], *,
+                        now: str) -> dict[str, Any]:
+    """A pool status (``pool_status``'s) whose Ready is False (``PushRefused``) and names each pod whose sidecar
+    refused its adapter set, and why (``refused``: pod -> reason); as it is when none did. ``old``: the pool's
+    status before the pass (for the transition time)."""
+    ready = next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"), None)
+    if not refused or ready is None:
+        return status
+    why = "; ".join(f"the sidecar of {pod} refused its adapter set ({reason})" for pod, reason in sorted(refused.items()))
+    new = condition(old, "Ready", False, "PushRefused", f"{ready['message']}; {why}", now)
+    return {**status, "conditions": [new if c is ready else c for c in status["conditions"]]}
+
+
 def invalid_pool_status(status: dict[str, Any], generation: int, message: str, *, now: str,
                         held: list[str] | tuple[str, ...] = (), shared_pods: dict[str, str] | None = None
                         ) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import json
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -97,6 +98,14 @@ def discover_workers(pods: Iterable[dict[str, Any]], selector: dict[str, Any], *
     return sorted(found, key=lambda w: w.pod)
 
 
+def _error_message(text: str) -> str:
+    """The message of an OpenAI-style error body (the sidecar's), else the text as it came."""
+    try:
+        return str(json.loads(text)["error"]["message"])
+    except (ValueError, TypeError, KeyError):
+        return text
+
+
 class StagerClient:
     """Talks to sidecars. What each pod accepted is remembered per pool by the caller (push_record.py)."""
 
@@ -106,6 +115,8 @@ class StagerClient:
         self._push_timeout = aiohttp.ClientTimeout(total=push_timeout or timeout)
         self._session: aiohttp.ClientSession | None = None
         self._closed = False
+        # pod -> why its sidecar refused its last push (not a stale generation); gone once one is accepted
+        self.push_refusals: dict[str, str] = {}
 
     def _client(self) -> aiohttp.ClientSession:
         if self._closed:
@@ -145,11 +156,14 @@ class StagerClient:
                                           headers={"Content-Type": "application/json", "Prefer": "respond-async"},
                                           timeout=self._push_timeout) as resp:
                 if resp.status in (200, 202):
+                    self.push_refusals.pop(worker.pod, None)
                     return True
                 # Replaced, not refused: an undecodable body raising here would fail the whole pass, every pod's.
-                text = (await resp.text(errors="replace"))[:300]
+                text = _error_message(await resp.text(errors="replace"))[:300]
                 log.warning("sidecar of %s refused generation %d: %s %s", worker.pod, desired.generation,
                             resp.status, text)
+                if resp.status != 409:  # a stale generation is pushed again, higher, at once: not a fault
+                    self.push_refusals[worker.pod] = f"HTTP {resp.status}: {text}"
                 return False
         except (TimeoutError, aiohttp.ClientError) as exc:
             log.warning("push to the sidecar of %s failed: %s", worker.pod, exc)

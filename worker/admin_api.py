@@ -37,7 +37,7 @@ from lorafleet.worker.app_keys import (
     METRICS,
     TENANTS,
 )
-from lorafleet.worker.directives import DesiredState, DirectiveError, VersionRef
+from lorafleet.worker.directives import MAX_STATE_BYTES, DesiredState, DirectiveError, VersionRef
 from lorafleet.worker.intake import read_json
 from lorafleet.worker.openai_protocol import (
     APIError,
@@ -174,7 +174,11 @@ def state_report(app: web.Application) -> dict[str, Any]:
 async def put_state(request: web.Request) -> web.Response:
     require_admin(request)
     _require_engine(request)
-    body = await read_json(request)
+    try:  # a pool's whole set: not held to the inference limit (--max-body-bytes)
+        body = await read_json(request.clone(client_max_size=MAX_STATE_BYTES))
+    except web.HTTPRequestEntityTooLarge:
+        raise APIError(413, f"desired state over {MAX_STATE_BYTES} bytes, the most the engine reads",
+                       code="body_too_large") from None
     try:
         state = DesiredState.from_dict(body)
     except DirectiveError as exc:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 import re
 from typing import Any
@@ -13,7 +14,7 @@ from aiohttp import web
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from lorafleet.worker.directives import DesiredState, DirectiveError, ReportedState
+from lorafleet.worker.directives import MAX_STATE_BYTES, DesiredState, DirectiveError, ReportedState
 from lorafleet.worker.openai_protocol import APIError
 from lorafleet.worker.stager import Stager
 from lorafleet.worker.stager_config import StagerConfig
@@ -49,7 +50,12 @@ async def _errors_and_auth(request: web.Request, handler):
 
 async def _read(request: web.Request) -> Any:
     try:
-        return await request.json()
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise APIError(413, f"request body over {MAX_STATE_BYTES} bytes, the most a desired state may take; split "
+                            f"the pool's adapters over more pools", code="body_too_large") from None
+    try:  # off the event loop: a pool's whole set may be megabytes
+        return json.loads(raw) if len(raw) <= 1 << 16 else await asyncio.to_thread(json.loads, raw)
     except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser's stack
         raise APIError(400, "request body must be JSON") from None
 
@@ -114,7 +120,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def create_app(config: StagerConfig) -> web.Application:
-    app = web.Application(middlewares=[_errors_and_auth], client_max_size=1 << 20)
+    app = web.Application(middlewares=[_errors_and_auth], client_max_size=MAX_STATE_BYTES)
     app[STAGER] = Stager(config)
     app.add_routes([
         web.post("/v1/stage", post_stage),

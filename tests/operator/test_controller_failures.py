@@ -1,5 +1,5 @@
 """One pass of PoolController when things go wrong: sidecars that stop answering while an adapter or the pool
-is deleted."""
+is deleted, or that refuse the adapter set."""
 
 from __future__ import annotations
 
@@ -7,8 +7,12 @@ import pytest
 
 from lorafleet.operator.controller import PoolController
 from lorafleet.operator.workers import StagerClient
+from lorafleet.worker import stager_http
+from lorafleet.worker.stager_config import StagerConfig
+from lorafleet.worker.stager_http import create_app
 
 from .fake_stager import FakeStager
+from .local_http import serving
 from .test_controller import KEY
 from .test_handlers import POOL, TOKEN, adapter_body, pod_body
 
@@ -126,5 +130,39 @@ async def test_another_pool_whose_spec_has_a_malformed_block_is_only_an_invalid_
         plan = await controller.run(KEY, pools=[POOL], adapters=[adapter_body("sql")],
                                     pods=[pod_body("worker-0", stager.port)], other_pools=[alpha])
         assert set(plan.pushes) == {"worker-0"} and [d.name for d in stager.applied.adapters] == ["sql"]
+    finally:
+        await controller.client.close()
+
+
+def real_stager(tmp_path):
+    """The worker's stager sidecar itself (no engine, no reachable store), served for the block: its URL."""
+    config = StagerConfig(stager_token=TOKEN, stager_cache_dir=str(tmp_path / "cache"), s3_allow=["adapters/"],
+                          s3_endpoint="127.0.0.1:9", s3_secure=False, store_check_timeout_s=0.2)
+    return serving(create_app(config))
+
+
+async def test_a_sidecar_refusing_the_adapter_set_makes_the_pool_not_ready_naming_why(tmp_path, monkeypatch):
+    """A pool grown past what its sidecars take in one push (413) was pushed again every pass and refused
+    every time, while its Ready condition said True: only the operator's log told."""
+    controller = PoolController(StagerClient(token=TOKEN, timeout=5.0))
+    inputs = {"pools": [POOL], "adapters": [adapter_body("sql")]}
+    try:
+        monkeypatch.setattr(stager_http, "MAX_STATE_BYTES", 64)
+        async with real_stager(tmp_path / "small") as url:
+            port = int(url.rsplit(":", 1)[1])
+            plan = await controller.run(KEY, **inputs, pods=[pod_body("worker-0", port)])
+            ready = plan.pool_status["conditions"][0]
+            assert (ready["type"], ready["status"], ready["reason"]) == ("Ready", "False", "PushRefused")
+            assert ready["message"].endswith("the sidecar of worker-0 refused its adapter set (HTTP 413: request "
+                                             "body over 64 bytes, the most a desired state may take; split the "
+                                             "pool's adapters over more pools)")
+            assert set((await controller.run(KEY, **inputs, pods=[pod_body("worker-0", port)])).pushes) == {
+                "worker-0"}  # told again every pass
+        monkeypatch.undo()
+        async with real_stager(tmp_path / "large") as url:
+            port = int(url.rsplit(":", 1)[1])
+            plan = await controller.run(KEY, **inputs, pods=[pod_body("worker-0", port)])
+            assert set(plan.pushes) == {"worker-0"} and controller.client.push_refusals == {}
+            assert plan.pool_status["conditions"][0]["reason"] != "PushRefused"
     finally:
         await controller.client.close()

@@ -1,14 +1,17 @@
 """The admin API in process, with the real engine: a push whose adapter path hangs (a stuck mount) leaves
 health probes and served models answering; a directive's sha256 is checked against the files loaded; a
-version unloaded and pushed again from other files serves the new ones; the last push is answered as sent."""
+version unloaded and pushed again from other files serves the new ones; the last push is answered as sent; a
+desired state is not held to the inference body limit."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 
 import pytest
 
+from lorafleet.worker import admin_api
 from lorafleet.worker.app_keys import ENGINE, HOST
 from lorafleet.worker.directives import DesiredState
 from lorafleet.worker.engine_config import EngineConfig
@@ -187,3 +190,21 @@ async def test_an_unload_in_progress_is_not_answered_as_the_last_push(client, qv
     finally:
         release.set()
     assert (await pending).status == 200
+
+
+async def test_a_desired_state_is_held_to_its_own_limit_not_to_the_inference_body_limit(
+        aiohttp_client, tiny_llama_dir, qv_adapters_dir, monkeypatch):
+    """A worker whose --max-body-bytes guards it against huge prompts still takes its pool's whole set."""
+    config = WorkerConfig(engine=EngineConfig(model=str(tiny_llama_dir), dtype="float32", max_model_len=128),
+                          served_model_name="tiny", admin_token=ADMIN["Authorization"].split()[1],
+                          adapter_roots=str(qv_adapters_dir), max_body_bytes=4096)
+    client = await aiohttp_client(create_app(config))
+    body = json.dumps({"generation": 1, "adapters": [directive("alpha", qv_adapters_dir / "alpha")]}) + " " * 8192
+    json_headers = {**ADMIN, "Content-Type": "application/json"}
+    resp = await client.put("/admin/v1/state", data=body, headers=json_headers)
+    assert resp.status == 200, await resp.text()
+    assert (await client.post("/v1/completions", data=body, headers=json_headers)).status == 413
+    monkeypatch.setattr(admin_api, "MAX_STATE_BYTES", 8192)
+    resp = await client.put("/admin/v1/state", data=body, headers=json_headers)
+    assert resp.status == 413
+    assert (await resp.json())["error"]["message"] == "desired state over 8192 bytes, the most the engine reads"

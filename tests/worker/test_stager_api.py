@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from lorafleet.worker import stager_http
 from lorafleet.worker.sources import SourceError
 from lorafleet.worker.stager import Stager
 from lorafleet.worker.stager_config import StagerConfig
@@ -113,3 +114,19 @@ async def test_a_push_from_elsewhere_during_a_seed_pass_is_not_overwritten_by_it
     finish.set()
     await asyncio.wait_for(seeding, 10)
     assert (stager.generation, stager.desired.adapters, stager.seed_report) == (7, [], None)
+
+
+async def test_a_pool_s_whole_set_is_read_whatever_its_size_up_to_the_desired_state_limit(aiohttp_client, tmp_path,
+                                                                                         monkeypatch):
+    """A pool of a few thousand adapters is a push of megabytes: the stager refused every one over 1 MiB (413),
+    so a pool that grew past that could never be changed again."""
+    auth = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
+    body = json.dumps({"generation": 1, "adapters": []}) + " " * (3 << 20)  # the size of ~10,000 adapters
+    client = await aiohttp_client(create_app(config(tmp_path)))
+    resp = await client.put("/v1/directives", data=body, headers=auth)
+    assert resp.status == 200, await resp.text()
+    monkeypatch.setattr(stager_http, "MAX_STATE_BYTES", 1 << 20)
+    client = await aiohttp_client(create_app(config(tmp_path / "small")))
+    resp = await client.put("/v1/directives", data=body, headers=auth)
+    assert resp.status == 413
+    assert (await resp.json())["error"]["message"].startswith(f"request body over {1 << 20} bytes")
