@@ -54,6 +54,7 @@ class AdapterEntry:
     priority: int = 0  # higher survives GPU eviction longer (the pushed directive's priority)
     image: AdapterImage | None = None  # CPU tier
     digest: str | None = None  # content digest fixed at first load: a reload must match it
+    max_rank: int = 0  # its largest rank, fixed with the digest (known once it has been on the CPU)
     slot: int | None = None
     page_ids: list[int] = field(default_factory=list)
     gpu_bytes: int = 0  # bytes of its GPU pages while on_gpu

@@ -164,7 +164,8 @@ class AdapterLoading:
 
     def _set_image(self, entry: AdapterEntry, image) -> None:
         entry.image = image
-        entry.digest = entry.digest or image.digest
+        if entry.digest is None:  # its first image: later ones are held to the same digest, so the same ranks
+            entry.digest, entry.max_rank = image.digest, image.max_rank
         self._trim_cpu(protect=entry)
         if entry.key in self._wanted:
             self._try_place(entry)

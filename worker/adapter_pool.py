@@ -353,3 +353,8 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
     def slot_key(self, slot: int) -> str | None:
         entry = self._slot_owner.get(slot)
         return entry.key if entry is not None else None
+
+    def slot_rank(self, slot: int) -> int | None:
+        """The largest rank of the adapter in `slot` (fixed with its digest), None for an empty slot."""
+        entry = self._slot_owner.get(slot)
+        return entry.max_rank if entry is not None else None

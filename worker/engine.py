@@ -82,7 +82,6 @@ class Engine:
             self.page_pool, ModelDims.from_model_config(mc),
             AdapterPoolConfig(max_slots=config.max_loras, max_rank=config.max_lora_rank),
         )
-        self._rank_of_key: dict[str, int] = {}
         # A request that could never get its KV pages (its adapter's and pinned ones' taken off) is refused.
         self.kv_room = KVRoom(self.adapter_pool, num_pages=num_pages, block_size=config.block_size,
                               max_model_len=self.max_model_len)
@@ -131,16 +130,10 @@ class Engine:
         return self.adapter_pool.layout
 
     def _slot_max_rank(self, slot: int) -> int:
-        """Largest rank of the adapter in `slot` (sizes the step's shrink buffer); host-side, no sync."""
-        key = self.adapter_pool.slot_key(slot)
-        if key is None:
-            return self.config.max_lora_rank
-        rank = self._rank_of_key.get(key)
-        if rank is None:
-            image = self.adapter_pool.entry(key).image
-            rank = image.max_rank if image is not None else self.config.max_lora_rank
-            self._rank_of_key[key] = rank
-        return rank
+        """Largest rank of the adapter in `slot` (sizes the step's shrink buffer, and the kernels cut every
+        slot's rank to the batch's largest); host-side, no sync."""
+        rank = self.adapter_pool.slot_rank(slot)
+        return self.config.max_lora_rank if rank is None else rank
 
     def _reclaim_adapter_pages(self, num_pages: int) -> int:
         """Before preempting for KV room: evict idle, unpinned adapters that no waiting request needs
@@ -177,12 +170,12 @@ class Engine:
         weights = load_peft_adapter(
             path, self.model_config, dtype=self.dtype, strict_base=self.config.strict_base,
             base_model_name=self.model_name, tokenizer_digest=self.tokenizer_digest, name=name, version=version,
+            base_token_id=self.tokenizer.token_to_id if self.tokenizer is not None else None,
             max_file_bytes=self.config.max_adapter_file_bytes, sha256=sha256,
         )
         key = f"{name}@{weights.version}"
         self.adapter_pool.add(key, weights, tenant=tenant, pinned=pinned, make_current=make_current,
                               keep_previous=keep_previous, read_seconds=time.perf_counter() - started)
-        self._rank_of_key[key] = max((m.a.shape[0] for m in weights.modules.values()), default=0)
         log.info("registered adapter %s from %s", key, path)
         return key
 

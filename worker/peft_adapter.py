@@ -57,7 +57,7 @@ from lorafleet.worker.peft_config import (
     refuse_unsupported,
 )
 from lorafleet.worker.peft_patterns import is_targeted, lora_scale, module_rank_alpha
-from lorafleet.worker.vocab_digest import TokenizerFileError, vocab_digest
+from lorafleet.worker.vocab_digest import tokenizer_mismatch
 
 log = logging.getLogger(__name__)
 
@@ -226,6 +226,7 @@ def load_peft_adapter(
     strict_base: bool | Strictness = True,
     base_model_name: str | None = None,
     tokenizer_digest: str | None = None,
+    base_token_id: Callable[[str], int | None] | None = None,
     name: str | None = None,
     version: str | None = None,
     expect_digest: str | None = None,
@@ -240,8 +241,8 @@ def load_peft_adapter(
     mismatch is refused before the weights are parsed. Both are checked against the digest of the
     bytes read for loading, so checking costs nothing more.
     strict_base: "strict" (True) refuses a base-model-name or tokenizer mismatch, "warn" (False)
-    logs it, "off" skips both checks. base_model_name / tokenizer_digest describe the served base;
-    None skips that check. max_file_bytes: the largest weights or tokenizer file read (refused before
+    logs it, "off" skips both checks. base_model_name / tokenizer_digest / base_token_id (its id of a
+    token, for added tokens declared without a whole vocabulary) describe the served base; None skips that check. max_file_bytes: the largest weights or tokenizer file read (refused before
     reading). Raises AdapterError.
     """
     path = Path(path)
@@ -260,17 +261,11 @@ def load_peft_adapter(
             _mismatch(mode, f"{path}: adapter was trained on base model {base!r}, this server serves "
                             f"{base_model_name!r}; serve it on its own base, or load with strictness 'warn'/'off'")
         try:
-            theirs = vocab_digest(path, max_file_bytes)
+            mismatch = tokenizer_mismatch(path, tokenizer_digest, base_token_id, max_file_bytes)
         except FileLimitError as exc:  # a limit, not a mismatch: refused whatever the strictness
             raise AdapterError(str(exc)) from None
-        except TokenizerFileError as exc:
-            theirs = None
-            _mismatch(mode, f"{exc}; the adapter's vocabulary cannot be compared with the served base model's. "
-                            f"Fix or remove the tokenizer files, or load with strictness 'warn'/'off'")
-        if tokenizer_digest and theirs and theirs != tokenizer_digest:
-            _mismatch(mode, f"{path}: the adapter ships a tokenizer whose vocabulary differs from the served "
-                            f"base model's; its outputs would be decoded with the wrong ids. Serve it on the base "
-                            f"it was trained with, or remove the tokenizer files if they are in fact the same")
+        if mismatch is not None:
+            _mismatch(mode, mismatch)
 
     weights_path = path / WEIGHTS_FILE
     if not weights_path.is_file():
@@ -330,7 +325,8 @@ def load_peft_adapter(
     nbytes = sum(m.a.numel() * m.a.element_size() + m.b.numel() * m.b.element_size() for m in modules.values())
     name, version = name or path.name, version or digest[:12]
     reload = functools.partial(load_peft_adapter, path, model_config, dtype=dtype, strict_base=strict_base,
-                               base_model_name=base_model_name, tokenizer_digest=tokenizer_digest, name=name,
+                               base_model_name=base_model_name, tokenizer_digest=tokenizer_digest,
+                               base_token_id=base_token_id, name=name,
                                version=version, expect_digest=digest, max_file_bytes=max_file_bytes)
     return LoRAWeights(name=name, version=version, base_model=base, modules=modules, nbytes=nbytes, reload=reload)
 

@@ -109,6 +109,7 @@ def _refuse_malformed(config: dict, where: Path) -> None:
 
     names("target_modules", regex=config.get("target_modules") != "all-linear")
     names("exclude_modules", regex=True)
+    names("layers_pattern", regex=True)
     layers = config.get("layers_to_transform")
     if layers is not None and not (_is_int(layers) or isinstance(layers, list) and all(map(_is_int, layers))):
         raise AdapterError(f"{where}: layers_to_transform must be a layer index or a list of them, got {layers!r}")

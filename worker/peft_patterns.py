@@ -17,16 +17,19 @@ from lorafleet.kernels.lora_layout import PROJS
 MATCH_SECONDS = 0.2  # one match of an adapter's pattern against a module name (real ones take microseconds)
 
 
-def _match(pattern: str, module_name: str, field: str, *, full: bool) -> bool:
+def _find(pattern: str, module_name: str, field: str, *, full: bool) -> regex.Match | None:
     try:
-        found = (regex.fullmatch if full else regex.match)(pattern, module_name, timeout=MATCH_SECONDS,
-                                                            concurrent=True)
+        return (regex.fullmatch if full else regex.match)(pattern, module_name, timeout=MATCH_SECONDS,
+                                                           concurrent=True)
     except TimeoutError:
         from lorafleet.worker.peft_config import CONFIG_FILE, AdapterError
 
         raise AdapterError(f"{field}: the regex {pattern!r} takes over {MATCH_SECONDS} s to match the module name "
                            f"{module_name!r} (it backtracks without end); simplify it in {CONFIG_FILE}") from None
-    return found is not None
+
+
+def _match(pattern: str, module_name: str, field: str, *, full: bool) -> bool:
+    return _find(pattern, module_name, field, full=full) is not None
 
 
 def pattern_key(pattern_keys: list[str], module_name: str) -> str | None:
@@ -41,10 +44,17 @@ def _layer_selected(config: dict, module_name: str) -> bool:
     layers = config.get("layers_to_transform")
     if layers is None or layers == []:
         return True
-    match = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", module_name)
+    patterns = config.get("layers_pattern")
+    if not patterns:  # PEFT's default: the number after any segment
+        match = re.match(r".*\.[^.]*\.(?P<layer_index>\d+)\.", module_name)
+    else:  # the number after a segment the pattern names (PEFT tries each of a list in turn)
+        patterns = [patterns] if isinstance(patterns, str) else patterns
+        found = (_find(rf".*\.{p}\.(?P<layer_index>\d+)\.", module_name, "layers_pattern", full=False)
+                 for p in patterns)
+        match = next((m for m in found if m is not None), None)
     if match is None:
         return False
-    idx = int(match["idx"])
+    idx = int(match["layer_index"])
     return idx == layers if isinstance(layers, int) else idx in layers
 
 

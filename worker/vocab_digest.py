@@ -106,3 +106,50 @@ def vocab_digest(path: str | Path, max_file_bytes: int | None = None) -> str | N
     h.update(b"\0merges\0")
     h.update("\n".join(merges).encode())
     return h.hexdigest()
+
+
+def _declared_added_tokens(path: Path, max_bytes: int | None) -> dict[str, int | None]:
+    """The tokens a folder without a whole vocabulary (no tokenizer.json, no vocab.json) adds: added_tokens.json
+    and tokenizer_config.json's added_tokens_decoder with their ids, its additional_special_tokens by name
+    (None: any id); what a slow SentencePiece tokenizer's save_pretrained writes beside tokenizer.model."""
+    declared: dict[str, int | None] = {}
+    cfg = path / "tokenizer_config.json"
+    if cfg.is_file():
+        def interpret(raw: dict) -> dict[str, int | None]:
+            extra = raw.get("additional_special_tokens") or []
+            names = [t["content"] if isinstance(t, dict) else t for t in extra]
+            if not all(isinstance(n, str) for n in names):
+                raise TypeError(f"additional_special_tokens must name tokens, got {extra[:3]}")
+            return {**dict.fromkeys(names), **_added_tokens_decoder(raw)}
+        declared.update(_parse(cfg, interpret, max_bytes))
+    added = path / "added_tokens.json"
+    if added.is_file():
+        declared.update(_parse(added, _checked, max_bytes))
+    return declared
+
+
+def tokenizer_mismatch(path: Path, base_digest: str | None, base_token_id: Callable[[str], int | None] | None,
+                       max_bytes: int | None) -> str | None:
+    """Why the tokenizer files of the adapter folder `path` do not match the served base's, or None. A whole
+    vocabulary (tokenizer.json, vocab.json) is compared by digest with `base_digest`; without one, each token
+    the folder adds must be the base's token of that id (`base_token_id`). None for either skips that check.
+    Raises FileLimitError for a file over `max_bytes` or not a regular file."""
+    try:
+        theirs = vocab_digest(path, max_bytes)
+        declared = _declared_added_tokens(path, max_bytes) if theirs is None and base_token_id else {}
+    except TokenizerFileError as exc:
+        return (f"{exc}; the adapter's vocabulary cannot be compared with the served base model's. Fix or remove "
+                f"the tokenizer files, or load with strictness 'warn'/'off'")
+    if base_digest and theirs and theirs != base_digest:
+        return (f"{path}: the adapter ships a tokenizer whose vocabulary differs from the served base model's; "
+                f"its outputs would be decoded with the wrong ids. Serve it on the base it was trained with, or "
+                f"remove the tokenizer files if they are in fact the same")
+    new = sorted(token for token, i in declared.items() if (ours := base_token_id(token)) is None
+                 or (i is not None and ours != i))
+    if new:
+        shown = ", ".join(repr(t) for t in new[:5]) + (f" and {len(new) - 5} more" if len(new) > 5 else "")
+        return (f"{path}: the adapter's tokenizer files add tokens the served base model does not have (or has under "
+                f"other ids): {shown}; the adapter was trained on ids this server would never produce or read. "
+                f"Serve it on the base it was trained with, or remove the tokenizer files if they are in fact "
+                f"the base's")
+    return None

@@ -437,3 +437,29 @@ def test_long_prompts_span_several_lora_segments(tiny_llama_dir, adapter_dirs, m
             LlamaForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32), adapter_dirs[name]).eval()
         tokens, logprobs = _greedy(peft_model, prompt)
         assert out.token_ids == tokens, name
+
+
+def test_a_version_registered_again_with_a_higher_rank_is_served_at_its_own_rank(tiny_llama_dir, adapter_dirs,
+                                                                                references):
+    """A key dropped and registered again with other weights (an operator's `v1` reused) is served at the new
+    adapter's rank from its first step: a rank remembered for the old weights cut the new ones to it (the
+    kernels clamp every slot to the batch's largest rank)."""
+    engine = Engine(EngineConfig(model=str(tiny_llama_dir), device="cpu", dtype="float32", max_lora_rank=32,
+                                 block_size=16))
+    index = next(i for i, (name, _) in enumerate(PLAN) if name == "pat32")
+    prompt = _prompts()[index]
+    engine.register_adapter("x", adapter_dirs["qv4"], version="v1")  # rank 4
+    engine.generate([prompt], GREEDY, adapters=["x"])
+    engine.unregister_adapter("x")
+    assert "x@v1" not in {d["key"] for d in engine.adapter_pool.describe()}
+    add, served = engine.adapter_pool.add, []
+
+    def add_then_step(*args, **kwargs):  # a step of the engine thread right after the pool took the weights
+        add(*args, **kwargs)
+        served.append(engine.generate([prompt], GREEDY, adapters=["x"])[0].token_ids)
+
+    engine.adapter_pool.add = add_then_step
+    engine.register_adapter("x", adapter_dirs["pat32"], version="v1")  # rank 32
+    engine.adapter_pool.add = add
+    assert served == [references[index][0][0]]
+    assert engine.generate([prompt], GREEDY, adapters=["x"])[0].token_ids == references[index][0][0]

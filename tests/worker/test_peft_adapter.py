@@ -7,6 +7,7 @@ ranks/scales we derive must equal those PEFT's own LoraLayers use, and an unmerg
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -98,6 +99,8 @@ CASES = {
                      # "proj" matches no module: PEFT anchors a key at a name-segment boundary.
                      alpha_pattern={"proj": 99, "v_proj": 3, "model.layers.0.mlp.up_proj": 5}),
     "layers_to_transform": dict(r=6, lora_alpha=9, target_modules=["q_proj", "gate_proj"], layers_to_transform=[1]),
+    "layers_pattern": dict(r=6, lora_alpha=9, target_modules=["q_proj"], layers_to_transform=0,
+                           layers_pattern=["h", "layers"]),
 }
 
 
@@ -122,6 +125,17 @@ def test_matches_peft_ranks_scales_and_outputs(case, tmp_path, model_config):
     assert (theirs - base).abs().max() > 1e-2  # the adapter does change the output
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-4)
     torch.testing.assert_close(ours, merged, rtol=0, atol=1e-4)
+
+
+def test_a_layers_pattern_naming_no_segment_of_the_base_targets_nothing_as_in_peft(tmp_path, model_config):
+    """PEFT finds the layer index after a `layers_pattern` segment only: with `h` (GPT-2's) on a Llama it targets
+    no module and refuses the adapter; its weights must not be served as if the pattern were not there."""
+    make_adapter(tmp_path / "x", r=4, lora_alpha=8, target_modules=["q_proj"], layers_to_transform=[0],
+                 layers_pattern="layers")
+    config_path = tmp_path / "x" / "adapter_config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "layers_pattern": "h"}))
+    with pytest.raises(AdapterError):
+        load_peft_adapter(tmp_path / "x", model_config, dtype=torch.float32)
 
 
 def test_pattern_semantics_follow_peft(tmp_path, model_config):
@@ -448,6 +462,34 @@ def test_tokenizer_mismatch_is_refused(tmp_path, model_config):
     tok.save(str(tmp_path / "x" / "tokenizer.json"))
     with pytest.raises(AdapterError, match="tokenizer"):
         load_peft_adapter(tmp_path / "x", model_config, dtype=torch.float32, tokenizer_digest=digest)
+
+
+@pytest.mark.parametrize(("files", "added"), [
+    ({"added_tokens.json": {"<tool>": 6}}, "'<tool>'"),
+    ({"added_tokens.json": {"d": 4}}, "'d'"),  # the base's token under another id
+    ({"tokenizer_config.json": {"added_tokens_decoder": {"6": {"content": "<tool>", "special": True}}}}, "'<tool>'"),
+    ({"tokenizer_config.json": {"additional_special_tokens": ["<tool>", {"content": "<call>"}]}}, "'<call>', '<tool>'"),
+], ids=["added-tokens-json", "added-under-another-id", "added-tokens-decoder", "additional-special-tokens"])
+def test_tokens_added_without_a_whole_vocabulary_are_checked_against_the_base(files, added, tmp_path, model_config):
+    """A slow (SentencePiece) tokenizer's save writes tokenizer.model, added_tokens.json and tokenizer_config.json,
+    no tokenizer.json: its added tokens went unchecked, and the adapter was served on ids it was never trained
+    on. The base's own tokens at their own ids are accepted."""
+    base = _bpe_tokenizer(VOCAB)
+    make_adapter(tmp_path / "x", r=4, lora_alpha=8, target_modules=["q_proj"])
+    (tmp_path / "x" / "tokenizer.model").write_bytes(b"\x0a\x00sentencepiece")
+    load = functools.partial(load_peft_adapter, tmp_path / "x", model_config, dtype=torch.float32,
+                             base_token_id=base.token_to_id)
+    for name, content in files.items():
+        (tmp_path / "x" / name).write_text(json.dumps(content))
+    with pytest.raises(AdapterError, match=re.escape(f"tokenizer files add tokens the served base model does not "
+                                                     f"have (or has under other ids): {added};")):
+        load()
+    load(strict_base="warn")
+    for name in files:  # the base's own tokens, as a copy of its files would list them
+        own = {"d": 5, "ab": 3} if name == "added_tokens.json" else {
+            "added_tokens_decoder": {"5": {"content": "d"}}, "additional_special_tokens": ["abc"]}
+        (tmp_path / "x" / name).write_text(json.dumps(own))
+    load()
 
 
 @pytest.mark.parametrize("files", [
