@@ -279,12 +279,13 @@ async def test_a_hung_engine_report_after_a_push_does_not_hold_up_the_next_one(a
     try:
         await asyncio.wait_for(engine.report_hung.wait(), HANG_S)  # b forwarded, then the report hangs
         assert [a["name"] for a in engine.pushes[-1]["adapters"]] == ["a", "b"]
-        _, begun = stager.start(push(3, adapter("a", "v1", warm=True), adapter("b", "v1")))
+        third, begun = stager.start(push(3, adapter("a", "v1", warm=True), adapter("b", "v1")))
         await asyncio.wait_for(begun.wait(), HANG_S)
         assert engine.pushes[-1]["adapters"][0]["warm"] and not second.done()
     finally:
         engine.reports_hang.set()
     await asyncio.wait_for(second, HANG_S)
+    await asyncio.wait_for(third, HANG_S)  # left running, it would hold the engine's server open at teardown
 
 
 class EngineWithoutDirectives(Engine):
