@@ -23,6 +23,7 @@ from lorafleet.worker.directives import _name as directive_name
 from lorafleet.worker.openai_fields import APIError, Fields, bad_request, check_text, is_int, parse_json
 from lorafleet.worker.openai_sampling import SamplingOptions, parse_sampling_options
 from lorafleet.worker.sampling_defaults import SamplingDefaults
+from lorafleet.worker.sampling_params import MAX_LOGPROBS
 
 __all__ = [  # APIError, bad_request, parse_json (openai_fields.py) and SamplingOptions are re-exported
     "APIError", "ChatMessage", "ChatRequest", "CompletionRequest", "SamplingOptions", "bad_request",
@@ -30,9 +31,9 @@ __all__ = [  # APIError, bad_request, parse_json (openai_fields.py) and Sampling
     "parse_unload_adapter_request",
 ]
 
-MAX_COMPLETION_LOGPROBS = 5
-MAX_CHAT_TOP_LOGPROBS = 20
-MAX_PROMPTS = 16
+MAX_COMPLETION_LOGPROBS = MAX_LOGPROBS  # vLLM's max_logprobs (OpenAI's legacy API stops at 5)
+MAX_CHAT_TOP_LOGPROBS = MAX_LOGPROBS
+MAX_PROMPTS = 1024  # a batch of an evaluation harness (lm-evaluation-harness sends its batch_size as one list)
 CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
 MAX_KWARGS_DEPTH = 32  # chat_template_kwargs: its values are walked (checked, control tokens wrapped)
 

@@ -21,8 +21,10 @@ from lorafleet.worker.sampling_params import MAX_LOGPROBS
 
 MAX_PROMPT_LOGPROBS = MAX_LOGPROBS  # vLLM's default max_logprobs
 
-MAX_N = 16
-MAX_STOP = 4
+# Wider than OpenAI's API (4 stops), as vLLM's: evaluation harnesses send many stop strings. A request's
+# sequences (prompts x n) are held to what the worker runs and queues at once as well (openai_api.py).
+MAX_N = 256
+MAX_STOP = 64
 MAX_STOP_TOKEN_IDS = 64
 STREAM_OPTIONS = ("include_usage", "include_obfuscation", "continuous_usage_stats")
 

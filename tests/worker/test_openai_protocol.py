@@ -34,6 +34,16 @@ def test_completion_defaults_and_all_options():
     assert parse_completion_request({"model": "m", "prompt": [5, 6]}).prompts == [[5, 6]]
 
 
+def test_an_evaluation_harness_batch_is_within_the_limits():
+    """lm-evaluation-harness sends its batch as one list of prompts, many `until` stop strings and up to 20
+    logprobs (vLLM's limit): OpenAI's tighter limits (16 prompts, 4 stops, 5 logprobs) refused each of them."""
+    r = parse_completion_request({"model": "m", "prompt": [f"q{i}" for i in range(64)], "logprobs": 20,
+                                  "stop": [f"\n{i}" for i in range(12)], "n": 2})
+    assert (len(r.prompts), r.options.logprobs, len(r.options.stop)) == (64, 20, 12)
+    with pytest.raises(APIError, match="at most 1024 prompts"):
+        parse_completion_request({"model": "m", "prompt": ["x"] * 1025})
+
+
 def test_chat_messages_and_logprobs():
     r = parse_chat_request({
         "model": "m", "messages": [{"role": "system", "content": "be brief"},
@@ -90,8 +100,8 @@ BAD_COMPLETIONS = [
     ({"model": "m", "prompt": "x", "n": 0}, "'n' must be between", "invalid_value"),
     ({"model": "m", "prompt": "x", "stop": ["a", ""]}, "must not be empty", "invalid_value"),
     ({"model": "m", "prompt": "x", "stop": [1]}, "'stop' must be", "invalid_type"),
-    ({"model": "m", "prompt": "x", "stop": list("abcde")}, "at most 4", "invalid_value"),
-    ({"model": "m", "prompt": "x", "logprobs": 6}, "'logprobs' must be between", "invalid_value"),
+    ({"model": "m", "prompt": "x", "stop": [str(i) for i in range(65)]}, "at most 64", "invalid_value"),
+    ({"model": "m", "prompt": "x", "logprobs": 21}, "'logprobs' must be between", "invalid_value"),
     ({"model": "m", "prompt": "x", "stream": "yes"}, "true or false", "invalid_type"),
     ({"model": "m", "prompt": "x", "stream_options": {"include_usage": True}}, "only allowed", "invalid_value"),
     ({"model": "m", "prompt": "x", "echo": "yes"}, "'echo' must be true or false", "invalid_type"),
