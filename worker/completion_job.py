@@ -65,6 +65,11 @@ class CompletionJob:
     def num_choices(self) -> int:
         return len(self.params)
 
+    def length_param(self, prompt_alone: bool) -> str:
+        """The field a context-length error names: the prompt's (`prompt_alone`: too long by itself), or the
+        max_tokens field the caller sent (or its default)."""
+        return ("messages" if self.endpoint == "chat" else "prompt") if prompt_alone else self.options.max_tokens_param
+
     def add_choices(self, max_model_len: int, vocab_size: int | None = None) -> None:
         """One SamplingParams per (prompt, n); refuses prompts that do not fit the context, `min_tokens` beyond
         what the context leaves, and `logit_bias` or `stop_token_ids` token ids outside the vocabulary (as vLLM
@@ -82,7 +87,7 @@ class CompletionJob:
             if len(ids) >= max_model_len:
                 raise APIError(400, f"This model's maximum context length is {max_model_len} tokens; the prompt "
                                     f"has {len(ids)} tokens. Shorten the prompt.", code="context_length_exceeded",
-                               param="messages" if self.endpoint == "chat" else "prompt")
+                               param=self.length_param(True))
             left = max_model_len - len(ids)  # unset: the model's default (at least min_tokens) within the context
             max_tokens = o.max_tokens if o.max_tokens is not None else min(left, max(o.default_max_tokens or left,
                                                                                       o.min_tokens))
@@ -92,7 +97,7 @@ class CompletionJob:
                 raise APIError(400, f"This model's maximum context length is {max_model_len} tokens; you requested "
                                     f"{len(ids) + max_tokens} ({len(ids)} in the prompt, {max_tokens} to generate). "
                                     f"Lower {o.max_tokens_param} or shorten the prompt.",
-                               code="context_length_exceeded", param=o.max_tokens_param)
+                               code="context_length_exceeded", param=self.length_param(False))
             if o.min_tokens > max_tokens:  # max_tokens unset: the context left after this prompt bounds it
                 raise APIError(400, f"'min_tokens' ({o.min_tokens}) is more than the {max_tokens} tokens this "
                                     f"prompt leaves of the model's context ({max_model_len} tokens)",

@@ -13,7 +13,12 @@ class UnknownAdapterError(EngineError):
 
 class ContextLengthError(EngineError):
     """Prompt and max_tokens ask for more context than the engine can ever give the request: more than
-    max_model_len, or than the KV pages its adapter and pinned adapters leave of the pool (kv_room.py)."""
+    max_model_len, or than the KV pages its adapter and pinned adapters leave of the pool (kv_room.py).
+    `prompt_alone`: the prompt itself is too long, whatever max_tokens (the error names the prompt)."""
+
+    def __init__(self, message: str, *, prompt_alone: bool = False) -> None:
+        super().__init__(message)
+        self.prompt_alone = prompt_alone
 
 
 class CapacityError(RuntimeError):

@@ -57,9 +57,11 @@ class KVRoom:
                             + ([f"pinned adapters take {pinned}"] if pinned else []))
         what = (f"This request's maximum context length is {limit} tokens" if room
                 else "This request cannot run")
+        prompt_alone = seq.num_prompt_tokens >= limit  # not even one token to generate fits after it
+        asked = (f"the prompt has {seq.num_prompt_tokens} tokens. Shorten the prompt" if prompt_alone else
+                 f"you requested {wanted} tokens ({seq.num_prompt_tokens} in the prompt, "
+                 f"{wanted - seq.num_prompt_tokens} to generate). Lower max_tokens, shorten the prompt")
         return ContextLengthError(
             f"{what}: of the {self.num_pages} pages ({self.block_size} tokens each) its KV cache shares "
-            f"with adapters, {held}, leaving {room}; you requested {wanted} tokens ({seq.num_prompt_tokens} "
-            f"in the prompt, {wanted - seq.num_prompt_tokens} to generate). Lower max_tokens, shorten the "
-            f"prompt{', unpin adapters' if pinned else ''} or give the worker a larger pool (--num-pages, "
-            "--pool-bytes or --pool-memory-fraction).")
+            f"with adapters, {held}, leaving {room}; {asked}{', unpin adapters' if pinned else ''} or give the "
+            "worker a larger pool (--num-pages, --pool-bytes or --pool-memory-fraction).", prompt_alone=prompt_alone)

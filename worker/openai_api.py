@@ -142,7 +142,7 @@ def _engine_error(exc: BaseException, job: CompletionJob, request: web.Request) 
                         headers={"Retry-After": "5"} if exc.retryable else None)
     message = adapters.redact(str(exc), job.tenant)
     if isinstance(exc, ContextLengthError):  # its adapter and pinned ones leave too little of the pool
-        return APIError(400, message, code="context_length_exceeded", param=job.options.max_tokens_param)
+        return APIError(400, message, code="context_length_exceeded", param=job.length_param(exc.prompt_alone))
     if isinstance(exc, EngineError):
         return APIError(400, message, code="invalid_request")
     if isinstance(exc, ShutdownError):

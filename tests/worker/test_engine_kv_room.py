@@ -163,6 +163,10 @@ async def test_the_worker_answers_400_without_retry_after(aiohttp_client, tiny_l
         assert error["code"] == "context_length_exceeded" and error["param"] == "max_tokens", error
     resp = await client.post("/v1/completions", json=body | {"model": "tiny"})
     assert resp.status == 200 and (await resp.json())["choices"][0]["finish_reason"] == "length"
+    # A prompt that alone is too long for what alpha leaves is the prompt's fault, not the max_tokens it never sent.
+    resp = await client.post("/v1/completions", json={"model": "alpha", "prompt": [5] * 40, "max_tokens": 1})
+    error = (await resp.json())["error"]
+    assert resp.status == 400 and error["param"] == "prompt" and "the prompt has 40 tokens" in error["message"], error
     # A chat without max_tokens: the context left after the prompt, lowered to what alpha leaves (not refused
     # for a length the caller never asked for)
     chat = {"model": "alpha", "messages": [{"role": "user", "content": "hi"}], "temperature": 0, "ignore_eos": True}
