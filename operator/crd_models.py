@@ -159,6 +159,13 @@ def _selector(selector: Any) -> dict[str, Any]:
             for e in exprs)):
         raise SpecError(f"{field_name}.matchExpressions: each needs a key and an operator "
                         f"({', '.join(SELECTOR_OPERATORS)}); not empty")
+    for i, e in enumerate(exprs or []):  # Kubernetes refuses these: In with no values would match no pod
+        values, listed = e.get("values"), e["operator"] in ("In", "NotIn")
+        if listed and not (isinstance(values, list) and values and all(isinstance(v, str) for v in values)):
+            raise SpecError(f"{field_name}.matchExpressions[{i}].values: {e['operator']} needs a non-empty list of "
+                            f"label values")
+        if not listed and values:
+            raise SpecError(f"{field_name}.matchExpressions[{i}].values: must be empty for {e['operator']}")
     return selector
 
 

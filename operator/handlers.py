@@ -124,9 +124,10 @@ def configure_settings(settings: kopf.OperatorSettings, config: OperatorConfig) 
         settings.peering.clusterwide = config.namespace is None
     else:
         settings.peering.standalone = True
-    # One namespace: the chart's Role grants nothing cluster-wide, so kopf's scan of namespaces and CRDs would
-    # only log permission warnings at every start; the resources it serves are known at startup.
-    settings.scanning.disabled = config.namespace is not None
+    # The resources it serves are known at startup (kopf lists them once): the chart's Role and ClusterRole grant
+    # no watch of CRDs (nor, for one namespace, of namespaces), which kopf's scan would log warnings about at
+    # every start. CRDs installed after the operator are served from its next start.
+    settings.scanning.disabled = True
 
 
 def register(registry: kopf.OperatorRegistry, config: OperatorConfig,

@@ -80,6 +80,9 @@ def test_every_cel_rule_compiles_and_is_exercised_here():
         "loraadapters": [(".spec", "!has(self.canary) || self.canary.version != self.version"),
                          (".spec.warm", "type(self) == int ? self >= 0 : self == 'all'")],
         "lorapools": [(".spec.workerSelector", "has(self.matchLabels) || has(self.matchExpressions)"),
+                      (".spec.workerSelector.matchExpressions[*]",
+                       "self.operator in ['In', 'NotIn'] ? has(self.values) && size(self.values) > 0 "
+                       ": !has(self.values) || size(self.values) == 0"),
                       (".spec.scaling", "!has(self.minReplicas) || self.minReplicas <= self.maxReplicas"),
                       (".spec.scaling",
                        "(has(self.kvLow) ? self.kvLow : 0.3) < (has(self.kvHigh) ? self.kvHigh : 0.85)")],
@@ -91,6 +94,18 @@ def test_crd_and_parser_agree_on_warm(warm, ok):
     doc = next(d for d in example_docs() if d["kind"] == "LoRAAdapter")
     doc["spec"]["warm"] = warm
     assert accepts(lambda: validate(doc, "loraadapters")) == ok == accepts(lambda: AdapterSpec.parse(doc))
+
+
+@pytest.mark.parametrize(("expression", "ok"), [
+    ({"operator": "In", "values": ["a"]}, True), ({"operator": "In"}, False), ({"operator": "NotIn", "values": []}, False),
+    ({"operator": "Exists"}, True), ({"operator": "DoesNotExist", "values": []}, True),
+    ({"operator": "Exists", "values": ["a"]}, False),
+])
+def test_crd_and_parser_agree_on_selector_expressions(expression, ok):
+    """Kubernetes' own rules: In with no values would match no pod, NotIn with none every labelled one."""
+    doc = next(d for d in example_docs() if d["kind"] == "LoRAPool")
+    doc["spec"]["workerSelector"] = {"matchExpressions": [{"key": "app", **expression}]}
+    assert accepts(lambda: validate(doc, "lorapools")) == ok == accepts(lambda: PoolSpec.parse(doc))
 
 
 @pytest.mark.parametrize(("scaling", "ok"), [

@@ -365,7 +365,7 @@ def test_kopf_settings_follow_the_watched_namespaces(namespace, peering):
     cluster-wide: kopf would log permission warnings at every start), and namespaced peering."""
     settings = kopf.OperatorSettings()
     configure_settings(settings, OperatorConfig(namespace=namespace, peering=peering, stager_token=TOKEN))
-    assert settings.scanning.disabled == (namespace is not None)
+    assert settings.scanning.disabled  # the chart grants no watch of CRDs or namespaces
     assert settings.peering.standalone == (peering is None) and settings.persistence.finalizer == FINALIZER
     if peering:
         assert settings.peering.name == peering and settings.peering.clusterwide == (namespace is None)
