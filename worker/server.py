@@ -46,6 +46,7 @@ from lorafleet.worker.app_keys import (
     ServerStatus,
 )
 from lorafleet.worker.async_engine import AsyncEngine
+from lorafleet.worker.cors import allow_origins, parse_origins
 from lorafleet.worker.engine import Engine, ShutdownError
 from lorafleet.worker.engine_adapters import EngineAdapters
 from lorafleet.worker.engine_config import EngineConfig
@@ -287,6 +288,7 @@ def create_app(config: WorkerConfig) -> web.Application:
     except TenantsError as exc:
         raise keys_file_refusal(config.api_keys_file, exc) from exc
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=[in_flight_middleware, error_middleware])
+    allow_origins(app, parse_origins(config.allowed_origins))
     app[CONFIG] = config
     app[TENANTS] = tenants
     app[STATUS] = ServerStatus(started_at=time.time())

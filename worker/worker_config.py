@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lorafleet.worker.cors import parse_origins
 from lorafleet.worker.engine_config import EngineConfig
 from lorafleet.worker.metrics import RETIRED_GRACE_S
 from lorafleet.worker.tenants import keys_file_problem
@@ -87,6 +88,10 @@ class WorkerConfig:
         "let special-token strings in chat messages (\"<|im_end|>\" in a user's text) become the control tokens "
         "they spell, as vLLM does, so a message can forge turns of its own; off = they are encoded as plain text "
         "and only the chat template's own control tokens are tokens"))
+    allowed_origins: str = field(default="", metadata=_help(
+        "comma-separated origins (scheme://host[:port]) browser pages may call the API from, or * for any "
+        "(vLLM's --allowed-origins, whose default is *); empty = no CORS headers, so browsers refuse "
+        "cross-origin calls"))
     log_level: str = field(default="info", metadata=_help("debug | info | warning | error"))
 
     def __post_init__(self) -> None:
@@ -113,6 +118,7 @@ class WorkerConfig:
             raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
         if not (math.isfinite(self.retired_series_grace_s) and self.retired_series_grace_s >= 0):
             raise ValueError(f"retired_series_grace_s must be a finite number >= 0, got {self.retired_series_grace_s}")
+        parse_origins(self.allowed_origins)  # ValueError naming one that is no origin
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise ValueError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
         if self.admin_token is not None and len(self.admin_token) < 8:

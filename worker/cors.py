@@ -1,0 +1,64 @@
+"""CORS, for browser clients calling the API from another origin (vLLM's --allowed-origins): off unless
+--allowed-origins lists origins. Keys travel in the Authorization header, never in cookies, so no
+credentials are allowed: a page can call the API only with a key it holds itself.
+
+A preflight (OPTIONS with Access-Control-Request-Method) is answered 204 before routing and before any
+key is asked for, with the allow headers when its Origin is listed; every response to a listed origin
+(errors, and streams, whose headers go out before their first event) names it, and exposes the headers
+clients read (which adapter version answered, when to retry)."""
+
+from __future__ import annotations
+
+import re
+
+from aiohttp import web
+
+ANY = "*"
+_ORIGIN = re.compile(r"https?://[^/?#@\s]+", re.IGNORECASE)  # scheme://host[:port], as a browser sends it
+_EXPOSED = "X-Lorafleet-Adapter, Retry-After"
+_MAX_AGE_S = "600"
+
+
+def parse_origins(value: str | None) -> frozenset[str]:
+    """The origins of a comma-separated list ('*': any); ValueError naming one that is no origin."""
+    origins = frozenset(o.strip().rstrip("/").lower() for o in (value or "").split(",") if o.strip())
+    for origin in sorted(origins - {ANY}):
+        if not _ORIGIN.fullmatch(origin):
+            raise ValueError(f"allowed_origins: {origin!r} is not an origin (scheme://host[:port], or * for any)")
+    return origins
+
+
+def allow_origins(app: web.Application, origins: frozenset[str]) -> None:
+    """Answer preflights and name the caller's origin on every response, for `origins` (none: nothing)."""
+    if not origins:
+        return
+
+    def allowed(request: web.BaseRequest) -> str | None:
+        origin = request.headers.get("Origin")
+        if origin is None or not (ANY in origins or origin.lower() in origins):
+            return None
+        return ANY if ANY in origins else origin
+
+    @web.middleware
+    async def preflight(request: web.Request, handler):
+        if request.method != "OPTIONS" or "Access-Control-Request-Method" not in request.headers:
+            return await handler(request)
+        origin = allowed(request)
+        if origin is None:  # no allow headers: the browser refuses the call
+            return web.Response(status=204)
+        return web.Response(status=204, headers={
+            "Access-Control-Allow-Methods": "GET, POST, PUT, OPTIONS",
+            "Access-Control-Allow-Headers": request.headers.get("Access-Control-Request-Headers",
+                                                                "Authorization, Content-Type"),
+            "Access-Control-Max-Age": _MAX_AGE_S, "Vary": "Origin"})
+
+    async def name_origin(request: web.BaseRequest, response: web.StreamResponse) -> None:
+        origin = allowed(request)
+        if origin is not None:
+            response.headers["Access-Control-Allow-Origin"] = origin
+            response.headers["Access-Control-Expose-Headers"] = _EXPOSED
+        if ANY not in origins and "Origin" not in response.headers.getall("Vary", ()):
+            response.headers.add("Vary", "Origin")  # the answer depends on the caller's origin: caches must know
+
+    app.middlewares.insert(0, preflight)
+    app.on_response_prepare.append(name_origin)
