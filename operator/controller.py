@@ -35,8 +35,13 @@ from lorafleet.operator.push_record import PushRecord, pushed_pod_ids
 from lorafleet.operator.reconcile import PoolPlan, WorkerReport, reconcile_pool
 from lorafleet.operator.statuses import with_refused_pushes
 from lorafleet.operator.workers import StagerClient, Worker, discover_workers
+from lorafleet.worker.directives import ReportedState
 
 log = logging.getLogger(__name__)
+# Seconds a pod's last answer stands in for its sidecar's missing one (a timed-out state read): its warm copies
+# stay placed there instead of moving to other workers and back (placement.py), which would load and pin them
+# twice over; past it they are placed elsewhere, as for a pod that is gone.
+QUIET_GRACE_S = 60.0
 PoolKey = tuple[str, str]  # (namespace, pool name)
 
 
@@ -108,6 +113,8 @@ class PoolController:
         self._results: dict[PoolKey, PassResult] = {}
         self._backoff: dict[PoolKey, RetryBackoff] = defaultdict(lambda: RetryBackoff(retry_base, retry_cap))
         self.push_records: dict[PoolKey, PushRecord] = {}  # what each pool's pods accepted
+        # pod -> (when, its sidecar's last answer): stands in for one that misses a few passes (QUIET_GRACE_S)
+        self._answers: dict[PoolKey, dict[str, tuple[float, ReportedState]]] = {}
 
     async def run(self, key: PoolKey, *, pools: Iterable[dict[str, Any]], adapters: Iterable[dict[str, Any]],
                   pods: Iterable[dict[str, Any]], other_pools: Iterable[dict[str, Any]] = (),
@@ -185,7 +192,12 @@ class PoolController:
         reached = workers + emptied + held
         reports = await self.client.fetch_states(reached)
         backoff, now = self._backoff[key], self.clock()
-        views = [WorkerReport(w.pod, r, record.last(w), may_retry=backoff.may_retry(w.url, now))
+        answers = self._answers.setdefault(key, {})
+        answers.update({w.pod: (now, r) for w, r in zip(reached, reports, strict=True) if r is not None})
+        for pod in set(answers) - {w.pod for w in reached}:
+            del answers[pod]
+        views = [WorkerReport(w.pod, r, record.last(w), may_retry=backoff.may_retry(w.url, now),
+                              last_answer=_recent(answers.get(w.pod), now) if r is None else None)
                  for w, r in zip(reached, reports, strict=True)]
         num_emptied = len(workers) + len(emptied)
         views, released_views, held_views = views[:len(workers)], views[len(workers):num_emptied], views[num_emptied:]
@@ -276,6 +288,7 @@ class PoolController:
 
     def forget(self, key: PoolKey) -> None:
         self._results.pop(key, None)
+        self._answers.pop(key, None)
         self._untold.pop(key, None)
         self._backoff.pop(key, None)
         self.push_records.pop(key, None)
@@ -295,6 +308,11 @@ class PoolController:
         """The pools this controller holds memory for."""
         return sorted(set(self._results) | set(self._backoff) | set(self.push_records) | set(self._locks)
                       | set(self._untold))
+
+
+def _recent(answer: tuple[float, ReportedState] | None, now: float) -> ReportedState | None:
+    """A silent pod's last answer while it is younger than QUIET_GRACE_S."""
+    return answer[1] if answer is not None and now - answer[0] < QUIET_GRACE_S else None
 
 
 def _status_of(pools: list[dict[str, Any]]) -> dict[str, Any] | None:

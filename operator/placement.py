@@ -43,9 +43,12 @@ def copy_slots(a: AdapterSpec) -> int:
     return 2 if a.canary is not None else 1
 
 
-def place_warm(adapters: list[AdapterSpec], workers: list[WorkerIndex], *, default_capacity: int = 0
-               ) -> dict[str, list[str]]:
-    """adapter name -> pods that keep it GPU-resident (see reconcile.py's docstring for the policy)."""
+def place_warm(adapters: list[AdapterSpec], workers: list[WorkerIndex], *, default_capacity: int = 0,
+               quiet: list[WorkerIndex] = ()) -> dict[str, list[str]]:
+    """adapter name -> pods that keep it GPU-resident (see reconcile.py's docstring for the policy). ``quiet``:
+    pods whose sidecar missed this pass's answer (their last answer stands in): the copies they keep stay
+    placed there, but none is added (they could not be told)."""
+    keeping, workers = workers, [*workers, *quiet]
     load = {w.pod: 0 for w in workers}
     taken = {w.pod: 0 for w in workers}
     # The smaller of the worker's own report of its adapter pool size (the pages adapters may take, which
@@ -109,7 +112,7 @@ def place_warm(adapters: list[AdapterSpec], workers: list[WorkerIndex], *, defau
         for a in ranked:
             add_canaries(a)
         for a in ranked:
-            place(a, workers, canary=True)
+            place(a, keeping, canary=True)
     return {name: sorted(pods) for name, pods in placement.items()}
 
 

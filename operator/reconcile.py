@@ -20,7 +20,8 @@ Placement policy (stated, tested; placement.py):
     still keeps one resident copy (a pinned adapter that lives nowhere pins nothing);
   * adapters are placed pinned first, then by priority, then largest first (better bin packing);
   * a worker that already holds it (reported GPU tier, or placed there by the last push) keeps it, so
-    a reconcile never shuffles healthy placements: within a rank (pinned, priority) the copies held are
+    a reconcile never shuffles healthy placements (nor those of a pod whose sidecar missed answers for under
+    a minute: its last answer stands in, and it gets no new copy): within a rank (pinned, priority) the copies held are
     kept before any new copy is placed, so a newcomer displaces only adapters of a lower rank, and every held
     stable copy of a rank before any canary's slot; the rest go to the least full workers (the larger of
     their shares of bytes and of slots taken, each where every worker says it; else the fewest bytes; ties
@@ -146,7 +147,10 @@ def reconcile_pool(pool: PoolSpec | None, adapters: Sequence[AdapterSpec | Inval
                     pass
     served = {name: a for name, a in served.items() if name in variants}
 
-    plan.placement = place_warm(list(served.values()), live, default_capacity=pool.gpu_bytes if pool else 0)
+    quiet = [WorkerIndex.of(dataclasses.replace(w, reported=w.last_answer)) for w in workers
+             if w.reported is None and w.last_answer is not None]
+    plan.placement = place_warm(list(served.values()), live, default_capacity=pool.gpu_bytes if pool else 0,
+                                quiet=quiet)
     warm_sets = {name: set(pods) for name, pods in plan.placement.items()}
     settings = pool_settings(pool)
     for w in live:

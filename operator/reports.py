@@ -16,6 +16,9 @@ class WorkerReport:
     reported: ReportedState | None  # None: its sidecar did not answer this round
     last_pushed: DesiredState | None = None  # operator memory (push_record.py); None: none accepted known
     may_retry: bool = True  # the backoff allows re-pushing versions it reported as failed
+    # Its last answer, while its sidecar has been silent for less than the grace (controller.py): the warm
+    # copies it keeps stay placed there, rather than moving away and back for one missed answer.
+    last_answer: ReportedState | None = None
 
 
 @dataclass(slots=True)

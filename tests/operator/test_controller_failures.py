@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from lorafleet.operator.controller import PoolController
+from lorafleet.operator.controller import QUIET_GRACE_S, PoolController
 from lorafleet.operator.workers import StagerClient
 from lorafleet.worker import stager_http
 from lorafleet.worker.stager_config import StagerConfig
@@ -164,5 +164,27 @@ async def test_a_sidecar_refusing_the_adapter_set_makes_the_pool_not_ready_namin
             plan = await controller.run(KEY, **inputs, pods=[pod_body("worker-0", port)])
             assert set(plan.pushes) == {"worker-0"} and controller.client.push_refusals == {}
             assert plan.pool_status["conditions"][0]["reason"] != "PushRefused"
+    finally:
+        await controller.client.close()
+
+
+async def test_a_sidecar_silent_for_less_than_the_grace_keeps_its_warm_copies(sidecars):
+    """A missed state read (a timeout) must not move that pod's warm copies to the others and back: its last
+    answer stands in for QUIET_GRACE_S, after which they are placed on the pods that answer."""
+    first, second = sidecars
+    clock = [1000.0]
+    controller = PoolController(StagerClient(token=TOKEN, timeout=2.0), clock=lambda: clock[0])
+    pods = [pod_body("worker-0", first.port), pod_body("worker-1", second.port)]
+    inputs = {"pools": [POOL], "adapters": [adapter_body("sql", warm=1), adapter_body("chat", warm=1)], "pods": pods}
+    try:
+        steady = (await controller.run(KEY, **inputs)).placement
+        assert sorted(pods for pods in steady.values()) == [["worker-0"], ["worker-1"]]
+        await second.stop()
+        clock[0] += QUIET_GRACE_S - 1
+        plan = await controller.run(KEY, **inputs)
+        assert plan.silent == ["worker-1"] and plan.placement == steady and plan.pushes == {}
+        clock[0] += 1
+        plan = await controller.run(KEY, **inputs)
+        assert plan.placement == {"sql": ["worker-0"], "chat": ["worker-0"]} and set(plan.pushes) == {"worker-0"}
     finally:
         await controller.client.close()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -153,6 +155,24 @@ def test_unreachable_sidecar_gets_no_push_and_no_credit():
     plan = reconcile_pool(pool(), [adapter("a", warm="all")], ws, now=NOW)
     assert set(plan.pushes) == {"w1"} and plan.placement["a"] == ["w1"]
     assert "no answer from the sidecar of w0" in plan.pool_status["conditions"][0]["message"]
+
+
+def test_a_sidecar_missing_one_answer_keeps_its_warm_copies_placed_there():
+    """One timed-out state read moved every warm and pinned copy of that pod to others (loaded and pinned there),
+    then back once it answered: its last answer stands in for a short while (controller.py's grace), its copies
+    stay placed on it, and no new copy goes to it (it cannot be told)."""
+    ws = workers(3)
+    ads = [adapter(n, warm=1) for n in "abcdef"] + [adapter("pin", pinned=True)]
+    steady = converge(pool(), ads, ws).placement
+    held = sorted(name for name, pods in steady.items() if pods == ["w0"])
+    assert held
+    quiet = dataclasses.replace(ws[0], reported=None, last_answer=ws[0].reported)
+    plan = reconcile_pool(pool(), [*ads, adapter("new", warm="all")], [quiet, *ws[1:]], now=NOW)
+    assert {name: plan.placement[name] for name in steady} == steady
+    assert plan.placement["new"] == ["w1", "w2"] and set(plan.pushes) <= {"w1", "w2"}
+    # With no last answer (the grace is over): its copies go to the workers that answer, as for a pod gone.
+    plan = reconcile_pool(pool(), ads, [WorkerReport("w0", None), *ws[1:]], now=NOW)
+    assert all(plan.placement[name] and "w0" not in plan.placement[name] for name in held)
 
 
 # --- canary and promotion --------------------------------------------------------------------------
