@@ -34,13 +34,14 @@ from lorafleet.operator.ownership import first_claim, own_pods, pod_names, pool_
 from lorafleet.operator.push_record import PushRecord, pushed_pod_ids
 from lorafleet.operator.reconcile import PoolPlan, WorkerReport, reconcile_pool
 from lorafleet.operator.statuses import with_refused_pushes
-from lorafleet.operator.workers import StagerClient, Worker, discover_workers
+from lorafleet.operator.workers import Refused, StagerClient, Worker, discover_workers
 from lorafleet.worker.directives import ReportedState
 
 log = logging.getLogger(__name__)
-# Seconds a pod's last answer stands in for its sidecar's missing one (a timed-out state read): its warm copies
-# stay placed there instead of moving to other workers and back (placement.py), which would load and pin them
-# twice over; past it they are placed elsewhere, as for a pod that is gone.
+# Seconds (at least; the operator makes it three of its passes when those are longer) a pod's last answer stands
+# in for its sidecar's missing one (a timed-out state read): its warm copies stay placed there instead of moving
+# to other workers and back (placement.py), which would load and pin them twice over; past it they are placed
+# elsewhere, as for a pod that is gone.
 QUIET_GRACE_S = 60.0
 PoolKey = tuple[str, str]  # (namespace, pool name)
 
@@ -104,17 +105,20 @@ class RetryBackoff:
 
 class PoolController:
     def __init__(self, client: StagerClient, *, retry_base: float = 10.0, retry_cap: float = 300.0,
-                 unload_grace: float = 300.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 unload_grace: float = 300.0, quiet_grace: float = QUIET_GRACE_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.client = client
         self.clock = clock
         self.unload_grace = unload_grace
+        self.quiet_grace = quiet_grace
         self._untold: dict[PoolKey, dict[tuple[str, str], float]] = {}  # (pod, uid) -> when last it could be told
         self._locks: dict[PoolKey, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._results: dict[PoolKey, PassResult] = {}
         self._backoff: dict[PoolKey, RetryBackoff] = defaultdict(lambda: RetryBackoff(retry_base, retry_cap))
         self.push_records: dict[PoolKey, PushRecord] = {}  # what each pool's pods accepted
-        # pod -> (when, its sidecar's last answer): stands in for one that misses a few passes (QUIET_GRACE_S)
-        self._answers: dict[PoolKey, dict[str, tuple[float, ReportedState]]] = {}
+        # (pod, uid) -> (when, its sidecar's last answer): stands in for one that misses a few passes (quiet_grace)
+        self._answers: dict[PoolKey, dict[tuple[str, str], tuple[float, ReportedState]]] = {}
+        self._refusals: dict[PoolKey, dict[str, str]] = {}  # pod -> why its sidecar refused its set
 
     async def run(self, key: PoolKey, *, pools: Iterable[dict[str, Any]], adapters: Iterable[dict[str, Any]],
                   pods: Iterable[dict[str, Any]], other_pools: Iterable[dict[str, Any]] = (),
@@ -193,11 +197,11 @@ class PoolController:
         reports = await self.client.fetch_states(reached)
         backoff, now = self._backoff[key], self.clock()
         answers = self._answers.setdefault(key, {})
-        answers.update({w.pod: (now, r) for w, r in zip(reached, reports, strict=True) if r is not None})
-        for pod in set(answers) - {w.pod for w in reached}:
-            del answers[pod]
+        answers.update({(w.pod, w.uid): (now, r) for w, r in zip(reached, reports, strict=True) if r is not None})
+        for pod_id in set(answers) - {(w.pod, w.uid) for w in reached}:
+            del answers[pod_id]
         views = [WorkerReport(w.pod, r, record.last(w), may_retry=backoff.may_retry(w.url, now),
-                              last_answer=_recent(answers.get(w.pod), now) if r is None else None)
+                              last_answer=self._recent(answers.get((w.pod, w.uid)), now) if r is None else None)
                  for w, r in zip(reached, reports, strict=True)]
         num_emptied = len(workers) + len(emptied)
         views, released_views, held_views = views[:len(workers)], views[len(workers):num_emptied], views[num_emptied:]
@@ -219,10 +223,18 @@ class PoolController:
                 record.forget(by_pod[pod])
         outcomes = await asyncio.gather(*(self.client.push(by_pod[pod], d) for pod, d in plan.pushes.items()))
         accepted = {pod for pod, ok in zip(plan.pushes, outcomes, strict=True) if ok}
-        refused = {pod: self.client.push_refusals[pod] for pod, ok in zip(plan.pushes, outcomes, strict=True)
-                   if ok is False and pod in self.client.push_refusals}
+        # Why each pod refused its set (not a stale generation): kept until one is accepted or read (a 409), or
+        # the pod leaves, so a pass that could not tell it (no answer) does not flip Ready back meanwhile.
+        refusals = self._refusals.setdefault(key, {})
+        for pod, outcome in zip(plan.pushes, outcomes, strict=True):
+            if isinstance(outcome, Refused) and not outcome.stale:
+                refusals[pod] = f"HTTP {outcome.status}: {outcome.reason}"
+            elif outcome is not None:
+                refusals.pop(pod, None)
+        for pod in set(refusals) - {w.pod for w in workers}:
+            del refusals[pod]
         if pool is not None:  # pushed again every pass until accepted: Ready says why meanwhile
-            plan.pool_status = with_refused_pushes(plan.pool_status, pool.status, refused, now=stamp)
+            plan.pool_status = with_refused_pushes(plan.pool_status, pool.status, refusals, now=stamp)
         for (pod, desired), ok in zip(plan.pushes.items(), outcomes, strict=True):
             if ok:  # else refused, or no answer (it may have landed): it stays forgotten, pushed again next pass
                 record.record(by_pod[pod], desired)
@@ -286,9 +298,14 @@ class PoolController:
         known = record.pod_ids()
         return any(pod_id not in known for pod_id in pushed_pod_ids(_status_of(pools)))
 
+    def _recent(self, answer: tuple[float, ReportedState] | None, now: float) -> ReportedState | None:
+        """A silent pod's last answer while it is younger than the quiet grace."""
+        return answer[1] if answer is not None and now - answer[0] < self.quiet_grace else None
+
     def forget(self, key: PoolKey) -> None:
         self._results.pop(key, None)
         self._answers.pop(key, None)
+        self._refusals.pop(key, None)
         self._untold.pop(key, None)
         self._backoff.pop(key, None)
         self.push_records.pop(key, None)
@@ -308,11 +325,6 @@ class PoolController:
         """The pools this controller holds memory for."""
         return sorted(set(self._results) | set(self._backoff) | set(self.push_records) | set(self._locks)
                       | set(self._untold))
-
-
-def _recent(answer: tuple[float, ReportedState] | None, now: float) -> ReportedState | None:
-    """A silent pod's last answer while it is younger than QUIET_GRACE_S."""
-    return answer[1] if answer is not None and now - answer[0] < QUIET_GRACE_S else None
 
 
 def _status_of(pools: list[dict[str, Any]]) -> dict[str, Any] | None:

@@ -35,7 +35,13 @@ from typing import Any
 
 import kopf
 
-from lorafleet.operator.controller import PoolController, merge_conditions, status_changes, utc_now
+from lorafleet.operator.controller import (
+    QUIET_GRACE_S,
+    PoolController,
+    merge_conditions,
+    status_changes,
+    utc_now,
+)
 from lorafleet.operator.crd_models import (
     ADAPTERS,
     GROUP,
@@ -137,7 +143,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
     controller = PoolController(StagerClient(token=config.stager_token, timeout=config.request_timeout,
                                                push_timeout=config.push_timeout),
                                 retry_base=config.interval, retry_cap=max(config.interval, MAX_RETRY_DELAY),
-                                unload_grace=config.unload_grace)
+                                unload_grace=config.unload_grace, quiet_grace=max(QUIET_GRACE_S, 3 * config.interval))
     scaler = PoolScaler(PrometheusClient(timeout=config.request_timeout),
                         deployments or DeploymentClient(timeout=config.request_timeout),
                         allowed=PrometheusAllowlist(config.prometheus_urls))

@@ -107,8 +107,9 @@ def place_warm(adapters: list[AdapterSpec], workers: list[WorkerIndex], *, defau
     # held stable copy of the rank before any canary's slot (a canary added to one never moves another).
     for _, group in itertools.groupby(order, key=lambda a: (a.pinned, a.priority)):
         ranked = list(group)
-        for a in ranked:
-            place(a, [w for w in workers if holds(w, a)], canary=False)
+        for a in ranked:  # a pod that answered keeps its copy before one whose last answer stands in
+            for holders in (keeping, quiet):
+                place(a, [w for w in holders if holds(w, a)], canary=False)
         for a in ranked:
             add_canaries(a)
         for a in ranked:

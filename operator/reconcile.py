@@ -176,7 +176,9 @@ def reconcile_pool(pool: PoolSpec | None, adapters: Sequence[AdapterSpec | Inval
             plan.adapter_statuses[x.name] = unserved_status(x, phase, failures[x.name], live, now=now)
             continue
         failure = failures.get(x.name)
-        status = adapter_status(a, live, plan.placement[x.name], now=now, requested=warm_count(a, len(live)),
+        # A pod whose last answer stands in counts as it last said (its copies stay placed on it).
+        status = adapter_status(a, live + quiet, plan.placement[x.name], now=now,
+                                requested=warm_count(a, len(live + quiet)),
                                 silent=[w.pod for w in workers if w.reported is None],
                                 failure=failure)
         if failure is None:

@@ -28,7 +28,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from lorafleet.operator.autoscaler import ScalingSpec, Stabilizer, bound_correction, recommend
@@ -66,7 +66,8 @@ class _PoolMemory:
     target: str
     stabilizer: Stabilizer
     short: tuple[int, float] | None = None  # (replicas, since when fewer were ready workers at that count)
-    stuck: int = 0  # replicas not ready workers after a whole wait: a later scale-up waits only for the others
+    # Its pods not ready workers after a whole wait: a later scale-up waits only for the others
+    stuck: set[str] = field(default_factory=set)
 
 
 class PoolScaler:
@@ -158,7 +159,7 @@ class PoolScaler:
             wanted, why = corrected
             note = ""
         else:
-            worker_pods, others = ready_worker_pods(pool, pods, other_pools, replicasets)
+            worker_pods, others, unready = ready_worker_pods(pool, pods, other_pools, replicasets)
             try:
                 signals = PoolSignals(*await self.metrics.pool_signals(
                     spec.prometheus_url, namespace, worker_pods, rate_window_seconds=spec.rate_window_seconds))
@@ -172,10 +173,10 @@ class PoolScaler:
             note = self._note(spec, recommended, wanted, current)
             num_ready = len(worker_pods)
             # Ready pods another pool owns never become this pool's workers: no scale-up waits for them. Nor
-            # for replicas already waited for in full (stuck: unschedulable, crash-looping): only for more.
+            # for pods already waited for in full (stuck: unschedulable, crash-looping): only for the others.
             missing = max(0, current - num_ready - len(others))
-            memory.stuck = min(memory.stuck, missing)  # those that became ready since count no more
-            if missing <= memory.stuck:
+            memory.stuck &= unready  # those ready since, or gone, count no more (a replacement is waited for)
+            if missing <= len(memory.stuck):
                 memory.short = None
             elif memory.short is None or memory.short[0] != current:  # a new count: its replicas get a wait
                 memory.short = (current, clock)
@@ -185,10 +186,10 @@ class PoolScaler:
                             f"workers: waiting for them before scaling up again")
                     wanted = current
                 else:
-                    memory.stuck, memory.short = missing, None
+                    memory.stuck, memory.short = set(unready), None
             if memory.stuck and wanted > current:
-                note += (f"; {memory.stuck} of {current} replicas not ready workers for over "
-                         f"{MAX_READY_WAIT:g} s: not waiting for them")
+                note += (f"; {len(memory.stuck)} of {current} replicas not ready workers for over "
+                         f"{MAX_READY_WAIT:g} s ({', '.join(sorted(memory.stuck))}): not waiting for them")
             if others:
                 owners = ", ".join(sorted(set(others.values())))
                 note += (f"; {len(others)} ready pods spec.workerSelector matches belong to LoRAPool {owners} "

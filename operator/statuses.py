@@ -292,7 +292,11 @@ def with_refused_pushes(status: dict[str, Any], old: dict[str, Any], refused: di
     ready = next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"), None)
     if not refused or ready is None:
         return status
-    why = "; ".join(f"the sidecar of {pod} refused its adapter set ({reason})" for pod, reason in sorted(refused.items()))
+    pods_of: dict[str, list[str]] = {}  # reason -> pods (a set too large for every sidecar is said once)
+    for pod, reason in sorted(refused.items()):
+        pods_of.setdefault(reason, []).append(pod)
+    why = "; ".join(f"the sidecar{'s' if len(pods) > 1 else ''} of {', '.join(pods)} refused "
+                    f"{'their' if len(pods) > 1 else 'its'} adapter set ({reason})" for reason, pods in pods_of.items())
     new = condition(old, "Ready", False, "PushRefused", f"{ready['message']}; {why}", now)
     return {**status, "conditions": [new if c is ready else c for c in status["conditions"]]}
 

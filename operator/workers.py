@@ -106,6 +106,22 @@ def _error_message(text: str) -> str:
         return text
 
 
+@dataclass(slots=True, frozen=True)
+class Refused:
+    """A push its sidecar answered with a refusal: falsy, as it is not accepted."""
+
+    status: int
+    reason: str  # the sidecar's error message (at most 300 characters)
+
+    def __bool__(self) -> bool:
+        return False
+
+    @property
+    def stale(self) -> bool:
+        """A stale generation (409): pushed again, higher, at once; not a fault of the set."""
+        return self.status == 409
+
+
 class StagerClient:
     """Talks to sidecars. What each pod accepted is remembered per pool by the caller (push_record.py)."""
 
@@ -115,8 +131,6 @@ class StagerClient:
         self._push_timeout = aiohttp.ClientTimeout(total=push_timeout or timeout)
         self._session: aiohttp.ClientSession | None = None
         self._closed = False
-        # pod -> why its sidecar refused its last push (not a stale generation); gone once one is accepted
-        self.push_refusals: dict[str, str] = {}
 
     def _client(self) -> aiohttp.ClientSession:
         if self._closed:
@@ -145,26 +159,24 @@ class StagerClient:
     async def fetch_states(self, workers: list[Worker]) -> list[ReportedState | None]:
         return list(await asyncio.gather(*(self.fetch_state(w) for w in workers)))
 
-    async def push(self, worker: Worker, desired: DesiredState) -> bool | None:
+    async def push(self, worker: Worker, desired: DesiredState) -> bool | Refused | None:
         """PUT the desired state. True: accepted (202: what needs no download is applied, the rest is being
         staged, reported as ``staging`` until it is: the pool's lock is not held through another adapter's
         download; a sidecar's first push since it started is answered once staged only when its engine cannot
-        tell what it holds); False: refused (a 409 for a stale generation, a bad token): what the pod holds is not what
-        was last pushed; None: no answer (it may have landed or not). The caller takes neither as accepted."""
+        tell what it holds); a Refused (falsy; a 409 for a stale generation, a bad token, a set over the sidecar's
+        limit): what the pod holds is not what was last pushed; None: no answer (it may have landed or not). The
+        caller takes neither as accepted."""
         try:
             async with self._client().put(f"{worker.url}/v1/directives", data=desired.to_json(),
                                           headers={"Content-Type": "application/json", "Prefer": "respond-async"},
                                           timeout=self._push_timeout) as resp:
                 if resp.status in (200, 202):
-                    self.push_refusals.pop(worker.pod, None)
                     return True
                 # Replaced, not refused: an undecodable body raising here would fail the whole pass, every pod's.
                 text = _error_message(await resp.text(errors="replace"))[:300]
                 log.warning("sidecar of %s refused generation %d: %s %s", worker.pod, desired.generation,
                             resp.status, text)
-                if resp.status != 409:  # a stale generation is pushed again, higher, at once: not a fault
-                    self.push_refusals[worker.pod] = f"HTTP {resp.status}: {text}"
-                return False
+                return Refused(resp.status, text)
         except (TimeoutError, aiohttp.ClientError) as exc:
             log.warning("push to the sidecar of %s failed: %s", worker.pod, exc)
             return None

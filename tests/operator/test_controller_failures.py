@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from lorafleet.operator.controller import QUIET_GRACE_S, PoolController
-from lorafleet.operator.workers import StagerClient
+from lorafleet.operator.workers import Refused, StagerClient
 from lorafleet.worker import stager_http
 from lorafleet.worker.stager_config import StagerConfig
 from lorafleet.worker.stager_http import create_app
@@ -162,7 +162,7 @@ async def test_a_sidecar_refusing_the_adapter_set_makes_the_pool_not_ready_namin
         async with real_stager(tmp_path / "large") as url:
             port = int(url.rsplit(":", 1)[1])
             plan = await controller.run(KEY, **inputs, pods=[pod_body("worker-0", port)])
-            assert set(plan.pushes) == {"worker-0"} and controller.client.push_refusals == {}
+            assert set(plan.pushes) == {"worker-0"}
             assert plan.pool_status["conditions"][0]["reason"] != "PushRefused"
     finally:
         await controller.client.close()
@@ -186,5 +186,43 @@ async def test_a_sidecar_silent_for_less_than_the_grace_keeps_its_warm_copies(si
         clock[0] += 1
         plan = await controller.run(KEY, **inputs)
         assert plan.placement == {"sql": ["worker-0"], "chat": ["worker-0"]} and set(plan.pushes) == {"worker-0"}
+    finally:
+        await controller.client.close()
+
+
+class ScriptedPushes(StagerClient):
+    """States read from the real sidecar; each push answered by the next outcome of the pod's script."""
+
+    def __init__(self, scripts: dict[str, list], **kw) -> None:
+        super().__init__(**kw)
+        self.scripts = scripts
+
+    async def push(self, worker, desired):
+        return self.scripts[worker.url].pop(0)
+
+
+async def test_a_refusal_stands_until_the_pod_accepts_or_reads_a_set_and_is_the_pool_s_own(sidecars):
+    """Ready says PushRefused while the pod's last answer to a push was a refusal: a push left unanswered does
+    not flip it back, a 409 (the set was read, only its generation was stale) or an accepted push ends it, and
+    another pool's pod of the same name (another namespace) changes nothing."""
+    stager, _ = sidecars
+    url = f"http://127.0.0.1:{stager.port}"
+    other_ns = {**POOL, "metadata": {**POOL["metadata"], "namespace": "other"}}
+    other_pod = pod_body("worker-0", stager.port)
+    other_pod["metadata"]["namespace"] = "other"
+    client = ScriptedPushes({url: [Refused(413, "too big"), True, None, Refused(409, "stale"), True]},
+                            token=TOKEN, timeout=2.0)
+    controller = PoolController(client)
+
+    def reason(plan):
+        return plan.pool_status["conditions"][0]["reason"]
+
+    try:
+        adapters, pods = [adapter_body("sql")], [pod_body("worker-0", stager.port)]
+        assert reason(await controller.run(KEY, pools=[POOL], adapters=adapters, pods=pods)) == "PushRefused"
+        plan = await controller.run(("other", "main"), pools=[other_ns], adapters=[], pods=[other_pod])
+        assert reason(plan) != "PushRefused"  # accepted there
+        assert reason(await controller.run(KEY, pools=[POOL], adapters=adapters, pods=pods)) == "PushRefused"
+        assert reason(await controller.run(KEY, pools=[POOL], adapters=adapters, pods=pods)) == "Workers"
     finally:
         await controller.client.close()

@@ -361,8 +361,8 @@ async def test_replicas_elect_one_leader(cluster, caplog):
 
 @pytest.mark.parametrize(("namespace", "peering"), [(None, None), ("ns", None), ("ns", "fleet"), (None, "fleet")])
 def test_kopf_settings_follow_the_watched_namespaces(namespace, peering):
-    """One namespace: no cluster-wide scan of namespaces and CRDs (the chart's Role grants nothing
-    cluster-wide: kopf would log permission warnings at every start), and namespaced peering."""
+    """No scan of namespaces and CRDs, one namespace or all (the chart's Role and ClusterRole grant no watch of
+    CRDs: kopf would log permission warnings at every start); peering namespaced for one namespace."""
     settings = kopf.OperatorSettings()
     configure_settings(settings, OperatorConfig(namespace=namespace, peering=peering, stager_token=TOKEN))
     assert settings.scanning.disabled  # the chart grants no watch of CRDs or namespaces

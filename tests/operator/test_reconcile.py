@@ -162,14 +162,22 @@ def test_a_sidecar_missing_one_answer_keeps_its_warm_copies_placed_there():
     then back once it answered: its last answer stands in for a short while (controller.py's grace), its copies
     stay placed on it, and no new copy goes to it (it cannot be told)."""
     ws = workers(3)
-    ads = [adapter(n, warm=1) for n in "abcdef"] + [adapter("pin", pinned=True)]
+    ads = [adapter(n, warm=1) for n in "abcdef"] + [adapter("pin", pinned=True), adapter("everywhere", warm="all")]
     steady = converge(pool(), ads, ws).placement
     held = sorted(name for name, pods in steady.items() if pods == ["w0"])
     assert held
     quiet = dataclasses.replace(ws[0], reported=None, last_answer=ws[0].reported)
     plan = reconcile_pool(pool(), [*ads, adapter("new", warm="all")], [quiet, *ws[1:]], now=NOW)
     assert {name: plan.placement[name] for name in steady} == steady
-    assert plan.placement["new"] == ["w1", "w2"] and set(plan.pushes) <= {"w1", "w2"}
+    assert plan.placement["new"] == ["w1", "w2"]
+    # Its statuses stand as it last said: Ready stays Ready (not Loading for a copy that did not move).
+    assert {plan.adapter_statuses[name]["phase"] for name in steady} == {"Ready"}
+    assert plan.adapter_statuses["everywhere"]["ready"] == "3/3"
+    # A copy both it and a pod that answered hold stays with the one that answered.
+    moved = held[0]
+    next(st for st in ws[1].reported.adapters if st.name == moved).tier = "gpu"
+    plan = reconcile_pool(pool(), ads, [quiet, *ws[1:]], now=NOW)
+    assert plan.placement[moved] == ["w1"]
     # With no last answer (the grace is over): its copies go to the workers that answer, as for a pod gone.
     plan = reconcile_pool(pool(), ads, [WorkerReport("w0", None), *ws[1:]], now=NOW)
     assert all(plan.placement[name] and "w0" not in plan.placement[name] for name in held)

@@ -232,7 +232,7 @@ async def test_replicas_that_never_become_ready_hold_a_scale_up_for_a_bounded_ti
     clock.now += 1
     st = await tick(scaler, body, pods)
     assert deployments.patches == [4]  # ceil(3 * 0.99 / 0.85)
-    assert "1 of 3 replicas not ready workers for over 600 s: not waiting for them" in scaling_condition(st)["message"]
+    assert "1 of 3 replicas not ready workers for over 600 s (w-2): not waiting for them" in scaling_condition(st)["message"]
     # The new replica gets its own wait (it is not ready yet either).
     clock.now += 30
     st = await tick(scaler, body, pods)
@@ -262,10 +262,32 @@ async def test_a_replica_stuck_unready_makes_later_scale_ups_wait_only_for_their
     st = await tick(scaler, body, [pod("w-0"), pod("w-1"), stuck, pod("w-3")])
     assert deployments.patches == [4, 5]  # ceil(4 * 0.99 / 0.85)
     assert "1 of 4 replicas not ready workers for over 600 s" in scaling_condition(st)["message"]
-    # Its newest replica is not ready yet: that one is waited for.
+    # Its newest replica is not ready yet: that one is waited for, also once the stuck one recovers, and so is
+    # a pod that replaces the stuck one.
     clock.now += 60
-    st = await tick(scaler, body, [pod("w-0"), pod("w-1"), stuck, pod("w-3")])
+    st = await tick(scaler, body, [pod("w-0"), pod("w-1"), stuck, pod("w-3"), pod("w-4", ready=False)])
     assert deployments.patches == [4, 5] and "only 3 of 5 replicas are ready workers" in scaling_condition(st)["message"]
+    clock.now += 60
+    await tick(scaler, body, [pod("w-0"), pod("w-1"), pod("w-2"), pod("w-3"), pod("w-4", ready=False)])
+    assert deployments.patches == [4, 5]
+    clock.now += MAX_READY_WAIT
+    await tick(scaler, body, [pod("w-0"), pod("w-1"), pod("w-2"), pod("w-3"), pod("w-4")])
+    assert deployments.patches == [4, 5, 6]
+
+
+
+async def test_a_pod_replacing_a_stuck_one_is_waited_for(setup):
+    scaler, metrics, deployments, clock = setup
+    deployments.replicas = 3
+    metrics.signals = (0.95, 0.99)
+    body = pool()
+    await tick(scaler, body, [pod("w-0"), pod("w-1"), pod("w-2", ready=False)])
+    clock.now += MAX_READY_WAIT
+    await tick(scaler, body, [pod("w-0"), pod("w-1"), pod("w-2", ready=False)])
+    assert deployments.patches == [4]
+    clock.now += 60  # w-2 deleted; its replacement starts, and the replica added is ready
+    st = await tick(scaler, body, [pod("w-0"), pod("w-1"), pod("w-3"), pod("w-5", ready=False)])
+    assert deployments.patches == [4] and "only 3 of 4 replicas are ready workers" in scaling_condition(st)["message"]
 
 
 async def test_signals_that_turn_unknown_leave_the_status_without_the_old_figures(setup):

@@ -6,7 +6,14 @@ import pytest
 from aiohttp import web
 
 from lorafleet.operator.ownership import invalid_pool_claim, own_pods, pool_claims
-from lorafleet.operator.workers import StagerClient, Worker, discover_workers, pod_is_ready, selector_matches
+from lorafleet.operator.workers import (
+    Refused,
+    StagerClient,
+    Worker,
+    discover_workers,
+    pod_is_ready,
+    selector_matches,
+)
 from lorafleet.worker.directives import AdapterDirective, DesiredState, VersionRef
 
 from .fake_stager import FakeStager
@@ -68,7 +75,8 @@ async def test_client_push_read_and_stale_generation(sidecar):
         state = await client.fetch_state(worker)
         assert state.generation_applied == 5 and state.find("a", "v1").tier == "gpu"
         # A stale generation is refused (409): an answer, unlike a sidecar that does not answer.
-        assert await client.push(worker, DesiredState(4, [])) is False
+        refused = await client.push(worker, DesiredState(4, []))
+        assert isinstance(refused, Refused) and refused.stale and not refused
         assert sidecar.refused == 1
         # A sidecar that is gone: no state, no answer to a push, no exception.
         await sidecar.stop()
@@ -140,7 +148,8 @@ async def test_a_refusal_whose_body_is_not_text_is_a_refusal():
     async def refuse(_: web.Request) -> web.Response:
         return web.Response(status=503, body=b"\xff\xfe busy", content_type="text/plain")
 
-    assert await _push_to(refuse) is False
+    refused = await _push_to(refuse)
+    assert isinstance(refused, Refused) and (refused.status, refused.reason) == (503, "\ufffd\ufffd busy")
 
 
 async def test_a_push_asks_to_be_answered_before_downloads_and_takes_202_as_accepted():
