@@ -174,13 +174,11 @@ def state_report(app: web.Application) -> dict[str, Any]:
 async def put_state(request: web.Request) -> web.Response:
     require_admin(request)
     _require_engine(request)
-    try:  # a pool's whole set: not held to the inference limit (--max-body-bytes)
-        body = await read_json(request.clone(client_max_size=MAX_STATE_BYTES))
+    try:  # a pool's whole set: not held to the inference limit (--max-body-bytes); a large one parsed off the loop
+        state = await read_json(request.clone(client_max_size=MAX_STATE_BYTES), then=DesiredState.from_dict)
     except web.HTTPRequestEntityTooLarge:
         raise APIError(413, f"desired state over {MAX_STATE_BYTES} bytes, the most the engine reads",
                        code="body_too_large") from None
-    try:
-        state = DesiredState.from_dict(body)
     except DirectiveError as exc:
         raise APIError(400, f"bad desired state: {exc}", code="invalid_directive") from None
     app = request.app

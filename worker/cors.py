@@ -2,14 +2,17 @@
 --allowed-origins lists origins. Keys travel in the Authorization header, never in cookies, so no
 credentials are allowed: a page can call the API only with a key it holds itself.
 
-A preflight (OPTIONS with Access-Control-Request-Method) is answered 204 before routing and before any
-key is asked for, with the allow headers when its Origin is listed; every response to a listed origin
-(errors, and streams, whose headers go out before their first event) names it, and exposes the headers
-clients read (which adapter version answered, when to retry)."""
+A preflight (OPTIONS with Access-Control-Request-Method) of a route is answered 204 before any key is
+asked for, with the allow headers when its Origin is listed; every response to a listed origin
+(errors, and streams, whose headers go out before their first event; not a 400 aiohttp answers for a request
+it cannot parse at all) names it, and exposes the headers clients read (which adapter version answered, when
+to retry)."""
 
 from __future__ import annotations
 
+import json
 import re
+from typing import Any
 
 from aiohttp import web
 
@@ -20,8 +23,17 @@ _MAX_AGE_S = "600"
 
 
 def parse_origins(value: str | None) -> frozenset[str]:
-    """The origins of a comma-separated list ('*': any); ValueError naming one that is no origin."""
-    origins = frozenset(o.strip().rstrip("/").lower() for o in (value or "").split(",") if o.strip())
+    """The origins of a comma-separated list, or of a JSON list as vLLM's flag takes ('*': any); ValueError
+    naming one that is no origin."""
+    listed: Any = (value or "").split(",")
+    if (value or "").lstrip().startswith("["):
+        try:
+            listed = json.loads(value)
+        except ValueError:
+            listed = None
+        if not isinstance(listed, list) or not all(isinstance(o, str) for o in listed):
+            raise ValueError(f"allowed_origins: {value!r} is not a JSON list of origins")
+    origins = frozenset(o.strip().rstrip("/").lower() for o in listed if o.strip())
     for origin in sorted(origins - {ANY}):
         if not _ORIGIN.fullmatch(origin):
             raise ValueError(f"allowed_origins: {origin!r} is not an origin (scheme://host[:port], or * for any)")
@@ -41,7 +53,8 @@ def allow_origins(app: web.Application, origins: frozenset[str]) -> None:
 
     @web.middleware
     async def preflight(request: web.Request, handler):
-        if request.method != "OPTIONS" or "Access-Control-Request-Method" not in request.headers:
+        no_route = isinstance(request.match_info.http_exception, web.HTTPNotFound)  # its 404 answers
+        if request.method != "OPTIONS" or "Access-Control-Request-Method" not in request.headers or no_route:
             return await handler(request)
         origin = allowed(request)
         if origin is None:  # no allow headers: the browser refuses the call

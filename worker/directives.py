@@ -31,8 +31,9 @@ _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}")
 SHA256_RE = re.compile(r"[0-9a-f]{64}")  # a version's digest (the operator checks specs with it too)
 EVICTION_POLICIES = tuple(POLICIES)  # lru, lfu, cost
 _SETTINGS = ("eviction", "cpu_bytes")  # DesiredState's pool-wide settings
-# The largest desired state a stager or engine reads (about 150,000 adapters at 300-450 bytes each), whatever
-# the inference body limit (--max-body-bytes): a pool's whole set travels in one push, behind the token.
+# The largest desired state a stager or engine reads (room for about 150,000 adapters at 300-450 bytes each; a
+# set that large takes seconds to parse, off the event loop), whatever the inference body limit
+# (--max-body-bytes): a pool's whole set travels in one push, behind the token.
 MAX_STATE_BYTES = 64 << 20
 # The version an `AdapterState` reports for a start-up adapter folder that is not served (one the stager's
 # seed could not stage, a local --adapters one that did not load): no version of it exists, its digest is unknown.

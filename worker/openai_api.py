@@ -194,14 +194,11 @@ def _request_labels(key: str | None) -> tuple[str | None, str]:
 def _admit(app: web.Application, job: CompletionJob, tenant: str) -> None:
     """Take admission room for the job's sequences, or raise: 400 if they can never fit, 429 if not now."""
     admission = app[ADMISSION]
-    if job.num_choices > admission.capacity:  # would never fit: retrying cannot help
-        raise APIError(400, f"this request needs {job.num_choices} sequences (prompts x n); the worker runs at "
-                            f"most {admission.capacity} at once. Lower n or send fewer prompts.", code="invalid_value",
-                       param="n")
-    if job.num_choices > admission.max_seqs_per_request:
-        raise APIError(400, f"this request needs {job.num_choices} sequences (prompts x n); the worker admits at "
-                            f"most {admission.max_per_tenant} per tenant at once. Lower n or send fewer prompts.",
-                       code="invalid_value", param="n")
+    if job.num_choices > (most := admission.max_seqs_per_request):  # would never fit: retrying cannot help
+        where = f"runs at most {most}" if most == admission.capacity else f"admits at most {most} per tenant"
+        raise APIError(400, f"this request needs {job.num_choices} sequences (prompts x n); the worker {where} "
+                            f"at once. Lower n or send fewer prompts.", code="invalid_value",
+                       param="n" if job.options.n > 1 else "prompt")
     if admission.admit(job.num_choices, tenant):
         return
     # nothing changed since admit: the same answer

@@ -25,6 +25,9 @@ MAX_PROMPT_LOGPROBS = MAX_LOGPROBS  # vLLM's default max_logprobs
 # sequences (prompts x n) are held to what the worker runs and queues at once as well (openai_api.py).
 MAX_N = 256
 MAX_STOP = 64
+# Characters of all stop strings together: each token's check scans a window as long as the longest one for
+# every one of them, on the engine thread every sequence shares.
+MAX_STOP_CHARS = 4096
 MAX_STOP_TOKEN_IDS = 64
 STREAM_OPTIONS = ("include_usage", "include_obfuscation", "continuous_usage_stats")
 
@@ -83,6 +86,8 @@ def _stop(f: Fields) -> list[str]:
         raise bad_request(f"'stop' takes at most {MAX_STOP} sequences (got {len(stops)})", "stop")
     if any(s == "" for s in stops):
         raise bad_request("'stop' sequences must not be empty", "stop")
+    if (chars := sum(map(len, stops))) > MAX_STOP_CHARS:
+        raise bad_request(f"'stop' sequences take at most {MAX_STOP_CHARS} characters together (got {chars})", "stop")
     return [check_text(s, "stop") for s in stops]
 
 

@@ -15,7 +15,7 @@ import regex
 
 from lorafleet.kernels.lora_layout import PROJS
 from lorafleet.worker.file_limits import MAX_FILE_BYTES, FileLimitError, read_limited
-from lorafleet.worker.peft_patterns import is_targeted
+from lorafleet.worker.peft_patterns import is_targeted, layer_regex
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -109,7 +109,12 @@ def _refuse_malformed(config: dict, where: Path) -> None:
 
     names("target_modules", regex=config.get("target_modules") != "all-linear")
     names("exclude_modules", regex=True)
-    names("layers_pattern", regex=True)
+    patterns = config.get("layers_pattern")
+    listed = [patterns] if isinstance(patterns, str) else patterns
+    if patterns is not None and not (isinstance(listed, list) and all(isinstance(p, str) for p in listed)):
+        raise AdapterError(f"{where}: layers_pattern must be a regex string or a list of them, got {patterns!r}")
+    for pattern in listed or ():
+        _compile("layers_pattern", layer_regex(pattern), where, shown=pattern)
     layers = config.get("layers_to_transform")
     if layers is not None and not (_is_int(layers) or isinstance(layers, list) and all(map(_is_int, layers))):
         raise AdapterError(f"{where}: layers_to_transform must be a layer index or a list of them, got {layers!r}")

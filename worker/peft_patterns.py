@@ -40,6 +40,12 @@ def pattern_key(pattern_keys: list[str], module_name: str) -> str | None:
     return None
 
 
+def layer_regex(pattern: str) -> str:
+    """PEFT's regex for the layer index after a `layers_pattern` segment (the pattern grouped: an alternation
+    in it stays inside the segment)."""
+    return rf".*\.(?:{pattern})\.(?P<layer_index>\d+)\."
+
+
 def _layer_selected(config: dict, module_name: str) -> bool:
     layers = config.get("layers_to_transform")
     if layers is None or layers == []:
@@ -49,8 +55,7 @@ def _layer_selected(config: dict, module_name: str) -> bool:
         match = re.match(r".*\.[^.]*\.(?P<layer_index>\d+)\.", module_name)
     else:  # the number after a segment the pattern names (PEFT tries each of a list in turn)
         patterns = [patterns] if isinstance(patterns, str) else patterns
-        found = (_find(rf".*\.{p}\.(?P<layer_index>\d+)\.", module_name, "layers_pattern", full=False)
-                 for p in patterns)
+        found = (_find(layer_regex(p), module_name, "layers_pattern", full=False) for p in patterns)
         match = next((m for m in found if m is not None), None)
     if match is None:
         return False

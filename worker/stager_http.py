@@ -8,6 +8,7 @@ import hmac
 import json
 import logging
 import re
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -48,16 +49,22 @@ async def _errors_and_auth(request: web.Request, handler):
         return web.json_response(APIError(400, str(exc)).body(), status=400)
 
 
-async def _read(request: web.Request) -> Any:
+async def _read(request: web.Request, then: Callable[[Any], Any] = lambda body: body) -> Any:
+    """`then(the body's JSON)`: off the event loop for a large body (a pool's whole set may be megabytes)."""
     try:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise APIError(413, f"request body over {MAX_STATE_BYTES} bytes, the most a desired state may take; split "
                             f"the pool's adapters over more pools", code="body_too_large") from None
-    try:  # off the event loop: a pool's whole set may be megabytes
-        return json.loads(raw) if len(raw) <= 1 << 16 else await asyncio.to_thread(json.loads, raw)
-    except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser's stack
-        raise APIError(400, "request body must be JSON") from None
+
+    def parse() -> Any:
+        try:
+            body = json.loads(raw)
+        except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser's stack
+            raise APIError(400, "request body must be JSON") from None
+        return then(body)
+
+    return parse() if len(raw) <= 1 << 16 else await asyncio.to_thread(parse)
 
 
 async def post_stage(request: web.Request) -> web.Response:
@@ -81,7 +88,7 @@ async def put_directives(request: web.Request) -> web.Response:
     report so far once it has reached the engine with what needs no download, its downloads still going on
     (the operator's pushes: one adapter's download must not hold up its pool's next edit); the report once
     staged when that first step is left out (nothing forwarded since the stager started: worker/stager_push.py)."""
-    desired = DesiredState.from_dict(await _read(request))
+    desired = await _read(request, DesiredState.from_dict)
     stager = request.app[STAGER]
     task, begun = stager.start(desired)  # runs to its end if the client goes away
     if "respond-async" in request.headers.get("Prefer", "").lower():

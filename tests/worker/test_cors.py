@@ -37,6 +37,7 @@ async def test_a_listed_origin_gets_preflights_answers_streams_and_errors(aiohtt
     assert "POST" in resp.headers["Access-Control-Allow-Methods"]
     assert resp.headers["Access-Control-Allow-Headers"] == "authorization, content-type"
     assert "Access-Control-Allow-Credentials" not in resp.headers  # keys are headers, never cookies
+    assert (await client.options("/nowhere", headers=PREFLIGHT)).status == 404
     for body in (BODY, BODY | {"stream": True}, BODY | {"model": "nowhere"}):
         resp = await client.post("/v1/completions", json=body, headers={"Origin": APP})
         await resp.read()
@@ -51,12 +52,14 @@ async def test_a_listed_origin_gets_preflights_answers_streams_and_errors(aiohtt
 
 
 async def test_any_origin(aiohttp_client, tiny_llama_dir):
+    assert parse_origins('["*"]') == parse_origins("*") == {"*"}  # vLLM's form of the flag, a JSON list
     client = await worker(aiohttp_client, tiny_llama_dir, "*")
     resp = await client.post("/v1/completions", json=BODY, headers={"Origin": "https://anywhere.example"})
     assert resp.status == 200 and resp.headers["Access-Control-Allow-Origin"] == "*"
 
 
-@pytest.mark.parametrize("value", ["chat.example.com", "ftp://chat.example.com", "https://chat.example.com/app"])
+@pytest.mark.parametrize("value", ["chat.example.com", "ftp://chat.example.com", "https://chat.example.com/app",
+                                   '["https://a.example", 5]', '["https://a.example"'])
 def test_an_entry_that_is_no_origin_is_refused_naming_it(value):
-    with pytest.raises(ValueError, match="is not an origin"):
+    with pytest.raises(ValueError, match="is not an origin|is not a JSON list"):
         parse_origins(value)

@@ -538,3 +538,17 @@ async def test_a_push_that_replaces_the_version_before_a_later_choice_starts_fai
     assert chunks[-1]["error"]["code"] == "model_not_found", chunks[-1]
     assert {c["model"] for c in chunks[:-1]} == {"alpha@v1"}
     assert {ch["index"] for c in chunks[:-1] for ch in c["choices"]} == {0}
+
+
+async def test_a_request_that_can_never_be_admitted_names_what_the_caller_sent(aiohttp_client, tiny_llama_dir,
+                                                                               tmp_path):
+    """More sequences (prompts x n) than the worker ever admits is a 400 naming `prompt` when the caller sent a
+    list of prompts and no n, `n` when it asked for several choices; the limit said is the tenant's share where
+    that is the smaller."""
+    client = await _tenant_client(aiohttp_client, tiny_llama_dir, tmp_path, 3, keys=False)
+    cases = [({"prompt": ["hi"] * 4}, "prompt"), ({"n": 4}, "n"), ({"prompt": ["hi"] * 2, "n": 2}, "n")]
+    for extra, param in cases:
+        resp = await _complete_as(client, None, **extra)
+        err = (await resp.json())["error"]
+        assert resp.status == 400 and err["param"] == param, (extra, err)
+        assert "needs 4 sequences (prompts x n); the worker admits at most 3 per tenant at once" in err["message"]

@@ -101,6 +101,7 @@ BAD_COMPLETIONS = [
     ({"model": "m", "prompt": "x", "stop": ["a", ""]}, "must not be empty", "invalid_value"),
     ({"model": "m", "prompt": "x", "stop": [1]}, "'stop' must be", "invalid_type"),
     ({"model": "m", "prompt": "x", "stop": [str(i) for i in range(65)]}, "at most 64", "invalid_value"),
+    ({"model": "m", "prompt": "x", "stop": ["a" * 4000, "b" * 97]}, "at most 4096 characters", "invalid_value"),
     ({"model": "m", "prompt": "x", "logprobs": 21}, "'logprobs' must be between", "invalid_value"),
     ({"model": "m", "prompt": "x", "stream": "yes"}, "true or false", "invalid_type"),
     ({"model": "m", "prompt": "x", "stream_options": {"include_usage": True}}, "only allowed", "invalid_value"),

@@ -22,11 +22,13 @@ pytest.importorskip("peft")
     ({"exclude_modules": 5}, "exclude_modules"),
     ({"layers_to_transform": "01"}, "layers_to_transform"),
     ({"layers_to_transform": [0, "1"]}, "layers_to_transform"),
+    ({"layers_to_transform": [0], "layers_pattern": ["layers", "("]}, "layers_pattern"),
+    ({"layers_to_transform": [0], "layers_pattern": {"layers": 1}}, "layers_pattern"),
     ({"rank_pattern": {"q_proj(": 4}}, "rank_pattern"),
     ({"alpha_pattern": {"*q_proj": 4}}, "alpha_pattern"),
     ({"base_model_name_or_path": 5}, "base_model_name_or_path"),
 ], ids=["target_regex", "target_int_item", "target_int", "exclude_regex", "exclude_int",
-        "layers_str", "layers_str_item", "rank_pattern_regex", "alpha_pattern_regex", "base_model_int"])
+        "layers_str", "layers_str_item", "layers_pattern_regex", "layers_pattern_dict", "rank_pattern_regex", "alpha_pattern_regex", "base_model_int"])
 def test_malformed_fields_are_adapter_errors_naming_the_field(changes, field, tmp_path):
     from tests.worker.test_peft_adapter import tiny_base
 
