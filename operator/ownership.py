@@ -39,14 +39,17 @@ def ready_worker_pods(pool: PoolSpec, pods: Iterable[dict[str, Any]], other_pool
                       replicasets: Iterable[dict[str, Any]] = ()) -> tuple[list[str], dict[str, str], set[str]]:
     """(names of the pool's ready worker pods, as a reconcile pass finds them (sorted); the ready pods its
     selector matches that another pool owns -> that pool; the names of its own pods that are not ready
-    workers: pending, starting, failing). ``replicasets``: the namespace's, as worker_trust.slim_replicaset
+    workers yet: pending, starting, failing their probes; not terminating or ended). ``replicasets``: the namespace's, as worker_trust.slim_replicaset
     has them."""
     pods = list(pods)
     own, shared = own_pods(pool.name, pool.worker_selector, pods, pool_claims(other_pools, replicasets))
     ready = discover_workers(own + [p for p in pods if (p.get("metadata") or {}).get("name", "") in shared],
                              pool.worker_selector, default_port=pool.stager_port)
     mine = [w.pod for w in ready if w.pod not in shared]
-    return mine, {w.pod: shared[w.pod] for w in ready if w.pod in shared}, set(pod_names(own)) - set(mine)
+    # Not terminating, not ended (an evicted pod stays Failed until deleted): replicas that may become ready.
+    pending = [p for p in own if not (p.get("metadata") or {}).get("deletionTimestamp")
+               and (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")]
+    return mine, {w.pod: shared[w.pod] for w in ready if w.pod in shared}, set(pod_names(pending)) - set(mine)
 
 
 def invalid_pool_claim(body: dict[str, Any], pods: Iterable[dict[str, Any]], other_pools: Iterable[dict[str, Any]],

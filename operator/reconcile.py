@@ -176,9 +176,11 @@ def reconcile_pool(pool: PoolSpec | None, adapters: Sequence[AdapterSpec | Inval
             plan.adapter_statuses[x.name] = unserved_status(x, phase, failures[x.name], live, now=now)
             continue
         failure = failures.get(x.name)
-        # A pod whose last answer stands in counts as it last said (its copies stay placed on it).
+        # A pod whose last answer stands in counts as it last said (its copies stay placed on it; it gets no new
+        # one, so it is asked for none).
+        kept_quiet = len(set(plan.placement[x.name]) & {w.pod for w in quiet})
         status = adapter_status(a, live + quiet, plan.placement[x.name], now=now,
-                                requested=warm_count(a, len(live + quiet)),
+                                requested=min(warm_count(a, len(live + quiet)), len(live) + kept_quiet),
                                 silent=[w.pod for w in workers if w.reported is None],
                                 failure=failure)
         if failure is None:

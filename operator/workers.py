@@ -14,7 +14,7 @@ import json
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import aiohttp
 
@@ -159,7 +159,7 @@ class StagerClient:
     async def fetch_states(self, workers: list[Worker]) -> list[ReportedState | None]:
         return list(await asyncio.gather(*(self.fetch_state(w) for w in workers)))
 
-    async def push(self, worker: Worker, desired: DesiredState) -> bool | Refused | None:
+    async def push(self, worker: Worker, desired: DesiredState) -> Literal[True] | Refused | None:
         """PUT the desired state. True: accepted (202: what needs no download is applied, the rest is being
         staged, reported as ``staging`` until it is: the pool's lock is not held through another adapter's
         download; a sidecar's first push since it started is answered once staged only when its engine cannot

@@ -73,7 +73,7 @@ class RefusingClient(StagerClient):
     async def push(self, worker, desired):
         if self.refusals:
             self.refusals -= 1
-            return False
+            return Refused(503, "restarting")
         return await super().push(worker, desired)
 
 

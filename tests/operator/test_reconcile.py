@@ -170,9 +170,12 @@ def test_a_sidecar_missing_one_answer_keeps_its_warm_copies_placed_there():
     plan = reconcile_pool(pool(), [*ads, adapter("new", warm="all")], [quiet, *ws[1:]], now=NOW)
     assert {name: plan.placement[name] for name in steady} == steady
     assert plan.placement["new"] == ["w1", "w2"]
-    # Its statuses stand as it last said: Ready stays Ready (not Loading for a copy that did not move).
+    # Its statuses stand as it last said: Ready stays Ready (not Loading for a copy that did not move), and so
+    # does the pool's; a new adapter is asked of the pods that answered only (not Degraded for want of room).
     assert {plan.adapter_statuses[name]["phase"] for name in steady} == {"Ready"}
     assert plan.adapter_statuses["everywhere"]["ready"] == "3/3"
+    assert plan.adapter_statuses["new"]["phase"] == "Loading" and plan.pool_status["readyWorkers"] == 3
+    assert plan.pool_status["conditions"][0]["status"] == "True"
     # A copy both it and a pod that answered hold stays with the one that answered.
     moved = held[0]
     next(st for st in ws[1].reported.adapters if st.name == moved).tier = "gpu"

@@ -290,6 +290,25 @@ async def test_a_pod_replacing_a_stuck_one_is_waited_for(setup):
     assert deployments.patches == [4] and "only 3 of 4 replicas are ready workers" in scaling_condition(st)["message"]
 
 
+async def test_pods_that_are_no_replicas_are_never_taken_for_stuck_ones(setup):
+    """An evicted pod (Failed until deleted) or one terminating is no replica: remembered as stuck, it let a
+    new replica go unwaited for."""
+    scaler, metrics, deployments, clock = setup
+    deployments.replicas = 3
+    metrics.signals = (0.95, 0.99)
+    evicted, leaving = pod("w-old", ready=False), pod("w-gone", ready=False)
+    evicted["status"]["phase"] = "Failed"
+    leaving["metadata"]["deletionTimestamp"] = NOW
+    body, others = pool(), [evicted, leaving]
+    await tick(scaler, body, [pod("w-0"), pod("w-1"), pod("w-2", ready=False), *others])
+    clock.now += MAX_READY_WAIT
+    st = await tick(scaler, body, [pod("w-0"), pod("w-1"), pod("w-2", ready=False), *others])
+    assert deployments.patches == [4] and "(w-2): not waiting" in scaling_condition(st)["message"]
+    clock.now += 60  # w-2 recovers; the replica added is starting
+    await tick(scaler, body, [pod("w-0"), pod("w-1"), pod("w-2"), pod("w-3", ready=False), *others])
+    assert deployments.patches == [4]
+
+
 async def test_signals_that_turn_unknown_leave_the_status_without_the_old_figures(setup):
     """The Scaling condition says "unknown": the status columns must not show the figures of an hour ago."""
     scaler, metrics, deployments, clock = setup
