@@ -57,7 +57,7 @@ def _layer_selected(config: dict, module_name: str) -> bool:
         patterns = [patterns] if isinstance(patterns, str) else patterns
         found = (_find(layer_regex(p), module_name, "layers_pattern", full=False) for p in patterns)
         match = next((m for m in found if m is not None), None)
-    if match is None:
+    if match is None or match["layer_index"] is None:  # a pattern that closes the group: a branch without it
         return False
     idx = int(match["layer_index"])
     return idx == layers if isinstance(layers, int) else idx in layers

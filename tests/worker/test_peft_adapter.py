@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lorafleet.worker.peft_adapter import AdapterError, LoRAWeights, load_peft_adapter
+from lorafleet.worker.peft_patterns import is_targeted
 from lorafleet.worker.vocab_digest import vocab_digest
 
 peft = pytest.importorskip("peft")
@@ -136,6 +137,14 @@ def test_a_layers_pattern_naming_no_segment_of_the_base_targets_nothing_as_in_pe
     config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "layers_pattern": "h"}))
     with pytest.raises(AdapterError):
         load_peft_adapter(tmp_path / "x", model_config, dtype=torch.float32)
+
+
+@pytest.mark.parametrize(("pattern", "targeted"), [("blocks|layers", True), ("s)|(b", False)])
+def test_a_layers_pattern_alternation_stays_inside_its_segment(pattern, targeted):
+    """Grouped, `blocks|layers` names either segment; a pattern that closes the group leaves a branch without
+    the layer index, which matches nothing (it raised a TypeError, a 500 through the admin API)."""
+    config = {"target_modules": ["q_proj"], "layers_to_transform": [0], "layers_pattern": pattern}
+    assert is_targeted(config, "model.layers.0.self_attn.q_proj") == targeted
 
 
 def test_pattern_semantics_follow_peft(tmp_path, model_config):
