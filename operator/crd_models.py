@@ -129,8 +129,8 @@ class Source:
                             f"are refused)")
         sha256 = data.get("sha256")
         if sha256 is not None and not (isinstance(sha256, str) and SHA256_RE.fullmatch(sha256)):
-            raise SpecError(f"{field_name}.sha256: {sha256!r} must be 64 lowercase hex digits (sha256sum of "
-                            f"adapter_model.safetensors)")
+            raise SpecError(f"{field_name}.sha256: {sha256!r} must be 64 lowercase hex digits (`cat "
+                            f"adapter_config.json adapter_model.safetensors | sha256sum`)")
         secret = data.get("credentialsSecret")
         if secret is not None and not isinstance(secret, str):
             raise SpecError(f"{field_name}.credentialsSecret: {secret!r} must be a Secret name")
