@@ -14,8 +14,7 @@ The digest of an adapter directory is sha256 over `adapter_config.json` then
 `adapter_model.safetensors` (the bytes of both, in that order) — the same value `load_peft_adapter`
 uses as its default version, so a directive's `sha256` and an adapter's version agree. Tokenizer files
 are staged but not digested, for local folders and S3 prefixes alike: the loader checks them against
-the served base on every load, and digests of copies already cached stay valid. The stager keys an S3
-copy by its tokenizer objects' ETags as well (`tokenizer_etags`), so a changed tokenizer is staged again.
+the served base on every load, and digests of copies already cached stay valid.
 
 A local file or folder that cannot be read is refused naming it and why (worker/source_error.py).
 """
@@ -166,10 +165,9 @@ class Sources:
 
     # ---- fetching ------------------------------------------------------------------------------
     def download(self, uri: str, dest: Path, *, progress: Callable[[int, int], None] | None = None,
-                 deadline: float | None = None, etags: Etags | None = None) -> Etags:
-        """Download the adapter files under an allowed S3 prefix into `dest` (created); returns the objects
-        fetched as `object_etags` lists them. Only the PEFT files (`STAGED_FILES`) are fetched; anything else
-        under the prefix (pickles included) is ignored.
+                 deadline: float | None = None, etags: Etags | None = None) -> Path:
+        """Download the adapter files under an allowed S3 prefix into `dest` (created). Only the PEFT
+        files (`STAGED_FILES`) are fetched; anything else under the prefix (pickles included) is ignored.
         `progress(done_bytes, total_bytes)` is called when the download starts and as bytes arrive.
 
         Every object is read at the version the listing saw (If-Match on its ETag): an object replaced
@@ -199,7 +197,7 @@ class Sources:
             fetched = _Fetch(sum(size for size, _ in objects.values()), progress, deadline, loc.uri)
             if all(fetched.object(client, loc.bucket, key, etag, size, dest / wanted[key])
                    for key, (size, etag) in sorted(objects.items())):
-                return sorted((k, e or "") for k, (_, e) in objects.items())
+                return dest
         raise SourceError(f"{uri}: the objects changed during {MAX_ATTEMPTS} download attempts; retry once the "
                           f"upload has finished", "changed")
 
@@ -225,12 +223,6 @@ class Sources:
         names = {loc.prefix + n for n in STAGED_FILES}
         listing = self.clients.client(quick=quick, deadline=deadline).list_objects(loc.bucket, prefix=loc.prefix)
         return sorted((o.object_name, o.etag or "") for o in listing if o.object_name in names)
-
-    def tokenizer_etags(self, uri: str, etags: Etags) -> list[tuple[str, str]]:
-        """(file name, ETag) of the tokenizer files among `etags` of the prefix `uri` (`object_etags`): what a
-        copy's tokenizer check reads, which its digest does not cover."""
-        prefix = self.check_s3(uri).prefix
-        return [(name[len(prefix):], etag) for name, etag in etags if name[len(prefix):] in TOKENIZER_FILES]
 
     def list_adapters(self, uri: str) -> list[str]:
         """URIs of the adapter directories (folders with adapter_config.json) directly under a prefix."""

@@ -3,22 +3,18 @@ it is handed out again."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lorafleet.worker.disk_cache import DiskCache, cache_write, dir_bytes
+from lorafleet.worker.disk_cache import DiskCache, dir_bytes
 from lorafleet.worker.sources import SourceError, adapter_digest
-from lorafleet.worker.vocab_digest import TOKENIZER_FILES
 
 log = logging.getLogger("lorafleet.stager")
 DIGEST_FILE = ".sha256"  # beside the adapter files in a cache entry: the digest they had when staged
 SOURCE_FILE = ".source"  # ...and the URI they were staged from (a restarted stager's store-outage fallback)
-TOKENIZER_FILE = ".tokenizer-etags"  # ...and the ETags of the tokenizer objects that came with them (S3)
 
 
 @dataclass(slots=True)
@@ -47,27 +43,6 @@ def verify_staged_copy(cache: DiskCache, key: str) -> Path | None:
     log.warning("disk cache entry %s does not hash to its recorded digest; it is downloaded again", key)
     cache.discard(key)
     return None
-
-
-def record_tokenizer(path: Path, etags: list[tuple[str, str]]) -> None:
-    """Note in the entry being filled at `path` the (file name, ETag) of the tokenizer objects it holds."""
-    cache_write(lambda: (path / TOKENIZER_FILE).write_text(json.dumps(etags)))
-
-
-def same_tokenizer(path: Path, etags: list[tuple[str, str]]) -> bool:
-    """Whether the cache entry at `path` holds the tokenizer objects `etags` (none: no tokenizer file). An
-    entry of an older version, which noted nothing, does when neither has any."""
-    try:
-        return [tuple(e) for e in json.loads((path / TOKENIZER_FILE).read_text())] == etags
-    except FileNotFoundError:
-        return not etags and not any((path / name).exists() for name in TOKENIZER_FILES)
-    except (OSError, ValueError, TypeError):
-        return False
-
-
-def tokenizer_key(sha256: str, etags: list[tuple[str, str]]) -> str:
-    """The cache key of a copy of the adapter files of digest `sha256` with the tokenizer objects `etags`."""
-    return f"{sha256}-t{hashlib.sha256(json.dumps(etags).encode()).hexdigest()[:15]}"
 
 
 def record_source(path: Path, uri: str) -> None:

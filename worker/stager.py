@@ -58,16 +58,7 @@ from lorafleet.worker.directives import (
 from lorafleet.worker.disk_cache import DiskCache, cache_write, dir_bytes
 from lorafleet.worker.listen import close_all, listen_sockets
 from lorafleet.worker.sources import Etags, SourceError, Sources, check_digest, verify_digest
-from lorafleet.worker.staged_copy import (
-    DIGEST_FILE,
-    Staged,
-    last_copies,
-    record_source,
-    record_tokenizer,
-    same_tokenizer,
-    tokenizer_key,
-    verify_staged_copy,
-)
+from lorafleet.worker.staged_copy import DIGEST_FILE, Staged, last_copies, record_source, verify_staged_copy
 from lorafleet.worker.stager_config import StagerConfig
 from lorafleet.worker.stager_engine import EngineLink
 from lorafleet.worker.stager_holds import CacheHolds
@@ -136,14 +127,12 @@ class Stager:
         etags = None  # what the key names: the download must fetch exactly these objects
         if sha256 is not None:
             key = sha256
-            if self._same_bytes(uri, sha256):  # its last copy (the seed's listing key, its newest tokenizer)
-                key = self._by_uri[uri]
+            if self.cache.get(key) is None and self._same_bytes(uri, sha256):
+                key = self._by_uri[uri]  # staged before under its listing's key (the seed's): no second download
             elif self.cache.get(key) is None:  # to be downloaded: a store seen down is checked quickly first
                 self.store.skip(push_start)
                 if self.store.is_quick(push_start):
                     await self._list(uri, True)
-            if self.cache.get(key) is not None and not self.store.is_down:
-                key, etags = await self._with_its_tokenizer(uri, sha256, key, push_start)
         else:
             fallback = self._by_uri.get(uri)  # the last staged copy of this URI, served while the store is down
             if fallback is not None and self.cache.get(fallback) is None:
@@ -192,22 +181,6 @@ class Stager:
             raise
         self.store.answered(start)
         return etags
-
-    async def _with_its_tokenizer(self, uri: str, sha256: str, key: str, push_start: float | None
-                                  ) -> tuple[str, Etags | None]:
-        """`key`, a cached copy of digest `sha256`, when its tokenizer objects are `uri`'s now; else the key of a
-        copy with `uri`'s, and the objects to download for it. The digest does not cover them: a tokenizer fixed
-        beside the same weights (or another upload of them) would never be served. A store that cannot say
-        (down, slow, refusing): the cached copy, as ever."""
-        try:
-            self.store.skip(push_start)
-            etags = await self._list(uri, True)
-        except Exception:
-            return key, None
-        tokenizer = self.sources.tokenizer_etags(uri, etags)
-        if same_tokenizer(self.cache.root / key, tokenizer):
-            return key, None
-        return tokenizer_key(sha256, tokenizer), etags
 
     def _same_bytes(self, uri: str, sha256: str) -> bool:
         """`uri`'s last staged copy holds exactly the files of digest `sha256` (and is still cached)."""
@@ -272,8 +245,7 @@ class Stager:
             self.downloading[key] = (uri, done, total)  # by key: one URI may be downloaded under two at once
 
         def fill(tmp: Path) -> None:
-            fetched = self.sources.download(uri, tmp, progress=progress, deadline=deadline, etags=etags)
-            record_tokenizer(tmp, self.sources.tokenizer_etags(uri, fetched))
+            self.sources.download(uri, tmp, progress=progress, deadline=deadline, etags=etags)
             digest = verify_digest(tmp, sha256, uri)  # before the rename: a bad download is never visible
             cache_write(lambda: (tmp / DIGEST_FILE).write_text(digest + "\n"))
             cache_write(lambda: record_source(tmp, uri))

@@ -292,26 +292,3 @@ def test_every_tokenizer_object_is_held_to_the_limit(s3, tmp_path, name):
     assert err.value.kind == "too_large", str(err.value)
     assert str(err.value).startswith(f"s3://adapters/{prefix}{name}: 9 bytes, over the limit of 8 bytes")
     assert list((tmp_path / "d").iterdir()) == []
-
-
-async def test_a_tokenizer_fixed_beside_the_same_weights_is_staged_again_with_a_sha256(s3, adapters, tiny_llama_dir,
-                                                                                       tmp_path):
-    """A copy keyed by its sha256 (which covers the adapter files only) was served whatever tokenizer objects
-    lay beside them since: an adapter refused for its vocabulary stayed refused after the fix was uploaded. A
-    store that cannot be asked serves the URI's last copy, as before."""
-    client, uri = s3.client(), "s3://adapters/team/vocab-fixed/"
-    folder = shutil.copytree(adapters["v1"], tmp_path / "with-vocab")
-    write_vocab_files(folder, tiny_llama_dir, "other")
-    upload(client, "team/vocab-fixed/", folder)
-    sha256 = adapter_digest(folder)
-    stager = stager_for(s3.endpoint, s3, tmp_path / "cache")
-    first = await stager.stage(uri, sha256)
-    assert (await stager.stage(uri, sha256)).path == first.path  # nothing changed: the same copy
-    write_vocab_files(folder, tiny_llama_dir, "same")
-    upload(client, "team/vocab-fixed/", folder, ("vocab.json", "merges.txt", "added_tokens.json"))
-    fixed = await stager.stage(uri, sha256)
-    assert not fixed.cached and fixed.path != first.path and fixed.sha256 == sha256
-    assert vocab_digest(fixed.path) == vocab_digest(tiny_llama_dir)
-    assert (await stager.stage(uri, sha256)).path == fixed.path
-    restarted = stager_for("127.0.0.1:9", s3, tmp_path / "cache")  # over the same cache, the store unreachable
-    assert (await restarted.stage(uri, sha256)).path == fixed.path

@@ -22,7 +22,7 @@ from tests.worker.test_stager_engine import Engine, adapter, push, release_all
 class HeldStore(FakeStore):
     """FakeStore whose held downloads wait for the test to let them go (the hang detector's time, twice)."""
 
-    def download(self, uri: str, dest: Path, *, progress=None, deadline=None, etags=None) -> list:
+    def download(self, uri: str, dest: Path, *, progress=None, deadline=None, etags=None) -> Path:
         release = threading.Event()
         self.calls.append((dest.name, release))
         if progress is not None:
@@ -30,8 +30,7 @@ class HeldStore(FakeStore):
         self.started.release()
         if self.hold:
             assert release.wait(2 * HANG_S)
-        fake_adapter(dest)
-        return []  # the objects fetched: no tokenizer among them
+        return fake_adapter(dest)
 
 
 async def test_a_superseded_push_stops_waiting_for_a_download_the_newer_one_does_not_want(aiohttp_server, tmp_path,

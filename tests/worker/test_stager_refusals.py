@@ -149,11 +149,7 @@ async def test_seeded_adapters_are_downloaded_and_kept_once(tmp_path, monkeypatc
     FakeStore(stager, monkeypatch)
     folders = [f"s3://adapters/team/seed/a{i}/" for i in range(3)]
     monkeypatch.setattr(stager.sources, "list_adapters", lambda uri: folders)
-    def download(uri, dest, **_):
-        fake_adapter(dest, WEIGHTS + uri.encode())
-        return []  # the objects fetched: no tokenizer among them
-
-    monkeypatch.setattr(stager.sources, "download", download)
+    monkeypatch.setattr(stager.sources, "download", lambda uri, dest, **_: fake_adapter(dest, WEIGHTS + uri.encode()))
     report = await stager.seed("s3://adapters/team/seed/")
     assert report.errors == {}
     assert stager.counts["downloads"] == 3 and len(stager.cache.entries()) == 3
