@@ -254,7 +254,7 @@ def pool_status(pool: PoolSpec, num_adapters: int, workers: list[WorkerReport], 
     live = [w for w in workers if w.reported is not None]
     quiet = [w for w in workers if w.reported is None and w.last_answer is not None]  # as they last said
     kv = [w.reported.kv_usage for w in live] + [w.last_answer.kv_usage for w in quiet]
-    errors = [f"{w.pod}: {w.reported.error}" for w in live if w.reported.error]
+    errors = [f"{w.pod}: {said.error}" for w in live + quiet if (said := w.reported or w.last_answer).error]
     silent = [w.pod for w in workers if w.reported is None]
     msg = f"{len(live + quiet)} ready workers"
     if silent:

@@ -31,3 +31,21 @@ def test_import_operator_is_stdlib_in_tests():
     import operator
 
     assert hasattr(operator, "itemgetter") and not hasattr(operator, "__path__")
+
+
+def test_the_image_holds_every_package_folder_and_runs_as_the_chart_s_user():
+    """The Dockerfile the chart's image is built from copies what pyproject.toml packages, and its user is the
+    one the chart's pods run as (a read-only root filesystem: nothing else in the image is written)."""
+    import re
+    import tomllib
+
+    import yaml
+
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    copied = set(re.findall(r"^COPY (\S+) \1$", dockerfile, re.MULTILINE))
+    folders = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].values()
+    assert {f.split("/")[0] for f in folders} <= copied
+    user = yaml.safe_load((ROOT / "charts" / "lorafleet" / "values.yaml").read_text())["podSecurityContext"]["runAsUser"]
+    assert re.search(rf"^USER {user}$", dockerfile, re.MULTILINE)
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert not {f.split("/")[0] for f in folders} & set(ignored)
