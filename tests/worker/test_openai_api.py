@@ -84,7 +84,8 @@ async def test_with_include_usage_every_chunk_has_a_usage_field(base_client, pat
     events = [line[6:] for line in (await resp.text()).split("\n") if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
-    assert all("usage" in c and c["usage"] is None for c in chunks[:-1]) and len(chunks) > 2
+    # At least one chunk before the usage chunk (a client read slowly gets the tokens merged into fewer chunks).
+    assert all("usage" in c and c["usage"] is None for c in chunks[:-1]) and len(chunks) >= 2
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
 
 
