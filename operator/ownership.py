@@ -39,8 +39,8 @@ def ready_worker_pods(pool: PoolSpec, pods: Iterable[dict[str, Any]], other_pool
                       replicasets: Iterable[dict[str, Any]] = ()) -> tuple[list[str], dict[str, str], set[str]]:
     """(names of the pool's ready worker pods, as a reconcile pass finds them (sorted); the ready pods its
     selector matches that another pool owns -> that pool; the names of its own pods that are not ready
-    workers yet: pending, starting, failing their probes; not terminating or ended). ``replicasets``: the namespace's, as worker_trust.slim_replicaset
-    has them."""
+    workers yet: pending, starting, failing their probes; not terminating or ended). ``replicasets``: the
+    namespace's, as worker_trust.slim_replicaset has them."""
     pods = list(pods)
     own, shared = own_pods(pool.name, pool.worker_selector, pods, pool_claims(other_pools, replicasets))
     ready = discover_workers(own + [p for p in pods if (p.get("metadata") or {}).get("name", "") in shared],

@@ -21,8 +21,8 @@ Placement policy (stated, tested; placement.py):
   * adapters are placed pinned first, then by priority, then largest first (better bin packing);
   * a worker that already holds it (reported GPU tier, or placed there by the last push) keeps it, so
     a reconcile never shuffles healthy placements (nor those of a pod whose sidecar missed answers for under
-    a minute: its last answer stands in, and it gets no new copy): within a rank (pinned, priority) the copies held are
-    kept before any new copy is placed, so a newcomer displaces only adapters of a lower rank, and every held
+    a minute: its last answer stands in, and it gets no new copy): within a rank (pinned, priority) the copies
+    held are kept before any new copy is placed, so a newcomer displaces only adapters of a lower rank, and every held
     stable copy of a rank before any canary's slot; the rest go to the least full workers (the larger of
     their shares of bytes and of slots taken, each where every worker says it; else the fewest bytes; ties
     by pod name),

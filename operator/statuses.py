@@ -251,26 +251,27 @@ def _status(x: AdapterSpec | InvalidAdapter, phase: str, message: str, *, now: s
 
 def pool_status(pool: PoolSpec, num_adapters: int, workers: list[WorkerReport], *, now: str,
                 shared_pods: dict[str, str]) -> dict[str, Any]:
-    live = [w for w in workers if w.reported is not None]
-    quiet = [w for w in workers if w.reported is None and w.last_answer is not None]  # as they last said
-    kv = [w.reported.kv_usage for w in live] + [w.last_answer.kv_usage for w in quiet]
-    errors = [f"{w.pod}: {said.error}" for w in live + quiet if (said := w.reported or w.last_answer).error]
+    # A quiet pod (no answer this pass, a recent one: controller.py) counts as it last answered.
+    known = [(w.pod, said) for w in workers if (said := w.reported or w.last_answer) is not None]
+    kv = [said.kv_usage for _, said in known]
+    errors = [f"{pod}: {said.error}" for pod, said in known if said.error]
     silent = [w.pod for w in workers if w.reported is None]
-    msg = f"{len(live + quiet)} ready workers"
+    quiet = [w.pod for w in workers if w.reported is None and w.last_answer is not None]
+    msg = f"{len(known)} ready workers"
     if silent:
         msg += f"; no answer from the sidecar of {', '.join(silent)}"
-        msg += f" (counted as they last answered, for a while: {', '.join(w.pod for w in quiet)})" if quiet else ""
+        msg += f" (counted as they last answered, for a while: {', '.join(quiet)})" if quiet else ""
     if errors:
         msg += "; " + "; ".join(errors)
     if shared_pods:  # two pools pushing whole adapter sets to one pod would undo each other
         msg += _shared_text(shared_pods)
     status = {
-        "readyWorkers": len(live + quiet),
+        "readyWorkers": len(known),
         "adapters": num_adapters,
         "observedGeneration": pool.generation,
         # Ready only: the autoscaler owns the Scaling condition (writers merge their own types in).
-        "conditions": [condition(pool.status, "Ready", bool(live + quiet) and not errors and not shared_pods,
-                                 "Workers" if live + quiet else "NoWorkers", msg, now)],
+        "conditions": [condition(pool.status, "Ready", bool(known) and not errors and not shared_pods,
+                                 "Workers" if known else "NoWorkers", msg, now)],
     }
     if pool.scaling is None:  # with spec.scaling the autoscaler writes it, from Prometheus
         status["kvUsage"] = round(sum(kv) / len(kv), 4) if kv else 0.0

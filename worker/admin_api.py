@@ -174,7 +174,7 @@ def state_report(app: web.Application) -> dict[str, Any]:
 async def put_state(request: web.Request) -> web.Response:
     require_admin(request)
     _require_engine(request)
-    try:  # a pool's whole set: not held to the inference limit (--max-body-bytes); a large one parsed off the loop
+    try:  # a pool's whole set, not held to the inference limit (--max-body-bytes); parsed off the loop when large
         state = await read_json(request.clone(client_max_size=MAX_STATE_BYTES), then=DesiredState.from_dict)
     except web.HTTPRequestEntityTooLarge:
         raise APIError(413, f"desired state over {MAX_STATE_BYTES} bytes, the most the engine reads",

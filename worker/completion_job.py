@@ -68,7 +68,9 @@ class CompletionJob:
     def length_param(self, prompt_alone: bool) -> str:
         """The field a context-length error names: the prompt's (`prompt_alone`: too long by itself), or the
         max_tokens field the caller sent (or its default)."""
-        return ("messages" if self.endpoint == "chat" else "prompt") if prompt_alone else self.options.max_tokens_param
+        if prompt_alone:
+            return "messages" if self.endpoint == "chat" else "prompt"
+        return self.options.max_tokens_param
 
     def add_choices(self, max_model_len: int, vocab_size: int | None = None) -> None:
         """One SamplingParams per (prompt, n); refuses prompts that do not fit the context, `min_tokens` beyond

@@ -36,7 +36,8 @@ def parse_origins(value: str | None) -> frozenset[str]:
     origins = frozenset(o.strip().rstrip("/").lower() for o in listed if o.strip())
     for origin in sorted(origins - {ANY}):
         if not _ORIGIN.fullmatch(origin):
-            raise ValueError(f"allowed_origins: {origin!r} is not an origin (scheme://host[:port], or * for any)")
+            raise ValueError(f"allowed_origins: {origin!r} is not an origin (scheme://host[:port], or * for "
+                             f"any)")
     return origins
 
 
@@ -71,7 +72,7 @@ def allow_origins(app: web.Application, origins: frozenset[str]) -> None:
             response.headers["Access-Control-Allow-Origin"] = origin
             response.headers["Access-Control-Expose-Headers"] = _EXPOSED
         if ANY not in origins and "Origin" not in response.headers.getall("Vary", ()):
-            response.headers.add("Vary", "Origin")  # the answer depends on the caller's origin: caches must know
+            response.headers.add("Vary", "Origin")  # the answer depends on the caller's origin
 
     app.middlewares.insert(0, preflight)
     app.on_response_prepare.append(name_origin)

@@ -63,5 +63,6 @@ class KVRoom:
                  f"{wanted - seq.num_prompt_tokens} to generate). Lower max_tokens, shorten the prompt")
         return ContextLengthError(
             f"{what}: of the {self.num_pages} pages ({self.block_size} tokens each) its KV cache shares "
-            f"with adapters, {held}, leaving {room}; {asked}{', unpin adapters' if pinned else ''} or give the "
-            "worker a larger pool (--num-pages, --pool-bytes or --pool-memory-fraction).", prompt_alone=prompt_alone)
+            f"with adapters, {held}, leaving {room}; {asked}{', unpin adapters' if pinned else ''} or give "
+            "the worker a larger pool (--num-pages, --pool-bytes or --pool-memory-fraction).",
+            prompt_alone=prompt_alone)

@@ -87,7 +87,8 @@ def _stop(f: Fields) -> list[str]:
     if any(s == "" for s in stops):
         raise bad_request("'stop' sequences must not be empty", "stop")
     if (chars := sum(map(len, stops))) > MAX_STOP_CHARS:
-        raise bad_request(f"'stop' sequences take at most {MAX_STOP_CHARS} characters together (got {chars})", "stop")
+        raise bad_request(f"'stop' sequences take at most {MAX_STOP_CHARS} characters together (got {chars})",
+                          "stop")
     return [check_text(s, "stop") for s in stops]
 
 

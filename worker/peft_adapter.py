@@ -242,8 +242,9 @@ def load_peft_adapter(
     bytes read for loading, so checking costs nothing more.
     strict_base: "strict" (True) refuses a base-model-name or tokenizer mismatch, "warn" (False)
     logs it, "off" skips both checks. base_model_name / tokenizer_digest / base_token_id (its id of a
-    token, for added tokens declared without a whole vocabulary) describe the served base; None skips that check. max_file_bytes: the largest weights or tokenizer file read (refused before
-    reading). Raises AdapterError.
+    token, for added tokens declared without a whole vocabulary) describe the served base; None skips that
+    check. max_file_bytes: the largest weights or tokenizer file read (refused before reading). Raises
+    AdapterError.
     """
     path = Path(path)
     mode = _strictness(strict_base)

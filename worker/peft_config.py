@@ -112,7 +112,8 @@ def _refuse_malformed(config: dict, where: Path) -> None:
     patterns = config.get("layers_pattern")
     listed = [patterns] if isinstance(patterns, str) else patterns
     if patterns is not None and not (isinstance(listed, list) and all(isinstance(p, str) for p in listed)):
-        raise AdapterError(f"{where}: layers_pattern must be a regex string or a list of them, got {patterns!r}")
+        raise AdapterError(f"{where}: layers_pattern must be a regex string or a list of them, got "
+                           f"{patterns!r}")
     for pattern in listed or ():
         _compile("layers_pattern", layer_regex(pattern), where, shown=pattern)
     layers = config.get("layers_to_transform")
