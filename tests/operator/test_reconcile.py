@@ -176,6 +176,9 @@ def test_a_sidecar_missing_one_answer_keeps_its_warm_copies_placed_there():
     assert plan.adapter_statuses["everywhere"]["ready"] == "3/3"
     assert plan.adapter_statuses["new"]["phase"] == "Loading" and plan.pool_status["readyWorkers"] == 3
     assert plan.pool_status["conditions"][0]["status"] == "True"
+    erred = dataclasses.replace(quiet, last_answer=dataclasses.replace(quiet.last_answer, error="engine unreachable"))
+    ready = reconcile_pool(pool(), ads, [erred, *ws[1:]], now=NOW).pool_status["conditions"][0]
+    assert ready["status"] == "False" and "w0: engine unreachable" in ready["message"]  # as it last said
     # A copy both it and a pod that answered hold stays with the one that answered.
     moved = held[0]
     next(st for st in ws[1].reported.adapters if st.name == moved).tier = "gpu"
