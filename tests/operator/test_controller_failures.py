@@ -3,6 +3,8 @@ is deleted, or that refuse the adapter set."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 from lorafleet.operator.controller import QUIET_GRACE_S, PoolController
@@ -12,7 +14,7 @@ from lorafleet.worker.stager_config import StagerConfig
 from lorafleet.worker.stager_http import create_app
 
 from .fake_stager import FakeStager
-from .local_http import serving
+from .local_http import start_app
 from .test_controller import KEY
 from .test_handlers import POOL, TOKEN, adapter_body, pod_body
 
@@ -134,11 +136,16 @@ async def test_another_pool_whose_spec_has_a_malformed_block_is_only_an_invalid_
         await controller.client.close()
 
 
-def real_stager(tmp_path):
-    """The worker's stager sidecar itself (no engine, no reachable store), served for the block: its URL."""
+@contextlib.asynccontextmanager
+async def real_stager(tmp_path):
+    """The worker's stager sidecar itself (no engine, no reachable store), served for the block: its port."""
     config = StagerConfig(stager_token=TOKEN, stager_cache_dir=str(tmp_path / "cache"), s3_allow=["adapters/"],
                           s3_endpoint="127.0.0.1:9", s3_secure=False, store_check_timeout_s=0.2)
-    return serving(create_app(config))
+    runner, port = await start_app(create_app(config))
+    try:
+        yield port
+    finally:
+        await runner.cleanup()
 
 
 async def test_a_sidecar_refusing_the_adapter_set_makes_the_pool_not_ready_naming_why(tmp_path, monkeypatch):
@@ -148,8 +155,7 @@ async def test_a_sidecar_refusing_the_adapter_set_makes_the_pool_not_ready_namin
     inputs = {"pools": [POOL], "adapters": [adapter_body("sql")]}
     try:
         monkeypatch.setattr(stager_http, "MAX_STATE_BYTES", 64)
-        async with real_stager(tmp_path / "small") as url:
-            port = int(url.rsplit(":", 1)[1])
+        async with real_stager(tmp_path / "small") as port:
             plan = await controller.run(KEY, **inputs, pods=[pod_body("worker-0", port)])
             ready = plan.pool_status["conditions"][0]
             assert (ready["type"], ready["status"], ready["reason"]) == ("Ready", "False", "PushRefused")
@@ -159,8 +165,7 @@ async def test_a_sidecar_refusing_the_adapter_set_makes_the_pool_not_ready_namin
             assert set((await controller.run(KEY, **inputs, pods=[pod_body("worker-0", port)])).pushes) == {
                 "worker-0"}  # told again every pass
         monkeypatch.undo()
-        async with real_stager(tmp_path / "large") as url:
-            port = int(url.rsplit(":", 1)[1])
+        async with real_stager(tmp_path / "large") as port:
             plan = await controller.run(KEY, **inputs, pods=[pod_body("worker-0", port)])
             assert set(plan.pushes) == {"worker-0"}
             assert plan.pool_status["conditions"][0]["reason"] != "PushRefused"

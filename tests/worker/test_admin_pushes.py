@@ -22,11 +22,11 @@ from lorafleet.worker.worker_config import WorkerConfig
 ADMIN = {"Authorization": "Bearer admin-token-for-tests"}
 
 
-async def admin_client(aiohttp_client, tiny_llama_dir, qv_adapters_dir):
+async def admin_client(aiohttp_client, tiny_llama_dir, qv_adapters_dir, **worker):
     """A worker serving the tiny model as `tiny`, taking pushes of the test adapters with the ADMIN token."""
     config = WorkerConfig(engine=EngineConfig(model=str(tiny_llama_dir), dtype="float32", max_model_len=128),
                           served_model_name="tiny", admin_token=ADMIN["Authorization"].split()[1],
-                          adapter_roots=str(qv_adapters_dir))
+                          adapter_roots=str(qv_adapters_dir), **worker)
     return await aiohttp_client(create_app(config))
 
 
@@ -195,10 +195,7 @@ async def test_an_unload_in_progress_is_not_answered_as_the_last_push(client, qv
 async def test_a_desired_state_is_held_to_its_own_limit_not_to_the_inference_body_limit(
         aiohttp_client, tiny_llama_dir, qv_adapters_dir, monkeypatch):
     """A worker whose --max-body-bytes guards it against huge prompts still takes its pool's whole set."""
-    config = WorkerConfig(engine=EngineConfig(model=str(tiny_llama_dir), dtype="float32", max_model_len=128),
-                          served_model_name="tiny", admin_token=ADMIN["Authorization"].split()[1],
-                          adapter_roots=str(qv_adapters_dir), max_body_bytes=4096)
-    client = await aiohttp_client(create_app(config))
+    client = await admin_client(aiohttp_client, tiny_llama_dir, qv_adapters_dir, max_body_bytes=4096)
     body = json.dumps({"generation": 1, "adapters": [directive("alpha", qv_adapters_dir / "alpha")]}) + " " * 8192
     json_headers = {**ADMIN, "Content-Type": "application/json"}
     resp = await client.put("/admin/v1/state", data=body, headers=json_headers)
