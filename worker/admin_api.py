@@ -47,6 +47,7 @@ from lorafleet.worker.openai_protocol import (
 from lorafleet.worker.served_adapters import ServedAdapters
 from lorafleet.worker.sources import SourceError, Sources, SourcesConfig
 from lorafleet.worker.staging_errors import READ_ERROR_KINDS, source_status
+from lorafleet.worker.state_json import reply
 from lorafleet.worker.tenants import AuthenticationError, bearer_token, token_bytes
 
 T = TypeVar("T")
@@ -140,7 +141,9 @@ async def admin_change(app: web.Application, fn: Callable[..., T], *args: Any) -
     return await asyncio.shield(asyncio.ensure_future(locked()))
 
 
-def state_report(app: web.Application) -> dict[str, Any]:
+def state_report(app: web.Application) -> Callable[[], dict[str, Any]]:
+    """What the engine holds, read now; the returned call builds the report's JSON body from it, meant for the
+    default executor (state_json.reply: a pool's report may take seconds to build and encode)."""
     adapters, host = app[ADAPTERS], app[HOST]
     engine = app[ENGINE].engine
     report = adapters.report(host)
@@ -157,18 +160,24 @@ def state_report(app: web.Application) -> dict[str, Any]:
         report.pool_slots = int(stats.get("slots", 0))
         report.pool_used_bytes = int(stats.get("bytes", {}).get("gpu", 0))
     report.kv_usage = min(1.0, max(0.0, float(engine.kv_usage)))
-    body = report.to_dict()
     extras = adapters.extras()
-    for a in body["adapters"]:
-        a.update(extras.get(f"{a['name']}@{a['version']}", {}))
-    body["model"] = adapters.base_model
-    body["kv"] = {"num_pages": engine.page_pool.num_pages, "num_used_pages": engine.page_pool.num_used("kv")}
-    body["requests"] = {"running": engine.num_running, "waiting": engine.num_waiting,
-                        "admitted": app[ADMISSION].num_admitted}
-    body["pool"] = stats
+    more: dict[str, Any] = {
+        "model": adapters.base_model,
+        "kv": {"num_pages": engine.page_pool.num_pages, "num_used_pages": engine.page_pool.num_used("kv")},
+        "requests": {"running": engine.num_running, "waiting": engine.num_waiting,
+                     "admitted": app[ADMISSION].num_admitted},
+        "pool": stats,
+    }
     if adapters.startup_errors:  # every folder, also one whose name no `adapters` entry can carry
-        body["startup"] = {"adapters": app[CONFIG].engine.adapters, "errors": dict(adapters.startup_errors)}
-    return body
+        more["startup"] = {"adapters": app[CONFIG].engine.adapters, "errors": dict(adapters.startup_errors)}
+
+    def build() -> dict[str, Any]:
+        body = report.to_dict()
+        for a in body["adapters"]:
+            a.update(extras.get(f"{a['name']}@{a['version']}", {}))
+        return {**body, **more}
+
+    return build
 
 
 async def put_state(request: web.Request) -> web.Response:
@@ -187,10 +196,9 @@ async def put_state(request: web.Request) -> web.Response:
     except APIError as err:
         if err.status != 409:
             raise
-        report = state_report(app)
-        report["error"] = err.message
-        return web.json_response(report, status=409)
-    return web.json_response(state_report(app))
+        build, message = state_report(app), err.message
+        return await reply(lambda: {**build(), "error": message}, status=409)
+    return await reply(state_report(app))
 
 
 def _changing(adapters: ServedAdapters, change: Callable[..., T], *args: Any) -> T:
@@ -222,15 +230,15 @@ async def get_directives(request: web.Request) -> web.Response:
     require_admin(request)
     _require_engine(request)
     adapters = request.app[ADAPTERS]
-    pushed = adapters.pushed.to_dict() if adapters.pushed is not None else None
-    return web.json_response({"generation_applied": adapters.generation, "directives": pushed,
-                              "served": adapters.names()})
+    pushed, generation, served = adapters.pushed, adapters.generation, adapters.names()
+    return await reply(lambda: {"generation_applied": generation, "served": served,
+                                "directives": None if pushed is None else pushed.to_dict()})
 
 
 async def get_state(request: web.Request) -> web.Response:
     require_admin(request)
     _require_engine(request)
-    return web.json_response(state_report(request.app))
+    return await reply(state_report(request.app))
 
 
 async def load_lora_adapter(request: web.Request) -> web.Response:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from lorafleet.worker.eviction import POLICIES
@@ -46,7 +46,7 @@ class _Message:
     __slots__ = ()
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        raise NotImplementedError
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
@@ -100,6 +100,9 @@ class VersionRef:
         _require(self.sha256 is None or (isinstance(self.sha256, str) and bool(SHA256_RE.fullmatch(self.sha256))),
                  "sha256", "must be 64 lowercase hex digits")
 
+    def to_dict(self) -> dict[str, Any]:
+        return {"version": self.version, "uri": self.uri, "sha256": self.sha256}
+
     @classmethod
     def from_dict(cls, data: Any, where: str) -> VersionRef:
         _require(isinstance(data, dict), where, "must be an object with version, uri, sha256")
@@ -135,6 +138,11 @@ class AdapterDirective:
         _bool(self.warm, "warm")
         _bool(self.pinned, "pinned")
         _int(self.priority, "priority")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "tenant": self.tenant, "stable": self.stable.to_dict(),
+                "canary": None if self.canary is None else self.canary.to_dict(), "canary_weight": self.canary_weight,
+                "warm": self.warm, "pinned": self.pinned, "priority": self.priority}
 
     @property
     def versions(self) -> tuple[str, ...]:
@@ -187,10 +195,10 @@ class DesiredState(_Message):
         return {a.name: a for a in self.adapters}
 
     def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
+        data: dict[str, Any] = {"generation": self.generation, "adapters": [a.to_dict() for a in self.adapters]}
         for key in _SETTINGS:
-            if data[key] is None:  # the worker's own: absent, as an older operator sends it
-                del data[key]
+            if getattr(self, key) is not None:  # None, the worker's own: absent, as an older operator sends it
+                data[key] = getattr(self, key)
         return data
 
     @classmethod
@@ -246,6 +254,9 @@ class AdapterState:
         if self.num_pinned_slots is not None:
             _int(self.num_pinned_slots, "num_pinned_slots", lo=1)
 
+    def to_dict(self) -> dict[str, Any]:
+        return {f: getattr(self, f) for f in _STATE_FIELDS}
+
     @property
     def is_loaded(self) -> bool:
         """Servable without a download: resident on GPU or in the CPU cache, and not failed."""
@@ -262,6 +273,9 @@ class AdapterState:
             raise DirectiveError(f"adapters[]: {exc}") from None
         except DirectiveError as exc:
             raise DirectiveError(f"adapters[{data.get('name', '?')}].{exc}") from None
+
+
+_STATE_FIELDS = tuple(f.name for f in fields(AdapterState))
 
 
 @dataclass(slots=True)
@@ -283,6 +297,11 @@ class ReportedState(_Message):
         _int(self.pool_used_bytes, "pool_used_bytes", lo=0)
         _require(isinstance(self.kv_usage, int | float) and 0.0 <= self.kv_usage <= 1.0, "kv_usage",
                  f"must be a fraction in [0, 1] (got {self.kv_usage!r})")
+
+    def to_dict(self) -> dict[str, Any]:
+        data = {f: getattr(self, f) for f in _REPORT_FIELDS}
+        data["adapters"] = [a.to_dict() for a in self.adapters]
+        return data
 
     def find(self, name: str, version: str) -> AdapterState | None:
         for a in self.adapters:
@@ -312,3 +331,6 @@ class ReportedState(_Message):
         except ValueError as exc:
             raise DirectiveError(f"reported state: not valid JSON ({exc})") from None
         return cls.from_dict(data)
+
+
+_REPORT_FIELDS = tuple(f.name for f in fields(ReportedState))

@@ -309,22 +309,28 @@ class Stager:
         if report.error is None and report.generation_applied >= self.generation:  # not one from before a push
             self.holds.release_replaced(report)
         staged = dict(self.staged)
-        unloaded = [key for key in staged if report.find(*key) is None]
+        found: dict[tuple[str, str], AdapterState] = {}  # indexed: a pool may hold 100,000s of versions
+        for a in report.adapters:
+            found.setdefault((a.name, a.version), a)
+        unloaded = [key for key in staged if key not in found]
         # Sized off the event loop: a local source's folder may be on a slow mount.
         sizes = await asyncio.to_thread(lambda: [dir_bytes(staged[key].path) for key in unloaded])
-        report.adapters += [AdapterState(*key, tier="disk", bytes=b) for key, b in zip(unloaded, sizes, strict=True)]
+        for key, size in zip(unloaded, sizes, strict=True):
+            found[key] = AdapterState(*key, tier="disk", bytes=size)
+            report.adapters.append(found[key])
         for key in staged:
-            if (found := report.find(*key)).tier == "none":
-                found.tier = "disk"
-        for name, version in sorted(self.pending):  # the push's versions still being staged
-            if report.find(name, version) is None:
-                report.adapters.append(AdapterState(name, version, tier="none", staging=True))
-        for (name, version), message in self.errors.items():
-            found = report.find(name, version)
-            if found is None:
-                report.adapters.append(AdapterState(name, version, tier="none", error=message))
-            elif found.error is None:
-                found.error = message
+            if found[key].tier == "none":
+                found[key].tier = "disk"
+        for key in sorted(self.pending):  # the push's versions still being staged
+            if key not in found:
+                found[key] = AdapterState(*key, tier="none", staging=True)
+                report.adapters.append(found[key])
+        for key, message in self.errors.items():
+            if key not in found:
+                found[key] = AdapterState(*key, tier="none", error=message)
+                report.adapters.append(found[key])
+            elif found[key].error is None:
+                found[key].error = message
         return report
 
     def disk_stats(self) -> dict[str, Any]:

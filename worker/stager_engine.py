@@ -15,12 +15,14 @@ it is sent: a report read while the engine has applied it and not answered yet s
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import replace
 
 from aiohttp import ClientSession, ClientTimeout
 
 from lorafleet.worker.directives import DesiredState, ReportedState
 from lorafleet.worker.openai_protocol import APIError
+from lorafleet.worker.state_json import decode, encode
 
 MAX_KEPT = 16  # engine generations whose push generation is remembered (the engine reports its latest)
 
@@ -34,11 +36,17 @@ class EngineLink:
         self.known = False  # what the engine holds: forwarded by this stager, or adopted from the engine (adopt)
         self._pushes: dict[int, int] = {}  # engine generation -> the push generation it carries out
 
-    async def call(self, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
+    async def call(self, method: str, path: str, body: DesiredState | None = None) -> tuple[int, dict]:
+        """The engine's status and JSON answer; `body` sent as JSON. Both are encoded and decoded off the event
+        loop when large (state_json.py)."""
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        data = None
+        if body is not None:
+            data = await encode(body.to_dict)
+            headers["Content-Type"] = "application/json"
         async with ClientSession(timeout=ClientTimeout(total=120)) as session, session.request(
-                method, self.url + path, json=body, headers=headers) as resp:
-            data = await resp.json(content_type=None)
+                method, self.url + path, data=data, headers=headers) as resp:
+            data = await decode(await resp.read(), lambda answer: answer)
             if resp.status >= 400 and resp.status != 409:
                 message = (data or {}).get("error", {}).get("message", str(data)[:200])
                 raise APIError(502, f"engine refused {method} {path}: {resp.status} {message}", type="server_error",
@@ -65,12 +73,12 @@ class EngineLink:
         generation = max(state.generation, self.generation + 1)
         try:
             self._note(generation, state.generation)  # before the engine applies it: a report may come first
-            status, data = await self.call("PUT", "/admin/v1/state", replace(state, generation=generation).to_dict())
+            status, data = await self.call("PUT", "/admin/v1/state", replace(state, generation=generation))
             if status == 409:  # it applied a higher one (forwarded before this stager started): go above it
                 self._pushes.pop(generation, None)
                 generation = max(generation, int((data or {}).get("generation_applied") or 0)) + 1
                 self._note(generation, state.generation)
-                status, data = await self.call("PUT", "/admin/v1/state", replace(state, generation=generation).to_dict())
+                status, data = await self.call("PUT", "/admin/v1/state", replace(state, generation=generation))
             if status == 409:
                 raise APIError(502, f"engine refused generation {generation}: {(data or {}).get('error')}",
                                type="server_error", code="engine_error")
@@ -94,7 +102,7 @@ class EngineLink:
         # stager may have forwarded this push's number with other content: its first step, say).
         self.generation = max(self.generation, int(data.get("generation_applied") or 0))
         served, pushed = set(data.get("served") or ()), data.get("directives")
-        state = DesiredState.from_dict(pushed) if pushed is not None else DesiredState(generation=0)
+        state = await asyncio.to_thread(DesiredState.from_dict, pushed) if pushed is not None else DesiredState(0)
         refs = [ref for a in state.adapters for ref in (a.stable, a.canary) if ref is not None]
         if not served <= set(state.by_name()) or not all(r.sha256 and r.uri.startswith("/") for r in refs):
             return None  # what a stager forwards is a local path and its digest: this came from elsewhere
@@ -103,7 +111,7 @@ class EngineLink:
 
     async def report(self) -> ReportedState:
         """The engine's report, its `generation_applied` as the push generation it carries out."""
-        report = ReportedState.from_dict((await self.call("GET", "/admin/v1/state"))[1])
+        report = await asyncio.to_thread(ReportedState.from_dict, (await self.call("GET", "/admin/v1/state"))[1])
         # Always mapped: an engine generation this stager did not forward may carry only a push's first step.
         report.generation_applied = self._pushes.get(report.generation_applied, 0)
         return report

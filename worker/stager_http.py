@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import re
 from collections.abc import Callable
@@ -15,12 +14,14 @@ from aiohttp import web
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from lorafleet.worker.directives import MAX_STATE_BYTES, DesiredState, DirectiveError, ReportedState
+from lorafleet.worker.directives import MAX_STATE_BYTES, DesiredState, DirectiveError
 from lorafleet.worker.openai_protocol import APIError
 from lorafleet.worker.stager import Stager
 from lorafleet.worker.stager_config import StagerConfig
+from lorafleet.worker.stager_push import StalePush
 from lorafleet.worker.stager_seed import seed_until_done
 from lorafleet.worker.staging_errors import staging_error
+from lorafleet.worker.state_json import NotJSON, decode, reply
 from lorafleet.worker.tenants import bearer_token, token_bytes
 
 log = logging.getLogger("lorafleet.stager")
@@ -40,11 +41,11 @@ async def _errors_and_auth(request: web.Request, handler):
                 raise APIError(401, "missing or wrong bearer token for the stager", type="authentication_error",
                                code="invalid_token")
         return await handler(request)
+    except StalePush as exc:  # the current report travels with a refused stale push
+        report, message = exc.report, exc.message
+        return await reply(lambda: {**report.to_dict(), "error": message}, status=409)
     except APIError as exc:
-        body = exc.body()
-        if exc.status == 409 and exc.param:  # the current report travels with a refused stale push
-            body = {**ReportedState.from_json(exc.param).to_dict(), "error": exc.message}
-        return web.json_response(body, status=exc.status)
+        return web.json_response(exc.body(), status=exc.status)
     except DirectiveError as exc:
         return web.json_response(APIError(400, str(exc)).body(), status=400)
 
@@ -57,14 +58,10 @@ async def _read(request: web.Request, then: Callable[[Any], Any] = lambda body: 
         raise APIError(413, f"request body over {MAX_STATE_BYTES} bytes, the most a desired state may take; split "
                             f"the pool's adapters over more pools", code="body_too_large") from None
 
-    def parse() -> Any:
-        try:
-            body = json.loads(raw)
-        except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser's stack
-            raise APIError(400, "request body must be JSON") from None
-        return then(body)
-
-    return parse() if len(raw) <= 1 << 16 else await asyncio.to_thread(parse)
+    try:
+        return await decode(raw, then)
+    except NotJSON:
+        raise APIError(400, "request body must be JSON") from None
 
 
 async def post_stage(request: web.Request) -> web.Response:
@@ -99,9 +96,10 @@ async def put_directives(request: web.Request) -> web.Response:
             waiter.cancel()
         if not task.done():
             task.add_done_callback(_log_failure)  # nobody else waits for it
-            return web.json_response((await stager.state()).to_dict(), status=202)
+            report = await stager.state()
+            return await reply(report.to_dict, status=202)
     report = await asyncio.shield(task)
-    return web.json_response(report.to_dict())
+    return await reply(report.to_dict)
 
 
 def _log_failure(task: asyncio.Task) -> None:
@@ -114,7 +112,8 @@ async def get_state(request: web.Request) -> web.Response:
     report = await stager.state()
     report_seed = stager.seed_report
     seed = {"seed": {**report_seed.to_dict(), "generation": stager.generation}} if report_seed is not None else {}
-    return web.json_response({**report.to_dict(), "disk": stager.disk_stats(), **seed})
+    disk = stager.disk_stats()
+    return await reply(lambda: {**report.to_dict(), "disk": disk, **seed})
 
 
 async def healthz(request: web.Request) -> web.Response:

@@ -38,6 +38,14 @@ log = logging.getLogger("lorafleet.stager")
 Key = tuple[str, str]  # (adapter name, version)
 
 
+class StalePush(APIError):
+    """409 to a push older than the one applied; answered with the current `report` and the reason."""
+
+    def __init__(self, report: ReportedState) -> None:
+        super().__init__(409, report.error or "stale generation", code="stale_generation")
+        self.report = report
+
+
 @dataclass(slots=True)
 class Push:
     """One push: what its staging found so far. A newer push replaces the stager's view of it (its own
@@ -120,7 +128,7 @@ async def _begin(stager: Stager, desired: DesiredState, seed: SeedReport | None)
         if desired.generation < stager.generation:
             state = await stager.state()
             state.error = f"generation {desired.generation} is older than the applied {stager.generation}; ignored"
-            raise APIError(409, state.error, code="stale_generation", param=state.to_json())
+            raise StalePush(state)
         if desired.generation == stager.generation and stager.desired is not None and stager.unsent != desired.generation:
             return None
         if stager.engine is not None and not stager.engine.known:

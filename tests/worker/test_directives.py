@@ -1,5 +1,6 @@
 """The operator -> stager -> engine desired-state schema: round trips and refusals that name the field."""
 
+import dataclasses
 import json
 
 import pytest
@@ -83,6 +84,19 @@ def test_desired_state_round_trip_property(gen, name, version, weight, warm, pin
 def test_desired_state_refusals_name_the_field(payload, field):
     with pytest.raises(DirectiveError, match=field.replace(".", r"\.")):
         DesiredState.from_json(json.dumps(payload))
+
+
+def test_messages_write_every_field_as_the_dataclass_holds_it():
+    """to_dict is written by hand (dataclasses.asdict took seconds for a pool's 150,000 adapters): it must
+    still carry every field, nested ones too, as asdict would."""
+    state = DesiredState(7, [_directive(canary=VersionRef("v3", "s3://adapters/sql/v3/"), canary_weight=20,
+                                        warm=True, pinned=True, priority=5)], eviction="lfu", cpu_bytes=1 << 30)
+    assert state.to_dict() == dataclasses.asdict(state)
+    assert "eviction" not in DesiredState(1, [_directive()]).to_dict()  # the worker's own: left out
+    report = ReportedState(generation_applied=3, pool_bytes=1 << 20, pool_slots=4, error="stale",
+                           adapters=[AdapterState("sql", "v2", "gpu", refcount=1, hits=9, bytes=4096, pinned=True,
+                                                  error="x", traffic_percent=20, staging=True, num_pinned_slots=2)])
+    assert report.to_dict() == dataclasses.asdict(report)
 
 
 def test_desired_state_refuses_non_json():
