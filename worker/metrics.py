@@ -8,23 +8,31 @@ it serves: after each admin change (a push, a load, an unload) `retain_served` r
 versions no longer served, and a request that finishes on a version retired meanwhile retires it too
 (`retain_versions`). A retired version's series stay while requests hold it (`acquire` / `release`) and
 for `retired_grace_s` after its last one was counted, so a scrape sees the final counts of a rolled-back
-canary (retired_series.py); then they go, so /metrics shows what is served, not what was. Batch size and adapters per batch
+canary (retired_series.py); then they go, so /metrics shows what is served, not what was. The latency
+histograms (about 45 series a label set) carry the adapter and version only while that name rolls out a
+version (a canary, or a new stable version loading beside the old: `LatencySeries` "rollouts", the default),
+so that a worker serving thousands of adapters does not export a histogram per adapter; the others are
+counted under adapter `__other__`. "all" labels every adapter's. Batch size and adapters per batch
 are observed once per engine step; queue depth, KV usage, preemptions and the running/waiting adapters
 are read at scrape time from an `EngineSnapshot`. The adapter pool's own series (tier hits/misses, load
 latency, evictions, bytes per tier: adapter_metrics.py) are registered into the same registry with
-`register()`. The vLLM-compatible names let existing routers (Gateway API inference extension) pick
+`register()`. A scrape is rendered off the event loop (`render_async`), from engine figures read on the loop.
+The vLLM-compatible names let existing routers (Gateway API inference extension) pick
 workers by queue length, KV usage and resident adapters.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import contextvars
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Literal
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -33,8 +41,13 @@ from lorafleet.worker.retired_series import RetiredSeries
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 BASE_MODEL_LABEL = "__base__"  # the adapter label of requests without an adapter
 UNRESOLVED_LABEL = "__unresolved__"  # the adapter label of requests refused before `model` was resolved
+OTHER_LABEL = "__other__"  # the adapter label of latencies of names not rolling out a version ("rollouts")
+LatencySeries = Literal["rollouts", "all"]
+# A `_created` series per counter and histogram child doubles what a scrape of thousands of adapters carries, for a
+# timestamp that rate() does not read.
+disable_created_metrics()
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 _TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 _COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 _ADAPTER_COUNT_BUCKETS = (0, *_COUNT_BUCKETS)  # 0: a step of base-model requests only
@@ -57,13 +70,20 @@ class EngineSnapshot:
     waiting_adapters: list[str] = field(default_factory=list)
 
 
+# The engine figures of a scrape rendered off the loop, read on it first (the thread gets a copy of the context).
+_FROZEN: contextvars.ContextVar[tuple[EngineSnapshot, float] | None] = contextvars.ContextVar("frozen", default=None)
+
+
 class _EngineCollector(Collector):
     def __init__(self, snapshot: Callable[[], EngineSnapshot], throughput: Callable[[], float]) -> None:
         self._snapshot = snapshot
         self._throughput = throughput
 
+    def read(self) -> tuple[EngineSnapshot, float]:
+        return self._snapshot(), self._throughput()
+
     def collect(self) -> Iterator[Metric]:
-        s = self._snapshot()
+        s, throughput = _FROZEN.get() or self.read()
         yield GaugeMetricFamily("vllm:num_requests_running", "Requests in the running batch.", s.num_running)
         yield GaugeMetricFamily("vllm:num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
         yield GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent.", s.kv_usage)
@@ -85,15 +105,18 @@ class _EngineCollector(Collector):
                                   s.num_preemptions)
         yield GaugeMetricFamily("lorafleet_generation_tokens_per_second",
                                 f"Generated tokens per second over the last {THROUGHPUT_WINDOW_S:.0f} s.",
-                                self._throughput())
+                                throughput)
 
 
 class WorkerMetrics:
     """All series of one worker, on a registry of its own."""
 
     def __init__(self, snapshot: Callable[[], EngineSnapshot] = EngineSnapshot, *,
-                 retired_grace_s: float = RETIRED_GRACE_S, clock: Callable[[], float] = time.monotonic) -> None:
+                 retired_grace_s: float = RETIRED_GRACE_S, clock: Callable[[], float] = time.monotonic,
+                 latency_series: LatencySeries = "rollouts") -> None:
         self.registry = CollectorRegistry()
+        self.latency_series = latency_series
+        self._rolling: set[str] = set()  # names serving more than one version (latencies labelled by adapter)
         r = self.registry
         self.requests = Counter("lorafleet_requests", "Finished HTTP inference requests.",
                                 ["adapter", "version", "endpoint", "status"], registry=r)
@@ -117,7 +140,9 @@ class WorkerMetrics:
         # adapter -> version -> (endpoint, status) of its request series: what retain_versions removes
         self._versions: dict[str, dict[str, set[tuple[str, str]]]] = {}
         self.retired = RetiredSeries(retired_grace_s, clock)
-        r.register(_EngineCollector(snapshot, self.tokens_per_second))
+        self.rolled_out = RetiredSeries(retired_grace_s, clock)  # names whose rollout ended: latencies to drop
+        self._engine = _EngineCollector(snapshot, self.tokens_per_second)
+        r.register(self._engine)
 
     def _labels(self, adapter: str | None, version: str) -> tuple[str, str]:
         adapter = adapter or BASE_MODEL_LABEL
@@ -132,17 +157,25 @@ class WorkerMetrics:
     def observe_prompt_tokens(self, adapter: str | None, num_tokens: int, *, version: str = "") -> None:
         self.prompt_tokens.labels(*self._labels(adapter, version)).inc(num_tokens)
 
+    def _latency_labels(self, adapter: str | None, version: str) -> tuple[str, str]:
+        """The labels of a latency observation: the adapter's own while it rolls out a version (or with "all",
+        or for the base model and unresolved requests), else (__other__, "")."""
+        adapter = adapter or BASE_MODEL_LABEL
+        if self.latency_series == "all" or adapter in self._rolling or adapter in (BASE_MODEL_LABEL, UNRESOLVED_LABEL):
+            return self._labels(adapter, version)
+        return OTHER_LABEL, ""
+
     def observe_first_token(self, adapter: str | None, seconds: float, *, version: str = "") -> None:
-        self.ttft.labels(*self._labels(adapter, version)).observe(seconds)
+        self.ttft.labels(*self._latency_labels(adapter, version)).observe(seconds)
 
     def observe_token_gaps(self, adapter: str | None, seconds: float, count: int, *, version: str = "") -> None:
         """`count` tokens that arrived `seconds` apart each."""
-        child = self.inter_token.labels(*self._labels(adapter, version))
+        child = self.inter_token.labels(*self._latency_labels(adapter, version))
         for _ in range(count):
             child.observe(seconds)
 
     def observe_e2e(self, adapter: str | None, seconds: float, *, version: str = "") -> None:
-        self.e2e.labels(*self._labels(adapter, version)).observe(seconds)
+        self.e2e.labels(*self._latency_labels(adapter, version)).observe(seconds)
 
     def observe_tokens(self, adapter: str | None, num_tokens: int, *, version: str = "",
                        now: float | None = None) -> None:
@@ -185,6 +218,12 @@ class WorkerMetrics:
                     metric.remove(adapter, version)
             if not seen:
                 self._versions.pop(adapter, None)
+        for adapter, _ in self.rolled_out.expired():
+            if adapter not in self._rolling and self.latency_series == "rollouts":
+                for version in self._versions.get(adapter, ()):
+                    for metric in (self.ttft, self.inter_token, self.e2e):
+                        with contextlib.suppress(KeyError):
+                            metric.remove(adapter, version)
 
     def retain_adapters(self, names: Collection[str]) -> None:
         """Retire every request series of adapter names not in `names` (the ones served), but the base
@@ -202,6 +241,13 @@ class WorkerMetrics:
         self.retain_adapters(served)
         for adapter, versions in served.items():
             self.retain_versions(adapter, versions)
+        rolling = {name for name, versions in served.items() if len(versions) > 1}
+        for adapter in self._rolling - rolling:  # its rollout is over: its latencies go back under __other__,
+            self.rolled_out.retire((adapter, ""))  # its own series leave after the grace (a scrape reads them)
+        for adapter in rolling:
+            self.rolled_out.restore((adapter, ""))
+        self._rolling = rolling
+        self.drop_expired()
 
     def tokens_per_second(self, *, now: float | None = None) -> float:
         now = time.monotonic() if now is None else now
@@ -224,3 +270,13 @@ class WorkerMetrics:
     def render(self) -> bytes:
         self.drop_expired()  # also without admin changes or requests: a scrape ends the grace of those due
         return generate_latest(self.registry)
+
+    async def render_async(self) -> bytes:
+        """`render` with the text written in the default executor: thousands of adapters' series take a
+        while, during which the event loop keeps serving. The engine figures are read here, on the loop."""
+        self.drop_expired()
+        token = _FROZEN.set(self._engine.read())
+        try:
+            return await asyncio.to_thread(generate_latest, self.registry)
+        finally:
+            _FROZEN.reset(token)

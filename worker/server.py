@@ -276,7 +276,7 @@ async def readyz(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    body = request.app[METRICS].render()
+    body = await request.app[METRICS].render_async()
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 
@@ -294,7 +294,8 @@ def create_app(config: WorkerConfig) -> web.Application:
     app[STATUS] = ServerStatus(started_at=time.time())
     app[ADMISSION] = Admission(config.capacity, config.max_sequences_per_tenant, config.intake_limit)
     app[ADMIN_LOCK] = asyncio.Lock()
-    app[METRICS] = WorkerMetrics(lambda: engine_snapshot(app), retired_grace_s=config.retired_series_grace_s)
+    app[METRICS] = WorkerMetrics(lambda: engine_snapshot(app), retired_grace_s=config.retired_series_grace_s,
+                                 latency_series=config.adapter_latency_series)
     app[IN_FLIGHT] = set()
     app.cleanup_ctx.append(_engine_ctx)
     app.cleanup_ctx.append(_stager_ctx)

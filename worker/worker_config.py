@@ -16,7 +16,7 @@ from pathlib import Path
 
 from lorafleet.worker.cors import parse_origins
 from lorafleet.worker.engine_config import EngineConfig
-from lorafleet.worker.metrics import RETIRED_GRACE_S
+from lorafleet.worker.metrics import RETIRED_GRACE_S, LatencySeries
 from lorafleet.worker.tenants import keys_file_problem
 
 REMOTE_SCHEMES = ("s3://",)
@@ -77,6 +77,11 @@ class WorkerConfig:
         "seconds the request series of a retired adapter version (a rolled-back canary, a replaced stable "
         "version, an unloaded name) stay in /metrics after its last request was counted, so a scrape reads "
         "the final counts; keep it above Prometheus' scrape interval"))
+    adapter_latency_series: LatencySeries = field(default="rollouts", metadata=_help(
+        "which adapters get latency histograms of their own in /metrics (about 45 series each, per version): "
+        "rollouts = names serving two versions (a canary, or a new version loading beside the old), the others "
+        "counted under adapter __other__; all = every adapter (heavy with thousands of them). Request and "
+        "token counters are per adapter and version either way"))
     stager_port: int = field(default=0, metadata=_help(
         "port of the stager child started for an s3:// --adapters (0 = a free port)"))
     stager_cache_dir: str | None = field(default=None, metadata=_help(

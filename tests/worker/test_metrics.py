@@ -69,7 +69,8 @@ def test_request_and_step_observations():
                                            ("version", "v1")))] == 1
     assert s[("lorafleet_requests_total", (("adapter", "__base__"), ("endpoint", "chat"), ("status", "429"),
                                            ("version", "")))] == 1
-    assert s[("lorafleet_time_to_first_token_seconds_count", (("adapter", "sql"), ("version", "v1")))] == 1
+    # sql rolls out no version: its latencies are counted with every such name's
+    assert s[("lorafleet_time_to_first_token_seconds_count", (("adapter", "__other__"), ("version", "")))] == 1
     assert s[("lorafleet_adapters_per_batch_sum", ())] == 3
     assert s[("lorafleet_batch_size_bucket", (("le", "8.0"),))] == 1
     assert s[("lorafleet_generation_tokens_total", (("adapter", "sql"), ("version", "v1")))] == 30
@@ -98,6 +99,7 @@ def test_canary_and_stable_versions_are_separate_series():
     """During a rollout the operator compares the canary's latency and errors with the stable version's:
     each version a request resolved to has its own series of every request metric."""
     m = WorkerMetrics()
+    m.retain_served({"sql": {"v1", "v2"}})  # the rollout: latencies per version for this name
     _observe_one(m, "sql", "v1")
     _observe_one(m, "sql", "v2", status=503)
     s = _samples(m)
@@ -114,7 +116,7 @@ def test_canary_and_stable_versions_are_separate_series():
 def test_series_of_versions_no_longer_served_are_dropped():
     """Every rollout brings a new version: the series of the ones it retired must go, or a long-lived
     worker exposes (and Prometheus stores) one more set per rollout, for ever."""
-    m = WorkerMetrics(retired_grace_s=0)  # no grace (see below): retired series go at once
+    m = WorkerMetrics(latency_series="all", retired_grace_s=0)  # no grace (see below): retired series go at once
     for version in ("v1", "v2", "v3"):
         _observe_one(m, "sql", version)
     _observe_one(m, "chat", "c1")
@@ -131,7 +133,7 @@ def test_series_of_versions_no_longer_served_are_dropped():
 def test_series_of_names_no_longer_served_are_dropped():
     """Tenants' adapters come and go: every series of a name no longer served goes, the base model's and
     the unresolved requests' stay."""
-    m = WorkerMetrics(retired_grace_s=0)
+    m = WorkerMetrics(latency_series="all", retired_grace_s=0)
     for adapter, version in (("sql", "v1"), ("sql", "v2"), ("chat", "c1"), ("gone", "g1"), (None, ""),
                              ("__unresolved__", "")):
         _observe_one(m, adapter, version)
@@ -148,7 +150,7 @@ def test_series_of_names_no_longer_served_are_dropped():
 
 def test_retain_served_drops_retired_names_and_versions_at_once():
     """One call after an admin change: names gone and versions retired of the names kept."""
-    m = WorkerMetrics(retired_grace_s=0)
+    m = WorkerMetrics(latency_series="all", retired_grace_s=0)
     for adapter, version in (("sql", "v1"), ("sql", "v2"), ("chat", "c1"), ("gone", "g1"), (None, "")):
         _observe_one(m, adapter, version)
     m.retain_served({"sql": {"v2"}, "chat": {"c1", "c2"}, "new": {"n1"}})
@@ -156,6 +158,62 @@ def test_retain_served_drops_retired_names_and_versions_at_once():
     assert all(versions == {"c1"} for versions in _versions(m, "chat").values())
     assert _versions(m, "gone") == {} and _versions(m, "__base__")["lorafleet_requests_total"] == {""}
     assert set(m._versions) == {"sql", "chat", "__base__"}
+
+
+def test_latencies_have_series_of_their_own_only_while_a_name_rolls_out_a_version():
+    """Thousands of adapters with a histogram set each (about 45 series a version) made a scrape megabytes
+    long: latencies are labelled by adapter and version only while the name serves two versions (a canary,
+    a new version loading beside the old), and those series leave after the grace once the rollout ends."""
+    clock = _Clock()
+    m = WorkerMetrics(retired_grace_s=60, clock=clock)
+    m.retain_served({"sql": {"v1"}, "chat": {"c1"}})
+    for adapter, version in (("sql", "v1"), ("chat", "c1"), (None, "")):
+        _observe_one(m, adapter, version)
+    ttft = "lorafleet_time_to_first_token_seconds_count"
+    assert {k[1] for k in _samples(m) if k[0] == ttft} == {(("adapter", "__other__"), ("version", "")),
+                                                          (("adapter", "__base__"), ("version", ""))}
+    assert _samples(m)[(ttft, (("adapter", "__other__"), ("version", "")))] == 2
+    assert _versions(m, "sql")["lorafleet_requests_total"] == {"v1"}  # counters stay per adapter and version
+    m.retain_served({"sql": {"v1", "v2"}, "chat": {"c1"}})  # sql's canary
+    _observe_one(m, "sql", "v1")
+    _observe_one(m, "sql", "v2")
+    assert _versions(m, "sql")[ttft] == {"v1", "v2"}
+    m.retain_served({"sql": {"v2"}, "chat": {"c1"}})  # promoted: the rollout is over
+    _observe_one(m, "sql", "v2")
+    assert _samples(m)[(ttft, (("adapter", "__other__"), ("version", "")))] == 3
+    clock.now = 59.0
+    assert _versions(m, "sql")[ttft] == {"v1", "v2"}  # a scrape still reads the rollout's last latencies
+    clock.now = 60.0
+    assert ttft not in _versions(m, "sql") and _versions(m, "sql")["lorafleet_requests_total"] == {"v2"}
+    every = WorkerMetrics()
+    every.latency_series = "all"
+    _observe_one(every, "chat", "c1")
+    assert _versions(every, "chat")[ttft] == {"c1"}
+
+
+def test_a_scrape_is_written_off_the_event_loop_from_figures_read_on_it():
+    """Writing thousands of series takes a while: the text is written in another thread, while the engine's
+    figures (read from structures the loop changes) are read on the loop."""
+    import threading
+
+    from prometheus_client.core import GaugeMetricFamily
+
+    threads = {}
+
+    def snapshot() -> EngineSnapshot:
+        threads["snapshot"] = threading.current_thread()
+        return EngineSnapshot(num_waiting=4)
+
+    class Probe:
+        def collect(self):
+            threads["collect"] = threading.current_thread()
+            yield GaugeMetricFamily("probe", "where the scrape is written", 1)
+
+    m = WorkerMetrics(snapshot)
+    m.registry.register(Probe())
+    text = asyncio.run(m.render_async()).decode()
+    assert "lorafleet_queue_depth 4.0" in text and "_created" not in text
+    assert threads["snapshot"] is threading.main_thread() and threads["collect"] is not threading.main_thread()
 
 
 class _Clock:
@@ -170,7 +228,7 @@ def test_a_retired_version_keeps_its_series_while_held_and_for_its_grace():
     """A canary rolled back while requests run on it: its series stay until the last of them was counted
     and, after that, for the grace a scrape needs to read the final counts; then they go."""
     clock = _Clock()
-    m = WorkerMetrics(retired_grace_s=60, clock=clock)
+    m = WorkerMetrics(latency_series="all", retired_grace_s=60, clock=clock)
     _observe_one(m, "sql", "v1")
     for _ in range(2):  # two requests resolved to the canary
         m.acquire("sql", "v2")
@@ -193,7 +251,7 @@ def test_a_retired_version_keeps_its_series_while_held_and_for_its_grace():
 
 def test_a_retired_version_no_request_holds_goes_after_its_grace():
     clock = _Clock()
-    m = WorkerMetrics(retired_grace_s=60, clock=clock)
+    m = WorkerMetrics(latency_series="all", retired_grace_s=60, clock=clock)
     _observe_one(m, "sql", "v1")
     _observe_one(m, "gone", "g1")
     m.retain_served({"sql": set()})  # every version of sql and the name gone retired at t=0
@@ -205,7 +263,7 @@ def test_a_retired_version_no_request_holds_goes_after_its_grace():
 
 def test_a_version_served_again_keeps_its_series():
     clock = _Clock()
-    m = WorkerMetrics(retired_grace_s=60, clock=clock)
+    m = WorkerMetrics(latency_series="all", retired_grace_s=60, clock=clock)
     _observe_one(m, "sql", "v2")
     m.retain_versions("sql", ())
     clock.now = 30.0

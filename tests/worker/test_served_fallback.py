@@ -163,8 +163,8 @@ async def client(aiohttp_client, tiny_llama_dir, qv_adapters_dir, tmp_path):
     # 32 pages of the pool: above the 8 that adapters may use, so it registers but never loads.
     make_peft_adapter(tiny_llama_dir, tmp_path / "big", rank=32, seed=3)
     engine = EngineConfig(model=str(tiny_llama_dir), dtype="float32", max_model_len=128, max_adapter_pages=8)
-    config = WorkerConfig(engine=engine, served_model_name="tiny", admin_token=ADMIN,
-                          adapter_roots=f"{qv_adapters_dir},{tmp_path}")
+    config = WorkerConfig(engine=engine, served_model_name="tiny", admin_token=ADMIN,  # latencies per version
+                          adapter_roots=f"{qv_adapters_dir},{tmp_path}", adapter_latency_series="all")
     return await aiohttp_client(create_app(config))
 
 

@@ -25,8 +25,8 @@ AUTH = {"Authorization": f"Bearer {ADMIN}"}
 @pytest.fixture
 async def client(aiohttp_client, tiny_llama_dir, qv_adapters_dir):
     engine = EngineConfig(model=str(tiny_llama_dir), dtype="float32", max_model_len=128)
-    config = WorkerConfig(engine=engine, served_model_name="tiny", admin_token=ADMIN,
-                          adapter_roots=str(qv_adapters_dir))
+    config = WorkerConfig(engine=engine, served_model_name="tiny", admin_token=ADMIN,  # latencies per version
+                          adapter_roots=str(qv_adapters_dir), adapter_latency_series="all")
     return await aiohttp_client(create_app(config))
 
 

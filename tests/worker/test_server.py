@@ -524,7 +524,7 @@ async def test_metrics_endpoint_has_request_and_vllm_series(server, served_keys)
             assert r.status == 200
             text = await r.text()
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-                 "vllm:lora_requests_info{", "lorafleet_time_to_first_token_seconds_bucket{adapter=\"alpha\"",
+                 "vllm:lora_requests_info{", "lorafleet_time_to_first_token_seconds_bucket{adapter=\"__other__\"",
                  "lorafleet_e2e_request_latency_seconds", "lorafleet_inter_token_latency_seconds",
                  "lorafleet_batch_size_bucket", "lorafleet_adapters_per_batch_bucket", "lorafleet_adapter_hits_total",
                  "lorafleet_generation_tokens_per_second", "lorafleet_queue_depth"):
