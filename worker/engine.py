@@ -169,7 +169,7 @@ class Engine:
         started = time.perf_counter()
         weights = load_peft_adapter(
             path, self.model_config, dtype=self.dtype, strict_base=self.config.strict_base,
-            base_model_name=self.model_name, tokenizer_digest=self.tokenizer_digest, name=name, version=version,
+            base_model_name=self.base_model_names, tokenizer_digest=self.tokenizer_digest, name=name, version=version,
             base_token_id=self.tokenizer.token_to_id if self.tokenizer is not None else None,
             max_file_bytes=self.config.max_adapter_file_bytes, sha256=sha256,
         )
@@ -198,6 +198,11 @@ class Engine:
     @property
     def model_name(self) -> str:
         return self.model_config.name or self.model_dir.name
+
+    @property
+    def base_model_names(self) -> list[str]:
+        """The names an adapter's base_model_name_or_path may give the served base (peft_adapter.py)."""
+        return [self.model_name, self.model_config.name_or_path, *self.config.base_model_aliases]
 
     @property
     def tokenizer_digest(self) -> str | None:

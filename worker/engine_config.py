@@ -56,6 +56,7 @@ class EngineConfig:
     max_loras_per_batch: int | None = None  # distinct adapters per step; None = no bound
     max_adapter_wait_steps: int = 32  # a request skipped that many steps for grouping (or KV pages) goes first
     strict_base: bool = True  # refuse adapters trained on another base model / tokenizer
+    base_model_aliases: tuple[str, ...] = ()  # other names of the served base that adapters' base_model_name_or_path may give (the hub id of a copy in a folder of another name); --served-model-name is one too
     max_adapter_file_bytes: int = MAX_FILE_BYTES  # largest adapter weights file read (the stager's limit of the same name)
     lora_segment_len: int = 64  # most tokens of one adapter per LoRA kernel segment; a step's own grows from 16 with its size (kernels.lora_layout.segment_len)
     cuda_graphs: bool = True  # cuda + triton kernels: replay decode steps as CUDA graphs (worker/cuda_graphs.py)

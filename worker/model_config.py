@@ -51,6 +51,7 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     torch_dtype: str | None = None
     name: str = ""
+    name_or_path: str = ""  # config.json's `_name_or_path` (the hub id or path it was saved from), if any
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -117,6 +118,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
             name=name or raw.get("_name_or_path", ""),
+            name_or_path=raw["_name_or_path"] if isinstance(raw.get("_name_or_path"), str) else "",
         )
 
     @classmethod

@@ -36,7 +36,7 @@ import functools
 import hashlib
 import logging
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -224,7 +224,7 @@ def load_peft_adapter(
     *,
     dtype: torch.dtype | str = torch.float32,
     strict_base: bool | Strictness = True,
-    base_model_name: str | None = None,
+    base_model_name: str | Sequence[str] | None = None,
     tokenizer_digest: str | None = None,
     base_token_id: Callable[[str], int | None] | None = None,
     name: str | None = None,
@@ -241,7 +241,9 @@ def load_peft_adapter(
     mismatch is refused before the weights are parsed. Both are checked against the digest of the
     bytes read for loading, so checking costs nothing more.
     strict_base: "strict" (True) refuses a base-model-name or tokenizer mismatch, "warn" (False)
-    logs it, "off" skips both checks. base_model_name / tokenizer_digest / base_token_id (its id of a
+    logs it, "off" skips both checks. base_model_name: the served base's name, or its names (its folder, its
+    config's `_name_or_path`, aliases): the adapter's `base_model_name_or_path` must end as one of them does.
+    base_model_name / tokenizer_digest / base_token_id (its id of a
     token, for added tokens declared without a whole vocabulary) describe the served base; None skips that
     check. max_file_bytes: the largest weights or tokenizer file read (refused before reading). Raises
     AdapterError.
@@ -258,9 +260,13 @@ def load_peft_adapter(
     refuse_embedding_targets(config, path, num_layers)
     base = config.get("base_model_name_or_path") or ""
     if mode != "off":
-        if base_model_name and base and _short_name(base) != _short_name(base_model_name):
-            _mismatch(mode, f"{path}: adapter was trained on base model {base!r}, this server serves "
-                            f"{base_model_name!r}; serve it on its own base, or load with strictness 'warn'/'off'")
+        names = [base_model_name] if isinstance(base_model_name, str) else [n for n in base_model_name or () if n]
+        if names and base and _short_name(base) not in {_short_name(n) for n in names}:
+            known = " or ".join(repr(n) for n in dict.fromkeys(names))
+            _mismatch(mode, f"{path}: adapter was trained on base model {base!r}, this server serves {known}; "
+                            f"serve it on its own base; if that is this model under another name, start the "
+                            f"worker with --base-model-aliases {base.rstrip('/').rsplit('/', 1)[-1]} (or --served-model-name "
+                            f"{base}); --no-strict-base only warns")
         try:
             mismatch = tokenizer_mismatch(path, tokenizer_digest, base_token_id, max_file_bytes)
         except FileLimitError as exc:  # a limit, not a mismatch: refused whatever the strictness

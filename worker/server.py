@@ -121,6 +121,9 @@ async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
     t0 = time.monotonic()
     # An object-store --adapters is the stager child's business; the engine starts without it.
     engine_config = dataclasses.replace(config.engine, adapters=None) if config.adapters_uri else config.engine
+    if config.served_model_name:  # adapters may name the base as it is served
+        engine_config = dataclasses.replace(
+            engine_config, base_model_aliases=(*engine_config.base_model_aliases, config.served_model_name))
     try:
         engine = await _load_engine(engine_config)
     except Exception as exc:

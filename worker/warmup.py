@@ -82,7 +82,7 @@ def _forwards(runner: ModelRunner, config: EngineConfig, counts: list[int], rank
 
 
 # Settings that change no kernel a start launches: a list is shared whatever they are.
-_NOT_KERNELS = ("tokenizer", "seed", "generation_config", "adapters", "strict_base", "max_adapter_file_bytes",
+_NOT_KERNELS = ("tokenizer", "seed", "generation_config", "adapters", "strict_base", "base_model_aliases", "max_adapter_file_bytes",
                 "max_adapter_wait_steps", "compile_threads", "max_failed_forwards")
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lorafleet.worker.adapter_dir import register_adapter_dir
+from lorafleet.worker.adapter_dir import AdapterDirError, register_adapter_dir
 from lorafleet.worker.engine import Engine, EngineError
 from lorafleet.worker.engine_config import EngineConfig
 from lorafleet.worker.server import create_app
@@ -135,3 +135,50 @@ async def test_a_pushed_adapter_named_like_the_base_model_is_that_versions_error
     assert reported["beta"]["error"] is None, reported
     resp = await client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
     assert resp.status == 200 and (await resp.json())["model"] == "tiny"  # still the base model
+
+
+def _base_named(tiny_llama_dir, qv_adapters_dir, tmp_path, *, name_or_path: str | None = None):
+    """The tiny model in a folder named as a mounted Llama-3-8B is, and an adapter that names its base by hub id."""
+    import json
+
+    model = tmp_path / "models" / "llama-3-8b"
+    shutil.copytree(tiny_llama_dir, model)
+    if name_or_path is not None:
+        config = json.loads((model / "config.json").read_text())
+        (model / "config.json").write_text(json.dumps({**config, "_name_or_path": name_or_path}))
+    root = tmp_path / "adapters"
+    shutil.copytree(qv_adapters_dir / "alpha", root / "alpha")
+    config = json.loads((root / "alpha" / "adapter_config.json").read_text())
+    config["base_model_name_or_path"] = "meta-llama/Meta-Llama-3-8B"
+    (root / "alpha" / "adapter_config.json").write_text(json.dumps(config))
+    return model, root
+
+
+def test_an_adapter_naming_its_base_by_another_name_loads_once_that_name_is_known(tiny_llama_dir, qv_adapters_dir,
+                                                                                   tmp_path):
+    """A base mounted as /models/llama-3-8b and adapters trained on meta-llama/Meta-Llama-3-8B: every adapter
+    was refused, and the refusal named a strictness no flag sets. The base's `_name_or_path` and
+    --base-model-aliases are names of it too; the refusal says so."""
+    model, root = _base_named(tiny_llama_dir, qv_adapters_dir, tmp_path)
+    with pytest.raises(AdapterDirError) as err:  # the folder's only adapter
+        Engine(EngineConfig(model=str(model), dtype="float32", max_model_len=128, adapters=str(root)))
+    why = str(err.value)
+    assert "'meta-llama/Meta-Llama-3-8B', this server serves 'llama-3-8b'" in why, why
+    assert "--base-model-aliases Meta-Llama-3-8B" in why and "--no-strict-base" in why, why
+    for config in (EngineConfig(model=str(model), dtype="float32", max_model_len=128, adapters=str(root),
+                                base_model_aliases=("meta-llama/Meta-Llama-3-8B",)),
+                   EngineConfig(model=str(model), dtype="float32", max_model_len=128, adapters=str(root),
+                                base_model_aliases=("Meta-Llama-3-8B",))):
+        assert Engine(config).adapters() != [], config.base_model_aliases
+    model, root = _base_named(tiny_llama_dir, qv_adapters_dir, tmp_path / "saved", name_or_path="meta-llama/Meta-Llama-3-8B")
+    assert Engine(EngineConfig(model=str(model), dtype="float32", max_model_len=128, adapters=str(root))).adapters()
+
+
+async def test_the_served_model_name_is_a_name_of_the_base_for_adapters(aiohttp_client, tiny_llama_dir,
+                                                                       qv_adapters_dir, tmp_path):
+    model, root = _base_named(tiny_llama_dir, qv_adapters_dir, tmp_path)
+    config = WorkerConfig(engine=EngineConfig(model=str(model), dtype="float32", max_model_len=128, adapters=str(root)),
+                          served_model_name="meta-llama/Meta-Llama-3-8B")
+    client = await aiohttp_client(create_app(config))
+    models = {m["id"] for m in (await (await client.get("/v1/models")).json())["data"]}
+    assert "alpha" in models, models
