@@ -3,8 +3,10 @@ instead of filling memory or the disk, and a FIFO or a device (`/dev/zero`) inst
 reader or never ending. The stager answers with a `SourceError`, the loader with an `AdapterError`;
 both carry the `FileLimitError` message, which names the file, its size and the limit.
 
-Per file: `adapter_config.json` at most `MAX_CONFIG_BYTES`, every other file at most `max_bytes`
-(the stager's `--max-adapter-file-bytes`, default `MAX_FILE_BYTES`).
+Per file: the weights at most `max_bytes` (the stager's and the engine's `--max-adapter-file-bytes`, default
+`MAX_FILE_BYTES`), `adapter_config.json` at most `MAX_CONFIG_BYTES`, and every other file staged beside them
+(tokenizer files, the README) at most `MAX_SIDE_FILE_BYTES`: the loader parses tokenizer JSON into Python
+objects, some 25 times its size in memory, so a 4 GiB one would take the worker down.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from pathlib import Path
 CONFIG_FILE = "adapter_config.json"
 MAX_FILE_BYTES = 4 << 30  # a rank-64 LoRA of every projection of a 70B model is ~1.6 GiB in bf16
 MAX_CONFIG_BYTES = 1 << 20  # adapter_config.json is a few KiB of JSON
+MAX_SIDE_FILE_BYTES = 64 << 20  # tokenizer files: Llama-3's tokenizer.json is 9 MB, Gemma-3's 33 MB
+WEIGHTS_FILE = "adapter_model.safetensors"
 
 
 class FileLimitError(ValueError):
@@ -32,7 +36,9 @@ def limit_for(name: str, max_bytes: int | None) -> int | None:
     """The most bytes file `name` may have; None: no size limit."""
     if max_bytes is None:
         return None
-    return min(max_bytes, MAX_CONFIG_BYTES) if name == CONFIG_FILE else max_bytes
+    if name == WEIGHTS_FILE:
+        return max_bytes
+    return min(max_bytes, MAX_CONFIG_BYTES if name == CONFIG_FILE else MAX_SIDE_FILE_BYTES)
 
 
 def check_size(where: str, size: int, max_bytes: int | None, *, fix: str | None = None) -> None:
@@ -44,6 +50,8 @@ def check_size(where: str, size: int, max_bytes: int | None, *, fix: str | None 
         return
     if name == CONFIG_FILE:
         what, todo = CONFIG_FILE, f"an {CONFIG_FILE} is a few KiB of JSON; check the file"
+    elif name != WEIGHTS_FILE and limit < (max_bytes or 0):
+        what, todo = f"a {name}", "tokenizer files are a few MB; check the file"
     else:
         what, todo = "one adapter file", "check that it is the adapter's file"
         if fix:

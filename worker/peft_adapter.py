@@ -304,7 +304,11 @@ def load_peft_adapter(
         a, b = ab["A"], ab["B"]
         out_f, in_f = shapes[proj]
         r, alpha = module_rank_alpha(config, module)
-        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != in_f or b.shape[0] != out_f or a.shape[0] != b.shape[1]:
+        if a.dim() == b.dim() == 2 and a.shape[1] == in_f and b.shape[0] == out_f and a.shape[0] != b.shape[1]:
+            raise AdapterError(f"{path}: {label}: lora_A {list(a.shape)} has rank {a.shape[0]} and lora_B "
+                               f"{list(b.shape)} rank {b.shape[1]}; the two must share one rank: "
+                               f"{WEIGHTS_FILE} is corrupt or mixes two adapters")
+        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != in_f or b.shape[0] != out_f:
             raise AdapterError(
                 f"{path}: {label}: expected lora_A [r, {in_f}] and lora_B [{out_f}, r] for this base model, "
                 f"found lora_A {list(a.shape)} and lora_B {list(b.shape)}; the adapter was trained on a "

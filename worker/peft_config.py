@@ -14,11 +14,15 @@ from typing import Any
 import regex
 
 from lorafleet.kernels.lora_layout import PROJS
-from lorafleet.worker.file_limits import MAX_FILE_BYTES, FileLimitError, read_limited
+from lorafleet.worker.file_limits import (
+    CONFIG_FILE,
+    MAX_FILE_BYTES,
+    WEIGHTS_FILE,
+    FileLimitError,
+    read_limited,
+)
 from lorafleet.worker.peft_patterns import is_targeted, layer_regex
 
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
 PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 

@@ -32,14 +32,20 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from lorafleet.worker.disk_cache import cache_write
-from lorafleet.worker.file_limits import MAX_FILE_BYTES, FileLimitError, check_file, check_size, read_chunks
+from lorafleet.worker.file_limits import (
+    CONFIG_FILE,
+    MAX_FILE_BYTES,
+    WEIGHTS_FILE,
+    FileLimitError,
+    check_file,
+    check_size,
+    read_chunks,
+)
 from lorafleet.worker.source_error import SourceError, read_error
 from lorafleet.worker.stager_digests import LocalDigests
 from lorafleet.worker.store_clients import StoreClients, StoreSilent
 from lorafleet.worker.vocab_digest import TOKENIZER_FILES
 
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
 ADAPTER_FILES = (CONFIG_FILE, WEIGHTS_FILE)
 OPTIONAL_FILES = ("special_tokens_map.json", "README.md")  # carried along, never read by the loader
 # Every file staged, from a local folder or an S3 prefix alike: the tokenizer files are checked on load.

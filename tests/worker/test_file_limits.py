@@ -11,6 +11,7 @@ import pytest
 from lorafleet.worker.file_limits import (
     MAX_CONFIG_BYTES,
     MAX_FILE_BYTES,
+    MAX_SIDE_FILE_BYTES,
     FileLimitError,
     check_file,
     read_limited,
@@ -45,6 +46,31 @@ def test_the_loader_refuses_oversize_files_before_reading_them(tiny_llama_dir, t
     )
     with pytest.raises(AdapterError, match=re.escape(expected)):
         load_peft_adapter(d, model_config, dtype=torch.float32, strict_base="off")
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "vocab.json", "merges.txt", "README.md"])
+def test_files_beside_the_weights_are_held_to_a_tokenizer_s_size(tiny_llama_dir, tmp_path, name):
+    """Tokenizer JSON is parsed into Python objects some 25 times its size: one of the weights' 4 GiB would
+    take the worker down (a 99 MB tokenizer.json took 2.4 GB). Every file beside the weights and the config
+    is held to MAX_SIDE_FILE_BYTES, by the loader and by a stager's check of a local folder."""
+    import torch
+
+    from lorafleet.worker.model_config import ModelConfig
+    from lorafleet.worker.peft_adapter import AdapterError, load_peft_adapter
+    from lorafleet.worker.sources import SourceError, Sources, SourcesConfig
+    from tests.lora_factory import make_peft_adapter
+
+    d = make_peft_adapter(tiny_llama_dir, tmp_path / "root" / "a", rank=2, seed=0)
+    with open(d / name, "wb") as f:  # sparse: nothing is written
+        f.truncate(MAX_SIDE_FILE_BYTES + 1)
+    expected = f"over the limit of {MAX_SIDE_FILE_BYTES} bytes (64.0 MiB) for a {name}"
+    if name in ("tokenizer.json", "vocab.json"):  # what the loader reads of these (merges.txt with a vocab.json)
+        with pytest.raises(AdapterError, match=re.escape(expected)):
+            load_peft_adapter(d, ModelConfig.from_dir(tiny_llama_dir), dtype=torch.float32)
+    src = Sources(SourcesConfig(local_roots=[str(tmp_path / "root")]))
+    with pytest.raises(SourceError, match=re.escape(expected)) as err:
+        src.verify_local(src.local_path(str(d)), None, str(d))
+    assert err.value.kind == "too_large"
 
 
 def test_the_loaders_limit_is_the_engines_setting(tiny_llama_dir, tmp_path):

@@ -262,6 +262,21 @@ def test_shape_mismatch_names_module_and_shapes(tmp_path, model_config):
         load_peft_adapter(tmp_path / "x", {**model_config, "num_hidden_layers": 1}, dtype=torch.float32)
 
 
+def test_a_and_b_of_two_ranks_are_named_a_corrupt_file_not_another_base(tmp_path, model_config):
+    """lora_A [4, 64] beside lora_B [64, 8] fits the base on both sides: the file is corrupt or mixes two
+    adapters, which the refusal says, instead of sending the user to look for another base model."""
+    make_adapter(tmp_path / "x", r=4, lora_alpha=8, target_modules=["q_proj"])
+    path = tmp_path / "x" / "adapter_model.safetensors"
+    tensors = load_file(str(path))
+    first_b = next(k for k in tensors if "q_proj.lora_B" in k)
+    save_file({**tensors, first_b: torch.ones(tensors[first_b].shape[0], 8)}, str(path))
+    with pytest.raises(AdapterError) as err:
+        load_peft_adapter(tmp_path / "x", model_config, dtype=torch.float32)
+    msg = str(err.value)
+    assert "lora_A [4, 64] has rank 4 and lora_B [64, 8] rank 8" in msg and "corrupt" in msg, msg
+    assert "different base model" not in msg
+
+
 def test_refuses_rank_that_disagrees_with_config(tmp_path, model_config):
     make_adapter(tmp_path / "x", r=4, lora_alpha=8, target_modules=["q_proj"])
     _edit_config(tmp_path / "x", r=6)
