@@ -11,6 +11,7 @@ answers None), never deleted after `get` handed out its path.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import stat
@@ -102,9 +103,22 @@ class DiskCache:
 
     def put(self, key: str, fill: Callable[[Path], None], *, protect: Protect = frozenset()) -> Path:
         """Create entry `key` by `fill(tmp_dir)`, then trim, keeping `key` and the protected entries;
-        `fill` raising leaves nothing behind."""
+        `fill` raising leaves nothing behind. A disk that fills up first (smaller than the budget, or shared)
+        loses every entry not protected, least recently used first, and the fill is tried once more: a
+        version wanted now goes before copies no push holds."""
         if "/" in key or key.startswith(".") or not key:
             raise ValueError(f"bad cache key {key!r}")
+        keys = protect if callable(protect) else lambda: protect
+        try:
+            final = self._fill(key, fill)
+        except CacheDiskError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or not self._evict_all_but({*keys(), key}):
+                raise
+            final = self._fill(key, fill)
+        self.trim(lambda: {*keys(), key})
+        return final
+
+    def _fill(self, key: str, fill: Callable[[Path], None]) -> Path:
         tmp = self.root / f"{_TMP}{key}-{uuid.uuid4().hex[:8]}"
         cache_write(tmp.mkdir)
         try:
@@ -124,9 +138,15 @@ class DiskCache:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        keys = protect if callable(protect) else lambda: protect
-        self.trim(lambda: {*keys(), key})
         return final
+
+    def _evict_all_but(self, keep: Set[str]) -> int:
+        """Evict every entry not in `keep` (the disk is full); how many went."""
+        with self._lock:
+            gone = [k for k in sorted(self._bytes, key=lambda k: self._used[k]) if k not in keep]
+            for key in gone:
+                self._evict(key)
+        return len(gone)
 
     def mark_verified(self, key: str) -> None:
         with self._lock:
@@ -150,11 +170,15 @@ class DiskCache:
                     break
                 if key in keep:
                     continue
-                shutil.rmtree(self.root / key, ignore_errors=True)
-                total -= self._bytes.pop(key)
-                self._used.pop(key, None)
-                self.unverified.discard(key)
-                self.evictions += 1
+                total -= self._evict(key)
+
+    def _evict(self, key: str) -> int:
+        """Remove entry `key` (the lock held); its bytes."""
+        shutil.rmtree(self.root / key, ignore_errors=True)
+        self._used.pop(key, None)
+        self.unverified.discard(key)
+        self.evictions += 1
+        return self._bytes.pop(key)
 
     def entries(self) -> list[str]:
         with self._lock:

@@ -37,3 +37,34 @@ def test_every_file_and_the_entry_are_synced_before_the_rename(tmp_path, monkeyp
     for path in (entry, *entry.rglob("*")):  # every file and directory of the entry, before the rename
         assert path.stat().st_ino in synced_first, path
     assert ("fsync", cache.root.stat().st_ino) in events[renamed:]  # then the rename itself
+
+
+def test_a_full_disk_gives_up_the_copies_no_one_holds_before_refusing_a_wanted_one(tmp_path):
+    """A disk smaller than the cache's budget (or shared with others) fills up: every new version then failed
+    with disk full, for good, while copies no push held any more filled the disk. The entries not protected
+    go, least recently used first, and the fill is tried once more."""
+    import errno
+
+    import pytest
+
+    from lorafleet.worker.disk_cache import CacheDiskError, cache_write
+
+    capacity = 300  # what the "disk" holds, whatever the budget says
+    cache = DiskCache(tmp_path / "c", budget_bytes=10_000)
+
+    def filler(size: int):
+        def fill(d):
+            if cache.used_bytes + size > capacity:
+                cache_write(lambda: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left on device")))
+            (d / "adapter_model.safetensors").write_bytes(b"w" * size)
+        return fill
+
+    for key in ("old", "held", "older"):
+        cache.put(key, filler(100))
+    cache.get("old")  # used after "older": "older" is the least recently used
+    cache.put("new", filler(150), protect={"held"})
+    assert sorted(cache.entries()) == ["held", "new"] and cache.evictions == 2
+    assert sorted(p.name for p in cache.root.iterdir()) == ["held", "new"]  # nothing half-written left
+    with pytest.raises(CacheDiskError) as err:  # nothing left to give up: the disk-full error stands
+        cache.put("newer", filler(100), protect={"held", "new"})
+    assert err.value.errno == errno.ENOSPC and sorted(cache.entries()) == ["held", "new"]
