@@ -36,7 +36,7 @@ from lorafleet.operator.controller import PoolKey, merge_conditions
 from lorafleet.operator.crd_models import PoolSpec, SpecError
 from lorafleet.operator.deployments import DeploymentClient, KubeError, TargetNotFound
 from lorafleet.operator.ownership import ready_worker_pods
-from lorafleet.operator.prometheus import MetricsError, PoolSignals, PrometheusClient
+from lorafleet.operator.prometheus import KV_USAGE, QUEUE_DEPTH, MetricsError, PoolSignals, PrometheusClient
 from lorafleet.operator.prometheus_allowlist import PrometheusAllowlist
 from lorafleet.operator.statuses import condition
 
@@ -153,7 +153,7 @@ class PoolScaler:
         except KubeError as exc:
             return scaling(False, "FailedGetScale", f"spec.scaling.target: {exc}")
 
-        signals = PoolSignals(None, None, None)
+        signals, unseen = PoolSignals(None, None, None), False
         corrected = bound_correction(spec, current)
         if corrected is not None:
             wanted, why = corrected
@@ -167,6 +167,9 @@ class PoolScaler:
                 return scaling(False, "MetricsUnavailable", f"spec.scaling.prometheusURL: {exc}; replicas stay "
                                                             f"at {current}")
             recommended, why = recommend(spec, signals.hit_rate, signals.kv_usage, current, signals.waiting)
+            # Every worker exports its KV and queue gauges from its first scrape: none for pods ready a while is a
+            # scrape that does not reach them, or labels the queries do not find, not "no traffic".
+            unseen = bool(worker_pods) and signals.kv_usage is None and signals.waiting is None
             clock = self.clock()
             wanted = memory.stabilizer.stabilize(recommended, current, now=clock, up_seconds=spec.scale_up_seconds,
                                                  down_seconds=spec.scale_down_seconds)
@@ -199,6 +202,13 @@ class PoolScaler:
         result: dict[str, Any] = {"desiredReplicas": wanted, "hitRate": _rounded(signals.hit_rate),
                                   "kvUsage": _rounded(signals.kv_usage)}
         observed = "" if corrected is not None else f"; {_signals(spec, signals)}"
+        if corrected is None and unseen:
+            return {**result, "desiredReplicas": current}, (False, "MetricsMissing", (
+                f"{current} replicas, left as they are: Prometheus at spec.scaling.prometheusURL has no "
+                f"{KV_USAGE} or {QUEUE_DEPTH} series with labels namespace={namespace!r} and pod in "
+                f"{', '.join(worker_pods)}; scrape the workers' /metrics (the chart's pod annotations, or its "
+                f"ServiceMonitor: --set metrics.serviceMonitor.enabled=true and the labels your Prometheus "
+                f"selects by, metrics.serviceMonitor.labels) keeping those two labels"))
         if wanted == current:
             return result, (True, "Steady", f"{current} replicas: {why}{note}{observed}")
         try:

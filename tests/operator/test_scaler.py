@@ -135,10 +135,10 @@ async def test_scale_down_waits_for_the_window_and_unknown_metrics_hold(setup):
     scaler, metrics, deployments, clock = setup
     deployments.replicas = 3
     body, pods = pool(scaleDownStabilizationSeconds=60), [pod("w-0"), pod("w-1"), pod("w-2")]
-    metrics.signals = (None, None)
+    metrics.signals = (None, 0.2)  # no traffic yet: no hit rate
     st = await tick(scaler, body, pods)
     assert deployments.patches == [] and st["desiredReplicas"] == 3 and "hitRate" not in st
-    assert scaling_condition(st)["message"].startswith("3 replicas: no metrics")
+    assert scaling_condition(st)["reason"] == "Steady"
     metrics.signals = (0.99, 0.1)
     clock.now += 30
     st = await tick(scaler, body, pods)
@@ -320,7 +320,28 @@ async def test_signals_that_turn_unknown_leave_the_status_without_the_old_figure
     metrics.signals = (None, None)
     clock.now += 3600
     st = await tick(scaler, body, pods)
-    assert "hitRate" not in st and "kvUsage" not in st and "unknown" in scaling_condition(st)["message"]
+    assert "hitRate" not in st and "kvUsage" not in st and scaling_condition(st)["reason"] == "MetricsMissing"
+
+
+async def test_ready_workers_without_series_are_a_scrape_to_fix_not_a_steady_pool(setup):
+    """Workers export their KV and queue gauges from their first scrape: ready workers Prometheus has neither
+    of are not scraped (a Prometheus Operator ignores the pods' annotations), or not under the labels the
+    queries select by. The pool said Steady while overloaded workers were never scaled."""
+    scaler, metrics, deployments, _ = setup
+    deployments.replicas = 2
+    metrics.signals = (None, None, None)
+    st = await tick(scaler, pool(), [pod("w-0"), pod("w-1")])
+    cond = scaling_condition(st)
+    assert (cond["status"], cond["reason"]) == ("False", "MetricsMissing") and deployments.patches == []
+    assert "lorafleet_kv_cache_usage_ratio" in cond["message"] and "namespace='ns'" in cond["message"]
+    assert "w-0, w-1" in cond["message"] and "metrics.serviceMonitor.enabled=true" in cond["message"]
+    assert st["desiredReplicas"] == 2 and "kvUsage" not in st
+    metrics.signals = (None, None, None)  # no ready worker: nothing to scrape yet, nothing missing
+    st = await tick(scaler, pool(), [pod("w-0", ready=False)])
+    assert scaling_condition(st)["reason"] == "Steady"
+    metrics.signals = (None, None, 0.0)  # the queue gauge alone is enough to know the scrape works
+    st = await tick(scaler, pool(), [pod("w-0"), pod("w-1")])
+    assert scaling_condition(st)["reason"] == "Steady"
 
 
 async def test_the_scaling_condition_goes_into_the_status_as_it_is_after_the_pass(setup):
