@@ -418,3 +418,32 @@ def test_the_operator_asks_only_the_prometheus_servers_the_release_names():
                                                                                    "scaling": scaling}})) == ()
     with pytest.raises(helm.HelmValuesError):
         render({"operator": {"prometheusURLs": ["http://user:pw@prometheus:9090"]}})
+
+
+def test_workers_sharing_a_node_local_cache_never_share_a_node():
+    """Two stagers on one hostPath cache delete each other's downloads in progress and trim each other's
+    copies: with a hostPath cache the workers are kept on distinct nodes, unless worker.affinity says
+    otherwise (then it is the user's)."""
+    def affinity(values: dict) -> dict | None:
+        return find(render(values), "Deployment", "-worker")["spec"]["template"]["spec"].get("affinity")
+
+    assert affinity({}) is None  # an emptyDir per pod: nothing shared
+    cached = {"worker": {"adapterCache": {"hostPath": "/var/lib/lorafleet/adapters"}}}
+    term = affinity(cached)["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]
+    pod_labels = find(render(cached), "Deployment", "-worker")["spec"]["template"]["metadata"]["labels"]
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+    assert term["labelSelector"]["matchLabels"].items() <= pod_labels.items()
+    own = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "gpu", "operator": "In", "values": ["h200"]}]}]}}}
+    assert affinity({"worker": {**cached["worker"], "affinity": own}}) == own
+
+
+def test_a_node_drain_evicts_one_worker_at_a_time_and_streams_get_minutes_to_end():
+    docs = render({})
+    budget = find(docs, "PodDisruptionBudget", "-worker")
+    pod = find(docs, "Deployment", "-worker")["spec"]["template"]
+    assert budget["spec"]["maxUnavailable"] == 1
+    assert budget["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    assert pod["spec"]["terminationGracePeriodSeconds"] >= 300
+    assert not any(d["kind"] == "PodDisruptionBudget"
+                   for d in render({"worker": {"podDisruptionBudget": {"enabled": False}}}))
