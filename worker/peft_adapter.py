@@ -56,7 +56,7 @@ from lorafleet.worker.peft_config import (
     refuse_embedding_targets,
     refuse_unsupported,
 )
-from lorafleet.worker.peft_patterns import is_targeted, lora_scale, module_rank_alpha
+from lorafleet.worker.peft_patterns import compiled_keys, is_targeted, lora_scale, module_rank_alpha
 from lorafleet.worker.vocab_digest import tokenizer_mismatch
 
 log = logging.getLogger(__name__)
@@ -174,6 +174,9 @@ def _is_float32_finite(value: float) -> bool:
     return bool(torch.isfinite(torch.tensor(value, dtype=torch.float32)))
 
 
+MAX_HEADER_BYTES = 16 << 20  # a safetensors header (its JSON index of the tensors)
+
+
 def _read_tensors(raw: bytes, path: Path, num_layers: int, config: dict) -> tuple[dict, dict[tuple[int, str], str]]:
     """(layer, proj) -> {"A": lora_A, "B": lora_B}, and the module name each came with (a variant's
     training-only tensors, `_TRAINING_ONLY`, are dropped).
@@ -181,6 +184,12 @@ def _read_tensors(raw: bytes, path: Path, num_layers: int, config: dict) -> tupl
     From the file's bytes, read once, never from a memory map of the file: the tensors own their
     memory, so a file rewritten in place later changes nothing served (and truncating it cannot
     kill the process with SIGBUS)."""
+    header = int.from_bytes(raw[:8], "little") if len(raw) >= 8 else 0
+    if MAX_HEADER_BYTES < header <= len(raw) - 8:  # its entries cost far more parsed than as bytes (longer than
+        # the file: a truncated or foreign one, refused below)
+        raise AdapterError(f"{path / WEIGHTS_FILE}: a safetensors header of {header} bytes, over the "
+                           f"{MAX_HEADER_BYTES} a LoRA's tensors need (a 70B model's every projection: about "
+                           f"200 KB); refused before parsing it")
     try:
         tensors = safetensors.torch.load(raw)
     except Exception as exc:  # a truncated or foreign file
@@ -256,6 +265,8 @@ def load_peft_adapter(
     _refuse_pickles(path)
     config, config_raw = read_config(path, max_file_bytes)
     refuse_unsupported(config, path)
+    pattern_keys = (compiled_keys(config.get("rank_pattern") or {}, "rank_pattern"),
+                    compiled_keys(config.get("alpha_pattern") or {}, "alpha_pattern"))
     num_layers = int(_cfg(model_config, "num_hidden_layers"))
     refuse_embedding_targets(config, path, num_layers)
     base = config.get("base_model_name_or_path") or ""
@@ -303,7 +314,7 @@ def load_peft_adapter(
                                f"does not select it; adapter_config.json does not belong to these weights")
         a, b = ab["A"], ab["B"]
         out_f, in_f = shapes[proj]
-        r, alpha = module_rank_alpha(config, module)
+        r, alpha = module_rank_alpha(config, module, pattern_keys)
         if a.dim() == b.dim() == 2 and a.shape[1] == in_f and b.shape[0] == out_f and a.shape[0] != b.shape[1]:
             raise AdapterError(f"{path}: {label}: lora_A {list(a.shape)} has rank {a.shape[0]} and lora_B "
                                f"{list(b.shape)} rank {b.shape[1]}; the two must share one rank: "

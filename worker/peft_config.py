@@ -21,7 +21,7 @@ from lorafleet.worker.file_limits import (
     FileLimitError,
     read_limited,
 )
-from lorafleet.worker.peft_patterns import is_targeted, layer_regex
+from lorafleet.worker.peft_patterns import MAX_PATTERN_KEYS, is_targeted, layer_regex
 
 PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
@@ -125,6 +125,9 @@ def _refuse_malformed(config: dict, where: Path) -> None:
         raise AdapterError(f"{where}: layers_to_transform must be a layer index or a list of them, got {layers!r}")
     for field in ("rank_pattern", "alpha_pattern"):
         pattern = config.get(field)
+        if isinstance(pattern, dict) and len(pattern) > MAX_PATTERN_KEYS:
+            raise AdapterError(f"{where}: {field} has {len(pattern)} keys, over the {MAX_PATTERN_KEYS} an adapter "
+                               f"may carry; group modules under patterns in {CONFIG_FILE}")
         for key in pattern if isinstance(pattern, dict) else ():
             _compile(field, rf"(.*\.)?({key})$", where, shown=key)
     base = config.get("base_model_name_or_path")

@@ -32,11 +32,29 @@ def _match(pattern: str, module_name: str, field: str, *, full: bool) -> bool:
     return _find(pattern, module_name, field, full=full) is not None
 
 
-def pattern_key(pattern_keys: list[str], module_name: str) -> str | None:
-    """PEFT's `get_pattern_key`: the first key that matches the end of the module name."""
-    for key in pattern_keys:
-        if _match(rf"(.*\.)?({key})$", module_name, "rank_pattern / alpha_pattern", full=False):
-            return key
+MAX_PATTERN_KEYS = 4096  # of rank_pattern or alpha_pattern (one per module of a 70B model is 560)
+
+
+def compiled_keys(pattern: dict, field: str) -> list[tuple[str, regex.Pattern]]:
+    """Each key of `pattern` (rank_pattern / alpha_pattern, checked by peft_config.refuse_unsupported: at most
+    MAX_PATTERN_KEYS valid regexes) with its end-of-name regex, compiled once for a load: the regex module's
+    own cache holds 500, so a larger dict was compiled again for every module, with the interpreter lock
+    held."""
+    return [(key, regex.compile(rf"(.*\.)?({key})$")) for key in pattern]
+
+
+def pattern_key(pattern_keys: list[tuple[str, regex.Pattern]], module_name: str) -> str | None:
+    """PEFT's `get_pattern_key`: the first key (of `compiled_keys`) that matches the end of the module name."""
+    for key, compiled in pattern_keys:
+        try:
+            if compiled.match(module_name, timeout=MATCH_SECONDS, concurrent=True) is not None:
+                return key
+        except TimeoutError:
+            from lorafleet.worker.peft_config import CONFIG_FILE, AdapterError
+
+            raise AdapterError(f"rank_pattern / alpha_pattern: the regex {key!r} takes over {MATCH_SECONDS} s to "
+                               f"match the module name {module_name!r} (it backtracks without end); simplify it "
+                               f"in {CONFIG_FILE}") from None
     return None
 
 
@@ -85,11 +103,17 @@ def is_targeted(config: dict, module_name: str) -> bool:
     return found and _layer_selected(config, module_name)
 
 
-def module_rank_alpha(config: dict, module_name: str) -> tuple[float, float]:
+def module_rank_alpha(config: dict, module_name: str,
+                      keys: tuple[list[tuple[str, regex.Pattern]], list[tuple[str, regex.Pattern]]] | None = None
+                      ) -> tuple[float, float]:
+    """The rank and alpha of `module_name`. `keys`: `compiled_keys` of rank_pattern and alpha_pattern, when
+    the caller asks for many modules (else compiled for this call)."""
     rank_pattern = config.get("rank_pattern") or {}
     alpha_pattern = config.get("alpha_pattern") or {}
-    r_key = pattern_key(list(rank_pattern), module_name)
-    a_key = pattern_key(list(alpha_pattern), module_name)
+    if keys is None:
+        keys = compiled_keys(rank_pattern, "rank_pattern"), compiled_keys(alpha_pattern, "alpha_pattern")
+    r_key = pattern_key(keys[0], module_name)
+    a_key = pattern_key(keys[1], module_name)
     r = rank_pattern[r_key] if r_key is not None else config.get("r", 8)
     alpha = alpha_pattern[a_key] if a_key is not None else config.get("lora_alpha", 8)
     return r, alpha

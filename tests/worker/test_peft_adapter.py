@@ -287,6 +287,40 @@ def test_refuses_rank_that_disagrees_with_config(tmp_path, model_config):
         load_peft_adapter(tmp_path / "x", model_config, dtype=torch.float32)
 
 
+def test_pattern_keys_are_compiled_once_per_load_and_bounded(tmp_path, model_config, monkeypatch):
+    """A rank_pattern of thousands of keys outgrew the regex module's cache of 500: every key was compiled
+    again for every module, with the interpreter lock held, while the admin lock waited (5,000 keys: 15 s on
+    a 2-layer model). Keys are compiled once per load, their alpha as PEFT picks it, and at most 4,096."""
+    from collections import Counter
+
+    import regex
+
+    from lorafleet.worker import peft_patterns
+
+    make_adapter(tmp_path / "x", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    keys = {f"layers.{i}.self_attn.nothing_{i}": 4 for i in range(1000)}
+    _edit_config(tmp_path / "x", alpha_pattern={**keys, "layers.1.self_attn.v_proj": 32})
+    compiled = []
+    real = regex.compile
+    monkeypatch.setattr(peft_patterns.regex, "compile", lambda *a, **k: compiled.append(a[0]) or real(*a, **k))
+    weights = load_peft_adapter(tmp_path / "x", model_config, dtype=torch.float32)
+    # checked once, compiled for matching once: not once per module
+    assert len(compiled) == 2 * 1001 and max(Counter(compiled).values()) == 2
+    assert weights.modules[(1, "v_proj")].scale == 32 / 4 and weights.modules[(0, "v_proj")].scale == 8 / 4
+    _edit_config(tmp_path / "x", alpha_pattern={f"k{i}": 4 for i in range(4097)})
+    with pytest.raises(AdapterError, match="alpha_pattern has 4097 keys, over the 4096"):
+        load_peft_adapter(tmp_path / "x", model_config, dtype=torch.float32)
+
+
+def test_a_safetensors_header_larger_than_any_lora_s_is_refused_before_parsing(tmp_path, model_config):
+    """A header listing millions of empty tensors took half a minute and gigabytes to parse before any check."""
+    make_adapter(tmp_path / "x", r=4, lora_alpha=8, target_modules=["q_proj"])
+    header = json.dumps({"__metadata__": {"pad": "x" * (17 << 20)}}).encode()
+    (tmp_path / "x" / "adapter_model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
+    with pytest.raises(AdapterError, match="a safetensors header of 17825.* bytes, over the 16777216"):
+        load_peft_adapter(tmp_path / "x", model_config, dtype=torch.float32)
+
+
 def test_refuses_incomplete_or_mismatched_weight_files(tmp_path, model_config):
     make_adapter(tmp_path / "x", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
     path = tmp_path / "x" / "adapter_model.safetensors"
