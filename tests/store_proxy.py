@@ -95,20 +95,25 @@ async def stalling_proxy(port: int, path: str, released: asyncio.Event):
 
 
 @contextlib.asynccontextmanager
-async def throttling_proxy(port: int, path: str, times: int):
+async def answering_proxy(port: int, path: str, times: int, status: bytes, content_type: bytes, body: bytes):
     """A TCP proxy to 127.0.0.1:`port` that answers the first `times` GETs of objects under `path` (path-style
-    `/bucket/prefix/`) itself, with S3's 503 SlowDown, as a throttled store does; yields (endpoint, the
-    request lines it answered so)."""
-    refused: list[bytes] = []
-    body = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code><Message>Please reduce your '
-            b'request rate.</Message></Error>')
+    `/bucket/prefix/`) itself, with `status` (b"503 Slow Down") and `body`; yields (endpoint, the request
+    lines it answered so)."""
+    answered: list[bytes] = []
 
-    def slow_down(line: bytes) -> bytes | None:
-        if len(refused) >= times or not line.startswith(b"GET ") or path.encode() not in line:
+    def answer(line: bytes) -> bytes | None:
+        if len(answered) >= times or not line.startswith(b"GET ") or path.encode() not in line:
             return None
-        refused.append(line)
-        return (b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nContent-Length: "
+        answered.append(line)
+        return (b"HTTP/1.1 " + status + b"\r\nContent-Type: " + content_type + b"\r\nContent-Length: "
                 + str(len(body)).encode() + b"\r\n\r\n" + body)
 
-    async with _proxy(port, chunk=1 << 16, answer=slow_down) as endpoint:
-        yield endpoint, refused
+    async with _proxy(port, chunk=1 << 16, answer=answer) as endpoint:
+        yield endpoint, answered
+
+
+def throttling_proxy(port: int, path: str, times: int):
+    """`answering_proxy` with S3's 503 SlowDown, as a throttled store answers."""
+    return answering_proxy(port, path, times, b"503 Slow Down", b"application/xml",
+                           b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code><Message>Please '
+                           b'reduce your request rate.</Message></Error>')

