@@ -3,7 +3,10 @@
 Each folder is its own adapter (name = folder name, version = digest prefix). A folder that cannot
 be served (no safetensors, a name that is no adapter name, a digest that does not verify) is reported
 in `GET /v1/state` and never holds the others back; one that failed for a reason that may pass (store
-down, timeout, an upload in progress) is tried again with backoff, and every retry pushes what is staged by then. A push
+down or busy, timeout, the node's disk full, objects changing: an upload in progress) is tried again with
+backoff, and every retry pushes what is staged by then; a folder that lacks its adapter files is tried again
+for `MISSING_RETRY_S` (uploaded file by file). The store's refusal (access denied), a digest that does not
+verify or files over the limit are reported and not tried again: they stay until fixed. A push
 from elsewhere (`PUT /v1/directives`) ends the seed: from then on the directives rule.
 """
 
@@ -16,13 +19,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from lorafleet.worker.directives import UNSTAGED, AdapterDirective, DesiredState, DirectiveError, VersionRef
-from lorafleet.worker.sources import SourceError
 from lorafleet.worker.staging_errors import staging_error
 
 if TYPE_CHECKING:
     from lorafleet.worker.stager import Stager
 
 log = logging.getLogger("lorafleet.stager")
+# Failures (staging_error codes) that may pass by themselves: the folder is tried again.
+PASSING = ("object_store_unavailable", "download_timeout", "changed", "cache_disk_full", "cache_disk_error")
+MISSING_RETRY_S = 300.0  # a folder without its adapter files may be an upload in progress for this long
 
 
 @dataclass(slots=True)
@@ -38,12 +43,13 @@ class SeedReport:
         return {"uri": self.uri, "errors": dict(self.errors), "retrying": list(self.retrying)}
 
 
-async def seed(stager: Stager, uri: str) -> SeedReport:
+async def seed(stager: Stager, uri: str, *, since: float | None = None) -> SeedReport:
     """Stage the folders under `uri` the seed does not serve yet, then push every folder served; the
-    report names the others."""
+    report names the others. `since`: time.monotonic() of the first pass (None: this one)."""
     report = SeedReport(uri)
     served = {a.stable.uri: a for a in stager.desired.adapters} if stager.seed_report is not None else {}
     push_start = time.monotonic()  # a store that fails one folder is not tried again for the others
+    since = push_start if since is None else since
     try:
         folders = await asyncio.to_thread(stager.sources.list_adapters, uri)
     except Exception as exc:
@@ -60,8 +66,9 @@ async def seed(stager: Stager, uri: str) -> SeedReport:
         except DirectiveError as exc:
             report.errors[folder] = f"{folder}: not served: {exc} (rename the folder)"
         except Exception as exc:
-            report.errors[folder] = report.adapter_errors[(name, UNSTAGED)] = staging_error(exc, folder).message
-            if not isinstance(exc, SourceError) or exc.kind == "changed":  # store down, timeout, an upload: may pass
+            refusal = staging_error(exc, folder)
+            report.errors[folder] = report.adapter_errors[(name, UNSTAGED)] = refusal.message
+            if refusal.code in PASSING or (refusal.code == "missing" and time.monotonic() - since < MISSING_RETRY_S):
                 report.retrying.append(folder)
         else:
             served[folder] = AdapterDirective(name, "default", VersionRef(s.sha256[:12], folder, s.sha256))
@@ -74,10 +81,10 @@ async def seed(stager: Stager, uri: str) -> SeedReport:
 async def seed_until_done(stager: Stager, uri: str) -> None:
     """Seed, and again with backoff while a folder may still stage or the push did not reach the
     engine (it may still be starting), until a push from elsewhere takes over."""
-    delay = 0.2
+    delay, since = 0.2, time.monotonic()
     while stager.desired is None or stager.seed_report is not None:
         try:
-            report = await seed(stager, uri)
+            report = await seed(stager, uri, since=since)
             if not report.retrying:
                 log.info("serving the adapters under %s (%d folders not served)", uri, len(report.errors))
                 return

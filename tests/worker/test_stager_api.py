@@ -90,6 +90,39 @@ async def test_a_folder_caught_mid_upload_is_seeded_again(tmp_path, monkeypatch)
     assert report.retrying == [URI] and "the objects changed" in report.errors[URI]
 
 
+async def test_the_seed_tries_again_what_may_pass_and_reports_what_will_not(tmp_path, monkeypatch):
+    """The seed tried again whatever was no SourceError, a store's 403 included (for ever: readiness waited on
+    it), and never a folder whose weights were still being uploaded. It tries again what may pass (the store
+    down or busy, the disk full, an upload: for MISSING_RETRY_S), and reports the rest once."""
+    import time
+
+    from minio.error import S3Error
+
+    from lorafleet.worker import stager_seed
+    from lorafleet.worker.stager_store import StoreDown
+
+    folders = {f"{URI}{name}/": exc for name, exc in {
+        "denied": S3Error(None, "AccessDenied", "Access Denied.", "/adapters/team/denied/", "", ""),
+        "uploading": SourceError(f"{URI}uploading/: missing adapter_model.safetensors", "missing"),
+        "down": StoreDown("not tried: the store did not answer earlier in this push"),
+        "full": OSError(errno.ENOSPC, "No space left on device"),
+        "bad": SourceError(f"{URI}bad/: sha256 mismatch", "digest_mismatch"),
+    }.items()}
+    stager = Stager(config(tmp_path))
+    monkeypatch.setattr(stager.sources, "list_adapters", lambda uri: list(folders))
+
+    async def stage(uri: str, sha256: str | None, **kw):
+        raise folders[uri]
+
+    monkeypatch.setattr(stager, "stage", stage)
+    report = await seed(stager, "s3://adapters/team/")
+    assert sorted(report.retrying) == [f"{URI}{n}/" for n in ("down", "full", "uploading")], report.retrying
+    assert set(report.errors) == set(folders) and "refused the stager" in report.errors[f"{URI}denied/"]
+    long_ago = time.monotonic() - stager_seed.MISSING_RETRY_S - 1  # an upload that never finished
+    report = await seed(stager, "s3://adapters/team/", since=long_ago)
+    assert sorted(report.retrying) == [f"{URI}{n}/" for n in ("down", "full")], report.retrying
+
+
 async def test_a_push_from_elsewhere_during_a_seed_pass_is_not_overwritten_by_it(tmp_path, monkeypatch):
     """The operator's push arrives while a seed pass downloads: it rules from then on. The seed pass went on to
     push its folders anyway (a newer generation), taking over from the operator's push."""
