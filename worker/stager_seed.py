@@ -4,9 +4,9 @@ Each folder is its own adapter (name = folder name, version = digest prefix). A 
 be served (no safetensors, a name that is no adapter name, a digest that does not verify) is reported
 in `GET /v1/state` and never holds the others back; one that failed for a reason that may pass (store
 down or busy, timeout, the node's disk full, objects changing: an upload in progress) is tried again with
-backoff, and every retry pushes what is staged by then; a folder that lacks its adapter files is tried again
-for `MISSING_RETRY_S` (uploaded file by file). The store's refusal (access denied), a digest that does not
-verify or files over the limit are reported and not tried again: they stay until fixed. A push
+backoff, and every retry pushes what is staged by then. The store's refusal (access denied), a folder without
+its adapter files (a pickle-only one looks the same as one whose upload has not begun: a push names it again
+once there), a digest that does not verify or files over the limit are reported and not tried again. A push
 from elsewhere (`PUT /v1/directives`) ends the seed: from then on the directives rule.
 """
 
@@ -27,7 +27,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("lorafleet.stager")
 # Failures (staging_error codes) that may pass by themselves: the folder is tried again.
 PASSING = ("object_store_unavailable", "download_timeout", "changed", "cache_disk_full", "cache_disk_error")
-MISSING_RETRY_S = 300.0  # a folder without its adapter files may be an upload in progress for this long
 
 
 @dataclass(slots=True)
@@ -43,13 +42,12 @@ class SeedReport:
         return {"uri": self.uri, "errors": dict(self.errors), "retrying": list(self.retrying)}
 
 
-async def seed(stager: Stager, uri: str, *, since: float | None = None) -> SeedReport:
+async def seed(stager: Stager, uri: str) -> SeedReport:
     """Stage the folders under `uri` the seed does not serve yet, then push every folder served; the
-    report names the others. `since`: time.monotonic() of the first pass (None: this one)."""
+    report names the others."""
     report = SeedReport(uri)
     served = {a.stable.uri: a for a in stager.desired.adapters} if stager.seed_report is not None else {}
     push_start = time.monotonic()  # a store that fails one folder is not tried again for the others
-    since = push_start if since is None else since
     try:
         folders = await asyncio.to_thread(stager.sources.list_adapters, uri)
     except Exception as exc:
@@ -68,7 +66,7 @@ async def seed(stager: Stager, uri: str, *, since: float | None = None) -> SeedR
         except Exception as exc:
             refusal = staging_error(exc, folder)
             report.errors[folder] = report.adapter_errors[(name, UNSTAGED)] = refusal.message
-            if refusal.code in PASSING or (refusal.code == "missing" and time.monotonic() - since < MISSING_RETRY_S):
+            if refusal.code in PASSING:
                 report.retrying.append(folder)
         else:
             served[folder] = AdapterDirective(name, "default", VersionRef(s.sha256[:12], folder, s.sha256))
@@ -81,10 +79,10 @@ async def seed(stager: Stager, uri: str, *, since: float | None = None) -> SeedR
 async def seed_until_done(stager: Stager, uri: str) -> None:
     """Seed, and again with backoff while a folder may still stage or the push did not reach the
     engine (it may still be starting), until a push from elsewhere takes over."""
-    delay, since = 0.2, time.monotonic()
+    delay = 0.2
     while stager.desired is None or stager.seed_report is not None:
         try:
-            report = await seed(stager, uri, since=since)
+            report = await seed(stager, uri)
             if not report.retrying:
                 log.info("serving the adapters under %s (%d folders not served)", uri, len(report.errors))
                 return
