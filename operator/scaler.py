@@ -145,6 +145,12 @@ class PoolScaler:
             return scaling(False, "AmbiguousTarget", f"spec.scaling.target: Deployment {spec.target!r} is also the "
                                                      f"target of LoRAPool {rival!r}, which scales it (the first by "
                                                      f"name); give each pool its own Deployment")
+        workers = (body.get("spec") or {}).get("workerDeployment")
+        if workers is not None and workers != spec.target:
+            self.forget(key)
+            return scaling(False, "TargetNotWorkers", f"spec.scaling.target: Deployment {spec.target!r} is not the "
+                                                      f"pool's spec.workerDeployment {workers!r}, the only one whose "
+                                                      f"pods it reaches; replicas are left as they are")
         memory = self._pool_memory(key, spec.target)
         try:
             current = await self.deployments.get_replicas(namespace, spec.target)

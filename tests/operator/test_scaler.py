@@ -448,3 +448,20 @@ async def test_a_low_hit_rate_on_an_idle_pool_does_not_pin_max_replicas(setup):
     assert deployments.patches == [1] and deployments.replicas == 1
     message = scaling_condition(st)["message"]
     assert "GPU hit rate 0.5 < targetHitRate 0.9, but no load pressure" in message, message
+
+
+async def test_a_pool_scales_only_the_deployment_of_its_workers(setup):
+    """spec.scaling.target may name any Deployment of the namespace: a pool that names its workers' Deployment
+    (spec.workerDeployment, the only one whose pods it reaches) scales that one only, so that whoever may edit
+    a pool cannot use the operator's scale permission on the namespace's other Deployments."""
+    scaler, metrics, deployments, _ = setup
+    deployments.replicas = 9  # out of bounds: corrected at once, without metrics, were it the target
+    body = pool()
+    body["spec"]["workerDeployment"] = "lorafleet-worker"
+    st = await tick(scaler, body, [pod("w-0")])
+    cond = scaling_condition(st)
+    assert (cond["status"], cond["reason"]) == ("False", "TargetNotWorkers") and deployments.patches == []
+    assert "'workers' is not the pool's spec.workerDeployment 'lorafleet-worker'" in cond["message"]
+    body["spec"]["workerDeployment"] = "workers"
+    st = await tick(scaler, body, [pod("w-0")])
+    assert deployments.patches == [6]
