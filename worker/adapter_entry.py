@@ -69,6 +69,10 @@ class AdapterEntry:
     last_used: int = 0
     retired: bool = False
     retire_reason: str = "version"  # version | unregister
+    # Requests that ran on it (they have output) and gave it back to free its room (the scheduler's let-go):
+    # they take it again, so it is not retired while any is left; a retirement meanwhile waits (retire_pending).
+    detached: set = field(default_factory=set)
+    retire_pending: str | None = None
     load_seconds: float = 0.0  # last disk->CPU load
     copy_seconds: float = 0.0  # last CPU->GPU copy
     error: AdapterLoadError | None = None  # last failure, for reports

@@ -185,6 +185,8 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
                 entry.uses += 1
                 entry.last_used = self._tick
                 entry.waiters.discard(waiter)
+                if waiter in entry.detached:
+                    self.reattached(entry, waiter)
                 return entry.slot
             if first_look:
                 if not entry.on_gpu and entry.fetching is None:  # this request starts the load
@@ -196,11 +198,15 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
             self._want(entry)
             return None
 
-    def release(self, slot: int) -> None:
+    def release(self, slot: int, *, detach: object = None) -> None:
+        """Give back one reference to the adapter in `slot`; `detach`: the id of a request that will take it
+        again (as `abandon`'s), noted under the same lock, so that no retirement comes in between."""
         with self._lock:
             entry = self._slot_owner.get(slot)
             if entry is None or entry.refcount <= 0:
                 raise RuntimeError(f"release of slot {slot} that holds no reference")
+            if detach is not None and not entry.retired:
+                entry.detached.add(detach)
             entry.refcount -= 1
             if entry.refcount > 0:
                 return
@@ -211,13 +217,20 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
             if self._wanted:
                 self._sweep_wanted()  # it may make room for an adapter nobody's acquire retries (prefetch, pin)
 
-    def abandon(self, key: str, waiter: object) -> None:
-        """A waiting request went away (aborted) before its adapter arrived."""
+    def abandon(self, key: str, waiter: object, *, detach: bool = False) -> None:
+        """A waiting request went away (aborted) before its adapter arrived. `detach`: it only stops waiting for
+        now and will take it again (it ran on this version): the version is not retired before it does, or goes
+        away (`reattached`)."""
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None:
                 entry.waiters.discard(waiter)
                 entry.failed_waiters.pop(waiter, None)
+                if detach and not entry.retired:
+                    entry.detached.add(waiter)
+                    return
+                if waiter in entry.detached:
+                    self.reattached(entry, waiter)
                 if self._drop_if_unused(entry):  # loaded for that request only, and replaced since
                     self._update_gauges()
                 else:

@@ -56,6 +56,7 @@ class AdapterVersions:
                         f"version (name@other-version) so no request is served stale weights"
                     )
                 if not entry.retired:
+                    entry.retire_pending = None  # registered again before the requests that held it came back
                     pinned = entry.pinned = entry.pinned or pinned
                     # Registered again from another place (a push that moved the version's folder): later
                     # loads read from there, as the old one may be gone (a reload is held to the digest).
@@ -188,10 +189,15 @@ class AdapterVersions:
 
     def _retire(self, entry: AdapterEntry, reason: str = "version") -> None:
         """No new request resolves to it; requests that hold it (or wait for its copy) still get it, and
-        it is dropped as soon as none does (`_drop_if_unused`: here, on release, on abandon)."""
-        entry.retired, entry.retire_reason = True, reason
+        it is dropped as soon as none does (`_drop_if_unused`: here, on release, on abandon). While requests
+        that gave it back to take it again later are left (`detached`), it only stops being pinned or warm,
+        and retires once the last of them takes it or goes (`reattached`)."""
         entry.pinned = False  # pinning holds the version being served: a retired one goes once unused
         self._warm.pop(entry.key, None)  # ...and is never brought back to the GPU (adapter_warmth.py)
+        if entry.detached:
+            entry.retire_pending = reason
+            return
+        entry.retired, entry.retire_reason, entry.retire_pending = True, reason, None
         self._wanted.pop(entry.key, None)
         entry.loader = None  # never reloaded: drops the caller's CPU copy with it
         if entry.image is not None and entry.copying is None:
@@ -208,3 +214,10 @@ class AdapterVersions:
             return False
         self._drop(entry, reason=entry.retire_reason)
         return True
+
+    def reattached(self, entry: AdapterEntry, waiter: object) -> None:
+        """`waiter`, which gave `entry` back (detached), took it again or went away: a retirement that waited
+        for the last such request happens now."""
+        entry.detached.discard(waiter)
+        if not entry.detached and entry.retire_pending is not None:
+            self._retire(entry, entry.retire_pending)

@@ -365,11 +365,10 @@ class Scheduler:
         return True
 
     def _let_go_of_adapters(self, *, but: Sequence) -> list[Sequence]:
-        """Nothing runs and `but` cannot get pages (for its KV cache or its adapter) or an adapter slot: the
-        other queued sequences give back the adapters they hold or wait for, so that idle adapters can give
-        their room away (an adapter a queued request holds, or was loaded for, is never evicted). Each takes
-        its adapter again when admitted. A replaced version is kept, as it could not be taken again: those
-        holding one are returned."""
+        """Nothing runs and `but` cannot get pages or a slot: the other queued sequences give back the adapters
+        they hold or wait for, so that idle ones give their room away (one a queued request holds or was loaded
+        for is never evicted); each takes it again when admitted (one with output detached: its version stays).
+        A replaced version is kept, as it could not be taken again: those holding one are returned."""
         kept = []
         for seq in list(self.waiting):
             if seq is but or seq.adapter is None or self.adapter_pool is None:
@@ -378,10 +377,11 @@ class Scheduler:
                 if seq.adapter_slot is not None:
                     kept.append(seq)
                 continue
-            if seq.adapter_slot is not None:
-                self._release_adapter(seq)
+            keep = bool(seq.output_token_ids)  # it must finish on this version: a push may not drop it meanwhile
+            if seq.adapter_slot is None:
+                self.adapter_pool.abandon(seq.adapter, seq.seq_id, detach=keep)
             else:
-                self.adapter_pool.abandon(seq.adapter, seq.seq_id)
+                self._release_adapter(seq, detach=keep)
         return kept
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
@@ -394,7 +394,7 @@ class Scheduler:
         self.waiting.appendleft(seq)
         batch.preempted.append(seq)
 
-    def _release_adapter(self, seq: Sequence) -> None:
+    def _release_adapter(self, seq: Sequence, *, detach: bool = False) -> None:
         if seq.adapter_slot is not None and self.adapter_pool is not None:
-            self.adapter_pool.release(seq.adapter_slot)
+            self.adapter_pool.release(seq.adapter_slot, detach=seq.seq_id if detach else None)
         seq.adapter_slot = None

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 from lorafleet.worker import Engine, EngineConfig, SamplingParams
+from lorafleet.worker.adapter_entry import AdapterNotFoundError
 from lorafleet.worker.engine import UnknownAdapterError
 from tests.lora_factory import random_weights
 
@@ -40,3 +43,48 @@ def test_a_queued_request_whose_version_a_hot_update_dropped_mid_load_is_told_to
         engine.adapter_pool.check()
     finally:
         engine.close()
+
+
+def test_a_request_let_go_of_its_version_finishes_on_it_though_a_push_replaces_it(tiny_llama_dir):
+    """When nothing runs and the head of the queue cannot get room, the other queued requests give their
+    adapters back, so that idle adapters can give up their pages. A preempted request that had streamed tokens
+    gave its version back too: a push replacing that version then dropped it, and the request ended with
+    "not registered" mid-stream. Its version now waits for it (detached), and it finishes on it."""
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    for num_pages in range(18, 34):
+        engine = Engine(EngineConfig(model=str(tiny_llama_dir), device="cpu", dtype="float32", block_size=4,
+                                     num_pages=num_pages, max_num_seqs=4, max_num_batched_tokens=64))
+        try:
+            engine.adapter_pool.add("x@1", random_weights(1, rank=4, projs=PROJS, name="x", version="1"))
+            engine.adapter_pool.add("y@1", random_weights(2, rank=4, projs=PROJS, name="y", version="1"))
+            engine.add_request("P1", list(range(10, 20)), params, adapter="x", tenant="A")
+            engine.add_request("P2", list(range(30, 40)), params, adapter="y", tenant="B")
+            outs, replaced = {}, None
+            for _ in range(20000):
+                outs.update((o.request_id, o) for o in engine.step() if o.finished)
+                let_go = [s for s in engine.scheduler.waiting
+                          if s.output_token_ids and s.adapter is not None and s.adapter_slot is None]
+                if replaced is None and let_go:  # streamed tokens, and holds its version no more
+                    seq = let_go[0]
+                    name = seq.adapter.split("@")[0]
+                    replaced = seq.request_id, seq.adapter
+                    engine.adapter_pool.add(f"{name}@2", random_weights(99, rank=4, projs=PROJS, name=name,
+                                                                        version="2"))
+                    engine.adapter_pool.make_current(f"{name}@2")
+                if not engine.has_unfinished():
+                    break
+            if replaced is None:
+                continue  # the queue was never stuck at this size: the next one
+            request_id, version = replaced
+            assert outs[request_id].finish_reason == "length", outs[request_id].error
+            assert outs[request_id].adapter == version and len(outs[request_id].token_ids) == 40
+            assert {o.finish_reason for o in outs.values()} == {"length"}
+            engine.page_pool.check()
+            engine.adapter_pool.check()
+            assert engine.adapter_pool.resolve(version.split("@")[0]).endswith("@2")
+            with pytest.raises(AdapterNotFoundError):  # gone once its request was done with it
+                engine.adapter_pool.resolve(version)
+            return
+        finally:
+            engine.close()
+    raise AssertionError("no pool size made a request with output let go of its adapter")

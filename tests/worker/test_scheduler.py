@@ -34,10 +34,10 @@ class FakeAdapterPool:
             self.refs[slot] = self.refs.get(slot, 0) + 1
         return slot
 
-    def release(self, slot):
+    def release(self, slot, *, detach=None):
         self.refs[slot] -= 1
 
-    def abandon(self, key, waiter):
+    def abandon(self, key, waiter, *, detach=False):
         self.abandoned.append((key, waiter))
 
 
