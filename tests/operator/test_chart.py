@@ -433,6 +433,10 @@ def test_workers_sharing_a_node_local_cache_never_share_a_node():
     pod_labels = find(render(cached), "Deployment", "-worker")["spec"]["template"]["metadata"]["labels"]
     assert term["topologyKey"] == "kubernetes.io/hostname"
     assert term["labelSelector"]["matchLabels"].items() <= pod_labels.items()
+    # Each node runs its worker already: a surge pod could never be scheduled, and the rollout would stall.
+    strategy = find(render(cached), "Deployment", "-worker")["spec"]["strategy"]["rollingUpdate"]
+    assert (strategy["maxSurge"], strategy["maxUnavailable"]) == (0, 1)
+    assert find(render({}), "Deployment", "-worker")["spec"]["strategy"]["rollingUpdate"]["maxSurge"] == 1
     own = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
         {"matchExpressions": [{"key": "gpu", "operator": "In", "values": ["h200"]}]}]}}}
     assert affinity({"worker": {**cached["worker"], "affinity": own}}) == own
