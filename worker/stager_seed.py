@@ -3,7 +3,8 @@
 Each folder is its own adapter (name = folder name, version = digest prefix). A folder that cannot
 be served (no safetensors, a name that is no adapter name, a digest that does not verify) is reported
 in `GET /v1/state` and never holds the others back; one that failed for a reason that may pass (store
-down or busy, timeout, the node's disk full, objects changing: an upload in progress) is tried again with
+down or busy, timeout, the node's disk full, objects changing: an upload in progress, credentials the store
+does not accept now: a token that expired, a node's clock off) is tried again with
 backoff, and every retry pushes what is staged by then. The store's refusal (access denied), a folder without
 its adapter files (a pickle-only one looks the same as one whose upload has not begun: a push names it again
 once there), a digest that does not verify or files over the limit are reported and not tried again. A push
@@ -26,7 +27,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("lorafleet.stager")
 # Failures (staging_error codes) that may pass by themselves: the folder is tried again.
-PASSING = ("object_store_unavailable", "download_timeout", "changed", "cache_disk_full", "cache_disk_error")
+PASSING = ("object_store_unavailable", "download_timeout", "changed", "cache_disk_full", "cache_disk_error",
+           "stager_credentials")  # an expired token is renewed, a node's skewed clock set right
 
 
 @dataclass(slots=True)

@@ -71,8 +71,9 @@ class StoreClients:
 
 
 # Answers a store sends when it sheds load (S3's 503 SlowDown, a gateway's 502/504) or fails for a moment: asked
-# again after a backoff (0.5 s, then 1 s; a Retry-After is not waited for, as it could outlast the call's
-# deadline), as boto3 does. The last answer is passed on as it came, to be classified (worker/staging_errors.py).
+# again, as boto3 does, at once and then after 1 s (urllib3's backoff; a Retry-After is not waited for, as it
+# could outlast the call's deadline). The last answer is passed on as it came, to be classified
+# (worker/staging_errors.py).
 RETRY_STATUSES = (500, 502, 503, 504)
 
 

@@ -92,7 +92,7 @@ async def test_a_folder_caught_mid_upload_is_seeded_again(tmp_path, monkeypatch)
 
 async def test_the_seed_tries_again_what_may_pass_and_reports_what_will_not(tmp_path, monkeypatch):
     """The seed tried again whatever was no SourceError, a store's 403 included (for ever: readiness waited on
-    it). It tries again what may pass (the store down or busy, the disk full), and reports the rest once."""
+    it). It tries again what may pass (the store down or busy, the disk full, an expired token), and reports the rest once."""
     from minio.error import S3Error
 
     from lorafleet.worker.stager_store import StoreDown
@@ -103,6 +103,7 @@ async def test_the_seed_tries_again_what_may_pass_and_reports_what_will_not(tmp_
         "down": StoreDown("not tried: the store did not answer earlier in this push"),
         "full": OSError(errno.ENOSPC, "No space left on device"),
         "bad": SourceError(f"{URI}bad/: sha256 mismatch", "digest_mismatch"),
+        "expired": S3Error(None, "ExpiredToken", "The provided token has expired.", "/adapters/team/expired/", "", ""),
     }.items()}
     stager = Stager(config(tmp_path))
     monkeypatch.setattr(stager.sources, "list_adapters", lambda uri: list(folders))
@@ -112,7 +113,7 @@ async def test_the_seed_tries_again_what_may_pass_and_reports_what_will_not(tmp_
 
     monkeypatch.setattr(stager, "stage", stage)
     report = await seed(stager, "s3://adapters/team/")
-    assert sorted(report.retrying) == [f"{URI}{n}/" for n in ("down", "full")], report.retrying
+    assert sorted(report.retrying) == [f"{URI}{n}/" for n in ("down", "expired", "full")], report.retrying
     assert set(report.errors) == set(folders) and "refused the stager" in report.errors[f"{URI}denied/"]
 
 
