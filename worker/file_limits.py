@@ -51,7 +51,7 @@ def check_size(where: str, size: int, max_bytes: int | None, *, fix: str | None 
     if name == CONFIG_FILE:
         what, todo = CONFIG_FILE, f"an {CONFIG_FILE} is a few KiB of JSON; check the file"
     elif name != WEIGHTS_FILE and limit < (max_bytes or 0):
-        what, todo = f"a {name}", "tokenizer files are a few MB; check the file"
+        what, todo = f"a {name}", "the adapter's tokenizer and side files are a few MB at most; check the file"
     else:
         what, todo = "one adapter file", "check that it is the adapter's file"
         if fix:

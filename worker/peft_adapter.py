@@ -271,13 +271,14 @@ def load_peft_adapter(
     refuse_embedding_targets(config, path, num_layers)
     base = config.get("base_model_name_or_path") or ""
     if mode != "off":
-        names = [base_model_name] if isinstance(base_model_name, str) else [n for n in base_model_name or () if n]
+        given = [base_model_name] if isinstance(base_model_name, str) else base_model_name or ()
+        names = [n for n in given if n]  # "": no name known, nothing to check against
         if names and base and _short_name(base) not in {_short_name(n) for n in names}:
             known = " or ".join(repr(n) for n in dict.fromkeys(names))
             _mismatch(mode, f"{path}: adapter was trained on base model {base!r}, this server serves {known}; "
                             f"serve it on its own base; if that is this model under another name, start the "
-                            f"worker with --base-model-aliases {base.rstrip('/').rsplit('/', 1)[-1]} (or --served-model-name "
-                            f"{base}); --no-strict-base only warns")
+                            f"worker with --base-model-aliases {base.rstrip('/').rsplit('/', 1)[-1]}; --no-strict-base "
+                            f"only warns")
         try:
             mismatch = tokenizer_mismatch(path, tokenizer_digest, base_token_id, max_file_bytes)
         except FileLimitError as exc:  # a limit, not a mismatch: refused whatever the strictness

@@ -455,6 +455,15 @@ def test_base_model_mismatch_strict_refuses(adapter_on_other_base, model_config)
                               base_model_name="tiny-llama")
 
 
+def test_an_unknown_base_name_checks_nothing(adapter_on_other_base, model_config):
+    """An empty name (a base whose name is not known) refused every adapter, as if it were the name of
+    another base; it says nothing, as no name does."""
+    for given in ("", ["", None]):
+        w = load_peft_adapter(adapter_on_other_base, model_config, dtype=torch.float32, strict_base=True,
+                              base_model_name=given)
+        assert w.base_model == "meta-llama/Llama-3.2-1B"
+
+
 def test_base_model_mismatch_warn_and_off(adapter_on_other_base, model_config, caplog):
     with caplog.at_level(logging.WARNING, logger="lorafleet.worker.peft_adapter"):
         for strict in (False, "warn"):
