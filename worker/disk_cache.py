@@ -104,15 +104,15 @@ class DiskCache:
     def put(self, key: str, fill: Callable[[Path], None], *, protect: Protect = frozenset()) -> Path:
         """Create entry `key` by `fill(tmp_dir)`, then trim, keeping `key` and the protected entries;
         `fill` raising leaves nothing behind. A disk that fills up first (smaller than the budget, or shared)
-        loses every entry not protected, least recently used first, and the fill is tried once more: a
-        version wanted now goes before copies no push holds."""
+        loses every entry not protected (the protected set read under the lock, as in `trim`), and the fill
+        is tried once more: a version wanted now goes before copies no push holds."""
         if "/" in key or key.startswith(".") or not key:
             raise ValueError(f"bad cache key {key!r}")
         keys = protect if callable(protect) else lambda: protect
         try:
             final = self._fill(key, fill)
         except CacheDiskError as exc:
-            if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or not self._evict_all_but({*keys(), key}):
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or not self._evict_all_but(lambda: {*keys(), key}):
                 raise
             final = self._fill(key, fill)
         self.trim(lambda: {*keys(), key})
@@ -140,10 +140,11 @@ class DiskCache:
             raise
         return final
 
-    def _evict_all_but(self, keep: Set[str]) -> int:
-        """Evict every entry not in `keep` (the disk is full); how many went."""
+    def _evict_all_but(self, keep: Callable[[], Set[str]]) -> int:
+        """Evict every entry not named by `keep()`, called under the lock (the disk is full); how many went."""
         with self._lock:
-            gone = [k for k in sorted(self._bytes, key=lambda k: self._used[k]) if k not in keep]
+            kept = keep()
+            gone = [k for k in self._bytes if k not in kept]
             for key in gone:
                 self._evict(key)
         return len(gone)

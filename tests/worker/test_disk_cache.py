@@ -42,7 +42,8 @@ def test_every_file_and_the_entry_are_synced_before_the_rename(tmp_path, monkeyp
 def test_a_full_disk_gives_up_the_copies_no_one_holds_before_refusing_a_wanted_one(tmp_path):
     """A disk smaller than the cache's budget (or shared with others) fills up: every new version then failed
     with disk full, for good, while copies no push held any more filled the disk. The entries not protected
-    go, least recently used first, and the fill is tried once more."""
+    go, all of them, and the fill is tried once more. The protected set is read under the cache's lock, as
+    the trim reads it (else an entry its owner protects and then looks up could go between the two)."""
     import errno
 
     import pytest
@@ -61,8 +62,15 @@ def test_a_full_disk_gives_up_the_copies_no_one_holds_before_refusing_a_wanted_o
 
     for key in ("old", "held", "older"):
         cache.put(key, filler(100))
-    cache.get("old")  # used after "older": "older" is the least recently used
-    cache.put("new", filler(150), protect={"held"})
+    read_locked = []
+
+    def held():
+        read_locked.append(cache._lock.locked())
+        return {"held"}
+
+    cache.get("old")
+    cache.put("new", filler(150), protect=held)
+    assert read_locked and all(read_locked), read_locked
     assert sorted(cache.entries()) == ["held", "new"] and cache.evictions == 2
     assert sorted(p.name for p in cache.root.iterdir()) == ["held", "new"]  # nothing half-written left
     with pytest.raises(CacheDiskError) as err:  # nothing left to give up: the disk-full error stands
