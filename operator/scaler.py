@@ -25,6 +25,7 @@ It returns the status keys it writes: ``hitRate`` and ``kvUsage`` (removed when 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -46,6 +47,9 @@ OWNED_KEYS = ("hitRate", "desiredReplicas", "lastScaleTime")  # kvUsage goes bac
 # Seconds a scale-up waits, at one replica count, for replicas that are not ready workers (the chart's
 # startup probe gives a worker 10 minutes to load its model).
 MAX_READY_WAIT = 600.0
+# Seconds a worker has been ready before its missing series count as a scrape to fix (Prometheus scrapes every
+# 15-60 s; a pod ready for less may not have been scraped yet).
+SCRAPE_GRACE = 120.0
 
 
 def _signals(spec: ScalingSpec, signals: PoolSignals) -> str:
@@ -126,6 +130,7 @@ class PoolScaler:
     async def _run(self, body: dict[str, Any], pods: Iterable[dict[str, Any]], other_pools: Iterable[dict[str, Any]],
                    replicasets: Iterable[dict[str, Any]], now: str) -> tuple[dict[str, Any], tuple[bool, str, str]]:
         """(the status keys it owns but conditions, the Scaling condition's (ok, reason, message))."""
+        pods = list(pods)
         def scaling(ok: bool, reason: str, message: str) -> tuple[dict[str, Any], tuple[bool, str, str]]:
             return {}, (ok, reason, message)
 
@@ -173,9 +178,12 @@ class PoolScaler:
                 return scaling(False, "MetricsUnavailable", f"spec.scaling.prometheusURL: {exc}; replicas stay "
                                                             f"at {current}")
             recommended, why = recommend(spec, signals.hit_rate, signals.kv_usage, current, signals.waiting)
-            # Every worker exports its KV and queue gauges from its first scrape: none for pods ready a while is a
-            # scrape that does not reach them, or labels the queries do not find, not "no traffic".
-            unseen = bool(worker_pods) and signals.kv_usage is None and signals.waiting is None
+            # Every worker exports its KV and queue gauges from its first scrape: none for pods ready a while
+            # (SCRAPE_GRACE) is a scrape that does not reach them, or labels the queries do not find, not "no
+            # traffic"; for pods just ready, a scrape that has not come yet.
+            ready = set(worker_pods)
+            unseen = (signals.kv_usage is None and signals.waiting is None
+                      and _ready_a_while([p for p in pods if _name(p) in ready], now))
             clock = self.clock()
             wanted = memory.stabilizer.stabilize(recommended, current, now=clock, up_seconds=spec.scale_up_seconds,
                                                  down_seconds=spec.scale_down_seconds)
@@ -235,6 +243,26 @@ class PoolScaler:
                     f"stabilization window")
         return (f"; recommended {recommended}, limited to {wanted} by the {spec.scale_up_seconds} s scale-up "
                 f"stabilization window")
+
+
+def _name(pod: dict[str, Any]) -> str:
+    return (pod.get("metadata") or {}).get("name", "")
+
+
+def _ready_a_while(pods: list[dict[str, Any]], now: str) -> bool:
+    """Whether one of the ready `pods` has been ready SCRAPE_GRACE seconds at `now` (a pod whose Ready
+    condition has no time counts as ready a while)."""
+    at = datetime.datetime.fromisoformat(now)
+    for p in pods:
+        for c in (p.get("status") or {}).get("conditions") or []:
+            if c.get("type") == "Ready" and c.get("status") == "True":
+                since = c.get("lastTransitionTime")
+                try:
+                    if not since or (at - datetime.datetime.fromisoformat(since)).total_seconds() >= SCRAPE_GRACE:
+                        return True
+                except (TypeError, ValueError):
+                    return True
+    return False
 
 
 def _rival(name: str, target: str, other_pools: Iterable[dict[str, Any]]) -> str | None:

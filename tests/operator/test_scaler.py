@@ -66,10 +66,11 @@ class Clock:
         return self.now
 
 
-def pod(name: str, ready: bool = True) -> dict:
+def pod(name: str, ready: bool = True, since: str | None = None) -> dict:
+    ready_condition = {"type": "Ready", "status": "True" if ready else "False"}
     return {"metadata": {"name": name, "labels": {"app": "w"}},
             "status": {"phase": "Running", "podIP": "10.0.0.1",
-                       "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
+                       "conditions": [ready_condition | ({"lastTransitionTime": since} if since else {})]}}
 
 
 def pool(status: dict | None = None, **scaling) -> dict:
@@ -131,7 +132,7 @@ async def test_the_hit_rate_window_is_the_pools(setup):
     assert metrics.windows == [600]
 
 
-async def test_scale_down_waits_for_the_window_and_unknown_metrics_hold(setup):
+async def test_scale_down_waits_for_the_window_and_an_unknown_hit_rate_holds(setup):
     scaler, metrics, deployments, clock = setup
     deployments.replicas = 3
     body, pods = pool(scaleDownStabilizationSeconds=60), [pod("w-0"), pod("w-1"), pod("w-2")]
@@ -342,6 +343,18 @@ async def test_ready_workers_without_series_are_a_scrape_to_fix_not_a_steady_poo
     metrics.signals = (None, None, 0.0)  # the queue gauge alone is enough to know the scrape works
     st = await tick(scaler, pool(), [pod("w-0"), pod("w-1")])
     assert scaling_condition(st)["reason"] == "Steady"
+
+
+async def test_workers_just_ready_are_not_yet_a_scrape_to_fix(setup):
+    """A worker ready for seconds may not have been scraped yet (Prometheus scrapes every 15-60 s): every new
+    pool, and every pool whose workers all restarted, said MetricsMissing for its first passes."""
+    scaler, metrics, deployments, _ = setup
+    deployments.replicas = 2
+    metrics.signals = (None, None, None)
+    st = await tick(scaler, pool(), [pod("w-0", since="2025-12-31T23:59:30Z"), pod("w-1", since=NOW)])
+    assert scaling_condition(st)["reason"] == "Steady" and deployments.patches == []
+    st = await tick(scaler, pool(), [pod("w-0", since="2025-12-31T23:57:00Z"), pod("w-1", since=NOW)])
+    assert scaling_condition(st)["reason"] == "MetricsMissing"
 
 
 async def test_the_scaling_condition_goes_into_the_status_as_it_is_after_the_pass(setup):
