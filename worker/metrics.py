@@ -117,6 +117,8 @@ class WorkerMetrics:
         self.registry = CollectorRegistry()
         self.latency_series = latency_series
         self._rolling: set[str] = set()  # names serving more than one version (latencies labelled by adapter)
+        # (name, version) -> requests on it that began while the name rolled out: labelled so to their end
+        self._rolling_holds: dict[tuple[str, str], int] = {}
         r = self.registry
         self.requests = Counter("lorafleet_requests", "Finished HTTP inference requests.",
                                 ["adapter", "version", "endpoint", "status"], registry=r)
@@ -161,7 +163,8 @@ class WorkerMetrics:
         """The labels of a latency observation: the adapter's own while it rolls out a version (or with "all",
         or for the base model and unresolved requests), else (__other__, "")."""
         adapter = adapter or BASE_MODEL_LABEL
-        if self.latency_series == "all" or adapter in self._rolling or adapter in (BASE_MODEL_LABEL, UNRESOLVED_LABEL):
+        if (self.latency_series == "all" or adapter in self._rolling or (adapter, version) in self._rolling_holds
+                or adapter in (BASE_MODEL_LABEL, UNRESOLVED_LABEL)):
             return self._labels(adapter, version)
         return OTHER_LABEL, ""
 
@@ -186,13 +189,28 @@ class WorkerMetrics:
         self._recent_tokens.append((now, num_tokens))
         self._trim(now)
 
-    def acquire(self, adapter: str | None, version: str) -> None:
-        """A request resolved to this version: its series stay, retired or not, until `release`."""
-        self.retired.acquire((adapter or BASE_MODEL_LABEL, version))
+    def acquire(self, adapter: str | None, version: str) -> bool:
+        """A request resolved to this version: its series stay, retired or not, until `release`. Whether the
+        name rolls out a version now (pass it to `release`): if so, the request's latencies keep their version's
+        labels to its end, a rollback or promotion meanwhile notwithstanding, and stay until a scrape read them."""
+        key = (adapter or BASE_MODEL_LABEL, version)
+        self.retired.acquire(key)
+        if key[0] not in self._rolling:
+            return False
+        self._rolling_holds[key] = self._rolling_holds.get(key, 0) + 1
+        self.rolled_out.acquire((key[0], ""))
+        return True
 
-    def release(self, adapter: str | None, version: str) -> None:
-        """The request of an `acquire` has been counted."""
-        self.retired.release((adapter or BASE_MODEL_LABEL, version))
+    def release(self, adapter: str | None, version: str, rolling: bool = False) -> None:
+        """The request of an `acquire` (which answered `rolling`) has been counted."""
+        key = (adapter or BASE_MODEL_LABEL, version)
+        self.retired.release(key)
+        if rolling:
+            if self._rolling_holds.get(key, 0) > 1:
+                self._rolling_holds[key] -= 1
+            else:
+                self._rolling_holds.pop(key, None)
+            self.rolled_out.release((key[0], ""))
         self.drop_expired()
 
     def retain_versions(self, adapter: str, versions: Collection[str]) -> None:
@@ -205,7 +223,18 @@ class WorkerMetrics:
                 self.retired.restore(key)
             else:
                 self.retired.retire(key)
+        self._set_rolling(adapter, len(versions) > 1)
         self.drop_expired()
+
+    def _set_rolling(self, adapter: str, rolling: bool) -> None:
+        """Whether `adapter` serves more than one version now. A rollout that ends puts its latencies back
+        under __other__; its own series leave after the grace, once no request begun during it runs."""
+        if rolling:
+            self._rolling.add(adapter)
+            self.rolled_out.restore((adapter, ""))
+        elif adapter in self._rolling:
+            self._rolling.discard(adapter)
+            self.rolled_out.retire((adapter, ""))
 
     def drop_expired(self) -> None:
         """Drop the series of retired versions that no request holds and whose grace is over."""
@@ -239,15 +268,10 @@ class WorkerMetrics:
         rolled-back canary or a replaced stable version leaves /metrics once its last request was counted and
         scraped (its grace), not at the name's next request."""
         self.retain_adapters(served)
+        for adapter in self._rolling - served.keys():
+            self._set_rolling(adapter, False)
         for adapter, versions in served.items():
             self.retain_versions(adapter, versions)
-        rolling = {name for name, versions in served.items() if len(versions) > 1}
-        for adapter in self._rolling - rolling:  # its rollout is over: its latencies go back under __other__,
-            self.rolled_out.retire((adapter, ""))  # its own series leave after the grace (a scrape reads them)
-        for adapter in rolling:
-            self.rolled_out.restore((adapter, ""))
-        self._rolling = rolling
-        self.drop_expired()
 
     def tokens_per_second(self, *, now: float | None = None) -> float:
         now = time.monotonic() if now is None else now

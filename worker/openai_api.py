@@ -210,11 +210,10 @@ async def _serve(request: web.Request, endpoint: str) -> web.StreamResponse:
     metrics = app[METRICS]
     status = 500
     job: CompletionJob | None = None
-    resolved: list[str | None] = []  # engine keys it holds: the one resolved, then one moved to
+    resolved: list[tuple[str | None, bool]] = []  # engine keys it holds (the one resolved, then one moved to)
 
     def hold(key: str | None) -> None:  # its series stay, even if a push retires it, until this request counts
-        resolved.append(key)
-        metrics.acquire(*_request_labels(key))
+        resolved.append((key, metrics.acquire(*_request_labels(key))))
 
     try:
         job = await _prepare(request, endpoint, hold)
@@ -252,7 +251,7 @@ async def _serve(request: web.Request, endpoint: str) -> web.StreamResponse:
         if job is not None:
             adapter, version = _request_labels(job.adapter)
         elif resolved:  # refused after the model was resolved (a bad prompt, a context too long)
-            adapter, version = _request_labels(resolved[0])
+            adapter, version = _request_labels(resolved[0][0])
         else:  # refused before the model was resolved (bad body, auth, unknown adapter)
             adapter, version = UNRESOLVED_LABEL, ""
         metrics.observe_request(adapter=adapter, version=version, endpoint=endpoint, status=status)
@@ -263,8 +262,8 @@ async def _serve(request: web.Request, endpoint: str) -> web.StreamResponse:
             served = app[ADAPTERS].get(adapter)
             # A version retired before this request first counted on it had no series then: retired here.
             metrics.retain_versions(adapter, versions_still_served(served, version))
-        for key in resolved:  # counted: a retired version's grace starts now
-            metrics.release(*_request_labels(key))
+        for key, rolling in resolved:  # counted: a retired version's grace starts now
+            metrics.release(*_request_labels(key), rolling)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:

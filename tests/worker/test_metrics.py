@@ -249,6 +249,45 @@ def test_a_retired_version_keeps_its_series_while_held_and_for_its_grace():
     assert set(m._versions["sql"]) == {"v1"}
 
 
+def test_a_rolled_back_canary_keeps_its_latencies_to_the_last_request_by_default():
+    """Latency histograms per version only while a name rolls out (the default): a canary rolled back while
+    requests ran on it put their last latencies under __other__ and dropped its own after the grace, while
+    they still ran, so its final latencies were never read. A request begun during the rollout keeps its
+    version's labels to its end; the series stay until a scrape read them; a request after it counts under
+    __other__."""
+    clock = _Clock()
+    m = WorkerMetrics(retired_grace_s=60, clock=clock)
+    m.retain_served({"sql": {"v1", "v2"}})  # the canary
+    rolling = m.acquire("sql", "v2")
+    m.observe_first_token("sql", 0.1, version="v2")
+    m.retain_served({"sql": {"v1"}})  # rolled back while the request runs
+    clock.now = 1000.0  # long past the grace: the request still runs
+    m.observe_e2e("sql", 5.0, version="v2")
+    m.observe_request(adapter="sql", version="v2", endpoint="completions", status=200)
+    _observe_one(m, "sql", "v1")  # a request after the rollout: under __other__
+    m.release("sql", "v2", rolling)
+    e2e = "lorafleet_e2e_request_latency_seconds_count"
+    assert rolling and _samples(m)[(e2e, (("adapter", "sql"), ("version", "v2")))] == 1
+    assert _samples(m)[(e2e, (("adapter", "__other__"), ("version", "")))] == 1
+    clock.now = 1059.0
+    assert _versions(m, "sql")[e2e] == {"v2"}
+    clock.now = 1060.0
+    assert e2e not in _versions(m, "sql") and _versions(m, "sql")["lorafleet_requests_total"] == {"v1"}
+
+
+def test_a_stable_swap_s_latencies_go_back_under_other_once_the_fallback_is_done():
+    """A new stable version loading beside the old one labels the name's latencies per version; once a
+    request ran on the new one (the fallback retired), the swap is over. The name stayed labelled per version
+    until the next push, which may be days away."""
+    m = WorkerMetrics(retired_grace_s=0)
+    m.retain_served({"sql": {"v1", "v2"}})  # v2 loading, v1 the fallback
+    _observe_one(m, "sql", "v2")
+    m.retain_versions("sql", {"v2"})  # a request ran on v2: the fallback is gone (as the server tells it)
+    _observe_one(m, "sql", "v2")
+    ttft = "lorafleet_time_to_first_token_seconds_count"
+    assert _samples(m)[(ttft, (("adapter", "__other__"), ("version", "")))] == 1 and ttft not in _versions(m, "sql")
+
+
 def test_a_retired_version_no_request_holds_goes_after_its_grace():
     clock = _Clock()
     m = WorkerMetrics(latency_series="all", retired_grace_s=60, clock=clock)
