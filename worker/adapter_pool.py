@@ -44,6 +44,7 @@ from lorafleet.worker.adapter_reports import AdapterReports
 from lorafleet.worker.adapter_versions import AdapterVersions
 from lorafleet.worker.adapter_warmth import AdapterWarmth, WarmState
 from lorafleet.worker.eviction import make_policy
+from lorafleet.worker.fair_executor import FairExecutor
 from lorafleet.worker.page_copier import PageCopier
 from lorafleet.worker.page_pool import PagePool
 
@@ -196,6 +197,8 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
                 else:
                     entry.asked_anonymously = True
             self._want(entry)
+            if entry.fetching is not None:  # a warm-up's read queued: a request waits for it now
+                self._executor.promote(entry.fetching)
             return None
 
     def release(self, slot: int, *, detach: object = None) -> None:
@@ -260,11 +263,11 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
         with self._lock:
             return bool(self._inflight)
 
-    def _loader_threads(self) -> ThreadPoolExecutor:
+    def _loader_threads(self) -> FairExecutor:
         # Optionally bound the CPU threads a loader's torch ops fan out to (GPU workers only).
         cpu_threads = self.config.loader_cpu_threads if self._cuda else None
-        return ThreadPoolExecutor(self.config.num_load_threads, thread_name_prefix="adapter-load",
-                                  initializer=limit_cpu_threads, initargs=(cpu_threads,))
+        return FairExecutor(self.config.num_load_threads, thread_name_prefix="adapter-load",
+                            initializer=limit_cpu_threads, initargs=(cpu_threads,))
 
     # ---- explicit residency: can_load / load / evict, prefetch ---------------------------------
     def prefetch(self, key: str, tier: str = "gpu") -> None:
@@ -354,7 +357,7 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
             self._wait_some(0.005)
 
     def close(self) -> None:
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        self._executor.shutdown(wait=True)
         if self._copy_executor is not None:
             self._copy_executor.shutdown(wait=True, cancel_futures=True)
 

@@ -70,7 +70,7 @@ def test_a_version_retired_while_its_copy_fails_is_forgotten():
         def failing_start(pages, page_ids):
             handle = start(pages, page_ids)
             handle.future.result()
-            handle.future = pool._executor.submit(lambda: (_ for _ in ()).throw(RuntimeError("device lost")))
+            handle.future = pool._executor.submit("t", lambda: (_ for _ in ()).throw(RuntimeError("device lost")))
             return handle
 
         copier.start = failing_start

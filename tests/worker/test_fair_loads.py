@@ -1,0 +1,94 @@
+"""Loader threads are shared between tenants by turns, requests before warm-ups (worker/fair_executor.py):
+one tenant's burst of cold loads never queues another tenant's request behind all of it."""
+
+from __future__ import annotations
+
+import threading
+
+from lorafleet.worker.fair_executor import FairExecutor
+from tests.lora_factory import random_weights
+from tests.worker.test_adapter_pool import _acquire_within, make_pool
+
+
+def _gated_pool(keys: dict[str, str]):
+    """A pool with one loader thread; every read waits for the gate, then notes its key in `order`."""
+    pool = make_pool(max_slots=8, num_load_threads=1)
+    gate, order = threading.Event(), []
+
+    def loader(key: str, seed: int):
+        def read():
+            gate.wait(10)
+            order.append(key)
+            return random_weights(seed)
+        return read
+
+    for seed, (key, tenant) in enumerate(keys.items()):
+        pool.add(key, loader=loader(key, seed), tenant=tenant)
+    return pool, gate, order
+
+
+def test_a_tenants_cold_load_waits_for_one_load_of_a_busy_tenant_not_all():
+    """Tenant A asks for five cold adapters at once; tenant B for one just after. With first come, first
+    served loader threads, B's request waited for all five of A's reads."""
+    keys = {f"a{i}@1": "A" for i in range(5)} | {"b@1": "B"}
+    pool, gate, order = _gated_pool(keys)
+    try:
+        for key in keys:
+            assert pool.acquire(key, waiter=key) is None
+        gate.set()
+        assert _acquire_within(pool, "b@1", "b@1", 10.0) is not None
+        for key in keys:
+            assert _acquire_within(pool, key, key, 10.0) is not None
+        assert order == ["a0@1", "b@1", "a1@1", "a2@1", "a3@1", "a4@1"], order
+        pool.check()
+    finally:
+        gate.set()
+        pool.close()
+
+
+def test_a_request_goes_before_warm_ups_and_a_queued_warm_up_asked_for_moves_up():
+    """Warm-ups (prefetch: a directive's warm or pinned versions, a new pool's first push) wait behind the
+    loads requests wait for; a warm-up still queued that a request asks for becomes one of those."""
+    keys = {f"w{i}@1": "A" for i in range(4)} | {"r@1": "B"}
+    pool, gate, order = _gated_pool(keys)
+    try:
+        for i in range(4):
+            pool.prefetch(f"w{i}@1")
+        assert pool.acquire("r@1", waiter="r") is None
+        assert pool.acquire("w3@1", waiter="x") is None  # queued as a warm-up: a request waits for it now
+        gate.set()
+        for key in keys:
+            pool.load(key, timeout=10)
+        assert order == ["w0@1", "r@1", "w3@1", "w1@1", "w2@1"], order
+        pool.check()
+    finally:
+        gate.set()
+        pool.close()
+
+
+def test_the_executor_runs_at_most_its_threads_and_skips_cancelled_jobs():
+    ex = FairExecutor(2, thread_name_prefix="test-load")
+    gate, running, most = threading.Event(), [0], [0]
+    lock = threading.Lock()
+
+    def job(i: int):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        gate.wait(10)
+        with lock:
+            running[0] -= 1
+        if i == 3:
+            raise ValueError("bad file")
+        return i
+
+    futures = [ex.submit(f"t{i % 3}", lambda i=i: job(i), urgent=i % 2 == 0) for i in range(8)]
+    assert ex.queued() == 6
+    assert futures[7].cancel()
+    gate.set()
+    results = [f.exception(10) or f.result() if not f.cancelled() else "cancelled" for f in futures]
+    assert most[0] == 2 and isinstance(results[3], ValueError)
+    assert [r for i, r in enumerate(results) if i != 3] == [0, 1, 2, 4, 5, 6, "cancelled"]
+    queued = ex.submit("t", lambda: gate.wait(10))
+    ex.shutdown(wait=True)
+    assert queued.done()

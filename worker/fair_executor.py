@@ -1,0 +1,109 @@
+"""FairExecutor: the adapter loader threads, shared between tenants by turns.
+
+A thread pool takes its jobs first come, first served: a tenant that asks for fifty cold adapters at once
+(a batch job, a warm-up) would keep every loader thread busy, and a request of another tenant for one cold
+adapter would wait behind all fifty. Here each job belongs to a group (its adapter's tenant) and waits in
+that group's queue; a free thread takes the next job of the group served longest ago (or never), so
+another tenant's load waits for at most one job per group ahead of it. Loads a request waits for (urgent) go before warm-ups
+(`promote` moves a queued warm-up ahead once a request asks for it).
+
+Jobs run on a ThreadPoolExecutor of `num_threads`, never more at once; a queued job's Future may be
+cancelled (it is skipped); `shutdown` cancels every job still queued.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+_Queues = dict[str, deque[tuple[Future, Callable[[], Any]]]]
+_MAX_REMEMBERED = 4096  # groups whose last turn is remembered (the oldest are forgotten: they go first anyway)
+
+
+class FairExecutor:
+    def __init__(self, num_threads: int, **pool_kw: Any) -> None:
+        self._pool = ThreadPoolExecutor(num_threads, **pool_kw)
+        self._num_threads = num_threads
+        self._lock = threading.Lock()
+        self._urgent: _Queues = {}  # group -> its jobs a request waits for
+        self._background: _Queues = {}  # group -> its other jobs (warm-ups, prefetches)
+        self._turns = 0  # jobs started
+        self._last_turn: dict[str, int] = {}  # group -> the number of its last job started
+        self._running = 0
+        self._closed = False
+
+    def submit(self, group: str, fn: Callable[[], Any], *, urgent: bool = True) -> Future:
+        """Queue `fn` for `group`; its Future is done when it has run (or is cancelled while queued)."""
+        future: Future = Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("cannot submit a load after shutdown")
+            (self._urgent if urgent else self._background).setdefault(group, deque()).append((future, fn))
+            self._dispatch()
+        return future
+
+    def promote(self, future: Future) -> None:
+        """A request now waits for the queued job of `future`: it goes before every warm-up (its group's
+        turn among the urgent ones). Nothing for a job already running, done, or urgent."""
+        with self._lock:
+            for group, queue in self._background.items():
+                for job in queue:
+                    if job[0] is future:
+                        queue.remove(job)
+                        if not queue:
+                            del self._background[group]
+                        self._urgent.setdefault(group, deque()).append(job)
+                        return
+
+    def queued(self) -> int:
+        with self._lock:
+            return sum(len(q) for lane in (self._urgent, self._background) for q in lane.values())
+
+    def _dispatch(self) -> None:
+        """Start queued jobs while a thread is free (the lock held): the urgent lane's first, each time of
+        the group whose last job started longest ago (a group never served, or forgotten, first)."""
+        while self._running < self._num_threads:
+            lane = self._urgent or self._background
+            if not lane:
+                return
+            group = min(lane, key=lambda g: self._last_turn.get(g, -1))
+            queue = lane[group]
+            future, fn = queue.popleft()
+            if not queue:
+                del lane[group]
+            if not future.set_running_or_notify_cancel():  # cancelled while queued
+                continue
+            self._turns += 1
+            self._last_turn[group] = self._turns
+            if len(self._last_turn) > _MAX_REMEMBERED:
+                for old in sorted(self._last_turn, key=self._last_turn.__getitem__)[:_MAX_REMEMBERED // 2]:
+                    del self._last_turn[old]
+            self._running += 1
+            self._pool.submit(self._run, future, fn)
+
+    def _run(self, future: Future, fn: Callable[[], Any]) -> None:
+        try:
+            result = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the Future, as ThreadPoolExecutor does
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
+        finally:
+            with self._lock:
+                self._running -= 1
+                if not self._closed:
+                    self._dispatch()
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Cancel the jobs still queued and stop; `wait`: until the running ones have returned."""
+        with self._lock:
+            self._closed = True
+            for lane in (self._urgent, self._background):
+                for queue in lane.values():
+                    for future, _ in queue:
+                        future.cancel()
+                lane.clear()
+        self._pool.shutdown(wait=wait)
