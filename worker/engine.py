@@ -21,7 +21,7 @@ from lorafleet.kernels.lora import resolve_backend
 from lorafleet.worker.adapter_dir import AdapterDirReport, register_adapter_dir
 from lorafleet.worker.adapter_entry import AdapterNotFoundError
 from lorafleet.worker.adapter_image import ModelDims
-from lorafleet.worker.adapter_pool import AdapterPool, AdapterPoolConfig
+from lorafleet.worker.adapter_pool import AdapterPool, AdapterPoolConfig, TenantQuota
 from lorafleet.worker.block_manager import BlockManager
 from lorafleet.worker.cuda_graphs import DecodeGraphs
 from lorafleet.worker.engine_config import EngineConfig
@@ -80,7 +80,8 @@ class Engine:
         self.block_manager = BlockManager(self.page_pool, config.block_size)
         self.adapter_pool = AdapterPool(
             self.page_pool, ModelDims.from_model_config(mc),
-            AdapterPoolConfig(max_slots=config.max_loras, max_rank=config.max_lora_rank),
+            AdapterPoolConfig(max_slots=config.max_loras, max_rank=config.max_lora_rank, default_quota=TenantQuota(
+                max_adapters=config.max_loras_per_tenant, max_bytes=config.max_lora_bytes_per_tenant)),
         )
         # A request that could never get its KV pages (its adapter's and pinned ones' taken off) is refused.
         self.kv_room = KVRoom(self.adapter_pool, num_pages=num_pages, block_size=config.block_size,

@@ -54,6 +54,8 @@ class EngineConfig:
     max_loras: int = 16  # adapter slots resident at once
     max_lora_rank: int = 64
     max_loras_per_batch: int | None = None  # distinct adapters per step; None = no bound
+    max_loras_per_tenant: int | None = None  # adapter slots the adapters of one tenant may hold at once (its GPU share; unset = no limit): over it, the tenant's own idle adapters leave first, and its request waits for one of its own to go idle; adapters registered without a tenant count as tenant "default"
+    max_lora_bytes_per_tenant: int | None = None  # bytes of adapter weights one tenant's adapters may hold on the GPU at once (unset = no limit)
     max_adapter_wait_steps: int = 32  # a request skipped that many steps for grouping (or KV pages) goes first
     strict_base: bool = True  # refuse adapters trained on another base model / tokenizer
     base_model_aliases: tuple[str, ...] = ()  # other names of the served base that adapters' base_model_name_or_path may give (the hub id of a copy in a folder of another name); --served-model-name is one too
@@ -87,8 +89,9 @@ class EngineConfig:
             raise ValueError(f"num_pages must be >= 1, got {self.num_pages}")
         if not 0.0 < self.pool_memory_fraction <= 1.0:
             raise ValueError(f"pool_memory_fraction must be in (0, 1], got {self.pool_memory_fraction}")
-        if self.max_loras_per_batch is not None and self.max_loras_per_batch < 1:
-            raise ValueError(f"max_loras_per_batch must be >= 1 or None, got {self.max_loras_per_batch}")
+        for name in ("max_loras_per_batch", "max_loras_per_tenant", "max_lora_bytes_per_tenant"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1 or None, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 
