@@ -1,6 +1,8 @@
 """The autoscaler's only Kubernetes calls: read and merge-patch ``spec.replicas`` of an apps/v1 Deployment
 through its ``scale`` subresource (an autoscaling/v1 Scale), all that RBAC has to grant: ``patch`` on the
-Deployment itself could change its pod template (any image, service account or secret).
+Deployment itself could change its pod template (any image, service account or secret); and list the
+namespace's HorizontalPodAutoscalers, to find one that scales the same Deployment (a KEDA ScaledObject
+makes one too): two autoscalers would undo each other's replicas.
 
 Kopf's own API client is private, so this is a minimal one. Its connection is either given (tests pass
 the emulator's URL) or comes from kopf's public login functions: the pod's service account, else a
@@ -79,11 +81,20 @@ class DeploymentClient:
         if self._session is not None:
             await self._session.close()
 
-    async def _request(self, method: str, namespace: str, name: str, body: dict[str, Any] | None = None,
+    async def _scale(self, method: str, namespace: str, name: str, body: dict[str, Any] | None = None
+                     ) -> dict[str, Any]:
+        try:
+            return await self._request(method, f"/apis/apps/v1/namespaces/{namespace}/deployments/{name}/scale",
+                                       f"{method} deployments/{name}/scale in namespace {namespace}", body)
+        except KubeError as exc:
+            if exc.status == 404:
+                raise TargetNotFound(f"Deployment {name!r} not found in namespace {namespace!r}", 404) from None
+            raise
+
+    async def _request(self, method: str, path: str, what: str, body: dict[str, Any] | None = None,
                        *, retry: bool = True) -> dict[str, Any]:
-        what = f"{method} deployments/{name}/scale in namespace {namespace}"
         session, server = self._client()
-        url = f"{server}/apis/apps/v1/namespaces/{namespace}/deployments/{name}/scale"
+        url = server + path
         headers = {"Content-Type": "application/merge-patch+json"} if body is not None else None
         try:
             async with session.request(method, url, data=None if body is None else json.dumps(body),
@@ -96,9 +107,7 @@ class DeploymentClient:
         if status == 401 and retry and self._login is not None:  # a rotated token: log in again, once
             await self._drop_session()
             self._connection = None
-            return await self._request(method, namespace, name, body, retry=False)
-        if status == 404:
-            raise TargetNotFound(f"Deployment {name!r} not found in namespace {namespace!r}", status)
+            return await self._request(method, path, what, body, retry=False)
         try:
             data = json.loads(text)
         except ValueError:
@@ -110,7 +119,7 @@ class DeploymentClient:
 
     async def get_replicas(self, namespace: str, name: str) -> int:
         """The Deployment's ``spec.replicas``, as its Scale says (which omits 0)."""
-        spec = (await self._request("GET", namespace, name)).get("spec") or {}
+        spec = (await self._scale("GET", namespace, name)).get("spec") or {}
         replicas = spec.get("replicas", 0)
         if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 0:
             raise KubeError(f"Deployment {name!r} in namespace {namespace!r} has spec.replicas {replicas!r}")
@@ -119,4 +128,22 @@ class DeploymentClient:
     async def set_replicas(self, namespace: str, name: str, replicas: int) -> None:
         """Merge-patch the Deployment's Scale to ``replicas`` (no precondition: the last writer wins, as
         with ``kubectl scale``)."""
-        await self._request("PATCH", namespace, name, {"spec": {"replicas": replicas}})
+        await self._scale("PATCH", namespace, name, {"spec": {"replicas": replicas}})
+
+    async def autoscalers_of(self, namespace: str, name: str) -> list[str] | None:
+        """Names of the namespace's HorizontalPodAutoscalers whose target is Deployment ``name``; None when
+        that cannot be told (the role may not list them, or the API server has no autoscaling/v2)."""
+        try:
+            data = await self._request("GET", f"/apis/autoscaling/v2/namespaces/{namespace}/horizontalpodautoscalers",
+                                       f"list horizontalpodautoscalers in namespace {namespace}")
+        except KubeError as exc:
+            if exc.status in (403, 404):
+                return None
+            raise
+        found = []
+        for hpa in data.get("items") or []:
+            ref = (hpa.get("spec") or {}).get("scaleTargetRef") or {}
+            if ref.get("kind") == "Deployment" and ref.get("name") == name and (
+                    ref.get("apiVersion") or "apps/v1").split("/")[0] in ("apps", "extensions"):
+                found.append((hpa.get("metadata") or {}).get("name", ""))
+        return sorted(found)

@@ -7,7 +7,8 @@ Kopf-free glue between the pool's autoscale timer and ``autoscaler`` (the policy
    setting: prometheus_allowlist.py): no request goes to it, no replicas change;
 3. leaves a Deployment that another live pool, first by name, also targets to that pool
    (``AmbiguousTarget``): two pools would undo each other's replicas every pass;
-4. reads the target Deployment's ``spec.replicas`` (``TargetNotFound`` / ``FailedGetScale``);
+4. reads the target Deployment's ``spec.replicas`` (``TargetNotFound`` / ``FailedGetScale``), and leaves it
+   alone while a HorizontalPodAutoscaler (KEDA's too) scales it (``ConflictingAutoscaler``);
 5. a count outside [minReplicas, maxReplicas] is corrected at once, without metrics (as HPA does);
 6. else asks Prometheus for the pool's ready worker pods' hit rate, KV usage and requests waiting
    (``MetricsUnavailable``),
@@ -163,6 +164,16 @@ class PoolScaler:
             return scaling(False, "TargetNotFound", f"spec.scaling.target: {exc}")
         except KubeError as exc:
             return scaling(False, "FailedGetScale", f"spec.scaling.target: {exc}")
+        try:
+            rivals = await self.deployments.autoscalers_of(namespace, spec.target)
+        except KubeError as exc:  # cannot tell: this pass goes on, the next one asks again
+            log.warning("LoRAPool %s/%s: listing HorizontalPodAutoscalers failed: %s", *key, exc)
+            rivals = None
+        if rivals:
+            return scaling(False, "ConflictingAutoscaler", (
+                f"spec.scaling.target: Deployment {spec.target!r} is also scaled by HorizontalPodAutoscaler "
+                f"{', '.join(rivals)} (a KEDA ScaledObject makes one): two autoscalers undo each other's replicas; "
+                f"delete it or remove spec.scaling from this pool; replicas stay at {current}"))
 
         signals, unseen = PoolSignals(None, None, None), False
         corrected = bound_correction(spec, current)

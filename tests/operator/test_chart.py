@@ -174,6 +174,8 @@ def test_operator_rbac_is_least_privilege():
         # Which Deployment made a worker pod: read through its ReplicaSet.
         replicasets = [r for r in rules if "replicasets" in r["resources"]]
         assert replicasets == [{"apiGroups": ["apps"], "resources": ["replicasets"], "verbs": ["get", "list", "watch"]}]
+        hpas = [r for r in rules if "horizontalpodautoscalers" in r["resources"]]
+        assert hpas == [{"apiGroups": ["autoscaling"], "resources": ["horizontalpodautoscalers"], "verbs": ["list"]}]
         events = [r for r in rules if "events" in r["resources"]]
         assert events == [{"apiGroups": [""], "resources": ["events"], "verbs": ["create"]}]  # kopf: core v1 only
         replicated = values.get("operator", {}).get("replicas", 1) > 1

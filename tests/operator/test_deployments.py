@@ -69,6 +69,43 @@ async def test_get_and_patch_replicas(cluster):  # noqa: F811
         await client.get_replicas(NS, "workers")
 
 
+async def test_autoscalers_of_a_deployment(cluster):  # noqa: F811
+    """The HorizontalPodAutoscalers that scale a Deployment (the pool's autoscaler leaves it to them)."""
+    emulator, url = cluster
+
+    async def create_hpa(name: str, kind: str, target: str, api_version: str = "apps/v1") -> None:
+        await api(emulator, "POST", f"/apis/autoscaling/v2/namespaces/{NS}/horizontalpodautoscalers", {
+            "apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
+            "metadata": {"name": name, "namespace": NS, "resourceVersion": "1", "uid": f"uid-{name}"},
+            "spec": {"scaleTargetRef": {"apiVersion": api_version, "kind": kind, "name": target},
+                     "minReplicas": 1, "maxReplicas": 4}})
+
+    client = DeploymentClient(kopf.ConnectionInfo(server=url, token="test"), timeout=2.0)
+    try:
+        assert await client.autoscalers_of(NS, "workers") == []
+        await create_hpa("keda-hpa-workers", "Deployment", "workers")
+        await create_hpa("other", "Deployment", "frontend")
+        await create_hpa("same-name-other-kind", "StatefulSet", "workers")
+        await create_hpa("custom", "Deployment", "workers", api_version="example.com/v1")
+        assert await client.autoscalers_of(NS, "workers") == ["keda-hpa-workers"]
+    finally:
+        await client.close()
+
+
+async def test_autoscalers_it_may_not_list_are_unknown_not_an_error():
+    async def forbidden(request: web.Request) -> web.Response:
+        return web.json_response({"kind": "Status", "message": "forbidden"}, status=403)
+
+    app = web.Application()
+    app.router.add_route("*", "/apis/autoscaling/v2/namespaces/{ns}/horizontalpodautoscalers", forbidden)
+    async with serving(app) as url:
+        client = DeploymentClient(kopf.ConnectionInfo(server=url), timeout=2.0)
+        try:
+            assert await client.autoscalers_of(NS, "workers") is None  # 403
+        finally:
+            await client.close()
+
+
 @contextlib.asynccontextmanager
 async def api_stub(handler):
     app = web.Application()

@@ -42,12 +42,19 @@ class Deployments:
         self.patches: list[int] = []
         self.get_error: Exception | None = None
         self.patch_error: Exception | None = None
+        self.autoscalers: list[str] | None | Exception = []  # HPAs scaling the target (None: cannot tell)
 
     async def get_replicas(self, namespace: str, name: str) -> int:
         assert (namespace, name) == ("ns", "workers")
         if self.get_error:
             raise self.get_error
         return self.replicas
+
+    async def autoscalers_of(self, namespace: str, name: str) -> list[str] | None:
+        assert (namespace, name) == ("ns", "workers")
+        if isinstance(self.autoscalers, Exception):
+            raise self.autoscalers
+        return self.autoscalers
 
     async def set_replicas(self, namespace: str, name: str, replicas: int) -> None:
         if self.patch_error:
@@ -478,3 +485,23 @@ async def test_a_pool_scales_only_the_deployment_of_its_workers(setup):
     body["spec"]["workerDeployment"] = "workers"
     st = await tick(scaler, body, [pod("w-0")])
     assert deployments.patches == [6]
+
+
+async def test_a_deployment_another_autoscaler_scales_is_left_to_it(setup):
+    """An HPA (or KEDA's, made for a ScaledObject) scaling the pool's target: each pass set the replicas back
+    and the HPA undid them, so the count flapped between the two. The pool says so and leaves them; a list it
+    may not make, or one that fails, scales as before."""
+    scaler, metrics, deployments, clock = setup
+    deployments.replicas = 2
+    metrics.signals = (0.5, 0.95)  # KV pressure: a scale-up
+    deployments.autoscalers = ["keda-hpa-workers"]
+    st = await tick(scaler, pool(), [pod("w-0"), pod("w-1")])
+    cond = scaling_condition(st)
+    assert (cond["status"], cond["reason"]) == ("False", "ConflictingAutoscaler") and deployments.patches == []
+    assert "keda-hpa-workers" in cond["message"] and "replicas stay at 2" in cond["message"]
+    for cannot_tell in (None, KubeError("list horizontalpodautoscalers: HTTP 500: boom", 500)):
+        deployments.autoscalers = cannot_tell
+        clock.now += 600
+        st = await tick(scaler, pool(), [pod("w-0"), pod("w-1")])
+        assert scaling_condition(st)["reason"] != "ConflictingAutoscaler"
+    assert deployments.patches, "scaled once nothing else scales it"
