@@ -469,8 +469,10 @@ async def test_a_stream_whose_version_goes_mid_way_ends_with_an_in_band_error(ch
     chunks = [json.loads(e) for e in events]
     error = chunks[-1]["error"]
     assert error["code"] == "model_not_found" and "no longer served" in error["message"], error
-    assert {c["model"] for c in chunks[:-1]} == {served}
-    assert {ch["index"] for c in chunks[:-1] for ch in c["choices"]} == {0}
+    # Choice 0's tokens before the error, if any: on a busy machine choice 1's refusal may come first (the
+    # first event can go before any token, and a request not yet running holds no version).
+    assert {c["model"] for c in chunks[:-1]} <= {served}
+    assert {ch["index"] for c in chunks[:-1] for ch in c["choices"]} <= {0}
     # the connection still serves requests
     again = await churn_client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
     assert again.status == 200, await again.text()
