@@ -119,6 +119,14 @@ class AdapterPlacement:
             if entry.pinned or entry.key in self._warm:
                 self._want(entry)  # back within that quota, evicting the owner's other idle adapters first
 
+    def held_by_own_quota(self, key: str) -> bool:
+        """Whether `key`, in CPU memory, waits for its owner's GPU quota: its owner's adapters on the GPU
+        fill it, so only they can make room for it (no other tenant's adapter leaving would)."""
+        with self._lock:
+            entry = self._entries.get(key)
+            return (entry is not None and entry.image is not None and not entry.on_gpu
+                    and self._exceeds_quota(entry, self._owned(entry.tenant)))
+
     def _owned(self, tenant: str) -> list[AdapterEntry]:
         """The adapters `tenant` holds on the GPU (slots): what its quota counts."""
         return [e for e in self._slot_owner.values() if e.tenant == tenant]

@@ -143,14 +143,17 @@ class Engine:
 
     def _adapter_state(self, key: str) -> str:
         """For the scheduler: "gpu" (pages taken: resident or being copied), "room" (in CPU memory,
-        waiting only for GPU pages or a slot) or "load" (being read, or gone)."""
+        waiting only for GPU pages or a slot), "quota" (in CPU memory, its tenant's GPU share full: only
+        the tenant's own adapters leaving make room) or "load" (being read, or gone)."""
         try:
             entry = self.adapter_pool.entry(key)
         except AdapterNotFoundError:
             return "load"
         if entry.on_gpu:
             return "gpu"
-        return "room" if entry.image is not None and entry.fetching is None else "load"
+        if entry.image is None or entry.fetching is not None:
+            return "load"
+        return "quota" if self.adapter_pool.held_by_own_quota(key) else "room"
 
     # ---- adapters -----------------------------------------------------------------------------------
     def register_adapter(

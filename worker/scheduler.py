@@ -62,7 +62,7 @@ class Scheduler:
         # before any request is preempted. Returns how many pages were freed.
         self.reclaim_pages = reclaim_pages
         # Where an adapter is: "gpu" (its pages taken: resident or being copied), "room" (in CPU memory,
-        # waiting only for GPU pages or a slot) or "load" (being read).
+        # waiting only for GPU pages or a slot), "quota" (its tenant's own adapters must leave) or "load".
         self.adapter_state = adapter_state
         self.never_fits = never_fits  # why a sequence can never get the KV pages it needs (kv_room.py)
         self.waiting = WaitingQueue(page_wait_limit=max_adapter_wait_steps)

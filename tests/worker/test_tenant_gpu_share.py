@@ -39,3 +39,52 @@ def test_a_tenant_holds_at_most_its_share_of_slots_and_its_requests_still_finish
 def test_the_share_must_be_positive():
     with pytest.raises(ValueError, match="max_loras_per_tenant must be >= 1"):
         EngineConfig(max_loras_per_tenant=0)
+
+
+def test_a_request_waiting_for_its_tenant_s_share_holds_no_other_tenant_back(tiny_llama_dir, qv_adapters_dir):
+    """acme's share is full (alpha runs a long request) and its request for beta waits past
+    --max-adapter-wait-steps: it was taken as starved for GPU room, and the scheduler held back every request
+    needing a slot or a new reference to a busy adapter, other tenants' too, though only acme's own adapter
+    leaving makes room for beta. Another tenant's short request finished after the long ones."""
+    engine = Engine(EngineConfig(model=str(tiny_llama_dir), device="cpu", dtype="float32", max_loras=4,
+                                 max_loras_per_tenant=1, max_adapter_wait_steps=4))
+    engine.register_adapter("alpha", qv_adapters_dir / "alpha", tenant="acme")
+    engine.register_adapter("beta", qv_adapters_dir / "beta", tenant="acme")
+    engine.register_adapter("gamma", qv_adapters_dir / "alpha", tenant="other")
+    pool = engine.adapter_pool
+    pool.prefetch(pool.resolve("beta"), "cpu")
+    pool.load(pool.resolve("alpha"))
+    pool.load(pool.resolve("gamma"))
+    pool.wait_idle()
+    long = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    short = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    engine.add_request("a-long", [1, 2, 3], long, adapter="alpha", tenant="acme")
+    for i in range(2):
+        engine.add_request(f"g-long-{i}", [1, 2, 3], long, adapter="gamma", tenant="other")
+    steps = 0
+
+    def run(num_steps: int) -> dict[str, int]:
+        nonlocal steps
+        done = {}
+        for _ in range(num_steps):
+            steps += 1
+            outputs = engine.step()
+            done.update({out.request_id: steps for out in outputs if out.finished})
+            if not engine.has_unfinished():
+                break
+            if not outputs:  # nothing ran: a copy to the device may be under way (the engine's loop waits too)
+                pool.wait_idle(timeout=10)
+        return done
+
+    run(3)
+    engine.add_request("b-short", [1, 2, 3], short, adapter="beta", tenant="acme")
+    run(10)  # past max_adapter_wait_steps: b-short waits for acme's share
+    assert pool.entry(pool.resolve("beta")).image is not None and engine._adapter_state(pool.resolve("beta")) == "quota"
+    engine.add_request("g-short", [1, 2, 3], short, adapter="gamma", tenant="other")
+    start = steps
+    done = run(300)
+    try:
+        assert done["g-short"] - start < 10, done  # not after the long requests (about 47 steps on)
+        assert done["b-short"] > done["a-long"], done  # acme's own long request made the room
+    finally:
+        engine.close()
