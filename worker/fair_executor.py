@@ -5,7 +5,8 @@ A thread pool takes its jobs first come, first served: a tenant that asks for fi
 adapter would wait behind all fifty. Here each job belongs to a group (its adapter's tenant) and waits in
 that group's queue; a free thread takes the next job of the group served longest ago (or never), so
 another tenant's load waits for at most one job per group ahead of it. Loads a request waits for (urgent) go before warm-ups
-(`promote` moves a queued warm-up ahead once a request asks for it).
+(`promote` moves a queued warm-up ahead once a request asks for it): under a steady stream of cold
+loads for requests, warm-ups wait until none is queued.
 
 Jobs run on a ThreadPoolExecutor of `num_threads`, never more at once; a queued job's Future may be
 cancelled (it is skipped); `shutdown` cancels every job still queued.
@@ -27,9 +28,10 @@ class FairExecutor:
     def __init__(self, num_threads: int, **pool_kw: Any) -> None:
         self._pool = ThreadPoolExecutor(num_threads, **pool_kw)
         self._num_threads = num_threads
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # RLock: a job the pool refuses fails at once, under it (_lost)
         self._urgent: _Queues = {}  # group -> its jobs a request waits for
         self._background: _Queues = {}  # group -> its other jobs (warm-ups, prefetches)
+        self._queued_background: dict[Future, str] = {}  # a background job's Future -> its group
         self._turns = 0  # jobs started
         self._last_turn: dict[str, int] = {}  # group -> the number of its last job started
         self._running = 0
@@ -42,6 +44,8 @@ class FairExecutor:
             if self._closed:
                 raise RuntimeError("cannot submit a load after shutdown")
             (self._urgent if urgent else self._background).setdefault(group, deque()).append((future, fn))
+            if not urgent:
+                self._queued_background[future] = group
             self._dispatch()
         return future
 
@@ -49,14 +53,15 @@ class FairExecutor:
         """A request now waits for the queued job of `future`: it goes before every warm-up (its group's
         turn among the urgent ones). Nothing for a job already running, done, or urgent."""
         with self._lock:
-            for group, queue in self._background.items():
-                for job in queue:
-                    if job[0] is future:
-                        queue.remove(job)
-                        if not queue:
-                            del self._background[group]
-                        self._urgent.setdefault(group, deque()).append(job)
-                        return
+            group = self._queued_background.pop(future, None)  # asked every step while a load waits: O(1) then
+            if group is None:
+                return
+            queue = self._background[group]
+            job = next(job for job in queue if job[0] is future)
+            queue.remove(job)
+            if not queue:
+                del self._background[group]
+            self._urgent.setdefault(group, deque()).append(job)
 
     def queued(self) -> int:
         with self._lock:
@@ -74,6 +79,7 @@ class FairExecutor:
             future, fn = queue.popleft()
             if not queue:
                 del lane[group]
+            self._queued_background.pop(future, None)
             if not future.set_running_or_notify_cancel():  # cancelled while queued
                 continue
             self._turns += 1
@@ -82,7 +88,13 @@ class FairExecutor:
                 for old in sorted(self._last_turn, key=self._last_turn.__getitem__)[:_MAX_REMEMBERED // 2]:
                     del self._last_turn[old]
             self._running += 1
-            self._pool.submit(self._run, future, fn)
+            try:
+                inner = self._pool.submit(self._run, future, fn)
+            except BaseException as exc:  # noqa: BLE001 - a pool broken earlier: the load fails, as with the pool
+                self._running -= 1
+                future.set_exception(exc)
+                continue
+            inner.add_done_callback(lambda done, future=future: self._lost(done, future))
 
     def _run(self, future: Future, fn: Callable[[], Any]) -> None:
         try:
@@ -97,6 +109,16 @@ class FairExecutor:
                 if not self._closed:
                     self._dispatch()
 
+    def _lost(self, inner: Future, future: Future) -> None:
+        """The pool did not run `_run` (broken: a thread's initializer failed): the job fails, its thread
+        is given back. A job `_run` ran has its outcome already."""
+        if inner.cancelled() or inner.exception() is None:
+            return
+        with self._lock:
+            self._running -= 1
+        if not future.done():
+            future.set_exception(inner.exception())
+
     def shutdown(self, wait: bool = True) -> None:
         """Cancel the jobs still queued and stop; `wait`: until the running ones have returned."""
         with self._lock:
@@ -106,4 +128,5 @@ class FairExecutor:
                     for future, _ in queue:
                         future.cancel()
                 lane.clear()
+            self._queued_background.clear()
         self._pool.shutdown(wait=wait)

@@ -92,3 +92,37 @@ def test_the_executor_runs_at_most_its_threads_and_skips_cancelled_jobs():
     queued = ex.submit("t", lambda: gate.wait(10))
     ex.shutdown(wait=True)
     assert queued.done()
+
+
+def test_a_job_the_thread_pool_cannot_run_fails_and_frees_its_place():
+    """A loader thread whose initializer fails breaks the pool: the load stayed running for ever, its place
+    taken, so every later load queued for ever and no time limit ever started."""
+    from concurrent.futures.thread import BrokenThreadPool
+
+    def broken() -> None:
+        raise RuntimeError("no CPU threads")
+
+    ex = FairExecutor(1, initializer=broken)
+    try:
+        for _ in range(3):
+            assert isinstance(ex.submit("t", lambda: 1).exception(10), BrokenThreadPool)
+        assert ex._running == 0
+    finally:
+        ex.shutdown(wait=True)
+
+
+def test_promoting_is_cheap_and_only_moves_queued_warm_ups():
+    ex = FairExecutor(1, thread_name_prefix="test-load")
+    gate = threading.Event()
+    try:
+        ex.submit("busy", lambda: gate.wait(10))
+        warm = [ex.submit(f"t{i % 50}", lambda: "warm", urgent=False) for i in range(2000)]
+        urgent = ex.submit("r", lambda: "asked")
+        ex.promote(urgent)  # already urgent: nothing
+        ex.promote(warm[-1])
+        assert not ex._queued_background.get(warm[-1]) and len(ex._queued_background) == 1999
+        gate.set()
+        assert warm[-1].result(10) == "warm" and urgent.result(10) == "asked"
+    finally:
+        gate.set()
+        ex.shutdown(wait=True)
