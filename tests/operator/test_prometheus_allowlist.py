@@ -129,6 +129,9 @@ class Deployments:
         self.num_gets += 1
         return 2
 
+    async def autoscalers_of(self, namespace: str, name: str) -> list[str]:
+        return []
+
     async def set_replicas(self, namespace: str, name: str, replicas: int) -> None:
         raise AssertionError("no replicas may change")
 
