@@ -117,8 +117,6 @@ class WorkerMetrics:
         self.registry = CollectorRegistry()
         self.latency_series = latency_series
         self._rolling: set[str] = set()  # names serving more than one version (latencies labelled by adapter)
-        # (name, version) -> requests on it that began while the name rolled out: labelled so to their end
-        self._rolling_holds: dict[tuple[str, str], int] = {}
         r = self.registry
         self.requests = Counter("lorafleet_requests", "Finished HTTP inference requests.",
                                 ["adapter", "version", "endpoint", "status"], registry=r)
@@ -159,26 +157,30 @@ class WorkerMetrics:
     def observe_prompt_tokens(self, adapter: str | None, num_tokens: int, *, version: str = "") -> None:
         self.prompt_tokens.labels(*self._labels(adapter, version)).inc(num_tokens)
 
-    def _latency_labels(self, adapter: str | None, version: str) -> tuple[str, str]:
-        """The labels of a latency observation: the adapter's own while it rolls out a version (or with "all",
-        or for the base model and unresolved requests), else (__other__, "")."""
+    def _latency_labels(self, adapter: str | None, version: str, per_version: bool | None) -> tuple[str, str]:
+        """The labels of a latency observation: the adapter's own while it rolls out a version (`per_version`:
+        as `acquire` said when the request began; None: now), or with "all", or for the base model and
+        unresolved requests; else (__other__, "")."""
         adapter = adapter or BASE_MODEL_LABEL
-        if (self.latency_series == "all" or adapter in self._rolling or (adapter, version) in self._rolling_holds
-                or adapter in (BASE_MODEL_LABEL, UNRESOLVED_LABEL)):
+        rolling = adapter in self._rolling if per_version is None else per_version
+        if self.latency_series == "all" or rolling or adapter in (BASE_MODEL_LABEL, UNRESOLVED_LABEL):
             return self._labels(adapter, version)
         return OTHER_LABEL, ""
 
-    def observe_first_token(self, adapter: str | None, seconds: float, *, version: str = "") -> None:
-        self.ttft.labels(*self._latency_labels(adapter, version)).observe(seconds)
+    def observe_first_token(self, adapter: str | None, seconds: float, *, version: str = "",
+                            per_version: bool | None = None) -> None:
+        self.ttft.labels(*self._latency_labels(adapter, version, per_version)).observe(seconds)
 
-    def observe_token_gaps(self, adapter: str | None, seconds: float, count: int, *, version: str = "") -> None:
+    def observe_token_gaps(self, adapter: str | None, seconds: float, count: int, *, version: str = "",
+                           per_version: bool | None = None) -> None:
         """`count` tokens that arrived `seconds` apart each."""
-        child = self.inter_token.labels(*self._latency_labels(adapter, version))
+        child = self.inter_token.labels(*self._latency_labels(adapter, version, per_version))
         for _ in range(count):
             child.observe(seconds)
 
-    def observe_e2e(self, adapter: str | None, seconds: float, *, version: str = "") -> None:
-        self.e2e.labels(*self._latency_labels(adapter, version)).observe(seconds)
+    def observe_e2e(self, adapter: str | None, seconds: float, *, version: str = "",
+                    per_version: bool | None = None) -> None:
+        self.e2e.labels(*self._latency_labels(adapter, version, per_version)).observe(seconds)
 
     def observe_tokens(self, adapter: str | None, num_tokens: int, *, version: str = "",
                        now: float | None = None) -> None:
@@ -191,13 +193,13 @@ class WorkerMetrics:
 
     def acquire(self, adapter: str | None, version: str) -> bool:
         """A request resolved to this version: its series stay, retired or not, until `release`. Whether the
-        name rolls out a version now (pass it to `release`): if so, the request's latencies keep their version's
-        labels to its end, a rollback or promotion meanwhile notwithstanding, and stay until a scrape read them."""
+        name rolls out a version now (pass it to `release`, and as `per_version` to the request's latencies: they
+        keep their labels to its end, a rollback or promotion meanwhile notwithstanding, and per-version series
+        stay until a scrape read them)."""
         key = (adapter or BASE_MODEL_LABEL, version)
         self.retired.acquire(key)
         if key[0] not in self._rolling:
             return False
-        self._rolling_holds[key] = self._rolling_holds.get(key, 0) + 1
         self.rolled_out.acquire((key[0], ""))
         return True
 
@@ -206,10 +208,6 @@ class WorkerMetrics:
         key = (adapter or BASE_MODEL_LABEL, version)
         self.retired.release(key)
         if rolling:
-            if self._rolling_holds.get(key, 0) > 1:
-                self._rolling_holds[key] -= 1
-            else:
-                self._rolling_holds.pop(key, None)
             self.rolled_out.release((key[0], ""))
         self.drop_expired()
 
@@ -223,7 +221,8 @@ class WorkerMetrics:
                 self.retired.restore(key)
             else:
                 self.retired.retire(key)
-        self._set_rolling(adapter, len(versions) > 1)
+        if len(versions) <= 1:  # a request's end may end a rollout (a fallback done with), never start one
+            self._set_rolling(adapter, False)
         self.drop_expired()
 
     def _set_rolling(self, adapter: str, rolling: bool) -> None:
@@ -272,6 +271,7 @@ class WorkerMetrics:
             self._set_rolling(adapter, False)
         for adapter, versions in served.items():
             self.retain_versions(adapter, versions)
+            self._set_rolling(adapter, len(versions) > 1)
 
     def tokens_per_second(self, *, now: float | None = None) -> float:
         now = time.monotonic() if now is None else now

@@ -155,9 +155,10 @@ def _engine_error(exc: BaseException, job: CompletionJob, request: web.Request) 
 class _ChoiceTimer:
     """TTFT (first token of any choice) and inter-token gaps (per choice) of one request."""
 
-    def __init__(self, metrics, job: CompletionJob) -> None:
+    def __init__(self, metrics, job: CompletionJob, per_version: Callable[[str | None], bool]) -> None:
         self.metrics = metrics
         self.job = job
+        self.per_version = per_version  # engine key -> whether its latencies are labelled by version (metrics.acquire)
         self.arrived = job.arrived
         self.first: float | None = None
         self.last: dict[int, float] = {}  # choice index -> time of its latest tokens
@@ -172,18 +173,21 @@ class _ChoiceTimer:
             return
         now = time.monotonic()
         adapter, version = self.labels
+        per_version = self.per_version(self.job.adapter)
         if self.first is None:
             self.first = now
-            self.metrics.observe_first_token(adapter, now - self.arrived, version=version)
+            self.metrics.observe_first_token(adapter, now - self.arrived, version=version, per_version=per_version)
         last = self.last.get(choice)
         if last is not None:
-            self.metrics.observe_token_gaps(adapter, (now - last) / num_tokens, num_tokens, version=version)
+            self.metrics.observe_token_gaps(adapter, (now - last) / num_tokens, num_tokens, version=version,
+                                            per_version=per_version)
         self.last[choice] = now
         self.metrics.observe_tokens(adapter, num_tokens, version=version)
 
     def done(self) -> None:
         adapter, version = self.labels
-        self.metrics.observe_e2e(adapter, time.monotonic() - self.arrived, version=version)
+        self.metrics.observe_e2e(adapter, time.monotonic() - self.arrived, version=version,
+                                 per_version=self.per_version(self.job.adapter))
 
 
 def _request_labels(key: str | None) -> tuple[str | None, str]:
@@ -220,7 +224,7 @@ async def _serve(request: web.Request, endpoint: str) -> web.StreamResponse:
         admission, tenant = app[ADMISSION], job.tenant.name
         _admit(app, job, tenant)  # raises, having taken nothing, or took room released just below
         try:
-            timer = _ChoiceTimer(metrics, job)
+            timer = _ChoiceTimer(metrics, job, lambda key: any(rolling for k, rolling in resolved if k == key))
             adapter, version = timer.labels
             metrics.observe_prompt_tokens(adapter, sum(len(job.prompt_ids[p]) for p in job.choice_prompt),
                                           version=version)

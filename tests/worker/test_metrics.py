@@ -259,10 +259,10 @@ def test_a_rolled_back_canary_keeps_its_latencies_to_the_last_request_by_default
     m = WorkerMetrics(retired_grace_s=60, clock=clock)
     m.retain_served({"sql": {"v1", "v2"}})  # the canary
     rolling = m.acquire("sql", "v2")
-    m.observe_first_token("sql", 0.1, version="v2")
+    m.observe_first_token("sql", 0.1, version="v2", per_version=rolling)
     m.retain_served({"sql": {"v1"}})  # rolled back while the request runs
     clock.now = 1000.0  # long past the grace: the request still runs
-    m.observe_e2e("sql", 5.0, version="v2")
+    m.observe_e2e("sql", 5.0, version="v2", per_version=rolling)
     m.observe_request(adapter="sql", version="v2", endpoint="completions", status=200)
     _observe_one(m, "sql", "v1")  # a request after the rollout: under __other__
     m.release("sql", "v2", rolling)
@@ -275,6 +275,26 @@ def test_a_rolled_back_canary_keeps_its_latencies_to_the_last_request_by_default
     assert e2e not in _versions(m, "sql") and _versions(m, "sql")["lorafleet_requests_total"] == {"v1"}
 
 
+def test_a_request_keeps_the_labels_it_began_with():
+    """A canary promoted while a request on it runs; a request begun after the promotion put its first token
+    under the version's labels (the older request still held them) and its end under __other__."""
+    m = WorkerMetrics(retired_grace_s=0)
+    m.retain_served({"sql": {"v1", "v2"}})
+    old = m.acquire("sql", "v2")
+    m.retain_served({"sql": {"v2"}})  # promoted
+    new = m.acquire("sql", "v2")
+    assert old and not new
+    m.observe_first_token("sql", 0.1, version="v2", per_version=new)
+    m.observe_e2e("sql", 0.2, version="v2", per_version=old)
+    m.release("sql", "v2", old)
+    m.observe_e2e("sql", 0.3, version="v2", per_version=new)
+    m.release("sql", "v2", new)
+    s = _samples(m)
+    other = (("adapter", "__other__"), ("version", ""))
+    assert s[("lorafleet_time_to_first_token_seconds_count", other)] == 1
+    assert s[("lorafleet_e2e_request_latency_seconds_count", other)] == 1
+
+
 def test_a_stable_swap_s_latencies_go_back_under_other_once_the_fallback_is_done():
     """A new stable version loading beside the old one labels the name's latencies per version; once a
     request ran on the new one (the fallback retired), the swap is over. The name stayed labelled per version
@@ -283,6 +303,7 @@ def test_a_stable_swap_s_latencies_go_back_under_other_once_the_fallback_is_done
     m.retain_served({"sql": {"v1", "v2"}})  # v2 loading, v1 the fallback
     _observe_one(m, "sql", "v2")
     m.retain_versions("sql", {"v2"})  # a request ran on v2: the fallback is gone (as the server tells it)
+    m.retain_versions("sql", {"v1", "v2"})  # a request that ran on the fallback ends: no rollout again
     _observe_one(m, "sql", "v2")
     ttft = "lorafleet_time_to_first_token_seconds_count"
     assert _samples(m)[(ttft, (("adapter", "__other__"), ("version", "")))] == 1 and ttft not in _versions(m, "sql")
