@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import heapq
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from lorafleet.worker.adapter_entry import AdapterNotFoundError, AdapterSlots
 from lorafleet.worker.block_manager import BlockManager
@@ -170,9 +170,10 @@ class Scheduler:
         starved: Sequence | None = None  # next in line for a GPU slot (see _starved_for_room)
         reserve = 0  # KV pages left free for the starved sequence's adapter
         busy: set[str] = set()  # adapters running requests use: they must drain for it (see waits_behind)
+        held = self.waiting.shares_held(self.running, lambda s: self._starved_for_room(s, "quota"))
         while heap and budget > 0 and len(self.running) < self.max_num_seqs:
             tenant = heapq.heappop(heap)[-1]
-            seq = self._next_head(tenant, passed, busy if starved is not None else None)
+            seq = self._next_head(tenant, passed, busy if starved is not None else None, held.get(tenant, ()))
             if seq is None:
                 continue  # nothing more of this tenant can go this step
             if self._stuck_steps and not self.running and seq.seq_id not in self._stuck_steps \
@@ -268,13 +269,15 @@ class Scheduler:
         if self.waiting.has_tenant(tenant):
             heapq.heappush(heap, self.waiting.rank(tenant))
 
-    def _next_head(self, tenant: str, passed: set[tuple[str, str | None]], busy: set[str] | None) -> Sequence | None:
-        """The tenant's oldest head not passed over this step. `busy` is set once a sequence is starved for a
-        GPU slot: then those that would take its slot wait behind it (waits_behind)."""
+    def _next_head(self, tenant: str, passed: set[tuple[str, str | None]], busy: set[str] | None,
+                   held: Collection[str]) -> Sequence | None:
+        """The tenant's oldest head not passed over this step. `busy` is set once a sequence is starved for a GPU
+        slot: those that would take its slot wait behind it (waits_behind); `held`: see WaitingQueue.shares_held."""
         for _, seq in self.waiting.heads(tenant):
             if (tenant, seq.adapter) in passed:
                 continue
-            if busy is not None and waits_behind(seq, busy, self.adapter_state, self.adapter_pool):
+            if (busy is not None and waits_behind(seq, busy, self.adapter_state, self.adapter_pool)) or (
+                    seq.adapter in held and seq.adapter_slot is None):
                 passed.add((tenant, seq.adapter))
                 continue
             return seq
@@ -339,14 +342,11 @@ class Scheduler:
                 raise exc  # its adapter's size is known now
         return seq.adapter_slot is not None
 
-    def _starved_for_room(self, seq: Sequence) -> bool:
+    def _starved_for_room(self, seq: Sequence, state: str = "room") -> bool:
         """`seq` has waited `max_adapter_wait_steps` steps for an adapter that is loaded and only lacks
-        GPU room, which requests admitted after it keep taking."""
-        return (
-            self._skipped_steps.get(seq.seq_id, 0) >= self.max_adapter_wait_steps
-            and self.adapter_state is not None
-            and self.adapter_state(seq.adapter) == "room"
-        )
+        GPU room ("room"), or its tenant's GPU share ("quota"), which requests admitted after it keep taking."""
+        return (self._skipped_steps.get(seq.seq_id, 0) >= self.max_adapter_wait_steps
+                and self.adapter_state is not None and self.adapter_state(seq.adapter) == state)
 
     def _gave_up(self, seq: Sequence, message: str) -> bool:
         """Nothing runs and (dequeued) `seq` cannot get room. One that never can (`never_fits`) fails at once;

@@ -97,6 +97,14 @@ class WaitingQueue:
         """(ticket, sequence) at the head of each of the tenant's adapter queues, oldest first."""
         return sorted((q[0] for q in self._queues[tenant].values()), key=lambda it: it[0])
 
+    def shares_held(self, running: list[Sequence], starved: Callable[[Sequence], bool]) -> dict[str, set[str]]:
+        """Tenant -> its adapters running requests use, for each tenant with a queue head `starved` for its GPU
+        share (only its own adapters leaving make room): no new reference to them is taken (they go idle and
+        leave), else the tenant's stream of requests for a busy adapter keeps the share full for ever. Other
+        tenants are not held back."""
+        tenants = [t for t in self._queues if any(starved(seq) for _, seq in self.heads(t))]
+        return {t: {s.adapter for s in running if s.adapter is not None and fairness_key(s) == t} for t in tenants}
+
     def rank(self, tenant: str) -> tuple[bool, bool, int, int, int, str]:
         """Order in which waiting tenants are served (lowest first): one with a preempted sequence first (it
         keeps its place), then one with a head that has waited for KV pages `page_wait_limit` steps, then the

@@ -88,3 +88,35 @@ def test_a_request_waiting_for_its_tenant_s_share_holds_no_other_tenant_back(tin
         assert done["b-short"] > done["a-long"], done  # acme's own long request made the room
     finally:
         engine.close()
+
+
+def test_a_tenant_s_stream_on_its_busy_adapter_does_not_starve_its_own_request_for_another(
+        tiny_llama_dir, qv_adapters_dir):
+    """acme's share (one slot) is alpha's, and acme sends alpha requests that overlap, step after step: its
+    request for beta waited for alpha to go idle, which every later alpha request kept from happening. Once it
+    has waited --max-adapter-wait-steps, acme's new requests for alpha wait behind it."""
+    engine = Engine(EngineConfig(model=str(tiny_llama_dir), device="cpu", dtype="float32", max_loras=4,
+                                 max_loras_per_tenant=1, max_adapter_wait_steps=4))
+    engine.register_adapter("alpha", qv_adapters_dir / "alpha", tenant="acme")
+    engine.register_adapter("beta", qv_adapters_dir / "beta", tenant="acme")
+    pool = engine.adapter_pool
+    pool.prefetch(pool.resolve("beta"), "cpu")
+    pool.load(pool.resolve("alpha"))
+    pool.wait_idle()
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    engine.add_request("a-0", [1, 2, 3], params, adapter="alpha", tenant="acme")
+    engine.step()
+    engine.add_request("b", [1, 2, 3], params, adapter="beta", tenant="acme")
+    done = {}
+    try:
+        for step in range(300):
+            engine.add_request(f"a-{step + 1}", [1, 2, 3], params, adapter="alpha", tenant="acme")
+            outputs = engine.step()
+            done.update({o.request_id: step for o in outputs if o.finished})
+            if not outputs:
+                pool.wait_idle(timeout=10)
+            if "b" in done:
+                break
+        assert done.get("b", 300) < 30, f"b waited {len(done)} alpha requests out"
+    finally:
+        engine.close()
