@@ -9,7 +9,10 @@ another tenant's load waits for at most one job per group ahead of it. Loads a r
 loads for requests, warm-ups wait until none is queued.
 
 Jobs run on a ThreadPoolExecutor of `num_threads`, never more at once; a queued job's Future may be
-cancelled (it is skipped); `shutdown` cancels every job still queued.
+cancelled (it is skipped); `shutdown` cancels every job still queued. A thread's `initializer` runs before
+its first job: if it raises, that job fails with its error (ThreadPoolExecutor would break the whole pool).
+A job's Future is completed, or cancelled, outside this executor's lock, on a loader thread or the caller's:
+its callbacks may take other locks.
 """
 
 from __future__ import annotations
@@ -25,10 +28,13 @@ _MAX_REMEMBERED = 4096  # groups whose last turn is remembered (the oldest are f
 
 
 class FairExecutor:
-    def __init__(self, num_threads: int, **pool_kw: Any) -> None:
-        self._pool = ThreadPoolExecutor(num_threads, **pool_kw)
+    def __init__(self, num_threads: int, *, thread_name_prefix: str = "",
+                 initializer: Callable[..., object] | None = None, initargs: tuple = ()) -> None:
+        self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix=thread_name_prefix)
+        self._init = (initializer, initargs)
+        self._ready = threading.local()  # whether this thread's initializer ran
         self._num_threads = num_threads
-        self._lock = threading.RLock()  # RLock: a job the pool refuses fails at once, under it (_lost)
+        self._lock = threading.Lock()
         self._urgent: _Queues = {}  # group -> its jobs a request waits for
         self._background: _Queues = {}  # group -> its other jobs (warm-ups, prefetches)
         self._queued_background: dict[Future, str] = {}  # a background job's Future -> its group
@@ -88,16 +94,14 @@ class FairExecutor:
                 for old in sorted(self._last_turn, key=self._last_turn.__getitem__)[:_MAX_REMEMBERED // 2]:
                     del self._last_turn[old]
             self._running += 1
-            try:
-                inner = self._pool.submit(self._run, future, fn)
-            except BaseException as exc:  # noqa: BLE001 - a pool broken earlier: the load fails, as with the pool
-                self._running -= 1
-                future.set_exception(exc)
-                continue
-            inner.add_done_callback(lambda done, future=future: self._lost(done, future))
+            self._pool.submit(self._run, future, fn)  # never refused: the pool stops only after _closed
 
     def _run(self, future: Future, fn: Callable[[], Any]) -> None:
         try:
+            initializer, initargs = self._init
+            if initializer is not None and not getattr(self._ready, "done", False):
+                initializer(*initargs)
+                self._ready.done = True
             result = fn()
         except BaseException as exc:  # noqa: BLE001 - handed to the Future, as ThreadPoolExecutor does
             future.set_exception(exc)
@@ -109,24 +113,12 @@ class FairExecutor:
                 if not self._closed:
                     self._dispatch()
 
-    def _lost(self, inner: Future, future: Future) -> None:
-        """The pool did not run `_run` (broken: a thread's initializer failed): the job fails, its thread
-        is given back. A job `_run` ran has its outcome already."""
-        if inner.cancelled() or inner.exception() is None:
-            return
-        with self._lock:
-            self._running -= 1
-        if not future.done():
-            future.set_exception(inner.exception())
-
     def shutdown(self, wait: bool = True) -> None:
         """Cancel the jobs still queued and stop; `wait`: until the running ones have returned."""
         with self._lock:
             self._closed = True
-            for lane in (self._urgent, self._background):
-                for queue in lane.values():
-                    for future, _ in queue:
-                        future.cancel()
-                lane.clear()
-            self._queued_background.clear()
+            queued = [future for lane in (self._urgent, self._background) for q in lane.values() for future, _ in q]
+            self._urgent, self._background, self._queued_background = {}, {}, {}
+        for future in queued:  # outside the lock: their callbacks may take others
+            future.cancel()
         self._pool.shutdown(wait=wait)

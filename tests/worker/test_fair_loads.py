@@ -94,20 +94,29 @@ def test_the_executor_runs_at_most_its_threads_and_skips_cancelled_jobs():
     assert queued.done()
 
 
-def test_a_job_the_thread_pool_cannot_run_fails_and_frees_its_place():
-    """A loader thread whose initializer fails breaks the pool: the load stayed running for ever, its place
-    taken, so every later load queued for ever and no time limit ever started."""
-    from concurrent.futures.thread import BrokenThreadPool
+def test_a_thread_whose_initializer_fails_fails_its_jobs_and_blocks_no_other():
+    """A loader thread whose initializer fails broke the pool: a load stayed running for ever (its place
+    taken, so every later load queued for ever and no time limit ever started), and failing it from the
+    pool's own callback could deadlock with the adapter pool's lock. Each job now fails with the error, on
+    the loader thread, outside the executor's lock, and the jobs queued behind it still run."""
+    calls = []
 
-    def broken() -> None:
-        raise RuntimeError("no CPU threads")
+    def flaky_init() -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("no CPU threads")
 
-    ex = FairExecutor(1, initializer=broken)
+    ex = FairExecutor(1, initializer=flaky_init)
+    gate, held = threading.Event(), []
     try:
-        for _ in range(3):
-            assert isinstance(ex.submit("t", lambda: 1).exception(10), BrokenThreadPool)
-        assert ex._running == 0
+        futures = [ex.submit("t", lambda: gate.wait(10) and "ran") for _ in range(3)]
+        futures[0].add_done_callback(lambda f: held.append(ex._lock.locked()))
+        gate.set()
+        assert isinstance(futures[0].exception(10), RuntimeError)
+        assert [f.result(10) for f in futures[1:]] == ["ran", "ran"]  # the initializer ran again, and passed
+        assert held == [False] and ex._running == 0 and ex.queued() == 0
     finally:
+        gate.set()
         ex.shutdown(wait=True)
 
 
