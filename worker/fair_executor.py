@@ -52,7 +52,8 @@ class FairExecutor:
             (self._urgent if urgent else self._background).setdefault(group, deque()).append((future, fn))
             if not urgent:
                 self._queued_background[future] = group
-            self._dispatch()
+            refused = self._dispatch()
+        _fail(refused)
         return future
 
     def promote(self, future: Future) -> None:
@@ -73,13 +74,15 @@ class FairExecutor:
         with self._lock:
             return sum(len(q) for lane in (self._urgent, self._background) for q in lane.values())
 
-    def _dispatch(self) -> None:
+    def _dispatch(self) -> list[tuple[Future, BaseException]]:
         """Start queued jobs while a thread is free (the lock held): the urgent lane's first, each time of
-        the group whose last job started longest ago (a group never served, or forgotten, first)."""
+        the group whose last job started longest ago (a group never served, or forgotten, first). Returns the
+        jobs the thread pool refused (the interpreter exiting), to fail once the lock is released."""
+        refused: list[tuple[Future, BaseException]] = []
         while self._running < self._num_threads:
             lane = self._urgent or self._background
             if not lane:
-                return
+                return refused
             group = min(lane, key=lambda g: self._last_turn.get(g, -1))
             queue = lane[group]
             future, fn = queue.popleft()
@@ -93,8 +96,13 @@ class FairExecutor:
             if len(self._last_turn) > _MAX_REMEMBERED:
                 for old in sorted(self._last_turn, key=self._last_turn.__getitem__)[:_MAX_REMEMBERED // 2]:
                     del self._last_turn[old]
+            try:
+                self._pool.submit(self._run, future, fn)
+            except RuntimeError as exc:  # the interpreter is exiting (the pool stops only after _closed else)
+                refused.append((future, exc))
+                continue
             self._running += 1
-            self._pool.submit(self._run, future, fn)  # never refused: the pool stops only after _closed
+        return refused
 
     def _run(self, future: Future, fn: Callable[[], Any]) -> None:
         try:
@@ -110,8 +118,8 @@ class FairExecutor:
         finally:
             with self._lock:
                 self._running -= 1
-                if not self._closed:
-                    self._dispatch()
+                refused = [] if self._closed else self._dispatch()
+            _fail(refused)
 
     def shutdown(self, wait: bool = True) -> None:
         """Cancel the jobs still queued and stop; `wait`: until the running ones have returned."""
@@ -122,3 +130,8 @@ class FairExecutor:
         for future in queued:  # outside the lock: their callbacks may take others
             future.cancel()
         self._pool.shutdown(wait=wait)
+
+
+def _fail(refused: list[tuple[Future, BaseException]]) -> None:
+    for future, exc in refused:
+        future.set_exception(exc)

@@ -1,28 +1,27 @@
 """Scheduler: continuous batching over a paged KV cache, adapter-aware, fair across tenants.
 
-Each step: running sequences first (a decode token, or the next chunk of an unfinished prefill),
-then waiting ones, all within `max_num_batched_tokens` tokens and `max_num_seqs` sequences. Each seat
-goes to the tenant (its adapter's name while the request names none) with a preempted sequence, else
-the fewest running sequences, else the longest unserved; FCFS within a tenant (waiting_queue.py). When
-the KV pages run out, the youngest running sequence of the tenant with the most is preempted (one
-scheduled earlier in the step leaves the batch): its pages are freed and it goes back to the head of
-its tenant's queue to be recomputed later (it keeps its adapter reference). A waiting sequence whose
-adapter is not resident yet is skipped (the pool starts the load) with those of its tenant waiting for
-the same adapter, while the others run; `max_loras_per_batch` bounds the distinct adapters of a step
-(too many segments slow the LoRA kernels), except for a sequence that has waited
-`max_adapter_wait_steps` steps, which is admitted anyway so no tenant starves. For the same reason a
-sequence that has waited that long for an adapter that is loaded but finds no GPU room is no longer
-overtaken for it: short of pages, nothing more is admitted, so the pages running requests give back go
-to its adapter; short of a slot only, requests that would take one (a new slot, or a new reference to an
-adapter running requests use) wait behind it, the others (base model, or a slot already held) go on
-while they leave its pages free. A load in flight never holds anyone back. An adapter a queued sequence
-holds (a preempted one keeps its reference) or was loaded for is never evicted: when nothing runs and a
-queue's head cannot get pages, or such a starved sequence's adapter finds no room, the others let go of
-theirs (those holding a replaced version, never taken again once let go, go ahead of it). One that
-preempted itself running alone (adapters hold the rest of the pool) is readmitted only once the pages of
-all its tokens can be had, not chunk by chunk into the same wall; one that never can (`never_fits`: its
-adapter and pinned ones leave too little of the pool) fails at once, or ends by length if its max_tokens,
-lowered to fit (kv_room.py), is reached.
+Each step: running sequences first (a decode token, or the next chunk of an unfinished prefill), then waiting
+ones, all within `max_num_batched_tokens` tokens and `max_num_seqs` sequences. Each seat goes to the tenant (its
+adapter's name while the request names none) with a preempted sequence, else the fewest running sequences, else
+the longest unserved; FCFS within a tenant (waiting_queue.py). When the KV pages run out, the youngest running
+sequence of the tenant with the most is preempted (one scheduled earlier in the step leaves the batch): its
+pages are freed and it goes back to the head of its tenant's queue to be recomputed later (it keeps its adapter
+reference). A waiting sequence whose adapter is not resident yet is skipped (the pool starts the load) with
+those of its tenant waiting for the same adapter, while the others run; `max_loras_per_batch` bounds the
+distinct adapters of a step (too many segments slow the LoRA kernels), except for a sequence that has waited
+`max_adapter_wait_steps` steps, which is admitted anyway so no tenant starves. For the same reason a sequence
+that has waited that long for an adapter that is loaded but finds no GPU room is no longer overtaken for it:
+short of pages, nothing more is admitted, so the pages running requests give back go to its adapter; short of a
+slot only, requests that would take one (a new slot, or a new reference to an adapter running requests use) wait
+behind it, the others (base model, or a slot already held) go on while they leave its pages free. A load in
+flight never holds anyone back; one waiting that long for its adapter owner's GPU share holds back new
+references to that owner's busy adapters only (ShareWaits). An adapter a queued sequence holds (a preempted one
+keeps its reference) or was loaded for is never evicted: when nothing runs and a queue's head cannot get pages,
+or such a starved sequence's adapter finds no room, the others let go of theirs (those holding a replaced
+version, never taken again once let go, go ahead of it). One that preempted itself running alone (adapters hold
+the rest of the pool) is readmitted only once the pages of all its tokens can be had, not chunk by chunk into
+the same wall; one that never can (`never_fits`: its adapter and pinned ones leave too little of the pool) fails
+at once, or ends by length if its max_tokens, lowered to fit (kv_room.py), is reached.
 """
 
 from __future__ import annotations
@@ -170,10 +169,10 @@ class Scheduler:
         starved: Sequence | None = None  # next in line for a GPU slot (see _starved_for_room)
         reserve = 0  # KV pages left free for the starved sequence's adapter
         busy: set[str] = set()  # adapters running requests use: they must drain for it (see waits_behind)
-        held = self.waiting.shares_held(self.running, lambda s: self._starved_for_room(s, "quota"))
+        held = self.waiting.share_waits.held(self.running, self.adapter_state, self.adapter_pool)
         while heap and budget > 0 and len(self.running) < self.max_num_seqs:
             tenant = heapq.heappop(heap)[-1]
-            seq = self._next_head(tenant, passed, busy if starved is not None else None, held.get(tenant, ()))
+            seq = self._next_head(tenant, passed, busy if starved is not None else None, held)
             if seq is None:
                 continue  # nothing more of this tenant can go this step
             if self._stuck_steps and not self.running and seq.seq_id not in self._stuck_steps \
@@ -198,6 +197,8 @@ class Scheduler:
                 continue
             if not admit:
                 passed.add((tenant, seq.adapter))
+                if self._starved_for_room(seq, "quota"):
+                    self.waiting.share_waits.note(seq, self.adapter_pool)
                 if starved is None and self._starved_for_room(seq):
                     # No overtaking it for GPU room any more: with nothing running, the queue's adapters hold
                     # the room (let go of below); short of pages, the pages running requests give back go to
@@ -269,10 +270,9 @@ class Scheduler:
         if self.waiting.has_tenant(tenant):
             heapq.heappush(heap, self.waiting.rank(tenant))
 
-    def _next_head(self, tenant: str, passed: set[tuple[str, str | None]], busy: set[str] | None,
-                   held: Collection[str]) -> Sequence | None:
+    def _next_head(self, tenant: str, passed: set, busy: set[str] | None, held: Collection[str]) -> Sequence | None:
         """The tenant's oldest head not passed over this step. `busy` is set once a sequence is starved for a GPU
-        slot: those that would take its slot wait behind it (waits_behind); `held`: see WaitingQueue.shares_held."""
+        slot: those that would take its slot wait behind it (waits_behind); `held`: see ShareWaits."""
         for _, seq in self.waiting.heads(tenant):
             if (tenant, seq.adapter) in passed:
                 continue

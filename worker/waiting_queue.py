@@ -21,7 +21,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterator
 
 from lorafleet.worker.adapter_entry import AdapterNotFoundError, AdapterSlots
-from lorafleet.worker.sequence import Sequence
+from lorafleet.worker.sequence import Sequence, SequenceStatus
 
 
 def fairness_key(seq: Sequence) -> str:
@@ -53,6 +53,7 @@ class WaitingQueue:
         self._num_running: dict[str, int] = {}  # tenant -> its running sequences
         self._served_at: dict[str, int] = {}  # tenant -> number of its last admission
         self._admissions = itertools.count()
+        self.share_waits = ShareWaits()  # requests waiting for their adapter owner's GPU share (the scheduler's)
 
     def __len__(self) -> int:
         return self._len
@@ -96,14 +97,6 @@ class WaitingQueue:
     def heads(self, tenant: str) -> list[tuple[int, Sequence]]:
         """(ticket, sequence) at the head of each of the tenant's adapter queues, oldest first."""
         return sorted((q[0] for q in self._queues[tenant].values()), key=lambda it: it[0])
-
-    def shares_held(self, running: list[Sequence], starved: Callable[[Sequence], bool]) -> dict[str, set[str]]:
-        """Tenant -> its adapters running requests use, for each tenant with a queue head `starved` for its GPU
-        share (only its own adapters leaving make room): no new reference to them is taken (they go idle and
-        leave), else the tenant's stream of requests for a busy adapter keeps the share full for ever. Other
-        tenants are not held back."""
-        tenants = [t for t in self._queues if any(starved(seq) for _, seq in self.heads(t))]
-        return {t: {s.adapter for s in running if s.adapter is not None and fairness_key(s) == t} for t in tenants}
 
     def rank(self, tenant: str) -> tuple[bool, bool, int, int, int, str]:
         """Order in which waiting tenants are served (lowest first): one with a preempted sequence first (it
@@ -157,6 +150,35 @@ class WaitingQueue:
                 del self._queues[tenant]
                 if tenant not in self._num_running:
                     self._served_at.pop(tenant, None)
+
+
+class ShareWaits:
+    """Requests that waited `max_adapter_wait_steps` steps for their adapter's owner's GPU share (the engine's
+    adapter state "quota": only that owner's adapters leaving make room). While one waits, no request, whoever
+    its caller, takes a new reference to an adapter of that owner that running requests use: those go idle and
+    leave (a stream of requests for them kept the share full for ever). Other owners' adapters go on."""
+
+    def __init__(self) -> None:
+        self._waiting: dict[int, tuple[Sequence, str | None]] = {}  # seq_id -> (the request, its adapter's owner)
+
+    def note(self, seq: Sequence, adapter_pool: AdapterSlots) -> None:
+        self._waiting[seq.seq_id] = (seq, _owner(adapter_pool, seq.adapter))
+
+    def held(self, running: list[Sequence], adapter_state: Callable[[str], str], adapter_pool: AdapterSlots) -> set[str]:
+        """The adapters no request may take a new reference to now (those still waiting are looked at again)."""
+        self._waiting = {i: (s, o) for i, (s, o) in self._waiting.items()
+                         if s.status == SequenceStatus.WAITING and adapter_state(s.adapter) == "quota"}
+        owners = {o for _, o in self._waiting.values()}
+        if not owners:
+            return set()
+        return {a for a in {s.adapter for s in running if s.adapter is not None} if _owner(adapter_pool, a) in owners}
+
+
+def _owner(adapter_pool: AdapterSlots, key: str) -> str | None:
+    try:
+        return adapter_pool.entry(key).tenant
+    except AdapterNotFoundError:
+        return None
 
 
 def waits_behind(seq: Sequence, busy: set[str], adapter_state: Callable[[str], str] | None,

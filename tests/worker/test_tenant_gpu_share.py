@@ -90,27 +90,34 @@ def test_a_request_waiting_for_its_tenant_s_share_holds_no_other_tenant_back(tin
         engine.close()
 
 
-def test_a_tenant_s_stream_on_its_busy_adapter_does_not_starve_its_own_request_for_another(
-        tiny_llama_dir, qv_adapters_dir):
-    """acme's share (one slot) is alpha's, and acme sends alpha requests that overlap, step after step: its
-    request for beta waited for alpha to go idle, which every later alpha request kept from happening. Once it
-    has waited --max-adapter-wait-steps, acme's new requests for alpha wait behind it."""
+@pytest.mark.parametrize(("owner", "streamer", "caller"), [
+    ("acme", "acme", "acme"),  # the owner's own stream
+    (None, None, None),  # no tenants (dev mode): adapters are tenant "default", requests carry none
+    ("shared", "bob", "acme"),  # shared adapters: another caller keeps the owner's share busy
+], ids=["own_stream", "no_tenants", "another_caller"])
+def test_a_stream_on_a_busy_adapter_does_not_starve_a_request_waiting_for_its_owner_s_share(
+        tiny_llama_dir, qv_adapters_dir, owner, streamer, caller):
+    """The owner's share (one slot) is alpha's, and requests for alpha overlap, step after step: a request
+    for beta (same owner) waited for alpha to go idle, which every later alpha request kept from happening.
+    Once it has waited --max-adapter-wait-steps, new requests for that owner's busy adapters wait behind it,
+    whoever sends them."""
     engine = Engine(EngineConfig(model=str(tiny_llama_dir), device="cpu", dtype="float32", max_loras=4,
                                  max_loras_per_tenant=1, max_adapter_wait_steps=4))
-    engine.register_adapter("alpha", qv_adapters_dir / "alpha", tenant="acme")
-    engine.register_adapter("beta", qv_adapters_dir / "beta", tenant="acme")
+    owned = {} if owner is None else {"tenant": owner}
+    engine.register_adapter("alpha", qv_adapters_dir / "alpha", **owned)
+    engine.register_adapter("beta", qv_adapters_dir / "beta", **owned)
     pool = engine.adapter_pool
     pool.prefetch(pool.resolve("beta"), "cpu")
     pool.load(pool.resolve("alpha"))
     pool.wait_idle()
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    engine.add_request("a-0", [1, 2, 3], params, adapter="alpha", tenant="acme")
+    engine.add_request("a-0", [1, 2, 3], params, adapter="alpha", tenant=streamer)
     engine.step()
-    engine.add_request("b", [1, 2, 3], params, adapter="beta", tenant="acme")
+    engine.add_request("b", [1, 2, 3], params, adapter="beta", tenant=caller)
     done = {}
     try:
         for step in range(300):
-            engine.add_request(f"a-{step + 1}", [1, 2, 3], params, adapter="alpha", tenant="acme")
+            engine.add_request(f"a-{step + 1}", [1, 2, 3], params, adapter="alpha", tenant=streamer)
             outputs = engine.step()
             done.update({o.request_id: step for o in outputs if o.finished})
             if not outputs:
