@@ -5,8 +5,9 @@ A thread pool takes its jobs first come, first served: a tenant that asks for fi
 adapter would wait behind all fifty. Here each job belongs to a group (its adapter's tenant) and waits in
 that group's queue; a free thread takes the next job of the group served longest ago (or never), so
 another tenant's load waits for at most one job per group ahead of it. Loads a request waits for (urgent) go before warm-ups
-(`promote` moves a queued warm-up ahead once a request asks for it): under a steady stream of cold
-loads for requests, warm-ups wait until none is queued.
+(`promote` moves a queued warm-up ahead once a request asks for it), but every `BACKGROUND_EVERY`th
+job started is a warm-up when one waits: a steady stream of cold loads for requests never keeps a pinned or
+warm version off the GPU for good.
 
 Jobs run on a ThreadPoolExecutor of `num_threads`, never more at once; a queued job's Future may be
 cancelled (it is skipped); `shutdown` cancels every job still queued. A thread's `initializer` runs before
@@ -24,6 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 _Queues = dict[str, deque[tuple[Future, Callable[[], Any]]]]
+BACKGROUND_EVERY = 4  # with both lanes queued, one job in this many goes to a warm-up
 _MAX_REMEMBERED = 4096  # groups whose last turn is remembered (the oldest are forgotten: they go first anyway)
 
 
@@ -81,6 +83,8 @@ class FairExecutor:
         refused: list[tuple[Future, BaseException]] = []
         while self._running < self._num_threads:
             lane = self._urgent or self._background
+            if self._urgent and self._background and self._turns % BACKGROUND_EVERY == BACKGROUND_EVERY - 1:
+                lane = self._background
             if not lane:
                 return refused
             group = min(lane, key=lambda g: self._last_turn.get(g, -1))

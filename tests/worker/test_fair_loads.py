@@ -135,3 +135,23 @@ def test_promoting_is_cheap_and_only_moves_queued_warm_ups():
     finally:
         gate.set()
         ex.shutdown(wait=True)
+
+
+def test_warm_ups_get_a_share_of_the_threads_under_a_stream_of_request_loads():
+    """Warm-ups waited while any load a request waited for was queued: a steady stream of cold loads kept a
+    pinned version off the GPU for good. One job in BACKGROUND_EVERY goes to a warm-up while both wait."""
+    from lorafleet.worker.fair_executor import BACKGROUND_EVERY
+
+    ex = FairExecutor(1, thread_name_prefix="test-load")
+    gate, order = threading.Event(), []
+    try:
+        ex.submit("busy", lambda: gate.wait(10))
+        warm = ex.submit("pinned", lambda: order.append("warm"), urgent=False)
+        asked = [ex.submit(f"t{i}", lambda i=i: order.append(i)) for i in range(3 * BACKGROUND_EVERY)]
+        gate.set()
+        warm.result(10)
+        [f.result(10) for f in asked]
+        assert order.index("warm") < BACKGROUND_EVERY, order
+    finally:
+        gate.set()
+        ex.shutdown(wait=True)
