@@ -119,13 +119,17 @@ class AdapterPlacement:
             if entry.pinned or entry.key in self._warm:
                 self._want(entry)  # back within that quota, evicting the owner's other idle adapters first
 
-    def held_by_own_quota(self, key: str) -> bool:
-        """Whether `key`, in CPU memory, waits for its owner's GPU quota: its owner's adapters on the GPU
-        fill it, so only they can make room for it (no other tenant's adapter leaving would)."""
+    def residency(self, key: str) -> str:
+        """For the scheduler: "gpu" (pages taken: resident or being copied), "room" (in CPU memory, waiting
+        only for GPU pages or a slot), "quota" (in CPU memory, its owner's adapters on the GPU fill the owner's
+        quota: only they leaving make room, no other tenant's) or "load" (being read, or gone)."""
         with self._lock:
             entry = self._entries.get(key)
-            return (entry is not None and entry.image is not None and not entry.on_gpu
-                    and self._exceeds_quota(entry, self._owned(entry.tenant)))
+            if entry is not None and entry.on_gpu:
+                return "gpu"
+            if entry is None or entry.image is None or entry.fetching is not None:
+                return "load"
+            return "quota" if self._exceeds_quota(entry, self._owned(entry.tenant)) else "room"
 
     def _owned(self, tenant: str) -> list[AdapterEntry]:
         """The adapters `tenant` holds on the GPU (slots): what its quota counts."""

@@ -142,18 +142,8 @@ class Engine:
         return self.adapter_pool.reclaim_for_kv(num_pages)
 
     def _adapter_state(self, key: str) -> str:
-        """For the scheduler: "gpu" (pages taken: resident or being copied), "room" (in CPU memory,
-        waiting only for GPU pages or a slot), "quota" (in CPU memory, its tenant's GPU share full: only
-        the tenant's own adapters leaving make room) or "load" (being read, or gone)."""
-        try:
-            entry = self.adapter_pool.entry(key)
-        except AdapterNotFoundError:
-            return "load"
-        if entry.on_gpu:
-            return "gpu"
-        if entry.image is None or entry.fetching is not None:
-            return "load"
-        return "quota" if self.adapter_pool.held_by_own_quota(key) else "room"
+        """For the scheduler: where adapter `key` is (AdapterPool.residency)."""
+        return self.adapter_pool.residency(key)
 
     # ---- adapters -----------------------------------------------------------------------------------
     def register_adapter(
