@@ -37,10 +37,11 @@ from lorafleet.operator.autoscaler import ScalingSpec, Stabilizer, bound_correct
 from lorafleet.operator.controller import PoolKey, merge_conditions
 from lorafleet.operator.crd_models import PoolSpec, SpecError
 from lorafleet.operator.deployments import DeploymentClient, KubeError, TargetNotFound
-from lorafleet.operator.ownership import ready_worker_pods
+from lorafleet.operator.ownership import pod_names, ready_worker_pods
 from lorafleet.operator.prometheus import KV_USAGE, QUEUE_DEPTH, MetricsError, PoolSignals, PrometheusClient
 from lorafleet.operator.prometheus_allowlist import PrometheusAllowlist
 from lorafleet.operator.statuses import condition
+from lorafleet.operator.workers import ready_condition
 
 log = logging.getLogger(__name__)
 SCALING = "Scaling"
@@ -194,7 +195,7 @@ class PoolScaler:
             # traffic"; for pods just ready, a scrape that has not come yet.
             ready = set(worker_pods)
             unseen = (signals.kv_usage is None and signals.waiting is None
-                      and _ready_a_while([p for p in pods if _name(p) in ready], now))
+                      and _ready_a_while([p for p, n in zip(pods, pod_names(pods), strict=True) if n in ready], now))
             clock = self.clock()
             wanted = memory.stabilizer.stabilize(recommended, current, now=clock, up_seconds=spec.scale_up_seconds,
                                                  down_seconds=spec.scale_down_seconds)
@@ -256,23 +257,17 @@ class PoolScaler:
                 f"stabilization window")
 
 
-def _name(pod: dict[str, Any]) -> str:
-    return (pod.get("metadata") or {}).get("name", "")
-
-
 def _ready_a_while(pods: list[dict[str, Any]], now: str) -> bool:
     """Whether one of the ready `pods` has been ready SCRAPE_GRACE seconds at `now` (a pod whose Ready
     condition has no time counts as ready a while)."""
     at = datetime.datetime.fromisoformat(now)
-    for p in pods:
-        for c in (p.get("status") or {}).get("conditions") or []:
-            if c.get("type") == "Ready" and c.get("status") == "True":
-                since = c.get("lastTransitionTime")
-                try:
-                    if not since or (at - datetime.datetime.fromisoformat(since)).total_seconds() >= SCRAPE_GRACE:
-                        return True
-                except (TypeError, ValueError):
-                    return True
+    for ready in filter(None, map(ready_condition, pods)):
+        since = ready.get("lastTransitionTime")
+        try:
+            if not since or (at - datetime.datetime.fromisoformat(since)).total_seconds() >= SCRAPE_GRACE:
+                return True
+        except (TypeError, ValueError):
+            return True
     return False
 
 

@@ -60,11 +60,15 @@ def pod_is_running(pod: dict[str, Any]) -> bool:
     return status.get("phase") == "Running"
 
 
+def ready_condition(pod: dict[str, Any]) -> dict[str, Any] | None:
+    """The pod's Ready condition when it is True (its lastTransitionTime: ready since), else None."""
+    return next((c for c in (pod.get("status") or {}).get("conditions") or []
+                 if c.get("type") == "Ready" and c.get("status") == "True"), None)
+
+
 def pod_is_ready(pod: dict[str, Any]) -> bool:
     """Running, Ready condition True, has an IP, not terminating."""
-    status = pod.get("status") or {}
-    return pod_is_running(pod) and any(c.get("type") == "Ready" and c.get("status") == "True"
-                                       for c in status.get("conditions") or [])
+    return pod_is_running(pod) and ready_condition(pod) is not None
 
 
 def stager_port(pod: dict[str, Any], default: int) -> int:
