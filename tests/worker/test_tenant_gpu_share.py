@@ -41,21 +41,31 @@ def test_the_share_must_be_positive():
         EngineConfig(max_loras_per_tenant=0)
 
 
+def _one_slot_share(model_dir, adapters_dir, owner: str | None, other: str | None = None) -> Engine:
+    """An engine whose tenants' share is one slot: alpha (on the GPU) and beta (in CPU memory) of `owner`
+    ("default" when None), and, given `other`, its adapter gamma on the GPU too."""
+    engine = Engine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32", max_loras=4,
+                                 max_loras_per_tenant=1, max_adapter_wait_steps=4))
+    owned = {} if owner is None else {"tenant": owner}
+    engine.register_adapter("alpha", adapters_dir / "alpha", **owned)
+    engine.register_adapter("beta", adapters_dir / "beta", **owned)
+    if other is not None:
+        engine.register_adapter("gamma", adapters_dir / "alpha", tenant=other)
+    pool = engine.adapter_pool
+    pool.prefetch(pool.resolve("beta"), "cpu")
+    for name in ("alpha", "gamma") if other is not None else ("alpha",):
+        pool.load(pool.resolve(name))
+    pool.wait_idle()
+    return engine
+
+
 def test_a_request_waiting_for_its_tenant_s_share_holds_no_other_tenant_back(tiny_llama_dir, qv_adapters_dir):
     """acme's share is full (alpha runs a long request) and its request for beta waits past
     --max-adapter-wait-steps: it was taken as starved for GPU room, and the scheduler held back every request
     needing a slot or a new reference to a busy adapter, other tenants' too, though only acme's own adapter
     leaving makes room for beta. Another tenant's short request finished after the long ones."""
-    engine = Engine(EngineConfig(model=str(tiny_llama_dir), device="cpu", dtype="float32", max_loras=4,
-                                 max_loras_per_tenant=1, max_adapter_wait_steps=4))
-    engine.register_adapter("alpha", qv_adapters_dir / "alpha", tenant="acme")
-    engine.register_adapter("beta", qv_adapters_dir / "beta", tenant="acme")
-    engine.register_adapter("gamma", qv_adapters_dir / "alpha", tenant="other")
+    engine = _one_slot_share(tiny_llama_dir, qv_adapters_dir, "acme", other="other")
     pool = engine.adapter_pool
-    pool.prefetch(pool.resolve("beta"), "cpu")
-    pool.load(pool.resolve("alpha"))
-    pool.load(pool.resolve("gamma"))
-    pool.wait_idle()
     long = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
     short = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     engine.add_request("a-long", [1, 2, 3], long, adapter="alpha", tenant="acme")
@@ -101,15 +111,8 @@ def test_a_stream_on_a_busy_adapter_does_not_starve_a_request_waiting_for_its_ow
     for beta (same owner) waited for alpha to go idle, which every later alpha request kept from happening.
     Once it has waited --max-adapter-wait-steps, new requests for that owner's busy adapters wait behind it,
     whoever sends them."""
-    engine = Engine(EngineConfig(model=str(tiny_llama_dir), device="cpu", dtype="float32", max_loras=4,
-                                 max_loras_per_tenant=1, max_adapter_wait_steps=4))
-    owned = {} if owner is None else {"tenant": owner}
-    engine.register_adapter("alpha", qv_adapters_dir / "alpha", **owned)
-    engine.register_adapter("beta", qv_adapters_dir / "beta", **owned)
+    engine = _one_slot_share(tiny_llama_dir, qv_adapters_dir, owner)
     pool = engine.adapter_pool
-    pool.prefetch(pool.resolve("beta"), "cpu")
-    pool.load(pool.resolve("alpha"))
-    pool.wait_idle()
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     engine.add_request("a-0", [1, 2, 3], params, adapter="alpha", tenant=streamer)
     engine.step()
