@@ -58,9 +58,10 @@ def make_current_again(engine: AdapterHost, name: str, stable: str) -> None:
 def keep_serving(served: ServedAdapter, old: ServedAdapter) -> None:
     """A new stable version that failed to register leaves the one serving until now in place (the
     engine still holds it as current: only a registered new version replaces it), so a bad rollout is
-    reported (the failed version's error) instead of answering every request 503."""
+    reported (the failed version's error) instead of answering every request 503. Not for a name given to
+    another tenant: the old owner's weights never answer the new one, who gets the failure (503)."""
     previous = old.split.stable
-    if previous == served.split.stable or previous in old.errors:
+    if previous == served.split.stable or previous in old.errors or old.tenant != served.tenant:
         return
     if served.sources.get(previous, old.sources[previous]) != old.sources[previous] or previous in served.errors:
         return  # pushed again from another source, or failed itself: not what was serving
@@ -73,9 +74,10 @@ def keep_fallback(served: ServedAdapter, old: ServedAdapter, current: str | None
     serving until now, until the new one is resident. The table keeps it too, as the fallback that
     `mark_failed` sends requests back to if the new one fails to load, instead of answering them all
     503 (also when it is the new one's canary: a swap). Once the engine has switched (the new version
-    loaded), the next push retires it as usual, or keeps it as the canary."""
-    if current is None or current == served.split.stable:
-        return  # switched already (loaded, or a promoted canary)
+    loaded), the next push retires it as usual, or keeps it as the canary. Not for a name given to another
+    tenant: its requests wait for its own version, and never reach the old owner's (not even by naming it)."""
+    if current is None or current == served.split.stable or old.tenant != served.tenant:
+        return  # switched already (loaded, or a promoted canary), or another owner's
     if current not in (old.split.stable, old.fallback) or current in old.errors:
         return
     served.sources.setdefault(current, old.sources[current])  # or served as the canary (a swap) anyway

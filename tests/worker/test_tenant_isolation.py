@@ -216,3 +216,33 @@ async def test_the_engine_learns_whose_request_it_is_for_fair_seats(aiohttp_clie
         monkeypatch.setattr(engine, "add_request", add_request)
         await openai_client(client, key).completions.create(model="tiny", prompt="hi", max_tokens=2, n=2)
         assert seen[-2:] == [want, want]
+
+
+async def test_a_name_given_to_another_tenant_never_serves_the_old_owners_weights(aiohttp_client, tiny_llama_dir,
+                                                                                   qv_adapters_dir, tmp_path):
+    """`sql` was acme's (v1); a push gives the name to globex with globex's own v2. While v2 waits for a GPU
+    slot (one acme request still holds v1's), and when v2 cannot be registered at all, globex is never
+    answered by acme's v1: not as the fallback of a failed rollout, nor when it names `sql@v1` itself."""
+    app = create_app(worker_config(tiny_llama_dir, qv_adapters_dir, tmp_path, max_loras=1))
+    client = await aiohttp_client(app)
+    await push(client, 1, directive("sql", "acme", "v1", qv_adapters_dir / "alpha"))
+    acme, globex = openai_client(client, KEY_ACME), openai_client(client, KEY_GLOBEX)
+    assert (await acme.completions.create(model="sql", prompt="x", max_tokens=1)).model == "sql@v1"
+    pool = app[ENGINE].engine.adapter_pool
+    running = pool.acquire("sql@v1")  # an acme request still running on v1: v2 cannot take the one slot yet
+    assert running is not None
+    await push(client, 2, directive("sql", "globex", "v2", qv_adapters_dir / "beta"))
+    with pytest.raises(openai.NotFoundError):
+        await globex.completions.create(model="sql@v1", prompt="x", max_tokens=1)
+    pool.release(running)
+    assert (await globex.completions.create(model="sql", prompt="x", max_tokens=1)).model == "sql@v2"
+
+    await push(client, 3, directive("sql", "acme", "v1", qv_adapters_dir / "alpha"))
+    assert (await acme.completions.create(model="sql", prompt="x", max_tokens=1)).model == "sql@v1"
+    resp = await client.put("/admin/v1/state", headers={"Authorization": f"Bearer {ADMIN}"}, json={
+        "generation": 4, "adapters": [directive("sql", "globex", "v3", qv_adapters_dir / "no-such-folder")]})
+    report = (await resp.json())["adapters"]
+    assert resp.status == 200 and [(a["version"], bool(a["error"])) for a in report] == [("v3", True)], report
+    with pytest.raises(openai.APIStatusError) as refused:
+        await globex.completions.create(model="sql", prompt="x", max_tokens=1)
+    assert refused.value.status_code == 503 and "sql@v1" not in str(refused.value)
