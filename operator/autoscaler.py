@@ -26,7 +26,7 @@ from typing import Any
 from lorafleet.operator.crd_models import SpecError, _int, deployment_name
 
 FIELD = "spec.scaling"
-URL_RE = re.compile(r"^https?://.+")
+URL_RE = re.compile(r"https?://[^\x00-\x20\x7f-\xa0]+")  # fullmatch; the CRD's pattern
 
 
 def _ratio(value: Any, field_name: str) -> float:

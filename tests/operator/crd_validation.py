@@ -5,6 +5,7 @@ for values that are present)."""
 from __future__ import annotations
 
 import functools
+import re
 from pathlib import Path
 from typing import Any
 
@@ -55,8 +56,18 @@ def check_cel(value: Any, schema: dict, path: str = "") -> None:
             check_cel(item, schema["items"], f"{path}[{i}]")
 
 
+def _go_pattern(validator, pattern: str, instance: Any, schema: dict):
+    """`pattern` as the API server matches it, with Go's regexp: there a final `$` is the end of the text, where
+    Python's also matches before a final line break (a YAML block scalar's)."""
+    if validator.is_type(instance, "string") and not re.search(re.sub(r"(?<!\\)\$$", r"\\Z", pattern), instance):
+        yield jsonschema.ValidationError(f"{instance!r} does not match {pattern!r}")
+
+
+APIServerValidator = jsonschema.validators.extend(jsonschema.Draft202012Validator, {"pattern": _go_pattern})
+
+
 def validate(doc: dict, plural: str) -> None:
     """The OpenAPI schema first (CEL rules assume its types), then the CEL rules."""
     schema = crd_schema(plural)
-    jsonschema.validate(doc, schema)
+    APIServerValidator(schema).validate(doc)
     check_cel(doc, schema)

@@ -130,6 +130,8 @@ def test_crd_and_parser_agree_on_scaling_bounds(scaling, ok):
     # A user, a password or no host is the allowlist's to refuse (Scaling False), not an invalid pool.
     ({"prometheusURL": "http://user:pw@prom:9090"}, True), ({"prometheusURL": "http://prom:9090@169.254.169.254"}, True),
     ({"prometheusURL": "http://prom:9090/a@b"}, True), ({"prometheusURL": "http:///prom"}, True),
+    # A block scalar's final line break, or a space: not a URL (the whole pool would be invalid otherwise).
+    ({"prometheusURL": "http://prom:9090\n"}, False), ({"prometheusURL": "http://prom 9090"}, False),
     ({"maxReplicas": 0}, False), ({"minReplicas": 0}, True), ({"targetHitRate": 1.2}, False),
     ({"scaleDownStabilizationSeconds": -5}, False), ({"rateWindowSeconds": 300}, True), ({"rateWindowSeconds": 9}, False),
     ({"rateWindowSeconds": 86401}, False), ({"rateWindowSeconds": "2m"}, False),
