@@ -121,7 +121,7 @@ def _waiting_up(spec: ScalingSpec, waiting: float, current: int) -> int:
 
 
 def recommend(spec: ScalingSpec, hit_rate: float | None, kv_usage: float | None, current: int,
-              waiting: float | None = None) -> tuple[int, str]:
+              waiting: float | None = None, beside: int = 0) -> tuple[int, str]:
     """(replicas, why) for one observation. Up: KV usage above kvHigh (proportionally, at least one more),
     requests waiting per worker above waitingHigh (proportionally, at least one more, at most double), or
     the hit rate below target under load pressure (KV usage >= kvLow or requests waiting: one more); the
@@ -129,16 +129,19 @@ def recommend(spec: ScalingSpec, hit_rate: float | None, kv_usage: float | None,
     worker) or one fewer replica would put the KV in use above kvHigh or the queue above waitingHigh, or,
     with the hit rate below target, under load pressure (it would be scaled up again at once); otherwise
     hold. Clamped to [minReplicas, maxReplicas], and never down to 0: at 0 no worker is left to show
-    demand, so nothing could wake the pool."""
+    demand, so nothing could wake the pool. ``beside``: the pool's ready workers that other Deployments run
+    (a pool naming no spec.workerDeployment may span several, of which it scales one): the load is spread
+    over them too, and the target's count changes by what the whole pool needs."""
     corrected = bound_correction(spec, current)
     if corrected is not None:
         return corrected
     if hit_rate is None and kv_usage is None and waiting is None:
         return current, "no metrics for the pool's workers (no series or no traffic yet)"
-    if current == 0:  # minReplicas 0: any traffic, KV in use or queued request wakes the pool
+    if current + beside == 0:  # minReplicas 0: any traffic, KV in use or queued request wakes the pool
         if hit_rate is not None or (kv_usage or 0.0) > 0 or (waiting or 0.0) > 0:
             return 1, "demand while scaled to 0"
         return 0, "no demand"
+    workers = current + beside  # over which the load the metrics show is spread
     is_waiting = waiting is not None and waiting >= WAITING
     pressure = is_waiting or (kv_usage is not None and kv_usage >= spec.kv_low)
     hit_low = hit_rate is not None and hit_rate < spec.target_hit_rate
@@ -147,15 +150,15 @@ def recommend(spec: ScalingSpec, hit_rate: float | None, kv_usage: float | None,
         reasons.append(f"KV usage {kv_usage:.3g} > kvHigh {spec.kv_high:g}")
         # The KV load spread over more workers lands at kvHigh; the epsilon keeps an exact product from
         # rounding up one more.
-        ups.append(max(current + 1, math.ceil(current * kv_usage / spec.kv_high - 1e-9)))
+        ups.append(max(workers + 1, math.ceil(workers * kv_usage / spec.kv_high - 1e-9)))
     if waiting is not None and waiting > spec.waiting_high:
         reasons.append(f"{waiting:.3g} requests waiting per worker > waitingHigh {spec.waiting_high:g}")
-        ups.append(_waiting_up(spec, waiting, current))
+        ups.append(_waiting_up(spec, waiting, workers))
     if hit_low and pressure:
         reasons.append(f"GPU hit rate {hit_rate:.3g} < targetHitRate {spec.target_hit_rate:g}")
-        ups.append(current + 1)
+        ups.append(workers + 1)
     if ups:
-        wanted = max(ups)
+        wanted = max(ups) - beside
     else:
         if hit_low:  # without load pressure: hold, or let the kvLow rule scale down
             reasons.append(f"GPU hit rate {hit_rate:.3g} < targetHitRate {spec.target_hit_rate:g}, but no load "
@@ -166,23 +169,24 @@ def recommend(spec: ScalingSpec, hit_rate: float | None, kv_usage: float | None,
         wanted = current - 1
         reasons.append(f"KV usage {kv_usage:.3g} < kvLow {spec.kv_low:g}")
         why = " and ".join(reasons)
-        if wanted >= max(spec.min_replicas, 1):
+        fewer = workers / (workers - 1) if workers > 1 else 0.0  # a load spread over one fewer worker grows by
+        if wanted >= spec.min_replicas and workers > 1:
             if is_waiting:
                 return current, f"{why}, but {waiting:.3g} requests wait per worker: no scale-down while requests wait"
-            if waiting is not None and waiting * current / wanted > spec.waiting_high:
-                return current, (f"{why}, but one fewer replica would put {waiting * current / wanted:.3g} "
+            if waiting is not None and waiting * fewer > spec.waiting_high:
+                return current, (f"{why}, but one fewer replica would put {waiting * fewer:.3g} "
                                  f"requests waiting per worker > waitingHigh {spec.waiting_high:g}")
-            if kv_usage * current / wanted > spec.kv_high:
+            if kv_usage * fewer > spec.kv_high:
                 return current, (f"{why}, but one fewer replica would put KV usage at "
-                                 f"{kv_usage * current / wanted:.3g} > kvHigh {spec.kv_high:g}")
+                                 f"{kv_usage * fewer:.3g} > kvHigh {spec.kv_high:g}")
             # (The epsilon: the KV in use spread back over one fewer is the reading that was scaled up from.)
-            if hit_low and (kv_usage * current / wanted >= spec.kv_low - 1e-9
-                            or (waiting is not None and waiting * current / wanted >= WAITING - 1e-9)):
+            if hit_low and (kv_usage * fewer >= spec.kv_low - 1e-9
+                            or (waiting is not None and waiting * fewer >= WAITING - 1e-9)):
                 return current, (f"{why}, but one fewer replica would be under load pressure with the hit rate below "
                                  f"target, and be scaled up again at once")
     clamped = min(max(wanted, spec.min_replicas), spec.max_replicas)
     why = " and ".join(reasons)
-    if clamped == 0:
+    if clamped == 0 and beside == 0:
         return 1, why + " (capped at 1: at 0 no worker would be left to show demand and wake the pool)"
     if clamped != wanted:
         why += f" (capped at {'maxReplicas' if wanted > clamped else 'minReplicas'} {clamped})"

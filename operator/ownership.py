@@ -15,7 +15,7 @@ from typing import Any
 
 from lorafleet.operator.crd_models import PoolSpec, SpecError, pool_selector
 from lorafleet.operator.push_record import pushed_pod_ids
-from lorafleet.operator.worker_trust import made_by, worker_deployment
+from lorafleet.operator.worker_trust import made_by, replicaset_index, worker_deployment
 from lorafleet.operator.workers import discover_workers, selector_matches
 
 
@@ -127,7 +127,7 @@ def released_pods(name: str, remembered: set[tuple[str, str]], pods: list[dict],
 def pool_claims(other_pools: Iterable[dict[str, Any]], replicasets: Iterable[dict[str, Any]] = ()) -> list[Claim]:
     """The claims of the live pools whose selector parses, by name: parsed once a pass. ``replicasets``: the
     namespace's (worker_trust.slim_replicaset), which say which pods a pool naming its Deployment may reach."""
-    made = {(rs["name"], rs["uid"]): rs["deployment"] for rs in replicasets}
+    made = replicaset_index(replicasets)
     claims = []
     for body in other_pools:
         meta = body.get("metadata") or {}

@@ -41,6 +41,7 @@ from lorafleet.operator.ownership import pod_names, ready_worker_pods
 from lorafleet.operator.prometheus import KV_USAGE, QUEUE_DEPTH, MetricsError, PoolSignals, PrometheusClient
 from lorafleet.operator.prometheus_allowlist import PrometheusAllowlist
 from lorafleet.operator.statuses import condition
+from lorafleet.operator.worker_trust import made_elsewhere, replicaset_index
 from lorafleet.operator.workers import ready_condition
 
 log = logging.getLogger(__name__)
@@ -182,14 +183,19 @@ class PoolScaler:
             wanted, why = corrected
             note = ""
         else:
+            replicasets = list(replicasets)  # read twice
             worker_pods, others, unready = ready_worker_pods(pool, pods, other_pools, replicasets)
+            # A pool naming no workerDeployment may span several Deployments (one per GPU type), scaling one:
+            # the others' workers share the load the metrics show, and are no replicas of the target.
+            elsewhere = _made_elsewhere(pods, spec.target, replicasets) if workers is None else set()
+            beside = sum(pod in elsewhere for pod in worker_pods)
             try:
                 signals = PoolSignals(*await self.metrics.pool_signals(
                     spec.prometheus_url, namespace, worker_pods, rate_window_seconds=spec.rate_window_seconds))
             except MetricsError as exc:
                 return scaling(False, "MetricsUnavailable", f"spec.scaling.prometheusURL: {exc}; replicas stay "
                                                             f"at {current}")
-            recommended, why = recommend(spec, signals.hit_rate, signals.kv_usage, current, signals.waiting)
+            recommended, why = recommend(spec, signals.hit_rate, signals.kv_usage, current, signals.waiting, beside)
             # Every worker exports its KV and queue gauges from its first scrape: none for pods ready a while
             # (SCRAPE_GRACE) is a scrape that does not reach them, or labels the queries do not find, not "no
             # traffic"; for pods just ready, a scrape that has not come yet.
@@ -200,10 +206,11 @@ class PoolScaler:
             wanted = memory.stabilizer.stabilize(recommended, current, now=clock, up_seconds=spec.scale_up_seconds,
                                                  down_seconds=spec.scale_down_seconds)
             note = self._note(spec, recommended, wanted, current)
-            num_ready = len(worker_pods)
+            num_ready = len(worker_pods) - beside
             # Ready pods another pool owns never become this pool's workers: no scale-up waits for them. Nor
             # for pods already waited for in full (stuck: unschedulable, crash-looping): only for the others.
-            missing = max(0, current - num_ready - len(others))
+            missing = max(0, current - num_ready - len(others.keys() - elsewhere))
+            unready -= elsewhere
             memory.stuck &= unready  # those ready since, or gone, count no more (a replacement is waited for)
             if missing <= len(memory.stuck):
                 memory.short = None
@@ -219,6 +226,9 @@ class PoolScaler:
             if memory.stuck and wanted > current:
                 note += (f"; {len(memory.stuck)} of {current} replicas not ready workers for over "
                          f"{MAX_READY_WAIT:g} s ({', '.join(sorted(memory.stuck))}): not waiting for them")
+            if beside:
+                note += (f"; {beside} ready workers of the pool run in other Deployments than {spec.target!r}: "
+                         f"they share its load, and {spec.target!r} is scaled by what the whole pool needs")
             if others:
                 owners = ", ".join(sorted(set(others.values())))
                 note += (f"; {len(others)} ready pods spec.workerSelector matches belong to LoRAPool {owners} "
@@ -269,6 +279,12 @@ def _ready_a_while(pods: list[dict[str, Any]], now: str) -> bool:
         except (TypeError, ValueError):
             return True
     return False
+
+
+def _made_elsewhere(pods: list[dict[str, Any]], target: str, replicasets: Iterable[dict[str, Any]]) -> set[str]:
+    """Names of the ``pods`` that another controller than Deployment ``target`` made (worker_trust.made_elsewhere)."""
+    made = replicaset_index(replicasets)
+    return {name for pod, name in zip(pods, pod_names(pods), strict=True) if made_elsewhere(pod, target, made)}
 
 
 def _rival(name: str, target: str, other_pools: Iterable[dict[str, Any]]) -> str | None:

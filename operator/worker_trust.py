@@ -48,6 +48,11 @@ def slim_replicaset(body: dict[str, Any]) -> dict[str, Any]:
     return {"name": meta.get("name"), "uid": meta.get("uid"), "deployment": deployment}
 
 
+def replicaset_index(replicasets: Iterable[dict[str, Any]]) -> dict[tuple[str, str], str | None]:
+    """(name, uid) -> controlling Deployment, of the slim ReplicaSets (``slim_replicaset``) the index holds."""
+    return {(rs["name"], rs["uid"]): rs["deployment"] for rs in replicasets}
+
+
 def _controller(meta: dict[str, Any]) -> dict[str, Any] | None:
     return next((ref for ref in meta.get("ownerReferences") or [] if ref.get("controller")), None)
 
@@ -73,6 +78,19 @@ def made_by(
     return None
 
 
+def made_elsewhere(pod: dict[str, Any], deployment: str, replicasets: dict[tuple[str, str], str | None]) -> bool:
+    """Whether a controller other than ``deployment`` made the pod, as far as is known (``replicasets``: (name,
+    uid) -> controlling Deployment): a pod with no controller, or of a ReplicaSet not known yet (a rollout's
+    newest), is not counted."""
+    owner = _controller(pod.get("metadata") or {})
+    if owner is None:
+        return False
+    if owner.get("kind") != "ReplicaSet":
+        return True
+    rs = (owner.get("name"), owner.get("uid"))
+    return rs in replicasets and replicasets[rs] != deployment
+
+
 def trusted_pods(
     body: dict[str, Any], pods: Iterable[dict[str, Any]], replicasets: Iterable[dict[str, Any]]
 ) -> tuple[list[dict[str, Any]], dict[str, str]]:
@@ -82,7 +100,7 @@ def trusted_pods(
     deployment = worker_deployment(body)
     if deployment is None:
         return pods, {}
-    made = {(rs["name"], rs["uid"]): rs["deployment"] for rs in replicasets}
+    made = replicaset_index(replicasets)
     selector = pool_selector(body)
     trusted, skipped = [], {}
     for pod in pods:

@@ -134,6 +134,21 @@ def test_min_zero_never_scales_itself_to_zero():
     assert recommend(spec(minReplicas=0), 0.95, 0.1, 2)[0] == 1
 
 
+def test_workers_of_other_deployments_share_the_load_the_target_is_scaled_for():
+    """``beside``: the pool's ready workers that other Deployments run. The metrics' load is spread over them
+    too, and only the target's count changes by what the whole pool needs."""
+    s = spec(kvLow=0.5, kvHigh=0.6, minReplicas=0)
+    assert recommend(s, 0.95, 0.9, 2, beside=2)[0] == 4  # 4 workers at 0.9 need 6 at 0.6: 2 more
+    assert recommend(s, 0.95, 0.9, 2)[0] == 3  # alone: 2 at 0.9 need 3
+    # 4 workers at 0.45: 3 carry 0.6, not above kvHigh (alone, 2 at 0.45 would put one at 0.9: held)
+    assert recommend(s, 0.95, 0.45, 2, beside=2)[0] == 1
+    assert recommend(s, 0.95, 0.45, 2)[0] == 2
+    # The others still show demand: the target may go to 0 (minReplicas 0), and wakes only when they need it.
+    assert recommend(s, 0.95, 0.2, 1, beside=2)[0] == 0
+    assert recommend(s, 0.95, 0.2, 0, beside=2)[0] == 0
+    assert recommend(s, 0.95, 0.9, 0, beside=2)[0] == 1
+
+
 def test_a_scale_down_that_would_cross_kv_high_holds():
     s = spec(kvLow=0.5, kvHigh=0.6)
     # 2 workers at 0.45: one would carry 0.9 > kvHigh and be scaled up again at once.

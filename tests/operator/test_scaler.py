@@ -95,9 +95,9 @@ def setup():
     return scaler, metrics, deployments, clock
 
 
-async def tick(scaler: PoolScaler, body: dict, pods: list[dict]) -> dict:
+async def tick(scaler: PoolScaler, body: dict, pods: list[dict], replicasets: list[dict] = ()) -> dict:
     """One pass; the wanted keys are applied to ``body``'s status the way a merge patch would."""
-    wanted = await scaler.run(copy.deepcopy(body), pods=pods, other_pools=[], now=NOW)
+    wanted = await scaler.run(copy.deepcopy(body), pods=pods, other_pools=[], replicasets=replicasets, now=NOW)
     for key, value in wanted.items():
         if value is None:
             body["status"].pop(key, None)
@@ -130,6 +130,38 @@ async def test_high_kv_scales_up_in_proportion_then_waits_for_the_new_workers(se
     st = await tick(scaler, body, pods)
     assert deployments.patches == [4, 6] and scaling_condition(st)["reason"] == "ScaledUp"
     assert metrics.windows == [120, 120, 120]  # the hit rate's default window
+
+
+async def test_a_pool_over_several_deployments_scales_its_target_by_what_the_whole_pool_needs(setup):
+    """A pool naming no workerDeployment reaches the pods of every Deployment its selector matches (one per GPU
+    type, say), and scales one. The others' 3 ready workers share the load: 5 workers at KV 0.95 need 8 at
+    kvHigh 0.6, so the target goes 2 -> 5 (not 2 -> 4 as if it alone served); and its new replicas are waited
+    for as its own (it does not count the others' ready pods as its replicas and scale again at once)."""
+    scaler, metrics, deployments, _ = setup
+    metrics.signals = (0.95, 0.95)
+    body = pool(kvHigh=0.6, maxReplicas=12)
+    replicasets = [{"name": "workers-1", "uid": "u1", "deployment": "workers"},
+                   {"name": "a100-1", "uid": "u2", "deployment": "workers-a100"}]
+
+    def made(name: str, rs: str, uid: str, ready: bool = True) -> dict:
+        p = pod(name, ready)
+        p["metadata"]["ownerReferences"] = [{"kind": "ReplicaSet", "name": rs, "uid": uid, "controller": True}]
+        return p
+
+    pods = [made("w-0", "workers-1", "u1"), made("w-1", "workers-1", "u1")]
+    pods += [made(f"a-{i}", "a100-1", "u2") for i in range(3)]
+    st = await tick(scaler, body, pods, replicasets)
+    assert deployments.patches == [5]
+    assert scaling_condition(st)["message"].startswith("2 -> 5 replicas: KV usage 0.95 > kvHigh 0.6; 3 ready workers")
+    pods += [made(f"w-{i}", "workers-1", "u1", ready=False) for i in range(2, 5)]
+    st = await tick(scaler, body, pods, replicasets)
+    assert deployments.patches == [5]
+    assert "only 2 of 5 replicas are ready workers" in scaling_condition(st)["message"]
+    # Low load: one fewer target replica, with the others' workers still serving (5 -> 4), never below them.
+    metrics.signals = (0.95, 0.1)
+    pods = [made(f"w-{i}", "workers-1", "u1") for i in range(5)] + pods[2:5]
+    await tick(scaler, body, pods, replicasets)
+    assert deployments.patches == [5, 4]
 
 
 async def test_the_hit_rate_window_is_the_pools(setup):
