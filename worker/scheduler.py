@@ -319,10 +319,10 @@ class Scheduler:
         num_new = seq.num_uncomputed_tokens
         if num_new <= budget:
             return num_new
-        # Without chunking a prompt waits for a step with room for all of it, unless no step ever has
-        # room (a prompt, or a preempted sequence regrown, past max_num_batched_tokens): it would wait
-        # forever, so it is prefilled in chunks.
-        return budget if self.enable_chunked_prefill or num_new > self.max_num_batched_tokens else 0
+        # Without chunking a prompt waits for a step with room for all of it, unless none ever has room (past
+        # max_num_batched_tokens) or its prefill began (the rest may never find room while older ones decode).
+        chunk = self.enable_chunked_prefill or seq.num_computed_tokens or num_new > self.max_num_batched_tokens
+        return budget if chunk else 0
 
     def _can_admit_adapter(self, seq: Sequence, loras: set[str]) -> bool:
         if seq.adapter is None or self.adapter_pool is None:

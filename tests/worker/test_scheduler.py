@@ -117,6 +117,21 @@ def test_without_chunking_a_prompt_over_the_whole_budget_is_chunked_not_stuck():
     assert seq.num_computed_tokens == 10 and len(seq.output_token_ids) == 2
 
 
+def test_without_chunking_a_prompt_chunked_once_is_chunked_to_its_end_beside_decodes():
+    """13 tokens never fit a step of 8: the first chunk takes what two decodes leave (6). The rest (7) fits a
+    step, but not beside the decodes: waiting for a step with room for all of it would wait until they end."""
+    sched, _ = _sched(max_num_batched_tokens=8, enable_chunked_prefill=False)
+    old = [_seq(2), _seq(3)]
+    for seq in old:
+        sched.add(seq)
+    _run_step(sched)
+    long = _seq(13)
+    sched.add(long)
+    steps = [_run_step(sched) for _ in range(3)]
+    assert [dict((s.request_id, n) for s, n in b.scheduled)[long.request_id] for b in steps] == [6, 6, 1]
+    assert len(long.output_token_ids) == 1 and all(len(seq.output_token_ids) == 4 for seq in old)
+
+
 def test_a_preempted_sequence_grown_past_the_budget_is_recomputed_without_chunking():
     sched, pool = _sched(num_pages=4, max_num_batched_tokens=8, enable_chunked_prefill=False)
     old, young = _seq(6), _seq(2)
