@@ -9,6 +9,7 @@ thread). Adapters are registered by name; requests name an adapter ("name" or "n
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 import time
@@ -221,7 +222,7 @@ class Engine:
 
     def add_request(self, request_id: str | None, prompt: Prompt, params: SamplingParams | None = None, *,
                     adapter: str | None = None, tenant: str | None = None) -> str:
-        params = params or SamplingParams()
+        params = copy.copy(params) if params is not None else SamplingParams()  # its own: kv_room may lower max_tokens
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise EngineError(f"request id {request_id!r} is already in flight")

@@ -85,18 +85,20 @@ def test_pinned_adapters_pages_count_against_every_request(engine):
 def test_a_max_tokens_the_caller_did_not_give_is_lowered_to_fit(engine):
     """max_tokens_to_fit (the API's max_tokens left out: the context after the prompt) is lowered to what a's
     pages leave, 33 - 10 tokens, at admission; and for c, whose size is known only once loaded, then. Too
-    little room for min_tokens is still refused."""
+    little room for min_tokens is still refused. Lowered for that request alone: b (base model, the whole
+    pool), given the same params object, keeps its 38."""
     params = SamplingParams(max_tokens=NUM_PAGES * BS - len(PROMPT), temperature=0, ignore_eos=True,
                             max_tokens_to_fit=True)
     engine.add_request("a", PROMPT, params, adapter="a")
-    assert params.max_tokens == 23
+    engine.add_request("b", PROMPT, params)
+    assert (engine.requests["a"].params.max_tokens, params.max_tokens) == (23, 38)
     weights = random_weights(4, rank=4, projs=ADAPTER_PROJS)
     engine.adapter_pool.add("c@1", loader=lambda: weights)
     engine.add_request("c", PROMPT, SamplingParams(max_tokens=38, temperature=0, ignore_eos=True,
                                                    max_tokens_to_fit=True), adapter="c")
     done = _run(engine)
     assert {rid: (o.finish_reason, len(o.token_ids)) for rid, o in done.items()} == {
-        "a": ("length", 23), "c": ("length", 23)}
+        "a": ("length", 23), "b": ("length", 38), "c": ("length", 23)}
     with pytest.raises(ContextLengthError):
         engine.add_request("a2", PROMPT, SamplingParams(max_tokens=38, min_tokens=24, max_tokens_to_fit=True),
                            adapter="a")
@@ -192,7 +194,7 @@ def test_a_pinned_version_replacing_another_counts_once(engine):
     engine.add_request("late", PROMPT, _params(23))
     fit = SamplingParams(max_tokens=NUM_PAGES * BS - len(PROMPT), temperature=0, ignore_eos=True, max_tokens_to_fit=True)
     engine.add_request("unset", PROMPT, fit)
-    assert fit.max_tokens == 23
+    assert engine.requests["unset"].params.max_tokens == 23
     done = _run(engine, max_steps=200)
     assert {rid: o.finish_reason for rid, o in done.items()} == dict.fromkeys(("busy", "late", "unset"), "length")
     assert engine.adapter_pool.resolve("p") == "p@2"
@@ -205,10 +207,11 @@ def test_an_unset_max_tokens_lowered_below_what_was_generated_ends_by_length(eng
     params = SamplingParams(max_tokens=NUM_PAGES * BS - len(PROMPT), temperature=0, ignore_eos=True,
                             max_tokens_to_fit=True)
     engine.add_request("whole", PROMPT, params)
+    whole = engine.requests["whole"]
     for _ in range(5):
         engine.step()
     engine.adapter_pool.add("p@1", random_weights(2, rank=4, projs=ADAPTER_PROJS), pinned=True)
     engine.adapter_pool.load("p@1")
     out = _run(engine, max_steps=80)["whole"]
     assert out.finish_reason == "length" and out.error is None, out.error
-    assert params.max_tokens == 23 and len(out.token_ids) >= 23
+    assert whole.params.max_tokens == 23 and len(out.token_ids) >= 23
