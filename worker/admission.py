@@ -41,6 +41,15 @@ class Admission:
         """The most sequences one request can ever be admitted with; a larger one never fits."""
         return min(self.capacity, self.max_per_tenant) if self.max_per_tenant else self.capacity
 
+    def never_fits(self, num_seqs: int) -> str | None:
+        """Why a request of `num_seqs` sequences can never be admitted, however idle the worker gets (retrying
+        cannot help), or None. Known from the request's prompts and n alone, before any is built."""
+        if num_seqs <= (most := self.max_seqs_per_request):
+            return None
+        where = f"runs at most {most}" if most == self.capacity else f"admits at most {most} per tenant"
+        return (f"this request needs {num_seqs} sequences (prompts x n); the worker {where} at once. Lower n or "
+                f"send fewer prompts.")
+
     def refusal(self, num_seqs: int, tenant: str) -> str | None:
         """Why `num_seqs` more sequences of `tenant` do not fit now (TENANT_QUEUE_FULL, QUEUE_FULL), or None.
 

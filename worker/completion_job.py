@@ -22,6 +22,7 @@ choices (chat), as vLLM places it.
 from __future__ import annotations
 
 import codecs
+import copy
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -106,14 +107,19 @@ class CompletionJob:
                                code="invalid_value", param="min_tokens")
             for j in range(o.n):
                 seed = None if o.seed is None else o.seed + j  # n choices with one seed must still differ
-                self.params.append(SamplingParams(
-                    max_tokens=max_tokens, temperature=o.temperature, top_p=o.top_p, top_k=o.top_k, seed=seed,
-                    stop=list(o.stop), logprobs=o.logprobs, ignore_eos=o.ignore_eos,
-                    presence_penalty=o.presence_penalty, frequency_penalty=o.frequency_penalty,
-                    repetition_penalty=o.repetition_penalty, logit_bias=o.logit_bias, min_p=o.min_p,
-                    stop_token_ids=list(o.stop_token_ids), include_stop_str_in_output=o.include_stop_str_in_output,
-                    min_tokens=o.min_tokens, skip_special_tokens=o.skip_special_tokens, prompt_logprobs=prompt_k,
-                    json_object=o.json_object, max_tokens_to_fit=o.max_tokens is None))
+                if self.params:  # checked once (its logit_bias may hold thousands of entries): the others copy it
+                    params = copy.copy(self.params[0])
+                    params.max_tokens, params.seed = max_tokens, seed
+                else:
+                    params = SamplingParams(
+                        max_tokens=max_tokens, temperature=o.temperature, top_p=o.top_p, top_k=o.top_k, seed=seed,
+                        stop=list(o.stop), logprobs=o.logprobs, ignore_eos=o.ignore_eos,
+                        presence_penalty=o.presence_penalty, frequency_penalty=o.frequency_penalty,
+                        repetition_penalty=o.repetition_penalty, logit_bias=o.logit_bias, min_p=o.min_p,
+                        stop_token_ids=list(o.stop_token_ids), include_stop_str_in_output=o.include_stop_str_in_output,
+                        min_tokens=o.min_tokens, skip_special_tokens=o.skip_special_tokens, prompt_logprobs=prompt_k,
+                        json_object=o.json_object, max_tokens_to_fit=o.max_tokens is None)
+                self.params.append(params)
                 self.choice_prompt.append(p)
 
     def usage(self, completion_tokens: int) -> dict[str, int]:

@@ -98,6 +98,9 @@ async def _prepare(request: web.Request, endpoint: str,
             resolved(exc.key)
             raise
         resolved(adapter)
+        num_seqs = len(getattr(parsed, "prompts", None) or [None]) * parsed.options.n  # chat: one prompt
+        if (never := app[ADMISSION].never_fits(num_seqs)) is not None:  # before tokenizing or building any
+            raise APIError(400, never, code="invalid_value", param="n" if parsed.options.n > 1 else "prompt")
 
         def tokenize() -> list[list[int]]:
             if endpoint == "chat":
@@ -196,13 +199,8 @@ def _request_labels(key: str | None) -> tuple[str | None, str]:
 
 
 def _admit(app: web.Application, job: CompletionJob, tenant: str) -> None:
-    """Take admission room for the job's sequences, or raise: 400 if they can never fit, 429 if not now."""
+    """Take admission room for the job's sequences, or raise 429 (one that never fits was refused before)."""
     admission = app[ADMISSION]
-    if job.num_choices > (most := admission.max_seqs_per_request):  # would never fit: retrying cannot help
-        where = f"runs at most {most}" if most == admission.capacity else f"admits at most {most} per tenant"
-        raise APIError(400, f"this request needs {job.num_choices} sequences (prompts x n); the worker {where} "
-                            f"at once. Lower n or send fewer prompts.", code="invalid_value",
-                       param="n" if job.options.n > 1 else "prompt")
     if admission.admit(job.num_choices, tenant):
         return
     # nothing changed since admit: the same answer

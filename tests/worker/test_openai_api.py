@@ -547,11 +547,19 @@ async def test_a_request_that_can_never_be_admitted_names_what_the_caller_sent(a
                                                                                tmp_path):
     """More sequences (prompts x n) than the worker ever admits is a 400 naming `prompt` when the caller sent a
     list of prompts and no n, `n` when it asked for several choices; the limit said is the tenant's share where
-    that is the smaller."""
+    that is the smaller. It is refused from its prompts and n alone: nothing is tokenized (a request of
+    1,024 prompts x n 256 had every choice built on the event loop before it was refused)."""
     client = await _tenant_client(aiohttp_client, tiny_llama_dir, tmp_path, 3, keys=False)
+    engine, tokenized = client.app[ENGINE].engine, []
+    encode = engine.encode
+    engine.encode = lambda prompt: tokenized.append(prompt) or encode(prompt)
     cases = [({"prompt": ["hi"] * 4}, "prompt"), ({"n": 4}, "n"), ({"prompt": ["hi"] * 2, "n": 2}, "n")]
     for extra, param in cases:
         resp = await _complete_as(client, None, **extra)
         err = (await resp.json())["error"]
         assert resp.status == 400 and err["param"] == param, (extra, err)
         assert "needs 4 sequences (prompts x n); the worker admits at most 3 per tenant at once" in err["message"]
+    assert tokenized == []
+    resp = await client.post("/v1/chat/completions", json={"model": "tiny", "n": 4,
+                                                            "messages": [{"role": "user", "content": "hi"}]})
+    assert resp.status == 400 and (await resp.json())["error"]["param"] == "n"
