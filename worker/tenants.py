@@ -8,7 +8,8 @@ The keys file (JSON or YAML; in Kubernetes a mounted Secret) looks like::
         adapters: ["sql", "acme-*"]     # fnmatch patterns of adapter names
         base_model: true                # may call the base model without an adapter (default true)
 
-A tenant may also use every adapter whose directive names it as `tenant` (see directives.py).
+A tenant may also use every adapter whose directive names it as `tenant` (see directives.py); an adapter
+whose directive names another tenant is that one's alone, whatever the patterns.
 Without a keys file the worker is open (development mode): every caller is the `dev` tenant and may
 use everything; the server logs that at start-up. A keys file never opens the worker, not even one
 that lists no key (every caller is then refused). Keys are kept only as SHA-256 digests.
@@ -52,13 +53,16 @@ class Tenant:
     is_dev: bool = False  # development mode: may use everything
 
     def may_use(self, adapter: str | None, owner: str | None = None) -> bool:
-        """May this tenant call `adapter` (None = the base model) whose directive names `owner`?"""
+        """May this tenant call `adapter` (None = the base model) whose directive names `owner`? An adapter
+        with an owner is that tenant's alone: the keys file's patterns grant only adapters nobody owns
+        (start-up folders, vLLM-style loads, directives naming no tenant), so naming an adapter to fall
+        within another tenant's pattern gives that tenant nothing."""
         if self.is_dev:
             return True
         if adapter is None:
             return self.base_model
-        if owner is not None and owner == self.name:
-            return True
+        if owner is not None:
+            return owner == self.name
         return any(fnmatch.fnmatchcase(adapter, p) for p in self.adapter_patterns)
 
 
