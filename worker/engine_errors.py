@@ -14,11 +14,13 @@ class UnknownAdapterError(EngineError):
 class ContextLengthError(EngineError):
     """Prompt and max_tokens ask for more context than the engine can ever give the request: more than
     max_model_len, or than the KV pages its adapter and pinned adapters leave of the pool (kv_room.py).
-    `prompt_alone`: the prompt itself is too long, whatever max_tokens (the error names the prompt)."""
+    `prompt_alone`: the prompt itself is too long, whatever max_tokens (the error names the prompt);
+    `min_tokens`: max_tokens was not given (lowered to fit) but the min_tokens asked do not fit (names those)."""
 
-    def __init__(self, message: str, *, prompt_alone: bool = False) -> None:
+    def __init__(self, message: str, *, prompt_alone: bool = False, min_tokens: bool = False) -> None:
         super().__init__(message)
         self.prompt_alone = prompt_alone
+        self.min_tokens = min_tokens
 
 
 class CapacityError(RuntimeError):

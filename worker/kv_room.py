@@ -58,11 +58,18 @@ class KVRoom:
         what = (f"This request's maximum context length is {limit} tokens" if room
                 else "This request cannot run")
         prompt_alone = seq.num_prompt_tokens >= limit  # not even one token to generate fits after it
-        asked = (f"the prompt has {seq.num_prompt_tokens} tokens. Shorten the prompt" if prompt_alone else
-                 f"you requested {wanted} tokens ({seq.num_prompt_tokens} in the prompt, "
-                 f"{wanted - seq.num_prompt_tokens} to generate). Lower max_tokens, shorten the prompt")
+        min_tokens = not prompt_alone and seq.params.max_tokens_to_fit  # it alone keeps the lowered one out
+        if prompt_alone:
+            asked = f"the prompt has {seq.num_prompt_tokens} tokens. Shorten the prompt"
+        elif min_tokens:
+            asked = (f"min_tokens asks for {seq.num_prompt_tokens + seq.params.min_tokens} tokens "
+                     f"({seq.num_prompt_tokens} in the prompt, {seq.params.min_tokens} to generate at least). "
+                     f"Lower min_tokens, shorten the prompt")
+        else:
+            asked = (f"you requested {wanted} tokens ({seq.num_prompt_tokens} in the prompt, "
+                     f"{wanted - seq.num_prompt_tokens} to generate). Lower max_tokens, shorten the prompt")
         return ContextLengthError(
             f"{what}: of the {self.num_pages} pages ({self.block_size} tokens each) its KV cache shares "
             f"with adapters, {held}, leaving {room}; {asked}{', unpin adapters' if pinned else ''} or give "
             "the worker a larger pool (--num-pages, --pool-bytes or --pool-memory-fraction).",
-            prompt_alone=prompt_alone)
+            prompt_alone=prompt_alone, min_tokens=min_tokens)

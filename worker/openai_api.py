@@ -145,7 +145,8 @@ def _engine_error(exc: BaseException, job: CompletionJob, request: web.Request) 
                         headers={"Retry-After": "5"} if exc.retryable else None)
     message = adapters.redact(str(exc), job.tenant)
     if isinstance(exc, ContextLengthError):  # its adapter and pinned ones leave too little of the pool
-        return APIError(400, message, code="context_length_exceeded", param=job.length_param(exc.prompt_alone))
+        param = "min_tokens" if exc.min_tokens else job.length_param(exc.prompt_alone)
+        return APIError(400, message, code="context_length_exceeded", param=param)
     if isinstance(exc, EngineError):
         return APIError(400, message, code="invalid_request")
     if isinstance(exc, ShutdownError):

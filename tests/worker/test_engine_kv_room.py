@@ -177,6 +177,11 @@ async def test_the_worker_answers_400_without_retry_after(aiohttp_client, tiny_l
     assert resp.status == 200, out
     usage = out["usage"]
     assert out["choices"][0]["finish_reason"] == "length" and usage["prompt_tokens"] + usage["completion_tokens"] == 33
+    # The same chat asking for at least 15 tokens (the context allows 24, alpha leaves 9): the min_tokens it sent.
+    resp = await client.post("/v1/chat/completions", json=chat | {"min_tokens": 15})
+    error = (await resp.json())["error"]
+    assert resp.status == 400 and error["param"] == "min_tokens", error
+    assert f"min_tokens asks for {usage['prompt_tokens'] + 15} tokens" in error["message"], error
 
 
 def test_a_pinned_version_replacing_another_counts_once(engine):
