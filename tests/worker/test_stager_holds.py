@@ -87,3 +87,22 @@ async def test_an_engine_away_is_reported_with_the_pool_size_it_last_said(aiohtt
     await engine.close()
     report = await stager.state()
     assert report.error.startswith("engine unreachable") and (report.pool_bytes, report.pool_slots) == (1 << 30, 8)
+
+
+def test_expired_leases_are_dropped_and_never_protect(monkeypatch, tmp_path):
+    """/v1/stage's leases: held for lease_s, then not protected; the expired ones are dropped now and then
+    (not at every lease: a push leases each of its versions), so their number stays within twice the live."""
+    from lorafleet.worker import stager_holds
+    from lorafleet.worker.stager_holds import CacheHolds
+
+    now = [0.0]
+    monkeypatch.setattr(stager_holds.time, "monotonic", lambda: now[0])
+    holds = CacheHolds(tmp_path, lease_s=10.0)
+    for i in range(1000):
+        holds.lease(f"old-{i}")
+    assert holds.protected({}) == {f"old-{i}" for i in range(1000)}
+    now[0] = 20.0
+    for i in range(300):
+        holds.lease(f"new-{i}")
+    assert holds.protected({}) == {f"new-{i}" for i in range(300)}
+    assert len(holds._leases) <= 2 * 300
