@@ -67,7 +67,7 @@ from lorafleet.worker.stager_locks import KeyLocks
 from lorafleet.worker.stager_metrics import StagerMetrics, progress_by_uri
 from lorafleet.worker.stager_push import apply_push
 from lorafleet.worker.stager_seed import SeedReport, seed
-from lorafleet.worker.stager_store import StoreDown, StoreHealth
+from lorafleet.worker.stager_store import StoreDown, StoreHealth, is_outage
 from lorafleet.worker.staging_errors import is_refusal
 
 log = logging.getLogger("lorafleet.stager")
@@ -182,6 +182,16 @@ class Stager:
         self.store.answered(start)
         return etags
 
+    async def _answers(self, uri: str) -> bool:
+        """Whether the store answers a quick listing of `uri` now. A download's failure that looked like an
+        outage (a 5xx, a body cut short or stalled) is then that object's own, and the push's other versions
+        still call the store: one broken object had failed every version staged after it, push after push."""
+        try:
+            await self._list(uri, quick=True)
+        except Exception:  # noted as the outage it is
+            return False
+        return True
+
     def _same_bytes(self, uri: str, sha256: str) -> bool:
         """`uri`'s last staged copy holds exactly the files of digest `sha256` (and is still cached)."""
         key = self._by_uri.get(uri)
@@ -222,7 +232,8 @@ class Stager:
             except Exception as exc:
                 self.counts["failures"] += 1
                 self.metrics.failures.inc()
-                self.store.failed(exc, start)  # made before a newer push began: that push still tries the store
+                if not (is_outage(exc) and not self.store.is_down and await self._answers(uri)):
+                    self.store.failed(exc, start)  # made before a newer push began: that push still tries it
                 raise
             self.store.answered(start)
             self.download_seconds.append(time.perf_counter() - t0)

@@ -394,3 +394,23 @@ async def test_a_stager_restarted_while_the_store_hangs_serves_what_it_had_stage
         assert {n: a.stable.uri for n, a in restarted.forwarded.items()} == before, report.to_dict()
         assert restarted.errors == {} and restarted.disk_stats()["store"]["fallbacks"] == len(names)
     assert served_digests(restarted) == dict.fromkeys(names, adapter_digest(adapters["v1"]))
+
+
+async def test_an_object_the_store_keeps_failing_fails_its_version_alone(s3, adapters, tmp_path):
+    """The store answers 500 to every read of one adapter's objects (a broken volume) and serves the rest:
+    that version fails, the push's others are staged and the store is not taken as down. The 500 marked it
+    down for the push, so every version after the broken one failed 'not tried', push after push."""
+    from tests.store_proxy import answering_proxy
+
+    upload_folder(s3.client(), "adapters", "team/broken/", adapters["v1"])
+    upload_folder(s3.client(), "adapters", "team/fine/", adapters["v2"])
+    error = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>InternalError</Code><Message>We encountered '
+             b'an internal error.</Message></Error>')
+    async with answering_proxy(s3.port, "/adapters/team/broken/", 1000, b"500 Internal Server Error",
+                               b"application/xml", error) as (endpoint, answered):
+        stager = stager_for(endpoint, s3, tmp_path / "cache")
+        report = await stager.apply(push(1, ["broken", "fine"], {"broken": adapter_digest(adapters["v1"]),
+                                                                 "fine": adapter_digest(adapters["v2"])}))
+    assert answered and "InternalError" in report.find("broken", "v1").error
+    assert report.find("fine", "v1").error is None and served_digests(stager) == {"fine": adapter_digest(adapters["v2"])}
+    assert stager.store.down_since is None
