@@ -131,13 +131,14 @@ def recommend(spec: ScalingSpec, hit_rate: float | None, kv_usage: float | None,
     hold. Clamped to [minReplicas, maxReplicas], and never down to 0: at 0 no worker is left to show
     demand, so nothing could wake the pool. ``beside``: the pool's ready workers that other Deployments run
     (a pool naming no spec.workerDeployment may span several, of which it scales one): the load is spread
-    over them too, and the target's count changes by what the whole pool needs."""
+    over them too, and the target's count changes by what the whole pool needs (never to 0 either: they may
+    go, and the target's workers are the ones that show demand then)."""
     corrected = bound_correction(spec, current)
     if corrected is not None:
         return corrected
     if hit_rate is None and kv_usage is None and waiting is None:
         return current, "no metrics for the pool's workers (no series or no traffic yet)"
-    if current + beside == 0:  # minReplicas 0: any traffic, KV in use or queued request wakes the pool
+    if current == 0:  # minReplicas 0: any traffic, KV in use or queued request wakes the pool
         if hit_rate is not None or (kv_usage or 0.0) > 0 or (waiting or 0.0) > 0:
             return 1, "demand while scaled to 0"
         return 0, "no demand"
@@ -169,8 +170,8 @@ def recommend(spec: ScalingSpec, hit_rate: float | None, kv_usage: float | None,
         wanted = current - 1
         reasons.append(f"KV usage {kv_usage:.3g} < kvLow {spec.kv_low:g}")
         why = " and ".join(reasons)
-        fewer = workers / (workers - 1) if workers > 1 else 0.0  # a load spread over one fewer worker grows by
-        if wanted >= spec.min_replicas and workers > 1:
+        if wanted >= max(spec.min_replicas, 1):
+            fewer = workers / (workers - 1)  # how much the load spread over one fewer worker grows
             if is_waiting:
                 return current, f"{why}, but {waiting:.3g} requests wait per worker: no scale-down while requests wait"
             if waiting is not None and waiting * fewer > spec.waiting_high:
@@ -186,7 +187,7 @@ def recommend(spec: ScalingSpec, hit_rate: float | None, kv_usage: float | None,
                                  f"target, and be scaled up again at once")
     clamped = min(max(wanted, spec.min_replicas), spec.max_replicas)
     why = " and ".join(reasons)
-    if clamped == 0 and beside == 0:
+    if clamped == 0:
         return 1, why + " (capped at 1: at 0 no worker would be left to show demand and wake the pool)"
     if clamped != wanted:
         why += f" (capped at {'maxReplicas' if wanted > clamped else 'minReplicas'} {clamped})"

@@ -143,10 +143,9 @@ def test_workers_of_other_deployments_share_the_load_the_target_is_scaled_for():
     # 4 workers at 0.45: 3 carry 0.6, not above kvHigh (alone, 2 at 0.45 would put one at 0.9: held)
     assert recommend(s, 0.95, 0.45, 2, beside=2)[0] == 1
     assert recommend(s, 0.95, 0.45, 2)[0] == 2
-    # The others still show demand: the target may go to 0 (minReplicas 0), and wakes only when they need it.
-    assert recommend(s, 0.95, 0.2, 1, beside=2)[0] == 0
-    assert recommend(s, 0.95, 0.2, 0, beside=2)[0] == 0
-    assert recommend(s, 0.95, 0.9, 0, beside=2)[0] == 1
+    # Never to 0 by itself, although the others serve: they may go, and nothing would bring the target back.
+    assert recommend(s, 0.95, 0.2, 1, beside=2)[0] == 1
+    assert recommend(s, 0.95, 0.2, 2, beside=2)[0] == 1
 
 
 def test_a_scale_down_that_would_cross_kv_high_holds():
