@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from lorafleet.worker.directives import UNSTAGED, AdapterDirective, DesiredState, DirectiveError, VersionRef
 from lorafleet.worker.staging_errors import staging_error
+from lorafleet.worker.tenants import UNOWNED
 
 if TYPE_CHECKING:
     from lorafleet.worker.stager import Stager
@@ -61,7 +62,7 @@ async def seed(stager: Stager, uri: str) -> SeedReport:
             continue
         name = folder.rstrip("/").rsplit("/", 1)[-1]
         try:
-            AdapterDirective(name, "default", VersionRef(UNSTAGED, folder))  # a bad name: no download
+            AdapterDirective(name, UNOWNED, VersionRef(UNSTAGED, folder))  # a bad name: no download
             s = await stager.stage(folder, None, push_start=push_start)
         except DirectiveError as exc:
             report.errors[folder] = f"{folder}: not served: {exc} (rename the folder)"
@@ -71,7 +72,7 @@ async def seed(stager: Stager, uri: str) -> SeedReport:
             if refusal.code in PASSING:
                 report.retrying.append(folder)
         else:
-            served[folder] = AdapterDirective(name, "default", VersionRef(s.sha256[:12], folder, s.sha256))
+            served[folder] = AdapterDirective(name, UNOWNED, VersionRef(s.sha256[:12], folder, s.sha256))
     for folder, message in report.errors.items():
         log.warning("seeding %s: %s", folder, message)
     await stager.apply(DesiredState(max(1, stager.generation + 1), list(served.values())), seed=report)

@@ -33,6 +33,9 @@ from typing import Any
 import yaml
 
 DEV_TENANT = "dev"
+# The owner of adapters registered for no tenant in particular (the s3:// --adapters seed's): unowned, so the
+# keys file's patterns decide who may use them.
+UNOWNED = "default"
 
 log = logging.getLogger(__name__)
 
@@ -55,14 +58,14 @@ class Tenant:
     def may_use(self, adapter: str | None, owner: str | None = None) -> bool:
         """May this tenant call `adapter` (None = the base model) whose directive names `owner`? An adapter
         with an owner is that tenant's alone: the keys file's patterns grant only adapters nobody owns
-        (start-up folders, vLLM-style loads, directives naming no tenant), so naming an adapter to fall
-        within another tenant's pattern gives that tenant nothing."""
-        if self.is_dev:
+        (owner None or UNOWNED: start-up folders, the s3:// seed, vLLM-style loads), so naming an adapter to
+        fall within another tenant's pattern gives that tenant nothing."""
+        if self.is_dev or (adapter is not None and owner == self.name):
             return True
         if adapter is None:
             return self.base_model
-        if owner is not None:
-            return owner == self.name
+        if owner not in (None, UNOWNED):
+            return False
         return any(fnmatch.fnmatchcase(adapter, p) for p in self.adapter_patterns)
 
 

@@ -249,19 +249,22 @@ async def test_a_name_given_to_another_tenant_never_serves_the_old_owners_weight
 
 
 async def test_a_pattern_grants_only_adapters_nobody_owns(aiohttp_client, tiny_llama_dir, qv_adapters_dir, tmp_path):
-    """acme's keys-file pattern `acme-*` covers `acme-shared`, which no tenant owns, but not `acme-tuned`,
-    whose directive names globex: naming an adapter into another tenant's pattern must not hand it over."""
+    """acme's keys-file pattern `acme-*` covers `acme-shared`, which no tenant owns, and `acme-seeded`, whose
+    owner is `default` (as the s3:// --adapters seed pushes them), but not `acme-tuned`, whose directive names
+    globex: naming an adapter into another tenant's pattern must not hand it over."""
     tenants = {"acme": {"keys": [KEY_ACME], "adapters": ["acme-*"]}, "globex": {"keys": [KEY_GLOBEX], "adapters": []}}
     client = await aiohttp_client(create_app(worker_config(tiny_llama_dir, qv_adapters_dir, tmp_path, tenants)))
-    await push(client, 1, directive("acme-tuned", "globex", "v1", qv_adapters_dir / "alpha"))
+    await push(client, 1, directive("acme-tuned", "globex", "v1", qv_adapters_dir / "alpha"),
+               directive("acme-seeded", "default", "v1", qv_adapters_dir / "beta"))
     resp = await client.post("/v1/load_lora_adapter", headers={"Authorization": f"Bearer {ADMIN}"},
                              json={"lora_name": "acme-shared", "lora_path": str(qv_adapters_dir / "beta")})
     assert resp.status == 200, await resp.text()
     acme, globex = openai_client(client, KEY_ACME), openai_client(client, KEY_GLOBEX)
-    assert {m.id for m in (await acme.models.list()).data} == {"tiny", "acme-shared"}
+    assert {m.id for m in (await acme.models.list()).data} == {"tiny", "acme-shared", "acme-seeded"}
     with pytest.raises(openai.NotFoundError) as refused:
         await acme.completions.create(model="acme-tuned", prompt="x", max_tokens=1)
     assert "globex" not in str(refused.value)
     assert (await acme.completions.create(model="acme-shared", prompt="x", max_tokens=1)).model.startswith("acme-shared@")
     assert (await globex.completions.create(model="acme-tuned", prompt="x", max_tokens=1)).model == "acme-tuned@v1"
+    assert (await acme.completions.create(model="acme-seeded", prompt="x", max_tokens=1)).model == "acme-seeded@v1"
     assert {m.id for m in (await globex.models.list()).data} == {"tiny", "acme-tuned"}
