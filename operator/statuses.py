@@ -38,7 +38,7 @@ def adapter_status(a: AdapterSpec, live: list[WorkerIndex], warm_pods: list[str]
     its last valid spec, stays in force (phase Failed, yet the fields say what is really served). ``silent``:
     ready pods whose sidecar did not answer; with none that did, the last status's versions and instances
     stay (those pods may still serve them)."""
-    instances, errors, slot_bound = [], [], []
+    instances, errors, slot_bound, downloading = [], [], [], []
     versions_seen: set[str] = set()
     registered = resident = canary_registered = canary_resident = 0
     size = 0
@@ -50,6 +50,9 @@ def adapter_status(a: AdapterSpec, live: list[WorkerIndex], warm_pods: list[str]
                                                                                  if st.staging else ""))
                 continue
             if st.staging:  # still being downloaded: not registered yet
+                if st.bytes_done is not None:
+                    downloading.append(f"{w.pod} {st.version} {_mib(st.bytes_done)}"
+                                       + (f"/{_mib(st.bytes)} MiB" if st.bytes else " MiB"))
                 continue
             versions_seen.add(st.version)
             if st.num_pinned_slots is not None and st.tier != "gpu" and st.version in (
@@ -146,6 +149,8 @@ def adapter_status(a: AdapterSpec, live: list[WorkerIndex], warm_pods: list[str]
             msg += "; the traffic split is not applied yet on " + ", ".join(
                 f"{pod} ({_split_text(split)})" for pod, split in sorted(pending.items()))
             msg += f", the spec asks {_split_text(wanted_split)}"
+        if downloading:
+            msg += "; downloading on " + ", ".join(downloading)
         worker_errors = [f"{w.pod}: {w.w.reported.error}" for w in live if w.w.reported.error]
         if worker_errors:  # e.g. the sidecar cannot reach its engine: say why it is not loading
             msg += "; " + "; ".join(worker_errors)
@@ -166,6 +171,10 @@ def adapter_status(a: AdapterSpec, live: list[WorkerIndex], warm_pods: list[str]
         "bytes": size or a.known_bytes,
     })
     return status
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 20):.1f}"
 
 
 def _wanted_split(a: AdapterSpec) -> dict[str, int]:
@@ -225,7 +234,7 @@ def adapter_size_text(a: AdapterSpec, live: list[WorkerIndex]) -> str:
     size = adapter_bytes(a, live)
     if size <= UNKNOWN_BYTES:
         return "unknown size"
-    return f"{size / (1 << 20):.1f} MiB" + (" (stable and canary versions)" if a.canary is not None else "")
+    return f"{_mib(size)} MiB" + (" (stable and canary versions)" if a.canary is not None else "")
 
 
 def _status(x: AdapterSpec | InvalidAdapter, phase: str, message: str, *, now: str, validated: bool | None,

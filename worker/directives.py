@@ -235,6 +235,9 @@ class AdapterState:
     traffic_percent: int | None = None
     # The stager is still staging it for the push it applies (a download in progress): not lost, on its way.
     staging: bool = False
+    # While staging: the bytes its download has brought so far (`bytes` is then the download's total, 0 while not
+    # known). None: no download of it in progress (not begun, or a check or hash of a cached copy).
+    bytes_done: int | None = None
     # Set when this version is not GPU-resident and cannot become so on this worker: every one of its GPU
     # adapter slots (--max-loras), this many, is held by a pinned adapter. None: it can, or the worker does
     # not say (an older one).
@@ -251,6 +254,8 @@ class AdapterState:
         if self.traffic_percent is not None:
             _int(self.traffic_percent, "traffic_percent", lo=0, hi=100)
         _bool(self.staging, "staging")
+        if self.bytes_done is not None:
+            _int(self.bytes_done, "bytes_done", lo=0)
         if self.num_pinned_slots is not None:
             _int(self.num_pinned_slots, "num_pinned_slots", lo=1)
 
@@ -266,7 +271,7 @@ class AdapterState:
     def from_dict(cls, data: Any) -> AdapterState:
         _require(isinstance(data, dict), "adapters[]", "must be an object")
         known = {k: data[k] for k in ("name", "version", "tier", "refcount", "hits", "bytes", "pinned", "error",
-                                      "traffic_percent", "staging", "num_pinned_slots") if k in data}
+                                      "traffic_percent", "staging", "num_pinned_slots", "bytes_done") if k in data}
         try:
             return cls(**known)
         except TypeError as exc:

@@ -65,7 +65,7 @@ from lorafleet.worker.stager_holds import CacheHolds
 from lorafleet.worker.stager_local import LocalReads, forget_flight
 from lorafleet.worker.stager_locks import KeyLocks
 from lorafleet.worker.stager_metrics import StagerMetrics, progress_by_uri
-from lorafleet.worker.stager_push import apply_push
+from lorafleet.worker.stager_push import apply_push, version_refs
 from lorafleet.worker.stager_seed import SeedReport, seed
 from lorafleet.worker.stager_store import StoreDown, StoreHealth, is_outage
 from lorafleet.worker.staging_errors import is_refusal
@@ -332,9 +332,13 @@ class Stager:
         for key in staged:
             if found[key].tier == "none":
                 found[key].tier = "disk"
-        for key in sorted(self.pending):  # the push's versions still being staged
+        uris = {(name, ref.version): ref.uri for name, ref in version_refs(self.desired)} if self.pending else {}
+        progress = progress_by_uri(self.downloading) if self.pending else {}
+        for key in sorted(self.pending):  # the push's versions still being staged, and how far their downloads are
             if key not in found:
-                found[key] = AdapterState(*key, tier="none", staging=True)
+                p = progress.get(uris.get(key, ""))
+                found[key] = AdapterState(*key, tier="none", staging=True, bytes=p["total"] if p else 0,
+                                          bytes_done=p["done"] if p else None)
                 report.adapters.append(found[key])
         for key, message in self.errors.items():
             if key not in found:

@@ -32,7 +32,7 @@ def test_a_canary_claimed_applied_and_not_reported_is_pushed_again_unless_it_is_
 
 def test_a_version_still_downloading_is_not_registered():
     """A new on-demand adapter (warm: 0) whose only version its stager is still downloading is Loading, not
-    Ready; Ready once it is staged."""
+    Ready, its message saying how far the download is; Ready once it is staged."""
     ws = workers(1)
     spec = adapter("a")
     pushed = ws[0].last_pushed = reconcile_pool(pool(), [spec], ws, now=NOW).pushes["w0"]
@@ -42,6 +42,12 @@ def test_a_version_still_downloading_is_not_registered():
     st = plan.adapter_statuses["a"]
     assert (st["phase"], st["ready"], st["stableVersion"]) == ("Loading", "0/1", None), st
     assert "registered on 0/1 workers" in st["message"] and "w0" not in plan.pushes
+    # How far the download is, once the stager says (its bytes so far, and the total when known).
+    for done, total, shown in ((3 << 20, 12 << 20, "downloading on w0 v1 3.0/12.0 MiB"),
+                               (1 << 19, 0, "downloading on w0 v1 0.5 MiB")):
+        ws[0].reported.adapters = [AdapterState("a", "v1", "none", staging=True, bytes=total, bytes_done=done)]
+        st = reconcile_pool(pool(), [spec], ws, now=NOW).adapter_statuses["a"]
+        assert st["phase"] == "Loading" and shown in st["message"], st["message"]
     ws[0].reported.adapters = [AdapterState("a", "v1", "disk")]
     assert reconcile_pool(pool(), [spec], ws, now=NOW).adapter_statuses["a"]["phase"] == "Ready"
 

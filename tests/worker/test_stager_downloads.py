@@ -320,3 +320,26 @@ def test_every_tokenizer_object_is_held_to_the_limit(s3, tmp_path, name):
     assert err.value.kind == "too_large", str(err.value)
     assert str(err.value).startswith(f"s3://adapters/{prefix}{name}: 9 bytes, over the limit of 8 bytes")
     assert list((tmp_path / "d").iterdir()) == []
+
+
+async def test_a_push_reports_how_far_its_downloads_are(s3, adapters, tmp_path):
+    """Users see a long download's progress (the operator puts it in the LoRAAdapter's status): the stager's
+    report gives a version it downloads for the push its bytes so far and their total, until it is staged."""
+    from lorafleet.worker.directives import AdapterDirective, DesiredState, VersionRef
+
+    upload(s3.client(), "team/paced/", adapters["big"])
+    ref = VersionRef("v1", "s3://adapters/team/paced/", adapter_digest(adapters["big"]))
+    total = sum(f.stat().st_size for f in adapters["big"].iterdir() if f.is_file())
+    async with trickling_proxy(s3.port, chunk=8192, every_s=0.02) as endpoint:
+        stager = stager_for(endpoint, s3, tmp_path / "cache")
+        task, _ = stager.start(DesiredState(1, [AdapterDirective("paced", "acme", ref)]))
+        seen = []
+        while not task.done():
+            state = (await stager.state()).find("paced", "v1")
+            if state is not None and state.bytes_done is not None:
+                seen.append((state.bytes_done, state.bytes))
+            await asyncio.sleep(0.02)
+        report = await task
+    assert len({done for done, _ in seen}) > 1 and all(0 <= done <= t == total for done, t in seen), seen
+    state = report.find("paced", "v1")
+    assert state.error is None and not state.staging and state.bytes_done is None
