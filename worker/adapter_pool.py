@@ -211,6 +211,8 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
             if detach is not None and not entry.retired:
                 entry.detached.add(detach)
             entry.refcount -= 1
+            self._tick += 1
+            entry.last_used = self._tick  # in use until now: as recent as one acquired now (LRU)
             if entry.refcount > 0:
                 return
             if self._drop_if_unused(entry):  # a replaced or unregistered version's last request finished

@@ -2,7 +2,7 @@
 
 A policy only orders candidates; the pool decides who is a candidate (never an adapter with
 in-flight requests, never a pinned one) and how many to evict. Time is a logical clock (one tick per
-acquire), so orders are deterministic.
+acquire and per release: an adapter used until a moment ago is that recent), so orders are deterministic.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Protocol
 class EvictionCandidate:
     key: str  # "name@version"
     nbytes: int  # bytes it frees in the tier being evicted from
-    last_used: int  # logical tick of its last acquire
+    last_used: int  # logical tick of its last acquire or release
     uses: int  # acquires so far
     reload_seconds: float  # what bringing it back would cost (measured load time, or an estimate)
 

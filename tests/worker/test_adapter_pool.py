@@ -251,6 +251,25 @@ def test_lru_keeps_the_hot_adapter_when_cold_ones_stream_through(hot):
     pool.close()
 
 
+def test_lru_counts_an_adapter_in_use_until_now_as_recent():
+    """hot serves one long request while c1 and c2 serve a short one each; once hot's ends, it was used last:
+    a new adapter needing a slot evicts c1 (idle longest), not hot, whose last acquire was the earliest."""
+    pool = make_pool(max_slots=3)
+    for i, key in enumerate(("hot@1", "c1@1", "c2@1", "c3@1")):
+        pool.add(key, random_weights(i))
+    pool.load("hot@1")
+    held = pool.acquire("hot@1")
+    for key in ("c1@1", "c2@1"):
+        pool.load(key)
+        pool.release(pool.acquire(key))
+    pool.release(held)
+    pool.load("c3@1")
+    assert {k: pool.entry(k).resident for k in ("hot@1", "c1@1", "c2@1", "c3@1")} == {
+        "hot@1": True, "c1@1": False, "c2@1": True, "c3@1": True}
+    pool.check()
+    pool.close()
+
+
 def test_failed_load_fails_only_its_waiters_and_can_recover(pool):
     broken, loader = flaky_loader()
 

@@ -54,6 +54,25 @@ async def test_metrics_count_the_preemptions_of_a_run(aiohttp_client, tiny_llama
     assert s["vllm:num_preemptions_total"] == s["lorafleet_preemptions_total"] == engine.engine.num_preemptions
 
 
+async def test_the_worker_observes_distinct_adapters_per_step_not_sequences(aiohttp_client, tiny_llama_dir,
+                                                                           qv_adapters_dir):
+    """The checklist's adapters-per-batch distribution as /metrics shows it: one request for 4 choices on
+    alpha runs steps of 4 sequences and 1 adapter (a worker that observed sequences would show 4)."""
+    from lorafleet.worker import EngineConfig
+    from lorafleet.worker.server import create_app
+    from lorafleet.worker.worker_config import WorkerConfig
+
+    config = EngineConfig(model=str(tiny_llama_dir), adapters=str(qv_adapters_dir), dtype="float32")
+    client = await aiohttp_client(create_app(WorkerConfig(engine=config, served_model_name="tiny")))
+    resp = await client.post("/v1/completions", json={"model": "alpha", "prompt": "hello", "max_tokens": 4, "n": 4,
+                                                      "temperature": 0, "ignore_eos": True})
+    assert resp.status == 200, await resp.text()
+    text = await (await client.get("/metrics")).text()
+    s = {m.name: m.value for fam in text_string_to_metric_families(text) for m in fam.samples if not m.labels}
+    steps = s["lorafleet_adapters_per_batch_count"]
+    assert steps > 0 and s["lorafleet_adapters_per_batch_sum"] == steps and s["lorafleet_batch_size_sum"] == 4 * steps
+
+
 def test_request_and_step_observations():
     m = WorkerMetrics()
     m.observe_request(adapter="sql", version="v1", endpoint="completions", status=200)
@@ -415,6 +434,25 @@ def test_registering_an_adapter_is_a_cold_load():
         assert s[("lorafleet_adapter_load_seconds_count", (("tier", "cpu"),))] == 1
         assert s[("lorafleet_adapter_load_seconds_sum", (("tier", "cpu"),))] >= 0.25
         assert pool._entries["a@1"].load_seconds >= 0.25
+    finally:
+        pool.close()
+
+
+def test_reading_an_adapter_from_disk_again_is_a_cold_load():
+    """The checklist's cold-load distribution: an adapter whose loader reads it from disk (at its first
+    request, or again once its CPU copy was evicted) is observed at tier cpu, and the cost policy counts it."""
+    from tests.lora_factory import random_weights
+
+    pool = _adapter_pool()
+    try:
+        m = WorkerMetrics()
+        m.register(pool.metrics.collectors())
+        pool.add("a@1", loader=lambda: random_weights(1))
+        assert pool.acquire("a@1", waiter=1) is None
+        pool.wait_idle()
+        assert pool.acquire("a@1", waiter=1) is not None
+        assert _samples(m)[("lorafleet_adapter_load_seconds_count", (("tier", "cpu"),))] == 1
+        assert pool.entry("a@1").load_seconds > 0
     finally:
         pool.close()
 
