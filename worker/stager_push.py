@@ -3,8 +3,9 @@
 A push reaches the engine in two steps (worker/stager.py): at once, with every version that needs no store
 call, download or hashing (the copy already forwarded for that same source, or a cached copy of its sha256),
 so that an edit that only changes weights, flags or the adapter set (a kill switch: a canary's weight turned
-to 0, a canary or an adapter removed) is not held up by another adapter's download; then once its versions
-are staged, one after another as before, if that changes what the engine has. Until then an adapter whose
+to 0, a canary or an adapter removed) is not held up by another adapter's download; then, every
+FORWARD_EVERY_S while it stages (one after another), the versions staged since; then once its versions
+are staged, if that changes what the engine has. Until then an adapter whose
 new version is still being staged keeps what was forwarded for it, exactly as when the version cannot be
 staged (`keep_stable`). A stager that has forwarded nothing yet first asks the engine what it holds (the
 push an earlier stager sent it, or nothing: `EngineLink.adopt`) and takes that as forwarded; when the engine
@@ -19,6 +20,7 @@ canary c2 at 0 %, c2 cached}: at once {sql: v1 without its canary, chat: c1 + c2
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field, replace
@@ -36,6 +38,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("lorafleet.stager")
 Key = tuple[str, str]  # (adapter name, version)
+FORWARD_EVERY_S = 2.0  # while a push stages, how often the versions staged since are forwarded
 
 
 class StalePush(APIError):
@@ -208,6 +211,8 @@ async def _stage(stager: Stager, push: Push) -> None:
         stager.holds.pushing = pushing = {k for k in known if k}
         push_start = time.monotonic()
         superseded = asyncio.ensure_future(push.superseded.wait())
+        done = asyncio.Event()
+        forwarder = asyncio.ensure_future(_forward_while_staging(stager, push, done)) if push.at_once else None
         try:
             for name, ref in version_refs(push.desired):
                 if push.superseded.is_set():
@@ -217,6 +222,8 @@ async def _stage(stager: Stager, push: Push) -> None:
                     await asyncio.wait({staging, superseded}, return_when=asyncio.FIRST_COMPLETED)
                 except BaseException:  # cancelled: the stager stops
                     staging.cancel()
+                    if forwarder is not None:
+                        forwarder.cancel()
                     raise
                 if not staging.done():
                     staging.add_done_callback(_retrieved)
@@ -224,6 +231,32 @@ async def _stage(stager: Stager, push: Push) -> None:
                 _note_staged(push, name, ref, staging)
         finally:
             superseded.cancel()
+            done.set()
+            if forwarder is not None and not forwarder.done():
+                await forwarder  # one forward at most: the push's own comes next (_finish)
+
+
+async def _forward_while_staging(stager: Stager, push: Push, done: asyncio.Event) -> None:
+    """Every FORWARD_EVERY_S while the push stages, the versions staged since go to the engine: one staged
+    early is served without waiting for the push's other downloads (another tenant's big adapter on a slow
+    link). Only for a push whose first step reached the engine (it knows what the engine holds)."""
+    sent = 0
+    while not done.is_set():
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(done.wait(), FORWARD_EVERY_S)
+        if done.is_set() or len(push.staged) == sent:
+            continue
+        sent = len(push.staged)
+        async with stager.apply_lock:
+            if stager.generation != push.desired.generation:
+                return  # a newer push took over: it forwards its own
+            forwarded, staged = forwardable(push.desired, push.staged, stager.forwarded, stager.staged)
+            stager.holds.hold_replaced(stager.staged, staged)
+            stager.forwarded, stager.staged = forwarded, staged
+            try:
+                await _forward(stager, push, forwarded, first=False)
+            except Exception as exc:  # the push's own forward, once staged, tries again
+                log.warning("forwarding the versions staged so far failed: %s", exc)
 
 
 def _note_staged(push: Push, name: str, ref: VersionRef, staging: asyncio.Future) -> None:

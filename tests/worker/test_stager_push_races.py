@@ -95,3 +95,28 @@ async def test_a_cached_copy_forwarded_at_once_is_protected_before_it_is_looked_
     path = Path(next(a for a in first["adapters"] if a["name"] == "b")["stable"]["uri"])
     assert first is engine.pushes[before] and path.name == sha and path.is_dir()  # push 2's first step
     assert adapter_digest(path) == sha
+
+
+async def test_a_version_staged_early_reaches_the_engine_while_a_later_download_goes_on(aiohttp_server, tmp_path,
+                                                                                        monkeypatch):
+    """Push 2 adds b, then c, whose download is slow (a big adapter on a slow link): b reaches the engine
+    while c's download goes on (within FORWARD_EVERY_S of its staging), not once the whole push is staged;
+    c follows once it is in."""
+    monkeypatch.setattr(stager_push, "FORWARD_EVERY_S", 0.05, raising=False)
+    engine = Engine()
+    stager = Stager(dataclasses.replace(config(tmp_path), engine_url=await engine.serve(aiohttp_server)))
+    store = HeldStore(stager, monkeypatch)
+    await asyncio.wait_for(stager.apply(push(1, adapter("a", "v1"))), HANG_S)
+    assert store.started.acquire(blocking=False)  # a's download
+    store.hold = True
+    staging = asyncio.ensure_future(stager.apply(push(2, adapter("a", "v1"), adapter("b", "v1"), adapter("c", "v1"))))
+    try:
+        assert await asyncio.to_thread(store.started.acquire, True, HANG_S)  # b's download
+        store.calls[-1][1].set()
+        assert await asyncio.to_thread(store.started.acquire, True, HANG_S)  # c's, held
+        await until(lambda: any(a["name"] == "b" for p in engine.pushes for a in p["adapters"]))
+        assert [a["name"] for a in engine.pushes[-1]["adapters"]] == ["a", "b"] and not staging.done()
+    finally:
+        release_all(store)
+    await asyncio.wait_for(staging, HANG_S)
+    assert [a["name"] for a in engine.pushes[-1]["adapters"]] == ["a", "b", "c"]
