@@ -67,8 +67,8 @@ from lorafleet.worker.stager_locks import KeyLocks
 from lorafleet.worker.stager_metrics import StagerMetrics, progress_by_uri
 from lorafleet.worker.stager_push import apply_push, version_refs
 from lorafleet.worker.stager_seed import SeedReport, seed
-from lorafleet.worker.stager_store import StoreDown, StoreHealth, is_outage
-from lorafleet.worker.staging_errors import is_refusal
+from lorafleet.worker.stager_store import StoreDown, StoreHealth
+from lorafleet.worker.staging_errors import is_object_fault, is_refusal
 
 log = logging.getLogger("lorafleet.stager")
 _STALL_GRACE_S = 120.0  # beyond download_timeout_s: the store's calls end by then, what follows (verifying) may not
@@ -95,6 +95,7 @@ class Stager:
         self.staged: dict[tuple[str, str], Staged] = {}  # (name, version) -> staged copy
         self.errors: dict[tuple[str, str], str] = {}
         self.pending: set[tuple[str, str]] = set()  # versions of the push in progress not forwarded yet
+        self._excused: float | None = -1.0  # the push (its start) whose one object's fault was not the store's
         self.seed_report: SeedReport | None = None  # while what is served is the seed's (`--stager-adapters`)
         self.engine = EngineLink(config.engine_url, config.admin_token) if config.engine_url else None
         self._pool_size = (0, 0)  # the engine's last reported (pool_bytes, pool_slots): said while it is away
@@ -183,8 +184,8 @@ class Stager:
         return etags
 
     async def _answers(self, uri: str) -> bool:
-        """Whether the store answers a quick listing of `uri` now. A download's failure that looked like an
-        outage (a 5xx, a body cut short or stalled) is then that object's own, and the push's other versions
+        """Whether the store answers a quick listing of `uri` now. A download's failure that may be its
+        object's own (staging_errors.is_object_fault) is then that version's, and the push's other versions
         still call the store: one broken object had failed every version staged after it, push after push."""
         try:
             await self._list(uri, quick=True)
@@ -232,7 +233,12 @@ class Stager:
             except Exception as exc:
                 self.counts["failures"] += 1
                 self.metrics.failures.inc()
-                if not (is_outage(exc) and not self.store.is_down and await self._answers(uri)):
+                # One object's fault per push is excused when the store answers a listing now; a second one,
+                # or a stall, is the store's.
+                excuse = is_object_fault(exc) and not self.store.is_down and push_start != self._excused
+                if excuse and await self._answers(uri):
+                    self._excused = push_start
+                else:
                     self.store.failed(exc, start)  # made before a newer push began: that push still tries it
                 raise
             self.store.answered(start)

@@ -10,8 +10,9 @@ minutes per push, while later pushes queue behind it. So:
   (worker/store_clients.py), so a store that answered the push's first call and then hangs costs the
   push one download's timeout;
 * the first failure to reach the store, or a call it did not answer in time (a connect or read timeout,
-  an object none of whose bytes came by the deadline), marks it down (a download's, such as a 5xx or a body
-  cut short, only if a quick listing of its version fails too: else that object's own failure): for the rest of the push that made
+  an object none of whose bytes came by the deadline), marks it down (the first 5xx or cut body of a push's
+  downloads only if a quick listing of its version fails too: else that object's own failure; not a stall,
+  throttling or a second one): for the rest of the push that made
   that call no version calls it again (`StoreDown`); a call made before a push began (a superseded push's
   download, left running, that times out later) marks the store down but does not spare the newer push
   its own quick call; the state is the one the latest-made call found (a late failure of a call older than

@@ -58,6 +58,16 @@ def is_busy(exc: BaseException) -> bool:
                                                                                      or answer[1] == 429)))
 
 
+def is_object_fault(exc: BaseException) -> bool:
+    """A failure that may be one object's own although it reads as an outage: the store's 5xx answer other
+    than one asking clients to back off (503, throttling), or a body cut short. Never a stall or a timeout,
+    which speak for the whole read path (a store whose listings answer while its data servers are down)."""
+    answer = _s3_answer(exc)
+    if answer is not None:
+        return answer[1] is not None and answer[1] >= 500 and answer[1] != 503 and answer[0] not in _BUSY
+    return type(exc).__name__ in ("ProtocolError", "IncompleteRead")
+
+
 def source_status(kind: str) -> int:
     """The HTTP status a SourceError of `kind` is answered with."""
     return _STATUS.get(kind, 400)

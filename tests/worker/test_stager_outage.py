@@ -414,3 +414,27 @@ async def test_an_object_the_store_keeps_failing_fails_its_version_alone(s3, ada
     assert answered and "InternalError" in report.find("broken", "v1").error
     assert report.find("fine", "v1").error is None and served_digests(stager) == {"fine": adapter_digest(adapters["v2"])}
     assert stager.store.down_since is None
+
+
+@pytest.mark.parametrize("case", ["two broken objects", "throttled reads"])
+async def test_more_than_one_object_s_fault_or_throttling_is_the_store_s(s3, adapters, tmp_path, case):
+    """One object's fault per push is excused while the store answers listings; a second one, or reads the
+    store throttles (503 SlowDown: it asks every client to back off), are the store's: it is down for the rest
+    of the push, and the version after them is not tried (not one download's failure each)."""
+    from tests.store_proxy import answering_proxy, throttling_proxy
+
+    client = s3.client()
+    for name, folder in (("bad1", "v1"), ("bad2", "v2"), ("after", "cold0")):
+        upload_folder(client, "adapters", f"team/{case[:3]}-{name}/", adapters[folder])
+    error = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>InternalError</Code><Message>We encountered '
+             b'an internal error.</Message></Error>')
+    proxy = (answering_proxy(s3.port, f"/adapters/team/{case[:3]}-bad", 1000, b"500 Internal Server Error",
+                             b"application/xml", error) if case == "two broken objects"
+             else throttling_proxy(s3.port, f"/adapters/team/{case[:3]}-bad", 1000))
+    names = [f"{case[:3]}-{n}" for n in ("bad1", "bad2", "after")]
+    async with proxy as (endpoint, answered):
+        stager = stager_for(endpoint, s3, tmp_path / "cache")
+        report = await stager.apply(push(1, names))
+    errors = cold_errors(report, names)
+    assert answered and stager.store.down_since is not None, errors
+    assert "not tried" in errors[2] and "not tried" not in errors[0], errors
