@@ -16,6 +16,7 @@ from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
 from lorafleet.worker.directives import SHA256_RE
+from lorafleet.worker.tenants import UNOWNED
 
 if TYPE_CHECKING:
     from lorafleet.operator.autoscaler import ScalingSpec
@@ -296,6 +297,9 @@ class AdapterSpec:
             if not isinstance(spec.get(key), str) or not spec[key]:
                 raise SpecError(f"spec.{key}: required")
         _name(spec["tenant"], "spec.tenant")
+        if spec["tenant"] == UNOWNED:  # the worker lets the keys file's patterns grant such adapters to anyone
+            raise SpecError(f'spec.tenant: "{UNOWNED}" is reserved (adapters of no tenant in particular); name the '
+                            f'owning tenant')
         _name(spec["version"], "spec.version")
         warm = spec.get("warm", 0)
         if not (warm == "all" or (isinstance(warm, int) and not isinstance(warm, bool) and warm >= 0)):

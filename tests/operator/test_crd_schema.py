@@ -78,6 +78,7 @@ def test_every_cel_rule_compiles_and_is_exercised_here():
     rules = {plural: cel_rules(crd_schema(plural)) for plural in ("loraadapters", "lorapools")}
     assert rules == {
         "loraadapters": [(".spec", "!has(self.canary) || self.canary.version != self.version"),
+                         (".spec.tenant", "self != 'default'"),
                          (".spec.warm", "type(self) == int ? self >= 0 : self == 'all'")],
         "lorapools": [(".spec.workerSelector", "has(self.matchLabels) || has(self.matchExpressions)"),
                       (".spec.workerSelector.matchExpressions[*]",
@@ -87,6 +88,16 @@ def test_every_cel_rule_compiles_and_is_exercised_here():
                       (".spec.scaling",
                        "(has(self.kvLow) ? self.kvLow : 0.3) < (has(self.kvHigh) ? self.kvHigh : 0.85)")],
     }
+
+
+@pytest.mark.parametrize(("tenant", "ok"), [("acme", True), ("team.b-2", True), ("default", False), ("Default", True),
+                                            ("", False), ("-x", False)])
+def test_crd_and_parser_agree_on_the_tenant(tenant, ok):
+    """"default" is reserved: the worker takes it for no tenant in particular, whose adapters the keys file's
+    patterns grant to anyone (a LoRAAdapter naming it would be handed to every tenant whose pattern matches)."""
+    doc = next(d for d in example_docs() if d["kind"] == "LoRAAdapter")
+    doc["spec"]["tenant"] = tenant
+    assert accepts(lambda: validate(doc, "loraadapters")) == ok == accepts(lambda: AdapterSpec.parse(doc))
 
 
 @pytest.mark.parametrize(("warm", "ok"), [(0, True), (3, True), ("all", True), ("some", False), (-1, False)])
