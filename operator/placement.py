@@ -20,7 +20,8 @@ def spec_bytes(a: AdapterSpec, workers: list[WorkerIndex]) -> int:
     prefetches the canary beside the stable version, and pins both when pinned); a canary no worker has
     reported yet is taken to be the stable version's size. 0 while no size is known."""
 
-    stable = max([a.known_bytes, *(s.bytes for x in workers for s in x.by_name.get(a.name, ()) if s.version == a.version)])
+    stable = max([a.known_bytes, *(s.bytes for x in workers for s in x.by_name.get(a.name, ())
+                                   if s.version == a.version and not s.staging)])  # staging: a download's size
     return stable + canary_bytes(a, workers, default=stable)
 
 
@@ -29,7 +30,8 @@ def canary_bytes(a: AdapterSpec, workers: list[WorkerIndex], *, default: int = 0
     kept after the workers dropped it); ``default`` while no size is known; 0 without a canary."""
     if a.canary is None:
         return 0
-    sizes = [s.bytes for x in workers for s in x.by_name.get(a.name, ()) if s.version == a.canary.version]
+    sizes = [s.bytes for x in workers for s in x.by_name.get(a.name, ()) if s.version == a.canary.version
+             and not s.staging]
     return max([a.known_canary_bytes, *sizes]) or default
 
 

@@ -20,6 +20,8 @@ from lorafleet.operator.crd_models import AdapterSpec, InvalidAdapter, PoolSpec
 from lorafleet.operator.placement import UNKNOWN_BYTES, adapter_bytes, copy_slots
 from lorafleet.operator.reports import WorkerIndex, WorkerReport
 
+MAX_LISTED = 3  # pods a status message names for one thing (downloads in progress), then "and N more"
+
 
 def condition(old: dict[str, Any], ctype: str, ok: bool | None, reason: str, message: str, now: str) -> dict[str, Any]:
     """One condition of ``old`` (a status) brought up to date (``ok`` None: Unknown); the transition time moves
@@ -149,8 +151,9 @@ def adapter_status(a: AdapterSpec, live: list[WorkerIndex], warm_pods: list[str]
             msg += "; the traffic split is not applied yet on " + ", ".join(
                 f"{pod} ({_split_text(split)})" for pod, split in sorted(pending.items()))
             msg += f", the spec asks {_split_text(wanted_split)}"
-        if downloading:
-            msg += "; downloading on " + ", ".join(downloading)
+        if downloading:  # a few pods' (of a large pool's many)
+            more = f" and {len(downloading) - MAX_LISTED} more" if len(downloading) > MAX_LISTED else ""
+            msg += "; downloading on " + ", ".join(sorted(downloading)[:MAX_LISTED]) + more
         worker_errors = [f"{w.pod}: {w.w.reported.error}" for w in live if w.w.reported.error]
         if worker_errors:  # e.g. the sidecar cannot reach its engine: say why it is not loading
             msg += "; " + "; ".join(worker_errors)

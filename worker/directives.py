@@ -260,7 +260,7 @@ class AdapterState:
             _int(self.num_pinned_slots, "num_pinned_slots", lo=1)
 
     def to_dict(self) -> dict[str, Any]:
-        return {f: getattr(self, f) for f in _STATE_FIELDS}
+        return {f: getattr(self, f) for f in _STATE_FIELDS if f != "bytes_done" or self.bytes_done is not None}
 
     @property
     def is_loaded(self) -> bool:

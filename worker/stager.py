@@ -65,7 +65,7 @@ from lorafleet.worker.stager_holds import CacheHolds
 from lorafleet.worker.stager_local import LocalReads, forget_flight
 from lorafleet.worker.stager_locks import KeyLocks
 from lorafleet.worker.stager_metrics import StagerMetrics, progress_by_uri
-from lorafleet.worker.stager_push import apply_push, version_refs
+from lorafleet.worker.stager_push import apply_push
 from lorafleet.worker.stager_seed import SeedReport, seed
 from lorafleet.worker.stager_store import StoreDown, StoreHealth
 from lorafleet.worker.staging_errors import is_object_fault, is_refusal
@@ -94,7 +94,7 @@ class Stager:
         self.forwarded: dict[str, AdapterDirective] = {}  # name -> directive with local paths
         self.staged: dict[tuple[str, str], Staged] = {}  # (name, version) -> staged copy
         self.errors: dict[tuple[str, str], str] = {}
-        self.pending: set[tuple[str, str]] = set()  # versions of the push in progress not forwarded yet
+        self.pending: dict[tuple[str, str], str] = {}  # versions of the push in progress not forwarded yet -> URI
         self._excused: float | None = -1.0  # the push (its start) whose one object's fault was not the store's
         self.seed_report: SeedReport | None = None  # while what is served is the seed's (`--stager-adapters`)
         self.engine = EngineLink(config.engine_url, config.admin_token) if config.engine_url else None
@@ -338,13 +338,13 @@ class Stager:
         for key in staged:
             if found[key].tier == "none":
                 found[key].tier = "disk"
-        uris = {(name, ref.version): ref.uri for name, ref in version_refs(self.desired)} if self.pending else {}
-        progress = progress_by_uri(self.downloading) if self.pending else {}
-        for key in sorted(self.pending):  # the push's versions still being staged, and how far their downloads are
+        progress: dict[str, tuple[int, int]] = {}  # URI -> (done, total) of its furthest download (two cache keys)
+        for uri, done, total in list(self.downloading.values()) if self.pending else ():  # download threads change it
+            progress[uri] = max(progress.get(uri, (0, 0)), (done, total))
+        for key, uri in sorted(self.pending.items()):  # the push's versions still being staged, and how far
             if key not in found:
-                p = progress.get(uris.get(key, ""))
-                found[key] = AdapterState(*key, tier="none", staging=True, bytes=p["total"] if p else 0,
-                                          bytes_done=p["done"] if p else None)
+                done, total = progress.get(uri, (None, 0))
+                found[key] = AdapterState(*key, tier="none", staging=True, bytes=total, bytes_done=done)
                 report.adapters.append(found[key])
         for key, message in self.errors.items():
             if key not in found:

@@ -56,7 +56,7 @@ class Push:
 
     desired: DesiredState
     errors: dict[Key, str]  # its versions' staging failures (the previous push's until tried again)
-    pending: set[Key]  # versions not forwarded as the push says yet: still to be staged, or staged since
+    pending: dict[Key, str]  # versions not forwarded as the push says yet (-> their URI): to be staged, or staged since
     staged: dict[Key, Staged] = field(default_factory=dict)  # what its staging staged
     forwarded: bool = False  # the engine was sent this push already (its first step)
     at_once: bool = False  # its first step reached the engine (else a respond-async push is answered once staged)
@@ -138,10 +138,10 @@ async def _begin(stager: Stager, desired: DesiredState, seed: SeedReport | None)
             await _adopt(stager)
         now = {(name, ref.version): s for name, ref in version_refs(desired)
                if (s := ready_now(stager, name, ref)) is not None}
-        keys = {(name, ref.version) for name, ref in version_refs(desired)}
+        uris = {(name, ref.version): ref.uri for name, ref in version_refs(desired)}
         errors = dict(seed.adapter_errors) if seed else {}
-        errors |= {key: message for key, message in stager.errors.items() if key in keys}  # until tried again
-        push = Push(desired, errors, keys - set(now))
+        errors |= {key: message for key, message in stager.errors.items() if key in uris}  # until tried again
+        push = Push(desired, errors, {key: uri for key, uri in uris.items() if key not in now})
         forwarded, staged = forwardable(desired, now, stager.forwarded, stager.staged)
         stager.holds.hold_replaced(stager.staged, staged)
         stager.forwarded, stager.errors, stager.staged, stager.pending = forwarded, errors, staged, push.pending
@@ -266,7 +266,7 @@ def _note_staged(push: Push, name: str, ref: VersionRef, staging: asyncio.Future
         push.staged[key] = staging.result()
     except Exception as exc:
         push.errors[key] = staging_error(exc, ref.uri).message
-        push.pending.discard(key)
+        push.pending.pop(key, None)
         log.warning("staging %s@%s failed: %s", name, ref.version, push.errors[key])
     else:
         push.errors.pop(key, None)

@@ -95,8 +95,11 @@ def test_messages_write_every_field_as_the_dataclass_holds_it():
     assert "eviction" not in DesiredState(1, [_directive()]).to_dict()  # the worker's own: left out
     report = ReportedState(generation_applied=3, pool_bytes=1 << 20, pool_slots=4, error="stale",
                            adapters=[AdapterState("sql", "v2", "gpu", refcount=1, hits=9, bytes=4096, pinned=True,
-                                                  error="x", traffic_percent=20, staging=True, num_pinned_slots=2)])
+                                                  error="x", traffic_percent=20, staging=True, num_pinned_slots=2,
+                                                  bytes_done=1024)])
     assert report.to_dict() == dataclasses.asdict(report)
+    # bytes_done only while a download is in progress: a pool's 100,000s of other versions carry no null
+    assert "bytes_done" not in AdapterState("sql", "v2", "gpu").to_dict()
 
 
 def test_desired_state_refuses_non_json():

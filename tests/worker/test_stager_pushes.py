@@ -182,7 +182,7 @@ async def test_an_older_push_whose_download_ends_later_does_not_overwrite_a_newe
             release.set()
     await asyncio.wait_for(asyncio.gather(older, newer), HANG_S)
     assert [p["adapters"][0]["stable"]["version"] for p in engine.pushes] == ["v1", "v1"]
-    assert stager.forwarded["a"].stable.version == "v1" and stager.generation == 3 and stager.pending == set()
+    assert stager.forwarded["a"].stable.version == "v1" and stager.generation == 3 and stager.pending == {}
     assert (await stager.state()).generation_applied == 3
 
 
