@@ -33,17 +33,23 @@ class HeldStore(FakeStore):
         return fake_adapter(dest)
 
 
+async def a_v1_served_then_held(aiohttp_server, tmp_path, monkeypatch) -> tuple[Engine, Stager, HeldStore]:
+    """A stager and its engine stand-in, push 1 (a at v1) applied; the store holds the downloads after it."""
+    engine = Engine()
+    stager = Stager(dataclasses.replace(config(tmp_path), engine_url=await engine.serve(aiohttp_server)))
+    store = HeldStore(stager, monkeypatch)
+    await asyncio.wait_for(stager.apply(push(1, adapter("a", "v1"))), HANG_S)
+    assert store.started.acquire(blocking=False)  # a's download at v1
+    store.hold = True
+    return engine, stager, store
+
+
 async def test_a_superseded_push_stops_waiting_for_a_download_the_newer_one_does_not_want(aiohttp_server, tmp_path,
                                                                                          monkeypatch):
     """Push 2 downloads a's v2 (a big version on a slow link); push 3 rolls a back to v1 and adds b: b's download
     starts, and push 3 reaches the engine, while v2's is still going on; push 2 ends at once. v2's download
     completes all the same, into the cache."""
-    engine = Engine()
-    stager = Stager(dataclasses.replace(config(tmp_path), engine_url=await engine.serve(aiohttp_server)))
-    store = HeldStore(stager, monkeypatch)
-    await asyncio.wait_for(stager.apply(push(1, adapter("a", "v1"))), HANG_S)
-    assert store.started.acquire(blocking=False)  # v1's download
-    store.hold = True
+    engine, stager, store = await a_v1_served_then_held(aiohttp_server, tmp_path, monkeypatch)
     older = asyncio.ensure_future(stager.apply(push(2, adapter("a", "v2"))))
     try:
         assert await asyncio.to_thread(store.started.acquire, True, HANG_S)  # v2's download, held
@@ -103,12 +109,7 @@ async def test_a_version_staged_early_reaches_the_engine_while_a_later_download_
     while c's download goes on (within FORWARD_EVERY_S of its staging), not once the whole push is staged;
     c follows once it is in."""
     monkeypatch.setattr(stager_push, "FORWARD_EVERY_S", 0.05, raising=False)
-    engine = Engine()
-    stager = Stager(dataclasses.replace(config(tmp_path), engine_url=await engine.serve(aiohttp_server)))
-    store = HeldStore(stager, monkeypatch)
-    await asyncio.wait_for(stager.apply(push(1, adapter("a", "v1"))), HANG_S)
-    assert store.started.acquire(blocking=False)  # a's download
-    store.hold = True
+    engine, stager, store = await a_v1_served_then_held(aiohttp_server, tmp_path, monkeypatch)
     staging = asyncio.ensure_future(stager.apply(push(2, adapter("a", "v1"), adapter("b", "v1"), adapter("c", "v1"))))
     try:
         assert await asyncio.to_thread(store.started.acquire, True, HANG_S)  # b's download
