@@ -95,7 +95,8 @@ class Stager:
         self.staged: dict[tuple[str, str], Staged] = {}  # (name, version) -> staged copy
         self.errors: dict[tuple[str, str], str] = {}
         self.pending: dict[tuple[str, str], str] = {}  # versions of the push in progress not forwarded yet -> URI
-        self._excused: float | None = -1.0  # the push (its start) whose one object's fault was not the store's
+        # The push (its start; None: stages outside a push) whose one object fault was excused (_stage_key)
+        self._excused: float | None = -1.0
         self.seed_report: SeedReport | None = None  # while what is served is the seed's (`--stager-adapters`)
         self.engine = EngineLink(config.engine_url, config.admin_token) if config.engine_url else None
         self._pool_size = (0, 0)  # the engine's last reported (pool_bytes, pool_slots): said while it is away
