@@ -5,8 +5,10 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-sys.path.insert(0, str(Path(__file__).resolve().parent / "kernels"))
+# Appended, not put first: bench/kernels.py must never stand in for the installed `kernels` package
+# (Hugging Face's, which transformers imports) in this process.
+sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))
+sys.path.append(str(Path(__file__).resolve().parent / "kernels"))
 
 from kernel_floor import kernel_bytes  # noqa: E402
 from kernel_setup import adapter_bytes  # noqa: E402

@@ -15,7 +15,7 @@ def test_import_root_maps_folders():
     import lorafleet.worker
 
     assert Path(lorafleet.worker.__path__[0]).resolve() == ROOT / "worker"
-    assert Path(lorafleet.kernels.__path__[0]).resolve() == ROOT / "kernels"
+    assert Path(next(iter(lorafleet.kernels.__path__))).resolve() == ROOT / "kernels"
     assert Path(next(iter(lorafleet.operator.__path__))).resolve() == ROOT / "operator"
 
 
@@ -25,6 +25,17 @@ def test_import_operator_is_stdlib(cwd):
     code = "import operator, sys; assert operator.itemgetter(1)([0, 7]) == 7; print(operator.__file__)"
     out = subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, check=True)
     assert "lorafleet" not in out.stdout and Path(out.stdout.strip()).parent != ROOT / "operator"
+
+
+@pytest.mark.parametrize("cwd", [ROOT, ROOT / "tests", Path("/")])
+def test_the_kernels_folder_never_stands_in_for_an_installed_kernels_package(cwd):
+    """transformers imports Hugging Face's `kernels` package when it is installed; the repository root on
+    sys.path must not hand it the kernels/ folder instead (nor anything, when no such package is there)."""
+    code = ("import importlib.util, sys; sys.path.insert(0, sys.argv[1]); spec = importlib.util.find_spec('kernels');"
+            "print(spec.origin if spec and spec.origin else '')")
+    out = subprocess.run([sys.executable, "-c", code, str(ROOT)], cwd=cwd, capture_output=True, text=True, check=True)
+    origin = out.stdout.strip()
+    assert not origin or not Path(origin).resolve().is_relative_to(ROOT / "kernels"), origin
 
 
 def test_import_operator_is_stdlib_in_tests():

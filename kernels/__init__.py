@@ -1,1 +1,0 @@
-"""Kernels: segmented-gather LoRA and paged attention, each with a torch reference."""
