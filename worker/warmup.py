@@ -112,7 +112,8 @@ def start_list_path(config: EngineConfig, model_config: ModelConfig, max_model_l
         triton_env = {}
     code = hashlib.sha256()
     for package in ("lorafleet.kernels", "lorafleet.worker"):
-        for path in sorted(Path(importlib.import_module(package).__file__).parent.glob("*.py")):
+        folder = next(iter(importlib.import_module(package).__path__))  # kernels/ is a namespace portion
+        for path in sorted(Path(folder).glob("*.py")):
             code.update(path.name.encode() + b"\0" + path.read_bytes())
     engine = {k: v for k, v in dataclasses.asdict(config).items() if k not in _NOT_KERNELS}
     facts = {"code": code.hexdigest(), "torch": torch.__version__, "triton": triton.__version__, "triton_env": triton_env,
