@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
+from lorafleet.operator.tenant_sources import parse_tenant_sources
 from lorafleet.worker.directives import SHA256_RE
 from lorafleet.worker.tenants import UNOWNED
 
@@ -194,6 +195,7 @@ class PoolSpec:
     max_adapters_per_tenant: int | None = None
     max_bytes_per_tenant: int | None = None
     scaling: ScalingSpec | None = None  # spec.scaling: the autoscaler's policy
+    tenant_sources: tuple[str, ...] = ()  # spec.tenantSources: each tenant's folders (operator/tenant_sources.py)
     generation: int = 0
     status: dict[str, Any] = field(default_factory=dict)
 
@@ -227,6 +229,7 @@ class PoolSpec:
                 max_adapters, "spec.tenantQuota.maxAdapters", lo=0),
             max_bytes_per_tenant=None if max_bytes is None else parse_quantity(max_bytes, "spec.tenantQuota.maxBytes"),
             scaling=None if spec.get("scaling") is None else ScalingSpec.parse(spec["scaling"]),
+            tenant_sources=parse_tenant_sources(spec.get("tenantSources")),
             generation=int(meta.get("generation", 0)),
             status=dict(body.get("status") or {}),
         )

@@ -53,6 +53,7 @@ from lorafleet.operator.crd_models import AdapterSpec, InvalidAdapter, PoolSpec
 from lorafleet.operator.placement import canary_bytes, place_warm, spec_bytes, warm_count
 from lorafleet.operator.reports import WorkerIndex, WorkerReport
 from lorafleet.operator.statuses import adapter_status, pool_status, unserved_status
+from lorafleet.operator.tenant_sources import source_problem
 from lorafleet.worker.directives import AdapterDirective, DesiredState, DirectiveError, VersionRef
 
 
@@ -255,7 +256,7 @@ def check_adapter(pool: PoolSpec | None, a: AdapterSpec, *, pool_error: str | No
     if a.canary is not None and a.canary.version == a.version:
         return (f"spec.canary.version: equals spec.version {a.version!r}; to promote, set "
                 f"spec.version/source to the canary's and remove spec.canary")
-    return None
+    return source_problem(pool, a)
 
 
 def over_quota(pool: PoolSpec | None, adapters: list[AdapterSpec], workers: Sequence[WorkerIndex] = ()

@@ -31,7 +31,8 @@ VALUE_SETS = {
     "replicated-clusterwide": {
         "operator": {"replicas": 2, "watchNamespace": "*"},
         "metrics": {"serviceMonitor": {"enabled": True}},
-        "pool": {"scaling": {"prometheusURL": "http://prometheus.monitoring:9090", "maxReplicas": 4}},
+        "pool": {"scaling": {"prometheusURL": "http://prometheus.monitoring:9090", "maxReplicas": 4},
+                 "tenantSources": ["s3://adapters/{namespace}/{tenant}/"]},
         "secrets": {"apiKeys": {"tenants": {"acme": {"keys": ["sk-acme-1"], "adapters": ["sql"]}}}},
         "objectStore": {"endpoint": "minio.storage:9000", "accessKey": "a", "secretKey": "b", "secure": False},
         "worker": {"adapterCache": {"hostPath": "/var/lib/lorafleet/adapters"}, "model": "/models/llama",
@@ -103,7 +104,7 @@ def test_rendered_objects_validate(name):
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
     for pool in (d for d in docs if d["kind"] == "LoRAPool"):
         validate(pool, "lorapools")
-        PoolSpec.parse(pool)
+        assert list(PoolSpec.parse(pool).tenant_sources) == VALUE_SETS[name].get("pool", {}).get("tenantSources", [])
 
 
 def test_crds_validate_and_ship_in_the_chart():

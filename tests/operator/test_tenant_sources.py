@@ -1,0 +1,95 @@
+"""A pool's spec.tenantSources: an adapter's files come only from its own tenant's folders, so the author
+of a LoRAAdapter cannot serve another tenant's adapter files under their own tenant."""
+
+from __future__ import annotations
+
+import pytest
+
+from lorafleet.operator.crd_models import PoolSpec, SpecError, parse_adapter
+from lorafleet.operator.reconcile import reconcile_pool
+
+from .crd_validation import validate
+from .test_crd_schema import accepts, example_docs
+from .test_reconcile import NOW, converge, pool, workers
+from .test_reconcile_failures import body, served
+
+TENANTS = ["s3://adapters/tenants/{tenant}/", "/data/{namespace}/{tenant}/"]
+
+
+@pytest.mark.parametrize(("uri", "ok"), [
+    ("s3://adapters/tenants/acme/a/v1/", True),
+    ("s3://adapters/tenants/acme/", True),
+    ("s3://adapters/tenants//acme/a/", True),  # the stager fetches tenants/acme/a/ for it
+    ("/data/ns/acme/a/", True),
+    ("file:///data/ns/acme/a/", True),
+    ("/data/ns/./acme/a/", True),
+    ("s3://adapters/tenants/globex/a/v1/", False),  # another tenant's folder
+    ("s3://adapters/tenants/acmex/a/", False),  # a longer name is not under the prefix
+    ("s3://adapters/tenants/acme", True),  # taken as the folder, as the stager takes it (not acme2's files)
+    ("s3://other/tenants/acme/a/", False),
+    ("s3://adapters/tenants/acme/../globex/a/", False),
+    ("/data/ns/acme/../../other/acme/a/", False),
+    ("/data/other/acme/a/", False),  # the same tenant in another namespace's folder
+    ("/data/ns/globex/a/", False),
+])
+def test_an_adapter_is_served_only_from_its_tenants_folders(uri, ok):
+    ws = workers(2)
+    plan = converge(pool(tenantSources=TENANTS), [parse_adapter(body(source={"uri": uri}))], ws)
+    st = plan.adapter_statuses["a"]
+    if ok:
+        assert st["phase"] == "Ready" and set(served(plan, "a")) == {"w0", "w1"}, st["message"]
+    else:
+        assert served(plan, "a") == {} and st["phase"] == "Failed"
+        assert st["message"].startswith("spec.source.uri:") and "acme" in st["message"], st["message"]
+
+
+def test_a_canary_from_another_tenants_folder_is_refused_and_the_stable_version_keeps_serving():
+    ws, p = workers(2), pool(tenantSources=TENANTS)
+    plan = converge(p, [parse_adapter(body(source={"uri": "s3://adapters/tenants/acme/a/v1/"}))], ws)
+    st = plan.adapter_statuses["a"]
+    assert st["phase"] == "Ready"
+    canary = {"version": "v2", "source": {"uri": "s3://adapters/tenants/globex/secret/"}, "weight": 50}
+    edited = body(source={"uri": "s3://adapters/tenants/acme/a/v1/"}, canary=canary, status=st)
+    plan = reconcile_pool(p, [parse_adapter(edited)], ws, now=NOW)
+    st = plan.adapter_statuses["a"]
+    assert served(plan, "a") == {"w0": ("v1", None, True), "w1": ("v1", None, True)}
+    assert st["phase"] == "Failed" and st["message"].startswith("spec.canary.source.uri:"), st["message"]
+    assert "globex" in st["message"] and "s3://adapters/tenants/acme/" in st["message"]
+
+
+def test_setting_tenant_sources_unloads_an_adapter_already_served_from_elsewhere():
+    ws = workers(2)
+    theirs = body(tenant="mallory", source={"uri": "s3://adapters/tenants/acme/a/v1/"})
+    plan = converge(pool(), [parse_adapter(theirs)], ws)  # no tenantSources: any allowed location
+    st = plan.adapter_statuses["a"]
+    assert st["phase"] == "Ready"
+    plan = reconcile_pool(pool(tenantSources=TENANTS), [parse_adapter(body(**theirs["spec"], status=st))], ws, now=NOW)
+    st = plan.adapter_statuses["a"]
+    assert served(plan, "a") == {} and set(plan.pushes) == {"w0", "w1"}  # told to drop it, not kept as last valid
+    assert st["phase"] == "Failed" and "tenant 'mallory'" in st["message"]
+
+
+@pytest.mark.parametrize(("prefixes", "ok"), [
+    (["s3://adapters/tenants/{tenant}/"], True),
+    (["s3://{namespace}-adapters/{tenant}/", "file:///srv/{tenant}/", "/"], True),
+    ([], True),
+    (["s3://adapters/tenants/{tenant}"], False),  # not a folder
+    (["s3://adapters/{user}/"], False),
+    (["s3://adapters/{tenant/"], False),
+    (["http://adapters/{tenant}/"], False),
+    (["data/{tenant}/"], False),  # relative
+    (["s3://adapters/a\tb/"], False),
+    ("s3://adapters/{tenant}/", False),  # one string, not a list
+])
+def test_crd_and_parser_agree_on_tenant_sources(prefixes, ok):
+    doc = next(d for d in example_docs() if d["kind"] == "LoRAPool")
+    doc["spec"]["tenantSources"] = prefixes
+    assert accepts(lambda: validate(doc, "lorapools")) == ok == accepts(lambda: PoolSpec.parse(doc))
+
+
+@pytest.mark.parametrize("prefix", ["s3://adapters/../{tenant}/", "/data/{tenant}/../", "file:///srv/../{tenant}/"])
+def test_the_operator_refuses_parent_segments_the_crd_lets_through(prefix):
+    doc = next(d for d in example_docs() if d["kind"] == "LoRAPool")
+    doc["spec"]["tenantSources"] = [prefix]
+    with pytest.raises(SpecError, match=r"spec.tenantSources\[0\]: .*'\.\.'"):
+        PoolSpec.parse(doc)
