@@ -9,6 +9,7 @@ engine exists, against our Engine's greedy tokens.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import socket
 from pathlib import Path
 
@@ -293,10 +294,12 @@ def hf_greedy(tok, model, prompt: str, n: int) -> list[int]:
     """n greedy tokens from transformers, eos included (no early stop), with its KV cache."""
     ids = tok(prompt, return_tensors="pt").input_ids
     out, past = [], None
+    # transformers 5 names the KV cache `cache` (`past_key_values` before; it warns that the old name goes).
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     with torch.no_grad():
         for _ in range(n):
-            res = model(ids, past_key_values=past, use_cache=True)
-            past = res.past_key_values
+            res = model(ids, **{name: past}, use_cache=True)
+            past = getattr(res, name)
             ids = res.logits[:, -1].argmax(-1, keepdim=True)
             out.append(int(ids))
     return out
