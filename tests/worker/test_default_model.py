@@ -295,7 +295,8 @@ def hf_greedy(tok, model, prompt: str, n: int) -> list[int]:
     ids = tok(prompt, return_tensors="pt").input_ids
     out, past = [], None
     # transformers 5 names the KV cache `cache` (`past_key_values` before; it warns that the old name goes).
-    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a PeftModel passes it on
+    name = "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
     with torch.no_grad():
         for _ in range(n):
             res = model(ids, **{name: past}, use_cache=True)
