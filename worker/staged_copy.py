@@ -15,6 +15,12 @@ from lorafleet.worker.sources import SourceError, adapter_digest
 log = logging.getLogger("lorafleet.stager")
 DIGEST_FILE = ".sha256"  # beside the adapter files in a cache entry: the digest they had when staged
 SOURCE_FILE = ".source"  # ...and the URI they were staged from (a restarted stager's store-outage fallback)
+# ...and every URI whose own objects were downloaded and hashed to that digest. A copy keyed by its digest is
+# handed out for a URI only once that URI's objects proved to hold it: a digest is no capability, and a
+# tenant bound to its own folders (operator/tenant_sources.py) naming another tenant's digest under a URI of
+# its own gets what its folder holds, not the other's cached copy.
+ORIGINS_FILE = ".origins"
+_MAX_ORIGINS_BYTES = 64 << 10  # past it the list restarts (the URIs left out are checked again, once)
 
 
 @dataclass(slots=True)
@@ -54,6 +60,30 @@ def record_source(path: Path, uri: str) -> None:
         log.warning("cannot note %s's source in %s: %s", uri, path, exc)
 
 
+def note_origin(path: Path, uri: str) -> None:
+    """Note in the cache entry at `path` that `uri`'s own objects hashed to its digest."""
+    if has_origin(path, uri):
+        return
+    try:
+        full = (path / ORIGINS_FILE).exists() and (path / ORIGINS_FILE).stat().st_size > _MAX_ORIGINS_BYTES
+        with open(path / ORIGINS_FILE, "w" if full else "a") as f:
+            f.write(uri + "\n")
+    except OSError as exc:  # a read-only or full disk: the URI's next stage downloads it again to check it
+        log.warning("cannot note %s as a source of %s: %s", uri, path, exc)
+
+
+def has_origin(path: Path, uri: str) -> bool:
+    """Whether `uri`'s own objects were downloaded and hashed to the digest of the cache entry at `path`."""
+    origins = path / ORIGINS_FILE
+    try:
+        st = origins.lstat()
+        if not stat.S_ISREG(st.st_mode) or st.st_size > 2 * _MAX_ORIGINS_BYTES:
+            return False  # not what note_origin writes
+        return uri in origins.read_text().splitlines()
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
 def last_copies(cache: DiskCache) -> dict[str, str]:
     """URI -> cache key of its most recently staged copy, from the entries an earlier run left (each records
     its URI, SOURCE_FILE): a stager restarted while the store is down still serves what it had staged, its
@@ -68,6 +98,8 @@ def last_copies(cache: DiskCache) -> dict[str, str]:
             uri, when = source.read_text().strip(), st.st_mtime
         except (OSError, UnicodeDecodeError):
             continue  # an entry of an older version, or unreadable: no fallback from it
+        if len(key) == 64 and not has_origin(cache.root / key, uri):
+            continue  # a copy keyed by its digest that this URI's objects never proved to hold
         if uri and (uri not in found or when > found[uri][0]):
             found[uri] = (when, key)
     return {uri: key for uri, (_, key) in found.items()}

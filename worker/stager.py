@@ -19,11 +19,11 @@ needs `Authorization: Bearer <stager token>` (the routes: stager_http.py):
   never takes away what is served (nor after a restart: each cache entry records the URI it was staged
   from, so a version without a sha256 falls back to its last copy as before the restart). A store that
   does not answer costs a push one quick check, and one that stops answering during the push one
-  download's timeout, not every version's timeouts
-  (worker/stager_store.py): the rest of the push serves cached copies. The
-  disk cache keeps, whatever its budget, the copies the engine may read (worker/stager_holds.py):
-  those it is served, those the push in progress stages, and those of versions a push replaced while
-  the engine still reports them (a fallback); the others go first.
+  download's timeout, not every version's timeouts (worker/stager_store.py): the rest of the push serves
+  cached copies. A copy keyed by its sha256 goes to a URI only once that URI's own objects hashed to it
+  (staged_copy.ORIGINS_FILE). The disk cache keeps, whatever its budget, the copies the engine may read
+  (worker/stager_holds.py): those it is served, those the push in progress stages, and those of versions a
+  push replaced while the engine still reports them (a fallback); the others go first.
 * `GET /v1/state`: the engine's `ReportedState`, plus tier `disk` for staged versions the engine has
   not loaded, staging errors, a `disk` section (cache bytes, downloads, hits, progress) and, while
   `--stager-adapters` is what is served, a `seed` section (folders not served and why, its push's generation).
@@ -48,13 +48,9 @@ from typing import Any
 
 from aiohttp import web
 
+from lorafleet.worker import staged_copy
 from lorafleet.worker.cli import config_from_args
-from lorafleet.worker.directives import (
-    AdapterDirective,
-    AdapterState,
-    DesiredState,
-    ReportedState,
-)
+from lorafleet.worker.directives import AdapterDirective, AdapterState, DesiredState, ReportedState
 from lorafleet.worker.disk_cache import DiskCache, cache_write, dir_bytes
 from lorafleet.worker.listen import close_all, listen_sockets
 from lorafleet.worker.sources import Etags, SourceError, Sources, check_digest, verify_digest
@@ -129,9 +125,9 @@ class Stager:
         etags = None  # what the key names: the download must fetch exactly these objects
         if sha256 is not None:
             key = sha256
-            if self.cache.get(key) is None and self._same_bytes(uri, sha256):
+            if self._copy_for(key, uri) is None and self._same_bytes(uri, sha256):
                 key = self._by_uri[uri]  # staged before under its listing's key (the seed's): no second download
-            elif self.cache.get(key) is None:  # to be downloaded: a store seen down is checked quickly first
+            elif self._copy_for(key, uri) is None:  # to be downloaded: a store seen down is checked quickly first
                 self.store.skip(push_start)
                 if self.store.is_quick(push_start):
                     await self._list(uri, True)
@@ -194,6 +190,11 @@ class Stager:
             return False
         return True
 
+    def _copy_for(self, key: str, uri: str) -> Path | None:
+        """Entry `key` if it may go to `uri`: keyed by a digest, once `uri`'s objects hashed to it (ORIGINS_FILE)."""
+        path = self.cache.get(key)
+        return path if path is not None and (len(key) != 64 or staged_copy.has_origin(path, uri)) else None
+
     def _same_bytes(self, uri: str, sha256: str) -> bool:
         """`uri`'s last staged copy holds exactly the files of digest `sha256` (and is still cached)."""
         key = self._by_uri.get(uri)
@@ -214,7 +215,7 @@ class Stager:
     async def _stage_key(self, uri: str, sha256: str | None, key: str, etags: Etags | None = None,
                          push_start: float | None = None) -> Staged:
         async with self._locks.hold(key):  # one cache key, other URIs: the second finds the first's copy
-            path = self.cache.get(key)
+            path = self._copy_for(key, uri)  # another URI's copy of these bytes: this URI's are downloaded first
             if path is not None and key in self.cache.unverified:
                 path = await asyncio.to_thread(verify_staged_copy, self.cache, key)
             if path is not None:
@@ -245,6 +246,7 @@ class Stager:
             self.store.answered(start)
             self.download_seconds.append(time.perf_counter() - t0)
             self.metrics.seconds.observe(self.download_seconds[-1])
+            staged_copy.note_origin(path, uri)  # also when an entry of the same bytes was there: the new copy was dropped
             self.counts["downloads"] += 1
             nbytes = dir_bytes(path)
             self.counts["download_bytes"] += nbytes

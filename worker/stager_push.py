@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 from lorafleet.worker.directives import AdapterDirective, DesiredState, ReportedState, VersionRef
 from lorafleet.worker.openai_protocol import APIError
-from lorafleet.worker.staged_copy import Staged
+from lorafleet.worker.staged_copy import Staged, has_origin
 from lorafleet.worker.staging_errors import staging_error
 
 if TYPE_CHECKING:
@@ -196,7 +196,9 @@ def ready_now(stager: Stager, name: str, ref: VersionRef) -> Staged | None:
     # is among the served ones.
     stager.holds.lease(ref.sha256)
     path = stager.cache.get(ref.sha256)
-    return Staged(path, ref.sha256, cached=True) if path is not None else None
+    if path is None or not has_origin(path, ref.uri):  # another URI's copy: staged (downloaded and hashed) first
+        return None
+    return Staged(path, ref.sha256, cached=True)
 
 
 async def _stage(stager: Stager, push: Push) -> None:

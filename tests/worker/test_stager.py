@@ -118,6 +118,28 @@ def test_concurrent_requests_share_one_download(stager, peft_dirs):
     assert client.state()["disk"]["downloads"] == before + 1
 
 
+def test_a_known_digest_hands_out_no_copy_for_another_uri(stager, s3, peft_dirs):
+    """A copy keyed by its digest goes to a URI only once that URI's own objects hashed to it: a tenant bound to
+    its own folders that names another tenant's digest under a URI of its own gets what that URI holds (here a
+    refusal), never the other's cached copy; the same bytes uploaded elsewhere are downloaded once to be
+    checked, then served from the one copy."""
+    client = stager.client()
+    sha = adapter_digest(peft_dirs["gamma"])
+    theirs = Path(client._call("POST", "/v1/stage", {"uri": uri("gamma"), "sha256": sha})["path"])
+    upload(s3.client(), "adapters", "team/thief/", peft_dirs["delta"])  # some other adapter of its own
+    for where, status, code in ((uri("thief"), 422, "digest_mismatch"), (uri("nothing-here"), 404, "missing")):
+        with pytest.raises(StagerError) as err:
+            client.stage(where, sha)
+        assert (err.value.status, err.value.code) == (status, code), str(err.value)
+    assert adapter_digest(theirs) == sha
+    upload(s3.client(), "adapters", "team/gamma-copy/", peft_dirs["gamma"])
+    before = client.state()["disk"]["downloads"]
+    copy = client._call("POST", "/v1/stage", {"uri": uri("gamma-copy"), "sha256": sha})
+    again = client._call("POST", "/v1/stage", {"uri": uri("gamma-copy"), "sha256": sha})
+    assert Path(copy["path"]) == theirs and not copy["cached"] and again["cached"]
+    assert client.state()["disk"]["downloads"] == before + 1
+
+
 def test_digest_mismatch_is_refused_and_leaves_nothing(stager):
     client = stager.client()
     with pytest.raises(StagerError) as err:

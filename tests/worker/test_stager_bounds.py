@@ -139,14 +139,19 @@ async def test_uris_no_longer_desired_whose_copy_left_the_cache_are_forgotten(tm
     assert f"s3://adapters/team/pushed-{n}/" in stager._by_uri  # the desired one: its copy is protected
 
 
-async def test_one_cache_key_under_two_uris_is_downloaded_once(tmp_path, monkeypatch):
+async def test_one_cache_key_under_two_uris_is_one_entry_each_uri_checked_once(tmp_path, monkeypatch):
+    """Two URIs of the same bytes share one entry; each URI's objects are downloaded and hashed once (a digest
+    hands out no copy to a URI that never held it), then served from the entry."""
     stager = Stager(config(tmp_path))
     store = FakeStore(stager, monkeypatch)
     sha = adapter_digest(fake_adapter(tmp_path / "template"))
     first, second = await asyncio.gather(stager.stage("s3://adapters/team/x/", sha),
                                          stager.stage("s3://adapters/team/y/", sha))
-    assert first.path == second.path and sorted((first.cached, second.cached)) == [False, True]
-    assert len(store.calls) == 1 and stager.counts["downloads"] == 1 and len(stager._locks) == 0
+    assert first.path == second.path and (first.cached, second.cached) == (False, False)
+    assert len(store.calls) == 2 and stager.counts["downloads"] == 2 and len(stager._locks) == 0
+    assert [p.name for p in stager.cache.root.iterdir()] == [sha]  # the second download's copy was dropped
+    again = await asyncio.gather(*(stager.stage(f"s3://adapters/team/{n}/", sha) for n in "xy"))
+    assert all(s.cached and s.path == first.path for s in again) and len(store.calls) == 2
 
 
 async def test_key_locks_serialize_one_key_and_are_dropped_once_unused():
@@ -285,3 +290,20 @@ async def test_a_restarted_stager_falls_back_to_the_copy_last_served_not_last_do
     upload("etag-1")
     assert (await stager.stage(uri, None)).path.name == keys[0]  # served from the cache
     assert Stager(config(tmp_path)).last_copy(uri) == keys[0]
+
+
+async def test_a_restarted_stager_falls_back_only_to_digest_copies_its_uri_held(tmp_path, monkeypatch):
+    """A copy keyed by its digest, last served for y but downloaded from x only (an earlier version's note): a
+    restarted stager's store-outage fallback for x is that copy, and y has none."""
+    from lorafleet.worker.staged_copy import ORIGINS_FILE, SOURCE_FILE
+
+    stager = Stager(config(tmp_path))
+    FakeStore(stager, monkeypatch)
+    sha = adapter_digest(fake_adapter(tmp_path / "template"))
+    path = (await stager.stage("s3://adapters/team/x/", sha)).path
+    assert Stager(config(tmp_path)).last_copy("s3://adapters/team/x/") == sha
+    (path / SOURCE_FILE).write_text("s3://adapters/team/y/\n")  # as served for y, unchecked, before origins
+    restarted = Stager(config(tmp_path))
+    assert restarted.last_copy("s3://adapters/team/y/") is None
+    (path / ORIGINS_FILE).write_text("s3://adapters/team/x/\ns3://adapters/team/y/\n")
+    assert Stager(config(tmp_path)).last_copy("s3://adapters/team/y/") == sha

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import lorafleet.worker.stager_push as stager_push
 from lorafleet.worker.sources import adapter_digest
-from lorafleet.worker.staged_copy import DIGEST_FILE
+from lorafleet.worker.staged_copy import DIGEST_FILE, ORIGINS_FILE
 from lorafleet.worker.stager import Stager
 from tests.worker.engine_admin_stub import HANG_S, split, until
 from tests.worker.test_stager_bounds import FakeStore, config, fake_adapter
@@ -67,6 +67,36 @@ async def test_a_superseded_push_stops_waiting_for_a_download_the_newer_one_does
     assert stager.last_copy("s3://adapters/team/a-v2/") in stager.cache.entries()
 
 
+def b_copy_in_cache(stager: Stager, tmp_path: Path, origin: str) -> str:
+    """Put a copy of b's bytes in the stager's cache, as downloaded from `origin` by an earlier stage; its digest."""
+    source = fake_adapter(tmp_path / "src" / "b-v1", weights=b"b" * 4096)
+    sha = adapter_digest(source)
+
+    def fill(tmp: Path) -> None:
+        for f in source.iterdir():
+            (tmp / f.name).write_bytes(f.read_bytes())
+        (tmp / DIGEST_FILE).write_text(sha + "\n")
+        (tmp / ORIGINS_FILE).write_text(origin + "\n")
+
+    stager.cache.put(sha, fill, protect=stager.protected)
+    return sha
+
+
+async def test_a_push_naming_another_uris_digest_is_not_handed_its_cached_copy(aiohttp_server, tmp_path,
+                                                                              monkeypatch):
+    """The cache holds b's bytes, downloaded from b's URI. A push names their sha256 for m's version under a URI of
+    m's own, which holds other files: the copy is not forwarded at the push's first step; m's URI is downloaded,
+    refused by its digest, and never reaches the engine."""
+    engine = Engine()
+    stager = Stager(dataclasses.replace(config(tmp_path), engine_url=await engine.serve(aiohttp_server)))
+    store = FakeStore(stager, monkeypatch)  # every URI holds fake_adapter's files, not b's
+    m = adapter("m", "v1")
+    m["stable"]["sha256"] = b_copy_in_cache(stager, tmp_path, adapter("b", "v1")["stable"]["uri"])
+    await asyncio.wait_for(stager.apply(push(1, m)), HANG_S)
+    assert len(store.calls) == 1 and "sha256 mismatch" in stager.errors[("m", "v1")]
+    assert not any(a["name"] == "m" for p in engine.pushes for a in p["adapters"])
+
+
 async def test_a_cached_copy_forwarded_at_once_is_protected_before_it_is_looked_up(aiohttp_server, tmp_path,
                                                                                   monkeypatch):
     """b's version names a sha256 the cache holds (left by an earlier stage, its lease over) in a cache over its
@@ -77,15 +107,8 @@ async def test_a_cached_copy_forwarded_at_once_is_protected_before_it_is_looked_
                                         stager_cache_bytes=1))
     FakeStore(stager, monkeypatch)
     await asyncio.wait_for(stager.apply(push(1, adapter("a", "v1"))), HANG_S)  # forwarded: the first step runs
-    source = fake_adapter(tmp_path / "src" / "b-v1", weights=b"b" * 4096)
-    sha = adapter_digest(source)
-
-    def fill(tmp: Path) -> None:
-        for f in source.iterdir():
-            (tmp / f.name).write_bytes(f.read_bytes())
-        (tmp / DIGEST_FILE).write_text(sha + "\n")
-
-    stager.cache.put(sha, fill, protect=stager.protected)
+    b = adapter("b", "v1")
+    sha = b_copy_in_cache(stager, tmp_path, b["stable"]["uri"])
     forwardable = stager_push.forwardable
 
     def after_a_concurrent_trim(*args, **kwargs):
@@ -93,7 +116,6 @@ async def test_a_cached_copy_forwarded_at_once_is_protected_before_it_is_looked_
         return forwardable(*args, **kwargs)
 
     monkeypatch.setattr(stager_push, "forwardable", after_a_concurrent_trim)
-    b = adapter("b", "v1")
     b["stable"]["sha256"] = sha
     before = len(engine.pushes)
     await asyncio.wait_for(stager.apply(push(2, adapter("a", "v1"), b)), HANG_S)
