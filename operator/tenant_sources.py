@@ -3,15 +3,19 @@
 The stagers' allow-lists (--s3-allow, --local-roots) say which locations a pool's workers may read at
 all; they know nothing of tenants. Without more, the author of a LoRAAdapter may name any allowed
 location under any `spec.tenant`, so another tenant's adapter files could be served as their own.
-`spec.tenantSources` closes that: URI prefixes holding `{tenant}` (the adapter's spec.tenant) and
-`{namespace}` (its namespace), e.g. `s3://adapters/tenants/{tenant}/`. When it is set, an adapter's
-source and its canary's must lie under one of them, expanded for that adapter; otherwise its spec
-is refused naming the field (its last valid spec stays in force only if it passes too).
+`spec.tenantSources` closes that: folder prefixes whose segments are literals or exactly one of
+`{tenant}` (the adapter's spec.tenant) and `{namespace}` (its namespace), e.g.
+`s3://adapters/tenants/{tenant}/`. When it is set, an adapter's source and its canary's must lie under
+one of them with the placeholders bound to its own tenant and namespace, and under none bound to
+another's (entries may overlap: with `s3://a/{tenant}/` and `s3://a/legacy/{tenant}/`, tenant
+`legacy` may not name `s3://a/legacy/b/`, which is tenant b's); otherwise its spec is refused naming
+the field (its last valid spec stays in force only if it passes too).
 
-Matching is by whole segments of the URI normalised as the stager normalises it before fetching
-('..' and relative paths refused, '.' and empty segments dropped: worker/sources.py), so
-`tenants/ab/` is not under `tenants/a/` and `tenants/a//x/` is. A local path is compared as written: the stager resolves symlinks against its
-roots only, so a link under one tenant's folder into another's is for the roots' owner to avoid.
+URIs are compared segment by segment as the stager normalises them before fetching ('..' and
+relative paths refused, '.' and empty segments dropped: worker/sources.py), so `tenants/ab/` is not
+under `tenants/a/` and `tenants/a//x/` is. A local path is compared as written: the
+stager resolves symlinks against its roots only, so a link under one tenant's folder into another's
+is for the roots' owner to avoid.
 """
 
 from __future__ import annotations
@@ -26,13 +30,16 @@ if TYPE_CHECKING:
     from lorafleet.operator.crd_models import AdapterSpec, PoolSpec
 
 PLACEHOLDERS = ("{tenant}", "{namespace}")
-_BRACES = re.compile(r"\{[^{}]*\}|[{}]")
+# The CRD's pattern and rule (crds/lorafleet.dev_lorapools.yaml): whole-segment placeholders, no '..'.
+_SEGMENT = r"([^/{}\x00-\x1f\x7f-\xa0]+|\{tenant\}|\{namespace\})"
+PREFIX_RE = re.compile(rf"(s3://{_SEGMENT}/|file:///|/)({_SEGMENT}/)*")
+_PARENT = re.compile(r"(^|/)[.][.](/|$)")
 
 
 def parse_tenant_sources(value: Any) -> tuple[str, ...]:
-    """spec.tenantSources as a tuple (empty when absent); a SpecError naming the entry that is not a
-    folder prefix of s3://bucket/..., file:///... or /..., or that holds braces other than the two
-    placeholders."""
+    """spec.tenantSources as a tuple (empty when absent); a SpecError naming the entry the CRD refuses
+    too: not a folder of s3://bucket/..., file:///... or /..., a placeholder that is not a whole
+    segment, an empty or '..' segment, a control character."""
     from lorafleet.operator.crd_models import SpecError  # it imports this module (at its top)
 
     if value is None:
@@ -40,19 +47,10 @@ def parse_tenant_sources(value: Any) -> tuple[str, ...]:
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise SpecError(f"spec.tenantSources: {value!r} must be a list of URI prefixes")
     for i, prefix in enumerate(value):
-        name = f"spec.tenantSources[{i}]"
-        if not prefix.isprintable():
-            raise SpecError(f"{name}: {prefix!r} must hold no control or invisible characters")
-        unknown = [m for m in _BRACES.findall(prefix) if m not in PLACEHOLDERS]
-        if unknown:
-            raise SpecError(f"{name}: {prefix!r} holds {unknown[0]!r}; the placeholders are {' and '.join(PLACEHOLDERS)}")
-        if not prefix.endswith("/"):
-            raise SpecError(f"{name}: {prefix!r} must end with '/' (a folder: the prefix of tenant 'a' would "
-                            f"otherwise hold tenant 'ab''s names)")
-        try:
-            _segments(prefix.replace("{tenant}", "t").replace("{namespace}", "n"))
-        except SourceError as exc:
-            raise SpecError(f"{name}: {exc}") from None
+        if not PREFIX_RE.fullmatch(prefix) or _PARENT.search(prefix):
+            raise SpecError(f"spec.tenantSources[{i}]: {prefix!r} must be a folder (ending with '/') of "
+                            f"s3://bucket/, file:/// or /, each segment a name or exactly one of "
+                            f"{' and '.join(PLACEHOLDERS)}, none of them empty or '..'")
     return tuple(value)
 
 
@@ -67,23 +65,32 @@ def _segments(uri: str) -> tuple[str, ...]:
     return ("file", *PurePosixPath(local_uri_path(uri)).parts[1:])
 
 
-def expand(pool: PoolSpec, adapter: AdapterSpec) -> list[str]:
-    """The pool's tenantSources for this adapter's tenant and namespace."""
-    return [p.replace("{tenant}", adapter.tenant).replace("{namespace}", adapter.namespace)
-            for p in pool.tenant_sources]
+def _bindings(pattern: tuple[str, ...], parts: tuple[str, ...]) -> dict[str, str] | None:
+    """The placeholders' values when `parts` lies under `pattern` (segment by segment), else None."""
+    if len(parts) < len(pattern):
+        return None
+    bound: dict[str, str] = {}
+    for want, got in zip(pattern, parts, strict=False):
+        if want in PLACEHOLDERS:
+            if bound.setdefault(want, got) != got:
+                return None
+        elif want != got:
+            return None
+    return bound
 
 
 def source_problem(pool: PoolSpec, adapter: AdapterSpec) -> str | None:
-    """Why an adapter's source or canary source lies outside its tenant's folders (naming the field), or
-    None; always None for a pool without tenantSources."""
+    """Why an adapter's source or canary source lies outside its tenant's folders, or also inside another
+    tenant's (naming the field), or None; always None for a pool without tenantSources."""
     if not pool.tenant_sources:
         return None
-    allowed = []
-    for prefix in expand(pool, adapter):
+    patterns = []
+    for prefix in pool.tenant_sources:
         try:
-            allowed.append(_segments(prefix))
-        except SourceError:  # the tenant's name makes no valid URI here (an S3 bucket takes no capitals)
+            patterns.append((prefix, _segments(prefix)))
+        except SourceError:  # no folder the stager would fetch: it matches nothing
             continue
+    own = {"{tenant}": adapter.tenant, "{namespace}": adapter.namespace}
     sources = [("spec.source", adapter.source)]
     if adapter.canary is not None and adapter.canary.source is not None:
         sources.append(("spec.canary.source", adapter.canary.source))
@@ -92,8 +99,17 @@ def source_problem(pool: PoolSpec, adapter: AdapterSpec) -> str | None:
             parts = _segments(source.uri)
         except SourceError as exc:
             return f"{field_name}.uri: {exc}"
-        if not any(parts[:len(a)] == a for a in allowed):
+        matches = [(prefix, b) for prefix, pattern in patterns if (b := _bindings(pattern, parts)) is not None]
+        other = next(((p, b) for p, b in matches if any(own[k] != v for k, v in b.items())), None)
+        if other is not None:
+            whose = ", ".join(f"{k.strip('{}')} {v!r}" for k, v in other[1].items())
+            return (f"{field_name}.uri: {source.uri!r} lies under LoRAPool {pool.name!r} spec.tenantSources "
+                    f"entry {other[0]!r} for {whose}, not tenant {adapter.tenant!r} in namespace "
+                    f"{adapter.namespace!r}; an adapter's files come from its own tenant's folders")
+        if not matches:
+            mine = [p.replace("{tenant}", adapter.tenant).replace("{namespace}", adapter.namespace)
+                    for p in pool.tenant_sources]
             return (f"{field_name}.uri: {source.uri!r} is not under LoRAPool {pool.name!r} spec.tenantSources "
-                    f"for tenant {adapter.tenant!r} in namespace {adapter.namespace!r} "
-                    f"({', '.join(expand(pool, adapter))}); an adapter's files come from its own tenant's folders")
+                    f"for tenant {adapter.tenant!r} in namespace {adapter.namespace!r} ({', '.join(mine)}); "
+                    f"an adapter's files come from its own tenant's folders")
     return None

@@ -84,6 +84,7 @@ def test_every_cel_rule_compiles_and_is_exercised_here():
                       (".spec.workerSelector.matchExpressions[*]",
                        "self.operator in ['In', 'NotIn'] ? has(self.values) && size(self.values) > 0 "
                        ": !has(self.values) || size(self.values) == 0"),
+                      (".spec.tenantSources[*]", "!self.matches('(^|/)[.][.](/|$)')"),
                       (".spec.scaling", "!has(self.minReplicas) || self.minReplicas <= self.maxReplicas"),
                       (".spec.scaling",
                        "(has(self.kvLow) ? self.kvLow : 0.3) < (has(self.kvHigh) ? self.kvHigh : 0.85)")],
