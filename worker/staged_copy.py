@@ -60,6 +60,12 @@ def record_source(path: Path, uri: str) -> None:
         log.warning("cannot note %s's source in %s: %s", uri, path, exc)
 
 
+def note_download(path: Path, uri: str) -> None:
+    """Note in the cache entry at `path` that `uri`'s own objects were downloaded and hashed to its digest, now."""
+    record_source(path, uri)
+    note_origin(path, uri)
+
+
 def note_origin(path: Path, uri: str) -> None:
     """Note in the cache entry at `path` that `uri`'s own objects hashed to its digest."""
     if has_origin(path, uri):
@@ -74,32 +80,33 @@ def note_origin(path: Path, uri: str) -> None:
 
 def has_origin(path: Path, uri: str) -> bool:
     """Whether `uri`'s own objects were downloaded and hashed to the digest of the cache entry at `path`."""
-    origins = path / ORIGINS_FILE
+    return uri in _noted(path / ORIGINS_FILE, 2 * _MAX_ORIGINS_BYTES)[0]
+
+
+def _noted(file: Path, max_bytes: int) -> tuple[list[str], float]:
+    """The URIs a note of a cache entry lists, and when it was last written; none if it is not what
+    record_source or note_origin writes (a FIFO would block the start) or cannot be read."""
     try:
-        st = origins.lstat()
-        if not stat.S_ISREG(st.st_mode) or st.st_size > 2 * _MAX_ORIGINS_BYTES:
-            return False  # not what note_origin writes
-        return uri in origins.read_text().splitlines()
-    except (OSError, UnicodeDecodeError):
-        return False
+        st = file.lstat()
+        if not stat.S_ISREG(st.st_mode) or st.st_size > max_bytes:
+            return [], 0.0
+        return [u for u in file.read_text().splitlines() if u], st.st_mtime
+    except (OSError, UnicodeDecodeError):  # an entry of an older version, or unreadable
+        return [], 0.0
 
 
 def last_copies(cache: DiskCache) -> dict[str, str]:
     """URI -> cache key of its most recently staged copy, from the entries an earlier run left (each records
-    its URI, SOURCE_FILE): a stager restarted while the store is down still serves what it had staged, its
+    its URI, SOURCE_FILE, or a digest-keyed one those it was downloaded from, ORIGINS_FILE): a stager restarted while the store is down still serves what it had staged, its
     copies checked (`verify_staged_copy`) on first use as every entry of an earlier run is."""
     found: dict[str, tuple[float, str]] = {}
     for key in cache.entries():
-        source = cache.root / key / SOURCE_FILE
-        try:
-            st = source.lstat()
-            if not stat.S_ISREG(st.st_mode) or st.st_size > 4096:
-                continue  # not what record_source writes (a FIFO would block the start)
-            uri, when = source.read_text().strip(), st.st_mtime
-        except (OSError, UnicodeDecodeError):
-            continue  # an entry of an older version, or unreadable: no fallback from it
-        if len(key) == 64 and not has_origin(cache.root / key, uri):
-            continue  # a copy keyed by its digest that this URI's objects never proved to hold
-        if uri and (uri not in found or when > found[uri][0]):
-            found[uri] = (when, key)
+        # Keyed by its digest: every URI whose own objects hashed to it; else the one URI its key names.
+        uris, when = _noted(cache.root / key / SOURCE_FILE, 4096)  # its last use (record_source)
+        if len(key) == 64:
+            uris, written = _noted(cache.root / key / ORIGINS_FILE, 2 * _MAX_ORIGINS_BYTES)
+            when = max(when, written)
+        for uri in uris:
+            if uri not in found or when > found[uri][0]:
+                found[uri] = (when, key)
     return {uri: key for uri, (_, key) in found.items()}

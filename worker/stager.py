@@ -246,7 +246,7 @@ class Stager:
             self.store.answered(start)
             self.download_seconds.append(time.perf_counter() - t0)
             self.metrics.seconds.observe(self.download_seconds[-1])
-            staged_copy.note_origin(path, uri)  # also when an entry of the same bytes was there: the new copy was dropped
+            staged_copy.note_download(path, uri)  # also when an entry of the same bytes was there: this copy was dropped
             self.counts["downloads"] += 1
             nbytes = dir_bytes(path)
             self.counts["download_bytes"] += nbytes
@@ -268,7 +268,7 @@ class Stager:
             self.sources.download(uri, tmp, progress=progress, deadline=deadline, etags=etags)
             digest = verify_digest(tmp, sha256, uri)  # before the rename: a bad download is never visible
             cache_write(lambda: (tmp / DIGEST_FILE).write_text(digest + "\n"))
-            cache_write(lambda: record_source(tmp, uri))
+            cache_write(lambda: staged_copy.note_download(tmp, uri))  # counted in the entry's size
 
         try:
             return self.cache.put(key, fill, protect=self.protected)

@@ -136,8 +136,8 @@ async def _begin(stager: Stager, desired: DesiredState, seed: SeedReport | None)
             return None
         if stager.engine is not None and not stager.engine.known:
             await _adopt(stager)
-        now = {(name, ref.version): s for name, ref in version_refs(desired)
-               if (s := ready_now(stager, name, ref)) is not None}
+        now = {(a.name, ref.version): s for a in desired.adapters for ref in (a.stable, a.canary)
+               if ref is not None and (s := ready_now(stager, a, ref)) is not None}
         uris = {(name, ref.version): ref.uri for name, ref in version_refs(desired)}
         errors = dict(seed.adapter_errors) if seed else {}
         errors |= {key: message for key, message in stager.errors.items() if key in uris}  # until tried again
@@ -171,18 +171,19 @@ async def _adopt(stager: Stager) -> None:
                      for a in state.adapters for ref in (a.stable, a.canary) if ref is not None}  # fmt: skip
 
 
-def ready_now(stager: Stager, name: str, ref: VersionRef) -> Staged | None:
-    """The copy of `ref` that needs no store call, download or hashing: the one forwarded for this version if
-    it is of the same source (its sha256; else the URI's last staged copy, or for a local folder the same
-    one as in the last push), or a checked cached copy of its sha256 (from an allowed location)."""
-    served, copy = stager.forwarded.get(name), stager.staged.get((name, ref.version))
-    if served is not None and copy is not None and ref.version in served.versions:
-        if ref.sha256 is not None:
-            same = copy.sha256 == ref.sha256
-        elif stager.sources.is_s3(ref.uri):
-            same = copy.path.parent == stager.cache.root and stager.last_copy(ref.uri) == copy.path.name
+def ready_now(stager: Stager, a: AdapterDirective, ref: VersionRef) -> Staged | None:
+    """The copy of `ref` that needs no store call, download or hashing: the one forwarded for this version to
+    the same owner if it is of the same source (a cached copy of this URI's own bytes, of its sha256 when it
+    has one; for a local folder the same one as in the last push), or a checked cached copy of its sha256
+    that this URI's objects hashed to (from an allowed location)."""
+    served, copy = stager.forwarded.get(a.name), stager.staged.get((a.name, ref.version))
+    if served is not None and copy is not None and ref.version in served.versions and served.tenant == a.tenant:
+        if stager.sources.is_s3(ref.uri):
+            latest = stager.last_copy(ref.uri) == copy.path.name  # the URI's own (staged_copy.has_origin)
+            same = copy.path.parent == stager.cache.root and (latest if ref.sha256 is None else copy.sha256 == ref.sha256
+                                                              and (latest or has_origin(copy.path, ref.uri)))
         else:
-            last = stager.desired.by_name().get(name) if stager.desired is not None else None
+            last = stager.desired.by_name().get(a.name) if stager.desired is not None else None
             same = last is not None and ref in (last.stable, last.canary)
         if same:
             return copy

@@ -307,3 +307,41 @@ async def test_a_restarted_stager_falls_back_only_to_digest_copies_its_uri_held(
     assert restarted.last_copy("s3://adapters/team/y/") is None
     (path / ORIGINS_FILE).write_text("s3://adapters/team/x/\ns3://adapters/team/y/\n")
     assert Stager(config(tmp_path)).last_copy("s3://adapters/team/y/") == sha
+
+
+class TwoFolders:
+    """A store whose `mine` prefix holds the owner's adapter and every other prefix other files."""
+
+    def __init__(self, stager: Stager, monkeypatch, mine: str) -> None:
+        self.mine, self.calls = mine, []
+        monkeypatch.setattr(stager.sources, "download", self.download)
+        monkeypatch.setattr(stager.sources, "object_etags", lambda uri, quick=False, deadline=None: [(uri + "w", uri)])
+
+    def download(self, uri: str, dest: Path, *, progress=None, deadline=None, etags=None) -> Path:
+        self.calls.append(uri)
+        return fake_adapter(dest, b"owner" * 100 if uri == self.mine else b"other" * 100)
+
+
+async def test_a_name_given_to_another_tenant_is_not_handed_the_old_owners_copy(tmp_path):
+    """m at v1 is t1's, staged from t1's folder; pushed again for t2 with the same version and sha256 under a URI of
+    t2's own that holds other files: t2's URI is downloaded and refused, never forwarded t1's copy for t2."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        stager = Stager(config(tmp_path))
+        store = TwoFolders(stager, monkeypatch, mine="s3://adapters/team/t1/m/")
+        sha = adapter_digest(fake_adapter(tmp_path / "owner", b"owner" * 100))
+        await stager.apply(DesiredState(1, [AdapterDirective("m", "t1", VersionRef("v1", store.mine, sha))]))
+        assert stager.forwarded["m"].tenant == "t1"
+        theirs = VersionRef("v1", "s3://adapters/team/t2/empty/", sha)
+        report = await stager.apply(DesiredState(2, [AdapterDirective("m", "t2", theirs)]))
+        assert store.calls == [store.mine, theirs.uri] and "sha256 mismatch" in report.find("m", "v1").error
+        assert "m" not in stager.forwarded or stager.forwarded["m"].tenant != "t2"
+
+
+async def test_a_second_uri_of_the_same_bytes_is_its_own_fallback_after_a_restart(tmp_path, monkeypatch):
+    stager = Stager(config(tmp_path))
+    FakeStore(stager, monkeypatch)
+    sha = adapter_digest(fake_adapter(tmp_path / "template"))
+    for name in "xy":
+        await stager.stage(f"s3://adapters/team/{name}/", sha)
+    restarted = Stager(config(tmp_path))
+    assert [restarted.last_copy(f"s3://adapters/team/{name}/") for name in "xy"] == [sha, sha]
