@@ -131,19 +131,23 @@ async def test_a_push_while_the_store_hangs_forwards_cached_copies_then_recovers
 
 async def test_a_version_with_a_sha256_and_no_copy_fails_fast_while_the_store_hangs(s3, adapters, tmp_path):
     """A version named by its sha256 that has a cached copy never calls the store; one without a copy is
-    checked quickly and fails naming the store; the next push after the store is back stages it."""
+    checked quickly and fails naming the store, and so does one whose bytes another URI's copy holds (its own
+    URI never shown to hold them); the next push after the store is back stages them."""
     client = s3.client()
-    for name in ("pinned", "fresh"):
+    for name in ("pinned", "fresh", "twin"):
         upload_folder(client, "adapters", f"team/{name}/", adapters["v1"])
-    sha = {"pinned": adapter_digest(adapters["v1"]), "fresh": adapter_digest(adapters["v2"])}
+    sha = {"pinned": adapter_digest(adapters["v1"]), "fresh": adapter_digest(adapters["v2"]),
+           "twin": adapter_digest(adapters["v1"])}
     upload_folder(client, "adapters", "team/fresh/", adapters["v2"])
     stager = stager_for(s3.endpoint, s3, tmp_path / "cache")
     await asyncio.wait_for(stager.apply(push(1, ["pinned"], sha)), HANG_S)
 
     async with store_hung(s3):
-        report = await asyncio.wait_for(stager.apply(push(2, ["fresh", "pinned"], sha)), HANG_S)
-        assert list(stager.forwarded) == ["pinned"] and "object store unavailable" in report.find("fresh", "v1").error
-    await asyncio.wait_for(stager.apply(push(3, ["fresh", "pinned"], sha)), HANG_S)
+        report = await asyncio.wait_for(stager.apply(push(2, ["twin", "pinned", "fresh"], sha)), HANG_S)
+        assert list(stager.forwarded) == ["pinned"]
+        for name in ("fresh", "twin"):
+            assert "object store unavailable" in report.find(name, "v1").error
+    await asyncio.wait_for(stager.apply(push(3, ["fresh", "pinned", "twin"], sha)), HANG_S)
     assert served_digests(stager) == sha and stager.errors == {}
 
 
