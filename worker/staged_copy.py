@@ -97,8 +97,9 @@ def _noted(file: Path, max_bytes: int) -> tuple[list[str], float]:
 
 def last_copies(cache: DiskCache) -> dict[str, str]:
     """URI -> cache key of its most recently staged copy, from the entries an earlier run left (each records
-    its URI, SOURCE_FILE, or a digest-keyed one those it was downloaded from, ORIGINS_FILE): a stager restarted while the store is down still serves what it had staged, its
-    copies checked (`verify_staged_copy`) on first use as every entry of an earlier run is."""
+    its URI, SOURCE_FILE; one keyed by its digest, every URI it was downloaded from, ORIGINS_FILE): a stager
+    restarted while the store is down still serves what it had staged, its copies checked
+    (`verify_staged_copy`) on first use as every entry of an earlier run is."""
     found: dict[str, tuple[float, str]] = {}
     for key in cache.entries():
         # Keyed by its digest: every URI whose own objects hashed to it; else the one URI its key names.

@@ -124,10 +124,10 @@ class Stager:
         self.sources.check_s3(uri)
         etags = None  # what the key names: the download must fetch exactly these objects
         if sha256 is not None:
-            key = sha256
-            if self._copy_for(key, uri) is None and self._same_bytes(uri, sha256):
+            key, copy = sha256, self.copy_for(sha256, uri)
+            if copy is None and self._same_bytes(uri, sha256):
                 key = self._by_uri[uri]  # staged before under its listing's key (the seed's): no second download
-            elif self._copy_for(key, uri) is None:  # to be downloaded: a store seen down is checked quickly first
+            elif copy is None:  # to be downloaded: a store seen down is checked quickly first
                 self.store.skip(push_start)
                 if self.store.is_quick(push_start):
                     await self._list(uri, True)
@@ -190,7 +190,7 @@ class Stager:
             return False
         return True
 
-    def _copy_for(self, key: str, uri: str) -> Path | None:
+    def copy_for(self, key: str, uri: str) -> Path | None:
         """Entry `key` if it may go to `uri`: keyed by a digest, once `uri`'s objects hashed to it (ORIGINS_FILE)."""
         path = self.cache.get(key)
         return path if path is not None and (len(key) != 64 or staged_copy.has_origin(path, uri)) else None
@@ -215,7 +215,7 @@ class Stager:
     async def _stage_key(self, uri: str, sha256: str | None, key: str, etags: Etags | None = None,
                          push_start: float | None = None) -> Staged:
         async with self._locks.hold(key):  # one cache key, other URIs: the second finds the first's copy
-            path = self._copy_for(key, uri)  # another URI's copy of these bytes: this URI's are downloaded first
+            path = self.copy_for(key, uri)  # another URI's copy of these bytes: this URI's are downloaded first
             if path is not None and key in self.cache.unverified:
                 path = await asyncio.to_thread(verify_staged_copy, self.cache, key)
             if path is not None:

@@ -178,10 +178,10 @@ def ready_now(stager: Stager, a: AdapterDirective, ref: VersionRef) -> Staged | 
     that this URI's objects hashed to (from an allowed location)."""
     served, copy = stager.forwarded.get(a.name), stager.staged.get((a.name, ref.version))
     if served is not None and copy is not None and ref.version in served.versions and served.tenant == a.tenant:
-        if stager.sources.is_s3(ref.uri):
-            latest = stager.last_copy(ref.uri) == copy.path.name  # the URI's own (staged_copy.has_origin)
-            same = copy.path.parent == stager.cache.root and (latest if ref.sha256 is None else copy.sha256 == ref.sha256
-                                                              and (latest or has_origin(copy.path, ref.uri)))
+        if stager.sources.is_s3(ref.uri):  # a cached copy of this URI's own bytes (its last, or one it held)
+            own = stager.last_copy(ref.uri) == copy.path.name or (
+                ref.sha256 is not None and has_origin(copy.path, ref.uri))
+            same = copy.path.parent == stager.cache.root and ref.sha256 in (None, copy.sha256) and own
         else:
             last = stager.desired.by_name().get(a.name) if stager.desired is not None else None
             same = last is not None and ref in (last.stable, last.canary)
@@ -196,10 +196,8 @@ def ready_now(stager: Stager, a: AdapterDirective, ref: VersionRef) -> Staged | 
     # Protected before it is looked up (worker/disk_cache.py): a download thread's trim may run before the copy
     # is among the served ones.
     stager.holds.lease(ref.sha256)
-    path = stager.cache.get(ref.sha256)
-    if path is None or not has_origin(path, ref.uri):  # another URI's copy: staged (downloaded and hashed) first
-        return None
-    return Staged(path, ref.sha256, cached=True)
+    path = stager.copy_for(ref.sha256, ref.uri)  # another URI's copy: staged (downloaded and hashed) first
+    return Staged(path, ref.sha256, cached=True) if path is not None else None
 
 
 async def _stage(stager: Stager, push: Push) -> None:
