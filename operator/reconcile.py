@@ -53,7 +53,7 @@ from lorafleet.operator.crd_models import AdapterSpec, InvalidAdapter, PoolSpec
 from lorafleet.operator.placement import canary_bytes, place_warm, spec_bytes, warm_count
 from lorafleet.operator.reports import WorkerIndex, WorkerReport
 from lorafleet.operator.statuses import adapter_status, pool_status, unserved_status
-from lorafleet.operator.tenant_sources import source_problem
+from lorafleet.operator.tenant_sources import own_folders, source_problem
 from lorafleet.worker.directives import AdapterDirective, DesiredState, DirectiveError, VersionRef
 
 
@@ -136,13 +136,13 @@ def reconcile_pool(pool: PoolSpec | None, adapters: Sequence[AdapterSpec | Inval
     variants: dict[str, tuple[AdapterDirective, AdapterDirective]] = {}  # name -> (not warm, warm) here
     for name, a in sorted(served.items()):
         try:
-            variants[name] = (_directive(a, pod_warm=False), _directive(a, pod_warm=True))
+            variants[name] = (_directive(pool, a, pod_warm=False), _directive(pool, a, pod_warm=True))
         except DirectiveError as exc:  # parsing checks the same fields: a second line, for this adapter only
             failures.setdefault(name, f"spec: no worker directive can be built from it ({exc})")
             held = _fallback(pool, a)  # a refused edit never takes down what is serving
             if held is not None:
                 try:
-                    variants[name] = (_directive(held, pod_warm=False), _directive(held, pod_warm=True))
+                    variants[name] = (_directive(pool, held, pod_warm=False), _directive(pool, held, pod_warm=True))
                     served[name] = held
                 except DirectiveError:
                     pass
@@ -290,12 +290,14 @@ def over_quota(pool: PoolSpec | None, adapters: list[AdapterSpec], workers: Sequ
     return failures
 
 
-def _directive(a: AdapterSpec, *, pod_warm: bool) -> AdapterDirective:
+def _directive(pool: PoolSpec | None, a: AdapterSpec, *, pod_warm: bool) -> AdapterDirective:
     canary = None
     if a.canary is not None and a.canary.source is not None:
-        canary = VersionRef(a.canary.version, a.canary.source.uri, a.canary.source.sha256)
+        canary = VersionRef(a.canary.version, a.canary.source.uri, a.canary.source.sha256,
+                            own_folders(pool, a, a.canary.source.uri))
     return AdapterDirective(
-        name=a.name, tenant=a.tenant, stable=VersionRef(a.version, a.source.uri, a.source.sha256),
+        name=a.name, tenant=a.tenant,
+        stable=VersionRef(a.version, a.source.uri, a.source.sha256, own_folders(pool, a, a.source.uri)),
         canary=canary, canary_weight=a.canary.weight if canary else 0,
         warm=pod_warm, pinned=pod_warm and a.pinned, priority=a.priority,
     )

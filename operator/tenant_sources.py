@@ -13,9 +13,9 @@ the field (its last valid spec stays in force only if it passes too).
 
 URIs are compared segment by segment as the stager normalises them before fetching ('..' and
 relative paths refused, '.' and empty segments dropped: worker/sources.py), so `tenants/ab/` is not
-under `tenants/a/` and `tenants/a//x/` is. A local path is compared as written: the
-stager resolves symlinks against its roots only, so a link under one tenant's folder into another's
-is for the roots' owner to avoid.
+under `tenants/a/` and `tenants/a//x/` is. A local path is compared as written; a symlink under one
+tenant's folder into another's is refused by the stager: a local version's directive lists its tenant's folders (`own_folders`), and the
+folder and its files must resolve inside one of them.
 """
 
 from __future__ import annotations
@@ -113,3 +113,26 @@ def source_problem(pool: PoolSpec, adapter: AdapterSpec) -> str | None:
                     f"for tenant {adapter.tenant!r} in namespace {adapter.namespace!r} ({', '.join(mine)}); "
                     f"an adapter's files come from its own tenant's folders")
     return None
+
+
+def own_folders(pool: PoolSpec | None, adapter: AdapterSpec, uri: str) -> tuple[str, ...]:
+    """For a local source of `adapter` in a pool with tenantSources: the local entries it lies under with
+    the placeholders bound to its own tenant and namespace, filled in (the folders the stager requires the
+    resolved folder and its files to lie in: VersionRef.within). Empty for S3 sources and other pools."""
+    if pool is None or not pool.tenant_sources or uri.startswith("s3://"):
+        return ()
+    own = {"{tenant}": adapter.tenant, "{namespace}": adapter.namespace}
+    try:
+        parts = _segments(uri)
+    except SourceError:
+        return ()
+    folders = []
+    for prefix in pool.tenant_sources:
+        try:
+            pattern = _segments(prefix)
+        except SourceError:
+            continue
+        bound = _bindings(pattern, parts) if pattern[0] == "file" else None
+        if bound is not None and all(own[k] == v for k, v in bound.items()):
+            folders.append(prefix.replace("{tenant}", adapter.tenant).replace("{namespace}", adapter.namespace))
+    return tuple(folders)

@@ -151,21 +151,27 @@ class Sources:
         raise SourceError(f"{uri}: bucket/prefix not in the allow-list ({', '.join(self.config.s3_allow) or 'empty'}); "
                           f"add it to LORAFLEET_S3_ALLOW", "not_allowed")
 
-    def local_path(self, uri: str) -> Path:
-        """The resolved directory of a local source, refused unless it lies inside a configured root.
-        A folder or file in it that cannot be read (a symlink loop, a permission error) is refused too."""
+    def local_path(self, uri: str, within: tuple[str, ...] = ()) -> Path:
+        """The resolved directory of a local source, refused unless it lies inside a configured root and, given
+        `within` (its tenant's folders: VersionRef.within), inside one of them too; so must the symlinks among
+        its files. A folder or file in it that cannot be read (a symlink loop, a permission error) is refused."""
         path = _resolve(Path(local_uri_path(uri)))  # follows symlinks: a link out of a root lands outside it
-        if not any(path == root or path.is_relative_to(root) for root in self._roots):
-            raise SourceError(f"{uri}: resolves to {path}, outside the allowed local roots "
-                              f"({', '.join(map(str, self._roots)) or 'none configured'})", "not_allowed")
+        bounds = [(f"the allowed local roots ({', '.join(map(str, self._roots)) or 'none configured'})", self._roots)]
+        if within:  # a link from a tenant's folder into another's stays inside the roots
+            tenant_folders = [_resolve(Path(local_uri_path(w))) for w in within]
+            bounds.append((f"its tenant's folders ({', '.join(within)})", tenant_folders))
+        for what, folders in bounds:
+            if not any(path.is_relative_to(folder) for folder in folders):
+                raise SourceError(f"{uri}: resolves to {path}, outside {what}", "not_allowed")
         with _as_source_error(path):
             info = _stat(path)
             if info is None or not stat.S_ISDIR(info.st_mode):
                 raise SourceError(f"{uri}: no such adapter directory", "missing")
             for f in path.iterdir():  # the loader reads tokenizer files beside the adapter's own
                 if f.is_symlink():
-                    if not any(_resolve(f).is_relative_to(r) for r in self._roots):
-                        raise SourceError(f"{f}: symlink points outside the allowed roots", "not_allowed")
+                    for what, folders in bounds:
+                        if not any(_resolve(f).is_relative_to(folder) for folder in folders):
+                            raise SourceError(f"{f}: symlink points outside {what}", "not_allowed")
                     _stat(f)  # a loop that resolve() leaves unresolved (Python 3.13 on)
         return path
 

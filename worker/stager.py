@@ -107,17 +107,17 @@ class Stager:
 
     # ---- staging -------------------------------------------------------------------------------
     async def stage(self, uri: str, sha256: str | None, *, held: set[str] | None = None,
-                    push_start: float | None = None) -> Staged:
+                    push_start: float | None = None, within: tuple[str, ...] = ()) -> Staged:
         """Stage `uri` into the disk cache. Its cache key is protected from eviction before the cache is
         looked up: added to `held` (a push's keys), or else (the engine's request) leased for
-        `stage_lease_s`, as the engine loads from the path after it is handed out. `push_start`
-        (time.monotonic()) of a push: the store is not called again once it failed since (StoreHealth)."""
+        `stage_lease_s`, as the engine loads from the path after it is handed out. `push_start` (time.monotonic())
+        of a push: the store is not called again once it failed since (StoreHealth). `within`: VersionRef's."""
         if sha256 is not None:
             sha256 = sha256.lower()
         if not self.sources.is_s3(uri):
-            staged = await self.local_reads.read(uri, self.config.download_timeout_s)
+            staged = await self.local_reads.read(uri, self.config.download_timeout_s, within)
             if sha256 is not None and staged.sha256 != sha256:  # a shared read may predate the files' change
-                staged = await self.local_reads.read(uri, self.config.download_timeout_s)
+                staged = await self.local_reads.read(uri, self.config.download_timeout_s, within)
             check_digest(staged.sha256, sha256, uri)  # each caller's own: one read serves them all
             self.metrics.requests.labels("local").inc()
             return staged
@@ -204,8 +204,8 @@ class Stager:
         except OSError:
             return False
 
-    def _local(self, uri: str) -> Staged:
-        path = self.sources.local_path(uri)
+    def _local(self, uri: str, within: tuple[str, ...]) -> Staged:
+        path = self.sources.local_path(uri, within)
         return Staged(path, self.sources.verify_local(path, None, uri), cached=True)
 
     def _count_request(self, outcome: str) -> None:

@@ -71,8 +71,11 @@ async def post_stage(request: web.Request) -> web.Response:
         raise APIError(400, "body needs 'uri' (s3://bucket/prefix/, file:// or an absolute path)", param="uri")
     if sha256 is not None and not (isinstance(sha256, str) and _SHA256_HEX.fullmatch(sha256)):
         raise APIError(400, "sha256 must be 64 hex digits", param="sha256")
+    within = body.get("within", [])  # a local folder's tenant folders, as a directive's version lists them
+    if not (isinstance(within, list) and all(isinstance(w, str) and w.startswith(("/", "file:///")) for w in within)):
+        raise APIError(400, "within must be a list of local folders (/path/ or file:///path/)", param="within")
     try:
-        staged = await request.app[STAGER].stage(uri, sha256)
+        staged = await request.app[STAGER].stage(uri, sha256, within=tuple(within))
     except APIError:
         raise
     except Exception as exc:

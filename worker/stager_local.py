@@ -19,22 +19,23 @@ T = TypeVar("T")
 
 
 class LocalReads(Generic[T]):
-    def __init__(self, read: Callable[[str], T]) -> None:
+    def __init__(self, read: Callable[[str, tuple[str, ...]], T]) -> None:
         self._read = read
-        self._flights: dict[str, asyncio.Future] = {}
+        self._flights: dict[tuple[str, tuple[str, ...]], asyncio.Future] = {}
 
     def __len__(self) -> int:
         return len(self._flights)
 
-    async def read(self, uri: str, timeout: float) -> T:
-        """`read(uri)`'s result, or TimeoutError naming the folder after `timeout` seconds. A read that has
+    async def read(self, uri: str, timeout: float, within: tuple[str, ...] = ()) -> T:
+        """`read(uri, within)`'s result (`within`: the tenant's folders it must resolve in, see
+        VersionRef.within), or TimeoutError naming the folder after `timeout` seconds. A read that has
         returned has left the map before its waiters resume: a waiter reading again joins a later read only."""
-        key = uri
+        key = (uri, within)
         flight = self._flights.get(key)
         if flight is None:
             loop = asyncio.get_running_loop()
             flight = loop.create_future()
-            threading.Thread(target=self._run, args=(loop, flight, uri), name="stager-local-read",
+            threading.Thread(target=self._run, args=(loop, flight, key), name="stager-local-read",
                              daemon=True).start()
             self._flights[key] = flight
             flight.add_done_callback(functools.partial(forget_flight, self._flights, key))
@@ -43,9 +44,9 @@ class LocalReads(Generic[T]):
         except TimeoutError:
             raise TimeoutError(f"{uri}: reading the folder took over {timeout:g} s (a hung mount?)") from None
 
-    def _run(self, loop: asyncio.AbstractEventLoop, flight: asyncio.Future, uri: str) -> None:
+    def _run(self, loop: asyncio.AbstractEventLoop, flight: asyncio.Future, key: tuple[str, tuple[str, ...]]) -> None:
         try:
-            outcome = (self._read(uri), None)
+            outcome = (self._read(*key), None)
         except BaseException as exc:  # noqa: BLE001 - handed to the waiters
             outcome = (None, exc)
         with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits any more

@@ -218,7 +218,8 @@ async def _stage(stager: Stager, push: Push) -> None:
             for name, ref in version_refs(push.desired):
                 if push.superseded.is_set():
                     return
-                staging = asyncio.ensure_future(stager.stage(ref.uri, ref.sha256, held=pushing, push_start=push_start))
+                staging = asyncio.ensure_future(
+                    stager.stage(ref.uri, ref.sha256, held=pushing, push_start=push_start, within=ref.within))
                 try:
                     await asyncio.wait({staging, superseded}, return_when=asyncio.FIRST_COMPLETED)
                 except BaseException:  # cancelled: the stager stops

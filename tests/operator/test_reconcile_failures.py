@@ -88,10 +88,10 @@ def test_an_edit_no_directive_can_be_built_from_keeps_the_last_valid_spec_servin
     before, st = served(plan, "a"), plan.adapter_statuses["a"]
     build = reconcile._directive
 
-    def directive(a, *, pod_warm):
+    def directive(p, a, *, pod_warm):
         if a.version == "v2":
             raise DirectiveError("stable.uri: must hold no control characters")
-        return build(a, pod_warm=pod_warm)
+        return build(p, a, pod_warm=pod_warm)
 
     monkeypatch.setattr(reconcile, "_directive", directive)
     plan = reconcile_pool(pool(), [parse_adapter(body(version="v2", status=st, generation=4))], ws, now=NOW)

@@ -114,3 +114,21 @@ def test_crd_and_parser_agree_on_tenant_sources(prefixes, ok):
     doc["spec"]["tenantSources"] = prefixes
     assert accepts(lambda: validate(doc, "lorapools")) == ok == accepts(lambda: PoolSpec.parse(doc))
 
+
+
+@pytest.mark.parametrize(("uri", "within"), [
+    ("/data/ns/acme/a/v1/", ("/data/ns/acme/",)),
+    ("file:///data/ns/acme/a/", ("/data/ns/acme/",)),
+    ("s3://adapters/tenants/acme/a/", ()),  # an object store has no symlinks: nothing more to check
+])
+def test_a_local_versions_directive_names_its_tenants_folders(uri, within):
+    """The stager follows symlinks, the operator cannot: a local version's directive lists the tenant's own
+    folders (placeholders filled), inside which the stager requires the folder and its files to resolve."""
+    canary = {"version": "v2", "source": {"uri": "/data/ns/acme/a/v2/"}, "weight": 10}
+    plan = converge(pool(tenantSources=[*TENANTS, "file:///data/{namespace}/{tenant}/"]),
+                    [parse_adapter(body(source={"uri": uri}, canary=canary))], workers(1))
+    (directive,) = plan.desired["w0"].adapters
+    doubled = within + ("file:///data/ns/acme/",) if within else ()
+    assert directive.stable.within == doubled and directive.canary.within == ("/data/ns/acme/", "file:///data/ns/acme/")
+    plan = converge(pool(), [parse_adapter(body(source={"uri": uri}))], workers(1))  # no tenantSources: no rule
+    assert plan.desired["w0"].adapters[0].stable.within == ()

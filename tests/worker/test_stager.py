@@ -175,6 +175,19 @@ def test_local_sources_and_symlink_escapes(stager, peft_dirs):
     with pytest.raises(StagerError) as err:
         stager.client().stage(str(link))
     assert err.value.status == 403 and "outside the allowed local roots" in str(err.value)
+    # Inside the roots, a tenant's folder linked into another's: refused once the call names its tenant folders.
+    shutil.copytree(peft_dirs["eps"], local / "globex" / "eps", dirs_exist_ok=True)
+    (local / "acme").mkdir(exist_ok=True)
+    if not (local / "acme" / "eps").exists():
+        os.symlink(local / "globex" / "eps", local / "acme" / "eps")
+    body = {"uri": str(local / "acme" / "eps"), "sha256": None}
+    assert stager.client()._call("POST", "/v1/stage", body)["path"] == str((local / "globex" / "eps").resolve())
+    with pytest.raises(StagerError) as err:
+        stager.client()._call("POST", "/v1/stage", {**body, "within": [f"{local}/acme/"]})
+    assert err.value.status == 403 and "outside its tenant's folders" in str(err.value)
+    with pytest.raises(StagerError) as err:
+        stager.client()._call("POST", "/v1/stage", {**body, "within": "acme"})
+    assert err.value.status == 400 and "within" in str(err.value)
 
 
 def test_store_outage_hot_and_warm_keep_serving_cold_fails_then_recovers(s3, stager, peft_dirs, tiny_llama_dir):
