@@ -35,6 +35,9 @@ class StagerConfig:
     store_check_timeout_s: float = field(default=3.0, metadata=_help(
         "read timeout of a listing that checks a cached copy is current, and of a push's first call to a store "
         "that did not answer; no answer in time (one retry) takes the store as down for the push"))
+    stage_concurrency: int = field(default=4, metadata=_help(
+        "versions of a push staged at once (downloads or local folder checks; a newly started pod's warm set "
+        "is one push)"))
     stage_lease_s: float = field(default=600.0, metadata=_help(
         "keep a copy /v1/stage handed out from eviction this long (the engine loads from its path)"))
     engine_url: str | None = field(default=None, metadata=_help("engine base URL (http://127.0.0.1:8000)"))
@@ -49,6 +52,8 @@ class StagerConfig:
             raise ValueError(f"stager_port must be in 0..65535, got {self.stager_port}")
         if min(self.stager_cache_bytes, self.download_timeout_s, self.stage_lease_s, self.store_check_timeout_s) <= 0:
             raise ValueError("stager_cache_bytes, download_timeout_s, stage_lease_s and store_check_timeout_s must be > 0")
+        if not 1 <= self.stage_concurrency <= 64:
+            raise ValueError(f"stage_concurrency must be in 1..64, got {self.stage_concurrency}")
         if self.max_adapter_file_bytes <= 0:
             raise ValueError(f"max_adapter_file_bytes must be > 0, got {self.max_adapter_file_bytes}")
 

@@ -4,7 +4,7 @@ A push reaches the engine in two steps (worker/stager.py): at once, with every v
 call, download or hashing (the copy already forwarded for that same source, or a cached copy of its sha256),
 so that an edit that only changes weights, flags or the adapter set (a kill switch: a canary's weight turned
 to 0, a canary or an adapter removed) is not held up by another adapter's download; then, every
-FORWARD_EVERY_S while it stages (one after another), the versions staged since; then once its versions
+FORWARD_EVERY_S while it stages (`stage_concurrency` versions at once), the versions staged since; then once its versions
 are staged, if that changes what the engine has. Until then an adapter whose
 new version is still being staged keeps what was forwarded for it, exactly as when the version cannot be
 staged (`keep_stable`). A stager that has forwarded nothing yet first asks the engine what it holds (the
@@ -201,10 +201,11 @@ def ready_now(stager: Stager, a: AdapterDirective, ref: VersionRef) -> Staged | 
 
 
 async def _stage(stager: Stager, push: Push) -> None:
-    """Stage the push's versions one after another: the store's rules (worker/stager_store.py) hold per push.
-    One push stages at a time; one that a newer push replaced stops at once, without waiting for the version it
-    is staging: that stage goes on by itself (a download in progress completes for whoever wants its copy, the
-    newer push included), and the newer push does not wait behind it."""
+    """Stage the push's versions, up to `stage_concurrency` at once, started in the push's order: the store's
+    rules (worker/stager_store.py) hold per push. One push stages at a time; one that a newer push replaced
+    stops at once, without waiting for the versions it is staging: those stages go on by themselves (a download
+    in progress completes for whoever wants its copy, the newer push included), and the newer push does not
+    wait behind them."""
     async with stager.staging_lock:
         # Until its copies are served (_finish) or a newer push stages: from the start, the copies it knows of
         # (a version's sha256, a URI's last copy), else an earlier version's download could trim them away.
@@ -214,24 +215,26 @@ async def _stage(stager: Stager, push: Push) -> None:
         superseded = asyncio.ensure_future(push.superseded.wait())
         done = asyncio.Event()
         forwarder = asyncio.ensure_future(_forward_while_staging(stager, push, done)) if push.at_once else None
+        todo = version_refs(push.desired)[::-1]  # popped from the end: the push's order
+        running: dict[asyncio.Future, tuple[str, VersionRef]] = {}
         try:
-            for name, ref in version_refs(push.desired):
-                if push.superseded.is_set():
-                    return
-                staging = asyncio.ensure_future(
-                    stager.stage(ref.uri, ref.sha256, held=pushing, push_start=push_start, within=ref.within))
-                try:
-                    await asyncio.wait({staging, superseded}, return_when=asyncio.FIRST_COMPLETED)
-                except BaseException:  # cancelled: the stager stops
-                    staging.cancel()
-                    if forwarder is not None:
-                        forwarder.cancel()
-                    raise
-                if not staging.done():
-                    staging.add_done_callback(_retrieved)
-                    return
-                _note_staged(push, name, ref, staging)
+            while (todo or running) and not push.superseded.is_set():
+                while todo and len(running) < stager.config.stage_concurrency:
+                    name, ref = todo.pop()
+                    running[asyncio.ensure_future(stager.stage(ref.uri, ref.sha256, held=pushing, push_start=push_start,
+                                                               within=ref.within))] = (name, ref)
+                finished, _ = await asyncio.wait({*running, superseded}, return_when=asyncio.FIRST_COMPLETED)
+                for staging in finished - {superseded}:
+                    _note_staged(push, *running.pop(staging), staging)
+        except BaseException:  # cancelled: the stager stops
+            for staging in running:
+                staging.cancel()
+            if forwarder is not None:
+                forwarder.cancel()
+            raise
         finally:
+            for staging in running:  # replaced by a newer push: they go on by themselves
+                staging.add_done_callback(_retrieved)
             superseded.cancel()
             done.set()
             if forwarder is not None and not forwarder.done():

@@ -1,6 +1,6 @@
 """StoreHealth: whether the object store answers, as the stager last saw it.
 
-A push stages its versions one after another. A store that is down, or hung (it accepts connections and
+A push stages a few of its versions at once (`stage_concurrency`). A store that is down, or hung (it accepts connections and
 never answers), would make every version's listing wait out the client's read timeouts and retries,
 minutes per push, while later pushes queue behind it. So:
 

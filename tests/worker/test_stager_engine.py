@@ -70,8 +70,8 @@ def pushed_again(report: ReportedState, desired: DesiredState) -> bool:
 
 
 def release_all(store: FakeStore) -> None:
-    for _, release in store.calls:
-        release.set()
+    for call in store.calls:
+        call[1].set()
 
 
 async def test_a_stager_restarted_between_a_push_s_two_steps_reports_it_not_applied(aiohttp_server, tmp_path,

@@ -61,10 +61,14 @@ def hung_store(port: int) -> Iterator[str]:
 
 
 def stager_for(endpoint: str, s3: S3Server, cache_dir: Path, *, download_timeout_s: float = 300.0,
-               s3_allow: tuple[str, ...] = ("adapters/team/",)) -> Stager:
+               s3_allow: tuple[str, ...] = ("adapters/team/",), stage_concurrency: int = 1) -> Stager:
+    """A stager of the store at `endpoint`, staging one version of a push at a time: the store's rules in the
+    push's order. Several at once follow the same rules; those in flight when the store stops answering each
+    wait out their own timeout, at the same time (test_stages_in_flight_when_the_store_hangs_...)."""
     return Stager(StagerConfig(stager_token="t" * 20, stager_cache_dir=str(cache_dir), s3_allow=list(s3_allow),
                                s3_endpoint=endpoint, s3_access_key=s3.access_key, s3_secret_key=s3.secret_key,
-                               s3_secure=False, download_timeout_s=download_timeout_s))
+                               s3_secure=False, download_timeout_s=download_timeout_s,
+                               stage_concurrency=stage_concurrency))
 
 
 def uri(name: str) -> str:
@@ -235,6 +239,25 @@ async def test_a_store_that_hangs_after_the_push_s_check_costs_it_one_download(s
     assert stager.errors == {} and sorted(stager.forwarded) == sorted([*cold, *hot])
     assert started[1:] == [uri(n) for n in cold]
     assert stager.registry.get_sample_value("lorafleet_stager_store_up") == 1
+
+
+async def test_stages_in_flight_when_the_store_hangs_each_wait_once_and_later_ones_are_not_tried(
+        s3, adapters, tmp_path, monkeypatch):
+    """Two versions staged at once (--stage-concurrency 2) from a store that answers the push's check and then
+    hangs: the two in flight each call it and give up at their download timeout, side by side; the versions
+    started after that fail at once without calling it; the next push, the store back, stages them all."""
+    cold = [f"wave-cold{i}" for i in range(NUM_COLD)]
+    for i, name in enumerate(cold):
+        upload_folder(s3.client(), "adapters", f"team/{name}/", adapters[f"cold{i}"])
+    stager = stager_for(s3.endpoint, s3, tmp_path / "cache", download_timeout_s=DOWNLOAD_S, stage_concurrency=2)
+    with frozen_after_next_listing(stager, s3, monkeypatch):
+        report = await asyncio.wait_for(stager.apply(push(1, cold)), HANG_S)
+    errors = cold_errors(report, cold)
+    assert all("object store unavailable" in e for e in errors), errors
+    assert ["not tried" in e for e in errors] == [False, False] + [True] * (NUM_COLD - 2), errors
+    assert stager.disk_stats()["store"]["reachable"] is False
+    await asyncio.wait_for(stager.apply(push(2, cold)), HANG_S)
+    assert stager.errors == {} and sorted(stager.forwarded) == sorted(cold)
 
 
 async def test_a_download_too_slow_for_its_timeout_fails_alone(s3, adapters, tmp_path, monkeypatch):

@@ -69,11 +69,11 @@ def desired(generation: int, prefix: str, a: str, b_weight: int) -> DesiredState
 
 @pytest.fixture(scope="module")
 def uploaded(s3, tiny_llama_dir, tmp_path_factory) -> dict[str, Path]:
-    """a-v1, a-v2, b-v1, b-v2 under team/kill/ and team/edit/ (one prefix per test)."""
+    """a-v1, a-v2, b-v1, b-v2 under team/kill/, team/edit/ and team/conc/ (one prefix per test)."""
     root = tmp_path_factory.mktemp("peft")
     folders = {name: make_peft_adapter(tiny_llama_dir, root / name, rank=4, seed=seed)
                for seed, name in enumerate(("a-v1", "a-v2", "b-v1", "b-v2"), 1)}
-    for prefix in ("kill", "edit"):
+    for prefix in ("kill", "edit", "conc"):
         for name, folder in folders.items():
             upload_folder(s3.client(), "adapters", f"team/{prefix}/{name}/", folder)
     return folders
@@ -219,3 +219,31 @@ async def test_what_the_engine_is_forwarded_is_numbered_above_what_it_applied(ai
         await stager.apply(push(5, "v3", False))
     engine.refusing = False
     assert (await stager.state()).generation_applied == 0  # what it holds is not push 5: pushed again
+
+
+@needs_weed
+async def test_a_push_stages_its_other_versions_while_one_download_is_held(s3, uploaded, tmp_path, aiohttp_server):
+    """A push stages several versions at once (--stage-concurrency): a new pod's warm set is one push, and one
+    slow download (a big adapter) no longer holds up the versions after it. Here a's download is held: b's two
+    versions, later in the push, are downloaded meanwhile; once a's bytes come, the push completes."""
+    engine, released = Engine(), asyncio.Event()
+    url = await engine.serve(aiohttp_server)
+    async with stalling_proxy(s3.port, "/adapters/team/conc/a-v1/", released) as endpoint:
+        stager = Stager(stager_config(endpoint, s3, tmp_path, url))
+        applying = asyncio.ensure_future(stager.apply(desired(1, "conc", "v1", 30)))
+        try:
+            await until(lambda: "s3://adapters/team/conc/a-v1/" in stager.disk_stats()["downloading"])
+            await until(lambda: stager.counts["downloads"] == 2)  # b-v1 and b-v2, with one at a time never
+            assert not applying.done() and "s3://adapters/team/conc/a-v1/" in stager.disk_stats()["downloading"]
+        finally:
+            released.set()
+        report = await asyncio.wait_for(applying, HANG_S)
+    assert stager.counts["downloads"] == 3 and not any(a.error or a.staging for a in report.adapters), report
+    assert split(engine.pushes[-1], "a") == ("v1", None, 0) and split(engine.pushes[-1], "b") == ("v1", "v2", 30)
+    assert adapter_digest(Path(engine.pushes[-1]["adapters"][0]["stable"]["uri"])) == adapter_digest(uploaded["a-v1"])
+
+
+@pytest.mark.parametrize("concurrency", [0, 65])
+def test_the_stage_concurrency_is_bounded(concurrency):
+    with pytest.raises(ValueError, match="stage_concurrency must be in 1..64"):
+        StagerConfig(stager_token=TOKEN, stage_concurrency=concurrency)
