@@ -53,6 +53,15 @@ def listen_problem(host: str, port: int, *, host_flag: str = "--host", port_flag
     return None
 
 
+def admin_listen_problem(config: WorkerConfig) -> str | None:
+    """Why the admin API's own listener (--admin-port) could not listen, or None (as --port: before the
+    model loads)."""
+    if config.admin_port is None:
+        return None
+    return listen_problem(config.admin_listen_host, config.admin_port, host_flag="--admin-host",
+                          port_flag="--admin-port")
+
+
 def stager_problem(config: WorkerConfig) -> str | None:
     """Why the stager child of an s3:// --adapters could not start (its cache folder, its port), or None:
     it starts only once the model has loaded, and would then end the start with its log's tail."""
@@ -77,7 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if problem := object_store_problem(config, os.environ) or listen_problem(config.host, config.port):
         return refuse(problem)
-    if problem := stager_problem(config):
+    if problem := admin_listen_problem(config) or stager_problem(config):
         return refuse(problem)
     logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

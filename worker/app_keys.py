@@ -34,3 +34,4 @@ ADMISSION = web.AppKey("admission", Admission)
 STATUS = web.AppKey("status", ServerStatus)
 ADMIN_LOCK = web.AppKey("admin_lock", asyncio.Lock)
 IN_FLIGHT = web.AppKey("in_flight", set)  # tasks of the request handlers running now (for shutdown)
+ADMIN_URL = web.AppKey("admin_url", str)  # the admin listener's base URL (--admin-port), once it listens

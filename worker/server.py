@@ -9,8 +9,9 @@ exits 0. SIGTERM while the model loads exits at once. A model folder, keys file 
 whose content cannot be served is raised as a StartupError naming the flag (worker/startup_errors.py:
 `python -m lorafleet.worker` exits 2 with that one line). Should the engine thread die, /healthz and
 /readyz turn 503. With an s3:// --adapters, /readyz stays 503 `loading_adapters` until the stager child's
-start-up adapters are registered (worker/startup_adapters.py). Every error leaves as an OpenAI-shaped
-body (`{"error": {...}}`).
+start-up adapters are registered (worker/startup_adapters.py). With --admin-port the admin routes are
+not on this app (404 here): a listener of their own serves them (worker/admin_listener.py). Every error
+leaves as an OpenAI-shaped body (`{"error": {...}}`).
 """
 
 from __future__ import annotations
@@ -31,10 +32,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from aiohttp import web
 
 from lorafleet.worker.admin_api import admin_routes
+from lorafleet.worker.admin_listener import admin_listener_ctx, local_url
 from lorafleet.worker.admission import Admission
 from lorafleet.worker.app_keys import (
     ADAPTERS,
     ADMIN_LOCK,
+    ADMIN_URL,
     ADMISSION,
     CONFIG,
     ENGINE,
@@ -161,8 +164,7 @@ async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 def engine_url(config: WorkerConfig) -> str:
-    host = "127.0.0.1" if config.host in ("0.0.0.0", "::", "") else config.host
-    return f"http://{host}:{config.port}"
+    return local_url(config.host, config.port)
 
 
 async def _stager_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -179,7 +181,7 @@ async def _stager_ctx(app: web.Application) -> AsyncIterator[None]:
     stager = StagerProcess(cache_dir=cache_dir, port=config.stager_port, env=env,
                            log_path=cache_dir.parent / "stager.log",
                            args=["--stager-adapters", uri, "--s3-allow", uri.removeprefix("s3://"),
-                                 "--engine-url", engine_url(config),
+                                 "--engine-url", app.get(ADMIN_URL) or engine_url(config),  # the admin API
                                  # it stages what this worker loads: the same limit, however it was given
                                  "--max-adapter-file-bytes", str(config.engine.max_adapter_file_bytes)])
     await asyncio.to_thread(stager.start, 60.0)
@@ -301,13 +303,16 @@ def create_app(config: WorkerConfig) -> web.Application:
                                  latency_series=config.adapter_latency_series)
     app[IN_FLIGHT] = set()
     app.cleanup_ctx.append(_engine_ctx)
+    if config.admin_port is not None:  # the admin API's own listener: up before the stager child, which calls it
+        app.cleanup_ctx.append(admin_listener_ctx)
     app.cleanup_ctx.append(_stager_ctx)
     app.on_shutdown.append(_drain)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
     app.router.add_routes(openai_routes())
-    app.router.add_routes(admin_routes())
+    if config.admin_port is None:
+        app.router.add_routes(admin_routes())
     if tenants.is_open:
         log.warning("no API keys configured (--api-keys-file): DEVELOPMENT MODE, every caller may use every "
                     "adapter and the base model")
@@ -342,7 +347,7 @@ def _exit_if_still_loading(code: int) -> None:
 def run(config: WorkerConfig) -> None:
     """Serve until SIGTERM/SIGINT; in-flight requests get `shutdown_grace_s` (a second signal ends it),
     then exit 0."""
-    if config.adapters_uri and config.port == 0:  # the stager child must know where to push
+    if config.adapters_uri and config.port == 0 and config.admin_port is None:  # the stager child pushes there
         with socket.socket() as sock:
             sock.bind((config.host, 0))
             config = dataclasses.replace(config, port=sock.getsockname()[1])

@@ -50,6 +50,13 @@ class WorkerConfig:
     admin_token: str | None = field(
         default=None, metadata=_help("bearer token for /admin/v1/* and /v1/load_lora_adapter; unset = the "
                                      "admin API refuses every call"))
+    admin_port: int | None = field(default=None, metadata=_help(
+        "serve the admin API (/admin/v1/*, /v1/load_lora_adapter, /v1/unload_lora_adapter) on this port of its "
+        "own, on --admin-host, and no longer on --port, where it then answers 404 (0 = any free port, logged); "
+        "unset = on --port, beside the OpenAI API"))
+    admin_host: str | None = field(default=None, metadata=_help(
+        "address the admin API listens on with --admin-port; default 127.0.0.1, so that only this machine (a "
+        "pod's own containers: the stager sidecar) reaches it"))
     max_body_bytes: int = field(default=4 * 1024 * 1024,
                                 metadata=_help("largest accepted request body in bytes (larger: 413)"))
     max_queued_requests: int = field(
@@ -106,6 +113,7 @@ class WorkerConfig:
             raise ValueError(f"port must be in 0..65535 (0 = any free port), got {self.port}")
         if not 0 <= self.stager_port < 65536:
             raise ValueError(f"stager_port must be in 0..65535, got {self.stager_port}")
+        self._check_admin_listener()
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         if self.max_queued_requests < 0:
@@ -138,6 +146,25 @@ class WorkerConfig:
         if name and adapters and not self.adapters_uri and (Path(adapters) / name / "adapter_config.json").is_file():
             raise ValueError(f"--served-model-name {name} is also the name of the adapter {Path(adapters) / name}: "
                              "requests naming it would get the base model; choose another --served-model-name")
+
+    def _check_admin_listener(self) -> None:
+        port = self.admin_port
+        if port is None:
+            if self.admin_host is not None:
+                raise ValueError(f"--admin-host {self.admin_host} needs --admin-port: without it the admin API is "
+                                 "served on --host and --port, beside the OpenAI API")
+            return
+        if not 0 <= port < 65536:
+            raise ValueError(f"admin_port must be in 0..65535 (0 = any free port), got {port}")
+        for flag, other in (("--port", self.port), ("--stager-port", self.stager_port)):
+            if port and port == other:
+                raise ValueError(f"--admin-port {port} is {flag} too: the admin API needs a port of its own; choose "
+                                 "another --admin-port, or leave it unset to serve the admin API on --port")
+
+    @property
+    def admin_listen_host(self) -> str:
+        """Where the admin listener binds (with `admin_port`): `admin_host`, else the loopback address."""
+        return self.admin_host or "127.0.0.1"
 
     @property
     def adapters_uri(self) -> str | None:

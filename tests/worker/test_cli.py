@@ -185,3 +185,31 @@ def test_stager_file_limit_is_a_flag_and_an_env_var(capsys):
     with pytest.raises(SystemExit):
         config_from_args(StagerConfig, ["--max-adapter-file-bytes", "0"], env=env)
     assert "max_adapter_file_bytes must be > 0" in capsys.readouterr().err
+
+
+def test_worker_admin_listener_is_a_flag_and_an_env_var():
+    from lorafleet.worker.worker_config import WorkerConfig
+
+    config = config_from_args(WorkerConfig, ["--admin-port", "8002"], env={})
+    assert (config.admin_port, config.admin_listen_host) == (8002, "127.0.0.1")  # the loopback unless told
+    config = config_from_args(WorkerConfig, [], env={"LORAFLEET_ADMIN_PORT": "0", "LORAFLEET_ADMIN_HOST": "::1"})
+    assert (config.admin_port, config.admin_listen_host) == (0, "::1")
+    config = config_from_args(WorkerConfig, [], env={})
+    assert config.admin_port is None  # unset: the admin API stays on --port
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["--port", "8000", "--admin-port", "8000"], "--admin-port 8000 is --port too: the admin API needs a port of its "
+                                                 "own; choose another --admin-port, or leave it unset"),
+    (["--stager-port", "8001", "--admin-port", "8001"], "--admin-port 8001 is --stager-port too"),
+    (["--admin-host", "0.0.0.0"], "--admin-host 0.0.0.0 needs --admin-port"),
+    (["--admin-port", "70000"], "admin_port must be in 0..65535"),
+], ids=["same-as-port", "same-as-stager-port", "host-without-port", "out-of-range"])
+def test_worker_admin_listener_settings_it_cannot_use_are_refused(argv, needle, capsys):
+    from lorafleet.worker.worker_config import WorkerConfig
+
+    with pytest.raises(SystemExit) as exc:
+        config_from_args(WorkerConfig, argv, env={})
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert needle in err and len(err.strip().splitlines()) == 1, err

@@ -95,6 +95,15 @@ def test_stager_port_in_use_is_refused_before_the_model_loads(worker_runs):
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr
 
 
+def test_admin_port_in_use_is_refused_before_the_model_loads(worker_runs):
+    """--admin-port's listener starts once the model has loaded: its port is checked first, as --port."""
+    out = worker_runs.result(("port", "--admin-port"))
+    port = worker_runs.held_port
+    assert_one_line_error(out, 2, REFUSED + f"--admin-port {port}", f"127.0.0.1:{port} is already in use",
+                          "choose another --admin-port")
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
 def test_stager_cache_folder_it_cannot_make_is_refused_before_the_model_loads(worker_runs):
     out = worker_runs.result(("stager-cache",))
     assert_one_line_error(out, 2, REFUSED + "--stager-cache-dir /proc/lorafleet-cache", "choose a writable folder")
@@ -288,6 +297,8 @@ def worker_runs(tiny_llama_dir, qv_adapters_dir, tmp_path_factory):
         cmd, env = worker_cmd("--model", str(tiny_llama_dir), "--port", "0", "--adapters", "s3://bucket/team/",
                               "--stager-port", port, env=s3)
         runs.submit(("port", "--stager-port"), cmd, env=env)
+        cmd, env = worker_cmd("--model", str(tiny_llama_dir), "--port", "0", "--admin-port", port)
+        runs.submit(("port", "--admin-port"), cmd, env=env)
         cmd, env = worker_cmd("--model", str(tiny_llama_dir), "--port", "0", "--adapters", "s3://bucket/team/",
                               "--stager-cache-dir", "/proc/lorafleet-cache", env=s3)
         runs.submit(("stager-cache",), cmd, env=env)

@@ -1,0 +1,80 @@
+"""The admin API on a listener of its own (`--admin-port`), off the port a Service exposes.
+
+With `--admin-port` the public app (worker/server.py) has no admin route: `/admin/v1/*` and the vLLM
+`/v1/load_lora_adapter`, `/v1/unload_lora_adapter` answer 404 there, as any unknown path. They are served
+by a second, small app on `--admin-host` (default 127.0.0.1: in a pod, only its own containers, the stager
+sidecar, reach it), with the same admin token. It shares the worker's state (the same objects under the
+same keys) and starts in the worker's `cleanup_ctx` once the engine is loaded, before the stager child,
+which is given its URL. On shutdown the public listener closes first and in-flight requests drain; the
+admin listener stays open meanwhile (the stager's pushes still land) and closes after the stager child
+stopped, before the engine does.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+
+from lorafleet.worker.admin_api import admin_routes
+from lorafleet.worker.app_keys import ADMIN_URL, CONFIG
+from lorafleet.worker.error_middleware import error_middleware
+from lorafleet.worker.listen import close_all, listen_sockets
+
+log = logging.getLogger("lorafleet.worker")
+
+_CUT_S = 1.0  # on shutdown: how long admin requests still running get before they are cancelled
+
+
+def local_url(host: str, port: int) -> str:
+    """The base URL a process on this machine calls `host:port` by (a wildcard address: the loopback)."""
+    if host in ("0.0.0.0", "::", ""):
+        host = "127.0.0.1"
+    try:
+        if ipaddress.ip_address(host).version == 6:
+            host = f"[{host}]"
+    except ValueError:  # a name
+        pass
+    return f"http://{host}:{port}"
+
+
+def create_admin_app(app: web.Application) -> web.Application:
+    """The admin routes over the state of the worker's `app` (every key of it, the engine's included)."""
+    admin = web.Application(client_max_size=app[CONFIG].max_body_bytes, middlewares=[error_middleware])
+    for key, value in app.items():
+        admin[key] = value
+    admin.router.add_routes(admin_routes())
+    return admin
+
+
+async def admin_listener_ctx(app: web.Application) -> AsyncIterator[None]:
+    """Serve the admin app on `--admin-host`/`--admin-port` (after the engine's ctx: it needs the engine) and
+    note its URL under ADMIN_URL. A port taken meanwhile is a StartupError naming --admin-port."""
+    config = app[CONFIG]
+    host = config.admin_listen_host
+    sockets = listen_sockets(host, config.admin_port, host_flag="--admin-host", port_flag="--admin-port")
+    runner = web.AppRunner(
+        create_admin_app(app), handler_cancellation=True, access_log=None, shutdown_timeout=_CUT_S
+    )
+    sites: list[web.SockSite] = []
+    try:
+        await runner.setup()
+        for sock in sockets:
+            sites.append(site := web.SockSite(runner, sock))
+            await site.start()
+    except BaseException:
+        await runner.cleanup()
+        close_all(sockets)
+        raise
+    app[ADMIN_URL] = local_url(host, sockets[0].getsockname()[1])
+    log.info(
+        "admin API (/admin/v1/*, /v1/load_lora_adapter) on %s only, not on --port %d",
+        ", ".join(site.name for site in sites),
+        config.port,
+    )
+    try:
+        yield
+    finally:
+        await runner.cleanup()
