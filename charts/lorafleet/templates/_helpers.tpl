@@ -36,6 +36,16 @@ app.kubernetes.io/component: operator
 {{- $urls | uniq | join "," -}}
 {{- end -}}
 
+{{/* The engine's admin API port, where the stager sidecar calls it over loopback: worker.adminPort (its own
+listener, refused when it is a port the pod already uses), else worker.port (null: beside the OpenAI API). */}}
+{{- define "lorafleet.engineAdminPort" -}}
+{{- $admin := .Values.worker.adminPort -}}
+{{- if kindIs "invalid" $admin -}}{{ .Values.worker.port }}
+{{- else if has (int $admin) (list (int .Values.worker.port) (int .Values.worker.stagerPort)) -}}
+{{- fail (printf "worker.adminPort %v is worker.port or worker.stagerPort too: the admin API needs a port of its own (or null: on worker.port)" $admin) -}}
+{{- else -}}{{ $admin }}{{- end -}}
+{{- end -}}
+
 {{- define "lorafleet.image" -}}
 {{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
 {{- end -}}

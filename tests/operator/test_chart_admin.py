@@ -1,0 +1,75 @@
+"""The chart's worker pod keeps the engine's admin API off the Service: the engine gets its own admin listener
+(worker.adminPort, on 127.0.0.1), the stager sidecar calls it there, and only the public port is a container
+port the Service routes to. worker.adminPort null keeps the admin API on worker.port, as before."""
+
+from __future__ import annotations
+
+import helm_python as helm
+import kubernetes_validate
+import pytest
+
+from lorafleet.worker.cli import config_from_args
+
+from .test_chart import CUSTOM_KINDS, K8S_VERSION, find, render
+
+LISTEN_VARS = ("LORAFLEET_HOST", "LORAFLEET_PORT", "LORAFLEET_ADMIN_HOST", "LORAFLEET_ADMIN_PORT")
+
+
+def worker_pod(values: dict) -> tuple[dict, dict, dict, list[dict]]:
+    """(engine container, stager container, Service, every rendered object) of a release with `values`."""
+    docs = render(values)
+    engine, stager = find(docs, "Deployment", "-worker")["spec"]["template"]["spec"]["containers"]
+    return engine, stager, find(docs, "Service"), docs
+
+
+def env_value(container: dict, name: str) -> str | None:
+    return next((e["value"] for e in container["env"] if e["name"] == name), None)
+
+
+def engine_listeners(engine: dict):
+    """The engine's WorkerConfig as its listening settings in the rendered env make it."""
+    worker_config = pytest.importorskip("lorafleet.worker.worker_config")
+    env = {e["name"]: e["value"] for e in engine["env"] if e["name"] in LISTEN_VARS}
+    return config_from_args(worker_config.WorkerConfig, [], env=env)
+
+
+@pytest.mark.parametrize(
+    ("worker", "port", "admin_port"), [({}, 8000, 8002), ({"port": 9000, "adminPort": 9100}, 9000, 9100)]
+)
+def test_the_stager_reaches_the_admin_api_on_loopback_and_the_service_does_not(worker, port, admin_port):
+    engine, stager, service, docs = worker_pod({"worker": worker})
+    config = engine_listeners(engine)
+    assert (config.host, config.port) == ("0.0.0.0", port)
+    assert (config.admin_listen_host, config.admin_port) == ("127.0.0.1", admin_port)
+    assert env_value(stager, "LORAFLEET_ENGINE_URL") == f"http://127.0.0.1:{admin_port}"
+    # The admin port is no container port; the Service and the probes use the public one only.
+    assert [p["containerPort"] for p in engine["ports"]] == [port]
+    assert [p["targetPort"] for p in service["spec"]["ports"]] == ["http"]
+    assert {"name": "http", "containerPort": port} in engine["ports"]
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert engine[probe]["httpGet"]["port"] == "http"
+    for doc in docs:
+        if doc["kind"] not in CUSTOM_KINDS:
+            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+def test_admin_port_null_keeps_the_admin_api_on_the_worker_port():
+    engine, stager, _, docs = worker_pod({"worker": {"adminPort": None}})
+    assert env_value(engine, "LORAFLEET_ADMIN_PORT") is None and engine_listeners(engine).admin_port is None
+    assert env_value(stager, "LORAFLEET_ENGINE_URL") == "http://127.0.0.1:8000"
+    for doc in docs:
+        if doc["kind"] not in CUSTOM_KINDS:
+            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("taken", ["port", "stagerPort"])
+def test_an_admin_port_the_pod_already_uses_is_refused_at_install(taken):
+    """The worker refuses --admin-port equal to --port (the stager sidecar's port is taken in the pod): the chart
+    fails at install, not as a pod that crashes at start."""
+    worker_config = pytest.importorskip("lorafleet.worker.worker_config")
+    with pytest.raises(ValueError, match="--admin-port 8000 is --port too"):
+        worker_config.WorkerConfig(port=8000, admin_port=8000)
+    with pytest.raises(helm.HelmError, match="worker.adminPort 800[01] is worker.port or worker.stagerPort"):
+        render({"worker": {"adminPort": {"port": 8000, "stagerPort": 8001}[taken]}})
+    with pytest.raises(helm.HelmValuesError):
+        render({"worker": {"adminPort": 0}})  # no free port: the sidecar must know it
