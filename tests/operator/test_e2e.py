@@ -97,7 +97,8 @@ class Child:
 
 
 class WorkerPair:
-    """One pod's worth: the engine and its stager sidecar on their own ports, a private disk cache."""
+    """One pod's worth: the engine and its stager sidecar on their own ports, a private disk cache; as the chart
+    runs them, the engine's admin API has a port of its own (--admin-port), which the sidecar calls."""
 
     def __init__(self, index: int, model: Path, s3: S3Server, root: Path) -> None:
         self.pod = f"worker-{index}"
@@ -107,16 +108,21 @@ class WorkerPair:
     def _build(self) -> None:
         # Free ports are probed, then bound by the child: another process on the machine may take one in
         # between, so a start that fails with "address in use" is retried on fresh ports.
-        self.port, self.stager_port = free_port(), free_port()
+        ports: list[int] = []
+        while len(ports) < 3:  # distinct: the worker refuses an admin port that is its --port too
+            if (port := free_port()) not in ports:
+                ports.append(port)
+        self.port, self.admin_port, self.stager_port = ports
         s3, root = self.s3, self.root
         self.engine = Child(["lorafleet.worker", "--model", str(self.model), "--device", "cpu", "--dtype", "float32",
                              "--host", "127.0.0.1", "--port", str(self.port), "--admin-token", ADMIN,
+                             "--admin-port", str(self.admin_port),
                              "--served-model-name", BASE, "--max-model-len", "128", "--shutdown-grace-s", "2",
                              "--adapter-roots", str(root / f"{self.pod}-cache")],  # the shared adapter cache
                             root / f"{self.pod}-engine.log")
         self.stager = Child(["lorafleet.worker.stager", "--stager-port", str(self.stager_port),
                              "--stager-cache-dir", str(root / f"{self.pod}-cache"),
-                             "--engine-url", f"http://127.0.0.1:{self.port}", "--admin-token", ADMIN,
+                             "--engine-url", f"http://127.0.0.1:{self.admin_port}", "--admin-token", ADMIN,
                              "--s3-endpoint", s3.endpoint, "--s3-access-key", s3.access_key,
                              "--s3-secret-key", s3.secret_key, "--no-s3-secure", "--s3-allow", BUCKET],
                             root / f"{self.pod}-stager.log", env={"LORAFLEET_STAGER_TOKEN": STAGER_TOKEN})
@@ -140,7 +146,7 @@ class WorkerPair:
         self.engine.stop()
 
     def restart_engine(self) -> None:
-        """The same port again (the sidecar knows it); a socket still closing may delay the bind."""
+        """The same ports again (the sidecar knows them); a socket still closing may delay the bind."""
         for attempt in range(10):
             try:
                 self.engine.start().wait_http(self.url + "/readyz")
