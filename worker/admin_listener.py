@@ -70,9 +70,8 @@ async def admin_listener_ctx(app: web.Application) -> AsyncIterator[None]:
         raise
     app[ADMIN_URL] = local_url(host, sockets[0].getsockname()[1])
     log.info(
-        "admin API (/admin/v1/*, /v1/load_lora_adapter) on %s only, not on --port %d",
+        "admin API (/admin/v1/*, /v1/load_lora_adapter) on %s only (--admin-port), not on --port",
         ", ".join(site.name for site in sites),
-        config.port,
     )
     try:
         yield
