@@ -16,12 +16,20 @@ The job holds its version through its choices in the engine only: one still queu
 would drop a retired version as soon as the choices running on it finished). A hold from here would keep
 the version's GPU slot while nothing runs on it, which the scheduler cannot let go of when other requests
 need the room (`Scheduler._let_go_of_adapters`); such answers fail (404, retry) instead.
+
+A job may have a time limit (--request-timeout-s), counted from its arrival (`job.arrived`, admission: its
+body was read and tokenized) to its last output. When it passes, the choices still running are cancelled
+at once, whether or not the caller is reading: their engine requests are aborted as when a client
+leaves (KV pages and the adapter reference freed at the next step boundary), and the job fails with a 504
+`deadline_exceeded` after the outputs produced in time.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import time
 from collections.abc import AsyncIterator, Callable
 
 from lorafleet.worker.adapter_entry import AdapterLoadError
@@ -31,12 +39,15 @@ from lorafleet.worker.openai_protocol import APIError
 from lorafleet.worker.request_output import RequestOutput
 from lorafleet.worker.served_adapters import ServedAdapters
 
+log = logging.getLogger(__name__)
+
 _RE_RESOLVE_TRIES, _RE_RESOLVE_PAUSE_S = 100, 0.02  # up to 2 s for a directive push to finish
 
 
-async def merged_outputs(async_engine, job: CompletionJob,
-                         adapters: ServedAdapters) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(choice index, output) from all choices as they arrive. Closing it aborts what is still running."""
+async def merged_outputs(async_engine, job: CompletionJob, adapters: ServedAdapters, *,
+                         limit_s: float = 0.0) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(choice index, output) from all choices as they arrive. Closing it aborts what is still running, as
+    does `limit_s` seconds after the job's arrival (0: no limit), which then raises a 504 APIError."""
     queue: asyncio.Queue[tuple[int, bool, BaseException | None]] = asyncio.Queue()
     # Per choice, its outputs not taken yet, as one (RequestOutput.then): a client that stops reading holds
     # one output per choice here, not one per engine step, each with a copy of all generated so far.
@@ -86,6 +97,7 @@ async def merged_outputs(async_engine, job: CompletionJob,
             queue.put_nowait((i, False, exc))
 
     tasks = [asyncio.create_task(pump(i)) for i in range(job.num_choices)]
+    clock = _time_limit(job, limit_s, tasks, queue) if limit_s else None
     try:
         remaining = len(tasks)
         while remaining:
@@ -97,9 +109,32 @@ async def merged_outputs(async_engine, job: CompletionJob,
                 continue
             yield i, pending.pop(i)
     finally:
+        if clock is not None:
+            clock.cancel()
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _time_limit(job: CompletionJob, limit_s: float, tasks: list[asyncio.Task],
+                queue: asyncio.Queue) -> asyncio.TimerHandle:
+    """At `limit_s` after the job's arrival: cancel its choices (which aborts their engine requests) and queue
+    the 504 behind the outputs they produced in time. A job whose choices all ended in time is let be."""
+
+    def expire() -> None:
+        running = [t for t in tasks if not t.done()]
+        if not running:  # its last output came in time; the caller is still reading it
+            return
+        for t in running:
+            t.cancel()
+        log.warning("request %s (%s) passed --request-timeout-s %g s: aborted its %d sequence(s) still running",
+                    job.request_id, job.model, limit_s, len(running))
+        queue.put_nowait((-1, False, APIError(
+            504, f"the request did not finish within {limit_s:g} s, the longest this worker serves one request "
+                 "(--request-timeout-s); its generation was stopped. Ask for fewer tokens (max_tokens), or retry "
+                 "when the worker is less busy", type="timeout_error", code="deadline_exceeded")))
+
+    return asyncio.get_running_loop().call_later(max(0.0, job.arrived + limit_s - time.monotonic()), expire)
 
 
 class _Moved(Exception):

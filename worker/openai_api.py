@@ -7,9 +7,9 @@ dropped that version or it cannot load: worker/job_outputs.py). Their outputs ar
 come. Streaming (SSE) starts with the first output, so a request that fails before producing
 anything (adapter failed to load, bad prompt) still gets a proper status code; one that fails after (its
 version went, the engine failed) ends with an in-band error event and no `[DONE]`, and counts in /metrics
-with that error's status, not as a completion. Leaving early for any reason (client gone, error,
-shutdown) cancels the engine iterators, which aborts the requests: KV pages and the adapter
-reference are released at once.
+with that error's status, not as a completion. Leaving early for any reason (client gone, error, shutdown,
+--request-timeout-s: a 504) cancels the engine iterators, which aborts the requests: KV pages and the
+adapter reference are released at once.
 
 Every response says which adapter version served it: `model` is `name@version` (or the base
 model's name), and the `X-Lorafleet-Adapter` header repeats it.
@@ -227,7 +227,7 @@ async def _serve(request: web.Request, endpoint: str) -> web.StreamResponse:
             adapter, version = timer.labels
             metrics.observe_prompt_tokens(adapter, sum(len(job.prompt_ids[p]) for p in job.choice_prompt),
                                           version=version)
-            outputs = merged_outputs(app[ENGINE], job, app[ADAPTERS])
+            outputs = merged_outputs(app[ENGINE], job, app[ADAPTERS], limit_s=app[CONFIG].request_timeout_s)
             failure: APIError | None = None  # what ended a stream after its headers went
             if job.options.stream:
                 response, failure = await _stream(request, job, outputs, timer)

@@ -76,6 +76,12 @@ class WorkerConfig:
         default=30.0, metadata=_help("seconds a request's body may take to arrive once the worker reads it; a "
                                      "slower one is answered 408 request_timeout and its intake place freed, so "
                                      "clients that upload slowly cannot hold --max-intake-requests"))
+    request_timeout_s: float = field(
+        default=0.0, metadata=_help("seconds an inference request may run, from its admission (body read and "
+                                    "tokenized) to its last token, waiting in the queue included; a request past "
+                                    "it has its sequences aborted (their KV pages and adapter freed, as when a "
+                                    "client leaves) and is answered 504 deadline_exceeded, a stream that started "
+                                    "with an in-band error event; 0 = no limit"))
     retry_after_s: int = field(default=1, metadata=_help("Retry-After seconds sent with 429"))
     shutdown_grace_s: float = field(
         default=30.0, metadata=_help("on SIGTERM: seconds in-flight requests get to finish; then they end with "
@@ -125,6 +131,9 @@ class WorkerConfig:
             raise ValueError(f"max_intake_requests must be >= 0 (0 = sized from the CPUs), got {self.max_intake_requests}")
         if not (math.isfinite(self.request_read_timeout_s) and self.request_read_timeout_s > 0):
             raise ValueError(f"request_read_timeout_s must be a finite number > 0, got {self.request_read_timeout_s}")
+        if not (math.isfinite(self.request_timeout_s) and self.request_timeout_s >= 0):
+            raise ValueError(f"request_timeout_s must be a finite number >= 0 (0 = no limit), got "
+                             f"{self.request_timeout_s}")
         if self.retry_after_s < 1:
             raise ValueError(f"retry_after_s must be >= 1, got {self.retry_after_s}")
         if self.shutdown_grace_s < 0:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 
 import pytest
 
@@ -13,7 +14,7 @@ from lorafleet.worker.adapter_entry import AdapterLoadError
 from lorafleet.worker.completion_job import CompletionJob
 from lorafleet.worker.engine import UnknownAdapterError
 from lorafleet.worker.job_outputs import merged_outputs
-from lorafleet.worker.openai_protocol import SamplingOptions
+from lorafleet.worker.openai_protocol import APIError, SamplingOptions
 from lorafleet.worker.served_adapters import ServedAdapters
 from tests.worker.test_served_adapters import ACME, SQL, state
 from tests.worker.test_served_fallback import SQL_V2, SwitchingHost
@@ -263,3 +264,54 @@ async def test_a_client_that_stops_reading_holds_one_output_per_choice_not_one_p
     assert rest.new_text == "".join(f"<{k}>" for k in range(1, 200)) and rest.text == first.text + rest.new_text
     assert [lp.token_id for lp in rest.new_logprobs] == list(range(1, 200))
     assert rest.finished and rest.finish_reason == "length" and rest.token_ids == list(range(200))
+
+
+class Endless:
+    """One output per request, then generates on until it is closed, which `closed` records."""
+
+    def __init__(self) -> None:
+        self.closed: list[str] = []
+        self.all_closed = asyncio.Event()
+        self.num_requests = 0
+
+    async def generate(self, request_id, prompt, params, adapter, tenant=None):
+        self.num_requests += 1
+        try:
+            yield f"{adapter} {request_id}"
+            await asyncio.Event().wait()
+        finally:
+            self.closed.append(request_id)
+            if len(self.closed) == self.num_requests:
+                self.all_closed.set()
+
+
+async def test_the_time_limit_aborts_every_choice_even_while_the_caller_does_not_read():
+    """Past `limit_s` every choice is closed (in the engine: aborted) at once, though the caller stopped
+    reading after the first output; its next read gets the outputs made in time, then the 504."""
+    served, engine = rollout(), Endless()
+    job = job_for(served, "sql@v1", n=3)
+    async with contextlib.aclosing(merged_outputs(engine, job, served, limit_s=0.05)) as merged:
+        got = [await anext(merged)]
+        await asyncio.wait_for(engine.all_closed.wait(), 10)  # the caller reads nothing meanwhile
+        assert sorted(engine.closed) == ["cmpl-1-0", "cmpl-1-1", "cmpl-1-2"]
+        with pytest.raises(APIError) as exc:
+            async for item in merged:
+                got.append(item)
+    assert sorted(i for i, _ in got) == [0, 1, 2]  # each choice's output from before the limit
+    assert (exc.value.status, exc.value.code) == (504, "deadline_exceeded")
+    assert "within 0.05 s" in exc.value.message and "--request-timeout-s" in exc.value.message
+
+
+async def test_a_job_that_ended_in_time_is_answered_though_read_after_its_limit(caplog):
+    """Its last output came within the limit: nothing is aborted or logged when the limit passes."""
+    served = rollout()
+    job = job_for(served, "sql@v1", n=2)
+    engine = StandInEngine(set())
+    async with contextlib.aclosing(merged_outputs(engine, job, served, limit_s=0.05)) as merged:
+        got = [await anext(merged)]
+        while time.monotonic() < job.arrived + 0.05:  # the limit passes while the caller does not read
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0)  # the limit's timer runs
+        got += [item async for item in merged]
+    assert sorted(i for i, _ in got) == [0, 1]
+    assert "--request-timeout-s" not in caplog.text
