@@ -4,9 +4,9 @@ credentials are allowed: a page can call the API only with a key it holds itself
 
 A preflight (OPTIONS with Access-Control-Request-Method) of a route is answered 204 before any key is
 asked for, with the allow headers when its Origin is listed; every response to a listed origin
-(errors, and streams, whose headers go out before their first event; not a 400 aiohttp answers for a request
-it cannot parse at all) names it, and exposes the headers clients read (which adapter version answered, when
-to retry)."""
+(errors, aiohttp's own refusals among them, and streams, whose headers go out before their first event; not
+a 400 aiohttp answers for a request it cannot parse at all: see `allow_origins`) names it, and exposes the
+headers clients read (which adapter version answered, when to retry)."""
 
 from __future__ import annotations
 
@@ -75,4 +75,12 @@ def allow_origins(app: web.Application, origins: frozenset[str]) -> None:
             response.headers.add("Vary", "Origin")  # the answer depends on the caller's origin
 
     app.middlewares.insert(0, preflight)
+    # The signal reaches every response prepared for a request routed to this app, aiohttp's refusals made
+    # there too: a body over client_max_size (--max-body-bytes: 413, raised by request.read() in the handler,
+    # under error_middleware), no route or method (404, 405), an Expect it does not know (417, before the
+    # middlewares). Not the 400 of aiohttp's HTTP protocol (web_protocol.RequestHandler.handle_error) for a
+    # request line or header (one over 8190 bytes too) that its parser refuses, or a chunk size that arrives
+    # with them: that answer is made for a placeholder request, never routed, so no middleware and no signal
+    # of this app runs, and the caller's Origin was never parsed, so there is no origin to name. Only a
+    # request handler class of our own in place of aiohttp's could add a header there, and then only `*`.
     app.on_response_prepare.append(name_origin)

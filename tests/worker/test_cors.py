@@ -3,6 +3,9 @@ asked for and every response to a listed origin names it, streams and errors inc
 
 from __future__ import annotations
 
+import asyncio
+import json
+
 import pytest
 
 from lorafleet.worker.cors import parse_origins
@@ -16,10 +19,31 @@ PREFLIGHT = {"Origin": APP, "Access-Control-Request-Method": "POST",
 BODY = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
 
 
-async def worker(aiohttp_client, tiny_llama_dir, origins: str):
+async def worker(aiohttp_client, tiny_llama_dir, origins: str, **options):
     config = WorkerConfig(engine=EngineConfig(model=str(tiny_llama_dir), dtype="float32", max_model_len=128),
-                          served_model_name="tiny", allowed_origins=origins)
+                          served_model_name="tiny", allowed_origins=origins, **options)
     return await aiohttp_client(create_app(config))
+
+
+async def exchange(port: int, request: bytes) -> tuple[int, dict[str, str], bytes]:
+    """`request` sent as it is on a connection of its own: the answer's status, headers (lower-case names; the
+    last of a repeated one) and body."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(request)
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)
+        status_line, *lines = head.decode().strip().split("\r\n")
+        headers = {k.lower(): v for k, v in (line.split(": ", 1) for line in lines)}
+        body = await asyncio.wait_for(reader.readexactly(int(headers["content-length"])), 30)
+        return int(status_line.split()[1]), headers, body
+    finally:
+        writer.close()
+
+
+def post_head(*headers: str) -> bytes:
+    return "\r\n".join(["POST /v1/completions HTTP/1.1", "Host: 127.0.0.1", f"Origin: {APP}",
+                         "Content-Type: application/json", *headers, "", ""]).encode()
 
 
 async def test_without_allowed_origins_browsers_get_no_cors_headers(aiohttp_client, tiny_llama_dir):
@@ -63,3 +87,45 @@ async def test_any_origin(aiohttp_client, tiny_llama_dir):
 def test_an_entry_that_is_no_origin_is_refused_naming_it(value):
     with pytest.raises(ValueError, match="is not an origin|is not a JSON list"):
         parse_origins(value)
+
+
+LARGE = json.dumps({"model": "tiny", "prompt": "x" * 4096}).encode()  # over --max-body-bytes 2048
+
+
+@pytest.mark.parametrize("request_bytes", [
+    post_head(f"Content-Length: {len(LARGE)}") + LARGE,
+    post_head("Transfer-Encoding: chunked") + f"{len(LARGE):x}\r\n".encode() + LARGE + b"\r\n0\r\n\r\n",
+], ids=["content_length", "chunked"])
+async def test_a_body_over_the_limit_is_a_413_a_browser_can_read(aiohttp_client, tiny_llama_dir, request_bytes):
+    """aiohttp refuses a body over client_max_size (--max-body-bytes) while a handler reads it: the 413 passes
+    through the app, so it carries the CORS headers (and the OpenAI error shape), whatever the body's framing."""
+    client = await worker(aiohttp_client, tiny_llama_dir, APP, max_body_bytes=2048)
+    status, headers, body = await exchange(client.server.port, request_bytes)
+    assert status == 413 and headers["access-control-allow-origin"] == APP, headers
+    assert "X-Lorafleet-Adapter" in headers["access-control-expose-headers"]
+    error = json.loads(body)["error"]
+    assert error["code"] == "request_too_large" and "--max-body-bytes" in error["message"], error
+
+
+async def test_an_expectation_aiohttp_refuses_is_a_417_a_browser_can_read(aiohttp_client, tiny_llama_dir):
+    """aiohttp answers an unknown Expect before the middlewares run, but inside the app: the CORS headers
+    are there."""
+    client = await worker(aiohttp_client, tiny_llama_dir, APP)
+    status, headers, _ = await exchange(client.server.port, post_head("Expect: bogus", "Content-Length: 2") + b"{}")
+    assert status == 417 and headers["access-control-allow-origin"] == APP, headers
+
+
+@pytest.mark.parametrize("request_bytes", [
+    post_head("Bad Header: x", "Content-Length: 2") + b"{}",
+    post_head("X-Large: " + "a" * 9000, "Content-Length: 2") + b"{}",
+    b"GET /v1/models HTTP/1.1 extra\r\nHost: 127.0.0.1\r\nOrigin: " + APP.encode() + b"\r\n\r\n",
+], ids=["bad_header", "header_over_8190_bytes", "bad_request_line"])
+async def test_a_request_aiohttp_cannot_parse_is_a_400_without_cors_headers(aiohttp_client, tiny_llama_dir,
+                                                                           request_bytes):
+    """The one answer without them: aiohttp's protocol answers it for a request it never parsed (its Origin
+    unread), outside the app (worker/cors.py says why). The worker serves the next request as ever."""
+    client = await worker(aiohttp_client, tiny_llama_dir, APP)
+    status, headers, _ = await exchange(client.server.port, request_bytes)
+    assert status == 400 and "access-control-allow-origin" not in headers, headers
+    resp = await client.post("/v1/completions", json=BODY, headers={"Origin": APP})
+    assert resp.status == 200 and resp.headers["Access-Control-Allow-Origin"] == APP
