@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -28,7 +27,7 @@ from typing import Any
 import jinja2
 from aiohttp import web
 
-from lorafleet.worker.adapter_entry import AdapterLoadError, split_key
+from lorafleet.worker.adapter_entry import AdapterLoadError
 from lorafleet.worker.app_keys import (
     ADAPTERS,
     ADMISSION,
@@ -38,6 +37,7 @@ from lorafleet.worker.app_keys import (
     STATUS,
     TENANTS,
 )
+from lorafleet.worker.choice_timer import ChoiceTimer, request_labels
 from lorafleet.worker.completion_job import CompletionJob, TextOffsets
 from lorafleet.worker.engine import EngineError, ShutdownError, UnknownAdapterError
 from lorafleet.worker.engine_errors import ContextLengthError
@@ -156,49 +156,6 @@ def _engine_error(exc: BaseException, job: CompletionJob, request: web.Request) 
     return APIError(500, f"the engine failed on this request: {message}", type="server_error", code="engine_error")
 
 
-class _ChoiceTimer:
-    """TTFT (first token of any choice) and inter-token gaps (per choice) of one request."""
-
-    def __init__(self, metrics, job: CompletionJob, per_version: Callable[[str | None], bool]) -> None:
-        self.metrics = metrics
-        self.job = job
-        self.per_version = per_version  # engine key -> whether its latencies are labelled by version (metrics.acquire)
-        self.arrived = job.arrived
-        self.first: float | None = None
-        self.last: dict[int, float] = {}  # choice index -> time of its latest tokens
-
-    @property
-    def labels(self) -> tuple[str | None, str]:
-        """(adapter, version) of the version serving the job: read each time, as a re-resolve changes it."""
-        return _request_labels(self.job.adapter)
-
-    def tokens(self, choice: int, num_tokens: int) -> None:
-        if num_tokens <= 0 or self.job.score_only:  # scored only: the token generated is not the caller's
-            return
-        now = time.monotonic()
-        adapter, version = self.labels
-        per_version = self.per_version(self.job.adapter)
-        if self.first is None:
-            self.first = now
-            self.metrics.observe_first_token(adapter, now - self.arrived, version=version, per_version=per_version)
-        last = self.last.get(choice)
-        if last is not None:
-            self.metrics.observe_token_gaps(adapter, (now - last) / num_tokens, num_tokens, version=version,
-                                            per_version=per_version)
-        self.last[choice] = now
-        self.metrics.observe_tokens(adapter, num_tokens, version=version)
-
-    def done(self) -> None:
-        adapter, version = self.labels
-        self.metrics.observe_e2e(adapter, time.monotonic() - self.arrived, version=version,
-                                 per_version=self.per_version(self.job.adapter))
-
-
-def _request_labels(key: str | None) -> tuple[str | None, str]:
-    """Metrics labels of engine key `name@version`: (name, version); the base model's: (None, "")."""
-    return split_key(key) if key else (None, "")
-
-
 def _admit(app: web.Application, job: CompletionJob, tenant: str) -> None:
     """Take admission room for the job's sequences, or raise 429 (one that never fits was refused before)."""
     admission = app[ADMISSION]
@@ -216,14 +173,14 @@ async def _serve(request: web.Request, endpoint: str) -> web.StreamResponse:
     resolved: list[tuple[str | None, bool]] = []  # engine keys it holds (the one resolved, then one moved to)
 
     def hold(key: str | None) -> None:  # its series stay, even if a push retires it, until this request counts
-        resolved.append((key, metrics.acquire(*_request_labels(key))))
+        resolved.append((key, metrics.acquire(*request_labels(key))))
 
     try:
         job = await _prepare(request, endpoint, hold)
         admission, tenant = app[ADMISSION], job.tenant.name
         _admit(app, job, tenant)  # raises, having taken nothing, or took room released just below
         try:
-            timer = _ChoiceTimer(metrics, job, lambda key: any(rolling for k, rolling in resolved if k == key))
+            timer = ChoiceTimer(metrics, job, lambda key: any(rolling for k, rolling in resolved if k == key))
             adapter, version = timer.labels
             metrics.observe_prompt_tokens(adapter, sum(len(job.prompt_ids[p]) for p in job.choice_prompt),
                                           version=version)
@@ -252,21 +209,21 @@ async def _serve(request: web.Request, endpoint: str) -> web.StreamResponse:
         raise
     finally:
         if job is not None:
-            adapter, version = _request_labels(job.adapter)
+            adapter, version = request_labels(job.adapter)
         elif resolved:  # refused after the model was resolved (a bad prompt, a context too long)
-            adapter, version = _request_labels(resolved[0][0])
+            adapter, version = request_labels(resolved[0][0])
         else:  # refused before the model was resolved (bad body, auth, unknown adapter)
             adapter, version = UNRESOLVED_LABEL, ""
         metrics.observe_request(adapter=adapter, version=version, endpoint=endpoint, status=status)
         if job is not None and job.failed_over is not None:  # the version it moved off failed to load: 503 there
-            failed, failed_version = _request_labels(job.failed_over)
+            failed, failed_version = request_labels(job.failed_over)
             metrics.observe_request(adapter=failed, version=failed_version, endpoint=endpoint, status=503)
         if adapter is not None and version:  # the series of versions no longer served go
             served = app[ADAPTERS].get(adapter)
             # A version retired before this request first counted on it had no series then: retired here.
             metrics.retain_versions(adapter, versions_still_served(served, version))
         for key, rolling in resolved:  # counted: a retired version's grace starts now
-            metrics.release(*_request_labels(key), rolling)
+            metrics.release(*request_labels(key), rolling)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -281,7 +238,7 @@ def _tokenizer(request: web.Request):
     return request.app[ENGINE].engine.tokenizer
 
 
-async def _collect(request: web.Request, job: CompletionJob, outputs: AsyncIterator[tuple[int, RequestOutput]], timer: _ChoiceTimer) -> web.Response:
+async def _collect(request: web.Request, job: CompletionJob, outputs: AsyncIterator[tuple[int, RequestOutput]], timer: ChoiceTimer) -> web.Response:
     final: dict[int, RequestOutput] = {}
     async with contextlib.aclosing(outputs):
         try:
@@ -297,7 +254,7 @@ async def _collect(request: web.Request, job: CompletionJob, outputs: AsyncItera
 
 
 async def _stream(request: web.Request, job: CompletionJob, outputs: AsyncIterator[tuple[int, RequestOutput]],
-                  timer: _ChoiceTimer) -> tuple[web.StreamResponse, APIError | None]:
+                  timer: ChoiceTimer) -> tuple[web.StreamResponse, APIError | None]:
     """The SSE answer, and None, or the APIError that ended it after its headers went (sent in-band as the
     stream's last event, with no [DONE]). A failure before the first output is raised (its own status);
     the client leaving is a CancelledError."""
