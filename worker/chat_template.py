@@ -15,6 +15,10 @@ role render a turn the model never saw (Llama 3, SmolLM2), drop it silently (Qwe
 `continue_final_message` (vLLM's and transformers' option) leaves the last message open, without the
 template's end of turn, so that the model continues it: the message is rendered with a tag after its text and
 the prompt is cut at the tag (transformers' tag and rule, so the prompts are the same).
+
+A request's `tools` are the template's `tools` variable, as transformers passes them. Whether the template
+reads that variable at all is known when it compiles (`takes_tools`): a request with tools for a template
+that does not is refused (openai_api.py) rather than rendered without them.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from datetime import datetime
 from typing import Any
 
 import jinja2
+import jinja2.meta
 import jinja2.nodes
 from jinja2.defaults import DEFAULT_NAMESPACE
 from jinja2.ext import Extension
@@ -97,10 +102,12 @@ class ChatTemplate:
         self.knows_developer = "developer" in strings
         # The text it writes itself, strings apart ("\0" cannot join two): where its control tokens are written.
         self.literal_text = "\0".join([*(node.data for node in tree.find_all(jinja2.nodes.TemplateData)), *strings])
+        self.takes_tools = "tools" in jinja2.meta.find_undeclared_variables(tree)
 
     def render(self, messages: list[dict[str, Any]], variables: dict[str, Any], *, add_generation_prompt: bool = True,
-               continue_final_message: bool = False) -> str:
-        """The prompt text; `variables`: the tokenizer's special tokens and the request's chat_template_kwargs.
+               continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None) -> str:
+        """The prompt text; `variables`: the tokenizer's special tokens and the request's chat_template_kwargs;
+        `tools`: the request's tools (None: none, as transformers passes no tools).
         Raises jinja2.TemplateError: the template's raise_exception, or a ChatTemplateError."""
         if not self.knows_developer:
             messages = [m | {"role": "system"} if m.get("role") == "developer" else m for m in messages]
@@ -109,7 +116,7 @@ class ChatTemplate:
             messages = [*messages[:-1], messages[-1] | {"content": final + CONTINUE_TAG}]
         try:
             text = self._template.render(variables | {
-                "messages": messages, "tools": None, "documents": None, "add_generation_prompt": add_generation_prompt})
+                "messages": messages, "tools": tools or None, "documents": None, "add_generation_prompt": add_generation_prompt})
         except (TypeError, ValueError, LookupError, ArithmeticError) as exc:
             raise ChatTemplateError(f"{type(exc).__name__}: {exc}") from exc
         if not continue_final_message:

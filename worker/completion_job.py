@@ -35,6 +35,7 @@ from lorafleet.worker.sampling_params import SamplingParams
 from lorafleet.worker.sequence import TokenLogprob
 from lorafleet.worker.tenants import Tenant
 from lorafleet.worker.token_bytes import token_bytes
+from lorafleet.worker.tool_calls import ToolCalls
 
 
 @dataclass(slots=True)
@@ -59,6 +60,7 @@ class CompletionJob:
     prompts: list[str | list[int]] | None = None  # completions: the prompts as sent (what `echo` repeats)
     failed_over: str | None = None  # the engine key it moved off because that version failed to load
     score_only: bool = False  # echo with max_tokens 0: the one token generated is left out of the answer
+    tool_calls: ToolCalls | None = None  # chat with tools (not tool_choice "none"): the output read for calls
     created: int = field(default_factory=lambda: int(time.time()))
     arrived: float = field(default_factory=time.monotonic)
 
@@ -158,11 +160,17 @@ class CompletionJob:
                 choice["prompt_logprobs"] = vllm_prompt_logprobs(tokenizer, prompt_lps, self.options.prompt_logprobs)
             return choice
         if delta:
+            calls: list[dict[str, Any]] = []
+            if self.tool_calls is not None:  # called once per chunk: it holds back what may be a call
+                text, calls, finish_reason = self.tool_calls.delta(index, text, finish_reason)
             message = ({"role": "assistant"} if first else {}) | ({"content": text} if text or first else {})
-            return {"index": index, "delta": message, "logprobs": chat_logprobs(tokenizer, lps),
-                    "finish_reason": finish_reason}
-        return {"index": index, "message": {"role": "assistant", "content": text},
-                "logprobs": chat_logprobs(tokenizer, lps), "finish_reason": finish_reason}
+            return {"index": index, "delta": message | ({"tool_calls": calls} if calls else {}),
+                    "logprobs": chat_logprobs(tokenizer, lps), "finish_reason": finish_reason}
+        message = {"role": "assistant", "content": text}
+        if self.tool_calls is not None:
+            message, finish_reason = self.tool_calls.message(text, finish_reason)
+        return {"index": index, "message": message, "logprobs": chat_logprobs(tokenizer, lps),
+                "finish_reason": finish_reason}
 
     def response(self, tokenizer, final: dict[int, RequestOutput]) -> dict[str, Any]:
         """The whole answer (not streamed) from each choice's finished output."""

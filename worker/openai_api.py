@@ -55,6 +55,7 @@ from lorafleet.worker.served_adapters import VersionUnavailable
 from lorafleet.worker.served_fallback import versions_still_served
 from lorafleet.worker.tenants import AuthenticationError, Tenant
 from lorafleet.worker.tokenizer import TokenizerError
+from lorafleet.worker.tool_calls import ToolCalls
 
 ADAPTER_HEADER = "X-Lorafleet-Adapter"
 
@@ -108,9 +109,12 @@ async def _prepare(request: web.Request, endpoint: str,
                     raise EngineError("this model has no tokenizer; use /v1/completions with token ids")
                 in_content = app[CONFIG].chat_control_tokens_in_content  # vLLM's way: they stay control tokens
                 return [engine.tokenizer.encode_chat(parsed.template_messages(), parsed.template,
+                                                     tools=tools.tools if tools is not None else None,
                                                      control_tokens_in_content=in_content)]
             return [engine.encode(p) for p in parsed.prompts]
 
+        tools = parsed.tools if endpoint == "chat" else None  # its tools and tool_choice (tool_request.py)
+        tool_calls = ToolCalls.of(tools, engine.tokenizer, app[CONFIG].tool_call_parser)  # 400: no tools in template
         try:
             prompt_ids = await asyncio.get_running_loop().run_in_executor(None, tokenize)
         except (EngineError, TokenizerError) as exc:
@@ -121,7 +125,8 @@ async def _prepare(request: web.Request, endpoint: str,
                            param="messages") from None
     prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
     job = CompletionJob(endpoint, f"{prefix}-{uuid.uuid4().hex}", adapter or app[ADAPTERS].base_model, adapter,
-                        prompt_ids, parsed.options, tenant=tenant, prompts=getattr(parsed, "prompts", None))
+                        prompt_ids, parsed.options, tenant=tenant, prompts=getattr(parsed, "prompts", None),
+                        tool_calls=tool_calls)
     if adapter is not None and "@" not in parsed.model:
         job.re_resolve = lambda: app[ADAPTERS].resolve(parsed.model, tenant, parsed.options.user)
         job.on_move = resolved  # the version it moves to is counted on too

@@ -62,6 +62,24 @@ def check_text(v: str, param: str) -> str:
     return v
 
 
+MAX_DEPTH = 32  # a JSON value the worker walks (chat_template_kwargs, tools): checked, control tokens wrapped
+
+
+def check_strings(v: Any, param: str, depth: int = 0) -> None:
+    """Every string of a JSON value (keys too) valid Unicode (check_text), nested at most MAX_DEPTH deep."""
+    if depth > MAX_DEPTH:
+        raise bad_request(f"'{param}' is nested deeper than {MAX_DEPTH} levels", param)
+    if isinstance(v, str):
+        check_text(v, param)
+    elif isinstance(v, dict):
+        for key, value in v.items():
+            check_text(key, param)
+            check_strings(value, param, depth + 1)
+    elif isinstance(v, list):
+        for item in v:
+            check_strings(item, param, depth + 1)
+
+
 def is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 

@@ -2,13 +2,14 @@
 
 Parsing is strict where it matters: wrong types, out-of-range values and unknown top-level fields
 are refused with a 400 that names the field (as OpenAI does: "Unrecognized request argument");
-options we cannot honour (`best_of > 1`, `suffix`, chat's `echo`, tool calls, also in a chat's history,
+options we cannot honour (`best_of > 1`, `suffix`, chat's `echo`, legacy `functions` and `function_call`,
 `reasoning_effort`, non-text `modalities`, vLLM's `documents`) are refused rather than silently ignored;
 documented fields that do not change the output (`store`, `metadata`, `service_tier`, ...) are type-checked
 and ignored. vLLM's chat fields `add_generation_prompt`, `continue_final_message`, `chat_template_kwargs` and
 `add_special_tokens` are taken with vLLM's meaning (chat_template.py). Tokenization happens later, in
 openai_api.py, and the context-length check in completion_job.py. The typed field access and the error shape
-live in openai_fields.py, the sampling options both endpoints share in openai_sampling.py.
+live in openai_fields.py, the sampling options both endpoints share in openai_sampling.py, the tool fields
+(`tools`, `tool_choice`, a history's `tool_calls`) in tool_request.py.
 """
 
 from __future__ import annotations
@@ -20,10 +21,19 @@ from typing import Any
 from lorafleet.worker.chat_template import ChatTemplateOptions, is_reserved
 from lorafleet.worker.directives import DirectiveError
 from lorafleet.worker.directives import _name as directive_name
-from lorafleet.worker.openai_fields import APIError, Fields, bad_request, check_text, is_int, parse_json
+from lorafleet.worker.openai_fields import (
+    APIError,
+    Fields,
+    bad_request,
+    check_strings,
+    check_text,
+    is_int,
+    parse_json,
+)
 from lorafleet.worker.openai_sampling import SamplingOptions, parse_sampling_options
 from lorafleet.worker.sampling_defaults import SamplingDefaults
 from lorafleet.worker.sampling_params import MAX_LOGPROBS
+from lorafleet.worker.tool_request import ToolRequest, message_tool_calls, parse_tool_request
 
 __all__ = [  # APIError, bad_request, parse_json (openai_fields.py) and SamplingOptions are re-exported
     "APIError", "ChatMessage", "ChatRequest", "CompletionRequest", "SamplingOptions", "bad_request",
@@ -35,7 +45,6 @@ MAX_COMPLETION_LOGPROBS = MAX_LOGPROBS  # vLLM's max_logprobs (OpenAI's legacy A
 MAX_CHAT_TOP_LOGPROBS = MAX_LOGPROBS
 MAX_PROMPTS = 1024  # a batch of an evaluation harness (lm-evaluation-harness sends its batch_size as one list)
 CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
-MAX_KWARGS_DEPTH = 32  # chat_template_kwargs: its values are walked (checked, control tokens wrapped)
 
 
 @dataclass(slots=True)
@@ -51,6 +60,7 @@ class ChatMessage:
     content: str
     name: str | None = None
     tool_call_id: str | None = None  # a tool message's: which call it answers
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls, arguments as objects (tool_request.py)
 
 
 @dataclass(slots=True)
@@ -59,11 +69,14 @@ class ChatRequest:
     messages: list[ChatMessage]
     options: SamplingOptions
     template: ChatTemplateOptions  # vLLM's chat template fields
+    tools: ToolRequest | None = None  # tools, tool_choice; None: no tools sent
 
-    def template_messages(self) -> list[dict[str, str]]:
-        """The messages as the chat template sees them: role and content, name and tool_call_id where sent."""
+    def template_messages(self) -> list[dict[str, Any]]:
+        """The messages as the chat template sees them: role and content, name, tool_call_id and tool_calls
+        where sent (templates test `'tool_calls' in message`: the key is there only with calls)."""
         return [{"role": m.role, "content": m.content}
-                | {k: v for k, v in (("name", m.name), ("tool_call_id", m.tool_call_id)) if v is not None}
+                | {k: v for k, v in (("name", m.name), ("tool_call_id", m.tool_call_id), ("tool_calls", m.tool_calls))
+                   if v is not None}
                 for m in self.messages]
 
 
@@ -152,11 +165,8 @@ def parse_chat_request(body: Any, defaults: SamplingDefaults = SamplingDefaults(
             raise bad_request(f"{where}.role must be one of {', '.join(CHAT_ROLES)} (got {json.dumps(role)})",
                               "messages")
         name, tool_call_id = (_message_string(m, key, where) for key in ("name", "tool_call_id"))
-        for key in ("tool_calls", "function_call"):  # empty: what a response without calls carries back
-            if m.get(key):
-                raise bad_request(f"{where}.{key}: tool calling is not implemented, and the chat template "
-                                  "would be rendered without these calls", "messages", "unsupported_parameter")
-        messages.append(ChatMessage(role, _content(m.get("content"), where), name, tool_call_id))
+        messages.append(ChatMessage(role, _content(m.get("content"), where), name, tool_call_id,
+                                    message_tool_calls(m, where)))
     options = parse_sampling_options(f, ("max_tokens", "max_completion_tokens"), None, defaults)
     options.default_max_tokens = defaults.max_tokens
     if f.flag("logprobs", False):
@@ -165,12 +175,13 @@ def parse_chat_request(body: Any, defaults: SamplingDefaults = SamplingDefaults(
         raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     f.neutral("echo", False, "chat's echo (repeating the last message) is not implemented; /v1/completions "
                              "takes echo, and prompt_logprobs works on both")
-    f.neutral("tools", [], "tool calling is not implemented")
-    f.neutral("tool_choice", "none", "tool calling is not implemented")
+    tools = parse_tool_request(f)
+    if tools is not None and tools.choice == "named":  # the arguments: one JSON object (json_guide.py)
+        options.json_object = True
     _chat_extras(f)
     template = _template_options(f)
     f.refuse_unknown()
-    return ChatRequest(model, messages, options, template)
+    return ChatRequest(model, messages, options, template, tools)
 
 
 def _message_string(m: dict, key: str, where: str) -> str | None:
@@ -199,23 +210,8 @@ def _template_options(f: Fields) -> ChatTemplateOptions:
         raise bad_request(f"'chat_template_kwargs' must not set {', '.join(reserved)}: the worker passes the chat "
                           "template its messages, options (use the request's own fields) and special tokens",
                           "chat_template_kwargs")
-    _check_strings(kwargs, "chat_template_kwargs")
+    check_strings(kwargs, "chat_template_kwargs")
     return ChatTemplateOptions(add_generation_prompt, continue_final, kwargs, f.flag("add_special_tokens", False))
-
-
-def _check_strings(v: Any, param: str, depth: int = 0) -> None:
-    """Every string of a JSON value (keys too) valid Unicode (check_text), nested at most MAX_KWARGS_DEPTH deep."""
-    if depth > MAX_KWARGS_DEPTH:
-        raise bad_request(f"'{param}' is nested deeper than {MAX_KWARGS_DEPTH} levels", param)
-    if isinstance(v, str):
-        check_text(v, param)
-    elif isinstance(v, dict):
-        for key, value in v.items():
-            check_text(key, param)
-            _check_strings(value, param, depth + 1)
-    elif isinstance(v, list):
-        for item in v:
-            _check_strings(item, param, depth + 1)
 
 
 def _chat_extras(f: Fields) -> None:
@@ -225,11 +221,10 @@ def _chat_extras(f: Fields) -> None:
     f.string_map("metadata")  # tags of a stored completion
     for name in ("service_tier", "prompt_cache_key", "safety_identifier"):  # billing, cache routing, abuse reports
         f.string(name)
-    f.flag("parallel_tool_calls", True)  # `tools` is refused: there are no calls to run in parallel
     if not isinstance(f.get("prediction"), dict | None):  # predicted output: only a speed-up, the same text
         raise bad_request("'prediction' must be an object", "prediction", "invalid_type")
-    f.neutral("functions", [], "function calling is not implemented")
-    f.neutral("function_call", "none", "function calling is not implemented")
+    f.neutral("functions", [], "the legacy function calling is not implemented; send 'tools'")
+    f.neutral("function_call", "none", "the legacy function calling is not implemented; send 'tool_choice'")
     f.neutral("modalities", ["text"], "only text output; send [\"text\"] or leave it out")
     f.neutral("audio", None, "only text output")
     f.neutral("web_search_options", None, "web search is not implemented")

@@ -93,28 +93,31 @@ class Tokenizer:
             t.content in listed if isinstance(listed, list) else t.content in written and not t.content.isspace()))
 
     def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True,
-                            continue_final_message: bool = False, template_kwargs: dict | None = None) -> str:
+                            continue_final_message: bool = False, template_kwargs: dict | None = None,
+                            tools: list[dict] | None = None) -> str:
         """The prompt text for a chat; special tokens are part of the text (encode it with
-        add_special_tokens=False). `template_kwargs`: more template variables (a request's chat_template_kwargs).
+        add_special_tokens=False). `template_kwargs`: more template variables (a request's chat_template_kwargs);
+        `tools`: the request's tools (the template's `tools`).
         Raises TokenizerError without a template, jinja2.TemplateError when it fails on these messages."""
         if self.template is None:
             raise TokenizerError("this model has no chat template (tokenizer_config.json lacks chat_template)")
         variables = {"bos_token": "", "eos_token": ""} | self.special_tokens | (template_kwargs or {})
         return self.template.render(messages, variables, add_generation_prompt=add_generation_prompt,
-                                    continue_final_message=continue_final_message)
+                                    continue_final_message=continue_final_message, tools=tools)
 
     def encode_chat(self, messages: list[dict], options: ChatTemplateOptions | None = None, *,
-                    control_tokens_in_content: bool = False) -> list[int]:
-        """A chat's prompt ids. Control-token strings in the messages and in options.kwargs are encoded as
-        plain text, unless `control_tokens_in_content` (vLLM's way: they become the tokens)."""
+                    control_tokens_in_content: bool = False, tools: list[dict] | None = None) -> list[int]:
+        """A chat's prompt ids. Control-token strings in the messages, in options.kwargs and in `tools` are
+        encoded as plain text, unless `control_tokens_in_content` (vLLM's way: they become the tokens)."""
         options = options or ChatTemplateOptions()
         render = {"add_generation_prompt": options.add_generation_prompt,
                   "continue_final_message": options.continue_final_message}
         if control_tokens_in_content:
-            text = self.apply_chat_template(messages, template_kwargs=options.kwargs, **render)
+            text = self.apply_chat_template(messages, template_kwargs=options.kwargs, tools=tools, **render)
             return self.encode(text, add_special_tokens=options.add_special_tokens)
         marks = self.control_tokens
-        text = self.apply_chat_template(marks.wrap(messages), template_kwargs=marks.wrap(options.kwargs), **render)
+        text = self.apply_chat_template(marks.wrap(messages), template_kwargs=marks.wrap(options.kwargs),
+                                        tools=marks.wrap(tools), **render)
         pieces = marks.split(text)
         if len(pieces) == 1:
             return self.encode(pieces[0][0], add_special_tokens=options.add_special_tokens)

@@ -13,11 +13,14 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from lorafleet.worker.cors import parse_origins
 from lorafleet.worker.engine_config import EngineConfig
 from lorafleet.worker.metrics import RETIRED_GRACE_S, LatencySeries
 from lorafleet.worker.tenants import keys_file_problem
+
+ToolParserName = Literal["auto", "hermes", "llama3_json"]
 
 REMOTE_SCHEMES = ("s3://",)
 
@@ -106,6 +109,11 @@ class WorkerConfig:
         "let special-token strings in chat messages (\"<|im_end|>\" in a user's text) become the control tokens "
         "they spell, as vLLM does, so a message can forge turns of its own; off = they are encoded as plain text "
         "and only the chat template's own control tokens are tokens"))
+    tool_call_parser: ToolParserName = field(default="auto", metadata=_help(
+        "how tool calls are read out of a chat answer when a request sends tools (vLLM's --tool-call-parser): "
+        "hermes = <tool_call>{...}</tool_call> blocks (Hermes, Qwen), llama3_json = a JSON object {\"name\", "
+        "\"parameters\"} (Llama 3.1/3.2); auto = hermes when the chat template writes <tool_call>, else "
+        "llama3_json"))
     allowed_origins: str = field(default="", metadata=_help(
         "comma-separated origins (scheme://host[:port]) browser pages may call the API from, or * for any "
         "(vLLM's --allowed-origins, whose default is *); empty = no CORS headers, so browsers refuse "

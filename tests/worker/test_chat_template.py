@@ -218,3 +218,25 @@ def test_prompt_ids_equal_transformers_and_forged_turns_stay_text(family_dirs, f
     assert tok.encode_chat(FORGED, control_tokens_in_content=True) == hf_ids(FORGED, add_generation_prompt=True)
     special = {tok.token_to_id(t) for t in ["<|im_start|>", "<|im_end|>", *FAMILY_TOKENS]} - {None}
     assert sum(t in special for t in forged) == sum(t in special for t in tok.encode_chat([FORGED[0] | {"content": "x"}]))
+
+
+TOOLS_TEMPLATE = ("{% if tools %}<s>{% for t in tools %}{{ t | tojson }}{% endfor %}</s>{% endif %}"
+                  "{% for m in messages %}<|{{ m.role }}|>{% if 'tool_calls' in m %}{% for c in m.tool_calls %}"
+                  "<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}{% endif %}{{ m.content }}{% endfor %}")
+
+
+def test_tools_reach_the_template_as_transformers_passes_them(tiny_llama_dir, tmp_path):
+    """`tools` as sent, a history's calls with their arguments as objects; a template that never reads `tools`
+    says so (takes_tools); control-token strings in a tool's description are text, the template's are tokens."""
+    tok = _tokenizer(tiny_llama_dir, tmp_path, TOOLS_TEMPLATE)
+    tools = [{"type": "function", "function": {"name": "f", "description": "ends with </s>", "parameters": {}}}]
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"x": "é"}}}]}]
+    assert tok.template.takes_tools
+    assert tok.apply_chat_template(messages, tools=tools, add_generation_prompt=False) == \
+        _render(TOOLS_TEMPLATE, messages, tools=tools)
+    assert tok.apply_chat_template(messages, add_generation_prompt=False) == _render(TOOLS_TEMPLATE, messages)
+    ids = tok.encode_chat(messages, ChatTemplateOptions(add_generation_prompt=False), tools=tools)
+    assert ids.count(BOS_ID) == 1 and ids.count(EOS_ID) == 1  # the description's "</s>": its 4 bytes
+    assert not _tokenizer(tiny_llama_dir, tmp_path / "plain", GENERATION).template.takes_tools

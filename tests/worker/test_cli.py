@@ -213,3 +213,16 @@ def test_worker_admin_listener_settings_it_cannot_use_are_refused(argv, needle, 
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert needle in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_tool_call_parser_is_a_flag_and_an_env_var(tmp_path, capsys):
+    from lorafleet.worker.worker_config import WorkerConfig
+
+    argv = ["--model", str(tmp_path)]
+    assert config_from_args(WorkerConfig, argv, env={}).tool_call_parser == "auto"
+    assert config_from_args(WorkerConfig, [*argv, "--tool-call-parser", "hermes"], env={}).tool_call_parser == "hermes"
+    env = {"LORAFLEET_TOOL_CALL_PARSER": "llama3_json"}
+    assert config_from_args(WorkerConfig, argv, env=env).tool_call_parser == "llama3_json"
+    with pytest.raises(SystemExit):
+        config_from_args(WorkerConfig, [*argv, "--tool-call-parser", "mistral"], env={})
+    assert "invalid choice" in capsys.readouterr().err

@@ -263,7 +263,7 @@ BAD_CHATS = [
      "Unrecognized request argument supplied: documents"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "needs 'logprobs'"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
-     "not supported"),
+     "tools[0] must be an object like"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "echo": True}, "chat's echo"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "prompt_logprobs": 21}, "'prompt_logprobs'"),
 ]
@@ -317,20 +317,17 @@ def test_chat_text_parts_are_joined_by_newlines_as_vllm_does():
     assert r.messages[0].content == "Translate:\nbonjour"
 
 
-@pytest.mark.parametrize("key", ["tool_calls", "function_call"])
-def test_chat_history_with_tool_calls_is_refused_not_dropped(key):
-    """An assistant turn that called tools: the template would be rendered without the calls (a
-    different prompt than the caller sent), so it is refused; an empty `tool_calls` (what a response
-    without calls carries back into the history) is accepted."""
-    call = {"name": "lookup", "arguments": "{}"}
-    value = [{"id": "c1", "type": "function", "function": call}] if key == "tool_calls" else call
-    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, key: value},
-                {"role": "tool", "content": "42"}]
+def test_chat_history_with_a_legacy_function_call_is_refused_not_dropped():
+    """The legacy `function_call` of an assistant turn would be rendered without the call (a different prompt
+    than the caller sent), so it is refused; an empty `tool_calls` (what a response without calls carries back
+    into the history) is accepted. Tool calls themselves: tests/worker/test_tool_request.py."""
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": None, "function_call": {"name": "lookup", "arguments": "{}"}}]
     with pytest.raises(APIError) as exc:
         parse_chat_request({"model": "m", "messages": messages})
     err = exc.value
     assert (err.status, err.param, err.code) == (400, "messages", "unsupported_parameter")
-    assert f"messages[1].{key}" in err.message and "tool calling is not implemented" in err.message
+    assert "messages[1].function_call" in err.message and "send 'tool_calls'" in err.message
     empty = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok", "tool_calls": [],
                                                   "function_call": None}]
     assert [m.content for m in parse_chat_request({"model": "m", "messages": empty}).messages] == ["hi", "ok"]

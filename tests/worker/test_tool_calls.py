@@ -1,0 +1,81 @@
+"""ToolCalls: a choice's whole message and its streamed deltas say the same, however the text is cut into
+chunks; text before a hermes block streams as content at once; named functions answer their arguments."""
+
+from __future__ import annotations
+
+import pytest
+
+from lorafleet.worker.tool_calls import ToolCalls
+from lorafleet.worker.tool_parser import HermesParser, Llama3JsonParser
+from lorafleet.worker.tool_request import ToolRequest
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather"}}, {"type": "function", "function": {"name": "add"}}]
+CALL = '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
+
+OUTPUTS = [
+    ("hermes", "plain answer, no call"),
+    ("hermes", "trailing space \n"),
+    ("hermes", f"Adding.\n{CALL}"),
+    ("hermes", f"{CALL}\n{CALL}\n"),
+    ("hermes", f"Before {CALL} after"),  # text after the call: all content
+    ("hermes", "<tool_call>{\"name\": \"nope\", \"arguments\": {}}</tool_call>"),
+    ("hermes", "a <tool_cal"),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Oslo"}}'),
+    ("llama3_json", ' {"name": "Bob"}'),
+    ("llama3_json", "  The answer is 3."),
+]
+
+
+def _tool_calls(parser: str, **request) -> ToolCalls:
+    return ToolCalls(ToolRequest(TOOLS, **request), {"hermes": HermesParser, "llama3_json": Llama3JsonParser}[parser]())
+
+
+def _streamed(calls: ToolCalls, index: int, pieces: list[str], finish_reason: str) -> tuple[str, list, str]:
+    content, tool_calls, reason = "", [], None
+    for k, piece in enumerate(pieces):
+        sent, delta_calls, reason = calls.delta(index, piece, finish_reason if k == len(pieces) - 1 else None)
+        content += sent
+        tool_calls += delta_calls
+    return content, tool_calls, reason
+
+
+def _without_ids(calls: list[dict]) -> list[dict]:
+    return [{k: v for k, v in c.items() if k not in ("id", "index")} for c in calls]
+
+
+@pytest.mark.parametrize("parser, text", OUTPUTS)
+def test_streamed_deltas_add_up_to_the_whole_message(parser, text):
+    calls = _tool_calls(parser)
+    message, reason = calls.message(text, "stop")
+    for size in (1, 2, 5, len(text)):
+        pieces = [text[i:i + size] for i in range(0, len(text), size)]
+        content, tool_calls, streamed_reason = _streamed(calls, 0, pieces, "stop")
+        assert content == (message["content"] or "")
+        assert _without_ids(tool_calls) == _without_ids(message.get("tool_calls", []))
+        assert [c["index"] for c in tool_calls] == list(range(len(tool_calls)))
+        assert streamed_reason == reason == ("tool_calls" if tool_calls else "stop")
+
+
+def test_text_before_a_hermes_call_streams_at_once_and_choices_are_apart():
+    calls = _tool_calls("hermes")
+    assert calls.delta(0, "Let me ", None) == ("Let me", [], None)  # its space may precede a call: held
+    assert calls.delta(1, '{"name"', None) == ('{"name"', [], None)  # choice 1: its own text
+    assert calls.delta(0, "check.\n<tool_", None) == (" check.", [], None)
+    content, tool_calls, reason = calls.delta(0, 'call>{"name": "add", "arguments": {}}</tool_call>', "stop")
+    assert (content, reason) == ("", "tool_calls") and tool_calls[0]["function"] == {"name": "add", "arguments": "{}"}
+    assert calls.delta(1, "}", "length") == ("}", [], "length")
+
+
+def test_named_function_answers_its_arguments_with_the_engines_finish_reason():
+    calls = _tool_calls("hermes", choice="named", function="get_weather")
+    message, reason = calls.message('{"city": "Oslo"}', "stop")
+    assert (message["content"], reason) == (None, "stop")
+    assert message["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    assert _streamed(calls, 0, ['{"city"', ': "Oslo"}'], "stop")[0] == ""  # nothing goes out as content
+    _, streamed, reason = _streamed(calls, 2, ['{"ci'], "length")
+    assert reason == "length" and streamed[0]["function"]["arguments"] == '{"ci'  # cut short, as OpenAI's
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    message, reason = _tool_calls("hermes", parallel_tool_calls=False).message(f"{CALL}{CALL}", "stop")
+    assert len(message["tool_calls"]) == 1 and reason == "tool_calls"

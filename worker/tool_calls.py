@@ -1,0 +1,99 @@
+"""ToolCalls: how one chat request's choices answer with tool calls, whole or streamed.
+
+tool_choice "auto": each choice's text is read by the request's ToolParser; calls found make the message's
+`tool_calls` (`content`: the text before them, or null) and its finish_reason "tool_calls". A named function
+(tool_choice `{"type": "function", ...}`): the output was held to one JSON object (JSON mode) and is that
+function's arguments, as vLLM answers it; the finish_reason stays the engine's ("stop", or "length" for
+arguments cut short), as OpenAI answers a forced call (its documentation: "stop" when tool_choice names a
+function) and vLLM does too. tool_choice "none" needs none of this: the output is plain content.
+
+Streamed, a choice's text goes out as content up to where it may be the start of a call (ToolParser.hold_from);
+the rest is held until the choice ends, then sent as content, or as `delta.tool_calls` (each call whole, with
+its index, id and name) with finish_reason "tool_calls". Chunks keep carrying the logprobs of their tokens
+while text is held, as they do for text held back by a possible stop string: a stream's logprobs are the
+same, token for token, as the whole answer's, which gives the logprobs of every generated token, calls too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lorafleet.worker.openai_fields import APIError
+from lorafleet.worker.tool_parser import ToolCall, ToolParser, tool_parser
+from lorafleet.worker.tool_request import ToolRequest
+
+
+class ToolStream:
+    """One streamed choice: its text so far and how much of it went out as content."""
+
+    def __init__(self, hold_from) -> None:
+        self.hold_from = hold_from  # text -> the characters that can go out now (None: hold it all)
+        self.text = ""
+        self.num_sent = 0  # characters of `text` sent as content
+
+    def feed(self, new_text: str) -> str:
+        """The content to send now, given the choice's new text."""
+        self.text += new_text
+        cut = 0 if self.hold_from is None else max(self.num_sent, self.hold_from(self.text))
+        out, self.num_sent = self.text[self.num_sent:cut], max(cut, self.num_sent)
+        return out
+
+
+class ToolCalls:
+    def __init__(self, request: ToolRequest, parser: ToolParser) -> None:
+        self.request = request
+        self.parser = parser
+        self.names = frozenset(request.names)
+        self._streams: dict[int, ToolStream] = {}  # choice index -> its stream
+
+    @classmethod
+    def of(cls, request: ToolRequest | None, tokenizer, parser_name: str) -> ToolCalls | None:
+        """The request's tool calls (None: no tools, or tool_choice "none"). Refuses tools for a model whose chat
+        template takes none. vLLM renders such a template without them and answers as if they had never been
+        sent; here that is a 400, so a caller does not mistake a model that never saw the tools for one that
+        chose not to call them."""
+        if request is None or tokenizer is None or tokenizer.template is None:  # no template: tokenizing says so
+            return None
+        if not tokenizer.template.takes_tools:
+            raise APIError(400, "this model's chat template takes no tools (it never reads `tools`), so they would "
+                                "not reach the model; send the request without 'tools', or serve a model whose "
+                                "template renders them", code="invalid_value", param="tools")
+        if request.choice == "none":
+            return None
+        return cls(request, tool_parser(parser_name, tokenizer.chat_template))
+
+    def calls(self, text: str, finish_reason: str | None) -> tuple[str | None, list[ToolCall], str | None]:
+        """(content, calls, finish_reason) of a choice's whole text."""
+        if self.request.choice == "named":
+            return None, [ToolCall(self.request.function, text)], finish_reason
+        parsed = self.parser.parse(text, self.names)
+        if parsed is None:
+            return text, [], finish_reason
+        content, calls = parsed
+        return content, calls if self.request.parallel_tool_calls else calls[:1], "tool_calls"
+
+    def message(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
+        """A whole choice's `message` and finish_reason."""
+        content, calls, finish_reason = self.calls(text, finish_reason)
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [c.openai() for c in calls]
+        return message, finish_reason
+
+    def delta(self, index: int, new_text: str, finish_reason: str | None) -> tuple[str, list[dict], str | None]:
+        """A streamed chunk of choice `index`: (content to send, `delta.tool_calls`, finish_reason); its
+        finish_reason, when set, ends the choice."""
+        if index not in self._streams:
+            named = self.request.choice == "named"
+            self._streams[index] = ToolStream(None if named else self.parser.hold_from)
+        stream = self._streams[index]
+        content = stream.feed(new_text)
+        if finish_reason is None:
+            return content, [], None
+        del self._streams[index]
+        whole, calls, finish_reason = self.calls(stream.text, finish_reason)
+        if not calls:  # all of it is content: the rest of it goes now
+            return content + stream.text[stream.num_sent:], [], finish_reason
+        # content is the text before the calls, and at most that went out (hold_from)
+        rest = (whole or "")[stream.num_sent:]
+        return content + rest, [{"index": k} | c.openai() for k, c in enumerate(calls)], finish_reason
