@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from lorafleet.worker.completion_job import CompletionJob
+from lorafleet.worker.openai_sampling import SamplingOptions
+from lorafleet.worker.request_output import RequestOutput
+from lorafleet.worker.tenants import Tenant
 from lorafleet.worker.tool_calls import ToolCalls
 from lorafleet.worker.tool_parser import HermesParser, Llama3JsonParser
 from lorafleet.worker.tool_request import ToolRequest
@@ -79,3 +83,25 @@ def test_named_function_answers_its_arguments_with_the_engines_finish_reason():
 def test_parallel_tool_calls_false_keeps_the_first_call():
     message, reason = _tool_calls("hermes", parallel_tool_calls=False).message(f"{CALL}{CALL}", "stop")
     assert len(message["tool_calls"]) == 1 and reason == "tool_calls"
+
+
+def test_a_chat_jobs_answer_carries_the_calls_whole_and_streamed():
+    """The job's response and chunks: choice 0 called a tool, choice 1 answered text; usage counts every token."""
+    job = CompletionJob("chat", "chatcmpl-1", "m", None, [[1, 2, 3]], SamplingOptions(n=2), tenant=Tenant("t"),
+                        tool_calls=_tool_calls("hermes"))
+    job.add_choices(64)
+    texts = [f"Sure.\n{CALL}", "No call."]
+    final = {i: RequestOutput("r", [1, 2, 3], [], "", None, [7] * len(t), t, finished=True, finish_reason="stop")
+             for i, t in enumerate(texts)}
+    body = job.response(None, final)
+    called, plain = (c["message"] for c in body["choices"])
+    assert [c["finish_reason"] for c in body["choices"]] == ["tool_calls", "stop"]
+    assert called["content"] == "Sure." and called["tool_calls"][0]["function"] == {"name": "add",
+                                                                                     "arguments": '{"a": 1}'}
+    assert plain == {"role": "assistant", "content": "No call."}
+    assert body["usage"]["completion_tokens"] == sum(map(len, texts))
+    first = job.choice(None, 0, "Sure.\n<tool", None, None, delta=True, first=True)
+    assert first["delta"] == {"role": "assistant", "content": "Sure."} and first["finish_reason"] is None
+    last = job.choice(None, 0, texts[0][len("Sure.\n<tool"):], None, "stop", delta=True)
+    assert (last["finish_reason"], set(last["delta"])) == ("tool_calls", {"tool_calls"})
+    assert last["delta"]["tool_calls"][0]["index"] == 0

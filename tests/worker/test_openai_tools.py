@@ -1,0 +1,145 @@
+"""Tool calling over HTTP (a worker on 127.0.0.1, the tiny model with a chat template that renders tools, the
+official `openai` client): the tools and a history's calls in the prompt, named tool_choice answered as a call
+(whole and streamed), tool_choice "none" and "auto" answered as content when the output holds no call, a
+template without tools refused. The byte tokenizer makes a prompt's token count its length in bytes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from lorafleet.worker.engine_config import EngineConfig
+from lorafleet.worker.server import create_app
+from lorafleet.worker.worker_config import WorkerConfig
+from tests.worker.conftest import EOS_ID
+
+openai = pytest.importorskip("openai")  # installed with the test extras; absent on a bare GPU machine
+
+# Hermes-like: the tools as JSON in a system turn, an assistant's calls as <tool_call> blocks of their arguments.
+TEMPLATE = ("{% if tools %}<|system|>{% for t in tools %}{{ t | tojson }}{% endfor %}{% endif %}"
+            "{% for m in messages %}<|{{ m.role }}|>{% if m.tool_calls is defined %}{% for c in m.tool_calls %}"
+            "<tool_call>{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}</tool_call>"
+            "{% endfor %}{% else %}{{ m.content }}{% endif %}{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+USER = [{"role": "user", "content": "Weather in Paris?"}]
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.fixture
+def tools_model(tiny_llama_dir, tmp_path):
+    model = shutil.copytree(tiny_llama_dir, tmp_path / "model")
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": TEMPLATE}))
+    return model
+
+
+async def _api(aiohttp_client, model, **config):
+    engine = EngineConfig(model=str(model), dtype="float32", max_model_len=512)
+    client = await aiohttp_client(create_app(WorkerConfig(engine=engine, served_model_name="tiny", **config)))
+    return openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="sk-test", max_retries=0)
+
+
+@pytest.fixture
+async def api(aiohttp_client, tools_model):
+    return await _api(aiohttp_client, tools_model)
+
+
+async def _streamed(stream) -> list[dict]:
+    """Each choice's content, tool calls, finish reason and logprob tokens, put together from the chunks."""
+    choices: dict[int, dict] = {}
+    async for chunk in stream:
+        for c in chunk.choices:
+            got = choices.setdefault(c.index, {"content": "", "tool_calls": [], "finish_reason": None, "tokens": []})
+            got["content"] += c.delta.content or ""
+            got["tool_calls"] += [t.model_dump() for t in c.delta.tool_calls or []]
+            got["finish_reason"] = c.finish_reason or got["finish_reason"]
+            got["tokens"] += [t.token for t in c.logprobs.content] if c.logprobs and c.logprobs.content else []
+    return [choices[i] for i in sorted(choices)]
+
+
+async def test_tools_and_a_history_of_calls_reach_the_prompt(api):
+    """(a) the tools are rendered (the prompt grows by their JSON); (c) an assistant's call and the tool's answer
+    are accepted, the call's arguments rendered as the object they were sent as JSON text."""
+    plain = await api.chat.completions.create(model="tiny", messages=USER, max_tokens=1)
+    with_tools = await api.chat.completions.create(model="tiny", messages=USER, max_tokens=1, tools=[WEATHER],
+                                                   tool_choice="none")
+    assert with_tools.usage.prompt_tokens - plain.usage.prompt_tokens == len(f"<|system|>{json.dumps(WEATHER)}")
+    call = {"id": "call_abc", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}
+    history = [*USER, {"role": "assistant", "content": None, "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "call_abc", "content": "18 C"}]
+    resp = await api.chat.completions.create(model="tiny", messages=history, max_tokens=1, tools=[WEATHER])
+    rendered = ('<|assistant|><tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+                "<|tool|>18 C")
+    assert resp.usage.prompt_tokens == with_tools.usage.prompt_tokens + len(rendered)
+
+
+async def test_named_tool_choice_answers_a_call_whole_and_streamed(api):
+    """(b) the output is held to one JSON object, answered as the named function's arguments; streamed, the
+    same call comes in one delta with its id and name, and nothing as content."""
+    body = {"model": "tiny", "messages": USER, "tools": [WEATHER], "tool_choice": NAMED, "n": 3, "seed": 5,
+            "max_tokens": 64, "logit_bias": {str(EOS_ID): 100}}
+    resp = await api.chat.completions.create(**body)
+    stopped = 0
+    for choice in resp.choices:
+        (call,) = choice.message.tool_calls
+        assert choice.message.content is None and call.type == "function" and call.function.name == "get_weather"
+        assert call.id.startswith("call_") and len(call.id) == len("call_") + 24
+        if choice.finish_reason == "stop":  # as OpenAI answers a forced call; "length": arguments cut short
+            assert isinstance(json.loads(call.function.arguments), dict)
+            stopped += 1
+    assert stopped
+    streamed = await _streamed(await api.chat.completions.create(**body, stream=True))
+    for got, choice in zip(streamed, resp.choices, strict=True):
+        (call,) = got["tool_calls"]
+        assert got["content"] == "" and got["finish_reason"] == choice.finish_reason
+        assert (call["index"], call["type"], call["id"][:5]) == (0, "function", "call_")
+        assert call["function"] == choice.message.tool_calls[0].function.model_dump()
+
+
+async def test_tool_choice_none_answers_plain_content(api):
+    """(d) the tools are rendered but the output is never read as calls."""
+    resp = await api.chat.completions.create(model="tiny", messages=USER, max_tokens=12, seed=1, tools=[WEATHER],
+                                             tool_choice="none")
+    (choice,) = resp.choices
+    assert choice.message.tool_calls is None and isinstance(choice.message.content, str)
+    assert choice.finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("parser", ["auto", "llama3_json"])
+async def test_auto_without_a_call_in_the_output_is_content_whole_and_streamed(aiohttp_client, tools_model, parser):
+    """The model's output, read by the parser (auto picks hermes from this template's <tool_call>) and found to
+    hold no call, is the message's content; streamed, the text held back (llama3_json holds a JSON mode
+    output, which starts with '{', to the end) arrives all the same, and every token's logprob with it."""
+    api = await _api(aiohttp_client, tools_model, tool_call_parser=parser)
+    body = {"model": "tiny", "messages": USER, "tools": [WEATHER], "n": 2, "seed": 7, "max_tokens": 24,
+            "logprobs": True, "response_format": {"type": "json_object"}}
+    resp = await api.chat.completions.create(**body)
+    streamed = await _streamed(await api.chat.completions.create(**body, stream=True))
+    for got, choice in zip(streamed, resp.choices, strict=True):
+        assert choice.message.tool_calls is None and choice.message.content.lstrip().startswith("{")
+        assert got["content"] == choice.message.content and not got["tool_calls"]
+        assert got["finish_reason"] == choice.finish_reason != "tool_calls"
+        assert got["tokens"] == [t.token for t in choice.logprobs.content]
+
+
+async def test_tools_for_a_template_without_tools_are_refused(aiohttp_client, tiny_llama_dir):
+    api = await _api(aiohttp_client, tiny_llama_dir)  # its template never reads `tools`
+    with pytest.raises(openai.BadRequestError) as err:
+        await api.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER])
+    assert (err.value.body["param"], err.value.body["code"]) == ("tools", "invalid_value")
+    assert "chat template takes no tools" in err.value.body["message"]
+    resp = await api.chat.completions.create(model="tiny", messages=USER, max_tokens=1)  # without: as before
+    assert resp.choices[0].message.tool_calls is None
+
+
+async def test_bad_tool_fields_are_400_over_http(api):
+    with pytest.raises(openai.BadRequestError) as err:
+        await api.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER], tool_choice="required")
+    assert (err.value.body["param"], err.value.body["code"]) == ("tool_choice", "unsupported_parameter")
+    with pytest.raises(openai.BadRequestError) as err:
+        await api.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER],
+                                          tool_choice={"type": "function", "function": {"name": "other"}})
+    assert err.value.body["param"] == "tool_choice" and "not in 'tools'" in err.value.body["message"]
