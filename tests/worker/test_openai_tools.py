@@ -91,6 +91,11 @@ async def test_named_tool_choice_answers_a_call_whole_and_streamed(api):
             assert isinstance(json.loads(call.function.arguments), dict)
             stopped += 1
     assert stopped
+    done = next(c for c in resp.choices if c.finish_reason == "stop")  # its message goes back into the history
+    history = [*USER, done.message.model_dump(exclude_none=True),
+               {"role": "tool", "tool_call_id": done.message.tool_calls[0].id, "content": "18 C"}]
+    again = await api.chat.completions.create(model="tiny", messages=history, tools=[WEATHER], max_tokens=1)
+    assert again.usage.prompt_tokens > resp.usage.prompt_tokens + len(done.message.tool_calls[0].function.arguments)
     streamed = await _streamed(await api.chat.completions.create(**body, stream=True))
     for got, choice in zip(streamed, resp.choices, strict=True):
         (call,) = got["tool_calls"]
