@@ -132,7 +132,9 @@ def _time_limit(job: CompletionJob, limit_s: float, tasks: list[asyncio.Task],
         queue.put_nowait((-1, False, APIError(
             504, f"the request did not finish within {limit_s:g} s, the longest this worker serves one request "
                  "(--request-timeout-s); its generation was stopped. Ask for fewer tokens (max_tokens), or retry "
-                 "when the worker is less busy", type="timeout_error", code="deadline_exceeded")))
+                 "when the worker is less busy", type="timeout_error", code="deadline_exceeded",
+            # The openai clients retry a 504 twice by default: the same request would take the limit thrice.
+            headers={"x-should-retry": "false"})))
 
     return asyncio.get_running_loop().call_later(max(0.0, job.arrived + limit_s - time.monotonic()), expire)
 
