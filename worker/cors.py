@@ -18,7 +18,7 @@ from aiohttp import web
 
 ANY = "*"
 _ORIGIN = re.compile(r"https?://[^/?#@\s]+", re.IGNORECASE)  # scheme://host[:port], as a browser sends it
-_EXPOSED = "X-Lorafleet-Adapter, Retry-After"
+_EXPOSED = "X-Lorafleet-Adapter, Retry-After, X-Should-Retry"  # x-should-retry: a 504 past --request-timeout-s
 _MAX_AGE_S = "600"
 
 

@@ -215,3 +215,14 @@ def test_an_s3_worker_s_stager_child_pushes_through_the_admin_port(tiny_llama_di
             assert _get(f"{url}/metrics") == 200
         finally:
             assert worker.stop() == 0, worker.log_path.read_text()[-3000:]
+
+
+@pytest.mark.parametrize(("host", "url"), [
+    ("0.0.0.0", "http://127.0.0.1:8002"), ("", "http://127.0.0.1:8002"),
+    ("::", "http://[::1]:8002"),  # an IPv6-only wildcard (worker/listen.py): its loopback, not 127.0.0.1
+    ("127.0.0.1", "http://127.0.0.1:8002"), ("::1", "http://[::1]:8002"), ("localhost", "http://localhost:8002"),
+])
+def test_the_url_a_local_process_calls_a_listener_by(host, url):
+    from lorafleet.worker.admin_listener import local_url
+
+    assert local_url(host, 8002) == url
