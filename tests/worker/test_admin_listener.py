@@ -226,3 +226,54 @@ def test_the_url_a_local_process_calls_a_listener_by(host, url):
     from lorafleet.worker.admin_listener import local_url
 
     assert local_url(host, 8002) == url
+
+
+async def test_the_admin_port_stays_open_while_the_public_one_drains(tiny_llama_dir, qv_adapters_dir, tmp_path):
+    """On shutdown the public listener closes and its requests finish first; the admin port answers meanwhile
+    (the stager sidecar's last report goes through it), and closes after."""
+    import asyncio
+    import threading
+
+    from aiohttp import web
+
+    from lorafleet.worker.app_keys import ENGINE
+
+    app = create_app(worker_config(tiny_llama_dir, qv_adapters_dir, tmp_path, admin_port=0, shutdown_grace_s=30))
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1)
+    await runner.setup()
+    cleanup, gate = None, threading.Event()
+    try:
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        public, admin_url = f"http://127.0.0.1:{runner.addresses[0][1]}", app[ADMIN_URL]
+        app[ENGINE].call(lambda _engine: gate.wait(60))  # the engine holds the request until the gate opens
+        async with aiohttp.ClientSession() as http:
+            body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+            inflight = asyncio.ensure_future(http.post(f"{public}/v1/completions", json=body, headers=auth(KEY)))
+
+            async def admin_state() -> dict:
+                async with http.get(f"{admin_url}/admin/v1/state", headers=auth(ADMIN)) as resp:
+                    assert resp.status == 200
+                    return await resp.json()
+
+            while (await admin_state())["requests"]["admitted"] == 0:
+                await asyncio.sleep(0.005)
+            cleanup = asyncio.ensure_future(runner.cleanup())
+            while True:  # the public listener goes: /readyz refused (or 503) once the drain began
+                try:
+                    async with http.get(f"{public}/readyz") as resp:
+                        if resp.status != 200:
+                            break
+                except aiohttp.ClientConnectionError:
+                    break
+                await asyncio.sleep(0.005)
+            assert (await admin_state())["requests"]["admitted"] == 1 and not cleanup.done()
+            gate.set()
+            resp = await inflight
+            assert resp.status == 200, await resp.text()
+            await asyncio.wait_for(cleanup, 60)
+            with pytest.raises(aiohttp.ClientConnectionError):
+                await admin_state()
+    finally:
+        gate.set()
+        if cleanup is None:
+            await runner.cleanup()
