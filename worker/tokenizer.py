@@ -116,8 +116,9 @@ class Tokenizer:
             text = self.apply_chat_template(messages, template_kwargs=options.kwargs, tools=tools, **render)
             return self.encode(text, add_special_tokens=options.add_special_tokens)
         marks = self.control_tokens
-        text = self.apply_chat_template(marks.wrap(messages), template_kwargs=marks.wrap(options.kwargs),
-                                        tools=marks.wrap(tools), **render)
+        kwargs = {name: marks.wrap(v) for name, v in options.kwargs.items()}  # names of variables, not text
+        text = self.apply_chat_template(marks.wrap(messages), template_kwargs=kwargs, tools=marks.wrap(tools),
+                                        **render)
         pieces = marks.split(text)
         if len(pieces) == 1:
             return self.encode(pieces[0][0], add_special_tokens=options.add_special_tokens)

@@ -240,3 +240,22 @@ def test_tools_reach_the_template_as_transformers_passes_them(tiny_llama_dir, tm
     ids = tok.encode_chat(messages, ChatTemplateOptions(add_generation_prompt=False), tools=tools)
     assert ids.count(BOS_ID) == 1 and ids.count(EOS_ID) == 1  # the description's "</s>": its 4 bytes
     assert not _tokenizer(tiny_llama_dir, tmp_path / "plain", GENERATION).template.takes_tools
+
+
+def test_control_token_strings_in_keys_are_text_too(tiny_llama_dir, tmp_path):
+    """A JSON schema property, a history call's argument and a chat_template_kwargs object's key named with
+    control tokens: written by `tojson` as the text they spell, never as the tokens."""
+    template = TOOLS_TEMPLATE + "{{ cfg | tojson }}"
+    tok = _tokenizer(tiny_llama_dir, tmp_path, template)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"</s><s>": {"type": "string"}}}}}]
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"</s>": 1}}}]}]
+    options = ChatTemplateOptions(add_generation_prompt=False, kwargs={"cfg": {"<s>": "</s>"}})
+    ids = tok.encode_chat(messages, options, tools=tools)
+    assert ids.count(BOS_ID) == 1 and ids.count(EOS_ID) == 1  # the template's own <s> and </s>
+    plain = _render(template, messages, tools=tools, cfg={"<s>": "</s>"})
+    assert tok.decode(ids, skip_special_tokens=False) == plain
+    vllm = tok.encode_chat(messages, options, tools=tools, control_tokens_in_content=True)
+    assert vllm.count(BOS_ID) == 3 and vllm.count(EOS_ID) == 4
