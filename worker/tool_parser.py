@@ -65,7 +65,8 @@ def _call(obj: Any, names: Collection[str], arguments_keys: tuple[str, ...]) -> 
     return ToolCall(obj["name"], json.dumps(arguments, ensure_ascii=False))
 
 
-def _json(text: str) -> Any:
+def json_value(text: str) -> Any:
+    """The JSON value `text` holds; None for text that is not JSON, or nested too deep for the parser."""
     try:
         return json.loads(text)
     except (ValueError, RecursionError):
@@ -95,7 +96,7 @@ class HermesParser(ToolParser):
         while True:  # text[at:] starts with HERMES_START
             body_at = at + len(HERMES_START)
             end = text.find(HERMES_END, body_at)
-            call = _call(_json(text[body_at:] if end < 0 else text[body_at:end]), names, ("arguments",))
+            call = _call(json_value(text[body_at:] if end < 0 else text[body_at:end]), names, ("arguments",))
             if call is None:
                 return None
             calls.append(call)

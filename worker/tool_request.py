@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lorafleet.worker.openai_fields import Fields, bad_request, check_strings, check_text
+from lorafleet.worker.tool_parser import json_value
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 TOOL_CHOICES = ("none", "auto", "required")
@@ -147,10 +148,7 @@ def message_tool_calls(m: dict, where: str) -> list[dict[str, Any]] | None:
             raise bad_request(f"{at} must be an object like {{\"id\", \"type\": \"function\", \"function\": "
                               "{\"name\", \"arguments\"}}", "messages", "invalid_type")
         arguments = fn.get("arguments")
-        try:
-            parsed = json.loads(arguments) if isinstance(arguments, str) else None
-        except ValueError:
-            parsed = None
+        parsed = json_value(arguments) if isinstance(arguments, str) else None
         if not isinstance(parsed, dict):
             raise bad_request(f"{at}.function.arguments must be the JSON text of an object (got "
                               f"{json.dumps(arguments)[:80]})", "messages")
