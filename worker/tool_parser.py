@@ -9,9 +9,9 @@ llama3_json (Llama 3.1/3.2's JSON tool calls): the whole output is one JSON obje
 "parameters": {...}}` ("arguments" is taken too), or several separated by ';', optionally after
 `<|python_tag|>`; the content is null.
 
-An output that does not have exactly that shape (a block whose JSON does not parse, a name that is not one of
-the request's tools, arguments that are not an object, other text between or after the calls) is no call at
-all: all of it stays content, so a malformed call reaches the caller as the text it was, never as an error.
+An output that does not have exactly that shape (a block whose JSON does not parse, NaN and Infinity
+included, a name that is not one of the request's tools, arguments that are not an object, other text between
+or after the calls) is no call at all: all of it stays content, so a malformed call reaches the caller as the text it was, never as an error.
 
 `hold_from` is the streaming side: how much of the text so far can go out as content now, because no later
 text can make it part of a call. Running example (hermes): "Sure.\\n<tool_" holds "\\n<tool_" back (it may
@@ -65,10 +65,15 @@ def _call(obj: Any, names: Collection[str], arguments_keys: tuple[str, ...]) -> 
     return ToolCall(obj["name"], json.dumps(arguments, ensure_ascii=False))
 
 
+def _not_json(constant: str) -> Any:
+    raise ValueError(f"{constant} is not JSON")  # Python's json reads NaN and Infinity; a caller's parser would not
+
+
 def json_value(text: str) -> Any:
-    """The JSON value `text` holds; None for text that is not JSON, or nested too deep for the parser."""
+    """The JSON value `text` holds; None for text that is not JSON (NaN and Infinity included), or nested too
+    deep for the parser."""
     try:
-        return json.loads(text)
+        return json.loads(text, parse_constant=_not_json)
     except (ValueError, RecursionError):
         return None
 
@@ -126,7 +131,7 @@ class Llama3JsonParser(ToolParser):
         body = text.strip()
         if body.startswith(PYTHON_TAG):
             body = body[len(PYTHON_TAG):].lstrip()
-        decoder, calls, at = json.JSONDecoder(), [], 0
+        decoder, calls, at = json.JSONDecoder(parse_constant=_not_json), [], 0
         while True:
             try:
                 obj, end = decoder.raw_decode(body, at)

@@ -52,6 +52,8 @@ def test_hermes_calls(text, content, calls):
     f"<tool_call>{WEATHER}</tool_call><tool_call>oops</tool_call>",  # one good, one bad: all content
     f"<tool_call>{WEATHER}",  # fine: unclosed, its JSON whole (checked below)
     "<tool_call>" + "[" * 100000 + "]" * 100000 + "</tool_call>",  # deeper than the JSON parser recurses
+    '<tool_call>{"name": "add", "arguments": {"a": NaN}}</tool_call>',  # Python's json reads it; JSON has no NaN
+    '<tool_call>{"name": "add", "arguments": {"a": [-Infinity]}}',
 ])
 def test_hermes_malformed_calls_stay_content(text):
     parsed = HermesParser().parse(text, NAMES)
@@ -87,6 +89,8 @@ def test_llama3_json_calls(text, calls):
     '{"type": "other", "name": "add", "parameters": {}}',
     'Sure: {"name": "add", "parameters": {}}',  # not the whole output
     "<|python_tag|>print(1)",  # a code call, not JSON
+    '{"name": "add", "parameters": {"a": Infinity}}',  # not JSON
+    '{"name": "add", "parameters": {}}; {"name": "add", "parameters": {"b": NaN}}',
     "",
 ])
 def test_llama3_json_malformed_calls_stay_content(text):

@@ -95,6 +95,8 @@ def test_history_tool_calls_reach_the_template_with_arguments_as_objects():
     ({"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]}, "JSON text of an object"),
     ({"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[" * 100000 + "]" * 100000}}]},
      "JSON text of an object"),  # nested past the parser's recursion limit
+    ({"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": '{"a": NaN}'}}]},
+     "JSON text of an object"),  # Python's json reads it; JSON has no NaN
     ({"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": {"a": 1}}}]}, "JSON text"),
     ({"role": "user", "content": "x", "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]},
      "only an assistant message"),
