@@ -24,18 +24,31 @@ from lorafleet.worker.tool_request import ToolRequest
 
 
 class ToolStream:
-    """One streamed choice: its text so far and how much of it went out as content."""
+    """One streamed choice: its text so far, and the end of it not sent yet. Each chunk costs about its own
+    length: the parser looks at the held text only (a few characters that may begin a call), and not at all
+    once a call has begun."""
 
-    def __init__(self, hold_from) -> None:
-        self.hold_from = hold_from  # text -> the characters that can go out now (None: hold it all)
-        self.text = ""
-        self.num_sent = 0  # characters of `text` sent as content
+    def __init__(self, parser: ToolParser | None) -> None:
+        self.parser = parser  # None: hold it all (a named function's arguments)
+        self.pieces: list[str] = []
+        self.held = ""  # the text after what went out as content, while some of it may still go out
+        self.num_sent = 0  # characters sent as content
+        self.is_call = parser is None  # all of the rest is held to the end
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
 
     def feed(self, new_text: str) -> str:
         """The content to send now, given the choice's new text."""
-        self.text += new_text
-        cut = 0 if self.hold_from is None else max(self.num_sent, self.hold_from(self.text))
-        out, self.num_sent = self.text[self.num_sent:cut], max(cut, self.num_sent)
+        self.pieces.append(new_text)
+        if self.is_call:
+            return ""
+        self.held += new_text
+        cut = self.parser.hold_from(self.held, at_start=self.num_sent == 0)
+        out, self.held = self.held[:cut], self.held[cut:]
+        self.num_sent += cut
+        self.is_call = self.parser.call_begins(self.held)
         return out
 
 
@@ -84,16 +97,16 @@ class ToolCalls:
         """A streamed chunk of choice `index`: (content to send, `delta.tool_calls`, finish_reason); its
         finish_reason, when set, ends the choice."""
         if index not in self._streams:
-            named = self.request.choice == "named"
-            self._streams[index] = ToolStream(None if named else self.parser.hold_from)
+            self._streams[index] = ToolStream(None if self.request.choice == "named" else self.parser)
         stream = self._streams[index]
         content = stream.feed(new_text)
         if finish_reason is None:
             return content, [], None
         del self._streams[index]
-        whole, calls, finish_reason = self.calls(stream.text, finish_reason)
+        text = stream.text
+        whole, calls, finish_reason = self.calls(text, finish_reason)
         if not calls:  # all of it is content: the rest of it goes now
-            return content + stream.text[stream.num_sent:], [], finish_reason
+            return content + text[stream.num_sent:], [], finish_reason
         # content is the text before the calls, and at most that went out (hold_from)
         rest = (whole or "")[stream.num_sent:]
         return content + rest, [{"index": k} | c.openai() for k, c in enumerate(calls)], finish_reason

@@ -13,8 +13,9 @@ An output that does not have exactly that shape (a block whose JSON does not par
 included, a name that is not one of the request's tools, arguments that are not an object, other text between
 or after the calls) is no call at all: all of it stays content, so a malformed call reaches the caller as the text it was, never as an error.
 
-`hold_from` is the streaming side: how much of the text so far can go out as content now, because no later
-text can make it part of a call. Running example (hermes): "Sure.\\n<tool_" holds "\\n<tool_" back (it may
+`hold_from` is the streaming side: how much of the text not sent yet can go out as content now, because no
+later text can make it part of a call; `call_begins`: when a call has begun, so that the rest is held without
+looking at it again. Running example (hermes): "Sure.\\n<tool_" holds "\\n<tool_" back (it may
 begin a block; the whitespace before a block is not content) and sends "Sure."; llama3_json holds the whole
 output while it starts with '{' (or the python tag).
 """
@@ -85,8 +86,14 @@ class ToolParser:
         """(content, calls) of a whole output, or None when it holds no well-formed call of one of `names`."""
         raise NotImplementedError
 
-    def hold_from(self, text: str) -> int:
-        """How many leading characters of `text` (the output so far) are content whatever follows."""
+    def hold_from(self, text: str, *, at_start: bool = True) -> int:
+        """How many leading characters of `text` are content whatever follows. `text`: the output not sent yet
+        (`at_start`: all of it; otherwise what follows the content sent)."""
+        raise NotImplementedError
+
+    def call_begins(self, text: str) -> bool:
+        """Whether `text`, held back by hold_from, begins a call: it and all that follows is held to the end
+        (a stream then stops asking hold_from, so each chunk costs its own length)."""
         raise NotImplementedError
 
 
@@ -116,12 +123,15 @@ class HermesParser(ToolParser):
             at = len(text) - len(rest)
         return text[:start].rstrip() or None, calls
 
-    def hold_from(self, text: str) -> int:
+    def hold_from(self, text: str, *, at_start: bool = True) -> int:  # the same wherever text starts
         cut = text.find(HERMES_START)
         if cut < 0:  # the longest end of the text that may begin HERMES_START
             cut = next((len(text) - k for k in range(min(len(HERMES_START) - 1, len(text)), 0, -1)
                         if HERMES_START.startswith(text[-k:])), len(text))
         return len(text[:cut].rstrip())
+
+    def call_begins(self, text: str) -> bool:
+        return HERMES_START in text
 
 
 class Llama3JsonParser(ToolParser):
@@ -149,10 +159,13 @@ class Llama3JsonParser(ToolParser):
             if at == len(body):
                 return None, calls
 
-    def hold_from(self, text: str) -> int:
+    def hold_from(self, text: str, *, at_start: bool = True) -> int:
         body = text.lstrip()
-        may_call = not body or body.startswith(("{", PYTHON_TAG)) or PYTHON_TAG.startswith(body)
+        may_call = at_start and (not body or body.startswith(("{", PYTHON_TAG)) or PYTHON_TAG.startswith(body))
         return 0 if may_call else len(text)
+
+    def call_begins(self, text: str) -> bool:
+        return text.lstrip().startswith(("{", PYTHON_TAG))
 
 
 def _skip_space(text: str, at: int) -> int:

@@ -60,6 +60,41 @@ def test_streamed_deltas_add_up_to_the_whole_message(parser, text):
         assert streamed_reason == reason == ("tool_calls" if tool_calls else "stop")
 
 
+LONG = "y" * 60000
+LONG_OUTPUTS = [
+    ("hermes", f"{LONG} {CALL}"),
+    ("hermes", f'Writing.\n<tool_call>{{"name": "add", "arguments": {{"s": "{LONG}"}}}}</tool_call>'),
+    ("llama3_json", f'{{"name": "add", "parameters": {{"s": "{LONG}"}}}}'),
+    ("llama3_json", f"No call: {LONG}"),
+]
+
+
+@pytest.mark.parametrize("parser, text", LONG_OUTPUTS)
+def test_a_long_stream_costs_each_chunk_its_own_length(parser, text):
+    """Thousands of 4-character chunks: the deltas add up to the whole message, and the parser is shown each
+    character a bounded number of times (not the whole text again per chunk)."""
+    base = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}[parser]
+    num_scanned = 0
+
+    class Counting(base):
+        def hold_from(self, text: str, **kwargs) -> int:
+            nonlocal num_scanned
+            num_scanned += len(text)
+            return super().hold_from(text, **kwargs)
+
+        def call_begins(self, text: str) -> bool:
+            nonlocal num_scanned
+            num_scanned += len(text)
+            return super().call_begins(text)
+
+    calls = ToolCalls(ToolRequest(TOOLS), Counting())
+    message, reason = calls.message(text, "stop")
+    content, tool_calls, streamed_reason = _streamed(calls, 0, [text[i:i + 4] for i in range(0, len(text), 4)], "stop")
+    assert (content, _without_ids(tool_calls), streamed_reason) == \
+        (message["content"] or "", _without_ids(message.get("tool_calls", [])), reason)
+    assert num_scanned <= 10 * len(text)
+
+
 def test_text_before_a_hermes_call_streams_at_once_and_choices_are_apart():
     calls = _tool_calls("hermes")
     assert calls.delta(0, "Let me ", None) == ("Let me", [], None)  # its space may precede a call: held
