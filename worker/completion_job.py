@@ -163,7 +163,9 @@ class CompletionJob:
             calls: list[dict[str, Any]] = []
             if self.tool_calls is not None:  # called once per chunk: it holds back what may be a call
                 text, calls, finish_reason = self.tool_calls.delta(index, text, finish_reason)
-            message = ({"role": "assistant"} if first else {}) | ({"content": text} if text or first else {})
+            # a first chunk names its role and content, null beside calls (as a whole message's, and OpenAI's)
+            content = text or (None if calls else "")
+            message = ({"role": "assistant"} if first else {}) | ({"content": content} if text or first else {})
             return {"index": index, "delta": message | ({"tool_calls": calls} if calls else {}),
                     "logprobs": chat_logprobs(tokenizer, lps), "finish_reason": finish_reason}
         message = {"role": "assistant", "content": text}

@@ -140,3 +140,6 @@ def test_a_chat_jobs_answer_carries_the_calls_whole_and_streamed():
     last = job.choice(None, 0, texts[0][len("Sure.\n<tool"):], None, "stop", delta=True)
     assert (last["finish_reason"], set(last["delta"])) == ("tool_calls", {"tool_calls"})
     assert last["delta"]["tool_calls"][0]["index"] == 0
+    whole = job.choice(None, 1, CALL, None, "stop", delta=True, first=True)  # the first chunk is the last too
+    assert whole["delta"]["content"] is None and whole["delta"]["role"] == "assistant"
+    assert whole["finish_reason"] == "tool_calls" and whole["delta"]["tool_calls"][0]["index"] == 0
