@@ -3,7 +3,8 @@
 tool_choice "auto": each choice's text is read by the request's ToolParser; calls found make the message's
 `tool_calls` (`content`: the text before them, or null) and its finish_reason "tool_calls". A named function
 (tool_choice `{"type": "function", ...}`): the output was held to one JSON object (JSON mode) and is that
-function's arguments, as vLLM answers it; the finish_reason stays the engine's ("stop", or "length" for
+function's arguments, as vLLM answers it (an output that is exactly `{"name": <that function>, "arguments"
+or "parameters": {...}}` gives the inner object); the finish_reason stays the engine's ("stop", or "length" for
 arguments cut short), as OpenAI answers a forced call (its documentation: "stop" when tool_choice names a
 function) and vLLM does too. tool_choice "none" needs none of this: the output is plain content.
 
@@ -16,10 +17,11 @@ same, token for token, as the whole answer's, which gives the logprobs of every 
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from lorafleet.worker.openai_fields import APIError
-from lorafleet.worker.tool_parser import ToolCall, ToolParser, tool_parser
+from lorafleet.worker.tool_parser import ToolCall, ToolParser, json_value, tool_parser
 from lorafleet.worker.tool_request import ToolRequest
 
 
@@ -78,12 +80,23 @@ class ToolCalls:
     def calls(self, text: str, finish_reason: str | None) -> tuple[str | None, list[ToolCall], str | None]:
         """(content, calls, finish_reason) of a choice's whole text."""
         if self.request.choice == "named":
-            return None, [ToolCall(self.request.function, text)], finish_reason
+            return None, [ToolCall(self.request.function, self._named_arguments(text))], finish_reason
         parsed = self.parser.parse(text, self.names)
         if parsed is None:
             return text, [], finish_reason
         content, calls = parsed
         return content, calls if self.request.parallel_tool_calls else calls[:1], "tool_calls"
+
+    def _named_arguments(self, text: str) -> str:
+        """A named function's arguments: the output, or the object inside it when the output is exactly
+        `{"name": <that function>, "arguments" (or "parameters"): {...}}`, the call a model prompted the Hermes
+        or Qwen way writes."""
+        obj = json_value(text)
+        if isinstance(obj, dict) and len(obj) == 2 and obj.get("name") == self.request.function:
+            arguments = obj.get("arguments", obj.get("parameters"))
+            if isinstance(arguments, dict):
+                return json.dumps(arguments, ensure_ascii=False)
+        return text
 
     def message(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
         """A whole choice's `message` and finish_reason."""

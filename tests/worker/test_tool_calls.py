@@ -115,6 +115,24 @@ def test_named_function_answers_its_arguments_with_the_engines_finish_reason():
     assert reason == "length" and streamed[0]["function"]["arguments"] == '{"ci'  # cut short, as OpenAI's
 
 
+@pytest.mark.parametrize("text, arguments", [
+    ('{"name": "get_weather", "arguments": {"city": "Oslo"}}', '{"city": "Oslo"}'),  # the Hermes/Qwen wrapper
+    ('{"name": "get_weather", "parameters": {"city": "Oslo"}}', '{"city": "Oslo"}'),  # Llama's
+    ('{"name": "get_weather", "arguments": {}}', "{}"),
+    ('{"name": "add", "arguments": {"city": "Oslo"}}', None),  # another function's name: the arguments as written
+    ('{"name": "get_weather", "arguments": {"city": "Oslo"}, "x": 1}', None),
+    ('{"name": "get_weather", "arguments": "Oslo"}', None),
+    ('{"name": "get_weather", "arguments": {"a": 1}, "parameters": {}}', None),
+    ('{"name": "get_weather", "arguments": {"city": "Os', None),  # cut short
+])
+def test_a_named_functions_call_written_whole_answers_its_arguments(text, arguments):
+    calls = _tool_calls("hermes", choice="named", function="get_weather")
+    message, _ = calls.message(text, "stop")
+    assert message["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": arguments or text}
+    _, streamed, _ = _streamed(calls, 0, [text[:9], text[9:]], "stop")
+    assert streamed[0]["function"]["arguments"] == (arguments or text)
+
+
 def test_parallel_tool_calls_false_keeps_the_first_call():
     message, reason = _tool_calls("hermes", parallel_tool_calls=False).message(f"{CALL}{CALL}", "stop")
     assert len(message["tool_calls"]) == 1 and reason == "tool_calls"
