@@ -178,6 +178,8 @@ def parse_chat_request(body: Any, defaults: SamplingDefaults = SamplingDefaults(
     tools = parse_tool_request(f)
     if tools is not None and tools.choice == "named":  # the arguments: one JSON object (json_guide.py)
         options.json_object = True
+    if tools is not None and tools.choice != "none" and f.get("skip_special_tokens") is None:
+        options.skip_special_tokens = False  # vLLM's: <tool_call> may be a special token; the parser needs it
     _chat_extras(f)
     template = _template_options(f)
     f.refuse_unknown()

@@ -34,6 +34,19 @@ def test_tools_and_tool_choice_are_taken():
     assert _parse(tools=[strict_off]).tools.names == ["x-y_1"]
 
 
+@pytest.mark.parametrize("fields, skip", [
+    ({}, True),
+    ({"tools": [WEATHER]}, False),  # vLLM's: <tool_call> may be a special token, the parser must see it
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, False),
+    ({"tools": [WEATHER], "tool_choice": "none"}, True),  # the output is not read for calls
+    ({"tools": [WEATHER], "skip_special_tokens": True}, True),  # the caller's own choice is kept
+    ({"tools": [WEATHER], "skip_special_tokens": None}, False),
+    ({"skip_special_tokens": False}, False),
+])
+def test_tools_keep_special_tokens_in_the_text_unless_the_caller_says(fields, skip):
+    assert _parse(**fields).options.skip_special_tokens is skip
+
+
 @pytest.mark.parametrize("fields, param, code, needle", [
     ({"tools": {"name": "f"}}, "tools", "invalid_type", "must be a list"),
     ({"tools": [{"type": "function"}]}, "tools", "invalid_type", "tools[0] must be an object like"),
