@@ -1,5 +1,7 @@
 """Tokenizer: `tokenizer.json` through the `tokenizers` library, chat template from `tokenizer_config.json`
-(or `chat_template.jinja`) compiled when it loads and rendered as transformers does (chat_template.py).
+(or `chat_template.jinja`) compiled when it loads and rendered as transformers does (chat_template.py). A model
+that ships a separate `tool_use` template (a named one in tokenizer_config.json, or
+`additional_chat_templates/tool_use.jinja`) has chats with tools rendered by it, as transformers and vLLM do.
 
 The template sees every named special token of tokenizer_config.json (`bos_token`, `eos_token`, `unk_token`,
 `pad_token`, any other `*_token`, named `extra_special_tokens`) and `additional_special_tokens`, as
@@ -45,11 +47,16 @@ class Tokenizer:
         self.llama_pipeline: LlamaPipeline | None = llama_pipeline(model_dir, self.config, self._tok)
         if self.llama_pipeline is not None:  # transformers' LlamaTokenizer: its own pipeline, not the file's
             self.llama_pipeline.apply(self._tok)
-        template_file = model_dir / "chat_template.jinja"
-        self.chat_template: str | None = _chat_template(self.config.get("chat_template"), cfg_path)
-        if template_file.is_file():
-            self.chat_template = _read_text(template_file)
-        self.template = _compile(self.chat_template, template_file if template_file.is_file() else cfg_path)
+        files = {"default": model_dir / "chat_template.jinja",
+                 "tool_use": model_dir / "additional_chat_templates" / "tool_use.jinja"}
+        named = _chat_templates(self.config.get("chat_template"), cfg_path)
+        if any(path.is_file() for path in files.values()):  # transformers: the files take the config's place
+            named = {name: _read_text(path) for name, path in files.items() if path.is_file()}
+        where = {name: path if path.is_file() else cfg_path for name, path in files.items()}
+        self.chat_template: str | None = named.get("default")
+        self.template = _compile(self.chat_template, where["default"])
+        # a separate template for requests with tools (Hermes 2 Pro, Hermes 3, Command R), as transformers takes it
+        self.tool_template = _compile(named.get("tool_use"), where["tool_use"])
         self.special_tokens = _special_tokens(self.config, cfg_path)
         self.bos_token: str | None = self.special_tokens.get("bos_token")
         self.eos_token: str | None = self.special_tokens.get("eos_token")
@@ -88,9 +95,14 @@ class Tokenizer:
         """The special tokens, and the added tokens the chat template writes (or those tokenizer_config.json
         lists as `chat_control_tokens`), as transformers' sanitize_control_tokens takes them."""
         listed = self.config.get("chat_control_tokens")
-        written = self.template.literal_text if self.template is not None else ""
+        written = "\0".join(t.literal_text for t in (self.template, self.tool_template) if t is not None)
         return ControlTokens(t.content for t in self._tok.get_added_tokens_decoder().values() if t.special or (
             t.content in listed if isinstance(listed, list) else t.content in written and not t.content.isspace()))
+
+    def template_for(self, tools: list[dict] | None) -> ChatTemplate | None:
+        """The chat template a chat is rendered with: the `tool_use` one for a chat with tools, where the model
+        has one (transformers' and vLLM's choice), else the default."""
+        return self.tool_template if tools is not None and self.tool_template is not None else self.template
 
     def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True,
                             continue_final_message: bool = False, template_kwargs: dict | None = None,
@@ -99,10 +111,11 @@ class Tokenizer:
         add_special_tokens=False). `template_kwargs`: more template variables (a request's chat_template_kwargs);
         `tools`: the request's tools (the template's `tools`).
         Raises TokenizerError without a template, jinja2.TemplateError when it fails on these messages."""
-        if self.template is None:
+        template = self.template_for(tools)
+        if template is None:
             raise TokenizerError("this model has no chat template (tokenizer_config.json lacks chat_template)")
         variables = {"bos_token": "", "eos_token": ""} | self.special_tokens | (template_kwargs or {})
-        return self.template.render(messages, variables, add_generation_prompt=add_generation_prompt,
+        return template.render(messages, variables, add_generation_prompt=add_generation_prompt,
                                     continue_final_message=continue_final_message, tools=tools)
 
     def encode_chat(self, messages: list[dict], options: ChatTemplateOptions | None = None, *,
@@ -186,14 +199,18 @@ def _read_config(path: Path) -> dict:
     return config
 
 
-def _chat_template(value, cfg_path: Path) -> str | None:
-    """chat_template: a string, or named templates [{"name", "template"}, ...] of which "default" is taken."""
-    if value is None or isinstance(value, str):
-        return value
+def _chat_templates(value, cfg_path: Path) -> dict[str, str]:
+    """chat_template: a string (the default), or named templates [{"name", "template"}, ...] of which "default"
+    (else the first) and "tool_use" are taken."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        return {"default": value}
     if isinstance(value, list) and all(isinstance(t, dict) and isinstance(t.get("name"), str)
                                        and isinstance(t.get("template"), str) for t in value):
         named = {t["name"]: t["template"] for t in value}
-        return named.get("default") or next(iter(named.values()), None)
+        default = named.get("default") or next(iter(named.values()), None)
+        return {"default": default} | ({"tool_use": named["tool_use"]} if "tool_use" in named else {})
     raise TokenizerError(f"{cfg_path}: chat_template must be a string or a list of "
                          f"{{\"name\": ..., \"template\": ...}} objects, got {_short(value)}")
 

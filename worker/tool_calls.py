@@ -67,15 +67,16 @@ class ToolCalls:
         template takes none. vLLM renders such a template without them and answers as if they had never been
         sent; here that is a 400, so a caller does not mistake a model that never saw the tools for one that
         chose not to call them."""
-        if request is None or tokenizer is None or tokenizer.template is None:  # no template: tokenizing says so
+        template = tokenizer.template_for(request.tools) if request is not None and tokenizer is not None else None
+        if template is None:  # no tools, or no template: tokenizing says so
             return None
-        if not tokenizer.template.takes_tools:
+        if not template.takes_tools:
             raise APIError(400, "this model's chat template takes no tools (it never reads `tools`), so they would "
                                 "not reach the model; send the request without 'tools', or serve a model whose "
                                 "template renders them", code="invalid_value", param="tools")
         if request.choice == "none":
             return None
-        return cls(request, tool_parser(parser_name, tokenizer.chat_template))
+        return cls(request, tool_parser(parser_name, template.source))
 
     def calls(self, text: str, finish_reason: str | None) -> tuple[str | None, list[ToolCall], str | None]:
         """(content, calls, finish_reason) of a choice's whole text."""

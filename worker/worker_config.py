@@ -112,7 +112,7 @@ class WorkerConfig:
     tool_call_parser: ToolParserName = field(default="auto", metadata=_help(
         "how tool calls are read out of a chat answer when a request sends tools (vLLM's --tool-call-parser): "
         "hermes = <tool_call>{...}</tool_call> blocks (Hermes, Qwen), llama3_json = a JSON object {\"name\", "
-        "\"parameters\"} (Llama 3.1/3.2); auto = hermes when the chat template writes <tool_call>, else "
+        "\"parameters\"} (Llama 3.1/3.2); auto = hermes when the chat template for tools writes <tool_call>, else "
         "llama3_json"))
     allowed_origins: str = field(default="", metadata=_help(
         "comma-separated origins (scheme://host[:port]) browser pages may call the API from, or * for any "

@@ -259,3 +259,28 @@ def test_control_token_strings_in_keys_are_text_too(tiny_llama_dir, tmp_path):
     assert tok.decode(ids, skip_special_tokens=False) == plain
     vllm = tok.encode_chat(messages, options, tools=tools, control_tokens_in_content=True)
     assert vllm.count(BOS_ID) == 3 and vllm.count(EOS_ID) == 4
+
+
+PLAIN = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"
+
+
+@pytest.mark.parametrize("layout", ["named", "files"])
+def test_a_separate_tool_use_template_renders_the_chats_with_tools(tiny_llama_dir, tmp_path, layout):
+    """Hermes 2 Pro's layout: a `tool_use` template beside the default, named in tokenizer_config.json or in
+    additional_chat_templates/ (transformers' files). A chat with tools takes it, one without the default."""
+    if layout == "named":
+        tok = _tokenizer(tiny_llama_dir, tmp_path, [{"name": "default", "template": PLAIN},
+                                                    {"name": "tool_use", "template": TOOLS_TEMPLATE}])
+    else:
+        (tmp_path / "additional_chat_templates").mkdir()
+        (tmp_path / "additional_chat_templates" / "tool_use.jinja").write_text(TOOLS_TEMPLATE)
+        (tmp_path / "chat_template.jinja").write_text(PLAIN)
+        tok = _tokenizer(tiny_llama_dir, tmp_path, "ignored: the files take its place")
+    tools = [{"type": "function", "function": {"name": "f", "description": "ends with </s>"}}]
+    messages = [{"role": "user", "content": "hi"}]
+    assert tok.apply_chat_template(messages, tools=tools) == _render(TOOLS_TEMPLATE, messages, tools=tools)
+    assert tok.apply_chat_template(messages) == _render(PLAIN, messages) == "<|user|>hi"
+    assert (tok.template_for(tools).takes_tools, tok.template_for(None).takes_tools) == (True, False)
+    ids = tok.encode_chat(messages, tools=tools)
+    assert ids.count(EOS_ID) == 1 and tok.decode(ids, skip_special_tokens=False) == _render(TOOLS_TEMPLATE, messages,
+                                                                                            tools=tools)

@@ -130,6 +130,29 @@ async def test_auto_without_a_call_in_the_output_is_content_whole_and_streamed(a
         assert got["tokens"] == [t.token for t in choice.logprobs.content]
 
 
+async def test_a_models_tool_use_template_renders_the_requests_with_tools(aiohttp_client, tiny_llama_dir, tmp_path):
+    """Hermes 2 Pro's layout: a default template that never reads `tools` and a `tool_use` one that does. A
+    request with tools is rendered by the latter (not refused), and its `<tool_call>` picks the hermes parser."""
+    from lorafleet.worker.tokenizer import Tokenizer
+    from lorafleet.worker.tool_calls import ToolCalls
+    from lorafleet.worker.tool_request import ToolRequest
+
+    model = shutil.copytree(tiny_llama_dir, tmp_path / "model")
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    plain = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"
+             "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    templates = [{"name": "default", "template": plain}, {"name": "tool_use", "template": TEMPLATE}]
+    (model / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": templates}))
+    api = await _api(aiohttp_client, model)
+    plain_resp = await api.chat.completions.create(model="tiny", messages=USER, max_tokens=1)
+    with_tools = await api.chat.completions.create(model="tiny", messages=USER, max_tokens=1, tools=[WEATHER])
+    assert with_tools.usage.prompt_tokens - plain_resp.usage.prompt_tokens == len(f"<|system|>{json.dumps(WEATHER)}")
+    named = await api.chat.completions.create(model="tiny", messages=USER, max_tokens=8, tools=[WEATHER],
+                                              tool_choice=NAMED)
+    assert named.choices[0].message.tool_calls[0].function.name == "get_weather"
+    assert ToolCalls.of(ToolRequest([WEATHER]), Tokenizer(model), "auto").parser.name == "hermes"
+
+
 async def test_tools_for_a_template_without_tools_are_refused(aiohttp_client, tiny_llama_dir):
     api = await _api(aiohttp_client, tiny_llama_dir)  # its template never reads `tools`
     with pytest.raises(openai.BadRequestError) as err:
