@@ -40,19 +40,14 @@ import asyncio
 import functools
 import hashlib
 import logging
-import sys
 import time
 from collections import deque
 from pathlib import Path
 from typing import Any
 
-from aiohttp import web
-
 from lorafleet.worker import staged_copy
-from lorafleet.worker.cli import config_from_args
 from lorafleet.worker.directives import AdapterDirective, AdapterState, DesiredState, ReportedState
 from lorafleet.worker.disk_cache import DiskCache, cache_write, dir_bytes
-from lorafleet.worker.listen import close_all, listen_sockets
 from lorafleet.worker.sources import Etags, SourceError, Sources, check_digest, verify_digest
 from lorafleet.worker.staged_copy import DIGEST_FILE, Staged, last_copies, record_source, verify_staged_copy
 from lorafleet.worker.stager_config import StagerConfig
@@ -238,10 +233,14 @@ class Stager:
                 # One object's fault per push is excused when the store answers a listing now; a second one,
                 # or a stall, is the store's.
                 excuse = is_object_fault(exc) and not self.store.is_down and push_start != self._excused
-                if excuse and await self._answers(uri):
-                    self._excused = push_start
-                else:
-                    self.store.failed(exc, start)  # made before a newer push began: that push still tries it
+                # A second fault of the push is the store's now, even if its call began before the listing that
+                # excused the first (stages side by side); the excuse is taken before that listing's answer.
+                second = is_object_fault(exc) and push_start is not None and push_start == self._excused
+                before, self._excused = self._excused, push_start if excuse else self._excused
+                if not (excuse and await self._answers(uri)):
+                    self._excused = before
+                    # Else dated by its start: a call made before a newer push began does not spare that push its own.
+                    self.store.failed(exc, time.monotonic() if second else start)
                 raise
             self.store.answered(start)
             self.download_seconds.append(time.perf_counter() - t0)
@@ -367,34 +366,8 @@ class Stager:
         return await seed(self, uri)
 
 
-def main(argv: list[str] | None = None) -> None:
-    from lorafleet.worker.stager_http import create_app  # the HTTP half imports this module
-
-    config = config_from_args(StagerConfig, argv, prog="python -m lorafleet.worker.stager",
-                              description="Stage adapters from the object store to local disk for one engine.")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # A folder or port it cannot use is a configuration error: one line and exit 2, as a bad flag.
-    if problem := config.cache_dir_problem():
-        log.error("cannot start: %s", problem)
-        sys.exit(2)
-    try:
-        sockets = listen_sockets(config.stager_host, config.stager_port, host_flag="--stager-host",
-                                 port_flag="--stager-port")
-    except ValueError as exc:
-        log.error("cannot start: %s", exc)
-        sys.exit(2)
-    try:
-        app = create_app(config)
-    except OSError as exc:  # the cache folder's entries could not be read
-        close_all(sockets)
-        log.error("cannot start: --stager-cache-dir %s: %s", config.stager_cache_dir, exc)
-        sys.exit(2)
-    port = sockets[0].getsockname()[1]  # the one chosen when --stager-port is 0
-    log.info("stager listening on %s:%d, cache %s (%.1f GiB budget), engine %s", config.stager_host, port,
-             config.stager_cache_dir, config.stager_cache_bytes / (1 << 30), config.engine_url or "none")
-    web.run_app(app, sock=sockets, print=None, access_log=None)
-
-
 if __name__ == "__main__":
+    from lorafleet.worker.stager_cli import main  # its flags and start-up checks
+
     main()
 

@@ -443,11 +443,13 @@ async def test_an_object_the_store_keeps_failing_fails_its_version_alone(s3, ada
     assert stager.store.down_since is None
 
 
-@pytest.mark.parametrize("case", ["two broken objects", "throttled reads"])
-async def test_more_than_one_object_s_fault_or_throttling_is_the_store_s(s3, adapters, tmp_path, case):
+@pytest.mark.parametrize(("case", "concurrency"), [("two broken objects", 1), ("throttled reads", 1),
+                                                   ("two broken objects", 3)])
+async def test_more_than_one_object_s_fault_or_throttling_is_the_store_s(s3, adapters, tmp_path, case, concurrency):
     """One object's fault per push is excused while the store answers listings; a second one, or reads the
     store throttles (503 SlowDown: it asks every client to back off), are the store's: it is down for the rest
-    of the push, and the version after them is not tried (not one download's failure each)."""
+    of the push, and the version after them is not tried (not one download's failure each). Two faults of
+    stages running side by side are not both excused."""
     from tests.store_proxy import answering_proxy, throttling_proxy
 
     client = s3.client()
@@ -460,8 +462,9 @@ async def test_more_than_one_object_s_fault_or_throttling_is_the_store_s(s3, ada
              else throttling_proxy(s3.port, f"/adapters/team/{case[:3]}-bad", 1000))
     names = [f"{case[:3]}-{n}" for n in ("bad1", "bad2", "after")]
     async with proxy as (endpoint, answered):
-        stager = stager_for(endpoint, s3, tmp_path / "cache")
+        stager = stager_for(endpoint, s3, tmp_path / "cache", stage_concurrency=concurrency)
         report = await stager.apply(push(1, names))
     errors = cold_errors(report, names)
     assert answered and stager.store.down_since is not None, errors
-    assert "not tried" in errors[2] and "not tried" not in errors[0], errors
+    if concurrency == 1:  # side by side, the version after them may be staged before the second fault
+        assert "not tried" in errors[2] and "not tried" not in errors[0], errors

@@ -223,13 +223,13 @@ async def test_what_the_engine_is_forwarded_is_numbered_above_what_it_applied(ai
 
 @needs_weed
 async def test_a_push_stages_its_other_versions_while_one_download_is_held(s3, uploaded, tmp_path, aiohttp_server):
-    """A push stages several versions at once (--stage-concurrency): a new pod's warm set is one push, and one
+    """A push stages several versions at once (--stage-concurrency 4): a new pod's warm set is one push, and one
     slow download (a big adapter) no longer holds up the versions after it. Here a's download is held: b's two
     versions, later in the push, are downloaded meanwhile; once a's bytes come, the push completes."""
     engine, released = Engine(), asyncio.Event()
     url = await engine.serve(aiohttp_server)
     async with stalling_proxy(s3.port, "/adapters/team/conc/a-v1/", released) as endpoint:
-        stager = Stager(stager_config(endpoint, s3, tmp_path, url))
+        stager = Stager(dataclasses.replace(stager_config(endpoint, s3, tmp_path, url), stage_concurrency=4))
         applying = asyncio.ensure_future(stager.apply(desired(1, "conc", "v1", 30)))
         try:
             await until(lambda: "s3://adapters/team/conc/a-v1/" in stager.disk_stats()["downloading"])
