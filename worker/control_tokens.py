@@ -18,7 +18,8 @@ is not (roles are a fixed list here). A string method of the template that parts
 characters (`split`) leaves lone ones: they are dropped, and the text still breaks there, so that the two
 sides cannot join into a control token. chat_template_kwargs' own keys are variable names, not text: only
 their values are wrapped. A template that writes an object with `tojson(sort_keys=True)` sorts a wrapped key
-among the others by its first marker (after the plain ones); its text is the same.
+among the others by its first marker (after the plain ones); its text is the same. One that writes an object
+as Python does (`{{ tools }}`, repr) keeps the markers too (`_Wrapped`).
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ class ControlTokens:
         "</s>" would be the token)."""
         if isinstance(value, str):
             value = value.replace(START, "").replace(END, "")
-            return self._tokens.sub(lambda m: START + m[0] + END, value)
+            wrapped, found = self._tokens.subn(lambda m: START + m[0] + END, value)
+            return _Wrapped(wrapped) if found else wrapped
         if isinstance(value, dict):
             return {self.wrap(k): self.wrap(v) for k, v in value.items()}
         if isinstance(value, list | tuple):
@@ -60,3 +62,14 @@ class ControlTokens:
             if part:
                 pieces.append((part, i % 2 == 1))
         return pieces
+
+
+class _Wrapped(str):
+    """A string holding wrapped control tokens whose repr keeps the markers as they are: a template that writes
+    an object as Python does (`{{ tools }}`, not `tojson`) would otherwise write them escaped (they are not
+    printable), and the control token strings between them would be tokens again."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return str.__repr__(self).replace("\\U000f0000", START).replace("\\U000f0001", END)

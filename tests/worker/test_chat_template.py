@@ -261,6 +261,19 @@ def test_control_token_strings_in_keys_are_text_too(tiny_llama_dir, tmp_path):
     assert vllm.count(BOS_ID) == 3 and vllm.count(EOS_ID) == 4
 
 
+def test_control_token_strings_in_objects_a_template_writes_as_python_are_text_too(tiny_llama_dir, tmp_path):
+    """A template that writes the tools as Python writes an object (`{{ tools }}`: repr, where `tojson` is
+    usual) escaped the wrapping characters, and a description's "</s>" was the token."""
+    template = "<s>{{ tools }}{% for m in messages %}{{ m.content }}{% endfor %}</s>"
+    tok = _tokenizer(tiny_llama_dir, tmp_path, template)
+    tools = [{"type": "function", "function": {"name": "f", "description": "ends </s><s>", "parameters": {
+        "type": "object", "properties": {"</s>": {"type": "string"}}}}}]
+    ids = tok.encode_chat([{"role": "user", "content": "hi"}], tools=tools)
+    assert ids.count(BOS_ID) == 1 and ids.count(EOS_ID) == 1  # the template's own
+    assert tok.decode(ids, skip_special_tokens=False) == _render(template, [{"role": "user", "content": "hi"}],
+                                                                  tools=tools)
+
+
 PLAIN = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"
 
 
