@@ -82,6 +82,10 @@ def tokenizer_config(reader) -> dict:
         "model_max_length": int(_field(reader, "llama.context_length", 2048)),
     }
     template = _field(reader, "tokenizer.chat_template")
-    if template:
+    # A model whose tool rendering is a template of its own (Hermes 2 Pro) names it as llama.cpp writes it.
+    tool_use = _field(reader, "tokenizer.chat_template.tool_use")
+    if template and tool_use:
+        config["chat_template"] = [{"name": "default", "template": template}, {"name": "tool_use", "template": tool_use}]
+    elif template:
         config["chat_template"] = template
     return {k: v for k, v in config.items() if v is not None}

@@ -69,9 +69,10 @@ def tiny_hf_model(tie: bool):
     return model
 
 
-def write_tiny_gguf(path, model, rope_scaling: tuple[str, float] | None = None) -> None:
+def write_tiny_gguf(path, model, rope_scaling: tuple[str, float] | None = None, templates=None) -> None:
     """A llama GGUF as llama.cpp writes it; layer 1's ffn_up is Q4_1 (the model is set to its
-    dequantized value so the model stays the ground truth). rope_scaling: (llama.cpp type, factor)."""
+    dequantized value so the model stays the ground truth). rope_scaling: (llama.cpp type, factor).
+    templates: the chat template (default TEMPLATE), or named ones [{"name", "template"}, ...]."""
     cfg = model.config
     w = gguf.GGUFWriter(str(path), "llama")
     if rope_scaling is not None:
@@ -97,7 +98,7 @@ def write_tiny_gguf(path, model, rope_scaling: tuple[str, float] | None = None) 
     w.add_eos_token_id(2)
     w.add_pad_token_id(2)
     w.add_add_bos_token(False)
-    w.add_chat_template(TEMPLATE)
+    w.add_chat_template(TEMPLATE if templates is None else templates)
 
     names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "q_proj": "attn_q",
              "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output", "gate_proj": "ffn_gate",
@@ -196,6 +197,24 @@ def test_tiny_tokenizer_round_trips_and_keeps_smollm_digit_split(tiny, tmp_path)
     assert hf.encode("the cat 42<|im_end|>") == tok.encode("the cat 42<|im_end|>").ids
     assert hf.eos_token == "<|im_end|>" and hf.bos_token == "<|im_start|>"
     assert hf.chat_template == TEMPLATE
+
+
+def test_a_gguf_tool_use_template_renders_the_chats_with_tools(tmp_path):
+    """A GGUF that carries a tool_use template beside its default (llama.cpp's tokenizer.chat_template.tool_use,
+    as Hermes 2 Pro's do): converted, a chat with tools is rendered by it, one without by the default."""
+    from lorafleet.worker.tokenizer import Tokenizer as ChatTokenizer
+
+    tool_use = "{% for t in tools %}[{{ t.function.name }}]{% endfor %}" + TEMPLATE
+    src = tmp_path / "tools.gguf"
+    write_tiny_gguf(src, tiny_hf_model(tie=True), templates=[{"name": "default", "template": TEMPLATE},
+                                                             {"name": "tool_use", "template": tool_use}])
+    out = convert_gguf(src, tmp_path / "out", progress=False)
+    assert transformers.AutoTokenizer.from_pretrained(out).chat_template == {"default": TEMPLATE, "tool_use": tool_use}
+    tok = ChatTokenizer(out)
+    tools = [{"type": "function", "function": {"name": "lookup"}}]
+    messages = [{"role": "user", "content": "hi"}]
+    assert tok.template_for(tools).takes_tools and not tok.template_for(None).takes_tools
+    assert tok.apply_chat_template(messages, tools=tools) == "[lookup]" + tok.apply_chat_template(messages)
 
 
 def test_default_model_dir_converts_once_and_atomically(tiny, tmp_path, monkeypatch):
