@@ -49,11 +49,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from lorafleet.operator.crd_models import AdapterSpec, InvalidAdapter, PoolSpec
+from lorafleet.operator.crd_models import AdapterSpec, InvalidAdapter, PoolSpec, Source
 from lorafleet.operator.placement import canary_bytes, place_warm, spec_bytes, warm_count
 from lorafleet.operator.reports import WorkerIndex, WorkerReport
 from lorafleet.operator.statuses import adapter_status, pool_status, unserved_status
-from lorafleet.operator.tenant_sources import own_folders, source_problem
+from lorafleet.operator.tenant_sources import foreign_regions, own_folders, source_problem
 from lorafleet.worker.directives import AdapterDirective, DesiredState, DirectiveError, VersionRef
 
 
@@ -293,14 +293,17 @@ def over_quota(pool: PoolSpec | None, adapters: list[AdapterSpec], workers: Sequ
 def _directive(pool: PoolSpec | None, a: AdapterSpec, *, pod_warm: bool) -> AdapterDirective:
     canary = None
     if a.canary is not None and a.canary.source is not None:
-        canary = VersionRef(a.canary.version, a.canary.source.uri, a.canary.source.sha256,
-                            own_folders(pool, a, a.canary.source.uri))
+        canary = _version(pool, a, a.canary.version, a.canary.source)
     return AdapterDirective(
-        name=a.name, tenant=a.tenant,
-        stable=VersionRef(a.version, a.source.uri, a.source.sha256, own_folders(pool, a, a.source.uri)),
+        name=a.name, tenant=a.tenant, stable=_version(pool, a, a.version, a.source),
         canary=canary, canary_weight=a.canary.weight if canary else 0,
         warm=pod_warm, pinned=pod_warm and a.pinned, priority=a.priority,
     )
+
+
+def _version(pool: PoolSpec | None, a: AdapterSpec, version: str, source: Source) -> VersionRef:
+    within = own_folders(pool, a, source.uri)  # a local source's tenant folders (operator/tenant_sources.py)
+    return VersionRef(version, source.uri, source.sha256, within, foreign_regions(pool, within))
 
 
 def _may_hold(w: WorkerReport, name: str | None = None) -> bool:

@@ -14,8 +14,10 @@ the field (its last valid spec stays in force only if it passes too).
 URIs are compared segment by segment as the stager normalises them before fetching ('..' and
 relative paths refused, '.' and empty segments dropped: worker/sources.py), so `tenants/ab/` is not
 under `tenants/a/` and `tenants/a//x/` is. A local path is compared as written; a symlink under one
-tenant's folder into another's is refused by the stager: a local version's directive lists its tenant's folders (`own_folders`), and the
-folder and its files must resolve inside one of them.
+tenant's folder into another's is refused by the stager: a local version's directive lists its tenant's
+folders (`own_folders`) and the regions of them where other tenants' folders lie too (`foreign_regions`),
+and the folder and its files must resolve inside its tenant's folders and, inside such a region, inside an
+own folder below it (worker/tenant_folders.py).
 """
 
 from __future__ import annotations
@@ -136,3 +138,26 @@ def own_folders(pool: PoolSpec | None, adapter: AdapterSpec, uri: str) -> tuple[
         if bound is not None and all(own[k] == v for k, v in bound.items()):
             folders.append(prefix.replace("{tenant}", adapter.tenant).replace("{namespace}", adapter.namespace))
     return tuple(folders)
+
+
+def foreign_regions(pool: PoolSpec | None, within: tuple[str, ...]) -> tuple[str, ...]:
+    """The fixed part (the segments before the first placeholder, as written) of each local tenantSources
+    entry that lies at or under one of `within` (`own_folders`'): a region of the tenant's own folders where
+    other tenants' folders lie too (VersionRef.without). With `/a/{tenant}/` and `/a/legacy/{tenant}/`,
+    tenant legacy's `/a/legacy/` holds tenant b's `/a/legacy/b/`. An entry without placeholders is
+    everyone's folder, and the fixed part of an entry that filled in gives an own folder lies above it."""
+    if pool is None or not within:
+        return ()
+    own = [_segments(w) for w in within]
+    regions = []
+    for prefix in pool.tenant_sources:
+        cut = min((i for i in (prefix.find(p) for p in PLACEHOLDERS) if i >= 0), default=-1)
+        if cut < 0 or prefix.startswith("s3://"):
+            continue
+        try:
+            fixed = _segments(prefix[:cut])
+        except SourceError:
+            continue
+        if any(fixed[:len(o)] == o for o in own if len(fixed) >= len(o)):
+            regions.append(prefix[:cut])
+    return tuple(dict.fromkeys(regions))

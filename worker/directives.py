@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from lorafleet.worker.eviction import POLICIES
+from lorafleet.worker.tenant_folders import TenantFolders
 
 TIERS = ("gpu", "cpu", "disk", "none")
 URI_SCHEMES = ("s3://", "file://", "/")
@@ -38,7 +39,7 @@ MAX_STATE_BYTES = 64 << 20
 # The version an `AdapterState` reports for a start-up adapter folder that is not served (one the stager's
 # seed could not stage, a local --adapters one that did not load): no version of it exists, its digest is unknown.
 UNSTAGED = "unstaged"
-MAX_WITHIN = 32  # folders a version's `within` may list: the CRD's maxItems of a pool's spec.tenantSources
+MAX_WITHIN = 32  # folders a version's `within` (or `without`) may list: the CRD's maxItems of a pool's spec.tenantSources
 
 
 class _Message:
@@ -95,6 +96,9 @@ class VersionRef:
     # A local source's tenant folders (its pool's spec.tenantSources, filled in for its tenant): the folder
     # and the files in it must resolve (symlinks followed) inside one of them. Empty: no such rule.
     within: tuple[str, ...] = ()
+    # Regions of those where other tenants' folders lie too (worker/tenant_folders.py): what resolves inside
+    # one must lie in a `within` folder below it.
+    without: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         _name(self.version, "version")
@@ -103,24 +107,33 @@ class VersionRef:
         _require(self.uri.isprintable(), "uri", f"must hold no control characters (got {self.uri!r})")
         _require(self.sha256 is None or (isinstance(self.sha256, str) and bool(SHA256_RE.fullmatch(self.sha256))),
                  "sha256", "must be 64 lowercase hex digits")
-        _require(isinstance(self.within, tuple) and len(self.within) <= MAX_WITHIN and all(
-            isinstance(w, str) and w.startswith(("/", "file:///")) and w.endswith("/") and w.isprintable()
-            for w in self.within), "within", f"must be at most {MAX_WITHIN} local folders, each ending with '/' "
-                 f"(got {self.within!r})")
+        for name in ("within", "without"):
+            folders = getattr(self, name)
+            _require(isinstance(folders, tuple) and len(folders) <= MAX_WITHIN and all(
+                isinstance(w, str) and w.startswith(("/", "file:///")) and w.endswith("/") and w.isprintable()
+                for w in folders), name, f"must be at most {MAX_WITHIN} local folders, each ending with '/' "
+                     f"(got {folders!r})")
+
+    @property
+    def folders(self) -> TenantFolders:
+        return TenantFolders(self.within, self.without)
 
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {"version": self.version, "uri": self.uri, "sha256": self.sha256}
         if self.within:  # absent when empty, as an older operator sends it
             data["within"] = list(self.within)
+        if self.without:
+            data["without"] = list(self.without)
         return data
 
     @classmethod
     def from_dict(cls, data: Any, where: str) -> VersionRef:
         _require(isinstance(data, dict), where, "must be an object with version, uri, sha256")
-        within = data.get("within", [])
+        within, without = data.get("within", []), data.get("without", [])
         try:
             _require(isinstance(within, list), "within", f"must be a list of folders (got {within!r})")
-            return cls(data.get("version"), data.get("uri"), data.get("sha256"), tuple(within))
+            _require(isinstance(without, list), "without", f"must be a list of folders (got {without!r})")
+            return cls(data.get("version"), data.get("uri"), data.get("sha256"), tuple(within), tuple(without))
         except DirectiveError as exc:
             raise DirectiveError(f"{where}.{exc}") from None
 

@@ -44,6 +44,7 @@ from lorafleet.worker.file_limits import (
 from lorafleet.worker.source_error import SourceError, read_error
 from lorafleet.worker.stager_digests import LocalDigests
 from lorafleet.worker.store_clients import StoreClients, StoreSilent
+from lorafleet.worker.tenant_folders import NO_FOLDERS, FolderBounds, TenantFolders, local_uri_path, resolve
 from lorafleet.worker.vocab_digest import TOKENIZER_FILES
 
 ADAPTER_FILES = (CONFIG_FILE, WEIGHTS_FILE)
@@ -112,22 +113,6 @@ def parse_s3(uri: str) -> S3Location:
     return S3Location(bucket, prefix + "/" if prefix else "")
 
 
-def local_uri_path(uri: str) -> str:
-    """The path a local source names (`/abs/dir` or `file:///abs/dir`), unresolved; a relative path or
-    '..' is refused (it would depend on the worker's working directory, or escape the roots)."""
-    raw = uri[len("file://"):] if uri.startswith("file://") else uri
-    if "\x00" in raw or any("\ud800" <= c <= "\udfff" for c in raw):  # no file system takes these
-        raise SourceError(f"{uri!r}: not a usable path (a NUL byte or an unpaired surrogate)")
-    # '..' first: `file://../x` is relative too, and must be refused as an escape, not passed on.
-    if ".." in PurePosixPath(raw).parts:
-        raise SourceError(f"{uri!r}: '..' is not allowed in adapter paths (give an absolute path without '..')",
-                          "not_allowed")
-    if not raw.startswith("/"):
-        raise SourceError(f"{uri!r}: local sources must be absolute paths (an absolute path without '..': /abs/dir "
-                          f"or file:///abs/dir); a relative path would depend on the worker's working directory")
-    return raw
-
-
 class Sources:
     """Checks URIs against the allow-list and fetches them (local: resolve; S3: download)."""
 
@@ -151,27 +136,25 @@ class Sources:
         raise SourceError(f"{uri}: bucket/prefix not in the allow-list ({', '.join(self.config.s3_allow) or 'empty'}); "
                           f"add it to LORAFLEET_S3_ALLOW", "not_allowed")
 
-    def local_path(self, uri: str, within: tuple[str, ...] = ()) -> Path:
+    def bounds(self, folders: TenantFolders = NO_FOLDERS) -> FolderBounds:
+        """Where a local source's folder and files may resolve: the roots, and `folders` (worker/tenant_folders.py)."""
+        return FolderBounds(self._roots, self.config.local_roots, folders)
+
+    def local_path(self, uri: str, folders: TenantFolders = NO_FOLDERS) -> Path:
         """The resolved directory of a local source, refused unless it lies inside a configured root and, given
-        `within` (its tenant's folders: VersionRef.within), inside one of them too; so must the symlinks among
-        its files. A folder or file in it that cannot be read (a symlink loop, a permission error) is refused."""
-        path = _resolve(Path(local_uri_path(uri)))  # follows symlinks: a link out of a root lands outside it
-        bounds = [(f"the allowed local roots ({', '.join(map(str, self._roots)) or 'none configured'})", self._roots)]
-        if within:  # a link from a tenant's folder into another's stays inside the roots
-            tenant_folders = [_resolve(Path(local_uri_path(w))) for w in within]
-            bounds.append((f"its tenant's folders ({', '.join(within)})", tenant_folders))
-        for what, folders in bounds:
-            if not any(path.is_relative_to(folder) for folder in folders):
-                raise SourceError(f"{uri}: resolves to {path}, outside {what}", "not_allowed")
+        `folders` (its tenant's: VersionRef.within, .without), inside them too (`FolderBounds`); so must the
+        symlinks among its files. A folder or file in it that cannot be read (a symlink loop, a permission
+        error) is refused."""
+        bounds = self.bounds(folders)
+        path = resolve(Path(local_uri_path(uri)))  # follows symlinks: a link out of a root lands outside it
+        bounds.check(path, f"{uri}: resolves to {path},")
         with _as_source_error(path):
             info = _stat(path)
             if info is None or not stat.S_ISDIR(info.st_mode):
                 raise SourceError(f"{uri}: no such adapter directory", "missing")
             for f in path.iterdir():  # the loader reads tokenizer files beside the adapter's own
                 if f.is_symlink():
-                    for what, folders in bounds:
-                        if not any(_resolve(f).is_relative_to(folder) for folder in folders):
-                            raise SourceError(f"{f}: symlink points outside {what}", "not_allowed")
+                    bounds.check(resolve(f), f"{f}: symlink points")
                     _stat(f)  # a loop that resolve() leaves unresolved (Python 3.13 on)
         return path
 
@@ -282,14 +265,6 @@ def _refuse_missing(where: str, missing: list[str]) -> None:
     if missing:
         raise SourceError(f"{where}: missing {', '.join(missing)} (a PEFT adapter directory needs both; "
                           f"pickle .bin files are not served)", "missing")
-
-
-def _resolve(path: Path) -> Path:
-    """`path` with its symlinks followed; a loop among them is refused, naming `path`."""
-    try:
-        return path.resolve()
-    except (OSError, RuntimeError) as exc:
-        raise read_error(path, exc) from None
 
 
 def _stat(path: Path) -> os.stat_result | None:

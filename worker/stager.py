@@ -60,6 +60,7 @@ from lorafleet.worker.stager_push import apply_push
 from lorafleet.worker.stager_seed import SeedReport, seed
 from lorafleet.worker.stager_store import StoreDown, StoreHealth
 from lorafleet.worker.staging_errors import is_object_fault, is_refusal
+from lorafleet.worker.tenant_folders import NO_FOLDERS, TenantFolders
 
 log = logging.getLogger("lorafleet.stager")
 _STALL_GRACE_S = 120.0  # beyond download_timeout_s: the store's calls end by then, what follows (verifying) may not
@@ -102,17 +103,17 @@ class Stager:
 
     # ---- staging -------------------------------------------------------------------------------
     async def stage(self, uri: str, sha256: str | None, *, held: set[str] | None = None,
-                    push_start: float | None = None, within: tuple[str, ...] = ()) -> Staged:
+                    push_start: float | None = None, folders: TenantFolders = NO_FOLDERS) -> Staged:
         """Stage `uri` into the disk cache. Its cache key is protected from eviction before the cache is
         looked up: added to `held` (a push's keys), or else (the engine's request) leased for
         `stage_lease_s`, as the engine loads from the path after it is handed out. `push_start` (time.monotonic())
-        of a push: the store is not called again once it failed since (StoreHealth). `within`: VersionRef's."""
+        of a push: the store is not called again once it failed since (StoreHealth). `folders`: VersionRef's."""
         if sha256 is not None:
             sha256 = sha256.lower()
         if not self.sources.is_s3(uri):
-            staged = await self.local_reads.read(uri, self.config.download_timeout_s, within)
+            staged = await self.local_reads.read(uri, self.config.download_timeout_s, folders)
             if sha256 is not None and staged.sha256 != sha256:  # a shared read may predate the files' change
-                staged = await self.local_reads.read(uri, self.config.download_timeout_s, within)
+                staged = await self.local_reads.read(uri, self.config.download_timeout_s, folders)
             check_digest(staged.sha256, sha256, uri)  # each caller's own: one read serves them all
             self.metrics.requests.labels("local").inc()
             return staged
@@ -199,8 +200,8 @@ class Stager:
         except OSError:
             return False
 
-    def _local(self, uri: str, within: tuple[str, ...]) -> Staged:
-        path = self.sources.local_path(uri, within)
+    def _local(self, uri: str, folders: TenantFolders) -> Staged:
+        path = self.sources.local_path(uri, folders)
         return Staged(path, self.sources.verify_local(path, None, uri), cached=True)
 
     def _count_request(self, outcome: str) -> None:

@@ -22,6 +22,7 @@ from lorafleet.worker.stager_push import StalePush
 from lorafleet.worker.stager_seed import seed_until_done
 from lorafleet.worker.staging_errors import staging_error
 from lorafleet.worker.state_json import NotJSON, decode, reply
+from lorafleet.worker.tenant_folders import TenantFolders
 from lorafleet.worker.tenants import bearer_token, token_bytes
 
 log = logging.getLogger("lorafleet.stager")
@@ -71,11 +72,14 @@ async def post_stage(request: web.Request) -> web.Response:
         raise APIError(400, "body needs 'uri' (s3://bucket/prefix/, file:// or an absolute path)", param="uri")
     if sha256 is not None and not (isinstance(sha256, str) and _SHA256_HEX.fullmatch(sha256)):
         raise APIError(400, "sha256 must be 64 hex digits", param="sha256")
-    within = body.get("within", [])  # a local folder's tenant folders, as a directive's version lists them
-    if not (isinstance(within, list) and all(isinstance(w, str) and w.startswith(("/", "file:///")) for w in within)):
-        raise APIError(400, "within must be a list of local folders (/path/ or file:///path/)", param="within")
+    folders = []  # a local folder's tenant folders, as a directive's version lists them
+    for name in ("within", "without"):
+        value = body.get(name, [])
+        if not (isinstance(value, list) and all(isinstance(w, str) and w.startswith(("/", "file:///")) for w in value)):
+            raise APIError(400, f"{name} must be a list of local folders (/path/ or file:///path/)", param=name)
+        folders.append(tuple(value))
     try:
-        staged = await request.app[STAGER].stage(uri, sha256, within=tuple(within))
+        staged = await request.app[STAGER].stage(uri, sha256, folders=TenantFolders(*folders))
     except APIError:
         raise
     except Exception as exc:

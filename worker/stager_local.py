@@ -15,22 +15,24 @@ import threading
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
+from lorafleet.worker.tenant_folders import NO_FOLDERS, TenantFolders
+
 T = TypeVar("T")
 
 
 class LocalReads(Generic[T]):
-    def __init__(self, read: Callable[[str, tuple[str, ...]], T]) -> None:
+    def __init__(self, read: Callable[[str, TenantFolders], T]) -> None:
         self._read = read
-        self._flights: dict[tuple[str, tuple[str, ...]], asyncio.Future] = {}
+        self._flights: dict[tuple[str, TenantFolders], asyncio.Future] = {}
 
     def __len__(self) -> int:
         return len(self._flights)
 
-    async def read(self, uri: str, timeout: float, within: tuple[str, ...] = ()) -> T:
-        """`read(uri, within)`'s result (`within`: the tenant's folders it must resolve in, see
-        VersionRef.within), or TimeoutError naming the folder after `timeout` seconds. A read that has
+    async def read(self, uri: str, timeout: float, folders: TenantFolders = NO_FOLDERS) -> T:
+        """`read(uri, folders)`'s result (`folders`: the tenant's folders it must resolve in, see
+        worker/tenant_folders.py), or TimeoutError naming the folder after `timeout` seconds. A read that has
         returned has left the map before its waiters resume: a waiter reading again joins a later read only."""
-        key = (uri, within)
+        key = (uri, folders)
         flight = self._flights.get(key)
         if flight is None:
             loop = asyncio.get_running_loop()
@@ -44,7 +46,7 @@ class LocalReads(Generic[T]):
         except TimeoutError:
             raise TimeoutError(f"{uri}: reading the folder took over {timeout:g} s (a hung mount?)") from None
 
-    def _run(self, loop: asyncio.AbstractEventLoop, flight: asyncio.Future, key: tuple[str, tuple[str, ...]]) -> None:
+    def _run(self, loop: asyncio.AbstractEventLoop, flight: asyncio.Future, key: tuple[str, TenantFolders]) -> None:
         try:
             outcome = (self._read(*key), None)
         except BaseException as exc:  # noqa: BLE001 - handed to the waiters

@@ -222,7 +222,7 @@ async def _stage(stager: Stager, push: Push) -> None:
                 while todo and len(running) < stager.config.stage_concurrency:
                     name, ref = todo.pop()
                     running[asyncio.ensure_future(stager.stage(ref.uri, ref.sha256, held=pushing, push_start=push_start,
-                                                               within=ref.within))] = (name, ref)
+                                                               folders=ref.folders))] = (name, ref)
                 finished, _ = await asyncio.wait({*running, superseded}, return_when=asyncio.FIRST_COMPLETED)
                 for staging in finished - {superseded}:
                     _note_staged(push, *running.pop(staging), staging)

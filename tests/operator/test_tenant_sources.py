@@ -132,3 +132,25 @@ def test_a_local_versions_directive_names_its_tenants_folders(uri, within):
     assert directive.stable.within == doubled and directive.canary.within == ("/data/ns/acme/", "file:///data/ns/acme/")
     plan = converge(pool(), [parse_adapter(body(source={"uri": uri}))], workers(1))  # no tenantSources: no rule
     assert plan.desired["w0"].adapters[0].stable.within == ()
+
+
+@pytest.mark.parametrize(("sources", "tenant", "uri", "within", "without"), [
+    (["/a/{tenant}/", "/a/legacy/{tenant}/"], "legacy", "/a/legacy/legacy/m/",
+     ("/a/legacy/", "/a/legacy/legacy/"), ("/a/legacy/",)),  # /a/legacy/ holds tenant b's /a/legacy/b/
+    (["/a/{tenant}/", "/a/legacy/{tenant}/"], "acme", "/a/acme/m/", ("/a/acme/",), ()),
+    (["/a/{tenant}/", "file:///a/legacy/special/{tenant}/"], "legacy", "/a/legacy/other/m/",
+     ("/a/legacy/",), ("file:///a/legacy/special/",)),
+    (["/d/{namespace}/", "/d/ns/{tenant}/"], "legacy", "/d/ns/legacy/m/", ("/d/ns/", "/d/ns/legacy/"), ("/d/ns/",)),
+    (["/data/{tenant}/adapters/"], "acme", "/data/acme/adapters/m/", ("/data/acme/adapters/",), ()),
+    (["/a/{tenant}/", "/a/legacy/shared/"], "legacy", "/a/legacy/m/", ("/a/legacy/",), ()),  # everyone's folder
+])
+def test_a_local_versions_directive_names_where_other_tenants_folders_lie_inside_its_own(
+        sources, tenant, uri, within, without):
+    """Entries may overlap: a tenant's own folder may hold other tenants' folders (of another entry). The
+    directive names the fixed part of such an entry (`without`): the stager requires what resolves inside it to
+    lie in one of the tenant's folders below it."""
+    plan = converge(pool(tenantSources=sources), [parse_adapter(body(source={"uri": uri}, tenant=tenant))], workers(1))
+    assert plan.adapter_statuses["a"]["phase"] != "Failed", plan.adapter_statuses["a"]
+    (directive,) = plan.desired["w0"].adapters
+    assert (directive.stable.within, directive.stable.without) == (within, without)
+    assert directive.stable.to_dict().get("without", []) == list(without)  # left out when empty

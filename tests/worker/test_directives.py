@@ -89,6 +89,10 @@ def test_desired_state_round_trip_property(gen, name, version, weight, warm, pin
             "version": "v1", "uri": "/p/a/", "within": ["/p"]}}]}, "stable.within"),
         ({"generation": 1, "adapters": [{"name": "a", "tenant": "t", "stable": {
             "version": "v1", "uri": "/p/a/", "within": [f"/p{i}/" for i in range(33)]}}]}, "stable.within"),
+        ({"generation": 1, "adapters": [{"name": "a", "tenant": "t", "stable": {
+            "version": "v1", "uri": "/p/a/", "within": ["/p/"], "without": "/p/"}}]}, "stable.without"),
+        ({"generation": 1, "adapters": [{"name": "a", "tenant": "t", "stable": {
+            "version": "v1", "uri": "/p/a/", "within": ["/p/"], "without": ["/p"]}}]}, "stable.without"),
     ],
 )
 def test_desired_state_refusals_name_the_field(payload, field):
@@ -99,11 +103,13 @@ def test_desired_state_refusals_name_the_field(payload, field):
 def test_messages_write_every_field_as_the_dataclass_holds_it():
     """to_dict is written by hand (dataclasses.asdict took seconds for a pool's 150,000 adapters): it must
     still carry every field, nested ones too, as asdict would."""
-    state = DesiredState(7, [_directive(stable=VersionRef("v2", "/data/acme/sql/v2/", SHA, ("/data/acme/",)),
+    state = DesiredState(7, [_directive(stable=VersionRef("v2", "/data/acme/sql/v2/", SHA, ("/data/acme/",),
+                                                                           ("/data/acme/legacy/",)),
                                         canary=VersionRef("v3", "s3://adapters/sql/v3/"), canary_weight=20,
                                         warm=True, pinned=True, priority=5)], eviction="lfu", cpu_bytes=1 << 30)
     want = json.loads(json.dumps(dataclasses.asdict(state)))  # tuples as the lists JSON holds
     assert want["adapters"][0]["canary"].pop("within") == []  # empty: left out, as an older operator sends it
+    assert want["adapters"][0]["canary"].pop("without") == []
     assert json.loads(json.dumps(state.to_dict())) == want
     assert "eviction" not in DesiredState(1, [_directive()]).to_dict()  # the worker's own: left out
     report = ReportedState(generation_applied=3, pool_bytes=1 << 20, pool_slots=4, error="stale",

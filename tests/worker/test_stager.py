@@ -188,6 +188,13 @@ def test_local_sources_and_symlink_escapes(stager, peft_dirs):
     with pytest.raises(StagerError) as err:
         stager.client()._call("POST", "/v1/stage", {**body, "within": "acme"})
     assert err.value.status == 400 and "within" in str(err.value)
+    # A region of the tenant's folder where another's lies (`without`): only an own folder below it counts.
+    with pytest.raises(StagerError) as err:
+        stager.client()._call("POST", "/v1/stage", {**body, "within": [f"{local}/"], "without": [f"{local}/"]})
+    assert err.value.status == 403 and "where other tenants' folders lie" in str(err.value)
+    with pytest.raises(StagerError) as err:
+        stager.client()._call("POST", "/v1/stage", {**body, "without": "acme"})
+    assert err.value.status == 400 and "without" in str(err.value)
 
 
 def test_store_outage_hot_and_warm_keep_serving_cold_fails_then_recovers(s3, stager, peft_dirs, tiny_llama_dir):

@@ -183,10 +183,10 @@ def _stager_with_a_hung_mount(tmp_path, monkeypatch) -> tuple[Stager, threading.
     stager = Stager(dataclasses.replace(config(tmp_path), download_timeout_s=0.5))
     release, real = threading.Event(), stager.sources.local_path
 
-    def local_path(uri, within=()):
+    def local_path(uri, folders):
         if "hung" in uri:
             release.wait(30)
-        return real(uri, within)
+        return real(uri, folders)
 
     monkeypatch.setattr(stager.sources, "local_path", local_path)
     return stager, release
@@ -200,8 +200,8 @@ async def test_a_digest_asked_after_the_folder_changed_is_read_afresh(tmp_path):
     old_digest = (await stager.stage(str(folder), None)).sha256
     gate, hashed, real = threading.Event(), threading.Event(), stager.local_reads._read
 
-    def read(uri, within):
-        staged = real(uri, within)  # the files as they were
+    def read(uri, folders):
+        staged = real(uri, folders)  # the files as they were
         hashed.set()
         gate.wait(10)
         return staged
@@ -227,7 +227,7 @@ async def test_callers_of_a_wrong_digest_read_the_folder_twice_in_all(tmp_path):
     stager = Stager(config(tmp_path))
     folder = fake_adapter(tmp_path / "local" / "corrupt")
     reads, real = [], stager.local_reads._read
-    stager.local_reads._read = lambda uri, within: reads.append(uri) or real(uri, within)
+    stager.local_reads._read = lambda uri, folders: reads.append(uri) or real(uri, folders)
     results = await asyncio.gather(*(stager.stage(str(folder), "0" * 64) for _ in range(8)), return_exceptions=True)
     assert all(isinstance(r, SourceError) and "sha256 mismatch" in str(r) for r in results)
     assert len(reads) == 2

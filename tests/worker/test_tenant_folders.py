@@ -6,12 +6,14 @@ another tenant's, which lies inside the same allowed roots."""
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import pytest
 
 from lorafleet.worker.directives import AdapterDirective, DesiredState, VersionRef
 from lorafleet.worker.sources import SourceError, Sources, SourcesConfig, adapter_digest
 from lorafleet.worker.stager import Stager
+from lorafleet.worker.tenant_folders import TenantFolders
 from tests.worker.test_stager_bounds import config, fake_adapter
 
 
@@ -26,9 +28,9 @@ def tenants(tmp_path):
     return local
 
 
-def _refusal(local, uri: str, within: tuple[str, ...]) -> SourceError:
+def _refusal(local, uri: str, within: tuple[str, ...], without: tuple[str, ...] = ()) -> SourceError:
     with pytest.raises(SourceError) as err:
-        Sources(SourcesConfig(local_roots=[str(local)])).local_path(uri, within)
+        Sources(SourcesConfig(local_roots=[str(local)])).local_path(uri, TenantFolders(within, without))
     assert err.value.kind == "not_allowed", err.value
     return err.value
 
@@ -55,8 +57,9 @@ def test_links_that_stay_in_the_tenants_folders_are_served(tenants):
     os.symlink(own / "adapter_config.json", tenants / "acme" / "config-link")
     within = (f"{tenants}/acme/", f"file://{tenants}/shared-acme/")
     src = Sources(SourcesConfig(local_roots=[str(tenants)]))
-    assert src.local_path(str(tenants / "acme" / "linked"), within) == (tenants / "shared-acme" / "other").resolve()
-    assert src.local_path(str(own), within) == own.resolve()
+    linked = src.local_path(str(tenants / "acme" / "linked"), TenantFolders(within))
+    assert linked == (tenants / "shared-acme" / "other").resolve()
+    assert src.local_path(str(own), TenantFolders(within)) == own.resolve()
     _refusal(tenants, str(tenants / "acme" / "linked"), within[:1])  # the second folder is not acme's here
 
 
@@ -86,3 +89,84 @@ async def test_a_push_stages_the_honest_version_and_reports_the_linked_one(tenan
     plain = DesiredState(2, [AdapterDirective("thief", "acme", VersionRef("v1", str(tenants / "acme" / "stolen")))])
     report = {a.name: a for a in (await stager.apply(plain)).adapters}
     assert report["thief"].error is None and ("thief", "v1") in stager.staged
+
+
+def _folders(local, entries: list[str], tenant: str, uri: str, namespace: str = "ns") -> TenantFolders:
+    """What the operator puts in a local version's directive for `tenant`, the pool's tenantSources being
+    `entries` with `{root}` for the roots; the operator itself accepts the source as written."""
+    from lorafleet.operator.tenant_sources import foreign_regions, own_folders, source_problem
+
+    pool = SimpleNamespace(name="p", tenant_sources=tuple(e.replace("{root}", str(local)) for e in entries))
+    adapter = SimpleNamespace(name="a", tenant=tenant, namespace=namespace, source=SimpleNamespace(uri=uri),
+                              canary=None)
+    assert source_problem(pool, adapter) is None
+    within = own_folders(pool, adapter, uri)
+    return TenantFolders(within, foreign_regions(pool, within))
+
+
+OVERLAP = ["{root}/a/{tenant}/", "{root}/a/legacy/{tenant}/"]  # tenant legacy's /a/legacy/ holds b's /a/legacy/b/
+SPECIAL = ["{root}/a/{tenant}/", "file://{root}/a/legacy/special/{tenant}/"]
+BY_NAMESPACE = ["{root}/d/{namespace}/", "{root}/d/team/{tenant}/"]  # namespace team's /d/team/ holds x's /d/team/x/
+
+
+@pytest.mark.parametrize(("entries", "namespace", "source", "target", "ok"), [
+    (OVERLAP, "ns", "a/legacy/legacy/m", None, True),  # a real folder of its own
+    (OVERLAP, "ns", "a/legacy/legacy/m", "a/legacy/legacy/real", True),
+    (OVERLAP, "ns", "a/legacy/legacy/m", "a/legacy/b/secret", False),  # into tenant b's
+    (OVERLAP, "ns", "file://{root}/a/legacy/legacy/m", "a/legacy/b/secret", False),
+    ([f"file://{e}" for e in OVERLAP], "ns", "a/legacy/legacy/m", "a/legacy/b/secret", False),
+    (SPECIAL, "ns", "a/legacy/other/m", None, True),
+    (SPECIAL, "ns", "a/legacy/other/m", "a/legacy/mine", True),  # elsewhere in its own folder
+    (SPECIAL, "ns", "a/legacy/other/m", "a/legacy/special/b/secret", False),
+    (BY_NAMESPACE, "team", "d/team/legacy/m", "d/team/legacy/real", True),
+    (BY_NAMESPACE, "team", "d/team/legacy/m", "d/team/b/secret", False),
+])
+def test_a_link_into_another_tenants_folder_inside_its_own_is_refused(tmp_path, entries, namespace, source, target,
+                                                                       ok):
+    """Entries may overlap: tenant legacy's folder /a/legacy/ (from /a/{tenant}/) holds tenant b's /a/legacy/b/
+    (from /a/legacy/{tenant}/). A link lands in legacy's folder either way; the directive names /a/legacy/ as
+    a region where other tenants' folders lie (`without`), and there only legacy's own folders below it count."""
+    local = tmp_path / "local"
+    fake_adapter(local / "a" / "legacy" / "b" / "secret", b"b's weights")
+    fake_adapter(local / "a" / "legacy" / "special" / "b" / "secret", b"b's weights")
+    fake_adapter(local / "d" / "team" / "b" / "secret", b"b's weights")
+    for mine in ("a/legacy/legacy/real", "a/legacy/mine", "d/team/legacy/real"):
+        fake_adapter(local / mine, b"legacy's weights")
+    uri = source.replace("{root}", str(local)) if "{root}" in source else str(local / source)
+    path = local / source.replace("file://{root}/", "")
+    if target is None:
+        fake_adapter(path)
+    else:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        os.symlink(local / target, path)
+    folders = _folders(local, entries, "legacy", uri, namespace)
+    src = Sources(SourcesConfig(local_roots=[str(local)]))
+    if ok:
+        assert src.local_path(uri, folders) == (local / (target or path)).resolve()
+        return
+    with pytest.raises(SourceError) as err:
+        src.local_path(uri, folders)
+    assert err.value.kind == "not_allowed" and "where other tenants' folders lie" in str(err.value), err.value
+    # The same link from a file of a real folder: refused too.
+    path.unlink()
+    fake_adapter(path)
+    (path / "adapter_model.safetensors").unlink()
+    os.symlink(local / target / "adapter_model.safetensors", path / "adapter_model.safetensors")
+    with pytest.raises(SourceError, match="symlink points inside .* where other tenants' folders lie"):
+        src.local_path(uri, folders)
+
+
+async def test_a_push_holds_a_local_version_to_its_without_folders(tmp_path):
+    """The directive's `without` reaches the stager's check: tenant legacy's link into b's folder inside its own
+    is reported, its real folder staged."""
+    local = tmp_path / "local"
+    fake_adapter(local / "a" / "legacy" / "b" / "secret", b"b's weights")
+    fake_adapter(local / "a" / "legacy" / "legacy" / "mine", b"legacy's weights")
+    os.symlink(local / "a" / "legacy" / "b" / "secret", local / "a" / "legacy" / "legacy" / "stolen")
+    within, without = (f"{local}/a/legacy/", f"{local}/a/legacy/legacy/"), (f"{local}/a/legacy/",)
+    desired = DesiredState(1, [AdapterDirective(name, "legacy", VersionRef(
+        "v1", str(local / "a" / "legacy" / "legacy" / name), None, within, without)) for name in ("mine", "stolen")])
+    stager = Stager(config(tmp_path))
+    report = {a.name: a for a in (await stager.apply(desired)).adapters}
+    assert report["mine"].error is None and ("mine", "v1") in stager.staged, report["mine"]
+    assert "where other tenants' folders lie" in (report["stolen"].error or ""), report["stolen"]

@@ -1,0 +1,88 @@
+"""A local version's tenant folders, and the bounds the stager holds the folder and its files to.
+
+`TenantFolders` is what a directive's version carries (VersionRef.within and .without, from its pool's
+`spec.tenantSources`: operator/tenant_sources.py). `within`: the entries the source lies under, bound to
+its own tenant and namespace, filled in. `without`: the fixed part of an entry (its segments before the
+first placeholder) that lies at or under one of those, a region of the tenant's own folder where other
+tenants' folders lie too.
+
+`FolderBounds` resolves them on the stager. A path, symlinks followed, is inside when it lies under a
+configured root, under a `within` folder (when any is given), and, for every `without` folder it lies
+under, under a `within` folder strictly deeper than that one. Running example: entries `/a/{tenant}/`
+and `/a/legacy/{tenant}/`, tenant `legacy`, source `/a/legacy/legacy/m`: within (/a/legacy/,
+/a/legacy/legacy/), without (/a/legacy/,). A real folder /a/legacy/legacy/m is inside; a link from it to
+/a/legacy/b/x (tenant b's) lies under /a/legacy/ but in no own folder below it, and is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+from lorafleet.worker.source_error import SourceError, read_error
+
+
+@dataclass(slots=True, frozen=True)
+class TenantFolders:
+    within: tuple[str, ...] = ()  # local folders, "/path/" or "file:///path/"
+    without: tuple[str, ...] = ()
+
+
+NO_FOLDERS = TenantFolders()
+
+
+def local_uri_path(uri: str) -> str:
+    """The path a local source names (`/abs/dir` or `file:///abs/dir`), unresolved; a relative path or
+    '..' is refused (it would depend on the worker's working directory, or escape the roots)."""
+    raw = uri[len("file://"):] if uri.startswith("file://") else uri
+    if "\x00" in raw or any("\ud800" <= c <= "\udfff" for c in raw):  # no file system takes these
+        raise SourceError(f"{uri!r}: not a usable path (a NUL byte or an unpaired surrogate)")
+    # '..' first: `file://../x` is relative too, and must be refused as an escape, not passed on.
+    if ".." in PurePosixPath(raw).parts:
+        raise SourceError(f"{uri!r}: '..' is not allowed in adapter paths (give an absolute path without '..')",
+                          "not_allowed")
+    if not raw.startswith("/"):
+        raise SourceError(f"{uri!r}: local sources must be absolute paths (an absolute path without '..': /abs/dir "
+                          f"or file:///abs/dir); a relative path would depend on the worker's working directory")
+    return raw
+
+
+def resolve(path: Path) -> Path:
+    """`path` with its symlinks followed; a loop among them is refused, naming `path`."""
+    try:
+        return path.resolve()
+    except (OSError, RuntimeError) as exc:
+        raise read_error(path, exc) from None
+
+
+class FolderBounds:
+    """Where a local source's folder and files may resolve: `roots` (resolved), and `folders`, resolved
+    once here. `configured_roots`: the roots as written (a nested one may be an administrator's symlink)."""
+
+    def __init__(self, roots: Sequence[Path], configured_roots: Sequence[str], folders: TenantFolders) -> None:
+        self.roots, self.folders = list(roots), folders
+        self._within = [self._resolve(w) for w in folders.within]
+        self._without = [self._resolve(w) for w in folders.without]
+
+    def problem(self, path: Path) -> str | None:
+        """Why the resolved `path` is out of bounds ("outside ...", "inside ..."), or None."""
+        if not any(path.is_relative_to(r) for r in self.roots):
+            return f"outside the allowed local roots ({', '.join(map(str, self.roots)) or 'none configured'})"
+        own = self.folders.within
+        if own and not any(path.is_relative_to(w) for w in self._within):
+            return f"outside its tenant's folders ({', '.join(own)})"
+        for spelled, region in zip(self.folders.without, self._without, strict=True):
+            if path.is_relative_to(region) and not any(
+                    w != region and w.is_relative_to(region) and path.is_relative_to(w) for w in self._within):
+                return (f"inside {spelled}, where other tenants' folders lie, and in none of its tenant's "
+                        f"folders there ({', '.join(own) or 'none'})")
+        return None
+
+    def check(self, path: Path, what: str) -> None:
+        """SourceError `not_allowed` ("{what} {problem}") when the resolved `path` is out of bounds."""
+        if (problem := self.problem(path)) is not None:
+            raise SourceError(f"{what} {problem}", "not_allowed")
+
+    def _resolve(self, folder: str) -> Path:
+        return resolve(Path(local_uri_path(folder)))
