@@ -12,10 +12,17 @@ under, under a `within` folder strictly deeper than that one. Running example: e
 and `/a/legacy/{tenant}/`, tenant `legacy`, source `/a/legacy/legacy/m`: within (/a/legacy/,
 /a/legacy/legacy/), without (/a/legacy/,). A real folder /a/legacy/legacy/m is inside; a link from it to
 /a/legacy/b/x (tenant b's) lies under /a/legacy/ but in no own folder below it, and is refused.
+
+The folders are taken as written inside the roots: a component of one that is a symlink lying inside a
+root (other than a configured root) is refused, as a tenant who may write /data/acme/ could otherwise point
+its folder /data/acme/adapters/ at another tenant's. Tenant folders must be real directories there; links
+above the roots (the administrator's) are followed.
 """
 
 from __future__ import annotations
 
+import os
+import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -57,11 +64,12 @@ def resolve(path: Path) -> Path:
 
 
 class FolderBounds:
-    """Where a local source's folder and files may resolve: `roots` (resolved), and `folders`, resolved
-    once here. `configured_roots`: the roots as written (a nested one may be an administrator's symlink)."""
+    """Where a local source's folder and files may resolve: `roots` (resolved at start, in the order of
+    `configured_roots`, the roots as written), and `folders`, resolved once here."""
 
     def __init__(self, roots: Sequence[Path], configured_roots: Sequence[str], folders: TenantFolders) -> None:
         self.roots, self.folders = list(roots), folders
+        self._pinned = {Path(c): r for c, r in zip(configured_roots, roots, strict=True)}  # as resolved at start
         self._within = [self._resolve(w) for w in folders.within]
         self._without = [self._resolve(w) for w in folders.without]
 
@@ -85,4 +93,23 @@ class FolderBounds:
             raise SourceError(f"{what} {problem}", "not_allowed")
 
     def _resolve(self, folder: str) -> Path:
-        return resolve(Path(local_uri_path(folder)))
+        """A tenant folder resolved. Refused when a component of it is a symlink that lies inside the roots,
+        unless a configured root that still leads where it did at start: the administrator's links above the
+        roots are followed, none a tenant could have made below them."""
+        spelled = PurePosixPath(local_uri_path(folder))
+        for depth in range(2, len(spelled.parts) + 1):
+            part = Path(*spelled.parts[:depth])
+            try:
+                is_link = stat.S_ISLNK(os.lstat(part).st_mode)
+            except (FileNotFoundError, NotADirectoryError):
+                break  # nothing below it exists either
+            except OSError as exc:
+                raise read_error(part, exc) from None
+            if not is_link or self._pinned.get(part) == resolve(part):
+                continue
+            if any((resolve(part.parent) / part.name).is_relative_to(r) for r in self.roots):
+                raise SourceError(f"{folder}: {part} is a symlink inside the local roots; a tenant's folder and the "
+                                  f"folders leading to it there must be real directories (a link could lead one "
+                                  f"tenant's folder into another's): replace the link with the directory",
+                                  "not_allowed")
+        return resolve(Path(spelled))

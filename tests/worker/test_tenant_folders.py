@@ -170,3 +170,50 @@ async def test_a_push_holds_a_local_version_to_its_without_folders(tmp_path):
     report = {a.name: a for a in (await stager.apply(desired)).adapters}
     assert report["mine"].error is None and ("mine", "v1") in stager.staged, report["mine"]
     assert "where other tenants' folders lie" in (report["stolen"].error or ""), report["stolen"]
+
+
+def test_a_tenant_folder_that_is_a_symlink_inside_the_roots_is_refused(tmp_path):
+    """Entry /data/{tenant}/adapters/: a tenant who may write /data/acme/ links /data/acme/adapters to globex's
+    folder; following it, the tenant folder itself would lie in globex's. Refused, naming the link."""
+    local = tmp_path / "local"
+    fake_adapter(local / "globex" / "adapters" / "secret", b"globex weights")
+    (local / "acme").mkdir()
+    os.symlink(local / "globex" / "adapters", local / "acme" / "adapters")
+    uri = str(local / "acme" / "adapters" / "secret")
+    folders = _folders(local, ["{root}/{tenant}/adapters/"], "acme", uri)
+    assert folders.within == (f"{local}/acme/adapters/",)
+    with pytest.raises(SourceError) as err:
+        Sources(SourcesConfig(local_roots=[str(local)])).local_path(uri, folders)
+    assert err.value.kind == "not_allowed" and f"{local / 'acme' / 'adapters'} is a symlink" in str(err.value)
+    # So is a region where other tenants' folders lie (`without`) whose path holds a link.
+    fake_adapter(local / "a" / "legacy" / "mine")
+    os.symlink(local / "a" / "legacy", local / "a" / "decoy")
+    err = _refusal(local, str(local / "a" / "legacy" / "mine"), (f"{local}/a/legacy/",), (f"{local}/a/decoy/",))
+    assert f"{local / 'a' / 'decoy'} is a symlink" in str(err)
+
+
+def test_the_administrators_links_at_and_above_the_roots_are_followed(tmp_path):
+    """A root named through a link, and a root inside another that is a link (a faster disk): the tenant folders
+    under them are served."""
+    fake_adapter(tmp_path / "disk" / "acme" / "mine")
+    fake_adapter(tmp_path / "nvme" / "acme" / "fast")
+    os.symlink(tmp_path / "disk", tmp_path / "mnt")
+    os.symlink(tmp_path / "nvme", tmp_path / "disk" / "fast")
+    src = Sources(SourcesConfig(local_roots=[str(tmp_path / "mnt"), str(tmp_path / "mnt" / "fast")]))
+    mine, fast = tmp_path / "mnt" / "acme" / "mine", tmp_path / "mnt" / "fast" / "acme" / "fast"
+    assert src.local_path(str(mine), TenantFolders((f"{tmp_path}/mnt/acme/",))) == mine.resolve()
+    assert src.local_path(str(fast), TenantFolders((f"file://{tmp_path}/mnt/fast/acme/",))) == fast.resolve()
+    assert src.local_path(str(mine), TenantFolders((f"{tmp_path}/disk/acme/",))) == mine.resolve()
+
+
+def test_a_root_replaced_by_a_link_since_start_is_refused(tmp_path):
+    """Roots per tenant (/data/acme/adapters, /data/globex/adapters), acme allowed to write /data/acme/: once the
+    stager started, acme's root replaced by a link to globex's lands inside a root, but not where it did."""
+    local = tmp_path / "local"
+    fake_adapter(local / "globex" / "adapters" / "secret", b"globex weights")
+    (local / "acme" / "adapters").mkdir(parents=True)
+    src = Sources(SourcesConfig(local_roots=[str(local / "acme" / "adapters"), str(local / "globex" / "adapters")]))
+    (local / "acme" / "adapters").rmdir()
+    os.symlink(local / "globex" / "adapters", local / "acme" / "adapters")
+    with pytest.raises(SourceError, match="is a symlink inside the local roots"):
+        src.local_path(str(local / "acme" / "adapters" / "secret"), TenantFolders((f"{local}/acme/adapters/",)))
