@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 CONFIG_FILE = "adapter_config.json"
@@ -72,13 +72,18 @@ def check_file(file: Path, max_bytes: int | None, *, fix: str | None = None) -> 
 
 
 def read_chunks(
-    file: Path, max_bytes: int | None, *, chunk_bytes: int | None = None, fix: str | None = None
+    file: Path, max_bytes: int | None, *, chunk_bytes: int | None = None, fix: str | None = None,
+    opened: Callable[[Path, int], None] | None = None,
 ) -> Iterator[bytes]:
     """The bytes of `file` (in pieces of `chunk_bytes`; None: in one), checked as `check_file` before
-    the first read. A file that grows past the size it had when opened is refused (kind `changed`)."""
+    the first read. A file that grows past the size it had when opened is refused (kind `changed`).
+    `opened(file, fd)` is called once it is open, before anything is read (it may raise): the bytes are
+    those of the file it saw, whatever `file` names by then."""
     check_file(file, max_bytes, fix=fix)  # before open: a FIFO's open waits for a writer, a device's may act
     # O_NONBLOCK: a file swapped for a FIFO since the stat still opens at once; fstat then refuses it.
     with os.fdopen(os.open(file, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
+        if opened is not None:
+            opened(file, f.fileno())
         info = os.fstat(f.fileno())
         _check(file, info, max_bytes, fix)
         left = info.st_size

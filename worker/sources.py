@@ -42,7 +42,7 @@ from lorafleet.worker.file_limits import (
     read_chunks,
 )
 from lorafleet.worker.source_error import SourceError, read_error
-from lorafleet.worker.stager_digests import LocalDigests
+from lorafleet.worker.stager_digests import FileIdentity, Identity, LocalDigests
 from lorafleet.worker.store_clients import StoreClients, StoreSilent
 from lorafleet.worker.tenant_folders import NO_FOLDERS, FolderBounds, TenantFolders, local_uri_path, resolve
 from lorafleet.worker.vocab_digest import TOKENIZER_FILES
@@ -196,20 +196,28 @@ class Sources:
         raise SourceError(f"{uri}: the objects changed during {MAX_ATTEMPTS} download attempts; retry once the "
                           f"upload has finished", "changed")
 
-    def verify_local(self, path: Path, sha256: str | None, where: str) -> str:
+    def verify_local(self, path: Path, sha256: str | None, where: str, folders: TenantFolders = NO_FOLDERS) -> str:
         """The digest of the local adapter directory `path` (as `verify_digest`). Every file the engine may
         read from it is held to the size limit first, by stat alone: a huge or endless file (a FIFO, a
         device) is refused before a byte of any of them is read. A folder without one of the two adapter
-        files is a missing source, as an S3 prefix without it is. Files unchanged since an earlier call
-        are not read again (worker/stager_digests.py)."""
+        files is a missing source, as an S3 prefix without it is. Each file hashed is read from the
+        descriptor whose real location was found in bounds (the roots, `folders`: `FolderBounds`), whatever
+        its name leads to by then. Files unchanged since an earlier call in the same bounds are not read
+        again (worker/stager_digests.py)."""
+        bounds = self.bounds(folders)
         with _as_source_error(path):
             present = [n for n in STAGED_FILES if _stat(path / n) is not None]
             _refuse_missing(where, [n for n in ADAPTER_FILES if n not in present])
             for name in present:
                 check_file(path / name, self.config.max_adapter_file_bytes, fix=RAISE_LIMIT)
-        digest = self.digests.digest(path, ADAPTER_FILES,
-                                     lambda: adapter_digest(path, self.config.max_adapter_file_bytes))
-        return check_digest(digest, sha256, where)
+
+        def compute() -> tuple[str, Identity]:
+            read: list[FileIdentity] = []
+            digest = adapter_digest(path, self.config.max_adapter_file_bytes,
+                                    opened=lambda file, fd: read.append(bounds.check_opened(file, fd)))
+            return digest, tuple(read)
+
+        return check_digest(self.digests.digest(path, ADAPTER_FILES, compute, key=(path, folders)), sha256, where)
 
     def object_etags(self, uri: str, *, quick: bool = False, deadline: float | None = None) -> Etags:
         """(name, etag) of the staged files (`STAGED_FILES`, tokenizer files included) under an S3 prefix:
@@ -231,16 +239,18 @@ class Sources:
         return sorted(found)
 
 
-def adapter_digest(path: Path, max_file_bytes: int | None = None) -> str:
+def adapter_digest(path: Path, max_file_bytes: int | None = None,
+                   opened: Callable[[Path, int], None] | None = None) -> str:
     """sha256 over adapter_config.json then adapter_model.safetensors. A file that is not a regular file
     (it could block the read or never end) is refused, and so is one over its limit under
     `max_file_bytes` (None: no size limit), before it is read (SourceError), and a missing one is a
-    missing source (SourceError `missing`)."""
+    missing source (SourceError `missing`). `opened`: as file_limits.read_chunks'."""
     h = hashlib.sha256()
     for name in ADAPTER_FILES:
         with _as_source_error(Path(path) / name):
             try:
-                for chunk in read_chunks(Path(path) / name, max_file_bytes, chunk_bytes=1 << 20, fix=RAISE_LIMIT):
+                for chunk in read_chunks(Path(path) / name, max_file_bytes, chunk_bytes=1 << 20, fix=RAISE_LIMIT,
+                                         opened=opened):
                     h.update(chunk)
             except FileNotFoundError:  # removed since the folder was checked
                 _refuse_missing(str(path), [name])

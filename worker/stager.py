@@ -202,7 +202,7 @@ class Stager:
 
     def _local(self, uri: str, folders: TenantFolders) -> Staged:
         path = self.sources.local_path(uri, folders)
-        return Staged(path, self.sources.verify_local(path, None, uri), cached=True)
+        return Staged(path, self.sources.verify_local(path, None, uri, folders), cached=True)
 
     def _count_request(self, outcome: str) -> None:
         self.counts["hits" if outcome == "hit" else "misses"] += 1

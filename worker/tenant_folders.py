@@ -17,6 +17,10 @@ The folders are taken as written inside the roots: a component of one that is a 
 root (other than a configured root) is refused, as a tenant who may write /data/acme/ could otherwise point
 its folder /data/acme/adapters/ at another tenant's. Tenant folders must be real directories there; links
 above the roots (the administrator's) are followed.
+
+A file is checked where it was opened (`check_opened`: the kernel's path for the descriptor), and its
+bytes are hashed from that descriptor: a file swapped for a symlink once the folder was checked is refused,
+never read.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from lorafleet.worker.source_error import SourceError, read_error
+from lorafleet.worker.stager_digests import FileIdentity, file_identity
 
 
 @dataclass(slots=True, frozen=True)
@@ -113,3 +118,24 @@ class FolderBounds:
                                   f"tenant's folder into another's): replace the link with the directory",
                                   "not_allowed")
         return resolve(Path(spelled))
+
+    def check_opened(self, file: Path, fd: int) -> FileIdentity:
+        """The identity (stager_digests.file_identity) of the file open as `fd`, once where it lies
+        (`opened_path`, not where `file` leads now) is in bounds; SourceError `not_allowed` otherwise."""
+        real = opened_path(fd, file)
+        self.check(real, f"{file}: the file opened lies at {real},")
+        return file_identity(os.fstat(fd))
+
+
+def opened_path(fd: int, file: Path) -> Path:
+    """Where the file open as `fd` (opened as `file`) lies: the kernel's path for it, which no later change
+    to the links along `file` alters. Without /proc (not Linux): where `file` leads, refused unless it is
+    the file open."""
+    try:
+        return Path(os.readlink(f"/proc/self/fd/{fd}"))
+    except OSError:
+        real = resolve(file)
+        now, opened = os.stat(real), os.fstat(fd)
+        if (now.st_dev, now.st_ino) != (opened.st_dev, opened.st_ino):
+            raise SourceError(f"{file}: replaced while it was read; stage it again", "changed") from None
+        return real

@@ -209,7 +209,8 @@ async def test_an_unchanged_local_adapter_is_not_read_again_on_every_push(tmp_pa
     stager = Stager(config(tmp_path))
     hashed = []
     real = sources_module.adapter_digest
-    monkeypatch.setattr(sources_module, "adapter_digest", lambda path, *a: hashed.append(path) or real(path, *a))
+    monkeypatch.setattr(sources_module, "adapter_digest",
+                        lambda path, *a, **kw: hashed.append(path) or real(path, *a, **kw))
 
     async def push(generation: int) -> str | None:
         ref = VersionRef("v1", str(folder), sha)
@@ -239,7 +240,7 @@ def test_local_digests_wait_for_files_to_settle_and_stay_bounded(tmp_path):
     folders = [fake_adapter(tmp_path / name) for name in "abc"]
 
     def digest(folder: Path) -> str:
-        return digests.digest(folder, (CONFIG_FILE, WEIGHTS_FILE), lambda: computed.append(folder) or folder.name)
+        return digests.digest(folder, (CONFIG_FILE, WEIGHTS_FILE), lambda: (computed.append(folder) or folder.name, None))
 
     assert [digest(folders[0]) for _ in range(2)] == ["a", "a"] and len(computed) == 2  # fresh: read each time
     for folder in folders:

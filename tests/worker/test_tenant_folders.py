@@ -11,10 +11,12 @@ from types import SimpleNamespace
 import pytest
 
 from lorafleet.worker.directives import AdapterDirective, DesiredState, VersionRef
+from lorafleet.worker.file_limits import CONFIG_FILE, WEIGHTS_FILE
 from lorafleet.worker.sources import SourceError, Sources, SourcesConfig, adapter_digest
 from lorafleet.worker.stager import Stager
+from lorafleet.worker.stager_digests import LocalDigests, file_identity
 from lorafleet.worker.tenant_folders import TenantFolders
-from tests.worker.test_stager_bounds import config, fake_adapter
+from tests.worker.test_stager_bounds import config, fake_adapter, settled
 
 
 @pytest.fixture
@@ -217,3 +219,74 @@ def test_a_root_replaced_by_a_link_since_start_is_refused(tmp_path):
     os.symlink(local / "globex" / "adapters", local / "acme" / "adapters")
     with pytest.raises(SourceError, match="is a symlink inside the local roots"):
         src.local_path(str(local / "acme" / "adapters" / "secret"), TenantFolders((f"{local}/acme/adapters/",)))
+
+
+def _swap_for_link(file, target) -> None:
+    file.unlink()
+    os.symlink(target, file)
+
+
+@pytest.mark.parametrize("within", [True, False])
+def test_a_file_swapped_for_a_link_after_the_check_is_refused_not_hashed(tenants, tmp_path, monkeypatch, within):
+    """The folder's files are checked (local_path), then opened and hashed (verify_local): a file swapped for a
+    link to another tenant's meanwhile would have had that tenant's bytes hashed, and the engine would then load
+    them against that digest. Each file is checked where the descriptor hashed from lies. Without tenant folders,
+    the roots bound it the same way."""
+    own = tenants / "acme" / "mine"
+    fake_adapter(tmp_path / "outside", b"not in the roots")
+    theirs = (tenants / "globex" / "secret" if within else tmp_path / "outside") / "adapter_model.safetensors"
+    src = Sources(SourcesConfig(local_roots=[str(tenants)]))
+    folders = TenantFolders((f"{tenants}/acme/",) if within else ())
+    path = src.local_path(str(own), folders)
+    _swap_for_link(own / "adapter_model.safetensors", theirs)  # between the check and the hash
+    with pytest.raises(SourceError) as err:
+        src.verify_local(path, None, str(own), folders)
+    assert err.value.kind == "not_allowed" and f"the file opened lies at {theirs}" in str(err.value), err.value
+
+
+def test_a_file_swapped_between_its_stat_and_its_open_is_refused(tenants, monkeypatch):
+    """Closer still: the file is swapped after the size check's stat, before it is opened."""
+    from lorafleet.worker import file_limits
+
+    own = tenants / "acme" / "mine"
+    real, theirs = file_limits.check_file, tenants / "globex" / "secret" / "adapter_model.safetensors"
+
+    def check_file(file, *args, **kwargs):
+        size = real(file, *args, **kwargs)
+        if file.name == "adapter_model.safetensors" and not file.is_symlink():
+            _swap_for_link(file, theirs)
+        return size
+
+    monkeypatch.setattr(file_limits, "check_file", check_file)
+    src, folders = Sources(SourcesConfig(local_roots=[str(tenants)])), TenantFolders((f"{tenants}/acme/",))
+    with pytest.raises(SourceError, match="the file opened lies at .*outside its tenant's folders"):
+        src.verify_local(src.local_path(str(own), folders), None, str(own), folders)
+
+
+def test_a_digest_kept_in_no_bounds_does_not_answer_in_some(tenants):
+    """A folder whose weights link to globex's, hashed without tenant folders (kept: its files settled), then
+    checked with acme's folders: read again, and refused, never answered with the digest kept."""
+    own, theirs = tenants / "acme" / "mine", tenants / "globex" / "secret"
+    settled(theirs)
+    _swap_for_link(own / "adapter_model.safetensors", theirs / "adapter_model.safetensors")
+    settled(own)
+    src = Sources(SourcesConfig(local_roots=[str(tenants)]))
+    assert src.verify_local(own, None, str(own)) == adapter_digest(own) and len(src.digests) == 1
+    with pytest.raises(SourceError, match="outside its tenant's folders"):
+        src.verify_local(own, None, str(own), TenantFolders((f"{tenants}/acme/",)))
+
+
+def test_a_digest_of_other_files_than_the_ones_stated_is_not_kept(tenants):
+    """A file swapped away and back while it was read: the files before and after are the same, the bytes hashed
+    another file's. That digest is not kept for them."""
+    own = settled(tenants / "acme" / "mine")
+    other = settled(tenants / "globex" / "secret")
+    digests, computed = LocalDigests(), []
+
+    def compute():
+        computed.append(1)
+        return "other", tuple(file_identity(os.stat(other / name)) for name in (CONFIG_FILE, WEIGHTS_FILE))
+
+    for _ in range(2):
+        assert digests.digest(own, (CONFIG_FILE, WEIGHTS_FILE), compute) == "other"
+    assert len(computed) == 2 and len(digests) == 0
