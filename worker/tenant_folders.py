@@ -86,10 +86,10 @@ class FolderBounds:
         if own and not any(path.is_relative_to(w) for w in self._within):
             return f"outside its tenant's folders ({', '.join(own)})"
         for spelled, region in zip(self.folders.without, self._without, strict=True):
-            if path.is_relative_to(region) and not any(
-                    w != region and w.is_relative_to(region) and path.is_relative_to(w) for w in self._within):
+            below = [(s, w) for s, w in zip(own, self._within, strict=True) if w != region and w.is_relative_to(region)]
+            if path.is_relative_to(region) and not any(path.is_relative_to(w) for _, w in below):
                 return (f"inside {spelled}, where other tenants' folders lie, and in none of its tenant's "
-                        f"folders there ({', '.join(own) or 'none'})")
+                        f"folders below it ({', '.join(s for s, _ in below) or 'none'})")
         return None
 
     def check(self, path: Path, what: str) -> None:

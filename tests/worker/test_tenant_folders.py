@@ -149,6 +149,8 @@ def test_a_link_into_another_tenants_folder_inside_its_own_is_refused(tmp_path, 
     with pytest.raises(SourceError) as err:
         src.local_path(uri, folders)
     assert err.value.kind == "not_allowed" and "where other tenants' folders lie" in str(err.value), err.value
+    listed = str(err.value).rsplit("in none of its tenant's folders below it (", 1)[1].rstrip(")").split(", ")
+    assert folders.without[0] not in listed and set(listed) <= {*folders.within, "none"}, err.value  # not itself
     # The same link from a file of a real folder: refused too.
     path.unlink()
     fake_adapter(path)
