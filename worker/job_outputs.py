@@ -44,12 +44,10 @@ log = logging.getLogger(__name__)
 _RE_RESOLVE_TRIES, _RE_RESOLVE_PAUSE_S = 100, 0.02  # up to 2 s for a directive push to finish
 
 
-async def merged_outputs(async_engine, job: CompletionJob, adapters: ServedAdapters, *, limit_s: float = 0.0,
-                         engine_done: Callable[[], None] | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def merged_outputs(async_engine, job: CompletionJob, adapters: ServedAdapters, *,
+                         limit_s: float = 0.0) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(choice index, output) from all choices as they arrive. Closing it aborts what is still running, as
-    does `limit_s` seconds after the job's arrival (0: no limit), which then raises a 504 APIError.
-    `engine_done()` is called once every choice has left the engine (ended, failed or aborted), even while
-    the caller has outputs still to take (a client that stopped reading: its seats go back then)."""
+    does `limit_s` seconds after the job's arrival (0: no limit), which then raises a 504 APIError."""
     queue: asyncio.Queue[tuple[int, bool, BaseException | None]] = asyncio.Queue()
     # Per choice, its outputs not taken yet, as one (RequestOutput.then): a client that stops reading holds
     # one output per choice here, not one per engine step, each with a copy of all generated so far.
@@ -99,16 +97,6 @@ async def merged_outputs(async_engine, job: CompletionJob, adapters: ServedAdapt
             queue.put_nowait((i, False, exc))
 
     tasks = [asyncio.create_task(pump(i)) for i in range(job.num_choices)]
-    if engine_done is not None:
-        left = [len(tasks)]
-
-        def one_done(_task: asyncio.Task) -> None:
-            left[0] -= 1
-            if left[0] == 0:
-                engine_done()
-
-        for t in tasks:
-            t.add_done_callback(one_done)
     clock = _time_limit(job, limit_s, tasks, queue) if limit_s else None
     try:
         remaining = len(tasks)

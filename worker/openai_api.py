@@ -184,19 +184,12 @@ async def _serve(request: web.Request, endpoint: str) -> web.StreamResponse:
         job = await _prepare(request, endpoint, hold)
         admission, tenant = app[ADMISSION], job.tenant.name
         _admit(app, job, tenant)  # raises, having taken nothing, or took room released just below
-        seats = [job.num_choices]  # given back once the engine is done with the job (or below, at the latest)
-
-        def release() -> None:  # once
-            if seats:
-                admission.release(seats.pop(), tenant)
-
         try:
             timer = ChoiceTimer(metrics, job, lambda key: any(rolling for k, rolling in resolved if k == key))
             adapter, version = timer.labels
             metrics.observe_prompt_tokens(adapter, sum(len(job.prompt_ids[p]) for p in job.choice_prompt),
                                           version=version)
-            outputs = merged_outputs(app[ENGINE], job, app[ADAPTERS], limit_s=app[CONFIG].request_timeout_s,
-                                     engine_done=release)
+            outputs = merged_outputs(app[ENGINE], job, app[ADAPTERS], limit_s=app[CONFIG].request_timeout_s)
             failure: APIError | None = None  # what ended a stream after its headers went
             if job.options.stream:
                 response, failure = await _stream(request, job, outputs, timer)
@@ -205,7 +198,7 @@ async def _serve(request: web.Request, endpoint: str) -> web.StreamResponse:
             if failure is None:  # a stream that failed half-way is no completion: its latency is not one
                 timer.done()
         finally:
-            release()
+            admission.release(job.num_choices, tenant)
         # A stream that failed after its 200 went counts as what it was answered in-band (5xx for the
         # canary's comparison with stable: README, "Canary rollouts").
         status = failure.status if failure is not None else response.status

@@ -315,23 +315,3 @@ async def test_a_job_that_ended_in_time_is_answered_though_read_after_its_limit(
         got += [item async for item in merged]
     assert sorted(i for i, _ in got) == [0, 1]
     assert "--request-timeout-s" not in caplog.text
-
-
-async def test_the_engine_being_done_is_told_while_outputs_wait_to_be_taken():
-    """A client that stopped reading: its choices ended in the engine, their last outputs not taken yet. The
-    request's admission seats go back then (engine_done), not once the client has read everything."""
-    served = rollout()
-    job = job_for(served, "sql@v1", n=3)
-    done = asyncio.Event()
-    merged = merged_outputs(StandInEngine(set()), job, served, engine_done=done.set)
-    async with contextlib.aclosing(merged):
-        first = await anext(merged)  # the caller takes one output, then stops reading
-        await asyncio.wait_for(done.wait(), 10)  # the three choices left the engine meanwhile
-        assert first[1].startswith("sql@v1 ") and len([out async for out in merged]) == 2
-    aborted = asyncio.Event()
-    merged = merged_outputs(StandInEngine(set(), hold=True), job_for(served, "sql@v1", n=2), served,
-                            engine_done=aborted.set)
-    await anext(merged)
-    assert not aborted.is_set()  # the held choice runs on
-    await merged.aclose()  # closed (a client gone): aborted, and told
-    assert aborted.is_set()
