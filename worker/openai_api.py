@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -56,6 +57,8 @@ from lorafleet.worker.served_fallback import versions_still_served
 from lorafleet.worker.tenants import AuthenticationError, Tenant
 from lorafleet.worker.tokenizer import TokenizerError
 from lorafleet.worker.tool_calls import ToolCalls
+
+log = logging.getLogger("lorafleet.worker")
 
 ADAPTER_HEADER = "X-Lorafleet-Adapter"
 
@@ -271,7 +274,14 @@ async def _stream(request: web.Request, job: CompletionJob, outputs: AsyncIterat
 
     async def send(payload: dict[str, Any] | str) -> None:
         data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
-        await response.write(f"data: {data}\n\n".encode())
+        try:  # the write waits only while the send buffer is full: the client stopped reading
+            async with asyncio.timeout(request.app[CONFIG].stream_write_timeout_s):
+                await response.write(f"data: {data}\n\n".encode())
+        except TimeoutError:
+            log.warning("request %s: its client took no bytes for --stream-write-timeout-s %g s: cut off",
+                        job.request_id, request.app[CONFIG].stream_write_timeout_s)
+            request.transport.close()  # as if it left: its sequences are aborted, its seats given back
+            raise ConnectionResetError("the client stopped reading") from None
 
     async with contextlib.aclosing(outputs):
         try:

@@ -85,6 +85,11 @@ class WorkerConfig:
                                     "it has its sequences aborted (their KV pages and adapter freed, as when a "
                                     "client leaves) and is answered 504 deadline_exceeded, a stream that started "
                                     "with an in-band error event; 0 = no limit"))
+    stream_write_timeout_s: float = field(
+        default=60.0, metadata=_help("seconds a stream's client may take to accept the next bytes once the "
+                                     "worker's send buffer is full; a client that stops reading longer is cut "
+                                     "off (its sequences aborted, its seats given back), so clients that stop "
+                                     "reading cannot hold --max-num-seqs or their tenant's cap"))
     retry_after_s: int = field(default=1, metadata=_help("Retry-After seconds sent with 429"))
     shutdown_grace_s: float = field(
         default=30.0, metadata=_help("on SIGTERM: seconds in-flight requests get to finish; then they end with "
@@ -142,6 +147,8 @@ class WorkerConfig:
         if not (math.isfinite(self.request_timeout_s) and self.request_timeout_s >= 0):
             raise ValueError(f"request_timeout_s must be a finite number >= 0 (0 = no limit), got "
                              f"{self.request_timeout_s}")
+        if not (math.isfinite(self.stream_write_timeout_s) and self.stream_write_timeout_s > 0):
+            raise ValueError(f"stream_write_timeout_s must be a finite number > 0, got {self.stream_write_timeout_s}")
         if self.retry_after_s < 1:
             raise ValueError(f"retry_after_s must be >= 1, got {self.retry_after_s}")
         if self.shutdown_grace_s < 0:

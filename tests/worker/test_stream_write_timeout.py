@@ -1,0 +1,68 @@
+"""--stream-write-timeout-s: a stream whose client stops reading (its send buffer stays full) is cut off
+once the limit passes, as if the client had left: its sequences are aborted and its admission seats given
+back, so clients that stop reading cannot hold the worker's or their tenant's seats. Real HTTP against the
+tiny model; the full send buffer is made certain by holding the stream's second write."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from lorafleet.worker.cli import config_from_args
+from lorafleet.worker.engine_config import EngineConfig
+from lorafleet.worker.server import create_app
+from lorafleet.worker.worker_config import WorkerConfig
+from tests.worker.test_request_timeout import ADMIN, state
+
+LIMIT_S = 0.2
+
+
+async def test_a_stream_whose_client_stops_reading_is_cut_off_and_gives_its_seats_back(
+        aiohttp_client, tiny_llama_dir, monkeypatch, caplog):
+    config = WorkerConfig(engine=EngineConfig(model=str(tiny_llama_dir), dtype="float32", max_model_len=128),
+                          served_model_name="tiny", admin_token=ADMIN["Authorization"][7:],
+                          stream_write_timeout_s=LIMIT_S)
+    client = await aiohttp_client(create_app(config))
+    held, real_write, writes = asyncio.Event(), web.StreamResponse.write, [0]
+
+    async def write(self, data: bytes) -> None:
+        if self.headers.get("Content-Type") == "text/event-stream":
+            writes[0] += 1
+            if writes[0] == 2:  # the client stopped reading: this write waits for room that never comes
+                held.set()
+                await asyncio.Event().wait()
+        await real_write(self, data)
+
+    monkeypatch.setattr(web.StreamResponse, "write", write)
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 40, "ignore_eos": True, "temperature": 0, "stream": True}
+    with caplog.at_level(logging.WARNING, logger="lorafleet.worker"):
+        resp = await client.post("/v1/completions", json=body)
+        assert resp.status == 200 and (await resp.content.readline()).startswith(b"data: ")
+        await asyncio.wait_for(held.wait(), 30)
+        with contextlib.suppress(aiohttp.ClientError):
+            await asyncio.wait_for(resp.content.read(), 30)  # cut off: the stream ends without [DONE]
+        for _ in range(2000):
+            s = await state(client)
+            if s["requests"] == {"running": 0, "waiting": 0, "admitted": 0} and s["kv"]["num_used_pages"] == 0:
+                break
+            await asyncio.sleep(0.005)
+        else:
+            raise AssertionError(f"left behind: {s}")
+    assert [r for r in caplog.records if "--stream-write-timeout-s" in r.getMessage()], caplog.text
+    resp = await client.post("/v1/completions", json={**body, "stream": False, "max_tokens": 3})
+    assert resp.status == 200, await resp.text()
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan"])
+def test_the_write_limit_is_a_positive_number(value, capsys):
+    assert config_from_args(WorkerConfig, [], env={}).stream_write_timeout_s == 60.0
+    assert config_from_args(WorkerConfig, ["--stream-write-timeout-s", "5"], env={}).stream_write_timeout_s == 5.0
+    with pytest.raises(SystemExit):
+        config_from_args(WorkerConfig, ["--stream-write-timeout-s", value], env={})
+    err = capsys.readouterr().err
+    assert "stream_write_timeout_s must be a finite number > 0" in err or "expected a finite number" in err, err
