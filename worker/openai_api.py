@@ -272,11 +272,12 @@ async def _stream(request: web.Request, job: CompletionJob, outputs: AsyncIterat
     offsets = [TextOffsets() for _ in range(job.num_choices)]  # text_offset over each choice's chunks
     completion_tokens = 0
 
-    async def send(payload: dict[str, Any] | str) -> None:
-        data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
-        try:  # the write waits only while the send buffer is full: the client stopped reading
+    async def send(payload: dict[str, Any] | str | None) -> None:
+        """One event (None: the end of the body), within --stream-write-timeout-s."""
+        data = payload if isinstance(payload, str | None) else json.dumps(payload, separators=(",", ":"))
+        try:  # a write waits only while the send buffer is full: the client stopped reading
             async with asyncio.timeout(request.app[CONFIG].stream_write_timeout_s):
-                await response.write(f"data: {data}\n\n".encode())
+                await (response.write_eof() if data is None else response.write(f"data: {data}\n\n".encode()))
         except TimeoutError:
             log.warning("request %s: its client took no bytes for --stream-write-timeout-s %g s: cut off",
                         job.request_id, request.app[CONFIG].stream_write_timeout_s)
@@ -326,7 +327,7 @@ async def _stream(request: web.Request, job: CompletionJob, outputs: AsyncIterat
                 usage_chunk["usage"] = job.usage(completion_tokens)
                 await send(usage_chunk)
             await send("[DONE]")
-        await response.write_eof()
+        await send(None)
     except ConnectionError:
         raise asyncio.CancelledError from None  # the client left before the end
     return response, failure
