@@ -101,8 +101,9 @@ def reconcile_pool(pool: PoolSpec | None, adapters: Sequence[AdapterSpec | Inval
     invalid pool holds (``pool`` None, ``pool_error`` set), and a pool's running pods that are not ready (a
     pod briefly not ready still serves what it holds). They are otherwise left as they are, but a deleted
     adapter must not stay served because of a typo in the pool or a failing readiness probe: each that holds
-    one, or was last told one, is told what it last accepted less the adapters being deleted, and they count
-    in ``plan.unloading``. One whose last push is not known (an operator restart) cannot be told without
+    one, or was last told one, is told what it last accepted less the adapters being deleted (and, the pool
+    valid, less those its checks now refuse with no earlier spec to keep: another tenant's folders, the
+    quota), and they count in ``plan.unloading``. One whose last push is not known (an operator restart) cannot be told without
     guessing the rest of its set: ``plan.unreachable`` lists it until it is ready (its pool's spec fixed).
 
     A pod whose sidecar did not answer this pass may still serve what it was given: it counts in
@@ -123,16 +124,19 @@ def reconcile_pool(pool: PoolSpec | None, adapters: Sequence[AdapterSpec | Inval
         if x.deleting:  # unloaded by name, parsable or not; the finalizer waits for []
             plan.unloading[x.name] = ([w.pod for w in live + emptied + kept if w.by_name.get(x.name)]
                                       + [w.pod for w in silent if _may_hold(w, x.name)])
+    served, failures = admit(pool, [x for x in adapters if not x.deleting], pool_error=pool_error, workers=live)
+    # A valid pool's checks refused these, with no earlier spec to keep serving (another tenant's folders, the
+    # quota): gone from its pods not ready too. An invalid pool refuses nothing of what its pods hold.
+    gone = deleting | ({n for n in failures if n not in served} if pool is not None else set())
     for w in kept:
-        if not deleting & {*w.by_name, *w.pushed}:  # holds none of them: left as it is
+        if not gone & {*w.by_name, *w.pushed}:  # holds none of them: left as it is
             continue
         if w.w.last_pushed is not None:
             last = w.w.last_pushed
-            _desire(plan, w, [d for d in last.adapters if d.name not in deleting], generation_floor,
+            _desire(plan, w, [d for d in last.adapters if d.name not in gone], generation_floor,
                     PoolSettings(last.eviction, last.cpu_bytes))
-        elif deleting & set(w.by_name):
+        elif deleting & set(w.by_name):  # (a refused one it holds stays until it is ready)
             plan.unreachable.append(w.pod)
-    served, failures = admit(pool, [x for x in adapters if not x.deleting], pool_error=pool_error, workers=live)
     variants: dict[str, tuple[AdapterDirective, AdapterDirective]] = {}  # name -> (not warm, warm) here
     for name, a in sorted(served.items()):
         try:

@@ -154,3 +154,19 @@ def test_a_local_versions_directive_names_where_other_tenants_folders_lie_inside
     (directive,) = plan.desired["w0"].adapters
     assert (directive.stable.within, directive.stable.without) == (within, without)
     assert directive.stable.to_dict().get("without", []) == list(without)  # left out when empty
+
+
+def test_a_pod_not_ready_is_told_to_drop_an_adapter_the_pool_now_refuses():
+    """A running pod that is not ready (a failing probe) is pushed only what it last accepted less what must go:
+    an adapter refused by a new tenantSources (and no earlier spec to keep) goes from it too, not only from
+    the ready pods; another adapter it holds stays, and an invalid pool refuses nothing of what it holds."""
+    ready, not_ready = workers(1), workers(1)
+    not_ready[0].pod = "w1"
+    theirs = parse_adapter(body(name="a", tenant="mallory", source={"uri": "s3://adapters/tenants/acme/a/v1/"}))
+    mine = parse_adapter(body(name="b", tenant="acme", source={"uri": "s3://adapters/tenants/acme/b/v1/"}))
+    converge(pool(), [theirs, mine], ready + not_ready)  # served everywhere, then w1's probe fails
+    plan = reconcile_pool(pool(tenantSources=TENANTS), [theirs, mine], ready, now=NOW, held=not_ready)
+    assert [d.name for d in plan.desired["w1"].adapters] == ["b"] and "w1" in plan.pushes
+    assert [d.name for d in plan.desired["w0"].adapters] == ["b"]
+    plan = reconcile_pool(None, [theirs, mine], [], now=NOW, pool_error="spec.workerSelector: required", held=not_ready)
+    assert "w1" not in plan.pushes  # an invalid pool: its pods keep what they were last told
