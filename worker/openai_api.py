@@ -54,6 +54,7 @@ from lorafleet.worker.request_output import RequestOutput
 from lorafleet.worker.scheduler import CapacityError
 from lorafleet.worker.served_adapters import VersionUnavailable
 from lorafleet.worker.served_fallback import versions_still_served
+from lorafleet.worker.stream_writes import written_in_time
 from lorafleet.worker.tenants import AuthenticationError, Tenant
 from lorafleet.worker.tokenizer import TokenizerError
 from lorafleet.worker.tool_calls import ToolCalls
@@ -275,14 +276,14 @@ async def _stream(request: web.Request, job: CompletionJob, outputs: AsyncIterat
     async def send(payload: dict[str, Any] | str | None) -> None:
         """One event (None: the end of the body), within --stream-write-timeout-s."""
         data = payload if isinstance(payload, str | None) else json.dumps(payload, separators=(",", ":"))
-        try:  # a write waits only while the send buffer is full: the client stopped reading
-            async with asyncio.timeout(request.app[CONFIG].stream_write_timeout_s):
-                await (response.write_eof() if data is None else response.write(f"data: {data}\n\n".encode()))
-        except TimeoutError:
+        limit_s = request.app[CONFIG].stream_write_timeout_s
+        write = response.write_eof() if data is None else response.write(f"data: {data}\n\n".encode())
+        if not await written_in_time(write, request.transport, limit_s):
             log.warning("request %s: its client took no bytes for --stream-write-timeout-s %g s: cut off",
-                        job.request_id, request.app[CONFIG].stream_write_timeout_s)
-            request.transport.close()  # as if it left: its sequences are aborted, its seats given back
-            raise ConnectionResetError("the client stopped reading") from None
+                        job.request_id, limit_s)
+            if request.transport is not None:  # as if it left (close() would wait to send what it never takes)
+                request.transport.abort()
+            raise ConnectionResetError("the client stopped reading")
 
     async with contextlib.aclosing(outputs):
         try:

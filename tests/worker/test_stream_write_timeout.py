@@ -66,3 +66,36 @@ def test_the_write_limit_is_a_positive_number(value, capsys):
         config_from_args(WorkerConfig, ["--stream-write-timeout-s", value], env={})
     err = capsys.readouterr().err
     assert "stream_write_timeout_s must be a finite number > 0" in err or "expected a finite number" in err, err
+
+
+class Transport:
+    """A send buffer that shrinks by `step` bytes each time it is looked at, down to `floor`; the write it
+    belongs to ends once it has been looked at `checks` times."""
+
+    def __init__(self, size: int, step: int, checks: int) -> None:
+        self.size, self.step, self.checks, self.ended = size, step, checks, asyncio.Event()
+
+    def is_closing(self) -> bool:
+        return False
+
+    def get_write_buffer_size(self) -> int:
+        size = self.size
+        self.size = max(0, self.size - self.step)
+        self.checks -= 1
+        if self.checks < 0:
+            self.ended.set()
+        return size
+
+
+async def test_a_client_that_keeps_taking_bytes_is_never_cut_off_however_long_the_write():
+    """The limit is on a window without progress, not on one write: a slow reader's write waits for many
+    windows, each seeing the buffer shrink, and completes."""
+    from lorafleet.worker.stream_writes import written_in_time
+
+    slow = Transport(100_000, 1_000, checks=5)  # five windows of progress, then the write ends
+    assert await written_in_time(slow.ended.wait(), slow, 0.01)
+    stuck = Transport(100_000, 0, checks=1_000)  # no byte taken: cut after one window
+    write = asyncio.ensure_future(stuck.ended.wait())
+    assert not await written_in_time(write, stuck, 0.01)
+    await asyncio.sleep(0)
+    assert write.cancelled()
