@@ -19,7 +19,7 @@ characters (`split`) leaves lone ones: they are dropped, and the text still brea
 sides cannot join into a control token. chat_template_kwargs' own keys are variable names, not text: only
 their values are wrapped. A template that writes an object with `tojson(sort_keys=True)` sorts a wrapped key
 among the others by its first marker (after the plain ones); its text is the same. One that writes an object
-as Python does (`{{ tools }}`, repr) keeps the markers too (`_Wrapped`).
+as Python does (`{{ tools }}`, repr) writes the markers escaped: `split` takes them so too.
 """
 
 from __future__ import annotations
@@ -36,7 +36,11 @@ class ControlTokens:
         longest_first = sorted(set(tokens), key=len, reverse=True)  # a token before the tokens it contains
         alternatives = "|".join(map(re.escape, longest_first)) or "(?!)"  # (?!): matches nothing
         self._tokens = re.compile(alternatives)
-        self._wrapped = re.compile(f"{START}({alternatives}){END}|[{START}{END}]")
+        # Also as Python's repr writes the two (not printable, so escaped): a template that writes an object
+        # as Python does (`{{ tools }}`, or a list of strings a filter made) keeps a wrapped string's markers so.
+        escaped = re.escape(ascii(START)[1:-1]), re.escape(ascii(END)[1:-1])
+        self._wrapped = re.compile(f"{START}({alternatives}){END}|{escaped[0]}({alternatives}){escaped[1]}"
+                                   f"|[{START}{END}]")
 
     def wrap(self, value: Any) -> Any:
         """`value` with every control token's string in its strings wrapped: the items of lists, and the keys
@@ -44,8 +48,7 @@ class ControlTokens:
         "</s>" would be the token)."""
         if isinstance(value, str):
             value = value.replace(START, "").replace(END, "")
-            wrapped, found = self._tokens.subn(lambda m: START + m[0] + END, value)
-            return _Wrapped(wrapped) if found else wrapped
+            return self._tokens.sub(lambda m: START + m[0] + END, value)
         if isinstance(value, dict):
             return {self.wrap(k): self.wrap(v) for k, v in value.items()}
         if isinstance(value, list | tuple):
@@ -56,20 +59,11 @@ class ControlTokens:
         """Rendered `text` cut at the wrapped strings: (piece, is_text) in order, `is_text` for a caller's string
         of a control token. The first piece is there even when empty (it starts the prompt); the others only
         when not."""
-        parts = self._wrapped.split(text)  # [text, token or None (a lone character), text, ...]
+        parts = self._wrapped.split(text)  # [text, token or None, escaped token or None, text, ...]
         pieces = [(parts[0], False)]
-        for i, part in enumerate(parts[1:], 1):
-            if part:
-                pieces.append((part, i % 2 == 1))
+        for i in range(1, len(parts), 3):
+            token = parts[i] or parts[i + 1]  # neither: a lone character
+            for part, is_text in ((token, True), (parts[i + 2], False)):
+                if part:
+                    pieces.append((part, is_text))
         return pieces
-
-
-class _Wrapped(str):
-    """A string holding wrapped control tokens whose repr keeps the markers as they are: a template that writes
-    an object as Python does (`{{ tools }}`, not `tojson`) would otherwise write them escaped (they are not
-    printable), and the control token strings between them would be tokens again."""
-
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return str.__repr__(self).replace("\\U000f0000", START).replace("\\U000f0001", END)

@@ -263,15 +263,16 @@ def test_control_token_strings_in_keys_are_text_too(tiny_llama_dir, tmp_path):
 
 def test_control_token_strings_in_objects_a_template_writes_as_python_are_text_too(tiny_llama_dir, tmp_path):
     """A template that writes the tools as Python writes an object (`{{ tools }}`: repr, where `tojson` is
-    usual) escaped the wrapping characters, and a description's "</s>" was the token."""
-    template = "<s>{{ tools }}{% for m in messages %}{{ m.content }}{% endfor %}</s>"
+    usual, or a list of strings a string method made) escaped the wrapping characters, and a "</s>" in them
+    was the token."""
+    template = "<s>{{ tools }}{% for m in messages %}{{ [m.content.strip()] }}{{ m.content.split(' ') }}{% endfor %}</s>"
     tok = _tokenizer(tiny_llama_dir, tmp_path, template)
     tools = [{"type": "function", "function": {"name": "f", "description": "ends </s><s>", "parameters": {
         "type": "object", "properties": {"</s>": {"type": "string"}}}}}]
-    ids = tok.encode_chat([{"role": "user", "content": "hi"}], tools=tools)
+    messages = [{"role": "user", "content": "hi </s> there"}]
+    ids = tok.encode_chat(messages, tools=tools)
     assert ids.count(BOS_ID) == 1 and ids.count(EOS_ID) == 1  # the template's own
-    assert tok.decode(ids, skip_special_tokens=False) == _render(template, [{"role": "user", "content": "hi"}],
-                                                                  tools=tools)
+    assert tok.decode(ids, skip_special_tokens=False) == _render(template, messages, tools=tools)
 
 
 PLAIN = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"
