@@ -89,6 +89,7 @@ class Stager:
         self.pending: dict[tuple[str, str], str] = {}  # versions of the push in progress not forwarded yet -> URI
         # The push (its start; None: stages outside a push) whose one object fault was excused (_stage_key)
         self._excused: float | None = -1.0
+        self._excused_at = 0.0  # when the listing that excused it began
         self.seed_report: SeedReport | None = None  # while what is served is the seed's (`--stager-adapters`)
         self.engine = EngineLink(config.engine_url, config.admin_token) if config.engine_url else None
         self._pool_size = (0, 0)  # the engine's last reported (pool_bytes, pool_slots): said while it is away
@@ -164,9 +165,10 @@ class Stager:
         self._count_request("hit" if staged.cached else "miss")
         return staged
 
-    async def _list(self, uri: str, quick: bool) -> Etags:
-        """The objects under `uri`: a quick check, or a listing that ends by `download_timeout_s`."""
-        start = time.monotonic()
+    async def _list(self, uri: str, quick: bool, start: float | None = None) -> Etags:
+        """The objects under `uri`: a quick check, or a listing that ends by `download_timeout_s`; `start`:
+        when the call counts as made (default: now)."""
+        start = time.monotonic() if start is None else start
         deadline = None if quick else start + self.config.download_timeout_s
         try:
             etags = await asyncio.to_thread(self.sources.object_etags, uri, quick=quick, deadline=deadline)
@@ -176,12 +178,12 @@ class Stager:
         self.store.answered(start)
         return etags
 
-    async def _answers(self, uri: str) -> bool:
+    async def _answers(self, uri: str, start: float | None = None) -> bool:
         """Whether the store answers a quick listing of `uri` now. A download's failure that may be its
         object's own (staging_errors.is_object_fault) is then that version's, and the push's other versions
         still call the store: one broken object had failed every version staged after it, push after push."""
         try:
-            await self._list(uri, quick=True)
+            await self._list(uri, True, start)
         except Exception:  # noted as the outage it is
             return False
         return True
@@ -234,14 +236,17 @@ class Stager:
                 # One object's fault per push is excused when the store answers a listing now; a second one,
                 # or a stall, is the store's.
                 excuse = is_object_fault(exc) and not self.store.is_down and push_start != self._excused
-                # A second fault of the push is the store's now, even if its call began before the listing that
-                # excused the first (stages side by side); the excuse is taken before that listing's answer.
+                # A second fault of the push is the store's even if its call began before the listing that excused
+                # the first (stages side by side): dated just after that listing began, so that listing's answer
+                # does not end the outage, and a newer push's calls (made later) are not spared by it.
                 second = is_object_fault(exc) and push_start is not None and push_start == self._excused
-                before, self._excused = self._excused, push_start if excuse else self._excused
-                if not (excuse and await self._answers(uri)):
-                    self._excused = before
-                    # Else dated by its start: a call made before a newer push began does not spare that push its own.
-                    self.store.failed(exc, time.monotonic() if second else start)
+                listed_at = time.monotonic()
+                before = self._excused, self._excused_at
+                if excuse:  # taken before the listing's answer: a fault beside it is a second one
+                    self._excused, self._excused_at = push_start, listed_at
+                if not (excuse and await self._answers(uri, listed_at)):
+                    self._excused, self._excused_at = before
+                    self.store.failed(exc, max(start, self._excused_at + 1e-6) if second else start)
                 raise
             self.store.answered(start)
             self.download_seconds.append(time.perf_counter() - t0)

@@ -10,6 +10,7 @@ import asyncio
 import dataclasses
 import errno
 import threading
+import time
 
 import pytest
 import urllib3
@@ -231,3 +232,35 @@ async def test_callers_of_a_wrong_digest_read_the_folder_twice_in_all(tmp_path):
     results = await asyncio.gather(*(stager.stage(str(folder), "0" * 64) for _ in range(8)), return_exceptions=True)
     assert all(isinstance(r, SourceError) and "sha256 mismatch" in str(r) for r in results)
     assert len(reads) == 2
+
+
+async def test_a_superseded_pushs_late_second_fault_does_not_mark_the_store_down_for_the_next_push(tmp_path):
+    """Push 1's first object fault is excused; its next download runs on after push 2 began, and push 2's
+    first call is answered; then that download faults too. It is push 1's second fault, made before push 2's
+    answered call: the store stays up for push 2, whose versions are tried."""
+    stager = Stager(config(tmp_path))
+    entered, gate = threading.Event(), threading.Event()
+
+    def download(uri, sha256, key, deadline, etags, push_start):
+        if uri.endswith("/b/"):
+            entered.set()
+            gate.wait(30)
+        raise urllib3.exceptions.ProtocolError("Connection broken: IncompleteRead(10 bytes read, 90 more expected)")
+
+    async def answers(uri, start=None):
+        return True
+
+    stager._download, stager._answers = download, answers
+    push1 = time.monotonic()
+    with pytest.raises(urllib3.exceptions.ProtocolError):
+        await stager._stage_key("s3://adapters/team/a/", None, "ka", push_start=push1)
+    assert not stager.store.is_down  # excused: the store answered a listing
+    late = asyncio.ensure_future(stager._stage_key("s3://adapters/team/b/", None, "kb", push_start=push1))
+    assert await asyncio.to_thread(entered.wait, 30)
+    push2 = time.monotonic()  # a newer push begins; push 1's download goes on by itself
+    stager.store.answered(time.monotonic())  # push 2's first call is answered
+    gate.set()
+    with pytest.raises(urllib3.exceptions.ProtocolError):
+        await late
+    assert not stager.store.is_down
+    stager.store.skip(push2)  # push 2's versions are tried (StoreDown: "not tried")
