@@ -84,8 +84,9 @@ def tokenizer_config(reader) -> dict:
     template = _field(reader, "tokenizer.chat_template")
     # A model whose tool rendering is a template of its own (Hermes 2 Pro) names it as llama.cpp writes it.
     tool_use = _field(reader, "tokenizer.chat_template.tool_use")
-    if template and tool_use:
-        config["chat_template"] = [{"name": "default", "template": template}, {"name": "tool_use", "template": tool_use}]
+    if tool_use:  # llama.cpp's writer leaves the default out when there is none
+        named = {"default": template, "tool_use": tool_use}
+        config["chat_template"] = [{"name": n, "template": t} for n, t in named.items() if t]
     elif template:
         config["chat_template"] = template
     return {k: v for k, v in config.items() if v is not None}

@@ -215,6 +215,10 @@ def test_a_gguf_tool_use_template_renders_the_chats_with_tools(tmp_path):
     messages = [{"role": "user", "content": "hi"}]
     assert tok.template_for(tools).takes_tools and not tok.template_for(None).takes_tools
     assert tok.apply_chat_template(messages, tools=tools) == "[lookup]" + tok.apply_chat_template(messages)
+    alone = tmp_path / "alone.gguf"  # a tool_use template and no default: kept
+    write_tiny_gguf(alone, tiny_hf_model(tie=True), templates=[{"name": "tool_use", "template": tool_use}])
+    out = convert_gguf(alone, tmp_path / "alone", progress=False)
+    assert transformers.AutoTokenizer.from_pretrained(out).chat_template == {"tool_use": tool_use}
 
 
 def test_default_model_dir_converts_once_and_atomically(tiny, tmp_path, monkeypatch):
