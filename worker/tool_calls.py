@@ -17,11 +17,10 @@ same, token for token, as the whole answer's, which gives the logprobs of every 
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from lorafleet.worker.openai_fields import APIError
-from lorafleet.worker.tool_parser import ToolCall, ToolParser, json_value, tool_parser
+from lorafleet.worker.tool_parser import ToolCall, ToolParser, json_value, read_call, tool_parser
 from lorafleet.worker.tool_request import ToolRequest
 
 
@@ -92,12 +91,10 @@ class ToolCalls:
         """A named function's arguments: the output, or the object inside it when the output is exactly
         `{"name": <that function>, "arguments" (or "parameters"): {...}}`, the call a model prompted the Hermes
         or Qwen way writes."""
-        obj = json_value(text)
-        if isinstance(obj, dict) and len(obj) == 2 and obj.get("name") == self.request.function:
-            arguments = obj.get("arguments", obj.get("parameters"))
-            if isinstance(arguments, dict):
-                return json.dumps(arguments, ensure_ascii=False)
-        return text
+        obj, keys = json_value(text), ("arguments", "parameters")
+        wrapped = isinstance(obj, dict) and len(obj) == 2 and any(k in obj for k in keys)  # the name and one of them
+        call = read_call(obj, (self.request.function,), keys) if wrapped else None
+        return text if call is None else call.arguments
 
     def message(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
         """A whole choice's `message` and finish_reason."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import secrets
 import string
+from abc import ABC, abstractmethod
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,7 +51,7 @@ class ToolCall:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
-def _call(obj: Any, names: Collection[str], arguments_keys: tuple[str, ...]) -> ToolCall | None:
+def read_call(obj: Any, names: Collection[str], arguments_keys: tuple[str, ...]) -> ToolCall | None:
     """`{"name": tool, <an arguments key>: {...}}` (arguments absent: none, `{}`) as a call; None otherwise.
     Other keys make it no call (a JSON answer that happens to hold a "name"), but Llama's `"type": "function"`."""
     if not isinstance(obj, dict) or obj.get("name") not in names:
@@ -79,22 +80,22 @@ def json_value(text: str) -> Any:
         return None
 
 
-class ToolParser:
+class ToolParser(ABC):
     name = ""
 
+    @abstractmethod
     def parse(self, text: str, names: Collection[str]) -> tuple[str | None, list[ToolCall]] | None:
         """(content, calls) of a whole output, or None when it holds no well-formed call of one of `names`."""
-        raise NotImplementedError
 
+    @abstractmethod
     def hold_from(self, text: str, *, at_start: bool = True) -> int:
         """How many leading characters of `text` are content whatever follows. `text`: the output not sent yet
         (`at_start`: all of it; otherwise what follows the content sent)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def call_begins(self, text: str) -> bool:
         """Whether `text`, held back by hold_from, begins a call: it and all that follows is held to the end
         (a stream then stops asking hold_from, so each chunk costs its own length)."""
-        raise NotImplementedError
 
 
 class HermesParser(ToolParser):
@@ -108,7 +109,7 @@ class HermesParser(ToolParser):
         while True:  # text[at:] starts with HERMES_START
             body_at = at + len(HERMES_START)
             end = text.find(HERMES_END, body_at)
-            call = _call(json_value(text[body_at:] if end < 0 else text[body_at:end]), names, ("arguments",))
+            call = read_call(json_value(text[body_at:] if end < 0 else text[body_at:end]), names, ("arguments",))
             if call is None:
                 return None
             calls.append(call)
@@ -147,7 +148,7 @@ class Llama3JsonParser(ToolParser):
                 obj, end = decoder.raw_decode(body, at)
             except (ValueError, RecursionError):
                 return None
-            call = _call(obj, names, ("parameters", "arguments"))
+            call = read_call(obj, names, ("parameters", "arguments"))
             if call is None:
                 return None
             calls.append(call)
