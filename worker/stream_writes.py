@@ -19,20 +19,25 @@ def _buffered(transport) -> int:
 
 async def written_in_time(write: Awaitable[None], transport, limit_s: float) -> bool:
     """Await `write` (its error raised); False, the write cancelled, once a `limit_s` window passed in which
-    `transport`'s send buffer did not shrink (the client took no bytes)."""
-    task = asyncio.ensure_future(write)
+    `transport`'s send buffer did not shrink (the client took no bytes). Awaited in the caller's own task,
+    with a timer per window: a write that does not wait (almost all of them) costs one timer."""
+    loop = asyncio.get_running_loop()
     size = _buffered(transport)
     try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=limit_s)
-            if done:
-                task.result()
-                return True
-            now = _buffered(transport)
-            if now >= size:
-                task.cancel()
-                return False
-            size = now
-    except asyncio.CancelledError:
-        task.cancel()
-        raise
+        async with asyncio.timeout(None) as deadline:
+
+            def window_ends() -> None:
+                nonlocal size, timer
+                if (now := _buffered(transport)) < size:  # the client took bytes: another window
+                    size, timer = now, loop.call_later(limit_s, window_ends)
+                else:
+                    deadline.reschedule(loop.time())  # the write is cancelled, as TimeoutError here
+
+            timer = loop.call_later(limit_s, window_ends)
+            try:
+                await write
+            finally:
+                timer.cancel()
+    except TimeoutError:
+        return False
+    return True
