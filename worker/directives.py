@@ -86,6 +86,22 @@ def _bool(value: Any, field_name: str) -> bool:
     return value
 
 
+def _check_folders(folders: Any, name: str) -> None:
+    _require(isinstance(folders, tuple) and len(folders) <= MAX_WITHIN and all(
+        isinstance(w, str) and w.startswith(("/", "file:///")) and w.endswith("/") and w.isprintable()
+        for w in folders), name, f"must be at most {MAX_WITHIN} local folders, each ending with '/' (got {folders!r})")
+
+
+def folders_from(data: dict[str, Any]) -> TenantFolders:
+    """The `within` and `without` lists of a version's JSON (absent: none), checked; DirectiveError naming
+    the field."""
+    lists = {name: data.get(name, []) for name in ("within", "without")}
+    for name, value in lists.items():
+        _require(isinstance(value, list), name, f"must be a list of folders (got {value!r})")
+        _check_folders(tuple(value), name)
+    return TenantFolders(tuple(lists["within"]), tuple(lists["without"]))
+
+
 @dataclass(slots=True, frozen=True)
 class VersionRef:
     """One version of an adapter and where its PEFT directory lives."""
@@ -108,11 +124,7 @@ class VersionRef:
         _require(self.sha256 is None or (isinstance(self.sha256, str) and bool(SHA256_RE.fullmatch(self.sha256))),
                  "sha256", "must be 64 lowercase hex digits")
         for name in ("within", "without"):
-            folders = getattr(self, name)
-            _require(isinstance(folders, tuple) and len(folders) <= MAX_WITHIN and all(
-                isinstance(w, str) and w.startswith(("/", "file:///")) and w.endswith("/") and w.isprintable()
-                for w in folders), name, f"must be at most {MAX_WITHIN} local folders, each ending with '/' "
-                     f"(got {folders!r})")
+            _check_folders(getattr(self, name), name)
 
     @property
     def folders(self) -> TenantFolders:
@@ -129,11 +141,9 @@ class VersionRef:
     @classmethod
     def from_dict(cls, data: Any, where: str) -> VersionRef:
         _require(isinstance(data, dict), where, "must be an object with version, uri, sha256")
-        within, without = data.get("within", []), data.get("without", [])
         try:
-            _require(isinstance(within, list), "within", f"must be a list of folders (got {within!r})")
-            _require(isinstance(without, list), "without", f"must be a list of folders (got {without!r})")
-            return cls(data.get("version"), data.get("uri"), data.get("sha256"), tuple(within), tuple(without))
+            folders = folders_from(data)
+            return cls(data.get("version"), data.get("uri"), data.get("sha256"), folders.within, folders.without)
         except DirectiveError as exc:
             raise DirectiveError(f"{where}.{exc}") from None
 

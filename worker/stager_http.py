@@ -14,7 +14,7 @@ from aiohttp import web
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from lorafleet.worker.directives import MAX_STATE_BYTES, DesiredState, DirectiveError
+from lorafleet.worker.directives import MAX_STATE_BYTES, DesiredState, DirectiveError, folders_from
 from lorafleet.worker.openai_protocol import APIError
 from lorafleet.worker.stager import Stager
 from lorafleet.worker.stager_config import StagerConfig
@@ -22,7 +22,6 @@ from lorafleet.worker.stager_push import StalePush
 from lorafleet.worker.stager_seed import seed_until_done
 from lorafleet.worker.staging_errors import staging_error
 from lorafleet.worker.state_json import NotJSON, decode, reply
-from lorafleet.worker.tenant_folders import TenantFolders
 from lorafleet.worker.tenants import bearer_token, token_bytes
 
 log = logging.getLogger("lorafleet.stager")
@@ -72,14 +71,12 @@ async def post_stage(request: web.Request) -> web.Response:
         raise APIError(400, "body needs 'uri' (s3://bucket/prefix/, file:// or an absolute path)", param="uri")
     if sha256 is not None and not (isinstance(sha256, str) and _SHA256_HEX.fullmatch(sha256)):
         raise APIError(400, "sha256 must be 64 hex digits", param="sha256")
-    folders = []  # a local folder's tenant folders, as a directive's version lists them
-    for name in ("within", "without"):
-        value = body.get(name, [])
-        if not (isinstance(value, list) and all(isinstance(w, str) and w.startswith(("/", "file:///")) for w in value)):
-            raise APIError(400, f"{name} must be a list of local folders (/path/ or file:///path/)", param=name)
-        folders.append(tuple(value))
+    try:  # a local folder's tenant folders, as a directive's version lists them
+        folders = folders_from(body)
+    except DirectiveError as exc:
+        raise APIError(400, str(exc), param=str(exc).partition(":")[0]) from None
     try:
-        staged = await request.app[STAGER].stage(uri, sha256, folders=TenantFolders(*folders))
+        staged = await request.app[STAGER].stage(uri, sha256, folders=folders)
     except APIError:
         raise
     except Exception as exc:
