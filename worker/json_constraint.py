@@ -225,3 +225,30 @@ def advance(state: JsonState, data: bytes) -> JsonState | None:
 
 def is_valid_prefix(data: bytes) -> bool:
     return advance(START, data) is not None
+
+
+class JsonObjectGrammar:
+    """JSON mode's grammar in the interface JsonGuide and JsonVocab take (json_schema_grammar.SchemaGrammar's too)."""
+
+    key = "json_object"  # names the grammar in the vocabulary's mask cache
+    start = START
+
+    @staticmethod
+    def advance(state: JsonState, data: bytes) -> JsonState | None:
+        return advance(state, data)
+
+    @staticmethod
+    def is_complete(state: JsonState) -> bool:
+        return state[0] == DONE
+
+    @staticmethod
+    def is_in_string(state: JsonState) -> bool:
+        return is_in_string(state)
+
+    @staticmethod
+    def ws_uniform(state: JsonState) -> bool:
+        """Every whitespace byte leads to the same state (inside a string, is_in_string's path is taken)."""
+        return True
+
+
+JSON_OBJECT = JsonObjectGrammar()

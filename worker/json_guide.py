@@ -1,6 +1,8 @@
-"""JsonGuide: JSON mode (`response_format: {"type": "json_object"}`) for the sampler's constrained rows.
+"""JsonGuide: JSON mode (`response_format: {"type": "json_object"}`) and structured output (`"json_schema"`)
+for the sampler's constrained rows.
 
-A constrained sequence's output is a prefix of one JSON object. Its stop tokens (EOS and its
+A constrained sequence's output is a prefix of one JSON object (JSON mode, json_constraint.py), or of one
+value its schema takes (json_schema_grammar.py): the row's grammar. Its stop tokens (EOS and its
 stop_token_ids) may be drawn only once the object is complete, and then nothing else may (ignore_eos: see
 below); while it has fewer than min_tokens - 1 tokens, no token may complete the object (it could not end
 there). Each sequence's validator state is kept on it with the number of output tokens it covers and
@@ -29,7 +31,7 @@ from concurrent.futures import Future
 
 import torch
 
-from lorafleet.worker.json_constraint import START, JsonState, advance, is_complete
+from lorafleet.worker.json_constraint import JSON_OBJECT
 from lorafleet.worker.json_vocab import JsonVocab, json_vocab
 from lorafleet.worker.sequence import Sequence
 from lorafleet.worker.tokenizer import Tokenizer
@@ -105,21 +107,27 @@ class JsonGuide:
         ends = frozenset(seq.params.stop_token_ids)
         return ends if seq.params.ignore_eos else ends | self.eos_token_ids
 
-    def state(self, seq: Sequence) -> JsonState:
+    @staticmethod
+    def grammar(seq: Sequence):
+        """The sequence's grammar: its schema's (structured output), else JSON mode's (any JSON object)."""
+        return seq.params.json_schema or JSON_OBJECT
+
+    def state(self, seq: Sequence):
         """The validator's state after the sequence's output tokens."""
         output = seq.output_token_ids
-        num_done, state = seq.json_state or (0, START)
+        grammar = self.grammar(seq)
+        num_done, state = seq.json_state or (0, grammar.start)
         if num_done > len(output):  # never expected (outputs only grow): start over
-            num_done, state = 0, START
+            num_done, state = 0, grammar.start
         stops = self.stop_ids(seq)
         vocab = self.vocab
         for token_id in output[num_done:]:
-            if is_complete(state) and (token_id in stops or vocab.is_whitespace(token_id)):
+            if grammar.is_complete(state) and (token_id in stops or vocab.is_whitespace(token_id)):
                 continue  # trailing whitespace, or a stop token that did not end the request (ignore_eos)
             data = vocab.token_bytes(token_id) if token_id not in stops else b""
-            nxt = advance(state, data) if data else None
+            nxt = grammar.advance(state, data) if data else None
             if nxt is None:
-                raise JsonModeError(f"JSON mode: output token {token_id} does not continue the JSON object")
+                raise JsonModeError(f"JSON mode: output token {token_id} does not continue the JSON value")
             state = nxt
         seq.json_state = (len(output), state)
         return state
@@ -131,27 +139,29 @@ class JsonGuide:
 
     def accepts(self, seq: Sequence, token_id: int) -> bool:
         state = self.state(seq)
-        if is_complete(state):
+        grammar = self.grammar(seq)
+        if grammar.is_complete(state):
             return token_id in self.end_ids(seq) or (seq.params.ignore_eos and self.vocab.is_whitespace(token_id))
         if token_id in self.stop_ids(seq):
             return False
-        return self.vocab.accepts(state, token_id, self.may_complete(seq))
+        return self.vocab.accepts(state, token_id, self.may_complete(seq), grammar)
 
     def invalid(self, seq: Sequence, device: torch.device) -> torch.Tensor:
         """bool [V] on `device`, True where the sequence may NOT draw its next token (JsonModeError when it may
         draw none). The vocabulary's cached mask itself unless a stop token id is also a text token."""
         state = self.state(seq)
         vocab = self.vocab
-        if is_complete(state):
+        grammar = self.grammar(seq)
+        if grammar.is_complete(state):
             return self._after_object(seq, vocab, device)
         stops = _ids(self.stop_ids(seq), vocab)
-        invalid, num_valid = vocab.mask(state, self.may_complete(seq))
+        invalid, num_valid = vocab.mask(state, self.may_complete(seq), grammar)
         text_stops = [t for t in stops if vocab.token_bytes(t)]  # stop ids are never content, even text tokens
         if text_stops:
             invalid = invalid.clone()
             invalid[torch.tensor(text_stops, device=invalid.device)] = True
         if num_valid <= len(text_stops) and not bool((~invalid).any()):
-            raise JsonModeError("JSON mode: no token of the vocabulary continues the JSON object")
+            raise JsonModeError("JSON mode: no token of the vocabulary continues the JSON value")
         return invalid.to(device)
 
     def _after_object(self, seq: Sequence, vocab: JsonVocab, device: torch.device) -> torch.Tensor:

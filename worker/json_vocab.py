@@ -5,7 +5,7 @@ tokens of no bytes never do (their text is not JSON, and an empty token would no
 the stop tokens (EOS, stop_token_ids) are the sampler's business, not this table's.
 
 Scanning ~49k tokens in Python at every step would cost tens of milliseconds, so:
-* masks are cached per (state, may_complete) in a bounded LRU, on the device: a request's states recur (inside a string,
+* masks are cached per (grammar, state, may_complete) in a bounded LRU, on the device: a request's states recur (inside a string,
   after a value, ...) and requests share them;
 * tokens are bucketed by first byte, and only the buckets whose first byte is valid are scanned;
 * inside a string, the tokens of plain content (whole UTF-8 characters, no '"', '\\' or control byte) are
@@ -19,7 +19,7 @@ from collections import OrderedDict
 
 import torch
 
-from lorafleet.worker.json_constraint import JsonState, advance, is_complete, is_in_string
+from lorafleet.worker.json_constraint import JSON_OBJECT, advance
 from lorafleet.worker.token_bytes import token_bytes
 from lorafleet.worker.tokenizer import Tokenizer
 
@@ -39,6 +39,9 @@ class JsonVocab:
         # Tokens led by whitespace (half of a GPT-2 style vocabulary: " the"), by the bytes after it: where
         # whitespace leaves the state as it is, such a token is valid when the rest of it is.
         self._ws_buckets = _new_buckets()
+        # The same tokens and those of whitespace only, by their own bytes: scanned where whitespace bytes lead
+        # to different states (inside a key or an enum value of a schema).
+        self._ws_whole_buckets = _new_buckets()
         self._rest: dict[int, bytes] = {}
         plain = torch.zeros(self.vocab_size, dtype=torch.bool)
         all_ws = torch.zeros(self.vocab_size, dtype=torch.bool)
@@ -46,6 +49,8 @@ class JsonVocab:
             if not data:
                 continue
             rest = data.lstrip(_WS)
+            if len(rest) < len(data):
+                _add(self._ws_whole_buckets, data, token_id)
             if not rest:
                 all_ws[token_id] = True
             elif len(rest) < len(data):
@@ -61,7 +66,7 @@ class JsonVocab:
         self._not_ws = (~all_ws).to(self.device)  # what may not follow a complete object in a JSON text
         self.num_whitespace = int(all_ws.sum())
         self._none = torch.zeros(self.vocab_size, dtype=torch.bool)
-        self._masks: OrderedDict[tuple[JsonState, bool], tuple[torch.Tensor, int]] = OrderedDict()
+        self._masks: OrderedDict[tuple, tuple[torch.Tensor, int]] = OrderedDict()
         self.num_built = 0  # masks scanned (cache misses), for tests and benchmarks
 
     def token_bytes(self, token_id: int) -> bytes:
@@ -76,62 +81,65 @@ class JsonVocab:
         """bool [V] on the device, True where a token is not JSON whitespace only. Do not modify it."""
         return self._not_ws
 
-    def accepts(self, state: JsonState, token_id: int, may_complete: bool = True) -> bool:
+    def accepts(self, state, token_id: int, may_complete: bool = True, grammar=JSON_OBJECT) -> bool:
         """Whether token `token_id` may follow `state`; with may_complete False, not a token that completes it."""
         data = self.token_bytes(token_id)
         if not data:
             return False
-        nxt = advance(state, data)
-        return nxt is not None and (may_complete or not is_complete(nxt))
+        nxt = grammar.advance(state, data)
+        return nxt is not None and (may_complete or not grammar.is_complete(nxt))
 
-    def mask(self, state: JsonState, may_complete: bool = True) -> tuple[torch.Tensor, int]:
+    def mask(self, state, may_complete: bool = True, grammar=JSON_OBJECT) -> tuple[torch.Tensor, int]:
         """(bool [V] on the device, True where a token may NOT follow `state`; how many may). Cached: do not
-        modify it."""
-        key = (state, may_complete)
+        modify it. `grammar`: JSON mode's (json_constraint.JSON_OBJECT) or a schema's (json_schema_grammar.py)."""
+        key = (grammar.key, state, may_complete)
         hit = self._masks.get(key)
         if hit is not None:
             self._masks.move_to_end(key)
             return hit
-        valid = self._build(state, may_complete)
+        valid = self._build(grammar, state, may_complete)
         hit = (~valid).to(self.device), int(valid.sum())
         self._masks[key] = hit
         if len(self._masks) > MAX_CACHED_MASKS:
             self._masks.popitem(last=False)
         return hit
 
-    def _build(self, state: JsonState, may_complete: bool) -> torch.Tensor:
+    def _build(self, grammar, state, may_complete: bool) -> torch.Tensor:
         self.num_built += 1
         ids: list[int] = []
-        if is_in_string(state):
+        if grammar.is_in_string(state):
             mask = self._plain.clone()
-            self._scan(state, self._special_buckets, self._bytes, may_complete, ids)
+            self._scan(grammar, state, self._special_buckets, self._bytes, may_complete, ids)
+        elif not grammar.ws_uniform(state):  # each token whole: " " may continue a key where "\t" may not
+            mask = self._none.clone()
+            self._scan(grammar, state, self._buckets, self._bytes, may_complete, ids)
+            self._scan(grammar, state, self._ws_whole_buckets, self._bytes, may_complete, ids)
         else:
             mask = self._none.clone()
-            self._scan(state, self._buckets, self._bytes, may_complete, ids)
-            after_ws = advance(state, b" ")  # every whitespace byte leads to the same state here
+            self._scan(grammar, state, self._buckets, self._bytes, may_complete, ids)
+            after_ws = grammar.advance(state, b" ")  # every whitespace byte leads to the same state here
             if after_ws is not None:
                 mask |= self._all_ws
-                self._scan(after_ws, self._ws_buckets, self._rest, may_complete, ids)
+                self._scan(grammar, after_ws, self._ws_buckets, self._rest, may_complete, ids)
         if ids:
             mask[torch.tensor(ids, dtype=torch.int64)] = True
         return mask  # bool [V] on the CPU, True where a token may follow
 
     @staticmethod
-    def _scan(state: JsonState, buckets: list[dict[int, list[int]]], data_of, may_complete: bool,
-              ids: list[int]) -> None:
+    def _scan(grammar, state, buckets: list[dict[int, list[int]]], data_of, may_complete: bool, ids: list[int]) -> None:
         """Append to `ids` the tokens of `buckets` whose bytes `data_of[id]` may follow `state`."""
         for first, groups in enumerate(buckets):
             if not groups:
                 continue
-            after_first = advance(state, bytes((first,)))
+            after_first = grammar.advance(state, bytes((first,)))
             if after_first is None:
                 continue
             for second, group in groups.items():
-                if second >= 0 and advance(after_first, bytes((second,))) is None:
+                if second >= 0 and grammar.advance(after_first, bytes((second,))) is None:
                     continue
                 for token_id in group:
-                    nxt = advance(state, data_of[token_id])
-                    if nxt is not None and (may_complete or nxt[0] != "done"):
+                    nxt = grammar.advance(state, data_of[token_id])
+                    if nxt is not None and (may_complete or not grammar.is_complete(nxt)):
                         ids.append(token_id)
 
 

@@ -3,7 +3,7 @@
 OpenAI's fields, and vLLM's extensions a vLLM client sends: `top_k`, `min_p`, `repetition_penalty`,
 `ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`, `min_tokens`, `skip_special_tokens`,
 `prompt_logprobs` (0..20, as vLLM's default max_logprobs; refused with `stream`, as vLLM does), and
-`response_format` ("text" or "json_object", on both endpoints as vLLM takes it)
+`response_format` ("text", "json_object" or "json_schema", on both endpoints as vLLM takes it)
 (`spaces_between_special_tokens` only at its default, true: the `tokenizers` decoder places special
 tokens its own way, as vLLM's fast-tokenizer path does). What depends on the model (token ids within
 its vocabulary, `min_tokens` within the context left by the prompt) is checked in completion_job.py.
@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import Any
 
+from lorafleet.worker.json_schema import SchemaError
+from lorafleet.worker.json_schema_grammar import SchemaGrammar, schema_grammar
 from lorafleet.worker.logit_bias import LogitBiasError, parse_logit_bias
 from lorafleet.worker.openai_fields import Fields, bad_request, check_text, is_int
 from lorafleet.worker.sampling_defaults import RANGES, SamplingDefaults
@@ -29,6 +32,8 @@ MAX_STOP = 64
 # every one of them, on the engine thread every sequence shares.
 MAX_STOP_CHARS = 4096
 MAX_STOP_TOKEN_IDS = 64
+RESPONSE_FORMATS = {"text": set(), "json_object": {"schema"}, "json_schema": {"json_schema"}}  # type -> its other keys
+JSON_SCHEMA_FIELDS = {"name", "description", "schema", "strict"}
 STREAM_OPTIONS = ("include_usage", "include_obfuscation", "continuous_usage_stats")
 
 
@@ -66,6 +71,7 @@ class SamplingOptions:
     min_tokens: int = 0
     skip_special_tokens: bool = True
     json_object: bool = False  # response_format {"type": "json_object"}: JSON mode (json_guide.py)
+    json_schema: Any = None  # response_format {"type": "json_schema"}: the schema's grammar (json_schema_grammar.py)
 
 
 def _user(f: Fields) -> str | None:
@@ -116,27 +122,49 @@ def _min_tokens(f: Fields, max_tokens: int | None, max_tokens_param: str) -> int
     return min_tokens
 
 
-def _response_format(f: Fields) -> bool:
-    """OpenAI's `response_format` (vLLM takes it on /v1/completions too): "text", or "json_object" for JSON
-    mode; True for JSON mode. json_schema (structured output) is refused, not silently ignored."""
+def _response_format(f: Fields) -> tuple[bool, SchemaGrammar | None]:
+    """OpenAI's `response_format` (vLLM takes it on /v1/completions too): "text"; "json_object" for JSON mode;
+    "json_schema" (`{"name", "schema", "strict", "description"}`) for structured output, the output held to the
+    schema (json_schema.py says which keywords, and refuses the others rather than ignore them). LoRAX's form,
+    `{"type": "json_object", "schema": {...}}`, is the same. -> (constrained, the schema's grammar or None)."""
     v = f.get("response_format")
     if v is None:
-        return False
+        return False, None
     kind = v.get("type") if isinstance(v, dict) else None
     if not isinstance(kind, str):
         raise bad_request('\'response_format\' must be an object like {"type": "json_object"} or {"type": "text"}',
                           "response_format", "invalid_type")
-    if kind == "json_schema":
-        raise bad_request("'response_format' type 'json_schema' (structured output) is not supported by this "
-                          "server; use {\"type\": \"json_object\"} (any JSON object) and describe the schema in "
-                          "the prompt", "response_format", "unsupported_parameter")
-    if kind not in ("text", "json_object"):
-        raise bad_request(f"'response_format' type must be 'text' or 'json_object' (got {json.dumps(kind)})",
+    if kind not in RESPONSE_FORMATS:
+        raise bad_request(f"'response_format' type must be one of {', '.join(RESPONSE_FORMATS)} (got {json.dumps(kind)})",
                           "response_format")
-    if set(v) != {"type"}:
-        extra = ", ".join(sorted(set(v) - {"type"}))
-        raise bad_request(f"'response_format' of type '{kind}' takes only 'type' (got {extra})", "response_format")
-    return kind == "json_object"
+    allowed = RESPONSE_FORMATS[kind]
+    if extra := sorted(set(v) - allowed - {"type"}):
+        takes = f"only 'type' and {', '.join(repr(k) for k in sorted(allowed))}" if allowed else "only 'type'"
+        raise bad_request(f"'response_format' of type '{kind}' takes {takes} (got {', '.join(extra)})", "response_format")
+    if kind == "text":
+        return False, None
+    if kind == "json_object":
+        return True, (_schema(v["schema"], "response_format.schema") if "schema" in v else None)
+    spec = v.get("json_schema")
+    if not isinstance(spec, dict) or "schema" not in spec:
+        raise bad_request('\'response_format.json_schema\' must be an object like {"name": ..., "schema": {...}}',
+                          "response_format", "invalid_type")
+    if extra := sorted(set(spec) - JSON_SCHEMA_FIELDS):
+        raise bad_request(f"'response_format.json_schema' takes only {', '.join(sorted(JSON_SCHEMA_FIELDS))} (got "
+                          f"{', '.join(extra)})", "response_format")
+    for key, kinds in (("name", str), ("description", str), ("strict", bool)):
+        if spec.get(key) is not None and not isinstance(spec[key], kinds):
+            raise bad_request(f"'response_format.json_schema.{key}' must be a {kinds.__name__}", "response_format",
+                              "invalid_type")
+    return True, _schema(spec["schema"], "response_format.json_schema.schema")
+
+
+def _schema(schema: object, where: str) -> SchemaGrammar:
+    """The grammar of a request's schema; a 400 naming what cannot be enforced."""
+    try:
+        return schema_grammar(schema)
+    except SchemaError as exc:
+        raise bad_request(f"'{where}': {exc}", "response_format") from None
 
 
 def _stream_options(v: object, stream: bool) -> tuple[bool, bool]:
@@ -188,6 +216,7 @@ def parse_sampling_options(f: Fields, max_tokens_names: tuple[str, ...], default
                           "tokens are decoded as the tokenizer's decoder places them)",
                           "spaces_between_special_tokens", "unsupported_parameter")
     prompt_logprobs = f.integer("prompt_logprobs", None, 0, MAX_PROMPT_LOGPROBS)
+    json_object, json_schema = _response_format(f)
     if prompt_logprobs is not None and stream:
         raise bad_request("'prompt_logprobs' is not available with 'stream': true", "prompt_logprobs")
     return SamplingOptions(
@@ -214,5 +243,6 @@ def parse_sampling_options(f: Fields, max_tokens_names: tuple[str, ...], default
         include_stop_str_in_output=f.flag("include_stop_str_in_output", False),
         min_tokens=_min_tokens(f, max_tokens, max_tokens_param),
         skip_special_tokens=f.flag("skip_special_tokens", True),
-        json_object=_response_format(f),
+        json_object=json_object,
+        json_schema=json_schema,
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 MAX_LOGPROBS = 20
 SAMPLING_EPS = 1e-5  # a temperature below it samples greedily (vLLM's): logits / 1e-38 overflow to NaN
@@ -39,11 +40,16 @@ class SamplingParams:
     # JSON mode (OpenAI's response_format json_object): the output is a prefix of one JSON object, and EOS or
     # a stop token only ends a complete one (json_guide.py).
     json_object: bool = False
+    # Structured output: the grammar of a schema (json_schema_grammar.SchemaGrammar) the output is held to
+    # instead of "any JSON object"; it sets json_object (the sampler's constrained rows are those).
+    json_schema: Any = None
     # max_tokens was not given: it is the context left after the prompt, lowered to what the KV pages the
     # request's adapter and pinned adapters leave can hold, instead of refusing it (kv_room.py).
     max_tokens_to_fit: bool = False
 
     def __post_init__(self) -> None:
+        if self.json_schema is not None:
+            self.json_object = True
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop)

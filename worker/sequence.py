@@ -80,7 +80,7 @@ class Sequence:
         self.detok_invalid_run = False  # the byte run open at detok_read cannot be UTF-8 (byte fallback)
         self.detok_seen = 0  # output tokens the Detokenizer's last append looked at
         self.generator: torch.Generator | None = None  # per-sequence RNG when seeded
-        self.json_state: tuple[int, tuple[str, str]] | None = None  # JSON mode: (output tokens covered, state)
+        self.json_state: tuple[int, object] | None = None  # JSON mode: (output tokens covered, its grammar's state)
 
     @property
     def num_tokens(self) -> int:

@@ -6,7 +6,10 @@ tool_choice "auto": each choice's text is read by the request's ToolParser; call
 function's arguments, as vLLM answers it (an output that is exactly `{"name": <that function>, "arguments"
 or "parameters": {...}}` gives the inner object); the finish_reason stays the engine's ("stop", or "length" for
 arguments cut short), as OpenAI answers a forced call (its documentation: "stop" when tool_choice names a
-function) and vLLM does too. tool_choice "none" needs none of this: the output is plain content.
+function) and vLLM does too. tool_choice "required": the output was held to a JSON array of calls
+(tool_request.py) and each item is a call, finish_reason "tool_calls"; an array cut short (max_tokens) is
+answered as content with finish_reason "length". tool_choice "none" needs none of this: the output is plain
+content.
 
 Streamed, a choice's text goes out as content up to where it may be the start of a call (ToolParser.hold_from);
 the rest is held until the choice ends, then sent as content, or as `delta.tool_calls` (each call whole, with
@@ -81,11 +84,29 @@ class ToolCalls:
         """(content, calls, finish_reason) of a choice's whole text."""
         if self.request.choice == "named":
             return None, [ToolCall(self.request.function, self._named_arguments(text))], finish_reason
+        if self.request.choice == "required":
+            calls = self._required_calls(text)
+            return (None, calls, "tool_calls") if calls else (text, [], finish_reason)
         parsed = self.parser.parse(text, self.names)
-        if parsed is None:
+        if parsed is None or not all(self._fits_strict(c) for c in parsed[1]):
             return text, [], finish_reason
         content, calls = parsed
         return content, calls if self.request.parallel_tool_calls else calls[:1], "tool_calls"
+
+    def _required_calls(self, text: str) -> list[ToolCall]:
+        """The calls of a "required" choice's JSON array; none when it is not one (cut short by max_tokens)."""
+        items = json_value(text)
+        if not isinstance(items, list):
+            return []
+        calls = [read_call(item, self.names, ("parameters",)) for item in items]
+        return [c for c in calls if c is not None] if all(calls) else []
+
+    def _fits_strict(self, call: ToolCall) -> bool:
+        """Whether a parsed call's arguments fit its function's schema, where the function says strict: true."""
+        if call.name not in self.request.strict:
+            return True
+        grammar = self.request.grammars.get(call.name)
+        return grammar is not None and grammar.validates(json_value(call.arguments))
 
     def _named_arguments(self, text: str) -> str:
         """A named function's arguments: the output, or the object inside it when the output is exactly
@@ -108,7 +129,7 @@ class ToolCalls:
         """A streamed chunk of choice `index`: (content to send, `delta.tool_calls`, finish_reason); its
         finish_reason, when set, ends the choice."""
         if index not in self._streams:
-            self._streams[index] = ToolStream(None if self.request.choice == "named" else self.parser)
+            self._streams[index] = ToolStream(None if self.request.choice in ("named", "required") else self.parser)
         stream = self._streams[index]
         content = stream.feed(new_text)
         if finish_reason is None:

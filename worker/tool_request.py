@@ -4,10 +4,16 @@ and the tool calls of its history in the form chat templates take.
 `tools` reaches the chat template as sent (transformers' `apply_chat_template(tools=...)` takes the same
 `{"type": "function", "function": {"name", "description", "parameters"}}` entries). `tool_choice`:
 "none" (the tools are still rendered, as vLLM does, but the output is never read as calls), "auto" (the
-default with tools: the output is parsed for calls, tool_parser.py), or one named function (the output is
-constrained to one JSON object, the JSON mode of json_guide.py, and returned as that function's
-arguments). "required" is refused: the JSON constraint cannot express "an object naming one of these
-tools", and answering plain text to a caller who required a call would be wrong.
+default with tools: the output is parsed for calls, tool_parser.py), one named function (the output is held
+to that function's `parameters` schema, json_schema.py, and returned as its arguments), or "required" (the
+output is held to a JSON array of calls, `[{"name": <a tool>, "parameters": {...}}, ...]`, one call at most
+with `parallel_tool_calls: false`, each call's parameters to its tool's schema: vLLM's form of it).
+
+A function's `parameters` schema is enforced where the schema compiles (json_schema.py: the keywords it
+enforces); one that does not is held to "a JSON object" instead, unless the function says `strict: true`,
+which then answers 400 naming what cannot be enforced. With tool_choice "auto" the model's calls are not
+constrained while sampled: a call to a strict function whose arguments its schema refuses stays content,
+as a malformed call does, so the calls a caller gets always fit their strict schemas.
 
 An assistant message's `tool_calls` reach the template with `function.arguments` as an object, not the JSON
 text the API carries: Llama 3.1's and Hermes' templates write `arguments | tojson` (a string would come out
@@ -21,6 +27,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from lorafleet.worker.json_schema import SchemaError
+from lorafleet.worker.json_schema_grammar import SchemaGrammar, schema_grammar
 from lorafleet.worker.openai_fields import Fields, bad_request, check_strings, check_text
 from lorafleet.worker.tool_parser import json_value
 
@@ -32,9 +40,14 @@ FUNCTION_KEYS = {"name", "description", "parameters", "strict"}
 @dataclass(slots=True)
 class ToolRequest:
     tools: list[dict[str, Any]] = field(default_factory=list)  # as sent: what the chat template gets
-    choice: str = "auto"  # "none" | "auto" | "named"
+    choice: str = "auto"  # "none" | "auto" | "required" | "named"
     function: str | None = None  # the named function of tool_choice {"type": "function", ...}
     parallel_tool_calls: bool = True  # false: at most one call (the first) per choice
+    grammars: dict[str, SchemaGrammar | None] = field(default_factory=dict)  # name -> its parameters' (None: any object)
+    strict: frozenset[str] = frozenset()  # the functions with `strict: true`
+    # required / named: the grammar the output is held to (None for a named function whose schema did not compile:
+    # any JSON object)
+    output_grammar: SchemaGrammar | None = None
 
     @property
     def names(self) -> list[str]:
@@ -67,9 +80,6 @@ def _function(tool: Any, where: str) -> dict[str, Any]:
         raise bad_request(f"{where}.function.parameters must be a JSON schema object", "tools", "invalid_type")
     if not isinstance(fn.get("strict"), bool | None):
         raise bad_request(f"{where}.function.strict must be true or false", "tools", "invalid_type")
-    if fn.get("strict"):  # the arguments can be held to "a JSON object", not to a schema
-        raise bad_request(f"{where}.function.strict: true is not supported by this server (the arguments are not "
-                          "held to the schema); leave it out or send false", "tools", "unsupported_parameter")
     return fn
 
 
@@ -98,11 +108,6 @@ def _tool_choice(v: Any, names: list[str]) -> tuple[str, str | None]:
         if v not in TOOL_CHOICES:
             raise bad_request(f"'tool_choice' must be one of {', '.join(TOOL_CHOICES)} or {{\"type\": \"function\", "
                               f"\"function\": {{\"name\": ...}}}} (got {json.dumps(v)})", "tool_choice")
-        if v == "required":
-            raise bad_request("'tool_choice': \"required\" is not supported by this server yet (the output cannot be "
-                              "constrained to a call of one of several tools); name the function with "
-                              "{\"type\": \"function\", \"function\": {\"name\": ...}}, or send \"auto\"",
-                              "tool_choice", "unsupported_parameter")
         if v == "auto" and not names:
             raise bad_request("'tool_choice' \"auto\" needs 'tools'", "tool_choice")
         return v, None
@@ -110,7 +115,7 @@ def _tool_choice(v: Any, names: list[str]) -> tuple[str, str | None]:
     name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(v, dict) or v.get("type") != "function" or not isinstance(name, str) or set(v) != {"type", "function"}:
         shape = '{"type": "function", "function": {"name": ...}}'
-        raise bad_request(f"'tool_choice' must be \"none\", \"auto\" or {shape} (got {json.dumps(v)})", "tool_choice",
+        raise bad_request(f"'tool_choice' must be \"none\", \"auto\", \"required\" or {shape} (got {json.dumps(v)})", "tool_choice",
                           "invalid_type")
     if name not in names:
         raise bad_request(f"'tool_choice' names the function {json.dumps(name)}, which is not in 'tools'"
@@ -122,8 +127,65 @@ def parse_tool_request(f: Fields) -> ToolRequest | None:
     """The request's tool fields; None when it sends no tools (nothing to render, nothing to parse)."""
     tools = _tools(f)
     choice, function = _tool_choice(f.get("tool_choice"), [t["function"]["name"] for t in tools])
+    if choice == "required" and not tools:
+        raise bad_request("'tool_choice' \"required\" needs 'tools'", "tool_choice")
     parallel = f.flag("parallel_tool_calls", True)
-    return ToolRequest(tools, choice, function, parallel) if tools else None
+    if not tools:
+        return None
+    request = ToolRequest(tools, choice, function, parallel)
+    for i, tool in enumerate(tools):
+        fn = tool["function"]
+        request.grammars[fn["name"]] = _parameters_grammar(fn, f"tools[{i}].function.parameters")
+    request.strict = frozenset(t["function"]["name"] for t in tools if t["function"].get("strict"))
+    if choice == "named":
+        request.output_grammar = request.grammars[function]
+    elif choice == "required":
+        request.output_grammar = schema_grammar(required_calls_schema(tools, request.grammars, parallel))
+    return request
+
+
+def _parameters_grammar(fn: dict[str, Any], where: str) -> SchemaGrammar | None:
+    """A function's parameters schema (none given: no arguments, `{}`) as a grammar; None where it cannot be
+    enforced, or a 400 for a strict function."""
+    try:
+        return schema_grammar(_parameters(fn))
+    except SchemaError as exc:
+        if fn.get("strict"):
+            raise bad_request(f"{where}: {exc} (the function says strict: true)", "tools") from None
+        return None
+
+
+def _parameters(fn: dict[str, Any]) -> dict[str, Any]:
+    return fn["parameters"] if fn.get("parameters") is not None else {"type": "object", "properties": {}}
+
+
+def required_calls_schema(tools: list[dict[str, Any]], grammars: dict[str, SchemaGrammar | None],
+                          parallel: bool) -> dict[str, Any]:
+    """tool_choice "required": a JSON array of one call (or more with parallel calls), each a tool's name and
+    parameters. Each tool's schema is placed under $defs, its own references (`#/...`) moved there."""
+    defs, alternatives = {}, []
+    for k, tool in enumerate(tools):
+        fn = tool["function"]
+        params = _parameters(fn) if grammars[fn["name"]] is not None else {"type": "object"}
+        defs[f"p{k}"] = _moved_refs(params, f"#/$defs/p{k}")
+        alternatives.append({"type": "object", "properties": {"name": {"const": fn["name"]},
+                                                              "parameters": {"$ref": f"#/$defs/p{k}"}},
+                             "required": ["name", "parameters"]})
+    return {"type": "array", "minItems": 1, **({} if parallel else {"maxItems": 1}), "items": {"anyOf": alternatives},
+            "$defs": defs}
+
+
+def _moved_refs(schema: Any, base: str) -> Any:
+    """`schema` with its references inside itself (`#`, `#/...`) made relative to `base`, where it now lies."""
+    if isinstance(schema, list):
+        return [_moved_refs(s, base) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _moved_refs(v, base) for k, v in schema.items()}
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+        out["$ref"] = base + ref[1:]
+    return out
 
 
 def message_tool_calls(m: dict, where: str) -> list[dict[str, Any]] | None:

@@ -58,8 +58,11 @@ def test_tools_keep_special_tokens_in_the_text_unless_the_caller_says(fields, sk
      "JSON schema object"),
     ({"tools": [{"type": "function", "function": {"name": "f", "description": 3}}]}, "tools", "invalid_type",
      "description must be a string"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "strict": True}}]}, "tools", "unsupported_parameter",
-     "strict"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {
+        "type": "object", "properties": {"a": {"type": "string", "pattern": "^x"}}}}}]}, "tools", "invalid_value",
+     "tools[0].function.parameters: #.properties.a: pattern cannot be enforced"),
+    ({"tools": [ADD], "tool_choice": "required", "response_format": {"type": "json_schema", "json_schema": {
+        "name": "r", "schema": {"type": "object"}}}}, "response_format", "invalid_value", "cannot be combined"),
     ({"tools": [{"type": "function", "function": {"name": "f", "exec": "x"}}]}, "tools", "invalid_value",
      "takes only"),
     ({"tools": [{"type": "function", "function": {"name": "f"}, "x": 1}]}, "tools", "invalid_value", "takes only"),
@@ -67,7 +70,7 @@ def test_tools_keep_special_tokens_in_the_text_unless_the_caller_says(fields, sk
     ({"tools": [{"type": "function", "function": {"name": "f", "description": "\ud800"}}]}, "tools",
      "invalid_unicode", "unpaired surrogate"),
     ({"tools": [ADD], "tool_choice": "always"}, "tool_choice", "invalid_value", "must be one of"),
-    ({"tools": [ADD], "tool_choice": "required"}, "tool_choice", "unsupported_parameter", "not supported"),
+    ({"tool_choice": "required"}, "tool_choice", "invalid_value", "needs 'tools'"),
     ({"tools": [ADD], "tool_choice": {"type": "function", "function": {"name": "sub"}}}, "tool_choice",
      "invalid_value", "not in 'tools' (add)"),
     ({"tools": [ADD], "tool_choice": {"type": "function", "name": "add"}}, "tool_choice", "invalid_type",

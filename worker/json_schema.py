@@ -1,0 +1,281 @@
+"""A JSON Schema, compiled into the nodes the structured-output grammar walks (json_schema_grammar.py).
+
+Structured output (`response_format: {"type": "json_schema", ...}`, a named tool's or a required call's
+arguments) holds the output to a schema while it is sampled, so only what the grammar can hold at every
+token is taken. Each keyword is enforced, an annotation, or refused with an error naming it and where it
+is: a schema is never silently weakened.
+
+Enforced: `type` (one or a list of string, number, integer, boolean, null, object, array), `properties`,
+`required`, `additionalProperties` (false, true or a schema), `items`, `minItems`, `maxItems`, `enum`,
+`const`, `anyOf`, `oneOf` (as anyOf: the alternatives are not checked to exclude one another), `allOf` of
+one schema, `nullable` (OpenAPI's: adds null), and `$ref` to `#`, `#/$defs/...` or `#/definitions/...`
+(recursion included). Annotations (never checked): title, description, default, examples, format,
+deprecated, readOnly, writeOnly, $schema, $id, $comment, contentEncoding, contentMediaType.
+
+Where the schema is silent, the output is held as a strict reader of it would expect (as vLLM's xgrammar
+backend does by default): an object schema that lists `properties` takes no other key unless
+`additionalProperties` says so (an object schema without `properties` takes any keys); a schema that only
+lists properties or items describes an object or an array. `enum` and `const` values are written in their
+compact form (`json.dumps(v, separators=(",", ":"), ensure_ascii=False)`). A top-level schema must describe
+an object, an array, a string, a boolean or null: a number has no end a stop token could follow.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+TYPES = ("string", "number", "integer", "boolean", "null", "object", "array")
+ENFORCED = {"type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems", "enum", "const",
+            "anyOf", "oneOf", "allOf", "$ref", "nullable", "$defs", "definitions"}
+ANNOTATIONS = {"title", "description", "default", "examples", "format", "deprecated", "readOnly", "writeOnly",
+               "$schema", "$id", "$comment", "contentEncoding", "contentMediaType"}
+ALTERNATIVES = ("anyOf", "oneOf", "allOf")
+MAX_NODES = 2048  # schemas are small; this bounds what a request can make the worker compile
+MAX_ENUM = 1024  # values of one enum
+MAX_DEPTH = 64  # nesting of a schema document, and of unions expanded at a value's first byte
+
+
+class SchemaError(ValueError):
+    """A schema this server cannot hold the output to; the message names the keyword and where it is."""
+
+
+@dataclass(frozen=True, slots=True)
+class Node:
+    types: frozenset[str] = frozenset()  # value kinds: string, number, integer, boolean, null, object, array
+    props: tuple[tuple[bytes, int], ...] = ()  # (name as written between its quotes, node), in schema order
+    required: frozenset[int] = frozenset()  # indexes into props
+    additional: int | None = None  # node of other keys' values; None: no other key
+    items: int = 0  # node of an array's items
+    min_items: int = 0
+    max_items: int | None = None
+    enum: tuple[bytes, ...] | None = None  # the allowed values' compact encodings (enum, const)
+    any_of: tuple[int, ...] = ()  # a union: the value is one of these nodes (the fields above unused)
+
+
+ANY = 0  # node 0 takes any JSON value
+ANY_NODE = Node(types=frozenset(TYPES), additional=ANY, items=ANY)
+
+
+def encode(value: Any) -> bytes:
+    """The compact encoding `enum`/`const` values are written in (and tool arguments checked in)."""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+
+
+class JsonSchema:
+    """A compiled schema: `nodes[root]` describes the whole value. `key` names it for caches (the same schema
+    text, keys in any order, gives the same key)."""
+
+    def __init__(self, schema: Any) -> None:
+        self.key = "schema:" + hashlib.sha256(_canonical(schema).encode()).hexdigest()
+        self.document = schema
+        self.grammar = None  # its SchemaGrammar, made once (json_schema_grammar.schema_grammar)
+        self.nodes: list[Node | None] = [ANY_NODE]
+        self._compiled: dict[int, int] = {}  # id(subschema dict) -> node
+        self._keep: list[Any] = []  # the subschemas whose ids key _compiled stay alive
+        self.root = self._node(schema, "#", 0)
+        for i, node in enumerate(self.nodes):  # a union that is only itself ($ref loops) fails here, not while sampling
+            if node.any_of:
+                self.alternatives(i)
+        self._check_root()
+
+    def _node(self, s: Any, where: str, depth: int) -> int:
+        if depth > MAX_DEPTH:
+            raise SchemaError(f"{where}: the schema nests deeper than {MAX_DEPTH} levels")
+        if s is True or s == {}:
+            return ANY
+        if s is False:
+            raise SchemaError(f"{where}: the schema `false` takes no value")
+        if not isinstance(s, dict):
+            raise SchemaError(f"{where}: a schema must be an object or a boolean (got {json.dumps(s)[:60]})")
+        done = self._compiled.get(id(s))
+        if done is not None:
+            return done
+        if len(self.nodes) >= MAX_NODES:
+            raise SchemaError(f"the schema has more than {MAX_NODES} parts")
+        index = len(self.nodes)
+        self.nodes.append(None)  # a placeholder: a $ref back to this schema finds its index
+        self._compiled[id(s)] = index
+        self._keep.append(s)
+        self.nodes[index] = self._build(s, where, depth)
+        return index
+
+    def _build(self, s: dict, where: str, depth: int) -> Node:
+        unknown = sorted(set(s) - ENFORCED - ANNOTATIONS)
+        if unknown:
+            raise SchemaError(f"{where}: {', '.join(unknown)} cannot be enforced while sampling; this server holds the "
+                              f"output to {', '.join(sorted(ENFORCED - {'$defs', 'definitions'}))} (and ignores annotations "
+                              "such as title, description and format)")
+        enforced = sorted(set(s) & (ENFORCED - {"$defs", "definitions"}))
+        for kw in ("$ref", *ALTERNATIVES):
+            if kw in s and enforced != [kw]:
+                others = ", ".join(k for k in enforced if k != kw)
+                raise SchemaError(f"{where}: {kw} beside {others} is not supported; put those keywords inside the "
+                                  f"schema {kw} names")
+        if "$ref" in s:
+            return self._alias(self._node(self._resolve(s["$ref"], where), s["$ref"], depth + 1))
+        if "allOf" in s:
+            parts = s["allOf"]
+            if not isinstance(parts, list) or len(parts) != 1:
+                raise SchemaError(f"{where}.allOf: only an allOf of one schema is supported")
+            return self._alias(self._node(parts[0], f"{where}.allOf[0]", depth + 1))
+        for kw in ("anyOf", "oneOf"):
+            if kw in s:
+                parts = s[kw]
+                if not isinstance(parts, list) or not parts:
+                    raise SchemaError(f"{where}.{kw} must be a non-empty list of schemas")
+                return Node(any_of=tuple(self._node(p, f"{where}.{kw}[{i}]", depth + 1) for i, p in enumerate(parts)))
+        types = self._types(s, where)
+        if "enum" in s or "const" in s:
+            return Node(types=types, enum=self._enum(s, types, where))
+        node = Node(types=types)
+        if "object" in types:
+            node = self._object(s, node, where, depth)
+        if "array" in types:
+            node = self._array(s, node, where, depth)
+        return node
+
+    def _alias(self, target: int) -> Node:
+        """The node of a schema that is another one ($ref, allOf of one): a union of that one alone."""
+        return Node(any_of=(target,))
+
+    def _resolve(self, ref: Any, where: str) -> Any:
+        if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
+            raise SchemaError(f"{where}.$ref: only references inside the schema (\"#\", \"#/$defs/...\") are supported "
+                              f"(got {json.dumps(ref)[:80]})")
+        target = self.document
+        for part in ref[2:].split("/") if ref != "#" else ():
+            part = part.replace("~1", "/").replace("~0", "~")
+            if not isinstance(target, dict) or part not in target:
+                raise SchemaError(f"{where}.$ref: {ref} names nothing in the schema")
+            target = target[part]
+        return target
+
+    @staticmethod
+    def _types(s: dict, where: str) -> frozenset[str]:
+        t = s.get("type")
+        if t is None:  # inferred from the keywords, else any kind
+            if {"properties", "required", "additionalProperties"} & set(s):
+                types = {"object"}
+            elif {"items", "minItems", "maxItems"} & set(s):
+                types = {"array"}
+            else:
+                types = set(TYPES)
+        else:
+            listed = t if isinstance(t, list) else [t]
+            if not listed or not all(isinstance(x, str) and x in TYPES for x in listed):
+                raise SchemaError(f"{where}.type must be one of {', '.join(TYPES)} or a list of them (got {json.dumps(t)})")
+            types = set(listed)
+        if s.get("nullable") is True:
+            types.add("null")
+        elif s.get("nullable") not in (None, False):
+            raise SchemaError(f"{where}.nullable must be true or false")
+        return frozenset(types)
+
+    @staticmethod
+    def _enum(s: dict, types: frozenset[str], where: str) -> tuple[bytes, ...]:
+        values = [s["const"]] if "const" in s else s["enum"]
+        if "const" in s and "enum" in s:
+            values = [v for v in s["enum"] if v == s["const"]]
+        if not isinstance(values, list) or len(values) > MAX_ENUM:
+            raise SchemaError(f"{where}.enum must be a list of at most {MAX_ENUM} values")
+        out = []
+        for v in values:
+            if _kind(v) not in types and not (_kind(v) == "integer" and "number" in types):
+                continue  # a value the type excludes is never valid
+            try:
+                enc = encode(v)
+            except (TypeError, ValueError, UnicodeEncodeError) as exc:
+                raise SchemaError(f"{where}.enum: {v!r} cannot be written as JSON ({exc})") from None
+            if enc not in out:
+                out.append(enc)
+        if not out:
+            raise SchemaError(f"{where}: no value of its enum/const has one of its types ({', '.join(sorted(types))})")
+        return tuple(out)
+
+    def _object(self, s: dict, node: Node, where: str, depth: int) -> Node:
+        props = s.get("properties", {})
+        if not isinstance(props, dict):
+            raise SchemaError(f"{where}.properties must be an object of schemas")
+        names = list(props)
+        required = s.get("required", [])
+        if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+            raise SchemaError(f"{where}.required must be a list of property names")
+        if missing := [r for r in required if r not in props]:
+            raise SchemaError(f"{where}.required names {', '.join(missing)}, which properties does not describe")
+        extra = s.get("additionalProperties", "properties" not in s)
+        additional = None if extra is False else self._node(extra, f"{where}.additionalProperties", depth + 1)
+        entries = tuple((encode(name)[1:-1], self._node(props[name], f"{where}.properties.{name}", depth + 1)) for name in names)
+        return Node(types=node.types, props=entries, required=frozenset(names.index(r) for r in required),
+                    additional=additional, items=node.items, min_items=node.min_items, max_items=node.max_items)
+
+    def _array(self, s: dict, node: Node, where: str, depth: int) -> Node:
+        lo, hi = s.get("minItems", 0), s.get("maxItems")
+        for name, v in (("minItems", lo), ("maxItems", hi)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                raise SchemaError(f"{where}.{name} must be an integer >= 0")
+        if hi is not None and lo > hi:
+            raise SchemaError(f"{where}: minItems ({lo}) is above maxItems ({hi})")
+        items = s.get("items", True)
+        if items is False:
+            if lo:
+                raise SchemaError(f"{where}: items false with minItems {lo} takes no value")
+            items, hi = True, 0
+        return Node(types=node.types, props=node.props, required=node.required, additional=node.additional,
+                    items=self._node(items, f"{where}.items", depth + 1), min_items=lo, max_items=hi)
+
+    def alternatives(self, index: int, depth: int = 0) -> list[int]:
+        """The nodes (no union among them) a value of node `index` may be, unions flattened."""
+        node = self.nodes[index]
+        if not node.any_of:
+            return [index]
+        if depth > MAX_DEPTH:
+            raise SchemaError(f"the schema's unions or $refs nest deeper than {MAX_DEPTH} levels (a $ref loop?)")
+        return list(dict.fromkeys(alt for i in node.any_of for alt in self.alternatives(i, depth + 1)))
+
+    def _check_root(self) -> None:
+        for node in (self.nodes[i] for i in self.alternatives(self.root)):
+            kinds = {_kind(json.loads(e)) for e in node.enum} if node.enum is not None else node.types
+            if kinds & {"number", "integer"}:
+                raise SchemaError("#: the top-level schema may describe a number, which has no end a stop token could "
+                                  "follow; describe an object, an array, a string, a boolean or null")
+
+
+def _kind(v: Any) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "boolean"
+    if isinstance(v, int):
+        return "integer"
+    if isinstance(v, float):
+        return "number"
+    return {str: "string", list: "array", dict: "object"}.get(type(v), "other")
+
+
+def _canonical(schema: Any) -> str:
+    try:
+        return json.dumps(schema, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise SchemaError(f"the schema is not plain JSON ({exc})") from None
+
+
+_CACHE: OrderedDict[str, JsonSchema] = OrderedDict()
+MAX_CACHED = 64
+
+
+def compile_schema(schema: Any) -> JsonSchema:
+    """The compiled schema (SchemaError when it cannot be enforced); the same schema text compiles once."""
+    text = _canonical(schema)
+    hit = _CACHE.get(text)
+    if hit is not None:
+        _CACHE.move_to_end(text)
+        return hit
+    compiled = JsonSchema(schema)
+    _CACHE[text] = compiled
+    if len(_CACHE) > MAX_CACHED:
+        _CACHE.popitem(last=False)
+    return compiled

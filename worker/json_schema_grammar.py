@@ -1,0 +1,277 @@
+"""SchemaGrammar: whether bytes extend a prefix of a JSON value a compiled schema (json_schema.py) takes.
+
+The grammar JsonGuide holds a structured-output request's output to, byte by byte, as json_constraint.py
+does for JSON mode (same interface: `start`, `advance`, `is_complete`, `is_in_string`, `ws_uniform`). A
+state is a set of stacks, one per reading of the bytes so far (a union's alternatives that still fit), or
+DONE once the value is complete. A stack's frames, innermost last:
+
+    ("v", node)                      a value of `node` comes next (whitespace may come first)
+    ("o", node, seen, phase, cur)    in an object: phase open | after | next | colon | value; seen: the
+                                     properties written; cur: the property whose value is read (-1: another key)
+    ("k", buf)                       in a key that may still be one of the object's unwritten properties
+    ("K", mode)                      in another key (additionalProperties), a string mode of json_constraint
+    ("a", node, count, phase)        in an array: phase open | after | next | value
+    ("s", mode)                      in a string value
+    ("n", mode, integer)             in a number (json_constraint's number modes); integer: no '.' or exponent
+    ("l", rest)                      in true, false or null: the bytes still to come
+    ("e", node, buf)                 in an enum/const value: its compact encoding so far
+
+A number ends at the first byte that cannot continue it, which its container then reads; every other value
+ends at its own last byte. Keys and enum values are matched against their encodings as written in the
+schema, so a property can be written once, and a required one must be before its object closes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lorafleet.worker.json_constraint import _PLAIN_RUN, _step
+from lorafleet.worker.json_schema import JsonSchema, compile_schema, encode
+
+DONE = "done"
+STR = ("s", "str")
+_WS = frozenset(b" \t\n\r")
+_DIGITS = frozenset(b"0123456789")
+_LITERALS = {ord("t"): ("boolean", b"rue"), ord("f"): ("boolean", b"alse"), ord("n"): ("null", b"ull")}
+_NUMBER_ENDS = frozenset({"zero", "int", "frac", "exp_int"})
+_PLAIN = frozenset(range(0x20, 0x80)) - {0x22, 0x5C}  # one-byte string content
+_REPROCESS = object()  # an enum value or number ended before this byte: its container reads it
+
+
+class SchemaGrammar:
+    def __init__(self, schema: JsonSchema) -> None:
+        self.schema = schema
+        self.nodes = schema.nodes
+        self.key = schema.key  # names the grammar in the vocabulary's mask cache
+        self.start = frozenset({(("v", schema.root),)})
+        self._alternatives: dict[int, list[int]] = {}
+
+    @staticmethod
+    def is_complete(state) -> bool:
+        return state == DONE
+
+    @staticmethod
+    def is_in_string(state) -> bool:
+        """Plain string content (json_constraint._PLAIN_RUN) leaves the state as it is."""
+        return state != DONE and all(st[-1] in (STR, ("K", "str")) for st in state)
+
+    @staticmethod
+    def ws_uniform(state) -> bool:
+        """Whether every whitespace byte leads to the same state (not inside a string, key or enum value)."""
+        return state == DONE or all(st[-1][0] not in "skKe" for st in state)
+
+    def validates(self, value) -> bool:
+        """Whether a parsed JSON value is one the schema takes (checked in its compact encoding)."""
+        try:
+            return self.advance(self.start, encode(value)) == DONE
+        except (TypeError, ValueError):
+            return False
+
+    def advance(self, state, data: bytes):
+        """The state after `data`, or None when `data` cannot continue a value of the schema from `state`."""
+        if state == DONE:
+            return None if data else state
+        stacks, i, n = state, 0, len(data)
+        while i < n:
+            if len(stacks) == 1 and next(iter(stacks))[-1] == STR:  # a run of plain content at once
+                j = _PLAIN_RUN.match(data, i).end()
+                if j > i:
+                    i = j
+                    continue
+            nxt: set = set()
+            for st in stacks:
+                nxt.update(self._byte(st, data[i]))
+            if not nxt:
+                return None
+            i += 1
+            if () in nxt:  # the value is complete (at the top level, no other reading can go on)
+                return DONE if i == n else None
+            stacks = frozenset(nxt)
+        return stacks
+
+    def _alts(self, index: int) -> list[int]:
+        alts = self._alternatives.get(index)
+        if alts is None:
+            alts = self._alternatives[index] = self.schema.alternatives(index)
+        return alts
+
+    def _byte(self, st: tuple, c: int) -> list[tuple]:
+        if not st:
+            return []
+        top = st[-1]
+        tag = top[0]
+        if tag == "v":
+            return [st] if c in _WS else self._begin(st[:-1], top[1], c)
+        if tag == "s":
+            mode = _string_byte(top[1], c)
+            return [] if mode is None else [self._pop(st[:-1])] if mode == "after" else [st[:-1] + (("s", mode),)]
+        if tag == "o":
+            return self._object_byte(st, top, c)
+        if tag == "a":
+            return self._array_byte(st, top, c)
+        if tag == "k":
+            return self._key_byte(st, top[1], c)
+        if tag == "K":
+            mode = _string_byte(top[1], c)
+            if mode is None:
+                return []
+            return [self._key_done(st[:-1], -1)] if mode == "after" else [st[:-1] + (("K", mode),)]
+        if tag == "n":
+            mode = _number_byte(top[1], c, top[2])
+            if mode is not None:
+                return [st[:-1] + (("n", mode, top[2]),)]
+            return self._byte(self._pop(st[:-1]), c) if top[1] in _NUMBER_ENDS else []
+        if tag == "l":
+            if c != top[1][0]:
+                return []
+            return [self._pop(st[:-1])] if len(top[1]) == 1 else [st[:-1] + (("l", top[1][1:]),)]
+        return self._enum_byte(st[:-1], top[1], top[2], c)  # "e"
+
+    def _begin(self, below: tuple, index: int, c: int) -> list[tuple]:
+        """The stacks after `c`, the first byte of a value of node `index`, on top of `below`."""
+        out = []
+        for a in self._alts(index):
+            node = self.nodes[a]
+            if node.enum is not None:
+                out.extend(self._enum_byte(below, a, b"", c))
+            elif c == 0x7B and "object" in node.types:  # '{'
+                out.append(below + (("o", a, frozenset(), "open", -1),))
+            elif c == 0x5B and "array" in node.types:  # '['
+                out.append(below + (("a", a, 0, "open"),))
+            elif c == 0x22 and "string" in node.types:
+                out.append(below + (STR,))
+            elif (c == 0x2D or c in _DIGITS) and node.types & {"number", "integer"}:
+                mode = "minus" if c == 0x2D else "zero" if c == 0x30 else "int"
+                out.append(below + (("n", mode, "number" not in node.types),))
+            elif c in _LITERALS and _LITERALS[c][0] in node.types:
+                out.append(below + (("l", _LITERALS[c][1]),))
+        return out
+
+    def _pop(self, st: tuple) -> tuple:
+        """The stack once the value on top of `st` is complete: its container moves past it."""
+        if not st:
+            return ()
+        top = st[-1]
+        if top[0] == "o":  # ("o", node, seen, "value", cur)
+            seen = top[2] | {top[4]} if top[4] >= 0 else top[2]
+            return st[:-1] + (("o", top[1], seen, "after", -1),)
+        node = self.nodes[top[1]]  # ("a", node, count, "value")
+        cap = max(node.min_items, node.max_items or 0)
+        return st[:-1] + (("a", top[1], min(top[2] + 1, cap), "after"),)
+
+    def _object_byte(self, st: tuple, top: tuple, c: int) -> list[tuple]:
+        _, index, seen, phase, cur = top
+        if c in _WS:
+            return [st]
+        node = self.nodes[index]
+        if phase == "colon":
+            if c != 0x3A:
+                return []
+            value = node.props[cur][1] if cur >= 0 else node.additional
+            return [st[:-1] + (("o", index, seen, "value", cur), ("v", value))]
+        if c == 0x7D and phase in ("open", "after"):  # '}'
+            return [self._pop(st[:-1])] if node.required <= seen else []
+        may_add = node.additional is not None or len(seen) < len(node.props)
+        if c == 0x2C and phase == "after":  # ','
+            return [st[:-1] + (("o", index, seen, "next", -1),)] if may_add else []
+        if c == 0x22 and phase in ("open", "next") and may_add:
+            return [st + (("k", b""),) if len(seen) < len(node.props) else st + (("K", "str"),)]
+        return []
+
+    def _key_byte(self, st: tuple, buf: bytes, c: int) -> list[tuple]:
+        obj = st[-2]
+        node, seen = self.nodes[obj[1]], obj[2]
+        names = [(i, enc) for i, (enc, _) in enumerate(node.props) if i not in seen]
+        if c == 0x22:  # the closing quote, unless it is escaped inside a name (`\"`)
+            for i, enc in names:
+                if enc == buf:
+                    return [self._key_done(st[:-1], i)]
+        longer = buf + bytes((c,))
+        if any(enc.startswith(longer) for _, enc in names):
+            return [st[:-1] + (("k", longer),)]
+        if c == 0x22:
+            closes = node.additional is not None and _string_mode(buf) == "str"
+            return [self._key_done(st[:-1], -1)] if closes else []
+        mode = _string_mode(longer) if node.additional is not None else None
+        return [st[:-1] + (("K", mode),)] if mode is not None else []
+
+    @staticmethod
+    def _key_done(st: tuple, cur: int) -> tuple:
+        """`st` ends with the object frame whose key was just closed: `cur` names the property (-1: another)."""
+        _, index, seen, _, _ = st[-1]
+        return st[:-1] + (("o", index, seen, "colon", cur),)
+
+    def _array_byte(self, st: tuple, top: tuple, c: int) -> list[tuple]:
+        _, index, count, phase = top
+        if c in _WS:
+            return [st]
+        node = self.nodes[index]
+        if c == 0x5D and phase in ("open", "after"):  # ']'
+            return [self._pop(st[:-1])] if count >= node.min_items else []
+        if c == 0x2C and phase == "after":
+            more = node.max_items is None or count < node.max_items
+            return [st[:-1] + (("a", index, count, "next"),)] if more else []
+        if phase in ("open", "next") and (node.max_items is None or count < node.max_items):
+            return self._begin(st[:-1] + (("a", index, count, "value"),), node.items, c)
+        return []
+
+    def _enum_byte(self, below: tuple, index: int, buf: bytes, c: int) -> list[tuple]:
+        values = self.nodes[index].enum
+        longer = buf + bytes((c,))
+        fits = [e for e in values if e.startswith(longer)]
+        if fits:
+            if longer in values and len(fits) == 1:  # complete, and no longer value: ends at its last byte
+                return [self._pop(below)]
+            return [below + (("e", index, longer),)]
+        if buf in values:  # a number value ended: its container reads this byte
+            return self._byte(self._pop(below), c)
+        return []
+
+
+def _string_byte(mode: str, c: int) -> str | None:
+    """The string mode after byte `c` ("after": the closing quote), None when it cannot follow."""
+    if mode == "str" and c in _PLAIN:
+        return "str"
+    nxt = _step(mode, "", c)
+    return None if nxt is None else nxt[0]
+
+
+def _string_mode(data: bytes) -> str | None:
+    """The string mode after `data` from inside a string's quotes, None when `data` cannot be string content."""
+    mode = "str"
+    for c in data:
+        mode = _string_byte(mode, c)
+        if mode is None or mode == "after":
+            return None
+    return mode
+
+
+def _number_byte(mode: str, c: int, integer: bool) -> str | None:
+    """The number mode after byte `c`, None when `c` does not continue the number (it may end before it)."""
+    digit = c in _DIGITS
+    if mode == "minus":
+        return ("zero" if c == 0x30 else "int") if digit else None
+    if mode == "int" and digit:
+        return "int"
+    if integer:
+        return None
+    if mode in ("zero", "int") and c == 0x2E:
+        return "dot"
+    if mode in ("zero", "int", "frac") and c in (0x65, 0x45):
+        return "exp"
+    if mode in ("dot", "frac") and digit:
+        return "frac"
+    if mode == "exp" and c in (0x2B, 0x2D):
+        return "exp_sign"
+    if mode in ("exp", "exp_sign", "exp_int") and digit:
+        return "exp_int"
+    return None
+
+
+def schema_grammar(schema: Any) -> SchemaGrammar:
+    """The grammar of a schema (json_schema.SchemaError when it cannot be enforced); one per schema text, shared by
+    the requests that send it, with its cached alternatives (and the vocabulary's masks, keyed by its key)."""
+    compiled = compile_schema(schema)
+    if compiled.grammar is None:
+        compiled.grammar = SchemaGrammar(compiled)
+    return compiled.grammar
