@@ -156,12 +156,12 @@ def test_the_vocabularys_masks_for_schema_states_equal_a_token_by_token_check():
 
 def test_a_pydantic_models_strict_schema_compiles_and_holds():
     """The schema the `openai` client's `parse` sends for a pydantic model: $defs, anyOf with null, enums."""
-    from enum import Enum
+    from enum import StrEnum
 
     from openai.lib._pydantic import to_strict_json_schema
     from pydantic import BaseModel
 
-    class Color(str, Enum):
+    class Color(StrEnum):
         red = "red"
         blue = "blue"
 

@@ -1,0 +1,185 @@
+"""Structured output over HTTP (a worker on 127.0.0.1, the tiny model, the official `openai` client): a
+`json_schema` response format on both endpoints, whole and streamed; the client's `parse` with a pydantic
+model; tool_choice "required" and a named function held to the tools' parameters schemas; strict functions'
+calls checked under "auto"; schemas that cannot be enforced answered 400. The byte tokenizer makes every
+byte a token, so the grammar decides each byte of the output (the random model's choice among them)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import jsonschema
+import pytest
+from tokenizers import Tokenizer
+
+from lorafleet.worker.json_schema_grammar import schema_grammar
+from lorafleet.worker.openai_fields import Fields
+from lorafleet.worker.tool_calls import ToolCalls
+from lorafleet.worker.tool_parser import tool_parser
+from lorafleet.worker.tool_request import ToolRequest, parse_tool_request
+from tests.worker.conftest import EOS_ID
+from tests.worker.test_openai_tools import USER, _api, _streamed
+
+openai = pytest.importorskip("openai")
+
+REPORT = {"type": "object", "properties": {"city": {"type": "string"}, "temp": {"type": "integer"},
+                                           "unit": {"enum": ["C", "F"]}, "rain": {"type": ["boolean", "null"]}},
+          "required": ["city", "temp", "unit"]}
+# The tools' names only reach the prompt (TEMPLATE): the byte tokenizer makes each byte a token of a 512 context.
+TEMPLATE = ("{% if tools %}<|system|>{% for t in tools %}{{ t.function.name }} {% endfor %}{% endif %}"
+            "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+WEATHER = {"type": "function", "function": {"name": "weather", "strict": True, "parameters": {
+    "type": "object", "properties": {"c": {"type": "string"}, "d": {"type": "integer"}}, "required": ["c", "d"],
+    "additionalProperties": False}}}
+ADD = {"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}, "required": ["a", "b"]}}}
+SCHEMAS = {"weather": WEATHER["function"]["parameters"], "add": ADD["function"]["parameters"]}
+
+
+@pytest.fixture
+def tools_model(tiny_llama_dir, tmp_path):
+    model = shutil.copytree(tiny_llama_dir, tmp_path / "model")
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": TEMPLATE}))
+    return model
+
+
+@pytest.fixture
+async def api(aiohttp_client, tools_model):
+    return await _api(aiohttp_client, tools_model)
+
+
+@pytest.fixture
+def bias(tools_model):
+    """EOS as soon as the value is complete, and strings and numbers kept short: most choices end."""
+    tok = Tokenizer.from_file(str(tools_model / "tokenizer.json"))
+    return {str(EOS_ID): 100} | {str(tok.token_to_id(ch)): b for ch, b in (('"', 5), (",", 3), ("}", 3), ("]", 5))}
+
+
+def _check(text: str, finish_reason: str, schema: dict) -> bool:
+    """A finished output is a value the schema takes; one cut short is a prefix of one. -> finished."""
+    grammar = schema_grammar(schema)
+    state = grammar.advance(grammar.start, text.encode())
+    assert state is not None, text
+    if finish_reason == "length":
+        assert not grammar.is_complete(state)
+        return False
+    assert finish_reason == "stop" and grammar.is_complete(state), (finish_reason, text)
+    jsonschema.Draft202012Validator(schema).validate(json.loads(text))
+    return True
+
+
+async def test_a_json_schema_response_format_holds_both_endpoints_whole_and_streamed(api, bias):
+    fmt = {"type": "json_schema", "json_schema": {"name": "report", "schema": REPORT, "strict": True}}
+    body = {"model": "tiny", "n": 4, "seed": 2, "max_tokens": 96, "logit_bias": bias}
+    chat = await api.chat.completions.create(messages=USER, response_format=fmt, **body)
+    assert sum(_check(c.message.content, c.finish_reason, REPORT) for c in chat.choices) >= 2
+    streamed = await _streamed(await api.chat.completions.create(messages=USER, response_format=fmt, stream=True, **body))
+    assert [(s["content"], s["finish_reason"]) for s in streamed] == [(c.message.content, c.finish_reason)
+                                                                      for c in chat.choices]
+    lorax = {"type": "json_object", "schema": REPORT}  # LoRAX's form of the same request
+    for form in (fmt, lorax):
+        done = await api.completions.create(prompt="Report:", extra_body={"response_format": form}, **body)
+        assert sum(_check(c.text, c.finish_reason, REPORT) for c in done.choices) >= 2
+    again = await api.completions.create(prompt="Report:", extra_body={"response_format": lorax}, **body)
+    assert [c.text for c in again.choices] == [c.text for c in done.choices]  # seeded
+
+
+async def test_the_clients_parse_gets_a_pydantic_model(api, bias):
+    from pydantic import BaseModel
+
+    class Forecast(BaseModel):
+        city: str
+        days: list[int]
+        sunny: bool | None
+
+    parsed = 0
+    for seed in range(8):
+        try:
+            resp = await api.chat.completions.parse(model="tiny", messages=USER, response_format=Forecast, seed=seed,
+                                                    max_tokens=128, logit_bias=bias)
+        except openai.LengthFinishReasonError:
+            continue
+        assert isinstance(resp.choices[0].message.parsed, Forecast)
+        parsed += 1
+    assert parsed >= 3
+
+
+async def test_required_tool_choice_answers_calls_to_the_tools_whole_and_streamed(api, bias):
+    body = {"model": "tiny", "messages": USER, "tools": [WEATHER, ADD], "tool_choice": "required", "n": 4, "seed": 3,
+            "max_tokens": 128, "logit_bias": bias}
+    resp = await api.chat.completions.create(**body)
+    called = 0
+    for choice in resp.choices:
+        if choice.finish_reason == "length":  # cut short: the array so far, as content
+            assert not choice.message.tool_calls and choice.message.content.lstrip().startswith("[")
+            continue
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        for call in choice.message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+            called += 1
+    assert called >= 2
+    streamed = await _streamed(await api.chat.completions.create(**body, stream=True))
+    for got, choice in zip(streamed, resp.choices, strict=True):
+        assert got["finish_reason"] == choice.finish_reason
+        calls = [(c["function"]["name"], c["function"]["arguments"]) for c in got["tool_calls"]]
+        assert calls == [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+    one = await api.chat.completions.create(**body | {"parallel_tool_calls": False})
+    assert all(len(c.message.tool_calls) == 1 for c in one.choices if c.finish_reason == "tool_calls")
+
+
+async def test_a_named_functions_arguments_hold_its_schema(api, bias):
+    body = {"model": "tiny", "messages": USER, "tools": [WEATHER, ADD], "n": 4, "seed": 4, "max_tokens": 96,
+            "logit_bias": bias, "tool_choice": {"type": "function", "function": {"name": "add"}}}
+    resp = await api.chat.completions.create(**body)
+    done = [c for c in resp.choices if c.finish_reason == "stop"]
+    assert len(done) >= 2
+    for choice in done:
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "add"
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS["add"])
+
+
+def test_a_strict_functions_call_that_its_schema_refuses_stays_content():
+    """tool_choice "auto" does not constrain sampling, so a strict function's calls are checked once parsed."""
+    request = parse_tool_request(Fields({"tools": [WEATHER, ADD]}, "chat"))
+    calls = ToolCalls(request, tool_parser("hermes", ""))
+    fits = '<tool_call>{"name": "weather", "arguments": {"c": "Oslo", "d": 2}}</tool_call>'
+    content, (call,), reason = calls.calls(fits, "stop")
+    assert (content, call.name, json.loads(call.arguments), reason) == (None, "weather", {"c": "Oslo", "d": 2}, "tool_calls")
+    for refused in ('{"c": "Oslo"}', '{"c": "Oslo", "d": 1.5}', '{"c": "Oslo", "d": 2, "x": 1}'):
+        text = f'<tool_call>{{"name": "weather", "arguments": {refused}}}</tool_call>'
+        assert calls.calls(text, "stop") == (text, [], "stop")
+    loose = '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'  # add is not strict
+    assert calls.calls(loose, "stop")[1][0].name == "add"
+
+
+def test_a_function_whose_schema_cannot_be_enforced_is_held_to_an_object_unless_strict():
+    loose = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "n": {"type": "integer", "minimum": 1}}}}}
+    request = parse_tool_request(Fields({"tools": [loose], "tool_choice": "required"}, "chat"))
+    assert request.grammars["f"] is None and request.output_grammar is not None
+    grammar = request.output_grammar
+    assert grammar.validates([{"name": "f", "parameters": {"anything": [1]}}])
+    assert not grammar.validates([]) and not grammar.validates([{"name": "g", "parameters": {}}])
+    named = parse_tool_request(Fields({"tools": [loose], "tool_choice": {"type": "function", "function": {"name": "f"}}}, "chat"))
+    assert named.output_grammar is None  # JSON mode: one JSON object
+    assert isinstance(ToolRequest([loose]).grammars, dict)
+
+
+async def test_schemas_that_cannot_be_enforced_are_400s_naming_why(api):
+    fmt = {"type": "json_schema", "json_schema": {"name": "r", "schema": {
+        "type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}$"}}}}}
+    with pytest.raises(openai.BadRequestError) as err:
+        await api.chat.completions.create(model="tiny", messages=USER, response_format=fmt)
+    body = err.value.body
+    assert (body["param"], body["code"]) == ("response_format", "invalid_value")
+    assert "#.properties.code: pattern cannot be enforced" in body["message"]
+    with pytest.raises(openai.BadRequestError) as err:
+        await api.completions.create(model="tiny", prompt="x", extra_body={"response_format": {
+            "type": "json_schema", "json_schema": {"name": "r", "schema": {"type": "number"}}}})
+    assert "top-level schema may describe a number" in err.value.body["message"]
+    resp = await api.chat.completions.create(model="tiny", messages=USER, max_tokens=2)  # the worker serves on
+    assert resp.choices[0].finish_reason in ("stop", "length")
