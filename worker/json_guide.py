@@ -141,7 +141,7 @@ class JsonGuide:
         state = self.state(seq)
         grammar = self.grammar(seq)
         if grammar.is_complete(state):
-            return token_id in self.end_ids(seq) or (seq.params.ignore_eos and self.vocab.is_whitespace(token_id))
+            return token_id in self.end_ids(seq) or (self._pads(seq) and self.vocab.is_whitespace(token_id))
         if token_id in self.stop_ids(seq):
             return False
         return self.vocab.accepts(state, token_id, self.may_complete(seq), grammar)
@@ -155,7 +155,10 @@ class JsonGuide:
         if grammar.is_complete(state):
             return self._after_object(seq, vocab, device)
         stops = _ids(self.stop_ids(seq), vocab)
-        invalid, num_valid = vocab.mask(state, self.may_complete(seq), grammar)
+        may_complete = self.may_complete(seq)
+        invalid, num_valid = vocab.mask(state, may_complete, grammar)
+        if not num_valid and not may_complete:  # a value of fixed length (an enum, true) can only end: it ends, and
+            invalid, num_valid = vocab.mask(state, True, grammar)  # whitespace after it makes up min_tokens
         text_stops = [t for t in stops if vocab.token_bytes(t)]  # stop ids are never content, even text tokens
         if text_stops:
             invalid = invalid.clone()
@@ -164,11 +167,18 @@ class JsonGuide:
             raise JsonModeError("JSON mode: no token of the vocabulary continues the JSON value")
         return invalid.to(device)
 
+    @staticmethod
+    def _pads(seq: Sequence) -> bool:
+        """Whether JSON whitespace may follow the complete value: with ignore_eos (the module's docstring says why),
+        and while the request is short of min_tokens, whose stop tokens cannot be drawn yet (a value of fixed
+        length, an enum or a literal, may complete before it: nothing else could follow it)."""
+        return seq.params.ignore_eos or len(seq.output_token_ids) < seq.params.min_tokens
+
     def _after_object(self, seq: Sequence, vocab: JsonVocab, device: torch.device) -> torch.Tensor:
-        """The invalid mask once the object is complete: all but the tokens that end the request, and with
-        ignore_eos the JSON whitespace tokens too (the module's docstring says why)."""
+        """The invalid mask once the object is complete: all but the tokens that end the request, and the JSON
+        whitespace tokens too where the value may be padded (_pads)."""
         ends = _ids(self.end_ids(seq), vocab)
-        if seq.params.ignore_eos and vocab.num_whitespace:
+        if self._pads(seq) and vocab.num_whitespace:
             invalid = vocab.not_whitespace().to(device, copy=True)
             invalid[torch.tensor(_ids(self.eos_token_ids, vocab), dtype=torch.int64, device=device)] = True
         elif ends:

@@ -7,35 +7,44 @@ is: a schema is never silently weakened.
 
 Enforced: `type` (one or a list of string, number, integer, boolean, null, object, array), `properties`,
 `required`, `additionalProperties` (false, true or a schema), `items`, `minItems`, `maxItems`, `enum`,
-`const`, `anyOf`, `oneOf` (as anyOf: the alternatives are not checked to exclude one another), `allOf` of
-one schema, `nullable` (OpenAPI's: adds null), and `$ref` to `#`, `#/$defs/...` or `#/definitions/...`
-(recursion included). Annotations (never checked): title, description, default, examples, format,
+`const`, `anyOf`, `allOf` of one schema, `nullable` (OpenAPI's: adds null), and `$ref` to `#`,
+`#/$defs/...` or `#/definitions/...` (recursion included). `oneOf` is refused: "exactly one alternative"
+cannot be held while sampling (anyOf can). Annotations (never checked): title, description, default, examples, format,
 deprecated, readOnly, writeOnly, $schema, $id, $comment, contentEncoding, contentMediaType.
 
 Where the schema is silent, the output is held as a strict reader of it would expect (as vLLM's xgrammar
 backend does by default): an object schema that lists `properties` takes no other key unless
 `additionalProperties` says so (an object schema without `properties` takes any keys); a schema that only
 lists properties or items describes an object or an array. `enum` and `const` values are written in their
-compact form (`json.dumps(v, separators=(",", ":"), ensure_ascii=False)`). A top-level schema must describe
-an object, an array, a string, a boolean or null: a number has no end a stop token could follow.
+compact form (`json.dumps(v, separators=(",", ":"), ensure_ascii=False)`), and listed property names as
+json.dumps writes them: `1.0` is not taken for `const: 1`, nor `"\u0061"` for a property `a` (a key
+written so is read as the key it names, never as a second one). A top-level schema must describe an
+object, an array, a string, a boolean or null: a number has no end a stop token could follow. A schema
+must take some finite value everywhere (`{"properties": {"a": {"$ref": "#"}}, "required": ["a"]}` does not).
+
+Bounds, as a schema comes from a request: 2048 parts, 4096 property names and enum values in all, unions
+and $refs 64 deep, each node's alternatives memoized (a chain of unions over unions compiles in linear
+time).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 TYPES = ("string", "number", "integer", "boolean", "null", "object", "array")
 ENFORCED = {"type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems", "enum", "const",
-            "anyOf", "oneOf", "allOf", "$ref", "nullable", "$defs", "definitions"}
+            "anyOf", "allOf", "$ref", "nullable", "$defs", "definitions"}
 ANNOTATIONS = {"title", "description", "default", "examples", "format", "deprecated", "readOnly", "writeOnly",
                "$schema", "$id", "$comment", "contentEncoding", "contentMediaType"}
-ALTERNATIVES = ("anyOf", "oneOf", "allOf")
+ALTERNATIVES = ("anyOf", "allOf")
 MAX_NODES = 2048  # schemas are small; this bounds what a request can make the worker compile
 MAX_ENUM = 1024  # values of one enum
+MAX_NAMES = 4096  # property names and enum values of a schema, in all
 MAX_DEPTH = 64  # nesting of a schema document, and of unions expanded at a value's first byte
 
 
@@ -43,17 +52,19 @@ class SchemaError(ValueError):
     """A schema this server cannot hold the output to; the message names the keyword and where it is."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class Node:
     types: frozenset[str] = frozenset()  # value kinds: string, number, integer, boolean, null, object, array
-    props: tuple[tuple[bytes, int], ...] = ()  # (name as written between its quotes, node), in schema order
+    props: tuple[tuple[bytes, int], ...] = ()  # (name as written between its quotes, node)
     required: frozenset[int] = frozenset()  # indexes into props
     additional: int | None = None  # node of other keys' values; None: no other key
     items: int = 0  # node of an array's items
     min_items: int = 0
     max_items: int | None = None
-    enum: tuple[bytes, ...] | None = None  # the allowed values' compact encodings (enum, const)
+    enum: tuple[bytes, ...] | None = None  # the allowed values' compact encodings (enum, const), sorted
     any_of: tuple[int, ...] = ()  # a union: the value is one of these nodes (the fields above unused)
+    names: dict[bytes, int] = field(default_factory=dict)  # props' names -> index
+    sorted_names: tuple[bytes, ...] = ()  # props' names, sorted (prefix queries by bisection)
 
 
 ANY = 0  # node 0 takes any JSON value
@@ -70,16 +81,19 @@ class JsonSchema:
     text, keys in any order, gives the same key)."""
 
     def __init__(self, schema: Any) -> None:
-        self.key = "schema:" + hashlib.sha256(_canonical(schema).encode()).hexdigest()
-        self.document = schema
+        canonical = _canonical(schema)
+        self.key = "schema:" + hashlib.sha256(canonical.encode()).hexdigest()
+        # Compiled from the canonical text: the same key always numbers its nodes and properties the same way.
+        self.document = json.loads(canonical)
         self.grammar = None  # its SchemaGrammar, made once (json_schema_grammar.schema_grammar)
         self.nodes: list[Node | None] = [ANY_NODE]
         self._compiled: dict[int, int] = {}  # id(subschema dict) -> node
-        self._keep: list[Any] = []  # the subschemas whose ids key _compiled stay alive
-        self.root = self._node(schema, "#", 0)
-        for i, node in enumerate(self.nodes):  # a union that is only itself ($ref loops) fails here, not while sampling
-            if node.any_of:
-                self.alternatives(i)
+        self._num_names = 0
+        self._alternatives: dict[int, list[int]] = {}
+        self.root = self._node(self.document, "#", 0)
+        for i in range(len(self.nodes)):  # every union's alternatives, now: a $ref loop fails here, not while sampling
+            self.alternatives(i)
+        self._check_finite()
         self._check_root()
 
     def _node(self, s: Any, where: str, depth: int) -> int:
@@ -99,7 +113,6 @@ class JsonSchema:
         index = len(self.nodes)
         self.nodes.append(None)  # a placeholder: a $ref back to this schema finds its index
         self._compiled[id(s)] = index
-        self._keep.append(s)
         self.nodes[index] = self._build(s, where, depth)
         return index
 
@@ -122,12 +135,11 @@ class JsonSchema:
             if not isinstance(parts, list) or len(parts) != 1:
                 raise SchemaError(f"{where}.allOf: only an allOf of one schema is supported")
             return self._alias(self._node(parts[0], f"{where}.allOf[0]", depth + 1))
-        for kw in ("anyOf", "oneOf"):
-            if kw in s:
-                parts = s[kw]
-                if not isinstance(parts, list) or not parts:
-                    raise SchemaError(f"{where}.{kw} must be a non-empty list of schemas")
-                return Node(any_of=tuple(self._node(p, f"{where}.{kw}[{i}]", depth + 1) for i, p in enumerate(parts)))
+        if "anyOf" in s:
+            parts = s["anyOf"]
+            if not isinstance(parts, list) or not parts:
+                raise SchemaError(f"{where}.anyOf must be a non-empty list of schemas")
+            return Node(any_of=tuple(self._node(p, f"{where}.anyOf[{i}]", depth + 1) for i, p in enumerate(parts)))
         types = self._types(s, where)
         if "enum" in s or "const" in s:
             return Node(types=types, enum=self._enum(s, types, where))
@@ -175,26 +187,30 @@ class JsonSchema:
             raise SchemaError(f"{where}.nullable must be true or false")
         return frozenset(types)
 
-    @staticmethod
-    def _enum(s: dict, types: frozenset[str], where: str) -> tuple[bytes, ...]:
-        values = [s["const"]] if "const" in s else s["enum"]
-        if "const" in s and "enum" in s:
-            values = [v for v in s["enum"] if v == s["const"]]
+    def _enum(self, s: dict, types: frozenset[str], where: str) -> tuple[bytes, ...]:
+        values = s.get("enum", [s.get("const")])
         if not isinstance(values, list) or len(values) > MAX_ENUM:
             raise SchemaError(f"{where}.enum must be a list of at most {MAX_ENUM} values")
-        out = []
+        encodings = {}
         for v in values:
             if _kind(v) not in types and not (_kind(v) == "integer" and "number" in types):
                 continue  # a value the type excludes is never valid
             try:
-                enc = encode(v)
-            except (TypeError, ValueError, UnicodeEncodeError) as exc:
+                encodings[encode(v)] = v
+            except (TypeError, ValueError) as exc:  # UnicodeEncodeError: a lone surrogate
                 raise SchemaError(f"{where}.enum: {v!r} cannot be written as JSON ({exc})") from None
-            if enc not in out:
-                out.append(enc)
-        if not out:
+        if "const" in s and "enum" in s:  # both: the const, if the enum lists it (compared as JSON, true is not 1)
+            const = encode(s["const"]) if _kind(s["const"]) != "other" else None
+            encodings = {e: v for e, v in encodings.items() if e == const}
+        if not encodings:
             raise SchemaError(f"{where}: no value of its enum/const has one of its types ({', '.join(sorted(types))})")
-        return tuple(out)
+        self._count_names(len(encodings))
+        return tuple(sorted(encodings))
+
+    def _count_names(self, n: int) -> None:
+        self._num_names += n
+        if self._num_names > MAX_NAMES:
+            raise SchemaError(f"the schema lists more than {MAX_NAMES} property names and enum values in all")
 
     def _object(self, s: dict, node: Node, where: str, depth: int) -> Node:
         props = s.get("properties", {})
@@ -208,9 +224,16 @@ class JsonSchema:
             raise SchemaError(f"{where}.required names {', '.join(missing)}, which properties does not describe")
         extra = s.get("additionalProperties", "properties" not in s)
         additional = None if extra is False else self._node(extra, f"{where}.additionalProperties", depth + 1)
-        entries = tuple((encode(name)[1:-1], self._node(props[name], f"{where}.properties.{name}", depth + 1)) for name in names)
+        self._count_names(len(names))
+        try:
+            encoded = [encode(name)[1:-1] for name in names]
+        except UnicodeEncodeError as exc:
+            raise SchemaError(f"{where}.properties: a name cannot be written as JSON ({exc})") from None
+        entries = tuple((enc, self._node(props[name], f"{where}.properties.{name}", depth + 1))
+                        for enc, name in zip(encoded, names, strict=True))
         return Node(types=node.types, props=entries, required=frozenset(names.index(r) for r in required),
-                    additional=additional, items=node.items, min_items=node.min_items, max_items=node.max_items)
+                    additional=additional, items=node.items, min_items=node.min_items, max_items=node.max_items,
+                    names={enc: i for i, enc in enumerate(encoded)}, sorted_names=tuple(sorted(encoded)))
 
     def _array(self, s: dict, node: Node, where: str, depth: int) -> Node:
         lo, hi = s.get("minItems", 0), s.get("maxItems")
@@ -225,16 +248,57 @@ class JsonSchema:
                 raise SchemaError(f"{where}: items false with minItems {lo} takes no value")
             items, hi = True, 0
         return Node(types=node.types, props=node.props, required=node.required, additional=node.additional,
-                    items=self._node(items, f"{where}.items", depth + 1), min_items=lo, max_items=hi)
+                    items=self._node(items, f"{where}.items", depth + 1), min_items=lo, max_items=hi, names=node.names,
+                    sorted_names=node.sorted_names)
 
-    def alternatives(self, index: int, depth: int = 0) -> list[int]:
-        """The nodes (no union among them) a value of node `index` may be, unions flattened."""
+    def alternatives(self, index: int, visiting: frozenset[int] = frozenset()) -> list[int]:
+        """The nodes (no union among them) a value of node `index` may be, unions flattened (memoized)."""
+        done = self._alternatives.get(index)
+        if done is not None:
+            return done
         node = self.nodes[index]
         if not node.any_of:
-            return [index]
-        if depth > MAX_DEPTH:
-            raise SchemaError(f"the schema's unions or $refs nest deeper than {MAX_DEPTH} levels (a $ref loop?)")
-        return list(dict.fromkeys(alt for i in node.any_of for alt in self.alternatives(i, depth + 1)))
+            alts = [index]
+        else:
+            if index in visiting or len(visiting) > MAX_DEPTH:
+                raise SchemaError("the schema's unions or $refs name one another in a loop (or nest deeper than "
+                                  f"{MAX_DEPTH}): no value could ever be chosen")
+            inner = visiting | {index}
+            alts = list(dict.fromkeys(alt for i in node.any_of for alt in self.alternatives(i, inner)))
+        self._alternatives[index] = alts
+        return alts
+
+    def _check_finite(self) -> None:
+        """Every node takes some finite value (else a value entering it could never end): a fixpoint from the
+        scalars up through objects (every required property finite), arrays (none required, or finite items)
+        and unions (one finite alternative)."""
+        finite: set[int] = set()
+        changed = True
+        while changed:
+            changed = False
+            for i, node in enumerate(self.nodes):
+                if i in finite:
+                    continue
+                if node.any_of:
+                    ok = any(a in finite for a in self._alternatives[i])
+                else:
+                    ok = node.enum is not None or bool(node.types - {"object", "array"}) \
+                        or ("object" in node.types and all(node.props[r][1] in finite for r in node.required)) \
+                        or ("array" in node.types and (node.min_items == 0 or node.items in finite))
+                if ok:
+                    finite.add(i)
+                    changed = True
+        if len(finite) < len(self.nodes):
+            raise SchemaError("the schema takes no finite value somewhere (a required property, or the items of an "
+                              "array with minItems, that holds itself): the output could never end")
+
+    def takes_only_objects(self) -> bool:
+        """Whether every value of the schema is an object (a function's arguments must be)."""
+        for node in (self.nodes[i] for i in self.alternatives(self.root)):
+            kinds = {_kind(json.loads(e)) for e in node.enum} if node.enum is not None else node.types
+            if kinds != {"object"}:
+                return False
+        return True
 
     def _check_root(self) -> None:
         for node in (self.nodes[i] for i in self.alternatives(self.root)):
@@ -264,18 +328,22 @@ def _canonical(schema: Any) -> str:
 
 
 _CACHE: OrderedDict[str, JsonSchema] = OrderedDict()
+_CACHE_LOCK = threading.Lock()  # large request bodies are parsed in worker threads
 MAX_CACHED = 64
 
 
 def compile_schema(schema: Any) -> JsonSchema:
     """The compiled schema (SchemaError when it cannot be enforced); the same schema text compiles once."""
     text = _canonical(schema)
-    hit = _CACHE.get(text)
-    if hit is not None:
-        _CACHE.move_to_end(text)
-        return hit
+    with _CACHE_LOCK:
+        hit = _CACHE.get(text)
+        if hit is not None:
+            _CACHE.move_to_end(text)
+            return hit
     compiled = JsonSchema(schema)
-    _CACHE[text] = compiled
-    if len(_CACHE) > MAX_CACHED:
-        _CACHE.popitem(last=False)
+    with _CACHE_LOCK:
+        compiled = _CACHE.setdefault(text, compiled)
+        _CACHE.move_to_end(text)
+        if len(_CACHE) > MAX_CACHED:
+            _CACHE.popitem(last=False)
     return compiled

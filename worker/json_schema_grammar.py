@@ -9,7 +9,9 @@ DONE once the value is complete. A stack's frames, innermost last:
     ("o", node, seen, phase, cur)    in an object: phase open | after | next | colon | value; seen: the
                                      properties written; cur: the property whose value is read (-1: another key)
     ("k", buf)                       in a key that may still be one of the object's unwritten properties
-    ("K", mode)                      in another key (additionalProperties), a string mode of json_constraint
+    ("K", mode, buf)                 in another key (additionalProperties): a string mode of json_constraint and
+                                     its bytes, read when it closes (a listed name escaped, `"\u0061"`, is that
+                                     property: written already, it is refused)
     ("a", node, count, phase)        in an array: phase open | after | next | value
     ("s", mode)                      in a string value
     ("n", mode, integer)             in a number (json_constraint's number modes); integer: no '.' or exponent
@@ -17,12 +19,15 @@ DONE once the value is complete. A stack's frames, innermost last:
     ("e", node, buf)                 in an enum/const value: its compact encoding so far
 
 A number ends at the first byte that cannot continue it, which its container then reads; every other value
-ends at its own last byte. Keys and enum values are matched against their encodings as written in the
+ends at its own last byte. Readings are bounded (MAX_READINGS): a schema whose unions stay ambiguous
+through many nested levels fails its request with GrammarError instead of growing without bound. Keys and enum values are matched against their encodings as written in the
 schema, so a property can be written once, and a required one must be before its object closes.
 """
 
 from __future__ import annotations
 
+import json
+from bisect import bisect_left
 from typing import Any
 
 from lorafleet.worker.json_constraint import _PLAIN_RUN, _step
@@ -30,12 +35,17 @@ from lorafleet.worker.json_schema import JsonSchema, compile_schema, encode
 
 DONE = "done"
 STR = ("s", "str")
+MAX_READINGS = 64  # stacks a state may hold
 _WS = frozenset(b" \t\n\r")
 _DIGITS = frozenset(b"0123456789")
 _LITERALS = {ord("t"): ("boolean", b"rue"), ord("f"): ("boolean", b"alse"), ord("n"): ("null", b"ull")}
 _NUMBER_ENDS = frozenset({"zero", "int", "frac", "exp_int"})
 _PLAIN = frozenset(range(0x20, 0x80)) - {0x22, 0x5C}  # one-byte string content
 _REPROCESS = object()  # an enum value or number ended before this byte: its container reads it
+
+
+class GrammarError(RuntimeError):
+    """The output cannot be followed within the grammar's bounds (its request fails; the others go on)."""
 
 
 class SchemaGrammar:
@@ -53,7 +63,7 @@ class SchemaGrammar:
     @staticmethod
     def is_in_string(state) -> bool:
         """Plain string content (json_constraint._PLAIN_RUN) leaves the state as it is."""
-        return state != DONE and all(st[-1] in (STR, ("K", "str")) for st in state)
+        return state != DONE and all(st[-1] == STR for st in state)
 
     @staticmethod
     def ws_uniform(state) -> bool:
@@ -86,13 +96,17 @@ class SchemaGrammar:
             i += 1
             if () in nxt:  # the value is complete (at the top level, no other reading can go on)
                 return DONE if i == n else None
+            if len(nxt) > MAX_READINGS:
+                raise GrammarError(f"structured output: more than {MAX_READINGS} readings of the output fit the schema "
+                                   "at once (anyOf alternatives that stay alike through many nested levels); make the "
+                                   "alternatives differ early, e.g. by a const property")
             stacks = frozenset(nxt)
         return stacks
 
     def _alts(self, index: int) -> list[int]:
         alts = self._alternatives.get(index)
         if alts is None:
-            alts = self._alternatives[index] = self.schema.alternatives(index)
+            alts = self._alternatives[index] = self.schema.alternatives(index)  # memoized there too
         return alts
 
     def _byte(self, st: tuple, c: int) -> list[tuple]:
@@ -115,7 +129,11 @@ class SchemaGrammar:
             mode = _string_byte(top[1], c)
             if mode is None:
                 return []
-            return [self._key_done(st[:-1], -1)] if mode == "after" else [st[:-1] + (("K", mode),)]
+            if mode != "after":
+                return [st[:-1] + (("K", mode, top[2] + bytes((c,))),)]
+            obj = st[-2]
+            listed = self.nodes[obj[1]].names.get(encode(json.loads(b'"' + top[2] + b'"'))[1:-1], -1)
+            return [] if listed in obj[2] else [self._key_done(st[:-1], listed)]
         if tag == "n":
             mode = _number_byte(top[1], c, top[2])
             if mode is not None:
@@ -175,25 +193,29 @@ class SchemaGrammar:
         if c == 0x2C and phase == "after":  # ','
             return [st[:-1] + (("o", index, seen, "next", -1),)] if may_add else []
         if c == 0x22 and phase in ("open", "next") and may_add:
-            return [st + (("k", b""),) if len(seen) < len(node.props) else st + (("K", "str"),)]
+            return [st + (("k", b""),) if len(seen) < len(node.props) else st + (("K", "str", b""),)]
         return []
 
     def _key_byte(self, st: tuple, buf: bytes, c: int) -> list[tuple]:
         obj = st[-2]
         node, seen = self.nodes[obj[1]], obj[2]
-        names = [(i, enc) for i, (enc, _) in enumerate(node.props) if i not in seen]
         if c == 0x22:  # the closing quote, unless it is escaped inside a name (`\"`)
-            for i, enc in names:
-                if enc == buf:
-                    return [self._key_done(st[:-1], i)]
+            i = node.names.get(buf)
+            if i is not None and i not in seen:
+                return [self._key_done(st[:-1], i)]
         longer = buf + bytes((c,))
-        if any(enc.startswith(longer) for _, enc in names):
+        if _unwritten_with_prefix(node, seen, longer):
             return [st[:-1] + (("k", longer),)]
-        if c == 0x22:
-            closes = node.additional is not None and _string_mode(buf) == "str"
-            return [self._key_done(st[:-1], -1)] if closes else []
-        mode = _string_mode(longer) if node.additional is not None else None
-        return [st[:-1] + (("K", mode),)] if mode is not None else []
+        if node.additional is None:
+            return []
+        mode = _string_mode(buf)  # another key, or a listed one written otherwise: read whole, decided at its end
+        mode = None if mode is None else _string_byte(mode, c)
+        if mode is None:
+            return []
+        if mode != "after":
+            return [st[:-1] + (("K", mode, longer),)]
+        listed = node.names.get(encode(json.loads(b'"' + buf + b'"'))[1:-1], -1)
+        return [] if listed in seen else [self._key_done(st[:-1], listed)]
 
     @staticmethod
     def _key_done(st: tuple, cur: int) -> tuple:
@@ -216,16 +238,29 @@ class SchemaGrammar:
         return []
 
     def _enum_byte(self, below: tuple, index: int, buf: bytes, c: int) -> list[tuple]:
-        values = self.nodes[index].enum
+        values = self.nodes[index].enum  # sorted: the values a prefix starts are a run found by bisection
         longer = buf + bytes((c,))
-        fits = [e for e in values if e.startswith(longer)]
-        if fits:
-            if longer in values and len(fits) == 1:  # complete, and no longer value: ends at its last byte
+        at = bisect_left(values, longer)
+        if at < len(values) and values[at].startswith(longer):
+            longer_one = at + 1 < len(values) and values[at + 1].startswith(longer)
+            if values[at] == longer and not longer_one:  # complete, and no longer value: ends at its last byte
                 return [self._pop(below)]
             return [below + (("e", index, longer),)]
-        if buf in values:  # a number value ended: its container reads this byte
+        at = bisect_left(values, buf)
+        if at < len(values) and values[at] == buf:  # a number value ended: its container reads this byte
             return self._byte(self._pop(below), c)
         return []
+
+
+def _unwritten_with_prefix(node, seen: frozenset[int], prefix: bytes) -> bool:
+    """Whether a property not written yet has a name starting with `prefix` (bisection over the sorted names)."""
+    names = node.sorted_names
+    at = bisect_left(names, prefix)
+    while at < len(names) and names[at].startswith(prefix):
+        if node.names[names[at]] not in seen:
+            return True
+        at += 1
+    return False
 
 
 def _string_byte(mode: str, c: int) -> str | None:

@@ -88,10 +88,13 @@ class ToolCalls:
             calls = self._required_calls(text)
             return (None, calls, "tool_calls") if calls else (text, [], finish_reason)
         parsed = self.parser.parse(text, self.names)
-        if parsed is None or not all(self._fits_strict(c) for c in parsed[1]):
+        if parsed is None:
             return text, [], finish_reason
         content, calls = parsed
-        return content, calls if self.request.parallel_tool_calls else calls[:1], "tool_calls"
+        calls = calls if self.request.parallel_tool_calls else calls[:1]
+        if not all(self._fits_strict(c) for c in calls):
+            return text, [], finish_reason
+        return content, calls, "tool_calls"
 
     def _required_calls(self, text: str) -> list[ToolCall]:
         """The calls of a "required" choice's JSON array; none when it is not one (cut short by max_tokens)."""
@@ -112,6 +115,8 @@ class ToolCalls:
         """A named function's arguments: the output, or the object inside it when the output is exactly
         `{"name": <that function>, "arguments" (or "parameters"): {...}}`, the call a model prompted the Hermes
         or Qwen way writes."""
+        if self.request.output_grammar is not None:  # held to the function's own schema: the output is its arguments
+            return text
         obj, keys = json_value(text), ("arguments", "parameters")
         wrapped = isinstance(obj, dict) and len(obj) == 2 and any(k in obj for k in keys)  # the name and one of them
         call = read_call(obj, (self.request.function,), keys) if wrapped else None

@@ -140,7 +140,10 @@ def parse_tool_request(f: Fields) -> ToolRequest | None:
     if choice == "named":
         request.output_grammar = request.grammars[function]
     elif choice == "required":
-        request.output_grammar = schema_grammar(required_calls_schema(tools, request.grammars, parallel))
+        try:
+            request.output_grammar = schema_grammar(required_calls_schema(tools, request.grammars, parallel))
+        except SchemaError as exc:  # each tool compiled alone, but not all of them together (the bounds)
+            raise bad_request(f"'tools' with tool_choice \"required\": {exc}", "tools") from None
     return request
 
 
@@ -148,7 +151,10 @@ def _parameters_grammar(fn: dict[str, Any], where: str) -> SchemaGrammar | None:
     """A function's parameters schema (none given: no arguments, `{}`) as a grammar; None where it cannot be
     enforced, or a 400 for a strict function."""
     try:
-        return schema_grammar(_parameters(fn))
+        grammar = schema_grammar(_parameters(fn))
+        if not grammar.schema.takes_only_objects():
+            raise SchemaError("#: the arguments of a function are an object; this schema also takes other values")
+        return grammar
     except SchemaError as exc:
         if fn.get("strict"):
             raise bad_request(f"{where}: {exc} (the function says strict: true)", "tools") from None
@@ -175,16 +181,29 @@ def required_calls_schema(tools: list[dict[str, Any]], grammars: dict[str, Schem
             "$defs": defs}
 
 
+SCHEMA_MAPS = ("properties", "$defs", "definitions")  # keywords whose values are {name: schema}
+SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")  # keywords whose values are [schema, ...]
+SCHEMA_VALUES = ("items", "additionalProperties")  # keywords whose value is a schema
+
+
 def _moved_refs(schema: Any, base: str) -> Any:
-    """`schema` with its references inside itself (`#`, `#/...`) made relative to `base`, where it now lies."""
-    if isinstance(schema, list):
-        return [_moved_refs(s, base) for s in schema]
+    """`schema` with its references inside itself (`#`, `#/...`) made relative to `base`, where it now lies.
+    Only schema positions are walked: a `const`, `enum` or `default` value holding a "$ref" key is data."""
     if not isinstance(schema, dict):
         return schema
-    out = {k: _moved_refs(v, base) for k, v in schema.items()}
+    out = dict(schema)
     ref = schema.get("$ref")
     if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
         out["$ref"] = base + ref[1:]
+    for key in SCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            out[key] = {name: _moved_refs(s, base) for name, s in schema[key].items()}
+    for key in SCHEMA_LISTS:
+        if isinstance(schema.get(key), list):
+            out[key] = [_moved_refs(s, base) for s in schema[key]]
+    for key in SCHEMA_VALUES:
+        if key in schema:
+            out[key] = _moved_refs(schema[key], base)
     return out
 
 

@@ -194,7 +194,7 @@ def test_a_pydantic_models_strict_schema_compiles_and_holds():
     ({"type": "object", "patternProperties": {}}, "patternProperties"),
     ({"$ref": "https://example.com/s.json"}, "only references inside the schema"),
     ({"$ref": "#/$defs/missing"}, "names nothing"),
-    ({"$ref": "#"}, "a $ref loop"),
+    ({"$ref": "#"}, "in a loop"),
     ({"allOf": [{"type": "object"}, {"required": ["a"]}]}, "only an allOf of one schema"),
     ({"type": "object", "anyOf": [{"required": ["a"]}]}, "anyOf beside type is not supported"),
     ({"type": "object", "properties": {}, "required": ["q"]}, "required names q"),
@@ -227,3 +227,91 @@ def test_a_free_object_and_nullable_and_a_deep_any():
     assert accepts({"type": "object", "properties": {"a": {"type": "string", "nullable": True}}}, '{"a":null}')
     deep = "[" * 50 + "]" * 50
     assert accepts({"type": "object"}, '{"a":' + deep + "}")
+
+
+@pytest.mark.parametrize("extra", [True, {"type": "integer"}])
+def test_a_written_property_cannot_come_back_as_another_key(extra):
+    """A key repeating a written property, or a listed name written with an escape, is that property: never a
+    second key whose value only additionalProperties checks (json.loads keeps the last one)."""
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"], "additionalProperties": extra}
+    for text in ('{"a":"x","a":1}', '{"a":"x","\\u0061":1}', '{"\\u0061":1}'):
+        assert not accepts(schema, text), text
+    assert accepts(schema, '{"\\u0061":"x"}')  # the property itself, escaped: its own schema
+    assert accepts(schema, '{"a":"x","b":1}') and accepts(schema, '{"ab":1,"a":"x"}')
+
+
+def test_enum_and_const_compare_as_json_values():
+    assert not accepts({"type": "object", "properties": {"x": {"const": 1, "enum": [True, 1]}}}, '{"x":true}')
+    assert accepts({"type": "object", "properties": {"x": {"const": 1, "enum": [True, 1]}}}, '{"x":1}')
+    with pytest.raises(SchemaError, match="enum must be a list"):
+        compile_schema({"type": "object", "properties": {"x": {"const": 1, "enum": 5}}})
+
+
+@pytest.mark.parametrize("schema, needle", [
+    ({"oneOf": [{"type": "null"}, {"type": "null"}]}, "oneOf cannot be enforced"),
+    ({"type": "object", "properties": {"\ud800": {"type": "null"}}}, "a name cannot be written as JSON"),
+    ({"type": "object", "properties": {f"p{i}": True for i in range(5000)}}, "more than 4096 property names"),
+    ({"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}, "no finite value"),
+    ({"type": "array", "minItems": 1, "items": {"$ref": "#"}}, "no finite value"),
+])
+def test_schemas_a_hostile_or_careless_caller_sends_are_refused(schema, needle):
+    with pytest.raises(SchemaError, match=needle):
+        compile_schema(schema)
+
+
+def test_a_chain_of_unions_over_unions_compiles_in_linear_time():
+    """d_k = anyOf[d_k-1, d_k-1]: without memoized alternatives, 2^k walks (25 levels: 33 million)."""
+    defs = {"d0": {"type": "object", "properties": {"v": {"type": "integer"}}}}
+    defs |= {f"d{k}": {"anyOf": [{"$ref": f"#/$defs/d{k - 1}"}, {"$ref": f"#/$defs/d{k - 1}"}]} for k in range(1, 26)}
+    grammar = schema_grammar({"$defs": defs, "$ref": "#/$defs/d25"})
+    assert grammar.advance(grammar.start, b'{"v":1}') == DONE
+
+
+def test_readings_of_ambiguous_recursive_unions_are_bounded():
+    """Two shapes alike at every level double the readings per level: past MAX_READINGS the request fails
+    with a GrammarError (the engine ends that request) instead of slowing every step."""
+    from lorafleet.worker.json_schema_grammar import MAX_READINGS, GrammarError
+
+    alike = {"$defs": {"n": {"anyOf": [
+        {"type": "object", "properties": {"c": {"type": "array", "items": {"$ref": "#/$defs/n"}}, "x": {"type": "null"}}},
+        {"type": "object", "properties": {"c": {"type": "array", "items": {"$ref": "#/$defs/n"}}, "y": {"type": "null"}}},
+    ]}}, "$ref": "#/$defs/n"}
+    grammar = schema_grammar(alike)
+    assert grammar.advance(grammar.start, b'{"c":[{"c":[]}],"x":null}') == DONE
+    with pytest.raises(GrammarError, match=f"more than {MAX_READINGS} readings"):
+        grammar.advance(grammar.start, b'{"c":[' * 8)
+
+
+def test_the_same_schema_with_its_keys_reordered_numbers_its_nodes_alike():
+    """Grammars of one key share the vocabulary's cached masks, so they must read a state the same way."""
+    from lorafleet.worker.json_schema import JsonSchema
+    from lorafleet.worker.json_schema_grammar import SchemaGrammar
+
+    a = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}}}
+    b = {"properties": {"b": {"type": "string"}, "a": {"type": "integer"}}, "type": "object"}
+    ga, gb = SchemaGrammar(JsonSchema(a)), SchemaGrammar(JsonSchema(b))  # compiled apart, as after a cache eviction
+    assert ga.key == gb.key
+    for text in (b'{"b', b'{"b":"x","a', b'{"a":1'):
+        assert ga.advance(ga.start, text) == gb.advance(gb.start, text)
+
+
+def test_min_tokens_pads_a_fixed_length_value_with_whitespace():
+    """An enum or a literal cannot be padded inside: once nothing but its end may follow, it ends, and JSON
+    whitespace (the stop tokens are held back by min_tokens) makes up the count."""
+    from lorafleet.worker.json_guide import JsonGuide
+    from lorafleet.worker.sampling_params import SamplingParams
+    from lorafleet.worker.sequence import Sequence
+
+    pieces = ['"', "y", "e", "s", "n", "o", " ", "\n", "x"]
+    vocab = JsonVocab([p.encode() for p in pieces] + [None])
+    eos = len(pieces)
+    guide = JsonGuide(lambda: vocab, eos_token_ids=[eos])
+    seq = Sequence("r", [1, 2], SamplingParams(max_tokens=12, min_tokens=8, json_schema=schema_grammar({"enum": ["yes", "no"]})))
+    for token in (0, 4, 5):  # "no
+        assert guide.accepts(seq, token)
+        seq.output_token_ids.append(token)
+    allowed = (~guide.invalid(seq, "cpu")).nonzero().flatten().tolist()
+    assert allowed == [0]  # the closing quote, though it completes the value before min_tokens
+    seq.output_token_ids.append(0)
+    allowed = (~guide.invalid(seq, "cpu")).nonzero().flatten().tolist()
+    assert allowed == [6, 7, eos]  # whitespace (EOS is masked by min_tokens before this mask applies)

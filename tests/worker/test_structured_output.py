@@ -183,3 +183,55 @@ async def test_schemas_that_cannot_be_enforced_are_400s_naming_why(api):
     assert "top-level schema may describe a number" in err.value.body["message"]
     resp = await api.chat.completions.create(model="tiny", messages=USER, max_tokens=2)  # the worker serves on
     assert resp.choices[0].finish_reason in ("stop", "length")
+
+
+def test_required_keeps_data_that_looks_like_a_reference_and_refuses_a_union_too_big():
+    """Each tool's schema moves under $defs with its own references rewritten, but a const holding a "$ref" key
+    is data. Tools that each compile but together pass the schema bounds are a 400 naming 'tools'."""
+    from lorafleet.worker.openai_fields import APIError
+
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "k": {"const": {"$ref": "#/x"}}, "t": {"$ref": "#/$defs/t"}}, "$defs": {"t": {"type": "boolean"}}}}}
+    grammar = parse_tool_request(Fields({"tools": [tool], "tool_choice": "required"}, "chat")).output_grammar
+    assert grammar.validates([{"name": "f", "parameters": {"k": {"$ref": "#/x"}, "t": True}}])
+    assert not grammar.validates([{"name": "f", "parameters": {"k": {"$ref": "#/$defs/p0/x"}}}])
+    assert not grammar.validates([{"name": "f", "parameters": {"t": 1}}])
+    many = [{"type": "function", "function": {"name": f"f{i}", "parameters": {"type": "object", "properties": {
+        f"p{j}": {"type": "null"} for j in range(100)}}}} for i in range(50)]
+    with pytest.raises(APIError) as err:
+        parse_tool_request(Fields({"tools": many, "tool_choice": "required"}, "chat"))
+    assert err.value.param == "tools" and "the schema has more than 2048 parts" in err.value.message
+
+
+def test_parameters_that_take_more_than_objects_are_held_to_an_object_unless_strict():
+    from lorafleet.worker.openai_fields import APIError
+
+    loose = {"type": "function", "function": {"name": "f", "parameters": {"type": ["object", "null"]}}}
+    request = parse_tool_request(Fields({"tools": [loose], "tool_choice": "required"}, "chat"))
+    assert request.grammars["f"] is None and not request.output_grammar.validates([{"name": "f", "parameters": None}])
+    with pytest.raises(APIError) as err:
+        parse_tool_request(Fields({"tools": [loose | {"function": loose["function"] | {"strict": True}}]}, "chat"))
+    assert err.value.param == "tools" and "the arguments of a function are an object" in err.value.message
+
+
+def test_a_named_function_held_to_its_schema_answers_the_output_as_is():
+    """Unwrapping {"name", "arguments"} is for outputs held to "a JSON object" only: a schema whose own
+    properties are name and arguments gets them back untouched."""
+    fn = {"type": "function", "function": {"name": "f", "strict": True, "parameters": {"type": "object", "properties": {
+        "name": {"type": "string"}, "arguments": {"type": "object"}}, "required": ["name", "arguments"],
+        "additionalProperties": False}}}
+    request = parse_tool_request(Fields({"tools": [fn], "tool_choice": {"type": "function", "function": {"name": "f"}}},
+                                        "chat"))
+    text = '{"name": "f", "arguments": {"x": 1}}'
+    _, (call,), _ = ToolCalls(request, tool_parser("hermes", "")).calls(text, "stop")
+    assert call.arguments == text
+
+
+def test_only_the_calls_answered_are_checked_against_strict_schemas():
+    """With parallel_tool_calls false only the first call is answered: a second one its schema refuses does not
+    turn the first into content."""
+    request = parse_tool_request(Fields({"tools": [WEATHER, ADD], "parallel_tool_calls": False}, "chat"))
+    text = ('<tool_call>{"name": "weather", "arguments": {"c": "Oslo", "d": 2}}</tool_call>'
+            '<tool_call>{"name": "weather", "arguments": {"c": "Oslo"}}</tool_call>')
+    content, calls, reason = ToolCalls(request, tool_parser("hermes", "")).calls(text, "stop")
+    assert [c.name for c in calls] == ["weather"] and reason == "tool_calls"
