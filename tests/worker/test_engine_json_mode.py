@@ -227,3 +227,66 @@ def test_json_mode_in_cuda_graph_decode_steps(tiny_llama_dir):
         assert (engine.runner.graphs is not None and engine.runner.graphs.replays > 5) == graphs
         assert _check(engine, outs[graphs][:-1], params[:-1]) >= 1
     assert [o.token_ids for o in outs[True]] == [o.token_ids for o in outs[False]]
+
+
+SCHEMA = {"type": "object", "properties": {"k": {"enum": ["a", "bc"]}, "n": {"type": "integer"},
+                                           "l": {"type": "array", "items": {"type": "boolean"}, "maxItems": 2}},
+          "required": ["k", "n"]}
+
+
+def _schema_batch(prompts: list[list[int]]) -> list[SamplingParams]:
+    """Schema rows (EOS biased, room to finish) beside JSON-mode and unconstrained rows in one batch."""
+    from lorafleet.worker.json_schema_grammar import schema_grammar
+
+    grammar = schema_grammar(SCHEMA)
+    out = []
+    for i in range(len(prompts)):
+        kind = ({"json_schema": grammar}, {"json_object": True}, {})[i % 3]
+        eager = i % 3 == 0 or i % 4 < 2
+        out.append(SamplingParams(max_tokens=4 * MAX_NEW if i % 3 == 0 else MAX_NEW, temperature=0.0 if i % 2 else 1.0,
+                                  seed=i, logit_bias=EOS_FIRST if eager else None, **kind))
+    return out
+
+
+def _check_schema_rows(engine, outs, params) -> int:
+    """Each schema row's output is a prefix of a value SCHEMA takes, and a stopped one such a value."""
+    stopped = 0
+    for out, p in zip(outs, params, strict=True):
+        if p.json_schema is None:
+            continue
+        state = p.json_schema.advance(p.json_schema.start, _body(engine, out))
+        assert state is not None, out.text
+        if out.finish_reason == "stop":
+            value = json.loads(out.text)
+            assert p.json_schema.is_complete(state) and value["k"] in ("a", "bc") and isinstance(value["n"], int)
+            stopped += 1
+    return stopped
+
+
+def test_schema_rows_hold_in_a_batch_with_json_mode_and_plain_rows(tiny_llama_dir):
+    """Each row follows its own grammar; a row's tokens do not depend on its neighbours (seeded)."""
+    engine = _engine(tiny_llama_dir)
+    prompts = _prompts() * 2
+    params = _schema_batch(prompts)
+    outs = engine.generate(prompts, params)
+    assert _check_schema_rows(engine, outs, params) >= 1
+    _check(engine, [o for o, p in zip(outs, params, strict=True) if p.json_object and p.json_schema is None],
+           [p for p in params if p.json_object and p.json_schema is None])
+    alone = [engine.generate([prompts[i]], params[i])[0] for i in range(0, len(prompts), 3)]
+    assert [o.token_ids for o in alone] == [outs[i].token_ids for i in range(0, len(prompts), 3)]
+
+
+@pytest.mark.gpu
+def test_schema_rows_in_cuda_graph_decode_steps(tiny_llama_dir):
+    from lorafleet.worker import Engine, EngineConfig
+
+    prompts = _prompts() * 2
+    params = _schema_batch(prompts)
+    outs = {}
+    for graphs in (False, True):
+        engine = Engine(EngineConfig(model=str(tiny_llama_dir), device="cuda", dtype="float32", block_size=16,
+                                     max_num_seqs=16, pool_bytes=64 << 20, cuda_graphs=graphs))
+        outs[graphs] = engine.generate(prompts, params)
+        assert (engine.runner.graphs is not None and engine.runner.graphs.replays > 5) == graphs
+        assert _check_schema_rows(engine, outs[graphs], params) >= 1
+    assert [o.token_ids for o in outs[True]] == [o.token_ids for o in outs[False]]
