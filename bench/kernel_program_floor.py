@@ -21,7 +21,6 @@ has the launch count of a fused group without its handoff.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import sys
@@ -31,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 from kernel_floor import read_range, structure_floor  # same folder
-from kernel_setup import DIMS, GROUPS, Timer, copy_bandwidth, recorded_command  # same folder
+from kernel_setup import DIMS, GROUPS, Timer, copy_bandwidth, cuda_bench_args, recorded_command  # same folder
 
 from lorafleet.kernels.lora_sgmv import gdc_launch_dependents, gdc_wait
 from lorafleet.kernels.lora_triton import pdl_supported
@@ -128,11 +127,8 @@ def one_sm(timer: Timer, tma: bool, cfg: dict) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="bench/results")
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench/kernel_program_floor.py needs a CUDA GPU", file=sys.stderr)
+    args = cuda_bench_args(argv, __doc__, "bench/kernel_program_floor.py")
+    if args is None:
         return 2
     torch.manual_seed(0)
     timer = Timer()

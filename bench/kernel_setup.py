@@ -32,6 +32,19 @@ RANKS = {"8": [8], "16": [16], "64": [64], "mixed": [8, 16, 32, 64], "30": [30]}
 DT = torch.bfloat16
 
 
+def cuda_bench_args(argv: list[str] | None, doc: str, script: str):
+    """A GPU benchmark's `--out` argument (parsed), or None after saying on stderr that it needs a CUDA GPU."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--out", default="bench/results")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print(f"{script} needs a CUDA GPU", file=sys.stderr)
+        return None
+    return args
+
+
 def recorded_command() -> str:
     """This script's command line for a result file, absolute paths shown by their last part only."""
     return " ".join(["python", *(f"<{Path(a).name}>" if Path(a).is_absolute() else a for a in sys.argv)])

@@ -214,18 +214,22 @@ def test_a_failing_row_fails_only_its_request(tiny_llama_dir, monkeypatch):
 @pytest.mark.gpu
 def test_json_mode_in_cuda_graph_decode_steps(tiny_llama_dir):
     """The forward is replayed from a graph; sampling, and so the constraint, runs on its logits after it."""
-    from lorafleet.worker import Engine, EngineConfig
-
     prompts = _prompts()
     params = _mixed_params(len(prompts)) + [SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)]
-    prompts = prompts + prompts[:1]
+    _eager_and_graphs(tiny_llama_dir, prompts + prompts[:1], params, lambda e, outs: _check(e, outs[:-1], params[:-1]))
+
+
+def _eager_and_graphs(model_dir, prompts, params, check) -> None:
+    """The batch run eagerly and from CUDA graphs: the same tokens, and check(engine, outputs) >= 1 each time."""
+    from lorafleet.worker import Engine, EngineConfig
+
     outs = {}
     for graphs in (False, True):
-        engine = Engine(EngineConfig(model=str(tiny_llama_dir), device="cuda", dtype="float32", block_size=16,
-                                     max_num_seqs=8, pool_bytes=64 << 20, cuda_graphs=graphs))
+        engine = Engine(EngineConfig(model=str(model_dir), device="cuda", dtype="float32", block_size=16,
+                                     max_num_seqs=16, pool_bytes=64 << 20, cuda_graphs=graphs))
         outs[graphs] = engine.generate(prompts, params)
         assert (engine.runner.graphs is not None and engine.runner.graphs.replays > 5) == graphs
-        assert _check(engine, outs[graphs][:-1], params[:-1]) >= 1
+        assert check(engine, outs[graphs]) >= 1
     assert [o.token_ids for o in outs[True]] == [o.token_ids for o in outs[False]]
 
 
@@ -278,15 +282,6 @@ def test_schema_rows_hold_in_a_batch_with_json_mode_and_plain_rows(tiny_llama_di
 
 @pytest.mark.gpu
 def test_schema_rows_in_cuda_graph_decode_steps(tiny_llama_dir):
-    from lorafleet.worker import Engine, EngineConfig
-
     prompts = _prompts() * 2
     params = _schema_batch(prompts)
-    outs = {}
-    for graphs in (False, True):
-        engine = Engine(EngineConfig(model=str(tiny_llama_dir), device="cuda", dtype="float32", block_size=16,
-                                     max_num_seqs=16, pool_bytes=64 << 20, cuda_graphs=graphs))
-        outs[graphs] = engine.generate(prompts, params)
-        assert (engine.runner.graphs is not None and engine.runner.graphs.replays > 5) == graphs
-        assert _check_schema_rows(engine, outs[graphs], params) >= 1
-    assert [o.token_ids for o in outs[True]] == [o.token_ids for o in outs[False]]
+    _eager_and_graphs(tiny_llama_dir, prompts, params, lambda e, outs: _check_schema_rows(e, outs, params))

@@ -28,12 +28,17 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 
+def with_template(model_dir, tmp_path, template: str):
+    """A copy of the model whose chat template is `template`."""
+    model = shutil.copytree(model_dir, tmp_path / "model")
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": template}))
+    return model
+
+
 @pytest.fixture
 def tools_model(tiny_llama_dir, tmp_path):
-    model = shutil.copytree(tiny_llama_dir, tmp_path / "model")
-    config = json.loads((model / "tokenizer_config.json").read_text())
-    (model / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": TEMPLATE}))
-    return model
+    return with_template(tiny_llama_dir, tmp_path, TEMPLATE)
 
 
 async def _api(aiohttp_client, model, **config):

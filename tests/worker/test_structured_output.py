@@ -7,7 +7,6 @@ byte a token, so the grammar decides each byte of the output (the random model's
 from __future__ import annotations
 
 import json
-import shutil
 
 import jsonschema
 import pytest
@@ -19,7 +18,7 @@ from lorafleet.worker.tool_calls import ToolCalls
 from lorafleet.worker.tool_parser import tool_parser
 from lorafleet.worker.tool_request import ToolRequest, parse_tool_request
 from tests.worker.conftest import EOS_ID
-from tests.worker.test_openai_tools import USER, _api, _streamed
+from tests.worker.test_openai_tools import USER, _api, _streamed, with_template
 
 openai = pytest.importorskip("openai")
 
@@ -40,10 +39,7 @@ SCHEMAS = {"weather": WEATHER["function"]["parameters"], "add": ADD["function"][
 
 @pytest.fixture
 def tools_model(tiny_llama_dir, tmp_path):
-    model = shutil.copytree(tiny_llama_dir, tmp_path / "model")
-    config = json.loads((model / "tokenizer_config.json").read_text())
-    (model / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": TEMPLATE}))
-    return model
+    return with_template(tiny_llama_dir, tmp_path, TEMPLATE)
 
 
 @pytest.fixture
