@@ -120,7 +120,7 @@ class CompletionJob:
                         repetition_penalty=o.repetition_penalty, logit_bias=o.logit_bias, min_p=o.min_p,
                         stop_token_ids=list(o.stop_token_ids), include_stop_str_in_output=o.include_stop_str_in_output,
                         min_tokens=o.min_tokens, skip_special_tokens=o.skip_special_tokens, prompt_logprobs=prompt_k,
-                        json_object=o.json_object, json_schema=o.json_schema, max_tokens_to_fit=o.max_tokens is None)
+                        json_object=o.json_object, grammar=o.grammar, max_tokens_to_fit=o.max_tokens is None)
                 self.params.append(params)
                 self.choice_prompt.append(p)
 

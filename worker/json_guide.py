@@ -110,7 +110,7 @@ class JsonGuide:
     @staticmethod
     def grammar(seq: Sequence):
         """The sequence's grammar: its schema's (structured output), else JSON mode's (any JSON object)."""
-        return seq.params.json_schema or JSON_OBJECT
+        return seq.params.grammar or JSON_OBJECT
 
     def state(self, seq: Sequence):
         """The validator's state after the sequence's output tokens."""

@@ -2,8 +2,9 @@
 
 OpenAI's fields, and vLLM's extensions a vLLM client sends: `top_k`, `min_p`, `repetition_penalty`,
 `ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`, `min_tokens`, `skip_special_tokens`,
-`prompt_logprobs` (0..20, as vLLM's default max_logprobs; refused with `stream`, as vLLM does), and
-`response_format` ("text", "json_object" or "json_schema", on both endpoints as vLLM takes it)
+`prompt_logprobs` (0..20, as vLLM's default max_logprobs; refused with `stream`, as vLLM does),
+`response_format` ("text", "json_object" or "json_schema", on both endpoints as vLLM takes it) and vLLM's
+`structured_outputs`, `guided_json` and `guided_choice`
 (`spaces_between_special_tokens` only at its default, true: the `tokenizers` decoder places special
 tokens its own way, as vLLM's fast-tokenizer path does). What depends on the model (token ids within
 its vocabulary, `min_tokens` within the context left by the prompt) is checked in completion_job.py.
@@ -15,6 +16,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from lorafleet.worker.choice_grammar import ChoiceError, ChoiceGrammar
 from lorafleet.worker.json_schema import SchemaError
 from lorafleet.worker.json_schema_grammar import SchemaGrammar, schema_grammar
 from lorafleet.worker.logit_bias import LogitBiasError, parse_logit_bias
@@ -71,7 +73,7 @@ class SamplingOptions:
     min_tokens: int = 0
     skip_special_tokens: bool = True
     json_object: bool = False  # response_format {"type": "json_object"}: JSON mode (json_guide.py)
-    json_schema: Any = None  # response_format {"type": "json_schema"}: the schema's grammar (json_schema_grammar.py)
+    grammar: Any = None  # structured output: a schema's grammar (json_schema_grammar.py), or choices' (choice_grammar.py)
 
 
 def _user(f: Fields) -> str | None:
@@ -159,12 +161,52 @@ def _response_format(f: Fields) -> tuple[bool, SchemaGrammar | None]:
     return True, _schema(spec["schema"], "response_format.json_schema.schema")
 
 
-def _schema(schema: object, where: str) -> SchemaGrammar:
+def _schema(schema: object, where: str, param: str = "response_format") -> SchemaGrammar:
     """The grammar of a request's schema; a 400 naming what cannot be enforced."""
     try:
         return schema_grammar(schema)
     except SchemaError as exc:
-        raise bad_request(f"'{where}': {exc}", "response_format") from None
+        raise bad_request(f"'{where}': {exc}", param) from None
+
+
+def _structured_output(f: Fields) -> tuple[bool, Any]:
+    """-> (constrained, grammar or None), from `response_format` or vLLM's fields: `structured_outputs`
+    (`{"json": <schema>}`, `{"choice": [...]}` or `{"json_object": true}`) and the older `guided_json` (a
+    schema, or its JSON text) and `guided_choice`. One of them at most; regular expressions and grammars are
+    refused, not ignored."""
+    given = [name for name in ("response_format", "structured_outputs", "guided_json", "guided_choice")
+             if f.get(name) is not None]
+    for name in ("guided_regex", "guided_grammar"):
+        if f.get(name) is not None:
+            raise bad_request(f"'{name}' is not supported by this server (structured output takes JSON schemas and "
+                              "choices: 'guided_json', 'guided_choice', 'response_format')", name, "unsupported_parameter")
+    f.string("guided_decoding_backend")  # a preference among vLLM's backends: this server has one of its own
+    f.neutral("guided_whitespace_pattern", None, "JSON whitespace is not configurable here")
+    if len(given) > 1:
+        raise bad_request(f"send one of {', '.join(repr(g) for g in given)}: each sets what the output is held to",
+                          given[1])
+    if not given or given[0] == "response_format":
+        return _response_format(f)
+    name, v = given[0], f.get(given[0])
+    if name == "structured_outputs":
+        if not isinstance(v, dict) or len(v) != 1 or next(iter(v)) not in ("json", "choice", "json_object"):
+            raise bad_request("'structured_outputs' takes one of 'json' (a schema), 'choice' (a list of strings) or "
+                              "'json_object': true (regex and grammar are not supported by this server)", name)
+        (kind, v), = v.items()
+        if kind == "json_object":
+            return bool(v), None
+        name = f"structured_outputs.{kind}"
+    if name.endswith(("json", "guided_json")):
+        if isinstance(v, str):
+            try:
+                v = json.loads(v)
+            except ValueError as exc:
+                raise bad_request(f"'{name}' must be a JSON schema (an object, or its JSON text): {exc}", given[0]) from None
+        return True, _schema(v, name, given[0])
+    try:
+        return True, ChoiceGrammar(v)
+    except ChoiceError as exc:
+        raise bad_request(f"'{name}' {exc}", given[0]) from None
 
 
 def _stream_options(v: object, stream: bool) -> tuple[bool, bool]:
@@ -216,7 +258,7 @@ def parse_sampling_options(f: Fields, max_tokens_names: tuple[str, ...], default
                           "tokens are decoded as the tokenizer's decoder places them)",
                           "spaces_between_special_tokens", "unsupported_parameter")
     prompt_logprobs = f.integer("prompt_logprobs", None, 0, MAX_PROMPT_LOGPROBS)
-    json_object, json_schema = _response_format(f)
+    json_object, grammar = _structured_output(f)
     if prompt_logprobs is not None and stream:
         raise bad_request("'prompt_logprobs' is not available with 'stream': true", "prompt_logprobs")
     return SamplingOptions(
@@ -244,5 +286,5 @@ def parse_sampling_options(f: Fields, max_tokens_names: tuple[str, ...], default
         min_tokens=_min_tokens(f, max_tokens, max_tokens_param),
         skip_special_tokens=f.flag("skip_special_tokens", True),
         json_object=json_object,
-        json_schema=json_schema,
+        grammar=grammar,
     )

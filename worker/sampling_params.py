@@ -40,15 +40,16 @@ class SamplingParams:
     # JSON mode (OpenAI's response_format json_object): the output is a prefix of one JSON object, and EOS or
     # a stop token only ends a complete one (json_guide.py).
     json_object: bool = False
-    # Structured output: the grammar of a schema (json_schema_grammar.SchemaGrammar) the output is held to
-    # instead of "any JSON object"; it sets json_object (the sampler's constrained rows are those).
-    json_schema: Any = None
+    # Structured output: the grammar the output is held to instead of "any JSON object" (a schema's,
+    # json_schema_grammar.SchemaGrammar, or a list of choices', choice_grammar.py); it sets json_object (the
+    # sampler's constrained rows are those).
+    grammar: Any = None
     # max_tokens was not given: it is the context left after the prompt, lowered to what the KV pages the
     # request's adapter and pinned adapters leave can hold, instead of refusing it (kv_room.py).
     max_tokens_to_fit: bool = False
 
     def __post_init__(self) -> None:
-        if self.json_schema is not None:
+        if self.grammar is not None:
             self.json_object = True
         if isinstance(self.stop, str):
             self.stop = [self.stop]

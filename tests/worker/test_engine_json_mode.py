@@ -245,7 +245,7 @@ def _schema_batch(prompts: list[list[int]]) -> list[SamplingParams]:
     grammar = schema_grammar(SCHEMA)
     out = []
     for i in range(len(prompts)):
-        kind = ({"json_schema": grammar}, {"json_object": True}, {})[i % 3]
+        kind = ({"grammar": grammar}, {"json_object": True}, {})[i % 3]
         eager = i % 3 == 0 or i % 4 < 2
         out.append(SamplingParams(max_tokens=4 * MAX_NEW if i % 3 == 0 else MAX_NEW, temperature=0.0 if i % 2 else 1.0,
                                   seed=i, logit_bias=EOS_FIRST if eager else None, **kind))
@@ -256,13 +256,13 @@ def _check_schema_rows(engine, outs, params) -> int:
     """Each schema row's output is a prefix of a value SCHEMA takes, and a stopped one such a value."""
     stopped = 0
     for out, p in zip(outs, params, strict=True):
-        if p.json_schema is None:
+        if p.grammar is None:
             continue
-        state = p.json_schema.advance(p.json_schema.start, _body(engine, out))
+        state = p.grammar.advance(p.grammar.start, _body(engine, out))
         assert state is not None, out.text
         if out.finish_reason == "stop":
             value = json.loads(out.text)
-            assert p.json_schema.is_complete(state) and value["k"] in ("a", "bc") and isinstance(value["n"], int)
+            assert p.grammar.is_complete(state) and value["k"] in ("a", "bc") and isinstance(value["n"], int)
             stopped += 1
     return stopped
 
@@ -274,8 +274,8 @@ def test_schema_rows_hold_in_a_batch_with_json_mode_and_plain_rows(tiny_llama_di
     params = _schema_batch(prompts)
     outs = engine.generate(prompts, params)
     assert _check_schema_rows(engine, outs, params) >= 1
-    _check(engine, [o for o, p in zip(outs, params, strict=True) if p.json_object and p.json_schema is None],
-           [p for p in params if p.json_object and p.json_schema is None])
+    _check(engine, [o for o, p in zip(outs, params, strict=True) if p.json_object and p.grammar is None],
+           [p for p in params if p.json_object and p.grammar is None])
     alone = [engine.generate([prompts[i]], params[i])[0] for i in range(0, len(prompts), 3)]
     assert [o.token_ids for o in alone] == [outs[i].token_ids for i in range(0, len(prompts), 3)]
 

@@ -306,7 +306,7 @@ def test_min_tokens_pads_a_fixed_length_value_with_whitespace():
     vocab = JsonVocab([p.encode() for p in pieces] + [None])
     eos = len(pieces)
     guide = JsonGuide(lambda: vocab, eos_token_ids=[eos])
-    seq = Sequence("r", [1, 2], SamplingParams(max_tokens=12, min_tokens=8, json_schema=schema_grammar({"enum": ["yes", "no"]})))
+    seq = Sequence("r", [1, 2], SamplingParams(max_tokens=12, min_tokens=8, grammar=schema_grammar({"enum": ["yes", "no"]})))
     for token in (0, 4, 5):  # "no
         assert guide.accepts(seq, token)
         seq.output_token_ids.append(token)

@@ -231,3 +231,56 @@ def test_only_the_calls_answered_are_checked_against_strict_schemas():
             '<tool_call>{"name": "weather", "arguments": {"c": "Oslo"}}</tool_call>')
     content, calls, reason = ToolCalls(request, tool_parser("hermes", "")).calls(text, "stop")
     assert [c.name for c in calls] == ["weather"] and reason == "tool_calls"
+
+
+CHOICES = ["sunny", "rain", "snow storm", "é"]
+
+
+async def test_vllms_guided_fields_hold_the_output(api, bias):
+    """guided_choice / structured_outputs.choice: the text is one of the choices; guided_json (a schema or its
+    text) and structured_outputs.json: as response_format json_schema."""
+    body = {"model": "tiny", "n": 4, "seed": 6, "max_tokens": 96, "logit_bias": bias}
+    for extra in ({"guided_choice": CHOICES}, {"structured_outputs": {"choice": CHOICES}}):
+        resp = await api.completions.create(prompt="Weather:", extra_body=extra, **body)
+        assert all(c.text in CHOICES and c.finish_reason == "stop" for c in resp.choices)
+        chat = await api.chat.completions.create(messages=USER, extra_body=extra, **body)
+        assert all(c.message.content in CHOICES for c in chat.choices)
+    for extra in ({"guided_json": REPORT}, {"guided_json": json.dumps(REPORT)}, {"structured_outputs": {"json": REPORT}}):
+        resp = await api.completions.create(prompt="Report:", extra_body=extra, **body)
+        assert sum(_check(c.text, c.finish_reason, REPORT) for c in resp.choices) >= 2
+    resp = await api.completions.create(prompt="x", extra_body={"structured_outputs": {"json_object": True},
+                                                                "guided_decoding_backend": "xgrammar"}, **body)
+    assert all(c.text.lstrip().startswith("{") for c in resp.choices)
+
+
+@pytest.mark.parametrize("extra, param, needle", [
+    ({"guided_regex": "[a-z]+"}, "guided_regex", "not supported"),
+    ({"guided_grammar": "root ::= x"}, "guided_grammar", "not supported"),
+    ({"structured_outputs": {"regex": "a"}}, "structured_outputs", "regex and grammar are not supported"),
+    ({"guided_choice": ["yes", "yes!"]}, "guided_choice", '"yes" is the start of "yes!"'),
+    ({"guided_choice": []}, "guided_choice", "non-empty list"),
+    ({"guided_choice": ["a"], "guided_json": {"type": "object"}}, "guided_choice", "send one of"),
+    ({"guided_json": "{not json"}, "guided_json", "must be a JSON schema"),
+    ({"guided_json": {"type": "integer"}}, "guided_json", "top-level schema may describe a number"),
+    ({"guided_whitespace_pattern": "[ ]?"}, "guided_whitespace_pattern", "not supported"),
+])
+async def test_vllms_guided_fields_that_cannot_be_held_are_400s(api, extra, param, needle):
+    with pytest.raises(openai.BadRequestError) as err:
+        await api.completions.create(model="tiny", prompt="x", max_tokens=4, extra_body=extra)
+    assert err.value.body["param"] == param and needle in err.value.body["message"], err.value.body
+
+
+def test_a_choice_grammar_and_its_masks():
+    from lorafleet.worker.choice_grammar import DONE, ChoiceGrammar
+    from lorafleet.worker.json_vocab import JsonVocab
+
+    grammar = ChoiceGrammar(CHOICES)
+    assert grammar.advance(grammar.start, b"snow storm") == DONE and grammar.advance(grammar.start, b"snow") == b"snow"
+    assert grammar.advance(grammar.start, b"snowy") is None and grammar.advance(DONE, b" ") is None
+    assert grammar.advance(grammar.start, "é".encode()) == DONE and grammar.advance(grammar.start, b"\xc3") == b"\xc3"
+    pieces = [b"s", b"sn", b"ow", b" ", b" storm", b"\tstorm", b"rain", b"r", b"ain", b"\xc3", b"\xa9", b"sunny", b"x"]
+    vocab = JsonVocab(pieces)
+    for prefix in (b"", b"s", b"snow", b"snow ", b"r", b"\xc3"):
+        state = grammar.advance(grammar.start, prefix)
+        invalid, _ = vocab.mask(state, True, grammar)
+        assert (~invalid).tolist() == [vocab.accepts(state, t, True, grammar) for t in range(len(pieces))], prefix
