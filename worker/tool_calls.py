@@ -11,7 +11,10 @@ function) and vLLM does too. tool_choice "required": the output was held to a JS
 answered as content with finish_reason "length". tool_choice "none" needs none of this: the output is plain
 content.
 
-Streamed, a choice's text goes out as content up to where it may be the start of a call (ToolParser.hold_from);
+Streamed, a named function held to its schema streams its arguments as they are generated: the first delta
+carries the call's index, id, type and name, each later one a piece of `function.arguments` (as OpenAI
+streams a forced call). Otherwise a choice's text goes out as content up to where it may be the start of a
+call (ToolParser.hold_from);
 the rest is held until the choice ends, then sent as content, or as `delta.tool_calls` (each call whole, with
 its index, id and name) with finish_reason "tool_calls". Chunks keep carrying the logprobs of their tokens
 while text is held, as they do for text held back by a possible stop string: a stream's logprobs are the
@@ -122,6 +125,18 @@ class ToolCalls:
         call = read_call(obj, (self.request.function,), keys) if wrapped else None
         return text if call is None else call.arguments
 
+    def _arguments_delta(self, index: int, new_text: str, finish_reason: str | None) -> list[dict]:
+        """A named call's streamed piece: the call itself first (arguments so far), then its arguments' new text."""
+        if index not in self._streams:  # the stream's presence says the call went out
+            self._streams[index] = ToolStream(None)
+            call = ToolCall(self.request.function, new_text)
+            out = [{"index": 0} | call.openai()]
+        else:
+            out = [{"index": 0, "function": {"arguments": new_text}}] if new_text else []
+        if finish_reason is not None:
+            del self._streams[index]
+        return out
+
     def message(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
         """A whole choice's `message` and finish_reason."""
         content, calls, finish_reason = self.calls(text, finish_reason)
@@ -133,6 +148,8 @@ class ToolCalls:
     def delta(self, index: int, new_text: str, finish_reason: str | None) -> tuple[str, list[dict], str | None]:
         """A streamed chunk of choice `index`: (content to send, `delta.tool_calls`, finish_reason); its
         finish_reason, when set, ends the choice."""
+        if self.request.choice == "named" and self.request.output_grammar is not None:
+            return "", self._arguments_delta(index, new_text, finish_reason), finish_reason
         if index not in self._streams:
             self._streams[index] = ToolStream(None if self.request.choice in ("named", "required") else self.parser)
         stream = self._streams[index]

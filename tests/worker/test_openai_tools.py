@@ -82,8 +82,8 @@ async def test_tools_and_a_history_of_calls_reach_the_prompt(api):
 
 
 async def test_named_tool_choice_answers_a_call_whole_and_streamed(api):
-    """(b) the output is held to one JSON object, answered as the named function's arguments; streamed, the
-    same call comes in one delta with its id and name, and nothing as content."""
+    """(b) the output is held to the function's schema, answered as its arguments; streamed, the call comes
+    first with its id and name, then its arguments piece by piece, and nothing as content."""
     body = {"model": "tiny", "messages": USER, "tools": [WEATHER], "tool_choice": NAMED, "n": 3, "seed": 5,
             "max_tokens": 64, "logit_bias": {str(EOS_ID): 100}}
     resp = await api.chat.completions.create(**body)
@@ -103,10 +103,14 @@ async def test_named_tool_choice_answers_a_call_whole_and_streamed(api):
     assert again.usage.prompt_tokens > resp.usage.prompt_tokens + len(done.message.tool_calls[0].function.arguments)
     streamed = await _streamed(await api.chat.completions.create(**body, stream=True))
     for got, choice in zip(streamed, resp.choices, strict=True):
-        (call,) = got["tool_calls"]
+        first, *pieces = got["tool_calls"]  # the call (its id, name, arguments so far), then its arguments' pieces
         assert got["content"] == "" and got["finish_reason"] == choice.finish_reason
-        assert (call["index"], call["type"], call["id"][:5]) == (0, "function", "call_")
-        assert call["function"] == choice.message.tool_calls[0].function.model_dump()
+        assert (first["index"], first["type"], first["id"][:5], first["function"]["name"]) == (0, "function", "call_",
+                                                                                               "get_weather")
+        assert pieces and all((p["index"], p["id"], p["type"], p["function"]["name"]) == (0, None, None, None)
+                              for p in pieces)  # only arguments after the first
+        arguments = first["function"]["arguments"] + "".join(p["function"]["arguments"] for p in pieces)
+        assert arguments == choice.message.tool_calls[0].function.arguments
 
 
 async def test_tool_choice_none_answers_plain_content(api):
