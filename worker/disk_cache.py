@@ -7,6 +7,12 @@ download and a crash or power loss leaves only a temp directory (removed at the 
 except the protected ones. `protect` may be a function naming them: it is called under the cache's
 lock, so an entry its owner protects before looking it up is either kept or already gone (`get`
 answers None), never deleted after `get` handed out its path.
+
+Fills in flight count against the budget too: a fill that knows how many bytes it will write (a download,
+once its objects are listed) reserves them (`reserve`), and the least recently used entries not
+protected go then, before its bytes arrive, so several downloads at once stay within the budget instead of
+going past it by what they are writing. The reservation ends with the fill: its entry's real size counts
+instead, or nothing if it failed.
 """
 
 from __future__ import annotations
@@ -81,6 +87,7 @@ class DiskCache:
         self._clock = 0
         self._used: dict[str, int] = {}  # key -> logical time of last use
         self._bytes: dict[str, int] = {}
+        self._reserved: dict[str, int] = {}  # temp directory name -> bytes its fill said it will write
         self.evictions = 0
         # Entries an earlier run wrote: complete when renamed, but a crash or power loss may have kept the
         # rename and lost data not yet on disk. Their owner checks them before first use (mark_verified).
@@ -138,7 +145,17 @@ class DiskCache:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        finally:
+            with self._lock:
+                self._reserved.pop(tmp.name, None)
         return final
+
+    def reserve(self, tmp: Path, nbytes: int, protect: Protect = frozenset()) -> None:
+        """The fill writing into `tmp` (the directory `put` gave it) will write `nbytes`: they count against the
+        budget from now until the fill ends, and least recently used entries not protected go to make room."""
+        with self._lock:
+            self._reserved[Path(tmp).name] = max(0, int(nbytes))
+        self.trim(protect)
 
     def _evict_all_but(self, keep: Callable[[], Set[str]]) -> int:
         """Evict every entry not named by `keep()`, called under the lock (the disk is full); how many went."""
@@ -165,7 +182,7 @@ class DiskCache:
         """Evict least recently used entries until within budget, never a protected one."""
         with self._lock:
             keep = protect() if callable(protect) else protect
-            total = sum(self._bytes.values())
+            total = sum(self._bytes.values()) + sum(self._reserved.values())
             for key in sorted(self._bytes, key=lambda k: self._used[k]):
                 if total <= self.budget_bytes:
                     break
@@ -189,3 +206,9 @@ class DiskCache:
     def used_bytes(self) -> int:
         with self._lock:
             return sum(self._bytes.values())
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes the fills in flight said they will write."""
+        with self._lock:
+            return sum(self._reserved.values())

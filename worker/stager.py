@@ -266,10 +266,12 @@ class Stager:
         # while another download found the store down does not call it.
         self.store.skip(push_start)
 
-        def progress(done: int, total: int) -> None:
-            self.downloading[key] = (uri, done, total)  # by key: one URI may be downloaded under two at once
-
         def fill(tmp: Path) -> None:
+            def progress(done: int, total: int) -> None:
+                if self.downloading.get(key, (None, 0, None))[2] != total:  # listed (again): room for its bytes
+                    self.cache.reserve(tmp, total, protect=self.protected)
+                self.downloading[key] = (uri, done, total)  # by key: one URI may be downloaded under two at once
+
             self.sources.download(uri, tmp, progress=progress, deadline=deadline, etags=etags)
             digest = verify_digest(tmp, sha256, uri)  # before the rename: a bad download is never visible
             cache_write(lambda: (tmp / DIGEST_FILE).write_text(digest + "\n"))

@@ -37,8 +37,8 @@ class StagerConfig:
         "that did not answer; no answer in time (one retry) takes the store as down for the push"))
     stage_concurrency: int = field(default=1, metadata=_help(
         "versions of a push staged at once (a new pod's warm set is one push). Above 1 a fast store fills a pod "
-        "sooner, but the downloads in flight share the link, each within its own --download-timeout-s, and each "
-        "holds up to its adapter's size on disk beyond the cache's byte budget"))
+        "sooner, but the downloads in flight share the link, each within its own --download-timeout-s. Each "
+        "download counts its size against the cache's byte budget from the moment its objects are listed"))
     stage_lease_s: float = field(default=600.0, metadata=_help(
         "keep a copy /v1/stage handed out from eviction this long (the engine loads from its path)"))
     engine_url: str | None = field(default=None, metadata=_help("engine base URL (http://127.0.0.1:8000)"))

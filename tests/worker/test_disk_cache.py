@@ -76,3 +76,48 @@ def test_a_full_disk_gives_up_the_copies_no_one_holds_before_refusing_a_wanted_o
     with pytest.raises(CacheDiskError) as err:  # nothing left to give up: the disk-full error stands
         cache.put("newer", filler(100), protect={"held", "new"})
     assert err.value.errno == errno.ENOSPC and sorted(cache.entries()) == ["held", "new"]
+
+
+def test_fills_in_flight_count_against_the_budget(tmp_path):
+    """A fill that reserves the bytes it will write makes room first: the least recently used entries not
+    protected go before its bytes arrive, so two fills at once stay within the budget. The reservation ends
+    with the fill, whether it lands (its real size counts instead) or fails."""
+    import threading
+
+    import pytest
+
+    cache = DiskCache(tmp_path / "c", budget_bytes=300)
+
+    def filler(size: int):
+        return lambda d: (d / "adapter_model.safetensors").write_bytes(b"w" * size)
+
+    for key in ("a", "b", "c"):
+        cache.put(key, filler(100))
+    cache.get("a")  # b is now the least recently used
+    inside, release = threading.Event(), threading.Event()
+    seen = {}
+
+    def slow_fill(d):
+        cache.reserve(d, 150, protect={"c"})
+        seen["entries"], seen["reserved"] = sorted(cache.entries()), cache.reserved_bytes
+        inside.set()
+        release.wait(10)
+        (d / "adapter_model.safetensors").write_bytes(b"w" * 150)
+
+    worker = threading.Thread(target=cache.put, args=("big", slow_fill))
+    worker.start()
+    assert inside.wait(10)
+    # b (least recent) and a went for the 150 bytes in flight; c is protected: 100 + 150 <= 300
+    assert seen == {"entries": ["c"], "reserved": 150}
+    assert cache.used_bytes + cache.reserved_bytes <= cache.budget_bytes
+    release.set()
+    worker.join(10)
+    assert cache.reserved_bytes == 0 and sorted(cache.entries()) == ["big", "c"] and cache.used_bytes == 250
+
+    def failing(d):
+        cache.reserve(d, 1000)
+        raise RuntimeError("the store went away")
+
+    with pytest.raises(RuntimeError):
+        cache.put("gone", failing)
+    assert cache.reserved_bytes == 0 and "gone" not in cache.entries()

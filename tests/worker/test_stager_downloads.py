@@ -343,3 +343,30 @@ async def test_a_push_reports_how_far_its_downloads_are(s3, adapters, tmp_path):
     assert len({done for done, _ in seen}) > 1 and all(0 <= done <= t == total for done, t in seen), seen
     state = report.find("paced", "v1")
     assert state.error is None and not state.staging and state.bytes_done is None
+
+
+async def test_a_download_in_flight_counts_against_the_cache_budget(s3, adapters, tmp_path):
+    """With several versions of a push downloading at once, each went past the budget by what it was writing
+    until it landed. A download reserves its listed size as it starts: an older copy nobody holds goes
+    then, while the bytes are still arriving, and the reservation ends with the download."""
+    upload(s3.client(), "team/old/", adapters["v1"])
+    upload(s3.client(), "team/slow/", adapters["big"])
+    old_size = sum(f.stat().st_size for f in adapters["v1"].iterdir() if f.is_file())
+    big_size = sum(f.stat().st_size for f in adapters["big"].iterdir() if f.is_file())
+    cache = tmp_path / "cache"
+    budget = big_size + old_size // 2  # room for the new one, not for both
+    await stager_for(s3.endpoint, s3, cache, stager_cache_bytes=budget).stage(
+        "s3://adapters/team/old/", adapter_digest(adapters["v1"]))
+    async with trickling_proxy(s3.port) as endpoint:
+        stager = stager_for(endpoint, s3, cache, stager_cache_bytes=budget, download_timeout_s=1.0)
+        assert len(stager.cache.entries()) == 1  # the old copy, from the run before
+        task = asyncio.ensure_future(stager.stage("s3://adapters/team/slow/", adapter_digest(adapters["big"])))
+        seen = []
+        while not task.done():
+            seen.append((stager.cache.reserved_bytes, stager.cache.entries(), stager.cache.used_bytes))
+            await asyncio.sleep(0.02)
+        with pytest.raises(TimeoutError):
+            await task
+    during = [s for s in seen if s[0]]
+    assert during and all(r == big_size and entries == [] and used == 0 for r, entries, used in during), seen[-3:]
+    assert stager.cache.reserved_bytes == 0 and stager.cache.evictions == 1
