@@ -10,7 +10,7 @@ import pytest
 
 from lorafleet.worker.cli import config_from_args
 
-from .test_chart import CUSTOM_KINDS, K8S_VERSION, find, render
+from .test_chart import CHART, CUSTOM_KINDS, K8S_VERSION, find, render
 
 LISTEN_VARS = ("LORAFLEET_HOST", "LORAFLEET_PORT", "LORAFLEET_ADMIN_HOST", "LORAFLEET_ADMIN_PORT")
 
@@ -73,3 +73,15 @@ def test_an_admin_port_the_pod_already_uses_is_refused_at_install(taken):
         render({"worker": {"adminPort": {"port": 8000, "stagerPort": 8001}[taken]}})
     with pytest.raises(helm.HelmValuesError):
         render({"worker": {"adminPort": 0}})  # no free port: the sidecar must know it
+
+
+@pytest.mark.parametrize(("worker", "says"), [({}, True), ({"adminPort": 9100}, True), ({"adminPort": None}, False)])
+def test_the_install_notes_say_where_the_admin_api_went(worker, says):
+    """A caller that used the admin API through the Service gets 404s once it moved to loopback: the notes
+    helm prints at install say so, and how to reach it."""
+    notes = helm.Chart.load(str(CHART)).render({"worker": worker}, name="demo", namespace="fleet", is_install=True)[
+        "lorafleet/templates/NOTES.txt"]
+    port = worker.get("adminPort", 8002)
+    assert ("not on the service" in notes) is says
+    if says:
+        assert f"127.0.0.1:{port} inside each pod" in notes and f"deploy/demo-lorafleet-worker 8002:{port}" in notes
