@@ -41,6 +41,7 @@ class ChoiceGrammar:
         self.choices = tuple(encoded)  # sorted: a prefix's choices are a run found by bisection
         self.key = "choice:" + hashlib.sha256(json.dumps([c.decode() for c in encoded]).encode()).hexdigest()
         self.start = b""
+        self.pads = False  # no whitespace after a choice (ignore_eos, min_tokens): the text is the choice exactly
 
     @staticmethod
     def is_complete(state) -> bool:

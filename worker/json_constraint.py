@@ -232,6 +232,7 @@ class JsonObjectGrammar:
 
     key = "json_object"  # names the grammar in the vocabulary's mask cache
     start = START
+    pads = True  # JSON whitespace may follow the complete value (JsonGuide._pads)
 
     @staticmethod
     def advance(state: JsonState, data: bytes) -> JsonState | None:

@@ -154,25 +154,32 @@ class JsonGuide:
         grammar = self.grammar(seq)
         if grammar.is_complete(state):
             return self._after_object(seq, vocab, device)
-        stops = _ids(self.stop_ids(seq), vocab)
-        may_complete = self.may_complete(seq)
-        invalid, num_valid = vocab.mask(state, may_complete, grammar)
-        if not num_valid and not may_complete:  # a value of fixed length (an enum, true) can only end: it ends, and
-            invalid, num_valid = vocab.mask(state, True, grammar)  # whitespace after it makes up min_tokens
-        text_stops = [t for t in stops if vocab.token_bytes(t)]  # stop ids are never content, even text tokens
+        text_stops = [t for t in _ids(self.stop_ids(seq), vocab) if vocab.token_bytes(t)]  # never content
+        invalid = self._without(vocab.mask(state, self.may_complete(seq), grammar), text_stops)
+        if invalid is None and not self.may_complete(seq):  # a value of fixed length (an enum, true) can only end:
+            invalid = self._without(vocab.mask(state, True, grammar), text_stops)  # it ends; whitespace pads min_tokens
+        if invalid is None:
+            raise JsonModeError("JSON mode: no token of the vocabulary continues the JSON value")
+        return invalid.to(device)
+
+    @staticmethod
+    def _without(mask: tuple[torch.Tensor, int], text_stops: list[int]) -> torch.Tensor | None:
+        """A cached mask (invalid, how many valid) with the stop ids that are text tokens made invalid too (a
+        copy then); None when no token is left."""
+        invalid, num_valid = mask
         if text_stops:
             invalid = invalid.clone()
             invalid[torch.tensor(text_stops, device=invalid.device)] = True
         if num_valid <= len(text_stops) and not bool((~invalid).any()):
-            raise JsonModeError("JSON mode: no token of the vocabulary continues the JSON value")
-        return invalid.to(device)
+            return None
+        return invalid
 
     @staticmethod
     def _pads(seq: Sequence) -> bool:
         """Whether JSON whitespace may follow the complete value: with ignore_eos (the module's docstring says why),
         and while the request is short of min_tokens, whose stop tokens cannot be drawn yet (a value of fixed
         length, an enum or a literal, may complete before it: nothing else could follow it)."""
-        return seq.params.ignore_eos or len(seq.output_token_ids) < seq.params.min_tokens
+        return JsonGuide.grammar(seq).pads and (seq.params.ignore_eos or len(seq.output_token_ids) < seq.params.min_tokens)
 
     def _after_object(self, seq: Sequence, vocab: JsonVocab, device: torch.device) -> torch.Tensor:
         """The invalid mask once the object is complete: all but the tokens that end the request, and the JSON

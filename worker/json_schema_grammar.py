@@ -54,6 +54,7 @@ class SchemaGrammar:
         self.nodes = schema.nodes
         self.key = schema.key  # names the grammar in the vocabulary's mask cache
         self.start = frozenset({(("v", schema.root),)})
+        self.pads = True  # JSON whitespace may follow the complete value (JsonGuide._pads)
         self._alternatives: dict[int, list[int]] = {}
 
     @staticmethod

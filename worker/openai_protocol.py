@@ -178,8 +178,8 @@ def parse_chat_request(body: Any, defaults: SamplingDefaults = SamplingDefaults(
     tools = parse_tool_request(f)
     if tools is not None and tools.choice in ("named", "required"):  # the arguments, or the calls (tool_request.py)
         if options.grammar is not None:
-            raise bad_request(f"a 'response_format' schema cannot be combined with 'tool_choice' {json.dumps(tools.choice)}: "
-                              "the output is then held to the tool calls' schema", "response_format")
+            raise bad_request(f"'{options.grammar_param}' cannot be combined with 'tool_choice' {json.dumps(tools.choice)}: "
+                              "the output is then held to the tool calls' schema", options.grammar_param)
         options.json_object, options.grammar = True, tools.output_grammar
     if tools is not None and tools.choice != "none" and f.get("skip_special_tokens") is None:
         options.skip_special_tokens = False  # vLLM's: <tool_call> may be a special token; the parser needs it

@@ -34,6 +34,7 @@ MAX_STOP = 64
 # every one of them, on the engine thread every sequence shares.
 MAX_STOP_CHARS = 4096
 MAX_STOP_TOKEN_IDS = 64
+STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_choice")  # one per request
 RESPONSE_FORMATS = {"text": set(), "json_object": {"schema"}, "json_schema": {"json_schema"}}  # type -> its other keys
 JSON_SCHEMA_FIELDS = {"name", "description", "schema", "strict"}
 STREAM_OPTIONS = ("include_usage", "include_obfuscation", "continuous_usage_stats")
@@ -74,6 +75,7 @@ class SamplingOptions:
     skip_special_tokens: bool = True
     json_object: bool = False  # response_format {"type": "json_object"}: JSON mode (json_guide.py)
     grammar: Any = None  # structured output: a schema's grammar (json_schema_grammar.py), or choices' (choice_grammar.py)
+    grammar_param: str | None = None  # the field that set it: errors name what the caller sent
 
 
 def _user(f: Fields) -> str | None:
@@ -174,8 +176,7 @@ def _structured_output(f: Fields) -> tuple[bool, Any]:
     (`{"json": <schema>}`, `{"choice": [...]}` or `{"json_object": true}`) and the older `guided_json` (a
     schema, or its JSON text) and `guided_choice`. One of them at most; regular expressions and grammars are
     refused, not ignored."""
-    given = [name for name in ("response_format", "structured_outputs", "guided_json", "guided_choice")
-             if f.get(name) is not None]
+    given = [name for name in STRUCTURED_FIELDS if f.get(name) is not None]
     for name in ("guided_regex", "guided_grammar"):
         if f.get(name) is not None:
             raise bad_request(f"'{name}' is not supported by this server (structured output takes JSON schemas and "
@@ -194,14 +195,17 @@ def _structured_output(f: Fields) -> tuple[bool, Any]:
                               "'json_object': true (regex and grammar are not supported by this server)", name)
         (kind, v), = v.items()
         if kind == "json_object":
-            return bool(v), None
+            if not isinstance(v, bool):
+                raise bad_request("'structured_outputs.json_object' must be true or false", name, "invalid_type")
+            return v, None
         name = f"structured_outputs.{kind}"
     if name.endswith(("json", "guided_json")):
         if isinstance(v, str):
             try:
                 v = json.loads(v)
-            except ValueError as exc:
-                raise bad_request(f"'{name}' must be a JSON schema (an object, or its JSON text): {exc}", given[0]) from None
+            except (ValueError, RecursionError) as exc:
+                why = exc if isinstance(exc, ValueError) else "nested too deeply"
+                raise bad_request(f"'{name}' must be a JSON schema (an object, or its JSON text): {why}", given[0]) from None
         return True, _schema(v, name, given[0])
     try:
         return True, ChoiceGrammar(v)
@@ -259,9 +263,10 @@ def parse_sampling_options(f: Fields, max_tokens_names: tuple[str, ...], default
                           "spaces_between_special_tokens", "unsupported_parameter")
     prompt_logprobs = f.integer("prompt_logprobs", None, 0, MAX_PROMPT_LOGPROBS)
     json_object, grammar = _structured_output(f)
+    grammar_param = next((n for n in STRUCTURED_FIELDS if f.get(n) is not None), None) if grammar is not None else None
     if prompt_logprobs is not None and stream:
         raise bad_request("'prompt_logprobs' is not available with 'stream': true", "prompt_logprobs")
-    return SamplingOptions(
+    options = SamplingOptions(
         max_tokens=max_tokens,
         prompt_logprobs=prompt_logprobs,
         max_tokens_param=max_tokens_param,
@@ -287,4 +292,9 @@ def parse_sampling_options(f: Fields, max_tokens_names: tuple[str, ...], default
         skip_special_tokens=f.flag("skip_special_tokens", True),
         json_object=json_object,
         grammar=grammar,
+        grammar_param=grammar_param,
     )
+    if isinstance(grammar, ChoiceGrammar) and (options.ignore_eos or options.min_tokens):
+        raise bad_request(f"'{grammar_param}' cannot be combined with 'ignore_eos' or 'min_tokens': the text is exactly "
+                          "one of the choices, which nothing may pad", grammar_param)
+    return options

@@ -284,3 +284,49 @@ def test_a_choice_grammar_and_its_masks():
         state = grammar.advance(grammar.start, prefix)
         invalid, _ = vocab.mask(state, True, grammar)
         assert (~invalid).tolist() == [vocab.accepts(state, t, True, grammar) for t in range(len(pieces))], prefix
+
+
+@pytest.mark.parametrize("extra, param, needle", [
+    ({"guided_choice": ["sunny", "rain"], "min_tokens": 4}, "guided_choice", "cannot be combined with 'ignore_eos' or "
+                                                                            "'min_tokens'"),
+    ({"structured_outputs": {"choice": ["a"]}, "ignore_eos": True}, "structured_outputs", "nothing may pad"),
+    ({"guided_json": "[" * 100_000}, "guided_json", "nested too deeply"),
+    ({"structured_outputs": {"json_object": "false"}}, "structured_outputs", "must be true or false"),
+])
+async def test_more_guided_fields_that_cannot_be_held_are_400s(api, extra, param, needle):
+    with pytest.raises(openai.BadRequestError) as err:
+        await api.completions.create(model="tiny", prompt="x", max_tokens=4, extra_body=extra)
+    assert err.value.body["param"] == param and needle in err.value.body["message"], err.value.body
+
+
+@pytest.mark.parametrize("field", ["guided_choice", "guided_json", "response_format"])
+def test_a_guided_field_beside_a_forced_tool_call_is_named_in_the_400(field):
+    from lorafleet.worker.openai_fields import APIError
+    from lorafleet.worker.openai_protocol import parse_chat_request
+
+    value = {"guided_choice": ["a"], "guided_json": {"type": "object"},
+             "response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": {"type": "object"}}}}[field]
+    for choice in ({"type": "function", "function": {"name": "add"}}, "required"):
+        with pytest.raises(APIError) as err:
+            parse_chat_request({"model": "m", "messages": USER, "tools": [ADD], "tool_choice": choice, field: value})
+        assert err.value.param == field and f"'{field}' cannot be combined with 'tool_choice'" in err.value.message
+
+
+def test_a_choice_is_never_padded_and_text_stop_ids_do_not_hide_the_end():
+    """The JSON grammars may pad a complete value with whitespace (ignore_eos, min_tokens); a choice is its text
+    exactly. With min_tokens, a row whose only other tokens are text stop ids still ends its choice."""
+    from lorafleet.worker.choice_grammar import ChoiceGrammar
+    from lorafleet.worker.json_guide import JsonGuide
+    from lorafleet.worker.json_vocab import JsonVocab
+    from lorafleet.worker.sampling_params import SamplingParams
+    from lorafleet.worker.sequence import Sequence
+
+    pieces = ["y", "e", "ye", " ", "\n"]
+    eos = len(pieces)
+    guide = JsonGuide(lambda: JsonVocab([p.encode() for p in pieces] + [None]), eos_token_ids=[eos])
+    grammar = ChoiceGrammar(["ye"])
+    seq = Sequence("r", [1], SamplingParams(max_tokens=8, min_tokens=3, grammar=grammar, stop_token_ids=[0]))
+    assert (~guide.invalid(seq, "cpu")).nonzero().flatten().tolist() == [2]  # "ye", though min_tokens is not met
+    seq.output_token_ids.append(2)
+    assert (~guide.invalid(seq, "cpu")).nonzero().flatten().tolist() == [0, eos]  # its stops: no whitespace
+    assert not guide.accepts(seq, 3) and guide.accepts(seq, eos)
