@@ -22,13 +22,12 @@ has the launch count of a fused group without its handoff.
 from __future__ import annotations
 
 import datetime
-import json
 import sys
-from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
+from bench_io import write_json  # same folder
 from kernel_floor import read_range, structure_floor  # same folder
 from kernel_setup import DIMS, GROUPS, Timer, copy_bandwidth, cuda_bench_args, recorded_command  # same folder
 
@@ -152,12 +151,7 @@ def main(argv: list[str] | None = None) -> int:
                                            "chain4_x_floor": chain / floor["floor_us"]}  # fmt: skip
             print(f"{name} split {split}: groups {[round(t, 2) for t, _ in best]} us, chain of 4 {chain:.2f} us = "
                   f"{chain / floor['floor_us']:.2f}x the floor {floor['floor_us']:.2f} us", flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    gpu = torch.cuda.get_device_name().split()[-1].lower()
-    path = out / f"kernels_program_floor_{res['date'].replace('-', '')}_{gpu}.json"
-    path.write_text(json.dumps(res, indent=1))
-    print(f"wrote {path}")
+    write_json(args.out, "kernels_program_floor", res["date"], torch.cuda.get_device_name().split()[-1].lower(), res)
     return 0
 
 

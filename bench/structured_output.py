@@ -18,7 +18,8 @@ import json
 import platform
 import sys
 import time
-from pathlib import Path
+
+from bench_io import write_json  # same folder
 
 from lorafleet.worker import Engine, EngineConfig, SamplingParams
 from lorafleet.worker.default_model import default_model_dir
@@ -72,11 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             times.append(time.perf_counter() - start)
         res["mask_build_ms"][text.decode()] = 1e3 * min(times)
         print(f"mask build after {text.decode()!r}: {1e3 * min(times):.1f} ms")
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"structured_output_{res['date'].replace('-', '')}_{args.device}.json"
-    path.write_text(json.dumps(res, indent=1))
-    print(f"wrote {path}")
+    write_json(args.out, "structured_output", res["date"], args.device, res)
     return 0
 
 
