@@ -226,7 +226,7 @@ def _eager_and_graphs(model_dir, prompts, params, check) -> None:
     outs = {}
     for graphs in (False, True):
         engine = Engine(EngineConfig(model=str(model_dir), device="cuda", dtype="float32", block_size=16,
-                                     max_num_seqs=16, pool_bytes=64 << 20, cuda_graphs=graphs))
+                                     max_num_seqs=8, pool_bytes=64 << 20, cuda_graphs=graphs))
         outs[graphs] = engine.generate(prompts, params)
         assert (engine.runner.graphs is not None and engine.runner.graphs.replays > 5) == graphs
         assert check(engine, outs[graphs]) >= 1
