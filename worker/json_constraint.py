@@ -252,4 +252,24 @@ class JsonObjectGrammar:
         return True
 
 
+class CompactJsonObjectGrammar(JsonObjectGrammar):
+    """JSON mode with no whitespace between the tokens of JSON (vLLM's disable_any_whitespace): inside strings
+    whitespace is content as ever."""
+
+    key = "json_object:compact"
+
+    @staticmethod
+    def advance(state: JsonState, data: bytes) -> JsonState | None:
+        if not _WS.intersection(data):
+            return advance(state, data)
+        for c in data:  # byte by byte: whether a whitespace byte is inside a string depends on those before it
+            if c in _WS and not state[0].startswith(("str", "key")):
+                return None
+            state = advance(state, bytes((c,)))
+            if state is None:
+                return None
+        return state
+
+
 JSON_OBJECT = JsonObjectGrammar()
+COMPACT_JSON_OBJECT = CompactJsonObjectGrammar()

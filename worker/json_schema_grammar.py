@@ -49,10 +49,11 @@ class GrammarError(RuntimeError):
 
 
 class SchemaGrammar:
-    def __init__(self, schema: JsonSchema) -> None:
+    def __init__(self, schema: JsonSchema, compact: bool = False) -> None:
         self.schema = schema
         self.nodes = schema.nodes
-        self.key = schema.key  # names the grammar in the vocabulary's mask cache
+        self.compact = compact  # no whitespace between tokens of JSON (vLLM's disable_any_whitespace)
+        self.key = schema.key + (":compact" if compact else "")  # names the grammar in the vocabulary's mask cache
         self.start = frozenset({(("v", schema.root),)})
         self.pads = True  # JSON whitespace may follow the complete value (JsonGuide._pads)
         self._alternatives: dict[int, list[int]] = {}
@@ -116,7 +117,7 @@ class SchemaGrammar:
         top = st[-1]
         tag = top[0]
         if tag == "v":
-            return [st] if c in _WS else self._begin(st[:-1], top[1], c)
+            return self._ws(st) if c in _WS else self._begin(st[:-1], top[1], c)
         if tag == "s":
             mode = _string_byte(top[1], c)
             return [] if mode is None else [self._pop(st[:-1])] if mode == "after" else [st[:-1] + (("s", mode),)]
@@ -145,6 +146,10 @@ class SchemaGrammar:
                 return []
             return [self._pop(st[:-1])] if len(top[1]) == 1 else [st[:-1] + (("l", top[1][1:]),)]
         return self._enum_byte(st[:-1], top[1], top[2], c)  # "e"
+
+    def _ws(self, st: tuple) -> list[tuple]:
+        """Whitespace between tokens of JSON: it changes nothing, and with `compact` it may not come."""
+        return [] if self.compact else [st]
 
     def _begin(self, below: tuple, index: int, c: int) -> list[tuple]:
         """The stacks after `c`, the first byte of a value of node `index`, on top of `below`."""
@@ -181,7 +186,7 @@ class SchemaGrammar:
     def _object_byte(self, st: tuple, top: tuple, c: int) -> list[tuple]:
         _, index, seen, phase, cur = top
         if c in _WS:
-            return [st]
+            return self._ws(st)
         node = self.nodes[index]
         if phase == "colon":
             if c != 0x3A:
@@ -227,7 +232,7 @@ class SchemaGrammar:
     def _array_byte(self, st: tuple, top: tuple, c: int) -> list[tuple]:
         _, index, count, phase = top
         if c in _WS:
-            return [st]
+            return self._ws(st)
         node = self.nodes[index]
         if c == 0x5D and phase in ("open", "after"):  # ']'
             return [self._pop(st[:-1])] if count >= node.min_items else []
@@ -304,10 +309,12 @@ def _number_byte(mode: str, c: int, integer: bool) -> str | None:
     return None
 
 
-def schema_grammar(schema: Any) -> SchemaGrammar:
-    """The grammar of a schema (json_schema.SchemaError when it cannot be enforced); one per schema text, shared by
-    the requests that send it, with its cached alternatives (and the vocabulary's masks, keyed by its key)."""
+def schema_grammar(schema: Any, compact: bool = False) -> SchemaGrammar:
+    """The grammar of a schema (json_schema.SchemaError when it cannot be enforced); one per schema text (and
+    `compact`), shared by the requests that send it, with its cached alternatives (and the vocabulary's masks,
+    keyed by its key)."""
     compiled = compile_schema(schema)
-    if compiled.grammar is None:
-        compiled.grammar = SchemaGrammar(compiled)
-    return compiled.grammar
+    grammar = compiled.grammars.get(compact)
+    if grammar is None:
+        grammar = compiled.grammars[compact] = SchemaGrammar(compiled, compact)
+    return grammar

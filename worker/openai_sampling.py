@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lorafleet.worker.choice_grammar import ChoiceError, ChoiceGrammar
+from lorafleet.worker.json_constraint import COMPACT_JSON_OBJECT
 from lorafleet.worker.json_schema import SchemaError
 from lorafleet.worker.json_schema_grammar import SchemaGrammar, schema_grammar
 from lorafleet.worker.logit_bias import LogitBiasError, parse_logit_bias
@@ -163,17 +164,19 @@ def _response_format(f: Fields) -> tuple[bool, SchemaGrammar | None]:
     return True, _schema(spec["schema"], "response_format.json_schema.schema")
 
 
-def _schema(schema: object, where: str, param: str = "response_format") -> SchemaGrammar:
-    """The grammar of a request's schema; a 400 naming what cannot be enforced."""
+def _schema(schema: object, where: str, param: str = "response_format", compact: bool = False) -> SchemaGrammar:
+    """The grammar of a request's schema (`compact`: no whitespace between JSON's tokens); a 400 naming what
+    cannot be enforced."""
     try:
-        return schema_grammar(schema)
+        return schema_grammar(schema, compact)
     except SchemaError as exc:
         raise bad_request(f"'{where}': {exc}", param) from None
 
 
 def _structured_output(f: Fields) -> tuple[bool, Any]:
     """-> (constrained, grammar or None), from `response_format` or vLLM's fields: `structured_outputs`
-    (`{"json": <schema>}`, `{"choice": [...]}` or `{"json_object": true}`) and the older `guided_json` (a
+    (`{"json": <schema>}`, `{"choice": [...]}` or `{"json_object": true}`, with `"disable_any_whitespace": true`
+    no whitespace between JSON's tokens, as vLLM's xgrammar backend) and the older `guided_json` (a
     schema, or its JSON text) and `guided_choice`. One of them at most; regular expressions and grammars are
     refused, not ignored."""
     given = [name for name in STRUCTURED_FIELDS if f.get(name) is not None]
@@ -189,15 +192,21 @@ def _structured_output(f: Fields) -> tuple[bool, Any]:
     if not given or given[0] == "response_format":
         return _response_format(f)
     name, v = given[0], f.get(given[0])
+    compact = False
     if name == "structured_outputs":
-        if not isinstance(v, dict) or len(v) != 1 or next(iter(v)) not in ("json", "choice", "json_object"):
+        kinds = [k for k in v if k != "disable_any_whitespace"] if isinstance(v, dict) else []
+        if len(kinds) != 1 or kinds[0] not in ("json", "choice", "json_object") or len(v) - len(kinds) > 1:
             raise bad_request("'structured_outputs' takes one of 'json' (a schema), 'choice' (a list of strings) or "
-                              "'json_object': true (regex and grammar are not supported by this server)", name)
-        (kind, v), = v.items()
+                              "'json_object': true, and 'disable_any_whitespace' (regex and grammar are not supported "
+                              "by this server)", name)
+        compact = v.get("disable_any_whitespace", False)
+        if not isinstance(compact, bool):
+            raise bad_request("'structured_outputs.disable_any_whitespace' must be true or false", name, "invalid_type")
+        kind, v = kinds[0], v[kinds[0]]
         if kind == "json_object":
             if not isinstance(v, bool):
                 raise bad_request("'structured_outputs.json_object' must be true or false", name, "invalid_type")
-            return v, None
+            return v, (COMPACT_JSON_OBJECT if v and compact else None)
         name = f"structured_outputs.{kind}"
     if name.endswith(("json", "guided_json")):
         if isinstance(v, str):
@@ -206,7 +215,7 @@ def _structured_output(f: Fields) -> tuple[bool, Any]:
             except (ValueError, RecursionError) as exc:
                 why = exc if isinstance(exc, ValueError) else "nested too deeply"
                 raise bad_request(f"'{name}' must be a JSON schema (an object, or its JSON text): {why}", given[0]) from None
-        return True, _schema(v, name, given[0])
+        return True, _schema(v, name, given[0], compact)
     try:
         return True, ChoiceGrammar(v)
     except ChoiceError as exc:

@@ -330,3 +330,42 @@ def test_a_choice_is_never_padded_and_text_stop_ids_do_not_hide_the_end():
     seq.output_token_ids.append(2)
     assert (~guide.invalid(seq, "cpu")).nonzero().flatten().tolist() == [0, eos]  # its stops: no whitespace
     assert not guide.accepts(seq, 3) and guide.accepts(seq, eos)
+
+
+async def test_disable_any_whitespace_writes_json_compactly(api, bias):
+    """vLLM's structured_outputs.disable_any_whitespace: no whitespace between JSON's tokens (small models can
+    loop on it), whitespace inside strings as ever; for a schema and for JSON mode."""
+    body = {"model": "tiny", "n": 4, "seed": 8, "max_tokens": 96, "logit_bias": bias}
+    for extra in ({"json": REPORT}, {"json_object": True}):
+        resp = await api.completions.create(prompt="Report:", extra_body={"structured_outputs": extra | {
+            "disable_any_whitespace": True}}, **body)
+        done = [c.text for c in resp.choices if c.finish_reason == "stop"]
+        assert done
+        for text in done:
+            assert json.dumps(json.loads(text), separators=(",", ":"), ensure_ascii=False) == text
+    loose = await api.completions.create(prompt="Report:", extra_body={"structured_outputs": {"json": REPORT}}, **body)
+    assert any(json.dumps(json.loads(c.text), separators=(",", ":"), ensure_ascii=False) != c.text
+               for c in loose.choices if c.finish_reason == "stop")  # without it this model writes whitespace
+    with pytest.raises(openai.BadRequestError) as err:
+        await api.completions.create(prompt="x", extra_body={"structured_outputs": {
+            "json": REPORT, "disable_any_whitespace": "yes"}}, **body)
+    assert err.value.body["param"] == "structured_outputs" and "true or false" in err.value.body["message"]
+
+
+def test_compact_grammars_refuse_whitespace_between_tokens_only():
+    from lorafleet.worker.json_constraint import COMPACT_JSON_OBJECT
+    from lorafleet.worker.json_vocab import JsonVocab
+
+    schema = schema_grammar(REPORT, compact=True)
+    assert schema.key != schema_grammar(REPORT).key and schema is schema_grammar(REPORT, compact=True)
+    for grammar in (schema, COMPACT_JSON_OBJECT):
+        assert grammar.advance(grammar.start, b'{"city":"New York","temp":3,"unit":"C"}') is not None
+        for spaced in (b' {"city":"x"', b'{ "city":"x"', b'{"city" :"x"', b'{"city": "x"', b'{"city":"x" ,'):
+            assert grammar.advance(grammar.start, spaced) is None, (grammar.key, spaced)
+    pieces = [b" ", b"\n", b'{"', b'city', b'":"', b"a b", b" c", b'"', b'","', b"temp", b'":', b"1", b"}", b", "]
+    vocab = JsonVocab(pieces)
+    for grammar in (schema, COMPACT_JSON_OBJECT):
+        for prefix in (b"", b'{"', b'{"city":"', b'{"city":"a', b'{"city":"a b"', b'{"city":"a b","temp":1'):
+            state = grammar.advance(grammar.start, prefix)
+            invalid, _ = vocab.mask(state, True, grammar)
+            assert (~invalid).tolist() == [vocab.accepts(state, t, True, grammar) for t in range(len(pieces))], prefix
