@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import gc
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -241,8 +242,18 @@ class DecodeGraphs:
             self._forward(ctx, size)  # compiles the Triton kernels and settles the allocator before capture
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            logits = self._forward(ctx, size)
+        # Thread-local capture: another thread's CUDA call meanwhile (an adapter read pinning host memory while
+        # a step re-captures at runtime) neither fails nor invalidates the capture, as the default global mode
+        # would. And no garbage collection inside it: the graph's `__enter__` collects first, and a collection
+        # triggered mid-capture could run the destructors of CUDA objects an earlier engine left.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                logits = self._forward(ctx, size)
+        finally:
+            if collecting:
+                gc.enable()
         self.captures += 1
         return _Graph(graph, logits, layout_key(ctx.lora_layout))
 
