@@ -134,6 +134,7 @@ class DiskCache:
             size = cache_write(lambda: _sync_tree(tmp))
             final = self.root / key
             with self._lock:
+                self._reserved.pop(tmp.name, None)  # its real size counts from here, in the same step
                 if final.exists():  # a concurrent fill won; its content is the same (same key)
                     shutil.rmtree(tmp, ignore_errors=True)
                 else:
@@ -145,7 +146,7 @@ class DiskCache:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        finally:
+        finally:  # a fill that failed: its reservation ends
             with self._lock:
                 self._reserved.pop(tmp.name, None)
         return final

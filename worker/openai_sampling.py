@@ -127,7 +127,7 @@ def _min_tokens(f: Fields, max_tokens: int | None, max_tokens_param: str) -> int
     return min_tokens
 
 
-def _response_format(f: Fields) -> tuple[bool, SchemaGrammar | None]:
+def _response_format(f: Fields, compact: bool = False) -> tuple[bool, Any]:
     """OpenAI's `response_format` (vLLM takes it on /v1/completions too): "text"; "json_object" for JSON mode;
     "json_schema" (`{"name", "schema", "strict", "description"}`) for structured output, the output held to the
     schema (json_schema.py says which keywords, and refuses the others rather than ignore them). LoRAX's form,
@@ -149,7 +149,9 @@ def _response_format(f: Fields) -> tuple[bool, SchemaGrammar | None]:
     if kind == "text":
         return False, None
     if kind == "json_object":
-        return True, (_schema(v["schema"], "response_format.schema") if "schema" in v else None)
+        if "schema" in v:
+            return True, _schema(v["schema"], "response_format.schema", compact=compact)
+        return True, (COMPACT_JSON_OBJECT if compact else None)
     spec = v.get("json_schema")
     if not isinstance(spec, dict) or "schema" not in spec:
         raise bad_request('\'response_format.json_schema\' must be an object like {"name": ..., "schema": {...}}',
@@ -161,7 +163,7 @@ def _response_format(f: Fields) -> tuple[bool, SchemaGrammar | None]:
         if spec.get(key) is not None and not isinstance(spec[key], kinds):
             raise bad_request(f"'response_format.json_schema.{key}' must be a {kinds.__name__}", "response_format",
                               "invalid_type")
-    return True, _schema(spec["schema"], "response_format.json_schema.schema")
+    return True, _schema(spec["schema"], "response_format.json_schema.schema", compact=compact)
 
 
 def _schema(schema: object, where: str, param: str = "response_format", compact: bool = False) -> SchemaGrammar:
@@ -184,22 +186,23 @@ def _structured_output(f: Fields) -> tuple[bool, Any]:
         if f.get(name) is not None:
             raise bad_request(f"'{name}' is not supported by this server (structured output takes JSON schemas and "
                               "choices: 'guided_json', 'guided_choice', 'response_format')", name, "unsupported_parameter")
-    f.string("guided_decoding_backend")  # a preference among vLLM's backends: this server has one of its own
+    # A preference among vLLM's backends: this server has one of its own. Older vLLM clients asked for JSON
+    # without whitespace between its tokens with the option `xgrammar:disable-any-whitespace`: honoured.
+    compact = "disable-any-whitespace" in (f.string("guided_decoding_backend") or "")
     f.neutral("guided_whitespace_pattern", None, "JSON whitespace is not configurable here")
     if len(given) > 1:
         raise bad_request(f"send one of {', '.join(repr(g) for g in given)}: each sets what the output is held to",
                           given[1])
     if not given or given[0] == "response_format":
-        return _response_format(f)
+        return _response_format(f, compact)
     name, v = given[0], f.get(given[0])
-    compact = False
     if name == "structured_outputs":
         kinds = [k for k in v if k != "disable_any_whitespace"] if isinstance(v, dict) else []
         if len(kinds) != 1 or kinds[0] not in ("json", "choice", "json_object") or len(v) - len(kinds) > 1:
             raise bad_request("'structured_outputs' takes one of 'json' (a schema), 'choice' (a list of strings) or "
                               "'json_object': true, and 'disable_any_whitespace' (regex and grammar are not supported "
                               "by this server)", name)
-        compact = v.get("disable_any_whitespace", False)
+        compact = v.get("disable_any_whitespace", compact)
         if not isinstance(compact, bool):
             raise bad_request("'structured_outputs.disable_any_whitespace' must be true or false", name, "invalid_type")
         kind, v = kinds[0], v[kinds[0]]

@@ -267,9 +267,12 @@ class Stager:
         self.store.skip(push_start)
 
         def fill(tmp: Path) -> None:
+            reserved = [None]  # this fill's (a fill retried after a full disk reserves again)
+
             def progress(done: int, total: int) -> None:
-                if self.downloading.get(key, (None, 0, None))[2] != total:  # listed (again): room for its bytes
-                    self.cache.reserve(tmp, total, protect=self.protected)
+                if reserved[0] != total:  # listed (again): room for its bytes, keeping the URI's last copy, the
+                    reserved[0] = total  # fallback should this download fail with the store down
+                    self.cache.reserve(tmp, total, protect=lambda: {*self.protected(), *filter(None, [self.last_copy(uri)])})
                 self.downloading[key] = (uri, done, total)  # by key: one URI may be downloaded under two at once
 
             self.sources.download(uri, tmp, progress=progress, deadline=deadline, etags=etags)
@@ -365,7 +368,8 @@ class Stager:
         return report
 
     def disk_stats(self) -> dict[str, Any]:
-        return {"cache_bytes": self.cache.used_bytes, "cache_entries": len(self.cache.entries()),
+        return {"cache_bytes": self.cache.used_bytes, "cache_reserved_bytes": self.cache.reserved_bytes,
+                "cache_entries": len(self.cache.entries()),
                 "cache_evictions": self.cache.evictions, **self.counts, "store": self.store.to_dict(),
                 "downloading": progress_by_uri(self.downloading), "download_seconds": list(self.download_seconds)}
 

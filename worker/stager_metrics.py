@@ -27,6 +27,8 @@ class StagerMetrics:
                                        registry=r)
         Gauge("lorafleet_stager_cache_bytes", "Bytes in the node-local disk cache", registry=r).set_function(
             lambda: cache.used_bytes)
+        Gauge("lorafleet_stager_cache_reserved_bytes", "Bytes the downloads in flight will write (counted against "
+              "the cache's budget)", registry=r).set_function(lambda: cache.reserved_bytes)
         Gauge("lorafleet_stager_cache_entries", "Adapters in the node-local disk cache", registry=r).set_function(
             lambda: len(cache.entries()))
 

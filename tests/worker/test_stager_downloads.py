@@ -362,11 +362,61 @@ async def test_a_download_in_flight_counts_against_the_cache_budget(s3, adapters
         assert len(stager.cache.entries()) == 1  # the old copy, from the run before
         task = asyncio.ensure_future(stager.stage("s3://adapters/team/slow/", adapter_digest(adapters["big"])))
         seen = []
+        reported = set()
         while not task.done():
             seen.append((stager.cache.reserved_bytes, stager.cache.entries(), stager.cache.used_bytes))
+            reported.add((stager.disk_stats()["cache_reserved_bytes"],
+                          stager.registry.get_sample_value("lorafleet_stager_cache_reserved_bytes")))
             await asyncio.sleep(0.02)
         with pytest.raises(TimeoutError):
             await task
     during = [s for s in seen if s[0]]
     assert during and all(r == big_size and entries == [] and used == 0 for r, entries, used in during), seen[-3:]
     assert stager.cache.reserved_bytes == 0 and stager.cache.evictions == 1
+    assert (big_size, big_size) in reported  # in /v1/state's disk counters and in /metrics while it runs
+
+
+async def test_a_reservation_keeps_the_uris_last_copy_its_fallback(s3, adapters, tmp_path):
+    """A new upload under a URI: its download reserves room, but not by evicting the URI's last copy, which is
+    what the stager serves if this download fails with the store down."""
+    upload(s3.client(), "team/moving2/", adapters["v1"])
+    uri = "s3://adapters/team/moving2/"
+    old_size = sum(f.stat().st_size for f in adapters["v1"].iterdir() if f.is_file())
+    big_size = sum(f.stat().st_size for f in adapters["big"].iterdir() if f.is_file())
+    cache = tmp_path / "cache"
+    first = stager_for(s3.endpoint, s3, cache, stager_cache_bytes=big_size + old_size // 2)
+    old = await first.stage(uri, None)
+    upload(s3.client(), "team/moving2/", adapters["big"])  # a new upload: new etags, a new key
+    async with trickling_proxy(s3.port) as endpoint:
+        stager = stager_for(endpoint, s3, cache, stager_cache_bytes=big_size + old_size // 2, download_timeout_s=1.0)
+        stager._by_uri[uri] = old.path.name  # what the run before staged for it
+        with pytest.raises(TimeoutError):
+            await stager.stage(uri, None)
+    assert stager.cache.entries() == [old.path.name] and stager.cache.reserved_bytes == 0
+
+
+def test_a_fill_retried_after_a_full_disk_reserves_again(tmp_path):
+    """The disk filled up: the cache gives up unheld copies and fills again in a new temp directory, whose
+    download reserves its bytes again (the first attempt's reservation ended with it)."""
+    import errno
+
+    from lorafleet.worker.disk_cache import cache_write
+
+    stager = Stager(StagerConfig(stager_token="t" * 20, stager_cache_dir=str(tmp_path / "c"), s3_allow=["b/p/"],
+                                 stager_cache_bytes=10_000))
+    seen, attempts = [], []
+
+    def download(uri, dest, *, progress, deadline, etags):
+        progress(0, 5000)
+        seen.append(stager.cache.reserved_bytes)
+        attempts.append(dest)
+        if len(attempts) == 1:
+            cache_write(lambda: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left on device")))
+        (dest / CONFIG_FILE).write_text("{}")
+        progress(5000, 5000)
+
+    stager.cache.put("old", lambda d: (d / "x").write_bytes(b"x"))  # what the full disk gives up
+    stager.sources.download = download
+    with pytest.raises(SourceError, match="missing adapter_model.safetensors"):  # this fake writes the config only
+        stager._download("s3://b/p/", None, "k", deadline=1e18, etags=None, push_start=None)
+    assert seen == [5000, 5000] and len(attempts) == 2 and stager.cache.reserved_bytes == 0

@@ -301,6 +301,8 @@ async def test_more_guided_fields_that_cannot_be_held_are_400s(api, extra, param
 
 @pytest.mark.parametrize("field", ["guided_choice", "guided_json", "response_format"])
 def test_a_guided_field_beside_a_forced_tool_call_is_named_in_the_400(field):
+    """A schema or choices beside a forced call is a 400 naming it; JSON mode (compact or not) is replaced by
+    the call's schema, as it always was."""
     from lorafleet.worker.openai_fields import APIError
     from lorafleet.worker.openai_protocol import parse_chat_request
 
@@ -310,6 +312,10 @@ def test_a_guided_field_beside_a_forced_tool_call_is_named_in_the_400(field):
         with pytest.raises(APIError) as err:
             parse_chat_request({"model": "m", "messages": USER, "tools": [ADD], "tool_choice": choice, field: value})
         assert err.value.param == field and f"'{field}' cannot be combined with 'tool_choice'" in err.value.message
+        for mode in ({"json_object": True}, {"json_object": True, "disable_any_whitespace": True}):
+            request = parse_chat_request({"model": "m", "messages": USER, "tools": [ADD], "tool_choice": choice,
+                                          "structured_outputs": mode})
+            assert request.options.grammar is request.tools.output_grammar
 
 
 def test_a_choice_is_never_padded_and_text_stop_ids_do_not_hide_the_end():
@@ -336,9 +342,10 @@ async def test_disable_any_whitespace_writes_json_compactly(api, bias):
     """vLLM's structured_outputs.disable_any_whitespace: no whitespace between JSON's tokens (small models can
     loop on it), whitespace inside strings as ever; for a schema and for JSON mode."""
     body = {"model": "tiny", "n": 4, "seed": 8, "max_tokens": 96, "logit_bias": bias}
-    for extra in ({"json": REPORT}, {"json_object": True}):
-        resp = await api.completions.create(prompt="Report:", extra_body={"structured_outputs": extra | {
-            "disable_any_whitespace": True}}, **body)
+    older = {"guided_json": REPORT, "guided_decoding_backend": "xgrammar:disable-any-whitespace"}  # older clients
+    for extra in ({"structured_outputs": {"json": REPORT, "disable_any_whitespace": True}},
+                  {"structured_outputs": {"json_object": True, "disable_any_whitespace": True}}, older):
+        resp = await api.completions.create(prompt="Report:", extra_body=extra, **body)
         done = [c.text for c in resp.choices if c.finish_reason == "stop"]
         assert done
         for text in done:
