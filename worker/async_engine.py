@@ -25,7 +25,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 
-from lorafleet.worker.engine import Engine, Prompt
+from lorafleet.worker.engine import Engine, EngineError, Prompt
 from lorafleet.worker.request_output import RequestOutput
 from lorafleet.worker.sampling_params import SamplingParams
 
@@ -96,6 +96,7 @@ class AsyncEngine:
             raise RuntimeError("the engine is not running (call start() first)")
         if params is not None and params.json_object:
             await self._json_vocab_ready()  # raises JsonModeError when the table cannot be built
+            self._check_spelling(params)
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         added: Future = Future()
@@ -130,6 +131,17 @@ class AsyncEngine:
         guide = self.engine.sampler.json_guide  # None without a tokenizer: the engine refuses JSON mode then
         if guide is not None and not guide.is_ready:
             await asyncio.wrap_future(guide.prepare())
+
+    def _check_spelling(self, params: SamplingParams) -> None:
+        """A grammar of fixed texts (guided_choice) that this vocabulary cannot write is a bad request now, not
+        a failure midway (a vocabulary with a token for every byte writes anything)."""
+        check = getattr(params.grammar, "unspellable", None)
+        guide = self.engine.sampler.json_guide
+        if check is not None and guide is not None:
+            choice = check(*guide.vocab.spellings)
+            if choice is not None:
+                raise EngineError(f"this model's vocabulary cannot write the choice {choice!r} (no sequence of its "
+                                  "tokens spells it)")
 
     def abort(self, request_id: str) -> None:
         """Abort from any thread; applied before the next step."""

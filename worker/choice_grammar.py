@@ -43,6 +43,19 @@ class ChoiceGrammar:
         self.start = b""
         self.pads = False  # no whitespace after a choice (ignore_eos, min_tokens): the text is the choice exactly
 
+    def unspellable(self, token_bytes: set[bytes], longest: int) -> str | None:
+        """The first choice no sequence of these tokens' bytes writes exactly (a vocabulary without a token for
+        every byte), else None: such a row would otherwise take a prefix and then find no way on."""
+        for choice in self.choices:
+            reach = [True] + [False] * len(choice)  # reach[i]: choice[:i] is a sequence of tokens
+            for i in range(len(choice)):
+                if reach[i]:
+                    for j in range(i + 1, min(len(choice), i + longest) + 1):
+                        reach[j] = reach[j] or choice[i:j] in token_bytes
+            if not reach[-1]:
+                return choice.decode()
+        return None
+
     @staticmethod
     def is_complete(state) -> bool:
         return state == DONE

@@ -15,6 +15,7 @@ Scanning ~49k tokens in Python at every step would cost tens of milliseconds, so
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 
 import torch
@@ -68,6 +69,12 @@ class JsonVocab:
         self._none = torch.zeros(self.vocab_size, dtype=torch.bool)
         self._masks: OrderedDict[tuple, tuple[torch.Tensor, int]] = OrderedDict()
         self.num_built = 0  # masks scanned (cache misses), for tests and benchmarks
+
+    @functools.cached_property
+    def spellings(self) -> tuple[set[bytes], int]:
+        """(every token's bytes, the longest): what a grammar checks it can be written with (choice_grammar.py)."""
+        spelled = {b for b in self._bytes if b}
+        return spelled, max(map(len, spelled), default=0)
 
     def token_bytes(self, token_id: int) -> bytes:
         """The token's bytes; empty for special tokens and ids past the tokenizer's vocabulary."""

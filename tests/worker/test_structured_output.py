@@ -376,3 +376,43 @@ def test_compact_grammars_refuse_whitespace_between_tokens_only():
             state = grammar.advance(grammar.start, prefix)
             invalid, _ = vocab.mask(state, True, grammar)
             assert (~invalid).tolist() == [vocab.accepts(state, t, True, grammar) for t in range(len(pieces))], prefix
+
+
+def test_a_choice_the_vocabulary_cannot_spell_is_found_before_the_request_runs():
+    """With a token for every byte any choice is written; without, a row could take a prefix and find no way
+    on midway. The check (the AsyncEngine's, before the request joins the batch) finds such a choice."""
+    from lorafleet.worker.choice_grammar import ChoiceGrammar
+    from lorafleet.worker.json_vocab import JsonVocab
+
+    grammar = ChoiceGrammar(["yes", "yez", "no"])
+    words = JsonVocab([b"y", b"ye", b"es", b"s", b"no", b" "])
+    assert grammar.unspellable(*words.spellings) == "yez"
+    assert ChoiceGrammar(["yes", "no"]).unspellable(*words.spellings) is None
+    every_byte = JsonVocab([bytes((b,)) for b in range(256)])
+    assert grammar.unspellable(*every_byte.spellings) is None
+
+
+async def test_guided_choice_over_http_checks_the_vocabulary(api):
+    """The tiny model's byte vocabulary spells anything: the check passes and the request is served."""
+    resp = await api.completions.create(model="tiny", prompt="x", max_tokens=8, extra_body={"guided_choice": ["é!"]})
+    assert resp.choices[0].text == "é!"
+
+
+async def test_guided_choice_a_vocabulary_cannot_spell_is_a_400(aiohttp_client, tiny_llama_dir):
+    from lorafleet.worker.app_keys import ENGINE
+    from lorafleet.worker.engine_config import EngineConfig
+    from lorafleet.worker.server import create_app
+    from lorafleet.worker.worker_config import WorkerConfig
+
+    config = WorkerConfig(engine=EngineConfig(model=str(tiny_llama_dir), dtype="float32", max_model_len=128),
+                          served_model_name="tiny")
+    client = await aiohttp_client(create_app(config))
+    guide = client.app[ENGINE].engine.sampler.json_guide
+    guide.prepare().result()
+    guide.vocab.__dict__["spellings"] = ({b"y", b"e", b"s", b"n", b"o"}, 1)  # as if no other byte had a token
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 4}
+    resp = await client.post("/v1/completions", json=body | {"guided_choice": ["yes", "nope"]})
+    error = (await resp.json())["error"]
+    assert resp.status == 400 and "cannot write the choice 'nope'" in error["message"], error
+    resp = await client.post("/v1/completions", json=body | {"guided_choice": ["yes", "no"]})
+    assert resp.status == 200 and (await resp.json())["choices"][0]["text"] in ("yes", "no")
