@@ -155,8 +155,9 @@ class JsonGuide:
         if grammar.is_complete(state):
             return self._after_object(seq, vocab, device)
         text_stops = [t for t in _ids(self.stop_ids(seq), vocab) if vocab.token_bytes(t)]  # never content
-        invalid = self._without(vocab.mask(state, self.may_complete(seq), grammar), text_stops)
-        if invalid is None and not self.may_complete(seq):  # a value of fixed length (an enum, true) can only end:
+        may_complete = self.may_complete(seq)
+        invalid = self._without(vocab.mask(state, may_complete, grammar), text_stops)
+        if invalid is None and not may_complete:  # a value of fixed length (an enum, true) can only end:
             invalid = self._without(vocab.mask(state, True, grammar), text_stops)  # it ends; whitespace pads min_tokens
         if invalid is None:
             raise JsonModeError("JSON mode: no token of the vocabulary continues the JSON value")

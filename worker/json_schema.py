@@ -292,20 +292,21 @@ class JsonSchema:
             raise SchemaError("the schema takes no finite value somewhere (a required property, or the items of an "
                               "array with minItems, that holds itself): the output could never end")
 
+    def _root_kinds(self) -> set[str]:
+        """The kinds of value (object, number, ...) the whole schema may take."""
+        kinds: set[str] = set()
+        for node in (self.nodes[i] for i in self.alternatives(self.root)):
+            kinds |= {_kind(json.loads(e)) for e in node.enum} if node.enum is not None else node.types
+        return kinds
+
     def takes_only_objects(self) -> bool:
         """Whether every value of the schema is an object (a function's arguments must be)."""
-        for node in (self.nodes[i] for i in self.alternatives(self.root)):
-            kinds = {_kind(json.loads(e)) for e in node.enum} if node.enum is not None else node.types
-            if kinds != {"object"}:
-                return False
-        return True
+        return self._root_kinds() == {"object"}
 
     def _check_root(self) -> None:
-        for node in (self.nodes[i] for i in self.alternatives(self.root)):
-            kinds = {_kind(json.loads(e)) for e in node.enum} if node.enum is not None else node.types
-            if kinds & {"number", "integer"}:
-                raise SchemaError("#: the top-level schema may describe a number, which has no end a stop token could "
-                                  "follow; describe an object, an array, a string, a boolean or null")
+        if self._root_kinds() & {"number", "integer"}:
+            raise SchemaError("#: the top-level schema may describe a number, which has no end a stop token could "
+                              "follow; describe an object, an array, a string, a boolean or null")
 
 
 def _kind(v: Any) -> str:

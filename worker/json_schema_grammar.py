@@ -56,7 +56,6 @@ class SchemaGrammar:
         self.key = schema.key + (":compact" if compact else "")  # names the grammar in the vocabulary's mask cache
         self.start = frozenset({(("v", schema.root),)})
         self.pads = True  # JSON whitespace may follow the complete value (JsonGuide._pads)
-        self._alternatives: dict[int, list[int]] = {}
 
     @staticmethod
     def is_complete(state) -> bool:
@@ -105,12 +104,6 @@ class SchemaGrammar:
             stacks = frozenset(nxt)
         return stacks
 
-    def _alts(self, index: int) -> list[int]:
-        alts = self._alternatives.get(index)
-        if alts is None:
-            alts = self._alternatives[index] = self.schema.alternatives(index)  # memoized there too
-        return alts
-
     def _byte(self, st: tuple, c: int) -> list[tuple]:
         if not st:
             return []
@@ -128,14 +121,7 @@ class SchemaGrammar:
         if tag == "k":
             return self._key_byte(st, top[1], c)
         if tag == "K":
-            mode = _string_byte(top[1], c)
-            if mode is None:
-                return []
-            if mode != "after":
-                return [st[:-1] + (("K", mode, top[2] + bytes((c,))),)]
-            obj = st[-2]
-            listed = self.nodes[obj[1]].names.get(encode(json.loads(b'"' + top[2] + b'"'))[1:-1], -1)
-            return [] if listed in obj[2] else [self._key_done(st[:-1], listed)]
+            return self._other_key_byte(st, top[1], top[2], c)
         if tag == "n":
             mode = _number_byte(top[1], c, top[2])
             if mode is not None:
@@ -154,7 +140,7 @@ class SchemaGrammar:
     def _begin(self, below: tuple, index: int, c: int) -> list[tuple]:
         """The stacks after `c`, the first byte of a value of node `index`, on top of `below`."""
         out = []
-        for a in self._alts(index):
+        for a in self.schema.alternatives(index):  # memoized at compile time
             node = self.nodes[a]
             if node.enum is not None:
                 out.extend(self._enum_byte(below, a, b"", c))
@@ -214,14 +200,20 @@ class SchemaGrammar:
             return [st[:-1] + (("k", longer),)]
         if node.additional is None:
             return []
-        mode = _string_mode(buf)  # another key, or a listed one written otherwise: read whole, decided at its end
+        return self._other_key_byte(st, _string_mode(buf), buf, c)
+
+    def _other_key_byte(self, st: tuple, mode: str | None, buf: bytes, c: int) -> list[tuple]:
+        """Byte `c` of a key not (or no longer) matched against the listed names, `buf` its bytes so far in string
+        mode `mode`: read whole, and decided at its closing quote (a listed name written otherwise is that
+        property, refused once written; any other is an additional key)."""
         mode = None if mode is None else _string_byte(mode, c)
         if mode is None:
             return []
         if mode != "after":
-            return [st[:-1] + (("K", mode, longer),)]
-        listed = node.names.get(encode(json.loads(b'"' + buf + b'"'))[1:-1], -1)
-        return [] if listed in seen else [self._key_done(st[:-1], listed)]
+            return [st[:-1] + (("K", mode, buf + bytes((c,))),)]
+        obj = st[-2]
+        listed = self.nodes[obj[1]].names.get(encode(json.loads(b'"' + buf + b'"'))[1:-1], -1)
+        return [] if listed in obj[2] else [self._key_done(st[:-1], listed)]
 
     @staticmethod
     def _key_done(st: tuple, cur: int) -> tuple:

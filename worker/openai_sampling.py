@@ -175,8 +175,8 @@ def _schema(schema: object, where: str, param: str = "response_format", compact:
         raise bad_request(f"'{where}': {exc}", param) from None
 
 
-def _structured_output(f: Fields) -> tuple[bool, Any]:
-    """-> (constrained, grammar or None), from `response_format` or vLLM's fields: `structured_outputs`
+def _structured_output(f: Fields) -> tuple[bool, Any, str | None]:
+    """-> (constrained, grammar or None, the field that asked for it), from `response_format` or vLLM's fields: `structured_outputs`
     (`{"json": <schema>}`, `{"choice": [...]}` or `{"json_object": true}`, with `"disable_any_whitespace": true`
     no whitespace between JSON's tokens, as vLLM's xgrammar backend) and the older `guided_json` (a
     schema, or its JSON text) and `guided_choice`. One of them at most; regular expressions and grammars are
@@ -193,10 +193,11 @@ def _structured_output(f: Fields) -> tuple[bool, Any]:
     if len(given) > 1:
         raise bad_request(f"send one of {', '.join(repr(g) for g in given)}: each sets what the output is held to",
                           given[1])
-    if not given or given[0] == "response_format":
-        return _response_format(f, compact)
-    name, v = given[0], f.get(given[0])
-    if name == "structured_outputs":
+    field = given[0] if given else None
+    if field is None or field == "response_format":
+        return (*_response_format(f, compact), field)
+    name, v, kind = field, f.get(field), {"guided_json": "json", "guided_choice": "choice"}.get(field)
+    if field == "structured_outputs":
         kinds = [k for k in v if k != "disable_any_whitespace"] if isinstance(v, dict) else []
         if len(kinds) != 1 or kinds[0] not in ("json", "choice", "json_object") or len(v) - len(kinds) > 1:
             raise bad_request("'structured_outputs' takes one of 'json' (a schema), 'choice' (a list of strings) or "
@@ -209,20 +210,20 @@ def _structured_output(f: Fields) -> tuple[bool, Any]:
         if kind == "json_object":
             if not isinstance(v, bool):
                 raise bad_request("'structured_outputs.json_object' must be true or false", name, "invalid_type")
-            return v, (COMPACT_JSON_OBJECT if v and compact else None)
+            return v, (COMPACT_JSON_OBJECT if v and compact else None), field
         name = f"structured_outputs.{kind}"
-    if name.endswith(("json", "guided_json")):
+    if kind == "json":
         if isinstance(v, str):
             try:
                 v = json.loads(v)
             except (ValueError, RecursionError) as exc:
                 why = exc if isinstance(exc, ValueError) else "nested too deeply"
-                raise bad_request(f"'{name}' must be a JSON schema (an object, or its JSON text): {why}", given[0]) from None
-        return True, _schema(v, name, given[0], compact)
+                raise bad_request(f"'{name}' must be a JSON schema (an object, or its JSON text): {why}", field) from None
+        return True, _schema(v, name, field, compact), field
     try:
-        return True, ChoiceGrammar(v)
+        return True, ChoiceGrammar(v), field
     except ChoiceError as exc:
-        raise bad_request(f"'{name}' {exc}", given[0]) from None
+        raise bad_request(f"'{name}' {exc}", field) from None
 
 
 def _stream_options(v: object, stream: bool) -> tuple[bool, bool]:
@@ -274,8 +275,7 @@ def parse_sampling_options(f: Fields, max_tokens_names: tuple[str, ...], default
                           "tokens are decoded as the tokenizer's decoder places them)",
                           "spaces_between_special_tokens", "unsupported_parameter")
     prompt_logprobs = f.integer("prompt_logprobs", None, 0, MAX_PROMPT_LOGPROBS)
-    json_object, grammar = _structured_output(f)
-    grammar_param = next((n for n in STRUCTURED_FIELDS if f.get(n) is not None), None) if grammar is not None else None
+    json_object, grammar, grammar_param = _structured_output(f)
     if prompt_logprobs is not None and stream:
         raise bad_request("'prompt_logprobs' is not available with 'stream': true", "prompt_logprobs")
     options = SamplingOptions(

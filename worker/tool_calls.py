@@ -65,6 +65,7 @@ class ToolCalls:
         self.parser = parser
         self.names = frozenset(request.names)
         self._streams: dict[int, ToolStream] = {}  # choice index -> its stream
+        self._calls_sent: set[int] = set()  # choices whose named call went out (its arguments stream after it)
 
     @classmethod
     def of(cls, request: ToolRequest | None, tokenizer, parser_name: str) -> ToolCalls | None:
@@ -127,14 +128,14 @@ class ToolCalls:
 
     def _arguments_delta(self, index: int, new_text: str, finish_reason: str | None) -> list[dict]:
         """A named call's streamed piece: the call itself first (arguments so far), then its arguments' new text."""
-        if index not in self._streams:  # the stream's presence says the call went out
-            self._streams[index] = ToolStream(None)
+        if index not in self._calls_sent:
+            self._calls_sent.add(index)
             call = ToolCall(self.request.function, new_text)
             out = [{"index": 0} | call.openai()]
         else:
             out = [{"index": 0, "function": {"arguments": new_text}}] if new_text else []
         if finish_reason is not None:
-            del self._streams[index]
+            self._calls_sent.discard(index)
         return out
 
     def message(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
