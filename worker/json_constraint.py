@@ -247,6 +247,11 @@ class JsonObjectGrammar:
         return is_in_string(state)
 
     @staticmethod
+    def string_room(state: JsonState) -> int | None:
+        """JSON mode's strings have no length."""
+        return None
+
+    @staticmethod
     def ws_uniform(state: JsonState) -> bool:
         """Every whitespace byte leads to the same state (inside a string, is_in_string's path is taken)."""
         return True

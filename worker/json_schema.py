@@ -6,7 +6,8 @@ token is taken. Each keyword is enforced, an annotation, or refused with an erro
 is: a schema is never silently weakened.
 
 Enforced: `type` (one or a list of string, number, integer, boolean, null, object, array), `properties`,
-`required`, `additionalProperties` (false, true or a schema), `items`, `minItems`, `maxItems`, `enum`,
+`required`, `additionalProperties` (false, true or a schema), `items`, `minItems`, `maxItems`, `minLength`,
+`maxLength`, `minimum`, `maximum`, `exclusiveMinimum`, `exclusiveMaximum` (json_schema_bounds.py), `enum`,
 `const`, `anyOf`, `allOf` of one schema, `nullable` (OpenAPI's: adds null), and `$ref` to `#`,
 `#/$defs/...` or `#/definitions/...` (recursion included). `oneOf` is refused: "exactly one alternative"
 cannot be held while sampling (anyOf can). Annotations (never checked): title, description, default, examples, format,
@@ -33,12 +34,22 @@ import hashlib
 import json
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
+
+from lorafleet.worker.json_schema_bounds import (
+    BOUND_KEYWORDS,
+    LENGTH_KEYWORDS,
+    Bounds,
+    BoundsError,
+    as_fraction,
+    parse_bounds,
+    parse_lengths,
+)
 
 TYPES = ("string", "number", "integer", "boolean", "null", "object", "array")
 ENFORCED = {"type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems", "enum", "const",
-            "anyOf", "allOf", "$ref", "nullable", "$defs", "definitions"}
+            "anyOf", "allOf", "$ref", "nullable", "$defs", "definitions", *BOUND_KEYWORDS, *LENGTH_KEYWORDS}
 ANNOTATIONS = {"title", "description", "default", "examples", "format", "deprecated", "readOnly", "writeOnly",
                "$schema", "$id", "$comment", "contentEncoding", "contentMediaType"}
 ALTERNATIVES = ("anyOf", "allOf")
@@ -62,6 +73,9 @@ class Node:
     min_items: int = 0
     max_items: int | None = None
     enum: tuple[bytes, ...] | None = None  # the allowed values' compact encodings (enum, const), sorted
+    min_len: int = 0  # a string's characters
+    max_len: int | None = None
+    bounds: Bounds | None = None  # a number's (json_schema_bounds.py)
     any_of: tuple[int, ...] = ()  # a union: the value is one of these nodes (the fields above unused)
     names: dict[bytes, int] = field(default_factory=dict)  # props' names -> index
     sorted_names: tuple[bytes, ...] = ()  # props' names, sorted (prefix queries by bisection)
@@ -140,15 +154,29 @@ class JsonSchema:
             if not isinstance(parts, list) or not parts:
                 raise SchemaError(f"{where}.anyOf must be a non-empty list of schemas")
             return Node(any_of=tuple(self._node(p, f"{where}.anyOf[{i}]", depth + 1) for i, p in enumerate(parts)))
-        types = self._types(s, where)
+        node = self._scalar(s, self._types(s, where), where)
         if "enum" in s or "const" in s:
-            return Node(types=types, enum=self._enum(s, types, where))
-        node = Node(types=types)
-        if "object" in types:
+            return Node(types=node.types, enum=self._enum(s, node, where))
+        if "object" in node.types:
             node = self._object(s, node, where, depth)
-        if "array" in types:
+        if "array" in node.types:
             node = self._array(s, node, where, depth)
         return node
+
+    @staticmethod
+    def _scalar(s: dict, types: frozenset[str], where: str) -> Node:
+        """A node of `types` with the string lengths and number bounds of `s`; a numeric type no number inside
+        the bounds has is dropped (an integer type whose bounds hold no integer)."""
+        try:
+            (min_len, max_len), bounds = parse_lengths(s), parse_bounds(s)
+        except BoundsError as exc:
+            raise SchemaError(f"{where}.{exc}") from None
+        if bounds is not None and types & {"number", "integer"}:
+            kept = types - ({"number", "integer"} if not bounds.takes_any() else set() if bounds.takes_integer() else {"integer"})
+            if not kept:
+                raise SchemaError(f"{where}: no {' or '.join(sorted(types))} is {bounds.describe()}")
+            types = frozenset(kept)
+        return Node(types=types, min_len=min_len, max_len=max_len, bounds=bounds)
 
     def _alias(self, target: int) -> Node:
         """The node of a schema that is another one ($ref, allOf of one): a union of that one alone."""
@@ -169,11 +197,17 @@ class JsonSchema:
     @staticmethod
     def _types(s: dict, where: str) -> frozenset[str]:
         t = s.get("type")
-        if t is None:  # inferred from the keywords, else any kind
-            if {"properties", "required", "additionalProperties"} & set(s):
+        if t is None:  # inferred from the keywords, else any kind (an enum's values say theirs)
+            if "enum" in s or "const" in s:
+                types = set(TYPES)
+            elif {"properties", "required", "additionalProperties"} & set(s):
                 types = {"object"}
             elif {"items", "minItems", "maxItems"} & set(s):
                 types = {"array"}
+            elif set(LENGTH_KEYWORDS) & set(s):
+                types = {"string"}
+            elif set(BOUND_KEYWORDS) & set(s):
+                types = {"number"}
             else:
                 types = set(TYPES)
         else:
@@ -187,14 +221,15 @@ class JsonSchema:
             raise SchemaError(f"{where}.nullable must be true or false")
         return frozenset(types)
 
-    def _enum(self, s: dict, types: frozenset[str], where: str) -> tuple[bytes, ...]:
+    def _enum(self, s: dict, node: Node, where: str) -> tuple[bytes, ...]:
+        types = node.types
         values = s.get("enum", [s.get("const")])
         if not isinstance(values, list) or len(values) > MAX_ENUM:
             raise SchemaError(f"{where}.enum must be a list of at most {MAX_ENUM} values")
         encodings = {}
         for v in values:
-            if _kind(v) not in types and not (_kind(v) == "integer" and "number" in types):
-                continue  # a value the type excludes is never valid
+            if _kind(v) not in types and not (_kind(v) == "integer" and "number" in types) or not _fits(v, s, node):
+                continue  # a value the type or the lengths and bounds exclude is never valid
             try:
                 encodings[encode(v)] = v
             except (TypeError, ValueError) as exc:  # UnicodeEncodeError: a lone surrogate
@@ -203,7 +238,8 @@ class JsonSchema:
             const = encode(s["const"]) if _kind(s["const"]) != "other" else None
             encodings = {e: v for e, v in encodings.items() if e == const}
         if not encodings:
-            raise SchemaError(f"{where}: no value of its enum/const has one of its types ({', '.join(sorted(types))})")
+            raise SchemaError(f"{where}: no value of its enum/const has one of its types ({', '.join(sorted(types))}) and "
+                              "fits its other keywords")
         self._count_names(len(encodings))
         return tuple(sorted(encodings))
 
@@ -231,9 +267,8 @@ class JsonSchema:
             raise SchemaError(f"{where}.properties: a name cannot be written as JSON ({exc})") from None
         entries = tuple((enc, self._node(props[name], f"{where}.properties.{name}", depth + 1))
                         for enc, name in zip(encoded, names, strict=True))
-        return Node(types=node.types, props=entries, required=frozenset(names.index(r) for r in required),
-                    additional=additional, items=node.items, min_items=node.min_items, max_items=node.max_items,
-                    names={enc: i for i, enc in enumerate(encoded)}, sorted_names=tuple(sorted(encoded)))
+        return replace(node, props=entries, required=frozenset(names.index(r) for r in required), additional=additional,
+                       names={enc: i for i, enc in enumerate(encoded)}, sorted_names=tuple(sorted(encoded)))
 
     def _array(self, s: dict, node: Node, where: str, depth: int) -> Node:
         lo, hi = s.get("minItems", 0), s.get("maxItems")
@@ -247,9 +282,7 @@ class JsonSchema:
             if lo:
                 raise SchemaError(f"{where}: items false with minItems {lo} takes no value")
             items, hi = True, 0
-        return Node(types=node.types, props=node.props, required=node.required, additional=node.additional,
-                    items=self._node(items, f"{where}.items", depth + 1), min_items=lo, max_items=hi, names=node.names,
-                    sorted_names=node.sorted_names)
+        return replace(node, items=self._node(items, f"{where}.items", depth + 1), min_items=lo, max_items=hi)
 
     def alternatives(self, index: int, visiting: frozenset[int] = frozenset()) -> list[int]:
         """The nodes (no union among them) a value of node `index` may be, unions flattened (memoized)."""
@@ -319,6 +352,18 @@ def _kind(v: Any) -> str:
     if isinstance(v, float):
         return "number"
     return {str: "string", list: "array", dict: "object"}.get(type(v), "other")
+
+
+def _fits(v: Any, s: dict, node: Node) -> bool:
+    """Whether an enum/const value fits the lengths, bounds and item counts beside it."""
+    if isinstance(v, str):
+        return node.min_len <= len(v) and (node.max_len is None or len(v) <= node.max_len)
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and node.bounds is not None:
+        return node.bounds.takes(as_fraction(v))
+    if isinstance(v, list):
+        lo, hi = s.get("minItems", 0), s.get("maxItems")
+        return isinstance(lo, int) and lo <= len(v) and (not isinstance(hi, int) or len(v) <= hi)
+    return True
 
 
 def _canonical(schema: Any) -> str:

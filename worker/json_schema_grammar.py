@@ -14,7 +14,10 @@ DONE once the value is complete. A stack's frames, innermost last:
                                      property: written already, it is refused)
     ("a", node, count, phase)        in an array: phase open | after | next | value
     ("s", mode)                      in a string value
+    ("S", node, mode, count)         in a string value with a length: count, its characters so far (capped)
     ("n", mode, integer)             in a number (json_constraint's number modes); integer: no '.' or exponent
+    ("N", node, mode, integer, text) in a number with bounds (no exponent): text, its bytes so far, or None once
+                                     every number it may still become is inside them
     ("l", rest)                      in true, false or null: the bytes still to come
     ("e", node, buf)                 in an enum/const value: its compact encoding so far
 
@@ -32,6 +35,7 @@ from typing import Any
 
 from lorafleet.worker.json_constraint import _PLAIN_RUN, _step
 from lorafleet.worker.json_schema import JsonSchema, compile_schema, encode
+from lorafleet.worker.json_schema_bounds import number_text_takes
 
 DONE = "done"
 STR = ("s", "str")
@@ -63,13 +67,25 @@ class SchemaGrammar:
 
     @staticmethod
     def is_in_string(state) -> bool:
-        """Plain string content (json_constraint._PLAIN_RUN) leaves the state as it is."""
-        return state != DONE and all(st[-1] == STR for st in state)
+        """Every reading is inside a string, where plain content (json_constraint._PLAIN_RUN) may follow as far
+        as string_room allows."""
+        return state != DONE and all(st[-1] == STR or st[-1][0] == "S" and st[-1][2] == "str" for st in state)
+
+    def string_room(self, state) -> int | None:
+        """In a state is_in_string takes: the most characters of plain content that may follow (None: any)."""
+        room = 0
+        for st in state:
+            top = st[-1]
+            most = None if top == STR else self.nodes[top[1]].max_len
+            if most is None:
+                return None
+            room = max(room, most - top[3])
+        return room
 
     @staticmethod
     def ws_uniform(state) -> bool:
         """Whether every whitespace byte leads to the same state (not inside a string, key or enum value)."""
-        return state == DONE or all(st[-1][0] not in "skKe" for st in state)
+        return state == DONE or all(st[-1][0] not in "sSkKe" for st in state)
 
     def validates(self, value) -> bool:
         """Whether a parsed JSON value is one the schema takes (checked in its compact encoding)."""
@@ -84,10 +100,11 @@ class SchemaGrammar:
             return None if data else state
         stacks, i, n = state, 0, len(data)
         while i < n:
-            if len(stacks) == 1 and next(iter(stacks))[-1] == STR:  # a run of plain content at once
-                j = _PLAIN_RUN.match(data, i).end()
-                if j > i:
-                    i = j
+            if len(stacks) == 1:  # a run of plain content at once
+                st = next(iter(stacks))
+                run = self._plain_run(st, data, i)
+                if run is not None:
+                    i, stacks = run[0], frozenset((run[1],))
                     continue
             nxt: set = set()
             for st in stacks:
@@ -103,6 +120,23 @@ class SchemaGrammar:
                                    "alternatives differ early, e.g. by a const property")
             stacks = frozenset(nxt)
         return stacks
+
+    def _plain_run(self, st: tuple, data: bytes, i: int) -> tuple[int, tuple] | None:
+        """(where a run of plain string content from data[i] ends, the stack after it), None when there is no
+        run to take at once (not in a string, no plain byte next, or more characters than a length allows)."""
+        top = st[-1]
+        if top != STR and (top[0] != "S" or top[2] != "str"):
+            return None
+        j = _PLAIN_RUN.match(data, i).end()
+        if j == i:
+            return None
+        if top == STR:
+            return j, st
+        node = self.nodes[top[1]]
+        count = top[3] + sum(1 for b in data[i:j] if not 0x80 <= b < 0xC0)  # characters: bytes that lead one
+        if node.max_len is not None and count > node.max_len:
+            return None  # byte by byte: refused where the length runs out
+        return j, st[:-1] + (("S", top[1], "str", min(count, _length_cap(node))),)
 
     def _byte(self, st: tuple, c: int) -> list[tuple]:
         if not st:
@@ -122,6 +156,10 @@ class SchemaGrammar:
             return self._key_byte(st, top[1], c)
         if tag == "K":
             return self._other_key_byte(st, top[1], top[2], c)
+        if tag == "S":
+            return self._bounded_string_byte(st, top, c)
+        if tag == "N":
+            return self._bounded_number_byte(st, top, c)
         if tag == "n":
             mode = _number_byte(top[1], c, top[2])
             if mode is not None:
@@ -149,10 +187,14 @@ class SchemaGrammar:
             elif c == 0x5B and "array" in node.types:  # '['
                 out.append(below + (("a", a, 0, "open"),))
             elif c == 0x22 and "string" in node.types:
-                out.append(below + (STR,))
+                out.append(below + (STR if node.min_len == 0 and node.max_len is None else ("S", a, "str", 0),))
             elif (c == 0x2D or c in _DIGITS) and node.types & {"number", "integer"}:
                 mode = "minus" if c == 0x2D else "zero" if c == 0x30 else "int"
-                out.append(below + (("n", mode, "number" not in node.types),))
+                integer = "number" not in node.types
+                if node.bounds is None:
+                    out.append(below + (("n", mode, integer),))
+                else:
+                    out.extend(self._bounded_number(below, a, mode, integer, bytes((c,))))
             elif c in _LITERALS and _LITERALS[c][0] in node.types:
                 out.append(below + (("l", _LITERALS[c][1]),))
         return out
@@ -235,6 +277,41 @@ class SchemaGrammar:
             return self._begin(st[:-1] + (("a", index, count, "value"),), node.items, c)
         return []
 
+    def _bounded_string_byte(self, st: tuple, top: tuple, c: int) -> list[tuple]:
+        """Byte `c` of a string with a length: a character counts when its last byte is read (a plain byte, an
+        escape's last, a UTF-8 character's last); none may begin once maxLength are written, nor the string
+        close before minLength."""
+        _, index, mode, count = top
+        node = self.nodes[index]
+        if mode == "str" and c == 0x22:
+            return [self._pop(st[:-1])] if count >= node.min_len else []
+        if mode == "str" and node.max_len is not None and count >= node.max_len:
+            return []
+        nxt = _string_byte(mode, c)
+        if nxt is None:
+            return []
+        if nxt == "str":
+            count = min(count + 1, _length_cap(node))
+        return [st[:-1] + (("S", index, nxt, count),)]
+
+    def _bounded_number(self, below: tuple, index: int, mode: str, integer: bool, text: bytes | None) -> list[tuple]:
+        """The stack of a number with bounds that has begun with `text` ([] when no number inside them does)."""
+        bounds = self.nodes[index].bounds
+        if text is not None and not bounds.may_begin(text, integer):
+            return []
+        if text is not None and bounds.holds_all(text, integer):
+            text = None
+        return [below + (("N", index, mode, integer, text),)]
+
+    def _bounded_number_byte(self, st: tuple, top: tuple, c: int) -> list[tuple]:
+        _, index, mode, integer, text = top
+        nxt = _number_byte(mode, c, integer)
+        if nxt is not None and not nxt.startswith("exp"):
+            return self._bounded_number(st[:-1], index, nxt, integer, None if text is None else text + bytes((c,)))
+        if nxt is None and mode in _NUMBER_ENDS and (text is None or number_text_takes(self.nodes[index].bounds, text)):
+            return self._byte(self._pop(st[:-1]), c)  # the number ended inside its bounds: its container reads c
+        return []
+
     def _enum_byte(self, below: tuple, index: int, buf: bytes, c: int) -> list[tuple]:
         values = self.nodes[index].enum  # sorted: the values a prefix starts are a run found by bisection
         longer = buf + bytes((c,))
@@ -248,6 +325,11 @@ class SchemaGrammar:
         if at < len(values) and values[at] == buf:  # a number value ended: its container reads this byte
             return self._byte(self._pop(below), c)
         return []
+
+
+def _length_cap(node) -> int:
+    """Where a string's character count stops mattering: maxLength, else minLength (fewer states to mask)."""
+    return node.max_len if node.max_len is not None else node.min_len
 
 
 def _unwritten_with_prefix(node, seen: frozenset[int], prefix: bytes) -> bool:

@@ -9,13 +9,15 @@ Scanning ~49k tokens in Python at every step would cost tens of milliseconds, so
   after a value, ...) and requests share them;
 * tokens are bucketed by first byte, and only the buckets whose first byte is valid are scanned;
 * inside a string, the tokens of plain content (whole UTF-8 characters, no '"', '\\' or control byte) are
-  valid as one precomputed mask, and only the other tokens are scanned; inside a character split across
+  valid as one precomputed mask (those short enough, where a schema's maxLength applies), and only the other
+  tokens are scanned; inside a character split across
   tokens, only the buckets led by one of its continuation bytes are.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 from collections import OrderedDict
 
 import torch
@@ -45,6 +47,7 @@ class JsonVocab:
         self._ws_whole_buckets = _new_buckets()
         self._rest: dict[int, bytes] = {}
         plain = torch.zeros(self.vocab_size, dtype=torch.bool)
+        chars = torch.zeros(self.vocab_size, dtype=torch.int32)  # a plain token's characters (string lengths)
         all_ws = torch.zeros(self.vocab_size, dtype=torch.bool)
         for token_id, data in enumerate(token_bytes):
             if not data:
@@ -61,9 +64,10 @@ class JsonVocab:
                 _add(self._buckets, data, token_id)
             if advance(("str", "{"), data) == ("str", "{"):
                 plain[token_id] = True
+                chars[token_id] = len(json.loads(b'"' + data + b'"'))  # an escape is one character
             else:
                 _add(self._special_buckets, data, token_id)
-        self._plain, self._all_ws = plain, all_ws
+        self._plain, self._plain_chars, self._all_ws = plain, chars, all_ws
         self._not_ws = (~all_ws).to(self.device)  # what may not follow a complete object in a JSON text
         self.num_whitespace = int(all_ws.sum())
         self._none = torch.zeros(self.vocab_size, dtype=torch.bool)
@@ -115,7 +119,8 @@ class JsonVocab:
         self.num_built += 1
         ids: list[int] = []
         if grammar.is_in_string(state):
-            mask = self._plain.clone()
+            room = grammar.string_room(state)  # a schema's maxLength: plain tokens of at most `room` characters
+            mask = self._plain.clone() if room is None else self._plain & (self._plain_chars <= room)
             self._scan(grammar, state, self._special_buckets, self._bytes, may_complete, ids)
         elif not grammar.ws_uniform(state):  # each token whole: " " may continue a key where "\t" may not
             mask = self._none.clone()

@@ -103,6 +103,30 @@ async def test_the_clients_parse_gets_a_pydantic_model(api, bias):
     assert parsed >= 3
 
 
+async def test_the_clients_parse_holds_a_models_bounds_and_lengths(api, bias):
+    """Field(ge, le, gt, lt, min_length, max_length): every answer parses (the grammar holds them while sampling)."""
+    from typing import Annotated
+
+    from pydantic import BaseModel, Field
+
+    class Rating(BaseModel):
+        stars: Annotated[int, Field(ge=1, le=5)]
+        share: Annotated[float, Field(gt=0, lt=1)]
+        code: Annotated[str, Field(min_length=3, max_length=3)]
+
+    parsed = 0
+    for seed in range(6):
+        try:
+            resp = await api.chat.completions.parse(model="tiny", messages=USER, response_format=Rating, seed=seed,
+                                                    max_tokens=96, logit_bias=bias)
+        except openai.LengthFinishReasonError:
+            continue
+        rating = resp.choices[0].message.parsed
+        assert 1 <= rating.stars <= 5 and 0 < rating.share < 1 and len(rating.code) == 3
+        parsed += 1
+    assert parsed >= 3
+
+
 async def test_required_tool_choice_answers_calls_to_the_tools_whole_and_streamed(api, bias):
     body = {"model": "tiny", "messages": USER, "tools": [WEATHER, ADD], "tool_choice": "required", "n": 4, "seed": 3,
             "max_tokens": 128, "logit_bias": bias}
@@ -154,7 +178,7 @@ def test_a_strict_functions_call_that_its_schema_refuses_stays_content():
 
 def test_a_function_whose_schema_cannot_be_enforced_is_held_to_an_object_unless_strict():
     loose = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
-        "n": {"type": "integer", "minimum": 1}}}}}
+        "n": {"type": "integer", "multipleOf": 2}}}}}
     request = parse_tool_request(Fields({"tools": [loose], "tool_choice": "required"}, "chat"))
     assert request.grammars["f"] is None and request.output_grammar is not None
     grammar = request.output_grammar

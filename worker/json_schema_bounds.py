@@ -1,0 +1,208 @@
+"""Number bounds and string lengths of a JSON Schema (json_schema.py), as the grammar (json_schema_grammar.py)
+holds a value to them while it is written.
+
+Bounds (`minimum`, `maximum`, `exclusiveMinimum`, `exclusiveMaximum`; draft 4's boolean exclusives too) are
+exact: values and bounds are compared as fractions, a bound written `0.1` is one tenth. A number under bounds
+is written without an exponent (`1e3` is refused, `1000` taken), so that each prefix of it stands for an
+interval of values: `12` for 12, 120-129, 1200-1299, ...; `-1.2` for (-1.3, -1.2]. A byte is taken only when
+the bounds meet one of its prefix's intervals, so a number once begun can always end inside them.
+
+Lengths (`minLength`, `maxLength`) count characters as JSON Schema does (code points of the decoded string):
+a character written as UTF-8 bytes, an escape, or an escaped surrogate pair is one.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any
+
+BOUND_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+LENGTH_KEYWORDS = ("minLength", "maxLength")
+
+
+class BoundsError(ValueError):
+    """A bound or length keyword with a value it cannot have (json_schema.py names where)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Bounds:
+    """lo/hi: the lowest/highest value (None: unbounded); lo_in/hi_in: whether that value itself is taken."""
+
+    lo: Fraction | None = None
+    lo_in: bool = True
+    hi: Fraction | None = None
+    hi_in: bool = True
+
+    def takes(self, value: Fraction) -> bool:
+        return _meets(self, value, True, value, True)
+
+    def takes_integer(self) -> bool:
+        """Whether some integer is inside the bounds."""
+        first, last = self._integers()
+        return first is None or last is None or first <= last
+
+    def takes_any(self) -> bool:
+        return _meets(self, self.lo, True, self.hi, True) if self.lo is not None and self.hi is not None else True
+
+    def _integers(self) -> tuple[int | None, int | None]:
+        """The lowest and highest integers inside the bounds (None: unbounded)."""
+        first = None if self.lo is None else _ceil(self.lo) + (1 if not self.lo_in and self.lo.denominator == 1 else 0)
+        last = None if self.hi is None else _floor(self.hi) - (1 if not self.hi_in and self.hi.denominator == 1 else 0)
+        return first, last
+
+    @functools.lru_cache(maxsize=4096)  # noqa: B019 (bounds are few and live as long as their schemas)
+    def may_begin(self, text: bytes, integer: bool) -> bool:
+        """Whether some number written starting with `text` (a prefix of a JSON number with no exponent: "-",
+        "12", "0.", "-3.25") is inside the bounds, an integer when `integer`."""
+        negative = text.startswith(b"-")
+        body = text[1:] if negative else text
+        if not body:  # "-": any value <= 0
+            return self._meets_magnitudes(Fraction(0), None, negative=True, integer=integer)
+        if b"." in body:  # the digits written so far fix the value to within one unit of the last one
+            whole, frac = body.split(b".")
+            low = Fraction(int(whole + frac), 10 ** len(frac))
+            return self._meets_magnitudes(low, low + Fraction(1, 10 ** len(frac)), negative, integer)
+        value = int(body)
+        if value == 0:  # "0" takes no more digits: 0, or 0.x when fractions are taken
+            return self._meets_magnitudes(Fraction(0), Fraction(1), negative, integer)
+        far = self.lo if negative else self.hi  # the bound more digits move toward
+        if far is None:
+            return True  # more digits grow the magnitude without end, toward an unbounded side
+        limit = -far if negative else far
+        scale = 1
+        while value * scale <= limit:  # value, then value0-value9, value00-value99, ...
+            if self._meets_magnitudes(Fraction(value * scale), Fraction((value + 1) * scale), negative, integer):
+                return True
+            scale *= 10
+        return False
+
+    def holds_all(self, text: bytes, integer: bool) -> bool:
+        """Whether every number written starting with `text` is inside the bounds (its reader need not keep
+        the digits: a long fraction does not make a new state at every digit)."""
+        negative = text.startswith(b"-")
+        body = text[1:] if negative else text
+        if not body:
+            return False
+        if b"." in body:
+            whole, frac = body.split(b".")
+            low = Fraction(int(whole + frac), 10 ** len(frac))
+            high = low + Fraction(1, 10 ** len(frac))
+        elif int(body) == 0:
+            low, high = Fraction(0), Fraction(1)
+        else:  # more digits: every magnitude from the one written up
+            if (self.lo if negative else self.hi) is not None:
+                return False
+            low, high = Fraction(int(body)), None
+        if negative:
+            return _inside(self, None if high is None else -high, False, -low, True)
+        return _inside(self, low, True, high, False)
+
+    def _meets_magnitudes(self, low: Fraction, high: Fraction | None, negative: bool, integer: bool) -> bool:
+        """Whether the values of magnitude in [low, high) (high None: unbounded), negated when `negative`, meet
+        the bounds (integers only when `integer`)."""
+        if integer:
+            top = None if high is None else _ceil(high) - 1
+            span = (-top if top is not None else None, -_ceil(low)) if negative else (_ceil(low), top)
+            first, last = self._integers()
+            lows = [v for v in (span[0], first) if v is not None]
+            highs = [v for v in (span[1], last) if v is not None]
+            return not lows or not highs or max(lows) <= min(highs)
+        if negative:  # (-high, -low]
+            return _meets(self, None if high is None else -high, False, -low, True)
+        return _meets(self, low, True, high, False)
+
+    def describe(self) -> str:
+        lo = "" if self.lo is None else f"{'>=' if self.lo_in else '>'} {_text(self.lo)}"
+        hi = "" if self.hi is None else f"{'<=' if self.hi_in else '<'} {_text(self.hi)}"
+        return " and ".join(p for p in (lo, hi) if p)
+
+
+def _meets(b: Bounds, low: Fraction | None, low_in: bool, high: Fraction | None, high_in: bool) -> bool:
+    """Whether the interval (low, high) (ends taken where *_in; None: unbounded) meets the bounds."""
+    lo, lo_in = _tighter(low, low_in, b.lo, b.lo_in, max)
+    hi, hi_in = _tighter(high, high_in, b.hi, b.hi_in, min)
+    return lo is None or hi is None or lo < hi or (lo == hi and lo_in and hi_in)
+
+
+def _inside(b: Bounds, low: Fraction | None, low_in: bool, high: Fraction | None, high_in: bool) -> bool:
+    """Whether the bounds hold the whole interval (low, high) (ends taken where *_in; None: unbounded)."""
+    above = b.lo is None or low is not None and (low > b.lo or low == b.lo and (b.lo_in or not low_in))
+    below = b.hi is None or high is not None and (high < b.hi or high == b.hi and (b.hi_in or not high_in))
+    return above and below
+
+
+def _tighter(a: Fraction | None, a_in: bool, b: Fraction | None, b_in: bool, pick) -> tuple[Fraction | None, bool]:
+    if a is None:
+        return b, b_in
+    if b is None or a != b:
+        return (a, a_in) if b is None or pick(a, b) == a else (b, b_in)
+    return a, a_in and b_in
+
+
+def _ceil(f: Fraction) -> int:
+    return -((-f.numerator) // f.denominator)
+
+
+def _floor(f: Fraction) -> int:
+    return f.numerator // f.denominator
+
+
+def _text(f: Fraction) -> str:
+    return str(f.numerator) if f.denominator == 1 else str(float(f))
+
+
+def as_fraction(value: int | float) -> Fraction:
+    """A JSON number's exact value as written: 0.1 is one tenth (not the double nearest it)."""
+    return Fraction(value) if isinstance(value, int) else Fraction(repr(value))
+
+
+def _number(value: Any, name: str) -> Fraction:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise BoundsError(f"{name} must be a number")
+    return as_fraction(value)
+
+
+def parse_bounds(s: dict) -> Bounds | None:
+    """The bounds a schema's keywords set, None when it sets none (BoundsError for a malformed one)."""
+    if not any(k in s for k in BOUND_KEYWORDS):
+        return None
+    lo = hi = None
+    lo_in = hi_in = True
+    if "minimum" in s:
+        lo = _number(s["minimum"], "minimum")
+    if "maximum" in s:
+        hi = _number(s["maximum"], "maximum")
+    for name, is_low in (("exclusiveMinimum", True), ("exclusiveMaximum", False)):
+        if name not in s:
+            continue
+        v = s[name]
+        if isinstance(v, bool):  # draft 4: makes minimum/maximum exclusive
+            if is_low:
+                lo_in = lo_in and not v
+            else:
+                hi_in = hi_in and not v
+            continue
+        v = _number(v, name)
+        if is_low and (lo is None or v >= lo):
+            lo, lo_in = v, False
+        elif not is_low and (hi is None or v <= hi):
+            hi, hi_in = v, False
+    return Bounds(lo, lo_in, hi, hi_in)
+
+
+def parse_lengths(s: dict) -> tuple[int, int | None]:
+    """(minLength, maxLength) of a schema (0 and None where unset; BoundsError for a malformed one)."""
+    lo, hi = s.get("minLength", 0), s.get("maxLength")
+    for name, v in (("minLength", lo), ("maxLength", hi)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            raise BoundsError(f"{name} must be an integer >= 0")
+    if hi is not None and lo > hi:
+        raise BoundsError(f"minLength ({lo}) is above maxLength ({hi})")
+    return lo, hi
+
+
+def number_text_takes(bounds: Bounds, text: bytes) -> bool:
+    """Whether a complete number (no exponent) is inside the bounds."""
+    return bounds.takes(Fraction(text.decode()))
