@@ -61,6 +61,10 @@ class ChoiceGrammar:
         return state == DONE
 
     @staticmethod
+    def may_stop(state) -> bool:
+        return False  # only a whole choice ends (is_complete)
+
+    @staticmethod
     def is_in_string(state) -> bool:
         return False
 

@@ -247,6 +247,11 @@ class JsonObjectGrammar:
         return is_in_string(state)
 
     @staticmethod
+    def may_stop(state: JsonState) -> bool:
+        """Only a complete object ends (is_complete)."""
+        return False
+
+    @staticmethod
     def string_room(state: JsonState) -> int | None:
         """JSON mode's strings have no length."""
         return None

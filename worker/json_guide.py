@@ -122,7 +122,8 @@ class JsonGuide:
         stops = self.stop_ids(seq)
         vocab = self.vocab
         for token_id in output[num_done:]:
-            if grammar.is_complete(state) and (token_id in stops or vocab.is_whitespace(token_id)):
+            if grammar.is_complete(state) and (token_id in stops or vocab.is_whitespace(token_id)) \
+                    or token_id in stops and grammar.may_stop(state):
                 continue  # trailing whitespace, or a stop token that did not end the request (ignore_eos)
             data = vocab.token_bytes(token_id) if token_id not in stops else b""
             nxt = grammar.advance(state, data) if data else None
@@ -143,7 +144,7 @@ class JsonGuide:
         if grammar.is_complete(state):
             return token_id in self.end_ids(seq) or (self._pads(seq) and self.vocab.is_whitespace(token_id))
         if token_id in self.stop_ids(seq):
-            return False
+            return token_id in self.end_ids(seq) and grammar.may_stop(state)
         return self.vocab.accepts(state, token_id, self.may_complete(seq), grammar)
 
     def invalid(self, seq: Sequence, device: torch.device) -> torch.Tensor:
@@ -159,6 +160,9 @@ class JsonGuide:
         invalid = self._without(vocab.mask(state, may_complete, grammar), text_stops)
         if invalid is None and not may_complete:  # a value of fixed length (an enum, true) can only end:
             invalid = self._without(vocab.mask(state, True, grammar), text_stops)  # it ends; whitespace pads min_tokens
+        if grammar.may_stop(state) and (ends := _ids(self.end_ids(seq), vocab)):  # a text that may end or go on
+            invalid = torch.ones(vocab.vocab_size, dtype=torch.bool) if invalid is None else invalid.clone()
+            invalid[torch.tensor(ends, dtype=torch.int64, device=invalid.device)] = False
         if invalid is None:
             raise JsonModeError("JSON mode: no token of the vocabulary continues the JSON value")
         return invalid.to(device)

@@ -7,7 +7,8 @@ is: a schema is never silently weakened.
 
 Enforced: `type` (one or a list of string, number, integer, boolean, null, object, array), `properties`,
 `required`, `additionalProperties` (false, true or a schema), `items`, `minItems`, `maxItems`, `minLength`,
-`maxLength`, `minimum`, `maximum`, `exclusiveMinimum`, `exclusiveMaximum` (json_schema_bounds.py), `enum`,
+`maxLength`, `minimum`, `maximum`, `exclusiveMinimum`, `exclusiveMaximum` (json_schema_bounds.py), `pattern`
+(regex_grammar.py; not beside a length), `enum`,
 `const`, `anyOf`, `allOf` of one schema, `nullable` (OpenAPI's: adds null), and `$ref` to `#`,
 `#/$defs/...` or `#/definitions/...` (recursion included). `oneOf` is refused: "exactly one alternative"
 cannot be held while sampling (anyOf can). Annotations (never checked): title, description, default, examples, format,
@@ -42,14 +43,16 @@ from lorafleet.worker.json_schema_bounds import (
     LENGTH_KEYWORDS,
     Bounds,
     BoundsError,
-    as_fraction,
     parse_bounds,
     parse_lengths,
+    value_fits,
 )
+from lorafleet.worker.regex_dfa import Regex, RegexError
+from lorafleet.worker.regex_grammar import compile_pattern
 
 TYPES = ("string", "number", "integer", "boolean", "null", "object", "array")
 ENFORCED = {"type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems", "enum", "const",
-            "anyOf", "allOf", "$ref", "nullable", "$defs", "definitions", *BOUND_KEYWORDS, *LENGTH_KEYWORDS}
+            "anyOf", "allOf", "$ref", "nullable", "$defs", "definitions", "pattern", *BOUND_KEYWORDS, *LENGTH_KEYWORDS}
 ANNOTATIONS = {"title", "description", "default", "examples", "format", "deprecated", "readOnly", "writeOnly",
                "$schema", "$id", "$comment", "contentEncoding", "contentMediaType"}
 ALTERNATIVES = ("anyOf", "allOf")
@@ -76,6 +79,7 @@ class Node:
     min_len: int = 0  # a string's characters
     max_len: int | None = None
     bounds: Bounds | None = None  # a number's (json_schema_bounds.py)
+    pattern: Regex | None = None  # a string's text matches it somewhere (regex_dfa.py)
     any_of: tuple[int, ...] = ()  # a union: the value is one of these nodes (the fields above unused)
     names: dict[bytes, int] = field(default_factory=dict)  # props' names -> index
     sorted_names: tuple[bytes, ...] = ()  # props' names, sorted (prefix queries by bisection)
@@ -171,12 +175,21 @@ class JsonSchema:
             (min_len, max_len), bounds = parse_lengths(s), parse_bounds(s)
         except BoundsError as exc:
             raise SchemaError(f"{where}.{exc}") from None
+        pattern = None
+        if "pattern" in s:
+            if min_len or max_len is not None:  # both hold the characters: not one machine here
+                raise SchemaError(f"{where}: pattern beside minLength/maxLength is not supported; put the length "
+                                  "into the pattern (e.g. ^[a-z]{2,8}$)")
+            try:
+                pattern = compile_pattern(s["pattern"], True, True)
+            except RegexError as exc:
+                raise SchemaError(f"{where}.pattern: {exc}") from None
         if bounds is not None and types & {"number", "integer"}:
             kept = types - ({"number", "integer"} if not bounds.takes_any() else set() if bounds.takes_integer() else {"integer"})
             if not kept:
                 raise SchemaError(f"{where}: no {' or '.join(sorted(types))} is {bounds.describe()}")
             types = frozenset(kept)
-        return Node(types=types, min_len=min_len, max_len=max_len, bounds=bounds)
+        return Node(types=types, min_len=min_len, max_len=max_len, bounds=bounds, pattern=pattern)
 
     def _alias(self, target: int) -> Node:
         """The node of a schema that is another one ($ref, allOf of one): a union of that one alone."""
@@ -204,7 +217,7 @@ class JsonSchema:
                 types = {"object"}
             elif {"items", "minItems", "maxItems"} & set(s):
                 types = {"array"}
-            elif set(LENGTH_KEYWORDS) & set(s):
+            elif {"pattern", *LENGTH_KEYWORDS} & set(s):
                 types = {"string"}
             elif set(BOUND_KEYWORDS) & set(s):
                 types = {"number"}
@@ -228,7 +241,7 @@ class JsonSchema:
             raise SchemaError(f"{where}.enum must be a list of at most {MAX_ENUM} values")
         encodings = {}
         for v in values:
-            if _kind(v) not in types and not (_kind(v) == "integer" and "number" in types) or not _fits(v, s, node):
+            if _kind(v) not in types and not (_kind(v) == "integer" and "number" in types) or not value_fits(v, s, node):
                 continue  # a value the type or the lengths and bounds exclude is never valid
             try:
                 encodings[encode(v)] = v
@@ -352,18 +365,6 @@ def _kind(v: Any) -> str:
     if isinstance(v, float):
         return "number"
     return {str: "string", list: "array", dict: "object"}.get(type(v), "other")
-
-
-def _fits(v: Any, s: dict, node: Node) -> bool:
-    """Whether an enum/const value fits the lengths, bounds and item counts beside it."""
-    if isinstance(v, str):
-        return node.min_len <= len(v) and (node.max_len is None or len(v) <= node.max_len)
-    if isinstance(v, (int, float)) and not isinstance(v, bool) and node.bounds is not None:
-        return node.bounds.takes(as_fraction(v))
-    if isinstance(v, list):
-        lo, hi = s.get("minItems", 0), s.get("maxItems")
-        return isinstance(lo, int) and lo <= len(v) and (not isinstance(hi, int) or len(v) <= hi)
-    return True
 
 
 def _canonical(schema: Any) -> str:

@@ -206,3 +206,42 @@ def parse_lengths(s: dict) -> tuple[int, int | None]:
 def number_text_takes(bounds: Bounds, text: bytes) -> bool:
     """Whether a complete number (no exponent) is inside the bounds."""
     return bounds.takes(Fraction(text.decode()))
+
+
+DIGITS = frozenset(b"0123456789")
+
+
+def number_byte(mode: str, c: int, integer: bool) -> str | None:
+    """The number mode after byte `c`, None when `c` does not continue the number (it may end before it)."""
+    digit = c in DIGITS
+    if mode == "minus":
+        return ("zero" if c == 0x30 else "int") if digit else None
+    if mode == "int" and digit:
+        return "int"
+    if integer:
+        return None
+    if mode in ("zero", "int") and c == 0x2E:
+        return "dot"
+    if mode in ("zero", "int", "frac") and c in (0x65, 0x45):
+        return "exp"
+    if mode in ("dot", "frac") and digit:
+        return "frac"
+    if mode == "exp" and c in (0x2B, 0x2D):
+        return "exp_sign"
+    if mode in ("exp", "exp_sign", "exp_int") and digit:
+        return "exp_int"
+    return None
+
+
+def value_fits(v: Any, s: dict, node) -> bool:
+    """Whether an enum/const value fits the lengths, pattern, bounds and item counts beside it (`node`: the
+    json_schema.Node those keywords compiled to)."""
+    if isinstance(v, str):
+        return node.min_len <= len(v) and (node.max_len is None or len(v) <= node.max_len) \
+            and (node.pattern is None or node.pattern.matches(v))
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and node.bounds is not None:
+        return node.bounds.takes(as_fraction(v))
+    if isinstance(v, list):
+        lo, hi = s.get("minItems", 0), s.get("maxItems")
+        return isinstance(lo, int) and lo <= len(v) and (not isinstance(hi, int) or len(v) <= hi)
+    return True

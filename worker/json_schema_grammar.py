@@ -15,6 +15,8 @@ DONE once the value is complete. A stack's frames, innermost last:
     ("a", node, count, phase)        in an array: phase open | after | next | value
     ("s", mode)                      in a string value
     ("S", node, mode, count)         in a string value with a length: count, its characters so far (capped)
+    ("P", node, dstate, pending)     in a string value with a pattern: its DFA state, the bytes of a character
+                                     begun (regex_grammar.text_byte)
     ("n", mode, integer)             in a number (json_constraint's number modes); integer: no '.' or exponent
     ("N", node, mode, integer, text) in a number with bounds (no exponent): text, its bytes so far, or None once
                                      every number it may still become is inside them
@@ -35,7 +37,8 @@ from typing import Any
 
 from lorafleet.worker.json_constraint import _PLAIN_RUN, _step
 from lorafleet.worker.json_schema import JsonSchema, compile_schema, encode
-from lorafleet.worker.json_schema_bounds import number_text_takes
+from lorafleet.worker.json_schema_bounds import number_byte, number_text_takes
+from lorafleet.worker.regex_grammar import CLOSE, text_byte
 
 DONE = "done"
 STR = ("s", "str")
@@ -66,6 +69,10 @@ class SchemaGrammar:
         return state == DONE
 
     @staticmethod
+    def may_stop(state) -> bool:
+        return False  # only a complete value ends (is_complete)
+
+    @staticmethod
     def is_in_string(state) -> bool:
         """Every reading is inside a string, where plain content (json_constraint._PLAIN_RUN) may follow as far
         as string_room allows."""
@@ -85,7 +92,7 @@ class SchemaGrammar:
     @staticmethod
     def ws_uniform(state) -> bool:
         """Whether every whitespace byte leads to the same state (not inside a string, key or enum value)."""
-        return state == DONE or all(st[-1][0] not in "sSkKe" for st in state)
+        return state == DONE or all(st[-1][0] not in "sSPkKe" for st in state)
 
     def validates(self, value) -> bool:
         """Whether a parsed JSON value is one the schema takes (checked in its compact encoding)."""
@@ -158,10 +165,13 @@ class SchemaGrammar:
             return self._other_key_byte(st, top[1], top[2], c)
         if tag == "S":
             return self._bounded_string_byte(st, top, c)
+        if tag == "P":
+            read = text_byte(self.nodes[top[1]].pattern, top[2], top[3], c, True)
+            return [] if read is None else [self._pop(st[:-1])] if read == CLOSE else [st[:-1] + (("P", top[1], *read),)]
         if tag == "N":
-            return self._bounded_number_byte(st, top, c)
+            return self._boundednumber_byte(st, top, c)
         if tag == "n":
-            mode = _number_byte(top[1], c, top[2])
+            mode = number_byte(top[1], c, top[2])
             if mode is not None:
                 return [st[:-1] + (("n", mode, top[2]),)]
             return self._byte(self._pop(st[:-1]), c) if top[1] in _NUMBER_ENDS else []
@@ -187,7 +197,8 @@ class SchemaGrammar:
             elif c == 0x5B and "array" in node.types:  # '['
                 out.append(below + (("a", a, 0, "open"),))
             elif c == 0x22 and "string" in node.types:
-                out.append(below + (STR if node.min_len == 0 and node.max_len is None else ("S", a, "str", 0),))
+                out.append(below + (("P", a, node.pattern.start, b"") if node.pattern is not None else STR
+                                    if node.min_len == 0 and node.max_len is None else ("S", a, "str", 0),))
             elif (c == 0x2D or c in _DIGITS) and node.types & {"number", "integer"}:
                 mode = "minus" if c == 0x2D else "zero" if c == 0x30 else "int"
                 integer = "number" not in node.types
@@ -303,9 +314,9 @@ class SchemaGrammar:
             text = None
         return [below + (("N", index, mode, integer, text),)]
 
-    def _bounded_number_byte(self, st: tuple, top: tuple, c: int) -> list[tuple]:
+    def _boundednumber_byte(self, st: tuple, top: tuple, c: int) -> list[tuple]:
         _, index, mode, integer, text = top
-        nxt = _number_byte(mode, c, integer)
+        nxt = number_byte(mode, c, integer)
         if nxt is not None and not nxt.startswith("exp"):
             return self._bounded_number(st[:-1], index, nxt, integer, None if text is None else text + bytes((c,)))
         if nxt is None and mode in _NUMBER_ENDS and (text is None or number_text_takes(self.nodes[index].bounds, text)):
@@ -359,28 +370,6 @@ def _string_mode(data: bytes) -> str | None:
         if mode is None or mode == "after":
             return None
     return mode
-
-
-def _number_byte(mode: str, c: int, integer: bool) -> str | None:
-    """The number mode after byte `c`, None when `c` does not continue the number (it may end before it)."""
-    digit = c in _DIGITS
-    if mode == "minus":
-        return ("zero" if c == 0x30 else "int") if digit else None
-    if mode == "int" and digit:
-        return "int"
-    if integer:
-        return None
-    if mode in ("zero", "int") and c == 0x2E:
-        return "dot"
-    if mode in ("zero", "int", "frac") and c in (0x65, 0x45):
-        return "exp"
-    if mode in ("dot", "frac") and digit:
-        return "frac"
-    if mode == "exp" and c in (0x2B, 0x2D):
-        return "exp_sign"
-    if mode in ("exp", "exp_sign", "exp_int") and digit:
-        return "exp_int"
-    return None
 
 
 def schema_grammar(schema: Any, compact: bool = False) -> SchemaGrammar:

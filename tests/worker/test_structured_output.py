@@ -7,6 +7,7 @@ byte a token, so the grammar decides each byte of the output (the random model's
 from __future__ import annotations
 
 import json
+import re
 
 import jsonschema
 import pytest
@@ -191,12 +192,12 @@ def test_a_function_whose_schema_cannot_be_enforced_is_held_to_an_object_unless_
 
 async def test_schemas_that_cannot_be_enforced_are_400s_naming_why(api):
     fmt = {"type": "json_schema", "json_schema": {"name": "r", "schema": {
-        "type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}$"}}}}}
+        "type": "object", "properties": {"code": {"type": "integer", "multipleOf": 5}}}}}
     with pytest.raises(openai.BadRequestError) as err:
         await api.chat.completions.create(model="tiny", messages=USER, response_format=fmt)
     body = err.value.body
     assert (body["param"], body["code"]) == ("response_format", "invalid_value")
-    assert "#.properties.code: pattern cannot be enforced" in body["message"]
+    assert "#.properties.code: multipleOf cannot be enforced" in body["message"]
     with pytest.raises(openai.BadRequestError) as err:
         await api.completions.create(model="tiny", prompt="x", extra_body={"response_format": {
             "type": "json_schema", "json_schema": {"name": "r", "schema": {"type": "number"}}}})
@@ -261,9 +262,16 @@ CHOICES = ["sunny", "rain", "snow storm", "é"]
 
 
 async def test_vllms_guided_fields_hold_the_output(api, bias):
-    """guided_choice / structured_outputs.choice: the text is one of the choices; guided_json (a schema or its
+    """guided_regex / structured_outputs.regex: the whole text matches (a stop token may end a match that could go
+    on); guided_choice / structured_outputs.choice: the text is one of the choices; guided_json (a schema or its
     text) and structured_outputs.json: as response_format json_schema."""
     body = {"model": "tiny", "n": 4, "seed": 6, "max_tokens": 96, "logit_bias": bias}
+    for pattern, extra in ((r"[0-9]{3}-[a-c]{2}", "guided_regex"), (r"(sun|rain)( again)?", "structured_outputs")):
+        extra = {extra: pattern if extra == "guided_regex" else {"regex": pattern}}
+        resp = await api.completions.create(prompt="Code:", extra_body=extra, **body)
+        assert all(re.fullmatch(pattern, c.text) and c.finish_reason == "stop" for c in resp.choices), resp.choices
+        chat = await api.chat.completions.create(messages=USER, extra_body=extra, stream=True, **body)
+        assert all(re.fullmatch(pattern, s["content"]) for s in await _streamed(chat))
     for extra in ({"guided_choice": CHOICES}, {"structured_outputs": {"choice": CHOICES}}):
         resp = await api.completions.create(prompt="Weather:", extra_body=extra, **body)
         assert all(c.text in CHOICES and c.finish_reason == "stop" for c in resp.choices)
@@ -278,9 +286,11 @@ async def test_vllms_guided_fields_hold_the_output(api, bias):
 
 
 @pytest.mark.parametrize("extra, param, needle", [
-    ({"guided_regex": "[a-z]+"}, "guided_regex", "not supported"),
+    ({"guided_regex": "(a"}, "guided_regex", "a missing ')'"),
+    ({"guided_regex": 5}, "guided_regex", "must be a regular expression"),
     ({"guided_grammar": "root ::= x"}, "guided_grammar", "not supported"),
-    ({"structured_outputs": {"regex": "a"}}, "structured_outputs", "regex and grammar are not supported"),
+    ({"structured_outputs": {"regex": "(a)\\1"}}, "structured_outputs", "the escape '\\1' is not supported"),
+    ({"structured_outputs": {"grammar": "root ::= x"}}, "structured_outputs", "grammars are not supported"),
     ({"guided_choice": ["yes", "yes!"]}, "guided_choice", '"yes" is the start of "yes!"'),
     ({"guided_choice": []}, "guided_choice", "non-empty list"),
     ({"guided_choice": ["a"], "guided_json": {"type": "object"}}, "guided_choice", "send one of"),

@@ -1,0 +1,149 @@
+"""Regular expressions held while sampling (regex_dfa.py, regex_grammar.py): the DFA takes exactly the texts
+Python's `re` does (fullmatch for guided_regex, search for a schema's pattern), every state a byte walk
+reaches can still match, a schema's `pattern` reads JSON escapes, and the guide lets a stop token end a
+text that matches but could go on."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+import re
+
+import jsonschema
+import pytest
+
+from lorafleet.worker.json_schema import SchemaError, compile_schema
+from lorafleet.worker.json_schema_grammar import DONE as SCHEMA_DONE
+from lorafleet.worker.json_schema_grammar import schema_grammar
+from lorafleet.worker.regex_dfa import Regex, RegexError
+from lorafleet.worker.regex_grammar import DONE, RegexGrammar
+from tests.worker.test_json_schema import _walk, accepts
+
+PATTERNS = [r"^[0-9]{3}-[a-c]+$", r"(ab|a)*b?", r"a{2,4}", r"^(?:a|b)+_\d*$|^-", r"[^a\n]+", r"\w+\s?\.", r"é+b",
+            r"a.b", r"(a|)", r"x{0}a", "", r"[-a]", r"[a-]b", r"a+?b", r"(?<n>ab)+", r"\x61\u0062", r"[\d_]{2}",
+            r"[^\W\d]", r"a|b|", r"(a{1,2}){2}", r"\.\-\(", r"a{2}{", r"[a-c0]*$", r"^a*"]
+ALPHABET = "ab01 -_\n.é{},"
+
+
+def _python(pattern: str) -> re.Pattern:
+    """The pattern for Python's re: ASCII classes and `$` only at the very end (as ECMAScript reads them)."""
+    pattern = re.sub(r"\$(?=\||$)", r"\\Z", pattern).replace("(?<", "(?P<").replace("}{", "}\\{")
+    return re.compile(pattern, re.ASCII)
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_the_dfa_takes_the_texts_pythons_re_does(pattern):
+    full, search, ref = Regex(pattern), Regex(pattern, search=True), _python(pattern)
+    for n in range(5):
+        for chars in itertools.product(ALPHABET, repeat=n) if n < 4 else (random.Random(n).choices(ALPHABET, k=6)
+                                                                           for _ in range(3000)):
+            text = "".join(chars)
+            assert full.matches(text) is bool(ref.fullmatch(text)), (pattern, text)
+            assert search.matches(text) is bool(ref.search(text)), (pattern, text)
+
+
+@pytest.mark.parametrize("pattern, needle", [
+    ("(a", "a missing ')'"), ("a)", "an unmatched ')'"), ("[a", "an unterminated character class"),
+    (r"(a)\1", "the escape '\\1' is not supported"), (r"\bword", "the escape '\\b' is not supported"),
+    ("(?=a)b", "lookaround"), ("a^b", "'^' inside the pattern"), ("*a", "nothing to repeat"),
+    ("a{3,1}", "out of order"), ("[z-a]", "out of order"), ("(a{100}){100}", "too large"), ("\\", "ending in"),
+    (r"\u12", "malformed"), ("[\ud800-\udfff]", "matches no text"),
+])
+def test_patterns_that_cannot_be_held_are_refused_naming_why(pattern, needle):
+    with pytest.raises(RegexError, match=re.escape(needle)):
+        Regex(pattern)
+
+
+def _walk_bytes(grammar: RegexGrammar, rng: random.Random, stop: float = 0.15) -> str:
+    """Random bytes the grammar takes until it is done or may stop (then stops with probability `stop`)."""
+    state, out = grammar.start, bytearray()
+    for _ in range(60):
+        if state == DONE or grammar.may_stop(state) and rng.random() < stop:
+            return out.decode()
+        allowed = [b for b in range(256) if grammar.advance(state, bytes((b,))) is not None]
+        assert allowed, bytes(out)  # a state reached always goes on
+        out.append(rng.choice(allowed))
+        state = grammar.advance(state, out[-1:])
+    return ""
+
+
+@pytest.mark.parametrize("pattern", [r"[0-9]{3}-[a-c]+", r"(yes|no)( indeed)?", r"é[^a-z.]{1,3}\.", r"\d{1,3}(,\d{3})*",
+                                     r"[\u00e0-\u00ff\u{1F600}]{2}"])
+def test_byte_walks_end_in_texts_that_match_and_utf8_is_whole(pattern):
+    grammar, rng = RegexGrammar(pattern), random.Random(1)
+    ref = re.compile(pattern.replace(r"\u{1F600}", "\U0001F600"))
+    texts = [_walk_bytes(grammar, rng) for _ in range(60)]
+    assert sum(bool(t) for t in texts) >= 20
+    for text in filter(None, texts):
+        assert ref.fullmatch(text), (pattern, text)
+
+
+def test_done_and_may_stop():
+    grammar = RegexGrammar(r"(yes|no)( indeed)?")
+    yes = grammar.advance(grammar.start, b"yes")
+    assert yes != DONE and grammar.may_stop(yes) and not grammar.may_stop(grammar.start)
+    assert grammar.advance(yes, b" indeed") == DONE and grammar.advance(yes, b" indeed!") is None
+    assert grammar.advance(DONE, b"") == DONE and grammar.advance(yes, b" in") != DONE
+    assert RegexGrammar("").start == DONE
+
+
+def test_the_guide_lets_a_stop_token_end_a_matching_text_that_could_go_on():
+    from lorafleet.worker.json_guide import JsonGuide
+    from lorafleet.worker.json_vocab import JsonVocab
+    from lorafleet.worker.sampling_params import SamplingParams
+    from lorafleet.worker.sequence import Sequence
+
+    pieces = ["1", "23", "a", "1a", " ", "4,", "567"]
+    vocab = JsonVocab([p.encode() for p in pieces] + [None])
+    eos = len(pieces)
+    guide = JsonGuide(lambda: vocab, eos_token_ids=[eos])
+    seq = Sequence("r", [1, 2], SamplingParams(max_tokens=8, grammar=RegexGrammar(r"\d{1,3}(,\d{3})*")))
+    allowed = (~guide.invalid(seq, "cpu")).nonzero().flatten().tolist()
+    assert allowed == [0, 1, 5, 6] and not guide.accepts(seq, eos)  # nothing written: no match yet
+    seq.output_token_ids.append(0)  # "1"
+    allowed = (~guide.invalid(seq, "cpu")).nonzero().flatten().tolist()
+    assert allowed == [0, 1, 5, eos] and guide.accepts(seq, eos)
+    seq.output_token_ids.append(5)  # "14,"
+    assert (~guide.invalid(seq, "cpu")).nonzero().flatten().tolist() == [0, 1, 6] and not guide.accepts(seq, eos)
+
+
+PATTERNED = {"type": "object", "properties": {
+    "code": {"type": "string", "pattern": "^[A-Z]{3}[0-9]?$"},
+    "email": {"type": "string", "pattern": "@"},
+    "line": {"type": "string", "pattern": "^a\\nb$"},
+    "tag": {"enum": ["abc", "xyz", "a@b"], "pattern": "@"},
+}, "required": ["code"]}
+
+
+@pytest.mark.parametrize("text, ok", [
+    ('{"code":"ABC"}', True), ('{"code":"ABC1"}', True), ('{"code":"AB"}', False), ('{"code":"ABCD"}', False),
+    ('{"code":"ABC","email":"x@y"}', True), ('{"code":"ABC","email":"@"}', True), ('{"code":"ABC","email":"xy"}', False),
+    ('{"code":"ABC","line":"a\\nb"}', True),  # the escape is the character the pattern reads
+    ('{"code":"ABC","line":"a\\u000ab"}', False),  # \\u escapes are not taken under a pattern
+    ('{"code":"\\u0041BC"}', False), ('{"code":"ABC","tag":"a@b"}', True), ('{"code":"ABC","tag":"abc"}', False),
+])
+def test_a_schemas_pattern_is_searched_in_the_strings_text(text, ok):
+    assert accepts(PATTERNED, text) is ok
+    if ok:
+        jsonschema.Draft202012Validator(PATTERNED).validate(json.loads(text))
+
+
+def test_random_walks_under_patterns_give_values_the_reference_validator_takes():
+    grammar, rng = schema_grammar(PATTERNED), random.Random(2)
+    validator = jsonschema.Draft202012Validator(PATTERNED)
+    done = [t for t in (_walk(grammar, rng, 900) for _ in range(30)) if t is not None]
+    assert len(done) >= 5
+    for text in done:
+        validator.validate(json.loads(text))
+    assert grammar.advance(grammar.start, b'{"code":"ABC"}') == SCHEMA_DONE
+
+
+@pytest.mark.parametrize("schema, needle", [
+    ({"type": "string", "pattern": "(a"}, "#.pattern: a missing ')'"),
+    ({"type": "string", "pattern": 5}, "#.pattern: a pattern must be a string"),
+    ({"type": "string", "pattern": "^a+$", "maxLength": 4}, "pattern beside minLength/maxLength"),
+])
+def test_patterns_a_schema_cannot_hold_are_refused(schema, needle):
+    with pytest.raises(SchemaError, match=re.escape(needle)):
+        compile_schema(schema)
