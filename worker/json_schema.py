@@ -8,11 +8,12 @@ is: a schema is never silently weakened.
 Enforced: `type` (one or a list of string, number, integer, boolean, null, object, array), `properties`,
 `required`, `additionalProperties` (false, true or a schema), `items`, `minItems`, `maxItems`, `minLength`,
 `maxLength`, `minimum`, `maximum`, `exclusiveMinimum`, `exclusiveMaximum` (json_schema_bounds.py), `pattern`
-(regex_grammar.py; not beside a length), `enum`,
+(regex_grammar.py; not beside a length), `format` date/time/date-time/uuid/ipv4/email (as patterns, where no
+pattern or length is set), `oneOf` of disjoint alternatives (json_schema_unions.py), `enum`,
 `const`, `anyOf`, `allOf` of one schema, `nullable` (OpenAPI's: adds null), and `$ref` to `#`,
-`#/$defs/...` or `#/definitions/...` (recursion included). `oneOf` is refused: "exactly one alternative"
-cannot be held while sampling (anyOf can). Annotations (never checked): title, description, default, examples, format,
-deprecated, readOnly, writeOnly, $schema, $id, $comment, contentEncoding, contentMediaType.
+`#/$defs/...` or `#/definitions/...` (recursion included). Annotations (never checked): title, description,
+default, examples, other formats, deprecated, readOnly, writeOnly, $schema, $id, $comment, contentEncoding,
+contentMediaType, discriminator (oneOf's disjointness is checked instead).
 
 Where the schema is silent, the output is held as a strict reader of it would expect (as vLLM's xgrammar
 backend does by default): an object schema that lists `properties` takes no other key unless
@@ -43,19 +44,22 @@ from lorafleet.worker.json_schema_bounds import (
     LENGTH_KEYWORDS,
     Bounds,
     BoundsError,
+    kind,
     parse_bounds,
     parse_lengths,
+    parse_pattern,
     value_fits,
 )
+from lorafleet.worker.json_schema_unions import one_of_overlap
 from lorafleet.worker.regex_dfa import Regex, RegexError
-from lorafleet.worker.regex_grammar import compile_pattern
 
 TYPES = ("string", "number", "integer", "boolean", "null", "object", "array")
 ENFORCED = {"type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems", "enum", "const",
-            "anyOf", "allOf", "$ref", "nullable", "$defs", "definitions", "pattern", *BOUND_KEYWORDS, *LENGTH_KEYWORDS}
+            "anyOf", "oneOf", "allOf", "$ref", "nullable", "$defs", "definitions", "pattern", *BOUND_KEYWORDS,
+            *LENGTH_KEYWORDS}
 ANNOTATIONS = {"title", "description", "default", "examples", "format", "deprecated", "readOnly", "writeOnly",
-               "$schema", "$id", "$comment", "contentEncoding", "contentMediaType"}
-ALTERNATIVES = ("anyOf", "allOf")
+               "$schema", "$id", "$comment", "contentEncoding", "contentMediaType", "discriminator"}
+ALTERNATIVES = ("anyOf", "oneOf", "allOf")
 MAX_NODES = 2048  # schemas are small; this bounds what a request can make the worker compile
 MAX_ENUM = 1024  # values of one enum
 MAX_NAMES = 4096  # property names and enum values of a schema, in all
@@ -108,9 +112,15 @@ class JsonSchema:
         self._compiled: dict[int, int] = {}  # id(subschema dict) -> node
         self._num_names = 0
         self._alternatives: dict[int, list[int]] = {}
+        self._one_of: list[tuple[str, tuple[int, ...]]] = []  # (where, alternatives) of each oneOf
         self.root = self._node(self.document, "#", 0)
         for i in range(len(self.nodes)):  # every union's alternatives, now: a $ref loop fails here, not while sampling
             self.alternatives(i)
+        for where, parts in self._one_of:
+            if (overlap := one_of_overlap(self, parts)) is not None:
+                raise SchemaError(f"{where}.oneOf: {overlap}, and exactly one must match, which cannot be held while "
+                                  "sampling; make them disjoint (e.g. a required property with a different const in "
+                                  "each) or use anyOf")
         self._check_finite()
         self._check_root()
 
@@ -153,11 +163,15 @@ class JsonSchema:
             if not isinstance(parts, list) or len(parts) != 1:
                 raise SchemaError(f"{where}.allOf: only an allOf of one schema is supported")
             return self._alias(self._node(parts[0], f"{where}.allOf[0]", depth + 1))
-        if "anyOf" in s:
-            parts = s["anyOf"]
-            if not isinstance(parts, list) or not parts:
-                raise SchemaError(f"{where}.anyOf must be a non-empty list of schemas")
-            return Node(any_of=tuple(self._node(p, f"{where}.anyOf[{i}]", depth + 1) for i, p in enumerate(parts)))
+        for kw in ("anyOf", "oneOf"):  # oneOf: checked for disjoint alternatives once every node is compiled
+            if kw in s:
+                parts = s[kw]
+                if not isinstance(parts, list) or not parts:
+                    raise SchemaError(f"{where}.{kw} must be a non-empty list of schemas")
+                nodes = tuple(self._node(p, f"{where}.{kw}[{i}]", depth + 1) for i, p in enumerate(parts))
+                if kw == "oneOf":
+                    self._one_of.append((where, nodes))
+                return Node(any_of=nodes)
         node = self._scalar(s, self._types(s, where), where)
         if "enum" in s or "const" in s:
             return Node(types=node.types, enum=self._enum(s, node, where))
@@ -175,15 +189,13 @@ class JsonSchema:
             (min_len, max_len), bounds = parse_lengths(s), parse_bounds(s)
         except BoundsError as exc:
             raise SchemaError(f"{where}.{exc}") from None
-        pattern = None
-        if "pattern" in s:
-            if min_len or max_len is not None:  # both hold the characters: not one machine here
-                raise SchemaError(f"{where}: pattern beside minLength/maxLength is not supported; put the length "
-                                  "into the pattern (e.g. ^[a-z]{2,8}$)")
-            try:
-                pattern = compile_pattern(s["pattern"], True, True)
-            except RegexError as exc:
-                raise SchemaError(f"{where}.pattern: {exc}") from None
+        if "pattern" in s and (min_len or max_len is not None):  # both hold the characters: not one machine here
+            raise SchemaError(f"{where}: pattern beside minLength/maxLength is not supported; put the length into "
+                              "the pattern (e.g. ^[a-z]{2,8}$)")
+        try:
+            pattern = parse_pattern(s, min_len or max_len is not None)
+        except RegexError as exc:
+            raise SchemaError(f"{where}.pattern: {exc}") from None
         if bounds is not None and types & {"number", "integer"}:
             kept = types - ({"number", "integer"} if not bounds.takes_any() else set() if bounds.takes_integer() else {"integer"})
             if not kept:
@@ -241,14 +253,14 @@ class JsonSchema:
             raise SchemaError(f"{where}.enum must be a list of at most {MAX_ENUM} values")
         encodings = {}
         for v in values:
-            if _kind(v) not in types and not (_kind(v) == "integer" and "number" in types) or not value_fits(v, s, node):
+            if kind(v) not in types and not (kind(v) == "integer" and "number" in types) or not value_fits(v, s, node):
                 continue  # a value the type or the lengths and bounds exclude is never valid
             try:
                 encodings[encode(v)] = v
             except (TypeError, ValueError) as exc:  # UnicodeEncodeError: a lone surrogate
                 raise SchemaError(f"{where}.enum: {v!r} cannot be written as JSON ({exc})") from None
         if "const" in s and "enum" in s:  # both: the const, if the enum lists it (compared as JSON, true is not 1)
-            const = encode(s["const"]) if _kind(s["const"]) != "other" else None
+            const = encode(s["const"]) if kind(s["const"]) != "other" else None
             encodings = {e: v for e, v in encodings.items() if e == const}
         if not encodings:
             raise SchemaError(f"{where}: no value of its enum/const has one of its types ({', '.join(sorted(types))}) and "
@@ -342,7 +354,7 @@ class JsonSchema:
         """The kinds of value (object, number, ...) the whole schema may take."""
         kinds: set[str] = set()
         for node in (self.nodes[i] for i in self.alternatives(self.root)):
-            kinds |= {_kind(json.loads(e)) for e in node.enum} if node.enum is not None else node.types
+            kinds |= {kind(json.loads(e)) for e in node.enum} if node.enum is not None else node.types
         return kinds
 
     def takes_only_objects(self) -> bool:
@@ -353,18 +365,6 @@ class JsonSchema:
         if self._root_kinds() & {"number", "integer"}:
             raise SchemaError("#: the top-level schema may describe a number, which has no end a stop token could "
                               "follow; describe an object, an array, a string, a boolean or null")
-
-
-def _kind(v: Any) -> str:
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return "boolean"
-    if isinstance(v, int):
-        return "integer"
-    if isinstance(v, float):
-        return "number"
-    return {str: "string", list: "array", dict: "object"}.get(type(v), "other")
 
 
 def _canonical(schema: Any) -> str:

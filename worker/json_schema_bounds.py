@@ -8,7 +8,8 @@ interval of values: `12` for 12, 120-129, 1200-1299, ...; `-1.2` for (-1.3, -1.2
 the bounds meet one of its prefix's intervals, so a number once begun can always end inside them.
 
 Lengths (`minLength`, `maxLength`) count characters as JSON Schema does (code points of the decoded string):
-a character written as UTF-8 bytes, an escape, or an escaped surrogate pair is one.
+a character written as UTF-8 bytes, an escape, or an escaped surrogate pair is one. A `pattern`, or a known
+`format` (FORMATS) where a string has no pattern or length, is a regex_dfa.Regex searched in the text.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ import functools
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
+
+from lorafleet.worker.regex_dfa import Regex
+from lorafleet.worker.regex_grammar import compile_pattern
 
 BOUND_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 LENGTH_KEYWORDS = ("minLength", "maxLength")
@@ -245,3 +249,38 @@ def value_fits(v: Any, s: dict, node) -> bool:
         lo, hi = s.get("minItems", 0), s.get("maxItems")
         return isinstance(lo, int) and lo <= len(v) and (not isinstance(hi, int) or len(v) <= hi)
     return True
+
+
+def kind(v: Any) -> str:
+    """A JSON value's kind, as a schema's `type` names it ("other" for what JSON has not)."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "boolean"
+    if isinstance(v, int):
+        return "integer"
+    if isinstance(v, float):
+        return "number"
+    return {str: "string", list: "array", dict: "object"}.get(type(v), "other")
+
+
+# `format` values held as patterns where the schema sets no pattern or length of its own (elsewhere `format`
+# stays the annotation JSON Schema makes it): the forms of RFC 3339 (a day up to 31 in any month), RFC 4122,
+# and addresses of the dotted form mail is sent to.
+_DATE = r"\d{4}-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])"
+_TIME = r"([01]\d|2[0-3]):[0-5]\d:([0-5]\d|60)(\.\d{1,9})?([Zz]|[+-]([01]\d|2[0-3]):[0-5]\d)"
+_OCTET = r"(25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)"
+FORMATS = {"date": f"^{_DATE}$", "time": f"^{_TIME}$", "date-time": f"^{_DATE}[Tt]{_TIME}$",
+           "uuid": "^[0-9a-fA-F]{8}(-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12}$", "ipv4": rf"^({_OCTET}\.){{3}}{_OCTET}$",
+           "email": r"^[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}$"}
+
+
+def parse_pattern(s: dict, has_length: bool) -> Regex | None:
+    """The pattern a string must match: `pattern`, else (with no length either) a `format` of FORMATS' (RegexError
+    for a pattern that cannot be held)."""
+    if "pattern" in s:
+        return compile_pattern(s["pattern"], True, True)
+    fmt = s.get("format")
+    if not has_length and isinstance(fmt, str) and fmt in FORMATS:
+        return compile_pattern(FORMATS[fmt], True, True)
+    return None

@@ -248,7 +248,7 @@ def test_enum_and_const_compare_as_json_values():
 
 
 @pytest.mark.parametrize("schema, needle", [
-    ({"oneOf": [{"type": "null"}, {"type": "null"}]}, "oneOf cannot be enforced"),
+    ({"oneOf": [{"type": "null"}, {"type": "null"}]}, "alternatives 0 and 1 may both take one value"),
     ({"type": "object", "properties": {"\ud800": {"type": "null"}}}, "a name cannot be written as JSON"),
     ({"type": "object", "properties": {f"p{i}": True for i in range(5000)}}, "more than 4096 property names"),
     ({"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}, "no finite value"),

@@ -1,0 +1,114 @@
+"""oneOf held where its alternatives are disjoint (json_schema_unions.py), pydantic's discriminated unions
+included, and the `format`s held as patterns (json_schema_bounds.FORMATS)."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import random
+import re
+import uuid
+from typing import Annotated, Literal
+
+import jsonschema
+import pytest
+
+from lorafleet.worker.json_schema import SchemaError, compile_schema
+from lorafleet.worker.json_schema_bounds import FORMATS
+from lorafleet.worker.json_schema_grammar import schema_grammar
+from tests.worker.test_json_schema import _walk, accepts
+
+
+def _tagged(tag: str, required: bool = True, **props) -> dict:
+    return {"type": "object", "properties": {"kind": {"const": tag}, **props}, "required": ["kind"] if required else []}
+
+
+@pytest.mark.parametrize("alternatives", [
+    [{"type": "string"}, {"type": "integer"}, {"type": "null"}],
+    [{"enum": [1, 2, "a"]}, {"enum": [3, True, "b"]}],  # true is not 1
+    [_tagged("cat", meow={"type": "boolean"}), _tagged("dog", bark={"type": "boolean"})],
+    [{"anyOf": [_tagged("a"), _tagged("b")]}, _tagged("c"), {"type": "array"}],
+    [{"type": "object", "properties": {"t": {"enum": ["x", "y"]}}, "required": ["t"]},
+     {"type": "object", "properties": {"t": {"anyOf": [{"const": "z"}, {"const": 1}]}}, "required": ["t"]}],
+])
+def test_a_oneof_of_disjoint_alternatives_is_held_as_anyof(alternatives):
+    schema = {"type": "object", "properties": {"v": {"oneOf": alternatives}}, "required": ["v"]}
+    grammar, rng = schema_grammar(schema), random.Random(3)
+    validator = jsonschema.Draft202012Validator(schema)
+    done = [t for t in (_walk(grammar, rng, 400) for _ in range(30)) if t is not None]
+    assert len(done) >= 5
+    for text in done:
+        validator.validate(json.loads(text))  # exactly one alternative matches
+
+
+@pytest.mark.parametrize("alternatives, pair", [
+    ([{"type": "null"}, {"type": "null"}], "0 and 1"),
+    ([{"type": "string"}, {"type": "integer"}, {"type": "number"}], "1 and 2"),  # an integer is a number
+    ([{"enum": [1, "a"]}, {"enum": [1.0]}], "0 and 1"),  # 1 and 1.0 are one value
+    ([_tagged("cat"), _tagged("cat", name={"type": "string"})], "0 and 1"),
+    ([_tagged("cat", required=False), _tagged("dog")], "0 and 1"),  # the tag must be required in both
+    ([{"type": "object"}, _tagged("dog")], "0 and 1"),
+    ([{"type": ["object", "null"], "properties": {"kind": {"const": "a"}}, "required": ["kind"]}, {"type": "null"}],
+     "0 and 1"),
+])
+def test_a_oneof_whose_alternatives_may_meet_is_refused(alternatives, pair):
+    with pytest.raises(SchemaError, match=f"#.properties.v.oneOf: alternatives {pair} may both take one value"):
+        compile_schema({"type": "object", "properties": {"v": {"oneOf": alternatives}}})
+
+
+def test_a_pydantic_discriminated_union():
+    from pydantic import BaseModel, Field
+
+    class Cat(BaseModel):
+        pet_type: Literal["cat"]
+        meows: int
+
+    class Dog(BaseModel):
+        pet_type: Literal["dog"]
+        barks: float
+
+    class Owner(BaseModel):
+        pet: Annotated[Cat | Dog, Field(discriminator="pet_type")]
+        name: str
+
+    schema = Owner.model_json_schema()
+    assert "oneOf" in json.dumps(schema) and "discriminator" in json.dumps(schema)
+    grammar, rng = schema_grammar(schema), random.Random(8)
+    done = [t for t in (_walk(grammar, rng, 600) for _ in range(30)) if t is not None]
+    assert len(done) >= 5
+    for text in done:
+        Owner.model_validate_json(text)
+        jsonschema.Draft202012Validator(schema).validate(json.loads(text))
+
+
+FORMATTED = {"type": "object", "properties": {name: {"type": "string", "format": name} for name in FORMATS},
+             "required": list(FORMATS)}
+
+
+def test_formats_are_held_as_patterns():
+    grammar, rng = schema_grammar(FORMATTED), random.Random(5)
+    done = [t for t in (_walk(grammar, rng, 1500) for _ in range(20)) if t is not None]
+    assert len(done) >= 3
+    for text in done:
+        value = json.loads(text)
+        for name, pattern in FORMATS.items():
+            assert re.fullmatch(pattern.strip("^$"), value[name], re.ASCII), (name, value[name])
+        ipaddress.IPv4Address(value["ipv4"]), uuid.UUID(value["uuid"])
+        jsonschema.Draft202012Validator(FORMATTED, format_checker=jsonschema.FormatChecker(["email", "ipv4", "uuid"])
+                                        ).validate(value)
+
+
+@pytest.mark.parametrize("fmt, good, bad", [
+    ("date", "2026-12-04", "2026-13-01"), ("date-time", "2026-12-04T15:00:00.5+01:00", "2026-12-04 15:00:00Z"),
+    ("time", "23:59:60Z", "24:00:00Z"), ("uuid", "123e4567-e89b-12d3-a456-426614174000", "123e4567e89b12d3a456426614174000"),
+    ("ipv4", "192.168.0.255", "192.168.0.256"), ("email", "a.b+c@example.co", "a@b"),
+])
+def test_each_format_takes_its_form(fmt, good, bad):
+    schema = {"type": "object", "properties": {"v": {"type": "string", "format": fmt}}}
+    assert accepts(schema, json.dumps({"v": good})) and not accepts(schema, json.dumps({"v": bad}))
+
+
+def test_a_format_beside_a_length_or_a_pattern_stays_an_annotation():
+    assert accepts({"type": "object", "properties": {"v": {"type": "string", "format": "date", "maxLength": 3}}}, '{"v":"abc"}')
+    assert accepts({"type": "object", "properties": {"v": {"type": "string", "format": "date", "pattern": "^x"}}}, '{"v":"xy"}')
+    assert accepts({"type": "object", "properties": {"v": {"type": "string", "format": "hostname"}}}, '{"v":"any thing"}')

@@ -1,0 +1,77 @@
+"""`oneOf` held as `anyOf` where no value can match two of its alternatives (json_schema.py).
+
+"Exactly one alternative matches" cannot be checked while sampling, but it needs no check where the
+alternatives are disjoint: then a value one of them takes matches no other. Two alternatives are taken as
+disjoint when their kinds of value do not meet (an integer is a number), when both are enums with no value in
+common (compared as JSON values: 1 and 1.0 are one value, true and 1 are not), or when both are objects that
+require a property whose values are enums with none in common: the tagged unions pydantic writes for a
+discriminated union (`Field(discriminator=...)`, `{"oneOf": [...], "discriminator": {...}}`). Anything else is
+refused, as the grammar could write a value two alternatives take.
+"""
+
+from __future__ import annotations
+
+import json
+from fractions import Fraction
+
+from lorafleet.worker.json_schema_bounds import as_fraction, kind
+
+
+def one_of_overlap(schema, parts: tuple[int, ...]) -> str | None:
+    """None where the alternatives `parts` (nodes of the JsonSchema `schema`) are disjoint; else which two may
+    meet."""
+    alts = [schema.alternatives(p) for p in parts]
+    for i in range(len(parts)):
+        for j in range(i + 1, len(parts)):
+            if not all(_disjoint(schema, a, b) for a in alts[i] for b in alts[j]):
+                return f"alternatives {i} and {j} may both take one value"
+    return None
+
+
+def _disjoint(schema, a: int, b: int) -> bool:
+    na, nb = schema.nodes[a], schema.nodes[b]
+    if a == b:
+        return False
+    if na.enum is not None and nb.enum is not None:
+        return not (_values(na.enum) & _values(nb.enum))
+    shared = _kinds(na) & _kinds(nb)
+    if not shared:
+        return True
+    return shared == {"object"} and na.enum is None and nb.enum is None and _tagged_apart(schema, na, nb)
+
+
+def _kinds(node) -> set[str]:
+    kinds = {kind(json.loads(e)) for e in node.enum} if node.enum is not None else set(node.types)
+    return {"number" if k == "integer" else k for k in kinds}
+
+
+def _values(enum: tuple[bytes, ...]) -> set:
+    """Enum values as JSON compares them: numbers by value, booleans apart from numbers."""
+    out = set()
+    for e in enum:
+        v = json.loads(e)
+        out.add(("number", as_fraction(v)) if kind(v) in ("integer", "number") else ("json", e))
+    return out
+
+
+def _tagged_apart(schema, na, nb) -> bool:
+    """Whether both objects require a property whose enum values do not meet."""
+    for name, i in na.names.items():
+        j = nb.names.get(name)
+        if j is None or i not in na.required or j not in nb.required:
+            continue
+        va, vb = _property_values(schema, na.props[i][1]), _property_values(schema, nb.props[j][1])
+        if va is not None and vb is not None and not (va & vb):
+            return True
+    return False
+
+
+def _property_values(schema, index: int) -> set | None:
+    """The values a property may take, where every alternative of it is an enum (None otherwise)."""
+    values: set[tuple[str, Fraction | bytes]] = set()
+    for a in schema.alternatives(index):
+        enum = schema.nodes[a].enum
+        if enum is None:
+            return None
+        values |= _values(enum)
+    return values
