@@ -65,6 +65,10 @@ class ChoiceGrammar:
         return False  # only a whole choice ends (is_complete)
 
     @staticmethod
+    def regex_reading(state) -> None:
+        return None
+
+    @staticmethod
     def is_in_string(state) -> bool:
         return False
 

@@ -252,6 +252,10 @@ class JsonObjectGrammar:
         return False
 
     @staticmethod
+    def regex_reading(state: JsonState) -> None:
+        return None
+
+    @staticmethod
     def string_room(state: JsonState) -> int | None:
         """JSON mode's strings have no length."""
         return None

@@ -72,6 +72,13 @@ class SchemaGrammar:
     def may_stop(state) -> bool:
         return False  # only a complete value ends (is_complete)
 
+    def regex_reading(self, state):
+        """(pattern, DFA state, True) where the one reading is a patterned string between characters, else None."""
+        if state == DONE or len(state) != 1:
+            return None
+        top = next(iter(state))[-1]
+        return (self.nodes[top[1]].pattern, top[2], True) if top[0] == "P" and not top[3] else None
+
     @staticmethod
     def is_in_string(state) -> bool:
         """Every reading is inside a string, where plain content (json_constraint._PLAIN_RUN) may follow as far

@@ -5,6 +5,8 @@ tokens of no bytes never do (their text is not JSON, and an empty token would no
 the stop tokens (EOS, stop_token_ids) are the sampler's business, not this table's.
 
 Scanning ~49k tokens in Python at every step would cost tens of milliseconds, so:
+* a regex's states (guided_regex, a schema's pattern) walk a trie of the whole-text tokens by the regex's
+  character classes (regex_vocab.py) and scan only the rest;
 * masks are cached per (grammar, state, may_complete) in a bounded LRU, on the device: a request's states recur (inside a string,
   after a value, ...) and requests share them;
 * tokens are bucketed by first byte, and only the buckets whose first byte is valid are scanned;
@@ -23,11 +25,13 @@ from collections import OrderedDict
 import torch
 
 from lorafleet.worker.json_constraint import JSON_OBJECT, advance
+from lorafleet.worker.regex_vocab import ClassTrie
 from lorafleet.worker.token_bytes import token_bytes
 from lorafleet.worker.tokenizer import Tokenizer
 
 _WS = b" \t\n\r"
 MAX_CACHED_MASKS = 512  # 512 masks of 49k booleans: 25 MB
+MAX_CACHED_TRIES = 8  # regex class tries (regex_vocab.py): ~25k nodes each on a 49k vocabulary
 
 
 class JsonVocab:
@@ -72,6 +76,7 @@ class JsonVocab:
         self.num_whitespace = int(all_ws.sum())
         self._none = torch.zeros(self.vocab_size, dtype=torch.bool)
         self._masks: OrderedDict[tuple, tuple[torch.Tensor, int]] = OrderedDict()
+        self._tries: OrderedDict[tuple[str, bool], ClassTrie] = OrderedDict()  # regex_vocab.py, per (regex, in JSON)
         self.num_built = 0  # masks scanned (cache misses), for tests and benchmarks
 
     @functools.cached_property
@@ -118,7 +123,14 @@ class JsonVocab:
     def _build(self, grammar, state, may_complete: bool) -> torch.Tensor:
         self.num_built += 1
         ids: list[int] = []
-        if grammar.is_in_string(state):
+        reading = grammar.regex_reading(state)
+        if reading is not None:  # a regex between characters: whole-text tokens through its class trie
+            regex, dstate, in_json = reading
+            mask = self._none.clone()
+            if valid := self._trie(regex, in_json).valid(regex, dstate, may_complete or in_json):
+                mask[torch.cat(valid)] = True  # in a JSON string, whole text never completes the value
+            self._scan(grammar, state, self._special_buckets if in_json else self._partial[1], self._bytes, may_complete, ids)
+        elif grammar.is_in_string(state):
             room = grammar.string_room(state)  # a schema's maxLength: plain tokens of at most `room` characters
             mask = self._plain.clone() if room is None else self._plain & (self._plain_chars <= room)
             self._scan(grammar, state, self._special_buckets, self._bytes, may_complete, ids)
@@ -136,6 +148,32 @@ class JsonVocab:
         if ids:
             mask[torch.tensor(ids, dtype=torch.int64)] = True
         return mask  # bool [V] on the CPU, True where a token may follow
+
+    def _trie(self, regex, in_json: bool) -> ClassTrie:
+        """The class trie of the tokens that are whole text: plain string content inside JSON, else complete UTF-8."""
+        key = (regex.key, in_json)
+        trie = self._tries.get(key)
+        if trie is None:
+            tokens = [(i, self._bytes[i].decode()) for i in self._plain.nonzero().flatten().tolist()] if in_json \
+                else self._partial[0]
+            trie = self._tries[key] = ClassTrie(regex, tokens)
+            if len(self._tries) > MAX_CACHED_TRIES:
+                self._tries.popitem(last=False)
+        self._tries.move_to_end(key)
+        return trie
+
+    @functools.cached_property
+    def _partial(self) -> tuple[list[tuple[int, str]], list[dict[int, list[int]]]]:
+        """(the tokens that are complete UTF-8, with their text; buckets of the others: a partial character)."""
+        whole, buckets = [], _new_buckets()
+        for token_id, data in enumerate(self._bytes):
+            if not data:
+                continue
+            try:
+                whole.append((token_id, data.decode()))
+            except UnicodeDecodeError:
+                _add(buckets, data, token_id)
+        return whole, buckets
 
     @staticmethod
     def _scan(grammar, state, buckets: list[dict[int, list[int]]], data_of, may_complete: bool, ids: list[int]) -> None:

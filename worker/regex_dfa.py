@@ -18,6 +18,7 @@ states (frozensets of NFA states) and their transitions are memoized, both bound
 from __future__ import annotations
 
 import bisect
+import functools
 import hashlib
 
 MAX_NFA_STATES = 4096  # a pattern's NFA: bounds what a request can make the worker build ({1000} repeats)
@@ -369,6 +370,27 @@ class Regex:
             self._steps.clear()
         self._steps[key] = nxt
         return nxt
+
+    @functools.cached_property
+    def classes(self) -> tuple[list[int], list[int], list[int], list[int]]:
+        """The characters the NFA's edges cannot tell apart, as classes: (class of each BMP code point, starts of
+        the astral intervals, their classes, a representative of each class). Characters of one class step
+        alike from every state, so a vocabulary's tokens can be read as class sequences (regex_vocab.py)."""
+        sets = list({chars for edges in self._edges for chars, _ in edges})
+        cuts = sorted({0, MAX_CHAR + 1} | {b for r in sets for lo, hi in r for b in (lo, hi + 1)})
+        ids: dict[tuple[bool, ...], int] = {}
+        bmp, starts, astral, reps = [0] * 0x10000, [], [], []
+        for lo, nxt in zip(cuts, cuts[1:], strict=False):
+            sig = tuple(_contains(r, lo) for r in sets)
+            cls = ids.setdefault(sig, len(ids))
+            if cls == len(reps):
+                reps.append(lo)
+            if lo < 0x10000:
+                bmp[lo:min(nxt, 0x10000)] = [cls] * (min(nxt, 0x10000) - lo)
+            if nxt > 0x10000:
+                starts.append(max(lo, 0x10000))
+                astral.append(cls)
+        return bmp, starts, astral, reps
 
     def matches(self, text: str) -> bool:
         """Whether `text` is one the pattern takes (an enum value beside it)."""

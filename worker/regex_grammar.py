@@ -100,6 +100,10 @@ class RegexGrammar:
     def is_in_string(state) -> bool:
         return False
 
+    def regex_reading(self, state):
+        """(regex, DFA state, False) between characters (JsonVocab's class-trie masks), else None."""
+        return None if state == DONE or state[1] else (self.regex, state[0], False)
+
     @staticmethod
     def ws_uniform(state) -> bool:
         return False  # whitespace is text the pattern reads

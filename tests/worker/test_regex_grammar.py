@@ -147,3 +147,27 @@ def test_random_walks_under_patterns_give_values_the_reference_validator_takes()
 def test_patterns_a_schema_cannot_hold_are_refused(schema, needle):
     with pytest.raises(SchemaError, match=re.escape(needle)):
         compile_schema(schema)
+
+
+@pytest.mark.parametrize("grammar", [RegexGrammar(r"[0-9]{1,3}(-[a-c]+)?é?"), RegexGrammar(r"(\"q\"|[^a]\n)*x"),
+                                     schema_grammar(PATTERNED)], ids=["digits", "quotes", "schema"])
+def test_regex_masks_through_the_class_trie_equal_a_token_by_token_check(grammar):
+    from lorafleet.worker.json_vocab import JsonVocab
+
+    pieces = ["1", "12", "123", "1234", "-", "-a", "-ab", "a", "bc", "é", "\xc3", "\xa9", "x", "\"", "\"q\"", "\n",
+              "b\n", "\\n", "\\\"", "AB", "ABC", "C1", "\"}", "@", "x@y", "\"code\":\"", "{\"", "\":\"", " ", "ab\"q"]
+    tokens = [p.encode("latin-1") if p in ("\xc3", "\xa9") else p.encode() for p in pieces]
+    vocab, rng, checked = JsonVocab([*tokens, None]), random.Random(6), 0
+    for _ in range(10):
+        state = grammar.start
+        for _ in range(25):
+            for may_complete in (True, False):
+                invalid, num_valid = vocab.mask(state, may_complete, grammar)
+                expect = [vocab.accepts(state, t, may_complete, grammar) for t in range(len(tokens) + 1)]
+                assert (~invalid).tolist() == expect and num_valid == sum(expect), state
+                checked += 1
+            nxt = [t for t, ok in enumerate(expect) if ok]
+            if not nxt or grammar.is_complete(state):
+                break
+            state = grammar.advance(state, vocab.token_bytes(rng.choice(nxt)))
+    assert checked > 60
