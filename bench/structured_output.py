@@ -1,20 +1,20 @@
-"""What holding the output to JSON costs: the embedded default model with no constraint, JSON mode and a schema.
+"""What holding the output to JSON costs: the embedded default model with no constraint, JSON mode, schemas and a regex.
 
     python bench/structured_output.py --out bench/results   # CPU by default; --device cuda on a GPU
 
 One greedy request (a person described as JSON) is generated unconstrained, in JSON mode
 (`json_object`) and held to a schema (SchemaGrammar), the schema twice (the second run finds its token
-masks cached). For each: seconds per output token, the masks built (a mask is a scan of the vocabulary
-for one grammar state; most drawn tokens are checked alone and need none), whether the schema's output
-validates. Then the time of one mask build in a few states of the schema (a key, a string value, a
-number, an enum value), the cache cleared before each. Prints a table, writes JSON.
+masks cached); then a schema with lengths, bounds, a pattern and a format (its own prompt), and a
+guided_regex (RegexGrammar). For each: seconds per output token, the masks built (a mask is a scan of the
+vocabulary for one grammar state; most drawn tokens are checked alone and need none), whether the output
+is valid. Then the time of one mask build in a few states (a key, a string value, a number, an enum value,
+a bounded number, a patterned string, a regex), the cache cleared before each. Prints a table, writes JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import platform
 import sys
 import time
@@ -24,6 +24,7 @@ from bench_io import write_json  # same folder
 from lorafleet.worker import Engine, EngineConfig, SamplingParams
 from lorafleet.worker.default_model import default_model_dir
 from lorafleet.worker.json_schema_grammar import schema_grammar
+from lorafleet.worker.regex_grammar import RegexGrammar
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "city", "hobbies", "mood"],
           "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "city": {"type": "string"},
@@ -32,6 +33,17 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", 
 PROMPT = ("<|im_start|>user\nDescribe a fictional person as JSON with name, age, city, hobbies and mood.<|im_end|>\n"
           "<|im_start|>assistant\n")
 STATES = (b'{"', b'{"name": "Al', b'{"name": "Al", "age": 3', b'{"name": "Al", "age": 3, "mood": "h')
+BOUNDED = {"type": "object", "additionalProperties": False, "required": ["name", "age", "email", "zip"],
+           "properties": {"name": {"type": "string", "minLength": 2, "maxLength": 20},
+                          "age": {"type": "integer", "minimum": 18, "maximum": 99},
+                          "email": {"type": "string", "format": "email"}, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}}}
+BOUNDED_PROMPT = ("<|im_start|>user\nDescribe a fictional adult as JSON with name, age, email and zip code.<|im_end|>\n"
+                  "<|im_start|>assistant\n")
+BOUNDED_STATES = (b'{"name": "Al", "age": 2', b'{"name": "Al", "age": 20, "email": "al@ex', b'{"name": "Al", "age": 20, "zip": "12')
+DATE = r"(Mon|Tues|Wednes|Thurs|Fri|Satur|Sun)day, [1-9][0-9]? (January|February|March|April|May|June|July|August|" \
+       r"September|October|November|December) 20[0-9]{2}"
+DATE_PROMPT = "<|im_start|>user\nName a date in the future.<|im_end|>\n<|im_start|>assistant\n"
+DATE_STATES = (b"", b"Fri", b"Friday, 1")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,33 +60,41 @@ def main(argv: list[str] | None = None) -> int:
     res = {"date": datetime.date.today().isoformat(), "device": args.device, "machine": platform.processor() or platform.machine(),
            "command": " ".join(["python", *sys.argv]), "vocab_size": vocab.vocab_size,
            "vocab_table_s": time.perf_counter() - start, "runs": {}, "mask_build_ms": {}}  # fmt: skip
-    grammar = schema_grammar(SCHEMA)
-    cases = (("unconstrained", {}), ("json_object", {"json_object": True}), ("schema", {"grammar": grammar}),
-             ("schema again", {"grammar": grammar}))
-    print(f"{'case':16} {'tokens':>6} {'ms/token':>9} {'masks':>6}  output")
-    for name, kw in cases:
+    grammar, bounded, date = schema_grammar(SCHEMA), schema_grammar(BOUNDED), RegexGrammar(DATE)
+    cases = (("unconstrained", PROMPT, {}), ("json_object", PROMPT, {"json_object": True}),
+             ("schema", PROMPT, {"grammar": grammar}), ("schema again", PROMPT, {"grammar": grammar}),
+             ("bounded schema", BOUNDED_PROMPT, {"grammar": bounded}), ("guided_regex", DATE_PROMPT, {"grammar": date}))
+    print(f"{'case':16} {'tokens':>6} {'ms/token':>9} {'masks':>6} {'valid':>5}  output")
+    for name, prompt, kw in cases:
         built = vocab.num_built
         start = time.perf_counter()
-        out = engine.generate([PROMPT], SamplingParams(max_tokens=args.max_tokens, temperature=0.0, **kw))[0]
+        out = engine.generate([prompt], SamplingParams(max_tokens=args.max_tokens, temperature=0.0, **kw))[0]
         seconds = time.perf_counter() - start
         run = {"tokens": len(out.token_ids), "ms_per_token": 1e3 * seconds / len(out.token_ids), "masks_built": vocab.num_built - built,
-               "text": out.text}  # fmt: skip
-        if "grammar" in kw:
-            run["valid"] = grammar.validates(json.loads(out.text))
+               "text": out.text, "valid": _valid(kw.get("grammar"), out.text)}  # fmt: skip
         res["runs"][name] = run
-        print(f"{name:16} {run['tokens']:6d} {run['ms_per_token']:9.1f} {run['masks_built']:6d}  {out.text[:60]!r}")
-    for text in STATES:
-        state = grammar.advance(grammar.start, text)
-        times = []
-        for _ in range(3):
-            vocab._masks.clear()
-            start = time.perf_counter()
-            vocab.mask(state, True, grammar)
-            times.append(time.perf_counter() - start)
-        res["mask_build_ms"][text.decode()] = 1e3 * min(times)
-        print(f"mask build after {text.decode()!r}: {1e3 * min(times):.1f} ms")
+        print(f"{name:16} {run['tokens']:6d} {run['ms_per_token']:9.1f} {run['masks_built']:6d} {run['valid']!s:>5}  {out.text[:60]!r}")
+    for g, states in ((grammar, STATES), (bounded, BOUNDED_STATES), (date, DATE_STATES)):
+        for text in states:
+            state = g.advance(g.start, text)
+            times = []
+            for _ in range(3):
+                vocab._masks.clear()
+                start = time.perf_counter()
+                vocab.mask(state, True, g)
+                times.append(time.perf_counter() - start)
+            res["mask_build_ms"][text.decode()] = 1e3 * min(times)
+            print(f"mask build after {text.decode()!r}: {1e3 * min(times):.1f} ms")
     write_json(args.out, "structured_output", res["date"], args.device, res)
     return 0
+
+
+def _valid(grammar, text: str) -> bool | None:
+    """Whether the text is whole under its grammar (None without one)."""
+    if grammar is None:
+        return None
+    state = grammar.advance(grammar.start, text.encode())
+    return state is not None and (grammar.is_complete(state) or grammar.may_stop(state))
 
 
 if __name__ == "__main__":
