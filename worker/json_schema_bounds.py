@@ -23,6 +23,7 @@ from lorafleet.worker.regex_dfa import Regex
 from lorafleet.worker.regex_grammar import compile_pattern
 
 BOUND_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+MAX_BOUND = 1.7976931348623157e308
 LENGTH_KEYWORDS = ("minLength", "maxLength")
 
 
@@ -165,6 +166,8 @@ def as_fraction(value: int | float) -> Fraction:
 def _number(value: Any, name: str) -> Fraction:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise BoundsError(f"{name} must be a number")
+    if abs(value) > MAX_BOUND:  # a prefix's test walks the bound's digits
+        raise BoundsError(f"{name} must be within a double's range (at most {MAX_BOUND:.4g} in magnitude)")
     return as_fraction(value)
 
 
@@ -241,8 +244,9 @@ def value_fits(v: Any, s: dict, node) -> bool:
     """Whether an enum/const value fits the lengths, pattern, bounds and item counts beside it (`node`: the
     json_schema.Node those keywords compiled to)."""
     if isinstance(v, str):
-        return node.min_len <= len(v) and (node.max_len is None or len(v) <= node.max_len) \
-            and (node.pattern is None or node.pattern.matches(v))
+        return node.min_len <= len(v) and (node.max_len is None or len(v) <= node.max_len) and (
+            node.pattern is None or compile_pattern(node.pattern.pattern, True, False).matches(v))  # any text: the
+        # value is written from its own encoding (a control character escaped), not through the pattern's reader
     if isinstance(v, (int, float)) and not isinstance(v, bool) and node.bounds is not None:
         return node.bounds.takes(as_fraction(v))
     if isinstance(v, list):

@@ -13,6 +13,11 @@ text there); otherwise the whole text must match (vLLM, outlines). Only characte
 kept (`writable`): where no written character can take an edge, the edge is dropped, and states from which
 no accepting one can be reached are pruned, so every state the DFA reaches can still end in a match. DFA
 states (frozensets of NFA states) and their transitions are memoized, both bounded.
+
+A pattern comes from a request, so what it may cost is bounded: its length, counted repeats (an empty group
+repeated makes no state, yet costs its count), the tree's size with repeats unrolled, group nesting, the NFA's
+states, and the NFA states a DFA state holds while sampling (MAX_OPEN: every step costs that many; past it the
+request fails, as its state would stall every step of the batch).
 """
 
 from __future__ import annotations
@@ -21,12 +26,22 @@ import bisect
 import functools
 import hashlib
 
-MAX_NFA_STATES = 4096  # a pattern's NFA: bounds what a request can make the worker build ({1000} repeats)
+MAX_NFA_STATES = 2048  # a pattern's NFA: bounds what a request can make the worker build ({1000} repeats)
+MAX_REPEAT = 1000  # a counted repeat's bound (an empty group repeated makes no state, yet costs its count)
+MAX_BUILD = 100_000  # parts of the tree built, counted repeats unrolled
+MAX_GROUPS = 64  # nesting of groups (the parser recurses)
+MAX_OPEN = 256  # NFA states a DFA state may hold while sampling: each step costs its size
+MAX_MEMO = 500_000  # NFA states held by the memoized steps, in all, then the memo starts over
 MAX_PATTERN = 4096  # characters of a pattern
 MAX_TRANSITIONS = 65536  # memoized (state, character) steps, then the memo starts over
 MAX_CHAR = 0x10FFFF
 SURROGATES = (0xD800, 0xDFFF)
 Ranges = tuple[tuple[int, int], ...]  # sorted, disjoint, inclusive code point ranges
+
+
+_DIGITS = frozenset("0123456789")
+_HEX = frozenset("0123456789abcdefABCDEF")
+_MISSING = object()
 
 
 class RegexError(ValueError):
@@ -75,7 +90,7 @@ class _Parser:
     """Recursive descent to a tree: ("set", ranges) | ("cat", [..]) | ("alt", [..]) | ("rep", node, lo, hi|None)."""
 
     def __init__(self, pattern: str) -> None:
-        self.p, self.i = pattern, 0
+        self.p, self.i, self.depth = pattern, 0, 0
 
     def error(self, what: str) -> RegexError:
         return RegexError(f"{what} at position {self.i} of the pattern")
@@ -123,6 +138,9 @@ class _Parser:
     def atom(self):
         c = self.take()
         if c == "(":
+            self.depth += 1
+            if self.depth > MAX_GROUPS:
+                raise self.error(f"groups nested deeper than {MAX_GROUPS}")
             if self.p.startswith("?:", self.i):
                 self.i += 2
             elif self.p.startswith("?<", self.i) and not self.p.startswith(("?<=", "?<!"), self.i):
@@ -136,6 +154,7 @@ class _Parser:
             if self.peek() != ")":
                 raise self.error("a missing ')'")
             self.i += 1
+            self.depth -= 1
             return tree
         if c == "[":
             return ("set", self.klass())
@@ -155,7 +174,7 @@ class _Parser:
         """A {n}, {n,} or {n,m} at self.i (just past its '{'): (n, m, index past it), None if it is not one."""
         j, p = self.i, self.p
         k = j
-        while k < len(p) and p[k].isdigit():
+        while k < len(p) and p[k] in _DIGITS:  # ASCII only: str.isdigit takes '²'
             k += 1
         if k == j:
             return None
@@ -164,11 +183,14 @@ class _Parser:
         if k < len(p) and p[k] == ",":
             k += 1
             m = k
-            while k < len(p) and p[k].isdigit():
+            while k < len(p) and p[k] in _DIGITS:
                 k += 1
             hi = int(p[m:k]) if k > m else None
         if k >= len(p) or p[k] != "}":
             return None
+        if max(lo, hi or 0) > MAX_REPEAT:
+            self.i = j
+            raise self.error(f"a counted repeat above {MAX_REPEAT}")
         return lo, hi, k + 1
 
     def quantified(self, tree):
@@ -195,15 +217,13 @@ class _Parser:
         if negate:
             self.i += 1
         ranges: list[tuple[int, int]] = []
-        first = True
-        while True:
+        while True:  # ECMAScript: "[]" takes nothing, "[^]" anything
             c = self.peek()
             if c is None:
                 raise self.error("an unterminated character class")
-            if c == "]" and not first:
+            if c == "]":
                 self.i += 1
                 break
-            first = False
             lo = self.class_atom()
             if self.peek() == "-" and self.i + 1 < len(self.p) and self.p[self.i + 1] != "]":
                 self.i += 1
@@ -253,10 +273,9 @@ class _Parser:
             self.i += n
             if len(digits) != n:
                 digits = ""
-        try:
-            code = int(digits, 16)
-        except ValueError:
-            raise self.error(f"a malformed '\\{kind}' escape") from None
+        if not digits or not set(digits) <= _HEX:
+            raise self.error(f"a malformed '\\{kind}' escape")
+        code = int(digits, 16)
         if code > MAX_CHAR:
             raise self.error("a code point above U+10FFFF")
         return code
@@ -274,6 +293,7 @@ class Regex:
         self.key = "regex:" + ("search:" if search else "") + hashlib.sha256(pattern.encode("utf-8", "surrogatepass")).hexdigest()
         self._writable = writable
         self._edges: list[list[tuple[Ranges, int]]] = []  # per NFA state: (characters, target)
+        self._built = 0
         self._eps: list[list[int]] = []
         branches = _Parser(pattern).top()
         start, self.final = self._state(), self._state()
@@ -291,6 +311,7 @@ class Regex:
         if not self.start:
             raise RegexError("the pattern matches no text that can be written")
         self._steps: dict[tuple[frozenset, int], frozenset | None] = {}
+        self._memo_size = 0
 
     def _state(self) -> int:
         if len(self._edges) >= MAX_NFA_STATES:
@@ -300,6 +321,9 @@ class Regex:
         return len(self._edges) - 1
 
     def _build(self, tree, at: int) -> int:
+        self._built += 1
+        if self._built > MAX_BUILD:
+            raise RegexError(f"the pattern is too large (over {MAX_BUILD} parts with its repeats unrolled)")
         kind = tree[0]
         if kind == "set":
             chars = _intersect(tree[1], self._writable)
@@ -361,13 +385,21 @@ class Regex:
         return self.final in state
 
     def step(self, state: frozenset, ch: int) -> frozenset | None:
+        """The state after character `ch` (None: no match goes on); RegexError when it would hold more than
+        MAX_OPEN NFA states (a long counted repeat after a wildcard: every step would cost that much)."""
         key = (state, ch)
-        if key in self._steps:
-            return self._steps[key]
+        nxt = self._steps.get(key, _MISSING)  # one lookup: another thread may clear the memo
+        if nxt is not _MISSING:
+            return nxt
         targets = [t for s in state for chars, t in self._edges[s] if _contains(chars, ch)]
         nxt = self._closure(targets) or None
-        if len(self._steps) >= MAX_TRANSITIONS:
+        if nxt is not None and len(nxt) > MAX_OPEN:
+            raise RegexError(f"the pattern keeps over {MAX_OPEN} positions open at once (a long counted repeat "
+                             "after a wildcard?): anchor it or shorten the repeat")
+        self._memo_size += len(nxt or ())
+        if len(self._steps) >= MAX_TRANSITIONS or self._memo_size > MAX_MEMO:
             self._steps.clear()
+            self._memo_size = 0
         self._steps[key] = nxt
         return nxt
 

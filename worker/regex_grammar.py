@@ -65,7 +65,7 @@ def _may_become(regex: Regex, dstate: frozenset, data: bytes, size: int) -> bool
     return regex.can_step(dstate, lo, hi)
 
 
-@lru_cache(maxsize=64)
+@lru_cache(maxsize=16)
 def compile_pattern(pattern: str, search: bool, json_string: bool) -> Regex:
     """A pattern's Regex (RegexError when it cannot be held), compiled once per text and reading."""
     return Regex(pattern, search=search, writable=JSON_TEXT if json_string else TEXT)

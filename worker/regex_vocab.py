@@ -13,10 +13,13 @@ scanned as before.
 from __future__ import annotations
 
 import bisect
+import time
 
 import torch
 
-from lorafleet.worker.regex_dfa import Regex
+from lorafleet.worker.regex_dfa import Regex, RegexError
+
+MAX_MASK_SECONDS = 1.0  # one mask's walk: past it the request fails (its pattern would stall every step)
 
 
 class ClassTrie:
@@ -45,8 +48,13 @@ class ClassTrie:
         """The ids of the trie's tokens that `dstate` may read whole (with may_complete False, none after which
         the text is final: regex_dfa.Regex.is_final), as tensors to index a mask with."""
         out, stack, reps = [], [(0, dstate)], self.reps
+        deadline, walked = time.perf_counter() + MAX_MASK_SECONDS, 0
         while stack:
             node, state = stack.pop()
+            walked += 1
+            if walked % 1024 == 0 and time.perf_counter() > deadline:
+                raise RegexError(f"holding the output to this pattern costs over {MAX_MASK_SECONDS:g} s of a step "
+                                 "(many positions open at once?): anchor or simplify it")
             for cls, child in self._children[node].items():
                 nxt = regex.step(state, reps[cls])
                 if nxt is None:

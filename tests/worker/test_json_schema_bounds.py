@@ -151,6 +151,7 @@ def test_a_long_fraction_inside_its_bounds_stops_making_new_states():
     ({"type": "object", "properties": {"a": {"type": "number", "minimum": 2, "maximum": 1}}}, "no number is >= 2 and <= 1"),
     ({"type": "object", "properties": {"a": {"enum": ["abc"], "maxLength": 2}}}, "no value of its enum/const"),
     ({"type": "object", "properties": {"a": {"type": "integer", "multipleOf": 2}}}, "multipleOf cannot be enforced"),
+    ({"type": "object", "properties": {"a": {"type": "integer", "minimum": 10**400}}}, "within a double's range"),
 ])
 def test_bounds_and_lengths_that_take_no_value_are_refused(schema, needle):
     with pytest.raises(SchemaError) as err:

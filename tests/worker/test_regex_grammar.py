@@ -49,10 +49,42 @@ def test_the_dfa_takes_the_texts_pythons_re_does(pattern):
     ("(?=a)b", "lookaround"), ("a^b", "'^' inside the pattern"), ("*a", "nothing to repeat"),
     ("a{3,1}", "out of order"), ("[z-a]", "out of order"), ("(a{100}){100}", "too large"), ("\\", "ending in"),
     (r"\u12", "malformed"), ("[\ud800-\udfff]", "matches no text"),
+    ("(?:){99999999999}", "a counted repeat above 1000"), ("((?:){1000}){1000}", "too large"),
+    ("(" * 100 + ")" * 100, "groups nested deeper than 64"), (r"\x+1", "malformed"), (r"\u{ 41}", "malformed"),
+    ("[]a]", "matches no text"),  # ECMAScript: [] takes nothing
 ])
 def test_patterns_that_cannot_be_held_are_refused_naming_why(pattern, needle):
     with pytest.raises(RegexError, match=re.escape(needle)):
         Regex(pattern)
+
+
+def test_ecmascript_readings_of_edge_cases():
+    assert Regex("a{²}").matches("a{²}") and not Regex("a{²}").matches("aa")  # not a quantifier: literal text
+    assert Regex("[^]").matches("\n") and Regex("[^]{2}").matches("é\n")  # [^] takes any character
+    assert Regex(r"\u{1F600}").matches("\U0001F600")
+
+
+def test_a_pattern_keeping_too_many_positions_open_fails_its_request_not_the_worker():
+    """.*a.{300}: after n a's, n positions are open; each step would cost that much. Past MAX_OPEN the grammar
+    raises (the sampler ends that request only) instead of slowing every step and growing its memo."""
+    from lorafleet.worker.regex_dfa import MAX_OPEN
+
+    grammar = RegexGrammar(".*a.{300}")
+    state = grammar.advance(grammar.start, b"a" * (MAX_OPEN - 10))
+    assert state is not None
+    with pytest.raises(RegexError, match=f"over {MAX_OPEN} positions open"):
+        grammar.advance(state, b"a" * 20)
+
+
+def test_a_mask_walk_past_its_time_budget_fails_its_request(monkeypatch):
+    from lorafleet.worker import regex_vocab
+    from lorafleet.worker.json_vocab import JsonVocab
+
+    vocab = JsonVocab(["".join(t).encode() for t in itertools.product("abcdefgh", repeat=4)])  # 4096 class paths
+    monkeypatch.setattr(regex_vocab, "MAX_MASK_SECONDS", -1.0)
+    grammar = RegexGrammar("(a|b|c|d|e|f|g|h)+")
+    with pytest.raises(RegexError, match="costs over -1 s of a step"):
+        vocab.mask(grammar.start, True, grammar)
 
 
 def _walk_bytes(grammar: RegexGrammar, rng: random.Random, stop: float = 0.15) -> str:
@@ -112,7 +144,7 @@ PATTERNED = {"type": "object", "properties": {
     "code": {"type": "string", "pattern": "^[A-Z]{3}[0-9]?$"},
     "email": {"type": "string", "pattern": "@"},
     "line": {"type": "string", "pattern": "^a\\nb$"},
-    "tag": {"enum": ["abc", "xyz", "a@b"], "pattern": "@"},
+    "tag": {"enum": ["abc", "xyz", "a@b", "\u0001@"], "pattern": "@"},
 }, "required": ["code"]}
 
 
@@ -122,6 +154,7 @@ PATTERNED = {"type": "object", "properties": {
     ('{"code":"ABC","line":"a\\nb"}', True),  # the escape is the character the pattern reads
     ('{"code":"ABC","line":"a\\u000ab"}', False),  # \\u escapes are not taken under a pattern
     ('{"code":"\\u0041BC"}', False), ('{"code":"ABC","tag":"a@b"}', True), ('{"code":"ABC","tag":"abc"}', False),
+    ('{"code":"ABC","tag":"\\u0001@"}', True),  # an enum value is written from its encoding, control characters too
 ])
 def test_a_schemas_pattern_is_searched_in_the_strings_text(text, ok):
     assert accepts(PATTERNED, text) is ok
