@@ -8,12 +8,12 @@ from __future__ import annotations
 import json
 import random
 
-import jsonschema
 import pytest
 
 from lorafleet.worker.json_schema import SchemaError, compile_schema
 from lorafleet.worker.json_schema_grammar import DONE, SchemaGrammar, schema_grammar
 from lorafleet.worker.json_vocab import JsonVocab
+from tests.worker.grammar_checks import accepts, check_masks, check_text, walks_validate
 
 PERSON = {
     "type": "object",
@@ -37,11 +37,6 @@ FREE = {"type": "object", "properties": {"key": {"type": "string"}}, "additional
 NAMES = {"type": "object", "properties": {"a b": {"type": "boolean"}, "a\tb": {"type": "null"}, "é\"x": {"type": "boolean"}}}
 ARRAY = {"type": "array", "items": {"type": "object"}, "minItems": 1}
 SCHEMAS = [PERSON, TREE, UNION, FREE, NAMES, ARRAY, {"type": "string"}, {"enum": ["yes", "no", {"x": [1, 2]}]}]
-
-
-def accepts(schema: dict, text: str) -> bool:
-    grammar = schema_grammar(schema)
-    return grammar.advance(grammar.start, text.encode()) == DONE
 
 
 @pytest.mark.parametrize("schema, text, ok", [
@@ -82,9 +77,7 @@ def accepts(schema: dict, text: str) -> bool:
     ({"enum": ["yes", "no", {"x": [1, 2]}]}, '"yes"', True),
 ])
 def test_the_grammar_takes_what_the_schema_does(schema, text, ok):
-    assert accepts(schema, text) is ok
-    if ok:  # the reference validator agrees
-        jsonschema.Draft202012Validator(schema).validate(json.loads(text))
+    check_text(schema, text, ok)
 
 
 def test_nothing_may_follow_a_complete_value_and_prefixes_are_not_complete():
@@ -95,33 +88,9 @@ def test_nothing_may_follow_a_complete_value_and_prefixes_are_not_complete():
     assert grammar.advance(DONE, b"") == DONE and grammar.advance(DONE, b"x") is None
 
 
-def _allowed(grammar: SchemaGrammar, state) -> list[int]:
-    return [b for b in range(256) if grammar.advance(state, bytes((b,))) is not None]
-
-
-def _walk(grammar: SchemaGrammar, rng: random.Random, max_bytes: int = 600) -> str | None:
-    """A random value of the grammar, byte by byte (closing bytes favoured as it grows); None if none ended."""
-    state, out = grammar.start, bytearray()
-    for step in range(max_bytes):
-        allowed = _allowed(grammar, state)
-        assert allowed, bytes(out)  # a state the grammar reaches always has a way on
-        closing = [b for b in allowed if b in b'"}]0']
-        pick = rng.choice(closing) if closing and rng.random() < min(0.9, step / 80) else rng.choice(allowed)
-        out.append(pick)
-        state = grammar.advance(state, bytes((pick,)))
-        if state == DONE:
-            return out.decode()
-    return None
-
-
 @pytest.mark.parametrize("schema", SCHEMAS, ids=range(len(SCHEMAS)))
 def test_random_walks_give_values_the_reference_validator_takes(schema):
-    grammar, rng = schema_grammar(schema), random.Random(7)
-    validator = jsonschema.Draft202012Validator(schema)
-    done = [t for t in (_walk(grammar, rng) for _ in range(40)) if t is not None]
-    assert len(done) >= 10
-    for text in done:
-        validator.validate(json.loads(text))
+    for text in walks_validate(schema, seed=7, tries=40, at_least=10):
         assert accepts(schema, text)  # the same bytes at once, as a token holding them all
 
 
@@ -132,26 +101,9 @@ def test_the_vocabularys_masks_for_schema_states_equal_a_token_by_token_check():
               "1", "12", ".5", "e", "-", "true", "null", "x", "é", "\\", "\\t", "\\u00e9", "\":", "\": ", " }", "\"}",
               "\"a\\tb", "c d", "\"c", " d\"", "person", "\"kind\"", "\"name\":\"", "  \"", "ue", "\xff"]
     tokens = [p.encode("latin-1") if p == "\xff" else p.encode() for p in pieces]
-    vocab = JsonVocab([*tokens, None])
-    rng = random.Random(3)
-    checked = 0
-    for schema in (PERSON, NAMES, UNION, FREE, {"enum": ["yes", "no", {"x": [1, 2]}]}):
-        grammar = schema_grammar(schema)
-        for _ in range(6):
-            state = grammar.start
-            for _ in range(60):
-                for may_complete in (True, False):
-                    invalid, num_valid = vocab.mask(state, may_complete, grammar)
-                    expect = [vocab.accepts(state, t, may_complete, grammar) for t in range(len(tokens) + 1)]
-                    assert (~invalid).tolist() == expect and num_valid == sum(expect), (schema, state)
-                    checked += 1
-                nxt = [t for t, ok in enumerate(expect) if ok]
-                if not nxt:
-                    break
-                state = grammar.advance(state, vocab.token_bytes(rng.choice(nxt)))
-                if grammar.is_complete(state):
-                    break
-    assert checked > 300
+    vocab, rng = JsonVocab([*tokens, None]), random.Random(3)
+    schemas = (PERSON, NAMES, UNION, FREE, {"enum": ["yes", "no", {"x": [1, 2]}]})
+    assert sum(check_masks(vocab, schema_grammar(s), rng, walks=6, steps=60) for s in schemas) > 300
 
 
 def test_a_pydantic_models_strict_schema_compiles_and_holds():
@@ -175,10 +127,7 @@ def test_a_pydantic_models_strict_schema_compiles_and_holds():
         note: str | None = None
 
     schema = to_strict_json_schema(Order)
-    grammar, rng = schema_grammar(schema), random.Random(5)
-    done = [t for t in (_walk(grammar, rng, 900) for _ in range(30)) if t is not None]
-    assert len(done) >= 5
-    for text in done:
+    for text in walks_validate(schema, seed=5, tries=30, at_least=5, max_bytes=900):
         Order.model_validate_json(text)
     assert accepts(schema, '{"items":[{"label":"x","count":null}],"color":"blue","note":null}')
     assert not accepts(schema, '{"items":[{"label":"x"}],"color":"blue","note":null}')  # strict: all required
@@ -285,7 +234,6 @@ def test_readings_of_ambiguous_recursive_unions_are_bounded():
 def test_the_same_schema_with_its_keys_reordered_numbers_its_nodes_alike():
     """Grammars of one key share the vocabulary's cached masks, so they must read a state the same way."""
     from lorafleet.worker.json_schema import JsonSchema
-    from lorafleet.worker.json_schema_grammar import SchemaGrammar
 
     a = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}}}
     b = {"properties": {"b": {"type": "string"}, "a": {"type": "integer"}}, "type": "object"}

@@ -15,7 +15,7 @@ import pytest
 from lorafleet.worker.json_schema import SchemaError, compile_schema
 from lorafleet.worker.json_schema_grammar import DONE, schema_grammar
 from lorafleet.worker.json_vocab import JsonVocab
-from tests.worker.test_json_schema import _walk, accepts
+from tests.worker.grammar_checks import accepts, check_masks, check_text, walks_validate
 
 BOUNDED = {
     "type": "object",
@@ -58,18 +58,11 @@ BOUNDED = {
     ('{"n":1,"s":"ab","x":0.5,"pick":3}', True),
 ])
 def test_the_grammar_takes_what_the_reference_validator_does(text, ok):
-    assert accepts(BOUNDED, text) is ok
-    if ok:
-        jsonschema.Draft202012Validator(BOUNDED).validate(json.loads(text))
+    check_text(BOUNDED, text, ok)
 
 
 def test_random_walks_give_values_the_reference_validator_takes():
-    grammar, rng = schema_grammar(BOUNDED), random.Random(11)
-    validator = jsonschema.Draft202012Validator(BOUNDED)
-    done = [t for t in (_walk(grammar, rng, 900) for _ in range(40)) if t is not None]
-    assert len(done) >= 10
-    for text in done:
-        validator.validate(json.loads(text))
+    walks_validate(BOUNDED, seed=11, tries=40, at_least=10, max_bytes=900)
 
 
 def _can_end(grammar, state, depth: int) -> bool:
@@ -119,19 +112,7 @@ def test_the_vocabularys_masks_under_a_max_length_equal_a_token_by_token_check()
               "1", "12", "0.", "5", "-", "}", ",\"", "s\":\"", "n\":", "x\":", "{\"", ":", " ", "\xc3"]
     tokens = [p.encode("latin-1") if p == "\xc3" else p.encode() for p in pieces]
     vocab = JsonVocab([*tokens, None])
-    grammar, rng, checked = schema_grammar(BOUNDED), random.Random(4), 0
-    for _ in range(12):
-        state = grammar.advance(grammar.start, b'{"s":"')
-        for _ in range(30):
-            invalid, num_valid = vocab.mask(state, True, grammar)
-            expect = [vocab.accepts(state, t, True, grammar) for t in range(len(tokens) + 1)]
-            assert (~invalid).tolist() == expect and num_valid == sum(expect), state
-            checked += 1
-            nxt = [t for t, ok in enumerate(expect) if ok]
-            if not nxt or grammar.is_complete(state):
-                break
-            state = grammar.advance(state, vocab.token_bytes(rng.choice(nxt)))
-    assert checked > 100
+    assert check_masks(vocab, schema_grammar(BOUNDED), random.Random(4), walks=12, steps=30) > 100
 
 
 def test_a_long_fraction_inside_its_bounds_stops_making_new_states():
@@ -179,8 +160,5 @@ def test_a_pydantic_models_constrained_fields_hold():
         title: Annotated[str, Field(min_length=2, max_length=6)]
         tags: Annotated[list[Annotated[str, Field(max_length=2)]], Field(min_length=1, max_length=2)]
 
-    grammar, rng = schema_grammar(to_strict_json_schema(Review)), random.Random(9)
-    done = [t for t in (_walk(grammar, rng, 900) for _ in range(30)) if t is not None]
-    assert len(done) >= 5
-    for text in done:
+    for text in walks_validate(to_strict_json_schema(Review), seed=9, tries=30, at_least=5, max_bytes=900):
         Review.model_validate_json(text)

@@ -17,7 +17,7 @@ from lorafleet.worker.json_schema import SchemaError, compile_schema
 from lorafleet.worker.json_schema_bounds import FORMATS
 from lorafleet.worker.json_schema_grammar import DONE as SCHEMA_DONE
 from lorafleet.worker.json_schema_grammar import schema_grammar
-from tests.worker.test_json_schema import _walk, accepts
+from tests.worker.grammar_checks import accepts, allowed, walks_validate
 
 
 def _tagged(tag: str, required: bool = True, **props) -> dict:
@@ -34,12 +34,7 @@ def _tagged(tag: str, required: bool = True, **props) -> dict:
 ])
 def test_a_oneof_of_disjoint_alternatives_is_held_as_anyof(alternatives):
     schema = {"type": "object", "properties": {"v": {"oneOf": alternatives}}, "required": ["v"]}
-    grammar, rng = schema_grammar(schema), random.Random(3)
-    validator = jsonschema.Draft202012Validator(schema)
-    done = [t for t in (_walk(grammar, rng, 400) for _ in range(30)) if t is not None]
-    assert len(done) >= 5
-    for text in done:
-        validator.validate(json.loads(text))  # exactly one alternative matches
+    walks_validate(schema, seed=3, tries=30, at_least=5, max_bytes=400)  # exactly one alternative matches
 
 
 @pytest.mark.parametrize("alternatives, pair", [
@@ -74,22 +69,18 @@ def test_a_pydantic_discriminated_union():
 
     schema = Owner.model_json_schema()
     assert "oneOf" in json.dumps(schema) and "discriminator" in json.dumps(schema)
-    grammar, rng = schema_grammar(schema), random.Random(8)
-    done = [t for t in (_walk(grammar, rng, 600) for _ in range(30)) if t is not None]
-    assert len(done) >= 5
-    for text in done:
+    for text in walks_validate(schema, seed=8, tries=30, at_least=5):
         Owner.model_validate_json(text)
-        jsonschema.Draft202012Validator(schema).validate(json.loads(text))
 
 
 def _closing_walk(grammar, rng: random.Random) -> str:
     """Random bytes the grammar takes, closing the string and the object whenever it may."""
     state, out = grammar.start, bytearray()
     while state != SCHEMA_DONE:
-        allowed = [b for b in range(256) if grammar.advance(state, bytes((b,))) is not None]
-        assert allowed and len(out) < 2000, bytes(out)
-        ends = [b for b in allowed if b in b'"}']
-        out.append(ends[0] if ends and len(out) > 8 else rng.choice(allowed))
+        ways = allowed(grammar, state)
+        assert ways and len(out) < 2000, bytes(out)
+        ends = [b for b in ways if b in b'"}']
+        out.append(ends[0] if ends and len(out) > 8 else rng.choice(ways))
         state = grammar.advance(state, out[-1:])
     return out.decode()
 

@@ -6,11 +6,9 @@ text that matches but could go on."""
 from __future__ import annotations
 
 import itertools
-import json
 import random
 import re
 
-import jsonschema
 import pytest
 
 from lorafleet.worker.json_schema import SchemaError, compile_schema
@@ -18,7 +16,7 @@ from lorafleet.worker.json_schema_grammar import DONE as SCHEMA_DONE
 from lorafleet.worker.json_schema_grammar import schema_grammar
 from lorafleet.worker.regex_dfa import Regex, RegexError
 from lorafleet.worker.regex_grammar import DONE, RegexGrammar
-from tests.worker.test_json_schema import _walk, accepts
+from tests.worker.grammar_checks import check_masks, check_text, walks_validate
 
 PATTERNS = [r"^[0-9]{3}-[a-c]+$", r"(ab|a)*b?", r"a{2,4}", r"^(?:a|b)+_\d*$|^-", r"[^a\n]+", r"\w+\s?\.", r"é+b",
             r"a.b", r"(a|)", r"x{0}a", "", r"[-a]", r"[a-]b", r"a+?b", r"(?<n>ab)+", r"\x61\u0062", r"[\d_]{2}",
@@ -157,18 +155,12 @@ PATTERNED = {"type": "object", "properties": {
     ('{"code":"ABC","tag":"\\u0001@"}', True),  # an enum value is written from its encoding, control characters too
 ])
 def test_a_schemas_pattern_is_searched_in_the_strings_text(text, ok):
-    assert accepts(PATTERNED, text) is ok
-    if ok:
-        jsonschema.Draft202012Validator(PATTERNED).validate(json.loads(text))
+    check_text(PATTERNED, text, ok)
 
 
 def test_random_walks_under_patterns_give_values_the_reference_validator_takes():
-    grammar, rng = schema_grammar(PATTERNED), random.Random(2)
-    validator = jsonschema.Draft202012Validator(PATTERNED)
-    done = [t for t in (_walk(grammar, rng, 900) for _ in range(30)) if t is not None]
-    assert len(done) >= 5
-    for text in done:
-        validator.validate(json.loads(text))
+    walks_validate(PATTERNED, seed=2, tries=30, at_least=5, max_bytes=900)
+    grammar = schema_grammar(PATTERNED)
     assert grammar.advance(grammar.start, b'{"code":"ABC"}') == SCHEMA_DONE
 
 
@@ -190,17 +182,4 @@ def test_regex_masks_through_the_class_trie_equal_a_token_by_token_check(grammar
     pieces = ["1", "12", "123", "1234", "-", "-a", "-ab", "a", "bc", "é", "\xc3", "\xa9", "x", "\"", "\"q\"", "\n",
               "b\n", "\\n", "\\\"", "AB", "ABC", "C1", "\"}", "@", "x@y", "\"code\":\"", "{\"", "\":\"", " ", "ab\"q"]
     tokens = [p.encode("latin-1") if p in ("\xc3", "\xa9") else p.encode() for p in pieces]
-    vocab, rng, checked = JsonVocab([*tokens, None]), random.Random(6), 0
-    for _ in range(10):
-        state = grammar.start
-        for _ in range(25):
-            for may_complete in (True, False):
-                invalid, num_valid = vocab.mask(state, may_complete, grammar)
-                expect = [vocab.accepts(state, t, may_complete, grammar) for t in range(len(tokens) + 1)]
-                assert (~invalid).tolist() == expect and num_valid == sum(expect), state
-                checked += 1
-            nxt = [t for t, ok in enumerate(expect) if ok]
-            if not nxt or grammar.is_complete(state):
-                break
-            state = grammar.advance(state, vocab.token_bytes(rng.choice(nxt)))
-    assert checked > 60
+    assert check_masks(JsonVocab([*tokens, None]), grammar, random.Random(6), walks=10, steps=25) > 60
