@@ -92,16 +92,21 @@ async def test_the_clients_parse_gets_a_pydantic_model(api, bias):
         days: list[int]
         sunny: bool | None
 
-    parsed = 0
-    for seed in range(8):
+    parsed = await _parsed(api, Forecast, bias, seeds=8, max_tokens=128)
+    assert len(parsed) >= 3 and all(isinstance(p, Forecast) for p in parsed)
+
+
+async def _parsed(api, model, bias, seeds: int, max_tokens: int) -> list:
+    """The parsed answers of `parse(response_format=model)` over several seeds (those cut short skipped)."""
+    parsed = []
+    for seed in range(seeds):
         try:
-            resp = await api.chat.completions.parse(model="tiny", messages=USER, response_format=Forecast, seed=seed,
-                                                    max_tokens=128, logit_bias=bias)
+            resp = await api.chat.completions.parse(model="tiny", messages=USER, response_format=model, seed=seed,
+                                                    max_tokens=max_tokens, logit_bias=bias)
         except openai.LengthFinishReasonError:
             continue
-        assert isinstance(resp.choices[0].message.parsed, Forecast)
-        parsed += 1
-    assert parsed >= 3
+        parsed.append(resp.choices[0].message.parsed)
+    return parsed
 
 
 async def test_the_clients_parse_holds_a_models_bounds_and_lengths(api, bias):
@@ -115,17 +120,9 @@ async def test_the_clients_parse_holds_a_models_bounds_and_lengths(api, bias):
         share: Annotated[float, Field(gt=0, lt=1)]
         code: Annotated[str, Field(min_length=3, max_length=3)]
 
-    parsed = 0
-    for seed in range(6):
-        try:
-            resp = await api.chat.completions.parse(model="tiny", messages=USER, response_format=Rating, seed=seed,
-                                                    max_tokens=96, logit_bias=bias)
-        except openai.LengthFinishReasonError:
-            continue
-        rating = resp.choices[0].message.parsed
-        assert 1 <= rating.stars <= 5 and 0 < rating.share < 1 and len(rating.code) == 3
-        parsed += 1
-    assert parsed >= 3
+    parsed = await _parsed(api, Rating, bias, seeds=6, max_tokens=96)
+    assert len(parsed) >= 3
+    assert all(1 <= r.stars <= 5 and 0 < r.share < 1 and len(r.code) == 3 for r in parsed)
 
 
 async def test_required_tool_choice_answers_calls_to_the_tools_whole_and_streamed(api, bias):
