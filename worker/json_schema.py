@@ -42,6 +42,7 @@ from typing import Any
 from lorafleet.worker.json_schema_bounds import (
     BOUND_KEYWORDS,
     LENGTH_KEYWORDS,
+    TYPES,
     Bounds,
     BoundsError,
     kind,
@@ -53,7 +54,6 @@ from lorafleet.worker.json_schema_bounds import (
 from lorafleet.worker.json_schema_unions import one_of_overlap
 from lorafleet.worker.regex_dfa import Regex, RegexError
 
-TYPES = ("string", "number", "integer", "boolean", "null", "object", "array")
 ENFORCED = {"type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems", "enum", "const",
             "anyOf", "oneOf", "allOf", "$ref", "nullable", "$defs", "definitions", "pattern", *BOUND_KEYWORDS,
             *LENGTH_KEYWORDS}
@@ -84,6 +84,7 @@ class Node:
     max_len: int | None = None
     bounds: Bounds | None = None  # a number's (json_schema_bounds.py)
     pattern: Regex | None = None  # a string's text matches it somewhere (regex_dfa.py)
+    untyped: bool = False  # no `type`: the kinds above were inferred from the keywords (json_schema_unions.py)
     any_of: tuple[int, ...] = ()  # a union: the value is one of these nodes (the fields above unused)
     names: dict[bytes, int] = field(default_factory=dict)  # props' names -> index
     sorted_names: tuple[bytes, ...] = ()  # props' names, sorted (prefix queries by bisection)
@@ -173,6 +174,8 @@ class JsonSchema:
                     self._one_of.append((where, nodes))
                 return Node(any_of=nodes)
         node = self._scalar(s, self._types(s, where), where)
+        if "type" not in s:  # oneOf's check reads its kinds as a validator does: a keyword binds no kind
+            node = replace(node, untyped=True)
         if "enum" in s or "const" in s:
             return Node(types=node.types, enum=self._enum(s, node, where))
         if "object" in node.types:
@@ -253,7 +256,11 @@ class JsonSchema:
             raise SchemaError(f"{where}.enum must be a list of at most {MAX_ENUM} values")
         encodings = {}
         for v in values:
-            if kind(v) not in types and not (kind(v) == "integer" and "number" in types) or not value_fits(v, s, node):
+            try:
+                fits = value_fits(v, s, node)
+            except RegexError as exc:  # the pattern cannot read this value within its bounds
+                raise SchemaError(f"{where}.pattern: {exc}") from None
+            if kind(v) not in types and not (kind(v) == "integer" and "number" in types) or not fits:
                 continue  # a value the type or the lengths and bounds exclude is never valid
             try:
                 encodings[encode(v)] = v

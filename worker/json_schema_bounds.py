@@ -22,6 +22,7 @@ from typing import Any
 from lorafleet.worker.regex_dfa import Regex
 from lorafleet.worker.regex_grammar import compile_pattern
 
+TYPES = ("string", "number", "integer", "boolean", "null", "object", "array")
 BOUND_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 MAX_BOUND = 1.7976931348623157e308
 LENGTH_KEYWORDS = ("minLength", "maxLength")
@@ -269,12 +270,13 @@ def kind(v: Any) -> str:
 
 
 # `format` values held as patterns where the schema sets no pattern or length of its own (elsewhere `format`
-# stays the annotation JSON Schema makes it): the forms of RFC 3339 (a day up to 31 in any month), RFC 4122,
-# and addresses of the dotted form mail is sent to.
-_DATE = r"\d{4}-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])"
-_TIME = r"([01]\d|2[0-3]):[0-5]\d:([0-5]\d|60)(\.\d{1,9})?([Zz]|[+-]([01]\d|2[0-3]):[0-5]\d)"
+# stays the annotation JSON Schema makes it): the forms of RFC 3339 as strict checkers take them (year 0001 on,
+# upper-case T and Z, no leap second; a day up to 31 in any month), RFC 4122, and addresses of the dotted form
+# mail is sent to.
+_DATE = r"(000[1-9]|00[1-9]\d|0[1-9]\d\d|[1-9]\d{3})-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])"
+_TIME = r"([01]\d|2[0-3]):[0-5]\d:[0-5]\d(\.\d{1,9})?(Z|[+-]([01]\d|2[0-3]):[0-5]\d)"
 _OCTET = r"(25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)"
-FORMATS = {"date": f"^{_DATE}$", "time": f"^{_TIME}$", "date-time": f"^{_DATE}[Tt]{_TIME}$",
+FORMATS = {"date": f"^{_DATE}$", "time": f"^{_TIME}$", "date-time": f"^{_DATE}T{_TIME}$",
            "uuid": "^[0-9a-fA-F]{8}(-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12}$", "ipv4": rf"^({_OCTET}\.){{3}}{_OCTET}$",
            "email": r"^[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}$"}
 

@@ -12,9 +12,8 @@ refused, as the grammar could write a value two alternatives take.
 from __future__ import annotations
 
 import json
-from fractions import Fraction
 
-from lorafleet.worker.json_schema_bounds import as_fraction, kind
+from lorafleet.worker.json_schema_bounds import TYPES, as_fraction, kind
 
 
 def one_of_overlap(schema, parts: tuple[int, ...]) -> str | None:
@@ -41,17 +40,30 @@ def _disjoint(schema, a: int, b: int) -> bool:
 
 
 def _kinds(node) -> set[str]:
-    kinds = {kind(json.loads(e)) for e in node.enum} if node.enum is not None else set(node.types)
+    """The kinds of value a validator may find the node taking: an enum's, else its types; every kind where the
+    types were inferred from keywords with no `type` (`{"properties": ...}` takes a string too)."""
+    if node.enum is not None:
+        kinds = {kind(json.loads(e)) for e in node.enum}
+    else:
+        kinds = set(TYPES) if node.untyped else set(node.types)
     return {"number" if k == "integer" else k for k in kinds}
 
 
 def _values(enum: tuple[bytes, ...]) -> set:
-    """Enum values as JSON compares them: numbers by value, booleans apart from numbers."""
-    out = set()
-    for e in enum:
-        v = json.loads(e)
-        out.add(("number", as_fraction(v)) if kind(v) in ("integer", "number") else ("json", e))
-    return out
+    """Enum values as JSON compares them (_same)."""
+    return {_same(json.loads(e)) for e in enum}
+
+
+def _same(v):
+    """A key equal for values JSON Schema takes as equal: numbers by value at any depth ([1] is [1.0]), booleans
+    apart from numbers, objects whatever their key order."""
+    if isinstance(v, bool) or v is None or isinstance(v, str):
+        return (kind(v), v)
+    if isinstance(v, (int, float)):
+        return ("number", as_fraction(v))
+    if isinstance(v, list):
+        return ("array", tuple(_same(x) for x in v))
+    return ("object", frozenset((k, _same(x)) for k, x in v.items()))
 
 
 def _tagged_apart(schema, na, nb) -> bool:
@@ -68,7 +80,7 @@ def _tagged_apart(schema, na, nb) -> bool:
 
 def _property_values(schema, index: int) -> set | None:
     """The values a property may take, where every alternative of it is an enum (None otherwise)."""
-    values: set[tuple[str, Fraction | bytes]] = set()
+    values: set[tuple] = set()
     for a in schema.alternatives(index):
         enum = schema.nodes[a].enum
         if enum is None:

@@ -23,15 +23,15 @@ request fails, as its state would stall every step of the batch).
 from __future__ import annotations
 
 import bisect
-import functools
 import hashlib
+from array import array
 
 MAX_NFA_STATES = 2048  # a pattern's NFA: bounds what a request can make the worker build ({1000} repeats)
 MAX_REPEAT = 1000  # a counted repeat's bound (an empty group repeated makes no state, yet costs its count)
 MAX_BUILD = 100_000  # parts of the tree built, counted repeats unrolled
 MAX_GROUPS = 64  # nesting of groups (the parser recurses)
-MAX_OPEN = 256  # NFA states a DFA state may hold while sampling: each step costs its size
-MAX_MEMO = 500_000  # NFA states held by the memoized steps, in all, then the memo starts over
+MAX_OPEN = 128  # NFA states a DFA state may hold while sampling: each step costs its size
+MAX_MEMO = 100_000  # NFA states held by the memoized steps, in all, then the memo starts over
 MAX_PATTERN = 4096  # characters of a pattern
 MAX_TRANSITIONS = 65536  # memoized (state, character) steps, then the memo starts over
 MAX_CHAR = 0x10FFFF
@@ -403,22 +403,29 @@ class Regex:
         self._steps[key] = nxt
         return nxt
 
-    @functools.cached_property
-    def classes(self) -> tuple[list[int], list[int], list[int], list[int]]:
+    def classes(self) -> tuple[array, list[int], list[int], list[int]]:
         """The characters the NFA's edges cannot tell apart, as classes: (class of each BMP code point, starts of
         the astral intervals, their classes, a representative of each class). Characters of one class step
-        alike from every state, so a vocabulary's tokens can be read as class sequences (regex_vocab.py)."""
+        alike from every state, so a vocabulary's tokens can be read as class sequences (regex_vocab.py, which
+        keeps what it needs). One sweep over the ranges' ends: each interval's signature is the set of edge
+        sets open over it."""
         sets = list({chars for edges in self._edges for chars, _ in edges})
-        cuts = sorted({0, MAX_CHAR + 1} | {b for r in sets for lo, hi in r for b in (lo, hi + 1)})
-        ids: dict[tuple[bool, ...], int] = {}
-        bmp, starts, astral, reps = [0] * 0x10000, [], [], []
+        events: dict[int, int] = {0: 0, MAX_CHAR + 1: 0}  # code point -> bits of the sets opening minus closing there
+        for i, r in enumerate(sets):
+            for lo, hi in r:
+                events[lo] = events.get(lo, 0) + (1 << i)
+                events[hi + 1] = events.get(hi + 1, 0) - (1 << i)
+        cuts = sorted(events)
+        ids: dict[int, int] = {}
+        bmp, starts, astral, reps = array("I", bytes(4 * 0x10000)), [], [], []
+        sig = 0
         for lo, nxt in zip(cuts, cuts[1:], strict=False):
-            sig = tuple(_contains(r, lo) for r in sets)
+            sig += events[lo]  # the ranges of one set are disjoint: its bit opens and closes in turn
             cls = ids.setdefault(sig, len(ids))
             if cls == len(reps):
                 reps.append(lo)
             if lo < 0x10000:
-                bmp[lo:min(nxt, 0x10000)] = [cls] * (min(nxt, 0x10000) - lo)
+                bmp[lo:min(nxt, 0x10000)] = array("I", [cls]) * (min(nxt, 0x10000) - lo)
             if nxt > 0x10000:
                 starts.append(max(lo, 0x10000))
                 astral.append(cls)

@@ -19,13 +19,13 @@ import torch
 
 from lorafleet.worker.regex_dfa import Regex, RegexError
 
-MAX_MASK_SECONDS = 1.0  # one mask's walk: past it the request fails (its pattern would stall every step)
+MAX_MASK_SECONDS = 0.5  # one mask's walk: past it the request fails (its pattern would stall every step)
 
 
 class ClassTrie:
     def __init__(self, regex: Regex, tokens: list[tuple[int, str]]) -> None:
         """`tokens`: (token id, its text) of the tokens the trie holds."""
-        bmp, starts, astral, self.reps = regex.classes
+        bmp, starts, astral, self.reps = regex.classes()
         children: list[dict[int, int]] = [{}]
         ends: list[list[int]] = [[]]
         for token_id, text in tokens:

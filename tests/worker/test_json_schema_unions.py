@@ -46,6 +46,14 @@ def test_a_oneof_of_disjoint_alternatives_is_held_as_anyof(alternatives):
     ([{"type": "object"}, _tagged("dog")], "0 and 1"),
     ([{"type": ["object", "null"], "properties": {"kind": {"const": "a"}}, "required": ["kind"]}, {"type": "null"}],
      "0 and 1"),
+    # with no `type`, a keyword binds no kind for a validator: {"properties": ...} takes a string too
+    ([{"properties": {"t": {"const": "a"}}, "required": ["t"]}, {"type": "string"}], "0 and 1"),
+    ([{"pattern": "^a"}, {"type": "number"}], "0 and 1"), ([{"minimum": 0}, {"type": "string"}], "0 and 1"),
+    ([{"minItems": 1}, {"type": "object"}], "0 and 1"),
+    ([{"const": [1]}, {"const": [1.0]}], "0 and 1"),  # equal at any depth
+    ([{"const": {"a": 1, "b": [True]}}, {"const": {"b": [True], "a": 1.0}}], "0 and 1"),
+    ([_tagged("a") | {"properties": {"kind": {"const": [1]}}}, _tagged("b") | {"properties": {"kind": {"const": [1.0]}}}],
+     "0 and 1"),
 ])
 def test_a_oneof_whose_alternatives_may_meet_is_refused(alternatives, pair):
     with pytest.raises(SchemaError, match=f"#.properties.v.oneOf: alternatives {pair} may both take one value"):
@@ -103,7 +111,8 @@ def test_formats_are_held_as_patterns(fmt):
 
 @pytest.mark.parametrize("fmt, good, bad", [
     ("date", "2026-12-04", "2026-13-01"), ("date-time", "2026-12-04T15:00:00.5+01:00", "2026-12-04 15:00:00Z"),
-    ("time", "23:59:60Z", "24:00:00Z"), ("uuid", "123e4567-e89b-12d3-a456-426614174000", "123e4567e89b12d3a456426614174000"),
+    ("time", "23:59:59Z", "23:59:60Z"), ("date", "0001-01-01", "0000-01-01"),
+    ("date-time", "2026-12-04T15:00:00Z", "2026-12-04t15:00:00z"), ("uuid", "123e4567-e89b-12d3-a456-426614174000", "123e4567e89b12d3a456426614174000"),
     ("ipv4", "192.168.0.255", "192.168.0.256"), ("email", "a.b+c@example.co", "a@b"),
 ])
 def test_each_format_takes_its_form(fmt, good, bad):

@@ -168,6 +168,7 @@ def test_random_walks_under_patterns_give_values_the_reference_validator_takes()
     ({"type": "string", "pattern": "(a"}, "#.pattern: a missing ')'"),
     ({"type": "string", "pattern": 5}, "#.pattern: a pattern must be a string"),
     ({"type": "string", "pattern": "^a+$", "maxLength": 4}, "pattern beside minLength/maxLength"),
+    ({"type": "string", "pattern": "a.{0,300}b", "enum": ["a" * 300 + "b"]}, "#.pattern: the pattern keeps over"),
 ])
 def test_patterns_a_schema_cannot_hold_are_refused(schema, needle):
     with pytest.raises(SchemaError, match=re.escape(needle)):
