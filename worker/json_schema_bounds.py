@@ -1,11 +1,13 @@
 """Number bounds and string lengths of a JSON Schema (json_schema.py), as the grammar (json_schema_grammar.py)
 holds a value to them while it is written.
 
-Bounds (`minimum`, `maximum`, `exclusiveMinimum`, `exclusiveMaximum`; draft 4's boolean exclusives too) are
-exact: values and bounds are compared as fractions, a bound written `0.1` is one tenth. A number under bounds
+Bounds (`minimum`, `maximum`, `exclusiveMinimum`, `exclusiveMaximum`; draft 4's boolean exclusives too; and
+`multipleOf`) are exact: values and bounds are compared as fractions, a bound written `0.1` is one tenth (0.3
+is a multiple of it, which validators dividing doubles may deny). A number under bounds
 is written without an exponent (`1e3` is refused, `1000` taken), so that each prefix of it stands for an
 interval of values: `12` for 12, 120-129, 1200-1299, ...; `-1.2` for (-1.3, -1.2]. A byte is taken only when
-the bounds meet one of its prefix's intervals, so a number once begun can always end inside them.
+the bounds meet one of its prefix's intervals (hold a multiple of the step, with multipleOf), so a number
+once begun can always end inside them.
 
 Lengths (`minLength`, `maxLength`) count characters as JSON Schema does (code points of the decoded string):
 a character written as UTF-8 bytes, an escape, or an escaped surrogate pair is one. A `pattern`, or a known
@@ -23,7 +25,7 @@ from lorafleet.worker.regex_dfa import Regex
 from lorafleet.worker.regex_grammar import compile_pattern
 
 TYPES = ("string", "number", "integer", "boolean", "null", "object", "array")
-BOUND_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+BOUND_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
 MAX_BOUND = 1.7976931348623157e308
 LENGTH_KEYWORDS = ("minLength", "maxLength")
 
@@ -34,20 +36,31 @@ class BoundsError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class Bounds:
-    """lo/hi: the lowest/highest value (None: unbounded); lo_in/hi_in: whether that value itself is taken."""
+    """lo/hi: the lowest/highest value (None: unbounded); lo_in/hi_in: whether that value itself is taken; step:
+    multipleOf (None: any value)."""
 
     lo: Fraction | None = None
     lo_in: bool = True
     hi: Fraction | None = None
     hi_in: bool = True
+    step: Fraction | None = None
 
     def takes(self, value: Fraction) -> bool:
         return _meets(self, value, True, value, True)
 
     def takes_integer(self) -> bool:
         """Whether some integer is inside the bounds."""
-        first, last = self._integers()
-        return first is None or last is None or first <= last
+        return self._integer_in(*self._integers())
+
+    def _integer_in(self, first: int | None, last: int | None) -> bool:
+        """Whether [first, last] (None: unbounded) holds an integer the step takes: a multiple of p where the step
+        is p/q in lowest terms (m * p/q is an integer only where q divides m)."""
+        if first is None or last is None:
+            return True
+        if self.step is None:
+            return first <= last
+        p = self.step.numerator
+        return -(-first // p) * p <= last
 
     def takes_any(self) -> bool:
         return _meets(self, self.lo, True, self.hi, True) if self.lo is not None and self.hi is not None else True
@@ -91,6 +104,8 @@ class Bounds:
         body = text[1:] if negative else text
         if not body:
             return False
+        if self.step is not None:
+            return False  # a multiple is a point, never a prefix's whole interval
         if b"." in body:
             whole, frac = body.split(b".")
             low = Fraction(int(whole + frac), 10 ** len(frac))
@@ -114,7 +129,7 @@ class Bounds:
             first, last = self._integers()
             lows = [v for v in (span[0], first) if v is not None]
             highs = [v for v in (span[1], last) if v is not None]
-            return not lows or not highs or max(lows) <= min(highs)
+            return self._integer_in(max(lows) if lows else None, min(highs) if highs else None)
         if negative:  # (-high, -low]
             return _meets(self, None if high is None else -high, False, -low, True)
         return _meets(self, low, True, high, False)
@@ -122,14 +137,20 @@ class Bounds:
     def describe(self) -> str:
         lo = "" if self.lo is None else f"{'>=' if self.lo_in else '>'} {_text(self.lo)}"
         hi = "" if self.hi is None else f"{'<=' if self.hi_in else '<'} {_text(self.hi)}"
-        return " and ".join(p for p in (lo, hi) if p)
+        step = "" if self.step is None else f"a multiple of {_text(self.step)}"
+        return " and ".join(p for p in (lo, hi, step) if p)
 
 
 def _meets(b: Bounds, low: Fraction | None, low_in: bool, high: Fraction | None, high_in: bool) -> bool:
     """Whether the interval (low, high) (ends taken where *_in; None: unbounded) meets the bounds."""
     lo, lo_in = _tighter(low, low_in, b.lo, b.lo_in, max)
     hi, hi_in = _tighter(high, high_in, b.hi, b.hi_in, min)
-    return lo is None or hi is None or lo < hi or (lo == hi and lo_in and hi_in)
+    if lo is None or hi is None:
+        return True  # unbounded on a side: values (and multiples of any step) without end there
+    if b.step is not None:  # the first multiple of the step at or above lo
+        lo = _ceil(lo / b.step) * b.step + (b.step if not lo_in and (lo / b.step).denominator == 1 else 0)
+        lo_in = True
+    return lo < hi or (lo == hi and lo_in and hi_in)
 
 
 def _inside(b: Bounds, low: Fraction | None, low_in: bool, high: Fraction | None, high_in: bool) -> bool:
@@ -182,6 +203,11 @@ def parse_bounds(s: dict) -> Bounds | None:
         lo = _number(s["minimum"], "minimum")
     if "maximum" in s:
         hi = _number(s["maximum"], "maximum")
+    step = None
+    if "multipleOf" in s:
+        step = _number(s["multipleOf"], "multipleOf")
+        if step <= 0:
+            raise BoundsError("multipleOf must be above 0")
     for name, is_low in (("exclusiveMinimum", True), ("exclusiveMaximum", False)):
         if name not in s:
             continue
@@ -197,7 +223,7 @@ def parse_bounds(s: dict) -> Bounds | None:
             lo, lo_in = v, False
         elif not is_low and (hi is None or v <= hi):
             hi, hi_in = v, False
-    return Bounds(lo, lo_in, hi, hi_in)
+    return Bounds(lo, lo_in, hi, hi_in, step)
 
 
 def parse_lengths(s: dict) -> tuple[int, int | None]:

@@ -79,6 +79,8 @@ def _can_end(grammar, state, depth: int) -> bool:
     {"minimum": 3, "maximum": 17}, {"exclusiveMinimum": 0, "exclusiveMaximum": 1}, {"minimum": -5.5, "maximum": -0.25},
     {"minimum": 100}, {"maximum": -12}, {"exclusiveMinimum": 2.5}, {"minimum": 0, "maximum": 0},
     {"minimum": 0.1, "maximum": 0.3}, {"minimum": 1, "exclusiveMinimum": True, "maximum": 3},  # draft 4's boolean
+    {"multipleOf": 3}, {"multipleOf": 0.25, "minimum": -1, "maximum": 2}, {"multipleOf": 2.5, "exclusiveMinimum": 0},
+    {"multipleOf": 0.5, "exclusiveMaximum": 10}, {"multipleOf": 7, "minimum": -20, "maximum": 20},
 ])
 @pytest.mark.parametrize("kind", ["number", "integer"])
 def test_every_number_a_prefix_may_become_is_decided_exactly(bounds, kind):
@@ -131,7 +133,9 @@ def test_a_long_fraction_inside_its_bounds_stops_making_new_states():
      "#.properties.a: no integer is > 0 and < 1"),
     ({"type": "object", "properties": {"a": {"type": "number", "minimum": 2, "maximum": 1}}}, "no number is >= 2 and <= 1"),
     ({"type": "object", "properties": {"a": {"enum": ["abc"], "maxLength": 2}}}, "no value of its enum/const"),
-    ({"type": "object", "properties": {"a": {"type": "integer", "multipleOf": 2}}}, "multipleOf cannot be enforced"),
+    ({"type": "object", "properties": {"a": {"type": "integer", "multipleOf": 0}}}, "multipleOf must be above 0"),
+    ({"type": "object", "properties": {"a": {"type": "integer", "multipleOf": 4, "minimum": 1, "maximum": 3}}},
+     "no integer is >= 1 and <= 3 and a multiple of 4"),
     ({"type": "object", "properties": {"a": {"type": "integer", "minimum": 10**400}}}, "within a double's range"),
 ])
 def test_bounds_and_lengths_that_take_no_value_are_refused(schema, needle):
@@ -159,6 +163,8 @@ def test_a_pydantic_models_constrained_fields_hold():
         confidence: Annotated[float, Field(gt=0, lt=1)]
         title: Annotated[str, Field(min_length=2, max_length=6)]
         tags: Annotated[list[Annotated[str, Field(max_length=2)]], Field(min_length=1, max_length=2)]
+        count: Annotated[int, Field(multiple_of=5, ge=0, le=100)]
+        price: Annotated[float, Field(multiple_of=0.25, gt=0, lt=10)]
 
     for text in walks_validate(to_strict_json_schema(Review), seed=9, tries=30, at_least=5, max_bytes=900):
         Review.model_validate_json(text)
