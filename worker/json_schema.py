@@ -51,10 +51,10 @@ from lorafleet.worker.json_schema_bounds import (
     parse_pattern,
     value_fits,
 )
-from lorafleet.worker.json_schema_unions import one_of_overlap
+from lorafleet.worker.json_schema_unions import all_finite, one_of_overlap
 from lorafleet.worker.regex_dfa import Regex, RegexError
 
-ENFORCED = {"type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems", "enum", "const",
+ENFORCED = {"type", "properties", "required", "additionalProperties", "items", "prefixItems", "minItems", "maxItems", "enum", "const",
             "anyOf", "oneOf", "allOf", "$ref", "nullable", "$defs", "definitions", "pattern", *BOUND_KEYWORDS,
             *LENGTH_KEYWORDS}
 ANNOTATIONS = {"title", "description", "default", "examples", "format", "deprecated", "readOnly", "writeOnly",
@@ -76,7 +76,8 @@ class Node:
     props: tuple[tuple[bytes, int], ...] = ()  # (name as written between its quotes, node)
     required: frozenset[int] = frozenset()  # indexes into props
     additional: int | None = None  # node of other keys' values; None: no other key
-    items: int = 0  # node of an array's items
+    items: int = 0  # node of an array's items (after its prefix)
+    prefix: tuple[int, ...] = ()  # nodes of its first items, in order (prefixItems)
     min_items: int = 0
     max_items: int | None = None
     enum: tuple[bytes, ...] | None = None  # the allowed values' compact encodings (enum, const), sorted
@@ -230,7 +231,7 @@ class JsonSchema:
                 types = set(TYPES)
             elif {"properties", "required", "additionalProperties"} & set(s):
                 types = {"object"}
-            elif {"items", "minItems", "maxItems"} & set(s):
+            elif {"items", "prefixItems", "minItems", "maxItems"} & set(s):
                 types = {"array"}
             elif {"pattern", *LENGTH_KEYWORDS} & set(s):
                 types = {"string"}
@@ -309,12 +310,23 @@ class JsonSchema:
                 raise SchemaError(f"{where}.{name} must be an integer >= 0")
         if hi is not None and lo > hi:
             raise SchemaError(f"{where}: minItems ({lo}) is above maxItems ({hi})")
+        parts = s.get("prefixItems", [])
+        if not isinstance(parts, list):
+            raise SchemaError(f"{where}.prefixItems must be a list of schemas")
+        prefix = tuple(self._node(p, f"{where}.prefixItems[{i}]", depth + 1) for i, p in enumerate(parts))
         items = s.get("items", True)
-        if items is False:
-            if lo:
+        if items is False:  # no items past the prefix
+            hi = len(prefix) if hi is None else min(hi, len(prefix))
+            if lo > hi:
                 raise SchemaError(f"{where}: items false with minItems {lo} takes no value")
-            items, hi = True, 0
-        return replace(node, items=self._node(items, f"{where}.items", depth + 1), min_items=lo, max_items=hi)
+            items = True
+        return replace(node, items=self._node(items, f"{where}.items", depth + 1), prefix=prefix, min_items=lo,
+                       max_items=hi)
+
+    @staticmethod
+    def item(node: Node, index: int) -> int:
+        """The node of an array's item at `index`: its prefixItems' there, else its items'."""
+        return node.prefix[index] if index < len(node.prefix) else node.items
 
     def alternatives(self, index: int, visiting: frozenset[int] = frozenset()) -> list[int]:
         """The nodes (no union among them) a value of node `index` may be, unions flattened (memoized)."""
@@ -334,26 +346,7 @@ class JsonSchema:
         return alts
 
     def _check_finite(self) -> None:
-        """Every node takes some finite value (else a value entering it could never end): a fixpoint from the
-        scalars up through objects (every required property finite), arrays (none required, or finite items)
-        and unions (one finite alternative)."""
-        finite: set[int] = set()
-        changed = True
-        while changed:
-            changed = False
-            for i, node in enumerate(self.nodes):
-                if i in finite:
-                    continue
-                if node.any_of:
-                    ok = any(a in finite for a in self._alternatives[i])
-                else:
-                    ok = node.enum is not None or bool(node.types - {"object", "array"}) \
-                        or ("object" in node.types and all(node.props[r][1] in finite for r in node.required)) \
-                        or ("array" in node.types and (node.min_items == 0 or node.items in finite))
-                if ok:
-                    finite.add(i)
-                    changed = True
-        if len(finite) < len(self.nodes):
+        if not all_finite(self):
             raise SchemaError("the schema takes no finite value somewhere (a required property, or the items of an "
                               "array with minItems, that holds itself): the output could never end")
 

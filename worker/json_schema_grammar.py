@@ -226,7 +226,7 @@ class SchemaGrammar:
             seen = top[2] | {top[4]} if top[4] >= 0 else top[2]
             return st[:-1] + (("o", top[1], seen, "after", -1),)
         node = self.nodes[top[1]]  # ("a", node, count, "value")
-        cap = max(node.min_items, node.max_items or 0)
+        cap = max(node.min_items, node.max_items or 0, len(node.prefix))  # counts past it read alike
         return st[:-1] + (("a", top[1], min(top[2] + 1, cap), "after"),)
 
     def _object_byte(self, st: tuple, top: tuple, c: int) -> list[tuple]:
@@ -292,7 +292,7 @@ class SchemaGrammar:
             more = node.max_items is None or count < node.max_items
             return [st[:-1] + (("a", index, count, "next"),)] if more else []
         if phase in ("open", "next") and (node.max_items is None or count < node.max_items):
-            return self._begin(st[:-1] + (("a", index, count, "value"),), node.items, c)
+            return self._begin(st[:-1] + (("a", index, count, "value"),), self.schema.item(node, count), c)
         return []
 
     def _bounded_string_byte(self, st: tuple, top: tuple, c: int) -> list[tuple]:

@@ -1,4 +1,5 @@
-"""`oneOf` held as `anyOf` where no value can match two of its alternatives (json_schema.py).
+"""Checks of a compiled schema's nodes as a whole (json_schema.py): every node takes a finite value, and
+`oneOf` is held as `anyOf` where no value can match two of its alternatives.
 
 "Exactly one alternative matches" cannot be checked while sampling, but it needs no check where the
 alternatives are disjoint: then a value one of them takes matches no other. Two alternatives are taken as
@@ -87,3 +88,27 @@ def _property_values(schema, index: int) -> set | None:
             return None
         values |= _values(enum)
     return values
+
+
+def all_finite(schema) -> bool:
+    """Whether every node takes some finite value (else a value entering it could never end): a fixpoint from the
+    scalars up through objects (every required property finite), arrays (the items minItems needs finite) and
+    unions (one finite alternative)."""
+    finite: set[int] = set()
+    changed = True
+    while changed:
+        changed = False
+        for i, node in enumerate(schema.nodes):
+            if i in finite:
+                continue
+            if node.any_of:
+                ok = any(a in finite for a in schema.alternatives(i))
+            else:
+                ok = node.enum is not None or bool(node.types - {"object", "array"}) \
+                    or ("object" in node.types and all(node.props[r][1] in finite for r in node.required)) \
+                    or ("array" in node.types and all(schema.item(node, k) in finite
+                                                      for k in range(min(node.min_items, len(node.prefix) + 1))))
+            if ok:
+                finite.add(i)
+                changed = True
+    return len(finite) == len(schema.nodes)

@@ -1,5 +1,5 @@
 """oneOf held where its alternatives are disjoint (json_schema_unions.py), pydantic's discriminated unions
-included, and the `format`s held as patterns (json_schema_bounds.FORMATS)."""
+included; the `format`s held as patterns (json_schema_bounds.FORMATS); prefixItems (pydantic's tuples)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from lorafleet.worker.json_schema import SchemaError, compile_schema
 from lorafleet.worker.json_schema_bounds import FORMATS
 from lorafleet.worker.json_schema_grammar import DONE as SCHEMA_DONE
 from lorafleet.worker.json_schema_grammar import schema_grammar
-from tests.worker.grammar_checks import accepts, allowed, walks_validate
+from tests.worker.grammar_checks import accepts, allowed, check_text, walks_validate
 
 
 def _tagged(tag: str, required: bool = True, **props) -> dict:
@@ -124,3 +124,32 @@ def test_a_format_beside_a_length_or_a_pattern_stays_an_annotation():
     assert accepts({"type": "object", "properties": {"v": {"type": "string", "format": "date", "maxLength": 3}}}, '{"v":"abc"}')
     assert accepts({"type": "object", "properties": {"v": {"type": "string", "format": "date", "pattern": "^x"}}}, '{"v":"xy"}')
     assert accepts({"type": "object", "properties": {"v": {"type": "string", "format": "hostname"}}}, '{"v":"any thing"}')
+
+
+TUPLE = {"type": "object", "properties": {
+    "pair": {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string"}], "items": False, "minItems": 2},
+    "head": {"type": "array", "prefixItems": [{"const": "x"}], "items": {"type": "boolean"}, "maxItems": 3},
+}, "required": ["pair"]}
+
+
+@pytest.mark.parametrize("text, ok", [
+    ('{"pair":[1,"a"]}', True), ('{"pair":[1]}', False), ('{"pair":[1,"a",2]}', False), ('{"pair":["a",1]}', False),
+    ('{"pair":[1,"a"],"head":["x",true,false]}', True), ('{"pair":[1,"a"],"head":[]}', True),
+    ('{"pair":[1,"a"],"head":["x",true,false,true]}', False), ('{"pair":[1,"a"],"head":[true]}', False),
+])
+def test_prefix_items_hold_each_position(text, ok):
+    check_text(TUPLE, text, ok)
+
+
+def test_a_pydantic_tuple_and_its_walks():
+    from pydantic import BaseModel
+
+    class Point(BaseModel):
+        xy: tuple[int, float]
+        label: tuple[str, ...]
+
+    for text in walks_validate(Point.model_json_schema(), seed=4, tries=30, at_least=5):
+        Point.model_validate_json(text)
+    walks_validate(TUPLE, seed=5, tries=30, at_least=5)
+    with pytest.raises(SchemaError, match="items false with minItems 3 takes no value"):
+        compile_schema({"type": "array", "prefixItems": [{"type": "null"}], "items": False, "minItems": 3})
