@@ -6,7 +6,7 @@ token is taken. Each keyword is enforced, an annotation, or refused with an erro
 is: a schema is never silently weakened.
 
 Enforced: `type` (one or a list of string, number, integer, boolean, null, object, array), `properties`,
-`required`, `additionalProperties` (false, true or a schema), `items`, `minItems`, `maxItems`, `minLength`,
+`required`, `additionalProperties` (false, true or a schema), `items`, `prefixItems`, `minItems`, `maxItems`, `minLength`,
 `maxLength`, `minimum`, `maximum`, `exclusiveMinimum`, `exclusiveMaximum`, `multipleOf` (json_schema_bounds.py), `pattern`
 (regex_grammar.py; not beside a length), `format` date/time/date-time/uuid/ipv4/email (as patterns, where no
 pattern or length is set), `oneOf` of disjoint alternatives (json_schema_unions.py), `enum`,
