@@ -6,7 +6,8 @@ token is taken. Each keyword is enforced, an annotation, or refused with an erro
 is: a schema is never silently weakened.
 
 Enforced: `type` (one or a list of string, number, integer, boolean, null, object, array), `properties`,
-`required`, `additionalProperties` (false, true or a schema), `items`, `prefixItems`, `minItems`, `maxItems`, `minLength`,
+`required`, `additionalProperties` (false, true or a schema), `minProperties`, `maxProperties`, `items`,
+`prefixItems`, `minItems`, `maxItems`, `minLength`,
 `maxLength`, `minimum`, `maximum`, `exclusiveMinimum`, `exclusiveMaximum`, `multipleOf` (json_schema_bounds.py), `pattern`
 (regex_grammar.py; not beside a length), `format` date/time/date-time/uuid/ipv4/email (as patterns, where no
 pattern or length is set), `oneOf` of disjoint alternatives (json_schema_unions.py), `enum`,
@@ -45,8 +46,10 @@ from lorafleet.worker.json_schema_bounds import (
     TYPES,
     Bounds,
     BoundsError,
+    infer_types,
     kind,
     parse_bounds,
+    parse_counts,
     parse_lengths,
     parse_pattern,
     value_fits,
@@ -54,7 +57,8 @@ from lorafleet.worker.json_schema_bounds import (
 from lorafleet.worker.json_schema_unions import all_finite, one_of_overlap
 from lorafleet.worker.regex_dfa import Regex, RegexError
 
-ENFORCED = {"type", "properties", "required", "additionalProperties", "items", "prefixItems", "minItems", "maxItems", "enum", "const",
+ENFORCED = {"type", "properties", "required", "additionalProperties", "minProperties", "maxProperties", "items",
+            "prefixItems", "minItems", "maxItems", "enum", "const",
             "anyOf", "oneOf", "allOf", "$ref", "nullable", "$defs", "definitions", "pattern", *BOUND_KEYWORDS,
             *LENGTH_KEYWORDS}
 ANNOTATIONS = {"title", "description", "default", "examples", "format", "deprecated", "readOnly", "writeOnly",
@@ -76,6 +80,8 @@ class Node:
     props: tuple[tuple[bytes, int], ...] = ()  # (name as written between its quotes, node)
     required: frozenset[int] = frozenset()  # indexes into props
     additional: int | None = None  # node of other keys' values; None: no other key
+    min_props: int = 0  # an object's properties, listed and other
+    max_props: int | None = None
     items: int = 0  # node of an array's items (after its prefix)
     prefix: tuple[int, ...] = ()  # nodes of its first items, in order (prefixItems)
     min_items: int = 0
@@ -174,7 +180,7 @@ class JsonSchema:
                 if kw == "oneOf":
                     self._one_of.append((where, nodes))
                 return Node(any_of=nodes)
-        node = self._scalar(s, self._types(s, where), where)
+        node = self._scalar(s, _checked(where, infer_types, s), where)
         if "type" not in s:  # oneOf's check reads its kinds as a validator does: a keyword binds no kind
             node = replace(node, untyped=True)
         if "enum" in s or "const" in s:
@@ -189,10 +195,7 @@ class JsonSchema:
     def _scalar(s: dict, types: frozenset[str], where: str) -> Node:
         """A node of `types` with the string lengths and number bounds of `s`; a numeric type no number inside
         the bounds has is dropped (an integer type whose bounds hold no integer)."""
-        try:
-            (min_len, max_len), bounds = parse_lengths(s), parse_bounds(s)
-        except BoundsError as exc:
-            raise SchemaError(f"{where}.{exc}") from None
+        (min_len, max_len), bounds = _checked(where, parse_lengths, s), _checked(where, parse_bounds, s)
         if "pattern" in s and (min_len or max_len is not None):  # both hold the characters: not one machine here
             raise SchemaError(f"{where}: pattern beside minLength/maxLength is not supported; put the length into "
                               "the pattern (e.g. ^[a-z]{2,8}$)")
@@ -222,33 +225,6 @@ class JsonSchema:
                 raise SchemaError(f"{where}.$ref: {ref} names nothing in the schema")
             target = target[part]
         return target
-
-    @staticmethod
-    def _types(s: dict, where: str) -> frozenset[str]:
-        t = s.get("type")
-        if t is None:  # inferred from the keywords, else any kind (an enum's values say theirs)
-            if "enum" in s or "const" in s:
-                types = set(TYPES)
-            elif {"properties", "required", "additionalProperties"} & set(s):
-                types = {"object"}
-            elif {"items", "prefixItems", "minItems", "maxItems"} & set(s):
-                types = {"array"}
-            elif {"pattern", *LENGTH_KEYWORDS} & set(s):
-                types = {"string"}
-            elif set(BOUND_KEYWORDS) & set(s):
-                types = {"number"}
-            else:
-                types = set(TYPES)
-        else:
-            listed = t if isinstance(t, list) else [t]
-            if not listed or not all(isinstance(x, str) and x in TYPES for x in listed):
-                raise SchemaError(f"{where}.type must be one of {', '.join(TYPES)} or a list of them (got {json.dumps(t)})")
-            types = set(listed)
-        if s.get("nullable") is True:
-            types.add("null")
-        elif s.get("nullable") not in (None, False):
-            raise SchemaError(f"{where}.nullable must be true or false")
-        return frozenset(types)
 
     def _enum(self, s: dict, node: Node, where: str) -> tuple[bytes, ...]:
         types = node.types
@@ -293,6 +269,10 @@ class JsonSchema:
             raise SchemaError(f"{where}.required names {', '.join(missing)}, which properties does not describe")
         extra = s.get("additionalProperties", "properties" not in s)
         additional = None if extra is False else self._node(extra, f"{where}.additionalProperties", depth + 1)
+        lo, hi = _checked(where, parse_counts, s, "minProperties", "maxProperties")
+        if additional is None and lo > len(props) or hi is not None and hi < len(required):
+            raise SchemaError(f"{where}: no object takes {len(required)} required properties, at most {len(props)} "
+                              f"listed ones{' and others' if additional is not None else ''} and {lo}-{hi} in all")
         self._count_names(len(names))
         try:
             encoded = [encode(name)[1:-1] for name in names]
@@ -301,15 +281,11 @@ class JsonSchema:
         entries = tuple((enc, self._node(props[name], f"{where}.properties.{name}", depth + 1))
                         for enc, name in zip(encoded, names, strict=True))
         return replace(node, props=entries, required=frozenset(names.index(r) for r in required), additional=additional,
+                       min_props=lo, max_props=hi,
                        names={enc: i for i, enc in enumerate(encoded)}, sorted_names=tuple(sorted(encoded)))
 
     def _array(self, s: dict, node: Node, where: str, depth: int) -> Node:
-        lo, hi = s.get("minItems", 0), s.get("maxItems")
-        for name, v in (("minItems", lo), ("maxItems", hi)):
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
-                raise SchemaError(f"{where}.{name} must be an integer >= 0")
-        if hi is not None and lo > hi:
-            raise SchemaError(f"{where}: minItems ({lo}) is above maxItems ({hi})")
+        lo, hi = _checked(where, parse_counts, s, "minItems", "maxItems")
         parts = s.get("prefixItems", [])
         if not isinstance(parts, list):
             raise SchemaError(f"{where}.prefixItems must be a list of schemas")
@@ -365,6 +341,14 @@ class JsonSchema:
         if self._root_kinds() & {"number", "integer"}:
             raise SchemaError("#: the top-level schema may describe a number, which has no end a stop token could "
                               "follow; describe an object, an array, a string, a boolean or null")
+
+
+def _checked(where: str, parse, *args):
+    """parse(*args), a BoundsError from it a SchemaError naming where."""
+    try:
+        return parse(*args)
+    except BoundsError as exc:
+        raise SchemaError(f"{where}.{exc}") from None
 
 
 def _canonical(schema: Any) -> str:

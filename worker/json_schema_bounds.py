@@ -17,6 +17,7 @@ a character written as UTF-8 bytes, an escape, or an escaped surrogate pair is o
 from __future__ import annotations
 
 import functools
+import json
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
@@ -31,7 +32,7 @@ LENGTH_KEYWORDS = ("minLength", "maxLength")
 
 
 class BoundsError(ValueError):
-    """A bound or length keyword with a value it cannot have (json_schema.py names where)."""
+    """A keyword (a bound, length, count or type) with a value it cannot have (json_schema.py names where)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,13 +229,24 @@ def parse_bounds(s: dict) -> Bounds | None:
 
 def parse_lengths(s: dict) -> tuple[int, int | None]:
     """(minLength, maxLength) of a schema (0 and None where unset; BoundsError for a malformed one)."""
-    lo, hi = s.get("minLength", 0), s.get("maxLength")
-    for name, v in (("minLength", lo), ("maxLength", hi)):
+    return parse_counts(s, "minLength", "maxLength")
+
+
+def parse_counts(s: dict, low: str, high: str) -> tuple[int, int | None]:
+    """(s[low], s[high]): a count's bounds, minItems/maxItems and the like (0 and None where unset; BoundsError
+    for a malformed one)."""
+    lo, hi = s.get(low, 0), s.get(high)
+    for name, v in ((low, lo), (high, hi)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
             raise BoundsError(f"{name} must be an integer >= 0")
     if hi is not None and lo > hi:
-        raise BoundsError(f"minLength ({lo}) is above maxLength ({hi})")
+        raise BoundsError(f"{low} ({lo}) is above {high} ({hi})")
     return lo, hi
+
+
+def length_cap(node) -> int:
+    """Where a string's character count stops mattering: maxLength, else minLength (fewer states to mask)."""
+    return node.max_len if node.max_len is not None else node.min_len
 
 
 def number_text_takes(bounds: Bounds, text: bytes) -> bool:
@@ -276,8 +288,9 @@ def value_fits(v: Any, s: dict, node) -> bool:
         # value is written from its own encoding (a control character escaped), not through the pattern's reader
     if isinstance(v, (int, float)) and not isinstance(v, bool) and node.bounds is not None:
         return node.bounds.takes(as_fraction(v))
-    if isinstance(v, list):
-        lo, hi = s.get("minItems", 0), s.get("maxItems")
+    counts = {list: ("minItems", "maxItems"), dict: ("minProperties", "maxProperties")}.get(type(v))
+    if counts is not None:
+        lo, hi = s.get(counts[0], 0), s.get(counts[1])
         return isinstance(lo, int) and lo <= len(v) and (not isinstance(hi, int) or len(v) <= hi)
     return True
 
@@ -316,3 +329,32 @@ def parse_pattern(s: dict, has_length: bool) -> Regex | None:
     if not has_length and isinstance(fmt, str) and fmt in FORMATS:
         return compile_pattern(FORMATS[fmt], True, True)
     return None
+
+
+def infer_types(s: dict) -> frozenset[str]:
+    """The kinds of value a schema's `type` (and OpenAPI's `nullable`) takes; with no `type`, inferred from its
+    keywords (an enum's values say theirs), else any (BoundsError for a malformed one)."""
+    t = s.get("type")
+    if t is None:
+        if "enum" in s or "const" in s:
+            types = set(TYPES)
+        elif {"properties", "required", "additionalProperties", "minProperties", "maxProperties"} & set(s):
+            types = {"object"}
+        elif {"items", "prefixItems", "minItems", "maxItems"} & set(s):
+            types = {"array"}
+        elif {"pattern", *LENGTH_KEYWORDS} & set(s):
+            types = {"string"}
+        elif set(BOUND_KEYWORDS) & set(s):
+            types = {"number"}
+        else:
+            types = set(TYPES)
+    else:
+        listed = t if isinstance(t, list) else [t]
+        if not listed or not all(isinstance(x, str) and x in TYPES for x in listed):
+            raise BoundsError(f"type must be one of {', '.join(TYPES)} or a list of them (got {json.dumps(t)})")
+        types = set(listed)
+    if s.get("nullable") is True:
+        types.add("null")
+    elif s.get("nullable") not in (None, False):
+        raise BoundsError("nullable must be true or false")
+    return frozenset(types)

@@ -6,8 +6,9 @@ state is a set of stacks, one per reading of the bytes so far (a union's alterna
 DONE once the value is complete. A stack's frames, innermost last:
 
     ("v", node)                      a value of `node` comes next (whitespace may come first)
-    ("o", node, seen, phase, cur)    in an object: phase open | after | next | colon | value; seen: the
-                                     properties written; cur: the property whose value is read (-1: another key)
+    ("o", node, seen, phase, cur)    in an object: phase open | after | next | colon | value; seen: the listed
+                                     properties written (and marks counting the others: _written); cur: the
+                                     property whose value is read (-1: another key)
     ("k", buf)                       in a key that may still be one of the object's unwritten properties
     ("K", mode, buf)                 in another key (additionalProperties): a string mode of json_constraint and
                                      its bytes, read when it closes (a listed name escaped, `"\u0061"`, is that
@@ -37,7 +38,7 @@ from typing import Any
 
 from lorafleet.worker.json_constraint import _PLAIN_RUN, _step
 from lorafleet.worker.json_schema import JsonSchema, compile_schema, encode
-from lorafleet.worker.json_schema_bounds import number_byte, number_text_takes
+from lorafleet.worker.json_schema_bounds import length_cap, number_byte, number_text_takes
 from lorafleet.worker.regex_grammar import CLOSE, text_byte
 
 DONE = "done"
@@ -150,7 +151,7 @@ class SchemaGrammar:
         count = top[3] + sum(1 for b in data[i:j] if not 0x80 <= b < 0xC0)  # characters: bytes that lead one
         if node.max_len is not None and count > node.max_len:
             return None  # byte by byte: refused where the length runs out
-        return j, st[:-1] + (("S", top[1], "str", min(count, _length_cap(node))),)
+        return j, st[:-1] + (("S", top[1], "str", min(count, length_cap(node))),)
 
     def _byte(self, st: tuple, c: int) -> list[tuple]:
         if not st:
@@ -223,8 +224,7 @@ class SchemaGrammar:
             return ()
         top = st[-1]
         if top[0] == "o":  # ("o", node, seen, "value", cur)
-            seen = top[2] | {top[4]} if top[4] >= 0 else top[2]
-            return st[:-1] + (("o", top[1], seen, "after", -1),)
+            return st[:-1] + (("o", top[1], self._written(top[1], top[2], top[4]), "after", -1),)
         node = self.nodes[top[1]]  # ("a", node, count, "value")
         cap = max(node.min_items, node.max_items or 0, len(node.prefix))  # counts past it read alike
         return st[:-1] + (("a", top[1], min(top[2] + 1, cap), "after"),)
@@ -240,13 +240,25 @@ class SchemaGrammar:
             value = node.props[cur][1] if cur >= 0 else node.additional
             return [st[:-1] + (("o", index, seen, "value", cur), ("v", value))]
         if c == 0x7D and phase in ("open", "after"):  # '}'
-            return [self._pop(st[:-1])] if node.required <= seen else []
-        may_add = node.additional is not None or len(seen) < len(node.props)
+            return [self._pop(st[:-1])] if node.required <= seen and len(seen) >= node.min_props else []
+        listed = sum(1 for i in seen if i >= 0)
+        may_add = (node.additional is not None or listed < len(node.props)) \
+            and (node.max_props is None or len(seen) < node.max_props)
         if c == 0x2C and phase == "after":  # ','
             return [st[:-1] + (("o", index, seen, "next", -1),)] if may_add else []
         if c == 0x22 and phase in ("open", "next") and may_add:
-            return [st + (("k", b""),) if len(seen) < len(node.props) else st + (("K", "str", b""),)]
+            return [st + (("k", b""),) if listed < len(node.props) else st + (("K", "str", b""),)]
         return []
+
+    def _written(self, index: int, seen: frozenset[int], cur: int) -> frozenset[int]:
+        """`seen` once property `cur`'s value is read: a listed one by its index; another, where the object counts
+        (min/maxProperties), as -2, -3, ... (-1 names no key) up to where the count stops mattering."""
+        if cur >= 0:
+            return seen | {cur}
+        node = self.nodes[index]
+        if len(seen) < max(node.min_props, node.max_props or 0):
+            return seen | {-2 - sum(1 for i in seen if i < 0)}
+        return seen
 
     def _key_byte(self, st: tuple, buf: bytes, c: int) -> list[tuple]:
         obj = st[-2]
@@ -309,7 +321,7 @@ class SchemaGrammar:
         if nxt is None:
             return []
         if nxt == "str":
-            count = min(count + 1, _length_cap(node))
+            count = min(count + 1, length_cap(node))
         return [st[:-1] + (("S", index, nxt, count),)]
 
     def _bounded_number(self, below: tuple, index: int, mode: str, integer: bool, text: bytes | None) -> list[tuple]:
@@ -343,11 +355,6 @@ class SchemaGrammar:
         if at < len(values) and values[at] == buf:  # a number value ended: its container reads this byte
             return self._byte(self._pop(below), c)
         return []
-
-
-def _length_cap(node) -> int:
-    """Where a string's character count stops mattering: maxLength, else minLength (fewer states to mask)."""
-    return node.max_len if node.max_len is not None else node.min_len
 
 
 def _unwritten_with_prefix(node, seen: frozenset[int], prefix: bytes) -> bool:

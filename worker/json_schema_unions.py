@@ -92,8 +92,8 @@ def _property_values(schema, index: int) -> set | None:
 
 def all_finite(schema) -> bool:
     """Whether every node takes some finite value (else a value entering it could never end): a fixpoint from the
-    scalars up through objects (every required property finite), arrays (the items minItems needs finite) and
-    unions (one finite alternative)."""
+    scalars up through objects (every required property finite, and enough others for minProperties), arrays
+    (the items minItems needs finite) and unions (one finite alternative)."""
     finite: set[int] = set()
     changed = True
     while changed:
@@ -105,10 +105,18 @@ def all_finite(schema) -> bool:
                 ok = any(a in finite for a in schema.alternatives(i))
             else:
                 ok = node.enum is not None or bool(node.types - {"object", "array"}) \
-                    or ("object" in node.types and all(node.props[r][1] in finite for r in node.required)) \
+                    or ("object" in node.types and all(node.props[r][1] in finite for r in node.required)
+                        and _enough_keys(node, finite)) \
                     or ("array" in node.types and all(schema.item(node, k) in finite
                                                       for k in range(min(node.min_items, len(node.prefix) + 1))))
             if ok:
                 finite.add(i)
                 changed = True
     return len(finite) == len(schema.nodes)
+
+
+def _enough_keys(node, finite: set[int]) -> bool:
+    """Whether an object can reach minProperties with finite values beyond its required ones."""
+    need = node.min_props - len(node.required)
+    optional = sum(1 for i, (_, value) in enumerate(node.props) if i not in node.required and value in finite)
+    return need <= optional or (node.additional is not None and node.additional in finite)

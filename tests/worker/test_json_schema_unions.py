@@ -153,3 +153,34 @@ def test_a_pydantic_tuple_and_its_walks():
     walks_validate(TUPLE, seed=5, tries=30, at_least=5)
     with pytest.raises(SchemaError, match="items false with minItems 3 takes no value"):
         compile_schema({"type": "array", "prefixItems": [{"type": "null"}], "items": False, "minItems": 3})
+
+
+COUNTED = {"type": "object", "properties": {
+    "tags": {"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 1, "maxProperties": 2},
+    "some": {"type": "object", "properties": {"a": {"type": "null"}, "b": {"type": "null"}}, "additionalProperties": True,
+             "minProperties": 2, "maxProperties": 3},
+}, "required": ["tags"]}
+
+
+@pytest.mark.parametrize("text, ok", [
+    ('{"tags":{"x":1}}', True), ('{"tags":{"x":1,"y":2}}', True), ('{"tags":{}}', False), ('{"tags":{"x":1,"y":2,"z":3}}', False),
+    ('{"tags":{"x":1},"some":{"a":null,"q":[]}}', True), ('{"tags":{"x":1},"some":{"q":1,"r":2,"s":3}}', True),
+    ('{"tags":{"x":1},"some":{"a":null}}', False), ('{"tags":{"x":1},"some":{"a":null,"b":null,"c":1,"d":2}}', False),
+])
+def test_min_and_max_properties_count_listed_and_other_keys(text, ok):
+    check_text(COUNTED, text, ok)
+
+
+def test_counted_objects_walk_and_a_pydantic_dict_with_lengths():
+    from pydantic import BaseModel, Field
+
+    class Scores(BaseModel):
+        by_name: Annotated[dict[str, int], Field(min_length=1, max_length=3)]
+
+    walks_validate(COUNTED, seed=6, tries=30, at_least=5)
+    for text in walks_validate(Scores.model_json_schema(), seed=7, tries=30, at_least=5):
+        Scores.model_validate_json(text)
+    with pytest.raises(SchemaError, match="no object takes 0 required properties, at most 1 listed ones and 2-None"):
+        compile_schema({"type": "object", "properties": {"a": {}}, "additionalProperties": False, "minProperties": 2})
+    with pytest.raises(SchemaError, match="no finite value"):  # each key's value would need a key of its own
+        compile_schema({"type": "object", "additionalProperties": {"$ref": "#"}, "minProperties": 1})
