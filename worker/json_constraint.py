@@ -287,3 +287,24 @@ class CompactJsonObjectGrammar(JsonObjectGrammar):
 
 JSON_OBJECT = JsonObjectGrammar()
 COMPACT_JSON_OBJECT = CompactJsonObjectGrammar()
+
+
+_PLAIN_BYTES = frozenset(range(0x20, 0x80)) - {0x22, 0x5C}  # one-byte string content
+
+
+def string_byte(mode: str, c: int) -> str | None:
+    """The string mode after byte `c` ("after": the closing quote), None when it cannot follow."""
+    if mode == "str" and c in _PLAIN_BYTES:
+        return "str"
+    nxt = _step(mode, "", c)
+    return None if nxt is None else nxt[0]
+
+
+def string_mode(data: bytes) -> str | None:
+    """The string mode after `data` from inside a string's quotes, None when `data` cannot be string content."""
+    mode = "str"
+    for c in data:
+        mode = string_byte(mode, c)
+        if mode is None or mode == "after":
+            return None
+    return mode

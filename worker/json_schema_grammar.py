@@ -36,7 +36,7 @@ import json
 from bisect import bisect_left
 from typing import Any
 
-from lorafleet.worker.json_constraint import _PLAIN_RUN, _step
+from lorafleet.worker.json_constraint import _PLAIN_RUN, string_byte, string_mode
 from lorafleet.worker.json_schema import JsonSchema, compile_schema, encode
 from lorafleet.worker.json_schema_bounds import length_cap, number_byte, number_text_takes
 from lorafleet.worker.regex_grammar import CLOSE, text_byte
@@ -48,7 +48,6 @@ _WS = frozenset(b" \t\n\r")
 _DIGITS = frozenset(b"0123456789")
 _LITERALS = {ord("t"): ("boolean", b"rue"), ord("f"): ("boolean", b"alse"), ord("n"): ("null", b"ull")}
 _NUMBER_ENDS = frozenset({"zero", "int", "frac", "exp_int"})
-_PLAIN = frozenset(range(0x20, 0x80)) - {0x22, 0x5C}  # one-byte string content
 _REPROCESS = object()  # an enum value or number ended before this byte: its container reads it
 
 
@@ -161,7 +160,7 @@ class SchemaGrammar:
         if tag == "v":
             return self._ws(st) if c in _WS else self._begin(st[:-1], top[1], c)
         if tag == "s":
-            mode = _string_byte(top[1], c)
+            mode = string_byte(top[1], c)
             return [] if mode is None else [self._pop(st[:-1])] if mode == "after" else [st[:-1] + (("s", mode),)]
         if tag == "o":
             return self._object_byte(st, top, c)
@@ -172,7 +171,7 @@ class SchemaGrammar:
         if tag == "K":
             return self._other_key_byte(st, top[1], top[2], c)
         if tag == "S":
-            return self._bounded_string_byte(st, top, c)
+            return self._boundedstring_byte(st, top, c)
         if tag == "P":
             read = text_byte(self.nodes[top[1]].pattern, top[2], top[3], c, True)
             return [] if read is None else [self._pop(st[:-1])] if read == CLOSE else [st[:-1] + (("P", top[1], *read),)]
@@ -237,11 +236,11 @@ class SchemaGrammar:
         if phase == "colon":
             if c != 0x3A:
                 return []
-            value = node.props[cur][1] if cur >= 0 else node.additional
+            value = node.props[cur][1] if isinstance(cur, int) and cur >= 0 else node.additional
             return [st[:-1] + (("o", index, seen, "value", cur), ("v", value))]
         if c == 0x7D and phase in ("open", "after"):  # '}'
             return [self._pop(st[:-1])] if node.required <= seen and len(seen) >= node.min_props else []
-        listed = sum(1 for i in seen if i >= 0)
+        listed = sum(1 for i in seen if isinstance(i, int))
         may_add = (node.additional is not None or listed < len(node.props)) \
             and (node.max_props is None or len(seen) < node.max_props)
         if c == 0x2C and phase == "after":  # ','
@@ -250,46 +249,49 @@ class SchemaGrammar:
             return [st + (("k", b""),) if listed < len(node.props) else st + (("K", "str", b""),)]
         return []
 
-    def _written(self, index: int, seen: frozenset[int], cur: int) -> frozenset[int]:
+    def _written(self, index: int, seen: frozenset, cur: int | bytes) -> frozenset:
         """`seen` once property `cur`'s value is read: a listed one by its index; another, where the object counts
-        (min/maxProperties), as -2, -3, ... (-1 names no key) up to where the count stops mattering."""
-        if cur >= 0:
-            return seen | {cur}
+        (min/maxProperties), by its name (so it is not counted twice) up to where the count stops mattering."""
         node = self.nodes[index]
-        if len(seen) < max(node.min_props, node.max_props or 0):
-            return seen | {-2 - sum(1 for i in seen if i < 0)}
-        return seen
+        if isinstance(cur, bytes) and len(seen) >= max(node.min_props, node.max_props or 0):
+            return seen
+        return seen if cur == -1 else seen | {cur}
 
     def _key_byte(self, st: tuple, buf: bytes, c: int) -> list[tuple]:
         obj = st[-2]
         node, seen = self.nodes[obj[1]], obj[2]
+        room = _room(node, seen)
         if c == 0x22:  # the closing quote, unless it is escaped inside a name (`\"`)
             i = node.names.get(buf)
-            if i is not None and i not in seen:
+            if i is not None and i not in seen and (room or i in node.required):
                 return [self._key_done(st[:-1], i)]
         longer = buf + bytes((c,))
-        if _unwritten_with_prefix(node, seen, longer):
+        if _unwritten_with_prefix(node, seen, longer, room):
             return [st[:-1] + (("k", longer),)]
-        if node.additional is None:
+        if node.additional is None or not room:
             return []
-        return self._other_key_byte(st, _string_mode(buf), buf, c)
+        return self._other_key_byte(st, string_mode(buf), buf, c)
 
     def _other_key_byte(self, st: tuple, mode: str | None, buf: bytes, c: int) -> list[tuple]:
         """Byte `c` of a key not (or no longer) matched against the listed names, `buf` its bytes so far in string
         mode `mode`: read whole, and decided at its closing quote (a listed name written otherwise is that
         property, refused once written; any other is an additional key)."""
-        mode = None if mode is None else _string_byte(mode, c)
+        mode = None if mode is None else string_byte(mode, c)
         if mode is None:
             return []
         if mode != "after":
             return [st[:-1] + (("K", mode, buf + bytes((c,))),)]
         obj = st[-2]
-        listed = self.nodes[obj[1]].names.get(encode(json.loads(b'"' + buf + b'"'))[1:-1], -1)
-        return [] if listed in obj[2] else [self._key_done(st[:-1], listed)]
+        node, seen, name = self.nodes[obj[1]], obj[2], encode(json.loads(b'"' + buf + b'"'))[1:-1]
+        listed = node.names.get(name, -1)
+        if listed in seen or name in seen or not (_room(node, seen) or listed in node.required):
+            return []  # written already (a counting object keeps its other keys' names), or no room left
+        return [self._key_done(st[:-1], listed if listed >= 0 or not _counts(node) else name)]
 
     @staticmethod
-    def _key_done(st: tuple, cur: int) -> tuple:
-        """`st` ends with the object frame whose key was just closed: `cur` names the property (-1: another)."""
+    def _key_done(st: tuple, cur: int | bytes) -> tuple:
+        """`st` ends with the object frame whose key was just closed: `cur` names the property (-1: another; its
+        name where the object counts its keys)."""
         _, index, seen, _, _ = st[-1]
         return st[:-1] + (("o", index, seen, "colon", cur),)
 
@@ -307,7 +309,7 @@ class SchemaGrammar:
             return self._begin(st[:-1] + (("a", index, count, "value"),), self.schema.item(node, count), c)
         return []
 
-    def _bounded_string_byte(self, st: tuple, top: tuple, c: int) -> list[tuple]:
+    def _boundedstring_byte(self, st: tuple, top: tuple, c: int) -> list[tuple]:
         """Byte `c` of a string with a length: a character counts when its last byte is read (a plain byte, an
         escape's last, a UTF-8 character's last); none may begin once maxLength are written, nor the string
         close before minLength."""
@@ -317,7 +319,7 @@ class SchemaGrammar:
             return [self._pop(st[:-1])] if count >= node.min_len else []
         if mode == "str" and node.max_len is not None and count >= node.max_len:
             return []
-        nxt = _string_byte(mode, c)
+        nxt = string_byte(mode, c)
         if nxt is None:
             return []
         if nxt == "str":
@@ -357,33 +359,28 @@ class SchemaGrammar:
         return []
 
 
-def _unwritten_with_prefix(node, seen: frozenset[int], prefix: bytes) -> bool:
-    """Whether a property not written yet has a name starting with `prefix` (bisection over the sorted names)."""
+def _unwritten_with_prefix(node, seen: frozenset, prefix: bytes, room: bool) -> bool:
+    """Whether a property not written yet, and required where there is no room for others, has a name starting
+    with `prefix` (bisection over the sorted names)."""
     names = node.sorted_names
     at = bisect_left(names, prefix)
     while at < len(names) and names[at].startswith(prefix):
-        if node.names[names[at]] not in seen:
+        i = node.names[names[at]]
+        if i not in seen and (room or i in node.required):
             return True
         at += 1
     return False
 
 
-def _string_byte(mode: str, c: int) -> str | None:
-    """The string mode after byte `c` ("after": the closing quote), None when it cannot follow."""
-    if mode == "str" and c in _PLAIN:
-        return "str"
-    nxt = _step(mode, "", c)
-    return None if nxt is None else nxt[0]
+def _counts(node) -> bool:
+    return node.min_props > 0 or node.max_props is not None
 
 
-def _string_mode(data: bytes) -> str | None:
-    """The string mode after `data` from inside a string's quotes, None when `data` cannot be string content."""
-    mode = "str"
-    for c in data:
-        mode = _string_byte(mode, c)
-        if mode is None or mode == "after":
-            return None
-    return mode
+def _room(node, seen: frozenset) -> bool:
+    """Whether a key that is not required may still be written: maxProperties keeps room for the required ones."""
+    if node.max_props is None:
+        return True
+    return len(seen) + 1 + sum(1 for r in node.required if r not in seen) <= node.max_props
 
 
 def schema_grammar(schema: Any, compact: bool = False) -> SchemaGrammar:

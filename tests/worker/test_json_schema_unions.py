@@ -171,6 +171,32 @@ def test_min_and_max_properties_count_listed_and_other_keys(text, ok):
     check_text(COUNTED, text, ok)
 
 
+ROOM = [
+    {"type": "object", "properties": {"a": {}, "b": {}}, "required": ["b"], "maxProperties": 1},
+    {"type": "object", "properties": {"a": {}, "b": {}}, "required": ["a", "b"], "additionalProperties": True,
+     "maxProperties": 2},
+    {"type": "object", "properties": {"a": {}, "b": {}, "c": {}}, "required": ["a"], "additionalProperties": True,
+     "minProperties": 2, "maxProperties": 3},
+    {"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 3},
+]
+
+
+@pytest.mark.parametrize("schema, text, ok", [
+    (ROOM[0], '{"b":1}', True), (ROOM[0], '{"a":1}', False),  # no room left for b
+    (ROOM[1], '{"x":1,"a":1,"b":2}', False), (ROOM[1], '{"b":1,"a":2}', True),
+    (ROOM[2], '{"b":1,"c":1,"a":1}', True), (ROOM[2], '{"b":1,"c":1,"x":1}', False),
+    (ROOM[3], '{"a":1,"a":1,"a":1}', False), (ROOM[3], '{"a":1,"b":1,"c":1}', True),  # a repeat counts once
+    ({"minProperties": 2}, '{"x":1,"x":2}', False), ({"minProperties": 2}, '{"x":1,"y":2}', True),
+])
+def test_max_properties_keeps_room_for_required_keys_and_repeats_count_once(schema, text, ok):
+    check_text(schema, text, ok)
+
+
+@pytest.mark.parametrize("index", range(len(ROOM)))
+def test_walks_under_property_counts_always_have_a_way_on(index):
+    walks_validate(ROOM[index], seed=index, tries=30, at_least=5)
+
+
 def test_counted_objects_walk_and_a_pydantic_dict_with_lengths():
     from pydantic import BaseModel, Field
 
