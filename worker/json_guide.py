@@ -36,6 +36,8 @@ from lorafleet.worker.json_vocab import JsonVocab, json_vocab
 from lorafleet.worker.sequence import Sequence
 from lorafleet.worker.tokenizer import Tokenizer
 
+MAX_WS_RUN = 8  # whitespace-only tokens in a row between JSON's tokens (_ws_run_spent)
+
 
 class JsonModeError(RuntimeError):
     """A JSON-mode sequence cannot go on (its request fails; the others are not affected)."""
@@ -145,6 +147,8 @@ class JsonGuide:
             return token_id in self.end_ids(seq) or (self._pads(seq) and self.vocab.is_whitespace(token_id))
         if token_id in self.stop_ids(seq):
             return token_id in self.end_ids(seq) and grammar.may_stop(state)
+        if self._ws_run_spent(seq, grammar, state) and self.vocab.is_whitespace(token_id):
+            return False
         return self.vocab.accepts(state, token_id, self.may_complete(seq), grammar)
 
     def invalid(self, seq: Sequence, device: torch.device) -> torch.Tensor:
@@ -165,7 +169,21 @@ class JsonGuide:
             invalid[torch.tensor(ends, dtype=torch.int64, device=invalid.device)] = False
         if invalid is None:
             raise JsonModeError("JSON mode: no token of the vocabulary continues the JSON value")
+        if self._ws_run_spent(seq, grammar, state):
+            spent = invalid | ~vocab.not_whitespace().to(invalid.device)
+            invalid = spent if not bool(spent.all()) else invalid
         return invalid.to(device)
+
+    def _ws_run_spent(self, seq: Sequence, grammar, state) -> bool:
+        """Whether the output ends in MAX_WS_RUN tokens of whitespace only between JSON's tokens (not in a string,
+        key or pattern, where whitespace is text): then the next one may not be whitespace only. Small models
+        otherwise loop on newlines and indentation until max_tokens."""
+        out = seq.output_token_ids
+        if len(out) < MAX_WS_RUN or not grammar.pads or not grammar.ws_uniform(state) or grammar.is_in_string(state) \
+                or grammar.is_complete(state):
+            return False
+        vocab = self.vocab
+        return all(vocab.is_whitespace(t) for t in out[-MAX_WS_RUN:])
 
     @staticmethod
     def _without(mask: tuple[torch.Tensor, int], text_stops: list[int]) -> torch.Tensor | None:

@@ -4,6 +4,7 @@ complete object."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from lorafleet.worker.json_guide import JsonGuide, JsonModeError
@@ -105,3 +106,28 @@ def test_after_the_object_ignore_eos_takes_whitespace_or_a_stop_token_id_never_e
     stop = _seq([WHOLE], temperature=0.0, ignore_eos=True, stop_token_ids=[ONE])
     assert sampler.sample(_logits(ONE, SPACE), [stop])[0][0] == ONE
     assert sampler.sample(_logits(EOS, SPACE), [_seq([WHOLE], temperature=0.0)])[0][0] == EOS  # as before
+
+
+@pytest.mark.parametrize("grammar", ["json_object", "schema"])
+def test_a_run_of_whitespace_tokens_between_json_tokens_ends(grammar):
+    """After MAX_WS_RUN whitespace-only tokens between JSON's tokens the next may not be whitespace only (small
+    models loop on indentation); inside a string whitespace is text and stays allowed."""
+    from lorafleet.worker.json_guide import MAX_WS_RUN
+    from lorafleet.worker.json_schema_grammar import schema_grammar
+    from lorafleet.worker.json_vocab import JsonVocab
+    from lorafleet.worker.sampling_params import SamplingParams
+    from lorafleet.worker.sequence import Sequence
+
+    pieces = ["{", "\n", "  ", "\"a\"", ":", "1", "}", "\"", "x"]
+    vocab = JsonVocab([p.encode() for p in pieces] + [None])
+    guide = JsonGuide(lambda: vocab, eos_token_ids=[len(pieces)])
+    kw = {"json_object": True} if grammar == "json_object" else {"grammar": schema_grammar(
+        {"type": "object", "properties": {"a": {"type": ["integer", "string"]}}})}
+    seq = Sequence("r", [1], SamplingParams(max_tokens=64, **kw))
+    seq.output_token_ids += [0] + [1, 2] * (MAX_WS_RUN // 2 - 1) + [1]  # "{" then MAX_WS_RUN - 1 whitespace tokens
+    assert guide.accepts(seq, 1) and not bool(guide.invalid(seq, "cpu")[2])
+    seq.output_token_ids.append(2)
+    allowed = (~guide.invalid(seq, "cpu")).nonzero().flatten().tolist()
+    assert 1 not in allowed and 2 not in allowed and 3 in allowed and not guide.accepts(seq, 1)
+    seq.output_token_ids += [3, 4, 7] + [2] * MAX_WS_RUN  # '"a":"' then spaces inside the string: text
+    assert guide.accepts(seq, 2) and guide.accepts(seq, 8)
