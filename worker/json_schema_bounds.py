@@ -310,9 +310,12 @@ def kind(v: Any) -> str:
 
 # `format` values held as patterns where the schema sets no pattern or length of its own (elsewhere `format`
 # stays the annotation JSON Schema makes it): the forms of RFC 3339 as strict checkers take them (year 0001 on,
-# upper-case T and Z, no leap second; a day up to 31 in any month), RFC 4122, and addresses of the dotted form
-# mail is sent to.
-_DATE = r"(000[1-9]|00[1-9]\d|0[1-9]\d\d|[1-9]\d{3})-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])"
+# upper-case T and Z, no leap second; a day its month has, 29 February in leap years only), RFC 4122, and
+# addresses of the dotted form mail is sent to.
+_YEAR = r"(000[1-9]|00[1-9]\d|0[1-9]\d\d|[1-9]\d{3})"
+_LEAP = r"(\d\d(0[48]|[2468][048]|[13579][26])|(0[48]|[2468][048]|[13579][26])00)"  # 4 | y, and 400 | y if 100 | y
+_MONTH_DAY = r"((0[13578]|1[02])-(0[1-9]|[12]\d|3[01])|(0[469]|11)-(0[1-9]|[12]\d|30)|02-(0[1-9]|1\d|2[0-8]))"
+_DATE = rf"({_YEAR}-{_MONTH_DAY}|{_LEAP}-02-29)"
 _TIME = r"([01]\d|2[0-3]):[0-5]\d:[0-5]\d(\.\d{1,9})?(Z|[+-]([01]\d|2[0-3]):[0-5]\d)"
 _OCTET = r"(25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)"
 FORMATS = {"date": f"^{_DATE}$", "time": f"^{_TIME}$", "date-time": f"^{_DATE}T{_TIME}$",

@@ -3,6 +3,7 @@ included; the `format`s held as patterns (json_schema_bounds.FORMATS); prefixIte
 
 from __future__ import annotations
 
+import datetime
 import ipaddress
 import json
 import random
@@ -118,6 +119,25 @@ def test_formats_are_held_as_patterns(fmt):
 def test_each_format_takes_its_form(fmt, good, bad):
     schema = {"type": "object", "properties": {"v": {"type": "string", "format": fmt}}}
     assert accepts(schema, json.dumps({"v": good})) and not accepts(schema, json.dumps({"v": bad}))
+
+
+def test_a_date_has_the_days_of_its_month_and_29_february_in_leap_years_only():
+    """Every day of months 00-13 (days 00-32) in years around each leap rule, as Python's calendar takes it: the
+    pattern by `re`, and the grammar on a sample."""
+    schema = {"type": "object", "properties": {"v": {"type": "string", "format": "date"}}}
+    date_re = re.compile(FORMATS["date"].strip("^$"), re.ASCII)
+    sample = random.Random(3)
+    for year in (1, 4, 100, 200, 400, 1900, 1996, 2000, 2023, 2024, 2100, 9996, 9999):
+        for month in range(14):
+            for day in range(33):
+                text = f"{year:04d}-{month:02d}-{day:02d}"
+                try:
+                    ok = datetime.date.fromisoformat(text) is not None
+                except ValueError:
+                    ok = False
+                assert bool(date_re.fullmatch(text)) is ok, text
+                if day in (28, 29, 30, 31) or sample.random() < 0.02:
+                    assert accepts(schema, json.dumps({"v": text})) is ok, text
 
 
 def test_a_format_beside_a_length_or_a_pattern_stays_an_annotation():
