@@ -9,7 +9,7 @@ Enforced: `type` (one or a list of string, number, integer, boolean, null, objec
 `required`, `additionalProperties` (false, true or a schema), `minProperties`, `maxProperties`, `items`,
 `prefixItems`, `minItems`, `maxItems`, `minLength`,
 `maxLength`, `minimum`, `maximum`, `exclusiveMinimum`, `exclusiveMaximum`, `multipleOf` (json_schema_bounds.py), `pattern`
-(regex_grammar.py; not beside a length), `format` date/time/date-time/uuid/ipv4/email (as patterns, where no
+(regex_grammar.py; beside minLength/maxLength too, regex_length.py), `format` date/time/date-time/uuid/ipv4/email (as patterns, where no
 pattern or length is set), `oneOf` of disjoint alternatives (json_schema_unions.py), `enum`,
 `const`, `anyOf`, `allOf` of one schema, `nullable` (OpenAPI's: adds null), and `$ref` to `#`,
 `#/$defs/...` or `#/definitions/...` (recursion included). Annotations (never checked): title, description,
@@ -196,11 +196,8 @@ class JsonSchema:
         """A node of `types` with the string lengths and number bounds of `s`; a numeric type no number inside
         the bounds has is dropped (an integer type whose bounds hold no integer)."""
         (min_len, max_len), bounds = _checked(where, parse_lengths, s), _checked(where, parse_bounds, s)
-        if "pattern" in s and (min_len or max_len is not None):  # both hold the characters: not one machine here
-            raise SchemaError(f"{where}: pattern beside minLength/maxLength is not supported; put the length into "
-                              "the pattern (e.g. ^[a-z]{2,8}$)")
         try:
-            pattern = parse_pattern(s, min_len or max_len is not None)
+            pattern = parse_pattern(s, min_len, max_len)
         except RegexError as exc:
             raise SchemaError(f"{where}.pattern: {exc}") from None
         if bounds is not None and types & {"number", "integer"}:

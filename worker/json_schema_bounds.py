@@ -24,6 +24,7 @@ from typing import Any
 
 from lorafleet.worker.regex_dfa import Regex
 from lorafleet.worker.regex_grammar import compile_pattern
+from lorafleet.worker.regex_length import LengthRegex
 
 TYPES = ("string", "number", "integer", "boolean", "null", "object", "array")
 BOUND_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
@@ -323,11 +324,13 @@ FORMATS = {"date": f"^{_DATE}$", "time": f"^{_TIME}$", "date-time": f"^{_DATE}T{
            "email": r"^[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}$"}
 
 
-def parse_pattern(s: dict, has_length: bool) -> Regex | None:
-    """The pattern a string must match: `pattern`, else (with no length either) a `format` of FORMATS' (RegexError
-    for a pattern that cannot be held)."""
+def parse_pattern(s: dict, min_len: int, max_len: int | None) -> Regex | LengthRegex | None:
+    """The pattern a string must match: `pattern` (held to the lengths beside it), else (with no length either) a
+    `format` of FORMATS' (RegexError for a pattern that cannot be held)."""
+    has_length = min_len > 0 or max_len is not None
     if "pattern" in s:
-        return compile_pattern(s["pattern"], True, True)
+        regex = compile_pattern(s["pattern"], True, True)
+        return LengthRegex(regex, min_len, max_len) if has_length else regex
     fmt = s.get("format")
     if not has_length and isinstance(fmt, str) and fmt in FORMATS:
         return compile_pattern(FORMATS[fmt], True, True)

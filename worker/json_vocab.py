@@ -43,6 +43,7 @@ class JsonVocab:
         # Buckets: [first byte] -> {second byte (-1: none) -> token ids}, so that a scan skips whole groups.
         self._buckets = _new_buckets()  # tokens not led by whitespace
         self._special_buckets = _new_buckets()  # every token that is not plain string content
+        self._escaped_buckets = _new_buckets()  # plain string content with an escape (not in regex class tries)
         # Tokens led by whitespace (half of a GPT-2 style vocabulary: " the"), by the bytes after it: where
         # whitespace leaves the state as it is, such a token is valid when the rest of it is.
         self._ws_buckets = _new_buckets()
@@ -69,6 +70,8 @@ class JsonVocab:
             if advance(("str", "{"), data) == ("str", "{"):
                 plain[token_id] = True
                 chars[token_id] = len(json.loads(b'"' + data + b'"'))  # an escape is one character
+                if 0x5C in data:  # its text is not its bytes: a pattern reads the characters its escapes write
+                    _add(self._escaped_buckets, data, token_id)
             else:
                 _add(self._special_buckets, data, token_id)
         self._plain, self._plain_chars, self._all_ws = plain, chars, all_ws
@@ -129,7 +132,11 @@ class JsonVocab:
             mask = self._none.clone()
             if valid := self._trie(regex, in_json).valid(regex, dstate, may_complete or in_json):
                 mask[torch.cat(valid)] = True  # in a JSON string, whole text never completes the value
-            self._scan(grammar, state, self._special_buckets if in_json else self._partial[1], self._bytes, may_complete, ids)
+            if in_json:
+                self._scan(grammar, state, self._special_buckets, self._bytes, may_complete, ids)
+                self._scan(grammar, state, self._escaped_buckets, self._bytes, may_complete, ids)
+            else:
+                self._scan(grammar, state, self._partial[1], self._bytes, may_complete, ids)
         elif grammar.is_in_string(state):
             room = grammar.string_room(state)  # a schema's maxLength: plain tokens of at most `room` characters
             mask = self._plain.clone() if room is None else self._plain & (self._plain_chars <= room)
@@ -154,8 +161,8 @@ class JsonVocab:
         key = (regex.key, in_json)
         trie = self._tries.get(key)
         if trie is None:
-            tokens = [(i, self._bytes[i].decode()) for i in self._plain.nonzero().flatten().tolist()] if in_json \
-                else self._partial[0]
+            tokens = [(i, self._bytes[i].decode()) for i in self._plain.nonzero().flatten().tolist()
+                      if 0x5C not in self._bytes[i]] if in_json else self._partial[0]
             trie = self._tries[key] = ClassTrie(regex, tokens)
             if len(self._tries) > MAX_CACHED_TRIES:
                 self._tries.popitem(last=False)

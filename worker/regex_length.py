@@ -1,0 +1,137 @@
+"""A pattern beside minLength/maxLength: a regex_dfa.Regex whose texts are also held to a character count.
+
+JSON Schema reads both keywords on one string (pydantic writes them together from `Field(pattern=...,
+max_length=...)`). LengthRegex pairs the pattern's DFA state with the characters written so far and keeps
+regex_dfa.Regex's interface (start, step, accepts, can_step, is_final, classes, matches), so the string
+reader (regex_grammar.text_byte) and the class-trie masks (regex_vocab.py) take it unchanged.
+
+The promise a Regex keeps, that every state it reaches can still end in a match, must hold with the count
+too: from "ab" under `^(ab)+$` with maxLength 3 no match can follow. So each NFA state carries the lengths
+of the texts that lead from it to a match, as the bits of an int (bit L: some text of L characters), up to
+the count's cap; a character is taken only when the state it leads to has a length left inside
+[minLength - count, maxLength - count]. Without maxLength the top bit stands for "minLength or more".
+"""
+
+from __future__ import annotations
+
+from lorafleet.worker.regex_dfa import Regex, _overlaps
+from lorafleet.worker.regex_parse import RegexError
+
+# NFA states x the count's cap squared: the lengths' propagation may add one bit at a time to ints as long
+# as the cap (a loop under a long maxLength), so this bounds what a schema makes the worker compute (~0.1 s)
+MAX_LENGTH_WORK = 2_000_000_000
+_MAX_LENS_MEMO = 65536
+
+
+class LengthRegex:
+    """`regex` (a compiled pattern) with its texts' characters between `min_len` and `max_len` (None: any).
+    A state is (the pattern's DFA state, characters so far, capped where the count stops mattering)."""
+
+    def __init__(self, regex: Regex, min_len: int, max_len: int | None) -> None:
+        self.regex, self.min_len, self.max_len = regex, min_len, max_len
+        self.pattern = regex.pattern
+        self.key = f"{regex.key}:len:{min_len}:{max_len}"
+        self.cap = max_len if max_len is not None else min_len
+        if len(regex._edges) * (self.cap + 1) ** 2 > MAX_LENGTH_WORK:
+            raise RegexError(f"the pattern with a length of up to {self.cap} characters is too large to hold; "
+                             "shorten the length or the pattern")
+        self._lens = self._nfa_lengths()
+        self._memo: dict[frozenset, int] = {}
+        self.start = (regex.start, 0)
+        if not self._live(regex.start, 0):
+            raise RegexError(f"the pattern matches no text of {_describe(min_len, max_len)}")
+
+    def _nfa_lengths(self) -> list[int]:
+        """Per NFA state, the bits of the text lengths (up to the cap) that lead from it to the final state:
+        propagated backwards along the edges until nothing changes (each change adds a bit)."""
+        regex = self.regex
+        n = len(regex._edges)
+        back: list[list[tuple[int, bool]]] = [[] for _ in range(n)]
+        for s in range(n):
+            if s not in regex._live:
+                continue
+            for _, t in regex._edges[s]:
+                back[t].append((s, True))
+            for t in regex._eps[s]:
+                back[t].append((s, False))
+        lens = [0] * n
+        lens[regex.final] = 1
+        todo = [regex.final]
+        while todo:
+            t = todo.pop()
+            for s, reads in back[t]:
+                add = self._shift(lens[t]) if reads else lens[t]
+                if add & ~lens[s]:
+                    lens[s] |= add
+                    todo.append(s)
+        return lens
+
+    def _shift(self, bits: int) -> int:
+        """The lengths one character longer, kept within the cap (without maxLength the top bit saturates)."""
+        bits <<= 1
+        if bits >> self.cap + 1:
+            top = 1 << self.cap
+            bits = (bits & (top - 1)) | top if self.max_len is None else bits & ((top << 1) - 1)
+        return bits
+
+    def _window(self, count: int) -> int:
+        """The bits of the lengths still allowed after `count` characters."""
+        lo = max(0, self.min_len - count)
+        hi = self.cap if self.max_len is None else self.max_len - count
+        return 0 if hi < lo else ((1 << (hi + 1)) - 1) & ~((1 << lo) - 1)
+
+    def _state_lens(self, dstate: frozenset) -> int:
+        bits = self._memo.get(dstate)
+        if bits is None:
+            bits = 0
+            for s in dstate:
+                bits |= self._lens[s]
+            if len(self._memo) >= _MAX_LENS_MEMO:
+                self._memo.clear()
+            self._memo[dstate] = bits
+        return bits
+
+    def _live(self, dstate: frozenset, count: int) -> bool:
+        return bool(self._state_lens(dstate) & self._window(count))
+
+    def step(self, state: tuple, ch: int) -> tuple | None:
+        dstate, count = state
+        if self.max_len is not None and count >= self.max_len:
+            return None
+        nxt = self.regex.step(dstate, ch)
+        if nxt is None or not self._live(nxt, count + 1):
+            return None
+        return nxt, min(count + 1, self.cap)
+
+    def accepts(self, state: tuple) -> bool:
+        return state[1] >= self.min_len and self.regex.accepts(state[0])
+
+    def can_step(self, state: tuple, lo: int, hi: int) -> bool:
+        """Whether some character in [lo, hi] leads to a state that can still match within the length (an edge's
+        target alone carries lengths its DFA state has too)."""
+        dstate, count = state
+        if self.max_len is not None and count >= self.max_len:
+            return False
+        window, edges = self._window(count + 1), self.regex._edges
+        return any(_overlaps(chars, lo, hi) and self._lens[t] & window for s in dstate for chars, t in edges[s])
+
+    def is_final(self, state: tuple) -> bool:
+        """Whether the text matches and no character may follow."""
+        return self.accepts(state) and not self.can_step(state, 0, 0x10FFFF)
+
+    def classes(self):
+        return self.regex.classes()
+
+    def matches(self, text: str) -> bool:
+        state: tuple | None = self.start
+        for ch in text:
+            state = self.step(state, ord(ch))
+            if state is None:
+                return False
+        return self.accepts(state)
+
+
+def _describe(min_len: int, max_len: int | None) -> str:
+    if max_len is None:
+        return f"at least {min_len} characters"
+    return f"{min_len} to {max_len} characters" if min_len else f"at most {max_len} characters"
