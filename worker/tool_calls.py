@@ -7,13 +7,15 @@ function's arguments, as vLLM answers it (an output that is exactly `{"name": <t
 or "parameters": {...}}` gives the inner object); the finish_reason stays the engine's ("stop", or "length" for
 arguments cut short), as OpenAI answers a forced call (its documentation: "stop" when tool_choice names a
 function) and vLLM does too. tool_choice "required": the output was held to a JSON array of calls
-(tool_request.py) and each item is a call, finish_reason "tool_calls"; an array cut short (max_tokens) is
-answered as content with finish_reason "length". tool_choice "none" needs none of this: the output is plain
-content.
+(tool_request.py) and each item is a call (its arguments the parameters' text as written, tool_call_array.py),
+finish_reason "tool_calls"; an array cut short (max_tokens) answers the calls begun, the last one's arguments
+cut short, with finish_reason "length" (content, where no call's name was written). tool_choice "none" needs
+none of this: the output is plain content.
 
 Streamed, a named function held to its schema streams its arguments as they are generated: the first delta
 carries the call's index, id, type and name, each later one a piece of `function.arguments` (as OpenAI
-streams a forced call). Otherwise a choice's text goes out as content up to where it may be the start of a
+streams a forced call). "required" calls stream the same way, each once its name is written, with its index
+in the array. Otherwise a choice's text goes out as content up to where it may be the start of a
 call (ToolParser.hold_from);
 the rest is held until the choice ends, then sent as content, or as `delta.tool_calls` (each call whole, with
 its index, id and name) with finish_reason "tool_calls". Chunks keep carrying the logprobs of their tokens
@@ -26,6 +28,7 @@ from __future__ import annotations
 from typing import Any
 
 from lorafleet.worker.openai_fields import APIError
+from lorafleet.worker.tool_call_array import CallArray
 from lorafleet.worker.tool_parser import ToolCall, ToolParser, json_value, read_call, tool_parser
 from lorafleet.worker.tool_request import ToolRequest
 
@@ -66,6 +69,7 @@ class ToolCalls:
         self.names = frozenset(request.names)
         self._streams: dict[int, ToolStream] = {}  # choice index -> its stream
         self._calls_sent: set[int] = set()  # choices whose named call went out (its arguments stream after it)
+        self._arrays: dict[int, tuple[CallArray, list[str]]] = {}  # "required" choices: the calls read, the text
 
     @classmethod
     def of(cls, request: ToolRequest | None, tokenizer, parser_name: str) -> ToolCalls | None:
@@ -89,8 +93,9 @@ class ToolCalls:
         if self.request.choice == "named":
             return None, [ToolCall(self.request.function, self._named_arguments(text))], finish_reason
         if self.request.choice == "required":
-            calls = self._required_calls(text)
-            return (None, calls, "tool_calls") if calls else (text, [], finish_reason)
+            array = CallArray()
+            array.feed(text)
+            return self._required(text, array, finish_reason)
         parsed = self.parser.parse(text, self.names)
         if parsed is None:
             return text, [], finish_reason
@@ -100,13 +105,15 @@ class ToolCalls:
             return text, [], finish_reason
         return content, calls, "tool_calls"
 
-    def _required_calls(self, text: str) -> list[ToolCall]:
-        """The calls of a "required" choice's JSON array; none when it is not one (cut short by max_tokens)."""
-        items = json_value(text)
-        if not isinstance(items, list):
-            return []
-        calls = [read_call(item, self.names, ("parameters",)) for item in items]
-        return [c for c in calls if c is not None] if all(calls) else []
+    @staticmethod
+    def _required(text: str, array: CallArray, finish_reason: str | None) -> tuple[str | None, list[ToolCall], str | None]:
+        """A "required" choice's answer: its calls, finish_reason "tool_calls" once the array closed; cut short
+        (max_tokens), the calls begun so far with the engine's "length", as a named call cut short is answered;
+        content where no call's name was written yet."""
+        calls = array.calls()
+        if not calls:
+            return text, [], finish_reason
+        return None, calls, "tool_calls" if array.done else finish_reason
 
     def _fits_strict(self, call: ToolCall) -> bool:
         """Whether a parsed call's arguments fit its function's schema, where the function says strict: true."""
@@ -138,6 +145,19 @@ class ToolCalls:
             self._calls_sent.discard(index)
         return out
 
+    def _required_delta(self, index: int, new_text: str, finish_reason: str | None) -> tuple[str, list[dict], str | None]:
+        """A "required" choice's streamed piece: each call once its name is read, then its arguments as they come;
+        at the end, the text as content where no call began (as the whole answer gives it)."""
+        array, text = self._arrays.setdefault(index, (CallArray(), []))
+        text.append(new_text)
+        array.feed(new_text)
+        deltas = array.deltas()
+        if finish_reason is None:
+            return "", deltas, None
+        del self._arrays[index]
+        content, _, finish_reason = self._required("".join(text), array, finish_reason)
+        return content or "", deltas, finish_reason
+
     def message(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
         """A whole choice's `message` and finish_reason."""
         content, calls, finish_reason = self.calls(text, finish_reason)
@@ -151,8 +171,10 @@ class ToolCalls:
         finish_reason, when set, ends the choice."""
         if self.request.choice == "named" and self.request.output_grammar is not None:
             return "", self._arguments_delta(index, new_text, finish_reason), finish_reason
+        if self.request.choice == "required":
+            return self._required_delta(index, new_text, finish_reason)
         if index not in self._streams:
-            self._streams[index] = ToolStream(None if self.request.choice in ("named", "required") else self.parser)
+            self._streams[index] = ToolStream(None if self.request.choice == "named" else self.parser)
         stream = self._streams[index]
         content = stream.feed(new_text)
         if finish_reason is None:

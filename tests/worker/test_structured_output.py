@@ -131,8 +131,8 @@ async def test_required_tool_choice_answers_calls_to_the_tools_whole_and_streame
     resp = await api.chat.completions.create(**body)
     called = 0
     for choice in resp.choices:
-        if choice.finish_reason == "length":  # cut short: the array so far, as content
-            assert not choice.message.tool_calls and choice.message.content.lstrip().startswith("[")
+        if choice.finish_reason == "length":  # cut short: the calls begun, or the array so far as content
+            assert choice.message.tool_calls or choice.message.content.lstrip().startswith("[")
             continue
         assert choice.finish_reason == "tool_calls" and choice.message.content is None
         for call in choice.message.tool_calls:
@@ -140,10 +140,22 @@ async def test_required_tool_choice_answers_calls_to_the_tools_whole_and_streame
             called += 1
     assert called >= 2
     streamed = await _streamed(await api.chat.completions.create(**body, stream=True))
-    for got, choice in zip(streamed, resp.choices, strict=True):
-        assert got["finish_reason"] == choice.finish_reason
-        calls = [(c["function"]["name"], c["function"]["arguments"]) for c in got["tool_calls"]]
-        assert calls == [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+    pieces = 0
+    for got, choice in zip(streamed, resp.choices, strict=True):  # each call streams: itself, then its arguments
+        assert got["finish_reason"] == choice.finish_reason and got["content"] == (choice.message.content or "")
+        calls: dict[int, list] = {}
+        for delta in got["tool_calls"]:
+            if delta["index"] not in calls:
+                assert delta["id"].startswith("call_") and delta["type"] == "function"
+                calls[delta["index"]] = [delta["function"]["name"], ""]
+            else:
+                assert delta["id"] is None and delta["function"]["name"] is None
+                pieces += 1
+            calls[delta["index"]][1] += delta["function"]["arguments"]
+        assert list(calls) == list(range(len(calls)))
+        assert [tuple(c) for c in calls.values()] == [(c.function.name, c.function.arguments)
+                                                     for c in choice.message.tool_calls or []]
+    assert pieces > called
     one = await api.chat.completions.create(**body | {"parallel_tool_calls": False})
     assert all(len(c.message.tool_calls) == 1 for c in one.choices if c.finish_reason == "tool_calls")
 

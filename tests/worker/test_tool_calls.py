@@ -133,6 +133,59 @@ def test_a_named_functions_call_written_whole_answers_its_arguments(text, argume
     assert streamed[0]["function"]["arguments"] == (arguments or text)
 
 
+REQUIRED = [  # (output, finish reason, calls (name, arguments as written), answered finish reason)
+    ('[{"name": "add", "parameters": {"a": 1, "s": "x}\\"]{"}}, {"parameters": {"b": [1, {"c": 2}]}, "name": '
+     '"get_weather"}]', "stop", [("add", '{"a": 1, "s": "x}\\"]{"}'), ("get_weather", '{"b": [1, {"c": 2}]}')],
+     "tool_calls"),
+    ('[ {\n "name" : "add" ,\n "parameters" : { } } ]', "stop", [("add", "{ }")], "tool_calls"),
+    ('[{"name":"a\\u0064d","parameters":null}]', "stop", [("add", "null")], "tool_calls"),
+    ('[{"name": "add", "parameters": {"a": [1, "', "length", [("add", '{"a": [1, "')], "length"),  # cut short
+    ('[{"name": "get_weather", "parameters": {}}, {"param', "length", [("get_weather", "{}")], "length"),
+    ('[{"parameters": {"a": 1}, "na', "length", [], "length"),  # no name yet: content
+]
+
+
+def _merged(deltas: list[dict]) -> list[tuple[str, str]]:
+    """Streamed `tool_calls` entries put together by index: each call's name and its arguments' pieces."""
+    calls: dict[int, list[str]] = {}
+    for d in deltas:
+        if d["index"] not in calls:
+            assert d["id"].startswith("call_") and d["type"] == "function"
+            calls[d["index"]] = [d["function"]["name"], ""]
+        else:
+            assert set(d) == {"index", "function"} and set(d["function"]) == {"arguments"}
+        calls[d["index"]][1] += d["function"]["arguments"]
+    assert list(calls) == list(range(len(calls)))
+    return [tuple(c) for c in calls.values()]
+
+
+@pytest.mark.parametrize("text, engine_reason, expect, reason", REQUIRED)
+def test_required_calls_stream_as_they_are_written_and_add_up_to_the_whole_answer(text, engine_reason, expect,
+                                                                                 reason):
+    calls = _tool_calls("hermes", choice="required")
+    message, answered = calls.message(text, engine_reason)
+    assert answered == reason
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls", [])] == expect
+    assert message["content"] == (None if expect else text)
+    for size in (1, 3, len(text)):
+        pieces = [text[i:i + size] for i in range(0, len(text), size)]
+        content, deltas, streamed_reason = _streamed(calls, 0, pieces, engine_reason)
+        assert (content, _merged(deltas), streamed_reason) == (message["content"] or "", expect, reason)
+        if size == 1 and expect:  # a call goes out once its name is read, its arguments as they come
+            assert len(deltas) > len(expect)
+
+
+def test_a_required_call_goes_out_before_the_array_ends():
+    calls = _tool_calls("hermes", choice="required")
+    assert calls.delta(0, '[{"name": "ad', None) == ("", [], None)
+    _, (first,), _ = calls.delta(0, 'd", "parameters": {"a"', None)
+    assert first["function"] == {"name": "add", "arguments": '{"a"'} and first["index"] == 0
+    assert calls.delta(0, ": 1}}", None)[1] == [{"index": 0, "function": {"arguments": ": 1}"}}]
+    _, (second,), _ = calls.delta(0, ', {"name": "get_weather", "parameters": {}}]', "stop")
+    assert second["index"] == 1 and second["function"] == {"name": "get_weather", "arguments": "{}"}
+    assert second["id"] != first["id"]
+
+
 def test_parallel_tool_calls_false_keeps_the_first_call():
     message, reason = _tool_calls("hermes", parallel_tool_calls=False).message(f"{CALL}{CALL}", "stop")
     assert len(message["tool_calls"]) == 1 and reason == "tool_calls"
