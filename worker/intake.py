@@ -21,11 +21,21 @@ from typing import Any
 from aiohttp import web
 
 from lorafleet.worker.admission import INTAKE_FULL, TENANT_QUEUE_FULL
-from lorafleet.worker.app_keys import ADMISSION, CONFIG, METRICS
+from lorafleet.worker.app_keys import ADMISSION, CONFIG, METRICS, TENANTS
 from lorafleet.worker.openai_protocol import APIError, parse_json
+from lorafleet.worker.tenants import AuthenticationError, Tenant
 
 LARGE_BODY_BYTES = 64 * 1024  # larger bodies are parsed off the event loop
 REQUEST_TIMEOUT = "request_timeout"  # the rejected metric's reason for a body that came too slowly
+
+
+def authenticate(request: web.Request) -> Tenant:
+    """The caller's tenant, from its bearer key (401 without a key the keys file knows)."""
+    try:
+        return request.app[TENANTS].authenticate(request.headers.get("Authorization"))
+    except AuthenticationError as exc:
+        raise APIError(401, str(exc), type="authentication_error", code="invalid_api_key",
+                       headers={"WWW-Authenticate": "Bearer"}) from None
 
 
 def refused(app: web.Application, reason: str, tenant: str, num_seqs: int | None = None) -> APIError:

@@ -1,5 +1,5 @@
 """OpenAI-compatible inference: `/v1/completions`, `/v1/chat/completions`, `/v1/models` (and
-`/v1/models/{id}`).
+`/v1/models/{id}`); vLLM's `/tokenize` and `/detokenize` are openai_tokenize.py's.
 
 One HTTP request becomes `len(prompts) * n` engine requests ("choices"), all on the same adapter
 version, resolved on arrival (one naming no version moves once, before any output, if the engine
@@ -36,13 +36,12 @@ from lorafleet.worker.app_keys import (
     ENGINE,
     METRICS,
     STATUS,
-    TENANTS,
 )
 from lorafleet.worker.choice_timer import ChoiceTimer, request_labels
 from lorafleet.worker.completion_job import CompletionJob, TextOffsets
 from lorafleet.worker.engine import EngineError, ShutdownError, UnknownAdapterError
 from lorafleet.worker.engine_errors import ContextLengthError
-from lorafleet.worker.intake import check_room, intake_place, read_json, refused
+from lorafleet.worker.intake import authenticate, check_room, intake_place, read_json, refused
 from lorafleet.worker.job_outputs import merged_outputs
 from lorafleet.worker.metrics import UNRESOLVED_LABEL
 from lorafleet.worker.openai_protocol import (
@@ -50,12 +49,13 @@ from lorafleet.worker.openai_protocol import (
     parse_chat_request,
     parse_completion_request,
 )
+from lorafleet.worker.openai_tokenize import chat_prompt_ids, tokenize_routes
 from lorafleet.worker.request_output import RequestOutput
 from lorafleet.worker.scheduler import CapacityError
 from lorafleet.worker.served_adapters import VersionUnavailable
 from lorafleet.worker.served_fallback import versions_still_served
 from lorafleet.worker.stream_writes import written_in_time
-from lorafleet.worker.tenants import AuthenticationError, Tenant
+from lorafleet.worker.tenants import Tenant
 from lorafleet.worker.tokenizer import TokenizerError
 from lorafleet.worker.tool_calls import ToolCalls
 
@@ -70,18 +70,11 @@ def openai_routes() -> list[web.RouteDef]:
         web.post("/v1/chat/completions", chat_completions),
         web.get("/v1/models", list_models),
         web.get("/v1/models/{model:.+}", retrieve_model),
+        *tokenize_routes(),
     ]
 
 
 # ---- request intake ---------------------------------------------------------------------------------
-def authenticate(request: web.Request) -> Tenant:
-    try:
-        return request.app[TENANTS].authenticate(request.headers.get("Authorization"))
-    except AuthenticationError as exc:
-        raise APIError(401, str(exc), type="authentication_error", code="invalid_api_key",
-                       headers={"WWW-Authenticate": "Bearer"}) from None
-
-
 async def _prepare(request: web.Request, endpoint: str,
                    resolved: Callable[[str | None], None] = lambda key: None) -> CompletionJob:
     """The request as a CompletionJob, or an APIError. `resolved` is told the engine key the model resolved
@@ -109,12 +102,7 @@ async def _prepare(request: web.Request, endpoint: str,
 
         def tokenize() -> list[list[int]]:
             if endpoint == "chat":
-                if engine.tokenizer is None:
-                    raise EngineError("this model has no tokenizer; use /v1/completions with token ids")
-                in_content = app[CONFIG].chat_control_tokens_in_content  # vLLM's way: they stay control tokens
-                return [engine.tokenizer.encode_chat(parsed.template_messages(), parsed.template,
-                                                     tools=tools.tools if tools is not None else None,
-                                                     control_tokens_in_content=in_content)]
+                return [chat_prompt_ids(app, parsed)]
             return [engine.encode(p) for p in parsed.prompts]
 
         tools = parsed.tools if endpoint == "chat" else None  # its tools and tool_choice (tool_request.py)

@@ -1,0 +1,131 @@
+"""vLLM's `/tokenize` and `/detokenize`: the token ids a prompt or a chat becomes on this worker, and back.
+
+`POST /tokenize` takes a completion's prompt (`{"model", "prompt", "add_special_tokens": true}`) or a chat
+(`{"model", "messages", ...}` with the chat fields /v1/chat/completions takes: add_generation_prompt,
+continue_final_message, add_special_tokens, chat_template_kwargs, tools) and answers `{"count",
+"max_model_len", "tokens", "token_strs"}` (`token_strs` with `return_token_strs: true`, else null). A chat is
+rendered and encoded as a chat completion's prompt is (chat_prompt_ids), so `count` is what that request's
+prompt holds. `POST /detokenize` takes `{"model", "tokens": [...]}` and answers `{"prompt"}` (special tokens
+written, as vLLM does).
+
+Both need the caller's key, and `model` must be one the caller may call (the base model or an adapter of
+theirs: the same 404 as elsewhere for another tenant's); adapters share the base model's tokenizer, so the
+answer does not depend on which. Both hold an intake place while they work, as a completion does
+(intake.py), and tokenize in the default executor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+import jinja2
+from aiohttp import web
+
+from lorafleet.worker.app_keys import ADAPTERS, CONFIG, ENGINE, STATUS
+from lorafleet.worker.engine import EngineError
+from lorafleet.worker.intake import authenticate, intake_place, read_json
+from lorafleet.worker.openai_fields import APIError, Fields, bad_request, check_text, is_int
+from lorafleet.worker.openai_protocol import ChatRequest, parse_chat_request
+from lorafleet.worker.served_adapters import VersionUnavailable
+from lorafleet.worker.tenants import Tenant
+from lorafleet.worker.tokenizer import TokenizerError
+
+# A chat's fields that shape its prompt; a /tokenize body with `messages` takes these (and return_token_strs).
+CHAT_PROMPT_FIELDS = ("model", "messages", "add_generation_prompt", "continue_final_message", "add_special_tokens",
+                      "chat_template_kwargs", "tools", "tool_choice")
+
+
+def tokenize_routes() -> list[web.RouteDef]:
+    return [web.post("/tokenize", tokenize), web.post("/detokenize", detokenize)]
+
+
+def chat_prompt_ids(app: web.Application, parsed: ChatRequest) -> list[int]:
+    """A chat request's prompt ids (run it in the executor): rendered by the chat template, with its tools.
+    Raises EngineError without a tokenizer, TokenizerError or jinja2.TemplateError for messages refused."""
+    engine = app[ENGINE].engine
+    if engine.tokenizer is None:
+        raise EngineError("this model has no tokenizer; use /v1/completions with token ids")
+    tools = parsed.tools.tools if parsed.tools is not None else None
+    return engine.tokenizer.encode_chat(parsed.template_messages(), parsed.template, tools=tools,
+                                        control_tokens_in_content=app[CONFIG].chat_control_tokens_in_content)
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    app, tenant = request.app, authenticate(request)
+    engine = _engine(app)
+    with intake_place(app):
+        body = await read_json(request)
+        chat = isinstance(body, dict) and "messages" in body
+        f = Fields(body, "tokenize")
+        strs = f.flag("return_token_strs", False)
+        if chat:
+            f.seen.update(CHAT_PROMPT_FIELDS)
+            f.refuse_unknown()
+            parsed = parse_chat_request({k: v for k, v in body.items() if k in CHAT_PROMPT_FIELDS},
+                                        engine.sampling_defaults)
+            _check_model(app, parsed.model, tenant)
+            work = lambda: chat_prompt_ids(app, parsed)  # noqa: E731
+        else:
+            model, prompt = f.string("model", required=True), f.get("prompt")
+            if not isinstance(prompt, str):
+                raise bad_request("'prompt' must be a string (or send 'messages' for a chat)", "prompt",
+                                  "missing_required_parameter" if prompt is None else "invalid_type")
+            check_text(prompt, "prompt")
+            special = f.flag("add_special_tokens", True)
+            f.refuse_unknown()
+            _check_model(app, model, tenant)
+            work = lambda: _encode(engine, prompt, special)  # noqa: E731
+        try:
+            ids = await asyncio.get_running_loop().run_in_executor(None, work)
+        except (EngineError, TokenizerError) as exc:
+            raise APIError(400, str(exc), code="invalid_prompt", param="messages" if chat else "prompt") from None
+        except jinja2.TemplateError as exc:
+            raise APIError(400, f"the chat template refused these messages: {exc}", code="invalid_messages",
+                           param="messages") from None
+    token_strs = [engine.tokenizer.id_to_token(i) for i in ids] if strs else None
+    return web.json_response({"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
+                              "token_strs": token_strs})
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    app, tenant = request.app, authenticate(request)
+    engine = _engine(app)
+    with intake_place(app):
+        f = Fields(await read_json(request), "detokenize")
+        model, tokens = f.string("model", required=True), f.get("tokens")
+        f.refuse_unknown()
+        if not isinstance(tokens, list) or not all(is_int(t) for t in tokens):
+            raise bad_request("'tokens' must be a list of token ids", "tokens",
+                              "missing_required_parameter" if tokens is None else "invalid_type")
+        vocab = engine.model_config.vocab_size
+        if bad := [t for t in tokens if not 0 <= t < vocab][:5]:
+            raise bad_request(f"token ids {bad} are outside the vocabulary (0..{vocab - 1})", "tokens")
+        _check_model(app, model, tenant)
+        if engine.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer", code="invalid_value", param="tokens")
+        text = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: engine.tokenizer.decode(tokens, skip_special_tokens=False))
+    return web.json_response({"prompt": text})
+
+
+def _engine(app: web.Application) -> Any:
+    if app[STATUS].draining or ENGINE not in app:
+        raise APIError(503, "the worker is shutting down or not ready; retry on another worker",
+                       type="service_unavailable", code="not_ready", headers={"Retry-After": "1"})
+    return app[ENGINE].engine
+
+
+def _check_model(app: web.Application, model: str, tenant: Tenant) -> None:
+    """404/403 as a completion naming `model` would get; a version that failed to load still tokenizes."""
+    if not model:
+        raise bad_request("'model' must name the base model or an adapter (see GET /v1/models)", "model")
+    with contextlib.suppress(VersionUnavailable):
+        app[ADAPTERS].resolve(model, tenant, None)
+
+
+def _encode(engine, prompt: str, add_special_tokens: bool) -> list[int]:
+    if engine.tokenizer is None:
+        raise EngineError("this model directory has no tokenizer.json: it cannot tokenize text")
+    return engine.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
