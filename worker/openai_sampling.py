@@ -4,7 +4,7 @@ OpenAI's fields, and vLLM's extensions a vLLM client sends: `top_k`, `min_p`, `r
 `ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`, `min_tokens`, `skip_special_tokens`,
 `prompt_logprobs` (0..20, as vLLM's default max_logprobs; refused with `stream`, as vLLM does),
 `response_format` ("text", "json_object" or "json_schema", on both endpoints as vLLM takes it) and vLLM's
-`structured_outputs`, `guided_json`, `guided_choice` and `guided_regex`
+`structured_outputs`, `guided_json`, `guided_choice`, `guided_regex` and `guided_grammar` (GBNF, gbnf.py)
 (`spaces_between_special_tokens` only at its default, true: the `tokenizers` decoder places special
 tokens its own way, as vLLM's fast-tokenizer path does). What depends on the model (token ids within
 its vocabulary, `min_tokens` within the context left by the prompt) is checked in completion_job.py.
@@ -17,13 +17,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lorafleet.worker.choice_grammar import ChoiceError, ChoiceGrammar
+from lorafleet.worker.gbnf import GbnfGrammar
 from lorafleet.worker.json_constraint import COMPACT_JSON_OBJECT
 from lorafleet.worker.json_schema import SchemaError
 from lorafleet.worker.json_schema_grammar import SchemaGrammar, schema_grammar
 from lorafleet.worker.logit_bias import LogitBiasError, parse_logit_bias
 from lorafleet.worker.openai_fields import Fields, bad_request, check_text, is_int
 from lorafleet.worker.regex_dfa import RegexError
-from lorafleet.worker.regex_grammar import RegexGrammar
+from lorafleet.worker.regex_grammar import RegexGrammar, TextGrammar
 from lorafleet.worker.sampling_defaults import RANGES, SamplingDefaults
 from lorafleet.worker.sampling_params import MAX_LOGPROBS
 
@@ -37,7 +38,8 @@ MAX_STOP = 64
 # every one of them, on the engine thread every sequence shares.
 MAX_STOP_CHARS = 4096
 MAX_STOP_TOKEN_IDS = 64
-STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_choice", "guided_regex")  # one per request
+STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_choice", "guided_regex",
+                     "guided_grammar")  # one per request
 RESPONSE_FORMATS = {"text": set(), "json_object": {"schema"}, "json_schema": {"json_schema"}}  # type -> its other keys
 JSON_SCHEMA_FIELDS = {"name", "description", "schema", "strict"}
 STREAM_OPTIONS = ("include_usage", "include_obfuscation", "continuous_usage_stats")
@@ -179,15 +181,11 @@ def _schema(schema: object, where: str, param: str = "response_format", compact:
 
 def _structured_output(f: Fields) -> tuple[bool, Any, str | None]:
     """-> (constrained, grammar or None, the field that asked for it), from `response_format` or vLLM's fields: `structured_outputs`
-    (`{"json": <schema>}`, `{"choice": [...]}` or `{"json_object": true}`, with `"disable_any_whitespace": true`
-    no whitespace between JSON's tokens, as vLLM's xgrammar backend) and the older `guided_json` (a
-    schema, or its JSON text), `guided_choice` and `guided_regex` (the whole text matches). One of them at most;
-    grammars are refused, not ignored."""
+    (`{"json": <schema>}`, `{"choice": [...]}`, `{"regex": ...}`, `{"grammar": <GBNF>}` or `{"json_object": true}`,
+    with `"disable_any_whitespace": true` no whitespace between JSON's tokens, as vLLM's xgrammar backend) and
+    the older `guided_json` (a schema, or its JSON text), `guided_choice`, `guided_regex` and `guided_grammar`
+    (the whole text matches). One of them at most."""
     given = [name for name in STRUCTURED_FIELDS if f.get(name) is not None]
-    if f.get("guided_grammar") is not None:
-        raise bad_request("'guided_grammar' is not supported by this server (structured output takes JSON schemas, "
-                          "choices and regular expressions: 'guided_json', 'guided_choice', 'guided_regex', "
-                          "'response_format')", "guided_grammar", "unsupported_parameter")
     # A preference among vLLM's backends: this server has one of its own. Older vLLM clients asked for JSON
     # without whitespace between its tokens with the option `xgrammar:disable-any-whitespace`: honoured.
     compact = "disable-any-whitespace" in (f.string("guided_decoding_backend") or "")
@@ -198,13 +196,15 @@ def _structured_output(f: Fields) -> tuple[bool, Any, str | None]:
     field = given[0] if given else None
     if field is None or field == "response_format":
         return (*_response_format(f, compact), field)
-    name, v, kind = field, f.get(field), {"guided_json": "json", "guided_choice": "choice", "guided_regex": "regex"}.get(field)
+    name, v, kind = field, f.get(field), {"guided_json": "json", "guided_choice": "choice", "guided_regex": "regex",
+                                          "guided_grammar": "grammar"}.get(field)
     if field == "structured_outputs":
         kinds = [k for k in v if k != "disable_any_whitespace"] if isinstance(v, dict) else []
-        if len(kinds) != 1 or kinds[0] not in ("json", "choice", "regex", "json_object") or len(v) - len(kinds) > 1:
+        if len(kinds) != 1 or kinds[0] not in ("json", "choice", "regex", "grammar", "json_object") \
+                or len(v) - len(kinds) > 1:
             raise bad_request("'structured_outputs' takes one of 'json' (a schema), 'choice' (a list of strings), "
-                              "'regex' (a pattern the whole text matches) or 'json_object': true, and "
-                              "'disable_any_whitespace' (grammars are not supported by this server)", name)
+                              "'regex' (a pattern the whole text matches), 'grammar' (GBNF) or 'json_object': true, "
+                              "and 'disable_any_whitespace'", name)
         compact = v.get("disable_any_whitespace", compact)
         if not isinstance(compact, bool):
             raise bad_request("'structured_outputs.disable_any_whitespace' must be true or false", name, "invalid_type")
@@ -222,11 +222,12 @@ def _structured_output(f: Fields) -> tuple[bool, Any, str | None]:
                 why = exc if isinstance(exc, ValueError) else "nested too deeply"
                 raise bad_request(f"'{name}' must be a JSON schema (an object, or its JSON text): {why}", field) from None
         return True, _schema(v, name, field, compact), field
-    if kind == "regex":
+    if kind in ("regex", "grammar"):
         if not isinstance(v, str):
-            raise bad_request(f"'{name}' must be a regular expression (a string)", field, "invalid_type")
+            what = "a regular expression" if kind == "regex" else "a GBNF grammar"
+            raise bad_request(f"'{name}' must be {what} (a string)", field, "invalid_type")
         try:
-            return True, RegexGrammar(v), field
+            return True, RegexGrammar(v) if kind == "regex" else GbnfGrammar(v), field
         except RegexError as exc:
             raise bad_request(f"'{name}': {exc}", field) from None
     try:
@@ -315,7 +316,7 @@ def parse_sampling_options(f: Fields, max_tokens_names: tuple[str, ...], default
         grammar=grammar,
         grammar_param=grammar_param,
     )
-    if isinstance(grammar, (ChoiceGrammar, RegexGrammar)) and (options.ignore_eos or options.min_tokens):
+    if isinstance(grammar, (ChoiceGrammar, TextGrammar)) and (options.ignore_eos or options.min_tokens):
         raise bad_request(f"'{grammar_param}' cannot be combined with 'ignore_eos' or 'min_tokens': the text is exactly "
                           "what it allows, which nothing may pad", grammar_param)
     return options

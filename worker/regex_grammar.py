@@ -75,17 +75,14 @@ def compile_pattern(pattern: str, search: bool, json_string: bool) -> Regex:
 DONE = "done"
 
 
-class RegexGrammar:
-    """The whole output matches `pattern` (vLLM's guided_regex). A state is (dstate, pending bytes), or DONE once
-    the text matches and no character may follow. Where it matches and may also go on, the request's stop tokens
-    may end it (may_stop)."""
+class TextGrammar:
+    """The whole output is a text `machine` takes: a Regex, or a machine with its interface (gbnf.py). A state
+    is (the machine's state, pending bytes), or DONE once the text matches and no character may follow. Where
+    it matches and may also go on, the request's stop tokens may end it (may_stop)."""
 
-    def __init__(self, pattern: str) -> None:
-        try:
-            self.regex = compile_pattern(pattern, False, False)
-        except RegexError as exc:
-            raise RegexError(f"{exc}: {pattern[:80]!r}") from None
-        self.key = self.regex.key
+    def __init__(self, machine: Regex) -> None:
+        self.regex = machine
+        self.key = machine.key
         self.start = DONE if self.regex.is_final(self.regex.start) else (self.regex.start, b"")
         self.pads = False  # nothing may follow the text
 
@@ -122,3 +119,14 @@ class RegexGrammar:
             if not pending and self.regex.is_final(dstate):
                 return DONE if i == len(data) - 1 else None
         return dstate, pending
+
+
+class RegexGrammar(TextGrammar):
+    """The whole output matches `pattern` (vLLM's guided_regex)."""
+
+    def __init__(self, pattern: str) -> None:
+        try:
+            regex = compile_pattern(pattern, False, False)
+        except RegexError as exc:
+            raise RegexError(f"{exc}: {pattern[:80]!r}") from None
+        super().__init__(regex)

@@ -271,8 +271,8 @@ CHOICES = ["sunny", "rain", "snow storm", "é"]
 
 
 async def test_vllms_guided_fields_hold_the_output(api, bias):
-    """guided_regex / structured_outputs.regex: the whole text matches (a stop token may end a match that could go
-    on); guided_choice / structured_outputs.choice: the text is one of the choices; guided_json (a schema or its
+    """guided_regex / structured_outputs.regex and guided_grammar / structured_outputs.grammar (GBNF): the whole
+    text matches (a stop token may end a match that could go on); guided_choice / structured_outputs.choice: the text is one of the choices; guided_json (a schema or its
     text) and structured_outputs.json: as response_format json_schema."""
     body = {"model": "tiny", "n": 4, "seed": 6, "max_tokens": 96, "logit_bias": bias}
     for pattern, extra in ((r"[0-9]{3}-[a-c]{2}", "guided_regex"), (r"(sun|rain)( again)?", "structured_outputs")):
@@ -281,6 +281,14 @@ async def test_vllms_guided_fields_hold_the_output(api, bias):
         assert all(re.fullmatch(pattern, c.text) and c.finish_reason == "stop" for c in resp.choices), resp.choices
         chat = await api.chat.completions.create(messages=USER, extra_body=extra, stream=True, **body)
         assert all(re.fullmatch(pattern, s["content"]) for s in await _streamed(chat))
+    from lorafleet.worker.gbnf import GrammarMachine
+
+    sql = 'root ::= "SELECT " col (", " col){0,2} " FROM " table\ncol ::= "id" | "name" | "*"\ntable ::= [a-z]{1,8}'
+    for extra in ({"guided_grammar": sql}, {"structured_outputs": {"grammar": sql}}):
+        resp = await api.completions.create(prompt="Query:", extra_body=extra, **body)
+        assert all(GrammarMachine(sql).matches(c.text) and c.finish_reason == "stop" for c in resp.choices)
+        chat = await api.chat.completions.create(messages=USER, extra_body=extra, stream=True, **body)
+        assert all(GrammarMachine(sql).matches(s["content"]) for s in await _streamed(chat))
     for extra in ({"guided_choice": CHOICES}, {"structured_outputs": {"choice": CHOICES}}):
         resp = await api.completions.create(prompt="Weather:", extra_body=extra, **body)
         assert all(c.text in CHOICES and c.finish_reason == "stop" for c in resp.choices)
@@ -297,9 +305,12 @@ async def test_vllms_guided_fields_hold_the_output(api, bias):
 @pytest.mark.parametrize("extra, param, needle", [
     ({"guided_regex": "(a"}, "guided_regex", "a missing ')'"),
     ({"guided_regex": 5}, "guided_regex", "must be a regular expression"),
-    ({"guided_grammar": "root ::= x"}, "guided_grammar", "not supported"),
+    ({"guided_grammar": "root ::= x"}, "guided_grammar", "the rule 'x' is used but not defined"),
+    ({"guided_grammar": "start: \"a\""}, "guided_grammar", "a Lark rule"),
+    ({"guided_grammar": "root ::= root \"a\" | \"b\""}, "guided_grammar", "left-recursive (root -> root"),
     ({"structured_outputs": {"regex": "(a)\\1"}}, "structured_outputs", "the escape '\\1' is not supported"),
-    ({"structured_outputs": {"grammar": "root ::= x"}}, "structured_outputs", "grammars are not supported"),
+    ({"structured_outputs": {"grammar": 5}}, "structured_outputs", "must be a GBNF grammar"),
+    ({"structured_outputs": {"grammar": "root ::= [a-z]+", "regex": "a"}}, "structured_outputs", "takes one of"),
     ({"guided_choice": ["yes", "yes!"]}, "guided_choice", '"yes" is the start of "yes!"'),
     ({"guided_choice": []}, "guided_choice", "non-empty list"),
     ({"guided_choice": ["a"], "guided_json": {"type": "object"}}, "guided_choice", "send one of"),
