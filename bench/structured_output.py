@@ -5,10 +5,11 @@
 One greedy request (a person described as JSON) is generated unconstrained, in JSON mode
 (`json_object`) and held to a schema (SchemaGrammar), the schema twice (the second run finds its token
 masks cached); then a schema with lengths, bounds, a pattern and a format (its own prompt), and a
-guided_regex (RegexGrammar). For each: seconds per output token, the masks built (a mask is a scan of the
+guided_regex (RegexGrammar) and a guided_grammar (GBNF, GbnfGrammar). For each: seconds per output token, the masks built (a mask is a scan of the
 vocabulary for one grammar state; most drawn tokens are checked alone and need none), whether the output
 is valid. Then the time of one mask build in a few states (a key, a string value, a number, an enum value,
-a bounded number, a patterned string, a regex), the cache cleared before each. Prints a table, writes JSON.
+a bounded number, a patterned string, a pattern beside a length, a regex, a grammar), the cache cleared
+before each. Prints a table, writes JSON.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from bench_io import write_json  # same folder
 
 from lorafleet.worker import Engine, EngineConfig, SamplingParams
 from lorafleet.worker.default_model import default_model_dir
+from lorafleet.worker.gbnf import GbnfGrammar
 from lorafleet.worker.json_schema_grammar import schema_grammar
 from lorafleet.worker.regex_grammar import RegexGrammar
 
@@ -44,6 +46,12 @@ DATE = r"(Mon|Tues|Wednes|Thurs|Fri|Satur|Sun)day, [1-9][0-9]? (January|February
        r"September|October|November|December) 20[0-9]{2}"
 DATE_PROMPT = "<|im_start|>user\nName a date in the future.<|im_end|>\n<|im_start|>assistant\n"
 DATE_STATES = (b"", b"Fri", b"Friday, 1")
+CODE = {"type": "object", "required": ["code"], "properties": {
+    "code": {"type": "string", "pattern": "^[A-Z]+$", "minLength": 3, "maxLength": 8}}}  # pydantic's Field(pattern, ...)
+CODE_STATES = (b'{"code": "', b'{"code": "ABCDEF')
+SHOPPING = 'root ::= "Shopping list:\n" item{1,5}\nitem ::= "- " [1-9] [0-9]? " " word (" " word)? "\n"\nword ::= [a-z]+'
+SHOPPING_PROMPT = "<|im_start|>user\nWrite a short shopping list.<|im_end|>\n<|im_start|>assistant\n"
+SHOPPING_STATES = (b"", b"Shopping list:\n- 2 ", b"Shopping list:\n- 2 eggs\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,9 +69,11 @@ def main(argv: list[str] | None = None) -> int:
            "command": " ".join(["python", *sys.argv]), "vocab_size": vocab.vocab_size,
            "vocab_table_s": time.perf_counter() - start, "runs": {}, "mask_build_ms": {}}  # fmt: skip
     grammar, bounded, date = schema_grammar(SCHEMA), schema_grammar(BOUNDED), RegexGrammar(DATE)
+    code, shopping = schema_grammar(CODE), GbnfGrammar(SHOPPING)
     cases = (("unconstrained", PROMPT, {}), ("json_object", PROMPT, {"json_object": True}),
              ("schema", PROMPT, {"grammar": grammar}), ("schema again", PROMPT, {"grammar": grammar}),
-             ("bounded schema", BOUNDED_PROMPT, {"grammar": bounded}), ("guided_regex", DATE_PROMPT, {"grammar": date}))
+             ("bounded schema", BOUNDED_PROMPT, {"grammar": bounded}), ("guided_regex", DATE_PROMPT, {"grammar": date}),
+             ("guided_grammar", SHOPPING_PROMPT, {"grammar": shopping}))
     print(f"{'case':16} {'tokens':>6} {'ms/token':>9} {'masks':>6} {'valid':>5}  output")
     for name, prompt, kw in cases:
         built = vocab.num_built
@@ -74,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
                "text": out.text, "valid": _valid(kw.get("grammar"), out.text)}  # fmt: skip
         res["runs"][name] = run
         print(f"{name:16} {run['tokens']:6d} {run['ms_per_token']:9.1f} {run['masks_built']:6d} {run['valid']!s:>5}  {out.text[:60]!r}")
-    for g, states in ((grammar, STATES), (bounded, BOUNDED_STATES), (date, DATE_STATES)):
+    for g, states in ((grammar, STATES), (bounded, BOUNDED_STATES), (code, CODE_STATES), (date, DATE_STATES),
+                      (shopping, SHOPPING_STATES)):
         for text in states:
             state = g.advance(g.start, text)
             times = []
