@@ -56,6 +56,7 @@ from lorafleet.worker.json_schema_bounds import (
 )
 from lorafleet.worker.json_schema_unions import all_finite, one_of_overlap
 from lorafleet.worker.regex_dfa import Regex, RegexError
+from lorafleet.worker.regex_length import MAX_LENGTH_WORK, NoText
 
 ENFORCED = {"type", "properties", "required", "additionalProperties", "minProperties", "maxProperties", "items",
             "prefixItems", "minItems", "maxItems", "enum", "const",
@@ -121,6 +122,7 @@ class JsonSchema:
         self._num_names = 0
         self._alternatives: dict[int, list[int]] = {}
         self._one_of: list[tuple[str, tuple[int, ...]]] = []  # (where, alternatives) of each oneOf
+        self._length_work = 0  # what its patterns beside lengths cost to compile (regex_length.MAX_LENGTH_WORK's units)
         self.root = self._node(self.document, "#", 0)
         for i in range(len(self.nodes)):  # every union's alternatives, now: a $ref loop fails here, not while sampling
             self.alternatives(i)
@@ -191,15 +193,25 @@ class JsonSchema:
             node = self._array(s, node, where, depth)
         return node
 
-    @staticmethod
-    def _scalar(s: dict, types: frozenset[str], where: str) -> Node:
-        """A node of `types` with the string lengths and number bounds of `s`; a numeric type no number inside
-        the bounds has is dropped (an integer type whose bounds hold no integer)."""
+    def _scalar(self, s: dict, types: frozenset[str], where: str) -> Node:
+        """A node of `types` with the string lengths, pattern and number bounds of `s`; a type no value of which
+        fits them is dropped (an integer type whose bounds hold no integer, a string type no text of whose
+        length matches the pattern) unless it is the only one."""
         (min_len, max_len), bounds = _checked(where, parse_lengths, s), _checked(where, parse_bounds, s)
-        try:
-            pattern = parse_pattern(s, min_len, max_len)
-        except RegexError as exc:
-            raise SchemaError(f"{where}.pattern: {exc}") from None
+        pattern = None
+        if "string" in types:  # a pattern and a format only hold strings
+            try:
+                pattern = parse_pattern(s, min_len, max_len)
+            except NoText as exc:
+                if types == {"string"}:
+                    raise SchemaError(f"{where}.pattern: {exc}") from None
+                types = types - {"string"}
+            except RegexError as exc:
+                raise SchemaError(f"{where}.pattern: {exc}") from None
+            self._length_work += getattr(pattern, "work", 0)
+            if self._length_work > 2 * MAX_LENGTH_WORK:
+                raise SchemaError(f"{where}.pattern: the schema's patterns beside lengths cost too much to hold "
+                                  "together; shorten their lengths or patterns")
         if bounds is not None and types & {"number", "integer"}:
             kept = types - ({"number", "integer"} if not bounds.takes_any() else set() if bounds.takes_integer() else {"integer"})
             if not kept:

@@ -24,7 +24,7 @@ from typing import Any
 
 from lorafleet.worker.regex_dfa import Regex
 from lorafleet.worker.regex_grammar import compile_pattern
-from lorafleet.worker.regex_length import LengthRegex
+from lorafleet.worker.regex_length import LengthRegex, length_regex
 
 TYPES = ("string", "number", "integer", "boolean", "null", "object", "array")
 BOUND_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
@@ -330,7 +330,7 @@ def parse_pattern(s: dict, min_len: int, max_len: int | None) -> Regex | LengthR
     has_length = min_len > 0 or max_len is not None
     if "pattern" in s:
         regex = compile_pattern(s["pattern"], True, True)
-        return LengthRegex(regex, min_len, max_len) if has_length else regex
+        return length_regex(regex, min_len, max_len) if has_length else regex
     fmt = s.get("format")
     if not has_length and isinstance(fmt, str) and fmt in FORMATS:
         return compile_pattern(FORMATS[fmt], True, True)

@@ -25,6 +25,7 @@ from collections import OrderedDict
 import torch
 
 from lorafleet.worker.json_constraint import JSON_OBJECT, advance
+from lorafleet.worker.regex_length import LengthRegex
 from lorafleet.worker.regex_vocab import ClassTrie
 from lorafleet.worker.token_bytes import token_bytes
 from lorafleet.worker.tokenizer import Tokenizer
@@ -32,6 +33,7 @@ from lorafleet.worker.tokenizer import Tokenizer
 _WS = b" \t\n\r"
 MAX_CACHED_MASKS = 512  # 512 masks of 49k booleans: 25 MB
 MAX_CACHED_TRIES = 8  # regex class tries (regex_vocab.py): ~25k nodes each on a 49k vocabulary
+MAX_CACHED_ENDS = 32  # trie walks of patterns beside lengths (_length_ends), up to a node's worth of groups each
 
 
 class JsonVocab:
@@ -80,6 +82,7 @@ class JsonVocab:
         self._none = torch.zeros(self.vocab_size, dtype=torch.bool)
         self._masks: OrderedDict[tuple, tuple[torch.Tensor, int]] = OrderedDict()
         self._tries: OrderedDict[tuple[str, bool], ClassTrie] = OrderedDict()  # regex_vocab.py, per (regex, in JSON)
+        self._ends: OrderedDict[tuple, list] = OrderedDict()  # a pattern's trie walks from a state (_length_ends)
         self.num_built = 0  # masks scanned (cache misses), for tests and benchmarks
 
     @functools.cached_property
@@ -130,8 +133,13 @@ class JsonVocab:
         if reading is not None:  # a regex between characters: whole-text tokens through its class trie
             regex, dstate, in_json = reading
             mask = self._none.clone()
-            if valid := self._trie(regex, in_json).valid(regex, dstate, may_complete or in_json):
-                mask[torch.cat(valid)] = True  # in a JSON string, whole text never completes the value
+            if isinstance(regex, LengthRegex):  # a pattern beside a length: the pattern's walk, the count per token
+                valid = [ids for state, chars, ids in self._length_ends(regex, dstate[0], in_json)
+                         if regex.fits(state, dstate[1], chars)]
+            else:  # in a JSON string, whole text never completes the value
+                valid = self._trie(regex, in_json).valid(regex, dstate, may_complete or in_json)
+            if valid:
+                mask[torch.cat(valid)] = True
             if in_json:
                 self._scan(grammar, state, self._special_buckets, self._bytes, may_complete, ids)
                 self._scan(grammar, state, self._escaped_buckets, self._bytes, may_complete, ids)
@@ -168,6 +176,19 @@ class JsonVocab:
                 self._tries.popitem(last=False)
         self._tries.move_to_end(key)
         return trie
+
+    def _length_ends(self, regex: LengthRegex, dstate: frozenset, in_json: bool) -> list:
+        """ClassTrie.ends of the pattern itself from `dstate`, cached: every count at that state filters the same
+        walk (the count only decides at a token's end: a state that can still end inside the length is reached
+        only through ones that can)."""
+        key = (regex.regex.key, dstate, in_json)
+        ends = self._ends.get(key)
+        if ends is None:
+            ends = self._ends[key] = self._trie(regex.regex, in_json).ends(regex.regex, dstate)
+            if len(self._ends) > MAX_CACHED_ENDS:
+                self._ends.popitem(last=False)
+        self._ends.move_to_end(key)
+        return ends
 
     @functools.cached_property
     def _partial(self) -> tuple[list[tuple[int, str]], list[dict[int, list[int]]]]:

@@ -10,17 +10,27 @@ too: from "ab" under `^(ab)+$` with maxLength 3 no match can follow. So each NFA
 of the texts that lead from it to a match, as the bits of an int (bit L: some text of L characters), up to
 the count's cap; a character is taken only when the state it leads to has a length left inside
 [minLength - count, maxLength - count]. Without maxLength the top bit stands for "minLength or more".
+Computing the lengths is bounded (MAX_LENGTH_WORK), and so is the memo of a DFA state's lengths. A token mask
+(json_vocab.py) filters the pattern's own class-trie walk from the DFA state by `fits` at each token's end,
+so a new count costs no new walk.
 """
 
 from __future__ import annotations
 
+import functools
+
 from lorafleet.worker.regex_dfa import Regex, _overlaps
 from lorafleet.worker.regex_parse import RegexError
 
-# NFA states x the count's cap squared: the lengths' propagation may add one bit at a time to ints as long
-# as the cap (a loop under a long maxLength), so this bounds what a schema makes the worker compute (~0.1 s)
-MAX_LENGTH_WORK = 2_000_000_000
-_MAX_LENS_MEMO = 65536
+# The lengths' propagation, counted in steps of one 64-bit word of the ints it ors, each or costing about 16
+# more (a loop under a long maxLength adds one bit at a time to ints as long as the cap): past it the schema
+# is refused (about 0.1 s of a core).
+MAX_LENGTH_WORK = 10_000_000
+_MAX_LENS_MEMO = 100_000  # NFA states held by the keys of the lengths' memo, then it starts over
+
+
+class NoText(RegexError):
+    """No text of the length matches the pattern (a schema may still take other types there)."""
 
 
 class LengthRegex:
@@ -32,14 +42,13 @@ class LengthRegex:
         self.pattern = regex.pattern
         self.key = f"{regex.key}:len:{min_len}:{max_len}"
         self.cap = max_len if max_len is not None else min_len
-        if len(regex._edges) * (self.cap + 1) ** 2 > MAX_LENGTH_WORK:
-            raise RegexError(f"the pattern with a length of up to {self.cap} characters is too large to hold; "
-                             "shorten the length or the pattern")
+        self.work = 0  # what computing the lengths cost (MAX_LENGTH_WORK's units)
         self._lens = self._nfa_lengths()
         self._memo: dict[frozenset, int] = {}
+        self._memo_size = 0
         self.start = (regex.start, 0)
         if not self._live(regex.start, 0):
-            raise RegexError(f"the pattern matches no text of {_describe(min_len, max_len)}")
+            raise NoText(f"the pattern matches no text of {_describe(min_len, max_len)}")
 
     def _nfa_lengths(self) -> list[int]:
         """Per NFA state, the bits of the text lengths (up to the cap) that lead from it to the final state:
@@ -56,9 +65,13 @@ class LengthRegex:
                 back[t].append((s, False))
         lens = [0] * n
         lens[regex.final] = 1
-        todo = [regex.final]
+        todo, cost = [regex.final], 17 + (self.cap >> 6)
         while todo:
             t = todo.pop()
+            self.work += cost * len(back[t])
+            if self.work > MAX_LENGTH_WORK:
+                raise RegexError(f"the pattern beside a length of up to {self.cap} characters costs too much to hold; "
+                                 "shorten the length or the pattern")
             for s, reads in back[t]:
                 add = self._shift(lens[t]) if reads else lens[t]
                 if add & ~lens[s]:
@@ -86,8 +99,10 @@ class LengthRegex:
             bits = 0
             for s in dstate:
                 bits |= self._lens[s]
-            if len(self._memo) >= _MAX_LENS_MEMO:
+            self._memo_size += len(dstate)
+            if self._memo_size > _MAX_LENS_MEMO:
                 self._memo.clear()
+                self._memo_size = len(dstate)
             self._memo[dstate] = bits
         return bits
 
@@ -102,6 +117,11 @@ class LengthRegex:
         if nxt is None or not self._live(nxt, count + 1):
             return None
         return nxt, min(count + 1, self.cap)
+
+    def fits(self, dstate: frozenset, count: int, chars: int) -> bool:
+        """Whether `chars` more characters after `count`, reaching the pattern's `dstate`, keep a match inside
+        the length (the states between are then live too: each ends through this one)."""
+        return (self.max_len is None or count + chars <= self.max_len) and self._live(dstate, count + chars)
 
     def accepts(self, state: tuple) -> bool:
         return state[1] >= self.min_len and self.regex.accepts(state[0])
@@ -135,3 +155,10 @@ def _describe(min_len: int, max_len: int | None) -> str:
     if max_len is None:
         return f"at least {min_len} characters"
     return f"{min_len} to {max_len} characters" if min_len else f"at most {max_len} characters"
+
+
+@functools.lru_cache(maxsize=32)
+def length_regex(regex: Regex, min_len: int, max_len: int | None) -> LengthRegex:
+    """LengthRegex(regex, min_len, max_len), made once for schemas that repeat a property (`regex` comes from
+    regex_grammar.compile_pattern's cache, so one pattern text is one object)."""
+    return LengthRegex(regex, min_len, max_len)

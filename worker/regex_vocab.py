@@ -47,10 +47,15 @@ class ClassTrie:
     def valid(self, regex: Regex, dstate: frozenset, may_complete: bool = True) -> list[torch.Tensor]:
         """The ids of the trie's tokens that `dstate` may read whole (with may_complete False, none after which
         the text is final: regex_dfa.Regex.is_final), as tensors to index a mask with."""
-        out, stack, reps = [], [(0, dstate)], self.reps
+        return [ids for state, _, ids in self.ends(regex, dstate) if may_complete or not regex.is_final(state)]
+
+    def ends(self, regex: Regex, dstate: frozenset) -> list[tuple[frozenset, int, torch.Tensor]]:
+        """(the state after, their characters, ids) of the trie's tokens that `dstate` may read whole, grouped
+        by trie node (regex_length.LengthRegex checks the count at the end only)."""
+        out, stack, reps = [], [(0, dstate, 0)], self.reps
         deadline, walked = time.perf_counter() + MAX_MASK_SECONDS, 0
         while stack:
-            node, state = stack.pop()
+            node, state, depth = stack.pop()
             walked += 1
             if walked % 1024 == 0 and time.perf_counter() > deadline:
                 raise RegexError(f"holding the output to this pattern costs over {MAX_MASK_SECONDS:g} s of a step "
@@ -59,8 +64,7 @@ class ClassTrie:
                 nxt = regex.step(state, reps[cls])
                 if nxt is None:
                     continue
-                ids = self._ends[child]
-                if ids is not None and (may_complete or not regex.is_final(nxt)):
-                    out.append(ids)
-                stack.append((child, nxt))
+                if (ids := self._ends[child]) is not None:
+                    out.append((nxt, depth + 1, ids))
+                stack.append((child, nxt, depth + 1))
         return out

@@ -8,8 +8,8 @@ or "parameters": {...}}` gives the inner object); the finish_reason stays the en
 arguments cut short), as OpenAI answers a forced call (its documentation: "stop" when tool_choice names a
 function) and vLLM does too. tool_choice "required": the output was held to a JSON array of calls
 (tool_request.py) and each item is a call (its arguments the parameters' text as written, tool_call_array.py),
-finish_reason "tool_calls"; an array cut short (max_tokens) answers the calls begun, the last one's arguments
-cut short, with finish_reason "length" (content, where no call's name was written). tool_choice "none" needs
+finish_reason "tool_calls"; an array cut short (max_tokens, a stop string) answers the calls begun, the last
+one's arguments cut short, with the engine's finish_reason (content, where no call's name was written). tool_choice "none" needs
 none of this: the output is plain content.
 
 Streamed, a named function held to its schema streams its arguments as they are generated: the first delta
@@ -108,8 +108,8 @@ class ToolCalls:
     @staticmethod
     def _required(text: str, array: CallArray, finish_reason: str | None) -> tuple[str | None, list[ToolCall], str | None]:
         """A "required" choice's answer: its calls, finish_reason "tool_calls" once the array closed; cut short
-        (max_tokens), the calls begun so far with the engine's "length", as a named call cut short is answered;
-        content where no call's name was written yet."""
+        (max_tokens, a stop string), the calls begun so far with the engine's finish_reason, as a named call cut
+        short is answered; content where no call's name was written yet."""
         calls = array.calls()
         if not calls:
             return text, [], finish_reason

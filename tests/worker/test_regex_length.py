@@ -97,7 +97,10 @@ def test_pydantic_fields_with_a_pattern_and_a_length():
 @pytest.mark.parametrize("schema, needle", [
     ({"type": "string", "pattern": "^a{5}$", "maxLength": 3}, "matches no text of at most 3 characters"),
     ({"type": "string", "pattern": "^(ab)+$", "minLength": 3, "maxLength": 3}, "matches no text of 3 to 3"),
-    ({"type": "string", "pattern": "^[ab]{1,500}$", "maxLength": 100000}, "too large to hold"),
+    ({"type": "string", "pattern": "^[ab]+$", "maxLength": 100000}, "costs too much to hold;"),
+    ({"type": "string", "pattern": "^(a|b){0,600}", "maxLength": 400}, "costs too much to hold;"),
+    ({"type": "object", "properties": {f"p{i}": {"type": "string", "pattern": "^(a|b|c){0,450}", "maxLength": 300 - i}
+                                       for i in range(3)}}, "cost too much to hold together"),
 ])
 def test_a_pattern_no_text_of_its_length_matches_is_refused(schema, needle):
     with pytest.raises(SchemaError, match=re.escape(needle)):
@@ -108,3 +111,22 @@ def test_an_enum_beside_a_pattern_and_a_length_keeps_the_values_that_fit():
     schema = {"enum": ["AB", "ABCDE", "ab"], "pattern": "^[A-Z]+$", "maxLength": 4}
     compiled = compile_schema(schema)
     assert [json.loads(v) for v in compiled.nodes[compiled.root].enum] == ["AB"]
+
+
+def test_a_string_no_text_of_its_length_matches_leaves_the_other_types():
+    for text, ok in (("null", True), ('"ab"', False), ('"abc"', False)):
+        check_text({"type": ["string", "null"], "pattern": "^abc$", "maxLength": 2}, text, ok)
+    for text, ok in (('{"n":12}', True), ('{"n":"ab"}', False)):  # a pattern and a length only hold strings
+        check_text({"type": "object", "properties": {"n": {"type": "integer", "pattern": "^abc$", "maxLength": 2}}},
+                   text, ok)
+
+
+def test_the_lengths_memo_is_bounded_by_the_states_it_holds():
+    from lorafleet.worker import regex_length
+
+    regex = LengthRegex(Regex(".*a.{120}", search=True, writable=JSON_TEXT), 0, 2500)
+    state, rng = regex.start, random.Random(0)
+    for _ in range(2400):
+        state = regex.step(state, ord(rng.choice("ab")))
+        assert sum(len(k) for k in regex._memo) == regex._memo_size <= regex_length._MAX_LENS_MEMO
+    assert regex._memo_size > 10_000  # the walk filled it (and it started over)
