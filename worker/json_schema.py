@@ -7,10 +7,10 @@ is: a schema is never silently weakened.
 
 Enforced: `type` (one or a list of string, number, integer, boolean, null, object, array), `properties`,
 `required`, `additionalProperties` (false, true or a schema), `minProperties`, `maxProperties`, `items`,
-`prefixItems`, `minItems`, `maxItems`, `minLength`,
-`maxLength`, `minimum`, `maximum`, `exclusiveMinimum`, `exclusiveMaximum`, `multipleOf` (json_schema_bounds.py), `pattern`
-(regex_grammar.py; beside minLength/maxLength too, regex_length.py), `format` date/time/date-time/uuid/ipv4/email (as patterns, where no
-pattern or length is set), `oneOf` of disjoint alternatives (json_schema_unions.py), `enum`,
+`prefixItems`, `minItems`, `maxItems`, `uniqueItems` (of enum or const items), `minLength`, `maxLength`,
+`minimum`, `maximum`, `exclusiveMinimum`, `exclusiveMaximum`, `multipleOf` (json_schema_bounds.py), `pattern`
+(regex_grammar.py; beside a length, regex_length.py), `format` date/time/date-time/uuid/ipv4/email (as
+patterns, where no pattern or length is set), `oneOf` of disjoint alternatives (json_schema_unions.py), `enum`,
 `const`, `anyOf`, `allOf` of one schema, `nullable` (OpenAPI's: adds null), and `$ref` to `#`,
 `#/$defs/...` or `#/definitions/...` (recursion included). Annotations (never checked): title, description,
 default, examples, other formats, deprecated, readOnly, writeOnly, $schema, $id, $comment, contentEncoding,
@@ -54,12 +54,12 @@ from lorafleet.worker.json_schema_bounds import (
     parse_pattern,
     value_fits,
 )
-from lorafleet.worker.json_schema_unions import all_finite, one_of_overlap
+from lorafleet.worker.json_schema_unions import all_finite, one_of_overlap, unique_items
 from lorafleet.worker.regex_dfa import Regex, RegexError
 from lorafleet.worker.regex_length import MAX_LENGTH_WORK, NoText
 
 ENFORCED = {"type", "properties", "required", "additionalProperties", "minProperties", "maxProperties", "items",
-            "prefixItems", "minItems", "maxItems", "enum", "const",
+            "prefixItems", "minItems", "maxItems", "uniqueItems", "enum", "const",
             "anyOf", "oneOf", "allOf", "$ref", "nullable", "$defs", "definitions", "pattern", *BOUND_KEYWORDS,
             *LENGTH_KEYWORDS}
 ANNOTATIONS = {"title", "description", "default", "examples", "format", "deprecated", "readOnly", "writeOnly",
@@ -87,6 +87,7 @@ class Node:
     prefix: tuple[int, ...] = ()  # nodes of its first items, in order (prefixItems)
     min_items: int = 0
     max_items: int | None = None
+    unique: int | None = None  # uniqueItems: how many distinct values its items may take (None: not unique)
     enum: tuple[bytes, ...] | None = None  # the allowed values' compact encodings (enum, const), sorted
     min_len: int = 0  # a string's characters
     max_len: int | None = None
@@ -122,7 +123,8 @@ class JsonSchema:
         self._num_names = 0
         self._alternatives: dict[int, list[int]] = {}
         self._one_of: list[tuple[str, tuple[int, ...]]] = []  # (where, alternatives) of each oneOf
-        self._length_work = 0  # what its patterns beside lengths cost to compile (regex_length.MAX_LENGTH_WORK's units)
+        self._unique: list[tuple[int, str]] = []  # (id of the schema, where) of each array with uniqueItems
+        self._length_work = 0  # its patterns beside lengths: their compile's cost (regex_length.MAX_LENGTH_WORK)
         self.root = self._node(self.document, "#", 0)
         for i in range(len(self.nodes)):  # every union's alternatives, now: a $ref loop fails here, not while sampling
             self.alternatives(i)
@@ -131,6 +133,11 @@ class JsonSchema:
                 raise SchemaError(f"{where}.oneOf: {overlap}, and exactly one must match, which cannot be held while "
                                   "sampling; make them disjoint (e.g. a required property with a different const in "
                                   "each) or use anyOf")
+        for sid, where in self._unique:  # uniqueItems: the distinct items each such array may take
+            i = self._compiled[sid]
+            if isinstance(cap := unique_items(self, self.nodes[i]), str):
+                raise SchemaError(f"{where}: {cap}")
+            self.nodes[i] = replace(self.nodes[i], unique=cap)
         self._check_finite()
         self._check_root()
 
@@ -195,8 +202,7 @@ class JsonSchema:
 
     def _scalar(self, s: dict, types: frozenset[str], where: str) -> Node:
         """A node of `types` with the string lengths, pattern and number bounds of `s`; a type no value of which
-        fits them is dropped (an integer type whose bounds hold no integer, a string type no text of whose
-        length matches the pattern) unless it is the only one."""
+        fits them (an integer no bound holds, a string no text of its length matches) is dropped if not alone."""
         (min_len, max_len), bounds = _checked(where, parse_lengths, s), _checked(where, parse_bounds, s)
         pattern = None
         if "string" in types:  # a pattern and a format only hold strings
@@ -305,6 +311,11 @@ class JsonSchema:
             if lo > hi:
                 raise SchemaError(f"{where}: items false with minItems {lo} takes no value")
             items = True
+        unique = s.get("uniqueItems", False)
+        if not isinstance(unique, bool):
+            raise SchemaError(f"{where}.uniqueItems must be true or false")
+        if unique:
+            self._unique.append((id(s), where))
         return replace(node, items=self._node(items, f"{where}.items", depth + 1), prefix=prefix, min_items=lo,
                        max_items=hi)
 

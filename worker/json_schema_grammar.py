@@ -13,7 +13,8 @@ DONE once the value is complete. A stack's frames, innermost last:
     ("K", mode, buf)                 in another key (additionalProperties): a string mode of json_constraint and
                                      its bytes, read when it closes (a listed name escaped, `"\u0061"`, is that
                                      property: written already, it is refused)
-    ("a", node, count, phase)        in an array: phase open | after | next | value
+    ("a", node, count, phase, used)  in an array: phase open | after | next | value; used: the items written where
+                                     they must be unique (uniqueItems, enum values: each is kept from the rest)
     ("s", mode)                      in a string value
     ("S", node, mode, count)         in a string value with a length: count, its characters so far (capped)
     ("P", node, dstate, pending)     in a string value with a pattern: its DFA state, the bytes of a character
@@ -39,6 +40,7 @@ from typing import Any
 from lorafleet.worker.json_constraint import _PLAIN_RUN, string_byte, string_mode
 from lorafleet.worker.json_schema import JsonSchema, compile_schema, encode
 from lorafleet.worker.json_schema_bounds import length_cap, number_byte, number_text_takes
+from lorafleet.worker.json_schema_lookup import counts, enum_run, has_room, unwritten_with_prefix
 from lorafleet.worker.regex_grammar import CLOSE, text_byte
 
 DONE = "done"
@@ -202,7 +204,7 @@ class SchemaGrammar:
             elif c == 0x7B and "object" in node.types:  # '{'
                 out.append(below + (("o", a, frozenset(), "open", -1),))
             elif c == 0x5B and "array" in node.types:  # '['
-                out.append(below + (("a", a, 0, "open"),))
+                out.append(below + (("a", a, 0, "open", frozenset()),))
             elif c == 0x22 and "string" in node.types:
                 out.append(below + (("P", a, node.pattern.start, b"") if node.pattern is not None else STR
                                     if node.min_len == 0 and node.max_len is None else ("S", a, "str", 0),))
@@ -217,16 +219,18 @@ class SchemaGrammar:
                 out.append(below + (("l", _LITERALS[c][1]),))
         return out
 
-    def _pop(self, st: tuple) -> tuple:
-        """The stack once the value on top of `st` is complete: its container moves past it."""
+    def _pop(self, st: tuple, value: bytes | None = None) -> tuple:
+        """The stack once the value on top of `st` is complete: its container moves past it (an array whose
+        items are unique keeps the enum `value` written)."""
         if not st:
             return ()
         top = st[-1]
         if top[0] == "o":  # ("o", node, seen, "value", cur)
             return st[:-1] + (("o", top[1], self._written(top[1], top[2], top[4]), "after", -1),)
-        node = self.nodes[top[1]]  # ("a", node, count, "value")
+        node, used = self.nodes[top[1]], top[4]  # ("a", node, count, "value", used)
         cap = max(node.min_items, node.max_items or 0, len(node.prefix))  # counts past it read alike
-        return st[:-1] + (("a", top[1], min(top[2] + 1, cap), "after"),)
+        used = used | {value} if node.unique is not None and value is not None else used
+        return st[:-1] + (("a", top[1], min(top[2] + 1, cap), "after", used),)
 
     def _object_byte(self, st: tuple, top: tuple, c: int) -> list[tuple]:
         _, index, seen, phase, cur = top
@@ -260,13 +264,13 @@ class SchemaGrammar:
     def _key_byte(self, st: tuple, buf: bytes, c: int) -> list[tuple]:
         obj = st[-2]
         node, seen = self.nodes[obj[1]], obj[2]
-        room = _room(node, seen)
+        room = has_room(node, seen)
         if c == 0x22:  # the closing quote, unless it is escaped inside a name (`\"`)
             i = node.names.get(buf)
             if i is not None and i not in seen and (room or i in node.required):
                 return [self._key_done(st[:-1], i)]
         longer = buf + bytes((c,))
-        if _unwritten_with_prefix(node, seen, longer, room):
+        if unwritten_with_prefix(node, seen, longer, room):
             return [st[:-1] + (("k", longer),)]
         if node.additional is None or not room:
             return []
@@ -284,9 +288,9 @@ class SchemaGrammar:
         obj = st[-2]
         node, seen, name = self.nodes[obj[1]], obj[2], encode(json.loads(b'"' + buf + b'"'))[1:-1]
         listed = node.names.get(name, -1)
-        if listed in seen or name in seen or not (_room(node, seen) or listed in node.required):
+        if listed in seen or name in seen or not (has_room(node, seen) or listed in node.required):
             return []  # written already (a counting object keeps its other keys' names), or no room left
-        return [self._key_done(st[:-1], listed if listed >= 0 or not _counts(node) else name)]
+        return [self._key_done(st[:-1], listed if listed >= 0 or not counts(node) else name)]
 
     @staticmethod
     def _key_done(st: tuple, cur: int | bytes) -> tuple:
@@ -296,17 +300,17 @@ class SchemaGrammar:
         return st[:-1] + (("o", index, seen, "colon", cur),)
 
     def _array_byte(self, st: tuple, top: tuple, c: int) -> list[tuple]:
-        _, index, count, phase = top
+        _, index, count, phase, used = top
         if c in _WS:
             return self._ws(st)
         node = self.nodes[index]
         if c == 0x5D and phase in ("open", "after"):  # ']'
             return [self._pop(st[:-1])] if count >= node.min_items else []
         if c == 0x2C and phase == "after":
-            more = node.max_items is None or count < node.max_items
-            return [st[:-1] + (("a", index, count, "next"),)] if more else []
+            more = (node.max_items is None or count < node.max_items) and (node.unique is None or len(used) < node.unique)
+            return [st[:-1] + (("a", index, count, "next", used),)] if more else []
         if phase in ("open", "next") and (node.max_items is None or count < node.max_items):
-            return self._begin(st[:-1] + (("a", index, count, "value"),), self.schema.item(node, count), c)
+            return self._begin(st[:-1] + (("a", index, count, "value", used),), self.schema.item(node, count), c)
         return []
 
     def _boundedstring_byte(self, st: tuple, top: tuple, c: int) -> list[tuple]:
@@ -346,41 +350,17 @@ class SchemaGrammar:
 
     def _enum_byte(self, below: tuple, index: int, buf: bytes, c: int) -> list[tuple]:
         values = self.nodes[index].enum  # sorted: the values a prefix starts are a run found by bisection
+        used = below[-1][4] if below and below[-1][0] == "a" else ()  # an item of a unique array: not these
         longer = buf + bytes((c,))
-        at = bisect_left(values, longer)
-        if at < len(values) and values[at].startswith(longer):
-            longer_one = at + 1 < len(values) and values[at + 1].startswith(longer)
-            if values[at] == longer and not longer_one:  # complete, and no longer value: ends at its last byte
-                return [self._pop(below)]
+        whole, more = enum_run(values, used, longer)
+        if whole or more:
+            if whole and not more:  # complete, and no longer value: ends at its last byte
+                return [self._pop(below, longer)]
             return [below + (("e", index, longer),)]
         at = bisect_left(values, buf)
-        if at < len(values) and values[at] == buf:  # a number value ended: its container reads this byte
-            return self._byte(self._pop(below), c)
+        if at < len(values) and values[at] == buf and buf not in used:  # a number value ended: its container reads c
+            return self._byte(self._pop(below, buf), c)
         return []
-
-
-def _unwritten_with_prefix(node, seen: frozenset, prefix: bytes, room: bool) -> bool:
-    """Whether a property not written yet, and required where there is no room for others, has a name starting
-    with `prefix` (bisection over the sorted names)."""
-    names = node.sorted_names
-    at = bisect_left(names, prefix)
-    while at < len(names) and names[at].startswith(prefix):
-        i = node.names[names[at]]
-        if i not in seen and (room or i in node.required):
-            return True
-        at += 1
-    return False
-
-
-def _counts(node) -> bool:
-    return node.min_props > 0 or node.max_props is not None
-
-
-def _room(node, seen: frozenset) -> bool:
-    """Whether a key that is not required may still be written: maxProperties keeps room for the required ones."""
-    if node.max_props is None:
-        return True
-    return len(seen) + 1 + sum(1 for r in node.required if r not in seen) <= node.max_props
 
 
 def schema_grammar(schema: Any, compact: bool = False) -> SchemaGrammar:

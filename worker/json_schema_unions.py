@@ -120,3 +120,23 @@ def _enough_keys(node, finite: set[int]) -> bool:
     need = node.min_props - len(node.required)
     optional = sum(1 for i, (_, value) in enumerate(node.props) if i not in node.required and value in finite)
     return need <= optional or (node.additional is not None and node.additional in finite)
+
+
+def unique_items(schema, node) -> int | str:
+    """uniqueItems: how many distinct items the array `node` may hold, where its items are enum or const values
+    (pydantic's set of an Enum or a Literal: each value written is then kept from the items after it); else
+    why it cannot be held."""
+    if node.prefix:
+        return "uniqueItems beside prefixItems cannot be held while sampling"
+    values: dict = {}
+    for a in schema.alternatives(node.items):
+        enum = schema.nodes[a].enum
+        if enum is None:
+            return ("uniqueItems is held where the items are enum or const values (an Enum or a Literal), which "
+                    "a sampler can keep apart; this array's items take other values")
+        for e in enum:
+            if values.setdefault(_same(json.loads(e)), e) != e:
+                return f"uniqueItems over {values[_same(json.loads(e))]!r} and {e!r}, one value written two ways"
+    if len(values) < node.min_items:
+        return f"uniqueItems with minItems {node.min_items}, where the items take {len(values)} distinct values"
+    return len(values)

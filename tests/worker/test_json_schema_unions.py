@@ -1,5 +1,6 @@
 """oneOf held where its alternatives are disjoint (json_schema_unions.py), pydantic's discriminated unions
-included; the `format`s held as patterns (json_schema_bounds.FORMATS); prefixItems (pydantic's tuples)."""
+included; the `format`s held as patterns (json_schema_bounds.FORMATS); prefixItems (pydantic's tuples);
+uniqueItems of enum values (pydantic's sets of an Enum or a Literal)."""
 
 from __future__ import annotations
 
@@ -9,16 +10,19 @@ import json
 import random
 import re
 import uuid
+from enum import StrEnum
 from typing import Annotated, Literal
 
 import jsonschema
 import pytest
+from pydantic import BaseModel
 
 from lorafleet.worker.json_schema import SchemaError, compile_schema
 from lorafleet.worker.json_schema_bounds import FORMATS
 from lorafleet.worker.json_schema_grammar import DONE as SCHEMA_DONE
 from lorafleet.worker.json_schema_grammar import schema_grammar
-from tests.worker.grammar_checks import accepts, allowed, check_text, walks_validate
+from lorafleet.worker.json_vocab import JsonVocab
+from tests.worker.grammar_checks import accepts, allowed, check_masks, check_text, walks_validate
 
 
 def _tagged(tag: str, required: bool = True, **props) -> dict:
@@ -230,3 +234,51 @@ def test_counted_objects_walk_and_a_pydantic_dict_with_lengths():
         compile_schema({"type": "object", "properties": {"a": {}}, "additionalProperties": False, "minProperties": 2})
     with pytest.raises(SchemaError, match="no finite value"):  # each key's value would need a key of its own
         compile_schema({"type": "object", "additionalProperties": {"$ref": "#"}, "minProperties": 1})
+
+
+class Color(StrEnum):
+    RED, GREEN, BLUE = "red", "green", "blue"
+
+
+class Palette(BaseModel):
+    colors: set[Color]
+    sizes: frozenset[Literal[1, 12, 2]] = frozenset()
+
+
+SETS = Palette.model_json_schema()
+
+
+@pytest.mark.parametrize("text, ok", [
+    ('{"colors":["red","green"]}', True), ('{"colors":["red","red"]}', False), ('{"colors":[]}', True),
+    ('{"colors":["red","green","blue"]}', True), ('{"colors":["red","green","blue",', False),  # no value left
+    ('{"colors":[],"sizes":[1,12,2]}', True), ('{"colors":[],"sizes":[12,1]}', True),
+    ('{"colors":[],"sizes":[1,1]}', False), ('{"colors":[],"sizes":[12,12]}', False),
+])
+def test_unique_items_of_enum_values_keep_each_value_once(text, ok):
+    if text.endswith(","):
+        grammar = schema_grammar(SETS)
+        assert grammar.advance(grammar.start, text.encode()) is None
+        return
+    check_text(SETS, text, ok)
+
+
+def test_walks_and_masks_of_unique_items_and_pydantic_reads_them():
+    for text in walks_validate(SETS, seed=4, tries=40, at_least=10):
+        model = Palette.model_validate_json(text)
+        assert len(model.colors) == len(json.loads(text)["colors"])  # nothing was collapsed
+    pieces = ['{"', "colors", '":[', '"red"', '"', "red", "green", "blue", '",', ",", "]", "]}", "1", "12", "2", "sizes",
+              '"],"', "}", " "]
+    assert check_masks(JsonVocab([p.encode() for p in pieces] + [None]), schema_grammar(SETS), random.Random(1),
+                       walks=12, steps=25) > 150
+
+
+@pytest.mark.parametrize("schema, needle", [
+    ({"type": "array", "items": {"type": "string"}, "uniqueItems": True}, "items are enum or const values"),
+    ({"type": "array", "items": {"enum": ["a", "b"]}, "minItems": 3, "uniqueItems": True}, "minItems 3, where the items take 2"),
+    ({"type": "array", "prefixItems": [{"const": 1}], "items": {"const": 2}, "uniqueItems": True}, "beside prefixItems"),
+    ({"type": "array", "items": {"enum": [1, 1.0]}, "uniqueItems": True}, "one value written two ways"),
+    ({"type": "array", "items": {"enum": ["a"]}, "uniqueItems": "yes"}, "uniqueItems must be true or false"),
+])
+def test_unique_items_that_cannot_be_held_are_refused(schema, needle):
+    with pytest.raises(SchemaError, match=re.escape(needle)):
+        compile_schema(schema)
