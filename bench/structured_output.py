@@ -84,8 +84,9 @@ def main(argv: list[str] | None = None) -> int:
                "text": out.text, "valid": _valid(kw.get("grammar"), out.text)}  # fmt: skip
         res["runs"][name] = run
         print(f"{name:16} {run['tokens']:6d} {run['ms_per_token']:9.1f} {run['masks_built']:6d} {run['valid']!s:>5}  {out.text[:60]!r}")
-    for g, states in ((grammar, STATES), (bounded, BOUNDED_STATES), (code, CODE_STATES), (date, DATE_STATES),
-                      (shopping, SHOPPING_STATES)):
+    for case, g, states in (("schema", grammar, STATES), ("bounded schema", bounded, BOUNDED_STATES),
+                            ("pattern and length", code, CODE_STATES), ("guided_regex", date, DATE_STATES),
+                            ("guided_grammar", shopping, SHOPPING_STATES)):
         for text in states:
             state = g.advance(g.start, text)
             times = []
@@ -94,8 +95,8 @@ def main(argv: list[str] | None = None) -> int:
                 start = time.perf_counter()
                 vocab.mask(state, True, g)
                 times.append(time.perf_counter() - start)
-            res["mask_build_ms"][text.decode()] = 1e3 * min(times)
-            print(f"mask build after {text.decode()!r}: {1e3 * min(times):.1f} ms")
+            res["mask_build_ms"][f"{case}: {text.decode()}"] = 1e3 * min(times)
+            print(f"mask build, {case}, after {text.decode()!r}: {1e3 * min(times):.1f} ms")
     write_json(args.out, "structured_output", res["date"], args.device, res)
     return 0
 
