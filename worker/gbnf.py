@@ -14,18 +14,22 @@ character), rule names and groups, each with `* + ?` or `{m}`, `{m,}`, `{m,n}`. 
 be a whole `root`. Lark grammars (`start: ...`) are refused with a 400 naming the syntax.
 
 The machine (GrammarMachine) is a recursive transition network: each rule an NFA (regex_dfa's construction)
-whose edges may call another rule. A state is a set of stacks of NFA states (the return points, then where
-the text is), closed over empty moves, calls and returns; a call that is the last thing its rule does
-pushes no return point, so right recursion (`list ::= item ("," list)?`) keeps a flat stack. What a request
-may cost is bounded: the grammar's size (regex_dfa's bounds on states and parts), left recursion is
-refused when it compiles (it would never consume a character), stacks are at most MAX_DEPTH deep and a
-state holds at most MAX_STACKS of them (an ambiguous grammar fails its own request). Rules that can derive
-no text are dropped and every NFA state kept can reach its rule's end, so every state reached can still
-end in a whole `root`.
+whose edges may call another rule. A state is a graph-structured stack: one top per NFA state where the
+text may be, each with the set of return links below it (a link: the NFA state to return to and its own
+links), closed over empty moves, calls and returns, so readings that share a future are kept once and an
+unambiguous grammar with common prefixes (`expr ::= term "+" expr | term`) costs each character a
+polynomial closure, not a stack per reading. A call that is the last thing its rule does adds no link,
+so right recursion (`list ::= item ("," list)?`) stays flat. What a request may cost is bounded: the
+grammar's size (regex_dfa's bounds on states and parts), left recursion is refused when it compiles (it
+would never consume a character), links are at most MAX_DEPTH deep, one character's closure visits at most
+MAX_CLOSURE (state, link) pairs, and the step memo holds a bounded amount. Rules that can derive no text
+are dropped and every NFA state kept can reach its rule's end, so every state reached can still end in a
+whole `root`.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 
 from lorafleet.worker.regex_dfa import Regex, _contains, _overlaps
@@ -33,9 +37,12 @@ from lorafleet.worker.regex_grammar import TextGrammar
 from lorafleet.worker.regex_parse import ANY, MAX_GROUPS, TEXT, Parser, RegexError
 
 MAX_GRAMMAR = 16384  # characters of a grammar
-MAX_DEPTH = 256  # a stack's frames: nesting the output may reach
-MAX_STACKS = 64  # stacks a state may hold (the readings of an ambiguous grammar)
+MAX_DEPTH = 256  # return links below a top: nesting the output may reach
+MAX_CLOSURE = 20_000  # (NFA state, link) pairs one character's closure may visit
+BOTTOM = (-1, frozenset(), 0)  # the link below the root: returning to it ends the output
+ACCEPT = (-1, frozenset())  # the top of a state whose root has ended
 _NAME = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
+_HEX = frozenset("0123456789abcdefABCDEF")
 _MISSING = object()
 
 
@@ -144,15 +151,13 @@ class GbnfParser(Parser):
             self.i += 1
             digits = self.p[self.i:self.i + 8]
             self.i += 8
-            try:
-                code = int(digits, 16) if len(digits) == 8 else -1
-            except ValueError:
-                code = -1
+            code = int(digits, 16) if len(digits) == 8 and set(digits) <= _HEX else -1
             if not 0 <= code <= 0x10FFFF:
                 raise self.error("a malformed '\\U' escape")
             return ((code, code),)
-        if self.peek() is not None and self.peek() in "dDwWsS":
-            raise self.error(f"the escape '\\{self.peek()}' is not GBNF (use a character class)")
+        if (c := self.peek()) is not None and c.isalnum() and c not in "nrtfv0xu":
+            raise self.error(f"the escape '\\{c}' is not GBNF (escapes: \\n \\r \\t \\xHH \\uHHHH \\UHHHHHHHH and "
+                             "punctuation)")
         return super().escape(in_class)
 
 
@@ -182,7 +187,8 @@ class GrammarMachine(Regex):
         self._tails: dict[int, bool] = {}
         self._steps = {}
         self._memo_size = 0
-        self.start = self._close([(self._starts["root"],)]) if "root" in self._productive else frozenset()
+        root = (self._starts["root"], {BOTTOM})
+        self.start = self._close([root]) if "root" in self._productive else frozenset()
         if not self.start:
             raise RegexError("the grammar's root derives no text that can be written")
 
@@ -292,60 +298,118 @@ class GrammarMachine(Regex):
                 self._calls[s] or any(t in self._live for _, t in self._edges[s]) for s in reach)
         return tail
 
-    def _close(self, stacks) -> frozenset:
-        out, seen, todo = set(), set(), list(stacks)
+    def _close(self, items) -> frozenset:
+        """The state holding `items` ((NFA state, its return links)) closed over empty moves, calls and
+        returns: one top per NFA state that reads a character, with the union of the links that reach it
+        (a graph-structured stack: readings that share a future share it), and ACCEPT where the root ended.
+        A call made in this closure returns through one link per return state, whose links below grow as
+        more readings reach the call (a link already returned through returns the newcomers too)."""
+        acc: dict[int, set] = {}
+        made: dict[int, _Link] = {}  # return state -> the link this closure's calls return through
+        todo, work, accepted = list(items), 0, False
         while todo:
-            st = todo.pop()
-            if st in seen:
+            s, links = todo.pop()
+            have = acc.setdefault(s, set())
+            new = links - have
+            if not new:
                 continue
-            seen.add(st)
-            if not st:
-                out.add(st)
-                continue
-            if len(st) > MAX_DEPTH:
-                raise RegexError(f"the output nests the grammar's rules deeper than {MAX_DEPTH}")
-            s, below = st[-1], st[:-1]
-            if any(t in self._live for _, t in self._edges[s]):
-                out.add(st)
+            have |= new
+            work += len(new)
+            if work > MAX_CLOSURE:
+                raise RegexError(f"the grammar keeps over {MAX_CLOSURE} ways to go on open after one character; "
+                                 "make its rules differ earlier")
             eps, calls = self._moves(s)
-            todo.extend(below + (t,) for t in eps)
+            todo.extend((t, new) for t in eps)
             for rule, ret in calls:
-                todo.append((below if self._is_tail(ret) else below + (ret,)) + (self._starts[rule],))
+                if self._is_tail(ret):
+                    todo.append((self._starts[rule], new))
+                    continue
+                link = made.get(ret)
+                if link is None:
+                    link = made[ret] = _Link(ret)
+                    todo.append((self._starts[rule], {link}))
+                added = new - link.below
+                link.below |= added
+                if link.returned and added:
+                    todo.append((ret, added))
             if s in self._final_rule:
-                todo.append(below)
-        if len(out) > MAX_STACKS:
-            raise RegexError(f"more than {MAX_STACKS} readings of the output fit the grammar at once (an ambiguous "
-                             "grammar); make its alternatives differ early")
-        return frozenset(out)
+                for link in new:
+                    if link is BOTTOM:
+                        accepted = True
+                    elif isinstance(link, _Link):
+                        link.returned = True
+                        todo.append((link.ret, set(link.below)))
+                    else:
+                        todo.append((link[0], link[1]))
+        frozen: dict[int, tuple] = {}
+        tops = {(s, frozenset(_frozen(link, frozen) for link in links)) for s, links in acc.items()
+                if any(t in self._live for _, t in self._edges[s])}
+        if accepted:
+            tops.add(ACCEPT)
+        self._memo_size += work
+        return frozenset(tops)
 
     def step(self, state: frozenset, ch: int) -> frozenset | None:
         key = (state, ch)
         nxt = self._steps.get(key, _MISSING)
         if nxt is not _MISSING:
             return nxt
-        moved = [st[:-1] + (t,) for st in state if st
-                 for chars, t in self._edges[st[-1]] if t in self._live and _contains(chars, ch)]
+        moved = [(t, set(links)) for s, links in state if s >= 0
+                 for chars, t in self._edges[s] if t in self._live and _contains(chars, ch)]
         nxt = self._close(moved) or None
-        self._memo_size += len(nxt or ())
-        if len(self._steps) >= 65536 or self._memo_size > 100_000:
+        if len(self._steps) >= 65536 or self._memo_size > 200_000:
             self._steps.clear()
             self._memo_size = 0
         self._steps[key] = nxt
         return nxt
 
     def accepts(self, state: frozenset) -> bool:
-        return () in state
+        return ACCEPT in state
 
     def can_step(self, state: frozenset, lo: int, hi: int) -> bool:
         return any(_overlaps(chars, lo, hi) and t in self._live
-                   for st in state if st for chars, t in self._edges[st[-1]])
+                   for s, _ in state if s >= 0 for chars, t in self._edges[s])
 
     def is_final(self, state: frozenset) -> bool:
-        return state == frozenset({()})
+        return state == frozenset({ACCEPT})
+
+
+class _Link:
+    """A return link made while closing one state: where to return, and the links below it (growing)."""
+
+    __slots__ = ("ret", "below", "returned")
+
+    def __init__(self, ret: int) -> None:
+        self.ret, self.below, self.returned = ret, set(), False
+
+
+def _frozen(link, frozen: dict[int, tuple]) -> tuple:
+    """A link as the immutable (return state, links below, depth) a state holds: a _Link frozen once, after
+    its closure, its links below first (a closure's links only point to its own earlier calls, or below)."""
+    if not isinstance(link, _Link):
+        return link
+    done = frozen.get(id(link))
+    if done is _MISSING:  # a link below itself: a call that returns to itself reading nothing
+        raise RegexError("the grammar returns to a call before reading a character (left recursion)")
+    if done is None:
+        frozen[id(link)] = _MISSING
+        below = frozenset(_frozen(b, frozen) for b in link.below)
+        depth = 1 + max(b[2] for b in below)
+        if depth > MAX_DEPTH:
+            raise RegexError(f"the output nests the grammar's rules deeper than {MAX_DEPTH}")
+        done = frozen[id(link)] = (link.ret, below, depth)
+    return done
+
+
+@functools.lru_cache(maxsize=16)
+def compile_grammar(text: str) -> GrammarMachine:
+    """A grammar's machine (RegexError when it cannot be held), compiled once per text: requests that send
+    the same grammar share it, its step memo and the vocabulary's masks."""
+    return GrammarMachine(text)
 
 
 class GbnfGrammar(TextGrammar):
     """The whole output is a `root` of a GBNF grammar (vLLM's guided_grammar)."""
 
     def __init__(self, text: str) -> None:
-        super().__init__(GrammarMachine(text))
+        super().__init__(compile_grammar(text))

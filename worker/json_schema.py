@@ -211,7 +211,7 @@ class JsonSchema:
             except NoText as exc:
                 if types == {"string"}:
                     raise SchemaError(f"{where}.pattern: {exc}") from None
-                types = types - {"string"}
+                types, self._length_work = types - {"string"}, self._length_work + exc.work
             except RegexError as exc:
                 raise SchemaError(f"{where}.pattern: {exc}") from None
             self._length_work += getattr(pattern, "work", 0)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import jinja2
@@ -31,6 +32,7 @@ from lorafleet.worker.openai_protocol import ChatRequest, parse_chat_request
 from lorafleet.worker.served_adapters import VersionUnavailable
 from lorafleet.worker.tenants import Tenant
 from lorafleet.worker.tokenizer import TokenizerError
+from lorafleet.worker.tool_calls import ToolCalls
 
 # A chat's fields that shape its prompt; a /tokenize body with `messages` takes these (and return_token_strs).
 CHAT_PROMPT_FIELDS = ("model", "messages", "add_generation_prompt", "continue_final_message", "add_special_tokens",
@@ -55,38 +57,45 @@ def chat_prompt_ids(app: web.Application, parsed: ChatRequest) -> list[int]:
 async def tokenize(request: web.Request) -> web.Response:
     app, tenant = request.app, authenticate(request)
     engine = _engine(app)
-    with intake_place(app):
-        body = await read_json(request)
-        chat = isinstance(body, dict) and "messages" in body
-        f = Fields(body, "tokenize")
-        strs = f.flag("return_token_strs", False)
-        if chat:
-            f.seen.update(CHAT_PROMPT_FIELDS)
-            f.refuse_unknown()
-            parsed = parse_chat_request({k: v for k, v in body.items() if k in CHAT_PROMPT_FIELDS},
-                                        engine.sampling_defaults)
-            _check_model(app, parsed.model, tenant)
-            work = lambda: chat_prompt_ids(app, parsed)  # noqa: E731
-        else:
-            model, prompt = f.string("model", required=True), f.get("prompt")
-            if not isinstance(prompt, str):
-                raise bad_request("'prompt' must be a string (or send 'messages' for a chat)", "prompt",
-                                  "missing_required_parameter" if prompt is None else "invalid_type")
-            check_text(prompt, "prompt")
-            special = f.flag("add_special_tokens", True)
-            f.refuse_unknown()
-            _check_model(app, model, tenant)
-            work = lambda: _encode(engine, prompt, special)  # noqa: E731
+    with intake_place(app):  # a large body is parsed in the executor (read_json), as its tokenization is
+        chat, strs, model, work = await read_json(request, lambda body: _tokenize_request(app, body))
+        _check_model(app, model, tenant)
         try:
-            ids = await asyncio.get_running_loop().run_in_executor(None, work)
+            ids, token_strs = await asyncio.get_running_loop().run_in_executor(
+                None, lambda: _with_strs(engine, work(), strs))
         except (EngineError, TokenizerError) as exc:
             raise APIError(400, str(exc), code="invalid_prompt", param="messages" if chat else "prompt") from None
         except jinja2.TemplateError as exc:
             raise APIError(400, f"the chat template refused these messages: {exc}", code="invalid_messages",
                            param="messages") from None
-    token_strs = [engine.tokenizer.id_to_token(i) for i in ids] if strs else None
     return web.json_response({"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
                               "token_strs": token_strs})
+
+
+def _tokenize_request(app: web.Application, body: Any) -> tuple[bool, bool, str, Callable[[], list[int]]]:
+    """(a chat, return_token_strs, model, what computes the ids) of a /tokenize body (a 400 for a bad one)."""
+    engine = app[ENGINE].engine
+    chat = isinstance(body, dict) and "messages" in body
+    f = Fields(body, "tokenize")
+    strs = f.flag("return_token_strs", False)
+    if chat:
+        f.seen.update(CHAT_PROMPT_FIELDS)
+        f.refuse_unknown()
+        parsed = parse_chat_request({k: v for k, v in body.items() if k in CHAT_PROMPT_FIELDS}, engine.sampling_defaults)
+        ToolCalls.of(parsed.tools, engine.tokenizer, app[CONFIG].tool_call_parser)  # 400: a template without tools
+        return True, strs, parsed.model, lambda: chat_prompt_ids(app, parsed)
+    model, prompt = f.string("model", required=True), f.get("prompt")
+    if not isinstance(prompt, str):
+        raise bad_request("'prompt' must be a string (or send 'messages' for a chat)", "prompt",
+                          "missing_required_parameter" if prompt is None else "invalid_type")
+    check_text(prompt, "prompt")
+    special = f.flag("add_special_tokens", True)
+    f.refuse_unknown()
+    return False, strs, model, lambda: _encode(engine, prompt, special)
+
+
+def _with_strs(engine, ids: list[int], strs: bool) -> tuple[list[int], list[str | None] | None]:
+    return ids, [engine.tokenizer.id_to_token(i) for i in ids] if strs else None
 
 
 async def detokenize(request: web.Request) -> web.Response:

@@ -32,6 +32,8 @@ _MAX_LENS_MEMO = 100_000  # NFA states held by the keys of the lengths' memo, th
 class NoText(RegexError):
     """No text of the length matches the pattern (a schema may still take other types there)."""
 
+    work = 0
+
 
 class LengthRegex:
     """`regex` (a compiled pattern) with its texts' characters between `min_len` and `max_len` (None: any).
@@ -48,7 +50,9 @@ class LengthRegex:
         self._memo_size = 0
         self.start = (regex.start, 0)
         if not self._live(regex.start, 0):
-            raise NoText(f"the pattern matches no text of {_describe(min_len, max_len)}")
+            error = NoText(f"the pattern matches no text of {_describe(min_len, max_len)}")
+            error.work = self.work  # what finding that out cost (a schema's budget counts it)
+            raise error
 
     def _nfa_lengths(self) -> list[int]:
         """Per NFA state, the bits of the text lengths (up to the cap) that lead from it to the final state:

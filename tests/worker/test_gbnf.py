@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from lorafleet.worker.gbnf import MAX_STACKS, GbnfGrammar, GrammarMachine
+from lorafleet.worker.gbnf import GbnfGrammar, GrammarMachine
 from lorafleet.worker.json_vocab import JsonVocab
 from lorafleet.worker.regex_dfa import RegexError
 from lorafleet.worker.regex_grammar import DONE
@@ -105,6 +105,8 @@ def test_masks_equal_a_token_by_token_check():
     ('root ::= "a"\nroot ::= "b"', "the rule 'root' defined twice"),
     ('root ::= \\d', "an unexpected"),
     ('root ::= "\\d"', "not GBNF"),
+    ('root ::= "\\b"', "the escape '\\b' is not GBNF"),
+    ('root ::= "\\U+0000041"', "a malformed '\\U' escape"),
     ('root ::= "a"{1001}', "a counted repeat above 1000"),
 ])
 def test_grammars_that_cannot_be_held_are_refused_naming_why(grammar, needle):
@@ -112,11 +114,29 @@ def test_grammars_that_cannot_be_held_are_refused_naming_why(grammar, needle):
         GrammarMachine(grammar)
 
 
-def test_an_ambiguous_grammar_fails_when_its_readings_pass_the_bound():
-    """Each "a" may close with "b" or "c" later: the return points double every character."""
+def test_readings_that_share_a_future_are_kept_once():
+    """A stack per reading would double every character here (each "a" may close with "b" or "c"), and an
+    arithmetic grammar's common prefixes would multiply at every parenthesis: both stay small."""
     machine = GrammarMachine('root ::= s\ns ::= "a" s "b" | "a" s "c" | "z"')
-    state = machine.start
-    with pytest.raises(RegexError, match=f"more than {MAX_STACKS} readings"):
-        for _ in range(10):
-            state = machine.step(state, ord("a"))
-    assert machine.matches("aazbc")
+    text = "a" * 60 + "z" + "bc" * 30
+    assert machine.matches(text) and not machine.matches(text + "b")
+    arithmetic = GrammarMachine('root ::= expr\nexpr ::= term "+" expr | term "-" expr | term\n'
+                                'term ::= factor "*" term | factor "/" term | factor\nfactor ::= "(" expr ")" | [0-9]+')
+    assert arithmetic.matches("(" * 40 + "1+2*3" + ")" * 40 + "-4/(5)")
+    assert not arithmetic.matches("(1+2))")
+    k = 24  # each rule calls the next at its start: one link per alternative, not 2^k stacks
+    chain = "root ::= r0\n" + "".join(f'r{i} ::= r{i + 1} "a" | r{i + 1} "b"\n' for i in range(k)) + f'r{k} ::= "c"'
+    assert GrammarMachine(chain).matches("c" + "ab" * 12)
+
+
+def test_a_closure_past_its_bound_fails_its_request(monkeypatch):
+    """MAX_CLOSURE bounds the (state, link) pairs one character's closure visits: a step past it fails."""
+    from lorafleet.worker import gbnf
+
+    grammar = 'root ::= e\ne ::= "x" | "(" e ("," e)* ")"'
+    monkeypatch.setattr(gbnf, "MAX_CLOSURE", 3)
+    machine = GrammarMachine(grammar)
+    with pytest.raises(RegexError, match="over 3 ways"):
+        machine.matches("((x")  # "x" ends e: its closure returns through the links below
+    monkeypatch.setattr(gbnf, "MAX_CLOSURE", 20_000)
+    assert GrammarMachine(grammar).matches("((((x,(x)))))")

@@ -75,6 +75,8 @@ async def test_a_chats_ids_are_the_chat_completions_prompt(client):
     ("/tokenize", {"model": "alpha", "prompt": "x", "max_tokens": 3}, "max_tokens"),
     ("/tokenize", {"model": "alpha", "messages": [{"role": "user", "content": "x"}], "temperature": 0}, "temperature"),
     ("/tokenize", {"model": "alpha", "messages": []}, "messages"),
+    ("/tokenize", {"model": "alpha", "messages": [{"role": "user", "content": "x"}],  # as its chat completion is
+                   "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("/tokenize", {"prompt": "x"}, "model"),
     ("/detokenize", {"model": "alpha", "tokens": [1, 999]}, "tokens"),
     ("/detokenize", {"model": "alpha", "tokens": "ab"}, "tokens"),

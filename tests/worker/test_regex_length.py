@@ -101,6 +101,9 @@ def test_pydantic_fields_with_a_pattern_and_a_length():
     ({"type": "string", "pattern": "^(a|b){0,600}", "maxLength": 400}, "costs too much to hold;"),
     ({"type": "object", "properties": {f"p{i}": {"type": "string", "pattern": "^(a|b|c){0,450}", "maxLength": 300 - i}
                                        for i in range(3)}}, "cost too much to hold together"),
+    ({"type": "object", "properties": {f"p{i}": {"type": ["string", "null"], "pattern": "^Z{350}(a|b){0,380}",
+                                                 "maxLength": 349 - i} for i in range(8)}},  # no text: still counted
+     "cost too much to hold together"),
 ])
 def test_a_pattern_no_text_of_its_length_matches_is_refused(schema, needle):
     with pytest.raises(SchemaError, match=re.escape(needle)):
