@@ -94,13 +94,6 @@ class GbnfParser(Parser):
             j += 1
         return j > self.i and self.p.startswith("::=", j)
 
-    def alt(self):
-        parts = [self.seq()]
-        while self.peek() == "|":
-            self.i += 1
-            parts.append(self.seq())
-        return parts[0] if len(parts) == 1 else ("alt", parts)
-
     def seq(self, top: bool = False):
         items = []
         self.ws()
