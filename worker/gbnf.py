@@ -31,127 +31,21 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 
+from lorafleet.worker.gbnf_parse import GbnfParser
 from lorafleet.worker.regex_dfa import Regex, _contains, _overlaps
 from lorafleet.worker.regex_grammar import TextGrammar
-from lorafleet.worker.regex_parse import ANY, MAX_GROUPS, TEXT, Parser, RegexError
+from lorafleet.worker.regex_parse import TEXT, RegexError
 
 MAX_GRAMMAR = 16384  # characters of a grammar
 MAX_DEPTH = 256  # return links below a top: nesting the output may reach
 MAX_CLOSURE = 20_000  # (NFA state, link) pairs one character's closure may visit
+MAX_LINKS = 50_000  # links a machine interns (for the requests that share its grammar); past it, a new machine
 BOTTOM = (-1, frozenset(), 0)  # the link below the root: returning to it ends the output
 ACCEPT = (-1, frozenset())  # the top of a state whose root has ended
-_NAME = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
-_HEX = frozenset("0123456789abcdefABCDEF")
 _MISSING = object()
-
-
-class GbnfParser(Parser):
-    """GBNF text to {rule name: tree}, the tree as regex_parse's with ("ref", name) for a rule name."""
-
-    def error(self, what: str) -> RegexError:
-        line = self.p.count("\n", 0, self.i) + 1
-        return RegexError(f"{what} at line {line}, position {self.i} of the grammar")
-
-    def rules(self) -> dict[str, object]:
-        rules: dict[str, object] = {}
-        self.ws()
-        while self.peek() is not None:
-            name = self.name()
-            self.ws()
-            if not self.p.startswith("::=", self.i):
-                if self.p.startswith(":", self.i):
-                    raise self.error("a Lark rule ('name: ...'); this server takes GBNF ('name ::= ...')")
-                raise self.error(f"'::=' expected after the rule name {name!r}")
-            self.i += 3
-            if name in rules:
-                raise self.error(f"the rule {name!r} defined twice")
-            rules[name] = self.alt()
-        return rules
-
-    def ws(self) -> None:
-        while (c := self.peek()) is not None and (c in " \t\r\n" or c == "#"):
-            if c == "#":
-                end = self.p.find("\n", self.i)
-                self.i = len(self.p) if end < 0 else end
-            else:
-                self.i += 1
-
-    def name(self) -> str:
-        j = self.i
-        while self.peek() is not None and self.peek() in _NAME:
-            self.i += 1
-        if j == self.i:
-            raise self.error(f"a rule name expected (got {self.peek()!r})" if self.peek() else "a rule name expected")
-        return self.p[j:self.i]
-
-    def _rule_starts(self) -> bool:
-        """Whether a `name ::=` (the next rule) begins at self.i."""
-        j = self.i
-        while j < len(self.p) and self.p[j] in _NAME:
-            j += 1
-        while j < len(self.p) and self.p[j] in " \t\r\n":
-            j += 1
-        return j > self.i and self.p.startswith("::=", j)
-
-    def seq(self, top: bool = False):
-        items = []
-        self.ws()
-        while (c := self.peek()) is not None and c not in "|)" and not self._rule_starts():
-            items.append(self.quantified(self.atom()))
-            self.ws()
-        return ("cat", items)
-
-    def quantified(self, tree):
-        self.ws()
-        return super().quantified(tree)
-
-    def atom(self):
-        c = self.peek()
-        if c == '"':
-            self.i += 1
-            chars = []
-            while (c := self.peek()) != '"':
-                if c is None:
-                    raise self.error("an unterminated string")
-                chars.append(("set", self.escape(False) if self.take() == "\\" else ((ord(c), ord(c)),)))
-            self.i += 1
-            return ("cat", chars)
-        if c == "[":
-            self.i += 1
-            return ("set", self.klass())
-        if c == ".":
-            self.i += 1
-            return ("set", ANY)
-        if c == "(":
-            self.i += 1
-            self.depth += 1
-            if self.depth > MAX_GROUPS:
-                raise self.error(f"groups nested deeper than {MAX_GROUPS}")
-            tree = self.alt()
-            self.ws()
-            if self.peek() != ")":
-                raise self.error("a missing ')'")
-            self.i += 1
-            self.depth -= 1
-            return tree
-        if c is not None and c in _NAME:
-            return ("ref", self.name())
-        raise self.error(f"an unexpected {c!r}")
-
-    def escape(self, in_class: bool):
-        if self.peek() == "U":
-            self.i += 1
-            digits = self.p[self.i:self.i + 8]
-            self.i += 8
-            code = int(digits, 16) if len(digits) == 8 and set(digits) <= _HEX else -1
-            if not 0 <= code <= 0x10FFFF:
-                raise self.error("a malformed '\\U' escape")
-            return ((code, code),)
-        if (c := self.peek()) is not None and c.isalnum() and c not in "nrtfv0xu":
-            raise self.error(f"the escape '\\{c}' is not GBNF (escapes: \\n \\r \\t \\xHH \\uHHHH \\UHHHHHHHH and "
-                             "punctuation)")
-        return super().escape(in_class)
+_MACHINES = itertools.count()
 
 
 class GrammarMachine(Regex):
@@ -163,7 +57,9 @@ class GrammarMachine(Regex):
         if not isinstance(text, str) or len(text) > MAX_GRAMMAR:
             raise RegexError(f"a grammar must be a string of at most {MAX_GRAMMAR} characters")
         self.pattern = text
-        self.key = "gbnf:" + hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+        # One key per machine: its states hold its own interned links, never compared with another machine's.
+        self.key = f"gbnf:{hashlib.sha256(text.encode('utf-8', 'surrogatepass')).hexdigest()}:{next(_MACHINES)}"
+        self._links: dict[tuple, tuple] = {}  # (return state, links below) -> the one link (_frozen)
         self._writable, self._built = TEXT, 0
         self._edges, self._eps, self._calls = [], [], []
         rules = GbnfParser(text).rules()
@@ -335,7 +231,7 @@ class GrammarMachine(Regex):
                     else:
                         todo.append((link[0], link[1]))
         frozen: dict[int, tuple] = {}
-        tops = {(s, frozenset(_frozen(link, frozen) for link in links)) for s, links in acc.items()
+        tops = {(s, frozenset(_frozen(link, frozen, self._links) for link in links)) for s, links in acc.items()
                 if any(t in self._live for _, t in self._edges[s])}
         if accepted:
             tops.add(ACCEPT)
@@ -376,9 +272,11 @@ class _Link:
         self.ret, self.below, self.returned = ret, set(), False
 
 
-def _frozen(link, frozen: dict[int, tuple]) -> tuple:
+def _frozen(link, frozen: dict[int, tuple], interned: dict[tuple, tuple]) -> tuple:
     """A link as the immutable (return state, links below, depth) a state holds: a _Link frozen once, after
-    its closure, its links below first (a closure's links only point to its own earlier calls, or below)."""
+    its closure, its links below first (a closure's links only point to its own earlier calls, or below).
+    Links are interned per machine, so equal links are one object and states compare in their own size, not
+    by walking every path below them (which grows exponentially with nesting where paths merge)."""
     if not isinstance(link, _Link):
         return link
     done = frozen.get(id(link))
@@ -386,11 +284,14 @@ def _frozen(link, frozen: dict[int, tuple]) -> tuple:
         raise RegexError("the grammar returns to a call before reading a character (left recursion)")
     if done is None:
         frozen[id(link)] = _MISSING
-        below = frozenset(_frozen(b, frozen) for b in link.below)
+        below = frozenset(_frozen(b, frozen, interned) for b in link.below)
         depth = 1 + max(b[2] for b in below)
         if depth > MAX_DEPTH:
             raise RegexError(f"the output nests the grammar's rules deeper than {MAX_DEPTH}")
-        done = frozen[id(link)] = (link.ret, below, depth)
+        done = frozen[id(link)] = interned.setdefault((link.ret, below), (link.ret, below, depth))
+        if len(interned) > MAX_LINKS:
+            compile_grammar.cache_clear()  # later requests start a fresh machine (their own key and links)
+            raise RegexError(f"the output made the grammar keep over {MAX_LINKS} return links")
     return done
 
 

@@ -281,8 +281,8 @@ def number_byte(mode: str, c: int, integer: bool) -> str | None:
 
 
 def value_fits(v: Any, s: dict, node) -> bool:
-    """Whether an enum/const value fits the lengths, pattern, bounds and item counts beside it (`node`: the
-    json_schema.Node those keywords compiled to)."""
+    """Whether an enum/const value fits the lengths, pattern, bounds, item counts and uniqueItems beside it
+    (`node`: the json_schema.Node those keywords compiled to)."""
     if isinstance(v, str):
         return node.min_len <= len(v) and (node.max_len is None or len(v) <= node.max_len) and (
             node.pattern is None or compile_pattern(node.pattern.pattern, True, False).matches(v))  # any text: the
@@ -292,8 +292,21 @@ def value_fits(v: Any, s: dict, node) -> bool:
     counts = {list: ("minItems", "maxItems"), dict: ("minProperties", "maxProperties")}.get(type(v))
     if counts is not None:
         lo, hi = s.get(counts[0], 0), s.get(counts[1])
-        return isinstance(lo, int) and lo <= len(v) and (not isinstance(hi, int) or len(v) <= hi)
+        distinct = not isinstance(v, list) or s.get("uniqueItems") is not True or len({same_key(x) for x in v}) == len(v)
+        return isinstance(lo, int) and lo <= len(v) and (not isinstance(hi, int) or len(v) <= hi) and distinct
     return True
+
+
+def same_key(v):
+    """A key equal for values JSON Schema takes as equal: numbers by value at any depth ([1] is [1.0]), booleans
+    apart from numbers, objects whatever their key order."""
+    if isinstance(v, bool) or v is None or isinstance(v, str):
+        return (kind(v), v)
+    if isinstance(v, (int, float)):
+        return ("number", as_fraction(v))
+    if isinstance(v, list):
+        return ("array", tuple(same_key(x) for x in v))
+    return ("object", frozenset((k, same_key(x)) for k, x in v.items()))
 
 
 def kind(v: Any) -> str:

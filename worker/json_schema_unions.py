@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 
-from lorafleet.worker.json_schema_bounds import TYPES, as_fraction, kind
+from lorafleet.worker.json_schema_bounds import TYPES, kind, same_key
 
 
 def one_of_overlap(schema, parts: tuple[int, ...]) -> str | None:
@@ -52,19 +52,7 @@ def _kinds(node) -> set[str]:
 
 def _values(enum: tuple[bytes, ...]) -> set:
     """Enum values as JSON compares them (_same)."""
-    return {_same(json.loads(e)) for e in enum}
-
-
-def _same(v):
-    """A key equal for values JSON Schema takes as equal: numbers by value at any depth ([1] is [1.0]), booleans
-    apart from numbers, objects whatever their key order."""
-    if isinstance(v, bool) or v is None or isinstance(v, str):
-        return (kind(v), v)
-    if isinstance(v, (int, float)):
-        return ("number", as_fraction(v))
-    if isinstance(v, list):
-        return ("array", tuple(_same(x) for x in v))
-    return ("object", frozenset((k, _same(x)) for k, x in v.items()))
+    return {same_key(json.loads(e)) for e in enum}
 
 
 def _tagged_apart(schema, na, nb) -> bool:
@@ -135,8 +123,8 @@ def unique_items(schema, node) -> int | str:
             return ("uniqueItems is held where the items are enum or const values (an Enum or a Literal), which "
                     "a sampler can keep apart; this array's items take other values")
         for e in enum:
-            if values.setdefault(_same(json.loads(e)), e) != e:
-                return f"uniqueItems over {values[_same(json.loads(e))]!r} and {e!r}, one value written two ways"
+            if values.setdefault(same_key(json.loads(e)), e) != e:
+                return f"uniqueItems over {values[same_key(json.loads(e))]!r} and {e!r}, one value written two ways"
     if len(values) < node.min_items:
         return f"uniqueItems with minItems {node.min_items}, where the items take {len(values)} distinct values"
     return len(values)

@@ -184,7 +184,7 @@ def _random_rule(rng: random.Random, names: list[str], depth: int = 0) -> str:
 def test_random_grammars_take_the_texts_they_derive():
     """Random grammars of three rules (recursion, nullable parts, repeats): every text of up to 6 characters is
     taken exactly when the grammar derives it; left-recursive ones are refused."""
-    from lorafleet.worker.gbnf import GbnfParser
+    from lorafleet.worker.gbnf_parse import GbnfParser
 
     rng, checked = random.Random(11), 0
     for _ in range(500):
@@ -202,3 +202,21 @@ def test_random_grammars_take_the_texts_they_derive():
                 assert machine.matches(word) is (word in derived), (text, word)
         checked += 1
     assert checked > 80
+
+
+def test_equal_states_share_their_links_and_machines_do_not_share_keys():
+    """States are compared as cache keys: built twice, the same state holds the same link objects (interned),
+    so comparing them never walks every path below (exponential where paths merge, as here)."""
+    grammar = ('root ::= expr\nexpr ::= term "+" expr | term\nterm ::= factor "*" term | factor\n'
+               'factor ::= "(" expr ")" | [0-9]+')
+    machine, states = GrammarMachine(grammar), []
+    for _ in range(2):
+        machine._steps.clear()  # the memo starts over: the second walk builds its states anew
+        state = machine.start
+        for ch in "1+(" * 30:
+            state = machine.step(state, ord(ch))
+        states.append(state)
+    first, second = states
+    assert first == second
+    assert {id(link) for _, links in first for link in links} == {id(link) for _, links in second for link in links}
+    assert GrammarMachine(grammar).key != machine.key  # another machine's states are never looked up as these

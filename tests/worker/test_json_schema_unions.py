@@ -282,3 +282,8 @@ def test_walks_and_masks_of_unique_items_and_pydantic_reads_them():
 def test_unique_items_that_cannot_be_held_are_refused(schema, needle):
     with pytest.raises(SchemaError, match=re.escape(needle)):
         compile_schema(schema)
+
+
+def test_unique_items_beside_an_enum_of_arrays_keeps_the_values_without_repeats():
+    for text, ok in (("[1,2]", True), ("[1,1]", False), ('["a"]', True)):
+        check_text({"type": "array", "enum": [[1, 1], [1, 2], ["a"], [1, 1.0]], "uniqueItems": True}, text, ok)
