@@ -22,7 +22,8 @@ polynomial closure, not a stack per reading. A call that is the last thing its r
 so right recursion (`list ::= item ("," list)?`) stays flat. What a request may cost is bounded: the
 grammar's size (regex_dfa's bounds on states and parts), left recursion is refused when it compiles (it
 would never consume a character), links are at most MAX_DEPTH deep, one character's closure visits at most
-MAX_CLOSURE (state, link) pairs, and the step memo holds a bounded amount. Rules that can derive no text
+MAX_CLOSURE (state, link) pairs, the step memo holds a bounded amount, and a machine interns at most
+MAX_LINKS links (equal links are one object, so states compare in their own size). Rules that can derive no text
 are dropped and every NFA state kept can reach its rule's end, so every state reached can still end in a
 whole `root`.
 """
