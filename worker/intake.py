@@ -21,12 +21,20 @@ from typing import Any
 from aiohttp import web
 
 from lorafleet.worker.admission import INTAKE_FULL, TENANT_QUEUE_FULL
-from lorafleet.worker.app_keys import ADMISSION, CONFIG, METRICS, TENANTS
+from lorafleet.worker.app_keys import ADMISSION, CONFIG, ENGINE, METRICS, STATUS, TENANTS
 from lorafleet.worker.openai_protocol import APIError, parse_json
 from lorafleet.worker.tenants import AuthenticationError, Tenant
 
 LARGE_BODY_BYTES = 64 * 1024  # larger bodies are parsed off the event loop
 REQUEST_TIMEOUT = "request_timeout"  # the rejected metric's reason for a body that came too slowly
+
+
+def ready_engine(app: web.Application):
+    """The engine (a 503 with Retry-After while the worker starts or drains)."""
+    if app[STATUS].draining or ENGINE not in app:
+        raise APIError(503, "the worker is shutting down or not ready; retry on another worker",
+                       type="service_unavailable", code="not_ready", headers={"Retry-After": "1"})
+    return app[ENGINE].engine
 
 
 def authenticate(request: web.Request) -> Tenant:

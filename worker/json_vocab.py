@@ -166,29 +166,19 @@ class JsonVocab:
 
     def _trie(self, regex, in_json: bool) -> ClassTrie:
         """The class trie of the tokens that are whole text: plain string content inside JSON, else complete UTF-8."""
-        key = (regex.key, in_json)
-        trie = self._tries.get(key)
-        if trie is None:
+        def build() -> ClassTrie:
             tokens = [(i, self._bytes[i].decode()) for i in self._plain.nonzero().flatten().tolist()
                       if 0x5C not in self._bytes[i]] if in_json else self._partial[0]
-            trie = self._tries[key] = ClassTrie(regex, tokens)
-            if len(self._tries) > MAX_CACHED_TRIES:
-                self._tries.popitem(last=False)
-        self._tries.move_to_end(key)
-        return trie
+            return ClassTrie(regex, tokens)
+
+        return _cached(self._tries, (regex.key, in_json), build, MAX_CACHED_TRIES)
 
     def _length_ends(self, regex: LengthRegex, dstate: frozenset, in_json: bool) -> list:
         """ClassTrie.ends of the pattern itself from `dstate`, cached: every count at that state filters the same
         walk (the count only decides at a token's end: a state that can still end inside the length is reached
         only through ones that can)."""
-        key = (regex.regex.key, dstate, in_json)
-        ends = self._ends.get(key)
-        if ends is None:
-            ends = self._ends[key] = self._trie(regex.regex, in_json).ends(regex.regex, dstate)
-            if len(self._ends) > MAX_CACHED_ENDS:
-                self._ends.popitem(last=False)
-        self._ends.move_to_end(key)
-        return ends
+        return _cached(self._ends, (regex.regex.key, dstate, in_json),
+                       lambda: self._trie(regex.regex, in_json).ends(regex.regex, dstate), MAX_CACHED_ENDS)
 
     @functools.cached_property
     def _partial(self) -> tuple[list[tuple[int, str]], list[dict[int, list[int]]]]:
@@ -219,6 +209,17 @@ class JsonVocab:
                     nxt = grammar.advance(state, data_of[token_id])
                     if nxt is not None and (may_complete or not grammar.is_complete(nxt)):
                         ids.append(token_id)
+
+
+def _cached(cache: OrderedDict, key, build, limit: int):
+    """cache[key], built by build() on a miss; the least recently used entry goes past `limit`."""
+    value = cache.get(key)
+    if value is None:
+        value = cache[key] = build()
+        if len(cache) > limit:
+            cache.popitem(last=False)
+    cache.move_to_end(key)
+    return value
 
 
 def _new_buckets() -> list[dict[int, list[int]]]:

@@ -41,7 +41,7 @@ from lorafleet.worker.choice_timer import ChoiceTimer, request_labels
 from lorafleet.worker.completion_job import CompletionJob, TextOffsets
 from lorafleet.worker.engine import EngineError, ShutdownError, UnknownAdapterError
 from lorafleet.worker.engine_errors import ContextLengthError
-from lorafleet.worker.intake import authenticate, check_room, intake_place, read_json, refused
+from lorafleet.worker.intake import authenticate, check_room, intake_place, read_json, ready_engine, refused
 from lorafleet.worker.job_outputs import merged_outputs
 from lorafleet.worker.metrics import UNRESOLVED_LABEL
 from lorafleet.worker.openai_protocol import (
@@ -81,13 +81,10 @@ async def _prepare(request: web.Request, endpoint: str,
     to (None: the base model) as soon as it is known, so a refusal after that (a bad prompt, a context too
     long) is counted on it; and the key the job moves to, if it does (worker/job_outputs.py)."""
     app = request.app
-    if app[STATUS].draining or ENGINE not in app:
-        raise APIError(503, "the worker is shutting down or not ready; retry on another worker",
-                       type="service_unavailable", code="not_ready", headers={"Retry-After": "1"})
+    engine = ready_engine(app)
     tenant = authenticate(request)
     check_room(app, tenant.name)  # a full worker reads no body: 429 at once
     with intake_place(app):  # body read, parse, tokenization: a bounded number at once (429 beyond)
-        engine = app[ENGINE].engine
         parse = parse_chat_request if endpoint == "chat" else parse_completion_request
         parsed = await read_json(request, lambda body: parse(body, engine.sampling_defaults))
         try:

@@ -24,9 +24,9 @@ from typing import Any
 import jinja2
 from aiohttp import web
 
-from lorafleet.worker.app_keys import ADAPTERS, CONFIG, ENGINE, STATUS
+from lorafleet.worker.app_keys import ADAPTERS, CONFIG, ENGINE
 from lorafleet.worker.engine import EngineError
-from lorafleet.worker.intake import authenticate, intake_place, read_json
+from lorafleet.worker.intake import authenticate, intake_place, read_json, ready_engine
 from lorafleet.worker.openai_fields import APIError, Fields, bad_request, check_text, is_int
 from lorafleet.worker.openai_protocol import ChatRequest, parse_chat_request
 from lorafleet.worker.served_adapters import VersionUnavailable
@@ -56,7 +56,7 @@ def chat_prompt_ids(app: web.Application, parsed: ChatRequest) -> list[int]:
 
 async def tokenize(request: web.Request) -> web.Response:
     app, tenant = request.app, authenticate(request)
-    engine = _engine(app)
+    engine = ready_engine(app)
     with intake_place(app):  # a large body is parsed in the executor (read_json), as its tokenization is
         chat, strs, model, work = await read_json(request, lambda body: _tokenize_request(app, body))
         _check_model(app, model, tenant)
@@ -100,7 +100,7 @@ def _with_strs(engine, ids: list[int], strs: bool) -> tuple[list[int], list[str 
 
 async def detokenize(request: web.Request) -> web.Response:
     app, tenant = request.app, authenticate(request)
-    engine = _engine(app)
+    engine = ready_engine(app)
     with intake_place(app):
         f = Fields(await read_json(request), "detokenize")
         model, tokens = f.string("model", required=True), f.get("tokens")
@@ -117,13 +117,6 @@ async def detokenize(request: web.Request) -> web.Response:
         text = await asyncio.get_running_loop().run_in_executor(
             None, lambda: engine.tokenizer.decode(tokens, skip_special_tokens=False))
     return web.json_response({"prompt": text})
-
-
-def _engine(app: web.Application) -> Any:
-    if app[STATUS].draining or ENGINE not in app:
-        raise APIError(503, "the worker is shutting down or not ready; retry on another worker",
-                       type="service_unavailable", code="not_ready", headers={"Retry-After": "1"})
-    return app[ENGINE].engine
 
 
 def _check_model(app: web.Application, model: str, tenant: Tenant) -> None:

@@ -146,13 +146,7 @@ class LengthRegex:
     def classes(self):
         return self.regex.classes()
 
-    def matches(self, text: str) -> bool:
-        state: tuple | None = self.start
-        for ch in text:
-            state = self.step(state, ord(ch))
-            if state is None:
-                return False
-        return self.accepts(state)
+    matches = Regex.matches  # it reads only start, step and accepts
 
 
 def _describe(min_len: int, max_len: int | None) -> str:

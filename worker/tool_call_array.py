@@ -70,12 +70,8 @@ class CallArray:
             return False
         self.items[-1].arguments.append(c)
         if self._cin_string:
-            if self._cescape:
-                self._cescape = False
-            elif c == "\\":
-                self._cescape = True
-            elif c == '"':
-                self._cin_string = False
+            self._cescape, closed = _string_char(self._cescape, c)
+            self._cin_string = not closed
         elif c == '"':
             self._cin_string = True
         elif c in "[{":
@@ -88,11 +84,8 @@ class CallArray:
 
     def _char(self, c: str) -> None:
         if self._in_string:
-            if self._escape:
-                self._escape = False
-            elif c == "\\":
-                self._escape = True
-            elif c == '"':
+            self._escape, closed = _string_char(self._escape, c)
+            if closed:
                 self._in_string = False
                 if self._text is not None:
                     self._read(json.loads('"' + "".join(self._text) + '"'))
@@ -132,3 +125,10 @@ class CallArray:
             self._key = text
         elif self._key == "name" and self.items:
             self.items[-1].name = text
+
+
+def _string_char(escape: bool, c: str) -> tuple[bool, bool]:
+    """Character `c` inside a JSON string: (an escape pending after it, whether it closed the string)."""
+    if escape:
+        return False, False
+    return c == "\\", c == '"'
