@@ -6,7 +6,8 @@ token is taken. Each keyword is enforced, an annotation, or refused with an erro
 is: a schema is never silently weakened.
 
 Enforced: `type` (one or a list of string, number, integer, boolean, null, object, array), `properties`,
-`required`, `additionalProperties` (false, true or a schema), `minProperties`, `maxProperties`, `items`,
+`required`, `additionalProperties` (false, true or a schema), `patternProperties`, `propertyNames` (an enum,
+or a string's pattern, format and lengths: json_schema_keys.py), `minProperties`, `maxProperties`, `items`,
 `prefixItems`, `minItems`, `maxItems`, `uniqueItems` (of enum or const items), `minLength`, `maxLength`,
 `minimum`, `maximum`, `exclusiveMinimum`, `exclusiveMaximum`, `multipleOf` (json_schema_bounds.py), `pattern`
 (regex_grammar.py; beside a length, regex_length.py), `format` date/time/date-time/uuid/ipv4/email (as
@@ -17,8 +18,8 @@ default, examples, other formats, deprecated, readOnly, writeOnly, $schema, $id,
 contentMediaType, discriminator (oneOf's disjointness is checked instead).
 
 Where the schema is silent, the output is held as a strict reader of it would expect (as vLLM's xgrammar
-backend does by default): an object schema that lists `properties` takes no other key unless
-`additionalProperties` says so (an object schema without `properties` takes any keys); a schema that only
+backend does by default): an object schema that lists `properties` or `patternProperties` takes no other key
+unless `additionalProperties` says so (an object schema without either takes any keys); a schema that only
 lists properties or items describes an object or an array. `enum` and `const` values are written in their
 compact form (`json.dumps(v, separators=(",", ":"), ensure_ascii=False)`), and listed property names as
 json.dumps writes them: `1.0` is not taken for `const: 1`, nor `"\u0061"` for a property `a` (a key
@@ -26,10 +27,8 @@ written so is read as the key it names, never as a second one). A top-level sche
 object, an array, a string, a boolean or null: a number has no end a stop token could follow. A schema
 must take some finite value everywhere (`{"properties": {"a": {"$ref": "#"}}, "required": ["a"]}` does not).
 
-Bounds, as a schema comes from a request: 2048 parts, 4096 property names and enum values in all, unions
-and $refs 64 deep, each node's alternatives memoized (a chain of unions over unions compiles in linear
-time).
-"""
+Bounds, as a schema comes from a request: 2048 parts, 4096 property names and enum values in all, unions and
+$refs 64 deep, each node's alternatives memoized (a chain of unions over unions compiles in linear time)."""
 
 from __future__ import annotations
 
@@ -46,6 +45,7 @@ from lorafleet.worker.json_schema_bounds import (
     TYPES,
     Bounds,
     BoundsError,
+    encode,
     infer_types,
     kind,
     parse_bounds,
@@ -54,11 +54,13 @@ from lorafleet.worker.json_schema_bounds import (
     parse_pattern,
     value_fits,
 )
+from lorafleet.worker.json_schema_keys import most_keys, object_keys
 from lorafleet.worker.json_schema_unions import all_finite, one_of_overlap, unique_items
 from lorafleet.worker.regex_dfa import Regex, RegexError
 from lorafleet.worker.regex_length import MAX_LENGTH_WORK, NoText
 
-ENFORCED = {"type", "properties", "required", "additionalProperties", "minProperties", "maxProperties", "items",
+ENFORCED = {"type", "properties", "required", "additionalProperties", "patternProperties", "propertyNames",
+            "minProperties", "maxProperties", "items",
             "prefixItems", "minItems", "maxItems", "uniqueItems", "enum", "const",
             "anyOf", "oneOf", "allOf", "$ref", "nullable", "$defs", "definitions", "pattern", *BOUND_KEYWORDS,
             *LENGTH_KEYWORDS}
@@ -80,7 +82,9 @@ class Node:
     types: frozenset[str] = frozenset()  # value kinds: string, number, integer, boolean, null, object, array
     props: tuple[tuple[bytes, int], ...] = ()  # (name as written between its quotes, node)
     required: frozenset[int] = frozenset()  # indexes into props
-    additional: int | None = None  # node of other keys' values; None: no other key
+    additional: int | None = None  # node of other keys' values (matching no pattern); None: no such key
+    patterns: tuple[tuple[Regex, int], ...] = ()  # patternProperties: (pattern, node of the values of keys it matches)
+    language: Any = None  # Regex or LengthRegex of other keys (json_schema_keys.py); None: any text
     min_props: int = 0  # an object's properties, listed and other
     max_props: int | None = None
     items: int = 0  # node of an array's items (after its prefix)
@@ -98,14 +102,13 @@ class Node:
     names: dict[bytes, int] = field(default_factory=dict)  # props' names -> index
     sorted_names: tuple[bytes, ...] = ()  # props' names, sorted (prefix queries by bisection)
 
+    @property
+    def others(self) -> bool:  # whether an object may have keys other than the listed properties
+        return self.additional is not None or bool(self.patterns)
+
 
 ANY = 0  # node 0 takes any JSON value
 ANY_NODE = Node(types=frozenset(TYPES), additional=ANY, items=ANY)
-
-
-def encode(value: Any) -> bytes:
-    """The compact encoding `enum`/`const` values are written in (and tool arguments checked in)."""
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
 
 
 class JsonSchema:
@@ -211,19 +214,23 @@ class JsonSchema:
             except NoText as exc:
                 if types == {"string"}:
                     raise SchemaError(f"{where}.pattern: {exc}") from None
-                types, self._length_work = types - {"string"}, self._length_work + exc.work
+                types = types - {"string"}
+                self._spend(exc.work, where)
             except RegexError as exc:
                 raise SchemaError(f"{where}.pattern: {exc}") from None
-            self._length_work += getattr(pattern, "work", 0)
-            if self._length_work > 2 * MAX_LENGTH_WORK:
-                raise SchemaError(f"{where}.pattern: the schema's patterns beside lengths cost too much to hold "
-                                  "together; shorten their lengths or patterns")
+            self._spend(getattr(pattern, "work", 0), where)
         if bounds is not None and types & {"number", "integer"}:
             kept = types - ({"number", "integer"} if not bounds.takes_any() else set() if bounds.takes_integer() else {"integer"})
             if not kept:
                 raise SchemaError(f"{where}: no {' or '.join(sorted(types))} is {bounds.describe()}")
             types = frozenset(kept)
         return Node(types=types, min_len=min_len, max_len=max_len, bounds=bounds, pattern=pattern)
+
+    def _spend(self, work: int, where: str) -> None:  # a pattern beside a length: its compile's cost, bounded
+        self._length_work += work
+        if self._length_work > 2 * MAX_LENGTH_WORK:
+            raise SchemaError(f"{where}.pattern: the schema's patterns beside lengths cost too much to hold "
+                              "together; shorten their lengths or patterns")
 
     def _alias(self, target: int) -> Node:
         """The node of a schema that is another one ($ref, allOf of one): a union of that one alone."""
@@ -273,31 +280,23 @@ class JsonSchema:
             raise SchemaError(f"the schema lists more than {MAX_NAMES} property names and enum values in all")
 
     def _object(self, s: dict, node: Node, where: str, depth: int) -> Node:
-        props = s.get("properties", {})
-        if not isinstance(props, dict):
-            raise SchemaError(f"{where}.properties must be an object of schemas")
-        names = list(props)
-        required = s.get("required", [])
-        if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
-            raise SchemaError(f"{where}.required must be a list of property names")
-        if missing := [r for r in required if r not in props]:
-            raise SchemaError(f"{where}.required names {', '.join(missing)}, which properties does not describe")
-        extra = s.get("additionalProperties", "properties" not in s)
-        additional = None if extra is False else self._node(extra, f"{where}.additionalProperties", depth + 1)
+        keys = _checked(where, object_keys, self, s, where, depth)
+        self._spend(getattr(keys.language, "work", 0), where)
+        names, required = [name for name, _ in keys.listed], keys.required
         lo, hi = _checked(where, parse_counts, s, "minProperties", "maxProperties")
-        if additional is None and lo > len(props) or hi is not None and hi < len(required):
-            raise SchemaError(f"{where}: no object takes {len(required)} required properties, at most {len(props)} "
-                              f"listed ones{' and others' if additional is not None else ''} and {lo}-{hi} in all")
+        hi = _checked(where, most_keys, keys, lo, hi)
+        if not keys.others and lo > len(names) or hi is not None and (hi < len(required) or lo > hi):
+            raise SchemaError(f"{where}: no object takes {len(required)} required properties, at most {len(names)} "
+                              f"listed ones{' and others' if keys.others else ''} and {lo}-{hi} in all")
         self._count_names(len(names))
         try:
             encoded = [encode(name)[1:-1] for name in names]
         except UnicodeEncodeError as exc:
             raise SchemaError(f"{where}.properties: a name cannot be written as JSON ({exc})") from None
-        entries = tuple((enc, self._node(props[name], f"{where}.properties.{name}", depth + 1))
-                        for enc, name in zip(encoded, names, strict=True))
-        return replace(node, props=entries, required=frozenset(names.index(r) for r in required), additional=additional,
-                       min_props=lo, max_props=hi,
-                       names={enc: i for i, enc in enumerate(encoded)}, sorted_names=tuple(sorted(encoded)))
+        return replace(node, props=tuple(zip(encoded, (v for _, v in keys.listed), strict=True)),
+                       required=frozenset(names.index(r) for r in required),
+                       additional=keys.additional, patterns=keys.patterns, language=keys.language, min_props=lo,
+                       max_props=hi, names={enc: i for i, enc in enumerate(encoded)}, sorted_names=tuple(sorted(encoded)))
 
     def _array(self, s: dict, node: Node, where: str, depth: int) -> Node:
         lo, hi = _checked(where, parse_counts, s, "minItems", "maxItems")

@@ -297,6 +297,11 @@ def value_fits(v: Any, s: dict, node) -> bool:
     return True
 
 
+def encode(value: Any) -> bytes:
+    """The compact encoding `enum`/`const` values are written in (and tool arguments checked in)."""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+
+
 def same_key(v):
     """A key equal for values JSON Schema takes as equal: numbers by value at any depth ([1] is [1.0]), booleans
     apart from numbers, objects whatever their key order."""
@@ -357,7 +362,8 @@ def infer_types(s: dict) -> frozenset[str]:
     if t is None:
         if "enum" in s or "const" in s:
             types = set(TYPES)
-        elif {"properties", "required", "additionalProperties", "minProperties", "maxProperties"} & set(s):
+        elif {"properties", "required", "additionalProperties", "patternProperties", "propertyNames", "minProperties",
+              "maxProperties"} & set(s):
             types = {"object"}
         elif {"items", "prefixItems", "minItems", "maxItems"} & set(s):
             types = {"array"}

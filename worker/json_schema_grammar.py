@@ -7,12 +7,18 @@ DONE once the value is complete. A stack's frames, innermost last:
 
     ("v", node)                      a value of `node` comes next (whitespace may come first)
     ("o", node, seen, phase, cur)    in an object: phase open | after | next | colon | value; seen: the listed
-                                     properties written (and marks counting the others: _written); cur: the
-                                     property whose value is read (-1: another key)
+                                     properties written (and the names of others, where the object counts its
+                                     keys: _written); cur: the listed property whose value is read, or for another
+                                     key (its value's node, its name where counted); -1 between keys
     ("k", buf)                       in a key that may still be one of the object's unwritten properties
-    ("K", mode, buf)                 in another key (additionalProperties): a string mode of json_constraint and
-                                     its bytes, read when it closes (a listed name escaped, `"\u0061"`, is that
-                                     property: written already, it is refused)
+    ("K", mode, buf)                 in another key of any text: a string mode of json_constraint and its bytes,
+                                     read when it closes (a listed name escaped, `"\u0061"`, is that property:
+                                     written already, it is refused); its value's schema is chosen then
+                                     (patternProperties, else additionalProperties: json_schema_keys.py)
+    ("R", dstate, pending, text)     in another key held to the object's key language (patternProperties,
+                                     propertyNames): as "K", read through that regex (regex_grammar.text_byte),
+                                     keeping its text; where the object counts its keys by name, a character is
+                                     taken only where a key not written yet can still follow (_unwritten_after)
     ("a", node, count, phase, used)  in an array: phase open | after | next | value; used: the items written where
                                      they must be unique (uniqueItems, enum values: each is kept from the rest)
     ("s", mode)                      in a string value
@@ -33,14 +39,14 @@ schema, so a property can be written once, and a required one must be before its
 
 from __future__ import annotations
 
-import json
 from bisect import bisect_left
 from typing import Any
 
-from lorafleet.worker.json_constraint import _PLAIN_RUN, string_byte, string_mode
-from lorafleet.worker.json_schema import JsonSchema, compile_schema, encode
-from lorafleet.worker.json_schema_bounds import length_cap, number_byte, number_text_takes
-from lorafleet.worker.json_schema_lookup import counts, enum_run, has_room, unwritten_with_prefix
+from lorafleet.worker.json_constraint import _PLAIN_RUN, string_byte
+from lorafleet.worker.json_schema import JsonSchema, compile_schema
+from lorafleet.worker.json_schema_bounds import encode, length_cap, number_byte, number_text_takes
+from lorafleet.worker.json_schema_key_reader import KeyReader
+from lorafleet.worker.json_schema_lookup import enum_run
 from lorafleet.worker.regex_grammar import CLOSE, text_byte
 
 DONE = "done"
@@ -57,7 +63,7 @@ class GrammarError(RuntimeError):
     """The output cannot be followed within the grammar's bounds (its request fails; the others go on)."""
 
 
-class SchemaGrammar:
+class SchemaGrammar(KeyReader):
     def __init__(self, schema: JsonSchema, compact: bool = False) -> None:
         self.schema = schema
         self.nodes = schema.nodes
@@ -78,21 +84,24 @@ class SchemaGrammar:
         """(pattern, DFA state, True) where the one reading is a patterned string between characters, else None."""
         if state == DONE or len(state) != 1:
             return None
-        top = next(iter(state))[-1]
+        st = next(iter(state))
+        top = st[-1]
+        if top[0] == "R" and not top[2]:  # a key held to its object's key language
+            return self.nodes[st[-2][1]].language, top[1], True
         return (self.nodes[top[1]].pattern, top[2], True) if top[0] == "P" and not top[3] else None
 
     @staticmethod
     def is_in_string(state) -> bool:
         """Every reading is inside a string, where plain content (json_constraint._PLAIN_RUN) may follow as far
-        as string_room allows."""
-        return state != DONE and all(st[-1] == STR or st[-1][0] == "S" and st[-1][2] == "str" for st in state)
+        as string_room allows (a key of any text too: it closes only at its quote)."""
+        return state != DONE and all(_in_plain(st[-1]) for st in state)
 
     def string_room(self, state) -> int | None:
         """In a state is_in_string takes: the most characters of plain content that may follow (None: any)."""
         room = 0
         for st in state:
             top = st[-1]
-            most = None if top == STR else self.nodes[top[1]].max_len
+            most = None if top == STR or top[0] == "K" else self.nodes[top[1]].max_len
             if most is None:
                 return None
             room = max(room, most - top[3])
@@ -101,7 +110,7 @@ class SchemaGrammar:
     @staticmethod
     def ws_uniform(state) -> bool:
         """Whether every whitespace byte leads to the same state (not inside a string, key or enum value)."""
-        return state == DONE or all(st[-1][0] not in "sSPkKe" for st in state)
+        return state == DONE or all(st[-1][0] not in "sSPkKRe" for st in state)
 
     def validates(self, value) -> bool:
         """Whether a parsed JSON value is one the schema takes (checked in its compact encoding)."""
@@ -141,13 +150,15 @@ class SchemaGrammar:
         """(where a run of plain string content from data[i] ends, the stack after it), None when there is no
         run to take at once (not in a string, no plain byte next, or more characters than a length allows)."""
         top = st[-1]
-        if top != STR and (top[0] != "S" or top[2] != "str"):
+        if not _in_plain(top):
             return None
         j = _PLAIN_RUN.match(data, i).end()
         if j == i:
             return None
         if top == STR:
             return j, st
+        if top[0] == "K":  # a key of any text: its bytes kept
+            return j, st[:-1] + (("K", "str", top[2] + data[i:j]),)
         node = self.nodes[top[1]]
         count = top[3] + sum(1 for b in data[i:j] if not 0x80 <= b < 0xC0)  # characters: bytes that lead one
         if node.max_len is not None and count > node.max_len:
@@ -172,6 +183,8 @@ class SchemaGrammar:
             return self._key_byte(st, top[1], c)
         if tag == "K":
             return self._other_key_byte(st, top[1], top[2], c)
+        if tag == "R":
+            return self._language_key_byte(st, top[1], top[2], top[3], c)
         if tag == "S":
             return self._boundedstring_byte(st, top, c)
         if tag == "P":
@@ -240,64 +253,30 @@ class SchemaGrammar:
         if phase == "colon":
             if c != 0x3A:
                 return []
-            value = node.props[cur][1] if isinstance(cur, int) and cur >= 0 else node.additional
+            value = node.props[cur][1] if isinstance(cur, int) else cur[0]
             return [st[:-1] + (("o", index, seen, "value", cur), ("v", value))]
         if c == 0x7D and phase in ("open", "after"):  # '}'
             return [self._pop(st[:-1])] if node.required <= seen and len(seen) >= node.min_props else []
         listed = sum(1 for i in seen if isinstance(i, int))
-        may_add = (node.additional is not None or listed < len(node.props)) \
+        may_add = (node.others or listed < len(node.props)) \
             and (node.max_props is None or len(seen) < node.max_props)
         if c == 0x2C and phase == "after":  # ','
             return [st[:-1] + (("o", index, seen, "next", -1),)] if may_add else []
         if c == 0x22 and phase in ("open", "next") and may_add:
-            return [st + (("k", b""),) if listed < len(node.props) else st + (("K", "str", b""),)]
+            if listed < len(node.props):
+                return [st + (("k", b""),)]
+            return [st + (("K", "str", b""),) if node.language is None else st + (("R", node.language.start, b"", ""),)]
         return []
 
-    def _written(self, index: int, seen: frozenset, cur: int | bytes) -> frozenset:
+    def _written(self, index: int, seen: frozenset, cur: int | tuple) -> frozenset:
         """`seen` once property `cur`'s value is read: a listed one by its index; another, where the object counts
         (min/maxProperties), by its name (so it is not counted twice) up to where the count stops mattering."""
-        node = self.nodes[index]
-        if isinstance(cur, bytes) and len(seen) >= max(node.min_props, node.max_props or 0):
+        if isinstance(cur, int):
+            return seen | {cur}
+        node, name = self.nodes[index], cur[1]
+        if name is None or len(seen) >= max(node.min_props, node.max_props or 0):
             return seen
-        return seen if cur == -1 else seen | {cur}
-
-    def _key_byte(self, st: tuple, buf: bytes, c: int) -> list[tuple]:
-        obj = st[-2]
-        node, seen = self.nodes[obj[1]], obj[2]
-        room = has_room(node, seen)
-        if c == 0x22:  # the closing quote, unless it is escaped inside a name (`\"`)
-            i = node.names.get(buf)
-            if i is not None and i not in seen and (room or i in node.required):
-                return [self._key_done(st[:-1], i)]
-        longer = buf + bytes((c,))
-        if unwritten_with_prefix(node, seen, longer, room):
-            return [st[:-1] + (("k", longer),)]
-        if node.additional is None or not room:
-            return []
-        return self._other_key_byte(st, string_mode(buf), buf, c)
-
-    def _other_key_byte(self, st: tuple, mode: str | None, buf: bytes, c: int) -> list[tuple]:
-        """Byte `c` of a key not (or no longer) matched against the listed names, `buf` its bytes so far in string
-        mode `mode`: read whole, and decided at its closing quote (a listed name written otherwise is that
-        property, refused once written; any other is an additional key)."""
-        mode = None if mode is None else string_byte(mode, c)
-        if mode is None:
-            return []
-        if mode != "after":
-            return [st[:-1] + (("K", mode, buf + bytes((c,))),)]
-        obj = st[-2]
-        node, seen, name = self.nodes[obj[1]], obj[2], encode(json.loads(b'"' + buf + b'"'))[1:-1]
-        listed = node.names.get(name, -1)
-        if listed in seen or name in seen or not (has_room(node, seen) or listed in node.required):
-            return []  # written already (a counting object keeps its other keys' names), or no room left
-        return [self._key_done(st[:-1], listed if listed >= 0 or not counts(node) else name)]
-
-    @staticmethod
-    def _key_done(st: tuple, cur: int | bytes) -> tuple:
-        """`st` ends with the object frame whose key was just closed: `cur` names the property (-1: another; its
-        name where the object counts its keys)."""
-        _, index, seen, _, _ = st[-1]
-        return st[:-1] + (("o", index, seen, "colon", cur),)
+        return seen | {name}
 
     def _array_byte(self, st: tuple, top: tuple, c: int) -> list[tuple]:
         _, index, count, phase, used = top
@@ -361,6 +340,12 @@ class SchemaGrammar:
         if at < len(values) and values[at] == buf and buf not in used:  # a number value ended: its container reads c
             return self._byte(self._pop(below, buf), c)
         return []
+
+
+def _in_plain(top: tuple) -> bool:
+    """Whether plain string content may follow a stack's top: in a string value or a key of any text, between
+    characters."""
+    return top == STR or top[0] == "S" and top[2] == "str" or top[0] == "K" and top[1] == "str"
 
 
 def schema_grammar(schema: Any, compact: bool = False) -> SchemaGrammar:

@@ -107,7 +107,7 @@ def _enough_keys(node, finite: set[int]) -> bool:
     """Whether an object can reach minProperties with finite values beyond its required ones."""
     need = node.min_props - len(node.required)
     optional = sum(1 for i, (_, value) in enumerate(node.props) if i not in node.required and value in finite)
-    return need <= optional or (node.additional is not None and node.additional in finite)
+    return need <= optional or node.additional in finite or any(value in finite for _, value in node.patterns)
 
 
 def unique_items(schema, node) -> int | str:

@@ -41,16 +41,19 @@ class Regex:
     (None: no match can go on), `accepts(state)` whether the text so far matches, `can_step(state, lo, hi)`
     whether some character of [lo, hi] can be taken."""
 
-    def __init__(self, pattern: str, search: bool = False, writable: Ranges = TEXT) -> None:
-        if not isinstance(pattern, str) or len(pattern) > MAX_PATTERN:
+    def __init__(self, pattern: str | tuple[str, ...], search: bool = False, writable: Ranges = TEXT) -> None:
+        """`pattern`: one pattern, or a tuple of them whose union it takes (an object's patternProperties)."""
+        patterns = pattern if isinstance(pattern, tuple) else (pattern,)
+        if not patterns or not all(isinstance(p, str) for p in patterns) or sum(map(len, patterns)) > MAX_PATTERN:
             raise RegexError(f"a pattern must be a string of at most {MAX_PATTERN} characters")
         self.pattern = pattern
-        self.key = "regex:" + ("search:" if search else "") + hashlib.sha256(pattern.encode("utf-8", "surrogatepass")).hexdigest()
+        text = pattern if isinstance(pattern, str) else "union:" + "\0".join(patterns)
+        self.key = "regex:" + ("search:" if search else "") + hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
         self._writable = writable
         self._edges: list[list[tuple[Ranges, int]]] = []  # per NFA state: (characters, target)
         self._built = 0
         self._eps: list[list[int]] = []
-        branches = Parser(pattern).top()
+        branches = [branch for p in patterns for branch in Parser(p).top()]
         start, self.final = self._state(), self._state()
         for anchored_start, tree, anchored_end in branches:
             a = self._state()
@@ -194,6 +197,12 @@ class Regex:
             if state is None:
                 return False
         return self.accepts(state)
+
+    def cuts(self, state: frozenset) -> set[int]:
+        """Where the characters the live edges of `state` take begin and end (one past): between two adjacent
+        cuts every character steps alike from `state`."""
+        return {x for s in state for chars, t in self._edges[s] if t in self._live for lo, hi in chars
+                for x in (lo, hi + 1)}
 
     def can_step(self, state: frozenset, lo: int, hi: int) -> bool:
         """Whether some character in [lo, hi] has a transition (the first bytes of a character so far)."""

@@ -50,6 +50,13 @@ def text_byte(regex: Regex, dstate: frozenset, pending: bytes, c: int, json_stri
     return (dstate, bytes((c,))) if lead and _may_become(regex, dstate, bytes((c,)), lead[0]) else None
 
 
+def completed_char(pending: bytes, c: int) -> str:
+    """The character byte `c` completes after `pending`, where text_byte took it with nothing left pending."""
+    if pending == b"\\":
+        return chr(_SHORT[c])
+    return (pending + bytes((c,))).decode() if pending else chr(c)
+
+
 def _take(regex: Regex, dstate: frozenset, ch: int):
     nxt = regex.step(dstate, ch)
     return None if nxt is None else (nxt, b"")

@@ -146,6 +146,9 @@ class LengthRegex:
     def classes(self):
         return self.regex.classes()
 
+    def cuts(self, state: tuple) -> set[int]:
+        return self.regex.cuts(state[0])
+
     matches = Regex.matches  # it reads only start, step and accepts
 
 

@@ -181,9 +181,9 @@ def required_calls_schema(tools: list[dict[str, Any]], grammars: dict[str, Schem
             "$defs": defs}
 
 
-SCHEMA_MAPS = ("properties", "$defs", "definitions")  # keywords whose values are {name: schema}
+SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")  # keywords whose values are {name: schema}
 SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")  # keywords whose values are [schema, ...]
-SCHEMA_VALUES = ("items", "additionalProperties")  # keywords whose value is a schema
+SCHEMA_VALUES = ("items", "additionalProperties", "propertyNames")  # keywords whose value is a schema
 
 
 def _moved_refs(schema: Any, base: str) -> Any:

@@ -174,11 +174,11 @@ async def test_tools_for_a_template_without_tools_are_refused(aiohttp_client, ti
 
 async def test_bad_tool_fields_are_400_over_http(api):
     strict = {"type": "function", "function": {"name": "f", "strict": True, "parameters": {"type": "object", "properties": {
-        "n": {"type": "object", "propertyNames": {"maxLength": 3}}}}}}
+        "n": {"type": "object", "dependentRequired": {"a": ["b"]}}}}}}
     with pytest.raises(openai.BadRequestError) as err:
         await api.chat.completions.create(model="tiny", messages=USER, tools=[strict], tool_choice="required")
     assert (err.value.body["param"], err.value.body["code"]) == ("tools", "invalid_value")
-    assert "propertyNames cannot be enforced" in err.value.body["message"]
+    assert "dependentRequired cannot be enforced" in err.value.body["message"]
     with pytest.raises(openai.BadRequestError) as err:
         await api.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER],
                                           tool_choice={"type": "function", "function": {"name": "other"}})

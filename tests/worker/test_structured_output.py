@@ -188,7 +188,7 @@ def test_a_strict_functions_call_that_its_schema_refuses_stays_content():
 
 def test_a_function_whose_schema_cannot_be_enforced_is_held_to_an_object_unless_strict():
     loose = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
-        "n": {"type": "object", "propertyNames": {"maxLength": 3}}}}}}
+        "n": {"type": "object", "dependentRequired": {"a": ["b"]}}}}}}
     request = parse_tool_request(Fields({"tools": [loose], "tool_choice": "required"}, "chat"))
     assert request.grammars["f"] is None and request.output_grammar is not None
     grammar = request.output_grammar
@@ -201,12 +201,12 @@ def test_a_function_whose_schema_cannot_be_enforced_is_held_to_an_object_unless_
 
 async def test_schemas_that_cannot_be_enforced_are_400s_naming_why(api):
     fmt = {"type": "json_schema", "json_schema": {"name": "r", "schema": {
-        "type": "object", "properties": {"code": {"type": "object", "propertyNames": {"maxLength": 3}}}}}}
+        "type": "object", "properties": {"code": {"type": "object", "dependentRequired": {"a": ["b"]}}}}}}
     with pytest.raises(openai.BadRequestError) as err:
         await api.chat.completions.create(model="tiny", messages=USER, response_format=fmt)
     body = err.value.body
     assert (body["param"], body["code"]) == ("response_format", "invalid_value")
-    assert "#.properties.code: propertyNames cannot be enforced" in body["message"]
+    assert "#.properties.code: dependentRequired cannot be enforced" in body["message"]
     with pytest.raises(openai.BadRequestError) as err:
         await api.completions.create(model="tiny", prompt="x", extra_body={"response_format": {
             "type": "json_schema", "json_schema": {"name": "r", "schema": {"type": "number"}}}})
