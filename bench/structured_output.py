@@ -4,11 +4,12 @@
 
 One greedy request (a person described as JSON) is generated unconstrained, in JSON mode
 (`json_object`) and held to a schema (SchemaGrammar), the schema twice (the second run finds its token
-masks cached); then a schema with lengths, bounds, a pattern and a format (its own prompt), and a
+masks cached); then a schema with lengths, bounds, a pattern and a format (its own prompt), one of dicts
+(propertyNames, patternProperties, additionalProperties keys), and a
 guided_regex (RegexGrammar) and a guided_grammar (GBNF, GbnfGrammar). For each: seconds per output token, the masks built (a mask is a scan of the
 vocabulary for one grammar state; most drawn tokens are checked alone and need none), whether the output
 is valid. Then the time of one mask build in a few states (a key, a string value, a number, an enum value,
-a bounded number, a patterned string, a pattern beside a length, a regex, a grammar), the cache cleared
+a bounded number, a patterned string, a pattern beside a length, a dict's key, a regex, a grammar), the cache cleared
 before each. Prints a table, writes JSON.
 """
 
@@ -49,6 +50,14 @@ DATE_STATES = (b"", b"Fri", b"Friday, 1")
 CODE = {"type": "object", "required": ["code"], "properties": {
     "code": {"type": "string", "pattern": "^[A-Z]+$", "minLength": 3, "maxLength": 8}}}  # pydantic's Field(pattern, ...)
 CODE_STATES = (b'{"code": "', b'{"code": "ABCDEF')
+DICTS = {"type": "object", "required": ["stock", "tags"], "properties": {  # pydantic's dicts: Enum, constr and str keys
+    "stock": {"type": "object", "propertyNames": {"enum": ["red", "green", "blue"]}, "additionalProperties": {"type": "integer"}},
+    "tags": {"type": "object", "patternProperties": {"^[a-z]+$": {"type": "integer"}}, "propertyNames": {"maxLength": 8}},
+    "few": {"type": "object", "patternProperties": {"^[a-z]+$": {"type": "integer"}}, "maxProperties": 3},
+    "notes": {"type": "object", "additionalProperties": {"type": "string"}}}}
+DICTS_PROMPT = ("<|im_start|>user\nGive a JSON stock count by color (red, green, blue) and tags with counts.<|im_end|>\n"
+                "<|im_start|>assistant\n")
+DICTS_STATES = (b'{"stock": {"', b'{"tags": {"ab', b'{"few": {"ab": 1, "a', b'{"notes": {"ab')
 SHOPPING = 'root ::= "Shopping list:\n" item{1,5}\nitem ::= "- " [1-9] [0-9]? " " word (" " word)? "\n"\nword ::= [a-z]+'
 SHOPPING_PROMPT = "<|im_start|>user\nWrite a short shopping list.<|im_end|>\n<|im_start|>assistant\n"
 SHOPPING_STATES = (b"", b"Shopping list:\n- 2 ", b"Shopping list:\n- 2 eggs\n")
@@ -69,10 +78,11 @@ def main(argv: list[str] | None = None) -> int:
            "command": " ".join(["python", *sys.argv]), "vocab_size": vocab.vocab_size,
            "vocab_table_s": time.perf_counter() - start, "runs": {}, "mask_build_ms": {}}  # fmt: skip
     grammar, bounded, date = schema_grammar(SCHEMA), schema_grammar(BOUNDED), RegexGrammar(DATE)
-    code, shopping = schema_grammar(CODE), GbnfGrammar(SHOPPING)
+    code, shopping, dicts = schema_grammar(CODE), GbnfGrammar(SHOPPING), schema_grammar(DICTS)
     cases = (("unconstrained", PROMPT, {}), ("json_object", PROMPT, {"json_object": True}),
              ("schema", PROMPT, {"grammar": grammar}), ("schema again", PROMPT, {"grammar": grammar}),
-             ("bounded schema", BOUNDED_PROMPT, {"grammar": bounded}), ("guided_regex", DATE_PROMPT, {"grammar": date}),
+             ("bounded schema", BOUNDED_PROMPT, {"grammar": bounded}), ("dict keys", DICTS_PROMPT, {"grammar": dicts}),
+             ("guided_regex", DATE_PROMPT, {"grammar": date}),
              ("guided_grammar", SHOPPING_PROMPT, {"grammar": shopping}))
     print(f"{'case':16} {'tokens':>6} {'ms/token':>9} {'masks':>6} {'valid':>5}  output")
     for name, prompt, kw in cases:
@@ -85,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         res["runs"][name] = run
         print(f"{name:16} {run['tokens']:6d} {run['ms_per_token']:9.1f} {run['masks_built']:6d} {run['valid']!s:>5}  {out.text[:60]!r}")
     for case, g, states in (("schema", grammar, STATES), ("bounded schema", bounded, BOUNDED_STATES),
-                            ("pattern and length", code, CODE_STATES), ("guided_regex", date, DATE_STATES),
+                            ("pattern and length", code, CODE_STATES), ("dict keys", dicts, DICTS_STATES),
+                            ("guided_regex", date, DATE_STATES),
                             ("guided_grammar", shopping, SHOPPING_STATES)):
         for text in states:
             state = g.advance(g.start, text)
