@@ -116,7 +116,8 @@ def _unwritten_after(node, seen: frozenset, dstate, text: str) -> bool:
     language is in `dstate`: more of its texts start so than written keys do (a written key begun again could
     otherwise only end as itself, refused)."""
     prefix = encode(text)[1:-1]
-    written = sum(1 for w in seen if (node.props[w][0] if isinstance(w, int) else w).startswith(prefix))
+    written = sum(1 for w in seen if isinstance(w, bytes) and w.startswith(prefix)
+                  or isinstance(w, int) and node.props[w][0].startswith(prefix) and _in_language(node, w))
     if not written:
         return True
     more = _texts_after(node.language, written + 1, dstate)
@@ -127,3 +128,8 @@ def _unwritten_after(node, seen: frozenset, dstate, text: str) -> bool:
 def _texts_after(language, limit: int, dstate) -> int | None:
     """count_texts from a key language's state, memoized: a mask's scan asks again for each token."""
     return count_texts(language, limit, dstate)
+
+
+def _in_language(node, listed: int) -> bool:
+    """Whether a listed property's name is a text of the object's key language (one of its keys begun there)."""
+    return node.language.matches(json.loads(b'"' + node.props[listed][0] + b'"'))

@@ -187,6 +187,9 @@ def test_a_counted_key_begun_again_goes_on_only_where_an_unwritten_key_can_follo
     grammar = schema_grammar(schema)
     assert grammar.advance(grammar.start, b'{"a":1,"a') is None  # only "a" itself could follow, written already
     assert grammar.advance(grammar.start, b'{"b":1,"b') is not None  # "ba", "bb", ... are not
+    listed = schema_grammar({"type": "object", "properties": {"ax": {"type": "integer"}},
+                             "patternProperties": {"^a$": {"type": "integer"}}, "maxProperties": 5})
+    assert listed.advance(listed.start, b'{"ax":1,"a":2}') is not None  # "ax" is no key the pattern takes
     pieces = ['{"', "a", "b", "ba", '":', "1", ",", "}", '","']
     assert check_masks(JsonVocab([p.encode() for p in pieces]), grammar, random.Random(5), walks=20, steps=16) > 100
 
