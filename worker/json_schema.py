@@ -8,7 +8,8 @@ is: a schema is never silently weakened.
 Enforced: `type` (one or a list of string, number, integer, boolean, null, object, array), `properties`,
 `required`, `additionalProperties` (false, true or a schema), `patternProperties`, `propertyNames` (an enum,
 or a string's pattern, format and lengths: json_schema_keys.py), `minProperties`, `maxProperties`, `items`,
-`prefixItems`, `minItems`, `maxItems`, `uniqueItems` (of enum or const items), `minLength`, `maxLength`,
+`prefixItems`, `minItems`, `maxItems`, `uniqueItems` (of enum or const items, or strings and numbers free of
+patterns, lengths and bounds), `minLength`, `maxLength`,
 `minimum`, `maximum`, `exclusiveMinimum`, `exclusiveMaximum`, `multipleOf` (json_schema_bounds.py), `pattern`
 (regex_grammar.py; beside a length, regex_length.py), `format` date/time/date-time/uuid/ipv4/email (as
 patterns, where no pattern or length is set), `oneOf` of disjoint alternatives (json_schema_unions.py), `enum`,

@@ -20,7 +20,11 @@ DONE once the value is complete. A stack's frames, innermost last:
                                      keeping its text; where the object counts its keys by name, a character is
                                      taken only where a key not written yet can still follow (_unwritten_after)
     ("a", node, count, phase, used)  in an array: phase open | after | next | value; used: the items written where
-                                     they must be unique (uniqueItems, enum values: each is kept from the rest)
+                                     they must be unique (uniqueItems: enum values' encodings, or the same_key of
+                                     strings and numbers; each is kept from the rest)
+    ("u", mode, buf)                 in a string item of such an array: as "K", read whole, refused as it closes
+                                     if written before
+    ("m", mode, integer, text)       in a number item of such an array: as "n", its text kept
     ("s", mode)                      in a string value
     ("S", node, mode, count)         in a string value with a length: count, its characters so far (capped)
     ("P", node, dstate, pending)     in a string value with a pattern: its DFA state, the bytes of a character
@@ -42,20 +46,20 @@ from __future__ import annotations
 from bisect import bisect_left
 from typing import Any
 
-from lorafleet.worker.json_constraint import _PLAIN_RUN, string_byte
+from lorafleet.worker.json_constraint import _NUMBER_ENDS, _PLAIN_RUN, _WS, string_byte
 from lorafleet.worker.json_schema import JsonSchema, compile_schema
 from lorafleet.worker.json_schema_bounds import encode, length_cap, number_byte, number_text_takes
+from lorafleet.worker.json_schema_item_reader import ZERO, ItemReader
 from lorafleet.worker.json_schema_key_reader import KeyReader
 from lorafleet.worker.json_schema_lookup import enum_run
+from lorafleet.worker.json_schema_unions import MANY
 from lorafleet.worker.regex_grammar import CLOSE, text_byte
 
 DONE = "done"
 STR = ("s", "str")
 MAX_READINGS = 64  # stacks a state may hold
-_WS = frozenset(b" \t\n\r")
 _DIGITS = frozenset(b"0123456789")
 _LITERALS = {ord("t"): ("boolean", b"rue"), ord("f"): ("boolean", b"alse"), ord("n"): ("null", b"ull")}
-_NUMBER_ENDS = frozenset({"zero", "int", "frac", "exp_int"})
 _REPROCESS = object()  # an enum value or number ended before this byte: its container reads it
 
 
@@ -63,7 +67,7 @@ class GrammarError(RuntimeError):
     """The output cannot be followed within the grammar's bounds (its request fails; the others go on)."""
 
 
-class SchemaGrammar(KeyReader):
+class SchemaGrammar(KeyReader, ItemReader):
     def __init__(self, schema: JsonSchema, compact: bool = False) -> None:
         self.schema = schema
         self.nodes = schema.nodes
@@ -101,7 +105,7 @@ class SchemaGrammar(KeyReader):
         room = 0
         for st in state:
             top = st[-1]
-            most = None if top == STR or top[0] == "K" else self.nodes[top[1]].max_len
+            most = None if top == STR or top[0] in "Ku" else self.nodes[top[1]].max_len
             if most is None:
                 return None
             room = max(room, most - top[3])
@@ -110,7 +114,7 @@ class SchemaGrammar(KeyReader):
     @staticmethod
     def ws_uniform(state) -> bool:
         """Whether every whitespace byte leads to the same state (not inside a string, key or enum value)."""
-        return state == DONE or all(st[-1][0] not in "sSPkKRe" for st in state)
+        return state == DONE or all(st[-1][0] not in "sSPkKRue" for st in state)
 
     def validates(self, value) -> bool:
         """Whether a parsed JSON value is one the schema takes (checked in its compact encoding)."""
@@ -157,8 +161,8 @@ class SchemaGrammar(KeyReader):
             return None
         if top == STR:
             return j, st
-        if top[0] == "K":  # a key of any text: its bytes kept
-            return j, st[:-1] + (("K", "str", top[2] + data[i:j]),)
+        if top[0] in "Ku":  # a key of any text, a unique string item: its bytes kept
+            return j, st[:-1] + ((top[0], "str", top[2] + data[i:j]),)
         node = self.nodes[top[1]]
         count = top[3] + sum(1 for b in data[i:j] if not 0x80 <= b < 0xC0)  # characters: bytes that lead one
         if node.max_len is not None and count > node.max_len:
@@ -183,6 +187,10 @@ class SchemaGrammar(KeyReader):
             return self._key_byte(st, top[1], c)
         if tag == "K":
             return self._other_key_byte(st, top[1], top[2], c)
+        if tag == "u":
+            return self._distinct_string_byte(st, top, c)
+        if tag == "m":
+            return self._distinct_number_byte(st, top, c)
         if tag == "R":
             return self._language_key_byte(st, top[1], top[2], top[3], c)
         if tag == "S":
@@ -210,10 +218,17 @@ class SchemaGrammar(KeyReader):
     def _begin(self, below: tuple, index: int, c: int) -> list[tuple]:
         """The stacks after `c`, the first byte of a value of node `index`, on top of `below`."""
         out = []
+        distinct = bool(below) and below[-1][0] == "a" and self.nodes[below[-1][1]].unique == MANY
         for a in self.schema.alternatives(index):  # memoized at compile time
             node = self.nodes[a]
             if node.enum is not None:
                 out.extend(self._enum_byte(below, a, b"", c))
+            elif distinct and c == 0x22 and "string" in node.types:  # an item kept apart from those before it
+                out.append(below + (("u", "str", b""),))
+            elif distinct and (c == 0x2D or c in _DIGITS) and node.types & {"number", "integer"}:
+                integer = "number" not in node.types
+                if not (c == 0x30 and integer and ZERO in below[-1][4]):  # "0" cannot grow past a 0 written
+                    out.append(below + (("m", "minus" if c == 0x2D else "zero" if c == 0x30 else "int", integer, bytes((c,))),))
             elif c == 0x7B and "object" in node.types:  # '{'
                 out.append(below + (("o", a, frozenset(), "open", -1),))
             elif c == 0x5B and "array" in node.types:  # '['
@@ -232,7 +247,7 @@ class SchemaGrammar(KeyReader):
                 out.append(below + (("l", _LITERALS[c][1]),))
         return out
 
-    def _pop(self, st: tuple, value: bytes | None = None) -> tuple:
+    def _pop(self, st: tuple, value: bytes | tuple | None = None) -> tuple:
         """The stack once the value on top of `st` is complete: its container moves past it (an array whose
         items are unique keeps the enum `value` written)."""
         if not st:
@@ -277,20 +292,6 @@ class SchemaGrammar(KeyReader):
         if name is None or len(seen) >= max(node.min_props, node.max_props or 0):
             return seen
         return seen | {name}
-
-    def _array_byte(self, st: tuple, top: tuple, c: int) -> list[tuple]:
-        _, index, count, phase, used = top
-        if c in _WS:
-            return self._ws(st)
-        node = self.nodes[index]
-        if c == 0x5D and phase in ("open", "after"):  # ']'
-            return [self._pop(st[:-1])] if count >= node.min_items else []
-        if c == 0x2C and phase == "after":
-            more = (node.max_items is None or count < node.max_items) and (node.unique is None or len(used) < node.unique)
-            return [st[:-1] + (("a", index, count, "next", used),)] if more else []
-        if phase in ("open", "next") and (node.max_items is None or count < node.max_items):
-            return self._begin(st[:-1] + (("a", index, count, "value", used),), self.schema.item(node, count), c)
-        return []
 
     def _boundedstring_byte(self, st: tuple, top: tuple, c: int) -> list[tuple]:
         """Byte `c` of a string with a length: a character counts when its last byte is read (a plain byte, an
@@ -343,9 +344,9 @@ class SchemaGrammar(KeyReader):
 
 
 def _in_plain(top: tuple) -> bool:
-    """Whether plain string content may follow a stack's top: in a string value or a key of any text, between
-    characters."""
-    return top == STR or top[0] == "S" and top[2] == "str" or top[0] == "K" and top[1] == "str"
+    """Whether plain string content may follow a stack's top: in a string value, a key of any text or a unique
+    array's string item, between characters."""
+    return top == STR or top[0] == "S" and top[2] == "str" or top[0] in "Ku" and top[1] == "str"
 
 
 def schema_grammar(schema: Any, compact: bool = False) -> SchemaGrammar:

@@ -110,21 +110,35 @@ def _enough_keys(node, finite: set[int]) -> bool:
     return need <= optional or node.additional in finite or any(value in finite for _, value in node.patterns)
 
 
+MANY = 1 << 62  # unique_items: the items take values without end
+
+
 def unique_items(schema, node) -> int | str:
     """uniqueItems: how many distinct items the array `node` may hold, where its items are enum or const values
-    (pydantic's set of an Enum or a Literal: each value written is then kept from the items after it); else
-    why it cannot be held."""
+    (pydantic's set of an Enum or a Literal: each value written is then kept from the items after it), or MANY
+    where they are strings and numbers free of patterns, lengths and bounds (a set of str, int or float: each
+    may always grow into a value not written yet); else why it cannot be held."""
     if node.prefix:
         return "uniqueItems beside prefixItems cannot be held while sampling"
+    items = [schema.nodes[a] for a in schema.alternatives(node.items)]
+    if all(_free(item) for item in items):
+        return MANY
     values: dict = {}
-    for a in schema.alternatives(node.items):
-        enum = schema.nodes[a].enum
+    for item in items:
+        enum = item.enum
         if enum is None:
-            return ("uniqueItems is held where the items are enum or const values (an Enum or a Literal), which "
-                    "a sampler can keep apart; this array's items take other values")
+            return ("uniqueItems is held where the items are enum or const values (an Enum or a Literal), or strings "
+                    "and numbers with no pattern, length or bound (a set of str, int or float), which a sampler "
+                    "can keep apart; this array's items take other values")
         for e in enum:
             if values.setdefault(same_key(json.loads(e)), e) != e:
                 return f"uniqueItems over {values[same_key(json.loads(e))]!r} and {e!r}, one value written two ways"
     if len(values) < node.min_items:
         return f"uniqueItems with minItems {node.min_items}, where the items take {len(values)} distinct values"
     return len(values)
+
+
+def _free(node) -> bool:
+    """A string or number node with no enum, pattern, length or bound (an item that can always grow)."""
+    return node.enum is None and bool(node.types) and node.types <= {"string", "integer", "number"} \
+        and node.pattern is None and node.min_len == 0 and node.max_len is None and node.bounds is None

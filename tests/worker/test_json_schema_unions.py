@@ -273,7 +273,10 @@ def test_walks_and_masks_of_unique_items_and_pydantic_reads_them():
 
 
 @pytest.mark.parametrize("schema, needle", [
-    ({"type": "array", "items": {"type": "string"}, "uniqueItems": True}, "items are enum or const values"),
+    ({"type": "array", "items": {"type": "string", "maxLength": 2}, "uniqueItems": True}, "items are enum or const values"),
+    ({"type": "array", "items": {"anyOf": [{"type": "string"}, {"const": 1}]}, "uniqueItems": True}, "or strings and numbers"),
+    ({"type": "array", "items": {"type": "integer", "minimum": 0}, "uniqueItems": True}, "no pattern, length or bound"),
+    ({"type": "array", "items": {"type": "object"}, "uniqueItems": True}, "this array's items take other values"),
     ({"type": "array", "items": {"enum": ["a", "b"]}, "minItems": 3, "uniqueItems": True}, "minItems 3, where the items take 2"),
     ({"type": "array", "prefixItems": [{"const": 1}], "items": {"const": 2}, "uniqueItems": True}, "beside prefixItems"),
     ({"type": "array", "items": {"enum": [1, 1.0]}, "uniqueItems": True}, "one value written two ways"),
@@ -287,3 +290,35 @@ def test_unique_items_that_cannot_be_held_are_refused(schema, needle):
 def test_unique_items_beside_an_enum_of_arrays_keeps_the_values_without_repeats():
     for text, ok in (("[1,2]", True), ("[1,1]", False), ('["a"]', True)):
         check_text({"type": "array", "enum": [[1, 1], [1, 2], ["a"], [1, 1.0]], "uniqueItems": True}, text, ok)
+
+
+class Bag(BaseModel):
+    words: set[str]
+    counts: frozenset[int] = frozenset()
+    shares: set[float] = set()
+
+
+BAG = Bag.model_json_schema()
+
+
+@pytest.mark.parametrize("text, ok", [
+    ('{"words":["x","y"]}', True), ('{"words":["x","x"]}', False), ('{"words":["x","\\u0078"]}', False),
+    ('{"words":["x","xx","x\\n"]}', True), ('{"words":[],"counts":[1,2,-1,10]}', True),
+    ('{"words":[],"counts":[0,-0]}', False), ('{"words":[],"counts":[1,1]}', False),
+    ('{"words":[],"shares":[1,1.0]}', False), ('{"words":[],"shares":[100,1e2]}', False),
+    ('{"words":[],"shares":[0,-0.5,0.25,-0.0]}', False), ('{"words":[],"shares":[0,-0.5,0.25]}', True),
+])
+def test_unique_strings_and_numbers_are_kept_apart_as_json_schema_compares_them(text, ok):
+    check_text(BAG, text, ok)
+
+
+def test_a_zero_written_keeps_an_integer_item_from_beginning_as_one_and_sets_walk_and_parse_back():
+    grammar = schema_grammar(BAG)
+    assert grammar.advance(grammar.start, b'{"words":[],"counts":[0,0') is None  # "0" could only end as 0 again
+    assert grammar.advance(grammar.start, b'{"words":[],"counts":[0,-0') is None
+    assert grammar.advance(grammar.start, b'{"words":[],"shares":[0,0.') is not None  # a number's "0" grows
+    for text in walks_validate(BAG, seed=8, tries=40, at_least=10):
+        model = Bag.model_validate_json(text)
+        assert len(model.words) == len(json.loads(text)["words"])  # nothing was collapsed
+    pieces = ['{"', "words", '":[', '"', "x", '"x"', '",', '","', "]", ',"', "counts", "0", "1", "-", ",", "]}", " ", "\\u0078"]
+    assert check_masks(JsonVocab([p.encode() for p in pieces] + [None]), grammar, random.Random(2), walks=12, steps=25) > 150
