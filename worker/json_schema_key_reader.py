@@ -10,13 +10,15 @@ still follow, so no key begun is a dead end.
 from __future__ import annotations
 
 import json
-from functools import lru_cache
 
 from lorafleet.worker.json_constraint import string_byte, string_mode
 from lorafleet.worker.json_schema_bounds import encode
 from lorafleet.worker.json_schema_keys import count_texts, value_of
 from lorafleet.worker.json_schema_lookup import counts, has_room, unwritten_with_prefix
-from lorafleet.worker.regex_grammar import CLOSE, completed_char, text_byte
+from lorafleet.worker.regex_grammar import CLOSE, completed_char, pending_chars, text_byte
+
+MAX_KEY_MEMO = 4096  # entries of a grammar's key memo, then it starts over
+_MISSING = object()
 
 
 class KeyReader:
@@ -77,7 +79,7 @@ class KeyReader:
             return []
         if read == CLOSE:
             return self._key_closed(st, text)
-        if counts(node) and not read[1] and not _unwritten_after(node, obj[2], read[0], read[2]):
+        if counts(node) and not self._may_go_on(node, obj[2], *read):
             return []
         return [st[:-1] + (("R", *read),)]
 
@@ -95,6 +97,56 @@ class KeyReader:
         value = value_of(node, text)
         return [] if value is None else [self._key_done(st[:-1], (value, name if counts(node) else None))]
 
+    def _may_go_on(self, node, seen: frozenset, dstate, pending: bytes, text: str) -> bool:
+        """Whether a key the object has not written yet can still follow `text` (and the character `pending` has
+        begun) in an object that counts its keys by name: a written key begun again could otherwise only end as
+        itself, refused."""
+        if not pending:
+            return self._unwritten_after(node, seen, dstate, text)
+        written = {w[len(text)] for w in self._written_texts(node, seen) if len(w) > len(text) and w.startswith(text)}
+        language = node.language
+        for lo, hi in pending_chars(pending):  # some character it may become begins no written key, or one that can
+            points = sorted({lo, hi + 1} | {x for x in language.cuts(dstate) if lo < x <= hi})
+            for a, b in zip(points, points[1:], strict=False):
+                if language.step(dstate, a) is None:
+                    continue
+                if b - a > sum(1 for ch in written if a <= ord(ch) < b):
+                    return True
+                if any(a <= ord(ch) < b and self._unwritten_after(node, seen, language.step(dstate, ord(ch)), text + ch)
+                       for ch in written):
+                    return True
+        return False
+
+    def _unwritten_after(self, node, seen: frozenset, dstate, text: str) -> bool:
+        """Whether, after `text` in the key language's `dstate`, more texts can follow than keys were written."""
+        written = sum(1 for w in self._written_texts(node, seen) if w.startswith(text))
+        if not written:
+            return True
+        more = self._memo(("texts", node.language, written + 1, dstate), lambda: count_texts(node.language, written + 1, dstate))
+        return more is None or more > written  # None: too many to count, and so more than were written
+
+    def _written_texts(self, node, seen: frozenset) -> list[str]:
+        """The keys an object wrote that its key language takes: its other keys, and listed names in the language."""
+        def texts() -> list[str]:
+            out = []
+            for w in seen:
+                name = json.loads(b'"' + (node.props[w][0] if isinstance(w, int) else w) + b'"')
+                if isinstance(w, bytes) or node.language.matches(name):
+                    out.append(name)
+            return out
+
+        return self._memo(("written", id(node), seen), texts)
+
+    def _memo(self, key, make):
+        """A value of this grammar's key memo (counts and decoded names its masks ask for again per token)."""
+        memo = self.__dict__.setdefault("_key_memo", {})
+        hit = memo.get(key, _MISSING)
+        if hit is _MISSING:
+            if len(memo) >= MAX_KEY_MEMO:
+                memo.clear()
+            hit = memo[key] = make()
+        return hit
+
     @staticmethod
     def _key_done(st: tuple, cur: int | tuple) -> tuple:
         """`st` ends with the object frame whose key was just closed: `cur` names the property (a listed one's
@@ -109,27 +161,3 @@ def _language_byte(language, dstate, pending: bytes, text: str, c: int):
     if read is None or read == CLOSE:
         return read
     return read[0], read[1], text if read[1] else text + completed_char(pending, c)
-
-
-def _unwritten_after(node, seen: frozenset, dstate, text: str) -> bool:
-    """Whether a key the object has not written yet (listed or not) can still follow `text`, where the key
-    language is in `dstate`: more of its texts start so than written keys do (a written key begun again could
-    otherwise only end as itself, refused)."""
-    prefix = encode(text)[1:-1]
-    written = sum(1 for w in seen if isinstance(w, bytes) and w.startswith(prefix)
-                  or isinstance(w, int) and node.props[w][0].startswith(prefix) and _in_language(node, w))
-    if not written:
-        return True
-    more = _texts_after(node.language, written + 1, dstate)
-    return more is None or more > written  # None: too many to count, and so more than were written
-
-
-@lru_cache(maxsize=4096)
-def _texts_after(language, limit: int, dstate) -> int | None:
-    """count_texts from a key language's state, memoized: a mask's scan asks again for each token."""
-    return count_texts(language, limit, dstate)
-
-
-def _in_language(node, listed: int) -> bool:
-    """Whether a listed property's name is a text of the object's key language (one of its keys begun there)."""
-    return node.language.matches(json.loads(b'"' + node.props[listed][0] + b'"'))

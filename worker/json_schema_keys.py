@@ -19,7 +19,13 @@ propertyNames' pattern or lengths), so every key begun can end as one the object
 chosen as it closes. Refused, with the keyword named: two patterns with different schemas that one key may
 match (its value would have to fit both, an allOf this grammar cannot hold), propertyNames' own pattern beside
 patternProperties with no additionalProperties (the keys would be the texts both take), a union of key
-schemas, and object sizes the keys the object can take cannot reach.
+schemas, object sizes the keys the object can take cannot reach, and more than MAX_PATTERNS patterns in an
+object (or, in all of a schema, more than MAX_PAIRS steps of the checks that patterns stay apart).
+
+Patterns are read as ECMA-262, JSON Schema's dialect: `$` is the end of the text, and `\d`, `\w` are ASCII. A
+validator built on Python's `re` reads `$` as also matching before a final newline and `\d`, `\w`, `\s` over
+Unicode: where patternProperties sits beside additionalProperties, it may give a key such as "a\n" or "٣" another
+pattern's schema than this grammar did.
 """
 
 from __future__ import annotations
@@ -33,7 +39,8 @@ from lorafleet.worker.regex_dfa import Regex, RegexError
 from lorafleet.worker.regex_grammar import JSON_TEXT, compile_pattern
 from lorafleet.worker.regex_length import NoText, length_regex
 
-MAX_PAIRS = 4096  # state pairs the check that two patterns never match one key may visit
+MAX_PATTERNS = 16  # patternProperties of one object
+MAX_PAIRS = 20_000  # state pairs the checks that two patterns never match one key may visit, in all of a schema
 MAX_COUNTED = 4096  # states a count of the key language's texts may visit
 MAX_COUNT_DEPTH = 256  # characters deep that count may go
 
@@ -72,8 +79,8 @@ def object_keys(schema, s: dict, where: str, depth: int) -> Keys:
             if name in required:
                 raise BoundsError(f"required: {name!r} is required, and propertyNames does not take it")
             continue
-        for text, _, canon in patterns:
-            if canon != _canonical(sub) and compile_pattern(text, True, False).matches(name):
+        for text, _, canon, regex in patterns:
+            if canon != _canonical(sub) and regex.matches(name):
                 raise BoundsError(f"properties.{name}: its name matches patternProperties {text!r} too, whose schema "
                                   "differs; its value would have to fit both, which cannot be held while sampling "
                                   "(give both the same schema)")
@@ -86,7 +93,7 @@ def object_keys(schema, s: dict, where: str, depth: int) -> Keys:
         return Keys(tuple(listed), tuple(required))
     if names is not None and "string" not in names.types or additional is None and not patterns:
         return Keys(tuple(listed), tuple(required))
-    _check_apart(patterns)
+    _check_apart(schema, patterns)
     try:
         language = _language(names, patterns, additional)
     except NoText:  # no key of propertyNames' lengths matches a pattern
@@ -94,7 +101,7 @@ def object_keys(schema, s: dict, where: str, depth: int) -> Keys:
     except RegexError as exc:
         raise BoundsError(f"patternProperties: {exc}") from None
     return Keys(tuple(listed), tuple(required), additional,
-                tuple((compile_pattern(text, True, False), node) for text, node, _ in patterns), language)
+                tuple((regex, node) for _, node, _, regex in patterns), language)
 
 
 def value_of(node, key: str) -> int | None:
@@ -142,15 +149,18 @@ def count_texts(language, limit: int, start=None) -> int | None:
             return hit
         if len(memo) >= MAX_COUNTED or deep > MAX_COUNT_DEPTH:
             raise _TooMany
-        path.add(state)
         total = 1 if language.accepts(state) else 0
         points = sorted(language.cuts(state))
-        for lo, nxt in zip(points, points[1:], strict=False):
+        steps = [(nxt - lo, after) for lo, nxt in zip(points, points[1:], strict=False)
+                 if (after := language.step(state, lo)) is not None]
+        if total + sum(width for width, _ in steps) >= limit:  # each live state takes a text at least
+            memo[state] = limit
+            return limit
+        path.add(state)
+        for width, after in steps:
             if total >= limit:
                 break
-            after = language.step(state, lo)
-            if after is not None:
-                total += (nxt - lo) * count(after, deep + 1)
+            total += width * count(after, deep + 1)
         path.discard(state)
         memo[state] = total = min(total, limit)
         return total
@@ -165,18 +175,20 @@ class _TooMany(Exception):
     pass
 
 
-def _patterns(schema, s: dict, where: str, depth: int) -> list[tuple[str, int, str]]:
-    """(pattern, value node, the value schema's canonical text) of each of patternProperties."""
+def _patterns(schema, s: dict, where: str, depth: int) -> list[tuple[str, int, str, Regex]]:
+    """(pattern, value node, the value schema's canonical text, its Regex) of each of patternProperties."""
     pattern_props = s.get("patternProperties", {})
     if not isinstance(pattern_props, dict):
         raise BoundsError("patternProperties must be an object of schemas, by pattern")
+    if len(pattern_props) > MAX_PATTERNS:
+        raise BoundsError(f"patternProperties: more than {MAX_PATTERNS} patterns in one object")
     out = []
     for text, sub in pattern_props.items():
         try:
-            compile_pattern(text, True, False)
+            regex = Regex(text, search=True)  # its own: a schema's many patterns would churn compile_pattern's cache
         except RegexError as exc:
             raise BoundsError(f"patternProperties: {text!r}: {exc}") from None
-        out.append((text, schema._node(sub, f"{where}.patternProperties.{text}", depth + 1), _canonical(sub)))
+        out.append((text, schema._node(sub, f"{where}.patternProperties.{text}", depth + 1), _canonical(sub), regex))
     return out
 
 
@@ -201,26 +213,27 @@ def _name_fits(names, name: str) -> bool:
     return "string" in names.types and value_fits(name, {}, names)
 
 
-def _value_of(key: str, patterns: list[tuple[str, int, str]], additional: int | None) -> int | None:
+def _value_of(key: str, patterns: list[tuple[str, int, str, Regex]], additional: int | None) -> int | None:
     """The value node of an enum's key name: its patterns' (refused where two differ), else additional's."""
-    matched = {canon: node for text, node, canon in patterns if compile_pattern(text, True, False).matches(key)}
+    matched = {canon: node for _, node, canon, regex in patterns if regex.matches(key)}
     if len(matched) > 1:
         raise BoundsError(f"patternProperties: the key {key!r} propertyNames takes matches patterns with different "
                           "schemas; its value would have to fit all of them, which cannot be held while sampling")
     return next(iter(matched.values()), additional)
 
 
-def _check_apart(patterns: list[tuple[str, int, str]]) -> None:
-    for i, (a, _, canon_a) in enumerate(patterns):
-        for b, _, canon_b in patterns[i + 1:]:
-            if canon_a != canon_b and _may_meet(compile_pattern(a, True, False), compile_pattern(b, True, False)):
+def _check_apart(schema, patterns: list[tuple[str, int, str, Regex]]) -> None:
+    for i, (a, _, canon_a, regex_a) in enumerate(patterns):
+        for b, _, canon_b, regex_b in patterns[i + 1:]:
+            if canon_a != canon_b and _may_meet(schema, regex_a, regex_b):
                 raise BoundsError(f"patternProperties: {a!r} and {b!r} may both match one key, and their schemas "
                                   "differ; its value would have to fit both, which cannot be held while sampling "
                                   "(anchor the patterns apart, or give them one schema)")
 
 
-def _may_meet(a: Regex, b: Regex) -> bool:
-    """Whether some text matches both patterns (their DFAs walked in step; past MAX_PAIRS, taken as yes)."""
+def _may_meet(schema, a: Regex, b: Regex) -> bool:
+    """Whether some text matches both patterns: their DFAs walked in step, the pairs visited counted against the
+    schema's MAX_PAIRS (BoundsError past it)."""
     start = (a.start, b.start)
     todo, seen = [start], {start}
     while todo:
@@ -232,14 +245,16 @@ def _may_meet(a: Regex, b: Regex) -> bool:
             nx = a.step(x, lo)
             ny = None if nx is None else b.step(y, lo)
             if ny is not None and (nx, ny) not in seen:
-                if len(seen) >= MAX_PAIRS:
-                    return True
+                schema._key_pairs = getattr(schema, "_key_pairs", 0) + 1
+                if schema._key_pairs > MAX_PAIRS:
+                    raise BoundsError("patternProperties: the patterns are too many or too large to check that no key "
+                                      "matches two of them with different schemas")
                 seen.add((nx, ny))
                 todo.append((nx, ny))
     return False
 
 
-def _language(names, patterns: list[tuple[str, int, str]], additional: int | None):
+def _language(names, patterns: list[tuple[str, int, str, Regex]], additional: int | None):
     """The Regex (or LengthRegex) another key is read through; None: any text (NoText: none)."""
     pattern = None if names is None else names.pattern  # propertyNames' pattern or format, held to its lengths
     low, high = (0, None) if names is None else (names.min_len, names.max_len)
@@ -251,7 +266,7 @@ def _language(names, patterns: list[tuple[str, int, str]], additional: int | Non
     if pattern is not None:
         raise BoundsError("propertyNames: a pattern or format beside patternProperties, with no additionalProperties, "
                           "cannot be held: the keys would be the texts both take (put the pattern in patternProperties)")
-    union = Regex(tuple(text for text, _, _ in patterns), search=True, writable=JSON_TEXT)
+    union = Regex(tuple(text for text, _, _, _ in patterns), search=True, writable=JSON_TEXT)
     return length_regex(union, low, high) if bounded else union
 
 

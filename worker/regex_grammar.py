@@ -63,14 +63,26 @@ def _take(regex: Regex, dstate: frozenset, ch: int):
 
 
 def _may_become(regex: Regex, dstate: frozenset, data: bytes, size: int) -> bool:
-    """Whether a character whose first UTF-8 bytes are `data` may have a transition: the code points it may still
-    be, [lo, hi], from its bits (clamped to those of its length)."""
+    """Whether a character whose first UTF-8 bytes are `data` may have a transition."""
+    return regex.can_step(dstate, *_code_points(data, size))
+
+
+def _code_points(data: bytes, size: int) -> tuple[int, int]:
+    """[lo, hi]: the code points a character whose first UTF-8 bytes are `data` may still be, from its bits
+    (clamped to those of its length)."""
     bits = data[0] & (0xFF >> (size + 1))
     for b in data[1:]:
         bits = bits << 6 | b & 0x3F
     left = 6 * (size - len(data))
-    lo, hi = max(bits << left, _FLOOR[size]), min((bits << left) | ((1 << left) - 1), 0x10FFFF)
-    return regex.can_step(dstate, lo, hi)
+    return max(bits << left, _FLOOR[size]), min((bits << left) | ((1 << left) - 1), 0x10FFFF)
+
+
+def pending_chars(pending: bytes) -> list[tuple[int, int]]:
+    """The characters a character begun with `pending` (text_byte's: an escape's backslash, or UTF-8 lead and
+    continuation bytes) may still become, as inclusive code point ranges."""
+    if pending == b"\\":
+        return [(ch, ch) for ch in sorted(_SHORT.values())]
+    return [_code_points(pending, _LEADS[pending[0]][0])]
 
 
 @lru_cache(maxsize=16)

@@ -228,3 +228,26 @@ def test_random_key_schemas_walk_to_values_the_reference_validator_takes(seed):
             if text is not None:
                 validator.validate(json.loads(text))
     assert compiled >= 6
+
+
+@pytest.mark.parametrize("schema, written, begun", [
+    ({"type": "object", "propertyNames": {"pattern": "^(東京|大阪)$"}, "maxProperties": 2}, '{"東京":1,"', "東".encode()[:1]),
+    ({"type": "object", "propertyNames": {"pattern": "^(東京|大阪)$"}, "maxProperties": 2}, '{"東京":1,"', "東".encode()[:2]),
+    ({"type": "object", "propertyNames": {"pattern": "^\\n?x$"}, "minProperties": 1}, '{"\\nx":1,"', b"\\"),
+])
+def test_a_counted_key_does_not_begin_a_character_that_could_only_write_a_key_again(schema, written, begun):
+    grammar = schema_grammar(schema)
+    state = grammar.advance(grammar.start, written.encode())
+    assert state is not None and grammar.advance(state, begun) is None
+    walks_validate(schema, seed=9, tries=30, at_least=5)
+
+
+def test_long_keys_beside_property_counts_and_bounded_pattern_checks():
+    for high in (300, 1000):  # counting the keys a language takes stops as soon as there are enough
+        compile_schema({"type": "object", "additionalProperties": {"type": "integer"}, "propertyNames": {"maxLength": high},
+                        "minProperties": 1, "maxProperties": 5})
+    with pytest.raises(SchemaError, match="more than 16 patterns in one object"):
+        compile_schema({"type": "object", "patternProperties": {f"^k{i}$": {"const": i} for i in range(17)}})
+    sixteen = {"type": "object", "patternProperties": {f"^k{i}_{'x' * 1500}$": {"const": i} for i in range(16)},
+               "additionalProperties": True}  # long patterns, compiled once each: their checks stay small
+    assert compile_schema(sixteen).nodes[compile_schema(sixteen).root].others
