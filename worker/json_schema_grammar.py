@@ -22,9 +22,9 @@ DONE once the value is complete. A stack's frames, innermost last:
     ("a", node, count, phase, used)  in an array: phase open | after | next | value; used: the items written where
                                      they must be unique (uniqueItems: enum values' encodings, or the same_key of
                                      strings and numbers; each is kept from the rest)
-    ("u", mode, buf)                 in a string item of such an array: as "K", read whole, refused as it closes
-                                     if written before
-    ("m", mode, integer, text)       in a number item of such an array: as "n", its text kept
+    ("u", mode, pending, digest)     in a string item of such an array: a hash of its text, the bytes of a
+                                     character begun; refused as it closes if written before (json_schema_item_reader)
+    ("m", mode, integer, text)       in a number item of such an array: as "n", its text kept, within limits
     ("s", mode)                      in a string value
     ("S", node, mode, count)         in a string value with a length: count, its characters so far (capped)
     ("P", node, dstate, pending)     in a string value with a pattern: its DFA state, the bytes of a character
@@ -49,7 +49,7 @@ from typing import Any
 from lorafleet.worker.json_constraint import _NUMBER_ENDS, _PLAIN_RUN, _WS, string_byte
 from lorafleet.worker.json_schema import JsonSchema, compile_schema
 from lorafleet.worker.json_schema_bounds import encode, length_cap, number_byte, number_text_takes
-from lorafleet.worker.json_schema_item_reader import ZERO, ItemReader
+from lorafleet.worker.json_schema_item_reader import ItemReader, distinct_start, fold
 from lorafleet.worker.json_schema_key_reader import KeyReader
 from lorafleet.worker.json_schema_lookup import enum_run
 from lorafleet.worker.json_schema_unions import MANY
@@ -161,8 +161,10 @@ class SchemaGrammar(KeyReader, ItemReader):
             return None
         if top == STR:
             return j, st
-        if top[0] in "Ku":  # a key of any text, a unique string item: its bytes kept
-            return j, st[:-1] + ((top[0], "str", top[2] + data[i:j]),)
+        if top[0] == "K":  # a key of any text: its bytes kept
+            return j, st[:-1] + (("K", "str", top[2] + data[i:j]),)
+        if top[0] == "u":  # a unique string item: its text folded into its hash
+            return j, st[:-1] + (("u", "str", b"", fold(top[3], data[i:j].decode())),)
         node = self.nodes[top[1]]
         count = top[3] + sum(1 for b in data[i:j] if not 0x80 <= b < 0xC0)  # characters: bytes that lead one
         if node.max_len is not None and count > node.max_len:
@@ -223,12 +225,9 @@ class SchemaGrammar(KeyReader, ItemReader):
             node = self.nodes[a]
             if node.enum is not None:
                 out.extend(self._enum_byte(below, a, b"", c))
-            elif distinct and c == 0x22 and "string" in node.types:  # an item kept apart from those before it
-                out.append(below + (("u", "str", b""),))
-            elif distinct and (c == 0x2D or c in _DIGITS) and node.types & {"number", "integer"}:
-                integer = "number" not in node.types
-                if not (c == 0x30 and integer and ZERO in below[-1][4]):  # "0" cannot grow past a 0 written
-                    out.append(below + (("m", "minus" if c == 0x2D else "zero" if c == 0x30 else "int", integer, bytes((c,))),))
+            elif distinct and (c == 0x22 or c == 0x2D or c in _DIGITS):  # an item kept apart from those before it
+                frame = distinct_start(c, node.types, below[-1][4])
+                out.extend(() if frame is None else (below + (frame,),))
             elif c == 0x7B and "object" in node.types:  # '{'
                 out.append(below + (("o", a, frozenset(), "open", -1),))
             elif c == 0x5B and "array" in node.types:  # '['

@@ -9,11 +9,16 @@ written), so no item begun is a dead end.
 from __future__ import annotations
 
 import json
+from fractions import Fraction
 
 from lorafleet.worker.json_constraint import _NUMBER_ENDS, _WS, string_byte
-from lorafleet.worker.json_schema_bounds import number_byte, same_key
+from lorafleet.worker.json_schema_bounds import number_byte
 
-ZERO = same_key(0)
+EMPTY = hash("")  # the hash of a string item with no character yet
+_DIGITS = frozenset(b"0123456789")
+MAX_DIGITS = 4300  # digits of a number item (Python's int() refuses more by default)
+MAX_SIGNIFICANT = 15  # significant digits of a number item with a point: distinct ones stay distinct as doubles
+MAX_FRACTION = 300  # digits after its point: no underflow
 
 
 class ItemReader:
@@ -37,33 +42,89 @@ class ItemReader:
 
     def _distinct_string_byte(self, st: tuple, top: tuple, c: int) -> list[tuple]:
         """Byte `c` of a string item of an array whose items are unique and may take any string (uniqueItems,
-        json_schema_unions.MANY): its bytes are kept, and it may not close as a text written before it."""
-        nxt = string_byte(top[1], c)
+        json_schema_unions.MANY): a hash of its text so far is kept (each character folded in once whole, an
+        escape decoded), and it may not close as a text written before it."""
+        _, mode, pending, digest = top
+        nxt = string_byte(mode, c)
         if nxt is None:
             return []
-        if nxt != "after":
-            return [st[:-1] + (("u", nxt, top[2] + bytes((c,))),)]
-        value = same_key(json.loads(b'"' + top[2] + b'"'))
-        return [] if value in st[-2][4] else [self._pop(st[:-1], value)]
+        if nxt == "after":
+            value = ("string", digest)
+            return [] if value in st[-2][4] else [self._pop(st[:-1], value)]
+        pending += bytes((c,))
+        if nxt == "str":  # a character is whole: folded in
+            digest, pending = fold(digest, _decoded(pending)), b""
+        return [st[:-1] + (("u", nxt, pending, digest),)]
 
     def _distinct_number_byte(self, st: tuple, top: tuple, c: int) -> list[tuple]:
-        """Byte `c` of such a number item: it may not end as a number written before it (by value, as JSON Schema
-        compares: 1 is 1.0); an integer "-0" cannot grow, so it is refused at its digit once 0 is written."""
+        """Byte `c` of such a number item (no exponent; with a fraction, at most 15 significant digits and 300
+        after the point, so that numbers equal as doubles are equal as decimals): a digit or point is taken only
+        where a value not written yet can still end the number; the number ends only as one (by value, as JSON
+        Schema compares: 1 is 1.0)."""
         _, mode, integer, text = top
-        nxt = number_byte(mode, c, integer)
+        used = st[-2][4]
+        nxt = _number_next(mode, c, integer, text)
         if nxt is not None:
-            if nxt == "zero" and integer and ZERO in st[-2][4]:
-                return []
-            return [st[:-1] + (("m", nxt, integer, text + bytes((c,))),)]
-        if mode not in _NUMBER_ENDS:
+            return [st[:-1] + (("m", nxt, integer, text + bytes((c,))),)] if _viable(nxt, integer, text + bytes((c,)), used) else []
+        if mode not in _NUMBER_ENDS or number_key(text) in used:
             return []
-        value = _number_key(text)
-        return [] if value in st[-2][4] else self._byte(self._pop(st[:-1], value), c)
+        return self._byte(self._pop(st[:-1], number_key(text)), c)
 
 
-def _number_key(text: bytes) -> tuple:
-    """A number item's value as uniqueItems compares it (same_key: as a reader parsing JSON numbers sees it)."""
-    try:
-        return same_key(json.loads(text))
-    except (OverflowError, ValueError):  # past a double's range: by its text
-        return ("number", text)
+def distinct_start(c: int, types: frozenset, used) -> tuple | None:
+    """The frame of a string or number item of such an array begun with byte `c` (None where it cannot begin
+    one that can end as a value not written yet)."""
+    if c == 0x22:
+        return ("u", "str", b"", EMPTY) if "string" in types else None
+    if not types & {"number", "integer"} or not (c == 0x2D or c in _DIGITS):
+        return None
+    mode, integer = "minus" if c == 0x2D else "zero" if c == 0x30 else "int", "number" not in types
+    return ("m", mode, integer, bytes((c,))) if _viable(mode, integer, bytes((c,)), used) else None
+
+
+def fold(digest: int, chars: str) -> int:
+    """A string item's hash after `chars` (the same text, however escaped, folds to the same hash)."""
+    for ch in chars:
+        digest = hash((digest, ch))
+    return digest
+
+
+def _decoded(raw: bytes) -> str:
+    """The text of one whole character as written in a JSON string: a plain byte, UTF-8, or an escape."""
+    return json.loads(b'"' + raw + b'"') if raw[:1] == b"\\" else raw.decode()
+
+
+def number_key(text: bytes) -> tuple:
+    """A number item's value as uniqueItems compares it: exact (same_key's form; with the limits of
+    _number_next, numbers equal as doubles are equal exactly)."""
+    return ("number", Fraction(text.decode()))
+
+
+def _number_next(mode: str, c: int, integer: bool, text: bytes) -> str | None:
+    """The number mode after byte `c` within the item limits (no exponent; with a point, at most
+    MAX_SIGNIFICANT significant digits and MAX_FRACTION after it; at most MAX_DIGITS digits)."""
+    nxt = number_byte(mode, c, integer)
+    if nxt is None or nxt.startswith("exp"):
+        return None
+    whole, point, fraction = (text + bytes((c,))).lstrip(b"-").partition(b".")
+    if len(whole) + len(fraction) > MAX_DIGITS:
+        return None
+    if point and (len(fraction) > MAX_FRACTION or len((whole + fraction).lstrip(b"0")) > MAX_SIGNIFICANT
+                  or nxt == "dot" and len(whole.lstrip(b"0")) >= MAX_SIGNIFICANT):
+        return None
+    return nxt
+
+
+def _viable(mode: str, integer: bool, text: bytes, used, depth: int = 0) -> bool:
+    """Whether the number begun as `text` can still end as a value not in `used`: now, or after more digits
+    (explored only while the values it could end as are written: a few levels, as `used` holds at most
+    MANY values)."""
+    if mode in _NUMBER_ENDS and number_key(text) not in used:
+        return True
+    if depth > 4:  # a number 5 bytes on still within the limits has over 1,000 endings (each level below a
+        return True  # point takes 10 digits), and `used` holds at most MANY: one of them is free
+    for c in b"0123456789.":
+        nxt = _number_next(mode, c, integer, text)
+        if nxt is not None and _viable(nxt, integer, text + bytes((c,)), used, depth + 1):
+            return True
+    return False

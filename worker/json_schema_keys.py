@@ -22,9 +22,9 @@ patternProperties with no additionalProperties (the keys would be the texts both
 schemas, object sizes the keys the object can take cannot reach, and more than MAX_PATTERNS patterns in an
 object (or, in all of a schema, more than MAX_PAIRS steps of the checks that patterns stay apart).
 
-Patterns are read as ECMA-262, JSON Schema's dialect: `$` is the end of the text, and `\d`, `\w` are ASCII. A
-validator built on Python's `re` reads `$` as also matching before a final newline and `\d`, `\w`, `\s` over
-Unicode: where patternProperties sits beside additionalProperties, it may give a key such as "a\n" or "٣" another
+Patterns are read as ECMA-262, JSON Schema's dialect: `$` is the end of the text, and `\\d`, `\\w` are ASCII. A
+validator built on Python's `re` reads `$` as also matching before a final newline and `\\d`, `\\w`, `\\s` over
+Unicode: where patternProperties sits beside additionalProperties, it may give a key such as "a\\n" or "٣" another
 pattern's schema than this grammar did.
 """
 

@@ -110,7 +110,7 @@ def _enough_keys(node, finite: set[int]) -> bool:
     return need <= optional or node.additional in finite or any(value in finite for _, value in node.patterns)
 
 
-MANY = 1 << 62  # unique_items: the items take values without end
+MANY = 1024  # unique_items: the items take values without end, of which an array holds at most this many
 
 
 def unique_items(schema, node) -> int | str:

@@ -305,7 +305,10 @@ BAG = Bag.model_json_schema()
     ('{"words":["x","y"]}', True), ('{"words":["x","x"]}', False), ('{"words":["x","\\u0078"]}', False),
     ('{"words":["x","xx","x\\n"]}', True), ('{"words":[],"counts":[1,2,-1,10]}', True),
     ('{"words":[],"counts":[0,-0]}', False), ('{"words":[],"counts":[1,1]}', False),
-    ('{"words":[],"shares":[1,1.0]}', False), ('{"words":[],"shares":[100,1e2]}', False),
+    ('{"words":[],"shares":[1,1.0]}', False), ('{"words":[],"shares":[100,100.00]}', False),
+    ('{"words":[],"shares":[1e2]}', False),  # no exponent: 1e23 and 99999999999999991611392 are one double
+    ('{"words":[],"shares":[1.0000000000000000001]}', False),  # 15 significant digits at most beside a point
+    ('{"words":[],"shares":[123456789012345678901234567890,0.5]}', True),  # an integer is exact at any length
     ('{"words":[],"shares":[0,-0.5,0.25,-0.0]}', False), ('{"words":[],"shares":[0,-0.5,0.25]}', True),
 ])
 def test_unique_strings_and_numbers_are_kept_apart_as_json_schema_compares_them(text, ok):
@@ -322,3 +325,14 @@ def test_a_zero_written_keeps_an_integer_item_from_beginning_as_one_and_sets_wal
         assert len(model.words) == len(json.loads(text)["words"])  # nothing was collapsed
     pieces = ['{"', "words", '":[', '"', "x", '"x"', '",', '","', "]", ',"', "counts", "0", "1", "-", ",", "]}", " ", "\\u0078"]
     assert check_masks(JsonVocab([p.encode() for p in pieces] + [None]), grammar, random.Random(2), walks=12, steps=25) > 150
+
+
+def test_a_number_item_takes_a_digit_only_where_an_unwritten_value_can_still_end_it():
+    grammar = schema_grammar(BAG)
+    taken = ["0.12345678901234"] + [f"0.12345678901234{d}" for d in range(1, 10)]  # its 15th digits: all written
+    head = '{"words":[],"shares":[' + ",".join(taken) + ","
+    state = grammar.advance(grammar.start, (head + "0.1234567890123").encode())
+    assert state is not None and grammar.advance(state, b"4") is None  # "...234" could only end as one written
+    assert grammar.advance(state, b"5") is not None
+    long_item = grammar.advance(grammar.start, b'{"words":["' + b"ab" * 5000)
+    assert len(repr(long_item)) < 400  # a string item keeps a hash of its text, not the text
