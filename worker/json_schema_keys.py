@@ -39,6 +39,7 @@ from lorafleet.worker.regex_dfa import Regex, RegexError
 from lorafleet.worker.regex_grammar import JSON_TEXT, compile_pattern
 from lorafleet.worker.regex_length import NoText, length_regex
 
+MAX_OTHER_KEYS = 1024  # keys of an object besides its listed properties
 MAX_PATTERNS = 16  # patternProperties of one object
 MAX_PAIRS = 20_000  # state pairs the checks that two patterns never match one key may visit, in all of a schema
 MAX_COUNTED = 4096  # states a count of the key language's texts may visit
@@ -113,11 +114,15 @@ def value_of(node, key: str) -> int | None:
 
 
 def most_keys(keys: Keys, lo: int, hi: int | None) -> int | None:
-    """maxProperties as held: where the object counts its keys (minProperties `lo`, maxProperties `hi`) and the
-    texts its key language takes besides the listed names run out before the counts matter, no more than the
-    keys there are (so no comma is left with no key to follow it). BoundsError where minProperties cannot be
-    reached, or the texts cannot be counted."""
-    if not (lo or hi is not None) or not keys.others or keys.language is None:
+    """maxProperties as held (minProperties `lo`, maxProperties `hi`): an object that takes other keys counts them
+    by name, so each is written once, and holds at most MAX_OTHER_KEYS of them; where the texts its key language
+    takes besides the listed names run out first, no more than the keys there are (so no comma is left with no
+    key to follow it). BoundsError where minProperties cannot be reached, or the texts cannot be counted."""
+    if not keys.others:
+        return hi
+    if hi is None:  # other keys are counted by name, so that none is written twice (a small model may loop on one)
+        hi = len(keys.listed) + MAX_OTHER_KEYS
+    if keys.language is None:
         return hi
     need = max(lo, hi or 0) + 1
     listed = sum(1 for name, _ in keys.listed if keys.language.matches(name))

@@ -251,3 +251,22 @@ def test_long_keys_beside_property_counts_and_bounded_pattern_checks():
     sixteen = {"type": "object", "patternProperties": {f"^k{i}_{'x' * 1500}$": {"const": i} for i in range(16)},
                "additionalProperties": True}  # long patterns, compiled once each: their checks stay small
     assert compile_schema(sixteen).nodes[compile_schema(sixteen).root].others
+
+
+@pytest.mark.parametrize("schema, text", [
+    ({"type": "object", "additionalProperties": {"type": "integer"}}, '{"x":1,"x":2}'),  # dict[str, int]
+    ({"type": "object", "additionalProperties": {"type": "integer"}}, '{"x":1,"\\u0078":2}'),
+    (STOCK, _stock(by_slug='{"ab":1,"ab":2}')),
+])
+def test_no_key_is_written_twice_so_a_small_model_cannot_loop_on_one(schema, text):
+    check_text(schema, text, False)
+
+
+def test_a_finite_key_language_caps_an_object_without_max_properties():
+    schema = {"type": "object", "patternProperties": {"^[ab]$": {"type": "integer"}}}
+    assert compile_schema(schema).nodes[compile_schema(schema).root].max_props == 2
+    grammar = schema_grammar(schema)
+    assert grammar.advance(grammar.start, b'{"a":1,"b":2,') is None  # no key is left for a comma
+    walks_validate(schema, seed=10, tries=30, at_least=10)
+    free = compile_schema({"type": "object", "additionalProperties": {"type": "integer"}})
+    assert free.nodes[free.root].max_props == 1024  # other keys: each once, up to 1024
