@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from fractions import Fraction
+from functools import lru_cache
 
 from lorafleet.worker.json_constraint import _NUMBER_ENDS, _WS, string_byte
 from lorafleet.worker.json_schema_bounds import number_byte
@@ -17,7 +18,7 @@ from lorafleet.worker.json_schema_bounds import number_byte
 EMPTY = hash("")  # the hash of a string item with no character yet
 _DIGITS = frozenset(b"0123456789")
 MAX_DIGITS = 4300  # digits of a number item (Python's int() refuses more by default)
-MAX_SIGNIFICANT = 15  # significant digits of a number item with a point: distinct ones stay distinct as doubles
+MAX_SIGNIFICANT = 15  # significant digits of a number (not integer) item: distinct ones stay distinct as doubles
 MAX_FRACTION = 300  # digits after its point: no underflow
 
 
@@ -101,28 +102,30 @@ def number_key(text: bytes) -> tuple:
 
 
 def _number_next(mode: str, c: int, integer: bool, text: bytes) -> str | None:
-    """The number mode after byte `c` within the item limits (no exponent; with a point, at most
-    MAX_SIGNIFICANT significant digits and MAX_FRACTION after it; at most MAX_DIGITS digits)."""
+    """The number mode after byte `c` within the item limits: no exponent; an integer item (read as an exact
+    int) at most MAX_DIGITS digits; a number item (read as a double) at most MAX_SIGNIFICANT significant digits,
+    MAX_FRACTION after its point."""
     nxt = number_byte(mode, c, integer)
     if nxt is None or nxt.startswith("exp"):
         return None
     whole, point, fraction = (text + bytes((c,))).lstrip(b"-").partition(b".")
     if len(whole) + len(fraction) > MAX_DIGITS:
         return None
-    if point and (len(fraction) > MAX_FRACTION or len((whole + fraction).lstrip(b"0")) > MAX_SIGNIFICANT
-                  or nxt == "dot" and len(whole.lstrip(b"0")) >= MAX_SIGNIFICANT):
+    if not integer and (len(fraction) > MAX_FRACTION or len((whole + fraction).lstrip(b"0")) > MAX_SIGNIFICANT
+                        or nxt == "dot" and len(whole.lstrip(b"0")) >= MAX_SIGNIFICANT):
         return None
     return nxt
 
 
-def _viable(mode: str, integer: bool, text: bytes, used, depth: int = 0) -> bool:
+@lru_cache(maxsize=1024)
+def _viable(mode: str, integer: bool, text: bytes, used: frozenset, depth: int = 0) -> bool:
     """Whether the number begun as `text` can still end as a value not in `used`: now, or after more digits
     (explored only while the values it could end as are written: a few levels, as `used` holds at most
     MANY values)."""
     if mode in _NUMBER_ENDS and number_key(text) not in used:
         return True
-    if depth > 4:  # a number 5 bytes on still within the limits has over 1,000 endings (each level below a
-        return True  # point takes 10 digits), and `used` holds at most MANY: one of them is free
+    if depth > 4:  # the number this check began at has a path 5 bytes on within the limits, so over 1,000
+        return True  # endings (the digits allowed do not depend on those chosen), and `used` holds at most MANY
     for c in b"0123456789.":
         nxt = _number_next(mode, c, integer, text)
         if nxt is not None and _viable(nxt, integer, text + bytes((c,)), used, depth + 1):

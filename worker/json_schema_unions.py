@@ -122,6 +122,8 @@ def unique_items(schema, node) -> int | str:
         return "uniqueItems beside prefixItems cannot be held while sampling"
     items = [schema.nodes[a] for a in schema.alternatives(node.items)]
     if all(_free(item) for item in items):
+        if node.min_items > MANY:
+            return f"uniqueItems with minItems {node.min_items}: an array of such items holds at most {MANY}"
         return MANY
     values: dict = {}
     for item in items:

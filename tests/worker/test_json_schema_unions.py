@@ -277,6 +277,7 @@ def test_walks_and_masks_of_unique_items_and_pydantic_reads_them():
     ({"type": "array", "items": {"anyOf": [{"type": "string"}, {"const": 1}]}, "uniqueItems": True}, "or strings and numbers"),
     ({"type": "array", "items": {"type": "integer", "minimum": 0}, "uniqueItems": True}, "no pattern, length or bound"),
     ({"type": "array", "items": {"type": "object"}, "uniqueItems": True}, "this array's items take other values"),
+    ({"type": "array", "items": {"type": "string"}, "uniqueItems": True, "minItems": 1100}, "holds at most 1024"),
     ({"type": "array", "items": {"enum": ["a", "b"]}, "minItems": 3, "uniqueItems": True}, "minItems 3, where the items take 2"),
     ({"type": "array", "prefixItems": [{"const": 1}], "items": {"const": 2}, "uniqueItems": True}, "beside prefixItems"),
     ({"type": "array", "items": {"enum": [1, 1.0]}, "uniqueItems": True}, "one value written two ways"),
@@ -308,7 +309,9 @@ BAG = Bag.model_json_schema()
     ('{"words":[],"shares":[1,1.0]}', False), ('{"words":[],"shares":[100,100.00]}', False),
     ('{"words":[],"shares":[1e2]}', False),  # no exponent: 1e23 and 99999999999999991611392 are one double
     ('{"words":[],"shares":[1.0000000000000000001]}', False),  # 15 significant digits at most beside a point
-    ('{"words":[],"shares":[123456789012345678901234567890,0.5]}', True),  # an integer is exact at any length
+    ('{"words":[],"shares":[123456789012345,0.5]}', True),
+    ('{"words":[],"shares":[9007199254740993,9007199254740992]}', False),  # one double: 15 digits at most
+    ('{"words":[],"counts":[9007199254740993,9007199254740992]}', True),  # an integer item is exact
     ('{"words":[],"shares":[0,-0.5,0.25,-0.0]}', False), ('{"words":[],"shares":[0,-0.5,0.25]}', True),
 ])
 def test_unique_strings_and_numbers_are_kept_apart_as_json_schema_compares_them(text, ok):
