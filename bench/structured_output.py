@@ -9,7 +9,7 @@ masks cached); then a schema with lengths, bounds, a pattern and a format (its o
 guided_regex (RegexGrammar) and a guided_grammar (GBNF, GbnfGrammar). For each: seconds per output token, the masks built (a mask is a scan of the
 vocabulary for one grammar state; most drawn tokens are checked alone and need none), whether the output
 is valid. Then the time of one mask build in a few states (a key, a string value, a number, an enum value,
-a bounded number, a patterned string, a pattern beside a length, a dict's key, a regex, a grammar), the cache cleared
+a bounded number, a patterned string, a pattern beside a length, a dict's key, a set's item, a regex, a grammar), the cache cleared
 before each. Prints a table, writes JSON.
 """
 
@@ -58,6 +58,10 @@ DICTS = {"type": "object", "required": ["stock", "tags"], "properties": {  # pyd
 DICTS_PROMPT = ("<|im_start|>user\nGive a JSON stock count by color (red, green, blue) and tags with counts.<|im_end|>\n"
                 "<|im_start|>assistant\n")
 DICTS_STATES = (b'{"stock": {"', b'{"tags": {"ab', b'{"few": {"ab": 1, "a', b'{"notes": {"ab')
+SETS = {"type": "object", "required": ["tags", "shares"], "properties": {  # pydantic's set[str] and set[float]
+    "tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True},
+    "shares": {"type": "array", "items": {"type": "number"}, "uniqueItems": True}}}
+SETS_STATES = (b'{"tags": ["red", "gr', b'{"tags": ["red"], "shares": [0.5, 0.2')
 SHOPPING = 'root ::= "Shopping list:\n" item{1,5}\nitem ::= "- " [1-9] [0-9]? " " word (" " word)? "\n"\nword ::= [a-z]+'
 SHOPPING_PROMPT = "<|im_start|>user\nWrite a short shopping list.<|im_end|>\n<|im_start|>assistant\n"
 SHOPPING_STATES = (b"", b"Shopping list:\n- 2 ", b"Shopping list:\n- 2 eggs\n")
@@ -78,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
            "command": " ".join(["python", *sys.argv]), "vocab_size": vocab.vocab_size,
            "vocab_table_s": time.perf_counter() - start, "runs": {}, "mask_build_ms": {}}  # fmt: skip
     grammar, bounded, date = schema_grammar(SCHEMA), schema_grammar(BOUNDED), RegexGrammar(DATE)
-    code, shopping, dicts = schema_grammar(CODE), GbnfGrammar(SHOPPING), schema_grammar(DICTS)
+    code, shopping, dicts, sets = schema_grammar(CODE), GbnfGrammar(SHOPPING), schema_grammar(DICTS), schema_grammar(SETS)
     cases = (("unconstrained", PROMPT, {}), ("json_object", PROMPT, {"json_object": True}),
              ("schema", PROMPT, {"grammar": grammar}), ("schema again", PROMPT, {"grammar": grammar}),
              ("bounded schema", BOUNDED_PROMPT, {"grammar": bounded}), ("dict keys", DICTS_PROMPT, {"grammar": dicts}),
@@ -96,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:16} {run['tokens']:6d} {run['ms_per_token']:9.1f} {run['masks_built']:6d} {run['valid']!s:>5}  {out.text[:60]!r}")
     for case, g, states in (("schema", grammar, STATES), ("bounded schema", bounded, BOUNDED_STATES),
                             ("pattern and length", code, CODE_STATES), ("dict keys", dicts, DICTS_STATES),
+                            ("set items", sets, SETS_STATES),
                             ("guided_regex", date, DATE_STATES),
                             ("guided_grammar", shopping, SHOPPING_STATES)):
         for text in states:
