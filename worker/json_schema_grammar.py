@@ -48,7 +48,8 @@ from typing import Any
 
 from lorafleet.worker.json_constraint import _NUMBER_ENDS, _PLAIN_RUN, _WS, string_byte
 from lorafleet.worker.json_schema import JsonSchema, compile_schema
-from lorafleet.worker.json_schema_bounds import encode, length_cap, number_byte, number_text_takes
+from lorafleet.worker.json_schema_bounds import length_cap, number_byte, number_text_takes
+from lorafleet.worker.json_schema_check import takes
 from lorafleet.worker.json_schema_item_reader import ItemReader, distinct_start, fold
 from lorafleet.worker.json_schema_key_reader import KeyReader
 from lorafleet.worker.json_schema_lookup import enum_run
@@ -117,11 +118,9 @@ class SchemaGrammar(KeyReader, ItemReader):
         return state == DONE or all(st[-1][0] not in "sSPkKRue" for st in state)
 
     def validates(self, value) -> bool:
-        """Whether a parsed JSON value is one the schema takes (checked in its compact encoding)."""
-        try:
-            return self.advance(self.start, encode(value)) == DONE
-        except (TypeError, ValueError):
-            return False
+        """Whether a parsed JSON value is one the schema takes, as JSON Schema reads it (json_schema_check.py:
+        not held to the forms the grammar writes numbers in)."""
+        return takes(self.schema, self.schema.root, value)
 
     def advance(self, state, data: bytes):
         """The state after `data`, or None when `data` cannot continue a value of the schema from `state`."""

@@ -1,0 +1,76 @@
+"""A parsed value against a compiled schema (json_schema_check.py), the check of a strict function's arguments a
+model wrote freely: JSON Schema's reading of the value, not the forms the sampling grammar writes; against the
+`jsonschema` reference validator on values from random walks and their mutations."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import jsonschema
+import pytest
+
+from lorafleet.worker.json_schema_grammar import schema_grammar
+from tests.worker.grammar_checks import walk
+from tests.worker.test_json_schema import PERSON
+from tests.worker.test_json_schema_keys import PATTERNS, STOCK
+from tests.worker.test_json_schema_unions import BAG
+
+BOUNDED = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0}, "b": {"type": "number", "maximum": 1e-3},
+                                            "c": {"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}},
+           "required": ["a"]}
+
+
+@pytest.mark.parametrize("schema, value, ok", [
+    (BOUNDED, {"a": 1.0, "b": 1e-07}, True),  # 1.0 is an integer; 1e-07 is a number the bound takes
+    (BOUNDED, {"a": -1}, False), (BOUNDED, {"a": 1, "b": 0.5}, False), (BOUNDED, {"a": 1, "c": "abcd"}, False),
+    (BOUNDED, {"a": 1, "d": 1}, False),  # the strict reading: listed properties, no other key
+    (BAG, {"words": [], "shares": [0.1, 0.30000000000000004]}, True),  # 17 digits: written so by no sampler here
+    (BAG, {"words": [], "shares": [1e23, 99999999999999991611392]}, False),  # one value as parsed
+    (BAG, {"words": ["a", "a"]}, False), (STOCK, {"by_color": {"red": 1}, "by_size": {}, "by_slug": {}, "by_id": {}}, True),
+    (STOCK, {"by_color": {"pink": 1}, "by_size": {}, "by_slug": {}, "by_id": {}}, False),
+])
+def test_a_parsed_value_is_read_as_json_schema_reads_it(schema, value, ok):
+    assert schema_grammar(schema).validates(value) is ok
+
+
+def _strict(schema):
+    """The schema as this server reads it where it is silent: listed properties or patterns, no other key."""
+    if isinstance(schema, list):
+        return [_strict(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _strict(v) for k, v in schema.items()}
+    if ("properties" in out or "patternProperties" in out) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+def _mutated(value, rng: random.Random):
+    if isinstance(value, dict) and value:
+        key, out = rng.choice(list(value)), dict(value)
+        pick = rng.random()
+        if pick < 0.3:
+            del out[key]
+        elif pick < 0.7:
+            out[key] = rng.choice([1, 1.0, 1e-7, "x", None, [], {}, True, 2**70, 0.30000000000000004, [1, 1.0]])
+        else:
+            out[key + "z"] = 1
+        return out
+    if isinstance(value, list):
+        return [*value, value[0]] if value and rng.random() < 0.5 else [*value, rng.choice([1, "x", 1e23])]
+    return rng.choice([1, 1.0, "x", None, True, 1e-7])
+
+
+@pytest.mark.parametrize("schema", [PERSON, STOCK, PATTERNS, BAG, BOUNDED])
+def test_parsed_values_agree_with_the_reference_validator(schema):
+    grammar, validator, rng = schema_grammar(schema), jsonschema.Draft202012Validator(_strict(schema)), random.Random(5)
+    checked = 0
+    for _ in range(60):
+        text = walk(grammar, rng, 600)
+        if text is None:
+            continue
+        for value in (json.loads(text), *(_mutated(json.loads(text), rng) for _ in range(3))):
+            assert grammar.validates(value) is validator.is_valid(value), (value, schema)
+            checked += 1
+    assert checked > 100

@@ -1,0 +1,85 @@
+"""Whether a parsed JSON value is one a compiled schema (json_schema.py) takes, as JSON Schema reads it: the
+check of a strict function's arguments that a model wrote freely (tool_choice "auto", tool_calls.py).
+
+The sampling grammar (json_schema_grammar.py) holds text to forms that keep every state able to go on: a
+bounded number or a set's number item has no exponent, and a set's number item at most 15 significant
+digits. Those are forms of writing, not of the value: `1e-07` is a number a schema with `minimum: 0` takes,
+and reading parsed values here takes it too. Numbers are compared as the parser gave them (a float by its
+value), `1.0` is an integer, keys and enum values by their text, patterns in ECMA-262's reading as the grammar
+reads them.
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+from typing import Any
+
+from lorafleet.worker.json_schema_bounds import encode, kind, same_key, value_fits
+from lorafleet.worker.json_schema_keys import value_of
+
+
+def takes(schema, index: int, value: Any) -> bool:
+    """Whether node `index` of the JsonSchema `schema` takes `value` (one of its alternatives does)."""
+    return any(_node_takes(schema, schema.nodes[a], value) for a in schema.alternatives(index))
+
+
+def _node_takes(schema, node, value: Any) -> bool:
+    if node.enum is not None:
+        try:
+            return encode(value) in node.enum
+        except (TypeError, ValueError):
+            return False
+    k = kind(value)
+    if k == "number" and math.isfinite(value) and value.is_integer():  # 1.0 is an integer
+        k = "integer"
+    if k == "integer" and "integer" not in node.types:  # and an integer is a number
+        k = "number"
+    if k not in node.types:
+        return False
+    if k in ("string", "number", "integer"):
+        try:
+            return value_fits(value, {}, node)  # lengths and pattern, or bounds
+        except (OverflowError, ValueError):  # a number past a double's range, beside bounds
+            return False
+    if k == "object":
+        return _object_takes(schema, node, value)
+    return k != "array" or _array_takes(schema, node, value)
+
+
+def _object_takes(schema, node, value: dict) -> bool:
+    if len(value) < node.min_props or node.max_props is not None and len(value) > node.max_props:
+        return False
+    written = set()
+    for key, item in value.items():
+        listed = node.names.get(encode(key)[1:-1])
+        if listed is not None:
+            written.add(listed)
+            target = node.props[listed][1]
+        elif not node.others or node.language is not None and not node.language.matches(key):
+            return False
+        else:
+            target = value_of(node, key)
+        if target is None or not takes(schema, target, item):
+            return False
+    return node.required <= written
+
+
+def _array_takes(schema, node, value: list) -> bool:
+    if len(value) < node.min_items or node.max_items is not None and len(value) > node.max_items:
+        return False
+    if node.unique is not None and len({_same(v) for v in value}) < len(value):
+        return False
+    return all(takes(schema, schema.item(node, i), v) for i, v in enumerate(value))
+
+
+def _same(v: Any):
+    """A key equal for values JSON Schema takes as equal, numbers by their exact value as parsed (a float's
+    binary value, as Python compares an int with a float)."""
+    if isinstance(v, float) and math.isfinite(v):
+        return ("number", Fraction(v))
+    if isinstance(v, list):
+        return ("array", tuple(_same(x) for x in v))
+    if isinstance(v, dict):
+        return ("object", frozenset((k, _same(x)) for k, x in v.items()))
+    return same_key(v)
