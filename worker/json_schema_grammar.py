@@ -120,7 +120,10 @@ class SchemaGrammar(KeyReader, ItemReader):
     def validates(self, value) -> bool:
         """Whether a parsed JSON value is one the schema takes, as JSON Schema reads it (json_schema_check.py:
         not held to the forms the grammar writes numbers in)."""
-        return takes(self.schema, self.schema.root, value)
+        try:
+            return takes(self.schema, self.schema.root, value)
+        except RecursionError:  # nested deeper than this check follows (a few hundred levels): refused
+            return False
 
     def advance(self, state, data: bytes):
         """The state after `data`, or None when `data` cannot continue a value of the schema from `state`."""

@@ -74,3 +74,13 @@ def test_parsed_values_agree_with_the_reference_validator(schema):
             assert grammar.validates(value) is validator.is_valid(value), (value, schema)
             checked += 1
     assert checked > 100
+
+
+def test_a_value_nested_past_what_the_check_follows_is_refused_not_an_error():
+    value: list = []
+    inner = value
+    for _ in range(900):
+        inner.append([])
+        inner = inner[0]
+    assert schema_grammar({"type": "object", "properties": {"a": {}}}).validates({"a": value}) is False
+    assert schema_grammar({"type": "object", "properties": {"a": {}}}).validates({"a": [[[]]]}) is True
