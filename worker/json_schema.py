@@ -28,8 +28,7 @@ written so is read as the key it names, never as a second one). A top-level sche
 object, an array, a string, a boolean or null: a number has no end a stop token could follow. A schema
 must take some finite value everywhere (`{"properties": {"a": {"$ref": "#"}}, "required": ["a"]}` does not).
 
-Bounds, as a schema comes from a request: 2048 parts, 4096 property names and enum values in all, unions and
-$refs 64 deep, each node's alternatives memoized (a chain of unions over unions compiles in linear time)."""
+Bounds, as a schema comes from a request: 2048 parts, 4096 names and enum values, unions and $refs 64 deep."""
 
 from __future__ import annotations
 
@@ -88,6 +87,7 @@ class Node:
     language: Any = None  # Regex or LengthRegex of other keys (json_schema_keys.py); None: any text
     min_props: int = 0  # an object's properties, listed and other
     max_props: int | None = None
+    key_cap: int | None = None  # the most keys the grammar writes; set: other keys counted by name, each once
     items: int = 0  # node of an array's items (after its prefix)
     prefix: tuple[int, ...] = ()  # nodes of its first items, in order (prefixItems)
     min_items: int = 0
@@ -285,7 +285,7 @@ class JsonSchema:
         self._spend(getattr(keys.language, "work", 0), where)
         names, required = [name for name, _ in keys.listed], keys.required
         lo, hi = _checked(where, parse_counts, s, "minProperties", "maxProperties")
-        hi = _checked(where, most_keys, keys, lo, hi)
+        hi, cap = _checked(where, most_keys, keys, lo, hi)
         if not keys.others and lo > len(names) or hi is not None and (hi < len(required) or lo > hi):
             raise SchemaError(f"{where}: no object takes {len(required)} required properties, at most {len(names)} "
                               f"listed ones{' and others' if keys.others else ''} and {lo}-{hi} in all")
@@ -297,7 +297,7 @@ class JsonSchema:
         return replace(node, props=tuple(zip(encoded, (v for _, v in keys.listed), strict=True)),
                        required=frozenset(names.index(r) for r in required),
                        additional=keys.additional, patterns=keys.patterns, language=keys.language, min_props=lo,
-                       max_props=hi, names={enc: i for i, enc in enumerate(encoded)}, sorted_names=tuple(sorted(encoded)))
+                       max_props=hi, key_cap=cap, names={enc: i for i, enc in enumerate(encoded)}, sorted_names=tuple(sorted(encoded)))
 
     def _array(self, s: dict, node: Node, where: str, depth: int) -> Node:
         lo, hi = _checked(where, parse_counts, s, "minItems", "maxItems")

@@ -11,8 +11,10 @@ reads them.
 
 from __future__ import annotations
 
+import json
 import math
 from fractions import Fraction
+from functools import lru_cache
 from typing import Any
 
 from lorafleet.worker.json_schema_bounds import encode, kind, same_key, value_fits
@@ -25,11 +27,8 @@ def takes(schema, index: int, value: Any) -> bool:
 
 
 def _node_takes(schema, node, value: Any) -> bool:
-    if node.enum is not None:
-        try:
-            return encode(value) in node.enum
-        except (TypeError, ValueError):
-            return False
+    if node.enum is not None:  # compared as JSON values: 1 is 1.0, keys in any order, true is not 1
+        return _same(value) in _enum_values(node.enum)
     k = kind(value)
     if k == "number" and math.isfinite(value) and value.is_integer():  # 1.0 is an integer
         k = "integer"
@@ -37,14 +36,18 @@ def _node_takes(schema, node, value: Any) -> bool:
         k = "number"
     if k not in node.types:
         return False
-    if k in ("string", "number", "integer"):
-        try:
-            return value_fits(value, {}, node)  # lengths and pattern, or bounds
-        except (OverflowError, ValueError):  # a number past a double's range, beside bounds
-            return False
+    if k in ("number", "integer"):
+        return node.bounds is None or math.isfinite(value) and node.bounds.takes(Fraction(value))  # a float exactly
+    if k == "string":
+        return value_fits(value, {}, node)  # lengths and pattern
     if k == "object":
         return _object_takes(schema, node, value)
     return k != "array" or _array_takes(schema, node, value)
+
+
+@lru_cache(maxsize=256)
+def _enum_values(enum: tuple[bytes, ...]) -> frozenset:
+    return frozenset(_same(json.loads(e)) for e in enum)
 
 
 def _object_takes(schema, node, value: dict) -> bool:
@@ -52,7 +55,7 @@ def _object_takes(schema, node, value: dict) -> bool:
         return False
     written = set()
     for key, item in value.items():
-        listed = node.names.get(encode(key)[1:-1])
+        listed = node.names.get(_encoded(key))
         if listed is not None:
             written.add(listed)
             target = node.props[listed][1]
@@ -83,3 +86,12 @@ def _same(v: Any):
     if isinstance(v, dict):
         return ("object", frozenset((k, _same(x)) for k, x in v.items()))
     return same_key(v)
+
+
+def _encoded(key: str) -> bytes | None:
+    """A key as listed names are held (json.dumps between its quotes); None for one no listed name can be (a lone
+    surrogate)."""
+    try:
+        return encode(key)[1:-1]
+    except UnicodeEncodeError:
+        return None

@@ -52,7 +52,7 @@ from lorafleet.worker.json_schema_bounds import length_cap, number_byte, number_
 from lorafleet.worker.json_schema_check import takes
 from lorafleet.worker.json_schema_item_reader import ItemReader, distinct_start, fold
 from lorafleet.worker.json_schema_key_reader import KeyReader
-from lorafleet.worker.json_schema_lookup import enum_run
+from lorafleet.worker.json_schema_lookup import enum_run, most
 from lorafleet.worker.json_schema_unions import MANY
 from lorafleet.worker.regex_grammar import CLOSE, text_byte
 
@@ -122,8 +122,8 @@ class SchemaGrammar(KeyReader, ItemReader):
         not held to the forms the grammar writes numbers in)."""
         try:
             return takes(self.schema, self.schema.root, value)
-        except RecursionError:  # nested deeper than this check follows (a few hundred levels): refused
-            return False
+        except (RecursionError, UnicodeError, ValueError, OverflowError):  # nested deeper than this check follows
+            return False  # (a few hundred levels), or a number or text no value here can be: refused, not an error
 
     def advance(self, state, data: bytes):
         """The state after `data`, or None when `data` cannot continue a value of the schema from `state`."""
@@ -275,7 +275,7 @@ class SchemaGrammar(KeyReader, ItemReader):
             return [self._pop(st[:-1])] if node.required <= seen and len(seen) >= node.min_props else []
         listed = sum(1 for i in seen if isinstance(i, int))
         may_add = (node.others or listed < len(node.props)) \
-            and (node.max_props is None or len(seen) < node.max_props)
+            and (most(node) is None or len(seen) < most(node))
         if c == 0x2C and phase == "after":  # ','
             return [st[:-1] + (("o", index, seen, "next", -1),)] if may_add else []
         if c == 0x22 and phase in ("open", "next") and may_add:
@@ -286,13 +286,10 @@ class SchemaGrammar(KeyReader, ItemReader):
 
     def _written(self, index: int, seen: frozenset, cur: int | tuple) -> frozenset:
         """`seen` once property `cur`'s value is read: a listed one by its index; another, where the object counts
-        (min/maxProperties), by its name (so it is not counted twice) up to where the count stops mattering."""
+        its keys (json_schema_lookup.counts), by its name, so that it is not written twice."""
         if isinstance(cur, int):
             return seen | {cur}
-        node, name = self.nodes[index], cur[1]
-        if name is None or len(seen) >= max(node.min_props, node.max_props or 0):
-            return seen
-        return seen | {name}
+        return seen if cur[1] is None else seen | {cur[1]}
 
     def _boundedstring_byte(self, st: tuple, top: tuple, c: int) -> list[tuple]:
         """Byte `c` of a string with a length: a character counts when its last byte is read (a plain byte, an

@@ -113,30 +113,33 @@ def value_of(node, key: str) -> int | None:
     return node.additional
 
 
-def most_keys(keys: Keys, lo: int, hi: int | None) -> int | None:
-    """maxProperties as held (minProperties `lo`, maxProperties `hi`): an object that takes other keys counts them
-    by name, so each is written once, and holds at most MAX_OTHER_KEYS of them; where the texts its key language
-    takes besides the listed names run out first, no more than the keys there are (so no comma is left with no
-    key to follow it). BoundsError where minProperties cannot be reached, or the texts cannot be counted."""
+def most_keys(keys: Keys, lo: int, hi: int | None) -> tuple[int | None, int | None]:
+    """(maxProperties as held, the most keys the grammar writes) for minProperties `lo` and maxProperties `hi`.
+    An object that takes other keys counts them by name, so that none is written twice (a small model may loop
+    on one), and writes at most MAX_OTHER_KEYS of them (None: not counted, duplicates let be, where the key
+    language is too large to count and no size is asked). Where the texts its key language takes besides the
+    listed names run out first, maxProperties is no more than the keys there are (so no comma is left with no
+    key to follow it). BoundsError where minProperties cannot be reached, or asked sizes cannot be checked."""
     if not keys.others:
-        return hi
-    if hi is None:  # other keys are counted by name, so that none is written twice (a small model may loop on one)
-        hi = len(keys.listed) + MAX_OTHER_KEYS
+        return hi, None
+    cap = max(lo, len(keys.listed) + MAX_OTHER_KEYS)
     if keys.language is None:
-        return hi
-    need = max(lo, hi or 0) + 1
+        return hi, cap
+    need = max(lo, hi or 0, MAX_OTHER_KEYS) + 1
     listed = sum(1 for name, _ in keys.listed if keys.language.matches(name))
     total = count_texts(keys.language, need + listed)
     if total is None:
-        raise BoundsError("minProperties/maxProperties beside the keys its patterns take cannot be checked (too many "
-                          "states to count); drop the sizes or simplify the key patterns")
+        if lo or hi is not None:
+            raise BoundsError("minProperties/maxProperties beside the keys its patterns take cannot be checked (too "
+                              "many states to count); drop the sizes or simplify the key patterns")
+        return hi, None
     most = len(keys.listed) + total - listed
     if total - listed >= need:
-        return hi
+        return hi, cap
     if lo > most:
         raise BoundsError(f"minProperties {lo}, where the object takes {most} keys at most (its listed properties and "
                           "the keys its patterns take)")
-    return most if hi is None else min(hi, most)
+    return (most if hi is None else min(hi, most)), min(cap, most)
 
 
 def count_texts(language, limit: int, start=None) -> int | None:

@@ -31,11 +31,19 @@ def unwritten_with_prefix(node, seen: frozenset, prefix: bytes, room: bool) -> b
 
 
 def counts(node) -> bool:
-    return node.min_props > 0 or node.max_props is not None
+    """Whether an object keeps the names of its other keys (json_schema_keys.most_keys: each written once)."""
+    return node.key_cap is not None
+
+
+def most(node) -> int | None:
+    """The most keys the object may write: maxProperties, or the grammar's cap where smaller (None: any)."""
+    caps = [n for n in (node.max_props, node.key_cap) if n is not None]
+    return min(caps) if caps else None
 
 
 def has_room(node, seen: frozenset) -> bool:
     """Whether a key that is not required may still be written: maxProperties keeps room for the required ones."""
-    if node.max_props is None:
+    limit = most(node)
+    if limit is None:
         return True
-    return len(seen) + 1 + sum(1 for r in node.required if r not in seen) <= node.max_props
+    return len(seen) + 1 + sum(1 for r in node.required if r not in seen) <= limit

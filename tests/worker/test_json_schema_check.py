@@ -84,3 +84,16 @@ def test_a_value_nested_past_what_the_check_follows_is_refused_not_an_error():
         inner = inner[0]
     assert schema_grammar({"type": "object", "properties": {"a": {}}}).validates({"a": value}) is False
     assert schema_grammar({"type": "object", "properties": {"a": {}}}).validates({"a": [[[]]]}) is True
+
+
+@pytest.mark.parametrize("schema, value, ok", [
+    ({"enum": [1, {"a": 1, "b": 2}, [1]]}, 1.0, True), ({"enum": [[1]]}, [1.0], True),
+    ({"enum": [{"a": 1, "b": 2}]}, {"b": 2, "a": 1}, True), ({"enum": [1]}, True, False), ({"const": 0.0}, -0.0, True),
+    ({"type": "object", "additionalProperties": {"type": "integer"}}, {f"k{i}": i for i in range(1025)}, True),
+    ({"type": "object", "additionalProperties": {"type": "integer"}}, {"\ud83d": 1}, True),  # a lone surrogate key
+    ({"type": "object", "properties": {"a": {}}}, {"\ud83d": 1}, False),
+])
+def test_enum_values_compare_as_json_and_the_writing_cap_and_odd_keys_do_not_leak_into_the_check(schema, value, ok):
+    schema = schema if schema.get("type") == "object" else {"type": "object", "properties": {"v": schema}, "required": ["v"]}
+    value = value if "properties" not in schema or "v" not in schema["properties"] else {"v": value}
+    assert schema_grammar(schema).validates(value) is ok
