@@ -24,6 +24,7 @@ from lorafleet.worker.regex_grammar import compile_pattern
 from lorafleet.worker.regex_length import length_regex
 from lorafleet.worker.tool_request import required_calls_schema
 from tests.worker.grammar_checks import accepts, check_masks, check_text, walk, walks_validate
+from tests.worker.test_openai_tools import USER
 from tests.worker.test_structured_output import _parsed, api, bias, tools_model  # noqa: F401 (fixtures)
 
 
@@ -270,3 +271,22 @@ def test_a_finite_key_language_caps_an_object_without_max_properties():
     walks_validate(schema, seed=10, tries=30, at_least=10)
     free = compile_schema({"type": "object", "additionalProperties": {"type": "integer"}})
     assert (free.nodes[free.root].max_props, free.nodes[free.root].key_cap) == (None, 1024)  # each once, up to 1024
+
+
+async def test_sets_over_http_come_with_distinct_items(api, bias):  # noqa: F811
+    class Bag(BaseModel):
+        words: set[str]
+        counts: frozenset[int]
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "bag", "schema": Bag.model_json_schema()}}
+    longer = {k: v for k, v in bias.items() if v != 5}  # ']' and '"' not favoured: arrays of several items
+    lists = []
+    for seed in range(8):
+        resp = await api.chat.completions.create(model="tiny", messages=USER, response_format=fmt, seed=seed,
+                                                 max_tokens=160, logit_bias=longer)
+        if resp.choices[0].finish_reason == "stop":
+            raw = json.loads(resp.choices[0].message.content)
+            Bag.model_validate(raw)
+            lists += [raw["words"], raw["counts"]]
+    assert len(lists) >= 4 and any(len(items) > 1 for items in lists)
+    assert all(len({json.dumps(x) for x in items}) == len(items) for items in lists)  # no item twice
