@@ -4,9 +4,10 @@ check of a strict function's arguments that a model wrote freely (tool_choice "a
 The sampling grammar (json_schema_grammar.py) holds text to forms that keep every state able to go on: a
 bounded number or a set's number item has no exponent, and a set's number item at most 15 significant
 digits. Those are forms of writing, not of the value: `1e-07` is a number a schema with `minimum: 0` takes,
-and reading parsed values here takes it too. Numbers are compared as the parser gave them (a float by its
-value), `1.0` is an integer, keys and enum values by their text, patterns in ECMA-262's reading as the grammar
-reads them.
+and reading parsed values here takes it too. A number meets bounds as the decimal it is written as (0.1 is
+one tenth, as the grammar reads bounds), `1.0` is an integer, enum values and uniqueItems compare as JSON
+values (1 is 1.0, keys in any order, true is not 1), keys by their text, and patterns (the formats the grammar
+holds as patterns included) in ECMA-262's reading, as the grammar reads them.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from fractions import Fraction
 from functools import lru_cache
 from typing import Any
 
-from lorafleet.worker.json_schema_bounds import encode, kind, same_key, value_fits
+from lorafleet.worker.json_schema_bounds import as_fraction, encode, kind, same_key, value_fits
 from lorafleet.worker.json_schema_keys import value_of
 
 
@@ -37,7 +38,7 @@ def _node_takes(schema, node, value: Any) -> bool:
     if k not in node.types:
         return False
     if k in ("number", "integer"):
-        return node.bounds is None or math.isfinite(value) and node.bounds.takes(Fraction(value))  # a float exactly
+        return node.bounds is None or math.isfinite(value) and node.bounds.takes(as_fraction(value))  # as written
     if k == "string":
         return value_fits(value, {}, node)  # lengths and pattern
     if k == "object":

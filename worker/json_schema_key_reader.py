@@ -2,9 +2,9 @@
 listed property's name ("k" frames, matched against the sorted names), another key of any text ("K"), or one
 held to the object's key language ("R": patternProperties and propertyNames, json_schema_keys.py). A key is
 decided at its closing quote: a listed name however escaped is that property, written once; another key's
-name picks its value's schema. Where the object counts its keys (minProperties, maxProperties) each other key
-is written once too, and a key held to a language takes a character only where a key not written yet can
-still follow, so no key begun is a dead end.
+name picks its value's schema. Where the object counts its other keys by name (its key_cap, json_schema_keys.
+most_keys: nearly always) each is written once too. A key held to a language takes a character only where a
+key not written yet (listed, or counted) can still follow, so no key begun is a dead end.
 """
 
 from __future__ import annotations
@@ -27,11 +27,12 @@ class KeyReader:
     nodes: list
 
     def rescanned_bytes(self, state) -> set[int]:
-        """Where regex_reading takes a key of an object that counts its keys: the first bytes of the tokens whose
-        text may begin a key written already, so that the grammar reads them (_unwritten_after), not the trie."""
+        """Where regex_reading takes a key held to a language: the first bytes of the tokens whose text may begin
+        a key written already, so that the grammar reads them (_unwritten_after), not the trie."""
         st = next(iter(state))
-        if st[-1][0] != "R" or not counts(node := self.nodes[st[-2][1]]):
+        if st[-1][0] != "R":
             return set()
+        node = self.nodes[st[-2][1]]
         seen, text = st[-2][2], st[-1][3]
         prefix = encode(text)[1:-1]
         names = (node.props[w][0] if isinstance(w, int) else w for w in seen)
@@ -79,7 +80,7 @@ class KeyReader:
             return []
         if read == CLOSE:
             return self._key_closed(st, text)
-        if counts(node) and not self._may_go_on(node, obj[2], *read):
+        if not self._may_go_on(node, obj[2], *read):
             return []
         return [st[:-1] + (("R", *read),)]
 

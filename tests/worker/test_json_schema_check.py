@@ -97,3 +97,14 @@ def test_enum_values_compare_as_json_and_the_writing_cap_and_odd_keys_do_not_lea
     schema = schema if schema.get("type") == "object" else {"type": "object", "properties": {"v": schema}, "required": ["v"]}
     value = value if "properties" not in schema or "v" not in schema["properties"] else {"v": value}
     assert schema_grammar(schema).validates(value) is ok
+
+
+@pytest.mark.parametrize("bounds, value, ok", [
+    ({"maximum": 0.1}, 0.1, True), ({"minimum": 0.3}, 0.3, True), ({"multipleOf": 0.01}, 0.02, True),
+    ({"exclusiveMinimum": 0.1}, 0.1, False), ({"exclusiveMaximum": 0.3}, 0.3, False), ({"maximum": 1.1}, 1.1, True),
+])
+def test_a_number_meets_bounds_as_the_decimal_it_is_written_as(bounds, value, ok):
+    schema = {"type": "object", "properties": {"p": {"type": "number", **bounds}}, "required": ["p"]}
+    grammar = schema_grammar(schema)
+    assert grammar.validates({"p": value}) is ok
+    assert (grammar.advance(grammar.start, json.dumps({"p": value}).encode()) is not None) is ok  # as the grammar

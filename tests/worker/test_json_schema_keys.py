@@ -290,3 +290,16 @@ async def test_sets_over_http_come_with_distinct_items(api, bias):  # noqa: F811
             lists += [raw["words"], raw["counts"]]
     assert len(lists) >= 4 and any(len(items) > 1 for items in lists)
     assert all(len({json.dumps(x) for x in items}) == len(items) for items in lists)  # no item twice
+
+
+@pytest.mark.parametrize("schema, written", [
+    ({"type": "object", "properties": {"id": {}}, "patternProperties": {"^(id|[0-9]{1,300})$": {}}}, b'{"id":1,"i'),
+    ({"type": "object", "properties": {"id": {}}, "propertyNames": {"pattern": "^(id|[0-9]{1,300})$"},
+      "additionalProperties": True}, b'{"id":1,"i'),
+])
+def test_a_key_of_a_language_too_large_to_count_does_not_begin_a_written_listed_name(schema, written):
+    grammar = schema_grammar(schema)
+    assert compile_schema(schema).nodes[compile_schema(schema).root].key_cap is None  # other keys not counted
+    assert grammar.advance(grammar.start, written) is None  # "id" is written: "i" could only end as it
+    assert grammar.advance(grammar.start, b'{"id":1,"1') is not None
+    walks_validate(schema, seed=11, tries=30, at_least=5)
