@@ -302,16 +302,17 @@ def encode(value: Any) -> bytes:
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
 
 
-def same_key(v):
+def same_key(v, number=None):
     """A key equal for values JSON Schema takes as equal: numbers by value at any depth ([1] is [1.0]), booleans
-    apart from numbers, objects whatever their key order."""
+    apart from numbers, objects whatever their key order. `number`: how a number becomes its value (default
+    as_fraction, the decimal it is written as; Fraction, a float's exact binary value, as Python compares)."""
     if isinstance(v, bool) or v is None or isinstance(v, str):
         return (kind(v), v)
     if isinstance(v, (int, float)):
-        return ("number", as_fraction(v))
+        return ("number", (number or as_fraction)(v))
     if isinstance(v, list):
-        return ("array", tuple(same_key(x) for x in v))
-    return ("object", frozenset((k, same_key(x)) for k, x in v.items()))
+        return ("array", tuple(same_key(x, number) for x in v))
+    return ("object", frozenset((k, same_key(x, number)) for k, x in v.items()))
 
 
 def kind(v: Any) -> str:

@@ -29,7 +29,7 @@ def takes(schema, index: int, value: Any) -> bool:
 
 def _node_takes(schema, node, value: Any) -> bool:
     if node.enum is not None:  # compared as JSON values: 1 is 1.0, keys in any order, true is not 1
-        return _same(value) in _enum_values(node.enum)
+        return same_key(value, Fraction) in _enum_values(node.enum)
     k = kind(value)
     if k == "number" and math.isfinite(value) and value.is_integer():  # 1.0 is an integer
         k = "integer"
@@ -48,7 +48,7 @@ def _node_takes(schema, node, value: Any) -> bool:
 
 @lru_cache(maxsize=256)
 def _enum_values(enum: tuple[bytes, ...]) -> frozenset:
-    return frozenset(_same(json.loads(e)) for e in enum)
+    return frozenset(same_key(json.loads(e), Fraction) for e in enum)
 
 
 def _object_takes(schema, node, value: dict) -> bool:
@@ -72,21 +72,9 @@ def _object_takes(schema, node, value: dict) -> bool:
 def _array_takes(schema, node, value: list) -> bool:
     if len(value) < node.min_items or node.max_items is not None and len(value) > node.max_items:
         return False
-    if node.unique is not None and len({_same(v) for v in value}) < len(value):
+    if node.unique is not None and len({same_key(v, Fraction) for v in value}) < len(value):
         return False
     return all(takes(schema, schema.item(node, i), v) for i, v in enumerate(value))
-
-
-def _same(v: Any):
-    """A key equal for values JSON Schema takes as equal, numbers by their exact value as parsed (a float's
-    binary value, as Python compares an int with a float)."""
-    if isinstance(v, float) and math.isfinite(v):
-        return ("number", Fraction(v))
-    if isinstance(v, list):
-        return ("array", tuple(_same(x) for x in v))
-    if isinstance(v, dict):
-        return ("object", frozenset((k, _same(x)) for k, x in v.items()))
-    return same_key(v)
 
 
 def _encoded(key: str) -> bytes | None:

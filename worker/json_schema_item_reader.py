@@ -67,9 +67,10 @@ class ItemReader:
         nxt = _number_next(mode, c, integer, text)
         if nxt is not None:
             return [st[:-1] + (("m", nxt, integer, text + bytes((c,))),)] if _viable(nxt, integer, text + bytes((c,)), used) else []
-        if mode not in _NUMBER_ENDS or number_key(text) in used:
+        value = number_key(text) if mode in _NUMBER_ENDS else None
+        if value is None or value in used:
             return []
-        return self._byte(self._pop(st[:-1], number_key(text)), c)
+        return self._byte(self._pop(st[:-1], value), c)
 
 
 def distinct_start(c: int, types: frozenset, used) -> tuple | None:

@@ -30,7 +30,7 @@ class KeyReader:
         """Where regex_reading takes a key held to a language: the first bytes of the tokens whose text may begin
         a key written already, so that the grammar reads them (_unwritten_after), not the trie."""
         st = next(iter(state))
-        if st[-1][0] != "R":
+        if st[-1][0] != "R" or not st[-2][2]:
             return set()
         node = self.nodes[st[-2][1]]
         seen, text = st[-2][2], st[-1][3]
@@ -100,8 +100,10 @@ class KeyReader:
 
     def _may_go_on(self, node, seen: frozenset, dstate, pending: bytes, text: str) -> bool:
         """Whether a key the object has not written yet can still follow `text` (and the character `pending` has
-        begun) in an object that counts its keys by name: a written key begun again could otherwise only end as
-        itself, refused."""
+        begun): a written key (listed, or counted by name) begun again could otherwise only end as itself,
+        refused."""
+        if not seen:  # nothing written yet: the language's own states all go on
+            return True
         if not pending:
             return self._unwritten_after(node, seen, dstate, text)
         written = {w[len(text)] for w in self._written_texts(node, seen) if len(w) > len(text) and w.startswith(text)}

@@ -140,7 +140,7 @@ class JsonVocab:
                 valid = self._trie(regex, in_json).valid(regex, dstate, may_complete or in_json)
             if valid:
                 mask[torch.cat(valid)] = True
-            for first in getattr(grammar, "rescanned_bytes", _none)(state):  # read by the grammar, not the trie
+            for first in grammar.rescanned_bytes(state):  # read by the grammar, not the trie
                 for buckets in (self._buckets, self._ws_whole_buckets):
                     for group in buckets[first].values():
                         mask[torch.tensor(group, dtype=torch.int64)] = False
@@ -225,10 +225,6 @@ def _cached(cache: OrderedDict, key, build, limit: int):
             cache.popitem(last=False)
     cache.move_to_end(key)
     return value
-
-
-def _none(state) -> set[int]:
-    return set()
 
 
 def _new_buckets() -> list[dict[int, list[int]]]:

@@ -122,6 +122,11 @@ class TextGrammar:
         return None if state == DONE or state[1] else (self.regex, state[0], False)
 
     @staticmethod
+    def rescanned_bytes(state) -> set[int]:
+        """First bytes of tokens a regex_reading mask reads through the grammar, not the trie: none here."""
+        return set()
+
+    @staticmethod
     def ws_uniform(state) -> bool:
         return False  # whitespace is text the pattern reads
 
