@@ -80,8 +80,9 @@ def object_keys(schema, s: dict, where: str, depth: int) -> Keys:
             if name in required:
                 raise BoundsError(f"required: {name!r} is required, and propertyNames does not take it")
             continue
+        own = _canonical(sub)
         for text, _, canon, regex in patterns:
-            if canon != _canonical(sub) and regex.matches(name):
+            if canon != own and regex.matches(name):
                 raise BoundsError(f"properties.{name}: its name matches patternProperties {text!r} too, whose schema "
                                   "differs; its value would have to fit both, which cannot be held while sampling "
                                   "(give both the same schema)")
