@@ -26,7 +26,7 @@ from typing import Any
 from lorafleet.operator.crd_models import SpecError, _int, deployment_name
 
 FIELD = "spec.scaling"
-URL_RE = re.compile(r"https?://[^\x00-\x20\x7f-\xa0]+")  # fullmatch; the CRD's pattern
+URL_RE = re.compile(r"https?://[^\x00-\x20\x7f-\xa0?#]+")  # fullmatch; the CRD's pattern
 
 
 def _ratio(value: Any, field_name: str) -> float:
@@ -64,7 +64,9 @@ class ScalingSpec:
         if url is None:
             raise SpecError(f"{FIELD}.prometheusURL: required (e.g. http://prometheus.monitoring:9090)")
         if not isinstance(url, str) or not URL_RE.fullmatch(url):
-            raise SpecError(f"{FIELD}.prometheusURL: {url!r} must be an http:// or https:// URL")
+            raise SpecError(f"{FIELD}.prometheusURL: must be an http:// or https:// URL with no query, fragment, spaces "
+                            "or control characters (the operator adds /api/v1/query to it; the URL is not echoed: it "
+                            "may hold a password)")
         if data.get("maxReplicas") is None:
             raise SpecError(f"{FIELD}.maxReplicas: required (the most worker replicas the autoscaler may set)")
         max_replicas = _int(data["maxReplicas"], f"{FIELD}.maxReplicas", lo=1)

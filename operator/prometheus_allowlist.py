@@ -24,10 +24,12 @@ Origin = tuple[str, str, int]  # (scheme, host, port)
 
 def url_problem(url: str) -> str | None:
     """Why the operator must never send a request to ``url`` whatever the setting lists, or None: not http or
-    https, no host, or a user or password in it (a pool's spec is readable by whoever may read the pool). The
-    URL is never echoed: it may hold a password."""
+    https, no host (or one that is not a valid name), a user or password in it (a pool's spec is readable by
+    whoever may read the pool), or a query or fragment (the operator's POST would carry it to whatever path the
+    URL names). The URL is never echoed: it may hold a password."""
     try:
         parsed = URL(url)
+        host = parsed.host  # decoded (IDNA) here: a malformed name raises a UnicodeError, a ValueError
     except ValueError as exc:
         return f"is not a valid URL ({exc})"
     if parsed.scheme not in ("http", "https"):
@@ -38,8 +40,10 @@ def url_problem(url: str) -> str | None:
             "operator does not send them, as the pool's spec is readable by whoever may read it; remove them, "
             "and name a Prometheus the operator may ask without them (listed in " + SETTING + ")"
         )
-    if not parsed.host:
+    if not host:
         return "names no host"
+    if "?" in url or "#" in url:  # the query is Prometheus' own (a POST to /api/v1/query): none may be carried
+        return "carries a query or fragment; name the Prometheus by scheme://host:port and a path prefix only"
     return None
 
 

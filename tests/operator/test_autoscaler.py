@@ -46,6 +46,8 @@ def test_parse_all_fields():
     ({**BASE, "rateWindowSeconds": 5}, "spec.scaling.rateWindowSeconds"),
     ({**BASE, "target": "workers\n"}, "spec.scaling.target"),  # a trailing newline is no part of a name or URL
     ({**BASE, "prometheusURL": "http://p:9090\n"}, "spec.scaling.prometheusURL"),
+    ({**BASE, "prometheusURL": "http://p:9090/api/v1/admin/tsdb/snapshot?x="}, "spec.scaling.prometheusURL"),
+    ({**BASE, "prometheusURL": "http://p:9090/#"}, "spec.scaling.prometheusURL"),
     ({**BASE, "rateWindowSeconds": "2m"}, "spec.scaling.rateWindowSeconds"),
     ({**BASE, "kvHigh": True}, "spec.scaling.kvHigh"),
     ({**BASE, "kvLow": "low"}, "spec.scaling.kvLow"),

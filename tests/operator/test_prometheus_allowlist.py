@@ -39,6 +39,10 @@ ALLOWED = "http://prometheus.monitoring:9090"
         ("http://prometheus.monitoring:9090@169.254.169.254/", False),  # a user, not the host
         ("http://user:secret@prometheus.monitoring:9090", False),
         ("ftp://prometheus.monitoring:9090", False),
+        ("http://prometheus.monitoring:9090/api/v1/admin/tsdb/delete_series?match[]=up&x=", False),  # a query
+        ("http://prometheus.monitoring:9090/x#", False),
+        ("http://prometheus.monitoring:9090/?", False),
+        ("http://xn--/", False),  # a name IDNA cannot decode: refused, not raised
     ],
 )
 def test_only_a_listed_origin_is_allowed(url, allowed):
@@ -68,6 +72,7 @@ def test_a_refusal_names_the_setting():
         "http://prometheus.monitoring:9090?x=1",
         "http://prometheus.monitoring:99999",
         "http://",
+        "http://xn--:9090",
     ],
 )
 def test_the_setting_refuses_what_is_not_an_origin(entry):
