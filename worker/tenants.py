@@ -9,7 +9,8 @@ The keys file (JSON or YAML; in Kubernetes a mounted Secret) looks like::
         base_model: true                # may call the base model without an adapter (default true)
 
 A tenant may also use every adapter whose directive names it as `tenant` (see directives.py); an adapter
-whose directive names another tenant is that one's alone, whatever the patterns.
+whose directive names another tenant is that one's alone, whatever the patterns. The name `default` is
+reserved: it owns the adapters of no tenant in particular, which only the patterns grant.
 Without a keys file the worker is open (development mode): every caller is the `dev` tenant and may
 use everything; the server logs that at start-up. A keys file never opens the worker, not even one
 that lists no key (every caller is then refused). Keys are kept only as SHA-256 digests.
@@ -194,6 +195,9 @@ class Tenants:
             if not isinstance(name, str) or not name:
                 # YAML reads `1:` as an int: str() would merge it with a tenant "1" (permissions and caps shared).
                 raise TenantsError(f"{where}: a tenant name must be a non-empty string; quote it (\"{name}\":)")
+            if name == UNOWNED:  # the owner of adapters of no tenant in particular: may_use would grant it them all
+                raise TenantsError(f'{where}: "{UNOWNED}" is reserved (the owner of adapters of no tenant in particular, '
+                                   'which the patterns grant); name the tenant otherwise')
             if not isinstance(entry, dict):
                 raise TenantsError(f"{where}: expected a mapping with keys, adapters, base_model")
             unknown = set(entry) - {"keys", "adapters", "base_model"}

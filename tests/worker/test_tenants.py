@@ -61,6 +61,7 @@ def test_without_keys_everyone_is_the_dev_tenant():
         ('{"tenants": {"a": {"keys": ["k"], "adapterz": []}}}', "unknown fields"),
         ('{"tenants": {"a": {"keys": ["k"]}, "b": {"keys": ["k"]}}}', "shared with tenant"),
         ('{"tenants": {"a": {"base_model": "yes"}}}', "base_model"),
+        ('{"tenants": {"default": {"keys": ["k"], "adapters": []}}}', '"default" is reserved'),  # owns the unowned
         ("{not json", "not valid"),
     ],
 )
