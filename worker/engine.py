@@ -238,7 +238,7 @@ class Engine:
             raise refusal
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.device)
-            seq.generator.manual_seed(params.seed)
+            seq.generator.manual_seed(generator_seed(params.seed, seq.generator.device))
         self.requests[request_id] = seq
         self.outputs.start(request_id)
         self.scheduler.add(seq)
@@ -369,3 +369,14 @@ class Engine:
         kv = self.page_pool.num_used("kv")
         capacity = kv + self.page_pool.num_free + self.adapter_pool.reclaimable_pages()
         return kv / capacity if capacity else 1.0
+
+
+def generator_seed(seed: int, device: torch.device) -> int:
+    """The seed a request's generator takes: on the CPU torch keeps only a seed's low 32 bits (5 and 5 + 2**32, -1
+    and 2**63 - 1 would draw alike), so there the high 32 bits are mixed into them; seeds in [0, 2**32) are kept
+    as they are. A CUDA generator keeps all 64 bits."""
+    if device.type != "cpu" or 0 <= seed < 1 << 32:
+        return seed
+    seed &= (1 << 64) - 1  # a negative seed as torch reads it
+    high = seed >> 32
+    return (seed ^ ((high * 0x9E3779B97F4A7C15) >> 32) ^ high) & 0xFFFFFFFF

@@ -165,6 +165,9 @@ def parse_chat_request(body: Any, defaults: SamplingDefaults = SamplingDefaults(
         if role not in CHAT_ROLES:
             raise bad_request(f"{where}.role must be one of {', '.join(CHAT_ROLES)} (got {json.dumps(role)})",
                               "messages")
+        if m.get("content") is None and role != "assistant":  # only an assistant's turn (its tool calls) may lack it
+            raise bad_request(f"{where}: a {role} message needs 'content' (a string or a list of text parts)",
+                              "messages", "missing_required_parameter")
         name, tool_call_id = (_message_string(m, key, where) for key in ("name", "tool_call_id"))
         messages.append(ChatMessage(role, _content(m.get("content"), where), name, tool_call_id,
                                     message_tool_calls(m, where)))

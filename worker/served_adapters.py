@@ -79,6 +79,7 @@ from lorafleet.worker.tenants import Tenant
 
 log = logging.getLogger(__name__)
 _KEY_RE = re.compile(r"\b([A-Za-z0-9][A-Za-z0-9._-]*)@([A-Za-z0-9._-]*[A-Za-z0-9_-])")  # name@version in a message
+_PATH_RE = re.compile(r"(?<![\w/:.~-])(?:/[^\s/'\"]+)+/?")  # a local path in a message (not a URI's: s3://, http://)
 
 
 class VersionUnavailable(APIError):
@@ -147,9 +148,9 @@ class ServedAdapters:
                                     "your adapters (GET /v1/models)", type="permission_error",
                                code="model_not_allowed", param="model")
             return None
-        name, _, version = model.partition("@")
+        name, at, version = model.partition("@")
         served = self._adapters.get(name)
-        if served is None or not tenant.may_use(name, served.tenant):
+        if served is None or not tenant.may_use(name, served.tenant) or at and not version:  # `name@`: no version
             raise APIError(404, f"The model `{model}` does not exist on this worker (GET /v1/models lists the "
                                 "ones you may use)", type="invalid_request_error", code="model_not_found",
                            param="model")
@@ -166,13 +167,14 @@ class ServedAdapters:
     def redact(self, message: str, tenant: Tenant) -> str:
         """`message` without the `name@version` of adapters that `tenant` may not use: an engine error
         about the caller's request (e.g. which pinned adapters hold every slot) must not tell one tenant
-        the names of another's adapters."""
+        the names of another's adapters; and with each local path cut to its last part (a load error names
+        the file: its folders are the worker's disk, cache and tenant-folder layout)."""
         def hide(m: re.Match) -> str:
             served = self._adapters.get(m[1])
             owner = served.tenant if served is not None else None
             return m[0] if tenant.may_use(m[1], owner) else "another tenant's adapter"
 
-        return _KEY_RE.sub(hide, message)
+        return _PATH_RE.sub(lambda m: m[0].rstrip("/").rsplit("/", 1)[-1], _KEY_RE.sub(hide, message))
 
     def mark_failed(self, key: str, reason: str) -> None:
         name, _, version = key.partition("@")

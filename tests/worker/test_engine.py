@@ -159,6 +159,22 @@ def test_seeded_sampling_reproducible_and_batch_independent(tiny_llama_dir):
     _assert_all_free(engine)
 
 
+def test_seeds_apart_by_a_multiple_of_2_to_the_32_draw_apart_on_the_cpu(tiny_llama_dir):
+    """torch's CPU generator keeps a seed's low 32 bits; the engine mixes the high ones in (a client hashing user
+    ids into 64-bit seeds must not get the same draws for ids 2**32 apart), keeping seeds below 2**32 as they are."""
+    from lorafleet.worker.engine import generator_seed
+
+    cpu = torch.device("cpu")
+    assert [generator_seed(s, cpu) for s in (0, 5, 2**32 - 1)] == [0, 5, 2**32 - 1]
+    assert len({generator_seed(s, cpu) for s in (5, 5 + 2**32, 5 + 2**33, 5 - 2**32, 2**63 - 1, -1)}) == 6
+    assert generator_seed(5 + 2**32, torch.device("cuda")) == 5 + 2**32  # a CUDA generator keeps all 64 bits
+    engine = _engine(tiny_llama_dir)
+    outs = engine.generate([_prompts()[1]] * 4, [SamplingParams(max_tokens=10, temperature=1.0, seed=s)
+                                                 for s in (5, 5 + 2**32, -1, 2**63 - 1)])
+    assert outs[0].token_ids != outs[1].token_ids and outs[2].token_ids != outs[3].token_ids
+    _assert_all_free(engine)
+
+
 def test_stop_token_ids_stop_strings_and_max_tokens(tiny_llama_dir, hf_ref):
     engine = _engine(tiny_llama_dir)
     prompt = _prompts()[0]

@@ -256,6 +256,9 @@ BAD_CHATS = [
     ({"model": "m", "messages": ["hi"]}, "messages[0] must be an object"),
     ({"model": "m", "messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
     ({"model": "m", "messages": [{"role": "user", "content": 5}]}, "'content' must be"),
+    ({"model": "m", "messages": [{"role": "user"}]}, "a user message needs 'content'"),  # a misspelt "contents"
+    ({"model": "m", "messages": [{"role": "system", "content": None}]}, "a system message needs 'content'"),
+    ({"model": "m", "messages": [{"role": "tool", "tool_call_id": "c"}]}, "a tool message needs 'content'"),
     ({"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "only text"),
     ({"model": "m", "messages": [{"role": "tool", "content": "x", "tool_call_id": 5}]},
      "messages[0].tool_call_id must be a string"),
