@@ -25,13 +25,10 @@ import contextlib
 import hashlib
 import os
 import stat
-import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from lorafleet.worker.disk_cache import cache_write
 from lorafleet.worker.file_limits import (
     CONFIG_FILE,
     MAX_FILE_BYTES,
@@ -41,9 +38,10 @@ from lorafleet.worker.file_limits import (
     check_size,
     read_chunks,
 )
+from lorafleet.worker.object_fetch import Fetch
 from lorafleet.worker.source_error import SourceError, read_error
 from lorafleet.worker.stager_digests import FileIdentity, Identity, LocalDigests
-from lorafleet.worker.store_clients import StoreClients, StoreSilent
+from lorafleet.worker.store_clients import StoreClients
 from lorafleet.worker.tenant_folders import NO_FOLDERS, FolderBounds, TenantFolders, local_uri_path, resolve
 from lorafleet.worker.vocab_digest import TOKENIZER_FILES
 
@@ -52,7 +50,6 @@ OPTIONAL_FILES = ("special_tokens_map.json", "README.md")  # carried along, neve
 # Every file staged, from a local folder or an S3 prefix alike: the tokenizer files are checked on load.
 STAGED_FILES = tuple(dict.fromkeys((*ADAPTER_FILES, *TOKENIZER_FILES, *OPTIONAL_FILES)))
 MAX_ATTEMPTS = 3  # downloads of one adapter whose objects changed meanwhile
-CHUNK_BYTES = 256 << 10  # the most one read of a download takes (it takes what has come, reporting progress)
 RAISE_LIMIT = "raise the stager's --max-adapter-file-bytes (LORAFLEET_MAX_ADAPTER_FILE_BYTES)"
 Etags = list[tuple[str, str]]  # (object name, ETag) of the staged files under a prefix, sorted
 
@@ -189,7 +186,7 @@ class Sources:
                     check_size(loc.uri + wanted[key], size, self.config.max_adapter_file_bytes, fix=RAISE_LIMIT)
             for name in wanted.values():  # what an earlier attempt wrote
                 (dest / name).unlink(missing_ok=True)
-            fetched = _Fetch(sum(size for size, _ in objects.values()), progress, deadline, loc.uri)
+            fetched = Fetch(sum(size for size, _ in objects.values()), progress, deadline, loc.uri)
             if all(fetched.object(client, loc.bucket, key, etag, size, dest / wanted[key])
                    for key, (size, etag) in sorted(objects.items())):
                 return dest
@@ -297,87 +294,3 @@ def _as_source_error(where: str | Path = "") -> Iterator[None]:
         raise SourceError(str(exc), exc.kind) from None
     except OSError as exc:
         raise read_error(where, exc) from None
-
-
-class _Fetch:
-    """One download attempt's reads: progress over all objects, and the deadline."""
-
-    def __init__(self, total: int, progress: Callable[[int, int], None] | None, deadline: float | None,
-                 uri: str) -> None:
-        self.total, self.done, self.progress, self.deadline, self.uri = total, 0, progress, deadline, uri
-        self._report()
-
-    def _report(self) -> None:
-        if self.progress is not None:
-            self.progress(self.done, self.total)
-
-    def _check_deadline(self, where: str = "", silent: bool = False) -> None:
-        """Once the deadline passed: TimeoutError, the download ran out of its time (it may have been
-        receiving, too slowly); StoreSilent when `silent`, the object `where` was read and none of its
-        bytes had come: the store did not answer."""
-        if self.deadline is None or time.monotonic() < self.deadline:
-            return
-        if silent:
-            raise StoreSilent(f"{where}: the store sent none of its bytes before the download's deadline "
-                              f"({self.done} of {self.total} bytes)")
-        raise TimeoutError(f"{self.uri}: download timed out ({self.done} of {self.total} bytes)")
-
-    def _read(self, response, where: str, received: int, size: int) -> bytes:
-        """The next bytes of `response` as they come (up to CHUNK_BYTES; b"" at its end). A read the deadline
-        ended (the socket is shut down then) is a timeout, not a broken store."""
-        try:
-            return response.read1(CHUNK_BYTES)
-        except Exception:
-            self._check_deadline(where, received == 0 < size)
-            raise
-
-    def object(self, client, bucket: str, key: str, etag: str | None, size: int, path: Path) -> bool:
-        """Read `key` into `path`; False when it no longer has the listed `etag` (replaced meanwhile)."""
-        from minio.error import S3Error
-
-        self._check_deadline()
-        headers = {"If-Match": f'"{etag}"'} if etag else None
-        try:
-            response = client.get_object(bucket, key, request_headers=headers)
-        except S3Error as exc:
-            if exc.code == "PreconditionFailed":
-                return False
-            raise
-        # At the deadline the socket is shut down: a read blocked on a stalled store returns at once.
-        timer = None
-        if self.deadline is not None:
-            timer = threading.Timer(max(0.0, self.deadline - time.monotonic()), _shutdown, (response,))
-            timer.daemon = True
-            timer.start()
-        where, received = f"{self.uri}{path.name}", 0
-        try:
-            announced = response.headers.get("Content-Length")
-            if announced is not None and int(announced) > size:
-                raise SourceError(f"{where}: the store announces {announced} bytes, more than the {size} it listed; "
-                                  f"refused before downloading it", "too_large")
-            f = cache_write(lambda: open(path, "wb"))  # noqa: SIM115 - closed below
-            try:
-                while chunk := self._read(response, where, received, size):
-                    received += len(chunk)
-                    if received > size:  # no Content-Length (chunked): what the listing said is the bound
-                        raise SourceError(f"{where}: the store sent more than the {size} bytes it listed; the "
-                                          f"download was stopped", "too_large")
-                    cache_write(lambda c=chunk: f.write(c))
-                    self.done += len(chunk)
-                    self._report()
-            finally:
-                cache_write(f.close)  # the last buffered bytes are written here
-        finally:
-            if timer is not None:
-                timer.cancel()
-            response.close()
-            response.release_conn()
-        self._check_deadline(where, received == 0 < size)  # a read the deadline ended may end the body early
-        if path.stat().st_size != size:  # the store's fault (a dropped connection), not the adapter's: may pass
-            raise ConnectionError(f"{where}: the store sent {path.stat().st_size} of the {size} bytes it listed")
-        return True
-
-
-def _shutdown(response) -> None:
-    with contextlib.suppress(ValueError, RuntimeError, OSError):  # already released: the read is over anyway
-        response.shutdown()

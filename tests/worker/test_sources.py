@@ -288,6 +288,50 @@ async def test_a_store_sending_less_than_it_listed_is_a_store_failure_not_a_miss
     assert "adapter_config.json: the store sent 5 of the 8 bytes it listed" in answer.message
 
 
+
+@pytest.mark.parametrize("store", ["ranged", "drops", "whole again"])
+async def test_a_body_cut_short_is_resumed_from_where_it_stopped(aiohttp_server, tmp_path, store):
+    """A connection dropped in the middle of an object (a body that ends short, or breaks) is asked for the
+    rest only: Range from the bytes kept, under the same If-Match; a store that answers the whole object
+    instead (it ignores Range) has it read again from the start. The files are whole either way."""
+    import asyncio
+
+    from aiohttp import web
+
+    weights = bytes(range(256)) * 40
+    objects = {"team/alpha/adapter_config.json": b'{"r": 4}', "team/alpha/adapter_model.safetensors": weights}
+    asked: list[tuple[str | None, str | None]] = []
+
+    async def get(request: web.Request) -> web.StreamResponse:
+        body = objects[request.match_info["key"]]
+        ranged = request.headers.get("Range")
+        if request.match_info["key"].endswith(".json"):
+            return web.Response(body=body)
+        asked.append((ranged, request.headers.get("If-Match")))
+        start = int(ranged[6:-1]) if ranged and store != "whole again" else 0
+        response = web.StreamResponse(status=206 if start else 200)
+        if start:
+            response.headers["Content-Range"] = f"bytes {start}-{len(body) - 1}/{len(body)}"
+        response.enable_chunked_encoding()
+        await response.prepare(request)
+        # The first two answers stop after 1000 bytes; a store that ignores Range sends all of it the second time.
+        end = len(body) if len(asked) > 2 or len(asked) == 2 and store == "whole again" else start + 1000
+        await response.write(body[start:end])
+        if end < len(body) and store == "drops":
+            request.transport.close()  # the connection breaks mid-body
+            return response
+        await response.write_eof()
+        return response
+
+    app = _app([web.get("/adapters", _listing(objects)), web.get("/adapters/{key:.+}", get)])
+    server = await aiohttp_server(app)
+    dest = await asyncio.to_thread(_store_sources(server).download, "s3://adapters/team/alpha/", tmp_path / "staged")
+    assert (dest / "adapter_model.safetensors").read_bytes() == weights
+    if store == "whole again":
+        assert asked == [(None, '"e"'), ("bytes=1000-", '"e"')]  # answered whole from its start
+    else:
+        assert asked == [(None, '"e"'), ("bytes=1000-", '"e"'), ("bytes=2000-", '"e"')]
+
 DEADLINE_S = 5.0
 
 

@@ -1,0 +1,141 @@
+"""One download attempt of an adapter's objects (sources.Sources.download): progress over all of them, the
+attempt's deadline, and a body cut short taken up where it stopped.
+
+A connection the store drops in the middle of an object (a reset, a body that ends before the size the
+listing gave) is asked again for the rest only: a ranged GET (`Range: bytes=N-`) under the same `If-Match`,
+so the bytes appended are the same object's, up to `RESUMES` times an object while each answer brings some
+bytes. A store that ignores the range (200 instead of 206 from the offset asked) has its object read again
+from the start. A read the deadline ends is never resumed: the download's time is spent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from urllib3.exceptions import HTTPError as Urllib3Error
+
+from lorafleet.worker.disk_cache import cache_write
+from lorafleet.worker.source_error import SourceError
+from lorafleet.worker.store_clients import StoreSilent
+
+CHUNK_BYTES = 256 << 10  # the most one read of a download takes (it takes what has come, reporting progress)
+RESUMES = 4  # ranged GETs for the rest of one object whose connection dropped, each after bytes came
+
+
+class _Cut(Exception):
+    """The body ended (or its connection broke) after `received` of the object's bytes."""
+
+    def __init__(self, received: int, cause: BaseException | None) -> None:
+        super().__init__(received)
+        self.received, self.cause = received, cause
+
+
+class Fetch:
+    """One download attempt's reads: progress over all objects, and the deadline."""
+
+    def __init__(self, total: int, progress: Callable[[int, int], None] | None, deadline: float | None,
+                 uri: str) -> None:
+        self.total, self.done, self.progress, self.deadline, self.uri = total, 0, progress, deadline, uri
+        self.resumed = 0  # ranged GETs sent for the rest of an object (all objects)
+        self._report()
+
+    def _report(self) -> None:
+        if self.progress is not None:
+            self.progress(self.done, self.total)
+
+    def _check_deadline(self, where: str = "", silent: bool = False) -> None:
+        """Once the deadline passed: TimeoutError, the download ran out of its time (it may have been
+        receiving, too slowly); StoreSilent when `silent`, the object `where` was read and none of its
+        bytes had come: the store did not answer."""
+        if self.deadline is None or time.monotonic() < self.deadline:
+            return
+        if silent:
+            raise StoreSilent(f"{where}: the store sent none of its bytes before the download's deadline "
+                              f"({self.done} of {self.total} bytes)")
+        raise TimeoutError(f"{self.uri}: download timed out ({self.done} of {self.total} bytes)")
+
+    def object(self, client, bucket: str, key: str, etag: str | None, size: int, path: Path) -> bool:
+        """Read `key` into `path`; False when it no longer has the listed `etag` (replaced meanwhile)."""
+        where, received, resumes = f"{self.uri}{path.name}", 0, 0
+        while True:
+            try:
+                got = self._part(client, bucket, key, etag, size, path, received, where)
+            except _Cut as cut:
+                self._check_deadline(where, cut.received == 0 < size)  # a read the deadline ended is not resumed
+                if 0 < cut.received < size and resumes < RESUMES and cut.received > received:
+                    received, resumes = cut.received, resumes + 1
+                    self.resumed += 1
+                    continue
+                if cut.cause is not None:
+                    raise cut.cause from None
+                raise ConnectionError(f"{where}: the store sent {cut.received} of the {size} bytes it listed") from None
+            return got
+
+    def _part(self, client, bucket: str, key: str, etag: str | None, size: int, path: Path, offset: int,
+              where: str) -> bool:
+        """The object's bytes from `offset` (those before it are in `path`) appended to `path`; False when the
+        object changed. _Cut with the bytes `path` holds when the body ends short or its connection breaks."""
+        from minio.error import S3Error
+
+        self._check_deadline()
+        headers = {"If-Match": f'"{etag}"'} if etag else None
+        try:
+            response = client.get_object(bucket, key, offset=offset, request_headers=headers)
+        except S3Error as exc:
+            if exc.code == "PreconditionFailed":
+                return False
+            raise
+        # At the deadline the socket is shut down: a read blocked on a stalled store returns at once.
+        timer = None
+        if self.deadline is not None:
+            timer = threading.Timer(max(0.0, self.deadline - time.monotonic()), _shutdown, (response,))
+            timer.daemon = True
+            timer.start()
+        try:
+            if offset and not (response.status == 206 and
+                               response.headers.get("Content-Range", "").startswith(f"bytes {offset}-")):
+                self.done -= offset  # the whole object came instead of the rest: read again from its start
+                offset = 0
+            announced = response.headers.get("Content-Length")
+            if announced is not None and int(announced) > size - offset:
+                raise SourceError(f"{where}: the store announces {announced} bytes, more than the {size - offset} "
+                                  f"it listed; refused before downloading it", "too_large")
+            received = offset
+            f = cache_write(lambda: open(path, "ab" if offset else "wb"))  # noqa: SIM115 - closed below
+            try:
+                while True:
+                    try:
+                        chunk = response.read1(CHUNK_BYTES)
+                    except Exception as exc:  # a read the deadline ended (the socket shut down) is a timeout
+                        self._check_deadline(where, received == 0 < size)
+                        if isinstance(exc, (Urllib3Error, ConnectionError)):  # a broken connection: resumed
+                            raise _Cut(received, exc) from None
+                        raise
+                    if not chunk:
+                        break
+                    received += len(chunk)
+                    if received > size:  # no Content-Length (chunked): what the listing said is the bound
+                        raise SourceError(f"{where}: the store sent more than the {size} bytes it listed; the "
+                                          f"download was stopped", "too_large")
+                    cache_write(lambda c=chunk: f.write(c))
+                    self.done += len(chunk)
+                    self._report()
+            finally:
+                cache_write(f.close)  # the last buffered bytes are written here
+        finally:
+            if timer is not None:
+                timer.cancel()
+            response.close()
+            response.release_conn()
+        if received != size:  # the store's fault (a dropped connection), not the adapter's
+            raise _Cut(received, None)
+        return True
+
+
+def _shutdown(response) -> None:
+    with contextlib.suppress(ValueError, RuntimeError, OSError):  # already released: the read is over anyway
+        response.shutdown()
