@@ -35,6 +35,7 @@ from lorafleet.worker.app_keys import (
     ENGINE,
     HOST,
     METRICS,
+    SOURCES,
     TENANTS,
 )
 from lorafleet.worker.directives import MAX_STATE_BYTES, DesiredState, DirectiveError, VersionRef
@@ -45,7 +46,7 @@ from lorafleet.worker.openai_protocol import (
     parse_unload_adapter_request,
 )
 from lorafleet.worker.served_adapters import ServedAdapters
-from lorafleet.worker.sources import SourceError, Sources, SourcesConfig
+from lorafleet.worker.sources import SourceError
 from lorafleet.worker.staging_errors import READ_ERROR_KINDS, source_status
 from lorafleet.worker.state_json import reply
 from lorafleet.worker.tenants import AuthenticationError, bearer_token, token_bytes
@@ -84,22 +85,32 @@ def require_admin(request: web.Request) -> None:
                    type="authentication_error", code="invalid_admin_token", headers={"WWW-Authenticate": "Bearer"})
 
 
-def _local_source(app: web.Application, uri: str, what: str) -> str:
+def _local_source(app: web.Application, uri: str, what: str, hashed: bool = True) -> tuple[str, str | None]:
     """The source to register for `uri`: its folder resolved inside the worker's adapter roots (the
-    stager stages object-store sources into one of them), so what was checked is what is loaded.
-    An object-store URI (not staged) or a folder that does not exist passes unchanged: registering it
-    fails and the failure is reported for that version. Anything else is refused: 403 for a path out
-    of the roots or with '..', 400 for a relative or malformed one (it would be read relative to the
-    worker's working directory), and as the stager answers it for a folder or file that cannot be read
-    (403 permission denied, 422 a symlink loop or another read error)."""
-    sources = Sources(SourcesConfig(local_roots=app[CONFIG].local_adapter_roots))
+    stager stages object-store sources into one of them), so what was checked is what is loaded; and the
+    digest of its adapter files, each read from a descriptor found in the roots (Sources.verify_local): the
+    loader refuses other bytes, so a file swapped for a link out of the roots after this check is never
+    loaded. An object-store URI (not staged) or a folder that does not exist passes unchanged, with no digest:
+    registering it fails and the failure is reported for that version (so are files missing, too large or
+    unreadable when hashed). Anything else is refused: 403 for a path out of the roots or with '..', or a file
+    found out of them as it is opened; 400 for a relative or malformed one (it would be read relative to the
+    worker's working directory), and as the stager answers it for a folder or file that cannot be read (403
+    permission denied, 422 a symlink loop or another read error). `hashed` False: no digest (the push gives one,
+    which the loader holds the bytes it reads to)."""
+    sources = app[SOURCES]
     if sources.is_s3(uri):
-        return uri
+        return uri, None
     try:
-        return str(sources.local_path(uri))
+        path = sources.local_path(uri)
+        try:
+            return str(path), sources.verify_local(path, None, what) if hashed else None
+        except SourceError as exc:
+            if exc.kind == "not_allowed":
+                raise
+            return str(path), None
     except SourceError as exc:
         if exc.kind == "missing":
-            return uri
+            return uri, None
         if exc.kind == "not_allowed":
             raise APIError(403, f"{what}: {exc}; set --adapter-roots (LORAFLEET_ADAPTER_ROOTS) to allow a folder",
                            type="permission_error", code="source_not_allowed") from None
@@ -111,11 +122,13 @@ def _local_source(app: web.Application, uri: str, what: str) -> str:
 
 
 def _with_local_sources(app: web.Application, state: DesiredState) -> DesiredState:
-    """`state` with every version's source checked and replaced by the path to register."""
+    """`state` with every version's source checked and replaced by the path to register, held to the digest of
+    the files checked where the push gives none."""
     def checked(name: str, ref: VersionRef | None) -> VersionRef | None:
         if ref is None:
             return None
-        return replace(ref, uri=_local_source(app, ref.uri, f"adapter {name}@{ref.version}"))
+        uri, digest = _local_source(app, ref.uri, f"adapter {name}@{ref.version}", hashed=ref.sha256 is None)
+        return replace(ref, uri=uri, sha256=ref.sha256 or digest)
 
     adapters = [replace(d, stable=checked(d.name, d.stable), canary=checked(d.name, d.canary)) for d in state.adapters]
     return replace(state, adapters=adapters)
@@ -251,8 +264,8 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
 
 def _load_adapter(app: web.Application, name: str, path: str) -> str:
     """Check `path`, then register it as `name` (in the admin change's thread: both touch the disk)."""
-    source = _local_source(app, path, f"lora_path of {name!r}")
-    return _changing(app[ADAPTERS], app[ADAPTERS].load, name, source, app[HOST])  # what is served is no push's
+    source, digest = _local_source(app, path, f"lora_path of {name!r}")
+    return _changing(app[ADAPTERS], app[ADAPTERS].load, name, source, app[HOST], digest)  # served is no push's
 
 
 def _unload_adapter(app: web.Application, name: str) -> None:

@@ -12,6 +12,7 @@ from lorafleet.worker.async_engine import AsyncEngine
 from lorafleet.worker.engine_adapters import EngineAdapters
 from lorafleet.worker.metrics import WorkerMetrics
 from lorafleet.worker.served_adapters import ServedAdapters
+from lorafleet.worker.sources import Sources
 from lorafleet.worker.tenants import Tenants
 from lorafleet.worker.worker_config import WorkerConfig
 
@@ -33,5 +34,6 @@ METRICS = web.AppKey("metrics", WorkerMetrics)
 ADMISSION = web.AppKey("admission", Admission)
 STATUS = web.AppKey("status", ServerStatus)
 ADMIN_LOCK = web.AppKey("admin_lock", asyncio.Lock)
+SOURCES = web.AppKey("sources", Sources)  # the adapter roots admin sources are checked in, with their digests kept
 IN_FLIGHT = web.AppKey("in_flight", set)  # tasks of the request handlers running now (for shutdown)
 ADMIN_URL = web.AppKey("admin_url", str)  # the admin listener's base URL (--admin-port), once it listens

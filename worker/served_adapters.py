@@ -337,13 +337,14 @@ class ServedAdapters:
             keep_serving(served, old)
         return served
 
-    def load(self, name: str, path: str, engine: AdapterHost) -> str:
-        """vLLM's load_lora_adapter: register `name` from a local path; answers `name@version`."""
+    def load(self, name: str, path: str, engine: AdapterHost, sha256: str | None = None) -> str:
+        """vLLM's load_lora_adapter: register `name` from a local path (its files hashing to `sha256`, when
+        given); answers `name@version`."""
         if name in self._adapters or name == self.base_model:
             raise APIError(400, f"The lora adapter '{name}' has already been loaded; unload it first.",
                            code="adapter_exists", param="lora_name")
         try:
-            key = engine.register_adapter(name, local_source(path))
+            key = engine.register_adapter(name, local_source(path), sha256=sha256)
         except (ValueError, KeyError, OSError, RuntimeError) as exc:
             raise APIError(400, f"cannot load adapter {name!r} from {path}: {exc}", code="adapter_invalid",
                            param="lora_path") from None

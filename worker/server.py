@@ -44,6 +44,7 @@ from lorafleet.worker.app_keys import (
     HOST,
     IN_FLIGHT,
     METRICS,
+    SOURCES,
     STATUS,
     TENANTS,
     ServerStatus,
@@ -58,6 +59,7 @@ from lorafleet.worker.listen import port_in_use
 from lorafleet.worker.metrics import CONTENT_TYPE, EngineSnapshot, WorkerMetrics
 from lorafleet.worker.openai_api import openai_routes
 from lorafleet.worker.served_adapters import ServedAdapters
+from lorafleet.worker.sources import Sources, SourcesConfig
 from lorafleet.worker.startup_adapters import STARTUP_ADAPTERS, StartupAdapters, watch_seed
 from lorafleet.worker.startup_errors import StartupError
 from lorafleet.worker.startup_refusals import keys_file_refusal, load_refusal
@@ -299,6 +301,7 @@ def create_app(config: WorkerConfig) -> web.Application:
     app[STATUS] = ServerStatus(started_at=time.time())
     app[ADMISSION] = Admission(config.capacity, config.max_sequences_per_tenant, config.intake_limit)
     app[ADMIN_LOCK] = asyncio.Lock()
+    app[SOURCES] = Sources(SourcesConfig(local_roots=config.local_adapter_roots))
     app[METRICS] = WorkerMetrics(lambda: engine_snapshot(app), retired_grace_s=config.retired_series_grace_s,
                                  latency_series=config.adapter_latency_series)
     app[IN_FLIGHT] = set()

@@ -291,3 +291,44 @@ def test_a_failed_rollout_keeps_the_real_engines_current_version(tiny_llama_dir,
         assert served.resolve("sql", Tenant("t"), None) == "sql@v1"
         assert engine.adapters() == ["sql@v1"] and engine.adapter_pool.resolve("sql") == "sql@v1"
         engine.adapter_pool.load("sql@v1")  # it still serves
+
+
+@pytest.mark.parametrize("endpoint", ["load", "push"])
+def test_a_weights_file_swapped_for_a_link_out_of_the_roots_after_its_check_is_never_loaded(
+        tiny_llama_dir, tmp_path, monkeypatch, endpoint):
+    """The admin endpoints check a local folder in the adapter roots, then the engine reads it: a file swapped
+    between the two for a link out of the roots (another tenant's weights) would be loaded unchecked. The check
+    hashes each file from a descriptor found in the roots, and the load must read those bytes: the swap is
+    refused, and nothing is registered."""
+    from aiohttp import web
+
+    from lorafleet.worker import admin_api
+    from lorafleet.worker.app_keys import ADAPTERS, HOST, SOURCES
+    from lorafleet.worker.sources import Sources, SourcesConfig
+
+    with _real_engine_with_good_and_bad(tiny_llama_dir, tmp_path / "roots") as (engine, host, good, other):
+        outside = tmp_path / "outside"
+        (other / "tokenizer.json").unlink()
+        other.rename(outside)  # another adapter's weights, out of the roots
+        sources = Sources(SourcesConfig(local_roots=[str(tmp_path / "roots")]))
+        checked = sources.verify_local
+
+        def check_then_swap(path, sha256, where, *args):
+            digest = checked(path, sha256, where, *args)
+            weights = path / "adapter_model.safetensors"
+            weights.unlink()
+            weights.symlink_to(outside / "adapter_model.safetensors")  # after the check, before the load
+            return digest
+
+        monkeypatch.setattr(sources, "verify_local", check_then_swap)
+        app = web.Application()
+        app[SOURCES], app[ADAPTERS], app[HOST] = sources, ServedAdapters("base"), host
+        if endpoint == "load":
+            with pytest.raises(APIError, match="sha256 mismatch") as exc:
+                admin_api._load_adapter(app, "good", str(good))
+            assert exc.value.status == 400
+        else:
+            push = state(1, {"name": "good", "tenant": "t", "stable": {"version": "v1", "uri": str(good)}})
+            admin_api._apply_state(app, push)
+            assert "sha256 mismatch" in app[ADAPTERS].report(host).adapters[0].error
+        assert engine.adapters() == []
