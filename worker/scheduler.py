@@ -260,7 +260,7 @@ class Scheduler:
         self._stuck_steps.clear()
         seq.status = SequenceStatus.RUNNING
         self._add_running(seq)
-        self._skipped_steps.pop(seq.seq_id, None)
+        # Its skipped steps stay until it finishes: preempted, it does not wait out the bound a second time.
         self._short_alone.discard(seq.seq_id)
         batch.add(seq, num_new)
         if seq.adapter is not None:

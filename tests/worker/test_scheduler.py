@@ -273,6 +273,25 @@ def test_max_loras_per_batch_bounds_distinct_adapters_then_lets_the_starved_in()
     assert batch.adapters() == set(keys)
 
 
+def test_a_starved_sequence_preempted_after_its_wait_does_not_wait_the_bound_again():
+    """The wait bound is paid once: a sequence let in past max_loras_per_batch, then preempted, keeps its
+    skipped steps and goes back in at once, not after another max_adapter_wait_steps steps."""
+    adapters = FakeAdapterPool(resident=["x0@1", "x1@1"])
+    sched, _ = _sched(adapter_pool=adapters, max_loras_per_batch=1, max_adapter_wait_steps=3)
+    busy, late = _seq(3, "x0@1", max_tokens=100), _seq(4, "x1@1", max_tokens=100)
+    sched.add(busy)
+    sched.add(late)
+    steps = 0
+    while late not in sched.running:
+        _run_step(sched)
+        steps += 1
+    assert steps == 4  # skipped three steps, then let in beside x0
+    from lorafleet.worker.scheduled_batch import ScheduledBatch
+
+    sched._preempt(late, ScheduledBatch())  # pages ran short: back to the head of its queue
+    assert late not in sched.running and _run_step(sched).adapters() == {"x0@1", "x1@1"}
+
+
 def test_mixed_workload_leaves_no_page_behind():
     sched, pool = _sched(num_pages=5, max_num_batched_tokens=7)
     seqs = [_seq(n, max_tokens=m) for n, m in ((3, 5), (11, 2), (6, 9), (2, 4), (9, 3))]
