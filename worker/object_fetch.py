@@ -4,8 +4,11 @@ attempt's deadline, and a body cut short taken up where it stopped.
 A connection the store drops in the middle of an object (a reset, a body that ends before the size the
 listing gave) is asked again for the rest only: a ranged GET (`Range: bytes=N-`) under the same `If-Match`,
 so the bytes appended are the same object's, up to `RESUMES` times an object while each answer brings some
-bytes. A store that ignores the range (200 instead of 206 from the offset asked) has its object read again
-from the start. A read the deadline ends is never resumed: the download's time is spent.
+bytes. Only the rest asked is taken: a 206 must say `Content-Range: bytes N-(size-1)/size`, else the download
+fails as the store's fault; a store that ignores the range (200) has its object read again from the start. An
+object listed without an ETag (nothing would keep a replaced upload's bytes out of the rest) or sent encoded
+(`Content-Encoding`: its bytes as received are not the bytes the range counts) is not resumed, and neither is
+a read the deadline ended: the download's time is spent.
 """
 
 from __future__ import annotations
@@ -29,9 +32,9 @@ RESUMES = 4  # ranged GETs for the rest of one object whose connection dropped, 
 class _Cut(Exception):
     """The body ended (or its connection broke) after `received` of the object's bytes."""
 
-    def __init__(self, received: int, cause: BaseException | None) -> None:
+    def __init__(self, received: int, cause: BaseException | None, resumable: bool) -> None:
         super().__init__(received)
-        self.received, self.cause = received, cause
+        self.received, self.cause, self.resumable = received, cause, resumable
 
 
 class Fetch:
@@ -66,7 +69,7 @@ class Fetch:
                 got = self._part(client, bucket, key, etag, size, path, received, where)
             except _Cut as cut:
                 self._check_deadline(where, cut.received == 0 < size)  # a read the deadline ended is not resumed
-                if 0 < cut.received < size and resumes < RESUMES and cut.received > received:
+                if cut.resumable and 0 < cut.received < size and resumes < RESUMES and cut.received > received:
                     received, resumes = cut.received, resumes + 1
                     self.resumed += 1
                     continue
@@ -79,7 +82,7 @@ class Fetch:
               where: str) -> bool:
         """The object's bytes from `offset` (those before it are in `path`) appended to `path`; False when the
         object changed. _Cut with the bytes `path` holds when the body ends short or its connection breaks."""
-        from minio.error import S3Error
+        from minio.error import InvalidResponseError, S3Error
 
         self._check_deadline()
         headers = {"If-Match": f'"{etag}"'} if etag else None
@@ -89,6 +92,10 @@ class Fetch:
             if exc.code == "PreconditionFailed":
                 return False
             raise
+        except InvalidResponseError as exc:  # a 412 without S3's XML body (a gateway's): replaced all the same
+            if getattr(exc, "_code", None) == 412:
+                return False
+            raise
         # At the deadline the socket is shut down: a read blocked on a stalled store returns at once.
         timer = None
         if self.deadline is not None:
@@ -96,10 +103,14 @@ class Fetch:
             timer.daemon = True
             timer.start()
         try:
-            if offset and not (response.status == 206 and
-                               response.headers.get("Content-Range", "").startswith(f"bytes {offset}-")):
-                self.done -= offset  # the whole object came instead of the rest: read again from its start
+            if offset and response.status != 206:  # the whole object came instead of the rest: read from its start
+                self.done -= offset
                 offset = 0
+            elif offset and response.headers.get("Content-Range", "").strip() != f"bytes {offset}-{size - 1}/{size}":
+                raise ConnectionError(f"{where}: the store answered the rest of the object from byte {offset} with "
+                                      f"Content-Range {response.headers.get('Content-Range')!r}, not bytes "
+                                      f"{offset}-{size - 1}/{size}")
+            resumable = bool(etag) and response.headers.get("Content-Encoding", "identity").lower() in ("", "identity")
             announced = response.headers.get("Content-Length")
             if announced is not None and int(announced) > size - offset:
                 raise SourceError(f"{where}: the store announces {announced} bytes, more than the {size - offset} "
@@ -113,7 +124,7 @@ class Fetch:
                     except Exception as exc:  # a read the deadline ended (the socket shut down) is a timeout
                         self._check_deadline(where, received == 0 < size)
                         if isinstance(exc, (Urllib3Error, ConnectionError)):  # a broken connection: resumed
-                            raise _Cut(received, exc) from None
+                            raise _Cut(received, exc, resumable) from None
                         raise
                     if not chunk:
                         break
@@ -132,7 +143,7 @@ class Fetch:
             response.close()
             response.release_conn()
         if received != size:  # the store's fault (a dropped connection), not the adapter's
-            raise _Cut(received, None)
+            raise _Cut(received, None, resumable)
         return True
 
 
