@@ -21,7 +21,7 @@ or such a starved sequence's adapter finds no room, the others let go of theirs 
 version, never taken again once let go, go ahead of it). One that preempted itself running alone (adapters hold
 the rest of the pool) is readmitted only once the pages of all its tokens can be had, not chunk by chunk into
 the same wall; one that never can (`never_fits`: its adapter and pinned ones leave too little of the pool) fails
-at once, or ends by length if its max_tokens, lowered to fit (kv_room.py), is reached.
+at once, or ends by length with its output (adapters pinned since it began), as where its lowered max_tokens is reached.
 """
 
 from __future__ import annotations
@@ -259,8 +259,7 @@ class Scheduler:
         self.waiting.remove(seq)
         self._stuck_steps.clear()
         seq.status = SequenceStatus.RUNNING
-        self._add_running(seq)
-        # Its skipped steps stay until it finishes: preempted, it does not wait out the bound a second time.
+        self._add_running(seq)  # its skipped steps stay until it finishes: preempted, it waits out no bound again
         self._short_alone.discard(seq.seq_id)
         batch.add(seq, num_new)
         if seq.adapter is not None:
@@ -355,7 +354,8 @@ class Scheduler:
         steps, since = self._stuck_steps.get(seq.seq_id, (0, time.monotonic()))
         self._stuck_steps[seq.seq_id] = (steps := steps + 1, since)
         never = self.never_fits(seq) if self.never_fits is not None else None
-        if never is None and len(seq.output_token_ids) >= seq.params.max_tokens:  # lowered to fit, reached
+        # Lowered to fit and reached; or, pinned adapters having taken room since it began, never fitting: ends by length
+        if seq.output_token_ids if never is not None else len(seq.output_token_ids) >= seq.params.max_tokens:
             self.finish(seq, "length")
             self.failed.append(seq)  # reported at the engine's next step
             return True
