@@ -222,6 +222,15 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
             if self._wanted:
                 self._sweep_wanted()  # it may make room for an adapter nobody's acquire retries (prefetch, pin)
 
+    def hold(self, key: str, waiter: object) -> None:
+        """A request resolved to `key` is queued and has not taken it yet: a version switch or unregistration
+        meanwhile leaves the version registered until the request takes it (acquire) or goes (abandon), as for
+        a request that gave it back to take it again (`detached`), so that a rollout fails no queued request."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None and not entry.retired:
+                entry.detached.add(waiter)
+
     def abandon(self, key: str, waiter: object, *, detach: bool = False) -> None:
         """A waiting request went away (aborted) before its adapter arrived. `detach`: it only stops waiting for
         now and will take it again (it ran on this version): the version is not retired before it does, or goes

@@ -6,16 +6,13 @@ and a stream never restarts: when the engine no longer holds its version (a push
 to the version serving now; when its version cannot load (a new stable version with a bad file), to the
 version the name's split falls back to (`ServedAdapters.mark_failed`); when its canary cannot load for now
 (a retryable failure), to the stable version, the split left as it is. A job that pinned `name@version`,
-one that moved already, and one with output are answered with the failure: also when a later choice, still
-queued while the earlier ones ran, finds the version gone (unloaded, or replaced by a push, once its last
-request finished), it fails the answer rather than running on the version serving now. A choice that
+one that moved already, and one with output are answered with the failure. A choice that
 started on the job's old version before the job moved has produced nothing (a move needs that): its output
 from the old version is dropped and it runs again on the new one.
 
-The job holds its version through its choices in the engine only: one still queued holds nothing (the pool
-would drop a retired version as soon as the choices running on it finished). A hold from here would keep
-the version's GPU slot while nothing runs on it, which the scheduler cannot let go of when other requests
-need the room (`Scheduler._let_go_of_adapters`); such answers fail (404, retry) instead.
+The job holds its version through its choices in the engine: each is added at once, and one still queued
+behind the seats keeps its version registered until it takes it (AdapterPool.hold: no GPU slot, which the
+scheduler may still let go of), so a push replacing the version fails none of the job's choices.
 
 A job may have a time limit (--request-timeout-s), counted from its arrival (`job.arrived`, admission: its
 body was read and tokenized) to its last output. When it passes, the choices still running are cancelled
