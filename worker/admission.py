@@ -8,7 +8,9 @@ An optional per-tenant cap keeps one tenant from filling the whole queue: with c
 Tenants are counted only while they hold sequences, so the table never outgrows the tenants in flight.
 
 Intake (reading a body, parsing it, tokenizing) comes before a request's sequences are known; it is
-bounded apart: at most `max_intake` requests at once (worker/intake.py refuses the rest with 429).
+bounded apart: at most `max_intake` requests at once (worker/intake.py refuses the rest with 429). With the
+per-tenant cap, a tenant's requests in intake count against it too (each will need a sequence at least), so
+one tenant cannot hold every intake place, with bodies it sends slowly, and lock the others out.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class Admission:
         self.num_refused = 0
         self.max_intake = max_intake  # requests in intake at once; 0 = no limit
         self.num_in_intake = 0
+        self.num_in_intake_by_tenant: dict[str, int] = {}  # counted only with a per-tenant cap
 
     @property
     def max_seqs_per_request(self) -> int:
@@ -85,18 +88,34 @@ class Admission:
         self.num_admitted_by_tenant[tenant] = self.num_admitted_by_tenant.get(tenant, 0) + num_seqs
         return True
 
-    def enter_intake(self) -> bool:
-        """Take an intake place for one request; False (and nothing taken) when all are taken."""
-        if self.max_intake and self.num_in_intake >= self.max_intake:
+    def enter_intake(self, tenant: str = "") -> str | None:
+        """Take an intake place for one request of `tenant`; else (nothing taken) why not: INTAKE_FULL, all are
+        taken, or TENANT_QUEUE_FULL, the tenant's sequences admitted and requests in intake reach its cap."""
+        reason = None
+        if self.max_per_tenant and self.tenant_load(tenant) >= self.max_per_tenant:
+            reason = TENANT_QUEUE_FULL
+        elif self.max_intake and self.num_in_intake >= self.max_intake:
+            reason = INTAKE_FULL
+        if reason:
             self.num_refused += 1
-            return False
+            return reason
         self.num_in_intake += 1
-        return True
+        if self.max_per_tenant:
+            self.num_in_intake_by_tenant[tenant] = self.num_in_intake_by_tenant.get(tenant, 0) + 1
+        return None
 
-    def leave_intake(self) -> None:
+    def tenant_load(self, tenant: str) -> int:
+        """`tenant`'s sequences admitted and requests in intake."""
+        return self.num_admitted_by_tenant.get(tenant, 0) + self.num_in_intake_by_tenant.get(tenant, 0)
+
+    def leave_intake(self, tenant: str = "") -> None:
         if self.num_in_intake < 1:
             raise ValueError("leaving intake but no request is in it")
         self.num_in_intake -= 1
+        if self.max_per_tenant:
+            held = self.num_in_intake_by_tenant.pop(tenant, 0)
+            if held > 1:
+                self.num_in_intake_by_tenant[tenant] = held - 1
 
     def release(self, num_seqs: int, tenant: str) -> None:
         _check_positive(num_seqs)

@@ -3,8 +3,8 @@ parsing the JSON, tokenizing), bounded so that a burst cannot grow memory and CP
 --max-body-bytes while the queue is full anyway.
 
 Before the body is read, a request is refused with 429 and `Retry-After` when not even one more
-sequence of its tenant would be admitted now (`queue_full`, `tenant_queue_full`), or when
-`--max-intake-requests` requests are in intake already (`intake_full`). A body that has not arrived
+sequence of its tenant would be admitted now (`queue_full`, `tenant_queue_full`: its requests being read
+count), or when `--max-intake-requests` requests are in intake already (`intake_full`). A body that has not arrived
 `--request-read-timeout-s` after the worker began reading it is answered 408 (`request_timeout`), which
 frees its intake place: clients that upload slowly cannot hold intake. Bodies over LARGE_BODY_BYTES
 are parsed in the default executor, where tokenization runs too, so that the event loop (and
@@ -56,7 +56,9 @@ def refused(app: web.Application, reason: str, tenant: str, num_seqs: int | None
     needs = f"{num_seqs} more" if num_seqs else "at least 1 more"
     if reason == TENANT_QUEUE_FULL:
         held = admission.num_admitted_by_tenant.get(tenant, 0)
-        return APIError(429, f"tenant {tenant} has {held} sequences admitted and may have at most "
+        reading = admission.num_in_intake_by_tenant.get(tenant, 0)
+        more = f" and {reading} requests being read" if reading else ""
+        return APIError(429, f"tenant {tenant} has {held} sequences admitted{more} and may have at most "
                              f"{admission.max_per_tenant} at once (--max-sequences-per-tenant); this request needs "
                              f"{needs}. Retry after {retry} s or when your requests in flight finish",
                         type="rate_limit_error", code=reason, headers=headers)
@@ -75,16 +77,17 @@ def check_room(app: web.Application, tenant: str) -> None:
 
 
 @contextlib.contextmanager
-def intake_place(app: web.Application) -> Iterator[None]:
+def intake_place(app: web.Application, tenant: str) -> Iterator[None]:
     """Hold one of the `--max-intake-requests` intake places while reading, parsing and tokenizing; none
-    free: 429 intake_full, the body unread."""
+    free: 429 intake_full, the body unread; nor where `tenant`'s admitted sequences and requests in intake reach
+    --max-sequences-per-tenant (429 tenant_queue_full: one tenant cannot hold every intake place)."""
     admission = app[ADMISSION]
-    if not admission.enter_intake():
-        raise refused(app, INTAKE_FULL, "")
+    if reason := admission.enter_intake(tenant):
+        raise refused(app, reason, tenant)
     try:
         yield
     finally:
-        admission.leave_intake()
+        admission.leave_intake(tenant)
 
 
 async def read_body(request: web.Request) -> bytes:

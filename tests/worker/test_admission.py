@@ -104,15 +104,29 @@ def test_the_per_tenant_cap_is_a_flag_and_an_environment_variable():
 
 def test_intake_places_are_bounded_and_given_back():
     admission = Admission(4, max_intake=2)
-    assert admission.enter_intake() and admission.enter_intake()
-    assert not admission.enter_intake() and admission.num_in_intake == 2 and admission.num_refused == 1
+    assert admission.enter_intake() is None and admission.enter_intake() is None
+    assert admission.enter_intake() == "intake_full" and admission.num_in_intake == 2 and admission.num_refused == 1
     admission.leave_intake()
-    assert admission.enter_intake()
+    assert admission.enter_intake() is None
     for _ in range(2):
         admission.leave_intake()
     with pytest.raises(ValueError, match="leaving intake"):
         admission.leave_intake()
     unbounded = Admission(4)  # 0: no limit
-    assert all(unbounded.enter_intake() for _ in range(100))
+    assert all(unbounded.enter_intake() is None for _ in range(100))
     with pytest.raises(ValueError, match="max_intake"):
         Admission(4, max_intake=-1)
+
+
+def test_a_tenant_s_requests_in_intake_count_against_its_cap():
+    """One tenant cannot hold every intake place (bodies sent slowly) and lock the others out: with the
+    per-tenant cap its requests being read count with its sequences admitted; the others read on."""
+    admission = Admission(16, max_per_tenant=2, max_intake=8)
+    assert admission.enter_intake("acme") is None and admission.enter_intake("acme") is None
+    assert admission.enter_intake("acme") == "tenant_queue_full" and admission.num_in_intake == 2
+    assert admission.enter_intake("globex") is None and admission.tenant_load("globex") == 1
+    admission.leave_intake("acme")
+    assert admission.admit(1, "acme") and admission.enter_intake("acme") == "tenant_queue_full"  # 1 admitted, 1 read
+    admission.leave_intake("acme")
+    admission.leave_intake("globex")
+    assert admission.num_in_intake_by_tenant == {} and admission.tenant_load("acme") == 1

@@ -24,10 +24,11 @@ def config(tiny_llama_dir, max_num_seqs: int = 64, **worker) -> WorkerConfig:
                                             max_num_seqs=max_num_seqs), served_model_name="tiny", **worker)
 
 
-async def send_head(port: int, length: int, first: bytes = b""):
+async def send_head(port: int, length: int, first: bytes = b"", key: str | None = None):
     """A POST whose headers announce `length` body bytes, of which only `first` is sent (so far)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    auth = f"Authorization: Bearer {key}\r\n" if key else ""
+    writer.write(f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n{auth}"
                  f"Content-Length: {length}\r\n\r\n".encode() + first)
     await writer.drain()
     return reader, writer
@@ -107,6 +108,33 @@ async def test_requests_in_intake_are_bounded(aiohttp_client, tiny_llama_dir):
             w.close()
     assert app[ADMISSION].num_in_intake == 0
     assert (await client.post("/v1/completions", data=BODY)).status == 200
+
+
+async def test_one_tenant_sending_bodies_slowly_cannot_hold_every_intake_place(aiohttp_client, tiny_llama_dir,
+                                                                               tmp_path):
+    """acme holds as many half-sent bodies as --max-sequences-per-tenant (2): its next request is refused with
+    429 tenant_queue_full before its body is read, and globex, in the same intake of 8, is served."""
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"tenants": {"acme": {"keys": ["sk-acme"]}, "globex": {"keys": ["sk-globex"]}}}))
+    app = create_app(config(tiny_llama_dir, max_intake_requests=8, max_sequences_per_tenant=2,
+                            api_keys_file=str(keys)))
+    client = await aiohttp_client(app)
+    port, writers = client.server.port, []
+    try:
+        for _ in range(2):
+            writers.append((await send_head(port, len(BODY), BODY[:10], key="sk-acme"))[1])
+        await wait_until(lambda: app[ADMISSION].num_in_intake == 2)
+        reader, writer = await send_head(port, len(BODY), BODY[:10], key="sk-acme")
+        writers.append(writer)
+        status, _, body = await read_answer(reader, timeout=10)
+        assert status == 429 and body["error"]["code"] == "tenant_queue_full", body
+        assert "2 requests being read" in body["error"]["message"]
+        served = await client.post("/v1/completions", data=BODY, headers={"Authorization": "Bearer sk-globex"})
+        assert served.status == 200, await served.text()
+    finally:
+        for w in writers:
+            w.close()
+    await wait_until(lambda: app[ADMISSION].num_in_intake == 0)
 
 
 async def test_a_body_that_stalls_is_answered_408_and_frees_its_intake_place(aiohttp_client, tiny_llama_dir):
