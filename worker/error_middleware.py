@@ -52,8 +52,10 @@ async def error_middleware(request: web.Request, handler: Callable[[web.Request]
             message = f"{request.method} is not allowed on {request.path}; use {allowed}"
             headers = {"Allow": allowed}  # RFC 9110: a 405 names the methods the resource takes
         return _error_response(APIError(exc.status, message, type=kind, code=code, headers=headers))
-    except (asyncio.CancelledError, ConnectionResetError):
+    except asyncio.CancelledError:
         raise
+    except ConnectionResetError:  # the client went away (a body cut short): nobody to answer, nothing to log
+        return web.Response(status=499, reason="Client Closed Request")
     except Exception:
         log.exception("unhandled error in %s %s", request.method, request.path)
         return _error_response(APIError(500, "internal server error; the worker logged the details",

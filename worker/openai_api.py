@@ -198,8 +198,8 @@ async def _serve(request: web.Request, endpoint: str) -> web.StreamResponse:
     except web.HTTPException as exc:  # aiohttp's own refusals (a body over --max-body-bytes: 413)
         status = exc.status
         raise
-    except asyncio.CancelledError:
-        status = 499  # client closed the request
+    except (asyncio.CancelledError, ConnectionResetError):
+        status = 499  # client closed the request (a ConnectionResetError: before its body had arrived)
         raise
     finally:
         if job is not None:

@@ -137,6 +137,27 @@ async def test_one_tenant_sending_bodies_slowly_cannot_hold_every_intake_place(a
     await wait_until(lambda: app[ADMISSION].num_in_intake == 0)
 
 
+async def test_a_client_leaving_before_its_body_arrived_counts_499_and_logs_no_error(aiohttp_client, tiny_llama_dir,
+                                                                                  caplog):
+    """A connection closed halfway through its body is the client's doing: counted as 499 (as a client leaving
+    after admission), no 500 in the metrics, no error traceback in the log; its intake place is free."""
+    import logging
+
+    app = create_app(config(tiny_llama_dir))
+    client = await aiohttp_client(app)
+    caplog.set_level(logging.DEBUG)
+    for _ in range(3):
+        _, writer = await send_head(client.server.port, len(BODY), BODY[:10])
+        await wait_until(lambda: app[ADMISSION].num_in_intake == 1)
+        writer.close()
+        await wait_until(lambda: app[ADMISSION].num_in_intake == 0)
+    metrics = await (await client.get("/metrics")).text()
+    counted = [line for line in metrics.splitlines() if line.startswith("lorafleet_requests_total{")]
+    assert any('status="499"' in line and line.endswith(" 3.0") for line in counted), counted
+    assert not any('status="500"' in line for line in counted), counted
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
+
+
 async def test_a_body_that_stalls_is_answered_408_and_frees_its_intake_place(aiohttp_client, tiny_llama_dir):
     """A client sends its headers and part of its body, then stalls (slowloris): with one intake place it
     holds that place only until --request-read-timeout-s, then it gets 408 request_timeout (counted in the
