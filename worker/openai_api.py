@@ -34,6 +34,7 @@ from lorafleet.worker.app_keys import (
     ADMISSION,
     CONFIG,
     ENGINE,
+    HOST,
     METRICS,
     STATUS,
 )
@@ -53,7 +54,7 @@ from lorafleet.worker.openai_tokenize import chat_prompt_ids, tokenize_routes
 from lorafleet.worker.request_output import RequestOutput
 from lorafleet.worker.scheduler import CapacityError
 from lorafleet.worker.served_adapters import VersionUnavailable
-from lorafleet.worker.served_fallback import versions_still_served
+from lorafleet.worker.served_fallback import listed_versions, versions_still_served
 from lorafleet.worker.stream_writes import written_in_time
 from lorafleet.worker.tenants import Tenant
 from lorafleet.worker.tokenizer import TokenizerError
@@ -351,8 +352,9 @@ def _models(request: web.Request, tenant: Tenant) -> list[dict[str, Any]]:
     if tenant.may_use(None):
         data.append({"id": adapters.base_model, "object": "model", "created": created, "owned_by": "lorafleet",
                      "root": adapters.base_model, "parent": None, "max_model_len": limit})
-    for a in adapters.visible_to(tenant):
+    for a in adapters.visible_to(tenant):  # versions: less a fallback the engine retired (served_fallback.py)
         data.append({"id": a.name, "object": "model", "created": created, "owned_by": a.tenant or "lorafleet",
-                     "root": a.name, "parent": adapters.base_model, "max_model_len": limit, "versions": sorted(a.sources),
-                     "stable": a.split.stable, "canary": a.split.canary, "canary_weight": a.split.canary_weight})
+                     "root": a.name, "parent": adapters.base_model, "max_model_len": limit,
+                     "versions": listed_versions(a, app.get(HOST)), "stable": a.split.stable, "canary": a.split.canary,
+                     "canary_weight": a.split.canary_weight})
     return data

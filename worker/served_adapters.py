@@ -70,6 +70,7 @@ from lorafleet.worker.served_fallback import (
     gpu_resident,
     keep_fallback,
     keep_serving,
+    listed_versions,
     make_current_again,
     replay_failures,
     unregister,
@@ -156,9 +157,9 @@ class ServedAdapters:
                            param="model")
         if not version:
             version = self.resolver.pick(name, served.split, user)
-        if version not in served.sources:
-            raise APIError(404, f"adapter {name!r} has no version {version!r} here (versions: "
-                                f"{', '.join(sorted(served.sources))})", code="model_not_found", param="model")
+        if version not in (listed := listed_versions(served, self._engine)):
+            raise APIError(404, f"adapter {name!r} has no version {version!r} here (versions: {', '.join(listed)})",
+                           code="model_not_found", param="model")
         if version in served.errors:
             raise VersionUnavailable(f"{name}@{version}",
                                      f"adapter {name}@{version} failed to load: {self.redact(served.errors[version], tenant)}")

@@ -102,6 +102,16 @@ def still_held(engine: AdapterHost, key: str) -> bool:
     return any(a["key"] == key and not a.get("retired") for a in engine.describe_adapters())
 
 
+def listed_versions(served: ServedAdapter, engine: AdapterHost | None) -> list[str]:
+    """The versions of `served` a request may name: its table's, less a fallback the engine retired (the stable
+    version replacing it loaded) that the table keeps until the next push; it would be resolved only to be
+    refused by the engine (AdapterHost: the engine the table was applied to)."""
+    fallback = served.fallback
+    gone = (fallback is not None and engine is not None and fallback not in (served.split.stable, served.split.canary)
+            and not still_held(engine, f"{served.name}@{fallback}"))
+    return sorted(v for v in served.sources if not (gone and v == fallback))
+
+
 def fall_back(served: ServedAdapter, engine: AdapterHost | None) -> None:
     """The new stable version of `served` failed: its users go back to the old one (the fallback), unless the
     engine retired that, as it does once the new version has loaded (the table learns it at the next push):

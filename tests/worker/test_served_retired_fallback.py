@@ -38,6 +38,19 @@ def test_a_failure_after_the_switch_does_not_send_requests_to_the_retired_fallba
     assert exc.value.status == 503 and exc.value.code == "adapter_load_failed"
 
 
+def test_the_retired_fallback_is_neither_listed_nor_resolved_by_its_version():
+    """Until the next push the table keeps v1 as the fallback, but the engine retired it: a request naming
+    sql@v1 is answered as for a version that is not there (404 listing the others), never resolved only for the
+    engine to refuse it with "retry"; /v1/models lists v2 alone."""
+    from lorafleet.worker.served_fallback import listed_versions
+
+    host, served = switched_rollout()
+    with pytest.raises(APIError) as exc:
+        served.resolve("sql@v1", ACME, None)
+    assert exc.value.status == 404 and "has no version 'v1' here (versions: v2)" in exc.value.message
+    assert listed_versions(served.get("sql"), host) == ["v2"] and served.resolve("sql@v2", ACME, None) == "sql@v2"
+
+
 class FailingEngine:
     """The engine after the switch: sql@v2 fails to load for good (its files changed), sql@v1 is gone."""
 
