@@ -362,7 +362,8 @@ def _next_generation(x: WorkerIndex, directives: list[AdapterDirective], setting
 
 def drifted(x: WorkerIndex, directives: list[AdapterDirective]) -> bool:
     """The worker claims the push applied yet lost what it was told to hold (restart), its stable version or
-    its canary, keeps a removed one (other than for its requests in flight), or failed to stage a version
+    its canary, splits a name's users otherwise than told (`WorkerIndex.split_drifted`), keeps a removed one
+    (other than for its requests in flight), or failed to stage a version
     and its retry backoff has elapsed (a new generation makes the stager try again;
     ``WorkerReport.may_retry`` bounds how often). A version its stager is still staging (a download in
     progress, a retry included) is on its way, not lost."""
@@ -371,6 +372,8 @@ def drifted(x: WorkerIndex, directives: list[AdapterDirective]) -> bool:
             st = x.find(d.name, version)
             if st is None or (d.warm and st.tier == "none" and st.error is None and not st.staging):
                 return True
+        if x.split_drifted(d):
+            return True
     if x.w.may_retry and x.failed_versions(directives, retrying=False):
         return True
     wanted = {d.name for d in directives}

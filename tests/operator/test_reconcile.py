@@ -365,6 +365,25 @@ def test_extra_adapter_on_a_worker_is_drift():
     assert "w0" in plan.pushes
 
 
+def test_a_split_other_than_pushed_is_drift_once_every_version_is_resident():
+    """The worker applied the push (a alone, v1) yet splits its users 80/20 with a leftover v0: re-pushed, as no
+    pass would correct it otherwise (the status would stay Loading). A version still loading (not on the GPU)
+    sends its users back legitimately: no re-push then (a failing one is retried on its own backoff)."""
+    ws = workers(1)
+    converge(pool(), [adapter("a", warm=1)], ws)
+    generation = ws[0].reported.generation_applied
+    for v1_tier, error, drift in (("gpu", None, True), ("cpu", None, False)):
+        ws[0].reported = ReportedState(generation_applied=generation, adapters=[
+            AdapterState("a", "v1", v1_tier, traffic_percent=80, error=error),
+            AdapterState("a", "v0", "gpu", traffic_percent=20)])
+        plan = reconcile_pool(pool(), [adapter("a", warm=1)], ws, now=NOW)
+        assert ("w0" in plan.pushes) is drift, (v1_tier, error)
+    ws[0].reported = ReportedState(generation_applied=generation, adapters=[  # v0 kept for requests in flight only
+        AdapterState("a", "v1", "gpu", traffic_percent=100), AdapterState("a", "v0", "gpu", traffic_percent=0,
+                                                                             refcount=1)])
+    assert "w0" not in reconcile_pool(pool(), [adapter("a", warm=1)], ws, now=NOW).pushes
+
+
 def test_condition_transition_time_is_kept_while_unchanged():
     ws = workers(1)
     plan = converge(pool(), [adapter("a")], ws)
