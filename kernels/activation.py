@@ -58,7 +58,7 @@ def silu_mul(gate_up: Tensor, *, out: Tensor | None = None, backend: str = "auto
     elif tuple(out.shape) != (num_tokens, inter) or out.dtype != gate_up.dtype or out.device != gate_up.device or out.stride(1) != 1:
         raise ValueError(f"silu_mul: out must be [T={num_tokens}, I={inter}] {gate_up.dtype} on {gate_up.device} with a contiguous last dim, "
                          f"got {tuple(out.shape)} {out.dtype} on {out.device}")  # fmt: skip
-    backend = resolve_backend(backend, gate_up.device)
+    backend = resolve_backend(backend, gate_up.device, gate_up.dtype)
     if num_tokens == 0 or inter == 0:
         return out
     if backend == "reference":

@@ -59,9 +59,11 @@ def _check_queries(name: str, q: Tensor, out: Tensor, k_cache: Tensor, block_tab
             raise ValueError(f"{name}: {label} is on {t.device}, q on {q.device}")
 
 
-def _check_scale(name: str, scale: float) -> None:
+def _check_scale(name: str, scale: float) -> float:
+    """`scale` as a Python float (a NumPy scalar or a Fraction is a real number too, which Triton cannot take)."""
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise ValueError(f"{name}: scale must be a Python float, got {type(scale).__name__}")
+    return float(scale)
 
 
 def write_kv(*, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor, backend: str = "auto") -> None:
@@ -84,7 +86,7 @@ def write_kv(*, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_map
     for label, t in (("k", k), ("v", v), ("slot_mapping", slot_mapping)):
         if t.device != k_cache.device:
             raise ValueError(f"write_kv: {label} is on {t.device}, the caches on {k_cache.device}")
-    if resolve_backend(backend, k.device) == "triton":
+    if resolve_backend(backend, k.device, k.dtype) == "triton":
         from lorafleet.kernels.attention_triton import write_kv_triton
 
         write_kv_triton(k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
@@ -105,8 +107,8 @@ def paged_attention_decode(
     """
     _check_caches("paged_attention_decode", k_cache, v_cache)
     _check_queries("paged_attention_decode", q, out, k_cache, block_tables, context_lens, q.shape[0])
-    _check_scale("paged_attention_decode", scale)
-    if resolve_backend(backend, q.device) == "triton":
+    scale = _check_scale("paged_attention_decode", scale)
+    if resolve_backend(backend, q.device, q.dtype) == "triton":
         from lorafleet.kernels.attention_triton import paged_attention_decode_triton
 
         paged_attention_decode_triton(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, context_lens=context_lens, scale=scale, out=out)
@@ -142,12 +144,12 @@ def paged_attention_prefill(
     num_seqs = context_lens.shape[0]
     _check_caches("paged_attention_prefill", k_cache, v_cache)
     _check_queries("paged_attention_prefill", q, out, k_cache, block_tables, context_lens, num_seqs)
-    _check_scale("paged_attention_prefill", scale)
+    scale = _check_scale("paged_attention_prefill", scale)
     qsl = query_start_loc
     if qsl.shape != (num_seqs + 1,) or qsl.dtype != torch.int32 or qsl.device != q.device or not qsl.is_contiguous():
         raise ValueError(f"paged_attention_prefill: query_start_loc must be contiguous int32 [{num_seqs + 1}] on {q.device}, "
                          f"got {qsl.dtype} {tuple(qsl.shape)} strides {qsl.stride()} on {qsl.device}")  # fmt: skip
-    if resolve_backend(backend, q.device) == "triton":
+    if resolve_backend(backend, q.device, q.dtype) == "triton":
         from lorafleet.kernels.attention_triton import paged_attention_prefill_triton
 
         paged_attention_prefill_triton(

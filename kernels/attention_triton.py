@@ -295,7 +295,7 @@ def paged_attention_decode_triton(
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), num_heads,
-        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=_dot_width(head_dim),
         PAGE=page, BLOCK_N=block_n, SPLITS=num_splits, UPCAST=_upcast(q.dtype), num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     _decode_merge_kernel[(num_seqs, num_heads)](
@@ -331,6 +331,8 @@ def paged_attention_prefill_triton(
     num_seqs = context_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return
+    if num_seqs > 65535:  # a CUDA grid's third axis
+        raise ValueError(f"paged_attention_prefill: the Triton kernel takes at most 65535 sequences a launch, got {num_seqs}")
     page, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     block_m = block_m or (16 if _INTERPRET else 128)
     block_n = block_n or 32
@@ -340,6 +342,12 @@ def paged_attention_prefill_triton(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
-        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), PAGE=page,
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=_dot_width(head_dim), PAGE=page,
         BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=_upcast(q.dtype), num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
+
+
+def _dot_width(head_dim: int) -> int:
+    """The head dimension's block where it is a `tl.dot` operand: a power of two, at least 16 (the smallest K
+    a GPU's dot takes for 16-bit operands); the lanes past head_dim are masked."""
+    return max(16, triton.next_power_of_2(head_dim))

@@ -26,15 +26,22 @@ from lorafleet.kernels.lora_reference import lora_expand_reference, lora_shrink_
 BACKENDS = ("auto", "reference", "triton")
 
 
-def resolve_backend(backend: str, device: torch.device | str) -> str:
-    """'reference' or 'triton' for a tensor on `device` (a torch.device or its name); Triton on CPU needs TRITON_INTERPRET=1."""
+TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what the kernels' dots and accumulators take
+
+
+def resolve_backend(backend: str, device: torch.device | str, dtype: torch.dtype | None = None) -> str:
+    """'reference' or 'triton' for a tensor on `device` (a torch.device or its name); Triton on CPU needs TRITON_INTERPRET=1.
+    `dtype`: the data's, which Triton must take (TRITON_DTYPES; float64 or float8 only on the reference, which
+    'auto' then picks)."""
     device = torch.device(device)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        return "triton" if device.type == "cuda" else "reference"
-    if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if backend == "auto":  # Triton on a GPU, for the data it takes
+        backend = "triton" if device.type == "cuda" and (dtype is None or dtype in TRITON_DTYPES) else "reference"
+    elif backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors); use backend='reference' on CPU")
+    if backend == "triton" and dtype is not None and dtype not in TRITON_DTYPES:
+        raise ValueError(f"backend='triton' takes float16, bfloat16 or float32 data, got {dtype}; use backend='reference'")
     return backend
 
 
@@ -120,7 +127,7 @@ def lora_shrink(*, x: Tensor, layout: LoRALayout, layer: int, proj_ids: list[int
     out = _as_splits("lora_shrink: out", out, len(proj_ids), batch)
     if out.device != x.device:
         raise ValueError(f"lora_shrink: out is on {out.device}, x on {x.device}")
-    if resolve_backend(backend, x.device) == "triton":
+    if resolve_backend(backend, x.device, x.dtype) == "triton":
         from lorafleet.kernels.lora_triton import lora_shrink_triton
 
         lora_shrink_triton(x=x, layout=layout, layer=layer, proj_ids=proj_ids, batch=batch, out=out)
@@ -169,6 +176,9 @@ def lora_expand(
     for every token in a segment, y not read; tokens in no segment are left as they are. A prefill
     writes the delta first and lets the base GEMM add itself (`torch.addmm_`): y is then read once, by
     the GEMM's epilogue, instead of read and written again by this kernel.
+    Precision: the reference keeps sum_s xa in float32; the Triton kernel on a GPU rounds it to the model dtype
+    before its dot with B^T (tensor cores), as PEFT's own fp16/bf16 forward does (x @ A^T in the model dtype):
+    in float16 an |xa| past 65504 is inf there.
     """
     _check_common("lora_expand", layout, layer, proj_ids, batch, y.device)
     num = len(proj_ids)
@@ -185,7 +195,7 @@ def lora_expand(
         for start, n in slices:
             y[:, start : start + n].index_fill_(0, batch.sorted_token_ids.long(), 0)
         return
-    if resolve_backend(backend, y.device) == "triton":
+    if resolve_backend(backend, y.device, layout.pool.dtype) == "triton":
         from lorafleet.kernels.lora_triton import lora_expand_triton
 
         lora_expand_triton(xa=xa, layout=layout, layer=layer, proj_ids=proj_ids, batch=batch, y=y, out_slices=slices, accumulate=accumulate)
@@ -236,7 +246,7 @@ def lora_silu_mul(*, gate_up: Tensor, xa: Tensor, layout: LoRALayout, layer: int
     xa = _as_splits("lora_silu_mul: xa", xa, 2, batch)
     if out.device != gate_up.device or xa.device != gate_up.device:
         raise ValueError(f"lora_silu_mul: gate_up, xa and out must share a device, got {gate_up.device}, {xa.device}, {out.device}")
-    if resolve_backend(backend, gate_up.device) == "triton":
+    if resolve_backend(backend, gate_up.device, gate_up.dtype) == "triton":
         if batch.max_rank > 128:
             raise ValueError(f"lora_silu_mul: the Triton backend takes ranks up to 128, the batch has {batch.max_rank}")
         silu_mul_lora_triton(gate_up=gate_up, xa=xa, layout=layout, layer=layer, batch=batch, out=out)

@@ -183,18 +183,19 @@ def make_lora_batch(token_slots: Tensor, max_rank_by_slot: Tensor, *, grouped: b
     if max_rank_by_slot.dim() != 1:
         raise ValueError(f"max_rank_by_slot must be 1-D [max_slots] (layout.max_rank_by_slot()), got shape {tuple(max_rank_by_slot.shape)}")
     device = token_slots.device
+    num_tokens = token_slots.shape[0]
+    # Checked before the cast to int32, which would wrap an int64 slot past it into a valid one.
+    if num_tokens and bool((token_slots >= max_rank_by_slot.shape[0]).any()):
+        raise ValueError(f"token_slots hold a slot >= max_slots ({max_rank_by_slot.shape[0]})")
+    if num_tokens and bool((token_slots < -1).any()):
+        raise ValueError("token_slots must be >= -1 (-1 means no adapter)")
     slots = token_slots.to(torch.int32)
     max_rank_by_slot = max_rank_by_slot.to(device=device, dtype=torch.int32)
-    num_tokens = slots.shape[0]
     if max_segment_len is None:
         max_segment_len = segment_len(num_tokens)
     if max_segment_len < 1:
         raise ValueError(f"max_segment_len must be >= 1, got {max_segment_len}")
     valid = slots >= 0
-    if num_tokens and bool((slots >= max_rank_by_slot.shape[0]).any()):
-        raise ValueError(f"token_slots hold a slot >= max_slots ({max_rank_by_slot.shape[0]})")
-    if num_tokens and bool((slots < -1).any()):
-        raise ValueError("token_slots must be >= -1 (-1 means no adapter)")
     used = slots[valid].long()
     max_rank, mean_rank = 0, 0.0
     if used.numel():

@@ -32,7 +32,9 @@ def _gather_rows(layout: LoRALayout, offsets: Tensor, ranks: Tensor, width: int)
     num_rows = offsets.shape[1]
     live = torch.arange(num_rows, device=offsets.device)[None, :] < ranks[:, None]  # [S, R]
     safe = torch.where(live, offsets, torch.zeros_like(offsets))
-    rows = flat[safe[..., None] + torch.arange(width, device=offsets.device)].float()  # [S, R, width]
+    # A dead row reads nothing: its index is clamped into the pool (a module no slot adapts may be wider than it).
+    index = (safe[..., None] + torch.arange(width, device=offsets.device)).clamp(max=max(flat.numel() - 1, 0))
+    rows = flat[index].float() if flat.numel() else torch.zeros(*index.shape, device=offsets.device)  # [S, R, width]
     return torch.where(live[..., None], rows, 0.0)
 
 

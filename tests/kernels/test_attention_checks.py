@@ -126,3 +126,24 @@ def test_write_kv_refuses(backend, change, message, gen):
             "backend": backend, **change}  # fmt: skip
     with pytest.raises(ValueError, match=message):
         write_kv(**args)
+
+
+@pytest.mark.parametrize("head_dim", [4, 8, 16])
+def test_any_real_scale_and_a_head_dim_below_the_dot_s_smallest_give_the_reference_s_answer(head_dim, gen):
+    """A NumPy float32 or a Fraction is a real scale: taken as a Python float on every backend (Triton cannot
+    take the others). A head_dim below 16 runs in a block of 16 with its lanes masked (a GPU's dot takes no
+    narrower 16-bit operand)."""
+    from fractions import Fraction
+
+    import numpy as np
+
+    k_cache, v_cache = paged_caches(4, 4, 2, head_dim, torch.float32, gen)
+    q = torch.randn(2, 4, head_dim, generator=gen)
+    case = dict(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
+                context_lens=torch.tensor([5, 8], dtype=torch.int32))
+    want = torch.empty_like(q)
+    paged_attention_decode(**case, scale=0.3, out=want, backend="reference")
+    for scale in (np.float32(0.3), Fraction(3, 10)):
+        got = torch.full_like(q, float("nan"))
+        paged_attention_decode(**case, scale=scale, out=got, backend="triton")
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -173,3 +173,47 @@ def test_ranks_above_the_batchs_bound_are_cut_to_it_on_every_backend(backend, ge
         lora_silu_mul(gate_up=gate_up, xa=xa, layout=lay, layer=0, batch=batch, out=out, backend=backend)
         acts.append(out)
     torch.testing.assert_close(acts[0], acts[1], rtol=1e-4, atol=1e-4)
+
+
+def test_an_int64_slot_past_int32_is_refused_not_wrapped():
+    """make_lora_batch checks the slots before its cast to int32, which would wrap 2**32 into slot 0 and
+    2**32 - 1 into -1 (no adapter): a silent wrong batch."""
+    ranks = torch.tensor([8, 8], dtype=torch.int32)
+    for slots in ([2**32, 1, 0], [2**32 - 1, 0], [-(2**32) - 1]):
+        with pytest.raises(ValueError, match="max_slots|>= -1"):
+            make_lora_batch(torch.tensor(slots, dtype=torch.int64), ranks)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_module_no_slot_adapts_wider_than_the_pool_adds_nothing_on_every_backend(backend):
+    """q_proj alone is adapted (16 x 16, rank 1: a pool of 32 elements); v_proj's slice, 64 wide, has no slot
+    adapting it. Its rows are read by no backend (the reference used to index past the pool) and it stays as
+    it was, while q_proj gets its delta."""
+    from lorafleet.kernels.lora_layout import pack_lora_layout
+
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(1, 16, generator=g), torch.randn(16, 1, generator=g)
+    layout = pack_lora_layout({(0, 0, 0): (a, b, 2.0)}, num_layers=1, max_slots=1, page_elems=32, dtype=torch.float32)
+    assert layout.pool.numel() < 64
+    batch = make_lora_batch(torch.tensor([0, 0], dtype=torch.int32), layout.max_rank_by_slot())
+    x, y = torch.randn(2, 16, generator=g), torch.ones(2, 16 + 64)
+    lora_delta(x=x, layout=layout, layer=0, proj_ids=[0, 2], batch=batch, y=y, out_offsets=[0, 16], backend=backend)
+    torch.testing.assert_close(y[:, :16], 1 + 2.0 * (x @ a.T) @ b.T, rtol=1e-5, atol=1e-5)
+    assert torch.equal(y[:, 16:], torch.ones(2, 64))
+
+
+def test_triton_takes_only_the_dtypes_its_dots_and_accumulators_do(gen):
+    """float64 (or float8) data is refused by backend='triton' with a clear error (a GPU compile would fail on
+    a loop-carried float32 accumulator); 'auto' picks the reference for it."""
+    from lorafleet.kernels.lora import resolve_backend
+
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        assert resolve_backend("triton", "cpu", dtype) == "triton"
+    with pytest.raises(ValueError, match="takes float16, bfloat16 or float32 data, got torch.float64"):
+        resolve_backend("triton", "cpu", torch.float64)
+    assert resolve_backend("auto", "cpu", torch.float64) == "reference"
+    layout, batch = _case(gen)
+    layout = dataclasses.replace(layout, pool=layout.pool.double())
+    x = torch.randn(3, 64, dtype=torch.float64)
+    with pytest.raises(ValueError, match="got torch.float64"):
+        lora_shrink(x=x, layout=layout, layer=0, proj_ids=[0], batch=batch, out=torch.zeros(1, 1, 3, 4), backend="triton")
