@@ -91,8 +91,10 @@ class RetryBackoff:
 
     def failing(self, url: str, now: float, *, pushed: bool) -> None:
         """It reported a failed version this pass; ``pushed``: it was just given a new generation."""
-        if url not in self._state or pushed:
-            num_retries = self._state.get(url, (0, 0.0))[0] + pushed
+        if url not in self._state:  # first seen failing (also on a pass that pushed): one base period
+            self._state[url] = (0, now + min(self.cap, self.base))
+        elif pushed:  # retried: twice as long as before
+            num_retries = self._state[url][0] + 1
             self._state[url] = (num_retries, now + min(self.cap, self.base * 2**num_retries))
 
     def clear(self, url: str) -> None:

@@ -34,6 +34,8 @@ def test_retry_backoff_doubles_up_to_the_cap_and_clears():
     b.failing("v", 0, pushed=False)
     b.retain({"w"})
     assert not b.may_retry("v", 10**6)
+    b.failing("x", 0, pushed=True)  # first seen failing on a pass that pushed (a new version): one base period too
+    assert not b.may_retry("x", 9.9) and b.may_retry("x", 10)
 
 
 class Clock:
