@@ -229,9 +229,14 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
 
     @kopf.on.create(*res_pools, registry=registry)
     @kopf.on.update(*res_pools, field="spec", registry=registry)
-    @kopf.on.resume(*res_pools, registry=registry)
     async def pool_changed(**kwargs: Any) -> None:
         await reconcile_pool_handler(max_age=0.0, **kwargs)
+
+    # On start, a pass of the pool begun since (the indexes are whole before handlers run) serves every resume:
+    # not one full pass per resource, each asking every pod in turn.
+    @kopf.on.resume(*res_pools, registry=registry)
+    async def pool_resumed(**kwargs: Any) -> None:
+        await reconcile_pool_handler(max_age=config.interval / 2, **kwargs)
 
     @kopf.timer(*res_pools, interval=config.interval, registry=registry)
     async def pool_drift(stopped: kopf.DaemonStopped, **kwargs: Any) -> None:
@@ -296,9 +301,12 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
 
     @kopf.on.create(*res_adapters, registry=registry)
     @kopf.on.update(*res_adapters, field="spec", registry=registry)
-    @kopf.on.resume(*res_adapters, registry=registry)
     async def adapter_changed(**kwargs: Any) -> None:
         await write_adapter_status(max_age=0.0, **kwargs)
+
+    @kopf.on.resume(*res_adapters, registry=registry)
+    async def adapter_resumed(**kwargs: Any) -> None:
+        await write_adapter_status(max_age=config.interval / 2, **kwargs)
 
     @kopf.timer(*res_adapters, interval=config.interval, registry=registry)
     async def adapter_refresh(stopped: kopf.DaemonStopped, **kwargs: Any) -> None:
