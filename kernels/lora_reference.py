@@ -32,10 +32,12 @@ def _gather_rows(layout: LoRALayout, offsets: Tensor, ranks: Tensor, width: int)
     num_rows = offsets.shape[1]
     live = torch.arange(num_rows, device=offsets.device)[None, :] < ranks[:, None]  # [S, R]
     safe = torch.where(live, offsets, torch.zeros_like(offsets))
-    # A dead row reads nothing: its index is clamped into the pool (a module no slot adapts may be wider than it).
-    index = (safe[..., None] + torch.arange(width, device=offsets.device)).clamp(max=max(flat.numel() - 1, 0))
-    rows = flat[index].float() if flat.numel() else torch.zeros(*index.shape, device=offsets.device)  # [S, R, width]
-    return torch.where(live[..., None], rows, 0.0)
+    # A dead row reads nothing: element 0 for each of its columns (a module no slot adapts may be wider than the
+    # pool); a live row past the pool still raises.
+    index = torch.where(live[..., None], safe[..., None] + torch.arange(width, device=offsets.device), 0)
+    if not flat.numel():  # no row is live either
+        return torch.zeros(*index.shape, device=offsets.device)
+    return torch.where(live[..., None], flat[index].float(), 0.0)  # [S, R, width]
 
 
 def _slot_meta(layout: LoRALayout, layer: int, proj: int, seg_slots: Tensor, max_rank: int):

@@ -227,16 +227,17 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
         # Merged into the live conditions: the plan's pool body may predate the autoscaler's last write.
         patch.status.update(status_changes(dict(status), merge_conditions(dict(status), wanted)))
 
+    def fresh_within(reason: Any) -> float:
+        """On start, a pass of the pool begun since (kopf runs handlers once its indexes are whole) serves every
+        resume of an unchanged resource, not one full pass each asking every pod in turn; a change (an object
+        edited while the operator was down comes as one, its resume merged in) needs a pass that reads it."""
+        return config.interval / 2 if reason == kopf.Reason.RESUME else 0.0
+
     @kopf.on.create(*res_pools, registry=registry)
     @kopf.on.update(*res_pools, field="spec", registry=registry)
-    async def pool_changed(**kwargs: Any) -> None:
-        await reconcile_pool_handler(max_age=0.0, **kwargs)
-
-    # On start, a pass of the pool begun since (the indexes are whole before handlers run) serves every resume:
-    # not one full pass per resource, each asking every pod in turn.
     @kopf.on.resume(*res_pools, registry=registry)
-    async def pool_resumed(**kwargs: Any) -> None:
-        await reconcile_pool_handler(max_age=config.interval / 2, **kwargs)
+    async def pool_changed(**kwargs: Any) -> None:
+        await reconcile_pool_handler(max_age=fresh_within(kwargs.get("reason")), **kwargs)
 
     @kopf.timer(*res_pools, interval=config.interval, registry=registry)
     async def pool_drift(stopped: kopf.DaemonStopped, **kwargs: Any) -> None:
@@ -301,12 +302,9 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
 
     @kopf.on.create(*res_adapters, registry=registry)
     @kopf.on.update(*res_adapters, field="spec", registry=registry)
-    async def adapter_changed(**kwargs: Any) -> None:
-        await write_adapter_status(max_age=0.0, **kwargs)
-
     @kopf.on.resume(*res_adapters, registry=registry)
-    async def adapter_resumed(**kwargs: Any) -> None:
-        await write_adapter_status(max_age=config.interval / 2, **kwargs)
+    async def adapter_changed(**kwargs: Any) -> None:
+        await write_adapter_status(max_age=fresh_within(kwargs.get("reason")), **kwargs)
 
     @kopf.timer(*res_adapters, interval=config.interval, registry=registry)
     async def adapter_refresh(stopped: kopf.DaemonStopped, **kwargs: Any) -> None:

@@ -52,13 +52,15 @@ class WorkerIndex:
                 if (st := self.find(d.name, v)) is not None and st.error and (retrying or not st.staging)]
 
     def split_drifted(self, d: AdapterDirective) -> bool:
-        """The push applied and every version `d` names is on the GPU without error, yet this worker sends the
-        name's users elsewhere than `d` says: a leftover version with a share, or other shares. Nothing but a
-        re-push corrects that (a version still loading, failing or staging sends its users back legitimately)."""
+        """The push applied and every version `d` names is on the GPU without error and serves its users, yet this
+        worker sends them elsewhere than `d` says: a leftover version with a share, or other shares. Nothing but a
+        re-push corrects that. A version still loading, failing, staging, or held only for requests in flight (no
+        share yet: a rollback to it being staged again) leaves its users elsewhere legitimately."""
         wanted = {d.stable.version: 100 - d.canary_weight} | ({d.canary.version: d.canary_weight} if d.canary else {})
-        for version in wanted:
+        for version, share in wanted.items():
             st = self.find(d.name, version)
-            if st is None or st.tier != "gpu" or st.error is not None or st.staging or st.traffic_percent is None:
+            if st is None or st.tier != "gpu" or st.error is not None or st.staging or st.traffic_percent is None \
+                    or share and not st.traffic_percent:
                 return False
         return any(st.traffic_percent is not None and st.traffic_percent != wanted.get(st.version, 0)
                    for st in self.by_name.get(d.name, ()))

@@ -382,6 +382,10 @@ def test_a_split_other_than_pushed_is_drift_once_every_version_is_resident():
         AdapterState("a", "v1", "gpu", traffic_percent=100), AdapterState("a", "v0", "gpu", traffic_percent=0,
                                                                              refcount=1)])
     assert "w0" not in reconcile_pool(pool(), [adapter("a", warm=1)], ws, now=NOW).pushes
+    ws[0].reported = ReportedState(generation_applied=generation, adapters=[  # a rollback to v1, held only by a
+        AdapterState("a", "v1", "gpu", traffic_percent=0, refcount=1),      # request in flight, staged again:
+        AdapterState("a", "v0", "gpu", traffic_percent=100)])               # v0 serves meanwhile, no re-push storm
+    assert "w0" not in reconcile_pool(pool(), [adapter("a", warm=1)], ws, now=NOW).pushes
 
 
 def test_condition_transition_time_is_kept_while_unchanged():
