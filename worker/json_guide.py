@@ -31,7 +31,7 @@ from concurrent.futures import Future
 
 import torch
 
-from lorafleet.worker.json_schema_grammar import JSON_OBJECT
+from lorafleet.worker.json_constraint import JSON_OBJECT
 from lorafleet.worker.json_vocab import JsonVocab, json_vocab
 from lorafleet.worker.sequence import Sequence
 from lorafleet.worker.tokenizer import Tokenizer

@@ -54,7 +54,7 @@ from lorafleet.worker.json_schema_bounds import (
     parse_pattern,
     value_fits,
 )
-from lorafleet.worker.json_schema_keys import MAX_OTHER_KEYS, most_keys, object_keys
+from lorafleet.worker.json_schema_keys import most_keys, object_keys
 from lorafleet.worker.json_schema_unions import all_finite, one_of_overlap, unique_items
 from lorafleet.worker.regex_dfa import Regex, RegexError
 from lorafleet.worker.regex_length import MAX_LENGTH_WORK, NoText
@@ -109,7 +109,7 @@ class Node:
 
 
 ANY = 0  # node 0 takes any JSON value
-ANY_NODE = Node(types=frozenset(TYPES), additional=ANY, items=ANY, key_cap=MAX_OTHER_KEYS)  # no key written twice
+ANY_NODE = Node(types=frozenset(TYPES), additional=ANY, items=ANY)
 
 
 class JsonSchema:

@@ -356,8 +356,3 @@ def schema_grammar(schema: Any, compact: bool = False) -> SchemaGrammar:
     if grammar is None:
         grammar = compiled.grammars[compact] = SchemaGrammar(compiled, compact)
     return grammar
-
-
-JSON_MODE = {"type": "object"}  # JSON mode (json_object): any object, where no object writes a key twice at any depth
-JSON_OBJECT = schema_grammar(JSON_MODE)  # the grammar JSON mode holds a row to (json_guide.py)
-COMPACT_JSON_OBJECT = schema_grammar(JSON_MODE, compact=True)  # with no whitespace between JSON's tokens

@@ -21,7 +21,7 @@ from typing import Any
 from lorafleet.worker.chat_template import ChatTemplateOptions, is_reserved
 from lorafleet.worker.directives import DirectiveError
 from lorafleet.worker.directives import _name as directive_name
-from lorafleet.worker.json_schema_grammar import COMPACT_JSON_OBJECT
+from lorafleet.worker.json_constraint import JsonObjectGrammar
 from lorafleet.worker.openai_fields import (
     APIError,
     Fields,
@@ -181,7 +181,7 @@ def parse_chat_request(body: Any, defaults: SamplingDefaults = SamplingDefaults(
                              "takes echo, and prompt_logprobs works on both")
     tools = parse_tool_request(f)
     if tools is not None and tools.choice in ("named", "required"):  # the arguments, or the calls (tool_request.py)
-        if options.grammar not in (None, COMPACT_JSON_OBJECT):  # JSON mode: replaced
+        if options.grammar is not None and not isinstance(options.grammar, JsonObjectGrammar):  # JSON mode: replaced
             raise bad_request(f"'{options.grammar_param}' cannot be combined with 'tool_choice' {json.dumps(tools.choice)}: "
                               "the output is then held to the tool calls' schema", options.grammar_param)
         options.json_object, options.grammar = True, tools.output_grammar

@@ -18,8 +18,9 @@ from typing import Any
 
 from lorafleet.worker.choice_grammar import ChoiceError, ChoiceGrammar
 from lorafleet.worker.gbnf import GbnfGrammar
+from lorafleet.worker.json_constraint import COMPACT_JSON_OBJECT
 from lorafleet.worker.json_schema import SchemaError
-from lorafleet.worker.json_schema_grammar import COMPACT_JSON_OBJECT, SchemaGrammar, schema_grammar
+from lorafleet.worker.json_schema_grammar import SchemaGrammar, schema_grammar
 from lorafleet.worker.logit_bias import LogitBiasError, parse_logit_bias
 from lorafleet.worker.openai_fields import Fields, bad_request, check_text, is_int
 from lorafleet.worker.regex_dfa import RegexError
