@@ -225,10 +225,12 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
     def hold(self, key: str, waiter: object) -> None:
         """A request resolved to `key` is queued and has not taken it yet: a version switch or unregistration
         meanwhile leaves the version registered until the request takes it (acquire) or goes (abandon), as for
-        a request that gave it back to take it again (`detached`), so that a rollout fails no queued request."""
+        a request that gave it back to take it again (`detached`), so that a rollout fails no queued request.
+        One naming a version already replaced (`retire_pending`) does not keep it: it runs if it gets it first."""
         with self._lock:
             entry = self._entries.get(key)
-            if entry is not None and not entry.retired:
+            # A version already replaced (kept for the requests before) is not kept longer by a new one naming it.
+            if entry is not None and not entry.retired and entry.retire_pending is None:
                 entry.detached.add(waiter)
 
     def abandon(self, key: str, waiter: object, *, detach: bool = False) -> None:

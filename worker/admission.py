@@ -88,11 +88,13 @@ class Admission:
         self.num_admitted_by_tenant[tenant] = self.num_admitted_by_tenant.get(tenant, 0) + num_seqs
         return True
 
-    def enter_intake(self, tenant: str = "") -> str | None:
+    def enter_intake(self, tenant: str = "", sequences: bool = True) -> str | None:
         """Take an intake place for one request of `tenant`; else (nothing taken) why not: INTAKE_FULL, all are
-        taken, or TENANT_QUEUE_FULL, the tenant's sequences admitted and requests in intake reach its cap."""
+        taken, or TENANT_QUEUE_FULL, the tenant's sequences admitted and requests in intake reach its cap (with
+        `sequences` False, a request that will need none, /tokenize: its requests in intake alone)."""
         reason = None
-        if self.max_per_tenant and self.tenant_load(tenant) >= self.max_per_tenant:
+        held = self.tenant_load(tenant) if sequences else self.num_in_intake_by_tenant.get(tenant, 0)
+        if self.max_per_tenant and held >= self.max_per_tenant:
             reason = TENANT_QUEUE_FULL
         elif self.max_intake and self.num_in_intake >= self.max_intake:
             reason = INTAKE_FULL

@@ -53,7 +53,8 @@ def refused(app: web.Application, reason: str, tenant: str, num_seqs: int | None
     app[METRICS].rejected.labels(reason).inc()
     retry = str(app[CONFIG].retry_after_s)
     headers = {"Retry-After": retry}
-    needs = f"{num_seqs} more" if num_seqs else "at least 1 more"
+    needs = "no sequence, but your requests being read reach that many" if num_seqs == 0 else \
+        f"{num_seqs} more" if num_seqs else "at least 1 more"
     if reason == TENANT_QUEUE_FULL:
         held = admission.num_admitted_by_tenant.get(tenant, 0)
         reading = admission.num_in_intake_by_tenant.get(tenant, 0)
@@ -77,13 +78,14 @@ def check_room(app: web.Application, tenant: str) -> None:
 
 
 @contextlib.contextmanager
-def intake_place(app: web.Application, tenant: str) -> Iterator[None]:
+def intake_place(app: web.Application, tenant: str, sequences: bool = True) -> Iterator[None]:
     """Hold one of the `--max-intake-requests` intake places while reading, parsing and tokenizing; none
     free: 429 intake_full, the body unread; nor where `tenant`'s admitted sequences and requests in intake reach
-    --max-sequences-per-tenant (429 tenant_queue_full: one tenant cannot hold every intake place)."""
+    --max-sequences-per-tenant (429 tenant_queue_full: one tenant cannot hold every intake place). `sequences`
+    False: a request that will need none (/tokenize): its tenant's requests in intake alone count."""
     admission = app[ADMISSION]
-    if reason := admission.enter_intake(tenant):
-        raise refused(app, reason, tenant)
+    if reason := admission.enter_intake(tenant, sequences):
+        raise refused(app, reason, tenant, None if sequences else 0)
     try:
         yield
     finally:

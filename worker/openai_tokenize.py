@@ -57,7 +57,7 @@ def chat_prompt_ids(app: web.Application, parsed: ChatRequest) -> list[int]:
 async def tokenize(request: web.Request) -> web.Response:
     app, tenant = request.app, authenticate(request)
     engine = ready_engine(app)
-    with intake_place(app, tenant.name):  # a large body is parsed in the executor (read_json), as its tokenization is
+    with intake_place(app, tenant.name, sequences=False):  # a large body is parsed in the executor (read_json), as its tokenization is
         chat, strs, model, work = await read_json(request, lambda body: _tokenize_request(app, body))
         _check_model(app, model, tenant)
         try:
@@ -101,7 +101,7 @@ def _with_strs(engine, ids: list[int], strs: bool) -> tuple[list[int], list[str 
 async def detokenize(request: web.Request) -> web.Response:
     app, tenant = request.app, authenticate(request)
     engine = ready_engine(app)
-    with intake_place(app, tenant.name):
+    with intake_place(app, tenant.name, sequences=False):
         f = Fields(await read_json(request), "detokenize")
         model, tokens = f.string("model", required=True), f.get("tokens")
         f.refuse_unknown()

@@ -377,11 +377,11 @@ class Scheduler:
                 if seq.adapter_slot is not None:
                     kept.append(seq)
                 continue
-            keep = bool(seq.output_token_ids)  # it must finish on this version: a push may not drop it meanwhile
+            # It keeps its version (AdapterPool.hold, as a queued request does): a push may not drop it meanwhile.
             if seq.adapter_slot is None:
-                self.adapter_pool.abandon(seq.adapter, seq.seq_id, detach=keep)
+                self.adapter_pool.abandon(seq.adapter, seq.seq_id, detach=True)
             else:
-                self._release_adapter(seq, detach=keep)
+                self._release_adapter(seq, detach=True)
         return kept
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:

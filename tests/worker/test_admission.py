@@ -130,3 +130,7 @@ def test_a_tenant_s_requests_in_intake_count_against_its_cap():
     admission.leave_intake("acme")
     admission.leave_intake("globex")
     assert admission.num_in_intake_by_tenant == {} and admission.tenant_load("acme") == 1
+    assert admission.admit(1, "acme") and admission.enter_intake("acme") == "tenant_queue_full"  # its cap, admitted
+    assert admission.enter_intake("acme", sequences=False) is None  # /tokenize needs no sequence: intake alone counts
+    assert admission.enter_intake("acme", sequences=False) is None
+    assert admission.enter_intake("acme", sequences=False) == "tenant_queue_full"

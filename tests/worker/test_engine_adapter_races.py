@@ -9,6 +9,7 @@ import pytest
 
 from lorafleet.worker import Engine, EngineConfig, SamplingParams
 from lorafleet.worker.adapter_entry import AdapterNotFoundError
+from lorafleet.worker.engine import UnknownAdapterError
 from tests.lora_factory import random_weights
 
 PROJS = ("q_proj", "v_proj")
@@ -113,5 +114,39 @@ def test_requests_queued_behind_the_seats_finish_on_the_version_they_resolved_th
             ("new", "length", "x@2"), ("r0", "length", "x@1"), ("r1", "length", "x@1"), ("r2", "length", "x@1")]
         assert engine.adapters() == ["x@2"]
         engine.adapter_pool.check()
+    finally:
+        engine.close()
+
+
+def test_a_replaced_version_goes_once_the_requests_before_the_push_are_done_and_let_go_keeps_the_hold(tiny_llama_dir):
+    """A queued request keeps its version when the scheduler makes it give its adapter back (nothing runs, another
+    is stuck), so a push then fails it no more than one still holding it; and requests naming the replaced
+    version after the push (x@1) do not keep it alive: once those before the push are done it is gone."""
+    from lorafleet.worker.sequence import Sequence
+
+    engine = Engine(EngineConfig(model=str(tiny_llama_dir), device="cpu", dtype="float32", num_pages=64,
+                                 block_size=4, max_num_seqs=1))
+    try:
+        pool = engine.adapter_pool
+        pool.add("x@1", random_weights(1, rank=4, projs=PROJS, name="x", version="1"))
+        pool.load("x@1")
+        params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+        engine.add_request("r0", [1, 2, 3], params, adapter="x")
+        engine.add_request("r1", [1, 2, 4], params, adapter="x")
+        engine.scheduler._let_go_of_adapters(but=Sequence("stuck", [1], SamplingParams()))
+        pool.add("x@2", random_weights(2, rank=4, projs=PROJS, name="x", version="2"))
+        pool.load("x@2")
+        engine.add_request("late", [1, 2, 5], params, adapter="x@1")  # named after the push: keeps nothing
+        outs = []
+        while engine.has_unfinished():
+            outs += [o for o in engine.step() if o.finished]
+            pool.wait_idle()
+        assert sorted((o.request_id, o.finish_reason, o.adapter) for o in outs) == [
+            ("late", "error", "x@1"), ("r0", "length", "x@1"), ("r1", "length", "x@1")]  # late: behind the seat, gone
+        assert isinstance(next(o for o in outs if o.request_id == "late").exception, UnknownAdapterError)
+        assert engine.adapters() == ["x@2"]
+        with pytest.raises(UnknownAdapterError):
+            engine.add_request("later", [1, 2, 6], params, adapter="x@1")
+        pool.check()
     finally:
         engine.close()
