@@ -354,8 +354,8 @@ class Scheduler:
         steps, since = self._stuck_steps.get(seq.seq_id, (0, time.monotonic()))
         self._stuck_steps[seq.seq_id] = (steps := steps + 1, since)
         never = self.never_fits(seq) if self.never_fits is not None else None
-        # Lowered to fit and reached; or, pinned adapters having taken room since it began, never fitting: ends by length
-        if seq.output_token_ids if never is not None else len(seq.output_token_ids) >= seq.params.max_tokens:
+        # Lowered to fit and reached; or never fitting (pins since it began), its min_tokens written: ends by length
+        if len(seq.output_token_ids) >= (max(1, seq.params.min_tokens) if never is not None else seq.params.max_tokens):
             self.finish(seq, "length")
             self.failed.append(seq)  # reported at the engine's next step
             return True

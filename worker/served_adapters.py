@@ -62,6 +62,7 @@ from lorafleet.worker.directives import (
 )
 from lorafleet.worker.openai_protocol import APIError
 from lorafleet.worker.served_fallback import (
+    cut_source_folders,
     drop_gone,
     drop_kept_canary,
     drop_unserved_failures,
@@ -80,7 +81,6 @@ from lorafleet.worker.tenants import Tenant
 
 log = logging.getLogger(__name__)
 _KEY_RE = re.compile(r"\b([A-Za-z0-9][A-Za-z0-9._-]*)@([A-Za-z0-9._-]*[A-Za-z0-9_-])")  # name@version in a message
-_PATH_RE = re.compile(r"(?<![\w/:.~-])(?:/[^\s/'\"]+)+/?")  # a local path in a message (not a URI's: s3://, http://)
 
 
 class VersionUnavailable(APIError):
@@ -168,14 +168,14 @@ class ServedAdapters:
     def redact(self, message: str, tenant: Tenant) -> str:
         """`message` without the `name@version` of adapters that `tenant` may not use: an engine error
         about the caller's request (e.g. which pinned adapters hold every slot) must not tell one tenant
-        the names of another's adapters; and with each local path cut to its last part (a load error names
-        the file: its folders are the worker's disk, cache and tenant-folder layout)."""
+        the names of another's adapters; and without the folders above each local source (a load error names
+        the file it read: those folders are the worker's disk, cache and tenant-folder layout)."""
         def hide(m: re.Match) -> str:
             served = self._adapters.get(m[1])
             owner = served.tenant if served is not None else None
             return m[0] if tenant.may_use(m[1], owner) else "another tenant's adapter"
 
-        return _PATH_RE.sub(lambda m: m[0].rstrip("/").rsplit("/", 1)[-1], _KEY_RE.sub(hide, message))
+        return cut_source_folders(_KEY_RE.sub(hide, message), self._adapters)
 
     def mark_failed(self, key: str, reason: str) -> None:
         name, _, version = key.partition("@")

@@ -102,6 +102,17 @@ def still_held(engine: AdapterHost, key: str) -> bool:
     return any(a["key"] == key and not a.get("retired") for a in engine.describe_adapters())
 
 
+def cut_source_folders(message: str, table: dict[str, ServedAdapter]) -> str:
+    """`message` with the folders above each local source of `table` cut: a load error names the file it read,
+    under folders that are the worker's disk, cache and tenant-folder layout, which a tenant is not shown."""
+    for served in table.values():
+        for source in served.sources.values():
+            path = source.removeprefix("file://").rstrip("/")
+            if path.startswith("/") and (above := path.rpartition("/")[0] + "/") != "/" and above in message:
+                message = message.replace(above, "")
+    return message
+
+
 def listed_versions(served: ServedAdapter, engine: AdapterHost | None) -> list[str]:
     """The versions of `served` a request may name: its table's, less a fallback the engine retired (the stable
     version replacing it loaded) that the table keeps until the next push; it would be resolved only to be

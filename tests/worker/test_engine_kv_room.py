@@ -131,16 +131,23 @@ def test_an_adapter_of_unknown_size_is_refused_once_loaded_before_any_token(engi
         engine.add_request("c2", PROMPT, _params(30), adapter="c")
 
 
-def test_a_pin_landing_after_admission_ends_the_request_by_length_with_its_output(engine):
+@pytest.mark.parametrize("min_tokens", [0, 30])
+def test_a_pin_landing_after_admission_ends_the_request_by_length_with_its_output(engine, min_tokens):
     """A push pins p while a base-model request that needs the whole pool is queued: the request runs until
-    it outgrows what p leaves, then ends by length with the tokens it wrote (its context shrank), at once:
-    not an error that drops them, nor CapacityError after the stuck bound."""
-    engine.add_request("whole", PROMPT, _params(NUM_PAGES * BS - len(PROMPT)))
+    it outgrows what p leaves (23 tokens), then ends by length with the tokens it wrote (its context shrank),
+    at once: not an error that drops them, nor CapacityError after the stuck bound. Unless it has not written
+    its min_tokens (30): that it cannot, and it fails with ContextLengthError."""
+    engine.add_request("whole", PROMPT, SamplingParams(max_tokens=NUM_PAGES * BS - len(PROMPT), temperature=0,
+                                                       ignore_eos=True, min_tokens=min_tokens))
     engine.adapter_pool.add("p@1", random_weights(2, rank=4, projs=ADAPTER_PROJS), pinned=True)
     engine.adapter_pool.load("p@1")
     done = _run(engine, max_steps=40)
     out = done["whole"]
-    assert out.finish_reason == "length" and out.error is None and engine.scheduler.num_preemptions == 1
+    assert engine.scheduler.num_preemptions == 1
+    if min_tokens:
+        assert out.finish_reason == "error" and isinstance(out.exception, ContextLengthError)
+        return
+    assert out.finish_reason == "length" and out.error is None
     assert 0 < len(out.token_ids) < NUM_PAGES * BS - len(PROMPT)
 
 
