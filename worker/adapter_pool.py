@@ -229,7 +229,6 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
         One naming a version already replaced (`retire_pending`) does not keep it: it runs if it gets it first."""
         with self._lock:
             entry = self._entries.get(key)
-            # A version already replaced (kept for the requests before) is not kept longer by a new one naming it.
             if entry is not None and not entry.retired and entry.retire_pending is None:
                 entry.detached.add(waiter)
 

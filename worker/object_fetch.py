@@ -43,7 +43,6 @@ class Fetch:
     def __init__(self, total: int, progress: Callable[[int, int], None] | None, deadline: float | None,
                  uri: str) -> None:
         self.total, self.done, self.progress, self.deadline, self.uri = total, 0, progress, deadline, uri
-        self.resumed = 0  # ranged GETs sent for the rest of an object (all objects)
         self._report()
 
     def _report(self) -> None:
@@ -71,7 +70,6 @@ class Fetch:
                 self._check_deadline(where, cut.received == 0 < size)  # a read the deadline ended is not resumed
                 if cut.resumable and 0 < cut.received < size and resumes < RESUMES and cut.received > received:
                     received, resumes = cut.received, resumes + 1
-                    self.resumed += 1
                     continue
                 if cut.cause is not None:
                     raise cut.cause from None

@@ -157,9 +157,9 @@ class ServedAdapters:
                            param="model")
         if not version:
             version = self.resolver.pick(name, served.split, user)
-        if version not in (listed := listed_versions(served, self._engine)):
-            raise APIError(404, f"adapter {name!r} has no version {version!r} here (versions: {', '.join(listed)})",
-                           code="model_not_found", param="model")
+        if version not in served.sources or version == served.fallback and version not in listed_versions(served, self._engine):
+            raise APIError(404, f"adapter {name!r} has no version {version!r} here (versions: "
+                                f"{', '.join(listed_versions(served, self._engine))})", code="model_not_found", param="model")
         if version in served.errors:
             raise VersionUnavailable(f"{name}@{version}",
                                      f"adapter {name}@{version} failed to load: {self.redact(served.errors[version], tenant)}")

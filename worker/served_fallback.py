@@ -105,6 +105,8 @@ def still_held(engine: AdapterHost, key: str) -> bool:
 def cut_source_folders(message: str, table: dict[str, ServedAdapter]) -> str:
     """`message` with the folders above each local source of `table` cut: a load error names the file it read,
     under folders that are the worker's disk, cache and tenant-folder layout, which a tenant is not shown."""
+    if "/" not in message:  # most errors (a context too long, a bad parameter) name no path: no pass over the table
+        return message
     for served in table.values():
         for source in served.sources.values():
             path = source.removeprefix("file://").rstrip("/")
