@@ -278,7 +278,8 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
     def _loader_threads(self) -> FairExecutor:
         # Optionally bound the CPU threads a loader's torch ops fan out to (GPU workers only).
         cpu_threads = self.config.loader_cpu_threads if self._cuda else None
-        return FairExecutor(self.config.num_load_threads, thread_name_prefix="adapter-load",
+        return FairExecutor(self.config.num_load_threads, spare_threads=self.config.spare_load_threads,
+                            thread_name_prefix="adapter-load",
                             initializer=limit_cpu_threads, initargs=(cpu_threads,))
 
     # ---- explicit residency: can_load / load / evict, prefetch ---------------------------------

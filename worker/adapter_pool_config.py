@@ -26,6 +26,9 @@ class AdapterPoolConfig:
     cpu_budget_bytes: int = 4 << 30  # warm tier
     eviction_policy: str = "lru"  # lru | lfu | cost
     num_load_threads: int = 2
+    # More threads, each for a request's load of a tenant with no load running (fair_executor.py): one
+    # tenant's slow reads never hold another's request.
+    spare_load_threads: int = 8
     tenant_quotas: dict[str, TenantQuota] = field(default_factory=dict)
     default_quota: TenantQuota = field(default_factory=TenantQuota)
     pin_cpu: bool | None = None  # pinned CPU tier; None = when the pool lives on a CUDA device
@@ -41,6 +44,9 @@ class AdapterPoolConfig:
     def __post_init__(self) -> None:
         if self.max_slots <= 0 or self.max_rank <= 0:
             raise ValueError(f"max_slots ({self.max_slots}) and max_rank ({self.max_rank}) must be > 0")
+        if self.num_load_threads <= 0 or self.spare_load_threads < 0:
+            raise ValueError(f"need num_load_threads > 0 ({self.num_load_threads}) and spare_load_threads >= 0 "
+                             f"({self.spare_load_threads})")
         if self.cpu_budget_bytes < 0:
             raise ValueError("cpu_budget_bytes must be >= 0")
         if self.load_timeout_s is not None and self.load_timeout_s <= 0:

@@ -82,7 +82,8 @@ class Engine:
         self.adapter_pool = AdapterPool(
             self.page_pool, ModelDims.from_model_config(mc),
             AdapterPoolConfig(max_slots=config.max_loras, max_rank=config.max_lora_rank, default_quota=TenantQuota(
-                max_adapters=config.max_loras_per_tenant, max_bytes=config.max_lora_bytes_per_tenant)),
+                max_adapters=config.max_loras_per_tenant, max_bytes=config.max_lora_bytes_per_tenant),
+                num_load_threads=config.adapter_load_threads, load_timeout_s=config.adapter_load_timeout_s),
         )
         # A request that could never get its KV pages (its adapter's and pinned ones' taken off) is refused.
         self.kv_room = KVRoom(self.adapter_pool, num_pages=num_pages, block_size=config.block_size,

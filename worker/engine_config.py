@@ -56,6 +56,8 @@ class EngineConfig:
     max_loras_per_batch: int | None = None  # distinct adapters per step; None = no bound
     max_loras_per_tenant: int | None = None  # adapter slots the adapters of one tenant may hold at once (its GPU share; unset = no limit): over it, the tenant's own idle adapters leave first, and its request waits for one of its own to go idle; adapters registered without a tenant count as tenant "default"
     max_lora_bytes_per_tenant: int | None = None  # bytes of adapter weights one tenant's adapters may hold on the GPU at once (unset = no limit)
+    adapter_load_threads: int = 2  # threads reading adapters from disk into the CPU tier, shared by tenants in turns; a request's load of a tenant with none running gets one of 8 more at once
+    adapter_load_timeout_s: float = 300.0  # an adapter read still running after this fails the requests waiting for it (a hung disk or mount)
     max_adapter_wait_steps: int = 32  # a request skipped that many steps for grouping (or KV pages) goes first
     strict_base: bool = True  # refuse adapters trained on another base model / tokenizer
     base_model_aliases: tuple[str, ...] = ()  # other names of the served base that adapters' base_model_name_or_path may give (the hub id of a copy in a folder of another name); --served-model-name is one too
@@ -80,9 +82,11 @@ class EngineConfig:
             raise ValueError(f"--tokenizer {self.tokenizer}: no tokenizer.json there (give the directory that "
                              "holds it, or leave --tokenizer unset to use the model directory's)")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_loras", "max_lora_rank",
-                     "lora_segment_len", "max_adapter_file_bytes", "max_failed_forwards"):
+                     "lora_segment_len", "max_adapter_file_bytes", "max_failed_forwards", "adapter_load_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.adapter_load_timeout_s > 0:
+            raise ValueError(f"adapter_load_timeout_s must be > 0, got {self.adapter_load_timeout_s}")
         if self.compile_threads < 0:
             raise ValueError(f"compile_threads must be >= 0 (0: one per CPU core), got {self.compile_threads}")
         if self.num_pages is not None and self.num_pages < 1:

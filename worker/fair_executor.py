@@ -9,7 +9,12 @@ another tenant's load waits for at most one job per group ahead of it. Loads a r
 job started is a warm-up when one waits: a steady stream of cold loads for requests never keeps a pinned or
 warm version off the GPU for good.
 
-Jobs run on a ThreadPoolExecutor of `num_threads`, never more at once; a queued job's Future may be
+Turns alone do not help a tenant whose load waits while every thread runs another tenant's slow reads (a
+stalled mount, a huge file): it would wait for one of them to end. So a load a request waits for, of a
+group with no job running, starts at once on one of `spare_threads` more threads: one tenant's slow reads
+never hold another tenant's request, up to `spare_threads` tenants at a time.
+
+Jobs run on a ThreadPoolExecutor of `num_threads` (+ the spares), never more at once; a queued job's Future may be
 cancelled (it is skipped); `shutdown` cancels every job still queued. A thread's `initializer` runs before
 its first job: if it raises, that job fails with its error (ThreadPoolExecutor would break the whole pool).
 A job's Future is completed, or cancelled, outside this executor's lock, on a loader thread or the caller's:
@@ -30,12 +35,13 @@ _MAX_REMEMBERED = 4096  # groups whose last turn is remembered (the oldest are f
 
 
 class FairExecutor:
-    def __init__(self, num_threads: int, *, thread_name_prefix: str = "",
+    def __init__(self, num_threads: int, *, spare_threads: int = 0, thread_name_prefix: str = "",
                  initializer: Callable[..., object] | None = None, initargs: tuple = ()) -> None:
-        self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix=thread_name_prefix)
+        self._pool = ThreadPoolExecutor(num_threads + spare_threads, thread_name_prefix=thread_name_prefix)
         self._init = (initializer, initargs)
         self._ready = threading.local()  # whether this thread's initializer ran
         self._num_threads = num_threads
+        self._spare_threads = spare_threads
         self._lock = threading.Lock()
         self._urgent: _Queues = {}  # group -> its jobs a request waits for
         self._background: _Queues = {}  # group -> its other jobs (warm-ups, prefetches)
@@ -43,6 +49,7 @@ class FairExecutor:
         self._turns = 0  # jobs started
         self._last_turn: dict[str, int] = {}  # group -> the number of its last job started
         self._running = 0
+        self._running_by_group: dict[str, int] = {}  # groups with jobs running -> how many
         self._closed = False
 
     def submit(self, group: str, fn: Callable[[], Any], *, urgent: bool = True) -> Future:
@@ -81,13 +88,20 @@ class FairExecutor:
         the group whose last job started longest ago (a group never served, or forgotten, first). Returns the
         jobs the thread pool refused (the interpreter exiting), to fail once the lock is released."""
         refused: list[tuple[Future, BaseException]] = []
-        while self._running < self._num_threads:
-            lane = self._urgent or self._background
-            if self._urgent and self._background and self._turns % BACKGROUND_EVERY == BACKGROUND_EVERY - 1:
-                lane = self._background
-            if not lane:
+        while True:
+            if self._running < self._num_threads:
+                lane = self._urgent or self._background
+                if self._urgent and self._background and self._turns % BACKGROUND_EVERY == BACKGROUND_EVERY - 1:
+                    lane = self._background
+                groups = list(lane)
+            elif self._running < self._num_threads + self._spare_threads:  # a spare thread: see the module doc
+                lane = self._urgent
+                groups = [g for g in lane if g not in self._running_by_group]
+            else:
                 return refused
-            group = min(lane, key=lambda g: self._last_turn.get(g, -1))
+            if not groups:
+                return refused
+            group = min(groups, key=lambda g: self._last_turn.get(g, -1))
             queue = lane[group]
             future, fn = queue.popleft()
             if not queue:
@@ -101,14 +115,14 @@ class FairExecutor:
                 for old in sorted(self._last_turn, key=self._last_turn.__getitem__)[:_MAX_REMEMBERED // 2]:
                     del self._last_turn[old]
             try:
-                self._pool.submit(self._run, future, fn)
+                self._pool.submit(self._run, group, future, fn)
             except RuntimeError as exc:  # the interpreter is exiting (the pool stops only after _closed else)
                 refused.append((future, exc))
                 continue
             self._running += 1
-        return refused
+            self._running_by_group[group] = self._running_by_group.get(group, 0) + 1
 
-    def _run(self, future: Future, fn: Callable[[], Any]) -> None:
+    def _run(self, group: str, future: Future, fn: Callable[[], Any]) -> None:
         try:
             initializer, initargs = self._init
             if initializer is not None and not getattr(self._ready, "done", False):
@@ -122,6 +136,10 @@ class FairExecutor:
         finally:
             with self._lock:
                 self._running -= 1
+                if self._running_by_group[group] == 1:
+                    del self._running_by_group[group]
+                else:
+                    self._running_by_group[group] -= 1
                 refused = [] if self._closed else self._dispatch()
             _fail(refused)
 

@@ -693,8 +693,9 @@ def test_one_tenants_hung_reads_keep_no_other_adapter_from_loading():
     """Two reads of tenant A hang (a stalled mount) and hold both loader threads. Tenant B's load, queued
     behind them, timed out without ever running ("download or disk too slow?"), and so did each retry. Once
     every thread is held past the time limit, loads go to fresh threads; the time limit counts from a
-    thread taking the load."""
-    pool = make_pool(load_timeout_s=0.3, num_load_threads=2)
+    thread taking the load. (Without spare threads: those let B's load run beside A's reads at once, as
+    tests/worker/test_fair_loads.py checks; fresh threads are for when every spare is held too.)"""
+    pool = make_pool(load_timeout_s=0.3, num_load_threads=2, spare_load_threads=0)
     hung = threading.Event()
     calls = []
     pool.add("a1@1", loader=lambda: hung.wait(30) and random_weights(1), tenant="A")

@@ -4,15 +4,17 @@ one tenant's burst of cold loads never queues another tenant's request behind al
 from __future__ import annotations
 
 import threading
+import time
 
 from lorafleet.worker.fair_executor import FairExecutor
 from tests.lora_factory import random_weights
 from tests.worker.test_adapter_pool import _acquire_within, make_pool
 
 
-def _gated_pool(keys: dict[str, str]):
-    """A pool with one loader thread; every read waits for the gate, then notes its key in `order`."""
-    pool = make_pool(max_slots=8, num_load_threads=1)
+def _gated_pool(keys: dict[str, str], spare: int = 0):
+    """A pool with one loader thread (and `spare` more); every read waits for the gate, then notes its key
+    in `order`."""
+    pool = make_pool(max_slots=8, num_load_threads=1, spare_load_threads=spare)
     gate, order = threading.Event(), []
 
     def loader(key: str, seed: int):
@@ -152,6 +154,65 @@ def test_warm_ups_get_a_share_of_the_threads_under_a_stream_of_request_loads():
         warm.result(10)
         [f.result(10) for f in asked]
         assert order.index("warm") < BACKGROUND_EVERY, order
+    finally:
+        gate.set()
+        ex.shutdown(wait=True)
+
+
+def test_a_tenants_load_runs_beside_another_tenants_slow_reads_on_a_spare_thread():
+    """Tenant A's reads hang (a stalled mount) on every loader thread; tenant B's request for an adapter that
+    must be read again waited for one of them to end (up to the 300 s time limit). A load a request waits for,
+    of a tenant with none running, now starts at once on a spare thread: B's adapter arrives while A's reads
+    still hang; A's third load, and a fourth tenant's beyond the spares, wait for a thread as before."""
+    keys = {"a0@1": "A", "a1@1": "A", "a2@1": "A", "b@1": "B", "c@1": "C", "d@1": "D"}
+    pool, gate, order = _gated_pool(keys, spare=2)
+    a_gate = threading.Event()
+    for seed, key in enumerate(("a0@1", "a1@1", "a2@1")):
+        def read(key=key, seed=seed):
+            a_gate.wait(10)
+            order.append(key)
+            return random_weights(seed)
+        pool._entries[key].loader = read
+    gate.set()  # B's, C's and D's reads return at once: only A's hang
+    try:
+        for key in ("a0@1", "a1@1", "a2@1"):
+            assert pool.acquire(key, waiter=key) is None
+        assert pool.acquire("b@1", waiter="b") is None and pool.acquire("c@1", waiter="c") is None
+        assert _acquire_within(pool, "b@1", "b", 5.0) is not None  # on a spare thread, A's reads still hanging
+        assert _acquire_within(pool, "c@1", "c", 5.0) is not None
+        assert order == ["b@1", "c@1"] or order == ["c@1", "b@1"], order
+        a_gate.set()
+        for key in ("a0@1", "a1@1", "a2@1"):
+            assert _acquire_within(pool, key, key, 10.0) is not None
+        pool.check()
+    finally:
+        a_gate.set()
+        pool.close()
+
+
+def test_spare_threads_go_only_to_requests_of_tenants_with_none_running_and_are_bounded():
+    ex = FairExecutor(1, spare_threads=2, thread_name_prefix="test-load")
+    gate, started = threading.Event(), []
+    lock = threading.Lock()
+
+    def job(name: str):
+        with lock:
+            started.append(name)
+        gate.wait(10)
+        return name
+
+    try:
+        futures = {name: ex.submit(group, lambda name=name: job(name), urgent=urgent) for name, group, urgent in (
+            ("a0", "A", True), ("a1", "A", True), ("w", "W", False), ("b0", "B", True), ("b1", "B", True),
+            ("c0", "C", True), ("d0", "D", True))}
+        deadline = time.monotonic() + 5
+        while len(started) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with lock:  # the thread, then one spare each for B and C; not A's second, B's second, a warm-up or D
+            assert sorted(started) == ["a0", "b0", "c0"], started
+        assert ex.queued() == 4
+        gate.set()
+        assert {name: f.result(10) for name, f in futures.items()} == {name: name for name in futures}
     finally:
         gate.set()
         ex.shutdown(wait=True)
