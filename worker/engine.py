@@ -41,7 +41,7 @@ from lorafleet.worker.sampling_params import SamplingParams
 from lorafleet.worker.scheduler import Scheduler
 from lorafleet.worker.sequence import Sequence
 from lorafleet.worker.stop_checker import StopChecker
-from lorafleet.worker.vocab_digest import vocab_digest
+from lorafleet.worker.vocab_digest import probe_encodings, vocab_digest
 from lorafleet.worker.warmup import warm_up
 
 log = logging.getLogger(__name__)
@@ -65,6 +65,7 @@ class Engine:
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
         self._tokenizer_digest: str | None = None
+        self._tokenizer_encodings: list[list[int]] | None = None
         read = read_model_dir(self.model_dir, config, dtype=self.dtype, device=self.device)
         self.sampling_defaults, self.model_config, self.tokenizer = read.sampling_defaults, read.config, read.tokenizer
         self.eos_token_ids, self.model = read.eos_token_ids, read.model
@@ -166,6 +167,7 @@ class Engine:
         weights = load_peft_adapter(
             path, self.model_config, dtype=self.dtype, strict_base=self.config.strict_base,
             base_model_name=self.base_model_names, tokenizer_digest=self.tokenizer_digest, name=name, version=version,
+            tokenizer_encodings=self.tokenizer_encodings,
             base_token_id=self.tokenizer.token_to_id if self.tokenizer is not None else None,
             max_file_bytes=self.config.max_adapter_file_bytes, sha256=sha256,
         )
@@ -208,6 +210,16 @@ class Engine:
         if self._tokenizer_digest is None:
             self._tokenizer_digest = vocab_digest(self.tokenizer.path)
         return self._tokenizer_digest
+
+    @property
+    def tokenizer_encodings(self) -> list[list[int]] | None:
+        """The served tokenizer's ids of `vocab_digest.PROBE_TEXTS`: one of the same vocabulary that turns
+        text into other ids is refused too."""
+        if self.tokenizer is None:
+            return None
+        if self._tokenizer_encodings is None:
+            self._tokenizer_encodings = probe_encodings(self.tokenizer.path)
+        return self._tokenizer_encodings
 
     # ---- requests -----------------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:

@@ -235,6 +235,7 @@ def load_peft_adapter(
     strict_base: bool | Strictness = True,
     base_model_name: str | Sequence[str] | None = None,
     tokenizer_digest: str | None = None,
+    tokenizer_encodings: list[list[int]] | None = None,
     base_token_id: Callable[[str], int | None] | None = None,
     name: str | None = None,
     version: str | None = None,
@@ -252,9 +253,9 @@ def load_peft_adapter(
     strict_base: "strict" (True) refuses a base-model-name or tokenizer mismatch, "warn" (False)
     logs it, "off" skips both checks. base_model_name: the served base's name, or its names (its folder, its
     config's `_name_or_path`, aliases): the adapter's `base_model_name_or_path` must end as one of them does.
-    base_model_name / tokenizer_digest / base_token_id (its id of a
-    token, for added tokens declared without a whole vocabulary) describe the served base; None skips that
-    check. max_file_bytes: the largest weights or tokenizer file read (refused before reading). Raises
+    base_model_name / tokenizer_digest / tokenizer_encodings (`vocab_digest.probe_encodings`) / base_token_id
+    (its id of a token, for added tokens declared without a whole vocabulary) describe the served base; None
+    skips that check. max_file_bytes: the largest weights or tokenizer file read (refused before reading). Raises
     AdapterError.
     """
     path = Path(path)
@@ -280,7 +281,7 @@ def load_peft_adapter(
                             f"worker with --base-model-aliases {base.rstrip('/').rsplit('/', 1)[-1]}; --no-strict-base "
                             f"only warns")
         try:
-            mismatch = tokenizer_mismatch(path, tokenizer_digest, base_token_id, max_file_bytes)
+            mismatch = tokenizer_mismatch(path, tokenizer_digest, base_token_id, max_file_bytes, tokenizer_encodings)
         except FileLimitError as exc:  # a limit, not a mismatch: refused whatever the strictness
             raise AdapterError(str(exc)) from None
         if mismatch is not None:
@@ -349,7 +350,7 @@ def load_peft_adapter(
     name, version = name or path.name, version or digest[:12]
     reload = functools.partial(load_peft_adapter, path, model_config, dtype=dtype, strict_base=strict_base,
                                base_model_name=base_model_name, tokenizer_digest=tokenizer_digest,
-                               base_token_id=base_token_id, name=name,
+                               tokenizer_encodings=tokenizer_encodings, base_token_id=base_token_id, name=name,
                                version=version, expect_digest=digest, max_file_bytes=max_file_bytes)
     return LoRAWeights(name=name, version=version, base_model=base, modules=modules, nbytes=nbytes, reload=reload)
 

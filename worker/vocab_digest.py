@@ -12,6 +12,11 @@ from typing import Any, TypeVar
 from lorafleet.worker.file_limits import FileLimitError, read_limited
 
 T = TypeVar("T")
+# Texts whose ids tell apart two tokenizers of one vocabulary (their normalizer, pre-tokenizer, model flags or
+# post-processor differ): case, leading, repeated and trailing spaces, tabs and newlines, composed and combining
+# accents, CJK, emoji, digits, contractions, markup, unusual spaces.
+PROBE_TEXTS = ("Hi", " hello World", "HELLO  there\tyou\n\nnew line ", "naïve café, nai\u0308ve", "東京タワー 🙂",
+               "1234567 + 3.14 = x", "don't I'll", '<p>x</p> {"k": [1, 2]}', "\u00a0a\u2003b ")
 # The files a tokenizer is read from: tokenizer.json, else vocab.json (+ merges.txt, added tokens).
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "added_tokens.json", "tokenizer_config.json")
 
@@ -108,6 +113,26 @@ def vocab_digest(path: str | Path, max_file_bytes: int | None = None) -> str | N
     return h.hexdigest()
 
 
+def probe_encodings(path: str | Path, max_file_bytes: int | None = None) -> list[list[int]] | None:
+    """The ids the tokenizer.json of `path` (a folder or the file) gives each of PROBE_TEXTS, special tokens
+    added as its post-processor adds them; None when there is no tokenizer.json. Equal vocabularies may still
+    turn text into other ids (another normalizer or pre-tokenizer, `add_prefix_space`, `byte_fallback`): these
+    tell them apart. Raises TokenizerFileError for a file `tokenizers` cannot build, FileLimitError as above."""
+    path = Path(path)
+    file = path if path.is_file() else path / "tokenizer.json"
+    if not file.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    try:
+        tokenizer = Tokenizer.from_str(read_limited(file, max_file_bytes).decode("utf-8"))
+        return [tokenizer.encode(text).ids for text in PROBE_TEXTS]
+    except FileLimitError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - tokenizers raises bare Exceptions for files it cannot build
+        raise TokenizerFileError(f"{file}: not a readable tokenizer file ({type(exc).__name__}: {exc})") from exc
+
+
 def _declared_added_tokens(path: Path, max_bytes: int | None) -> dict[str, int | None]:
     """The tokens a folder without a whole vocabulary (no tokenizer.json, no vocab.json) adds: added_tokens.json
     and tokenizer_config.json's added_tokens_decoder with their ids, its additional_special_tokens by name
@@ -129,14 +154,16 @@ def _declared_added_tokens(path: Path, max_bytes: int | None) -> dict[str, int |
 
 
 def tokenizer_mismatch(path: Path, base_digest: str | None, base_token_id: Callable[[str], int | None] | None,
-                       max_bytes: int | None) -> str | None:
+                       max_bytes: int | None, base_encodings: list[list[int]] | None = None) -> str | None:
     """Why the tokenizer files of the adapter folder `path` do not match the served base's, or None. A whole
-    vocabulary (tokenizer.json, vocab.json) is compared by digest with `base_digest`; without one, each token
-    the folder adds must be the base's token of that id (`base_token_id`). None for either skips that check.
+    vocabulary (tokenizer.json, vocab.json) is compared by digest with `base_digest`, and a tokenizer.json's
+    `probe_encodings` with `base_encodings` (the base's); without a whole vocabulary, each token the folder
+    adds must be the base's token of that id (`base_token_id`). None for any skips that check.
     Raises FileLimitError for a file over `max_bytes` or not a regular file."""
     try:
         theirs = vocab_digest(path, max_bytes)
         declared = _declared_added_tokens(path, max_bytes) if theirs is None and base_token_id else {}
+        encoded = probe_encodings(path, max_bytes) if theirs is not None and base_encodings is not None else None
     except TokenizerFileError as exc:
         return (f"{exc}; the adapter's vocabulary cannot be compared with the served base model's. Fix or remove "
                 f"the tokenizer files, or load with strictness 'warn'/'off'")
@@ -144,6 +171,13 @@ def tokenizer_mismatch(path: Path, base_digest: str | None, base_token_id: Calla
         return (f"{path}: the adapter ships a tokenizer whose vocabulary differs from the served base model's; "
                 f"its outputs would be decoded with the wrong ids. Serve it on the base it was trained with, or "
                 f"remove the tokenizer files if they are in fact the same")
+    if encoded is not None and encoded != base_encodings:
+        text, ours, other = next(t for t in zip(PROBE_TEXTS, base_encodings, encoded, strict=True) if t[1] != t[2])
+        return (f"{path}: the adapter ships a tokenizer with the served base model's vocabulary that turns text into "
+                f"other ids (its normalizer, pre-tokenizer or post-processor differ: {text!r} is {other} for it, "
+                f"{ours} for the base); it was trained on ids this server would not produce. Serve it on the "
+                f"base it was trained with, or remove the tokenizer files if the base's are the ones it was "
+                f"trained with")
     new = sorted(token for token, i in declared.items() if (ours := base_token_id(token)) is None
                  or (i is not None and ours != i))
     if new:

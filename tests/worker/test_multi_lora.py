@@ -227,6 +227,19 @@ def test_adapter_for_another_base_or_tokenizer_is_refused(tiny_llama_dir, adapte
     (other_tok / "tokenizer.json").write_text(json.dumps(tok))
     with pytest.raises(AdapterError, match="tokenizer"):
         engine.register_adapter("other_tok", other_tok)
+
+    # The base's vocabulary and merges, but text lower-cased and a space put before it: "Hi" becomes other
+    # ids. Equal vocabularies were taken as the same tokenizer.
+    other_pipeline = tmp_path / "other_pipeline"
+    shutil.copytree(adapter_dirs["qv4"], other_pipeline)
+    tok = json.loads((tiny_llama_dir / "tokenizer.json").read_text())
+    tok["normalizer"] = {"type": "Lowercase"}
+    (other_pipeline / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(AdapterError, match="turns text into other ids .*'Hi' is"):
+        engine.register_adapter("other_pipeline", other_pipeline)
+    shutil.copy(tiny_llama_dir / "tokenizer.json", other_pipeline / "tokenizer.json")  # the base's own file: served
+    engine.register_adapter("same_tok", other_pipeline)
+    engine.unregister_adapter("same_tok")
     assert sorted(k.split("@")[0] for k in engine.adapters()) == sorted(ADAPTERS)
 
 

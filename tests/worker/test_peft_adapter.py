@@ -531,6 +531,39 @@ def test_tokenizer_mismatch_is_refused(tmp_path, model_config):
         load_peft_adapter(tmp_path / "x", model_config, dtype=torch.float32, tokenizer_digest=digest)
 
 
+def test_a_tokenizer_of_the_same_vocabulary_that_splits_text_otherwise_is_refused(tmp_path, model_config):
+    """Vocabulary and merges equal, pre-tokenizer or normalizer not: the same text becomes other ids, so the
+    adapter was trained on ids this server never produces. The digest of vocabulary and merges alone took them
+    as one tokenizer; each side's ids of a few probe texts now tell them apart (tokenizer.json on both)."""
+    from tokenizers import normalizers, pre_tokenizers
+
+    from lorafleet.worker.vocab_digest import probe_encodings
+
+    vocab = {**VOCAB, **{ch: 6 + i for i, ch in enumerate("▁" + "".join(map(chr, range(33, 127))).replace("a", "")
+                                                             .replace("b", "").replace("c", "").replace("d", ""))}}
+    base_dir = tmp_path / "base"
+    base_dir.mkdir()
+    _bpe_tokenizer(vocab).save(str(base_dir / "tokenizer.json"))
+    digest, encodings = vocab_digest(base_dir), probe_encodings(base_dir)
+    make_adapter(tmp_path / "x", r=4, lora_alpha=8, target_modules=["q_proj"])
+    load = functools.partial(load_peft_adapter, tmp_path / "x", model_config, dtype=torch.float32,
+                             tokenizer_digest=digest, tokenizer_encodings=encodings)
+    variants = {"pre_tokenizer": pre_tokenizers.Metaspace(), "normalizer": normalizers.Lowercase()}
+    for attr, value in variants.items():
+        tok = _bpe_tokenizer(vocab)
+        setattr(tok, attr, value)
+        tok.save(str(tmp_path / "x" / "tokenizer.json"))
+        assert vocab_digest(tmp_path / "x") == digest
+        with pytest.raises(AdapterError, match="turns text into other ids"):
+            load()
+        load(strict_base="warn")
+    _bpe_tokenizer(vocab).save(str(tmp_path / "x" / "tokenizer.json"))  # the same one: served
+    load()
+    (tmp_path / "x" / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "Nope", "vocab": {}}}')
+    with pytest.raises(AdapterError, match="not a readable tokenizer file"):
+        load()
+
+
 @pytest.mark.parametrize(("files", "added"), [
     ({"added_tokens.json": {"<tool>": 6}}, "'<tool>'"),
     ({"added_tokens.json": {"d": 4}}, "'d'"),  # the base's token under another id
