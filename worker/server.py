@@ -169,6 +169,15 @@ def engine_url(config: WorkerConfig) -> str:
     return local_url(config.host, config.port)
 
 
+async def _keys_watch_ctx(app: web.Application) -> AsyncIterator[None]:
+    """The keys file looked at for a change on a thread (tenants.py): requests check keys in memory."""
+    watch = asyncio.create_task(app[TENANTS].watch(), name="keys-file-watch")
+    yield
+    watch.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await watch
+
+
 async def _stager_ctx(app: web.Application) -> AsyncIterator[None]:
     """`--adapters s3://...` without a sidecar: a stager child downloads, verifies and pushes them."""
     config = app[CONFIG]
@@ -305,6 +314,8 @@ def create_app(config: WorkerConfig) -> web.Application:
     app[METRICS] = WorkerMetrics(lambda: engine_snapshot(app), retired_grace_s=config.retired_series_grace_s,
                                  latency_series=config.adapter_latency_series)
     app[IN_FLIGHT] = set()
+    if tenants.path is not None:
+        app.cleanup_ctx.append(_keys_watch_ctx)
     app.cleanup_ctx.append(_engine_ctx)
     if config.admin_port is not None:  # the admin API's own listener: up before the stager child, which calls it
         app.cleanup_ctx.append(admin_listener_ctx)

@@ -16,12 +16,15 @@ use everything; the server logs that at start-up. A keys file never opens the wo
 that lists no key (every caller is then refused). Keys are kept only as SHA-256 digests.
 
 The file is read again when it changes (Kubernetes swaps a new file into a mounted Secret): a revoked
-key stops working and a new one works without a restart. A file that turns unreadable or malformed
+key stops working and a new one works without a restart. `watch` looks for a change every
+KEYS_POLL_S on a thread, never on the event loop: a request's key is checked in memory, so a slow or hung
+mount never stalls the server. A file that turns unreadable or malformed
 keeps the keys read last, logged; it neither opens the worker nor locks every tenant out.
 """
 
 from __future__ import annotations
 
+import asyncio
 import fnmatch
 import hashlib
 import json
@@ -37,6 +40,7 @@ DEV_TENANT = "dev"
 # The owner of adapters registered for no tenant in particular (the s3:// --adapters seed's): unowned, so the
 # keys file's patterns decide who may use them.
 UNOWNED = "default"
+KEYS_POLL_S = 1.0  # how often the keys file is looked at for a change
 
 log = logging.getLogger(__name__)
 
@@ -134,14 +138,18 @@ class Tenants:
 
     def __init__(self, tenants: list[Tenant] | None = None, keys: dict[str, str] | None = None, *,
                  is_open: bool = False) -> None:
-        self._tenants = {t.name: t for t in tenants or []}
-        self._by_digest = {_digest(k): name for k, name in (keys or {}).items()}
+        by_name = {t.name: t for t in tenants or []}
+        # key digest -> its Tenant, swapped whole when the file changes (read from the event loop, written
+        # from the watching thread)
+        self._by_digest: dict[str, Tenant] = {}
+        for key, name in (keys or {}).items():
+            if name not in by_name:
+                raise TenantsError(f"key maps to unknown tenant {name!r}")
+            self._by_digest[_digest(key)] = by_name[name]
+        self._names = sorted(by_name)
         self._is_open = is_open
         self._path: Path | None = None  # the keys file, re-read when it changes
         self._stamp: tuple[int, int, int, int] | None = None
-        for name in self._by_digest.values():
-            if name not in self._tenants:
-                raise TenantsError(f"key maps to unknown tenant {name!r}")
 
     @property
     def is_open(self) -> bool:
@@ -154,7 +162,12 @@ class Tenants:
 
     @property
     def names(self) -> list[str]:
-        return sorted(self._tenants)
+        return self._names
+
+    @property
+    def path(self) -> Path | None:
+        """The keys file (None: made without one)."""
+        return self._path
 
     @classmethod
     def from_file(cls, path: str | Path | None) -> Tenants:
@@ -232,21 +245,32 @@ class Tenants:
         except TenantsError as exc:
             log.error("%s; the keys read before stay in force until the file is fixed", exc)
             return False
-        self._tenants, self._by_digest = fresh._tenants, fresh._by_digest
+        self._by_digest, self._names = fresh._by_digest, fresh._names
         log.info("API keys file %s changed: keys reloaded for tenants: %s", self._path, ", ".join(self.names))
         return True
 
     def authenticate(self, authorization: str | None) -> Tenant:
-        """The caller's tenant from its `Authorization` header; raises AuthenticationError."""
+        """The caller's tenant from its `Authorization` header; raises AuthenticationError. Reads no file:
+        `watch` keeps the keys current."""
         if self.is_open:
             return Tenant(DEV_TENANT, is_dev=True)
-        self.reload_if_changed()
         token = bearer_token(authorization)
         if token is None:
             raise AuthenticationError(
                 "missing API key: send 'Authorization: Bearer <key>' with a key issued to your tenant"
             )
-        name = self._by_digest.get(_digest(token))
-        if name is None:
+        tenant = self._by_digest.get(_digest(token))
+        if tenant is None:
             raise AuthenticationError("invalid API key: it belongs to no tenant of this worker")
-        return self._tenants[name]
+        return tenant
+
+    async def watch(self, interval: float = KEYS_POLL_S) -> None:
+        """Read the keys file again whenever it changed, looking every `interval` seconds on a thread, until
+        cancelled. One look at a time: a look stuck on a hung mount delays only the next."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await loop.run_in_executor(None, self.reload_if_changed)
+            except Exception:  # noqa: BLE001 - the keys read last stay in force; the watch goes on
+                log.exception("looking at API keys file %s failed", self._path)

@@ -268,3 +268,44 @@ async def test_a_pattern_grants_only_adapters_nobody_owns(aiohttp_client, tiny_l
     assert (await globex.completions.create(model="acme-tuned", prompt="x", max_tokens=1)).model == "acme-tuned@v1"
     assert (await acme.completions.create(model="acme-seeded", prompt="x", max_tokens=1)).model == "acme-seeded@v1"
     assert {m.id for m in (await globex.models.list()).data} == {"tiny", "acme-tuned"}
+
+
+async def test_keys_rotate_over_http_and_a_hung_keys_mount_stalls_no_request(aiohttp_client, tiny_llama_dir,
+                                                                             qv_adapters_dir, tmp_path, monkeypatch):
+    """Every request looked at the keys file (os.stat, and a read when it changed) on the event loop: a hung
+    Secret mount stalled the whole server. Keys are checked in memory; a thread looks at the file every
+    second, so a rotated key works and a revoked one stops without a restart."""
+    import threading
+    import time
+
+    from lorafleet.worker import tenants as tenants_module
+
+    client = await aiohttp_client(create_app(worker_config(tiny_llama_dir, qv_adapters_dir, tmp_path)))
+    models = "/v1/models"
+    assert (await client.get(models, headers={"Authorization": f"Bearer {KEY_ACME}"})).status == 200
+    rotated = tmp_path / "keys.json.new"
+    rotated.write_text(json.dumps({"tenants": {**TENANTS, "acme": {"keys": ["sk-acme-rotated"], "adapters": []}}}))
+    rotated.replace(tmp_path / "keys.json")
+    deadline = time.monotonic() + 10
+    while (await client.get(models, headers={"Authorization": "Bearer sk-acme-rotated"})).status != 200:
+        assert time.monotonic() < deadline, "the rotated key never took effect"
+        await asyncio.sleep(0.05)
+    assert (await client.get(models, headers={"Authorization": f"Bearer {KEY_ACME}"})).status == 401
+
+    hung, looked = threading.Event(), threading.Event()
+    real_stamp = tenants_module._stamp
+
+    def hung_stamp(path):
+        looked.set()
+        hung.wait(30)
+        return real_stamp(path)
+
+    monkeypatch.setattr(tenants_module, "_stamp", hung_stamp)
+    try:
+        assert await asyncio.get_running_loop().run_in_executor(None, looked.wait, 10)  # the watch is stuck on it
+        started = time.monotonic()
+        for _ in range(3):
+            assert (await client.get(models, headers={"Authorization": f"Bearer {KEY_GLOBEX}"})).status == 200
+        assert time.monotonic() - started < 20  # not waiting for the mount (it holds for 30 s a look)
+    finally:
+        hung.set()

@@ -103,6 +103,8 @@ def test_a_rewritten_keys_file_takes_effect_without_a_restart(tmp_path):
     rotated = tmp_path / "keys.json.new"
     rotated.write_text(json.dumps({"tenants": {"acme": {"keys": ["sk-new"], "adapters": ["sql", "chat"]}}}))
     rotated.replace(path)
+    assert tenants.authenticate("Bearer sk-old").name == "acme"  # until the watch looks: no file read per request
+    assert tenants.reload_if_changed()
     with pytest.raises(AuthenticationError, match="invalid API key"):
         tenants.authenticate("Bearer sk-old")
     assert tenants.authenticate("Bearer sk-new").may_use("chat")
@@ -121,10 +123,12 @@ def test_a_keys_file_that_turns_bad_keeps_the_last_good_keys(tmp_path, broken):
         path.write_bytes(broken)
     else:
         path.write_text(broken)
+    assert not tenants.reload_if_changed()
     assert tenants.authenticate("Bearer sk-acme").name == "acme"
     with pytest.raises(AuthenticationError):
         tenants.authenticate("Bearer sk-wrong")
     path.write_text(json.dumps({"tenants": {"acme": {"keys": ["sk-acme-2"]}}}))  # fixed again: read again
+    assert tenants.reload_if_changed()
     assert tenants.authenticate("Bearer sk-acme-2").name == "acme"
     with pytest.raises(AuthenticationError):
         tenants.authenticate("Bearer sk-acme")
@@ -143,6 +147,7 @@ def test_a_malformed_yaml_keys_file_is_reported_without_its_keys(tmp_path, caplo
     path.write_text(good)
     tenants = Tenants.from_file(path)
     path.write_text(bad + "\n")  # another size: seen as changed
+    assert not tenants.reload_if_changed()
     assert tenants.authenticate("Bearer sk-acme-secret-1").name == "acme"  # the last good keys hold
     assert "not valid JSON/YAML" in caplog.text and "secret" not in caplog.text, caplog.text
 
