@@ -30,6 +30,7 @@ def _write_kv_kernel(
 ):  # fmt: skip
     t = tl.program_id(0)
     slot = tl.load(slots_ptr + t)
+    t = t.to(tl.int64)  # row offsets past 2**31 elements (a long prefill's K/V): no int32 wrap
     if slot < 0:
         return
     page = slot // block_size
@@ -112,7 +113,7 @@ def _decode_kernel(
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
-    base = (b * num_heads + heads) * SPLITS + split
+    base = (b.to(tl.int64) * num_heads + heads) * SPLITS + split
     tl.store(part_acc_ptr + base[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None] & d_mask[None, :])
     tl.store(part_ml_ptr + base * 2, m_i, mask=g_mask)
     tl.store(part_ml_ptr + base * 2 + 1, l_i, mask=g_mask)
@@ -129,7 +130,7 @@ def _decode_merge_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     s_mask = offs_s < SPLITS
     d_mask = offs_d < HEAD_DIM
-    base = (b * num_heads + h) * SPLITS + offs_s
+    base = (b.to(tl.int64) * num_heads + h) * SPLITS + offs_s
     m = tl.load(part_ml_ptr + base * 2, mask=s_mask, other=float("-inf"))
     den = tl.load(part_ml_ptr + base * 2 + 1, mask=s_mask, other=0.0)
     acc = tl.load(part_acc_ptr + base[:, None] * HEAD_DIM + offs_d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0)
@@ -171,7 +172,8 @@ def _prefill_kernel(
     m_mask = offs_m < q_len
     d_mask = offs_d < HEAD_DIM
     q_pos = length - q_len + offs_m  # absolute position of each query row
-    q = tl.load(q_ptr + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+    rows = (q_start + offs_m).to(tl.int64)  # offsets past 2**31 elements (a step of >500k tokens): no int32 wrap
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=m_mask[:, None] & d_mask[None, :], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -194,7 +196,7 @@ def _prefill_kernel(
             PAGE, BLOCK_N, True, UPCAST,
         )  # fmt: skip
     res = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :], res.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+    tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :], res.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
 
 @triton.jit
