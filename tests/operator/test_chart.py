@@ -40,8 +40,8 @@ VALUE_SETS = {
                    "extraVolumes": [{"name": "model", "persistentVolumeClaim": {"claimName": "llama"}}],
                    "extraVolumeMounts": [{"name": "model", "mountPath": "/models/llama", "readOnly": True}]},
     },
-    "existing-secrets-other-namespace": {
-        "operator": {"watchNamespace": "tenants"},
+    "existing-secrets-other-namespace": {  # an operator for another namespace's pools: none of its own here
+        "operator": {"watchNamespace": "tenants"}, "pool": {"create": False}, "worker": {"enabled": False},
         "secrets": {"existingAdminTokenSecret": "adm", "existingStagerTokenSecret": "stg",
                     "existingApiKeysSecret": "keys"},
         "objectStore": {"existingSecret": "s3"},

@@ -85,3 +85,39 @@ def test_the_install_notes_say_where_the_admin_api_went(worker, says):
     assert ("not on the service" in notes) is says
     if says:
         assert f"127.0.0.1:{port} inside each pod" in notes and f"deploy/demo-lorafleet-worker 8002:{port}" in notes
+
+
+def test_a_stager_port_on_the_engines_port_is_refused_at_install():
+    """Both containers share the pod's network: one of them failed to bind, restarting for ever."""
+    with pytest.raises(helm.HelmError, match="worker.stagerPort 8000 is worker.port too"):
+        render({"worker": {"stagerPort": 8000}})
+    with pytest.raises(helm.HelmError, match="worker.stagerPort 8000 is worker.port too"):
+        render({"worker": {"stagerPort": 8000, "adminPort": None}})
+
+
+def test_an_operator_watching_another_namespace_than_its_pool_and_workers_is_refused_at_install():
+    """The chart puts its pool and workers in the release namespace; an operator watching (and allowed into)
+    only another one never reconciled them, and the notes said it would."""
+    with pytest.raises(helm.HelmError, match='operator.watchNamespace "tenants" is not the release namespace "fleet"'):
+        render({"operator": {"watchNamespace": "tenants"}})
+    with pytest.raises(helm.HelmError, match="watchNamespace"):
+        render({"operator": {"watchNamespace": "tenants"}, "pool": {"create": False}})  # its workers still here
+    for ok in ({"operator": {"watchNamespace": "fleet"}}, {"operator": {"watchNamespace": "*"}},
+               {"operator": {"watchNamespace": "tenants"}, "pool": {"create": False}, "worker": {"enabled": False}},
+               {"operator": {"watchNamespace": "tenants", "enabled": False}}):
+        assert any(d["kind"] == "Deployment" for d in render(ok))
+
+
+def test_a_changed_token_rolls_the_pods_that_read_it():
+    """Tokens reach the containers as env from Secrets, read at start: after `helm upgrade` changed one, running
+    pods kept the old one, and a worker started later (a scale-up) had the new one, so the operator's calls to
+    it failed with 401. A checksum of the chart's Secrets on both pod templates rolls them together."""
+    def templates(token: str) -> dict[str, dict]:
+        docs = render({"secrets": {"stagerToken": token * 20, "adminToken": "a" * 20}})
+        return {d["metadata"]["name"]: d["spec"]["template"] for d in docs if d["kind"] == "Deployment"}
+
+    before, after, again = templates("A"), templates("B"), templates("A")
+    assert set(before) == {"demo-lorafleet-worker", "demo-lorafleet-operator"}
+    for name in before:
+        assert before[name]["metadata"]["annotations"]["checksum/secrets"] != after[name]["metadata"]["annotations"]["checksum/secrets"]
+        assert before[name] == again[name]  # an upgrade that changes no token restarts nothing

@@ -46,6 +46,25 @@ listener, refused when it is a port the pod already uses), else worker.port (nul
 {{- else -}}{{ $admin }}{{- end -}}
 {{- end -}}
 
+{{/* Install-time refusals of values that render valid objects which cannot work: the stager sidecar on the
+engine's port (one of them fails to bind, for ever), and an operator watching a namespace other than the
+release's while the chart puts its pool and workers in the release's (nothing would reconcile them). */}}
+{{- define "lorafleet.checks" -}}
+{{- if eq (int .Values.worker.stagerPort) (int .Values.worker.port) -}}
+{{- fail (printf "worker.stagerPort %v is worker.port too: the stager sidecar and the engine share the pod's network, so each needs a port of its own" .Values.worker.stagerPort) -}}
+{{- end -}}
+{{- $watch := .Values.operator.watchNamespace -}}
+{{- if and .Values.operator.enabled $watch (ne $watch "*") (ne $watch .Release.Namespace) (or .Values.pool.create .Values.worker.enabled) -}}
+{{- fail (printf "operator.watchNamespace %q is not the release namespace %q, where this chart puts its pool and workers: the operator would neither see nor be allowed to reconcile them. Install into %q, watch \"*\", or set pool.create=false and worker.enabled=false" $watch .Release.Namespace $watch) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* A checksum of the Secrets the chart makes: a changed token or credential rolls the pods that read them,
+so the operator and the workers never run with different stager or admin tokens. */}}
+{{- define "lorafleet.secretsChecksum" -}}
+{{ include (print .Template.BasePath "/secrets.yaml") . | sha256sum }}
+{{- end -}}
+
 {{- define "lorafleet.image" -}}
 {{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
 {{- end -}}
