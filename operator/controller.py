@@ -33,6 +33,7 @@ from lorafleet.operator.crd_models import PoolSpec, SpecError, drain_spec, parse
 from lorafleet.operator.ownership import first_claim, own_pods, pod_names, pool_claims, released_pods
 from lorafleet.operator.push_record import PushRecord, pushed_pod_ids
 from lorafleet.operator.reconcile import PoolPlan, WorkerReport, reconcile_pool
+from lorafleet.operator.reported_sizes import ReportedSizes
 from lorafleet.operator.statuses import with_refused_pushes
 from lorafleet.operator.workers import Refused, StagerClient, Worker, discover_workers
 from lorafleet.worker.directives import ReportedState
@@ -121,6 +122,7 @@ class PoolController:
         # (pod, uid) -> (when, its sidecar's last answer): stands in for one that misses a few passes (quiet_grace)
         self._answers: dict[PoolKey, dict[tuple[str, str], tuple[float, ReportedState]]] = {}
         self._refusals: dict[PoolKey, dict[str, str]] = {}  # pod -> why its sidecar refused its set
+        self._sizes: dict[PoolKey, ReportedSizes] = defaultdict(ReportedSizes)  # ahead of the statuses read back
 
     async def run(self, key: PoolKey, *, pools: Iterable[dict[str, Any]], adapters: Iterable[dict[str, Any]],
                   pods: Iterable[dict[str, Any]], other_pools: Iterable[dict[str, Any]] = (),
@@ -197,6 +199,8 @@ class PoolController:
                 held = discover_workers(mine, {}, default_port=lost.stager_port, not_ready=None)
         reached = workers + emptied + held
         reports = await self.client.fetch_states(reached)
+        self._sizes[key].note(reports)
+        specs = self._sizes[key].apply(specs)
         backoff, now = self._backoff[key], self.clock()
         answers = self._answers.setdefault(key, {})
         answers.update({(w.pod, w.uid): (now, r) for w, r in zip(reached, reports, strict=True) if r is not None})
@@ -308,6 +312,7 @@ class PoolController:
         self._results.pop(key, None)
         self._answers.pop(key, None)
         self._refusals.pop(key, None)
+        self._sizes.pop(key, None)
         self._untold.pop(key, None)
         self._backoff.pop(key, None)
         self.push_records.pop(key, None)
