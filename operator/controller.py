@@ -1,7 +1,9 @@
 """One reconcile pass over a pool: gather (indexes + sidecar reports) -> reconcile_pool -> push.
 
 Kopf-free glue between the thin handlers and the pure ``reconcile_pool``; one pass per pool at a
-time (a lock per pool), and the last plan is kept so per-adapter timers do not each redo the pass.
+time (a lock per pool), and the last plan is kept so per-adapter timers do not each redo the pass. A pass
+waits ``push_wait`` seconds at most for its pushes' answers: a pod slower to answer is answered in the
+background and delays no other pod's directive (push_flights.py); until it answers, it counts as not told.
 A deleting pool is drained: its workers are told to hold nothing (its finalizer waits for that); one whose
 workerSelector is invalid owns no pod, and drains the pods its push record names (after a restart, those its
 status.pushedPods names) as pods it released: which pods it selected is unknown.
@@ -31,11 +33,13 @@ from typing import Any
 
 from lorafleet.operator.crd_models import PoolSpec, SpecError, drain_spec, parse_adapter
 from lorafleet.operator.ownership import first_claim, own_pods, pod_names, pool_claims, released_pods
+from lorafleet.operator.push_flights import Outcome, PoolKey, PushFlights
 from lorafleet.operator.push_record import PushRecord, pushed_pod_ids
 from lorafleet.operator.reconcile import PoolPlan, WorkerReport, reconcile_pool
+from lorafleet.operator.reported_sizes import ReportedSizes
 from lorafleet.operator.statuses import with_refused_pushes
 from lorafleet.operator.workers import Refused, StagerClient, Worker, discover_workers
-from lorafleet.worker.directives import ReportedState
+from lorafleet.worker.directives import DesiredState, ReportedState
 
 log = logging.getLogger(__name__)
 # Seconds (at least; the operator makes it three of its passes when those are longer) a pod's last answer stands
@@ -43,7 +47,9 @@ log = logging.getLogger(__name__)
 # to other workers and back (placement.py), which would load and pin them twice over; past it they are placed
 # elsewhere, as for a pod that is gone.
 QUIET_GRACE_S = 60.0
-PoolKey = tuple[str, str]  # (namespace, pool name)
+# Seconds a pass waits for its pushes' answers. A sidecar answers once what needs no download is applied,
+# usually well within it; its first push since it started, only once staged (up to the push timeout).
+PUSH_WAIT_S = 2.0
 
 
 @dataclass(slots=True)
@@ -107,9 +113,10 @@ class RetryBackoff:
 
 class PoolController:
     def __init__(self, client: StagerClient, *, retry_base: float = 10.0, retry_cap: float = 300.0,
-                 unload_grace: float = 300.0, quiet_grace: float = QUIET_GRACE_S,
+                 unload_grace: float = 300.0, quiet_grace: float = QUIET_GRACE_S, push_wait: float = PUSH_WAIT_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.client = client
+        self.flights = PushFlights(client, wait=push_wait)
         self.clock = clock
         self.unload_grace = unload_grace
         self.quiet_grace = quiet_grace
@@ -121,6 +128,7 @@ class PoolController:
         # (pod, uid) -> (when, its sidecar's last answer): stands in for one that misses a few passes (quiet_grace)
         self._answers: dict[PoolKey, dict[tuple[str, str], tuple[float, ReportedState]]] = {}
         self._refusals: dict[PoolKey, dict[str, str]] = {}  # pod -> why its sidecar refused its set
+        self._sizes: dict[PoolKey, ReportedSizes] = defaultdict(ReportedSizes)  # ahead of the statuses read back
 
     async def run(self, key: PoolKey, *, pools: Iterable[dict[str, Any]], adapters: Iterable[dict[str, Any]],
                   pods: Iterable[dict[str, Any]], other_pools: Iterable[dict[str, Any]] = (),
@@ -177,6 +185,9 @@ class PoolController:
                                                            or last.plan.workers_unknown)
         released = released_pods(key[1], record.pod_ids(), pods, set(pod_names(own)), claims) if target else []
         record.retain(own + released)  # pods gone (or re-created under their name) lose what was pushed to them
+        refusals = self._refusals.setdefault(key, {})
+        for worker, desired, outcome in self.flights.settle(key):  # answered after the pass that pushed had ended
+            _note_answer(record, refusals, worker, desired, outcome)
         workers = discover_workers(own, target.worker_selector, default_port=target.stager_port) if target else []
         # Released pods no longer match the selector: {} (Kubernetes' empty selector) matches every pod.
         emptied = discover_workers(released, {}, default_port=target.stager_port) if target else []
@@ -197,6 +208,8 @@ class PoolController:
                 held = discover_workers(mine, {}, default_port=lost.stager_port, not_ready=None)
         reached = workers + emptied + held
         reports = await self.client.fetch_states(reached)
+        self._sizes[key].note(reports)
+        specs = self._sizes[key].apply(specs)
         backoff, now = self._backoff[key], self.clock()
         answers = self._answers.setdefault(key, {})
         answers.update({(w.pod, w.uid): (now, r) for w, r in zip(reached, reports, strict=True) if r is not None})
@@ -223,24 +236,16 @@ class PoolController:
                 record.record(by_pod[pod], desired)
             else:  # unknown until answered: a pass cut short (cancelled) must not keep the old record
                 record.forget(by_pod[pod])
-        outcomes = await asyncio.gather(*(self.client.push(by_pod[pod], d) for pod, d in plan.pushes.items()))
-        accepted = {pod for pod, ok in zip(plan.pushes, outcomes, strict=True) if ok}
-        # Why each pod refused its set (not a stale generation): kept until one is accepted or read (a 409), or
-        # the pod leaves, so a pass that could not tell it (no answer) does not flip Ready back meanwhile.
-        refusals = self._refusals.setdefault(key, {})
-        for pod, outcome in zip(plan.pushes, outcomes, strict=True):
-            if isinstance(outcome, Refused) and not outcome.stale:
-                refusals[pod] = f"HTTP {outcome.status}: {outcome.reason}"
-            elif outcome is not None:
-                refusals.pop(pod, None)
+        # Answered within the wait (a pod with a push in flight gets this one once that one is answered): else it
+        # stays unknown (forgotten above), its answer kept for the next pass.
+        answers = await self.flights.push(key, {pod: (by_pod[pod], d) for pod, d in plan.pushes.items()})
+        accepted = {pod for pod, (_, _, ok) in answers.items() if ok}
+        for worker, desired, outcome in answers.values():
+            _note_answer(record, refusals, worker, desired, outcome)
         for pod in set(refusals) - {w.pod for w in workers}:
             del refusals[pod]
         if pool is not None:  # pushed again every pass until accepted: Ready says why meanwhile
             plan.pool_status = with_refused_pushes(plan.pool_status, pool.status, refusals, now=stamp)
-        for (pod, desired), ok in zip(plan.pushes.items(), outcomes, strict=True):
-            if ok:  # else refused, or no answer (it may have landed): it stays forgotten, pushed again next pass
-                record.record(by_pod[pod], desired)
-                log.info("pushed generation %d (%d adapters) to %s", desired.generation, len(desired.adapters), pod)
         for w, view in zip(emptied, released_views, strict=True):
             last = record.last(w)
             if view.reported is not None and not view.reported.adapters and (last is None or not last.adapters):
@@ -305,9 +310,11 @@ class PoolController:
         return answer[1] if answer is not None and now - answer[0] < self.quiet_grace else None
 
     def forget(self, key: PoolKey) -> None:
+        self.flights.forget(key)
         self._results.pop(key, None)
         self._answers.pop(key, None)
         self._refusals.pop(key, None)
+        self._sizes.pop(key, None)
         self._untold.pop(key, None)
         self._backoff.pop(key, None)
         self.push_records.pop(key, None)
@@ -327,6 +334,22 @@ class PoolController:
         """The pools this controller holds memory for."""
         return sorted(set(self._results) | set(self._backoff) | set(self.push_records) | set(self._locks)
                       | set(self._untold))
+
+
+def _note_answer(record: PushRecord, refusals: dict[str, str], worker: Worker, desired: DesiredState,
+                 outcome: Outcome) -> None:
+    """A pod's answer to the push of ``desired``. Why a pod refused its set (not a stale generation) is kept until
+    one is accepted or read (a 409), or the pod leaves, so a pass that could not tell it (no answer) does not flip
+    Ready back meanwhile."""
+    if isinstance(outcome, Refused) and not outcome.stale:
+        refusals[worker.pod] = f"HTTP {outcome.status}: {outcome.reason}"
+    elif outcome is not None:
+        refusals.pop(worker.pod, None)
+    # Else refused, or no answer (it may have landed): it stays forgotten, pushed again. A pod gone since (or
+    # re-created under its name) is not remembered again.
+    if outcome and record.knows(worker):
+        record.record(worker, desired)
+        log.info("pushed generation %d (%d adapters) to %s", desired.generation, len(desired.adapters), worker.pod)
 
 
 def _status_of(pools: list[dict[str, Any]]) -> dict[str, Any] | None:

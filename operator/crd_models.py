@@ -275,7 +275,8 @@ class AdapterSpec:
     generation: int = 0
     created: str = ""  # creationTimestamp: quota admission is first come, first served
     deleting: bool = False
-    known_bytes: int = 0  # last size a worker reported (status.bytes): quota counts it once known
+    # Last size a worker reported (status.bytes; status.refusedBytes of this version): quota counts it once known
+    known_bytes: int = 0
     known_canary_bytes: int = 0  # the same for its canary version (status.canaryBytes of that version)
     status: dict[str, Any] = field(default_factory=dict)
     raw_spec: dict[str, Any] = field(default_factory=dict)  # as written; remembered once accepted
@@ -336,17 +337,17 @@ class AdapterSpec:
             generation=int(meta.get("generation", 0)),
             created=str(meta.get("creationTimestamp", "")),
             deleting=bool(meta.get("deletionTimestamp")),
-            known_bytes=int(status.get("bytes", 0) or 0),
-            known_canary_bytes=_canary_bytes(status, canary),
+            known_bytes=max(int(status.get("bytes", 0) or 0), _sized(status.get("refusedBytes"), spec["version"])),
+            known_canary_bytes=_sized(status.get("canaryBytes"), canary.version if canary else None),
             status=dict(status),
             raw_spec=dict(spec),
         )
 
 
-def _canary_bytes(status: dict[str, Any], canary: Canary | None) -> int:
-    """status.canaryBytes when it is of this canary version (else 0: not known)."""
-    remembered = status.get("canaryBytes")
-    if canary is None or not isinstance(remembered, dict) or remembered.get("version") != canary.version:
+def _sized(remembered: Any, version: str | None) -> int:
+    """The bytes of a status's ``{version, bytes}`` entry (canaryBytes, refusedBytes) when it is of ``version``
+    (else 0: not known)."""
+    if version is None or not isinstance(remembered, dict) or remembered.get("version") != version:
         return 0
     size = remembered.get("bytes")
     return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else 0

@@ -105,7 +105,7 @@ class Controllers:
     scaler: PoolScaler
 
     async def close(self) -> None:
-        await self.pools.client.close()
+        await self.pools.flights.close()  # its pushes in flight, and the sidecar client
         await self.scaler.close()
 
 

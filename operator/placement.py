@@ -20,9 +20,15 @@ def spec_bytes(a: AdapterSpec, workers: list[WorkerIndex]) -> int:
     prefetches the canary beside the stable version, and pins both when pinned); a canary no worker has
     reported yet is taken to be the stable version's size. 0 while no size is known."""
 
-    stable = max([a.known_bytes, *(s.bytes for x in workers for s in x.by_name.get(a.name, ())
-                                   if s.version == a.version and not s.staging)])  # staging: a download's size
+    stable = max(a.known_bytes, reported_bytes(a, workers))
     return stable + canary_bytes(a, workers, default=stable)
+
+
+def reported_bytes(a: AdapterSpec, workers: list[WorkerIndex]) -> int:
+    """The largest size a worker reports for ``a``'s stable version once staged (a staging one's ``bytes`` is
+    its download's); 0 while none does."""
+    return max([0, *(s.bytes for x in workers for s in x.by_name.get(a.name, ())
+                     if s.version == a.version and not s.staging)])
 
 
 def canary_bytes(a: AdapterSpec, workers: list[WorkerIndex], *, default: int = 0) -> int:

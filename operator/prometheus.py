@@ -69,6 +69,13 @@ def waiting_query(namespace: str, pods: list[str]) -> str:
     return f"avg({QUEUE_DEPTH}{{{pod_selector(namespace, pods)}}})"
 
 
+def scraped_query(namespace: str, pods: list[str]) -> str:
+    """PromQL: one sample per pod of these that has a KV usage or queue gauge (a worker exports both from its
+    first scrape), labelled with the pod."""
+    sel = pod_selector(namespace, pods)
+    return f"count by (pod) ({KV_USAGE}{{{sel}}}) or count by (pod) ({QUEUE_DEPTH}{{{sel}}})"
+
+
 class PoolSignals(NamedTuple):
     """A pool's signals; None: unknown (no series, or no traffic)."""
 
@@ -103,6 +110,23 @@ class PrometheusClient:
     async def query(self, base_url: str, promql: str) -> float | None:
         """The value of an instant query that yields at most one sample; None when it yields none, NaN or
         an infinity."""
+        url, data = await self._ask(base_url, promql)
+        return _single_value(url, data)
+
+    async def scraped_pods(self, base_url: str, namespace: str, pods: list[str]) -> set[str]:
+        """Those of ``pods`` Prometheus has a KV usage or queue series of (scraped at least once)."""
+        if not pods:
+            return set()
+        url, data = await self._ask(base_url, scraped_query(namespace, pods))
+        try:
+            if data["resultType"] != "vector" or not isinstance(data["result"], list):  # type: ignore[index]
+                raise MetricsError(f"{url}: expected a vector, got a {data['resultType']}")  # type: ignore[index]
+            return {str(s["metric"]["pod"]) for s in data["result"]} & set(pods)  # type: ignore[index]
+        except (KeyError, TypeError):
+            raise MetricsError(f"{url}: malformed query result: {json.dumps(data)[:200]}") from None
+
+    async def _ask(self, base_url: str, promql: str) -> tuple[str, object]:
+        """(the query URL, the ``data`` of Prometheus' answer to an instant query)."""
         url = base_url.rstrip("/") + "/api/v1/query"
         try:
             async with self._client().post(url, data={"query": promql}, allow_redirects=False) as resp:
@@ -121,7 +145,7 @@ class PrometheusClient:
         if status != 200 or body.get("status") != "success":
             raise MetricsError(f"{url}: HTTP {status}: {body.get('errorType', 'error')}: "
                                f"{str(body.get('error', text))[:300]}")
-        return _single_value(url, body.get("data"))
+        return url, body.get("data")
 
     async def pool_signals(self, base_url: str, namespace: str, pods: list[str], *,
                            rate_window_seconds: int = DEFAULT_RATE_WINDOW_SECONDS) -> PoolSignals:

@@ -76,6 +76,11 @@ class PushRecord:
         entry = self._last.get(worker.pod)
         return entry[2] if entry is not None and entry[:2] == (worker.uid, worker.url) else None
 
+    def knows(self, worker: Worker) -> bool:
+        """Whether ``worker`` (this pod, uid and address) is remembered as one pushed to."""
+        entry = self._last.get(worker.pod)
+        return entry is not None and entry[:2] == (worker.uid, worker.url)
+
     def record(self, worker: Worker, desired: DesiredState) -> None:
         """``worker`` accepted ``desired``."""
         self._last[worker.pod] = (worker.uid, worker.url, desired)

@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from lorafleet.operator.crd_models import AdapterSpec, InvalidAdapter, PoolSpec, Source
-from lorafleet.operator.placement import canary_bytes, place_warm, spec_bytes, warm_count
+from lorafleet.operator.placement import canary_bytes, place_warm, reported_bytes, spec_bytes, warm_count
 from lorafleet.operator.reports import WorkerIndex, WorkerReport
 from lorafleet.operator.statuses import adapter_status, pool_status, unserved_status
 from lorafleet.operator.tenant_sources import foreign_regions, own_folders, source_problem
@@ -178,7 +178,8 @@ def reconcile_pool(pool: PoolSpec | None, adapters: Sequence[AdapterSpec | Inval
                 message = f"{failures[x.name]}; its pods keep what they were last told"
                 plan.adapter_statuses[x.name] = unserved_status(x, phase, message, kept, now=now, validated=None)
                 continue
-            plan.adapter_statuses[x.name] = unserved_status(x, phase, failures[x.name], live, now=now)
+            plan.adapter_statuses[x.name] = _sized(x, unserved_status(x, phase, failures[x.name], live, now=now),
+                                                   live)
             continue
         failure = failures.get(x.name)
         # A pod whose last answer stands in counts as it last said (its copies stay placed on it; it gets no new
@@ -194,7 +195,7 @@ def reconcile_pool(pool: PoolSpec | None, adapters: Sequence[AdapterSpec | Inval
         wanted = x if isinstance(x, AdapterSpec) and x.canary is not None else a
         if wanted.canary is not None and (size := canary_bytes(wanted, live)):
             status["canaryBytes"] = {"version": wanted.canary.version, "bytes": size}
-        plan.adapter_statuses[x.name] = status
+        plan.adapter_statuses[x.name] = _sized(x, status, live) if failure is not None else status
     if pool is None:
         plan.draining = [w.pod for w in live if w.by_name] + [w.pod for w in workers if _may_hold(w)] + plan.releasing
     else:
@@ -233,6 +234,15 @@ def admit(pool: PoolSpec | None, adapters: Sequence[AdapterSpec | InvalidAdapter
             if lighter is not None:
                 served[name] = lighter
     return served, failures
+
+
+def _sized(x: AdapterSpec | InvalidAdapter, status: dict[str, Any], live: list[WorkerIndex]) -> dict[str, Any]:
+    """The status of a refused spec with the size workers report for its version (status.refusedBytes; kept
+    while none does): once they dropped a version over the tenant's byte quota, its size keeps it out until
+    the spec (its version) or the quota changes, rather than it being admitted and downloaded again."""
+    if isinstance(x, AdapterSpec) and (size := reported_bytes(x, live)):
+        status["refusedBytes"] = {"version": x.version, "bytes": size}
+    return status
 
 
 def _fallback(pool: PoolSpec | None, x: AdapterSpec | InvalidAdapter) -> AdapterSpec | None:

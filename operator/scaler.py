@@ -15,7 +15,10 @@ Kopf-free glue between the pool's autoscale timer and ``autoscaler`` (the policy
    recommends, stabilizes, and holds a scale-up while earlier new replicas are not ready workers yet
    (their load is not in the metrics: scaling again would overshoot), for at most ``MAX_READY_WAIT``
    seconds per replica count (a replica that never becomes ready must not hold scale-ups forever, nor
-   make each later one wait in full again);
+   make each later one wait in full again); and, once they are ready, while Prometheus has no series of
+   one yet (the means cover the earlier replicas alone, the count includes the new ones: scaling again
+   would overshoot), for ``SCRAPE_GRACE`` seconds after it became ready at most (past that, a scrape
+   that misses it is a scrape to fix: see ``MetricsMissing``);
 7. patches ``spec.replicas`` when the result differs (``FailedUpdateScale``).
 
 It returns the status keys it writes: ``hitRate`` and ``kvUsage`` (removed when unknown; ``OWNED_KEYS`` leaves
@@ -75,6 +78,8 @@ class _PoolMemory:
     short: tuple[int, float] | None = None  # (replicas, since when fewer were ready workers at that count)
     # Its pods not ready workers after a whole wait: a later scale-up waits only for the others
     stuck: set[str] = field(default_factory=set)
+    # The pods listed at its last scale-up (None: none since memory began): the others are its new replicas
+    scaled_from: set[str] | None = None
 
 
 class PoolScaler:
@@ -223,6 +228,22 @@ class PoolScaler:
                     wanted = current
                 else:
                     memory.stuck, memory.short = set(unready), None
+            if wanted > current and memory.scaled_from is not None:
+                # Ready, yet maybe not scraped: a further scale-up waits for the new replicas' first series.
+                fresh = [n for p, n in zip(pods, pod_names(pods), strict=True) if n in ready and n not in elsewhere
+                         and n not in memory.scaled_from and not _ready_a_while([p], now)]
+                try:
+                    unscraped = sorted(set(fresh) - await self.metrics.scraped_pods(spec.prometheus_url, namespace,
+                                                                                    fresh)) if fresh else []
+                except MetricsError as exc:
+                    return scaling(False, "MetricsUnavailable", f"spec.scaling.prometheusURL: {exc}; replicas "
+                                                                f"stay at {current}")
+                if unscraped:
+                    note = (f"; recommended {wanted}, but Prometheus has no series of the new workers "
+                            f"{', '.join(unscraped)} yet, so their share of the load is not in the metrics: "
+                            f"waiting for their first scrape (at most {SCRAPE_GRACE:g} s after they became ready) "
+                            f"before scaling up again")
+                    wanted = current
             if memory.stuck and wanted > current:
                 note += (f"; {len(memory.stuck)} of {current} replicas not ready workers for over "
                          f"{MAX_READY_WAIT:g} s ({', '.join(sorted(memory.stuck))}): not waiting for them")
@@ -251,6 +272,8 @@ class PoolScaler:
             await self.deployments.set_replicas(namespace, spec.target, wanted)
         except KubeError as exc:
             return scaling(False, "FailedUpdateScale", f"spec.scaling.target: {exc}; replicas stay at {current}")
+        if wanted > current:
+            memory.scaled_from = set(pod_names(pods))
         log.info("LoRAPool %s/%s: Deployment %s scaled %d -> %d (%s)", *key, spec.target, current, wanted, why)
         reason = "ScaledUp" if wanted > current else "ScaledDown"
         return {**result, "lastScaleTime": now}, (True, reason, f"{current} -> {wanted} replicas: {why}{note}{observed}")

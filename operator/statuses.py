@@ -7,7 +7,9 @@ split sends the name's users as the spec says (an edit of the canary, its remova
 until applied; meanwhile stableVersion, canaryVersion and canaryWeight are the split the workers report). A
 worker whose GPU adapter slots are all held by pinned adapters can never make it resident: Degraded, naming
 the worker and what to change, rather than Loading for ever on a warm worker, or Ready while an on-demand
-worker refuses each of its requests (503). Conditions keep their
+worker refuses each of its requests (503). A ready worker whose
+sidecar has not answered for longer than the quiet grace is not counted (a dead pod must not hold the status
+for ever), and the message says how many, and which, are left out. Conditions keep their
 ``lastTransitionTime`` until their status flips.
 """
 
@@ -157,6 +159,14 @@ def adapter_status(a: AdapterSpec, live: list[WorkerIndex], warm_pods: list[str]
         worker_errors = [f"{w.pod}: {w.w.reported.error}" for w in live if w.w.reported.error]
         if worker_errors:  # e.g. the sidecar cannot reach its engine: say why it is not loading
             msg += "; " + "; ".join(worker_errors)
+    # Silent past the quiet grace (a quiet one counts as it last answered): dropped from the counts above, so as
+    # not to hold the status for ever on a dead pod, yet it may still split users otherwise: said, not hidden.
+    uncounted = sorted(set(silent) - {w.pod for w in live})
+    if uncounted and live:
+        msg += (f"; {len(uncounted)} ready worker{'s' if len(uncounted) > 1 else ''} not counted: no answer from "
+                f"the sidecar of {', '.join(uncounted[:MAX_LISTED])}"
+                + (f" and {len(uncounted) - MAX_LISTED} more" if len(uncounted) > MAX_LISTED else "")
+                + " (what it serves, and how it splits users, is not known)")
     canary_text = differ or (f"canary {canary_version} at {canary_weight}%" if canary_active else None)
     if not live and silent:  # nothing reported: what the last status said stays (those pods may still serve it)
         stable_version, canary_version = a.status.get("stableVersion"), a.status.get("canaryVersion")

@@ -71,6 +71,9 @@ async def test_hit_rate_and_kv_usage_of_the_pool_pods_only(tmp_path):
             assert await client.pool_signals(prom.url, "fleet", ["worker-b", "idle"]) == pytest.approx((0.75, 0.35, 1.0))
             assert await client.pool_signals(prom.url, "fleet", ["gone"]) == (None, None, None)
             assert await client.pool_signals(prom.url, "fleet", []) == (None, None, None)
+            # Which pods were scraped: a KV or queue series of their own (the escaped name matches only itself).
+            assert await client.scraped_pods(prom.url, "fleet", ["worker.a", "idle", "gone"]) == {"worker.a", "idle"}
+            assert await client.scraped_pods(prom.url, "fleet", []) == set()
             # A query Prometheus refuses: its own error, named.
             with pytest.raises(MetricsError, match="HTTP 400: bad_data"):
                 await client.query(prom.url, "sum(")
