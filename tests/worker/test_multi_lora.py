@@ -243,6 +243,28 @@ def test_adapter_for_another_base_or_tokenizer_is_refused(tiny_llama_dir, adapte
     assert sorted(k.split("@")[0] for k in engine.adapters()) == sorted(ADAPTERS)
 
 
+def test_an_adapter_declaring_its_own_chat_template_or_end_token_is_served_with_a_warning(tiny_llama_dir, adapter_dirs,
+                                                                                          tmp_path, caplog):
+    """The base's chat template and end-of-sequence token serve every adapter (as in vLLM); one trained with its
+    own was registered without a word, its answers then never ending or oddly framed."""
+    import json
+    import logging
+    import shutil
+
+    engine = _engine(tiny_llama_dir, next(iter(adapter_dirs.values())).parent)
+    own = tmp_path / "own_chat"
+    shutil.copytree(adapter_dirs["qv4"], own)
+    (own / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "<|im_end|>"}, "chat_template": "{{ messages }}"}))
+    with caplog.at_level(logging.INFO, logger="lorafleet.worker.engine"):
+        engine.register_adapter("own_chat", own)
+        (own / "tokenizer_config.json").write_text(json.dumps({"eos_token": engine.tokenizer.config.get("eos_token")}))
+        engine.register_adapter("base_chat", own)
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING and "own_chat" in r.getMessage()]
+    assert len(warned) == 1 and "chat template differs" in warned[0].getMessage(), caplog.text
+    assert "end-of-sequence token '<|im_end|>' is not the served base's '</s>'" in warned[0].getMessage()
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING and "base_chat" in r.getMessage()], caplog.text
+
+
 def test_too_many_adapters_per_batch_are_bounded(tiny_llama_dir, adapter_dirs, references):
     """max_loras_per_batch caps the LoRA segments of a step (many small segments slow the kernels);
     the requests held back still finish, with the same results."""
