@@ -11,8 +11,9 @@ warm version off the GPU for good.
 
 Turns alone do not help a tenant whose load waits while every thread runs another tenant's slow reads (a
 stalled mount, a huge file): it would wait for one of them to end. So a load a request waits for, of a
-group with no job running, starts at once on one of `spare_threads` more threads: one tenant's slow reads
-never hold another tenant's request, up to `spare_threads` tenants at a time.
+group with no job running, starts at once on one of `spare_threads` more threads when the others are all busy:
+one tenant's slow reads never hold another tenant's request, up to `spare_threads` tenants at a time. Jobs on
+spares count apart: the threads' turns (the warm-ups' share, a busy group's next job) go on as without them.
 
 Jobs run on a ThreadPoolExecutor of `num_threads` (+ the spares), never more at once; a queued job's Future may be
 cancelled (it is skipped); `shutdown` cancels every job still queued. A thread's `initializer` runs before
@@ -50,6 +51,7 @@ class FairExecutor:
         self._last_turn: dict[str, int] = {}  # group -> the number of its last job started
         self._running = 0
         self._running_by_group: dict[str, int] = {}  # groups with jobs running -> how many
+        self._on_spares = 0  # of the jobs running, those started on a spare thread
         self._closed = False
 
     def submit(self, group: str, fn: Callable[[], Any], *, urgent: bool = True) -> Future:
@@ -89,12 +91,15 @@ class FairExecutor:
         jobs the thread pool refused (the interpreter exiting), to fail once the lock is released."""
         refused: list[tuple[Future, BaseException]] = []
         while True:
-            if self._running < self._num_threads:
+            # The threads by turns first (warm-ups' share and a busy group's next job included), as if there
+            # were no spares; those count apart, so jobs on spares never hold the turns back.
+            spare = self._running - self._on_spares >= self._num_threads
+            if not spare:
                 lane = self._urgent or self._background
                 if self._urgent and self._background and self._turns % BACKGROUND_EVERY == BACKGROUND_EVERY - 1:
                     lane = self._background
                 groups = list(lane)
-            elif self._running < self._num_threads + self._spare_threads:  # a spare thread: see the module doc
+            elif self._on_spares < self._spare_threads:  # a spare thread: see the module doc
                 lane = self._urgent
                 groups = [g for g in lane if g not in self._running_by_group]
             else:
@@ -115,14 +120,15 @@ class FairExecutor:
                 for old in sorted(self._last_turn, key=self._last_turn.__getitem__)[:_MAX_REMEMBERED // 2]:
                     del self._last_turn[old]
             try:
-                self._pool.submit(self._run, group, future, fn)
+                self._pool.submit(self._run, group, spare, future, fn)
             except RuntimeError as exc:  # the interpreter is exiting (the pool stops only after _closed else)
                 refused.append((future, exc))
                 continue
             self._running += 1
+            self._on_spares += spare
             self._running_by_group[group] = self._running_by_group.get(group, 0) + 1
 
-    def _run(self, group: str, future: Future, fn: Callable[[], Any]) -> None:
+    def _run(self, group: str, spare: bool, future: Future, fn: Callable[[], Any]) -> None:
         try:
             initializer, initargs = self._init
             if initializer is not None and not getattr(self._ready, "done", False):
@@ -136,6 +142,7 @@ class FairExecutor:
         finally:
             with self._lock:
                 self._running -= 1
+                self._on_spares -= spare
                 if self._running_by_group[group] == 1:
                     del self._running_by_group[group]
                 else:

@@ -121,3 +121,10 @@ def test_a_changed_token_rolls_the_pods_that_read_it():
     for name in before:
         assert before[name]["metadata"]["annotations"]["checksum/secrets"] != after[name]["metadata"]["annotations"]["checksum/secrets"]
         assert before[name] == again[name]  # an upgrade that changes no token restarts nothing
+    # Rotated API keys reach the workers through their mounted file, read again on change: no restart. Tokens
+    # generated at install (none given) are the same Secret across upgrades: no restart either.
+    keys = [render({"secrets": {"apiKeys": {"acme": {"keys": [k * 12], "adapters": []}}}}) for k in "xy"]
+    generated = [render({}) for _ in range(2)]
+    for docs in (keys, generated):
+        first, second = ({d["metadata"]["name"]: d["spec"]["template"] for d in r if d["kind"] == "Deployment"} for r in docs)
+        assert first == second

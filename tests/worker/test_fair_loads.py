@@ -216,3 +216,45 @@ def test_spare_threads_go_only_to_requests_of_tenants_with_none_running_and_are_
     finally:
         gate.set()
         ex.shutdown(wait=True)
+
+
+def _gated(ex: FairExecutor, group: str, *, urgent: bool = True):
+    """(gate, started, future): a job of `group` that notes its start, then waits for its gate."""
+    gate, started = threading.Event(), threading.Event()
+    future = ex.submit(group, lambda: started.set() or gate.wait(10), urgent=urgent)
+    return gate, started, future
+
+
+def test_jobs_on_spare_threads_keep_no_warm_up_from_its_share_of_the_threads():
+    """Jobs on spares counted against the threads: while requests of other tenants kept them busy, only the
+    spare lane (requests only) ever started a job, and a warm-up waited for good."""
+    ex = FairExecutor(1, spare_threads=2, thread_name_prefix="test-load")
+    a0, b0, c0 = _gated(ex, "A"), _gated(ex, "B"), _gated(ex, "C")  # the thread, then both spares
+    try:
+        assert all(job[1].wait(5) for job in (a0, b0, c0))
+        a1 = _gated(ex, "A")
+        warm = ex.submit("pinned", lambda: "warm", urgent=False)
+        a0[0].set()  # the thread is free; B and C still hold both spares
+        assert a1[1].wait(5)
+        a1[0].set()
+        assert warm.result(5) == "warm"
+    finally:
+        for job in (a0, b0, c0):
+            job[0].set()
+        ex.shutdown(wait=True)
+
+
+def test_a_busy_tenants_next_load_gets_the_thread_by_turns_though_spares_are_busy():
+    """A's read hangs on one thread; B's next load took the other thread's turn on a spare each time, so A's
+    next load (no spare: A has a read running) waited for as long as other tenants kept loading."""
+    ex = FairExecutor(2, spare_threads=4, thread_name_prefix="test-load")
+    a0, b0, c0 = _gated(ex, "A"), _gated(ex, "B"), _gated(ex, "C")  # both threads, then a spare for C
+    try:
+        assert all(job[1].wait(5) for job in (a0, b0, c0))
+        a1, b1 = _gated(ex, "A"), _gated(ex, "B")
+        b0[0].set()  # A's turn is the oldest: A's next load takes the thread (B's, none of B's running, a spare)
+        assert a1[1].wait(5) and b1[1].wait(5)
+    finally:
+        for job in (a0, b0, c0, a1, b1):
+            job[0].set()
+        ex.shutdown(wait=True)

@@ -59,10 +59,13 @@ release's while the chart puts its pool and workers in the release's (nothing wo
 {{- end -}}
 {{- end -}}
 
-{{/* A checksum of the Secrets the chart makes: a changed token or credential rolls the pods that read them,
-so the operator and the workers never run with different stager or admin tokens. */}}
+{{/* A checksum of the tokens and credentials given in values that containers read as env at start: a changed
+one rolls the pods, so the operator and the workers never run with different stager or admin tokens. Tokens
+generated at install are left out (kept across upgrades: nothing to roll), and so are the API keys (a mounted
+file each worker reads again when it changes: rotating a key restarts nothing). */}}
 {{- define "lorafleet.secretsChecksum" -}}
-{{ include (print .Template.BasePath "/secrets.yaml") . | sha256sum }}
+{{- $s := .Values.secrets -}}{{- $o := .Values.objectStore -}}
+{{ list $s.adminToken $s.stagerToken $s.existingAdminTokenSecret $s.existingStagerTokenSecret $o.existingSecret $o.accessKey $o.secretKey | toJson | sha256sum }}
 {{- end -}}
 
 {{- define "lorafleet.image" -}}
