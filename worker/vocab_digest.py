@@ -12,13 +12,12 @@ from typing import Any, TypeVar
 from lorafleet.worker.file_limits import FileLimitError, read_limited
 
 T = TypeVar("T")
-# Texts whose ids tell apart two tokenizers of one vocabulary (their normalizer, pre-tokenizer, model flags or
-# post-processor differ): case, leading, repeated and trailing spaces, tabs and newlines, composed and combining
-# accents, CJK, emoji, digits, contractions, markup, unusual spaces.
-PROBE_TEXTS = ("Hi", " hello World", "HELLO  there\tyou\n\nnew line ", "naïve café, nai\u0308ve", "東京タワー 🙂",
-               "1234567 + 3.14 = x", "don't I'll", '<p>x</p> {"k": [1, 2]}', "\u00a0a\u2003b ")
-# The files a tokenizer is read from: tokenizer.json, else vocab.json (+ merges.txt, added tokens).
-TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "added_tokens.json", "tokenizer_config.json")
+# Texts whose ids tell apart two tokenizers of one vocabulary (their normalizer, pre-tokenizer or model flags
+# differ): case, repeated and trailing spaces, tabs and newlines, composed and combining accents, CJK, emoji,
+# digits, contractions, markup, unusual spaces. None starts with a space: a Llama-2 tokenizer saved again by
+# a later transformers handles a leading space otherwise, and its adapters are the base's all the same.
+PROBE_TEXTS = ("Hi", "hello World", "HELLO  there\tyou\n\nnew line ", "naïve café, nai\u0308ve", "東京タワー 🙂",
+               "1234567 + 3.14 = x", "don't I'll", '<p>x</p> {"k": [1, 2]}', "a\u00a0b\u2003c ")
 
 
 class TokenizerFileError(ValueError):
@@ -114,8 +113,8 @@ def vocab_digest(path: str | Path, max_file_bytes: int | None = None) -> str | N
 
 
 def probe_encodings(path: str | Path, max_file_bytes: int | None = None) -> list[list[int]] | None:
-    """The ids the tokenizer.json of `path` (a folder or the file) gives each of PROBE_TEXTS, special tokens
-    added as its post-processor adds them; None when there is no tokenizer.json. Equal vocabularies may still
+    """The ids the tokenizer.json of `path` (a folder or the file) gives each of PROBE_TEXTS (no special tokens,
+    padding or truncation); None when there is no tokenizer.json. Equal vocabularies may still
     turn text into other ids (another normalizer or pre-tokenizer, `add_prefix_space`, `byte_fallback`): these
     tell them apart. Raises TokenizerFileError for a file `tokenizers` cannot build, FileLimitError as above."""
     path = Path(path)
@@ -126,7 +125,11 @@ def probe_encodings(path: str | Path, max_file_bytes: int | None = None) -> list
 
     try:
         tokenizer = Tokenizer.from_str(read_limited(file, max_file_bytes).decode("utf-8"))
-        return [tokenizer.encode(text).ids for text in PROBE_TEXTS]
+        tokenizer.no_padding()  # a training script's padding or truncation, saved with the file, change no id
+        tokenizer.no_truncation()
+        # Special tokens left out: a post-processor adding BOS/EOS (add_eos_token while training) frames the
+        # ids, it does not change them; the served base's own framing is what serving uses.
+        return [tokenizer.encode(text, add_special_tokens=False).ids for text in PROBE_TEXTS]
     except FileLimitError:
         raise
     except Exception as exc:  # noqa: BLE001 - tokenizers raises bare Exceptions for files it cannot build
@@ -173,9 +176,11 @@ def tokenizer_mismatch(path: Path, base_digest: str | None, base_token_id: Calla
                 f"remove the tokenizer files if they are in fact the same")
     if encoded is not None and encoded != base_encodings:
         text, ours, other = next(t for t in zip(PROBE_TEXTS, base_encodings, encoded, strict=True) if t[1] != t[2])
+        def shown(ids: list[int]) -> str:
+            return f"{ids[:12]}" if len(ids) <= 12 else f"{str(ids[:12])[:-1]}, ... ({len(ids)} ids)]"
         return (f"{path}: the adapter ships a tokenizer with the served base model's vocabulary that turns text into "
-                f"other ids (its normalizer, pre-tokenizer or post-processor differ: {text!r} is {other} for it, "
-                f"{ours} for the base); it was trained on ids this server would not produce. Serve it on the "
+                f"other ids (its normalizer or pre-tokenizer differ: {text!r} is {shown(other)} for it, "
+                f"{shown(ours)} for the base); it was trained on ids this server would not produce. Serve it on the "
                 f"base it was trained with, or remove the tokenizer files if the base's are the ones it was "
                 f"trained with")
     new = sorted(token for token, i in declared.items() if (ours := base_token_id(token)) is None

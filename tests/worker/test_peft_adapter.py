@@ -559,6 +559,16 @@ def test_a_tokenizer_of_the_same_vocabulary_that_splits_text_otherwise_is_refuse
         load(strict_base="warn")
     _bpe_tokenizer(vocab).save(str(tmp_path / "x" / "tokenizer.json"))  # the same one: served
     load()
+    # The same tokenizer saved by a training script that padded, truncated or framed with an end token: the same
+    # ids for text (a false refusal before: every probe padded to 64).
+    from tokenizers import processors
+
+    tok = _bpe_tokenizer(vocab)
+    tok.enable_padding(length=64, pad_id=5, pad_token="d")
+    tok.enable_truncation(64)
+    tok.post_processor = processors.TemplateProcessing(single="$A d", special_tokens=[("d", 5)])
+    tok.save(str(tmp_path / "x" / "tokenizer.json"))
+    load()
     (tmp_path / "x" / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "Nope", "vocab": {}}}')
     with pytest.raises(AdapterError, match="not a readable tokenizer file"):
         load()
