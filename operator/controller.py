@@ -341,13 +341,14 @@ def _note_answer(record: PushRecord, refusals: dict[str, str], worker: Worker, d
     """A pod's answer to the push of ``desired``. Why a pod refused its set (not a stale generation) is kept until
     one is accepted or read (a 409), or the pod leaves, so a pass that could not tell it (no answer) does not flip
     Ready back meanwhile."""
+    if not record.knows(worker):  # a pod gone since, or re-created under its name: its answer is nobody's now
+        return
     if isinstance(outcome, Refused) and not outcome.stale:
         refusals[worker.pod] = f"HTTP {outcome.status}: {outcome.reason}"
     elif outcome is not None:
         refusals.pop(worker.pod, None)
-    # Else refused, or no answer (it may have landed): it stays forgotten, pushed again. A pod gone since (or
-    # re-created under its name) is not remembered again.
-    if outcome and record.knows(worker):
+    # Else refused, or no answer (it may have landed): it stays forgotten, pushed again.
+    if outcome:
         record.record(worker, desired)
         log.info("pushed generation %d (%d adapters) to %s", desired.generation, len(desired.adapters), worker.pod)
 

@@ -66,10 +66,14 @@ class PushFlights:
         most for the pushes started here: pod -> its answer, for those answered by then (the rest: ``settle``,
         later)."""
         flights = self._flights.setdefault(key, {})
+        earlier = self._answers.get(key, {})
         tasks = set()
         for worker, desired in pushes.values():
             flight = flights.get(worker)
             if flight is None:
+                # An earlier push's answer come since this pass began: this push supersedes it. Handed back,
+                # it would pass as this push's answer while this one is still unanswered.
+                earlier.pop(worker, None)
                 flight = flights[worker] = Flight(worker, desired)
                 flight.task = asyncio.create_task(self._fly(key, flight))
                 tasks.add(flight.task)

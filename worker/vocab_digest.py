@@ -18,6 +18,8 @@ T = TypeVar("T")
 # a later transformers handles a leading space otherwise, and its adapters are the base's all the same.
 PROBE_TEXTS = ("Hi", "hello World", "HELLO  there\tyou\n\nnew line ", "naïve café, nai\u0308ve", "東京タワー 🙂",
                "1234567 + 3.14 = x", "don't I'll", '<p>x</p> {"k": [1, 2]}', "a\u00a0b\u2003c ")
+# The files a tokenizer is read from: tokenizer.json, else vocab.json (+ merges.txt, added tokens).
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "added_tokens.json", "tokenizer_config.json")
 
 
 class TokenizerFileError(ValueError):

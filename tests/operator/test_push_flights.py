@@ -8,7 +8,7 @@ import asyncio
 
 from lorafleet.operator.controller import PoolController
 from lorafleet.operator.push_flights import PushFlights
-from lorafleet.operator.workers import StagerClient, Worker
+from lorafleet.operator.workers import Refused, StagerClient, Worker
 from lorafleet.worker.directives import AdapterDirective, DesiredState, VersionRef
 
 from .fake_stager import FakeStager
@@ -102,3 +102,81 @@ async def test_a_pod_answering_late_gets_only_the_newest_set_and_none_it_already
     await eventually(lambda: not flights.in_flight(KEY), "answered")
     assert client.pushed == [1, 3, 4] and flights.settle(KEY)[0][1].generation == 4
     await flights.close()
+
+
+class _HookedClient(StagerClient):
+    """Reads the sidecars after running `hook` once (a moment in the middle of a pass); pushes to the pod of
+    uid "old" refused with a 413 once `release_old` is set."""
+
+    hook = None
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.release_old = asyncio.Event()
+
+    async def fetch_states(self, workers):
+        if self.hook is not None:
+            hook, self.hook = self.hook, None
+            await hook()
+        return await super().fetch_states(workers)
+
+    async def push(self, worker, desired):
+        if worker.uid == "old":
+            await self.release_old.wait()
+            return Refused(413, "adapter set over the sidecar's --max-cpu-bytes")
+        return await super().push(worker, desired)
+
+
+async def test_an_earlier_pushs_late_answer_is_not_taken_for_the_newer_push_still_unanswered():
+    """The answer to pass 1's push came while pass 2 read the sidecars; pass 2 pushed a newer set (adding x),
+    not answered within its wait, and took that earlier answer as its own: the pod counted as holding pass 1's
+    set (an adapter's finalizer elsewhere could skip it), though it might hold x already."""
+    async with FakeStager(TOKEN) as stager:
+        client = _HookedClient(token=TOKEN, timeout=2.0, push_timeout=600.0)
+        controller = PoolController(client, push_wait=0.2)
+        pods = [pod_body("worker-0", stager.port)]
+        first, second = asyncio.Event(), asyncio.Event()
+        try:
+            stager.stall = first  # pass 1's push lands, its answer late
+            await controller.run(KEY, pools=[POOL], adapters=[adapter_body("sql", warm=1)], pods=pods)
+            assert controller.flights.in_flight(KEY) == ["worker-0"]
+
+            async def answer_the_first_push():
+                stager.stall = second  # pass 2's push lands, its answer late too
+                first.set()
+                await eventually(lambda: not controller.flights.in_flight(KEY), "the first push answered")
+
+            client.hook = answer_the_first_push
+            plan = await controller.run(KEY, pools=[POOL], adapters=[adapter_body("sql", warm=1), adapter_body("x", warm=1)],
+                                        pods=pods)
+            assert "worker-0" in plan.pushes and controller.flights.in_flight(KEY) == ["worker-0"]
+            assert controller.push_records[KEY].last(Worker("worker-0", f"http://127.0.0.1:{stager.port}")) is None
+            assert controller.may_hold(KEY, "x", [POOL])
+        finally:
+            first.set()
+            second.set()
+            await controller.flights.close()
+
+
+async def test_a_deleted_pods_late_refusal_is_not_blamed_on_the_pod_re_created_under_its_name():
+    async with FakeStager(TOKEN) as stager:
+        client = _HookedClient(token=TOKEN, timeout=2.0, push_timeout=600.0)
+        controller = PoolController(client, push_wait=0.2)
+
+        def pod(uid: str) -> dict:
+            body = pod_body("worker-0", stager.port)
+            body["metadata"]["uid"] = uid
+            return body
+
+        try:
+            await controller.run(KEY, pools=[POOL], adapters=[adapter_body("sql", warm=1)], pods=[pod("old")])
+            client.release_old.set()  # the deleted pod's refusal comes late
+            await eventually(lambda: not controller.flights.in_flight(KEY), "the old pod answered")
+            stager.stall = asyncio.Event()  # the new pod's first push: answered once staged, later
+            plan = await controller.run(KEY, pools=[POOL], adapters=[adapter_body("sql", warm=1)], pods=[pod("new")])
+            ready = next(c for c in plan.pool_status["conditions"] if c["type"] == "Ready")
+            assert "refused" not in ready["message"], ready
+        finally:
+            if stager.stall is not None:
+                stager.stall.set()
+            await controller.flights.close()
