@@ -14,6 +14,15 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.double() - want.double()).norm() / want.double().norm())
 
 
+def _triton_vs_reference(attention, q: torch.Tensor, **kw) -> float:
+    """`attention` (decode or prefill) on each backend into a NaN-poisoned output: Triton's relative error."""
+    outs = {}
+    for backend in ("reference", "triton"):
+        outs[backend] = torch.full_like(q, float("nan"))
+        attention(q=q, out=outs[backend], backend=backend, **kw)
+    return _rel(outs["triton"], outs["reference"])
+
+
 @pytest.mark.gpu
 def test_llama3_8b_shapes_in_bf16_on_gpu(gen):
     """Decode (batch 16, contexts up to 2048) and chunked prefill at 32 q heads / 8 KV heads of 128, bf16."""
@@ -71,22 +80,15 @@ def test_gqa_ratios_over_written_contexts_in_bf16_on_gpu(num_kv_heads, num_seqs,
 
     context_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
     q = torch.randn(num_seqs, 32, head_dim, generator=cuda_gen, device="cuda").to(torch.bfloat16)
-    outs = {}
-    for backend in ("reference", "triton"):
-        outs[backend] = torch.full_like(q, float("nan"))
-        paged_attention_decode(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=table, context_lens=context_lens, scale=head_dim**-0.5,
-                               out=outs[backend], backend=backend)  # fmt: skip
-    assert _rel(outs["triton"], outs["reference"]) < 1e-2
+    assert _triton_vs_reference(paged_attention_decode, q, k_cache=k_cache, v_cache=v_cache, block_tables=table,
+                                context_lens=context_lens, scale=head_dim**-0.5) < 1e-2  # fmt: skip
 
     seqs = min(num_seqs, 6)  # a prefill step holds a few sequences: sequence 0 its whole prompt, 1 a decode token, others a chunk
     q_lens = [min(lens[b], (lens[b], 1, 200, 77, 300, 513)[b]) for b in range(seqs)]
     starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     q = torch.randn(sum(q_lens), 32, head_dim, generator=cuda_gen, device="cuda").to(torch.bfloat16)
-    for backend in ("reference", "triton"):
-        outs[backend] = torch.full_like(q, float("nan"))
-        paged_attention_prefill(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=table[:seqs].contiguous(), query_start_loc=starts,
-                                context_lens=context_lens[:seqs].contiguous(), scale=head_dim**-0.5, out=outs[backend], backend=backend)  # fmt: skip
-    assert _rel(outs["triton"], outs["reference"]) < 1e-2
+    assert _triton_vs_reference(paged_attention_prefill, q, k_cache=k_cache, v_cache=v_cache, block_tables=table[:seqs].contiguous(),
+                                query_start_loc=starts, context_lens=context_lens[:seqs].contiguous(), scale=head_dim**-0.5) < 1e-2  # fmt: skip
 
 
 @pytest.mark.gpu
@@ -104,16 +106,9 @@ def test_small_and_odd_head_dims_compile_and_match_on_gpu(head_dim, gen):
         write_kv(k=keys, v=values, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping(lens, table.cpu(), block_size).cuda(), backend="triton")
         context_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
         q = torch.randn(len(lens), 8, head_dim, generator=gen).to(dtype).cuda()
-        outs = {}
-        for backend in ("reference", "triton"):
-            outs[backend] = torch.full_like(q, float("nan"))
-            paged_attention_decode(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=table, context_lens=context_lens, scale=head_dim**-0.5,
-                                   out=outs[backend], backend=backend)  # fmt: skip
-        assert _rel(outs["triton"], outs["reference"]) < 1e-2
+        assert _triton_vs_reference(paged_attention_decode, q, k_cache=k_cache, v_cache=v_cache, block_tables=table,
+                                    context_lens=context_lens, scale=head_dim**-0.5) < 1e-2  # fmt: skip
         starts = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
         q = torch.randn(sum(lens), 8, head_dim, generator=gen).to(dtype).cuda()
-        for backend in ("reference", "triton"):
-            outs[backend] = torch.full_like(q, float("nan"))
-            paged_attention_prefill(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=table, query_start_loc=starts, context_lens=context_lens,
-                                    scale=head_dim**-0.5, out=outs[backend], backend=backend)  # fmt: skip
-        assert _rel(outs["triton"], outs["reference"]) < 1e-2
+        assert _triton_vs_reference(paged_attention_prefill, q, k_cache=k_cache, v_cache=v_cache, block_tables=table, query_start_loc=starts,
+                                    context_lens=context_lens, scale=head_dim**-0.5) < 1e-2  # fmt: skip
