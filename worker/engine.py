@@ -41,7 +41,7 @@ from lorafleet.worker.sampling_params import SamplingParams
 from lorafleet.worker.scheduler import Scheduler
 from lorafleet.worker.sequence import Sequence
 from lorafleet.worker.stop_checker import StopChecker
-from lorafleet.worker.vocab_digest import chat_differences, probe_encodings, vocab_digest
+from lorafleet.worker.vocab_digest import probe_encodings, vocab_digest
 from lorafleet.worker.warmup import warm_up
 
 log = logging.getLogger(__name__)
@@ -174,7 +174,7 @@ class Engine:
         key = f"{name}@{weights.version}"
         self.adapter_pool.add(key, weights, tenant=tenant, pinned=pinned, make_current=make_current,
                               keep_previous=keep_previous, read_seconds=time.perf_counter() - started)
-        notes = chat_differences(Path(path), self.tokenizer.chat_template, self.tokenizer.config, self.config.max_adapter_file_bytes) if self.tokenizer else []
+        notes = self.tokenizer.chat_differences(Path(path), self.config.max_adapter_file_bytes) if self.tokenizer else []
         log.log(logging.WARNING if notes else logging.INFO, "registered adapter %s from %s%s", key, path, "".join(f"; {n}" for n in notes))
         return key
 

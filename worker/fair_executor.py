@@ -98,7 +98,7 @@ class FairExecutor:
                 lane = self._urgent or self._background
                 if self._urgent and self._background and self._turns % BACKGROUND_EVERY == BACKGROUND_EVERY - 1:
                     lane = self._background
-                groups = list(lane)
+                groups = lane.keys()
             elif self._on_spares < self._spare_threads:  # a spare thread: see the module doc
                 lane = self._urgent
                 groups = [g for g in lane if g not in self._running_by_group]

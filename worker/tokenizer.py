@@ -24,6 +24,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from lorafleet.worker.chat_template import ChatTemplate, ChatTemplateOptions
 from lorafleet.worker.control_tokens import ControlTokens
+from lorafleet.worker.file_limits import FileLimitError, read_limited
 from lorafleet.worker.llama_pipeline import LlamaPipeline, llama_pipeline
 
 
@@ -142,6 +143,29 @@ class Tokenizer:
             before, after = self._frame
             ids = self._with_bos([*before, *ids, *after])
         return ids
+
+    def chat_differences(self, adapter_dir: Path, max_bytes: int | None) -> list[str]:
+        """What the adapter folder declares for chats unlike this tokenizer: its own default chat template
+        (chat_template.jinja, else tokenizer_config.json's), its own end-of-sequence token. This tokenizer's
+        serve it, which the adapter may not have been trained with: worth a warning, not a refusal (vLLM serves
+        adapters so too). Files that cannot be read say nothing here (the tokenizer check reports them)."""
+        cfg, jinja = adapter_dir / "tokenizer_config.json", adapter_dir / "chat_template.jinja"
+        try:
+            config = json.loads(read_limited(cfg, max_bytes).decode("utf-8")) if cfg.is_file() else {}
+            if not isinstance(config, dict):
+                return []
+            template = _chat_templates(config.get("chat_template"), cfg).get("default")
+            if jinja.is_file():
+                template = read_limited(jinja, max_bytes).decode("utf-8")
+        except (FileLimitError, TokenizerError, OSError, ValueError, RecursionError):
+            return []
+        notes = []
+        if template and template.strip() != (self.chat_template or "").strip():
+            notes.append("its chat template differs from the served base's, which renders its chats")
+        theirs = _token(config.get("eos_token"))
+        if theirs and self.eos_token and theirs != self.eos_token:
+            notes.append(f"its end-of-sequence token {theirs!r} is not the served base's {self.eos_token!r}, which ends its answers")
+        return notes
 
     def _encode_piece(self, piece: str, is_text: bool) -> list[int]:
         """A piece from the middle of a prompt; `is_text`: with no added token matched. Encoded after a newline

@@ -195,32 +195,3 @@ def tokenizer_mismatch(path: Path, base_digest: str | None, base_token_id: Calla
                 f"the base's")
     return None
 
-
-def _token_text(token: Any) -> str | None:
-    """A tokenizer_config.json token entry (a string, or an AddedToken dict) as its text."""
-    return token.get("content") if isinstance(token, dict) else token if isinstance(token, str) else None
-
-
-def chat_differences(path: Path, base_template: str | None, base_config: dict, max_bytes: int | None) -> list[str]:
-    """What the adapter folder `path` declares for chats that the served base does not: its own chat template
-    (tokenizer_config.json's, or chat_template.jinja), its own end-of-sequence token. The base's serve it, which
-    the adapter may not have been trained with: worth a warning, not a refusal (vLLM serves adapters so too).
-    Files that cannot be read say nothing here (the tokenizer check reports them)."""
-    notes = []
-    try:
-        cfg = path / "tokenizer_config.json"
-        raw = _parse(cfg, lambda r: r, max_bytes) if cfg.is_file() else {}
-        template = raw.get("chat_template")
-        if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
-            template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"), None)
-        jinja = path / "chat_template.jinja"
-        if jinja.is_file():
-            template = read_limited(jinja, max_bytes).decode("utf-8")
-    except (FileLimitError, TokenizerFileError, OSError, ValueError):
-        return notes
-    if isinstance(template, str) and template.strip() and template.strip() != (base_template or "").strip():
-        notes.append("its chat template differs from the served base's, which renders its chats")
-    theirs, ours = _token_text(raw.get("eos_token")), _token_text(base_config.get("eos_token"))
-    if theirs and ours and theirs != ours:
-        notes.append(f"its end-of-sequence token {theirs!r} is not the served base's {ours!r}, which ends its answers")
-    return notes
