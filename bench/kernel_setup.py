@@ -1,4 +1,4 @@
-"""Setup of bench/kernels.py: Llama-3-8B shapes, the cold-L2 graph timer, a copy-bandwidth probe, a
+"""Setup of bench/lora_kernels.py: Llama-3-8B shapes, the cold-L2 graph timer, a copy-bandwidth probe, a
 layer of adapters packed by the pool's rule, and one layer's LoRA inputs and outputs."""
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ with the delta overlapped with the GEMMs on a side stream (worker/lora_linear.py
 
 One Llama-3-8B decoder layer's four fused projections (q|k|v, o, gate|up, down) at T tokens spread
 round-robin over A adapters, bf16, CUDA-graph replay with the L2 flushed before each layer (the
-Timer of bench/kernels.py). Added time = layer with LoRA - base GEMMs alone; floor = the distinct
+Timer of bench/lora_kernels.py). Added time = layer with LoRA - base GEMMs alone; floor = the distinct
 adapters' bytes / copy bandwidth measured in the same run. Up to 64 tokens it also times variants of
 the side stream: high priority, and the GEMMs told to leave SMs free (torch's experimental SM
 carveout, which only cuBLASLt honours) — the H200 run of 2026-11-30 found priority and the carveout
@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from lorafleet.kernels.lora_layout import make_lora_batch
 from lorafleet.worker.lora_linear import lora_linear
 
-_spec = importlib.util.spec_from_file_location("bench_kernels", Path(__file__).with_name("kernels.py"))
+_spec = importlib.util.spec_from_file_location("bench_kernels", Path(__file__).with_name("lora_kernels.py"))
 kb = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(kb)
 

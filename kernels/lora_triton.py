@@ -248,7 +248,7 @@ def lora_expand_triton(
 
     def tile_n(rank_class: int) -> int:
         # Decode: wide column tiles (up to 512 x 16 rank rows: more bytes in flight per program); prefill:
-        # 128 (the [64, 128] float32 accumulator and y tiles fill the registers). H200 sweep of bench/kernels.py.
+        # 128 (the [64, 128] float32 accumulator and y tiles fill the registers). H200 sweep of bench/lora_kernels.py.
         return _pow2(widest, 16, 64 if _INTERPRET else 128 if block_t >= 64 else max(64, class_tile_elems // rank_class))
 
     block_n = block_n or tile_n(block_r)

@@ -1,12 +1,12 @@
-"""The structure floor of bench/kernels.py reads, kernel by kernel, exactly the adapter bytes the floor counts."""
+"""The structure floor of bench/lora_kernels.py reads, kernel by kernel, exactly the adapter bytes the floor counts."""
 
 import sys
 from pathlib import Path
 
 import pytest
 
-# Appended, not put first: bench/kernels.py must never stand in for the installed `kernels` package
-# (Hugging Face's, which transformers imports) in this process.
+# Appended, not put first: no bench module may stand in for an installed package
+# (transformers imports Hugging Face's `kernels`; no bench file takes that name).
 sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))
 sys.path.append(str(Path(__file__).resolve().parent / "kernels"))
 
@@ -35,7 +35,7 @@ def test_cluster_barrier_orders_the_clusters_partials() -> None:
 
 
 def test_engine_shaped_layout_and_batch_give_the_exact_delta() -> None:
-    """bench/kernels.py's graph-shaped case (rank bound widened to the engine's 64, the batch padded as a
+    """bench/lora_kernels.py's graph-shaped case (rank bound widened to the engine's 64, the batch padded as a
     captured decode step's) computes the same delta as the exact layout and batch, on the reference backend."""
     import torch
     from kernel_cases import random_pool_layout

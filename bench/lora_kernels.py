@@ -1,6 +1,6 @@
 """Kernel benchmark on one GPU at Llama-3-8B shapes: the LoRA delta of one decoder layer, paged attention.
 
-    python bench/kernels.py --out bench/results        # writes kernels_<date>_<gpu>.json and .png
+    python bench/lora_kernels.py --out bench/results        # writes kernels_<date>_<gpu>.json and .png
 
 LoRA: all seven projections of one layer (q|k|v, o, gate|up, down: four shrink/expand pairs) for T
 tokens spread round-robin over A adapters (distinct adapters in the batch = min(T, A)), each adapter's
@@ -411,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", default="", help="only these LoRA cases, T:A:rank comma-separated (for example 64:32:16,64:32:mixed)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("bench/kernels.py needs a CUDA GPU", file=sys.stderr)
+        print("bench/lora_kernels.py needs a CUDA GPU", file=sys.stderr)
         return 2
     gen = torch.Generator(device="cuda")
     gen.manual_seed(0)
