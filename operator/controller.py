@@ -85,7 +85,9 @@ def merge_conditions(current: dict[str, Any] | None, wanted: dict[str, Any], *,
 
 class RetryBackoff:
     """When a worker that reported a failed version may have it re-pushed: first ``base`` seconds after the
-    failure is seen, then ``2*base``, ``4*base``, ... up to ``cap``; cleared once it reports no failure."""
+    failure is seen, then ``2*base``, ``4*base``, ... up to ``cap``; cleared once it reports no failure. A retry
+    counts once pushed, answered or not: a pod that answers after the pass's wait (or refuses) stages again all
+    the same, and counted only when accepted within the wait, such a pod was re-pushed every pass."""
 
     def __init__(self, base: float, cap: float) -> None:
         self.base, self.cap = base, cap
@@ -96,7 +98,8 @@ class RetryBackoff:
         return state is not None and now >= state[1]
 
     def failing(self, url: str, now: float, *, pushed: bool) -> None:
-        """It reported a failed version this pass; ``pushed``: it was just given a new generation."""
+        """It reported a failed version this pass; ``pushed``: it was just given a new generation (sent, or queued
+        behind its push in flight)."""
         if url not in self._state:  # first seen failing (also on a pass that pushed): one base period
             self._state[url] = (0, now + min(self.cap, self.base))
         elif pushed:  # retried: twice as long as before
@@ -239,7 +242,6 @@ class PoolController:
         # Answered within the wait (a pod with a push in flight gets this one once that one is answered): else it
         # stays unknown (forgotten above), its answer kept for the next pass.
         answers = await self.flights.push(key, {pod: (by_pod[pod], d) for pod, d in plan.pushes.items()})
-        accepted = {pod for pod, (_, _, ok) in answers.items() if ok}
         for worker, desired, outcome in answers.values():
             _note_answer(record, refusals, worker, desired, outcome)
         for pod in set(refusals) - {w.pod for w in workers}:
@@ -253,7 +255,7 @@ class PoolController:
         backoff.retain({w.url for w in workers})
         for w, view in zip(workers, views, strict=True):
             if w.pod in plan.failing:
-                backoff.failing(w.url, now, pushed=w.pod in accepted)
+                backoff.failing(w.url, now, pushed=w.pod in plan.pushes)
             elif view.reported is not None:
                 backoff.clear(w.url)
         if draining is not None:

@@ -180,3 +180,31 @@ async def test_a_deleted_pods_late_refusal_is_not_blamed_on_the_pod_re_created_u
             if stager.stall is not None:
                 stager.stall.set()
             await controller.flights.close()
+
+
+async def test_a_failed_version_on_a_pod_answering_after_the_wait_is_re_pushed_with_a_doubling_backoff():
+    """A pod whose every push is answered after the pass's wait: each retry counts as one (it was sent) and the
+    next waits twice as long; counted only when answered within the wait, every pass past the first base period
+    re-pushed it."""
+    async with FakeStager(TOKEN) as stager:
+        now = [1000.0]
+        controller = PoolController(StagerClient(token=TOKEN, timeout=2.0, push_timeout=600.0), retry_base=10,
+                                    retry_cap=60, push_wait=0.05, clock=lambda: now[0])
+        stager.unavailable.add(("sql", "v1"))
+        inputs = {"pools": [POOL], "adapters": [adapter_body("sql")], "pods": [pod_body("worker-0", stager.port)]}
+        pushed_at = []
+        try:
+            for t in range(0, 90, 10):  # a pass every 10 s
+                now[0] = 1000.0 + t
+                stager.stall = asyncio.Event()  # a push is applied; its answer comes once the pass has ended
+                plan = await controller.run(KEY, **inputs)
+                stager.stall.set()
+                await eventually(lambda: not controller.flights.in_flight(KEY), "the push answered")
+                if plan.pushes:
+                    pushed_at.append(t)
+            assert plan.failing == ["worker-0"]
+            # The first push, then retries 10 s after the failure was seen (at 10 s), then 20 s, then 40 s later.
+            assert pushed_at == [0, 20, 40, 80]
+        finally:
+            stager.stall.set()
+            await controller.flights.close()
