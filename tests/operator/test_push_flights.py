@@ -208,3 +208,33 @@ async def test_a_failed_version_on_a_pod_answering_after_the_wait_is_re_pushed_w
         finally:
             stager.stall.set()
             await controller.flights.close()
+
+
+async def test_a_pass_queued_behind_one_waiting_for_its_pushes_answers_is_not_held_up_by_that_wait():
+    """A pass that has just pushed to a slow pod waits for its answer holding the pool's lock: a rollback's pass
+    queued behind it waited as long, for a pod whose push it merely queues. The waiting pass stops waiting once
+    another pass wants the pool; the pod's answer goes to a later pass."""
+    async with FakeStager(TOKEN) as fast, FakeStager(TOKEN) as slow:
+        # A push wait far longer than the test: only a pass that stops waiting lets the rollback through.
+        controller = PoolController(StagerClient(token=TOKEN, timeout=2.0, push_timeout=600.0), push_wait=600.0)
+        pods = [pod_body("worker-0", fast.port), pod_body("worker-1", slow.port)]
+
+        def run(**spec):
+            return controller.run(KEY, pools=[POOL], adapters=[adapter_body("sql", **spec)], pods=pods)
+
+        first = rollback = None
+        try:
+            await run()
+            slow.stall = asyncio.Event()  # worker-1 applies its next push, and answers only once this is set
+            first = asyncio.create_task(run(canary=CANARY))
+            await eventually(lambda: weight(fast) == 20 and weight(slow) == 20, "the canary pushed")
+            rollback = asyncio.create_task(run())
+            await eventually(rollback.done, "the rollback's pass ended while worker-1 has not answered")
+            assert first.done() and controller.flights.in_flight(KEY) == ["worker-1"]
+            assert fast.applied.by_name()["sql"].canary is None and "worker-1" in rollback.result().pushes
+            slow.stall.set()
+            await eventually(lambda: slow.applied.by_name()["sql"].canary is None, "worker-1 rolled back")
+        finally:
+            slow.stall.set()
+            await asyncio.gather(*(t for t in (first, rollback) if t is not None), return_exceptions=True)
+            await controller.flights.close()
