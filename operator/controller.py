@@ -281,6 +281,8 @@ class PoolController:
             plan.workers_unknown = workers_unknown
         if pool is not None:  # written with the status, read back after a restart
             plan.pool_status["pushedPods"] = record.to_status()
+            # Not answered yet (in the background: what they hold is not known meanwhile), said as it is now.
+            plan.pool_status["pushing"] = self.flights.in_flight(key)
         if target is None:  # no pool to push for (gone, or invalid): nothing to retry
             self._backoff.pop(key, None)
             if pool_error is None:  # gone: nothing to remember; an invalid pool pushes nothing meanwhile, and

@@ -11,6 +11,7 @@ from lorafleet.operator.push_flights import PushFlights
 from lorafleet.operator.workers import Refused, StagerClient, Worker
 from lorafleet.worker.directives import AdapterDirective, DesiredState, VersionRef
 
+from .crd_validation import crd_schema, validate
 from .fake_stager import FakeStager
 from .test_handlers import NS, POOL, TOKEN, adapter_body, eventually, pod_body
 
@@ -237,4 +238,30 @@ async def test_a_pass_queued_behind_one_waiting_for_its_pushes_answers_is_not_he
         finally:
             slow.stall.set()
             await asyncio.gather(*(t for t in (first, rollback) if t is not None), return_exceptions=True)
+            await controller.flights.close()
+
+
+async def test_the_pool_status_names_the_pods_with_a_push_in_flight():
+    """status.pushing: the pods whose push is not answered yet (what they hold is not known meanwhile), a field
+    of the pool's CRD (the API server prunes a status field its schema does not list)."""
+    async with FakeStager(TOKEN) as fast, FakeStager(TOKEN) as slow:
+        controller = PoolController(StagerClient(token=TOKEN, timeout=2.0, push_timeout=600.0), push_wait=0.1)
+        pods = [pod_body("worker-0", fast.port), pod_body("worker-1", slow.port)]
+
+        def run(**spec):
+            return controller.run(KEY, pools=[POOL], adapters=[adapter_body("sql", **spec)], pods=pods)
+
+        try:
+            await run()
+            slow.stall = asyncio.Event()  # worker-1 applies its next push, and answers only once this is set
+            plan = await run(canary=CANARY)
+            assert "worker-1" in plan.pool_status["pushing"]  # (worker-0 too, unless it answered within the wait)
+            assert set(plan.pool_status) <= set(crd_schema("lorapools")["properties"]["status"]["properties"])
+            validate({**POOL, "status": plan.pool_status}, "lorapools")
+            slow.stall.set()
+            await eventually(lambda: not controller.flights.in_flight(KEY), "worker-1 answered")
+            assert (await run(canary=CANARY)).pool_status["pushing"] == []
+        finally:
+            if slow.stall is not None:
+                slow.stall.set()
             await controller.flights.close()
