@@ -2,8 +2,9 @@
 
 Kopf-free glue between the thin handlers and the pure ``reconcile_pool``; one pass per pool at a
 time (a lock per pool), and the last plan is kept so per-adapter timers do not each redo the pass. A pass
-waits ``push_wait`` seconds at most for its pushes' answers: a pod slower to answer is answered in the
-background and delays no other pod's directive (push_flights.py); until it answers, it counts as not told.
+waits ``push_wait`` seconds at most for its pushes' answers, and stops waiting once another call needs a pass of
+its own (an edit queued behind it on the pool's lock): a pod slower to answer is answered in the background and
+delays no other pod's directive (push_flights.py); until it answers, it counts as not told.
 A deleting pool is drained: its workers are told to hold nothing (its finalizer waits for that); one whose
 workerSelector is invalid owns no pod, and drains the pods its push record names (after a restart, those its
 status.pushedPods names) as pods it released: which pods it selected is unknown.
@@ -85,7 +86,9 @@ def merge_conditions(current: dict[str, Any] | None, wanted: dict[str, Any], *,
 
 class RetryBackoff:
     """When a worker that reported a failed version may have it re-pushed: first ``base`` seconds after the
-    failure is seen, then ``2*base``, ``4*base``, ... up to ``cap``; cleared once it reports no failure."""
+    failure is seen, then ``2*base``, ``4*base``, ... up to ``cap``; cleared once it reports no failure. A retry
+    counts once pushed, answered or not: a pod that answers after the pass's wait (or refuses) stages again all
+    the same, and counted only when accepted within the wait, such a pod was re-pushed every pass."""
 
     def __init__(self, base: float, cap: float) -> None:
         self.base, self.cap = base, cap
@@ -96,7 +99,8 @@ class RetryBackoff:
         return state is not None and now >= state[1]
 
     def failing(self, url: str, now: float, *, pushed: bool) -> None:
-        """It reported a failed version this pass; ``pushed``: it was just given a new generation."""
+        """It reported a failed version this pass; ``pushed``: it was just given a new generation (sent, or queued
+        behind its push in flight)."""
         if url not in self._state:  # first seen failing (also on a pass that pushed): one base period
             self._state[url] = (0, now + min(self.cap, self.base))
         elif pushed:  # retried: twice as long as before
@@ -123,6 +127,8 @@ class PoolController:
         self._untold: dict[PoolKey, dict[tuple[str, str], float]] = {}  # (pod, uid) -> when last it could be told
         self._locks: dict[PoolKey, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._results: dict[PoolKey, PassResult] = {}
+        # The pass holding a pool's lock: (when its caller read its inputs, set to cut its push wait short)
+        self._passing: dict[PoolKey, tuple[float, asyncio.Event]] = {}
         self._backoff: dict[PoolKey, RetryBackoff] = defaultdict(lambda: RetryBackoff(retry_base, retry_cap))
         self.push_records: dict[PoolKey, PushRecord] = {}  # what each pool's pods accepted
         # (pod, uid) -> (when, its sidecar's last answer): stands in for one that misses a few passes (quiet_grace)
@@ -136,6 +142,9 @@ class PoolController:
         """A fresh plan (or the last one when younger than ``max_age`` seconds) for pool ``key``. ``replicasets``:
         the namespace's (worker_trust.slim_replicaset), which say which pods the other pools may reach."""
         started = time.monotonic()  # the caller read the inputs it passes before this call
+        passing = self._passing.get(key)
+        if passing is not None and started - passing[0] >= max_age:  # its plan will not do for this call:
+            passing[1].set()  # it stops waiting for its pushes' answers, which would hold this call up as long
         async with self._locks[key]:
             last = self._results.get(key)
             # A pass whose caller read its inputs after this call began is as fresh as a new one. Not one that
@@ -143,12 +152,18 @@ class PoolController:
             # answer the edit's call with the spec before the edit.
             if last is not None and (last.started >= started or time.monotonic() - last.started < max_age):
                 return last.plan
-            plan = await self._run(key, list(pools), list(adapters), list(pods), list(other_pools), list(replicasets))
+            cut = asyncio.Event()
+            self._passing[key] = (started, cut)
+            try:
+                plan = await self._run(key, list(pools), list(adapters), list(pods), list(other_pools),
+                                       list(replicasets), cut=cut)
+            finally:
+                del self._passing[key]
             self._results[key] = PassResult(plan, started)
             return plan
 
     async def _run(self, key: PoolKey, pools: list[dict], adapters: list[dict], pods: list[dict],
-                   other_pools: list[dict], replicasets: list[dict]) -> PoolPlan:
+                   other_pools: list[dict], replicasets: list[dict], *, cut: asyncio.Event) -> PoolPlan:
         pool, pool_error, draining, invalid, lost = None, None, None, None, None
         blind = False  # deleting with an invalid workerSelector: only its push record names its pods
         for body in pools:
@@ -238,8 +253,7 @@ class PoolController:
                 record.forget(by_pod[pod])
         # Answered within the wait (a pod with a push in flight gets this one once that one is answered): else it
         # stays unknown (forgotten above), its answer kept for the next pass.
-        answers = await self.flights.push(key, {pod: (by_pod[pod], d) for pod, d in plan.pushes.items()})
-        accepted = {pod for pod, (_, _, ok) in answers.items() if ok}
+        answers = await self.flights.push(key, {pod: (by_pod[pod], d) for pod, d in plan.pushes.items()}, cut=cut)
         for worker, desired, outcome in answers.values():
             _note_answer(record, refusals, worker, desired, outcome)
         for pod in set(refusals) - {w.pod for w in workers}:
@@ -253,7 +267,7 @@ class PoolController:
         backoff.retain({w.url for w in workers})
         for w, view in zip(workers, views, strict=True):
             if w.pod in plan.failing:
-                backoff.failing(w.url, now, pushed=w.pod in accepted)
+                backoff.failing(w.url, now, pushed=w.pod in plan.pushes)
             elif view.reported is not None:
                 backoff.clear(w.url)
         if draining is not None:
@@ -267,6 +281,8 @@ class PoolController:
             plan.workers_unknown = workers_unknown
         if pool is not None:  # written with the status, read back after a restart
             plan.pool_status["pushedPods"] = record.to_status()
+            # Not answered yet (in the background: what they hold is not known meanwhile), said as it is now.
+            plan.pool_status["pushing"] = self.flights.in_flight(key)
         if target is None:  # no pool to push for (gone, or invalid): nothing to retry
             self._backoff.pop(key, None)
             if pool_error is None:  # gone: nothing to remember; an invalid pool pushes nothing meanwhile, and

@@ -55,6 +55,7 @@ from lorafleet.operator.crd_models import (
 )
 from lorafleet.operator.deployments import DeploymentClient
 from lorafleet.operator.finalizers import adapter_unload_wait, holders_text
+from lorafleet.operator.observed_generations import ObservedGenerations, object_key
 from lorafleet.operator.operator_config import OperatorConfig
 from lorafleet.operator.ownership import invalid_pool_claim
 from lorafleet.operator.prometheus import PrometheusClient
@@ -150,6 +151,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
     controllers = Controllers(controller, scaler)
     trust = WorkerTrust()  # which pods each pool may reach (worker_trust.py)
     timers = TimerTasks()  # stopped at once when the operator stops (timer_tasks.py)
+    observed = ObservedGenerations()  # no status write lowers observedGeneration (observed_generations.py)
     res_pools, res_adapters = (GROUP, VERSION, POOLS), (GROUP, VERSION, ADAPTERS)
 
     @kopf.on.startup(registry=registry)
@@ -220,10 +222,12 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
                                               kwargs["worker_replicasets"].get(namespace, []))
             wanted = invalid_pool_status(dict(status), int(body.metadata.get("generation") or 0), str(exc),
                                          now=utc_now(), held=held, shared_pods=shared)
+            wanted = observed.admit(object_key(POOLS, body), wanted, status)
             patch.status.update(status_changes(dict(status), merge_conditions(dict(status), wanted)))
             raise kopf.PermanentError(str(exc)) from None
         plan = await run_pass(namespace, name, kwargs, max_age=max_age)
         wanted = with_ready_note(plan.pool_status, trust.left_out((namespace, name)))
+        wanted = observed.admit(object_key(POOLS, body), wanted, status)  # the pass read the spec when it began
         # Merged into the live conditions: the plan's pool body may predate the autoscaler's last write.
         patch.status.update(status_changes(dict(status), merge_conditions(dict(status), wanted)))
 
@@ -285,6 +289,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
         controller.forget((namespace, name))
         scaler.forget((namespace, name))
         trust.forget((namespace, name))
+        observed.forget(object_key(POOLS, body))
         log.warning("LoRAPool %s/%s deleted; its adapters turn Degraded until it exists again", namespace, name)
 
     # --- LoRAAdapter -----------------------------------------------------------------------------
@@ -295,6 +300,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
         plan = await run_pass(namespace, (body.get("spec") or {}).get("pool", ""), kwargs, max_age=max_age)
         wanted = plan.adapter_statuses.get(name)
         if wanted is not None:
+            wanted = observed.admit(object_key(ADAPTERS, body), wanted, status)
             patch.status.update(status_changes(dict(status), wanted))
         parsed = parse_adapter(dict(body))
         if isinstance(parsed, InvalidAdapter):
@@ -314,7 +320,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
             await timers.run(stopped, write_adapter_status(max_age=config.interval / 2, **kwargs))
 
     @kopf.on.delete(*res_adapters, registry=registry)
-    async def adapter_deleted(namespace: str, name: str, spec: kopf.Spec, logger: kopf.Logger,
+    async def adapter_deleted(namespace: str, name: str, body: kopf.Body, spec: kopf.Spec, logger: kopf.Logger,
                               **kwargs: Any) -> None:
         """The finalizer: the object goes only when no worker of the pools that may hold it reports the adapter
         any more (finalizers.py says which pods it waits for, and which it stops waiting for)."""
@@ -328,6 +334,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
             raise kopf.TemporaryError("waiting for a reconcile that sees the deletion", delay=config.retry_delay)
         if wait.waiting:
             raise kopf.TemporaryError(f"unloading; {wait.message}", delay=config.retry_delay)
+        observed.forget(object_key(ADAPTERS, body))
         if wait.given_up:
             logger.warning("deleted while %s could not be told to unload it for %s s or more (--unload-grace: its "
                            "sidecar did not answer, or it was not ready and what it accepted was not known); each is "

@@ -11,8 +11,10 @@ lock meanwhile pushed to the slow pod once more. So:
   same adapter set and settings (a generation apart only);
 * a pass waits ``wait`` seconds at most for the flights it started (``push``), none for those in flight before
   it: they were slow already, and each pass queued on the pool's lock waiting for them would hold up the next
-  edit once more. A pod that has not answered by then counts as not answered, never as accepted: the caller
-  keeps what it holds unknown, and the answer, when it comes, goes to the next pass of its pool (``settle``).
+  edit once more. It stops waiting once another pass wants the pool (``cut``), else the pass queued behind it
+  would wait as long, for pods whose push it merely queues. A pod that has not answered by then counts as not
+  answered, never as accepted: the caller keeps what it holds unknown, and the answer, when it comes, goes to
+  the next pass of its pool (``settle``).
 
 Each answer says which desired state it is for: the last one pushed, which need not be the pass's own.
 """
@@ -61,10 +63,11 @@ class PushFlights:
         """The pods of pool ``key`` with a push not answered yet."""
         return sorted(w.pod for w in self._flights.get(key, {}))
 
-    async def push(self, key: PoolKey, pushes: dict[str, tuple[Worker, DesiredState]]) -> dict[str, Answer]:
+    async def push(self, key: PoolKey, pushes: dict[str, tuple[Worker, DesiredState]], *,
+                   cut: asyncio.Event | None = None) -> dict[str, Answer]:
         """Push each pod its desired state (queued behind a push in flight to it), and wait ``wait`` seconds at
-        most for the pushes started here: pod -> its answer, for those answered by then (the rest: ``settle``,
-        later)."""
+        most for the pushes started here, none once ``cut`` is set: pod -> its answer, for those answered by then
+        (the rest: ``settle``, later)."""
         flights = self._flights.setdefault(key, {})
         earlier = self._answers.get(key, {})
         tasks = set()
@@ -80,7 +83,7 @@ class PushFlights:
             else:
                 flight.queued = desired
         if tasks:  # a pass cancelled here leaves its flights running: their answers go to the next pass
-            await asyncio.wait(tasks, timeout=self.wait)
+            await _until_answered(tasks, self.wait, cut)
         answers = self._answers.get(key, {})
         return {pod: answers.pop(worker) for pod, (worker, _) in pushes.items() if worker in answers}
 
@@ -119,3 +122,18 @@ class PushFlights:
             self.forget(key)
         await asyncio.gather(*tasks, return_exceptions=True)
         await self.client.close()
+
+
+async def _until_answered(tasks: set[asyncio.Task], timeout: float, cut: asyncio.Event | None) -> None:
+    """Until every flight of ``tasks`` has ended, ``timeout`` seconds have passed or ``cut`` is set (the flights
+    go on)."""
+    if cut is None:
+        await asyncio.wait(tasks, timeout=timeout)
+        return
+    answered = asyncio.ensure_future(asyncio.wait(tasks, timeout=timeout))
+    called = asyncio.ensure_future(cut.wait())
+    try:
+        await asyncio.wait((answered, called), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        answered.cancel()
+        called.cancel()

@@ -6,6 +6,7 @@ in ``unavailable`` (name, version) when a push is applied fails to stage, like a
 at tier ``none`` with an error until a later push (a new generation) stages it again.
 ``restart()`` forgets everything, like a pod whose containers came back empty. ``stall``, while an unset
 event: a push is applied but its reply waits for the event (a reply lost, or later than the client waits).
+``stall_reads``, while an unset event: a state read waits for it (a sidecar slow to answer).
 ``mute``: every request is answered 503 and nothing is applied (a sidecar that does not answer sensibly).
 ``reads`` counts the state reads it was sent (one per pass of a pool that reaches it).
 """
@@ -33,6 +34,7 @@ class FakeStager:
         self.unavailable: set[tuple[str, str]] = set()  # (name, version) the object store cannot deliver now
         self.failed: set[tuple[str, str]] = set()  # failed when the applied push was staged
         self.stall: asyncio.Event | None = None
+        self.stall_reads: asyncio.Event | None = None
         self.mute = False
         self.reads = 0
         self.runner: web.AppRunner | None = None
@@ -82,6 +84,8 @@ class FakeStager:
 
     async def _get(self, request: web.Request) -> web.Response:
         self.reads += 1
+        if self.stall_reads is not None:
+            await self.stall_reads.wait()
         if not self._authorized(request):
             return web.json_response({"error": {"message": "bad token", "type": "auth", "code": 401}}, status=401)
         return web.json_response(self.state().to_dict())

@@ -11,6 +11,7 @@ from lorafleet.operator.push_flights import PushFlights
 from lorafleet.operator.workers import Refused, StagerClient, Worker
 from lorafleet.worker.directives import AdapterDirective, DesiredState, VersionRef
 
+from .crd_validation import crd_schema, validate
 from .fake_stager import FakeStager
 from .test_handlers import NS, POOL, TOKEN, adapter_body, eventually, pod_body
 
@@ -179,4 +180,88 @@ async def test_a_deleted_pods_late_refusal_is_not_blamed_on_the_pod_re_created_u
         finally:
             if stager.stall is not None:
                 stager.stall.set()
+            await controller.flights.close()
+
+
+async def test_a_failed_version_on_a_pod_answering_after_the_wait_is_re_pushed_with_a_doubling_backoff():
+    """A pod whose every push is answered after the pass's wait: each retry counts as one (it was sent) and the
+    next waits twice as long; counted only when answered within the wait, every pass past the first base period
+    re-pushed it."""
+    async with FakeStager(TOKEN) as stager:
+        now = [1000.0]
+        controller = PoolController(StagerClient(token=TOKEN, timeout=2.0, push_timeout=600.0), retry_base=10,
+                                    retry_cap=60, push_wait=0.05, clock=lambda: now[0])
+        stager.unavailable.add(("sql", "v1"))
+        inputs = {"pools": [POOL], "adapters": [adapter_body("sql")], "pods": [pod_body("worker-0", stager.port)]}
+        pushed_at = []
+        try:
+            for t in range(0, 90, 10):  # a pass every 10 s
+                now[0] = 1000.0 + t
+                stager.stall = asyncio.Event()  # a push is applied; its answer comes once the pass has ended
+                plan = await controller.run(KEY, **inputs)
+                stager.stall.set()
+                await eventually(lambda: not controller.flights.in_flight(KEY), "the push answered")
+                if plan.pushes:
+                    pushed_at.append(t)
+            assert plan.failing == ["worker-0"]
+            # The first push, then retries 10 s after the failure was seen (at 10 s), then 20 s, then 40 s later.
+            assert pushed_at == [0, 20, 40, 80]
+        finally:
+            stager.stall.set()
+            await controller.flights.close()
+
+
+async def test_a_pass_queued_behind_one_waiting_for_its_pushes_answers_is_not_held_up_by_that_wait():
+    """A pass that has just pushed to a slow pod waits for its answer holding the pool's lock: a rollback's pass
+    queued behind it waited as long, for a pod whose push it merely queues. The waiting pass stops waiting once
+    another pass wants the pool; the pod's answer goes to a later pass."""
+    async with FakeStager(TOKEN) as fast, FakeStager(TOKEN) as slow:
+        # A push wait far longer than the test: only a pass that stops waiting lets the rollback through.
+        controller = PoolController(StagerClient(token=TOKEN, timeout=2.0, push_timeout=600.0), push_wait=600.0)
+        pods = [pod_body("worker-0", fast.port), pod_body("worker-1", slow.port)]
+
+        def run(**spec):
+            return controller.run(KEY, pools=[POOL], adapters=[adapter_body("sql", **spec)], pods=pods)
+
+        first = rollback = None
+        try:
+            await run()
+            slow.stall = asyncio.Event()  # worker-1 applies its next push, and answers only once this is set
+            first = asyncio.create_task(run(canary=CANARY))
+            await eventually(lambda: weight(fast) == 20 and weight(slow) == 20, "the canary pushed")
+            rollback = asyncio.create_task(run())
+            await eventually(rollback.done, "the rollback's pass ended while worker-1 has not answered")
+            assert first.done() and controller.flights.in_flight(KEY) == ["worker-1"]
+            assert fast.applied.by_name()["sql"].canary is None and "worker-1" in rollback.result().pushes
+            slow.stall.set()
+            await eventually(lambda: slow.applied.by_name()["sql"].canary is None, "worker-1 rolled back")
+        finally:
+            slow.stall.set()
+            await asyncio.gather(*(t for t in (first, rollback) if t is not None), return_exceptions=True)
+            await controller.flights.close()
+
+
+async def test_the_pool_status_names_the_pods_with_a_push_in_flight():
+    """status.pushing: the pods whose push is not answered yet (what they hold is not known meanwhile), a field
+    of the pool's CRD (the API server prunes a status field its schema does not list)."""
+    async with FakeStager(TOKEN) as fast, FakeStager(TOKEN) as slow:
+        controller = PoolController(StagerClient(token=TOKEN, timeout=2.0, push_timeout=600.0), push_wait=0.1)
+        pods = [pod_body("worker-0", fast.port), pod_body("worker-1", slow.port)]
+
+        def run(**spec):
+            return controller.run(KEY, pools=[POOL], adapters=[adapter_body("sql", **spec)], pods=pods)
+
+        try:
+            await run()
+            slow.stall = asyncio.Event()  # worker-1 applies its next push, and answers only once this is set
+            plan = await run(canary=CANARY)
+            assert "worker-1" in plan.pool_status["pushing"]  # (worker-0 too, unless it answered within the wait)
+            assert set(plan.pool_status) <= set(crd_schema("lorapools")["properties"]["status"]["properties"])
+            validate({**POOL, "status": plan.pool_status}, "lorapools")
+            slow.stall.set()
+            await eventually(lambda: not controller.flights.in_flight(KEY), "worker-1 answered")
+            assert (await run(canary=CANARY)).pool_status["pushing"] == []
+        finally:
+            if slow.stall is not None:
+                slow.stall.set()
             await controller.flights.close()
