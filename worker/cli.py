@@ -235,6 +235,17 @@ def _build(config_cls: type, values: Mapping[tuple[str, ...], Any], prefix: tupl
     return config_cls(**kwargs)
 
 
+def flag_terms(message: str, config_cls: type) -> str:
+    """``message`` (a config's validation error, in its field names) with each field named as its flag: the user
+    set ``--max-body-bytes``, not ``max_body_bytes``. Only names with an underscore: a one-word field is its flag's
+    word, and that word may be plain English in the message."""
+    flags = {o.name: o.flag for o in _options(config_cls) if "_" in o.name}
+    if not flags:
+        return message
+    pattern = re.compile(r"(?<![\w-])(" + "|".join(map(re.escape, sorted(flags, key=len, reverse=True))) + r")(?![\w-])")
+    return pattern.sub(lambda m: flags[m.group(1)], message)
+
+
 def config_from_args(
     config_cls: type[T],
     argv: Sequence[str] | None = None,
@@ -253,5 +264,5 @@ def config_from_args(
     try:
         return _build(config_cls, values)
     except (ValueError, TypeError) as exc:  # __post_init__ validation
-        parser.error(str(exc))
+        parser.error(flag_terms(str(exc), config_cls))
         raise  # unreachable: parser.error exits

@@ -8,7 +8,8 @@ from typing import Literal
 
 import pytest
 
-from lorafleet.worker.cli import build_parser, config_from_args
+from lorafleet.worker.cli import build_parser, config_from_args, flag_terms
+from lorafleet.worker.worker_config import WorkerConfig
 
 
 @dataclass(slots=True)
@@ -138,7 +139,7 @@ finally:
 @pytest.mark.parametrize(("module", "args", "needle"), [
     ("lorafleet.worker", ["--help"], "--max-num-seqs"),
     ("lorafleet.worker", ["--port", "eighty"], "--port: expected int, got 'eighty'"),  # argparse refuses it
-    ("lorafleet.worker", ["--max-num-seqs", "0"], "max_num_seqs must be >= 1"),  # the config's validation does
+    ("lorafleet.worker", ["--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),  # the config's validation does
     ("lorafleet.worker", ["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     ("lorafleet.worker.stager", ["--help"], "--stager-cache-dir"),
     ("lorafleet.worker.stager", ["--stager-port", "eighty"], "--stager-port: expected int, got 'eighty'"),
@@ -184,7 +185,7 @@ def test_stager_file_limit_is_a_flag_and_an_env_var(capsys):
     assert "largest adapter file staged" in build_parser(StagerConfig, env=env).format_help()
     with pytest.raises(SystemExit):
         config_from_args(StagerConfig, ["--max-adapter-file-bytes", "0"], env=env)
-    assert "max_adapter_file_bytes must be > 0" in capsys.readouterr().err
+    assert "--max-adapter-file-bytes must be > 0" in capsys.readouterr().err
 
 
 def test_worker_admin_listener_is_a_flag_and_an_env_var():
@@ -203,7 +204,7 @@ def test_worker_admin_listener_is_a_flag_and_an_env_var():
                                                  "own; choose another --admin-port, or leave it unset"),
     (["--stager-port", "8001", "--admin-port", "8001"], "--admin-port 8001 is --stager-port too"),
     (["--admin-host", "0.0.0.0"], "--admin-host 0.0.0.0 needs --admin-port"),
-    (["--admin-port", "70000"], "admin_port must be in 0..65535"),
+    (["--admin-port", "70000"], "--admin-port must be in 0..65535"),
 ], ids=["same-as-port", "same-as-stager-port", "host-without-port", "out-of-range"])
 def test_worker_admin_listener_settings_it_cannot_use_are_refused(argv, needle, capsys):
     from lorafleet.worker.worker_config import WorkerConfig
@@ -226,3 +227,22 @@ def test_tool_call_parser_is_a_flag_and_an_env_var(tmp_path, capsys):
     with pytest.raises(SystemExit):
         config_from_args(WorkerConfig, [*argv, "--tool-call-parser", "mistral"], env={})
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_validation_errors_name_the_flags_the_user_set(capsys):
+    """A config's check speaks of its fields; the user set flags, and is told of those."""
+    for argv, env, said in [
+        (["--max-body-bytes", "10"], {}, "--max-body-bytes must be >= 1024, got 10"),
+        ([], {"LORAFLEET_MAX_NUM_SEQS": "0"}, "--max-num-seqs must be >= 1, got 0"),  # a nested config's field
+    ]:
+        with pytest.raises(SystemExit) as exc:
+            config_from_args(WorkerConfig, ["--model", "m", *argv], env=env)
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and said in err, err
+        assert "max_" not in err, err
+
+
+def test_flag_terms_leave_other_words_alone():
+    assert flag_terms("max_num_seqs (0) must be >= 1; port 80", Outer) == "--max-num-seqs (0) must be >= 1; port 80"
+    assert flag_terms("--max-num-seqs and keys_file and keys_files_x", Outer) == (
+        "--max-num-seqs and --keys-file and keys_files_x")
