@@ -139,6 +139,27 @@ def test_a_signal_while_the_model_loads_exits_at_once(tiny_llama_dir, tmp_path, 
     assert "stopping while the model loads" in text and "terminate called" not in text, text[-3000:]
 
 
+_TERM_BEFORE_LOGGING = """
+import logging, os, signal, sys
+import lorafleet.worker.__main__ as worker_main
+configure = logging.basicConfig
+def term_then_configure(*args, **kwargs):  # the flags are checked: torch and the server are imported next
+    os.kill(os.getpid(), signal.SIGTERM)
+    configure(*args, **kwargs)
+logging.basicConfig = term_then_configure
+sys.exit(worker_main.main(sys.argv[1:]))
+"""
+
+
+def test_a_sigterm_before_the_first_log_line_is_a_clean_stop(tiny_llama_dir):
+    """A pod deleted in its first seconds (flags checked, torch importing, no handler of the server's yet)
+    exits 0 as it does once serving: not 143, the kill of a process that ignores its stop signal."""
+    done = subprocess.run([sys.executable, "-c", _TERM_BEFORE_LOGGING, "--model", str(tiny_llama_dir), "--port", "0",
+                           "--host", "127.0.0.1"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, (done.returncode, done.stderr[-3000:])
+    assert "Traceback" not in done.stderr and "model" not in done.stdout, done.stderr[-3000:]
+
+
 def test_a_second_sigterm_ends_the_grace_with_an_in_band_error_and_exits_0(tiny_llama_dir, tmp_path):
     """SIGTERM starts a long grace; a second SIGTERM ends the requests in flight at once as the grace's
     end would (a stream gets its error chunk, not a broken transfer) and the process still exits 0."""
