@@ -28,6 +28,7 @@ import stat
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
+from typing import Any
 
 from lorafleet.worker.file_limits import (
     CONFIG_FILE,
@@ -51,7 +52,17 @@ OPTIONAL_FILES = ("special_tokens_map.json", "README.md")  # carried along, neve
 STAGED_FILES = tuple(dict.fromkeys((*ADAPTER_FILES, *TOKENIZER_FILES, *OPTIONAL_FILES)))
 MAX_ATTEMPTS = 3  # downloads of one adapter whose objects changed meanwhile
 RAISE_LIMIT = "raise the stager's --max-adapter-file-bytes (LORAFLEET_MAX_ADAPTER_FILE_BYTES)"
-Etags = list[tuple[str, str]]  # (object name, ETag) of the staged files under a prefix, sorted
+Etags = list[tuple[str, str]]  # (object name, object_version) of the staged files under a prefix, sorted
+
+
+def object_version(listed: Any) -> str:
+    """What tells a listed object's content from a replaced upload's: its ETag; a store that lists none still
+    gives its size and time of upload, so that a replacement is not taken for the copy staged before it (keyed
+    by an empty ETag, it was)."""
+    if listed.etag:
+        return listed.etag
+    modified = listed.last_modified.isoformat() if listed.last_modified is not None else ""
+    return f"no-etag:{listed.size}:{modified}"
 
 
 @dataclass(slots=True, frozen=True)
@@ -175,10 +186,10 @@ class Sources:
         wanted = {loc.prefix + n: n for n in STAGED_FILES}
         dest.mkdir(parents=True, exist_ok=True)
         for _ in range(MAX_ATTEMPTS):
-            objects = {o.object_name: (o.size, o.etag) for o in client.list_objects(loc.bucket, prefix=loc.prefix)
-                       if o.object_name in wanted}
+            listing = [o for o in client.list_objects(loc.bucket, prefix=loc.prefix) if o.object_name in wanted]
+            objects = {o.object_name: (o.size, o.etag) for o in listing}
             _refuse_missing(uri, [n for n in ADAPTER_FILES if loc.prefix + n not in objects])
-            if etags is not None and sorted((k, e or "") for k, (_, e) in objects.items()) != list(etags):
+            if etags is not None and sorted((o.object_name, object_version(o)) for o in listing) != list(etags):
                 raise SourceError(f"{uri}: the objects changed since they were listed (a new upload?); stage it "
                                   f"again", "changed")
             with _as_source_error():  # before a byte is downloaded
@@ -217,12 +228,12 @@ class Sources:
         return check_digest(self.digests.digest(path, ADAPTER_FILES, compute, key=(path, folders)), sha256, where)
 
     def object_etags(self, uri: str, *, quick: bool = False, deadline: float | None = None) -> Etags:
-        """(name, etag) of the staged files (`STAGED_FILES`, tokenizer files included) under an S3 prefix:
+        """(name, version: `object_version`) of the staged files (`STAGED_FILES`, tokenizer files included) under an S3 prefix:
         identifies content without a digest. `quick`, `deadline`: which client lists (worker/store_clients.py)."""
         loc = self.check_s3(uri)
         names = {loc.prefix + n for n in STAGED_FILES}
         listing = self.clients.client(quick=quick, deadline=deadline).list_objects(loc.bucket, prefix=loc.prefix)
-        return sorted((o.object_name, o.etag or "") for o in listing if o.object_name in names)
+        return sorted((o.object_name, object_version(o)) for o in listing if o.object_name in names)
 
     def list_adapters(self, uri: str) -> list[str]:
         """URIs of the adapter directories (folders with adapter_config.json) directly under a prefix."""

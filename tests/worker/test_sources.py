@@ -467,3 +467,36 @@ def _app(routes):
     app = web.Application()
     app.router.add_routes(routes)
     return app
+
+
+async def test_objects_listed_without_an_etag_are_told_apart_by_size_and_upload_time(aiohttp_server, tmp_path):
+    """A store that lists no ETag: what keys a staged copy without a digest is then each object's size and time
+    of upload, so that a replaced upload is not served from the copy of the one before it (keyed by an empty
+    ETag, both were the same)."""
+    import asyncio
+
+    from aiohttp import web
+
+    objects = {"team/alpha/adapter_config.json": b'{"r": 4}', "team/alpha/adapter_model.safetensors": b"w" * 100}
+    listed = _listing(objects)
+
+    async def listing(request: web.Request) -> web.Response:
+        response = await listed(request)
+        response.text = response.text.replace("<ETag>\"e\"</ETag>", "")
+        return response
+
+    async def get(request: web.Request) -> web.Response:
+        return web.Response(body=objects[request.match_info["key"]])
+
+    sources = _store_sources(await aiohttp_server(_app([web.get("/adapters", listing),
+                                                        web.get("/adapters/{key:.+}", get)])))
+    uri = "s3://adapters/team/alpha/"
+    first = await asyncio.to_thread(sources.object_etags, uri)
+    assert all(version.startswith("no-etag:") for _, version in first), first
+    dest = await asyncio.to_thread(sources.download, uri, tmp_path / "one", etags=first)  # the key agrees with it
+    assert (dest / "adapter_model.safetensors").read_bytes() == b"w" * 100
+    objects["team/alpha/adapter_model.safetensors"] = b"v" * 120  # a new upload
+    assert await asyncio.to_thread(sources.object_etags, uri) != first
+    with pytest.raises(SourceError) as err:  # the key of the copy before it names other content
+        await asyncio.to_thread(sources.download, uri, tmp_path / "two", etags=first)
+    assert err.value.kind == "changed"
