@@ -87,8 +87,9 @@ def merge_conditions(current: dict[str, Any] | None, wanted: dict[str, Any], *,
 class RetryBackoff:
     """When a worker that reported a failed version may have it re-pushed: first ``base`` seconds after the
     failure is seen, then ``2*base``, ``4*base``, ... up to ``cap``; cleared once it reports no failure. A retry
-    counts once pushed, answered or not: a pod that answers after the pass's wait (or refuses) stages again all
-    the same, and counted only when accepted within the wait, such a pod was re-pushed every pass."""
+    counts once sent, answered or not: a pod that answers after the pass's wait (or refuses) stages again all the
+    same, and counted only when accepted within the wait, such a pod was re-pushed every pass. A push queued
+    behind one still in flight is not sent yet (and is dropped where the answer takes the same set)."""
 
     def __init__(self, base: float, cap: float) -> None:
         self.base, self.cap = base, cap
@@ -99,8 +100,7 @@ class RetryBackoff:
         return state is not None and now >= state[1]
 
     def failing(self, url: str, now: float, *, pushed: bool) -> None:
-        """It reported a failed version this pass; ``pushed``: it was just given a new generation (sent, or queued
-        behind its push in flight)."""
+        """It reported a failed version this pass; ``pushed``: a new generation was just sent to it."""
         if url not in self._state:  # first seen failing (also on a pass that pushed): one base period
             self._state[url] = (0, now + min(self.cap, self.base))
         elif pushed:  # retried: twice as long as before
@@ -129,6 +129,7 @@ class PoolController:
         self._results: dict[PoolKey, PassResult] = {}
         # The pass holding a pool's lock: (when its caller read its inputs, set to cut its push wait short)
         self._passing: dict[PoolKey, tuple[float, asyncio.Event]] = {}
+        self._callers: dict[PoolKey, int] = defaultdict(int)  # calls holding or waiting for a pool's lock
         self._backoff: dict[PoolKey, RetryBackoff] = defaultdict(lambda: RetryBackoff(retry_base, retry_cap))
         self.push_records: dict[PoolKey, PushRecord] = {}  # what each pool's pods accepted
         # (pod, uid) -> (when, its sidecar's last answer): stands in for one that misses a few passes (quiet_grace)
@@ -143,8 +144,21 @@ class PoolController:
         the namespace's (worker_trust.slim_replicaset), which say which pods the other pools may reach."""
         started = time.monotonic()  # the caller read the inputs it passes before this call
         passing = self._passing.get(key)
-        if passing is not None and started - passing[0] >= max_age:  # its plan will not do for this call:
-            passing[1].set()  # it stops waiting for its pushes' answers, which would hold this call up as long
+        if passing is not None:  # once its plan will not do for this call, it stops waiting for its pushes'
+            # answers, which would hold this call up as long (a timer's call that it serves now: once too old)
+            asyncio.get_running_loop().call_later(max(0.0, passing[0] + max_age - started), passing[1].set)
+        self._callers[key] += 1
+        try:
+            return await self._locked_run(key, started, pools, adapters, pods, other_pools, replicasets, max_age)
+        finally:
+            self._callers[key] -= 1
+            if not self._callers[key]:
+                del self._callers[key]
+
+    async def _locked_run(self, key: PoolKey, started: float, pools: Iterable[dict[str, Any]],
+                          adapters: Iterable[dict[str, Any]], pods: Iterable[dict[str, Any]],
+                          other_pools: Iterable[dict[str, Any]], replicasets: Iterable[dict[str, Any]],
+                          max_age: float) -> PoolPlan:
         async with self._locks[key]:
             last = self._results.get(key)
             # A pass whose caller read its inputs after this call began is as fresh as a new one. Not one that
@@ -158,7 +172,8 @@ class PoolController:
                 plan = await self._run(key, list(pools), list(adapters), list(pods), list(other_pools),
                                        list(replicasets), cut=cut)
             finally:
-                del self._passing[key]
+                if self._passing.get(key, (0.0, None))[1] is cut:
+                    del self._passing[key]
             self._results[key] = PassResult(plan, started)
             return plan
 
@@ -253,6 +268,7 @@ class PoolController:
                 record.forget(by_pod[pod])
         # Answered within the wait (a pod with a push in flight gets this one once that one is answered): else it
         # stays unknown (forgotten above), its answer kept for the next pass.
+        in_flight = set(self.flights.in_flight(key))  # a push to these is queued, and dropped if theirs is the same
         answers = await self.flights.push(key, {pod: (by_pod[pod], d) for pod, d in plan.pushes.items()}, cut=cut)
         for worker, desired, outcome in answers.values():
             _note_answer(record, refusals, worker, desired, outcome)
@@ -267,7 +283,7 @@ class PoolController:
         backoff.retain({w.url for w in workers})
         for w, view in zip(workers, views, strict=True):
             if w.pod in plan.failing:
-                backoff.failing(w.url, now, pushed=w.pod in plan.pushes)
+                backoff.failing(w.url, now, pushed=w.pod in plan.pushes and w.pod not in in_flight)
             elif view.reported is not None:
                 backoff.clear(w.url)
         if draining is not None:
@@ -342,8 +358,9 @@ class PoolController:
             if key in keys:
                 continue
             self.forget(key)
-            lock = self._locks.get(key)
-            if lock is not None and not lock.locked():  # a pass in flight keeps its lock
+            # A pass in flight keeps its lock, and so does a call waiting for it: a lock released, its waiter not
+            # woken yet, reads as unlocked, and a new one would let a third call run beside that waiter's pass.
+            if key in self._locks and not self._callers.get(key):
                 del self._locks[key]
 
     def known_pools(self) -> list[PoolKey]:
