@@ -237,12 +237,15 @@ def _build(config_cls: type, values: Mapping[tuple[str, ...], Any], prefix: tupl
 
 def flag_terms(message: str, config_cls: type) -> str:
     """``message`` (a config's validation error, in its field names) with each field named as its flag: the user
-    set ``--max-body-bytes``, not ``max_body_bytes``. Only names with an underscore: a one-word field is its flag's
-    word, and that word may be plain English in the message."""
+    set ``--max-body-bytes``, not ``max_body_bytes``. Only a name where a check names its fields, leading the
+    message or a list of them (``a, b and c must be > 0``), and only names with an underscore: a value quoted in
+    the message (a path, a host, a served name) may spell a field's name, and a one-word field is its flag's
+    word, which may be plain English in the message."""
     flags = {o.name: o.flag for o in _options(config_cls) if "_" in o.name}
     if not flags:
         return message
-    pattern = re.compile(r"(?<![\w-])(" + "|".join(map(re.escape, sorted(flags, key=len, reverse=True))) + r")(?![\w-])")
+    names = "|".join(map(re.escape, sorted(flags, key=len, reverse=True)))
+    pattern = re.compile(rf"(?:^|(?<=, )|(?<= and )|(?<= or ))({names})(?=[\s,()]|$)")
     return pattern.sub(lambda m: flags[m.group(1)], message)
 
 

@@ -84,4 +84,4 @@ def test_a_stager_token_every_sidecar_refuses_is_refused(monkeypatch, capsys, to
         main(["--stager-token", token] if token else [])
     assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert re.search(r"error: .*stager_token must be at least 16 characters.*LORAFLEET_STAGER_TOKEN", err), err
+    assert re.search(r"error: .*--stager-token must be at least 16 characters.*LORAFLEET_STAGER_TOKEN", err), err

@@ -242,7 +242,17 @@ def test_validation_errors_name_the_flags_the_user_set(capsys):
         assert "max_" not in err, err
 
 
-def test_flag_terms_leave_other_words_alone():
+def test_flag_terms_name_the_fields_a_check_names_and_leave_values_alone():
     assert flag_terms("max_num_seqs (0) must be >= 1; port 80", Outer) == "--max-num-seqs (0) must be >= 1; port 80"
-    assert flag_terms("--max-num-seqs and keys_file and keys_files_x", Outer) == (
-        "--max-num-seqs and --keys-file and keys_files_x")
+    assert flag_terms("max_num_seqs, keys_file and keys_files_x must be > 0", Outer) == (
+        "--max-num-seqs, --keys-file and keys_files_x must be > 0")
+    for quoted in ["/srv/keys_file: not a directory", "--model max_num_seqs is also an adapter's name",
+                   "https://keys_file.example.com/ refused", "LORAFLEET_MAX_NUM_SEQS: expected int", "'keys_file'"]:
+        assert flag_terms(quoted, Outer) == quoted
+
+
+def test_a_value_spelling_a_field_s_name_is_quoted_as_given(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        config_from_args(WorkerConfig, ["--model", "m", "--adapters", str(tmp_path / "adapter_roots")], env={})
+    err = capsys.readouterr().err
+    assert "--adapter-roots" not in err, err

@@ -65,7 +65,7 @@ def test_the_write_limit_is_a_positive_number(value, capsys):
     with pytest.raises(SystemExit):
         config_from_args(WorkerConfig, ["--stream-write-timeout-s", value], env={})
     err = capsys.readouterr().err
-    assert "stream_write_timeout_s must be a finite number > 0" in err or "expected a finite number" in err, err
+    assert "--stream-write-timeout-s must be a finite number > 0" in err or "expected a finite number" in err, err
 
 
 class Transport:

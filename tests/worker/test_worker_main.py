@@ -47,7 +47,7 @@ BAD_FLAGS = [
     pytest.param(["--device", "cuda:x"], ["--device", "'cuda:x'"], id="malformed-device"),
     pytest.param(["--tokenizer", "/nonexistent/tokenizer-dir"], ["--tokenizer", "tokenizer.json"],
                  id="tokenizer-without-tokenizer-json"),
-    pytest.param(["--max-sequences-per-tenant", "-1"], ["max_sequences_per_tenant must be >= 0"],
+    pytest.param(["--max-sequences-per-tenant", "-1"], ["--max-sequences-per-tenant must be >= 0"],
                  id="negative-per-tenant-limit"),
 ]
 
