@@ -173,7 +173,8 @@ class Sources:
         files (`STAGED_FILES`) are fetched; anything else under the prefix (pickles included) is ignored.
         `progress(done_bytes, total_bytes)` is called when the download starts and as bytes arrive.
 
-        Every object is read at the version the listing saw (If-Match on its ETag): an object replaced
+        Every object is read at the version the listing saw (If-Match on its ETag; objects listed without one
+        are listed again once read): an object replaced
         mid-download would otherwise mix files of two uploads; the download then starts over, up to
         `MAX_ATTEMPTS` times. `deadline` (time.monotonic()) ends a slow download with TimeoutError, even
         in the middle of a read, so nothing keeps writing after the caller gave up; a store that stops
@@ -199,7 +200,7 @@ class Sources:
                 (dest / name).unlink(missing_ok=True)
             fetched = Fetch(sum(size for size, _ in objects.values()), progress, deadline, loc.uri)
             if all(fetched.object(client, loc.bucket, key, etag, size, dest / wanted[key])
-                   for key, (size, etag) in sorted(objects.items())):
+                   for key, (size, etag) in sorted(objects.items())) and _unchanged(client, loc, wanted, listing):
                 return dest
         raise SourceError(f"{uri}: the objects changed during {MAX_ATTEMPTS} download attempts; retry once the "
                           f"upload has finished", "changed")
@@ -305,3 +306,13 @@ def _as_source_error(where: str | Path = "") -> Iterator[None]:
         raise SourceError(str(exc), exc.kind) from None
     except OSError as exc:
         raise read_error(where, exc) from None
+
+
+def _unchanged(client: Any, loc: S3Location, wanted: dict[str, str], listing: list) -> bool:
+    """Whether the objects read without an ETag (no If-Match held them to the listed upload) are still those
+    listed: one replaced mid-download left a copy of two uploads, kept under the key of the first."""
+    if all(o.etag for o in listing):
+        return True
+    again = [o for o in client.list_objects(loc.bucket, prefix=loc.prefix) if o.object_name in wanted]
+    return sorted((o.object_name, object_version(o)) for o in again) == sorted(
+        (o.object_name, object_version(o)) for o in listing)

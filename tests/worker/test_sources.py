@@ -500,3 +500,35 @@ async def test_objects_listed_without_an_etag_are_told_apart_by_size_and_upload_
     with pytest.raises(SourceError) as err:  # the key of the copy before it names other content
         await asyncio.to_thread(sources.download, uri, tmp_path / "two", etags=first)
     assert err.value.kind == "changed"
+
+
+async def test_objects_listed_without_an_etag_replaced_mid_download_are_read_again(aiohttp_server, tmp_path):
+    """No If-Match holds an object listed without an ETag to the listed upload: the download lists the objects
+    again once read, and starts over where one changed, so no copy mixes two uploads."""
+    import asyncio
+
+    from aiohttp import web
+
+    config, weights = "team/alpha/adapter_config.json", "team/alpha/adapter_model.safetensors"
+    objects = {config: b'{"r": 4}', weights: b"w" * 100}
+    listed = _listing(objects)
+
+    async def listing(request: web.Request) -> web.Response:
+        response = await listed(request)
+        response.text = response.text.replace("<ETag>\"e\"</ETag>", "")
+        if objects[weights] != b"w" * 100:  # same size: only the time of upload tells
+            response.text = response.text.replace("2026-01-01T00:00:00", "2026-01-02T00:00:00")
+        return response
+
+    async def get(request: web.Request) -> web.Response:
+        key = request.match_info["key"]
+        body = objects[key]
+        if key == config and body == b'{"r": 4}':  # a new upload lands while the weights are read
+            objects.update({config: b'{"r": 8}', weights: b"v" * 100})
+        return web.Response(body=body)
+
+    sources = _store_sources(await aiohttp_server(_app([web.get("/adapters", listing),
+                                                        web.get("/adapters/{key:.+}", get)])))
+    dest = await asyncio.to_thread(sources.download, "s3://adapters/team/alpha/", tmp_path / "staged")
+    assert (dest / "adapter_config.json").read_bytes() == b'{"r": 8}'
+    assert (dest / "adapter_model.safetensors").read_bytes() == b"v" * 100
