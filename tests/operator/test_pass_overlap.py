@@ -1,5 +1,5 @@
-"""Passes of one pool that meet: a push still in flight across passes, a timer's call arriving while a pass waits
-for its pushes' answers, and a pool forgotten while a call waits for its lock."""
+"""Passes of one pool that meet: a push still in flight across passes, and a pool forgotten while a call waits
+for its lock."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from lorafleet.operator.workers import StagerClient
 
 from .fake_stager import FakeStager
 from .test_handlers import NS, POOL, TOKEN, adapter_body, eventually, pod_body
-from .test_push_flights import CANARY, weight
+from .test_push_flights import failing_pod
 
 KEY = (NS, "main")
 
@@ -21,10 +21,7 @@ async def test_a_push_queued_behind_one_in_flight_is_no_retry_of_a_failed_versio
     on every pass while nothing was sent, and the first real retry came minutes late."""
     async with FakeStager(TOKEN) as stager:
         now = [1000.0]
-        controller = PoolController(StagerClient(token=TOKEN, timeout=2.0, push_timeout=600.0), retry_base=10,
-                                    retry_cap=300, push_wait=0.05, clock=lambda: now[0])
-        stager.unavailable.add(("sql", "v1"))
-        inputs = {"pools": [POOL], "adapters": [adapter_body("sql")], "pods": [pod_body("worker-0", stager.port)]}
+        controller, inputs = failing_pod(stager, now, cap=300)
         stager.stall = asyncio.Event()  # the first push is applied (and fails); its answer comes at t=60
         sent_at = []
         try:
@@ -44,33 +41,6 @@ async def test_a_push_queued_behind_one_in_flight_is_no_retry_of_a_failed_versio
             await controller.flights.close()
         # Retried once its base period has passed and the pod answered, then after 20, 40 and 80 s.
         assert sent_at == [0, 60, 80, 120, 200], sent_at
-
-
-async def test_a_timer_s_call_served_by_the_pass_in_flight_waits_no_longer_than_its_plan_may_be_old():
-    """A timer's call that the pass in flight serves (its plan young enough) does not cut that pass's wait for its
-    pushes' answers at once; but once that plan would be too old, it does: the call waited out the whole push
-    wait behind a slow pod, and then ran a pass of its own all the same."""
-    async with FakeStager(TOKEN) as fast, FakeStager(TOKEN) as slow:
-        controller = PoolController(StagerClient(token=TOKEN, timeout=2.0, push_timeout=600.0), push_wait=600.0)
-        pods = [pod_body("worker-0", fast.port), pod_body("worker-1", slow.port)]
-
-        def run(max_age: float = 0.0, **spec):
-            return controller.run(KEY, pools=[POOL], adapters=[adapter_body("sql", **spec)], pods=pods,
-                                  max_age=max_age)
-
-        first = timer = None
-        try:
-            await run()
-            slow.stall = asyncio.Event()  # worker-1 applies its next push, and answers only once this is set
-            first = asyncio.create_task(run(canary=CANARY))
-            await eventually(lambda: weight(fast) == 20 and weight(slow) == 20, "the canary pushed")
-            timer = asyncio.create_task(run(max_age=0.5, canary=CANARY))
-            await eventually(timer.done, "the timer's call ended while worker-1 has not answered")
-            assert first.done() and controller.flights.in_flight(KEY) == ["worker-1"]
-        finally:
-            slow.stall.set()
-            await asyncio.gather(*(t for t in (first, timer) if t is not None), return_exceptions=True)
-            await controller.flights.close()
 
 
 async def test_a_pool_forgotten_while_a_call_waits_for_its_lock_never_runs_two_passes_at_once():

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from lorafleet.operator.controller import PoolController
 from lorafleet.operator.push_flights import PushFlights
 from lorafleet.operator.workers import Refused, StagerClient, Worker
@@ -23,14 +25,31 @@ def weight(stager: FakeStager) -> int:
     return stager.applied.by_name()["sql"].canary_weight
 
 
+def two_pods(fast: FakeStager, slow: FakeStager, *, push_wait: float):
+    """A controller over worker-0 (``fast``) and worker-1 (``slow``, the one a test stalls), and a call of a pass
+    with adapter sql's spec."""
+    controller = PoolController(StagerClient(token=TOKEN, timeout=2.0, push_timeout=600.0), push_wait=push_wait)
+    pods = [pod_body("worker-0", fast.port), pod_body("worker-1", slow.port)]
+
+    def run(max_age: float = 0.0, **spec):
+        return controller.run(KEY, pools=[POOL], adapters=[adapter_body("sql", **spec)], pods=pods, max_age=max_age)
+
+    return controller, run
+
+
+def failing_pod(stager: FakeStager, now: list[float], *, cap: float):
+    """A controller (its clock ``now[0]``, retries every 10 s doubling up to ``cap``) over one pod whose version
+    of sql fails, and the inputs of its passes."""
+    controller = PoolController(StagerClient(token=TOKEN, timeout=2.0, push_timeout=600.0), retry_base=10,
+                                retry_cap=cap, push_wait=0.05, clock=lambda: now[0])
+    stager.unavailable.add(("sql", "v1"))
+    return controller, {"pools": [POOL], "adapters": [adapter_body("sql")], "pods": [pod_body("worker-0", stager.port)]}
+
+
 async def test_a_rollback_reaches_the_other_pods_while_one_has_not_answered_its_last_push():
     async with FakeStager(TOKEN) as fast, FakeStager(TOKEN) as slow:
         # A push timeout far longer than the test: only the flight design lets the passes end.
-        controller = PoolController(StagerClient(token=TOKEN, timeout=2.0, push_timeout=600.0), push_wait=0.1)
-        pods = [pod_body("worker-0", fast.port), pod_body("worker-1", slow.port)]
-
-        def run(**spec):
-            return controller.run(KEY, pools=[POOL], adapters=[adapter_body("sql", **spec)], pods=pods)
+        controller, run = two_pods(fast, slow, push_wait=0.1)
 
         try:
             await run(canary=CANARY)
@@ -189,10 +208,7 @@ async def test_a_failed_version_on_a_pod_answering_after_the_wait_is_re_pushed_w
     re-pushed it."""
     async with FakeStager(TOKEN) as stager:
         now = [1000.0]
-        controller = PoolController(StagerClient(token=TOKEN, timeout=2.0, push_timeout=600.0), retry_base=10,
-                                    retry_cap=60, push_wait=0.05, clock=lambda: now[0])
-        stager.unavailable.add(("sql", "v1"))
-        inputs = {"pools": [POOL], "adapters": [adapter_body("sql")], "pods": [pod_body("worker-0", stager.port)]}
+        controller, inputs = failing_pod(stager, now, cap=60)
         pushed_at = []
         try:
             for t in range(0, 90, 10):  # a pass every 10 s
@@ -211,17 +227,16 @@ async def test_a_failed_version_on_a_pod_answering_after_the_wait_is_re_pushed_w
             await controller.flights.close()
 
 
-async def test_a_pass_queued_behind_one_waiting_for_its_pushes_answers_is_not_held_up_by_that_wait():
+@pytest.mark.parametrize("call", ["rollback", "timer"])
+async def test_a_pass_queued_behind_one_waiting_for_its_pushes_answers_is_not_held_up_by_that_wait(call):
     """A pass that has just pushed to a slow pod waits for its answer holding the pool's lock: a rollback's pass
     queued behind it waited as long, for a pod whose push it merely queues. The waiting pass stops waiting once
-    another pass wants the pool; the pod's answer goes to a later pass."""
+    another pass wants the pool; the pod's answer goes to a later pass. A timer's call that the pass in flight
+    serves (its plan young enough) lets it wait, but only while that plan may serve it: it waited out the whole
+    push wait, then ran a pass of its own all the same."""
     async with FakeStager(TOKEN) as fast, FakeStager(TOKEN) as slow:
         # A push wait far longer than the test: only a pass that stops waiting lets the rollback through.
-        controller = PoolController(StagerClient(token=TOKEN, timeout=2.0, push_timeout=600.0), push_wait=600.0)
-        pods = [pod_body("worker-0", fast.port), pod_body("worker-1", slow.port)]
-
-        def run(**spec):
-            return controller.run(KEY, pools=[POOL], adapters=[adapter_body("sql", **spec)], pods=pods)
+        controller, run = two_pods(fast, slow, push_wait=600.0)
 
         first = rollback = None
         try:
@@ -229,9 +244,11 @@ async def test_a_pass_queued_behind_one_waiting_for_its_pushes_answers_is_not_he
             slow.stall = asyncio.Event()  # worker-1 applies its next push, and answers only once this is set
             first = asyncio.create_task(run(canary=CANARY))
             await eventually(lambda: weight(fast) == 20 and weight(slow) == 20, "the canary pushed")
-            rollback = asyncio.create_task(run())
-            await eventually(rollback.done, "the rollback's pass ended while worker-1 has not answered")
+            rollback = asyncio.create_task(run() if call == "rollback" else run(max_age=0.5, canary=CANARY))
+            await eventually(rollback.done, "the second call ended while worker-1 has not answered")
             assert first.done() and controller.flights.in_flight(KEY) == ["worker-1"]
+            if call == "timer":
+                return
             assert fast.applied.by_name()["sql"].canary is None and "worker-1" in rollback.result().pushes
             slow.stall.set()
             await eventually(lambda: slow.applied.by_name()["sql"].canary is None, "worker-1 rolled back")
@@ -245,11 +262,7 @@ async def test_the_pool_status_names_the_pods_with_a_push_in_flight():
     """status.pushing: the pods whose push is not answered yet (what they hold is not known meanwhile), a field
     of the pool's CRD (the API server prunes a status field its schema does not list)."""
     async with FakeStager(TOKEN) as fast, FakeStager(TOKEN) as slow:
-        controller = PoolController(StagerClient(token=TOKEN, timeout=2.0, push_timeout=600.0), push_wait=0.1)
-        pods = [pod_body("worker-0", fast.port), pod_body("worker-1", slow.port)]
-
-        def run(**spec):
-            return controller.run(KEY, pools=[POOL], adapters=[adapter_body("sql", **spec)], pods=pods)
+        controller, run = two_pods(fast, slow, push_wait=0.1)
 
         try:
             await run()
