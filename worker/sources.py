@@ -229,8 +229,8 @@ class Sources:
         return check_digest(self.digests.digest(path, ADAPTER_FILES, compute, key=(path, folders)), sha256, where)
 
     def object_etags(self, uri: str, *, quick: bool = False, deadline: float | None = None) -> Etags:
-        """(name, version: `object_version`) of the staged files (`STAGED_FILES`, tokenizer files included) under an S3 prefix:
-        identifies content without a digest. `quick`, `deadline`: which client lists (worker/store_clients.py)."""
+        """(name, `object_version`) of the staged files (`STAGED_FILES`, tokenizer files included) under an S3
+        prefix: identifies content without a digest. `quick`, `deadline`: which client lists (worker/store_clients.py)."""
         loc = self.check_s3(uri)
         names = {loc.prefix + n for n in STAGED_FILES}
         listing = self.clients.client(quick=quick, deadline=deadline).list_objects(loc.bucket, prefix=loc.prefix)
