@@ -222,6 +222,8 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
                                               kwargs["worker_replicasets"].get(namespace, []))
             wanted = invalid_pool_status(dict(status), int(body.metadata.get("generation") or 0), str(exc),
                                          now=utc_now(), held=held, shared_pods=shared)
+            # No pass runs, but pushes made before the edit may still be in flight: said as they are now.
+            wanted["pushing"] = controller.flights.in_flight((namespace, name))
             wanted = observed.admit(object_key(POOLS, body), wanted, status)
             patch.status.update(status_changes(dict(status), merge_conditions(dict(status), wanted)))
             raise kopf.PermanentError(str(exc)) from None

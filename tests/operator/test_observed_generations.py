@@ -13,6 +13,7 @@ from .test_handlers import (  # noqa: F401  (fixtures)
     NS,
     POOL,
     POOLS,
+    adapter_body,
     cluster,
     create,
     eventually,
@@ -76,3 +77,24 @@ def test_a_status_of_an_older_generation_keeps_only_what_it_says_of_the_pods():
     assert observed.admit(key, fresh, {}) == fresh  # the same generation again
     observed.forget(key)  # deleted: one re-created under its name starts again
     assert observed.admit(key, stale, {}) == stale
+
+
+async def test_a_pool_s_status_names_its_pods_pushing_while_its_spec_is_invalid(cluster, sidecars):  # noqa: F811
+    """An invalid spec runs no pass, but a push made before the edit may still be in flight: status.pushing says
+    so as it is, and no longer once the pod has answered (written from the last pass, it stayed as it was)."""
+    emulator, url = cluster
+    stager = sidecars[0]
+    stager.stall = asyncio.Event()  # a push is applied, and answered once this is set
+    try:
+        async with running_operator(url):
+            await create(emulator, "pods", pod_body("worker-0", stager.port))
+            await create(emulator, "lorapools", POOL)
+            await create(emulator, "loraadapters", adapter_body("sql"))
+            await eventually(lambda: pool_status(emulator)["pushing"] == ["worker-0"], "the push in flight named")
+            await patch(emulator, "lorapools", "main", {"metadata": {"generation": 2}, "spec": {"eviction": "fifo"}})
+            await eventually(lambda: pool_status(emulator)["observedGeneration"] == 2, "the invalid spec's status")
+            stager.stall.set()
+            await eventually(lambda: pool_status(emulator)["pushing"] == [], "the answer seen by a timer's tick")
+            assert pool_status(emulator)["observedGeneration"] == 2
+    finally:
+        stager.stall.set()
