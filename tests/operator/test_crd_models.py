@@ -1,7 +1,7 @@
 """Parsing LoRAPool / LoRAAdapter bodies: quantities, defaults, refusals that name the field."""
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from lorafleet.operator.crd_models import AdapterSpec, PoolSpec, SpecError, parse_quantity
@@ -109,6 +109,7 @@ text = st.one_of(st.text(max_size=70), st.sampled_from(["v1", "0" * 64, "a" * 64
 
 
 @settings(max_examples=300, deadline=None)
+@example(tenant="0", version="0", sha=None, canary_version="00", weight=0, priority=0, uri="/")  # builds one
 @given(tenant=text, version=text, sha=st.one_of(st.none(), text), canary_version=text,
        weight=st.one_of(st.integers(-5, 105), st.booleans()), priority=st.one_of(st.integers(), text),
        uri=text)
@@ -122,4 +123,4 @@ def test_whatever_parses_becomes_a_worker_directive(tenant, version, sha, canary
     except SpecError:
         return
     if a.canary.version != a.version:  # equal versions: refused by reconcile's checks, before any directive
-        _directive(a, pod_warm=True)
+        _directive(None, a, pod_warm=True)
