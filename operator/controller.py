@@ -24,11 +24,12 @@ can (a valid pool, or a deleting one, whose finalizer waits for it): ``plan.over
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -147,35 +148,34 @@ class PoolController:
         if passing is not None:  # once its plan will not do for this call, it stops waiting for its pushes'
             # answers, which would hold this call up as long (a timer's call that it serves now: once too old)
             asyncio.get_running_loop().call_later(max(0.0, passing[0] + max_age - started), passing[1].set)
+        with self._calling(key):
+            async with self._locks[key]:
+                last = self._results.get(key)
+                # A pass whose caller read its inputs after this call began is as fresh as a new one. Not one that
+                # merely ran later: a timer's call that read them before an edit, then waited for the lock, would
+                # answer the edit's call with the spec before the edit.
+                if last is not None and (last.started >= started or time.monotonic() - last.started < max_age):
+                    return last.plan
+                cut = asyncio.Event()
+                self._passing[key] = (started, cut)
+                try:
+                    plan = await self._run(key, list(pools), list(adapters), list(pods), list(other_pools),
+                                           list(replicasets), cut=cut)
+                finally:
+                    del self._passing[key]
+                self._results[key] = PassResult(plan, started)
+                return plan
+
+    @contextlib.contextmanager
+    def _calling(self, key: PoolKey) -> Iterator[None]:
+        """Counts the calls holding or waiting for pool ``key``'s lock (``retain`` keeps the lock while any)."""
         self._callers[key] += 1
         try:
-            return await self._locked_run(key, started, pools, adapters, pods, other_pools, replicasets, max_age)
+            yield
         finally:
             self._callers[key] -= 1
             if not self._callers[key]:
                 del self._callers[key]
-
-    async def _locked_run(self, key: PoolKey, started: float, pools: Iterable[dict[str, Any]],
-                          adapters: Iterable[dict[str, Any]], pods: Iterable[dict[str, Any]],
-                          other_pools: Iterable[dict[str, Any]], replicasets: Iterable[dict[str, Any]],
-                          max_age: float) -> PoolPlan:
-        async with self._locks[key]:
-            last = self._results.get(key)
-            # A pass whose caller read its inputs after this call began is as fresh as a new one. Not one that
-            # merely ran later: a timer's call that read them before an edit, then waited for the lock, would
-            # answer the edit's call with the spec before the edit.
-            if last is not None and (last.started >= started or time.monotonic() - last.started < max_age):
-                return last.plan
-            cut = asyncio.Event()
-            self._passing[key] = (started, cut)
-            try:
-                plan = await self._run(key, list(pools), list(adapters), list(pods), list(other_pools),
-                                       list(replicasets), cut=cut)
-            finally:
-                if self._passing.get(key, (0.0, None))[1] is cut:
-                    del self._passing[key]
-            self._results[key] = PassResult(plan, started)
-            return plan
 
     async def _run(self, key: PoolKey, pools: list[dict], adapters: list[dict], pods: list[dict],
                    other_pools: list[dict], replicasets: list[dict], *, cut: asyncio.Event) -> PoolPlan:
