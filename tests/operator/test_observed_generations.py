@@ -75,8 +75,24 @@ def test_a_status_of_an_older_generation_keeps_only_what_it_says_of_the_pods():
     assert observed.admit(object_key("loraadapters", POOL), stale, {"observedGeneration": 3}) == {
         "pushedPods": [{"name": "w", "uid": "u"}], "pushing": ["w"]}  # the status as it is (another leader wrote it)
     assert observed.admit(key, fresh, {}) == fresh  # the same generation again
-    observed.forget(key)  # deleted: one re-created under its name starts again
+    observed.forget(key)  # deleted: one re-created under its name (another uid) starts again
     assert observed.admit(key, stale, {}) == stale
+
+
+def test_a_pass_ending_after_its_object_is_gone_leaves_nothing_remembered():
+    observed = ObservedGenerations(gone_kept=2)
+    keys = [object_key("lorapools", {"metadata": {"namespace": "t", "name": "p", "uid": f"u{i}"}}) for i in range(3)]
+    status = {"observedGeneration": 4, "readyWorkers": 1}
+    for key in keys:
+        assert observed.admit(key, status, {}) == status
+    assert len(observed) == 3
+    for key in keys:
+        observed.forget(key)
+    assert len(observed) == 0
+    assert observed.admit(keys[2], status, {}) == status  # the pass that read the spec before the delete ends
+    assert len(observed) == 0
+    assert observed.admit(keys[0], status, {}) == status  # the oldest gone key is no longer kept: remembered again
+    assert len(observed) == 1
 
 
 async def test_a_pool_s_status_names_its_pods_pushing_while_its_spec_is_invalid(cluster, sidecars):  # noqa: F811
