@@ -184,6 +184,27 @@ def graph_batch(slots: torch.Tensor, layout: LoRALayout, most_segment_len: int, 
                      mean_rank=float(plan))
 
 
+def stack_adapters(dense: dict, num_slots: int) -> dict:
+    """Per projection, every slot's A [S, R, k] and B [S, n, R] stacked, zero rows past a slot's rank (R: the
+    largest): the slot-stacked layout a torch gather+bmm delta reads."""
+    pad = torch.nn.functional.pad
+    stacks = {}
+    for proj in sorted({p for _, p in dense}):
+        pairs = [dense[(s, proj)] for s in range(num_slots)]
+        r = max(a.shape[0] for a, _ in pairs)
+        stacks[proj] = (torch.stack([pad(a, (0, 0, 0, r - a.shape[0])) for a, _ in pairs]), torch.stack([pad(b, (0, r - b.shape[1])) for _, b in pairs]))
+    return stacks
+
+
+def gather_bmm(x: torch.Tensor, slots: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor, scale: float) -> torch.Tensor:
+    """One projection's delta in plain torch, Punica's BGMV as gathers and batched matmuls: each token's A and B
+    gathered from the stacks ([T, R, k] and [T, n, R]), then x @ A^T @ B^T; slot -1 gives zeros."""
+    idx = slots.clamp(min=0).long()
+    xa = torch.bmm(x[:, None, :], a_stack[idx].transpose(1, 2))  # [T, 1, R]
+    delta = torch.bmm(xa, b_stack[idx].transpose(1, 2)).squeeze(1) * scale  # [T, n]
+    return torch.where((slots >= 0)[:, None], delta, 0.0)
+
+
 def adapter_bytes(ranks: list[int]) -> int:
     return sum(r * (k + n) * 2 for r in ranks for k, n in DIMS.values())
 
@@ -226,6 +247,14 @@ class LoRALayer:
         for (proj_ids, _), x, y, xa, sl in zip(GROUPS, self.xs, self.ys, self.xas, self.slices, strict=True):
             lora_shrink_reference(x=x, layout=self.layout, layer=0, proj_ids=proj_ids, batch=self.batch, out=xa)
             lora_expand_reference(xa=xa, layout=self.layout, layer=0, proj_ids=proj_ids, batch=self.batch, y=y, out_slices=sl)
+
+    def gather_bmm(self) -> None:
+        """The torch gather+bmm baseline (`gather_bmm`) over slot-stacked copies of the adapters, y = delta."""
+        if not hasattr(self, "stacks"):
+            self.stacks = stack_adapters(self.dense, int(self.slots.max()) + 1)
+        for (proj_ids, _), x, y, sl in zip(GROUPS, self.xs, self.ys, self.slices, strict=True):
+            for proj, (start, n) in zip(proj_ids, sl, strict=True):
+                y[:, start : start + n] = gather_bmm(x, self.slots, *self.stacks[proj], 2.0)
 
     def loop(self) -> None:
         """The naive baseline: one small matmul chain per adapter and projection (each adapter once, however

@@ -15,8 +15,10 @@ the rank bound and planning rank of the graph its adapters pick, segments padded
 can cut (worker/cuda_graphs.py); "graph_pool_bound_us": as graphs were before rank bounds (the
 pool's rank, one segment per row). Floor = the distinct adapters' bytes / copy bandwidth measured in the same run. Triton
 kernels are timed as CUDA-graph replays with the L2 flushed before each layer (the flush's own time
-measured and subtracted); the torch reference (gather + bmm) and a per-adapter loop, for every case,
-are timed eagerly (they synchronise with the host).
+measured and subtracted); the baselines, for every case: the project's torch reference (gathers from the
+paged layout, float32, eager: it synchronises with the host), a per-adapter loop (eager), and a torch
+gather+bmm delta over slot-stacked bf16 weights (each token's A and B gathered, two bmm a projection),
+timed both as a cold-L2 graph replay like the kernels and eagerly.
 Base GEMMs: the layer's four fused matmuls, same method. Chain latency: eight dependent launches of
 a one-load kernel (the layer's delta is eight dependent kernels), warm, with and without programmatic
 dependent launch: the part of the delta no bandwidth removes. Structure floor (decode cases): the
@@ -192,6 +194,9 @@ def bench_lora(timer: Timer, copy_gbs: float, gen: torch.Generator, quick: bool,
                     row["structure_floor"] = floors[distinct_ranks]
                 if rank_name != "30":  # the baselines, every case of the grid
                     row["reference_us"] = timer.eager(layer.reference)
+                    # The issue's gather+bmm baseline over slot-stacked weights: replayed (cold L2, as the kernels) and eager.
+                    row["gather_bmm_us"] = timer.graph(layer.gather_bmm)
+                    row["gather_bmm_eager_us"] = timer.eager(layer.gather_bmm)
                     row["loop_us"] = timer.eager(layer.loop, reps=3)
                 if not quick and key in sweep_cases:
                     print(f"sweep T={num_tokens} A={num_adapters} r={rank_name}", flush=True)
@@ -362,7 +367,10 @@ def summarize(rows: list, base: dict, attn: dict, copy_gbs: float) -> dict:
             if "structure_floor" in row:
                 out[f"decode_T{t}_32x_r16"]["structure_floor"] = _floor_summary(row["structure_floor"])
             if "reference_us" in row:
-                out[f"decode_T{t}_32x_r16"].update(vs_reference=row["reference_us"] / row["triton_us"], target_vs_reference=20,
+                out[f"decode_T{t}_32x_r16"].update(vs_reference=row["reference_us"] / row["triton_us"],
+                                                   gather_bmm_us=row["gather_bmm_us"], gather_bmm_eager_us=row["gather_bmm_eager_us"],
+                                                   vs_gather_bmm=row["gather_bmm_us"] / row["triton_us"],
+                                                   vs_gather_bmm_eager=row["gather_bmm_eager_us"] / row["triton_us"], target_vs_gather_bmm=20,
                                                    vs_loop=row["loop_us"] / row["triton_us"], target_vs_loop=200)  # fmt: skip
         mixed, mean = by_key.get((t, 32, "mixed")), by_key.get((t, 32, "30"))
         if mixed and mean:
@@ -428,11 +436,11 @@ def main(argv: list[str] | None = None) -> int:
     rows, sweep = bench_lora(timer, copy_gbs, gen, args.quick, only, args.segment_len)
     summary = summarize(rows, base, attn, copy_gbs)
     summary["chain_of_8_launches_us"] = chain
-    print(f"\n{'T':>5} {'A':>3} {'rank':>5} {'triton us':>10} {'floor us':>9} {'% copy bw':>9} {'per-token':>9} {'ref us':>8} {'loop us':>9} {'base us':>8}")
+    print(f"\n{'T':>5} {'A':>3} {'rank':>5} {'triton us':>10} {'floor us':>9} {'% copy bw':>9} {'per-token':>9} {'ref us':>8} {'g+bmm us':>9} {'loop us':>9} {'base us':>8}")
     for r in rows:
         print(
             f"{r['tokens']:>5} {r['adapters']:>3} {r['rank']:>5} {r['triton_us']:>10.1f} {r['floor_us']:>9.1f} {100 * r['bandwidth_frac']:>8.0f}% "
-            f"{r.get('triton_per_token_us', float('nan')):>9.1f} {r.get('reference_us', float('nan')):>8.0f} {r.get('loop_us', float('nan')):>9.0f} {base[r['tokens']]:>8.1f}"
+            f"{r.get('triton_per_token_us', float('nan')):>9.1f} {r.get('reference_us', float('nan')):>8.0f} {r.get('gather_bmm_us', float('nan')):>9.1f} {r.get('loop_us', float('nan')):>9.0f} {base[r['tokens']]:>8.1f}"
         )
     print(json.dumps(summary, indent=1))
     name = f"kernels_{datetime.date.today():%Y%m%d}_{torch.cuda.get_device_name().split()[-1].lower()}"

@@ -62,3 +62,22 @@ def test_engine_shaped_layout_and_batch_give_the_exact_delta() -> None:
     assert ys[0].abs().sum() > 0
     torch.testing.assert_close(ys[1], ys[0])
     torch.testing.assert_close(ys[2], ys[0])
+
+
+def test_gather_bmm_baseline_computes_each_tokens_delta() -> None:
+    """bench/lora_kernels.py's gather+bmm baseline: ranks mixed (stacks padded to the largest with zeros), slot -1
+    rows zero, each token's delta that of its own adapter."""
+    import torch
+    from kernel_setup import gather_bmm, stack_adapters
+
+    gen = torch.Generator().manual_seed(0)
+    k, n = 24, 40
+    dense = {(s, 3): (torch.randn(r, k, generator=gen), torch.randn(n, r, generator=gen)) for s, r in enumerate([1, 8, 5])}
+    stacks = stack_adapters(dense, 3)
+    assert stacks[3][0].shape == (3, 8, k) and stacks[3][1].shape == (3, n, 8)
+    slots = torch.tensor([2, -1, 0, 2, 1, 1], dtype=torch.int32)
+    x = torch.randn(len(slots), k, generator=gen)
+    got = gather_bmm(x, slots, *stacks[3], 0.5)
+    for t, s in enumerate(slots.tolist()):
+        want = torch.zeros(n) if s < 0 else (x[t] @ dense[(s, 3)][0].t()) @ dense[(s, 3)][1].t() * 0.5
+        torch.testing.assert_close(got[t], want)
