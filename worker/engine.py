@@ -27,6 +27,7 @@ from lorafleet.worker.block_manager import BlockManager
 from lorafleet.worker.cuda_graphs import DecodeGraphs
 from lorafleet.worker.engine_config import EngineConfig
 from lorafleet.worker.engine_errors import ContextLengthError, EngineError, UnknownAdapterError
+from lorafleet.worker.engine_offline import Prompt, generate
 from lorafleet.worker.forward_failures import ForwardFailures
 from lorafleet.worker.json_guide import JsonGuide
 from lorafleet.worker.kv_room import KVRoom
@@ -38,6 +39,7 @@ from lorafleet.worker.peft_adapter import load_peft_adapter
 from lorafleet.worker.request_output import OutputTracker, RequestOutput
 from lorafleet.worker.sampler import Sampler
 from lorafleet.worker.sampling_params import SamplingParams
+from lorafleet.worker.scheduled_batch import ScheduledBatch, by_adapter
 from lorafleet.worker.scheduler import Scheduler
 from lorafleet.worker.sequence import Sequence
 from lorafleet.worker.stop_checker import StopChecker
@@ -45,8 +47,6 @@ from lorafleet.worker.vocab_digest import probe_encodings, vocab_digest
 from lorafleet.worker.warmup import warm_up
 
 log = logging.getLogger(__name__)
-
-Prompt = str | list[int]
 
 
 class ShutdownError(RuntimeError):
@@ -90,16 +90,10 @@ class Engine:
         self.kv_room = KVRoom(self.adapter_pool, num_pages=num_pages, block_size=config.block_size,
                               max_model_len=self.max_model_len)
         self.scheduler = Scheduler(
-            self.block_manager,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            enable_chunked_prefill=config.enable_chunked_prefill,
-            adapter_pool=self.adapter_pool,
-            max_loras_per_batch=config.max_loras_per_batch,
-            max_adapter_wait_steps=config.max_adapter_wait_steps,
-            reclaim_pages=self._reclaim_adapter_pages,
-            adapter_state=self._adapter_state,
-            never_fits=self.kv_room.refusal,
+            self.block_manager, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            enable_chunked_prefill=config.enable_chunked_prefill, adapter_pool=self.adapter_pool,
+            max_loras_per_batch=config.max_loras_per_batch, max_adapter_wait_steps=config.max_adapter_wait_steps,
+            reclaim_pages=self._reclaim_adapter_pages, adapter_state=self._adapter_state, never_fits=self.kv_room.refusal,
         )
         kv_caches = self.page_pool.kv_caches(num_layers=mc.num_hidden_layers, block_size=config.block_size,
                                              num_kv_heads=mc.num_key_value_heads, head_dim=mc.head_dim)
@@ -292,17 +286,55 @@ class Engine:
         if batch.is_empty:
             return outputs
         try:
-            with self.forward_failures:
-                logits, samplers = self.runner.run(batch)
-                sampled = self.sampler.sample(logits, samplers) if logits is not None else []
-        except Exception as exc:  # fails the requests of this forward only; the engine serves the others
-            log.exception("a forward of %d requests failed; they end with an error", batch.num_seqs)
-            self.scheduler.fail([seq for seq, _ in batch.scheduled], exc)
-            return outputs + self._report_failed()
+            done = self._forward(batch)
+        except Exception as exc:
+            return outputs + self._forward_failed(batch, exc)
+        self.forward_failures.succeeded()
+        return outputs + self._advance(batch, *done)
+
+    def _forward(self, batch: ScheduledBatch) -> tuple[list[Sequence], list, dict[int, Exception]]:
+        """Run `batch`: the sequences that sample, their (token, logprob) and the sampler's rows that failed."""
+        logits, samplers = self.runner.run(batch)
+        if logits is None:
+            return samplers, [], {}
+        return samplers, self.sampler.sample(logits, samplers), dict(self.sampler.row_errors)
+
+    def _forward_failed(self, batch: ScheduledBatch, exc: Exception) -> list[RequestOutput]:
+        """A forward of several adapters' requests (the base model's counting as one) failed: each adapter's run
+        again alone, so one adapter's failure (a kernel refusing its shapes, its weights) fails only its requests,
+        not the other tenants' in the step. One adapter's alone does not count as the device's (ForwardFailures)."""
+        groups = by_adapter(batch)
+        alone = len(groups) == 1
+        if not alone:
+            log.warning("a forward of %d requests over %d adapters failed (%r): each adapter's requests run alone",
+                        batch.num_seqs, len(groups), exc)
+        outputs, ran = [], False
+        for adapter, part in groups.items():
+            try:
+                if alone:
+                    raise exc
+                done = self._forward(part)
+            except Exception as part_exc:
+                log.exception("a forward of %d requests of %s failed; they end with an error", part.num_seqs,
+                              f"adapter {adapter}" if adapter else "the base model")
+                self.scheduler.fail([seq for seq, _ in part.scheduled], part_exc)
+                continue
+            ran = True
+            outputs += self._advance(part, *done)
+        if ran:
+            self.forward_failures.succeeded()
+        else:
+            self.forward_failures.failed(exc, counted=not alone or None in groups)
+        return outputs + self._report_failed()
+
+    def _advance(self, batch: ScheduledBatch, samplers: list[Sequence], sampled: list,
+                 row_errors: dict[int, Exception]) -> list[RequestOutput]:
+        """What a forward of `batch` that ran gives: tokens computed, each sampled one checked for a stop."""
+        outputs = []
         for seq, num_new in batch.scheduled:
             seq.num_computed_tokens += num_new
         for i, (seq, (token, logprob)) in enumerate(zip(samplers, sampled, strict=True)):
-            if (exc := self.sampler.row_errors.get(i)) is not None:  # this request fails, the others go on
+            if (exc := row_errors.get(i)) is not None:  # this request fails, the others go on
                 self.scheduler.fail([seq], exc)
                 continue
             seq.output_token_ids.append(token)
@@ -312,7 +344,7 @@ class Engine:
             if seq.finish_reason is not None:
                 self.scheduler.finish(seq, seq.finish_reason)
             outputs.append(self._output(seq))
-        return outputs + (self._report_failed() if self.sampler.row_errors else [])
+        return outputs + (self._report_failed() if row_errors else [])
 
     def _report_failed(self) -> list[RequestOutput]:
         outputs = [self._output(seq) for seq in self.scheduler.failed]
@@ -325,41 +357,10 @@ class Engine:
         return self.outputs.next(seq)
 
     # ---- offline batch ------------------------------------------------------------------------------
-    def generate(
-        self,
-        prompts: Seq[Prompt] | Prompt,
-        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-        adapters: Seq[str | None] | None = None,
-    ) -> list[RequestOutput]:
+    def generate(self, prompts: Seq[Prompt] | Prompt, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 adapters: Seq[str | None] | None = None) -> list[RequestOutput]:
         """Run the prompts to completion together; one finished RequestOutput per prompt, in order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        n = len(prompts)
-        params = sampling_params if isinstance(sampling_params, Seq) else [sampling_params or SamplingParams()] * n
-        adapters = list(adapters) if adapters is not None else [None] * n
-        if len(params) != n or len(adapters) != n:
-            raise EngineError(f"{n} prompts but {len(params)} sampling params and {len(adapters)} adapters")
-        ids: list[str] = []
-        try:
-            for p, sp, a in zip(prompts, params, adapters, strict=True):
-                ids.append(self.add_request(None, p, sp, adapter=a))
-        except Exception:
-            for i in ids:
-                self.abort(i)
-            raise
-        results: dict[str, RequestOutput] = {}
-        wanted = set(ids)  # not requests added meanwhile by add_request
-        try:
-            while len(results) < n:
-                for out in self.step():
-                    if out.finished and out.request_id in wanted:
-                        results[out.request_id] = out
-                if self.last_batch_size == 0 and len(results) < n:
-                    self.adapter_pool.wait_idle()  # nothing runnable: only adapter loads can unblock us
-        finally:  # interrupted (or a step raised): its requests must not hold pages for no one
-            for i in ids:
-                self.abort(i)
-        return [results[i] for i in ids]
+        return generate(self, prompts, sampling_params, adapters)
 
     def close(self) -> None:
         self.adapter_pool.close()

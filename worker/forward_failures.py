@@ -3,9 +3,12 @@ kernels refuse) and the engine serves on, but a run of them means the device is 
 CUDA error) and every request would fail. After `limit` in a row the AsyncEngine's thread ends as on a
 bug, so /healthz and /readyz answer 503 and the container is restarted; a successful forward resets it.
 
-    with engine.forward_failures:  # counts the forward (and sampling) inside
-        ...
+    engine.forward_failures.failed(exc)  # or .succeeded() once a forward ran
     engine.forward_failures.check()  # raises EngineUnhealthy after `limit` in a row
+
+A forward of one adapter's requests alone that fails is that adapter's failure (a kernel refusing its shapes,
+its weights), not the device's: it does not count (Engine._forward_failed runs a failed forward of several
+adapters again one adapter at a time).
 """
 
 from __future__ import annotations
@@ -23,16 +26,16 @@ class ForwardFailures:
         self.in_a_row = 0
         self.last: BaseException | None = None  # the latest failure of the run
 
-    def __enter__(self) -> ForwardFailures:
-        return self
+    def succeeded(self) -> None:
+        """A forward ran: the device works."""
+        self.in_a_row, self.last = 0, None
 
-    def __exit__(self, kind, exc, tb) -> bool:
-        if exc is None:
-            self.in_a_row, self.last = 0, None
-        elif isinstance(exc, Exception):
+    def failed(self, exc: BaseException, counted: bool = True) -> None:
+        """A forward failed; `counted` False: one adapter's failure alone (its forward of that adapter only),
+        which says nothing of the device (the run is neither longer nor over)."""
+        if counted:
             self.in_a_row += 1
             self.last = exc
-        return False  # the caller fails the forward's requests
 
     def check(self) -> None:
         if self.in_a_row >= self.limit:

@@ -51,3 +51,14 @@ class ScheduledBatch:
 
     def adapters(self) -> set[str]:
         return {s.adapter for s, _ in self.scheduled if s.adapter is not None}
+
+
+def by_adapter(batch: ScheduledBatch) -> dict[str | None, ScheduledBatch]:
+    """`batch`'s sequences grouped by the adapter they run with (None: the base model), each group a batch of its
+    own in the same order (what it preempted stays out: that happened)."""
+    groups: dict[str | None, ScheduledBatch] = {}
+    for seq in batch.decodes:
+        groups.setdefault(seq.adapter, ScheduledBatch()).decodes.append(seq)
+    for seq, num_new in batch.prefills:
+        groups.setdefault(seq.adapter, ScheduledBatch()).prefills.append((seq, num_new))
+    return groups

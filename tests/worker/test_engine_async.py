@@ -336,3 +336,41 @@ async def test_an_idle_engine_does_not_spin_on_an_adapter_that_waits_for_room(ti
         assert pool.entry(other).resident
     finally:
         await ae.stop()
+
+
+def test_one_adapter_s_failing_forward_fails_only_its_requests(tiny_llama_dir, qv_adapters_dir):
+    """A forward fails whenever adapter beta is in it (a kernel refusing its shapes, its weights): the base model's
+    and alpha's requests that shared the step are run again without it and give the tokens of a run with no
+    fault; beta's end with the error. Beta's forwards failing alone, any number, are its own failure, not the
+    device's: the engine does not count them towards --max-failed-forwards."""
+    shared = []  # the adapters (None: the base model) of each forward that failed
+
+    def engine_with(faulty: bool) -> Engine:
+        engine = Engine(EngineConfig(model=str(tiny_llama_dir), num_pages=64, block_size=4, max_failed_forwards=2))
+        for name in ("alpha", "beta"):
+            engine.register_adapter(name, qv_adapters_dir / name)
+        run = engine.runner.run
+
+        def faulty_run(batch):
+            if any((s.adapter or "").startswith("beta@") for s, _ in batch.scheduled):
+                shared.append({(s.adapter or "").partition("@")[0] for s, _ in batch.scheduled})
+                raise RuntimeError("kernel fault in beta's shapes")
+            return run(batch)
+
+        if faulty:
+            engine.runner.run = faulty_run
+        return engine
+
+    prompts, adapters = [PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[3]], [None, "alpha", "beta", "alpha"]
+    want = engine_with(False).generate(prompts, GREEDY, adapters)
+    engine = engine_with(True)
+    got = engine.generate(prompts, GREEDY, adapters)
+    assert {"", "alpha", "beta"} in shared  # they did share a step
+    for i in (0, 1, 3):
+        assert got[i].finish_reason == "length" and got[i].token_ids == want[i].token_ids, i
+    assert got[2].finish_reason == "error" and "kernel fault in beta's shapes" in got[2].error
+    assert engine.forward_failures.in_a_row == 0
+    for _ in range(3):  # beta alone, more times than --max-failed-forwards
+        (out,) = engine.generate([PROMPTS[2]], GREEDY, ["beta"])
+        assert out.finish_reason == "error"
+    assert engine.forward_failures.in_a_row == 0 and engine.page_pool.num_used("kv") == 0 and not engine.requests
