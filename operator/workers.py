@@ -140,7 +140,11 @@ class StagerClient:
         if self._closed:
             raise aiohttp.ClientError("the sidecar client is closed (operator shutting down)")
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(timeout=self._timeout, headers=self._headers)
+            # No cap on connections: aiohttp's default (100 at once) made every read beyond that wait for a free
+            # one, and the wait counts against its timeout: 100 pods that answer late (a partitioned node, pushes
+            # answered once staged) made every other pod's read time out too.
+            self._session = aiohttp.ClientSession(timeout=self._timeout, headers=self._headers,
+                                                  connector=aiohttp.TCPConnector(limit=0))
         return self._session
 
     async def close(self) -> None:

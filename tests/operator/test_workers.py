@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from aiohttp import web
 
@@ -176,3 +178,35 @@ async def _push_to(handler) -> bool | None:
             return await client.push(Worker("w0", url), DesiredState(1, []))
     finally:
         await client.close()
+
+
+async def test_pods_that_answer_late_leave_the_others_reads_alone():
+    """120 sidecars that do not answer in time (a partitioned node; pushes answered only once staged) and 5 that
+    do, read in one pass: the 5 are read. aiohttp's default cap of 100 connections made every read past it wait
+    for one, a wait counted against its timeout, so no pod at all was read."""
+    from lorafleet.worker.directives import ReportedState
+
+    release = asyncio.Event()
+
+    async def late(request):
+        await release.wait()
+        return web.Response(text="{}")
+
+    async def prompt(request):
+        return web.Response(text=ReportedState(generation_applied=3).to_json())
+
+    apps = []
+    for handler in (late, prompt):
+        app = web.Application()
+        app.router.add_get("/v1/state", handler)
+        apps.append(app)
+    client = StagerClient(token="t" * 16, timeout=1.0)
+    async with serving(apps[0]) as late_url, serving(apps[1]) as prompt_url:
+        try:
+            workers = [Worker(f"late-{i}", late_url) for i in range(120)] + [Worker(f"ok-{i}", prompt_url) for i in range(5)]
+            states = await client.fetch_states(workers)
+            assert states[:120] == [None] * 120
+            assert [s.generation_applied if s else None for s in states[120:]] == [3] * 5
+        finally:
+            release.set()
+            await client.close()
