@@ -121,17 +121,28 @@ def _local_source(app: web.Application, uri: str, what: str, hashed: bool = True
         raise APIError(400, f"{what}: {exc}", code="invalid_source") from None
 
 
-def _with_local_sources(app: web.Application, state: DesiredState) -> DesiredState:
+def _with_local_sources(app: web.Application, state: DesiredState) -> tuple[DesiredState, dict[str, str]]:
     """`state` with every version's source checked and replaced by the path to register, held to the digest of
-    the files checked where the push gives none."""
+    the files checked where the push gives none; and the versions whose source is refused (out of the roots,
+    unreadable: name@version -> why), each that version's failure: a push carries every tenant's adapters, and
+    one tenant's folder (a link out of the roots added to it) must not hold up the others'. A malformed source
+    (400) refuses the push: that is the pusher's fault, not a tenant's."""
+    refused: dict[str, str] = {}
+
     def checked(name: str, ref: VersionRef | None) -> VersionRef | None:
         if ref is None:
             return None
-        uri, digest = _local_source(app, ref.uri, f"adapter {name}@{ref.version}", hashed=ref.sha256 is None)
+        try:
+            uri, digest = _local_source(app, ref.uri, f"adapter {name}@{ref.version}", hashed=ref.sha256 is None)
+        except APIError as err:
+            if err.status == 400:
+                raise
+            refused[f"{name}@{ref.version}"] = f"{err.message} ({err.code})"
+            return ref
         return replace(ref, uri=uri, sha256=ref.sha256 or digest)
 
     adapters = [replace(d, stable=checked(d.name, d.stable), canary=checked(d.name, d.canary)) for d in state.adapters]
-    return replace(state, adapters=adapters)
+    return replace(state, adapters=adapters), refused
 
 
 def _require_engine(request: web.Request) -> None:
@@ -229,8 +240,8 @@ def _changing(adapters: ServedAdapters, change: Callable[..., T], *args: Any) ->
 def _apply_state(app: web.Application, state: DesiredState) -> bool:
     """Check the sources of `state`, then apply it (in the admin change's thread: both touch the disk)."""
     adapters = app[ADAPTERS]
-    checked, pushed = _with_local_sources(app, state), adapters.pushed  # a source refused here changes nothing
-    applied = _changing(adapters, adapters.apply, checked, app[HOST])
+    (checked, refused), pushed = _with_local_sources(app, state), adapters.pushed  # a malformed source: nothing changes
+    applied = _changing(adapters, adapters.apply, checked, app[HOST], refused)
     adapters.pushed = state if applied else pushed  # not applied: the same generation again
     return applied
 

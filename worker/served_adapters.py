@@ -76,7 +76,7 @@ from lorafleet.worker.served_fallback import (
     replay_failures,
     unregister,
 )
-from lorafleet.worker.sources import local_uri_path
+from lorafleet.worker.tenant_folders import local_source
 from lorafleet.worker.tenants import Tenant
 
 log = logging.getLogger(__name__)
@@ -103,22 +103,13 @@ class ServedAdapter:
     fallback: str | None = None  # the stable version a new one replaces, kept until the new one has loaded
 
 
-def local_source(uri: str) -> str:
-    """The local path of a staged source (`/abs/dir` or `file:///abs/dir`); object-store URIs must have
-    been staged by the stager first. A relative path or '..' is refused: it would be read relative to
-    the worker's working directory, wherever that is (the admin API checks the adapter roots)."""
-    if "://" in uri.removeprefix("file://"):
-        raise ValueError(f"{uri} is not staged: the stager downloads object-store sources to local disk and "
-                         "pushes local paths")
-    return local_uri_path(uri)
-
-
 class ServedAdapters:
     def __init__(self, base_model: str) -> None:
         self.base_model = base_model
         self.generation = 0
         self.resolver = CanaryResolver()
         self._adapters: dict[str, ServedAdapter] = {}
+        self._refused: dict[str, str] = {}  # the push being applied's versions whose source was refused
         self.settings: tuple[str | None, int | None] = (None, None)  # pushed (eviction, cpu_bytes); None: own
         self.startup_errors: dict[str, str] = {}  # start-up folder -> why it is not served (see the module doc)
         self.pushed: DesiredState | None = None  # the last push as sent, while the table is its (admin_api.py)
@@ -203,15 +194,16 @@ class ServedAdapters:
         self._adapters = table
         self.startup_errors = {name: why for name, why in (failed or {}).items() if name not in table}
 
-    def apply(self, state: DesiredState, engine: AdapterHost) -> bool:
+    def apply(self, state: DesiredState, engine: AdapterHost, refused: dict[str, str] | None = None) -> bool:
         """Make the served set equal `state`. False when it was already applied (same generation);
-        APIError 409 for an older generation. Versions that fail to load are recorded, not raised."""
+        APIError 409 for an older generation. Versions that fail to load are recorded, not raised, and so are
+        those whose source the admin API refused (`refused`: name@version -> why): each is that version's failure."""
         if state.generation == self.generation and self.generation > 0:
             return False
         if state.generation < self.generation:
             raise APIError(409, f"generation {state.generation} is older than the applied generation "
                                 f"{self.generation}; refusing to roll back", code="stale_generation")
-        self._engine = engine
+        self._engine, self._refused = engine, refused or {}
         settings = (state.eviction, state.cpu_bytes)
         if settings != self.settings:  # first: what this push registers loads under the new settings
             engine.configure_pool(eviction=state.eviction, cpu_bytes=state.cpu_bytes)
@@ -296,6 +288,8 @@ class ServedAdapters:
             for again in (False, True):
                 registered = keep
                 try:
+                    if key in self._refused:
+                        raise ValueError(self._refused[key])
                     source = local_source(uri)
                     if not keep:
                         engine.register_adapter(d.name, source, version=version, tenant=d.tenant, pinned=d.pinned,

@@ -60,6 +60,16 @@ def local_uri_path(uri: str) -> str:
     return raw
 
 
+def local_source(uri: str) -> str:
+    """The local path of a staged source (`/abs/dir` or `file:///abs/dir`); object-store URIs must have
+    been staged by the stager first. A relative path or '..' is refused: it would be read relative to
+    the worker's working directory, wherever that is (the admin API checks the adapter roots)."""
+    if "://" in uri.removeprefix("file://"):
+        raise ValueError(f"{uri} is not staged: the stager downloads object-store sources to local disk and "
+                         "pushes local paths")
+    return local_uri_path(uri)
+
+
 def resolve(path: Path) -> Path:
     """`path` with its symlinks followed; a loop among them is refused, naming `path`."""
     try:

@@ -97,10 +97,25 @@ async def test_a_tokenizer_file_linked_out_of_the_adapter_roots_is_refused(clien
     body = await resp.json()
     assert resp.status == 403 and body["error"]["code"] == "source_not_allowed", body
     assert "tokenizer.json" in body["error"]["message"]
-    push = {"generation": 2, "adapters": [{"name": "linked", "tenant": "acme",
-                                           "stable": {"version": "v1", "uri": str(linked)}}]}
+    await _refused_in_a_push(client, qv_adapters_dir, linked, "source_not_allowed", ["tokenizer.json"])
+
+
+async def _refused_in_a_push(client, qv_adapters_dir, folder, code: str, named: list) -> None:
+    """A push of tenant globex's adapter from `folder` beside acme's alpha: the push applies (one tenant's folder
+    must not hold up every other tenant's adapters), alpha serves, and globex's version is reported failed,
+    naming why; requests for it are answered so."""
+    push = {"generation": 2, "adapters": [
+        {"name": "alpha", "tenant": "acme", "stable": {"version": "v1", "uri": str(qv_adapters_dir / "alpha")}},
+        {"name": "theirs", "tenant": "globex", "stable": {"version": "v1", "uri": str(folder)}}]}
     resp = await client.put("/admin/v1/state", json=push, headers=ADMIN)
-    assert resp.status == 403 and (await resp.json())["error"]["code"] == "source_not_allowed"
+    body = await resp.json()
+    assert resp.status == 200 and body["generation_applied"] == 2, body
+    error = {a["name"]: a["error"] for a in body["adapters"]}["theirs"]
+    assert f"({code})" in error and any(str(f) in error for f in named), error
+    resp = await client.post("/v1/completions", json=COMPLETION)
+    assert resp.status == 200, await resp.text()
+    resp = await client.post("/v1/completions", json=COMPLETION | {"model": "theirs"})
+    assert resp.status == 503 and "failed to load" in (await resp.json())["error"]["message"]
 
 
 @pytest.mark.parametrize(("how", "status", "code"), [
@@ -133,10 +148,7 @@ async def test_an_adapter_folder_the_worker_cannot_read_is_a_4xx_naming_it(clien
         err = (await resp.json())["error"]
         assert (resp.status, err["code"]) == (status, code), err
         assert any(f"{f}: " in err["message"] for f in named), err
-        push = {"generation": 2, "adapters": [{"name": "unreadable", "tenant": "acme",
-                                               "stable": {"version": "v1", "uri": str(folder)}}]}
-        resp = await client.put("/admin/v1/state", json=push, headers=ADMIN)
-        assert (resp.status, (await resp.json())["error"]["code"]) == (status, code)
+        await _refused_in_a_push(client, qv_adapters_dir, folder, code, named)
     finally:
         if folder.is_symlink():
             folder.unlink()
@@ -144,7 +156,8 @@ async def test_an_adapter_folder_the_worker_cannot_read_is_a_4xx_naming_it(clien
             folder.chmod(0o755)
             shutil.rmtree(folder)
     state = await (await client.get("/admin/v1/state", headers=ADMIN)).json()
-    assert state["generation_applied"] == 1 and {a["name"] for a in state["adapters"]} == {"alpha"}
+    assert state["generation_applied"] == 2 and {a["name"]: a["error"] is None for a in state["adapters"]} == {
+        "alpha": True, "theirs": False}
 
 
 async def test_documented_openai_fields_are_accepted_or_refused_by_name(client):

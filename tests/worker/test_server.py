@@ -813,13 +813,11 @@ async def test_admin_adapter_paths_are_limited_to_the_adapter_roots(server, spar
                                          {"lora_name": "smuggled", "lora_path": path}, key=ADMIN)
             assert status in (400, 403), (path, text)
             assert "smuggled" not in text or "outside" in text or ".." in text
-        push = {"generation": 10**15, "adapters": [{"name": "smuggled", "tenant": "acme", "stable": {
-            "version": "v1", "uri": f"file://{outside}"}}]}
-        async with s.put(f"{server}/admin/v1/state", json=push, headers=headers(ADMIN)) as r:
-            body = await r.json()
-            assert r.status == 403 and body["error"]["code"] == "source_not_allowed", body
-        models = await (await s.get(f"{server}/v1/models", headers=headers(ADMIN))).text()
-        assert "smuggled" not in models
+        status, body = await push_beside(s, server, {"name": "smuggled", "tenant": "acme", "stable": {
+            "version": "v1", "uri": f"file://{outside}"}})
+        assert status == 200, body  # that version's failure, not the push's (it carries every tenant's adapters)
+        (smuggled,) = [a for a in body["adapters"] if a["name"] == "smuggled"]
+        assert "(source_not_allowed)" in smuggled["error"] and smuggled["tier"] == "none", smuggled
 
 
 async def test_admin_relative_adapter_paths_are_refused(server, spare_adapters, tmp_path):
@@ -837,13 +835,23 @@ async def test_admin_relative_adapter_paths_are_refused(server, spare_adapters, 
                                       key=ADMIN)
             assert got == status and json.loads(text)["error"]["code"] == code, (path, text)
         for uri, status, code in cases[:1] + cases[2:3]:  # the directive schema itself refuses the others
-            push = {"generation": 10**15, "adapters": [{"name": "smuggled", "tenant": "acme", "stable": {
-                "version": "v1", "uri": uri}}]}
-            async with s.put(f"{server}/admin/v1/state", json=push, headers=headers(ADMIN)) as r:
-                body = await r.json()
-                assert (r.status, body["error"]["code"]) == (status, code), (uri, body)
-        state = await admin_state(s, server)
-        assert "smuggled" not in {a["name"] for a in state["adapters"]} and state["generation_applied"] < 10**15
+            got, body = await push_beside(s, server, {"name": "smuggled", "tenant": "acme", "stable": {
+                "version": "v1", "uri": uri}})
+            if status == 403:  # that version's failure, the rest of the push applies (one tenant's source)
+                assert got == 200 and any(a["name"] == "smuggled" and f"({code})" in a["error"] and a["tier"] == "none"
+                                          for a in body["adapters"]), (uri, body)
+            else:
+                assert (got, body["error"]["code"]) == (status, code), (uri, body)
+
+
+async def push_beside(s, server: str, adapter: dict) -> tuple[int, dict]:
+    """Push `adapter` beside what the last push served, one generation higher: (status, body)."""
+    last = await (await s.get(f"{server}/admin/v1/directives", headers=headers(ADMIN))).json()
+    sent = last["directives"] or {"adapters": []}
+    push = {**sent, "generation": last["generation_applied"] + 1,
+            "adapters": [a for a in sent["adapters"] if a["name"] != adapter["name"]] + [adapter]}
+    async with s.put(f"{server}/admin/v1/state", json=push, headers=headers(ADMIN)) as r:
+        return r.status, await r.json()
 
 
 async def test_admin_bad_adapter_names_and_deep_json_are_400(server, spare_adapters):
