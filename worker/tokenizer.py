@@ -27,6 +27,7 @@ from lorafleet.worker.control_tokens import ControlTokens
 from lorafleet.worker.file_limits import FileLimitError, read_limited
 from lorafleet.worker.llama_pipeline import LlamaPipeline, llama_pipeline
 
+LONG_TEXT = 16384  # characters: a longer text is encoded without holding the GIL (Tokenizer.encode)
 
 class TokenizerError(ValueError):
     """The model directory's tokenizer files are missing or unusable."""
@@ -82,7 +83,11 @@ class Tokenizer:
         return None if self.eos_token is None else self.token_to_id(self.eos_token)
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if len(text) > LONG_TEXT:  # `encode` holds the GIL throughout (seconds for megabytes: every thread
+            # stalls, the event loop and the engine's steps too); `encode_batch` releases it, same ids
+            ids = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        else:
+            ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
         return self._with_bos(ids) if add_special_tokens else ids
 
     def decode(self, token_ids: list[int], *, skip_special_tokens: bool = True) -> str:

@@ -145,3 +145,36 @@ def test_developer_renders_as_system_on_smollm2(smollm2_dir):
     tok = Tokenizer(smollm2_dir)
     text = tok.apply_chat_template(CHAT[:2])
     assert text.startswith("<|im_start|>system\nAnswer in capitals.<|im_end|>\n") and "SmolLM" not in text
+
+
+def test_a_long_text_is_encoded_without_holding_the_gil_and_to_the_same_ids(smollm2_dir):
+    """A text of megabytes takes seconds to encode; `Tokenizer.encode` of tokenizers holds the GIL throughout, which
+    stalled every thread (the event loop, the engine's steps): one tenant's huge prompt froze the worker. A long
+    text is encoded so that another thread runs meanwhile, to the ids a plain encode gives."""
+    import threading
+    import time
+
+    from lorafleet.worker.tokenizer import LONG_TEXT
+
+    tok = Tokenizer(smollm2_dir)
+    text = "The quick brown fox, 12345 jumps; über café 🙂\n" * 40_000  # ~2 MB
+    assert len(text) > LONG_TEXT
+    ticks, done = [], threading.Event()
+
+    def ticker() -> None:
+        while not done.is_set():
+            ticks.append(time.monotonic())
+            time.sleep(0.01)
+
+    thread = threading.Thread(target=ticker)
+    thread.start()
+    try:
+        start = time.monotonic()
+        ids = tok.encode(text)
+        took = time.monotonic() - start
+    finally:
+        done.set()
+        thread.join()
+    gaps = [b - a for a, b in zip(ticks, ticks[1:], strict=False)]
+    assert took < 0.3 or max(gaps) < took / 2, (took, max(gaps))  # the other thread ran meanwhile
+    assert ids == tok._with_bos(tok._tok.encode(text).ids)
