@@ -29,6 +29,7 @@ from lorafleet.worker.llama_pipeline import LlamaPipeline, llama_pipeline
 
 LONG_TEXT = 16384  # characters: a longer text is encoded without holding the GIL (Tokenizer.encode)
 
+
 class TokenizerError(ValueError):
     """The model directory's tokenizer files are missing or unusable."""
 
