@@ -27,7 +27,7 @@ import os
 import stat
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 from lorafleet.worker.file_limits import (
@@ -114,11 +114,12 @@ def parse_s3(uri: str) -> S3Location:
     bucket, _, prefix = uri[len("s3://"):].partition("/")
     if not bucket:
         raise SourceError(f"{uri!r}: no bucket (expected s3://bucket/prefix/)")
-    parts = PurePosixPath(prefix).parts if prefix else ()
-    if any(p in ("..", ".") for p in parts) or prefix.startswith("/"):
+    # Object keys are not paths: "a//b" and "a/./b" name other objects than "a/b", so such a prefix is
+    # refused rather than rewritten into one its owner did not write. One trailing "/" is the usual form.
+    parts = prefix.removesuffix("/").split("/") if prefix else []
+    if any(p in ("", ".", "..") for p in parts):
         raise SourceError(f"{uri!r}: '..', '.' and empty segments are not allowed in an object prefix")
-    prefix = "/".join(parts)
-    return S3Location(bucket, prefix + "/" if prefix else "")
+    return S3Location(bucket, prefix.removesuffix("/") + "/" if prefix else "")
 
 
 class Sources:

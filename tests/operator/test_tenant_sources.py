@@ -21,7 +21,7 @@ TENANTS = ["s3://adapters/tenants/{tenant}/", "/data/{namespace}/{tenant}/"]
 @pytest.mark.parametrize(("uri", "ok"), [
     ("s3://adapters/tenants/acme/a/v1/", True),
     ("s3://adapters/tenants/acme/", True),
-    ("s3://adapters/tenants//acme/a/", True),  # the stager fetches tenants/acme/a/ for it
+    ("s3://adapters/tenants//acme/a/", False),  # an empty segment: the stager refuses it too
     ("/data/ns/acme/a/", True),
     ("file:///data/ns/acme/a/", True),
     ("/data/ns/./acme/a/", True),

@@ -92,7 +92,8 @@ def test_missing_directory(roots):
 def test_s3_uris_parse_and_the_allow_list_holds():
     assert parse_s3("s3://bucket/a/b") == parse_s3("s3://bucket/a/b/")
     assert parse_s3("s3://bucket/a/b").prefix == "a/b/"
-    for bad in ("s3://", "s3:///x", "s3://b/a/../c/", "http://b/x"):
+    for bad in ("s3://", "s3:///x", "s3://b/a/../c/", "http://b/x", "s3://b/a/./c/", "s3://b/a//c/", "s3://b//",
+                "s3://b/a/.", "s3://b/a//"):
         with pytest.raises(SourceError):
             parse_s3(bad)
     src = Sources(SourcesConfig(s3_allow=["adapters/team/", "open"]))
