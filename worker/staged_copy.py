@@ -3,14 +3,17 @@ it is handed out again."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lorafleet.worker.disk_cache import DiskCache, dir_bytes
-from lorafleet.worker.sources import SourceError, adapter_digest
+from lorafleet.worker.disk_cache import DiskCache, cache_write, dir_bytes
+from lorafleet.worker.sources import ADAPTER_FILES, SourceError, adapter_digest
 
 log = logging.getLogger("lorafleet.stager")
 DIGEST_FILE = ".sha256"  # beside the adapter files in a cache entry: the digest they had when staged
@@ -58,6 +61,50 @@ def record_source(path: Path, uri: str) -> None:
         (path / SOURCE_FILE).write_text(uri + "\n")
     except OSError as exc:  # a read-only or full disk: only the fallback after a restart is lost
         log.warning("cannot note %s's source in %s: %s", uri, path, exc)
+
+
+def extras_digest(path: Path) -> str:
+    """sha256 over the names and bytes of the files staged beside the adapter's two (tokenizer files and the
+    optional ones; not the entry's own notes, whose names start with "."). The adapter's digest leaves them
+    out, so two copies of one digest may differ in them."""
+    h = hashlib.sha256()
+    for name in sorted(os.listdir(path)):
+        if name.startswith(".") or name in ADAPTER_FILES or not (path / name).is_file():
+            continue
+        h.update(f"{len(name)}:{name}:{(path / name).stat().st_size}:".encode())
+        with open(path / name, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def variant_key(sha256: str, extras: str) -> str:
+    """The cache key of a copy of digest `sha256` whose other files (`extras_digest`) differ from those of the
+    copy keyed by `sha256` itself: found again through its URI's last copy, never handed to another URI."""
+    return "x-" + hashlib.sha256(f"{sha256}:{extras}".encode()).hexdigest()[:40]
+
+
+class VariantKept(Exception):
+    """A download kept under its variant key (`keep_variant`), at `path`."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(str(path))
+        self.path = path
+
+
+def keep_variant(cache: DiskCache, key: str, tmp: Path, protect: Callable[[], set[str]]) -> None:
+    """A download in `tmp` of the digest `key` when the cache already holds a copy of it (another URI's) whose
+    other files differ (`extras_digest`): its files move into an entry of their own, and VariantKept says
+    where, or the loader would check (and serve) the other URI's tokenizer files for this one."""
+    kept = cache.get(key) if len(key) == 64 else None
+    if kept is None or (extras := extras_digest(tmp)) == extras_digest(kept):
+        return
+
+    def move(dest: Path) -> None:
+        for name in os.listdir(tmp):  # one file system: renames
+            cache_write(lambda n=name: os.rename(tmp / n, dest / n))
+
+    raise VariantKept(cache.put(variant_key(key, extras), move, protect=protect))
 
 
 def note_download(path: Path, uri: str) -> None:

@@ -257,7 +257,9 @@ class Stager:
             self.counts["download_bytes"] += nbytes
             self.metrics.downloads.inc()
             self.metrics.download_bytes.inc(nbytes)
-            self._by_uri[uri] = key
+            self._by_uri[uri] = path.name  # `key`, or its variant of this URI's own tokenizer files
+            if path.name != key:
+                self.holds.lease(path.name)  # as `key` is (held or leased) until what staged it is served
             return Staged(path, (path / DIGEST_FILE).read_text().strip(), cached=False)
 
     def _download(self, uri: str, sha256: str | None, key: str, deadline: float, etags: Etags | None,
@@ -279,9 +281,14 @@ class Stager:
             digest = verify_digest(tmp, sha256, uri)  # before the rename: a bad download is never visible
             cache_write(lambda: (tmp / DIGEST_FILE).write_text(digest + "\n"))
             cache_write(lambda: staged_copy.note_download(tmp, uri))  # counted in the entry's size
+            # Another URI's copy of this digest with other tokenizer files: this URI's files are its own copy,
+            # or the loader would check (and serve) the other URI's tokenizer files for it.
+            staged_copy.keep_variant(self.cache, key, tmp, protect=lambda: {*self.protected(), key})
 
         try:
             return self.cache.put(key, fill, protect=self.protected)
+        except staged_copy.VariantKept as variant:
+            return variant.path
         finally:
             self.downloading.pop(key, None)
 

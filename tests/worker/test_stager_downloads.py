@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import io
 import json
 import os
@@ -420,3 +421,40 @@ def test_a_fill_retried_after_a_full_disk_reserves_again(tmp_path):
     with pytest.raises(SourceError, match="missing adapter_model.safetensors"):  # this fake writes the config only
         stager._download("s3://b/p/", None, "k", deadline=1e18, etags=None, push_start=None)
     assert seen == [5000, 5000] and len(attempts) == 2 and stager.cache.reserved_bytes == 0
+
+
+async def test_one_digest_under_two_prefixes_with_other_tokenizer_files_is_two_copies(
+        s3, adapters, tiny_llama_dir, tmp_path):
+    """The sha256 covers the adapter's two files only: a second prefix of the same adapter files beside
+    other tokenizer files must get its own files, or the loader checks (and passes) the first prefix's
+    tokenizer for it. Each prefix keeps its own copy, also for a stager restarted on the same cache."""
+    client, digest = s3.client(), adapter_digest(adapters["v1"])
+    for vocabulary in ("same", "other"):
+        folder = shutil.copytree(adapters["v1"], tmp_path / vocabulary)
+        write_vocab_files(folder, tiny_llama_dir, vocabulary)
+        upload(client, f"team/twin-{vocabulary}/", folder)
+
+    def check(staged, vocabulary: str) -> None:
+        assert (staged.path / "vocab.json").read_bytes() == (tmp_path / vocabulary / "vocab.json").read_bytes()
+        assert staged.sha256 == digest
+        load = functools.partial(load_peft_adapter, staged.path, ModelConfig.from_dir(tiny_llama_dir),
+                                 dtype="float32", tokenizer_digest=vocab_digest(tiny_llama_dir))
+        if vocabulary == "same":
+            assert load().version == digest[:12]
+        else:
+            with pytest.raises(AdapterError, match="vocabulary differs"):
+                load()
+
+    stager = stager_for(s3.endpoint, s3, tmp_path / "cache")
+    paths = {}
+    for vocabulary in ("other", "same", "other", "same"):
+        staged = await stager.stage(f"s3://adapters/team/twin-{vocabulary}/", digest)
+        check(staged, vocabulary)
+        assert paths.setdefault(vocabulary, staged.path) == staged.path
+    assert paths["same"] != paths["other"] and stager.counts["downloads"] == 2
+    restarted = stager_for(s3.endpoint, s3, tmp_path / "cache")
+    for vocabulary in ("same", "other"):
+        staged = await restarted.stage(f"s3://adapters/team/twin-{vocabulary}/", digest)
+        check(staged, vocabulary)
+        assert staged.cached and staged.path == paths[vocabulary]
+    assert restarted.counts["downloads"] == 0
