@@ -12,7 +12,7 @@ or a string's pattern, format and lengths: json_schema_keys.py), `minProperties`
 patterns, lengths and bounds), `minLength`, `maxLength`,
 `minimum`, `maximum`, `exclusiveMinimum`, `exclusiveMaximum`, `multipleOf` (json_schema_bounds.py), `pattern`
 (regex_grammar.py; beside a length, regex_length.py), `format` date/time/date-time/uuid/ipv4/email (as
-patterns, where no pattern or length is set), `oneOf` of disjoint alternatives (json_schema_unions.py), `enum`,
+patterns, held to lengths too; beside a pattern, annotations), `oneOf` of disjoint alternatives (json_schema_unions.py), `enum`,
 `const`, `anyOf`, `allOf` of one schema, `nullable` (OpenAPI's: adds null), and `$ref` to `#`,
 `#/$defs/...` or `#/definitions/...` (recursion included). Annotations (never checked): title, description,
 default, examples, other formats, deprecated, readOnly, writeOnly, $schema, $id, $comment, contentEncoding,
@@ -208,18 +208,18 @@ class JsonSchema:
         """A node of `types` with the string lengths, pattern and number bounds of `s`; a type no value of which
         fits them (an integer no bound holds, a string no text of its length matches) is dropped if not alone."""
         (min_len, max_len), bounds = _checked(where, parse_lengths, s), _checked(where, parse_bounds, s)
-        pattern = None
+        pattern, key = None, "pattern" if "pattern" in s else "format"  # the keyword the string's regex comes from
         if "string" in types:  # a pattern and a format only hold strings
             try:
-                pattern = parse_pattern(s, min_len, max_len)
+                pattern = _checked(where, parse_pattern, s, min_len, max_len)
             except NoText as exc:
                 if types == {"string"}:
-                    raise SchemaError(f"{where}.pattern: {exc}") from None
+                    raise SchemaError(f"{where}.{key}: {exc}") from None
                 types = types - {"string"}
-                self._spend(exc.work, where)
+                self._spend(exc.work, where, key)
             except RegexError as exc:
-                raise SchemaError(f"{where}.pattern: {exc}") from None
-            self._spend(getattr(pattern, "work", 0), where)
+                raise SchemaError(f"{where}.{key}: {exc}") from None
+            self._spend(getattr(pattern, "work", 0), where, key)
         if bounds is not None and types & {"number", "integer"}:
             kept = types - ({"number", "integer"} if not bounds.takes_any() else set() if bounds.takes_integer() else {"integer"})
             if not kept:
@@ -227,10 +227,10 @@ class JsonSchema:
             types = frozenset(kept)
         return Node(types=types, min_len=min_len, max_len=max_len, bounds=bounds, pattern=pattern)
 
-    def _spend(self, work: int, where: str) -> None:  # a pattern beside a length: its compile's cost, bounded
+    def _spend(self, work: int, where: str, key: str = "pattern") -> None:  # a pattern beside a length: its cost
         self._length_work += work
         if self._length_work > 2 * MAX_LENGTH_WORK:
-            raise SchemaError(f"{where}.pattern: the schema's patterns beside lengths cost too much to hold "
+            raise SchemaError(f"{where}.{key}: the schema's patterns beside lengths cost too much to hold "
                               "together; shorten their lengths or patterns")
 
     def _alias(self, target: int) -> Node:

@@ -11,7 +11,7 @@ once begun can always end inside them.
 
 Lengths (`minLength`, `maxLength`) count characters as JSON Schema does (code points of the decoded string):
 a character written as UTF-8 bytes, an escape, or an escaped surrogate pair is one. A `pattern`, or a known
-`format` (FORMATS) where a string has no pattern or length, is a regex_dfa.Regex searched in the text.
+`format` (FORMATS), is a regex_dfa.Regex searched in the text, held to the lengths beside it (regex_length.py).
 """
 
 from __future__ import annotations
@@ -328,8 +328,8 @@ def kind(v: Any) -> str:
     return {str: "string", list: "array", dict: "object"}.get(type(v), "other")
 
 
-# `format` values held as patterns where the schema sets no pattern or length of its own (elsewhere `format`
-# stays the annotation JSON Schema makes it): the forms of RFC 3339 as strict checkers take them (year 0001 on,
+# `format` values held as patterns, with the lengths beside them (other formats stay the annotations JSON Schema
+# makes them): the forms of RFC 3339 as strict checkers take them (year 0001 on,
 # upper-case T and Z, no leap second; a day its month has, 29 February in leap years only), RFC 4122, and
 # addresses of the dotted form mail is sent to.
 _YEAR = r"(000[1-9]|00[1-9]\d|0[1-9]\d\d|[1-9]\d{3})"
@@ -344,16 +344,18 @@ FORMATS = {"date": f"^{_DATE}$", "time": f"^{_TIME}$", "date-time": f"^{_DATE}T{
 
 
 def parse_pattern(s: dict, min_len: int, max_len: int | None) -> Regex | LengthRegex | None:
-    """The pattern a string must match: `pattern` (held to the lengths beside it), else (with no length either) a
-    `format` of FORMATS' (RegexError for a pattern that cannot be held)."""
-    has_length = min_len > 0 or max_len is not None
-    if "pattern" in s:
-        regex = compile_pattern(s["pattern"], True, True)
-        return length_regex(regex, min_len, max_len) if has_length else regex
+    """The pattern a string must match, `pattern`, else a `format` of FORMATS', held to the lengths beside it
+    (RegexError for a pattern that cannot be held). Beside a `pattern`, a format stays the annotation JSON Schema
+    makes it (libraries write both for one form: zod's email), and the pattern is what holds."""
     fmt = s.get("format")
-    if not has_length and isinstance(fmt, str) and fmt in FORMATS:
-        return compile_pattern(FORMATS[fmt], True, True)
-    return None
+    if "pattern" in s:
+        text = s["pattern"]
+    elif isinstance(fmt, str) and fmt in FORMATS:
+        text = FORMATS[fmt]
+    else:
+        return None
+    regex = compile_pattern(text, True, True)
+    return length_regex(regex, min_len, max_len) if min_len > 0 or max_len is not None else regex
 
 
 def infer_types(s: dict) -> frozenset[str]:

@@ -22,6 +22,8 @@ from lorafleet.worker.json_schema_bounds import FORMATS
 from lorafleet.worker.json_schema_grammar import DONE as SCHEMA_DONE
 from lorafleet.worker.json_schema_grammar import schema_grammar
 from lorafleet.worker.json_vocab import JsonVocab
+from lorafleet.worker.openai_fields import APIError
+from lorafleet.worker.openai_protocol import parse_chat_request
 from tests.worker.grammar_checks import accepts, allowed, check_masks, check_text, walks_validate
 
 
@@ -114,12 +116,15 @@ def test_formats_are_held_as_patterns(fmt):
         jsonschema.Draft202012Validator(schema, format_checker=checker).validate({"v": value})
 
 
-@pytest.mark.parametrize("fmt, good, bad", [
+FORMS = [
     ("date", "2026-12-04", "2026-13-01"), ("date-time", "2026-12-04T15:00:00.5+01:00", "2026-12-04 15:00:00Z"),
     ("time", "23:59:59Z", "23:59:60Z"), ("date", "0001-01-01", "0000-01-01"),
     ("date-time", "2026-12-04T15:00:00Z", "2026-12-04t15:00:00z"), ("uuid", "123e4567-e89b-12d3-a456-426614174000", "123e4567e89b12d3a456426614174000"),
     ("ipv4", "192.168.0.255", "192.168.0.256"), ("email", "a.b+c@example.co", "a@b"),
-])
+]
+
+
+@pytest.mark.parametrize("fmt, good, bad", FORMS)
 def test_each_format_takes_its_form(fmt, good, bad):
     schema = {"type": "object", "properties": {"v": {"type": "string", "format": fmt}}}
     assert accepts(schema, json.dumps({"v": good})) and not accepts(schema, json.dumps({"v": bad}))
@@ -144,10 +149,53 @@ def test_a_date_has_the_days_of_its_month_and_29_february_in_leap_years_only():
                     assert accepts(schema, json.dumps({"v": text})) is ok, text
 
 
-def test_a_format_beside_a_length_or_a_pattern_stays_an_annotation():
-    assert accepts({"type": "object", "properties": {"v": {"type": "string", "format": "date", "maxLength": 3}}}, '{"v":"abc"}')
-    assert accepts({"type": "object", "properties": {"v": {"type": "string", "format": "date", "pattern": "^x"}}}, '{"v":"xy"}')
-    assert accepts({"type": "object", "properties": {"v": {"type": "string", "format": "hostname"}}}, '{"v":"any thing"}')
+@pytest.mark.parametrize("fmt, good, bad", FORMS)
+def test_a_format_beside_a_length_holds_both(fmt, good, bad):
+    width = max(len(good), len(bad))  # both texts inside the lengths: only the form tells them apart
+    schema = {"type": "object", "properties": {"v": {"type": "string", "format": fmt, "minLength": 1, "maxLength": width}}}
+    assert accepts(schema, json.dumps({"v": good})) and not accepts(schema, json.dumps({"v": bad}))
+    if fmt == "email" or good.endswith("+01:00"):  # forms with shorter and longer ones: the bounds cut them
+        shorter = {"type": "object", "properties": {"v": {"type": "string", "format": fmt, "maxLength": len(good) - 1}}}
+        longer = {"type": "object", "properties": {"v": {"type": "string", "format": fmt, "minLength": len(good) + 1}}}
+        assert not accepts(shorter, json.dumps({"v": good})) and not accepts(longer, json.dumps({"v": good}))
+
+
+@pytest.mark.parametrize("fmt, lo, hi", [("email", 7, 10), ("date-time", 20, 24), ("ipv4", 7, 9), ("time", 0, 12)])
+def test_walks_under_a_format_and_a_length_end_inside_both(fmt, lo, hi):
+    schema = {"type": "object", "properties": {"v": {"type": "string", "format": fmt, "minLength": lo, "maxLength": hi}},
+              "required": ["v"]}
+    grammar, rng = schema_grammar(schema), random.Random(7)
+    for _ in range(15):
+        value = json.loads(_closing_walk(grammar, rng))["v"]
+        assert re.fullmatch(FORMATS[fmt].strip("^$"), value, re.ASCII) and lo <= len(value) <= hi, value
+    pieces = ["a", "ab", "abcdef", "@", "@b", ".co", ".c", "1", "12", "2026-", "01", "T", ":", "Z", ".5", '"', '"}', "{",
+              '{"v":"', "v", '":"']
+    assert check_masks(JsonVocab([p.encode() for p in pieces] + [None]), grammar, random.Random(3), walks=8, steps=20) > 50
+
+
+def test_a_format_no_text_of_its_length_takes_is_refused_naming_it():
+    with pytest.raises(SchemaError, match=r"#\.properties\.v\.format: the pattern matches no text of at most 35"):
+        compile_schema({"type": "object", "properties": {"v": {"type": "string", "format": "uuid", "maxLength": 35}}})
+    with pytest.raises(APIError) as err:
+        parse_chat_request({"model": "m", "messages": [{"role": "user", "content": "x"}], "response_format": {
+            "type": "json_schema", "json_schema": {"name": "r", "schema": {"type": "string", "format": "date",
+                                                                           "maxLength": 9}}}})
+    assert err.value.status == 400 and err.value.param == "response_format" and "#.format: " in str(err.value)
+    nullable = {"type": "object", "properties": {"v": {"type": ["string", "null"], "format": "uuid", "maxLength": 3}}}
+    assert accepts(nullable, '{"v":null}') and not accepts(nullable, '{"v":"abc"}')  # no uuid is that short
+
+
+def test_beside_a_pattern_the_pattern_holds_and_the_format_is_an_annotation():
+    """Libraries write both for one form (zod's email: a format and its own pattern): the pattern holds."""
+    schema = {"type": "object", "properties": {"v": {"type": "string", "format": "date", "pattern": "^x"}}}
+    assert accepts(schema, '{"v":"xy"}') and not accepts(schema, '{"v":"2026-12-04"}')
+    bounded = {"type": "object", "properties": {"v": {"type": "string", "format": "email", "pattern": "@", "maxLength": 4}}}
+    assert accepts(bounded, '{"v":"a@b"}') and not accepts(bounded, '{"v":"a@bcd"}') and not accepts(bounded, '{"v":"ab"}')
+
+
+def test_other_formats_stay_annotations():
+    schema = {"type": "object", "properties": {"v": {"type": "string", "format": "hostname", "maxLength": 9}}}
+    assert accepts(schema, '{"v":"any thing"}') and not accepts(schema, '{"v":"any things"}')
 
 
 TUPLE = {"type": "object", "properties": {
