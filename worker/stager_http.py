@@ -18,7 +18,7 @@ from lorafleet.worker.directives import MAX_STATE_BYTES, DesiredState, Directive
 from lorafleet.worker.openai_protocol import APIError
 from lorafleet.worker.stager import Stager
 from lorafleet.worker.stager_config import StagerConfig
-from lorafleet.worker.stager_push import StalePush
+from lorafleet.worker.stager_push import StalePush, adopt_at_start
 from lorafleet.worker.stager_seed import seed_until_done
 from lorafleet.worker.staging_errors import staging_error
 from lorafleet.worker.state_json import NotJSON, decode, reply
@@ -141,6 +141,7 @@ def create_app(config: StagerConfig) -> web.Application:
     ])
 
     async def background_ctx(app: web.Application):
+        await adopt_at_start(app[STAGER])  # what a running engine holds stays cached from the start
         task = None
         if config.stager_adapters:
             task = asyncio.create_task(seed_until_done(app[STAGER], config.stager_adapters))

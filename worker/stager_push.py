@@ -156,6 +156,19 @@ async def _begin(stager: Stager, desired: DesiredState, seed: SeedReport | None)
         return push
 
 
+async def adopt_at_start(stager: Stager, timeout_s: float = 5.0) -> None:
+    """A stager started beside an engine that runs (the sidecar restarted) takes what the engine holds as
+    forwarded before it serves: the copies the engine was given are then held in the cache from the start, not
+    only from the first push, while the seed or the engine's own stage requests download and trim. An engine
+    that does not answer within `timeout_s` (starting: it holds nothing yet) is asked again at the first push."""
+    if stager.engine is None:
+        return
+    async with stager.apply_lock:
+        if stager.desired is None and not stager.engine.known:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(_adopt(stager), timeout_s)
+
+
 async def _adopt(stager: Stager) -> None:
     """Take what the engine holds as forwarded, when it can tell (a stager that forwarded nothing yet)."""
     try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+from pathlib import Path
 
 import pytest
 from aiohttp import web
@@ -18,6 +19,7 @@ from aiohttp import web
 from lorafleet.operator.reconcile import PoolSettings, _next_generation
 from lorafleet.operator.reports import WorkerIndex, WorkerReport
 from lorafleet.worker.directives import DesiredState, ReportedState
+from lorafleet.worker.disk_cache import dir_bytes
 from lorafleet.worker.stager import Stager
 from lorafleet.worker.stager_http import STAGER, create_app
 from tests.worker.engine_admin_stub import HANG_S, EngineAdminStub, split, until
@@ -309,3 +311,31 @@ async def test_a_stager_that_cannot_adopt_numbers_its_forward_above_what_the_eng
     report = await asyncio.wait_for(stager.apply(push(2000, adapter("a", "v1"), adapter("b", "v1"))), HANG_S)
     assert engine.generation == 2001 and [a["name"] for a in engine.pushes[-1]["adapters"]] == ["a", "b"]
     assert report.generation_applied == 2000
+
+
+async def test_a_restarted_stager_holds_the_engine_s_copies_before_its_first_push(
+        aiohttp_server, aiohttp_client, tmp_path, monkeypatch):
+    """The sidecar restarts beside a running engine, its cache too small for one more copy: a stage request
+    before the operator's first push (the engine reloading a cold adapter, or the seed) must not evict the
+    copies the engine serves, which it loads again from them after a host eviction. The new stager asks the
+    engine what it holds as it starts, not only at the first push."""
+    engine = Engine()
+    url = await engine.serve(aiohttp_server)
+    earlier = Stager(dataclasses.replace(config(tmp_path), engine_url=url))
+    FakeStore(earlier, monkeypatch)
+    await asyncio.wait_for(earlier.apply(push(1000, adapter("a", "v1"), adapter("b", "v1"))), HANG_S)
+    served = [Path(a["stable"]["uri"]) for a in engine.pushes[-1]["adapters"]]
+    assert len(served) == 2 and all(p.parent == earlier.cache.root for p in served)
+    budget = sum(dir_bytes(p) for p in served) + dir_bytes(served[0]) // 2  # no room for a third copy
+    client = await aiohttp_client(create_app(dataclasses.replace(config(tmp_path), engine_url=url,
+                                                                 stager_cache_bytes=budget)))
+    stager = client.app[STAGER]
+    FakeStore(stager, monkeypatch)
+    assert stager.engine.known and stager.desired is None
+    resp = await client.post("/v1/stage", json={"uri": "s3://adapters/team/c-v1/"},
+                             headers={"Authorization": f"Bearer {TOKEN}"})
+    assert resp.status == 200, await resp.text()
+    assert all(p.is_dir() for p in served), sorted(stager.cache.entries())
+    resp = await client.post("/v1/stage", json={"uri": "s3://adapters/team/d-v1/"},
+                             headers={"Authorization": f"Bearer {TOKEN}"})
+    assert resp.status == 200 and all(p.is_dir() for p in served)  # c's copy, held by no one, made room
