@@ -303,13 +303,18 @@ def test_triton_backend_matches_reference(tiny_llama_dir, adapter_dirs, referenc
 
 def test_bfloat16_unmerged_stays_close_to_fp32(tiny_llama_dir, adapter_dirs, references):
     """bf16 serving keeps the base shared and unmerged; its LoRA delta is accumulated in float32, so
-    the drift from the fp32 reference stays at bf16 rounding level (measured ~0.02 nats here)."""
+    the drift from the fp32 reference stays at bf16 rounding level (measured 0.009-0.029 nats here), a
+    fiftieth of what any of the adapters changes."""
     engine = _engine(tiny_llama_dir, next(iter(adapter_dirs.values())).parent, dtype="bfloat16")
     params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=5)
     outs = engine.generate(_prompts(), params, adapters=[a for a, _ in PLAN])
     for i, out in enumerate(outs):
-        ref = references[i][0][1][0]
+        ref, base = references[i][0][1][0], references["base"][i][1][0]
+        top = [t for t, _ in out.logprobs[0].top]
         assert max(abs(v - ref[t].item()) for t, v in out.logprobs[0].top) < 0.06, f"request {i}"
+        # The bound means something: each adapter moves these log-probs 1.5-2.7 nats, so a delta dropped,
+        # applied twice or scaled wrongly in bf16 would land far outside it.
+        assert PLAN[i][0] is None or max(abs(ref[t].item() - base[t].item()) for t in top) > 20 * 0.06, f"request {i}"
 
 
 def test_idle_adapters_give_their_pages_to_the_kv_cache(tiny_llama_dir, adapter_dirs, references):
@@ -371,19 +376,21 @@ def test_cold_adapter_load_does_not_block_other_requests(tiny_llama_dir, adapter
     engine.add_request("cold", _prompts()[i_cold], GREEDY, adapter="cold")
     engine.add_request("base", _prompts()[i_base], GREEDY)
     done = {}
-    while "base" not in done:
-        for out in engine.step():
-            assert out.request_id == "base"  # cold has produced nothing while its adapter loads
-            if out.finished:
-                done[out.request_id] = out
-    assert engine.num_waiting == 1 and engine.requests["cold"].num_computed_tokens == 0
+    for _ in range(MAX_NEW):  # a token of base's every step: not one step waits for the load
+        outs = engine.step()
+        assert [out.request_id for out in outs] == ["base"]  # cold has produced nothing while its adapter loads
+        done |= {out.request_id: out for out in outs if out.finished}
+    assert "base" in done and engine.num_waiting == 1 and engine.requests["cold"].num_computed_tokens == 0
     release.set()
-    while engine.has_unfinished():
+    for _ in range(4 * MAX_NEW):
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out
+        if not engine.has_unfinished():
+            break
         if engine.last_batch_size == 0:
             engine.adapter_pool.wait_idle()
+    assert not engine.has_unfinished(), list(engine.requests.values())
     assert done["base"].token_ids == references[i_base][0][0]
     assert done["cold"].token_ids == references[i_cold][0][0] and done["cold"].adapter == "cold@1"
     _assert_all_free(engine)
