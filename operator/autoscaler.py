@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lorafleet.operator.crd_models import SpecError, _int, deployment_name
+from lorafleet.operator.pinned_need import PinnedNeed
 
 FIELD = "spec.scaling"
 URL_RE = re.compile(r"https?://[^\x00-\x20\x7f-\xa0?#]+")  # fullmatch; the CRD's pattern
@@ -194,6 +195,35 @@ def recommend(spec: ScalingSpec, hit_rate: float | None, kv_usage: float | None,
     if clamped != wanted:
         why += f" (capped at {'maxReplicas' if wanted > clamped else 'minReplicas'} {clamped})"
     return clamped, why
+
+
+def pinned_floor(spec: ScalingSpec, wanted: int, current: int, pinned: PinnedNeed | None, beside: int = 0
+                 ) -> tuple[int, str]:
+    """(replicas, why they are not ``wanted``: "" where they are). A pinned adapter keeps a GPU-resident copy:
+    the target never goes below the workers the pool's pinned adapters need (pinned_need.py; ``beside``: the
+    pool's ready workers that other Deployments run hold them too), and one below is raised to it, never above
+    maxReplicas; while that need is not known (``pinned`` None: no reconcile pass has counted it yet) it is not
+    scaled down at all. A target at 0 (by hand, or minReplicas 0) is left as ``wanted`` has it."""
+    if current == 0 or (pinned is not None and not pinned.num_pinned):
+        return wanted, ""
+    if pinned is None:
+        floor = min(current, spec.max_replicas)
+        return max(wanted, floor), "" if wanted >= floor else (
+            f"; held at {floor}: the workers the pool's pinned adapters need are not counted yet (no reconcile "
+            f"pass since the operator started, or no worker reported its room), and fewer might not hold them")
+    num_pinned, need = pinned
+    floor = spec.max_replicas if need is None else min(need - beside, spec.max_replicas)
+    if wanted >= floor:
+        return wanted, ""
+    held = "raised to" if floor > current else "held at"
+    pins = f"{num_pinned} pinned adapter{'s need' if num_pinned > 1 else ' needs'}"
+    others = f" ({beside} of them in other Deployments)" if beside else ""
+    if need is not None and need - beside <= spec.max_replicas:
+        return floor, f"; {held} {floor}: {pins} {need} workers{others}"
+    workers = f"more than {spec.max_replicas + beside}" if need is None else str(need)
+    return floor, (f"; {held} maxReplicas {floor}: {pins} {workers} workers{others}, more than maxReplicas allows, "
+                   f"so not all can stay GPU-resident; raise spec.scaling.maxReplicas or the workers' GPU adapter "
+                   f"slots (--max-loras), or unpin one (spec.pinned: false)")
 
 
 class Stabilizer:

@@ -35,6 +35,7 @@ from typing import Any
 
 from lorafleet.operator.crd_models import PoolSpec, SpecError, drain_spec, parse_adapter
 from lorafleet.operator.ownership import first_claim, own_pods, pod_names, pool_claims, released_pods
+from lorafleet.operator.pinned_need import PinnedNeed
 from lorafleet.operator.push_flights import Outcome, PoolKey, PushFlights
 from lorafleet.operator.push_record import PushRecord, pushed_pod_ids
 from lorafleet.operator.reconcile import PoolPlan, WorkerReport, reconcile_pool
@@ -340,6 +341,11 @@ class PoolController:
     def _recent(self, answer: tuple[float, ReportedState] | None, now: float) -> ReportedState | None:
         """A silent pod's last answer while it is younger than the quiet grace."""
         return answer[1] if answer is not None and now - answer[0] < self.quiet_grace else None
+
+    def pinned_need(self, key: PoolKey) -> PinnedNeed | None:
+        """The workers the pool's pinned adapters need, as its last pass counted them (None: not known)."""
+        last = self._results.get(key)
+        return None if last is None else last.plan.pinned
 
     def forget(self, key: PoolKey) -> None:
         self.flights.forget(key)

@@ -266,7 +266,8 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
         wanted = await timers.run(stopped, scaler.run(
             dict(body), status=status, pods=pool_pods(namespace, dict(body), kwargs),
             other_pools=other_pools(namespace, name, kwargs),
-            replicasets=kwargs["worker_replicasets"].get(namespace, []), now=utc_now()))
+            replicasets=kwargs["worker_replicasets"].get(namespace, []),
+            pinned=controller.pinned_need((namespace, name)), now=utc_now()))
         if wanted is None:  # cut short by the operator's stop
             return
         patch.status.update(status_changes(dict(status), wanted))

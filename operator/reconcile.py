@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from lorafleet.operator.crd_models import AdapterSpec, InvalidAdapter, PoolSpec, Source
+from lorafleet.operator.pinned_need import PinnedNeed, pool_pinned_need
 from lorafleet.operator.placement import canary_bytes, place_warm, reported_bytes, spec_bytes, warm_count
 from lorafleet.operator.reports import WorkerIndex, WorkerReport
 from lorafleet.operator.statuses import adapter_status, pool_status, unserved_status
@@ -82,6 +83,7 @@ class PoolPlan:
     workers_unknown: bool = False  # a deleting pool, its workerSelector invalid, naming no pod it pushed to
     overdue: list[str] = field(default_factory=list)  # silent or unreachable past the unload grace (controller.py)
     reported: list[str] = field(default_factory=list)  # adapters some pod reached reports (any tier, version)
+    pinned: PinnedNeed | None = None  # with spec.scaling: the workers its pinned adapters need (None: not known)
 
 
 def reconcile_pool(pool: PoolSpec | None, adapters: Sequence[AdapterSpec | InvalidAdapter],
@@ -156,6 +158,7 @@ def reconcile_pool(pool: PoolSpec | None, adapters: Sequence[AdapterSpec | Inval
              if w.reported is None and w.last_answer is not None]
     plan.placement = place_warm(list(served.values()), live, default_capacity=pool.gpu_bytes if pool else 0,
                                 quiet=quiet)
+    plan.pinned = pool_pinned_need(pool, list(served.values()), live + quiet)  # the autoscaler's floor
     warm_sets = {name: set(pods) for name, pods in plan.placement.items()}
     settings = pool_settings(pool)
     for w in live:

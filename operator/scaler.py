@@ -19,7 +19,9 @@ Kopf-free glue between the pool's autoscale timer and ``autoscaler`` (the policy
    one yet (the means cover the earlier replicas alone, the count includes the new ones: scaling again
    would overshoot), for ``SCRAPE_GRACE`` seconds after it became ready at most (past that, a scrape
    that misses it is a scrape to fix: see ``MetricsMissing``);
-7. patches ``spec.replicas`` when the result differs (``FailedUpdateScale``).
+7. never goes below the workers the pool's pinned adapters need (the reconcile counts them: pinned_need.py),
+   nor down at all while that is not known, within maxReplicas (``autoscaler.pinned_floor``);
+8. patches ``spec.replicas`` when the result differs (``FailedUpdateScale``).
 
 It returns the status keys it writes: ``hitRate`` and ``kvUsage`` (removed when unknown; ``OWNED_KEYS`` leaves
 ``kvUsage`` out, as the reconcile writes it again once ``spec.scaling`` goes), ``desiredReplicas``,
@@ -36,11 +38,12 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from lorafleet.operator.autoscaler import ScalingSpec, Stabilizer, bound_correction, recommend
+from lorafleet.operator.autoscaler import ScalingSpec, Stabilizer, bound_correction, pinned_floor, recommend
 from lorafleet.operator.controller import PoolKey, merge_conditions
 from lorafleet.operator.crd_models import PoolSpec, SpecError
 from lorafleet.operator.deployments import DeploymentClient, KubeError, TargetNotFound
 from lorafleet.operator.ownership import pod_names, ready_worker_pods
+from lorafleet.operator.pinned_need import NO_PINNED, PinnedNeed
 from lorafleet.operator.prometheus import KV_USAGE, QUEUE_DEPTH, MetricsError, PoolSignals, PrometheusClient
 from lorafleet.operator.prometheus_allowlist import PrometheusAllowlist
 from lorafleet.operator.statuses import condition
@@ -120,23 +123,26 @@ class PoolScaler:
 
     async def run(self, body: dict[str, Any], *, status: Mapping[str, Any] | None = None,
                   pods: Iterable[dict[str, Any]], other_pools: Iterable[dict[str, Any]],
-                  replicasets: Iterable[dict[str, Any]] = (), now: str) -> dict[str, Any]:
+                  replicasets: Iterable[dict[str, Any]] = (), pinned: PinnedNeed | None = NO_PINNED,
+                  now: str) -> dict[str, Any]:
         """The status keys this pass owns, as they should be (``conditions``: the pool's current ones with
         Scaling replaced); a pool without ``spec.scaling`` gets them removed. ``status``: the pool's status
         as it is when the pass ends (kopf's live view; default: the body's), read after the pass's I/O so
         that a condition another writer set meanwhile is kept. ``replicasets``: the namespace's
-        (worker_trust.slim_replicaset), which say which pods the other pools may reach."""
+        (worker_trust.slim_replicaset), which say which pods the other pools may reach. ``pinned``: the workers
+        the pool's pinned adapters need (the reconcile's count; None: not known), below which it never scales."""
         if (body.get("spec") or {}).get("scaling") is None:
             meta = body.get("metadata") or {}
             self.forget((meta.get("namespace", ""), meta.get("name", "")))
             return merge_conditions(dict((body.get("status") if status is None else status) or {}),
                                     {k: None for k in OWNED_KEYS}, drop=[SCALING])
-        own, (ok, reason, message) = await self._run(body, pods, other_pools, replicasets, now)
+        own, (ok, reason, message) = await self._run(body, pods, other_pools, replicasets, pinned, now)
         live = dict((body.get("status") if status is None else status) or {})  # read after the pass's I/O
         return merge_conditions(live, {**own, "conditions": [condition(live, SCALING, ok, reason, message, now)]})
 
     async def _run(self, body: dict[str, Any], pods: Iterable[dict[str, Any]], other_pools: Iterable[dict[str, Any]],
-                   replicasets: Iterable[dict[str, Any]], now: str) -> tuple[dict[str, Any], tuple[bool, str, str]]:
+                   replicasets: Iterable[dict[str, Any]], pinned: PinnedNeed | None,
+                   now: str) -> tuple[dict[str, Any], tuple[bool, str, str]]:
         """(the status keys it owns but conditions, the Scaling condition's (ok, reason, message))."""
         pods = list(pods)
         def scaling(ok: bool, reason: str, message: str) -> tuple[dict[str, Any], tuple[bool, str, str]]:
@@ -182,7 +188,7 @@ class PoolScaler:
                 f"{', '.join(rivals)} (a KEDA ScaledObject makes one): two autoscalers undo each other's replicas; "
                 f"delete it or remove spec.scaling from this pool; replicas stay at {current}"))
 
-        signals, unseen = PoolSignals(None, None, None), False
+        signals, unseen, beside = PoolSignals(None, None, None), False, 0
         corrected = bound_correction(spec, current)
         if corrected is not None:
             wanted, why = corrected
@@ -255,6 +261,8 @@ class PoolScaler:
                 note += (f"; {len(others)} ready pods spec.workerSelector matches belong to LoRAPool {owners} "
                          f"(an earlier pool by name, or the first valid one): they do not serve this pool")
 
+        wanted, held = pinned_floor(spec, wanted, current, pinned, beside)
+        note += held
         # Unknown (or not asked, correcting the bounds): an earlier pass's figures are removed, not kept.
         result: dict[str, Any] = {"desiredReplicas": wanted, "hitRate": _rounded(signals.hit_rate),
                                   "kvUsage": _rounded(signals.kv_usage)}

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from lorafleet.operator.autoscaler import ScalingSpec, Stabilizer, recommend
+from lorafleet.operator.autoscaler import ScalingSpec, Stabilizer, pinned_floor, recommend
 from lorafleet.operator.crd_models import PoolSpec, SpecError
+from lorafleet.operator.pinned_need import NO_PINNED, PinnedNeed
 
 BASE = {"target": "lorafleet-worker", "prometheusURL": "http://prometheus.monitoring:9090", "maxReplicas": 8}
 
@@ -319,3 +320,33 @@ def test_a_constant_load_below_the_hit_rate_target_settles_through_the_windows()
                                        down_seconds=s.scale_down_seconds)
         seen.append(current)
     assert sum(a != b for a, b in zip(seen, seen[1:], strict=False)) <= 1, seen
+
+
+# --- the pinned adapters' floor ----------------------------------------------------------------------
+
+@pytest.mark.parametrize(("wanted", "current", "pinned", "beside", "expected", "why"), [
+    (1, 3, PinnedNeed(4, 2), 0, 2, "; held at 2: 4 pinned adapters need 2 workers"),
+    (1, 3, PinnedNeed(1, 3), 1, 2, "; held at 2: 1 pinned adapter needs 3 workers (1 of them in other Deployments)"),
+    (1, 1, PinnedNeed(3, 3), 0, 3, "; raised to 3: 3 pinned adapters need 3 workers"),
+    (2, 3, PinnedNeed(4, 2), 0, 2, ""),  # down to the floor, not below
+    (4, 3, PinnedNeed(4, 2), 0, 4, ""),  # a scale-up is not the floor's
+    (1, 3, PinnedNeed(4, 3), 3, 1, ""),  # the other Deployments' workers hold them
+    (1, 3, NO_PINNED, 0, 1, ""),
+    (0, 0, PinnedNeed(4, 2), 0, 0, ""),  # a target at 0 (by hand, or minReplicas 0) is left to the policy
+    (1, 3, None, 0, 3, "; held at 3: the workers the pool's pinned adapters need are not counted yet"),
+    (8, 10, None, 0, 8, ""),  # above maxReplicas: brought down to it all the same
+])
+def test_a_scale_down_never_leaves_fewer_workers_than_the_pinned_adapters_need(wanted, current, pinned, beside,
+                                                                              expected, why):
+    replicas, held = pinned_floor(spec(), wanted, current, pinned, beside)
+    assert replicas == expected and held.startswith(why) and bool(held) == bool(why), held
+
+
+@pytest.mark.parametrize("pinned", [PinnedNeed(9, 12), PinnedNeed(9, None)])
+def test_pins_needing_more_than_max_replicas_hold_at_max_replicas_and_say_so(pinned):
+    replicas, held = pinned_floor(spec(maxReplicas=8), 3, 5, pinned)
+    workers = "12" if pinned.num_workers else "more than 8"
+    assert replicas == 8 and held.startswith(f"; raised to maxReplicas 8: 9 pinned adapters need {workers} workers, "
+                                             f"more than maxReplicas allows"), held
+    assert "raise spec.scaling.maxReplicas" in held
+    assert pinned_floor(spec(maxReplicas=8), 8, 8, pinned) == (8, "")  # at maxReplicas: nothing to hold

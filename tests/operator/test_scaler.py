@@ -9,6 +9,7 @@ import pytest
 
 from lorafleet.operator.controller import merge_conditions
 from lorafleet.operator.deployments import KubeError, TargetNotFound
+from lorafleet.operator.pinned_need import NO_PINNED, PinnedNeed
 from lorafleet.operator.prometheus import MetricsError
 from lorafleet.operator.prometheus_allowlist import PrometheusAllowlist
 from lorafleet.operator.scaler import MAX_READY_WAIT, PoolScaler
@@ -95,9 +96,11 @@ def setup():
     return scaler, metrics, deployments, clock
 
 
-async def tick(scaler: PoolScaler, body: dict, pods: list[dict], replicasets: list[dict] = ()) -> dict:
+async def tick(scaler: PoolScaler, body: dict, pods: list[dict], replicasets: list[dict] = (),
+               pinned: PinnedNeed | None = NO_PINNED) -> dict:
     """One pass; the wanted keys are applied to ``body``'s status the way a merge patch would."""
-    wanted = await scaler.run(copy.deepcopy(body), pods=pods, other_pools=[], replicasets=replicasets, now=NOW)
+    wanted = await scaler.run(copy.deepcopy(body), pods=pods, other_pools=[], replicasets=replicasets, pinned=pinned,
+                              now=NOW)
     for key, value in wanted.items():
         if value is None:
             body["status"].pop(key, None)
@@ -500,6 +503,35 @@ async def test_a_low_hit_rate_on_an_idle_pool_does_not_pin_max_replicas(setup):
     assert deployments.patches == [1] and deployments.replicas == 1
     message = scaling_condition(st)["message"]
     assert "GPU hit rate 0.5 < targetHitRate 0.9, but no load pressure" in message, message
+
+
+async def test_an_idle_pool_keeps_the_workers_its_pinned_adapters_need(setup):
+    """Idle, the pool goes down to minReplicas, one replica a pass: not below the workers whose GPU adapter slots
+    hold its pinned adapters (the reconcile's count), nor down at all while that count is not known."""
+    scaler, metrics, deployments, _ = setup
+    deployments.replicas = 4
+    metrics.signals = (0.99, 0.05)
+    body = pool(minReplicas=1)
+
+    async def settle(pinned: PinnedNeed | None) -> dict:
+        for _ in range(4):
+            st = await tick(scaler, body, [pod(f"w-{i}") for i in range(deployments.replicas)], pinned=pinned)
+        return scaling_condition(st)
+
+    cond = await settle(None)
+    assert deployments.patches == [] and cond["reason"] == "Steady"
+    assert "; held at 4: the workers the pool's pinned adapters need are not counted yet" in cond["message"]
+    cond = await settle(PinnedNeed(3, 2))
+    assert deployments.patches == [3, 2] and cond["reason"] == "Steady"
+    assert cond["message"].startswith("2 replicas: KV usage 0.05 < kvLow 0.3; held at 2: 3 pinned adapters need 2 "
+                                      "workers; KV usage 0.05"), cond["message"]
+    await settle(PinnedNeed(1, 1))  # one pinned adapter left
+    assert deployments.patches == [3, 2, 1]
+    # Pins that need more workers than maxReplicas: raised to maxReplicas, and no further.
+    cond = await settle(PinnedNeed(9, None))
+    assert deployments.patches == [3, 2, 1, 6] and cond["reason"] == "Steady"
+    assert "held at maxReplicas 6: 9 pinned adapters need more than 6 workers, more than maxReplicas allows" \
+        in cond["message"], cond["message"]
 
 
 async def test_a_pool_scales_only_the_deployment_of_its_workers(setup):

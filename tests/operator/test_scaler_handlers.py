@@ -16,12 +16,15 @@ from lorafleet.operator.deployments import DeploymentClient
 from tests.s3_server import free_port
 
 from .fake_metrics import FakePod, scraped
+from .fake_stager import FakeStager
 from .local_http import serving
 from .test_deployments import DEPLOYMENTS, controlled_by, create_deployment, create_replicaset
 from .test_handlers import (  # noqa: F401  (fixtures)
     NS,
     POOL,
     POOLS,
+    TOKEN,
+    adapter_body,
     cluster,
     create,
     eventually,
@@ -29,6 +32,7 @@ from .test_handlers import (  # noqa: F401  (fixtures)
     pod_body,
     running_operator,
     sidecars,
+    status,
 )
 from .test_prometheus_allowlist import Recorder
 
@@ -109,6 +113,52 @@ async def test_high_kv_usage_scales_the_deployment_up(cluster, sidecars, tmp_pat
     assert scaled and scaled[0]["message"].startswith("2 -> 4 replicas: KV usage 0.95 > kvHigh 0.6; KV usage 0.95")
     # The reconcile never wrote its own kvUsage (the sidecars report 0.1) over the autoscaler's.
     assert {s["kvUsage"] for s in history if "kvUsage" in s} == {0.95}
+
+
+class OneSlotStager(FakeStager):
+    """A sidecar whose engine has one GPU adapter slot (--max-loras 1)."""
+
+    def state(self):
+        state = super().state()
+        state.pool_slots = 1
+        return state
+
+
+def idle_prometheus() -> web.Application:
+    """A Prometheus whose workers are idle: KV usage 0.05, no lookups, no queue series."""
+    async def query(request: web.Request) -> web.Response:
+        promql = (await request.post())["query"]
+        result = [{"metric": {}, "value": [0, "0.05"]}] if promql.startswith("avg(lorafleet_kv_cache") else []
+        return web.json_response({"status": "success", "data": {"resultType": "vector", "result": result}})
+
+    app = web.Application()
+    app.router.add_post("/api/v1/query", query)
+    return app
+
+
+async def test_an_idle_pool_keeps_the_workers_its_pinned_adapters_need(cluster):  # noqa: F811
+    """Two pinned adapters on workers of one GPU adapter slot each: idle, the pool would go down to minReplicas
+    1, where one of them could not stay GPU-resident. It holds at 2, and says why, until one is unpinned."""
+    emulator, url = cluster
+    await with_deployments(emulator)
+    async with OneSlotStager(TOKEN) as first, OneSlotStager(TOKEN) as second, serving(idle_prometheus()) as prom, \
+            operator_for(url, prom):
+        await start_workers(emulator, [first, second])
+        for name in ("a", "b"):
+            await create(emulator, "loraadapters", adapter_body(name, warm=0, pinned=True))
+        # Indexed (their status says there is no pool yet) before the pool's first pass reads them.
+        await eventually(lambda: status(emulator, "a")["phase"] and status(emulator, "b")["phase"], "adapters seen")
+        await create(emulator, "lorapools", scaling_pool("main", prom, minReplicas=1, scaleDownStabilizationSeconds=0))
+        cond = await eventually(lambda: "pinned adapters need 2 workers" in condition(emulator, "main")["message"]
+                                and condition(emulator, "main"), "the scale-down held for the pinned adapters")
+        assert cond["reason"] == "Steady" and cond["message"].startswith(
+            "2 replicas: KV usage 0.05 < kvLow 0.3; held at 2: 2 pinned adapters need 2 workers"), cond["message"]
+        await eventually(lambda: status(emulator, "a")["phase"] == status(emulator, "b")["phase"] == "Ready",
+                         "both pinned adapters GPU-resident")
+        assert replicas_history(emulator) == [2]
+        await patch(emulator, "loraadapters", "b", {"metadata": {"generation": 2}, "spec": {"pinned": False}})
+        await eventually(lambda: replicas_history(emulator) == [2, 1], "the Deployment scaled down to 1")
+    assert replicas_history(emulator) == [2, 1]
 
 
 async def test_failures_are_conditions_and_touch_no_replicas(cluster, sidecars):  # noqa: F811

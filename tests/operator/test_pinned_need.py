@@ -1,0 +1,59 @@
+"""The workers a pool's pinned adapters need (the autoscaler's floor), as the reconcile counts them: the room
+placement gives each pinned copy (GPU adapter slots, bytes, a canary with it, warm copies)."""
+
+from __future__ import annotations
+
+import pytest
+
+from lorafleet.operator.pinned_need import NO_PINNED, PinnedNeed
+from lorafleet.operator.reconcile import reconcile_pool
+
+from .test_reconcile import MB, NOW, adapter, pool, workers
+
+SCALING = {"target": "workers", "prometheusURL": "http://prometheus:9090", "maxReplicas": 6}
+CANARY = {"version": "v2", "source": {"uri": "s3://adapters/a/v2/"}, "weight": 20}
+
+
+def need(ads, ws, **spec) -> PinnedNeed | None:
+    return reconcile_pool(pool(**{"scaling": SCALING, **spec}), ads, ws, now=NOW).pinned
+
+
+@pytest.mark.parametrize(("num_pinned", "slots", "num_workers"), [(3, 1, 3), (3, 2, 2), (4, 2, 2), (5, 2, 3)])
+def test_pinned_adapters_need_their_slots_over_the_workers_slots(num_pinned, slots, num_workers):
+    ads = [adapter(f"p{i}", pinned=True) for i in range(num_pinned)] + [adapter("cold", warm=1)]
+    assert need(ads, workers(4, pool_slots=slots)) == PinnedNeed(num_pinned, num_workers)
+
+
+def test_a_canary_takes_a_slot_and_warm_copies_one_per_worker():
+    # A pinned copy pins its canary too: two slots. With 2 slots per worker: a alone fills one worker.
+    assert need([adapter("a", pinned=True, canary=CANARY), adapter("b", pinned=True)],
+                workers(2, pool_slots=2)) == PinnedNeed(2, 2)
+    # warm: 2 asks for two copies once there are two workers: 1 slot each, b fits only beside them on a third.
+    assert need([adapter("a", pinned=True, warm=2), adapter("b", pinned=True)],
+                workers(3, pool_slots=1)) == PinnedNeed(2, 3)
+
+
+def test_bytes_count_as_placement_counts_them():
+    ads = [adapter(n, pinned=True, status={"bytes": 60 * MB}) for n in ("a", "b", "c")]
+    assert need(ads, workers(2), adapterMemory={"gpuBytes": "128Mi"}) == PinnedNeed(3, 2)
+    assert need(ads, workers(2, pool_bytes=64 * MB)) == PinnedNeed(3, 3)  # the worker's own report
+    # More than maxReplicas plus the workers there are (some may run in other Deployments): not counted further.
+    one = {**SCALING, "maxReplicas": 1}
+    assert need(ads, workers(2, pool_bytes=64 * MB), scaling=one) == PinnedNeed(3, 3)
+    four = [*ads, adapter("d", pinned=True, status={"bytes": 60 * MB})]
+    assert need(four, workers(2, pool_bytes=64 * MB), scaling=one) == PinnedNeed(4, None)
+
+
+def test_the_smallest_worker_sets_the_room_and_what_fits_nowhere_is_left_out():
+    ws = workers(3, pool_slots=4)
+    ws[1].reported.pool_slots = 1
+    assert need([adapter(f"p{i}", pinned=True) for i in range(3)], ws) == PinnedNeed(3, 3)
+    # Too large for any worker: no number of workers holds it (its status says so), so it adds none.
+    ads = [adapter("huge", pinned=True, status={"bytes": 200 * MB}), adapter("a", pinned=True)]
+    assert need(ads, workers(2), adapterMemory={"gpuBytes": "100Mi"}) == PinnedNeed(2, 1)
+
+
+def test_unknown_without_workers_and_none_without_pins_or_scaling():
+    assert need([adapter("a", pinned=True)], []) is None
+    assert need([adapter("a", warm="all")], []) == NO_PINNED
+    assert reconcile_pool(pool(), [adapter("a", pinned=True)], workers(2, pool_slots=1), now=NOW).pinned is None
