@@ -26,3 +26,9 @@ class ContextLengthError(EngineError):
 class CapacityError(RuntimeError):
     """A request got no room for max_stuck_steps steps with nothing running; what holds it (adapters being
     copied or replaced) may let go later. One that never fits fails with a ContextLengthError instead."""
+
+
+def is_panic(exc: BaseException) -> bool:
+    """A Rust library's panic (`tokenizers`, `safetensors`), raised through pyo3 as PanicException: a
+    BaseException, not an Exception, that one malformed file can cause and that must fail only that file's use."""
+    return type(exc).__name__ == "PanicException"

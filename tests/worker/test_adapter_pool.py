@@ -318,6 +318,26 @@ def test_shape_mismatch_fails_with_the_module_named(pool, bad):
     assert pool.stats()["resident"]["gpu"] == 0
 
 
+class PanicException(BaseException):
+    """As pyo3 raises a Rust library's panic (tokenizers, safetensors): a BaseException, not an Exception."""
+
+
+def test_a_loader_s_panic_fails_only_its_adapter(pool):
+    """One adapter's malformed file makes a Rust library panic in its loader thread: that adapter's requests
+    fail, the step loop (which finishes loads) goes on, and the next adapter loads."""
+    def panics():
+        raise PanicException("Onig: Regex search error: retry-limit-in-match over")
+
+    pool.add("p@1", loader=panics)
+    pool.add("ok@1", loader=lambda: random_weights(1))
+    assert pool.acquire("p@1", waiter=1) is None and pool.acquire("ok@1", waiter=2) is None
+    pool.wait_idle()
+    with pytest.raises(AdapterLoadError, match="load failed: Onig"):
+        pool.acquire("p@1", waiter=1)
+    assert pool.acquire("ok@1", waiter=2) is not None
+    pool.check()
+
+
 def test_same_key_with_different_content_is_refused(pool):
     pool.add("s@1", random_weights(1))
     pool.add("s@1", random_weights(1))  # same content: no-op

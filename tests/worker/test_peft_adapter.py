@@ -535,7 +535,7 @@ def test_a_tokenizer_of_the_same_vocabulary_that_splits_text_otherwise_is_refuse
     """Vocabulary and merges equal, pre-tokenizer or normalizer not: the same text becomes other ids, so the
     adapter was trained on ids this server never produces. The digest of vocabulary and merges alone took them
     as one tokenizer; each side's ids of a few probe texts now tell them apart (tokenizer.json on both)."""
-    from tokenizers import normalizers, pre_tokenizers
+    from tokenizers import Regex, normalizers, pre_tokenizers
 
     from lorafleet.worker.vocab_digest import probe_encodings
 
@@ -569,6 +569,13 @@ def test_a_tokenizer_of_the_same_vocabulary_that_splits_text_otherwise_is_refuse
     tok.post_processor = processors.TemplateProcessing(single="$A d", special_tokens=[("d", 5)])
     tok.save(str(tmp_path / "x" / "tokenizer.json"))
     load()
+    # A normalizer whose regex backtracks past the regex engine's limit: `tokenizers` panics (a BaseException,
+    # not an Exception), which must be this adapter's error, not the end of the thread that loads it.
+    tok = _bpe_tokenizer(vocab)
+    tok.normalizer = normalizers.Replace(Regex("(.|.)*(?!)"), "x")
+    tok.save(str(tmp_path / "x" / "tokenizer.json"))
+    with pytest.raises(AdapterError, match="not a readable tokenizer file .*PanicException"):
+        load()
     (tmp_path / "x" / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "Nope", "vocab": {}}}')
     with pytest.raises(AdapterError, match="not a readable tokenizer file"):
         load()
