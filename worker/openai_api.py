@@ -44,6 +44,7 @@ from lorafleet.worker.engine import EngineError, ShutdownError, UnknownAdapterEr
 from lorafleet.worker.engine_errors import ContextLengthError
 from lorafleet.worker.intake import authenticate, check_room, intake_place, read_json, ready_engine, refused
 from lorafleet.worker.job_outputs import merged_outputs
+from lorafleet.worker.json_schema_grammar import GrammarError
 from lorafleet.worker.metrics import UNRESOLVED_LABEL
 from lorafleet.worker.openai_protocol import (
     APIError,
@@ -144,6 +145,8 @@ def _engine_error(exc: BaseException, job: CompletionJob, request: web.Request) 
         return APIError(400, message, code="context_length_exceeded", param=param)
     if isinstance(exc, EngineError):
         return APIError(400, message, code="invalid_request")
+    if isinstance(exc, GrammarError):  # past the schema grammar's bounds: the schema's fault, as at parse time
+        return APIError(400, message, code="invalid_request", param=job.options.grammar_param)
     if isinstance(exc, ShutdownError):
         return APIError(503, message, type="service_unavailable", code="shutting_down", headers={"Retry-After": "1"})
     if isinstance(exc, CapacityError):  # the pool is held (pinned or busy adapters): not the request's fault

@@ -184,7 +184,7 @@ def parse_chat_request(body: Any, defaults: SamplingDefaults = SamplingDefaults(
         if options.grammar is not None and not isinstance(options.grammar, JsonObjectGrammar):  # JSON mode: replaced
             raise bad_request(f"'{options.grammar_param}' cannot be combined with 'tool_choice' {json.dumps(tools.choice)}: "
                               "the output is then held to the tool calls' schema", options.grammar_param)
-        options.json_object, options.grammar = True, tools.output_grammar
+        options.json_object, options.grammar, options.grammar_param = True, tools.output_grammar, "tools"
     if tools is not None and tools.choice != "none" and f.get("skip_special_tokens") is None:
         options.skip_special_tokens = False  # vLLM's: <tool_call> may be a special token; the parser needs it
     _chat_extras(f)

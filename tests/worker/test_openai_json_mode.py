@@ -124,3 +124,18 @@ async def test_a_failed_json_table_build_is_an_error_that_says_so(aiohttp_client
         assert "tokenizer broke" in error["message"]
     resp = await client.post("/v1/completions", json=body)
     assert resp.status == 200 and client.app[ENGINE].is_running
+
+
+async def test_a_schema_whose_alternatives_stay_alike_too_long_is_the_request_s_400(api):
+    """100 alternatives that read alike until their key's name: past the grammar's bound on readings at once the
+    request fails, as its schema's fault (400, as at parse time), not the worker's (500 counted against the
+    adapter, its canary and the worker's error rate)."""
+    schema = {"anyOf": [{"type": "object", "properties": {f"k{i}": {"type": "string"}}, "required": [f"k{i}"]}
+                        for i in range(100)]}
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 16,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as err:
+            await api.chat.completions.create(**body, stream=stream)
+        assert err.value.status_code == 400 and "readings of the output fit the schema" in err.value.message
+        assert err.value.param == "response_format"
