@@ -44,7 +44,10 @@ def refuse_unsupported(config: dict, where: Path) -> None:
         (config.get("use_dora"), "DoRA (use_dora=true)", "train a plain LoRA adapter (use_dora=false)"),
         (config.get("modules_to_save"), f"modules_to_save={config.get('modules_to_save')}",
          "retrain without modules_to_save: fully trained modules would replace shared base weights"),
-        (config.get("bias", "none") != "none", f"bias={config.get('bias')!r}", "train with bias='none'"),
+        # bias='all' or 'lora_only' train the biases a base has: a Llama's projections have none, so such an
+        # adapter is plain LoRA; a bias tensor in its file is refused with the weights (peft_adapter._classify_key).
+        (config.get("bias", "none") not in ("none", "all", "lora_only"), f"bias={config.get('bias')!r}",
+         "train with bias='none'"),
         (config.get("lora_bias"), "lora_bias=true", "train with lora_bias=false"),
         (config.get("fan_in_fan_out"), "fan_in_fan_out=true (Conv1D layout)", "use a Llama-architecture base"),
         (config.get("target_parameters"), "target_parameters", "target Linear modules (q/k/v/o/gate/up/down_proj)"),
@@ -169,8 +172,10 @@ def refuse_embedding_targets(config: dict, where: Path, num_layers: int) -> None
         if is_targeted(config, name):
             raise AdapterError(f"{where}: {what} is not supported; target only q/k/v/o/gate/up/down_proj")
     if isinstance(targets, list | tuple | set):
+        # As PEFT: names a Llama does not have (a training script's list for several architectures: fc1, dense)
+        # select nothing and are passed over, while one name selects a projection; the weights say the rest.
         unknown = [t for t in targets if t.rsplit(".", 1)[-1] not in PROJS and t not in module_names(num_layers)]
-        if unknown:
+        if unknown and len(unknown) == len(targets):
             raise AdapterError(
                 f"{where}: target_modules {sorted(unknown)} are not projections of a Llama model; "
                 f"supported: {', '.join(PROJS)}"

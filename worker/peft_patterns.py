@@ -59,9 +59,10 @@ def pattern_key(pattern_keys: list[tuple[str, regex.Pattern]], module_name: str)
 
 
 def layer_regex(pattern: str) -> str:
-    """PEFT's regex for the layer index after a `layers_pattern` segment (the pattern grouped: an alternation
-    in it stays inside the segment)."""
-    return rf".*\.(?:{pattern})\.(?P<layer_index>\d+)\."
+    """PEFT's regex for the layer index after a `layers_pattern` segment: the first such index, the segment at the
+    name's start or after a dot (`model.layers` names Llama's own; the pattern grouped: an alternation in it stays
+    inside the segment)."""
+    return rf"(?:^|.*?\.)(?:{pattern})\.(?P<layer_index>\d+)\."
 
 
 def _layer_selected(config: dict, module_name: str) -> bool:
@@ -70,7 +71,7 @@ def _layer_selected(config: dict, module_name: str) -> bool:
         return True
     patterns = config.get("layers_pattern")
     if not patterns:  # PEFT's default: the number after any segment
-        match = re.match(r".*\.[^.]*\.(?P<layer_index>\d+)\.", module_name)
+        match = re.match(r".*?\.[^.]*\.(?P<layer_index>\d+)\.", module_name)
     else:  # the number after a segment the pattern names (PEFT tries each of a list in turn)
         patterns = [patterns] if isinstance(patterns, str) else patterns
         found = (_find(layer_regex(p), module_name, "layers_pattern", full=False) for p in patterns)

@@ -102,6 +102,14 @@ CASES = {
     "layers_to_transform": dict(r=6, lora_alpha=9, target_modules=["q_proj", "gate_proj"], layers_to_transform=[1]),
     "layers_pattern": dict(r=6, lora_alpha=9, target_modules=["q_proj"], layers_to_transform=0,
                            layers_pattern=["h", "layers"]),
+    # The segment at the name's start: PEFT matches `model.layers` from the name's start.
+    "layers_pattern_dotted": dict(r=5, lora_alpha=10, target_modules=["v_proj", "up_proj"], layers_to_transform=[1],
+                                  layers_pattern="model.layers"),
+    # A training script's list for several architectures: PEFT passes over the names a Llama lacks.
+    "other_architectures_names": dict(r=4, lora_alpha=8, target_modules=["q_proj", "fc1", "fc2", "query_key_value"]),
+    # A Llama's projections have no bias to train: the file is plain LoRA.
+    "bias_all": dict(r=4, lora_alpha=8, bias="all", target_modules=["k_proj", "down_proj"]),
+    "bias_lora_only": dict(r=4, lora_alpha=8, bias="lora_only", target_modules=["o_proj"]),
 }
 
 
@@ -231,8 +239,7 @@ def test_refuses_pickle_weights_without_opening_them(tmp_path, model_config, mon
     (dict(modules_to_save=["lm_head"], target_modules=["q_proj"]), "modules_to_save"),
     (dict(target_modules=["embed_tokens", "q_proj"]), "embedding LoRA"),
     (dict(target_modules=["q_proj", "lm_head"]), "lm_head"),
-    (dict(bias="lora_only", target_modules=["q_proj"]), "bias='none'"),
-], ids=["dora", "modules_to_save", "embedding", "lm_head", "bias"])
+], ids=["dora", "modules_to_save", "embedding", "lm_head"])
 def test_refuses_unsupported_features(kwargs, message, tmp_path, model_config):
     make_adapter(tmp_path / "x", r=4, lora_alpha=8, **kwargs)
     with pytest.raises(AdapterError, match=message):
@@ -248,6 +255,22 @@ def test_refuses_dora_and_embedding_tensors_even_if_config_hides_them(tmp_path, 
     _edit_config(tmp_path / "e", target_modules=["q_proj"])
     with pytest.raises(AdapterError, match="embedding LoRA"):
         load_peft_adapter(tmp_path / "e", model_config, dtype=torch.float32)
+
+
+def test_target_modules_that_name_nothing_of_a_llama_and_bias_tensors_are_refused(tmp_path, model_config):
+    make_adapter(tmp_path / "x", r=4, lora_alpha=8, target_modules=["q_proj"])
+    _edit_config(tmp_path / "x", target_modules=["fc1", "dense"])  # an adapter of another architecture
+    with pytest.raises(AdapterError, match=r"target_modules \['dense', 'fc1'\] are not projections of a Llama"):
+        load_peft_adapter(tmp_path / "x", model_config, dtype=torch.float32)
+    _edit_config(tmp_path / "x", target_modules=["q_proj"], bias="some")
+    with pytest.raises(AdapterError, match="bias='some'"):
+        load_peft_adapter(tmp_path / "x", model_config, dtype=torch.float32)
+    _edit_config(tmp_path / "x", bias="all")
+    tensors = load_file(str(tmp_path / "x" / "adapter_model.safetensors"))
+    tensors["base_model.model.model.layers.0.self_attn.q_proj.bias"] = torch.zeros(64)  # a base with biases
+    save_file(tensors, str(tmp_path / "x" / "adapter_model.safetensors"))
+    with pytest.raises(AdapterError, match="LoRA biases are not supported"):
+        load_peft_adapter(tmp_path / "x", model_config, dtype=torch.float32)
 
 
 def test_shape_mismatch_names_module_and_shapes(tmp_path, model_config):
