@@ -217,11 +217,12 @@ class Engine:
         return self._tokenizer_encodings
 
     # ---- requests -----------------------------------------------------------------------------------
-    def encode(self, prompt: Prompt) -> list[int]:
+    def encode(self, prompt: Prompt, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a text (the tokenizer's BOS first unless `add_special_tokens` is false), or ids checked."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise EngineError("this model directory has no tokenizer.json: pass token ids, not text")
-            return self.tokenizer.encode(prompt)
+            return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         ids = [int(t) for t in prompt]
         bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
         if bad:

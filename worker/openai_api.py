@@ -102,7 +102,7 @@ async def _prepare(request: web.Request, endpoint: str,
         def tokenize() -> list[list[int]]:
             if endpoint == "chat":
                 return [chat_prompt_ids(app, parsed)]
-            return [engine.encode(p) for p in parsed.prompts]
+            return [engine.encode(p, add_special_tokens=parsed.add_special_tokens) for p in parsed.prompts]
 
         tools = parsed.tools if endpoint == "chat" else None  # its tools and tool_choice (tool_request.py)
         tool_calls = ToolCalls.of(tools, engine.tokenizer, app[CONFIG].tool_call_parser)  # 400: no tools in template

@@ -53,6 +53,7 @@ class CompletionRequest:
     model: str
     prompts: list[str | list[int]]  # one or more; each a string or token ids
     options: SamplingOptions
+    add_special_tokens: bool = True  # vLLM's: false leaves out the tokenizer's BOS (a prompt rendered with its own)
 
 
 @dataclass(slots=True)
@@ -129,8 +130,9 @@ def parse_completion_request(body: Any, defaults: SamplingDefaults = SamplingDef
     options.echo = echo
     f.neutral("best_of", 1, "best_of is not implemented; use n")
     f.neutral("suffix", "", "suffix (insertion) is not implemented")
+    add_special_tokens = f.flag("add_special_tokens", True)
     f.refuse_unknown()
-    return CompletionRequest(model, prompts, options)
+    return CompletionRequest(model, prompts, options, add_special_tokens)
 
 
 def _content(v: Any, where: str) -> str:

@@ -97,3 +97,31 @@ async def test_only_a_model_the_caller_may_call_and_only_with_a_key(client):
     for path in ("/tokenize", "/detokenize"):
         resp = await client.post(path, json=body)
         assert resp.status == 401 and (await resp.json())["error"]["code"] == "invalid_api_key"
+
+
+async def test_completions_take_add_special_tokens_as_vllm_does(aiohttp_client, tiny_llama_dir, qv_adapters_dir,
+                                                                 tmp_path):
+    """A tokenizer that writes BOS: a prompt rendered with its own (a chat template applied by the caller) is sent
+    with `add_special_tokens: false`, else it gets a second one; the field was refused with a 400."""
+    import json
+    import shutil
+
+    model = shutil.copytree(tiny_llama_dir, tmp_path / "bos_model")
+    config = json.loads((model / "tokenizer_config.json").read_text()) if (model / "tokenizer_config.json").exists() else {}
+    (model / "tokenizer_config.json").write_text(json.dumps({**config, "add_bos_token": True, "bos_token": "<s>"}))
+    client = await aiohttp_client(create_app(worker_config(model, qv_adapters_dir, tmp_path)))
+    api = openai_client(client, KEY_ACME)
+    text = "<s>hi there"
+    counts = {}
+    for special in (True, False):
+        status, got = await _post(client, "/tokenize", {"model": "tiny", "prompt": "hi there",
+                                                        "add_special_tokens": special})
+        assert status == 200 and (got["tokens"][0] == BOS_ID) == special, got
+        completion = await api.completions.create(model="tiny", prompt="hi there", max_tokens=1,
+                                                  extra_body={"add_special_tokens": special})
+        counts[special] = completion.usage.prompt_tokens
+        assert counts[special] == got["count"]
+    assert counts[True] == counts[False] + 1
+    rendered = await api.completions.create(model="tiny", prompt=text, max_tokens=1,
+                                            extra_body={"add_special_tokens": False})
+    assert rendered.usage.prompt_tokens == counts[False] + 1  # its own BOS, once
