@@ -139,14 +139,15 @@ class CompletionJob:
 
     def choice(self, tokenizer, index: int, text: str, lps: list[TokenLogprob] | None, finish_reason: str | None,
                *, delta: bool, first: bool = False, offsets: TextOffsets | None = None,
-               prompt_lps: list[TokenLogprob | None] | None = None) -> dict[str, Any]:
+               prompt_lps: list[TokenLogprob | None] | None = None, stop_reason: str | int | None = None) -> dict[str, Any]:
         """One entry of `choices`: a whole choice, or a streamed delta (`first`: the choice's first chunk;
         `offsets`: the choice's TextOffsets, kept over all its chunks; `prompt_lps`: the output's prompt
-        logprobs, for `echo` and `prompt_logprobs`)."""
+        logprobs, for `echo` and `prompt_logprobs`; `stop_reason`: vLLM's, the stop string or token id that
+        ended it, null for EOS, length or before the end)."""
         if self.endpoint == "completions":
             if self.score_only:
                 text, lps = "", [] if lps is not None else None
-                finish_reason = finish_reason and "length"
+                finish_reason, stop_reason = finish_reason and "length", None
             offsets = offsets if offsets is not None else TextOffsets()
             p = self.choice_prompt[index]
             echo = self.options.echo and (first or not delta)
@@ -155,7 +156,7 @@ class CompletionJob:
             choice = {"index": index, "text": echo_text + text,
                       "logprobs": completion_logprobs(tokenizer, lps, offsets, prompt, self.options.logprobs,
                                                       self.options.skip_special_tokens),
-                      "finish_reason": finish_reason}
+                      "finish_reason": finish_reason, "stop_reason": stop_reason}
             if self.options.prompt_logprobs is not None and not delta:
                 choice["prompt_logprobs"] = vllm_prompt_logprobs(tokenizer, prompt_lps, self.options.prompt_logprobs)
             return choice
@@ -167,17 +168,18 @@ class CompletionJob:
             content = text or (None if calls else "")
             message = ({"role": "assistant"} if first else {}) | ({"content": content} if text or first else {})
             return {"index": index, "delta": message | ({"tool_calls": calls} if calls else {}),
-                    "logprobs": chat_logprobs(tokenizer, lps), "finish_reason": finish_reason}
+                    "logprobs": chat_logprobs(tokenizer, lps), "finish_reason": finish_reason, "stop_reason": stop_reason}
         message = {"role": "assistant", "content": text}
         if self.tool_calls is not None:
             message, finish_reason = self.tool_calls.message(text, finish_reason)
         return {"index": index, "message": message, "logprobs": chat_logprobs(tokenizer, lps),
-                "finish_reason": finish_reason}
+                "finish_reason": finish_reason, "stop_reason": stop_reason}
 
     def response(self, tokenizer, final: dict[int, RequestOutput]) -> dict[str, Any]:
         """The whole answer (not streamed) from each choice's finished output."""
         choices = [self.choice(tokenizer, i, final[i].text, final[i].logprobs, final[i].finish_reason, delta=False,
-                               prompt_lps=final[i].prompt_logprobs) for i in range(self.num_choices)]
+                               prompt_lps=final[i].prompt_logprobs, stop_reason=final[i].stop_reason)
+                   for i in range(self.num_choices)]
         body = self.envelope(choices, chunk=False)
         if self.endpoint == "chat" and self.options.prompt_logprobs is not None:  # one prompt: beside the choices
             body["prompt_logprobs"] = vllm_prompt_logprobs(tokenizer, final[0].prompt_logprobs,

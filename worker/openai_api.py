@@ -288,7 +288,8 @@ async def _stream(request: web.Request, job: CompletionJob, outputs: AsyncIterat
                 if out.new_text or out.new_token_ids or first or out.finished:
                     choice = job.choice(tokenizer, i, out.new_text, out.new_logprobs,
                                      out.finish_reason if out.finished else None, delta=True, first=first,
-                                     offsets=offsets[i], prompt_lps=out.prompt_logprobs)
+                                     offsets=offsets[i], prompt_lps=out.prompt_logprobs,
+                                     stop_reason=out.stop_reason if out.finished else None)
                     chunk = job.envelope([choice], chunk=True)
                     if job.options.include_usage:  # as OpenAI: every chunk has the field, null but the last
                         # (vLLM's continuous_usage_stats: the counts so far)

@@ -24,6 +24,7 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: str | int | None = None  # with "stop": the stop string or stop token id (not EOS) that ended it
     error: str | None = None  # set with finish_reason "error" (e.g. the adapter failed to load)
     exception: Exception | None = field(default=None, repr=False, compare=False)  # the failure, to re-raise
     adapter: str | None = None  # "name@version" that served it, None for the base model
@@ -71,6 +72,7 @@ class OutputTracker:
             prompt_logprobs=seq.prompt_logprobs if seq.params.prompt_logprobs is not None else None,  # filled by prefill only: shared, not copied per output
             finished=seq.is_finished,
             finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
             error=seq.error,
             exception=seq.exception,
             adapter=seq.adapter,

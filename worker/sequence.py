@@ -72,6 +72,7 @@ class Sequence:
         self.prompt_logprobs = PromptLogprobs([None] if params.prompt_logprobs is not None else [])
         self.prompt_logprobs.holders.add(self)
         self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None  # vLLM's: the stop string or stop_token_ids token that ended it
         self.error: str | None = None  # why the request failed (finish_reason "error")
         self.exception: Exception | None = None  # the failure itself (e.g. AdapterLoadError)
         self.text = ""

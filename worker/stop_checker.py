@@ -33,6 +33,7 @@ class StopChecker:
         end = len(seq.output_token_ids) if keep else len(seq.output_token_ids) - 1
         if stop_token:
             seq.finish_reason = "stop"
+            seq.stop_reason = None if eos else token  # vLLM's: EOS is no stop reason, a stop_token_ids token is
         elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             seq.finish_reason = "length"
         if self.detokenizer is None:
@@ -48,7 +49,7 @@ class StopChecker:
             if hits:
                 i, s = min(hits)
                 seq.text = seq.text[: i + len(s) if params.include_stop_str_in_output else i]
-                seq.finish_reason = "stop"
+                seq.finish_reason, seq.stop_reason = "stop", s
 
     @staticmethod
     def final_text_len(seq: Sequence, emitted: int) -> int:

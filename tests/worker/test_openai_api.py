@@ -316,14 +316,17 @@ async def test_logit_bias_and_min_p_reach_the_engine(base_client, tiny_llama_dir
         assert error["param"] == field and field in error["message"]
 
 
-async def _answer(client, path: str, body: dict) -> tuple[list[str], list[str], int]:
-    """Per choice its text and finish_reason, and the completion tokens, of a 200 answer, streamed or not."""
+async def _answer(client, path: str, body: dict, stop_reasons: list | None = None) -> tuple[list[str], list[str], int]:
+    """Per choice its text and finish_reason, and the completion tokens, of a 200 answer, streamed or not; each
+    choice's stop_reason appended to `stop_reasons` (streamed: null in every chunk but its last)."""
     stream = {"stream": True, "stream_options": {"include_usage": True}} if body.get("stream") else {}
     resp = await client.post(path, json=body | stream)
     assert resp.status == 200, await resp.text()
     if not stream:
         data = await resp.json()
         texts = [c["text"] if "text" in c else c["message"]["content"] for c in data["choices"]]
+        if stop_reasons is not None:
+            stop_reasons += [c["stop_reason"] for c in data["choices"]]
         return texts, [c["finish_reason"] for c in data["choices"]], data["usage"]["completion_tokens"]
     events = [line[6:] for line in (await resp.text()).split("\n") if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
@@ -333,6 +336,9 @@ async def _answer(client, path: str, body: dict) -> tuple[list[str], list[str], 
         piece = c["text"] if "text" in c else c["delta"].get("content", "")
         texts[c["index"]] = texts.get(c["index"], "") + piece
         reasons[c["index"]] = c["finish_reason"] or reasons.get(c["index"])
+        assert c["finish_reason"] is not None or c["stop_reason"] is None
+        if stop_reasons is not None and c["finish_reason"] is not None:
+            stop_reasons.append(c["stop_reason"])
     return [texts[i] for i in sorted(texts)], [reasons[i] for i in sorted(texts)], chunks[-1]["usage"]["completion_tokens"]
 
 
@@ -370,6 +376,24 @@ async def test_vllm_min_tokens_stop_token_ids_and_stop_string_options(base_clien
     assert await answer(logit_bias=eos_first, ignore_eos=True, max_tokens=3) == ([""], ["length"], 3)
     assert await answer(logit_bias=eos_first, ignore_eos=True, max_tokens=3, skip_special_tokens=False) == (
         ["</s></s></s>"], ["length"], 3)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_stop_reason_names_the_stop_string_or_token_that_ended_a_choice(base_client, path, stream):
+    """vLLM's `stop_reason`: the stop string, or the stop_token_ids token, that ended the choice; null for EOS and
+    for length. With several stop strings it is the only way to tell which one ended it (its text is cut)."""
+    from tests.worker.conftest import EOS_ID
+
+    a = base_client.app[ENGINE].engine.tokenizer.token_to_id("a")
+    body = _greedy_body(path, max_tokens=6, stream=stream)
+    del body["ignore_eos"]
+    cases = [({"logit_bias": {str(EOS_ID): 100}}, None), ({"logit_bias": {str(a): 100}, "stop_token_ids": [a]}, a),
+             ({"logit_bias": {str(a): 100}, "stop": ["b", "aa"]}, "aa"), ({"logit_bias": {str(a): 100}}, None)]
+    for extra, expected in cases:
+        got: list = []
+        await _answer(base_client, path, body | extra | {"n": 2}, got)
+        assert got == [expected] * 2, extra
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
