@@ -322,6 +322,7 @@ def create_app(config: WorkerConfig) -> web.Application:
     app.cleanup_ctx.append(_stager_ctx)
     app.on_shutdown.append(_drain)
     app.router.add_get("/healthz", healthz)
+    app.router.add_get("/health", healthz)  # vLLM's: probes and routers set up for vLLM ask it
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
     app.router.add_routes(openai_routes())

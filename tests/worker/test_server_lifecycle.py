@@ -29,10 +29,10 @@ def config(tiny_llama_dir, engine: dict | None = None, **worker) -> WorkerConfig
 async def test_a_dead_engine_thread_fails_liveness_and_ends_the_streams_in_flight(aiohttp_client, tiny_llama_dir):
     """A bug outside a step ends the engine thread: the stream in flight ends with an in-band error (it
     does not hang), and /healthz turns 503 so that the kubelet restarts the container (a pod that only
-    turns unready would stay so for ever)."""
+    turns unready would stay so for ever). vLLM's /health, which probes and routers set up for vLLM ask, too."""
     app = create_app(config(tiny_llama_dir))
     client = await aiohttp_client(app)
-    assert (await client.get("/healthz")).status == 200
+    assert (await client.get("/healthz")).status == 200 and (await client.get("/health")).status == 200
     resp = await client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 200,
                                                       "ignore_eos": True, "stream": True})
     assert resp.status == 200
@@ -48,6 +48,7 @@ async def test_a_dead_engine_thread_fails_liveness_and_ends_the_streams_in_fligh
     assert last["error"]["code"] == "engine_error" and "engine thread died" in last["error"]["message"], last
     health = await client.get("/healthz")
     assert health.status == 503 and "scheduler bug" in (await health.json())["error"]
+    assert (await client.get("/health")).status == 503
     assert (await client.get("/readyz")).status == 503
     resp = await client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
     assert resp.status == 500 and "engine thread died" in (await resp.json())["error"]["message"]
