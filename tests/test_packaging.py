@@ -75,3 +75,16 @@ def test_no_bench_script_shadows_an_installed_module():
         spec = importlib.util.find_spec(script.stem)
         origin = spec.origin if spec is not None else None
         assert origin is None or Path(origin).resolve().parent == bench, f"bench/{script.name} shadows {origin}"
+
+
+def test_every_console_script_names_a_callable_main():
+    """pyproject's [project.scripts] entries load: a script naming a module without its `main` is installed (the
+    image's `pip install .` too) and fails only when someone runs it."""
+    import importlib
+    import tomllib
+
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert set(scripts) == {"lorafleet-worker", "lorafleet-stager", "lorafleet-operator"}
+    for name, target in scripts.items():
+        module, _, attr = target.partition(":")
+        assert callable(getattr(importlib.import_module(module), attr, None)), f"{name} = {target}"
