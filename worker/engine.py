@@ -249,7 +249,7 @@ class Engine:
             seq.generator = torch.Generator(device=self.device)
             seq.generator.manual_seed(generator_seed(params.seed, seq.generator.device))
         if seq.adapter is not None:  # its version stays registered until it takes it (a push may switch it)
-            self.adapter_pool.hold(seq.adapter, seq.seq_id)
+            self.adapter_pool.hold(seq.adapter, seq.seq_id, count=True)  # its GPU hit or miss, once
         self.requests[request_id] = seq
         self.outputs.start(request_id)
         self.scheduler.add(seq)

@@ -334,9 +334,8 @@ class Scheduler:
         ):
             return False
         if seq.adapter_slot is None:
-            # Taken again after giving it back (_let_go_of_adapters): the request was counted once already.
-            seq.adapter_slot = self.adapter_pool.acquire(seq.adapter, seq.seq_id, count=not seq.adapter_counted)
-            seq.adapter_counted = True
+            # Its GPU hit or miss was counted as it arrived (Engine.add_request), once.
+            seq.adapter_slot = self.adapter_pool.acquire(seq.adapter, seq.seq_id, count=False)
             if seq.adapter_slot is not None and not seq.kv_room_checked and self.never_fits and (exc := self.never_fits(seq)):
                 raise exc  # its adapter's size is known now
         return seq.adapter_slot is not None

@@ -60,7 +60,6 @@ class Sequence:
         self.adapter = adapter  # "name@version" or None (base model)
         self.tenant = tenant  # the caller's tenant: admission is fair across tenants (waiting_queue.py)
         self.adapter_slot: int | None = None  # GPU slot while the pool reference is held
-        self.adapter_counted = False  # its adapter lookup is in the hit/miss counts (once per request)
         self.kv_room_checked = False  # checked against its adapter's known size (kv_room.py): not again once held
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache

@@ -350,3 +350,33 @@ def test_a_new_version_of_a_pinned_adapter_takes_its_pages_under_the_ceiling(tin
     assert [(o.request_id, o.finish_reason, o.error) for o in finished] == [("new", "length", None)]
     assert pool.resolve("p") == "p@2" and pool.entry("p@2").resident
     _assert_all_free(engine)
+
+
+@pytest.mark.parametrize("tenants", ["one", "five"])
+def test_each_request_that_finds_its_adapter_off_the_gpu_is_a_miss(tiny_llama_dir, tenants):
+    """The autoscaler's hit rate: five requests queued for one cold adapter all wait for its load, so all five
+    are GPU misses, however many tenants send them (the scheduler reaches those behind the first once it is
+    loaded: counted then, they were hits, and a worker loading for every burst read 0.8-0.9). Those arriving
+    once it is resident are hits; and a pool whose one slot two adapters take in turn misses every time."""
+    engine = _engine(tiny_llama_dir, num_pages=64, max_num_seqs=8, max_loras=1)
+    _add_adapter(engine, "cold@1", seed=1)
+    _add_adapter(engine, "other@1", seed=2)
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+
+    def burst(adapter: str, n: int) -> tuple[int, int]:
+        before = engine.adapter_pool.stats()
+        for i in range(n):
+            engine.add_request(None, [1, 2, 3], params, adapter=adapter,
+                               tenant="acme" if tenants == "one" else f"t{i}")
+        _run_until_done(engine, max_steps=100)
+        after = engine.adapter_pool.stats()
+        return tuple(after[k].get("gpu", 0) - before[k].get("gpu", 0) for k in ("hits", "misses"))
+
+    assert burst("cold", 5) == (0, 5)
+    engine.add_request("keeps-it", [1, 2, 3], SamplingParams(max_tokens=1, temperature=0), adapter="cold")
+    assert engine.adapter_pool.stats()["hits"]["gpu"] == 1  # resident as it arrived
+    _run_until_done(engine, max_steps=10)
+    for _ in range(2):  # one slot, taken in turn: every request waits for a load
+        assert burst("other", 4) == (0, 4)
+        assert burst("cold", 4) == (0, 4)
+    _assert_all_free(engine)
