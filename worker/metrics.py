@@ -75,20 +75,29 @@ _FROZEN: contextvars.ContextVar[tuple[EngineSnapshot, float] | None] = contextva
 
 
 class _EngineCollector(Collector):
-    def __init__(self, snapshot: Callable[[], EngineSnapshot], throughput: Callable[[], float]) -> None:
+    def __init__(self, snapshot: Callable[[], EngineSnapshot], throughput: Callable[[], float],
+                 model_name: Callable[[], str] = str) -> None:
         self._snapshot = snapshot
         self._throughput = throughput
+        self._model_name = model_name
 
     def read(self) -> tuple[EngineSnapshot, float]:
         return self._snapshot(), self._throughput()
 
     def collect(self) -> Iterator[Metric]:
         s, throughput = _FROZEN.get() or self.read()
-        yield GaugeMetricFamily("vllm:num_requests_running", "Requests in the running batch.", s.num_running)
-        yield GaugeMetricFamily("vllm:num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
-        yield GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent.", s.kv_usage)
-        yield CounterMetricFamily("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
-                                  s.num_preemptions)
+        name = [self._model_name()]  # vLLM's label on each of its series: dashboards and HPA rules filter on it
+        for family, text, value in (
+                (GaugeMetricFamily, ("vllm:num_requests_running", "Requests in the running batch."), s.num_running),
+                (GaugeMetricFamily, ("vllm:num_requests_waiting", "Requests waiting to be scheduled."), s.num_waiting),
+                (GaugeMetricFamily, ("vllm:kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent."), s.kv_usage),
+                # the name older routers (Gateway API inference extension releases) read
+                (GaugeMetricFamily, ("vllm:gpu_cache_usage_perc", "KV-cache usage; 1 means 100 percent."), s.kv_usage),
+                (CounterMetricFamily, ("vllm:num_preemptions", "Cumulative number of preemption from the engine."),
+                 s.num_preemptions)):
+            metric = family(*text, labels=["model_name"])
+            metric.add_metric(name, value)
+            yield metric
         info = GaugeMetricFamily(
             "vllm:lora_requests_info",
             "Running stats on LoRA requests.",
@@ -136,12 +145,23 @@ class WorkerMetrics:
                                             buckets=_ADAPTER_COUNT_BUCKETS, registry=r)
         self.rejected = Counter("lorafleet_requests_rejected", "Requests refused before reaching the engine.",
                                 ["reason"], registry=r)
+        # vLLM's names, one series set for the worker (labelled by the served base model, as vLLM's are)
+        self.model_name = ""  # set once the engine is up (the served model name)
+        self.vllm_ttft = Histogram("vllm:time_to_first_token_seconds", "Arrival to first token.", ["model_name"],
+                                   buckets=_LATENCY_BUCKETS, registry=r)
+        self.vllm_inter_token = Histogram("vllm:inter_token_latency_seconds", "Gap between streamed tokens.",
+                                          ["model_name"], buckets=_TOKEN_GAP_BUCKETS, registry=r)
+        self.vllm_e2e = Histogram("vllm:e2e_request_latency_seconds", "Arrival to last token.", ["model_name"],
+                                  buckets=_LATENCY_BUCKETS, registry=r)
+        self.vllm_prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed.", ["model_name"], registry=r)
+        self.vllm_generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.", ["model_name"],
+                                              registry=r)
         self._recent_tokens: deque[tuple[float, int]] = deque()
         # adapter -> version -> (endpoint, status) of its request series: what retain_versions removes
         self._versions: dict[str, dict[str, set[tuple[str, str]]]] = {}
         self.retired = RetiredSeries(retired_grace_s, clock)
         self.rolled_out = RetiredSeries(retired_grace_s, clock)  # names whose rollout ended: latencies to drop
-        self._engine = _EngineCollector(snapshot, self.tokens_per_second)
+        self._engine = _EngineCollector(snapshot, self.tokens_per_second, lambda: self.model_name)
         r.register(self._engine)
 
     def _labels(self, adapter: str | None, version: str) -> tuple[str, str]:
@@ -156,6 +176,7 @@ class WorkerMetrics:
 
     def observe_prompt_tokens(self, adapter: str | None, num_tokens: int, *, version: str = "") -> None:
         self.prompt_tokens.labels(*self._labels(adapter, version)).inc(num_tokens)
+        self.vllm_prompt_tokens.labels(self.model_name).inc(num_tokens)
 
     def _latency_labels(self, adapter: str | None, version: str, per_version: bool | None) -> tuple[str, str]:
         """The labels of a latency observation: the adapter's own while it rolls out a version (`per_version`:
@@ -170,23 +191,28 @@ class WorkerMetrics:
     def observe_first_token(self, adapter: str | None, seconds: float, *, version: str = "",
                             per_version: bool | None = None) -> None:
         self.ttft.labels(*self._latency_labels(adapter, version, per_version)).observe(seconds)
+        self.vllm_ttft.labels(self.model_name).observe(seconds)
 
     def observe_token_gaps(self, adapter: str | None, seconds: float, count: int, *, version: str = "",
                            per_version: bool | None = None) -> None:
         """`count` tokens that arrived `seconds` apart each."""
         child = self.inter_token.labels(*self._latency_labels(adapter, version, per_version))
+        worker = self.vllm_inter_token.labels(self.model_name)
         for _ in range(count):
             child.observe(seconds)
+            worker.observe(seconds)
 
     def observe_e2e(self, adapter: str | None, seconds: float, *, version: str = "",
                     per_version: bool | None = None) -> None:
         self.e2e.labels(*self._latency_labels(adapter, version, per_version)).observe(seconds)
+        self.vllm_e2e.labels(self.model_name).observe(seconds)
 
     def observe_tokens(self, adapter: str | None, num_tokens: int, *, version: str = "",
                        now: float | None = None) -> None:
         if num_tokens <= 0:
             return
         self.generation_tokens.labels(*self._labels(adapter, version)).inc(num_tokens)
+        self.vllm_generation_tokens.labels(self.model_name).inc(num_tokens)
         now = time.monotonic() if now is None else now
         self._recent_tokens.append((now, num_tokens))
         self._trim(now)

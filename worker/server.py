@@ -138,6 +138,7 @@ async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
     async_engine = AsyncEngine(engine, on_step=lambda e: app[METRICS].observe_step(
         num_seqs=e.last_batch_size, num_adapters=e.last_batch_adapters))
     base_model = served_model_name(config, engine)
+    app[METRICS].model_name = base_model  # the `model_name` label of the vllm:* series
     if any(key.partition("@")[0] == base_model for key in engine.adapters()):
         raise StartupError(f"the base model is served as {base_model!r}, the name of an adapter under --adapters "
                          f"{config.engine.adapters} too: rename that folder or set --served-model-name")

@@ -20,10 +20,13 @@ def _samples(m: WorkerMetrics) -> dict[tuple[str, tuple], float]:
 def test_engine_snapshot_feeds_vllm_compatible_gauges():
     snap = EngineSnapshot(num_running=3, num_waiting=2, kv_usage=0.25, max_lora=8,
                           running_adapters=["b@1", "a@1"], waiting_adapters=["c@2"])
-    s = _samples(WorkerMetrics(lambda: snap))
-    assert s[("vllm:num_requests_running", ())] == 3
-    assert s[("vllm:num_requests_waiting", ())] == 2
-    assert s[("vllm:kv_cache_usage_perc", ())] == 0.25
+    metrics = WorkerMetrics(lambda: snap)
+    metrics.model_name = "llama"
+    s = _samples(metrics)
+    name = (("model_name", "llama"),)  # vLLM's label: its dashboards and HPA rules filter on it
+    assert s[("vllm:num_requests_running", name)] == 3
+    assert s[("vllm:num_requests_waiting", name)] == 2
+    assert s[("vllm:kv_cache_usage_perc", name)] == s[("vllm:gpu_cache_usage_perc", name)] == 0.25
     info = [k for k in s if k[0] == "vllm:lora_requests_info"]
     assert info == [("vllm:lora_requests_info", (("max_lora", "8"), ("running_lora_adapters", "a@1,b@1"),
                                                   ("waiting_lora_adapters", "c@2")))]
@@ -32,7 +35,7 @@ def test_engine_snapshot_feeds_vllm_compatible_gauges():
 
 def test_preemptions_are_counters_under_both_names():
     s = _samples(WorkerMetrics(lambda: EngineSnapshot(num_preemptions=7)))
-    assert s[("vllm:num_preemptions_total", ())] == s[("lorafleet_preemptions_total", ())] == 7
+    assert s[("vllm:num_preemptions_total", (("model_name", ""),))] == s[("lorafleet_preemptions_total", ())] == 7
 
 
 async def test_metrics_count_the_preemptions_of_a_run(aiohttp_client, tiny_llama_dir):
@@ -50,7 +53,8 @@ async def test_metrics_count_the_preemptions_of_a_run(aiohttp_client, tiny_llama
     outs = await asyncio.wrap_future(engine.call(lambda e: e.generate([[i] * 8 for i in (1, 2, 3)], params)))
     assert [o.finish_reason for o in outs] == ["length"] * 3 and engine.engine.num_preemptions > 0
     text = await (await client.get("/metrics")).text()
-    s = {m.name: m.value for fam in text_string_to_metric_families(text) for m in fam.samples if not m.labels}
+    s = {m.name: m.value for fam in text_string_to_metric_families(text) for m in fam.samples
+         if not m.labels or m.labels == {"model_name": "tiny"}}
     assert s["vllm:num_preemptions_total"] == s["lorafleet_preemptions_total"] == engine.engine.num_preemptions
 
 

@@ -530,6 +530,11 @@ async def test_metrics_endpoint_has_request_and_vllm_series(server, served_keys)
                  "lorafleet_batch_size_bucket", "lorafleet_adapters_per_batch_bucket", "lorafleet_adapter_hits_total",
                  "lorafleet_generation_tokens_per_second", "lorafleet_queue_depth"):
         assert name in text, name
+    # vLLM's names, labelled by the served model as vLLM's are (its dashboards and HPA rules filter on it)
+    for name in ("vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc",
+                 "vllm:time_to_first_token_seconds_count", "vllm:e2e_request_latency_seconds_count",
+                 "vllm:inter_token_latency_seconds_count", "vllm:prompt_tokens_total", "vllm:generation_tokens_total"):
+        assert f'{name}{{model_name="tiny"}}' in text, name
     from prometheus_client.parser import text_string_to_metric_families
 
     requests = {(s.labels["adapter"], s.labels["version"], s.labels["endpoint"], s.labels["status"])
