@@ -142,6 +142,29 @@ def test_worker_pod_engine_and_sidecar():
     assert selector_matches({"matchLabels": find(docs, "Service")["spec"]["selector"]}, pod["metadata"]["labels"])
 
 
+def test_the_stager_sidecar_takes_extra_args_env_and_mounts():
+    """Local adapter folders (LORAFLEET_LOCAL_ROOTS and a mounted folder) and the stager's other settings
+    (--download-timeout-s) reach the sidecar; the engine gets none of them."""
+    values = {"worker": {"extraVolumes": [{"name": "adapters", "persistentVolumeClaim": {"claimName": "lora"}}],
+                         "stagerExtraArgs": ["--download-timeout-s", "900"],
+                         "stagerExtraEnv": [{"name": "LORAFLEET_LOCAL_ROOTS", "value": "/adapters"}],
+                         "stagerExtraVolumeMounts": [{"name": "adapters", "mountPath": "/adapters", "readOnly": True}]}}
+    engine, stager = find(render(values), "Deployment", "-worker")["spec"]["template"]["spec"]["containers"]
+    assert stager["args"] == ["--download-timeout-s", "900"]
+    assert {"name": "LORAFLEET_LOCAL_ROOTS", "value": "/adapters"} in stager["env"]
+    assert {"name": "adapters", "mountPath": "/adapters", "readOnly": True} in stager["volumeMounts"]
+    assert "LORAFLEET_LOCAL_ROOTS" not in env_names(engine)
+    assert not any(m["name"] == "adapters" for m in engine["volumeMounts"])
+    from lorafleet.worker.stager_config import StagerConfig
+
+    assert {"LORAFLEET_LOCAL_ROOTS"} <= config_env_names(StagerConfig)
+    from lorafleet.worker.cli import config_from_args
+
+    env = {**{e["name"]: e["value"] for e in stager["env"] if "value" in e}, "LORAFLEET_STAGER_TOKEN": "t" * 20,
+           "LORAFLEET_ADMIN_TOKEN": "a" * 20}  # the secrets'
+    assert config_from_args(StagerConfig, stager["args"], env=env).download_timeout_s == 900
+
+
 def test_env_names_are_config_fields():
     """Every LORAFLEET_* variable the chart sets is a field of that process's config dataclass."""
     docs = render(VALUE_SETS["replicated-clusterwide"])
