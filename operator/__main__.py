@@ -29,7 +29,8 @@ async def run(config: OperatorConfig, *, registry: kopf.OperatorRegistry | None 
         # Kubernetes client library installed (service account, else kubeconfig).
         kopf.on.login(registry=registry)(kopf.login_via_client)
     controllers = register(registry, config, deployments)
-    liveness = f"http://0.0.0.0:{config.liveness_port}/healthz" if config.liveness_port else None
+    host = f"[{config.liveness_host}]" if ":" in config.liveness_host else config.liveness_host
+    liveness = f"http://{host}:{config.liveness_port}/healthz" if config.liveness_port else None
     priority = None
     if config.peering:
         # The highest priority runs, the others wait; a tie would pause them all.

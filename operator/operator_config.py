@@ -34,6 +34,8 @@ class OperatorConfig:
         "help": "this replica's peering priority; unset: random. Kopf pauses every replica that sees one of the "
                 "same priority, so identical replicas must not share one"})
     liveness_port: int = field(default=8080, metadata={"help": "port of the /healthz liveness endpoint (0: off)"})
+    liveness_host: str = field(default="0.0.0.0", metadata={
+        "help": "address the liveness endpoint listens on: 0.0.0.0 (IPv4 pods), :: (IPv6-only pods)"})
 
     def __post_init__(self) -> None:
         if self.interval <= 0:

@@ -31,7 +31,7 @@ _CUT_S = 1.0  # on shutdown: how long admin requests still running get before th
 def local_url(host: str, port: int) -> str:
     """The base URL a process on this machine calls `host:port` by (a wildcard address: the loopback of its
     family: `::` listens on IPv6 only, worker/listen.py)."""
-    if host in ("0.0.0.0", ""):
+    if host in ("0.0.0.0", "", "*"):  # "*": every family (listen.ANY_HOST), IPv4's loopback among them
         host = "127.0.0.1"
     elif host == "::":
         host = "::1"

@@ -55,7 +55,7 @@ from lorafleet.worker.engine import Engine, ShutdownError
 from lorafleet.worker.engine_adapters import EngineAdapters
 from lorafleet.worker.engine_config import EngineConfig
 from lorafleet.worker.error_middleware import error_middleware
-from lorafleet.worker.listen import port_in_use
+from lorafleet.worker.listen import ANY_HOST, port_in_use
 from lorafleet.worker.metrics import CONTENT_TYPE, EngineSnapshot, WorkerMetrics
 from lorafleet.worker.openai_api import openai_routes
 from lorafleet.worker.served_adapters import ServedAdapters
@@ -365,7 +365,7 @@ def run(config: WorkerConfig) -> None:
     then exit 0."""
     if config.adapters_uri and config.port == 0 and config.admin_port is None:  # the stager child pushes there
         with socket.socket() as sock:
-            sock.bind((config.host, 0))
+            sock.bind(("" if config.host == ANY_HOST else config.host, 0))
             config = dataclasses.replace(config, port=sock.getsockname()[1])
     app = create_app(config)
     app.on_shutdown.insert(0, _second_signal_ends_the_grace)  # before _drain
@@ -384,7 +384,7 @@ def run(config: WorkerConfig) -> None:
 def _serve(app: web.Application, config: WorkerConfig) -> None:
     web.run_app(
         app,
-        host=config.host,
+        host=None if config.host == ANY_HOST else config.host,  # None: every address of every family
         port=config.port,
         shutdown_timeout=_CUT_S,  # _drain has already waited the grace and ended what was left
         handler_cancellation=True,  # a client that goes away cancels its handler -> engine abort

@@ -17,7 +17,8 @@ def _help(text: str) -> dict[str, str]:
 @dataclass(slots=True)
 class StagerConfig:
     stager_token: str = field(default="", metadata=_help("bearer token every caller must present (>= 16 chars)"))
-    stager_host: str = field(default="127.0.0.1", metadata=_help("address to listen on (localhost: a sidecar)"))
+    stager_host: str = field(default="127.0.0.1", metadata=_help(
+        "address to listen on (localhost: a sidecar; * in a pod: every address of IPv4 and IPv6)"))
     stager_port: int = field(default=8100, metadata=_help("TCP port"))
     stager_cache_dir: str = field(default="/var/cache/lorafleet", metadata=_help("node-local disk cache"))
     stager_cache_bytes: int = field(default=50 << 30, metadata=_help("byte budget of the disk cache"))

@@ -42,7 +42,8 @@ def _help(text: str) -> dict[str, str]:
 @dataclass(slots=True)
 class WorkerConfig:
     engine: EngineConfig = field(default_factory=EngineConfig, metadata={"help": ENGINE_HELP})
-    host: str = field(default="127.0.0.1", metadata=_help("address to listen on (0.0.0.0 in a pod)"))
+    host: str = field(default="127.0.0.1", metadata=_help(
+        "address to listen on (* in a pod: every address of IPv4 and IPv6, for IPv4, IPv6 and dual-stack clusters)"))
     port: int = field(default=8000, metadata=_help("TCP port of the HTTP API"))
     served_model_name: str | None = field(
         default=None, metadata=_help("name of the base model in the API (`model` field); default: the model "

@@ -39,7 +39,7 @@ def engine_listeners(engine: dict):
 def test_the_stager_reaches_the_admin_api_on_loopback_and_the_service_does_not(worker, port, admin_port):
     engine, stager, service, docs = worker_pod({"worker": worker})
     config = engine_listeners(engine)
-    assert (config.host, config.port) == ("0.0.0.0", port)
+    assert (config.host, config.port) == ("*", port)  # every address of IPv4 and IPv6: any cluster's pod IP
     assert (config.admin_listen_host, config.admin_port) == ("127.0.0.1", admin_port)
     assert env_value(stager, "LORAFLEET_ENGINE_URL") == f"http://127.0.0.1:{admin_port}"
     # The admin port is no container port; the Service and the probes use the public one only.
