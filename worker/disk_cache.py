@@ -39,6 +39,17 @@ class CacheDiskError(OSError):
         return exc if isinstance(exc, cls) else cls(exc.errno, exc.strerror or str(exc), exc.filename)
 
 
+class CacheLimitError(OSError):
+    """A download that would take the cache past its hard limit (the volume's size) with the copies it must keep:
+    refused before its bytes arrive, rather than the volume filling (an emptyDir past its sizeLimit gets the pod
+    evicted, and its successor downloads the same set)."""
+
+    def __init__(self, nbytes: int, kept: int, limit: int) -> None:
+        super().__init__(errno.EDQUOT, f"{nbytes} bytes do not fit beside the {kept} bytes of copies this worker "
+                                       f"must keep, within the cache's limit of {limit} bytes")
+        self.nbytes, self.kept, self.limit = nbytes, kept, limit
+
+
 def cache_write(fn: Callable[[], object]) -> object:
     """Run `fn`, a write to the disk cache, its OSError raised as a CacheDiskError."""
     try:
@@ -79,10 +90,13 @@ def _sync_tree(path: Path) -> int:
 
 
 class DiskCache:
-    def __init__(self, root: Path, budget_bytes: int) -> None:
+    def __init__(self, root: Path, budget_bytes: int, limit_bytes: int | None = None) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.budget_bytes = budget_bytes
+        # Protected copies may take the cache past its budget (a version replaced while its successor loads), never
+        # past this: a fill that would is refused (CacheLimitError) once the others not protected have gone.
+        self.limit_bytes = limit_bytes
         self._lock = threading.Lock()
         self._clock = 0
         self._used: dict[str, int] = {}  # key -> logical time of last use
@@ -157,6 +171,11 @@ class DiskCache:
         with self._lock:
             self._reserved[Path(tmp).name] = max(0, int(nbytes))
         self.trim(protect)
+        with self._lock:
+            total = sum(self._bytes.values()) + sum(self._reserved.values())
+            if self.limit_bytes is not None and total > self.limit_bytes:
+                self._reserved.pop(Path(tmp).name, None)
+                raise CacheLimitError(max(0, int(nbytes)), total - max(0, int(nbytes)), self.limit_bytes)
 
     def _evict_all_but(self, keep: Callable[[], Set[str]]) -> int:
         """Evict every entry not named by `keep()`, called under the lock (the disk is full); how many went."""

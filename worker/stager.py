@@ -71,7 +71,7 @@ class Stager:
     def __init__(self, config: StagerConfig) -> None:
         self.config = config
         self.sources = Sources(config.sources_config())
-        self.cache = DiskCache(Path(config.stager_cache_dir), config.stager_cache_bytes)
+        self.cache = DiskCache(Path(config.stager_cache_dir), config.stager_cache_bytes, config.stager_cache_limit_bytes)
         self._locks = KeyLocks()  # per cache key, while in use
         self._flights: dict[tuple[str, str], asyncio.Future] = {}  # (cache key, uri) -> its stage in progress
         # uri -> cache key of its last staged copy (store-down fallback); an earlier run's, from the cache's entries

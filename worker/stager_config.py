@@ -22,6 +22,10 @@ class StagerConfig:
     stager_port: int = field(default=8100, metadata=_help("TCP port"))
     stager_cache_dir: str = field(default="/var/cache/lorafleet", metadata=_help("node-local disk cache"))
     stager_cache_bytes: int = field(default=50 << 30, metadata=_help("byte budget of the disk cache"))
+    stager_cache_limit_bytes: int | None = field(default=None, metadata=_help(
+        "the most the cache may hold, copies that must stay included (the volume's size: an emptyDir's sizeLimit); "
+        "a download past it is refused, as that version's error (507 cache_limit), instead of the volume filling "
+        "(unset: the disk's own size)"))
     max_adapter_file_bytes: int = field(default=MAX_FILE_BYTES, metadata=_help(
         "largest adapter file staged (adapter_config.json: at most 1 MiB); a larger one, or one that is not a "
         "regular file (a FIFO, a device), is refused before it is read or downloaded"))
@@ -54,6 +58,9 @@ class StagerConfig:
             raise ValueError(f"stager_port must be in 0..65535, got {self.stager_port}")
         if min(self.stager_cache_bytes, self.download_timeout_s, self.stage_lease_s, self.store_check_timeout_s) <= 0:
             raise ValueError("stager_cache_bytes, download_timeout_s, stage_lease_s and store_check_timeout_s must be > 0")
+        if self.stager_cache_limit_bytes is not None and self.stager_cache_limit_bytes < self.stager_cache_bytes:
+            raise ValueError(f"stager_cache_limit_bytes ({self.stager_cache_limit_bytes}) must be at least "
+                             f"stager_cache_bytes ({self.stager_cache_bytes}): the budget is kept below the limit")
         if not 1 <= self.stage_concurrency <= 64:
             raise ValueError(f"stage_concurrency must be in 1..64, got {self.stage_concurrency}")
         if self.max_adapter_file_bytes <= 0:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import errno
 
-from lorafleet.worker.disk_cache import CacheDiskError
+from lorafleet.worker.disk_cache import CacheDiskError, CacheLimitError
 from lorafleet.worker.openai_protocol import APIError
 from lorafleet.worker.sources import SourceError
 
@@ -81,6 +81,10 @@ def staging_error(exc: Exception, uri: str) -> APIError:
         said = str(exc)  # a local folder's read says which, and why
         return APIError(504, said if said.startswith(uri) and uri else f"{uri}: download timed out",
                         type="server_error", code="download_timeout")
+    if isinstance(exc, CacheLimitError):
+        return APIError(507, f"{uri}: the adapter cache cannot take it: {exc.strerror}; raise the cache volume's size "
+                             f"and --stager-cache-limit-bytes (the chart's worker.adapterCache sizeLimit and "
+                             f"limitBytes), or serve fewer adapters per pool", type="server_error", code="cache_limit")
     if isinstance(exc, OSError) and exc.errno in _DISK_FULL:
         return APIError(507, f"{uri}: the node's adapter disk cache is full ({exc.strerror}, writing "
                              f"{exc.filename or 'the cache'}); give the cache volume room for one more adapter above "

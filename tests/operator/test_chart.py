@@ -176,7 +176,9 @@ def test_env_names_are_config_fields():
     stager_mod = pytest.importorskip("lorafleet.worker.stager")
     assert env_names(engine) <= config_env_names(worker_config.WorkerConfig)
     assert env_names(stager) <= config_env_names(stager_mod.StagerConfig)
-    assert int(next(e["value"] for e in stager["env"] if e["name"] == "LORAFLEET_STAGER_CACHE_BYTES")) > 0
+    budget = int(next(e["value"] for e in stager["env"] if e["name"] == "LORAFLEET_STAGER_CACHE_BYTES"))
+    limit = int(next(e["value"] for e in stager["env"] if e["name"] == "LORAFLEET_STAGER_CACHE_LIMIT_BYTES"))
+    assert 0 < budget <= limit < 50 << 30  # the default emptyDir's sizeLimit (50Gi): refused before it is reached
 
 
 def test_operator_rbac_is_least_privilege():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 from aiohttp import web
 
 from lorafleet.worker.directives import DesiredState
@@ -106,3 +107,26 @@ def test_expired_leases_are_dropped_and_never_protect(monkeypatch, tmp_path):
         holds.lease(f"new-{i}")
     assert holds.protected({}) == {f"new-{i}" for i in range(300)}
     assert len(holds._leases) <= 2 * 300
+
+
+async def test_past_the_cache_limit_a_download_is_its_version_s_error_not_a_full_volume(tmp_path, monkeypatch):
+    """Every version of a push stays whatever the budget: a pool whose adapters outgrow the volume filled it (an
+    emptyDir past its sizeLimit: the kubelet evicts the pod, and its successor downloads the same set). With
+    --stager-cache-limit-bytes, a download that would go past it is refused before its bytes arrive: that
+    version's error (507 cache_limit, named), the others served, the cache within the limit."""
+    probe = Stager(config(tmp_path / "probe"))
+    FakeStore(probe, monkeypatch)
+    await probe.apply(push(1, a="v1"))
+    entry = dir_bytes(probe.staged[("a", "v1")].path)
+    limit = 2 * entry + entry // 2  # room for two copies
+    stager = Stager(dataclasses.replace(config(tmp_path), stager_cache_bytes=entry, stager_cache_limit_bytes=limit))
+    FakeStore(stager, monkeypatch)
+    report = await stager.apply(push(1, a="v1", b="v1", c="v1", d="v1"))
+    served = sorted(name for (name, _), s in stager.staged.items() if s.path.is_dir())
+    assert len(served) == 2 and stager.cache.used_bytes <= limit, (served, stager.cache.used_bytes)
+    for name in {"a", "b", "c", "d"} - set(served):
+        error = report.find(name, "v1").error
+        assert "do not fit beside" in error and f"limit of {limit} bytes" in error, error
+    assert stager.store.down_since is None  # the node's limit, not the object store's outage
+    with pytest.raises(ValueError, match="must be at least"):
+        dataclasses.replace(config(tmp_path), stager_cache_bytes=limit + 1, stager_cache_limit_bytes=limit)
