@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 
 from lorafleet.worker.listen import ANY_HOST, close_all, listen_sockets
-from tests.worker.test_stager_main import _lines, stager_cmd, wait_for_line
+from tests.worker.test_stager_main import _lines, stager_cmd, stop, wait_for_line
 
 
 def _has_ipv6() -> bool:
@@ -53,10 +53,4 @@ def test_a_stager_on_any_host_answers_on_ipv4_and_ipv6(tmp_path):
             with urllib.request.urlopen(f"http://{host}:{port}/healthz", timeout=30) as resp:
                 assert resp.status == 200, host
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        proc.stdout.close()
+        stop(proc)

@@ -79,6 +79,17 @@ def wait_for_line(lines: queue.Queue, pattern: str, seen: list[str], timeout: fl
     raise AssertionError(f"no line matching {pattern!r}; output:\n{''.join(seen)}")
 
 
+def stop(proc: subprocess.Popen) -> None:
+    """End a stager the test started (by its PID), killed if it does not stop in time."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    proc.stdout.close()
+
+
 def test_a_start_logs_one_line_with_address_cache_and_engine(tmp_path):
     cache_dir = tmp_path / "cache"
     cmd, env = stager_cmd("--stager-cache-dir", str(cache_dir), "--stager-port", "0",
@@ -96,11 +107,5 @@ def test_a_start_logs_one_line_with_address_cache_and_engine(tmp_path):
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=30) as resp:
             assert resp.status == 200
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        proc.stdout.close()
+        stop(proc)
     assert len([line for line in seen if "stager listening" in line]) == 1
