@@ -211,7 +211,11 @@ def pinned_floor(spec: ScalingSpec, wanted: int, current: int, pinned: PinnedNee
         return max(wanted, floor), "" if wanted >= floor else (
             f"; held at {floor}: the workers the pool's pinned adapters need are not counted yet (no reconcile "
             f"pass since the operator started, or no worker reported its room), and fewer might not hold them")
-    num_pinned, need = pinned
+    num_pinned, need = pinned.num_pinned, pinned.num_workers
+    if not pinned.held:  # no count of workers holds them: no floor, which would only cost workers
+        return wanted, (f"; {num_pinned} pinned adapters cannot all stay GPU-resident on any number of workers "
+                        f"(copies on every worker that do not fit one together): more workers do not help; give the "
+                        f"workers more GPU adapter slots (--max-loras) or room, or unpin one (spec.pinned: false)")
     floor = spec.max_replicas if need is None else min(need - beside, spec.max_replicas)
     if wanted >= floor:
         return wanted, ""

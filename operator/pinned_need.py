@@ -21,6 +21,7 @@ class PinnedNeed(NamedTuple):
 
     num_pinned: int  # pinned adapters in force
     num_workers: int | None  # None: more than the most counted (``pinned_need``'s max_workers)
+    held: bool = True  # False: no number of workers holds them all (warm on every worker, together too large)
 
 
 NO_PINNED = PinnedNeed(0, 0)
@@ -53,7 +54,9 @@ def pinned_need(adapters: list[AdapterSpec], workers: list[WorkerIndex], *, defa
 
     placeable = pinned if holds_all(max_workers, pinned) else [a for a in pinned if holds_all(1, [a])]
     if placeable is not pinned and not holds_all(max_workers, placeable):
-        return PinnedNeed(len(pinned), None)
+        # More workers than counted, or none at all: copies on every worker (warm "all") that do not fit one
+        # together are held by no count, and raising the pool to maxReplicas would not help.
+        return PinnedNeed(len(pinned), None, held=holds_all(4 * max_workers + len(placeable), placeable))
     low, high = 1, max_workers  # more workers hold what fewer hold: the fewest by bisection
     while low < high:
         mid = (low + high) // 2

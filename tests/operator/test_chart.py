@@ -176,9 +176,22 @@ def test_env_names_are_config_fields():
     stager_mod = pytest.importorskip("lorafleet.worker.stager")
     assert env_names(engine) <= config_env_names(worker_config.WorkerConfig)
     assert env_names(stager) <= config_env_names(stager_mod.StagerConfig)
-    budget = int(next(e["value"] for e in stager["env"] if e["name"] == "LORAFLEET_STAGER_CACHE_BYTES"))
-    limit = int(next(e["value"] for e in stager["env"] if e["name"] == "LORAFLEET_STAGER_CACHE_LIMIT_BYTES"))
-    assert 0 < budget <= limit < 50 << 30  # the default emptyDir's sizeLimit (50Gi): refused before it is reached
+    assert int(next(e["value"] for e in stager["env"] if e["name"] == "LORAFLEET_STAGER_CACHE_BYTES")) > 0
+
+
+@pytest.mark.parametrize(("cache", "limit"), [
+    ({"sizeLimit": "200Gi", "sizeBytes": 190 << 30}, (200 << 30) * 98 // 100),  # follows sizeLimit
+    ({}, (50 << 30) * 98 // 100),  # the default emptyDir's sizeLimit (50Gi), less room
+    ({"sizeLimit": "50Gi", "sizeBytes": 53_000_000_000}, 53_000_000_000),  # never below the budget
+    ({"sizeLimit": "500G"}, 500_000_000_000 * 98 // 100),
+    ({"hostPath": "/var/lib/lorafleet", "sizeBytes": 300 << 30}, None),  # a node's disk: its own full-disk handling
+    ({"limitBytes": 60 << 30, "sizeLimit": "64Gi"}, 60 << 30),
+])
+def test_the_stager_s_cache_limit_follows_the_volume(cache, limit):
+    stager = find(render({"worker": {"adapterCache": cache}}), "Deployment", "-worker")["spec"]["template"]["spec"][
+        "containers"][1]
+    got = next((int(e["value"]) for e in stager["env"] if e["name"] == "LORAFLEET_STAGER_CACHE_LIMIT_BYTES"), None)
+    assert got == limit
 
 
 def test_operator_rbac_is_least_privilege():
@@ -479,3 +492,8 @@ def test_a_node_drain_evicts_one_worker_at_a_time_and_streams_get_minutes_to_end
     assert pod["spec"]["terminationGracePeriodSeconds"] >= 300
     assert not any(d["kind"] == "PodDisruptionBudget"
                    for d in render({"worker": {"podDisruptionBudget": {"enabled": False}}}))
+
+
+def test_a_cache_limit_below_the_budget_is_refused_at_render():
+    with pytest.raises(Exception, match="limitBytes must be at least sizeBytes"):
+        render({"worker": {"adapterCache": {"limitBytes": 1 << 30, "sizeBytes": 2 << 30}}})

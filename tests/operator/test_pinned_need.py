@@ -57,3 +57,21 @@ def test_unknown_without_workers_and_none_without_pins_or_scaling():
     assert need([adapter("a", pinned=True)], []) is None
     assert need([adapter("a", warm="all")], []) == NO_PINNED
     assert reconcile_pool(pool(), [adapter("a", pinned=True)], workers(2, pool_slots=1), now=NOW).pinned is None
+
+
+def test_pins_no_count_of_workers_holds_set_no_floor():
+    """Two pinned adapters warm on every worker, one GPU slot each: no number of workers holds both, so the floor
+    would only hold the pool at maxReplicas for nothing (it did, and told the user to raise maxReplicas)."""
+    from lorafleet.operator.autoscaler import ScalingSpec, pinned_floor
+
+    ads = [adapter(n, pinned=True, warm="all") for n in ("a", "b")]
+    got = need(ads, workers(2, pool_slots=1))
+    assert got is not None and got.num_workers is None and not got.held
+    spec = ScalingSpec.parse({**SCALING, "maxReplicas": 8})
+    wanted, why = pinned_floor(spec, 2, 2, got)
+    assert wanted == 2 and "cannot all stay GPU-resident on any number of workers" in why
+    # Pins that more workers than maxReplicas would hold: still held there.
+    more = need([adapter(f"p{i}", pinned=True) for i in range(12)], workers(2, pool_slots=1),
+                scaling={**SCALING, "maxReplicas": 3})
+    assert more.num_workers is None and more.held and pinned_floor(ScalingSpec.parse({**SCALING, "maxReplicas": 3}),
+                                                                   1, 2, more)[0] == 3

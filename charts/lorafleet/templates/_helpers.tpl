@@ -68,6 +68,31 @@ file each worker reads again when it changes: rotating a key restarts nothing). 
 {{ list $s.adminToken $s.stagerToken $s.existingAdminTokenSecret $s.existingStagerTokenSecret $o.existingSecret $o.accessKey $o.secretKey | toJson | sha256sum }}
 {{- end -}}
 
+{{/* A Kubernetes quantity (50Gi, 500M, 1073741824) in bytes; 0 for a form it does not know. */}}
+{{- define "lorafleet.quantityBytes" -}}
+{{- $q := toString . -}}
+{{- $n := regexFind "^[0-9]+" $q -}}
+{{- $units := dict "" 1 "Ki" 1024 "Mi" 1048576 "Gi" 1073741824 "Ti" 1099511627776 "k" 1000 "M" 1000000 "G" 1000000000 "T" 1000000000000 -}}
+{{- $unit := trimPrefix $n $q -}}
+{{- if and $n (hasKey $units $unit) -}}{{ mul (int64 $n) (int64 (get $units $unit)) }}{{- else -}}0{{- end -}}
+{{- end -}}
+
+{{/* The stager's hard cache limit: limitBytes as given, else 98% of the emptyDir's sizeLimit (none for a hostPath),
+never below the budget; "" for none. */}}
+{{- define "lorafleet.cacheLimitBytes" -}}
+{{- $c := .Values.worker.adapterCache -}}
+{{- $budget := int64 $c.sizeBytes -}}
+{{- if not (kindIs "invalid" $c.limitBytes) -}}
+{{- if lt (int64 $c.limitBytes) $budget -}}
+{{- fail "worker.adapterCache.limitBytes must be at least sizeBytes (the budget is kept below the limit)" -}}
+{{- end -}}
+{{- int64 $c.limitBytes -}}
+{{- else if not $c.hostPath -}}
+{{- $size := include "lorafleet.quantityBytes" $c.sizeLimit | int64 -}}
+{{- if gt $size 0 -}}{{ max $budget (div (mul $size 98) 100) }}{{- end -}}
+{{- end -}}
+{{- end -}}
+
 {{- define "lorafleet.image" -}}
 {{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
 {{- end -}}
