@@ -94,17 +94,19 @@ class VariantKept(Exception):
 
 def keep_variant(cache: DiskCache, key: str, tmp: Path, protect: Callable[[], set[str]]) -> None:
     """A download in `tmp` of the digest `key` when the cache already holds a copy of it (another URI's) whose
-    other files differ (`extras_digest`): its files move into an entry of their own, and VariantKept says
+    other files differ (`extras_digest`): its files are linked into an entry of their own, and VariantKept says
     where, or the loader would check (and serve) the other URI's tokenizer files for this one."""
     kept = cache.get(key) if len(key) == 64 else None
     if kept is None or (extras := extras_digest(tmp)) == extras_digest(kept):
         return
 
-    def move(dest: Path) -> None:
-        for name in os.listdir(tmp):  # one file system: renames
-            cache_write(lambda n=name: os.rename(tmp / n, dest / n))
+    def link(dest: Path) -> None:
+        # One file system: hard links, no copy. Linked, not moved: a fill that fails (a full disk) and is tried
+        # again finds every file still in `tmp`, which goes once this fill ends.
+        for name in os.listdir(tmp):
+            cache_write(lambda n=name: os.link(tmp / n, dest / n))
 
-    raise VariantKept(cache.put(variant_key(key, extras), move, protect=protect))
+    raise VariantKept(cache.put(variant_key(key, extras), link, protect=protect))
 
 
 def note_download(path: Path, uri: str) -> None:
