@@ -19,7 +19,7 @@ import torch
 
 from lorafleet.worker.adapter_entry import AdapterEntry, AdapterLoadError
 from lorafleet.worker.adapter_image import pack_adapter
-from lorafleet.worker.engine_errors import is_panic
+from lorafleet.worker.engine_errors import is_failure
 
 
 class AdapterLoading:
@@ -144,7 +144,7 @@ class AdapterLoading:
         try:
             image, seconds = future.result()
         except BaseException as exc:  # any loader failure fails only this adapter's waiters (a library's panic too)
-            if not isinstance(exc, Exception) and not is_panic(exc):
+            if not is_failure(exc):
                 raise
             # A read error may pass; what the files hold (format, shapes, config) does not change by itself.
             self._fail(entry, f"load failed: {exc}", tier="disk", retryable=isinstance(exc, OSError))

@@ -168,14 +168,14 @@ class DiskCache:
     def reserve(self, tmp: Path, nbytes: int, protect: Protect = frozenset()) -> None:
         """The fill writing into `tmp` (the directory `put` gave it) will write `nbytes`: they count against the
         budget from now until the fill ends, and least recently used entries not protected go to make room."""
+        nbytes = max(0, int(nbytes))
         with self._lock:
-            self._reserved[Path(tmp).name] = max(0, int(nbytes))
-        self.trim(protect)
-        with self._lock:
-            total = sum(self._bytes.values()) + sum(self._reserved.values())
-            if self.limit_bytes is not None and total > self.limit_bytes:
+            self._reserved[Path(tmp).name] = nbytes
+        total = self.trim(protect)
+        if self.limit_bytes is not None and total > self.limit_bytes:
+            with self._lock:
                 self._reserved.pop(Path(tmp).name, None)
-                raise CacheLimitError(max(0, int(nbytes)), total - max(0, int(nbytes)), self.limit_bytes)
+            raise CacheLimitError(nbytes, total - nbytes, self.limit_bytes)
 
     def _evict_all_but(self, keep: Callable[[], Set[str]]) -> int:
         """Evict every entry not named by `keep()`, called under the lock (the disk is full); how many went."""
@@ -198,8 +198,9 @@ class DiskCache:
                 self._used.pop(key, None)
             self.unverified.discard(key)
 
-    def trim(self, protect: Protect = frozenset()) -> None:
-        """Evict least recently used entries until within budget, never a protected one."""
+    def trim(self, protect: Protect = frozenset()) -> int:
+        """Evict least recently used entries until within budget, never a protected one; the bytes left (entries
+        and reservations)."""
         with self._lock:
             keep = protect() if callable(protect) else protect
             total = sum(self._bytes.values()) + sum(self._reserved.values())
@@ -209,6 +210,7 @@ class DiskCache:
                 if key in keep:
                     continue
                 total -= self._evict(key)
+            return total
 
     def _evict(self, key: str) -> int:
         """Remove entry `key` (the lock held); its bytes."""

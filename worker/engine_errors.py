@@ -28,7 +28,8 @@ class CapacityError(RuntimeError):
     copied or replaced) may let go later. One that never fits fails with a ContextLengthError instead."""
 
 
-def is_panic(exc: BaseException) -> bool:
-    """A Rust library's panic (`tokenizers`, `safetensors`), raised through pyo3 as PanicException: a
-    BaseException, not an Exception, that one malformed file can cause and that must fail only that file's use."""
-    return type(exc).__name__ == "PanicException"
+def is_failure(exc: BaseException) -> bool:
+    """An Exception, or a Rust library's panic (`tokenizers`, `safetensors`) raised through pyo3 as PanicException:
+    a BaseException, not an Exception, that one malformed file can cause and that must fail only that file's use.
+    Not an interrupt, an exit or a cancellation, which go on up."""
+    return isinstance(exc, Exception) or type(exc).__name__ == "PanicException"

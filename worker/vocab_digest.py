@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from lorafleet.worker.engine_errors import is_panic
+from lorafleet.worker.engine_errors import is_failure
 from lorafleet.worker.file_limits import FileLimitError, read_limited
 
 T = TypeVar("T")
@@ -138,7 +138,7 @@ def probe_encodings(path: str | Path, max_file_bytes: int | None = None) -> list
     except BaseException as exc:  # noqa: BLE001 - tokenizers raises bare Exceptions for files it cannot build
         # ...and a Rust panic as pyo3's PanicException, a BaseException: a file's regex that backtracks past the
         # regex engine's limit is one. It is the file's fault, not the end of the thread that loads it.
-        if not isinstance(exc, Exception) and not is_panic(exc):
+        if not is_failure(exc):
             raise
         raise TokenizerFileError(f"{file}: not a readable tokenizer file ({type(exc).__name__}: {exc})") from None
 
