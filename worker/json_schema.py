@@ -211,7 +211,7 @@ class JsonSchema:
         pattern, key = None, "pattern" if "pattern" in s else "format"  # the keyword the string's regex comes from
         if "string" in types:  # a pattern and a format only hold strings
             try:
-                pattern = _checked(where, parse_pattern, s, min_len, max_len)
+                pattern = parse_pattern(s, min_len, max_len)
             except NoText as exc:
                 if types == {"string"}:
                     raise SchemaError(f"{where}.{key}: {exc}") from None
