@@ -330,9 +330,13 @@ class ReportedState(_Message):
     pool_used_bytes: int = 0
     kv_usage: float = 0.0  # KV pages over those the KV cache could hold (free and idle adapters'), 0..1
     error: str | None = None  # a directive the receiver refused, with the reason
+    # A stager none of whose pushes has reached its engine yet (a new pod: its model may still be loading). Its
+    # pod is not ready: the operator pushes it its pool's set all the same, so that it stages while it starts.
+    awaiting_push: bool = False
 
     def __post_init__(self) -> None:
         _int(self.generation_applied, "generation_applied", lo=0)
+        _require(isinstance(self.awaiting_push, bool), "awaiting_push", f"must be a boolean (got {self.awaiting_push!r})")
         _int(self.pool_bytes, "pool_bytes", lo=0)
         _int(self.pool_slots, "pool_slots", lo=0)
         _int(self.pool_used_bytes, "pool_used_bytes", lo=0)
@@ -363,6 +367,7 @@ class ReportedState(_Message):
             pool_used_bytes=data.get("pool_used_bytes", 0),
             kv_usage=data.get("kv_usage", 0.0),
             error=data.get("error"),
+            awaiting_push=data.get("awaiting_push", False),
         )
 
     @classmethod

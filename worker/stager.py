@@ -91,6 +91,8 @@ class Stager:
         self._excused: float | None = -1.0
         self._excused_at = 0.0  # when the listing that excused it began
         self.seed_report: SeedReport | None = None  # while what is served is the seed's (`--stager-adapters`)
+        self.delivered = False  # a push reached the engine (or an earlier stager's had: adopted), /readyz's gate
+        self.started_at = time.monotonic()
         self.engine = EngineLink(config.engine_url, config.admin_token) if config.engine_url else None
         self._pool_size = (0, 0)  # the engine's last reported (pool_bytes, pool_slots): said while it is away
         self.apply_lock = asyncio.Lock()  # a push's steps that change what is forwarded (never a download)
@@ -343,6 +345,7 @@ class Stager:
                 report.pool_bytes, report.pool_slots = self._pool_size
         else:
             report = ReportedState(generation_applied=self.generation)
+        report.awaiting_push = not self.delivered
         if report.error is None and report.generation_applied >= self.generation:  # not one from before a push
             self.holds.release_replaced(report)
         staged = dict(self.staged)

@@ -50,6 +50,16 @@ class StagerConfig:
     admin_token: str | None = field(default=None, metadata=_help("the engine's admin token"))
     stager_adapters: str | None = field(
         default=None, metadata=_help("s3://bucket/prefix/ whose subfolders are adapters to serve at start"))
+    ready_after_push: bool = field(default=False, metadata=_help(
+        "/readyz answers 200 only once a push (the operator's, or the seed of --stager-adapters) has reached the "
+        "engine, so that a new pod joins its Service with its adapters registered instead of answering 404; "
+        "off: as soon as the stager listens"))
+    ready_without_push_s: float | None = field(default=None, metadata=_help(
+        "with --ready-after-push: ready anyway this many seconds after the start when no push has reached the "
+        "engine (no operator, or none that selects this pod), serving the base model only (unset: never)"))
+    engine_start_wait_s: float = field(default=900.0, metadata=_help(
+        "how long a push waits for its engine to finish starting (the model loading) before it is forwarded; its "
+        "downloads go on meanwhile, so a new pod stages its adapters while its model loads"))
 
     def __post_init__(self) -> None:
         if len(self.stager_token) < 16:
@@ -58,6 +68,8 @@ class StagerConfig:
             raise ValueError(f"stager_port must be in 0..65535, got {self.stager_port}")
         if min(self.stager_cache_bytes, self.download_timeout_s, self.stage_lease_s, self.store_check_timeout_s) <= 0:
             raise ValueError("stager_cache_bytes, download_timeout_s, stage_lease_s and store_check_timeout_s must be > 0")
+        if self.engine_start_wait_s < 0 or (self.ready_without_push_s is not None and self.ready_without_push_s < 0):
+            raise ValueError("engine_start_wait_s and ready_without_push_s must be >= 0 seconds")
         if self.stager_cache_limit_bytes is not None and self.stager_cache_limit_bytes < self.stager_cache_bytes:
             raise ValueError(f"stager_cache_limit_bytes ({self.stager_cache_limit_bytes}) must be at least "
                              f"stager_cache_bytes ({self.stager_cache_bytes}): the budget is kept below the limit")

@@ -16,15 +16,26 @@ it is sent: a report read while the engine has applied it and not answered yet s
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+import time
 from dataclasses import replace
 
-from aiohttp import ClientSession, ClientTimeout
+from aiohttp import ClientConnectionError, ClientSession, ClientTimeout
 
 from lorafleet.worker.directives import DesiredState, ReportedState
 from lorafleet.worker.openai_protocol import APIError
 from lorafleet.worker.state_json import decode, encode
 
 MAX_KEPT = 16  # engine generations whose push generation is remembered (the engine reports its latest)
+
+
+def _error_code(body: bytes) -> str | None:
+    """The `code` of an OpenAI-style error body, else None."""
+    try:
+        return json.loads(body)["error"]["code"]
+    except (ValueError, TypeError, KeyError):
+        return None
 
 
 class EngineLink:
@@ -52,6 +63,28 @@ class EngineLink:
                 raise APIError(502, f"engine refused {method} {path}: {resp.status} {message}", type="server_error",
                                code="engine_error")
             return resp.status, data
+
+    async def wait_started(self, stop: asyncio.Event, limit_s: float, poll_s: float = 0.5) -> bool:
+        """Poll the engine until it answers as a started engine does: anything but a 503 `not_ready` (its model
+        loading) or no connection (not listening yet). False: `stop` was set or `limit_s` passed first (the
+        forward that follows then fails as it would have, with the engine's own answer)."""
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        deadline = time.monotonic() + limit_s
+        while True:
+            try:
+                async with ClientSession(timeout=ClientTimeout(total=5)) as session, session.get(
+                        self.url + "/admin/v1/state", headers=headers) as resp:
+                    code = _error_code(await resp.read()) if resp.status == 503 else None
+                starting = code == "not_ready"
+            except TimeoutError:  # hung, not starting: the forward meets the same
+                starting = False
+            except ClientConnectionError:
+                starting = True
+            remaining = deadline - time.monotonic()
+            if not starting or stop.is_set() or remaining <= 0:
+                return not starting
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), min(poll_s, remaining))
 
     def holds(self, state: DesiredState) -> bool:
         """Whether the engine holds `state` (its generation aside): the last forward it took, or what it was

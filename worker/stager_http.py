@@ -1,5 +1,10 @@
 """The stager's HTTP API over one `Stager` (stager.py): `POST /v1/stage`, `PUT /v1/directives`,
-`GET /v1/state`, `/healthz` and `/metrics`; every route but the last two needs the stager token."""
+`GET /v1/state`, `/healthz`, `/readyz` and `/metrics`; every route but the last three needs the stager token.
+
+`/readyz` is the pod's readiness (the sidecar's probe): with `--ready-after-push`, 503 `awaiting_push` until a
+push has reached the engine (or `--ready-without-push-s` has passed), so that a new pod enters its Service's
+endpoints with its pool's adapters registered, never answering their requests 404 while they stage; then 200
+for good (a later push in progress leaves the pod ready: it serves what it holds)."""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ import asyncio
 import hmac
 import logging
 import re
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -28,12 +34,13 @@ log = logging.getLogger("lorafleet.stager")
 _SHA256_HEX = re.compile(r"[0-9a-fA-F]{64}")  # anything else could never match, nor name a cache entry
 
 STAGER = web.AppKey("stager", Stager)
+READY_ANYWAY = web.AppKey("ready_anyway", set)  # {True} once --ready-without-push-s passed (said once in the log)
 
 
 @web.middleware
 async def _errors_and_auth(request: web.Request, handler):
     try:
-        if request.path not in ("/healthz", "/metrics"):
+        if request.path not in ("/healthz", "/readyz", "/metrics"):
             token = bearer_token(request.headers.get("Authorization"))
             expected = request.app[STAGER].config.stager_token
             # token_bytes: a header that is not UTF-8 reaches here as lone surrogates, which encode() refuses.
@@ -124,6 +131,23 @@ async def healthz(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
 
+async def readyz(request: web.Request) -> web.Response:
+    stager = request.app[STAGER]
+    limit = stager.config.ready_without_push_s
+    waited = time.monotonic() - stager.started_at
+    if not stager.config.ready_after_push or stager.delivered:
+        return web.json_response({"status": "ready"})
+    if limit is not None and waited >= limit:
+        if not request.app[READY_ANYWAY]:
+            request.app[READY_ANYWAY].add(True)
+            log.warning("no push reached the engine within --ready-without-push-s (%.0f s): ready with the base model "
+                        "only; requests naming an adapter are 404 until the operator pushes", limit)
+        return web.json_response({"status": "ready", "adapters": "none pushed yet"})
+    return web.json_response({"status": "awaiting_push", "waited_s": round(waited, 1), "error": {
+        "message": "no push has reached the engine yet: the pod joins its Service once its adapters are registered",
+        "type": "service_unavailable", "code": "awaiting_push"}}, status=503)
+
+
 async def metrics(request: web.Request) -> web.Response:
     body = generate_latest(request.app[STAGER].registry)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -132,11 +156,13 @@ async def metrics(request: web.Request) -> web.Response:
 def create_app(config: StagerConfig) -> web.Application:
     app = web.Application(middlewares=[_errors_and_auth], client_max_size=MAX_STATE_BYTES)
     app[STAGER] = Stager(config)
+    app[READY_ANYWAY] = set()
     app.add_routes([
         web.post("/v1/stage", post_stage),
         web.put("/v1/directives", put_directives),
         web.get("/v1/state", get_state),
         web.get("/healthz", healthz),
+        web.get("/readyz", readyz),
         web.get("/metrics", metrics),
     ])
 

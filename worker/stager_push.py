@@ -180,6 +180,7 @@ async def _adopt(stager: Stager) -> None:
         log.info("the engine serves adapters no push of a stager gave it: the push reaches it once staged")
         return
     stager.forwarded = state.by_name()
+    stager.delivered = stager.delivered or stager.engine.generation > 0  # an earlier stager's push reached it
     stager.staged = {(a.name, ref.version): Staged(Path(ref.uri), ref.sha256, Path(ref.uri).parent == stager.cache.root)
                      for a in state.adapters for ref in (a.stable, a.canary) if ref is not None}  # fmt: skip
 
@@ -298,7 +299,11 @@ def _retrieved(task: asyncio.Future) -> None:
 async def _finish(stager: Stager, push: Push) -> ReportedState:
     """Forward what the push staged, unless a newer push took over (it forwards its own). The report and the
     cache's trim come after, without the lock: a hung engine report or a slow disk does not hold up the next
-    push (its report may then be the newer push's, as when one took over)."""
+    push (its report may then be the newer push's, as when one took over). An engine still starting (its model
+    loading) is waited for first, up to `engine_start_wait_s`, unless a newer push takes over meanwhile: a new
+    pod's first push stages while its model loads and reaches the engine once it is up."""
+    if stager.engine is not None and not stager.engine.known:  # one that took a forward has started
+        await stager.engine.wait_started(push.superseded, stager.config.engine_start_wait_s)
     async with stager.apply_lock:
         superseded = stager.generation != push.desired.generation
         if not superseded:
@@ -309,6 +314,7 @@ async def _finish(stager: Stager, push: Push) -> ReportedState:
                 await _forward(stager, push, forwarded, first=False)
             finally:
                 push.pending.clear()
+            stager.delivered = True
     report = await stager.state()  # also lets go of the replaced versions the engine no longer holds
     if not superseded:
         await asyncio.to_thread(stager.cache.trim, stager.protected)

@@ -1,0 +1,166 @@
+"""A new pod's first push (stager_http.readyz, stager_push._finish): it stages while the engine's model loads,
+reaches the engine once that is up, and only then does the sidecar's `/readyz` let the pod into its Service,
+so that no request for one of its pool's adapters is answered 404 while they stage. Against an engine admin API
+stand-in that answers as a starting engine does (503 `not_ready`), or is not listening yet."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import socket
+
+import pytest
+from aiohttp import web
+
+from lorafleet.worker.stager_config import StagerConfig
+from lorafleet.worker.stager_http import STAGER, create_app
+from tests.worker.engine_admin_stub import HANG_S, EngineAdminStub, until
+from tests.worker.test_stager_bounds import TOKEN, FakeStore, config
+from tests.worker.test_stager_engine import adapter, push
+
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+class StartingEngine(EngineAdminStub):
+    """Answers every admin call 503 `not_ready`, as the engine's admin API does while its model loads, until
+    `started` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.started = asyncio.Event()
+        self.asked_while_starting = 0
+
+    def _starting(self) -> web.Response | None:
+        if self.started.is_set():
+            return None
+        self.asked_while_starting += 1
+        return web.json_response({"error": {"message": "the worker is starting", "type": "service_unavailable",
+                                            "code": "not_ready"}}, status=503)
+
+    async def put_state(self, request: web.Request) -> web.Response:
+        return self._starting() or await super().put_state(request)
+
+    async def get_state(self, request: web.Request) -> web.Response:
+        return self._starting() or await super().get_state(request)
+
+    async def get_directives(self, request: web.Request) -> web.Response:
+        return self._starting() or await super().get_directives(request)
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.add_routes([web.put("/admin/v1/state", self.put_state), web.get("/admin/v1/state", self.get_state),
+                        web.get("/admin/v1/directives", self.get_directives)])
+        return app
+
+
+async def _sidecar(aiohttp_client, tmp_path, monkeypatch, engine_url: str, **settings):
+    app = create_app(dataclasses.replace(config(tmp_path), engine_url=engine_url, ready_after_push=True, **settings))
+    client = await aiohttp_client(app)
+    store = FakeStore(app[STAGER], monkeypatch)
+    return client, store
+
+
+async def _ready(client) -> tuple[int, dict]:
+    resp = await client.get("/readyz")
+    return resp.status, await resp.json()
+
+
+async def test_a_new_pod_s_push_stages_while_the_model_loads_and_the_pod_is_ready_once_it_reached_the_engine(
+        aiohttp_server, aiohttp_client, tmp_path, monkeypatch):
+    """The operator's push (respond-async) comes while the engine answers 503 `not_ready`: the versions are
+    downloaded meanwhile, the push waits for the engine instead of failing, and reaches it once it is up. Until
+    then the sidecar's /readyz is 503 `awaiting_push` and its report says so; after, 200, for good."""
+    engine = StartingEngine()
+    server = await aiohttp_server(engine.app())
+    client, store = await _sidecar(aiohttp_client, tmp_path, monkeypatch, str(server.make_url("")))
+    status, body = await _ready(client)
+    assert status == 503 and body["status"] == "awaiting_push" and body["error"]["code"] == "awaiting_push"
+    state = await (await client.get("/v1/state", headers=AUTH)).json()
+    assert state["awaiting_push"] is True and "engine unreachable" in state["error"]
+
+    desired = push(7, adapter("a", "v1", warm=True), adapter("b", "v1"))
+    pushing = asyncio.ensure_future(client.put("/v1/directives", data=desired.to_json(),
+                                               headers={**AUTH, "Prefer": "respond-async"}))
+    await until(lambda: len(store.calls) == 2)  # both downloaded while the model loads
+    await until(lambda: engine.asked_while_starting >= 3)  # the push polls; it did not fail
+    assert not pushing.done() and engine.pushes == []
+    assert (await _ready(client))[0] == 503
+
+    engine.started.set()
+    resp = await asyncio.wait_for(pushing, HANG_S)
+    assert resp.status == 200, await resp.text()
+    report = await resp.json()
+    assert report["generation_applied"] == 7 and report["awaiting_push"] is False
+    assert sorted(a["name"] for a in engine.pushes[-1]["adapters"]) == ["a", "b"]
+    assert all(ref["uri"].startswith("/") for a in engine.pushes[-1]["adapters"] for ref in [a["stable"]])
+    assert await _ready(client) == (200, {"status": "ready"})
+
+    engine.started.clear()  # an engine that restarts later: the pod stays ready (the engine's own probe says so)
+    assert await _ready(client) == (200, {"status": "ready"})
+
+
+async def test_an_engine_not_listening_yet_is_waited_for(aiohttp_server, aiohttp_client, tmp_path, monkeypatch):
+    """The engine's port refuses connections (its process not listening yet): the push waits for it too."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    client, store = await _sidecar(aiohttp_client, tmp_path, monkeypatch, f"http://127.0.0.1:{port}")
+    pushing = asyncio.ensure_future(client.put("/v1/directives", data=push(3, adapter("a", "v1")).to_json(),
+                                               headers={**AUTH, "Prefer": "respond-async"}))
+    await until(lambda: len(store.calls) == 1)
+    await asyncio.sleep(1.2)  # two polls at least, each refused: a failing push would have been answered by now
+    assert not pushing.done()
+    engine = StartingEngine()
+    engine.started.set()
+    await aiohttp_server(engine.app(), port=port)
+    resp = await asyncio.wait_for(pushing, HANG_S)
+    assert resp.status == 200 and [a["name"] for a in engine.pushes[-1]["adapters"]] == ["a"]
+    assert (await _ready(client))[0] == 200
+
+
+async def test_a_push_waits_for_the_engine_no_longer_than_the_limit(aiohttp_server, aiohttp_client, tmp_path,
+                                                                    monkeypatch):
+    """Past --engine-start-wait-s the forward is tried, and fails with the engine's own answer; the pod stays
+    not ready (a later push, once the engine is up, makes it ready)."""
+    engine = StartingEngine()
+    server = await aiohttp_server(engine.app())
+    client, _ = await _sidecar(aiohttp_client, tmp_path, monkeypatch, str(server.make_url("")),
+                               engine_start_wait_s=0.3)
+    resp = await asyncio.wait_for(client.put("/v1/directives", data=push(3, adapter("a", "v1")).to_json(),
+                                             headers=AUTH), HANG_S)
+    assert resp.status == 502 and "starting" in (await resp.json())["error"]["message"]
+    assert (await _ready(client))[0] == 503
+    engine.started.set()
+    resp = await asyncio.wait_for(client.put("/v1/directives", data=push(4, adapter("a", "v1")).to_json(),
+                                             headers=AUTH), HANG_S)
+    assert resp.status == 200 and (await _ready(client))[0] == 200
+
+
+async def test_a_stager_restarted_beside_a_serving_engine_is_ready_at_once(aiohttp_server, aiohttp_client, tmp_path,
+                                                                           monkeypatch):
+    """Its engine applied an earlier stager's push: the pod it restarts in stays ready, with no push needed."""
+    engine = StartingEngine()
+    engine.started.set()
+    engine.pushes.append({"generation": 12, "adapters": []})
+    server = await aiohttp_server(engine.app())
+    client, _ = await _sidecar(aiohttp_client, tmp_path, monkeypatch, str(server.make_url("")))
+    assert await _ready(client) == (200, {"status": "ready"})
+    assert (await (await client.get("/v1/state", headers=AUTH)).json())["awaiting_push"] is False
+
+
+async def test_readiness_without_a_push_after_the_limit_and_without_the_gate(aiohttp_server, aiohttp_client,
+                                                                             tmp_path, monkeypatch):
+    """--ready-without-push-s: ready anyway once it passed (the base model serves); no --ready-after-push: ready
+    as soon as it listens. Neither needs the token, as a kubelet probe has none."""
+    engine = StartingEngine()
+    engine.started.set()
+    url = str((await aiohttp_server(engine.app())).make_url(""))
+    client, _ = await _sidecar(aiohttp_client, tmp_path, monkeypatch, url, ready_without_push_s=0.0)
+    assert await _ready(client) == (200, {"status": "ready", "adapters": "none pushed yet"})
+    plain = await aiohttp_client(create_app(dataclasses.replace(config(tmp_path / "other"), engine_url=url)))
+    assert await _ready(plain) == (200, {"status": "ready"})
+
+
+def test_the_readiness_settings_are_checked():
+    with pytest.raises(ValueError, match="ready_without_push_s"):
+        StagerConfig(stager_token=TOKEN, ready_without_push_s=-1.0)
