@@ -12,6 +12,9 @@ Which pool owns a pod that several select: ``ownership.own_pods``. A pod a live 
 owns (its labels or the pool's workerSelector changed, or an earlier pool with an invalid spec came to
 select it) is drained the same way unless another pool takes it over: ``ownership.released_pods``.
 
+A valid pool's running pods that are not ready are read too: those whose sidecar awaits its first push (a new pod,
+its model loading) are told the pool's set, none warm, so that they stage it while they start and turn ready
+with it (reconcile.py: ``starting``); the others keep what they hold.
 While an adapter is being deleted, the pods that cannot be pushed the pool's set are reached too, to unload
 it: a live pool's running pods that are not ready, an invalid pool's pods (reconcile.py: ``held``); where its
 workerSelector is invalid too, the pods its push record names (it pushed to them while valid) that no other
@@ -40,6 +43,7 @@ from lorafleet.operator.push_flights import Outcome, PoolKey, PushFlights
 from lorafleet.operator.push_record import PushRecord, pushed_pod_ids
 from lorafleet.operator.reconcile import PoolPlan, WorkerReport, reconcile_pool
 from lorafleet.operator.reported_sizes import ReportedSizes
+from lorafleet.operator.retry_backoff import RetryBackoff
 from lorafleet.operator.statuses import with_refused_pushes
 from lorafleet.operator.workers import Refused, StagerClient, Worker, discover_workers
 from lorafleet.worker.directives import DesiredState, ReportedState
@@ -84,37 +88,6 @@ def merge_conditions(current: dict[str, Any] | None, wanted: dict[str, Any], *,
     own = {c["type"]: c for c in wanted.get("conditions") or []}
     merged = [own.pop(c.get("type"), c) for c in current_conditions if c.get("type") not in gone]
     return {**wanted, "conditions": merged + list(own.values())}
-
-
-class RetryBackoff:
-    """When a worker that reported a failed version may have it re-pushed: first ``base`` seconds after the
-    failure is seen, then ``2*base``, ``4*base``, ... up to ``cap``; cleared once it reports no failure. A retry
-    counts once sent, answered or not: a pod that answers after the pass's wait (or refuses) stages again all the
-    same, and counted only when accepted within the wait, such a pod was re-pushed every pass. A push queued
-    behind one still in flight is not sent yet (and is dropped where the answer takes the same set)."""
-
-    def __init__(self, base: float, cap: float) -> None:
-        self.base, self.cap = base, cap
-        self._state: dict[str, tuple[int, float]] = {}  # worker url -> (num_retries, not before)
-
-    def may_retry(self, url: str, now: float) -> bool:
-        state = self._state.get(url)
-        return state is not None and now >= state[1]
-
-    def failing(self, url: str, now: float, *, pushed: bool) -> None:
-        """It reported a failed version this pass; ``pushed``: a new generation was just sent to it."""
-        if url not in self._state:  # first seen failing (also on a pass that pushed): one base period
-            self._state[url] = (0, now + min(self.cap, self.base))
-        elif pushed:  # retried: twice as long as before
-            num_retries = self._state[url][0] + 1
-            self._state[url] = (num_retries, now + min(self.cap, self.base * 2**num_retries))
-
-    def clear(self, url: str) -> None:
-        self._state.pop(url, None)
-
-    def retain(self, urls: set[str]) -> None:
-        for url in set(self._state) - urls:
-            del self._state[url]
 
 
 class PoolController:
@@ -224,21 +197,27 @@ class PoolController:
         emptied = discover_workers(released, {}, default_port=target.stager_port) if target else []
         # Reached to unload adapters being deleted (a deleting pool empties its pods), and, for an invalid pool,
         # to read what its pods still serve (its adapters' status says so; they are told nothing else).
+        # A valid pool's running pods that are not ready: those whose sidecar awaits its first push (a new pod, its
+        # model loading; reconcile.py) are told the pool's set; the others may still serve what they hold.
+        lagging = discover_workers(own, pool.worker_selector, default_port=pool.stager_port,
+                                   not_ready=True) if pool is not None else []
         held: list[Worker] = []
-        if draining is None and (any(s.deleting for s in specs) or (pool is None and pool_error is not None)):
-            if pool is not None:  # not ready: it may still serve what it holds, and will once ready
-                held = discover_workers(own, pool.worker_selector, default_port=pool.stager_port, not_ready=True)
-            elif invalid is not None:
-                mine = own_pods(key[1], invalid.worker_selector, pods, claims)[0]
-                held = discover_workers(mine, invalid.worker_selector, default_port=invalid.stager_port,
-                                        not_ready=None)
-            elif lost is not None:  # its selector is invalid too: the pods it pushed to that no other pool selects
-                pushed = record.pod_ids()
-                mine = [p for p in pods if ((m := p.get("metadata") or {}).get("name", ""), m.get("uid") or "")
-                        in pushed and first_claim(p, claims) is None]
-                held = discover_workers(mine, {}, default_port=lost.stager_port, not_ready=None)
-        reached = workers + emptied + held
-        reports = await self.client.fetch_states(reached)
+        unloading = draining is None and (any(s.deleting for s in specs) or (pool is None and pool_error is not None))
+        if unloading and pool is None and invalid is not None:
+            mine = own_pods(key[1], invalid.worker_selector, pods, claims)[0]
+            held = discover_workers(mine, invalid.worker_selector, default_port=invalid.stager_port, not_ready=None)
+        elif unloading and pool is None and lost is not None:  # its selector is invalid too: the pods it pushed to
+            pushed = record.pod_ids()  # that no other pool selects
+            mine = [p for p in pods if ((m := p.get("metadata") or {}).get("name", ""), m.get("uid") or "")
+                    in pushed and first_claim(p, claims) is None]
+            held = discover_workers(mine, {}, default_port=lost.stager_port, not_ready=None)
+        asked = workers + emptied + held + lagging  # read at once: a hung sidecar costs the pass one timeout
+        fetched = dict(zip(asked, await self.client.fetch_states(asked), strict=True))
+        starting = [w for w in lagging if (r := fetched[w]) is not None and r.awaiting_push]
+        if unloading and pool is not None:  # not ready: it may still serve what it holds, and will once ready
+            held = [w for w in lagging if w not in starting]
+        reached = workers + emptied + held + starting
+        reports = [fetched[w] for w in reached]
         self._sizes[key].note(reports)
         specs = self._sizes[key].apply(specs)
         backoff, now = self._backoff[key], self.clock()
@@ -249,11 +228,13 @@ class PoolController:
         views = [WorkerReport(w.pod, r, record.last(w), may_retry=backoff.may_retry(w.url, now),
                               last_answer=self._recent(answers.get((w.pod, w.uid)), now) if r is None else None)
                  for w, r in zip(reached, reports, strict=True)]
-        num_emptied = len(workers) + len(emptied)
-        views, released_views, held_views = views[:len(workers)], views[len(workers):num_emptied], views[num_emptied:]
+        num_emptied, num_held = len(workers) + len(emptied), len(workers) + len(emptied) + len(held)
+        views, released_views, held_views, starting_views = (views[:len(workers)], views[len(workers):num_emptied],
+                                                             views[num_emptied:num_held], views[num_held:])
         stamp = utc_now()
         plan = reconcile_pool(pool, specs, views, now=stamp, generation_floor=time.time_ns() // 1_000_000,
-                              pool_error=pool_error, shared_pods=shared, released=released_views, held=held_views)
+                              pool_error=pool_error, shared_pods=shared, released=released_views, held=held_views,
+                              starting=starting_views)
         # Told its set once it can be (by this valid pool, or this deleting one, whose finalizer waits for it),
         # a pod that cannot be told now holds up an adapter's finalizer for the grace only.
         plan.overdue = self._overdue(key, reached, plan, told_later=reached if target else [], now=now)

@@ -15,7 +15,8 @@ Admission (stated, tested):
   * one adapter's directive is built inside its own error boundary: a bad one fails alone.
 
 Placement policy (stated, tested; placement.py):
-  * every admitted adapter is *registered* on every ready worker, so any worker can serve it on demand;
+  * every admitted adapter is *registered* on every ready worker, so any worker can serve it on demand (and
+    on a starting one, before it is ready: ``reconcile_pool``'s ``starting``);
   * ``warm: N`` (``all`` = every worker) keeps it GPU-resident on N workers; ``pinned`` with ``warm: 0``
     still keeps one resident copy (a pinned adapter that lives nowhere pins nothing);
   * adapters are placed pinned first, then by priority, then largest first (better bin packing);
@@ -44,16 +45,16 @@ Statuses come only from what workers report (statuses.py); never because a direc
 from __future__ import annotations
 
 import dataclasses
-from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from lorafleet.operator.crd_models import AdapterSpec, InvalidAdapter, PoolSpec, Source
 from lorafleet.operator.pinned_need import PinnedNeed, pool_pinned_need
-from lorafleet.operator.placement import canary_bytes, place_warm, reported_bytes, spec_bytes, warm_count
+from lorafleet.operator.placement import canary_bytes, place_warm, reported_bytes, warm_count
 from lorafleet.operator.reports import WorkerIndex, WorkerReport
 from lorafleet.operator.statuses import adapter_status, pool_status, unserved_status
+from lorafleet.operator.tenant_quota import over_quota
 from lorafleet.operator.tenant_sources import foreign_regions, own_folders, source_problem
 from lorafleet.worker.directives import AdapterDirective, DesiredState, DirectiveError, VersionRef
 
@@ -89,7 +90,8 @@ class PoolPlan:
 def reconcile_pool(pool: PoolSpec | None, adapters: Sequence[AdapterSpec | InvalidAdapter],
                    workers: list[WorkerReport], *, now: str, generation_floor: int = 0,
                    pool_error: str | None = None, shared_pods: dict[str, str] | None = None,
-                   released: Sequence[WorkerReport] = (), held: Sequence[WorkerReport] = ()) -> PoolPlan:
+                   released: Sequence[WorkerReport] = (), held: Sequence[WorkerReport] = (),
+                   starting: Sequence[WorkerReport] = ()) -> PoolPlan:
     """``now``: RFC 3339 time for condition transitions; ``generation_floor``: see ``_next_generation``;
     ``shared_pods``: pods this pool's selector matches but another pool owns (pod -> owner), left out;
     ``released``: pods this pool pushed to that it no longer owns and no other pool took over (controller.py).
@@ -108,7 +110,14 @@ def reconcile_pool(pool: PoolSpec | None, adapters: Sequence[AdapterSpec | Inval
     quota), and they count in ``plan.unloading``. One whose last push is not known (an operator restart) cannot be told without
     guessing the rest of its set: ``plan.unreachable`` lists it until it is ready (its pool's spec fixed).
 
-    A pod whose sidecar did not answer this pass may still serve what it was given: it counts in
+    ``starting``: a valid pool's running pods, not ready, whose sidecar says no push has reached its engine yet
+    (``awaiting_push``: a new pod, its model loading; its readiness waits for that push). Each is told every
+    admitted adapter, none warm, so it stages them while it starts and enters the Service with them registered,
+    instead of answering their requests 404 until a pass after it is ready; it counts in no status nor
+    placement until it is ready. While an adapter is being deleted, it counts in ``plan.unloading`` if it
+    reports the adapter or a push to it that may list it is not answered yet (its engine would serve it).
+
+        A pod whose sidecar did not answer this pass may still serve what it was given: it counts in
     ``plan.unloading``, ``plan.draining`` and ``plan.releasing`` (``plan.silent`` lists it) unless the last
     push it accepted left that adapter (for the last two: every adapter) out. Else a finalizer would go
     while the pod is unreachable, and a deleted adapter (or a deleted pool's, whose pods no pass reaches
@@ -116,6 +125,7 @@ def reconcile_pool(pool: PoolSpec | None, adapters: Sequence[AdapterSpec | Inval
     """
     plan = PoolPlan()
     live = [WorkerIndex.of(w) for w in workers if w.reported is not None]
+    coming = [WorkerIndex.of(w) for w in starting if w.reported is not None]
     emptied = [WorkerIndex.of(w) for w in released if w.reported is not None]
     kept = [WorkerIndex.of(w) for w in held if w.reported is not None]
     deleting = {x.name for x in adapters if x.deleting}
@@ -125,7 +135,9 @@ def reconcile_pool(pool: PoolSpec | None, adapters: Sequence[AdapterSpec | Inval
     for x in adapters:
         if x.deleting:  # unloaded by name, parsable or not; the finalizer waits for []
             plan.unloading[x.name] = ([w.pod for w in live + emptied + kept if w.by_name.get(x.name)]
-                                      + [w.pod for w in silent if _may_hold(w, x.name)])
+                                      + [w.pod for w in silent if _may_hold(w, x.name)]
+                                      + [w.pod for w in coming if w.by_name.get(x.name) or w.w.last_pushed is None
+                                         or x.name in w.w.last_pushed.by_name()])
     served, failures = admit(pool, [x for x in adapters if not x.deleting], pool_error=pool_error, workers=live)
     # A valid pool's checks refused these, with no earlier spec to keep serving (another tenant's folders, the
     # quota): gone from its pods not ready too. An invalid pool refuses nothing of what its pods hold.
@@ -164,6 +176,8 @@ def reconcile_pool(pool: PoolSpec | None, adapters: Sequence[AdapterSpec | Inval
     for w in live:
         _desire(plan, w, [variants[name][w.pod in warm_sets[name]] for name in sorted(served)], generation_floor,
                 settings)
+    for w in coming:  # registered, none warm: placed once ready
+        _desire(plan, w, [variants[name][False] for name in sorted(served)], generation_floor, settings)
     for w in emptied:  # told to hold nothing, pinned adapters included, like a deleting pool's workers
         if w.by_name or w.w.last_pushed is not None:  # one found holding nothing, never told here, is let go
             _desire(plan, w, [], generation_floor, PoolSettings())
@@ -274,37 +288,6 @@ def check_adapter(pool: PoolSpec | None, a: AdapterSpec, *, pool_error: str | No
         return (f"spec.canary.version: equals spec.version {a.version!r}; to promote, set "
                 f"spec.version/source to the canary's and remove spec.canary")
     return source_problem(pool, a)
-
-
-def over_quota(pool: PoolSpec | None, adapters: list[AdapterSpec], workers: Sequence[WorkerIndex] = ()
-               ) -> dict[str, str]:
-    """Tenant quota over the specs in force: adapter name -> message naming spec.tenant. A spec's bytes are
-    its stable version's and its canary's (placement.spec_bytes)."""
-    if pool is None:
-        return {}
-    failures: dict[str, str] = {}
-    by_tenant: dict[str, list[AdapterSpec]] = defaultdict(list)
-    for a in adapters:
-        by_tenant[a.tenant].append(a)
-    for tenant, group in by_tenant.items():
-        # First come, first served within a priority: a new adapter never evicts an admitted older one.
-        group.sort(key=lambda a: (-a.priority, a.created, a.name))
-        num_admitted = total = 0  # a refused adapter takes neither a slot nor bytes of the quota
-        for a in group:
-            size = spec_bytes(a, list(workers))
-            if pool.max_adapters_per_tenant is not None and num_admitted >= pool.max_adapters_per_tenant:
-                failures[a.name] = (f"spec.tenant: tenant {tenant!r} is over LoRAPool {pool.name!r} "
-                                    f"spec.tenantQuota.maxAdapters ({pool.max_adapters_per_tenant}); delete "
-                                    f"one of its adapters or raise the quota")
-            elif pool.max_bytes_per_tenant is not None and total + size > pool.max_bytes_per_tenant:
-                what = "with this adapter and its canary" if a.canary is not None else "with this adapter"
-                failures[a.name] = (f"spec.tenant: tenant {tenant!r} is over LoRAPool {pool.name!r} "
-                                    f"spec.tenantQuota.maxBytes ({pool.max_bytes_per_tenant} bytes; "
-                                    f"{total + size} {what})")
-            else:
-                num_admitted += 1
-                total += size
-    return failures
 
 
 def _directive(pool: PoolSpec | None, a: AdapterSpec, *, pod_warm: bool) -> AdapterDirective:

@@ -179,6 +179,24 @@ def test_env_names_are_config_fields():
     assert int(next(e["value"] for e in stager["env"] if e["name"] == "LORAFLEET_STAGER_CACHE_BYTES")) > 0
 
 
+@pytest.mark.parametrize(("values", "gated", "limit"), [
+    ({}, True, 900.0),
+    ({"readyWithoutPushSeconds": None}, True, None),
+    ({"readyAfterPush": False}, False, 900.0),
+])
+def test_a_worker_pod_is_ready_once_its_first_push_reached_the_engine(values, gated, limit):
+    """The sidecar's readiness probe asks /readyz, which the chart gates on the operator's first push (the
+    operator pushes to starting pods: test_starting_pods.py), with a fallback for a pod no operator pushes to."""
+    from lorafleet.worker.cli import config_from_args
+    from lorafleet.worker.stager_config import StagerConfig
+
+    stager = find(render({"worker": values}), "Deployment", "-worker")["spec"]["template"]["spec"]["containers"][1]
+    assert stager["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "stager"}
+    env = {**{e["name"]: e["value"] for e in stager["env"] if "value" in e}, "LORAFLEET_STAGER_TOKEN": "t" * 20}
+    parsed = config_from_args(StagerConfig, stager["args"], env=env)
+    assert (parsed.ready_after_push, parsed.ready_without_push_s) == (gated, limit)
+
+
 @pytest.mark.parametrize(("cache", "limit"), [
     ({"sizeLimit": "200Gi", "sizeBytes": 190 << 30}, (200 << 30) * 98 // 100),  # follows sizeLimit
     ({}, (50 << 30) * 98 // 100),  # the default emptyDir's sizeLimit (50Gi), less room

@@ -1,0 +1,131 @@
+"""A new worker pod is told its pool's adapters while its model loads (controller.py, reconcile.py ``starting``):
+its real stager sidecar stages them meanwhile, reaches the engine once it is up, and only then lets the pod
+become ready, so that the Service never sends it a request for an adapter it does not know. Against a real
+stager app, an engine admin API that answers as a starting engine does, and a ready pod's fake sidecar."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+
+from lorafleet.operator.controller import PoolController
+from lorafleet.operator.workers import StagerClient
+from lorafleet.worker.stager_http import STAGER, create_app
+from tests.worker.engine_admin_stub import HANG_S, until
+from tests.worker.test_stager_bounds import TOKEN, FakeStore, config
+from tests.worker.test_stager_readiness import StartingEngine
+
+from .fake_stager import FakeStager
+from .test_handlers import POOL, adapter_body, pod_body
+
+KEY = (POOL["metadata"]["namespace"], "main")
+SIDECAR_TOKEN = TOKEN
+
+
+def not_ready(pod: dict) -> dict:
+    pod["status"]["conditions"] = [{"type": "Ready", "status": "False"}]
+    return pod
+
+
+@pytest.fixture()
+async def ready_stager():
+    async with FakeStager(SIDECAR_TOKEN) as s:
+        yield s
+
+
+async def _starting_pod(aiohttp_server, tmp_path, monkeypatch):
+    engine = StartingEngine()
+    engine_url = str((await aiohttp_server(engine.app())).make_url(""))
+    app = create_app(dataclasses.replace(config(tmp_path), engine_url=engine_url, ready_after_push=True,
+                                         s3_allow=["adapters/"]))
+    server = await aiohttp_server(app)
+    return engine, app, FakeStore(app[STAGER], monkeypatch), server.port
+
+
+async def _ready(port: int) -> int:
+    import aiohttp
+    async with aiohttp.ClientSession() as session, session.get(f"http://127.0.0.1:{port}/readyz") as resp:
+        return resp.status
+
+
+async def test_a_starting_pod_is_told_the_pool_s_adapters_and_becomes_ready_with_them(
+        ready_stager, aiohttp_server, tmp_path, monkeypatch):
+    engine, app, store, port = await _starting_pod(aiohttp_server, tmp_path, monkeypatch)
+    controller = PoolController(StagerClient(token=SIDECAR_TOKEN, timeout=2.0), push_wait=0.2)
+    adapters = [adapter_body("sql", warm=2), adapter_body("chat", warm=0)]
+    pods = [pod_body("worker-0", ready_stager.port), not_ready(pod_body("worker-1", port))]
+    try:
+        plan = await controller.run(KEY, pools=[POOL], adapters=adapters, pods=pods)
+        told = plan.pushes["worker-1"]
+        # Every adapter registered, none warm: GPU placement waits until it is ready; it counts in no status.
+        assert sorted(a.name for a in told.adapters) == ["chat", "sql"] and not any(a.warm for a in told.adapters)
+        assert plan.placement["sql"] == ["worker-0"] and "/1 workers" in plan.adapter_statuses["sql"]["message"]
+        await until(lambda: len(store.calls) == 2)  # downloaded while the model loads
+        assert engine.pushes == [] and await _ready(port) == 503
+
+        plan = await controller.run(KEY, pools=[POOL], adapters=adapters, pods=pods)  # still starting: queued
+        assert "worker-1" in plan.pushes and engine.pushes == []
+        engine.started.set()
+        await until(lambda: engine.pushes and app[STAGER].delivered)
+        assert sorted(a["name"] for a in engine.pushes[-1]["adapters"]) == ["chat", "sql"]
+        assert await _ready(port) == 200
+
+        # Ready now: a worker like any other; sql's second warm copy goes to it, no download needed.
+        pods[1]["status"]["conditions"] = [{"type": "Ready", "status": "True"}]
+        async with asyncio.timeout(HANG_S):
+            while True:
+                plan = await controller.run(KEY, pools=[POOL], adapters=adapters, pods=pods)
+                if sorted(plan.placement["sql"]) == ["worker-0", "worker-1"] and not plan.pushes:
+                    break
+                await asyncio.sleep(0.05)
+        await until(lambda: any(a["warm"] for a in engine.pushes[-1]["adapters"] if a["name"] == "sql"))
+        assert len(store.calls) == 2
+    finally:
+        engine.started.set()
+        await controller.flights.close()
+
+
+async def test_a_pod_that_was_ready_is_not_told_a_new_set_while_not_ready(ready_stager, aiohttp_server, tmp_path,
+                                                                          monkeypatch):
+    """A pod whose sidecar delivered a push and whose readiness then fails (under load, say) keeps what it holds:
+    it is told nothing but the unloading of a deleted adapter, as before."""
+    engine, app, _, port = await _starting_pod(aiohttp_server, tmp_path, monkeypatch)
+    engine.started.set()
+    controller = PoolController(StagerClient(token=SIDECAR_TOKEN, timeout=2.0), push_wait=5.0)
+    pods = [pod_body("worker-0", ready_stager.port), pod_body("worker-1", port)]
+    adapters = [adapter_body("sql", warm=2)]
+    try:
+        await controller.run(KEY, pools=[POOL], adapters=adapters, pods=pods)
+        await until(lambda: app[STAGER].delivered)
+        not_ready(pods[1])
+        plan = await controller.run(KEY, pools=[POOL], adapters=[*adapters, adapter_body("chat")], pods=pods)
+        assert "worker-1" not in plan.pushes and "worker-1" not in plan.desired
+    finally:
+        await controller.flights.close()
+
+
+async def test_a_starting_pod_holds_up_a_deleted_adapter_s_finalizer_until_it_is_told(
+        ready_stager, aiohttp_server, tmp_path, monkeypatch):
+    """Its push in flight names the adapter: delivered once the engine is up, it would serve it. Until a push
+    without it is answered, it counts in the adapter's unloading."""
+    engine, app, _, port = await _starting_pod(aiohttp_server, tmp_path, monkeypatch)
+    controller = PoolController(StagerClient(token=SIDECAR_TOKEN, timeout=2.0), push_wait=0.2)
+    pods = [pod_body("worker-0", ready_stager.port), not_ready(pod_body("worker-1", port))]
+    try:
+        await controller.run(KEY, pools=[POOL], adapters=[adapter_body("sql"), adapter_body("chat")], pods=pods)
+        deleting = adapter_body("chat")
+        deleting["metadata"]["deletionTimestamp"] = "2026-12-05T00:00:00Z"
+        plan = await controller.run(KEY, pools=[POOL], adapters=[adapter_body("sql"), deleting], pods=pods)
+        assert "worker-1" in plan.unloading["chat"]
+        assert [a.name for a in plan.pushes["worker-1"].adapters] == ["sql"]
+        engine.started.set()
+        async with asyncio.timeout(HANG_S):
+            while "worker-1" in plan.unloading["chat"]:
+                await asyncio.sleep(0.05)
+                plan = await controller.run(KEY, pools=[POOL], adapters=[adapter_body("sql"), deleting], pods=pods)
+        assert [a["name"] for a in engine.pushes[-1]["adapters"]] == ["sql"]
+    finally:
+        engine.started.set()
+        await controller.flights.close()
