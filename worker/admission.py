@@ -18,6 +18,7 @@ from __future__ import annotations
 QUEUE_FULL = "queue_full"  # the worker holds `capacity` sequences
 TENANT_QUEUE_FULL = "tenant_queue_full"  # the tenant holds `max_per_tenant` sequences
 INTAKE_FULL = "intake_full"  # `max_intake` requests are being read, parsed or tokenized
+REQUEST_TIMEOUT = "request_timeout"  # a body that came too slowly (worker/intake.py)
 
 
 class Admission:

@@ -20,13 +20,12 @@ from typing import Any
 
 from aiohttp import web
 
-from lorafleet.worker.admission import INTAKE_FULL, TENANT_QUEUE_FULL
+from lorafleet.worker.admission import INTAKE_FULL, REQUEST_TIMEOUT, TENANT_QUEUE_FULL
 from lorafleet.worker.app_keys import ADMISSION, CONFIG, ENGINE, METRICS, STATUS, TENANTS
 from lorafleet.worker.openai_protocol import APIError, parse_json
 from lorafleet.worker.tenants import AuthenticationError, Tenant
 
 LARGE_BODY_BYTES = 64 * 1024  # larger bodies are parsed off the event loop
-REQUEST_TIMEOUT = "request_timeout"  # the rejected metric's reason for a body that came too slowly
 
 
 def ready_engine(app: web.Application):

@@ -36,6 +36,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from lorafleet.worker.admission import INTAKE_FULL, QUEUE_FULL, REQUEST_TIMEOUT, TENANT_QUEUE_FULL
 from lorafleet.worker.retired_series import RetiredSeries
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -117,6 +118,9 @@ class _EngineCollector(Collector):
                                 throughput)
 
 
+REJECTED_REASONS = (QUEUE_FULL, TENANT_QUEUE_FULL, INTAKE_FULL, REQUEST_TIMEOUT)
+
+
 class WorkerMetrics:
     """All series of one worker, on a registry of its own."""
 
@@ -145,8 +149,10 @@ class WorkerMetrics:
                                             buckets=_ADAPTER_COUNT_BUCKETS, registry=r)
         self.rejected = Counter("lorafleet_requests_rejected", "Requests refused before reaching the engine.",
                                 ["reason"], registry=r)
+        for reason in REJECTED_REASONS:  # at 0 from the start: rate() sees a series' first increment only from 0
+            self.rejected.labels(reason)
         # vLLM's names, one series set for the worker (labelled by the served base model, as vLLM's are)
-        self.model_name = ""  # set once the engine is up (the served model name)
+        self._model_name = ""  # set once the engine is up (the served model name): `model_name`
         self.vllm_ttft = Histogram("vllm:time_to_first_token_seconds", "Arrival to first token.", ["model_name"],
                                    buckets=_LATENCY_BUCKETS, registry=r)
         self.vllm_inter_token = Histogram("vllm:inter_token_latency_seconds", "Gap between streamed tokens.",
@@ -163,6 +169,19 @@ class WorkerMetrics:
         self.rolled_out = RetiredSeries(retired_grace_s, clock)  # names whose rollout ended: latencies to drop
         self._engine = _EngineCollector(snapshot, self.tokens_per_second, lambda: self.model_name)
         r.register(self._engine)
+
+    @property
+    def model_name(self) -> str:
+        return self._model_name
+
+    @model_name.setter
+    def model_name(self, name: str) -> None:
+        """The `model_name` label of the vllm:* series, which then exist at 0 (as vLLM's do from its start):
+        a counter series that first appears at its first increment loses that increment to rate()."""
+        self._model_name = name
+        for metric in (self.vllm_ttft, self.vllm_inter_token, self.vllm_e2e, self.vllm_prompt_tokens,
+                       self.vllm_generation_tokens):
+            metric.labels(name)
 
     def _labels(self, adapter: str | None, version: str) -> tuple[str, str]:
         adapter = adapter or BASE_MODEL_LABEL

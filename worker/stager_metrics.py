@@ -15,6 +15,8 @@ class StagerMetrics:
         self.registry = r = CollectorRegistry()
         self.requests = Counter("lorafleet_stager_stage_requests", "Stage requests by disk-cache outcome",
                                 ["outcome"], registry=r)  # hit | miss | local
+        for outcome in ("hit", "miss", "local"):  # at 0 from the start: rate() sees a first increment only from 0
+            self.requests.labels(outcome)
         self.downloads = Counter("lorafleet_stager_downloads", "Completed, verified downloads", registry=r)
         self.download_bytes = Counter("lorafleet_stager_download_bytes", "Bytes downloaded", registry=r)
         self.failures = Counter("lorafleet_stager_failures", "Failed downloads (store, digest, timeout)", registry=r)
