@@ -211,9 +211,12 @@ class PoolController:
             mine = [p for p in pods if ((m := p.get("metadata") or {}).get("name", ""), m.get("uid") or "")
                     in pushed and first_claim(p, claims) is None]
             held = discover_workers(mine, {}, default_port=lost.stager_port, not_ready=None)
-        asked = workers + emptied + held + lagging  # read at once: a hung sidecar costs the pass one timeout
-        fetched = dict(zip(asked, await self.client.fetch_states(asked), strict=True))
-        starting = [w for w in lagging if (r := fetched[w]) is not None and r.awaiting_push]
+        asked = workers + emptied + held  # read at once, and the pods not ready with a shorter timeout: they are many
+        reads = await asyncio.gather(self.client.fetch_states(asked), self.client.fetch_states(lagging, quick=True))
+        fetched = dict(zip(asked + lagging, reads[0] + reads[1], strict=True))  # on a node that is down, say
+        # One given warm copies was ready before (placement counts ready pods only): what it holds stays (held).
+        starting = [w for w in lagging if (r := fetched[w]) is not None and r.awaiting_push
+                    and not any(d.warm for d in (record.last(w) or DesiredState(0)).adapters)]
         if unloading and pool is not None:  # not ready: it may still serve what it holds, and will once ready
             held = [w for w in lagging if w not in starting]
         reached = workers + emptied + held + starting
@@ -254,7 +257,7 @@ class PoolController:
         answers = await self.flights.push(key, {pod: (by_pod[pod], d) for pod, d in plan.pushes.items()}, cut=cut)
         for worker, desired, outcome in answers.values():
             _note_answer(record, refusals, worker, desired, outcome)
-        for pod in set(refusals) - {w.pod for w in workers}:
+        for pod in set(refusals) - {w.pod for w in workers + starting}:
             del refusals[pod]
         if pool is not None:  # pushed again every pass until accepted: Ready says why meanwhile
             plan.pool_status = with_refused_pushes(plan.pool_status, pool.status, refusals, now=stamp)

@@ -114,8 +114,9 @@ def reconcile_pool(pool: PoolSpec | None, adapters: Sequence[AdapterSpec | Inval
     (``awaiting_push``: a new pod, its model loading; its readiness waits for that push). Each is told every
     admitted adapter, none warm, so it stages them while it starts and enters the Service with them registered,
     instead of answering their requests 404 until a pass after it is ready; it counts in no status nor
-    placement until it is ready. While an adapter is being deleted, it counts in ``plan.unloading`` if it
-    reports the adapter or a push to it that may list it is not answered yet (its engine would serve it).
+    placement until it is ready. While an adapter is being deleted, it counts in ``plan.unloading`` while its
+    sidecar reports it (the push it stages lists it: its engine would serve it once up); a push without it
+    replaces that one at once, as a starting engine's sidecar answers a push before staging it.
 
         A pod whose sidecar did not answer this pass may still serve what it was given: it counts in
     ``plan.unloading``, ``plan.draining`` and ``plan.releasing`` (``plan.silent`` lists it) unless the last
@@ -136,8 +137,7 @@ def reconcile_pool(pool: PoolSpec | None, adapters: Sequence[AdapterSpec | Inval
         if x.deleting:  # unloaded by name, parsable or not; the finalizer waits for []
             plan.unloading[x.name] = ([w.pod for w in live + emptied + kept if w.by_name.get(x.name)]
                                       + [w.pod for w in silent if _may_hold(w, x.name)]
-                                      + [w.pod for w in coming if w.by_name.get(x.name) or w.w.last_pushed is None
-                                         or x.name in w.w.last_pushed.by_name()])
+                                      + [w.pod for w in coming if w.by_name.get(x.name)])
     served, failures = admit(pool, [x for x in adapters if not x.deleting], pool_error=pool_error, workers=live)
     # A valid pool's checks refused these, with no earlier spec to keep serving (another tenant's folders, the
     # quota): gone from its pods not ready too. An invalid pool refuses nothing of what its pods hold.
@@ -177,7 +177,8 @@ def reconcile_pool(pool: PoolSpec | None, adapters: Sequence[AdapterSpec | Inval
         _desire(plan, w, [variants[name][w.pod in warm_sets[name]] for name in sorted(served)], generation_floor,
                 settings)
     for w in coming:  # registered, none warm: placed once ready
-        _desire(plan, w, [variants[name][False] for name in sorted(served)], generation_floor, settings)
+        _desire(plan, w, [variants[name][False] for name in sorted(served)], generation_floor, settings,
+                starting=True)
     for w in emptied:  # told to hold nothing, pinned adapters included, like a deleting pool's workers
         if w.by_name or w.w.last_pushed is not None:  # one found holding nothing, never told here, is let go
             _desire(plan, w, [], generation_floor, PoolSettings())
@@ -323,9 +324,16 @@ def pool_settings(pool: PoolSpec | None) -> PoolSettings:
 
 
 def _desire(plan: PoolPlan, w: WorkerIndex, directives: list[AdapterDirective], floor: int,
-            settings: PoolSettings) -> None:
-    """``w``'s desired state in ``plan``, pushed when ``_next_generation`` says so."""
-    generation, push = _next_generation(w, directives, settings, floor)
+            settings: PoolSettings, *, starting: bool = False) -> None:
+    """``w``'s desired state in ``plan``, pushed when ``_next_generation`` says so; for a ``starting`` pod only
+    when the set it accepted differs or its sidecar lost it (restarted: it lists none of its versions): its
+    engine applies nothing until it is up, and a push every pass would only replace the one staging."""
+    if starting and (last := w.w.last_pushed) is not None and last.adapters == directives \
+            and PoolSettings(last.eviction, last.cpu_bytes) == settings \
+            and all(w.find(d.name, v) is not None for d in directives for v in d.versions):
+        generation, push = last.generation, False
+    else:
+        generation, push = _next_generation(w, directives, settings, floor)
     desired = DesiredState(generation, directives, eviction=settings.eviction, cpu_bytes=settings.cpu_bytes)
     plan.desired[w.pod] = desired
     if push:

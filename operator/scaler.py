@@ -54,8 +54,8 @@ log = logging.getLogger(__name__)
 SCALING = "Scaling"
 OWNED_KEYS = ("hitRate", "desiredReplicas", "lastScaleTime")  # kvUsage goes back to the reconcile
 # Seconds a scale-up waits, at one replica count, for replicas that are not ready workers (the chart's
-# startup probe gives a worker 10 minutes to load its model).
-MAX_READY_WAIT = 600.0
+# startup probe gives a worker 10 minutes to load its model, and it turns ready once its adapters are staged too).
+MAX_READY_WAIT = 900.0
 # Seconds a worker has been ready before its missing series count as a scrape to fix (Prometheus scrapes every
 # 15-60 s; a pod ready for less may not have been scraped yet).
 SCRAPE_GRACE = 120.0

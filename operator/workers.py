@@ -22,6 +22,7 @@ from lorafleet.worker.directives import DesiredState, DirectiveError, ReportedSt
 
 log = logging.getLogger(__name__)
 STAGER_PORT_NAME = "stager"
+QUICK_READ_S = 1.0  # a state read of a pod that is not ready (StagerClient.fetch_state)
 
 
 @dataclass(slots=True, frozen=True)
@@ -133,6 +134,7 @@ class StagerClient:
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._timeout = aiohttp.ClientTimeout(total=timeout)
         self._push_timeout = aiohttp.ClientTimeout(total=push_timeout or timeout)
+        self._quick = aiohttp.ClientTimeout(total=min(timeout, QUICK_READ_S))
         self._session: aiohttp.ClientSession | None = None
         self._closed = False
 
@@ -152,20 +154,23 @@ class StagerClient:
         if self._session is not None:
             await self._session.close()
 
-    async def fetch_state(self, worker: Worker) -> ReportedState | None:
-        """The pod's reported state, or None when its sidecar does not answer sensibly."""
+    async def fetch_state(self, worker: Worker, *, quick: bool = False) -> ReportedState | None:
+        """The pod's reported state, or None when its sidecar does not answer sensibly. ``quick``: a pod that is not
+        ready (a new pod's sidecar answers at once; one on a node that is down must not hold up its pool's pass):
+        QUICK_READ_S at most, and no answer is no warning (a sidecar not listening yet)."""
+        say = log.debug if quick else log.warning
         try:
-            async with self._client().get(f"{worker.url}/v1/state") as resp:
+            async with self._client().get(f"{worker.url}/v1/state", timeout=self._quick if quick else self._timeout) as resp:
                 if resp.status != 200:
-                    log.warning("sidecar of %s: GET /v1/state -> %s", worker.pod, resp.status)
+                    say("sidecar of %s: GET /v1/state -> %s", worker.pod, resp.status)
                     return None
                 return ReportedState.from_json(await resp.read())
         except (TimeoutError, aiohttp.ClientError, DirectiveError) as exc:
-            log.warning("sidecar of %s unreachable or malformed: %s", worker.pod, exc)
+            say("sidecar of %s unreachable or malformed: %s", worker.pod, exc)
             return None
 
-    async def fetch_states(self, workers: list[Worker]) -> list[ReportedState | None]:
-        return list(await asyncio.gather(*(self.fetch_state(w) for w in workers)))
+    async def fetch_states(self, workers: list[Worker], *, quick: bool = False) -> list[ReportedState | None]:
+        return list(await asyncio.gather(*(self.fetch_state(w, quick=quick) for w in workers)))
 
     async def push(self, worker: Worker, desired: DesiredState) -> Literal[True] | Refused | None:
         """PUT the desired state. True: accepted (202: what needs no download is applied, the rest is being

@@ -13,8 +13,10 @@ needs `Authorization: Bearer <stager token>` (the routes: stager_http.py):
   respond-async` (the operator's) 202 once forwarded at once while its versions are still being staged
   (reported at tier `none` with `staging`); a stager that has forwarded nothing yet takes what its engine
   reports it holds (`GET /admin/v1/directives`) as forwarded, and answers once staged only when the engine
-  cannot tell (it serves adapters no push gave it). Same generation: no-op; lower: 409. A version that
-  cannot be staged (store down, digest mismatch) is reported with its error; an adapter whose new
+  cannot tell (it serves adapters no push gave it). A push that finds its engine starting (its model loading:
+  503 `not_ready`, or nothing listening) is answered at once with respond-async, stages meanwhile, and reaches
+  the engine once it is up (stager_push.py); `/readyz` (stager_http.py) can wait for that. Same generation:
+  no-op; lower: 409. A version that cannot be staged (store down, digest mismatch) is reported with its error; an adapter whose new
   version fails keeps its previously forwarded (already local) version, so the store being down
   never takes away what is served (nor after a restart: each cache entry records the URI it was staged
   from, so a version without a sha256 falls back to its last copy as before the restart). A store that

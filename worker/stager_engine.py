@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 from dataclasses import replace
 
-from aiohttp import ClientConnectionError, ClientSession, ClientTimeout
+from aiohttp import ClientConnectorError, ClientSession, ClientTimeout
 
 from lorafleet.worker.directives import DesiredState, ReportedState
 from lorafleet.worker.openai_protocol import APIError
@@ -30,12 +29,12 @@ from lorafleet.worker.state_json import decode, encode
 MAX_KEPT = 16  # engine generations whose push generation is remembered (the engine reports its latest)
 
 
-def _error_code(body: bytes) -> str | None:
-    """The `code` of an OpenAI-style error body, else None."""
-    try:
-        return json.loads(body)["error"]["code"]
-    except (ValueError, TypeError, KeyError):
-        return None
+class EngineStarting(APIError):
+    """The engine cannot take a call yet: its model is loading (its admin API answers 503 `not_ready`), or its
+    process does not listen yet. A push waits for it (stager_push.py)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(502, message, type="server_error", code="engine_starting")
 
 
 class EngineLink:
@@ -47,42 +46,48 @@ class EngineLink:
         self.known = False  # what the engine holds: forwarded by this stager, or adopted from the engine (adopt)
         self._pushes: dict[int, int] = {}  # engine generation -> the push generation it carries out
 
-    async def call(self, method: str, path: str, body: DesiredState | None = None) -> tuple[int, dict]:
+    async def call(self, method: str, path: str, body: DesiredState | None = None, *,
+                   timeout_s: float = 120.0) -> tuple[int, dict]:
         """The engine's status and JSON answer; `body` sent as JSON. Both are encoded and decoded off the event
-        loop when large (state_json.py)."""
+        loop when large (state_json.py). Raises `EngineStarting` while the engine's model loads (503 `not_ready`)
+        or nothing listens on its port yet."""
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
         data = None
         if body is not None:
             data = await encode(body.to_dict)
             headers["Content-Type"] = "application/json"
-        async with ClientSession(timeout=ClientTimeout(total=120)) as session, session.request(
-                method, self.url + path, data=data, headers=headers) as resp:
-            data = await decode(await resp.read(), lambda answer: answer)
-            if resp.status >= 400 and resp.status != 409:
-                message = (data or {}).get("error", {}).get("message", str(data)[:200])
-                raise APIError(502, f"engine refused {method} {path}: {resp.status} {message}", type="server_error",
-                               code="engine_error")
-            return resp.status, data
+        try:
+            async with ClientSession(timeout=ClientTimeout(total=timeout_s)) as session, session.request(
+                    method, self.url + path, data=data, headers=headers) as resp:
+                data = await decode(await resp.read(), lambda answer: answer)
+        except ClientConnectorError as exc:
+            if isinstance(exc, TimeoutError):  # a connect that timed out: not a process still starting
+                raise
+            raise EngineStarting(f"engine not listening yet ({exc})") from None
+        if resp.status >= 400 and resp.status != 409:
+            error = (data or {}).get("error", {}) if isinstance(data, dict) else {}
+            message = error.get("message", str(data)[:200]) if isinstance(error, dict) else str(data)[:200]
+            if resp.status == 503 and isinstance(error, dict) and error.get("code") == "not_ready":
+                raise EngineStarting(f"engine starting: {message}")
+            raise APIError(502, f"engine refused {method} {path}: {resp.status} {message}", type="server_error",
+                           code="engine_error")
+        return resp.status, data
 
     async def wait_started(self, stop: asyncio.Event, limit_s: float, poll_s: float = 0.5) -> bool:
-        """Poll the engine until it answers as a started engine does: anything but a 503 `not_ready` (its model
-        loading) or no connection (not listening yet). False: `stop` was set or `limit_s` passed first (the
-        forward that follows then fails as it would have, with the engine's own answer)."""
-        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        """Poll the engine until it answers as a started engine does (`EngineStarting` otherwise). False: `stop`
+        was set or `limit_s` passed first (the forward that follows then fails with the engine's own answer)."""
         deadline = time.monotonic() + limit_s
         while True:
             try:
-                async with ClientSession(timeout=ClientTimeout(total=5)) as session, session.get(
-                        self.url + "/admin/v1/state", headers=headers) as resp:
-                    code = _error_code(await resp.read()) if resp.status == 503 else None
-                starting = code == "not_ready"
-            except TimeoutError:  # hung, not starting: the forward meets the same
-                starting = False
-            except ClientConnectionError:
-                starting = True
+                await self.call("GET", "/admin/v1/state", timeout_s=5.0)
+                return True
+            except EngineStarting:
+                pass
+            except Exception:  # hung or refusing: not starting, and the forward meets the same
+                return True
             remaining = deadline - time.monotonic()
-            if not starting or stop.is_set() or remaining <= 0:
-                return not starting
+            if stop.is_set() or remaining <= 0:
+                return False
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), min(poll_s, remaining))
 

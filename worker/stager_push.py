@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 from lorafleet.worker.directives import AdapterDirective, DesiredState, ReportedState, VersionRef
 from lorafleet.worker.openai_protocol import APIError
 from lorafleet.worker.staged_copy import Staged, has_origin
+from lorafleet.worker.stager_engine import EngineStarting
 from lorafleet.worker.staging_errors import staging_error
 
 if TYPE_CHECKING:
@@ -60,6 +61,7 @@ class Push:
     staged: dict[Key, Staged] = field(default_factory=dict)  # what its staging staged
     forwarded: bool = False  # the engine was sent this push already (its first step)
     at_once: bool = False  # its first step reached the engine (else a respond-async push is answered once staged)
+    starting: bool = False  # its engine was starting (its model loading): answered at once, forwarded once it is up
     superseded: asyncio.Event = field(default_factory=asyncio.Event)  # set once a newer push begins
 
 
@@ -116,7 +118,7 @@ async def apply_push(stager: Stager, desired: DesiredState, *, seed: SeedReport 
         push = await _begin(stager, desired, seed)
         if push is None:  # the generation applied already
             return await stager.state()
-        if push.at_once:
+        if push.at_once or push.starting:
             begun.set()
         await _stage(stager, push)
         return await _finish(stager, push)
@@ -134,14 +136,13 @@ async def _begin(stager: Stager, desired: DesiredState, seed: SeedReport | None)
             raise StalePush(state)
         if desired.generation == stager.generation and stager.desired is not None and stager.unsent != desired.generation:
             return None
-        if stager.engine is not None and not stager.engine.known:
-            await _adopt(stager)
+        starting = stager.engine is not None and not stager.engine.known and await _adopt(stager) == "starting"
         now = {(a.name, ref.version): s for a in desired.adapters for ref in (a.stable, a.canary)
                if ref is not None and (s := ready_now(stager, a, ref)) is not None}
         uris = {(name, ref.version): ref.uri for name, ref in version_refs(desired)}
         errors = dict(seed.adapter_errors) if seed else {}
         errors |= {key: message for key, message in stager.errors.items() if key in uris}  # until tried again
-        push = Push(desired, errors, {key: uri for key, uri in uris.items() if key not in now})
+        push = Push(desired, errors, {key: uri for key, uri in uris.items() if key not in now}, starting=starting)
         forwarded, staged = forwardable(desired, now, stager.forwarded, stager.staged)
         stager.holds.hold_replaced(stager.staged, staged)
         stager.forwarded, stager.errors, stager.staged, stager.pending = forwarded, errors, staged, push.pending
@@ -169,20 +170,27 @@ async def adopt_at_start(stager: Stager, timeout_s: float = 5.0) -> None:
                 await asyncio.wait_for(_adopt(stager), timeout_s)
 
 
-async def _adopt(stager: Stager) -> None:
-    """Take what the engine holds as forwarded, when it can tell (a stager that forwarded nothing yet)."""
+async def _adopt(stager: Stager) -> str:
+    """Take what the engine holds as forwarded, when it can tell (a stager that forwarded nothing yet): "known";
+    else "starting" (its model loading), "serving" (adapters no push of a stager gave it: it serves already) or
+    "unknown" (unreachable, or an engine without the route)."""
     try:
         state = await stager.engine.adopt()
-    except Exception as exc:  # unreachable, or an engine without the route: as if it could not tell
+    except EngineStarting as exc:
+        log.info("%s: the push reaches it once it is up", exc)
+        return "starting"
+    except Exception as exc:  # as if it could not tell
         log.info("what the engine holds is not known (%s): the push reaches it once staged", exc)
-        return
+        return "unknown"
     if state is None:
         log.info("the engine serves adapters no push of a stager gave it: the push reaches it once staged")
-        return
+        stager.delivered = True  # it serves already: a pod made ready by what it serves stays so
+        return "serving"
     stager.forwarded = state.by_name()
-    stager.delivered = stager.delivered or stager.engine.generation > 0  # an earlier stager's push reached it
     stager.staged = {(a.name, ref.version): Staged(Path(ref.uri), ref.sha256, Path(ref.uri).parent == stager.cache.root)
                      for a in state.adapters for ref in (a.stable, a.canary) if ref is not None}  # fmt: skip
+    stager.delivered = stager.delivered or stager.engine.generation > 0  # an earlier stager's push reached it
+    return "known"
 
 
 def ready_now(stager: Stager, a: AdapterDirective, ref: VersionRef) -> Staged | None:
@@ -228,7 +236,8 @@ async def _stage(stager: Stager, push: Push) -> None:
         push_start = time.monotonic()
         superseded = asyncio.ensure_future(push.superseded.wait())
         done = asyncio.Event()
-        forwarder = asyncio.ensure_future(_forward_while_staging(stager, push, done)) if push.at_once else None
+        progressive = push.at_once or push.starting
+        forwarder = asyncio.ensure_future(_forward_while_staging(stager, push, done)) if progressive else None
         todo = version_refs(push.desired)[::-1]  # popped from the end: the push's order
         running: dict[asyncio.Future, tuple[str, VersionRef]] = {}
         try:
@@ -258,11 +267,25 @@ async def _stage(stager: Stager, push: Push) -> None:
 async def _forward_while_staging(stager: Stager, push: Push, done: asyncio.Event) -> None:
     """Every FORWARD_EVERY_S while the push stages, the versions staged since go to the engine: one staged
     early is served without waiting for the push's other downloads (another tenant's big adapter on a slow
-    link). Only for a push whose first step reached the engine (it knows what the engine holds)."""
+    link). Only for a push whose first step reached the engine (it knows what the engine holds), or whose engine
+    was starting: once it is up, what it holds is read and what is staged by then goes at once."""
     sent = 0
+    if not push.at_once:
+        if not await stager.engine.wait_started(done, stager.config.engine_start_wait_s):
+            return  # staged before the engine was up: the push's own forward (_finish) waits for it
+        async with stager.apply_lock:
+            if stager.generation != push.desired.generation:
+                return
+            if not stager.engine.known:  # just started: it holds nothing, and this push's copies stay as they are
+                with contextlib.suppress(Exception):
+                    await stager.engine.adopt()
+                if not stager.engine.holds(DesiredState(0)):
+                    return  # it holds something after all: the push's own forward replaces it
+        sent = -1  # what is staged by now goes at once
     while not done.is_set():
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(done.wait(), FORWARD_EVERY_S)
+        if sent >= 0:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(done.wait(), FORWARD_EVERY_S)
         if done.is_set() or len(push.staged) == sent:
             continue
         sent = len(push.staged)

@@ -181,8 +181,11 @@ def test_env_names_are_config_fields():
 
 @pytest.mark.parametrize(("values", "gated", "limit"), [
     ({}, True, 900.0),
-    ({"readyWithoutPushSeconds": None}, True, None),
-    ({"readyAfterPush": False}, False, 900.0),
+    ({"worker": {"readyWithoutPushSeconds": None}}, True, None),
+    ({"worker": {"readyWithoutPushSeconds": 0}}, True, 0.0),
+    ({"worker": {"readyAfterPush": False}}, False, 900.0),
+    ({"operator": {"enabled": False}}, False, 900.0),  # no operator of this release: ungated unless said
+    ({"operator": {"enabled": False}, "worker": {"readyAfterPush": True}}, True, 900.0),
 ])
 def test_a_worker_pod_is_ready_once_its_first_push_reached_the_engine(values, gated, limit):
     """The sidecar's readiness probe asks /readyz, which the chart gates on the operator's first push (the
@@ -190,7 +193,9 @@ def test_a_worker_pod_is_ready_once_its_first_push_reached_the_engine(values, ga
     from lorafleet.worker.cli import config_from_args
     from lorafleet.worker.stager_config import StagerConfig
 
-    stager = find(render({"worker": values}), "Deployment", "-worker")["spec"]["template"]["spec"]["containers"][1]
+    worker = find(render(values), "Deployment", "-worker")
+    assert worker["spec"]["progressDeadlineSeconds"] >= 600 + 900  # the startup probe's 10 minutes and the fallback
+    stager = worker["spec"]["template"]["spec"]["containers"][1]
     assert stager["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "stager"}
     env = {**{e["name"]: e["value"] for e in stager["env"] if "value" in e}, "LORAFLEET_STAGER_TOKEN": "t" * 20}
     parsed = config_from_args(StagerConfig, stager["args"], env=env)

@@ -29,9 +29,9 @@ async def test_an_edit_queued_behind_a_timer_pass_that_read_its_inputs_before_it
             await controller.run(KEY, pools=[POOL], adapters=[at_20], pods=pods)
             gate, fetch = asyncio.Event(), controller.client.fetch_states
 
-            async def slow(workers):  # a pass staging a large canary holds the pool's lock
+            async def slow(workers, **kw):  # a pass staging a large canary holds the pool's lock
                 await gate.wait()
-                return await fetch(workers)
+                return await fetch(workers, **kw)
 
             controller.client.fetch_states = slow
             slow_pass = asyncio.create_task(controller.run(KEY, pools=[POOL], adapters=[at_20], pods=pods))

@@ -134,11 +134,11 @@ class _HookedClient(StagerClient):
         super().__init__(**kw)
         self.release_old = asyncio.Event()
 
-    async def fetch_states(self, workers):
-        if self.hook is not None:
+    async def fetch_states(self, workers, **kw):
+        if self.hook is not None and workers:
             hook, self.hook = self.hook, None
             await hook()
-        return await super().fetch_states(workers)
+        return await super().fetch_states(workers, **kw)
 
     async def push(self, worker, desired):
         if worker.uid == "old":

@@ -275,7 +275,7 @@ async def test_replicas_that_never_become_ready_hold_a_scale_up_for_a_bounded_ti
     clock.now += 1
     st = await tick(scaler, body, pods)
     assert deployments.patches == [4]  # ceil(3 * 0.99 / 0.85)
-    assert "1 of 3 replicas not ready workers for over 600 s (w-2): not waiting for them" in scaling_condition(st)["message"]
+    assert f"1 of 3 replicas not ready workers for over {MAX_READY_WAIT:g} s (w-2): not waiting for them" in scaling_condition(st)["message"]
     # The new replica gets its own wait (it is not ready yet either).
     clock.now += 30
     st = await tick(scaler, body, pods)
@@ -304,7 +304,7 @@ async def test_a_replica_stuck_unready_makes_later_scale_ups_wait_only_for_their
     clock.now += 60  # the new replica is ready; the stuck one still is not
     st = await tick(scaler, body, [pod("w-0"), pod("w-1"), stuck, pod("w-3")])
     assert deployments.patches == [4, 5]  # ceil(4 * 0.99 / 0.85)
-    assert "1 of 4 replicas not ready workers for over 600 s" in scaling_condition(st)["message"]
+    assert f"1 of 4 replicas not ready workers for over {MAX_READY_WAIT:g} s" in scaling_condition(st)["message"]
     # Its newest replica is not ready yet: that one is waited for, also once the stuck one recovers, and so is
     # a pod that replaces the stuck one.
     clock.now += 60

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 
 import pytest
+from aiohttp import web
 
 from lorafleet.operator.controller import PoolController
-from lorafleet.operator.workers import StagerClient
+from lorafleet.operator.workers import QUICK_READ_S, StagerClient, Worker
 from lorafleet.worker.stager_http import STAGER, create_app
 from tests.worker.engine_admin_stub import HANG_S, until
 from tests.worker.test_stager_bounds import TOKEN, FakeStore, config
@@ -22,6 +24,11 @@ from .test_handlers import POOL, adapter_body, pod_body
 
 KEY = (POOL["metadata"]["namespace"], "main")
 SIDECAR_TOKEN = TOKEN
+
+
+def _worker(pod: dict) -> Worker:
+    return Worker(pod["metadata"]["name"], f"http://127.0.0.1:{pod['spec']['containers'][1]['ports'][0]['containerPort']}",
+                  pod["metadata"].get("uid", ""))
 
 
 def not_ready(pod: dict) -> dict:
@@ -65,8 +72,13 @@ async def test_a_starting_pod_is_told_the_pool_s_adapters_and_becomes_ready_with
         await until(lambda: len(store.calls) == 2)  # downloaded while the model loads
         assert engine.pushes == [] and await _ready(port) == 503
 
-        plan = await controller.run(KEY, pools=[POOL], adapters=adapters, pods=pods)  # still starting: queued
-        assert "worker-1" in plan.pushes and engine.pushes == []
+        # Accepted at once (its engine applies nothing yet): the next passes leave its push staging alone.
+        sidecar = app[STAGER]
+        await until(lambda: controller.push_records[KEY].last(_worker(pods[1])) is not None)
+        for _ in range(3):
+            plan = await controller.run(KEY, pools=[POOL], adapters=adapters, pods=pods)
+            assert "worker-1" not in plan.pushes and engine.pushes == []
+        assert sidecar.generation == told.generation
         engine.started.set()
         await until(lambda: engine.pushes and app[STAGER].delivered)
         assert sorted(a["name"] for a in engine.pushes[-1]["adapters"]) == ["chat", "sql"]
@@ -103,6 +115,68 @@ async def test_a_pod_that_was_ready_is_not_told_a_new_set_while_not_ready(ready_
         plan = await controller.run(KEY, pools=[POOL], adapters=[*adapters, adapter_body("chat")], pods=pods)
         assert "worker-1" not in plan.pushes and "worker-1" not in plan.desired
     finally:
+        await controller.flights.close()
+
+
+async def test_a_starting_pod_whose_engine_never_starts_lets_a_deleted_adapter_go(
+        ready_stager, aiohttp_server, tmp_path, monkeypatch):
+    """Its engine crash-loops: the push without the deleted adapter replaces the one staging at once, and the
+    pod no longer holds up the finalizer."""
+    _, _, _, port = await _starting_pod(aiohttp_server, tmp_path, monkeypatch)
+    controller = PoolController(StagerClient(token=SIDECAR_TOKEN, timeout=2.0), push_wait=2.0)
+    pods = [pod_body("worker-0", ready_stager.port), not_ready(pod_body("worker-1", port))]
+    try:
+        await controller.run(KEY, pools=[POOL], adapters=[adapter_body("sql"), adapter_body("chat")], pods=pods)
+        deleting = adapter_body("chat")
+        deleting["metadata"]["deletionTimestamp"] = "2026-12-05T00:00:00Z"
+        plan = await controller.run(KEY, pools=[POOL], adapters=[adapter_body("sql"), deleting], pods=pods)
+        assert [a.name for a in plan.pushes["worker-1"].adapters] == ["sql"]
+        plan = await controller.run(KEY, pools=[POOL], adapters=[adapter_body("sql"), deleting], pods=pods)
+        assert "worker-1" not in plan.unloading["chat"] and "worker-1" not in plan.pushes
+    finally:
+        await controller.flights.close()
+
+
+async def test_a_serving_pod_whose_sidecar_restarts_keeps_its_warm_copies(ready_stager, aiohttp_server, tmp_path,
+                                                                          monkeypatch):
+    """A pod given warm copies was ready: a restarted sidecar that cannot tell what its engine holds (so it
+    awaits a push) while the pod is not ready is not told the starting set, which would un-pin them."""
+    engine, app, _, port = await _starting_pod(aiohttp_server, tmp_path, monkeypatch)
+    engine.started.set()
+    controller = PoolController(StagerClient(token=SIDECAR_TOKEN, timeout=2.0), push_wait=5.0)
+    pods = [pod_body("worker-0", ready_stager.port), pod_body("worker-1", port)]
+    adapters = [adapter_body("sql", warm=2, pinned=True)]
+    try:
+        plan = await controller.run(KEY, pools=[POOL], adapters=adapters, pods=pods)
+        assert plan.pushes["worker-1"].adapters[0].pinned
+        await until(lambda: app[STAGER].delivered)
+        app[STAGER].delivered = False  # as a restarted sidecar that could not read its engine's state
+        not_ready(pods[1])
+        plan = await controller.run(KEY, pools=[POOL], adapters=adapters, pods=pods)
+        assert "worker-1" not in plan.pushes and engine.pushes[-1]["adapters"][0]["pinned"]
+    finally:
+        await controller.flights.close()
+
+
+async def test_a_hung_sidecar_of_a_pod_not_ready_costs_a_pass_little(ready_stager, aiohttp_server, tmp_path):
+    """A pod on a node that is down stays Running and not ready with an address that does not answer: its read
+    is cut short (QUICK_READ_S), where a ready pod's may take the whole request timeout."""
+    hang = asyncio.Event()
+
+    async def hung(request):
+        await hang.wait()
+
+    app = web.Application()
+    app.router.add_get("/v1/state", hung)
+    port = (await aiohttp_server(app)).port
+    controller = PoolController(StagerClient(token=SIDECAR_TOKEN, timeout=4 * QUICK_READ_S), push_wait=0.1)
+    pods = [pod_body("worker-0", ready_stager.port), not_ready(pod_body("worker-1", port))]
+    try:
+        started = time.monotonic()
+        plan = await controller.run(KEY, pools=[POOL], adapters=[adapter_body("sql")], pods=pods)
+        assert time.monotonic() - started < 3 * QUICK_READ_S and "worker-1" not in plan.desired
+    finally:
+        hang.set()
         await controller.flights.close()
 
 

@@ -67,29 +67,32 @@ async def _ready(client) -> tuple[int, dict]:
 
 async def test_a_new_pod_s_push_stages_while_the_model_loads_and_the_pod_is_ready_once_it_reached_the_engine(
         aiohttp_server, aiohttp_client, tmp_path, monkeypatch):
-    """The operator's push (respond-async) comes while the engine answers 503 `not_ready`: the versions are
-    downloaded meanwhile, the push waits for the engine instead of failing, and reaches it once it is up. Until
-    then the sidecar's /readyz is 503 `awaiting_push` and its report says so; after, 200, for good."""
+    """The operator's push (respond-async) comes while the engine answers 503 `not_ready`: it is answered at once
+    (accepted, nothing applied), the versions are downloaded meanwhile, and the push reaches the engine once it is
+    up instead of failing. Until then the sidecar's /readyz is 503 `awaiting_push` and its report says so; after,
+    200, for good."""
     engine = StartingEngine()
     server = await aiohttp_server(engine.app())
     client, store = await _sidecar(aiohttp_client, tmp_path, monkeypatch, str(server.make_url("")))
     status, body = await _ready(client)
     assert status == 503 and body["status"] == "awaiting_push" and body["error"]["code"] == "awaiting_push"
     state = await (await client.get("/v1/state", headers=AUTH)).json()
-    assert state["awaiting_push"] is True and "engine unreachable" in state["error"]
+    assert state["awaiting_push"] is True and "engine starting" in state["error"]
 
     desired = push(7, adapter("a", "v1", warm=True), adapter("b", "v1"))
-    pushing = asyncio.ensure_future(client.put("/v1/directives", data=desired.to_json(),
-                                               headers={**AUTH, "Prefer": "respond-async"}))
+    resp = await asyncio.wait_for(client.put("/v1/directives", data=desired.to_json(),
+                                             headers={**AUTH, "Prefer": "respond-async"}), HANG_S)
+    assert resp.status == 202, await resp.text()
+    assert (await resp.json())["awaiting_push"] is True
     await until(lambda: len(store.calls) == 2)  # both downloaded while the model loads
     await until(lambda: engine.asked_while_starting >= 3)  # the push polls; it did not fail
-    assert not pushing.done() and engine.pushes == []
-    assert (await _ready(client))[0] == 503
+    assert engine.pushes == [] and (await _ready(client))[0] == 503
+    state = await (await client.get("/v1/state", headers=AUTH)).json()
+    assert sorted(a["name"] for a in state["adapters"]) == ["a", "b"] and state["generation_applied"] == 0
 
     engine.started.set()
-    resp = await asyncio.wait_for(pushing, HANG_S)
-    assert resp.status == 200, await resp.text()
-    report = await resp.json()
+    await until(lambda: client.app[STAGER].delivered)
+    report = await (await client.get("/v1/state", headers=AUTH)).json()
     assert report["generation_applied"] == 7 and report["awaiting_push"] is False
     assert sorted(a["name"] for a in engine.pushes[-1]["adapters"]) == ["a", "b"]
     assert all(ref["uri"].startswith("/") for a in engine.pushes[-1]["adapters"] for ref in [a["stable"]])
@@ -99,22 +102,45 @@ async def test_a_new_pod_s_push_stages_while_the_model_loads_and_the_pod_is_read
     assert await _ready(client) == (200, {"status": "ready"})
 
 
+async def test_what_is_staged_reaches_the_engine_as_soon_as_it_is_up(aiohttp_server, aiohttp_client, tmp_path,
+                                                                      monkeypatch):
+    """a is staged, b still downloading when the engine comes up: a reaches it then (served without waiting for
+    b), and the pod turns ready only once b is in too."""
+    engine = StartingEngine()
+    server = await aiohttp_server(engine.app())
+    client, store = await _sidecar(aiohttp_client, tmp_path, monkeypatch, str(server.make_url("")))
+    store.hold = True
+    resp = await client.put("/v1/directives", data=push(7, adapter("a", "v1"), adapter("b", "v1")).to_json(),
+                            headers={**AUTH, "Prefer": "respond-async"})
+    assert resp.status == 202
+    await until(lambda: len(store.calls) == 1)
+    store.calls[0][1].set()  # a is in; b's download is held
+    await until(lambda: len(store.calls) == 2)
+    engine.started.set()
+    await until(lambda: engine.pushes and [a["name"] for a in engine.pushes[-1]["adapters"]] == ["a"])
+    assert (await _ready(client))[0] == 503
+    store.calls[1][1].set()
+    await until(lambda: client.app[STAGER].delivered)
+    assert [a["name"] for a in engine.pushes[-1]["adapters"]] == ["a", "b"] and (await _ready(client))[0] == 200
+
+
 async def test_an_engine_not_listening_yet_is_waited_for(aiohttp_server, aiohttp_client, tmp_path, monkeypatch):
     """The engine's port refuses connections (its process not listening yet): the push waits for it too."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     client, store = await _sidecar(aiohttp_client, tmp_path, monkeypatch, f"http://127.0.0.1:{port}")
-    pushing = asyncio.ensure_future(client.put("/v1/directives", data=push(3, adapter("a", "v1")).to_json(),
-                                               headers={**AUTH, "Prefer": "respond-async"}))
+    resp = await client.put("/v1/directives", data=push(3, adapter("a", "v1")).to_json(),
+                            headers={**AUTH, "Prefer": "respond-async"})
+    assert resp.status == 202
     await until(lambda: len(store.calls) == 1)
-    await asyncio.sleep(1.2)  # two polls at least, each refused: a failing push would have been answered by now
-    assert not pushing.done()
+    await asyncio.sleep(1.2)  # two polls at least, each refused: a failing push would have ended by now
+    assert not client.app[STAGER].delivered and client.app[STAGER].pending
     engine = StartingEngine()
     engine.started.set()
     await aiohttp_server(engine.app(), port=port)
-    resp = await asyncio.wait_for(pushing, HANG_S)
-    assert resp.status == 200 and [a["name"] for a in engine.pushes[-1]["adapters"]] == ["a"]
+    await until(lambda: client.app[STAGER].delivered)
+    assert [a["name"] for a in engine.pushes[-1]["adapters"]] == ["a"]
     assert (await _ready(client))[0] == 200
 
 
