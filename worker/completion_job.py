@@ -37,6 +37,10 @@ from lorafleet.worker.tenants import Tenant
 from lorafleet.worker.token_bytes import token_bytes
 from lorafleet.worker.tool_calls import ToolCalls
 
+# Logprob entries one answer may hold (about 75 bytes of JSON each, several times that while it is built): far
+# above any single choice's (20 top logprobs over 16k tokens: 344,064), and a bound on n x prompt_logprobs.
+MAX_LOGPROB_ENTRIES = 500_000
+
 
 @dataclass(slots=True)
 class CompletionJob:
@@ -88,6 +92,7 @@ class CompletionJob:
         # echo with logprobs needs the prompt's logprobs too: the engine computes the larger k of the two
         echo_k = max(o.prompt_logprobs or 0, o.logprobs) if o.echo and o.logprobs is not None else None
         prompt_k = o.prompt_logprobs if echo_k is None else echo_k
+        entries = 0  # logprob entries the answer will hold (each with its token's text): bounded, see below
         for p, ids in enumerate(self.prompt_ids):
             if len(ids) >= max_model_len:
                 raise APIError(400, f"This model's maximum context length is {max_model_len} tokens; the prompt "
@@ -107,6 +112,14 @@ class CompletionJob:
                 raise APIError(400, f"'min_tokens' ({o.min_tokens}) is more than the {max_tokens} tokens this "
                                     f"prompt leaves of the model's context ({max_model_len} tokens)",
                                code="invalid_value", param="min_tokens")
+            per_prompt = 0 if prompt_k is None else len(ids) * (prompt_k + 1) * (1 + (o.echo and o.prompt_logprobs is not None))
+            entries += (per_prompt if self.endpoint == "chat" else o.n * per_prompt) \
+                + (o.n * max_tokens * (o.logprobs + 1) if o.logprobs is not None else 0)
+            if entries > MAX_LOGPROB_ENTRIES:  # a 20 KB request must not build a response of gigabytes
+                raise APIError(400, f"the answer would hold {entries} logprob entries (n x tokens x (top logprobs + 1), "
+                                    f"prompt and completion), over the {MAX_LOGPROB_ENTRIES} one request may ask for; "
+                                    f"lower 'n', the number of logprobs, or the tokens they cover",
+                               code="invalid_value", param="n" if o.n > 1 else "logprobs")
             for j in range(o.n):
                 seed = None if o.seed is None else o.seed + j  # n choices with one seed must still differ
                 if self.params:  # checked once (its logit_bias may hold thousands of entries): the others copy it

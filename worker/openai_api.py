@@ -56,6 +56,7 @@ from lorafleet.worker.request_output import RequestOutput
 from lorafleet.worker.scheduler import CapacityError
 from lorafleet.worker.served_adapters import VersionUnavailable
 from lorafleet.worker.served_fallback import listed_versions, versions_still_served
+from lorafleet.worker.state_json import reply
 from lorafleet.worker.stream_writes import written_in_time
 from lorafleet.worker.tenants import Tenant
 from lorafleet.worker.tokenizer import TokenizerError
@@ -248,7 +249,13 @@ async def _collect(request: web.Request, job: CompletionJob, outputs: AsyncItera
             raise
         except Exception as exc:
             raise _engine_error(exc, job, request) from None
-    return web.json_response(job.response(_tokenizer(request), final), headers={ADAPTER_HEADER: job.model})
+    tokenizer, o = _tokenizer(request), job.options
+    if o.logprobs is None and o.prompt_logprobs is None:
+        return web.json_response(job.response(tokenizer, final), headers={ADAPTER_HEADER: job.model})
+    # Logprobs: up to MAX_LOGPROB_ENTRIES decoded tokens, built and encoded off the event loop (tens of MB).
+    response = await reply(lambda: job.response(tokenizer, final))
+    response.headers[ADAPTER_HEADER] = job.model
+    return response
 
 
 async def _stream(request: web.Request, job: CompletionJob, outputs: AsyncIterator[tuple[int, RequestOutput]],

@@ -265,13 +265,26 @@ def load_peft_adapter(
         raise AdapterError(f"{path}: not a directory; an adapter is a PEFT dir with {CONFIG_FILE} + {WEIGHTS_FILE}")
     _refuse_pickles(path)
     config, config_raw = read_config(path, max_file_bytes)
+    # The digests first: a version read again (an eviction's reload) is its files' bytes as first loaded, checked
+    # before anything in them is interpreted or quoted (a file replaced since, by a link, say, is refused unread).
+    weights_path = path / WEIGHTS_FILE
+    if not weights_path.is_file():
+        raise AdapterError(f"{path}: {WEIGHTS_FILE} not found (only safetensors weights are accepted)")
+    raw = read_bytes(weights_path, max_file_bytes)
+    digest = _content_digest(config_raw, raw)  # of the bytes served
+    if sha256 is not None and digest != sha256.lower():
+        raise AdapterError(f"{path}: sha256 mismatch: expected {sha256}, the files hash to {digest} (corrupt or "
+                           f"changed files; fix the files or the expected sha256)")
+    if expect_digest is not None and digest != expect_digest:
+        raise AdapterError(f"{path}: the adapter's files changed after version {version} was loaded from them; "
+                           f"register the new files as a new version")
     refuse_unsupported(config, path)
     pattern_keys = (compiled_keys(config.get("rank_pattern") or {}, "rank_pattern"),
                     compiled_keys(config.get("alpha_pattern") or {}, "alpha_pattern"))
     num_layers = int(_cfg(model_config, "num_hidden_layers"))
     refuse_embedding_targets(config, path, num_layers)
     base = config.get("base_model_name_or_path") or ""
-    if mode != "off":
+    if mode != "off" and expect_digest is None:  # read again: its base and tokenizer were checked at its first load
         given = [base_model_name] if isinstance(base_model_name, str) else base_model_name or ()
         names = [n for n in given if n]  # "": no name known, nothing to check against
         if names and base and _short_name(base) not in {_short_name(n) for n in names}:
@@ -287,18 +300,7 @@ def load_peft_adapter(
         if mismatch is not None:
             _mismatch(mode, mismatch)
 
-    weights_path = path / WEIGHTS_FILE
-    if not weights_path.is_file():
-        raise AdapterError(f"{path}: {WEIGHTS_FILE} not found (only safetensors weights are accepted)")
     shapes = projection_shapes(model_config)
-    raw = read_bytes(weights_path, max_file_bytes)
-    digest = _content_digest(config_raw, raw)  # of the bytes served
-    if sha256 is not None and digest != sha256.lower():
-        raise AdapterError(f"{path}: sha256 mismatch: expected {sha256}, the files hash to {digest} (corrupt or "
-                           f"changed files; fix the files or the expected sha256)")
-    if expect_digest is not None and digest != expect_digest:
-        raise AdapterError(f"{path}: the adapter's files changed after version {version} was loaded from them; "
-                           f"register the new files as a new version")
     pairs, module_names = _read_tensors(raw, path, num_layers, config)
     del raw  # the tensors hold copies
     if not pairs:

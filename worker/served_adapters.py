@@ -81,6 +81,9 @@ from lorafleet.worker.tenants import Tenant
 
 log = logging.getLogger(__name__)
 _KEY_RE = re.compile(r"\b([A-Za-z0-9][A-Za-z0-9._-]*)@([A-Za-z0-9._-]*[A-Za-z0-9_-])")  # name@version in a message
+# An absolute path left after that (the allowed roots, where a link resolves to, another file the worker read):
+# its last part only, which names the file without the layout of the worker's disk.
+_PATH_RE = re.compile(r"(?<![\w.:/])/(?:[^\s,;:()'\"/]+/)+([^\s,;:()'\"/]*)")
 
 
 class VersionUnavailable(APIError):
@@ -166,7 +169,7 @@ class ServedAdapters:
             owner = served.tenant if served is not None else None
             return m[0] if tenant.may_use(m[1], owner) else "another tenant's adapter"
 
-        return cut_source_folders(_KEY_RE.sub(hide, message), self._adapters)
+        return _PATH_RE.sub(r"\1", cut_source_folders(_KEY_RE.sub(hide, message), self._adapters))
 
     def mark_failed(self, key: str, reason: str) -> None:
         name, _, version = key.partition("@")

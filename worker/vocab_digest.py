@@ -40,7 +40,9 @@ def _parse(file: Path, interpret: Callable[[Any], T], max_bytes: int | None) -> 
         raise
     except (OSError, ValueError, RecursionError, KeyError, IndexError, TypeError, AttributeError) as exc:
         # ValueError covers JSONDecodeError and UnicodeDecodeError.
-        raise TokenizerFileError(f"{file}: not a readable tokenizer file ({type(exc).__name__}: {exc})") from exc
+        # Never the file's content: an adapter folder's file may be a link to one the tenant must not read.
+        detail = f": {exc}" if isinstance(exc, json.JSONDecodeError) else ""  # a position only
+        raise TokenizerFileError(f"{file}: not a readable tokenizer file ({type(exc).__name__}{detail})") from exc
 
 
 def _from_tokenizer_json(raw: dict) -> tuple[dict[str, int], list[str]]:
@@ -62,7 +64,7 @@ def _checked(vocab: dict) -> dict[str, int]:
     """token -> id with string tokens and integer ids (the digest sorts by them)."""
     bad = [(t, i) for t, i in vocab.items() if not isinstance(t, str) or not isinstance(i, int) or isinstance(i, bool)]
     if bad:
-        raise TypeError(f"vocabulary entries must map strings to integer ids, got {bad[:3]}")
+        raise TypeError(f"vocabulary entries must map strings to integer ids ({len(bad)} do not)")
     return vocab
 
 
@@ -81,7 +83,7 @@ def _vocab_and_merges_from_dir(path: Path, max_bytes: int | None) -> tuple[dict[
             except FileLimitError:
                 raise
             except (OSError, ValueError) as exc:
-                raise TokenizerFileError(f"{merges_txt}: not a readable merges file ({exc})") from exc
+                raise TokenizerFileError(f"{merges_txt}: not a readable merges file ({type(exc).__name__})") from exc
             merges = [ln for ln in text.splitlines() if ln and not ln.startswith("#version")]
         added = path / "added_tokens.json"
         if added.is_file():
@@ -140,7 +142,9 @@ def probe_encodings(path: str | Path, max_file_bytes: int | None = None) -> list
         # regex engine's limit is one. It is the file's fault, not the end of the thread that loads it.
         if not is_failure(exc):
             raise
-        raise TokenizerFileError(f"{file}: not a readable tokenizer file ({type(exc).__name__}: {exc})") from None
+        # Its type only: the library's message may quote the file, which may be a link to one the tenant must not read.
+        raise TokenizerFileError(f"{file}: not a readable tokenizer file ({type(exc).__name__}); check that it "
+                                 f"loads with the tokenizers library") from None
 
 
 def _declared_added_tokens(path: Path, max_bytes: int | None) -> dict[str, int | None]:
@@ -154,7 +158,7 @@ def _declared_added_tokens(path: Path, max_bytes: int | None) -> dict[str, int |
             extra = raw.get("additional_special_tokens") or []
             names = [t["content"] if isinstance(t, dict) else t for t in extra]
             if not all(isinstance(n, str) for n in names):
-                raise TypeError(f"additional_special_tokens must name tokens, got {extra[:3]}")
+                raise TypeError("additional_special_tokens must name tokens (strings, or objects with 'content')")
             return {**dict.fromkeys(names), **_added_tokens_decoder(raw)}
         declared.update(_parse(cfg, interpret, max_bytes))
     added = path / "added_tokens.json"

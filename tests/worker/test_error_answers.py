@@ -180,3 +180,23 @@ def test_only_a_load_failure_that_cannot_pass_by_itself_is_remembered(retryable)
         with pytest.raises(APIError, match="disk read error") as answer:
             request.app[ADAPTERS].resolve("sql", ACME, None)
         assert answer.value.status == 503
+
+
+def test_a_load_failure_shows_no_folder_of_the_worker_s_disk():
+    """A version whose source the engine refused (a link out of the allowed roots) failed to load with a
+    reason that names the roots and where the link leads: the tenant's answer keeps the files' names only, now
+    and on later requests for it."""
+    from lorafleet.worker.adapter_entry import AdapterLoadError
+
+    from .test_served_adapters import ACME, SQL, RecordingHost, state
+
+    request = _request()
+    request.app[ADAPTERS].apply(state(1, SQL), RecordingHost())
+    reason = ("source /data/acme/sql resolves to /srv/secret-tree/gamma, outside the allowed local roots "
+              "(/root/.cache/lorafleet/adapters, /data/tenants/)")
+    err = _engine_error(AdapterLoadError("sql@v1", reason), SimpleNamespace(model="sql", tenant=ACME), request)
+    with pytest.raises(APIError) as later:
+        request.app[ADAPTERS].resolve("sql", ACME, None)
+    for message in (err.message, later.value.message):
+        assert "gamma" in message and "/srv" not in message and "secret-tree" not in message, message
+        assert ".cache" not in message and "/root" not in message and "tenants" not in message, message

@@ -213,6 +213,22 @@ async def test_limits_are_400s_naming_the_field(client):
         assert resp.status == 400 and error["param"] == param and param in error["message"], (body, error)
 
 
+async def test_an_answer_s_logprob_entries_are_bounded(client):
+    """n x prompt_logprobs: 256 choices of a 100-token prompt with 20 top logprobs each would be 537,600 entries,
+    hundreds of MB built from a request of a few KB: a 400 naming `n`. Within the bound the answer is built off
+    the event loop, and carries the adapter header as any answer does."""
+    prompt = list(range(1, 101))
+    resp = await client.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 1, "n": 256,
+                                                      "prompt_logprobs": 20})
+    error = (await resp.json())["error"]
+    assert resp.status == 400 and error["param"] == "n" and "537600 logprob entries" in error["message"], error
+    resp = await client.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 4, "n": 2,
+                                                      "prompt_logprobs": 5, "logprobs": 5, "echo": True})
+    assert resp.status == 200 and resp.headers["x-lorafleet-adapter"] == "tiny", await resp.text()
+    choices = (await resp.json())["choices"]
+    assert len(choices) == 2 and all(len(c["prompt_logprobs"]) == 100 for c in choices)
+
+
 @pytest.mark.parametrize("stream", [False, True])
 async def test_echo_with_max_tokens_0_scores_the_prompt_and_generates_nothing(client, hf_model, stream):
     """OpenAI's legacy API and vLLM: the prompt and its logprobs, no completion (finish_reason "length",

@@ -735,3 +735,25 @@ def test_same_weights_other_alpha_in_one_engine_batch(tmp_path):
                 ids = torch.cat([ids, torch.tensor([[token]])], 1)
         firsts.append(out.logprobs[0].logprob)
     assert abs(firsts[0] - firsts[1]) > 1e-3 and abs(firsts[0] - firsts[2]) > 1e-3
+
+
+@pytest.mark.parametrize("linked", ["vocab.json", "tokenizer.json"])
+def test_a_tokenizer_file_linked_to_a_secret_never_quotes_it(tmp_path, model_config, linked):
+    """A tenant who writes its own adapter folder links a tokenizer file to a JSON file the worker can read (its
+    API keys file): the load is refused, and the error it sees names the file, never what the file holds. Read
+    again after an eviction (the weights' digest known), the files are checked before anything is parsed, and
+    its tokenizer, checked at its first load, is not read again."""
+    secret = tmp_path / "keys.json"
+    secret.write_text('{"tenants": {"globex": {"keys": ["sk-globex-secret"]}}, "additional_special_tokens": [7]}')
+    base_dir = tmp_path / "base"
+    base_dir.mkdir()
+    _bpe_tokenizer(VOCAB).save(str(base_dir / "tokenizer.json"))
+    digest = vocab_digest(base_dir)
+    make_adapter(tmp_path / "x", r=4, lora_alpha=8, target_modules=["q_proj"])
+    first = load_peft_adapter(tmp_path / "x", model_config, dtype=torch.float32, tokenizer_digest=digest)
+    (tmp_path / "x" / linked).symlink_to(secret)
+    with pytest.raises(AdapterError) as refused:
+        load_peft_adapter(tmp_path / "x", model_config, dtype=torch.float32, tokenizer_digest=digest)
+    assert "sk-globex" not in str(refused.value) and "tenants" not in str(refused.value), refused.value
+    again = first.reload()  # the eviction's reload: same bytes, served as before
+    assert again.modules.keys() == first.modules.keys()
