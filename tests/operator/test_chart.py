@@ -143,18 +143,22 @@ def test_worker_pod_engine_and_sidecar():
 
 
 def test_the_stager_sidecar_takes_extra_args_env_and_mounts():
-    """Local adapter folders (LORAFLEET_LOCAL_ROOTS and a mounted folder) and the stager's other settings
-    (--download-timeout-s) reach the sidecar; the engine gets none of them."""
+    """Local adapter folders (localAdapterRoots, a volume mounted in both containers) and the stager's other
+    settings (--download-timeout-s) reach the sidecar; the engine may read those folders' adapters where they are
+    (the stager forwards their paths as they are), and gets none of the stager's settings."""
     values = {"worker": {"extraVolumes": [{"name": "adapters", "persistentVolumeClaim": {"claimName": "lora"}}],
+                         "localAdapterRoots": ["/adapters"],
                          "stagerExtraArgs": ["--download-timeout-s", "900"],
-                         "stagerExtraEnv": [{"name": "LORAFLEET_LOCAL_ROOTS", "value": "/adapters"}],
+                         "extraVolumeMounts": [{"name": "adapters", "mountPath": "/adapters", "readOnly": True}],
                          "stagerExtraVolumeMounts": [{"name": "adapters", "mountPath": "/adapters", "readOnly": True}]}}
     engine, stager = find(render(values), "Deployment", "-worker")["spec"]["template"]["spec"]["containers"]
     assert stager["args"] == ["--download-timeout-s", "900"]
     assert {"name": "LORAFLEET_LOCAL_ROOTS", "value": "/adapters"} in stager["env"]
     assert {"name": "adapters", "mountPath": "/adapters", "readOnly": True} in stager["volumeMounts"]
     assert "LORAFLEET_LOCAL_ROOTS" not in env_names(engine)
-    assert not any(m["name"] == "adapters" for m in engine["volumeMounts"])
+    roots = next(e["value"] for e in engine["env"] if e["name"] == "LORAFLEET_ADAPTER_ROOTS").split(",")
+    assert roots == ["/var/cache/lorafleet/adapters", "/adapters"]
+    assert {"name": "adapters", "mountPath": "/adapters", "readOnly": True} in engine["volumeMounts"]
     from lorafleet.worker.stager_config import StagerConfig
 
     assert {"LORAFLEET_LOCAL_ROOTS"} <= config_env_names(StagerConfig)
