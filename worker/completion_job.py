@@ -40,6 +40,7 @@ from lorafleet.worker.tool_calls import ToolCalls
 # Logprob entries one answer may hold (about 75 bytes of JSON each, several times that while it is built): far
 # above any single choice's (20 top logprobs over 16k tokens: 344,064), and a bound on n x prompt_logprobs.
 MAX_LOGPROB_ENTRIES = 500_000
+UNSET_MAX_TOKENS_COUNTED = 4096  # an unset max_tokens counts as this many tokens before the answer is known
 
 
 @dataclass(slots=True)
@@ -113,13 +114,12 @@ class CompletionJob:
                                     f"prompt leaves of the model's context ({max_model_len} tokens)",
                                code="invalid_value", param="min_tokens")
             per_prompt = 0 if prompt_k is None else len(ids) * (prompt_k + 1) * (1 + (o.echo and o.prompt_logprobs is not None))
+            # Generated tokens as asked; unset, as many as most answers take (the answer is checked again, whole).
+            generated = max_tokens if o.max_tokens is not None else min(max_tokens, UNSET_MAX_TOKENS_COUNTED)
             entries += (per_prompt if self.endpoint == "chat" else o.n * per_prompt) \
-                + (o.n * max_tokens * (o.logprobs + 1) if o.logprobs is not None else 0)
-            if entries > MAX_LOGPROB_ENTRIES:  # a 20 KB request must not build a response of gigabytes
-                raise APIError(400, f"the answer would hold {entries} logprob entries (n x tokens x (top logprobs + 1), "
-                                    f"prompt and completion), over the {MAX_LOGPROB_ENTRIES} one request may ask for; "
-                                    f"lower 'n', the number of logprobs, or the tokens they cover",
-                               code="invalid_value", param="n" if o.n > 1 else "logprobs")
+                + (o.n * generated * (o.logprobs + 1) if o.logprobs is not None else 0)
+            if not o.stream:  # a stream is sent as it comes: nothing of it is built whole
+                self.check_logprob_entries(entries)
             for j in range(o.n):
                 seed = None if o.seed is None else o.seed + j  # n choices with one seed must still differ
                 if self.params:  # checked once (its logit_bias may hold thousands of entries): the others copy it
@@ -136,6 +136,28 @@ class CompletionJob:
                         json_object=o.json_object, grammar=o.grammar, max_tokens_to_fit=o.max_tokens is None)
                 self.params.append(params)
                 self.choice_prompt.append(p)
+
+    def check_logprob_entries(self, entries: int) -> None:
+        """A 400 when an answer (not streamed) would hold more than MAX_LOGPROB_ENTRIES logprob entries: a request
+        of a few KB must not build one of gigabytes (n x prompt_logprobs over a long prompt)."""
+        if entries > MAX_LOGPROB_ENTRIES:
+            raise APIError(400, f"the answer would hold {entries} logprob entries (n x tokens x (top logprobs + 1), "
+                                f"prompt and completion), over the {MAX_LOGPROB_ENTRIES} one answer may hold; lower "
+                                f"'n', the number of logprobs or the tokens they cover, or stream it",
+                           code="invalid_value", param="n" if self.options.n > 1 else "logprobs")
+
+    def logprob_entries(self, final: dict[int, RequestOutput]) -> int:
+        """The logprob entries the whole answer of these outputs holds (each with its top alternatives)."""
+        def entries(lps) -> int:
+            return sum(1 + len(lp.top) for lp in lps or () if lp is not None)
+
+        o = self.options
+        count = sum(entries(out.logprobs) for out in final.values())
+        prompt_copies = 1 + (o.echo and o.prompt_logprobs is not None)  # echo's logprobs and prompt_logprobs
+        for i, out in final.items():
+            if self.endpoint != "chat" or i == 0:  # chat: one prompt_logprobs beside the choices
+                count += entries(out.prompt_logprobs) * prompt_copies
+        return count
 
     def usage(self, completion_tokens: int) -> dict[str, int]:
         completion_tokens = 0 if self.score_only else completion_tokens

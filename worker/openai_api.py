@@ -253,6 +253,7 @@ async def _collect(request: web.Request, job: CompletionJob, outputs: AsyncItera
     if o.logprobs is None and o.prompt_logprobs is None:
         return web.json_response(job.response(tokenizer, final), headers={ADAPTER_HEADER: job.model})
     # Logprobs: up to MAX_LOGPROB_ENTRIES decoded tokens, built and encoded off the event loop (tens of MB).
+    job.check_logprob_entries(job.logprob_entries(final))  # an unset max_tokens was counted short
     response = await reply(lambda: job.response(tokenizer, final))
     response.headers[ADAPTER_HEADER] = job.model
     return response

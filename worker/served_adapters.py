@@ -81,9 +81,11 @@ from lorafleet.worker.tenants import Tenant
 
 log = logging.getLogger(__name__)
 _KEY_RE = re.compile(r"\b([A-Za-z0-9][A-Za-z0-9._-]*)@([A-Za-z0-9._-]*[A-Za-z0-9_-])")  # name@version in a message
-# An absolute path left after that (the allowed roots, where a link resolves to, another file the worker read):
-# its last part only, which names the file without the layout of the worker's disk.
-_PATH_RE = re.compile(r"(?<![\w.:/])/(?:[^\s,;:()'\"/]+/)+([^\s,;:()'\"/]*)")
+# A source refused for lying out of bounds (worker/tenant_folders.py): where it resolves to, the allowed roots
+# and other tenants' regions are the worker's disk layout, which a tenant is not shown.
+_BOUNDS_TEXT = ((re.compile(r"resolves to [^,]*,"), "resolves to a folder"),
+                (re.compile(r"outside the allowed local roots \([^)]*\)"), "outside the allowed local roots"),
+                (re.compile(r"inside [^,]*, where other tenants' folders lie"), "inside a folder where other tenants' folders lie"))
 
 
 class VersionUnavailable(APIError):
@@ -169,7 +171,10 @@ class ServedAdapters:
             owner = served.tenant if served is not None else None
             return m[0] if tenant.may_use(m[1], owner) else "another tenant's adapter"
 
-        return _PATH_RE.sub(r"\1", cut_source_folders(_KEY_RE.sub(hide, message), self._adapters))
+        message = cut_source_folders(_KEY_RE.sub(hide, message), self._adapters)
+        for pattern, said in _BOUNDS_TEXT:
+            message = pattern.sub(said, message)
+        return message
 
     def mark_failed(self, key: str, reason: str) -> None:
         name, _, version = key.partition("@")

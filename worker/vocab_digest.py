@@ -28,21 +28,27 @@ class TokenizerFileError(ValueError):
     message names the file."""
 
 
+class _Malformed(TypeError):
+    """A malformation this module describes itself, in words that quote nothing of the file."""
+
+
 def _parse(file: Path, interpret: Callable[[Any], T], max_bytes: int | None) -> T:
     """`interpret(json of file)`; any malformation becomes a TokenizerFileError naming the file. A file
     over `max_bytes` (None: no limit) or not a regular file raises FileLimitError, unread."""
     try:
         raw = json.loads(read_limited(file, max_bytes).decode("utf-8"))
         if not isinstance(raw, dict):
-            raise TypeError(f"expected a JSON object, found a JSON {type(raw).__name__}")
+            raise _Malformed(f"expected a JSON object, found a JSON {type(raw).__name__}")
         return interpret(raw)
     except FileLimitError:
         raise
     except (OSError, ValueError, RecursionError, KeyError, IndexError, TypeError, AttributeError) as exc:
         # ValueError covers JSONDecodeError and UnicodeDecodeError.
         # Never the file's content: an adapter folder's file may be a link to one the tenant must not read.
-        detail = f": {exc}" if isinstance(exc, json.JSONDecodeError) else ""  # a position only
-        raise TokenizerFileError(f"{file}: not a readable tokenizer file ({type(exc).__name__}{detail})") from exc
+        detail = (str(exc) if isinstance(exc, _Malformed)  # our own words
+                  else f"{type(exc).__name__}: {exc}" if isinstance(exc, json.JSONDecodeError)  # a position only
+                  else type(exc).__name__)
+        raise TokenizerFileError(f"{file}: not a readable tokenizer file ({detail})") from exc
 
 
 def _from_tokenizer_json(raw: dict) -> tuple[dict[str, int], list[str]]:
@@ -64,7 +70,7 @@ def _checked(vocab: dict) -> dict[str, int]:
     """token -> id with string tokens and integer ids (the digest sorts by them)."""
     bad = [(t, i) for t, i in vocab.items() if not isinstance(t, str) or not isinstance(i, int) or isinstance(i, bool)]
     if bad:
-        raise TypeError(f"vocabulary entries must map strings to integer ids ({len(bad)} do not)")
+        raise _Malformed(f"vocabulary entries must map strings to integer ids ({len(bad)} do not)")
     return vocab
 
 
@@ -158,7 +164,7 @@ def _declared_added_tokens(path: Path, max_bytes: int | None) -> dict[str, int |
             extra = raw.get("additional_special_tokens") or []
             names = [t["content"] if isinstance(t, dict) else t for t in extra]
             if not all(isinstance(n, str) for n in names):
-                raise TypeError("additional_special_tokens must name tokens (strings, or objects with 'content')")
+                raise _Malformed("additional_special_tokens must name tokens (strings, or objects with 'content')")
             return {**dict.fromkeys(names), **_added_tokens_decoder(raw)}
         declared.update(_parse(cfg, interpret, max_bytes))
     added = path / "added_tokens.json"

@@ -184,19 +184,22 @@ def test_only_a_load_failure_that_cannot_pass_by_itself_is_remembered(retryable)
 
 def test_a_load_failure_shows_no_folder_of_the_worker_s_disk():
     """A version whose source the engine refused (a link out of the allowed roots) failed to load with a
-    reason that names the roots and where the link leads: the tenant's answer keeps the files' names only, now
-    and on later requests for it."""
+    reason that names the roots and where the link leads: the tenant's answer says why without them, now and on
+    later requests for it."""
     from lorafleet.worker.adapter_entry import AdapterLoadError
 
     from .test_served_adapters import ACME, SQL, RecordingHost, state
 
     request = _request()
     request.app[ADAPTERS].apply(state(1, SQL), RecordingHost())
-    reason = ("source /data/acme/sql resolves to /srv/secret-tree/gamma, outside the allowed local roots "
-              "(/root/.cache/lorafleet/adapters, /data/tenants/)")
+    reason = ("file:///data/acme/sql: resolves to /srv/secret-tree/gamma, outside the allowed local roots "
+              "(/root/.cache/lorafleet/adapters, /data/tenants/) (not_allowed)")
     err = _engine_error(AdapterLoadError("sql@v1", reason), SimpleNamespace(model="sql", tenant=ACME), request)
     with pytest.raises(APIError) as later:
         request.app[ADAPTERS].resolve("sql", ACME, None)
     for message in (err.message, later.value.message):
-        assert "gamma" in message and "/srv" not in message and "secret-tree" not in message, message
-        assert ".cache" not in message and "/root" not in message and "tenants" not in message, message
+        assert "resolves to a folder outside the allowed local roots (not_allowed)" in message, message
+        assert "secret-tree" not in message and ".cache" not in message and "/data/tenants" not in message, message
+    # Text of the caller's own, a path or a JSON pointer in it, goes through as it came.
+    said = "'/api/v1/users' is not one of the choices; see #/definitions/Address"
+    assert request.app[ADAPTERS].redact(said, ACME) == said

@@ -12,6 +12,7 @@ import torch
 
 from lorafleet.worker import Engine, EngineConfig, SamplingParams
 from lorafleet.worker.app_keys import ENGINE, METRICS
+from lorafleet.worker.openai_protocol import APIError
 from lorafleet.worker.server import create_app
 from lorafleet.worker.worker_config import WorkerConfig
 
@@ -251,3 +252,21 @@ async def test_echo_with_max_tokens_0_scores_the_prompt_and_generates_nothing(cl
     resp = await client.post("/v1/completions", json=body | {"max_tokens": 0, "echo": False})
     err = (await resp.json())["error"]
     assert resp.status == 400 and err["param"] == "max_tokens", err
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_logprob_bound_leaves_ordinary_long_context_requests_alone(stream):
+    """Chat with `top_logprobs` 20 and no max_tokens on a 128k-token model: its unset max_tokens counts as the
+    tokens most answers take, not the whole context left (the answer is checked whole once known), and a stream,
+    sent as it comes, is never bounded."""
+    from lorafleet.worker.completion_job import CompletionJob
+    from lorafleet.worker.openai_protocol import parse_chat_request, parse_completion_request
+    from lorafleet.worker.tenants import Tenant
+
+    chat = parse_chat_request({"model": "m", "messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                               "top_logprobs": 20, "n": 4, "stream": stream})
+    CompletionJob("chat", "r", "m", None, [list(range(50))], chat.options, Tenant("t")).add_choices(131072, 32000)
+    wide = parse_completion_request({"model": "m", "prompt": "x", "n": 64, "prompt_logprobs": 20, "max_tokens": 1})
+    job = CompletionJob("completions", "r", "m", None, [list(range(4000))], wide.options, Tenant("t"))
+    with pytest.raises(APIError, match="logprob entries"):
+        job.add_choices(131072, 32000)
