@@ -214,9 +214,7 @@ class PoolController:
         asked = workers + emptied + held  # read at once, and the pods not ready with a shorter timeout: they are many
         reads = await asyncio.gather(self.client.fetch_states(asked), self.client.fetch_states(lagging, quick=True))
         fetched = dict(zip(asked + lagging, reads[0] + reads[1], strict=True))  # on a node that is down, say
-        # One given warm copies was ready before (placement counts ready pods only): what it holds stays (held).
-        starting = [w for w in lagging if (r := fetched[w]) is not None and r.awaiting_push
-                    and not any(d.warm for d in (record.last(w) or DesiredState(0)).adapters)]
+        starting = [w for w in lagging if (r := fetched[w]) is not None and r.awaiting_push]
         if unloading and pool is not None:  # not ready: it may still serve what it holds, and will once ready
             held = [w for w in lagging if w not in starting]
         reached = workers + emptied + held + starting

@@ -114,7 +114,8 @@ def reconcile_pool(pool: PoolSpec | None, adapters: Sequence[AdapterSpec | Inval
     (``awaiting_push``: a new pod, its model loading; its readiness waits for that push). Each is told every
     admitted adapter, none warm, so it stages them while it starts and enters the Service with them registered,
     instead of answering their requests 404 until a pass after it is ready; it counts in no status nor
-    placement until it is ready. While an adapter is being deleted, it counts in ``plan.unloading`` while its
+    placement until it is ready. One whose last accepted push gave it warm copies was ready before (its
+    containers restarted): it is told that push's set again, less the adapters gone, so none is un-pinned. While an adapter is being deleted, it counts in ``plan.unloading`` while its
     sidecar reports it (the push it stages lists it: its engine would serve it once up); a push without it
     replaces that one at once, as a starting engine's sidecar answers a push before staging it.
 
@@ -176,9 +177,14 @@ def reconcile_pool(pool: PoolSpec | None, adapters: Sequence[AdapterSpec | Inval
     for w in live:
         _desire(plan, w, [variants[name][w.pod in warm_sets[name]] for name in sorted(served)], generation_floor,
                 settings)
-    for w in coming:  # registered, none warm: placed once ready
-        _desire(plan, w, [variants[name][False] for name in sorted(served)], generation_floor, settings,
-                starting=True)
+    for w in coming:  # registered, none warm: placed once ready; or, given warm copies (it was ready), those again
+        last = w.w.last_pushed
+        if last is not None and any(d.warm for d in last.adapters):
+            _desire(plan, w, [d for d in last.adapters if d.name not in gone], generation_floor,
+                    PoolSettings(last.eviction, last.cpu_bytes), starting=True)
+        else:
+            _desire(plan, w, [variants[name][False] for name in sorted(served)], generation_floor, settings,
+                    starting=True)
     for w in emptied:  # told to hold nothing, pinned adapters included, like a deleting pool's workers
         if w.by_name or w.w.last_pushed is not None:  # one found holding nothing, never told here, is let go
             _desire(plan, w, [], generation_floor, PoolSettings())
@@ -326,12 +332,15 @@ def pool_settings(pool: PoolSpec | None) -> PoolSettings:
 def _desire(plan: PoolPlan, w: WorkerIndex, directives: list[AdapterDirective], floor: int,
             settings: PoolSettings, *, starting: bool = False) -> None:
     """``w``'s desired state in ``plan``, pushed when ``_next_generation`` says so; for a ``starting`` pod only
-    when the set it accepted differs or its sidecar lost it (restarted: it lists none of its versions): its
-    engine applies nothing until it is up, and a push every pass would only replace the one staging."""
-    if starting and (last := w.w.last_pushed) is not None and last.adapters == directives \
-            and PoolSettings(last.eviction, last.cpu_bytes) == settings \
-            and all(w.find(d.name, v) is not None for d in directives for v in d.versions):
-        generation, push = last.generation, False
+    when the set it accepted differs or its sidecar no longer holds that push (restarted): its engine applies
+    nothing until it is up, and a push every pass would only replace the one staging."""
+    if starting:
+        last = w.w.last_pushed
+        held = last is not None and last.adapters == directives and w.w.reported.pushed_generation == last.generation \
+            and PoolSettings(last.eviction, last.cpu_bytes) == settings
+        generation = last.generation if held else max((last.generation if last else 0) + 1,
+                                                      w.w.reported.generation_applied + 1, floor)
+        push = not held
     else:
         generation, push = _next_generation(w, directives, settings, floor)
     desired = DesiredState(generation, directives, eviction=settings.eviction, cpu_bytes=settings.cpu_bytes)

@@ -347,7 +347,7 @@ class Stager:
                 report.pool_bytes, report.pool_slots = self._pool_size
         else:
             report = ReportedState(generation_applied=self.generation)
-        report.awaiting_push = not self.delivered
+        report.awaiting_push, report.pushed_generation = not self.delivered, self.generation
         if report.error is None and report.generation_applied >= self.generation:  # not one from before a push
             self.holds.release_replaced(report)
         staged = dict(self.staged)

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("lorafleet.stager")
 Key = tuple[str, str]  # (adapter name, version)
 FORWARD_EVERY_S = 2.0  # while a push stages, how often the versions staged since are forwarded
+RETRY_FIRST_S, RETRY_LAST_S = 2.0, 60.0  # a starting engine's push that failed to reach it: tried again after
 
 
 class StalePush(APIError):
@@ -324,25 +325,45 @@ async def _finish(stager: Stager, push: Push) -> ReportedState:
     cache's trim come after, without the lock: a hung engine report or a slow disk does not hold up the next
     push (its report may then be the newer push's, as when one took over). An engine still starting (its model
     loading) is waited for first, up to `engine_start_wait_s`, unless a newer push takes over meanwhile: a new
-    pod's first push stages while its model loads and reaches the engine once it is up."""
-    if stager.engine is not None and not stager.engine.known:  # one that took a forward has started
-        await stager.engine.wait_started(push.superseded, stager.config.engine_start_wait_s)
-    async with stager.apply_lock:
-        superseded = stager.generation != push.desired.generation
-        if not superseded:
-            forwarded, staged = forwardable(push.desired, push.staged, stager.forwarded, stager.staged)
-            stager.holds.hold_replaced(stager.staged, staged)
-            stager.forwarded, stager.staged, stager.holds.pushing = forwarded, staged, set()
-            try:
-                await _forward(stager, push, forwarded, first=False)
-            finally:
-                push.pending.clear()
-            stager.delivered = True
+    pod's first push stages while its model loads and reaches the engine once it is up. Such a push (answered
+    before it was applied) tries again, RETRY_FIRST_S then twice as long each time, when its forward fails
+    before any push reached the engine: nobody else would, as its sidecar lists every version it stages."""
+    delay = RETRY_FIRST_S
+    while True:
+        if stager.engine is not None and not stager.engine.known:  # one that took a forward has started
+            await stager.engine.wait_started(push.superseded, stager.config.engine_start_wait_s)
+        try:
+            superseded = await _forward_staged(stager, push)
+            break
+        except Exception as exc:
+            if stager.delivered or not push.starting or stager.generation != push.desired.generation:
+                raise
+            log.warning("push %d did not reach the engine (%s): trying again in %.0f s", push.desired.generation,
+                        exc, delay)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(push.superseded.wait(), delay)
+            delay = min(2 * delay, RETRY_LAST_S)
     report = await stager.state()  # also lets go of the replaced versions the engine no longer holds
     if not superseded:
         await asyncio.to_thread(stager.cache.trim, stager.protected)
         stager.forget_uris()
     return report
+
+
+async def _forward_staged(stager: Stager, push: Push) -> bool:
+    """`_finish`'s forward; True: a newer push took over (nothing sent)."""
+    async with stager.apply_lock:
+        if stager.generation != push.desired.generation:
+            return True
+        forwarded, staged = forwardable(push.desired, push.staged, stager.forwarded, stager.staged)
+        stager.holds.hold_replaced(stager.staged, staged)
+        stager.forwarded, stager.staged, stager.holds.pushing = forwarded, staged, set()
+        try:
+            await _forward(stager, push, forwarded, first=False)
+        finally:
+            push.pending.clear()
+        stager.delivered = True
+        return False
 
 
 async def _forward(stager: Stager, push: Push, forwarded: dict[str, AdapterDirective], *, first: bool) -> bool:

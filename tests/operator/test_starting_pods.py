@@ -140,7 +140,8 @@ async def test_a_starting_pod_whose_engine_never_starts_lets_a_deleted_adapter_g
 async def test_a_serving_pod_whose_sidecar_restarts_keeps_its_warm_copies(ready_stager, aiohttp_server, tmp_path,
                                                                           monkeypatch):
     """A pod given warm copies was ready: a restarted sidecar that cannot tell what its engine holds (so it
-    awaits a push) while the pod is not ready is not told the starting set, which would un-pin them."""
+    awaits a push) while the pod is not ready is told that push's set again, pinned copies and all, not the
+    starting set, which would un-pin them; once it reached the engine the pod is ready again."""
     engine, app, _, port = await _starting_pod(aiohttp_server, tmp_path, monkeypatch)
     engine.started.set()
     controller = PoolController(StagerClient(token=SIDECAR_TOKEN, timeout=2.0), push_wait=5.0)
@@ -150,10 +151,16 @@ async def test_a_serving_pod_whose_sidecar_restarts_keeps_its_warm_copies(ready_
         plan = await controller.run(KEY, pools=[POOL], adapters=adapters, pods=pods)
         assert plan.pushes["worker-1"].adapters[0].pinned
         await until(lambda: app[STAGER].delivered)
-        app[STAGER].delivered = False  # as a restarted sidecar that could not read its engine's state
+        sidecar = app[STAGER]
+        sidecar.delivered, sidecar.generation = False, 0  # as a restarted sidecar that could not read its engine
         not_ready(pods[1])
         plan = await controller.run(KEY, pools=[POOL], adapters=adapters, pods=pods)
-        assert "worker-1" not in plan.pushes and engine.pushes[-1]["adapters"][0]["pinned"]
+        again = plan.pushes["worker-1"].adapters[0]
+        assert (again.name, again.warm, again.pinned) == ("sql", True, True)
+        await until(lambda: sidecar.delivered)
+        assert engine.pushes[-1]["adapters"][0]["pinned"]
+        plan = await controller.run(KEY, pools=[POOL], adapters=adapters, pods=pods)
+        assert "worker-1" not in plan.pushes  # delivered: no longer starting, and not ready yet: left as it is
     finally:
         await controller.flights.close()
 
