@@ -20,6 +20,7 @@ from tests.worker.test_stager_bounds import TOKEN, FakeStore, config
 from tests.worker.test_stager_readiness import StartingEngine
 
 from .fake_stager import FakeStager
+from .test_finalizers import not_ready
 from .test_handlers import POOL, adapter_body, pod_body
 
 KEY = (POOL["metadata"]["namespace"], "main")
@@ -29,11 +30,6 @@ SIDECAR_TOKEN = TOKEN
 def _worker(pod: dict) -> Worker:
     return Worker(pod["metadata"]["name"], f"http://127.0.0.1:{pod['spec']['containers'][1]['ports'][0]['containerPort']}",
                   pod["metadata"].get("uid", ""))
-
-
-def not_ready(pod: dict) -> dict:
-    pod["status"]["conditions"] = [{"type": "Ready", "status": "False"}]
-    return pod
 
 
 @pytest.fixture()
@@ -49,6 +45,17 @@ async def _starting_pod(aiohttp_server, tmp_path, monkeypatch):
                                          s3_allow=["adapters/"]))
     server = await aiohttp_server(app)
     return engine, app, FakeStore(app[STAGER], monkeypatch), server.port
+
+
+async def _delete_chat(controller: PoolController, pods: list[dict]):
+    """A pass with sql and chat, then one with chat being deleted: (that plan, chat's body), the starting pod
+    told sql alone."""
+    await controller.run(KEY, pools=[POOL], adapters=[adapter_body("sql"), adapter_body("chat")], pods=pods)
+    deleting = adapter_body("chat")
+    deleting["metadata"]["deletionTimestamp"] = "2026-12-05T00:00:00Z"
+    plan = await controller.run(KEY, pools=[POOL], adapters=[adapter_body("sql"), deleting], pods=pods)
+    assert [a.name for a in plan.pushes["worker-1"].adapters] == ["sql"]
+    return plan, deleting
 
 
 async def _ready(port: int) -> int:
@@ -111,7 +118,7 @@ async def test_a_pod_that_was_ready_is_not_told_a_new_set_while_not_ready(ready_
     try:
         await controller.run(KEY, pools=[POOL], adapters=adapters, pods=pods)
         await until(lambda: app[STAGER].delivered)
-        not_ready(pods[1])
+        pods[1] = not_ready(pods[1])
         plan = await controller.run(KEY, pools=[POOL], adapters=[*adapters, adapter_body("chat")], pods=pods)
         assert "worker-1" not in plan.pushes and "worker-1" not in plan.desired
     finally:
@@ -126,11 +133,7 @@ async def test_a_starting_pod_whose_engine_never_starts_lets_a_deleted_adapter_g
     controller = PoolController(StagerClient(token=SIDECAR_TOKEN, timeout=2.0), push_wait=2.0)
     pods = [pod_body("worker-0", ready_stager.port), not_ready(pod_body("worker-1", port))]
     try:
-        await controller.run(KEY, pools=[POOL], adapters=[adapter_body("sql"), adapter_body("chat")], pods=pods)
-        deleting = adapter_body("chat")
-        deleting["metadata"]["deletionTimestamp"] = "2026-12-05T00:00:00Z"
-        plan = await controller.run(KEY, pools=[POOL], adapters=[adapter_body("sql"), deleting], pods=pods)
-        assert [a.name for a in plan.pushes["worker-1"].adapters] == ["sql"]
+        plan, deleting = await _delete_chat(controller, pods)
         plan = await controller.run(KEY, pools=[POOL], adapters=[adapter_body("sql"), deleting], pods=pods)
         assert "worker-1" not in plan.unloading["chat"] and "worker-1" not in plan.pushes
     finally:
@@ -153,7 +156,7 @@ async def test_a_serving_pod_whose_sidecar_restarts_keeps_its_warm_copies(ready_
         await until(lambda: app[STAGER].delivered)
         sidecar = app[STAGER]
         sidecar.delivered, sidecar.generation = False, 0  # as a restarted sidecar that could not read its engine
-        not_ready(pods[1])
+        pods[1] = not_ready(pods[1])
         plan = await controller.run(KEY, pools=[POOL], adapters=adapters, pods=pods)
         again = plan.pushes["worker-1"].adapters[0]
         assert (again.name, again.warm, again.pinned) == ("sql", True, True)
@@ -195,12 +198,8 @@ async def test_a_starting_pod_holds_up_a_deleted_adapter_s_finalizer_until_it_is
     controller = PoolController(StagerClient(token=SIDECAR_TOKEN, timeout=2.0), push_wait=0.2)
     pods = [pod_body("worker-0", ready_stager.port), not_ready(pod_body("worker-1", port))]
     try:
-        await controller.run(KEY, pools=[POOL], adapters=[adapter_body("sql"), adapter_body("chat")], pods=pods)
-        deleting = adapter_body("chat")
-        deleting["metadata"]["deletionTimestamp"] = "2026-12-05T00:00:00Z"
-        plan = await controller.run(KEY, pools=[POOL], adapters=[adapter_body("sql"), deleting], pods=pods)
+        plan, deleting = await _delete_chat(controller, pods)
         assert "worker-1" in plan.unloading["chat"]
-        assert [a.name for a in plan.pushes["worker-1"].adapters] == ["sql"]
         engine.started.set()
         async with asyncio.timeout(HANG_S):
             while "worker-1" in plan.unloading["chat"]:
