@@ -35,6 +35,15 @@ _CONTEXT_SEARCH = 64  # byte fallback: prompt tokens looked through for the last
 _ABSENT_SEARCH = 4096  # and, before those, tokens the decode leaves out (skipped special ones) looked through
 
 
+def _settled(pending: bytes, piece: bytes) -> bool:
+    """Whether `pending` (an incomplete UTF-8 character) decodes the same, as U+FFFDs, with `piece` after it as
+    on its own: no byte of `piece` continues it."""
+    joined, apart = (codecs.getincrementaldecoder("utf-8")(errors="replace") for _ in range(2))
+    together = joined.decode(pending + piece)
+    return together == pending.decode("utf-8", errors="replace") + apart.decode(piece) \
+        and joined.getstate()[0] == apart.getstate()[0]
+
+
 class Detokenizer:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
@@ -77,9 +86,14 @@ class Detokenizer:
             piece = b"" if absent(token) else table.exact(token)  # the decode leaves it out: no bytes
             if piece is None:
                 break  # a token whose bytes are not known: wait, as for any partial character
+            before = decoder.getstate()[0]
             decoder.decode(piece)
             if not decoder.getstate()[0]:
                 last = i
+            elif before and _settled(before, piece):
+                # The bytes left open before this token are U+FFFDs whatever follows (a run of lead bytes, each
+                # leaving the next open): final at the boundary before it, so the window stays short.
+                last = max(last, i - 1)
         return last
 
     def _table(self) -> TokenBytes | None:

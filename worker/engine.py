@@ -348,7 +348,7 @@ class Engine:
         return outputs + (self._report_failed() if row_errors else [])
 
     def _report_failed(self) -> list[RequestOutput]:
-        outputs = [self._output(seq) for seq in self.scheduler.failed]
+        outputs = [self._output(self.stop_checker.ended(seq)) for seq in self.scheduler.failed]
         self.scheduler.failed.clear()
         return outputs
 

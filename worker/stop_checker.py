@@ -51,6 +51,14 @@ class StopChecker:
                 seq.text = seq.text[: i + len(s) if params.include_stop_str_in_output else i]
                 seq.finish_reason, seq.stop_reason = "stop", s
 
+    def ended(self, seq: Sequence) -> Sequence:
+        """`seq`, ended by the scheduler rather than by a check here (by length: a pin landed, or the KV cache
+        could not take it further), with the text the detokenizer held back added, as an end by max_tokens
+        adds it."""
+        if seq.finish_reason == "length" and self.detokenizer is not None:
+            self.detokenizer.flush(seq, len(seq.output_token_ids))
+        return seq
+
     @staticmethod
     def final_text_len(seq: Sequence, emitted: int) -> int:
         """Characters of seq.text that can be streamed: all once finished; otherwise hold back anything that

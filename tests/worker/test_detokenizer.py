@@ -141,6 +141,27 @@ def test_bytes_that_can_never_be_utf8_stream_at_once_and_keep_the_window_short(t
     assert seq.text == tok.decode(ids)
 
 
+@pytest.mark.parametrize("lead", [0xC3, 0xE2, 0xF0])
+def test_a_run_of_lead_bytes_streams_and_keeps_the_window_short(tiny_llama_dir, lead):
+    """Each lead byte of a run (a logit_bias on one byte token asks for it) turns the one before it into a
+    U+FFFD for good while it stays open itself: the text before it is final, streams a step later, and the window
+    stays short (it grew with the run, decoded again in full at every step, and nothing streamed until the end).
+    A lead byte that a later byte completes still waits."""
+    tok = Tokenizer(tiny_llama_dir)
+    ids = [_byte_token(tok, lead)] * 60 + tok.encode("é", add_special_tokens=False) + [_byte_token(tok, 0xC3)]
+    seq = Sequence("r", [1], SamplingParams())
+    detok, pieces, windows = Detokenizer(tok), [], []
+    for i, t in enumerate(ids):
+        seq.output_token_ids.append(t)
+        before = len(seq.text)
+        detok.append(seq, i + 1)
+        pieces.append(seq.text[before:])
+        windows.append(i + 1 - seq.detok_prefix)
+    assert pieces[0] == "" and pieces[1:60] == ["\ufffd"] * 59 and max(windows) <= 4
+    detok.flush(seq, len(ids))
+    assert seq.text == tok.decode(ids) and seq.text.endswith("é\ufffd")
+
+
 def test_a_generated_replacement_character_is_text_like_any_other(tiny_llama_dir):
     tok = Tokenizer(tiny_llama_dir)
     ids = tok.encode("a\ufffdb", add_special_tokens=False)

@@ -151,6 +151,21 @@ def test_a_pin_landing_after_admission_ends_the_request_by_length_with_its_outpu
     assert 0 < len(out.token_ids) < NUM_PAGES * BS - len(PROMPT)
 
 
+def test_a_request_the_pin_ends_by_length_keeps_its_held_back_text(engine):
+    """Its output is lead bytes ("é" cut after its first byte, each token one 0xC3 a logit_bias asks for): the
+    detokenizer holds the last one back, and an end by the scheduler adds it as an end by max_tokens does (the
+    text was '' with 23 tokens written: text and token ids disagreed)."""
+    c3 = engine.tokenizer.encode("é", add_special_tokens=False)[0]
+    params = SamplingParams(max_tokens=NUM_PAGES * BS - len(PROMPT), temperature=0, ignore_eos=True,
+                            logit_bias={c3: 100})
+    engine.add_request("whole", PROMPT, params)
+    engine.adapter_pool.add("p@1", random_weights(2, rank=4, projs=ADAPTER_PROJS), pinned=True)
+    engine.adapter_pool.load("p@1")
+    out = _run(engine, max_steps=40)["whole"]
+    assert out.finish_reason == "length" and out.token_ids == [c3] * len(out.token_ids)
+    assert out.text == engine.tokenizer.decode(out.token_ids) == "\ufffd" * len(out.token_ids)
+
+
 async def test_the_worker_answers_400_without_retry_after(aiohttp_client, tiny_llama_dir, tmp_path):
     """Over HTTP, streamed or not: a 400 naming the limit, no Retry-After (a retry cannot help); /v1/models
     lists max_model_len, which base-model requests may use whole."""
