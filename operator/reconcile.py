@@ -115,7 +115,7 @@ def reconcile_pool(pool: PoolSpec | None, adapters: Sequence[AdapterSpec | Inval
     admitted adapter, none warm, so it stages them while it starts and enters the Service with them registered,
     instead of answering their requests 404 until a pass after it is ready; it counts in no status nor
     placement until it is ready. One whose last accepted push gave it warm copies was ready before (its
-    containers restarted): it is told that push's set again, less the adapters gone, so none is un-pinned. While an adapter is being deleted, it counts in ``plan.unloading`` while its
+    containers restarted): those adapters stay warm (and pinned) in its set, so none is un-pinned. While an adapter is being deleted, it counts in ``plan.unloading`` while its
     sidecar reports it (the push it stages lists it: its engine would serve it once up); a push without it
     replaces that one at once, as a starting engine's sidecar answers a push before staging it.
 
@@ -177,14 +177,10 @@ def reconcile_pool(pool: PoolSpec | None, adapters: Sequence[AdapterSpec | Inval
     for w in live:
         _desire(plan, w, [variants[name][w.pod in warm_sets[name]] for name in sorted(served)], generation_floor,
                 settings)
-    for w in coming:  # registered, none warm: placed once ready; or, given warm copies (it was ready), those again
-        last = w.w.last_pushed
-        if last is not None and any(d.warm for d in last.adapters):
-            _desire(plan, w, [d for d in last.adapters if d.name not in gone], generation_floor,
-                    PoolSettings(last.eviction, last.cpu_bytes), starting=True)
-        else:
-            _desire(plan, w, [variants[name][False] for name in sorted(served)], generation_floor, settings,
-                    starting=True)
+    for w in coming:  # registered, none warm: placed once ready; or warm where its last push said (it was ready)
+        was_warm = {d.name for d in w.w.last_pushed.adapters if d.warm} if w.w.last_pushed is not None else set()
+        _desire(plan, w, [variants[name][name in was_warm] for name in sorted(served)], generation_floor, settings,
+                starting=True)
     for w in emptied:  # told to hold nothing, pinned adapters included, like a deleting pool's workers
         if w.by_name or w.w.last_pushed is not None:  # one found holding nothing, never told here, is let go
             _desire(plan, w, [], generation_floor, PoolSettings())
@@ -336,7 +332,10 @@ def _desire(plan: PoolPlan, w: WorkerIndex, directives: list[AdapterDirective], 
     nothing until it is up, and a push every pass would only replace the one staging."""
     if starting:
         last = w.w.last_pushed
-        held = last is not None and last.adapters == directives and w.w.reported.pushed_generation == last.generation \
+        pushed = w.w.reported.pushed_generation  # None: a sidecar that does not say (older): it lists the versions
+        holds = pushed == last.generation if pushed is not None and last is not None else \
+            all(w.find(d.name, v) is not None for d in directives for v in d.versions)
+        held = last is not None and last.adapters == directives and holds \
             and PoolSettings(last.eviction, last.cpu_bytes) == settings
         generation = last.generation if held else max((last.generation if last else 0) + 1,
                                                       w.w.reported.generation_applied + 1, floor)

@@ -113,7 +113,8 @@ class CompletionJob:
                 raise APIError(400, f"'min_tokens' ({o.min_tokens}) is more than the {max_tokens} tokens this "
                                     f"prompt leaves of the model's context ({max_model_len} tokens)",
                                code="invalid_value", param="min_tokens")
-            per_prompt = 0 if prompt_k is None else len(ids) * (prompt_k + 1) * (1 + (o.echo and o.prompt_logprobs is not None))
+            per_prompt = len(ids) * ((o.logprobs + 1 if echo_k is not None else 0)  # echo's, and prompt_logprobs
+                                     + (o.prompt_logprobs + 1 if o.prompt_logprobs is not None else 0))
             # Generated tokens as asked; unset, as many as most answers take (the answer is checked again, whole).
             generated = max_tokens if o.max_tokens is not None else min(max_tokens, UNSET_MAX_TOKENS_COUNTED)
             entries += (per_prompt if self.endpoint == "chat" else o.n * per_prompt) \
@@ -148,15 +149,16 @@ class CompletionJob:
 
     def logprob_entries(self, final: dict[int, RequestOutput]) -> int:
         """The logprob entries the whole answer of these outputs holds (each with its top alternatives)."""
-        def entries(lps) -> int:
-            return sum(1 + len(lp.top) for lp in lps or () if lp is not None)
+        def entries(lps, k: int | None) -> int:
+            return 0 if k is None else sum(1 + min(len(lp.top), k) for lp in lps or () if lp is not None)
 
         o = self.options
-        count = sum(entries(out.logprobs) for out in final.values())
-        prompt_copies = 1 + (o.echo and o.prompt_logprobs is not None)  # echo's logprobs and prompt_logprobs
+        echo_k = o.logprobs if o.echo else None
+        count = 0 if self.score_only else sum(entries(out.logprobs, o.logprobs) for out in final.values())
         for i, out in final.items():
+            count += entries(out.prompt_logprobs, echo_k) if self.endpoint != "chat" else 0
             if self.endpoint != "chat" or i == 0:  # chat: one prompt_logprobs beside the choices
-                count += entries(out.prompt_logprobs) * prompt_copies
+                count += entries(out.prompt_logprobs, o.prompt_logprobs)
         return count
 
     def usage(self, completion_tokens: int) -> dict[str, int]:

@@ -333,12 +333,13 @@ class ReportedState(_Message):
     # A stager none of whose pushes has reached its engine yet (a new pod: its model may still be loading). Its
     # pod is not ready: the operator pushes it its pool's set all the same, so that it stages while it starts.
     awaiting_push: bool = False
-    pushed_generation: int = 0  # the stager's: the generation of the push it holds (0: none since it started)
+    pushed_generation: int | None = None  # the stager's: the generation of the push it holds (0: none yet)
 
     def __post_init__(self) -> None:
         _int(self.generation_applied, "generation_applied", lo=0)
         _require(isinstance(self.awaiting_push, bool), "awaiting_push", f"must be a boolean (got {self.awaiting_push!r})")
-        _int(self.pushed_generation, "pushed_generation", lo=0)
+        if self.pushed_generation is not None:  # None: not said (the engine's own report, an older stager)
+            _int(self.pushed_generation, "pushed_generation", lo=0)
         _int(self.pool_bytes, "pool_bytes", lo=0)
         _int(self.pool_slots, "pool_slots", lo=0)
         _int(self.pool_used_bytes, "pool_used_bytes", lo=0)
@@ -370,7 +371,7 @@ class ReportedState(_Message):
             kv_usage=data.get("kv_usage", 0.0),
             error=data.get("error"),
             awaiting_push=data.get("awaiting_push", False),
-            pushed_generation=data.get("pushed_generation", 0),
+            pushed_generation=data.get("pushed_generation"),
         )
 
     @classmethod

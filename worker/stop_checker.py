@@ -43,20 +43,18 @@ class StopChecker:
             self.detokenizer.append(seq, end)
         else:  # the last text, held back so far when it ended inside a character: search it too
             self.detokenizer.flush(seq, end)
-        if params.stop and checked:
-            window = max(0, prev - max(len(s) for s in params.stop) + 1)
-            hits = [(i, s) for s in params.stop if (i := seq.text.find(s, window)) >= 0]
-            if hits:
-                i, s = min(hits)
-                seq.text = seq.text[: i + len(s) if params.include_stop_str_in_output else i]
-                seq.finish_reason, seq.stop_reason = "stop", s
+        if checked:
+            _stop_at_string(seq, prev)
 
     def ended(self, seq: Sequence) -> Sequence:
         """`seq`, ended by the scheduler rather than by a check here (by length: a pin landed, or the KV cache
         could not take it further), with the text the detokenizer held back added, as an end by max_tokens
         adds it."""
         if seq.finish_reason == "length" and self.detokenizer is not None:
+            prev = len(seq.text)
             self.detokenizer.flush(seq, len(seq.output_token_ids))
+            if len(seq.output_token_ids) >= seq.params.min_tokens:
+                _stop_at_string(seq, prev)  # the text added may hold a stop string, as at a check
         return seq
 
     @staticmethod
@@ -71,3 +69,15 @@ class StopChecker:
         if seq.params.stop:
             final = min(final, len(text) - max(len(s) for s in seq.params.stop) + 1)
         return max(emitted, final)
+
+
+def _stop_at_string(seq: Sequence, prev: int) -> None:
+    """End `seq` at the first of its stop strings that text added after `prev` characters completes."""
+    params = seq.params
+    if params.stop:
+        window = max(0, prev - max(len(s) for s in params.stop) + 1)
+        hits = [(i, s) for s in params.stop if (i := seq.text.find(s, window)) >= 0]
+        if hits:
+            i, s = min(hits)
+            seq.text = seq.text[: i + len(s) if params.include_stop_str_in_output else i]
+            seq.finish_reason, seq.stop_reason = "stop", s

@@ -157,14 +157,41 @@ async def test_a_serving_pod_whose_sidecar_restarts_keeps_its_warm_copies(ready_
         sidecar = app[STAGER]
         sidecar.delivered, sidecar.generation = False, 0  # as a restarted sidecar that could not read its engine
         pods[1] = not_ready(pods[1])
+        adapters.append(adapter_body("chat", warm=0))  # added since: told too, as the pool holds it now
         plan = await controller.run(KEY, pools=[POOL], adapters=adapters, pods=pods)
-        again = plan.pushes["worker-1"].adapters[0]
-        assert (again.name, again.warm, again.pinned) == ("sql", True, True)
+        told = {a.name: (a.warm, a.pinned) for a in plan.pushes["worker-1"].adapters}
+        assert told == {"sql": (True, True), "chat": (False, False)}
         await until(lambda: sidecar.delivered)
-        assert engine.pushes[-1]["adapters"][0]["pinned"]
+        assert [a["pinned"] for a in engine.pushes[-1]["adapters"] if a["name"] == "sql"] == [True]
         plan = await controller.run(KEY, pools=[POOL], adapters=adapters, pods=pods)
         assert "worker-1" not in plan.pushes  # delivered: no longer starting, and not ready yet: left as it is
     finally:
+        await controller.flights.close()
+
+
+async def test_an_older_sidecar_that_does_not_say_which_push_it_holds_is_not_pushed_every_pass(
+        ready_stager, aiohttp_server, tmp_path, monkeypatch):
+    """A sidecar from before `pushed_generation` (an operator upgraded first): the versions it lists say that
+    it holds its push, so the passes leave the push staging alone."""
+    engine, app, _, port = await _starting_pod(aiohttp_server, tmp_path, monkeypatch)
+    state = app[STAGER].state
+
+    async def older_state():
+        report = await state()
+        report.pushed_generation = None
+        return report
+
+    monkeypatch.setattr(app[STAGER], "state", older_state)
+    controller = PoolController(StagerClient(token=SIDECAR_TOKEN, timeout=2.0), push_wait=2.0)
+    pods = [pod_body("worker-0", ready_stager.port), not_ready(pod_body("worker-1", port))]
+    try:
+        plan = await controller.run(KEY, pools=[POOL], adapters=[adapter_body("sql")], pods=pods)
+        assert "worker-1" in plan.pushes
+        for _ in range(3):
+            plan = await controller.run(KEY, pools=[POOL], adapters=[adapter_body("sql")], pods=pods)
+            assert "worker-1" not in plan.pushes
+    finally:
+        engine.started.set()
         await controller.flights.close()
 
 

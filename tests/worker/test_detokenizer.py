@@ -400,3 +400,20 @@ def test_the_byte_fallback_context_keeps_the_first_space(tmp_path, case):
         prompt = [259, *[261] * 70]
     ids = [260, 259]
     assert _streamed(tok, ids, prompt) == tok.decode(prompt + ids)[len(tok.decode(prompt)):] == " xh"
+
+
+def test_text_a_scheduler_s_end_adds_is_searched_for_stop_strings(tmp_path):
+    """One token ends "é" and opens the next character (x c3 a9 e2): its text is held back whole. Ended by the
+    scheduler (by length: a pin landed), the text added then holds the stop string "é": it stops there, as an end
+    by max_tokens does, instead of returning the stop string and what follows with finish_reason length."""
+    from lorafleet.worker.stop_checker import StopChecker
+
+    tok, merged = _byte_level_tokenizer(tmp_path, [b"x\xc3\xa9\xe2"])
+    checker = StopChecker(tok, [], 1000)
+    seq = Sequence("r", [0x61], SamplingParams(stop=["é"], max_tokens=100))
+    seq.output_token_ids.append(merged[b"x\xc3\xa9\xe2"])
+    checker.check(seq)
+    assert seq.text == "" and seq.finish_reason is None
+    seq.finish_reason = "length"
+    checker.ended(seq)
+    assert (seq.text, seq.finish_reason, seq.stop_reason) == ("x", "stop", "é")
