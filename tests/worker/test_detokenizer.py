@@ -118,14 +118,9 @@ def _byte_token(tok: Tokenizer, byte: int) -> int:
     return next(i for i in range(tok.vocab_size) if table(i) == bytes([byte]))
 
 
-def test_bytes_that_can_never_be_utf8_stream_at_once_and_keep_the_window_short(tiny_llama_dir):
-    """A run of continuation bytes (0x80) is U+FFFD for good: each one streams as it comes, and the window
-    decoded each step stays short (it grew with the run, decoded again in full every step, and streamed
-    nothing until the run ended). A character whose later bytes may still come waits as before."""
-    tok = Tokenizer(tiny_llama_dir)
-    cont, euro = _byte_token(tok, 0x80), tok.encode("€", add_special_tokens=False)
-    assert len(euro) == 3
-    ids = [cont] * 50 + euro + [cont] * 2 + euro[:2]
+def _stream_pieces(tok: Tokenizer, ids: list[int]) -> tuple[Sequence, Detokenizer, list[str], list[int]]:
+    """`ids` appended one by one: the sequence, its detokenizer, the text each step added and the window each
+    step decoded."""
     seq = Sequence("r", [1], SamplingParams())
     detok, pieces, windows = Detokenizer(tok), [], []
     for i, t in enumerate(ids):
@@ -134,6 +129,18 @@ def test_bytes_that_can_never_be_utf8_stream_at_once_and_keep_the_window_short(t
         detok.append(seq, i + 1)
         pieces.append(seq.text[before:])
         windows.append(i + 1 - seq.detok_prefix)
+    return seq, detok, pieces, windows
+
+
+def test_bytes_that_can_never_be_utf8_stream_at_once_and_keep_the_window_short(tiny_llama_dir):
+    """A run of continuation bytes (0x80) is U+FFFD for good: each one streams as it comes, and the window
+    decoded each step stays short (it grew with the run, decoded again in full every step, and streamed
+    nothing until the run ended). A character whose later bytes may still come waits as before."""
+    tok = Tokenizer(tiny_llama_dir)
+    cont, euro = _byte_token(tok, 0x80), tok.encode("€", add_special_tokens=False)
+    assert len(euro) == 3
+    ids = [cont] * 50 + euro + [cont] * 2 + euro[:2]
+    seq, detok, pieces, windows = _stream_pieces(tok, ids)
     assert pieces[:50] == ["\ufffd"] * 50
     assert pieces[50:53] == ["", "", "€"] and pieces[53:55] == ["\ufffd"] * 2 and pieces[55:] == ["", ""]
     assert max(windows) <= 4
@@ -149,14 +156,7 @@ def test_a_run_of_lead_bytes_streams_and_keeps_the_window_short(tiny_llama_dir, 
     A lead byte that a later byte completes still waits."""
     tok = Tokenizer(tiny_llama_dir)
     ids = [_byte_token(tok, lead)] * 60 + tok.encode("é", add_special_tokens=False) + [_byte_token(tok, 0xC3)]
-    seq = Sequence("r", [1], SamplingParams())
-    detok, pieces, windows = Detokenizer(tok), [], []
-    for i, t in enumerate(ids):
-        seq.output_token_ids.append(t)
-        before = len(seq.text)
-        detok.append(seq, i + 1)
-        pieces.append(seq.text[before:])
-        windows.append(i + 1 - seq.detok_prefix)
+    seq, detok, pieces, windows = _stream_pieces(tok, ids)
     assert pieces[0] == "" and pieces[1:60] == ["\ufffd"] * 59 and max(windows) <= 4
     detok.flush(seq, len(ids))
     assert seq.text == tok.decode(ids) and seq.text.endswith("é\ufffd")
