@@ -115,7 +115,8 @@ def reconcile_pool(pool: PoolSpec | None, adapters: Sequence[AdapterSpec | Inval
     admitted adapter, none warm, so it stages them while it starts and enters the Service with them registered,
     instead of answering their requests 404 until a pass after it is ready; it counts in no status nor
     placement until it is ready. One whose last accepted push gave it warm copies was ready before (its
-    containers restarted): those adapters stay warm (and pinned) in its set, so none is un-pinned. While an adapter is being deleted, it counts in ``plan.unloading`` while its
+    containers restarted): those stay warm (and pinned) in its set while the ready pods hold fewer copies than
+    the spec asks, so a copy is not dropped for a restart; placement counts ready pods only. While an adapter is being deleted, it counts in ``plan.unloading`` while its
     sidecar reports it (the push it stages lists it: its engine would serve it once up); a push without it
     replaces that one at once, as a starting engine's sidecar answers a push before staging it.
 
@@ -179,7 +180,9 @@ def reconcile_pool(pool: PoolSpec | None, adapters: Sequence[AdapterSpec | Inval
                 settings)
     for w in coming:  # registered, none warm: placed once ready; or warm where its last push said (it was ready)
         was_warm = {d.name for d in w.w.last_pushed.adapters if d.warm} if w.w.last_pushed is not None else set()
-        _desire(plan, w, [variants[name][name in was_warm] for name in sorted(served)], generation_floor, settings,
+        # ...while the live pods hold fewer copies than the spec asks: placement moved the others to them
+        keep = {n for n in was_warm & served.keys() if len(warm_sets[n]) < warm_count(served[n], len(live) + 1)}
+        _desire(plan, w, [variants[name][name in keep] for name in sorted(served)], generation_floor, settings,
                 starting=True)
     for w in emptied:  # told to hold nothing, pinned adapters included, like a deleting pool's workers
         if w.by_name or w.w.last_pushed is not None:  # one found holding nothing, never told here, is let go

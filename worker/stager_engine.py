@@ -69,8 +69,10 @@ class EngineLink:
             message = error.get("message", str(data)[:200]) if isinstance(error, dict) else str(data)[:200]
             if resp.status == 503 and isinstance(error, dict) and error.get("code") == "not_ready":
                 raise EngineStarting(f"engine starting: {message}")
-            raise APIError(502, f"engine refused {method} {path}: {resp.status} {message}", type="server_error",
-                           code="engine_error")
+            refused = APIError(502, f"engine refused {method} {path}: {resp.status} {message}", type="server_error",
+                               code="engine_error")
+            refused.engine_status = resp.status  # a 4xx: a refusal that asking again does not change
+            raise refused
         return resp.status, data
 
     async def wait_started(self, stop: asyncio.Event, limit_s: float, poll_s: float = 0.5) -> bool:

@@ -27,8 +27,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from aiohttp import ClientError
-
 from lorafleet.worker.directives import AdapterDirective, DesiredState, ReportedState, VersionRef
 from lorafleet.worker.openai_protocol import APIError
 from lorafleet.worker.staged_copy import Staged, has_origin
@@ -328,8 +326,8 @@ async def _finish(stager: Stager, push: Push) -> ReportedState:
     push (its report may then be the newer push's, as when one took over). An engine still starting (its model
     loading) is waited for first, up to `engine_start_wait_s`, unless a newer push takes over meanwhile: a new
     pod's first push stages while its model loads and reaches the engine once it is up. Such a push (answered
-    before it was applied) tries again, RETRY_FIRST_S then twice as long each time, when its forward fails for a
-    passing cause (the engine down or restarting, not a refusal) before any push reached the engine: nobody else
+    before it was applied) tries again, RETRY_FIRST_S then twice as long each time, when its forward fails before
+    any push reached the engine, unless the engine refused it for good (a 4xx: a wrong token): nobody else
     would, as the operator sees a push it accepted."""
     delay = RETRY_FIRST_S
     while True:
@@ -339,8 +337,9 @@ async def _finish(stager: Stager, push: Push) -> ReportedState:
             superseded = await _forward_staged(stager, push)
             break
         except Exception as exc:
-            transient = isinstance(exc, EngineStarting | ClientError | OSError | TimeoutError)  # not a refusal
-            if stager.delivered or not push.starting or not transient or push.superseded.is_set() \
+            status = getattr(exc, "engine_status", None)
+            refused = status is not None and 400 <= status < 500 and status not in (409, 429)  # a token, say
+            if stager.delivered or not push.starting or refused or push.superseded.is_set() \
                     or stager.generation != push.desired.generation:
                 raise
             log.warning("push %d did not reach the engine (%s): trying again in %.0f s", push.desired.generation,

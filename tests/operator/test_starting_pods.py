@@ -169,6 +169,28 @@ async def test_a_serving_pod_whose_sidecar_restarts_keeps_its_warm_copies(ready_
         await controller.flights.close()
 
 
+async def test_a_restarting_pod_s_warm_copy_that_a_ready_pod_took_over_is_not_pinned_twice(
+        ready_stager, aiohttp_server, tmp_path, monkeypatch):
+    """warm: 1, pinned: the copy was on worker-1; it restarts and placement moves the copy to worker-0, which is
+    ready: worker-1 is told the adapter registered only, not a second pinned copy the spec does not ask for."""
+    engine, app, _, port = await _starting_pod(aiohttp_server, tmp_path, monkeypatch)
+    engine.started.set()
+    controller = PoolController(StagerClient(token=SIDECAR_TOKEN, timeout=2.0), push_wait=5.0)
+    adapters = [adapter_body("sql", warm=1, pinned=True)]
+    try:
+        plan = await controller.run(KEY, pools=[POOL], adapters=adapters, pods=[pod_body("worker-1", port)])
+        assert plan.pushes["worker-1"].adapters[0].pinned
+        await until(lambda: app[STAGER].delivered)
+        app[STAGER].delivered, app[STAGER].generation = False, 0  # restarted
+        pods = [pod_body("worker-0", ready_stager.port), not_ready(pod_body("worker-1", port))]
+        plan = await controller.run(KEY, pools=[POOL], adapters=adapters, pods=pods)
+        assert plan.placement["sql"] == ["worker-0"] and plan.pushes["worker-0"].adapters[0].pinned
+        again = plan.pushes["worker-1"].adapters[0]
+        assert (again.warm, again.pinned) == (False, False)
+    finally:
+        await controller.flights.close()
+
+
 async def test_an_older_sidecar_that_does_not_say_which_push_it_holds_is_not_pushed_every_pass(
         ready_stager, aiohttp_server, tmp_path, monkeypatch):
     """A sidecar from before `pushed_generation` (an operator upgraded first): the versions it lists say that

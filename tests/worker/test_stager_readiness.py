@@ -14,6 +14,7 @@ from aiohttp import web
 
 from lorafleet.worker.stager_config import StagerConfig
 from lorafleet.worker.stager_http import STAGER, create_app
+from lorafleet.worker.stager_push import RETRY_FIRST_S
 from tests.worker.engine_admin_stub import HANG_S, EngineAdminStub, until
 from tests.worker.test_stager_bounds import TOKEN, FakeStore, config
 from tests.worker.test_stager_engine import adapter, push
@@ -191,3 +192,38 @@ async def test_readiness_without_a_push_after_the_limit_and_without_the_gate(aio
 def test_the_readiness_settings_are_checked():
     with pytest.raises(ValueError, match="ready_without_push_s"):
         StagerConfig(stager_token=TOKEN, ready_without_push_s=-1.0)
+
+
+@pytest.mark.parametrize(("status", "retried"), [(500, True), (401, False)])
+async def test_an_engine_error_is_tried_again_and_a_refusal_is_not(aiohttp_server, aiohttp_client, tmp_path,
+                                                                   monkeypatch, status, retried):
+    """The forwards of a starting engine's push meet a 500 (an engine error that may pass): the push's own is
+    tried again and delivered. A 401 (a wrong admin token) is a refusal no retry changes: not sent again."""
+    engine = StartingEngine()
+    engine.started.set()
+    put = engine.put_state
+    puts = []
+
+    async def failing_once(request):
+        puts.append(request)
+        if len(puts) <= 2 or not retried:  # the staged set's forward and the push's own fail; a refusal stays one
+            return web.json_response({"error": {"message": "no", "code": "x"}}, status=status)
+        return await put(request)
+
+    engine.put_state = failing_once
+    server = await aiohttp_server(engine.app())
+    client, _ = await _sidecar(aiohttp_client, tmp_path, monkeypatch, str(server.make_url("")))
+    client.app[STAGER].engine.known = False  # as for an engine found starting: the push is one of those
+    monkeypatch.setattr("lorafleet.worker.stager_push._adopt", _starting_adopt)
+    resp = await client.put("/v1/directives", data=push(3, adapter("a", "v1")).to_json(),
+                            headers={**AUTH, "Prefer": "respond-async"})
+    assert resp.status == 202
+    if retried:
+        await until(lambda: client.app[STAGER].delivered)
+    else:  # the staged set's forward and the push's own, each refused; no retry after them
+        await asyncio.sleep(RETRY_FIRST_S + 1)
+        assert len(puts) <= 2 and not client.app[STAGER].delivered
+
+
+async def _starting_adopt(stager) -> str:
+    return "starting"
