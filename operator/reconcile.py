@@ -116,11 +116,12 @@ def reconcile_pool(pool: PoolSpec | None, adapters: Sequence[AdapterSpec | Inval
     instead of answering their requests 404 until a pass after it is ready; it counts in no status nor
     placement until it is ready. One whose last accepted push gave it warm copies was ready before (its
     containers restarted): those stay warm (and pinned) in its set while the ready pods hold fewer copies than
-    the spec asks, so a copy is not dropped for a restart; placement counts ready pods only. While an adapter is being deleted, it counts in ``plan.unloading`` while its
-    sidecar reports it (the push it stages lists it: its engine would serve it once up); a push without it
-    replaces that one at once, as a starting engine's sidecar answers a push before staging it.
+    the spec asks, so a copy is not dropped for a restart; placement counts ready pods only. While an adapter
+    is being deleted, it counts in ``plan.unloading`` while its sidecar reports it (the push it stages lists
+    it: its engine would serve it once up); a push without it replaces that one at once, as a starting engine's
+    sidecar answers a push before staging it.
 
-        A pod whose sidecar did not answer this pass may still serve what it was given: it counts in
+    A pod whose sidecar did not answer this pass may still serve what it was given: it counts in
     ``plan.unloading``, ``plan.draining`` and ``plan.releasing`` (``plan.silent`` lists it) unless the last
     push it accepted left that adapter (for the last two: every adapter) out. Else a finalizer would go
     while the pod is unreachable, and a deleted adapter (or a deleted pool's, whose pods no pass reaches
