@@ -16,10 +16,10 @@ needs `Authorization: Bearer <stager token>` (the routes: stager_http.py):
   cannot tell (it serves adapters no push gave it). A push that finds its engine starting (its model loading:
   503 `not_ready`, or nothing listening) is answered at once with respond-async, stages meanwhile, and reaches
   the engine once it is up (stager_push.py); `/readyz` (stager_http.py) can wait for that. Same generation:
-  no-op; lower: 409. A version that cannot be staged (store down, digest mismatch) is reported with its error; an adapter whose new
-  version fails keeps its previously forwarded (already local) version, so the store being down
-  never takes away what is served (nor after a restart: each cache entry records the URI it was staged
-  from, so a version without a sha256 falls back to its last copy as before the restart). A store that
+  no-op; lower: 409. A version that cannot be staged (store down, digest mismatch) is reported with its
+  error; an adapter whose new version fails keeps its previously forwarded (already local) version, so the
+  store being down never takes away what is served (nor after a restart: each cache entry records the URI
+  it was staged from, so a version without a sha256 falls back to its last copy as before the restart). A store that
   does not answer costs a push one quick check, and one that stops answering during the push one
   download's timeout, not every version's timeouts (worker/stager_store.py): the rest of the push serves
   cached copies. A copy keyed by its sha256 goes to a URI only once that URI's own objects hashed to it
