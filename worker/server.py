@@ -289,6 +289,10 @@ async def readyz(request: web.Request) -> web.Response:
     startup = request.app.get(STARTUP_ADAPTERS)
     if startup is not None and not startup.is_loaded:
         return web.json_response(startup.answer(), status=503)
+    config, limit = request.app[CONFIG], request.app[CONFIG].ready_without_push_s
+    if config.ready_after_push and not request.app[ADAPTERS].generation and (
+            limit is None or time.time() - status.started_at < limit):  # its sidecar has not handed it its adapters
+        return web.json_response({"status": "awaiting_push"}, status=503)
     return web.json_response({"status": "ready"})
 
 

@@ -26,6 +26,7 @@ from lorafleet.worker.stager import Stager
 from lorafleet.worker.stager_config import StagerConfig
 from lorafleet.worker.stager_push import StalePush, adopt_at_start
 from lorafleet.worker.stager_seed import seed_until_done
+from lorafleet.worker.stager_watch import watch_engine
 from lorafleet.worker.staging_errors import staging_error
 from lorafleet.worker.state_json import NotJSON, decode, reply
 from lorafleet.worker.tenants import bearer_token, token_bytes
@@ -171,9 +172,11 @@ def create_app(config: StagerConfig) -> web.Application:
         task = None
         if config.stager_adapters:
             task = asyncio.create_task(seed_until_done(app[STAGER], config.stager_adapters))
+        watch = asyncio.create_task(watch_engine(app[STAGER])) if app[STAGER].engine is not None else None
         yield
-        if task is not None:
-            task.cancel()
+        for running in (task, watch):
+            if running is not None:
+                running.cancel()
         app[STAGER].cancel_pushes()  # those answered before their downloads were in
 
     app.cleanup_ctx.append(background_ctx)

@@ -111,6 +111,12 @@ class WorkerConfig:
     adapter_roots: str | None = field(default=None, metadata=_help(
         "comma-separated local folders that adapter paths pushed through the admin API must lie in "
         "(symlinks resolved, '..' refused); default: the --adapters folder and the stager's cache"))
+    ready_after_push: bool = field(default=False, metadata=_help(
+        "with a stager sidecar: /readyz answers 503 awaiting_push until an admin push has been applied, so that an "
+        "engine restarted beside a running sidecar re-enters its Service only once the sidecar has handed it its "
+        "adapters again (the sidecar does so by itself)"))
+    ready_without_push_s: float | None = field(default=None, metadata=_help(
+        "with --ready-after-push: ready anyway this many seconds after the start with no push applied (unset: never)"))
     chat_control_tokens_in_content: bool = field(default=False, metadata=_help(
         "let special-token strings in chat messages (\"<|im_end|>\" in a user's text) become the control tokens "
         "they spell, as vLLM does, so a message can forge turns of its own; off = they are encoded as plain text "

@@ -204,6 +204,12 @@ def test_a_worker_pod_is_ready_once_its_first_push_reached_the_engine(values, ga
     env = {**{e["name"]: e["value"] for e in stager["env"] if "value" in e}, "LORAFLEET_STAGER_TOKEN": "t" * 20}
     parsed = config_from_args(StagerConfig, stager["args"], env=env)
     assert (parsed.ready_after_push, parsed.ready_without_push_s) == (gated, limit)
+    from lorafleet.worker.worker_config import WorkerConfig
+
+    engine = worker["spec"]["template"]["spec"]["containers"][0]  # gated alike: a restarted engine waits too
+    env = {e["name"]: e["value"] for e in engine["env"] if e["name"].startswith("LORAFLEET_READY")}
+    parsed = config_from_args(WorkerConfig, [], env=env)
+    assert (parsed.ready_after_push, parsed.ready_without_push_s) == (gated, limit)
 
 
 @pytest.mark.parametrize(("cache", "limit"), [

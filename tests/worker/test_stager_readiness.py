@@ -227,3 +227,25 @@ async def test_an_engine_error_is_tried_again_and_a_refusal_is_not(aiohttp_serve
 
 async def _starting_adopt(stager) -> str:
     return "starting"
+
+
+async def test_an_engine_restarted_beside_its_sidecar_is_handed_its_adapters_again(aiohttp_server, aiohttp_client,
+                                                                                  tmp_path, monkeypatch):
+    """The engine container restarts (it holds nothing, generation 0) while the sidecar runs on: the sidecar
+    forwards what it last forwarded, from its local copies, without waiting for the operator."""
+    import lorafleet.worker.stager_watch as stager_watch
+
+    monkeypatch.setattr(stager_watch, "WATCH_EVERY_S", 0.1)
+    engine = StartingEngine()
+    engine.started.set()
+    server = await aiohttp_server(engine.app())
+    client, store = await _sidecar(aiohttp_client, tmp_path, monkeypatch, str(server.make_url("")))
+    resp = await client.put("/v1/directives", data=push(5, adapter("a", "v1"), adapter("b", "v1")).to_json(),
+                            headers=AUTH)
+    assert resp.status == 200 and client.app[STAGER].delivered
+    downloads = len(store.calls)
+    engine.pushes.clear()  # restarted: nothing applied
+    await until(lambda: engine.pushes)
+    assert sorted(a["name"] for a in engine.pushes[-1]["adapters"]) == ["a", "b"] and len(store.calls) == downloads
+    report = await (await client.get("/v1/state", headers=AUTH)).json()
+    assert report["generation_applied"] == 5  # the push it carries out, as the operator pushed it

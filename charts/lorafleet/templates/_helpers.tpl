@@ -120,3 +120,14 @@ never below the budget; "" for none. */}}
 {{- else -}}{{ randAlphaNum 40 | b64enc }}{{- end -}}
 {{- end -}}
 {{- end -}}
+
+{{/* The readiness gate on the first push, for the engine and its sidecar alike (worker.readyAfterPush; null:
+on when this release runs the operator). */}}
+{{- define "lorafleet.readinessGate" -}}
+{{- $gated := .Values.worker.readyAfterPush -}}
+{{- if kindIs "invalid" $gated }}{{ $gated = .Values.operator.enabled }}{{ end -}}
+- {name: LORAFLEET_READY_AFTER_PUSH, value: {{ $gated | quote }}}
+{{- if not (kindIs "invalid" .Values.worker.readyWithoutPushSeconds) }}
+- {name: LORAFLEET_READY_WITHOUT_PUSH_S, value: {{ .Values.worker.readyWithoutPushSeconds | quote }}}
+{{- end }}
+{{- end }}
