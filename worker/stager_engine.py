@@ -98,6 +98,13 @@ class EngineLink:
         found to hold (`adopt`)."""
         return self.known and self._content == replace(state, generation=0)
 
+    def held(self) -> DesiredState | None:
+        """What the engine was last given (forwarded, or found to hold at the start: adopted) under the push
+        generation it carries out (0 when not known), or None when that is not known."""
+        if not self.known or self._content is None:
+            return None
+        return replace(self._content, generation=self._pushes.get(self.generation, 0))
+
     def carries(self, push_generation: int) -> None:
         """What the engine holds is what push `push_generation` asks for now: reported as applied. (Under the
         engine's generation 0, until a forward: an engine found to hold nothing, asked for nothing yet.)"""

@@ -10,33 +10,38 @@ itself, from its local copies, as soon as it sees the engine back with nothing a
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from lorafleet.worker.stager import Stager
 
 log = logging.getLogger("lorafleet.stager")
-WATCH_EVERY_S = 2.0  # how often the engine's applied generation is read
+WATCH_EVERY_S = 5.0  # how often the engine's applied generation is read (its report: all its adapters)
+REFUSED_WAIT_S = 60.0
 
 
 async def watch_engine(stager: Stager) -> None:
     """Until cancelled: every WATCH_EVERY_S, an engine this sidecar delivered to that reports nothing applied
-    (generation 0: it restarted) is forwarded what the sidecar last forwarded, under the apply lock."""
+    (generation 0: it restarted) is forwarded what it was last given (EngineLink.held: this sidecar's last
+    forward, or what it found the engine holding at its own start), under the apply lock. A forward the engine
+    refuses for good (a 4xx) is said in the log and tried again after REFUSED_WAIT_S only."""
     while True:
         await asyncio.sleep(WATCH_EVERY_S)
-        if not stager.delivered or not stager.engine.known or stager.desired is None:
+        if not stager.delivered or stager.engine.held() is None:
             continue
-        with contextlib.suppress(Exception):  # starting, or away: read again at the next tick
+        try:
             _, data = await stager.engine.call("GET", "/admin/v1/state", timeout_s=5.0)
             if int((data or {}).get("generation_applied") or 0):
                 continue
             async with stager.apply_lock:
-                if stager.desired is None:
+                state = stager.engine.held()
+                if state is None:
                     continue
-                state = replace(stager.desired, adapters=list(stager.forwarded.values()))
                 await stager.engine.forward(state)
-            log.warning("the engine restarted holding nothing: forwarded push %d's %d adapters again",
-                        state.generation, len(state.adapters))
+            log.warning("the engine restarted holding nothing: forwarded its %d adapters again", len(state.adapters))
+        except Exception as exc:  # starting (read again at the next tick), or refused
+            if 400 <= (getattr(exc, "engine_status", None) or 0) < 500:
+                log.warning("the restarted engine refused its adapters again (%s): trying again in %.0f s", exc,
+                            REFUSED_WAIT_S)
+                await asyncio.sleep(REFUSED_WAIT_S)

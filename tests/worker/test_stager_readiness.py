@@ -249,3 +249,13 @@ async def test_an_engine_restarted_beside_its_sidecar_is_handed_its_adapters_aga
     assert sorted(a["name"] for a in engine.pushes[-1]["adapters"]) == ["a", "b"] and len(store.calls) == downloads
     report = await (await client.get("/v1/state", headers=AUTH)).json()
     assert report["generation_applied"] == 5  # the push it carries out, as the operator pushed it
+
+    # The sidecar restarts (it takes what the engine holds as forwarded), then the engine does, before any push:
+    # the new sidecar hands it what it found the engine holding.
+    restarted, _ = await _sidecar(aiohttp_client, tmp_path, monkeypatch, str(server.make_url("")))
+    assert restarted.app[STAGER].delivered and restarted.app[STAGER].desired is None
+    await client.close()
+    held = engine.pushes[-1]["adapters"]
+    engine.pushes.clear()
+    await until(lambda: engine.pushes)
+    assert engine.pushes[-1]["adapters"] == held
