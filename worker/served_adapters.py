@@ -81,11 +81,6 @@ from lorafleet.worker.tenants import Tenant
 
 log = logging.getLogger(__name__)
 _KEY_RE = re.compile(r"\b([A-Za-z0-9][A-Za-z0-9._-]*)@([A-Za-z0-9._-]*[A-Za-z0-9_-])")  # name@version in a message
-# A source refused for lying out of bounds (worker/tenant_folders.py): where it resolves to, the allowed roots
-# and other tenants' regions are the worker's disk layout, which a tenant is not shown.
-_BOUNDS_TEXT = ((re.compile(r"resolves to [^,]*,"), "resolves to a folder"),
-                (re.compile(r"outside the allowed local roots \([^)]*\)"), "outside the allowed local roots"),
-                (re.compile(r"inside [^,]*, where other tenants' folders lie"), "inside a folder where other tenants' folders lie"))
 
 
 class VersionUnavailable(APIError):
@@ -171,10 +166,7 @@ class ServedAdapters:
             owner = served.tenant if served is not None else None
             return m[0] if tenant.may_use(m[1], owner) else "another tenant's adapter"
 
-        message = cut_source_folders(_KEY_RE.sub(hide, message), self._adapters)
-        for pattern, said in _BOUNDS_TEXT:
-            message = pattern.sub(said, message)
-        return message
+        return cut_source_folders(_KEY_RE.sub(hide, message), self._adapters)
 
     def mark_failed(self, key: str, reason: str) -> None:
         name, _, version = key.partition("@")

@@ -17,6 +17,7 @@ flags with it.
 from __future__ import annotations
 
 import logging
+import re
 from typing import TYPE_CHECKING, Any
 
 from lorafleet.worker.adapter_host import AdapterHost
@@ -27,6 +28,10 @@ if TYPE_CHECKING:
     from lorafleet.worker.served_adapters import ServedAdapter
 
 log = logging.getLogger(__name__)
+_BOUNDS_TEXT = ((re.compile(r"resolves to [^,]*,"), "resolves to a folder"),
+                (re.compile(r"outside the allowed local roots \([^)]*\)"), "outside the allowed local roots"),
+                (re.compile(r"inside [^,]*, where other tenants' folders lie"),
+                 "inside a folder where other tenants' folders lie"))
 
 
 def gpu_resident(held: list[dict[str, Any]]) -> set[str]:
@@ -104,7 +109,9 @@ def still_held(engine: AdapterHost, key: str) -> bool:
 
 def cut_source_folders(message: str, table: dict[str, ServedAdapter]) -> str:
     """`message` with the folders above each local source of `table` cut: a load error names the file it read,
-    under folders that are the worker's disk, cache and tenant-folder layout, which a tenant is not shown."""
+    under folders that are the worker's disk, cache and tenant-folder layout, which a tenant is not shown; so are
+    the paths a source refused for lying out of bounds names (worker/tenant_folders.py: where it resolves to, the
+    allowed roots, other tenants' regions)."""
     if "/" not in message:  # most errors (a context too long, a bad parameter) name no path: no pass over the table
         return message
     for served in table.values():
@@ -112,6 +119,8 @@ def cut_source_folders(message: str, table: dict[str, ServedAdapter]) -> str:
             path = source.removeprefix("file://").rstrip("/")
             if path.startswith("/") and (above := path.rpartition("/")[0] + "/") != "/" and above in message:
                 message = message.replace(above, "")
+    for pattern, said in _BOUNDS_TEXT:
+        message = pattern.sub(said, message)
     return message
 
 
