@@ -37,6 +37,13 @@ class EngineStarting(APIError):
         super().__init__(502, message, type="server_error", code="engine_starting")
 
 
+def refused_for_good(exc: BaseException) -> bool:
+    """Whether the engine refused a call in a way asking again does not change (a 4xx such as a wrong admin token;
+    not a 409 or 429), as opposed to starting, away, or an error that may pass."""
+    status = getattr(exc, "engine_status", None)
+    return status is not None and 400 <= status < 500 and status not in (409, 429)
+
+
 class EngineLink:
     def __init__(self, url: str, token: str | None) -> None:
         self.url = url.rstrip("/")

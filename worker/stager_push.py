@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 from lorafleet.worker.directives import AdapterDirective, DesiredState, ReportedState, VersionRef
 from lorafleet.worker.openai_protocol import APIError
 from lorafleet.worker.staged_copy import Staged, has_origin
-from lorafleet.worker.stager_engine import EngineStarting
+from lorafleet.worker.stager_engine import EngineStarting, refused_for_good
 from lorafleet.worker.staging_errors import staging_error
 
 if TYPE_CHECKING:
@@ -337,9 +337,7 @@ async def _finish(stager: Stager, push: Push) -> ReportedState:
             superseded = await _forward_staged(stager, push)
             break
         except Exception as exc:
-            status = getattr(exc, "engine_status", None)
-            refused = status is not None and 400 <= status < 500 and status not in (409, 429)  # a token, say
-            if stager.delivered or not push.starting or refused or push.superseded.is_set() \
+            if stager.delivered or not push.starting or refused_for_good(exc) or push.superseded.is_set() \
                     or stager.generation != push.desired.generation:
                 raise
             log.warning("push %d did not reach the engine (%s): trying again in %.0f s", push.desired.generation,

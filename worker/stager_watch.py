@@ -13,6 +13,8 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
+from lorafleet.worker.stager_engine import refused_for_good
+
 if TYPE_CHECKING:
     from lorafleet.worker.stager import Stager
 
@@ -41,7 +43,7 @@ async def watch_engine(stager: Stager) -> None:
                 await stager.engine.forward(state)
             log.warning("the engine restarted holding nothing: forwarded its %d adapters again", len(state.adapters))
         except Exception as exc:  # starting (read again at the next tick), or refused
-            if 400 <= (getattr(exc, "engine_status", None) or 0) < 500:
+            if refused_for_good(exc):
                 log.warning("the restarted engine refused its adapters again (%s): trying again in %.0f s", exc,
                             REFUSED_WAIT_S)
                 await asyncio.sleep(REFUSED_WAIT_S)
