@@ -58,6 +58,7 @@ from lorafleet.worker.error_middleware import error_middleware
 from lorafleet.worker.listen import ANY_HOST, port_in_use
 from lorafleet.worker.metrics import CONTENT_TYPE, EngineSnapshot, WorkerMetrics
 from lorafleet.worker.openai_api import openai_routes
+from lorafleet.worker.push_gate import awaiting_push
 from lorafleet.worker.served_adapters import ServedAdapters
 from lorafleet.worker.sources import Sources, SourcesConfig
 from lorafleet.worker.startup_adapters import STARTUP_ADAPTERS, StartupAdapters, watch_seed
@@ -289,9 +290,9 @@ async def readyz(request: web.Request) -> web.Response:
     startup = request.app.get(STARTUP_ADAPTERS)
     if startup is not None and not startup.is_loaded:
         return web.json_response(startup.answer(), status=503)
-    config, limit = request.app[CONFIG], request.app[CONFIG].ready_without_push_s
-    if config.ready_after_push and not request.app[ADAPTERS].generation and (
-            limit is None or time.time() - status.started_at < limit):  # its sidecar has not handed it its adapters
+    config = request.app[CONFIG]  # its sidecar has not handed it its adapters (a restarted engine too)
+    if awaiting_push(config.ready_after_push, bool(request.app[ADAPTERS].generation), time.time() - status.started_at,
+                     config.ready_without_push_s):
         return web.json_response({"status": "awaiting_push"}, status=503)
     return web.json_response({"status": "ready"})
 

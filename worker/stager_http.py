@@ -22,6 +22,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from lorafleet.worker.directives import MAX_STATE_BYTES, DesiredState, DirectiveError, folders_from
 from lorafleet.worker.openai_protocol import APIError
+from lorafleet.worker.push_gate import awaiting_push
 from lorafleet.worker.stager import Stager
 from lorafleet.worker.stager_config import StagerConfig
 from lorafleet.worker.stager_push import StalePush, adopt_at_start
@@ -138,7 +139,7 @@ async def readyz(request: web.Request) -> web.Response:
     waited = time.monotonic() - stager.started_at
     if not stager.config.ready_after_push or stager.delivered:
         return web.json_response({"status": "ready"})
-    if limit is not None and waited >= limit:
+    if not awaiting_push(True, False, waited, limit):
         if not request.app[READY_ANYWAY]:
             request.app[READY_ANYWAY].add(True)
             log.warning("no push reached the engine within --ready-without-push-s (%.0f s): ready with the base model "
