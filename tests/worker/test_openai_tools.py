@@ -83,7 +83,7 @@ async def test_tools_and_a_history_of_calls_reach_the_prompt(api):
 
 async def test_named_tool_choice_answers_a_call_whole_and_streamed(api):
     """(b) the output is held to the function's schema, answered as its arguments; streamed, the call comes
-    first with its id and name, then its arguments piece by piece, and nothing as content."""
+    first with its id and name, then its arguments (in pieces as they come), and nothing as content."""
     body = {"model": "tiny", "messages": USER, "tools": [WEATHER], "tool_choice": NAMED, "n": 3, "seed": 5,
             "max_tokens": 64, "logit_bias": {str(EOS_ID): 100}}
     resp = await api.chat.completions.create(**body)
@@ -107,8 +107,9 @@ async def test_named_tool_choice_answers_a_call_whole_and_streamed(api):
         assert got["content"] == "" and got["finish_reason"] == choice.finish_reason
         assert (first["index"], first["type"], first["id"][:5], first["function"]["name"]) == (0, "function", "call_",
                                                                                                "get_weather")
-        assert pieces and all((p["index"], p["id"], p["type"], p["function"]["name"]) == (0, None, None, None)
-                              for p in pieces)  # only arguments after the first
+        # only arguments after the first; how many pieces depends on how far the engine ran ahead of this
+        # reader (outputs not read yet go out as one chunk), so the pieces are test_tool_calls.py's
+        assert all((p["index"], p["id"], p["type"], p["function"]["name"]) == (0, None, None, None) for p in pieces)
         arguments = first["function"]["arguments"] + "".join(p["function"]["arguments"] for p in pieces)
         assert arguments == choice.message.tool_calls[0].function.arguments
 

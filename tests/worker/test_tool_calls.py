@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from lorafleet.worker.completion_job import CompletionJob
+from lorafleet.worker.json_schema_grammar import schema_grammar
 from lorafleet.worker.openai_sampling import SamplingOptions
 from lorafleet.worker.request_output import RequestOutput
 from lorafleet.worker.tenants import Tenant
@@ -113,6 +114,24 @@ def test_named_function_answers_its_arguments_with_the_engines_finish_reason():
     assert _streamed(calls, 0, ['{"city"', ': "Oslo"}'], "stop")[0] == ""  # nothing goes out as content
     _, streamed, reason = _streamed(calls, 2, ['{"ci'], "length")
     assert reason == "length" and streamed[0]["function"]["arguments"] == '{"ci'  # cut short, as OpenAI's
+
+
+def test_a_held_named_call_streams_its_arguments_piece_by_piece():
+    """Held to its function's schema, a named call's first chunk is the call (id, name, arguments so far), each
+    later one only its arguments' new text; a choice's next stream starts with the call again."""
+    calls = _tool_calls("hermes", choice="named", function="get_weather",
+                        output_grammar=schema_grammar({"type": "object"}))
+    first = calls.delta(0, '{"ci', None)
+    assert first[0] == "" and first[2] is None
+    ((call,),) = first[1:2]
+    assert (call["index"], call["type"], call["id"][:5], call["function"]) == (0, "function", "call_",
+                                                                               {"name": "get_weather",
+                                                                                "arguments": '{"ci'})
+    assert calls.delta(1, "{", None)[1][0]["function"]["name"] == "get_weather"  # choice 1: its own call
+    assert calls.delta(0, "", None) == ("", [], None)
+    assert calls.delta(0, 'ty": "Oslo"}', "stop") == ("", [{"index": 0, "function": {"arguments": 'ty": "Oslo"}'}}],
+                                                      "stop")
+    assert calls.delta(0, "{}", "stop")[1][0]["function"] == {"name": "get_weather", "arguments": "{}"}
 
 
 @pytest.mark.parametrize("text, arguments", [
