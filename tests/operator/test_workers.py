@@ -200,7 +200,9 @@ async def test_pods_that_answer_late_leave_the_others_reads_alone():
         app = web.Application()
         app.router.add_get("/v1/state", handler)
         apps.append(app)
-    client = StagerClient(token="t" * 16, timeout=1.0)
+    # 4 s: room for 125 connections on a loaded machine; every late read waits it out, so without the fix the
+    # 5 wait as long for a connection and fail as well
+    client = StagerClient(token="t" * 16, timeout=4.0)
     async with serving(apps[0]) as late_url, serving(apps[1]) as prompt_url:
         try:
             workers = [Worker(f"late-{i}", late_url) for i in range(120)] + [Worker(f"ok-{i}", prompt_url) for i in range(5)]
