@@ -379,9 +379,16 @@ def test_download_reports_progress_and_fetches_only_adapter_files(s3, stager, pe
 
 
 def test_disk_tier_metrics(stager, peft_dirs):
+    """What this test stages counts, whether or not the tests before it staged these adapters already."""
     import urllib.request
 
-    stager.client().stage(uri("alpha"), adapter_digest(peft_dirs["alpha"]))  # staged earlier: a hit
+    from lorafleet.worker.stager_client import StagerError
+
+    client = stager.client()
+    for name in ("alpha", "alpha", "beta"):  # the second alpha at least is a hit
+        client.stage(uri(name), adapter_digest(peft_dirs[name]))
+    with pytest.raises(StagerError):
+        client.stage(uri("nothing-at-all"), adapter_digest(peft_dirs["alpha"]))
     with urllib.request.urlopen(stager.url + "/metrics", timeout=10) as resp:
         text = resp.read().decode()
     values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
