@@ -52,6 +52,7 @@ from lorafleet.worker.openai_protocol import (
     parse_completion_request,
 )
 from lorafleet.worker.openai_tokenize import chat_prompt_ids, tokenize_routes
+from lorafleet.worker.regex_parse import RegexError
 from lorafleet.worker.request_output import RequestOutput
 from lorafleet.worker.scheduler import CapacityError
 from lorafleet.worker.served_adapters import VersionUnavailable
@@ -146,7 +147,7 @@ def _engine_error(exc: BaseException, job: CompletionJob, request: web.Request) 
         return APIError(400, message, code="context_length_exceeded", param=param)
     if isinstance(exc, EngineError):
         return APIError(400, message, code="invalid_request")
-    if isinstance(exc, GrammarError):  # past the schema grammar's bounds: the schema's fault, as at parse time
+    if isinstance(exc, GrammarError | RegexError):  # past a grammar's or pattern's run-time bounds: the request's
         return APIError(400, message, code="invalid_request", param=job.options.grammar_param)
     if isinstance(exc, ShutdownError):
         return APIError(503, message, type="service_unavailable", code="shutting_down", headers={"Retry-After": "1"})

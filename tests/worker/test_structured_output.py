@@ -470,3 +470,25 @@ async def test_guided_choice_a_vocabulary_cannot_spell_is_a_400(aiohttp_client, 
     assert resp.status == 400 and "cannot write the choice 'nope'" in error["message"], error
     resp = await client.post("/v1/completions", json=body | {"guided_choice": ["yes", "no"]})
     assert resp.status == 200 and (await resp.json())["choices"][0]["text"] in ("yes", "no")
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"guided_regex": "(a|b)*a(a|b){140}"}, "guided_regex"),  # each 'a' written opens a position
+    ({"guided_grammar": 'root ::= "a" root "b" | "c"'}, "guided_grammar"),  # each 'a' nests a rule deeper
+])
+async def test_a_pattern_that_fails_while_it_runs_is_the_requests_400(api, tools_model, extra, param):
+    """A pattern or grammar within its parse-time bounds that the output takes past its run-time bounds (a
+    `logit_bias` on 'a' here) fails its request as a 400 naming the field, whole and streamed (in the stream),
+    not as a server error the clients would retry; the worker serves on."""
+    (a_id,) = Tokenizer.from_file(str(tools_model / "tokenizer.json")).encode("a", add_special_tokens=False).ids
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 400, "logit_bias": {str(a_id): 100},
+            "extra_body": extra}
+    with pytest.raises(openai.BadRequestError) as err:
+        await api.completions.create(**body)
+    assert err.value.body["param"] == param and err.value.body["type"] == "invalid_request_error", err.value.body
+    with pytest.raises(openai.APIError) as err:
+        async for _ in await api.completions.create(**body, stream=True):
+            pass
+    assert err.value.body["param"] == param and err.value.body["type"] == "invalid_request_error", err.value.body
+    resp = await api.completions.create(model="tiny", prompt="x", max_tokens=2)
+    assert resp.choices[0].finish_reason == "length"
