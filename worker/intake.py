@@ -76,8 +76,21 @@ def check_room(app: web.Application, tenant: str) -> None:
         raise refused(app, reason, tenant)
 
 
+class IntakePlace:
+    """One intake place held. Work it hands to the default executor (`run`) keeps the place until that work
+    ends, even when the handler is cancelled first (its client left): the executor can hold no more
+    parses and tokenizations than there are places, whoever disconnects."""
+
+    def __init__(self) -> None:
+        self.work: asyncio.Future | None = None  # the last work handed to the executor
+
+    async def run(self, fn: Callable[[], Any]) -> Any:
+        self.work = asyncio.get_running_loop().run_in_executor(None, fn)
+        return await asyncio.shield(self.work)  # a cancelled handler leaves the work running, and its place held
+
+
 @contextlib.contextmanager
-def intake_place(app: web.Application, tenant: str, sequences: bool = True) -> Iterator[None]:
+def intake_place(app: web.Application, tenant: str, sequences: bool = True) -> Iterator[IntakePlace]:
     """Hold one of the `--max-intake-requests` intake places while reading, parsing and tokenizing; none
     free: 429 intake_full, the body unread; nor where `tenant`'s admitted sequences and requests in intake reach
     --max-sequences-per-tenant (429 tenant_queue_full: one tenant cannot hold every intake place). `sequences`
@@ -85,10 +98,20 @@ def intake_place(app: web.Application, tenant: str, sequences: bool = True) -> I
     admission = app[ADMISSION]
     if reason := admission.enter_intake(tenant, sequences):
         raise refused(app, reason, tenant, None if sequences else 0)
+    place = IntakePlace()
     try:
-        yield
+        yield place
     finally:
-        admission.leave_intake(tenant)
+        work = place.work
+        if work is None or work.done():
+            admission.leave_intake(tenant)
+        else:  # the handler was cancelled while its work runs: the place is left when the work ends
+            def leave(done: asyncio.Future) -> None:
+                admission.leave_intake(tenant)
+                if not done.cancelled():
+                    done.exception()  # retrieved: nobody awaits it any more
+
+            work.add_done_callback(leave)
 
 
 async def read_body(request: web.Request) -> bytes:
@@ -104,9 +127,10 @@ async def read_body(request: web.Request) -> bytes:
                             "send the body with the headers, or retry", code=REQUEST_TIMEOUT) from None
 
 
-async def read_json(request: web.Request, then: Callable[[Any], Any] | None = None) -> Any:
+async def read_json(request: web.Request, then: Callable[[Any], Any] | None = None,
+                    place: IntakePlace | None = None) -> Any:
     """The parsed body (see `read_body`), and `then(body)` when given: in the default executor for a body
-    over LARGE_BODY_BYTES."""
+    over LARGE_BODY_BYTES (through the request's intake `place`, where it holds one)."""
     raw = await read_body(request)
 
     def parse() -> Any:
@@ -115,4 +139,6 @@ async def read_json(request: web.Request, then: Callable[[Any], Any] | None = No
 
     if len(raw) <= LARGE_BODY_BYTES:
         return parse()
+    if place is not None:
+        return await place.run(parse)
     return await asyncio.get_running_loop().run_in_executor(None, parse)

@@ -88,9 +88,9 @@ async def _prepare(request: web.Request, endpoint: str,
     engine = ready_engine(app)
     tenant = authenticate(request)
     check_room(app, tenant.name)  # a full worker reads no body: 429 at once
-    with intake_place(app, tenant.name):  # body read, parse, tokenization: a bounded number at once (429 beyond)
+    with intake_place(app, tenant.name) as place:  # body read, parse, tokenization: a bounded number at once
         parse = parse_chat_request if endpoint == "chat" else parse_completion_request
-        parsed = await read_json(request, lambda body: parse(body, engine.sampling_defaults))
+        parsed = await read_json(request, lambda body: parse(body, engine.sampling_defaults), place)
         try:
             adapter = app[ADAPTERS].resolve(parsed.model, tenant, parsed.options.user)
         except VersionUnavailable as exc:  # counted on the version that failed, not as unresolved
@@ -109,7 +109,7 @@ async def _prepare(request: web.Request, endpoint: str,
         tools = parsed.tools if endpoint == "chat" else None  # its tools and tool_choice (tool_request.py)
         tool_calls = ToolCalls.of(tools, engine.tokenizer, app[CONFIG].tool_call_parser)  # 400: no tools in template
         try:
-            prompt_ids = await asyncio.get_running_loop().run_in_executor(None, tokenize)
+            prompt_ids = await place.run(tokenize)
         except (EngineError, TokenizerError) as exc:
             raise APIError(400, str(exc), code="invalid_prompt",
                            param="messages" if endpoint == "chat" else "prompt") from None

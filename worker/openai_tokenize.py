@@ -16,7 +16,6 @@ answer does not depend on which. Both hold an intake place while they work, as a
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import Callable
 from typing import Any
@@ -57,12 +56,11 @@ def chat_prompt_ids(app: web.Application, parsed: ChatRequest) -> list[int]:
 async def tokenize(request: web.Request) -> web.Response:
     app, tenant = request.app, authenticate(request)
     engine = ready_engine(app)
-    with intake_place(app, tenant.name, sequences=False):  # a large body is parsed in the executor (read_json), as its tokenization is
-        chat, strs, model, work = await read_json(request, lambda body: _tokenize_request(app, body))
+    with intake_place(app, tenant.name, sequences=False) as place:  # a large body is parsed in the executor, as
+        chat, strs, model, work = await read_json(request, lambda body: _tokenize_request(app, body), place)
         _check_model(app, model, tenant)
         try:
-            ids, token_strs = await asyncio.get_running_loop().run_in_executor(
-                None, lambda: _with_strs(engine, work(), strs))
+            ids, token_strs = await place.run(lambda: _with_strs(engine, work(), strs))  # its tokenization is
         except (EngineError, TokenizerError) as exc:
             raise APIError(400, str(exc), code="invalid_prompt", param="messages" if chat else "prompt") from None
         except jinja2.TemplateError as exc:
@@ -101,8 +99,8 @@ def _with_strs(engine, ids: list[int], strs: bool) -> tuple[list[int], list[str 
 async def detokenize(request: web.Request) -> web.Response:
     app, tenant = request.app, authenticate(request)
     engine = ready_engine(app)
-    with intake_place(app, tenant.name, sequences=False):
-        f = Fields(await read_json(request), "detokenize")
+    with intake_place(app, tenant.name, sequences=False) as place:
+        f = Fields(await read_json(request, place=place), "detokenize")
         model, tokens = f.string("model", required=True), f.get("tokens")
         f.refuse_unknown()
         if not isinstance(tokens, list) or not all(is_int(t) for t in tokens):
@@ -114,8 +112,7 @@ async def detokenize(request: web.Request) -> web.Response:
         _check_model(app, model, tenant)
         if engine.tokenizer is None:
             raise APIError(400, "this model has no tokenizer", code="invalid_value", param="tokens")
-        text = await asyncio.get_running_loop().run_in_executor(
-            None, lambda: engine.tokenizer.decode(tokens, skip_special_tokens=False))
+        text = await place.run(lambda: engine.tokenizer.decode(tokens, skip_special_tokens=False))
     return web.json_response({"prompt": text})
 
 

@@ -8,6 +8,7 @@ import json
 import threading
 
 import pytest
+from aiohttp import web
 
 from lorafleet.worker import intake
 from lorafleet.worker.app_keys import ADMISSION, ENGINE
@@ -24,11 +25,11 @@ def config(tiny_llama_dir, max_num_seqs: int = 64, **worker) -> WorkerConfig:
                                             max_num_seqs=max_num_seqs), served_model_name="tiny", **worker)
 
 
-async def send_head(port: int, length: int, first: bytes = b"", key: str | None = None):
-    """A POST whose headers announce `length` body bytes, of which only `first` is sent (so far)."""
+async def send_head(port: int, length: int, first: bytes = b"", key: str | None = None, path: str = "/v1/completions"):
+    """A POST to `path` whose headers announce `length` body bytes, of which only `first` is sent (so far)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     auth = f"Authorization: Bearer {key}\r\n" if key else ""
-    writer.write(f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n{auth}"
+    writer.write(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n{auth}"
                  f"Content-Length: {length}\r\n\r\n".encode() + first)
     await writer.drain()
     return reader, writer
@@ -156,6 +157,49 @@ async def test_a_client_leaving_before_its_body_arrived_counts_499_and_logs_no_e
     assert any('status="499"' in line and line.endswith(" 3.0") for line in counted), counted
     assert not any('status="500"' in line for line in counted), counted
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/tokenize"])
+async def test_a_client_leaving_during_its_tokenization_keeps_its_intake_place_until_it_ends(
+        aiohttp_client, tiny_llama_dir, monkeypatch, path):
+    """Intake of 1, a tokenization that waits: the client leaves (its handler is cancelled), but the
+    tokenization still runs in the executor, so the place stays held (the next request gets 429 intake_full)
+    until it ends. Freed at the cancellation, clients hanging up could pile unbounded work into the executor."""
+    from lorafleet.worker.tokenizer import Tokenizer
+
+    gate, started, encode = threading.Event(), threading.Event(), Tokenizer.encode
+
+    def waiting(self, *args, **kwargs):
+        started.set()
+        gate.wait(30)
+        return encode(self, *args, **kwargs)
+
+    monkeypatch.setattr(Tokenizer, "encode", waiting)
+    app, ended = create_app(config(tiny_llama_dir, max_intake_requests=1)), asyncio.Event()
+
+    @web.middleware
+    async def innermost(request, handler):  # ends after the handler, its intake place's `with` included
+        try:
+            return await handler(request)
+        finally:
+            ended.set()
+
+    app.middlewares.append(innermost)
+    client = await aiohttp_client(app, server_kwargs={"handler_cancellation": True})
+    admission, body = app[ADMISSION], BODY if path == "/v1/completions" else b'{"model": "tiny", "prompt": "hi"}'
+    try:
+        _, writer = await send_head(client.server.port, len(body), body, path=path)
+        await wait_until(started.is_set)
+        writer.close()
+
+        await asyncio.wait_for(ended.wait(), 30)  # its handler was cancelled: its intake place's `with` is over
+        assert admission.num_in_intake == 1
+        refused = await client.post(path, data=body)
+        assert refused.status == 429 and (await refused.json())["error"]["code"] == "intake_full"
+    finally:
+        gate.set()
+    await wait_until(lambda: admission.num_in_intake == 0)
+    assert (await client.post(path, data=body)).status == 200
 
 
 async def test_a_body_that_stalls_is_answered_408_and_frees_its_intake_place(aiohttp_client, tiny_llama_dir):
