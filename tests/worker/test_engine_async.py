@@ -347,8 +347,8 @@ def test_one_adapter_s_failing_forward_fails_only_its_requests(tiny_llama_dir, q
 
     def engine_with(faulty: bool) -> Engine:
         engine = Engine(EngineConfig(model=str(tiny_llama_dir), num_pages=64, block_size=4, max_failed_forwards=2))
-        for name in ("alpha", "beta"):
-            engine.register_adapter(name, qv_adapters_dir / name)
+        for name in ("alpha", "beta"):  # resident before the requests come: all three share the first steps
+            engine.adapter_pool.load(engine.register_adapter(name, qv_adapters_dir / name))
         run = engine.runner.run
 
         def faulty_run(batch):

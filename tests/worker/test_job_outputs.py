@@ -290,7 +290,7 @@ async def test_the_time_limit_aborts_every_choice_even_while_the_caller_does_not
     reading after the first output; its next read gets the outputs made in time, then the 504."""
     served, engine = rollout(), Endless()
     job = job_for(served, "sql@v1", n=3)
-    async with contextlib.aclosing(merged_outputs(engine, job, served, limit_s=0.05)) as merged:
+    async with contextlib.aclosing(merged_outputs(engine, job, served, limit_s=0.5)) as merged:
         got = [await anext(merged)]
         await asyncio.wait_for(engine.all_closed.wait(), 10)  # the caller reads nothing meanwhile
         assert sorted(engine.closed) == ["cmpl-1-0", "cmpl-1-1", "cmpl-1-2"]
@@ -299,7 +299,7 @@ async def test_the_time_limit_aborts_every_choice_even_while_the_caller_does_not
                 got.append(item)
     assert sorted(i for i, _ in got) == [0, 1, 2]  # each choice's output from before the limit
     assert (exc.value.status, exc.value.code) == (504, "deadline_exceeded")
-    assert "within 0.05 s" in exc.value.message and "--request-timeout-s" in exc.value.message
+    assert "within 0.5 s" in exc.value.message and "--request-timeout-s" in exc.value.message
 
 
 async def test_a_job_that_ended_in_time_is_answered_though_read_after_its_limit(caplog):
@@ -307,9 +307,9 @@ async def test_a_job_that_ended_in_time_is_answered_though_read_after_its_limit(
     served = rollout()
     job = job_for(served, "sql@v1", n=2)
     engine = StandInEngine(set())
-    async with contextlib.aclosing(merged_outputs(engine, job, served, limit_s=0.05)) as merged:
+    async with contextlib.aclosing(merged_outputs(engine, job, served, limit_s=0.5)) as merged:
         got = [await anext(merged)]
-        while time.monotonic() < job.arrived + 0.05:  # the limit passes while the caller does not read
+        while time.monotonic() < job.arrived + 0.5:  # the limit passes while the caller does not read
             await asyncio.sleep(0.01)
         await asyncio.sleep(0)  # the limit's timer runs
         got += [item async for item in merged]

@@ -25,7 +25,8 @@ from lorafleet.worker.worker_config import WorkerConfig
 from tests.lora_factory import make_peft_adapter
 
 ADMIN = {"Authorization": "Bearer admin-token-for-tests"}
-LIMIT_S = 1.0  # the first chunk of a stream comes within it: the tiny model's first step takes milliseconds
+LIMIT_S = 3.0  # the first chunk of a stream comes within it (the tiny model's first step takes milliseconds), also
+# on a loaded machine
 LONG = {"max_tokens": 60, "temperature": 0}  # more steps than the held engine lets run
 IGNORE_EOS = {"ignore_eos": True}
 

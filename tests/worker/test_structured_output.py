@@ -140,8 +140,8 @@ async def test_required_tool_choice_answers_calls_to_the_tools_whole_and_streame
             called += 1
     assert called >= 2
     streamed = await _streamed(await api.chat.completions.create(**body, stream=True))
-    pieces = 0
     for got, choice in zip(streamed, resp.choices, strict=True):  # each call streams: itself, then its arguments
+        # (in how many pieces depends on how far the engine ran ahead of this reader: test_tool_calls.py's)
         assert got["finish_reason"] == choice.finish_reason and got["content"] == (choice.message.content or "")
         calls: dict[int, list] = {}
         for delta in got["tool_calls"]:
@@ -150,12 +150,10 @@ async def test_required_tool_choice_answers_calls_to_the_tools_whole_and_streame
                 calls[delta["index"]] = [delta["function"]["name"], ""]
             else:
                 assert delta["id"] is None and delta["function"]["name"] is None
-                pieces += 1
             calls[delta["index"]][1] += delta["function"]["arguments"]
         assert list(calls) == list(range(len(calls)))
         assert [tuple(c) for c in calls.values()] == [(c.function.name, c.function.arguments)
                                                      for c in choice.message.tool_calls or []]
-    assert pieces > called
     one = await api.chat.completions.create(**body | {"parallel_tool_calls": False})
     assert all(len(c.message.tool_calls) == 1 for c in one.choices if c.finish_reason == "tool_calls")
 
