@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 from lorafleet.worker.admission import INTAKE_FULL, REQUEST_TIMEOUT, TENANT_QUEUE_FULL
 from lorafleet.worker.app_keys import ADMISSION, CONFIG, ENGINE, METRICS, STATUS, TENANTS
@@ -121,6 +122,13 @@ async def read_body(request: web.Request) -> bytes:
     timeout = app[CONFIG].request_read_timeout_s
     try:
         return await asyncio.wait_for(request.read(), timeout)
+    except RequestPayloadError:  # a body that does not decompress as its Content-Encoding says
+        request.protocol.close()  # the connection closes after the answer, what is left of the body unread
+        request.content.feed_eof()
+        encoding = request.headers.get("Content-Encoding", "")[:40]
+        raise APIError(400, f"the request body could not be read as its Content-Encoding ({encoding!r}) says; send "
+                            "it compressed as named, or uncompressed without the header", code="invalid_body",
+                       headers={"Connection": "close"}) from None
     except TimeoutError:
         app[METRICS].rejected.labels(REQUEST_TIMEOUT).inc()
         raise APIError(408, f"the request body did not arrive within {timeout:g} s (--request-read-timeout-s); "

@@ -202,6 +202,25 @@ async def test_a_client_leaving_during_its_tokenization_keeps_its_intake_place_u
     assert (await client.post(path, data=body)).status == 200
 
 
+@pytest.mark.parametrize("encoding", ["gzip", "deflate"])
+async def test_a_body_that_does_not_decompress_is_the_clients_400(aiohttp_client, tiny_llama_dir, caplog, encoding):
+    """A compressed body that is not what its Content-Encoding says is the client's error: a 400, no error
+    traceback in the log; a body that decompresses is served."""
+    import gzip
+    import logging
+    import zlib
+
+    client = await aiohttp_client(create_app(config(tiny_llama_dir)))
+    caplog.set_level(logging.WARNING)
+    headers = {"Content-Encoding": encoding, "Content-Type": "application/json"}
+    resp = await client.post("/v1/completions", data=b"not compressed at all", headers=headers)
+    error = (await resp.json())["error"]
+    assert resp.status == 400 and error["code"] == "invalid_body" and encoding in error["message"], error
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
+    packed = gzip.compress(BODY) if encoding == "gzip" else zlib.compress(BODY)
+    assert (await client.post("/v1/completions", data=packed, headers=headers)).status == 200
+
+
 async def test_a_body_that_stalls_is_answered_408_and_frees_its_intake_place(aiohttp_client, tiny_llama_dir):
     """A client sends its headers and part of its body, then stalls (slowloris): with one intake place it
     holds that place only until --request-read-timeout-s, then it gets 408 request_timeout (counted in the
