@@ -66,6 +66,7 @@ class CompletionJob:
     failed_over: str | None = None  # the engine key it moved off because that version failed to load
     score_only: bool = False  # echo with max_tokens 0: the one token generated is left out of the answer
     tool_calls: ToolCalls | None = None  # chat with tools (not tool_choice "none"): the output read for calls
+    answer_id: str | None = None  # the answer's `id` where the caller named it (else request_id)
     created: int = field(default_factory=lambda: int(time.time()))
     arrived: float = field(default_factory=time.monotonic)
 
@@ -226,8 +227,8 @@ class CompletionJob:
 
     def envelope(self, choices: list[dict[str, Any]], *, chunk: bool) -> dict[str, Any]:
         kind = {"completions": "text_completion", "chat": "chat.completion.chunk" if chunk else "chat.completion"}
-        return {"id": self.request_id, "object": kind[self.endpoint], "created": self.created, "model": self.model,
-                "choices": choices, "system_fingerprint": None}
+        return {"id": self.answer_id or self.request_id, "object": kind[self.endpoint], "created": self.created,
+                "model": self.model, "choices": choices, "system_fingerprint": None}
 
 
 def token_text(tokenizer, token_id: int) -> str:

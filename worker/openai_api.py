@@ -120,6 +120,8 @@ async def _prepare(request: web.Request, endpoint: str,
     job = CompletionJob(endpoint, f"{prefix}-{uuid.uuid4().hex}", adapter or app[ADAPTERS].base_model, adapter,
                         prompt_ids, parsed.options, tenant=tenant, prompts=getattr(parsed, "prompts", None),
                         tool_calls=tool_calls)
+    if parsed.options.request_id is not None:  # vLLM's: the answer is named by the caller's id
+        job.answer_id = f"{prefix}-{parsed.options.request_id}"
     if adapter is not None and "@" not in parsed.model:
         job.re_resolve = lambda: app[ADAPTERS].resolve(parsed.model, tenant, parsed.options.user)
         job.on_move = resolved  # the version it moves to is counted on too

@@ -164,7 +164,7 @@ class Fields:
             raise bad_request(f"'{name}' is not supported by this server ({why})", name, "unsupported_parameter")
 
     def refuse_unknown(self) -> None:
-        unknown = sorted(set(self.body) - self.seen)
+        unknown = sorted(k for k in set(self.body) - self.seen if self.body[k] is not None)  # null: as left out
         if unknown:
             raise bad_request(f"Unrecognized request argument supplied: {', '.join(unknown)}", unknown[0],
                               "unrecognized_argument")

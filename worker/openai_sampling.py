@@ -81,6 +81,7 @@ class SamplingOptions:
     json_object: bool = False  # response_format {"type": "json_object"}: JSON mode (json_guide.py)
     grammar: Any = None  # structured output: a schema's grammar (json_schema_grammar.py), or choices' (choice_grammar.py)
     grammar_param: str | None = None  # the field that set it: errors name what the caller sent
+    request_id: str | None = None  # vLLM's: the answer's id is cmpl-/chatcmpl- and it (the engine's ids stay unique)
 
 
 def _user(f: Fields) -> str | None:
@@ -88,6 +89,30 @@ def _user(f: Fields) -> str | None:
     Both are read, so each is type-checked and neither is refused as unknown when both are sent."""
     user, safety_identifier = f.string("user"), f.string("safety_identifier")
     return user or safety_identifier
+
+
+MAX_REQUEST_ID = 256  # characters of a caller's request_id
+
+
+def _vllm_fields(f: Fields) -> str | None:
+    """vLLM's own request fields that clients written for it send: those that change nothing here are
+    type-checked and ignored, those whose effect would be silently lost are accepted only at their no-op
+    value; the caller's `request_id`."""
+    f.string("cache_salt")  # there is no prefix cache across requests here: nothing to keep apart
+    f.flag("include_reasoning", True)  # the model has no reasoning mode: nothing is held back either way
+    f.neutral("use_beam_search", False, "beam search is not implemented; use n")
+    f.neutral("length_penalty", 1.0, "it applies to beam search, which is not implemented")
+    f.neutral("early_stopping", False, "it applies to beam search, which is not implemented")
+    f.neutral("priority", 0, "requests are scheduled by arrival within their tenant's share")
+    f.neutral("truncate_prompt_tokens", None, "prompts are never cut: a prompt too long is answered 400")
+    f.neutral("allowed_token_ids", None, "use logit_bias or guided_choice")
+    f.neutral("bad_words", [], "use logit_bias")
+    f.neutral("return_tokens_as_token_ids", False, "logprobs name tokens by their text")
+    f.neutral("detokenize", True, "the output is always text")
+    request_id = f.string("request_id")
+    if request_id is not None and not 0 < len(request_id) <= MAX_REQUEST_ID:
+        raise bad_request(f"'request_id' must be 1 to {MAX_REQUEST_ID} characters", "request_id")
+    return request_id
 
 
 def _stop(f: Fields) -> list[str]:
@@ -315,6 +340,7 @@ def parse_sampling_options(f: Fields, max_tokens_names: tuple[str, ...], default
         json_object=json_object,
         grammar=grammar,
         grammar_param=grammar_param,
+        request_id=_vllm_fields(f),
     )
     if isinstance(grammar, (ChoiceGrammar, TextGrammar)) and (options.ignore_eos or options.min_tokens):
         raise bad_request(f"'{grammar_param}' cannot be combined with 'ignore_eos' or 'min_tokens': the text is exactly "

@@ -74,6 +74,20 @@ async def _complete(client, body: dict) -> list[dict]:
     return [c for e in events[:-1] for c in json.loads(e)["choices"]]
 
 
+@pytest.mark.parametrize("path, prefix", [("/v1/completions", "cmpl"), ("/v1/chat/completions", "chatcmpl")])
+async def test_vllms_request_id_names_the_answer_and_may_repeat(base_client, path, prefix):
+    """vLLM's `request_id`: the answer (each chunk of a stream) is named cmpl-/chatcmpl- and it; two requests in
+    flight with the same one are both served (the engine's own ids stay unique)."""
+    prompt = {"prompt": "hello"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
+    body = {"model": "tiny", "max_tokens": 4, "n": 2, "request_id": "batch-7/req-1", **prompt}
+    whole, streamed = await asyncio.gather(base_client.post(path, json=body),
+                                           base_client.post(path, json=body | {"stream": True}))
+    assert whole.status == streamed.status == 200, await whole.text()
+    assert (await whole.json())["id"] == f"{prefix}-batch-7/req-1"
+    events = [line[6:] for line in (await streamed.text()).split("\n") if line.startswith("data: ")]
+    assert {json.loads(e)["id"] for e in events[:-1]} == {f"{prefix}-batch-7/req-1"}
+
+
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 async def test_with_include_usage_every_chunk_has_a_usage_field(base_client, path):
     """OpenAI's streams with stream_options.include_usage: every chunk carries `usage`, null but in the last

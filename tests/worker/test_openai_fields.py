@@ -93,3 +93,43 @@ def test_completions_suffix_is_refused_clearly():
         parse_completion_request(COMPLETION | {"suffix": "</code>"})
     assert (exc.value.param, exc.value.code) == ("suffix", "unsupported_parameter")
     assert "suffix" in exc.value.message and "not supported" in exc.value.message
+
+
+VLLM_NO_OPS = {  # vLLM's own fields, at the values clients written for it send by default
+    "use_beam_search": False, "length_penalty": 1.0, "early_stopping": False, "priority": 0,
+    "truncate_prompt_tokens": None, "allowed_token_ids": None, "bad_words": [], "return_tokens_as_token_ids": False,
+    "detokenize": True, "cache_salt": "tenant-7", "include_reasoning": True, "unknown_but_null": None,
+}
+
+
+@pytest.mark.parametrize("parse, base", [(parse_chat_request, CHAT), (parse_completion_request, COMPLETION)])
+def test_vllms_fields_at_their_no_op_values_change_nothing(parse, base):
+    """A client written for vLLM sends its fields whatever they are set to: at their no-op values they are
+    accepted and change nothing (a field sent as null is as one left out)."""
+    assert parse(base | VLLM_NO_OPS).options == parse(base).options
+
+
+@pytest.mark.parametrize("parse, base", [(parse_chat_request, CHAT), (parse_completion_request, COMPLETION)])
+@pytest.mark.parametrize(("extra", "param", "code", "words"), [
+    ({"use_beam_search": True}, "use_beam_search", "unsupported_parameter", "beam search"),
+    ({"length_penalty": 0.5}, "length_penalty", "unsupported_parameter", "beam search"),
+    ({"priority": 3}, "priority", "unsupported_parameter", "arrival"),
+    ({"truncate_prompt_tokens": 100}, "truncate_prompt_tokens", "unsupported_parameter", "never cut"),
+    ({"allowed_token_ids": [1, 2]}, "allowed_token_ids", "unsupported_parameter", "logit_bias"),
+    ({"bad_words": ["x"]}, "bad_words", "unsupported_parameter", "logit_bias"),
+    ({"return_tokens_as_token_ids": True}, "return_tokens_as_token_ids", "unsupported_parameter", "text"),
+    ({"detokenize": False}, "detokenize", "unsupported_parameter", "always text"),
+    ({"cache_salt": 5}, "cache_salt", "invalid_type", "must be a string"),
+    ({"request_id": ""}, "request_id", "invalid_value", "1 to 256 characters"),
+    ({"request_id": 7}, "request_id", "invalid_type", "must be a string"),
+    ({"bogus": 0}, "bogus", "unrecognized_argument", "Unrecognized request argument supplied: bogus"),
+])
+def test_vllms_fields_whose_effect_would_be_lost_are_refused(parse, base, extra, param, code, words):
+    with pytest.raises(APIError) as exc:
+        parse(base | extra)
+    err = exc.value
+    assert (err.status, err.param, err.code) == (400, param, code) and words in err.message, err.message
+
+
+def test_a_request_id_names_the_answer():
+    assert parse_completion_request(COMPLETION | {"request_id": "batch-7/req-1"}).options.request_id == "batch-7/req-1"
