@@ -94,7 +94,7 @@ class CompletionJob:
         # echo with logprobs needs the prompt's logprobs too: the engine computes the larger k of the two
         echo_k = max(o.prompt_logprobs or 0, o.logprobs) if o.echo and o.logprobs is not None else None
         prompt_k = o.prompt_logprobs if echo_k is None else echo_k
-        entries = 0  # logprob entries the answer will hold (each with its token's text): bounded, see below
+        entries = prompts_entries = 0  # logprob entries the answer will hold (each with its token's text), below
         for p, ids in enumerate(self.prompt_ids):
             if len(ids) >= max_model_len:
                 raise APIError(400, f"This model's maximum context length is {max_model_len} tokens; the prompt "
@@ -118,10 +118,11 @@ class CompletionJob:
                                      + (o.prompt_logprobs + 1 if o.prompt_logprobs is not None else 0))
             # Generated tokens as asked; unset, as many as most answers take (the answer is checked again, whole).
             generated = max_tokens if o.max_tokens is not None else min(max_tokens, UNSET_MAX_TOKENS_COUNTED)
-            entries += (per_prompt if self.endpoint == "chat" else o.n * per_prompt) \
-                + (o.n * generated * (o.logprobs + 1) if o.logprobs is not None else 0)
-            if not o.stream:  # a stream is sent as it comes: nothing of it is built whole
-                self.check_logprob_entries(entries)
+            prompts_entries += per_prompt if self.endpoint == "chat" else o.n * per_prompt
+            entries += o.n * generated * (o.logprobs + 1) if o.logprobs is not None else 0
+            # A stream is sent as it comes, a few tokens' logprobs a chunk; but each choice's first chunk holds
+            # its prompt's (echo) whole: those are bounded alike.
+            self.check_logprob_entries(prompts_entries if o.stream else prompts_entries + entries)
             for j in range(o.n):
                 seed = None if o.seed is None else o.seed + j  # n choices with one seed must still differ
                 if self.params:  # checked once (its logit_bias may hold thousands of entries): the others copy it
@@ -140,8 +141,8 @@ class CompletionJob:
                 self.choice_prompt.append(p)
 
     def check_logprob_entries(self, entries: int) -> None:
-        """A 400 when an answer (not streamed) would hold more than MAX_LOGPROB_ENTRIES logprob entries: a request
-        of a few KB must not build one of gigabytes (n x prompt_logprobs over a long prompt)."""
+        """A 400 when an answer (a stream: its prompts' logprobs) would hold more than MAX_LOGPROB_ENTRIES logprob
+        entries: a request of a few KB must not build one of gigabytes (n x prompt_logprobs over a long prompt)."""
         if entries > MAX_LOGPROB_ENTRIES:
             raise APIError(400, f"the answer would hold {entries} logprob entries (n x tokens x (top logprobs + 1), "
                                 f"prompt and completion), over the {MAX_LOGPROB_ENTRIES} one answer may hold; lower "

@@ -297,15 +297,21 @@ async def _stream(request: web.Request, job: CompletionJob, outputs: AsyncIterat
                 first = i not in started
                 started.add(i)
                 if out.new_text or out.new_token_ids or first or out.finished:
-                    choice = job.choice(tokenizer, i, out.new_text, out.new_logprobs,
-                                     out.finish_reason if out.finished else None, delta=True, first=first,
-                                     offsets=offsets[i], prompt_lps=out.prompt_logprobs,
-                                     stop_reason=out.stop_reason if out.finished else None)
-                    chunk = job.envelope([choice], chunk=True)
-                    if job.options.include_usage:  # as OpenAI: every chunk has the field, null but the last
-                        # (vLLM's continuous_usage_stats: the counts so far)
-                        chunk["usage"] = job.usage(completion_tokens) if job.options.continuous_usage else None
-                    await send(chunk)
+                    def build(i=i, out=out, first=first, counted=completion_tokens) -> dict[str, Any]:
+                        choice = job.choice(tokenizer, i, out.new_text, out.new_logprobs,
+                                            out.finish_reason if out.finished else None, delta=True, first=first,
+                                            offsets=offsets[i], prompt_lps=out.prompt_logprobs,
+                                            stop_reason=out.stop_reason if out.finished else None)
+                        chunk = job.envelope([choice], chunk=True)
+                        if job.options.include_usage:  # as OpenAI: every chunk has the field, null but the last
+                            # (vLLM's continuous_usage_stats: the counts so far)
+                            chunk["usage"] = job.usage(counted) if job.options.continuous_usage else None
+                        return chunk
+
+                    if first and out.prompt_logprobs and job.options.echo:  # the prompt's logprobs: off the loop
+                        await send(await asyncio.to_thread(lambda: json.dumps(build(), separators=(",", ":"))))
+                    else:
+                        await send(build())
         except asyncio.CancelledError:
             raise
         except ConnectionError:

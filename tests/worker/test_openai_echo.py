@@ -270,3 +270,22 @@ def test_the_logprob_bound_leaves_ordinary_long_context_requests_alone(stream):
     job = CompletionJob("completions", "r", "m", None, [list(range(4000))], wide.options, Tenant("t"))
     with pytest.raises(APIError, match="logprob entries"):
         job.add_choices(131072, 32000)
+
+
+def test_a_streams_echoed_prompt_logprobs_are_bounded_as_a_whole_answers():
+    """Each choice's first chunk holds its prompt's logprobs whole (echo): n x prompt tokens x (logprobs + 1) is
+    bounded for a stream as for a whole answer; a stream's generated logprobs are not (a few a chunk)."""
+    from lorafleet.worker.completion_job import MAX_LOGPROB_ENTRIES, CompletionJob
+    from lorafleet.worker.openai_protocol import parse_completion_request
+    from lorafleet.worker.tenants import Tenant
+
+    def job(prompt_len: int, **body) -> CompletionJob:
+        request = parse_completion_request({"model": "m", "prompt": "x", "logprobs": 20, "stream": True} | body)
+        return CompletionJob("completions", "r", "m", None, [list(range(prompt_len))], request.options, Tenant("t"))
+
+    over = MAX_LOGPROB_ENTRIES // (64 * 21) + 1
+    with pytest.raises(APIError, match="logprob entries") as err:
+        job(over, echo=True, n=64, max_tokens=1).add_choices(131072, 32000)
+    assert err.value.param == "n"
+    job(over - 1, echo=True, n=64, max_tokens=1).add_choices(131072, 32000)
+    job(over, n=64, max_tokens=1000).add_choices(131072, 32000)  # no echo: the logprobs come a few a chunk
