@@ -337,11 +337,19 @@ class AdapterSpec:
             generation=int(meta.get("generation", 0)),
             created=str(meta.get("creationTimestamp", "")),
             deleting=bool(meta.get("deletionTimestamp")),
-            known_bytes=max(int(status.get("bytes", 0) or 0), _sized(status.get("refusedBytes"), spec["version"])),
+            known_bytes=max(_status_bytes(status, spec["version"]), _sized(status.get("refusedBytes"), spec["version"])),
             known_canary_bytes=_sized(status.get("canaryBytes"), canary.version if canary else None),
             status=dict(status),
             raw_spec=dict(spec),
         )
+
+
+def _status_bytes(status: dict[str, Any], version: str) -> int:
+    """status.bytes when it is the size of ``version`` (status.bytesVersion; a status written before that field:
+    when workers served ``version``, or it names no version at all), else 0: a new version's size is not known
+    until a worker staged it."""
+    measured = status.get("bytesVersion", status.get("stableVersion", version))
+    return _sized({"version": measured, "bytes": status.get("bytes")}, version)
 
 
 def _sized(remembered: Any, version: str | None) -> int:

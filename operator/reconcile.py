@@ -51,10 +51,10 @@ from typing import Any, NamedTuple
 
 from lorafleet.operator.crd_models import AdapterSpec, InvalidAdapter, PoolSpec, Source
 from lorafleet.operator.pinned_need import PinnedNeed, pool_pinned_need
-from lorafleet.operator.placement import canary_bytes, place_warm, reported_bytes, warm_count
+from lorafleet.operator.placement import canary_bytes, place_warm, warm_count
 from lorafleet.operator.reports import WorkerIndex, WorkerReport
 from lorafleet.operator.statuses import adapter_status, pool_status, unserved_status
-from lorafleet.operator.tenant_quota import over_quota
+from lorafleet.operator.tenant_quota import over_quota, refused_size, size_settled
 from lorafleet.operator.tenant_sources import foreign_regions, own_folders, source_problem
 from lorafleet.worker.directives import AdapterDirective, DesiredState, DirectiveError, VersionRef
 
@@ -202,7 +202,7 @@ def reconcile_pool(pool: PoolSpec | None, adapters: Sequence[AdapterSpec | Inval
                 message = f"{failures[x.name]}; its pods keep what they were last told"
                 plan.adapter_statuses[x.name] = unserved_status(x, phase, message, kept, now=now, validated=None)
                 continue
-            plan.adapter_statuses[x.name] = _sized(x, unserved_status(x, phase, failures[x.name], live, now=now),
+            plan.adapter_statuses[x.name] = refused_size(x, unserved_status(x, phase, failures[x.name], live, now=now),
                                                    live)
             continue
         failure = failures.get(x.name)
@@ -213,13 +213,13 @@ def reconcile_pool(pool: PoolSpec | None, adapters: Sequence[AdapterSpec | Inval
                                 requested=min(warm_count(a, len(live + quiet)), len(live) + kept_quiet),
                                 silent=[w.pod for w in workers if w.reported is None],
                                 failure=failure)
-        if failure is None:
+        if failure is None and size_settled(pool, a, live):
             status["lastValidSpec"] = a.spec_json
         # The canary's size is remembered: once workers dropped a canary over the quota, none reports it.
         wanted = x if isinstance(x, AdapterSpec) and x.canary is not None else a
         if wanted.canary is not None and (size := canary_bytes(wanted, live)):
             status["canaryBytes"] = {"version": wanted.canary.version, "bytes": size}
-        plan.adapter_statuses[x.name] = _sized(x, status, live) if failure is not None else status
+        plan.adapter_statuses[x.name] = refused_size(x, status, live) if failure is not None else status
     if pool is None:
         plan.draining = [w.pod for w in live if w.by_name] + [w.pod for w in workers if _may_hold(w)] + plan.releasing
     else:
@@ -258,15 +258,6 @@ def admit(pool: PoolSpec | None, adapters: Sequence[AdapterSpec | InvalidAdapter
             if lighter is not None:
                 served[name] = lighter
     return served, failures
-
-
-def _sized(x: AdapterSpec | InvalidAdapter, status: dict[str, Any], live: list[WorkerIndex]) -> dict[str, Any]:
-    """The status of a refused spec with the size workers report for its version (status.refusedBytes; kept
-    while none does): once they dropped a version over the tenant's byte quota, its size keeps it out until
-    the spec (its version) or the quota changes, rather than it being admitted and downloaded again."""
-    if isinstance(x, AdapterSpec) and (size := reported_bytes(x, live)):
-        status["refusedBytes"] = {"version": x.version, "bytes": size}
-    return status
 
 
 def _fallback(pool: PoolSpec | None, x: AdapterSpec | InvalidAdapter) -> AdapterSpec | None:

@@ -182,6 +182,7 @@ def adapter_status(a: AdapterSpec, live: list[WorkerIndex], warm_pods: list[str]
         "warmWorkers": warm_pods,
         "ready": f"{resident}/{target}" if target else f"{registered}/{len(live)}",
         "bytes": size or a.known_bytes,
+        "bytesVersion": a.version if size or a.known_bytes else None,  # whose size `bytes` is
     })
     return status
 

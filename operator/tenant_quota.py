@@ -1,12 +1,14 @@
-"""A pool's tenant quota (spec.tenantQuota) over the adapter specs in force (reconcile.admit)."""
+"""A pool's tenant quota (spec.tenantQuota) over the adapter specs in force (reconcile.admit), and the sizes it
+counts that an adapter's status remembers."""
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
+from typing import Any
 
-from lorafleet.operator.crd_models import AdapterSpec, PoolSpec
-from lorafleet.operator.placement import spec_bytes
+from lorafleet.operator.crd_models import AdapterSpec, InvalidAdapter, PoolSpec
+from lorafleet.operator.placement import reported_bytes, spec_bytes
 from lorafleet.operator.reports import WorkerIndex
 
 
@@ -39,3 +41,21 @@ def over_quota(pool: PoolSpec | None, adapters: list[AdapterSpec], workers: Sequ
                 num_admitted += 1
                 total += size
     return failures
+
+
+def size_settled(pool: PoolSpec | None, a: AdapterSpec, live: list[WorkerIndex]) -> bool:
+    """Whether ``a``, admitted, may become the last valid spec: under a tenant byte quota only once its version's
+    size is known (a worker staged it). Admitted before that (counted as 0), an edit that grew past the quota
+    must still fall back to the spec before it, not find itself as the last valid one."""
+    if pool is None or pool.max_bytes_per_tenant is None or a.last_valid is None or a.last_valid.version == a.version:
+        return True
+    return max(a.known_bytes, reported_bytes(a, live)) > 0
+
+
+def refused_size(x: AdapterSpec | InvalidAdapter, status: dict[str, Any], live: list[WorkerIndex]) -> dict[str, Any]:
+    """The status of a refused spec with the size workers report for its version (status.refusedBytes; kept
+    while none does): once they dropped a version over the tenant's byte quota, its size keeps it out until
+    the spec (its version) or the quota changes, rather than it being admitted and downloaded again."""
+    if isinstance(x, AdapterSpec) and (size := reported_bytes(x, live)):
+        status["refusedBytes"] = {"version": x.version, "bytes": size}
+    return status

@@ -64,7 +64,7 @@ def test_an_edit_that_grows_past_the_quota_stays_refused_after_the_workers_dropp
     st = plan.adapter_statuses["a"]
     edit = parse_adapter(body(version="v2", warm=0, generation=4, status=st))
     plan = reconcile_pool(q, [edit], ws, now=NOW)
-    assert plan.desired["w0"].by_name()["a"].stable.version == "v2"  # 1 MiB, as v1, until staged
+    assert plan.desired["w0"].by_name()["a"].stable.version == "v2"  # its size not known until staged
     report_sizes(ws, plan, {("a", "v2"): 5 * MB})
     plan = reconcile_pool(q, [edit], ws, now=NOW)
     assert plan.desired["w0"].by_name()["a"].stable.version == "v1"
@@ -103,3 +103,57 @@ async def test_a_pass_reading_the_adapter_before_its_refusal_came_back_does_not_
 
 
 KEY = (NS, "main")
+
+
+def _served(plan) -> str | None:
+    desired = plan.desired["w0"].by_name().get("a")
+    return desired.stable.version if desired is not None else None
+
+
+def test_an_edit_that_grows_past_the_quota_falls_back_with_each_status_written_back():
+    """As kopf writes each pass's status (a merge patch) and the next pass reads it: the edit, admitted while its
+    size is unknown, does not become the last valid spec, so once staged over the quota v1 serves again
+    (before, v2 had replaced v1 as the last valid spec, and the adapter was dropped altogether)."""
+    ws, q = workers(1), pool(tenantQuota={"maxBytes": 3 * MB})
+    plan = converge(q, [parse_adapter(body(warm=0))], ws, bytes_of={"a": MB})
+    status = dict(plan.adapter_statuses["a"])
+    assert status["bytesVersion"] == "v1" and status["bytes"] == MB
+
+    def edit():
+        return parse_adapter(body(version="v2", warm=0, generation=4, status=status))
+
+    plan = reconcile_pool(q, [edit()], ws, now=NOW)
+    status |= plan.adapter_statuses["a"]
+    assert _served(plan) == "v2" and '"version":"v1"' in status["lastValidSpec"]  # v2's size unknown yet
+    report_sizes(ws, plan, {("a", "v2"): 5 * MB})
+    for _ in range(2):
+        plan = reconcile_pool(q, [edit()], ws, now=NOW)
+        status |= plan.adapter_statuses["a"]
+        assert _served(plan) == "v1" and status["phase"] == "Failed", status["message"]
+        report_sizes(ws, plan, {("a", "v1"): MB})
+    # An edit that fits becomes the last valid spec once its size is known.
+    fits = parse_adapter(body(version="v3", warm=0, generation=5, status=status))
+    plan = reconcile_pool(q, [fits], ws, now=NOW)
+    report_sizes(ws, plan, {("a", "v3"): 2 * MB})
+    plan = reconcile_pool(q, [fits], ws, now=NOW)
+    assert _served(plan) == "v3" and '"version":"v3"' in plan.adapter_statuses["a"]["lastValidSpec"]
+
+
+def test_a_smaller_version_after_a_quota_refusal_is_counted_at_its_own_size():
+    """v1 (5 MiB) is refused once the quota drops to 3 MiB; the tenant ships v2 at 1 MiB: it is admitted and
+    served (before, status.bytes, v1's size, was counted for v2 for ever)."""
+    ws = workers(1)
+    plan = converge(pool(tenantQuota={"maxBytes": 8 * MB}), [parse_adapter(body(warm=0))], ws, bytes_of={"a": 5 * MB})
+    status = dict(plan.adapter_statuses["a"])
+    small = pool(tenantQuota={"maxBytes": 3 * MB})
+    plan = reconcile_pool(small, [parse_adapter(body(warm=0, status=status))], ws, now=NOW)
+    status |= plan.adapter_statuses["a"]
+    assert _served(plan) is None and status["phase"] == "Failed"
+    report_sizes(ws, plan, {})
+    for _ in range(2):
+        plan = reconcile_pool(small, [parse_adapter(body(version="v2", warm=0, generation=5, status=status))], ws,
+                              now=NOW)
+        status |= plan.adapter_statuses["a"]
+        assert _served(plan) == "v2", status["message"]
+        report_sizes(ws, plan, {("a", "v2"): MB})
+    assert status["bytes"] == MB and status["bytesVersion"] == "v2"
