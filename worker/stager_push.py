@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 from lorafleet.worker.directives import AdapterDirective, DesiredState, ReportedState, VersionRef
 from lorafleet.worker.openai_protocol import APIError
+from lorafleet.worker.push_gate import delivered_here, mark_delivered
 from lorafleet.worker.staged_copy import Staged, has_origin
 from lorafleet.worker.stager_engine import EngineStarting, refused_for_good
 from lorafleet.worker.staging_errors import staging_error
@@ -190,7 +191,8 @@ async def _adopt(stager: Stager) -> str:
     stager.forwarded = state.by_name()
     stager.staged = {(a.name, ref.version): Staged(Path(ref.uri), ref.sha256, Path(ref.uri).parent == stager.cache.root)
                      for a in state.adapters for ref in (a.stable, a.canary) if ref is not None}  # fmt: skip
-    stager.delivered = stager.delivered or stager.engine.generation > 0  # an earlier stager's push reached it
+    # An earlier sidecar's whole push reached it (a generation alone may be a first push's part: still staging)
+    stager.delivered = stager.delivered or (stager.engine.generation > 0 and delivered_here(stager.cache.root))
     return "known"
 
 
@@ -365,6 +367,7 @@ async def _forward_staged(stager: Stager, push: Push) -> bool:
         finally:
             push.pending.clear()
         stager.delivered = True
+        mark_delivered(stager.cache.root)
         return False
 
 

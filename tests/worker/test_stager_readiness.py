@@ -166,14 +166,53 @@ async def test_a_push_that_fails_to_reach_its_engine_is_tried_again_by_the_sidec
 
 async def test_a_stager_restarted_beside_a_serving_engine_is_ready_at_once(aiohttp_server, aiohttp_client, tmp_path,
                                                                            monkeypatch):
-    """Its engine applied an earlier stager's push: the pod it restarts in stays ready, with no push needed."""
+    """Its engine applied an earlier sidecar's whole push (in this pod: the mark in the cache folder names it):
+    the sidecar that restarts beside it is ready at once, with no push needed. A pod whose cache folder is kept
+    on the node (hostPath) is another pod: its sidecar waits for its own push."""
     engine = StartingEngine()
     engine.started.set()
-    engine.pushes.append({"generation": 12, "adapters": []})
     server = await aiohttp_server(engine.app())
+    client, _ = await _sidecar(aiohttp_client, tmp_path, monkeypatch, str(server.make_url("")))
+    resp = await client.put("/v1/directives", data=push(12, adapter("a", "v1")).to_json(), headers=AUTH)
+    assert resp.status == 200 and await _ready(client) == (200, {"status": "ready"})
+    client.app[STAGER].cancel_pushes()  # its container restarts: the engine and the cache folder stay
     client, _ = await _sidecar(aiohttp_client, tmp_path, monkeypatch, str(server.make_url("")))
     assert await _ready(client) == (200, {"status": "ready"})
     assert (await (await client.get("/v1/state", headers=AUTH)).json())["awaiting_push"] is False
+    monkeypatch.setenv("HOSTNAME", "worker-next-pod")
+    client, _ = await _sidecar(aiohttp_client, tmp_path, monkeypatch, str(server.make_url("")))
+    assert (await _ready(client))[0] == 503
+
+
+async def test_a_stager_restarted_while_its_first_push_staged_waits_for_a_whole_push(aiohttp_server, aiohttp_client,
+                                                                                     tmp_path, monkeypatch):
+    """The first push's staged part reached the engine (a generation), b still downloads, and the sidecar restarts:
+    the new one does not take that generation for a delivered push (the pod would enter its Service answering 404
+    for b); it is ready once a push reached the engine whole."""
+    engine = StartingEngine()
+    engine.started.set()
+    server = await aiohttp_server(engine.app())
+    cfg = dataclasses.replace(config(tmp_path), engine_url=str(server.make_url("")), ready_after_push=True)
+    client = await aiohttp_client(create_app(cfg))
+    store = FakeStore(client.app[STAGER], monkeypatch, hold=True)
+    first = push(7, adapter("a", "v1"), adapter("b", "v1"))
+    resp = await client.put("/v1/directives", data=first.to_json(), headers={**AUTH, "Prefer": "respond-async"})
+    assert resp.status == 202
+    await until(lambda: len(store.calls) >= 1)
+    store.calls[0][1].set()  # one is in, the other's download held
+    await until(lambda: bool(engine.pushes) and len(engine.pushes[-1]["adapters"]) == 1)
+    client.app[STAGER].cancel_pushes()  # the sidecar's container restarts
+    for _, release in store.calls:
+        release.set()
+    client = await aiohttp_client(create_app(cfg))
+    FakeStore(client.app[STAGER], monkeypatch)
+    status, body = await _ready(client)
+    assert (status, body["status"]) == (503, "awaiting_push")
+    assert (await (await client.get("/v1/state", headers=AUTH)).json())["awaiting_push"] is True
+    resp = await client.put("/v1/directives", data=push(8, adapter("a", "v1"), adapter("b", "v1")).to_json(),
+                            headers=AUTH)
+    assert resp.status == 200 and len(engine.pushes[-1]["adapters"]) == 2
+    assert await _ready(client) == (200, {"status": "ready"})
 
 
 async def test_readiness_without_a_push_after_the_limit_and_without_the_gate(aiohttp_server, aiohttp_client,
