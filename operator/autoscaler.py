@@ -26,6 +26,7 @@ from typing import Any
 from lorafleet.operator.crd_models import SpecError, _int, deployment_name
 from lorafleet.operator.pinned_need import PinnedNeed
 
+MAX_REPLICAS = 1000  # spec.scaling.maxReplicas at most (the CRD's bound): each pass models that many workers
 FIELD = "spec.scaling"
 URL_RE = re.compile(r"https?://[^\x00-\x20\x7f-\xa0?#]+")  # fullmatch; the CRD's pattern
 
@@ -70,7 +71,7 @@ class ScalingSpec:
                             "may hold a password)")
         if data.get("maxReplicas") is None:
             raise SpecError(f"{FIELD}.maxReplicas: required (the most worker replicas the autoscaler may set)")
-        max_replicas = _int(data["maxReplicas"], f"{FIELD}.maxReplicas", lo=1)
+        max_replicas = _int(data["maxReplicas"], f"{FIELD}.maxReplicas", lo=1, hi=MAX_REPLICAS)
         min_replicas = _int(data.get("minReplicas", 1), f"{FIELD}.minReplicas", lo=0)
         if min_replicas > max_replicas:
             raise SpecError(f"{FIELD}.minReplicas: {min_replicas} must not exceed {FIELD}.maxReplicas "

@@ -37,6 +37,8 @@ def pinned_need(adapters: list[AdapterSpec], workers: list[WorkerIndex], *, defa
     pinned = [a for a in adapters if a.pinned]
     if not pinned:
         return NO_PINNED
+    # No more workers than copies with a count (one each) and one for those on every worker: as many as ever help.
+    max_workers = min(max_workers, 1 + sum(max(1, int(a.warm)) for a in pinned if a.warm != "all"))
     if not workers:
         return None
     # The model workers report no adapter: each spec carries the sizes these workers report.

@@ -40,6 +40,7 @@ def test_parse_all_fields():
     ({**BASE, "prometheusURL": "prometheus:9090"}, "spec.scaling.prometheusURL"),
     ({"target": "w", "prometheusURL": "http://p:9090"}, "spec.scaling.maxReplicas"),
     ({**BASE, "maxReplicas": 0}, "spec.scaling.maxReplicas"),
+    ({**BASE, "maxReplicas": 1001}, "spec.scaling.maxReplicas"),  # each pass models that many workers
     ({**BASE, "maxReplicas": "4"}, "spec.scaling.maxReplicas"),
     ({**BASE, "minReplicas": -1}, "spec.scaling.minReplicas"),
     ({**BASE, "minReplicas": 9}, "spec.scaling.minReplicas"),

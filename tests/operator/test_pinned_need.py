@@ -75,3 +75,22 @@ def test_pins_no_count_of_workers_holds_set_no_floor():
                 scaling={**SCALING, "maxReplicas": 3})
     assert more.num_workers is None and more.held and pinned_floor(ScalingSpec.parse({**SCALING, "maxReplicas": 3}),
                                                                    1, 2, more)[0] == 3
+
+
+def test_the_count_models_no_more_workers_than_copies_can_use(monkeypatch):
+    """At the largest maxReplicas, a pass models no more workers than the pinned copies can take (one each, and
+    one for copies on every worker), and finds the same count (before, each pass placed the copies on a model
+    of maxReplicas workers several times: seconds of the event loop at 100,000)."""
+    from lorafleet.operator import pinned_need
+
+    modelled, place_warm = [], pinned_need.place_warm
+
+    def counting(ads, model, **kwargs):
+        modelled.append(len(model))
+        return place_warm(ads, model, **kwargs)
+
+    monkeypatch.setattr(pinned_need, "place_warm", counting)
+    big = {**SCALING, "maxReplicas": 1000}
+    ads = [adapter("a", pinned=True, warm=2), adapter("b", pinned=True), adapter("c", pinned=True, warm="all")]
+    assert need(ads, workers(3, pool_slots=2), scaling=big) == need(ads, workers(3, pool_slots=2)) == PinnedNeed(3, 3)
+    assert modelled and max(modelled) <= 1 + 2 + 1
