@@ -226,6 +226,18 @@ class CompletionJob:
         body["usage"] = self.usage(sum(len(o.token_ids) for o in final.values()))
         return body
 
+    def stream_chunk(self, tokenizer, i: int, out: RequestOutput, *, first: bool, offsets: TextOffsets,
+                     completion_tokens: int) -> dict[str, Any]:
+        """The SSE chunk of choice `i`'s output `out`, with `usage` where include_usage asks for it (as OpenAI:
+        every chunk has the field, null but the last; vLLM's continuous_usage_stats: the counts so far)."""
+        choice = self.choice(tokenizer, i, out.new_text, out.new_logprobs, out.finish_reason if out.finished else None,
+                             delta=True, first=first, offsets=offsets, prompt_lps=out.prompt_logprobs,
+                             stop_reason=out.stop_reason if out.finished else None)
+        chunk = self.envelope([choice], chunk=True)
+        if self.options.include_usage:
+            chunk["usage"] = self.usage(completion_tokens) if self.options.continuous_usage else None
+        return chunk
+
     def envelope(self, choices: list[dict[str, Any]], *, chunk: bool) -> dict[str, Any]:
         kind = {"completions": "text_completion", "chat": "chat.completion.chunk" if chunk else "chat.completion"}
         return {"id": self.answer_id or self.request_id, "object": kind[self.endpoint], "created": self.created,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import uuid
@@ -262,6 +263,11 @@ async def _collect(request: web.Request, job: CompletionJob, outputs: AsyncItera
     return response
 
 
+def _encoded(build: Callable[[], dict[str, Any]]) -> str:
+    """An SSE event's data: the payload `build` makes, as compact JSON."""
+    return json.dumps(build(), separators=(",", ":"))
+
+
 async def _stream(request: web.Request, job: CompletionJob, outputs: AsyncIterator[tuple[int, RequestOutput]],
                   timer: ChoiceTimer) -> tuple[web.StreamResponse, APIError | None]:
     """The SSE answer, and None, or the APIError that ended it after its headers went (sent in-band as the
@@ -275,7 +281,7 @@ async def _stream(request: web.Request, job: CompletionJob, outputs: AsyncIterat
 
     async def send(payload: dict[str, Any] | str | None) -> None:
         """One event (None: the end of the body), within --stream-write-timeout-s."""
-        data = payload if isinstance(payload, str | None) else json.dumps(payload, separators=(",", ":"))
+        data = payload if isinstance(payload, str | None) else _encoded(lambda: payload)
         limit_s = request.app[CONFIG].stream_write_timeout_s
         write = response.write_eof() if data is None else response.write(f"data: {data}\n\n".encode())
         if not await written_in_time(write, request.transport, limit_s):
@@ -297,19 +303,10 @@ async def _stream(request: web.Request, job: CompletionJob, outputs: AsyncIterat
                 first = i not in started
                 started.add(i)
                 if out.new_text or out.new_token_ids or first or out.finished:
-                    def build(i=i, out=out, first=first, counted=completion_tokens) -> dict[str, Any]:
-                        choice = job.choice(tokenizer, i, out.new_text, out.new_logprobs,
-                                            out.finish_reason if out.finished else None, delta=True, first=first,
-                                            offsets=offsets[i], prompt_lps=out.prompt_logprobs,
-                                            stop_reason=out.stop_reason if out.finished else None)
-                        chunk = job.envelope([choice], chunk=True)
-                        if job.options.include_usage:  # as OpenAI: every chunk has the field, null but the last
-                            # (vLLM's continuous_usage_stats: the counts so far)
-                            chunk["usage"] = job.usage(counted) if job.options.continuous_usage else None
-                        return chunk
-
+                    build = functools.partial(job.stream_chunk, tokenizer, i, out, first=first, offsets=offsets[i],
+                                              completion_tokens=completion_tokens)
                     if first and out.prompt_logprobs and job.options.echo:  # the prompt's logprobs: off the loop
-                        await send(await asyncio.to_thread(lambda: json.dumps(build(), separators=(",", ":"))))
+                        await send(await asyncio.to_thread(_encoded, build))
                     else:
                         await send(build())
         except asyncio.CancelledError:
