@@ -1,7 +1,8 @@
 """One reconcile pass over a pool: gather (indexes + sidecar reports) -> reconcile_pool -> push.
 
 Kopf-free glue between the thin handlers and the pure ``reconcile_pool``; one pass per pool at a
-time (a lock per pool), and the last plan is kept so per-adapter timers do not each redo the pass. A pass
+time (a lock per pool), and the last plan is kept so per-adapter timers do not each redo the pass; the calls
+queued on the lock are answered by one pass that reads the indexes once it runs (``run_reading``). A pass
 waits ``push_wait`` seconds at most for its pushes' answers, and stops waiting once another call needs a pass of
 its own (an edit queued behind it on the pool's lock): a pod slower to answer is answered in the background and
 delays no other pod's directive (push_flights.py); until it answers, it counts as not told.
@@ -34,7 +35,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from lorafleet.operator.crd_models import PoolSpec, SpecError, drain_spec, parse_adapter
 from lorafleet.operator.ownership import first_claim, own_pods, pod_names, pool_claims, released_pods
@@ -59,10 +60,20 @@ QUIET_GRACE_S = 60.0
 PUSH_WAIT_S = 2.0
 
 
+class PassInputs(NamedTuple):
+    """What a pass reads: the pool's bodies (live or deleting), its adapters, the pods it may reach, the
+    namespace's other pools and ReplicaSets."""
+    pools: list[dict[str, Any]]
+    adapters: list[dict[str, Any]]
+    pods: list[dict[str, Any]]
+    other_pools: list[dict[str, Any]]
+    replicasets: list[dict[str, Any]]
+
+
 @dataclass(slots=True)
 class PassResult:
     plan: PoolPlan
-    started: float  # time.monotonic() when its caller had read its inputs (when it called run)
+    started: float  # time.monotonic() when its inputs were read (at the latest)
 
 
 def utc_now() -> str:
@@ -115,9 +126,18 @@ class PoolController:
     async def run(self, key: PoolKey, *, pools: Iterable[dict[str, Any]], adapters: Iterable[dict[str, Any]],
                   pods: Iterable[dict[str, Any]], other_pools: Iterable[dict[str, Any]] = (),
                   replicasets: Iterable[dict[str, Any]] = (), max_age: float = 0.0) -> PoolPlan:
-        """A fresh plan (or the last one when younger than ``max_age`` seconds) for pool ``key``. ``replicasets``:
-        the namespace's (worker_trust.slim_replicaset), which say which pods the other pools may reach."""
-        started = time.monotonic()  # the caller read the inputs it passes before this call
+        """A fresh plan (or the last one when younger than ``max_age`` seconds) for pool ``key`` from inputs read
+        before the call; ``replicasets``: the namespace's (worker_trust.slim_replicaset)."""
+        inputs = PassInputs(list(pools), list(adapters), list(pods), list(other_pools), list(replicasets))
+        return await self.run_reading(key, lambda: inputs, max_age=max_age, live=False)
+
+    async def run_reading(self, key: PoolKey, read: Callable[[], PassInputs], *, max_age: float = 0.0,
+                          live: bool = True) -> PoolPlan:
+        """As ``run``, with the inputs read by ``read()`` once this call holds the pool's lock and needs a pass.
+        ``live``: ``read`` reads the current state (the operator's indexes), so the calls that queued on the
+        lock meanwhile are all answered by that one pass, not one pass each (a thousand adapters deleted at
+        once: a handful of passes, not a thousand)."""
+        started = time.monotonic()  # the caller read its inputs before this (``live``: reads them after)
         passing = self._passing.get(key)
         if passing is not None:  # once its plan will not do for this call, it stops waiting for its pushes'
             # answers, which would hold this call up as long (a timer's call that it serves now: once too old)
@@ -130,14 +150,15 @@ class PoolController:
                 # answer the edit's call with the spec before the edit.
                 if last is not None and (last.started >= started or time.monotonic() - last.started < max_age):
                     return last.plan
+                begun = time.monotonic() if live else started
+                inputs = read()
                 cut = asyncio.Event()
-                self._passing[key] = (started, cut)
+                self._passing[key] = (begun, cut)
                 try:
-                    plan = await self._run(key, list(pools), list(adapters), list(pods), list(other_pools),
-                                           list(replicasets), cut=cut)
+                    plan = await self._run(key, *inputs, cut=cut)
                 finally:
                     del self._passing[key]
-                self._results[key] = PassResult(plan, started)
+                self._results[key] = PassResult(plan, begun)
                 return plan
 
     @contextlib.contextmanager

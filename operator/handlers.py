@@ -37,6 +37,7 @@ import kopf
 
 from lorafleet.operator.controller import (
     QUIET_GRACE_S,
+    PassInputs,
     PoolController,
     merge_conditions,
     status_changes,
@@ -194,20 +195,18 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
 
     async def run_pass(namespace: str, pool: str, indexes: dict[str, kopf.Index], *, max_age: float = 0.0):
         key = (namespace, pool)
-        bodies = indexes["pools_by_name"].get(key, [])
-        # Another pool's adapter being deleted too: it may have moved here from this pool, whose pods hold it.
-        moved = [body for body in indexes["deleting_adapters"].get(namespace, [])
-                 if (body.get("spec") or {}).get("pool", "") != pool]
-        return await controller.run(
-            key,
-            pools=bodies,
-            adapters=[*indexes["adapters_by_pool"].get(key, []), *moved],
-            pods=trust.admit(key, bodies, indexes["worker_pods"].get(namespace, []),
-                             indexes["worker_replicasets"].get(namespace, [])),
-            other_pools=other_pools(namespace, pool, indexes),
-            replicasets=indexes["worker_replicasets"].get(namespace, []),
-            max_age=max_age,
-        )
+
+        def read() -> PassInputs:  # kopf's indexes are live: read once the pass is due, for every call queued
+            bodies = list(indexes["pools_by_name"].get(key, []))
+            # Another pool's adapter being deleted too: it may have moved here from this pool, whose pods hold it.
+            moved = [body for body in indexes["deleting_adapters"].get(namespace, [])
+                     if (body.get("spec") or {}).get("pool", "") != pool]
+            replicasets = list(indexes["worker_replicasets"].get(namespace, []))
+            return PassInputs(bodies, [*indexes["adapters_by_pool"].get(key, []), *moved],
+                              trust.admit(key, bodies, indexes["worker_pods"].get(namespace, []), replicasets),
+                              other_pools(namespace, pool, indexes), replicasets)
+
+        return await controller.run_reading(key, read, max_age=max_age)
 
     # --- LoRAPool --------------------------------------------------------------------------------
 
