@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import socket
 import sys
@@ -25,7 +26,27 @@ ACCESS_KEY = "lorafleet-test"
 SECRET_KEY = "lorafleet-test-secret-key"
 
 
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
+    """A port free on 127.0.0.1 now, below the kernel's ephemeral range where one is known: a server started
+    (or restarted) on it later cannot find it taken by some process's outgoing connection, only by another test's
+    server drawing the same port at random."""
+    pick = random.SystemRandom()
+    low = _ephemeral_low()
+    for _ in range(50 if low > 11000 else 0):
+        port = pick.randrange(10000, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -126,23 +126,33 @@ async def test_what_is_staged_reaches_the_engine_as_soon_as_it_is_up(aiohttp_ser
 
 
 async def test_an_engine_not_listening_yet_is_waited_for(aiohttp_server, aiohttp_client, tmp_path, monkeypatch):
-    """The engine's port refuses connections (its process not listening yet): the push waits for it too."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    client, store = await _sidecar(aiohttp_client, tmp_path, monkeypatch, f"http://127.0.0.1:{port}")
-    resp = await client.put("/v1/directives", data=push(3, adapter("a", "v1")).to_json(),
-                            headers={**AUTH, "Prefer": "respond-async"})
-    assert resp.status == 202
-    await until(lambda: len(store.calls) == 1)
-    await asyncio.sleep(1.2)  # two polls at least, each refused: a failing push would have ended by now
-    assert not client.app[STAGER].delivered and client.app[STAGER].pending
-    engine = StartingEngine()
-    engine.started.set()
-    await aiohttp_server(engine.app(), port=port)
-    await until(lambda: client.app[STAGER].delivered)
-    assert [a["name"] for a in engine.pushes[-1]["adapters"]] == ["a"]
-    assert (await _ready(client))[0] == 200
+    """The engine's port refuses connections (its process not listening yet): the push waits for it too. The port
+    stays bound (not listening: connections are refused) until the engine listens on that very socket, so no
+    other test can take it meanwhile."""
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    runner = None
+    try:
+        client, store = await _sidecar(aiohttp_client, tmp_path, monkeypatch, f"http://127.0.0.1:{port}")
+        resp = await client.put("/v1/directives", data=push(3, adapter("a", "v1")).to_json(),
+                                headers={**AUTH, "Prefer": "respond-async"})
+        assert resp.status == 202
+        await until(lambda: len(store.calls) == 1)
+        await asyncio.sleep(1.2)  # two polls at least, each refused: a failing push would have ended by now
+        assert not client.app[STAGER].delivered and client.app[STAGER].pending
+        engine = StartingEngine()
+        engine.started.set()
+        runner = web.AppRunner(engine.app())
+        await runner.setup()
+        await web.SockSite(runner, probe).start()
+        await until(lambda: client.app[STAGER].delivered)
+        assert [a["name"] for a in engine.pushes[-1]["adapters"]] == ["a"]
+        assert (await _ready(client))[0] == 200
+    finally:
+        if runner is not None:
+            await runner.cleanup()
+        probe.close()
 
 
 async def test_a_push_that_fails_to_reach_its_engine_is_tried_again_by_the_sidecar(aiohttp_server, aiohttp_client,
