@@ -157,6 +157,8 @@ class Sources:
         bounds = self.bounds(folders)
         path = resolve(Path(local_uri_path(uri)))  # follows symlinks: a link out of a root lands outside it
         bounds.check(path, f"{uri}: resolves to {path},")
+        if not str(path).isprintable():  # the path is what is forwarded (a version's uri): that version's failure
+            raise SourceError(f"{uri}: resolves to {str(path)!r}, a path with control characters", "unreadable")
         with _as_source_error(path):
             info = _stat(path)
             if info is None or not stat.S_ISDIR(info.st_mode):

@@ -83,6 +83,17 @@ def test_relative_paths_with_dotdot_are_escapes_not_malformed(roots, uri):
     assert err.value.kind == "bad_uri"
 
 
+def test_a_folder_that_resolves_to_a_path_with_control_characters_is_that_sources_failure(roots):
+    """The resolved path is what is forwarded as the version's uri, which may hold no control character: a
+    tenant's link to such a folder inside its own fails that source, not the whole push of every tenant."""
+    root, _ = roots
+    (root / "v1\nx").mkdir()
+    os.symlink(root / "v1\nx", root / "chat")
+    with pytest.raises(SourceError, match="control characters") as err:
+        Sources(SourcesConfig(local_roots=[str(root)])).local_path(str(root / "chat"))
+    assert err.value.kind == "unreadable"
+
+
 def test_missing_directory(roots):
     root, _ = roots
     with pytest.raises(SourceError, match="no such adapter directory"):
