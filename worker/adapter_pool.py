@@ -375,7 +375,8 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
             self._wait_some(0.005)
 
     def close(self) -> None:
-        self._executor.shutdown(wait=True)
+        """Cancel the loads still queued; a read under way (a hung mount) ends on its own thread, unwaited."""
+        self._executor.shutdown(wait=False)
         if self._copy_executor is not None:
             self._copy_executor.shutdown(wait=True, cancel_futures=True)
 

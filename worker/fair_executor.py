@@ -15,7 +15,9 @@ group with no job running, starts at once on one of `spare_threads` more threads
 one tenant's slow reads never hold another tenant's request, up to `spare_threads` tenants at a time. Jobs on
 spares count apart: the threads' turns (the warm-ups' share, a busy group's next job) go on as without them.
 
-Jobs run on a ThreadPoolExecutor of `num_threads` (+ the spares), never more at once; a queued job's Future may be
+Jobs run on `num_threads` (+ the spares) daemon threads, never more at once (`_DaemonThreads`: a read hung on
+a dead mount holds neither `shutdown` nor the interpreter's exit, as ThreadPoolExecutor's threads, joined at
+exit, would: the worker stops on SIGTERM whatever its loads do); a queued job's Future may be
 cancelled (it is skipped); `shutdown` cancels every job still queued. A thread's `initializer` runs before
 its first job: if it raises, that job fails with its error (ThreadPoolExecutor would break the whole pool).
 A job's Future is completed, or cancelled, outside this executor's lock, on a loader thread or the caller's:
@@ -27,7 +29,8 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
+from queue import SimpleQueue
 from typing import Any
 
 _Queues = dict[str, deque[tuple[Future, Callable[[], Any]]]]
@@ -35,10 +38,56 @@ BACKGROUND_EVERY = 4  # with both lanes queued, one job in this many goes to a w
 _MAX_REMEMBERED = 4096  # groups whose last turn is remembered (the oldest are forgotten: they go first anyway)
 
 
+class _DaemonThreads:
+    """Up to `size` daemon threads, started as jobs come, that run the jobs handed to `submit` in turn."""
+
+    def __init__(self, size: int, name: str) -> None:
+        self._size, self._name = size, name or "loader"
+        self._jobs: SimpleQueue = SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._idle = 0  # threads waiting for a job
+        self._queued = 0  # jobs not taken yet
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the loader threads are shut down")
+            self._jobs.put((fn, args))
+            self._queued += 1
+            if self._queued > self._idle and len(self._threads) < self._size:  # no thread free to take it
+                thread = threading.Thread(target=self._work, name=f"{self._name}_{len(self._threads)}", daemon=True)
+                self._threads.append(thread)
+                thread.start()
+
+    def _work(self) -> None:
+        while True:
+            with self._lock:
+                self._idle += 1
+            job = self._jobs.get()
+            with self._lock:
+                self._idle -= 1
+                self._queued -= job is not None
+            if job is None:
+                return
+            fn, args = job
+            fn(*args)
+
+    def shutdown(self, wait: bool) -> None:
+        with self._lock:
+            self._closed, threads = True, list(self._threads)
+        for _ in threads:
+            self._jobs.put(None)
+        if wait:
+            for thread in threads:
+                thread.join()
+
+
 class FairExecutor:
     def __init__(self, num_threads: int, *, spare_threads: int = 0, thread_name_prefix: str = "",
                  initializer: Callable[..., object] | None = None, initargs: tuple = ()) -> None:
-        self._pool = ThreadPoolExecutor(num_threads + spare_threads, thread_name_prefix=thread_name_prefix)
+        self._pool = _DaemonThreads(num_threads + spare_threads, thread_name_prefix)
         self._init = (initializer, initargs)
         self._ready = threading.local()  # whether this thread's initializer ran
         self._num_threads = num_threads
@@ -121,7 +170,7 @@ class FairExecutor:
                     del self._last_turn[old]
             try:
                 self._pool.submit(self._run, group, spare, future, fn)
-            except RuntimeError as exc:  # the interpreter is exiting (the pool stops only after _closed else)
+            except RuntimeError as exc:  # shut down (only after _closed)
                 refused.append((future, exc))
                 continue
             self._running += 1

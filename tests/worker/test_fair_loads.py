@@ -3,6 +3,8 @@ one tenant's burst of cold loads never queues another tenant's request behind al
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 
@@ -87,6 +89,9 @@ def test_the_executor_runs_at_most_its_threads_and_skips_cancelled_jobs():
     futures = [ex.submit(f"t{i % 3}", lambda i=i: job(i), urgent=i % 2 == 0) for i in range(8)]
     assert ex.queued() == 6
     assert futures[7].cancel()
+    deadline = time.monotonic() + 10
+    while running[0] < 2 and time.monotonic() < deadline:  # both threads take a job (a readiness poll)
+        time.sleep(0.001)
     gate.set()
     results = [f.exception(10) or f.result() if not f.cancelled() else "cancelled" for f in futures]
     assert most[0] == 2 and isinstance(results[3], ValueError)
@@ -258,3 +263,20 @@ def test_a_busy_tenants_next_load_gets_the_thread_by_turns_though_spares_are_bus
         for job in (a0, b0, c0, a1, b1):
             job[0].set()
         ex.shutdown(wait=True)
+
+
+def test_a_load_hung_for_good_holds_neither_shutdown_nor_the_process_exit():
+    """A read hung on a dead mount: the engine's close (shutdown without waiting) returns, and the process
+    exits on its stop (loader threads are daemons, not joined at exit as ThreadPoolExecutor's are)."""
+    code = (
+        "import threading\n"
+        "from lorafleet.worker.fair_executor import FairExecutor\n"
+        "ex = FairExecutor(1, spare_threads=1)\n"
+        "started = threading.Event()\n"
+        "ex.submit('acme', lambda: (started.set(), threading.Event().wait()))\n"
+        "assert started.wait(10)\n"
+        "ex.shutdown(wait=False)\n"
+        "print('closed', flush=True)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout == "closed\n", done.stderr
