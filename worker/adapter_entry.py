@@ -81,6 +81,10 @@ class AdapterEntry:
     failed_waiters: dict = field(default_factory=dict)
     failed_anonymous: bool = False
     failures: int = 0  # loads failed and callers refused so far: a load() waiting tells the ones after its start
+    # The tenant of the request whose acquire starts its read: the loader group it is read in (fair_executor.py),
+    # so that adapters one owner ("default": an --adapters folder, a keys file's patterns) lends to many tenants
+    # are read in turns per asking tenant, not in one queue for all. None: its owner's group.
+    asker: str | None = None
     asked_anonymously: bool = False  # an acquire() without a waiter, or load(), waits for it: refused as a waiter is
 
     @property
@@ -100,7 +104,8 @@ class AdapterSlots(Protocol):
     """The part of the AdapterPool the scheduler uses. `acquire` raises when the adapter cannot be
     loaded (only the sequences waiting for it fail)."""
 
-    def acquire(self, key: str, waiter: object = None, *, count: bool = True) -> int | None: ...
+    def acquire(self, key: str, waiter: object = None, *, count: bool = True,
+                tenant: str | None = None) -> int | None: ...
     def release(self, slot: int) -> None: ...
     def abandon(self, key: str, waiter: object) -> None: ...
     def entry(self, key: str) -> AdapterEntry: ...

@@ -101,7 +101,8 @@ class AdapterLoading:
         entry.fetch_began = began
         # Loader threads go to tenants in turn, to a load a request waits for before a warm-up (fair_executor.py).
         urgent = bool(entry.waiters) or entry.asked_anonymously
-        entry.fetching = future = self._executor.submit(entry.tenant, job, urgent=urgent)
+        group, entry.asker = entry.asker or entry.tenant, None
+        entry.fetching = future = self._executor.submit(group, job, urgent=urgent)
         self._jobs[future] = began
         executor = self._executor
         future.add_done_callback(lambda done: self._job_done(executor, done))

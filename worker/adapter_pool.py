@@ -154,12 +154,12 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
             self._set_tenant(self._get(key), tenant)
 
     # ---- the step loop's verbs -----------------------------------------------------------------
-    def acquire(self, key: str, waiter: object = None, *, count: bool = True) -> int | None:
+    def acquire(self, key: str, waiter: object = None, *, count: bool = True, tenant: str | None = None) -> int | None:
         """Slot of `key` with one more reference, or None while it loads (the load is started here; call
         again next step). `key` is `name@version`, or a bare name resolved to its current version now
         (`slot_key(slot)` tells which). `waiter` (the sequence id) lets a failed load fail exactly the
         requests that waited for it (AdapterLoadError; later ones start a new load). count=False: a
-        request taking it again is not a new GPU hit or miss."""
+        request taking it again is not a new GPU hit or miss. `tenant`: the request's (its read's loader group)."""
         with self._lock:
             self._advance()
             if "@" not in key:
@@ -192,6 +192,7 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
             if first_look:
                 if not entry.on_gpu and entry.fetching is None:  # this request starts the load
                     self._count("hits" if entry.image is not None else "misses", "cpu")
+                    entry.asker = tenant
                 if waiter is not None:
                     entry.waiters.add(waiter)
                 else:

@@ -335,7 +335,7 @@ class Scheduler:
             return False
         if seq.adapter_slot is None:
             # Its GPU hit or miss was counted as it arrived (Engine.add_request), once.
-            seq.adapter_slot = self.adapter_pool.acquire(seq.adapter, seq.seq_id, count=False)
+            seq.adapter_slot = self.adapter_pool.acquire(seq.adapter, seq.seq_id, count=False, tenant=seq.tenant)
             if seq.adapter_slot is not None and not seq.kv_room_checked and self.never_fits and (exc := self.never_fits(seq)):
                 raise exc  # its adapter's size is known now
         return seq.adapter_slot is not None

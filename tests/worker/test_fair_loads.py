@@ -50,6 +50,24 @@ def test_a_tenants_cold_load_waits_for_one_load_of_a_busy_tenant_not_all():
         pool.close()
 
 
+def test_adapters_one_owner_lends_to_many_tenants_are_read_in_turns_per_asking_tenant():
+    """The --adapters folder's adapters (and those a keys file's patterns grant) are all owned by "default":
+    grouped by owner, tenant A's five cold loads queued tenant B's one behind all of them."""
+    keys = {f"a{i}@1": "default" for i in range(5)} | {"b@1": "default"}
+    pool, gate, order = _gated_pool(keys)
+    try:
+        for key in keys:
+            assert pool.acquire(key, waiter=key, tenant="B" if key == "b@1" else "A") is None
+        gate.set()
+        for key in keys:
+            assert _acquire_within(pool, key, key, 10.0) is not None
+        assert order == ["a0@1", "b@1", "a1@1", "a2@1", "a3@1", "a4@1"], order
+        pool.check()
+    finally:
+        gate.set()
+        pool.close()
+
+
 def test_a_request_goes_before_warm_ups_and_a_queued_warm_up_asked_for_moves_up():
     """Warm-ups (prefetch: a directive's warm or pinned versions, a new pool's first push) wait behind the
     loads requests wait for; a warm-up still queued that a request asks for becomes one of those."""

@@ -25,7 +25,7 @@ class FakeAdapterPool:
         self.abandoned: list[tuple[str, object]] = []
         self.broken: set[str] = set()
 
-    def acquire(self, key, waiter=None, *, count=True):
+    def acquire(self, key, waiter=None, *, count=True, tenant=None):
         self.asked.append(key)
         if key in self.broken:
             raise RuntimeError(f"adapter {key}: load failed")
