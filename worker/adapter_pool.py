@@ -252,6 +252,9 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
                     return
                 if waiter in entry.detached:
                     self.reattached(entry, waiter)
+                if not (entry.on_gpu or entry.waiters or entry.detached or entry.asked_anonymously or entry.pinned
+                        or entry.key in self._warm or self._pending.get(entry.name) == entry.key):
+                    self._wanted.pop(entry.key, None)  # its read ends on the CPU: no idle adapter is evicted for it
                 if self._drop_if_unused(entry):  # loaded for that request only, and replaced since
                     self._update_gauges()
                 else:

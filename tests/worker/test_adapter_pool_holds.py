@@ -339,3 +339,24 @@ def test_a_pinned_version_whose_successor_failed_to_load_still_counts_against_th
         pool.check()
     finally:
         pool.close()
+
+
+def test_a_cold_read_whose_only_request_went_away_ends_on_the_cpu_and_evicts_nobody():
+    """The request for cold x left (client gone) while x was read: x stayed wanted and, once read, took the
+    only slot from idle y, another tenant's hot adapter nobody asked to evict."""
+    pool = make_pool(max_slots=1)
+    gate = threading.Event()
+    try:
+        pool.add("y@1", random_weights(2), tenant="globex")
+        pool.load("y@1")
+        pool.add("x@1", loader=lambda: gate.wait(10) and random_weights(1), tenant="acme")
+        assert pool.acquire("x@1", waiter="r") is None
+        pool.abandon("x@1", "r")
+        gate.set()
+        pool.wait_idle()
+        assert pool.entry("x@1").tier() == "cpu" and pool.entry("y@1").tier() == "gpu"
+        assert pool.stats()["evictions"]["gpu"] == {}
+        pool.check()
+    finally:
+        gate.set()
+        pool.close()
