@@ -56,7 +56,7 @@ from lorafleet.worker.peft_config import (
     refuse_embedding_targets,
     refuse_unsupported,
 )
-from lorafleet.worker.peft_patterns import compiled_keys, is_targeted, lora_scale, module_rank_alpha
+from lorafleet.worker.peft_patterns import budgeted, compiled_keys, is_targeted, lora_scale, module_rank_alpha
 from lorafleet.worker.vocab_digest import tokenizer_mismatch
 
 log = logging.getLogger(__name__)
@@ -227,6 +227,7 @@ def _read_tensors(raw: bytes, path: Path, num_layers: int, config: dict) -> tupl
     return pairs, module_names
 
 
+@budgeted
 def load_peft_adapter(
     path: str | Path,
     model_config: Any,

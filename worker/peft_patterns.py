@@ -3,29 +3,78 @@ alpha and scale of each (rank_pattern / alpha_pattern / rsLoRA), as PEFT itself 
 
 The adapter's own patterns (target_modules, exclude_modules, the pattern keys) are matched with the
 `regex` engine under a time limit and without holding the interpreter lock: a pattern that backtracks
-for ever (`(.*.*)*!`) refuses its adapter, where Python's `re` would stall the whole worker."""
+for ever (`(.*.*)*!`) refuses its adapter, where Python's `re` would stall the whole worker. One load's
+matches share a budget too (`pattern_budget`, PATTERN_BUDGET_S): thousands of pattern keys that each stay
+just under the per-match limit, tried against every module, would hold the worker's admin lock (every other
+tenant's push and load) for hours."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 import re
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import regex
 
 from lorafleet.kernels.lora_layout import PROJS
 
 MATCH_SECONDS = 0.2  # one match of an adapter's pattern against a module name (real ones take microseconds)
+PATTERN_BUDGET_S = 5.0  # all the matches of one load (a real config's take milliseconds)
+_budget = threading.local()  # .deadline: time.monotonic() by which this thread's load must be done matching
+
+
+@contextlib.contextmanager
+def pattern_budget(seconds: float | None = None) -> Iterator[None]:
+    """The matches made on this thread inside share `seconds` (PATTERN_BUDGET_S; an enclosing budget stands)."""
+    if getattr(_budget, "deadline", None) is not None:
+        yield
+        return
+    _budget.deadline = time.monotonic() + (PATTERN_BUDGET_S if seconds is None else seconds)
+    try:
+        yield
+    finally:
+        _budget.deadline = None
+
+
+def budgeted(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` run inside one `pattern_budget`."""
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with pattern_budget():
+            return fn(*args, **kwargs)
+    return run
+
+
+def _timeout() -> float:
+    deadline = getattr(_budget, "deadline", None)
+    left = MATCH_SECONDS if deadline is None else min(MATCH_SECONDS, deadline - time.monotonic())
+    if left <= 0:
+        raise _slow(None, "", "")
+    return left
+
+
+def _slow(pattern: str | None, module_name: str, field: str) -> Exception:
+    from lorafleet.worker.peft_config import CONFIG_FILE, AdapterError
+
+    deadline = getattr(_budget, "deadline", None)
+    if pattern is None or (deadline is not None and time.monotonic() >= deadline):
+        return AdapterError(f"matching its patterns (target_modules, exclude_modules, layers_pattern, rank_pattern, "
+                            f"alpha_pattern) against the model's modules takes over {PATTERN_BUDGET_S} s in all; "
+                            f"use fewer or simpler ones in {CONFIG_FILE}")
+    return AdapterError(f"{field}: the regex {pattern!r} takes over {MATCH_SECONDS} s to match the module name "
+                        f"{module_name!r} (it backtracks without end); simplify it in {CONFIG_FILE}")
 
 
 def _find(pattern: str, module_name: str, field: str, *, full: bool) -> regex.Match | None:
     try:
-        return (regex.fullmatch if full else regex.match)(pattern, module_name, timeout=MATCH_SECONDS,
-                                                           concurrent=True)
+        return (regex.fullmatch if full else regex.match)(pattern, module_name, timeout=_timeout(), concurrent=True)
     except TimeoutError:
-        from lorafleet.worker.peft_config import CONFIG_FILE, AdapterError
-
-        raise AdapterError(f"{field}: the regex {pattern!r} takes over {MATCH_SECONDS} s to match the module name "
-                           f"{module_name!r} (it backtracks without end); simplify it in {CONFIG_FILE}") from None
+        raise _slow(pattern, module_name, field) from None
 
 
 def _match(pattern: str, module_name: str, field: str, *, full: bool) -> bool:
@@ -47,14 +96,10 @@ def pattern_key(pattern_keys: list[tuple[str, regex.Pattern]], module_name: str)
     """PEFT's `get_pattern_key`: the first key (of `compiled_keys`) that matches the end of the module name."""
     for key, compiled in pattern_keys:
         try:
-            if compiled.match(module_name, timeout=MATCH_SECONDS, concurrent=True) is not None:
+            if compiled.match(module_name, timeout=_timeout(), concurrent=True) is not None:
                 return key
         except TimeoutError:
-            from lorafleet.worker.peft_config import CONFIG_FILE, AdapterError
-
-            raise AdapterError(f"rank_pattern / alpha_pattern: the regex {key!r} takes over {MATCH_SECONDS} s to "
-                               f"match the module name {module_name!r} (it backtracks without end); simplify it "
-                               f"in {CONFIG_FILE}") from None
+            raise _slow(key, module_name, "rank_pattern / alpha_pattern") from None
     return None
 
 

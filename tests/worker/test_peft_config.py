@@ -155,3 +155,20 @@ def test_a_regex_that_backtracks_without_end_refuses_its_adapter_and_stalls_no_o
         done.set()
         ticker.join()
     assert max(b - a for a, b in zip(ticks, ticks[1:], strict=False)) < 0.15  # never held up for a whole match
+
+
+def test_one_loads_matches_share_a_budget_so_many_slow_keys_cannot_hold_the_worker(tmp_path, monkeypatch):
+    """Thousands of rank_pattern keys, each just under the per-match limit, tried against every module, held the
+    admin lock (every other tenant's push and load) for hours. One load's matches now share PATTERN_BUDGET_S;
+    here a budget of nothing: the load is refused naming the budget, and loads again once it is back."""
+    from lorafleet.worker import peft_patterns
+    from tests.worker.test_peft_adapter import tiny_base
+
+    make_adapter(tmp_path / "x", r=4, lora_alpha=8, target_modules=["q_proj"])
+    config_path = tmp_path / "x" / "adapter_config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "rank_pattern": {"q_proj": 4}}))
+    monkeypatch.setattr(peft_patterns, "PATTERN_BUDGET_S", 0.0)
+    with pytest.raises(AdapterError, match=r"takes over 0.0 s in all"):
+        load_peft_adapter(tmp_path / "x", tiny_base().config.to_dict(), dtype=torch.float32)
+    monkeypatch.setattr(peft_patterns, "PATTERN_BUDGET_S", 5.0)
+    assert load_peft_adapter(tmp_path / "x", tiny_base().config.to_dict(), dtype=torch.float32).ranks == {4}
