@@ -31,41 +31,37 @@ def _gated_pool(keys: dict[str, str], spare: int = 0):
     return pool, gate, order
 
 
-def test_a_tenants_cold_load_waits_for_one_load_of_a_busy_tenant_not_all():
-    """Tenant A asks for five cold adapters at once; tenant B for one just after. With first come, first
-    served loader threads, B's request waited for all five of A's reads."""
-    keys = {f"a{i}@1": "A" for i in range(5)} | {"b@1": "B"}
-    pool, gate, order = _gated_pool(keys)
+def _read_order(owners: dict[str, str], askers: dict[str, str | None]) -> list[str]:
+    """The order in which one loader thread reads `owners`' adapters (key -> owner) asked for at once, in
+    order, by requests of `askers` (key -> the asking tenant)."""
+    pool, gate, order = _gated_pool(owners)
     try:
-        for key in keys:
-            assert pool.acquire(key, waiter=key) is None
+        for key in owners:
+            assert pool.acquire(key, waiter=key, tenant=askers[key]) is None
         gate.set()
-        assert _acquire_within(pool, "b@1", "b@1", 10.0) is not None
-        for key in keys:
+        for key in owners:
             assert _acquire_within(pool, key, key, 10.0) is not None
-        assert order == ["a0@1", "b@1", "a1@1", "a2@1", "a3@1", "a4@1"], order
         pool.check()
+        return order
     finally:
         gate.set()
         pool.close()
+
+
+def test_a_tenants_cold_load_waits_for_one_load_of_a_busy_tenant_not_all():
+    """Tenant A asks for five cold adapters at once; tenant B for one just after. With first come, first
+    served loader threads, B's request waited for all five of A's reads."""
+    owners = {f"a{i}@1": "A" for i in range(5)} | {"b@1": "B"}
+    order = _read_order(owners, dict.fromkeys(owners))  # requests of no known tenant: by owner
+    assert order == ["a0@1", "b@1", "a1@1", "a2@1", "a3@1", "a4@1"], order
 
 
 def test_adapters_one_owner_lends_to_many_tenants_are_read_in_turns_per_asking_tenant():
     """The --adapters folder's adapters (and those a keys file's patterns grant) are all owned by "default":
     grouped by owner, tenant A's five cold loads queued tenant B's one behind all of them."""
-    keys = {f"a{i}@1": "default" for i in range(5)} | {"b@1": "default"}
-    pool, gate, order = _gated_pool(keys)
-    try:
-        for key in keys:
-            assert pool.acquire(key, waiter=key, tenant="B" if key == "b@1" else "A") is None
-        gate.set()
-        for key in keys:
-            assert _acquire_within(pool, key, key, 10.0) is not None
-        assert order == ["a0@1", "b@1", "a1@1", "a2@1", "a3@1", "a4@1"], order
-        pool.check()
-    finally:
-        gate.set()
-        pool.close()
+    owners = {f"a{i}@1": "default" for i in range(5)} | {"b@1": "default"}
+    order = _read_order(owners, {key: key[0].upper() for key in owners})
+    assert order == ["a0@1", "b@1", "a1@1", "a2@1", "a3@1", "a4@1"], order
 
 
 def test_a_request_goes_before_warm_ups_and_a_queued_warm_up_asked_for_moves_up():
