@@ -2,8 +2,9 @@
 
 A thread pool takes its jobs first come, first served: a tenant that asks for fifty cold adapters at once
 (a batch job, a warm-up) would keep every loader thread busy, and a request of another tenant for one cold
-adapter would wait behind all fifty. Here each job belongs to a group (the tenant whose request asked for it; a warm-up's: its adapter's owner) and waits in
-that group's queue; a free thread takes the next job of the group served longest ago (or never), so
+adapter would wait behind all fifty. Here each job belongs to a group (the tenant whose request asked for it;
+a warm-up's: its adapter's owner) and waits in that group's queue; a free thread takes the next job of the
+group served longest ago (or never), so
 another tenant's load waits for at most one job per group ahead of it. Loads a request waits for (urgent) go before warm-ups
 (`promote` moves a queued warm-up ahead once a request asks for it), but every `BACKGROUND_EVERY`th
 job started is a warm-up when one waits: a steady stream of cold loads for requests never keeps a pinned or
