@@ -50,31 +50,32 @@ def budgeted(fn: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
-def _timeout() -> float:
+def _left() -> float:
+    """Seconds left of this thread's budget (no budget: no end)."""
     deadline = getattr(_budget, "deadline", None)
-    left = MATCH_SECONDS if deadline is None else min(MATCH_SECONDS, deadline - time.monotonic())
-    if left <= 0:
-        raise _slow(None, "", "")
-    return left
+    return math.inf if deadline is None else deadline - time.monotonic()
 
 
-def _slow(pattern: str | None, module_name: str, field: str) -> Exception:
+def _timed(match: Callable[[float], regex.Match | None], pattern: str, module_name: str, field: str) -> Any:
+    """`match(timeout)` of the adapter's `pattern` against `module_name`, within MATCH_SECONDS and the budget."""
     from lorafleet.worker.peft_config import CONFIG_FILE, AdapterError
 
-    deadline = getattr(_budget, "deadline", None)
-    if pattern is None or (deadline is not None and time.monotonic() >= deadline):
-        return AdapterError(f"matching its patterns (target_modules, exclude_modules, layers_pattern, rank_pattern, "
-                            f"alpha_pattern) against the model's modules takes over {PATTERN_BUDGET_S} s in all; "
-                            f"use fewer or simpler ones in {CONFIG_FILE}")
-    return AdapterError(f"{field}: the regex {pattern!r} takes over {MATCH_SECONDS} s to match the module name "
-                        f"{module_name!r} (it backtracks without end); simplify it in {CONFIG_FILE}")
+    try:
+        if (left := _left()) > 0:
+            return match(min(MATCH_SECONDS, left))
+    except TimeoutError:
+        if _left() > 0:
+            raise AdapterError(f"{field}: the regex {pattern!r} takes over {MATCH_SECONDS} s to match the module name "
+                               f"{module_name!r} (it backtracks without end); simplify it in {CONFIG_FILE}") from None
+    raise AdapterError(f"matching its patterns (target_modules, exclude_modules, layers_pattern, rank_pattern, "
+                       f"alpha_pattern) against the model's modules takes over {PATTERN_BUDGET_S} s in all; use "
+                       f"fewer or simpler ones in {CONFIG_FILE}")
 
 
 def _find(pattern: str, module_name: str, field: str, *, full: bool) -> regex.Match | None:
-    try:
-        return (regex.fullmatch if full else regex.match)(pattern, module_name, timeout=_timeout(), concurrent=True)
-    except TimeoutError:
-        raise _slow(pattern, module_name, field) from None
+    find = regex.fullmatch if full else regex.match
+    return _timed(lambda timeout: find(pattern, module_name, timeout=timeout, concurrent=True), pattern, module_name,
+                  field)
 
 
 def _match(pattern: str, module_name: str, field: str, *, full: bool) -> bool:
@@ -95,11 +96,9 @@ def compiled_keys(pattern: dict, field: str) -> list[tuple[str, regex.Pattern]]:
 def pattern_key(pattern_keys: list[tuple[str, regex.Pattern]], module_name: str) -> str | None:
     """PEFT's `get_pattern_key`: the first key (of `compiled_keys`) that matches the end of the module name."""
     for key, compiled in pattern_keys:
-        try:
-            if compiled.match(module_name, timeout=_timeout(), concurrent=True) is not None:
-                return key
-        except TimeoutError:
-            raise _slow(key, module_name, "rank_pattern / alpha_pattern") from None
+        if _timed(lambda timeout, c=compiled: c.match(module_name, timeout=timeout, concurrent=True), key,
+                  module_name, "rank_pattern / alpha_pattern") is not None:
+            return key
     return None
 
 
