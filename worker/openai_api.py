@@ -263,9 +263,9 @@ async def _collect(request: web.Request, job: CompletionJob, outputs: AsyncItera
     return response
 
 
-def _encoded(build: Callable[[], dict[str, Any]]) -> str:
-    """An SSE event's data: the payload `build` makes, as compact JSON."""
-    return json.dumps(build(), separators=(",", ":"))
+def _encoded(payload: dict[str, Any]) -> str:
+    """An SSE event's data: `payload` as compact JSON."""
+    return json.dumps(payload, separators=(",", ":"))
 
 
 async def _stream(request: web.Request, job: CompletionJob, outputs: AsyncIterator[tuple[int, RequestOutput]],
@@ -281,7 +281,7 @@ async def _stream(request: web.Request, job: CompletionJob, outputs: AsyncIterat
 
     async def send(payload: dict[str, Any] | str | None) -> None:
         """One event (None: the end of the body), within --stream-write-timeout-s."""
-        data = payload if isinstance(payload, str | None) else _encoded(lambda: payload)
+        data = payload if isinstance(payload, str | None) else _encoded(payload)
         limit_s = request.app[CONFIG].stream_write_timeout_s
         write = response.write_eof() if data is None else response.write(f"data: {data}\n\n".encode())
         if not await written_in_time(write, request.transport, limit_s):
@@ -306,7 +306,7 @@ async def _stream(request: web.Request, job: CompletionJob, outputs: AsyncIterat
                     build = functools.partial(job.stream_chunk, tokenizer, i, out, first=first, offsets=offsets[i],
                                               completion_tokens=completion_tokens)
                     if first and out.prompt_logprobs and job.options.echo:  # the prompt's logprobs: off the loop
-                        await send(await asyncio.to_thread(_encoded, build))
+                        await send(await asyncio.to_thread(lambda b=build: _encoded(b())))
                     else:
                         await send(build())
         except asyncio.CancelledError:
