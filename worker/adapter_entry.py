@@ -70,7 +70,8 @@ class AdapterEntry:
     retired: bool = False
     retire_reason: str = "version"  # version | unregister
     # Requests that ran on it (they have output) and gave it back to free its room (the scheduler's let-go):
-    # they take it again, so it is not retired while any is left; a retirement meanwhile waits (retire_pending).
+    # they take it again, so it is not retired while any is left, nor while a request holds it; a retirement
+    # meanwhile waits (retire_pending: it can still leave the GPU and be read again for them).
     detached: set = field(default_factory=set)
     retire_pending: str | None = None
     load_seconds: float = 0.0  # last disk->CPU load
@@ -86,6 +87,12 @@ class AdapterEntry:
     # are read in turns per asking tenant, not in one queue for all. None: its owner's group.
     asker: str | None = None
     asked_anonymously: bool = False  # an acquire() without a waiter, or load(), waits for it: refused as a waiter is
+
+    @property
+    def replaced(self) -> bool:
+        """Replaced or unregistered: no new request names it, whether it is gone (retired) or still kept for
+        the requests that ran on it (retire_pending)."""
+        return self.retired or self.retire_pending is not None
 
     @property
     def on_gpu(self) -> bool:

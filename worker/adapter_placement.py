@@ -310,9 +310,9 @@ class AdapterPlacement:
         """Replaced/unregistered versions first, then lower priorities first; within a priority cold
         versions before those a directive keeps warm; each group in the configured policy's order (the
         sort is stable)."""
-        retired = [e for e in candidates if e.retired]
+        retired = [e for e in candidates if e.replaced]
         rest = [self._entries[c.key] for c in self.policy.order([self._candidate(e) for e in candidates
-                                                                  if not e.retired])]
+                                                                  if not e.replaced])]
         return retired + sorted(rest, key=lambda e: (e.priority, e.key in self._warm))
 
     def _candidate(self, entry: AdapterEntry, tier: str = "gpu") -> EvictionCandidate:

@@ -216,6 +216,8 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
             entry.last_used = self._tick  # in use until now: as recent as one acquired now (LRU)
             if entry.refcount > 0:
                 return
+            if entry.retire_pending is not None and not entry.detached:
+                self._retire(entry, entry.retire_pending)  # replaced while its last request ran on it
             if self._drop_if_unused(entry):  # a replaced or unregistered version's last request finished
                 self._update_gauges()
             else:
@@ -385,10 +387,6 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
             self._copy_executor.shutdown(wait=True, cancel_futures=True)
 
     # ---- queries -------------------------------------------------------------------------------
-    def entry(self, key: str) -> AdapterEntry:
-        with self._lock:
-            return self._get(key)
-
     def slot_key(self, slot: int) -> str | None:
         entry = self._slot_owner.get(slot)
         return entry.key if entry is not None else None

@@ -42,4 +42,6 @@ def check_adapter_pool(*, page_pool, layout, entries: dict[str, AdapterEntry], s
         assert quota.max_bytes is None or sum(e.gpu_bytes for e in held) <= quota.max_bytes, \
             f"{tenant}: over byte quota"
     for name, key in current.items():
-        assert key in entries and not entries[key].retired, f"{name}: current {key} missing"
+        assert key in entries and not entries[key].replaced, f"{name}: current {key} missing or replaced"
+    for e in entries.values():  # a retirement waits only for requests that hold the version or will take it again
+        assert e.retire_pending is None or e.refcount > 0 or e.detached, f"{e.key}: retirement left pending"

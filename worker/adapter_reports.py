@@ -6,23 +6,31 @@ It reads the pool's state declared in `AdapterPool.__init__`.
 
 from __future__ import annotations
 
-from lorafleet.worker.adapter_entry import AdapterEntry
+from lorafleet.worker.adapter_entry import AdapterEntry, AdapterNotFoundError
 from lorafleet.worker.adapter_pool_check import check_adapter_pool
 
 
 class AdapterReports:
+    def entry(self, key: str) -> AdapterEntry:
+        """`key`'s entry, also a replaced version still kept for the requests that ran on it (retire_pending)."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or entry.retired:
+                raise AdapterNotFoundError(f"adapter {key!r} is not registered")
+            return entry
+
     def describe(self) -> list[dict]:
         """Per adapter version: tier, refcount, uses, bytes, pinned, error (for state reports)."""
         with self._lock:
             out = []
             for e in self._entries.values():
-                if e.retired and e.refcount == 0:
+                if e.replaced and e.refcount == 0:
                     continue  # replaced: held only for queued requests it was loaded for
                 out.append({
                     "key": e.key, "name": e.name, "version": e.version, "tenant": e.tenant,
                     "tier": e.tier(), "refcount": e.refcount, "hits": e.uses,
                     "bytes": e.gpu_bytes if e.on_gpu else (e.image.nbytes if e.image is not None else 0),
-                    "pinned": e.pinned, "current": self._current.get(e.name) == e.key, "retired": e.retired,
+                    "pinned": e.pinned, "current": self._current.get(e.name) == e.key, "retired": e.replaced,
                     "error": str(e.error) if e.error is not None else None,
                 })
             return out
@@ -39,7 +47,7 @@ class AdapterReports:
 
     def registered(self) -> list[str]:
         with self._lock:
-            return [k for k, e in self._entries.items() if not e.retired]
+            return [k for k, e in self._entries.items() if not e.replaced]
 
     def kv_held_pages(self, key: str | None) -> tuple[int, int]:
         """(adapter `key`'s pages, pinned adapters' pages): what the KV cache of a request for `key`
@@ -64,7 +72,7 @@ class AdapterReports:
             cpu = [e for e in self._entries.values() if e.image is not None]
             pages = self.page_pool.stats()
             return {
-                "registered": sum(1 for e in self._entries.values() if not e.retired),
+                "registered": sum(1 for e in self._entries.values() if not e.replaced),
                 # the most adapter bytes and adapters the GPU pool could hold at once (the operator places by them)
                 "capacity_bytes": self.page_pool.most("adapter") * pages["page_bytes"],
                 "slots": self.config.max_slots,

@@ -46,7 +46,7 @@ class AdapterVersions:
                 entry = None
             if entry is not None:
                 if image is not None and entry.digest is not None and image.digest != entry.digest:
-                    if entry.retired:
+                    if entry.replaced:
                         raise ValueError(
                             f"{key} is still in use by requests in flight with the weights it was registered "
                             f"with before; register the new weights as another version, or again once those "
@@ -121,7 +121,7 @@ class AdapterVersions:
             self._advance()  # a finished load of a new version switches here, before anyone resolves
             if "@" in name_or_key:
                 entry = self._entries.get(name_or_key)
-                if entry is None or entry.retired:
+                if entry is None or entry.replaced:
                     raise AdapterNotFoundError(f"adapter {name_or_key!r} is not registered")
                 return name_or_key
             key = self._current.get(name_or_key)
@@ -157,7 +157,7 @@ class AdapterVersions:
     # ---- internals -----------------------------------------------------------------------------
     def _get(self, key: str) -> AdapterEntry:
         entry = self._entries.get(key)
-        if entry is None or entry.retired:
+        if entry is None or entry.replaced:
             raise AdapterNotFoundError(f"adapter {key!r} is not registered")
         return entry
 
@@ -188,13 +188,14 @@ class AdapterVersions:
             self._retire(self._entries[old_key], reason="version")
 
     def _retire(self, entry: AdapterEntry, reason: str = "version") -> None:
-        """No new request resolves to it; requests that hold it (or wait for its copy) still get it, and
-        it is dropped as soon as none does (`_drop_if_unused`: here, on release, on abandon). While requests
-        that gave it back to take it again later are left (`detached`), it only stops being pinned or warm,
-        and retires once the last of them takes it or goes (`reattached`)."""
+        """No new request resolves to it; requests that wait for its copy still get it, and it is dropped as
+        soon as none does (`_drop_if_unused`: here, on release, on abandon). While requests hold it or gave it
+        back to take it again later (`detached`: a running request the scheduler lets go of), it only stops
+        being pinned or warm: it can leave the GPU and be read again for them, and retires once the last of
+        them finishes on it or goes (`release`, `reattached`)."""
         entry.pinned = False  # pinning holds the version being served: a retired one goes once unused
         self._warm.pop(entry.key, None)  # ...and is never brought back to the GPU (adapter_warmth.py)
-        if entry.detached:
+        if entry.detached or entry.refcount > 0:
             entry.retire_pending = reason
             return
         entry.retired, entry.retire_reason, entry.retire_pending = True, reason, None

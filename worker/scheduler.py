@@ -244,16 +244,7 @@ class Scheduler:
         for seq in skipped:
             self._skipped_steps[seq.seq_id] = self._skipped_steps.get(seq.seq_id, 0) + 1
         if stuck is not None:
-            # Those that keep a replaced version's slot (it cannot be let go) go ahead of `stuck`: they
-            # finish on it and free its pages, where waiting behind `stuck` nothing would ever free them.
-            for seq in self._let_go_of_adapters(but=stuck):
-                if len(self.running) >= self.max_num_seqs:
-                    break
-                num_new = self._num_new_tokens(seq, budget)
-                whole = seq.num_uncomputed_tokens if seq.seq_id in self._short_alone else num_new
-                if num_new and self._allocate(seq, whole):
-                    self._start(seq, batch, num_new, loras)
-                    budget -= num_new
+            self._let_go_of_adapters(but=stuck)
 
     def _start(self, seq: Sequence, batch: ScheduledBatch, num_new: int, loras: set[str]) -> None:
         self.waiting.remove(seq)
@@ -363,25 +354,21 @@ class Scheduler:
         self.fail([seq], never or CapacityError(message))
         return True
 
-    def _let_go_of_adapters(self, *, but: Sequence) -> list[Sequence]:
+    def _let_go_of_adapters(self, *, but: Sequence) -> None:
         """Nothing runs and `but` cannot get pages or a slot: the other queued sequences give back the adapters
         they hold or wait for, so that idle ones give their room away (one a queued request holds or was loaded
-        for is never evicted); each takes it again when admitted (one with output detached: its version stays).
-        A replaced version is kept, as it could not be taken again: those holding one are returned."""
-        kept = []
+        for is never evicted); each takes it again when admitted. Its version stays registered for it meanwhile
+        (detached), also one a push replaced: it may leave the GPU and is read again when the sequence is back."""
         for seq in list(self.waiting):
             if seq is but or seq.adapter is None or self.adapter_pool is None:
                 continue
             if self.adapter_state is not None and self.adapter_state(seq.adapter) != "gpu":
-                if seq.adapter_slot is not None:
-                    kept.append(seq)
-                continue
+                continue  # nothing of it on the GPU to give back
             # It keeps its version (AdapterPool.hold, as a queued request does): a push may not drop it meanwhile.
             if seq.adapter_slot is None:
                 self.adapter_pool.abandon(seq.adapter, seq.seq_id, detach=True)
             else:
                 self._release_adapter(seq, detach=True)
-        return kept
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         # Recompute later: drop the cache, keep the tokens (prompt + output so far) and the adapter.

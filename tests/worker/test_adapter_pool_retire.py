@@ -118,3 +118,37 @@ def test_registering_a_version_still_in_use_again(pool):
     pool.release(slot)
     assert pool.entry("sql@v1").resident  # registered again: kept like any idle adapter
     pool.check()
+
+
+def test_a_replaced_version_given_back_to_be_taken_again_can_leave_the_gpu_and_is_read_again():
+    """A request runs on x@1 when x@2 replaces it, then gives x@1 back to take it again (detached). x@1 is no
+    longer named by anyone else, may leave the GPU for others, and is read again for that request alone; it
+    goes when the request finishes on it."""
+    pool = make_pool(max_slots=2)
+    try:
+        w1 = random_weights(1, name="x", version="1")
+        pool.add("x@1", w1)
+        pool.load("x@1")
+        slot = pool.acquire("x@1", "r")
+        pool.add("x@2", random_weights(2, name="x", version="2"))
+        pool.load("x@2")
+        assert pool.resolve("x") == "x@2" and pool.registered() == ["x@2"]
+        with pytest.raises(AdapterNotFoundError):
+            pool.resolve("x@1")
+        pool.release(slot, detach="r")
+        pool.add("y@1", random_weights(3))
+        pool.load("y@1")  # two slots: the replaced version makes room
+        assert not pool.entry("x@1").on_gpu and pool.registered() == ["x@2", "y@1"]
+        assert [d["key"] for d in pool.describe()] == ["x@2", "y@1"]
+        pool.release(pool.acquire("y@1"))
+        assert pool.acquire("x@1", "r") is None  # read again, for the request that ran on it
+        pool.wait_idle()
+        slot = pool.acquire("x@1", "r")
+        assert slot is not None and pool.slot_key(slot) == "x@1"
+        a, b, _ = dense_from_layout(pool, slot, 0, "q_proj")
+        assert torch.equal(a, w1.modules[(0, "q_proj")].a) and torch.equal(b, w1.modules[(0, "q_proj")].b)
+        pool.release(slot)  # it finished on it: gone
+        assert "x@1" not in pool._entries and pool.slot_key(slot) is None
+        pool.check()
+    finally:
+        pool.close()

@@ -120,8 +120,8 @@ def test_requests_queued_behind_the_seats_finish_on_the_version_they_resolved_th
 
 def test_a_replaced_version_goes_once_the_requests_before_the_push_are_done_and_let_go_keeps_the_hold(tiny_llama_dir):
     """A queued request keeps its version when the scheduler makes it give its adapter back (nothing runs, another
-    is stuck), so a push then fails it no more than one still holding it; and requests naming the replaced
-    version after the push (x@1) do not keep it alive: once those before the push are done it is gone."""
+    is stuck), so a push then fails it no more than one still holding it; and a request naming the replaced
+    version after the push (x@1) is refused at once: only those before the push keep it, and then it is gone."""
     from lorafleet.worker.sequence import Sequence
 
     engine = Engine(EngineConfig(model=str(tiny_llama_dir), device="cpu", dtype="float32", num_pages=64,
@@ -136,17 +136,75 @@ def test_a_replaced_version_goes_once_the_requests_before_the_push_are_done_and_
         engine.scheduler._let_go_of_adapters(but=Sequence("stuck", [1], SamplingParams()))
         pool.add("x@2", random_weights(2, rank=4, projs=PROJS, name="x", version="2"))
         pool.load("x@2")
-        engine.add_request("late", [1, 2, 5], params, adapter="x@1")  # named after the push: keeps nothing
+        with pytest.raises(UnknownAdapterError):
+            engine.add_request("late", [1, 2, 5], params, adapter="x@1")  # named after the push
         outs = []
         while engine.has_unfinished():
             outs += [o for o in engine.step() if o.finished]
             pool.wait_idle()
         assert sorted((o.request_id, o.finish_reason, o.adapter) for o in outs) == [
-            ("late", "error", "x@1"), ("r0", "length", "x@1"), ("r1", "length", "x@1")]  # late: behind the seat, gone
-        assert isinstance(next(o for o in outs if o.request_id == "late").exception, UnknownAdapterError)
-        assert engine.adapters() == ["x@2"]
+            ("r0", "length", "x@1"), ("r1", "length", "x@1")]
+        assert engine.adapters() == ["x@2"] and [e.key for e in pool._entries.values()] == ["x@2"]
         with pytest.raises(UnknownAdapterError):
             engine.add_request("later", [1, 2, 6], params, adapter="x@1")
         pool.check()
+    finally:
+        engine.close()
+
+
+def _generate(engine: Engine, requests: dict[str, tuple[list[int], str]], params: SamplingParams,
+              on_step=lambda: None) -> dict[str, tuple[str, list[int]]]:
+    for rid, (prompt, adapter) in requests.items():
+        engine.add_request(rid, prompt, params, adapter=adapter, tenant=rid)
+    outs = {}
+    for _ in range(5000):
+        outs.update((o.request_id, (o.finish_reason, list(o.token_ids))) for o in engine.step() if o.finished)
+        on_step()
+        if not engine.has_unfinished():
+            return outs
+    raise AssertionError(f"not done: {engine.requests}")
+
+
+def test_a_running_request_whose_version_a_push_replaced_finishes_on_it_though_let_go_of(tiny_llama_dir):
+    """Requests already generating on x@1 and y@1 when x@2 and y@2 replace them keep their versions. With a
+    pool too small for both, one is preempted and then made to give its adapter back while the other is stuck
+    (the scheduler's let-go): its replaced version may leave the GPU but stays registered for it alone, and it
+    finishes on it with the tokens it gets undisturbed (it failed mid-stream, "not registered")."""
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    requests = {"P1": (list(range(10, 20)), "x"), "P2": (list(range(30, 40)), "y")}
+    weights = {name: random_weights(seed, rank=4, projs=PROJS, name=name, version="1")
+               for name, seed in (("x", 1), ("y", 2))}
+    alone = _engine(tiny_llama_dir)
+    try:
+        for name, w in weights.items():
+            alone.adapter_pool.add(f"{name}@1", w)
+        expected = {rid: _generate(alone, {rid: req}, params)[rid] for rid, req in requests.items()}
+    finally:
+        alone.close()
+    engine = Engine(EngineConfig(model=str(tiny_llama_dir), device="cpu", dtype="float32", num_pages=18,
+                                 block_size=4, max_num_seqs=4, max_num_batched_tokens=64))
+    pushed, let_go = set(), set()
+
+    def push_once_generating():
+        for rid, (_, name) in requests.items():
+            seq = engine.requests.get(rid)
+            if seq is None or not seq.output_token_ids:
+                continue
+            if name not in pushed and seq.adapter_slot is not None:
+                engine.adapter_pool.add(f"{name}@2", random_weights(99, rank=4, projs=PROJS, name=name, version="2"))
+                engine.adapter_pool.make_current(f"{name}@2")
+                pushed.add(name)
+            elif name in pushed and seq.adapter_slot is None:
+                let_go.add(rid)  # it gave its replaced version back with output streamed
+                assert engine.adapters() == sorted(f"{n}@2" for n in pushed)  # ...which no new request names
+
+    try:
+        for name, w in weights.items():
+            engine.adapter_pool.add(f"{name}@1", w)
+        outs = _generate(engine, requests, params, on_step=push_once_generating)
+        assert pushed == {"x", "y"} and let_go, "the pool was meant to make one request give its version back"
+        assert outs == expected
+        assert sorted(e.key for e in engine.adapter_pool._entries.values()) == ["x@2", "y@2"]
+        engine.adapter_pool.check()
     finally:
         engine.close()
