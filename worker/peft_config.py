@@ -21,7 +21,13 @@ from lorafleet.worker.file_limits import (
     FileLimitError,
     read_limited,
 )
-from lorafleet.worker.peft_patterns import MAX_PATTERN_KEYS, is_targeted, layer_regex
+from lorafleet.worker.peft_patterns import (
+    MAX_PATTERN_CHARS,
+    MAX_PATTERN_KEYS,
+    check_budget,
+    is_targeted,
+    layer_regex,
+)
 
 PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
@@ -140,8 +146,12 @@ def _refuse_malformed(config: dict, where: Path) -> None:
 
 def _compile(field: str, pattern: str, where: Path, *, shown: str | None = None) -> None:
     shown = pattern if shown is None else shown
+    if len(shown) > MAX_PATTERN_CHARS:
+        raise AdapterError(f"{where}: {field} {shown[:60]!r}... is {len(shown)} characters, over the "
+                           f"{MAX_PATTERN_CHARS} a pattern may have; use a shorter one in {CONFIG_FILE}")
+    check_budget()  # a load's compiles share the budget of its matches (under the admin lock)
     try:
-        re.compile(pattern)
+        re.compile(pattern)  # what PEFT matches it with: a pattern PEFT refuses is refused here
         regex.compile(pattern)  # what worker/peft_patterns.py matches it with
     except (re.error, regex.error, RecursionError, OverflowError) as exc:
         raise AdapterError(f"{where}: {field} {shown!r} is not a valid regex ({exc}); "

@@ -6,7 +6,8 @@ The adapter's own patterns (target_modules, exclude_modules, the pattern keys) a
 for ever (`(.*.*)*!`) refuses its adapter, where Python's `re` would stall the whole worker. One load's
 matches share a budget too (`pattern_budget`, PATTERN_BUDGET_S): thousands of pattern keys that each stay
 just under the per-match limit, tried against every module, would hold the worker's admin lock (every other
-tenant's push and load) for hours."""
+tenant's push and load) for hours; their compiles count against it as well, and one pattern is at most
+MAX_PATTERN_CHARS long (Python's `re`, which PEFT compiles with, is slow to compile some patterns)."""
 
 from __future__ import annotations
 
@@ -56,20 +57,34 @@ def _left() -> float:
     return math.inf if deadline is None else deadline - time.monotonic()
 
 
+def check_budget() -> None:
+    """Refuse the adapter once its load's budget is spent (compiles count too: PEFT's `re` takes about 0.3 s a
+    kilobyte for a case-insensitive class over most of Unicode)."""
+    if _left() <= 0:
+        raise _over_budget()
+
+
+def _over_budget() -> Exception:
+    from lorafleet.worker.peft_config import CONFIG_FILE, AdapterError
+
+    return AdapterError(f"compiling and matching its patterns (target_modules, exclude_modules, layers_pattern, "
+                        f"rank_pattern, alpha_pattern) against the model's modules takes over {PATTERN_BUDGET_S} s in "
+                        f"all; use fewer or simpler ones in {CONFIG_FILE}")
+
+
 def _timed(match: Callable[[float], regex.Match | None], pattern: str, module_name: str, field: str) -> Any:
     """`match(timeout)` of the adapter's `pattern` against `module_name`, within MATCH_SECONDS and the budget."""
     from lorafleet.worker.peft_config import CONFIG_FILE, AdapterError
 
+    check_budget()
+    timeout = min(MATCH_SECONDS, _left())
     try:
-        if (left := _left()) > 0:
-            return match(min(MATCH_SECONDS, left))
+        return match(max(0.0, timeout))
     except TimeoutError:
-        if _left() > 0:
-            raise AdapterError(f"{field}: the regex {pattern!r} takes over {MATCH_SECONDS} s to match the module name "
-                               f"{module_name!r} (it backtracks without end); simplify it in {CONFIG_FILE}") from None
-    raise AdapterError(f"matching its patterns (target_modules, exclude_modules, layers_pattern, rank_pattern, "
-                       f"alpha_pattern) against the model's modules takes over {PATTERN_BUDGET_S} s in all; use "
-                       f"fewer or simpler ones in {CONFIG_FILE}")
+        if timeout < MATCH_SECONDS:  # it ran into the load's budget, not its own limit
+            raise _over_budget() from None
+        raise AdapterError(f"{field}: the regex {pattern!r} takes over {MATCH_SECONDS} s to match the module name "
+                           f"{module_name!r} (it backtracks without end); simplify it in {CONFIG_FILE}") from None
 
 
 def _find(pattern: str, module_name: str, field: str, *, full: bool) -> regex.Match | None:
@@ -83,6 +98,7 @@ def _match(pattern: str, module_name: str, field: str, *, full: bool) -> bool:
 
 
 MAX_PATTERN_KEYS = 4096  # of rank_pattern or alpha_pattern (one per module of a 70B model is 560)
+MAX_PATTERN_CHARS = 8192  # of one pattern: every module of an 8B model spelled out in one regex is about as long
 
 
 def compiled_keys(pattern: dict, field: str) -> list[tuple[str, regex.Pattern]]:
@@ -90,7 +106,11 @@ def compiled_keys(pattern: dict, field: str) -> list[tuple[str, regex.Pattern]]:
     MAX_PATTERN_KEYS valid regexes) with its end-of-name regex, compiled once for a load: the regex module's
     own cache holds 500, so a larger dict was compiled again for every module, with the interpreter lock
     held."""
-    return [(key, regex.compile(rf"(.*\.)?({key})$")) for key in pattern]
+    compiled = []
+    for key in pattern:
+        check_budget()
+        compiled.append((key, regex.compile(rf"(.*\.)?({key})$")))
+    return compiled
 
 
 def pattern_key(pattern_keys: list[tuple[str, regex.Pattern]], module_name: str) -> str | None:

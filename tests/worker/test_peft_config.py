@@ -4,6 +4,7 @@ it, never a TypeError or a regex error from deep inside PEFT's matching rules.""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -172,3 +173,40 @@ def test_one_loads_matches_share_a_budget_so_many_slow_keys_cannot_hold_the_work
         load_peft_adapter(tmp_path / "x", tiny_base().config.to_dict(), dtype=torch.float32)
     monkeypatch.setattr(peft_patterns, "PATTERN_BUDGET_S", 5.0)
     assert load_peft_adapter(tmp_path / "x", tiny_base().config.to_dict(), dtype=torch.float32).ranks == {4}
+
+
+def test_a_pattern_slow_to_compile_is_refused_by_its_length_or_the_loads_budget(tmp_path, monkeypatch):
+    """Python's `re` (what PEFT compiles with, so checked too) takes about 0.3 s a kilobyte to compile a
+    case-insensitive class over most of Unicode: a 20 KB target_modules held the admin lock for some 15 s, and
+    thousands of such rank_pattern keys for hours. A pattern past MAX_PATTERN_CHARS is refused naming the limit,
+    and one load's compiles count against the same budget as its matches."""
+    from lorafleet.worker import peft_patterns
+    from lorafleet.worker.peft_config import MAX_PATTERN_CHARS
+    from tests.worker.test_peft_adapter import tiny_base
+
+    slow = "(?i:" + "[\u00c0-\uffff]" * 8 + ")"  # valid, matches no module: compiled, never the cause of a refusal
+    make_adapter(tmp_path / "x", r=4, lora_alpha=8, target_modules=["q_proj"])
+    config_path = tmp_path / "x" / "adapter_config.json"
+    config = json.loads(config_path.read_text())
+
+    def load(**changes):
+        config_path.write_text(json.dumps({**config, **changes}))
+        return load_peft_adapter(tmp_path / "x", tiny_base().config.to_dict(), dtype=torch.float32)
+
+    long = slow * (MAX_PATTERN_CHARS // len(slow) + 1) + "|.*q_proj"
+    for field, changes in (("target_modules", {"target_modules": long}),
+                           ("exclude_modules", {"exclude_modules": long}),
+                           ("rank_pattern", {"rank_pattern": {long: 4}}),
+                           ("layers_pattern", {"layers_pattern": [long]})):
+        with pytest.raises(AdapterError, match=rf"{field} .*{len(long)} characters, over the {MAX_PATTERN_CHARS}"):
+            load(**changes)
+    keys = {f"{slow}(?#{i})": 4 for i in range(200)}
+    compiled = []
+    monkeypatch.setattr(peft_patterns, "PATTERN_BUDGET_S", 0.05)
+    real = re.compile
+    monkeypatch.setattr(re, "compile", lambda p, *a: compiled.append(p) or real(p, *a))
+    with pytest.raises(AdapterError, match=r"compiling and matching its patterns .*takes over 0.05 s in all"):
+        load(rank_pattern=keys)
+    assert 0 < len(compiled) < len(keys)  # it stopped once the budget was spent
+    monkeypatch.setattr(peft_patterns, "PATTERN_BUDGET_S", 5.0)
+    assert load(rank_pattern={slow: 8, "q_proj": 4}).ranks == {4}
