@@ -41,7 +41,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import safetensors.torch
 import torch
 
 from lorafleet.kernels.lora_layout import PROJS
@@ -57,6 +56,7 @@ from lorafleet.worker.peft_config import (
     refuse_unsupported,
 )
 from lorafleet.worker.peft_patterns import budgeted, compiled_keys, is_targeted, lora_scale, module_rank_alpha
+from lorafleet.worker.safetensors_bytes import SafetensorsError, load_tensors
 from lorafleet.worker.vocab_digest import tokenizer_mismatch
 
 log = logging.getLogger(__name__)
@@ -191,9 +191,9 @@ def _read_tensors(raw: bytes, path: Path, num_layers: int, config: dict) -> tupl
                            f"{MAX_HEADER_BYTES} a LoRA's tensors need (a 70B model's every projection: about "
                            f"200 KB); refused before parsing it")
     try:
-        tensors = safetensors.torch.load(raw)
-    except Exception as exc:  # a truncated or foreign file
-        raise AdapterError(f"{path / WEIGHTS_FILE}: cannot read safetensors ({exc})") from exc
+        tensors = load_tensors(raw)  # copied out by torch, without holding the interpreter lock
+    except SafetensorsError as exc:  # a truncated or foreign file
+        raise AdapterError(f"{path / WEIGHTS_FILE}: cannot read safetensors ({exc})") from None
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     module_names: dict[tuple[int, str], str] = {}
     key_of: dict[tuple[int, str, str], str] = {}

@@ -1,0 +1,117 @@
+"""worker/safetensors_bytes.py against the safetensors library itself: the same tensors from every valid file,
+a refusal of every file the library refuses, and no stall of other threads while it copies."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+
+import pytest
+import safetensors
+import safetensors.torch
+import torch
+
+from lorafleet.worker.safetensors_bytes import DTYPES, SafetensorsError, load_tensors
+
+
+def _sample() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    out = {f"t_{name}": torch.randn(3, 5, generator=g).mul(7).to(dtype) for name, dtype in DTYPES.items()}
+    out["scalar"] = torch.tensor(2.5)
+    out["empty"] = torch.zeros(0, 4, dtype=torch.bfloat16)
+    out["odd"] = torch.arange(7, dtype=torch.int8)  # leaves the next tensor's data at an odd byte
+    out["after_odd"] = torch.randn(2, 3, generator=g, dtype=torch.float32)
+    return out
+
+
+def _split(raw: bytes) -> tuple[dict, bytes]:
+    size = int.from_bytes(raw[:8], "little")
+    return json.loads(raw[8:8 + size]), raw[8 + size:]
+
+
+def _join(header: dict | bytes, data: bytes) -> bytes:
+    text = header if isinstance(header, bytes) else json.dumps(header).encode()
+    return len(text).to_bytes(8, "little") + text + data
+
+
+def test_valid_files_give_the_librarys_tensors_owning_their_memory():
+    raw = safetensors.torch.save(_sample(), metadata={"format": "pt"})
+    ours, theirs = load_tensors(raw), safetensors.torch.load(raw)
+    assert ours.keys() == theirs.keys()
+    for name, tensor in theirs.items():
+        assert ours[name].dtype == tensor.dtype and ours[name].shape == tensor.shape, name
+        mine, bytes_of = ours[name].reshape(-1), tensor.reshape(-1).view(torch.uint8)
+        assert torch.equal(mine.view(torch.uint8), bytes_of), name  # bit for bit (NaNs too)
+        mine.view(torch.uint8).fill_(1)  # writable: its own memory, not the file's bytes
+    assert _split(raw)[1] == _split(safetensors.torch.save(theirs, metadata={"format": "pt"}))[1]
+
+
+def _corruptions(raw: bytes):
+    header, data = _split(raw)
+    names = [n for n in header if n != "__metadata__"]
+    rng = random.Random(1)
+    yield "empty", b""
+    yield "short", raw[:5]
+    yield "truncated data", raw[:-3]
+    yield "trailing data", raw + b"\0" * 4
+    yield "header past the end", (len(raw)).to_bytes(8, "little") + raw[8:]
+    yield "not json", _join(b"{nope", data)
+    yield "not utf-8", _join(b'{"\xff": 1}', data)
+    yield "a list", _join(b"[]", data)
+    yield "metadata not strings", _join({**header, "__metadata__": {"a": 1}}, data)
+    for name in rng.sample(names, 6):
+        info = header[name]
+        begin, end = info["data_offsets"]
+        yield f"{name} unknown dtype", _join({**header, name: {**info, "dtype": "F7"}}, data)
+        yield f"{name} bool shape", _join({**header, name: {**info, "shape": [True] * len(info["shape"])}}, data)
+        yield f"{name} negative shape", _join({**header, name: {**info, "shape": [-1, *info["shape"]]}}, data)
+        yield f"{name} bigger shape", _join({**header, name: {**info, "shape": [2, *info["shape"]]}}, data)
+        yield f"{name} reversed", _join({**header, name: {**info, "data_offsets": [end, begin]}}, data)
+        yield f"{name} shifted", _join({**header, name: {**info, "data_offsets": [begin + 1, end + 1]}}, data)
+        yield f"{name} no offsets", _join({**header, name: {k: v for k, v in info.items() if k != "data_offsets"}},
+                                          data)
+        yield f"{name} dropped", _join({k: v for k, v in header.items() if k != name}, data)
+        yield f"{name} entry not an object", _join({**header, name: 3}, data)
+    first, second = sorted(names, key=lambda n: header[n]["data_offsets"])[1:3]
+    swapped = {**header, first: {**header[first], "data_offsets": header[second]["data_offsets"]}}
+    yield "two tensors on one span", _join(swapped, data)
+
+
+CORRUPT = dict(_corruptions(safetensors.torch.save(_sample())))
+
+
+@pytest.mark.parametrize("label", CORRUPT)
+def test_a_file_the_library_refuses_is_refused(label):
+    raw = CORRUPT[label]
+    with pytest.raises(Exception):  # noqa: B017 - the library raises SafetensorError, ValueError, ...
+        safetensors.torch.load(raw)  # each case does break the format
+    with pytest.raises(SafetensorsError):
+        load_tensors(raw)
+
+
+def test_other_threads_run_while_a_large_file_is_copied_out():
+    """A 256 MiB file in 32 tensors: a thread ticking every millisecond is never held up for the whole load
+    (safetensors.torch.load holds the interpreter lock over all of it)."""
+    raw = safetensors.torch.save({f"w{i}": torch.full((1024, 2048), float(i)) for i in range(32)})
+    ticks, done = [], threading.Event()
+
+    def tick():
+        while not done.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(0.001)
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    try:
+        time.sleep(0.01)
+        started = time.perf_counter()
+        tensors = load_tensors(raw)
+        took = time.perf_counter() - started
+    finally:
+        done.set()
+        ticker.join()
+    assert float(tensors["w31"][0, 0]) == 31.0
+    during = [b - a for a, b in zip(ticks, ticks[1:], strict=False) if b > started and a < started + took]
+    assert len(during) > 1 and max(during) < took  # the ticker kept running during the load
