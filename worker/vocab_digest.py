@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -32,15 +34,50 @@ class _Malformed(TypeError):
     """A malformation this module describes itself, in words that quote nothing of the file."""
 
 
-def _parse(file: Path, interpret: Callable[[Any], T], max_bytes: int | None) -> T:
-    """`interpret(json of file)`; any malformation becomes a TokenizerFileError naming the file. A file
-    over `max_bytes` (None: no limit) or not a regular file raises FileLimitError, unread."""
+_KNOWN: OrderedDict[tuple[str, bytes], Any] = OrderedDict()  # (what, sha256 of a file) -> what it gave
+_KNOWN_LOCK = threading.Lock()
+KNOWN_FILES = 64
+
+
+def _once_per_content(what: str, content: bytes, compute: Callable[[], T]) -> T:
+    """`compute()`, once for each content of a tokenizer.json (the last KNOWN_FILES kept). Adapters mostly ship
+    their base's very file, parsed here once, for the base, instead of at every load with the interpreter lock
+    held (0.1 s for a 2 MB file, stalling every other tenant's streams; Llama-3's is 9 MB). Hashing lets go of
+    the lock. Failures are not kept: each load of a bad file reports it."""
+    key = (what, hashlib.sha256(content).digest())
+    with _KNOWN_LOCK:
+        if key in _KNOWN:
+            _KNOWN.move_to_end(key)
+            return _KNOWN[key]
+    value = compute()
+    with _KNOWN_LOCK:
+        _KNOWN[key] = value
+        while len(_KNOWN) > KNOWN_FILES:
+            _KNOWN.popitem(last=False)
+    return value
+
+
+def _read(file: Path, max_bytes: int | None) -> bytes:
+    """The bytes of `file`; FileLimitError for a file over `max_bytes` (None: no limit) or not a regular file,
+    unread, and TokenizerFileError naming the file when it cannot be read."""
     try:
-        raw = json.loads(read_limited(file, max_bytes).decode("utf-8"))
+        return read_limited(file, max_bytes)
+    except FileLimitError:
+        raise
+    except OSError as exc:
+        raise TokenizerFileError(f"{file}: not a readable tokenizer file ({type(exc).__name__})") from exc
+
+
+def _parse(file: Path, interpret: Callable[[Any], T], max_bytes: int | None, content: bytes | None = None) -> T:
+    """`interpret(json of file)` (of `content` if given: the file's bytes); any malformation becomes a
+    TokenizerFileError naming the file. A file over `max_bytes` (None: no limit) or not a regular file raises
+    FileLimitError, unread."""
+    try:
+        raw = json.loads((_read(file, max_bytes) if content is None else content).decode("utf-8"))
         if not isinstance(raw, dict):
             raise _Malformed(f"expected a JSON object, found a JSON {type(raw).__name__}")
         return interpret(raw)
-    except FileLimitError:
+    except (FileLimitError, TokenizerFileError):
         raise
     except (OSError, ValueError, RecursionError, KeyError, IndexError, TypeError, AttributeError) as exc:
         # ValueError covers JSONDecodeError and UnicodeDecodeError.
@@ -75,9 +112,7 @@ def _checked(vocab: dict) -> dict[str, int]:
 
 
 def _vocab_and_merges_from_dir(path: Path, max_bytes: int | None) -> tuple[dict[str, int], list[str]] | None:
-    tok_json = path / "tokenizer.json"
-    if tok_json.is_file():
-        return _parse(tok_json, _from_tokenizer_json, max_bytes)
+    """From vocab.json (+ merges.txt and added tokens); None without one."""
     vocab_json = path / "vocab.json"
     if vocab_json.is_file():
         vocab = _parse(vocab_json, _checked, max_bytes)
@@ -112,10 +147,16 @@ def vocab_digest(path: str | Path, max_file_bytes: int | None = None) -> str | N
     path = Path(path)
     if path.is_file():
         path = path.parent
+    tok_json = path / "tokenizer.json"
+    if tok_json.is_file():
+        content = _read(tok_json, max_file_bytes)
+        return _once_per_content("vocab", content, lambda: _digest(*_parse(tok_json, _from_tokenizer_json, None,
+                                                                            content)))
     found = _vocab_and_merges_from_dir(path, max_file_bytes)
-    if found is None:
-        return None
-    vocab, merges = found
+    return None if found is None else _digest(*found)
+
+
+def _digest(vocab: dict[str, int], merges: list[str]) -> str:
     h = hashlib.sha256()
     h.update(json.dumps(sorted(vocab.items(), key=lambda kv: (kv[1], kv[0])), ensure_ascii=False).encode())
     h.update(b"\0merges\0")
@@ -132,17 +173,21 @@ def probe_encodings(path: str | Path, max_file_bytes: int | None = None) -> list
     file = path if path.is_file() else path / "tokenizer.json"
     if not file.is_file():
         return None
+    content = _read(file, max_file_bytes)
+    encodings = _once_per_content("probes", content, lambda: _probe(file, content))
+    return [list(ids) for ids in encodings]  # the caller's own lists, not the ones kept
+
+
+def _probe(file: Path, content: bytes) -> list[list[int]]:
     from tokenizers import Tokenizer
 
     try:
-        tokenizer = Tokenizer.from_str(read_limited(file, max_file_bytes).decode("utf-8"))
+        tokenizer = Tokenizer.from_str(content.decode("utf-8"))
         tokenizer.no_padding()  # a training script's padding or truncation, saved with the file, change no id
         tokenizer.no_truncation()
         # Special tokens left out: a post-processor adding BOS/EOS (add_eos_token while training) frames the
         # ids, it does not change them; the served base's own framing is what serving uses.
         return [tokenizer.encode(text, add_special_tokens=False).ids for text in PROBE_TEXTS]
-    except FileLimitError:
-        raise
     except BaseException as exc:  # noqa: BLE001 - tokenizers raises bare Exceptions for files it cannot build
         # ...and a Rust panic as pyo3's PanicException, a BaseException: a file's regex that backtracks past the
         # regex engine's limit is one. It is the file's fault, not the end of the thread that loads it.
@@ -183,7 +228,8 @@ def tokenizer_mismatch(path: Path, base_digest: str | None, base_token_id: Calla
     try:
         theirs = vocab_digest(path, max_bytes)
         declared = _declared_added_tokens(path, max_bytes) if theirs is None and base_token_id else {}
-        encoded = probe_encodings(path, max_bytes) if theirs is not None and base_encodings is not None else None
+        probe = theirs is not None and base_encodings is not None and theirs == (base_digest or theirs)
+        encoded = probe_encodings(path, max_bytes) if probe else None  # another vocabulary is refused as it is
     except TokenizerFileError as exc:
         return (f"{exc}; the adapter's vocabulary cannot be compared with the served base model's. Fix or remove "
                 f"the tokenizer files, or load with strictness 'warn'/'off'")
