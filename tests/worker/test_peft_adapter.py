@@ -599,7 +599,9 @@ def test_a_tokenizer_of_the_same_vocabulary_that_splits_text_otherwise_is_refuse
     tok.save(str(tmp_path / "x" / "tokenizer.json"))
     with pytest.raises(AdapterError, match="not a readable tokenizer file .*PanicException"):
         load()
-    (tmp_path / "x" / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "Nope", "vocab": {}}}')
+    saved = json.loads((base_dir / "tokenizer.json").read_text())  # the base's vocabulary, in a model tokenizers
+    saved["model"]["type"] = "Nope"  # cannot build
+    (tmp_path / "x" / "tokenizer.json").write_text(json.dumps(saved))
     with pytest.raises(AdapterError, match="not a readable tokenizer file"):
         load()
 
