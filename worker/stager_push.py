@@ -32,6 +32,7 @@ from lorafleet.worker.openai_protocol import APIError
 from lorafleet.worker.push_gate import delivered_here, mark_delivered
 from lorafleet.worker.staged_copy import Staged, has_origin
 from lorafleet.worker.stager_engine import EngineStarting, refused_for_good
+from lorafleet.worker.stager_plan import forwardable, version_refs
 from lorafleet.worker.staging_errors import staging_error
 
 if TYPE_CHECKING:
@@ -65,50 +66,6 @@ class Push:
     at_once: bool = False  # its first step reached the engine (else a respond-async push is answered once staged)
     starting: bool = False  # its engine was starting (its model loading): answered at once, forwarded once it is up
     superseded: asyncio.Event = field(default_factory=asyncio.Event)  # set once a newer push begins
-
-
-def version_refs(desired: DesiredState) -> list[tuple[str, VersionRef]]:
-    """(name, ref) of every version of `desired`, in its order: the order a push stages them in."""
-    return [(a.name, ref) for a in desired.adapters for ref in (a.stable, a.canary) if ref is not None]
-
-
-def keep_stable(old: AdapterDirective, a: AdapterDirective, local: dict[str, VersionRef]) -> AdapterDirective:
-    """What to forward for `a` when its stable version is not staged (it failed, or is not staged yet): the
-    stable version forwarded until now, with the rest of this push, so that a push which also removes a bad
-    canary or turns its weight to 0 (the kill switch) is not undone by a typo in its new stable version. The
-    canary is this push's, if staged; warm, pinned and priority are this push's. A name that changed owner
-    keeps what was forwarded, unchanged: its old weights must not go to the new owner."""
-    if old.tenant != a.tenant:
-        return old
-    canary = local.get(a.canary.version) if a.canary is not None and a.canary.version != old.stable.version else None
-    return AdapterDirective(a.name, a.tenant, old.stable, canary, a.canary_weight if canary else 0,
-                            a.warm, a.pinned, a.priority)
-
-
-def forwardable(desired: DesiredState, copies: dict[Key, Staged], old: dict[str, AdapterDirective],
-                old_copies: dict[Key, Staged]) -> tuple[dict[str, AdapterDirective], dict[Key, Staged]]:
-    """The directives (local paths) to forward for `desired` given the staged `copies` of its versions, and
-    the copies they use. An adapter whose stable version has no copy keeps what `old` (forwarded until now,
-    with `old_copies`) gave it, or is left out when it had nothing."""
-    forwarded: dict[str, AdapterDirective] = {}
-    staged: dict[Key, Staged] = {}
-    for a in desired.adapters:
-        local: dict[str, VersionRef] = {}
-        for ref in (a.stable, a.canary):
-            s = copies.get((a.name, ref.version)) if ref is not None else None
-            if s is not None:
-                staged[(a.name, ref.version)] = s
-                local[ref.version] = VersionRef(ref.version, str(s.path), s.sha256)
-        if a.stable.version in local:
-            canary = local.get(a.canary.version) if a.canary is not None else None
-            forwarded[a.name] = AdapterDirective(a.name, a.tenant, local[a.stable.version], canary,
-                                                 a.canary_weight if canary else 0, a.warm, a.pinned, a.priority)
-        elif a.name in old:  # keep serving the stable version already local
-            forwarded[a.name] = kept = keep_stable(old[a.name], a, local)
-            for v in kept.versions:
-                if (a.name, v) in old_copies and (a.name, v) not in staged:
-                    staged[(a.name, v)] = old_copies[(a.name, v)]
-    return forwarded, staged
 
 
 async def apply_push(stager: Stager, desired: DesiredState, *, seed: SeedReport | None = None,
@@ -251,7 +208,7 @@ async def _stage(stager: Stager, push: Push) -> None:
                                                                folders=ref.folders))] = (name, ref)
                 finished, _ = await asyncio.wait({*running, superseded}, return_when=asyncio.FIRST_COMPLETED)
                 for staging in finished - {superseded}:
-                    _note_staged(push, *running.pop(staging), staging)
+                    _note_staged(push, *running.pop(staging), staging, stager.staged)
         except BaseException:  # cancelled: the stager stops
             for staging in running:
                 staging.cancel()
@@ -304,17 +261,28 @@ async def _forward_while_staging(stager: Stager, push: Push, done: asyncio.Event
                 log.warning("forwarding the versions staged so far failed: %s", exc)
 
 
-def _note_staged(push: Push, name: str, ref: VersionRef, staging: asyncio.Future) -> None:
-    """What staging `name`@`ref.version` gave: its copy, or its error."""
+def _note_staged(push: Push, name: str, ref: VersionRef, staging: asyncio.Future, served: dict[Key, Staged]) -> None:
+    """What staging `name`@`ref.version` gave: its copy, or its error. Files of another digest than the copy the
+    engine serves for that version (`served`: re-uploaded under the same version) keep that copy, with an error:
+    the engine fixes a version's weights while it holds it, and would refuse the version."""
     key = (name, ref.version)
     try:
-        push.staged[key] = staging.result()
+        copy = staging.result()
     except Exception as exc:
         push.errors[key] = staging_error(exc, ref.uri).message
         push.pending.pop(key, None)
         log.warning("staging %s@%s failed: %s", name, ref.version, push.errors[key])
-    else:
+        return
+    old = served.get(key)
+    if old is None or None in (old.sha256, copy.sha256) or old.sha256 == copy.sha256:
+        push.staged[key] = copy
         push.errors.pop(key, None)
+        return
+    push.staged[key] = old
+    push.errors[key] = (f"{ref.uri} changed (its files hash to {copy.sha256[:12]}, the version served has "
+                        f"{old.sha256[:12]}) though the version did not: a version's weights are fixed once served; "
+                        f"publish the new files as a new version (this one keeps its weights)")
+    log.warning("staging %s@%s: %s", name, ref.version, push.errors[key])
 
 
 def _retrieved(task: asyncio.Future) -> None:
