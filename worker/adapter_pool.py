@@ -225,20 +225,22 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
             if self._wanted:
                 self._sweep_wanted()  # it may make room for an adapter nobody's acquire retries (prefetch, pin)
 
-    def hold(self, key: str, waiter: object, *, count: bool = False) -> None:
+    def hold(self, key: str, waiter: object, *, count: bool = False) -> str:
         """A request resolved to `key` is queued and has not taken it yet: a version switch or unregistration
         meanwhile leaves the version registered until the request takes it (acquire) or goes (abandon), as for
         a request that gave it back to take it again (`detached`), so that a rollout fails no queued request.
-        One naming a version already replaced (`retire_pending`) does not keep it: it runs if it gets it first.
+        AdapterNotFoundError if it went since the request resolved it (the caller resolves the name again).
         `count`: the request's one GPU lookup, a hit if the version is resident as it arrives, else a miss (the
         engine's requests are counted here, not when the scheduler reaches them: those queued behind the first
         for a cold adapter reach it once it is loaded, and each waited for that load)."""
         with self._lock:
             entry = self._entries.get(key)
-            if entry is not None and count:
+            if entry is None or entry.retired:
+                raise AdapterNotFoundError(f"adapter {key!r} was replaced or unregistered")
+            if count:
                 self._count("hits" if entry.resident else "misses", "gpu")
-            if entry is not None and not entry.retired and entry.retire_pending is None:
-                entry.detached.add(waiter)
+            entry.detached.add(waiter)
+            return key
 
     def abandon(self, key: str, waiter: object, *, detach: bool = False) -> None:
         """A waiting request went away (aborted) before its adapter arrived. `detach`: it only stops waiting for

@@ -24,7 +24,7 @@ class AdapterReports:
         with self._lock:
             out = []
             for e in self._entries.values():
-                if e.replaced and e.refcount == 0:
+                if e.retired and e.refcount == 0:
                     continue  # replaced: held only for queued requests it was loaded for
                 out.append({
                     "key": e.key, "name": e.name, "version": e.version, "tenant": e.tenant,
@@ -32,6 +32,8 @@ class AdapterReports:
                     "bytes": e.gpu_bytes if e.on_gpu else (e.image.nbytes if e.image is not None else 0),
                     "pinned": e.pinned, "current": self._current.get(e.name) == e.key, "retired": e.replaced,
                     "error": str(e.error) if e.error is not None else None,
+                    # requests that hold it or will take it again (a replaced version stays for them)
+                    "holders": e.refcount + len(e.detached),
                 })
             return out
 

@@ -64,7 +64,7 @@ class AdapterVersions:
                     if entry.image is None and image is not None:
                         self._set_image(entry, image)
                 else:  # retired but still held (a quick rollback): the same weights come back, for the new owner
-                    entry.retired, entry.loader, entry.pinned = False, loader, pinned
+                    entry.retired, entry.loader, entry.pinned, entry.retire_pending = False, loader, pinned, None
                 self._set_tenant(entry, tenant)  # its owner may have changed: the GPU quota is charged to it
             else:
                 entry = AdapterEntry(key, name, version, tenant, loader, pinned=pinned)
@@ -193,6 +193,8 @@ class AdapterVersions:
         back to take it again later (`detached`: a running request the scheduler lets go of), it only stops
         being pinned or warm: it can leave the GPU and be read again for them, and retires once the last of
         them finishes on it or goes (`release`, `reattached`)."""
+        if entry.retired:  # retired already (held by requests that took it): it goes once they are done
+            return
         entry.pinned = False  # pinning holds the version being served: a retired one goes once unused
         self._warm.pop(entry.key, None)  # ...and is never brought back to the GPU (adapter_warmth.py)
         if entry.detached or entry.refcount > 0:

@@ -19,6 +19,7 @@ worker/forward_failures.py), `failure` says why and every stream in flight ends 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -310,8 +311,14 @@ class AsyncEngine:
             self.engine.abort(rid)
         except Exception:
             log.exception("aborting %s after a failed step failed; dropping it", rid)
-            self.engine.requests.pop(rid, None)
+            seq = self.engine.requests.pop(rid, None)
             self.engine.outputs.forget(rid)
+            pool = self.engine.adapter_pool
+            if seq is not None and seq.adapter is not None:  # no reference or hold on its version left behind
+                with contextlib.suppress(Exception):
+                    if seq.adapter_slot is not None:
+                        pool.release(seq.adapter_slot)
+                    pool.abandon(seq.adapter, seq.seq_id)
 
 
 def _post(loop: asyncio.AbstractEventLoop, fn, *args) -> None:

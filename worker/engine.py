@@ -93,7 +93,8 @@ class Engine:
             self.block_manager, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             enable_chunked_prefill=config.enable_chunked_prefill, adapter_pool=self.adapter_pool,
             max_loras_per_batch=config.max_loras_per_batch, max_adapter_wait_steps=config.max_adapter_wait_steps,
-            reclaim_pages=self._reclaim_adapter_pages, adapter_state=self._adapter_state, never_fits=self.kv_room.refusal,
+            reclaim_pages=self._reclaim_adapter_pages, adapter_state=self.adapter_pool.residency,
+            never_fits=self.kv_room.refusal,
         )
         kv_caches = self.page_pool.kv_caches(num_layers=mc.num_hidden_layers, block_size=config.block_size,
                                              num_kv_heads=mc.num_key_value_heads, head_dim=mc.head_dim)
@@ -137,10 +138,6 @@ class Engine:
         """Before preempting for KV room: evict idle, unpinned adapters that no waiting request needs
         (the adapter pool decides, in its eviction order). Returns pages freed."""
         return self.adapter_pool.reclaim_for_kv(num_pages)
-
-    def _adapter_state(self, key: str) -> str:
-        """For the scheduler: where adapter `key` is (AdapterPool.residency)."""
-        return self.adapter_pool.residency(key)
 
     # ---- adapters -----------------------------------------------------------------------------------
     def register_adapter(
@@ -248,19 +245,20 @@ class Engine:
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.device)
             seq.generator.manual_seed(generator_seed(params.seed, seq.generator.device))
-        if seq.adapter is not None:  # its version stays registered until it takes it (a push may switch it)
-            self.adapter_pool.hold(seq.adapter, seq.seq_id, count=True)  # its GPU hit or miss, once
+        self._resolve_adapter(adapter, hold=seq)  # its version stays registered until it takes it (push: switch)
         self.requests[request_id] = seq
         self.outputs.start(request_id)
         self.scheduler.add(seq)
         return request_id
 
-    def _resolve_adapter(self, adapter: str | None) -> str | None:
-        """"name" (its current version) or "name@version" -> the key the request is served by."""
+    def _resolve_adapter(self, adapter: str | None, hold: Sequence | None = None) -> str | None:
+        """"name" (its current version) or "name@version" -> the key the request is served by; `hold`: the
+        sequence resolved to it holds it (AdapterPool.hold: counted as its GPU hit or miss), unless it went since."""
         if adapter is None:
             return None
         try:
-            return self.adapter_pool.resolve(adapter)
+            pool = self.adapter_pool
+            return pool.resolve(adapter) if hold is None else pool.hold(hold.adapter, hold.seq_id, count=True)
         except AdapterNotFoundError as exc:
             raise UnknownAdapterError(f"adapter {adapter!r} is not registered (registered: "
                               f"{', '.join(self.adapter_pool.registered()) or 'none'})") from exc

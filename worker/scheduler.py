@@ -192,7 +192,8 @@ class Scheduler:
                 self._requeue(heap, tenant)
                 continue
             except Exception as exc:  # its adapter failed to load or leaves too little room: it fails
-                self.fail([seq], exc)
+                self.fail([seq], exc if seq.output_token_ids or not self._replaced(seq.adapter) else
+                          UnknownAdapterError(f"{exc} (a push replaced {seq.adapter} meanwhile)"))
                 self._requeue(heap, tenant)
                 continue
             if not admit:
@@ -272,6 +273,14 @@ class Scheduler:
                 continue
             return seq
         return None
+
+    def _replaced(self, key: str) -> bool:
+        """A push replaced version `key` (it is kept only for the requests that resolved it): one with nothing
+        generated yet that cannot have it (every slot pinned by its successor) goes to the current version."""
+        try:
+            return self.adapter_pool.entry(key).replaced
+        except AdapterNotFoundError:
+            return True
 
     def _adapter_pages(self, key: str) -> int | None:
         """GPU pages adapter `key` takes (None: not in CPU memory, or unknown)."""

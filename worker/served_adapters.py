@@ -371,8 +371,8 @@ class ServedAdapters:
                     error=error, traffic_percent=served.split.percent_of(version),
                 ))
         reported = {(a.name, a.version) for a in states}
-        for d in held.values():  # versions on their way out that in-flight requests still hold
-            if d.get("refcount", 0) > 0 and (d["name"], d["version"]) not in reported:
+        for d in held.values():  # versions on their way out that requests in flight hold (or will take again)
+            if d.get("holders", d.get("refcount", 0)) > 0 and (d["name"], d["version"]) not in reported:
                 states.append(AdapterState(name=d["name"], version=d["version"], tier=d.get("tier", "none"),
                                            refcount=d["refcount"], hits=d.get("hits", 0), bytes=d.get("bytes", 0),
                                            pinned=bool(d.get("pinned", False)), traffic_percent=0))

@@ -139,7 +139,8 @@ def test_a_replaced_version_given_back_to_be_taken_again_can_leave_the_gpu_and_i
         pool.add("y@1", random_weights(3))
         pool.load("y@1")  # two slots: the replaced version makes room
         assert not pool.entry("x@1").on_gpu and pool.registered() == ["x@2", "y@1"]
-        assert [d["key"] for d in pool.describe()] == ["x@2", "y@1"]
+        described = {d["key"]: d for d in pool.describe()}  # reported (its files stay) as replaced, with its holder
+        assert described["x@1"]["retired"] and described["x@1"]["holders"] == 1 and described["x@1"]["tier"] == "cpu"
         pool.release(pool.acquire("y@1"))
         assert pool.acquire("x@1", "r") is None  # read again, for the request that ran on it
         pool.wait_idle()
@@ -152,3 +153,24 @@ def test_a_replaced_version_given_back_to_be_taken_again_can_leave_the_gpu_and_i
         pool.check()
     finally:
         pool.close()
+
+
+def test_a_retired_version_in_use_retired_again_then_registered_again_is_current_and_stays(pool):
+    """x@1 is loaded for a waiter W that a push then left it to (retired, kept for W), W takes it, the name is
+    unregistered (x@1 retired again) and the same weights registered again (a quick rollback): x@1 is current
+    and stays once W is done. The second retirement marked it replaced for good: the current version went when
+    W finished, and every request for `x` failed until the next push."""
+    weights = random_weights(1, name="x", version="1")
+    pool.add("x@1", weights)
+    assert pool.acquire("x@1", "W") is None
+    pool.wait_idle()
+    pool.add("x@2", random_weights(2, name="x", version="2"))
+    pool.wait_idle()
+    slot = pool.acquire("x@1", "W")
+    pool.unregister("x")
+    pool.add("x@1", weights)
+    assert pool.resolve("x") == "x@1" and pool.resolve("x@1") == "x@1" and pool.registered() == ["x@1"]
+    pool.check()
+    pool.release(slot)
+    assert pool.acquire(pool.resolve("x"), "new") == slot
+    pool.check()

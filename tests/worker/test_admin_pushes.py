@@ -205,3 +205,22 @@ async def test_a_desired_state_is_held_to_its_own_limit_not_to_the_inference_bod
     resp = await client.put("/admin/v1/state", data=body, headers=json_headers)
     assert resp.status == 413
     assert (await resp.json())["error"]["message"] == "desired state over 8192 bytes, the most the engine reads"
+
+
+async def test_a_replaced_version_a_request_will_take_again_stays_in_the_report(client, qv_adapters_dir):
+    """A request ran on x@v1 when a push replaced it, then gave it back to take it again (the scheduler's let-go):
+    x@v1 is kept for it and may leave the GPU and the CPU tier, to be read again from its files. The report (what
+    the stager keeps files for) left it out, its copy could be trimmed, and the request failed mid-stream."""
+    pool = client.app[ENGINE].engine.adapter_pool
+    await push(client, 1, directive("x", qv_adapters_dir / "alpha"))
+    pool.load("x@v1")
+    slot = pool.acquire("x@v1", "running")
+    moved = directive("x", qv_adapters_dir / "beta") | {"stable": {"version": "v2", "uri": str(qv_adapters_dir / "beta")}}
+    await push(client, 2, moved)
+    pool.load("x@v2")
+    pool.release(slot, detach="running")
+    report = await push(client, 3, moved)
+    assert ("x", "v1") in report and report[("x", "v1")]["traffic_percent"] == 0, report
+    pool.acquire("x@v1", "running")  # it took it again, and finished on it
+    pool.release(pool.entry("x@v1").slot)
+    assert ("x", "v1") not in await push(client, 4, moved)

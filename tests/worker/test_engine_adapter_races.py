@@ -159,6 +159,7 @@ def _generate(engine: Engine, requests: dict[str, tuple[list[int], str]], params
     outs = {}
     for _ in range(5000):
         outs.update((o.request_id, (o.finish_reason, list(o.token_ids))) for o in engine.step() if o.finished)
+        engine.adapter_pool.wait_idle()  # loads and copies land between steps: the same schedule on every run
         on_step()
         if not engine.has_unfinished():
             return outs
@@ -206,5 +207,66 @@ def test_a_running_request_whose_version_a_push_replaced_finishes_on_it_though_l
         assert outs == expected
         assert sorted(e.key for e in engine.adapter_pool._entries.values()) == ["x@2", "y@2"]
         engine.adapter_pool.check()
+    finally:
+        engine.close()
+
+
+def test_queued_requests_whose_replaced_version_can_never_come_back_are_sent_to_the_current_one(tiny_llama_dir):
+    """One slot (--max-loras 1), x@1 pinned with requests queued behind one seat; a push brings a pinned x@2,
+    which takes x@1's slot as a pinned successor does. The queued requests keep x@1, which can never get a slot
+    again: those with nothing generated fail as for an unknown version (UnknownAdapterError: the job resolves
+    the name again and runs on x@2), not with a load error the client would get."""
+    engine = Engine(EngineConfig(model=str(tiny_llama_dir), device="cpu", dtype="float32", num_pages=64,
+                                 block_size=4, max_num_seqs=1, max_loras=1))
+    try:
+        pool = engine.adapter_pool
+        pool.add("x@1", random_weights(1, rank=4, projs=PROJS, name="x", version="1"), pinned=True)
+        pool.load("x@1")
+        params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+        for i in range(3):
+            engine.add_request(f"r{i}", [1, 2, 3 + i], params, adapter="x")
+        outs = [o for _ in range(2) for o in engine.step() if o.finished]
+        pool.add("x@2", random_weights(2, rank=4, projs=PROJS, name="x", version="2"), pinned=True)
+        for _ in range(200):
+            if not engine.has_unfinished():
+                break
+            outs += [o for o in engine.step() if o.finished]
+            pool.wait_idle()
+        by_id = {o.request_id: o for o in outs}
+        assert by_id["r0"].finish_reason == "length" and by_id["r0"].adapter == "x@1"
+        for rid in ("r1", "r2"):
+            assert isinstance(by_id[rid].exception, UnknownAdapterError), by_id[rid].error
+        engine.add_request("again", [1, 2, 4], params, adapter="x")  # what the job does: x@2 serves it
+        while engine.has_unfinished():
+            outs += [o for o in engine.step() if o.finished]
+            pool.wait_idle()
+        assert next(o for o in outs if o.request_id == "again").adapter == "x@2"
+        assert sorted(e.key for e in pool._entries.values()) == ["x@2"]
+        pool.check()
+    finally:
+        engine.close()
+
+
+def test_a_version_gone_between_resolving_and_holding_it_is_an_unknown_adapter(tiny_llama_dir, monkeypatch):
+    """A push on another thread may retire the version a request just resolved before the request holds it: the
+    request is refused as for an unknown version (its job resolves the name again), not queued on a version
+    that a let-go would then drop under it."""
+    engine = _engine(tiny_llama_dir)
+    try:
+        pool = engine.adapter_pool
+        pool.add("x@1", random_weights(1, rank=4, projs=PROJS, name="x", version="1"))
+        real = pool.resolve
+
+        def resolve_then_push(name):
+            key = real(name)
+            pool.add("x@2", random_weights(2, rank=4, projs=PROJS, name="x", version="2"))
+            pool.make_current("x@2")
+            return key
+
+        monkeypatch.setattr(pool, "resolve", resolve_then_push)
+        with pytest.raises(UnknownAdapterError):
+            engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=2), adapter="x")
+        assert not engine.requests and sorted(pool._entries) == ["x@2"]
+        pool.check()
     finally:
         engine.close()

@@ -40,6 +40,9 @@ class FakeAdapterPool:
     def abandon(self, key, waiter, *, detach=False):
         self.abandoned.append((key, waiter))
 
+    def entry(self, key):  # every key is a registered version no push replaced
+        return SimpleNamespace(key=key, replaced=False, pinned=False, tenant="default", image=None)
+
 
 def _sched(num_pages=64, adapter_pool=None, **kw):
     pool = PagePool(PagePoolConfig(num_pages=num_pages, page_elems=8))

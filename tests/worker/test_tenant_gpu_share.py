@@ -89,7 +89,7 @@ def test_a_request_waiting_for_its_tenant_s_share_holds_no_other_tenant_back(tin
     run(3)
     engine.add_request("b-short", [1, 2, 3], short, adapter="beta", tenant="acme")
     run(10)  # past max_adapter_wait_steps: b-short waits for acme's share
-    assert pool.entry(pool.resolve("beta")).image is not None and engine._adapter_state(pool.resolve("beta")) == "quota"
+    assert pool.entry(pool.resolve("beta")).image is not None and pool.residency(pool.resolve("beta")) == "quota"
     engine.add_request("g-short", [1, 2, 3], short, adapter="gamma", tenant="other")
     start = steps
     done = run(300)
