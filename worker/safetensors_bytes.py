@@ -12,16 +12,19 @@ in order, without gaps or overlaps."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import math
 import warnings
+from collections.abc import Iterator
 
 import torch
 
 DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U64": torch.uint64,
+    "U32": torch.uint32, "U16": torch.uint16, "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
 
 # The bytes are never written through the views: each is cloned at once.
@@ -40,13 +43,15 @@ def load_tensors(raw: bytes) -> dict[str, torch.Tensor]:
     if size > len(raw) - 8:
         raise SafetensorsError(f"a header of {size} bytes in a file of {len(raw)}: truncated, or not safetensors")
     try:
-        header = json.loads(raw[8:8 + size].decode("utf-8"))
+        with _collections_paused():
+            header = json.loads(raw[8:8 + size].decode("utf-8"), object_pairs_hook=_object,
+                                parse_constant=_no_constant)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise SafetensorsError(f"the header is not UTF-8 JSON ({exc})") from None
     if not isinstance(header, dict):
         raise SafetensorsError(f"the header is a JSON {type(header).__name__}, not an object")
-    metadata = header.pop("__metadata__", {})
-    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) and _utf8(v) for v in metadata.values()):
         raise SafetensorsError("__metadata__ must map names to strings")
     start, data_size = 8 + size, len(raw) - 8 - size
     entries = sorted((_entry(name, info) for name, info in header.items()), key=lambda e: e[3])
@@ -73,11 +78,48 @@ def _entry(name: str, info: object) -> tuple[str, torch.dtype, list[int], tuple[
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_count, offsets))
             and offsets[0] <= offsets[1]):
         raise SafetensorsError(f"tensor {name!r}: data_offsets {offsets!r} are not [begin, end] with begin <= end")
+    if math.prod(d for d in shape if d) * dtype.itemsize >= 1 << 63:  # torch's sizes and strides are int64
+        raise SafetensorsError(f"tensor {name!r}: shape {shape} is too large")
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes != offsets[1] - offsets[0]:
         raise SafetensorsError(f"tensor {name!r}: shape {shape} of {info['dtype']} is {nbytes} bytes, but its "
                                f"data_offsets span {offsets[1] - offsets[0]}")
     return name, dtype, shape, (offsets[0], offsets[1])
+
+
+@contextlib.contextmanager
+def _collections_paused() -> Iterator[None]:
+    """The garbage collector paused: parsing a header of millions of small lists (a field nobody reads) spent most
+    of its time in collections over them, with the interpreter lock held. Another thread's pause ending first only
+    brings collections back early."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _object(pairs: list[tuple[str, object]]) -> dict:
+    """A JSON object whose keys are text (no lone surrogates), as the library reads them (the last of a key
+    given twice stands)."""
+    out = dict(pairs)
+    if not all(_utf8(k) for k in out):
+        raise ValueError("a key is not valid Unicode text")
+    return out
+
+
+def _no_constant(name: str) -> object:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _is_count(value: object) -> bool:
@@ -86,6 +128,9 @@ def _is_count(value: object) -> bool:
 
 def _tensor(raw: bytes, offset: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
     count = math.prod(shape)
-    if count == 0:
-        return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(raw, dtype=dtype, count=count, offset=offset).view(shape).clone()
+    try:
+        if count == 0:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(raw, dtype=dtype, count=count, offset=offset).view(shape).clone()
+    except (RuntimeError, TypeError, ValueError, OverflowError) as exc:  # a shape torch cannot make
+        raise SafetensorsError(f"a tensor of shape {shape} and {dtype} cannot be made ({exc})") from None

@@ -4,6 +4,7 @@ a refusal of every file the library refuses, and no stall of other threads while
 from __future__ import annotations
 
 import json
+import math
 import random
 import threading
 import time
@@ -50,7 +51,7 @@ def test_valid_files_give_the_librarys_tensors_owning_their_memory():
 
 def _corruptions(raw: bytes):
     header, data = _split(raw)
-    names = [n for n in header if n != "__metadata__"]
+    names = [n for n in header if n != "__metadata__" and math.prod(header[n]["shape"]) > 1]  # a change shows
     rng = random.Random(1)
     yield "empty", b""
     yield "short", raw[:5]
@@ -74,9 +75,25 @@ def _corruptions(raw: bytes):
                                           data)
         yield f"{name} dropped", _join({k: v for k, v in header.items() if k != name}, data)
         yield f"{name} entry not an object", _join({**header, name: 3}, data)
+    empty = {"dtype": "F32", "data_offsets": [len(data), len(data)]}
+    for shape in ([0, 2**64], [0, 2**40, 2**40]):  # no bytes, sizes torch cannot hold
+        yield f"empty of shape {shape}", _join({**header, "huge": {**empty, "shape": shape}}, data)
+    name = names[0]
+    text = json.dumps(header)
+    yield "NaN in a field", _join(text.replace('"dtype"', '"x": NaN, "dtype"', 1).encode(), data)
+    yield "a lone surrogate", _join(text.replace(f'"{name}"', '"\\ud800"', 1).encode(), data)
     first, second = sorted(names, key=lambda n: header[n]["data_offsets"])[1:3]
     swapped = {**header, first: {**header[first], "data_offsets": header[second]["data_offsets"]}}
     yield "two tensors on one span", _join(swapped, data)
+
+
+def test_what_the_library_accepts_beyond_what_torch_writes_is_read_too():
+    """Null __metadata__ and unsigned tensors, as other writers make them."""
+    tensors = {"u16": torch.arange(6).to(torch.uint16).view(2, 3), "u32": torch.arange(3).to(torch.uint32)}
+    header, data = _split(safetensors.torch.save(tensors))
+    raw = _join({**header, "__metadata__": None}, data)
+    ours, theirs = load_tensors(raw), safetensors.torch.load(raw)
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in theirs)
 
 
 CORRUPT = dict(_corruptions(safetensors.torch.save(_sample())))
