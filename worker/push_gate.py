@@ -23,10 +23,12 @@ def _pod() -> str:
 def mark_delivered(cache_root: Path) -> None:
     """Remember, for a sidecar restarted in this pod, that a whole push reached the engine (a file the cache
     ignores). Named by the pod: a cache kept on the node (hostPath) says nothing of the next pod's engine."""
+    if delivered_here(cache_root):
+        return
     with contextlib.suppress(OSError):  # not kept: a restarted sidecar waits for the next push
-        mark = cache_root / DELIVERED_MARK
-        if not mark.exists():
-            mark.write_text(_pod())
+        partial = cache_root / f"{DELIVERED_MARK}.{os.getpid()}"  # renamed over an earlier pod's mark: never torn
+        partial.write_text(_pod())
+        partial.replace(cache_root / DELIVERED_MARK)
 
 
 def delivered_here(cache_root: Path) -> bool:
