@@ -60,7 +60,7 @@ from lorafleet.worker.stager_locks import KeyLocks
 from lorafleet.worker.stager_metrics import StagerMetrics, progress_by_uri
 from lorafleet.worker.stager_push import apply_push
 from lorafleet.worker.stager_seed import SeedReport, seed
-from lorafleet.worker.stager_store import StoreDown, StoreHealth
+from lorafleet.worker.stager_store import StoreDown, StoreHealth, StoreThreads
 from lorafleet.worker.staging_errors import is_object_fault, is_refusal
 from lorafleet.worker.tenant_folders import NO_FOLDERS, TenantFolders
 
@@ -104,7 +104,7 @@ class Stager:
         self.local_reads = LocalReads(self._local)  # local folders being checked, each on a thread of its own
         self.metrics = StagerMetrics(self.cache)
         self.registry = self.metrics.registry
-        self.store = StoreHealth(self.metrics)
+        self.store, self.store_threads = StoreHealth(self.metrics), StoreThreads(config.stage_concurrency)
 
     # ---- staging -------------------------------------------------------------------------------
     async def stage(self, uri: str, sha256: str | None, *, held: set[str] | None = None,
@@ -175,7 +175,7 @@ class Stager:
         start = time.monotonic() if start is None else start
         deadline = None if quick else start + self.config.download_timeout_s
         try:
-            etags = await asyncio.to_thread(self.sources.object_etags, uri, quick=quick, deadline=deadline)
+            etags = await self.store_threads.run(self.sources.object_etags, uri, quick=quick, deadline=deadline)
         except Exception as exc:
             self.store.failed(exc, start)
             raise
@@ -219,7 +219,7 @@ class Stager:
         async with self._locks.hold(key):  # one cache key, other URIs: the second finds the first's copy
             path = self.copy_for(key, uri)  # another URI's copy of these bytes: this URI's are downloaded first
             if path is not None and key in self.cache.unverified:
-                path = await asyncio.to_thread(verify_staged_copy, self.cache, key)
+                path = await self.store_threads.run(verify_staged_copy, self.cache, key)
             if path is not None:
                 self._by_uri[uri] = key
                 record_source(path, uri)  # its last copy now, also for a stager restarted later
@@ -230,7 +230,7 @@ class Stager:
                 # The download gives up at the deadline itself (and removes its temp copy); the outer bound
                 # only covers a thread that still hangs after it.
                 path = await asyncio.wait_for(
-                    asyncio.to_thread(self._download, uri, sha256, key, deadline, etags, push_start),
+                    self.store_threads.run(self._download, uri, sha256, key, deadline, etags, push_start),
                     self.config.download_timeout_s + _STALL_GRACE_S)
             except StoreDown:  # not tried: no failed download
                 raise

@@ -179,6 +179,7 @@ def create_app(config: StagerConfig) -> web.Application:
             if running is not None:
                 running.cancel()
         app[STAGER].cancel_pushes()  # those answered before their downloads were in
+        app[STAGER].store_threads.shutdown()
 
     app.cleanup_ctx.append(background_ctx)
     return app

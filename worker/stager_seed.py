@@ -52,7 +52,7 @@ async def seed(stager: Stager, uri: str) -> SeedReport:
     served = {a.stable.uri: a for a in stager.desired.adapters} if stager.seed_report is not None else {}
     push_start = time.monotonic()  # a store that fails one folder is not tried again for the others
     try:
-        folders = await asyncio.to_thread(stager.sources.list_adapters, uri)
+        folders = await stager.store_threads.run(stager.sources.list_adapters, uri)
     except Exception as exc:
         stager.store.failed(exc, push_start)
         raise

@@ -30,14 +30,19 @@ The outage is logged when it starts and ends, counted in `lorafleet_stager_store
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
 import time
-from typing import Any
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from lorafleet.worker.stager_metrics import StagerMetrics
 from lorafleet.worker.staging_errors import is_busy, staging_error
 
 log = logging.getLogger("lorafleet.stager")
+T = TypeVar("T")
 
 
 class StoreDown(ConnectionError):
@@ -121,3 +126,20 @@ class StoreHealth:
         down_s = None if self.down_since is None else round(time.monotonic() - self.down_since, 1)
         return {"reachable": not self.is_down, "down_s": down_s, "error": self.error if self.is_down else None,
                 "fallbacks": self.num_fallbacks}
+
+
+class StoreThreads:
+    """The threads the stager's store calls and downloads run on, its own: `stage_concurrency` downloads may each
+    wait out a slow store for minutes, and on asyncio's default threads (min(32, cores + 4)) they held up state
+    reports and the JSON of forwards, a kill switch's among them, behind them."""
+
+    def __init__(self, stage_concurrency: int) -> None:
+        # A push's stages, those of the push it replaced (they go on) and the seed's listing, with room to spare.
+        self._pool = ThreadPoolExecutor(max_workers=2 * stage_concurrency + 4, thread_name_prefix="stager-store")
+
+    async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+

@@ -9,6 +9,7 @@ admin API stand-in that records what it is pushed."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +22,7 @@ from lorafleet.worker.sources import adapter_digest
 from lorafleet.worker.stager import Stager
 from lorafleet.worker.stager_config import StagerConfig
 from lorafleet.worker.stager_http import create_app
+from lorafleet.worker.state_json import encode
 from tests.lora_factory import make_peft_adapter
 from tests.s3_server import S3Server, upload_folder, weed_binary
 from tests.store_proxy import stalling_proxy
@@ -241,6 +243,29 @@ async def test_a_push_stages_its_other_versions_while_one_download_is_held(s3, u
     assert stager.counts["downloads"] == 3 and not any(a.error or a.staging for a in report.adapters), report
     assert split(engine.pushes[-1], "a") == ("v1", None, 0) and split(engine.pushes[-1], "b") == ("v1", "v2", 30)
     assert adapter_digest(Path(engine.pushes[-1]["adapters"][0]["stable"]["uri"])) == adapter_digest(uploaded["a-v1"])
+
+
+@needs_weed
+async def test_downloads_leave_asyncio_s_threads_to_state_reports_and_forwards(s3, uploaded, tmp_path, aiohttp_server):
+    """Downloads ran on asyncio's default threads (min(32, cores + 4)): with --stage-concurrency that many, a state
+    report and the JSON of a forward (a kill switch's) waited for a download to end. They have threads of their
+    own now; here asyncio's are two and three downloads hang."""
+    engine, released = Engine(), asyncio.Event()
+    url = await engine.serve(aiohttp_server)
+    default = concurrent.futures.ThreadPoolExecutor(max_workers=2)
+    asyncio.get_running_loop().set_default_executor(default)
+    async with stalling_proxy(s3.port, "/adapters/team/conc/", released) as endpoint:
+        stager = Stager(dataclasses.replace(stager_config(endpoint, s3, tmp_path, url), stage_concurrency=4))
+        applying = asyncio.ensure_future(stager.apply(desired(1, "conc", "v1", 30)))
+        try:
+            await until(lambda: len(stager.disk_stats()["downloading"]) == 3)
+            report = await asyncio.wait_for(stager.state(), HANG_S)
+            body = await asyncio.wait_for(encode(lambda: desired(2, "conc", "v1", 0).to_dict()), HANG_S)
+            assert not applying.done() and report.pushed_generation == 1 and b'"canary_weight": 0' in body
+        finally:
+            released.set()
+        await asyncio.wait_for(applying, HANG_S)
+    default.shutdown(wait=False)
 
 
 @pytest.mark.parametrize("concurrency", [0, 65])
