@@ -40,10 +40,11 @@ class StagerConfig:
     store_check_timeout_s: float = field(default=3.0, metadata=_help(
         "read timeout of a listing that checks a cached copy is current, and of a push's first call to a store "
         "that did not answer; no answer in time (one retry) takes the store as down for the push"))
-    stage_concurrency: int = field(default=1, metadata=_help(
-        "versions of a push staged at once (a new pod's warm set is one push). Above 1 a fast store fills a pod "
-        "sooner, but the downloads in flight share the link, each within its own --download-timeout-s. Each "
-        "download counts its size against the cache's byte budget from the moment its objects are listed"))
+    stage_concurrency: int = field(default=4, metadata=_help(
+        "versions of a push staged at once (a new pod's warm set is one push): one slow download does not hold up "
+        "the others, and a fast store fills a pod sooner, but the downloads in flight share the link, each within "
+        "its own --download-timeout-s. Each download counts its size against the cache's byte budget from the "
+        "moment its objects are listed"))
     stage_lease_s: float = field(default=600.0, metadata=_help(
         "keep a copy /v1/stage handed out from eviction this long (the engine loads from its path)"))
     engine_url: str | None = field(default=None, metadata=_help("engine base URL (http://127.0.0.1:8000)"))

@@ -198,7 +198,7 @@ async def _stage(stager: Stager, push: Push) -> None:
         done = asyncio.Event()
         progressive = push.at_once or push.starting
         forwarder = asyncio.ensure_future(_forward_while_staging(stager, push, done)) if progressive else None
-        todo = version_refs(push.desired)[::-1]  # popped from the end: the push's order
+        todo = _staging_order(stager, push)[::-1]  # popped from the end
         running: dict[asyncio.Future, tuple[str, VersionRef]] = {}
         try:
             while (todo or running) and not push.superseded.is_set():
@@ -222,6 +222,15 @@ async def _stage(stager: Stager, push: Push) -> None:
             done.set()
             if forwarder is not None and not forwarder.done():
                 await forwarder  # one forward at most: the push's own comes next (_finish)
+
+
+def _staging_order(stager: Stager, push: Push) -> list[tuple[str, VersionRef]]:
+    """The push's versions in its order, but those with a copy of their URI cached (a listing to check it is
+    current, no download) first, and those whose staging failed last time (a download that timed out) last: one
+    slow or broken adapter's retry, push after push, held up every version after it, other tenants' new ones too."""
+    failed = set(push.errors)
+    return sorted(version_refs(push.desired), key=lambda nr: ((nr[0], nr[1].version) in failed,
+                                                               stager.last_copy(nr[1].uri) is None))
 
 
 async def _forward_while_staging(stager: Stager, push: Push, done: asyncio.Event) -> None:

@@ -28,8 +28,10 @@ WEIGHTS = b"w" * 4096
 
 
 def config(tmp_path: Path) -> StagerConfig:
+    """One version staged at a time: the tests let each held download go in turn."""
     return StagerConfig(stager_token=TOKEN, stager_cache_dir=str(tmp_path / "cache"), s3_allow=["adapters/team/"],
-                        s3_endpoint="127.0.0.1:9", s3_secure=False, local_roots=[str(tmp_path / "local")])
+                        s3_endpoint="127.0.0.1:9", s3_secure=False, local_roots=[str(tmp_path / "local")],
+                        stage_concurrency=1)
 
 
 def fake_adapter(path: Path, weights: bytes = WEIGHTS) -> Path:

@@ -207,9 +207,10 @@ def cold_errors(report, names: list[str]) -> list[str]:
 @pytest.mark.parametrize("pinned", [False, True])
 async def test_a_store_that_hangs_after_the_push_s_check_costs_it_one_download(s3, adapters, tmp_path, monkeypatch,
                                                                                 pinned):
-    """The store answers the push's first call, then hangs: the first version without a copy calls it and
-    gives up at its download timeout; the other such versions fail at once without calling it (not one
-    timeout each), the cached ones are forwarded, and the next push checks the store again."""
+    """The store answers the push's first call, then hangs: the next call (the first version without a copy, which
+    gives up at its download timeout, or a cached copy's check) finds it hung; the versions without a copy fail at
+    once without calling it (not one timeout each), the cached ones are forwarded, and the next push checks the
+    store again."""
     client = s3.client()
     hot = [f"hang-hot{pinned:d}{i}" for i in range(NUM_CACHED)]
     cold = [f"hang-cold{pinned:d}{i}" for i in range(NUM_COLD)]
@@ -226,20 +227,23 @@ async def test_a_store_that_hangs_after_the_push_s_check_costs_it_one_download(s
 
     with frozen_after_next_listing(stager, s3, monkeypatch):
         report = await asyncio.wait_for(stager.apply(push(2, [*cold, *hot], sha)), HANG_S)
-    assert started == [uri(cold[0])]  # one download called the store
     assert {n: a.stable.uri for n, a in stager.forwarded.items()} == before  # the cached copies
     assert sorted(stager.errors) == sorted((n, "v1") for n in cold)
     errors = cold_errors(report, cold)
     assert all("object store unavailable" in e for e in errors), errors
-    assert "not tried" not in errors[0] and all("not tried" in e for e in errors[1:]), errors
+    if pinned:  # pinned copies need no check: the first version without a copy calls the store
+        assert started == [uri(cold[0])]  # one download called the store
+        assert "not tried" not in errors[0] and all("not tried" in e for e in errors[1:]), errors
+    else:  # copies to check go first (no download): the second check finds the store hung, nothing downloads
+        assert started == [] and all("not tried" in e for e in errors), errors
     assert stager.disk_stats()["store"]["reachable"] is False
     assert stager.registry.get_sample_value("lorafleet_stager_store_up") == 0
-    # Pinned copies need no check: only copies the store could not check are fallbacks.
-    assert stager.registry.get_sample_value("lorafleet_stager_store_fallbacks_total") == (0 if pinned else NUM_CACHED)
+    # Pinned copies need no check: only copies the store could not check are fallbacks (the first one it did).
+    assert stager.registry.get_sample_value("lorafleet_stager_store_fallbacks_total") == (0 if pinned else NUM_CACHED - 1)
 
     await asyncio.wait_for(stager.apply(push(3, [*cold, *hot], sha)), HANG_S)
     assert stager.errors == {} and sorted(stager.forwarded) == sorted([*cold, *hot])
-    assert started[1:] == [uri(n) for n in cold]
+    assert started[-NUM_COLD:] == [uri(n) for n in cold]
     assert stager.registry.get_sample_value("lorafleet_stager_store_up") == 1
 
 
@@ -470,3 +474,24 @@ async def test_more_than_one_object_s_fault_or_throttling_is_the_store_s(s3, ada
     assert answered and stager.store.down_since is not None, errors
     if concurrency == 1:  # side by side, the version after them may be staged before the second fault
         assert "not tried" in errors[2] and "not tried" not in errors[0], errors
+
+
+async def test_a_version_that_failed_last_time_is_staged_after_the_others(s3, adapters, tmp_path, monkeypatch):
+    """A version whose staging fails push after push (a broken or slow adapter, retried by every push) went first
+    when first in the push's order, holding up every version after it, another tenant's new one too. It goes
+    last now, and versions with a copy to check go before those to download."""
+    client = s3.client()
+    for name in ("order-bad", "order-new", "order-hot"):
+        upload_folder(client, "adapters", f"team/{name}/", adapters["v1"])
+    wrong = {"order-bad": "0" * 64}  # its files never hash to it
+    stager = stager_for(s3.endpoint, s3, tmp_path / "cache")
+    await asyncio.wait_for(stager.apply(push(1, ["order-bad", "order-hot"], wrong)), HANG_S)
+    assert list(stager.errors) == [("order-bad", "v1")]
+    started = count_downloads(stager, monkeypatch)
+    checked = []
+    listed = stager.sources.object_etags
+    monkeypatch.setattr(stager.sources, "object_etags", lambda u, **kw: checked.append(u) or listed(u, **kw))
+    await asyncio.wait_for(stager.apply(push(2, ["order-bad", "order-new", "order-hot"], wrong)), HANG_S)
+    assert started == [uri("order-new"), uri("order-bad")]
+    assert checked[0] == uri("order-hot")  # its cached copy checked first
+    assert list(stager.errors) == [("order-bad", "v1")] and sorted(stager.forwarded) == ["order-hot", "order-new"]
