@@ -40,15 +40,17 @@ class SeedReport:
     errors: dict[str, str] = field(default_factory=dict)  # folder -> why it is not served
     adapter_errors: dict[tuple[str, str], str] = field(default_factory=dict)  # (name, UNSTAGED) -> error
     retrying: list[str] = field(default_factory=list)  # folders whose failure may pass: tried again
+    began: float = field(default_factory=time.monotonic)  # the seed's first pass (readiness waits so long at most)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"uri": self.uri, "errors": dict(self.errors), "retrying": list(self.retrying)}
+        return {"uri": self.uri, "errors": dict(self.errors), "retrying": list(self.retrying),
+                "seeding_s": round(time.monotonic() - self.began, 1)}
 
 
-async def seed(stager: Stager, uri: str) -> SeedReport:
+async def seed(stager: Stager, uri: str, began: float | None = None) -> SeedReport:
     """Stage the folders under `uri` the seed does not serve yet, then push every folder served; the
-    report names the others."""
-    report = SeedReport(uri)
+    report names the others. `began`: the seed's first pass (time.monotonic())."""
+    report = SeedReport(uri) if began is None else SeedReport(uri, began=began)
     served = {a.stable.uri: a for a in stager.desired.adapters} if stager.seed_report is not None else {}
     push_start = time.monotonic()  # a store that fails one folder is not tried again for the others
     try:
@@ -82,10 +84,10 @@ async def seed(stager: Stager, uri: str) -> SeedReport:
 async def seed_until_done(stager: Stager, uri: str) -> None:
     """Seed, and again with backoff while a folder may still stage or the push did not reach the
     engine (it may still be starting), until a push from elsewhere takes over."""
-    delay = 0.2
+    delay, began = 0.2, time.monotonic()
     while stager.desired is None or stager.seed_report is not None:
         try:
-            report = await seed(stager, uri)
+            report = await seed(stager, uri, began)
             if not report.retrying:
                 log.info("serving the adapters under %s (%d folders not served)", uri, len(report.errors))
                 return

@@ -25,6 +25,9 @@ from aiohttp import ClientError, ClientSession, ClientTimeout, web
 log = logging.getLogger("lorafleet.worker")
 
 POLL_S = 0.25  # between two looks at the stager's state while loading
+# How long folders whose staging failed for a reason that may pass (the store down at start) hold readiness: one
+# that never stages (larger than the cache, a download that always times out) kept the worker unready for good.
+RETRYING_READY_S = 120.0
 _CALL_TIMEOUT_S = 10.0
 _LISTING = "the stager child is listing and staging them"  # nothing pushed by the seed yet
 
@@ -45,14 +48,15 @@ STARTUP_ADAPTERS = web.AppKey("startup_adapters", StartupAdapters)
 
 
 def seed_progress(state: dict[str, Any], generation_applied: int) -> str | None:
-    """None once the start-up adapters are registered (or have failed for good), else what is awaited.
+    """None once the start-up adapters are registered (or have failed for good, or stayed failing past
+    RETRYING_READY_S: tried again all the same), else what is awaited.
     `state`: the stager's GET /v1/state; `generation_applied`: the generation this worker applied."""
     seed = state.get("seed")
     if seed is None:  # the seed has pushed nothing yet, or a push from elsewhere took over from it
         return None if generation_applied > 0 else _LISTING
-    if retrying := seed.get("retrying"):
+    if (retrying := seed.get("retrying")) and seed.get("seeding_s", 0.0) < RETRYING_READY_S:
         return (f"{len(retrying)} folders failed for a reason that may pass and are tried again: "
-                f"{', '.join(retrying)}; see the stager's log")
+                f"{', '.join(retrying)}; see the stager's log (ready without them after {RETRYING_READY_S:.0f} s)")
     if generation_applied < seed["generation"]:
         return "staged; registering them"
     return None

@@ -16,21 +16,25 @@ from aiohttp import web
 from lorafleet.worker import stager_client
 from lorafleet.worker.engine_config import EngineConfig
 from lorafleet.worker.server import create_app
-from lorafleet.worker.startup_adapters import seed_progress
+from lorafleet.worker.startup_adapters import RETRYING_READY_S, seed_progress
 from lorafleet.worker.worker_config import WorkerConfig
 from tests.worker.test_server import ADMIN, WorkerProcess, worker_args
 
 URI = "s3://adapters/team/"
 
 
-def seed(generation: int, retrying: tuple[str, ...] = (), errors: dict[str, str] | None = None) -> dict:
-    return {"seed": {"uri": URI, "errors": errors or {}, "retrying": list(retrying), "generation": generation}}
+def seed(generation: int, retrying: tuple[str, ...] = (), errors: dict[str, str] | None = None,
+         seeding_s: float = 1.0) -> dict:
+    return {"seed": {"uri": URI, "errors": errors or {}, "retrying": list(retrying), "generation": generation,
+                     "seeding_s": seeding_s}}
 
 
 @pytest.mark.parametrize(("state", "applied", "is_loaded"), [
     ({}, 0, False),  # the seed has pushed nothing yet
     ({}, 3, True),  # a push from elsewhere took over from the seed
     (seed(1, retrying=(URI + "beta/",)), 1, False),  # beta may still stage: it is tried again
+    # ...but not for ever (larger than the cache, a download that always times out): ready without it
+    (seed(1, retrying=(URI + "beta/",), seeding_s=RETRYING_READY_S), 1, True),
     (seed(2), 1, False),  # staged, the push not applied yet
     (seed(2, errors={URI + "_bad/": "not served: a bad name"}), 2, True),  # failed for good: reported, not awaited
     (seed(2), 5, True),
