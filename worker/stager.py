@@ -170,12 +170,15 @@ class Stager:
         return staged
 
     async def _list(self, uri: str, quick: bool, start: float | None = None) -> Etags:
-        """The objects under `uri`: a quick check, or a listing that ends by `download_timeout_s`; `start`:
-        when the call counts as made (default: now)."""
+        """The objects under `uri`: a quick check, or a listing that ends by `download_timeout_s`; `start`: when the
+        call counts as made (default: now). The client's timeouts bound each read: a store answering a byte at a
+        time is cut off here, as silent."""
         start = time.monotonic() if start is None else start
         deadline = None if quick else start + self.config.download_timeout_s
+        limit = 4 * self.config.store_check_timeout_s if quick else deadline - time.monotonic() + 1.0
+        listing = self.store_threads.run(self.sources.object_etags, uri, quick=quick, deadline=deadline)
         try:
-            etags = await self.store_threads.run(self.sources.object_etags, uri, quick=quick, deadline=deadline)
+            etags = await self.store_threads.within(listing, limit, f"{uri}: the listing")
         except Exception as exc:
             self.store.failed(exc, start)
             raise

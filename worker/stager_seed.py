@@ -54,7 +54,8 @@ async def seed(stager: Stager, uri: str, began: float | None = None) -> SeedRepo
     served = {a.stable.uri: a for a in stager.desired.adapters} if stager.seed_report is not None else {}
     push_start = time.monotonic()  # a store that fails one folder is not tried again for the others
     try:
-        folders = await stager.store_threads.run(stager.sources.list_adapters, uri)
+        folders = await stager.store_threads.within(stager.store_threads.run(stager.sources.list_adapters, uri),
+                                                    stager.config.download_timeout_s, f"{uri}: the listing")
     except Exception as exc:
         stager.store.failed(exc, push_start)
         raise

@@ -34,12 +34,13 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from lorafleet.worker.stager_metrics import StagerMetrics
 from lorafleet.worker.staging_errors import is_busy, staging_error
+from lorafleet.worker.store_clients import StoreSilent
 
 log = logging.getLogger("lorafleet.stager")
 T = TypeVar("T")
@@ -139,6 +140,14 @@ class StoreThreads:
 
     async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
+
+    @staticmethod
+    async def within(call: Awaitable[T], limit: float, what: str) -> T:
+        """`call`'s answer, or StoreSilent (an outage) once it ran `limit` seconds."""
+        try:
+            return await asyncio.wait_for(call, limit)
+        except TimeoutError:
+            raise StoreSilent(f"{what} did not end within {limit:.0f} s") from None
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -119,6 +119,18 @@ async def test_a_slow_store_times_out_reports_progress_and_leaves_nothing(s3, ad
     assert stager.cache.entries() == [] and stager.counts["failures"] == 1
 
 
+async def test_a_store_answering_a_byte_at_a_time_is_cut_off_at_the_deadline(s3, adapters, tmp_path):
+    """The client's timeouts bound each read, and a store (or proxy) that sends one byte before each runs out never
+    meets them: a listing went on for ever, holding its push, and the store was never seen down. A listing now
+    ends by --download-timeout-s (a quick check by a few --store-check-timeout-s), as the outage it is."""
+    upload(s3.client(), "team/drip/", adapters["v1"])
+    async with trickling_proxy(s3.port, chunk=1, every_s=0.2) as endpoint:
+        stager = stager_for(endpoint, s3, tmp_path / "cache", download_timeout_s=1.0, store_check_timeout_s=0.5)
+        with pytest.raises(ConnectionError, match="the listing did not end within 2 s"):
+            await asyncio.wait_for(stager.stage("s3://adapters/team/drip/", None), 30)
+        assert stager.store.is_down
+
+
 def test_an_object_replaced_during_the_download_is_never_staged_mixed(s3, adapters, tmp_path):
     client = s3.client()
     files = ("adapter_config.json", "adapter_model.safetensors")  # downloaded in this order
