@@ -61,7 +61,7 @@ from lorafleet.worker.openai_api import openai_routes
 from lorafleet.worker.push_gate import awaiting_push
 from lorafleet.worker.served_adapters import ServedAdapters
 from lorafleet.worker.sources import Sources, SourcesConfig
-from lorafleet.worker.startup_adapters import STARTUP_ADAPTERS, StartupAdapters, watch_seed
+from lorafleet.worker.startup_adapters import STARTUP_ADAPTERS, StartupAdapters, keep_running, watch_seed
 from lorafleet.worker.startup_errors import StartupError
 from lorafleet.worker.startup_refusals import keys_file_refusal, load_refusal
 from lorafleet.worker.tenants import Tenants, TenantsError
@@ -201,14 +201,15 @@ async def _stager_ctx(app: web.Application) -> AsyncIterator[None]:
     log.info("stager child (pid %d) is staging the adapters under %s into %s; log: %s", stager.proc.pid, uri,
              cache_dir, stager.log_path)
     app[STARTUP_ADAPTERS] = startup = StartupAdapters(uri)  # /readyz: 503 until they are registered
-    watch = asyncio.create_task(watch_seed(startup, url=stager.url, token=stager.token,
-                                           generation_applied=lambda: app[ADAPTERS].generation))
+    tasks = [asyncio.create_task(watch_seed(startup, url=stager.url, token=stager.token,
+                                            generation_applied=lambda: app[ADAPTERS].generation)),
+             asyncio.create_task(keep_running(stager))]
     try:
         yield
     finally:
-        watch.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await watch
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await asyncio.to_thread(stager.stop)
 
 

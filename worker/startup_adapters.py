@@ -3,7 +3,8 @@ engine is up and registers them through the worker's admin API; until that push 
 would answer 404 for adapters it is about to serve. So /readyz answers 503 `loading_adapters` until the
 seed's push with no folder left to retry is applied here (or a push from elsewhere took over from the
 seed). Folders that can never be served (a bad name, no safetensors) do not hold readiness back: each
-is reported (the stager's /v1/state, GET /admin/v1/state) and the others are served. (A local --adapters
+is reported (the stager's /v1/state, GET /admin/v1/state) and the others are served. A child that exits is
+started again (`keep_running`). (A local --adapters
 folder is registered before the worker listens; a bad adapter there is logged and the others are served,
 and only a folder where none loads stops the start: worker/adapter_dir.py.)
 
@@ -16,11 +17,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, web
+
+if TYPE_CHECKING:
+    from lorafleet.worker.stager_client import StagerProcess
 
 log = logging.getLogger("lorafleet.worker")
 
@@ -81,3 +86,29 @@ async def watch_seed(startup: StartupAdapters, *, url: str, token: str,
                 return
             startup.detail = detail
             await asyncio.sleep(POLL_S)
+
+
+RESTART_FIRST_S, RESTART_LAST_S = 1.0, 60.0  # a stager child that exited: started again after (doubling)
+
+
+async def keep_running(stager: StagerProcess, poll_s: float = 1.0) -> None:
+    """Start the stager child again whenever it exits, with a growing pause (reset once it ran RESTART_LAST_S): it
+    stages the start-up adapters and tries failed folders again, and a worker whose child had died stayed not
+    ready for good while its /healthz answered, so that nothing restarted it."""
+    delay, started = RESTART_FIRST_S, time.monotonic()
+    while True:
+        await asyncio.sleep(poll_s)
+        if stager.proc is not None and stager.proc.poll() is None:
+            if time.monotonic() - started > RESTART_LAST_S:
+                delay = RESTART_FIRST_S
+            continue
+        code = stager.proc.returncode if stager.proc is not None else None
+        log.warning("the stager child exited (%s); starting it again in %.0f s; its log: %s", code, delay,
+                    stager.log_path)
+        await asyncio.sleep(delay)
+        delay, started = min(2 * delay, RESTART_LAST_S), time.monotonic()
+        try:
+            await asyncio.to_thread(stager.start, 60.0)
+        except Exception as exc:  # noqa: BLE001 - tried again after the next pause
+            log.warning("starting the stager child again failed: %s", exc)
+

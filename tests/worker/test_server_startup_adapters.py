@@ -162,3 +162,36 @@ def test_an_s3_worker_is_ready_once_its_adapters_are_served(tiny_llama_dir, qv_a
                 assert json.loads(r.read())["model"].startswith("beta@")
         finally:
             assert worker.stop() == 0
+
+
+async def test_a_stager_child_that_exits_is_started_again(tmp_path, monkeypatch):
+    """The child stages the start-up adapters: one killed (or crashed) left the worker not ready for good while
+    its /healthz answered, so nothing restarted it. It is started again, on its port and with its token."""
+    import os
+    import signal
+
+    from lorafleet.worker import startup_adapters
+    from lorafleet.worker.stager_client import StagerProcess
+
+    monkeypatch.setattr(startup_adapters, "RESTART_FIRST_S", 0.05)
+    stager = StagerProcess(cache_dir=tmp_path / "cache", log_path=tmp_path / "stager.log")
+    await asyncio.to_thread(stager.start, 60.0)
+    keeper = asyncio.create_task(startup_adapters.keep_running(stager, poll_s=0.05))
+    try:
+        first = stager.proc.pid
+        os.kill(first, signal.SIGKILL)
+        async with asyncio.timeout(60):
+            while stager.proc.pid == first or stager.proc.poll() is not None or not await _answers(stager.url):
+                await asyncio.sleep(0.05)
+    finally:
+        keeper.cancel()
+        await asyncio.gather(keeper, return_exceptions=True)
+        await asyncio.to_thread(stager.stop)
+
+
+async def _answers(url: str) -> bool:
+    try:
+        return (await asyncio.to_thread(_get, url + "/healthz"))[0] == 200
+    except urllib.error.URLError:  # refused: not listening (yet)
+        return False
+
