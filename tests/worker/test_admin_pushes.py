@@ -215,7 +215,8 @@ async def test_a_replaced_version_a_request_will_take_again_stays_in_the_report(
     await push(client, 1, directive("x", qv_adapters_dir / "alpha"))
     pool.load("x@v1")
     slot = pool.acquire("x@v1", "running")
-    moved = directive("x", qv_adapters_dir / "beta") | {"stable": {"version": "v2", "uri": str(qv_adapters_dir / "beta")}}
+    moved = directive("x", qv_adapters_dir / "beta")
+    moved["stable"]["version"] = "v2"
     await push(client, 2, moved)
     pool.load("x@v2")
     pool.release(slot, detach="running")
