@@ -214,7 +214,9 @@ async def test_the_engine_learns_whose_request_it_is_for_fair_seats(aiohttp_clie
             return real(*args, **kwargs)
 
         monkeypatch.setattr(engine, "add_request", add_request)
-        await openai_client(client, key).completions.create(model="tiny", prompt="hi", max_tokens=2, n=2)
+        resp = await client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2, "n": 2},
+                                 headers={"Authorization": f"Bearer {key}"})
+        assert resp.status == 200, await resp.text()
         assert seen[-2:] == [want, want]
 
 
