@@ -9,10 +9,16 @@ was evicted from memory meanwhile.
 
 Running example: push 1 {sql: v1}, push 2 {sql: v2}: v1's copy is held while the engine's report lists
 sql@v1; the report after v2 has loaded no longer does, and the next trim may evict it.
+
+The replaced copies are kept in the cache folder too (REPLACED_FILE), for a sidecar restarted meanwhile: what it
+adopts from the engine is the last push, which no longer names the fallback.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 import time
 from pathlib import Path
 
@@ -20,6 +26,7 @@ from lorafleet.worker.directives import ReportedState
 from lorafleet.worker.staged_copy import Staged
 
 Copies = dict[tuple[str, str], Staged]  # (name, version) -> staged copy
+REPLACED_FILE = ".replaced"  # [[name, version, cache key, sha256], ...]: a file, which the cache ignores
 
 
 class CacheHolds:
@@ -29,7 +36,7 @@ class CacheHolds:
         self.pushing: set[str] = set()  # cache keys the push in progress asked for
         self._leases: dict[str, float] = {}  # cache key -> until when (monotonic) /v1/stage's copy is held
         self._prune_at = 64  # leases counted when the expired ones are next dropped
-        self._replaced: Copies = {}  # copies of versions a push replaced, while the engine reports them
+        self._replaced: Copies = self._read_replaced()  # versions a push replaced, while the engine reports them
 
     def lease(self, key: str) -> None:
         """Hold `key`'s copy for `lease_s`. A push leases every version it stages: the expired leases are
@@ -43,12 +50,30 @@ class CacheHolds:
 
     def hold_replaced(self, old: Copies, new: Copies) -> None:
         """A push swaps the served copies `old` for `new`: the versions it drops stay held (see release_replaced)."""
-        self._replaced = {k: s for k, s in {**self._replaced, **old}.items() if k not in new}
+        self._set_replaced({k: s for k, s in {**self._replaced, **old}.items() if k not in new})
 
     def release_replaced(self, report: ReportedState) -> None:
         """Let go of the replaced versions that the engine's `report` (of the last push, or later) no longer lists."""
         reported = {(a.name, a.version) for a in report.adapters}
-        self._replaced = {k: s for k, s in self._replaced.items() if k in reported}
+        self._set_replaced({k: s for k, s in self._replaced.items() if k in reported})
+
+    def _set_replaced(self, replaced: Copies) -> None:
+        changed, self._replaced = replaced.keys() != self._replaced.keys(), replaced
+        if changed:  # not kept (a full disk): a sidecar restarted then holds the pushed copies only
+            with contextlib.suppress(OSError):
+                partial = self.root / f"{REPLACED_FILE}.{os.getpid()}"
+                partial.write_text(json.dumps([[n, v, s.path.name, s.sha256] for (n, v), s in replaced.items()
+                                               if s.path.parent == self.root]))
+                partial.replace(self.root / REPLACED_FILE)
+
+    def _read_replaced(self) -> Copies:
+        """What an earlier sidecar held as replaced, of copies still cached (the first report lets go of the rest)."""
+        try:
+            listed = json.loads((self.root / REPLACED_FILE).read_text())
+            return {(n, v): Staged(self.root / key, sha, cached=True) for n, v, key, sha in listed
+                    if "/" not in key and not key.startswith(".") and (self.root / key).is_dir()}
+        except (OSError, ValueError, TypeError):
+            return {}
 
     def protected(self, served: Copies) -> set[str]:
         """Cache keys not to evict. Called by the cache's trim in a download thread: it reads copies of what

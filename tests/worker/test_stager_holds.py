@@ -63,6 +63,30 @@ async def test_a_replaced_version_the_engine_still_reports_keeps_its_copy(aiohtt
     assert all(s.path.is_dir() for s in stager.staged.values())
 
 
+async def test_a_sidecar_restarted_during_a_switch_keeps_holding_the_fallback(aiohttp_server, tmp_path, monkeypatch):
+    """The sidecar restarts while the engine still serves v1 as v2's fallback: what it adopts from the engine is
+    the last push (v2 only), so v1's copy was held by nothing and the next download's trim could evict it."""
+    reported = [("sql", "v1")]
+    engine = await stand_in_engine(aiohttp_server, reported)
+    first = Stager(dataclasses.replace(config(tmp_path), engine_url=str(engine.make_url(""))))
+    FakeStore(first, monkeypatch)
+    await first.apply(push(1, sql="v1"))
+    v1 = first.staged[("sql", "v1")].path
+    reported.append(("sql", "v2"))
+    await first.apply(push(2, sql="v2"))
+    assert first.holds.replaced == {("sql", "v1")}
+
+    second = Stager(dataclasses.replace(config(tmp_path), engine_url=str(engine.make_url(""))))  # restarted
+    FakeStore(second, monkeypatch)
+    second.cache.budget_bytes = int(1.5 * dir_bytes(v1))  # one copy fits
+    assert second.holds.replaced == {("sql", "v1")} and v1.name in second.protected()
+    await second.apply(push(3, sql="v2", chat="c1"))  # a download, and its trim
+    assert v1.is_dir()
+    reported.remove(("sql", "v1"))  # v2 has loaded: the engine retired v1
+    await second.apply(push(4, sql="v2", chat="c1", extra="e1"))
+    assert second.holds.replaced == set() and not v1.is_dir()
+
+
 async def test_without_an_engine_nothing_replaced_is_held(tmp_path, monkeypatch):
     stager = Stager(config(tmp_path))
     FakeStore(stager, monkeypatch)
