@@ -42,13 +42,18 @@ def push(generation: int, **stable: str) -> DesiredState:
         for name, version in stable.items()]})
 
 
-async def test_a_replaced_version_the_engine_still_reports_keeps_its_copy(aiohttp_server, tmp_path, monkeypatch):
+async def v1_served(aiohttp_server, tmp_path, monkeypatch):
+    """(the engine's reported versions, its URL, a stager that pushed sql@v1, v1's copy)."""
     reported = [("sql", "v1")]
     engine = await stand_in_engine(aiohttp_server, reported)
     stager = Stager(dataclasses.replace(config(tmp_path), engine_url=str(engine.make_url(""))))
     FakeStore(stager, monkeypatch)
     await stager.apply(push(1, sql="v1"))
-    v1 = stager.staged[("sql", "v1")].path
+    return reported, str(engine.make_url("")), stager, stager.staged[("sql", "v1")].path
+
+
+async def test_a_replaced_version_the_engine_still_reports_keeps_its_copy(aiohttp_server, tmp_path, monkeypatch):
+    reported, _, stager, v1 = await v1_served(aiohttp_server, tmp_path, monkeypatch)
     stager.cache.budget_bytes = int(1.5 * dir_bytes(v1))  # one copy fits
 
     reported.append(("sql", "v2"))  # v2 registered; the engine serves v1 until v2 has loaded
@@ -66,17 +71,12 @@ async def test_a_replaced_version_the_engine_still_reports_keeps_its_copy(aiohtt
 async def test_a_sidecar_restarted_during_a_switch_keeps_holding_the_fallback(aiohttp_server, tmp_path, monkeypatch):
     """The sidecar restarts while the engine still serves v1 as v2's fallback: what it adopts from the engine is
     the last push (v2 only), so v1's copy was held by nothing and the next download's trim could evict it."""
-    reported = [("sql", "v1")]
-    engine = await stand_in_engine(aiohttp_server, reported)
-    first = Stager(dataclasses.replace(config(tmp_path), engine_url=str(engine.make_url(""))))
-    FakeStore(first, monkeypatch)
-    await first.apply(push(1, sql="v1"))
-    v1 = first.staged[("sql", "v1")].path
+    reported, url, first, v1 = await v1_served(aiohttp_server, tmp_path, monkeypatch)
     reported.append(("sql", "v2"))
     await first.apply(push(2, sql="v2"))
     assert first.holds.replaced == {("sql", "v1")}
 
-    second = Stager(dataclasses.replace(config(tmp_path), engine_url=str(engine.make_url(""))))  # restarted
+    second = Stager(dataclasses.replace(config(tmp_path), engine_url=url))  # restarted
     FakeStore(second, monkeypatch)
     second.cache.budget_bytes = int(1.5 * dir_bytes(v1))  # one copy fits
     assert second.holds.replaced == {("sql", "v1")} and v1.name in second.protected()
