@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from lorafleet.worker.peft_adapter import AdapterError, load_peft_adapter
+from tests.ticker import ticking
 from tests.worker.test_peft_adapter import make_adapter
 
 pytest.importorskip("peft")
@@ -128,9 +129,6 @@ def test_a_regex_that_backtracks_without_end_refuses_its_adapter_and_stalls_no_o
     wait, holding the interpreter lock all the while (no probe or request answered); even the `regex`
     engine, which sees through `(.*.*)*!`, does not end this one. It is refused, naming the field, while
     another thread keeps running."""
-    import threading
-    import time
-
     from tests.worker.test_peft_adapter import tiny_base
 
     evil = r"(?:.{1,40}){1,40}\d{3}|.*\.q_proj"  # the second branch keeps it a valid target set
@@ -139,22 +137,9 @@ def test_a_regex_that_backtracks_without_end_refuses_its_adapter_and_stalls_no_o
     make_adapter(tmp_path / "x", r=4, lora_alpha=8, target_modules=["q_proj"])
     config_path = tmp_path / "x" / "adapter_config.json"
     config_path.write_text(json.dumps({**json.loads(config_path.read_text()), **changes}))
-    ticks, done = [], threading.Event()
-
-    def tick():  # another thread: runs while the pattern is matched
-        while not done.is_set():
-            ticks.append(time.monotonic())
-            time.sleep(0.01)
-
-    ticker = threading.Thread(target=tick)
-    ticker.start()
-    try:
-        with pytest.raises(AdapterError, match=f"{field}.*backtracks"):
-            load_peft_adapter(tmp_path / "x", tiny_base().config.to_dict(), dtype=torch.float32,
-                              base_model_name="org/tiny-llama")
-    finally:
-        done.set()
-        ticker.join()
+    with ticking(0.01) as ticks, pytest.raises(AdapterError, match=f"{field}.*backtracks"):
+        load_peft_adapter(tmp_path / "x", tiny_base().config.to_dict(), dtype=torch.float32,
+                          base_model_name="org/tiny-llama")
     assert max(b - a for a, b in zip(ticks, ticks[1:], strict=False)) < 0.15  # never held up for a whole match
 
 

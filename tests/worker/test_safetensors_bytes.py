@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import math
 import random
-import threading
 import time
 
 import pytest
@@ -15,6 +14,7 @@ import safetensors.torch
 import torch
 
 from lorafleet.worker.safetensors_bytes import DTYPES, SafetensorsError, load_tensors
+from tests.ticker import ticking
 
 
 def _sample() -> dict[str, torch.Tensor]:
@@ -112,23 +112,11 @@ def test_other_threads_run_while_a_large_file_is_copied_out():
     """A 256 MiB file in 32 tensors: a thread ticking every millisecond is never held up for the whole load
     (safetensors.torch.load holds the interpreter lock over all of it)."""
     raw = safetensors.torch.save({f"w{i}": torch.full((1024, 2048), float(i)) for i in range(32)})
-    ticks, done = [], threading.Event()
-
-    def tick():
-        while not done.is_set():
-            ticks.append(time.perf_counter())
-            time.sleep(0.001)
-
-    ticker = threading.Thread(target=tick)
-    ticker.start()
-    try:
+    with ticking(0.001) as ticks:
         time.sleep(0.01)
         started = time.perf_counter()
         tensors = load_tensors(raw)
         took = time.perf_counter() - started
-    finally:
-        done.set()
-        ticker.join()
     assert float(tensors["w31"][0, 0]) == 31.0
     during = [b - a for a, b in zip(ticks, ticks[1:], strict=False) if b > started and a < started + took]
     assert len(during) > 1 and max(during) < took  # the ticker kept running during the load

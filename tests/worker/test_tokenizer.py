@@ -7,6 +7,7 @@ import importlib.util
 import pytest
 
 from lorafleet.worker.tokenizer import Tokenizer, TokenizerError
+from tests.ticker import ticking
 
 CHATS = [
     [{"role": "user", "content": "What is the capital of Italy?"}],
@@ -151,7 +152,6 @@ def test_a_long_text_is_encoded_without_holding_the_gil_and_to_the_same_ids(smol
     """A text of megabytes takes seconds to encode; `Tokenizer.encode` of tokenizers holds the GIL throughout, which
     stalled every thread (the event loop, the engine's steps): one tenant's huge prompt froze the worker. A long
     text is encoded so that another thread runs meanwhile, to the ids a plain encode gives."""
-    import threading
     import time
 
     from lorafleet.worker.tokenizer import LONG_TEXT
@@ -159,22 +159,10 @@ def test_a_long_text_is_encoded_without_holding_the_gil_and_to_the_same_ids(smol
     tok = Tokenizer(smollm2_dir)
     text = "The quick brown fox, 12345 jumps; über café 🙂\n" * 40_000  # ~2 MB
     assert len(text) > LONG_TEXT
-    ticks, done = [], threading.Event()
-
-    def ticker() -> None:
-        while not done.is_set():
-            ticks.append(time.monotonic())
-            time.sleep(0.01)
-
-    thread = threading.Thread(target=ticker)
-    thread.start()
-    try:
-        start = time.monotonic()
+    with ticking(0.01) as ticks:
+        start = time.perf_counter()
         ids = tok.encode(text)
-        took = time.monotonic() - start
-    finally:
-        done.set()
-        thread.join()
+        took = time.perf_counter() - start
     gaps = [b - a for a, b in zip(ticks, ticks[1:], strict=False)]
     assert took < 0.3 or max(gaps) < took / 2, (took, max(gaps))  # the other thread ran meanwhile
     assert ids == tok._with_bos(tok._tok.encode(text).ids)
