@@ -84,6 +84,7 @@ class Stager:
         self.downloading: dict[str, tuple[str, int, int]] = {}  # cache key -> (uri, bytes done, total), in progress
         self.generation = 0
         self.unsent: int | None = None  # a generation whose forward the engine refused: taken again if pushed again
+        self.unsent_why = ""  # why (its report's error until a forward reaches the engine)
         self.desired: DesiredState | None = None
         self.forwarded: dict[str, AdapterDirective] = {}  # name -> directive with local paths
         self.staged: dict[tuple[str, str], Staged] = {}  # (name, version) -> staged copy
@@ -358,8 +359,7 @@ class Stager:
         for a in report.adapters:
             found.setdefault((a.name, a.version), a)
         unloaded = [key for key in staged if key not in found]
-        # Sized off the event loop: a local source's folder may be on a slow mount.
-        sizes = await asyncio.to_thread(lambda: [dir_bytes(staged[key].path) for key in unloaded])
+        sizes = await asyncio.to_thread(lambda: [dir_bytes(staged[key].path) for key in unloaded])  # slow mounts
         for key, size in zip(unloaded, sizes, strict=True):
             found[key] = AdapterState(*key, tier="disk", bytes=size)
             report.adapters.append(found[key])
@@ -372,14 +372,14 @@ class Stager:
         for key, uri in sorted(self.pending.items()):  # the push's versions still being staged, and how far
             if key not in found:
                 done, total = progress.get(uri, (None, 0))
-                found[key] = AdapterState(*key, tier="none", staging=True, bytes=total, bytes_done=done)
-                report.adapters.append(found[key])
+                report.adapters.append(found.setdefault(key, AdapterState(*key, tier="none", staging=True, bytes=total,
+                                                                          bytes_done=done)))
         for key, message in self.errors.items():
             if key not in found:
-                found[key] = AdapterState(*key, tier="none", error=message)
-                report.adapters.append(found[key])
-            elif found[key].error is None:
-                found[key].error = message
+                report.adapters.append(found.setdefault(key, AdapterState(*key, tier="none")))
+            found[key].error = found[key].error or message
+        if report.error is None and self.unsent == self.generation and self.unsent_why:  # said in pool statuses
+            report.error = f"push {self.generation} did not reach the engine: {self.unsent_why}"
         return report
 
     def disk_stats(self) -> dict[str, Any]:

@@ -369,8 +369,9 @@ async def _forward(stager: Stager, push: Push, forwarded: dict[str, AdapterDirec
         return True
     try:
         await stager.engine.forward(state)
-    except BaseException:
+    except BaseException as exc:
         stager.unsent = push.desired.generation  # sent again with its generation, it is applied, not a no-op
+        stager.unsent_why = str(exc) if isinstance(exc, Exception) else ""
         raise
     stager.unsent = None
     push.forwarded = True

@@ -272,6 +272,12 @@ async def test_an_engine_error_is_tried_again_and_a_refusal_is_not(aiohttp_serve
     else:  # the staged set's forward and the push's own, each refused; no retry after them
         await asyncio.sleep(RETRY_FIRST_S + 1)
         assert len(puts) <= 2 and not client.app[STAGER].delivered
+    # The report says why the push is not applied (the operator puts it in the pool's and adapters' status).
+    error = (await (await client.get("/v1/state", headers=AUTH)).json())["error"]
+    if retried:
+        assert error is None
+    else:
+        assert error.startswith("push 3 did not reach the engine: engine refused") and "401" in error, error
 
 
 async def _starting_adopt(stager) -> str:
