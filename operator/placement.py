@@ -24,20 +24,21 @@ def spec_bytes(a: AdapterSpec, workers: list[WorkerIndex]) -> int:
     return stable + canary_bytes(a, workers, default=stable)
 
 
-def reported_bytes(a: AdapterSpec, workers: list[WorkerIndex]) -> int:
-    """The largest size a worker reports for ``a``'s stable version once staged (a staging one's ``bytes`` is
-    its download's); 0 while none does."""
+def reported_bytes(a: AdapterSpec, workers: list[WorkerIndex], *, staging: bool = False) -> int:
+    """The largest size a worker reports for ``a``'s stable version once staged; with ``staging``, also the size
+    of a download in progress (its objects' total, known once listed); 0 while none does."""
     return max([0, *(s.bytes for x in workers for s in x.by_name.get(a.name, ())
-                     if s.version == a.version and not s.staging)])
+                     if s.version == a.version and (staging or not s.staging))])
 
 
-def canary_bytes(a: AdapterSpec, workers: list[WorkerIndex], *, default: int = 0) -> int:
-    """Bytes of ``a``'s canary version: the largest a worker reports now or reported before (status.canaryBytes,
-    kept after the workers dropped it); ``default`` while no size is known; 0 without a canary."""
+def canary_bytes(a: AdapterSpec, workers: list[WorkerIndex], *, default: int = 0, staging: bool = False) -> int:
+    """Bytes of ``a``'s canary version: the largest a worker reports now (``staging``: as in reported_bytes) or
+    reported before (status.canaryBytes, kept after the workers dropped it); ``default`` while no size is known;
+    0 without a canary."""
     if a.canary is None:
         return 0
     sizes = [s.bytes for x in workers for s in x.by_name.get(a.name, ()) if s.version == a.canary.version
-             and not s.staging]
+             and (staging or not s.staging)]
     return max([a.known_canary_bytes, *sizes]) or default
 
 

@@ -54,7 +54,7 @@ from lorafleet.operator.pinned_need import PinnedNeed, pool_pinned_need
 from lorafleet.operator.placement import canary_bytes, place_warm, warm_count
 from lorafleet.operator.reports import WorkerIndex, WorkerReport
 from lorafleet.operator.statuses import adapter_status, pool_status, unserved_status
-from lorafleet.operator.tenant_quota import over_quota, refused_size, size_settled
+from lorafleet.operator.tenant_quota import SizeWait, over_quota, refused_size, size_settled
 from lorafleet.operator.tenant_sources import foreign_regions, own_folders, source_problem
 from lorafleet.worker.directives import AdapterDirective, DesiredState, DirectiveError, VersionRef
 
@@ -195,7 +195,8 @@ def reconcile_pool(pool: PoolSpec | None, adapters: Sequence[AdapterSpec | Inval
             continue
         a = served.get(x.name)
         if a is None:  # a pool-level reason (the pool is missing or invalid) degrades; a bad spec fails
-            phase = "Degraded" if pool is None and isinstance(x, AdapterSpec) else "Failed"
+            phase = "Degraded" if pool is None and isinstance(x, AdapterSpec) else \
+                "Pending" if isinstance(failures[x.name], SizeWait) else "Failed"
             if pool is None and pool_error is not None and isinstance(x, AdapterSpec):
                 # An invalid pool leaves its pods as they are: say what they still serve, and that this
                 # spec, which parsed, could not be checked against the pool (not that it was refused).

@@ -21,6 +21,7 @@ from typing import Any
 from lorafleet.operator.crd_models import AdapterSpec, InvalidAdapter, PoolSpec
 from lorafleet.operator.placement import UNKNOWN_BYTES, adapter_bytes, copy_slots
 from lorafleet.operator.reports import WorkerIndex, WorkerReport
+from lorafleet.operator.tenant_quota import SizeWait
 
 MAX_LISTED = 3  # pods a status message names for one thing (downloads in progress), then "and N more"
 
@@ -112,7 +113,9 @@ def adapter_status(a: AdapterSpec, live: list[WorkerIndex], warm_pods: list[str]
                     f"{pod} {_split_text(_used(split))}" for pod, split in sorted(reported.items()))
         canary_active = canary_weight > 0
     target = len(warm_pods)
-    if failure is not None:
+    if isinstance(failure, SizeWait):  # a byte quota's wait for another version's size: not the spec's fault
+        phase, msg = "Pending", f"{failure}; version {a.version} serves meanwhile"
+    elif failure is not None:
         phase = "Failed"
         msg = f"{failure}; the last valid spec (version {a.version}) stays in force until the spec is fixed"
     elif not live and silent:

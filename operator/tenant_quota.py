@@ -8,26 +8,44 @@ from collections.abc import Sequence
 from typing import Any
 
 from lorafleet.operator.crd_models import AdapterSpec, InvalidAdapter, PoolSpec
-from lorafleet.operator.placement import reported_bytes, spec_bytes
+from lorafleet.operator.placement import canary_bytes, reported_bytes
 from lorafleet.operator.reports import WorkerIndex
+from lorafleet.worker.directives import AdapterState
+
+
+class SizeWait(str):
+    """A quota refusal that is a wait (phase Pending): under a byte quota a tenant's versions of unknown size are
+    staged one at a time, as each is sized only once a worker listed its objects."""
 
 
 def over_quota(pool: PoolSpec | None, adapters: list[AdapterSpec], workers: Sequence[WorkerIndex] = ()
                ) -> dict[str, str]:
     """Tenant quota over the specs in force: adapter name -> message naming spec.tenant. A spec's bytes are
-    its stable version's and its canary's (placement.spec_bytes)."""
+    its stable version's and its canary's, as workers report them (a download in progress counts its size).
+
+    Under ``maxBytes`` a version no worker has sized yet counts 0, so one such spec of a tenant is admitted at a
+    time (the one its workers are already staging, else the first in order): the others wait for its size
+    (a SizeWait), as each admitted version is downloaded by every worker of the pool, then refused if over.
+    A spec whose unknown version failed on every worker that reports it does not hold the others up."""
     if pool is None:
         return {}
     failures: dict[str, str] = {}
     by_tenant: dict[str, list[AdapterSpec]] = defaultdict(list)
     for a in adapters:
         by_tenant[a.tenant].append(a)
+    served = {name for w in workers for name in w.by_name}
     for tenant, group in by_tenant.items():
-        # First come, first served within a priority: a new adapter never evicts an admitted older one.
-        group.sort(key=lambda a: (-a.priority, a.created, a.name))
+        # First come, first served within a priority: a new adapter never evicts an admitted older one. Creation
+        # times have one-second steps: within one, an adapter already in force (admitted before, or held by a
+        # worker) comes before a newcomer, then the names decide.
+        group.sort(key=lambda a: (-a.priority, a.created, a.last_valid is None and a.name not in served, a.name))
+        sized = {a.name: _quota_bytes(a, workers) for a in group}
+        unsized = [a for a in group if sized[a.name][1] and not _failed(a, sized[a.name][1], workers)]
+        staging = [a.name for a in unsized if any(s.error is None for s in _said(a, sized[a.name][1], workers))]
+        sizing = (staging or [a.name for a in unsized] or [None])[0]
         num_admitted = total = 0  # a refused adapter takes neither a slot nor bytes of the quota
         for a in group:
-            size = spec_bytes(a, list(workers))
+            size, unknown = sized[a.name]
             if pool.max_adapters_per_tenant is not None and num_admitted >= pool.max_adapters_per_tenant:
                 failures[a.name] = (f"spec.tenant: tenant {tenant!r} is over LoRAPool {pool.name!r} "
                                     f"spec.tenantQuota.maxAdapters ({pool.max_adapters_per_tenant}); delete "
@@ -37,10 +55,38 @@ def over_quota(pool: PoolSpec | None, adapters: list[AdapterSpec], workers: Sequ
                 failures[a.name] = (f"spec.tenant: tenant {tenant!r} is over LoRAPool {pool.name!r} "
                                     f"spec.tenantQuota.maxBytes ({pool.max_bytes_per_tenant} bytes; "
                                     f"{total + size} {what})")
+            elif pool.max_bytes_per_tenant is not None and unknown and a.name != sizing \
+                    and not _failed(a, unknown, workers):
+                failures[a.name] = SizeWait(
+                    f"spec.tenant: waiting: tenant {tenant!r} has a byte quota (LoRAPool {pool.name!r} "
+                    f"spec.tenantQuota.maxBytes), and its versions of unknown size are staged one at a time; "
+                    f"{sizing!r} is being sized first")
             else:
                 num_admitted += 1
                 total += size
     return failures
+
+
+def _quota_bytes(a: AdapterSpec, workers: Sequence[WorkerIndex]) -> tuple[int, set[str]]:
+    """(bytes the quota counts for ``a``: its stable version's and its canary's sizes as known, a download in
+    progress included; the versions whose size is not known yet)."""
+    stable = max(a.known_bytes, reported_bytes(a, list(workers), staging=True))
+    canary = canary_bytes(a, list(workers), staging=True)
+    unknown = {a.version} if stable == 0 else set()
+    if a.canary is not None and canary == 0:
+        unknown.add(a.canary.version)
+    return stable + canary, unknown
+
+
+def _said(a: AdapterSpec, versions: set[str], workers: Sequence[WorkerIndex]) -> list[AdapterState]:
+    return [s for w in workers for s in w.by_name.get(a.name, ()) if s.version in versions]
+
+
+def _failed(a: AdapterSpec, versions: set[str], workers: Sequence[WorkerIndex]) -> bool:
+    """Whether the workers that report ``versions`` of ``a`` all report their error (a download that failed
+    costs no room; it is tried again with a backoff)."""
+    said = _said(a, versions, workers)
+    return bool(said) and all(s.error is not None and not s.staging for s in said)
 
 
 def size_settled(pool: PoolSpec | None, a: AdapterSpec, live: list[WorkerIndex]) -> bool:
@@ -49,13 +95,13 @@ def size_settled(pool: PoolSpec | None, a: AdapterSpec, live: list[WorkerIndex])
     must still fall back to the spec before it, not find itself as the last valid one."""
     if pool is None or pool.max_bytes_per_tenant is None or a.last_valid is None or a.last_valid.version == a.version:
         return True
-    return max(a.known_bytes, reported_bytes(a, live)) > 0
+    return max(a.known_bytes, reported_bytes(a, live, staging=True)) > 0
 
 
 def refused_size(x: AdapterSpec | InvalidAdapter, status: dict[str, Any], live: list[WorkerIndex]) -> dict[str, Any]:
     """The status of a refused spec with the size workers report for its version (status.refusedBytes; kept
     while none does): once they dropped a version over the tenant's byte quota, its size keeps it out until
     the spec (its version) or the quota changes, rather than it being admitted and downloaded again."""
-    if isinstance(x, AdapterSpec) and (size := reported_bytes(x, live)):
+    if isinstance(x, AdapterSpec) and (size := reported_bytes(x, live, staging=True)):
         status["refusedBytes"] = {"version": x.version, "bytes": size}
     return status

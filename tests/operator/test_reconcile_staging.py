@@ -70,18 +70,23 @@ def test_a_failed_version_being_staged_again_is_not_pushed_again_until_its_retry
         assert ("being staged again" in st["message"]) is staging
 
 
-def test_a_download_s_size_counts_for_no_quota_and_a_few_pods_are_named():
-    """A version being staged reports its download's total (`bytes`, twice the adapter's size while one URI
-    downloads under two cache keys): it counts for no tenant quota or placement, only the sizes of staged
-    copies do. The status names three pods' downloads, then how many more."""
+def test_a_download_s_size_counts_for_the_quota_and_a_few_pods_are_named():
+    """A version being staged reports its download's total (`bytes`, its objects' size once listed): the tenant
+    byte quota counts it, so a version over the quota is refused while it downloads, not once every pod has it.
+    The status names three pods' downloads, then how many more."""
     ws = workers(5)
     spec = adapter("a")
-    quota = pool(tenantQuota={"maxBytes": "10Mi"})
-    pushes = reconcile_pool(quota, [spec], ws, now=NOW).pushes
+    roomy, tight = pool(tenantQuota={"maxBytes": "100Mi"}), pool(tenantQuota={"maxBytes": "10Mi"})
+    pushes = reconcile_pool(roomy, [spec], ws, now=NOW).pushes
     for w in ws:
         w.last_pushed = pushes[w.pod]
         w.reported = ReportedState(generation_applied=pushes[w.pod].generation, adapters=[
             AdapterState("a", "v1", "none", staging=True, bytes=64 << 20, bytes_done=1 << 20)])
-    st = reconcile_pool(quota, [spec], ws, now=NOW).adapter_statuses["a"]
+    refused = reconcile_pool(tight, [spec], ws, now=NOW)
+    assert refused.adapter_statuses["a"]["phase"] == "Failed"
+    assert "spec.tenantQuota.maxBytes (10485760 bytes; 67108864" in refused.adapter_statuses["a"]["message"]
+    assert refused.adapter_statuses["a"]["refusedBytes"] == {"version": "v1", "bytes": 64 << 20}
+    assert all(d.adapters == [] for d in refused.desired.values())
+    st = reconcile_pool(roomy, [spec], ws, now=NOW).adapter_statuses["a"]
     assert st["phase"] == "Loading", st["message"]
     assert "downloading on w0 v1 1.0/64.0 MiB, w1 v1 1.0/64.0 MiB, w2 v1 1.0/64.0 MiB and 2 more" in st["message"]
