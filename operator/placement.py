@@ -52,8 +52,17 @@ def copy_slots(a: AdapterSpec) -> int:
     return 2 if a.canary is not None else 1
 
 
+class Placement(dict[str, list[str]]):
+    """adapter name -> pods that keep it GPU-resident; ``canary_pods``: name -> those of them where its canary
+    was given room beside it (elsewhere the worker prefetches it only into free room: it may stay off the GPU)."""
+
+    def __init__(self, *args, canary_pods: dict[str, set[str]] | None = None) -> None:
+        super().__init__(*args)
+        self.canary_pods = canary_pods or {}
+
+
 def place_warm(adapters: list[AdapterSpec], workers: list[WorkerIndex], *, default_capacity: int = 0,
-               quiet: list[WorkerIndex] = ()) -> dict[str, list[str]]:
+               quiet: list[WorkerIndex] = ()) -> Placement:
     """adapter name -> pods that keep it GPU-resident (see reconcile.py's docstring for the policy). ``quiet``:
     pods whose sidecar missed this pass's answer (their last answer stands in): the copies they keep stay
     placed there, but none is added (they could not be told)."""
@@ -123,7 +132,8 @@ def place_warm(adapters: list[AdapterSpec], workers: list[WorkerIndex], *, defau
             add_canaries(a)
         for a in ranked:
             place(a, keeping, canary=True)
-    return {name: sorted(pods) for name, pods in placement.items()}
+    return Placement(((name, sorted(pods)) for name, pods in placement.items()), canary_pods={
+        a.name: {pod for pod in placement[a.name] if (a.name, pod) in with_canary} for a in adapters if a.canary})
 
 
 def holds(w: WorkerIndex, a: AdapterSpec) -> bool:

@@ -51,7 +51,7 @@ from typing import Any, NamedTuple
 
 from lorafleet.operator.crd_models import AdapterSpec, InvalidAdapter, PoolSpec, Source
 from lorafleet.operator.pinned_need import PinnedNeed, pool_pinned_need
-from lorafleet.operator.placement import canary_bytes, place_warm, warm_count
+from lorafleet.operator.placement import Placement, canary_bytes, place_warm, warm_count
 from lorafleet.operator.reports import WorkerIndex, WorkerReport
 from lorafleet.operator.statuses import adapter_status, pool_status, unserved_status
 from lorafleet.operator.tenant_quota import SizeWait, over_quota, refused_size, size_settled
@@ -71,7 +71,7 @@ class PoolSettings(NamedTuple):
 class PoolPlan:
     desired: dict[str, DesiredState] = field(default_factory=dict)  # pod -> full desired state
     pushes: dict[str, DesiredState] = field(default_factory=dict)  # pod -> what to push now
-    placement: dict[str, list[str]] = field(default_factory=dict)  # adapter -> pods keeping it warm
+    placement: Placement = field(default_factory=Placement)  # adapter -> pods keeping it warm
     adapter_statuses: dict[str, dict[str, Any]] = field(default_factory=dict)
     unloading: dict[str, list[str]] = field(default_factory=dict)  # deleting adapter -> pods still holding it
     pool_status: dict[str, Any] = field(default_factory=dict)
@@ -213,6 +213,7 @@ def reconcile_pool(pool: PoolSpec | None, adapters: Sequence[AdapterSpec | Inval
         status = adapter_status(a, live + quiet, plan.placement[x.name], now=now,
                                 requested=min(warm_count(a, len(live + quiet)), len(live) + kept_quiet),
                                 silent=[w.pod for w in workers if w.reported is None],
+                                canary_pods=plan.placement.canary_pods.get(x.name),
                                 failure=failure)
         if failure is None and size_settled(pool, a, live):
             status["lastValidSpec"] = a.spec_json

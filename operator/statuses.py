@@ -37,9 +37,10 @@ def condition(old: dict[str, Any], ctype: str, ok: bool | None, reason: str, mes
 
 
 def adapter_status(a: AdapterSpec, live: list[WorkerIndex], warm_pods: list[str], *, now: str,
-                   requested: int | None = None, failure: str | None = None, silent: Sequence[str] = ()
-                   ) -> dict[str, Any]:
-    """The status of an adapter served as ``a``. ``failure``: why its current spec is refused while ``a``,
+                   requested: int | None = None, failure: str | None = None, silent: Sequence[str] = (),
+                   canary_pods: set[str] | None = None) -> dict[str, Any]:
+    """The status of an adapter served as ``a``. ``canary_pods``: the warm pods where placement gave its canary
+    room (None: all of them); on the others it loads on demand. ``failure``: why its current spec is refused while ``a``,
     its last valid spec, stays in force (phase Failed, yet the fields say what is really served). ``silent``:
     ready pods whose sidecar did not answer; with none that did, the last status's versions and instances
     stay (those pods may still serve them)."""
@@ -48,6 +49,7 @@ def adapter_status(a: AdapterSpec, live: list[WorkerIndex], warm_pods: list[str]
     registered = resident = canary_registered = canary_resident = 0
     size = 0
     warm_set = set(warm_pods)
+    canary_set = warm_set if canary_pods is None else warm_set & canary_pods
     for w in live:
         for st in w.by_name.get(a.name, ()):
             if st.error:
@@ -76,7 +78,7 @@ def adapter_status(a: AdapterSpec, live: list[WorkerIndex], warm_pods: list[str]
                 resident += w.pod in warm_set and st.tier == "gpu"
             elif a.canary is not None and st.version == a.canary.version:
                 canary_registered += 1
-                canary_resident += w.pod in warm_set and st.tier == "gpu"  # a warm worker prefetches it too
+                canary_resident += w.pod in canary_set and st.tier == "gpu"  # a warm worker prefetches it too
     instances.sort(key=lambda i: (i["pod"], i["version"]))
     canary_version = a.canary.version if a.canary and canary_registered else None
     canary_weight = a.canary.weight if canary_version else 0
@@ -139,19 +141,23 @@ def adapter_status(a: AdapterSpec, live: list[WorkerIndex], warm_pods: list[str]
                f"{need} adapter slot{'s' if need > 1 else ''} (their --max-loras) in their GPU adapter pool; "
                f"it is served on demand elsewhere")
     elif (registered == len(live) and resident == target and not pending
-          and (a.canary is None or (canary_registered == len(live) and canary_resident == target))):
+          and (a.canary is None or (canary_registered == len(live) and canary_resident == len(canary_set)))):
         phase = "Ready"
         msg = (f"{a.version} GPU-resident on {resident}/{target} warm workers, registered on {registered}"
                if target else f"{a.version} on demand (warm: 0), registered on {registered} workers")
         if canary_version:
             msg += f"; canary {canary_version} at {a.canary.weight}%"
+            if len(canary_set) < target:
+                msg += (f", loaded on demand on {', '.join(sorted(warm_set - canary_set))} (no GPU room beside "
+                        f"the stable copy)")
     else:
         phase = "Loading"
         msg = (f"{a.version}: registered on {registered}/{len(live)} workers, GPU-resident on "
                f"{resident}/{target} warm workers")
         if a.canary is not None:
-            msg += (f"; canary {a.canary.version} registered on {canary_registered}/{len(live)}, GPU-resident on "
-                    f"{canary_resident}/{target} warm workers")
+            msg += f"; canary {a.canary.version} registered on {canary_registered}/{len(live)}, " + (
+                f"GPU-resident on {canary_resident}/{len(canary_set)} warm workers with room for it" if canary_set
+                else "loaded on demand (no warm worker has GPU room for it beside the stable copy)")
         if pending:
             msg += "; the traffic split is not applied yet on " + ", ".join(
                 f"{pod} ({_split_text(split)})" for pod, split in sorted(pending.items()))

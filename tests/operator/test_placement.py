@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from lorafleet.operator.reconcile import WorkerReport, reconcile_pool
+from lorafleet.worker.directives import AdapterState, ReportedState
 
 from .test_reconcile import MB, NOW, adapter, converge, pool, report, workers
 
@@ -147,3 +148,24 @@ def test_placement_balances_slots_as_well_as_bytes():
     assert sum(per_pod.values()) == 21 and max(per_pod.values()) <= 11
     assert all(len(pods) == 1 for pods in plan.placement.values())
     assert all(st_["phase"] != "Degraded" for st_ in plan.adapter_statuses.values())
+
+
+def test_a_warm_copy_kept_for_its_stable_version_alone_is_ready_with_its_canary_on_demand():
+    """One GPU slot: placement keeps the warm copy for the stable version and the canary loads on demand (the
+    worker prefetches it into free room only). The status is Ready and says so, not Loading for ever."""
+    a = adapter("a", warm=1, canary=CANARY)
+    for slots, phase in ((1, "Ready"), (4, "Loading")):
+        ws = [WorkerReport("w0", ReportedState(pool_slots=slots, pool_bytes=1 << 30))]
+        for _ in range(2):  # the worker applies the push: the stable version on the GPU, the canary on CPU
+            plan = reconcile_pool(pool(), [a], ws, now=NOW)
+            ws[0].last_pushed = plan.desired["w0"]
+            ws[0].reported = ReportedState(generation_applied=plan.desired["w0"].generation, pool_slots=slots,
+                                           pool_bytes=1 << 30, adapters=[
+                AdapterState("a", "v1", "gpu", bytes=10 * MB, traffic_percent=80),
+                AdapterState("a", "v2", "cpu", bytes=10 * MB, traffic_percent=20)])
+        st = reconcile_pool(pool(), [a], ws, now=NOW).adapter_statuses["a"]
+        assert st["phase"] == phase, st["message"]
+        if slots == 1:
+            assert "canary v2 at 20%, loaded on demand on w0 (no GPU room beside the stable copy)" in st["message"]
+        else:  # room for both: the canary is expected GPU-resident too
+            assert "GPU-resident on 0/1 warm workers with room for it" in st["message"]
