@@ -300,7 +300,10 @@ def _frozen(link, frozen: dict[int, tuple], interned: dict[tuple, tuple]) -> tup
 def compile_grammar(text: str) -> GrammarMachine:
     """A grammar's machine (RegexError when it cannot be held), compiled once per text: requests that send
     the same grammar share it, its step memo and the vocabulary's masks."""
-    return GrammarMachine(text)
+    try:
+        return GrammarMachine(text)
+    except RecursionError:  # e.g. a chain of hundreds of rules, or thousands of stacked repetitions
+        raise RegexError("the grammar nests too deeply to compile (chained rules or stacked repetitions)") from None
 
 
 class GbnfGrammar(TextGrammar):

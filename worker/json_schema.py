@@ -385,13 +385,19 @@ MAX_CACHED = 64
 
 def compile_schema(schema: Any) -> JsonSchema:
     """The compiled schema (SchemaError when it cannot be enforced); the same schema text compiles once."""
-    text = _canonical(schema)
+    try:
+        text = _canonical(schema)
+    except RecursionError:
+        raise SchemaError(f"the schema nests deeper than {MAX_DEPTH} levels") from None
     with _CACHE_LOCK:
         hit = _CACHE.get(text)
         if hit is not None:
             _CACHE.move_to_end(text)
             return hit
-    compiled = JsonSchema(schema)
+    try:
+        compiled = JsonSchema(schema)
+    except RecursionError:  # a pattern or a chain of references deeper than the checks follow
+        raise SchemaError("the schema nests too deeply to compile") from None
     with _CACHE_LOCK:
         compiled = _CACHE.setdefault(text, compiled)
         _CACHE.move_to_end(text)

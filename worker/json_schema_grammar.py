@@ -47,7 +47,7 @@ from bisect import bisect_left
 from typing import Any
 
 from lorafleet.worker.json_constraint import _NUMBER_ENDS, _PLAIN_RUN, _WS, string_byte
-from lorafleet.worker.json_schema import JsonSchema, compile_schema
+from lorafleet.worker.json_schema import JsonSchema, SchemaError, compile_schema
 from lorafleet.worker.json_schema_bounds import length_cap, number_byte, number_text_takes
 from lorafleet.worker.json_schema_check import takes
 from lorafleet.worker.json_schema_item_reader import ItemReader, distinct_start, fold
@@ -354,5 +354,8 @@ def schema_grammar(schema: Any, compact: bool = False) -> SchemaGrammar:
     compiled = compile_schema(schema)
     grammar = compiled.grammars.get(compact)
     if grammar is None:
-        grammar = compiled.grammars[compact] = SchemaGrammar(compiled, compact)
+        try:
+            grammar = compiled.grammars[compact] = SchemaGrammar(compiled, compact)
+        except RecursionError:
+            raise SchemaError("the schema nests too deeply to compile") from None
     return grammar

@@ -88,7 +88,10 @@ def pending_chars(pending: bytes) -> list[tuple[int, int]]:
 @lru_cache(maxsize=16)
 def compile_pattern(pattern: str, search: bool, json_string: bool) -> Regex:
     """A pattern's Regex (RegexError when it cannot be held), compiled once per text and reading."""
-    return Regex(pattern, search=search, writable=JSON_TEXT if json_string else TEXT)
+    try:
+        return Regex(pattern, search=search, writable=JSON_TEXT if json_string else TEXT)
+    except RecursionError:  # e.g. thousands of stacked quantifiers: each level is one more call deep
+        raise RegexError("the pattern nests too deeply to compile (stacked quantifiers or groups)") from None
 
 
 DONE = "done"

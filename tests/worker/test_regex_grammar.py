@@ -184,3 +184,30 @@ def test_regex_masks_through_the_class_trie_equal_a_token_by_token_check(grammar
               "b\n", "\\n", "\\\"", "AB", "ABC", "C1", "\"}", "@", "x@y", "\"code\":\"", "{\"", "\":\"", " ", "ab\"q"]
     tokens = [p.encode("latin-1") if p in ("\xc3", "\xa9") else p.encode() for p in pieces]
     assert check_masks(JsonVocab([*tokens, None]), grammar, random.Random(6), walks=10, steps=25) > 60
+
+
+def _nested_object(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+def test_inputs_nesting_past_the_interpreters_stack_are_refused_as_the_requests_fault():
+    """Stacked quantifiers, chains of rules and deep schemas each recurse once per level: a RecursionError
+    from a crafted input is the request's error (a 400 naming it), never the worker's (a 500)."""
+    from lorafleet.worker.gbnf import GbnfGrammar
+
+    for pattern in ("a" + "{1}" * 1300, "a" + "*" * 1500):
+        with pytest.raises(RegexError, match="nests too deeply"):
+            RegexGrammar(pattern)
+        with pytest.raises(SchemaError, match="nests too deeply"):
+            schema_grammar({"type": "string", "pattern": pattern})
+    chain = "root::=a0\n" + "".join(f'a{i}::=a{i + 1} "x"\n' for i in range(500)) + 'a500::="z"\n'
+    for grammar in ('root ::= "a"' + "{1}" * 3000, chain):
+        with pytest.raises(RegexError, match="nests too deeply"):
+            GbnfGrammar(grammar)
+    with pytest.raises(SchemaError, match="nests"):
+        schema_grammar(_nested_object(480))
+    with pytest.raises(SchemaError, match="nests"):
+        schema_grammar(_nested_object(5000))
