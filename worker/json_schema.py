@@ -55,7 +55,7 @@ from lorafleet.worker.json_schema_bounds import (
     value_fits,
 )
 from lorafleet.worker.json_schema_keys import most_keys, object_keys
-from lorafleet.worker.json_schema_unions import all_finite, one_of_overlap, unique_items
+from lorafleet.worker.json_schema_unions import all_finite, one_of_problem, unique_items
 from lorafleet.worker.regex_dfa import Regex, RegexError
 from lorafleet.worker.regex_length import MAX_LENGTH_WORK, NoText
 
@@ -132,11 +132,8 @@ class JsonSchema:
         self.root = self._node(self.document, "#", 0)
         for i in range(len(self.nodes)):  # every union's alternatives, now: a $ref loop fails here, not while sampling
             self.alternatives(i)
-        for where, parts in self._one_of:
-            if (overlap := one_of_overlap(self, parts)) is not None:
-                raise SchemaError(f"{where}.oneOf: {overlap}, and exactly one must match, which cannot be held while "
-                                  "sampling; make them disjoint (e.g. a required property with a different const in "
-                                  "each) or use anyOf")
+        if (problem := one_of_problem(self, self._one_of)) is not None:
+            raise SchemaError(problem)
         for sid, where in self._unique:  # uniqueItems: the distinct items each such array may take
             i = self._compiled[sid]
             if isinstance(cap := unique_items(self, self.nodes[i]), str):
@@ -374,8 +371,8 @@ def _checked(where: str, parse, *args):
 def _canonical(schema: Any) -> str:
     try:
         return json.dumps(schema, sort_keys=True, separators=(",", ":"), allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        raise SchemaError(f"the schema is not plain JSON ({exc})") from None
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise SchemaError(f"the schema is not plain JSON or nests too deeply ({exc})") from None
 
 
 _CACHE: OrderedDict[str, JsonSchema] = OrderedDict()
@@ -385,10 +382,7 @@ MAX_CACHED = 64
 
 def compile_schema(schema: Any) -> JsonSchema:
     """The compiled schema (SchemaError when it cannot be enforced); the same schema text compiles once."""
-    try:
-        text = _canonical(schema)
-    except RecursionError:
-        raise SchemaError(f"the schema nests deeper than {MAX_DEPTH} levels") from None
+    text = _canonical(schema)
     with _CACHE_LOCK:
         hit = _CACHE.get(text)
         if hit is not None:

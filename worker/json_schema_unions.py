@@ -12,9 +12,31 @@ refused, as the grammar could write a value two alternatives take.
 
 from __future__ import annotations
 
+import functools
 import json
 
 from lorafleet.worker.json_schema_bounds import TYPES, kind, same_key
+
+MAX_ONE_OF_PAIRS = 50_000  # pairs of alternatives a schema's oneOfs may ask to compare (a request's compile)
+
+
+def one_of_pairs(schema, parts: tuple[int, ...]) -> int:
+    """How many pairs of (expanded) alternatives one_of_overlap compares for `parts`."""
+    sizes = [len(schema.alternatives(p)) for p in parts]
+    return (sum(sizes) ** 2 - sum(n * n for n in sizes)) // 2
+
+
+def one_of_problem(schema, one_ofs: list[tuple[str, tuple[int, ...]]]) -> str | None:
+    """Why the schema's oneOfs (where, alternatives) cannot be held, or None."""
+    pairs = 0
+    for where, parts in one_ofs:
+        if (pairs := pairs + one_of_pairs(schema, parts)) > MAX_ONE_OF_PAIRS:
+            return (f"{where}.oneOf: the schema's oneOf alternatives are too many to check that no value matches "
+                    f"two (over {MAX_ONE_OF_PAIRS} pairs); use anyOf")
+        if (overlap := one_of_overlap(schema, parts)) is not None:
+            return (f"{where}.oneOf: {overlap}, and exactly one must match, which cannot be held while sampling; "
+                    "make them disjoint (e.g. a required property with a different const in each) or use anyOf")
+    return None
 
 
 def one_of_overlap(schema, parts: tuple[int, ...]) -> str | None:
@@ -40,19 +62,24 @@ def _disjoint(schema, a: int, b: int) -> bool:
     return shared == {"object"} and na.enum is None and nb.enum is None and _tagged_apart(schema, na, nb)
 
 
-def _kinds(node) -> set[str]:
+def _kinds(node) -> frozenset[str] | set[str]:
     """The kinds of value a validator may find the node taking: an enum's, else its types; every kind where the
     types were inferred from keywords with no `type` (`{"properties": ...}` takes a string too)."""
     if node.enum is not None:
-        kinds = {kind(json.loads(e)) for e in node.enum}
-    else:
-        kinds = set(TYPES) if node.untyped else set(node.types)
+        return _enum_kinds(node.enum)
+    kinds = set(TYPES) if node.untyped else set(node.types)
     return {"number" if k == "integer" else k for k in kinds}
 
 
-def _values(enum: tuple[bytes, ...]) -> set:
+@functools.lru_cache(maxsize=4096)
+def _enum_kinds(enum: tuple[bytes, ...]) -> frozenset[str]:
+    return frozenset("number" if k == "integer" else k for k in (kind(json.loads(e)) for e in enum))
+
+
+@functools.lru_cache(maxsize=4096)  # each alternative's, once, not once per pair
+def _values(enum: tuple[bytes, ...]) -> frozenset:
     """Enum values as JSON compares them (_same)."""
-    return {same_key(json.loads(e)) for e in enum}
+    return frozenset(same_key(json.loads(e)) for e in enum)
 
 
 def _tagged_apart(schema, na, nb) -> bool:

@@ -263,3 +263,15 @@ def test_min_tokens_pads_a_fixed_length_value_with_whitespace():
     seq.output_token_ids.append(0)
     allowed = (~guide.invalid(seq, "cpu")).nonzero().flatten().tolist()
     assert allowed == [6, 7, eos]  # whitespace (EOS is masked by min_tokens before this mask applies)
+
+
+def test_a_one_of_too_large_to_check_pair_by_pair_is_refused_and_a_large_tagged_union_is_not():
+    """oneOf needs every pair of alternatives shown disjoint: a schema's pairs are bounded (a crafted 2000-way
+    oneOf took 10 s of the event loop), while a 300-way tagged union, as pydantic writes, still compiles."""
+    from lorafleet.worker.json_schema_unions import MAX_ONE_OF_PAIRS
+
+    with pytest.raises(SchemaError, match=rf"too many to check .* \(over {MAX_ONE_OF_PAIRS} pairs\)"):
+        compile_schema({"type": "object", "properties": {"a": {"oneOf": [{"const": i} for i in range(2000)]}}})
+    alts = [{"type": "object", "properties": {"kind": {"const": f"k{i}"}, "v": {"type": "integer"}},
+             "required": ["kind", "v"]} for i in range(300)]
+    compile_schema({"type": "object", "properties": {"a": {"oneOf": alts}}})
