@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from bisect import bisect_left
 
 DONE = "done"
@@ -41,11 +42,20 @@ class ChoiceGrammar:
         self.choices = tuple(encoded)  # sorted: a prefix's choices are a run found by bisection
         self.key = "choice:" + hashlib.sha256(json.dumps([c.decode() for c in encoded]).encode()).hexdigest()
         self.start = b""
+        self._spelled: tuple[set[bytes], str | None] | None = None  # (vocabulary, unspellable's answer)
+        self._spelling_lock = threading.Lock()
         self.pads = False  # no whitespace after a choice (ignore_eos, min_tokens): the text is the choice exactly
 
     def unspellable(self, token_bytes: set[bytes], longest: int) -> str | None:
         """The first choice no sequence of these tokens' bytes writes exactly (a vocabulary without a token for
-        every byte), else None: such a row would otherwise take a prefix and then find no way on."""
+        every byte), else None: such a row would otherwise take a prefix and then find no way on. Worked out
+        once per vocabulary (the `n` rows of a request share the grammar), up to bytes x longest token steps."""
+        with self._spelling_lock:
+            if self._spelled is None or self._spelled[0] is not token_bytes:
+                self._spelled = (token_bytes, self._unspellable(token_bytes, longest))
+            return self._spelled[1]
+
+    def _unspellable(self, token_bytes: set[bytes], longest: int) -> str | None:
         for choice in self.choices:
             reach = [True] + [False] * len(choice)  # reach[i]: choice[:i] is a sequence of tokens
             for i in range(len(choice)):
