@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import json
 from dataclasses import dataclass
+from decimal import Decimal
 from fractions import Fraction
 from typing import Any
 
@@ -34,6 +35,12 @@ LENGTH_KEYWORDS = ("minLength", "maxLength")
 
 class BoundsError(ValueError):
     """A keyword (a bound, length, count or type) with a value it cannot have (json_schema.py names where)."""
+
+
+def _integer(digits: bytes) -> int:
+    """The integer ASCII `digits` write, however many: int() of text refuses over 4300 digits (Python's guard
+    against quadratic conversions), and a model may write a number's digits until max_tokens."""
+    return int(Decimal(digits.decode("ascii"))) if len(digits) > 4000 else int(digits)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,9 +90,9 @@ class Bounds:
             return self._meets_magnitudes(Fraction(0), None, negative=True, integer=integer)
         if b"." in body:  # the digits written so far fix the value to within one unit of the last one
             whole, frac = body.split(b".")
-            low = Fraction(int(whole + frac), 10 ** len(frac))
+            low = Fraction(_integer(whole + frac), 10 ** len(frac))
             return self._meets_magnitudes(low, low + Fraction(1, 10 ** len(frac)), negative, integer)
-        value = int(body)
+        value = _integer(body)
         if value == 0:  # "0" takes no more digits: 0, or 0.x when fractions are taken
             return self._meets_magnitudes(Fraction(0), Fraction(1), negative, integer)
         far = self.lo if negative else self.hi  # the bound more digits move toward
@@ -110,14 +117,14 @@ class Bounds:
             return False  # a multiple is a point, never a prefix's whole interval
         if b"." in body:
             whole, frac = body.split(b".")
-            low = Fraction(int(whole + frac), 10 ** len(frac))
+            low = Fraction(_integer(whole + frac), 10 ** len(frac))
             high = low + Fraction(1, 10 ** len(frac))
-        elif int(body) == 0:
+        elif _integer(body) == 0:
             low, high = Fraction(0), Fraction(1)
         else:  # more digits: every magnitude from the one written up
             if (self.lo if negative else self.hi) is not None:
                 return False
-            low, high = Fraction(int(body)), None
+            low, high = Fraction(_integer(body)), None
         if negative:
             return _inside(self, None if high is None else -high, False, -low, True)
         return _inside(self, low, True, high, False)
@@ -251,8 +258,8 @@ def length_cap(node) -> int:
 
 
 def number_text_takes(bounds: Bounds, text: bytes) -> bool:
-    """Whether a complete number (no exponent) is inside the bounds."""
-    return bounds.takes(Fraction(text.decode()))
+    """Whether a complete number (no exponent) is inside the bounds (read through Decimal: any digit count)."""
+    return bounds.takes(Fraction(Decimal(text.decode("ascii"))))
 
 
 DIGITS = frozenset(b"0123456789")

@@ -168,3 +168,15 @@ def test_a_pydantic_models_constrained_fields_hold():
 
     for text in walks_validate(to_strict_json_schema(Review), seed=9, tries=30, at_least=5, max_bytes=900):
         Review.model_validate_json(text)
+
+
+@pytest.mark.parametrize("bound", [{"multipleOf": 0.5}, {"exclusiveMinimum": 0}])
+def test_a_bounded_number_may_run_past_pythons_4300_digit_conversion_limit(bound):
+    """A model may write a number's digits until max_tokens: past 4300 digits int() of the text refuses, and the
+    row failed the whole request (500). The grammar reads such a number as any other."""
+    schema = {"type": "object", "properties": {"x": {"type": "number", **bound}}, "required": ["x"]}
+    zeros = '{"x":0.' + "0" * 5000
+    assert accepts(schema, zeros + "}") is ("multipleOf" in bound)  # 0: a multiple, not above 0
+    assert accepts(schema, zeros + "1}") is ("exclusiveMinimum" in bound)  # 1e-5001: above 0, no multiple
+    assert not accepts({"type": "object", "properties": {"x": {"type": "integer", "maximum": 10 ** 6}}},
+                       '{"x":' + "1" * 5000 + "}")
