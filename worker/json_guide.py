@@ -32,6 +32,7 @@ from concurrent.futures import Future
 import torch
 
 from lorafleet.worker.json_constraint import JSON_OBJECT
+from lorafleet.worker.json_schema_grammar import GrammarError
 from lorafleet.worker.json_vocab import JsonVocab, json_vocab
 from lorafleet.worker.sequence import Sequence
 from lorafleet.worker.tokenizer import Tokenizer
@@ -167,6 +168,11 @@ class JsonGuide:
         if grammar.may_stop(state) and (ends := _ids(self.end_ids(seq), vocab)):  # a text that may end or go on
             invalid = torch.ones(vocab.vocab_size, dtype=torch.bool) if invalid is None else invalid.clone()
             invalid[torch.tensor(ends, dtype=torch.int64, device=invalid.device)] = False
+        if invalid is None and text_stops and vocab.mask(state, True, grammar) is not None:
+            # The request's own stop tokens are all that may write on: a stop token ends the output unwritten.
+            raise GrammarError(f"stop_token_ids {sorted(text_stops)[:8]} are the only tokens that continue the "
+                               f"structured output after {len(seq.output_token_ids)} tokens; a stop token ends the output "
+                               "without writing its text, so the output could not be completed: leave them out")
         if invalid is None:
             raise JsonModeError("JSON mode: no token of the vocabulary continues the JSON value")
         if self._ws_run_spent(seq, grammar, state):

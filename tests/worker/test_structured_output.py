@@ -496,3 +496,26 @@ async def test_a_pattern_that_fails_while_it_runs_is_the_requests_400(api, tools
     assert err.value.body["param"] == param and err.value.body["type"] == "invalid_request_error", err.value.body
     resp = await api.completions.create(model="tiny", prompt="x", max_tokens=2)
     assert resp.choices[0].finish_reason == "length"
+
+
+async def test_stop_token_ids_that_are_the_only_way_on_are_the_request_s_error_not_the_engine_s(api):
+    """A stop token ends the output without writing its text. Where the request's stop_token_ids are all that
+    continues its structured output, the request fails as its own fault, a 400 saying so, not a 500."""
+    closing = {"structured_outputs": {"json": {"type": "object", "properties": {}, "additionalProperties": False},
+                                      "disable_any_whitespace": True}}
+    for extra in (closing, {"guided_choice": ["yes", "no"]}, {"guided_regex": "ab"}):
+        text = {"structured_outputs": "}", "guided_choice": "yn", "guided_regex": "b"}[next(iter(extra))]
+        ids = [_token_id(ch) for ch in text]
+        with pytest.raises(openai.BadRequestError) as err:
+            await api.completions.create(model="tiny", prompt="x", max_tokens=8,
+                                         extra_body={**extra, "stop_token_ids": ids})
+        assert "are the only tokens that continue the structured output" in err.value.body["message"]
+    resp = await api.completions.create(model="tiny", prompt="x", max_tokens=8, extra_body={"guided_regex": "ab"})
+    assert resp.choices[0].text == "ab"
+
+
+def _token_id(ch: str) -> int:
+    """The tiny byte-level vocabulary's id of one printable ASCII character (sorted by code point)."""
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    return sorted(ByteLevel.alphabet(), key=ord).index(ch)
