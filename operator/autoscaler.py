@@ -116,6 +116,9 @@ def bound_correction(spec: ScalingSpec, current: int) -> tuple[int, str] | None:
 # Mean requests waiting per worker from which requests count as waiting (a queue): below it they are
 # mostly arrivals between two engine steps, which any busy worker shows at every scrape.
 WAITING = 1.0
+# Share of a worker's sequence seats (--max-num-seqs) in use from which it is about full: past it, arrivals
+# queue while the KV cache may stay nearly empty.
+SEATS_FULL = 0.9
 
 
 def _waiting_up(spec: ScalingSpec, waiting: float, current: int) -> int:
@@ -125,12 +128,14 @@ def _waiting_up(spec: ScalingSpec, waiting: float, current: int) -> int:
 
 
 def recommend(spec: ScalingSpec, hit_rate: float | None, kv_usage: float | None, current: int,
-              waiting: float | None = None, beside: int = 0) -> tuple[int, str]:
+              waiting: float | None = None, beside: int = 0, *, seats: float | None = None) -> tuple[int, str]:
     """(replicas, why) for one observation. Up: KV usage above kvHigh (proportionally, at least one more),
     requests waiting per worker above waitingHigh (proportionally, at least one more, at most double), or
     the hit rate below target under load pressure (KV usage >= kvLow or requests waiting: one more); the
     largest of these. Down by one: KV usage below kvLow, unless requests wait (at least ``WAITING`` per
-    worker) or one fewer replica would put the KV in use above kvHigh or the queue above waitingHigh, or,
+    worker) or one fewer replica would put the KV in use above kvHigh, the queue above waitingHigh or the
+    running sequences at SEATS_FULL of the workers' ``--max-num-seqs`` (``seats``: their mean share in use; a
+    queue is not linear in load, none waits until the seats are full), or,
     with the hit rate below target, under load pressure (it would be scaled up again at once); otherwise
     hold. Clamped to [minReplicas, maxReplicas], and never down to 0: at 0 no worker is left to show
     demand, so nothing could wake the pool. ``beside``: the pool's ready workers that other Deployments run
@@ -181,6 +186,9 @@ def recommend(spec: ScalingSpec, hit_rate: float | None, kv_usage: float | None,
             if waiting is not None and waiting * fewer > spec.waiting_high:
                 return current, (f"{why}, but one fewer replica would put {waiting * fewer:.3g} "
                                  f"requests waiting per worker > waitingHigh {spec.waiting_high:g}")
+            if seats is not None and seats * fewer >= SEATS_FULL:
+                return current, (f"{why}, but one fewer replica would run {seats * fewer:.3g} of its sequence seats "
+                                 f"(--max-num-seqs): requests would queue")
             if kv_usage * fewer > spec.kv_high:
                 return current, (f"{why}, but one fewer replica would put KV usage at "
                                  f"{kv_usage * fewer:.3g} > kvHigh {spec.kv_high:g}")

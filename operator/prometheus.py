@@ -1,4 +1,4 @@
-"""The autoscaler's three signals of a pool, read from Prometheus' HTTP API (``POST /api/v1/query``, the
+"""The autoscaler's signals of a pool, read from Prometheus' HTTP API (``POST /api/v1/query``, the
 query form-encoded in the body: it names every worker pod, and a pool of a hundred pods makes a URL
 longer than proxies in front of Prometheus accept, 8 KiB for nginx).
 
@@ -9,7 +9,8 @@ Kubernetes scrape config attaches (the chart's ServiceMonitor does):
   (the Grafana dashboard's expression, over the pool's ``rateWindowSeconds``, default 120);
 * KV usage: the mean of ``lorafleet_kv_cache_usage_ratio``;
 * waiting: the mean of ``lorafleet_queue_depth`` (requests waiting to be scheduled, per worker; the worker
-  exports the same value as ``vllm:num_requests_waiting``).
+  exports the same value as ``vllm:num_requests_waiting``);
+* seats: the mean of ``lorafleet_seat_usage_ratio`` (running sequences over each worker's ``--max-num-seqs``).
 
 An empty result or NaN (no series, no traffic) is ``None``: unknown. Anything else that goes wrong
 (no answer, an HTTP error, a body that is not Prometheus' JSON) raises ``MetricsError``.
@@ -29,6 +30,7 @@ HITS = "lorafleet_adapter_hits_total"
 MISSES = "lorafleet_adapter_misses_total"
 KV_USAGE = "lorafleet_kv_cache_usage_ratio"
 QUEUE_DEPTH = "lorafleet_queue_depth"
+SEAT_USAGE = "lorafleet_seat_usage_ratio"
 _RE2_SPECIAL = set(r"\.+*?()|[]{}^$")
 
 
@@ -69,6 +71,11 @@ def waiting_query(namespace: str, pods: list[str]) -> str:
     return f"avg({QUEUE_DEPTH}{{{pod_selector(namespace, pods)}}})"
 
 
+def seats_query(namespace: str, pods: list[str]) -> str:
+    """PromQL: these pods' mean share of their sequence seats in use (none from a worker that does not export it)."""
+    return f"avg({SEAT_USAGE}{{{pod_selector(namespace, pods)}}})"
+
+
 def scraped_query(namespace: str, pods: list[str]) -> str:
     """PromQL: one sample per pod of these that has a KV usage or queue gauge (a worker exports both from its
     first scrape), labelled with the pod."""
@@ -82,6 +89,7 @@ class PoolSignals(NamedTuple):
     hit_rate: float | None
     kv_usage: float | None
     waiting: float | None = None
+    seats: float | None = None
 
 
 class PrometheusClient:
@@ -149,13 +157,14 @@ class PrometheusClient:
 
     async def pool_signals(self, base_url: str, namespace: str, pods: list[str], *,
                            rate_window_seconds: int = DEFAULT_RATE_WINDOW_SECONDS) -> PoolSignals:
-        """(GPU hit rate over the last rate_window_seconds, KV usage, requests waiting per pod) of these pods;
-        all None without pods."""
+        """(GPU hit rate over the last rate_window_seconds, KV usage, requests waiting per pod, seat usage) of
+        these pods; all None without pods."""
         if not pods:
-            return PoolSignals(None, None, None)
+            return PoolSignals(None, None, None, None)
         values = await asyncio.gather(self.query(base_url, hit_rate_query(namespace, pods, rate_window_seconds)),
                                       self.query(base_url, kv_usage_query(namespace, pods)),
-                                      self.query(base_url, waiting_query(namespace, pods)))
+                                      self.query(base_url, waiting_query(namespace, pods)),
+                                      self.query(base_url, seats_query(namespace, pods)))
         return PoolSignals(*values)
 
 

@@ -62,10 +62,10 @@ SCRAPE_GRACE = 120.0
 
 
 def _signals(spec: ScalingSpec, signals: PoolSignals) -> str:
-    hit, kv, waiting = ("unknown" if v is None else f"{v:.3g}" for v in signals)
+    hit, kv, waiting, seats = ("unknown" if v is None else f"{v:.3g}" for v in signals)
     return (f"KV usage {kv} (kvLow {spec.kv_low:g}, kvHigh {spec.kv_high:g}), GPU hit rate {hit} "
             f"(targetHitRate {spec.target_hit_rate:g}), requests waiting per worker {waiting} "
-            f"(waitingHigh {spec.waiting_high:g})")
+            f"(waitingHigh {spec.waiting_high:g}), sequence seats in use {seats}")
 
 
 def _rounded(value: float | None) -> float | None:
@@ -188,7 +188,7 @@ class PoolScaler:
                 f"{', '.join(rivals)} (a KEDA ScaledObject makes one): two autoscalers undo each other's replicas; "
                 f"delete it or remove spec.scaling from this pool; replicas stay at {current}"))
 
-        signals, unseen, beside = PoolSignals(None, None, None), False, 0
+        signals, unseen, beside = PoolSignals(None, None, None, None), False, 0
         corrected = bound_correction(spec, current)
         if corrected is not None:
             wanted, why = corrected
@@ -206,7 +206,8 @@ class PoolScaler:
             except MetricsError as exc:
                 return scaling(False, "MetricsUnavailable", f"spec.scaling.prometheusURL: {exc}; replicas stay "
                                                             f"at {current}")
-            recommended, why = recommend(spec, signals.hit_rate, signals.kv_usage, current, signals.waiting, beside)
+            recommended, why = recommend(spec, signals.hit_rate, signals.kv_usage, current, signals.waiting, beside,
+                                         seats=signals.seats)
             # Every worker exports its KV and queue gauges from its first scrape: none for pods ready a while
             # (SCRAPE_GRACE) is a scrape that does not reach them, or labels the queries do not find, not "no
             # traffic"; for pods just ready, a scrape that has not come yet.

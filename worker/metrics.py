@@ -66,6 +66,7 @@ class EngineSnapshot:
     num_waiting: int = 0  # requests admitted by the server but not yet scheduled
     kv_usage: float = 0.0  # fraction of the page pool's KV capacity in use, 0..1
     max_lora: int = 0  # adapters the GPU pool can hold at once (slots)
+    max_num_seqs: int = 0  # sequences a step may run at once (0: not known)
     num_preemptions: int = 0  # running requests preempted for KV pages since the start (recomputed later)
     running_adapters: list[str] = field(default_factory=list)
     waiting_adapters: list[str] = field(default_factory=list)
@@ -111,6 +112,8 @@ class _EngineCollector(Collector):
         yield info
         yield GaugeMetricFamily("lorafleet_queue_depth", "Requests waiting to be scheduled.", s.num_waiting)
         yield GaugeMetricFamily("lorafleet_kv_cache_usage_ratio", "Fraction of KV capacity in use.", s.kv_usage)
+        yield GaugeMetricFamily("lorafleet_seat_usage_ratio", "Running sequences over --max-num-seqs (a worker full "
+                                "at 1 queues requests with KV to spare).", s.num_running / max(s.max_num_seqs, 1))
         yield CounterMetricFamily("lorafleet_preemptions", "Running requests preempted for KV pages.",
                                   s.num_preemptions)
         yield GaugeMetricFamily("lorafleet_generation_tokens_per_second",

@@ -83,7 +83,7 @@ def engine_snapshot(app: web.Application) -> EngineSnapshot:
     return EngineSnapshot(
         num_running=e.num_running, num_waiting=e.num_waiting, num_preemptions=e.num_preemptions,
         kv_usage=e.kv_usage,
-        max_lora=e.config.max_loras,
+        max_lora=e.config.max_loras, max_num_seqs=e.config.max_num_seqs,
         running_adapters=running,
         waiting_adapters=waiting,
     )

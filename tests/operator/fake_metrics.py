@@ -28,6 +28,7 @@ class FakePod:
     misses: int = 0  # added to lorafleet_adapter_misses_total{tier="gpu"} per scrape
     kv_usage: float = 0.0
     waiting: int | None = None  # lorafleet_queue_depth; None: not exported
+    seats: float | None = None  # lorafleet_seat_usage_ratio; None: not exported
     num_scrapes: int = 0
 
     def exposition(self) -> str:
@@ -42,6 +43,7 @@ class FakePod:
             "# TYPE lorafleet_kv_cache_usage_ratio gauge\n"
             f"lorafleet_kv_cache_usage_ratio {self.kv_usage}\n"
             + ("" if self.waiting is None else f"# TYPE lorafleet_queue_depth gauge\nlorafleet_queue_depth {self.waiting}\n")
+            + ("" if self.seats is None else f"# TYPE lorafleet_seat_usage_ratio gauge\nlorafleet_seat_usage_ratio {self.seats}\n")
         )
 
 

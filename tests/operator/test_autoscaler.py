@@ -282,6 +282,24 @@ def test_a_saturated_pool_is_never_scaled_down():
     assert recommend(spec(), hit_rate=0.95, kv_usage=0.121, current=4)[0] == 3  # no queue signal: as before
 
 
+def test_a_pool_bound_by_its_sequence_seats_settles_instead_of_flapping():
+    """300 concurrent requests on workers of --max-num-seqs 256, KV nearly empty: at 2 replicas none waits and
+    KV is below kvLow, at 1 the queue builds. Without the seat signal it went 2 -> 1 -> 2 every five minutes
+    for ever (429s at each dip); the workers' seat usage (150/256 each) says one fewer would be full."""
+    max_num_seqs, demand, kv_per_seq = 256, 300, 0.0005
+    for with_seats in (False, True):
+        stab, n, moves = Stabilizer(), 2, 0
+        for t in range(0, 3600, 30):
+            running = min(demand / n, max_num_seqs)
+            waiting, seats = max(0.0, demand / n - max_num_seqs), running / max_num_seqs
+            wanted, why = recommend(spec(), None, running * kv_per_seq, n, waiting, seats=seats if with_seats else None)
+            new = stab.stabilize(wanted, n, now=float(t), up_seconds=0, down_seconds=300)
+            moves, n = moves + (new != n), new
+        assert (moves, n) == ((0, 2) if with_seats else (moves, n)) and (with_seats or moves >= 8)
+    assert "would run 1.17 of its sequence seats" in recommend(spec(), None, 0.075, 2, 0.0, seats=150 / 256)[1]
+    assert recommend(spec(), None, 0.075, 4, 0.0, seats=0.3)[0] == 3  # 0.4 of the seats on three: down
+
+
 @pytest.mark.parametrize(("hit_rate", "kv_usage", "waiting", "current", "expected", "why"), [
     # Sparse long-tail traffic on an idle pool: more replicas would miss as often; kvLow scales down.
     (0.5, 0.05, None, 2, 1, "but no load pressure"),

@@ -15,6 +15,7 @@ from lorafleet.operator.prometheus import (
     hit_rate_query,
     kv_usage_query,
     pod_selector,
+    seats_query,
     waiting_query,
 )
 from tests.s3_server import free_port
@@ -38,8 +39,8 @@ async def test_hit_rate_and_kv_usage_of_the_pool_pods_only(tmp_path):
     pods = {
         # The pool: 3 of 4 GPU lookups hit on both (their rates differ), KV 0.9 and 0.5, 6 and 1 requests
         # waiting.
-        ("fleet", "worker.a"): FakePod(hits=3, misses=1, kv_usage=0.9, waiting=6),
-        ("fleet", "worker-b"): FakePod(hits=6, misses=2, kv_usage=0.5, waiting=1),
+        ("fleet", "worker.a"): FakePod(hits=3, misses=1, kv_usage=0.9, waiting=6, seats=1.0),
+        ("fleet", "worker-b"): FakePod(hits=6, misses=2, kv_usage=0.5, waiting=1, seats=0.5),
         # Not the pool: a name an unescaped "worker.a" would match, the same name in another namespace.
         ("fleet", "workerxa"): FakePod(hits=0, misses=5, kv_usage=0.0, waiting=100),
         ("other", "worker-b"): FakePod(hits=0, misses=5, kv_usage=1.0, waiting=0),
@@ -57,20 +58,21 @@ async def test_hit_rate_and_kv_usage_of_the_pool_pods_only(tmp_path):
         assert prom.query('count(lorafleet_kv_cache_usage_ratio{pod=~"worker.a"})')[0]["value"][1] == "2"
         client = PrometheusClient(timeout=5.0)
         try:
-            hit_rate, kv_usage, waiting = await client.pool_signals(prom.url, "fleet", POOL_PODS)
+            hit_rate, kv_usage, waiting, seats = await client.pool_signals(prom.url, "fleet", POOL_PODS)
+            assert seats == 0.75  # running sequences over --max-num-seqs, the mean of 1.0 and 0.5
             assert hit_rate == pytest.approx(0.75, rel=1e-9)
             assert kv_usage == pytest.approx(0.7, rel=1e-9)
             assert waiting == 3.5  # (6 + 1) / 2 per worker
             signals = await client.pool_signals(prom.url + "/", "fleet", ["worker-b"])
-            assert signals == pytest.approx((0.75, 0.5, 1.0)) and signals.waiting == 1.0
+            assert signals == pytest.approx((0.75, 0.5, 1.0, 0.5)) and signals.waiting == 1.0
             # A longer window over the same steady counters: the same ratio.
-            assert await client.pool_signals(prom.url, "fleet", POOL_PODS, rate_window_seconds=600) == pytest.approx((0.75, 0.7, 3.5))
-            assert await client.pool_signals(prom.url, "other", ["worker-b"]) == (0.0, 1.0, 0.0)
+            assert await client.pool_signals(prom.url, "fleet", POOL_PODS, rate_window_seconds=600) == pytest.approx((0.75, 0.7, 3.5, 0.75))
+            assert await client.pool_signals(prom.url, "other", ["worker-b"]) == (0.0, 1.0, 0.0, None)
             # Unknown: no traffic (NaN), no series, no pods; a pod without the queue series counts in no mean.
-            assert await client.pool_signals(prom.url, "fleet", ["idle"]) == (None, 0.2, None)
-            assert await client.pool_signals(prom.url, "fleet", ["worker-b", "idle"]) == pytest.approx((0.75, 0.35, 1.0))
-            assert await client.pool_signals(prom.url, "fleet", ["gone"]) == (None, None, None)
-            assert await client.pool_signals(prom.url, "fleet", []) == (None, None, None)
+            assert await client.pool_signals(prom.url, "fleet", ["idle"]) == (None, 0.2, None, None)
+            assert await client.pool_signals(prom.url, "fleet", ["worker-b", "idle"]) == pytest.approx((0.75, 0.35, 1.0, 0.5))
+            assert await client.pool_signals(prom.url, "fleet", ["gone"]) == (None, None, None, None)
+            assert await client.pool_signals(prom.url, "fleet", []) == (None, None, None, None)
             # Which pods were scraped: a KV or queue series of their own (the escaped name matches only itself).
             assert await client.scraped_pods(prom.url, "fleet", ["worker.a", "idle", "gone"]) == {"worker.a", "idle"}
             assert await client.scraped_pods(prom.url, "fleet", []) == set()
@@ -148,11 +150,11 @@ async def test_a_large_pools_query_fits_behind_a_proxy():
     client = PrometheusClient(timeout=5.0)
     try:
         async with stub(handler) as url:
-            assert await client.pool_signals(url, "fleet", pods) == (0.5, 0.5, 0.5)
+            assert await client.pool_signals(url, "fleet", pods) == (0.5, 0.5, 0.5, 0.5)
     finally:
         await client.close()
     assert sorted(asked) == sorted([("POST", hit_rate_query("fleet", pods)), ("POST", kv_usage_query("fleet", pods)),
-                                    ("POST", waiting_query("fleet", pods))])
+                                    ("POST", waiting_query("fleet", pods)), ("POST", seats_query("fleet", pods))])
     assert len(asked[0][1]) > 8192
 
 

@@ -18,7 +18,7 @@ def _samples(m: WorkerMetrics) -> dict[tuple[str, tuple], float]:
 
 
 def test_engine_snapshot_feeds_vllm_compatible_gauges():
-    snap = EngineSnapshot(num_running=3, num_waiting=2, kv_usage=0.25, max_lora=8,
+    snap = EngineSnapshot(num_running=3, num_waiting=2, kv_usage=0.25, max_lora=8, max_num_seqs=4,
                           running_adapters=["b@1", "a@1"], waiting_adapters=["c@2"])
     metrics = WorkerMetrics(lambda: snap)
     metrics.model_name = "llama"
@@ -31,6 +31,7 @@ def test_engine_snapshot_feeds_vllm_compatible_gauges():
     assert info == [("vllm:lora_requests_info", (("max_lora", "8"), ("running_lora_adapters", "a@1,b@1"),
                                                   ("waiting_lora_adapters", "c@2")))]
     assert s[("lorafleet_queue_depth", ())] == 2
+    assert s[("lorafleet_seat_usage_ratio", ())] == 0.75  # 3 of --max-num-seqs 4: the autoscaler's seats
 
 
 def test_preemptions_are_counters_under_both_names():

@@ -528,7 +528,7 @@ async def test_metrics_endpoint_has_request_and_vllm_series(server, served_keys)
                  "vllm:lora_requests_info{", "lorafleet_time_to_first_token_seconds_bucket{adapter=\"__other__\"",
                  "lorafleet_e2e_request_latency_seconds", "lorafleet_inter_token_latency_seconds",
                  "lorafleet_batch_size_bucket", "lorafleet_adapters_per_batch_bucket", "lorafleet_adapter_hits_total",
-                 "lorafleet_generation_tokens_per_second", "lorafleet_queue_depth"):
+                 "lorafleet_generation_tokens_per_second", "lorafleet_queue_depth", "lorafleet_seat_usage_ratio"):
         assert name in text, name
     # vLLM's names, labelled by the served model as vLLM's are (its dashboards and HPA rules filter on it)
     for name in ("vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc",
