@@ -59,9 +59,10 @@ from lorafleet.operator.finalizers import adapter_unload_wait, holders_text
 from lorafleet.operator.observed_generations import ObservedGenerations, object_key
 from lorafleet.operator.operator_config import OperatorConfig
 from lorafleet.operator.ownership import invalid_pool_claim
+from lorafleet.operator.pool_conditions import PoolConditions
 from lorafleet.operator.prometheus import PrometheusClient
 from lorafleet.operator.prometheus_allowlist import PrometheusAllowlist
-from lorafleet.operator.scaler import PoolScaler
+from lorafleet.operator.scaler import SCALING, PoolScaler
 from lorafleet.operator.statuses import invalid_pool_status, with_ready_note
 from lorafleet.operator.timer_tasks import TimerTasks
 from lorafleet.operator.worker_trust import WorkerTrust, slim_replicaset, trusted_pods
@@ -153,6 +154,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
     trust = WorkerTrust()  # which pods each pool may reach (worker_trust.py)
     timers = TimerTasks()  # stopped at once when the operator stops (timer_tasks.py)
     observed = ObservedGenerations()  # no status write lowers observedGeneration (observed_generations.py)
+    conditions = PoolConditions()  # what each writer of a pool's conditions last wrote (pool_conditions.py)
     res_pools, res_adapters = (GROUP, VERSION, POOLS), (GROUP, VERSION, ADAPTERS)
 
     @kopf.on.startup(registry=registry)
@@ -224,13 +226,16 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
             # No pass runs, but pushes made before the edit may still be in flight: said as they are now.
             wanted["pushing"] = controller.flights.in_flight((namespace, name))
             wanted = observed.admit(object_key(POOLS, body), wanted, status)
-            patch.status.update(status_changes(dict(status), merge_conditions(dict(status), wanted)))
+            wanted = conditions.settle((namespace, name), merge_conditions(dict(status), wanted),
+                                       lambda t: t != SCALING)
+            patch.status.update(status_changes(dict(status), wanted))
             raise kopf.PermanentError(str(exc)) from None
         plan = await run_pass(namespace, name, kwargs, max_age=max_age)
         wanted = with_ready_note(plan.pool_status, trust.left_out((namespace, name)))
         wanted = observed.admit(object_key(POOLS, body), wanted, status)  # the pass read the spec when it began
         # Merged into the live conditions: the plan's pool body may predate the autoscaler's last write.
-        patch.status.update(status_changes(dict(status), merge_conditions(dict(status), wanted)))
+        wanted = conditions.settle((namespace, name), merge_conditions(dict(status), wanted), lambda t: t != SCALING)
+        patch.status.update(status_changes(dict(status), wanted))
 
     def fresh_within(reason: Any) -> float:
         """On start, a pass of the pool begun since (kopf runs handlers once its indexes are whole) serves every
@@ -259,6 +264,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
         if not timers.enter(stopped):
             return
         scaler.retain(set(kwargs["pools_by_name"]))  # memory of pools deleted while this replica stood by
+        conditions.retain(set(kwargs["pools_by_name"]))
         if body.metadata.get("deletionTimestamp"):
             return
         # ``status`` is kopf's live view: the pass merges its condition into the status as it is at its end.
@@ -269,6 +275,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
             pinned=controller.pinned_need((namespace, name)), now=utc_now()))
         if wanted is None:  # cut short by the operator's stop
             return
+        wanted = conditions.settle((namespace, name), wanted, lambda t: t == SCALING)
         patch.status.update(status_changes(dict(status), wanted))
 
     @kopf.on.delete(*res_pools, registry=registry)
