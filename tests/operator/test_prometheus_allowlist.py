@@ -209,7 +209,7 @@ async def test_a_pool_whose_prometheus_is_allowed_is_asked():
             await scaler.close()
     # asked, and its answers hold no series for the pool's ready worker
     assert (cond["status"], cond["reason"]) == ("False", "MetricsMissing")
-    assert recorder.requests == ["POST /api/v1/query"] * 3 and deployments.num_gets == 1
+    assert recorder.requests == ["POST /api/v1/query"] * 4 and deployments.num_gets == 1
 
 
 async def test_a_redirect_from_an_allowed_prometheus_is_not_followed():
