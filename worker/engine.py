@@ -301,7 +301,8 @@ class Engine:
     def _forward_failed(self, batch: ScheduledBatch, exc: Exception) -> list[RequestOutput]:
         """A forward of several adapters' requests (the base model's counting as one) failed: each adapter's run
         again alone, so one adapter's failure (a kernel refusing its shapes, its weights) fails only its requests,
-        not the other tenants' in the step. One adapter's alone does not count as the device's (ForwardFailures)."""
+        not the other tenants' in the step. One adapter's alone does not count as the device's (ForwardFailures)
+        while a forward without adapters still runs (ModelRunner.probe)."""
         groups = by_adapter(batch)
         alone = len(groups) == 1
         if not alone:
@@ -323,7 +324,7 @@ class Engine:
         if ran:
             self.forward_failures.succeeded()
         else:
-            self.forward_failures.failed(exc, counted=not alone or None in groups)
+            self.forward_failures.failed(exc, counted=not alone or None in groups or not self.runner.probe())
         return outputs + self._report_failed()
 
     def _advance(self, batch: ScheduledBatch, samplers: list[Sequence], sampled: list,

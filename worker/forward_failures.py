@@ -8,7 +8,8 @@ bug, so /healthz and /readyz answer 503 and the container is restarted; a succes
 
 A forward of one adapter's requests alone that fails is that adapter's failure (a kernel refusing its shapes,
 its weights), not the device's: it does not count (Engine._forward_failed runs a failed forward of several
-adapters again one adapter at a time).
+adapters again one adapter at a time), unless a one-token forward without adapters fails too
+(ModelRunner.probe): a broken device is found out by traffic of one adapter at a time as well.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ the forward itself never syncs with the host.
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections.abc import Callable
 
@@ -19,6 +20,8 @@ from lorafleet.worker.llama import LlamaModel
 from lorafleet.worker.prompt_logprobs import fill_prompt_logprobs
 from lorafleet.worker.scheduler import ScheduledBatch
 from lorafleet.worker.sequence import Sequence
+
+log = logging.getLogger("lorafleet.engine")
 
 LORA_SEGMENT_LEN = 64  # default most tokens per LoRA kernel segment (a step's own: kernels.lora_layout.segment_len)
 
@@ -184,6 +187,18 @@ class ModelRunner:
                 self.model.compute_logits(self.model(ctx)[ctx.logits_indices])
                 runs += 1
         return runs
+
+    def probe(self) -> bool:
+        """Whether the device still runs a forward: one token, no adapter, nothing written to the KV cache
+        (a failure of one adapter's requests alone is then that adapter's, else the device's)."""
+        try:
+            self.warmup([1], [])
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # an asynchronous CUDA error surfaces here
+        except Exception as exc:
+            log.warning("a one-token forward without adapters failed too (%r): the device's failure", exc)
+            return False
+        return True
 
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor | None, list[Sequence]]:
         """float32 logits [N, V] for the sequences that sample this step (None if none do)."""

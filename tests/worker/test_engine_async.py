@@ -374,3 +374,26 @@ def test_one_adapter_s_failing_forward_fails_only_its_requests(tiny_llama_dir, q
         (out,) = engine.generate([PROMPTS[2]], GREEDY, ["beta"])
         assert out.finish_reason == "error"
     assert engine.forward_failures.in_a_row == 0 and engine.page_pool.num_used("kv") == 0 and not engine.requests
+
+
+def test_a_broken_device_is_found_out_by_traffic_of_one_adapter_at_a_time(tiny_llama_dir, qv_adapters_dir):
+    """Every forward fails (a lasting CUDA error), and each step carries one adapter's requests only (light load,
+    or one adapter per tenant): a probe forward without adapters fails too, so those failures are the device's
+    and the engine turns unhealthy after --max-failed-forwards, instead of failing every request for ever with
+    /healthz green."""
+    from lorafleet.worker.forward_failures import EngineUnhealthy
+
+    engine = Engine(EngineConfig(model=str(tiny_llama_dir), num_pages=64, block_size=4, max_failed_forwards=2))
+    for name in ("alpha", "beta"):
+        engine.adapter_pool.load(engine.register_adapter(name, qv_adapters_dir / name))
+
+    def broken(ctx):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    engine.runner.model.forward = broken
+    for i, name in enumerate(("alpha", "beta")):
+        (out,) = engine.generate([PROMPTS[i]], GREEDY, [name])
+        assert out.finish_reason == "error"
+    assert engine.forward_failures.in_a_row == 2
+    with pytest.raises(EngineUnhealthy, match="illegal memory access"):
+        engine.forward_failures.check()
