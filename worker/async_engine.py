@@ -310,14 +310,19 @@ class AsyncEngine:
     def _abort_quietly(self, rid: str) -> None:
         """Abort after a failed step: the step may have left a request half-moved (in neither queue), and
         an abort that fails too must not end this thread, which every other stream needs."""
+        seq = self.engine.requests.get(rid)  # Engine.abort drops it before it finishes it
         try:
             self.engine.abort(rid)
         except Exception:
             log.exception("aborting %s after a failed step failed; dropping it", rid)
-            seq = self.engine.requests.pop(rid, None)
+            self.engine.requests.pop(rid, None)
             self.engine.outputs.forget(rid)
+            if seq is None:
+                return
+            with contextlib.suppress(Exception):  # no KV pages left behind
+                self.engine.scheduler.block_manager.free(seq)
             pool = self.engine.adapter_pool
-            if seq is not None and seq.adapter is not None:  # no reference or hold on its version left behind
+            if seq.adapter is not None:  # no reference or hold on its version left behind
                 with contextlib.suppress(Exception):
                     if seq.adapter_slot is not None:
                         pool.release(seq.adapter_slot)

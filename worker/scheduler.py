@@ -26,6 +26,7 @@ at once, or ends by length with its output (adapters pinned since it began), as 
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import time
 from collections.abc import Callable, Collection
@@ -94,11 +95,13 @@ class Scheduler:
         return len(self.waiting)
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """Finished or aborted: KV pages and the adapter reference are released at once."""
-        if seq.status is SequenceStatus.RUNNING:
-            self._remove_running(seq)
-        elif seq.status is SequenceStatus.WAITING:
-            self.waiting.remove(seq)
+        """Finished or aborted: KV pages and the adapter reference are released at once, also for a sequence a
+        failed step left half-moved (its status says a queue it is no longer in)."""
+        with contextlib.suppress(ValueError):
+            if seq.status is SequenceStatus.RUNNING:
+                self._remove_running(seq)
+            elif seq.status is SequenceStatus.WAITING:
+                self.waiting.remove(seq)
         was_waiting_for_adapter = seq.status is SequenceStatus.WAITING and seq.adapter_slot is None
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = seq.finish_reason or reason

@@ -397,3 +397,23 @@ def test_a_broken_device_is_found_out_by_traffic_of_one_adapter_at_a_time(tiny_l
     assert engine.forward_failures.in_a_row == 2
     with pytest.raises(EngineUnhealthy, match="illegal memory access"):
         engine.forward_failures.check()
+
+
+def test_a_request_a_failed_step_left_half_moved_is_aborted_with_nothing_left_behind(tiny_llama_dir,
+                                                                                     qv_adapters_dir):
+    """A failed step left a running request out of the scheduler's running list (its status still says
+    running): aborting it after the failure gives back its KV pages and its adapter reference, so the pages
+    are not lost for good and the adapter can still leave the GPU."""
+    from lorafleet.worker.async_engine import AsyncEngine
+
+    engine = Engine(EngineConfig(model=str(tiny_llama_dir), num_pages=64, block_size=4))
+    engine.adapter_pool.load(engine.register_adapter("alpha", qv_adapters_dir / "alpha"))
+    engine.add_request("r1", PROMPTS[0], SamplingParams(max_tokens=50, ignore_eos=True), adapter="alpha")
+    seq = engine.requests["r1"]
+    while seq.num_computed_tokens == 0:
+        engine.step()
+    assert engine.page_pool.num_used("kv") > 0 and engine.adapter_pool.describe()[0]["refcount"] == 1
+    engine.scheduler.running.remove(seq)  # half-moved
+    AsyncEngine(engine)._abort_quietly("r1")
+    assert "r1" not in engine.requests and engine.page_pool.num_used("kv") == 0
+    assert engine.adapter_pool.describe()[0]["refcount"] == 0
