@@ -16,7 +16,7 @@ class SamplingParams:
     temperature: float = 1.0  # 0 (or below SAMPLING_EPS) = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
-    seed: int | None = None  # same seed + same prompt + same adapter -> same tokens, whatever the batch
+    seed: int | None = None  # same seed, prompt and adapter -> same tokens whatever the batch (float32; README)
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)  # end the request like EOS (not in the text)
     ignore_eos: bool = False
