@@ -17,36 +17,50 @@ import json
 
 from lorafleet.worker.json_schema_bounds import TYPES, kind, same_key
 
-MAX_ONE_OF_PAIRS = 50_000  # pairs of alternatives a schema's oneOfs may ask to compare (a request's compile)
+MAX_ONE_OF_PAIRS = 50_000  # distinct pairs of alternatives a schema's oneOfs may ask to compare (one compile)
 
 
-def one_of_pairs(schema, parts: tuple[int, ...]) -> int:
-    """How many pairs of (expanded) alternatives one_of_overlap compares for `parts`."""
-    sizes = [len(schema.alternatives(p)) for p in parts]
-    return (sum(sizes) ** 2 - sum(n * n for n in sizes)) // 2
+class TooManyPairs(Exception):
+    pass
 
 
 def one_of_problem(schema, one_ofs: list[tuple[str, tuple[int, ...]]]) -> str | None:
-    """Why the schema's oneOfs (where, alternatives) cannot be held, or None."""
-    pairs = 0
+    """Why the schema's oneOfs (where, alternatives) cannot be held, or None. A union used in several places
+    (the same alternatives: pydantic's $refs to $defs) is checked once, and each pair of alternatives once;
+    past MAX_ONE_OF_PAIRS distinct pairs the schema is refused."""
+    checked: dict[tuple[int, int], bool] = {}
+    done: set[tuple[tuple[int, ...], ...]] = set()
     for where, parts in one_ofs:
-        if (pairs := pairs + one_of_pairs(schema, parts)) > MAX_ONE_OF_PAIRS:
+        alts = tuple(tuple(schema.alternatives(p)) for p in parts)
+        if alts in done:
+            continue
+        done.add(alts)
+        try:
+            overlap = one_of_overlap(schema, alts, checked)
+        except TooManyPairs:
             return (f"{where}.oneOf: the schema's oneOf alternatives are too many to check that no value matches "
                     f"two (over {MAX_ONE_OF_PAIRS} pairs); use anyOf")
-        if (overlap := one_of_overlap(schema, parts)) is not None:
+        if overlap is not None:
             return (f"{where}.oneOf: {overlap}, and exactly one must match, which cannot be held while sampling; "
                     "make them disjoint (e.g. a required property with a different const in each) or use anyOf")
     return None
 
 
-def one_of_overlap(schema, parts: tuple[int, ...]) -> str | None:
-    """None where the alternatives `parts` (nodes of the JsonSchema `schema`) are disjoint; else which two may
-    meet."""
-    alts = [schema.alternatives(p) for p in parts]
-    for i in range(len(parts)):
-        for j in range(i + 1, len(parts)):
-            if not all(_disjoint(schema, a, b) for a in alts[i] for b in alts[j]):
-                return f"alternatives {i} and {j} may both take one value"
+def one_of_overlap(schema, alts: tuple[tuple[int, ...], ...], checked: dict[tuple[int, int], bool]) -> str | None:
+    """None where the alternatives (each expanded into nodes of the JsonSchema `schema`) are disjoint; else
+    which two may meet. `checked`: pairs of nodes compared before (TooManyPairs past MAX_ONE_OF_PAIRS)."""
+    for i in range(len(alts)):
+        for j in range(i + 1, len(alts)):
+            for a in alts[i]:
+                for b in alts[j]:
+                    key = (a, b) if a <= b else (b, a)
+                    apart = checked.get(key)
+                    if apart is None:
+                        if len(checked) >= MAX_ONE_OF_PAIRS:
+                            raise TooManyPairs
+                        apart = checked[key] = _disjoint(schema, a, b)
+                    if not apart:
+                        return f"alternatives {i} and {j} may both take one value"
     return None
 
 

@@ -275,3 +275,8 @@ def test_a_one_of_too_large_to_check_pair_by_pair_is_refused_and_a_large_tagged_
     alts = [{"type": "object", "properties": {"kind": {"const": f"k{i}"}, "v": {"type": "integer"}},
              "required": ["kind", "v"]} for i in range(300)]
     compile_schema({"type": "object", "properties": {"a": {"oneOf": alts}}})
+    # pydantic's form: the alternatives in $defs, the union at each field that uses it; checked once.
+    defs = {f"K{i}": alt for i, alt in enumerate(alts)}
+    union = {"oneOf": [{"$ref": f"#/$defs/K{i}"} for i in range(300)], "discriminator": {"propertyName": "kind"}}
+    fields = {name: json.loads(json.dumps(union)) for name in "abc"}
+    compile_schema({"$defs": defs, "type": "object", "properties": fields, "required": list(fields)})
