@@ -16,6 +16,7 @@ from lorafleet.worker.served_adapters import ServedAdapters
 from lorafleet.worker.server import create_app
 from lorafleet.worker.worker_config import WorkerConfig
 from tests.lora_factory import make_peft_adapter
+from tests.openai_clients import close_openai_clients, openai_client  # noqa: F401 (the fixture closes them)
 
 
 @pytest.fixture
@@ -164,9 +165,9 @@ async def test_completion_top_logprobs_hold_the_sampled_token(base_client):
 async def test_a_context_overflow_names_the_field_the_caller_sent(base_client):
     """Chat takes `max_completion_tokens` (OpenAI's current name) or `max_tokens`: a request too long for the
     context is refused naming the one the caller sent, so a client can tell which argument to lower."""
-    from openai import AsyncOpenAI, BadRequestError
+    from openai import BadRequestError
 
-    client = AsyncOpenAI(base_url=str(base_client.make_url("/v1")), api_key="sk-any", max_retries=0)
+    client = openai_client(str(base_client.make_url("/v1")))
     messages = [{"role": "user", "content": "hi"}]
     for name in ("max_completion_tokens", "max_tokens"):
         with pytest.raises(BadRequestError) as exc:

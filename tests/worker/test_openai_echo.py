@@ -15,6 +15,7 @@ from lorafleet.worker.app_keys import ENGINE, METRICS
 from lorafleet.worker.openai_protocol import APIError
 from lorafleet.worker.server import create_app
 from lorafleet.worker.worker_config import WorkerConfig
+from tests.openai_clients import close_openai_clients, openai_client  # noqa: F401 (the fixture closes them)
 
 TOL = 1e-4
 
@@ -119,7 +120,6 @@ async def test_the_lm_eval_loglikelihood_request_scores_continuations(client, hf
     """lm-evaluation-harness `local-completions`: token-id prompts of context + continuation, `max_tokens` 1,
     `echo`, `logprobs` 1; the continuation's loglikelihood is sum(token_logprobs[ctxlen:-1]) and it is greedy
     when each of those is the largest of its top_logprobs."""
-    from openai import AsyncOpenAI
 
     rng = random.Random(3)
     pairs = [([rng.randrange(256) for _ in range(c)], [rng.randrange(256) for _ in range(k)]) for c, k in
@@ -128,7 +128,7 @@ async def test_the_lm_eval_loglikelihood_request_scores_continuations(client, hf
     for _ in range(3):
         greedy.append(int(hf_logprobs(hf_model, ctx + greedy)[-1].argmax()))
     pairs.append((ctx, greedy))
-    openai = AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="sk-any", max_retries=0)
+    openai = openai_client(str(client.make_url("/v1")))
     resp = await openai.completions.create(model="tiny", prompt=[c + k for c, k in pairs], max_tokens=1,
                                            temperature=0, logprobs=1, echo=True, seed=1234)
     assert len(resp.choices) == len(pairs)

@@ -14,6 +14,7 @@ from lorafleet.worker.openai_fields import APIError
 from lorafleet.worker.openai_protocol import parse_chat_request, parse_completion_request
 from lorafleet.worker.server import create_app
 from lorafleet.worker.worker_config import WorkerConfig
+from tests.openai_clients import close_openai_clients, openai_client  # noqa: F401 (the fixture closes them)
 from tests.worker.conftest import EOS_ID
 
 openai = pytest.importorskip("openai")  # installed with the test extras; absent on a bare GPU machine
@@ -27,7 +28,7 @@ async def api(aiohttp_client, tiny_llama_dir):
     config = WorkerConfig(engine=EngineConfig(model=str(tiny_llama_dir), dtype="float32", max_model_len=128),
                           served_model_name="tiny")
     client = await aiohttp_client(create_app(config))
-    return openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="sk-test", max_retries=0)
+    return openai_client(str(client.make_url("/v1")), "sk-test")
 
 
 def _assert_json(text: str, finish_reason: str) -> None:

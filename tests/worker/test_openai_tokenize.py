@@ -7,12 +7,13 @@ from __future__ import annotations
 import pytest
 
 from lorafleet.worker.server import create_app
+from tests.openai_clients import close_openai_clients, openai_client  # noqa: F401 (the fixture closes them)
 from tests.worker.conftest import BOS_ID
 from tests.worker.test_tenant_isolation import (
     KEY_ACME,
     KEY_GLOBEX,
+    api_of,
     directive,
-    openai_client,
     push,
     worker_config,
 )
@@ -46,7 +47,7 @@ async def test_a_prompts_ids_are_the_completions_and_decode_back(client, tiny_ll
     assert status == 200, got
     assert (got["tokens"], got["count"], got["max_model_len"]) == (ids, len(ids), 128)  # this tokenizer adds no <s>
     assert got["token_strs"][:2] == ["c", "a"] and len(got["token_strs"]) == len(ids)
-    completion = await openai_client(client, KEY_ACME).completions.create(model="alpha", prompt=text, max_tokens=1)
+    completion = await api_of(client, KEY_ACME).completions.create(model="alpha", prompt=text, max_tokens=1)
     assert completion.usage.prompt_tokens == got["count"]
     status, bare = await _post(client, "/tokenize", {"model": "tiny", "prompt": text, "add_special_tokens": False})
     assert status == 200 and bare["tokens"] == ids and bare["token_strs"] is None
@@ -58,7 +59,7 @@ async def test_a_chats_ids_are_the_chat_completions_prompt(client):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi <s> there"}]
     status, got = await _post(client, "/tokenize", {"model": "alpha", "messages": messages})
     assert status == 200, got
-    chat = await openai_client(client, KEY_ACME).chat.completions.create(model="alpha", messages=messages,
+    chat = await api_of(client, KEY_ACME).chat.completions.create(model="alpha", messages=messages,
                                                                           max_tokens=1)
     assert chat.usage.prompt_tokens == got["count"]
     assert BOS_ID not in got["tokens"]  # "<s>" in content is text, not the control token
@@ -110,7 +111,7 @@ async def test_completions_take_add_special_tokens_as_vllm_does(aiohttp_client, 
     config = json.loads((model / "tokenizer_config.json").read_text()) if (model / "tokenizer_config.json").exists() else {}
     (model / "tokenizer_config.json").write_text(json.dumps({**config, "add_bos_token": True, "bos_token": "<s>"}))
     client = await aiohttp_client(create_app(worker_config(model, qv_adapters_dir, tmp_path)))
-    api = openai_client(client, KEY_ACME)
+    api = api_of(client, KEY_ACME)
     text = "<s>hi there"
     counts = {}
     for special in (True, False):

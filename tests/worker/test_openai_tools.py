@@ -13,6 +13,7 @@ import pytest
 from lorafleet.worker.engine_config import EngineConfig
 from lorafleet.worker.server import create_app
 from lorafleet.worker.worker_config import WorkerConfig
+from tests.openai_clients import close_openai_clients, openai_client  # noqa: F401 (the fixture closes them)
 from tests.worker.conftest import EOS_ID
 
 openai = pytest.importorskip("openai")  # installed with the test extras; absent on a bare GPU machine
@@ -44,7 +45,7 @@ def tools_model(tiny_llama_dir, tmp_path):
 async def _api(aiohttp_client, model, **config):
     engine = EngineConfig(model=str(model), dtype="float32", max_model_len=512)
     client = await aiohttp_client(create_app(WorkerConfig(engine=engine, served_model_name="tiny", **config)))
-    return openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="sk-test", max_retries=0)
+    return openai_client(str(client.make_url("/v1")), "sk-test")
 
 
 @pytest.fixture

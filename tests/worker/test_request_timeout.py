@@ -23,6 +23,7 @@ from lorafleet.worker.engine_config import EngineConfig
 from lorafleet.worker.server import create_app
 from lorafleet.worker.worker_config import WorkerConfig
 from tests.lora_factory import make_peft_adapter
+from tests.openai_clients import close_openai_clients, openai_client  # noqa: F401 (the fixture closes them)
 
 ADMIN = {"Authorization": "Bearer admin-token-for-tests"}
 LIMIT_S = 3.0  # the first chunk of a stream comes within it (the tiny model's first step takes milliseconds), also
@@ -49,8 +50,8 @@ async def client(aiohttp_client, tiny_llama_dir, tmp_path):
     return client
 
 
-def openai_client(client) -> AsyncOpenAI:
-    return AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="sk-any", max_retries=0)
+def api_of(client) -> AsyncOpenAI:
+    return openai_client(str(client.make_url("/v1")))
 
 
 @contextlib.contextmanager
@@ -108,7 +109,7 @@ async def assert_drained_and_serving(client) -> None:
         await asyncio.sleep(0.005)
     else:
         raise AssertionError(f"left behind: {s}")
-    done = await openai_client(client).completions.create(model="alpha", prompt="hi", max_tokens=3)
+    done = await api_of(client).completions.create(model="alpha", prompt="hi", max_tokens=3)
     assert done.choices[0].finish_reason in ("length", "stop")
 
 
@@ -122,7 +123,7 @@ async def test_an_answer_past_the_limit_is_a_504_and_frees_every_choice(client, 
     deadline answers 504 with the OpenAI error shape, logs one line, counts in lorafleet_requests_total."""
     with engine_held_after(client, 2), caplog.at_level(logging.WARNING, "lorafleet.worker.job_outputs"):
         pending = asyncio.ensure_future(
-            openai_client(client).completions.create(
+            api_of(client).completions.create(
                 model="alpha", prompt="hi", n=2, extra_body=IGNORE_EOS, **LONG
             )
         )
@@ -148,7 +149,7 @@ async def test_a_chat_stream_past_the_limit_ends_with_an_error_the_openai_client
     official client raises it with its code."""
     chunks = []
     with engine_held_after(client, 2):
-        stream = await openai_client(client).chat.completions.create(
+        stream = await api_of(client).chat.completions.create(
             model="alpha",
             messages=[{"role": "user", "content": "hi"}],
             stream=True,

@@ -21,6 +21,7 @@ from lorafleet.worker.engine_config import EngineConfig
 from lorafleet.worker.server import create_app
 from lorafleet.worker.worker_config import WorkerConfig
 from tests.lora_factory import make_peft_adapter
+from tests.openai_clients import close_openai_clients, openai_client  # noqa: F401 (the fixture closes them)
 from tests.prometheus_server import PrometheusServer, prometheus_binary
 
 ADMIN = "admin-token-for-tests"
@@ -196,10 +197,9 @@ def served_keys(server) -> dict[str, str]:
 
 # ---- inference -------------------------------------------------------------------------------------------
 async def test_openai_client_concurrent_adapters_match_offline_single_runs(server, offline, served_keys):
-    from openai import AsyncOpenAI
 
-    acme = AsyncOpenAI(base_url=f"{server}/v1", api_key=KEY_ACME, max_retries=0)
-    globex = AsyncOpenAI(base_url=f"{server}/v1", api_key=KEY_GLOBEX, max_retries=0)
+    acme = openai_client(f"{server}/v1", KEY_ACME)
+    globex = openai_client(f"{server}/v1", KEY_GLOBEX)
     jobs = [(p, a) for p in PROMPTS for a in ("alpha", "beta", None)]
 
     async def one(prompt: str, adapter: str | None):
@@ -248,9 +248,8 @@ async def test_raw_http_concurrent_streams_match_offline_single_runs(server, off
 
 
 async def test_streamed_equals_non_streamed_with_openai_client(server):
-    from openai import AsyncOpenAI
 
-    client = AsyncOpenAI(base_url=f"{server}/v1", api_key=KEY_ACME, max_retries=0)
+    client = openai_client(f"{server}/v1", KEY_ACME)
     for prompt in PROMPTS[:2]:
         full = await client.completions.create(model="alpha", prompt=prompt, max_tokens=16, temperature=0,
                                                logprobs=2)

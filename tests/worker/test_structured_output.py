@@ -18,6 +18,7 @@ from lorafleet.worker.openai_fields import Fields
 from lorafleet.worker.tool_calls import ToolCalls
 from lorafleet.worker.tool_parser import tool_parser
 from lorafleet.worker.tool_request import ToolRequest, parse_tool_request
+from tests.openai_clients import close_openai_clients, openai_client  # noqa: F401 (the fixture closes them)
 from tests.worker.conftest import EOS_ID
 from tests.worker.test_openai_tools import USER, _api, _streamed, with_template
 

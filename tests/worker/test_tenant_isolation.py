@@ -15,6 +15,7 @@ from lorafleet.worker.engine_config import EngineConfig
 from lorafleet.worker.served_adapters import ServedAdapters
 from lorafleet.worker.server import create_app
 from lorafleet.worker.worker_config import WorkerConfig
+from tests.openai_clients import close_openai_clients, openai_client  # noqa: F401 (the fixture closes them)
 
 openai = pytest.importorskip("openai")  # installed with the test extras; absent on a bare GPU machine
 AsyncOpenAI = openai.AsyncOpenAI
@@ -46,8 +47,8 @@ async def push(client, generation: int, *adapters: dict) -> dict:
     return body
 
 
-def openai_client(client, key: str) -> AsyncOpenAI:
-    return AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=key, max_retries=0)
+def api_of(client, key: str) -> AsyncOpenAI:
+    return openai_client(str(client.make_url("/v1")), key)
 
 
 @pytest.mark.parametrize("tenants", [{}, {"acme": {"keys": [], "adapters": ["*"]}}], ids=["no-tenants", "no-keys"])
@@ -57,7 +58,7 @@ async def test_a_keys_file_without_keys_refuses_every_caller(aiohttp_client, tin
     worker into development mode, where every caller may use every adapter."""
     client = await aiohttp_client(create_app(worker_config(tiny_llama_dir, qv_adapters_dir, tmp_path, tenants)))
     await push(client, 1, directive("alpha", "acme", "v1", qv_adapters_dir / "alpha"))
-    api = openai_client(client, "sk-anything")
+    api = api_of(client, "sk-anything")
     for model in ("alpha", "tiny"):
         with pytest.raises(openai.AuthenticationError):
             await api.completions.create(model=model, prompt="x", max_tokens=1)
@@ -97,13 +98,13 @@ async def test_a_request_refused_for_pinned_slots_names_no_other_tenants_adapter
     client = await aiohttp_client(create_app(worker_config(tiny_llama_dir, qv_adapters_dir, tmp_path, max_loras=1)))
     await push(client, 1, directive("acme-secret", "acme", "v1", qv_adapters_dir / "alpha", pinned=True),
                directive("beta", "globex", "v1", qv_adapters_dir / "beta"))
-    globex = openai_client(client, KEY_GLOBEX)
+    globex = api_of(client, KEY_GLOBEX)
     for _ in range(2):
         with pytest.raises(openai.APIStatusError) as err:
             await globex.completions.create(model="beta", prompt="hi", max_tokens=2)
         assert err.value.status_code == 503 and err.value.code == "adapter_load_failed"
         assert "pinned" in err.value.message and "acme-secret" not in err.value.message, err.value.message
-    acme = await openai_client(client, KEY_ACME).completions.create(model="acme-secret", prompt="hi", max_tokens=2)
+    acme = await api_of(client, KEY_ACME).completions.create(model="acme-secret", prompt="hi", max_tokens=2)
     assert acme.model == "acme-secret@v1"
 
 
@@ -125,7 +126,7 @@ async def test_a_pinned_version_dropped_after_arrival_is_404_naming_no_other_ada
 
     monkeypatch.setattr(ServedAdapters, "resolve", resolve_then_a_push_unloads_it)
     with pytest.raises(openai.NotFoundError) as err:
-        await openai_client(client, KEY_ACME).completions.create(model="alpha@v1", prompt="x", max_tokens=1)
+        await api_of(client, KEY_ACME).completions.create(model="alpha@v1", prompt="x", max_tokens=1)
     assert err.value.code == "model_not_found" and "alpha@v1" in err.value.message
     assert "globex" not in err.value.message, err.value.message
 
@@ -158,7 +159,7 @@ async def test_models_retrieve_finds_ones_own_models_and_not_another_tenants(aio
     tenant's adapter gets the very 404 a name that exists nowhere gets."""
     client = await aiohttp_client(create_app(worker_config(tiny_llama_dir, qv_adapters_dir, tmp_path)))
     await push(client, 1, directive("globex-secret", "globex", "g1", qv_adapters_dir / "beta"))
-    globex, acme = openai_client(client, KEY_GLOBEX), openai_client(client, KEY_ACME)
+    globex, acme = api_of(client, KEY_GLOBEX), api_of(client, KEY_ACME)
     listed = {m.id: m for m in (await globex.models.list()).data}
     got = await globex.models.retrieve("globex-secret")
     assert got.id == "globex-secret" and got.model_dump() == listed["globex-secret"].model_dump()
@@ -176,7 +177,7 @@ async def test_models_retrieve_finds_ones_own_models_and_not_another_tenants(aio
         answers.append((err.value.code, err.value.message.replace(model, "<model>")))
     assert answers[0] == answers[1] == answers[2] and answers[0][0] == "model_not_found"
     with pytest.raises(openai.AuthenticationError):
-        await openai_client(client, "sk-nobody").models.retrieve("tiny")
+        await api_of(client, "sk-nobody").models.retrieve("tiny")
 
 
 async def test_a_stable_version_kept_as_the_canary_serves_its_share(aiohttp_client, tiny_llama_dir, qv_adapters_dir,
@@ -184,7 +185,7 @@ async def test_a_stable_version_kept_as_the_canary_serves_its_share(aiohttp_clie
     """Rolling out v2 while v1 (the stable until now) stays as the canary: the switch to v2 must not
     retire v1, which still serves its weight of users and requests pinning it."""
     client = await aiohttp_client(create_app(worker_config(tiny_llama_dir, qv_adapters_dir, tmp_path)))
-    acme = openai_client(client, KEY_ACME)
+    acme = api_of(client, KEY_ACME)
     v1, v2 = {"version": "v1", "uri": str(qv_adapters_dir / "alpha")}, {"version": "v2", "uri": str(qv_adapters_dir / "beta")}
     await push(client, 1, {"name": "alpha", "tenant": "acme", "stable": v1})
     assert (await acme.completions.create(model="alpha", prompt="x", max_tokens=1)).model == "alpha@v1"
@@ -228,7 +229,7 @@ async def test_a_name_given_to_another_tenant_never_serves_the_old_owners_weight
     app = create_app(worker_config(tiny_llama_dir, qv_adapters_dir, tmp_path, max_loras=1))
     client = await aiohttp_client(app)
     await push(client, 1, directive("sql", "acme", "v1", qv_adapters_dir / "alpha"))
-    acme, globex = openai_client(client, KEY_ACME), openai_client(client, KEY_GLOBEX)
+    acme, globex = api_of(client, KEY_ACME), api_of(client, KEY_GLOBEX)
     assert (await acme.completions.create(model="sql", prompt="x", max_tokens=1)).model == "sql@v1"
     pool = app[ENGINE].engine.adapter_pool
     running = pool.acquire("sql@v1")  # an acme request still running on v1: v2 cannot take the one slot yet
@@ -261,7 +262,7 @@ async def test_a_pattern_grants_only_adapters_nobody_owns(aiohttp_client, tiny_l
     resp = await client.post("/v1/load_lora_adapter", headers={"Authorization": f"Bearer {ADMIN}"},
                              json={"lora_name": "acme-shared", "lora_path": str(qv_adapters_dir / "beta")})
     assert resp.status == 200, await resp.text()
-    acme, globex = openai_client(client, KEY_ACME), openai_client(client, KEY_GLOBEX)
+    acme, globex = api_of(client, KEY_ACME), api_of(client, KEY_GLOBEX)
     assert {m.id for m in (await acme.models.list()).data} == {"tiny", "acme-shared", "acme-seeded"}
     with pytest.raises(openai.NotFoundError) as refused:
         await acme.completions.create(model="acme-tuned", prompt="x", max_tokens=1)
