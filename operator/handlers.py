@@ -298,6 +298,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
         controller.forget((namespace, name))
         scaler.forget((namespace, name))
         trust.forget((namespace, name))
+        conditions.forget((namespace, name))
         observed.forget(object_key(POOLS, body))
         log.warning("LoRAPool %s/%s deleted; its adapters turn Degraded until it exists again", namespace, name)
 

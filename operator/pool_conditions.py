@@ -33,6 +33,10 @@ class PoolConditions:
         self._written[key] = conditions
         return {**wanted, "conditions": conditions}
 
+    def forget(self, key: PoolKey) -> None:
+        """A deleted pool's: one created again under its name starts from what the API server holds."""
+        self._written.pop(key, None)
+
     def retain(self, keys: set[PoolKey]) -> None:
         """Keep only these pools' (the live ones)."""
         for key in set(self._written) - keys:

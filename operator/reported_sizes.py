@@ -24,10 +24,10 @@ class ReportedSizes:
         self._bytes: dict[tuple[str, str], int] = {}
 
     def note(self, reports: Iterable[ReportedState | None]) -> None:
-        """Remember the sizes in this pass's answers (a version still staging reports its download's size)."""
+        """Remember the sizes in this pass's answers (a version still staging reports its listed size)."""
         for reported in reports:
             for st in reported.adapters if reported is not None else ():
-                if st.bytes > 0 and not st.staging:
+                if st.bytes > 0:  # a download in progress says its size too (the quota counts it)
                     key = (st.name, st.version)
                     self._bytes[key] = max(self._bytes.get(key, 0), st.bytes)
 

@@ -157,7 +157,8 @@ def adapter_status(a: AdapterSpec, live: list[WorkerIndex], warm_pods: list[str]
         if a.canary is not None:
             msg += f"; canary {a.canary.version} registered on {canary_registered}/{len(live)}, " + (
                 f"GPU-resident on {canary_resident}/{len(canary_set)} warm workers with room for it" if canary_set
-                else "loaded on demand (no warm worker has GPU room for it beside the stable copy)")
+                else "loaded on demand (no warm worker has GPU room for it beside the stable copy)" if target
+                else "loaded on demand")
         if pending:
             msg += "; the traffic split is not applied yet on " + ", ".join(
                 f"{pod} ({_split_text(split)})" for pod, split in sorted(pending.items()))
@@ -182,7 +183,8 @@ def adapter_status(a: AdapterSpec, live: list[WorkerIndex], warm_pods: list[str]
         canary_weight, instances = a.status.get("canaryWeight") or 0, list(a.status.get("instances") or [])
         previous = next((c for c in a.status.get("conditions") or [] if c.get("type") == "CanaryActive"), {})
         canary_text = previous.get("message") if previous.get("status") == "True" else None
-    status = _status(a, phase, msg, now=now, validated=failure is None, canary_text=canary_text)
+    status = _status(a, phase, msg, now=now, validated=failure is None or isinstance(failure, SizeWait),
+                     canary_text=canary_text)
     status.update({
         "stableVersion": stable_version,
         "canaryVersion": canary_version,
@@ -226,8 +228,9 @@ def unserved_status(x: AdapterSpec | InvalidAdapter, phase: str, message: str, l
                     now: str, validated: bool | None = False) -> dict[str, Any]:
     """An adapter no worker is told to serve: only what workers still report (as they unload it, or, in a
     pool whose spec is invalid, as they keep it: ``validated`` None, as its spec cannot be checked against
-    the pool). ``bytes`` stays: quota admission needs the last known size (clearing it would let an adapter
-    over spec.tenantQuota.maxBytes flap in and out)."""
+    the pool; a SizeWait, a spec that waits its turn, is valid). ``bytes`` stays: quota admission needs the last
+    known size (clearing it would let an adapter over spec.tenantQuota.maxBytes flap in and out)."""
+    validated = True if validated is False and isinstance(message, SizeWait) else validated
     instances, versions, shares = [], set(), {}
     for w in live:
         for st in w.by_name.get(x.name, ()):

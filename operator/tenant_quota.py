@@ -40,31 +40,50 @@ def over_quota(pool: PoolSpec | None, adapters: list[AdapterSpec], workers: Sequ
         # worker) comes before a newcomer, then the names decide.
         group.sort(key=lambda a: (-a.priority, a.created, a.last_valid is None and a.name not in served, a.name))
         sized = {a.name: _quota_bytes(a, workers) for a in group}
-        unsized = [a for a in group if sized[a.name][1] and not _failed(a, sized[a.name][1], workers)]
-        staging = [a.name for a in unsized if any(s.error is None for s in _said(a, sized[a.name][1], workers))]
-        sizing = (staging or [a.name for a in unsized] or [None])[0]
-        num_admitted = total = 0  # a refused adapter takes neither a slot nor bytes of the quota
-        for a in group:
-            size, unknown = sized[a.name]
-            if pool.max_adapters_per_tenant is not None and num_admitted >= pool.max_adapters_per_tenant:
-                failures[a.name] = (f"spec.tenant: tenant {tenant!r} is over LoRAPool {pool.name!r} "
-                                    f"spec.tenantQuota.maxAdapters ({pool.max_adapters_per_tenant}); delete "
-                                    f"one of its adapters or raise the quota")
-            elif pool.max_bytes_per_tenant is not None and total + size > pool.max_bytes_per_tenant:
-                what = "with this adapter and its canary" if a.canary is not None else "with this adapter"
-                failures[a.name] = (f"spec.tenant: tenant {tenant!r} is over LoRAPool {pool.name!r} "
-                                    f"spec.tenantQuota.maxBytes ({pool.max_bytes_per_tenant} bytes; "
-                                    f"{total + size} {what})")
-            elif pool.max_bytes_per_tenant is not None and unknown and a.name != sizing \
-                    and not _failed(a, unknown, workers):
-                failures[a.name] = SizeWait(
-                    f"spec.tenant: waiting: tenant {tenant!r} has a byte quota (LoRAPool {pool.name!r} "
-                    f"spec.tenantQuota.maxBytes), and its versions of unknown size are staged one at a time; "
-                    f"{sizing!r} is being sized first")
-            else:
-                num_admitted += 1
-                total += size
+        failed = {a.name for a in group if sized[a.name][1] and _failed(a, sized[a.name][1], workers)}
+        # The spec sized now: the first the checks admit among those its workers stage already, else among all.
+        staging = {a.name for a in group if a.name not in failed and sized[a.name][1]
+                   and any(s.error is None for s in _said(a, sized[a.name][1], workers))}
+        refused, sizing, waiting = _tenant_admission(pool, tenant, group, sized, failed, staging)
+        if sizing is None and waiting:
+            refused, sizing, waiting = _tenant_admission(pool, tenant, group, sized, failed, set(sized))
+        failures |= refused
+        for name in waiting:
+            failures[name] = SizeWait(
+                f"spec.tenant: waiting: tenant {tenant!r} has a byte quota (LoRAPool {pool.name!r} "
+                f"spec.tenantQuota.maxBytes), and its versions of unknown size are staged one at a time; "
+                f"{sizing!r} is being sized first")
     return failures
+
+
+def _tenant_admission(pool: PoolSpec, tenant: str, group: list[AdapterSpec], sized: dict[str, tuple[int, set[str]]],
+                      failed: set[str], may_size: set[str]) -> tuple[dict[str, str], str | None, list[str]]:
+    """(refusals, the spec being sized, the specs waiting for it) of one tenant's specs in quota order. A
+    waiting spec takes a maxAdapters slot (it is served once sized, before newer specs) but no bytes."""
+    refused: dict[str, str] = {}
+    sizing, waiting = None, []
+    num_admitted = total = 0  # a refused adapter takes neither a slot nor bytes of the quota
+    for a in group:
+        size, unknown = sized[a.name]
+        if pool.max_adapters_per_tenant is not None and num_admitted >= pool.max_adapters_per_tenant:
+            refused[a.name] = (f"spec.tenant: tenant {tenant!r} is over LoRAPool {pool.name!r} "
+                               f"spec.tenantQuota.maxAdapters ({pool.max_adapters_per_tenant}); delete "
+                               f"one of its adapters or raise the quota")
+            continue
+        if pool.max_bytes_per_tenant is not None and total + size > pool.max_bytes_per_tenant:
+            what = "with this adapter and its canary" if a.canary is not None else "with this adapter"
+            refused[a.name] = (f"spec.tenant: tenant {tenant!r} is over LoRAPool {pool.name!r} "
+                               f"spec.tenantQuota.maxBytes ({pool.max_bytes_per_tenant} bytes; "
+                               f"{total + size} {what})")
+            continue
+        num_admitted += 1
+        if pool.max_bytes_per_tenant is not None and unknown and a.name not in failed:
+            if sizing is not None or a.name not in may_size:
+                waiting.append(a.name)
+                continue
+            sizing = a.name
+        total += size
+    return refused, sizing, waiting
 
 
 def _quota_bytes(a: AdapterSpec, workers: Sequence[WorkerIndex]) -> tuple[int, set[str]]:

@@ -106,3 +106,57 @@ def test_within_one_second_the_adapter_already_in_force_keeps_its_place():
     assert _pushed(plan)["w0"] == {"zzz"}
     assert plan.adapter_statuses["aaa"]["phase"] == "Failed"
     assert "maxAdapters (1)" in plan.adapter_statuses["aaa"]["message"]
+
+
+def test_a_refused_spec_with_an_unknown_canary_does_not_hold_the_tenant_s_others_for_ever():
+    """x's stable version is known and puts the tenant over the quota with x's canary of unknown size: x is
+    refused and never staged, so it must not be the one 'being sized'; y, new, is sized and served."""
+    canary = {"version": "v2", "source": {"uri": "s3://adapters/x/v2/"}, "weight": 10}
+    a = adapter("a", created="1", status={"bytes": 30 * MB, "bytesVersion": "v1"})
+    x = adapter("x", created="2", canary=canary, status={"refusedBytes": {"version": "v1", "bytes": 80 * MB}})
+    y = adapter("y", created="3")
+    ws = workers(2)
+    for _ in range(3):
+        plan = reconcile_pool(pool(tenantQuota=QUOTA), [a, x, y], ws, now=NOW)
+        _apply(plan, ws, {("a", "v1"): 30 * MB, ("y", "v1"): 5 * MB})
+    assert plan.adapter_statuses["x"]["phase"] == "Failed" and _pushed(plan)["w0"] == {"a", "y"}
+    assert plan.adapter_statuses["y"]["phase"] != "Pending"
+
+
+def test_a_spec_waiting_for_its_size_keeps_its_adapter_slot():
+    """maxAdapters 2: b waits while a is sized; c, newer and of known size, is not served in b's place only to
+    be refused once b's turn comes."""
+    ads = [adapter("a", created="1"), adapter("b", created="2"),
+           adapter("c", created="3", status={"bytes": MB, "bytesVersion": "v1"})]
+    ws = workers(1)
+    quota = pool(tenantQuota={"maxBytes": "100Mi", "maxAdapters": 2})
+    seen = []
+    for _ in range(3):
+        plan = reconcile_pool(quota, ads, ws, now=NOW)
+        seen.append(_pushed(plan)["w0"])
+        _apply(plan, ws, {(n, "v1"): MB for n in "abc"})
+    assert seen == [{"a"}, {"a", "b"}, {"a", "b"}]
+    assert plan.adapter_statuses["c"]["phase"] == "Failed"
+    waiting = reconcile_pool(quota, ads, workers(1), now=NOW).adapter_statuses["b"]
+    conditions = {c["type"]: c["status"] for c in waiting["conditions"]}
+    assert waiting["phase"] == "Pending" and conditions["Validated"] == "True"  # waiting its turn is no fault
+
+
+def test_a_size_learned_from_a_download_is_remembered_once_the_workers_drop_it():
+    """Refused while downloading (its listed size over the quota): the next pass, before the refusal's status
+    comes back through the index, still knows the size and does not push it again."""
+    from lorafleet.operator.reported_sizes import ReportedSizes
+
+    quota, spec, ws, memory = pool(tenantQuota={"maxBytes": "10Mi"}), adapter("a"), workers(2), ReportedSizes()
+    for w in ws:
+        w.reported = ReportedState(generation_applied=1, adapters=[
+            AdapterState("a", "v1", "none", staging=True, bytes=64 * MB, bytes_done=MB)])
+    memory.note(w.reported for w in ws)
+    plan = reconcile_pool(quota, memory.apply([spec]), ws, now=NOW)
+    assert plan.adapter_statuses["a"]["phase"] == "Failed"
+    for w in ws:  # they dropped it
+        w.last_pushed = plan.desired[w.pod]
+        w.reported = ReportedState(generation_applied=plan.desired[w.pod].generation)
+    memory.note(w.reported for w in ws)
+    plan = reconcile_pool(quota, memory.apply([spec]), ws, now=NOW)
+    assert plan.adapter_statuses["a"]["phase"] == "Failed" and all(not d.adapters for d in plan.desired.values())
