@@ -44,6 +44,12 @@ class JsonModeError(RuntimeError):
     """A JSON-mode sequence cannot go on (its request fails; the others are not affected)."""
 
 
+class StopTokensInTheWay(GrammarError):
+    """The request's stop_token_ids are the only tokens that continue its grammar: its fault (a 400)."""
+
+    param = "stop_token_ids"
+
+
 class JsonGuide:
     def __init__(self, build_vocab: Callable[[], JsonVocab], eos_token_ids: Iterable[int] = ()) -> None:
         self._build_vocab = build_vocab  # a scan of the whole vocabulary: run by prepare(), in a worker thread
@@ -168,9 +174,9 @@ class JsonGuide:
         if grammar.may_stop(state) and (ends := _ids(self.end_ids(seq), vocab)):  # a text that may end or go on
             invalid = torch.ones(vocab.vocab_size, dtype=torch.bool) if invalid is None else invalid.clone()
             invalid[torch.tensor(ends, dtype=torch.int64, device=invalid.device)] = False
-        if invalid is None and text_stops and vocab.mask(state, True, grammar) is not None:
+        if invalid is None and text_stops and vocab.mask(state, True, grammar)[1] > 0:
             # The request's own stop tokens are all that may write on: a stop token ends the output unwritten.
-            raise GrammarError(f"stop_token_ids {sorted(text_stops)[:8]} are the only tokens that continue the "
+            raise StopTokensInTheWay(f"stop_token_ids {sorted(text_stops)[:8]} are the only tokens that continue the "
                                f"structured output after {len(seq.output_token_ids)} tokens; a stop token ends the output "
                                "without writing its text, so the output could not be completed: leave them out")
         if invalid is None:

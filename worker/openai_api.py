@@ -151,7 +151,7 @@ def _engine_error(exc: BaseException, job: CompletionJob, request: web.Request) 
     if isinstance(exc, EngineError):
         return APIError(400, message, code="invalid_request")
     if isinstance(exc, GrammarError | RegexError):  # past a grammar's or pattern's run-time bounds: the request's
-        return APIError(400, message, code="invalid_request", param=job.options.grammar_param)
+        return APIError(400, message, code="invalid_request", param=getattr(exc, "param", job.options.grammar_param))
     if isinstance(exc, ShutdownError):
         return APIError(503, message, type="service_unavailable", code="shutting_down", headers={"Retry-After": "1"})
     if isinstance(exc, CapacityError):  # the pool is held (pinned or busy adapters): not the request's fault

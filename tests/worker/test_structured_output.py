@@ -511,6 +511,7 @@ async def test_stop_token_ids_that_are_the_only_way_on_are_the_request_s_error_n
             await api.completions.create(model="tiny", prompt="x", max_tokens=8,
                                          extra_body={**extra, "stop_token_ids": ids})
         assert "are the only tokens that continue the structured output" in err.value.body["message"]
+        assert err.value.body["param"] == "stop_token_ids"
     resp = await api.completions.create(model="tiny", prompt="x", max_tokens=8, extra_body={"guided_regex": "ab"})
     assert resp.choices[0].text == "ab"
 
@@ -520,3 +521,21 @@ def _token_id(ch: str) -> int:
     from tokenizers.pre_tokenizers import ByteLevel
 
     return sorted(ByteLevel.alphabet(), key=ord).index(ch)
+
+
+def test_a_dead_end_is_blamed_on_the_stop_tokens_only_when_they_were_the_way_on():
+    """A row no token continues, with an unrelated text stop token: not the stop tokens' fault."""
+    from lorafleet.worker.json_guide import JsonGuide, JsonModeError, StopTokensInTheWay
+    from lorafleet.worker.json_vocab import JsonVocab
+    from lorafleet.worker.regex_grammar import RegexGrammar
+    from lorafleet.worker.sampling_params import SamplingParams
+    from lorafleet.worker.sequence import Sequence
+
+    vocab = JsonVocab([b"a", b"b", b"x", None])  # no token writes "c"
+    guide = JsonGuide(lambda: vocab, eos_token_ids=[3])
+    for pattern, stops, error in (("ac", [2], JsonModeError), ("ab", [1], StopTokensInTheWay)):
+        seq = Sequence("r", [1], SamplingParams(max_tokens=8, grammar=RegexGrammar(pattern), stop_token_ids=stops))
+        seq.output_token_ids.append(0)  # "a"
+        with pytest.raises(error) as err:
+            guide.invalid(seq, "cpu")
+        assert (err.type is StopTokensInTheWay) == (error is StopTokensInTheWay)
