@@ -19,7 +19,6 @@ from __future__ import annotations
 import functools
 import json
 from dataclasses import dataclass
-from decimal import Decimal
 from fractions import Fraction
 from typing import Any
 
@@ -35,12 +34,6 @@ LENGTH_KEYWORDS = ("minLength", "maxLength")
 
 class BoundsError(ValueError):
     """A keyword (a bound, length, count or type) with a value it cannot have (json_schema.py names where)."""
-
-
-def _integer(digits: bytes) -> int:
-    """The integer ASCII `digits` write, however many: int() of text refuses over 4300 digits (Python's guard
-    against quadratic conversions), and a model may write a number's digits until max_tokens."""
-    return int(Decimal(digits.decode("ascii"))) if len(digits) > 4000 else int(digits)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,9 +83,9 @@ class Bounds:
             return self._meets_magnitudes(Fraction(0), None, negative=True, integer=integer)
         if b"." in body:  # the digits written so far fix the value to within one unit of the last one
             whole, frac = body.split(b".")
-            low = Fraction(_integer(whole + frac), 10 ** len(frac))
+            low = Fraction(int(whole + frac), 10 ** len(frac))
             return self._meets_magnitudes(low, low + Fraction(1, 10 ** len(frac)), negative, integer)
-        value = _integer(body)
+        value = int(body)
         if value == 0:  # "0" takes no more digits: 0, or 0.x when fractions are taken
             return self._meets_magnitudes(Fraction(0), Fraction(1), negative, integer)
         far = self.lo if negative else self.hi  # the bound more digits move toward
@@ -117,14 +110,14 @@ class Bounds:
             return False  # a multiple is a point, never a prefix's whole interval
         if b"." in body:
             whole, frac = body.split(b".")
-            low = Fraction(_integer(whole + frac), 10 ** len(frac))
+            low = Fraction(int(whole + frac), 10 ** len(frac))
             high = low + Fraction(1, 10 ** len(frac))
-        elif _integer(body) == 0:
+        elif int(body) == 0:
             low, high = Fraction(0), Fraction(1)
         else:  # more digits: every magnitude from the one written up
             if (self.lo if negative else self.hi) is not None:
                 return False
-            low, high = Fraction(_integer(body)), None
+            low, high = Fraction(int(body)), None
         if negative:
             return _inside(self, None if high is None else -high, False, -low, True)
         return _inside(self, low, True, high, False)
@@ -258,8 +251,8 @@ def length_cap(node) -> int:
 
 
 def number_text_takes(bounds: Bounds, text: bytes) -> bool:
-    """Whether a complete number (no exponent) is inside the bounds (read through Decimal: any digit count)."""
-    return bounds.takes(Fraction(Decimal(text.decode("ascii"))))
+    """Whether a complete number (no exponent) is inside the bounds."""
+    return bounds.takes(Fraction(text.decode()))
 
 
 DIGITS = frozenset(b"0123456789")

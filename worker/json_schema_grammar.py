@@ -59,6 +59,7 @@ from lorafleet.worker.regex_grammar import CLOSE, text_byte
 DONE = "done"
 STR = ("s", "str")
 MAX_READINGS = 64  # stacks a state may hold
+MAX_BOUNDED_DIGITS = 1000  # characters of a number under bounds kept to check them (each byte reads them all)
 _DIGITS = frozenset(b"0123456789")
 _LITERALS = {ord("t"): ("boolean", b"rue"), ord("f"): ("boolean", b"alse"), ord("n"): ("null", b"ull")}
 _REPROCESS = object()  # an enum value or number ended before this byte: its container reads it
@@ -311,8 +312,8 @@ class SchemaGrammar(KeyReader, ItemReader):
     def _bounded_number(self, below: tuple, index: int, mode: str, integer: bool, text: bytes | None) -> list[tuple]:
         """The stack of a number with bounds that has begun with `text` ([] when no number inside them does)."""
         bounds = self.nodes[index].bounds
-        if text is not None and not bounds.may_begin(text, integer):
-            return []
+        if text is not None and (len(text) > MAX_BOUNDED_DIGITS or not bounds.may_begin(text, integer)):
+            return []  # past MAX_BOUNDED_DIGITS the number may only end: each byte reads its whole text
         if text is not None and bounds.holds_all(text, integer):
             text = None
         return [below + (("N", index, mode, integer, text),)]

@@ -171,12 +171,14 @@ def test_a_pydantic_models_constrained_fields_hold():
 
 
 @pytest.mark.parametrize("bound", [{"multipleOf": 0.5}, {"exclusiveMinimum": 0}])
-def test_a_bounded_number_may_run_past_pythons_4300_digit_conversion_limit(bound):
-    """A model may write a number's digits until max_tokens: past 4300 digits int() of the text refuses, and the
-    row failed the whole request (500). The grammar reads such a number as any other."""
+def test_a_bounded_number_ends_by_its_digit_cap(bound):
+    """A model may write a number's digits until max_tokens: each byte of a bounded number reads its whole text
+    (past 4300 digits int() refused it and the request failed with a 500; before that, every step slowed for
+    every row). The grammar keeps MAX_BOUNDED_DIGITS characters: the number may only end there."""
+    from lorafleet.worker.json_schema_grammar import MAX_BOUNDED_DIGITS
+
     schema = {"type": "object", "properties": {"x": {"type": "number", **bound}}, "required": ["x"]}
-    zeros = '{"x":0.' + "0" * 5000
+    zeros = '{"x":0.' + "0" * (MAX_BOUNDED_DIGITS - 3)
     assert accepts(schema, zeros + "}") is ("multipleOf" in bound)  # 0: a multiple, not above 0
-    assert accepts(schema, zeros + "1}") is ("exclusiveMinimum" in bound)  # 1e-5001: above 0, no multiple
-    assert not accepts({"type": "object", "properties": {"x": {"type": "integer", "maximum": 10 ** 6}}},
-                       '{"x":' + "1" * 5000 + "}")
+    assert accepts(schema, zeros + "1}") is ("exclusiveMinimum" in bound)  # 1e-999: above 0, no multiple
+    assert not accepts(schema, zeros + "01}") and not accepts(schema, '{"x":0.' + "0" * 5000 + "}")
