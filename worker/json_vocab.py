@@ -33,6 +33,7 @@ from lorafleet.worker.tokenizer import Tokenizer
 
 _WS = b" \t\n\r"
 MAX_CACHED_MASKS = 512  # 512 masks of 49k booleans: 25 MB
+MAX_PREPARED_TRIES = 2  # of one request (JsonVocab.prepare)
 MAX_CACHED_TRIES = 8  # regex class tries (regex_vocab.py): ~25k nodes each on a 49k vocabulary
 MAX_CACHED_ENDS = 32  # trie walks of patterns beside lengths (_length_ends), up to a node's worth of groups each
 
@@ -194,10 +195,11 @@ class JsonVocab:
     def prepare(self, grammar) -> None:
         """Build, in the calling thread, the class tries a grammar's patterns read through (0.1-0.2 s each on a
         49k vocabulary): before its request joins the batch, so that the engine's step, which every row waits
-        for, does not. The pattern the output begins in (guided_regex), and a schema's first few patterns."""
+        for, does not. The pattern the output begins in (guided_regex), or a schema's first patterns: a few, as
+        each may push out of the cache a trie that a running row reads."""
         readings = [grammar.regex_reading(grammar.start)]
         readings += [(node.pattern, None, True) for node in getattr(grammar, "nodes", ()) if node.pattern is not None]
-        for regex, _, in_json in [r for r in readings if r is not None][:MAX_CACHED_TRIES // 2]:
+        for regex, _, in_json in [r for r in readings if r is not None][:MAX_PREPARED_TRIES]:
             if not isinstance(regex, LengthRegex):
                 self._trie(regex, in_json)
 
