@@ -28,6 +28,7 @@ from lorafleet.worker.file_limits import FileLimitError, read_limited
 from lorafleet.worker.llama_pipeline import LlamaPipeline, llama_pipeline
 
 LONG_TEXT = 16384  # characters: a longer text is encoded without holding the GIL (Tokenizer.encode)
+MAX_CONTROL_PIECES = 2048  # pieces a chat's control-token strings split its text into (encode_chat)
 
 
 class TokenizerError(ValueError):
@@ -84,12 +85,15 @@ class Tokenizer:
         return None if self.eos_token is None else self.token_to_id(self.eos_token)
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        if len(text) > LONG_TEXT:  # `encode` holds the GIL throughout (seconds for megabytes: every thread
-            # stalls, the event loop and the engine's steps too); `encode_batch` releases it, same ids
-            ids = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
-        else:
-            ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        ids = self._ids(text, add_special_tokens)
         return self._with_bos(ids) if add_special_tokens else ids
+
+    def _ids(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """The tokenizer's ids of `text`. `encode` holds the GIL throughout (seconds for megabytes: every thread
+        stalls, the event loop and the engine's steps too); `encode_batch` releases it, same ids."""
+        if len(text) > LONG_TEXT:
+            return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: list[int], *, skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
@@ -140,9 +144,12 @@ class Tokenizer:
         text = self.apply_chat_template(marks.wrap(messages), template_kwargs=kwargs, tools=marks.wrap(tools),
                                         **render)
         pieces = marks.split(text)
+        if len(pieces) > MAX_CONTROL_PIECES:  # each is encoded on its own, with the GIL held
+            raise TokenizerError(f"the chat holds {len(pieces) // 2} control-token strings (such as {pieces[1][0]!r}) "
+                                 f"as text; at most {MAX_CONTROL_PIECES // 2} are encoded")
         if len(pieces) == 1:
             return self.encode(pieces[0][0], add_special_tokens=options.add_special_tokens)
-        ids = self._tok.encode(pieces[0][0], add_special_tokens=False).ids
+        ids = self._ids(pieces[0][0])  # a long chat's text, with a control-token string in it, too
         for piece, is_text in pieces[1:]:
             ids += self._encode_piece(piece, is_text)
         if options.add_special_tokens:
@@ -176,7 +183,7 @@ class Tokenizer:
     def _encode_piece(self, piece: str, is_text: bool) -> list[int]:
         """A piece from the middle of a prompt; `is_text`: with no added token matched. Encoded after a newline
         that is then dropped, so that a SentencePiece tokenizer adds no word-start space (transformers' way)."""
-        encode = self._encode_text if is_text else lambda t: self._tok.encode(t, add_special_tokens=False).ids
+        encode = self._encode_text if is_text else self._ids
         newline = self._tok.encode("\n", add_special_tokens=False).ids
         ids = encode("\n" + piece)
         ids = ids[len(newline):] if ids[:len(newline)] == newline else encode(piece)
