@@ -18,11 +18,12 @@ from __future__ import annotations
 QUEUE_FULL = "queue_full"  # the worker holds `capacity` sequences
 TENANT_QUEUE_FULL = "tenant_queue_full"  # the tenant holds `max_per_tenant` sequences
 INTAKE_FULL = "intake_full"  # `max_intake` requests are being read, parsed or tokenized
+TENANT_INTAKE_FULL = "tenant_intake_full"  # the tenant's requests in intake reach its share of the places
 REQUEST_TIMEOUT = "request_timeout"  # a body that came too slowly (worker/intake.py)
 
 
 class Admission:
-    def __init__(self, capacity: int, max_per_tenant: int = 0, max_intake: int = 0) -> None:
+    def __init__(self, capacity: int, max_per_tenant: int = 0, max_intake: int = 0, *, shared: bool = False) -> None:
         if capacity < 1:
             raise ValueError(f"admission capacity must be >= 1, got {capacity}")
         if max_per_tenant < 0:
@@ -38,7 +39,10 @@ class Admission:
         self.num_refused = 0
         self.max_intake = max_intake  # requests in intake at once; 0 = no limit
         self.num_in_intake = 0
-        self.num_in_intake_by_tenant: dict[str, int] = {}  # counted only with a per-tenant cap
+        self.num_in_intake_by_tenant: dict[str, int] = {}  # counted with a per-tenant cap or share
+        # `shared` (tenants have keys): one tenant's requests being read leave a quarter of the places to others,
+        # whatever --max-sequences-per-tenant says (its bodies sent slowly must not hold every place).
+        self.max_intake_per_tenant = max_intake - max(1, max_intake // 4) if shared and max_intake > 1 else 0
 
     @property
     def max_seqs_per_request(self) -> int:
@@ -94,16 +98,19 @@ class Admission:
         taken, or TENANT_QUEUE_FULL, the tenant's sequences admitted and requests in intake reach its cap (with
         `sequences` False, a request that will need none, /tokenize: its requests in intake alone)."""
         reason = None
-        held = self.tenant_load(tenant) if sequences else self.num_in_intake_by_tenant.get(tenant, 0)
+        reading = self.num_in_intake_by_tenant.get(tenant, 0)
+        held = self.tenant_load(tenant) if sequences else reading
         if self.max_per_tenant and held >= self.max_per_tenant:
             reason = TENANT_QUEUE_FULL
         elif self.max_intake and self.num_in_intake >= self.max_intake:
             reason = INTAKE_FULL
+        elif self.max_intake_per_tenant and reading >= self.max_intake_per_tenant:
+            reason = TENANT_INTAKE_FULL
         if reason:
             self.num_refused += 1
             return reason
         self.num_in_intake += 1
-        if self.max_per_tenant:
+        if self.max_per_tenant or self.max_intake_per_tenant:
             self.num_in_intake_by_tenant[tenant] = self.num_in_intake_by_tenant.get(tenant, 0) + 1
         return None
 
@@ -115,7 +122,7 @@ class Admission:
         if self.num_in_intake < 1:
             raise ValueError("leaving intake but no request is in it")
         self.num_in_intake -= 1
-        if self.max_per_tenant:
+        if self.max_per_tenant or self.max_intake_per_tenant:
             held = self.num_in_intake_by_tenant.pop(tenant, 0)
             if held > 1:
                 self.num_in_intake_by_tenant[tenant] = held - 1

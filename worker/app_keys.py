@@ -10,6 +10,7 @@ from aiohttp import web
 from lorafleet.worker.admission import Admission
 from lorafleet.worker.async_engine import AsyncEngine
 from lorafleet.worker.engine_adapters import EngineAdapters
+from lorafleet.worker.fair_executor import FairExecutor
 from lorafleet.worker.metrics import WorkerMetrics
 from lorafleet.worker.served_adapters import ServedAdapters
 from lorafleet.worker.sources import Sources
@@ -32,6 +33,7 @@ HOST = web.AppKey("host", EngineAdapters)  # the engine's adapter registry, as S
 TENANTS = web.AppKey("tenants", Tenants)
 METRICS = web.AppKey("metrics", WorkerMetrics)
 ADMISSION = web.AppKey("admission", Admission)
+INTAKE_THREADS = web.AppKey("intake_threads", FairExecutor)  # parsing and tokenizing, by turns of tenants
 STATUS = web.AppKey("status", ServerStatus)
 ADMIN_LOCK = web.AppKey("admin_lock", asyncio.Lock)
 SOURCES = web.AppKey("sources", Sources)  # the adapter roots admin sources are checked in, with their digests kept

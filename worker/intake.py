@@ -15,18 +15,28 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
-from lorafleet.worker.admission import INTAKE_FULL, REQUEST_TIMEOUT, TENANT_QUEUE_FULL
-from lorafleet.worker.app_keys import ADMISSION, CONFIG, ENGINE, METRICS, STATUS, TENANTS
+from lorafleet.worker.admission import (
+    INTAKE_FULL,
+    REQUEST_TIMEOUT,
+    TENANT_INTAKE_FULL,
+    TENANT_QUEUE_FULL,
+    Admission,
+)
+from lorafleet.worker.app_keys import ADMISSION, CONFIG, ENGINE, INTAKE_THREADS, METRICS, STATUS, TENANTS
+from lorafleet.worker.fair_executor import FairExecutor
 from lorafleet.worker.openai_protocol import APIError, parse_json
 from lorafleet.worker.tenants import AuthenticationError, Tenant
+from lorafleet.worker.worker_config import WorkerConfig
 
 LARGE_BODY_BYTES = 64 * 1024  # larger bodies are parsed off the event loop
+INTAKE_THREADS_NUM = min(32, (os.cpu_count() or 1) + 4)  # as asyncio's default executor
 
 
 def ready_engine(app: web.Application):
@@ -63,6 +73,11 @@ def refused(app: web.Application, reason: str, tenant: str, num_seqs: int | None
                              f"{admission.max_per_tenant} at once (--max-sequences-per-tenant); this request needs "
                              f"{needs}. Retry after {retry} s or when your requests in flight finish",
                         type="rate_limit_error", code=reason, headers=headers)
+    if reason == TENANT_INTAKE_FULL:
+        return APIError(429, f"tenant {tenant} has {admission.num_in_intake_by_tenant.get(tenant, 0)} requests being "
+                             f"read, the most one tenant may (of the worker's {admission.max_intake} intake places, "
+                             f"--max-intake-requests, a quarter stays for the others); retry after {retry} s",
+                        type="rate_limit_error", code=reason, headers=headers)
     if reason == INTAKE_FULL:
         return APIError(429, f"the worker is reading {admission.num_in_intake} requests already (at most "
                              f"{admission.max_intake} at once, --max-intake-requests); retry after {retry} s",
@@ -82,12 +97,28 @@ class IntakePlace:
     ends, even when the handler is cancelled first (its client left): the executor can hold no more
     parses and tokenizations than there are places, whoever disconnects."""
 
-    def __init__(self) -> None:
+    def __init__(self, threads: FairExecutor, tenant: str) -> None:
         self.work: asyncio.Future | None = None  # the last work handed to the executor
+        self._threads, self._tenant = threads, tenant
 
     async def run(self, fn: Callable[[], Any]) -> Any:
-        self.work = asyncio.get_running_loop().run_in_executor(None, fn)
+        """`fn()` on the intake threads, in its tenant's turn: one tenant's megabyte prompts being tokenized
+        do not queue another tenant's small request behind them all (26 s behind eight, first come first
+        served)."""
+        self.work = asyncio.wrap_future(self._threads.submit(self._tenant, fn))
         return await asyncio.shield(self.work)  # a cancelled handler leaves the work running, and its place held
+
+
+def setup_intake(app: web.Application, config: WorkerConfig) -> None:
+    """The worker's admission, and the threads intake work runs on (released at the app's cleanup)."""
+    app[ADMISSION] = Admission(config.capacity, config.max_sequences_per_tenant, config.intake_limit,
+                               shared=not app[TENANTS].is_open)
+    threads = app[INTAKE_THREADS] = FairExecutor(INTAKE_THREADS_NUM, spare_threads=2, thread_name_prefix="intake")
+
+    async def stop(_: web.Application) -> None:
+        threads.shutdown(wait=False)
+
+    app.on_cleanup.append(stop)
 
 
 @contextlib.contextmanager
@@ -99,7 +130,7 @@ def intake_place(app: web.Application, tenant: str, sequences: bool = True) -> I
     admission = app[ADMISSION]
     if reason := admission.enter_intake(tenant, sequences):
         raise refused(app, reason, tenant, None if sequences else 0)
-    place = IntakePlace()
+    place = IntakePlace(app[INTAKE_THREADS], tenant)
     try:
         yield place
     finally:

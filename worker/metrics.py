@@ -36,7 +36,13 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from lorafleet.worker.admission import INTAKE_FULL, QUEUE_FULL, REQUEST_TIMEOUT, TENANT_QUEUE_FULL
+from lorafleet.worker.admission import (
+    INTAKE_FULL,
+    QUEUE_FULL,
+    REQUEST_TIMEOUT,
+    TENANT_INTAKE_FULL,
+    TENANT_QUEUE_FULL,
+)
 from lorafleet.worker.retired_series import RetiredSeries
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -121,7 +127,7 @@ class _EngineCollector(Collector):
                                 throughput)
 
 
-REJECTED_REASONS = (QUEUE_FULL, TENANT_QUEUE_FULL, INTAKE_FULL, REQUEST_TIMEOUT)
+REJECTED_REASONS = (QUEUE_FULL, TENANT_QUEUE_FULL, INTAKE_FULL, TENANT_INTAKE_FULL, REQUEST_TIMEOUT)
 
 
 class WorkerMetrics:

@@ -33,12 +33,10 @@ from aiohttp import web
 
 from lorafleet.worker.admin_api import admin_routes
 from lorafleet.worker.admin_listener import admin_listener_ctx, local_url
-from lorafleet.worker.admission import Admission
 from lorafleet.worker.app_keys import (
     ADAPTERS,
     ADMIN_LOCK,
     ADMIN_URL,
-    ADMISSION,
     CONFIG,
     ENGINE,
     HOST,
@@ -55,6 +53,7 @@ from lorafleet.worker.engine import Engine, ShutdownError
 from lorafleet.worker.engine_adapters import EngineAdapters
 from lorafleet.worker.engine_config import EngineConfig
 from lorafleet.worker.error_middleware import error_middleware
+from lorafleet.worker.intake import setup_intake
 from lorafleet.worker.listen import ANY_HOST, port_in_use
 from lorafleet.worker.metrics import CONTENT_TYPE, EngineSnapshot, WorkerMetrics
 from lorafleet.worker.openai_api import openai_routes
@@ -315,7 +314,7 @@ def create_app(config: WorkerConfig) -> web.Application:
     app[CONFIG] = config
     app[TENANTS] = tenants
     app[STATUS] = ServerStatus(started_at=time.time())
-    app[ADMISSION] = Admission(config.capacity, config.max_sequences_per_tenant, config.intake_limit)
+    setup_intake(app, config)  # admission, and the intake threads
     app[ADMIN_LOCK] = asyncio.Lock()
     app[SOURCES] = Sources(SourcesConfig(local_roots=config.local_adapter_roots))
     app[METRICS] = WorkerMetrics(lambda: engine_snapshot(app), retired_grace_s=config.retired_series_grace_s,
