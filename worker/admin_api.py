@@ -147,7 +147,8 @@ def _with_local_sources(app: web.Application, state: DesiredState) -> tuple[Desi
 
 def _require_engine(request: web.Request) -> None:
     if ENGINE not in request.app:
-        raise APIError(503, "the worker is starting", type="service_unavailable", code="not_ready")
+        raise APIError(503, "the worker is starting", type="service_unavailable", code="not_ready",
+                       headers={"Retry-After": "1"})
 
 
 async def admin_change(app: web.Application, fn: Callable[..., T], *args: Any) -> T:

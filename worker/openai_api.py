@@ -362,7 +362,8 @@ def _models(request: web.Request, tenant: Tenant) -> list[dict[str, Any]]:
     its adapters with their versions and canary split."""
     app = request.app
     if ENGINE not in app:
-        raise APIError(503, "the worker is starting", type="service_unavailable", code="not_ready")
+        raise APIError(503, "the worker is starting", type="service_unavailable", code="not_ready",
+                       headers={"Retry-After": "1"})
     adapters = app[ADAPTERS]
     created = int(app[STATUS].started_at)
     limit = app[ENGINE].engine.max_model_len  # prompt + completion tokens (vLLM's field), at most what the KV cache holds
