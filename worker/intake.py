@@ -21,6 +21,7 @@ from typing import Any
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
+from aiohttp.web_urldispatcher import _default_expect_handler
 
 from lorafleet.worker.admission import (
     INTAKE_FULL,
@@ -90,6 +91,24 @@ def check_room(app: web.Application, tenant: str) -> None:
     """Raise the 429 at once, before the body is read, when not even one more sequence of `tenant` fits."""
     if reason := app[ADMISSION].early_refusal(tenant):
         raise refused(app, reason, tenant)
+
+
+async def expect_room(request: web.Request) -> web.StreamResponse | None:
+    """`Expect: 100-continue`: the answer the request would get before its body is read (401, a 503 while the
+    worker starts, the 429 when not one more sequence of its tenant fits or every intake place is taken) goes
+    instead of 100 Continue, so a client that waits for it (curl, some HTTP libraries) never uploads a body a
+    full worker would not read; else 100 Continue."""
+    app = request.app
+    try:
+        ready_engine(app)
+        tenant = authenticate(request).name
+        check_room(app, tenant)
+        admission = app[ADMISSION]
+        if admission.max_intake and admission.num_in_intake >= admission.max_intake:
+            raise refused(app, INTAKE_FULL, tenant)
+    except APIError as exc:
+        return web.json_response(exc.body(), status=exc.status, headers=exc.headers)
+    return await _default_expect_handler(request)
 
 
 class IntakePlace:

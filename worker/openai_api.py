@@ -43,7 +43,15 @@ from lorafleet.worker.choice_timer import ChoiceTimer, request_labels
 from lorafleet.worker.completion_job import CompletionJob, TextOffsets
 from lorafleet.worker.engine import EngineError, ShutdownError, UnknownAdapterError
 from lorafleet.worker.engine_errors import ContextLengthError
-from lorafleet.worker.intake import authenticate, check_room, intake_place, read_json, ready_engine, refused
+from lorafleet.worker.intake import (
+    authenticate,
+    check_room,
+    expect_room,
+    intake_place,
+    read_json,
+    ready_engine,
+    refused,
+)
 from lorafleet.worker.job_outputs import merged_outputs
 from lorafleet.worker.json_schema_grammar import GrammarError
 from lorafleet.worker.metrics import UNRESOLVED_LABEL
@@ -71,8 +79,8 @@ ADAPTER_HEADER = "X-Lorafleet-Adapter"
 
 def openai_routes() -> list[web.RouteDef]:
     return [
-        web.post("/v1/completions", completions),
-        web.post("/v1/chat/completions", chat_completions),
+        web.post("/v1/completions", completions, expect_handler=expect_room),
+        web.post("/v1/chat/completions", chat_completions, expect_handler=expect_room),
         web.get("/v1/models", list_models),
         web.get("/v1/models/{model:.+}", retrieve_model),
         *tokenize_routes(),

@@ -25,10 +25,13 @@ def config(tiny_llama_dir, max_num_seqs: int = 64, **worker) -> WorkerConfig:
                                             max_num_seqs=max_num_seqs), served_model_name="tiny", **worker)
 
 
-async def send_head(port: int, length: int, first: bytes = b"", key: str | None = None, path: str = "/v1/completions"):
-    """A POST to `path` whose headers announce `length` body bytes, of which only `first` is sent (so far)."""
+async def send_head(port: int, length: int, first: bytes = b"", key: str | None = None, path: str = "/v1/completions",
+                    expect: bool = False):
+    """A POST to `path` whose headers announce `length` body bytes, of which only `first` is sent (so far);
+    `expect`: with `Expect: 100-continue`."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     auth = f"Authorization: Bearer {key}\r\n" if key else ""
+    auth += "Expect: 100-continue\r\n" if expect else ""
     writer.write(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n{auth}"
                  f"Content-Length: {length}\r\n\r\n".encode() + first)
     await writer.drain()
@@ -74,6 +77,11 @@ async def test_a_full_worker_refuses_before_reading_the_body(aiohttp_client, tin
         assert status == 429 and int(headers["retry-after"]) >= 1, body
         assert body["error"]["code"] == "queue_full" and body["error"]["type"] == "rate_limit_error"
         assert app[ADMISSION].num_in_intake == 0
+        # A client that waits for 100 Continue (curl) gets the 429 instead, and so never sends the body.
+        writer.close()
+        reader, writer = await send_head(client.server.port, 4_000_000, expect=True)
+        status, headers, body = await read_answer(reader, timeout=10)
+        assert status == 429 and body["error"]["code"] == "queue_full" and int(headers["retry-after"]) >= 1
     finally:
         gate.set()
         if writer is not None:
@@ -82,6 +90,14 @@ async def test_a_full_worker_refuses_before_reading_the_body(aiohttp_client, tin
     await wait_until(lambda: app[ADMISSION].num_admitted == 0)
     resp = await client.post("/v1/completions", data=BODY)
     assert resp.status == 200 and (await resp.json())["choices"][0]["finish_reason"] == "length"
+    reader, writer = await send_head(client.server.port, len(BODY), expect=True)  # room now: 100 Continue
+    try:
+        assert await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10) == b"HTTP/1.1 100 Continue\r\n\r\n"
+        writer.write(BODY)
+        status, _, body = await read_answer(reader)
+        assert status == 200 and body["choices"][0]["finish_reason"] == "length"
+    finally:
+        writer.close()
 
 
 async def test_requests_in_intake_are_bounded(aiohttp_client, tiny_llama_dir):
