@@ -67,7 +67,7 @@ from lorafleet.worker.scheduler import CapacityError
 from lorafleet.worker.served_adapters import VersionUnavailable
 from lorafleet.worker.served_fallback import listed_versions, versions_still_served
 from lorafleet.worker.state_json import reply
-from lorafleet.worker.stream_writes import written_in_time
+from lorafleet.worker.stream_writes import sent_in_time, written_in_time
 from lorafleet.worker.tenants import Tenant
 from lorafleet.worker.tokenizer import TokenizerError
 from lorafleet.worker.tool_calls import ToolCalls
@@ -263,12 +263,12 @@ async def _collect(request: web.Request, job: CompletionJob, outputs: AsyncItera
             raise _engine_error(exc, job, request) from None
     tokenizer, o = _tokenizer(request), job.options
     if o.logprobs is None and o.prompt_logprobs is None:
-        return web.json_response(job.response(tokenizer, final), headers={ADAPTER_HEADER: job.model})
-    # Logprobs: up to MAX_LOGPROB_ENTRIES decoded tokens, built and encoded off the event loop (tens of MB).
-    job.check_logprob_entries(job.logprob_entries(final))  # an unset max_tokens was counted short
-    response = await reply(lambda: job.response(tokenizer, final))
-    response.headers[ADAPTER_HEADER] = job.model
-    return response
+        response = web.json_response(job.response(tokenizer, final), headers={ADAPTER_HEADER: job.model})
+    else:  # up to MAX_LOGPROB_ENTRIES decoded tokens, built and encoded off the event loop (tens of MB)
+        job.check_logprob_entries(job.logprob_entries(final))  # an unset max_tokens was counted short
+        response = await reply(lambda: job.response(tokenizer, final))
+        response.headers[ADAPTER_HEADER] = job.model
+    return await sent_in_time(request, response, request.app[CONFIG].stream_write_timeout_s)
 
 
 def _encoded(payload: dict[str, Any]) -> str:

@@ -12,6 +12,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable
 
+from aiohttp import web
+
+LARGE_ANSWER_BYTES = 64 * 1024  # a whole answer larger than this is sent by `sent_in_time`
+
 
 def _buffered(transport) -> int:
     return 0 if transport is None or transport.is_closing() else transport.get_write_buffer_size()
@@ -41,3 +45,21 @@ async def written_in_time(write: Awaitable[None], transport, limit_s: float) -> 
     except TimeoutError:
         return False
     return True
+
+
+async def sent_in_time(request: web.Request, response: web.Response, limit_s: float) -> web.StreamResponse:
+    """A whole (not streamed) answer, sent under the same rule: aiohttp would write a large one and wait for a
+    client that stopped reading for as long as the connection lives, its megabytes of logprobs held in the send
+    buffer. A client that takes no byte for a `limit_s` window is cut off, as if it had left."""
+    body = response.body
+    if not isinstance(body, bytes) or len(body) <= LARGE_ANSWER_BYTES:
+        return response
+    stream = web.StreamResponse(status=response.status, headers=response.headers)
+    stream.content_length = len(body)
+    await stream.prepare(request)
+    if not await written_in_time(stream.write(body), request.transport, limit_s) \
+            or not await written_in_time(stream.write_eof(), request.transport, limit_s):
+        if request.transport is not None:  # close() would wait to send what it never takes
+            request.transport.abort()
+        raise ConnectionResetError("the client stopped reading")
+    return stream

@@ -99,3 +99,35 @@ async def test_a_client_that_keeps_taking_bytes_is_never_cut_off_however_long_th
     assert not await written_in_time(write, stuck, 0.01)
     await asyncio.sleep(0)
     assert write.cancelled()
+
+
+async def test_a_whole_answer_whose_client_stops_reading_is_cut_off(aiohttp_client, tiny_llama_dir, monkeypatch):
+    """A large answer that is not streamed (echo with logprobs, megabytes for big n) to a client that stopped
+    reading: aiohttp would hold it in the send buffer for the life of the connection. It is written under the
+    same limit and the connection cut; a small answer, and one read, are sent as before."""
+    from lorafleet.worker import stream_writes
+
+    config = WorkerConfig(engine=EngineConfig(model=str(tiny_llama_dir), dtype="float32", max_model_len=128),
+                          served_model_name="tiny", stream_write_timeout_s=LIMIT_S)
+    client = await aiohttp_client(create_app(config))
+    held, real_write = asyncio.Event(), web.StreamResponse.write
+
+    async def write(self, data: bytes) -> None:
+        if len(data) > stream_writes.LARGE_ANSWER_BYTES:  # the client takes none of it
+            held.set()
+            await asyncio.Event().wait()
+        await real_write(self, data)
+
+    monkeypatch.setattr(web.StreamResponse, "write", write)
+    body = {"model": "tiny", "prompt": "hi " * 30, "max_tokens": 2, "echo": True, "logprobs": 5, "n": 8,
+            "temperature": 0}
+    with pytest.raises(aiohttp.ClientError):
+        resp = await client.post("/v1/completions", json=body)
+        await asyncio.wait_for(resp.read(), 30)  # cut off: headers and no body, or nothing
+    assert held.is_set()
+    small = await client.post("/v1/completions", json={**body, "n": 1, "logprobs": None, "echo": False})
+    assert small.status == 200 and (await small.json())["choices"]
+    monkeypatch.setattr(web.StreamResponse, "write", real_write)
+    whole = await client.post("/v1/completions", json=body)
+    assert whole.status == 200 and len((await whole.json())["choices"]) == 8
+    assert len(await whole.read()) > stream_writes.LARGE_ANSWER_BYTES
