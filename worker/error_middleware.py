@@ -9,6 +9,7 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from lorafleet.worker.app_keys import CONFIG
 from lorafleet.worker.openai_protocol import APIError
@@ -60,3 +61,19 @@ async def error_middleware(request: web.Request, handler: Callable[[web.Request]
         log.exception("unhandled error in %s %s", request.method, request.path)
         return _error_response(APIError(500, "internal server error; the worker logged the details",
                                         type="server_error", code="internal_error"))
+
+
+class _ClientFaults(logging.Filter):
+    """aiohttp answers a request its parser refuses (a malformed head, a Content-Encoding it cannot decode: br,
+    zstd) with a plain 400, before any middleware, and logs it as an ERROR with a traceback: any client could
+    fill the log so. Such a fault is logged as one line at INFO instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError) and 400 <= (exc.code or 0) < 500:
+            log.info("%s: %d %s", record.getMessage(), exc.code, " ".join(str(exc.message).split()))
+            return False
+        return True
+
+
+logging.getLogger("aiohttp.server").addFilter(_ClientFaults())

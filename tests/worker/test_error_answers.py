@@ -203,3 +203,24 @@ def test_a_load_failure_shows_no_folder_of_the_worker_s_disk():
     # Text of the caller's own, a path or a JSON pointer in it, goes through as it came.
     said = "'/api/v1/users' is not one of the choices; see #/definitions/Address"
     assert request.app[ADAPTERS].redact(said, ACME) == said
+
+
+async def test_a_body_in_an_encoding_the_parser_cannot_read_is_one_log_line_not_a_traceback(aiohttp_server, caplog):
+    """aiohttp refuses a Content-Encoding it cannot decode (br, zstd) with a 400 before any middleware, and
+    logged each as an ERROR with a traceback: a client's fault, which any client could repeat to flood the log."""
+    import asyncio
+    import logging
+
+    import lorafleet.worker.error_middleware  # noqa: F401 (installs the filter)
+
+    server = await aiohttp_server(web.Application())
+    with caplog.at_level(logging.INFO):
+        for encoding in ("br", "zstd"):
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            writer.write(f"POST / HTTP/1.1\r\nHost: x\r\nContent-Encoding: {encoding}\r\nContent-Length: 2\r\n\r\nxx"
+                         .encode())
+            status = await asyncio.wait_for(reader.readline(), 10)
+            writer.close()
+            assert status.split()[1] == b"400", status
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info], caplog.text
+    assert len([r for r in caplog.records if "Can not decode content-encoding" in r.getMessage()]) == 2
