@@ -9,21 +9,30 @@ them), and has a timeout well under the suite's."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from openai import AsyncOpenAI
 
-_OPEN: list[AsyncOpenAI] = []
+_OPEN: list[tuple[AsyncOpenAI, asyncio.AbstractEventLoop | None]] = []  # each with the loop it was made on
 TIMEOUT_S = 120.0
 
 
 def openai_client(base_url: str, api_key: str = "sk-any") -> AsyncOpenAI:
     client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=TIMEOUT_S)
-    _OPEN.append(client)
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        loop = None
+    _OPEN.append((client, loop))
     return client
 
 
 @pytest.fixture(autouse=True)
 async def close_openai_clients():
     yield
+    running = asyncio.get_running_loop()
     while _OPEN:
-        await _OPEN.pop().close()
+        client, loop = _OPEN.pop()
+        if loop is running:  # one of another loop, closed since, holds no socket of this loop's: let go
+            await client.close()

@@ -10,6 +10,10 @@ the buffer shrink; a window in which the client took no byte ends it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
+import struct
+import termios
 from collections.abc import Awaitable
 
 from aiohttp import web
@@ -18,7 +22,17 @@ LARGE_ANSWER_BYTES = 64 * 1024  # a whole answer larger than this is sent by `se
 
 
 def _buffered(transport) -> int:
-    return 0 if transport is None or transport.is_closing() else transport.get_write_buffer_size()
+    """Bytes written and not yet taken by the client: the transport's buffer, and on Linux the kernel's send
+    queue behind it (megabytes on a fast link: a client reading slowly drains that first, the transport's
+    buffer only later, and would look as if it took nothing)."""
+    if transport is None or transport.is_closing():
+        return 0
+    size = transport.get_write_buffer_size()
+    sock = transport.get_extra_info("socket") if hasattr(transport, "get_extra_info") else None
+    if sock is not None and hasattr(termios, "TIOCOUTQ"):
+        with contextlib.suppress(OSError, ValueError, TypeError):
+            size += struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+    return size
 
 
 async def written_in_time(write: Awaitable[None], transport, limit_s: float) -> bool:
@@ -57,9 +71,13 @@ async def sent_in_time(request: web.Request, response: web.Response, limit_s: fl
     stream = web.StreamResponse(status=response.status, headers=response.headers)
     stream.content_length = len(body)
     await stream.prepare(request)
-    if not await written_in_time(stream.write(body), request.transport, limit_s) \
-            or not await written_in_time(stream.write_eof(), request.transport, limit_s):
-        if request.transport is not None:  # close() would wait to send what it never takes
-            request.transport.abort()
-        raise ConnectionResetError("the client stopped reading")
+    view = memoryview(body)
+    # In pieces: each write's window starts from the buffer as it is, so a client that reads, however slowly,
+    # is never taken for one that stopped (one write of the whole body would fill the buffer at once).
+    for start in [*range(0, len(body), LARGE_ANSWER_BYTES), None]:
+        write = stream.write_eof() if start is None else stream.write(view[start:start + LARGE_ANSWER_BYTES])
+        if not await written_in_time(write, request.transport, limit_s):
+            if request.transport is not None:  # close() would wait to send what it never takes
+                request.transport.abort()
+            raise ConnectionResetError("the client stopped reading")
     return stream

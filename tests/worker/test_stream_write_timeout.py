@@ -110,12 +110,14 @@ async def test_a_whole_answer_whose_client_stops_reading_is_cut_off(aiohttp_clie
     config = WorkerConfig(engine=EngineConfig(model=str(tiny_llama_dir), dtype="float32", max_model_len=128),
                           served_model_name="tiny", stream_write_timeout_s=LIMIT_S)
     client = await aiohttp_client(create_app(config))
-    held, real_write = asyncio.Event(), web.StreamResponse.write
+    held, real_write, writes = asyncio.Event(), web.StreamResponse.write, [0]
 
     async def write(self, data: bytes) -> None:
-        if len(data) > stream_writes.LARGE_ANSWER_BYTES:  # the client takes none of it
-            held.set()
-            await asyncio.Event().wait()
+        if (self.content_length or 0) > stream_writes.LARGE_ANSWER_BYTES:  # a whole answer sent in pieces
+            writes[0] += 1
+            if writes[0] == 2:  # the client stopped reading: this write waits for room that never comes
+                held.set()
+                await asyncio.Event().wait()
         await real_write(self, data)
 
     monkeypatch.setattr(web.StreamResponse, "write", write)
@@ -131,3 +133,47 @@ async def test_a_whole_answer_whose_client_stops_reading_is_cut_off(aiohttp_clie
     whole = await client.post("/v1/completions", json=body)
     assert whole.status == 200 and len((await whole.json())["choices"]) == 8
     assert len(await whole.read()) > stream_writes.LARGE_ANSWER_BYTES
+
+
+async def test_a_whole_answer_to_a_client_that_reads_slowly_is_sent_whole():
+    """The client reads an 8 MiB answer steadily but slower than localhost's kernel buffers fill: the bytes it
+    takes leave the kernel's send queue first, the transport's buffer only later. Progress counts both, so it is
+    never taken for a client that stopped reading (it got 3.98 of 4 MiB, then the connection was cut)."""
+    import socket
+    import time
+
+    from lorafleet.worker.stream_writes import sent_in_time
+
+    body, outcome = b"x" * (8 << 20), []
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        try:
+            return await sent_in_time(request, web.Response(body=body, content_type="application/json"), 1.0)
+        except ConnectionResetError as exc:
+            outcome.append(exc)
+            raise
+
+    app = web.Application()
+    app.router.add_post("/", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    loop = asyncio.get_running_loop()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+    try:
+        sock.connect(("127.0.0.1", site._server.sockets[0].getsockname()[1]))
+        sock.setblocking(False)
+        await loop.sock_sendall(sock, b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
+        got, start = 0, time.monotonic()
+        while got < len(body) and time.monotonic() - start < 30:
+            data = await asyncio.wait_for(loop.sock_recv(sock, 64 * 1024), 10)
+            if not data:
+                break
+            got += len(data)
+            await asyncio.sleep(0.02)
+    finally:
+        sock.close()
+        await runner.cleanup()
+    assert not outcome and got >= len(body), (got, outcome)
