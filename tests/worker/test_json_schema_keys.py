@@ -25,7 +25,7 @@ from lorafleet.worker.regex_length import length_regex
 from lorafleet.worker.tool_request import required_calls_schema
 from tests.worker.grammar_checks import accepts, check_masks, check_text, walk, walks_validate
 from tests.worker.test_openai_tools import USER
-from tests.worker.test_structured_output import _parsed, api, bias, tools_model  # noqa: F401 (fixtures)
+from tests.worker.test_structured_output import _parsed, api, bias, close_openai_clients, tools_model  # noqa: F401 (fixtures)
 
 
 class Color(StrEnum):

@@ -196,8 +196,19 @@ def _nested_object(depth: int) -> dict:
 def test_inputs_nesting_past_the_interpreters_stack_are_refused_as_the_requests_fault():
     """Stacked quantifiers, chains of rules and deep schemas each recurse once per level: a RecursionError
     from a crafted input is the request's error (a 400 naming it), never the worker's (a 500)."""
+    import sys
+
     from lorafleet.worker.gbnf import GbnfGrammar
 
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(1000)  # Python's default; a test run before may have raised it (hypothesis does)
+    try:
+        _refused_past_the_stack(GbnfGrammar)
+    finally:
+        sys.setrecursionlimit(limit)
+
+
+def _refused_past_the_stack(GbnfGrammar) -> None:
     for pattern in ("a" + "{1}" * 1300, "a" + "*" * 1500):
         with pytest.raises(RegexError, match="nests too deeply"):
             RegexGrammar(pattern)
