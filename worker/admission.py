@@ -23,7 +23,7 @@ REQUEST_TIMEOUT = "request_timeout"  # a body that came too slowly (worker/intak
 
 
 class Admission:
-    def __init__(self, capacity: int, max_per_tenant: int = 0, max_intake: int = 0, *, shared: bool = False) -> None:
+    def __init__(self, capacity: int, max_per_tenant: int = 0, max_intake: int = 0) -> None:
         if capacity < 1:
             raise ValueError(f"admission capacity must be >= 1, got {capacity}")
         if max_per_tenant < 0:
@@ -39,10 +39,10 @@ class Admission:
         self.num_refused = 0
         self.max_intake = max_intake  # requests in intake at once; 0 = no limit
         self.num_in_intake = 0
-        self.num_in_intake_by_tenant: dict[str, int] = {}  # counted with a per-tenant cap or share
-        # `shared` (tenants have keys): one tenant's requests being read leave a quarter of the places to others,
-        # whatever --max-sequences-per-tenant says (its bodies sent slowly must not hold every place).
-        self.max_intake_per_tenant = max_intake - max(1, max_intake // 4) if shared and max_intake > 1 else 0
+        self.num_in_intake_by_tenant: dict[str, int] = {}  # counted with a per-tenant cap or an intake bound
+        # Where several tenants have keys (`shared`), one tenant's requests being read leave a quarter of the
+        # places to the others, whatever --max-sequences-per-tenant says: its slow bodies cannot hold them all.
+        self.intake_share = max_intake - max(1, max_intake // 4) if max_intake > 1 else 0
 
     @property
     def max_seqs_per_request(self) -> int:
@@ -93,24 +93,28 @@ class Admission:
         self.num_admitted_by_tenant[tenant] = self.num_admitted_by_tenant.get(tenant, 0) + num_seqs
         return True
 
-    def enter_intake(self, tenant: str = "", sequences: bool = True) -> str | None:
-        """Take an intake place for one request of `tenant`; else (nothing taken) why not: INTAKE_FULL, all are
-        taken, or TENANT_QUEUE_FULL, the tenant's sequences admitted and requests in intake reach its cap (with
-        `sequences` False, a request that will need none, /tokenize: its requests in intake alone)."""
-        reason = None
+    def intake_refusal(self, tenant: str = "", sequences: bool = True, shared: bool = False) -> str | None:
+        """Why one more request of `tenant` may not enter intake now (None: it may): INTAKE_FULL, all places are
+        taken; TENANT_QUEUE_FULL, the tenant's sequences admitted and requests in intake reach its cap (with
+        `sequences` False, a request that will need none, /tokenize: its requests in intake alone); or, with
+        `shared` (several tenants), TENANT_INTAKE_FULL, it reads its share of the places already."""
         reading = self.num_in_intake_by_tenant.get(tenant, 0)
         held = self.tenant_load(tenant) if sequences else reading
         if self.max_per_tenant and held >= self.max_per_tenant:
-            reason = TENANT_QUEUE_FULL
-        elif self.max_intake and self.num_in_intake >= self.max_intake:
-            reason = INTAKE_FULL
-        elif self.max_intake_per_tenant and reading >= self.max_intake_per_tenant:
-            reason = TENANT_INTAKE_FULL
-        if reason:
+            return TENANT_QUEUE_FULL
+        if self.max_intake and self.num_in_intake >= self.max_intake:
+            return INTAKE_FULL
+        if shared and self.intake_share and reading >= self.intake_share:
+            return TENANT_INTAKE_FULL
+        return None
+
+    def enter_intake(self, tenant: str = "", sequences: bool = True, shared: bool = False) -> str | None:
+        """Take an intake place for one request of `tenant`; else (nothing taken) why not (intake_refusal)."""
+        if reason := self.intake_refusal(tenant, sequences, shared):
             self.num_refused += 1
             return reason
         self.num_in_intake += 1
-        if self.max_per_tenant or self.max_intake_per_tenant:
+        if self.max_per_tenant or self.max_intake:
             self.num_in_intake_by_tenant[tenant] = self.num_in_intake_by_tenant.get(tenant, 0) + 1
         return None
 
@@ -122,7 +126,7 @@ class Admission:
         if self.num_in_intake < 1:
             raise ValueError("leaving intake but no request is in it")
         self.num_in_intake -= 1
-        if self.max_per_tenant or self.max_intake_per_tenant:
+        if self.max_per_tenant or self.max_intake:
             held = self.num_in_intake_by_tenant.pop(tenant, 0)
             if held > 1:
                 self.num_in_intake_by_tenant[tenant] = held - 1

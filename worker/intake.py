@@ -32,6 +32,7 @@ from lorafleet.worker.admission import (
 )
 from lorafleet.worker.app_keys import ADMISSION, CONFIG, ENGINE, INTAKE_THREADS, METRICS, STATUS, TENANTS
 from lorafleet.worker.fair_executor import FairExecutor
+from lorafleet.worker.metrics import UNRESOLVED_LABEL
 from lorafleet.worker.openai_protocol import APIError, parse_json
 from lorafleet.worker.tenants import AuthenticationError, Tenant
 from lorafleet.worker.worker_config import WorkerConfig
@@ -103,12 +104,19 @@ async def expect_room(request: web.Request) -> web.StreamResponse | None:
         ready_engine(app)
         tenant = authenticate(request).name
         check_room(app, tenant)
-        admission = app[ADMISSION]
-        if admission.max_intake and admission.num_in_intake >= admission.max_intake:
-            raise refused(app, INTAKE_FULL, tenant)
-    except APIError as exc:
+        if reason := app[ADMISSION].intake_refusal(tenant, shared=_shared(app)):
+            raise refused(app, reason, tenant)
+    except APIError as exc:  # counted as the handler would have (it does not run)
+        endpoint = "chat" if request.path.endswith("/chat/completions") else "completions"
+        app[METRICS].observe_request(adapter=UNRESOLVED_LABEL, endpoint=endpoint, status=exc.status)
         return web.json_response(exc.body(), status=exc.status, headers=exc.headers)
     return await _default_expect_handler(request)
+
+
+def _shared(app: web.Application) -> bool:
+    """Whether several tenants share the worker's intake (a keys file with two or more)."""
+    tenants = app[TENANTS]
+    return not tenants.is_open and len(tenants.names) > 1
 
 
 class IntakePlace:
@@ -130,8 +138,7 @@ class IntakePlace:
 
 def setup_intake(app: web.Application, config: WorkerConfig) -> None:
     """The worker's admission, and the threads intake work runs on (released at the app's cleanup)."""
-    app[ADMISSION] = Admission(config.capacity, config.max_sequences_per_tenant, config.intake_limit,
-                               shared=not app[TENANTS].is_open)
+    app[ADMISSION] = Admission(config.capacity, config.max_sequences_per_tenant, config.intake_limit)
     threads = app[INTAKE_THREADS] = FairExecutor(INTAKE_THREADS_NUM, spare_threads=2, thread_name_prefix="intake")
 
     async def stop(_: web.Application) -> None:
@@ -147,7 +154,7 @@ def intake_place(app: web.Application, tenant: str, sequences: bool = True) -> I
     --max-sequences-per-tenant (429 tenant_queue_full: one tenant cannot hold every intake place). `sequences`
     False: a request that will need none (/tokenize): its tenant's requests in intake alone count."""
     admission = app[ADMISSION]
-    if reason := admission.enter_intake(tenant, sequences):
+    if reason := admission.enter_intake(tenant, sequences, shared=_shared(app)):
         raise refused(app, reason, tenant, None if sequences else 0)
     place = IntakePlace(app[INTAKE_THREADS], tenant)
     try:

@@ -137,15 +137,18 @@ def test_a_tenant_s_requests_in_intake_count_against_its_cap():
 
 
 @pytest.mark.parametrize("max_per_tenant", [0, 16])
-def test_with_api_keys_one_tenant_leaves_a_quarter_of_the_intake_places_to_the_others(max_per_tenant):
+def test_with_several_tenants_one_leaves_a_quarter_of_the_intake_places_to_the_others(max_per_tenant):
     """Intake 8 and no sequence cap, or one at or above it: acme's eight slow bodies took every place and the
-    others got 429 intake_full for as long as acme kept reconnecting. With tenants it holds at most six."""
-    admission = Admission(64, max_per_tenant=max_per_tenant, max_intake=8, shared=True)
-    assert [admission.enter_intake("acme") for _ in range(7)] == [None] * 6 + ["tenant_intake_full"]
-    assert admission.enter_intake("globex") is None and admission.enter_intake("initech") is None
-    assert admission.enter_intake("globex") == "intake_full"
+    others got 429 intake_full for as long as acme kept reconnecting. With several tenants it holds at most six;
+    alone (one tenant, or development mode) it may use them all."""
+    admission = Admission(64, max_per_tenant=max_per_tenant, max_intake=8)
+    enter = [admission.enter_intake("acme", shared=True) for _ in range(7)]
+    assert enter == [None] * 6 + ["tenant_intake_full"]
+    assert admission.intake_refusal("acme", shared=True) == "tenant_intake_full"  # asked, nothing taken
+    assert admission.enter_intake("globex", shared=True) is None and admission.enter_intake("initech", shared=True) is None
+    assert admission.enter_intake("globex", shared=True) == "intake_full"
     for tenant in ("acme", "globex", "initech"):
         admission.leave_intake(tenant)
-    assert admission.enter_intake("acme") is None
-    alone = Admission(64, max_intake=8)  # development mode: the one tenant may use every place
+    assert admission.enter_intake("acme", shared=True) is None
+    alone = Admission(64, max_intake=8)
     assert [alone.enter_intake("dev") for _ in range(9)] == [None] * 8 + ["intake_full"]

@@ -11,9 +11,10 @@ import pytest
 from aiohttp import web
 
 from lorafleet.worker import intake
-from lorafleet.worker.app_keys import ADMISSION, ENGINE
+from lorafleet.worker.app_keys import ADMISSION, ENGINE, METRICS
 from lorafleet.worker.cli import config_from_args
 from lorafleet.worker.engine_config import EngineConfig
+from lorafleet.worker.metrics import UNRESOLVED_LABEL
 from lorafleet.worker.server import create_app
 from lorafleet.worker.worker_config import WorkerConfig
 
@@ -79,9 +80,12 @@ async def test_a_full_worker_refuses_before_reading_the_body(aiohttp_client, tin
         assert app[ADMISSION].num_in_intake == 0
         # A client that waits for 100 Continue (curl) gets the 429 instead, and so never sends the body.
         writer.close()
+        counted = app[METRICS].requests.labels(UNRESOLVED_LABEL, "", "completions", "429")
+        before = counted._value.get()
         reader, writer = await send_head(client.server.port, 4_000_000, expect=True)
         status, headers, body = await read_answer(reader, timeout=10)
         assert status == 429 and body["error"]["code"] == "queue_full" and int(headers["retry-after"]) >= 1
+        assert counted._value.get() == before + 1  # counted as the handler counts its refusals
     finally:
         gate.set()
         if writer is not None:
