@@ -65,6 +65,14 @@ _LITERALS = {ord("t"): ("boolean", b"rue"), ord("f"): ("boolean", b"alse"), ord(
 _REPROCESS = object()  # an enum value or number ended before this byte: its container reads it
 
 
+def _ends_in_time(bounds, text: bytes) -> bool:
+    """Near MAX_BOUNDED_DIGITS: whether the number can end inside its bounds as written, or with one more digit
+    where one may still come (so the cap never leaves a number that can neither go on nor end)."""
+    if number_text_takes(bounds, text.rstrip(b".")):
+        return True
+    return len(text) < MAX_BOUNDED_DIGITS and any(number_text_takes(bounds, text + bytes((d,))) for d in b"0123456789")
+
+
 class GrammarError(RuntimeError):
     """The output cannot be followed within the grammar's bounds (its request fails; the others go on)."""
 
@@ -312,7 +320,8 @@ class SchemaGrammar(KeyReader, ItemReader):
     def _bounded_number(self, below: tuple, index: int, mode: str, integer: bool, text: bytes | None) -> list[tuple]:
         """The stack of a number with bounds that has begun with `text` ([] when no number inside them does)."""
         bounds = self.nodes[index].bounds
-        if text is not None and (len(text) > MAX_BOUNDED_DIGITS or not bounds.may_begin(text, integer)):
+        if text is not None and (len(text) > MAX_BOUNDED_DIGITS or not bounds.may_begin(text, integer)
+                                 or len(text) >= MAX_BOUNDED_DIGITS - 1 and not _ends_in_time(bounds, text)):
             return []  # past MAX_BOUNDED_DIGITS the number may only end: each byte reads its whole text
         if text is not None and bounds.holds_all(text, integer):
             text = None

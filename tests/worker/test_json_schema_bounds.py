@@ -182,3 +182,8 @@ def test_a_bounded_number_ends_by_its_digit_cap(bound):
     assert accepts(schema, zeros + "}") is ("multipleOf" in bound)  # 0: a multiple, not above 0
     assert accepts(schema, zeros + "1}") is ("exclusiveMinimum" in bound)  # 1e-999: above 0, no multiple
     assert not accepts(schema, zeros + "01}") and not accepts(schema, '{"x":0.' + "0" * 5000 + "}")
+    # Never a dead end: where the cap comes, only what can still end inside the bounds is taken.
+    grammar = schema_grammar(schema)
+    state = grammar.advance(grammar.start, zeros.encode())
+    nxt = [chr(b) for b in b"0123456789}" if grammar.advance(state, bytes((b,))) is not None]
+    assert nxt == (["0", "}"] if "multipleOf" in bound else list("123456789")), nxt
