@@ -18,6 +18,7 @@ import json
 from lorafleet.worker.json_schema_bounds import TYPES, kind, same_key
 
 MAX_ONE_OF_PAIRS = 50_000  # distinct pairs of alternatives a schema's oneOfs may ask to compare (one compile)
+MAX_ONE_OF_WALK = 20 * MAX_ONE_OF_PAIRS  # pairs looked up, compared before or not (a lookup costs little)
 
 
 class TooManyPairs(Exception):
@@ -30,12 +31,17 @@ def one_of_problem(schema, one_ofs: list[tuple[str, tuple[int, ...]]]) -> str | 
     past MAX_ONE_OF_PAIRS distinct pairs the schema is refused."""
     checked: dict[tuple[int, int], bool] = {}
     done: set[tuple[tuple[int, ...], ...]] = set()
+    walked = 0
     for where, parts in one_ofs:
         alts = tuple(tuple(schema.alternatives(p)) for p in parts)
         if alts in done:
             continue
         done.add(alts)
+        sizes = [len(a) for a in alts]
+        walked += (sum(sizes) ** 2 - sum(n * n for n in sizes)) // 2
         try:
+            if walked > MAX_ONE_OF_WALK:  # unions of the same alternatives in other orders, many times over
+                raise TooManyPairs
             overlap = one_of_overlap(schema, alts, checked)
         except TooManyPairs:
             return (f"{where}.oneOf: the schema's oneOf alternatives are too many to check that no value matches "
