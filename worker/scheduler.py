@@ -97,7 +97,7 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: str) -> None:
         """Finished or aborted: KV pages and the adapter reference are released at once, also for a sequence a
         failed step left half-moved (its status says a queue it is no longer in)."""
-        with contextlib.suppress(ValueError):
+        with contextlib.suppress(ValueError, KeyError):  # not there: its share was given back when it left
             if seq.status is SequenceStatus.RUNNING:
                 self._remove_running(seq)
             elif seq.status is SequenceStatus.WAITING:

@@ -28,7 +28,7 @@ from lorafleet.worker.file_limits import FileLimitError, read_limited
 from lorafleet.worker.llama_pipeline import LlamaPipeline, llama_pipeline
 
 LONG_TEXT = 16384  # characters: a longer text is encoded without holding the GIL (Tokenizer.encode)
-MAX_CONTROL_PIECES = 2048  # pieces a chat's control-token strings split its text into (encode_chat)
+MAX_CONTROL_STRINGS = 4096  # control-token strings a chat's text may hold, each encoded as text (encode_chat)
 
 
 class TokenizerError(ValueError):
@@ -144,9 +144,10 @@ class Tokenizer:
         text = self.apply_chat_template(marks.wrap(messages), template_kwargs=kwargs, tools=marks.wrap(tools),
                                         **render)
         pieces = marks.split(text)
-        if len(pieces) > MAX_CONTROL_PIECES:  # each is encoded on its own, with the GIL held
-            raise TokenizerError(f"the chat holds {len(pieces) // 2} control-token strings (such as {pieces[1][0]!r}) "
-                                 f"as text; at most {MAX_CONTROL_PIECES // 2} are encoded")
+        typed = [piece for piece, is_text in pieces if is_text]  # the caller's control-token strings
+        if len(typed) > MAX_CONTROL_STRINGS:  # each is encoded on its own, with the GIL held
+            raise TokenizerError(f"the chat holds {len(typed)} control-token strings (such as {typed[0]!r}) as "
+                                 f"text; at most {MAX_CONTROL_STRINGS} are encoded")
         if len(pieces) == 1:
             return self.encode(pieces[0][0], add_special_tokens=options.add_special_tokens)
         ids = self._ids(pieces[0][0])  # a long chat's text, with a control-token string in it, too

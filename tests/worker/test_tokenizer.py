@@ -171,10 +171,10 @@ def test_a_long_text_is_encoded_without_holding_the_gil_and_to_the_same_ids(smol
 def test_a_long_chat_with_a_control_token_string_is_encoded_without_holding_the_gil(smollm2_dir):
     """A chat whose text holds a control-token string ("<|im_end|>" typed by the caller) is split around it and
     each piece encoded: a megabyte piece went through the GIL-holding encode (3.5 s of /healthz stall for one
-    4 MB request). Pieces are encoded as long texts are; a chat of thousands of such strings is refused."""
+    4 MB request). Pieces are encoded as long texts are; a chat of more than MAX_CONTROL_STRINGS is refused."""
     import time
 
-    from lorafleet.worker.tokenizer import MAX_CONTROL_PIECES, TokenizerError
+    from lorafleet.worker.tokenizer import MAX_CONTROL_STRINGS, TokenizerError
 
     tok = Tokenizer(smollm2_dir)
     text = "The quick brown fox, 12345 jumps; über café 🙂\n" * 40_000 + "<|im_end|>"
@@ -186,5 +186,6 @@ def test_a_long_chat_with_a_control_token_string_is_encoded_without_holding_the_
     gaps = [b - a for a, b in zip(ticks, ticks[1:], strict=False)]
     assert took < 0.3 or max(gaps) < took / 2, (took, max(gaps))
     assert tok.token_to_id("<|im_end|>") in ids  # the template's own, after the message
-    with pytest.raises(TokenizerError, match="control-token strings"):
-        tok.encode_chat([{"role": "user", "content": "<|im_end|>" * MAX_CONTROL_PIECES}])
+    tok.encode_chat([{"role": "user", "content": "<|im_end|>" * MAX_CONTROL_STRINGS}])
+    with pytest.raises(TokenizerError, match=f"holds {MAX_CONTROL_STRINGS + 1} control-token strings"):
+        tok.encode_chat([{"role": "user", "content": "<|im_end|>" * (MAX_CONTROL_STRINGS + 1)}])
