@@ -192,8 +192,13 @@ def lora_expand(
     slices = output_slices(out_offsets, num, y.shape[1])
     _check_widths("lora_expand: the output slices' widths", layout, proj_ids, [n for _, n in slices], side=1)
     if not accumulate and batch.max_rank == 0:  # no slot adapts anything: the delta is zeros (the kernels launch nothing)
+        # The rows of the segments only: a graph-shaped batch pads its token list past the last segment (with
+        # token 0), rows the kernels leave as they are. No host read (capture-safe).
+        rows = batch.sorted_token_ids.long()
+        real = (torch.arange(rows.numel(), device=rows.device) < batch.seg_starts[-1]).to(torch.int32)
+        hits = torch.zeros(y.shape[0], dtype=torch.int32, device=y.device).index_add_(0, rows, real)
         for start, n in slices:
-            y[:, start : start + n].index_fill_(0, batch.sorted_token_ids.long(), 0)
+            y[:, start : start + n].masked_fill_((hits > 0)[:, None], 0)
         return
     if resolve_backend(backend, y.device, layout.pool.dtype) == "triton":
         from lorafleet.kernels.lora_triton import lora_expand_triton

@@ -130,3 +130,12 @@ def test_write_mode_without_adapted_slots_writes_zeros(backend, grouped, gen):
     covered = torch.ones(7, dtype=torch.bool) if not grouped else slots >= 0
     assert not y[covered, 10:74].any() and y[~covered].isnan().all()
     assert y[:, :10].isnan().all() and y[:, 74:].isnan().all()
+    # A graph-shaped batch pads its token list past the last segment with token 0: that row is in no segment
+    # and stays as it is, as the kernels leave it when some slot adapts.
+    padded = dataclasses.replace(batch, sorted_token_ids=torch.cat([batch.sorted_token_ids[1:],
+                                                                    torch.zeros(1, dtype=torch.int32)]),
+                                 seg_starts=batch.seg_starts.clamp(max=batch.sorted_token_ids.numel() - 1))
+    y = torch.full((7, 100), float("nan"))
+    lora_expand(xa=xa, layout=layout, layer=1, proj_ids=[3], batch=padded, y=y, out_offsets=[10, 74], backend=backend,
+                accumulate=False)
+    assert y[0].isnan().all() and not y[padded.sorted_token_ids[:-1].long(), 10:74].any()
