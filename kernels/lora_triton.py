@@ -38,9 +38,10 @@ CLASS_TILES_MIN_COLS = 4096  # expand tiles per rank class only where the slices
 XA_TILE_ELEMS = XA_TILE.value  # splits x token tile x rank tile of xa that expand sums in one group of loads
 
 
-@functools.lru_cache(maxsize=256)
+@functools.cache  # never let go: a captured CUDA graph reads these tensors' memory at every replay
 def _device_ints(values: tuple[int, ...], device: str) -> Tensor:
-    """A small int32 tensor, made once per (values, device): no host-to-device copy per call (graph-safe)."""
+    """A small int32 tensor, made once per (values, device): no host-to-device copy per call (graph-safe).
+    The values are a model's projection ids and slice bounds: a few per model."""
     return torch.tensor(values, dtype=torch.int32, device=device)
 
 
