@@ -291,8 +291,9 @@ async def _stream(request: web.Request, job: CompletionJob, outputs: AsyncIterat
         """One event (None: the end of the body), within --stream-write-timeout-s."""
         data = payload if isinstance(payload, str | None) else _encoded(payload)
         limit_s = request.app[CONFIG].stream_write_timeout_s
-        write = response.write_eof() if data is None else response.write(f"data: {data}\n\n".encode())
-        if not await written_in_time(write, request.transport, limit_s):
+        event = b"" if data is None else f"data: {data}\n\n".encode()
+        write = response.write_eof() if data is None else response.write(event)
+        if not await written_in_time(write, request.transport, limit_s, queued=len(event)):
             log.warning("request %s: its client took no bytes for --stream-write-timeout-s %g s: cut off",
                         job.request_id, limit_s)
             if request.transport is not None:  # as if it left (close() would wait to send what it never takes)

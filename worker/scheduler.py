@@ -97,10 +97,10 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: str) -> None:
         """Finished or aborted: KV pages and the adapter reference are released at once, also for a sequence a
         failed step left half-moved (its status says a queue it is no longer in)."""
-        with contextlib.suppress(ValueError, KeyError):  # not there: its share was given back when it left
-            if seq.status is SequenceStatus.RUNNING:
-                self._remove_running(seq)
-            elif seq.status is SequenceStatus.WAITING:
+        if seq.status is SequenceStatus.RUNNING and seq in self.running:  # else its share went when it left
+            self._remove_running(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            with contextlib.suppress(ValueError, KeyError):  # not queued (its tenant's queue gone too)
                 self.waiting.remove(seq)
         was_waiting_for_adapter = seq.status is SequenceStatus.WAITING and seq.adapter_slot is None
         seq.status = SequenceStatus.FINISHED

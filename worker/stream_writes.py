@@ -4,19 +4,25 @@ aiohttp's `write` returns at once while the transport's buffer is below its high
 waits until the client has taken enough bytes for the buffer to fall below the low-water mark: a client that
 reads slowly keeps one write waiting for a while, one that stopped reading keeps it waiting for ever. So the
 limit is on windows without progress: the write may take as long as it needs while each `limit_s` window sees
-the buffer shrink; a window in which the client took no byte ends it.
+the buffer shrink; a window in which the client took no byte ends it. The buffer counts the kernel's send queue
+too (Linux), which moves as TCP's window opens, in steps of tens of KiB: a client that takes less than that in a
+whole window is taken for one that stopped (at the default 60 s, one reading under 1 KiB/s).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import struct
-import termios
 from collections.abc import Awaitable
 
 from aiohttp import web
+
+try:  # POSIX: the kernel's send queue of a socket (Linux; elsewhere the ioctl fails and counts nothing)
+    import fcntl
+    import termios
+except ImportError:  # pragma: no cover
+    fcntl = termios = None
 
 LARGE_ANSWER_BYTES = 64 * 1024  # a whole answer larger than this is sent by `sent_in_time`
 
@@ -29,18 +35,18 @@ def _buffered(transport) -> int:
         return 0
     size = transport.get_write_buffer_size()
     sock = transport.get_extra_info("socket") if hasattr(transport, "get_extra_info") else None
-    if sock is not None and hasattr(termios, "TIOCOUTQ"):
+    if sock is not None and termios is not None and hasattr(termios, "TIOCOUTQ"):
         with contextlib.suppress(OSError, ValueError, TypeError):
             size += struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
     return size
 
 
-async def written_in_time(write: Awaitable[None], transport, limit_s: float) -> bool:
+async def written_in_time(write: Awaitable[None], transport, limit_s: float, queued: int = 0) -> bool:
     """Await `write` (its error raised); False, the write cancelled, once a `limit_s` window passed in which
     `transport`'s send buffer did not shrink (the client took no bytes). Awaited in the caller's own task,
     with a timer per window: a write that does not wait (almost all of them) costs one timer."""
     loop = asyncio.get_running_loop()
-    size = _buffered(transport)
+    size = _buffered(transport) + queued  # `queued`: the bytes the write puts in the buffer, once it runs
     try:
         async with asyncio.timeout(None) as deadline:
 
@@ -75,8 +81,9 @@ async def sent_in_time(request: web.Request, response: web.Response, limit_s: fl
     # In pieces: each write's window starts from the buffer as it is, so a client that reads, however slowly,
     # is never taken for one that stopped (one write of the whole body would fill the buffer at once).
     for start in [*range(0, len(body), LARGE_ANSWER_BYTES), None]:
-        write = stream.write_eof() if start is None else stream.write(view[start:start + LARGE_ANSWER_BYTES])
-        if not await written_in_time(write, request.transport, limit_s):
+        piece = view[start:start + LARGE_ANSWER_BYTES] if start is not None else view[:0]
+        write = stream.write_eof() if start is None else stream.write(piece)
+        if not await written_in_time(write, request.transport, limit_s, queued=len(piece)):
             if request.transport is not None:  # close() would wait to send what it never takes
                 request.transport.abort()
             raise ConnectionResetError("the client stopped reading")
