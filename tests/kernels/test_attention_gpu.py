@@ -96,22 +96,7 @@ def test_gqa_ratios_over_written_contexts_in_bf16_on_gpu(num_kv_heads, num_seqs,
 def test_small_and_odd_head_dims_compile_and_match_on_gpu(head_dim, gen):
     """Head dims under 16 or not a power of two pad the dot to a width tl.dot takes on the GPU (at least
     16): decode and prefill compile and match the reference in fp16 and bf16."""
-    block_size, lens = 16, [37, 1, 300]
-    for dtype in (torch.float16, torch.bfloat16):
-        num_pages = sum(-(-n // block_size) for n in lens) + 2
-        k_cache, v_cache = paged_caches(num_pages, block_size, 2, head_dim, dtype, gen, fill=float("nan"), device="cuda")
-        table = shuffled_tables(lens, block_size, num_pages, gen).cuda()
-        keys = torch.randn(sum(lens), 2, head_dim, generator=gen).to(dtype).cuda()
-        values = torch.randn(sum(lens), 2, head_dim, generator=gen).to(dtype).cuda()
-        write_kv(k=keys, v=values, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping(lens, table.cpu(), block_size).cuda(), backend="triton")
-        context_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
-        q = torch.randn(len(lens), 8, head_dim, generator=gen).to(dtype).cuda()
-        assert _triton_vs_reference(paged_attention_decode, q, k_cache=k_cache, v_cache=v_cache, block_tables=table,
-                                    context_lens=context_lens, scale=head_dim**-0.5) < 1e-2  # fmt: skip
-        starts = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-        q = torch.randn(sum(lens), 8, head_dim, generator=gen).to(dtype).cuda()
-        assert _triton_vs_reference(paged_attention_prefill, q, k_cache=k_cache, v_cache=v_cache, block_tables=table, query_start_loc=starts,
-                                    context_lens=context_lens, scale=head_dim**-0.5) < 1e-2  # fmt: skip
+    _decode_and_prefill_match(head_dim, (torch.float16, torch.bfloat16), gen)
 
 
 @pytest.mark.gpu
@@ -119,8 +104,12 @@ def test_small_and_odd_head_dims_compile_and_match_on_gpu(head_dim, gen):
 def test_wide_heads_compile_and_match_in_every_model_dtype_on_gpu(head_dim, gen):
     """float32 is a model dtype too: at head dim 256 its K and V tiles are twice bf16's, so the kernels' tiles
     and pipeline depth must still fit the GPU's shared memory (decode and prefill compile and match)."""
+    _decode_and_prefill_match(head_dim, (torch.float32, torch.bfloat16), gen)
+
+
+def _decode_and_prefill_match(head_dim: int, dtypes, gen) -> None:
     block_size, lens = 16, [37, 1, 300]
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in dtypes:
         num_pages = sum(-(-n // block_size) for n in lens) + 2
         k_cache, v_cache = paged_caches(num_pages, block_size, 2, head_dim, dtype, gen, fill=float("nan"), device="cuda")
         table = shuffled_tables(lens, block_size, num_pages, gen).cuda()

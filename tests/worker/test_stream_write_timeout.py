@@ -22,23 +22,30 @@ from tests.worker.test_request_timeout import ADMIN, state
 LIMIT_S = 0.2
 
 
+def hold_second_write(monkeypatch, held_for) -> asyncio.Event:
+    """The second write of the responses `held_for` picks waits for good, as for a client that stopped reading
+    (its send buffer full); the event is set once it waits."""
+    held, real_write, writes = asyncio.Event(), web.StreamResponse.write, [0]
+
+    async def write(self, data: bytes) -> None:
+        if held_for(self):
+            writes[0] += 1
+            if writes[0] == 2:  # this write waits for room that never comes
+                held.set()
+                await asyncio.Event().wait()
+        await real_write(self, data)
+
+    monkeypatch.setattr(web.StreamResponse, "write", write)
+    return held
+
+
 async def test_a_stream_whose_client_stops_reading_is_cut_off_and_gives_its_seats_back(
         aiohttp_client, tiny_llama_dir, monkeypatch, caplog):
     config = WorkerConfig(engine=EngineConfig(model=str(tiny_llama_dir), dtype="float32", max_model_len=128),
                           served_model_name="tiny", admin_token=ADMIN["Authorization"][7:],
                           stream_write_timeout_s=LIMIT_S)
     client = await aiohttp_client(create_app(config))
-    held, real_write, writes = asyncio.Event(), web.StreamResponse.write, [0]
-
-    async def write(self, data: bytes) -> None:
-        if self.headers.get("Content-Type") == "text/event-stream":
-            writes[0] += 1
-            if writes[0] == 2:  # the client stopped reading: this write waits for room that never comes
-                held.set()
-                await asyncio.Event().wait()
-        await real_write(self, data)
-
-    monkeypatch.setattr(web.StreamResponse, "write", write)
+    held = hold_second_write(monkeypatch, lambda response: response.headers.get("Content-Type") == "text/event-stream")
     body = {"model": "tiny", "prompt": "hi", "max_tokens": 40, "ignore_eos": True, "temperature": 0, "stream": True}
     with caplog.at_level(logging.WARNING, logger="lorafleet.worker"):
         resp = await client.post("/v1/completions", json=body)
@@ -110,17 +117,9 @@ async def test_a_whole_answer_whose_client_stops_reading_is_cut_off(aiohttp_clie
     config = WorkerConfig(engine=EngineConfig(model=str(tiny_llama_dir), dtype="float32", max_model_len=128),
                           served_model_name="tiny", stream_write_timeout_s=LIMIT_S)
     client = await aiohttp_client(create_app(config))
-    held, real_write, writes = asyncio.Event(), web.StreamResponse.write, [0]
-
-    async def write(self, data: bytes) -> None:
-        if (self.content_length or 0) > stream_writes.LARGE_ANSWER_BYTES:  # a whole answer sent in pieces
-            writes[0] += 1
-            if writes[0] == 2:  # the client stopped reading: this write waits for room that never comes
-                held.set()
-                await asyncio.Event().wait()
-        await real_write(self, data)
-
-    monkeypatch.setattr(web.StreamResponse, "write", write)
+    real_write = web.StreamResponse.write
+    # a whole answer sent in pieces
+    held = hold_second_write(monkeypatch, lambda response: (response.content_length or 0) > stream_writes.LARGE_ANSWER_BYTES)
     body = {"model": "tiny", "prompt": "hi " * 30, "max_tokens": 2, "echo": True, "logprobs": 5, "n": 8,
             "temperature": 0}
     with pytest.raises(aiohttp.ClientError):
