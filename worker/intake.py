@@ -7,8 +7,8 @@ sequence of its tenant would be admitted now (`queue_full`, `tenant_queue_full`:
 count), or when `--max-intake-requests` requests are in intake already (`intake_full`). A body that has not arrived
 `--request-read-timeout-s` after the worker began reading it is answered 408 (`request_timeout`), which
 frees its intake place: clients that upload slowly cannot hold intake. Bodies over LARGE_BODY_BYTES
-are parsed in the default executor, where tokenization runs too, so that the event loop (and
-/healthz with it) keeps answering while they are.
+are parsed on the intake threads, where tokenization runs too (by turns of tenants), so that the event
+loop (and /healthz with it) keeps answering while they are.
 """
 
 from __future__ import annotations
@@ -120,9 +120,9 @@ def _shared(app: web.Application) -> bool:
 
 
 class IntakePlace:
-    """One intake place held. Work it hands to the default executor (`run`) keeps the place until that work
-    ends, even when the handler is cancelled first (its client left): the executor can hold no more
-    parses and tokenizations than there are places, whoever disconnects."""
+    """One intake place held. Work it hands to the intake threads (`run`) keeps the place until that work
+    ends, even when the handler is cancelled first (its client left): the threads hold no more parses and
+    tokenizations than there are places, whoever disconnects."""
 
     def __init__(self, threads: FairExecutor, tenant: str) -> None:
         self.work: asyncio.Future | None = None  # the last work handed to the executor
@@ -194,8 +194,9 @@ async def read_body(request: web.Request) -> bytes:
 
 async def read_json(request: web.Request, then: Callable[[Any], Any] | None = None,
                     place: IntakePlace | None = None) -> Any:
-    """The parsed body (see `read_body`), and `then(body)` when given: in the default executor for a body
-    over LARGE_BODY_BYTES (through the request's intake `place`, where it holds one)."""
+    """The parsed body (see `read_body`), and `then(body)` when given: off the event loop for a body over
+    LARGE_BODY_BYTES (on the intake threads through the request's `place`, where it holds one; else in the
+    default executor)."""
     raw = await read_body(request)
 
     def parse() -> Any:
