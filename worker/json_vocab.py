@@ -18,6 +18,7 @@ Scanning ~49k tokens in Python at every step would cost tens of milliseconds, so
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import threading
@@ -32,6 +33,7 @@ from lorafleet.worker.token_bytes import token_bytes
 from lorafleet.worker.tokenizer import Tokenizer
 
 _WS = b" \t\n\r"
+_NO_LOCK = contextlib.nullcontext()  # _cached for a cache one thread uses
 MAX_CACHED_MASKS = 512  # 512 masks of 49k booleans: 25 MB
 MAX_PREPARED_TRIES = 2  # of one request (JsonVocab.prepare)
 MAX_CACHED_TRIES = 8  # regex class tries (regex_vocab.py): ~25k nodes each on a 49k vocabulary
@@ -179,18 +181,8 @@ class JsonVocab:
                       if 0x5C not in self._bytes[i]] if in_json else self._partial[0]
             return ClassTrie(regex, tokens)
 
-        key = (regex.key, in_json)
-        with self._tries_lock:  # prepare() builds in a request's thread beside the engine's steps
-            if (trie := self._tries.get(key)) is not None:
-                self._tries.move_to_end(key)
-                return trie
-        trie = build()  # outside the lock: a step never waits for another request's build
-        with self._tries_lock:
-            trie = self._tries.setdefault(key, trie)
-            self._tries.move_to_end(key)
-            if len(self._tries) > MAX_CACHED_TRIES:
-                self._tries.popitem(last=False)
-        return trie
+        # prepare() builds in a request's thread beside the engine's steps: the cache is shared under a lock
+        return _cached(self._tries, (regex.key, in_json), build, MAX_CACHED_TRIES, self._tries_lock)
 
     def prepare(self, grammar) -> None:
         """Build, in the calling thread, the class tries a grammar's patterns read through (0.1-0.2 s each on a
@@ -241,14 +233,20 @@ class JsonVocab:
                         ids.append(token_id)
 
 
-def _cached(cache: OrderedDict, key, build, limit: int):
-    """cache[key], built by build() on a miss; the least recently used entry goes past `limit`."""
-    value = cache.get(key)
-    if value is None:
-        value = cache[key] = build()
+def _cached(cache: OrderedDict, key, build, limit: int, lock: threading.Lock | contextlib.nullcontext = _NO_LOCK):
+    """cache[key], built by build() on a miss; the least recently used entry goes past `limit`. `lock`: for a
+    cache several threads use, held for its lookups but not the build (no thread waits for another's)."""
+    with lock:
+        value = cache.get(key)
+        if value is not None:
+            cache.move_to_end(key)
+            return value
+    value = build()
+    with lock:
+        value = cache.setdefault(key, value)
+        cache.move_to_end(key)
         if len(cache) > limit:
             cache.popitem(last=False)
-    cache.move_to_end(key)
     return value
 
 
