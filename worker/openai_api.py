@@ -67,7 +67,7 @@ from lorafleet.worker.scheduler import CapacityError
 from lorafleet.worker.served_adapters import VersionUnavailable
 from lorafleet.worker.served_fallback import listed_versions, versions_still_served
 from lorafleet.worker.state_json import reply
-from lorafleet.worker.stream_writes import sent_in_time, written_in_time
+from lorafleet.worker.stream_writes import sent_in_time, written_or_cut
 from lorafleet.worker.tenants import Tenant
 from lorafleet.worker.tokenizer import TokenizerError
 from lorafleet.worker.tool_calls import ToolCalls
@@ -268,7 +268,7 @@ async def _collect(request: web.Request, job: CompletionJob, outputs: AsyncItera
         job.check_logprob_entries(job.logprob_entries(final))  # an unset max_tokens was counted short
         response = await reply(lambda: job.response(tokenizer, final))
         response.headers[ADAPTER_HEADER] = job.model
-    return await sent_in_time(request, response, request.app[CONFIG].stream_write_timeout_s)
+    return await sent_in_time(request, response, request.app[CONFIG].stream_write_timeout_s, job.request_id)
 
 
 def _encoded(payload: dict[str, Any]) -> str:
@@ -290,15 +290,9 @@ async def _stream(request: web.Request, job: CompletionJob, outputs: AsyncIterat
     async def send(payload: dict[str, Any] | str | None) -> None:
         """One event (None: the end of the body), within --stream-write-timeout-s."""
         data = payload if isinstance(payload, str | None) else _encoded(payload)
-        limit_s = request.app[CONFIG].stream_write_timeout_s
         event = b"" if data is None else f"data: {data}\n\n".encode()
         write = response.write_eof() if data is None else response.write(event)
-        if not await written_in_time(write, request.transport, limit_s, queued=len(event)):
-            log.warning("request %s: its client took no bytes for --stream-write-timeout-s %g s: cut off",
-                        job.request_id, limit_s)
-            if request.transport is not None:  # as if it left (close() would wait to send what it never takes)
-                request.transport.abort()
-            raise ConnectionResetError("the client stopped reading")
+        await written_or_cut(write, request, request.app[CONFIG].stream_write_timeout_s, job.request_id, len(event))
 
     async with contextlib.aclosing(outputs):
         try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import struct
 from collections.abc import Awaitable
 
@@ -24,6 +25,7 @@ try:  # POSIX: the kernel's send queue of a socket (Linux; elsewhere the ioctl f
 except ImportError:  # pragma: no cover
     fcntl = termios = None
 
+log = logging.getLogger("lorafleet.worker")
 LARGE_ANSWER_BYTES = 64 * 1024  # a whole answer larger than this is sent by `sent_in_time`
 
 
@@ -67,7 +69,19 @@ async def written_in_time(write: Awaitable[None], transport, limit_s: float, que
     return True
 
 
-async def sent_in_time(request: web.Request, response: web.Response, limit_s: float) -> web.StreamResponse:
+async def written_or_cut(write: Awaitable[None], request: web.Request, limit_s: float, request_id: str,
+                         queued: int = 0) -> None:
+    """`written_in_time`, else the connection cut as if the client had left (ConnectionResetError)."""
+    if not await written_in_time(write, request.transport, limit_s, queued):
+        log.warning("request %s: its client took no bytes for --stream-write-timeout-s %g s: cut off",
+                    request_id, limit_s)
+        if request.transport is not None:  # close() would wait to send what it never takes
+            request.transport.abort()
+        raise ConnectionResetError("the client stopped reading")
+
+
+async def sent_in_time(request: web.Request, response: web.Response, limit_s: float,
+                       request_id: str = "") -> web.StreamResponse:
     """A whole (not streamed) answer, sent under the same rule: aiohttp would write a large one and wait for a
     client that stopped reading for as long as the connection lives, its megabytes of logprobs held in the send
     buffer. A client that takes no byte for a `limit_s` window is cut off, as if it had left."""
@@ -80,11 +94,8 @@ async def sent_in_time(request: web.Request, response: web.Response, limit_s: fl
     view = memoryview(body)
     # In pieces: each write's window starts from the buffer as it is, so a client that reads, however slowly,
     # is never taken for one that stopped (one write of the whole body would fill the buffer at once).
-    for start in [*range(0, len(body), LARGE_ANSWER_BYTES), None]:
-        piece = view[start:start + LARGE_ANSWER_BYTES] if start is not None else view[:0]
-        write = stream.write_eof() if start is None else stream.write(piece)
-        if not await written_in_time(write, request.transport, limit_s, queued=len(piece)):
-            if request.transport is not None:  # close() would wait to send what it never takes
-                request.transport.abort()
-            raise ConnectionResetError("the client stopped reading")
+    for start in range(0, len(body), LARGE_ANSWER_BYTES):
+        piece = view[start:start + LARGE_ANSWER_BYTES]
+        await written_or_cut(stream.write(piece), request, limit_s, request_id, len(piece))
+    await written_or_cut(stream.write_eof(), request, limit_s, request_id)
     return stream
