@@ -39,13 +39,14 @@ def one_of_problem(schema, one_ofs: list[tuple[str, tuple[int, ...]]]) -> str | 
         done.add(alts)
         sizes = [len(a) for a in alts]
         walked += (sum(sizes) ** 2 - sum(n * n for n in sizes)) // 2
+        too_many = (f"{where}.oneOf: the schema's oneOf alternatives are too many to check that no value matches "
+                    f"two (over {MAX_ONE_OF_PAIRS} pairs); use anyOf")
+        if walked > MAX_ONE_OF_WALK:  # unions of the same alternatives in other orders, many times over
+            return too_many
         try:
-            if walked > MAX_ONE_OF_WALK:  # unions of the same alternatives in other orders, many times over
-                raise TooManyPairs
             overlap = one_of_overlap(schema, alts, checked)
         except TooManyPairs:
-            return (f"{where}.oneOf: the schema's oneOf alternatives are too many to check that no value matches "
-                    f"two (over {MAX_ONE_OF_PAIRS} pairs); use anyOf")
+            return too_many
         if overlap is not None:
             return (f"{where}.oneOf: {overlap}, and exactly one must match, which cannot be held while sampling; "
                     "make them disjoint (e.g. a required property with a different const in each) or use anyOf")
