@@ -16,12 +16,70 @@ from aiohttp import web
 
 T = TypeVar("T")
 SMALL_JSON_BYTES = 64 * 1024  # a body at most this large is decoded on the loop (a thread hop costs more)
+_SCALARS = frozenset({str, int, float, bool, type(None)})
+_STR = frozenset({str})
+CHUNK_ITEMS = 8192  # items of a list or dict that json's C encoder takes in one call (a few ms, GIL held)
+
+
+def dumps(obj: Any) -> str:
+    """`json.dumps(obj)`, the same text, written by `_write`."""
+    out: list[str] = []
+    _write(obj, out)
+    return "".join(out)
+
+
+def _write(obj: Any, out: list[str]) -> None:
+    """Append the JSON of obj to out in pieces, a long list or dict CHUNK_ITEMS items a `json.dumps` call. The C
+    encoder holds the GIL for its whole call: in a thread, one call over a /tokenize answer of millions of
+    tokens and strings still stalled the event loop for a third of a second; between calls other threads run
+    (and the pieces are joined once, at the end, not copied into ever longer strings)."""
+    if isinstance(obj, list) and (len(obj) > CHUNK_ITEMS or _nested(obj)):
+        out.append("[")
+        for i in range(0, len(obj), CHUNK_ITEMS):
+            _items(obj[i:i + CHUNK_ITEMS], out, ", " if i else "")
+        out.append("]")
+    elif isinstance(obj, dict) and _STR.issuperset(map(type, obj)) and (len(obj) > CHUNK_ITEMS
+                                                                           or _nested(obj.values())):
+        items = list(obj.items())
+        out.append("{")
+        for i in range(0, len(items), CHUNK_ITEMS):
+            _items(dict(items[i:i + CHUNK_ITEMS]), out, ", " if i else "")
+        out.append("}")
+    else:
+        out.append(json.dumps(obj))
+
+
+def _items(chunk: list | dict, out: list[str], sep: str) -> None:
+    """Append sep, then a non-empty chunk's items without its brackets."""
+    out.append(sep)
+    if not _nested(chunk if isinstance(chunk, list) else chunk.values()):
+        out.append(json.dumps(chunk)[1:-1])
+        return
+    for j, item in enumerate(chunk.items() if isinstance(chunk, dict) else chunk):
+        if j:
+            out.append(", ")
+        if isinstance(chunk, dict):
+            out.append(f"{json.dumps(item[0])}: ")
+            item = item[1]
+        _write(item, out)
+
+
+def _nested(values: Any) -> bool:
+    """Whether a value among these is itself a list or dict of more than CHUNK_ITEMS items."""
+    if _SCALARS.issuperset(map(type, values)):  # the common case, checked without a Python step per value
+        return False
+    return any(isinstance(v, (list, dict)) and len(v) > CHUNK_ITEMS for v in values)
 
 
 async def encode(build: Callable[[], Any]) -> bytes:
     """The JSON of `build()`, both run in the default executor. `build` must read only what the event loop
     does not change meanwhile (a report made for this answer, a message already parsed)."""
-    return await asyncio.to_thread(lambda: json.dumps(build()).encode())
+    def run() -> bytes:
+        out: list[str] = []
+        _write(build(), out)
+        return b"".join(piece.encode() for piece in out)
+
+    return await asyncio.to_thread(run)
 
 
 class NotJSON(ValueError):
