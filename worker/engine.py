@@ -210,7 +210,7 @@ class Engine:
         if self.tokenizer is None:
             return None
         if self._tokenizer_encodings is None:
-            self._tokenizer_encodings = probe_encodings(self.tokenizer.path)
+            self._tokenizer_encodings = probe_encodings(self.tokenizer.path, isolated=False)  # the served base's own
         return self._tokenizer_encodings
 
     # ---- requests -----------------------------------------------------------------------------------

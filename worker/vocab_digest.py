@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import subprocess
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -21,6 +24,10 @@ T = TypeVar("T")
 # a later transformers handles a leading space otherwise, and its adapters are the base's all the same.
 PROBE_TEXTS = ("Hi", "hello World", "HELLO  there\tyou\n\nnew line ", "naïve café, nai\u0308ve", "東京タワー 🙂",
                "1234567 + 3.14 = x", "don't I'll", '<p>x</p> {"k": [1, 2]}', "a\u00a0b\u2003c ")
+# An adapter's tokenizer.json is run in a process of its own, limited to these (its normalizer and pre-tokenizer
+# are the tenant's regexes: run here, one that backtracks held the interpreter lock for a minute, every stream stalled).
+PROBE_TIMEOUT_S = 20.0
+PROBE_MEMORY_BYTES = 4 << 30
 # The files a tokenizer is read from: tokenizer.json, else vocab.json (+ merges.txt, added tokens).
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "added_tokens.json", "tokenizer_config.json")
 
@@ -164,17 +171,21 @@ def _digest(vocab: dict[str, int], merges: list[str]) -> str:
     return h.hexdigest()
 
 
-def probe_encodings(path: str | Path, max_file_bytes: int | None = None) -> list[list[int]] | None:
+def probe_encodings(path: str | Path, max_file_bytes: int | None = None, *, isolated: bool = True
+                    ) -> list[list[int]] | None:
     """The ids the tokenizer.json of `path` (a folder or the file) gives each of PROBE_TEXTS (no special tokens,
     padding or truncation); None when there is no tokenizer.json. Equal vocabularies may still
     turn text into other ids (another normalizer or pre-tokenizer, `add_prefix_space`, `byte_fallback`): these
-    tell them apart. Raises TokenizerFileError for a file `tokenizers` cannot build, FileLimitError as above."""
+    tell them apart. `isolated` (an adapter's file): built and run in a child process limited to PROBE_TIMEOUT_S
+    and PROBE_MEMORY_BYTES, not in this one; a file with the bytes of one probed before is not run again.
+    Raises TokenizerFileError for a file `tokenizers` cannot build or that runs past those limits, FileLimitError
+    as above."""
     path = Path(path)
     file = path if path.is_file() else path / "tokenizer.json"
     if not file.is_file():
         return None
     content = _read(file, max_file_bytes)
-    encodings = _once_per_content("probes", content, lambda: _probe(file, content))
+    encodings = _once_per_content("probes", content, lambda: (_probe_isolated if isolated else _probe)(file, content))
     return [list(ids) for ids in encodings]  # the caller's own lists, not the ones kept
 
 
@@ -193,9 +204,47 @@ def _probe(file: Path, content: bytes) -> list[list[int]]:
         # regex engine's limit is one. It is the file's fault, not the end of the thread that loads it.
         if not is_failure(exc):
             raise
-        # Its type only: the library's message may quote the file, which may be a link to one the tenant must not read.
-        raise TokenizerFileError(f"{file}: not a readable tokenizer file ({type(exc).__name__}); check that it "
-                                 f"loads with the tokenizers library") from None
+        raise _unreadable(file, type(exc).__name__) from None
+
+
+# The child of _probe_isolated: limits itself, builds the tokenizer from stdin, prints the probes' ids as JSON.
+_CHILD = """
+import json, resource, sys
+resource.setrlimit(resource.RLIMIT_CPU, ({cpu}, {cpu}))
+resource.setrlimit(resource.RLIMIT_AS, ({mem}, {mem}))
+from tokenizers import Tokenizer
+tokenizer = Tokenizer.from_str(sys.stdin.buffer.read().decode("utf-8"))
+tokenizer.no_padding()
+tokenizer.no_truncation()
+print(json.dumps([tokenizer.encode(t, add_special_tokens=False).ids for t in json.loads(sys.argv[1])]))
+"""
+
+
+def _probe_isolated(file: Path, content: bytes) -> list[list[int]]:
+    """`_probe` in a child process: a tenant's tokenizer never runs in the worker's."""
+    code = _CHILD.format(cpu=int(PROBE_TIMEOUT_S) + 1, mem=PROBE_MEMORY_BYTES)
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "RAYON_NUM_THREADS": "1"}
+    try:
+        done = subprocess.run([sys.executable, "-I", "-c", code, json.dumps(PROBE_TEXTS)], input=content,
+                              capture_output=True, timeout=PROBE_TIMEOUT_S, env=env, check=False)
+    except subprocess.TimeoutExpired:
+        raise TokenizerFileError(f"{file}: its tokenizer took more than {PROBE_TIMEOUT_S:g} s to encode "
+                                 f"{len(PROBE_TEXTS)} short texts (a normalizer or pre-tokenizer that "
+                                 f"backtracks?)") from None
+    try:
+        encodings = json.loads(done.stdout) if done.returncode == 0 else None
+    except ValueError:
+        encodings = None
+    if not (isinstance(encodings, list) and len(encodings) == len(PROBE_TEXTS)
+            and all(isinstance(ids, list) and all(type(i) is int for i in ids) for ids in encodings)):
+        # Never its stderr: the library's message may quote the file, maybe a link to one the tenant must not read.
+        raise _unreadable(file, f"it failed to build or encode, exit status {done.returncode}")
+    return encodings
+
+
+def _unreadable(file: Path, detail: str) -> TokenizerFileError:
+    return TokenizerFileError(f"{file}: not a readable tokenizer file ({detail}); check that it loads with the "
+                              f"tokenizers library")
 
 
 def _declared_added_tokens(path: Path, max_bytes: int | None) -> dict[str, int | None]:

@@ -597,13 +597,45 @@ def test_a_tokenizer_of_the_same_vocabulary_that_splits_text_otherwise_is_refuse
     tok = _bpe_tokenizer(vocab)
     tok.normalizer = normalizers.Replace(Regex("(.|.)*(?!)"), "x")
     tok.save(str(tmp_path / "x" / "tokenizer.json"))
-    with pytest.raises(AdapterError, match="not a readable tokenizer file .*PanicException"):
+    with pytest.raises(AdapterError, match="not a readable tokenizer file .*failed to build or encode"):
         load()
     saved = json.loads((base_dir / "tokenizer.json").read_text())  # the base's vocabulary, in a model tokenizers
     saved["model"]["type"] = "Nope"  # cannot build
     (tmp_path / "x" / "tokenizer.json").write_text(json.dumps(saved))
     with pytest.raises(AdapterError, match="not a readable tokenizer file"):
         load()
+
+
+def test_an_adapters_tokenizer_runs_in_a_process_of_its_own_under_a_time_limit(tmp_path, model_config,
+                                                                               monkeypatch):
+    """A tenant's tokenizer.json of the base's vocabulary is run to compare its ids with the base's; its
+    pre-tokenizer's regexes are the tenant's. 400 that backtrack just short of the regex engine's limit ran
+    54 s in the worker's process with the interpreter lock held: every stream and /healthz stalled. The probe
+    now runs in a child process, killed at PROBE_TIMEOUT_S, and the worker's threads run meanwhile."""
+    import time
+
+    from lorafleet.worker import vocab_digest as vd
+    from tests.ticker import ticking
+
+    base_dir = tmp_path / "base"
+    base_dir.mkdir()
+    _bpe_tokenizer(VOCAB).save(str(base_dir / "tokenizer.json"))
+    saved = json.loads((base_dir / "tokenizer.json").read_text())
+    digest, encodings = vocab_digest(base_dir), vd.probe_encodings(base_dir, isolated=False)
+    make_adapter(tmp_path / "x", r=4, lora_alpha=8, target_modules=["q_proj"])
+    split = {"type": "Split", "pattern": {"Regex": "^" + "(.*?)" * 8 + "(?!)"}, "behavior": "Isolated",
+             "invert": False}
+    saved["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [split] * 400}
+    (tmp_path / "x" / "tokenizer.json").write_text(json.dumps(saved))
+    monkeypatch.setattr(vd, "PROBE_TIMEOUT_S", 2.0)
+    with ticking(0.01) as ticks:
+        start = time.perf_counter()
+        with pytest.raises(AdapterError, match="took more than 2 s to encode 9 short texts"):
+            load_peft_adapter(tmp_path / "x", model_config, dtype=torch.float32, tokenizer_digest=digest,
+                              tokenizer_encodings=encodings)
+        took = time.perf_counter() - start
+    assert took < 10, took  # killed at the limit, not run to its end
+    assert max(b - a for a, b in zip(ticks, ticks[1:], strict=False)) < 0.5  # the lock was not held meanwhile
 
 
 @pytest.mark.parametrize(("files", "added"), [

@@ -17,10 +17,12 @@ from tests.worker.test_peft_adapter import VOCAB, _bpe_tokenizer
 def parsed(monkeypatch) -> list[str]:
     """What was parsed, in order, with nothing known beforehand."""
     seen: list[str] = []
-    real_vocab, real_probe = vd._from_tokenizer_json, vd._probe
+    real_vocab = vd._from_tokenizer_json
     monkeypatch.setattr(vd, "_KNOWN", OrderedDict())
     monkeypatch.setattr(vd, "_from_tokenizer_json", lambda raw: seen.append("vocab") or real_vocab(raw))
-    monkeypatch.setattr(vd, "_probe", lambda file, content: seen.append("probe") or real_probe(file, content))
+    for name in ("_probe", "_probe_isolated"):  # in this process (the base's file) or in a child (an adapter's)
+        monkeypatch.setattr(vd, name, lambda file, content, real=getattr(vd, name): seen.append("probe")
+                            or real(file, content))
     return seen
 
 
