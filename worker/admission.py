@@ -4,8 +4,11 @@ Counted in the HTTP layer, before a request reaches the engine, so a burst is re
 with `Retry-After` instead of growing an unbounded queue that only times out later.
 
 An optional per-tenant cap keeps one tenant from filling the whole queue: with capacity 8 and
-`max_per_tenant` 3, acme holding 3 sequences is refused its 4th while globex may still take 3.
-Tenants are counted only while they hold sequences, so the table never outgrows the tenants in flight.
+`max_per_tenant` 3, acme holding 3 sequences is refused its 4th while globex may still take 3. Where several
+tenants have keys (`shared`), one tenant holds at most three quarters of the capacity whatever the cap says
+(`tenant_share`): without one, two requests of n=256 and n=64 filled a worker of 320 and every other
+tenant got 429 until they ended. Tenants are counted only while they hold sequences, so the table never
+outgrows the tenants in flight.
 
 Intake (reading a body, parsing it, tokenizing) comes before a request's sequences are known; it is
 bounded apart: at most `max_intake` requests at once (worker/intake.py refuses the rest with 429). With the
@@ -39,54 +42,57 @@ class Admission:
         self.num_refused = 0
         self.max_intake = max_intake  # requests in intake at once; 0 = no limit
         self.num_in_intake = 0
-        self.num_in_intake_by_tenant: dict[str, int] = {}  # counted with a per-tenant cap or an intake bound
+        self.num_in_intake_by_tenant: dict[str, int] = {}  # tenant -> its requests in intake; no zeros
         # Where several tenants have keys (`shared`), one tenant's requests being read leave a quarter of the
         # places to the others, whatever --max-sequences-per-tenant says: its slow bodies cannot hold them all.
         self.intake_share = max_intake - max(1, max_intake // 4) if max_intake > 1 else 0
+        self.tenant_share = capacity - max(1, capacity // 4) if capacity > 1 else 0  # the same, of sequences
 
-    @property
-    def max_seqs_per_request(self) -> int:
+    def tenant_cap(self, shared: bool = False) -> int:
+        """The most sequences one tenant may hold (0: no cap): `max_per_tenant`, and with `shared` (several
+        tenants) at most `tenant_share`."""
+        caps = [c for c in (self.max_per_tenant, self.tenant_share if shared else 0) if c]
+        return min(caps) if caps else 0
+
+    def max_seqs_per_request(self, shared: bool = False) -> int:
         """The most sequences one request can ever be admitted with; a larger one never fits."""
-        return min(self.capacity, self.max_per_tenant) if self.max_per_tenant else self.capacity
+        return min(self.capacity, cap) if (cap := self.tenant_cap(shared)) else self.capacity
 
-    def never_fits(self, num_seqs: int) -> str | None:
+    def never_fits(self, num_seqs: int, shared: bool = False) -> str | None:
         """Why a request of `num_seqs` sequences can never be admitted, however idle the worker gets (retrying
         cannot help), or None. Known from the request's prompts and n alone, before any is built."""
-        if num_seqs <= (most := self.max_seqs_per_request):
+        if num_seqs <= (most := self.max_seqs_per_request(shared)):
             return None
         where = f"runs at most {most}" if most == self.capacity else f"admits at most {most} per tenant"
         return (f"this request needs {num_seqs} sequences (prompts x n); the worker {where} at once. Lower n or "
                 f"send fewer prompts.")
 
-    def refusal(self, num_seqs: int, tenant: str) -> str | None:
+    def refusal(self, num_seqs: int, tenant: str, shared: bool = False) -> str | None:
         """Why `num_seqs` more sequences of `tenant` do not fit now (TENANT_QUEUE_FULL, QUEUE_FULL), or None.
 
         The tenant's own cap is named first: while it holds, a retry fails however idle the worker gets.
         """
-        if (
-            self.max_per_tenant
-            and self.num_admitted_by_tenant.get(tenant, 0) + num_seqs > self.max_per_tenant
-        ):
+        if (cap := self.tenant_cap(shared)) and self.num_admitted_by_tenant.get(tenant, 0) + num_seqs > cap:
             return TENANT_QUEUE_FULL
         if self.num_admitted + num_seqs > self.capacity:
             return QUEUE_FULL
         return None
 
-    def can_admit(self, num_seqs: int, tenant: str) -> bool:
-        return self.refusal(num_seqs, tenant) is None
+    def can_admit(self, num_seqs: int, tenant: str, shared: bool = False) -> bool:
+        return self.refusal(num_seqs, tenant, shared) is None
 
-    def early_refusal(self, tenant: str) -> str | None:
+    def early_refusal(self, tenant: str, shared: bool = False) -> str | None:
         """`refusal(1, tenant)`, counted as a refusal when there is one: not even one more sequence fits."""
-        reason = self.refusal(1, tenant)
+        reason = self.refusal(1, tenant, shared)
         if reason:
             self.num_refused += 1
         return reason
 
-    def admit(self, num_seqs: int, tenant: str) -> bool:
+    def admit(self, num_seqs: int, tenant: str, shared: bool = False) -> bool:
         """Take room for `num_seqs` sequences of `tenant`; False (and nothing taken) when the worker's
         queue or the tenant's share of it is full (`refusal` says which)."""
         _check_positive(num_seqs)
-        if not self.can_admit(num_seqs, tenant):
+        if not self.can_admit(num_seqs, tenant, shared):
             self.num_refused += 1
             return False
         self.num_admitted += num_seqs
@@ -100,7 +106,7 @@ class Admission:
         `shared` (several tenants), TENANT_INTAKE_FULL, it reads its share of the places already."""
         reading = self.num_in_intake_by_tenant.get(tenant, 0)
         held = self.tenant_load(tenant) if sequences else reading
-        if self.max_per_tenant and held >= self.max_per_tenant:
+        if (cap := self.tenant_cap(shared)) and held >= cap:
             return TENANT_QUEUE_FULL
         if self.max_intake and self.num_in_intake >= self.max_intake:
             return INTAKE_FULL
@@ -114,8 +120,7 @@ class Admission:
             self.num_refused += 1
             return reason
         self.num_in_intake += 1
-        if self.max_per_tenant or self.max_intake:
-            self.num_in_intake_by_tenant[tenant] = self.num_in_intake_by_tenant.get(tenant, 0) + 1
+        self.num_in_intake_by_tenant[tenant] = self.num_in_intake_by_tenant.get(tenant, 0) + 1
         return None
 
     def tenant_load(self, tenant: str) -> int:
@@ -126,10 +131,9 @@ class Admission:
         if self.num_in_intake < 1:
             raise ValueError("leaving intake but no request is in it")
         self.num_in_intake -= 1
-        if self.max_per_tenant or self.max_intake:
-            held = self.num_in_intake_by_tenant.pop(tenant, 0)
-            if held > 1:
-                self.num_in_intake_by_tenant[tenant] = held - 1
+        held = self.num_in_intake_by_tenant.pop(tenant, 0)
+        if held > 1:
+            self.num_in_intake_by_tenant[tenant] = held - 1
 
     def release(self, num_seqs: int, tenant: str) -> None:
         _check_positive(num_seqs)

@@ -71,8 +71,11 @@ def refused(app: web.Application, reason: str, tenant: str, num_seqs: int | None
         held = admission.num_admitted_by_tenant.get(tenant, 0)
         reading = admission.num_in_intake_by_tenant.get(tenant, 0)
         more = f" and {reading} requests being read" if reading else ""
+        cap = admission.tenant_cap(several_tenants(app))
+        why = "--max-sequences-per-tenant" if cap == admission.max_per_tenant else \
+            f"of the worker's {admission.capacity}, a quarter stays for the other tenants"
         return APIError(429, f"tenant {tenant} has {held} sequences admitted{more} and may have at most "
-                             f"{admission.max_per_tenant} at once (--max-sequences-per-tenant); this request needs "
+                             f"{cap} at once ({why}); this request needs "
                              f"{needs}. Retry after {retry} s or when your requests in flight finish",
                         type="rate_limit_error", code=reason, headers=headers)
     if reason == TENANT_INTAKE_FULL:
@@ -90,7 +93,7 @@ def refused(app: web.Application, reason: str, tenant: str, num_seqs: int | None
 
 def check_room(app: web.Application, tenant: str) -> None:
     """Raise the 429 at once, before the body is read, when not even one more sequence of `tenant` fits."""
-    if reason := app[ADMISSION].early_refusal(tenant):
+    if reason := app[ADMISSION].early_refusal(tenant, several_tenants(app)):
         raise refused(app, reason, tenant)
 
 
@@ -104,7 +107,7 @@ async def expect_room(request: web.Request) -> web.StreamResponse | None:
         ready_engine(app)
         tenant = authenticate(request).name
         check_room(app, tenant)
-        if reason := app[ADMISSION].intake_refusal(tenant, shared=_shared(app)):
+        if reason := app[ADMISSION].intake_refusal(tenant, shared=several_tenants(app)):
             raise refused(app, reason, tenant)
     except APIError as exc:  # counted as the handler would have (it does not run)
         endpoint = "chat" if request.path.endswith("/chat/completions") else "completions"
@@ -113,8 +116,9 @@ async def expect_room(request: web.Request) -> web.StreamResponse | None:
     return await _default_expect_handler(request)
 
 
-def _shared(app: web.Application) -> bool:
-    """Whether several tenants share the worker's intake (a keys file with two or more)."""
+def several_tenants(app: web.Application) -> bool:
+    """Whether several tenants share the worker (a keys file with two or more): one may then hold at most three
+    quarters of its intake places and of its sequences."""
     tenants = app[TENANTS]
     return not tenants.is_open and len(tenants.names) > 1
 
@@ -154,7 +158,7 @@ def intake_place(app: web.Application, tenant: str, sequences: bool = True) -> I
     --max-sequences-per-tenant (429 tenant_queue_full: one tenant cannot hold every intake place). `sequences`
     False: a request that will need none (/tokenize): its tenant's requests in intake alone count."""
     admission = app[ADMISSION]
-    if reason := admission.enter_intake(tenant, sequences, shared=_shared(app)):
+    if reason := admission.enter_intake(tenant, sequences, shared=several_tenants(app)):
         raise refused(app, reason, tenant, None if sequences else 0)
     place = IntakePlace(app[INTAKE_THREADS], tenant)
     try:

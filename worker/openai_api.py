@@ -51,6 +51,7 @@ from lorafleet.worker.intake import (
     read_json,
     ready_engine,
     refused,
+    several_tenants,
 )
 from lorafleet.worker.job_outputs import merged_outputs
 from lorafleet.worker.json_schema_grammar import GrammarError
@@ -107,7 +108,7 @@ async def _prepare(request: web.Request, endpoint: str,
             raise
         resolved(adapter)
         num_seqs = len(getattr(parsed, "prompts", None) or [None]) * parsed.options.n  # chat: one prompt
-        if (never := app[ADMISSION].never_fits(num_seqs)) is not None:  # before tokenizing or building any
+        if (never := app[ADMISSION].never_fits(num_seqs, several_tenants(app))) is not None:  # before any tokenizing
             raise APIError(400, never, code="invalid_value", param="n" if parsed.options.n > 1 else "prompt")
 
         def tokenize() -> list[list[int]]:
@@ -169,11 +170,11 @@ def _engine_error(exc: BaseException, job: CompletionJob, request: web.Request) 
 
 def _admit(app: web.Application, job: CompletionJob, tenant: str) -> None:
     """Take admission room for the job's sequences, or raise 429 (one that never fits was refused before)."""
-    admission = app[ADMISSION]
-    if admission.admit(job.num_choices, tenant):
+    admission, shared = app[ADMISSION], several_tenants(app)
+    if admission.admit(job.num_choices, tenant, shared):
         return
     # nothing changed since admit: the same answer
-    raise refused(app, admission.refusal(job.num_choices, tenant), tenant, job.num_choices)
+    raise refused(app, admission.refusal(job.num_choices, tenant, shared), tenant, job.num_choices)
 
 
 async def _serve(request: web.Request, endpoint: str) -> web.StreamResponse:

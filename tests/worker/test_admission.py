@@ -86,8 +86,21 @@ def test_zero_sequences_are_refused():
 @pytest.mark.parametrize(("capacity", "max_per_tenant", "largest"), [(8, 0, 8), (8, 3, 3), (4, 10, 4)])
 def test_the_largest_request_that_can_ever_be_admitted(capacity, max_per_tenant, largest):
     admission = Admission(capacity, max_per_tenant)
-    assert admission.max_seqs_per_request == largest
+    assert admission.max_seqs_per_request() == largest
     assert admission.can_admit(largest, "acme") and not admission.can_admit(largest + 1, "acme")
+
+
+@pytest.mark.parametrize(("max_per_tenant", "cap"), [(0, 6), (3, 3), (7, 6)])
+def test_with_several_tenants_one_leaves_a_quarter_of_the_sequences_to_the_others(max_per_tenant, cap):
+    """Capacity 8: with several tenants one holds at most 6 sequences (or its lower cap); alone it may hold all."""
+    admission = Admission(8, max_per_tenant=max_per_tenant)
+    assert admission.max_seqs_per_request(shared=True) == cap and admission.never_fits(cap + 1, shared=True)
+    assert admission.admit(cap, "acme", shared=True) and not admission.admit(1, "acme", shared=True)
+    assert admission.refusal(1, "acme", shared=True) == TENANT_QUEUE_FULL
+    assert admission.enter_intake("acme", shared=True) == TENANT_QUEUE_FULL  # nor its requests' bodies
+    assert admission.admit(min(cap, 8 - cap), "globex", shared=True)
+    alone = Admission(8, max_per_tenant=max_per_tenant)
+    assert alone.admit(max_per_tenant or 8, "dev")
 
 
 def test_the_per_tenant_cap_is_a_flag_and_an_environment_variable():

@@ -201,14 +201,16 @@ async def until_admitted(admission, tenant: str, num_seqs: int) -> None:
     raise AssertionError(f"{tenant} holds {admission.num_admitted_by_tenant.get(tenant, 0)}, not {num_seqs}")
 
 
-async def _tenant_client(aiohttp_client, tiny_llama_dir, tmp_path, max_sequences_per_tenant: int, *, keys: bool):
+async def _tenant_client(aiohttp_client, tiny_llama_dir, tmp_path, max_sequences_per_tenant: int, *, keys: bool,
+                         **limits):
     keys_file = None
     if keys:
         keys_file = tmp_path / "keys.json"
         keys_file.write_text(json.dumps({"tenants": {"acme": {"keys": [KEY_ACME]}, "globex": {"keys": [KEY_GLOBEX]}}}))
-    config = WorkerConfig(engine=EngineConfig(model=str(tiny_llama_dir), dtype="float32", max_model_len=128),
-                          served_model_name="tiny", api_keys_file=keys_file and str(keys_file),
-                          max_sequences_per_tenant=max_sequences_per_tenant)
+    engine = EngineConfig(model=str(tiny_llama_dir), dtype="float32", max_model_len=128,
+                          max_num_seqs=limits.pop("max_num_seqs", 256))
+    config = WorkerConfig(engine=engine, served_model_name="tiny", api_keys_file=keys_file and str(keys_file),
+                          max_sequences_per_tenant=max_sequences_per_tenant, **limits)
     return await aiohttp_client(create_app(config))
 
 
@@ -252,6 +254,27 @@ async def test_a_tenant_over_its_share_gets_429_while_another_tenant_is_served(a
     metrics = await (await client.get("/metrics")).text()
     assert 'lorafleet_requests_rejected_total{reason="tenant_queue_full"} 1.0' in metrics
     assert 'lorafleet_requests_rejected_total{reason="queue_full"} 0.0' in metrics  # at 0 from the start
+
+
+async def test_without_a_cap_one_of_several_tenants_leaves_a_quarter_of_the_queue_to_the_others(
+        aiohttp_client, tiny_llama_dir, tmp_path):
+    """No --max-sequences-per-tenant (the default): two requests of one tenant, n=256 and n=64, filled a worker
+    of 320 sequences and every other tenant got 429 queue_full until they ended. With several tenants, one holds
+    at most three quarters of the queue: here 6 of 8."""
+    client = await _tenant_client(aiohttp_client, tiny_llama_dir, tmp_path, 0, keys=True, max_num_seqs=4,
+                                  max_queued_requests=4)
+    app = client.server.app
+    admission = app[ADMISSION]
+    too_big = await _complete_as(client, KEY_ACME, n=7)
+    assert too_big.status == 400 and "at most 6 per tenant" in (await too_big.json())["error"]["message"]
+    async with engine_held(app):
+        acme = _complete_as(client, KEY_ACME, n=6)
+        await until_admitted(admission, "acme", 6)
+        await _assert_tenant_queue_full(_complete_as(client, KEY_ACME), "acme", 6)
+        globex = _complete_as(client, KEY_GLOBEX, n=2)
+        await until_admitted(admission, "globex", 2)
+    for resp in await asyncio.gather(acme, globex):
+        assert resp.status == 200, await resp.text()
 
 
 async def test_without_api_keys_the_cap_binds_the_one_dev_tenant(aiohttp_client, tiny_llama_dir, tmp_path):
