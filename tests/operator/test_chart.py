@@ -51,8 +51,17 @@ VALUE_SETS = {
 }
 
 
+def trial(values: dict) -> dict:
+    """`values`, in development mode where they give no API keys and do not say (the chart refuses to render
+    open workers otherwise: test_workers_without_api_keys_are_refused_outside_development_mode)."""
+    secrets, worker = values.get("secrets", {}), values.get("worker", {})
+    if secrets.get("apiKeys") or secrets.get("existingApiKeysSecret") or "developmentMode" in worker:
+        return values
+    return {**values, "worker": {**worker, "developmentMode": True}}
+
+
 def render(values: dict, *, name: str = "demo", namespace: str = "fleet") -> list[dict]:
-    manifests = helm.Chart.load(str(CHART)).render(values, name=name, namespace=namespace, is_install=True)
+    manifests = helm.Chart.load(str(CHART)).render(trial(values), name=name, namespace=namespace, is_install=True)
     docs = []
     for path, text in sorted(manifests.items()):
         if path.endswith((".yaml", ".yml")):
@@ -61,7 +70,7 @@ def render(values: dict, *, name: str = "demo", namespace: str = "fleet") -> lis
 
 
 def notes(values: dict, *, name: str = "demo", namespace: str = "fleet") -> str:
-    manifests = helm.Chart.load(str(CHART)).render(values, name=name, namespace=namespace, is_install=True)
+    manifests = helm.Chart.load(str(CHART)).render(trial(values), name=name, namespace=namespace, is_install=True)
     return next(text for path, text in manifests.items() if path.endswith("/NOTES.txt"))
 
 
@@ -442,6 +451,18 @@ def test_readme_quick_start_pool_owns_the_chart_workers():
     names = {p["metadata"]["name"] for p in pools}
     for adapter in (d for d in examples if d["kind"] == "LoRAAdapter"):
         assert adapter["spec"]["pool"] in names and adapter["metadata"]["namespace"] == namespace
+
+
+def test_workers_without_api_keys_are_refused_outside_development_mode():
+    """Default values rendered workers with no keys file: every caller reaching the Service could use every
+    tenant's adapters, and only a line in NOTES said so. The chart now refuses that unless
+    worker.developmentMode says it is a trial; an operator-only release needs no keys."""
+    chart = helm.Chart.load(str(CHART))
+    with pytest.raises(Exception, match="no API keys .* set worker.developmentMode=true"):
+        chart.render({}, name="demo", namespace="fleet", is_install=True)
+    render({"worker": {"developmentMode": True}})
+    render({"worker": {"developmentMode": False}, "secrets": {"existingApiKeysSecret": "keys"}})
+    chart.render({"worker": {"enabled": False}}, name="demo", namespace="fleet", is_install=True)
 
 
 def test_notes_match_the_release():

@@ -10,7 +10,7 @@ import pytest
 
 from lorafleet.worker.cli import config_from_args
 
-from .test_chart import CHART, CUSTOM_KINDS, K8S_VERSION, find, render
+from .test_chart import CHART, CUSTOM_KINDS, K8S_VERSION, find, render, trial
 
 LISTEN_VARS = ("LORAFLEET_HOST", "LORAFLEET_PORT", "LORAFLEET_ADMIN_HOST", "LORAFLEET_ADMIN_PORT")
 
@@ -79,7 +79,7 @@ def test_an_admin_port_the_pod_already_uses_is_refused_at_install(taken):
 def test_the_install_notes_say_where_the_admin_api_went(worker, says):
     """A caller that used the admin API through the Service gets 404s once it moved to loopback: the notes
     helm prints at install say so, and how to reach it."""
-    notes = helm.Chart.load(str(CHART)).render({"worker": worker}, name="demo", namespace="fleet", is_install=True)[
+    notes = helm.Chart.load(str(CHART)).render(trial({"worker": worker}), name="demo", namespace="fleet", is_install=True)[
         "lorafleet/templates/NOTES.txt"]
     port = worker.get("adminPort", 8002)
     assert ("not on the service" in notes) is says

@@ -47,11 +47,15 @@ listener, refused when it is a port the pod already uses), else worker.port (nul
 {{- end -}}
 
 {{/* Install-time refusals of values that render valid objects which cannot work: the stager sidecar on the
-engine's port (one of them fails to bind, for ever), and an operator watching a namespace other than the
+engine's port (one of them fails to bind, for ever), workers without API keys outside development mode (open to
+every caller), and an operator watching a namespace other than the
 release's while the chart puts its pool and workers in the release's (nothing would reconcile them). */}}
 {{- define "lorafleet.checks" -}}
 {{- if eq (int .Values.worker.stagerPort) (int .Values.worker.port) -}}
 {{- fail (printf "worker.stagerPort %v is worker.port too: the stager sidecar and the engine share the pod's network, so each needs a port of its own" .Values.worker.stagerPort) -}}
+{{- end -}}
+{{- if and .Values.worker.enabled (not (or .Values.secrets.existingApiKeysSecret .Values.secrets.apiKeys)) (not .Values.worker.developmentMode) -}}
+{{- fail "no API keys (secrets.apiKeys or secrets.existingApiKeysSecret): the workers would serve every caller every tenant's adapters. Give the tenants' keys, or set worker.developmentMode=true for a trial" -}}
 {{- end -}}
 {{- $watch := .Values.operator.watchNamespace -}}
 {{- if and .Values.operator.enabled $watch (ne $watch "*") (ne $watch .Release.Namespace) (or .Values.pool.create .Values.worker.enabled) -}}
