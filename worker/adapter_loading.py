@@ -94,7 +94,11 @@ class AdapterLoading:
         def job():
             began.append(time.monotonic())
             t0 = time.perf_counter()
-            image = pack(loader())
+            weights = loader()
+            try:
+                image = pack(weights)
+            except (RuntimeError, MemoryError) as exc:  # host memory (pinned) short: it may pass
+                raise MemoryError(f"packing it into host memory failed: {exc}") from exc
             return image, time.perf_counter() - t0
 
         entry.fetch_started = time.monotonic()
@@ -147,8 +151,10 @@ class AdapterLoading:
         except BaseException as exc:  # any loader failure fails only this adapter's waiters (a library's panic too)
             if not is_failure(exc):
                 raise
-            # A read error may pass; what the files hold (format, shapes, config) does not change by itself.
-            self._fail(entry, f"load failed: {exc}", tier="disk", retryable=isinstance(exc, OSError))
+            # A read error or short memory may pass; what the files hold (format, shapes, config) does not change
+            # by itself. A reload's read error is the adapter's AdapterError, marked transient.
+            retryable = isinstance(exc, OSError | MemoryError) or getattr(exc, "transient", False)
+            self._fail(entry, f"load failed: {exc}", tier="disk", retryable=retryable)
             return
         if entry.retired:
             return

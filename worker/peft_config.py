@@ -35,7 +35,10 @@ PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "
 
 class AdapterError(ValueError):
     """An adapter that cannot be served; the message names the file/module, what was expected,
-    what was found, and what to do."""
+    what was found, and what to do. `transient`: a read that failed (I/O, descriptors), which may pass, not
+    what the files hold."""
+
+    transient = False
 
 
 def module_names(num_layers: int) -> list[str]:
@@ -215,4 +218,6 @@ def read_bytes(file: Path, max_bytes: int = MAX_FILE_BYTES) -> bytes:
     except FileLimitError as exc:
         raise AdapterError(str(exc)) from None
     except OSError as exc:
-        raise AdapterError(f"{file}: cannot be read ({exc})") from exc
+        error = AdapterError(f"{file}: cannot be read ({exc})")
+        error.transient = True
+        raise error from exc

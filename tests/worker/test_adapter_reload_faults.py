@@ -1,0 +1,64 @@
+"""An evicted adapter is read again from its cached copy: a read or allocation that fails once is answered 503
+with Retry-After, and the next request loads it, instead of the version being marked failed until a new push."""
+
+from __future__ import annotations
+
+import errno
+
+import pytest
+
+import lorafleet.worker.adapter_loading as adapter_loading
+import lorafleet.worker.peft_config as peft_config
+from lorafleet.worker.app_keys import ENGINE
+from lorafleet.worker.engine_config import EngineConfig
+from lorafleet.worker.server import create_app
+from lorafleet.worker.worker_config import WorkerConfig
+
+ADMIN = "admin-token-for-tests"
+
+
+def _once(real, exc: BaseException):
+    """`real`, failing its first call with `exc`."""
+    calls: list[int] = []
+
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise exc
+        return real(*args, **kwargs)
+
+    return flaky
+
+
+@pytest.mark.parametrize("fault", ["read", "pack"])
+async def test_a_reload_that_fails_once_is_retried_not_marked_failed(fault, aiohttp_client, tiny_llama_dir,
+                                                                     qv_adapters_dir, monkeypatch):
+    engine = EngineConfig(model=str(tiny_llama_dir), dtype="float32", max_model_len=128)
+    config = WorkerConfig(engine=engine, served_model_name="tiny", admin_token=ADMIN,
+                          adapter_roots=str(qv_adapters_dir))
+    app = create_app(config)
+    client = await aiohttp_client(app)
+    body = {"generation": 1, "adapters": [{"name": "alpha", "tenant": "acme",
+                                           "stable": {"version": "v1", "uri": str(qv_adapters_dir / "alpha")}}]}
+    resp = await client.put("/admin/v1/state", json=body, headers={"Authorization": f"Bearer {ADMIN}"})
+    assert resp.status == 200, await resp.text()
+
+    async def complete():
+        resp = await client.post("/v1/completions", json={"model": "alpha", "prompt": "x", "max_tokens": 2})
+        return resp.status, await resp.json(), resp.headers
+
+    assert (await complete())[0] == 200
+    pool = app[ENGINE].engine.adapter_pool
+    pool.evict("alpha@v1", "gpu")  # as GPU and CPU-budget pressure would
+    pool.evict("alpha@v1", "cpu")
+    if fault == "read":  # the disk or mount hiccups once (EIO)
+        monkeypatch.setattr(peft_config, "read_limited", _once(peft_config.read_limited,
+                                                               OSError(errno.EIO, "Input/output error")))
+    else:  # pinned host memory short once
+        monkeypatch.setattr(adapter_loading, "pack_adapter", _once(adapter_loading.pack_adapter,
+                                                                   RuntimeError("cudaHostAlloc: out of memory")))
+    status, answer, headers = await complete()
+    assert status == 503 and answer["error"]["code"] == "adapter_load_failed", answer
+    assert headers["Retry-After"]
+    status, answer, _ = await complete()  # the fault has passed: loaded again, served
+    assert status == 200, answer
