@@ -12,6 +12,7 @@ It works on the pool's state (`_entries`, `_wanted`, `_inflight`, `_pending`, ..
 
 from __future__ import annotations
 
+import itertools
 import time
 from concurrent.futures import wait as wait_futures
 
@@ -57,15 +58,45 @@ class AdapterLoading:
         return changed
 
     def _sweep_wanted(self) -> None:
+        unread: dict[str, list[AdapterEntry]] = {}  # by the tenant it is read for: started in their turns
         for key in list(self._wanted):
             entry = self._entries.get(key)
             if entry is None or entry.on_gpu:
                 self._wanted.pop(key, None)
             elif entry.image is None:
                 if entry.fetching is None:
-                    self._start_fetch(entry)
+                    unread.setdefault(entry.asker or entry.tenant, []).append(entry)
             else:
                 self._try_place(entry)
+        for entry in (e for turn in itertools.zip_longest(*unread.values()) for e in turn if e is not None):
+            if entry.image is not None or entry.fetching is not None or entry.on_gpu:
+                continue  # a placement above
+            if not self._room_to_read():
+                break
+            self._start_fetch(entry)
+
+    def _room_to_read(self) -> bool:
+        """Whether one more adapter that waits for the GPU may be read into the CPU tier now. The images of those
+        still waiting for GPU room are not trimmed (they go next): without a bound, a thousand tenants waiting
+        for distinct adapters while the slots were busy held a thousand images in host memory, whatever the CPU
+        budget. So those images and the reads in flight for them stay within the budget (one read at least,
+        however small the budget); the others wait on disk and are read, tenants in turn, as room frees
+        (`_sweep_wanted`). Within the budget, reads start at once and the loader threads take them in tenant
+        turns (fair_executor.py)."""
+        parked = images = reading = 0
+        for key in list(self._parked):  # a few: not the whole of _wanted at every request's acquire
+            entry = self._entries.get(key)
+            if entry is None or entry.on_gpu or key not in self._wanted:
+                self._parked.discard(key)
+            elif entry.image is not None:
+                parked, images = parked + entry.image.nbytes, images + 1
+            elif entry.fetching is not None:
+                reading += 1
+            else:
+                self._parked.discard(key)
+        # A read in flight counts as large as the images waiting (else the last one read): 0 before any is known.
+        in_flight = reading * (parked // images if images else self._last_image_bytes)
+        return (parked == reading == 0) or parked + in_flight < self.config.cpu_budget_bytes
 
     def _pack(self, weights):
         return pack_adapter(weights.modules, self.dims, page_elems=self.page_pool.page_elems,
@@ -76,8 +107,10 @@ class AdapterLoading:
         if entry.resident or entry.retired:
             return
         self._wanted.setdefault(entry.key, None)
+        if entry.image is not None or entry.fetching is not None:
+            self._parked.add(entry.key)
         if entry.image is None:
-            if entry.fetching is None:
+            if entry.fetching is None and self._room_to_read():
                 self._start_fetch(entry)
         elif not entry.on_gpu:
             self._try_place(entry)
@@ -101,6 +134,8 @@ class AdapterLoading:
                 raise MemoryError(f"packing it into host memory failed: {exc}") from exc
             return image, time.perf_counter() - t0
 
+        if entry.key in self._wanted and not entry.on_gpu:
+            self._parked.add(entry.key)
         entry.fetch_started = time.monotonic()
         entry.fetch_began = began
         # Loader threads go to tenants in turn, to a load a request waits for before a warm-up (fair_executor.py).
@@ -175,7 +210,7 @@ class AdapterLoading:
         self.metrics.load_seconds.labels("cpu").observe(seconds)
 
     def _set_image(self, entry: AdapterEntry, image) -> None:
-        entry.image = image
+        entry.image, self._last_image_bytes = image, image.nbytes
         if entry.digest is None:  # its first image: later ones are held to the same digest, so the same ranks
             entry.digest, entry.max_rank = image.digest, image.max_rank
         self._trim_cpu(protect=entry)

@@ -92,6 +92,8 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
         self._slot_owner: dict[int, AdapterEntry] = {}
         self._free_slots = list(range(config.max_slots - 1, -1, -1))
         self._wanted: dict[str, None] = {}  # keys to bring to the GPU, in request order
+        self._parked: set[str] = set()  # wanted ones read or being read, not on the GPU (some left: pruned when read)
+        self._last_image_bytes = 0  # the size of the last image read (what a read in flight is counted as)
         self._quota_due: set[str] = set()  # keys whose owner changed while in use or copying (set_tenant)
         self._failures: deque[tuple[str, AdapterLoadError]] = deque(maxlen=100)
         self._inflight: set[str] = set()  # keys with a load or copy running
