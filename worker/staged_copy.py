@@ -24,6 +24,7 @@ SOURCE_FILE = ".source"  # ...and the URI they were staged from (a restarted sta
 # its own gets what its folder holds, not the other's cached copy.
 ORIGINS_FILE = ".origins"
 _MAX_ORIGINS_BYTES = 64 << 10  # past it the list restarts (the URIs left out are checked again, once)
+_READ_FAILED = ("unreadable", "permission_denied")  # SourceError kinds that say nothing of what a file holds
 
 
 @dataclass(slots=True)
@@ -39,13 +40,21 @@ class Staged:
 def verify_staged_copy(cache: DiskCache, key: str) -> Path | None:
     """The entry `key`, written by an earlier run, if its files still hash to the recorded digest (and to
     the key, when the key is the digest); else the entry is dropped (None: download it again). A crash or
-    power loss can leave a renamed entry whose data never reached the disk."""
+    power loss can leave a renamed entry whose data never reached the disk. A read error is not the entry's
+    fault: None, the entry kept unverified (a store outage may leave it the only copy)."""
     path = cache.root / key
     try:
         recorded = (path / DIGEST_FILE).read_text().strip()
         digest = adapter_digest(path)
-    except (OSError, SourceError):  # SourceError: a file that is no regular file
-        recorded = digest = None
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError, UnicodeDecodeError):
+        recorded = digest = None  # a file missing or garbled: the entry is broken
+    except (OSError, SourceError) as exc:  # SourceError: adapter_digest's, of a file missing or no regular file
+        if isinstance(exc, SourceError) and exc.kind not in _READ_FAILED:
+            recorded = digest = None
+        else:  # a read that failed (EIO, descriptors): the entry may be whole, and the only copy
+            log.warning("disk cache entry %s could not be read to check it (%s); it is kept, and checked again on "
+                        "its next use", key, exc)
+            return None
     if digest is not None and digest == recorded and (len(key) != 64 or key == digest):
         cache.mark_verified(key)
         return path

@@ -1,0 +1,59 @@
+"""A cache entry an earlier run left is checked against its recorded digest before it is handed out again: a
+broken entry is dropped, one that could not be read this time is kept for the next try."""
+
+from __future__ import annotations
+
+import errno
+
+import pytest
+
+import lorafleet.worker.staged_copy as staged_copy
+from lorafleet.worker.disk_cache import DiskCache
+from lorafleet.worker.source_error import read_error
+from lorafleet.worker.sources import adapter_digest
+from lorafleet.worker.staged_copy import DIGEST_FILE, verify_staged_copy
+
+
+@pytest.fixture
+def cache(tmp_path) -> DiskCache:
+    """A cache whose one entry, "u-abc", an earlier run wrote: unverified now."""
+    def fill(tmp):
+        (tmp / "adapter_config.json").write_text('{"r": 4}')
+        (tmp / "adapter_model.safetensors").write_bytes(b"weights")
+        (tmp / DIGEST_FILE).write_text(adapter_digest(tmp) + "\n")
+
+    DiskCache(tmp_path / "c", 1 << 30).put("u-abc", fill)
+    restarted = DiskCache(tmp_path / "c", 1 << 30)
+    assert restarted.unverified == {"u-abc"}
+    return restarted
+
+
+def test_an_intact_entry_is_verified(cache):
+    assert verify_staged_copy(cache, "u-abc") == cache.root / "u-abc" and not cache.unverified
+
+
+@pytest.mark.parametrize("raised", ["oserror", "source-error"])
+def test_a_read_error_keeps_the_entry_for_the_next_try(raised, cache, monkeypatch):
+    """One EIO while hashing it deleted the entry: after a restart during a store outage, the only copy."""
+    def eio(path):
+        exc = OSError(errno.EIO, "Input/output error")
+        raise exc if raised == "oserror" else read_error(path, exc)  # adapter_digest's own, or the disk's
+
+    monkeypatch.setattr(staged_copy, "adapter_digest", eio)
+    assert verify_staged_copy(cache, "u-abc") is None
+    assert (cache.root / "u-abc").is_dir() and cache.unverified == {"u-abc"}
+    monkeypatch.undo()
+    assert verify_staged_copy(cache, "u-abc") == cache.root / "u-abc"
+
+
+@pytest.mark.parametrize("damage", ["weights", "digest-missing", "digest-garbled"])
+def test_a_broken_entry_is_dropped(damage, cache):
+    entry = cache.root / "u-abc"
+    if damage == "weights":
+        (entry / "adapter_model.safetensors").write_bytes(b"torn")
+    elif damage == "digest-missing":
+        (entry / DIGEST_FILE).unlink()
+    else:
+        (entry / DIGEST_FILE).write_bytes(b"\xff\xfe\x00")
+    assert verify_staged_copy(cache, "u-abc") is None
+    assert not entry.exists() and "u-abc" not in cache.entries()
