@@ -854,3 +854,49 @@ def test_a_slot_is_invisible_to_kernels_until_its_copy_finished():
     assert pool.acquire("h@1", waiter=1) == entry.slot
     assert int(pool.layout.ranks[:, :, entry.slot].abs().sum()) > 0
     pool.close()
+
+
+def _used_in_order(pool: AdapterPool, keys: tuple[str, ...]) -> None:
+    """Load `keys` and serve one request on each, in this order (the last is the most recently used)."""
+    for i, key in enumerate(keys):
+        pool.add(key, random_weights(i))
+        pool.load(key)
+    for key in keys:
+        pool.release(pool.acquire(key))
+
+
+@pytest.mark.parametrize("order", [("zold@1", "amid@1", "mhot@1"), ("aold@1", "zmid@1", "bhot@1")])
+def test_kv_pressure_evicts_the_least_recently_used_idle_adapter(order):
+    """The seed's pitfall on its busiest path: the KV cache, not other adapters, takes most of the GPU pages
+    back. A reclaim of one adapter's pages evicts the one idle longest (names in no order that would pass),
+    and a lower priority before a higher one."""
+    old, mid, hot = order
+    pool = make_pool(max_slots=4)
+    _used_in_order(pool, order)
+    assert pool.reclaim_for_kv(len(pool.entry(old).page_ids)) > 0
+    assert [pool.entry(k).resident for k in order] == [False, True, True]
+    pool.close()
+
+    pool = make_pool(max_slots=4)
+    _used_in_order(pool, order)
+    pool.set_priority(old, 1)  # used longest ago, but a higher priority: the next one goes
+    assert pool.reclaim_for_kv(1) > 0
+    assert [pool.entry(k).resident for k in order] == [True, False, True]
+    pool.check()
+    pool.close()
+
+
+def test_the_cpu_tier_keeps_the_most_recently_used_images():
+    """Over its budget, the CPU tier lets go of the image used longest ago: a hot adapter keeps its CPU copy (a
+    warm reload in milliseconds), not the cold ones."""
+    one = make_pool()
+    one.add("probe@1", random_weights(0))
+    size = one.entry("probe@1").image.nbytes
+    one.close()
+    pool = make_pool(max_slots=4, cpu_budget_bytes=2 * size)
+    _used_in_order(pool, ("zold@1", "amid@1"))
+    pool.add("new@1", random_weights(9))
+    pool.load("new@1")
+    assert [pool.entry(k).image is not None for k in ("zold@1", "amid@1", "new@1")] == [False, True, True]
+    pool.check()
+    pool.close()
