@@ -144,19 +144,27 @@ def test_a_loaded_adapter_waiting_for_room_is_not_starved_by_a_stream_of_request
 
 def test_an_adapter_still_loading_holds_no_other_request_back(tiny_llama_dir):
     """While x's weights are still being read (far longer than max_adapter_wait_steps steps), requests of
-    other tenants keep being admitted; once read, x's request is served."""
+    other tenants keep being admitted, and steps take no longer than usual (a step that waited on the load a
+    while each time ran as many of them, only slower); once read, x's request is served."""
+    import statistics
+    import time
+
     loaded = threading.Event()
     engine = _engine(tiny_llama_dir, max_adapter_wait_steps=4)
     _add_adapter(engine, loader=lambda weights: loaded.wait(30) and weights)
-    admitted = []
+    admitted, ended = [], [time.perf_counter()]
 
     def on_step(step):
         admitted.append(engine.last_batch_size)
+        ended.append(time.perf_counter())
         if step == 40:
             loaded.set()
 
     done_at, others_done = _serve_with_steady_traffic(engine, adapter_request_at=0, max_steps=300, on_step=on_step)
     assert all(admitted[:40]), "a step ran nothing while the adapter loaded"
+    during = [b - a for a, b in zip(ended[:40], ended[1:41], strict=True)]
+    after = [b - a for a, b in zip(ended[41:], ended[42:], strict=False)]
+    assert statistics.median(during) < max(0.1, 5 * statistics.median(after)), (during, after)
     assert others_done >= 10
     assert done_at is not None and done_at > 40
     for rid in list(engine.requests):
