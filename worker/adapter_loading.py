@@ -217,7 +217,10 @@ class AdapterLoading:
         if entry.key in self._wanted:
             self._try_place(entry)
 
-    def _fail(self, entry: AdapterEntry, message: str, *, tier: str, retryable: bool = False) -> None:
+    def _fail(self, entry: AdapterEntry, message: str, *, tier: str, retryable: bool = False,
+              refusal: bool = False) -> None:
+        """Fail the requests waiting for `entry`'s load; `refusal`: a policy's (quota, pinned room), counted as
+        such, not as a failed load (alerts on load failures are for broken adapters, disks and devices)."""
         err = AdapterLoadError(entry.key, message, retryable=retryable)
         entry.error = err
         entry.failed_waiters.update(dict.fromkeys(entry.waiters, err))
@@ -231,9 +234,16 @@ class AdapterLoading:
         if self._pending.get(entry.name) == entry.key and not retryable:
             del self._pending[entry.name]
             self._kept.pop(entry.name, None)
-        self._counts["load_failures"] += 1
-        self.metrics.load_failures.labels(tier).inc()
+        self._count_failure(tier, refusal)
         self._failures.append((entry.key, err))
+
+    def _count_failure(self, tier: str, refusal: bool) -> None:
+        if refusal:
+            self._counts["refusals"] += 1
+            self.metrics.refusals.inc()
+        else:
+            self._counts["load_failures"] += 1
+            self.metrics.load_failures.labels(tier).inc()
 
     def _refuse_waiters(self, entry: AdapterEntry, message: str) -> None:
         """Fail the requests waiting for `entry` (retryable), and an anonymous caller asking for it (acquire()
@@ -248,8 +258,7 @@ class AdapterLoading:
         entry.asked_anonymously = False
         entry.failures += 1
         entry.waiters = set()
-        self._counts["load_failures"] += 1
-        self.metrics.load_failures.labels("gpu").inc()
+        self._count_failure("gpu", refusal=True)
         self._failures.append((entry.key, err))
 
     def _start_copy(self, entry: AdapterEntry) -> None:

@@ -28,6 +28,9 @@ class AdapterMetrics:
                                       ["tier"], buckets=_LOAD_BUCKETS, registry=None)
         self.load_failures = Counter("lorafleet_adapter_load_failures", "Adapter loads that failed", ["tier"],
                                      registry=None)
+        self.refusals = Counter("lorafleet_adapter_refusals", "Adapter placements refused by policy (a tenant's GPU "
+                                "quota, pinned adapters holding the room, a size over the ceiling), not failed loads",
+                                registry=None)
         self.evictions = Counter("lorafleet_adapter_evictions", "Adapters evicted from a tier", ["tier", "reason"],
                                  registry=None)
         self.bytes = Gauge("lorafleet_adapter_bytes", "Bytes of adapters held in a tier", ["tier"], registry=None)
@@ -66,5 +69,5 @@ class AdapterMetrics:
         self.pages.set_function(lambda: page_pool.num_pages)
 
     def collectors(self) -> list:
-        return [self.hits, self.misses, self.load_seconds, self.load_failures, self.evictions, self.bytes,
+        return [self.hits, self.misses, self.load_seconds, self.load_failures, self.refusals, self.evictions, self.bytes,
                 self.resident, self.fragmentation, self.kv_pages, self.adapter_pages, self.pages]

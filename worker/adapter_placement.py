@@ -159,10 +159,10 @@ class AdapterPlacement:
             most = self.page_pool.most("adapter")
             if quota.max_bytes is not None and entry.image.nbytes > quota.max_bytes:
                 self._fail(entry, f"needs {entry.image.nbytes} bytes, above tenant {entry.tenant!r}'s GPU quota of "
-                                  f"{quota.max_bytes} bytes", tier="gpu")
+                                  f"{quota.max_bytes} bytes", tier="gpu", refusal=True)
             elif entry.image.num_pages > most:
                 self._fail(entry, f"needs {entry.image.num_pages} pages; adapters may use at most {most} pages of "
-                                  f"the pool (raise the pool size or the adapter ceiling)", tier="gpu")
+                                  f"the pool (raise the pool size or the adapter ceiling)", tier="gpu", refusal=True)
             elif self._gives_way_later(entry):
                 pass  # stays wanted: placed when the requests on the version it replaces release it (the sweep)
             elif most < self.page_pool.num_pages and entry.image.num_pages > most - (held := self._pinned_pages(entry)):
@@ -170,13 +170,14 @@ class AdapterPlacement:
                 # no ceiling or floor, kv_room.py refuses the request: its KV pages count there too.)
                 self._fail(entry, f"needs {entry.image.num_pages} pages, but pinned adapters hold {held} of the "
                                   f"{most} pages adapters may use; unpin one, or raise the pool size or the "
-                                  f"adapter ceiling (--max-adapter-pages)", tier="gpu", retryable=True)
+                                  f"adapter ceiling (--max-adapter-pages)", tier="gpu", retryable=True, refusal=True)
             elif (pinned := self.pinned_slot_keys()) is not None and self._over_quota(entry):
-                self._fail(entry, _pinned_quota_message(entry), tier="gpu", retryable=True)
+                self._fail(entry, _pinned_quota_message(entry), tier="gpu", retryable=True, refusal=True)
             elif pinned is not None:
                 # Pinned adapters never leave on their own: waiting would hang the request.
                 self._fail(entry, f"every adapter slot ({len(pinned)}, --max-loras) is held by pinned adapters "
-                                  f"({', '.join(pinned)}); unpin one or raise --max-loras", tier="gpu", retryable=True)
+                                  f"({', '.join(pinned)}); unpin one or raise --max-loras", tier="gpu", retryable=True,
+                           refusal=True)
             elif self._pinned_over_quota(entry):  # slots free, but its owner's pinned adapters fill its quota
                 self._refuse_waiters(entry, _pinned_quota_message(entry))
             return False

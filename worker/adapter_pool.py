@@ -107,6 +107,7 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
             "misses": dict.fromkeys(("gpu", "cpu", "disk"), 0),
             "loads": {"cpu": 0, "gpu": 0},
             "load_failures": 0,
+            "refusals": 0,
             "rewarms": 0,
             "evictions": {"gpu": {}, "cpu": {}},
         }

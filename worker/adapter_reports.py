@@ -85,7 +85,7 @@ class AdapterReports:
                 "hits": dict(self._counts["hits"]),
                 "misses": dict(self._counts["misses"]),
                 "loads": dict(self._counts["loads"]),
-                "load_failures": self._counts["load_failures"],
+                "load_failures": self._counts["load_failures"], "refusals": self._counts["refusals"],
                 "warm": len(self._warm), "rewarms": self._counts["rewarms"],
                 "evictions": {t: dict(v) for t, v in self._counts["evictions"].items()},
                 "in_flight": sum(1 for e in self._entries.values() if e.fetching is not None or e.copying is not None),
