@@ -32,6 +32,8 @@ from lorafleet.worker.tool_call_array import CallArray
 from lorafleet.worker.tool_parser import ToolCall, ToolParser, json_value, read_call, tool_parser
 from lorafleet.worker.tool_request import ToolRequest
 
+_JSON_WS = " \t\n\r"  # JSON's whitespace
+
 
 class ToolStream:
     """One streamed choice: its text so far, and the end of it not sent yet. Each chunk costs about its own
@@ -69,6 +71,7 @@ class ToolCalls:
         self.names = frozenset(request.names)
         self._streams: dict[int, ToolStream] = {}  # choice index -> its stream
         self._calls_sent: set[int] = set()  # choices whose named call went out (its arguments stream after it)
+        self._args_begun: set[int] = set()  # choices whose named call's arguments began (past any whitespace)
         self._arrays: dict[int, tuple[CallArray, list[str]]] = {}  # "required" choices: the calls read, the text
 
     @classmethod
@@ -127,14 +130,21 @@ class ToolCalls:
         `{"name": <that function>, "arguments" (or "parameters"): {...}}`, the call a model prompted the Hermes
         or Qwen way writes."""
         if self.request.output_grammar is not None:  # held to the function's own schema: the output is its arguments
-            return text
+            return text.lstrip(_JSON_WS)  # as OpenAI's begin: the SDK's partial parse fails on whitespace alone
         obj, keys = json_value(text), ("arguments", "parameters")
         wrapped = isinstance(obj, dict) and len(obj) == 2 and any(k in obj for k in keys)  # the name and one of them
         call = read_call(obj, (self.request.function,), keys) if wrapped else None
         return text if call is None else call.arguments
 
     def _arguments_delta(self, index: int, new_text: str, finish_reason: str | None) -> list[dict]:
-        """A named call's streamed piece: the call itself first (arguments so far), then its arguments' new text."""
+        """A named call's streamed piece: the call itself first (arguments so far), then its arguments' new text;
+        whitespace before the arguments' first character is left out (`_named_arguments`)."""
+        if index not in self._args_begun:
+            new_text = new_text.lstrip(_JSON_WS)
+            if new_text:
+                self._args_begun.add(index)
+        if finish_reason is not None:
+            self._args_begun.discard(index)
         if index not in self._calls_sent:
             self._calls_sent.add(index)
             call = ToolCall(self.request.function, new_text)

@@ -134,6 +134,21 @@ def test_a_held_named_call_streams_its_arguments_piece_by_piece():
     assert calls.delta(0, "{}", "stop")[1][0]["function"] == {"name": "get_weather", "arguments": "{}"}
 
 
+def test_a_held_named_calls_arguments_begin_at_their_first_character_not_whitespace():
+    """The JSON grammar lets whitespace come before the object: streamed, the first argument pieces were "\n",
+    "\n", and the openai SDK's `chat.completions.stream()` helper failed parsing them (EOF while parsing a value)
+    for a strict tool. They are left out, streamed and whole, as OpenAI's arguments begin at the '{'."""
+    calls = _tool_calls("hermes", choice="named", function="get_weather",
+                        output_grammar=schema_grammar({"type": "object"}))
+    pieces = ["\n", " \n", '\t{"ci', 'ty": ', '"Oslo"}']
+    _, streamed, _ = _streamed(calls, 0, pieces, "stop")
+    assert [c["function"]["arguments"] for c in streamed] == ["", '{"ci', 'ty": ', '"Oslo"}']
+    message, _ = calls.message("".join(pieces), "stop")
+    assert message["tool_calls"][0]["function"]["arguments"] == '{"city": "Oslo"}'
+    _, streamed, _ = _streamed(calls, 1, ["\n", "\n"], "length")  # cut short before it began
+    assert [c["function"]["arguments"] for c in streamed] == [""]
+
+
 @pytest.mark.parametrize("text, arguments", [
     ('{"name": "get_weather", "arguments": {"city": "Oslo"}}', '{"city": "Oslo"}'),  # the Hermes/Qwen wrapper
     ('{"name": "get_weather", "parameters": {"city": "Oslo"}}', '{"city": "Oslo"}'),  # Llama's
