@@ -2,7 +2,7 @@
 
 Parsing is strict where it matters: wrong types, out-of-range values and unknown top-level fields
 are refused with a 400 that names the field (as OpenAI does: "Unrecognized request argument");
-options we cannot honour (`best_of > 1`, `suffix`, chat's `echo`, legacy `functions` and `function_call`,
+options we cannot honour (`best_of` above `n`, `suffix`, chat's `echo`, legacy `functions` and `function_call`,
 `reasoning_effort`, non-text `modalities`, vLLM's `documents`) are refused rather than silently ignored;
 documented fields that do not change the output (`store`, `metadata`, `service_tier`, ...) are type-checked
 and ignored. vLLM's chat fields `add_generation_prompt`, `continue_final_message`, `chat_template_kwargs` and
@@ -128,7 +128,8 @@ def parse_completion_request(body: Any, defaults: SamplingDefaults = SamplingDef
     options = parse_sampling_options(f, ("max_tokens",), 16, defaults, least_max_tokens=0 if echo else 1)
     options.logprobs = f.integer("logprobs", None, 0, MAX_COMPLETION_LOGPROBS)
     options.echo = echo
-    f.neutral("best_of", 1, "best_of is not implemented; use n")
+    if f.get("best_of") not in (None, 1):  # 1 or n: n choices, as asked; more to pick from is not implemented
+        f.neutral("best_of", options.n, "best_of above n is not implemented; use n")
     f.neutral("suffix", "", "suffix (insertion) is not implemented")
     add_special_tokens = f.flag("add_special_tokens", True)
     f.refuse_unknown()

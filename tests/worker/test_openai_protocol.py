@@ -25,6 +25,8 @@ def test_completion_defaults_and_all_options():
         "user": "alice", "presence_penalty": 0, "echo": False, "best_of": 1, "top_k": 40,
     })
     assert r.options.top_k == 40
+    # best_of equal to n asks for nothing more than n (OpenAI's and LoRAX's reading): it was refused
+    assert parse_completion_request({"model": "m", "prompt": "x", "n": 2, "best_of": 2}).options.n == 2
     assert parse_completion_request({"model": "m", "prompt": "x", "ignore_eos": True}).options.ignore_eos
     assert parse_completion_request({"model": "m", "prompt": "x", "top_k": -1}).options.top_k == 0
     o = r.options
@@ -112,6 +114,7 @@ BAD_COMPLETIONS = [
     ({"model": "m", "prompt": "x", "prompt_logprobs": 1, "stream": True}, "not available with 'stream'",
      "invalid_value"),
     ({"model": "m", "prompt": "x", "best_of": 2}, "not supported", "unsupported_parameter"),
+    ({"model": "m", "prompt": "x", "best_of": 3, "n": 2}, "not supported", "unsupported_parameter"),
     ({"model": "m", "prompt": "x", "frequency_penalty": 2.5}, "'frequency_penalty' must be in [-2.0, 2.0]",
      "invalid_value"),
     ({"model": "m", "prompt": "x", "presence_penalty": -3}, "'presence_penalty' must be in [-2.0, 2.0]",
