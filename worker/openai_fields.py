@@ -8,6 +8,7 @@ value is a 400 that names the field.
 from __future__ import annotations
 
 import json
+import math
 import sys
 from typing import Any
 
@@ -105,6 +106,8 @@ class Fields:
         v = self.get(name)
         if v is None:
             return default
+        if isinstance(v, float) and math.isfinite(v) and v.is_integer():
+            v = int(v)  # 3.0 is 3, as vLLM's parser takes it (a client that builds bodies with floats)
         if not is_int(v):
             raise bad_request(f"'{name}' must be an integer (got {json.dumps(v)})", name, "invalid_type")
         if v < lo or (hi is not None and v > hi):

@@ -25,6 +25,9 @@ def test_completion_defaults_and_all_options():
         "user": "alice", "presence_penalty": 0, "echo": False, "best_of": 1, "top_k": 40,
     })
     assert r.options.top_k == 40
+    # Whole-number floats are integers (vLLM's parser takes them; clients that build bodies with floats send them)
+    o = parse_completion_request({"model": "m", "prompt": "x", "max_tokens": 3.0, "seed": 1.0, "n": 2.0}).options
+    assert (o.max_tokens, o.seed, o.n) == (3, 1, 2) and type(o.max_tokens) is int
     # best_of equal to n asks for nothing more than n (OpenAI's and LoRAX's reading): it was refused
     assert parse_completion_request({"model": "m", "prompt": "x", "n": 2, "best_of": 2}).options.n == 2
     assert parse_completion_request({"model": "m", "prompt": "x", "ignore_eos": True}).options.ignore_eos
