@@ -163,9 +163,12 @@ class CompletionJob:
                 count += entries(out.prompt_logprobs, o.prompt_logprobs)
         return count
 
-    def usage(self, completion_tokens: int) -> dict[str, int]:
+    def usage(self, completion_tokens: int, choice: int | None = None) -> dict[str, int]:
+        """The request's usage, or with `choice` that choice's: its prompt and its tokens (a stream's
+        continuous_usage_stats, as vLLM counts them)."""
         completion_tokens = 0 if self.score_only else completion_tokens
-        prompt_tokens = sum(len(self.prompt_ids[p]) for p in sorted(set(self.choice_prompt)))
+        prompts = sorted(set(self.choice_prompt)) if choice is None else [self.choice_prompt[choice]]
+        prompt_tokens = sum(len(self.prompt_ids[p]) for p in prompts)
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": prompt_tokens + completion_tokens}
 
@@ -229,13 +232,14 @@ class CompletionJob:
     def stream_chunk(self, tokenizer, i: int, out: RequestOutput, *, first: bool, offsets: TextOffsets,
                      completion_tokens: int) -> dict[str, Any]:
         """The SSE chunk of choice `i`'s output `out`, with `usage` where include_usage asks for it (as OpenAI:
-        every chunk has the field, null but the last; vLLM's continuous_usage_stats: the counts so far)."""
+        every chunk has the field, null but the last; vLLM's continuous_usage_stats: choice `i`'s counts so far,
+        `completion_tokens` its tokens)."""
         choice = self.choice(tokenizer, i, out.new_text, out.new_logprobs, out.finish_reason if out.finished else None,
                              delta=True, first=first, offsets=offsets, prompt_lps=out.prompt_logprobs,
                              stop_reason=out.stop_reason if out.finished else None)
         chunk = self.envelope([choice], chunk=True)
         if self.options.include_usage:
-            chunk["usage"] = self.usage(completion_tokens) if self.options.continuous_usage else None
+            chunk["usage"] = self.usage(completion_tokens, i) if self.options.continuous_usage else None
         return chunk
 
     def envelope(self, choices: list[dict[str, Any]], *, chunk: bool) -> dict[str, Any]:

@@ -286,7 +286,7 @@ async def _stream(request: web.Request, job: CompletionJob, outputs: AsyncIterat
     response: web.StreamResponse | None = None
     started: set[int] = set()
     offsets = [TextOffsets() for _ in range(job.num_choices)]  # text_offset over each choice's chunks
-    completion_tokens = 0
+    choice_tokens: dict[int, int] = {}  # each choice's tokens so far
 
     async def send(payload: dict[str, Any] | str | None) -> None:
         """One event (None: the end of the body), within --stream-write-timeout-s."""
@@ -303,12 +303,12 @@ async def _stream(request: web.Request, job: CompletionJob, outputs: AsyncIterat
                                                            "Cache-Control": "no-cache", ADAPTER_HEADER: job.model})
                     await response.prepare(request)
                 timer.tokens(i, len(out.new_token_ids))
-                completion_tokens += len(out.new_token_ids)
+                choice_tokens[i] = choice_tokens.get(i, 0) + len(out.new_token_ids)
                 first = i not in started
                 started.add(i)
                 if out.new_text or out.new_token_ids or first or out.finished:
                     build = functools.partial(job.stream_chunk, tokenizer, i, out, first=first, offsets=offsets[i],
-                                              completion_tokens=completion_tokens)
+                                              completion_tokens=choice_tokens[i])
                     if first and out.prompt_logprobs and job.options.echo:  # the prompt's logprobs: off the loop
                         await send(await asyncio.to_thread(lambda b=build: _encoded(b())))
                     else:
@@ -333,7 +333,7 @@ async def _stream(request: web.Request, job: CompletionJob, outputs: AsyncIterat
         else:
             if job.options.include_usage:
                 usage_chunk = job.envelope([], chunk=True)
-                usage_chunk["usage"] = job.usage(completion_tokens)
+                usage_chunk["usage"] = job.usage(sum(choice_tokens.values()))
                 await send(usage_chunk)
             await send("[DONE]")
         await send(None)

@@ -107,8 +107,9 @@ async def test_with_include_usage_every_chunk_has_a_usage_field(base_client, pat
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 async def test_continuous_usage_stats_put_the_counts_so_far_in_every_chunk(base_client, path):
-    """vLLM's stream_options.continuous_usage_stats (with include_usage): each chunk's usage is the counts
-    so far, growing by the tokens it carries, up to the last chunk's totals; n=2 counts both choices."""
+    """vLLM's stream_options.continuous_usage_stats (with include_usage): each chunk's usage is its choice's
+    counts so far (its prompt, its tokens), growing by the tokens it carries; the last chunk has the totals.
+    With n=2 the chunks counted both choices together before, which no per-choice meter can read."""
     chat = path == "/v1/chat/completions"
     prompt = {"messages": [{"role": "user", "content": "hi"}], "logprobs": True} if chat else \
         {"prompt": "hello", "logprobs": 0}
@@ -120,12 +121,22 @@ async def test_continuous_usage_stats_put_the_counts_so_far_in_every_chunk(base_
     chunks = [json.loads(e) for e in events[:-1]]
     totals = chunks[-1]["usage"]
     assert chunks[-1]["choices"] == [] and totals["completion_tokens"] == 10
-    used = [c["usage"]["completion_tokens"] for c in chunks[:-1]]
-    # A client read slowly gets tokens merged into fewer chunks: each chunk's count grows by what it carries.
-    carried = [sum(len((ch.get("logprobs") or {}).get("content" if chat else "tokens") or []) for ch in c["choices"])
-               for c in chunks[:-1]]
-    assert used == list(itertools.accumulate(carried)) and used[-1] == 10
-    assert all(c["usage"]["prompt_tokens"] == totals["prompt_tokens"] for c in chunks)
+    for index in (0, 1):
+        mine = [c for c in chunks[:-1] if c["choices"][0]["index"] == index]
+        used = [c["usage"]["completion_tokens"] for c in mine]
+        # A client read slowly gets tokens merged into fewer chunks: each chunk's count grows by what it carries.
+        carried = [len((c["choices"][0].get("logprobs") or {}).get("content" if chat else "tokens") or [])
+                   for c in mine]
+        assert used == list(itertools.accumulate(carried)) and used[-1] == 5
+    assert all(c["usage"]["prompt_tokens"] == totals["prompt_tokens"] for c in chunks)  # one prompt
+    if not chat:  # two prompts: each choice's chunks count its own prompt
+        resp = await base_client.post(path, json={"model": "tiny", "max_tokens": 2, "prompt": ["hi", "a b c d e f"],
+                                                  "stream": True, "stream_options": {"include_usage": True,
+                                                                                     "continuous_usage_stats": True}})
+        events = [json.loads(line[6:]) for line in (await resp.text()).split("\n")
+                  if line.startswith("data: {")]
+        prompt_of = {c["choices"][0]["index"]: c["usage"]["prompt_tokens"] for c in events[:-1]}
+        assert prompt_of[0] < prompt_of[1] and prompt_of[0] + prompt_of[1] == events[-1]["usage"]["prompt_tokens"]
     assert all(c["usage"]["total_tokens"] == c["usage"]["prompt_tokens"] + c["usage"]["completion_tokens"]
                for c in chunks)
     resp = await base_client.post(path, json={"model": "tiny", "max_tokens": 2, "stream": True, **prompt,
