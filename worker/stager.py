@@ -29,11 +29,10 @@ needs `Authorization: Bearer <stager token>` (the routes: stager_http.py):
 * `GET /v1/state`: the engine's `ReportedState`, plus tier `disk` for staged versions the engine has
   not loaded, staging errors, a `disk` section (cache bytes, downloads, hits, progress) and, while
   `--stager-adapters` is what is served, a `seed` section (folders not served and why, its push's generation).
-* `GET /metrics` (no token; Prometheus text): the disk tier's hits, misses, downloads, bytes, failures,
-  download latency histogram, cache bytes and entries (`lorafleet_stager_*`).
+* `GET /metrics` (no token): the disk tier's hits, misses, downloads, failures, latency, cache (`lorafleet_stager_*`).
 
-Run: `python -m lorafleet.worker.stager --stager-port 8100 --stager-cache-dir /cache ...`; the
-token comes from `LORAFLEET_STAGER_TOKEN` (an environment variable, so it is not visible in `ps`).
+Run: `python -m lorafleet.worker.stager --stager-port 8100 --stager-cache-dir /cache ...`; the token comes
+from `LORAFLEET_STAGER_TOKEN` (not visible in `ps`).
 """
 
 from __future__ import annotations
@@ -60,7 +59,7 @@ from lorafleet.worker.stager_locks import KeyLocks
 from lorafleet.worker.stager_metrics import StagerMetrics, progress_by_uri
 from lorafleet.worker.stager_push import apply_push
 from lorafleet.worker.stager_seed import SeedReport, seed
-from lorafleet.worker.stager_store import StoreDown, StoreHealth, StoreThreads
+from lorafleet.worker.stager_store import StoreDown, StoreHealth, StoreThreads, timed_out
 from lorafleet.worker.staging_errors import is_object_fault, is_refusal
 from lorafleet.worker.tenant_folders import NO_FOLDERS, TenantFolders
 
@@ -172,15 +171,16 @@ class Stager:
 
     async def _list(self, uri: str, quick: bool, start: float | None = None) -> Etags:
         """The objects under `uri`: a quick check, or a listing that ends by `download_timeout_s`; `start`: when the
-        call counts as made (default: now). The client's timeouts bound each read: a store answering a byte at a
-        time is cut off here, as silent."""
+        call counts as made (default: now). A store answering a byte at a time is cut off here, as silent."""
         start = time.monotonic() if start is None else start
         deadline = None if quick else start + self.config.download_timeout_s
-        limit = 4 * self.config.store_check_timeout_s if quick else deadline - time.monotonic() + 1.0
+        limit = 4 * self.sources.clients.quick_timeout_s if quick else deadline - time.monotonic() + 1.0
         listing = self.store_threads.run(self.sources.object_etags, uri, quick=quick, deadline=deadline)
         try:
             etags = await self.store_threads.within(listing, limit, f"{uri}: the listing")
         except Exception as exc:
+            if quick and timed_out(exc):  # a slow store, maybe, not a down one: the next check waits longer
+                self.sources.clients.slower()
             self.store.failed(exc, start)
             raise
         self.store.answered(start)

