@@ -5,7 +5,8 @@ never answers), would make every version's listing wait out the client's read ti
 minutes per push, while later pushes queue behind it. So:
 
 * a push's first call to the store, every check that a cached copy is current (a version without a
-  sha256) and every call while the store is down are quick ones (`store_check_timeout_s`, one retry);
+  sha256) and every call while the store is down are quick ones (`store_check_timeout_s`, one retry; doubled
+  after a quick call that timed out, up to 4 times it: a store slower than the check is not down for good);
   the others (a download, the listing a copy without a sha256 is keyed by) end by `download_timeout_s`
   (worker/store_clients.py), so a store that answered the push's first call and then hangs costs the
   push one download's timeout;
