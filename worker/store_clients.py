@@ -45,6 +45,7 @@ class StoreClients:
         self.config = config
         self._full = self._quick = None
         self.quick_timeout_s = config.store_check_timeout_s
+        self._regions: dict[str, str] = {}  # bucket -> region, as the first client to ask learned it
 
     def slower(self) -> None:
         """A quick call timed out: the next ones wait twice as long (up to QUICK_MAX_FACTOR x the configured)."""
@@ -71,7 +72,7 @@ class StoreClients:
         c = self.config
         if not c.s3_endpoint:
             raise SourceError("no object store configured: set LORAFLEET_S3_ENDPOINT (host:port)")
-        return Minio(
+        client = Minio(
             c.s3_endpoint,
             access_key=c.s3_access_key,
             secret_key=c.s3_secret_key,
@@ -79,6 +80,11 @@ class StoreClients:
             region=c.s3_region,
             http_client=http,
         )
+        if isinstance(getattr(client, "_region_map", None), dict):
+            # Each download has a client of its own (its deadline): without a region configured, each asked the
+            # store for the bucket's location first, one more round trip per download. They share what one learned.
+            client._region_map = self._regions
+        return client
 
 
 # Answers a store sends when it sheds load (S3's 503 SlowDown, a gateway's 502/504) or fails for a moment: asked

@@ -191,6 +191,24 @@ async def test_a_store_slower_than_the_quick_check_is_checked_longer_not_down_fo
     assert stager.sources.clients.quick_timeout_s == 0.8  # doubled once
 
 
+async def test_downloads_ask_for_the_bucket_s_location_once_not_each(s3, adapters, tmp_path):
+    """Each download has a client of its own (its deadline); without a region configured, each asked the store
+    for the bucket's location before its first request: one more round trip per download."""
+    client = s3.client()
+    for name in ("a", "b", "c"):
+        upload_folder(client, "adapters", f"team/{name}/", adapters["v1"])
+    lines: list[bytes] = []
+
+    def seen(line: bytes) -> None:
+        lines.append(line)
+
+    async with _proxy(s3.port, chunk=1 << 16, answer=seen) as endpoint:
+        stager = stager_for(endpoint, s3, tmp_path / "cache")
+        await asyncio.wait_for(stager.apply(push(1, ["a", "b", "c"])), HANG_S)
+    assert sorted(stager.forwarded) == ["a", "b", "c"]
+    assert sum(b"location" in line for line in lines) == 1, lines
+
+
 def count_downloads(stager: Stager, monkeypatch) -> list[str]:
     """The URIs the stager starts downloading from the store, in order (filled in as the test runs)."""
     started: list[str] = []
