@@ -68,35 +68,42 @@ class AdapterLoading:
                     unread.setdefault(entry.asker or entry.tenant, []).append(entry)
             else:
                 self._try_place(entry)
-        for entry in (e for turn in itertools.zip_longest(*unread.values()) for e in turn if e is not None):
-            if entry.image is not None or entry.fetching is not None or entry.on_gpu:
-                continue  # a placement above
-            if not self._room_to_read():
-                break
-            self._start_fetch(entry)
+        # Tenants in turn, the one whose read started longest ago (or never) first: a tenant asking after another
+        # one's backlog waits for one of its reads, not all of them.
+        turns = sorted(unread, key=lambda group: self._read_turns.get(group, 0))
+        for entry in (e for turn in itertools.zip_longest(*(unread[g] for g in turns)) for e in turn if e is not None):
+            if entry.image is None and entry.fetching is None and not entry.on_gpu and self._room_to_read(entry):
+                self._start_fetch(entry)
 
-    def _room_to_read(self) -> bool:
-        """Whether one more adapter that waits for the GPU may be read into the CPU tier now. The images of those
-        still waiting for GPU room are not trimmed (they go next): without a bound, a thousand tenants waiting
-        for distinct adapters while the slots were busy held a thousand images in host memory, whatever the CPU
-        budget. So those images and the reads in flight for them stay within the budget (one read at least,
-        however small the budget); the others wait on disk and are read, tenants in turn, as room frees
-        (`_sweep_wanted`). Within the budget, reads start at once and the loader threads take them in tenant
-        turns (fair_executor.py)."""
-        parked = images = reading = 0
+    def _room_to_read(self, entry: AdapterEntry) -> bool:
+        """Whether `entry`, wanted on the GPU, may be read into the CPU tier now. The images of adapters waiting
+        for the GPU are not trimmed (they go next): without a bound, a thousand tenants asking for distinct
+        adapters while the slots were busy held a thousand images in host memory, whatever the CPU budget. So
+        those images and the reads in flight for them stay within the budget: a read counts as its image was
+        (an adapter registered with its weights was packed once: its size is known), else as the largest image
+        so far (nothing before any is known), and one read may always start when none is parked or in flight. An image its own owner holds back (the owner's GPU quota is full, or
+        a pinned version it replaces is still in use) counts for nobody else, and its owner's other adapters
+        are not read ahead of it: the others' reads never wait on one tenant's quota. The rest wait on disk,
+        read tenants in turn as room frees (`_sweep_wanted`); within the budget, reads start at once and the
+        loader threads take them in tenant turns (fair_executor.py)."""
+        parked = reading = 0
         for key in list(self._parked):  # a few: not the whole of _wanted at every request's acquire
-            entry = self._entries.get(key)
-            if entry is None or entry.on_gpu or key not in self._wanted:
+            other = self._entries.get(key)
+            if other is None or other.on_gpu or key not in self._wanted or (other.image is None
+                                                                             and other.fetching is None):
                 self._parked.discard(key)
-            elif entry.image is not None:
-                parked, images = parked + entry.image.nbytes, images + 1
-            elif entry.fetching is not None:
-                reading += 1
+            elif other.image is not None and self._held_by_owner(other):
+                if other.tenant == entry.tenant:
+                    return False
+            elif other.image is not None:
+                parked += other.image.nbytes
             else:
-                self._parked.discard(key)
-        # A read in flight counts as large as the images waiting (else the last one read): 0 before any is known.
-        in_flight = reading * (parked // images if images else self._last_image_bytes)
-        return (parked == reading == 0) or parked + in_flight < self.config.cpu_budget_bytes
+                reading += other.image_bytes or self._largest_image_bytes
+        return parked == reading == 0 or parked + reading < self.config.cpu_budget_bytes
+
+    def _held_by_owner(self, entry: AdapterEntry) -> bool:
+        """Whether only its owner's adapters leaving the GPU can make room for `entry` (see `_room_to_read`)."""
+        return self._exceeds_quota(entry, self._owned(entry.tenant)) or self._gives_way_later(entry)
 
     def _pack(self, weights):
         return pack_adapter(weights.modules, self.dims, page_elems=self.page_pool.page_elems,
@@ -110,7 +117,7 @@ class AdapterLoading:
         if entry.image is not None or entry.fetching is not None:
             self._parked.add(entry.key)
         if entry.image is None:
-            if entry.fetching is None and self._room_to_read():
+            if entry.fetching is None and self._room_to_read(entry):
                 self._start_fetch(entry)
         elif not entry.on_gpu:
             self._try_place(entry)
@@ -136,6 +143,8 @@ class AdapterLoading:
 
         if entry.key in self._wanted and not entry.on_gpu:
             self._parked.add(entry.key)
+        self._read_tick += 1
+        self._read_turns[entry.asker or entry.tenant] = self._read_tick
         entry.fetch_started = time.monotonic()
         entry.fetch_began = began
         # Loader threads go to tenants in turn, to a load a request waits for before a warm-up (fair_executor.py).
@@ -210,7 +219,8 @@ class AdapterLoading:
         self.metrics.load_seconds.labels("cpu").observe(seconds)
 
     def _set_image(self, entry: AdapterEntry, image) -> None:
-        entry.image, self._last_image_bytes = image, image.nbytes
+        entry.image, entry.image_bytes = image, image.nbytes
+        self._largest_image_bytes = max(self._largest_image_bytes, image.nbytes)
         if entry.digest is None:  # its first image: later ones are held to the same digest, so the same ranks
             entry.digest, entry.max_rank = image.digest, image.max_rank
         self._trim_cpu(protect=entry)

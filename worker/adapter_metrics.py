@@ -26,6 +26,9 @@ class AdapterMetrics:
         self.load_seconds = Histogram("lorafleet_adapter_load_seconds",
                                       "Adapter load time into a tier (cpu: disk->CPU parse, gpu: H2D copy)",
                                       ["tier"], buckets=_LOAD_BUCKETS, registry=None)
+        self.wait_seconds = Histogram("lorafleet_adapter_wait_seconds",
+                                      "Time a request that missed its adapter on the GPU waited for it (the load's "
+                                      "queue, read and copy, and GPU room)", buckets=_LOAD_BUCKETS, registry=None)
         self.load_failures = Counter("lorafleet_adapter_load_failures", "Adapter loads that failed", ["tier"],
                                      registry=None)
         self.refusals = Counter("lorafleet_adapter_refusals", "Adapter placements refused by policy (a tenant's GPU "
@@ -69,5 +72,5 @@ class AdapterMetrics:
         self.pages.set_function(lambda: page_pool.num_pages)
 
     def collectors(self) -> list:
-        return [self.hits, self.misses, self.load_seconds, self.load_failures, self.refusals, self.evictions, self.bytes,
+        return [self.hits, self.misses, self.load_seconds, self.wait_seconds, self.load_failures, self.refusals, self.evictions, self.bytes,
                 self.resident, self.fragmentation, self.kv_pages, self.adapter_pages, self.pages]

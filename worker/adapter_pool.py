@@ -1,12 +1,11 @@
 """AdapterPool: GPU residency of adapters in the unified page pool, the CPU tier, versions, eviction.
 
-Tiers: hot = pages of the shared `PagePool` + a slot in the `LoRALayout`; warm = a packed
-`AdapterImage` in (pinned) CPU memory; staged/cold = the entry's loader (reads the node-local disk
-copy the stager made). The step loop only ever calls non-blocking verbs: `acquire` answers a slot or
-None (a load was started or is under way; retry next step), `release` drops a reference, `poll`
-advances loads. Disk->CPU parsing runs in loader threads; CPU->GPU copies run on a side CUDA stream
-(or a loader thread on CPU devices). A slot becomes visible in the layout only once its copy is
-complete, so nothing ever computes with a half-loaded adapter.
+Tiers: hot = pages of the shared `PagePool` + a slot in the `LoRALayout`; warm = a packed `AdapterImage` in
+(pinned) CPU memory; cold = the entry's loader (the stager's disk copy). The step loop only ever calls
+non-blocking verbs: `acquire` answers a slot or None (a load was started or is under way; retry next step),
+`release` drops a reference, `poll` advances loads. Disk->CPU parsing runs in loader threads; CPU->GPU copies
+run on a side CUDA stream (or a loader thread on CPU devices). A slot becomes visible in the layout only once
+its copy is complete, so nothing ever computes with a half-loaded adapter.
 
 Versions: keys are `name@version`; `resolve(name)` answers the current version. Adding a new
 version loads it beside the old one and switches `resolve` when it is resident; requests holding the
@@ -37,7 +36,7 @@ from lorafleet.kernels.lora_layout import NUM_PROJS, PROJS, LoRALayout
 from lorafleet.worker.adapter_entry import AdapterEntry, AdapterLoadError, AdapterNotFoundError
 from lorafleet.worker.adapter_image import ModelDims
 from lorafleet.worker.adapter_loading import AdapterLoading, limit_cpu_threads
-from lorafleet.worker.adapter_metrics import AdapterMetrics
+from lorafleet.worker.adapter_metrics import TIERS, AdapterMetrics
 from lorafleet.worker.adapter_placement import AdapterPlacement
 from lorafleet.worker.adapter_pool_config import AdapterPoolConfig, TenantQuota
 from lorafleet.worker.adapter_reports import AdapterReports
@@ -77,14 +76,12 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
         self._executor = self._loader_threads()
         self._jobs: dict = {}  # the loader threads' reads (future -> [when a thread took it]) not finished
         # CPU devices copy pages on a thread of their own: a read stuck on a hung disk never holds a copy back.
-        self._copy_executor = (None if self._cuda else
-                               ThreadPoolExecutor(1, thread_name_prefix="adapter-copy"))
+        self._copy_executor = None if self._cuda else ThreadPoolExecutor(1, thread_name_prefix="adapter-copy")
         self._copier = PageCopier(pool, self._copy_executor)
         page_pool.set_reclaimer("adapter", self.reclaim_for_kv)
         self._lock = threading.RLock()
         self._entries: dict[str, AdapterEntry] = {}
-        # Keys of entries that were pinned at some point, a superset of the pinned ones (pruned as read): the
-        # KV cache's room is asked about per request, and pinned versions are few among thousands of adapters.
+        # Entries pinned at some point (pruned as read): the KV room is asked per request, pinned ones are few.
         self._pinned_keys: set[str] = set()
         self._current: dict[str, str] = {}  # name -> key that resolve() answers
         self._pending: dict[str, str] = {}  # name -> new version loading beside the current one
@@ -93,7 +90,9 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
         self._free_slots = list(range(config.max_slots - 1, -1, -1))
         self._wanted: dict[str, None] = {}  # keys to bring to the GPU, in request order
         self._parked: set[str] = set()  # wanted ones read or being read, not on the GPU (some left: pruned when read)
-        self._last_image_bytes = 0  # the size of the last image read (what a read in flight is counted as)
+        self._missed_at: dict[object, float] = {}  # waiter -> when its request missed its adapter on the GPU
+        self._largest_image_bytes = 0  # what a read in flight counts as (adapter_loading._room_to_read)
+        self._read_tick, self._read_turns = 0, {}  # loader group (tenant) -> the tick its last read started at
         self._quota_due: set[str] = set()  # keys whose owner changed while in use or copying (set_tenant)
         self._failures: deque[tuple[str, AdapterLoadError]] = deque(maxlen=100)
         self._inflight: set[str] = set()  # keys with a load or copy running
@@ -102,15 +101,9 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
         self._pinned_retry: dict[str, WarmState] = {}  # pinned versions off the GPU: their backoff (same)
         self._next_warm_check = 0.0  # monotonic time of the next look for missing warm versions
         self._kv_short = False  # the KV cache asked for pages since the last look
-        self._counts = {
-            "hits": dict.fromkeys(("gpu", "cpu", "disk"), 0),
-            "misses": dict.fromkeys(("gpu", "cpu", "disk"), 0),
-            "loads": {"cpu": 0, "gpu": 0},
-            "load_failures": 0,
-            "refusals": 0,
-            "rewarms": 0,
-            "evictions": {"gpu": {}, "cpu": {}},
-        }
+        self._counts = {"hits": dict.fromkeys(TIERS, 0), "misses": dict.fromkeys(TIERS, 0),
+                        "loads": {"cpu": 0, "gpu": 0}, "load_failures": 0, "refusals": 0, "rewarms": 0,
+                        "evictions": {"gpu": {}, "cpu": {}}}
 
     # ---- pool-wide settings (a push may set them) ------------------------------------------------
     def configure(self, *, eviction_policy: str | None = None, cpu_budget_bytes: int | None = None) -> None:
@@ -189,6 +182,7 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
                 entry.uses += 1
                 entry.last_used = self._tick
                 entry.waiters.discard(waiter)
+                self._waited(waiter, took_it=True)
                 if waiter in entry.detached:
                     self.reattached(entry, waiter)
                 return entry.slot
@@ -241,7 +235,7 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
             if entry is None or entry.retired:
                 raise AdapterNotFoundError(f"adapter {key!r} was replaced or unregistered")
             if count:
-                self._count("hits" if entry.resident else "misses", "gpu")
+                self._count("hits" if entry.resident else "misses", "gpu", waiter)
             entry.detached.add(waiter)
             return key
 
@@ -251,6 +245,8 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
         away (`reattached`)."""
         with self._lock:
             entry = self._entries.get(key)
+            if not detach:
+                self._waited(waiter, took_it=False)
             if entry is not None:
                 entry.waiters.discard(waiter)
                 entry.failed_waiters.pop(waiter, None)

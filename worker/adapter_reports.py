@@ -6,6 +6,8 @@ It reads the pool's state declared in `AdapterPool.__init__`.
 
 from __future__ import annotations
 
+import time
+
 from lorafleet.worker.adapter_entry import AdapterEntry, AdapterNotFoundError
 from lorafleet.worker.adapter_pool_check import check_adapter_pool
 
@@ -102,9 +104,19 @@ class AdapterReports:
                                current=self._current)
 
     # ---- internals: bookkeeping ----------------------------------------------------------------
-    def _count(self, what: str, tier: str) -> None:
+    def _count(self, what: str, tier: str, waiter: object = None) -> None:
+        """Count a lookup; a request's GPU miss (`waiter`) starts its wait for the adapter (`_waited`)."""
         self._counts[what][tier] += 1
         (self.metrics.hits if what == "hits" else self.metrics.misses).labels(tier).inc()
+        if what == "misses" and tier == "gpu" and waiter is not None:
+            self._missed_at[waiter] = time.monotonic()
+
+    def _waited(self, waiter: object, *, took_it: bool) -> None:
+        """A request that missed its adapter on the GPU took its slot (its wait is observed: the load's queue,
+        read and copy, and GPU room, which the load histogram leaves out) or went away."""
+        missed = self._missed_at.pop(waiter, None)
+        if missed is not None and took_it:
+            self.metrics.wait_seconds.observe(time.monotonic() - missed)
 
     def _update_gauges(self) -> None:
         gpu = [e for e in self._entries.values() if e.resident]
