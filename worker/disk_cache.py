@@ -147,16 +147,23 @@ class DiskCache:
             # Synced, else a power loss may keep the rename, lose the data, and only two files are rechecked.
             size = cache_write(lambda: _sync_tree(tmp))
             final = self.root / key
+            stale = None
             with self._lock:
                 self._reserved.pop(tmp.name, None)  # its real size counts from here, in the same step
-                if final.exists():  # a concurrent fill won; its content is the same (same key)
+                if final.exists() and key not in self.unverified:  # a concurrent fill won; the same content
                     shutil.rmtree(tmp, ignore_errors=True)
                 else:
+                    if final.exists():  # an earlier run's copy that could not be checked: this one replaces it
+                        stale = self.root / f"{_TMP}{key}-stale-{uuid.uuid4().hex[:8]}"
+                        cache_write(lambda: os.rename(final, stale))
+                        self.unverified.discard(key)
                     cache_write(lambda: os.rename(tmp, final))
                     self._bytes[key] = size
                     cache_write(lambda: _sync(self.root))  # the rename itself
                 self._clock += 1
                 self._used[key] = self._clock
+            if stale is not None:
+                shutil.rmtree(stale, ignore_errors=True)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

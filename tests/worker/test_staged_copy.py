@@ -57,3 +57,20 @@ def test_a_broken_entry_is_dropped(damage, cache):
         (entry / DIGEST_FILE).write_bytes(b"\xff\xfe\x00")
     assert verify_staged_copy(cache, "u-abc") is None
     assert not entry.exists() and "u-abc" not in cache.entries()
+
+
+def test_a_download_after_a_kept_entry_replaces_it(cache, monkeypatch):
+    """The kept entry could not be checked, so the version is downloaded again: the cache kept the old entry
+    (a concurrent fill's, it took it for) and threw the fresh, checked download away, every time."""
+    monkeypatch.setattr(staged_copy, "adapter_digest", lambda path: (_ for _ in ()).throw(OSError(errno.EIO, "EIO")))
+    assert verify_staged_copy(cache, "u-abc") is None
+    monkeypatch.undo()
+
+    def fresh(tmp):
+        (tmp / "adapter_config.json").write_text('{"r": 8}')
+        (tmp / "adapter_model.safetensors").write_bytes(b"fresh weights")
+        (tmp / DIGEST_FILE).write_text(adapter_digest(tmp) + "\n")
+
+    path = cache.put("u-abc", fresh)
+    assert (path / "adapter_model.safetensors").read_bytes() == b"fresh weights" and not cache.unverified
+    assert sorted(p.name for p in cache.root.iterdir()) == ["u-abc"]  # the old copy gone, nothing left over
