@@ -5,6 +5,7 @@ The weights file is checked against it in worker/peft_adapter.py."""
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import re
@@ -31,6 +32,11 @@ from lorafleet.worker.peft_patterns import (
 
 PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+
+
+# Read errors that may pass by themselves: the disk or mount (EIO, ESTALE, ETIMEDOUT), descriptors or memory short.
+TRANSIENT_ERRNOS = frozenset({errno.EIO, errno.ESTALE, errno.ETIMEDOUT, errno.EMFILE, errno.ENFILE, errno.ENOMEM,
+                              errno.EAGAIN, errno.EINTR, errno.EBUSY})
 
 
 class AdapterError(ValueError):
@@ -219,5 +225,5 @@ def read_bytes(file: Path, max_bytes: int = MAX_FILE_BYTES) -> bytes:
         raise AdapterError(str(exc)) from None
     except OSError as exc:
         error = AdapterError(f"{file}: cannot be read ({exc})")
-        error.transient = True
+        error.transient = exc.errno in TRANSIENT_ERRNOS  # a missing file or a permission does not pass by itself
         raise error from exc

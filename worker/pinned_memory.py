@@ -31,7 +31,7 @@ class _Registered(mmap.mmap):
 
 def pinned_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zero tensor of `shape` and `dtype` in page-locked host memory of its exact size (rounded up to the
-    system's page size). Raises RuntimeError when CUDA refuses to register it (too much locked memory)."""
+    system's page size). Raises MemoryError when CUDA refuses to register it (too much locked memory)."""
     nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
@@ -40,6 +40,6 @@ def pinned_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     ptr = raw.ctypes.data
     err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
     if int(err) != 0:
-        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed ({err})")
+        raise MemoryError(f"cudaHostRegister of {nbytes} bytes failed ({err})")
     region.ptr = ptr
     return torch.from_numpy(raw).view(dtype).view(shape)

@@ -62,3 +62,28 @@ async def test_a_reload_that_fails_once_is_retried_not_marked_failed(fault, aioh
     assert headers["Retry-After"]
     status, answer, _ = await complete()  # the fault has passed: loaded again, served
     assert status == 200, answer
+
+
+@pytest.mark.parametrize("fault", ["missing", "pack-bug"])
+async def test_a_reload_that_cannot_pass_by_itself_fails_the_version(fault, aiohttp_client, tiny_llama_dir,
+                                                                     qv_adapters_dir, monkeypatch):
+    """A file gone, or a packing failure that is not short memory, is not retried request after request."""
+    engine = EngineConfig(model=str(tiny_llama_dir), dtype="float32", max_model_len=128)
+    config = WorkerConfig(engine=engine, served_model_name="tiny", admin_token=ADMIN,
+                          adapter_roots=str(qv_adapters_dir))
+    app = create_app(config)
+    client = await aiohttp_client(app)
+    body = {"generation": 1, "adapters": [{"name": "alpha", "tenant": "acme",
+                                           "stable": {"version": "v1", "uri": str(qv_adapters_dir / "alpha")}}]}
+    assert (await client.put("/admin/v1/state", json=body, headers={"Authorization": f"Bearer {ADMIN}"})).status == 200
+    pool = app[ENGINE].engine.adapter_pool
+    pool.evict("alpha@v1", "gpu")
+    pool.evict("alpha@v1", "cpu")
+    if fault == "missing":
+        monkeypatch.setattr(peft_config, "read_limited", _once(peft_config.read_limited,
+                                                               FileNotFoundError(errno.ENOENT, "No such file")))
+    else:
+        monkeypatch.setattr(adapter_loading, "pack_adapter", _once(adapter_loading.pack_adapter,
+                                                                   RuntimeError("index out of range")))
+    resp = await client.post("/v1/completions", json={"model": "alpha", "prompt": "x", "max_tokens": 2})
+    assert resp.status == 503 and "Retry-After" not in resp.headers, await resp.text()
