@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -26,8 +27,10 @@ PROBE_TEXTS = ("Hi", "hello World", "HELLO  there\tyou\n\nnew line ", "naïve ca
                "1234567 + 3.14 = x", "don't I'll", '<p>x</p> {"k": [1, 2]}', "a\u00a0b\u2003c ")
 # An adapter's tokenizer.json is run in a process of its own, limited to these (its normalizer and pre-tokenizer
 # are the tenant's regexes: run here, one that backtracks held the interpreter lock for a minute, every stream stalled).
-PROBE_TIMEOUT_S = 20.0
+PROBE_CPU_S = 20  # of CPU time: past it the child is killed (SIGXCPU)
+PROBE_TIMEOUT_S = 120.0  # of wall-clock time (a busy node: CPU time is the bound that counts)
 PROBE_MEMORY_BYTES = 4 << 30
+PROBE_IDS_PER_BYTE = 8  # a tokenizer giving more ids than this per byte of the probes is refused, its output unread
 # The files a tokenizer is read from: tokenizer.json, else vocab.json (+ merges.txt, added tokens).
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "added_tokens.json", "tokenizer_config.json")
 
@@ -176,7 +179,7 @@ def probe_encodings(path: str | Path, max_file_bytes: int | None = None, *, isol
     """The ids the tokenizer.json of `path` (a folder or the file) gives each of PROBE_TEXTS (no special tokens,
     padding or truncation); None when there is no tokenizer.json. Equal vocabularies may still
     turn text into other ids (another normalizer or pre-tokenizer, `add_prefix_space`, `byte_fallback`): these
-    tell them apart. `isolated` (an adapter's file): built and run in a child process limited to PROBE_TIMEOUT_S
+    tell them apart. `isolated` (an adapter's file): built and run in a child process limited to PROBE_CPU_S
     and PROBE_MEMORY_BYTES, not in this one; a file with the bytes of one probed before is not run again.
     Raises TokenizerFileError for a file `tokenizers` cannot build or that runs past those limits, FileLimitError
     as above."""
@@ -207,30 +210,48 @@ def _probe(file: Path, content: bytes) -> list[list[int]]:
         raise _unreadable(file, type(exc).__name__) from None
 
 
-# The child of _probe_isolated: limits itself, builds the tokenizer from stdin, prints the probes' ids as JSON.
+# The child of _probe_isolated: limits itself (never above the limits it was given), offers itself to the OOM killer
+# first, builds the tokenizer from stdin, prints the probes' ids as JSON (exit 3: far more ids than bytes).
 _CHILD = """
 import json, resource, sys
-resource.setrlimit(resource.RLIMIT_CPU, ({cpu}, {cpu}))
-resource.setrlimit(resource.RLIMIT_AS, ({mem}, {mem}))
+for which, value in ((resource.RLIMIT_CPU, {cpu}), (resource.RLIMIT_AS, {mem})):
+    hard = resource.getrlimit(which)[1]
+    value = value if hard == resource.RLIM_INFINITY else min(value, hard)
+    resource.setrlimit(which, (value, value))
+try:
+    with open("/proc/self/oom_score_adj", "w") as f:
+        f.write("1000")
+except OSError:
+    pass
 from tokenizers import Tokenizer
+texts = json.loads(sys.argv[1])
 tokenizer = Tokenizer.from_str(sys.stdin.buffer.read().decode("utf-8"))
 tokenizer.no_padding()
 tokenizer.no_truncation()
-print(json.dumps([tokenizer.encode(t, add_special_tokens=False).ids for t in json.loads(sys.argv[1])]))
+ids = [tokenizer.encode(t, add_special_tokens=False).ids for t in texts]
+if sum(map(len, ids)) > {most}:
+    sys.exit(3)
+print(json.dumps(ids))
 """
 
 
 def _probe_isolated(file: Path, content: bytes) -> list[list[int]]:
-    """`_probe` in a child process: a tenant's tokenizer never runs in the worker's."""
-    code = _CHILD.format(cpu=int(PROBE_TIMEOUT_S) + 1, mem=PROBE_MEMORY_BYTES)
+    """`_probe` in a child process: a tenant's tokenizer never runs in the worker's, and what it gives back
+    is bounded (PROBE_IDS_PER_BYTE), so it cannot fill the worker's memory either."""
+    most = PROBE_IDS_PER_BYTE * sum(len(t.encode()) for t in PROBE_TEXTS)
+    code = _CHILD.format(cpu=PROBE_CPU_S, mem=PROBE_MEMORY_BYTES, most=most)
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "RAYON_NUM_THREADS": "1"}
+    ran_out = (f"{file}: its tokenizer ran more than {PROBE_CPU_S} s to encode {len(PROBE_TEXTS)} short texts (a "
+               f"normalizer or pre-tokenizer that backtracks?)")
     try:
-        done = subprocess.run([sys.executable, "-I", "-c", code, json.dumps(PROBE_TEXTS)], input=content,
+        done = subprocess.run([sys.executable, "-c", code, json.dumps(PROBE_TEXTS)], input=content, cwd="/",
                               capture_output=True, timeout=PROBE_TIMEOUT_S, env=env, check=False)
     except subprocess.TimeoutExpired:
-        raise TokenizerFileError(f"{file}: its tokenizer took more than {PROBE_TIMEOUT_S:g} s to encode "
-                                 f"{len(PROBE_TEXTS)} short texts (a normalizer or pre-tokenizer that "
-                                 f"backtracks?)") from None
+        raise TokenizerFileError(ran_out) from None
+    if done.returncode in (-signal.SIGXCPU, -signal.SIGKILL):
+        raise TokenizerFileError(ran_out)
+    if done.returncode == 3:
+        raise _unreadable(file, f"it turns the probe texts into more than {most} ids")
     try:
         encodings = json.loads(done.stdout) if done.returncode == 0 else None
     except ValueError:

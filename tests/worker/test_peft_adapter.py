@@ -611,7 +611,9 @@ def test_an_adapters_tokenizer_runs_in_a_process_of_its_own_under_a_time_limit(t
     """A tenant's tokenizer.json of the base's vocabulary is run to compare its ids with the base's; its
     pre-tokenizer's regexes are the tenant's. 400 that backtrack just short of the regex engine's limit ran
     54 s in the worker's process with the interpreter lock held: every stream and /healthz stalled. The probe
-    now runs in a child process, killed at PROBE_TIMEOUT_S, and the worker's threads run meanwhile."""
+    now runs in a child process, killed past PROBE_CPU_S of CPU, and the worker's threads run meanwhile. One that
+    turns the probes into millions of ids (a normalizer that writes each character out a thousand times) is
+    refused by the child, its output never read: it grew the worker by 486 MB for one version."""
     import time
 
     from lorafleet.worker import vocab_digest as vd
@@ -627,15 +629,21 @@ def test_an_adapters_tokenizer_runs_in_a_process_of_its_own_under_a_time_limit(t
              "invert": False}
     saved["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [split] * 400}
     (tmp_path / "x" / "tokenizer.json").write_text(json.dumps(saved))
-    monkeypatch.setattr(vd, "PROBE_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(vd, "PROBE_CPU_S", 2)
+    load = functools.partial(load_peft_adapter, tmp_path / "x", model_config, dtype=torch.float32,
+                             tokenizer_digest=digest, tokenizer_encodings=encodings)
     with ticking(0.01) as ticks:
         start = time.perf_counter()
-        with pytest.raises(AdapterError, match="took more than 2 s to encode 9 short texts"):
-            load_peft_adapter(tmp_path / "x", model_config, dtype=torch.float32, tokenizer_digest=digest,
-                              tokenizer_encodings=encodings)
+        with pytest.raises(AdapterError, match="ran more than 2 s to encode 9 short texts"):
+            load()
         took = time.perf_counter() - start
     assert took < 10, took  # killed at the limit, not run to its end
     assert max(b - a for a, b in zip(ticks, ticks[1:], strict=False)) < 0.5  # the lock was not held meanwhile
+    saved["pre_tokenizer"] = None
+    saved["normalizer"] = {"type": "Replace", "pattern": {"Regex": "."}, "content": "a" * 1000}
+    (tmp_path / "x" / "tokenizer.json").write_text(json.dumps(saved))
+    with pytest.raises(AdapterError, match="turns the probe texts into more than"):
+        load()
 
 
 @pytest.mark.parametrize(("files", "added"), [
