@@ -69,8 +69,9 @@ class WorkerConfig:
     max_sequences_per_tenant: int = field(
         default=0, metadata=_help("sequences one tenant may have admitted at once (running + queued); more are "
                                   "refused with 429 tenant_queue_full and Retry-After, so one tenant cannot fill "
-                                  "the queue; 0 = no per-tenant limit. Without --api-keys-file every caller is "
-                                  "tenant dev, so the limit then caps all callers together"))
+                                  "the queue; 0 = none beyond three quarters of the queue where the keys file "
+                                  "lists two tenants or more. Without --api-keys-file every caller is tenant dev, "
+                                  "so the limit then caps all callers together"))
     max_intake_requests: int = field(
         default=0, metadata=_help("requests whose bodies may be read, JSON-parsed and tokenized at once; more are "
                                   "refused with 429 intake_full and Retry-After before their body is read (as "

@@ -463,6 +463,8 @@ def test_workers_without_api_keys_are_refused_outside_development_mode():
     render({"worker": {"developmentMode": True}})
     render({"worker": {"developmentMode": False}, "secrets": {"existingApiKeysSecret": "keys"}})
     chart.render({"worker": {"enabled": False}}, name="demo", namespace="fleet", is_install=True)
+    own = {"worker": {"extraArgs": ["--api-keys-file=/keys/keys.yaml"]}}  # keys of its own, on extraVolumes
+    chart.render(own, name="demo", namespace="fleet", is_install=True)
 
 
 def test_notes_match_the_release():

@@ -54,7 +54,8 @@ release's while the chart puts its pool and workers in the release's (nothing wo
 {{- if eq (int .Values.worker.stagerPort) (int .Values.worker.port) -}}
 {{- fail (printf "worker.stagerPort %v is worker.port too: the stager sidecar and the engine share the pod's network, so each needs a port of its own" .Values.worker.stagerPort) -}}
 {{- end -}}
-{{- if and .Values.worker.enabled (not (or .Values.secrets.existingApiKeysSecret .Values.secrets.apiKeys)) (not .Values.worker.developmentMode) -}}
+{{- $ownKeys := false -}}{{- range .Values.worker.extraArgs -}}{{- if hasPrefix "--api-keys-file" (toString .) -}}{{- $ownKeys = true -}}{{- end -}}{{- end -}}
+{{- if and .Values.worker.enabled (not (or .Values.secrets.existingApiKeysSecret .Values.secrets.apiKeys $ownKeys)) (not .Values.worker.developmentMode) -}}
 {{- fail "no API keys (secrets.apiKeys or secrets.existingApiKeysSecret): the workers would serve every caller every tenant's adapters. Give the tenants' keys, or set worker.developmentMode=true for a trial" -}}
 {{- end -}}
 {{- $watch := .Values.operator.watchNamespace -}}
