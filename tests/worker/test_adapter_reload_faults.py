@@ -30,9 +30,9 @@ def _once(real, exc: BaseException):
     return flaky
 
 
-@pytest.mark.parametrize("fault", ["read", "pack"])
-async def test_a_reload_that_fails_once_is_retried_not_marked_failed(fault, aiohttp_client, tiny_llama_dir,
-                                                                     qv_adapters_dir, monkeypatch):
+async def _evicted_alpha(aiohttp_client, tiny_llama_dir, qv_adapters_dir):
+    """A worker serving alpha@v1, which answered once and was then evicted from the GPU and the CPU tier (as
+    GPU and CPU-budget pressure would): (client, a completion's (status, body, headers))."""
     engine = EngineConfig(model=str(tiny_llama_dir), dtype="float32", max_model_len=128)
     config = WorkerConfig(engine=engine, served_model_name="tiny", admin_token=ADMIN,
                           adapter_roots=str(qv_adapters_dir))
@@ -49,41 +49,31 @@ async def test_a_reload_that_fails_once_is_retried_not_marked_failed(fault, aioh
 
     assert (await complete())[0] == 200
     pool = app[ENGINE].engine.adapter_pool
-    pool.evict("alpha@v1", "gpu")  # as GPU and CPU-budget pressure would
-    pool.evict("alpha@v1", "cpu")
-    if fault == "read":  # the disk or mount hiccups once (EIO)
-        monkeypatch.setattr(peft_config, "read_limited", _once(peft_config.read_limited,
-                                                               OSError(errno.EIO, "Input/output error")))
-    else:  # pinned host memory short once
-        monkeypatch.setattr(adapter_loading, "pack_adapter", _once(adapter_loading.pack_adapter,
-                                                                   RuntimeError("cudaHostAlloc: out of memory")))
-    status, answer, headers = await complete()
-    assert status == 503 and answer["error"]["code"] == "adapter_load_failed", answer
-    assert headers["Retry-After"]
-    status, answer, _ = await complete()  # the fault has passed: loaded again, served
-    assert status == 200, answer
-
-
-@pytest.mark.parametrize("fault", ["missing", "pack-bug"])
-async def test_a_reload_that_cannot_pass_by_itself_fails_the_version(fault, aiohttp_client, tiny_llama_dir,
-                                                                     qv_adapters_dir, monkeypatch):
-    """A file gone, or a packing failure that is not short memory, is not retried request after request."""
-    engine = EngineConfig(model=str(tiny_llama_dir), dtype="float32", max_model_len=128)
-    config = WorkerConfig(engine=engine, served_model_name="tiny", admin_token=ADMIN,
-                          adapter_roots=str(qv_adapters_dir))
-    app = create_app(config)
-    client = await aiohttp_client(app)
-    body = {"generation": 1, "adapters": [{"name": "alpha", "tenant": "acme",
-                                           "stable": {"version": "v1", "uri": str(qv_adapters_dir / "alpha")}}]}
-    assert (await client.put("/admin/v1/state", json=body, headers={"Authorization": f"Bearer {ADMIN}"})).status == 200
-    pool = app[ENGINE].engine.adapter_pool
     pool.evict("alpha@v1", "gpu")
     pool.evict("alpha@v1", "cpu")
-    if fault == "missing":
-        monkeypatch.setattr(peft_config, "read_limited", _once(peft_config.read_limited,
-                                                               FileNotFoundError(errno.ENOENT, "No such file")))
-    else:
-        monkeypatch.setattr(adapter_loading, "pack_adapter", _once(adapter_loading.pack_adapter,
-                                                                   RuntimeError("index out of range")))
-    resp = await client.post("/v1/completions", json={"model": "alpha", "prompt": "x", "max_tokens": 2})
-    assert resp.status == 503 and "Retry-After" not in resp.headers, await resp.text()
+    return complete
+
+
+# What fails once on the reload, and whether it may pass by itself (retryable).
+FAULTS = {
+    "read": (peft_config, "read_limited", OSError(errno.EIO, "Input/output error"), True),  # the disk hiccups
+    "pack": (adapter_loading, "pack_adapter", RuntimeError("cudaHostAlloc: out of memory"), True),  # memory short
+    "missing": (peft_config, "read_limited", FileNotFoundError(errno.ENOENT, "No such file"), False),
+    "pack-bug": (adapter_loading, "pack_adapter", RuntimeError("index out of range"), False),
+}
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+async def test_a_reload_that_fails_once_is_retried_only_if_it_may_pass(fault, aiohttp_client, tiny_llama_dir,
+                                                                      qv_adapters_dir, monkeypatch):
+    """A fault that may pass answers 503 with Retry-After and the next request loads the adapter; one that
+    cannot (a file gone, a packing failure that is not short memory) fails the version, with no Retry-After."""
+    complete = await _evicted_alpha(aiohttp_client, tiny_llama_dir, qv_adapters_dir)
+    module, name, exc, may_pass = FAULTS[fault]
+    monkeypatch.setattr(module, name, _once(getattr(module, name), exc))
+    status, answer, headers = await complete()
+    assert status == 503 and answer["error"]["code"] == "adapter_load_failed", answer
+    assert ("Retry-After" in headers) == may_pass
+    if may_pass:
+        status, answer, _ = await complete()  # the fault has passed: loaded again, served
+        assert status == 200, answer
