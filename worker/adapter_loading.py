@@ -79,13 +79,13 @@ class AdapterLoading:
         """Whether `entry`, wanted on the GPU, may be read into the CPU tier now. The images of adapters waiting
         for the GPU are not trimmed (they go next): without a bound, a thousand tenants asking for distinct
         adapters while the slots were busy held a thousand images in host memory, whatever the CPU budget. So
-        those images and the reads in flight for them stay within the budget: a read counts as its image was
-        (an adapter registered with its weights was packed once: its size is known), else as the largest image
-        so far (nothing before any is known), and one read may always start when none is parked or in flight. An image its own owner holds back (the owner's GPU quota is full, or
-        a pinned version it replaces is still in use) counts for nobody else, and its owner's other adapters
-        are not read ahead of it: the others' reads never wait on one tenant's quota. The rest wait on disk,
-        read tenants in turn as room frees (`_sweep_wanted`); within the budget, reads start at once and the
-        loader threads take them in tenant turns (fair_executor.py)."""
+        those images and the reads in flight for them stay within the budget: a read counts as its image was (an
+        adapter registered with its weights was packed once: its size is known), else as the largest image so
+        far (nothing before any is known); one read may always start when none is parked or in flight. An image
+        its own owner holds back (the owner's GPU quota is full, or a pinned version it replaces is still in use)
+        counts for nobody else, and its owner's other adapters are not read ahead of it: the others' reads never
+        wait on one tenant's quota. The rest wait on disk, read tenants in turn as room frees (`_sweep_wanted`);
+        within the budget, reads start at once and the loader threads take them in turns (fair_executor.py)."""
         parked = reading = 0
         for key in list(self._parked):  # a few: not the whole of _wanted at every request's acquire
             other = self._entries.get(key)
