@@ -9,7 +9,6 @@ asynchronous as from torch's, and the mapping is unregistered and unmapped once 
 
 from __future__ import annotations
 
-import contextlib
 import mmap
 
 import numpy as np
@@ -24,9 +23,8 @@ class _Registered(mmap.mmap):
 
     def __del__(self) -> None:
         if self.ptr:
-            ptr, self.ptr = self.ptr, 0
-            with contextlib.suppress(Exception):  # at interpreter exit CUDA may be gone already: unmapped all the same
-                torch.cuda.cudart().cudaHostUnregister(ptr)
+            torch.cuda.cudart().cudaHostUnregister(self.ptr)
+            self.ptr = 0
 
 
 def pinned_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
