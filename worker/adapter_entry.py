@@ -55,7 +55,6 @@ class AdapterEntry:
     image: AdapterImage | None = None  # CPU tier
     digest: str | None = None  # content digest fixed at first load: a reload must match it
     max_rank: int = 0  # its largest rank, fixed with the digest (known once it has been on the CPU)
-    image_bytes: int = 0  # its CPU image's size, known once it has been on the CPU (a read's size, ahead)
     slot: int | None = None
     page_ids: list[int] = field(default_factory=list)
     gpu_bytes: int = 0  # bytes of its GPU pages while on_gpu

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import torch
 
 from lorafleet.kernels.lora_layout import NUM_PROJS, PROJS, pow2_divisor
-from lorafleet.worker.pinned_memory import pinned_zeros
 
 PROJ_IDS = {p: i for i, p in enumerate(PROJS)}
 
@@ -171,7 +170,7 @@ def pack_adapter(
         offsets.append(torch.cat(offs) if offs else torch.zeros(0, dtype=torch.int64))
         used += num_rows * length
     num_pages = page + 1 if mats else 0
-    pages = pinned_zeros((num_pages, page_elems), dtype) if pin else torch.zeros(num_pages, page_elems, dtype=dtype)
+    pages = torch.zeros(num_pages, page_elems, dtype=dtype, pin_memory=pin)
     flat = pages.view(-1)
     for start, m, row, k in blocks:
         src = mats[m][row : row + k]

@@ -12,7 +12,6 @@ It works on the pool's state (`_entries`, `_wanted`, `_inflight`, `_pending`, ..
 
 from __future__ import annotations
 
-import itertools
 import time
 from concurrent.futures import wait as wait_futures
 
@@ -58,52 +57,15 @@ class AdapterLoading:
         return changed
 
     def _sweep_wanted(self) -> None:
-        unread: dict[str, list[AdapterEntry]] = {}  # by the tenant it is read for: started in their turns
         for key in list(self._wanted):
             entry = self._entries.get(key)
             if entry is None or entry.on_gpu:
                 self._wanted.pop(key, None)
             elif entry.image is None:
                 if entry.fetching is None:
-                    unread.setdefault(entry.asker or entry.tenant, []).append(entry)
+                    self._start_fetch(entry)
             else:
                 self._try_place(entry)
-        # Tenants in turn, the one whose read started longest ago (or never) first: a tenant asking after another
-        # one's backlog waits for one of its reads, not all of them.
-        turns = sorted(unread, key=lambda group: self._read_turns.get(group, 0))
-        for entry in (e for turn in itertools.zip_longest(*(unread[g] for g in turns)) for e in turn if e is not None):
-            if entry.image is None and entry.fetching is None and not entry.on_gpu and self._room_to_read(entry):
-                self._start_fetch(entry)
-
-    def _room_to_read(self, entry: AdapterEntry) -> bool:
-        """Whether `entry`, wanted on the GPU, may be read into the CPU tier now. The images of adapters waiting
-        for the GPU are not trimmed (they go next): without a bound, a thousand tenants asking for distinct
-        adapters while the slots were busy held a thousand images in host memory, whatever the CPU budget. So
-        those images and the reads in flight for them stay within the budget: a read counts as its image was (an
-        adapter registered with its weights was packed once: its size is known), else as the largest image so
-        far (nothing before any is known); one read may always start when none is parked or in flight. An image
-        its own owner holds back (the owner's GPU quota is full, or a pinned version it replaces is still in use)
-        counts for nobody else, and its owner's other adapters are not read ahead of it: the others' reads never
-        wait on one tenant's quota. The rest wait on disk, read tenants in turn as room frees (`_sweep_wanted`);
-        within the budget, reads start at once and the loader threads take them in turns (fair_executor.py)."""
-        parked = reading = 0
-        for key in list(self._parked):  # a few: not the whole of _wanted at every request's acquire
-            other = self._entries.get(key)
-            if other is None or other.on_gpu or key not in self._wanted or (other.image is None
-                                                                             and other.fetching is None):
-                self._parked.discard(key)
-            elif other.image is not None and self._held_by_owner(other):
-                if other.tenant == entry.tenant:
-                    return False
-            elif other.image is not None:
-                parked += other.image.nbytes
-            else:
-                reading += other.image_bytes or self._largest_image_bytes
-        return parked == reading == 0 or parked + reading < self.config.cpu_budget_bytes
-
-    def _held_by_owner(self, entry: AdapterEntry) -> bool:
-        """Whether only its owner's adapters leaving the GPU can make room for `entry` (see `_room_to_read`)."""
-        return self._exceeds_quota(entry, self._owned(entry.tenant)) or self._gives_way_later(entry)
 
     def _pack(self, weights):
         return pack_adapter(weights.modules, self.dims, page_elems=self.page_pool.page_elems,
@@ -114,10 +76,8 @@ class AdapterLoading:
         if entry.resident or entry.retired:
             return
         self._wanted.setdefault(entry.key, None)
-        if entry.image is not None or entry.fetching is not None:
-            self._parked.add(entry.key)
         if entry.image is None:
-            if entry.fetching is None and self._room_to_read(entry):
+            if entry.fetching is None:
                 self._start_fetch(entry)
         elif not entry.on_gpu:
             self._try_place(entry)
@@ -143,10 +103,6 @@ class AdapterLoading:
                 raise MemoryError(f"packing it into host memory failed: {exc}") from exc
             return image, time.perf_counter() - t0
 
-        if entry.key in self._wanted and not entry.on_gpu:
-            self._parked.add(entry.key)
-        self._read_tick += 1
-        self._read_turns[entry.asker or entry.tenant] = self._read_tick
         entry.fetch_started = time.monotonic()
         entry.fetch_began = began
         # Loader threads go to tenants in turn, to a load a request waits for before a warm-up (fair_executor.py).
@@ -221,8 +177,7 @@ class AdapterLoading:
         self.metrics.load_seconds.labels("cpu").observe(seconds)
 
     def _set_image(self, entry: AdapterEntry, image) -> None:
-        entry.image, entry.image_bytes = image, image.nbytes
-        self._largest_image_bytes = max(self._largest_image_bytes, image.nbytes)
+        entry.image = image
         if entry.digest is None:  # its first image: later ones are held to the same digest, so the same ranks
             entry.digest, entry.max_rank = image.digest, image.max_rank
         self._trim_cpu(protect=entry)

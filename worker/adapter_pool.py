@@ -89,10 +89,7 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
         self._slot_owner: dict[int, AdapterEntry] = {}
         self._free_slots = list(range(config.max_slots - 1, -1, -1))
         self._wanted: dict[str, None] = {}  # keys to bring to the GPU, in request order
-        self._parked: set[str] = set()  # wanted ones read or being read, not on the GPU (some left: pruned when read)
         self._missed_at: dict[object, float] = {}  # waiter -> when its request missed its adapter on the GPU
-        self._largest_image_bytes = 0  # what a read in flight counts as (adapter_loading._room_to_read)
-        self._read_tick, self._read_turns = 0, {}  # loader group (tenant) -> the tick its last read started at
         self._quota_due: set[str] = set()  # keys whose owner changed while in use or copying (set_tenant)
         self._failures: deque[tuple[str, AdapterLoadError]] = deque(maxlen=100)
         self._inflight: set[str] = set()  # keys with a load or copy running
