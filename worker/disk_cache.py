@@ -17,6 +17,7 @@ instead, or nothing if it failed.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import shutil
@@ -68,6 +69,29 @@ def _sync(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+_RENAME_EXCHANGE = 2
+
+
+def _exchange(a: Path, b: Path) -> None:
+    """Swap directories `a` and `b` in one step (renameat2 RENAME_EXCHANGE): a reader of `b` finds the old
+    copy or the new one, never none (the engine may be reading the copy being replaced)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.renameat2(-100, os.fsencode(a), -100, os.fsencode(b), _RENAME_EXCHANGE) == 0:  # -100: AT_FDCWD
+        return
+    err = ctypes.get_errno()
+    if err not in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+        raise OSError(err, os.strerror(err), str(b))
+    # A file system without the exchange: two renames, the old copy put back if the second fails.
+    aside = a.with_name(a.name + "-old")
+    os.rename(b, aside)
+    try:
+        os.rename(a, b)
+    except OSError:
+        os.rename(aside, b)
+        raise
+    os.rename(aside, a)
 
 
 def _sync_tree(path: Path) -> int:
@@ -153,11 +177,12 @@ class DiskCache:
                 if final.exists() and key not in self.unverified:  # a concurrent fill won; the same content
                     shutil.rmtree(tmp, ignore_errors=True)
                 else:
-                    if final.exists():  # an earlier run's copy that could not be checked: this one replaces it
-                        stale = self.root / f"{_TMP}{key}-stale-{uuid.uuid4().hex[:8]}"
-                        cache_write(lambda: os.rename(final, stale))
+                    if final.exists():  # an earlier run's copy that could not be checked: this one replaces it,
+                        cache_write(lambda: _exchange(tmp, final))  # with no moment of no copy at `final`
+                        stale = tmp  # the old copy, now
                         self.unverified.discard(key)
-                    cache_write(lambda: os.rename(tmp, final))
+                    else:
+                        cache_write(lambda: os.rename(tmp, final))
                     self._bytes[key] = size
                     cache_write(lambda: _sync(self.root))  # the rename itself
                 self._clock += 1

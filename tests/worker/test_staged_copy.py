@@ -74,3 +74,40 @@ def test_a_download_after_a_kept_entry_replaces_it(cache, monkeypatch):
     path = cache.put("u-abc", fresh)
     assert (path / "adapter_model.safetensors").read_bytes() == b"fresh weights" and not cache.unverified
     assert sorted(p.name for p in cache.root.iterdir()) == ["u-abc"]  # the old copy gone, nothing left over
+
+
+def test_a_reader_of_the_entry_never_finds_it_missing_while_it_is_replaced(cache):
+    """The replacement renamed the old copy away, then the new one in: the engine re-reading the version
+    in between found no adapter_config.json, a failure it does not retry. The two are swapped in one step."""
+    import threading
+
+    missing: list[str] = []
+    done = threading.Event()
+
+    def read() -> None:
+        while not done.is_set():
+            try:
+                (cache.root / "u-abc" / "adapter_config.json").read_bytes()
+            except FileNotFoundError as exc:
+                missing.append(str(exc))
+
+    def fresh(tmp):
+        (tmp / "adapter_config.json").write_text('{"r": 8}')
+        (tmp / "adapter_model.safetensors").write_bytes(b"fresh weights")
+        (tmp / DIGEST_FILE).write_text(adapter_digest(tmp) + "\n")
+
+    import sys
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # the reader gets its turns between the writer's calls
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        for _ in range(100):
+            cache.unverified.add("u-abc")  # as an earlier run's entry that could not be checked
+            cache.put("u-abc", fresh)
+    finally:
+        done.set()
+        reader.join()
+        sys.setswitchinterval(interval)
+    assert missing == [] and sorted(p.name for p in cache.root.iterdir()) == ["u-abc"]
