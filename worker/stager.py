@@ -179,11 +179,11 @@ class Stager:
         try:
             etags = await self.store_threads.within(listing, limit, f"{uri}: the listing")
         except Exception as exc:
-            if quick and timed_out(exc):  # a slow store, maybe, not a down one: the next check waits longer
-                self.sources.clients.slower()
+            self.sources.clients.quick_outcome(quick and timed_out(exc), None)  # slow, maybe: the next waits longer
             self.store.failed(exc, start)
             raise
         self.store.answered(start)
+        self.sources.clients.quick_outcome(False, time.monotonic() - start if quick else None)
         return etags
 
     async def _answers(self, uri: str, start: float | None = None) -> bool:

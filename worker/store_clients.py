@@ -3,7 +3,7 @@
 * `client()`: reads give up after `READ_S`, retried twice (listing the folders under a prefix); a 5xx
   answer is retried as a failed read is (`RETRY_STATUSES`);
 * `client(quick=True)`: after `quick_timeout_s` (`store_check_timeout_s`, doubled after each quick call that
-  timed out, up to QUICK_MAX_FACTOR times it: `slower`), retried once: checks that have a cached copy to
+  timed out, up to QUICK_MAX_FACTOR times it, and back to it once one is answered in that time: `quick_outcome`), retried once: checks that have a cached copy to
   fall back on, and calls to a store that did not answer lately (worker/stager_store.py). A store up but slower
   than the check (it answers every call in 4 s) was otherwise down for good, as every call to a store seen
   down is a quick one;
@@ -47,11 +47,14 @@ class StoreClients:
         self.quick_timeout_s = config.store_check_timeout_s
         self._regions: dict[str, str] = {}  # bucket -> region, as the first client to ask learned it
 
-    def slower(self) -> None:
-        """A quick call timed out: the next ones wait twice as long (up to QUICK_MAX_FACTOR x the configured)."""
-        longest = QUICK_MAX_FACTOR * self.config.store_check_timeout_s
-        if self.quick_timeout_s < longest:
-            self.quick_timeout_s, self._quick = min(2 * self.quick_timeout_s, longest), None
+    def quick_outcome(self, timed_out: bool, answered_in: float | None) -> None:
+        """A quick call `timed_out`: the next ones wait twice as long (up to QUICK_MAX_FACTOR x the configured).
+        One answered within the configured time (`answered_in` seconds): they wait that again."""
+        configured = self.config.store_check_timeout_s
+        if timed_out and self.quick_timeout_s < QUICK_MAX_FACTOR * configured:
+            self.quick_timeout_s, self._quick = min(2 * self.quick_timeout_s, QUICK_MAX_FACTOR * configured), None
+        elif answered_in is not None and answered_in <= configured and self.quick_timeout_s != configured:
+            self.quick_timeout_s, self._quick = configured, None
 
     def client(self, *, quick: bool = False, deadline: float | None = None):
         """The client for a call (see the module docstring); `deadline`: time.monotonic() it must end by
@@ -59,9 +62,10 @@ class StoreClients:
         if deadline is not None:
             return self._new(_DeadlinePool(deadline))
         if quick:
-            if self._quick is None:
-                self._quick = self._new(_pool(self.quick_timeout_s, retries=1))
-            return self._quick
+            client = self._quick  # read once: `quick_outcome` on another thread may clear it meanwhile
+            if client is None:
+                client = self._quick = self._new(_pool(self.quick_timeout_s, retries=1))
+            return client
         if self._full is None:
             self._full = self._new(_pool(READ_S, retries=RETRIES))
         return self._full
