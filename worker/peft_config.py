@@ -34,9 +34,10 @@ PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "
           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 
 
-# Read errors that may pass by themselves: the disk or mount (EIO, ESTALE, ETIMEDOUT), descriptors or memory short.
+# Read errors that may pass by themselves: the disk or a network mount, descriptors or memory short.
 TRANSIENT_ERRNOS = frozenset({errno.EIO, errno.ESTALE, errno.ETIMEDOUT, errno.EMFILE, errno.ENFILE, errno.ENOMEM,
-                              errno.EAGAIN, errno.EINTR, errno.EBUSY})
+                              errno.EAGAIN, errno.EINTR, errno.EBUSY, errno.ENOTCONN, errno.ENOLINK, errno.EREMOTEIO,
+                              errno.EHOSTDOWN, errno.ENETUNREACH, errno.ECONNRESET, errno.ECONNABORTED})  # + mounts
 
 
 class AdapterError(ValueError):

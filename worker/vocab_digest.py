@@ -3,6 +3,7 @@ An adapter that ships another tokenizer than the base's would decode to garbage;
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -214,10 +215,10 @@ def _probe(file: Path, content: bytes) -> list[list[int]]:
 # first, builds the tokenizer from stdin, prints the probes' ids as JSON (exit 3: far more ids than bytes).
 _CHILD = """
 import json, resource, sys
-for which, value in ((resource.RLIMIT_CPU, {cpu}), (resource.RLIMIT_AS, {mem})):
+for which, value, grace in ((resource.RLIMIT_CPU, {cpu}, 1), (resource.RLIMIT_AS, {mem}, 0)):
     hard = resource.getrlimit(which)[1]
-    value = value if hard == resource.RLIM_INFINITY else min(value, hard)
-    resource.setrlimit(which, (value, value))
+    value = value if hard == resource.RLIM_INFINITY else min(value, hard - grace)
+    resource.setrlimit(which, (value, value + grace))  # past the CPU time: SIGXCPU (not the OOM killer's SIGKILL)
 try:
     with open("/proc/self/oom_score_adj", "w") as f:
         f.write("1000")
@@ -244,12 +245,14 @@ def _probe_isolated(file: Path, content: bytes) -> list[list[int]]:
     ran_out = (f"{file}: its tokenizer ran more than {PROBE_CPU_S} s to encode {len(PROBE_TEXTS)} short texts (a "
                f"normalizer or pre-tokenizer that backtracks?)")
     try:
-        done = subprocess.run([sys.executable, "-c", code, json.dumps(PROBE_TEXTS)], input=content, cwd="/",
-                              capture_output=True, timeout=PROBE_TIMEOUT_S, env=env, check=False)
+        done = subprocess.run([sys.executable, "-I", "-c", code, json.dumps(PROBE_TEXTS)], input=content,
+                              cwd="/", capture_output=True, timeout=PROBE_TIMEOUT_S, env=env, check=False)
     except subprocess.TimeoutExpired:
         raise TokenizerFileError(ran_out) from None
-    if done.returncode in (-signal.SIGXCPU, -signal.SIGKILL):
+    if done.returncode == -signal.SIGXCPU:
         raise TokenizerFileError(ran_out)
+    if done.returncode == -signal.SIGKILL:  # the OOM killer (it is first in line), not the file's fault for sure
+        raise OSError(errno.EAGAIN, f"{file}: the tokenizer check was killed (memory short?); it is tried again")
     if done.returncode == 3:
         raise _unreadable(file, f"it turns the probe texts into more than {most} ids")
     try:
