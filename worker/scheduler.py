@@ -20,8 +20,8 @@ keeps its reference) or was loaded for is never evicted: when nothing runs and a
 or such a starved sequence's adapter finds no room, the others let go of theirs (those holding a replaced
 version, never taken again once let go, go ahead of it). One that preempted itself running alone (adapters hold
 the rest of the pool) is readmitted only once the pages of all its tokens can be had, not chunk by chunk into
-the same wall; one that never can (`never_fits`: its adapter and pinned ones leave too little of the pool) fails
-at once, or ends by length with its output (adapters pinned since it began), as where its lowered max_tokens is reached.
+the same wall; one that never can (`never_fits`) fails at once, or ends by length with its output. Where several
+tenants have keys (`shared`), one runs at most three quarters of the seats.
 """
 
 from __future__ import annotations
@@ -65,6 +65,7 @@ class Scheduler:
         # waiting only for GPU pages or a slot), "quota" (its tenant's own adapters must leave) or "load".
         self.adapter_state = adapter_state
         self.never_fits = never_fits  # why a sequence can never get the KV pages it needs (kv_room.py)
+        self.shared: Callable[[], bool] = bool  # several tenants have keys: one runs at most 3/4 of the seats
         self.waiting = WaitingQueue(page_wait_limit=max_adapter_wait_steps)
         self.running: list[Sequence] = []
         self._skipped_steps: dict[int, int] = {}  # seq_id -> steps skipped for adapter grouping
@@ -72,10 +73,9 @@ class Scheduler:
         # tokens can be had (admitted chunk by chunk, they would get as far and preempt themselves again).
         self._short_alone: set[int] = set()
         self.num_preemptions = 0
-        # Steps and seconds a request that cannot get pages, nothing running, may wait (a step can be far shorter than the
-        # copy it waits for); seq_id -> (steps, since when), cleared by any admission (something runs: pages come back).
-        self.max_stuck_steps, self.min_stuck_s = 100, 1.0
-        self._stuck_steps: dict[int, tuple[int, float]] = {}
+        # Steps and seconds a request short of pages, nothing running, may wait (a step can be shorter than the copy
+        # it waits for); seq_id -> (steps, since when), cleared by any admission.
+        self.max_stuck_steps, self.min_stuck_s, self._stuck_steps = 100, 1.0, {}
         self.failed: list[Sequence] = []  # ended by the scheduler (a failure, or max_tokens lowered to fit); engine reports them
 
     # ---- queue -----------------------------------------------------------------------------------
@@ -175,6 +175,8 @@ class Scheduler:
         held = self.waiting.share_waits.held(self.running, self.adapter_state, self.adapter_pool)
         while heap and budget > 0 and len(self.running) < self.max_num_seqs:
             tenant = heapq.heappop(heap)[-1]
+            if self.shared() and self.waiting.running(tenant) >= max(1, self.max_num_seqs - self.max_num_seqs // 4):
+                continue  # shared: a quarter of the seats stays for the other tenants (none is preempted for it)
             seq = self._next_head(tenant, passed, busy if starved is not None else None, held)
             if seq is None:
                 continue  # nothing more of this tenant can go this step

@@ -53,7 +53,7 @@ from lorafleet.worker.engine import Engine, ShutdownError
 from lorafleet.worker.engine_adapters import EngineAdapters
 from lorafleet.worker.engine_config import EngineConfig
 from lorafleet.worker.error_middleware import error_middleware
-from lorafleet.worker.intake import setup_intake
+from lorafleet.worker.intake import setup_intake, several_tenants
 from lorafleet.worker.listen import ANY_HOST, port_in_use
 from lorafleet.worker.metrics import CONTENT_TYPE, EngineSnapshot, WorkerMetrics
 from lorafleet.worker.openai_api import openai_routes
@@ -146,6 +146,7 @@ async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
     adapters = ServedAdapters(base_model)
     adapters.adopt(host, engine.adapter_dir_report.failed)  # those that failed: GET /admin/v1/state reports them
     app[ENGINE] = async_engine
+    engine.scheduler.shared = lambda: several_tenants(app)  # a quarter of the seats stays for the other tenants
     app[HOST] = host
     app[ADAPTERS] = adapters
     if engine.adapter_pool is not None:

@@ -109,6 +109,9 @@ class WaitingQueue:
         ticket = heads[0][0]
         return ticket >= 0, not starved, self._num_running.get(tenant, 0), self._served_at.get(tenant, -1), ticket, tenant
 
+    def running(self, tenant: str) -> int:
+        return self._num_running.get(tenant, 0)
+
     def short_of_pages(self, seq: Sequence) -> None:
         """`seq`, a head, was passed over this step for want of KV pages."""
         self._page_waits[seq.seq_id] = self._page_waits.get(seq.seq_id, 0) + 1

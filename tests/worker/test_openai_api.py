@@ -276,6 +276,7 @@ async def test_without_a_cap_one_of_several_tenants_leaves_a_quarter_of_the_queu
                                   max_queued_requests=4)
     app = client.server.app
     admission = app[ADMISSION]
+    assert app[ENGINE].engine.scheduler.shared()  # and a quarter of the engine's seats (test_scheduler_fairness)
     too_big = await _complete_as(client, KEY_ACME, n=7)
     assert too_big.status == 400 and "at most 6 per tenant" in (await too_big.json())["error"]["message"]
     async with engine_held(app):

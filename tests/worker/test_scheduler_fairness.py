@@ -179,3 +179,23 @@ def test_a_victim_scheduled_earlier_in_the_step_leaves_the_batch():
     batch = _run_step(sched)  # b's decode needs a page
     assert batch.preempted == [a2] and batch.decodes == [a1, b] and batch.num_tokens == 2
     assert a2.block_table == [] and b.num_preemptions == 0
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_where_tenants_share_the_worker_one_runs_at_most_three_quarters_of_the_seats(shared):
+    """acme's burst took every seat, with long generations; globex's request, arriving a step later, waited for
+    the first of acme's to end (running sequences are not preempted): 70 s to its first token on a CPU worker.
+    Where several tenants have keys, a quarter of the seats stays for the others."""
+    sched, _ = _sched(max_num_seqs=8, max_num_batched_tokens=512)
+    sched.shared = lambda: shared
+    for i in range(12):
+        seq = _seq(4 + i)
+        seq.tenant = "acme"
+        sched.add(seq)
+    _run_step(sched)
+    assert sum(s.tenant == "acme" for s in sched.running) == (6 if shared else 8)
+    late = _seq(3)
+    late.tenant = "globex"
+    sched.add(late)
+    _run_step(sched)
+    assert (late in sched.running) == shared
