@@ -57,7 +57,7 @@ class ClassTrie:
         while stack:
             node, state, depth = stack.pop()
             walked += 1
-            if walked % 1024 == 0 and time.perf_counter() > deadline:
+            if walked % 32 == 0 and time.perf_counter() > deadline:  # a node may cost a grammar closure
                 raise RegexError(f"holding the output to this pattern costs over {MAX_MASK_SECONDS:g} s of a step "
                                  "(many positions open at once?): anchor or simplify it")
             for cls, child in self._children[node].items():

@@ -85,6 +85,33 @@ def test_a_mask_walk_past_its_time_budget_fails_its_request(monkeypatch):
         vocab.mask(grammar.start, True, grammar)
 
 
+def test_a_mask_walk_whose_nodes_cost_grammar_closures_is_refused_near_its_budget(monkeypatch):
+    """The deadline was looked at every 1,024 trie nodes; a node of a 130-alternative nested grammar costs a
+    closure, so a mask took 3.5 s to be refused at a 0.5 s budget (every tenant's step stalled meanwhile), and
+    walks of fewer nodes were never timed at all. It is looked at every 32 nodes now."""
+    import string
+    import time
+
+    from lorafleet.worker import regex_vocab
+    from lorafleet.worker.gbnf import GbnfGrammar
+    from lorafleet.worker.json_vocab import JsonVocab
+
+    letters = string.ascii_letters + string.digits
+    grammar = GbnfGrammar("root ::= e\ne ::= " + " | ".join(f'"(" e "{c}"' for c in letters) + ' | "x"\n')
+    vocab = JsonVocab(["".join(t).encode() for t in itertools.product("(x" + letters[:6], repeat=4)])
+    monkeypatch.setattr(regex_vocab, "MAX_MASK_SECONDS", 0.05)
+    state = grammar.start
+    for _ in range(30):  # deeper and deeper: each mask costs more
+        start = time.perf_counter()
+        try:
+            vocab.mask(state, True, grammar)
+        except RegexError:
+            assert time.perf_counter() - start < 1.0
+            return
+        state = grammar.advance(state, b"(")
+    raise AssertionError("no mask was refused")
+
+
 def _walk_bytes(grammar: RegexGrammar, rng: random.Random, stop: float = 0.15) -> str:
     """Random bytes the grammar takes until it is done or may stop (then stops with probability `stop`)."""
     state, out = grammar.start, bytearray()
