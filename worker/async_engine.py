@@ -293,6 +293,7 @@ class AsyncEngine:
                     log.exception("on_step callback failed")
             if outputs:
                 self._deliver(outputs)
+            outputs = None  # not kept alive while idle: the last step's logprobs and texts are a user's content
             engine.forward_failures.check()  # forwards failing in a row end the thread as a bug would
             if not engine.last_batch_size:
                 self._wake.wait(_IDLE_WAIT_S)
