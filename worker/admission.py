@@ -25,6 +25,12 @@ TENANT_INTAKE_FULL = "tenant_intake_full"  # the tenant's requests in intake rea
 REQUEST_TIMEOUT = "request_timeout"  # a body that came too slowly (worker/intake.py)
 
 
+def tenant_share(places: int) -> int:
+    """The most of `places` one tenant may hold where several share them: all but a quarter, at least one left
+    to the others (0: no cap, with a single place)."""
+    return places - max(1, places // 4) if places > 1 else 0
+
+
 class Admission:
     def __init__(self, capacity: int, max_per_tenant: int = 0, max_intake: int = 0) -> None:
         if capacity < 1:
@@ -45,8 +51,8 @@ class Admission:
         self.num_in_intake_by_tenant: dict[str, int] = {}  # tenant -> its requests in intake; no zeros
         # Where several tenants have keys (`shared`), one tenant's requests being read leave a quarter of the
         # places to the others, whatever --max-sequences-per-tenant says: its slow bodies cannot hold them all.
-        self.intake_share = max_intake - max(1, max_intake // 4) if max_intake > 1 else 0
-        self.tenant_share = capacity - max(1, capacity // 4) if capacity > 1 else 0  # the same, of sequences
+        self.intake_share = tenant_share(max_intake)
+        self.tenant_share = tenant_share(capacity)  # the same, of sequences
 
     def tenant_cap(self, shared: bool = False) -> int:
         """The most sequences one tenant may hold (0: no cap): `max_per_tenant`, and with `shared` (several

@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable, Collection
 
 from lorafleet.worker.adapter_entry import AdapterNotFoundError, AdapterSlots
+from lorafleet.worker.admission import tenant_share
 from lorafleet.worker.block_manager import BlockManager
 from lorafleet.worker.engine_errors import CapacityError, EngineError, UnknownAdapterError
 from lorafleet.worker.page_pool import PagePoolError
@@ -61,24 +62,22 @@ class Scheduler:
         # Unified paging: idle adapters (no request uses them) give their pages to the KV cache
         # before any request is preempted. Returns how many pages were freed.
         self.reclaim_pages = reclaim_pages
-        # Where an adapter is: "gpu" (its pages taken: resident or being copied), "room" (in CPU memory,
-        # waiting only for GPU pages or a slot), "quota" (its tenant's own adapters must leave) or "load".
+        # Where an adapter is: "gpu" (its pages taken: resident or copying), "room" (in CPU memory, waiting only
+        # for GPU pages or a slot), "quota" (its tenant's own adapters must leave) or "load".
         self.adapter_state = adapter_state
         self.never_fits = never_fits  # why a sequence can never get the KV pages it needs (kv_room.py)
-        self.shared: Callable[[], bool] = bool  # several tenants have keys: one runs at most 3/4 of the seats
+        self.shared: Callable[[], bool] = bool  # several tenants have keys: one runs at most tenant_share seats
         self.waiting = WaitingQueue(page_wait_limit=max_adapter_wait_steps)
         self.running: list[Sequence] = []
         self._skipped_steps: dict[int, int] = {}  # seq_id -> steps skipped for adapter grouping
-        # Sequences that preempted themselves running alone: readmitted only once the pages of all their
-        # tokens can be had (admitted chunk by chunk, they would get as far and preempt themselves again).
+        # Sequences that preempted themselves running alone: readmitted only once the pages of all their tokens
+        # can be had (chunk by chunk, they would get as far and preempt themselves again).
         self._short_alone: set[int] = set()
-        self.num_preemptions = 0
-        # Steps and seconds a request short of pages, nothing running, may wait (a step can be shorter than the copy
-        # it waits for); seq_id -> (steps, since when), cleared by any admission.
-        self.max_stuck_steps, self.min_stuck_s, self._stuck_steps = 100, 1.0, {}
+        # Steps and seconds a request short of pages, nothing running, may wait (a step can be shorter than the
+        # copy it waits for); seq_id -> (steps, since when), cleared by any admission.
+        self.max_stuck_steps, self.min_stuck_s, self._stuck_steps, self.num_preemptions = 100, 1.0, {}, 0
         self.failed: list[Sequence] = []  # ended by the scheduler (a failure, or max_tokens lowered to fit); engine reports them
 
-    # ---- queue -----------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
@@ -173,10 +172,11 @@ class Scheduler:
         reserve = 0  # KV pages left free for the starved sequence's adapter
         busy: set[str] = set()  # adapters running requests use: they must drain for it (see waits_behind)
         held = self.waiting.share_waits.held(self.running, self.adapter_state, self.adapter_pool)
+        seats = tenant_share(self.max_num_seqs) if self.shared() else 0  # a quarter stays for the other tenants
         while heap and budget > 0 and len(self.running) < self.max_num_seqs:
             tenant = heapq.heappop(heap)[-1]
-            if self.shared() and self.waiting.running(tenant) >= max(1, self.max_num_seqs - self.max_num_seqs // 4):
-                continue  # shared: a quarter of the seats stays for the other tenants (none is preempted for it)
+            if seats and self.waiting.running(tenant) >= seats:
+                continue  # none running is preempted for them
             seq = self._next_head(tenant, passed, busy if starved is not None else None, held)
             if seq is None:
                 continue  # nothing more of this tenant can go this step
