@@ -22,10 +22,14 @@ CHUNK_ITEMS = 8192  # items of a list or dict that json's C encoder takes in one
 
 
 def dumps(obj: Any) -> str:
-    """`json.dumps(obj)`, the same text, written by `_write`."""
+    """`json.dumps(obj)`, the same text, written a chunk a call (`_pieces`)."""
+    return "".join(_pieces(obj))
+
+
+def _pieces(obj: Any) -> list[str]:
     out: list[str] = []
     _write(obj, out)
-    return "".join(out)
+    return out
 
 
 def _write(obj: Any, out: list[str]) -> None:
@@ -34,19 +38,18 @@ def _write(obj: Any, out: list[str]) -> None:
     tokens and strings still stalled the event loop for a third of a second; between calls other threads run
     (and the pieces are joined once, at the end, not copied into ever longer strings)."""
     if isinstance(obj, list) and (len(obj) > CHUNK_ITEMS or _nested(obj)):
-        out.append("[")
-        for i in range(0, len(obj), CHUNK_ITEMS):
-            _items(obj[i:i + CHUNK_ITEMS], out, ", " if i else "")
-        out.append("]")
+        brackets, chunks = "[]", (obj[i:i + CHUNK_ITEMS] for i in range(0, len(obj), CHUNK_ITEMS))
     elif isinstance(obj, dict) and _STR.issuperset(map(type, obj)) and (len(obj) > CHUNK_ITEMS
                                                                            or _nested(obj.values())):
         items = list(obj.items())
-        out.append("{")
-        for i in range(0, len(items), CHUNK_ITEMS):
-            _items(dict(items[i:i + CHUNK_ITEMS]), out, ", " if i else "")
-        out.append("}")
+        brackets, chunks = "{}", (dict(items[i:i + CHUNK_ITEMS]) for i in range(0, len(items), CHUNK_ITEMS))
     else:
         out.append(json.dumps(obj))
+        return
+    out.append(brackets[0])
+    for i, chunk in enumerate(chunks):
+        _items(chunk, out, ", " if i else "")
+    out.append(brackets[1])
 
 
 def _items(chunk: list | dict, out: list[str], sep: str) -> None:
@@ -74,12 +77,7 @@ def _nested(values: Any) -> bool:
 async def encode(build: Callable[[], Any]) -> bytes:
     """The JSON of `build()`, both run in the default executor. `build` must read only what the event loop
     does not change meanwhile (a report made for this answer, a message already parsed)."""
-    def run() -> bytes:
-        out: list[str] = []
-        _write(build(), out)
-        return b"".join(piece.encode() for piece in out)
-
-    return await asyncio.to_thread(run)
+    return await asyncio.to_thread(lambda: b"".join(piece.encode() for piece in _pieces(build())))
 
 
 class NotJSON(ValueError):
