@@ -171,18 +171,15 @@ class DiskCache:
             # Synced, else a power loss may keep the rename, lose the data, and only two files are rechecked.
             size = cache_write(lambda: _sync_tree(tmp))
             final = self.root / key
-            stale = None
             with self._lock:
                 self._reserved.pop(tmp.name, None)  # its real size counts from here, in the same step
-                if final.exists() and key not in self.unverified:  # a concurrent fill won; the same content
+                there, stale = final.exists(), None
+                if there and key not in self.unverified:  # a concurrent fill won; the same content
                     shutil.rmtree(tmp, ignore_errors=True)
-                else:
-                    if final.exists():  # an earlier run's copy that could not be checked: this one replaces it,
-                        cache_write(lambda: _exchange(tmp, final))  # with no moment of no copy at `final`
-                        stale = tmp  # the old copy, now
-                        self.unverified.discard(key)
-                    else:
-                        cache_write(lambda: os.rename(tmp, final))
+                else:  # an earlier run's copy there could not be checked: swapped, never a moment without a copy
+                    cache_write(lambda: _exchange(tmp, final) if there else os.rename(tmp, final))
+                    stale = tmp if there else None  # the old copy, now
+                    self.unverified.discard(key)
                     self._bytes[key] = size
                     cache_write(lambda: _sync(self.root))  # the rename itself
                 self._clock += 1

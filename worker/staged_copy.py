@@ -46,21 +46,25 @@ def verify_staged_copy(cache: DiskCache, key: str) -> Path | None:
     try:
         recorded = (path / DIGEST_FILE).read_text().strip()
         digest = adapter_digest(path)
-    except (FileNotFoundError, NotADirectoryError, IsADirectoryError, UnicodeDecodeError):
-        recorded = digest = None  # a file missing or garbled: the entry is broken
-    except (OSError, SourceError) as exc:  # SourceError: adapter_digest's, of a file missing or no regular file
-        if isinstance(exc, SourceError) and exc.kind not in _READ_FAILED:
-            recorded = digest = None
-        else:  # a read that failed (EIO, descriptors): the entry may be whole, and the only copy
+    except (OSError, SourceError, UnicodeDecodeError) as exc:  # SourceError: adapter_digest's
+        if _read_failed(exc):  # the entry may be whole, and the only copy
             log.warning("disk cache entry %s could not be read to check it (%s); it is kept, and checked again on "
                         "its next use", key, exc)
             return None
+        recorded = digest = None  # a file missing, garbled or no regular file: the entry is broken
     if digest is not None and digest == recorded and (len(key) != 64 or key == digest):
         cache.mark_verified(key)
         return path
     log.warning("disk cache entry %s does not hash to its recorded digest; it is downloaded again", key)
     cache.discard(key)
     return None
+
+
+def _read_failed(exc: Exception) -> bool:
+    """Whether `exc` says a read failed (EIO, descriptors, a permission), nothing of what the files hold."""
+    if isinstance(exc, SourceError):
+        return exc.kind in _READ_FAILED
+    return isinstance(exc, OSError) and not isinstance(exc, FileNotFoundError | NotADirectoryError | IsADirectoryError)
 
 
 def record_source(path: Path, uri: str) -> None:
