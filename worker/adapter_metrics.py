@@ -72,5 +72,6 @@ class AdapterMetrics:
         self.pages.set_function(lambda: page_pool.num_pages)
 
     def collectors(self) -> list:
-        return [self.hits, self.misses, self.load_seconds, self.wait_seconds, self.load_failures, self.refusals, self.evictions, self.bytes,
-                self.resident, self.fragmentation, self.kv_pages, self.adapter_pages, self.pages]
+        return [self.hits, self.misses, self.load_seconds, self.wait_seconds, self.load_failures, self.refusals,
+                self.evictions, self.bytes, self.resident, self.fragmentation, self.kv_pages, self.adapter_pages,
+                self.pages]

@@ -2,11 +2,11 @@
 
 * `client()`: reads give up after `READ_S`, retried twice (listing the folders under a prefix); a 5xx
   answer is retried as a failed read is (`RETRY_STATUSES`);
-* `client(quick=True)`: after `quick_timeout_s` (`store_check_timeout_s`, doubled after each quick call that
-  timed out, up to QUICK_MAX_FACTOR times it, and back to it once one is answered in that time: `quick_outcome`), retried once: checks that have a cached copy to
-  fall back on, and calls to a store that did not answer lately (worker/stager_store.py). A store up but slower
-  than the check (it answers every call in 4 s) was otherwise down for good, as every call to a store seen
-  down is a quick one;
+* `client(quick=True)`: after `quick_timeout_s`, retried once: checks that have a cached copy to fall back on,
+  and calls to a store that did not answer lately (worker/stager_store.py). `quick_timeout_s` is
+  `store_check_timeout_s`, doubled after each quick call that timed out, up to QUICK_MAX_FACTOR times it, and
+  back to it once one is answered in that time (`quick_outcome`): a store up but slower than the check (every
+  answer in 4 s) was otherwise down for good, as every call to a store seen down is a quick one;
 * `client(deadline=...)`: one of its own for a download or listing that must end by its deadline: each
   request's attempts, retries included, share the time left when it is sent, so a store that stops
   answering holds the call until about its deadline, never for every attempt's full read timeout (a read
