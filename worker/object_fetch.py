@@ -94,6 +94,9 @@ class Fetch:
             if getattr(exc, "_code", None) == 412:
                 return False
             raise
+        except Exception:  # its attempts ran out with the download's time (the client's timeouts end there)
+            self._check_deadline(where, offset == 0 < size)
+            raise
         # At the deadline the socket is shut down: a read blocked on a stalled store returns at once.
         timer = None
         if self.deadline is not None:

@@ -453,6 +453,37 @@ async def test_a_download_past_its_deadline_is_the_version_s_timeout_unless_the_
         assert type(err.value) is TimeoutError and "download timed out" in str(err.value), repr(err.value)
 
 
+async def test_a_rest_asked_as_the_download_s_time_runs_out_is_its_timeout(aiohttp_server, tmp_path):
+    """The body stalls after 1000 bytes (its read times out and the rest is asked), and the store never answers
+    the ranged GET for the rest: the client's attempts end with the download's time. That is the version's
+    timeout, as a body still arriving at the deadline is, not urllib3's MaxRetryError (seen as an outage)."""
+    import asyncio
+    import time
+
+    from aiohttp import web
+
+    objects = {"team/alpha/adapter_config.json": b'{"r": 4}', "team/alpha/adapter_model.safetensors": b"w" * 5000}
+
+    async def get(request: web.Request) -> web.StreamResponse:
+        key = request.match_info["key"]
+        if key.endswith("adapter_config.json"):
+            return web.Response(body=objects[key])
+        response = web.StreamResponse(headers={"Content-Length": "5000"})
+        if not request.headers.get("Range"):  # the rest is never answered
+            await response.prepare(request)
+            await response.write(b"w" * 1000)
+        while request.transport is not None and not request.transport.is_closing():
+            await asyncio.sleep(0.05)
+        return response
+
+    store = await aiohttp_server(_app([web.get("/adapters", _listing(objects)), web.get("/adapters/{key:.+}", get)]))
+    with pytest.raises(Exception) as err:
+        await asyncio.to_thread(_store_sources(store).download, "s3://adapters/team/alpha/", tmp_path / "staged",
+                                deadline=time.monotonic() + DEADLINE_S)
+    assert type(err.value) is TimeoutError and "download timed out (1008 of 5008 bytes)" in str(err.value), \
+        repr(err.value)
+
+
 def _listing(objects: dict[str, bytes]):
     """A ListObjectsV2 handler of bucket `adapters`, prefix team/alpha/, listing `objects`."""
     from aiohttp import web
