@@ -116,3 +116,21 @@ class AdapterSlots(Protocol):
     def release(self, slot: int) -> None: ...
     def abandon(self, key: str, waiter: object) -> None: ...
     def entry(self, key: str) -> AdapterEntry: ...
+
+
+def replaced_version(key: str, adapter_pool: AdapterSlots) -> bool:
+    """A push replaced version `key` (it is kept only for the requests that resolved it): one with nothing
+    generated yet that cannot have it (every slot pinned by its successor) goes to the current version."""
+    try:
+        return adapter_pool.entry(key).replaced
+    except AdapterNotFoundError:
+        return True
+
+
+def adapter_pages(key: str, adapter_pool: AdapterSlots) -> int | None:
+    """GPU pages adapter `key` takes (None: not in CPU memory, or unknown)."""
+    try:
+        image = adapter_pool.entry(key).image
+    except AdapterNotFoundError:
+        return None
+    return None if image is None else image.num_pages

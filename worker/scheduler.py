@@ -1,7 +1,8 @@
 """Scheduler: continuous batching over a paged KV cache, adapter-aware, fair across tenants.
 
-Each step: running sequences first (a decode token, or the next chunk of an unfinished prefill), then waiting
-ones, all within `max_num_batched_tokens` tokens and `max_num_seqs` sequences. Each seat goes to the tenant (its
+Each step: running sequences' decodes first, then their unfinished prompts' next chunks, then waiting ones, all
+within `max_num_batched_tokens` tokens and `max_num_seqs` sequences; the prompt chunks of several tenants each
+take an even share of the tokens decodes leave, what one leaves going to the others (token_shares.py). Each seat goes to the tenant (its
 adapter's name while the request names none) with a preempted sequence, else the fewest running sequences, else
 the longest unserved; FCFS within a tenant (waiting_queue.py). When the KV pages run out, the youngest running
 sequence of the tenant with the most is preempted (one scheduled earlier in the step leaves the batch): its
@@ -31,13 +32,14 @@ import heapq
 import time
 from collections.abc import Callable, Collection
 
-from lorafleet.worker.adapter_entry import AdapterNotFoundError, AdapterSlots
+from lorafleet.worker.adapter_entry import AdapterNotFoundError, AdapterSlots, adapter_pages, replaced_version
 from lorafleet.worker.admission import tenant_share
 from lorafleet.worker.block_manager import BlockManager
 from lorafleet.worker.engine_errors import CapacityError, EngineError, UnknownAdapterError
 from lorafleet.worker.page_pool import PagePoolError
 from lorafleet.worker.scheduled_batch import ScheduledBatch
 from lorafleet.worker.sequence import Sequence, SequenceStatus
+from lorafleet.worker.token_shares import TokenShares, prefill_tenants
 from lorafleet.worker.waiting_queue import WaitingQueue, pinned_on_gpu, preemption_victim, waits_behind
 
 
@@ -126,40 +128,55 @@ class Scheduler:
 
     # ---- one step --------------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
-        batch = ScheduledBatch()
-        budget = self.max_num_batched_tokens
-        loras: set[str] = set()
+        batch, loras, decodes = ScheduledBatch(), set(), [s for s in self.running if s.num_uncomputed_tokens <= 1]
+        # 1. Running sequences, oldest first, decodes then prompt chunks; short of pages, preempt (preemption_victim).
+        budget = self._run(batch, decodes, self.max_num_batched_tokens, None, loras)
+        shares = TokenShares(budget, prefill_tenants(self.running, self.waiting.tenants()))
+        budget = self._run(batch, [s for s in self.running if s.num_uncomputed_tokens > 1], budget, shares, loras)
+        # 2. Waiting sequences (none while preempting: pages are short), then 3. the tokens left to held chunks.
+        if not batch.preempted:
+            self._top_up(batch, self._admit_waiting(batch, budget, loras, shares))
+        return batch
 
-        # 1. Running sequences, oldest first; when pages run out, preempt (preemption_victim) until they fit.
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            num_new = self._num_new_tokens(seq, budget)
+    def _run(self, batch: ScheduledBatch, seqs: list[Sequence], budget: int, shares: TokenShares | None,
+             loras: set[str]) -> int:
+        """Schedule running `seqs` in order while `budget` tokens last; returns what is left of it."""
+        for seq in seqs:
+            if budget <= 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in the step
+            num_new = self._num_new_tokens(seq, budget, None if shares is None else shares.cap(seq, budget))
             if num_new == 0:
-                i += 1
                 continue
             while not self._allocate(seq, num_new):
                 victim = preemption_victim(self.running)
-                if self.running.index(victim) < i:  # scheduled already: it leaves the batch, seq moves up
-                    budget, i = budget + batch.remove(victim), i - 1
+                budget += batch.remove(victim)  # scheduled already: it leaves the batch (its tenant's share
+                # stays spent: the victim is its tenant's youngest, so none of its tenant's is left to schedule)
                 self._preempt(victim, batch)
                 if victim is seq:
                     if not self.running:
                         self._short_alone.add(seq.seq_id)
                     break
             if seq.status is not SequenceStatus.RUNNING:
-                continue  # seq preempted itself: running[i] is the next one
+                continue  # seq preempted itself
             batch.add(seq, num_new)
+            if shares is not None:
+                shares.take(seq, num_new)
             if seq.adapter is not None:
                 loras.add(seq.adapter)
             budget -= num_new
-            i += 1
-        # 2. Waiting sequences (none while preempting: pages are short).
-        if not batch.preempted:
-            self._admit_waiting(batch, budget, loras)
-        return batch
+        return budget
 
-    def _admit_waiting(self, batch: ScheduledBatch, budget: int, loras: set[str]) -> None:
+    def _top_up(self, batch: ScheduledBatch, budget: int) -> None:
+        """Tokens no tenant took go to prompt chunks held to their tenant's share, oldest first."""
+        for i, (seq, num_new) in enumerate(batch.prefills):
+            more = min(budget, seq.num_uncomputed_tokens - num_new)
+            if more > 0 and self._allocate(seq, num_new + more):
+                batch.prefills[i] = (seq, num_new + more)
+                budget -= more
+
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int, loras: set[str], shares: TokenShares) -> int:
         """Admit waiting sequences while seats and tokens last, each from the tenant ranked first
         (WaitingQueue.rank), FCFS within a tenant. A head passed over for its adapter lets the tenant's
         others go; a head short of KV pages stops admission (no overtaking a big prompt)."""
@@ -175,7 +192,7 @@ class Scheduler:
         seats = tenant_share(self.max_num_seqs) if self.shared() else 0  # a quarter stays for the other tenants
         while heap and budget > 0 and len(self.running) < self.max_num_seqs:
             tenant = heapq.heappop(heap)[-1]
-            if seats and self.waiting.running(tenant) >= seats:
+            if (seats and self.waiting.running(tenant) >= seats) or shares.exhausted(tenant):
                 continue  # none running is preempted for them
             seq = self._next_head(tenant, passed, busy if starved is not None else None, held)
             if seq is None:
@@ -197,7 +214,7 @@ class Scheduler:
                 self._requeue(heap, tenant)
                 continue
             except Exception as exc:  # its adapter failed to load or leaves too little room: it fails
-                self.fail([seq], exc if seq.output_token_ids or not self._replaced(seq.adapter) else
+                self.fail([seq], exc if seq.output_token_ids or not replaced_version(seq.adapter, self.adapter_pool) else
                           UnknownAdapterError(f"{exc} (a push replaced {seq.adapter} meanwhile)"))
                 self._requeue(heap, tenant)
                 continue
@@ -217,7 +234,7 @@ class Scheduler:
                             self._requeue(heap, tenant)
                             continue
                         stuck = seq
-                    pages = self._adapter_pages(seq.adapter)
+                    pages = adapter_pages(seq.adapter, self.adapter_pool)
                     if stuck is not None or pages is None or not self.block_manager.allocator.can_allocate(
                             pages, "adapter"):
                         skipped.append(seq)
@@ -227,7 +244,7 @@ class Scheduler:
                 skipped.append(seq)
                 self._requeue(heap, tenant)
                 continue
-            num_new = self._num_new_tokens(seq, budget)
+            num_new = self._num_new_tokens(seq, budget, shares.cap(seq, budget))
             whole = seq.num_uncomputed_tokens if seq.seq_id in self._short_alone else num_new
             if (num_new == 0 or (reserve and not self.block_manager.can_allocate(seq, whole, reserve=reserve))
                     or not self._allocate(seq, whole)):
@@ -243,6 +260,7 @@ class Scheduler:
                     self.waiting.short_of_pages(seq)  # short not only of the reserve (seen without reclaiming): no overtaking it for ever
                 break
             self._start(seq, batch, num_new, loras)
+            shares.take(seq, num_new)
             if seq.adapter is not None and starved is not None:
                 busy.add(seq.adapter)
             budget -= num_new
@@ -251,12 +269,14 @@ class Scheduler:
             self._skipped_steps[seq.seq_id] = self._skipped_steps.get(seq.seq_id, 0) + 1
         if stuck is not None:
             self._let_go_of_adapters(but=stuck)
+        return 0 if starved is not None else budget  # no top-up while one waits for room: pages go to it
 
     def _start(self, seq: Sequence, batch: ScheduledBatch, num_new: int, loras: set[str]) -> None:
         self.waiting.remove(seq)
         self._stuck_steps.clear()
         seq.status = SequenceStatus.RUNNING
-        self._add_running(seq)  # its skipped steps stay until it finishes: preempted, it waits out no bound again
+        self.running.append(seq)  # its skipped steps stay until it finishes: preempted, it waits out no bound again
+        self.waiting.started(seq)
         self._short_alone.discard(seq.seq_id)
         batch.add(seq, num_new)
         if seq.adapter is not None:
@@ -279,26 +299,6 @@ class Scheduler:
             return seq
         return None
 
-    def _replaced(self, key: str) -> bool:
-        """A push replaced version `key` (it is kept only for the requests that resolved it): one with nothing
-        generated yet that cannot have it (every slot pinned by its successor) goes to the current version."""
-        try:
-            return self.adapter_pool.entry(key).replaced
-        except AdapterNotFoundError:
-            return True
-
-    def _adapter_pages(self, key: str) -> int | None:
-        """GPU pages adapter `key` takes (None: not in CPU memory, or unknown)."""
-        try:
-            image = self.adapter_pool.entry(key).image
-        except AdapterNotFoundError:
-            return None
-        return None if image is None else image.num_pages
-
-    def _add_running(self, seq: Sequence) -> None:
-        self.running.append(seq)
-        self.waiting.started(seq)
-
     def _remove_running(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.waiting.stopped(seq)
@@ -319,14 +319,14 @@ class Scheduler:
             return False
         return True
 
-    def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
+    def _num_new_tokens(self, seq: Sequence, budget: int, cap: int | None = None) -> int:
+        """Its uncomputed tokens chunked to `cap` (its tenant's share) or `budget`. Unchunked, a prompt waits for room
+        for all of it (past any share), unless none ever has room (past max_num_batched_tokens) or its prefill began
+        (the rest may never find room while older ones decode)."""
         num_new = seq.num_uncomputed_tokens
-        if num_new <= budget:
-            return num_new
-        # Without chunking a prompt waits for a step with room for all of it, unless none ever has room (past
-        # max_num_batched_tokens) or its prefill began (the rest may never find room while older ones decode).
-        chunk = self.enable_chunked_prefill or seq.num_computed_tokens or num_new > self.max_num_batched_tokens
-        return budget if chunk else 0
+        if not (self.enable_chunked_prefill or seq.num_computed_tokens or num_new > self.max_num_batched_tokens):
+            return num_new if num_new <= budget else 0
+        return min(num_new, budget if cap is None else cap)
 
     def _can_admit_adapter(self, seq: Sequence, loras: set[str]) -> bool:
         if seq.adapter is None or self.adapter_pool is None:
