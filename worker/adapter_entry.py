@@ -7,6 +7,7 @@ Per-adapter state is plain Python; only the pool's `LoRALayout` reaches kernels.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -43,6 +44,9 @@ def split_key(key: str) -> tuple[str, str]:
     return name, version
 
 
+_serials = itertools.count()
+
+
 @dataclass(slots=True)
 class AdapterEntry:
     key: str
@@ -75,6 +79,8 @@ class AdapterEntry:
     detached: set = field(default_factory=set)
     retire_pending: str | None = None
     load_seconds: float = 0.0  # last disk->CPU load
+    serial: int = field(default_factory=lambda: next(_serials))  # this registration's, unique: a key dropped and
+    # registered again may carry other weights (prefix_cache.py keeps KV per registration)
     copy_seconds: float = 0.0  # last CPU->GPU copy
     error: AdapterLoadError | None = None  # last failure, for reports
     waiters: set = field(default_factory=set)  # waiter ids of acquire() calls that got None

@@ -21,6 +21,11 @@ class AdapterReports:
                 raise AdapterNotFoundError(f"adapter {key!r} is not registered")
             return entry
 
+    def content_tag(self, key: str) -> tuple[str, int]:
+        """What the KV computed with `key` depends on: the key and its registration (AdapterNotFoundError once
+        retired)."""
+        return key, self.entry(key).serial
+
     def describe(self) -> list[dict]:
         """Per adapter version: tier, refcount, uses, bytes, pinned, error (for state reports)."""
         with self._lock:

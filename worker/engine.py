@@ -79,13 +79,15 @@ class Engine:
             num_pages=num_pages, page_elems=page_elems, dtype=self.dtype, device=str(self.device),
             max_pages={"kv": None, "adapter": config.max_adapter_pages},
         ))
-        self.block_manager = BlockManager(self.page_pool, config.block_size)
+        self.block_manager = BlockManager(self.page_pool, config.block_size, prefix_caching=config.enable_prefix_caching)
         self.adapter_pool = AdapterPool(
             self.page_pool, ModelDims.from_model_config(mc),
             AdapterPoolConfig(max_slots=config.max_loras, max_rank=config.max_lora_rank, default_quota=TenantQuota(
                 max_adapters=config.max_loras_per_tenant, max_bytes=config.max_lora_bytes_per_tenant),
                 num_load_threads=config.adapter_load_threads, load_timeout_s=config.adapter_load_timeout_s),
         )
+        if (cache := self.block_manager.prefix_cache) is not None:
+            cache.adapter_tag = self.adapter_pool.content_tag  # an adapter's KV is its registration's
         # A request that could never get its KV pages (its adapter's and pinned ones' taken off) is refused.
         self.kv_room = KVRoom(self.adapter_pool, num_pages=num_pages, block_size=config.block_size,
                               max_model_len=self.max_model_len)
@@ -100,12 +102,11 @@ class Engine:
                                              num_kv_heads=mc.num_key_value_heads, head_dim=mc.head_dim)
         gpu_kernels = self.device.type == "cuda" and resolve_backend(config.kernel_backend, self.device) == "triton"
         lora_stream = torch.cuda.Stream(self.device) if config.lora_overlap and self.device.type == "cuda" else None
-        graphs = None
-        if config.cuda_graphs and gpu_kernels:
-            graphs = DecodeGraphs(self.model, kv_caches, device=self.device, max_num_seqs=config.max_num_seqs,
-                                  max_blocks=-(-self.max_model_len // config.block_size), backend=config.kernel_backend,
-                                  lora_layout=self._lora_layout, lora_stream=lora_stream,
-                                  lora_segment_len=config.lora_segment_len)
+        graphs = DecodeGraphs(
+            self.model, kv_caches, device=self.device, max_num_seqs=config.max_num_seqs,
+            max_blocks=-(-self.max_model_len // config.block_size), backend=config.kernel_backend,
+            lora_layout=self._lora_layout, lora_stream=lora_stream, lora_segment_len=config.lora_segment_len,
+        ) if config.cuda_graphs and gpu_kernels else None
         self.runner = ModelRunner(self.model, self.block_manager, kv_caches, device=self.device,
                                   backend=config.kernel_backend, lora_layout=self._lora_layout,
                                   slot_max_rank=self._slot_max_rank, lora_segment_len=config.lora_segment_len,
@@ -116,9 +117,7 @@ class Engine:
                                json_guide=JsonGuide.of(self.tokenizer, mc.vocab_size, self.eos_token_ids, self.device))
         self.stop_checker = StopChecker(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self.requests: dict[str, Sequence] = {}
-        self.outputs = OutputTracker()
-        self._ids = itertools.count()
-        self.last_batch_size, self.last_batch_adapters = 0, 0
+        self.outputs, self._ids, self.last_batch_size, self.last_batch_adapters = OutputTracker(), itertools.count(), 0, 0
         self.forward_failures = ForwardFailures(config.max_failed_forwards)  # many in a row: unhealthy
         self.adapter_dir_report = AdapterDirReport()  # what --adapters DIR registered, and what not
         if config.adapters:
@@ -333,6 +332,7 @@ class Engine:
         outputs = []
         for seq, num_new in batch.scheduled:
             seq.num_computed_tokens += num_new
+            self.block_manager.keep_computed(seq)  # shared with sequences admitted from now on (prefix_cache.py)
         for i, (seq, (token, logprob)) in enumerate(zip(samplers, sampled, strict=True)):
             if (exc := row_errors.get(i)) is not None:  # this request fails, the others go on
                 self.scheduler.fail([seq], exc)

@@ -48,6 +48,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True  # keep the KV of finished requests' full blocks for requests of the same tenant and adapter version that begin with the same tokens (worker/prefix_cache.py)
 
     # Adapters.
     adapters: str | None = None  # directory: every PEFT subfolder is registered (name = folder name)

@@ -74,8 +74,14 @@ class EngineSnapshot:
     max_lora: int = 0  # adapters the GPU pool can hold at once (slots)
     max_num_seqs: int = 0  # sequences a step may run at once (0: not known)
     num_preemptions: int = 0  # running requests preempted for KV pages since the start (recomputed later)
+    prefix_cache: tuple[int, int] = (0, 0)  # prompt tokens looked up in the prefix cache, and found there
     running_adapters: list[str] = field(default_factory=list)
     waiting_adapters: list[str] = field(default_factory=list)
+
+
+def prefix_tokens(cache) -> tuple[int, int]:
+    """(tokens looked up, tokens found) of a PrefixCache (worker/prefix_cache.py), or of none."""
+    return (0, 0) if cache is None else (cache.queried_tokens, cache.hit_tokens)
 
 
 # The engine figures of a scrape rendered off the loop, read on it first (the thread gets a copy of the context).
@@ -102,7 +108,11 @@ class _EngineCollector(Collector):
                 # the name older routers (Gateway API inference extension releases) read
                 (GaugeMetricFamily, ("vllm:gpu_cache_usage_perc", "KV-cache usage; 1 means 100 percent."), s.kv_usage),
                 (CounterMetricFamily, ("vllm:num_preemptions", "Cumulative number of preemption from the engine."),
-                 s.num_preemptions)):
+                 s.num_preemptions),
+                (CounterMetricFamily, ("vllm:prefix_cache_queries", "Prefix cache queries, in prompt tokens looked "
+                                       "up."), s.prefix_cache[0]),
+                (CounterMetricFamily, ("vllm:prefix_cache_hits", "Prefix cache hits, in prompt tokens found computed."),
+                 s.prefix_cache[1])):
             metric = family(*text, labels=["model_name"])
             metric.add_metric(name, value)
             yield metric

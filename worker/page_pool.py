@@ -5,13 +5,16 @@ is one page, an adapter occupies whole pages (rows laid out so none straddles a 
 adapter_pool.py). Whatever one kind does not use, the other may take, within per-kind floors
 (pages the other kind can never take) and ceilings (pages this kind can never exceed).
 
-Owners are `("kv", seq_id)` or `("adapter", key)`; the first element is the kind. Every page is
-either on the free list or owned by exactly one owner; `check()` proves it.
+Owners are `("kv", seq_id)`, `("kv", "prefix")` (KV blocks the prefix cache keeps while sequences use them)
+or `("adapter", key)`; the first element is the kind. Every page is free or owned by exactly one owner;
+`check()` proves it. A free page is plain or idle: an idle one still holds a block the prefix cache keeps
+(prefix_cache.py), and is taken only once no plain one is left, least recently idle first (`on_evict` is told).
 """
 
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -20,6 +23,7 @@ import torch
 KINDS = ("kv", "adapter")
 
 Owner = tuple[str, object]
+PREFIX: Owner = ("kv", "prefix")
 
 
 class PagePoolError(RuntimeError):
@@ -76,6 +80,8 @@ class PagePool:
         self._used_by_kind = dict.fromkeys(KINDS, 0)
         self._lock = threading.RLock()
         self._reclaimers: dict[str, Callable[[int], int]] = {}
+        self._idle: OrderedDict[int, None] = OrderedDict()  # free pages the prefix cache keeps, oldest first
+        self.on_evict: Callable[[int], None] | None = None  # told of an idle page taken (on any thread)
 
     # ---- queries -------------------------------------------------------------------------------
     @property
@@ -88,7 +94,11 @@ class PagePool:
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._idle)
+
+    @property
+    def num_idle(self) -> int:
+        return len(self._idle)
 
     def num_used(self, kind: str | None = None) -> int:
         if kind is None:
@@ -120,7 +130,7 @@ class PagePool:
             for other in KINDS:
                 if other != kind:
                     reserved += max(0, self.config.min_pages.get(other, 0) - self._used_by_kind[other])
-            room = len(self._free) - reserved
+            room = self.num_free - reserved
             ceiling = self.config.max_pages.get(kind)
             if ceiling is not None:
                 room = min(room, ceiling - self._used_by_kind[kind])
@@ -163,11 +173,15 @@ class PagePool:
             if num_pages > self.available(kind):
                 raise PagePoolError(
                     f"{owner}: asked for {num_pages} pages, {self.available(kind)} available to {kind!r} "
-                    f"({len(self._free)} free of {self.num_pages}); check can_allocate() first"
+                    f"({self.num_free} free of {self.num_pages}); check can_allocate() first"
                 )
             if num_pages == 0:
                 return []
-            ids = [self._free.pop() for _ in range(num_pages)]
+            ids = [self._free.pop() for _ in range(min(num_pages, len(self._free)))]
+            for _ in range(num_pages - len(ids)):
+                ids.append(self._idle.popitem(last=False)[0])
+                if self.on_evict is not None:
+                    self.on_evict(ids[-1])
             for pid in ids:
                 self._owner_of[pid] = owner
             self._pages_of.setdefault(owner, []).extend(ids)
@@ -185,16 +199,60 @@ class PagePool:
                     raise PagePoolError(f"page {pid} is not allocated (double free or foreign id)")
                 seen.add(pid)
             for pid in page_ids:
-                owner = self._owner_of.pop(pid)
-                pages = self._pages_of[owner]
-                pages.remove(pid)
-                self._used_by_kind[owner[0]] -= 1
-                if pages:
-                    # Partial free: used elements shrink proportionally (KV frees whole blocks).
-                    self._used_elems[owner] = min(self._used_elems[owner], len(pages) * self.page_elems)
-                else:
-                    del self._pages_of[owner]
-                    del self._used_elems[owner]
+                self._disown(pid)
+                self._free.append(pid)
+
+    def _disown(self, pid: int) -> Owner:
+        owner = self._owner_of.pop(pid)
+        pages = self._pages_of[owner]
+        pages.remove(pid)
+        self._used_by_kind[owner[0]] -= 1
+        if pages:
+            # Partial free: used elements shrink proportionally (KV frees whole blocks).
+            self._used_elems[owner] = min(self._used_elems[owner], len(pages) * self.page_elems)
+        else:
+            del self._pages_of[owner]
+            del self._used_elems[owner]
+        return owner
+
+    def _own(self, pid: int, owner: Owner) -> None:
+        self._owner_of[pid] = owner
+        self._pages_of.setdefault(owner, []).append(pid)
+        self._used_elems[owner] = self._used_elems.get(owner, 0) + self.page_elems
+        self._used_by_kind[owner[0]] += 1
+
+    # ---- the prefix cache's pages (prefix_cache.py) ---------------------------------------------
+    def keep(self, pid: int) -> None:
+        """A KV page a sequence owns becomes the prefix cache's (`PREFIX`), in use."""
+        with self._lock:
+            if self._owner_of.get(pid, ("",))[0] != "kv" or self._owner_of[pid] == PREFIX:
+                raise PagePoolError(f"page {pid} is not a sequence's KV page")
+            self._disown(pid)
+            self._own(pid, PREFIX)
+
+    def idle(self, pid: int) -> None:
+        """A `PREFIX` page no sequence uses any more: free, taken last (its block stays until then)."""
+        with self._lock:
+            if self._owner_of.get(pid) != PREFIX:
+                raise PagePoolError(f"page {pid} is not the prefix cache's")
+            self._disown(pid)
+            self._idle[pid] = None
+
+    def reuse(self, pid: int) -> bool:
+        """An idle page in use again (`PREFIX`); False when it was taken for another use meanwhile (or the KV
+        cache may take no page now)."""
+        with self._lock:
+            if pid not in self._idle or self.available("kv") < 1:
+                return False
+            del self._idle[pid]
+            self._own(pid, PREFIX)
+            return True
+
+    def forget(self, pid: int) -> None:
+        """An idle page whose block the prefix cache dropped: plain free (nothing, if it was taken meanwhile)."""
+        with self._lock:
+            if pid in self._idle:
+                del self._idle[pid]
                 self._free.append(pid)
 
     def free_owner(self, owner: Owner) -> int:
@@ -218,7 +276,7 @@ class PagePool:
     def check(self) -> None:
         """Raise PagePoolError unless every page is free xor owned by exactly one owner."""
         with self._lock:
-            free = self._free
+            free = [*self._free, *self._idle]
             if len(set(free)) != len(free):
                 raise PagePoolError("a page is on the free list twice")
             owned: list[int] = [p for pages in self._pages_of.values() for p in pages]
@@ -248,7 +306,8 @@ class PagePool:
                 "num_pages": self.num_pages,
                 "page_elems": self.page_elems,
                 "page_bytes": self.page_elems * self.pool.element_size(),
-                "free_pages": len(self._free),
+                "free_pages": self.num_free,
+                "idle_cached_pages": len(self._idle),
                 "kv_pages": self._used_by_kind["kv"],
                 "adapter_pages": self._used_by_kind["adapter"],
                 "adapter_fragmentation": self.fragmentation("adapter"),

@@ -106,7 +106,7 @@ class Scheduler:
         was_waiting_for_adapter = seq.status is SequenceStatus.WAITING and seq.adapter_slot is None
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = seq.finish_reason or reason
-        self.block_manager.free(seq)
+        self.block_manager.free(seq, keep=reason != "error")  # a failed one's KV may not be sound
         self._release_adapter(seq)
         if was_waiting_for_adapter and seq.adapter is not None and self.adapter_pool is not None:
             self.adapter_pool.abandon(seq.adapter, seq.seq_id)
@@ -151,8 +151,7 @@ class Scheduler:
                 continue
             while not self._allocate(seq, num_new):
                 victim = preemption_victim(self.running)
-                budget += batch.remove(victim)  # scheduled already: it leaves the batch (its tenant's share
-                # stays spent: the victim is its tenant's youngest, so none of its tenant's is left to schedule)
+                budget += batch.remove(victim)  # scheduled already: it leaves the batch (none of its tenant's is left)
                 self._preempt(victim, batch)
                 if victim is seq:
                     if not self.running:
@@ -244,19 +243,22 @@ class Scheduler:
                 skipped.append(seq)
                 self._requeue(heap, tenant)
                 continue
+            self.block_manager.attach(seq)  # from the kept blocks its tokens begin with (prefix_cache.py)
             num_new = self._num_new_tokens(seq, budget, shares.cap(seq, budget))
             whole = seq.num_uncomputed_tokens if seq.seq_id in self._short_alone else num_new
             if (num_new == 0 or (reserve and not self.block_manager.can_allocate(seq, whole, reserve=reserve))
                     or not self._allocate(seq, whole)):
+                needed = self.block_manager.num_blocks_needed(seq, whole)
+                self.block_manager.free(seq)  # lets the kept blocks go
                 if num_new and not self.running:  # nothing runs, so no KV page will come back
-                    if self._gave_up(seq, f"needs {self.block_manager.num_blocks_needed(seq, whole)} KV pages but "
+                    if self._gave_up(seq, f"needs {needed} KV pages but "
                                           "no more can be freed (pinned or in-use adapters hold the rest of the "
                                           "pool); shorten the prompt, unpin adapters or give the engine a larger "
                                           "pool"):
                         self._requeue(heap, tenant)
                         continue
                     stuck = seq
-                if num_new and self.block_manager.num_blocks_needed(seq, whole) > self.block_manager.allocator.available("kv"):
+                if num_new and needed > self.block_manager.allocator.available("kv"):
                     self.waiting.short_of_pages(seq)  # short not only of the reserve (seen without reclaiming): no overtaking it for ever
                 break
             self._start(seq, batch, num_new, loras)
@@ -385,12 +387,10 @@ class Scheduler:
                 self._release_adapter(seq, detach=True)
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
-        # Recompute later: drop the cache, keep the tokens (prompt + output so far) and the adapter.
+        # Recompute later (from its blocks still kept): keep the tokens (prompt + output so far) and the adapter.
         self._remove_running(seq)
-        self.block_manager.free(seq)
-        seq.status = SequenceStatus.WAITING
-        seq.num_preemptions += 1
-        self.num_preemptions += 1
+        self.block_manager.free(seq, keep=True)
+        seq.status, seq.num_preemptions, self.num_preemptions = SequenceStatus.WAITING, seq.num_preemptions + 1, self.num_preemptions + 1
         self.waiting.appendleft(seq)
         batch.preempted.append(seq)
 

@@ -64,6 +64,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.block_table: list[int] = []  # page ids
+        self.prefix_blocks: list = []  # the prefix cache's blocks its table begins with (prefix_cache.Block)
         self.num_preemptions = 0
         self.logprobs: list[TokenLogprob] = []
         # Per prompt token with params.prompt_logprobs (the first has none); kept over preemptions, so a

@@ -55,7 +55,7 @@ from lorafleet.worker.engine_config import EngineConfig
 from lorafleet.worker.error_middleware import error_middleware
 from lorafleet.worker.intake import setup_intake, several_tenants
 from lorafleet.worker.listen import ANY_HOST, port_in_use
-from lorafleet.worker.metrics import CONTENT_TYPE, EngineSnapshot, WorkerMetrics
+from lorafleet.worker.metrics import CONTENT_TYPE, EngineSnapshot, WorkerMetrics, prefix_tokens
 from lorafleet.worker.openai_api import openai_routes
 from lorafleet.worker.push_gate import awaiting_push
 from lorafleet.worker.served_adapters import ServedAdapters
@@ -81,7 +81,7 @@ def engine_snapshot(app: web.Application) -> EngineSnapshot:
     running, waiting = engine.adapters_in_use()
     return EngineSnapshot(
         num_running=e.num_running, num_waiting=e.num_waiting, num_preemptions=e.num_preemptions,
-        kv_usage=e.kv_usage,
+        kv_usage=e.kv_usage, prefix_cache=prefix_tokens(e.block_manager.prefix_cache),
         max_lora=e.config.max_loras, max_num_seqs=e.config.max_num_seqs,
         running_adapters=running,
         waiting_adapters=waiting,

@@ -1,0 +1,145 @@
+"""PrefixCache: the KV of full blocks kept for the next request whose tokens begin the same way.
+
+A full block's keys and values depend on its `block_size` tokens, on every token before them and on the adapter
+that computed them (its registration: `adapter_tag`), on nothing else. So kept blocks form a trie per (tenant,
+adapter tag) whose edges are blocks' token ids (exact tuples: no hash can collide). A sequence admitted with
+nothing computed takes the longest run of kept blocks its tokens begin with, all but its last token (whose logits
+it needs), and computes only the rest; one asking for prompt logprobs takes none (they need every position's
+logits). Tenants never share blocks: a hit would show in another tenant's time to first token what one had sent.
+
+Blocks come in as soon as a step that ran filled them (`grow`: a request arriving while another with the same
+system prompt runs finds them), and when their sequence leaves the GPU (finished, or preempted: readmitted, it
+finds them again); nothing a failed forward wrote is kept, nor the last blocks of a sequence that failed. A kept
+block in use belongs to the page pool's `PREFIX` owner; once no sequence uses it, it is idle, which the pool
+counts as free: allocations take plain free pages first, then idle ones, least recently idle first (a block's
+descendants before itself), and the pool reports each (`on_evict`, on whichever thread allocated: adapter loads
+run on their own). The trie drops those blocks, and their descendants, before its next lookup, grow or insert,
+all made on the engine's thread.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Hashable
+
+from lorafleet.worker.page_pool import PagePool
+from lorafleet.worker.sequence import Sequence
+
+
+class Block:
+    __slots__ = ("page", "parent", "tokens", "children", "refs")
+
+    def __init__(self, page: int | None, parent: Block | None, tokens: tuple) -> None:
+        self.page, self.parent, self.tokens = page, parent, tokens
+        self.children: dict[tuple[int, ...], Block] = {}
+        self.refs = 1  # sequences using it (its creator first)
+
+
+class PrefixCache:
+    def __init__(self, pool: PagePool, block_size: int) -> None:
+        self.pool, self.block_size = pool, block_size
+        self._roots: dict[tuple[str | None, str | None], Block] = {}  # (tenant, adapter version) -> root
+        self._by_page: dict[int, Block] = {}
+        self._evicted: deque[int] = deque()  # idle pages the pool gave away (appended on any thread)
+        pool.on_evict = self._evicted.append
+        self.queried_tokens = self.hit_tokens = 0  # prompt tokens looked up, and found computed
+        # What an adapter's KV depends on (AdapterPool.content_tag: its registration); KeyError: keep nothing.
+        self.adapter_tag: Callable[[str], Hashable] = lambda key: key
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._by_page)
+
+    def lookup(self, seq: Sequence) -> list[Block]:
+        """The kept blocks `seq`'s tokens begin with (all but its last token), each now used by it once more."""
+        self._drain()
+        bs, tokens, found = self.block_size, seq.token_ids(), []
+        self.queried_tokens += len(tokens)
+        node = self._roots.get(self._root_key(seq))
+        for i in range((len(tokens) - 1) // bs if node is not None else 0):
+            child = node.children.get(tuple(tokens[i * bs:(i + 1) * bs]))
+            if child is None or (child.refs == 0 and not self.pool.reuse(child.page)):
+                break  # not kept, or given away since the drain (dropped at the next)
+            child.refs += 1
+            found.append(child)
+            node = child
+        self.hit_tokens += len(found) * bs
+        return found
+
+    def grow(self, seq: Sequence) -> None:
+        """`seq`'s blocks a step filled become kept blocks it holds (`seq.prefix_blocks`), found from now on by the
+        sequences admitted while it runs. A block kept already (another sequence computed the same tokens) is
+        shared instead: `seq`'s own page for it is freed. Stops at a kept block whose idle page went meanwhile."""
+        held, bs = seq.prefix_blocks, self.block_size
+        if seq.num_computed_tokens // bs <= len(held):
+            return
+        self._drain()
+        if not held and (key := self._root_key(seq)) is None:
+            return
+        node, tokens = held[-1] if held else self._roots.setdefault(key, Block(None, None, key)), seq.token_ids()
+        for i in range(len(held), seq.num_computed_tokens // bs):
+            block_tokens, page = tuple(tokens[i * bs:(i + 1) * bs]), seq.block_table[i]
+            child = node.children.get(block_tokens)
+            if child is None:
+                child = node.children[block_tokens] = self._by_page[page] = Block(page, node, block_tokens)
+                self.pool.keep(page)
+            elif child.refs == 0 and not self.pool.reuse(child.page):
+                return
+            else:
+                child.refs += 1
+                self.pool.free([page])
+                seq.block_table[i] = child.page
+            held.append(child)
+            node = child
+
+    def insert(self, seq: Sequence, held: list[Block], pages: list[int]) -> list[Block]:
+        """Keep `seq`'s full computed blocks after `held` (the kept ones it uses), `pages` being its own pages from
+        there on. Returns the blocks made of its pages (used by it: release them with `held`); a page whose block
+        is kept already (another sequence's) is not taken, the caller frees it."""
+        self._drain()
+        bs, tokens, made = self.block_size, seq.token_ids(), []
+        if not held and (key := self._root_key(seq)) is None:
+            return made
+        node = held[-1] if held else self._roots.setdefault(key, Block(None, None, key))  # a root's tokens: its key
+        for i in range(len(held), seq.num_computed_tokens // bs):
+            block_tokens = tuple(tokens[i * bs:(i + 1) * bs])
+            child = node.children.get(block_tokens)
+            if child is None:
+                page = pages[i - len(held)]
+                child = node.children[block_tokens] = self._by_page[page] = Block(page, node, block_tokens)
+                self.pool.keep(page)
+                made.append(child)
+            node = child
+        return made
+
+    def _root_key(self, seq: Sequence) -> tuple | None:
+        """(tenant, adapter tag) of `seq`'s trie; None when its adapter is gone (nothing kept, nothing found)."""
+        try:
+            return seq.tenant, None if seq.adapter is None else self.adapter_tag(seq.adapter)
+        except KeyError:
+            return None
+
+    def release(self, blocks: list[Block]) -> None:
+        """A sequence no longer uses `blocks` (a path from the root): those nobody uses go idle, deepest first,
+        so that they are given away before their ancestors."""
+        for block in reversed(blocks):
+            block.refs -= 1
+            if block.refs == 0:
+                self.pool.idle(block.page)
+
+    def _drain(self) -> None:
+        """Drop the blocks whose idle pages the pool gave away, with their descendants (unreachable now; idle too,
+        as a sequence using one would use its ancestors)."""
+        while self._evicted:
+            block = self._by_page.pop(self._evicted.popleft(), None)
+            if block is None:
+                continue  # dropped already, with an ancestor
+            del block.parent.children[block.tokens]
+            if block.parent.page is None and not block.parent.children:
+                del self._roots[block.parent.tokens]
+            stack = list(block.children.values())
+            while stack:
+                child = stack.pop()
+                if self._by_page.pop(child.page, None) is child:
+                    self.pool.forget(child.page)
+                stack.extend(child.children.values())
