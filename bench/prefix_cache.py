@@ -1,7 +1,8 @@
 """Prefix caching: chat turns that share a system prompt, with and without kept KV blocks.
 
     python bench/prefix_cache.py --out bench/results              # embedded SmolLM2 on CPU
-    python bench/prefix_cache.py --device cuda --dtype bfloat16 --system-tokens 2048 --sessions 32
+    python bench/prefix_cache.py --device cuda --dtype bfloat16 --system-tokens 1024 --sessions 32 \
+        --random-model 4096,8                                     # a random Llama, hidden 4096, 8 layers
 
 --sessions conversations (one per adapter, round robin over --adapters random adapters; 0: the base model)
 share a --system-tokens system prompt; each sends --turns turns, a turn's prompt being the previous turn's
@@ -17,7 +18,9 @@ from __future__ import annotations
 import argparse
 import datetime
 import random
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 from bench_io import write_json  # same folder
@@ -68,6 +71,8 @@ def run(args: argparse.Namespace, caching: bool) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="model dir (default: the embedded SmolLM2-135M)")
+    ap.add_argument("--random-model", default=None, metavar="HIDDEN,LAYERS",
+                    help="a random Llama of that size instead (byte-level vocabulary, 2048 positions)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--sessions", type=int, default=8)
@@ -79,7 +84,12 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args()
-    if args.model is None:
+    if args.random_model:
+        from server_load import make_random_model  # same folder
+
+        hidden, layers = map(int, args.random_model.split(","))
+        args.model = str(make_random_model(Path(tempfile.mkdtemp()) / "model", hidden, layers))
+    elif args.model is None:
         from lorafleet.worker.default_model import default_model_dir
         args.model = str(default_model_dir())
     rows = [run(args, caching) for caching in (False, True)]

@@ -2,7 +2,8 @@
 
 The allocator is anything with `can_allocate(n, kind) / allocate(n, owner) / free(ids)` (the
 PagePool); a KV block is one page, owned by `("kv", seq_id)`. With a prefix cache (prefix_cache.py) a sequence's
-table begins with the kept blocks it found (`seq.prefix_blocks`), and its own full blocks are kept when it leaves.
+table begins with the kept blocks it holds (`seq.prefix_blocks`): those it found, then its own full blocks, kept as
+steps fill them and when it leaves.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from lorafleet.worker.prefix_cache import PrefixCache
+from lorafleet.worker.scheduled_batch import ScheduledBatch
 from lorafleet.worker.sequence import Sequence
 
 
@@ -33,7 +35,14 @@ class BlockManager:
             return
         seq.prefix_blocks = self.prefix_cache.lookup(seq)
         seq.block_table = [b.page for b in seq.prefix_blocks]
-        seq.num_computed_tokens = len(seq.block_table) * self.block_size
+        seq.num_computed_tokens = seq.num_cached_tokens = len(seq.block_table) * self.block_size
+
+    def admitted(self, seq: Sequence) -> None:
+        """`seq` was admitted from what `attach` found: its lookup counts (vllm:prefix_cache_queries/hits); one that
+        failed to be admitted and let its blocks go does not."""
+        if self.prefix_cache is not None and seq.params.prompt_logprobs is None:
+            self.prefix_cache.queried_tokens += seq.num_tokens
+            self.prefix_cache.hit_tokens += seq.num_cached_tokens
 
     def num_blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         """Extra blocks `seq` needs so that `num_new_tokens` more tokens fit in its cache."""
@@ -49,6 +58,11 @@ class BlockManager:
         if need:
             seq.block_table.extend(self.allocator.allocate(need, ("kv", seq.seq_id)))
 
+    def filled_by_another(self, seq: Sequence, batch: ScheduledBatch) -> bool:
+        """Whether waiting `seq` had better wait a step: `batch` fills a block of its tokens (PrefixCache)."""
+        return (self.prefix_cache is not None and seq.params.prompt_logprobs is None
+                and self.prefix_cache.filled_by_another(seq, batch.prefills))
+
     def keep_computed(self, seq: Sequence) -> None:
         """After a step that ran: `seq`'s blocks it filled are kept now, for the sequences admitted while it runs."""
         if self.prefix_cache is not None:
@@ -56,15 +70,13 @@ class BlockManager:
 
     def free(self, seq: Sequence, *, keep: bool = False) -> None:
         """Give back `seq`'s pages; `keep`: its full computed blocks go to the prefix cache (their KV is sound)."""
-        held, own = seq.prefix_blocks, seq.block_table[len(seq.prefix_blocks):]
-        if self.prefix_cache is not None and (held or keep):
-            made = self.prefix_cache.insert(seq, held, own) if keep else []
-            kept = {b.page for b in made}
-            own = [p for p in own if p not in kept]
-            self.prefix_cache.release(held + made)
-        if own:
+        if self.prefix_cache is not None:
+            if keep:
+                self.prefix_cache.grow(seq)
+            self.prefix_cache.release(seq.prefix_blocks)
+        if own := seq.block_table[len(seq.prefix_blocks):]:
             self.allocator.free(own)
-        seq.block_table, seq.prefix_blocks, seq.num_computed_tokens = [], [], 0
+        seq.block_table, seq.prefix_blocks, seq.num_computed_tokens, seq.num_cached_tokens = [], [], 0, 0
 
     def slot(self, seq: Sequence, position: int) -> int:
         """Flat KV slot of token `position`: page_id * block_size + offset."""

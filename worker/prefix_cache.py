@@ -13,8 +13,8 @@ finds them again); nothing a failed forward wrote is kept, nor the last blocks o
 block in use belongs to the page pool's `PREFIX` owner; once no sequence uses it, it is idle, which the pool
 counts as free: allocations take plain free pages first, then idle ones, least recently idle first (a block's
 descendants before itself), and the pool reports each (`on_evict`, on whichever thread allocated: adapter loads
-run on their own). The trie drops those blocks, and their descendants, before its next lookup, grow or insert,
-all made on the engine's thread.
+run on their own). The trie drops those blocks, and their descendants, before its next lookup or grow, both
+made on the engine's thread.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class PrefixCache:
         self._by_page: dict[int, Block] = {}
         self._evicted: deque[int] = deque()  # idle pages the pool gave away (appended on any thread)
         pool.on_evict = self._evicted.append
-        self.queried_tokens = self.hit_tokens = 0  # prompt tokens looked up, and found computed
+        self.queried_tokens = self.hit_tokens = 0  # tokens admitted sequences looked up, and found computed
         # What an adapter's KV depends on (AdapterPool.content_tag: its registration); KeyError: keep nothing.
         self.adapter_tag: Callable[[str], Hashable] = lambda key: key
 
@@ -53,32 +53,48 @@ class PrefixCache:
     def lookup(self, seq: Sequence) -> list[Block]:
         """The kept blocks `seq`'s tokens begin with (all but its last token), each now used by it once more."""
         self._drain()
-        bs, tokens, found = self.block_size, seq.token_ids(), []
-        self.queried_tokens += len(tokens)
-        node = self._roots.get(self._root_key(seq))
-        for i in range((len(tokens) - 1) // bs if node is not None else 0):
-            child = node.children.get(tuple(tokens[i * bs:(i + 1) * bs]))
+        bs, node, found = self.block_size, self._roots.get(self._root_key(seq)), []
+        for i in range((seq.num_tokens - 1) // bs if node is not None else 0):
+            child = node.children.get(tuple(seq.tokens(i * bs, (i + 1) * bs)))
             if child is None or (child.refs == 0 and not self.pool.reuse(child.page)):
                 break  # not kept, or given away since the drain (dropped at the next)
             child.refs += 1
             found.append(child)
             node = child
-        self.hit_tokens += len(found) * bs
         return found
 
+    def filled_by_another(self, seq: Sequence, prefills: list[tuple[Sequence, int]]) -> bool:
+        """One of this step's `prefills` fills a block of waiting `seq`'s tokens (a full block before its last
+        token, the tokens before it the same, for the same tenant and adapter) that no lookup finds yet: `seq`
+        finds it kept at the next step (`grow`) instead of computing it beside (the `n` choices of a request,
+        a burst sharing a prompt). Prefills asking for prompt logprobs are not counted: they take no blocks."""
+        bs = self.block_size
+        for other, n in prefills:
+            end = (other.num_computed_tokens // bs + 1) * bs  # the first block its chunk fills
+            if (other is not seq and end <= min(other.num_computed_tokens + n, seq.num_tokens - 1)
+                    and other.params.prompt_logprobs is None and other.token_at(end - 1) == seq.token_at(end - 1)
+                    and other.tokens(0, end) == seq.tokens(0, end)
+                    and (key := self._root_key(seq)) is not None and self._root_key(other) == key):
+                return True
+        return False
+
     def grow(self, seq: Sequence) -> None:
-        """`seq`'s blocks a step filled become kept blocks it holds (`seq.prefix_blocks`), found from now on by the
-        sequences admitted while it runs. A block kept already (another sequence computed the same tokens) is
-        shared instead: `seq`'s own page for it is freed. Stops at a kept block whose idle page went meanwhile."""
+        """`seq`'s full computed blocks past those it holds become kept blocks it holds (`seq.prefix_blocks`),
+        found from now on by the sequences admitted while it runs. A block kept already (another sequence computed
+        the same tokens) is shared instead: `seq`'s own page for it is freed. Stops at a kept block whose idle page
+        went meanwhile, or when its adapter is gone (the rest stays its own)."""
         held, bs = seq.prefix_blocks, self.block_size
         if seq.num_computed_tokens // bs <= len(held):
             return
         self._drain()
-        if not held and (key := self._root_key(seq)) is None:
+        if held:
+            node = held[-1]
+        elif (key := self._root_key(seq)) is None:
             return
-        node, tokens = held[-1] if held else self._roots.setdefault(key, Block(None, None, key)), seq.token_ids()
+        else:  # a root's tokens: its key (to drop it once empty)
+            node = self._roots.setdefault(key, Block(None, None, key))
         for i in range(len(held), seq.num_computed_tokens // bs):
-            block_tokens, page = tuple(tokens[i * bs:(i + 1) * bs]), seq.block_table[i]
+            block_tokens, page = tuple(seq.tokens(i * bs, (i + 1) * bs)), seq.block_table[i]
             child = node.children.get(block_tokens)
             if child is None:
                 child = node.children[block_tokens] = self._by_page[page] = Block(page, node, block_tokens)
@@ -91,26 +107,6 @@ class PrefixCache:
                 seq.block_table[i] = child.page
             held.append(child)
             node = child
-
-    def insert(self, seq: Sequence, held: list[Block], pages: list[int]) -> list[Block]:
-        """Keep `seq`'s full computed blocks after `held` (the kept ones it uses), `pages` being its own pages from
-        there on. Returns the blocks made of its pages (used by it: release them with `held`); a page whose block
-        is kept already (another sequence's) is not taken, the caller frees it."""
-        self._drain()
-        bs, tokens, made = self.block_size, seq.token_ids(), []
-        if not held and (key := self._root_key(seq)) is None:
-            return made
-        node = held[-1] if held else self._roots.setdefault(key, Block(None, None, key))  # a root's tokens: its key
-        for i in range(len(held), seq.num_computed_tokens // bs):
-            block_tokens = tuple(tokens[i * bs:(i + 1) * bs])
-            child = node.children.get(block_tokens)
-            if child is None:
-                page = pages[i - len(held)]
-                child = node.children[block_tokens] = self._by_page[page] = Block(page, node, block_tokens)
-                self.pool.keep(page)
-                made.append(child)
-            node = child
-        return made
 
     def _root_key(self, seq: Sequence) -> tuple | None:
         """(tenant, adapter tag) of `seq`'s trie; None when its adapter is gone (nothing kept, nothing found)."""

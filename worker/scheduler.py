@@ -39,11 +39,11 @@ from lorafleet.worker.engine_errors import CapacityError, EngineError, UnknownAd
 from lorafleet.worker.page_pool import PagePoolError
 from lorafleet.worker.scheduled_batch import ScheduledBatch
 from lorafleet.worker.sequence import Sequence, SequenceStatus
-from lorafleet.worker.token_shares import TokenShares, prefill_tenants
-from lorafleet.worker.waiting_queue import WaitingQueue, pinned_on_gpu, preemption_victim, waits_behind
+from lorafleet.worker.token_shares import StepTokens, TokenShares, prefill_tenants
+from lorafleet.worker.waiting_queue import WaitingQueue, pinned_on_gpu, waits_behind
 
 
-class Scheduler:
+class Scheduler(StepTokens):
     def __init__(
         self,
         block_manager: BlockManager,
@@ -131,49 +131,15 @@ class Scheduler:
         batch, loras, decodes = ScheduledBatch(), set(), [s for s in self.running if s.num_uncomputed_tokens <= 1]
         # 1. Running sequences, oldest first, decodes then prompt chunks; short of pages, preempt (preemption_victim).
         budget = self._run(batch, decodes, self.max_num_batched_tokens, None, loras)
-        shares = TokenShares(budget, prefill_tenants(self.running, self.waiting.tenants()))
+        shares = TokenShares(budget, prefill_tenants(self.running, self.waiting, self._seats()))
         budget = self._run(batch, [s for s in self.running if s.num_uncomputed_tokens > 1], budget, shares, loras)
         # 2. Waiting sequences (none while preempting: pages are short), then 3. the tokens left to held chunks.
-        if not batch.preempted:
-            self._top_up(batch, self._admit_waiting(batch, budget, loras, shares))
+        self._top_up(batch, budget if batch.preempted else self._admit_waiting(batch, budget, loras, shares), loras)
         return batch
 
-    def _run(self, batch: ScheduledBatch, seqs: list[Sequence], budget: int, shares: TokenShares | None,
-             loras: set[str]) -> int:
-        """Schedule running `seqs` in order while `budget` tokens last; returns what is left of it."""
-        for seq in seqs:
-            if budget <= 0:
-                break
-            if seq.status is not SequenceStatus.RUNNING:
-                continue  # preempted earlier in the step
-            num_new = self._num_new_tokens(seq, budget, None if shares is None else shares.cap(seq, budget))
-            if num_new == 0:
-                continue
-            while not self._allocate(seq, num_new):
-                victim = preemption_victim(self.running)
-                budget += batch.remove(victim)  # scheduled already: it leaves the batch (none of its tenant's is left)
-                self._preempt(victim, batch)
-                if victim is seq:
-                    if not self.running:
-                        self._short_alone.add(seq.seq_id)
-                    break
-            if seq.status is not SequenceStatus.RUNNING:
-                continue  # seq preempted itself
-            batch.add(seq, num_new)
-            if shares is not None:
-                shares.take(seq, num_new)
-            if seq.adapter is not None:
-                loras.add(seq.adapter)
-            budget -= num_new
-        return budget
-
-    def _top_up(self, batch: ScheduledBatch, budget: int) -> None:
-        """Tokens no tenant took go to prompt chunks held to their tenant's share, oldest first."""
-        for i, (seq, num_new) in enumerate(batch.prefills):
-            more = min(budget, seq.num_uncomputed_tokens - num_new)
-            if more > 0 and self._allocate(seq, num_new + more):
-                batch.prefills[i] = (seq, num_new + more)
-                budget -= more
+    def _seats(self) -> int:
+        """Seats one tenant may run where several have keys (a quarter stays for the others), else 0: no bound."""
+        return tenant_share(self.max_num_seqs) if self.shared() else 0
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int, loras: set[str], shares: TokenShares) -> int:
         """Admit waiting sequences while seats and tokens last, each from the tenant ranked first
@@ -188,19 +154,30 @@ class Scheduler:
         reserve = 0  # KV pages left free for the starved sequence's adapter
         busy: set[str] = set()  # adapters running requests use: they must drain for it (see waits_behind)
         held = self.waiting.share_waits.held(self.running, self.adapter_state, self.adapter_pool)
-        seats = tenant_share(self.max_num_seqs) if self.shared() else 0  # a quarter stays for the other tenants
-        while heap and budget > 0 and len(self.running) < self.max_num_seqs:
+        seats = self._seats()
+        past_share: list[str] = []  # tenants held to their token share: they take what the others leave
+        while (heap or past_share) and budget > 0 and len(self.running) < self.max_num_seqs:
+            if not heap:  # every other tenant served: the shares are lifted
+                shares.split, heap = False, [self.waiting.rank(t) for t in past_share if self.waiting.has_tenant(t)]
+                heapq.heapify(heap)
+                past_share = []
+                continue
             tenant = heapq.heappop(heap)[-1]
-            if (seats and self.waiting.running(tenant) >= seats) or shares.exhausted(tenant):
+            if seats and self.waiting.running(tenant) >= seats:
                 continue  # none running is preempted for them
+            if shares.exhausted(tenant):
+                past_share.append(tenant)
+                continue
             seq = self._next_head(tenant, passed, busy if starved is not None else None, held)
             if seq is None:
                 continue  # nothing more of this tenant can go this step
-            if self._stuck_steps and not self.running and seq.seq_id not in self._stuck_steps \
-                    and seq.adapter is not None and seq.adapter_slot is None \
-                    and not pinned_on_gpu(seq.adapter, self.adapter_state, self.adapter_pool):
+            if (self._stuck_steps and not self.running and seq.seq_id not in self._stuck_steps
+                    and seq.adapter is not None and seq.adapter_slot is None
+                    and not pinned_on_gpu(seq.adapter, self.adapter_state, self.adapter_pool)
+                    ) or self.block_manager.filled_by_another(seq, batch):
                 # Another waits for the room adapters hold, nothing running: no adapter is placed or held again
-                # meanwhile (two would trade the room every step); a pinned one never gives its room anyway.
+                # meanwhile (two would trade the room every step); a pinned one never gives its room anyway. Or a
+                # prefill of this step writes a block of its tokens: it takes it kept at the next (prefix_cache.py).
                 passed.add((tenant, seq.adapter))
                 self._requeue(heap, tenant)
                 continue
@@ -249,6 +226,7 @@ class Scheduler:
             if (num_new == 0 or (reserve and not self.block_manager.can_allocate(seq, whole, reserve=reserve))
                     or not self._allocate(seq, whole)):
                 needed = self.block_manager.num_blocks_needed(seq, whole)
+                short = num_new and needed > self.block_manager.allocator.available("kv")  # its kept blocks not idle yet
                 self.block_manager.free(seq)  # lets the kept blocks go
                 if num_new and not self.running:  # nothing runs, so no KV page will come back
                     if self._gave_up(seq, f"needs {needed} KV pages but "
@@ -258,10 +236,11 @@ class Scheduler:
                         self._requeue(heap, tenant)
                         continue
                     stuck = seq
-                if num_new and needed > self.block_manager.allocator.available("kv"):
+                if short:
                     self.waiting.short_of_pages(seq)  # short not only of the reserve (seen without reclaiming): no overtaking it for ever
                 break
             self._start(seq, batch, num_new, loras)
+            self.block_manager.admitted(seq)
             shares.take(seq, num_new)
             if seq.adapter is not None and starved is not None:
                 busy.add(seq.adapter)
@@ -321,24 +300,10 @@ class Scheduler:
             return False
         return True
 
-    def _num_new_tokens(self, seq: Sequence, budget: int, cap: int | None = None) -> int:
-        """Its uncomputed tokens chunked to `cap` (its tenant's share) or `budget`. Unchunked, a prompt waits for room
-        for all of it (past any share), unless none ever has room (past max_num_batched_tokens) or its prefill began
-        (the rest may never find room while older ones decode)."""
-        num_new = seq.num_uncomputed_tokens
-        if not (self.enable_chunked_prefill or seq.num_computed_tokens or num_new > self.max_num_batched_tokens):
-            return num_new if num_new <= budget else 0
-        return min(num_new, budget if cap is None else cap)
-
     def _can_admit_adapter(self, seq: Sequence, loras: set[str]) -> bool:
         if seq.adapter is None or self.adapter_pool is None:
             return True
-        if (
-            self.max_loras_per_batch is not None
-            and seq.adapter not in loras
-            and len(loras) >= self.max_loras_per_batch
-            and self._skipped_steps.get(seq.seq_id, 0) < self.max_adapter_wait_steps
-        ):
+        if not self._fits(seq, loras) and self._skipped_steps.get(seq.seq_id, 0) < self.max_adapter_wait_steps:
             return False
         if seq.adapter_slot is None:
             # Its GPU hit or miss was counted as it arrived (Engine.add_request), once.
@@ -390,7 +355,9 @@ class Scheduler:
         # Recompute later (from its blocks still kept): keep the tokens (prompt + output so far) and the adapter.
         self._remove_running(seq)
         self.block_manager.free(seq, keep=True)
-        seq.status, seq.num_preemptions, self.num_preemptions = SequenceStatus.WAITING, seq.num_preemptions + 1, self.num_preemptions + 1
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(seq)
         batch.preempted.append(seq)
 

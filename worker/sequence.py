@@ -65,6 +65,7 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.block_table: list[int] = []  # page ids
         self.prefix_blocks: list = []  # the prefix cache's blocks its table begins with (prefix_cache.Block)
+        self.num_cached_tokens = 0  # tokens its admission found computed in the prefix cache (0 once let go)
         self.num_preemptions = 0
         self.logprobs: list[TokenLogprob] = []
         # Per prompt token with params.prompt_logprobs (the first has none); kept over preemptions, so a
@@ -101,6 +102,13 @@ class Sequence:
 
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Its tokens [start, end) (prompt then output), without copying the rest."""
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[max(0, start - n):end - n]
 
     def token_at(self, i: int) -> int:
         n = len(self.prompt_token_ids)

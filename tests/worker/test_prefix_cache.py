@@ -234,10 +234,11 @@ def test_a_request_arriving_while_another_runs_finds_the_blocks_it_filled():
 
 
 def test_sequences_that_computed_the_same_blocks_in_one_step_end_up_sharing_them():
-    """Two requests with the same prompt admitted in one step both compute it; after the step the second's
-    pages for the full blocks are given back and it reads the first's."""
+    """A request asking for prompt logprobs computes its whole prompt beside one with the same prompt (it never
+    waits for kept blocks); after the step its pages for the full blocks are given back and it reads the
+    first one's."""
     sched, pool = _sched()
-    a, b = _seq(PROMPT, max_tokens=20), _seq(PROMPT, max_tokens=20)
+    a, b = _seq(PROMPT, max_tokens=20), _seq(PROMPT, max_tokens=20, prompt_logprobs=1)
     sched.add(a)
     sched.add(b)
     _run_step(sched)
@@ -272,3 +273,103 @@ def test_engine_requests_arriving_while_others_run_give_the_same_tokens(tiny_lla
             assert engine.block_manager.prefix_cache.hit_tokens == 3 * 16
         assert engine.page_pool.num_used("kv") == 0
     assert outputs[True] == outputs[False]
+
+
+def test_requests_sharing_a_prompt_admitted_together_compute_it_once():
+    """Three requests with one long prompt arrive together (a request's `n` choices, a burst): the first computes
+    it, the others wait for the step that fills its blocks and take them, computing only their last partial
+    block, instead of all three computing all of it."""
+    sched, pool = _sched(max_num_batched_tokens=64)
+    prompt = list(range(300, 330))  # 30 tokens: 7 full blocks, 28 tokens kept by the first
+    seqs = [_seq(prompt) for _ in range(3)]
+    for seq in seqs:
+        sched.add(seq)
+    computed = 0
+    while not all(s.is_finished for s in seqs):
+        batch = _run_step(sched)
+        computed += sum(n for s, n in batch.prefills)
+        for s in seqs:
+            if len(s.output_token_ids) >= 3 and not s.is_finished:
+                sched.finish(s, "length")
+    assert computed == 30 + 2 * 2
+    pool.check()
+
+
+def test_engine_choices_of_one_prompt_sent_together_give_the_same_tokens(tiny_llama_dir):
+    """Four seeded choices of one prompt added together (as the server adds a request's `n`): the first computes
+    the prompt, the others take its blocks a step later; each samples the tokens it samples without caching."""
+    prompt = [(13 * j) % 60 + 3 for j in range(30)]
+    outs = {}
+    for caching in (True, False):
+        engine, tokens = _engine(tiny_llama_dir, enable_prefix_caching=caching), {}
+        for i in range(4):
+            engine.add_request(f"c{i}", prompt, SamplingParams(max_tokens=8, temperature=1.0, seed=i, ignore_eos=True))
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens[out.request_id] = out.token_ids
+        outs[caching] = tokens
+        if caching:
+            assert engine.block_manager.prefix_cache.hit_tokens == 3 * 28  # 7 blocks of 4, all but the last token
+    assert outs[True] == outs[False]
+
+
+def test_a_head_short_of_pages_is_counted_as_such_whatever_kept_blocks_it_found():
+    """A queue head that finds kept blocks but not the rest of its pages let them go idle again: counted among
+    the free pages, they made its shortage look met, it was never counted as waiting for pages, and another
+    tenant's small requests overtook it for ever."""
+    sched, pool = _sched(num_pages=16, max_adapter_wait_steps=4)
+    prompt = list(range(100, 124))
+    _serve(sched, _seq([*prompt, 1], max_tokens=1))  # 6 blocks kept
+    hogs = [_seq([60 + i] * 14, max_tokens=100) for i in range(2)]
+    for hog in hogs:
+        sched.add(hog)
+    _run_step(sched)
+    head = _seq([*prompt, *range(200, 210)], max_tokens=1)  # 9 blocks: 6 kept, 3 more than the pool has
+    sched.add(head)
+    for _ in range(6):
+        sched.add(_seq([9, 8, 7], max_tokens=1, tenant="globex"))
+        for seq, _n in _run_step(sched).scheduled:
+            if len(seq.output_token_ids) >= seq.params.max_tokens:
+                sched.finish(seq, "length")
+    assert head.block_table == [] and sched.waiting._page_waits.get(head.seq_id, 0) == 6  # noqa: SLF001
+    pool.check()
+
+
+def test_only_admissions_count_their_lookups():
+    """A head that cannot be admitted looks its blocks up at every step: only the admission that ran counts,
+    once, in vllm:prefix_cache_queries and _hits."""
+    sched, pool = _sched(num_pages=10)
+    _serve(sched, _seq(PROMPT, max_tokens=1))
+    cache = sched.block_manager.prefix_cache
+    hog = _seq(list(range(1, 25)), max_tokens=100)  # 6 of the 8 plain free pages, then some
+    sched.add(hog)
+    _run_step(sched)
+    before = (cache.queried_tokens, cache.hit_tokens)
+    again = _seq([*PROMPT, *range(400, 420)])  # needs 8 pages: waits for the hog
+    sched.add(again)
+    for _ in range(5):
+        _run_step(sched)
+    assert (cache.queried_tokens, cache.hit_tokens) == before and again.block_table == []
+    sched.finish(hog, "length")
+    _run_step(sched)
+    assert (cache.queried_tokens - before[0], cache.hit_tokens - before[1]) == (30, 8)
+
+
+def test_without_chunking_a_prompt_that_found_kept_blocks_runs_its_rest_whole():
+    """Unchunked, a prompt that found kept blocks looked as if its prefill had begun and was cut to its tenant's
+    share; the rest, which fits the step, now runs in one piece."""
+    sched, pool = _sched(max_num_batched_tokens=16, enable_chunked_prefill=False)
+    _serve(sched, _seq(list(range(100, 109)), max_tokens=1))
+    again = _seq([*range(100, 108), *range(300, 308)], max_tokens=1)
+    sched.add(again)
+    for tenant in ("globex", "initech"):
+        sched.add(_seq([5, 6, 7, 8, 9], max_tokens=1, tenant=tenant))
+    batch = _run_step(sched)
+    assert dict((s.seq_id, n) for s, n in batch.scheduled).get(again.seq_id) == 8
+
+
+def test_a_sequence_that_keeps_nothing_leaves_no_trie_behind():
+    sched, pool = _sched()
+    for i in range(20):
+        _serve(sched, _seq([i, i + 1], max_tokens=1, adapter=f"a{i}@1"))  # shorter than a block
+    assert sched.block_manager.prefix_cache._roots == {}  # noqa: SLF001

@@ -91,3 +91,16 @@ def test_tenants_sharing_a_step_get_the_tokens_each_gets_alone(tiny_llama_dir):
     assert first["x"] <= 2 < first["a0"]
     assert tokens == _alone(tiny_llama_dir, [*long, short])
     assert engine.page_pool.num_used("kv") == 0
+
+
+def test_a_share_kept_for_a_tenant_whose_request_cannot_start_is_not_lost():
+    """globex's request waits for its adapter's load: its share of the step went unused, and acme, held to the
+    other half, admitted fewer prompts (12 of 16 tokens). Once no other tenant can take more, acme's waiting
+    prompts take the rest."""
+    adapters = FakeAdapterPool(resident=())
+    sched, _ = _sched(max_num_batched_tokens=16, adapter_pool=adapters)
+    for i in range(4):
+        sched.add(_of("acme", 12 + i))
+    sched.add(_of("globex", 4, adapter="cold@1"))
+    batch = _run_step(sched)
+    assert batch.num_tokens == 16 and "cold@1" in adapters.asked  # globex's admission was tried: its load goes on
