@@ -141,7 +141,7 @@ def lora_shrink_triton(
     block_r: int | None = None,
     chunks: int | None = None,
     num_warps: int | None = None,
-    num_stages: int = 3,
+    num_stages: int | None = None,
     pdl: bool | None = None,
 ) -> None:
     """Triton backend of `kernels.lora.lora_shrink` (inputs already checked there).
@@ -164,7 +164,10 @@ def lora_shrink_triton(
     chunks = chunks or shrink_chunks(num_proj=num_proj, batch=batch, splits=num_splits, device=x.device, block_r=block_r)
     if chunks & (chunks - 1):
         raise ValueError(f"lora_shrink_triton: chunks must be a power of two, got {chunks}")
-    block_k = block_k or _pow2(triton.cdiv(K, num_splits), 16, 256 if block_t >= 64 else 128)
+    # float32 tiles take twice the bytes: 256-wide K tiles three deep need 256 KiB of shared memory (sm_90: 227)
+    wide = x.element_size() < 4
+    block_k = block_k or _pow2(triton.cdiv(K, num_splits), 16, 256 if block_t >= 64 and wide else 128)
+    num_stages = num_stages or (3 if wide else 2)
     k_per_split = triton.cdiv(triton.cdiv(K, block_k), num_splits) * block_k
     grid = (num_segments, triton.cdiv(num_pairs, chunks), num_splits)
     use_pdl = _pdl(pdl, x.device)
@@ -219,7 +222,7 @@ def lora_expand_triton(
     cols_per_program: int | None = None,
     programs_per_sm: int = 2,
     num_warps: int | None = None,
-    num_stages: int = 3,
+    num_stages: int | None = None,
     pdl: bool | None = None,
     accumulate: bool = True,
     class_tile_elems: int = 8192,
@@ -241,6 +244,7 @@ def lora_expand_triton(
         return
     widest = max(n for _, n in out_slices)
     block_t = _block_t(batch)
+    num_stages = num_stages or (3 if layout.pool.element_size() < 4 else 2)  # float32: see lora_shrink_triton
     # Tiles per rank class, unless a tuning sweep fixes both for every program (or ranks pass 128).
     # H200, ranks {8, 16, 32, 64} at T=64: they pay on q|k|v and gate|up, and cost ~1.5 us on a lone
     # 4096-wide o or down slice (each class-16 program is then one wide tile, many programs idle).
