@@ -103,7 +103,8 @@ def main() -> None:
           f"{rows[0]['mean_ttft_s'] / rows[1]['mean_ttft_s']:.2f}x; same tokens: {same}")
     gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     device = next((d for d in ("h200", "h100") if d in gpu.lower()), gpu.split()[-1].lower())
-    res = {"date": datetime.date.today().isoformat(), "gpu": gpu, "args": vars(args), "same_tokens": same,
+    shown = {**vars(args), "model": Path(args.model).name, "out": None}  # no path of this machine in the results
+    res = {"date": datetime.date.today().isoformat(), "gpu": gpu, "args": shown, "same_tokens": same,
            "runs": [{k: v for k, v in r.items() if k != "tokens"} for r in rows]}
     write_json(args.out, "prefix_cache", res["date"], device, res)
 
