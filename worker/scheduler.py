@@ -2,27 +2,27 @@
 
 Each step: running sequences' decodes first, then their unfinished prompts' next chunks, then waiting ones, all
 within `max_num_batched_tokens` tokens and `max_num_seqs` sequences; the prompt chunks of several tenants each
-take an even share of the tokens decodes leave, what one leaves going to the others (token_shares.py). Each seat goes to the tenant (its
-adapter's name while the request names none) with a preempted sequence, else the fewest running sequences, else
-the longest unserved; FCFS within a tenant (waiting_queue.py). When the KV pages run out, the youngest running
-sequence of the tenant with the most is preempted (one scheduled earlier in the step leaves the batch): its
-pages are freed and it goes back to the head of its tenant's queue to be recomputed later (it keeps its adapter
-reference). A waiting sequence whose adapter is not resident yet is skipped (the pool starts the load) with
-those of its tenant waiting for the same adapter, while the others run; `max_loras_per_batch` bounds the
-distinct adapters of a step (too many segments slow the LoRA kernels), except for a sequence that has waited
-`max_adapter_wait_steps` steps, which is admitted anyway so no tenant starves. For the same reason a sequence
-that has waited that long for an adapter that is loaded but finds no GPU room is no longer overtaken for it:
-short of pages, nothing more is admitted, so the pages running requests give back go to its adapter; short of a
-slot only, requests that would take one (a new slot, or a new reference to an adapter running requests use) wait
-behind it, the others (base model, or a slot already held) go on while they leave its pages free. A load in
-flight never holds anyone back; one waiting that long for its adapter owner's GPU share holds back new
-references to that owner's busy adapters only (ShareWaits). An adapter a queued sequence holds (a preempted one
-keeps its reference) or was loaded for is never evicted: when nothing runs and a queue's head cannot get pages,
-or such a starved sequence's adapter finds no room, the others let go of theirs (those holding a replaced
-version, never taken again once let go, go ahead of it). One that preempted itself running alone (adapters hold
-the rest of the pool) is readmitted only once the pages of all its tokens can be had, not chunk by chunk into
-the same wall; one that never can (`never_fits`) fails at once, or ends by length with its output. Where several
-tenants have keys (`shared`), one runs at most three quarters of the seats.
+take an even share of the tokens decodes leave, what one leaves going to the others (token_shares.py). Each seat
+goes to the tenant (its adapter's name while the request names none) with a preempted sequence, else the fewest
+running sequences, else the longest unserved; FCFS within a tenant (waiting_queue.py). When the KV pages run
+out, the youngest running sequence of the tenant with the most is preempted (one scheduled earlier in the step
+leaves the batch): its pages are freed and it goes back to the head of its tenant's queue to be recomputed later
+(it keeps its adapter reference). A waiting sequence whose adapter is not resident yet is skipped (the pool
+starts the load) with those of its tenant waiting for the same adapter, while the others run;
+`max_loras_per_batch` bounds the distinct adapters of a step (too many segments slow the LoRA kernels), except
+for a sequence that has waited `max_adapter_wait_steps` steps, which is admitted anyway so no tenant starves.
+For the same reason a sequence that has waited that long for an adapter that is loaded but finds no GPU room is
+no longer overtaken for it: short of pages, nothing more is admitted, so the pages running requests give back go
+to its adapter; short of a slot only, requests that would take one (a new slot, or a new reference to an adapter
+running requests use) wait behind it, the others (base model, or a slot already held) go on while they leave its
+pages free. A load in flight never holds anyone back; one waiting that long for its adapter owner's GPU share
+holds back new references to that owner's busy adapters only (ShareWaits). An adapter a queued sequence holds (a
+preempted one keeps its reference) or was loaded for is never evicted: when nothing runs and a queue's head
+cannot get pages, or such a starved sequence's adapter finds no room, the others let go of theirs (those holding
+a replaced version, never taken again once let go, go ahead of it). One that preempted itself running alone
+(adapters hold the rest of the pool) is readmitted only once the pages of all its tokens can be had, not chunk
+by chunk into the same wall; one that never can (`never_fits`) fails at once, or ends by length with its output.
+Where several tenants have keys (`shared`), one runs at most three quarters of the seats.
 """
 
 from __future__ import annotations
