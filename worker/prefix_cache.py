@@ -67,12 +67,12 @@ class PrefixCache:
         """One of this step's `prefills` fills a block of waiting `seq`'s tokens (a full block before its last
         token, the tokens before it the same, for the same tenant and adapter) that no lookup finds yet: `seq`
         finds it kept at the next step (`grow`) instead of computing it beside (the `n` choices of a request,
-        a burst sharing a prompt). Prefills asking for prompt logprobs are not counted: they take no blocks."""
+        a burst sharing a prompt)."""
         bs = self.block_size
         for other, n in prefills:
             end = (other.num_computed_tokens // bs + 1) * bs  # the first block its chunk fills
             if (other is not seq and end <= min(other.num_computed_tokens + n, seq.num_tokens - 1)
-                    and other.params.prompt_logprobs is None and other.token_at(end - 1) == seq.token_at(end - 1)
+                    and other.token_at(end - 1) == seq.token_at(end - 1)
                     and other.tokens(0, end) == seq.tokens(0, end)
                     and (key := self._root_key(seq)) is not None and self._root_key(other) == key):
                 return True

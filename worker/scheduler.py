@@ -134,7 +134,8 @@ class Scheduler(StepTokens):
         shares = TokenShares(budget, prefill_tenants(self.running, self.waiting, self._seats()))
         budget = self._run(batch, [s for s in self.running if s.num_uncomputed_tokens > 1], budget, shares, loras)
         # 2. Waiting sequences (none while preempting: pages are short), then 3. the tokens left to held chunks.
-        self._top_up(batch, budget if batch.preempted else self._admit_waiting(batch, budget, loras, shares), loras)
+        if not batch.preempted:  # pages are short: what preempting freed is for the sequence that needed it
+            self._top_up(batch, self._admit_waiting(batch, budget, loras, shares), loras)
         return batch
 
     def _seats(self) -> int:
@@ -157,7 +158,8 @@ class Scheduler(StepTokens):
         seats = self._seats()
         past_share: list[str] = []  # tenants held to their token share: they take what the others leave
         while (heap or past_share) and budget > 0 and len(self.running) < self.max_num_seqs:
-            if not heap:  # every other tenant served: the shares are lifted
+            if not heap:  # every other tenant served: running prompts, then those past their share take the rest
+                budget = budget if starved is not None else self._top_up(batch, budget, loras)
                 shares.split, heap = False, [self.waiting.rank(t) for t in past_share if self.waiting.has_tenant(t)]
                 heapq.heapify(heap)
                 past_share = []
@@ -174,7 +176,7 @@ class Scheduler(StepTokens):
             if (self._stuck_steps and not self.running and seq.seq_id not in self._stuck_steps
                     and seq.adapter is not None and seq.adapter_slot is None
                     and not pinned_on_gpu(seq.adapter, self.adapter_state, self.adapter_pool)
-                    ) or self.block_manager.filled_by_another(seq, batch):
+                    ) or (not self.waiting.page_starved(seq) and self.block_manager.filled_by_another(seq, batch)):
                 # Another waits for the room adapters hold, nothing running: no adapter is placed or held again
                 # meanwhile (two would trade the room every step); a pinned one never gives its room anyway. Or a
                 # prefill of this step writes a block of its tokens: it takes it kept at the next (prefix_cache.py).

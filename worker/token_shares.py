@@ -3,8 +3,9 @@
 Decodes go first, one token each. What they leave of `max_num_batched_tokens` is split evenly among the tenants
 (fairness keys) with prefill work, a running prompt's next chunk or a waiting request under its seat share, so that
 one tenant's long prompts, older in the queue, cannot take every step's tokens while another's short prompt waits
-behind them. Tokens a tenant leaves unused go, once admission is done, to the running prompts held to their
-share (to none, too), oldest first (`StepTokens._top_up`). One tenant alone keeps the whole budget.
+behind them. Tokens a tenant leaves unused go, once the others are served, first to the running prompts held to
+their share (to none, too), oldest first (`StepTokens._top_up`), then to the waiting requests of tenants past their
+share. One tenant alone keeps the whole budget.
 """
 
 from __future__ import annotations
@@ -79,8 +80,9 @@ class StepTokens:
             budget -= num_new
         return budget
 
-    def _top_up(self, batch: ScheduledBatch, budget: int, loras: set[str]) -> None:
-        """Tokens no tenant took go to running prompts held to their tenant's share (to none, too), oldest first."""
+    def _top_up(self, batch: ScheduledBatch, budget: int, loras: set[str]) -> int:
+        """Tokens no tenant took go to running prompts held to their tenant's share (to none, too), oldest first;
+        returns what is left."""
         chunks = {s.seq_id: i for i, (s, _) in enumerate(batch.prefills)}
         for seq in self.running:
             i = chunks.get(seq.seq_id)
@@ -95,6 +97,7 @@ class StepTokens:
             else:
                 batch.prefills[i] = (seq, num_new + more)
             budget -= more
+        return budget
 
     def _num_new_tokens(self, seq: Sequence, budget: int, cap: int | None = None) -> int:
         """Its uncomputed tokens chunked to `cap` (its tenant's share) or `budget`. Unchunked, a prompt waits for room

@@ -105,12 +105,16 @@ class WaitingQueue:
         or queued, since its arrival: ranked as never served, a stream of such tenants took every seat), the
         oldest head."""
         heads = self.heads(tenant)
-        starved = any(self._page_waits.get(seq.seq_id, 0) >= self.page_wait_limit for _, seq in heads)
+        starved = any(self.page_starved(seq) for _, seq in heads)
         ticket = heads[0][0]
         return ticket >= 0, not starved, self._num_running.get(tenant, 0), self._served_at.get(tenant, -1), ticket, tenant
 
     def running(self, tenant: str) -> int:
         return self._num_running.get(tenant, 0)
+
+    def page_starved(self, seq: Sequence) -> bool:
+        """`seq` has been passed over for KV pages `page_wait_limit` times: nothing may overtake it any more."""
+        return self._page_waits.get(seq.seq_id, 0) >= self.page_wait_limit
 
     def short_of_pages(self, seq: Sequence) -> None:
         """`seq`, a head, was passed over this step for want of KV pages."""

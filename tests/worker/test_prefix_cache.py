@@ -275,13 +275,15 @@ def test_engine_requests_arriving_while_others_run_give_the_same_tokens(tiny_lla
     assert outputs[True] == outputs[False]
 
 
-def test_requests_sharing_a_prompt_admitted_together_compute_it_once():
+@pytest.mark.parametrize("first_scores", [False, True])
+def test_requests_sharing_a_prompt_admitted_together_compute_it_once(first_scores):
     """Three requests with one long prompt arrive together (a request's `n` choices, a burst): the first computes
     it, the others wait for the step that fills its blocks and take them, computing only their last partial
-    block, instead of all three computing all of it."""
+    block, instead of all three computing all of it. A first that asks for prompt logprobs keeps its blocks
+    too."""
     sched, pool = _sched(max_num_batched_tokens=64)
     prompt = list(range(300, 330))  # 30 tokens: 7 full blocks, 28 tokens kept by the first
-    seqs = [_seq(prompt) for _ in range(3)]
+    seqs = [_seq(prompt, **({"prompt_logprobs": 1} if first_scores and i == 0 else {})) for i in range(3)]
     for seq in seqs:
         sched.add(seq)
     computed = 0

@@ -104,3 +104,17 @@ def test_a_share_kept_for_a_tenant_whose_request_cannot_start_is_not_lost():
     sched.add(_of("globex", 4, adapter="cold@1"))
     batch = _run_step(sched)
     assert batch.num_tokens == 16 and "cold@1" in adapters.asked  # globex's admission was tried: its load goes on
+
+
+def test_what_another_tenant_leaves_goes_to_a_tenants_older_running_prompt_first():
+    """acme's running prompt is held to half the step; globex's request cannot start (its adapter's load). The
+    half globex leaves went to acme's younger waiting prompt, admitted past its share, ahead of the older one
+    (FCFS within a tenant); the older takes it now."""
+    adapters = FakeAdapterPool(resident=())
+    sched, _ = _sched(max_num_batched_tokens=16, adapter_pool=adapters)
+    older = _of("acme", 60)
+    sched.add(older)
+    _run_step(sched)
+    sched.add(_of("acme", 61))
+    sched.add(_of("globex", 4, adapter="cold@1"))
+    assert _tokens(_run_step(sched)) == {"r60": 16}
