@@ -160,12 +160,13 @@ class Scheduler(StepTokens):
         while (heap or past_share) and budget > 0 and len(self.running) < self.max_num_seqs:
             if not heap:  # every other tenant served: running prompts, then those past their share take the rest
                 budget = budget if starved is not None else self._top_up(batch, budget, loras)
-                shares.split, heap = False, [self.waiting.rank(t) for t in past_share if self.waiting.has_tenant(t)]
+                shares.lift()
+                heap = [self.waiting.rank(t) for t in past_share if self.waiting.has_tenant(t)]
                 heapq.heapify(heap)
                 past_share = []
                 continue
             tenant = heapq.heappop(heap)[-1]
-            if seats and self.waiting.running(tenant) >= seats:
+            if self.waiting.seated(tenant, seats):
                 continue  # none running is preempted for them
             if shares.exhausted(tenant):
                 past_share.append(tenant)

@@ -33,6 +33,10 @@ class TokenShares:
     def exhausted(self, tenant: str) -> bool:
         return self.split and self._left.get(tenant, 1) <= 0
 
+    def lift(self) -> None:
+        """Every tenant was served its share: what is left goes to whoever takes it."""
+        self.split = False
+
     def take(self, seq: Sequence, num_new: int) -> None:
         key = fairness_key(seq)
         if key in self._left:
@@ -44,7 +48,7 @@ def prefill_tenants(running: list[Sequence], waiting: WaitingQueue, seats: int) 
     tenant under its `seats` (0: no bound). One whose adapter is not on the GPU yet counts: its share keeps admission
     going, which places the adapter (what it leaves unused goes to the running prompts: `_top_up`)."""
     keys = {fairness_key(s) for s in running if s.num_uncomputed_tokens > 1}
-    return keys | {t for t in waiting.tenants() if not (seats and waiting.running(t) >= seats)}
+    return keys | {t for t in waiting.tenants() if not waiting.seated(t, seats)}
 
 
 class StepTokens:
@@ -85,6 +89,8 @@ class StepTokens:
         returns what is left."""
         chunks = {s.seq_id: i for i, (s, _) in enumerate(batch.prefills)}
         for seq in self.running:
+            if budget <= 0:
+                break
             i = chunks.get(seq.seq_id)
             num_new = 0 if i is None else batch.prefills[i][1]
             more = min(budget, seq.num_uncomputed_tokens - num_new)
@@ -93,7 +99,8 @@ class StepTokens:
                 continue
             if i is None:
                 batch.add(seq, more)
-                loras.update([seq.adapter] if seq.adapter else [])
+                if seq.adapter is not None:
+                    loras.add(seq.adapter)
             else:
                 batch.prefills[i] = (seq, num_new + more)
             budget -= more

@@ -112,6 +112,10 @@ class WaitingQueue:
     def running(self, tenant: str) -> int:
         return self._num_running.get(tenant, 0)
 
+    def seated(self, tenant: str, seats: int) -> bool:
+        """`tenant` runs its `seats` (0: no bound) already: none more is admitted for it this step."""
+        return bool(seats) and self.running(tenant) >= seats
+
     def page_starved(self, seq: Sequence) -> bool:
         """`seq` has been passed over for KV pages `page_wait_limit` times: nothing may overtake it any more."""
         return self._page_waits.get(seq.seq_id, 0) >= self.page_wait_limit
