@@ -40,6 +40,8 @@ class BlockManager:
     def admitted(self, seq: Sequence) -> None:
         """`seq` was admitted from what `attach` found: its lookup counts (vllm:prefix_cache_queries/hits); one that
         failed to be admitted and let its blocks go does not."""
+        if seq.first_cached_tokens is None:  # a preempted sequence admitted again keeps what it first found
+            seq.first_cached_tokens = seq.num_cached_tokens
         if self.prefix_cache is not None and seq.params.prompt_logprobs is None:
             self.prefix_cache.queried_tokens += seq.num_tokens
             self.prefix_cache.hit_tokens += seq.num_cached_tokens

@@ -136,7 +136,8 @@ class CompletionJob:
                         repetition_penalty=o.repetition_penalty, logit_bias=o.logit_bias, min_p=o.min_p,
                         stop_token_ids=list(o.stop_token_ids), include_stop_str_in_output=o.include_stop_str_in_output,
                         min_tokens=o.min_tokens, skip_special_tokens=o.skip_special_tokens, prompt_logprobs=prompt_k,
-                        json_object=o.json_object, grammar=o.grammar, max_tokens_to_fit=o.max_tokens is None)
+                        json_object=o.json_object, grammar=o.grammar, max_tokens_to_fit=o.max_tokens is None,
+                        cache_salt=o.cache_salt)
                 self.params.append(params)
                 self.choice_prompt.append(p)
 
@@ -163,14 +164,21 @@ class CompletionJob:
                 count += entries(out.prompt_logprobs, o.prompt_logprobs)
         return count
 
-    def usage(self, completion_tokens: int, choice: int | None = None) -> dict[str, int]:
+    def usage(self, completion_tokens: int, cached: dict[int, int], choice: int | None = None) -> dict[str, Any]:
         """The request's usage, or with `choice` that choice's: its prompt and its tokens (a stream's
-        continuous_usage_stats, as vLLM counts them)."""
+        continuous_usage_stats, as vLLM counts them). `cached`: per choice, the prompt tokens its admission found
+        in the prefix cache (OpenAI's prompt_tokens_details.cached_tokens; a prompt's choices count the least)."""
         completion_tokens = 0 if self.score_only else completion_tokens
         prompts = sorted(set(self.choice_prompt)) if choice is None else [self.choice_prompt[choice]]
         prompt_tokens = sum(len(self.prompt_ids[p]) for p in prompts)
+        if choice is None:
+            cached_tokens = sum(min(cached.get(i, 0) for i, q in enumerate(self.choice_prompt) if q == p)
+                                for p in prompts)
+        else:
+            cached_tokens = cached.get(choice, 0)
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens}
+                "total_tokens": prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
     def echo_text(self, tokenizer, p: int) -> str:
         """The text `echo` repeats for prompt `p`: a string prompt as sent, token ids decoded."""
@@ -226,7 +234,8 @@ class CompletionJob:
         if self.endpoint == "chat" and self.options.prompt_logprobs is not None:  # one prompt: beside the choices
             body["prompt_logprobs"] = vllm_prompt_logprobs(tokenizer, final[0].prompt_logprobs,
                                                            self.options.prompt_logprobs)
-        body["usage"] = self.usage(sum(len(o.token_ids) for o in final.values()))
+        body["usage"] = self.usage(sum(len(o.token_ids) for o in final.values()),
+                                   {i: o.num_cached_tokens for i, o in final.items()})
         return body
 
     def stream_chunk(self, tokenizer, i: int, out: RequestOutput, *, first: bool, offsets: TextOffsets,
@@ -239,7 +248,8 @@ class CompletionJob:
                              stop_reason=out.stop_reason if out.finished else None)
         chunk = self.envelope([choice], chunk=True)
         if self.options.include_usage:
-            chunk["usage"] = self.usage(completion_tokens, i) if self.options.continuous_usage else None
+            continuous = self.options.continuous_usage
+            chunk["usage"] = self.usage(completion_tokens, {i: out.num_cached_tokens}, i) if continuous else None
         return chunk
 
     def envelope(self, choices: list[dict[str, Any]], *, chunk: bool) -> dict[str, Any]:

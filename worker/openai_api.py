@@ -287,6 +287,7 @@ async def _stream(request: web.Request, job: CompletionJob, outputs: AsyncIterat
     started: set[int] = set()
     offsets = [TextOffsets() for _ in range(job.num_choices)]  # text_offset over each choice's chunks
     choice_tokens: dict[int, int] = {}  # each choice's tokens so far
+    choice_cached: dict[int, int] = {}  # each choice's prompt tokens found in the prefix cache
 
     async def send(payload: dict[str, Any] | str | None) -> None:
         """One event (None: the end of the body), within --stream-write-timeout-s."""
@@ -304,6 +305,7 @@ async def _stream(request: web.Request, job: CompletionJob, outputs: AsyncIterat
                     await response.prepare(request)
                 timer.tokens(i, len(out.new_token_ids))
                 choice_tokens[i] = choice_tokens.get(i, 0) + len(out.new_token_ids)
+                choice_cached[i] = out.num_cached_tokens
                 first = i not in started
                 started.add(i)
                 if out.new_text or out.new_token_ids or first or out.finished:
@@ -333,7 +335,7 @@ async def _stream(request: web.Request, job: CompletionJob, outputs: AsyncIterat
         else:
             if job.options.include_usage:
                 usage_chunk = job.envelope([], chunk=True)
-                usage_chunk["usage"] = job.usage(sum(choice_tokens.values()))
+                usage_chunk["usage"] = job.usage(sum(choice_tokens.values()), choice_cached)
                 await send(usage_chunk)
             await send("[DONE]")
         await send(None)

@@ -82,6 +82,7 @@ class SamplingOptions:
     grammar: Any = None  # structured output: a schema's grammar (json_schema_grammar.py), or choices' (choice_grammar.py)
     grammar_param: str | None = None  # the field that set it: errors name what the caller sent
     request_id: str | None = None  # vLLM's: the answer's id is cmpl-/chatcmpl- and it (the engine's ids stay unique)
+    cache_salt: str | None = None  # vLLM's: prefix-cache blocks are shared only with requests of the same salt
 
 
 def _user(f: Fields) -> str | None:
@@ -94,11 +95,13 @@ def _user(f: Fields) -> str | None:
 MAX_REQUEST_ID = 256  # characters of a caller's request_id
 
 
-def _vllm_fields(f: Fields) -> str | None:
+def _vllm_fields(f: Fields) -> tuple[str | None, str | None]:
     """vLLM's own request fields that clients written for it send: those that change nothing here are
     type-checked and ignored, those whose effect would be silently lost are accepted only at their no-op
-    value; the caller's `request_id`."""
-    f.string("cache_salt")  # there is no prefix cache across requests here: nothing to keep apart
+    value; the caller's `request_id` and `cache_salt`."""
+    cache_salt = f.string("cache_salt")
+    if cache_salt is not None and not 0 < len(cache_salt) <= MAX_REQUEST_ID:
+        raise bad_request(f"'cache_salt' must be 1 to {MAX_REQUEST_ID} characters", "cache_salt")
     f.flag("include_reasoning", True)  # the model has no reasoning mode: nothing is held back either way
     f.neutral("use_beam_search", False, "beam search is not implemented; use n")
     f.neutral("length_penalty", 1.0, "it applies to beam search, which is not implemented")
@@ -112,7 +115,7 @@ def _vllm_fields(f: Fields) -> str | None:
     request_id = f.string("request_id")
     if request_id is not None and not 0 < len(request_id) <= MAX_REQUEST_ID:
         raise bad_request(f"'request_id' must be 1 to {MAX_REQUEST_ID} characters", "request_id")
-    return request_id
+    return request_id, cache_salt
 
 
 def _stop(f: Fields) -> list[str]:
@@ -340,8 +343,8 @@ def parse_sampling_options(f: Fields, max_tokens_names: tuple[str, ...], default
         json_object=json_object,
         grammar=grammar,
         grammar_param=grammar_param,
-        request_id=_vllm_fields(f),
     )
+    options.request_id, options.cache_salt = _vllm_fields(f)
     if isinstance(grammar, (ChoiceGrammar, TextGrammar)) and (options.ignore_eos or options.min_tokens):
         raise bad_request(f"'{grammar_param}' cannot be combined with 'ignore_eos' or 'min_tokens': the text is exactly "
                           "what it allows, which nothing may pad", grammar_param)

@@ -2,10 +2,11 @@
 
 A full block's keys and values depend on its `block_size` tokens, on every token before them and on the adapter
 that computed them (its registration: `adapter_tag`), on nothing else. So kept blocks form a trie per (tenant,
-adapter tag) whose edges are blocks' token ids (exact tuples: no hash can collide). A sequence admitted with
+cache salt, adapter tag) whose edges are blocks' token ids (exact tuples: no hash can collide). A sequence admitted with
 nothing computed takes the longest run of kept blocks its tokens begin with, all but its last token (whose logits
 it needs), and computes only the rest; one asking for prompt logprobs takes none (they need every position's
-logits). Tenants never share blocks: a hit would show in another tenant's time to first token what one had sent.
+logits). Tenants never share blocks: a hit would show in another tenant's time to first token what one had sent; nor do
+requests of one tenant with different `cache_salt`s (vLLM's: a tenant serving several users keeps them apart).
 
 Blocks come in as soon as a step that ran filled them (`grow`: a request arriving while another with the same
 system prompt runs finds them), and when their sequence leaves the GPU (finished, or preempted: readmitted, it
@@ -38,7 +39,7 @@ class Block:
 class PrefixCache:
     def __init__(self, pool: PagePool, block_size: int) -> None:
         self.pool, self.block_size = pool, block_size
-        self._roots: dict[tuple[str | None, str | None], Block] = {}  # (tenant, adapter version) -> root
+        self._roots: dict[tuple, Block] = {}  # (tenant, cache salt, adapter tag) -> root
         self._by_page: dict[int, Block] = {}
         self._evicted: deque[int] = deque()  # idle pages the pool gave away (appended on any thread)
         pool.on_evict = self._evicted.append
@@ -109,9 +110,10 @@ class PrefixCache:
             node = child
 
     def _root_key(self, seq: Sequence) -> tuple | None:
-        """(tenant, adapter tag) of `seq`'s trie; None when its adapter is gone (nothing kept, nothing found)."""
+        """(tenant, cache salt, adapter tag) of `seq`'s trie; None when its adapter is gone (nothing kept, nothing
+        found)."""
         try:
-            return seq.tenant, None if seq.adapter is None else self.adapter_tag(seq.adapter)
+            return seq.tenant, seq.params.cache_salt, None if seq.adapter is None else self.adapter_tag(seq.adapter)
         except KeyError:
             return None
 

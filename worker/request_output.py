@@ -29,6 +29,7 @@ class RequestOutput:
     exception: Exception | None = field(default=None, repr=False, compare=False)  # the failure, to re-raise
     adapter: str | None = None  # "name@version" that served it, None for the base model
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache (not computed for it)
 
     def then(self, later: RequestOutput) -> RequestOutput:
         """This output and the `later` one of the same request as one: the new tokens, text and logprobs of
@@ -77,4 +78,5 @@ class OutputTracker:
             exception=seq.exception,
             adapter=seq.adapter,
             num_preemptions=seq.num_preemptions,
+            num_cached_tokens=seq.first_cached_tokens or 0,
         )

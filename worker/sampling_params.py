@@ -47,6 +47,9 @@ class SamplingParams:
     # max_tokens was not given: it is the context left after the prompt, lowered to what the KV pages the
     # request's adapter and pinned adapters leave can hold, instead of refusing it (kv_room.py).
     max_tokens_to_fit: bool = False
+    # vLLM's: only requests with the same salt (or none) share prefix-cache blocks, within one tenant; a caller
+    # that serves several users under one key keeps them apart (one's hit would show in another's TTFT).
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if self.grammar is not None:

@@ -66,6 +66,7 @@ class Sequence:
         self.block_table: list[int] = []  # page ids
         self.prefix_blocks: list = []  # the prefix cache's blocks its table begins with (prefix_cache.Block)
         self.num_cached_tokens = 0  # tokens its admission found computed in the prefix cache (0 once let go)
+        self.first_cached_tokens: int | None = None  # num_cached_tokens at its first admission (usage reports it)
         self.num_preemptions = 0
         self.logprobs: list[TokenLogprob] = []
         # Per prompt token with params.prompt_logprobs (the first has none); kept over preemptions, so a

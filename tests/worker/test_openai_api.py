@@ -188,6 +188,31 @@ async def test_a_context_overflow_names_the_field_the_caller_sent(base_client):
         assert f"Lower {name}" in err.body["message"], err.body
 
 
+async def test_usage_reports_the_prompt_tokens_found_in_the_prefix_cache(base_client):
+    """OpenAI's usage.prompt_tokens_details.cached_tokens: the prompt tokens a request's admission found computed
+    (whole blocks of 16), none for a prompt seen first; a prompt's `n` choices count once, as the least any of
+    them found; the streamed usage chunk says the same."""
+    client = openai_client(str(base_client.make_url("/v1")))
+    prompt = list(range(3, 43))  # 40 tokens: the first 32 (two whole blocks) are kept for the next request
+    first = await client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0, n=2)
+    assert (first.usage.prompt_tokens, first.usage.prompt_tokens_details.cached_tokens) == (40, 0)
+    again = await client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens == 32
+    assert [c.text for c in again.choices] == [first.choices[0].text]
+    stream = await client.completions.create(model="tiny", prompt=prompt[:20] + [7] * 20, max_tokens=2, stream=True,
+                                             stream_options={"include_usage": True}, temperature=0)
+    usage = [chunk.usage async for chunk in stream if chunk.usage is not None]
+    assert [u.prompt_tokens_details.cached_tokens for u in usage] == [16]  # the first block only
+    other = await client.completions.create(model="tiny", prompt=[9] + prompt[1:], max_tokens=2, temperature=0)
+    assert other.usage.prompt_tokens_details.cached_tokens == 0  # its first block differs
+    salted = await client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0,
+                                             extra_body={"cache_salt": "user-1"})
+    assert salted.usage.prompt_tokens_details.cached_tokens == 0  # vLLM's cache_salt: shared only with its own
+    salted = await client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0,
+                                             extra_body={"cache_salt": "user-1"})
+    assert salted.usage.prompt_tokens_details.cached_tokens == 32
+
+
 # ---- per-tenant admission ----------------------------------------------------------------------------
 KEY_ACME, KEY_GLOBEX = "sk-acme-test", "sk-globex-test"
 

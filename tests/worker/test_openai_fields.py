@@ -98,7 +98,7 @@ def test_completions_suffix_is_refused_clearly():
 VLLM_NO_OPS = {  # vLLM's own fields, at the values clients written for it send by default
     "use_beam_search": False, "length_penalty": 1.0, "early_stopping": False, "priority": 0,
     "truncate_prompt_tokens": None, "allowed_token_ids": None, "bad_words": [], "return_tokens_as_token_ids": False,
-    "detokenize": True, "cache_salt": "tenant-7", "include_reasoning": True, "unknown_but_null": None,
+    "detokenize": True, "include_reasoning": True, "unknown_but_null": None,
 }
 
 
@@ -120,6 +120,7 @@ def test_vllms_fields_at_their_no_op_values_change_nothing(parse, base):
     ({"return_tokens_as_token_ids": True}, "return_tokens_as_token_ids", "unsupported_parameter", "text"),
     ({"detokenize": False}, "detokenize", "unsupported_parameter", "always text"),
     ({"cache_salt": 5}, "cache_salt", "invalid_type", "must be a string"),
+    ({"cache_salt": ""}, "cache_salt", "invalid_value", "1 to 256 characters"),
     ({"request_id": ""}, "request_id", "invalid_value", "1 to 256 characters"),
     ({"request_id": 7}, "request_id", "invalid_type", "must be a string"),
     ({"bogus": 0}, "bogus", "unrecognized_argument", "Unrecognized request argument supplied: bogus"),

@@ -68,16 +68,25 @@ def test_a_prompt_seen_before_computes_only_what_no_kept_block_holds():
     pool.check()
 
 
-@pytest.mark.parametrize("other", ["tenant", "adapter", "version", "tokens", "prompt_logprobs"])
+@pytest.mark.parametrize("other", ["tenant", "adapter", "version", "tokens", "prompt_logprobs", "salt", "unsalted"])
 def test_blocks_are_found_only_by_the_same_tenant_and_adapter_version_for_the_same_tokens(other):
     sched, pool = _sched()
-    _serve(sched, _seq(PROMPT, adapter="a@1"))
+    _serve(sched, _seq(PROMPT, adapter="a@1", cache_salt="user-1" if other == "unsalted" else None))
     kw = {"tenant": "globex" if other == "tenant" else "acme", "adapter": {"adapter": "b@1", "version": "a@2"}.get(
         other, "a@1")}
     if other == "prompt_logprobs":
         kw["prompt_logprobs"] = 1  # needs every position's logits
+    if other == "salt":
+        kw["cache_salt"] = "user-2"  # vLLM's cache_salt: one tenant's users kept apart
     tokens = [1, *PROMPT[1:]] if other == "tokens" else PROMPT
     assert _serve(sched, _seq(tokens, **kw)) == 10
+    pool.check()
+
+
+def test_requests_with_the_same_cache_salt_share_blocks():
+    sched, pool = _sched()
+    _serve(sched, _seq(PROMPT, cache_salt="user-1"))
+    assert _serve(sched, _seq(PROMPT, cache_salt="user-1")) == 2
     pool.check()
 
 
