@@ -258,6 +258,7 @@ class AdapterPlacement:
             entry.fetching.cancel()
         self._entries.pop(entry.key, None)
         self._quota_due.discard(entry.key)
+        self.on_dropped((entry.key, entry.serial))  # nothing computed with it is found again
 
     def _release_gpu(self, entry: AdapterEntry) -> None:
         slot = entry.slot

@@ -81,6 +81,7 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
         page_pool.set_reclaimer("adapter", self.reclaim_for_kv)
         self._lock = threading.RLock()
         self._entries: dict[str, AdapterEntry] = {}
+        self.on_dropped = lambda tag: None  # content_tag of each registration dropped (any thread): the prefix cache's
         # Entries pinned at some point (pruned as read): the KV room is asked per request, pinned ones are few.
         self._pinned_keys: set[str] = set()
         self._current: dict[str, str] = {}  # name -> key that resolve() answers

@@ -88,6 +88,7 @@ class Engine:
         )
         if (cache := self.block_manager.prefix_cache) is not None:
             cache.adapter_tag = self.adapter_pool.content_tag  # an adapter's KV is its registration's
+            self.adapter_pool.on_dropped = cache.drop_tag  # whose blocks are plain free pages once it is gone
         # A request that could never get its KV pages (its adapter's and pinned ones' taken off) is refused.
         self.kv_room = KVRoom(self.adapter_pool, num_pages=num_pages, block_size=config.block_size,
                               max_model_len=self.max_model_len)

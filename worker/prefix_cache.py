@@ -42,6 +42,7 @@ class PrefixCache:
         self._roots: dict[tuple, Block] = {}  # (tenant, cache salt, adapter tag) -> root
         self._by_page: dict[int, Block] = {}
         self._evicted: deque[int] = deque()  # idle pages the pool gave away (appended on any thread)
+        self._dropped: deque[Hashable] = deque()  # adapter tags whose registration went (appended on any thread)
         pool.on_evict = self._evicted.append
         self.queried_tokens = self.hit_tokens = 0  # tokens admitted sequences looked up, and found computed
         # What an adapter's KV depends on (AdapterPool.content_tag: its registration); KeyError: keep nothing.
@@ -125,19 +126,43 @@ class PrefixCache:
             if block.refs == 0:
                 self.pool.idle(block.page)
 
+    def drop_tag(self, tag: Hashable) -> None:
+        """The adapter registration `tag` (AdapterPool.content_tag) is gone: no sequence finds its blocks again, so
+        those idle now become plain free pages at the next drain, before any other idle one is given away (its
+        blocks still in use go idle as usual, taken after). Any thread."""
+        self._dropped.append(tag)
+
     def _drain(self) -> None:
         """Drop the blocks whose idle pages the pool gave away, with their descendants (unreachable now; idle too,
-        as a sequence using one would use its ancestors)."""
+        as a sequence using one would use its ancestors), and the idle blocks of adapter registrations gone."""
         while self._evicted:
             block = self._by_page.pop(self._evicted.popleft(), None)
             if block is None:
                 continue  # dropped already, with an ancestor
-            del block.parent.children[block.tokens]
-            if block.parent.page is None and not block.parent.children:
-                del self._roots[block.parent.tokens]
-            stack = list(block.children.values())
-            while stack:
-                child = stack.pop()
-                if self._by_page.pop(child.page, None) is child:
-                    self.pool.forget(child.page)
-                stack.extend(child.children.values())
+            self._cut(block)
+        while self._dropped:
+            tag = self._dropped.popleft()
+            for root in [r for key, r in self._roots.items() if key[2] == tag]:
+                stack = [root]
+                while stack:  # an idle block's descendants are idle: a sequence using one would use its ancestors
+                    for child in list(stack.pop().children.values()):
+                        if child.refs > 0:
+                            stack.append(child)
+                            continue
+                        if self._by_page.get(child.page) is child:  # else given away already, drained next time
+                            del self._by_page[child.page]
+                            self.pool.forget(child.page)
+                        self._cut(child)
+
+    def _cut(self, block: Block) -> None:
+        """`block`, dropped from the trie (its page already out of `_by_page`), and its descendants, whose idle
+        pages become plain free; a root left empty goes."""
+        del block.parent.children[block.tokens]
+        if block.parent.page is None and not block.parent.children:
+            del self._roots[block.parent.tokens]
+        stack = list(block.children.values())
+        while stack:
+            child = stack.pop()
+            if self._by_page.pop(child.page, None) is child:
+                self.pool.forget(child.page)
+            stack.extend(child.children.values())

@@ -228,6 +228,26 @@ def test_an_adapter_key_registered_again_with_other_weights_finds_none_of_the_ol
     assert got == fresh.generate([prompt], params, adapters=["qa"])[0].token_ids
 
 
+def test_the_blocks_of_a_dropped_registration_become_plain_free_pages(tiny_llama_dir):
+    """Once a registration is dropped nothing finds its blocks again: at the next lookup their idle pages are plain
+    free, not kept to be given away after the blocks that may still be hit. The base model's blocks stay."""
+    prompt = [(5 * j) % 50 + 3 for j in range(21)]
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    engine = _engine(tiny_llama_dir)
+    engine.generate([prompt], params, adapters=["qa"])
+    engine.generate([prompt], params, adapters=[None])
+    cache, pool = engine.block_manager.prefix_cache, engine.page_pool
+    kept = cache.num_blocks
+    assert kept >= 2 and pool.num_idle == kept
+    engine.adapter_pool.unregister("qa")
+    engine.generate([prompt[:2]], SamplingParams(max_tokens=1), adapters=[None])  # its lookup drains; it keeps none
+    assert cache.num_blocks == pool.num_idle == kept // 2  # the base model's only
+    assert len(cache._roots) == 1
+    assert engine.generate([prompt], params, adapters=[None])[0].token_ids  # still found
+    assert cache.hit_tokens >= 16
+    pool.check()
+
+
 def test_a_request_arriving_while_another_runs_finds_the_blocks_it_filled():
     sched, pool = _sched()
     first = _seq(PROMPT, max_tokens=50)
