@@ -17,6 +17,7 @@ from concurrent.futures import wait as wait_futures
 
 import torch
 
+from lorafleet.kernels.lora_layout import PROJS
 from lorafleet.worker.adapter_entry import AdapterEntry, AdapterLoadError
 from lorafleet.worker.adapter_image import pack_adapter
 from lorafleet.worker.engine_errors import is_failure
@@ -62,10 +63,37 @@ class AdapterLoading:
             if entry is None or entry.on_gpu:
                 self._wanted.pop(key, None)
             elif entry.image is None:
-                if entry.fetching is None:
+                if entry.fetching is None and self._may_read(entry):
                     self._start_fetch(entry)
             else:
                 self._try_place(entry)
+
+    def _may_read(self, entry: AdapterEntry) -> bool:
+        """Whether wanted `entry`'s read may start now. The images read for the GPU and not placed yet (every slot
+        busy) cannot be trimmed, so they and the reads in flight stay within the CPU tier's budget: a burst of cold
+        adapters waits to be read (the sweeps retry it) instead of filling host memory. Each loader group (the
+        asking tenant) may still have one read or waiting image whatever the budget, so no tenant's burst holds
+        another's adapter back."""
+        group = entry.asker or entry.tenant
+        total, count = self._read_sizes
+        guess = total // count if count else self._largest_image_bytes()
+        held, mine = 0, False
+        for key in self._inflight | self._read_waiting:  # both few: this bound keeps them so
+            e = self._entries.get(key)
+            if e is not None and e.fetching is not None:
+                held += e.image_bytes or guess
+            elif e is not None and e.image is not None and not e.on_gpu and key in self._wanted:
+                held += e.image.nbytes  # read for the GPU, not placed yet
+            else:
+                self._read_waiting.discard(key)
+                continue
+            mine = mine or e.read_for == group
+        return not mine or held + (entry.image_bytes or guess) <= self.config.cpu_budget_bytes
+
+    def _largest_image_bytes(self) -> int:
+        """The bytes of an image of the largest rank adapting every projection (a read of unknown size)."""
+        dims, elem = self.dims, self.page_pool.pool.element_size()
+        return dims.num_layers * self.config.max_rank * elem * sum(sum(dims.in_out(p)) for p in PROJS)
 
     def _pack(self, weights):
         return pack_adapter(weights.modules, self.dims, page_elems=self.page_pool.page_elems,
@@ -77,7 +105,7 @@ class AdapterLoading:
             return
         self._wanted.setdefault(entry.key, None)
         if entry.image is None:
-            if entry.fetching is None:
+            if entry.fetching is None and self._may_read(entry):
                 self._start_fetch(entry)
         elif not entry.on_gpu:
             self._try_place(entry)
@@ -108,6 +136,7 @@ class AdapterLoading:
         # Loader threads go to tenants in turn, to a load a request waits for before a warm-up (fair_executor.py).
         urgent = bool(entry.waiters) or entry.asked_anonymously
         group, entry.asker = entry.asker or entry.tenant, None
+        entry.read_for = group
         entry.fetching = future = self._executor.submit(group, job, urgent=urgent)
         self._jobs[future] = began
         executor = self._executor
@@ -168,6 +197,10 @@ class AdapterLoading:
         self._counts["loads"]["cpu"] += 1
         self._count("hits", "disk")
         self._loaded_from_disk(entry, seconds)
+        total, count = self._read_sizes
+        self._read_sizes = total + image.nbytes, count + 1
+        if entry.key in self._wanted:
+            self._read_waiting.add(entry.key)  # counted by _may_read until placed
         self._set_image(entry, image)
 
     def _loaded_from_disk(self, entry: AdapterEntry, seconds: float) -> None:
@@ -177,7 +210,7 @@ class AdapterLoading:
         self.metrics.load_seconds.labels("cpu").observe(seconds)
 
     def _set_image(self, entry: AdapterEntry, image) -> None:
-        entry.image = image
+        entry.image, entry.image_bytes = image, image.nbytes
         if entry.digest is None:  # its first image: later ones are held to the same digest, so the same ranks
             entry.digest, entry.max_rank = image.digest, image.max_rank
         self._trim_cpu(protect=entry)

@@ -294,3 +294,61 @@ def test_a_load_hung_for_good_holds_neither_shutdown_nor_the_process_exit():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout == "closed\n", done.stderr
+
+
+def test_a_burst_of_cold_adapters_waiting_for_a_slot_holds_the_cpu_budget_not_all_of_them():
+    """Every slot is busy and tenant A asks for six cold adapters at once: their images cannot be placed nor
+    trimmed, and each was read at once, so host memory held all six whatever the CPU budget (two images).
+    Now A's reads stop at the budget and wait to be read until room comes; tenant B's one read still starts at
+    once (one read per tenant goes whatever the budget), and every request is served as the slot turns over."""
+    probe = make_pool()
+    probe.add("probe@1", random_weights(0))
+    size = probe.entry("probe@1").image.nbytes
+    probe.close()
+    pool = make_pool(max_slots=1, num_load_threads=2, spare_load_threads=0, cpu_budget_bytes=2 * size)
+    reads, peak = [], [0]
+
+    def loader(key: str, seed: int):
+        def read():
+            reads.append(key)
+            return random_weights(seed)
+        return read
+
+    def settle():
+        """Poll until no read runs; the most image bytes the CPU tier ever held."""
+        deadline = time.monotonic() + 10
+        while pool.loads_in_flight() and time.monotonic() < deadline:
+            pool.poll()
+            peak[0] = max(peak[0], pool.stats()["bytes"]["cpu"])
+            time.sleep(0.005)
+        pool.poll()
+        peak[0] = max(peak[0], pool.stats()["bytes"]["cpu"])
+
+    try:
+        pool.add("busy@1", random_weights(99))
+        busy = pool.load("busy@1")
+        assert pool.acquire("busy@1") == busy  # the only slot, held by a running request
+        burst = [f"a{i}@1" for i in range(6)]
+        for seed, key in enumerate(burst + ["b@1"]):
+            pool.add(key, loader=loader(key, seed), tenant=key[0].upper())
+        for key in burst:
+            assert pool.acquire(key, waiter=key) is None
+        settle()
+        assert reads == burst[:2] and peak[0] <= 2 * size + size  # busy@1's own image and two waiting
+        assert pool.acquire("b@1", waiter="b@1") is None
+        settle()
+        assert reads == burst[:2] + ["b@1"]  # another tenant's read is not held back by A's burst
+        pool.release(busy)
+        served = []
+        deadline = time.monotonic() + 30
+        while len(served) < 7 and time.monotonic() < deadline:
+            for key in burst + ["b@1"]:
+                if key not in served and (slot := pool.acquire(key, waiter=key)) is not None:
+                    served.append(key)
+                    pool.release(slot)
+            settle()
+        assert sorted(served) == sorted(burst + ["b@1"])
+        assert peak[0] <= 4 * size, (peak[0], size)  # the budget, one read of B's, busy@1's image
+        pool.check()
+    finally:
+        pool.close()
