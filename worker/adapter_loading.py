@@ -12,6 +12,7 @@ It works on the pool's state (`_entries`, `_wanted`, `_inflight`, `_pending`, ..
 
 from __future__ import annotations
 
+import itertools
 import time
 from concurrent.futures import wait as wait_futures
 
@@ -58,37 +59,57 @@ class AdapterLoading:
         return changed
 
     def _sweep_wanted(self) -> None:
+        unread: dict[str, list[AdapterEntry]] = {}  # wanted and not read, by loader group: started in turns
         for key in list(self._wanted):
             entry = self._entries.get(key)
             if entry is None or entry.on_gpu:
                 self._wanted.pop(key, None)
             elif entry.image is None:
-                if entry.fetching is None and self._may_read(entry):
-                    self._start_fetch(entry)
+                if entry.fetching is None:
+                    unread.setdefault(entry.asker or entry.tenant, []).append(entry)
             else:
                 self._try_place(entry)
+        if not unread:
+            return
+        # Groups in turn, the one whose read started longest ago (or never) first: a tenant asking after another's
+        # backlog waits for one of its reads, not all of them. In that order, until the next does not fit.
+        held, guess = self._read_room()
+        turns = sorted(unread, key=lambda group: self._read_turns.get(group, 0))
+        for entry in (e for turn in itertools.zip_longest(*(unread[g] for g in turns)) for e in turn if e is not None):
+            size = entry.image_bytes or guess
+            if held and held + size > self.config.cpu_budget_bytes:
+                break
+            if entry.image is None and entry.fetching is None and not entry.on_gpu and entry.key in self._wanted:
+                self._start_fetch(entry)
+                held += size
 
-    def _may_read(self, entry: AdapterEntry) -> bool:
-        """Whether wanted `entry`'s read may start now. The images read for the GPU and not placed yet (every slot
-        busy) cannot be trimmed, so they and the reads in flight stay within the CPU tier's budget: a burst of cold
-        adapters waits to be read (the sweeps retry it) instead of filling host memory. Each loader group (the
-        asking tenant) may still have one read or waiting image whatever the budget, so no tenant's burst holds
-        another's adapter back."""
-        group = entry.asker or entry.tenant
+    def _read_room(self) -> tuple[int, int]:
+        """(bytes held for the GPU, the guess for a read of unknown size). The images read for the GPU and not
+        placed yet (every slot busy) cannot be trimmed, so they and the reads in flight for them stay within the
+        CPU tier's budget: a burst of cold adapters waits to be read (the sweeps start them as room comes)
+        instead of filling host memory; one read may always start when nothing is held. A read counts as its
+        image was, else as the mean image so far (before any: the largest an adapter can be). An image that
+        only its owner's adapters leaving the GPU can place (the owner's GPU quota is full, or the pinned version
+        it replaces is still in use) counts for nobody: no one's reads wait on another tenant's quota, and the
+        owner's other adapters are read, and placed or refused for themselves (such images are bounded by the
+        requests waiting for them)."""
         total, count = self._read_sizes
         guess = total // count if count else self._largest_image_bytes()
-        held, mine = 0, False
-        for key in self._inflight | self._read_waiting:  # both few: this bound keeps them so
+        held, owned = 0, None
+        for key in self._inflight | self._unplaced:  # both few: this bound keeps them so
             e = self._entries.get(key)
             if e is not None and e.fetching is not None:
                 held += e.image_bytes or guess
             elif e is not None and e.image is not None and not e.on_gpu and key in self._wanted:
-                held += e.image.nbytes  # read for the GPU, not placed yet
+                if owned is None:  # each owner's adapters on the GPU, once (requests ask at every step)
+                    owned = {}
+                    for other in self._slot_owner.values():
+                        owned.setdefault(other.tenant, []).append(other)
+                held_back = self._exceeds_quota(e, owned.get(e.tenant, [])) or self._gives_way_later(e)
+                held += 0 if held_back else e.image.nbytes
             else:
-                self._read_waiting.discard(key)
-                continue
-            mine = mine or e.read_for == group
-        return not mine or held + (entry.image_bytes or guess) <= self.config.cpu_budget_bytes
+                self._unplaced.discard(key)
+        return held, guess
 
     def _largest_image_bytes(self) -> int:
         """The bytes of an image of the largest rank adapting every projection (a read of unknown size)."""
@@ -105,9 +126,12 @@ class AdapterLoading:
             return
         self._wanted.setdefault(entry.key, None)
         if entry.image is None:
-            if entry.fetching is None and self._may_read(entry):
-                self._start_fetch(entry)
+            if entry.fetching is None:
+                held, guess = self._read_room()
+                if not held or held + (entry.image_bytes or guess) <= self.config.cpu_budget_bytes:
+                    self._start_fetch(entry)
         elif not entry.on_gpu:
+            self._unplaced.add(entry.key)  # counted by _read_room until placed
             self._try_place(entry)
 
     def _start_fetch(self, entry: AdapterEntry) -> None:
@@ -136,7 +160,8 @@ class AdapterLoading:
         # Loader threads go to tenants in turn, to a load a request waits for before a warm-up (fair_executor.py).
         urgent = bool(entry.waiters) or entry.asked_anonymously
         group, entry.asker = entry.asker or entry.tenant, None
-        entry.read_for = group
+        self._read_tick += 1
+        self._read_turns[group] = self._read_tick
         entry.fetching = future = self._executor.submit(group, job, urgent=urgent)
         self._jobs[future] = began
         executor = self._executor
@@ -197,10 +222,8 @@ class AdapterLoading:
         self._counts["loads"]["cpu"] += 1
         self._count("hits", "disk")
         self._loaded_from_disk(entry, seconds)
-        total, count = self._read_sizes
-        self._read_sizes = total + image.nbytes, count + 1
         if entry.key in self._wanted:
-            self._read_waiting.add(entry.key)  # counted by _may_read until placed
+            self._unplaced.add(entry.key)  # counted by _read_room until placed
         self._set_image(entry, image)
 
     def _loaded_from_disk(self, entry: AdapterEntry, seconds: float) -> None:
@@ -211,6 +234,8 @@ class AdapterLoading:
 
     def _set_image(self, entry: AdapterEntry, image) -> None:
         entry.image, entry.image_bytes = image, image.nbytes
+        total, count = self._read_sizes
+        self._read_sizes = total + image.nbytes, count + 1  # the mean: the guess for a read of unknown size
         if entry.digest is None:  # its first image: later ones are held to the same digest, so the same ranks
             entry.digest, entry.max_rank = image.digest, image.max_rank
         self._trim_cpu(protect=entry)
