@@ -67,6 +67,7 @@ class CompletionJob:
     score_only: bool = False  # echo with max_tokens 0: the one token generated is left out of the answer
     tool_calls: ToolCalls | None = None  # chat with tools (not tool_choice "none"): the output read for calls
     answer_id: str | None = None  # the answer's `id` where the caller named it (else request_id)
+    prompt_tokens_details: bool = False  # --enable-prompt-tokens-details: the whole answer's usage says cached_tokens
     created: int = field(default_factory=lambda: int(time.time()))
     arrived: float = field(default_factory=time.monotonic)
 
@@ -164,21 +165,21 @@ class CompletionJob:
                 count += entries(out.prompt_logprobs, o.prompt_logprobs)
         return count
 
-    def usage(self, completion_tokens: int, cached: dict[int, int], choice: int | None = None) -> dict[str, Any]:
+    def usage(self, completion_tokens: int, cached: dict[int, int] | None = None,
+              choice: int | None = None) -> dict[str, Any]:
         """The request's usage, or with `choice` that choice's: its prompt and its tokens (a stream's
         continuous_usage_stats, as vLLM counts them). `cached`: per choice, the prompt tokens its admission found
-        in the prefix cache (OpenAI's prompt_tokens_details.cached_tokens; a prompt's choices count the least)."""
+        in the prefix cache, which the whole answer's usage reports with --enable-prompt-tokens-details (OpenAI's
+        prompt_tokens_details.cached_tokens; a prompt's choices count the least any found)."""
         completion_tokens = 0 if self.score_only else completion_tokens
         prompts = sorted(set(self.choice_prompt)) if choice is None else [self.choice_prompt[choice]]
         prompt_tokens = sum(len(self.prompt_ids[p]) for p in prompts)
-        if choice is None:
-            cached_tokens = sum(min(cached.get(i, 0) for i, q in enumerate(self.choice_prompt) if q == p)
-                                for p in prompts)
-        else:
-            cached_tokens = cached.get(choice, 0)
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+        usage: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                                 "total_tokens": prompt_tokens + completion_tokens}
+        if self.prompt_tokens_details and choice is None and cached is not None:
+            usage["prompt_tokens_details"] = {"cached_tokens": sum(
+                min(cached.get(i, 0) for i, q in enumerate(self.choice_prompt) if q == p) for p in prompts)}
+        return usage
 
     def echo_text(self, tokenizer, p: int) -> str:
         """The text `echo` repeats for prompt `p`: a string prompt as sent, token ids decoded."""
@@ -248,8 +249,7 @@ class CompletionJob:
                              stop_reason=out.stop_reason if out.finished else None)
         chunk = self.envelope([choice], chunk=True)
         if self.options.include_usage:
-            continuous = self.options.continuous_usage
-            chunk["usage"] = self.usage(completion_tokens, {i: out.num_cached_tokens}, i) if continuous else None
+            chunk["usage"] = self.usage(completion_tokens, choice=i) if self.options.continuous_usage else None
         return chunk
 
     def envelope(self, choices: list[dict[str, Any]], *, chunk: bool) -> dict[str, Any]:

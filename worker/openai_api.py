@@ -129,7 +129,7 @@ async def _prepare(request: web.Request, endpoint: str,
     prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
     job = CompletionJob(endpoint, f"{prefix}-{uuid.uuid4().hex}", adapter or app[ADAPTERS].base_model, adapter,
                         prompt_ids, parsed.options, tenant=tenant, prompts=getattr(parsed, "prompts", None),
-                        tool_calls=tool_calls)
+                        tool_calls=tool_calls, prompt_tokens_details=app[CONFIG].enable_prompt_tokens_details)
     if parsed.options.request_id is not None:  # vLLM's: the answer is named by the caller's id
         job.answer_id = f"{prefix}-{parsed.options.request_id}"
     if adapter is not None and "@" not in parsed.model:

@@ -100,8 +100,8 @@ def _vllm_fields(f: Fields) -> tuple[str | None, str | None]:
     type-checked and ignored, those whose effect would be silently lost are accepted only at their no-op
     value; the caller's `request_id` and `cache_salt`."""
     cache_salt = f.string("cache_salt")
-    if cache_salt is not None and not 0 < len(cache_salt) <= MAX_REQUEST_ID:
-        raise bad_request(f"'cache_salt' must be 1 to {MAX_REQUEST_ID} characters", "cache_salt")
+    if cache_salt is not None and not cache_salt.strip():  # vLLM's: a non-empty string (any length the body allows)
+        raise bad_request("'cache_salt' must be a non-empty string", "cache_salt")
     f.flag("include_reasoning", True)  # the model has no reasoning mode: nothing is held back either way
     f.neutral("use_beam_search", False, "beam search is not implemented; use n")
     f.neutral("length_penalty", 1.0, "it applies to beam search, which is not implemented")

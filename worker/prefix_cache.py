@@ -42,7 +42,9 @@ class PrefixCache:
         self._roots: dict[tuple, Block] = {}  # (tenant, cache salt, adapter tag) -> root
         self._by_page: dict[int, Block] = {}
         self._evicted: deque[int] = deque()  # idle pages the pool gave away (appended on any thread)
-        self._dropped: deque[Hashable] = deque()  # adapter tags whose registration went (appended on any thread)
+        # (0, tenant) or (2, adapter tag) of roots gone: a tenant left the keys file, a registration was dropped
+        # (appended on any thread)
+        self._dropped: deque[tuple[int, Hashable]] = deque()
         pool.on_evict = self._evicted.append
         self.queried_tokens = self.hit_tokens = 0  # tokens admitted sequences looked up, and found computed
         # What an adapter's KV depends on (AdapterPool.content_tag: its registration); KeyError: keep nothing.
@@ -76,9 +78,20 @@ class PrefixCache:
             if (other is not seq and end <= min(other.num_computed_tokens + n, seq.num_tokens - 1)
                     and other.token_at(end - 1) == seq.token_at(end - 1)
                     and other.tokens(0, end) == seq.tokens(0, end)
-                    and (key := self._root_key(seq)) is not None and self._root_key(other) == key):
+                    and (key := self._root_key(seq)) is not None and self._root_key(other) == key
+                    and not self._kept(key, seq, end)):
                 return True
         return False
+
+    def _kept(self, key: tuple, seq: Sequence, end: int) -> bool:
+        """Whether the blocks of `seq`'s first `end` tokens are kept under `key` (its lookup finds them: another
+        computing them again, a prefill asking for prompt logprobs, is no reason to wait)."""
+        bs, node = self.block_size, self._roots.get(key)
+        for i in range(end // bs):
+            if node is None:
+                return False
+            node = node.children.get(tuple(seq.tokens(i * bs, (i + 1) * bs)))
+        return node is not None
 
     def grow(self, seq: Sequence) -> None:
         """`seq`'s full computed blocks past those it holds become kept blocks it holds (`seq.prefix_blocks`),
@@ -130,19 +143,24 @@ class PrefixCache:
         """The adapter registration `tag` (AdapterPool.content_tag) is gone: no sequence finds its blocks again, so
         those idle now become plain free pages at the next drain, before any other idle one is given away (its
         blocks still in use go idle as usual, taken after). Any thread."""
-        self._dropped.append(tag)
+        self._dropped.append((2, tag))
+
+    def drop_tenant(self, tenant: str) -> None:
+        """`tenant` left the keys file: its blocks go as a dropped registration's (`drop_tag`), so that whoever is
+        given its name later never finds them. Any thread."""
+        self._dropped.append((0, tenant))
 
     def _drain(self) -> None:
         """Drop the blocks whose idle pages the pool gave away, with their descendants (unreachable now; idle too,
-        as a sequence using one would use its ancestors), and the idle blocks of adapter registrations gone."""
+        as a sequence using one would use its ancestors), and the idle blocks of tenants and registrations gone."""
         while self._evicted:
             block = self._by_page.pop(self._evicted.popleft(), None)
             if block is None:
                 continue  # dropped already, with an ancestor
             self._cut(block)
         while self._dropped:
-            tag = self._dropped.popleft()
-            for root in [r for key, r in self._roots.items() if key[2] == tag]:
+            field, value = self._dropped.popleft()
+            for root in [r for key, r in self._roots.items() if key[field] == value]:
                 stack = [root]
                 while stack:  # an idle block's descendants are idle: a sequence using one would use its ancestors
                     for child in list(stack.pop().children.values()):

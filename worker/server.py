@@ -10,8 +10,7 @@ whose content cannot be served is raised as a StartupError naming the flag (work
 `python -m lorafleet.worker` exits 2 with that one line). Should the engine thread die, /healthz and
 /readyz turn 503. With an s3:// --adapters, /readyz stays 503 `loading_adapters` until the stager child's
 start-up adapters are registered (worker/startup_adapters.py). With --admin-port the admin routes are
-not on this app (404 here): a listener of their own serves them (worker/admin_listener.py). Every error
-leaves as an OpenAI-shaped body (`{"error": {...}}`).
+not on this app (404 here): a listener of their own serves them (worker/admin_listener.py). Errors are OpenAI's.
 """
 
 from __future__ import annotations
@@ -147,6 +146,8 @@ async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
     adapters.adopt(host, engine.adapter_dir_report.failed)  # those that failed: GET /admin/v1/state reports them
     app[ENGINE] = async_engine
     engine.scheduler.shared = lambda: several_tenants(app)  # a quarter of the seats stays for the other tenants
+    if (cache := engine.block_manager.prefix_cache) is not None:  # a name given again finds none of its blocks
+        app[TENANTS].on_gone = cache.drop_tenant
     app[HOST] = host
     app[ADAPTERS] = adapters
     if engine.adapter_pool is not None:

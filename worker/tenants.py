@@ -30,6 +30,7 @@ import hashlib
 import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -150,6 +151,7 @@ class Tenants:
         self._is_open = is_open
         self._path: Path | None = None  # the keys file, re-read when it changes
         self._stamp: tuple[int, int, int, int] | None = None
+        self.on_gone: Callable[[str], None] = lambda name: None  # each tenant a reload of the file left out
 
     @property
     def is_open(self) -> bool:
@@ -245,7 +247,10 @@ class Tenants:
         except TenantsError as exc:
             log.error("%s; the keys read before stay in force until the file is fixed", exc)
             return False
+        gone = set(self._names) - set(fresh._names)
         self._by_digest, self._names = fresh._by_digest, fresh._names
+        for name in sorted(gone):  # a name given again later is another customer: nothing of this one is shared
+            self.on_gone(name)
         log.info("API keys file %s changed: keys reloaded for tenants: %s", self._path, ", ".join(self.names))
         return True
 

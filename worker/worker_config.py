@@ -61,6 +61,10 @@ class WorkerConfig:
     admin_host: str | None = field(default=None, metadata=_help(
         "address the admin API listens on with --admin-port; default 127.0.0.1, so that only this machine (a "
         "pod's own containers: the stager sidecar) reaches it"))
+    enable_prompt_tokens_details: bool = field(default=False, metadata=_help(
+        "answers' usage carries prompt_tokens_details.cached_tokens, the prompt tokens found in the prefix cache "
+        "(vLLM's flag, off as there: with it, a caller learns exactly which of its tenant's prompts were sent "
+        "before; a tenant serving many users behind one key should have them send cache_salt)"))
     max_body_bytes: int = field(default=4 * 1024 * 1024,
                                 metadata=_help("largest accepted request body in bytes (larger: 413)"))
     max_queued_requests: int = field(

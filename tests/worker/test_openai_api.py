@@ -188,29 +188,37 @@ async def test_a_context_overflow_names_the_field_the_caller_sent(base_client):
         assert f"Lower {name}" in err.body["message"], err.body
 
 
-async def test_usage_reports_the_prompt_tokens_found_in_the_prefix_cache(base_client):
-    """OpenAI's usage.prompt_tokens_details.cached_tokens: the prompt tokens a request's admission found computed
-    (whole blocks of 16), none for a prompt seen first; a prompt's `n` choices count once, as the least any of
-    them found; the streamed usage chunk says the same."""
-    client = openai_client(str(base_client.make_url("/v1")))
+async def test_usage_reports_the_prompt_tokens_found_in_the_prefix_cache(aiohttp_client, tiny_llama_dir, base_client):
+    """With --enable-prompt-tokens-details (vLLM's; off by default, as there), OpenAI's
+    usage.prompt_tokens_details.cached_tokens: the prompt tokens a request's admission found computed (whole
+    blocks of 16), none for a prompt seen first; a prompt's `n` choices count once, as the least any of them
+    found (a choice finds what its sibling computed); the streamed usage chunk says the same, per-choice chunks
+    (continuous_usage_stats) leave it out, as vLLM's do; cache_salt keeps requests apart."""
+    config = WorkerConfig(engine=EngineConfig(model=str(tiny_llama_dir), dtype="float32", max_model_len=128),
+                          served_model_name="tiny", enable_prompt_tokens_details=True)
+    client = openai_client(str((await aiohttp_client(create_app(config))).make_url("/v1")))
     prompt = list(range(3, 43))  # 40 tokens: the first 32 (two whole blocks) are kept for the next request
     first = await client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0, n=2)
     assert (first.usage.prompt_tokens, first.usage.prompt_tokens_details.cached_tokens) == (40, 0)
     again = await client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0)
     assert again.usage.prompt_tokens_details.cached_tokens == 32
     assert [c.text for c in again.choices] == [first.choices[0].text]
-    stream = await client.completions.create(model="tiny", prompt=prompt[:20] + [7] * 20, max_tokens=2, stream=True,
-                                             stream_options={"include_usage": True}, temperature=0)
+    stream = await client.completions.create(
+        model="tiny", prompt=prompt[:20] + [7] * 20, max_tokens=2, stream=True, temperature=0, n=2,
+        stream_options={"include_usage": True, "continuous_usage_stats": True})
     usage = [chunk.usage async for chunk in stream if chunk.usage is not None]
-    assert [u.prompt_tokens_details.cached_tokens for u in usage] == [16]  # the first block only
+    assert [u.prompt_tokens_details.cached_tokens for u in usage if u.prompt_tokens_details] == [16]  # the end's
+    assert len(usage) > 1  # the per-choice chunks' usage, without details
     other = await client.completions.create(model="tiny", prompt=[9] + prompt[1:], max_tokens=2, temperature=0)
     assert other.usage.prompt_tokens_details.cached_tokens == 0  # its first block differs
-    salted = await client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0,
-                                             extra_body={"cache_salt": "user-1"})
-    assert salted.usage.prompt_tokens_details.cached_tokens == 0  # vLLM's cache_salt: shared only with its own
-    salted = await client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0,
-                                             extra_body={"cache_salt": "user-1"})
-    assert salted.usage.prompt_tokens_details.cached_tokens == 32
+    for expected in (0, 32):  # vLLM's cache_salt: shared only with requests of the same salt
+        salted = await client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0,
+                                                 extra_body={"cache_salt": "user-1"})
+        assert salted.usage.prompt_tokens_details.cached_tokens == expected
+    plain = openai_client(str(base_client.make_url("/v1")))  # without the flag: no details, as vLLM's default
+    for _ in range(2):
+        answer = await plain.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0)
+    assert answer.usage.prompt_tokens == 40 and answer.usage.prompt_tokens_details is None
 
 
 # ---- per-tenant admission ----------------------------------------------------------------------------

@@ -248,6 +248,22 @@ def test_the_blocks_of_a_dropped_registration_become_plain_free_pages(tiny_llama
     pool.check()
 
 
+def test_a_tenant_gone_from_the_keys_file_leaves_no_block_to_whoever_gets_its_name():
+    """A tenant's name given to another customer in a later keys file found the blocks of the first one's prompts
+    (its `cached_tokens` told it what they had sent). Once the name leaves the file its blocks are plain free
+    pages; another tenant's stay."""
+    sched, pool = _sched()
+    _serve(sched, _seq(PROMPT, tenant="acme"))
+    _serve(sched, _seq(PROMPT, tenant="globex"))
+    cache = sched.block_manager.prefix_cache
+    kept = cache.num_blocks
+    cache.drop_tenant("acme")
+    assert _serve(sched, _seq(PROMPT, tenant="acme")) == 10
+    assert _serve(sched, _seq(PROMPT, tenant="globex")) == 2
+    assert cache.num_blocks == kept and pool.num_idle == kept  # acme's own again, computed afresh
+    pool.check()
+
+
 def test_a_request_arriving_while_another_runs_finds_the_blocks_it_filled():
     sched, pool = _sched()
     first = _seq(PROMPT, max_tokens=50)
@@ -323,6 +339,22 @@ def test_requests_sharing_a_prompt_admitted_together_compute_it_once(first_score
             if len(s.output_token_ids) >= 3 and not s.is_finished:
                 sched.finish(s, "length")
     assert computed == 30 + 2 * 2
+    pool.check()
+
+
+def test_no_request_waits_for_blocks_another_computes_again_that_are_kept_already():
+    """A request asking for prompt logprobs computes its whole prompt though its blocks are kept. A request whose
+    lookup finds those blocks waited for the step that computed them again (and so did those of its tenant queued
+    behind it, even unrelated ones, at every chunk of a chunked prompt); they go in the same step."""
+    sched, pool = _sched(num_pages=64, max_num_batched_tokens=100)
+    prompt = list(range(100, 180))  # 80 tokens: 20 blocks
+    _serve(sched, _seq(prompt, max_tokens=1))
+    scorer, again, unrelated = _seq(prompt, max_tokens=1, prompt_logprobs=1), _seq(prompt, max_tokens=1), _seq([1, 2, 3])
+    for seq in (scorer, again, unrelated):
+        sched.add(seq)
+    batch = _run_step(sched)
+    assert [s for s, _ in batch.scheduled] == [scorer, again, unrelated]
+    assert again.num_cached_tokens == 76
     pool.check()
 
 

@@ -110,6 +110,21 @@ def test_a_rewritten_keys_file_takes_effect_without_a_restart(tmp_path):
     assert tenants.authenticate("Bearer sk-new").may_use("chat")
 
 
+def test_a_reload_names_each_tenant_it_left_out(tmp_path):
+    """A name left out of the keys file may be given to another customer later: the engine forgets what it kept
+    for it (its prefix-cache blocks). A key rotation leaves the tenant in, and so its blocks."""
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps(KEYS))
+    tenants, gone = Tenants.from_file(path), []
+    tenants.on_gone = gone.append
+    rotated = {"tenants": {name: {**spec, "keys": [f"{k}-2" for k in spec["keys"]]}
+                           for name, spec in KEYS["tenants"].items()}}
+    path.write_text(json.dumps(rotated))
+    assert tenants.reload_if_changed() and gone == []
+    path.write_text(json.dumps({"tenants": {"acme": rotated["tenants"]["acme"]}}))
+    assert tenants.reload_if_changed() and gone == sorted(set(KEYS["tenants"]) - {"acme"})
+
+
 @pytest.mark.parametrize("broken", ["{not json", b'{"tenants": {"acme": {"keys": ["sk-\xff"]}}}', None],
                          ids=["not-json", "not-utf8", "deleted"])
 def test_a_keys_file_that_turns_bad_keeps_the_last_good_keys(tmp_path, broken):
