@@ -5,18 +5,17 @@ arguments) holds the output to a schema while it is sampled, so only what the gr
 token is taken. Each keyword is enforced, an annotation, or refused with an error naming it and where it
 is: a schema is never silently weakened.
 
-Enforced: `type` (one or a list of string, number, integer, boolean, null, object, array), `properties`,
-`required`, `additionalProperties` (false, true or a schema), `patternProperties`, `propertyNames` (an enum,
-or a string's pattern, format and lengths: json_schema_keys.py), `minProperties`, `maxProperties`, `items`,
-`prefixItems`, `minItems`, `maxItems`, `uniqueItems` (of enum or const items, or strings and numbers free of
-patterns, lengths and bounds), `minLength`, `maxLength`,
-`minimum`, `maximum`, `exclusiveMinimum`, `exclusiveMaximum`, `multipleOf` (json_schema_bounds.py), `pattern`
-(regex_grammar.py; beside a length, regex_length.py), `format` date/time/date-time/uuid/ipv4/email (as
-patterns, held to lengths too; beside a pattern, annotations), `oneOf` of disjoint alternatives (json_schema_unions.py), `enum`,
-`const`, `anyOf`, `allOf` of one schema, `nullable` (OpenAPI's: adds null), and `$ref` to `#`,
-`#/$defs/...` or `#/definitions/...` (recursion included). Annotations (never checked): title, description,
-default, examples, other formats, deprecated, readOnly, writeOnly, $schema, $id, $comment, contentEncoding,
-contentMediaType, discriminator (oneOf's disjointness is checked instead).
+Enforced: `type` (one or a list of string, number, integer, boolean, null, object, array), `properties`, `required`,
+`additionalProperties` (false, true or a schema), `patternProperties`, `propertyNames` (an enum, or a string's
+pattern, format and lengths: json_schema_keys.py), `minProperties`, `maxProperties`, `items`, `prefixItems`,
+`minItems`, `maxItems`, `uniqueItems` (of enum or const items, or strings and numbers free of patterns, lengths and
+bounds), `minLength`, `maxLength`, `minimum`, `maximum`, `exclusiveMinimum`, `exclusiveMaximum`, `multipleOf`
+(json_schema_bounds.py), `pattern` (regex_grammar.py; beside a length, regex_length.py), `format`
+date/time/date-time/uuid/ipv4/email (as patterns, held to lengths too; beside a pattern, annotations), `oneOf` of
+disjoint alternatives (json_schema_unions.py), `enum`, `const`, `anyOf`, `allOf` of one schema, `nullable`
+(OpenAPI's: adds null), and `$ref` to `#`, `#/$defs/...` or `#/definitions/...` (recursion included). Annotations
+(never checked): title, description, default, examples, other formats, deprecated, readOnly, writeOnly, $schema,
+$id, $comment, contentEncoding, contentMediaType, discriminator (oneOf's disjointness is checked instead).
 
 Where the schema is silent, the output is held as a strict reader of it would expect (as vLLM's xgrammar
 backend does by default): an object schema that lists `properties` or `patternProperties` takes no other key
@@ -41,6 +40,7 @@ from typing import Any
 
 from lorafleet.worker.json_schema_bounds import (
     BOUND_KEYWORDS,
+    FORMATS,
     LENGTH_KEYWORDS,
     TYPES,
     Bounds,
@@ -166,8 +166,8 @@ class JsonSchema:
         unknown = sorted(set(s) - ENFORCED - ANNOTATIONS)
         if unknown:
             raise SchemaError(f"{where}: {', '.join(unknown)} cannot be enforced while sampling; this server holds the "
-                              f"output to {', '.join(sorted(ENFORCED - {'$defs', 'definitions'}))} (and ignores annotations "
-                              "such as title, description and format)")
+                              f"output to {', '.join(sorted(ENFORCED - {'$defs', 'definitions'}))} and format {', '.join(sorted(FORMATS))} "
+                              "(it ignores other formats and annotations such as title and description)")
         enforced = sorted(set(s) & (ENFORCED - {"$defs", "definitions"}))
         for kw in ("$ref", *ALTERNATIVES):
             if kw in s and enforced != [kw]:

@@ -152,7 +152,8 @@ def _engine_error(exc: BaseException, job: CompletionJob, request: web.Request) 
             adapters.mark_failed(exc.key, exc.reason)
         return APIError(503, f"adapter {exc.key} failed to load: {adapters.redact(exc.reason, job.tenant)}",
                         type="service_unavailable", code="adapter_load_failed", param="model",
-                        headers={"Retry-After": "5"} if exc.retryable else None)
+                        # a version that cannot load by itself: the official clients would retry the 503 twice
+                        headers={"Retry-After": "5"} if exc.retryable else {"x-should-retry": "false"})
     message = adapters.redact(str(exc), job.tenant)
     if isinstance(exc, ContextLengthError):  # its adapter and pinned ones leave too little of the pool
         param = "min_tokens" if exc.min_tokens else job.length_param(exc.prompt_alone)
@@ -313,8 +314,8 @@ async def _stream(request: web.Request, job: CompletionJob, outputs: AsyncIterat
                                               completion_tokens=choice_tokens[i])
                     if first and out.prompt_logprobs and job.options.echo:  # the prompt's logprobs: off the loop
                         await send(await asyncio.to_thread(lambda b=build: _encoded(b())))
-                    else:
-                        await send(build())
+                    elif not _empty_delta(chunk := build()):
+                        await send(chunk)
         except asyncio.CancelledError:
             raise
         except ConnectionError:
@@ -342,6 +343,14 @@ async def _stream(request: web.Request, job: CompletionJob, outputs: AsyncIterat
     except ConnectionError:
         raise asyncio.CancelledError from None  # the client left before the end
     return response, failure
+
+
+def _empty_delta(chunk: dict[str, Any]) -> bool:
+    """A chat chunk that says nothing (text held back: a stop string or a tool call it may begin, part of a
+    character): not sent, as vLLM sends none."""
+    choice = chunk["choices"][0]
+    return (choice.get("delta") == {} and choice["logprobs"] is None and choice["finish_reason"] is None
+            and not chunk.get("usage"))
 
 
 async def list_models(request: web.Request) -> web.Response:

@@ -87,7 +87,8 @@ class VersionUnavailable(APIError):
     """503: the version `key` the request resolved to failed to load (its request series count it)."""
 
     def __init__(self, key: str, message: str) -> None:
-        super().__init__(503, message, type="service_unavailable", code="adapter_load_failed", param="model")
+        super().__init__(503, message, type="service_unavailable", code="adapter_load_failed", param="model",
+                         headers={"x-should-retry": "false"})  # it cannot load by itself: no client retry helps
         self.key = key
 
 
@@ -335,7 +336,10 @@ class ServedAdapters:
     def load(self, name: str, path: str, engine: AdapterHost, sha256: str | None = None) -> str:
         """vLLM's load_lora_adapter: register `name` from a local path (its files hashing to `sha256`, when
         given); answers `name@version`."""
-        if name in self._adapters or name == self.base_model:
+        if name == self.base_model:
+            raise APIError(400, f"adapter name {name!r} is the served model name of the base model; give the adapter "
+                                "another name", code="adapter_exists", param="lora_name")
+        if name in self._adapters:
             raise APIError(400, f"The lora adapter '{name}' has already been loaded; unload it first.",
                            code="adapter_exists", param="lora_name")
         try:

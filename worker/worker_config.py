@@ -52,8 +52,8 @@ class WorkerConfig:
         default=None, metadata=_help("JSON/YAML file mapping API keys to tenants and their adapters; unset = "
                                      "development mode, open to everyone"))
     admin_token: str | None = field(
-        default=None, metadata=_help("bearer token for /admin/v1/* and /v1/load_lora_adapter; unset = the "
-                                     "admin API refuses every call"))
+        default=None, metadata=_help("bearer token for /admin/v1/* and /v1/load_lora_adapter, at least 8 "
+                                     "characters; unset = the admin API refuses every call"))
     admin_port: int | None = field(default=None, metadata=_help(
         "serve the admin API (/admin/v1/*, /v1/load_lora_adapter, /v1/unload_lora_adapter) on this port of its "
         "own, on --admin-host, and no longer on --port, where it then answers 404 (0 = any free port, logged); "

@@ -174,12 +174,14 @@ def test_only_a_load_failure_that_cannot_pass_by_itself_is_remembered(retryable)
     job = SimpleNamespace(model="sql", tenant=ACME)
     err = _engine_error(AdapterLoadError("sql@v1", "load failed: disk read error", retryable=retryable), job, request)
     assert (err.status, err.code) == (503, "adapter_load_failed") and bool(err.headers.get("Retry-After")) == retryable
+    # one that cannot pass by itself tells the official clients not to retry it (they would, twice, by default)
+    assert err.headers.get("x-should-retry") == (None if retryable else "false")
     if retryable:
         assert request.app[ADAPTERS].resolve("sql", ACME, None) == "sql@v1"
     else:
         with pytest.raises(APIError, match="disk read error") as answer:
             request.app[ADAPTERS].resolve("sql", ACME, None)
-        assert answer.value.status == 503
+        assert answer.value.status == 503 and answer.value.headers.get("x-should-retry") == "false"
 
 
 def test_a_load_failure_shows_no_folder_of_the_worker_s_disk():

@@ -138,6 +138,7 @@ def test_a_pydantic_models_strict_schema_compiles_and_holds():
     ({"anyOf": [{"type": "object"}, {"type": "integer"}]}, "top-level schema may describe a number"),
     ({"enum": [1, 2]}, "top-level"),
     ({"type": "string", "format": "email", "contentSchema": {}}, "#: contentSchema cannot be enforced"),
+    ({"type": "string", "contentSchema": {}}, "and format date, date-time, email, ipv4, time, uuid (it ignores other"),
     ({"type": "object", "properties": {"n": {"type": "array", "uniqueItems": True}}}, "#.properties.n: uniqueItems"),
     ({"type": "array", "items": {"type": "object", "dependentRequired": {"a": ["b"]}}}, "#.items: dependentRequired"),
     ({"type": "object", "patternProperties": [{}]}, "#.patternProperties must be an object of schemas"),

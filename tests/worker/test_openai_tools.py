@@ -185,3 +185,15 @@ async def test_bad_tool_fields_are_400_over_http(api):
         await api.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER],
                                           tool_choice={"type": "function", "function": {"name": "other"}})
     assert err.value.body["param"] == "tool_choice" and "not in 'tools'" in err.value.body["message"]
+
+
+async def test_a_stream_sends_no_chunk_while_it_holds_text_back(aiohttp_client, tools_model):
+    """While the parser holds back text that may begin a call (llama3_json: a JSON mode output, all of it), each
+    token went out as a chunk with an empty delta; as vLLM, none is sent, and the text arrives all the same."""
+    api = await _api(aiohttp_client, tools_model, tool_call_parser="llama3_json")
+    body = {"model": "tiny", "messages": USER, "tools": [WEATHER], "seed": 7, "max_tokens": 24,
+            "response_format": {"type": "json_object"}}
+    resp = await api.chat.completions.create(**body)
+    chunks = [c async for chunk in await api.chat.completions.create(**body, stream=True) for c in chunk.choices]
+    assert not [c for c in chunks if not c.delta.model_dump(exclude_none=True) and c.finish_reason is None]
+    assert "".join(c.delta.content or "" for c in chunks) == resp.choices[0].message.content

@@ -215,6 +215,9 @@ def test_vllm_load_unload():
     with pytest.raises(APIError) as exc:
         served.unload("x", host)
     assert exc.value.status == 404
+    with pytest.raises(APIError) as exc:  # not "already loaded; unload it first": unloading the base model is a 404
+        served.load("base", "/p/x", host)
+    assert exc.value.status == 400 and "served model name of the base model" in exc.value.message
 
 
 class CrashingHost(RecordingHost):
