@@ -79,7 +79,6 @@ class AdapterEntry:
     detached: set = field(default_factory=set)
     retire_pending: str | None = None
     load_seconds: float = 0.0  # last disk->CPU load
-    image_bytes: int = 0  # its image's bytes, once read (what a read of it again will hold)
     serial: int = field(default_factory=lambda: next(_serials))  # this registration's, unique: a key dropped and
     # registered again may carry other weights (prefix_cache.py keeps KV per registration)
     copy_seconds: float = 0.0  # last CPU->GPU copy

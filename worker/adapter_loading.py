@@ -12,13 +12,11 @@ It works on the pool's state (`_entries`, `_wanted`, `_inflight`, `_pending`, ..
 
 from __future__ import annotations
 
-import itertools
 import time
 from concurrent.futures import wait as wait_futures
 
 import torch
 
-from lorafleet.kernels.lora_layout import PROJS
 from lorafleet.worker.adapter_entry import AdapterEntry, AdapterLoadError
 from lorafleet.worker.adapter_image import pack_adapter
 from lorafleet.worker.engine_errors import is_failure
@@ -59,62 +57,15 @@ class AdapterLoading:
         return changed
 
     def _sweep_wanted(self) -> None:
-        unread: dict[str, list[AdapterEntry]] = {}  # wanted and not read, by loader group: started in turns
         for key in list(self._wanted):
             entry = self._entries.get(key)
             if entry is None or entry.on_gpu:
                 self._wanted.pop(key, None)
             elif entry.image is None:
                 if entry.fetching is None:
-                    unread.setdefault(entry.asker or entry.tenant, []).append(entry)
+                    self._start_fetch(entry)
             else:
                 self._try_place(entry)
-        if not unread:
-            return
-        # Groups in turn, the one whose read started longest ago (or never) first: a tenant asking after another's
-        # backlog waits for one of its reads, not all of them. In that order, until the next does not fit.
-        held, guess = self._read_room()
-        turns = sorted(unread, key=lambda group: self._read_turns.get(group, 0))
-        for entry in (e for turn in itertools.zip_longest(*(unread[g] for g in turns)) for e in turn if e is not None):
-            size = entry.image_bytes or guess
-            if held and held + size > self.config.cpu_budget_bytes:
-                break
-            if entry.image is None and entry.fetching is None and not entry.on_gpu and entry.key in self._wanted:
-                self._start_fetch(entry)
-                held += size
-
-    def _read_room(self) -> tuple[int, int]:
-        """(bytes held for the GPU, the guess for a read of unknown size). The images read for the GPU and not
-        placed yet (every slot busy) cannot be trimmed, so they and the reads in flight for them stay within the
-        CPU tier's budget: a burst of cold adapters waits to be read (the sweeps start them as room comes)
-        instead of filling host memory; one read may always start when nothing is held. A read counts as its
-        image was, else as the mean image so far (before any: the largest an adapter can be). An image that
-        only its owner's adapters leaving the GPU can place (the owner's GPU quota is full, or the pinned version
-        it replaces is still in use) counts for nobody: no one's reads wait on another tenant's quota, and the
-        owner's other adapters are read, and placed or refused for themselves (such images are bounded by the
-        requests waiting for them)."""
-        total, count = self._read_sizes
-        guess = total // count if count else self._largest_image_bytes()
-        held, owned = 0, None
-        for key in self._inflight | self._unplaced:  # both few: this bound keeps them so
-            e = self._entries.get(key)
-            if e is not None and e.fetching is not None:
-                held += e.image_bytes or guess
-            elif e is not None and e.image is not None and not e.on_gpu and key in self._wanted:
-                if owned is None:  # each owner's adapters on the GPU, once (requests ask at every step)
-                    owned = {}
-                    for other in self._slot_owner.values():
-                        owned.setdefault(other.tenant, []).append(other)
-                held_back = self._exceeds_quota(e, owned.get(e.tenant, [])) or self._gives_way_later(e)
-                held += 0 if held_back else e.image.nbytes
-            else:
-                self._unplaced.discard(key)
-        return held, guess
-
-    def _largest_image_bytes(self) -> int:
-        """The bytes of an image of the largest rank adapting every projection (a read of unknown size)."""
-        dims, elem = self.dims, self.page_pool.pool.element_size()
-        return dims.num_layers * self.config.max_rank * elem * sum(sum(dims.in_out(p)) for p in PROJS)
 
     def _pack(self, weights):
         return pack_adapter(weights.modules, self.dims, page_elems=self.page_pool.page_elems,
@@ -127,11 +78,8 @@ class AdapterLoading:
         self._wanted.setdefault(entry.key, None)
         if entry.image is None:
             if entry.fetching is None:
-                held, guess = self._read_room()
-                if not held or held + (entry.image_bytes or guess) <= self.config.cpu_budget_bytes:
-                    self._start_fetch(entry)
+                self._start_fetch(entry)
         elif not entry.on_gpu:
-            self._unplaced.add(entry.key)  # counted by _read_room until placed
             self._try_place(entry)
 
     def _start_fetch(self, entry: AdapterEntry) -> None:
@@ -160,8 +108,6 @@ class AdapterLoading:
         # Loader threads go to tenants in turn, to a load a request waits for before a warm-up (fair_executor.py).
         urgent = bool(entry.waiters) or entry.asked_anonymously
         group, entry.asker = entry.asker or entry.tenant, None
-        self._read_tick += 1
-        self._read_turns[group] = self._read_tick
         entry.fetching = future = self._executor.submit(group, job, urgent=urgent)
         self._jobs[future] = began
         executor = self._executor
@@ -222,8 +168,6 @@ class AdapterLoading:
         self._counts["loads"]["cpu"] += 1
         self._count("hits", "disk")
         self._loaded_from_disk(entry, seconds)
-        if entry.key in self._wanted:
-            self._unplaced.add(entry.key)  # counted by _read_room until placed
         self._set_image(entry, image)
 
     def _loaded_from_disk(self, entry: AdapterEntry, seconds: float) -> None:
@@ -233,9 +177,7 @@ class AdapterLoading:
         self.metrics.load_seconds.labels("cpu").observe(seconds)
 
     def _set_image(self, entry: AdapterEntry, image) -> None:
-        entry.image, entry.image_bytes = image, image.nbytes
-        total, count = self._read_sizes
-        self._read_sizes = total + image.nbytes, count + 1  # the mean: the guess for a read of unknown size
+        entry.image = image
         if entry.digest is None:  # its first image: later ones are held to the same digest, so the same ranks
             entry.digest, entry.max_rank = image.digest, image.max_rank
         self._trim_cpu(protect=entry)

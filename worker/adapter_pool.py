@@ -94,10 +94,6 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
         self._quota_due: set[str] = set()  # keys whose owner changed while in use or copying (set_tenant)
         self._failures: deque[tuple[str, AdapterLoadError]] = deque(maxlen=100)
         self._inflight: set[str] = set()  # keys with a load or copy running
-        self._unplaced: set[str] = set()  # keys wanted on the GPU with an image, maybe placed since (pruned as read)
-        self._read_sizes = (0, 0)  # bytes and number of images read: the guess for a read of unknown size
-        self._read_turns: dict[str, int] = {}  # loader group -> when its last read started (_read_tick)
-        self._read_tick = 0
         self._tick = 0
         self._warm: dict[str, WarmState] = {}  # versions a directive keeps warm (adapter_warmth.py)
         self._pinned_retry: dict[str, WarmState] = {}  # pinned versions off the GPU: their backoff (same)

@@ -294,4 +294,3 @@ def test_a_load_hung_for_good_holds_neither_shutdown_nor_the_process_exit():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout == "closed\n", done.stderr
-
