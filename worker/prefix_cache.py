@@ -21,7 +21,7 @@ made on the engine's thread.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 
 from lorafleet.worker.page_pool import PagePool
 from lorafleet.worker.sequence import Sequence
@@ -57,15 +57,23 @@ class PrefixCache:
     def lookup(self, seq: Sequence) -> list[Block]:
         """The kept blocks `seq`'s tokens begin with (all but its last token), each now used by it once more."""
         self._drain()
-        bs, node, found = self.block_size, self._roots.get(self._root_key(seq)), []
-        for i in range((seq.num_tokens - 1) // bs if node is not None else 0):
-            child = node.children.get(tuple(seq.tokens(i * bs, (i + 1) * bs)))
-            if child is None or (child.refs == 0 and not self.pool.reuse(child.page)):
-                break  # not kept, or given away since the drain (dropped at the next)
+        found = []
+        for child in self._path(self._roots.get(self._root_key(seq)), seq, (seq.num_tokens - 1) // self.block_size):
+            if child.refs == 0 and not self.pool.reuse(child.page):
+                break  # given away since the drain (dropped at the next)
             child.refs += 1
             found.append(child)
-            node = child
         return found
+
+    def _path(self, node: Block | None, seq: Sequence, count: int) -> Iterator[Block]:
+        """The kept blocks under `node` that `seq`'s first `count` blocks of tokens run through, up to the first
+        not kept."""
+        bs = self.block_size
+        for i in range(count if node is not None else 0):
+            node = node.children.get(tuple(seq.tokens(i * bs, (i + 1) * bs)))
+            if node is None:
+                return
+            yield node
 
     def filled_by_another(self, seq: Sequence, prefills: list[tuple[Sequence, int]]) -> bool:
         """One of this step's `prefills` fills a block of waiting `seq`'s tokens (a full block before its last
@@ -86,12 +94,8 @@ class PrefixCache:
     def _kept(self, key: tuple, seq: Sequence, end: int) -> bool:
         """Whether the blocks of `seq`'s first `end` tokens are kept under `key` (its lookup finds them: another
         computing them again, a prefill asking for prompt logprobs, is no reason to wait)."""
-        bs, node = self.block_size, self._roots.get(key)
-        for i in range(end // bs):
-            if node is None:
-                return False
-            node = node.children.get(tuple(seq.tokens(i * bs, (i + 1) * bs)))
-        return node is not None
+        count = end // self.block_size
+        return sum(1 for _ in self._path(self._roots.get(key), seq, count)) == count
 
     def grow(self, seq: Sequence) -> None:
         """`seq`'s full computed blocks past those it holds become kept blocks it holds (`seq.prefix_blocks`),
