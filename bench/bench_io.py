@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 
@@ -14,3 +15,10 @@ def write_json(out_dir: str | Path, stem: str, date: str, device: str, res: dict
     path.write_text(json.dumps(res, indent=1))
     print(f"wrote {path}")
     return path
+
+
+def device_tag(name: str) -> str:
+    """A GPU's short name for file names: "NVIDIA H100 80GB HBM3" -> "h100", "NVIDIA H200" -> "h200" (the first
+    model-number word; else the last word), "cpu" for a CPU run."""
+    found = re.search(r"\b[A-Z]+\d+[A-Za-z]*\b", name)
+    return (found.group(0) if found else name.split()[-1]).lower()

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
+from bench_io import device_tag  # same folder
 from kernel_floor import kernel_bytes, read_range, structure_floor  # same folder
 from kernel_setup import Timer, copy_bandwidth, recorded_command  # same folder
 
@@ -154,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     for mode, res in chains.items():
         res["x_floor"] = res["chain4_us"] / floor["floor_us"]
         print(f"{mode}: per group {[round(t, 1) for t in res['group_us']]} us, variants (cluster, block, unroll, warps) {res['variants']}")
-    name = f"kernels_cluster_floor_{datetime.date.today():%Y%m%d}_{torch.cuda.get_device_name().split()[-1].lower()}"
+    name = f"kernels_cluster_floor_{datetime.date.today():%Y%m%d}_{device_tag(torch.cuda.get_device_name())}"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps({"date": f"{datetime.date.today()}", "command": recorded_command(), "device": torch.cuda.get_device_name(),

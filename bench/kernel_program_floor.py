@@ -27,7 +27,7 @@ import sys
 import torch
 import triton
 import triton.language as tl
-from bench_io import write_json  # same folder
+from bench_io import device_tag, write_json  # same folder
 from kernel_floor import read_range, structure_floor  # same folder
 from kernel_setup import DIMS, GROUPS, Timer, copy_bandwidth, cuda_bench_args, recorded_command  # same folder
 
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
                                            "chain4_x_floor": chain / floor["floor_us"]}  # fmt: skip
             print(f"{name} split {split}: groups {[round(t, 2) for t, _ in best]} us, chain of 4 {chain:.2f} us = "
                   f"{chain / floor['floor_us']:.2f}x the floor {floor['floor_us']:.2f} us", flush=True)
-    write_json(args.out, "kernels_program_floor", res["date"], torch.cuda.get_device_name().split()[-1].lower(), res)
+    write_json(args.out, "kernels_program_floor", res["date"], device_tag(torch.cuda.get_device_name()), res)
     return 0
 
 

@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import triton
+from bench_io import device_tag  # same folder
 from kernel_floor import chain_latency, structure_floor  # same folder
 from kernel_setup import (  # same folder
     ADAPTERS,
@@ -443,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{r.get('triton_per_token_us', float('nan')):>9.1f} {r.get('reference_us', float('nan')):>8.0f} {r.get('gather_bmm_us', float('nan')):>9.1f} {r.get('loop_us', float('nan')):>9.0f} {base[r['tokens']]:>8.1f}"
         )
     print(json.dumps(summary, indent=1))
-    name = f"kernels_{datetime.date.today():%Y%m%d}_{torch.cuda.get_device_name().split()[-1].lower()}"
+    name = f"kernels_{datetime.date.today():%Y%m%d}_{device_tag(torch.cuda.get_device_name())}"
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     result = {"date": f"{datetime.date.today()}", "command": recorded_command(), "segment_len": args.segment_len,

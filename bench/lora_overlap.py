@@ -26,6 +26,7 @@ from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
+from bench_io import device_tag  # same folder
 
 from lorafleet.kernels.lora_layout import make_lora_batch
 from lorafleet.worker.lora_linear import lora_linear
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{(overlap - base) / floor:>13.2f} {(overlap - base) / base:>12.3f}", flush=True)
         del layer
         torch.cuda.empty_cache()
-    name = f"lora_overlap_{datetime.date.today():%Y%m%d}_{torch.cuda.get_device_name().split()[-1].lower()}"
+    name = f"lora_overlap_{datetime.date.today():%Y%m%d}_{device_tag(torch.cuda.get_device_name())}"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps({"date": f"{datetime.date.today()}", "command": kb.recorded_command(),

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_io import write_json  # same folder
+from bench_io import device_tag, write_json  # same folder
 from engine_throughput import register_random_adapters
 
 from lorafleet.worker import Engine, EngineConfig, SamplingParams
@@ -102,11 +102,10 @@ def main() -> None:
     print(f"wall time off/on: {rows[0]['wall_s'] / rows[1]['wall_s']:.2f}x; TTFT off/on: "
           f"{rows[0]['mean_ttft_s'] / rows[1]['mean_ttft_s']:.2f}x; same tokens: {same}")
     gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
-    device = next((d for d in ("h200", "h100") if d in gpu.lower()), gpu.split()[-1].lower())
     shown = {**vars(args), "model": Path(args.model).name, "out": None}  # no path of this machine in the results
     res = {"date": datetime.date.today().isoformat(), "gpu": gpu, "args": shown, "same_tokens": same,
            "runs": [{k: v for k, v in r.items() if k != "tokens"} for r in rows]}
-    write_json(args.out, "prefix_cache", res["date"], device, res)
+    write_json(args.out, "prefix_cache", res["date"], device_tag(gpu), res)
 
 
 if __name__ == "__main__":

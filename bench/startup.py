@@ -31,6 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_io import device_tag  # same folder
+
 _PHASES = {"compile ahead": r"(\d+) Triton kernels (?:listed in ([\d.]+) s|as an earlier start listed them \([^)]*\)), "
                             r"(\d+) of them compiled on (\d+) threads in ([\d.]+) s",
            "warm-up": r"warm-up: \d+ forwards .* in ([\d.]+) s", "capture": r"captured \d+ CUDA graphs .* in ([\d.]+) s"}
@@ -105,7 +107,7 @@ def main() -> None:
         print(f"{name:<24}{ahead_s:>26}{r.get('warm-up', 0):>11.1f}{r.get('capture', 0):>11.1f}{r['engine_s']:>10.1f}")
     if args.out:
         gpu = torch.cuda.get_device_name()
-        path = Path(args.out) / f"startup_compile_threads_{dt.date.today():%Y%m%d}_{gpu.split()[-1].lower()}.json"
+        path = Path(args.out) / f"startup_compile_threads_{dt.date.today():%Y%m%d}_{device_tag(gpu)}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"date": f"{dt.date.today()}", "gpu": gpu, "command": recorded_command(),
                                     "layers": args.layers, "cpus": os.cpu_count(), "cases": results}, indent=2))

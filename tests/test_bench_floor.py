@@ -1,4 +1,5 @@
-"""The structure floor of bench/lora_kernels.py reads, kernel by kernel, exactly the adapter bytes the floor counts."""
+"""The structure floor of bench/lora_kernels.py reads, kernel by kernel, exactly the adapter bytes the floor counts;
+the benchmarks name their result files by the GPU model."""
 
 import sys
 from pathlib import Path
@@ -10,6 +11,7 @@ import pytest
 sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))
 sys.path.append(str(Path(__file__).resolve().parent / "kernels"))
 
+from bench_io import device_tag  # noqa: E402
 from kernel_floor import kernel_bytes  # noqa: E402
 from kernel_setup import adapter_bytes  # noqa: E402
 
@@ -20,6 +22,12 @@ def test_kernel_bytes_split_the_adapter_bytes() -> None:
         assert len(sizes) == 8 and sum(sizes) == adapter_bytes(ranks)
     # Llama-3-8B, rank 16: q|k|v's shrink reads three 4096-wide A matrices, gate|up's expand two 14336-wide B.
     assert kernel_bytes([16])[0] == 3 * 16 * 4096 * 2 and kernel_bytes([16])[5] == 2 * 16 * 14336 * 2
+
+
+def test_result_files_name_the_gpu_model() -> None:
+    """JSON names carry the GPU's model, not the last word of its name ("HBM3" for an H100 SXM)."""
+    assert device_tag("NVIDIA H100 80GB HBM3") == "h100" and device_tag("NVIDIA H200") == "h200"
+    assert device_tag("NVIDIA A100-SXM4-80GB") == "a100" and device_tag("NVIDIA L40S") == "l40s"
 
 
 @pytest.mark.gpu
