@@ -112,9 +112,13 @@ def place_warm(adapters: list[AdapterSpec], workers: list[WorkerIndex], *, defau
             count(a, pod, canary=canary and room(pod, sizes[a.name], copy_slots(a)))
             chosen.append(pod)
 
-    def add_canaries(a: AdapterSpec) -> None:
+    by_pod = {w.pod: w for w in workers}
+
+    def add_canaries(a: AdapterSpec, *, held: bool = False) -> None:
         for pod in placement[a.name]:
             extra = canary_sizes.get(a.name)
+            if held and not holds_canary(by_pod[pod], a):
+                continue
             if extra is not None and (a.name, pod) not in with_canary and room(pod, extra, 1):
                 load[pod] += extra
                 taken[pod] += 1
@@ -122,14 +126,16 @@ def place_warm(adapters: list[AdapterSpec], workers: list[WorkerIndex], *, defau
 
     # Rank by rank (pinned, then priority), the copies workers already hold are kept before any new copy is
     # placed: a newcomer displaces a resident adapter of a lower rank only, never one of its own; and every
-    # held stable copy of the rank before any canary's slot (a canary added to one never moves another).
+    # held stable copy of the rank before any canary's slot (a canary added to one never moves another), the
+    # canaries a worker has on the GPU first (it put them into the free room it had; it moves none for another).
     for _, group in itertools.groupby(order, key=lambda a: (a.pinned, a.priority)):
         ranked = list(group)
         for a in ranked:  # a pod that answered keeps its copy before one whose last answer stands in
             for holders in (keeping, quiet):
                 place(a, [w for w in holders if holds(w, a)], canary=False)
-        for a in ranked:
-            add_canaries(a)
+        for held in (True, False):
+            for a in ranked:
+                add_canaries(a, held=held)
         for a in ranked:
             place(a, keeping, canary=True)
     return Placement(((name, sorted(pods)) for name, pods in placement.items()), canary_pods={
@@ -141,3 +147,9 @@ def holds(w: WorkerIndex, a: AdapterSpec) -> bool:
     st = w.find(a.name, a.version)
     pushed = w.pushed.get(a.name)
     return (st is not None and st.tier == "gpu") or (pushed is not None and pushed.warm)
+
+
+def holds_canary(w: WorkerIndex, a: AdapterSpec) -> bool:
+    """``w`` has ``a``'s canary version GPU-resident."""
+    st = None if a.canary is None else w.find(a.name, a.canary.version)
+    return st is not None and st.tier == "gpu"

@@ -24,9 +24,9 @@ Placement policy (stated, tested; placement.py):
     a reconcile never shuffles healthy placements (nor those of a pod whose sidecar missed answers for under
     a minute: its last answer stands in, and it gets no new copy): within a rank (pinned, priority) the copies
     held are kept before any new copy is placed, so a newcomer displaces only adapters of a lower rank, and every held
-    stable copy of a rank before any canary's slot; the rest go to the least full workers (the larger of
-    their shares of bytes and of slots taken, each where every worker says it; else the fewest bytes; ties
-    by pod name),
+    stable copy of a rank before any canary's slot, the canaries a worker has on the GPU first; the rest go to
+    the least full workers (the larger of their shares of bytes and of slots taken, each where every worker
+    says it; else the fewest bytes; ties by pod name),
     skipping a worker whose pool
     would overflow (the smaller of its reported pool size and the pool's spec.adapterMemory.gpuBytes; a warm copy
     counts its canary's bytes too) or whose GPU adapter slots would (its reported --max-loras; a warm

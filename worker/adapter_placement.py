@@ -310,12 +310,13 @@ class AdapterPlacement:
 
     def _eviction_order(self, candidates: list[AdapterEntry]) -> list[AdapterEntry]:
         """Replaced/unregistered versions first, then lower priorities first; within a priority cold
-        versions before those a directive keeps warm; each group in the configured policy's order (the
-        sort is stable)."""
+        versions, then warm canaries, then the warm versions their names resolve to; each group in the
+        configured policy's order (the sort is stable)."""
         retired = [e for e in candidates if e.replaced]
         rest = [self._entries[c.key] for c in self.policy.order([self._candidate(e) for e in candidates
                                                                   if not e.replaced])]
-        return retired + sorted(rest, key=lambda e: (e.priority, e.key in self._warm))
+        return retired + sorted(rest, key=lambda e: (e.priority, e.key in self._warm,
+                                                     e.key in self._warm and self._current.get(e.name) == e.key))
 
     def _candidate(self, entry: AdapterEntry, tier: str = "gpu") -> EvictionCandidate:
         if tier == "gpu":

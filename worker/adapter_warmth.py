@@ -18,7 +18,9 @@ loads and copies run as any other. A failed load is tried again after `warm_retr
 each failure in a row (at most 64 times); one that the files or settings must fix first waits for a
 load that succeeds (a push). A retired version (replaced, removed, unregistered) and one that a push
 no longer marks warm are never re-warmed. Among idle adapters of one priority, cold ones are evicted
-before warm ones (adapter_placement.py). It works on the pool's state declared in `AdapterPool.__init__`.
+first, then warm canaries, then the warm versions their names resolve to (adapter_placement.py). A push
+prefetches a warm adapter's stable version as a request would (evicting idle ones), its canary only through
+this check: into free room (served_adapters.py). It works on the pool's state declared in `AdapterPool.__init__`.
 """
 
 from __future__ import annotations

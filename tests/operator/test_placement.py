@@ -169,3 +169,21 @@ def test_a_warm_copy_kept_for_its_stable_version_alone_is_ready_with_its_canary_
             assert "canary v2 at 20%, loaded on demand on w0 (no GPU room beside the stable copy)" in st["message"]
         else:  # room for both: the canary is expected GPU-resident too
             assert "GPU-resident on 0/1 warm workers with room for it" in st["message"]
+
+
+def test_the_room_a_worker_gave_one_canary_is_not_planned_for_another():
+    """Three slots, two warm adapters with canaries: the worker put a's canary into the room left beside both
+    stable versions (the push's order). Placement, ordered by size, gave that room to the larger b's canary:
+    b stayed Loading for good (its canary only ever goes into free room), a's status said its canary loaded on
+    demand while it sat on the GPU."""
+    b_canary = {"version": "v2", "source": {"uri": "s3://adapters/b/v2/"}, "weight": 20}
+    held = ReportedState(pool_bytes=1024 * MB, pool_slots=3, adapters=[
+        AdapterState("a", "v1", "gpu", bytes=8 * MB), AdapterState("a", "v2", "gpu", bytes=8 * MB),
+        AdapterState("b", "v1", "gpu", bytes=12 * MB), AdapterState("b", "v2", "cpu", bytes=12 * MB)])
+    ads = [adapter("a", warm=1, canary=CANARY, status={"bytes": 8 * MB}),
+           adapter("b", warm=1, canary=b_canary, status={"bytes": 12 * MB})]
+    plan = reconcile_pool(pool(), ads, [WorkerReport("w0", held)], now=NOW)
+    assert plan.placement == {"a": ["w0"], "b": ["w0"]}
+    assert plan.placement.canary_pods == {"a": {"w0"}, "b": set()}
+    assert "loaded on demand on w0" in plan.adapter_statuses["b"]["message"]
+    assert "on demand" not in plan.adapter_statuses["a"]["message"]

@@ -11,6 +11,7 @@ import pytest
 from lorafleet.worker import adapter_warmth
 from lorafleet.worker.app_keys import ENGINE
 from lorafleet.worker.directives import DesiredState
+from lorafleet.worker.engine_adapters import EngineAdapters
 from lorafleet.worker.served_adapters import ServedAdapters
 from tests.lora_factory import random_weights
 from tests.worker.test_adapter_pool import flaky_loader, make_pool
@@ -279,4 +280,43 @@ def test_unpinning_lets_a_pinned_version_refused_for_want_of_a_slot_take_it_at_o
     pool.poll()
     assert pool.entry("c@1").resident and not pool.entry("a@1").on_gpu
     pool.check()
+    pool.close()
+
+
+def test_a_warm_canary_goes_into_free_room_only_and_never_displaces_a_warm_stable_version(clock):
+    """Two warm adapters with a canary each on three GPU slots (the operator planned a's canary beside both
+    stable versions). The push prefetched every version as a request would, so b's canary evicted a's stable
+    version, the least recently used warm one; the re-warm check only takes free room, so a's stable version
+    stayed off the GPU for good while 80 % of its users loaded it on every request."""
+    from tests.worker.test_served_pool import PackingEngine, tier
+
+    engine = PackingEngine(make_pool(max_slots=3, num_load_threads=2))
+    pool, served = engine.adapter_pool, ServedAdapters("base")
+    try:
+        adapters = [SQL | {"name": name, "warm": True,
+                           "stable": {"version": "v1", "uri": f"/c/{name}/v1"},
+                           "canary": {"version": "v2", "uri": f"/c/{name}/v2"}, "canary_weight": 20}
+                    for name in ("a", "b")]
+        served.apply(DesiredState.from_dict({"generation": 1, "adapters": adapters}), EngineAdapters(engine))
+        pool.wait_idle()
+        checks(pool, clock)
+        assert tier(pool, "a@v1") == tier(pool, "b@v1") == "gpu"
+        assert [tier(pool, k) for k in ("a@v2", "b@v2")] == ["gpu", "cpu"]  # the room left, in push order
+        pool.check()
+    finally:
+        pool.close()
+
+
+def test_pressure_evicts_a_warm_canary_before_a_warm_stable_version(clock):
+    pool = make_pool(max_slots=2)
+    pool.add("sql@v1", random_weights(1))
+    pool.add("sql@v2", random_weights(2), make_current=False)  # the canary
+    pool.add("cold@1", random_weights(3))
+    for key in ("sql@v1", "sql@v2"):
+        pool.set_warm(key, True)
+    pool.load("sql@v2")
+    pool.load("sql@v1")  # the canary is the least recently used of the two...
+    pool.release(pool.acquire("sql@v2"))  # ...until a request used it
+    pool.load("cold@1")
+    assert pool.entry("sql@v1").resident and not pool.entry("sql@v2").on_gpu
     pool.close()
