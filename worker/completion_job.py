@@ -40,7 +40,6 @@ from lorafleet.worker.tool_calls import ToolCalls
 # Logprob entries one answer may hold (about 75 bytes of JSON each, several times that while it is built): far
 # above any single choice's (20 top logprobs over 16k tokens: 344,064), and a bound on n x prompt_logprobs.
 MAX_LOGPROB_ENTRIES = 500_000
-UNSET_MAX_TOKENS_COUNTED = 4096  # an unset max_tokens counts as this many tokens before the answer is known
 
 
 @dataclass(slots=True)
@@ -68,6 +67,8 @@ class CompletionJob:
     tool_calls: ToolCalls | None = None  # chat with tools (not tool_choice "none"): the output read for calls
     answer_id: str | None = None  # the answer's `id` where the caller named it (else request_id)
     prompt_tokens_details: bool = False  # --enable-prompt-tokens-details: the whole answer's usage says cached_tokens
+    prompt_entries: int = 0  # logprob entries of the whole answer's prompts (echo, prompt_logprobs)
+    generated_entries: int = 0  # and of its tokens generated so far
     created: int = field(default_factory=lambda: int(time.time()))
     arrived: float = field(default_factory=time.monotonic)
 
@@ -117,13 +118,14 @@ class CompletionJob:
                                code="invalid_value", param="min_tokens")
             per_prompt = len(ids) * ((o.logprobs + 1 if echo_k is not None else 0)  # echo's, and prompt_logprobs
                                      + (o.prompt_logprobs + 1 if o.prompt_logprobs is not None else 0))
-            # Generated tokens as asked; unset, as many as most answers take (the answer is checked again, whole).
-            generated = max_tokens if o.max_tokens is not None else min(max_tokens, UNSET_MAX_TOKENS_COUNTED)
+            # Generated tokens as asked; unset, counted as they come (`count_generated`): most answers are short.
+            generated = max_tokens if o.max_tokens is not None else 0
             prompts_entries += per_prompt if self.endpoint == "chat" else o.n * per_prompt
             entries += o.n * generated * (o.logprobs + 1) if o.logprobs is not None else 0
             # A stream is sent as it comes, a few tokens' logprobs a chunk; but each choice's first chunk holds
             # its prompt's (echo) whole: those are bounded alike.
             self.check_logprob_entries(prompts_entries if o.stream else prompts_entries + entries)
+            self.prompt_entries = prompts_entries
             for j in range(o.n):
                 seed = None if o.seed is None else o.seed + j  # n choices with one seed must still differ
                 if self.params:  # checked once (its logit_bias may hold thousands of entries): the others copy it
@@ -142,6 +144,14 @@ class CompletionJob:
                 self.params.append(params)
                 self.choice_prompt.append(p)
 
+    def count_generated(self, num_tokens: int) -> None:
+        """A whole answer's logprobs of `num_tokens` more generated tokens: past MAX_LOGPROB_ENTRIES, a 400 that
+        stops the generation there (an unset max_tokens was not counted up front), not once it is done."""
+        o = self.options
+        if o.logprobs is not None and not o.stream:
+            self.generated_entries += num_tokens * (o.logprobs + 1)
+            self.check_logprob_entries(self.prompt_entries + self.generated_entries)
+
     def check_logprob_entries(self, entries: int) -> None:
         """A 400 when an answer (a stream: its prompts' logprobs) would hold more than MAX_LOGPROB_ENTRIES logprob
         entries: a request of a few KB must not build one of gigabytes (n x prompt_logprobs over a long prompt)."""
@@ -150,20 +160,6 @@ class CompletionJob:
                                 f"prompt and completion), over the {MAX_LOGPROB_ENTRIES} one answer may hold; lower "
                                 f"'n', the number of logprobs or the tokens they cover, or stream it",
                            code="invalid_value", param="n" if self.options.n > 1 else "logprobs")
-
-    def logprob_entries(self, final: dict[int, RequestOutput]) -> int:
-        """The logprob entries the whole answer of these outputs holds (each with its top alternatives)."""
-        def entries(lps, k: int | None) -> int:
-            return 0 if k is None else sum(1 + min(len(lp.top), k) for lp in lps or () if lp is not None)
-
-        o = self.options
-        echo_k = o.logprobs if o.echo else None
-        count = 0 if self.score_only else sum(entries(out.logprobs, o.logprobs) for out in final.values())
-        for i, out in final.items():
-            count += entries(out.prompt_logprobs, echo_k) if self.endpoint != "chat" else 0
-            if self.endpoint != "chat" or i == 0:  # chat: one prompt_logprobs beside the choices
-                count += entries(out.prompt_logprobs, o.prompt_logprobs)
-        return count
 
     def usage(self, completion_tokens: int, cached: dict[int, int] | None = None,
               choice: int | None = None) -> dict[str, Any]:

@@ -257,6 +257,7 @@ async def _collect(request: web.Request, job: CompletionJob, outputs: AsyncItera
         try:
             async for i, out in outputs:
                 timer.tokens(i, len(out.new_token_ids))
+                job.count_generated(len(out.new_token_ids))
                 if out.finished:
                     final[i] = out
         except (APIError, asyncio.CancelledError):
@@ -267,7 +268,6 @@ async def _collect(request: web.Request, job: CompletionJob, outputs: AsyncItera
     if o.logprobs is None and o.prompt_logprobs is None:
         response = web.json_response(job.response(tokenizer, final), headers={ADAPTER_HEADER: job.model})
     else:  # up to MAX_LOGPROB_ENTRIES decoded tokens, built and encoded off the event loop (tens of MB)
-        job.check_logprob_entries(job.logprob_entries(final))  # an unset max_tokens was counted short
         response = await reply(lambda: job.response(tokenizer, final))
         response.headers[ADAPTER_HEADER] = job.model
     return await sent_in_time(request, response, request.app[CONFIG].stream_write_timeout_s, job.request_id)

@@ -128,7 +128,8 @@ def parse_completion_request(body: Any, defaults: SamplingDefaults = SamplingDef
     options = parse_sampling_options(f, ("max_tokens",), 16, defaults, least_max_tokens=0 if echo else 1)
     options.logprobs = f.integer("logprobs", None, 0, MAX_COMPLETION_LOGPROBS)
     options.echo = echo
-    if f.get("best_of") not in (None, 1):  # 1 or n: n choices, as asked; more to pick from is not implemented
+    # 1, the default some clients send with any n, or n: n choices, as asked; more to pick from is not implemented
+    if f.integer("best_of", None, 1, None) not in (None, 1):
         f.neutral("best_of", options.n, "best_of above n is not implemented; use n")
     f.neutral("suffix", "", "suffix (insertion) is not implemented")
     add_special_tokens = f.flag("add_special_tokens", True)

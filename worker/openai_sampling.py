@@ -267,7 +267,8 @@ def _structured_output(f: Fields) -> tuple[bool, Any, str | None]:
 def _stream_options(v: object, stream: bool) -> tuple[bool, bool]:
     """`stream_options` -> (include_usage, continuous_usage). OpenAI's `include_obfuscation` is accepted and
     ignored: it pads chunks against a length side channel, the text is the same without it. vLLM's
-    `continuous_usage_stats` puts the running usage in every chunk, with include_usage (as vLLM)."""
+    `continuous_usage_stats` puts the running usage in every chunk, with include_usage (as vLLM), which it
+    turns on where left out."""
     if v is None:
         return False, False
     if not isinstance(v, dict):
@@ -282,8 +283,10 @@ def _stream_options(v: object, stream: bool) -> tuple[bool, bool]:
         if value is not None and not isinstance(value, bool):
             raise bad_request(f"'stream_options.{key}' must be true or false (got {json.dumps(value)})",
                               "stream_options", "invalid_type")
-    include_usage = bool(v.get("include_usage"))
-    return include_usage, include_usage and bool(v.get("continuous_usage_stats"))
+    continuous = bool(v.get("continuous_usage_stats"))
+    # Left out: OpenAI's default (no usage), but asking for continuous usage asks for usage (vLLM defaults it on).
+    include_usage = bool(v["include_usage"]) if "include_usage" in v else continuous
+    return include_usage, include_usage and continuous
 
 
 def _ranged(f: Fields, name: str, default: float) -> float:

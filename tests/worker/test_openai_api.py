@@ -139,9 +139,11 @@ async def test_continuous_usage_stats_put_the_counts_so_far_in_every_chunk(base_
         assert prompt_of[0] < prompt_of[1] and prompt_of[0] + prompt_of[1] == events[-1]["usage"]["prompt_tokens"]
     assert all(c["usage"]["total_tokens"] == c["usage"]["prompt_tokens"] + c["usage"]["completion_tokens"]
                for c in chunks)
-    resp = await base_client.post(path, json={"model": "tiny", "max_tokens": 2, "stream": True, **prompt,
-                                              "stream_options": {"continuous_usage_stats": True}})
-    assert "usage" not in (await resp.text()).split("\n")[0]  # without include_usage: no usage (as vLLM)
+    for options, usage in (({"continuous_usage_stats": True}, True),  # include_usage left out: on (as vLLM)
+                           ({"continuous_usage_stats": True, "include_usage": False}, False)):
+        resp = await base_client.post(path, json={"model": "tiny", "max_tokens": 2, "stream": True, **prompt,
+                                                  "stream_options": options})
+        assert ('"usage":{' in (await resp.text()).split("\n")[0]) is usage, options
 
 
 def _joined_logprobs(choices: list[dict]) -> dict[str, list]:

@@ -4,6 +4,7 @@ scores loglikelihoods with) and vLLM's `prompt_logprobs` on both endpoints, thro
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 
@@ -16,6 +17,7 @@ from lorafleet.worker.openai_protocol import APIError
 from lorafleet.worker.server import create_app
 from lorafleet.worker.worker_config import WorkerConfig
 from tests.openai_clients import close_openai_clients, openai_client  # noqa: F401 (the fixture closes them)
+from tests.worker.conftest import EOS_ID
 
 TOL = 1e-4
 
@@ -254,11 +256,38 @@ async def test_echo_with_max_tokens_0_scores_the_prompt_and_generates_nothing(cl
     assert resp.status == 400 and err["param"] == "max_tokens", err
 
 
+async def test_an_unset_max_tokens_is_bounded_as_the_answer_generates(client, monkeypatch):
+    """Without max_tokens the answer's logprobs are counted as they come: a short answer is never refused for
+    the tokens it might have taken (n=6 with 20 top logprobs counted 4096 tokens a choice up front: a 400 for an
+    answer of a few thousand entries), and one that passes the bound stops there with the 400, its tokens
+    not all generated first."""
+    from lorafleet.worker import completion_job
+
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 20,
+            "n": 6, "temperature": 1, "seed": 1}
+    monkeypatch.setattr(completion_job, "MAX_LOGPROB_ENTRIES", 6 * 21 * 20)  # 20 tokens a choice
+    resp = await client.post("/v1/chat/completions", json=chat | {"logit_bias": {str(EOS_ID): 100}})  # ends at once
+    assert resp.status == 200, await resp.text()
+    assert [c["finish_reason"] for c in (await resp.json())["choices"]] == ["stop"] * 6
+    metrics = client.app[METRICS].generation_tokens
+    counted = lambda: sum(s.value for f in metrics.collect() for s in f.samples if s.name.endswith("_total"))  # noqa: E731
+    before = counted()
+    resp = await client.post("/v1/chat/completions", json=chat | {"ignore_eos": True})  # 128-token context
+    error = (await resp.json())["error"]
+    assert resp.status == 400 and error["param"] == "n" and "logprob entries" in error["message"], error
+    assert counted() - before < 6 * 40  # stopped about 20 tokens a choice in, not at the context's end (~110)
+    engine = client.app[ENGINE].engine
+    for _ in range(500):  # the abort reaches the engine thread at its next step
+        if not engine.has_unfinished():
+            break
+        await asyncio.sleep(0.01)
+    assert engine.scheduler.num_running == 0 and not engine.has_unfinished()
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_the_logprob_bound_leaves_ordinary_long_context_requests_alone(stream):
-    """Chat with `top_logprobs` 20 and no max_tokens on a 128k-token model: its unset max_tokens counts as the
-    tokens most answers take, not the whole context left (the answer is checked whole once known), and a stream,
-    sent as it comes, is never bounded."""
+    """Chat with `top_logprobs` 20 and no max_tokens on a 128k-token model: its unset max_tokens is not counted
+    up front (the answer is bounded as it generates), and a stream, sent as it comes, is never bounded."""
     from lorafleet.worker.completion_job import CompletionJob
     from lorafleet.worker.openai_protocol import parse_chat_request, parse_completion_request
     from lorafleet.worker.tenants import Tenant

@@ -34,11 +34,13 @@ def test_chat_accepts_fields_that_do_not_change_the_output(extra):
 @pytest.mark.parametrize("stream_options", [
     {"include_obfuscation": False}, {"include_obfuscation": True},
     {"include_usage": True, "include_obfuscation": False}, {"continuous_usage_stats": False},
-    {"include_usage": None},
+    {"include_usage": None}, {"continuous_usage_stats": True}, {"continuous_usage_stats": True, "include_usage": None},
 ])
 def test_stream_options_that_do_not_change_the_output(parse, base, stream_options):
+    """Only usage: asked, or left out beside continuous_usage_stats (vLLM's default is on; OpenAI's off)."""
     o = parse(base | STREAM | {"stream_options": stream_options}).options
-    assert o.include_usage is bool(stream_options.get("include_usage"))
+    asked = stream_options.get("include_usage", stream_options.get("continuous_usage_stats"))
+    assert o.include_usage is bool(asked) and o.continuous_usage is bool(asked and stream_options.get("continuous_usage_stats"))
 
 
 REFUSED_CHAT_FIELDS = [  # (extra fields, param, code, words of the message)
