@@ -101,6 +101,7 @@ async def _prepare(request: web.Request, endpoint: str,
     with intake_place(app, tenant.name) as place:  # body read, parse, tokenization: a bounded number at once
         parse = parse_chat_request if endpoint == "chat" else parse_completion_request
         parsed = await read_json(request, lambda body: parse(body, engine.sampling_defaults), place)
+        parsed.model = parsed.model or app[ADAPTERS].base_model  # left out: the base model, as vLLM
         try:
             adapter = app[ADAPTERS].resolve(parsed.model, tenant, parsed.options.user)
         except VersionUnavailable as exc:  # counted on the version that failed, not as unresolved

@@ -50,7 +50,7 @@ CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
 
 @dataclass(slots=True)
 class CompletionRequest:
-    model: str
+    model: str | None  # None: left out, the base model
     prompts: list[str | list[int]]  # one or more; each a string or token ids
     options: SamplingOptions
     add_special_tokens: bool = True  # vLLM's: false leaves out the tokenizer's BOS (a prompt rendered with its own)
@@ -67,7 +67,7 @@ class ChatMessage:
 
 @dataclass(slots=True)
 class ChatRequest:
-    model: str
+    model: str | None  # None: left out, the base model
     messages: list[ChatMessage]
     options: SamplingOptions
     template: ChatTemplateOptions  # vLLM's chat template fields
@@ -82,9 +82,10 @@ class ChatRequest:
                 for m in self.messages]
 
 
-def _model(f: Fields) -> str:
-    model = f.string("model", required=True)
-    if not model:
+def _model(f: Fields) -> str | None:
+    """The model named; None where left out (the base model, as vLLM serves its one model then)."""
+    model = f.string("model")
+    if model is not None and not model:
         raise bad_request("'model' must name the base model or an adapter (see GET /v1/models)", "model")
     return model
 

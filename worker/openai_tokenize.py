@@ -8,9 +8,9 @@ rendered and encoded as a chat completion's prompt is (chat_prompt_ids), so `cou
 prompt holds. `POST /detokenize` takes `{"model", "tokens": [...]}` and answers `{"prompt"}` (special tokens
 written, as vLLM does).
 
-Both need the caller's key, and `model` must be one the caller may call (the base model or an adapter of
-theirs: the same 404 as elsewhere for another tenant's); adapters share the base model's tokenizer, so the
-answer does not depend on which. Both hold an intake place while they work, as a completion does
+Both need the caller's key, and `model` (left out: the base model, as vLLM) must be one the caller may call
+(the base model or an adapter of theirs: the same 404 as elsewhere for another tenant's); adapters share the
+base model's tokenizer, so the answer does not depend on which. Both hold an intake place while they work, as a completion does
 (intake.py), and tokenize in the default executor.
 """
 
@@ -84,7 +84,7 @@ def _tokenize_request(app: web.Application, body: Any) -> tuple[bool, bool, str,
         parsed = parse_chat_request({k: v for k, v in body.items() if k in CHAT_PROMPT_FIELDS}, engine.sampling_defaults)
         ToolCalls.of(parsed.tools, engine.tokenizer, app[CONFIG].tool_call_parser)  # 400: a template without tools
         return True, strs, parsed.model, lambda: chat_prompt_ids(app, parsed)
-    model, prompt = f.string("model", required=True), f.get("prompt")
+    model, prompt = f.string("model"), f.get("prompt")
     if not isinstance(prompt, str):
         raise bad_request("'prompt' must be a string (or send 'messages' for a chat)", "prompt",
                           "missing_required_parameter" if prompt is None else "invalid_type")
@@ -103,7 +103,7 @@ async def detokenize(request: web.Request) -> web.Response:
     engine = ready_engine(app)
     with intake_place(app, tenant.name, sequences=False) as place:
         f = Fields(await read_json(request, place=place), "detokenize")
-        model, tokens = f.string("model", required=True), f.get("tokens")
+        model, tokens = f.string("model"), f.get("tokens")
         f.refuse_unknown()
         if not isinstance(tokens, list) or not all(is_int(t) for t in tokens):
             raise bad_request("'tokens' must be a list of token ids", "tokens",
@@ -118,12 +118,13 @@ async def detokenize(request: web.Request) -> web.Response:
     return web.json_response({"prompt": text})
 
 
-def _check_model(app: web.Application, model: str, tenant: Tenant) -> None:
-    """404/403 as a completion naming `model` would get; a version that failed to load still tokenizes."""
-    if not model:
+def _check_model(app: web.Application, model: str | None, tenant: Tenant) -> None:
+    """404/403 as a completion naming `model` (left out: the base model) would get; a version that failed to
+    load still tokenizes."""
+    if model is not None and not model:
         raise bad_request("'model' must name the base model or an adapter (see GET /v1/models)", "model")
     with contextlib.suppress(VersionUnavailable):
-        app[ADAPTERS].resolve(model, tenant, None)
+        app[ADAPTERS].resolve(model or app[ADAPTERS].base_model, tenant, None)
 
 
 def _encode(engine, prompt: str, add_special_tokens: bool) -> list[int]:

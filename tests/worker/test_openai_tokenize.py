@@ -78,7 +78,7 @@ async def test_a_chats_ids_are_the_chat_completions_prompt(client):
     ("/tokenize", {"model": "alpha", "messages": []}, "messages"),
     ("/tokenize", {"model": "alpha", "messages": [{"role": "user", "content": "x"}],  # as its chat completion is
                    "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ("/tokenize", {"prompt": "x"}, "model"),
+    ("/tokenize", {"model": "", "prompt": "x"}, "model"),
     ("/detokenize", {"model": "alpha", "tokens": [1, 999]}, "tokens"),
     ("/detokenize", {"model": "alpha", "tokens": "ab"}, "tokens"),
     ("/detokenize", {"model": "alpha", "tokens": [1.5]}, "tokens"),
@@ -126,3 +126,24 @@ async def test_completions_take_add_special_tokens_as_vllm_does(aiohttp_client, 
     rendered = await api.completions.create(model="tiny", prompt=text, max_tokens=1,
                                             extra_body={"add_special_tokens": False})
     assert rendered.usage.prompt_tokens == counts[False] + 1  # its own BOS, once
+
+
+async def test_model_left_out_is_the_base_model_as_in_vllm(aiohttp_client, tiny_llama_dir, qv_adapters_dir, tmp_path):
+    """vLLM serves its one model where `model` is left out (/tokenize, /detokenize, completions, chat): here that
+    is the base model, so a tenant without it gets the 403 naming it would; a 400 before."""
+    tenants = {"acme": {"keys": [KEY_ACME], "adapters": []},
+               "globex": {"keys": [KEY_GLOBEX], "adapters": [], "base_model": False}}
+    client = await aiohttp_client(create_app(worker_config(tiny_llama_dir, qv_adapters_dir, tmp_path, tenants)))
+    named = (await _post(client, "/tokenize", {"model": "tiny", "prompt": "hi"}))[1]
+    assert (await _post(client, "/tokenize", {"prompt": "hi"})) == (200, named)
+    assert (await _post(client, "/detokenize", {"tokens": named["tokens"]})) == (200, {"prompt": "hi"})
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for path, body in (("/v1/completions", {"prompt": "hi", "max_tokens": 2}), ("/v1/chat/completions", chat)):
+        status, got = await _post(client, path, body)
+        assert status == 200 and got["model"] == "tiny", got
+        status, got = await _post(client, path, body, KEY_GLOBEX)
+        assert status == 403 and got["error"]["code"] == "model_not_allowed", got
+    status, got = await _post(client, "/tokenize", {"prompt": "hi"}, KEY_GLOBEX)
+    assert status == 403 and "base model 'tiny'" in got["error"]["message"], got
+    status, got = await _post(client, "/tokenize", {"model": "", "prompt": "hi"})
+    assert status == 400 and got["error"]["param"] == "model"
