@@ -160,8 +160,7 @@ class Engine:
             base_model_name=self.base_model_names, tokenizer_digest=self.tokenizer_digest, name=name, version=version,
             tokenizer_encodings=self.tokenizer_encodings,
             base_token_id=self.tokenizer.token_to_id if self.tokenizer is not None else None,
-            max_file_bytes=self.config.max_adapter_file_bytes, sha256=sha256,
-        )
+            max_file_bytes=self.config.max_adapter_file_bytes, sha256=sha256, max_rank=self.config.max_lora_rank)
         key = f"{name}@{weights.version}"
         self.adapter_pool.add(key, weights, tenant=tenant, pinned=pinned, make_current=make_current,
                               keep_previous=keep_previous, read_seconds=time.perf_counter() - started)

@@ -53,6 +53,7 @@ from lorafleet.worker.peft_config import (
     read_bytes,
     read_config,
     refuse_embedding_targets,
+    refuse_ranks_above,
     refuse_unsupported,
 )
 from lorafleet.worker.peft_patterns import budgeted, compiled_keys, is_targeted, lora_scale, module_rank_alpha
@@ -137,10 +138,8 @@ def projection_shapes(model_config: Any) -> dict[str, tuple[int, int]]:
 # ---- base model and tokenizer ----------------------------------------------------------------------
 
 def _strictness(strict_base: bool | str) -> Strictness:
-    if strict_base is True:
-        return "strict"
-    if strict_base is False:
-        return "warn"
+    if isinstance(strict_base, bool):
+        return "strict" if strict_base else "warn"
     if strict_base not in ("strict", "warn", "off"):
         raise ValueError(f"strict_base must be True/False or 'strict'/'warn'/'off', got {strict_base!r}")
     return strict_base
@@ -160,8 +159,10 @@ def _mismatch(mode: Strictness, message: str) -> None:
 # ---- loading ---------------------------------------------------------------------------------------
 
 def _refuse_pickles(path: Path) -> None:
+    """Pickles are never opened: beside the safetensors weights they are ignored (a copy staged from the object
+    store leaves them out too); a folder whose weights are only pickled is refused, saying why."""
     pickles = sorted(p.name for p in path.iterdir() if p.is_file() and p.suffix.lower() in PICKLE_SUFFIXES)
-    if pickles:
+    if pickles and not (path / WEIGHTS_FILE).is_file():
         raise AdapterError(
             f"{path}: refusing pickle file(s) {pickles}: loading a pickle can run arbitrary code. "
             f"Convert the adapter to {WEIGHTS_FILE} (e.g. save it with PEFT's save_pretrained, "
@@ -177,9 +178,9 @@ def _is_float32_finite(value: float) -> bool:
 MAX_HEADER_BYTES = 2 << 20  # a safetensors header (its JSON index of the tensors): 10x what 70B needs
 
 
-def _read_tensors(raw: bytes, path: Path, num_layers: int, config: dict) -> tuple[dict, dict[tuple[int, str], str]]:
+def _read_tensors(raw: bytes, path: Path, num_layers: int, config: dict, max_rank: int | None) -> tuple[dict, dict]:
     """(layer, proj) -> {"A": lora_A, "B": lora_B}, and the module name each came with (a variant's
-    training-only tensors, `_TRAINING_ONLY`, are dropped).
+    training-only tensors, `_TRAINING_ONLY`, are dropped); a rank above `max_rank` refused before any copy.
 
     From the file's bytes, read once, never from a memory map of the file: the tensors own their
     memory, so a file rewritten in place later changes nothing served (and truncating it cannot
@@ -191,7 +192,7 @@ def _read_tensors(raw: bytes, path: Path, num_layers: int, config: dict) -> tupl
                            f"{MAX_HEADER_BYTES} a LoRA's tensors need (a 70B model's every projection: about "
                            f"200 KB); refused before parsing it")
     try:
-        tensors = load_tensors(raw)  # copied out by torch, without holding the interpreter lock
+        tensors = load_tensors(raw, check=lambda shapes: refuse_ranks_above(shapes, max_rank, path))  # no lock held
     except SafetensorsError as exc:  # a truncated or foreign file
         raise AdapterError(f"{path / WEIGHTS_FILE}: cannot read safetensors ({exc})") from None
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
@@ -243,6 +244,7 @@ def load_peft_adapter(
     expect_digest: str | None = None,
     sha256: str | None = None,
     max_file_bytes: int = MAX_FILE_BYTES,
+    max_rank: int | None = None,
 ) -> LoRAWeights:
     """Load and validate a PEFT LoRA dir for a base described by `model_config`.
 
@@ -256,8 +258,8 @@ def load_peft_adapter(
     config's `_name_or_path`, aliases): the adapter's `base_model_name_or_path` must end as one of them does.
     base_model_name / tokenizer_digest / tokenizer_encodings (`vocab_digest.probe_encodings`) / base_token_id
     (its id of a token, for added tokens declared without a whole vocabulary) describe the served base; None
-    skips that check. max_file_bytes: the largest weights or tokenizer file read (refused before reading). Raises
-    AdapterError.
+    skips that check. max_file_bytes: the largest weights or tokenizer file read (refused before reading).
+    max_rank: the pool's (a higher rank refused from the file's header, before a copy). Raises AdapterError.
     """
     path = Path(path)
     mode = _strictness(strict_base)
@@ -302,7 +304,7 @@ def load_peft_adapter(
             _mismatch(mode, mismatch)
 
     shapes = projection_shapes(model_config)
-    pairs, module_names = _read_tensors(raw, path, num_layers, config)
+    pairs, module_names = _read_tensors(raw, path, num_layers, config, max_rank)
     del raw  # the tensors hold copies
     if not pairs:
         raise AdapterError(f"{weights_path}: holds no LoRA tensors (lora_A/lora_B of q/k/v/o/gate/up/down_proj)")
@@ -354,7 +356,7 @@ def load_peft_adapter(
     reload = functools.partial(load_peft_adapter, path, model_config, dtype=dtype, strict_base=strict_base,
                                base_model_name=base_model_name, tokenizer_digest=tokenizer_digest,
                                tokenizer_encodings=tokenizer_encodings, base_token_id=base_token_id, name=name,
-                               version=version, expect_digest=digest, max_file_bytes=max_file_bytes)
+                               version=version, expect_digest=digest, max_file_bytes=max_file_bytes, max_rank=max_rank)
     return LoRAWeights(name=name, version=version, base_model=base, modules=modules, nbytes=nbytes, reload=reload)
 
 

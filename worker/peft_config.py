@@ -228,3 +228,17 @@ def read_bytes(file: Path, max_bytes: int = MAX_FILE_BYTES) -> bytes:
         error = AdapterError(f"{file}: cannot be read ({exc})")
         error.transient = exc.errno in TRANSIENT_ERRNOS  # a missing file or a permission does not pass by itself
         raise error from exc
+
+
+def refuse_ranks_above(shapes: dict[str, list[int]], max_rank: int | None, path: Path) -> None:
+    """Refuse an adapter whose lora_A rows (its rank) exceed the pool's max_rank, from the safetensors header's
+    shapes, before a tensor is copied or converted: a rank the pool can never hold cost the whole file's copies
+    (several times its size in host memory) only to be refused after them."""
+    if max_rank is None:
+        return
+    ranks = [(shape[0], name) for name, shape in shapes.items() if ".lora_A." in name and len(shape) == 2]
+    rank, name = max(ranks, default=(0, ""))
+    if rank > max_rank:
+        raise AdapterError(f"{path}: rank {rank} ({name}) is above the pool's max_rank {max_rank}: raise "
+                           f"--max-lora-rank (at least {rank}), or serve a version of it trained at rank {max_rank} "
+                           f"or less")

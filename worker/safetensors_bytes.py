@@ -17,7 +17,7 @@ import gc
 import json
 import math
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -36,8 +36,9 @@ class SafetensorsError(ValueError):
     """Not a well-formed safetensors file (truncated, foreign, or its index contradicting its data)."""
 
 
-def load_tensors(raw: bytes) -> dict[str, torch.Tensor]:
-    """name -> tensor (owning its memory) of the safetensors file whose bytes are `raw`."""
+def load_tensors(raw: bytes, check: Callable[[dict[str, list[int]]], None] | None = None) -> dict[str, torch.Tensor]:
+    """name -> tensor (owning its memory) of the safetensors file whose bytes are `raw`. `check` sees every
+    tensor's shape (name -> shape) before any is copied, and may refuse the file by raising."""
     if len(raw) < 8:
         raise SafetensorsError(f"{len(raw)} bytes, shorter than the 8-byte header length")
     size = int.from_bytes(raw[:8], "little")
@@ -64,6 +65,8 @@ def load_tensors(raw: bytes) -> dict[str, torch.Tensor]:
         end = stop
     if end != data_size:
         raise SafetensorsError(f"the tensors cover {end} bytes of data, but the file holds {data_size}")
+    if check is not None:
+        check({name: shape for name, _, shape, _ in entries})
     return {name: _tensor(raw, start + begin, dtype, shape) for name, dtype, shape, (begin, _) in entries}
 
 

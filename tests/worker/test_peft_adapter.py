@@ -227,11 +227,13 @@ def test_refuses_pickle_weights_without_opening_them(tmp_path, model_config, mon
     assert (tmp_path / "bin" / "adapter_model.bin").is_file()
     with pytest.raises(AdapterError, match=r"pickle.*adapter_model\.bin.*safetensors"):
         load_peft_adapter(tmp_path / "bin", model_config, dtype=torch.float32)
-    # A pickle next to valid safetensors is refused too: nothing in the dir may be a pickle.
+    # A pickle next to the safetensors weights (hub repos often hold both) is left unopened, as a copy staged
+    # from the object store leaves it out: the same folder was served from S3 and refused from a local path.
     make_adapter(tmp_path / "both", r=4, lora_alpha=4, target_modules=["q_proj"])
     shutil.copy(tmp_path / "bin" / "adapter_model.bin", tmp_path / "both" / "adapter_model.bin")
-    with pytest.raises(AdapterError, match="pickle"):
-        load_peft_adapter(tmp_path / "both", model_config, dtype=torch.float32)
+    alone = load_peft_adapter(tmp_path / "both", model_config, dtype=torch.float32)
+    (tmp_path / "both" / "adapter_model.bin").unlink()
+    assert alone.version == load_peft_adapter(tmp_path / "both", model_config, dtype=torch.float32).version
 
 
 @pytest.mark.parametrize("kwargs,message", [
@@ -298,6 +300,38 @@ def test_a_and_b_of_two_ranks_are_named_a_corrupt_file_not_another_base(tmp_path
     msg = str(err.value)
     assert "lora_A [4, 64] has rank 4 and lora_B [64, 8] rank 8" in msg and "corrupt" in msg, msg
     assert "different base model" not in msg
+
+
+def test_a_rank_above_max_rank_is_refused_from_the_header_before_any_tensor_is_copied(tmp_path, model_config,
+                                                                                      monkeypatch):
+    """A rank-1024 adapter on a pool of max rank 64 was copied and converted whole (2 GB of host memory for a
+    625 MB file, kept by the allocator after) before the pool refused it. Whatever its config says."""
+    from lorafleet.worker import safetensors_bytes
+
+    make_adapter(tmp_path / "x", r=8, lora_alpha=8, target_modules=["q_proj"])
+    _edit_config(tmp_path / "x", r=2)  # a config that understates it changes nothing
+
+    def no_copy(*args):
+        raise AssertionError("a tensor was copied")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(safetensors_bytes, "_tensor", no_copy)
+        with pytest.raises(AdapterError, match=r"rank 8 \(.*q_proj\.lora_A\.weight\) is above the pool's max_rank 4: "
+                                               r"raise --max-lora-rank \(at least 8\)"):
+            load_peft_adapter(tmp_path / "x", model_config, dtype=torch.float32, max_rank=4)
+    _edit_config(tmp_path / "x", r=8)
+    assert load_peft_adapter(tmp_path / "x", model_config, dtype=torch.float32, max_rank=8).modules
+
+
+def test_the_engine_refuses_a_rank_above_its_max_lora_rank_from_the_header(tiny_llama_dir, tmp_path, monkeypatch):
+    from lorafleet.worker import Engine, EngineConfig, safetensors_bytes
+    from tests.lora_factory import make_peft_adapter
+
+    make_peft_adapter(tiny_llama_dir, tmp_path / "wide", rank=16, seed=1, targets=["q_proj"])
+    engine = Engine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", num_pages=64, max_lora_rank=8))
+    monkeypatch.setattr(safetensors_bytes, "_tensor", lambda *args: pytest.fail("a tensor was copied"))
+    with pytest.raises(AdapterError, match=r"rank 16 .* max_rank 8: raise --max-lora-rank \(at least 16\)"):
+        engine.register_adapter("wide", tmp_path / "wide")
 
 
 def test_refuses_rank_that_disagrees_with_config(tmp_path, model_config):
