@@ -34,6 +34,8 @@ class AdapterPlacement:
         candidates = [e for e in self._slot_owner.values()
                       if e.resident and e.refcount == 0 and not e.pinned and e is not entry
                       and not e.waiters and self._pending.get(e.name) != e.key]
+        if self._warming_up(entry):  # a push's warm-up displaces only adapters of a lower rank
+            candidates = [e for e in candidates if self._warm_rank(e) < self._warm_rank(entry)]
         plan = self._plan_with(entry, candidates)
         replaced = self._replaced_pinned(entry)
         if plan is None and replaced is not None and replaced.refcount == 0 and not replaced.waiters \
@@ -45,6 +47,17 @@ class AdapterPlacement:
             # room under the ceiling, the new one waits for them beside the old one, as any version does.)
             plan = self._plan_with(entry, [replaced, *candidates])
         return plan
+
+    def _warming_up(self, entry: AdapterEntry) -> bool:
+        """`entry` is wanted only to keep it warm (a push's prefetch): no request waits for it, nor a load()."""
+        return entry.key in self._warm and not (entry.waiters or entry.asked_anonymously or entry.pinned)
+
+    def _warm_rank(self, entry: AdapterEntry) -> tuple[int, int]:
+        """Its priority, then cold (0), a warm canary (1), a warm version its name resolves to (2): a warm-up
+        displaces only idle adapters of a lower rank, so a canary never a warm stable version of its priority
+        (nor another canary), as the operator's placement plans it (a newcomer displaces lower ranks only)."""
+        warm = entry.key in self._warm
+        return entry.priority, warm + (warm and self._current.get(entry.name) == entry.key)
 
     def _ceiling_full(self, entry: AdapterEntry, replaced: AdapterEntry) -> bool:
         """Whether `entry` beside the pinned version it replaces, and the other pinned adapters, is more than
@@ -145,7 +158,8 @@ class AdapterPlacement:
         keys = plan_placement(
             need_pages=entry.image.num_pages, nbytes=entry.image.nbytes, tenant=entry.tenant,
             quota=self.config.quota(entry.tenant),
-            ordered=[(e.key, e.tenant, len(e.page_ids), e.gpu_bytes) for e in self._eviction_order(candidates)],
+            ordered=[(e.key, e.tenant, len(e.page_ids), e.gpu_bytes)
+                     for e in self._eviction_order(candidates, by_rank=self._warming_up(entry))],
             tenant_count=count, tenant_bytes=nbytes,
             free_pages=self.page_pool.available("adapter"), free_slots=len(self._free_slots))
         return None if keys is None else [self._entries[k] for k in keys]
@@ -180,6 +194,8 @@ class AdapterPlacement:
                            refusal=True)
             elif self._pinned_over_quota(entry):  # slots free, but its owner's pinned adapters fill its quota
                 self._refuse_waiters(entry, _pinned_quota_message(entry))
+            elif self._warming_up(entry):  # no lower rank to displace: left to the warm check's free room
+                self._wanted.pop(entry.key, None)  # (wanted, it would hold every other re-warm back)
             return False
         for victim in victims:
             if victim.pinned:  # only the pinned version `entry` replaces is ever a pinned victim (_placement_plan):
@@ -308,15 +324,14 @@ class AdapterPlacement:
         with self._lock:
             self._get(key).priority = priority
 
-    def _eviction_order(self, candidates: list[AdapterEntry]) -> list[AdapterEntry]:
+    def _eviction_order(self, candidates: list[AdapterEntry], *, by_rank: bool = False) -> list[AdapterEntry]:
         """Replaced/unregistered versions first, then lower priorities first; within a priority cold
-        versions, then warm canaries, then the warm versions their names resolve to; each group in the
-        configured policy's order (the sort is stable)."""
+        versions before those a directive keeps warm (`by_rank`, for a warm-up: warm canaries before the
+        versions their names resolve to); each group in the configured policy's order (the sort is stable)."""
         retired = [e for e in candidates if e.replaced]
         rest = [self._entries[c.key] for c in self.policy.order([self._candidate(e) for e in candidates
                                                                   if not e.replaced])]
-        return retired + sorted(rest, key=lambda e: (e.priority, e.key in self._warm,
-                                                     e.key in self._warm and self._current.get(e.name) == e.key))
+        return retired + sorted(rest, key=self._warm_rank if by_rank else lambda e: (e.priority, e.key in self._warm))
 
     def _candidate(self, entry: AdapterEntry, tier: str = "gpu") -> EvictionCandidate:
         if tier == "gpu":

@@ -18,9 +18,9 @@ loads and copies run as any other. A failed load is tried again after `warm_retr
 each failure in a row (at most 64 times); one that the files or settings must fix first waits for a
 load that succeeds (a push). A retired version (replaced, removed, unregistered) and one that a push
 no longer marks warm are never re-warmed. Among idle adapters of one priority, cold ones are evicted
-first, then warm canaries, then the warm versions their names resolve to (adapter_placement.py). A push
-prefetches a warm adapter's stable version as a request would (evicting idle ones), its canary only through
-this check: into free room (served_adapters.py). It works on the pool's state declared in `AdapterPool.__init__`.
+before warm ones (adapter_placement.py). A push's prefetch of a warm version displaces only idle adapters of
+a lower rank (priority, then cold < warm canary < warm stable version: `_warm_rank`); with none, it is left to
+this check. It works on the pool's state declared in `AdapterPool.__init__`.
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ class AdapterWarmth:
                       and not (e.image is not None and self._pinned_over_quota(e)) for k in self._wanted)
         if kv_short or waiting:
             return  # the KV cache or a request's adapter needs the room first (not one its owner's pinned quota keeps out)
-        for entry, state in sorted(missing, key=lambda m: -m[0].priority):
+        for entry, state in sorted(missing, key=lambda m: tuple(-r for r in self._warm_rank(m[0]))):  # stable first
             self._rewarm(entry, state, kv_reserve)
 
     def _note_outcome(self, entry: AdapterEntry, state: WarmState, now: float) -> None:

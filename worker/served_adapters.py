@@ -310,7 +310,7 @@ class ServedAdapters:
                     engine.set_adapter_pinned(key, d.pinned)
                     engine.set_adapter_priority(key, d.priority)
                     engine.set_adapter_warm(key, d.warm)  # brought back after pressure evicted it, or no longer
-                    if d.warm and stable:  # a canary only into free room (the pool's warm check): it evicts no one
+                    if d.warm:  # displacing only lower ranks (a canary: cold or lower-priority adapters)
                         engine.prefetch_adapter(key)
                 except Exception as exc:  # whatever it is, it is this version's: the rest of the push applies
                     if keep and not again and isinstance(exc, KeyError):

@@ -283,11 +283,12 @@ def test_unpinning_lets_a_pinned_version_refused_for_want_of_a_slot_take_it_at_o
     pool.close()
 
 
-def test_a_warm_canary_goes_into_free_room_only_and_never_displaces_a_warm_stable_version(clock):
+def test_a_warm_canary_s_prefetch_never_displaces_a_warm_stable_version_of_its_priority(clock):
     """Two warm adapters with a canary each on three GPU slots (the operator planned a's canary beside both
     stable versions). The push prefetched every version as a request would, so b's canary evicted a's stable
     version, the least recently used warm one; the re-warm check only takes free room, so a's stable version
-    stayed off the GPU for good while 80 % of its users loaded it on every request."""
+    stayed off the GPU for good while 80 % of its users loaded it on every request. A warm-up displaces only
+    lower ranks: b's canary stays in CPU memory, loaded on demand, as the operator planned."""
     from tests.worker.test_served_pool import PackingEngine, tier
 
     engine = PackingEngine(make_pool(max_slots=3, num_load_threads=2))
@@ -307,16 +308,93 @@ def test_a_warm_canary_goes_into_free_room_only_and_never_displaces_a_warm_stabl
         pool.close()
 
 
-def test_pressure_evicts_a_warm_canary_before_a_warm_stable_version(clock):
-    pool = make_pool(max_slots=2)
+def _canary_pool(**kw):
+    pool = make_pool(**kw)
     pool.add("sql@v1", random_weights(1))
     pool.add("sql@v2", random_weights(2), make_current=False)  # the canary
+    return pool
+
+
+@pytest.mark.parametrize("other", ["cold", "lower_priority_warm", "lower_priority_pinned_warm"])
+def test_a_warm_canary_s_prefetch_displaces_what_ranks_below_it(clock, other):
+    """What the operator plans a canary's room over: an idle adapter loaded on demand, or a warm one of a lower
+    priority (never a pinned one). Placed only into free room, such a canary stayed off the GPU for good, its
+    adapter Loading."""
+    pool = _canary_pool(max_slots=2)
+    pool.add("other@1", random_weights(3), pinned=other.endswith("pinned_warm"))
+    pool.load("sql@v1")
+    pool.load("other@1")
+    pool.set_warm("other@1", other != "cold")
+    pool.set_priority("other@1", -1 if other != "cold" else 0)
+    for key in ("sql@v1", "sql@v2"):  # marked once both slots are taken: a warm check would take a free one
+        pool.set_warm(key, True)
+    pool.prefetch("sql@v2")
+    pool.wait_idle()
+    displaced = other != "lower_priority_pinned_warm"
+    assert pool.entry("sql@v2").resident is displaced and pool.entry("other@1").on_gpu is not displaced
+    assert pool.entry("sql@v1").resident
+    pool.close()
+
+
+def test_a_request_still_evicts_the_least_recently_used_of_two_warm_versions(clock):
+    """A canary at 100 % serves every user of its name: a request's load evicts by recency among warm versions,
+    not the canary before the stable version that serves nobody."""
+    pool = _canary_pool(max_slots=2)
     pool.add("cold@1", random_weights(3))
+    pool.load("sql@v1")
+    pool.load("sql@v2")
     for key in ("sql@v1", "sql@v2"):
         pool.set_warm(key, True)
-    pool.load("sql@v2")
-    pool.load("sql@v1")  # the canary is the least recently used of the two...
-    pool.release(pool.acquire("sql@v2"))  # ...until a request used it
-    pool.load("cold@1")
+    pool.release(pool.acquire("sql@v2", waiter="r1"))
+    assert pool.acquire("cold@1", waiter="r2") is None
+    pool.wait_idle()
+    assert pool.entry("sql@v2").resident and not pool.entry("sql@v1").on_gpu
+    pool.close()
+
+
+def test_the_warm_check_brings_a_stable_version_back_before_its_canary(clock):
+    pool = _canary_pool(max_slots=1)
+    for key in ("sql@v2", "sql@v1"):  # the canary marked first (a swap re-registers the old stable version so)
+        pool.set_warm(key, True)
+    checks(pool, clock)
     assert pool.entry("sql@v1").resident and not pool.entry("sql@v2").on_gpu
+    pool.close()
+
+
+def test_a_pushed_warm_canary_displaces_an_idle_adapter_loaded_on_demand(clock):
+    """The operator plans a warm canary's room over adapters loaded on demand (it counts warm copies only): the
+    push's prefetch takes it. Left to free room, the canary stayed off the GPU and its adapter Loading."""
+    from tests.worker.test_served_pool import PackingEngine, tier
+
+    engine = PackingEngine(make_pool(max_slots=2, num_load_threads=2))
+    pool, served, host = engine.adapter_pool, ServedAdapters("base"), EngineAdapters(engine)
+    try:
+        a = SQL | {"name": "a", "warm": True, "stable": {"version": "v1", "uri": "/c/a/v1"}}
+        c = SQL | {"name": "c", "warm": False, "stable": {"version": "v1", "uri": "/c/c/v1"}}
+        served.apply(DesiredState.from_dict({"generation": 1, "adapters": [a, c]}), host)
+        pool.load("c@v1")  # a request's
+        pool.wait_idle()
+        canary = a | {"canary": {"version": "v2", "uri": "/c/a/v2"}, "canary_weight": 20}
+        served.apply(DesiredState.from_dict({"generation": 2, "adapters": [canary, c]}), host)
+        pool.wait_idle()
+        assert [tier(pool, k) for k in ("a@v1", "a@v2", "c@v1")] == ["gpu", "gpu", "cpu"]
+        pool.check()
+    finally:
+        pool.close()
+
+
+def test_a_warm_up_displaces_a_lower_priority_canary_before_its_stable_version(clock):
+    """A priority-10 canary's prefetch on a full worker: of the priority-0 adapter's two versions, its canary
+    goes, not the stable version its users resolve to (which the check only brings back into free room)."""
+    pool = _canary_pool(max_slots=2)
+    pool.add("paid@v1", random_weights(3))
+    pool.add("paid@v2", random_weights(4), make_current=False)
+    pool.load("sql@v1")
+    pool.load("sql@v2")  # the stable version is the least recently used
+    for key in ("sql@v1", "sql@v2", "paid@v2"):
+        pool.set_warm(key, True)
+    pool.set_priority("paid@v2", 10)
+    pool.prefetch("paid@v2")
+    pool.wait_idle()
+    assert pool.entry("paid@v2").resident and pool.entry("sql@v1").resident and not pool.entry("sql@v2").on_gpu
     pool.close()
