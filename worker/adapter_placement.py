@@ -49,15 +49,18 @@ class AdapterPlacement:
         return plan
 
     def _warming_up(self, entry: AdapterEntry) -> bool:
-        """`entry` is wanted only to keep it warm (a push's prefetch): no request waits for it, nor a load()."""
-        return entry.key in self._warm and not (entry.waiters or entry.asked_anonymously or entry.pinned)
+        """`entry` is wanted only to keep it warm (a push's prefetch): no request waits for it, nor a load(), and
+        it is no new version that replaces its name's current one once resident (that switch waits for it)."""
+        return (entry.key in self._warm and not (entry.waiters or entry.asked_anonymously or entry.pinned)
+                and self._pending.get(entry.name) != entry.key)
 
     def _warm_rank(self, entry: AdapterEntry) -> tuple[int, int]:
         """Its priority, then cold (0), a warm canary (1), a warm version its name resolves to (2): a warm-up
         displaces only idle adapters of a lower rank, so a canary never a warm stable version of its priority
-        (nor another canary), as the operator's placement plans it (a newcomer displaces lower ranks only)."""
-        warm = entry.key in self._warm
-        return entry.priority, warm + (warm and self._current.get(entry.name) == entry.key)
+        (nor another canary), as the operator's placement plans it (a newcomer displaces lower ranks only). A
+        new version pending to replace the current one ranks with it."""
+        warm, key = entry.key in self._warm, entry.key
+        return entry.priority, warm + (warm and key in (self._current.get(entry.name), self._pending.get(entry.name)))
 
     def _ceiling_full(self, entry: AdapterEntry, replaced: AdapterEntry) -> bool:
         """Whether `entry` beside the pinned version it replaces, and the other pinned adapters, is more than
@@ -159,7 +162,7 @@ class AdapterPlacement:
             need_pages=entry.image.num_pages, nbytes=entry.image.nbytes, tenant=entry.tenant,
             quota=self.config.quota(entry.tenant),
             ordered=[(e.key, e.tenant, len(e.page_ids), e.gpu_bytes)
-                     for e in self._eviction_order(candidates, by_rank=self._warming_up(entry))],
+                     for e in self._eviction_order(candidates, by_rank=entry.key in self._warm and not entry.waiters)],
             tenant_count=count, tenant_bytes=nbytes,
             free_pages=self.page_pool.available("adapter"), free_slots=len(self._free_slots))
         return None if keys is None else [self._entries[k] for k in keys]

@@ -398,3 +398,54 @@ def test_a_warm_up_displaces_a_lower_priority_canary_before_its_stable_version(c
     pool.wait_idle()
     assert pool.entry("paid@v2").resident and pool.entry("sql@v1").resident and not pool.entry("sql@v2").on_gpu
     pool.close()
+
+
+@pytest.mark.parametrize("mode", ["promote", "swap"])
+def test_a_canary_left_in_cpu_memory_then_made_stable_still_switches(clock, mode):
+    """b's canary was left in CPU memory (no lower rank to displace on a full worker); promoted, or swapped with
+    the stable version, it is the version b resolves to once resident, and its warm-up takes a slot as a new
+    stable version's always did (a canary's first: a's). Treated as a canary's warm-up, it was dropped and b
+    stayed on v1 until a request paid for the load."""
+    from tests.worker.test_served_pool import PackingEngine, tier
+
+    engine = PackingEngine(make_pool(max_slots=3, num_load_threads=2))
+    pool, served, host = engine.adapter_pool, ServedAdapters("base"), EngineAdapters(engine)
+    try:
+        a, b = (SQL | {"name": n, "warm": True, "stable": {"version": "v1", "uri": f"/c/{n}/v1"},
+                       "canary": {"version": "v2", "uri": f"/c/{n}/v2"}, "canary_weight": 20} for n in ("a", "b"))
+        served.apply(DesiredState.from_dict({"generation": 1, "adapters": [a, b]}), host)
+        checks(pool, clock)
+        assert tier(pool, "b@v2") == "cpu"
+        b |= {"stable": b["canary"]} | ({"canary": a["stable"] | {"uri": "/c/b/v1"}} if mode == "swap"
+                                       else {"canary": None, "canary_weight": 0})
+        served.apply(DesiredState.from_dict({"generation": 2, "adapters": [a, b]}), host)
+        checks(pool, clock)
+        assert pool.resolve("b") == "b@v2" and tier(pool, "b@v2") == "gpu" and tier(pool, "a@v1") == "gpu"
+        pool.check()
+    finally:
+        pool.close()
+
+
+def test_a_new_stable_version_pushed_while_every_slot_is_busy_switches_once_they_are_free(clock):
+    from tests.worker.test_served_pool import PackingEngine
+
+    engine = PackingEngine(make_pool(max_slots=2, num_load_threads=2))
+    pool, served, host = engine.adapter_pool, ServedAdapters("base"), EngineAdapters(engine)
+
+    def push(generation: int, a_version: str) -> None:
+        adapters = [SQL | {"name": n, "warm": True, "stable": {"version": v, "uri": f"/c/{n}/{v}"}}
+                    for n, v in (("a", a_version), ("b", "v1"))]
+        served.apply(DesiredState.from_dict({"generation": generation, "adapters": adapters}), host)
+
+    try:
+        push(1, "v1")
+        pool.wait_idle()
+        slots = [pool.acquire(k, waiter=f"r{i}") for i, k in enumerate(("a@v1", "b@v1"))]  # two requests running
+        push(2, "v2")
+        for slot in slots:
+            pool.release(slot)
+        checks(pool, clock)
+        assert pool.resolve("a") == "a@v2"
+        pool.check()
+    finally:
+        pool.close()
