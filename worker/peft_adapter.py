@@ -53,6 +53,7 @@ from lorafleet.worker.peft_config import (
     read_bytes,
     read_config,
     refuse_embedding_targets,
+    refuse_pickles,
     refuse_ranks_above,
     refuse_unsupported,
 )
@@ -62,7 +63,6 @@ from lorafleet.worker.vocab_digest import tokenizer_mismatch
 
 log = logging.getLogger(__name__)
 
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 Strictness = Literal["strict", "warn", "off"]
 
 # base_model.model.model.layers.3.self_attn.q_proj.lora_A[.default].weight
@@ -157,18 +157,6 @@ def _mismatch(mode: Strictness, message: str) -> None:
 
 
 # ---- loading ---------------------------------------------------------------------------------------
-
-def _refuse_pickles(path: Path) -> None:
-    """Pickles are never opened: beside the safetensors weights they are ignored (a copy staged from the object
-    store leaves them out too); a folder whose weights are only pickled is refused, saying why."""
-    pickles = sorted(p.name for p in path.iterdir() if p.is_file() and p.suffix.lower() in PICKLE_SUFFIXES)
-    if pickles and not (path / WEIGHTS_FILE).is_file():
-        raise AdapterError(
-            f"{path}: refusing pickle file(s) {pickles}: loading a pickle can run arbitrary code. "
-            f"Convert the adapter to {WEIGHTS_FILE} (e.g. save it with PEFT's save_pretrained, "
-            f"safe_serialization=True) and remove the pickle files"
-        )
-
 
 def _is_float32_finite(value: float) -> bool:
     """The layout stores scales as float32: 1e39 is a finite Python float but inf there."""
@@ -266,7 +254,7 @@ def load_peft_adapter(
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     if not path.is_dir():
         raise AdapterError(f"{path}: not a directory; an adapter is a PEFT dir with {CONFIG_FILE} + {WEIGHTS_FILE}")
-    _refuse_pickles(path)
+    refuse_pickles(path)
     config, config_raw = read_config(path, max_file_bytes)
     # The digests first: a version read again (an eviction's reload) is its files' bytes as first loaded, checked
     # before anything in them is interpreted or quoted (a file replaced since, by a link, say, is refused unread).

@@ -242,3 +242,18 @@ def refuse_ranks_above(shapes: dict[str, list[int]], max_rank: int | None, path:
         raise AdapterError(f"{path}: rank {rank} ({name}) is above the pool's max_rank {max_rank}: raise "
                            f"--max-lora-rank (at least {rank}), or serve a version of it trained at rank {max_rank} "
                            f"or less")
+
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
+
+
+def refuse_pickles(path: Path) -> None:
+    """Pickles are never opened: beside the safetensors weights they are ignored (a copy staged from the object
+    store leaves them out too); a folder whose weights are only pickled is refused, saying why."""
+    pickles = sorted(p.name for p in path.iterdir() if p.is_file() and p.suffix.lower() in PICKLE_SUFFIXES)
+    if pickles and not (path / WEIGHTS_FILE).is_file():
+        raise AdapterError(
+            f"{path}: refusing pickle file(s) {pickles}: loading a pickle can run arbitrary code. "
+            f"Convert the adapter to {WEIGHTS_FILE} (e.g. save it with PEFT's save_pretrained, "
+            f"safe_serialization=True) and remove the pickle files"
+        )
