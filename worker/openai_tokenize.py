@@ -10,8 +10,8 @@ written, as vLLM does).
 
 Both need the caller's key, and `model` (left out: the base model, as vLLM) must be one the caller may call
 (the base model or an adapter of theirs: the same 404 as elsewhere for another tenant's); adapters share the
-base model's tokenizer, so the answer does not depend on which. Both hold an intake place while they work, as a completion does
-(intake.py), and tokenize in the default executor.
+base model's tokenizer, so the answer does not depend on which. Both hold an intake place while they work,
+as a completion does (intake.py), and tokenize in the default executor.
 """
 
 from __future__ import annotations
