@@ -14,11 +14,13 @@ used, fragmentation 30 %.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from lorafleet.kernels.lora_layout import NUM_PROJS, PROJS, pow2_divisor
+from lorafleet.worker.host_arena import HostPages
 
 PROJ_IDS = {p: i for i, p in enumerate(PROJS)}
 
@@ -58,7 +60,7 @@ class ModelDims:
 class AdapterImage:
     """An adapter as whole pages plus page-local row offsets (offset = local_page * page_elems + col)."""
 
-    pages: torch.Tensor  # [num_pages, page_elems] model dtype (pinned on GPU hosts)
+    pages: HostPages  # num_pages pages of page_elems, model dtype (pinned on GPU hosts; host_arena.py)
     ranks: torch.Tensor  # int32 [num_layers, 7]
     scales: torch.Tensor  # float32 [num_layers, 7]
     a_local: torch.Tensor  # int64 [num_layers, 7, max_rank]
@@ -68,11 +70,11 @@ class AdapterImage:
 
     @property
     def num_pages(self) -> int:
-        return self.pages.shape[0]
+        return self.pages.num_pages
 
     @property
     def nbytes(self) -> int:
-        return self.pages.numel() * self.pages.element_size()
+        return self.pages.nbytes
 
     @property
     def max_rank(self) -> int:
@@ -124,9 +126,12 @@ def pack_adapter(
     dtype: torch.dtype,
     pin: bool = False,
     name: str | None = None,
+    allocate: Callable[[int], HostPages] | None = None,
 ) -> AdapterImage:
     """Validate `modules` ((layer, proj name) -> ModuleLoRA-like with .a [r,in], .b [out,r], .scale)
-    against the base model and pack them into pages. `name` (the adapter's) is named in refusals."""
+    against the base model and pack them into pages: `allocate(num_pages)`'s (zeroed, of `dtype` and
+    `page_elems`; a `HostArena`'s), else pages of their own (pinned with `pin`). `name` (the adapter's) is
+    named in refusals."""
     mats: list[torch.Tensor] = []  # per module: A [r, in], then B^T [r, out]; each row is one pool row
     entries: list[tuple[int, int, int, float]] = []  # layer, proj id, rank, scale
     for (layer, proj), mod in sorted(modules.items(), key=lambda kv: (kv[0][0], PROJ_IDS.get(kv[0][1], 99))):
@@ -170,11 +175,11 @@ def pack_adapter(
         offsets.append(torch.cat(offs) if offs else torch.zeros(0, dtype=torch.int64))
         used += num_rows * length
     num_pages = page + 1 if mats else 0
-    pages = torch.zeros(num_pages, page_elems, dtype=dtype, pin_memory=pin)
-    flat = pages.view(-1)
-    for start, m, row, k in blocks:
+    pages = allocate(num_pages) if allocate is not None else HostPages.standalone(num_pages, page_elems, dtype, pin)
+    for start, m, row, k in blocks:  # a block's rows lie in one page
         src = mats[m][row : row + k]
-        flat[start : start + src.numel()] = src.reshape(-1).to(dtype)
+        col = start % page_elems
+        pages.page(start // page_elems)[col : col + src.numel()] = src.reshape(-1).to(dtype)
 
     width = max(1, max((e[2] for e in entries), default=1))
     ranks = torch.zeros(dims.num_layers, NUM_PROJS, dtype=torch.int32)
@@ -187,7 +192,7 @@ def pack_adapter(
         b_local[layer, pid, :r] = offsets[2 * i + 1]
 
     digest = hashlib.sha256()  # hashlib releases the GIL on large buffers: loads do not stall the step loop
-    for t in (ranks, scales, a_local, pages):
+    for t in (ranks, scales, a_local, *pages.chunks):
         if t.numel():
             digest.update(t.contiguous().view(torch.uint8).numpy())
     return AdapterImage(pages, ranks, scales, a_local, b_local, used, digest.hexdigest())

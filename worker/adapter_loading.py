@@ -70,7 +70,7 @@ class AdapterLoading:
     def _pack(self, weights):
         return pack_adapter(weights.modules, self.dims, page_elems=self.page_pool.page_elems,
                             max_rank=self.config.max_rank, dtype=self.page_pool.pool.dtype, pin=self._pin,
-                            name=getattr(weights, "name", None))
+                            name=getattr(weights, "name", None), allocate=self._arena.allocate)
 
     def _want(self, entry: AdapterEntry) -> None:
         if entry.resident or entry.retired:

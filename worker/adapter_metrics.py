@@ -48,7 +48,10 @@ class AdapterMetrics:
                                    "Pages of the unified pool holding adapter weights", registry=None)
         self.pages = Gauge("lorafleet_page_pool_pages", "Pages of the unified pool (KV blocks + adapter weights)",
                            registry=None)
-        self._page_pool = None
+        self.host_bytes = Gauge("lorafleet_adapter_host_memory_bytes", "Host memory behind the CPU tier's images "
+                                "(page-locked on GPU hosts): reserved = the arena's slabs, used = their pages images hold",
+                                ["state"], registry=None)
+        self._page_pool = self._arena = None
         # Pre-create label sets so every series that can move exists from the first scrape.
         for tier in TIERS:
             self.hits.labels(tier)  # disk: a disk->CPU read
@@ -71,7 +74,15 @@ class AdapterMetrics:
         self.adapter_pages.set_function(lambda: page_pool.num_used("adapter"))
         self.pages.set_function(lambda: page_pool.num_pages)
 
+    def watch_arena(self, arena) -> None:
+        """Read the host memory gauges from `arena` (a HostArena) at every scrape from now on."""
+        if self._arena is arena:
+            return
+        self._arena = arena
+        self.host_bytes.labels("reserved").set_function(lambda: arena.reserved_bytes)
+        self.host_bytes.labels("used").set_function(lambda: arena.used_bytes)
+
     def collectors(self) -> list:
         return [self.hits, self.misses, self.load_seconds, self.wait_seconds, self.load_failures, self.refusals,
                 self.evictions, self.bytes, self.resident, self.fragmentation, self.kv_pages, self.adapter_pages,
-                self.pages]
+                self.pages, self.host_bytes]

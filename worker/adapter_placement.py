@@ -308,19 +308,19 @@ class AdapterPlacement:
         self._count_eviction("cpu", reason)
 
     def _trim_cpu(self, protect: AdapterEntry | None) -> None:
-        """Keep the CPU tier within its byte budget; images being copied (or about to be) stay."""
+        """Keep the CPU tier within its byte budget; images being copied (or about to be) stay. The arena then
+        takes back the pages of images dropped (once no copy reads them); empty slabs beyond the budget leave."""
         holders = [e for e in self._entries.values() if e.image is not None]
         total = sum(e.image.nbytes for e in holders)
-        if total <= self.config.cpu_budget_bytes:
-            return
-        candidates = [e for e in holders
-                      if e is not protect and e.copying is None and not (e.key in self._wanted and not e.on_gpu)]
+        candidates = [e for e in holders if total > self.config.cpu_budget_bytes and e is not protect
+                      and e.copying is None and not (e.key in self._wanted and not e.on_gpu)]
         for cand in self.policy.order([self._candidate(e, tier="cpu") for e in candidates]):
             if total <= self.config.cpu_budget_bytes:
                 break
             victim = self._entries[cand.key]
             total -= victim.image.nbytes
             self._evict_cpu(victim, "budget")
+        self._arena.collect()
 
     def set_priority(self, key: str, priority: int) -> None:
         """A higher priority survives GPU eviction longer: lower ones go first, the policy orders each."""

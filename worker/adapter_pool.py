@@ -1,8 +1,8 @@
 """AdapterPool: GPU residency of adapters in the unified page pool, the CPU tier, versions, eviction.
 
 Tiers: hot = pages of the shared `PagePool` + a slot in the `LoRALayout`; warm = a packed `AdapterImage` in
-(pinned) CPU memory; cold = the entry's loader (the stager's disk copy). The step loop only ever calls
-non-blocking verbs: `acquire` answers a slot or None (a load was started or is under way; retry next step),
+(pinned) CPU memory, pages of the `HostArena`; cold = the entry's loader (the stager's disk copy). The step
+loop only ever calls non-blocking verbs: `acquire` answers a slot or None (a load was started or is under way; retry next step),
 `release` drops a reference, `poll` advances loads. Disk->CPU parsing runs in loader threads; CPU->GPU copies
 run on a side CUDA stream (or a loader thread on CPU devices). A slot becomes visible in the layout only once
 its copy is complete, so nothing ever computes with a half-loaded adapter.
@@ -44,6 +44,7 @@ from lorafleet.worker.adapter_versions import AdapterVersions
 from lorafleet.worker.adapter_warmth import AdapterWarmth, WarmState
 from lorafleet.worker.eviction import make_policy
 from lorafleet.worker.fair_executor import FairExecutor
+from lorafleet.worker.host_arena import HostArena
 from lorafleet.worker.page_copier import PageCopier
 from lorafleet.worker.page_pool import PagePool
 
@@ -63,6 +64,7 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
         self.device = pool.device
         self._cuda = pool.device.type == "cuda"
         self._pin = self._cuda if config.pin_cpu is None else config.pin_cpu
+        self._arena = HostArena(page_pool.page_elems, pool.dtype, pin=self._pin, budget_bytes=config.cpu_budget_bytes)
         shape = (dims.num_layers, NUM_PROJS, config.max_slots)
         self.layout = LoRALayout(
             pool=pool,
@@ -118,6 +120,7 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
                 self.policy = make_policy(policy)
             self.config = config
             self._trim_cpu(protect=None)
+            self._arena.set_budget(budget)
             self._update_gauges()
 
     # ---- pinning -------------------------------------------------------------------------------

@@ -87,6 +87,8 @@ class AdapterReports:
                 "slots": self.config.max_slots,
                 "eviction": self.policy.name,
                 "cpu_budget_bytes": self.config.cpu_budget_bytes,
+                # host memory behind the CPU tier: the arena's slabs (page-locked on GPU hosts), and their pages in use
+                "host_bytes": {"reserved": self._arena.reserved_bytes, "used": self._arena.used_bytes},
                 "resident": {"gpu": len(gpu), "cpu": len(cpu)},
                 "bytes": {"gpu": sum(e.gpu_bytes for e in gpu), "cpu": sum(e.image.nbytes for e in cpu)},
                 "hits": dict(self._counts["hits"]),
@@ -133,6 +135,7 @@ class AdapterReports:
         m.bytes.labels("cpu").set(sum(e.image.nbytes for e in cpu))
         m.fragmentation.set(self.page_pool.fragmentation("adapter"))
         m.watch_page_pool(self.page_pool)  # page counts are read at scrape time, KV pages move every step
+        m.watch_arena(self._arena)
 
 
 def _num_pages(entry: AdapterEntry) -> int:

@@ -74,6 +74,7 @@ class _DaemonThreads:
                 return
             fn, args = job
             fn(*args)
+            del job, fn, args  # an idle thread holds nothing of its last job (its Future's result: an image)
 
     def shutdown(self, wait: bool) -> None:
         with self._lock:

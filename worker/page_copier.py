@@ -1,7 +1,9 @@
 """PageCopier: puts an adapter's packed pages (CPU tier) into its pool pages without blocking the
 step loop. On CUDA the copies run on a side stream (from pinned memory, so they are asynchronous DMA)
 after the compute stream's work queued so far, because the pages may have just been freed by it; on
-CPU devices a loader thread copies. Consecutive page ids are copied as one run.
+CPU devices a loader thread copies. Consecutive page ids whose image pages are neighbours in host memory
+(one chunk of the image's `HostPages`) are copied as one run. The handle holds the image's pages until
+the copy is done: their host memory goes back to its arena only after that.
 """
 
 from __future__ import annotations
@@ -12,13 +14,15 @@ from dataclasses import dataclass
 
 import torch
 
+from lorafleet.worker.host_arena import HostPages
+
 
 @dataclass(slots=True)
 class CopyHandle:
     future: Future | None = None  # CPU device
     start: torch.cuda.Event | None = None  # CUDA: timing events around the copies on the side stream
     done: torch.cuda.Event | None = None
-    source: torch.Tensor | None = None  # keeps the pinned source alive until the DMA finished
+    source: HostPages | None = None  # keeps the source pages from their arena until the copy finished
 
 
 class PageCopier:
@@ -28,25 +32,26 @@ class PageCopier:
         self.cuda = pool.device.type == "cuda"
         self.stream = torch.cuda.Stream(pool.device) if self.cuda else None
 
-    def start(self, pages: torch.Tensor, page_ids: list[int]) -> CopyHandle:
-        """Copy `pages` ([len(page_ids), page_elems], CPU) into the pool's `page_ids`."""
-        runs, pool = page_runs(page_ids), self.pool
+    def start(self, pages: HostPages, page_ids: list[int]) -> CopyHandle:
+        """Copy `pages` (len(page_ids) pages, CPU) into the pool's `page_ids`."""
+        pool = self.pool
+        runs = [(dst + offset, piece) for dst, src, n in page_runs(page_ids) for offset, piece in pages.slices(src, n)]
         if not self.cuda:
-            def job() -> float:
+            def job(_source: HostPages = pages) -> float:  # the queued job holds the pages too
                 t0 = time.perf_counter()
-                for dst, src, n in runs:
-                    pool[dst : dst + n].copy_(pages[src : src + n])
+                for dst, piece in runs:
+                    pool[dst : dst + piece.shape[0]].copy_(piece)
                 return time.perf_counter() - t0
 
-            return CopyHandle(future=self.executor.submit(job))
+            return CopyHandle(future=self.executor.submit(job), source=pages)
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(pool.device))
         start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(ready)
             start.record(self.stream)
-            for dst, src, n in runs:
-                pool[dst : dst + n].copy_(pages[src : src + n], non_blocking=True)
+            for dst, piece in runs:
+                pool[dst : dst + piece.shape[0]].copy_(piece, non_blocking=True)
             done.record(self.stream)
         return CopyHandle(start=start, done=done, source=pages)
 

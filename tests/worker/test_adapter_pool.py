@@ -680,7 +680,7 @@ def test_packing_matches_the_kernels_packing_rule():
     image = pack_adapter(w.modules, TINY_DIMS, page_elems=PAGE_ELEMS, max_rank=8, dtype=torch.float32)
     ref = pack_lora_layout({(0, layer, PROJS.index(p)): (m.a, m.b, m.scale) for (layer, p), m in w.modules.items()},
                            num_layers=TINY_DIMS.num_layers, max_slots=1, page_elems=PAGE_ELEMS, dtype=torch.float32)
-    assert torch.equal(image.pages, ref.pool)
+    assert torch.equal(image.pages.tensor(), ref.pool)
     a, b = image.global_offsets(list(range(image.num_pages)), PAGE_ELEMS)
     assert torch.equal(a, ref.a_offsets[:, :, 0]) and torch.equal(b, ref.b_offsets[:, :, 0])
     assert torch.equal(image.ranks, ref.ranks[:, :, 0]) and torch.allclose(image.scales, ref.scales[:, :, 0])

@@ -294,3 +294,26 @@ def test_a_load_hung_for_good_holds_neither_shutdown_nor_the_process_exit():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout == "closed\n", done.stderr
+
+
+def test_an_idle_thread_holds_nothing_of_its_last_job():
+    """A loader thread waiting for its next job keeps no reference to the last one's result (an adapter
+    image in the CPU tier's host memory, which would stay out of it and of the tier's budget)."""
+    import gc
+    import weakref
+
+    class Result:
+        pass
+
+    executor = FairExecutor(1)
+    try:
+        future = executor.submit("t", Result)
+        ref = weakref.ref(future.result(timeout=10))
+        deadline = time.monotonic() + 10
+        del future
+        while ref() is not None and time.monotonic() < deadline:  # the thread may still be finishing the job
+            gc.collect()
+            time.sleep(0.01)
+        assert ref() is None
+    finally:
+        executor.shutdown(wait=True)
