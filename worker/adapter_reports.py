@@ -88,7 +88,7 @@ class AdapterReports:
                 "eviction": self.policy.name,
                 "cpu_budget_bytes": self.config.cpu_budget_bytes,
                 # host memory behind the CPU tier: the arena's slabs (page-locked on GPU hosts), and their pages in use
-                "host_bytes": {"reserved": self._arena.reserved_bytes, "used": self._arena.used_bytes},
+                "host_bytes": self._arena.figures(),
                 "resident": {"gpu": len(gpu), "cpu": len(cpu)},
                 "bytes": {"gpu": sum(e.gpu_bytes for e in gpu), "cpu": sum(e.image.nbytes for e in cpu)},
                 "hits": dict(self._counts["hits"]),

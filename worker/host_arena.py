@@ -3,18 +3,20 @@
 An image used to be one tensor of its own, page-locked on GPU hosts. torch's pinned allocator rounds
 each allocation up to a power of two and keeps freed blocks in bins of that size, for reuse only by an
 allocation of the same bin, so a tier of 1 GiB of images held 2 to 3 GiB of page-locked memory. The
-arena allocates slabs of one size instead (a power of two of bytes: `SLAB_BYTES`, or a page if that is
-larger), cuts each into pages of the device pool's size and gives an image any free pages: from the
-fullest slabs first, so that others empty out, and within a slab its longest runs first. An image needs
-no contiguous memory, as its pages are copied to the device run by run anyway (page_copier.py), so no
-free page is ever unusable. The arena adds slabs only when its free pages are too few, so it never
-holds more than the most pages its images held at once plus one slab.
+arena allocates slabs of one size instead: a power of two of bytes, `SLAB_BYTES`, or more where a page is
+so large that a slab would hold fewer than `SLAB_MIN_PAGES` (the tail no whole page fits is then under
+1/16 of a slab). It cuts each into pages of the device pool's size and gives an image any free pages:
+from the fullest slabs first, so that others empty out, and within a slab its longest runs first. An
+image needs no contiguous memory, as its pages are copied to the device run by run anyway
+(page_copier.py), so no free page is ever unusable. The arena adds slabs only when its free pages are
+too few, one thread at a time, so it never holds more than the most pages its images held at once plus
+one slab.
 
 Images exceed the tier's budget for a while (a new image is read before older ones are trimmed, and
 images waiting for a GPU slot are never trimmed). The arena gives empty slabs back while it holds more
-than the budget and `spare_bytes`. A slab given back leaves the arena; on GPU hosts torch's pinned
-allocator keeps it for the next slab (same size: no new page-locking), elsewhere it goes back to the
-system.
+than the budget and `spare_bytes` (`SPARE_BYTES`). A slab given back leaves the arena; on GPU hosts
+torch's pinned allocator keeps it, page-locked, for the next slab (same size: no new page-locking),
+elsewhere it goes back to the system.
 
 Pages come back once the `HostPages` holding them is garbage (every reference dropped: the image's, and
 that of a device copy still reading it); the arena frees them at its next call.
@@ -29,8 +31,9 @@ from collections.abc import Iterator
 
 import torch
 
-SLAB_BYTES = 64 << 20  # bytes of one slab (a power of two: the pinned allocator's bins)
-SPARE_SLABS = 4  # empty slabs kept beyond the budget (an image being read before the tier is trimmed)
+SLAB_BYTES = 64 << 20  # bytes of one slab, at least (a power of two: the pinned allocator's bins)
+SLAB_MIN_PAGES = 16  # pages a slab holds at least: the tail no whole page fits wastes under 1/16 of it
+SPARE_BYTES = 256 << 20  # empty slabs kept beyond the budget (an image being read before the tier is trimmed)
 
 
 class HostPages:
@@ -115,7 +118,7 @@ class HostArena:
 
     def __init__(self, page_elems: int, dtype: torch.dtype, *, pin: bool = False, budget_bytes: int = 0,
                  slab_bytes: int | None = None, spare_bytes: int | None = None) -> None:
-        slab_bytes = SLAB_BYTES if slab_bytes is None else slab_bytes
+        slab_bytes = max(SLAB_BYTES, SLAB_MIN_PAGES * page_elems * dtype.itemsize) if slab_bytes is None else slab_bytes
         if page_elems <= 0 or slab_bytes <= 0:
             raise ValueError("HostArena: page_elems and slab_bytes must be positive")
         self.page_elems, self.dtype, self.pin = page_elems, dtype, pin
@@ -123,26 +126,31 @@ class HostArena:
         self.slab_bytes = 1 << (max(slab_bytes, self.page_bytes) - 1).bit_length()  # a power of two, a page or more
         self.slab_pages = self.slab_bytes // self.page_bytes
         self.budget_bytes = budget_bytes
-        self.spare_bytes = SPARE_SLABS * self.slab_bytes if spare_bytes is None else spare_bytes
+        self.spare_bytes = SPARE_BYTES if spare_bytes is None else spare_bytes
         self._slabs: list[_Slab] = []
         self._lock = threading.Lock()
+        self._grow_lock = threading.Lock()  # one thread adds slabs at a time (loads, never the step loop)
         # Pieces of garbage HostPages, taken back under the lock by the next call: a finalizer may run inside
         # this arena's own locked code (a collection the interpreter starts there), so it only appends.
         self._returned: deque[list[tuple[_Slab, int, int]]] = deque()
 
     # ---- figures -----------------------------------------------------------------------------------
-    @property
-    def reserved_bytes(self) -> int:
-        """Bytes of the slabs the arena holds (the host memory it takes)."""
-        return len(self._slabs) * self.slab_bytes
-
-    @property
-    def used_bytes(self) -> int:
-        """Bytes of the pages images hold."""
+    def figures(self) -> dict[str, int]:
+        """`reserved`: bytes of the slabs the arena holds (the host memory it takes, whole slabs); `used`:
+        bytes of the pages images hold. Read together, so `used` never exceeds `reserved`."""
         with self._lock:
             self._take_back()
             free = sum(n for slab in self._slabs for _, n in slab.free)
-            return (len(self._slabs) * self.slab_pages - free) * self.page_bytes
+            return {"reserved": len(self._slabs) * self.slab_bytes,
+                    "used": (len(self._slabs) * self.slab_pages - free) * self.page_bytes}
+
+    @property
+    def reserved_bytes(self) -> int:
+        return self.figures()["reserved"]
+
+    @property
+    def used_bytes(self) -> int:
+        return self.figures()["used"]
 
     def set_budget(self, budget_bytes: int) -> None:
         """The tier's byte budget changed: empty slabs beyond it (and the spare) are given back now."""
@@ -163,24 +171,35 @@ class HostArena:
         """`num_pages` zeroed pages, in as few runs as the free pages allow; adds slabs when too few are free."""
         if num_pages < 0:
             raise ValueError(f"HostArena.allocate: {num_pages} pages")
-        while True:
-            with self._lock:
-                self._take_back()
-                free = sum(n for slab in self._slabs for _, n in slab.free)
-                if free >= num_pages:
-                    pieces = self._take(num_pages)
-                    break
-                missing = -(-(num_pages - free) // self.slab_pages)
-            # Page-locking a slab takes a while: done outside the lock, so frees (the step loop's) never wait on it.
-            new = [self._new_slab() for _ in range(missing)]
-            with self._lock:
-                self._slabs.extend(new)
+        pieces = self._take_free(num_pages)
+        if pieces is None:
+            # Too few pages free: one thread at a time adds slabs (others wait, then look again, so concurrent
+            # loads never each add slabs for the same shortfall). Page-locking a slab takes a while: done outside
+            # the arena's lock, so frees and figures (the step loop's, a scrape's) never wait on it.
+            with self._grow_lock:
+                while pieces is None:
+                    pieces = self._take_free(num_pages)
+                    if pieces is None:
+                        with self._lock:
+                            free = sum(n for slab in self._slabs for _, n in slab.free)
+                        new = [self._new_slab() for _ in range(-(-(num_pages - free) // self.slab_pages))]
+                        pieces = self._take_free(num_pages, add=new)
         chunks = [slab.pages[first : first + n] for slab, first, n in pieces]
         for chunk in chunks:
             chunk.zero_()
         pages = HostPages(chunks, self.page_elems)
-        weakref.finalize(pages, self._returned.append, pieces)
+        # Not at interpreter exit: the pages of images still held must not be handed out again meanwhile.
+        weakref.finalize(pages, self._returned.append, pieces).atexit = False
         return pages
+
+    def _take_free(self, num_pages: int, add: list[_Slab] = ()) -> list[tuple[_Slab, int, int]] | None:
+        """Pages for an image from the free ones, after adding the slabs `add`; None if too few are free."""
+        with self._lock:
+            self._slabs.extend(add)
+            self._take_back()
+            if sum(n for slab in self._slabs for _, n in slab.free) < num_pages:
+                return None
+            return self._take(num_pages)
 
     def _new_slab(self) -> _Slab:
         memory = torch.empty(self.slab_bytes, dtype=torch.uint8, pin_memory=self.pin)

@@ -31,6 +31,64 @@ def test_slabs_are_a_power_of_two_of_bytes_holding_whole_pages():
     big = HostArena(3000, torch.bfloat16, slab_bytes=1024)  # a page larger than the slab asked
     assert (big.slab_bytes, big.slab_pages) == (8192, 1)
     assert HostArena(1000, torch.float32).slab_bytes == host_arena.SLAB_BYTES
+    huge = HostArena(20 << 20, torch.bfloat16)  # 40 MiB pages (a 70B model's KV block of 128 tokens)
+    assert (huge.slab_bytes, huge.slab_pages) == (1 << 30, 25)  # not 64 MiB holding one page and 24 MiB of tail
+
+
+def test_loads_short_of_pages_at_once_add_slabs_for_one_shortfall_not_each():
+    """Threads that find too few free pages at the same time do not each page-lock slabs for the same
+    shortfall: one adds slabs, the others take its surplus."""
+    import threading
+    import time
+
+    arena = small_arena(budget_bytes=1 << 20)
+    new_slab = arena._new_slab
+
+    def slow_slab():
+        time.sleep(0.02)  # page-locking takes a while
+        return new_slab()
+
+    arena._new_slab = slow_slab
+    start, held = threading.Barrier(10), []
+
+    def load():
+        start.wait()
+        held.append(arena.allocate(1))
+
+    threads = [threading.Thread(target=load) for _ in range(10)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sum(p.num_pages for p in held) == 10
+    assert arena.reserved_bytes <= (10 // arena.slab_pages + 1) * arena.slab_bytes  # 2 slabs, not 10
+
+
+def test_images_still_held_keep_their_pages_through_interpreter_exit(tmp_path):
+    """At exit, the finalizers of images still held do not free their pages: a loader thread finishing a
+    read then (they are daemon threads) never writes into an image someone still reads."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "exit.py"
+    script.write_text(
+        "import weakref, torch\n"
+        "from lorafleet.worker.host_arena import HostArena\n"
+        "arena = HostArena(1000, torch.float32, slab_bytes=32000, spare_bytes=1 << 20)\n"
+        "def late():  # a finalizer older than the image's: at exit it runs after it (newest run first)\n"
+        "    other = arena.allocate(1)\n"
+        "    other.page(0).fill_(7.0)\n"
+        "    print('held', float(keep.page(0)[0]))\n"
+        "class Anchor:\n"
+        "    pass\n"
+        "anchor = Anchor()\n"
+        "weakref.finalize(anchor, late)\n"
+        "keep = arena.allocate(1)\n"
+        "keep.page(0).fill_(1.0)\n"
+    )
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                         env={**__import__("os").environ, "PYTHONPATH": ":".join(sys.path)})
+    assert "held 1.0" in out.stdout, out.stdout + out.stderr
 
 
 def test_pages_come_back_once_dropped_and_are_handed_out_again_zeroed():
@@ -191,6 +249,7 @@ def test_the_pool_packs_into_its_arena_and_reports_its_host_memory(monkeypatch):
             registry.register(c)
         text = generate_latest(registry).decode()
         assert f'lorafleet_adapter_host_memory_bytes{{state="used"}} {float(stats["bytes"]["cpu"])}' in text
+        assert pool._arena.figures() == stats["host_bytes"]
         pool.configure(cpu_budget_bytes=0)  # every idle image leaves, and the slabs beyond the spare with them
         host = pool.stats()["host_bytes"]
         assert host["used"] == 0 and 0 < host["reserved"] <= pool._arena.spare_bytes
