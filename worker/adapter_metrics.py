@@ -10,6 +10,7 @@ residency are per `gpu`/`cpu` only.
 
 from __future__ import annotations
 
+import torch
 from prometheus_client import Counter, Gauge, Histogram
 
 TIERS = ("gpu", "cpu", "disk")
@@ -49,7 +50,8 @@ class AdapterMetrics:
         self.pages = Gauge("lorafleet_page_pool_pages", "Pages of the unified pool (KV blocks + adapter weights)",
                            registry=None)
         self.host_bytes = Gauge("lorafleet_adapter_host_memory_bytes", "Host memory behind the CPU tier's images "
-                                "(page-locked on GPU hosts): reserved = the arena's slabs, used = their pages images hold",
+                                "(page-locked on GPU hosts): reserved = the arena's slabs, used = their pages images hold; "
+                                "pinned (GPU hosts) = all page-locked memory torch's allocator holds, slabs given back included",
                                 ["state"], registry=None)
         self._page_pool = self._arena = None
         # Pre-create label sets so every series that can move exists from the first scrape.
@@ -81,8 +83,18 @@ class AdapterMetrics:
         self._arena = arena
         self.host_bytes.labels("reserved").set_function(lambda: arena.reserved_bytes)
         self.host_bytes.labels("used").set_function(lambda: arena.used_bytes)
+        if arena.pin:
+            self.host_bytes.labels("pinned").set_function(pinned_bytes)
 
     def collectors(self) -> list:
         return [self.hits, self.misses, self.load_seconds, self.wait_seconds, self.load_failures, self.refusals,
                 self.evictions, self.bytes, self.resident, self.fragmentation, self.kv_pages, self.adapter_pages,
                 self.pages, self.host_bytes]
+
+
+def pinned_bytes() -> float:
+    """Page-locked bytes torch's pinned allocator holds, handed out or cached (its stats' names differ between
+    torch versions); NaN where torch does not report them."""
+    stats = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
+    found = [stats[k] for k in ("allocated_bytes.current", "reserved_bytes.current") if k in stats]
+    return float(max(found)) if found else float("nan")

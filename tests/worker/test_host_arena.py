@@ -255,3 +255,22 @@ def test_the_pool_packs_into_its_arena_and_reports_its_host_memory(monkeypatch):
         assert host["used"] == 0 and 0 < host["reserved"] <= pool._arena.spare_bytes
     finally:
         pool.close()
+
+
+def test_on_gpu_hosts_the_gauge_also_reports_all_page_locked_memory(monkeypatch):
+    """Slabs given back stay page-locked in torch's pinned cache: `pinned` reports what the allocator holds."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from lorafleet.worker.adapter_metrics import AdapterMetrics
+
+    monkeypatch.setattr(torch.cuda, "host_memory_stats", lambda: {"allocated_bytes.current": 3 << 30}, raising=False)
+    metrics = AdapterMetrics()
+    metrics.watch_arena(HostArena(PAGE_ELEMS, torch.float32, pin=True))
+    registry = CollectorRegistry()
+    registry.register(metrics.host_bytes)
+    assert 'lorafleet_adapter_host_memory_bytes{state="pinned"} 3.221225472e+09' in generate_latest(registry).decode()
+    cpu_only = AdapterMetrics()
+    cpu_only.watch_arena(small_arena())
+    registry = CollectorRegistry()
+    registry.register(cpu_only.host_bytes)
+    assert 'state="pinned"' not in generate_latest(registry).decode()
