@@ -29,21 +29,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from adapter_pool_setup import LLAMA3_8B, SMALL  # noqa: E402
 from bench_io import device_tag, write_json  # noqa: E402
 
+from lorafleet.worker.adapter_metrics import pinned_bytes  # noqa: E402
 from lorafleet.worker.adapter_pool import AdapterPool, AdapterPoolConfig  # noqa: E402
 from lorafleet.worker.host_arena import HostPages  # noqa: E402
 from lorafleet.worker.page_pool import PagePool, PagePoolConfig  # noqa: E402
 from tests.lora_factory import random_weights  # noqa: E402
 
 
-def pinned_bytes() -> dict[str, int]:
-    """torch's pinned allocator's byte figures (their names differ between torch versions)."""
+def pinned_stats() -> dict[str, int]:
+    """torch's pinned allocator's byte figures, as it names them, for the JSON."""
     stats = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
     return {k: int(v) for k, v in stats.items() if "bytes" in k and k.endswith((".current", ".peak"))}
-
-
-def held(stats: dict[str, int], which: str = "current") -> int:
-    """Page-locked bytes the allocator holds, handed out or cached."""
-    return max(stats.get(f"reserved_bytes.{which}", 0), stats.get(f"allocated_bytes.{which}", 0))
 
 
 def run_one(args) -> dict:
@@ -84,18 +80,18 @@ def run_one(args) -> dict:
         if stats["loads"]["gpu"] > gpu_loads and entry.copy_seconds:  # this load copied it to the GPU
             copies.append(entry.gpu_bytes / entry.copy_seconds / 1e9)
         gpu_loads = stats["loads"]["gpu"]
-        pinned = pinned_bytes()
+        pinned = pinned_stats()
         rows.append({"step": step, "adapter": name, "rank": rank_of[name], "seconds": time.perf_counter() - t0,
                      "tier_bytes": stats["bytes"]["cpu"], "host_bytes": stats["host_bytes"],
-                     "pinned_held": held(pinned), "pinned": pinned})
+                     "pinned_held": pinned_bytes(), "pinned": pinned})
         print(f"{args.mode} {step:3d} {name} r={rank_of[name]:3d} tier {stats['bytes']['cpu'] / 2**30:6.2f} GiB "
-              f"pinned {held(pinned) / 2**30:6.2f} GiB arena {stats['host_bytes']['reserved'] / 2**30:6.2f} GiB",
+              f"pinned {pinned_bytes() / 2**30:6.2f} GiB arena {stats['host_bytes']['reserved'] / 2**30:6.2f} GiB",
               flush=True)
     pool.close()
-    final = pinned_bytes()
+    final = pinned_stats()
     gbps = copies
     return {"mode": args.mode, "budget_bytes": budget, "peak_tier_bytes": max(r["tier_bytes"] for r in rows),
-            "pinned_held_final": held(final), "pinned_held_peak": held(final, "peak"), "pinned_final": final,
+            "pinned_held_final": pinned_bytes(), "pinned_held_peak": pinned_bytes("peak"), "pinned_final": final,
             "copy_gbps_mean": sum(gbps) / len(gbps) if gbps else None, "copies_gbps": gbps, "steps": rows}
 
 

@@ -84,7 +84,7 @@ class AdapterMetrics:
         self.host_bytes.labels("reserved").set_function(lambda: arena.reserved_bytes)
         self.host_bytes.labels("used").set_function(lambda: arena.used_bytes)
         if arena.pin:
-            self.host_bytes.labels("pinned").set_function(pinned_bytes)
+            self.host_bytes.labels("pinned").set_function(lambda: pinned_bytes())
 
     def collectors(self) -> list:
         return [self.hits, self.misses, self.load_seconds, self.wait_seconds, self.load_failures, self.refusals,
@@ -92,9 +92,9 @@ class AdapterMetrics:
                 self.pages, self.host_bytes]
 
 
-def pinned_bytes() -> float:
-    """Page-locked bytes torch's pinned allocator holds, handed out or cached (its stats' names differ between
-    torch versions); NaN where torch does not report them."""
+def pinned_bytes(which: str = "current") -> float:
+    """Page-locked bytes torch's pinned allocator holds, handed out or cached (`which`: "current" or "peak"; its
+    stats' names differ between torch versions); NaN where torch does not report them."""
     stats = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
-    found = [stats[k] for k in ("allocated_bytes.current", "reserved_bytes.current") if k in stats]
+    found = [stats[k] for k in (f"allocated_bytes.{which}", f"reserved_bytes.{which}") if k in stats]
     return float(max(found)) if found else float("nan")

@@ -312,14 +312,15 @@ class AdapterPlacement:
         takes back the pages of images dropped (once no copy reads them); empty slabs beyond the budget leave."""
         holders = [e for e in self._entries.values() if e.image is not None]
         total = sum(e.image.nbytes for e in holders)
-        candidates = [e for e in holders if total > self.config.cpu_budget_bytes and e is not protect
-                      and e.copying is None and not (e.key in self._wanted and not e.on_gpu)]
-        for cand in self.policy.order([self._candidate(e, tier="cpu") for e in candidates]):
-            if total <= self.config.cpu_budget_bytes:
-                break
-            victim = self._entries[cand.key]
-            total -= victim.image.nbytes
-            self._evict_cpu(victim, "budget")
+        if total > self.config.cpu_budget_bytes:
+            candidates = [e for e in holders
+                          if e is not protect and e.copying is None and not (e.key in self._wanted and not e.on_gpu)]
+            for cand in self.policy.order([self._candidate(e, tier="cpu") for e in candidates]):
+                if total <= self.config.cpu_budget_bytes:
+                    break
+                victim = self._entries[cand.key]
+                total -= victim.image.nbytes
+                self._evict_cpu(victim, "budget")
         self._arena.collect()
 
     def set_priority(self, key: str, priority: int) -> None:

@@ -171,19 +171,16 @@ class HostArena:
         """`num_pages` zeroed pages, in as few runs as the free pages allow; adds slabs when too few are free."""
         if num_pages < 0:
             raise ValueError(f"HostArena.allocate: {num_pages} pages")
-        pieces = self._take_free(num_pages)
+        pieces, free = self._take_free(num_pages)
         if pieces is None:
             # Too few pages free: one thread at a time adds slabs (others wait, then look again, so concurrent
             # loads never each add slabs for the same shortfall). Page-locking a slab takes a while: done outside
             # the arena's lock, so frees and figures (the step loop's, a scrape's) never wait on it.
             with self._grow_lock:
+                pieces, free = self._take_free(num_pages)
                 while pieces is None:
-                    pieces = self._take_free(num_pages)
-                    if pieces is None:
-                        with self._lock:
-                            free = sum(n for slab in self._slabs for _, n in slab.free)
-                        new = [self._new_slab() for _ in range(-(-(num_pages - free) // self.slab_pages))]
-                        pieces = self._take_free(num_pages, add=new)
+                    new = [self._new_slab() for _ in range(-(-(num_pages - free) // self.slab_pages))]
+                    pieces, free = self._take_free(num_pages, add=new)
         chunks = [slab.pages[first : first + n] for slab, first, n in pieces]
         for chunk in chunks:
             chunk.zero_()
@@ -192,14 +189,14 @@ class HostArena:
         weakref.finalize(pages, self._returned.append, pieces).atexit = False
         return pages
 
-    def _take_free(self, num_pages: int, add: list[_Slab] = ()) -> list[tuple[_Slab, int, int]] | None:
-        """Pages for an image from the free ones, after adding the slabs `add`; None if too few are free."""
+    def _take_free(self, num_pages: int, add: list[_Slab] = ()) -> tuple[list[tuple[_Slab, int, int]] | None, int]:
+        """Pages for an image from the free ones, after adding the slabs `add` (None if too few are free), and
+        how many were free."""
         with self._lock:
             self._slabs.extend(add)
             self._take_back()
-            if sum(n for slab in self._slabs for _, n in slab.free) < num_pages:
-                return None
-            return self._take(num_pages)
+            free = sum(n for slab in self._slabs for _, n in slab.free)
+            return (self._take(num_pages) if free >= num_pages else None), free
 
     def _new_slab(self) -> _Slab:
         memory = torch.empty(self.slab_bytes, dtype=torch.uint8, pin_memory=self.pin)
