@@ -9,6 +9,10 @@ fails as the store's fault; a store that ignores the range (200) has its object 
 object listed without an ETag (nothing would keep a replaced upload's bytes out of the rest) or sent encoded
 (`Content-Encoding`: its bytes as received are not the bytes the range counts) is not resumed, and neither is
 a read the deadline ended: the download's time is spent.
+
+Each object's bytes are hashed as they are written, across resumes, and checked against the checksum or ETag
+its answers give (worker/object_digest.py): one that does not match is downloaded once more before the download
+fails as the store's fault.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from pathlib import Path
 from urllib3.exceptions import HTTPError as Urllib3Error
 
 from lorafleet.worker.disk_cache import cache_write
+from lorafleet.worker.object_digest import CHECKSUM_MODE, DigestCheck, ObjectDigest
 from lorafleet.worker.source_error import SourceError
 from lorafleet.worker.store_clients import StoreSilent
 
@@ -41,8 +46,9 @@ class Fetch:
     """One download attempt's reads: progress over all objects, and the deadline."""
 
     def __init__(self, total: int, progress: Callable[[int, int], None] | None, deadline: float | None,
-                 uri: str) -> None:
+                 uri: str, check: DigestCheck) -> None:
         self.total, self.done, self.progress, self.deadline, self.uri = total, 0, progress, deadline, uri
+        self.check = check  # the store's (per Sources): what it learnt of its buckets' ETags outlives the attempt
         self._report()
 
     def _report(self) -> None:
@@ -61,11 +67,25 @@ class Fetch:
         raise TimeoutError(f"{self.uri}: download timed out ({self.done} of {self.total} bytes)")
 
     def object(self, client, bucket: str, key: str, etag: str | None, size: int, path: Path) -> bool:
-        """Read `key` into `path`; False when it no longer has the listed `etag` (replaced meanwhile)."""
-        where, received, resumes = f"{self.uri}{path.name}", 0, 0
+        """Read `key` into `path`, its bytes checked against what the store says they hash to (worker/object_digest.py:
+        read twice when they do not); False when it no longer has the listed `etag` (replaced meanwhile)."""
+        where = f"{self.uri}{path.name}"
+        first = self._whole(client, bucket, key, etag, size, path, where)
+        if first is None or self.check.passes(bucket, first):
+            return first is not None
+        self.done -= size  # read again from its start: its bytes count once
+        second = self._whole(client, bucket, key, etag, size, path, where)
+        if second is not None:
+            self.check.settle(bucket, where, first, second)
+        return second is not None
+
+    def _whole(self, client, bucket: str, key: str, etag: str | None, size: int, path: Path,
+               where: str) -> ObjectDigest | None:
+        """Read `key` into `path`, resuming a body cut short; its digest, or None when it was replaced."""
+        received, resumes, digest = 0, 0, ObjectDigest()
         while True:
             try:
-                got = self._part(client, bucket, key, etag, size, path, received, where)
+                got = self._part(client, bucket, key, etag, size, path, received, where, digest)
             except _Cut as cut:
                 self._check_deadline(where, cut.received == 0 < size)  # a read the deadline ended is not resumed
                 if cut.resumable and 0 < cut.received < size and resumes < RESUMES and cut.received > received:
@@ -74,16 +94,17 @@ class Fetch:
                 if cut.cause is not None:
                     raise cut.cause from None
                 raise ConnectionError(f"{where}: the store sent {cut.received} of the {size} bytes it listed") from None
-            return got
+            return digest if got else None
 
     def _part(self, client, bucket: str, key: str, etag: str | None, size: int, path: Path, offset: int,
-              where: str) -> bool:
-        """The object's bytes from `offset` (those before it are in `path`) appended to `path`; False when the
-        object changed. _Cut with the bytes `path` holds when the body ends short or its connection breaks."""
+              where: str, digest: ObjectDigest) -> bool:
+        """The object's bytes from `offset` (those before it are in `path`, and hashed in `digest`) appended to
+        `path` and hashed; False when the object changed. _Cut with the bytes `path` holds when the body ends
+        short or its connection breaks."""
         from minio.error import InvalidResponseError, S3Error
 
         self._check_deadline()
-        headers = {"If-Match": f'"{etag}"'} if etag else None
+        headers = {**CHECKSUM_MODE, "If-Match": f'"{etag}"'} if etag else dict(CHECKSUM_MODE)
         try:
             response = client.get_object(bucket, key, offset=offset, request_headers=headers)
         except S3Error as exc:
@@ -119,6 +140,7 @@ class Fetch:
             if announced is not None and int(announced) > size - offset:
                 raise SourceError(f"{where}: the store announces {announced} bytes, more than the {size - offset} "
                                   f"it listed; refused before downloading it", "too_large")
+            digest.answered(response.headers, etag, whole=not offset)
             received = offset
             f = cache_write(lambda: open(path, "ab" if offset else "wb"))  # noqa: SIM115 - closed below
             try:
@@ -137,6 +159,7 @@ class Fetch:
                         raise SourceError(f"{where}: the store sent more than the {size} bytes it listed; the "
                                           f"download was stopped", "too_large")
                     cache_write(lambda c=chunk: f.write(c))
+                    digest.update(chunk)
                     self.done += len(chunk)
                     self._report()
             finally:

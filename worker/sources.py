@@ -39,6 +39,7 @@ from lorafleet.worker.file_limits import (
     check_size,
     read_chunks,
 )
+from lorafleet.worker.object_digest import DigestCheck
 from lorafleet.worker.object_fetch import Fetch
 from lorafleet.worker.source_error import SourceError, read_error
 from lorafleet.worker.stager_digests import FileIdentity, Identity, LocalDigests
@@ -130,6 +131,7 @@ class Sources:
         self._roots = [Path(r).resolve() for r in config.local_roots]
         self.clients = StoreClients(config)  # worker/store_clients.py
         self.digests = LocalDigests()  # of local folders: an unchanged one is not read again
+        self.object_check = DigestCheck()  # of downloaded objects: which buckets' ETags are no MD5s (object_digest.py)
 
     # ---- checks --------------------------------------------------------------------------------
     def is_s3(self, uri: str) -> bool:
@@ -179,7 +181,9 @@ class Sources:
         Every object is read at the version the listing saw (If-Match on its ETag; objects listed without one
         are listed again once read): an object replaced
         mid-download would otherwise mix files of two uploads; the download then starts over, up to
-        `MAX_ATTEMPTS` times. `deadline` (time.monotonic()) ends a slow download with TimeoutError, even
+        `MAX_ATTEMPTS` times. Each object's bytes are checked against the checksum or ETag the store gives,
+        and read once more when they do not match (worker/object_digest.py). `deadline` (time.monotonic())
+        ends a slow download with TimeoutError, even
         in the middle of a read, so nothing keeps writing after the caller gave up; a store that stops
         answering fails each request by then too, and an object none of whose bytes came by then raises
         StoreSilent (worker/store_clients.py). `etags` (`object_etags`,
@@ -201,7 +205,7 @@ class Sources:
                     check_size(loc.uri + wanted[key], size, self.config.max_adapter_file_bytes, fix=RAISE_LIMIT)
             for name in wanted.values():  # what an earlier attempt wrote
                 (dest / name).unlink(missing_ok=True)
-            fetched = Fetch(sum(size for size, _ in objects.values()), progress, deadline, loc.uri)
+            fetched = Fetch(sum(size for size, _ in objects.values()), progress, deadline, loc.uri, self.object_check)
             if all(fetched.object(client, loc.bucket, key, etag, size, dest / wanted[key])
                    for key, (size, etag) in sorted(objects.items())) and _unchanged(client, loc, wanted, listing):
                 return dest
