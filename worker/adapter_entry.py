@@ -67,6 +67,8 @@ class AdapterEntry:
     fetch_started: float = 0.0  # monotonic time the current load was asked for
     fetch_began: list = field(default_factory=list)  # [monotonic time a loader thread took it], once it did
     hung: Future | None = None  # a read past the time limit whose thread has not come back
+    read_group: str = ""  # the loader group its last read went to (an asking tenant's, or its owner's)
+    image_bytes: int = 0  # the size of its last image (0: never read): what reading it again takes
     copying: Any = None  # a Future (CPU device) or a (done_event, start_event) pair (CUDA)
     refcount: int = 0
     uses: int = 0

@@ -23,6 +23,8 @@ from lorafleet.worker.engine_errors import is_failure
 
 
 class AdapterLoading:
+    _sizes_read = (0, 0)  # images read so far and their bytes: the size expected of a first read
+
     def _advance(self) -> bool:
         """Finish what completed among the loads in flight (cheap: only those are looked at)."""
         timeout = self.config.load_timeout_s
@@ -57,15 +59,80 @@ class AdapterLoading:
         return changed
 
     def _sweep_wanted(self) -> None:
+        unread = []
         for key in list(self._wanted):
             entry = self._entries.get(key)
             if entry is None or entry.on_gpu:
                 self._wanted.pop(key, None)
             elif entry.image is None:
                 if entry.fetching is None:
-                    self._start_fetch(entry)
+                    unread.append(entry)
             else:
                 self._try_place(entry)
+        if unread:
+            self._start_wanted_reads(unread)
+
+    # A burst of requests for distinct cold adapters while every GPU slot is busy: each image read waits in
+    # the CPU tier for GPU room, where the budget's trim cannot drop it (a request waits for it). So each
+    # tenant (loader group) that wants adapters on the GPU gets an equal share of the CPU budget, and a read
+    # for the GPU starts only while the group's images waiting there and its reads under way (each at its
+    # last image's size, or the mean image read so far) leave room in its share for it; before any image was
+    # read, no more at once than the loader threads. A group with none may always start one. What one tenant
+    # holds (its burst, images its GPU quota keeps out, reads hung on a dead mount) takes nothing from
+    # another's share, and a read that does not fit waits at the head of its group, so a large adapter is not
+    # passed by the same tenant's smaller ones for ever. The images of k tenants then take max(budget / k, one
+    # image) each, give or take the estimates, beyond what a tenant held when fewer shared the budget.
+    def _read_room(self, unread: list[AdapterEntry]) -> tuple[dict[str, list[int]], int]:
+        """({loader group: [bytes, images and reads]} of the images wanted on the GPU or being copied there
+        and the reads for them, the budget's share of each group that wants something there)."""
+        groups: dict[str, list[int]] = {}
+        for key in self._wanted.keys() | self._inflight:  # an image being copied is still in the CPU tier
+            entry = self._entries.get(key)
+            if entry is None or entry.resident:
+                continue
+            if entry.image is not None and (key in self._wanted or entry.copying is not None):
+                size = entry.image.nbytes
+            elif entry.fetching is not None and key in self._wanted:
+                size = self._expected_bytes(entry)
+            else:
+                continue
+            mine = groups.setdefault(entry.read_group, [0, 0])
+            mine[0] += size
+            mine[1] += 1
+        active = len(set(groups) | {e.asker or e.tenant for e in unread})
+        return groups, self.config.cpu_budget_bytes // max(active, 1)
+
+    def _expected_bytes(self, entry: AdapterEntry) -> int:
+        """The image a read of `entry` will take: its last one's size, else the mean image read so far (0: none)."""
+        count, total = self._sizes_read
+        return entry.image_bytes or total // max(count, 1)
+
+    def _may_read(self, entry: AdapterEntry, room: tuple[dict[str, list[int]], int]) -> bool:
+        groups, share = room
+        held, count = groups.get(entry.asker or entry.tenant, (0, 0))
+        if count == 0:
+            return True
+        if not (size := self._expected_bytes(entry)):  # no image read yet: no more reads at once than threads
+            return count < self.config.num_load_threads
+        return held + size <= share
+
+    def _start_wanted_reads(self, unread: list[AdapterEntry]) -> None:
+        """Start the reads of `unread` (wanted on the GPU, neither read nor being read) their groups' shares of
+        the CPU budget have room for: a request's before a warm-up's, each group's in request order."""
+        order = {e.key: i for i, e in enumerate(unread)}
+        unread.sort(key=lambda e: (not (e.waiters or e.asked_anonymously), order[e.key]))
+        room, blocked, began = self._read_room(unread), set(), False
+        for entry in unread:
+            group = entry.asker or entry.tenant
+            if group in blocked:
+                continue
+            if not self._may_read(entry, room):
+                blocked.add(group)  # its later reads wait behind this one
+                continue
+            self._start_fetch(entry)
+            room, began = self._read_room(unread), True
+        if began:  # idle images make way for the reads a request waits for
+            self._trim_cpu(protect=None)
 
     def _pack(self, weights):
         return pack_adapter(weights.modules, self.dims, page_elems=self.page_pool.page_elems,
@@ -75,10 +142,12 @@ class AdapterLoading:
     def _want(self, entry: AdapterEntry) -> None:
         if entry.resident or entry.retired:
             return
+        new = entry.key not in self._wanted
         self._wanted.setdefault(entry.key, None)
         if entry.image is None:
-            if entry.fetching is None:
-                self._start_fetch(entry)
+            if entry.fetching is None and new:  # in turn with those waiting before it; the others at the next sweep
+                self._start_wanted_reads([e for k in self._wanted if (e := self._entries.get(k)) is not None
+                                          and not e.on_gpu and e.image is None and e.fetching is None])
         elif not entry.on_gpu:
             self._try_place(entry)
 
@@ -108,6 +177,7 @@ class AdapterLoading:
         # Loader threads go to tenants in turn, to a load a request waits for before a warm-up (fair_executor.py).
         urgent = bool(entry.waiters) or entry.asked_anonymously
         group, entry.asker = entry.asker or entry.tenant, None
+        entry.read_group = group
         entry.fetching = future = self._executor.submit(group, job, urgent=urgent)
         self._jobs[future] = began
         executor = self._executor
@@ -178,6 +248,9 @@ class AdapterLoading:
 
     def _set_image(self, entry: AdapterEntry, image) -> None:
         entry.image = image
+        entry.image_bytes, entry.read_group = image.nbytes, entry.read_group or entry.tenant  # packed at add: its owner's
+        count, total = self._sizes_read
+        self._sizes_read = (count + 1, total + image.nbytes)
         if entry.digest is None:  # its first image: later ones are held to the same digest, so the same ranks
             entry.digest, entry.max_rank = image.digest, image.max_rank
         self._trim_cpu(protect=entry)

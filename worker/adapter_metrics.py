@@ -53,6 +53,8 @@ class AdapterMetrics:
                                 "(page-locked on GPU hosts): reserved = the arena's slabs, used = their pages images hold; "
                                 "pinned (GPU hosts) = all page-locked memory torch's allocator holds, slabs given back included",
                                 ["state"], registry=None)
+        self.reads_waiting = Gauge("lorafleet_adapter_reads_waiting", "Adapters wanted on the GPU whose read waits for "
+                                   "room in the CPU tier's budget, which images waiting for GPU room fill", registry=None)
         self._page_pool = self._arena = None
         # Pre-create label sets so every series that can move exists from the first scrape.
         for tier in TIERS:
@@ -89,7 +91,7 @@ class AdapterMetrics:
     def collectors(self) -> list:
         return [self.hits, self.misses, self.load_seconds, self.wait_seconds, self.load_failures, self.refusals,
                 self.evictions, self.bytes, self.resident, self.fragmentation, self.kv_pages, self.adapter_pages,
-                self.pages, self.host_bytes]
+                self.pages, self.host_bytes, self.reads_waiting]
 
 
 def pinned_bytes(which: str = "current") -> float:

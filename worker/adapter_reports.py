@@ -99,6 +99,7 @@ class AdapterReports:
                 "evictions": {t: dict(v) for t, v in self._counts["evictions"].items()},
                 "in_flight": sum(1 for e in self._entries.values() if e.fetching is not None or e.copying is not None),
                 "waiting": len(self._wanted),
+                "reads_waiting": self._reads_waiting(),  # of them, unread until the CPU budget has room
                 "fragmentation": self.page_pool.fragmentation("adapter"),
                 "page_pool": pages,
             }
@@ -134,8 +135,14 @@ class AdapterReports:
         m.bytes.labels("gpu").set(sum(e.gpu_bytes for e in gpu))
         m.bytes.labels("cpu").set(sum(e.image.nbytes for e in cpu))
         m.fragmentation.set(self.page_pool.fragmentation("adapter"))
+        m.reads_waiting.set(self._reads_waiting())
         m.watch_page_pool(self.page_pool)  # page counts are read at scrape time, KV pages move every step
         m.watch_arena(self._arena)
+
+    def _reads_waiting(self) -> int:
+        """Adapters wanted on the GPU, neither read nor being read: their reads wait for CPU room."""
+        return sum(1 for k in self._wanted if (e := self._entries.get(k)) is not None and not e.on_gpu
+                   and e.image is None and e.fetching is None)
 
 
 def _num_pages(entry: AdapterEntry) -> int:
