@@ -5,8 +5,11 @@
 #
 # torch comes from PyPI, whose Linux x86_64 wheel carries the CUDA runtime and Triton (the GPU nodes need the
 # NVIDIA driver and container toolkit). Triton builds its small launcher stubs with a C compiler when a kernel is
-# first compiled, hence gcc.
-FROM python:3.11-slim
+# first compiled, hence gcc. The base is pinned to one patch release and Debian release, so a rebuild takes the
+# same Python and system libraries; pin it by digest too for reproducible releases:
+#   docker build --build-arg BASE=python:3.11.11-slim-bookworm@sha256:... .
+ARG BASE=python:3.11.11-slim-bookworm
+FROM ${BASE}
 
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 

