@@ -20,10 +20,12 @@ import torch
 from lorafleet.worker.adapter_entry import AdapterEntry, AdapterLoadError
 from lorafleet.worker.adapter_image import pack_adapter
 from lorafleet.worker.engine_errors import is_failure
+from lorafleet.worker.read_room import STUCK_READ_S, ReadRoom
 
 
 class AdapterLoading:
-    _sizes_read = (0, 0)  # images read so far and their bytes: the size expected of a first read
+    _room: ReadRoom | None = None  # the last sweep's, kept up to date with the reads started since
+    _largest_image = 0  # bytes of the largest image read so far: what a read of an adapter never read may take
 
     def _advance(self) -> bool:
         """Finish what completed among the loads in flight (cheap: only those are looked at)."""
@@ -69,70 +71,64 @@ class AdapterLoading:
                     unread.append(entry)
             else:
                 self._try_place(entry)
-        if unread:
-            self._start_wanted_reads(unread)
+        if self._start_wanted_reads(unread):
+            self._trim_cpu(protect=None)  # idle images make way for the reads a request waits for
 
-    # A burst of requests for distinct cold adapters while every GPU slot is busy: each image read waits in
-    # the CPU tier for GPU room, where the budget's trim cannot drop it (a request waits for it). So each
-    # tenant (loader group) that wants adapters on the GPU gets an equal share of the CPU budget, and a read
-    # for the GPU starts only while the group's images waiting there and its reads under way (each at its
-    # last image's size, or the mean image read so far) leave room in its share for it; before any image was
-    # read, no more at once than the loader threads. A group with none may always start one. What one tenant
-    # holds (its burst, images its GPU quota keeps out, reads hung on a dead mount) takes nothing from
-    # another's share, and a read that does not fit waits at the head of its group, so a large adapter is not
-    # passed by the same tenant's smaller ones for ever. The images of k tenants then take max(budget / k, one
-    # image) each, give or take the estimates, beyond what a tenant held when fewer shared the budget.
-    def _read_room(self, unread: list[AdapterEntry]) -> tuple[dict[str, list[int]], int]:
-        """({loader group: [bytes, images and reads]} of the images wanted on the GPU or being copied there
-        and the reads for them, the budget's share of each group that wants something there)."""
-        groups: dict[str, list[int]] = {}
+    def _read_room(self) -> ReadRoom:
+        """The room the CPU budget leaves for reads for the GPU now (worker/read_room.py)."""
+        room = ReadRoom(self.config.cpu_budget_bytes, self.config.num_load_threads,
+                        lambda owner, count, nbytes: self.config.quota(owner).exceeded(count, nbytes))
+        for entry in self._slot_owner.values():  # what cannot leave the GPU: in use, being copied, pinned
+            if entry.refcount > 0 or entry.copying is not None or entry.pinned:
+                busy = room.busy.setdefault(entry.tenant, [0, 0])
+                busy[0] += 1
+                busy[1] += entry.gpu_bytes
+        stuck = time.monotonic() - STUCK_READ_S
         for key in self._wanted.keys() | self._inflight:  # an image being copied is still in the CPU tier
             entry = self._entries.get(key)
             if entry is None or entry.resident:
                 continue
-            if entry.image is not None and (key in self._wanted or entry.copying is not None):
-                size = entry.image.nbytes
-            elif entry.fetching is not None and key in self._wanted:
-                size = self._expected_bytes(entry)
-            else:
-                continue
-            mine = groups.setdefault(entry.read_group, [0, 0])
-            mine[0] += size
-            mine[1] += 1
-        active = len(set(groups) | {e.asker or e.tenant for e in unread})
-        return groups, self.config.cpu_budget_bytes // max(active, 1)
+            if entry.copying is not None:
+                room.took(entry.read_group, entry.image.nbytes)
+            elif key not in self._wanted or not _waited_for(entry):
+                continue  # a warm-up's, or one whose requests were refused (pinned adapters keep it out): not paced
+            elif entry.image is not None:
+                if not room.held_back(entry.tenant, entry.image.nbytes):  # else it waits for its owner's quota
+                    room.took(entry.read_group, entry.image.nbytes)
+            elif entry.fetching is not None and not _stuck(entry, stuck):
+                room.took(entry.read_group, self._expected_bytes(entry), first_read=not entry.image_bytes)
+        return room
 
     def _expected_bytes(self, entry: AdapterEntry) -> int:
-        """The image a read of `entry` will take: its last one's size, else the mean image read so far (0: none)."""
-        count, total = self._sizes_read
-        return entry.image_bytes or total // max(count, 1)
+        """What a read of `entry` will take: its last image's size, else the largest image read so far (0: none)."""
+        return entry.image_bytes or self._largest_image
 
-    def _may_read(self, entry: AdapterEntry, room: tuple[dict[str, list[int]], int]) -> bool:
-        groups, share = room
-        held, count = groups.get(entry.asker or entry.tenant, (0, 0))
-        if count == 0:
-            return True
-        if not (size := self._expected_bytes(entry)):  # no image read yet: no more reads at once than threads
-            return count < self.config.num_load_threads
-        return held + size <= share
-
-    def _start_wanted_reads(self, unread: list[AdapterEntry]) -> None:
-        """Start the reads of `unread` (wanted on the GPU, neither read nor being read) their groups' shares of
-        the CPU budget have room for: a request's before a warm-up's, each group's in request order."""
+    def _start_wanted_reads(self, unread: list[AdapterEntry], room: ReadRoom | None = None) -> bool:
+        """Start the reads of `unread` (wanted on the GPU, neither read nor being read) the CPU budget has room
+        for (worker/read_room.py): a request's before a warm-up's, each group's in request order. The room
+        stays for the newly wanted adapters until the next sweep (`_want`). Whether any started."""
         order = {e.key: i for i, e in enumerate(unread)}
         unread.sort(key=lambda e: (not (e.waiters or e.asked_anonymously), order[e.key]))
-        room, blocked, began = self._read_room(unread), set(), False
+        self._room = room = room or self._read_room()
+        room.budget = self.config.cpu_budget_bytes  # configure() may have changed it since the sweep
+        began = False
         for entry in unread:
-            group = entry.asker or entry.tenant
-            if group in blocked:
+            group, nbytes = entry.asker or entry.tenant, self._expected_bytes(entry)
+            if not _waited_for(entry):
+                self._start_fetch(entry)  # a warm-up (prefetch, pinned, a new version's): as without pacing
                 continue
-            if not self._may_read(entry, room):
-                blocked.add(group)  # its later reads wait behind this one
-                continue
+            if not room.may_read(group, nbytes, first_read=not entry.image_bytes):
+                continue  # its group has no room now: the next sweep looks again
             self._start_fetch(entry)
-            room, began = self._read_room(unread), True
-        if began:  # idle images make way for the reads a request waits for
-            self._trim_cpu(protect=None)
+            room.took(group, nbytes, first_read=not entry.image_bytes)
+            began = True
+        return began
+
+    def _reading_bytes(self) -> int:
+        """Bytes the reads under way will take once they land (`_expected_bytes`; stuck ones not counted)."""
+        stuck = time.monotonic() - STUCK_READ_S
+        return sum(self._expected_bytes(e) for key in self._inflight if (e := self._entries.get(key)) is not None
+                   and e.fetching is not None and not _stuck(e, stuck))
 
     def _pack(self, weights):
         return pack_adapter(weights.modules, self.dims, page_elems=self.page_pool.page_elems,
@@ -145,9 +141,8 @@ class AdapterLoading:
         new = entry.key not in self._wanted
         self._wanted.setdefault(entry.key, None)
         if entry.image is None:
-            if entry.fetching is None and new:  # in turn with those waiting before it; the others at the next sweep
-                self._start_wanted_reads([e for k in self._wanted if (e := self._entries.get(k)) is not None
-                                          and not e.on_gpu and e.image is None and e.fetching is None])
+            if entry.fetching is None and new:  # behind its group's reads in line (the last sweep's room), else now
+                self._start_wanted_reads([entry], self._room)
         elif not entry.on_gpu:
             self._try_place(entry)
 
@@ -205,7 +200,7 @@ class AdapterLoading:
         executor, self._executor, self._jobs = self._executor, self._loader_threads(), {}
         for entry in list(self._entries.values()):
             if entry.fetching is not None and entry.fetching.cancel():  # queued behind the stuck ones
-                entry.fetching = None
+                entry.fetching, entry.asker = None, entry.read_group  # in the same loader group again
                 self._start_fetch(entry)
         executor.shutdown(wait=False)  # its threads end when their reads return
 
@@ -249,8 +244,7 @@ class AdapterLoading:
     def _set_image(self, entry: AdapterEntry, image) -> None:
         entry.image = image
         entry.image_bytes, entry.read_group = image.nbytes, entry.read_group or entry.tenant  # packed at add: its owner's
-        count, total = self._sizes_read
-        self._sizes_read = (count + 1, total + image.nbytes)
+        self._largest_image = max(self._largest_image, image.nbytes)
         if entry.digest is None:  # its first image: later ones are held to the same digest, so the same ranks
             entry.digest, entry.max_rank = image.digest, image.max_rank
         self._trim_cpu(protect=entry)
@@ -341,6 +335,16 @@ class AdapterLoading:
             wait_futures(fetches, timeout=timeout, return_when="FIRST_COMPLETED")
         elif not copies:
             time.sleep(timeout)
+
+
+def _waited_for(entry: AdapterEntry) -> bool:
+    """Whether a request (or a `load()`) waits for `entry` now: its reads and images are paced (worker/read_room.py)."""
+    return bool(entry.waiters) or entry.asked_anonymously
+
+
+def _stuck(entry: AdapterEntry, since: float) -> bool:
+    """Whether a loader thread took `entry`'s read before `since` (monotonic) and has not finished it."""
+    return bool(entry.fetch_began) and entry.fetch_began[0] < since
 
 
 def limit_cpu_threads(num_threads: int | None) -> None:

@@ -6,6 +6,7 @@ another tenant's first cold load."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
@@ -120,7 +121,9 @@ def test_a_tenants_burst_holds_no_room_of_another_tenants_share(busy_pool):
         serve = {f"burst{i}@1": "acme" for i in range(8)} | {k: "globex" for k in ("own@1", "second@1", "third@1")}
         # Served while initech's read hangs: acme's four, read while it was alone, and globex's half at most.
         serve_all(pool, serve, bound=6 * size, size=size)
-        assert all(started(pool, k) for k in ("stuck1@1", "stuck2@1"))  # alone now: initech has the whole budget
+        # Alone now, initech has the whole budget; its adapters never read before: one more read than its hung one
+        # (the loader threads), until that one is taken for stuck (read_room.STUCK_READ_S) or lands.
+        assert started(pool, "stuck1@1") and not started(pool, "stuck2@1")
     finally:
         hung.set()
     pool.wait_idle()
@@ -130,7 +133,9 @@ def test_reads_of_unknown_size_start_no_more_than_the_loader_threads(busy_pool):
     """Before any image was read (no size to expect), reads for the GPU start no more at once than the loader
     threads, not all queued at once; the images that land then bound the others."""
     pool, size = busy_pool
-    pool._sizes_read = (0, 0)  # as at start-up: no image read yet
+    pool._largest_image = 0  # as at start-up: no image read yet
+    for i in range(2):
+        pool.entry(f"h{i}@1").image_bytes = 0
     pool.configure(cpu_budget_bytes=2 * size)
     go = threading.Event()
 
@@ -147,7 +152,9 @@ def test_reads_of_unknown_size_start_no_more_than_the_loader_threads(busy_pool):
     assert sum(started(pool, f"u{i}@1") for i in range(6)) == 2
 
 
-def test_a_requests_read_goes_before_warm_ups_waiting_for_room(busy_pool):
+def test_warm_ups_are_read_as_before_and_take_no_room_from_a_requests_read(busy_pool):
+    """Warm-ups (a directive's, pinned versions, a new version loading beside the current one) are not paced: no
+    request waits for them, and the operator's directives bound them. Their images count in no tenant's share."""
     pool, size = busy_pool
     pool.configure(cpu_budget_bytes=size)
     reads: list[str] = []
@@ -159,13 +166,16 @@ def test_a_requests_read_goes_before_warm_ups_waiting_for_room(busy_pool):
     for i in range(3):
         pool.add(f"warm{i}@1", loader=lambda i=i: read(f"warm{i}@1", 500 + i), tenant="acme")
         pool.prefetch(f"warm{i}@1", "gpu")
+    pool.wait_idle()
+    assert sorted(reads) == ["warm0@1", "warm1@1", "warm2@1"]
     ask(pool, "asked@1", "acme", loader=lambda: read("asked@1", 510))
+    ask(pool, "next@1", "acme", loader=lambda: read("next@1", 511))
     pool.wait_idle()
-    assert reads == ["warm0@1"]
+    assert reads[3:] == ["asked@1"]  # acme's first read waited for; its second waits for room in its share
     pool.release(pool.entry("h0@1").slot)
-    pool.evict("h0@1")  # warm0 takes the slot: room in the CPU tier for one more read
+    pool.evict("h0@1")  # a slot: the request's adapter goes first, then the other is read
     pool.wait_idle()
-    assert reads[:2] == ["warm0@1", "asked@1"] and pool.entry("asked@1").on_gpu
+    assert pool.entry("asked@1").on_gpu and reads[4:] == ["next@1"]
 
 
 def test_a_large_adapter_is_not_passed_for_ever_by_the_same_tenants_smaller_ones(busy_pool):
@@ -195,3 +205,72 @@ def test_a_large_adapter_is_not_passed_for_ever_by_the_same_tenants_smaller_ones
     # ones asked after it.
     again = reads.index("big@1", 1)
     assert sorted(reads[1:again]) == ["s0@1", "s1@1", "s2@1"] and reads[again + 1:] == ["s3@1", "s4@1"]
+
+
+def quota_pool(**config) -> tuple[AdapterPool, int]:
+    """4 slots, acme at most one adapter on the GPU; acme's a@1 on it, held by a long request."""
+    from lorafleet.worker.adapter_pool import TenantQuota
+
+    pages = PagePool(PagePoolConfig(num_pages=256, page_elems=1000))
+    pool = AdapterPool(pages, TINY_DIMS, AdapterPoolConfig(max_slots=4, max_rank=32, num_load_threads=2,
+                                                           tenant_quotas={"acme": TenantQuota(max_adapters=1)}, **config))
+    pool.add("a@1", loader=lambda: random_weights(9), tenant="acme")
+    pool.load("a@1")
+    assert pool.acquire("a@1", "long-request", tenant="acme") is not None
+    return pool, pool.entry("a@1").image.nbytes
+
+
+def test_an_image_its_owners_quota_holds_back_takes_no_room_from_the_tenants_other_reads():
+    pool, size = quota_pool()
+    try:
+        pool.configure(cpu_budget_bytes=size)
+        ask(pool, "own@1", "acme", seed=12)  # acme's: waits for acme's quota, which the long request holds
+        pool.wait_idle()
+        assert pool.residency("own@1") == "quota"
+        pool.add("lent@1", loader=lambda: random_weights(13), tenant="default")  # lent to acme: not under its quota
+        assert pool.acquire("lent@1", "lent@1", tenant="acme") is None
+        pool.wait_idle()
+        assert pool.entry("lent@1").on_gpu  # read and placed while own@1 waits, a slot being free
+    finally:
+        pool.close()
+
+
+def test_a_read_hung_past_the_stuck_mark_holds_no_room_of_its_tenant(busy_pool, monkeypatch):
+    from lorafleet.worker import adapter_loading
+
+    pool, size = busy_pool
+    monkeypatch.setattr(adapter_loading, "STUCK_READ_S", 0.3)
+    pool.configure(cpu_budget_bytes=size)
+    hung = threading.Event()
+    try:
+        ask(pool, "stuck@1", "acme", loader=lambda: (hung.wait(30), random_weights(3))[1])
+        ask(pool, "ok@1", "acme", seed=4)  # acme's share (the budget, one image) is taken by the hung read
+        assert not started(pool, "ok@1")
+        began = time.monotonic()
+        while not started(pool, "ok@1") and time.monotonic() - began < 10:
+            pool.poll()
+            pool._wait_some(0.02)
+        assert started(pool, "ok@1") and time.monotonic() - began < 5  # not the load timeout (300 s)
+    finally:
+        hung.set()
+    pool.wait_idle()
+
+
+def test_a_read_queued_again_behind_stuck_threads_stays_in_its_tenants_group():
+    pages = PagePool(PagePoolConfig(num_pages=256, page_elems=1000))
+    pool = AdapterPool(pages, TINY_DIMS, AdapterPoolConfig(max_slots=2, max_rank=32, num_load_threads=1, spare_load_threads=0,
+                                                           load_timeout_s=0.3))
+    hung = threading.Event()
+    try:
+        ask(pool, "stuck@1", "initech", loader=lambda: (hung.wait(30), random_weights(3))[1])
+        pool.add("lent@1", loader=lambda: random_weights(4), tenant="default")
+        assert pool.acquire("lent@1", "lent@1", tenant="acme") is None  # queued behind the stuck read
+        assert pool.entry("lent@1").read_group == "acme"
+        began = time.monotonic()
+        while pool.entry("lent@1").image is None and time.monotonic() - began < 10:
+            pool.poll()  # past the load timeout the loader threads are replaced, the queued read sent again
+            pool._wait_some(0.02)
+        assert pool.entry("lent@1").image is not None and pool.entry("lent@1").read_group == "acme"
+    finally:
+        hung.set()
+        pool.close()
