@@ -26,17 +26,21 @@ from lorafleet.worker.read_room import STUCK_READ_S, ReadRoom
 class AdapterLoading:
     _room: ReadRoom | None = None  # the last sweep's, kept up to date with the reads started since
     _largest_image = 0  # bytes of the largest image read so far: what a read of an adapter never read may take
+    _last_advance = 0.0  # monotonic time of the last _advance: a read crossing STUCK_READ_S since makes a sweep
 
     def _advance(self) -> bool:
         """Finish what completed among the loads in flight (cheap: only those are looked at)."""
         timeout = self.config.load_timeout_s
         now = time.monotonic()
+        last, self._last_advance = self._last_advance, now
         changed = False
         for key in list(self._inflight):
             entry = self._entries.get(key)
             if entry is None:
                 self._inflight.discard(key)
                 continue
+            if entry.fetching is not None and entry.fetch_began and last < entry.fetch_began[0] + STUCK_READ_S <= now:
+                changed = True  # stuck from now on, it holds no room (worker/read_room.py): reads in line may start
             if entry.fetching is not None and entry.fetching.done():
                 self._finish_fetch(entry)
                 changed = True
@@ -88,15 +92,20 @@ class AdapterLoading:
             entry = self._entries.get(key)
             if entry is None or entry.resident:
                 continue
+            group = entry.asker or entry.read_group  # an image found in the CPU tier: the tenant asking now
             if entry.copying is not None:
-                room.took(entry.read_group, entry.image.nbytes)
+                room.took(group, entry.image.nbytes)
             elif key not in self._wanted or not _waited_for(entry):
                 continue  # a warm-up's, or one whose requests were refused (pinned adapters keep it out): not paced
             elif entry.image is not None:
-                if not room.held_back(entry.tenant, entry.image.nbytes):  # else it waits for its owner's quota
-                    room.took(entry.read_group, entry.image.nbytes)
+                if room.held_back(entry.tenant, entry.image.nbytes):  # it waits for its owner's quota, not for room
+                    room.quota_waits[entry.tenant] = room.quota_waits.get(entry.tenant, 0) + 1
+                else:
+                    room.took(group, entry.image.nbytes)
             elif entry.fetching is not None and not _stuck(entry, stuck):
-                room.took(entry.read_group, self._expected_bytes(entry), first_read=not entry.image_bytes)
+                if room.held_back(entry.tenant, self._expected_bytes(entry)):
+                    room.quota_waits[entry.tenant] = room.quota_waits.get(entry.tenant, 0) + 1
+                room.took(group, self._expected_bytes(entry), first_read=not entry.image_bytes)
         return room
 
     def _expected_bytes(self, entry: AdapterEntry) -> int:
@@ -117,10 +126,14 @@ class AdapterLoading:
             if not _waited_for(entry):
                 self._start_fetch(entry)  # a warm-up (prefetch, pinned, a new version's): as without pacing
                 continue
+            if (quota := room.held_back(entry.tenant, nbytes)) and room.quota_waits.get(entry.tenant):
+                continue  # one image at a time waits for its owner's GPU quota: it is placed first when a place frees
             if not room.may_read(group, nbytes, first_read=not entry.image_bytes):
                 continue  # its group has no room now: the next sweep looks again
             self._start_fetch(entry)
             room.took(group, nbytes, first_read=not entry.image_bytes)
+            if quota:
+                room.quota_waits[entry.tenant] = room.quota_waits.get(entry.tenant, 0) + 1
             began = True
         return began
 
@@ -256,7 +269,7 @@ class AdapterLoading:
         """Fail the requests waiting for `entry`'s load; `refusal`: a policy's (quota, pinned room), counted as
         such, not as a failed load (alerts on load failures are for broken adapters, disks and devices)."""
         err = AdapterLoadError(entry.key, message, retryable=retryable)
-        entry.error = err
+        entry.error, self._room = err, None  # what it held leaves the reads' room (worker/read_room.py)
         entry.failed_waiters.update(dict.fromkeys(entry.waiters, err))
         entry.failed_anonymous = True
         entry.asked_anonymously = False
@@ -286,7 +299,7 @@ class AdapterLoading:
         if not entry.waiters and not entry.asked_anonymously:
             return
         err = AdapterLoadError(entry.key, message, retryable=True)
-        entry.error = err  # reported until it lands
+        entry.error, self._room = err, None  # reported until it lands; its image leaves the reads' room
         entry.failed_waiters.update(dict.fromkeys(entry.waiters, err))
         entry.failed_anonymous = entry.failed_anonymous or entry.asked_anonymously
         entry.asked_anonymously = False

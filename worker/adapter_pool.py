@@ -112,7 +112,7 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
         A smaller budget evicts CPU copies now, in the policy's order, never one being copied to the GPU
         or about to be."""
         with self._lock:
-            own = self._own_config
+            own, self._room = self._own_config, None  # reads waiting in line are looked at afresh (worker/read_room.py)
             policy = own.eviction_policy if eviction_policy is None else eviction_policy
             budget = own.cpu_budget_bytes if cpu_budget_bytes is None else cpu_budget_bytes
             config = replace(self.config, eviction_policy=policy, cpu_budget_bytes=budget)  # validates both
@@ -245,7 +245,7 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
         now and will take it again (it ran on this version): the version is not retired before it does, or goes
         away (`reattached`)."""
         with self._lock:
-            entry = self._entries.get(key)
+            entry, self._room = self._entries.get(key), None  # what it waited for may leave room (worker/read_room.py)
             if not detach:
                 self._waited(waiter, took_it=False)
             if entry is not None:

@@ -18,10 +18,11 @@ or, for an adapter never read before, the largest image read so far):
 What one tenant holds (its burst, its reads hung on a dead mount) takes nothing from another's share. The
 images of k groups then take at most max(budget / k, one image) each, plus a guessed read per loader thread
 and the stuck reads, beyond what a group held when fewer shared the budget. Not paced, as before: warm-ups
-(prefetches, pinned versions, a new version loading beside the current one), and images that wait for their
-owner's GPU quota (its adapters that cannot leave, being in use, copied or pinned, fill it) or whose
+(prefetches, pinned versions, a new version loading beside the current one), and images whose
 requests were refused (pinned adapters keep them out): those do not count, so they never hold a tenant's
-other reads back, and they are bounded by its requests alone.
+other reads back. Images that wait for their owner's GPU quota (its adapters that cannot leave, being in use,
+copied or pinned, fill it) do not count in the share either; one at a time is read per owner (the first
+placed when a place frees), and the owner's other requested adapters wait unread.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class ReadRoom:
     tallies: dict[str, list[int]] = field(default_factory=dict)  # group -> [bytes, images and reads, first reads]
     active: set[str] = field(default_factory=set)  # groups that want something on the GPU
     deferred: set[str] = field(default_factory=set)  # groups with a read waiting in line
+    quota_waits: dict[str, int] = field(default_factory=dict)  # owner -> images and reads waiting for its GPU quota
 
     @property
     def share(self) -> int:

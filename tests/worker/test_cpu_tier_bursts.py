@@ -248,8 +248,8 @@ def test_a_read_hung_past_the_stuck_mark_holds_no_room_of_its_tenant(busy_pool, 
         assert not started(pool, "ok@1")
         began = time.monotonic()
         while not started(pool, "ok@1") and time.monotonic() - began < 10:
-            pool.poll()
-            pool._wait_some(0.02)
+            pool.keep_warm()  # what the engine calls each step while requests run (no poll)
+            time.sleep(0.02)
         assert started(pool, "ok@1") and time.monotonic() - began < 5  # not the load timeout (300 s)
     finally:
         hung.set()
@@ -274,3 +274,32 @@ def test_a_read_queued_again_behind_stuck_threads_stays_in_its_tenants_group():
     finally:
         hung.set()
         pool.close()
+
+
+def test_one_image_at_a_time_waits_for_its_owners_gpu_quota():
+    """A tenant at its GPU quota (its adapter on the GPU in use) asking for many cold adapters of its own: one is
+    read and waits for the quota (placed first when it frees), the others wait unread, not all read at once."""
+    pool, size = quota_pool()
+    try:
+        pool.configure(cpu_budget_bytes=4 * size)
+        for i in range(6):
+            ask(pool, f"own{i}@1", "acme", seed=30 + i)
+        pool.wait_idle()
+        assert [i for i in range(6) if started(pool, f"own{i}@1")] == [0]
+        pool.release(pool.entry("a@1").slot)  # the long request ends: own0 takes acme's place, idle until its
+        pool.wait_idle()  # request runs, so acme is no longer held back: its reads go on within its share (4 images)
+        assert pool.entry("own0@1").on_gpu and [i for i in range(1, 6) if started(pool, f"own{i}@1")] == [1, 2, 3, 4]
+    finally:
+        pool.close()
+
+
+def test_an_image_found_in_the_cpu_tier_counts_for_the_tenant_asking_for_it(busy_pool):
+    pool, size = busy_pool
+    pool.configure(cpu_budget_bytes=size)
+    pool.add("shared@1", loader=lambda: random_weights(40), tenant="default")
+    assert pool.acquire("shared@1", "acme-req", tenant="acme") is None  # acme's read brings it to the CPU tier
+    pool.wait_idle()
+    pool.abandon("shared@1", "acme-req")
+    assert pool.acquire("shared@1", "globex-req", tenant="globex") is None  # globex now waits for it: a slot
+    ask(pool, "cold@1", "acme", seed=41)  # acme waits for nothing else: its first cold read starts at once
+    assert started(pool, "cold@1")
