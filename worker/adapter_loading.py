@@ -117,7 +117,7 @@ class AdapterLoading:
         for (worker/read_room.py): a request's before a warm-up's, each group's in request order. The room
         stays for the newly wanted adapters until the next sweep (`_want`). Whether any started."""
         order = {e.key: i for i, e in enumerate(unread)}
-        unread.sort(key=lambda e: (not (e.waiters or e.asked_anonymously), order[e.key]))
+        unread.sort(key=lambda e: (not _waited_for(e), order[e.key]))
         self._room = room = room or self._read_room()
         room.budget = self.config.cpu_budget_bytes  # configure() may have changed it since the sweep
         began = False
