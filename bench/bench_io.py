@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 
@@ -22,3 +25,28 @@ def device_tag(name: str) -> str:
     model-number word; else the last word), "cpu" for a CPU run."""
     found = re.search(r"\b[A-Z]+\d+[A-Za-z]*\b", name)
     return (found.group(0) if found else name.split()[-1]).lower()
+
+
+def run_in_processes(script: str, modes: tuple[str, ...], argv: list[str]) -> dict[str, dict]:
+    """Run `script --mode M *argv` in a process of its own for each mode (so that no mode inherits another's
+    caches: torch's pinned memory), each printing its result as a line `RESULT <json>`; {mode: result}."""
+    results = {}
+    for mode in modes:
+        proc = subprocess.run([sys.executable, script, "--mode", mode, *argv], capture_output=True, text=True, env=os.environ)
+        sys.stderr.write(proc.stderr[-4000:])
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+        if proc.returncode or not lines:
+            raise SystemExit(f"{mode} failed: {proc.returncode}\n{proc.stdout[-4000:]}")
+        results[mode] = json.loads(lines[-1][len("RESULT "):])
+    return results
+
+
+def write_gpu_run(out_dir: str | Path, stem: str, args, results: dict) -> Path:
+    """A run's arguments and `results` as today's JSON for this machine's GPU (or "cpu"), with torch's version."""
+    import time
+
+    import torch
+
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return write_json(out_dir, stem, time.strftime("%Y-%m-%d"), device_tag(name),
+                      {"args": vars(args), "gpu": name, "torch": torch.__version__, "results": results})

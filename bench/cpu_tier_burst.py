@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from adapter_pool_setup import LLAMA3_8B, SMALL  # noqa: E402
-from bench_io import device_tag, write_json  # noqa: E402
+from bench_io import run_in_processes, write_gpu_run  # noqa: E402
 
 from lorafleet.worker.adapter_metrics import pinned_bytes  # noqa: E402
 from lorafleet.worker.adapter_pool import AdapterPool, AdapterPoolConfig  # noqa: E402
@@ -120,17 +118,8 @@ def main() -> None:
     if args.mode:
         print("RESULT " + json.dumps(run_one(args)), flush=True)
         return
-    results = {}
-    for mode in ("unpaced", "paced"):
-        cmd = [sys.executable, __file__, "--mode", mode, *[a for k, v in vars(args).items() if k not in ("mode", "out", "small")
-                                                          for a in (f"--{k.replace('_', '-')}", str(v))]]
-        cmd += ["--small"] if args.small else []
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ)
-        sys.stderr.write(proc.stderr[-4000:])
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-        if proc.returncode or not lines:
-            raise SystemExit(f"{mode} failed: {proc.returncode}\n{proc.stdout[-4000:]}")
-        results[mode] = json.loads(lines[-1][7:])
+    argv = [a for k, v in vars(args).items() if k not in ("mode", "out", "small") for a in (f"--{k.replace('_', '-')}", str(v))]
+    results = run_in_processes(__file__, ("unpaced", "paced"), argv + (["--small"] if args.small else []))
     mib = 1 << 20
     first = results["paced"]
     print(f"\n{args.tenants} tenants x {args.per_tenant} cold adapters (rank {args.rank}, {first['image_bytes'] / mib:.1f} MiB "
@@ -142,9 +131,7 @@ def main() -> None:
         print(f"{mode:>8} {p['images'] / mib:16.0f} {p['used'] / mib:14.0f} {p['reserved'] / mib:13.0f} "
               f"{p['pinned'] / mib:11.0f} {w['p50']:11.2f} {w['p90']:7.2f} {w['max']:7.2f} {r['total_s']:13.2f}")
     if args.out:
-        name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-        write_json(args.out, "cpu_tier_burst", time.strftime("%Y-%m-%d"), device_tag(name),
-                   {"args": vars(args), "gpu": name, "torch": torch.__version__, "results": results})
+        write_gpu_run(args.out, "cpu_tier_burst", args, results)
 
 
 if __name__ == "__main__":

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from adapter_pool_setup import LLAMA3_8B, SMALL  # noqa: E402
-from bench_io import device_tag, write_json  # noqa: E402
+from bench_io import run_in_processes, write_gpu_run  # noqa: E402
 
 from lorafleet.worker.adapter_metrics import pinned_bytes  # noqa: E402
 from lorafleet.worker.adapter_pool import AdapterPool, AdapterPoolConfig  # noqa: E402
@@ -110,17 +108,9 @@ def main() -> None:
     if args.mode:
         print("RESULT " + json.dumps(run_one(args)), flush=True)
         return
-    results = {}
-    for mode in ("own", "arena"):
-        cmd = [sys.executable, __file__, "--mode", mode, "--budget-gib", str(args.budget_gib), "--ranks", args.ranks,
-               "--adapters", str(args.adapters), "--loads", str(args.loads), "--slots", str(args.slots),
-               "--seed", str(args.seed)] + (["--small"] if args.small else [])
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ)
-        sys.stderr.write(proc.stderr[-4000:])
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-        if proc.returncode or not lines:
-            raise SystemExit(f"{mode} failed: {proc.returncode}\n{proc.stdout[-4000:]}")
-        results[mode] = json.loads(lines[-1][7:])
+    results = run_in_processes(__file__, ("own", "arena"), [
+        "--budget-gib", str(args.budget_gib), "--ranks", args.ranks, "--adapters", str(args.adapters), "--loads",
+        str(args.loads), "--slots", str(args.slots), "--seed", str(args.seed)] + (["--small"] if args.small else []))
     gib = 1 << 30
     print(f"\nbudget {args.budget_gib:g} GiB, {args.loads} loads over {args.adapters} adapters of ranks {args.ranks}")
     print(f"{'images':>8} {'peak tier GiB':>14} {'pinned now GiB':>15} {'pinned peak GiB':>16} {'x floor':>8} {'copy GB/s':>10}")
@@ -130,9 +120,7 @@ def main() -> None:
         print(f"{mode:>8} {r['peak_tier_bytes'] / gib:14.2f} {r['pinned_held_final'] / gib:15.2f} "
               f"{r['pinned_held_peak'] / gib:16.2f} {ratio:8.2f} {copy:>10}")
     if args.out:
-        name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-        write_json(args.out, "host_arena", time.strftime("%Y-%m-%d"), device_tag(name),
-                   {"args": vars(args), "gpu": name, "torch": torch.__version__, "results": results})
+        write_gpu_run(args.out, "host_arena", args, results)
 
 
 if __name__ == "__main__":
