@@ -313,11 +313,14 @@ async def test_which_pools_may_hold_an_adapter(stager):
 
 
 async def quiet(stager: FakeStager, *, pause: float = 0.5, attempts: int = 40) -> int:
-    """The number of reads ``stager`` was sent, once none came for ``pause`` s (the handlers' passes are over)."""
+    """The number of reads ``stager`` was sent, once none came for two pauses of ``pause`` s in a row (the
+    handlers' passes are over: one pause alone was too short on a loaded machine, where a retry came later)."""
+    still = 0
     for _ in range(attempts):
         reads = stager.reads
         await asyncio.sleep(pause)
-        if stager.reads == reads:
+        still = still + 1 if stager.reads == reads else 0
+        if still == 2:
             return reads
     raise AssertionError("the sidecar is read all the time")
 
