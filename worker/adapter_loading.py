@@ -98,13 +98,10 @@ class AdapterLoading:
             elif key not in self._wanted or not _waited_for(entry):
                 continue  # a warm-up's, or one whose requests were refused (pinned adapters keep it out): not paced
             elif entry.image is not None:
-                if room.held_back(entry.tenant, entry.image.nbytes):  # it waits for its owner's quota, not for room
-                    room.quota_waits[entry.tenant] = room.quota_waits.get(entry.tenant, 0) + 1
-                else:
+                if not room.waits_for_quota(entry.tenant, entry.image.nbytes):  # else its owner's quota, not room
                     room.took(group, entry.image.nbytes)
             elif entry.fetching is not None and not _stuck(entry, stuck):
-                if room.held_back(entry.tenant, self._expected_bytes(entry)):
-                    room.quota_waits[entry.tenant] = room.quota_waits.get(entry.tenant, 0) + 1
+                room.waits_for_quota(entry.tenant, self._expected_bytes(entry))
                 room.took(group, self._expected_bytes(entry), first_read=not entry.image_bytes)
         return room
 
@@ -126,14 +123,13 @@ class AdapterLoading:
             if not _waited_for(entry):
                 self._start_fetch(entry)  # a warm-up (prefetch, pinned, a new version's): as without pacing
                 continue
-            if (quota := room.held_back(entry.tenant, nbytes)) and room.quota_waits.get(entry.tenant):
+            if room.quota_waits.get(entry.tenant) and room.held_back(entry.tenant, nbytes):
                 continue  # one image at a time waits for its owner's GPU quota: it is placed first when a place frees
             if not room.may_read(group, nbytes, first_read=not entry.image_bytes):
                 continue  # its group has no room now: the next sweep looks again
             self._start_fetch(entry)
             room.took(group, nbytes, first_read=not entry.image_bytes)
-            if quota:
-                room.quota_waits[entry.tenant] = room.quota_waits.get(entry.tenant, 0) + 1
+            room.waits_for_quota(entry.tenant, nbytes)
             began = True
         return began
 

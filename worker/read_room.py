@@ -53,6 +53,13 @@ class ReadRoom:
         count, held = self.busy.get(owner, (0, 0))
         return self.quota_full(owner, count + 1, held + nbytes)
 
+    def waits_for_quota(self, owner: str, nbytes: int) -> bool:
+        """Whether an image of `owner` of `nbytes` (or a read of one) waits for the owner's GPU quota; counted if so."""
+        if not self.held_back(owner, nbytes):
+            return False
+        self.quota_waits[owner] = self.quota_waits.get(owner, 0) + 1
+        return True
+
     def took(self, group: str, nbytes: int, *, first_read: bool = False) -> None:
         """`group` holds an image of `nbytes`, or runs a read of that many (a `first_read`: of an adapter never
         read before, whose size is a guess)."""
