@@ -10,8 +10,10 @@ mismatch is first taken for bytes altered in transit and the object is downloade
 attempt and deadline. A second download that hashes to the ETag is kept; one that hashes as the first did has
 stable bytes and an ETag that is no MD5 of them: they are kept, logged once, and that bucket's ETags are not
 compared again by this process. Two downloads that differ from each other and from the ETag (or a checksum
-missed twice: a checksum is always of the content) fail the download as the store's fault (ConnectionError:
-502, retried like an outage), naming the object, what it should hash to and what came.
+missed twice: a checksum is always of the content) fail the download as the store's fault (BytesAltered:
+502 `bytes_altered`, tried again by the next push), naming the object, what it should hash to and what came.
+That object's failure only: the store answered, so it is not marked down and the push's other versions still
+call it.
 
 Nothing is compared for an ETag with a `-N` suffix (a multipart upload), an object encrypted with a KMS or
 customer key (`x-amz-server-side-encryption: aws:kms*`, `…-customer-algorithm`: their ETags are documented to
@@ -90,6 +92,12 @@ def sha256_checksum(headers: Mapping[str, str]) -> str | None:
     return raw.hex() if len(raw) == 32 else None
 
 
+class BytesAltered(ConnectionError):
+    """An object's bytes missed what the store says they hash to in two downloads: the store or the link to it
+    alters them. That object's failure (502 `bytes_altered`, tried again by the next push), not an outage: the
+    store answered, and the push's other versions still call it."""
+
+
 class DigestCheck:
     """Checks the objects downloaded from one store (one per Sources, which has one endpoint), remembering the
     buckets whose ETags proved to be no MD5s. Per bucket, not per object: encryption is mostly a bucket's
@@ -108,15 +116,15 @@ class DigestCheck:
 
     def settle(self, bucket: str, where: str, first: ObjectDigest, second: ObjectDigest) -> None:
         """The object `where`, whose `first` download did not pass, was downloaded again (`second`): return to
-        keep the second's bytes, raise ConnectionError (the store's fault, which may pass) to keep neither."""
+        keep the second's bytes, raise BytesAltered (the store's fault, which may pass) to keep neither."""
         if self.passes(bucket, second):
             return
         if second.checksum is not None:
-            raise ConnectionError(f"{where}: received SHA-256 {second.sha256}, not its x-amz-checksum-sha256 "
+            raise BytesAltered(f"{where}: received SHA-256 {second.sha256}, not its x-amz-checksum-sha256 "
                                   f"{second.checksum}, in two downloads ({first.sha256} the first): the store or "
                                   f"the link to it alters bytes; not staged")
         if second.md5 != first.md5:
-            raise ConnectionError(f"{where}: received MD5 {second.md5}, not its ETag {second.etag}, in two downloads "
+            raise BytesAltered(f"{where}: received MD5 {second.md5}, not its ETag {second.etag}, in two downloads "
                                   f"that differ ({first.md5} the first): the store or the link to it alters bytes "
                                   f"in transit; not staged")
         with self._lock:  # stable bytes: the ETag is no MD5 of them (an encrypted object, a gateway's ETag)

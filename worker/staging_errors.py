@@ -6,6 +6,7 @@ import asyncio
 import errno
 
 from lorafleet.worker.disk_cache import CacheDiskError, CacheLimitError
+from lorafleet.worker.object_digest import BytesAltered
 from lorafleet.worker.openai_protocol import APIError
 from lorafleet.worker.sources import SourceError
 
@@ -94,6 +95,8 @@ def staging_error(exc: Exception, uri: str) -> APIError:
         return APIError(500, f"{uri}: the node's adapter disk cache cannot be written ({exc.strerror}, writing "
                              f"{exc.filename or 'the cache'}); check the cache volume (--stager-cache-dir)",
                         type="server_error", code="cache_disk_error")
+    if isinstance(exc, BytesAltered):  # names the object, what it should hash to and what came
+        return APIError(502, str(exc), type="server_error", code="bytes_altered")
     name = type(exc).__name__
     code, status = _s3_answer(exc) or ("", None)
     if code in ("NoSuchBucket", "NoSuchKey") or (not code and status == 404):

@@ -8,11 +8,12 @@ import base64
 import hashlib
 import io
 import logging
+import time
 from pathlib import Path
 
 import pytest
 
-from lorafleet.worker.object_digest import ObjectDigest, md5_etag, sha256_checksum
+from lorafleet.worker.object_digest import BytesAltered, ObjectDigest, md5_etag, sha256_checksum
 from lorafleet.worker.sources import WEIGHTS_FILE, SourceError, adapter_digest
 from lorafleet.worker.stager import Stager
 from lorafleet.worker.stager_config import StagerConfig
@@ -66,14 +67,21 @@ async def test_bytes_altered_once_in_transit_are_downloaded_again(s3, adapter, t
 @pytest.mark.parametrize("checksum", [False, True], ids=["etag", "checksum"])
 async def test_bytes_altered_on_every_answer_fail_as_the_store_s_fault(s3, adapter, tmp_path, checksum):
     """Each download altered elsewhere: neither is kept, and the failure is the store's (502, tried again by the
-    next push), naming the object, what it should hash to and what came; the adapter is not to blame."""
+    next push), naming the object, what it should hash to and what came; the adapter is not to blame. It is
+    that object's failure, not an outage: the store answered, so the push's other versions still call it (a
+    corruption had marked the store down, and every version staged after it in the push failed unread)."""
     prefix, data = f"team/always-{checksum}/", (adapter / WEIGHTS_FILE).read_bytes()
-    uri = f"s3://adapters/{prefix}"
+    uri, other = f"s3://adapters/{prefix}", f"s3://adapters/team/beside-{checksum}/"
     upload(s3, prefix, adapter, checksum=checksum)
+    upload(s3, f"team/beside-{checksum}/", adapter, checksum=checksum)
+    push_start = time.monotonic()
     async with corrupting_proxy(s3.port, f"/adapters/{prefix}{WEIGHTS_FILE}") as (endpoint, answers):
         stager = stager_for(endpoint, s3, tmp_path / "cache")
-        with pytest.raises(ConnectionError) as err:
-            await stager.stage(uri, None)
+        with pytest.raises(BytesAltered) as err:
+            await stager.stage(uri, None, held=set(), push_start=push_start)
+        assert not stager.store.is_down and stager.store.to_dict()["reachable"], stager.store.to_dict()
+        beside = await stager.stage(other, None, held=set(), push_start=push_start)  # the same push, the same store
+    assert_same_files(beside.path, adapter)
     message = str(err.value)
     assert not isinstance(err.value, SourceError) and len(answers) == 2, answers
     assert message.startswith(f"{uri}{WEIGHTS_FILE}: received "), message
@@ -82,8 +90,8 @@ async def test_bytes_altered_on_every_answer_fail_as_the_store_s_fault(s3, adapt
     else:
         assert f"not its ETag {hashlib.md5(data).hexdigest()}, in two downloads that differ" in message, message
     answer = staging_error(err.value, uri)
-    assert answer.status == 502 and answer.code == "object_store_unavailable", answer.message
-    assert stager.cache.entries() == [] and not any((tmp_path / "cache").iterdir())
+    assert answer.status == 502 and answer.code == "bytes_altered" and answer.message == message, answer.message
+    assert stager.cache.entries() == [beside.path.name], stager.cache.entries()
     staged = await stager_for(s3.endpoint, s3, tmp_path / "cache").stage(uri, None)  # the store itself: intact
     assert_same_files(staged.path, adapter)
 
