@@ -55,6 +55,8 @@ LatencySeries = Literal["rollouts", "all"]
 disable_created_metrics()
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+_QUEUE_HELP = ("Arrival to first scheduling: waiting for a seat, KV pages, the adapter's GPU slot or the "
+               "tenant's turn.")
 _TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 _COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 _ADAPTER_COUNT_BUCKETS = (0, *_COUNT_BUCKETS)  # 0: a step of base-model requests only
@@ -158,6 +160,8 @@ class WorkerMetrics:
                                      ["adapter", "version"], buckets=_TOKEN_GAP_BUCKETS, registry=r)
         self.e2e = Histogram("lorafleet_e2e_request_latency_seconds", "Arrival to last token.",
                              ["adapter", "version"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram("lorafleet_request_queue_time_seconds", _QUEUE_HELP, ["adapter", "version"],
+                                    buckets=_LATENCY_BUCKETS, registry=r)
         self.prompt_tokens = Counter("lorafleet_prompt_tokens", "Prompt tokens processed.", ["adapter", "version"],
                                      registry=r)
         self.generation_tokens = Counter("lorafleet_generation_tokens", "Tokens generated.", ["adapter", "version"],
@@ -178,6 +182,12 @@ class WorkerMetrics:
                                           ["model_name"], buckets=_TOKEN_GAP_BUCKETS, registry=r)
         self.vllm_e2e = Histogram("vllm:e2e_request_latency_seconds", "Arrival to last token.", ["model_name"],
                                   buckets=_LATENCY_BUCKETS, registry=r)
+        self.vllm_queue_time = Histogram("vllm:request_queue_time_seconds", _QUEUE_HELP, ["model_name"],
+                                         buckets=_LATENCY_BUCKETS, registry=r)
+        self.vllm_prefill_time = Histogram("vllm:request_prefill_time_seconds", "First scheduling to first token.",
+                                           ["model_name"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.vllm_decode_time = Histogram("vllm:request_decode_time_seconds", "First token to last token.",
+                                          ["model_name"], buckets=_LATENCY_BUCKETS, registry=r)
         self.vllm_prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed.", ["model_name"], registry=r)
         self.vllm_generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.", ["model_name"],
                                               registry=r)
@@ -198,7 +208,8 @@ class WorkerMetrics:
         """The `model_name` label of the vllm:* series, which then exist at 0 (as vLLM's do from its start):
         a counter series that first appears at its first increment loses that increment to rate()."""
         self._model_name = name
-        for metric in (self.vllm_ttft, self.vllm_inter_token, self.vllm_e2e, self.vllm_prompt_tokens,
+        for metric in (self.vllm_ttft, self.vllm_inter_token, self.vllm_e2e, self.vllm_queue_time,
+                       self.vllm_prefill_time, self.vllm_decode_time, self.vllm_prompt_tokens,
                        self.vllm_generation_tokens):
             metric.labels(name)
 
@@ -226,10 +237,23 @@ class WorkerMetrics:
             return self._labels(adapter, version)
         return OTHER_LABEL, ""
 
+    @property
+    def _latencies(self) -> tuple[Histogram, ...]:
+        """The latency series labelled by adapter version (`_latency_labels`)."""
+        return self.ttft, self.inter_token, self.e2e, self.queue_time
+
+    def observe_queue_time(self, adapter: str | None, seconds: float, *, version: str = "",
+                           per_version: bool | None = None) -> None:
+        self.queue_time.labels(*self._latency_labels(adapter, version, per_version)).observe(seconds)
+        self.vllm_queue_time.labels(self.model_name).observe(seconds)
+
     def observe_first_token(self, adapter: str | None, seconds: float, *, version: str = "",
-                            per_version: bool | None = None) -> None:
+                            per_version: bool | None = None, prefill_s: float | None = None) -> None:
+        """`seconds` from arrival; `prefill_s`: from its first scheduling, where known."""
         self.ttft.labels(*self._latency_labels(adapter, version, per_version)).observe(seconds)
         self.vllm_ttft.labels(self.model_name).observe(seconds)
+        if prefill_s is not None:
+            self.vllm_prefill_time.labels(self.model_name).observe(prefill_s)
 
     def observe_token_gaps(self, adapter: str | None, seconds: float, count: int, *, version: str = "",
                            per_version: bool | None = None) -> None:
@@ -241,9 +265,12 @@ class WorkerMetrics:
             worker.observe(seconds)
 
     def observe_e2e(self, adapter: str | None, seconds: float, *, version: str = "",
-                    per_version: bool | None = None) -> None:
+                    per_version: bool | None = None, decode_s: float | None = None) -> None:
+        """`seconds` from arrival; `decode_s`: from its first token, where it had one."""
         self.e2e.labels(*self._latency_labels(adapter, version, per_version)).observe(seconds)
         self.vllm_e2e.labels(self.model_name).observe(seconds)
+        if decode_s is not None:
+            self.vllm_decode_time.labels(self.model_name).observe(decode_s)
 
     def observe_tokens(self, adapter: str | None, num_tokens: int, *, version: str = "",
                        now: float | None = None) -> None:
@@ -305,7 +332,7 @@ class WorkerMetrics:
             seen = self._versions.get(adapter, {})
             for endpoint, status in seen.pop(version, ()):
                 self.requests.remove(adapter, version, endpoint, status)
-            for metric in (self.ttft, self.inter_token, self.e2e, self.prompt_tokens, self.generation_tokens):
+            for metric in (*self._latencies, self.prompt_tokens, self.generation_tokens):
                 with contextlib.suppress(KeyError):  # never observed: older prometheus-client versions raise
                     metric.remove(adapter, version)
             if not seen:
@@ -313,7 +340,7 @@ class WorkerMetrics:
         for adapter, _ in self.rolled_out.expired():
             if adapter not in self._rolling and self.latency_series == "rollouts":
                 for version in self._versions.get(adapter, ()):
-                    for metric in (self.ttft, self.inter_token, self.e2e):
+                    for metric in self._latencies:
                         with contextlib.suppress(KeyError):
                             metric.remove(adapter, version)
 

@@ -257,7 +257,7 @@ async def _collect(request: web.Request, job: CompletionJob, outputs: AsyncItera
     async with contextlib.aclosing(outputs):
         try:
             async for i, out in outputs:
-                timer.tokens(i, len(out.new_token_ids))
+                timer.tokens(i, len(out.new_token_ids), out.scheduled_at)
                 job.count_generated(len(out.new_token_ids))
                 if out.finished:
                     final[i] = out
@@ -305,7 +305,7 @@ async def _stream(request: web.Request, job: CompletionJob, outputs: AsyncIterat
                     response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                            "Cache-Control": "no-cache", ADAPTER_HEADER: job.model})
                     await response.prepare(request)
-                timer.tokens(i, len(out.new_token_ids))
+                timer.tokens(i, len(out.new_token_ids), out.scheduled_at)
                 choice_tokens[i] = choice_tokens.get(i, 0) + len(out.new_token_ids)
                 choice_cached[i] = out.num_cached_tokens
                 first = i not in started

@@ -30,6 +30,7 @@ class RequestOutput:
     adapter: str | None = None  # "name@version" that served it, None for the base model
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache (not computed for it)
+    scheduled_at: float | None = None  # time.monotonic() of its first admission to the batch
 
     def then(self, later: RequestOutput) -> RequestOutput:
         """This output and the `later` one of the same request as one: the new tokens, text and logprobs of
@@ -78,5 +79,6 @@ class OutputTracker:
             exception=seq.exception,
             adapter=seq.adapter,
             num_preemptions=seq.num_preemptions,
+            scheduled_at=seq.scheduled_at,
             num_cached_tokens=seq.first_cached_tokens or 0,
         )

@@ -259,6 +259,8 @@ class Scheduler(StepTokens):
         self.waiting.remove(seq)
         self._stuck_steps.clear()
         seq.status = SequenceStatus.RUNNING
+        if seq.scheduled_at is None:  # kept over preemptions: the queue time is to the first admission
+            seq.scheduled_at = time.monotonic()
         self.running.append(seq)  # its skipped steps stay until it finishes: preempted, it waits out no bound again
         self.waiting.started(seq)
         self._short_alone.discard(seq.seq_id)

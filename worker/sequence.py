@@ -68,6 +68,7 @@ class Sequence:
         self.num_cached_tokens = 0  # tokens its admission found computed in the prefix cache (0 once let go)
         self.first_cached_tokens: int | None = None  # num_cached_tokens at its first admission (usage reports it)
         self.num_preemptions = 0
+        self.scheduled_at: float | None = None  # time.monotonic() of its first admission to the batch
         self.logprobs: list[TokenLogprob] = []
         # Per prompt token with params.prompt_logprobs (the first has none); kept over preemptions, so a
         # recomputed prompt fills only the positions still missing (prompt_logprobs.py).
