@@ -209,6 +209,15 @@ def adapter_bytes(ranks: list[int]) -> int:
     return sum(r * (k + n) * 2 for r in ranks for k, n in DIMS.values())
 
 
+def activation_bytes(num_tokens: int) -> int:
+    """The other bytes a layer's delta must move: each group's input read once by its shrink (x for q|k|v and
+    gate|up, the attention's output for o, the activation for down) and each group's delta written once by its
+    expand (the engine's write mode). The rank-wide float32 intermediate (under 1% of these) is left out."""
+    inputs = sum(DIMS[projs[0]][0] for projs, _ in GROUPS)
+    outputs = sum(sum(widths) for _, widths in GROUPS)
+    return num_tokens * (inputs + outputs) * torch.finfo(DT).bits // 8
+
+
 class LoRALayer:
     """Inputs and outputs of one layer's four fused LoRA groups for T tokens; run with any backend."""
 

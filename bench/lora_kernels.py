@@ -13,7 +13,8 @@ batch a captured decode step replays in a pool of rank 64 (the engine's default 
 32 slots (segments are padded by the pool's slots: a pool of more slots pads more):
 the rank bound and planning rank of the graph its adapters pick, segments padded to the most the step
 can cut (worker/cuda_graphs.py); "graph_pool_bound_us": as graphs were before rank bounds (the
-pool's rank, one segment per row). Floor = the distinct adapters' bytes / copy bandwidth measured in the same run. Triton
+pool's rank, one segment per row). Floor = the distinct adapters' bytes / copy bandwidth measured in the same run;
+moved floor = the same with the inputs each group reads and the deltas it writes (kernel_setup.activation_bytes). Triton
 kernels are timed as CUDA-graph replays with the L2 flushed before each layer (the flush's own time
 measured and subtracted); the baselines, for every case: the project's torch reference (gathers from the
 paged layout, float32, eager: it synchronises with the host), a per-adapter loop (eager), and a torch
@@ -51,6 +52,7 @@ from kernel_setup import (  # same folder
     TOKENS,
     LoRALayer,
     Timer,
+    activation_bytes,
     adapter_bytes,
     build_layout,
     copy_bandwidth,
@@ -167,6 +169,8 @@ def bench_lora(timer: Timer, copy_gbs: float, gen: torch.Generator, quick: bool,
                 row = {"tokens": num_tokens, "adapters": num_adapters, "distinct": distinct, "rank": rank_name, "adapter_bytes": nbytes,
                        "segment_len": layer.segment_len}
                 row["floor_us"] = nbytes / (copy_gbs * 1e3)
+                row["moved_bytes"] = nbytes + activation_bytes(num_tokens)  # adapters, inputs read, deltas written
+                row["moved_floor_us"] = row["moved_bytes"] / (copy_gbs * 1e3)
                 row["triton_us"] = timer.graph(layer.triton)
                 if num_tokens <= 256 and num_adapters in (8, 32) and rank_name in ("16", "mixed", "30"):
                     row["triton_accumulate_us"] = timer.graph(functools.partial(layer.triton, accumulate=True))
@@ -357,6 +361,7 @@ def summarize(rows: list, base: dict, attn: dict, copy_gbs: float) -> dict:
             out[f"decode_T{t}_32x_r16"] = {
                 "triton_us": row["triton_us"], "floor_us": row["floor_us"],
                 "x_floor": row["triton_us"] / row["floor_us"], "target_x_floor": 1.6, "base_gemm_us": base[t],
+                "moved_floor_us": row["moved_floor_us"], "x_moved_floor": row["triton_us"] / row["moved_floor_us"],
             }  # fmt: skip
             if "triton_accumulate_us" in row:
                 out[f"decode_T{t}_32x_r16"]["accumulate_us"] = row["triton_accumulate_us"]
@@ -437,10 +442,10 @@ def main(argv: list[str] | None = None) -> int:
     rows, sweep = bench_lora(timer, copy_gbs, gen, args.quick, only, args.segment_len)
     summary = summarize(rows, base, attn, copy_gbs)
     summary["chain_of_8_launches_us"] = chain
-    print(f"\n{'T':>5} {'A':>3} {'rank':>5} {'triton us':>10} {'floor us':>9} {'% copy bw':>9} {'per-token':>9} {'ref us':>8} {'g+bmm us':>9} {'loop us':>9} {'base us':>8}")
+    print(f"\n{'T':>5} {'A':>3} {'rank':>5} {'triton us':>10} {'floor us':>9} {'moved fl':>9} {'% copy bw':>9} {'per-token':>9} {'ref us':>8} {'g+bmm us':>9} {'loop us':>9} {'base us':>8}")
     for r in rows:
         print(
-            f"{r['tokens']:>5} {r['adapters']:>3} {r['rank']:>5} {r['triton_us']:>10.1f} {r['floor_us']:>9.1f} {100 * r['bandwidth_frac']:>8.0f}% "
+            f"{r['tokens']:>5} {r['adapters']:>3} {r['rank']:>5} {r['triton_us']:>10.1f} {r['floor_us']:>9.1f} {r['moved_floor_us']:>9.1f} {100 * r['bandwidth_frac']:>8.0f}% "
             f"{r.get('triton_per_token_us', float('nan')):>9.1f} {r.get('reference_us', float('nan')):>8.0f} {r.get('gather_bmm_us', float('nan')):>9.1f} {r.get('loop_us', float('nan')):>9.0f} {base[r['tokens']]:>8.1f}"
         )
     print(json.dumps(summary, indent=1))

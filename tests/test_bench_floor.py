@@ -13,7 +13,7 @@ sys.path.append(str(Path(__file__).resolve().parent / "kernels"))
 
 from bench_io import device_tag  # noqa: E402
 from kernel_floor import kernel_bytes  # noqa: E402
-from kernel_setup import adapter_bytes  # noqa: E402
+from kernel_setup import activation_bytes, adapter_bytes  # noqa: E402
 
 
 def test_kernel_bytes_split_the_adapter_bytes() -> None:
@@ -22,6 +22,13 @@ def test_kernel_bytes_split_the_adapter_bytes() -> None:
         assert len(sizes) == 8 and sum(sizes) == adapter_bytes(ranks)
     # Llama-3-8B, rank 16: q|k|v's shrink reads three 4096-wide A matrices, gate|up's expand two 14336-wide B.
     assert kernel_bytes([16])[0] == 3 * 16 * 4096 * 2 and kernel_bytes([16])[5] == 2 * 16 * 14336 * 2
+
+
+def test_the_moved_floor_counts_each_group_s_input_and_delta_once() -> None:
+    """Llama-3-8B in bf16: q|k|v and gate|up read x (4096), o the attention's output (4096), down the activation
+    (14336); the deltas written are q|k|v 6144, o 4096, gate|up 2 x 14336, down 4096 wide."""
+    per_token = (3 * 4096 + 14336) + (6144 + 4096 + 2 * 14336 + 4096)
+    assert activation_bytes(1) == 2 * per_token and activation_bytes(256) == 256 * 2 * per_token
 
 
 def test_result_files_name_the_gpu_model() -> None:
