@@ -255,7 +255,8 @@ def test_validation_the_api_server_cannot_do_names_the_field():
     assert s["nosource"]["phase"] == "Failed" and s["nosource"]["message"].startswith("spec.canary.source:")
     assert s["same"]["phase"] == "Failed" and s["same"]["message"].startswith("spec.canary.version:")
     assert {c["type"]: c["status"] for c in s["mismatch"]["conditions"]}["Validated"] == "False"
-    assert {d.name for d in plan.desired["w0"].adapters} == {"ok"}
+    # A refused canary leaves the stable version serving, also for an adapter never served before.
+    assert {d.name: d.canary for d in plan.desired["w0"].adapters} == {"ok": None, "nosource": None, "same": None}
 
 
 def test_tenant_quota_max_adapters_first_come_first_served():

@@ -59,6 +59,33 @@ def test_a_canary_from_another_tenants_folder_is_refused_and_the_stable_version_
     assert "for tenant 'globex', not tenant 'acme'" in st["message"], st["message"]
 
 
+FOREIGN_CANARY = {"version": "v2", "source": {"uri": "s3://adapters/tenants/globex/secret/"}, "weight": 10}
+
+
+def test_a_new_adapter_with_a_canary_from_another_tenants_folder_serves_its_stable_version():
+    """Not only after an edit: a new adapter whose canary alone is refused is served without it (it was refused
+    whole, its own files unserved)."""
+    own = {"uri": "s3://adapters/tenants/acme/a/v1/"}
+    plan = converge(pool(tenantSources=TENANTS), [parse_adapter(body(source=own, canary=FOREIGN_CANARY))], workers(2))
+    st = plan.adapter_statuses["a"]
+    assert served(plan, "a") == {"w0": ("v1", None, True), "w1": ("v1", None, True)}
+    assert st["phase"] == "Failed" and st["message"].startswith("spec.canary.source.uri:"), st["message"]
+
+
+def test_setting_tenant_sources_drops_a_served_canary_from_another_tenants_folder_not_its_stable_version():
+    """A pool's tenantSources set under an adapter rolling out a canary from another tenant's folder: the canary
+    goes, the stable version (its own folder) keeps serving on every worker (it had been unloaded everywhere)."""
+    ws, own = workers(2), {"uri": "s3://adapters/tenants/acme/a/v1/"}
+    plan = converge(pool(), [parse_adapter(body(source=own, canary=FOREIGN_CANARY))], ws)
+    st = plan.adapter_statuses["a"]
+    assert st["phase"] == "Ready" and {v[1] for v in served(plan, "a").values()} == {"v2"}, served(plan, "a")
+    plan = reconcile_pool(pool(tenantSources=TENANTS), [parse_adapter(body(source=own, canary=FOREIGN_CANARY, status=st))],
+                          ws, now=NOW)
+    st = plan.adapter_statuses["a"]
+    assert served(plan, "a") == {"w0": ("v1", None, True), "w1": ("v1", None, True)}
+    assert st["phase"] == "Failed" and "for tenant 'globex', not tenant 'acme'" in st["message"], st["message"]
+
+
 def test_setting_tenant_sources_unloads_an_adapter_already_served_from_elsewhere():
     ws = workers(2)
     theirs = body(tenant="mallory", source={"uri": "s3://adapters/tenants/acme/a/v1/"})
