@@ -99,7 +99,7 @@ class DeploymentClient:
         try:
             async with session.request(method, url, data=None if body is None else json.dumps(body),
                                        headers=headers) as resp:
-                status, text = resp.status, await resp.text()
+                status, text = resp.status, await resp.text(errors="replace")  # a proxy's page need not be UTF-8
         except TimeoutError:
             raise KubeError(f"{what}: no answer from the API server within {self._timeout.total:g} s") from None
         except aiohttp.ClientError as exc:

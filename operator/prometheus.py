@@ -138,7 +138,7 @@ class PrometheusClient:
         url = base_url.rstrip("/") + "/api/v1/query"
         try:
             async with self._client().post(url, data={"query": promql}, allow_redirects=False) as resp:
-                text = await resp.text()
+                text = await resp.text(errors="replace")  # a proxy's error page need not be UTF-8
                 status = resp.status
         except TimeoutError:
             raise MetricsError(f"{url}: no answer within {self.timeout:g} s") from None

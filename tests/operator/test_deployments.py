@@ -178,11 +178,14 @@ async def test_a_rotated_token_logs_in_again_once():
     (403, {"kind": "Status", "message": 'deployments.apps "workers" is forbidden'}, "HTTP 403: deployments.apps"),
     (200, {"spec": {"replicas": "two"}}, "has spec.replicas 'two'"),
     (500, "<html>", "HTTP 500: <html>"),
+    (502, b"<html>Bad Gateway \xe9</html>", "HTTP 502: <html>Bad Gateway \ufffd"),  # a proxy's page, not UTF-8
 ])
 async def test_refusals_are_kube_errors(status, body, error):
     async def handler(_: web.Request) -> web.Response:
         if isinstance(body, dict):
             return web.json_response(body, status=status)
+        if isinstance(body, bytes):
+            return web.Response(body=body, status=status, content_type="text/html")
         return web.Response(text=body, status=status)
 
     async with api_stub(handler) as url:

@@ -92,8 +92,12 @@ async def stub(handler):
         yield url
 
 
-def answer(text: str, status: int = 200):
+def answer(text: str | bytes, status: int = 200):
+    """`text` as JSON, or bytes as they are with their own content type (a proxy's page: its charset, if any)."""
     async def handler(_: web.Request) -> web.Response:
+        if isinstance(text, bytes):
+            ctype, _, body = text.partition(b"\n")
+            return web.Response(body=body, status=status, headers={"Content-Type": ctype.decode()})
         return web.Response(text=text, status=status, content_type="application/json")
     return handler
 
@@ -103,6 +107,10 @@ VECTOR = '{"status": "success", "data": {"resultType": "vector", "result": %s}}'
 
 @pytest.mark.parametrize(("text", "status", "error"), [
     ("<html>bad gateway</html>", 502, "HTTP 502, not Prometheus' JSON"),
+    # A proxy's page that is not UTF-8 (Latin-1 with no charset, a charset Python does not know): a MetricsError,
+    # not a UnicodeDecodeError out of the autoscaler's pass.
+    (b"text/html\n<html>502 Bad Gateway \xe9</html>", 502, "HTTP 502, not Prometheus' JSON: '<html>502 Bad Gateway \ufffd"),
+    (b"text/html; charset=x-no-such\n<html>\xff\xfe</html>", 503, "HTTP 503, not Prometheus' JSON"),
     ("[1, 2]", 200, "not Prometheus' JSON"),
     ('{"status": "error", "errorType": "execution", "error": "query timed out"}', 503,
      "HTTP 503: execution: query timed out"),
