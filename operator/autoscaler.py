@@ -133,7 +133,7 @@ def recommend(spec: ScalingSpec, hit_rate: float | None, kv_usage: float | None,
     requests waiting per worker above waitingHigh (proportionally, at least one more, at most double), or
     the hit rate below target under load pressure (KV usage >= kvLow or requests waiting: one more); the
     largest of these. Down by one: KV usage below kvLow, unless requests wait (at least ``WAITING`` per
-    worker) or one fewer replica would put the KV in use above kvHigh, the queue above waitingHigh or the
+    worker), they or the seats in use are unknown, or one fewer replica would put the KV in use above kvHigh, the queue above waitingHigh or the
     running sequences at SEATS_FULL of the workers' ``--max-num-seqs`` (``seats``: their mean share in use; a
     queue is not linear in load, none waits until the seats are full), or,
     with the hit rate below target, under load pressure (it would be scaled up again at once); otherwise
@@ -181,6 +181,10 @@ def recommend(spec: ScalingSpec, hit_rate: float | None, kv_usage: float | None,
         why = " and ".join(reasons)
         if wanted >= max(spec.min_replicas, 1):
             fewer = workers / (workers - 1)  # how much the load spread over one fewer worker grows
+            if waiting is None:  # the gauge is always exported: absent is unknown, not 0
+                return current, (f"{why}, but the requests waiting are not known (no series in Prometheus): no "
+                                 f"scale-down on KV usage alone, which stays low while a worker full at "
+                                 f"--max-num-seqs queues requests")
             if is_waiting:
                 return current, f"{why}, but {waiting:.3g} requests wait per worker: no scale-down while requests wait"
             if waiting is not None and waiting * fewer > spec.waiting_high:

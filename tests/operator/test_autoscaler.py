@@ -104,7 +104,8 @@ def test_a_bad_scaling_block_is_a_pool_spec_error():
     (None, None, 3, 3, "no metrics"),  # both unknown: hold
 ])
 def test_recommend(hit_rate, kv_usage, current, expected, why):
-    replicas, reason = recommend(spec(), hit_rate, kv_usage, current)
+    waiting = None if hit_rate is None and kv_usage is None else 0.0  # no request waits (the queue gauge is there)
+    replicas, reason = recommend(spec(), hit_rate, kv_usage, current, waiting)
     assert replicas == expected and why in reason
 
 
@@ -133,31 +134,31 @@ def test_min_zero_wakes_on_any_demand(hit_rate, kv_usage, expected):
 
 def test_min_zero_never_scales_itself_to_zero():
     """At 0 no worker is left to show demand, so nothing could wake the pool: the autoscaler stops at 1."""
-    replicas, why = recommend(spec(minReplicas=0), 0.95, 0.1, 1)
+    replicas, why = recommend(spec(minReplicas=0), 0.95, 0.1, 1, 0.0)
     assert replicas == 1 and "at 0 no worker would be left to show demand" in why
-    assert recommend(spec(minReplicas=0), 0.95, 0.1, 2)[0] == 1
+    assert recommend(spec(minReplicas=0), 0.95, 0.1, 2, 0.0)[0] == 1
 
 
 def test_workers_of_other_deployments_share_the_load_the_target_is_scaled_for():
     """``beside``: the pool's ready workers that other Deployments run. The metrics' load is spread over them
     too, and only the target's count changes by what the whole pool needs."""
     s = spec(kvLow=0.5, kvHigh=0.6, minReplicas=0)
-    assert recommend(s, 0.95, 0.9, 2, beside=2)[0] == 4  # 4 workers at 0.9 need 6 at 0.6: 2 more
-    assert recommend(s, 0.95, 0.9, 2)[0] == 3  # alone: 2 at 0.9 need 3
+    assert recommend(s, 0.95, 0.9, 2, 0.0, beside=2)[0] == 4  # 4 workers at 0.9 need 6 at 0.6: 2 more
+    assert recommend(s, 0.95, 0.9, 2, 0.0)[0] == 3  # alone: 2 at 0.9 need 3
     # 4 workers at 0.45: 3 carry 0.6, not above kvHigh (alone, 2 at 0.45 would put one at 0.9: held)
-    assert recommend(s, 0.95, 0.45, 2, beside=2)[0] == 1
-    assert recommend(s, 0.95, 0.45, 2)[0] == 2
+    assert recommend(s, 0.95, 0.45, 2, 0.0, beside=2)[0] == 1
+    assert recommend(s, 0.95, 0.45, 2, 0.0)[0] == 2
     # Never to 0 by itself, although the others serve: they may go, and nothing would bring the target back.
-    assert recommend(s, 0.95, 0.2, 1, beside=2)[0] == 1
-    assert recommend(s, 0.95, 0.2, 2, beside=2)[0] == 1
+    assert recommend(s, 0.95, 0.2, 1, 0.0, beside=2)[0] == 1
+    assert recommend(s, 0.95, 0.2, 2, 0.0, beside=2)[0] == 1
 
 
 def test_a_scale_down_that_would_cross_kv_high_holds():
     s = spec(kvLow=0.5, kvHigh=0.6)
     # 2 workers at 0.45: one would carry 0.9 > kvHigh and be scaled up again at once.
-    replicas, why = recommend(s, 0.95, 0.45, 2)
+    replicas, why = recommend(s, 0.95, 0.45, 2, 0.0)
     assert replicas == 2 and "one fewer replica would put KV usage at 0.9 > kvHigh 0.6" in why
-    assert recommend(s, 0.95, 0.4, 4)[0] == 3  # 3 would carry 0.533 <= 0.6
+    assert recommend(s, 0.95, 0.4, 4, 0.0)[0] == 3  # 3 would carry 0.533 <= 0.6
 
 
 @pytest.mark.parametrize("hit_rate", [0.95, 0.8])  # at and below the 0.9 target
@@ -171,7 +172,7 @@ def test_a_constant_load_settles_without_flapping(kv_low, kv_high, hit_rate):
         for tenths in range(1, 120):
             load, current, seen = tenths / 10, start, []  # KV in use, in workers' worth
             for _ in range(40):
-                current = recommend(s, hit_rate, min(1.0, load / current), current)[0]
+                current = recommend(s, hit_rate, min(1.0, load / current), current, 0.0)[0]
                 seen.append(current)
             turns = [i for i in range(1, len(seen) - 1) if (seen[i] - seen[i - 1]) * (seen[i + 1] - seen[i]) < 0]
             assert not turns and seen[-1] == seen[-2], (load, start, seen)
@@ -279,7 +280,11 @@ def test_a_saturated_pool_is_never_scaled_down():
     """The reviewed case: 4 workers at max_num_seqs, requests refused with 429 queue_full, KV usage 0.121."""
     replicas, why = recommend(spec(), hit_rate=0.95, kv_usage=0.121, current=4, waiting=12.0)
     assert replicas == 8 and "requests waiting per worker" in why
-    assert recommend(spec(), hit_rate=0.95, kv_usage=0.121, current=4)[0] == 3  # no queue signal: as before
+    # The queue unknown (no series: a relabelling that dropped it): KV usage alone scaled it down, one replica a
+    # window; held now, saying why.
+    replicas, why = recommend(spec(), hit_rate=0.95, kv_usage=0.121, current=4, seats=1.0)
+    assert replicas == 4 and "the requests waiting are not known" in why, why
+    assert recommend(spec(), hit_rate=0.95, kv_usage=0.121, current=4, waiting=0.0)[0] == 3  # known: none waits
 
 
 def test_a_pool_bound_by_its_sequence_seats_settles_instead_of_flapping():
@@ -302,10 +307,11 @@ def test_a_pool_bound_by_its_sequence_seats_settles_instead_of_flapping():
 
 @pytest.mark.parametrize(("hit_rate", "kv_usage", "waiting", "current", "expected", "why"), [
     # Sparse long-tail traffic on an idle pool: more replicas would miss as often; kvLow scales down.
-    (0.5, 0.05, None, 2, 1, "but no load pressure"),
+    (0.5, 0.05, 0.0, 2, 1, "but no load pressure"),
     (0.5, 0.05, 0.0, 4, 3, "but no load pressure"),
-    (0.5, 0.1, None, 3, 2, "KV usage 0.1 < kvLow 0.3"),
-    (0.5, 0.2, None, 3, 3, "one fewer replica would be under load pressure"),  # 2 would carry 0.3: up again
+    (0.5, 0.05, None, 4, 4, "the requests waiting are not known"),  # the queue unknown: no scale-down
+    (0.5, 0.1, 0.0, 3, 2, "KV usage 0.1 < kvLow 0.3"),
+    (0.5, 0.2, 0.0, 3, 3, "one fewer replica would be under load pressure"),  # 2 would carry 0.3: up again
     # Load pressure makes evictions plausible: one more.
     (0.5, 0.05, 1.0, 2, 3, "GPU hit rate 0.5 < targetHitRate 0.9"),  # requests wait
     (0.5, 0.6, 0.0, 2, 3, "GPU hit rate"),  # KV in use
@@ -334,7 +340,7 @@ def test_a_constant_load_below_the_hit_rate_target_settles_through_the_windows()
     0.28 of a worker's KV each at 2 replicas, 0.56 at 1, hit rate 0.8: one change at most, not a cycle."""
     s, stabilizer, current, seen = spec(), Stabilizer(), 2, []
     for i in range(80):
-        recommended = recommend(s, 0.8, min(1.0, 0.56 / current), current)[0]
+        recommended = recommend(s, 0.8, min(1.0, 0.56 / current), current, 0.0)[0]
         current = stabilizer.stabilize(recommended, current, now=30.0 * i, up_seconds=s.scale_up_seconds,
                                        down_seconds=s.scale_down_seconds)
         seen.append(current)

@@ -20,7 +20,8 @@ PROM = "http://prometheus:9090"
 
 class Metrics:
     def __init__(self) -> None:
-        # (hit rate, KV usage) or (hit rate, KV usage, requests waiting per worker), or what to raise
+        # (hit rate, KV usage) or (hit rate, KV usage, requests waiting per worker), or what to raise. With the two,
+        # no request waits where the KV gauge is there (workers export both): a queue unknown holds scale-downs.
         self.signals: tuple[float | None, ...] | Exception = (None, None)
         self.asked: list[list[str]] = []
         self.windows: list[int] = []
@@ -31,6 +32,8 @@ class Metrics:
         self.windows.append(rate_window_seconds)
         if isinstance(self.signals, Exception):
             raise self.signals
+        if len(self.signals) == 2:
+            return (*self.signals, None if self.signals[1] is None else 0.0)
         return self.signals
 
     async def close(self) -> None:

@@ -125,10 +125,11 @@ class OneSlotStager(FakeStager):
 
 
 def idle_prometheus() -> web.Application:
-    """A Prometheus whose workers are idle: KV usage 0.05, no lookups, no queue series."""
+    """A Prometheus whose workers are idle: KV usage 0.05, no lookups, no request waiting."""
     async def query(request: web.Request) -> web.Response:
         promql = (await request.post())["query"]
-        result = [{"metric": {}, "value": [0, "0.05"]}] if promql.startswith("avg(lorafleet_kv_cache") else []
+        value = "0.05" if promql.startswith("avg(lorafleet_kv_cache") else "0" if promql.startswith("avg(lorafleet_queue") else None
+        result = [{"metric": {}, "value": [0, value]}] if value else []
         return web.json_response({"status": "success", "data": {"resultType": "vector", "result": result}})
 
     app = web.Application()
