@@ -18,7 +18,8 @@ Kopf-free glue between the pool's autoscale timer and ``autoscaler`` (the policy
    make each later one wait in full again); and, once they are ready, while Prometheus has no series of
    one yet (the means cover the earlier replicas alone, the count includes the new ones: scaling again
    would overshoot), for ``SCRAPE_GRACE`` seconds after it became ready at most (past that, a scrape
-   that misses it is a scrape to fix: see ``MetricsMissing``);
+   that misses it is a scrape to fix: see ``MetricsMissing``); an operator that has not scaled since it
+   started waits so for every pod ready for less (it cannot tell which replicas are new);
 7. never goes below the workers the pool's pinned adapters need (the reconcile counts them: pinned_need.py),
    nor down at all while that is not known, within maxReplicas (``autoscaler.pinned_floor``);
 8. patches ``spec.replicas`` when the result differs (``FailedUpdateScale``).
@@ -235,10 +236,13 @@ class PoolScaler:
                     wanted = current
                 else:
                     memory.stuck, memory.short = set(unready), None
-            if wanted > current and memory.scaled_from is not None:
-                # Ready, yet maybe not scraped: a further scale-up waits for the new replicas' first series.
+            if wanted > current:
+                # Ready, yet maybe not scraped: a further scale-up waits for the new replicas' first series. After
+                # a restart (no scale-up remembered: a new operator, a standby now leader) every pod ready for
+                # less than SCRAPE_GRACE may be one, so each is waited for.
+                before = memory.scaled_from or set()
                 fresh = [n for p, n in zip(pods, pod_names(pods), strict=True) if n in ready and n not in elsewhere
-                         and n not in memory.scaled_from and not _ready_a_while([p], now)]
+                         and n not in before and not _ready_a_while([p], now)]
                 try:
                     unscraped = sorted(set(fresh) - await self.metrics.scraped_pods(spec.prometheus_url, namespace,
                                                                                     fresh)) if fresh else []

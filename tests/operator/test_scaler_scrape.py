@@ -67,14 +67,17 @@ async def test_a_new_replica_never_scraped_holds_scale_ups_for_the_scrape_grace_
 
 
 async def test_the_scrape_wait_holds_scale_ups_only(setup):  # noqa: F811
-    """Scale-downs go on as before; replicas ready before the last scale-up, and a first scale-up, wait for
-    nothing; a Prometheus that cannot say which pods it scraped changes no replicas."""
+    """Scale-downs go on as before; replicas ready before the last scale-up, and a first scale-up once the pods
+    just ready are scraped, wait for nothing more; a Prometheus that cannot say which pods it scraped changes no
+    replicas."""
     scaler, metrics, deployments, _ = setup
     scraped = Scraped(metrics)
+    scraped.pods = {"w-0", "w-1"}
     metrics.signals = (0.99, 0.9, 0.0)
     body = pool(kvHigh=0.85)
     st = await tick(scaler, body, [pod("w-0"), pod("w-1", since=JUST_READY)])  # no scale-up remembered yet
-    assert deployments.patches == [3] and scraped.asked == []
+    assert deployments.patches == [3] and scraped.asked == [["w-1"]]
+    scraped.asked.clear()
     pods = [pod("w-0"), pod("w-1", since=JUST_READY), pod("w-2", since=JUST_READY)]
     scraped.pods = MetricsError("http://prometheus:9090/api/v1/query: no answer within 5 s")
     st = await tick(scaler, body, pods)
@@ -85,3 +88,20 @@ async def test_the_scrape_wait_holds_scale_ups_only(setup):  # noqa: F811
     scraped.pods = set()
     st = await tick(scaler, body, pods)
     assert deployments.patches == [3, 2] and scaling_condition(st)["reason"] == "ScaledDown"
+
+
+async def test_an_operator_restarted_after_a_scale_up_waits_for_the_pods_just_ready_too(setup):  # noqa: F811
+    """The scale-up it made is not remembered across a restart (a new operator, a standby become leader): the
+    pods ready for less than SCRAPE_GRACE may be the replicas it added, so a further scale-up waits for their
+    first scrape as well (it scaled up again at once on the earlier replicas' means alone, and overshot)."""
+    scaler, metrics, deployments, _ = setup
+    deployments.replicas = 3  # scaled 2 -> 3 just before the restart
+    scraped = Scraped(metrics)
+    scraped.pods = {"w-0", "w-1"}  # not w-2 yet
+    metrics.signals = (0.99, 0.9, 0.0)  # the means of w-0 and w-1 alone
+    body, pods = pool(kvHigh=0.85), [pod("w-0"), pod("w-1"), pod("w-2", since=JUST_READY)]
+    st = await tick(scaler, body, pods)
+    assert deployments.patches == [] and "no series of the new workers w-2 yet" in scaling_condition(st)["message"]
+    scraped.pods = {"w-0", "w-1", "w-2"}
+    st = await tick(scaler, body, pods)
+    assert deployments.patches == [4] and scraped.asked == [["w-2"], ["w-2"]]
