@@ -1,46 +1,44 @@
 """ServedAdapters: which adapter names and versions this worker serves, to whom, and in what split.
 
-It is the HTTP layer's view of the registry: the admin push (`DesiredState`) and the vLLM-style
-load/unload change it; every inference request resolves its `model` through it. The engine's
-adapter pool holds the weights; this holds names, owners (tenants), the stable/canary split and
-the reason a version failed to load, so a request for it is answered 503 with that reason instead
-of waiting. A request resolves to one full key `name@version` once, on arrival: it keeps that
-version to the end even if a push switches the stable version meanwhile (hot update). A push's
-pool-wide settings (eviction policy, CPU tier budget) go to the engine's pool when they differ from
-the last push's; a push without them gives the pool back its own. A directive's `warm` prefetches
-its versions and marks them warm in the pool, which brings them back to the GPU by itself after
+It is the HTTP layer's view of the registry: the admin push (`DesiredState`) and the vLLM-style load/unload
+change it; every inference request resolves its `model` through it. The engine's adapter pool holds the
+weights; this holds names, owners (tenants), the stable/canary split and the reason a version failed to load,
+so a request for it is answered 503 with that reason instead of waiting. A request resolves to one full key
+`name@version` once, on arrival: it keeps that version to the end even if a push switches the stable version
+meanwhile (hot update). A push's pool-wide settings (eviction policy, CPU tier budget) go to the engine's pool
+when they differ from the last push's; a push without them gives the pool back its own. A directive's `warm`
+prefetches its versions and marks them warm in the pool, which brings them back to the GPU by itself after
 pressure evicted them (worker/adapter_warmth.py); a push without it unmarks them.
 
-Running example: push gen 3 {sql: stable v1}, then gen 4 {sql: stable v1, canary v2 at 20 %}: v2 is
-registered beside v1 (not current), 20 % of users resolve to `sql@v2`; gen 5 {sql: stable v2} makes the
-registered v2 current without reloading it and retires v1 (once the new table is published; a v2 that never
-loaded, no user having reached it, is made current as a new stable version is, below); gen 6 without `sql`
-unregisters it, requests in flight finish on the version they hold.
+Running example: push gen 3 {sql: stable v1}, then gen 4 {sql: stable v1, canary v2 at 20 %}: v2 is registered
+beside v1 (not current), 20 % of users resolve to `sql@v2`; gen 5 {sql: stable v2} makes the registered v2
+current without reloading it and retires v1 (once the new table is published; a v2 that never loaded, no user
+having reached it, is made current as a new stable version is, below); gen 6 without `sql` unregisters it,
+requests in flight finish on the version they hold.
 
-A new stable version that was never a canary (gen 7 {sql: stable v3}) replaces v2 in the engine only
-once it has loaded; until then v2 stays in the table as the fallback: if v3 fails to load
-(`mark_failed`), bare `sql` requests go back to v2, as a failed canary's users go back to stable. The
-first push after v3 has loaded retires v2.
+A new stable version that was never a canary (gen 7 {sql: stable v3}) replaces v2 in the engine only once it
+has loaded; until then v2 stays in the table as the fallback: if v3 fails to load (`mark_failed`), bare `sql`
+requests go back to v2, as a failed canary's users go back to stable. The first push after v3 has loaded
+retires v2.
 
-Stable and canary swapped in one push (gen 8 {sql: stable v4, canary v3 at 10 %} after {sql: stable v3,
-canary v4 at 10 %}), or a new stable v4 rolled out with v3 kept as its canary: a v4 resident on the GPU
-becomes current at once, v3 staying registered (and on the GPU) as the canary. A v4 not on the GPU (only in
-CPU memory, which may never fit there, or not loaded) becomes current as a new stable version does, once
-resident: v3 stays the engine's current version and the fallback until then, its canary after (a v3 that
-cannot be registered again, its files gone, leaves the engine). The split is already the new one: the canary
-share is served by v3, the rest waits for v4's load, as after gen 7; if v4 fails to load, every user goes
-back to v3. A push before v4 has loaded that no longer names v3 as the canary makes v4 current again, so that
-v3 retires at the switch (worker/served_fallback.py). A canary promoted to stable switches at once only if it is
-resident on the GPU too, at the switch, checked in the same step (the pool's lock): a directive earlier in
-the push, or the engine, may have evicted it since the push began.
+Stable and canary swapped in one push (gen 8 {sql: stable v4, canary v3 at 10 %} after {sql: stable v3, canary
+v4 at 10 %}), or a new stable v4 rolled out with v3 kept as its canary: a v4 resident on the GPU becomes
+current at once, v3 staying registered (and on the GPU) as the canary. A v4 not on the GPU (only in CPU
+memory, which may never fit there, or not loaded) becomes current as a new stable version does, once resident:
+v3 stays the engine's current version and the fallback until then, its canary after (a v3 that cannot be
+registered again, its files gone, leaves the engine). The split is already the new one: the canary share is
+served by v3, the rest waits for v4's load, as after gen 7; if v4 fails to load, every user goes back to v3. A
+push before v4 has loaded that no longer names v3 as the canary makes v4 current again, so that v3 retires at
+the switch (worker/served_fallback.py). A canary promoted to stable switches at once only if it is resident on
+the GPU too, at the switch, checked in the same step (the pool's lock): a directive earlier in the push, or
+the engine, may have evicted it since the push began.
 
-A local `--adapters DIR` folder that failed to load at start-up (worker/adapter_dir.py) is reported the
-way a pushed version that failed is: an entry of the state's `adapters` with its `error`, its version
-`unstaged` (as the stager's seed reports a folder it could not stage: no version of it exists), tier
-`none` (one whose folder name is no adapter name is listed only in the state's `startup` section:
-worker/admin_api.py). It is not served (a request for it is 404, as for any name not served). It is
-reported until a push replaces the start-up set (from then on the directives rule) or a
-load_lora_adapter of that name succeeds.
+A local `--adapters DIR` folder that failed to load at start-up (worker/adapter_dir.py) is reported the way a
+pushed version that failed is: an entry of the state's `adapters` with its `error`, its version `unstaged` (as
+the stager's seed reports a folder it could not stage: no version of it exists), tier `none` (one whose folder
+name is no adapter name is listed only in the state's `startup` section: worker/admin_api.py). It is not
+served (a request for it is 404, as for any name not served). It is reported until a push replaces the
+start-up set (from then on the directives rule) or a load_lora_adapter of that name succeeds.
 """
 
 from __future__ import annotations
@@ -70,6 +68,7 @@ from lorafleet.worker.served_fallback import (
     fall_back,
     gpu_resident,
     keep_fallback,
+    keep_registered,
     keep_serving,
     listed_versions,
     make_current_again,
@@ -99,6 +98,7 @@ class ServedAdapter:
     split: VersionSplit
     sources: dict[str, str] = field(default_factory=dict)  # version -> local path
     errors: dict[str, str] = field(default_factory=dict)  # version -> why it cannot be served
+    refused: dict[str, str] = field(default_factory=dict)  # version -> why a push's new source for it was not used
     warm: bool = False
     pinned: bool = False
     fallback: str | None = None  # the stable version a new one replaces, kept until the new one has loaded
@@ -181,9 +181,9 @@ class ServedAdapters:
                 fall_back(served, self._engine)
 
     # ---- changes (blocking engine calls: run them off the event loop, one at a time) -------------
-    # Copy-on-write: a change registers what is new in the engine, then publishes the new table in
-    # one assignment, then retires what is gone. A request never sees a name or version that the
-    # engine does not hold yet, and the event loop can read the table while a change runs.
+    # Copy-on-write: a change registers what is new in the engine, then publishes the new table in one assignment,
+    # then retires what is gone. A request never sees a name or version that the engine does not hold yet, and
+    # the event loop can read the table while a change runs.
     def adopt(self, engine: AdapterHost, failed: dict[str, str] | None = None) -> None:
         """Take over the adapters the engine registered at start-up (`--adapters DIR`), and report those
         of its folders that failed to load (`failed`: folder name -> why)."""
@@ -283,8 +283,8 @@ class ServedAdapters:
             swap = stable and demoted is not None
             if swap and key not in loaded:
                 keep = False
-            # A version kept registered beside the stable one (a canary) that now becomes stable. One
-            # registered again (it had failed) switches in the engine once loaded, like a new version.
+            # A version kept registered beside the stable one (a canary) that now becomes stable. One registered
+            # again (it had failed) switches in the engine once loaded, like a new version.
             is_promoted = stable and keep and version != old.split.stable and not swap
             for again in (False, True):
                 registered = keep
@@ -313,6 +313,8 @@ class ServedAdapters:
                     if d.warm:  # displacing only lower ranks (a canary: cold or lower-priority adapters)
                         engine.prefetch_adapter(key)
                 except Exception as exc:  # whatever it is, it is this version's: the rest of the push applies
+                    if not registered and keep_registered(served, old, version, uri, key in held, exc):
+                        break  # served on from where it was registered; the refusal is reported
                     if keep and not again and isinstance(exc, KeyError):
                         # Dropped by the engine since the push looked (its successor switched meanwhile and no
                         # request held it any more): registered again, as a version the engine does not hold.
@@ -324,7 +326,7 @@ class ServedAdapters:
                     if stable and not registered:  # the engine still holds the version serving until now
                         fallback = True
                 break
-            served.sources[version] = uri
+            served.sources.setdefault(version, uri)  # set already where keep_registered kept the old source
         if keeps is not None and demoted in served.errors and d.stable.version not in served.errors:
             drop_kept_canary(engine, d.name, d.stable.version, demoted)
         if d.canary is not None and d.canary.version not in served.errors and d.stable.version not in served.errors:
@@ -368,7 +370,7 @@ class ServedAdapters:
                 if version == served.fallback and f"{name}@{version}" not in held:
                     continue  # the engine retired it: the version replacing it has loaded
                 d = held.get(f"{name}@{version}", {})
-                error = served.errors.get(version) or d.get("error")
+                error = served.errors.get(version) or served.refused.get(version) or d.get("error")
                 states.append(AdapterState(
                     name=name, version=version, tier=d.get("tier", "none"), refcount=d.get("refcount", 0),
                     hits=d.get("hits", 0), bytes=d.get("bytes", 0), pinned=bool(d.get("pinned", served.pinned)),

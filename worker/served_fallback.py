@@ -74,6 +74,23 @@ def keep_serving(served: ServedAdapter, old: ServedAdapter) -> None:
     served.split = VersionSplit(previous)
 
 
+def keep_registered(served: ServedAdapter, old: ServedAdapter | None, version: str, uri: str, held: bool,
+                    exc: BaseException) -> bool:
+    """Whether `version` keeps being served from the source it was registered from when a push names it with
+    another that could not be registered (other weights under the same version, a folder missing or refused):
+    so while the engine holds it for the same owner and it did not fail; the refusal is noted in
+    `served.refused` (the state report's error for it). Else the version fails. A refused change had marked a
+    version that serves failed, and its requests were answered 503."""
+    before = old.sources.get(version) if old is not None else None
+    if before is None or before == uri or not held or old.tenant != served.tenant or version in old.errors:
+        return False
+    served.sources[version] = before
+    served.refused[version] = f"not served from {uri}, kept from {before}: {exc or type(exc).__name__}"
+    log.warning("adapter %s@%s keeps the weights registered from %s; the push's %s cannot be used: %s",
+                served.name, version, before, uri, exc)
+    return True
+
+
 def keep_fallback(served: ServedAdapter, old: ServedAdapter, current: str | None) -> None:
     """A new stable version registered but not loaded yet: the engine keeps `current`, the version
     serving until now, until the new one is resident. The table keeps it too, as the fallback that

@@ -225,3 +225,28 @@ async def test_a_replaced_version_a_request_will_take_again_stays_in_the_report(
     pool.acquire("x@v1", "running")  # it took it again, and finished on it
     pool.release(pool.entry("x@v1").slot)
     assert ("x", "v1") not in await push(client, 4, moved)
+
+
+async def test_a_push_naming_a_serving_version_with_other_files_keeps_the_registered_weights_serving(
+        client, qv_adapters_dir):
+    """sql@v1 serves alpha's weights; a push names sql@v1 from beta's (other weights under the same version): the
+    change is refused, reported as v1's error, and sql@v1 keeps answering with alpha's weights (it was marked
+    failed and every request for it answered 503, the engine still holding alpha's). A push back to alpha's
+    files clears the error; one naming a folder that does not exist is refused the same way."""
+    pool = client.app[ENGINE].engine.adapter_pool
+    await push(client, 1, directive("sql", qv_adapters_dir / "alpha", warm=True))
+    await asyncio.to_thread(pool.wait_idle)
+    digest = pool.entry("sql@v1").digest
+    greedy = {"model": "sql", "prompt": "hi", "max_tokens": 4, "temperature": 0, "logprobs": 1}
+    before = await (await client.post("/v1/completions", json=greedy)).json()
+    for generation, uri in ((2, qv_adapters_dir / "beta"), (3, qv_adapters_dir / "gone")):
+        reported = await push(client, generation, directive("sql", uri))
+        error = reported[("sql", "v1")]["error"]
+        assert error and error.startswith(f"not served from {uri}, kept from {qv_adapters_dir / 'alpha'}: "), error
+        resp = await client.post("/v1/completions", json=greedy)
+        after = await resp.json()
+        assert resp.status == 200, after
+        assert after["choices"][0]["text"] == before["choices"][0]["text"] and pool.entry("sql@v1").digest == digest
+        assert after["choices"][0]["logprobs"]["token_logprobs"] == before["choices"][0]["logprobs"]["token_logprobs"]
+    reported = await push(client, 4, directive("sql", qv_adapters_dir / "alpha"))
+    assert reported[("sql", "v1")]["error"] is None
