@@ -56,7 +56,7 @@ from lorafleet.worker.intake import setup_intake, several_tenants
 from lorafleet.worker.listen import ANY_HOST, port_in_use
 from lorafleet.worker.metrics import CONTENT_TYPE, EngineSnapshot, WorkerMetrics, prefix_tokens
 from lorafleet.worker.openai_api import openai_routes
-from lorafleet.worker.push_gate import awaiting_push
+from lorafleet.worker.probes import probe_routes
 from lorafleet.worker.served_adapters import ServedAdapters
 from lorafleet.worker.sources import Sources, SourcesConfig
 from lorafleet.worker.startup_adapters import STARTUP_ADAPTERS, StartupAdapters, keep_running, watch_seed
@@ -266,39 +266,6 @@ async def _drain(app: web.Application) -> None:
         await asyncio.wait(set(handlers), timeout=_CUT_S)
 
 
-def _engine_failure(app: web.Application) -> web.Response | None:
-    """503 once the engine thread died: no request can be served any more, so the liveness probe
-    fails and the kubelet restarts the container, instead of a pod that is never ready nor restarted."""
-    engine = app.get(ENGINE)
-    if engine is None or engine.failure is None:
-        return None
-    return web.json_response({"status": "failed", "error": f"the engine thread died: {engine.failure!r}"},
-                             status=503)
-
-
-async def healthz(request: web.Request) -> web.Response:
-    return _engine_failure(request.app) or web.json_response({"status": "alive"})
-
-
-async def readyz(request: web.Request) -> web.Response:
-    status = request.app[STATUS]
-    engine = request.app.get(ENGINE)
-    if failed := _engine_failure(request.app):
-        return failed
-    if status.draining:
-        return web.json_response({"status": "draining"}, status=503)
-    if not status.ready or engine is None or not engine.is_running:
-        return web.json_response({"status": "starting"}, status=503)
-    startup = request.app.get(STARTUP_ADAPTERS)
-    if startup is not None and not startup.is_loaded:
-        return web.json_response(startup.answer(), status=503)
-    config = request.app[CONFIG]  # its sidecar has not handed it its adapters (a restarted engine too)
-    if awaiting_push(config.ready_after_push, bool(request.app[ADAPTERS].generation), time.time() - status.started_at,
-                     config.ready_without_push_s):
-        return web.json_response({"status": "awaiting_push"}, status=503)
-    return web.json_response({"status": "ready"})
-
-
 async def metrics(request: web.Request) -> web.Response:
     body = await request.app[METRICS].render_async()
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
@@ -329,9 +296,7 @@ def create_app(config: WorkerConfig) -> web.Application:
         app.cleanup_ctx.append(admin_listener_ctx)
     app.cleanup_ctx.append(_stager_ctx)
     app.on_shutdown.append(_drain)
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/health", healthz)  # vLLM's: probes and routers set up for vLLM ask it
-    app.router.add_get("/readyz", readyz)
+    app.router.add_routes(probe_routes())
     app.router.add_get("/metrics", metrics)
     app.router.add_routes(openai_routes())
     if config.admin_port is None:

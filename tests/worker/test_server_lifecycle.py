@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+import lorafleet
 from lorafleet.worker.app_keys import ENGINE
 from lorafleet.worker.cli import config_from_args
 from lorafleet.worker.engine_config import EngineConfig
@@ -32,7 +33,9 @@ async def test_a_dead_engine_thread_fails_liveness_and_ends_the_streams_in_fligh
     turns unready would stay so for ever). vLLM's /health, which probes and routers set up for vLLM ask, too."""
     app = create_app(config(tiny_llama_dir))
     client = await aiohttp_client(app)
-    assert (await client.get("/healthz")).status == 200 and (await client.get("/health")).status == 200
+    for probe in (client.get("/healthz"), client.get("/health"), client.get("/ping"), client.post("/ping")):
+        assert (await probe).status == 200  # /ping: SageMaker's, which vLLM answers too
+    assert await (await client.get("/version")).json() == {"version": lorafleet.__version__}
     resp = await client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 200,
                                                       "ignore_eos": True, "stream": True})
     assert resp.status == 200
@@ -48,7 +51,7 @@ async def test_a_dead_engine_thread_fails_liveness_and_ends_the_streams_in_fligh
     assert last["error"]["code"] == "engine_error" and "engine thread died" in last["error"]["message"], last
     health = await client.get("/healthz")
     assert health.status == 503 and "scheduler bug" in (await health.json())["error"]
-    assert (await client.get("/health")).status == 503
+    assert (await client.get("/health")).status == 503 and (await client.post("/ping")).status == 503
     assert (await client.get("/readyz")).status == 503
     resp = await client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
     assert resp.status == 500 and "engine thread died" in (await resp.json())["error"]["message"]
