@@ -14,10 +14,12 @@ last token is sampled, never cached: prompt + max_tokens may exceed the cache by
 Running example (16-token pages, a pool of 8, adapter `shout` of 3 pages, nothing pinned): max_model_len
 is 128; a `shout` request has 5 pages, 80 cached tokens, so prompt + max_tokens up to 81: a 10-token prompt
 with max_tokens 71 is served, with max_tokens 118 refused. A base-model request may have all 8 pages.
+`/v1/models` advertises those limits, per adapter (81 for `shout`, once its size is known) and for the base model.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Protocol
 
 from lorafleet.worker.engine_errors import ContextLengthError
@@ -37,6 +39,14 @@ class KVRoom:
         self.block_size = block_size
         self.max_model_len = max_model_len
 
+    def limit(self, keys: Iterable[str | None]) -> int:
+        """The most tokens (prompt and max_tokens) a request for any of `keys` (engine keys; None: the base model)
+        may have now, as `refusal` holds it to: what /v1/models and /tokenize advertise as max_model_len."""
+        return min(self._limit(max(0, self.num_pages - sum(self.adapters.kv_held_pages(k)))) for k in keys)
+
+    def _limit(self, room: int) -> int:
+        return min(self.max_model_len, room * self.block_size + 1)
+
     def refusal(self, seq: Sequence) -> ContextLengthError | None:
         """Why `seq` can never get the KV pages of all its tokens (prompt and max_tokens, within
         max_model_len); None if it can. An adapter whose size is not known yet (not loaded) counts as no
@@ -47,7 +57,7 @@ class KVRoom:
         own, pinned = self.adapters.kv_held_pages(seq.adapter)
         seq.kv_room_checked = seq.adapter is None or own > 0
         room = max(0, self.num_pages - own - pinned)
-        limit = min(self.max_model_len, room * self.block_size + 1)
+        limit = self._limit(room)
         if wanted <= limit:
             return None
         if seq.params.max_tokens_to_fit and limit - seq.num_prompt_tokens >= max(1, seq.params.min_tokens):

@@ -68,8 +68,16 @@ async def tokenize(request: web.Request) -> web.Response:
             raise APIError(400, f"the chat template refused these messages: {exc}", code="invalid_messages",
                            param="messages") from None
     # Encoded off the loop: a 4 MB prompt's ids and strings are tens of MB of JSON (0.5 s of the loop).
-    return await reply(lambda: {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
-                                "token_strs": token_strs})
+    limit = served_limit(app, model)
+    return await reply(lambda: {"count": len(ids), "max_model_len": limit, "tokens": ids, "token_strs": token_strs})
+
+
+def served_limit(app: web.Application, name: str | None) -> int:
+    """max_model_len as a request for `name` (an adapter; None or the base model's name: the base model) has it
+    now, less its adapter's pages and pinned adapters' (kv_room.KVRoom.limit); the smaller of a canary split's."""
+    served = app[ADAPTERS].get(name) if name else None
+    keys = [None] if served is None else [f"{served.name}@{v}" for v in (served.split.stable, served.split.canary) if v]
+    return app[ENGINE].engine.kv_room.limit(keys)
 
 
 def _tokenize_request(app: web.Application, body: Any) -> tuple[bool, bool, str, Callable[[], list[int]]]:

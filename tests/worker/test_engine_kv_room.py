@@ -167,8 +167,9 @@ def test_a_request_the_pin_ends_by_length_keeps_its_held_back_text(engine):
 
 
 async def test_the_worker_answers_400_without_retry_after(aiohttp_client, tiny_llama_dir, tmp_path):
-    """Over HTTP, streamed or not: a 400 naming the limit, no Retry-After (a retry cannot help); /v1/models
-    lists max_model_len, which base-model requests may use whole."""
+    """Over HTTP, streamed or not: a 400 naming the limit, no Retry-After (a retry cannot help); /v1/models and
+    /tokenize give each model the max_model_len its requests may use whole: the base model the pool's, alpha the
+    pool's less its own pages (they said the base model's for both, and a prompt cut to it was refused)."""
     from lorafleet.worker.server import create_app
     from lorafleet.worker.worker_config import WorkerConfig
 
@@ -177,7 +178,13 @@ async def test_the_worker_answers_400_without_retry_after(aiohttp_client, tiny_l
                           adapters=str(tmp_path))
     client = await aiohttp_client(create_app(WorkerConfig(engine=engine, served_model_name="tiny")))
     models = await (await client.get("/v1/models")).json()
-    assert {m["max_model_len"] for m in models["data"]} == {NUM_PAGES * BS}
+    assert {m["id"]: m["max_model_len"] for m in models["data"]} == {"tiny": NUM_PAGES * BS, "alpha": 33}
+    for model, limit in (("tiny", NUM_PAGES * BS), ("alpha", 33)):
+        tokens = await (await client.post("/tokenize", json={"model": model, "prompt": "hello"})).json()
+        assert tokens["max_model_len"] == limit, tokens
+    exact = {"model": "alpha", "prompt": PROMPT, "max_tokens": 33 - len(PROMPT), "temperature": 0, "ignore_eos": True}
+    resp = await client.post("/v1/completions", json=exact)  # the whole advertised length: served
+    assert resp.status == 200 and (await resp.json())["usage"]["total_tokens"] == 33
     body = {"prompt": PROMPT, "max_tokens": NUM_PAGES * BS - len(PROMPT), "temperature": 0, "ignore_eos": True}
     for stream in (False, True):
         resp = await client.post("/v1/completions", json=body | {"model": "alpha", "stream": stream})
