@@ -116,6 +116,9 @@ class LoRABatch:
     max_rank: int  # largest rank among the batch's slots (sizes the shrink buffer)
     mean_rank: float = 0.0  # mean rank over the batch's tokens with a slot; 0: unknown (kernels plan for max_rank)
     every_token: bool = False  # every token is in a segment (slot -1 segments count): a write-mode expand covers all rows
+    # (layer, projection) pairs some slot of the batch adapts, where the host knows them without a device sync (CPU
+    # tensors); None: not known, every pair is computed. A pair none adapts costs no delta (`adapts`).
+    adapted: frozenset[tuple[int, int]] | None = None
 
     def __post_init__(self) -> None:
         """Once per step, not per kernel call: the kernels index these with stride 1 (a strided view
@@ -131,6 +134,10 @@ class LoRABatch:
         if self.seg_starts.shape[0] != self.num_segments + 1:
             raise ValueError(f"LoRABatch: batch.seg_starts must hold num_segments + 1 = {self.num_segments + 1} entries, "
                              f"got {self.seg_starts.shape[0]}")
+
+    def adapts(self, layer: int, proj_ids: list[int]) -> bool:
+        """Whether some token's adapter adapts one of `proj_ids` in `layer` (true where that is not known)."""
+        return self.adapted is None or any((layer, p) in self.adapted for p in proj_ids)
 
     @property
     def planning_rank(self) -> float:

@@ -84,7 +84,7 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, ctx: ForwardContext, laye
     projections' ids (kernels.lora_layout.PROJS order); out_offsets: their P slice starts in N.
     """
     batch = ctx.lora
-    if batch is None or batch.max_rank == 0:
+    if batch is None or batch.max_rank == 0 or not batch.adapts(layer, proj_ids):
         return F.linear(x, weight)
     num_tokens = x.shape[0]
     if num_tokens > OVERLAP_TOKENS:
@@ -129,7 +129,7 @@ def gate_up_act(x: torch.Tensor, weight: torch.Tensor, ctx: ForwardContext, laye
     x: [T, K] model dtype. weight: [2I, K] (gate rows, then up rows). Returns [T, I].
     """
     batch, inter = ctx.lora, weight.shape[0] // 2
-    if not folds_act(batch, x.shape[0]):
+    if not folds_act(batch, x.shape[0]) or not batch.adapts(layer, [GATE, UP]):
         return silu_mul(lora_linear(x, weight, ctx, layer, [GATE, UP], [0, inter]), backend=ctx.backend)
     xa = lora.lora_xa(x=x, layout=ctx.lora_layout, layer=layer, proj_ids=[GATE, UP], batch=batch, backend=ctx.backend)
     gate_up = F.linear(x, weight)

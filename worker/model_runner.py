@@ -99,6 +99,9 @@ class ModelRunner:
         if max_rank > 0:
             layout = self.lora_layout()
             lora = self._lora_batch(token_slots, max_rank, rank_tokens / lora_tokens, lora_tokens == len(token_slots))
+            if layout.ranks.device.type == "cpu":  # which layers' projections the batch's adapters touch: no sync here
+                used = sorted({s for s in token_slots if s >= 0})
+                lora.adapted = frozenset(map(tuple, (layout.ranks[:, :, used] > 0).any(-1).nonzero().tolist()))
         ctx = ForwardContext(
             input_ids=self._to_device(input_ids, torch.int64),
             positions=self._to_device(positions, torch.int64),
