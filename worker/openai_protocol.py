@@ -144,8 +144,10 @@ def _content(v: Any, where: str) -> str:
     if isinstance(v, list):
         parts = []
         for part in v:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            if not isinstance(part, dict) or part.get("type") != "text":
                 raise bad_request(f"{where}: only text content parts are supported", "messages", "invalid_type")
+            if not isinstance(part.get("text"), str):
+                raise bad_request(f"{where}: a text part needs 'text', a string", "messages", "invalid_type")
             parts.append(part["text"])
         return check_text("\n".join(parts), "messages")  # as vLLM renders text parts for a string template
     if v is None:

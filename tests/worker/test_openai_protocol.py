@@ -267,6 +267,7 @@ BAD_CHATS = [
     ({"model": "m", "messages": [{"role": "system", "content": None}]}, "a system message needs 'content'"),
     ({"model": "m", "messages": [{"role": "tool", "tool_call_id": "c"}]}, "a tool message needs 'content'"),
     ({"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "only text"),
+    ({"model": "m", "messages": [{"role": "user", "content": [{"type": "text"}]}]}, "a text part needs 'text', a string"),
     ({"model": "m", "messages": [{"role": "tool", "content": "x", "tool_call_id": 5}]},
      "messages[0].tool_call_id must be a string"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "documents": [{"text": "d"}]},
