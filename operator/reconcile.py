@@ -234,11 +234,9 @@ def admit(pool: PoolSpec | None, adapters: Sequence[AdapterSpec | InvalidAdapter
           ) -> tuple[dict[str, AdapterSpec], dict[str, str]]:
     """(name -> the spec in force, name -> why its current spec is refused, naming the field).
 
-    A name in both is served with its last valid spec while the current one is refused, or, when only its
-    canary is refused, with its stable version alone; a spec over the tenant's byte quota only with its canary is
-    served without the canary. ``workers``: their reports give
-    the sizes the byte quota counts (the canary's too, see placement.spec_bytes).
-    """
+    A name in both is served with its last valid spec while the current one is refused, or, when only its canary
+    is refused, with its stable version alone; a spec over the tenant's byte quota only with its canary is served
+    without the canary. ``workers``: their reports give the sizes the byte quota counts (placement.spec_bytes)."""
     served: dict[str, AdapterSpec] = {}
     failures: dict[str, str] = {}
     for x in adapters:
@@ -276,10 +274,8 @@ def _fallback(pool: PoolSpec | None, x: AdapterSpec | InvalidAdapter) -> Adapter
 def _without_canary(pool: PoolSpec | None, x: AdapterSpec | InvalidAdapter, pool_error: str | None) -> AdapterSpec | None:
     """The stable version alone when only the canary is refused (its source outside the tenant's folders): the
     stable version keeps serving, also for a new adapter or after a pool's tenantSources changed."""
-    if isinstance(x, InvalidAdapter) or x.canary is None:
-        return None
-    bare = dataclasses.replace(x, canary=None)
-    return bare if check_adapter(pool, bare, pool_error=pool_error) is None else None
+    bare = None if isinstance(x, InvalidAdapter) or x.canary is None else dataclasses.replace(x, canary=None)
+    return bare if bare is not None and check_adapter(pool, bare, pool_error=pool_error) is None else None
 
 
 def check_adapter(pool: PoolSpec | None, a: AdapterSpec, *, pool_error: str | None = None) -> str | None:
