@@ -75,9 +75,11 @@ async def tokenize(request: web.Request) -> web.Response:
 def served_limit(app: web.Application, name: str | None) -> int:
     """max_model_len as a request for `name` (an adapter; None or the base model's name: the base model) has it
     now, less its adapter's pages and pinned adapters' (kv_room.KVRoom.limit); the smaller of a canary split's."""
-    served = app[ADAPTERS].get(name) if name else None
-    keys = [None] if served is None else [f"{served.name}@{v}" for v in (served.split.stable, served.split.canary) if v]
-    return app[ENGINE].engine.kv_room.limit(keys)
+    adapter, _, version = (name or "").partition("@")  # `name@version` names one version
+    served = app[ADAPTERS].get(adapter) if adapter else None
+    versions = [version] if version else [served.split.stable, served.split.canary] if served is not None else []
+    keys = [None] if served is None else [f"{served.name}@{v}" for v in versions if v]
+    return app[ENGINE].engine.kv_room.limit(keys or [None])
 
 
 def _tokenize_request(app: web.Application, body: Any) -> tuple[bool, bool, str, Callable[[], list[int]]]:

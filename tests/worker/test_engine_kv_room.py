@@ -179,7 +179,8 @@ async def test_the_worker_answers_400_without_retry_after(aiohttp_client, tiny_l
     client = await aiohttp_client(create_app(WorkerConfig(engine=engine, served_model_name="tiny")))
     models = await (await client.get("/v1/models")).json()
     assert {m["id"]: m["max_model_len"] for m in models["data"]} == {"tiny": NUM_PAGES * BS, "alpha": 33}
-    for model, limit in (("tiny", NUM_PAGES * BS), ("alpha", 33)):
+    alpha_key = "alpha@" + next(m["stable"] for m in models["data"] if m["id"] == "alpha")  # one version named
+    for model, limit in (("tiny", NUM_PAGES * BS), ("alpha", 33), (alpha_key, 33)):
         tokens = await (await client.post("/tokenize", json={"model": model, "prompt": "hello"})).json()
         assert tokens["max_model_len"] == limit, tokens
     exact = {"model": "alpha", "prompt": PROMPT, "max_tokens": 33 - len(PROMPT), "temperature": 0, "ignore_eos": True}
