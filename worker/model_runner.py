@@ -98,10 +98,11 @@ class ModelRunner:
         lora, layout = None, None
         if max_rank > 0:
             layout = self.lora_layout()
-            lora = self._lora_batch(token_slots, max_rank, rank_tokens / lora_tokens, lora_tokens == len(token_slots))
+            adapted = None
             if layout.ranks.device.type == "cpu":  # which layers' projections the batch's adapters touch: no sync here
                 used = sorted({s for s in token_slots if s >= 0})
-                lora.adapted = frozenset(map(tuple, (layout.ranks[:, :, used] > 0).any(-1).nonzero().tolist()))
+                adapted = frozenset(map(tuple, (layout.ranks[:, :, used] > 0).any(-1).nonzero().tolist()))
+            lora = self._lora_batch(token_slots, max_rank, rank_tokens / lora_tokens, lora_tokens == len(token_slots), adapted)
         ctx = ForwardContext(
             input_ids=self._to_device(input_ids, torch.int64),
             positions=self._to_device(positions, torch.int64),
@@ -119,7 +120,8 @@ class ModelRunner:
         )
         return ctx, samplers
 
-    def _lora_batch(self, token_slots: list[int], max_rank: int, mean_rank: float, every_token: bool) -> LoRABatch:
+    def _lora_batch(self, token_slots: list[int], max_rank: int, mean_rank: float, every_token: bool,
+                    adapted: frozenset[tuple[int, int]] | None = None) -> LoRABatch:
         # Grouped on the host (no device syncs); a long run of one slot (a prefill) is cut into segments
         # (16 tokens in a small step, up to lora_segment_len in a long one) so it spreads over many kernel
         # programs. mean_rank: over the tokens with a slot (kernel grids plan for it); every_token: no
@@ -133,6 +135,7 @@ class ModelRunner:
             max_rank=max_rank,
             mean_rank=mean_rank,
             every_token=every_token,
+            adapted=adapted,
         )
 
     def decode_inputs(self, batch: ScheduledBatch) -> DecodeInputs:

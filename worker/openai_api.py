@@ -61,7 +61,7 @@ from lorafleet.worker.openai_protocol import (
     parse_chat_request,
     parse_completion_request,
 )
-from lorafleet.worker.openai_tokenize import chat_prompt_ids, served_limit, tokenize_routes
+from lorafleet.worker.openai_tokenize import chat_prompt_ids, model_limit, tokenize_routes
 from lorafleet.worker.regex_parse import RegexError
 from lorafleet.worker.request_output import RequestOutput
 from lorafleet.worker.scheduler import CapacityError
@@ -382,13 +382,13 @@ def _models(request: web.Request, tenant: Tenant) -> list[dict[str, Any]]:
                        headers={"Retry-After": "1"})
     adapters = app[ADAPTERS]
     created = int(app[STATUS].started_at)
-    data = []  # max_model_len: prompt + completion tokens (vLLM's field), less what adapters hold of the KV cache
+    engine, data = app[ENGINE].engine, []  # max_model_len: prompt + completion tokens (vLLM's field), less what adapters hold of the KV cache
     if tenant.may_use(None):
         data.append({"id": adapters.base_model, "object": "model", "created": created, "owned_by": "lorafleet",
-                     "root": adapters.base_model, "parent": None, "max_model_len": served_limit(app, None)})
+                     "root": adapters.base_model, "parent": None, "max_model_len": model_limit(engine, None)})
     for a in adapters.visible_to(tenant):  # versions: less a fallback the engine retired (served_fallback.py)
         data.append({"id": a.name, "object": "model", "created": created, "owned_by": a.tenant or "lorafleet",
-                     "root": a.name, "parent": adapters.base_model, "max_model_len": served_limit(app, a.name),
+                     "root": a.name, "parent": adapters.base_model, "max_model_len": model_limit(engine, a),
                      "versions": listed_versions(a, app.get(HOST)), "stable": a.split.stable, "canary": a.split.canary,
                      "canary_weight": a.split.canary_weight})
     return data

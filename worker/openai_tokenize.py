@@ -28,7 +28,7 @@ from lorafleet.worker.engine import EngineError
 from lorafleet.worker.intake import authenticate, intake_place, read_json, ready_engine
 from lorafleet.worker.openai_fields import APIError, Fields, bad_request, check_text, is_int
 from lorafleet.worker.openai_protocol import ChatRequest, parse_chat_request
-from lorafleet.worker.served_adapters import VersionUnavailable
+from lorafleet.worker.served_adapters import ServedAdapter, VersionUnavailable
 from lorafleet.worker.state_json import reply
 from lorafleet.worker.tenants import Tenant
 from lorafleet.worker.tokenizer import TokenizerError
@@ -68,18 +68,17 @@ async def tokenize(request: web.Request) -> web.Response:
             raise APIError(400, f"the chat template refused these messages: {exc}", code="invalid_messages",
                            param="messages") from None
     # Encoded off the loop: a 4 MB prompt's ids and strings are tens of MB of JSON (0.5 s of the loop).
-    limit = served_limit(app, model)
+    adapter, _, version = (model or "").partition("@")  # `name@version` names one version
+    limit = model_limit(engine, app[ADAPTERS].get(adapter) if adapter else None, version)
     return await reply(lambda: {"count": len(ids), "max_model_len": limit, "tokens": ids, "token_strs": token_strs})
 
 
-def served_limit(app: web.Application, name: str | None) -> int:
-    """max_model_len as a request for `name` (an adapter; None or the base model's name: the base model) has it
-    now, less its adapter's pages and pinned adapters' (kv_room.KVRoom.limit); the smaller of a canary split's."""
-    adapter, _, version = (name or "").partition("@")  # `name@version` names one version
-    served = app[ADAPTERS].get(adapter) if adapter else None
+def model_limit(engine, served: ServedAdapter | None, version: str = "") -> int:
+    """max_model_len as a request for `served` (None: the base model) has it now, less its adapter's pages and
+    pinned adapters' (kv_room.KVRoom.limit): `version`'s, or the smaller of its stable and canary versions'."""
     versions = [version] if version else [served.split.stable, served.split.canary] if served is not None else []
-    keys = [None] if served is None else [f"{served.name}@{v}" for v in versions if v]
-    return app[ENGINE].engine.kv_room.limit(keys or [None])
+    keys = [f"{served.name}@{v}" for v in versions if v] if served is not None else []
+    return engine.kv_room.limit(keys or [None])
 
 
 def _tokenize_request(app: web.Application, body: Any) -> tuple[bool, bool, str, Callable[[], list[int]]]:
