@@ -152,6 +152,8 @@ class AdapterLoading:
         if entry.image is None:
             if entry.fetching is None and new:  # behind its group's reads in line (the last sweep's room), else now
                 self._start_wanted_reads([entry], self._room)
+            elif entry.fetching is None and self._room is None:  # room may have come since (an abandon, a new budget,
+                self._sweep_wanted()  # a failure): every read in line is looked at again, in its order
         elif not entry.on_gpu:
             self._try_place(entry)
 

@@ -241,9 +241,8 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
             return key
 
     def abandon(self, key: str, waiter: object, *, detach: bool = False) -> None:
-        """A waiting request went away (aborted) before its adapter arrived. `detach`: it only stops waiting for
-        now and will take it again (it ran on this version): the version is not retired before it does, or goes
-        away (`reattached`)."""
+        """A waiting request went away (aborted) before its adapter arrived. `detach`: it only stops waiting for now
+        and will take it again (it ran on this version): not retired before it does, or goes away (`reattached`)."""
         with self._lock:
             entry, self._room = self._entries.get(key), None  # what it waited for may leave room (worker/read_room.py)
             if not detach:
@@ -263,6 +262,8 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
                     self._update_gauges()
                 else:
                     self._check_quota_due(entry)
+            if self._wanted:
+                self._sweep_wanted()  # reads it held back may start (others' acquire may not come: a prefetch, a hold)
 
     def poll(self) -> list[tuple[str, AdapterLoadError]]:
         """Advance loads without waiting: finish parsed loads and completed copies, place wanted

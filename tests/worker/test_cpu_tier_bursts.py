@@ -303,3 +303,26 @@ def test_an_image_found_in_the_cpu_tier_counts_for_the_tenant_asking_for_it(busy
     assert pool.acquire("shared@1", "globex-req", tenant="globex") is None  # globex now waits for it: a slot
     ask(pool, "cold@1", "acme", seed=41)  # acme waits for nothing else: its first cold read starts at once
     assert started(pool, "cold@1")
+
+
+@pytest.mark.parametrize("frees", ["abandon", "budget"])
+def test_a_read_held_back_starts_once_room_comes_without_a_new_read_landing(busy_pool, frees):
+    """acme's share holds one image, x's, waiting for a slot; y's read waits behind it. When x's request goes
+    (abandon) or a push raises the budget, the next ask for y starts its read: nothing else may ever move the
+    pool (no read in flight, no slot given back), so a request must not wait on a sweep that never comes."""
+    pool, size = busy_pool
+    pool.configure(cpu_budget_bytes=size)
+    ask(pool, "x@1", "acme", seed=1)
+    pool.wait_idle()
+    assert pool.entry("x@1").image is not None and not pool.entry("x@1").on_gpu  # read, no slot free
+    ask(pool, "y@1", "acme", seed=2)
+    assert not started(pool, "y@1")  # acme's share is x's image
+    if frees == "abandon":
+        pool.abandon("x@1", "x@1")
+        assert started(pool, "y@1")  # the abandon looked at the reads in line
+    else:
+        pool.configure(cpu_budget_bytes=2 * size)
+        assert pool.acquire("y@1", "y@1", tenant="acme") is None  # the slots are still held
+        assert started(pool, "y@1")
+    pool.wait_idle()
+    assert pool.entry("y@1").image is not None
