@@ -308,14 +308,15 @@ class Scheduler(StepTokens):
     def _can_admit_adapter(self, seq: Sequence, loras: set[str]) -> bool:
         if seq.adapter is None or self.adapter_pool is None:
             return True
-        if not self._fits(seq, loras) and self._skipped_steps.get(seq.seq_id, 0) < self.max_adapter_wait_steps:
-            return False
-        if seq.adapter_slot is None:
+        seated = self._fits(seq, loras) or self._skipped_steps.get(seq.seq_id, 0) >= self.max_adapter_wait_steps
+        # Without a seat in the step (max_loras_per_batch), an adapter not on the GPU still starts loading now, so
+        # that it is there when a seat frees (it keeps the reference if it lands at once, as a preempted one does).
+        if seq.adapter_slot is None and (seated or self.adapter_state is not None and self.adapter_state(seq.adapter) != "gpu"):
             # Its GPU hit or miss was counted as it arrived (Engine.add_request), once.
             seq.adapter_slot = self.adapter_pool.acquire(seq.adapter, seq.seq_id, count=False, tenant=seq.tenant)
             if seq.adapter_slot is not None and not seq.kv_room_checked and self.never_fits and (exc := self.never_fits(seq)):
                 raise exc  # its adapter's size is known now
-        return seq.adapter_slot is not None
+        return seated and seq.adapter_slot is not None
 
     def _starved_for_room(self, seq: Sequence, state: str = "room") -> bool:
         """`seq` has waited `max_adapter_wait_steps` steps for an adapter that is loaded and only lacks

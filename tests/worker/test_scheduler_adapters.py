@@ -388,3 +388,30 @@ def test_each_request_that_finds_its_adapter_off_the_gpu_is_a_miss(tiny_llama_di
         assert burst("other", 4) == (0, 4)
         assert burst("cold", 4) == (0, 4)
     _assert_all_free(engine)
+
+
+def test_a_request_without_a_seat_in_the_batch_starts_its_adapters_load_at_once(tiny_llama_dir):
+    """max_loras_per_batch=1, taken by t1's request on x: t2's request for cold y gets no seat for
+    max_adapter_wait_steps steps, but y's read starts as it arrives, so that y is on the GPU when the seat frees
+    instead of its load starting only then; both finish with their own tokens."""
+    prompts = [[4, 5, 6], [7, 8, 9]]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    roomy = _engine(tiny_llama_dir, num_pages=40)
+    _add_adapter(roomy, "x@1", seed=1)
+    _add_adapter(roomy, "y@1", seed=2)
+    expected = [o.token_ids for o in roomy.generate(prompts, params, adapters=["x", "y"])]
+    engine = _engine(tiny_llama_dir, num_pages=40, max_loras_per_batch=1, max_adapter_wait_steps=1000)
+    _add_adapter(engine, "x@1", seed=1)
+    engine.adapter_pool.load("x@1")
+    _add_adapter(engine, "y@1", loader=lambda w: w, seed=2)
+    engine.add_request("x", prompts[0], params, adapter="x", tenant="t1")
+    engine.step()
+    engine.add_request("y", prompts[1], params, adapter="y", tenant="t2")
+    engine.step()
+    y = engine.adapter_pool.entry("y@1")
+    assert y.fetching is not None or y.image is not None, "y's load waits for a seat"
+    outs = {}
+    while engine.has_unfinished():
+        outs.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert [outs[r].token_ids for r in ("x", "y")] == expected
+    _assert_all_free(engine)
