@@ -99,11 +99,13 @@ def staging_error(exc: Exception, uri: str) -> APIError:
         return APIError(502, str(exc), type="server_error", code="bytes_altered")
     name = type(exc).__name__
     code, status = _s3_answer(exc) or ("", None)
-    if code in ("NoSuchBucket", "NoSuchKey") or (not code and status == 404):
+    answered = code not in _CREDENTIALS  # a 403 or 404 of any other code is the store's answer (is_refusal)
+    if code in ("NoSuchBucket", "NoSuchKey") or (answered and status == 404):
         return APIError(404, f"{uri}: {exc}", code="missing")
-    if code in _REFUSED or (not code and status == 403):  # the store answered: the stager may not read it
-        return APIError(403, f"{uri}: the object store refused the stager ({code}: {str(exc)[:200]}); check the "
-                             f"bucket's policy", code="store_refused")
+    if code in _REFUSED or (answered and status == 403):  # the store answered: the stager may not read it
+        hint = "; check the bucket's policy" if code in _REFUSED or not code else ""  # else its code says (archived...)
+        return APIError(403, f"{uri}: the object store refused the stager ({code}: {str(exc)[:200]}){hint}",
+                        code="store_refused")
     if code in _CREDENTIALS:
         return APIError(502, f"{uri}: the object store does not accept the stager's credentials ({code}: "
                              f"{str(exc)[:200]}); check its key (LORAFLEET_S3_ACCESS_KEY / _SECRET_KEY), token "

@@ -51,13 +51,16 @@ async def test_a_cache_volume_that_cannot_be_written_is_the_nodes_failure_not_th
 
 
 def _refusal(code: str) -> S3Error:
-    return S3Error(urllib3.HTTPResponse(status=403 if code == "AccessDenied" else 404), code, code, "/adapters",
-                   "r", "h")
+    return S3Error(urllib3.HTTPResponse(status=403 if code in ("AccessDenied", "InvalidObjectState") else 404), code,
+                   code, "/adapters", "r", "h")
 
 
-@pytest.mark.parametrize("code, status", [("AccessDenied", 403), ("NoSuchBucket", 404)])
+@pytest.mark.parametrize("code, status", [("AccessDenied", 403), ("NoSuchBucket", 404), ("InvalidObjectState", 403),
+                                          ("NoSuchVersion", 404)])
 async def test_a_refused_listing_is_answered_not_served_from_the_last_cached_copy(tmp_path, monkeypatch, code,
                                                                                 status):
+    """Any 403 or 404 the store answers (an archived object, a version gone) is its answer, reported as such
+    with the store's code: neither served from the cache nor taken for an outage."""
     stager = Stager(config(tmp_path))
     FakeStore(stager, monkeypatch)
     uri = "s3://adapters/team/sql/"
@@ -73,6 +76,7 @@ async def test_a_refused_listing_is_answered_not_served_from_the_last_cached_cop
     assert store["reachable"] and store["fallbacks"] == 0
     error = staging_error(_refusal(code), uri)
     assert isinstance(error, APIError) and error.status == status and not is_outage(_refusal(code))
+    assert error.code == ("store_refused" if status == 403 else "missing") and code in error.message
 
 
 def _answer(code: str, status: int) -> S3Error:
