@@ -320,9 +320,9 @@ class AdapterLoading:
             if entry.retired:  # replaced or unregistered meanwhile: nothing of it stays
                 self._drop(entry, reason=entry.retire_reason)
             return
-        if entry.retired:
+        if entry.retired:  # never resident: no GPU eviction; its CPU image goes for its retirement's reason
             self._release_gpu(entry)
-            self._drop(entry, reason="version")
+            self._drop(entry, reason=entry.retire_reason)
             return
         entry.image.write_slot(self.layout, entry.slot, entry.page_ids)  # the slot becomes visible here
         entry.resident = True

@@ -268,6 +268,8 @@ class AdapterPlacement:
                 if e.resident and e.refcount == 0 and not e.pinned and not e.waiters and self._pending.get(e.name) != e.key]
 
     def _drop(self, entry: AdapterEntry, *, reason: str) -> None:
+        if self._entries.get(entry.key) is not entry:
+            return  # dropped already (its retirement, then its last reference given back)
         if entry.resident:
             self._release_gpu(entry)
             self._count_eviction("gpu", reason)

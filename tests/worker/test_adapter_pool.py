@@ -900,3 +900,36 @@ def test_the_cpu_tier_keeps_the_most_recently_used_images():
     assert [pool.entry(k).image is not None for k in ("zold@1", "amid@1", "new@1")] == [False, True, True]
     pool.check()
     pool.close()
+
+
+def test_a_version_unregistered_while_its_copy_runs_is_counted_as_unregistered_and_dropped_once():
+    pool = make_pool(num_load_threads=1)
+    dropped = []
+    pool.on_dropped = dropped.append
+    gate = threading.Event()
+    pool._copy_executor.submit(gate.wait, 30)  # the copy below waits its turn
+    pool.add("h@1", random_weights(1))
+    assert pool.acquire("h@1", waiter=1) is None
+    assert pool.entry("h@1").copying is not None
+    pool.abandon("h@1", 1)
+    pool.unregister("h")
+    gate.set()
+    pool.wait_idle()
+    evictions = pool.stats()["evictions"]
+    assert evictions["cpu"] == {"unregister": 1} and evictions["gpu"] == {}  # never resident: no GPU eviction
+    assert len(dropped) == 1 and pool.describe() == [] and len(pool._free_slots) == pool.config.max_slots
+    pool.close()
+
+
+def test_a_version_unregistered_while_in_use_is_dropped_once_its_last_request_ends():
+    pool = make_pool()
+    dropped = []
+    pool.on_dropped = dropped.append
+    pool.add("h@1", random_weights(1))
+    pool.load("h@1")
+    slot = pool.acquire("h@1", waiter=1)
+    pool.unregister("h")
+    assert dropped == []  # its request still runs on it
+    pool.release(slot)
+    assert len(dropped) == 1 and pool.describe() == [] and pool.stats()["evictions"]["gpu"] == {"unregister": 1}
+    pool.close()
