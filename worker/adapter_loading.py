@@ -173,7 +173,8 @@ class AdapterLoading:
             try:
                 image = pack(weights)
             except RuntimeError as exc:  # host memory (pinned) short may pass; another failure does not
-                if "alloc" not in str(exc).lower():
+                said = str(exc).lower()  # torch's page-locked allocator says "CUDA error: out of memory"
+                if not isinstance(exc, torch.OutOfMemoryError) and "alloc" not in said and "out of memory" not in said:
                     raise
                 raise MemoryError(f"packing it into host memory failed: {exc}") from exc
             return image, time.perf_counter() - t0

@@ -933,3 +933,32 @@ def test_a_version_unregistered_while_in_use_is_dropped_once_its_last_request_en
     pool.release(slot)
     assert len(dropped) == 1 and pool.describe() == [] and pool.stats()["evictions"]["gpu"] == {"unregister": 1}
     pool.close()
+
+
+@pytest.mark.parametrize("said", ["CUDA error: out of memory", "cudaHostAlloc failed", "oom", "shapes disagree"])
+def test_host_memory_short_while_packing_is_a_load_that_may_pass(said):
+    """Page-locked host memory short (torch's allocator says "out of memory", or names the allocation) fails the
+    waiting request as retryable; the next request's load succeeds. Another error while packing stays final."""
+    pool = make_pool()
+    pack, calls = pool._pack, []
+
+    def short_once(weights):
+        calls.append(1)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError(said) if said == "oom" else RuntimeError(said)
+        return pack(weights)
+
+    pool._pack = short_once
+    pool.add("h@1", loader=lambda: random_weights(1))
+    assert pool.acquire("h@1", waiter=1) is None
+    pool.wait_idle()
+    with pytest.raises(AdapterLoadError) as failed:
+        pool.acquire("h@1", waiter=1)
+    if said == "shapes disagree":
+        assert not failed.value.retryable
+        return pool.close()
+    assert failed.value.retryable and "host memory" in str(failed.value)
+    assert pool.acquire("h@1", waiter=2) is None
+    pool.wait_idle()
+    assert pool.acquire("h@1", waiter=2) is not None
+    pool.close()
