@@ -10,7 +10,7 @@ offset of every row here. Kernels read rows only through these offsets.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -119,6 +119,8 @@ class LoRABatch:
     # (layer, projection) pairs some slot of the batch adapts, where the host knows them without a device sync (CPU
     # tensors); None: not known, every pair is computed. A pair none adapts costs no delta (`adapts`).
     adapted: frozenset[tuple[int, int]] | None = None
+    # What the torch reference derives from a CPU batch once for every layer's calls (kernels/lora_reference.py).
+    host_memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         """Once per step, not per kernel call: the kernels index these with stride 1 (a strided view

@@ -14,7 +14,15 @@ from lorafleet.kernels.lora_layout import LoRABatch, LoRALayout
 
 
 def _segment_tokens(batch: LoRABatch) -> tuple[Tensor, Tensor]:
-    """Segment-padded token ids [S, L] (L = longest segment) and their validity mask [S, L]."""
+    """Segment-padded token ids [S, L] (L = longest segment) and their validity mask [S, L]; computed once per
+    CPU batch (every layer's calls share them), afresh for device tensors (a CUDA graph may change them in place)."""
+    memo = batch.host_memo if batch.token_slots.device.type == "cpu" else {}
+    if "tokens" not in memo:
+        memo["tokens"] = _segment_tokens_of(batch)
+    return memo["tokens"]
+
+
+def _segment_tokens_of(batch: LoRABatch) -> tuple[Tensor, Tensor]:
     starts = batch.seg_starts[:-1].long()
     lengths = batch.seg_starts[1:].long() - starts
     longest = int(lengths.max()) if lengths.numel() else 0
@@ -29,25 +37,23 @@ def _segment_tokens(batch: LoRABatch) -> tuple[Tensor, Tensor]:
 def _gather_rows(layout: LoRALayout, offsets: Tensor, ranks: Tensor, width: int) -> Tensor:
     """Rows of `width` elements from the pool: offsets [S, R] -> float32 [S, R, width], rows >= rank zeroed."""
     flat = layout.pool.view(-1)
-    num_rows = offsets.shape[1]
-    live = torch.arange(num_rows, device=offsets.device)[None, :] < ranks[:, None]  # [S, R]
-    safe = torch.where(live, offsets, torch.zeros_like(offsets))
-    # A dead row reads nothing: element 0 for each of its columns (a module no slot adapts may be wider than the
-    # pool); a live row past the pool still raises.
-    index = torch.where(live[..., None], safe[..., None] + torch.arange(width, device=offsets.device), 0)
-    if not flat.numel():  # no row is live either
-        return torch.zeros(*index.shape, device=offsets.device)
-    return torch.where(live[..., None], flat[index].float(), 0.0)  # [S, R, width]
+    live = torch.arange(offsets.shape[1], device=offsets.device)[None, :] < ranks[:, None]  # [S, R]
+    if flat.numel() < width:  # no row is live either (a module no slot adapts may be wider than the pool)
+        return torch.zeros(*offsets.shape, width, device=offsets.device)
+    # Every window of `width` elements of the pool, one per start offset (a view: nothing is copied), indexed by the
+    # rows' offsets: one gather. A dead row reads the window at 0; a live row past the pool still raises.
+    windows = flat.as_strided((flat.numel() - width + 1, width), (1, 1))
+    rows = windows[torch.where(live, offsets, 0)].float()  # a copy (advanced indexing), float32
+    return rows.masked_fill_(~live[..., None], 0.0)  # [S, R, width]
 
 
 def _slot_meta(layout: LoRALayout, layer: int, proj: int, seg_slots: Tensor, max_rank: int):
     """Per-segment rank [S], scale [S] and clamped slot [S]; slot -1 gets rank 0."""
-    slots = seg_slots.long()
-    valid = slots >= 0
-    safe = torch.where(valid, slots, torch.zeros_like(slots))
-    ranks = torch.where(valid, layout.ranks[layer, proj, safe].long(), torch.zeros_like(slots))
+    valid = seg_slots >= 0
+    safe = seg_slots.long().clamp(min=0)
+    ranks = layout.ranks[layer, proj, safe].long().masked_fill_(~valid, 0)
     scales = layout.scales[layer, proj, safe]
-    return ranks.clamp(max=max_rank), scales, safe
+    return ranks.clamp_(max=max_rank), scales, safe
 
 
 def lora_shrink_reference(*, x: Tensor, layout: LoRALayout, layer: int, proj_ids: list[int], batch: LoRABatch, out: Tensor) -> None:
