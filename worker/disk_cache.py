@@ -138,6 +138,11 @@ class DiskCache:
                 self._used[child.name] = 0
                 self.unverified.add(child.name)
 
+    def size_of(self, key: str) -> int:
+        """The bytes of entry `key`, as counted when it was written (0: not in the cache)."""
+        with self._lock:
+            return self._bytes.get(key, 0)
+
     def get(self, key: str) -> Path | None:
         with self._lock:
             if key not in self._bytes:

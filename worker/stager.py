@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from lorafleet.worker import staged_copy
-from lorafleet.worker.directives import AdapterDirective, AdapterState, DesiredState, ReportedState
+from lorafleet.worker.directives import AdapterDirective, DesiredState, ReportedState
 from lorafleet.worker.disk_cache import DiskCache, cache_write, dir_bytes
 from lorafleet.worker.sources import Etags, SourceError, Sources, check_digest, verify_digest
 from lorafleet.worker.staged_copy import DIGEST_FILE, Staged, last_copies, record_source, verify_staged_copy
@@ -58,6 +58,7 @@ from lorafleet.worker.stager_local import LocalReads, forget_flight
 from lorafleet.worker.stager_locks import KeyLocks
 from lorafleet.worker.stager_metrics import StagerMetrics, progress_by_uri
 from lorafleet.worker.stager_push import apply_push
+from lorafleet.worker.stager_report import FolderSizes, stager_state
 from lorafleet.worker.stager_seed import SeedReport, seed
 from lorafleet.worker.stager_store import StoreDown, StoreHealth, StoreThreads, timed_out
 from lorafleet.worker.staging_errors import is_object_fault, is_refusal
@@ -102,6 +103,7 @@ class Stager:
         self.superseded = asyncio.Event()  # the latest push's: set once a newer one begins
         self._pushes: set[asyncio.Task] = set()  # start()'s
         self.local_reads = LocalReads(self._local)  # local folders being checked, each on a thread of its own
+        self.folder_sizes = FolderSizes()  # of the local folders staged (GET /v1/state)
         self.metrics = StagerMetrics(self.cache)
         self.registry = self.metrics.registry
         self.store, self.store_threads = StoreHealth(self.metrics), StoreThreads(config.stage_concurrency)
@@ -124,6 +126,7 @@ class Stager:
             return staged
         self.sources.check_s3(uri)
         etags = None  # what the key names: the download must fetch exactly these objects
+        fell_back = None  # the listing's failure, where the URI's last copy is to serve instead
         if sha256 is not None:
             key, copy = sha256, self.copy_for(sha256, uri)
             if copy is None and self._same_bytes(uri, sha256):
@@ -145,7 +148,7 @@ class Stager:
                 # answer, and may be how an adapter was withdrawn.
                 if fallback is None or isinstance(exc, SourceError) or is_refusal(exc):
                     raise
-                key = fallback
+                key, fell_back = fallback, exc
                 self.store.fell_back(uri, key)
         if held is not None:
             held.add(key)
@@ -155,11 +158,13 @@ class Stager:
         # result or its error. A caller that goes away (client disconnect) does not cancel it for the others.
         flight = self._flights.get((key, uri))
         if flight is None:
-            flight = asyncio.ensure_future(self._stage_key(uri, sha256, key, etags, push_start))
+            flight = asyncio.ensure_future(self._stage_key(uri, sha256, key, etags, push_start, fell_back))
             self._flights[(key, uri)] = flight
             flight.add_done_callback(functools.partial(forget_flight, self._flights, (key, uri)))
         try:
             staged = await asyncio.shield(flight)
+            if held is not None:  # its entry, or the variant of it with this URI's own tokenizer files
+                held.add(staged.path.name)
         except Exception:
             self._count_request("miss")
             raise
@@ -167,6 +172,7 @@ class Stager:
             if held is None:  # the engine's request; a push forgets once, when it is done
                 self.forget_uris()
         self._count_request("hit" if staged.cached else "miss")
+        check_digest(staged.sha256, sha256, uri)  # whatever the entry's key: the bytes handed out are the ones asked for
         return staged
 
     async def _list(self, uri: str, quick: bool, start: float | None = None) -> Etags:
@@ -219,7 +225,10 @@ class Stager:
         self.metrics.requests.labels(outcome).inc()
 
     async def _stage_key(self, uri: str, sha256: str | None, key: str, etags: Etags | None = None,
-                         push_start: float | None = None) -> Staged:
+                         push_start: float | None = None, fell_back: Exception | None = None) -> Staged:
+        """Entry `key` for `uri`: found in the cache, else downloaded. `fell_back`: the listing failed and `key` is
+        the URI's last copy; gone or damaged, it is never filled by a download (the key names other bytes than
+        the ones the URI holds now): the listing's failure is the answer."""
         async with self._locks.hold(key):  # one cache key, other URIs: the second finds the first's copy
             path = self.copy_for(key, uri)  # another URI's copy of these bytes: this URI's are downloaded first
             if path is not None and key in self.cache.unverified:
@@ -228,6 +237,8 @@ class Stager:
                 self._by_uri[uri] = key
                 record_source(path, uri)  # its last copy now, also for a stager restarted later
                 return Staged(path, (path / DIGEST_FILE).read_text().strip(), cached=True)
+            if fell_back is not None:
+                raise fell_back
             t0, start = time.perf_counter(), time.monotonic()
             deadline = start + self.config.download_timeout_s
             try:
@@ -341,46 +352,8 @@ class Stager:
             task.cancel()
 
     async def state(self) -> ReportedState:
-        if self.engine is not None:
-            try:
-                report = await self.engine.report()
-                self._pool_size = (report.pool_bytes, report.pool_slots)
-            except Exception as exc:
-                # Its pool's size does not change while it restarts: placement keeps counting its room.
-                report = ReportedState(error=f"engine unreachable: {exc}")
-                report.pool_bytes, report.pool_slots = self._pool_size
-        else:
-            report = ReportedState(generation_applied=self.generation)
-        report.awaiting_push, report.pushed_generation = not self.delivered, self.generation
-        if report.error is None and report.generation_applied >= self.generation:  # not one from before a push
-            self.holds.release_replaced(report)
-        staged = dict(self.staged)
-        found: dict[tuple[str, str], AdapterState] = {}  # indexed: a pool may hold 100,000s of versions
-        for a in report.adapters:
-            found.setdefault((a.name, a.version), a)
-        unloaded = [key for key in staged if key not in found]
-        sizes = await asyncio.to_thread(lambda: [dir_bytes(staged[key].path) for key in unloaded])  # slow mounts
-        for key, size in zip(unloaded, sizes, strict=True):
-            found[key] = AdapterState(*key, tier="disk", bytes=size)
-            report.adapters.append(found[key])
-        for key in staged:
-            if found[key].tier == "none":
-                found[key].tier = "disk"
-        progress: dict[str, tuple[int, int]] = {}  # URI -> (done, total) of its furthest download (two cache keys)
-        for uri, done, total in list(self.downloading.values()) if self.pending else ():  # download threads change it
-            progress[uri] = max(progress.get(uri, (0, 0)), (done, total))
-        for key, uri in sorted(self.pending.items()):  # the push's versions still being staged, and how far
-            if key not in found:
-                done, total = progress.get(uri, (None, 0))
-                report.adapters.append(found.setdefault(key, AdapterState(*key, tier="none", staging=True, bytes=total,
-                                                                          bytes_done=done)))
-        for key, message in self.errors.items():
-            if key not in found:
-                report.adapters.append(found.setdefault(key, AdapterState(*key, tier="none")))
-            found[key].error = found[key].error or message
-        if report.error is None and self.unsent == self.generation and self.unsent_why:  # said in pool statuses
-            report.error = f"push {self.generation} did not reach the engine: {self.unsent_why}"
-        return report
+        """What `GET /v1/state` answers (worker/stager_report.py)."""
+        return await stager_state(self)
 
     def disk_stats(self) -> dict[str, Any]:
         return {"cache_bytes": self.cache.used_bytes, "cache_reserved_bytes": self.cache.reserved_bytes,

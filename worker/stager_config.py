@@ -63,6 +63,8 @@ class StagerConfig:
         "downloads go on meanwhile, so a new pod stages its adapters while its model loads"))
 
     def __post_init__(self) -> None:
+        # The paths handed out (and checked by the engine) are absolute, whatever the working directory.
+        self.stager_cache_dir = os.path.abspath(self.stager_cache_dir)
         if len(self.stager_token) < 16:
             raise ValueError("stager_token must be at least 16 characters (set LORAFLEET_STAGER_TOKEN)")
         if not 0 <= self.stager_port < 65536:

@@ -348,3 +348,46 @@ async def test_a_second_uri_of_the_same_bytes_is_its_own_fallback_after_a_restar
         await stager.stage(f"s3://adapters/team/{name}/", sha)
     restarted = Stager(config(tmp_path))
     assert [restarted.last_copy(f"s3://adapters/team/{name}/") for name in "xy"] == [sha, sha]
+
+
+async def test_the_state_report_comes_while_a_staged_folder_s_mount_hangs(tmp_path, monkeypatch):
+    """A local folder staged, then its mount stops answering: the state report still comes (its size is the
+    last known), report after report, and no report pins one more thread (the stager's JSON and cache trims
+    use the same default executor). Each report waited for the folder's size on a thread of its own."""
+    folder = fake_adapter(tmp_path / "local" / "acme" / "a")
+    stager = Stager(dataclasses.replace(config(tmp_path), download_timeout_s=2.0))
+    await stager.apply(DesiredState(1, [AdapterDirective("a", "acme", VersionRef("v1", str(folder)))]))
+    assert ("a", "v1") in stager.staged
+    hung, released = threading.Event(), threading.Event()
+    real_stat = os.stat
+
+    def stat(path, *args, **kw):
+        if hung.is_set() and os.fspath(path).startswith(str(folder)):
+            released.wait(60)  # the mount does not answer
+        return real_stat(path, *args, **kw)
+
+    stager.folder_sizes.known.clear()  # counted again: as for a folder staged just before the mount hung
+    monkeypatch.setattr(os, "stat", stat)
+    hung.set()
+    try:
+        for _ in range(2 * min(32, (os.cpu_count() or 1) + 4)):
+            report = await asyncio.wait_for(stager.state(), 10)
+            assert [(a.name, a.tier, a.bytes) for a in report.adapters] == [("a", "disk", 0)]
+        ran = await asyncio.wait_for(asyncio.to_thread(lambda: "ran"), 5)  # the default executor has threads free
+        assert ran == "ran"
+    finally:
+        released.set()
+    for _ in range(200):  # the count left hanging ends once the mount answers; the next report starts none
+        report = await asyncio.wait_for(stager.state(), 10)
+        if report.adapters[0].bytes:
+            break
+        await asyncio.sleep(0.05)
+    assert [a.bytes for a in report.adapters] == [len(WEIGHTS) + len('{"r": 4}')]
+
+
+def test_a_relative_cache_dir_hands_out_absolute_paths(tmp_path, monkeypatch):
+    """The engine is handed the cache's paths, and a push's local URI must be absolute: a relative
+    --stager-cache-dir is taken from the stager's working directory at start, not kept relative."""
+    monkeypatch.chdir(tmp_path)
+    stager = Stager(dataclasses.replace(config(tmp_path), stager_cache_dir="cache"))
+    assert stager.config.stager_cache_dir == str(tmp_path / "cache") and stager.cache.root == tmp_path / "cache"

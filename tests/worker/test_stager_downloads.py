@@ -470,3 +470,26 @@ async def test_one_digest_under_two_prefixes_with_other_tokenizer_files_is_two_c
         check(staged, vocabulary)
         assert staged.cached and staged.path == paths[vocabulary]
     assert restarted.counts["downloads"] == 0
+
+
+async def test_a_push_keeps_the_copy_it_made_with_its_uri_s_own_tokenizer_files(s3, adapters, tmp_path):
+    """A prefix whose adapter files hash to a digest another prefix's copy already has, beside other tokenizer
+    files, gets a copy of its own (a variant): the push holds it as it holds every copy it stages, not only for
+    the stage lease. A push staging longer than the lease saw a later download's trim evict it, and the engine
+    was handed a folder that was gone."""
+    from lorafleet.worker.directives import AdapterDirective, DesiredState, VersionRef
+
+    other = shutil.copytree(adapters["v1"], tmp_path / "other")
+    (other / "special_tokens_map.json").write_text('{"bos_token": "<s>"}')
+    client, digest = s3.client(), adapter_digest(adapters["v1"])
+    upload(client, "team/vk-a/", adapters["v1"])
+    upload(client, "team/vk-b/", other)
+    upload(client, "team/vk-c/", adapters["v2"])
+    stager = stager_for(s3.endpoint, s3, tmp_path / "cache", stage_concurrency=1, stager_cache_bytes=1,
+                        stage_lease_s=0.001)  # every copy over the budget: only holds keep one
+    await stager.stage("s3://adapters/team/vk-a/", digest)
+    await stager.apply(DesiredState(1, [
+        AdapterDirective("b", "acme", VersionRef("v1", "s3://adapters/team/vk-b/", digest)),  # its variant copy
+        AdapterDirective("c", "acme", VersionRef("v1", "s3://adapters/team/vk-c/"))]))  # a later download
+    variant = stager.staged[("b", "v1")].path
+    assert variant.name != digest and variant.exists() and (variant / "special_tokens_map.json").exists()

