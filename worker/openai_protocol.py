@@ -144,11 +144,13 @@ def _content(v: Any, where: str) -> str:
     if isinstance(v, list):
         parts = []
         for part in v:
-            if not isinstance(part, dict) or part.get("type") != "text":
-                raise bad_request(f"{where}: only text content parts are supported", "messages", "invalid_type")
-            if not isinstance(part.get("text"), str):
-                raise bad_request(f"{where}: a text part needs 'text', a string", "messages", "invalid_type")
-            parts.append(part["text"])
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in ("text", "refusal"):  # an assistant's refusal in the history is its text
+                raise bad_request(f"{where}: only text (and refusal) content parts are supported", "messages",
+                                  "invalid_type")
+            if not isinstance(part.get(kind), str):
+                raise bad_request(f"{where}: a {kind} part needs '{kind}', a string", "messages", "invalid_type")
+            parts.append(part[kind])
         return check_text("\n".join(parts), "messages")  # as vLLM renders text parts for a string template
     if v is None:
         return ""
@@ -176,8 +178,12 @@ def parse_chat_request(body: Any, defaults: SamplingDefaults = SamplingDefaults(
             raise bad_request(f"{where}: a {role} message needs 'content' (a string or a list of text parts)",
                               "messages", "missing_required_parameter")
         name, tool_call_id = (_message_string(m, key, where) for key in ("name", "tool_call_id"))
-        messages.append(ChatMessage(role, _content(m.get("content"), where), name, tool_call_id,
-                                    message_tool_calls(m, where)))
+        content = m.get("content")
+        if content is None and role == "assistant" and m.get("refusal") is not None:  # as OpenAI's history has it
+            if not isinstance(m["refusal"], str):
+                raise bad_request(f"{where}.refusal must be a string", "messages", "invalid_type")
+            content = m["refusal"]
+        messages.append(ChatMessage(role, _content(content, where), name, tool_call_id, message_tool_calls(m, where)))
     options = parse_sampling_options(f, ("max_tokens", "max_completion_tokens"), None, defaults)
     options.default_max_tokens = defaults.max_tokens
     if f.flag("logprobs", False):
@@ -255,6 +261,8 @@ def parse_load_adapter_request(body: Any) -> tuple[str, str]:
     f = Fields(body, "load_lora_adapter")
     name = f.string("lora_name", required=True)
     path = f.string("lora_path", required=True)
+    f.neutral("load_inplace", False, "a name's weights are replaced by a push's new version, which requests move to "
+                                     "once it has loaded; or unload the adapter, then load it again")
     f.refuse_unknown()
     if not name or not path:
         raise bad_request("'lora_name' and 'lora_path' must not be empty", "lora_name")

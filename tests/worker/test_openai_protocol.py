@@ -268,6 +268,9 @@ BAD_CHATS = [
     ({"model": "m", "messages": [{"role": "tool", "tool_call_id": "c"}]}, "a tool message needs 'content'"),
     ({"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "only text"),
     ({"model": "m", "messages": [{"role": "user", "content": [{"type": "text"}]}]}, "a text part needs 'text', a string"),
+    ({"model": "m", "messages": [{"role": "assistant", "content": [{"type": "refusal", "text": "no"}]}]},
+     "a refusal part needs 'refusal', a string"),
+    ({"model": "m", "messages": [{"role": "assistant", "content": None, "refusal": 5}]}, "messages[0].refusal must be"),
     ({"model": "m", "messages": [{"role": "tool", "content": "x", "tool_call_id": 5}]},
      "messages[0].tool_call_id must be a string"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "documents": [{"text": "d"}]},
@@ -278,6 +281,16 @@ BAD_CHATS = [
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "echo": True}, "chat's echo"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "prompt_logprobs": 21}, "'prompt_logprobs'"),
 ]
+
+
+def test_an_assistant_s_refusal_in_the_history_is_its_text():
+    """OpenAI's history gives a refused turn as `refusal` beside a null content, or as a refusal content part;
+    both are what the assistant said (its turn was rendered empty)."""
+    for turn in ({"role": "assistant", "content": None, "refusal": "I cannot help"},
+                 {"role": "assistant", "content": [{"type": "refusal", "refusal": "I cannot help"}]}):
+        request = parse_chat_request({"model": "m", "messages": [{"role": "user", "content": "a"}, turn,
+                                                                 {"role": "user", "content": "ok"}]})
+        assert [m.content for m in request.messages] == ["a", "I cannot help", "ok"]
 
 
 @pytest.mark.parametrize(("body", "needle"), BAD_CHATS)
@@ -297,6 +310,10 @@ def test_malformed_json_is_400():
 
 def test_vllm_adapter_admin_bodies():
     assert parse_load_adapter_request({"lora_name": "a", "lora_path": "/p"}) == ("a", "/p")
+    assert parse_load_adapter_request({"lora_name": "a", "lora_path": "/p", "load_inplace": False}) == ("a", "/p")
+    with pytest.raises(APIError) as exc:  # vLLM's replacement in place: said so, not taken for a new name
+        parse_load_adapter_request({"lora_name": "a", "lora_path": "/p", "load_inplace": True})
+    assert exc.value.param == "load_inplace" and exc.value.code == "unsupported_parameter"
     assert parse_unload_adapter_request({"lora_name": "a", "lora_int_id": 3}) == "a"
     for bad in [{"lora_name": "a"}, {"lora_name": "", "lora_path": "/p"}, {"lora_name": "a", "lora_path": "/p", "x": 1}]:
         with pytest.raises(APIError):
