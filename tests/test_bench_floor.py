@@ -9,7 +9,6 @@ import pytest
 # Appended, not put first: no bench module may stand in for an installed package
 # (transformers imports Hugging Face's `kernels`; no bench file takes that name).
 sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))
-sys.path.append(str(Path(__file__).resolve().parent / "kernels"))
 
 from bench_io import device_tag  # noqa: E402
 from kernel_floor import kernel_bytes  # noqa: E402
@@ -53,11 +52,11 @@ def test_engine_shaped_layout_and_batch_give_the_exact_delta() -> None:
     """bench/lora_kernels.py's graph-shaped case (rank bound widened to the engine's 64, the batch padded as a
     captured decode step's) computes the same delta as the exact layout and batch, on the reference backend."""
     import torch
-    from kernel_cases import random_pool_layout
     from kernel_setup import graph_batch, widened
 
     from lorafleet.kernels.lora import lora_delta
     from lorafleet.kernels.lora_layout import make_lora_batch
+    from tests.kernels.kernel_cases import random_pool_layout
 
     gen = torch.Generator().manual_seed(0)
     dims = {p: (32, 48) for p in range(7)}

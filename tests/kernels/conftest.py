@@ -1,13 +1,10 @@
-"""Kernel tests: the helper module beside this file is importable, and each test gets its own seed."""
+"""Kernel tests: each test gets its own seed. Their helpers are `tests.kernels.kernel_cases`: this folder is not put
+on sys.path, where its conftest.py could be found as the top-level `conftest` in place of another folder's."""
 
-import sys
 import zlib
-from pathlib import Path
 
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).parent))
 
 
 @pytest.fixture

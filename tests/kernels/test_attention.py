@@ -8,9 +8,9 @@ import math
 
 import pytest
 import torch
-from kernel_cases import shuffled_tables
 
 from lorafleet.kernels.attention import paged_attention_decode, paged_attention_prefill, write_kv
+from tests.kernels.kernel_cases import shuffled_tables
 
 BACKENDS = ["reference", "triton"]
 TOL = {torch.float32: 1e-4, torch.float16: 4e-3}

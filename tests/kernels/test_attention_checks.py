@@ -3,9 +3,9 @@ head_dim strides, index tensors' dtypes, lengths and strides, devices, scales.""
 
 import pytest
 import torch
-from kernel_cases import paged_caches
 
 from lorafleet.kernels.attention import paged_attention_decode, paged_attention_prefill, write_kv
+from tests.kernels.kernel_cases import paged_caches
 
 BACKENDS = ["reference", "triton"]
 

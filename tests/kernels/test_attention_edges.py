@@ -4,9 +4,9 @@ and prefill chunks of one token, on block boundaries and spanning several query 
 
 import pytest
 import torch
-from kernel_cases import dense_attention, paged_caches, shuffled_tables, slot_mapping
 
 from lorafleet.kernels.attention import paged_attention_decode, paged_attention_prefill, write_kv
+from tests.kernels.kernel_cases import dense_attention, paged_caches, shuffled_tables, slot_mapping
 
 BACKENDS = ["reference", "triton"]
 TOL = {torch.float32: 1e-4, torch.float16: 4e-3}

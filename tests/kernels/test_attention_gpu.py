@@ -4,9 +4,9 @@ size 16, contexts not multiples of it: relative error within bf16 tolerance, nev
 
 import pytest
 import torch
-from kernel_cases import paged_caches, shuffled_tables, slot_mapping
 
 from lorafleet.kernels.attention import paged_attention_decode, paged_attention_prefill, write_kv
+from tests.kernels.kernel_cases import paged_caches, shuffled_tables, slot_mapping
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:

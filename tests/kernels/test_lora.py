@@ -7,7 +7,10 @@ partial sums over K (its first dim); expand is fed a random split of the exact s
 
 import pytest
 import torch
-from kernel_cases import (
+
+from lorafleet.kernels.lora import lora_expand, lora_shrink, shrink_buffer
+from lorafleet.kernels.lora_layout import make_lora_batch, pack_lora_layout
+from tests.kernels.kernel_cases import (
     MIXED_RANKS,
     POPULARITIES,
     dense_delta,
@@ -16,9 +19,6 @@ from kernel_cases import (
     random_adapters,
     token_slots,
 )
-
-from lorafleet.kernels.lora import lora_expand, lora_shrink, shrink_buffer
-from lorafleet.kernels.lora_layout import make_lora_batch, pack_lora_layout
 
 BACKENDS = ["reference", "triton"]
 HIDDEN = 64

@@ -4,10 +4,10 @@ backends (Triton through its interpreter on CPU; on a GPU with the gpu marker), 
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_cases import MIXED_RANKS, POPULARITIES, dense_delta, random_adapters, token_slots
 
 from lorafleet.kernels.lora import lora_silu_mul, lora_xa
 from lorafleet.kernels.lora_layout import make_lora_batch, pack_lora_layout
+from tests.kernels.kernel_cases import MIXED_RANKS, POPULARITIES, dense_delta, random_adapters, token_slots
 
 INTER = 80
 DIMS = {4: (64, INTER), 5: (64, INTER)}

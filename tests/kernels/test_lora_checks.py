@@ -5,10 +5,10 @@ import dataclasses
 
 import pytest
 import torch
-from kernel_cases import small_layout
 
 from lorafleet.kernels.lora import lora_delta, lora_expand, lora_shrink, shrink_buffer
 from lorafleet.kernels.lora_layout import make_lora_batch
+from tests.kernels.kernel_cases import small_layout
 
 BACKENDS = ["reference", "triton"]
 
@@ -137,9 +137,8 @@ def test_ranks_above_the_batchs_bound_are_cut_to_it_on_every_backend(backend, ge
     batch.max_rank rows on both backends, and nothing is written past the xa buffer (which holds that many rows
     per token): the other tokens' deltas are exact. A captured decode graph's bound comes from host bookkeeping;
     a mistake there must not corrupt a neighbour's output."""
-    from kernel_cases import SMALL_DIMS
-
     from lorafleet.kernels.lora import lora_silu_mul, lora_xa
+    from tests.kernels.kernel_cases import SMALL_DIMS
 
     _, layout = small_layout(gen, dtype=torch.float32, num_slots=3, ranks=(40,), skip_prob=0.0)
     _, small = small_layout(gen, dtype=torch.float32, num_slots=3, ranks=(8,), skip_prob=0.0)

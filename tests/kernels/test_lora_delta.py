@@ -5,10 +5,10 @@ import dataclasses
 
 import pytest
 import torch
-from kernel_cases import MIXED_RANKS, POPULARITIES, dense_delta, random_adapters, token_slots
 
 from lorafleet.kernels.lora import lora_delta, lora_expand, lora_shrink, resolve_backend, shrink_buffer
 from lorafleet.kernels.lora_layout import make_lora_batch, pack_lora_layout
+from tests.kernels.kernel_cases import MIXED_RANKS, POPULARITIES, dense_delta, random_adapters, token_slots
 
 BACKENDS = ["reference", "triton"]
 DIMS = {0: (64, 64), 1: (64, 32), 2: (64, 48), 3: (64, 64), 4: (64, 96), 5: (64, 80), 6: (96, 64)}

@@ -4,10 +4,10 @@ Llama-3-8B shapes (hidden 4096, intermediate 14336, q|k|v 4096|1024|1024) in bf1
 
 import pytest
 import torch
-from kernel_cases import LLAMA3_8B_DIMS, POPULARITIES, random_pool_layout, token_slots
 
 from lorafleet.kernels.lora import lora_delta, lora_expand, lora_shrink, lora_silu_mul, lora_xa, shrink_buffer
 from lorafleet.kernels.lora_layout import make_lora_batch
+from tests.kernels.kernel_cases import LLAMA3_8B_DIMS, POPULARITIES, random_pool_layout, token_slots
 
 GPU_RANKS = (8, 16, 32, 64, 128, 24, 1, 7, 33, 97)  # rank classes 16-128, rank 1 and odd ranks in each class
 LLAMA_GROUPS = {"qkv": ([0, 1, 2], [4096, 1024, 1024]), "o": ([3], [4096]), "gate_up": ([4, 5], [14336, 14336]), "down": ([6], [4096])}

@@ -2,9 +2,9 @@
 
 import pytest
 import torch
-from kernel_cases import POPULARITIES, random_adapters, token_slots
 
 from lorafleet.kernels.lora_layout import LoRALayout, make_lora_batch, pack_lora_layout, segment_len
+from tests.kernels.kernel_cases import POPULARITIES, random_adapters, token_slots
 
 
 def test_running_example():

@@ -10,7 +10,10 @@ adapter popularity: the adapted slices get their delta, the rest of a segment's 
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_cases import (
+
+from lorafleet.kernels.lora import lora_delta, lora_silu_mul, lora_xa
+from lorafleet.kernels.lora_layout import make_lora_batch
+from tests.kernels.kernel_cases import (
     POPULARITIES,
     SMALL_DIMS,
     SMALL_GROUPS,
@@ -20,9 +23,6 @@ from kernel_cases import (
     small_layout,
     token_slots,
 )
-
-from lorafleet.kernels.lora import lora_delta, lora_silu_mul, lora_xa
-from lorafleet.kernels.lora_layout import make_lora_batch
 
 BACKENDS = ["reference", "triton"]
 TOL = {torch.float32: 2e-4, torch.float16: 3e-3}
