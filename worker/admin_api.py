@@ -269,15 +269,15 @@ async def get_state(request: web.Request) -> web.Response:
 async def load_lora_adapter(request: web.Request) -> web.Response:
     require_admin(request)
     _require_engine(request)
-    name, path = parse_load_adapter_request(await read_json(request))
-    key = await admin_change(request.app, _load_adapter, request.app, name, path)
+    name, path, inplace = parse_load_adapter_request(await read_json(request))
+    key = await admin_change(request.app, _load_adapter, request.app, name, path, inplace)
     return web.Response(text=f"Success: LoRA adapter '{name}' added successfully ({key}).")
 
 
-def _load_adapter(app: web.Application, name: str, path: str) -> str:
+def _load_adapter(app: web.Application, name: str, path: str, inplace: bool = False) -> str:
     """Check `path`, then register it as `name` (in the admin change's thread: both touch the disk)."""
     source, digest = _local_source(app, path, f"lora_path of {name!r}")
-    return _changing(app[ADAPTERS], app[ADAPTERS].load, name, source, app[HOST], digest)  # served is no push's
+    return _changing(app[ADAPTERS], app[ADAPTERS].load, name, source, app[HOST], digest, inplace)  # no push's
 
 
 def _unload_adapter(app: web.Application, name: str) -> None:

@@ -256,13 +256,12 @@ def _chat_extras(f: Fields) -> None:
     f.neutral("reasoning_effort", "none", "the model has no reasoning mode to set; send \"none\" or leave it out")
 
 
-def parse_load_adapter_request(body: Any) -> tuple[str, str]:
-    """vLLM's `POST /v1/load_lora_adapter {"lora_name", "lora_path"}`."""
+def parse_load_adapter_request(body: Any) -> tuple[str, str, bool]:
+    """vLLM's `POST /v1/load_lora_adapter {"lora_name", "lora_path", "load_inplace"?}`."""
     f = Fields(body, "load_lora_adapter")
     name = f.string("lora_name", required=True)
     path = f.string("lora_path", required=True)
-    f.neutral("load_inplace", False, "a name's weights are replaced by a push's new version, which requests move to "
-                                     "once it has loaded; or unload the adapter, then load it again")
+    inplace = f.flag("load_inplace", False)
     f.refuse_unknown()
     if not name or not path:
         raise bad_request("'lora_name' and 'lora_path' must not be empty", "lora_name")
@@ -270,7 +269,7 @@ def parse_load_adapter_request(body: Any) -> tuple[str, str]:
         directive_name(name, "lora_name")
     except DirectiveError as exc:
         raise bad_request(str(exc), "lora_name") from None
-    return name, path
+    return name, path, inplace
 
 
 def parse_unload_adapter_request(body: Any) -> str:

@@ -71,8 +71,10 @@ from lorafleet.worker.served_fallback import (
     keep_registered,
     keep_serving,
     listed_versions,
+    loaded_over,
     make_current_again,
     replay_failures,
+    served_loaded,
     unregister,
 )
 from lorafleet.worker.tenant_folders import local_source
@@ -335,22 +337,17 @@ class ServedAdapters:
             keep_serving(served, old)
         return served
 
-    def load(self, name: str, path: str, engine: AdapterHost, sha256: str | None = None) -> str:
+    def load(self, name: str, path: str, engine: AdapterHost, sha256: str | None = None, inplace: bool = False) -> str:
         """vLLM's load_lora_adapter: register `name` from a local path (its files hashing to `sha256`, when
-        given); answers `name@version`."""
-        if name == self.base_model:
-            raise APIError(400, f"adapter name {name!r} is the served model name of the base model; give the adapter "
-                                "another name", code="adapter_exists", param="lora_name")
-        if name in self._adapters:
-            raise APIError(400, f"The lora adapter '{name}' has already been loaded; unload it first.",
-                           code="adapter_exists", param="lora_name")
+        given); answers `name@version`. `inplace` (vLLM's load_inplace): see served_fallback.loaded_over."""
+        old = loaded_over(self._adapters.get(name), name, inplace, self.base_model)
         try:
-            key = engine.register_adapter(name, local_source(path), sha256=sha256)
+            key = engine.register_adapter(name, local_source(path), sha256=sha256, tenant=old and old.tenant,
+                                          pinned=bool(old and old.pinned))
         except (ValueError, KeyError, OSError, RuntimeError) as exc:
             raise APIError(400, f"cannot load adapter {name!r} from {path}: {exc}", code="adapter_invalid",
                            param="lora_path") from None
-        version = key.partition("@")[2]
-        self._adapters = {**self._adapters, name: ServedAdapter(name, None, VersionSplit(version), {version: path})}
+        self._adapters = {**self._adapters, name: served_loaded(name, key.partition("@")[2], path, old)}
         self.startup_errors = {n: why for n, why in self.startup_errors.items() if n != name}
         return key
 

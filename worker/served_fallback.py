@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from lorafleet.worker.adapter_host import AdapterHost
 from lorafleet.worker.canary import VersionSplit
 from lorafleet.worker.directives import AdapterDirective
+from lorafleet.worker.openai_protocol import APIError
 
 if TYPE_CHECKING:
     from lorafleet.worker.served_adapters import ServedAdapter
@@ -224,3 +225,32 @@ def drop_gone(old_table: dict[str, ServedAdapter], table: dict[str, ServedAdapte
                 engine.remove_adapter_version(f"{name}@{version}")
             except (ValueError, KeyError) as exc:  # e.g. still the engine's current version
                 log.info("dropping %s@%s: %s", name, version, exc)
+
+
+def loaded_over(old: ServedAdapter | None, name: str, inplace: bool, base_model: str | None) -> ServedAdapter | None:
+    """What vLLM's load_lora_adapter of `name` replaces: None for a new name; `old`, the name's entry, with
+    `inplace` (vLLM's load_inplace), as a push's new stable version replaces the one serving (its owner,
+    pinning and warmth kept): requests move to the new weights once they have loaded, the old version serving
+    meanwhile (`served_loaded`: the fallback) and the requests in flight finishing on it. A name with a canary is
+    refused: which of the two the new weights replace would be a guess."""
+    if name == base_model:
+        raise APIError(400, f"adapter name {name!r} is the served model name of the base model; give the adapter "
+                            "another name", code="adapter_exists", param="lora_name")
+    if old is not None and not inplace:
+        raise APIError(400, f"The lora adapter '{name}' has already been loaded; unload it first, or replace its "
+                            "weights with load_inplace.", code="adapter_exists", param="lora_name")
+    if old is not None and old.split.canary is not None:
+        raise APIError(400, f"adapter {name!r} serves a canary ({old.split.canary}); roll its versions out with a "
+                            "push, not load_inplace", code="adapter_exists", param="lora_name")
+    return old
+
+
+def served_loaded(name: str, version: str, path: str, old: ServedAdapter | None) -> ServedAdapter:
+    """The table's entry of `name@version` loaded from `path` over `old` (`loaded_over`)."""
+    from lorafleet.worker.served_adapters import ServedAdapter  # the table's own module imports this one
+
+    served = ServedAdapter(name, old and old.tenant, VersionSplit(version), {version: path},
+                           warm=bool(old and old.warm), pinned=bool(old and old.pinned))
+    if old is not None:
+        keep_fallback(served, old, old.split.stable)  # none when the same weights came again
+    return served

@@ -250,3 +250,29 @@ async def test_a_push_naming_a_serving_version_with_other_files_keeps_the_regist
         assert after["choices"][0]["logprobs"]["token_logprobs"] == before["choices"][0]["logprobs"]["token_logprobs"]
     reported = await push(client, 4, directive("sql", qv_adapters_dir / "alpha"))
     assert reported[("sql", "v1")]["error"] is None
+
+
+async def test_load_inplace_replaces_a_names_weights_and_requests_move_to_them(client, qv_adapters_dir):
+    """vLLM's load_inplace (trainers swapping a LoRA under one name): the name's new weights become its new
+    version, the one its requests resolve to; the old version is retired once the new one has loaded. Without
+    load_inplace a second load of the name is refused; the same weights again change nothing."""
+    def load(source: str, **extra):
+        return client.post("/v1/load_lora_adapter", headers=ADMIN,
+                           json={"lora_name": "trained", "lora_path": str(qv_adapters_dir / source), **extra})
+
+    assert (await load("alpha")).status == 200
+    status, first = await complete(client, "trained")
+    assert status == 200
+    assert (await load("beta")).status == 400  # loaded already
+    resp = await load("beta", load_inplace=True)
+    assert resp.status == 200, await resp.text()
+    alpha, beta = (adapter_digest(qv_adapters_dir / n)[:12] for n in ("alpha", "beta"))
+    assert f"trained@{beta}" in await resp.text()
+    status, second = await complete(client, "trained")
+    assert status == 200 and (first["model"], second["model"]) == (f"trained@{alpha}", f"trained@{beta}")
+    engine = client.server.app[ENGINE].engine
+    assert [k for k in engine.adapters() if k.startswith("trained@")] == [f"trained@{beta}"]  # the old one retired
+    models = await (await client.get("/v1/models")).json()
+    assert [m["id"] for m in models["data"] if m["id"].startswith("trained")] == ["trained"]
+    assert (await load("beta", load_inplace=True)).status == 200  # the same weights: the same version
+    assert [k for k in engine.adapters() if k.startswith("trained@")] == [f"trained@{beta}"]

@@ -309,11 +309,8 @@ def test_malformed_json_is_400():
 
 
 def test_vllm_adapter_admin_bodies():
-    assert parse_load_adapter_request({"lora_name": "a", "lora_path": "/p"}) == ("a", "/p")
-    assert parse_load_adapter_request({"lora_name": "a", "lora_path": "/p", "load_inplace": False}) == ("a", "/p")
-    with pytest.raises(APIError) as exc:  # vLLM's replacement in place: said so, not taken for a new name
-        parse_load_adapter_request({"lora_name": "a", "lora_path": "/p", "load_inplace": True})
-    assert exc.value.param == "load_inplace" and exc.value.code == "unsupported_parameter"
+    assert parse_load_adapter_request({"lora_name": "a", "lora_path": "/p"}) == ("a", "/p", False)
+    assert parse_load_adapter_request({"lora_name": "a", "lora_path": "/p", "load_inplace": True}) == ("a", "/p", True)
     assert parse_unload_adapter_request({"lora_name": "a", "lora_int_id": 3}) == "a"
     for bad in [{"lora_name": "a"}, {"lora_name": "", "lora_path": "/p"}, {"lora_name": "a", "lora_path": "/p", "x": 1}]:
         with pytest.raises(APIError):
@@ -334,7 +331,7 @@ def test_load_adapter_names_follow_the_directive_schema(name):
         parse_load_adapter_request({"lora_name": name, "lora_path": "/p"})
     assert exc.value.status == 400 and exc.value.param == "lora_name"
     assert "letters, digits, '.', '_' or '-'" in exc.value.message
-    assert parse_load_adapter_request({"lora_name": "sql-v1.2_b", "lora_path": "/p"}) == ("sql-v1.2_b", "/p")
+    assert parse_load_adapter_request({"lora_name": "sql-v1.2_b", "lora_path": "/p"}) == ("sql-v1.2_b", "/p", False)
 
 
 def test_chat_text_parts_are_joined_by_newlines_as_vllm_does():

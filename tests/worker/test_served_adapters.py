@@ -197,6 +197,22 @@ def test_a_push_replaces_the_set_and_retires_old_versions_after_publishing():
         served.resolve("chat", GLOBEX, None)
 
 
+def test_load_inplace_keeps_the_owner_and_refuses_a_name_with_a_canary():
+    """load_inplace over a pushed adapter keeps its owner (the new version is charged to and served to the same
+    tenant); over one serving a canary it is refused: which version the new weights replace would be a guess."""
+    host, served = RecordingHost(), ServedAdapters("base")
+    served.apply(state(1, SQL), host)
+    served.load("sql", "/c/sql/v9", host, inplace=True)
+    assert served.resolve("sql", ACME, None).startswith("sql@") and served.get("sql").tenant == "acme"
+    with pytest.raises(APIError) as exc:
+        served.resolve("sql", GLOBEX, None)
+    assert exc.value.status == 404
+    served.apply(state(2, SQL_CANARY), host)
+    with pytest.raises(APIError) as exc:
+        served.load("sql", "/c/sql/v9", host, inplace=True)
+    assert exc.value.status == 400 and "canary" in exc.value.message
+
+
 def test_object_store_sources_must_be_staged_first():
     host, served = RecordingHost(), ServedAdapters("base")
     served.apply(state(1, SQL | {"stable": {"version": "v1", "uri": "s3://bucket/sql/v1/"}}), host)
