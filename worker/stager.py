@@ -254,7 +254,8 @@ class Stager:
                 self.metrics.failures.inc()
                 # One object's fault per push is excused when the store answers a listing now; a second one,
                 # or a stall, is the store's.
-                excuse = is_object_fault(exc) and not self.store.is_down and push_start != self._excused
+                excuse = (is_object_fault(exc) and not self.store.is_down  # an engine's request: each its own
+                          and (push_start is None or push_start != self._excused))
                 # A second fault of the push is the store's even if its call began before the listing that excused
                 # the first (stages side by side): dated just after that listing began, so that listing's answer
                 # does not end the outage, and a newer push's calls (made later) are not spared by it.

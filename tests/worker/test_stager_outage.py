@@ -523,6 +523,28 @@ async def test_an_object_the_store_keeps_failing_fails_its_version_alone(s3, ada
     assert stager.store.down_since is None
 
 
+async def test_each_engine_request_s_broken_object_is_its_own_failure(s3, adapters, tmp_path):
+    """The engine's stages (no push) of two adapters whose objects the store answers 500 each fail alone while
+    the store answers listings; the store is not taken as down, and a third adapter is staged. Only the first
+    fault of the stager's life was excused: every later one marked the store down."""
+    from tests.store_proxy import answering_proxy
+
+    client = s3.client()
+    for name, folder in (("eng-bad1", "v1"), ("eng-bad2", "v2"), ("eng-fine", "cold0")):
+        upload_folder(client, "adapters", f"team/{name}/", adapters[folder])
+    error = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>InternalError</Code><Message>We encountered '
+             b'an internal error.</Message></Error>')
+    async with answering_proxy(s3.port, "/adapters/team/eng-bad", 1000, b"500 Internal Server Error",
+                               b"application/xml", error) as (endpoint, answered):
+        stager = stager_for(endpoint, s3, tmp_path / "cache")
+        for name in ("eng-bad1", "eng-bad2"):
+            with pytest.raises(S3Error, match="InternalError"):
+                await asyncio.wait_for(stager.stage(uri(name), None), HANG_S)
+            assert stager.store.down_since is None, name
+        staged = await asyncio.wait_for(stager.stage(uri("eng-fine"), None), HANG_S)
+    assert answered and staged.sha256 == adapter_digest(adapters["cold0"])
+
+
 @pytest.mark.parametrize(("case", "concurrency"), [("two broken objects", 1), ("throttled reads", 1),
                                                    ("two broken objects", 3)])
 async def test_more_than_one_object_s_fault_or_throttling_is_the_store_s(s3, adapters, tmp_path, case, concurrency):
