@@ -387,8 +387,10 @@ def _models(request: web.Request, tenant: Tenant) -> list[dict[str, Any]]:
         data.append({"id": adapters.base_model, "object": "model", "created": created, "owned_by": "lorafleet",
                      "root": adapters.base_model, "parent": None, "max_model_len": model_limit(engine, None)})
     for a in adapters.visible_to(tenant):  # versions: less a fallback the engine retired (served_fallback.py)
+        if a.split.stable in a.errors:  # every request for the name is answered 503, saying why: not one to route to
+            continue
         data.append({"id": a.name, "object": "model", "created": created, "owned_by": a.tenant or "lorafleet",
                      "root": a.name, "parent": adapters.base_model, "max_model_len": model_limit(engine, a),
-                     "versions": listed_versions(a, app.get(HOST)), "stable": a.split.stable, "canary": a.split.canary,
-                     "canary_weight": a.split.canary_weight})
+                     "versions": [v for v in listed_versions(a, app.get(HOST)) if v not in a.errors],
+                     "stable": a.split.stable, "canary": a.split.canary, "canary_weight": a.split.canary_weight})
     return data

@@ -106,9 +106,13 @@ async def test_a_pushed_sha256_the_files_do_not_have_is_that_versions_error(clie
     status, answer = await complete(client, "alpha")
     assert status == 503 and answer["error"]["code"] == "adapter_load_failed", answer
     assert "sha256 mismatch" in answer["error"]["message"]
+    listed = await (await client.get("/v1/models")).json()  # not offered to routers: it can only answer 503
+    assert "alpha" not in [m["id"] for m in listed["data"]]
 
     reported = await push(client, 2, directive("alpha", alpha, sha256=real))
     assert reported[("alpha", "v1")]["error"] is None
+    listed = await (await client.get("/v1/models")).json()
+    assert [m["versions"] for m in listed["data"] if m["id"] == "alpha"] == [["v1"]]
     status, answer = await complete(client, "alpha")
     assert status == 200, answer
 
