@@ -12,12 +12,16 @@
   answering holds the call until about its deadline, never for every attempt's full read timeout (a read
   timeout: the store did not answer; `StoreSilent`: an object none of whose bytes came by the deadline).
 
-Every client fails fast when the store is down (minio's default retries for minutes), and a redirect is
+Each attempt of every client ends by its bound, its connection shut down then (`_BoundedPool`): read timeouts
+alone never end an answer sent a byte at a time. Every client fails fast when the store is down (minio's default retries for minutes), and a redirect is
 an error, never followed: it could point anywhere, out of the bucket/prefix allow-list.
 """
 
 from __future__ import annotations
 
+import contextlib
+import socket
+import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -31,6 +35,7 @@ if TYPE_CHECKING:
 READ_S = 30.0  # read timeout of the full client
 CONNECT_S = 3.0
 RETRIES = 2  # of the full client and of a deadline's
+ATTEMPT_READS = 4  # an attempt of the full or quick client ends after CONNECT_S + this many read timeouts (_BoundedPool)
 QUICK_MAX_FACTOR = 4  # a quick call waits at most this many times store_check_timeout_s (a hung store: 2 x 12 s a push)
 
 
@@ -103,19 +108,87 @@ def _retry(retries: int) -> urllib3.Retry:
                          status_forcelist=RETRY_STATUSES, raise_on_status=False, respect_retry_after_header=False)
 
 
+class _BoundedPool(urllib3.PoolManager):
+    """A pool each of whose attempts ends by its bound (`bound()`, time.monotonic() for an attempt sent now): at it,
+    a timer shuts the attempt's connection down. Read timeouts alone never end an answer that comes a byte at a
+    time, each before the read timeout (a congested link, a store in trouble): a listing, whose whole body is read
+    inside the request, held its thread for as long as the store kept trickling, long after its caller gave up."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.pool_classes_by_scheme = {"http": _BoundedHTTPPool, "https": _BoundedHTTPSPool}
+
+    def bound(self) -> float:
+        raise NotImplementedError
+
+    def _new_pool(self, scheme, host, port, request_context=None):
+        pool = super()._new_pool(scheme, host, port, request_context)
+        pool.bound = self.bound
+        return pool
+
+
+class _PerAttemptPool(_BoundedPool):
+    def __init__(self, read_s: float, retries: int) -> None:
+        super().__init__(timeout=urllib3.Timeout(connect=CONNECT_S, read=read_s), retries=_retry(retries))
+        self.attempt_s = CONNECT_S + ATTEMPT_READS * read_s
+
+    def bound(self) -> float:
+        return time.monotonic() + self.attempt_s
+
+
+def _cut_when_due(pool, conn, *args, **kw):
+    """`conn`'s request (`_make_request`), its connection shut down if it is still running at the pool's bound;
+    past it (a retry after a cut), not sent."""
+    left = pool.bound() - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("not sent: the call's time is up")  # urllib3 counts it as a failed attempt
+    done = threading.Event()
+    _arm(left, conn, done)
+    try:
+        return super(type(pool), pool)._make_request(conn, *args, **kw)
+    finally:
+        done.set()
+
+
+def _arm(after_s: float, conn, done: threading.Event) -> None:
+    timer = threading.Timer(after_s, _shut, (conn, done))
+    timer.daemon = True
+    timer.start()
+
+
+def _shut(conn, done: threading.Event) -> None:
+    if done.is_set():
+        return
+    sock = getattr(conn, "sock", None)
+    if sock is None:  # still connecting (within CONNECT_S): looked at again shortly
+        _arm(0.05, conn, done)
+        return
+    with contextlib.suppress(OSError):  # closed meanwhile
+        sock.shutdown(socket.SHUT_RDWR)  # the blocked read returns: the attempt fails (ProtocolError)
+
+
+class _BoundedHTTPPool(urllib3.HTTPConnectionPool):
+    _make_request = _cut_when_due
+
+
+class _BoundedHTTPSPool(urllib3.HTTPSConnectionPool):
+    _make_request = _cut_when_due
+
+
 def _pool(read_s: float, *, retries: int) -> urllib3.PoolManager:
-    return urllib3.PoolManager(
-        timeout=urllib3.Timeout(connect=CONNECT_S, read=read_s), retries=_retry(retries)
-    )
+    return _PerAttemptPool(read_s, retries)
 
 
-class _DeadlinePool(urllib3.PoolManager):
+class _DeadlinePool(_BoundedPool):
     """A pool whose every request ends by `deadline`: its 1 + RETRIES attempts wait at most an equal share
     of the time left when it is sent (and never longer than the full client's timeouts)."""
 
     def __init__(self, deadline: float) -> None:
         super().__init__(retries=_retry(RETRIES))
         self.deadline = deadline
+
+    def bound(self) -> float:
+        return self.deadline
 
     def urlopen(self, method: str, url: str, redirect: bool = True, **kw):
         share = (self.deadline - time.monotonic()) / (1 + RETRIES)

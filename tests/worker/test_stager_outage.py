@@ -477,6 +477,26 @@ async def test_a_stager_restarted_while_the_store_hangs_serves_what_it_had_stage
     assert served_digests(restarted) == dict.fromkeys(names, adapter_digest(adapters["v1"]))
 
 
+@pytest.mark.parametrize("client", ["quick", "deadline", "full"])
+async def test_a_listing_sent_a_byte_at_a_time_ends_by_its_bound_not_when_the_store_stops(s3, adapters, tmp_path,
+                                                                                         monkeypatch, client):
+    """A store that sends its listing one byte at a time, each before the read timeout: read timeouts never end
+    it, so the thread listing (a stager's store thread) stayed busy for minutes after its caller gave up, and a
+    few such calls held every store thread. Each attempt now ends at its bound (the call's deadline; else
+    CONNECT_S + ATTEMPT_READS read timeouts), its connection shut down."""
+    import lorafleet.worker.store_clients as store_clients
+
+    monkeypatch.setattr(store_clients, "READ_S", 0.5)  # the full client's read timeout, for a short test
+    upload_folder(s3.client(), "adapters", "team/drip/", adapters["v1"])
+    async with trickling_proxy(s3.port, chunk=1, every_s=0.1) as endpoint:
+        stager = stager_for(endpoint, s3, tmp_path / "cache", store_check_timeout_s=0.5)
+        kw = {"quick": {"quick": True}, "deadline": {"deadline": time.monotonic() + 1.0}, "full": {}}[client]
+        t0 = time.monotonic()
+        with pytest.raises(Exception) as failed:  # noqa: PT011 (urllib3's or minio's error for a cut answer)
+            await asyncio.wait_for(asyncio.to_thread(stager.sources.object_etags, uri("drip"), **kw), 60)
+        assert time.monotonic() - t0 < HANG_S and not isinstance(failed.value, asyncio.TimeoutError), failed.value
+
+
 async def test_a_last_copy_gone_bad_is_never_filled_with_other_bytes_under_its_key(s3, adapters, tmp_path):
     """U's last copy is keyed by its digest S1; U is uploaded again (S2) and its copy damaged (a power loss),
     then a restarted stager's listing of U times out while downloads still pass (a slow store). U's stage
