@@ -179,7 +179,9 @@ class DiskCache:
             with self._lock:
                 self._reserved.pop(tmp.name, None)  # its real size counts from here, in the same step
                 there, stale = final.exists(), None
-                if there and key not in self.unverified:  # a concurrent fill won; the same content
+                # A concurrent fill won (the same content); a folder the cache does not count (one an eviction
+                # failed to remove) is no entry: replaced, never handed out uncounted and unchecked.
+                if there and key in self._bytes and key not in self.unverified:
                     shutil.rmtree(tmp, ignore_errors=True)
                 else:  # an earlier run's copy there could not be checked: swapped, never a moment without a copy
                     cache_write(lambda: _exchange(tmp, final) if there else os.rename(tmp, final))

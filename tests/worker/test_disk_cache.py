@@ -121,3 +121,18 @@ def test_fills_in_flight_count_against_the_budget(tmp_path):
     with pytest.raises(RuntimeError):
         cache.put("gone", failing)
     assert cache.reserved_bytes == 0 and "gone" not in cache.entries()
+
+
+def test_a_folder_the_cache_does_not_count_is_replaced_by_a_fill_not_handed_out(tmp_path):
+    """A folder left under an entry's name that the cache does not count (its eviction's removal failed midway)
+    is no entry: a fill of that key replaces it and counts its bytes, instead of handing out the leftover."""
+    cache = DiskCache(tmp_path, budget_bytes=1 << 20)
+    (tmp_path / "k").mkdir()
+    (tmp_path / "k" / "half").write_bytes(b"x" * 10)  # what a failed rmtree left
+
+    def fill(d):
+        (d / "weights").write_bytes(b"w" * 100)
+
+    path = cache.put("k", fill)
+    assert sorted(p.name for p in path.iterdir()) == ["weights"] and cache.size_of("k") == 100
+    assert cache.get("k") == path and not [p for p in tmp_path.iterdir() if p.name != "k"]
