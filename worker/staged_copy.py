@@ -7,6 +7,7 @@ import hashlib
 import logging
 import os
 import stat
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,7 @@ SOURCE_FILE = ".source"  # ...and the URI they were staged from (a restarted sta
 # its own gets what its folder holds, not the other's cached copy.
 ORIGINS_FILE = ".origins"
 _MAX_ORIGINS_BYTES = 64 << 10  # past it the list restarts (the URIs left out are checked again, once)
+_MAX_SOURCES, _MAX_SOURCES_BYTES = 64, 64 << 10  # URIs whose last use an entry's SOURCE_FILE keeps; its size read
 _READ_FAILED = ("unreadable", "permission_denied")  # SourceError kinds that say nothing of what a file holds
 
 
@@ -69,11 +71,30 @@ def _read_failed(exc: Exception) -> bool:
 
 def record_source(path: Path, uri: str) -> None:
     """Note in the cache entry at `path` that `uri` was staged (or served) from it, now: the newest such note
-    of a URI is its last copy for `last_copies`."""
+    of a URI is its last copy for `last_copies`. Each URI's own time (a line `uri<TAB>time`, the newest
+    _MAX_SOURCES kept): a copy one digest serves to several URIs is the last copy of each as of its own use,
+    not of the latest use by any."""
+    uses = _uses(path)
+    uses[uri] = time.time()
+    newest = sorted(uses.items(), key=lambda use: use[1])[-_MAX_SOURCES:]
     try:
-        (path / SOURCE_FILE).write_text(uri + "\n")
+        (path / SOURCE_FILE).write_text("".join(f"{u}\t{when:.6f}\n" for u, when in newest))
     except OSError as exc:  # a read-only or full disk: only the fallback after a restart is lost
         log.warning("cannot note %s's source in %s: %s", uri, path, exc)
+
+
+def _uses(path: Path) -> dict[str, float]:
+    """URI -> when it was last staged or served from the entry at `path` (a line without a time, as an older
+    version wrote: the note's own time)."""
+    lines, written = _noted(path / SOURCE_FILE, _MAX_SOURCES_BYTES)
+    uses: dict[str, float] = {}
+    for line in lines:
+        uri, _, when = line.partition("\t")
+        try:
+            uses[uri] = float(when) if when else written
+        except ValueError:  # a torn line
+            continue
+    return uses
 
 
 def extras_digest(path: Path) -> str:
@@ -164,12 +185,11 @@ def last_copies(cache: DiskCache) -> dict[str, str]:
     (`verify_staged_copy`) on first use as every entry of an earlier run is."""
     found: dict[str, tuple[float, str]] = {}
     for key in cache.entries():
-        # Keyed by its digest: every URI whose own objects hashed to it; else the one URI its key names.
-        uris, when = _noted(cache.root / key / SOURCE_FILE, 4096)  # its last use (record_source)
-        if len(key) == 64:
-            uris, written = _noted(cache.root / key / ORIGINS_FILE, 2 * _MAX_ORIGINS_BYTES)
-            when = max(when, written)
-        for uri in uris:
+        uses = _uses(cache.root / key)  # each URI's last use (record_source)
+        if len(key) == 64:  # keyed by its digest: only for the URIs whose own objects hashed to it
+            origins = set(_noted(cache.root / key / ORIGINS_FILE, 2 * _MAX_ORIGINS_BYTES)[0])
+            uses = {uri: when for uri, when in uses.items() if uri in origins}
+        for uri, when in uses.items():
             if uri not in found or when > found[uri][0]:
                 found[uri] = (when, key)
     return {uri: key for uri, (_, key) in found.items()}

@@ -295,6 +295,25 @@ async def test_a_restarted_stager_falls_back_to_the_copy_last_served_not_last_do
     assert Stager(config(tmp_path)).last_copy(uri) == keys[0]
 
 
+async def test_a_restarted_stager_dates_a_shared_digest_copy_by_each_uri_s_own_use(tmp_path, monkeypatch):
+    """U staged by digest (copy S1), re-uploaded and staged again (copy L2, U's last), then W, whose objects hold
+    S1's bytes, staged from S1. A stager restarted while the store is down fell back to S1 for U (the shared
+    copy was dated by W's later use), serving U's older upload."""
+    held = {"u": WEIGHTS, "w": WEIGHTS}
+    stager = Stager(config(tmp_path))
+    monkeypatch.setattr(stager.sources, "download", lambda uri, dest, **kw: fake_adapter(dest, held[uri[-2]]))
+    monkeypatch.setattr(stager.sources, "object_etags", lambda uri, quick=False, deadline=None: [
+        (uri + WEIGHTS_FILE, "etag-" + held[uri[-2]].decode()[:1] + str(len(held[uri[-2]])))])
+    u, w, s1 = "s3://adapters/team/u/", "s3://adapters/team/w/", adapter_digest(fake_adapter(tmp_path / "one"))
+    assert (await stager.stage(u, s1)).path.name == s1
+    held["u"] = b"v" * 100  # U uploaded again
+    last = (await stager.stage(u, None)).path.name
+    assert last != s1 and stager.last_copy(u) == last
+    assert (await stager.stage(w, s1)).path.name == s1  # W's own objects hashed to S1: served from that copy
+    restarted = Stager(config(tmp_path))
+    assert restarted.last_copy(u) == last and restarted.last_copy(w) == s1
+
+
 async def test_a_restarted_stager_falls_back_only_to_digest_copies_its_uri_held(tmp_path, monkeypatch):
     """A copy keyed by its digest, last served for y but downloaded from x only (an earlier version's note): a
     restarted stager's store-outage fallback for x is that copy, and y has none."""
