@@ -173,7 +173,9 @@ def _noted(file: Path, max_bytes: int) -> tuple[list[str], float]:
         st = file.lstat()
         if not stat.S_ISREG(st.st_mode) or st.st_size > max_bytes:
             return [], 0.0
-        return [u for u in file.read_text().splitlines() if u], st.st_mtime
+        text = file.read_text()
+        lines = text.split("\n")[:-1]  # a last line without its newline was torn (a full disk): not a URI
+        return [u for u in lines if u], st.st_mtime
     except (OSError, UnicodeDecodeError):  # an entry of an older version, or unreadable
         return [], 0.0
 

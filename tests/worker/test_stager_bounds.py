@@ -410,3 +410,13 @@ def test_a_relative_cache_dir_hands_out_absolute_paths(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     stager = Stager(dataclasses.replace(config(tmp_path), stager_cache_dir="cache"))
     assert stager.config.stager_cache_dir == str(tmp_path / "cache") and stager.cache.root == tmp_path / "cache"
+
+
+def test_a_torn_last_line_of_an_entry_s_notes_names_no_uri(tmp_path):
+    """A note appended on a disk that filled up midway ends without its newline: "s3://b/t/ab/" cut to
+    "s3://b/t/a" would have made the entry a copy of another URI's objects (and its last copy)."""
+    from lorafleet.worker.staged_copy import ORIGINS_FILE, has_origin
+
+    entry = fake_adapter(tmp_path / "entry")
+    (entry / ORIGINS_FILE).write_text("s3://adapters/team/x/\ns3://adapters/team/a")
+    assert has_origin(entry, "s3://adapters/team/x/") and not has_origin(entry, "s3://adapters/team/a")
