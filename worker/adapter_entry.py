@@ -69,6 +69,7 @@ class AdapterEntry:
     hung: Future | None = None  # a read past the time limit whose thread has not come back
     read_group: str = ""  # the loader group its last read went to (an asking tenant's, or its owner's)
     image_bytes: int = 0  # the size of its last image (0: never read): what reading it again takes
+    image_pages: int = 0  # ...and the GPU pages it takes (its digest fixes them): known once read, evicted or not
     copying: Any = None  # a Future (CPU device) or a (done_event, start_event) pair (CUDA)
     refcount: int = 0
     uses: int = 0

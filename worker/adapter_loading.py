@@ -256,6 +256,7 @@ class AdapterLoading:
     def _set_image(self, entry: AdapterEntry, image) -> None:
         entry.image = image
         entry.image_bytes, entry.read_group = image.nbytes, entry.read_group or entry.tenant  # packed at add: its owner's
+        entry.image_pages = image.num_pages
         self._largest_image = max(self._largest_image, image.nbytes)
         if entry.digest is None:  # its first image: later ones are held to the same digest, so the same ranks
             entry.digest, entry.max_rank = image.digest, image.max_rank

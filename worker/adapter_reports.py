@@ -61,8 +61,8 @@ class AdapterReports:
     def kv_held_pages(self, key: str | None) -> tuple[int, int]:
         """(adapter `key`'s pages, pinned adapters' pages): what the KV cache of a request for `key`
         (None: the base model) can never have while it runs. Pinned adapters are placed as soon as there
-        is room and never evicted; an adapter neither in CPU memory nor on the GPU counts as no pages (its
-        size is not known). A name counts once, at its largest pinned version: while a pinned version
+        is room and never evicted; an adapter never read counts as no pages (its size is not known; once read
+        it is, evicted or not). A name counts once, at its largest pinned version: while a pinned version
         replaces another, only one of the two stays; the request's own adapter's name is its own pages."""
         with self._lock:
             own = self._entries.get(key) if key is not None else None
@@ -146,7 +146,7 @@ class AdapterReports:
 
 
 def _num_pages(entry: AdapterEntry) -> int:
-    """GPU pages `entry` holds, or will take once placed (0: its size is not known yet)."""
+    """GPU pages `entry` holds, or will take once placed (0: its size is not known yet: never read)."""
     if entry.on_gpu:
         return len(entry.page_ids)
-    return entry.image.num_pages if entry.image is not None else 0
+    return entry.image.num_pages if entry.image is not None else entry.image_pages

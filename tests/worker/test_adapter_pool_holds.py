@@ -178,6 +178,20 @@ def test_kv_held_pages_reads_the_pinned_versions_only(adapter_pages):
         pool.close()
 
 
+def test_an_adapter_evicted_from_memory_still_counts_its_pages_for_the_kv_room(adapter_pages):
+    """Once read, an adapter's pages are known (its digest fixes them) after its image left CPU memory too: what
+    /v1/models and the context refusal hold a request for it to. It counted as no pages then, so the base
+    model's limit was advertised for it and a request that could never fit beside it was admitted."""
+    pool = make_pool()
+    try:
+        pool.add("a@1", random_weights(1))
+        assert pool.kv_held_pages("a@1") == (adapter_pages, 0)
+        pool.evict("a@1", tier="cpu")
+        assert pool.entry("a@1").image is None and pool.kv_held_pages("a@1") == (adapter_pages, 0)
+    finally:
+        pool.close()
+
+
 def test_the_pool_layout_records_each_projection_s_widths():
     """So the LoRA launchers refuse activations of other widths (kernels/lora.py `_check_widths`)."""
     from lorafleet.kernels.lora_layout import PROJS
