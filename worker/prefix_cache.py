@@ -39,7 +39,10 @@ class Block:
 class PrefixCache:
     def __init__(self, pool: PagePool, block_size: int) -> None:
         self.pool, self.block_size = pool, block_size
-        self._roots: dict[tuple, Block] = {}  # (tenant, cache salt, adapter tag) -> root
+        self._roots: dict[tuple, Block] = {}  # (tenant, cache salt, adapter tag, tenant's era) -> root
+        # A tenant's era: how many times its name left the keys file. Its blocks still in use then stay under the old
+        # era's root, which no one given the name later reaches (drop_tenant). Written on any thread.
+        self._eras: dict[str, int] = {}
         self._by_page: dict[int, Block] = {}
         self._evicted: deque[int] = deque()  # idle pages the pool gave away (appended on any thread)
         # (0, tenant) or (2, adapter tag) of roots gone: a tenant left the keys file, a registration was dropped
@@ -128,12 +131,13 @@ class PrefixCache:
             node = child
 
     def _root_key(self, seq: Sequence) -> tuple | None:
-        """(tenant, cache salt, adapter tag) of `seq`'s trie; None when its adapter is gone (nothing kept, nothing
-        found)."""
+        """(tenant, cache salt, adapter tag, tenant's era) of `seq`'s trie; None when its adapter is gone (nothing
+        kept, nothing found)."""
         try:
-            return seq.tenant, seq.params.cache_salt, None if seq.adapter is None else self.adapter_tag(seq.adapter)
+            tag = None if seq.adapter is None else self.adapter_tag(seq.adapter)
         except KeyError:
             return None
+        return seq.tenant, seq.params.cache_salt, tag, self._eras.get(seq.tenant, 0)
 
     def release(self, blocks: list[Block]) -> None:
         """A sequence no longer uses `blocks` (a path from the root): those nobody uses go idle, deepest first,
@@ -151,7 +155,9 @@ class PrefixCache:
 
     def drop_tenant(self, tenant: str) -> None:
         """`tenant` left the keys file: its blocks go as a dropped registration's (`drop_tag`), so that whoever is
-        given its name later never finds them. Any thread."""
+        given its name later never finds them; those still in use stay under the root of the era that ends now,
+        which no later request of the name reaches, also once they are idle. Any thread."""
+        self._eras[tenant] = self._eras.get(tenant, 0) + 1
         self._dropped.append((0, tenant))
 
     def _drain(self) -> None:

@@ -264,6 +264,24 @@ def test_a_tenant_gone_from_the_keys_file_leaves_no_block_to_whoever_gets_its_na
     pool.check()
 
 
+def test_a_tenant_gone_while_its_request_runs_leaves_no_block_to_whoever_gets_its_name():
+    """As above, with acme's request still running when the name leaves the file: its blocks were in use, so they
+    stayed under acme's root, went idle when it finished, and the name's next owner found them."""
+    sched, pool = _sched()
+    running = _seq(PROMPT, max_tokens=6, tenant="acme")
+    sched.add(running)
+    _run_step(sched)
+    assert running.prefix_blocks  # kept, in use
+    sched.block_manager.prefix_cache.drop_tenant("acme")
+    while not running.is_finished:
+        _run_step(sched)
+        if len(running.output_token_ids) >= running.params.max_tokens:
+            sched.finish(running, "length")
+    assert _serve(sched, _seq(PROMPT, tenant="acme")) == 10  # the new acme computes it all
+    assert _serve(sched, _seq(PROMPT, tenant="acme")) == 2  # and keeps its own blocks from then on
+    pool.check()
+
+
 def test_a_request_arriving_while_another_runs_finds_the_blocks_it_filled():
     sched, pool = _sched()
     first = _seq(PROMPT, max_tokens=50)
