@@ -63,7 +63,9 @@ class AdapterReports:
         (None: the base model) can never have while it runs. Pinned adapters are placed as soon as there
         is room and never evicted; an adapter never read counts as no pages (its size is not known; once read
         it is, evicted or not). A name counts once, at its largest pinned version: while a pinned version
-        replaces another, only one of the two stays; the request's own adapter's name is its own pages."""
+        replaces another, only one of the two stays. The request's own version is its own pages; a pinned
+        version of its name beside it (the stable version of a canary, the version it replaces) counts too: both
+        may be on the GPU for as long as the request runs."""
         with self._lock:
             own = self._entries.get(key) if key is not None else None
             by_name: dict[str, int] = {}
@@ -71,7 +73,7 @@ class AdapterReports:
                 e = self._entries.get(k)
                 if e is None or not e.pinned:
                     self._pinned_keys.discard(k)
-                elif own is None or e.name != own.name:
+                elif own is None or e.key != own.key:  # another pinned version of its own name stays too
                     by_name[e.name] = max(by_name.get(e.name, 0), _num_pages(e))
             return (_num_pages(own) if own is not None else 0), sum(by_name.values())
 

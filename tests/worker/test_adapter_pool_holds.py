@@ -178,6 +178,20 @@ def test_kv_held_pages_reads_the_pinned_versions_only(adapter_pages):
         pool.close()
 
 
+def test_a_canary_s_kv_room_counts_its_name_s_pinned_stable_version(adapter_pages):
+    """A pinned stable x@1 with a canary x@2 beside it: both stay on the GPU while a request runs on the canary, so
+    its KV cache can never have either's pages. Only its own were counted: a request that could never fit was
+    admitted and failed midway (CapacityError) instead of being refused up front."""
+    pool = make_pool()
+    try:
+        pool.add("x@1", random_weights(1), pinned=True)
+        pool.add("x@2", random_weights(2), make_current=False)
+        assert pool.kv_held_pages("x@2") == (adapter_pages, adapter_pages)
+        assert pool.kv_held_pages("x@1") == (adapter_pages, 0)  # its own pinned pages count once, as its own
+    finally:
+        pool.close()
+
+
 def test_an_adapter_evicted_from_memory_still_counts_its_pages_for_the_kv_room(adapter_pages):
     """Once read, an adapter's pages are known (its digest fixes them) after its image left CPU memory too: what
     /v1/models and the context refusal hold a request for it to. It counted as no pages then, so the base
