@@ -64,8 +64,7 @@ class Engine:
         self.model_dir = Path(model_dir)
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
-        self._tokenizer_digest: str | None = None
-        self._tokenizer_encodings: list[list[int]] | None = None
+        self._tokenizer_digest, self._tokenizer_encodings = None, None  # str, list[list[int]]: computed when first asked
         read = read_model_dir(self.model_dir, config, dtype=self.dtype, device=self.device)
         self.sampling_defaults, self.model_config, self.tokenizer = read.sampling_defaults, read.config, read.tokenizer
         self.eos_token_ids, self.model = read.eos_token_ids, read.model
@@ -204,8 +203,7 @@ class Engine:
 
     @property
     def tokenizer_encodings(self) -> list[list[int]] | None:
-        """The served tokenizer's ids of `vocab_digest.PROBE_TEXTS`: one of the same vocabulary that turns
-        text into other ids is refused too."""
+        """The served tokenizer's ids of `vocab_digest.PROBE_TEXTS` (an adapter's that gives others is refused)."""
         if self.tokenizer is None:
             return None
         if self._tokenizer_encodings is None:
@@ -340,10 +338,14 @@ class Engine:
             seq.output_token_ids.append(token)
             if logprob is not None:
                 seq.logprobs.append(logprob)
-            self.stop_checker.check(seq)
-            if seq.finish_reason is not None:
-                self.scheduler.finish(seq, seq.finish_reason)
-            outputs.append(self._output(seq))
+            try:  # its stop check or its text failing (a bug, a tokenizer's) fails it alone, never the step
+                self.stop_checker.check(seq)
+                if seq.finish_reason is not None:
+                    self.scheduler.finish(seq, seq.finish_reason)
+                outputs.append(self._output(seq))
+            except Exception as exc:
+                log.exception("request %s failed after its step", seq.request_id)
+                self.scheduler.fail([seq], row_errors.setdefault(i, exc))
         return outputs + (self._report_failed() if row_errors else [])
 
     def _report_failed(self) -> list[RequestOutput]:
@@ -356,7 +358,6 @@ class Engine:
             self.requests.pop(seq.request_id, None)
         return self.outputs.next(seq)
 
-    # ---- offline batch ------------------------------------------------------------------------------
     def generate(self, prompts: Seq[Prompt] | Prompt, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  adapters: Seq[str | None] | None = None) -> list[RequestOutput]:
         """Run the prompts to completion together; one finished RequestOutput per prompt, in order."""
@@ -381,8 +382,8 @@ class Engine:
 
     @property
     def kv_usage(self) -> float:
-        """KV pages over the pages the KV cache could hold now: free ones and idle adapters' (unified
-        paging), not those of pinned or in-use adapters. 1.0 when adapters hold the whole pool."""
+        """KV pages over the pages the KV cache could hold now: free ones and idle adapters' (unified paging), not
+        pinned or in-use adapters'. 1.0 when adapters hold the whole pool."""
         kv = self.page_pool.num_used("kv")
         capacity = kv + self.page_pool.num_free + self.adapter_pool.reclaimable_pages()
         return kv / capacity if capacity else 1.0

@@ -379,3 +379,29 @@ def test_triton_backend_chunked_prefill_matches_hf(tiny_llama_dir, hf_ref):
     outs = engine.generate([_prompts()[i] for i in picks], SamplingParams(max_tokens=4, temperature=0, logprobs=2))
     _assert_matches(outs, [(hf_ref[i][0][:4], hf_ref[i][1][:4]) for i in picks])
     _assert_all_free(engine)
+
+
+def test_a_request_whose_stop_check_fails_fails_alone(tiny_llama_dir, monkeypatch):
+    """A failure after a request's step (its stop check, its text: a bug, a tokenizer's) fails that request only;
+    the step's other requests go on with their own tokens, and nothing is left behind. It escaped the step, and
+    the serving loop failed every request in flight."""
+    engine = _engine(tiny_llama_dir)
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    ref = engine.generate(prompts, params)
+    check = engine.stop_checker.check
+
+    def broken(seq):
+        if seq.request_id == "bad" and len(seq.output_token_ids) == 2:
+            raise RuntimeError("stop check: test failure")
+        return check(seq)
+
+    monkeypatch.setattr(engine.stop_checker, "check", broken)
+    for rid, prompt in zip(("bad", "ok"), prompts, strict=True):
+        engine.add_request(rid, prompt, params)
+    done = {}
+    while engine.has_unfinished():
+        done.update((out.request_id, out) for out in engine.step() if out.finished)
+    assert done["bad"].finish_reason == "error" and "test failure" in done["bad"].error
+    assert done["ok"].token_ids == ref[1].token_ids and engine.requests == {}
+    assert engine.page_pool.num_used("kv") == 0
