@@ -327,10 +327,11 @@ class Engine:
     def _advance(self, batch: ScheduledBatch, samplers: list[Sequence], sampled: list,
                  row_errors: dict[int, Exception]) -> list[RequestOutput]:
         """What a forward of `batch` that ran gives: tokens computed, each sampled one checked for a stop."""
-        outputs = []
+        outputs, failing = [], {id(samplers[i]) for i in row_errors}  # a failed sequence's last blocks are not kept
         for seq, num_new in batch.scheduled:
             seq.num_computed_tokens += num_new
-            self.block_manager.keep_computed(seq)  # shared with sequences admitted from now on (prefix_cache.py)
+            if id(seq) not in failing:
+                self.block_manager.keep_computed(seq)  # shared with sequences admitted from now on (prefix_cache.py)
         for i, (seq, (token, logprob)) in enumerate(zip(samplers, sampled, strict=True)):
             if (exc := row_errors.get(i)) is not None:  # this request fails, the others go on
                 self.scheduler.fail([seq], exc)
@@ -366,7 +367,6 @@ class Engine:
     def close(self) -> None:
         self.adapter_pool.close()
 
-    # ---- state --------------------------------------------------------------------------------------
     @property
     def num_running(self) -> int:
         return self.scheduler.num_running

@@ -287,3 +287,16 @@ def test_schema_rows_in_cuda_graph_decode_steps(tiny_llama_dir):
     prompts = _prompts() * 2
     params = _schema_batch(prompts)
     _eager_and_graphs(tiny_llama_dir, prompts, params, lambda e, outs: _check_schema_rows(e, outs, params))
+
+
+def test_a_request_failing_at_its_first_step_leaves_no_block_kept(tiny_llama_dir, monkeypatch):
+    """The last blocks of a sequence that failed are not kept for later requests (prefix_cache.py): a row failing in
+    the step that computed its prompt left those blocks kept."""
+    engine = _engine(tiny_llama_dir)
+    guide = engine.sampler.json_guide
+    monkeypatch.setattr(guide, "state", lambda seq: (_ for _ in ()).throw(JsonModeError("JSON mode: test failure")))
+    engine.add_request("bad", list(range(3, 20)), _json(max_tokens=4))
+    done = {}
+    while engine.has_unfinished():
+        done.update((out.request_id, out) for out in engine.step() if out.finished)
+    assert done["bad"].finish_reason == "error" and engine.block_manager.prefix_cache.num_blocks == 0
