@@ -13,8 +13,9 @@
   timeout: the store did not answer; `StoreSilent`: an object none of whose bytes came by the deadline).
 
 Each attempt of every client ends by its bound, its connection shut down then (`_BoundedPool`): read timeouts
-alone never end an answer sent a byte at a time. Every client fails fast when the store is down (minio's default retries for minutes), and a redirect is
-an error, never followed: it could point anywhere, out of the bucket/prefix allow-list.
+alone never end an answer sent a byte at a time. Every client fails fast when the store is down (minio's default
+retries for minutes), and a redirect is an error, never followed: it could point anywhere, out of the
+bucket/prefix allow-list.
 """
 
 from __future__ import annotations
@@ -128,6 +129,8 @@ class _BoundedPool(urllib3.PoolManager):
 
 
 class _PerAttemptPool(_BoundedPool):
+    """The full and quick clients' pool: each attempt ends CONNECT_S + ATTEMPT_READS read timeouts after it is sent."""
+
     def __init__(self, read_s: float, retries: int) -> None:
         super().__init__(timeout=urllib3.Timeout(connect=CONNECT_S, read=read_s), retries=_retry(retries))
         self.attempt_s = CONNECT_S + ATTEMPT_READS * read_s
