@@ -24,6 +24,7 @@ import contextlib
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import urllib3
@@ -110,33 +111,20 @@ def _retry(retries: int) -> urllib3.Retry:
 
 
 class _BoundedPool(urllib3.PoolManager):
-    """A pool each of whose attempts ends by its bound (`bound()`, time.monotonic() for an attempt sent now): at it,
+    """A pool each of whose attempts ends by its bound (`bound()`: time.monotonic() for an attempt sent now): at it,
     a timer shuts the attempt's connection down. Read timeouts alone never end an answer that comes a byte at a
     time, each before the read timeout (a congested link, a store in trouble): a listing, whose whole body is read
     inside the request, held its thread for as long as the store kept trickling, long after its caller gave up."""
 
-    def __init__(self, **kw) -> None:
+    def __init__(self, bound: Callable[[], float], **kw) -> None:
         super().__init__(**kw)
+        self.bound = bound
         self.pool_classes_by_scheme = {"http": _BoundedHTTPPool, "https": _BoundedHTTPSPool}
-
-    def bound(self) -> float:
-        raise NotImplementedError
 
     def _new_pool(self, scheme, host, port, request_context=None):
         pool = super()._new_pool(scheme, host, port, request_context)
         pool.bound = self.bound
         return pool
-
-
-class _PerAttemptPool(_BoundedPool):
-    """The full and quick clients' pool: each attempt ends CONNECT_S + ATTEMPT_READS read timeouts after it is sent."""
-
-    def __init__(self, read_s: float, retries: int) -> None:
-        super().__init__(timeout=urllib3.Timeout(connect=CONNECT_S, read=read_s), retries=_retry(retries))
-        self.attempt_s = CONNECT_S + ATTEMPT_READS * read_s
-
-    def bound(self) -> float:
-        return time.monotonic() + self.attempt_s
 
 
 def _cut_when_due(pool, conn, *args, **kw):
@@ -148,7 +136,7 @@ def _cut_when_due(pool, conn, *args, **kw):
     done = threading.Event()
     _arm(left, conn, done)
     try:
-        return super(type(pool), pool)._make_request(conn, *args, **kw)
+        return urllib3.HTTPConnectionPool._make_request(pool, conn, *args, **kw)
     finally:
         done.set()
 
@@ -179,7 +167,10 @@ class _BoundedHTTPSPool(urllib3.HTTPSConnectionPool):
 
 
 def _pool(read_s: float, *, retries: int) -> urllib3.PoolManager:
-    return _PerAttemptPool(read_s, retries)
+    """The full and quick clients' pool: each attempt ends CONNECT_S + ATTEMPT_READS read timeouts after it is sent."""
+    attempt_s = CONNECT_S + ATTEMPT_READS * read_s
+    return _BoundedPool(lambda: time.monotonic() + attempt_s, timeout=urllib3.Timeout(connect=CONNECT_S, read=read_s),
+                        retries=_retry(retries))
 
 
 class _DeadlinePool(_BoundedPool):
@@ -187,11 +178,8 @@ class _DeadlinePool(_BoundedPool):
     of the time left when it is sent (and never longer than the full client's timeouts)."""
 
     def __init__(self, deadline: float) -> None:
-        super().__init__(retries=_retry(RETRIES))
+        super().__init__(lambda: deadline, retries=_retry(RETRIES))
         self.deadline = deadline
-
-    def bound(self) -> float:
-        return self.deadline
 
     def urlopen(self, method: str, url: str, redirect: bool = True, **kw):
         share = (self.deadline - time.monotonic()) / (1 + RETRIES)
