@@ -76,9 +76,10 @@ async def tokenize(request: web.Request) -> web.Response:
 def model_limit(engine, served: ServedAdapter | None, version: str = "") -> int:
     """max_model_len as a request for `served` (None: the base model) has it now, less its adapter's pages and
     pinned adapters' (kv_room.KVRoom.limit): `version`'s, or the smaller of its stable and canary versions'."""
-    versions = [version] if version else [served.split.stable, served.split.canary] if served is not None else []
-    keys = [f"{served.name}@{v}" for v in versions if v] if served is not None else []
-    return engine.kv_room.limit(keys or [None])
+    if served is None:
+        return engine.kv_room.limit([None])
+    versions = [version] if version else [v for v in (served.split.stable, served.split.canary) if v]
+    return engine.kv_room.limit([f"{served.name}@{v}" for v in versions])
 
 
 def _tokenize_request(app: web.Application, body: Any) -> tuple[bool, bool, str, Callable[[], list[int]]]:

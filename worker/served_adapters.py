@@ -347,6 +347,8 @@ class ServedAdapters:
         except (ValueError, KeyError, OSError, RuntimeError) as exc:
             raise APIError(400, f"cannot load adapter {name!r} from {path}: {exc}", code="adapter_invalid",
                            param="lora_path") from None
+        if old is not None and old.warm:  # kept warm as the version it replaces was
+            engine.set_adapter_warm(key, True)
         self._adapters = {**self._adapters, name: served_loaded(name, key.partition("@")[2], path, old)}
         self.startup_errors = {n: why for n, why in self.startup_errors.items() if n != name}
         return key

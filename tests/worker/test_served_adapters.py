@@ -203,7 +203,8 @@ def test_load_inplace_keeps_the_owner_and_refuses_a_name_with_a_canary():
     host, served = RecordingHost(), ServedAdapters("base")
     served.apply(state(1, SQL), host)
     served.load("sql", "/c/sql/v9", host, inplace=True)
-    assert served.resolve("sql", ACME, None).startswith("sql@") and served.get("sql").tenant == "acme"
+    key = served.resolve("sql", ACME, None)
+    assert served.get("sql").tenant == "acme" and host.warm[key]  # owner and warmth kept
     with pytest.raises(APIError) as exc:
         served.resolve("sql", GLOBEX, None)
     assert exc.value.status == 404
