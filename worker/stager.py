@@ -252,17 +252,17 @@ class Stager:
             except Exception as exc:
                 self.counts["failures"] += 1
                 self.metrics.failures.inc()
-                # One object's fault per push is excused when the store answers a listing now; a second one,
-                # or a stall, is the store's.
-                excuse = (is_object_fault(exc) and not self.store.is_down  # an engine's request: each its own
-                          and (push_start is None or push_start != self._excused))
+                # One object's fault per push (each engine request's, no push's record touched) is excused when
+                # the store answers a listing now; a second one, or a stall, is the store's.
+                pushed = push_start is not None
+                excuse = is_object_fault(exc) and not self.store.is_down and not (pushed and push_start == self._excused)
                 # A second fault of the push is the store's even if its call began before the listing that excused
                 # the first (stages side by side): dated just after that listing began, so that listing's answer
                 # does not end the outage, and a newer push's calls (made later) are not spared by it.
-                second = is_object_fault(exc) and push_start is not None and push_start == self._excused
+                second = is_object_fault(exc) and pushed and push_start == self._excused
                 listed_at = time.monotonic()
                 before = self._excused, self._excused_at
-                if excuse:  # taken before the listing's answer: a fault beside it is a second one
+                if excuse and pushed:  # taken before the listing's answer: a fault beside it is a second one
                     self._excused, self._excused_at = push_start, listed_at
                 if not (excuse and await self._answers(uri, listed_at)):
                     self._excused, self._excused_at = before
