@@ -62,6 +62,7 @@ from lorafleet.worker.stager_report import FolderSizes, stager_state
 from lorafleet.worker.stager_seed import SeedReport, seed
 from lorafleet.worker.stager_store import StoreDown, StoreHealth, StoreThreads, timed_out
 from lorafleet.worker.staging_errors import is_object_fault, is_refusal
+from lorafleet.worker.store_clients import StoreSilent
 from lorafleet.worker.tenant_folders import NO_FOLDERS, TenantFolders
 
 log = logging.getLogger("lorafleet.stager")
@@ -186,6 +187,11 @@ class Stager:
             etags = await self.store_threads.within(listing, limit, f"{uri}: the listing")
         except Exception as exc:
             self.sources.clients.quick_outcome(quick and timed_out(exc), None)  # slow, maybe: the next waits longer
+            if deadline is not None and time.monotonic() >= deadline and timed_out(exc):
+                # Ended by its client at the deadline or here after it, whichever came first: one answer, silence.
+                silent = StoreSilent(f"{uri}: the listing did not end within {self.config.download_timeout_s:g} s")
+                self.store.failed(silent, start)
+                raise silent from None
             self.store.failed(exc, start)
             raise
         self.store.answered(start)

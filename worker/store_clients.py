@@ -127,16 +127,17 @@ class _BoundedPool(urllib3.PoolManager):
         return pool
 
 
-def _cut_when_due(pool, conn, *args, **kw):
+def _cut_when_due(pool, conn, method, url, *args, **kw):
     """`conn`'s request (`_make_request`), its connection shut down if it is still running at the pool's bound;
-    past it (a retry after a cut), not sent."""
+    past it (a retry after a cut), not sent: the request ends there, as its retries ran out (a TimeoutError
+    would be retried after a back-off, the thread held a second or more past the bound)."""
     left = pool.bound() - time.monotonic()
     if left <= 0:
-        raise TimeoutError("not sent: the call's time is up")  # urllib3 counts it as a failed attempt
+        raise urllib3.exceptions.MaxRetryError(pool, url, TimeoutError("not sent: the call's time is up"))
     done = threading.Event()
     _arm(left, conn, done)
     try:
-        return urllib3.HTTPConnectionPool._make_request(pool, conn, *args, **kw)
+        return urllib3.HTTPConnectionPool._make_request(pool, conn, method, url, *args, **kw)
     finally:
         done.set()
 
