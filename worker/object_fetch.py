@@ -13,6 +13,11 @@ a read the deadline ended: the download's time is spent.
 Each object's bytes are hashed as they are written, across resumes, and checked against the checksum or ETag
 its answers give (worker/object_digest.py): one that does not match is downloaded once more before the download
 fails as the store's fault.
+
+If-Match alone is not trusted to hold an object to the upload listed: some gateways drop it. An answer with
+no ETag, or another than the one listed (a replaced object whose If-Match was dropped, or a gateway that
+rewrites ETags), leaves the attempt unheld: the objects are listed again once read, and read again if they
+changed (sources._unchanged). The listing decides: a rewritten ETag alone fails nothing.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ class Fetch:
                  uri: str, check: DigestCheck) -> None:
         self.total, self.done, self.progress, self.deadline, self.uri = total, 0, progress, deadline, uri
         self.check = check  # the store's (per Sources): what it learnt of its buckets' ETags outlives the attempt
+        self.unheld = False  # an answer's ETag was not the one listed (or none): nothing showed it was that upload
         self._report()
 
     def _report(self) -> None:
@@ -118,6 +124,8 @@ class Fetch:
         except Exception:  # its attempts ran out with the download's time (the client's timeouts end there)
             self._check_deadline(where, offset == 0 < size)
             raise
+        if bare_etag(response.headers.get("ETag")) != bare_etag(etag):  # If-Match may have been dropped
+            self.unheld = True
         # At the deadline the socket is shut down: a read blocked on a stalled store returns at once.
         timer = None
         if self.deadline is not None:
@@ -177,3 +185,9 @@ class Fetch:
 def _shutdown(response) -> None:
     with contextlib.suppress(ValueError, RuntimeError, OSError):  # already released: the read is over anyway
         response.shutdown()
+
+
+def bare_etag(etag: str | None) -> str | None:
+    """An ETag's value without its quotes and weak prefix (`W/"x"` and `x` name the same upload); None if empty."""
+    value = (etag or "").strip().removeprefix("W/").strip().strip('"')
+    return value or None

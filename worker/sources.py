@@ -207,7 +207,8 @@ class Sources:
                 (dest / name).unlink(missing_ok=True)
             fetched = Fetch(sum(size for size, _ in objects.values()), progress, deadline, loc.uri, self.object_check)
             if all(fetched.object(client, loc.bucket, key, etag, size, dest / wanted[key])
-                   for key, (size, etag) in sorted(objects.items())) and _unchanged(client, loc, wanted, listing):
+                   for key, (size, etag) in sorted(objects.items())) and _unchanged(client, loc, wanted, listing,
+                                                                                    fetched.unheld):
                 return dest
         raise SourceError(f"{uri}: the objects changed during {MAX_ATTEMPTS} download attempts; retry once the "
                           f"upload has finished", "changed")
@@ -315,10 +316,11 @@ def _as_source_error(where: str | Path = "") -> Iterator[None]:
         raise read_error(where, exc) from None
 
 
-def _unchanged(client: Any, loc: S3Location, wanted: dict[str, str], listing: list) -> bool:
-    """Whether the objects read without an ETag (no If-Match held them to the listed upload) are still those
-    listed: one replaced mid-download left a copy of two uploads, kept under the key of the first."""
-    if all(o.etag for o in listing):
+def _unchanged(client: Any, loc: S3Location, wanted: dict[str, str], listing: list, unheld: bool) -> bool:
+    """Whether the objects read without an ETag (no If-Match held them to the listed upload), or one of whose
+    answers had none or another (`unheld`: nothing showed an If-Match was kept), are still those listed: one
+    replaced mid-download left a copy of two uploads, kept under the key of the first."""
+    if not unheld and all(o.etag for o in listing):
         return True
     again = [o for o in client.list_objects(loc.bucket, prefix=loc.prefix) if o.object_name in wanted]
     return sorted((o.object_name, object_version(o)) for o in again) == sorted(

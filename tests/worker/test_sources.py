@@ -512,6 +512,47 @@ def _app(routes):
     return app
 
 
+@pytest.mark.parametrize("answer_etag", ["its own", "none", "rewritten"])
+async def test_a_store_that_ignores_if_match_never_stages_two_uploads_mixed(aiohttp_server, tmp_path, answer_etag):
+    """Some gateways drop If-Match: a replaced object then comes whole, of the new upload, beside files read of the
+    old one. An answer whose ETag is not the listed one (`its own`, the new upload's), or that has none, leaves
+    the objects to be listed again once read: they changed, so they are read again, and the copy is all of one
+    upload. A gateway that rewrites every ETag (`rewritten`) fails nothing: the second listing is the first."""
+    import asyncio
+
+    from aiohttp import web
+
+    objects = {"team/alpha/adapter_config.json": b'{"r": 4}', "team/alpha/adapter_model.safetensors": b"old" * 100}
+    listed = _listing(objects)
+    upload, listings = ["e"], []
+
+    async def listing(request: web.Request) -> web.Response:
+        listings.append(upload[0])
+        response = await listed(request)
+        response.text = response.text.replace('<ETag>"e"</ETag>', f'<ETag>"{upload[0]}"</ETag>')
+        return response
+
+    async def get(request: web.Request) -> web.Response:
+        key = request.match_info["key"]
+        body = objects[key]
+        if key.endswith(".json") and upload[0] == "e" and answer_etag != "rewritten":  # a new upload lands
+            objects.update({"team/alpha/adapter_config.json": b'{"r": 8}',
+                            "team/alpha/adapter_model.safetensors": b"new" * 100})
+            upload[0] = "e2"
+        etag = {"its own": upload[0] if body in objects.values() else "e", "rewritten": 'W/"gw-1"'}.get(answer_etag)
+        return web.Response(body=body, headers={} if etag is None else {"ETag": f'"{etag}"'})  # If-Match or not
+
+    server = await aiohttp_server(_app([web.get("/adapters", listing), web.get("/adapters/{key:.+}", get)]))
+    dest = await asyncio.to_thread(_store_sources(server).download, "s3://adapters/team/alpha/", tmp_path / "staged")
+    if answer_etag == "rewritten":
+        assert (dest / "adapter_model.safetensors").read_bytes() == b"old" * 100 and listings == ["e", "e"]
+        return
+    assert (dest / "adapter_config.json").read_bytes() == b'{"r": 8}'
+    assert (dest / "adapter_model.safetensors").read_bytes() == b"new" * 100
+    # Read, listed: changed; read again (answers without an ETag: listed once more, unchanged).
+    assert listings == ["e", "e2", "e2"] + (["e2"] if answer_etag == "none" else [])
+
+
 async def test_objects_listed_without_an_etag_are_told_apart_by_size_and_upload_time(aiohttp_server, tmp_path):
     """A store that lists no ETag: what keys a staged copy without a digest is then each object's size and time
     of upload, so that a replaced upload is not served from the copy of the one before it (keyed by an empty
