@@ -57,7 +57,18 @@ class Sampler:
         self.row_errors: dict[int, Exception] = {}  # the last sample's rows that failed (their requests end)
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, TokenLogprob | None]]:
-        """logits: float32 [N, V], row i belongs to seqs[i]."""
+        """logits: float32 [N, V], row i belongs to seqs[i]. A sample that fails after its draws (an allocation
+        for the logprobs, an error surfacing at a sync) leaves the seeded requests' generators where they were:
+        the engine runs the step again (each adapter's rows alone), and they draw the same tokens then."""
+        states = [(s.generator, s.generator.get_state()) for s in seqs if s.generator is not None]
+        try:
+            return self._sample(logits, seqs)
+        except BaseException:
+            for generator, state in states:
+                generator.set_state(state)
+            raise
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, TokenLogprob | None]]:
         raw = logits
         logits = apply_min_tokens(logits, seqs, self.eos_token_ids, self._min_tokens_index)
         logits = apply_logit_bias(logits, seqs, self._logit_bias_index)

@@ -417,3 +417,36 @@ def test_a_request_a_failed_step_left_half_moved_is_aborted_with_nothing_left_be
     AsyncEngine(engine)._abort_quietly("r1")
     assert "r1" not in engine.requests and engine.page_pool.num_used("kv") == 0
     assert engine.adapter_pool.describe()[0]["refcount"] == 0
+
+
+def test_seeded_requests_draw_the_same_tokens_when_a_failed_step_is_run_again(tiny_llama_dir, qv_adapters_dir,
+                                                                               monkeypatch):
+    """A step's sampler fails after its draws (the logprobs' [N, V] rows: CUDA out of memory) and each adapter's
+    requests run again alone, where they fit: seeded requests give the tokens of a run with no fault (their
+    generators do not draw twice for one token)."""
+    import torch
+
+    import lorafleet.worker.sampler as sampler_module
+
+    def engine() -> Engine:
+        e = Engine(EngineConfig(model=str(tiny_llama_dir), num_pages=64, block_size=4))
+        e.adapter_pool.load(e.register_adapter("alpha", qv_adapters_dir / "alpha"))
+        return e
+
+    params = [SamplingParams(max_tokens=10, temperature=1.0, seed=100 + i, ignore_eos=True, logprobs=0)
+              for i in range(len(PROMPTS))]
+    adapters = [None, "alpha", None, "alpha"]
+    want = engine().generate(PROMPTS, params, adapters)
+    raw, failed = sampler_module.raw_logprobs, []
+
+    def out_of_memory_for_the_whole_step(logits, tokens, k):
+        if logits.shape[0] > 2:  # the whole step's rows; each adapter's two fit
+            failed.append(logits.shape[0])
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return raw(logits, tokens, k)
+
+    monkeypatch.setattr(sampler_module, "raw_logprobs", out_of_memory_for_the_whole_step)
+    got = engine().generate(PROMPTS, params, adapters)
+    assert failed  # steps were run again, adapter by adapter
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g.finish_reason == "length" and g.token_ids == w.token_ids, i
