@@ -128,11 +128,17 @@ def place_warm(adapters: list[AdapterSpec], workers: list[WorkerIndex], *, defau
     # placed: a newcomer displaces a resident adapter of a lower rank only, never one of its own; and every
     # held stable copy of the rank before any canary's slot (a canary added to one never moves another), the
     # canaries a worker has on the GPU first (it put them into the free room it had; it moves none for another).
+    # A pinned copy is placed whole: one whose canary the worker does not hold yet comes after the rank's other
+    # held copies (it moves, or goes unpinned, where both do not fit; the adapter beside it keeps its pin).
+    def grows(w: WorkerIndex, a: AdapterSpec) -> bool:
+        return a.pinned and a.canary is not None and not holds_canary(w, a)
+
     for _, group in itertools.groupby(order, key=lambda a: (a.pinned, a.priority)):
         ranked = list(group)
-        for a in ranked:  # a pod that answered keeps its copy before one whose last answer stands in
-            for holders in (keeping, quiet):
-                place(a, [w for w in holders if holds(w, a)], canary=False)
+        for growing in (False, True):
+            for a in ranked:  # a pod that answered keeps its copy before one whose last answer stands in
+                for holders in (keeping, quiet):
+                    place(a, [w for w in holders if holds(w, a) and grows(w, a) == growing], canary=False)
         for held in (True, False):
             for a in ranked:
                 add_canaries(a, held=held)

@@ -109,13 +109,24 @@ def test_a_warm_adapter_that_gains_a_canary_keeps_its_stable_copy_where_one_slot
 
 
 def test_a_pinned_adapter_with_a_canary_takes_two_slots():
-    # A pinned copy pins its canary too (the worker does): counted whole, never over a worker's slots. Here a,
-    # larger with its canary, is placed first on w0, where both were held, and b moves to w1's free slots.
+    # A pinned copy pins its canary too (the worker does): counted whole, never over a worker's slots. Here a's
+    # new canary does not fit beside b on w0, where both were held: a moves whole to w1's free slots, b stays.
     canary = {"version": "v2", "source": {"uri": "s3://adapters/a/v2/"}, "weight": 10}
     ws = [WorkerReport("w0", _held(["a", "b"], slots=2)), WorkerReport("w1", _held([], slots=2))]
     b = adapter("b", pinned=True, tenant="other", status={"bytes": 8 * MB})
     plan = reconcile_pool(pool(), [adapter("a", pinned=True, canary=canary, status={"bytes": 8 * MB}), b], ws, now=NOW)
-    assert plan.placement == {"a": ["w0"], "b": ["w1"]}
+    assert plan.placement == {"a": ["w1"], "b": ["w0"]}
+
+
+def test_a_canary_on_one_pinned_adapter_does_not_unpin_another():
+    # With nowhere else to go, a (larger with its canary, ranked first) took both of w0's slots and b, pinned and
+    # resident, was pushed unpinned: a canary added to one adapter never moves another of its rank.
+    canary = {"version": "v2", "source": {"uri": "s3://adapters/a/v2/"}, "weight": 5}
+    ws = [WorkerReport("w0", _held(["a", "b"], slots=2))]
+    b = adapter("b", pinned=True, status={"bytes": 8 * MB})
+    plan = reconcile_pool(pool(), [adapter("a", pinned=True, canary=canary, status={"bytes": 8 * MB}), b], ws, now=NOW)
+    assert plan.placement == {"a": [], "b": ["w0"]}
+    assert plan.desired["w0"].by_name()["b"].pinned
 
 
 def test_a_canary_added_to_one_held_warm_adapter_moves_no_other_held_adapter():
