@@ -33,12 +33,11 @@ def over_quota(pool: PoolSpec | None, adapters: list[AdapterSpec], workers: Sequ
     by_tenant: dict[str, list[AdapterSpec]] = defaultdict(list)
     for a in adapters:
         by_tenant[a.tenant].append(a)
-    served = {name for w in workers for name in w.by_name}
     for tenant, group in by_tenant.items():
-        # First come, first served within a priority: a new adapter never evicts an admitted older one. Creation
-        # times have one-second steps: within one, an adapter already in force (admitted before, or held by a
-        # worker) comes before a newcomer, then the names decide.
-        group.sort(key=lambda a: (-a.priority, a.created, a.last_valid is None and a.name not in served, a.name))
+        # First come, first served within a priority: an adapter in force in this tenant (`_in_force`) before any
+        # newcomer, then by creation: a newcomer never evicts an admitted adapter, not even one created before
+        # it and moved in since (spec.tenant or spec.pool edited), which is refused and keeps its last valid spec.
+        group.sort(key=lambda a: (-a.priority, not _in_force(a, workers), a.created, a.name))
         sized = {a.name: _quota_bytes(a, workers) for a in group}
         failed = {a.name for a in group if sized[a.name][1] and _failed(a, sized[a.name][1], workers)}
         # The spec sized now: the first the checks admit among those its workers stage already, else among all.
@@ -54,6 +53,14 @@ def over_quota(pool: PoolSpec | None, adapters: list[AdapterSpec], workers: Sequ
                 f"spec.tenantQuota.maxBytes), and its versions of unknown size are staged one at a time; "
                 f"{sizing!r} is being sized first")
     return failures
+
+
+def _in_force(a: AdapterSpec, workers: Sequence[WorkerIndex]) -> bool:
+    """Whether ``a`` is admitted in its tenant and pool already: its last valid spec is of both, or a worker was
+    last told to serve it for this tenant (a spec admitted before its status was written)."""
+    if a.last_valid is not None and (a.last_valid.tenant, a.last_valid.pool) == (a.tenant, a.pool):
+        return True
+    return any(d.tenant == a.tenant for w in workers if (d := w.pushed.get(a.name)) is not None)
 
 
 def _tenant_admission(pool: PoolSpec, tenant: str, group: list[AdapterSpec], sized: dict[str, tuple[int, set[str]]],
