@@ -8,10 +8,18 @@ workers, or workers with too few GPU adapter slots or bytes between them, would 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import NamedTuple
 
 from lorafleet.operator.crd_models import AdapterSpec, PoolSpec
-from lorafleet.operator.placement import canary_bytes, place_warm, reported_bytes, warm_count
+from lorafleet.operator.placement import (
+    adapter_bytes,
+    canary_bytes,
+    copy_slots,
+    place_warm,
+    reported_bytes,
+    warm_count,
+)
 from lorafleet.operator.reports import WorkerIndex, WorkerReport
 from lorafleet.worker.directives import ReportedState
 
@@ -54,16 +62,56 @@ def pinned_need(adapters: list[AdapterSpec], workers: list[WorkerIndex], *, defa
         placed = place_warm(ads, model, default_capacity=default_capacity)
         return all(len(placed[a.name]) == warm_count(a, num_workers) for a in ads)
 
-    placeable = pinned if holds_all(max_workers, pinned) else [a for a in pinned if holds_all(1, [a])]
-    if placeable is not pinned and not holds_all(max_workers, placeable):
-        # More workers than counted, or none at all: copies on every worker (warm "all") that do not fit one
-        # together are held by no count, and raising the pool to maxReplicas would not help.
-        return PinnedNeed(len(pinned), None, held=holds_all(4 * max_workers + len(placeable), placeable))
-    low, high = 1, max_workers  # more workers hold what fewer hold: the fewest by bisection
-    while low < high:
-        mid = (low + high) // 2
-        low, high = (low, mid) if holds_all(mid, placeable) else (mid + 1, high)
-    return PinnedNeed(len(pinned), low)
+    def fewest(ads: list[AdapterSpec]) -> int | None:
+        everywhere = [a for a in ads if a.warm == "all"]
+        low = _lower_bound(ads, everywhere, room, default_capacity)
+        if low > max_workers or not holds_all(1, everywhere):
+            return None
+        return _fewest(holds_all, ads, low, max_workers)
+
+    if (count := fewest(pinned)) is not None:
+        return PinnedNeed(len(pinned), count)
+    # None up to max_workers. What no empty worker holds alone is left out: no count of workers would help.
+    # Copies on every worker (warm "all") that do not fit one together, or a copy that does not fit beside them,
+    # are held by no count either (raising the pool to maxReplicas would not help); else, with enough workers,
+    # each other copy has a worker of its own beside them.
+    placeable = [a for a in pinned if holds_all(1, [a])]
+    everywhere = [a for a in placeable if a.warm == "all"]
+    held = holds_all(1, everywhere) and all(holds_all(1, [*everywhere, a]) for a in placeable if a.warm != "all")
+    if held and len(placeable) < len(pinned) and (count := fewest(placeable)) is not None:
+        return PinnedNeed(len(pinned), count)
+    return PinnedNeed(len(pinned), None, held=held)
+
+
+def _lower_bound(pinned: list[AdapterSpec], everywhere: list[AdapterSpec], room: ReportedState,
+                 default_capacity: int) -> int:
+    """Fewer workers than this cannot hold ``pinned``: its slots and bytes over each worker's room, less what the
+    copies on every worker (``everywhere``) take of it. 1 where nothing bounds it."""
+    others = [a for a in pinned if a.warm != "all"]
+    bound = 1
+    capacity = min([b for b in (room.pool_bytes, default_capacity) if b], default=0)
+    for per_worker, cost in ((room.pool_slots, copy_slots), (capacity, lambda a: adapter_bytes(a, []))):
+        free = per_worker - sum(cost(a) for a in everywhere)
+        if per_worker and free > 0:
+            bound = max(bound, -(-sum(cost(a) for a in others) // free))
+    return bound
+
+
+def _fewest(holds_all: Callable[[int, list[AdapterSpec]], bool], ads: list[AdapterSpec], low: int,
+            max_workers: int) -> int | None:
+    """The fewest workers, from ``low`` up to ``max_workers``, that hold ``ads`` (more workers hold what fewer
+    hold): from the lower bound up, by doubling steps, then by bisection; None if ``max_workers`` do not.
+    Identical model workers mostly hold them at the bound: one placement, not one per bisection step on a model
+    of maxReplicas workers (seconds of the operator's event loop with a thousand pins)."""
+    failing, n, step = low - 1, min(low, max_workers), 1
+    while not holds_all(n, ads):
+        if n >= max_workers:
+            return None
+        failing, n, step = n, min(max_workers, n + step), 2 * step
+    while failing + 1 < n:
+        mid = (failing + n) // 2
+        failing, n = (failing, mid) if holds_all(mid, ads) else (mid, n)
+    return n
 
 
 def pool_pinned_need(pool: PoolSpec | None, adapters: list[AdapterSpec], workers: list[WorkerIndex]

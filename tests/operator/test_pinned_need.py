@@ -94,3 +94,31 @@ def test_the_count_models_no_more_workers_than_copies_can_use(monkeypatch):
     ads = [adapter("a", pinned=True, warm=2), adapter("b", pinned=True), adapter("c", pinned=True, warm="all")]
     assert need(ads, workers(3, pool_slots=2), scaling=big) == need(ads, workers(3, pool_slots=2)) == PinnedNeed(3, 3)
     assert modelled and max(modelled) <= 1 + 2 + 1
+
+
+@pytest.mark.parametrize("case", ["a thousand pins", "more on every worker than a worker holds"])
+def test_a_large_count_is_found_without_modelling_every_count_up_to_max_replicas(monkeypatch, case):
+    """A thousand pinned adapters at maxReplicas 1000: each pass bisected over models of up to 1001 workers
+    placing every pin (about 9 s of the operator's event loop, which every pool and the liveness probe share).
+    The count starts from its lower bound (the pins' slots and bytes over a worker's room), where identical
+    model workers mostly hold them: one model of that size. Copies on every worker that no worker holds
+    together are seen on one model worker, not on models of four times maxReplicas."""
+    from lorafleet.operator import pinned_need
+
+    modelled, place_warm = [], pinned_need.place_warm
+
+    def counting(ads, model, **kwargs):
+        modelled.append(len(model))
+        return place_warm(ads, model, **kwargs)
+
+    monkeypatch.setattr(pinned_need, "place_warm", counting)
+    big = {**SCALING, "maxReplicas": 1000}
+    ads = [adapter(f"p{i:04d}", pinned=True) for i in range(1000)]
+    if case == "a thousand pins":
+        assert need(ads, workers(4, pool_slots=8), scaling=big) == PinnedNeed(1000, 125)
+        assert sum(modelled) <= 1 + 125
+    else:
+        ads = [adapter(f"all{i}", pinned=True, warm="all") for i in range(9)] + ads[:500]
+        got = need(ads, workers(4, pool_slots=8), scaling=big)
+        assert got is not None and got.num_workers is None and not got.held
+        assert max(modelled) == 1
