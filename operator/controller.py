@@ -39,7 +39,6 @@ from typing import Any, NamedTuple
 
 from lorafleet.operator.crd_models import PoolSpec, SpecError, drain_spec, parse_adapter
 from lorafleet.operator.ownership import first_claim, own_pods, pod_names, pool_claims, released_pods
-from lorafleet.operator.pinned_need import PinnedNeed
 from lorafleet.operator.push_flights import Outcome, PoolKey, PushFlights
 from lorafleet.operator.push_record import PushRecord, pushed_pod_ids
 from lorafleet.operator.reconcile import PoolPlan, WorkerReport, reconcile_pool
@@ -345,10 +344,10 @@ class PoolController:
         """A silent pod's last answer while it is younger than the quiet grace."""
         return answer[1] if answer is not None and now - answer[0] < self.quiet_grace else None
 
-    def pinned_need(self, key: PoolKey) -> PinnedNeed | None:
-        """The workers the pool's pinned adapters need, as its last pass counted them (None: not known)."""
+    def last_plan(self, key: PoolKey) -> PoolPlan | None:
+        """The pool's last pass's plan (the workers its pinned adapters need, where its copies are); None: none."""
         last = self._results.get(key)
-        return None if last is None else last.plan.pinned
+        return None if last is None else last.plan
 
     def forget(self, key: PoolKey) -> None:
         self.flights.forget(key)

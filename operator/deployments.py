@@ -2,7 +2,9 @@
 through its ``scale`` subresource (an autoscaling/v1 Scale), all that RBAC has to grant: ``patch`` on the
 Deployment itself could change its pod template (any image, service account or secret); and list the
 namespace's HorizontalPodAutoscalers, to find one that scales the same Deployment (a KEDA ScaledObject
-makes one too): two autoscalers would undo each other's replicas.
+makes one too): two autoscalers would undo each other's replicas. Before a scale-down it also merge-patches
+the pool's worker pods' ``pod-deletion-cost`` annotation (``patch`` on pods, metadata only as used here), so
+that the ReplicaSet removes the pods holding no pinned copy first (deletion_cost.py).
 
 Kopf's own API client is private, so this is a minimal one. Its connection is either given (tests pass
 the emulator's URL) or comes from kopf's public login functions: the pod's service account, else a
@@ -18,6 +20,8 @@ from typing import Any
 
 import aiohttp
 import kopf
+
+from lorafleet.operator.deletion_cost import DELETION_COST, MARK
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +133,14 @@ class DeploymentClient:
         """Merge-patch the Deployment's Scale to ``replicas`` (no precondition: the last writer wins, as
         with ``kubectl scale``)."""
         await self._scale("PATCH", namespace, name, {"spec": {"replicas": replicas}})
+
+    async def set_deletion_cost(self, namespace: str, pod: str, cost: int | None) -> None:
+        """Merge-patch the pod's ``pod-deletion-cost`` and the operator's mark of it (None: both removed):
+        deletion_cost.py."""
+        value = None if cost is None else str(cost)
+        await self._request("PATCH", f"/api/v1/namespaces/{namespace}/pods/{pod}",
+                            f"PATCH pods/{pod} in namespace {namespace}",
+                            {"metadata": {"annotations": {DELETION_COST: value, MARK: value}}})
 
     async def autoscalers_of(self, namespace: str, name: str) -> list[str] | None:
         """Names of the namespace's HorizontalPodAutoscalers whose target is Deployment ``name``; None when

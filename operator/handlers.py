@@ -54,6 +54,7 @@ from lorafleet.operator.crd_models import (
     parse_adapter,
     pool_selector,
 )
+from lorafleet.operator.deletion_cost import deletion_costs
 from lorafleet.operator.deployments import DeploymentClient
 from lorafleet.operator.finalizers import adapter_unload_wait, holders_text
 from lorafleet.operator.observed_generations import ObservedGenerations, object_key
@@ -149,7 +150,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
                                 unload_grace=config.unload_grace, quiet_grace=max(QUIET_GRACE_S, 3 * config.interval))
     scaler = PoolScaler(PrometheusClient(timeout=config.request_timeout),
                         deployments or DeploymentClient(timeout=config.request_timeout),
-                        allowed=PrometheusAllowlist(config.prometheus_urls))
+                        allowed=PrometheusAllowlist(config.prometheus_urls), rank_pods=config.rank_pods)
     controllers = Controllers(controller, scaler)
     trust = WorkerTrust()  # which pods each pool may reach (worker_trust.py)
     timers = TimerTasks()  # stopped at once when the operator stops (timer_tasks.py)
@@ -268,11 +269,12 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
         if body.metadata.get("deletionTimestamp"):
             return
         # ``status`` is kopf's live view: the pass merges its condition into the status as it is at its end.
+        plan = controller.last_plan((namespace, name))
         wanted = await timers.run(stopped, scaler.run(
             dict(body), status=status, pods=pool_pods(namespace, dict(body), kwargs),
             other_pools=other_pools(namespace, name, kwargs),
             replicasets=kwargs["worker_replicasets"].get(namespace, []),
-            pinned=controller.pinned_need((namespace, name)), now=utc_now()))
+            pinned=None if plan is None else plan.pinned, costs=deletion_costs(plan), now=utc_now()))
         if wanted is None:  # cut short by the operator's stop
             return
         wanted = conditions.settle((namespace, name), wanted, lambda t: t == SCALING)

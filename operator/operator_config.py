@@ -16,6 +16,9 @@ class OperatorConfig:
     prometheus_urls: tuple[str, ...] = field(default=(), metadata={
         "help": "the Prometheus servers a pool's spec.scaling.prometheusURL may name, as scheme://host:port, "
                 "comma-separated (any path on one is allowed); empty: none, and no pool is autoscaled"})
+    rank_pods: bool = field(default=False, metadata={
+        "help": "before a scale-down, set the worker pods' pod-deletion-cost so that the ReplicaSet removes those "
+                "holding no pinned copy first (needs patch on pods)"})
     retry_delay: float = field(default=2.0, metadata={"help": "seconds before a recoverable step is retried"})
     stager_token: str = field(default="", metadata={
         "help": "bearer token of the worker sidecars (from a Secret; required, >= 16 chars as the stager requires)"})

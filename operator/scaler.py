@@ -22,7 +22,8 @@ Kopf-free glue between the pool's autoscale timer and ``autoscaler`` (the policy
    started waits so for every pod ready for less (it cannot tell which replicas are new);
 7. never goes below the workers the pool's pinned adapters need (the reconcile counts them: pinned_need.py),
    nor down at all while that is not known, within maxReplicas (``autoscaler.pinned_floor``);
-8. patches ``spec.replicas`` when the result differs (``FailedUpdateScale``).
+8. patches ``spec.replicas`` when the result differs (``FailedUpdateScale``); before a scale-down, with
+   ``--rank-pods``, sets the pods' deletion costs so that those holding pinned copies go last (deletion_cost.py).
 
 It returns the status keys it writes: ``hitRate`` and ``kvUsage`` (removed when unknown; ``OWNED_KEYS`` leaves
 ``kvUsage`` out, as the reconcile writes it again once ``spec.scaling`` goes), ``desiredReplicas``,
@@ -42,6 +43,7 @@ from typing import Any
 from lorafleet.operator.autoscaler import ScalingSpec, Stabilizer, bound_correction, pinned_floor, recommend
 from lorafleet.operator.controller import PoolKey, merge_conditions
 from lorafleet.operator.crd_models import PoolSpec, SpecError
+from lorafleet.operator.deletion_cost import cost_changes
 from lorafleet.operator.deployments import DeploymentClient, KubeError, TargetNotFound
 from lorafleet.operator.ownership import pod_names, ready_worker_pods
 from lorafleet.operator.pinned_need import NO_PINNED, PinnedNeed
@@ -90,8 +92,9 @@ class PoolScaler:
     """The autoscaler of every pool (one pass: ``run``), with each pool's memory (``forget`` / ``retain``)."""
 
     def __init__(self, metrics: PrometheusClient, deployments: DeploymentClient, *, allowed: PrometheusAllowlist,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, rank_pods: bool = False) -> None:
         self.metrics = metrics
+        self.rank_pods = rank_pods  # set pod deletion costs before a scale-down (deletion_cost.py)
         self.allowed = allowed  # the Prometheus servers it may ask
         self.deployments = deployments
         self.clock = clock
@@ -125,24 +128,25 @@ class PoolScaler:
     async def run(self, body: dict[str, Any], *, status: Mapping[str, Any] | None = None,
                   pods: Iterable[dict[str, Any]], other_pools: Iterable[dict[str, Any]],
                   replicasets: Iterable[dict[str, Any]] = (), pinned: PinnedNeed | None = NO_PINNED,
-                  now: str) -> dict[str, Any]:
+                  costs: Mapping[str, int] | None = None, now: str) -> dict[str, Any]:
         """The status keys this pass owns, as they should be (``conditions``: the pool's current ones with
         Scaling replaced); a pool without ``spec.scaling`` gets them removed. ``status``: the pool's status
         as it is when the pass ends (kopf's live view; default: the body's), read after the pass's I/O so
         that a condition another writer set meanwhile is kept. ``replicasets``: the namespace's
         (worker_trust.slim_replicaset), which say which pods the other pools may reach. ``pinned``: the workers
-        the pool's pinned adapters need (the reconcile's count; None: not known), below which it never scales."""
+        the pool's pinned adapters need (the reconcile's count; None: not known), below which it never scales.
+        ``costs``: pod -> its deletion cost (deletion_cost.deletion_costs), written before a scale-down."""
         if (body.get("spec") or {}).get("scaling") is None:
             meta = body.get("metadata") or {}
             self.forget((meta.get("namespace", ""), meta.get("name", "")))
             return merge_conditions(dict((body.get("status") if status is None else status) or {}),
                                     {k: None for k in OWNED_KEYS}, drop=[SCALING])
-        own, (ok, reason, message) = await self._run(body, pods, other_pools, replicasets, pinned, now)
+        own, (ok, reason, message) = await self._run(body, pods, other_pools, replicasets, pinned, costs or {}, now)
         live = dict((body.get("status") if status is None else status) or {})  # read after the pass's I/O
         return merge_conditions(live, {**own, "conditions": [condition(live, SCALING, ok, reason, message, now)]})
 
     async def _run(self, body: dict[str, Any], pods: Iterable[dict[str, Any]], other_pools: Iterable[dict[str, Any]],
-                   replicasets: Iterable[dict[str, Any]], pinned: PinnedNeed | None,
+                   replicasets: Iterable[dict[str, Any]], pinned: PinnedNeed | None, costs: Mapping[str, int],
                    now: str) -> tuple[dict[str, Any], tuple[bool, str, str]]:
         """(the status keys it owns but conditions, the Scaling condition's (ok, reason, message))."""
         pods = list(pods)
@@ -281,6 +285,8 @@ class PoolScaler:
                 f"selects by, metrics.serviceMonitor.labels) keeping those two labels"))
         if wanted == current:
             return result, (True, "Steady", f"{current} replicas: {why}{note}{observed}")
+        if wanted < current and self.rank_pods:
+            note += await self._rank_pods(namespace, pods, costs)
         try:
             await self.deployments.set_replicas(namespace, spec.target, wanted)
         except KubeError as exc:
@@ -290,6 +296,19 @@ class PoolScaler:
         log.info("LoRAPool %s/%s: Deployment %s scaled %d -> %d (%s)", *key, spec.target, current, wanted, why)
         reason = "ScaledUp" if wanted > current else "ScaledDown"
         return {**result, "lastScaleTime": now}, (True, reason, f"{current} -> {wanted} replicas: {why}{note}{observed}")
+
+    async def _rank_pods(self, namespace: str, pods: list[dict[str, Any]], costs: Mapping[str, int]) -> str:
+        """Before a scale-down: the pods' deletion costs from the pool's last plan (deletion_cost.py), so the
+        ReplicaSet removes those holding no pinned copy first. Empty, or a note when the API server refused
+        (the scale-down goes on: the floor keeps enough workers, a pinned copy lost is placed again)."""
+        for pod, cost in cost_changes(pods, costs).items():
+            try:
+                await self.deployments.set_deletion_cost(namespace, pod, cost)
+            except KubeError as exc:
+                log.warning("pod %s/%s: its deletion cost was not set: %s", namespace, pod, exc)
+                return (f"; the pods were not ranked for the scale-down ({exc}; grant the operator patch on "
+                        f"pods): the ReplicaSet may remove one holding a pinned copy, placed again after")
+        return ""
 
     @staticmethod
     def _note(spec: ScalingSpec, recommended: int, wanted: int, current: int) -> str:

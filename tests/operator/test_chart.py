@@ -29,7 +29,7 @@ CUSTOM_KINDS = {"LoRAPool", "ServiceMonitor", "PodMonitor", "KopfPeering", "Clus
 VALUE_SETS = {
     "defaults": {},
     "replicated-clusterwide": {
-        "operator": {"replicas": 2, "watchNamespace": "*"},
+        "operator": {"replicas": 2, "watchNamespace": "*", "rankPodsForScaleDown": True},
         "metrics": {"serviceMonitor": {"enabled": True}},
         "pool": {"scaling": {"prometheusURL": "http://prometheus.monitoring:9090", "maxReplicas": 4},
                  "tenantSources": ["s3://adapters/{namespace}/{tenant}/"]},
@@ -247,7 +247,10 @@ def test_operator_rbac_is_least_privilege():
             assert "secrets" not in rule["resources"], name
             assert not {"delete", "deletecollection", "update"} & set(rule["verbs"]), name
         pods = next(r for r in rules if "pods" in r["resources"])
-        assert set(pods["verbs"]) == {"get", "list", "watch"}
+        ranked = values.get("operator", {}).get("rankPodsForScaleDown", False)  # pod-deletion-cost annotations
+        assert set(pods["verbs"]) == {"get", "list", "watch", *(["patch"] if ranked else [])}
+        operator = find(docs, "Deployment", "-operator")["spec"]["template"]["spec"]["containers"][0]
+        assert {e["name"]: e.get("value") for e in operator["env"]}["LORAFLEET_RANK_PODS"] == str(ranked).lower()
         # The autoscaler reads and patches the replicas of a pool's target Deployment through its scale
         # subresource, nothing else (patch on deployments could change the pod template).
         deployments = [r for r in rules if any(x.startswith("deployments") for x in r["resources"])]

@@ -212,3 +212,29 @@ async def test_no_api_server_and_no_credentials_are_kube_errors():
     with pytest.raises(KubeError, match="no Kubernetes credentials"):
         await client.set_replicas(NS, "workers", 2)
     await client.close()
+
+
+async def test_a_pods_deletion_cost_is_set_and_removed_by_merge_patch(cluster):  # noqa: F811
+    """The autoscaler ranks a scale-down's pods by their pod-deletion-cost annotation (deletion_cost.py): set with
+    the operator's mark beside it, removed with it, every other annotation and the pod's spec untouched."""
+    from lorafleet.operator.deletion_cost import DELETION_COST, MARK
+
+    from .test_handlers import pod_body
+
+    emulator, url = cluster
+    pod = pod_body("w-0", 8001)
+    pod["metadata"]["annotations"] = {"prometheus.io/scrape": "true"}
+    await api(emulator, "POST", f"/api/v1/namespaces/{NS}/pods", pod)
+    client = DeploymentClient(kopf.ConnectionInfo(server=url, token="test"), timeout=2.0)
+    try:
+        await client.set_deletion_cost(NS, "w-0", 2001)
+        stored = emulator.objects["v1/pods", NS, "w-0"]
+        assert stored["metadata"]["annotations"] == {"prometheus.io/scrape": "true", DELETION_COST: "2001",
+                                                     MARK: "2001"}
+        assert stored["spec"] == pod["spec"]
+        await client.set_deletion_cost(NS, "w-0", None)
+        assert emulator.objects["v1/pods", NS, "w-0"]["metadata"]["annotations"] == {"prometheus.io/scrape": "true"}
+        with pytest.raises(KubeError, match="HTTP 404"):
+            await client.set_deletion_cost(NS, "gone", 1)
+    finally:
+        await client.close()

@@ -47,6 +47,8 @@ class Deployments:
         self.get_error: Exception | None = None
         self.patch_error: Exception | None = None
         self.autoscalers: list[str] | None | Exception = []  # HPAs scaling the target (None: cannot tell)
+        self.calls: list[tuple[str, int | None]] = []  # ("replicas", n) and (pod, deletion cost), in order
+        self.cost_error: Exception | None = None
 
     async def get_replicas(self, namespace: str, name: str) -> int:
         assert (namespace, name) == ("ns", "workers")
@@ -64,7 +66,13 @@ class Deployments:
         if self.patch_error:
             raise self.patch_error
         self.patches.append(replicas)
+        self.calls.append(("replicas", replicas))
         self.replicas = replicas
+
+    async def set_deletion_cost(self, namespace: str, pod: str, cost: int | None) -> None:
+        if self.cost_error:
+            raise self.cost_error
+        self.calls.append((pod, cost))
 
     async def close(self) -> None:
         pass
@@ -100,10 +108,10 @@ def setup():
 
 
 async def tick(scaler: PoolScaler, body: dict, pods: list[dict], replicasets: list[dict] = (),
-               pinned: PinnedNeed | None = NO_PINNED) -> dict:
+               pinned: PinnedNeed | None = NO_PINNED, costs: dict[str, int] | None = None) -> dict:
     """One pass; the wanted keys are applied to ``body``'s status the way a merge patch would."""
     wanted = await scaler.run(copy.deepcopy(body), pods=pods, other_pools=[], replicasets=replicasets, pinned=pinned,
-                              now=NOW)
+                              costs=costs, now=NOW)
     for key, value in wanted.items():
         if value is None:
             body["status"].pop(key, None)
@@ -572,3 +580,38 @@ async def test_a_deployment_another_autoscaler_scales_is_left_to_it(setup):
         st = await tick(scaler, pool(), [pod("w-0"), pod("w-1")])
         assert scaling_condition(st)["reason"] != "ConflictingAutoscaler"
     assert deployments.patches, "scaled once nothing else scales it"
+
+
+@pytest.mark.parametrize("rank_pods", [True, False])
+async def test_a_scale_down_first_ranks_the_pods_holding_pinned_copies_to_go_last(rank_pods):
+    """Lowering spec.replicas leaves the choice of pods to the ReplicaSet: the newest ready ones, here w-2, which
+    holds the only copy of a pinned adapter. With --rank-pods the pods' deletion costs are set first from the
+    last plan (w-2's pinned copy, w-1's warm one); a cost someone else set (w-0's, unmarked) is left as it is,
+    and one the operator set on a pod that now holds nothing would be removed."""
+    from lorafleet.operator.deletion_cost import DELETION_COST, MARK
+
+    metrics, deployments = Metrics(), Deployments(3)
+    scaler = PoolScaler(metrics, deployments, allowed=PrometheusAllowlist([PROM]), clock=Clock(), rank_pods=rank_pods)
+    metrics.signals = (0.99, 0.1, 0.0)
+    pods = [pod("w-0", since="2025-12-01T00:00:00Z"), pod("w-1", since="2025-12-01T00:00:00Z"),
+            pod("w-2", since="2025-12-31T23:00:00Z"), pod("w-3", ready=False)]
+    pods[0]["metadata"]["annotations"] = {DELETION_COST: "-5"}
+    pods[3]["metadata"]["annotations"] = {DELETION_COST: "1", MARK: "1"}
+    status = await tick(scaler, pool(), pods, pinned=PinnedNeed(1, 1), costs={"w-0": 1, "w-1": 1, "w-2": 1000})
+    assert deployments.patches == [2]
+    if rank_pods:
+        assert deployments.calls == [("w-1", 1), ("w-2", 1000), ("w-3", None), ("replicas", 2)]
+    else:
+        assert deployments.calls == [("replicas", 2)]
+    assert status["conditions"][0]["reason"] == "ScaledDown"
+
+
+async def test_pods_the_api_server_will_not_rank_still_scale_down_with_a_note():
+    metrics, deployments = Metrics(), Deployments(3)
+    scaler = PoolScaler(metrics, deployments, allowed=PrometheusAllowlist([PROM]), clock=Clock(), rank_pods=True)
+    metrics.signals = (0.99, 0.1, 0.0)
+    deployments.cost_error = KubeError("PATCH pods/w-2 in namespace ns: HTTP 403: forbidden", 403)
+    status = await tick(scaler, pool(), [pod(f"w-{i}") for i in range(3)], costs={"w-2": 1000})
+    cond = status["conditions"][0]
+    assert deployments.patches == [2] and cond["reason"] == "ScaledDown"
+    assert "the pods were not ranked for the scale-down" in cond["message"] and "HTTP 403" in cond["message"]
