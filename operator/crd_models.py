@@ -375,8 +375,7 @@ def last_valid_spec(meta: dict[str, Any], status: dict[str, Any]) -> AdapterSpec
 
 @dataclass(slots=True)
 class InvalidAdapter:
-    """A LoRAAdapter whose spec does not parse: reported Failed, its last valid spec kept in force, and
-    unloaded by name when deleted (so its finalizer can go)."""
+    """A spec that does not parse: Failed, its last valid spec kept in force, unloaded by name when deleted."""
 
     name: str
     namespace: str
@@ -385,6 +384,7 @@ class InvalidAdapter:
     deleting: bool = False
     status: dict[str, Any] = field(default_factory=dict)
     last_valid: AdapterSpec | None = None
+    raw_spec: dict[str, Any] = field(default_factory=dict)  # as written (a rollback in it still applies: rollback.py)
 
 
 def parse_adapter(body: dict[str, Any]) -> AdapterSpec | InvalidAdapter:
@@ -392,8 +392,8 @@ def parse_adapter(body: dict[str, Any]) -> AdapterSpec | InvalidAdapter:
     try:
         return AdapterSpec.parse(body)
     except SpecError as exc:
-        meta, status = body.get("metadata") or {}, body.get("status") or {}
+        meta, status, spec = body.get("metadata") or {}, body.get("status") or {}, body.get("spec")
         return InvalidAdapter(name=str(meta.get("name", "")), namespace=str(meta.get("namespace", "")),
                               error=str(exc), generation=int(meta.get("generation", 0) or 0),
                               deleting=bool(meta.get("deletionTimestamp")), status=dict(status),
-                              last_valid=last_valid_spec(meta, status))
+                              last_valid=last_valid_spec(meta, status), raw_spec=spec if isinstance(spec, dict) else {})

@@ -53,6 +53,7 @@ from lorafleet.operator.crd_models import AdapterSpec, InvalidAdapter, PoolSpec,
 from lorafleet.operator.pinned_need import PinnedNeed, pool_pinned_need
 from lorafleet.operator.placement import Placement, canary_bytes, place_warm, warm_count
 from lorafleet.operator.reports import WorkerIndex, WorkerReport
+from lorafleet.operator.rollback import with_rollback
 from lorafleet.operator.statuses import adapter_status, pool_status, unserved_status
 from lorafleet.operator.tenant_quota import SizeWait, over_quota, refused_size, size_settled
 from lorafleet.operator.tenant_sources import foreign_regions, own_folders, source_problem
@@ -267,7 +268,7 @@ def _fallback(pool: PoolSpec | None, x: AdapterSpec | InvalidAdapter) -> Adapter
     held = x.last_valid
     changed = isinstance(x, InvalidAdapter) or (held is not None and held.raw_spec != x.raw_spec)
     if held is not None and changed and pool is not None and held.pool == pool.name and check_adapter(pool, held) is None:
-        return held
+        return with_rollback(held, x)  # a canary stopped in the edit stops (rollback.py)
     return None
 
 

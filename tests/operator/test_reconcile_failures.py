@@ -3,6 +3,7 @@ versions that fail to stage, a pool that is gone."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 
@@ -302,3 +303,45 @@ def test_the_byte_quota_counts_the_canary_and_a_canary_over_it_leaves_the_stable
     plan = reconcile_pool(q, [edited], ws, now=NOW)
     assert served(plan, "a") == dict.fromkeys(("w0", "w1"), ("v1", None, True))
     assert plan.adapter_statuses["a"]["phase"] == "Failed"
+
+
+@pytest.mark.parametrize(("edit", "served_canary"), [
+    ({"canary": {"version": "v2", "source": {"uri": "s3://adapters/a/v2/"}, "weight": 0}}, ("v2", 0)),
+    ({"canary": {"version": "v2", "source": {"uri": "s3://adapters/a/v2/"}, "weight": 5}}, ("v2", 5)),
+    ({"canary": None}, None),
+    ({}, None),  # spec.canary removed
+    ({"canary": {"version": "v2", "source": {"uri": "s3://adapters/a/v2/"}, "weight": 50}}, ("v2", 20)),  # a raise
+    ({"canary": {"version": "v3", "source": {"uri": "s3://adapters/a/v3/"}, "weight": 0}}, ("v2", 20)),
+    ({"version": "v2", "source": {"uri": "s3://adapters/a/v2/", "sha256": "ABCDEF"}}, ("v2", 20)),  # a promotion
+])
+def test_a_canary_stopped_in_an_edit_refused_for_a_typo_elsewhere_stops(edit, served_canary):
+    """An emergency rollback (canary weight 0, lowered, or removed) in an edit that also has a mistyped sha256:
+    the edit is refused and its last valid spec stays in force, but with the canary cut as the edit asks. A
+    raise, another canary version or a promotion waits for the edit to be valid."""
+    from .test_reconcile import converge
+
+    canary = {"version": "v2", "source": {"uri": "s3://adapters/a/v2/"}, "weight": 20}
+    ws = workers(2)
+    plan = converge(pool(), [parse_adapter(body(canary=canary))], ws)
+    spec = {"canary": canary, "source": {"uri": "s3://adapters/a/v1/", "sha256": "ABCDEF"}, **edit}
+    if "canary" not in edit and "version" not in edit:
+        del spec["canary"]
+    edited = parse_adapter(body(status=copy.deepcopy(plan.adapter_statuses["a"]), generation=4, **spec))
+    plan = reconcile_pool(pool(), [edited], ws, now=NOW)
+    assert plan.adapter_statuses["a"]["phase"] == "Failed"
+    for desired in plan.desired.values():
+        d = desired.by_name()["a"]
+        assert d.stable.version == "v1" and d.stable.sha256 is None  # the last valid spec's
+        assert (None if d.canary is None else (d.canary.version, d.canary_weight)) == served_canary
+
+
+def test_a_canary_stopped_in_an_edit_that_parses_but_is_refused_stops():
+    canary = {"version": "v2", "source": {"uri": "s3://adapters/a/v2/"}, "weight": 20}
+    ws = workers(2)
+    plan = converge(pool(), [parse_adapter(body(canary=canary))], ws)
+    edited = parse_adapter(body(status=copy.deepcopy(plan.adapter_statuses["a"]), generation=4, baseModel="typo",
+                                canary={**canary, "weight": 0}))
+    assert not isinstance(edited, InvalidAdapter)  # refused by the pool's check, not by parsing
+    plan = reconcile_pool(pool(), [edited], ws, now=NOW)
+    assert plan.adapter_statuses["a"]["message"].startswith("spec.baseModel:")
+    assert {pod: d.by_name()["a"].canary_weight for pod, d in plan.desired.items()} == {"w0": 0, "w1": 0}
