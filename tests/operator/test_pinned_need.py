@@ -77,10 +77,8 @@ def test_pins_no_count_of_workers_holds_set_no_floor():
                                                                    1, 2, more)[0] == 3
 
 
-def test_the_count_models_no_more_workers_than_copies_can_use(monkeypatch):
-    """At the largest maxReplicas, a pass models no more workers than the pinned copies can take (one each, and
-    one for copies on every worker), and finds the same count (before, each pass placed the copies on a model
-    of maxReplicas workers several times: seconds of the event loop at 100,000)."""
+def models_placed(monkeypatch) -> list[int]:
+    """The sizes of the model pools pinned_need places copies on, as it does (one entry per placement)."""
     from lorafleet.operator import pinned_need
 
     modelled, place_warm = [], pinned_need.place_warm
@@ -90,6 +88,14 @@ def test_the_count_models_no_more_workers_than_copies_can_use(monkeypatch):
         return place_warm(ads, model, **kwargs)
 
     monkeypatch.setattr(pinned_need, "place_warm", counting)
+    return modelled
+
+
+def test_the_count_models_no_more_workers_than_copies_can_use(monkeypatch):
+    """At the largest maxReplicas, a pass models no more workers than the pinned copies can take (one each, and
+    one for copies on every worker), and finds the same count (before, each pass placed the copies on a model
+    of maxReplicas workers several times: seconds of the event loop at 100,000)."""
+    modelled = models_placed(monkeypatch)
     big = {**SCALING, "maxReplicas": 1000}
     ads = [adapter("a", pinned=True, warm=2), adapter("b", pinned=True), adapter("c", pinned=True, warm="all")]
     assert need(ads, workers(3, pool_slots=2), scaling=big) == need(ads, workers(3, pool_slots=2)) == PinnedNeed(3, 3)
@@ -103,15 +109,7 @@ def test_a_large_count_is_found_without_modelling_every_count_up_to_max_replicas
     The count starts from its lower bound (the pins' slots and bytes over a worker's room), where identical
     model workers mostly hold them: one model of that size. Copies on every worker that no worker holds
     together are seen on one model worker, not on models of four times maxReplicas."""
-    from lorafleet.operator import pinned_need
-
-    modelled, place_warm = [], pinned_need.place_warm
-
-    def counting(ads, model, **kwargs):
-        modelled.append(len(model))
-        return place_warm(ads, model, **kwargs)
-
-    monkeypatch.setattr(pinned_need, "place_warm", counting)
+    modelled = models_placed(monkeypatch)
     big = {**SCALING, "maxReplicas": 1000}
     ads = [adapter(f"p{i:04d}", pinned=True) for i in range(1000)]
     if case == "a thousand pins":
