@@ -87,13 +87,15 @@ async def _proxy(port: int, *, chunk: int, before: Hook | None = None, after: Ho
 
 
 @contextlib.asynccontextmanager
-async def trickling_proxy(port: int, *, chunk: int = 1024, every_s: float = 0.05):
+async def trickling_proxy(port: int, *, chunk: int = 1024, every_s: float = 0.05, path: str | None = None):
     """A TCP proxy to 127.0.0.1:`port` that passes the store's answers on at `chunk` bytes per `every_s`
-    (a store on a congested link); requests pass at full speed."""
+    (a store on a congested link); requests pass at full speed. `path`: only the answers to requests naming it
+    (the weights' object: the listing and the small files come at once, so the download is receiving by then)."""
     async def pace(held: list[bool]) -> None:
-        await asyncio.sleep(every_s)
+        if path is None or held[0]:
+            await asyncio.sleep(every_s)
 
-    async with _proxy(port, chunk=chunk, after=pace) as endpoint:
+    async with _proxy(port, chunk=chunk, after=pace, held_path=None if path is None else path.encode()) as endpoint:
         yield endpoint
 
 

@@ -277,7 +277,9 @@ async def test_the_operator_stops_at_once(cluster, sidecars):
     finally:
         began = time.monotonic()
         await operator.__aexit__(None, None, None)
-    assert time.monotonic() - began < 2.0
+    # Under kopf's 5 s wait for hung tasks (what this guards against); the events still queued at the stop are
+    # handled first, up to 2.4 s on a loaded 2-core machine.
+    assert time.monotonic() - began < 4.5
 
 
 async def test_sidecar_refuses_a_wrong_token(cluster, sidecars):

@@ -49,6 +49,9 @@ def adapters(tiny_llama_dir, tmp_path_factory) -> dict[str, Path]:
             "big": make_peft_adapter(tiny_llama_dir, root / "big", rank=32, seed=3)}
 
 
+WEIGHTS = "adapter_model.safetensors"  # the object a trickling store slows: the download is receiving at its deadline
+
+
 def upload(client, prefix: str, directory: Path, names: tuple[str, ...] | None = None) -> None:
     upload_folder(client, "adapters", prefix, directory, names)
 
@@ -102,7 +105,7 @@ async def test_a_slow_store_times_out_reports_progress_and_leaves_nothing(s3, ad
     upload(s3.client(), "team/slow/", adapters["big"])
     uri, sha = "s3://adapters/team/slow/", adapter_digest(adapters["big"])
     cache = tmp_path / "cache"
-    async with trickling_proxy(s3.port) as endpoint:
+    async with trickling_proxy(s3.port, path=WEIGHTS) as endpoint:
         stager = stager_for(endpoint, s3, cache, download_timeout_s=1.0)
         task = asyncio.ensure_future(stager.stage(uri, sha))
         seen = []
@@ -370,7 +373,7 @@ async def test_a_download_in_flight_counts_against_the_cache_budget(s3, adapters
     budget = big_size + old_size // 2  # room for the new one, not for both
     await stager_for(s3.endpoint, s3, cache, stager_cache_bytes=budget).stage(
         "s3://adapters/team/old/", adapter_digest(adapters["v1"]))
-    async with trickling_proxy(s3.port) as endpoint:
+    async with trickling_proxy(s3.port, path=WEIGHTS) as endpoint:
         stager = stager_for(endpoint, s3, cache, stager_cache_bytes=budget, download_timeout_s=1.0)
         assert len(stager.cache.entries()) == 1  # the old copy, from the run before
         task = asyncio.ensure_future(stager.stage("s3://adapters/team/slow/", adapter_digest(adapters["big"])))
@@ -400,7 +403,7 @@ async def test_a_reservation_keeps_the_uris_last_copy_its_fallback(s3, adapters,
     first = stager_for(s3.endpoint, s3, cache, stager_cache_bytes=big_size + old_size // 2)
     old = await first.stage(uri, None)
     upload(s3.client(), "team/moving2/", adapters["big"])  # a new upload: new etags, a new key
-    async with trickling_proxy(s3.port) as endpoint:
+    async with trickling_proxy(s3.port, path=WEIGHTS) as endpoint:
         stager = stager_for(endpoint, s3, cache, stager_cache_bytes=big_size + old_size // 2, download_timeout_s=1.0)
         stager._by_uri[uri] = old.path.name  # what the run before staged for it
         with pytest.raises(TimeoutError):
