@@ -161,12 +161,13 @@ def _editor(change: Change) -> Callable[[bytes], tuple[bytes, bool]]:
 
 @contextlib.asynccontextmanager
 async def corrupting_proxy(port: int, path: str, *, times: int | None = None, etag: str | None = None,
-                           cut_at: int | None = None):
+                           cut_at: int | None = None, same_byte: bool = False):
     """A TCP proxy to 127.0.0.1:`port` that alters the answers to GETs naming `path` (path-style `/bucket/key`,
     or the start of keys), keeping their length: one byte of the body flipped, at another offset in each
     answer, in the first `times` (None: every one); `etag`: each one's ETag header replaced by it (32 hex
     digits: as encrypted objects' ETags, no MD5 of their bytes); `cut_at`: the first answer's connection cut
-    after that many bytes of its body. Yields (endpoint, the status lines of the answers it saw)."""
+    after that many bytes of its body; `same_byte`: the byte at offset 100 of every answer (altered the same way
+    each time, as a faulty proxy or disk does). Yields (endpoint, the status lines of the answers it saw)."""
     answers: list[bytes] = []
 
     def change(head: bytes, at: int, part: bytes) -> bytes:
@@ -178,7 +179,7 @@ async def corrupting_proxy(port: int, path: str, *, times: int | None = None, et
         if answers[-1].split(b" ")[1] not in (b"200", b"206"):
             return part
         if times is None or n < times:
-            flip = 100 + 37 * n - at  # where in this part, if it is there
+            flip = 100 + (0 if same_byte else 37 * n) - at  # where in this part, if it is there
             if 0 <= flip < len(part):
                 part = part[:flip] + bytes([part[flip] ^ 0xFF]) + part[flip + 1:]
         if cut_at is not None and n == 0 and at + len(part) > cut_at:

@@ -9,7 +9,10 @@ Not every ETag of 32 hex digits is its object's MD5 (objects encrypted by some s
 mismatch is first taken for bytes altered in transit and the object is downloaded once more, within the same
 attempt and deadline. A second download that hashes to the ETag is kept; one that hashes as the first did has
 stable bytes and an ETag that is no MD5 of them: they are kept, logged once, and that bucket's ETags are not
-compared again by this process. Two downloads that differ from each other and from the ETag (or a checksum
+compared again by this process. Unless an object of that bucket hashed to its ETag before and this one is not
+stored encrypted (no `x-amz-server-side-encryption` answer header): the bucket's ETags are MD5s, and bytes
+that miss theirs the same way twice are altered the same way twice (a faulty proxy or disk), not kept.
+Without a sha256 in the directive, the first object a process reads from a bucket cannot be told so. Two downloads that differ from each other and from the ETag (or a checksum
 missed twice: a checksum is always of the content) fail the download as the store's fault (BytesAltered:
 502 `bytes_altered`, tried again by the next push), naming the object, what it should hash to and what came.
 That object's failure only: the store answered, so it is not marked down and the push's other versions still
@@ -41,6 +44,7 @@ class ObjectDigest:
 
     def __init__(self) -> None:
         self.etag: str | None = None  # the hex MD5 the object's ETag stands for; None: not compared
+        self.encrypted = False  # an answer said the object is stored encrypted (any server-side encryption)
         self.checksum: str | None = None  # the hex SHA-256 of its x-amz-checksum-sha256
         self._md5 = self._sha256 = None
 
@@ -55,7 +59,9 @@ class ObjectDigest:
         if headers.get("Content-Encoding", "identity").strip().lower() not in ("", "identity"):
             self.etag = self.checksum = None
         sse = headers.get("x-amz-server-side-encryption", "").strip().lower()
-        if sse.startswith("aws:kms") or "x-amz-server-side-encryption-customer-algorithm" in headers:
+        customer_key = "x-amz-server-side-encryption-customer-algorithm" in headers
+        self.encrypted = (self.encrypted and not whole) or bool(sse) or customer_key
+        if sse.startswith("aws:kms") or customer_key:
             self.etag = None  # the checksum is of the content still
 
     def update(self, chunk: bytes) -> None:
@@ -106,13 +112,20 @@ class DigestCheck:
 
     def __init__(self) -> None:
         self._etag_not_md5: set[str] = set()  # buckets
+        self._etag_md5: set[str] = set()  # buckets where an object's bytes hashed to its ETag
         self._lock = threading.Lock()
 
     def passes(self, bucket: str, digest: ObjectDigest) -> bool:
         """Whether the bytes hash to what the store says (true when it says nothing that can be compared)."""
         if digest.checksum is not None:
             return digest.sha256 == digest.checksum
-        return digest.etag is None or bucket in self._etag_not_md5 or digest.md5 == digest.etag
+        if digest.etag is None or bucket in self._etag_not_md5:
+            return True
+        if digest.md5 == digest.etag:
+            with self._lock:
+                self._etag_md5.add(bucket)
+            return True
+        return False
 
     def settle(self, bucket: str, where: str, first: ObjectDigest, second: ObjectDigest) -> None:
         """The object `where`, whose `first` download did not pass, was downloaded again (`second`): return to
@@ -127,6 +140,11 @@ class DigestCheck:
             raise BytesAltered(f"{where}: received MD5 {second.md5}, not its ETag {second.etag}, in two downloads "
                                   f"that differ ({first.md5} the first): the store or the link to it alters bytes "
                                   f"in transit; not staged")
+        if bucket in self._etag_md5 and not second.encrypted:
+            raise BytesAltered(f"{where}: received MD5 {second.md5}, not its ETag {second.etag}, in two downloads, "
+                               f"the same both times, from bucket {bucket} whose ETags are the MD5s of its objects "
+                               f"(and this object is not stored encrypted): the store or the link to it alters "
+                               f"these bytes the same way each time; not staged")
         with self._lock:  # stable bytes: the ETag is no MD5 of them (an encrypted object, a gateway's ETag)
             noted = bucket in self._etag_not_md5
             self._etag_not_md5.add(bucket)

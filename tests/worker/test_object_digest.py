@@ -115,6 +115,20 @@ async def test_an_etag_that_is_no_md5_of_stable_bytes_is_learnt_for_its_bucket(s
     assert len(warnings) == 1 and f"its ETag {NOT_MD5} is not the MD5 of its bytes" in warnings[0], warnings
 
 
+async def test_bytes_altered_the_same_way_twice_in_a_bucket_of_md5_etags_fail(s3, adapter, tmp_path):
+    """A proxy or disk that alters the same byte of every answer: two downloads hash alike and were taken for an
+    ETag that is no MD5 (an encrypting store's), the altered weights kept. Once an object of the bucket has hashed
+    to its ETag (here the adapter's config, read first), its ETags are MD5s: an object that is not stored
+    encrypted and misses its ETag the same way twice fails as altered. (The first object a process reads from a
+    bucket cannot be told so; a directive's sha256 can.)"""
+    upload(s3, "team/faulty/", adapter)
+    async with corrupting_proxy(s3.port, f"/adapters/team/faulty/{WEIGHTS_FILE}", same_byte=True) as (endpoint, _):
+        stager = stager_for(endpoint, s3, tmp_path / "cache")
+        with pytest.raises(BytesAltered, match="the same both times, from bucket adapters whose ETags are"):
+            await stager.stage("s3://adapters/team/faulty/", None)
+    assert stager.cache.entries() == []
+
+
 async def test_a_checksum_kept_with_the_object_decides_over_its_etag(s3, adapter, tmp_path):
     """An object uploaded with a SHA-256 checksum is checked against it: an ETag that is no MD5 costs nothing."""
     upload(s3, "team/summed/", adapter, checksum=True)
@@ -152,6 +166,31 @@ def test_a_whole_answer_to_a_ranged_get_restarts_the_hash():
     digest.answered({"Content-Range": "bytes 700-1499/1500", **whole}, None, whole=False)
     digest.update(data[700:])
     assert digest.md5 == digest.etag == hashlib.md5(data).hexdigest()
+
+
+@pytest.mark.parametrize("encryption", [None, "AES256"])
+def test_a_bucket_of_md5_etags_keeps_stable_bytes_only_of_an_encrypted_object(encryption):
+    """Once the bucket's ETags proved MD5s, bytes that miss theirs the same way twice fail, unless the object is
+    stored encrypted (a store whose SSE-S3 ETags are no MD5s, MinIO's among them, beside plain objects)."""
+    from lorafleet.worker.object_digest import DigestCheck
+
+    def read(data: bytes, etag: str, **headers: str) -> ObjectDigest:
+        digest = ObjectDigest()
+        digest.answered({"ETag": f'"{etag}"', **headers}, None, whole=True)
+        digest.update(data)
+        return digest
+
+    check = DigestCheck()
+    assert check.passes("b", read(b"plain", hashlib.md5(b"plain").hexdigest()))
+    sse = {} if encryption is None else {"x-amz-server-side-encryption": encryption}
+    first, second = read(b"sealed", NOT_MD5, **sse), read(b"sealed", NOT_MD5, **sse)
+    assert not check.passes("b", first)
+    if encryption is None:
+        with pytest.raises(BytesAltered, match="the same way each time"):
+            check.settle("b", "s3://b/x/w", first, second)
+    else:
+        check.settle("b", "s3://b/x/w", first, second)  # kept: the bucket's ETags are no longer compared
+        assert check.passes("b", read(b"other", NOT_MD5))
 
 
 @pytest.mark.parametrize(("headers", "compared"), [
