@@ -12,8 +12,10 @@ stable bytes and an ETag that is no MD5 of them: they are kept, logged once, and
 compared again by this process. Unless an object of that bucket hashed to its ETag before and this one is not
 stored encrypted (no `x-amz-server-side-encryption` answer header): the bucket's ETags are MD5s, and bytes
 that miss theirs the same way twice are altered the same way twice (a faulty proxy or disk), not kept.
-Without a sha256 in the directive, the first object a process reads from a bucket cannot be told so. Two downloads that differ from each other and from the ETag (or a checksum
-missed twice: a checksum is always of the content) fail the download as the store's fault (BytesAltered:
+Without a sha256 in the directive, the first object a process reads from a bucket cannot be told so.
+
+Two downloads that differ from each other and from the ETag (or a checksum missed twice: a checksum is always
+of the content), or that miss an MD5 ETag as above, fail the download as the store's fault (BytesAltered:
 502 `bytes_altered`, tried again by the next push), naming the object, what it should hash to and what came.
 That object's failure only: the store answered, so it is not marked down and the push's other versions still
 call it.
