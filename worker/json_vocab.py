@@ -22,11 +22,13 @@ import contextlib
 import functools
 import json
 import threading
+import time
 from collections import OrderedDict
 
 import torch
 
 from lorafleet.worker.json_constraint import JSON_OBJECT, advance
+from lorafleet.worker.regex_dfa import RegexError
 from lorafleet.worker.regex_length import LengthRegex
 from lorafleet.worker.regex_vocab import ClassTrie
 from lorafleet.worker.token_bytes import token_bytes
@@ -37,6 +39,11 @@ _NO_LOCK = contextlib.nullcontext()  # _cached for a cache one thread uses
 MAX_CACHED_MASKS = 512  # 512 masks of 49k booleans: 25 MB
 MAX_PREPARED_TRIES = 2  # of one request (JsonVocab.prepare)
 MAX_CACHED_TRIES = 8  # regex class tries (regex_vocab.py): ~25k nodes each on a 49k vocabulary
+# One mask's scan of the tokens through the grammar, on the engine's step that every request waits for: past it
+# the request fails. A union of patterned strings (one reading per branch) is scanned token by token: legitimate
+# ones take up to about 1 s on a 49k vocabulary; 64 branches of open-ended patterns took a minute a mask.
+MAX_SCAN_SECONDS = 3.0
+SCAN_CHECK_EVERY = 64  # tokens between looks at the clock
 MAX_CACHED_ENDS = 32  # trie walks of patterns beside lengths (_length_ends), up to a node's worth of groups each
 
 
@@ -133,6 +140,7 @@ class JsonVocab:
 
     def _build(self, grammar, state, may_complete: bool) -> torch.Tensor:
         self.num_built += 1
+        deadline = time.perf_counter() + MAX_SCAN_SECONDS
         ids: list[int] = []
         reading = grammar.regex_reading(state)
         if reading is not None:  # a regex between characters: whole-text tokens through its class trie
@@ -151,25 +159,25 @@ class JsonVocab:
                         mask[torch.tensor(group, dtype=torch.int64)] = False
                         ids.extend(t for t in group if self.accepts(state, t, may_complete, grammar))
             if in_json:
-                self._scan(grammar, state, self._special_buckets, self._bytes, may_complete, ids)
-                self._scan(grammar, state, self._escaped_buckets, self._bytes, may_complete, ids)
+                self._scan(grammar, state, self._special_buckets, self._bytes, may_complete, ids, deadline)
+                self._scan(grammar, state, self._escaped_buckets, self._bytes, may_complete, ids, deadline)
             else:
-                self._scan(grammar, state, self._partial[1], self._bytes, may_complete, ids)
+                self._scan(grammar, state, self._partial[1], self._bytes, may_complete, ids, deadline)
         elif grammar.is_in_string(state):
             room = grammar.string_room(state)  # a schema's maxLength: plain tokens of at most `room` characters
             mask = self._plain.clone() if room is None else self._plain & (self._plain_chars <= room)
-            self._scan(grammar, state, self._special_buckets, self._bytes, may_complete, ids)
+            self._scan(grammar, state, self._special_buckets, self._bytes, may_complete, ids, deadline)
         elif not grammar.ws_uniform(state):  # each token whole: " " may continue a key where "\t" may not
             mask = self._none.clone()
-            self._scan(grammar, state, self._buckets, self._bytes, may_complete, ids)
-            self._scan(grammar, state, self._ws_whole_buckets, self._bytes, may_complete, ids)
+            self._scan(grammar, state, self._buckets, self._bytes, may_complete, ids, deadline)
+            self._scan(grammar, state, self._ws_whole_buckets, self._bytes, may_complete, ids, deadline)
         else:
             mask = self._none.clone()
-            self._scan(grammar, state, self._buckets, self._bytes, may_complete, ids)
+            self._scan(grammar, state, self._buckets, self._bytes, may_complete, ids, deadline)
             after_ws = grammar.advance(state, b" ")  # every whitespace byte leads to the same state here
             if after_ws is not None:
                 mask |= self._all_ws
-                self._scan(grammar, after_ws, self._ws_buckets, self._rest, may_complete, ids)
+                self._scan(grammar, after_ws, self._ws_buckets, self._rest, may_complete, ids, deadline)
         if ids:
             mask[torch.tensor(ids, dtype=torch.int64)] = True
         return mask  # bool [V] on the CPU, True where a token may follow
@@ -216,8 +224,11 @@ class JsonVocab:
         return whole, buckets
 
     @staticmethod
-    def _scan(grammar, state, buckets: list[dict[int, list[int]]], data_of, may_complete: bool, ids: list[int]) -> None:
-        """Append to `ids` the tokens of `buckets` whose bytes `data_of[id]` may follow `state`."""
+    def _scan(grammar, state, buckets: list[dict[int, list[int]]], data_of, may_complete: bool, ids: list[int],
+              deadline: float) -> None:
+        """Append to `ids` the tokens of `buckets` whose bytes `data_of[id]` may follow `state`. RegexError past
+        `deadline` (the mask's build's, MAX_SCAN_SECONDS): its request fails, the others' step goes on."""
+        scanned = 0
         for first, groups in enumerate(buckets):
             if not groups:
                 continue
@@ -228,6 +239,11 @@ class JsonVocab:
                 if second >= 0 and grammar.advance(after_first, bytes((second,))) is None:
                     continue
                 for token_id in group:
+                    scanned += 1
+                    if scanned % SCAN_CHECK_EVERY == 0 and time.perf_counter() > deadline:
+                        raise RegexError(f"holding the output to this schema costs over {MAX_SCAN_SECONDS:g} s of a "
+                                         f"step (a union of patterned strings, each read at every token?): simplify "
+                                         f"it, or give the union's branches distinct first characters")
                     nxt = grammar.advance(state, data_of[token_id])
                     if nxt is not None and (may_complete or not grammar.is_complete(nxt)):
                         ids.append(token_id)

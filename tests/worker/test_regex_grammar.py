@@ -85,6 +85,30 @@ def test_a_mask_walk_past_its_time_budget_fails_its_request(monkeypatch):
         vocab.mask(grammar.start, True, grammar)
 
 
+def test_a_union_of_patterned_strings_scanned_past_its_time_budget_fails_its_request(monkeypatch):
+    """A union of patterned strings has no one regex to walk: its mask is scanned token by token through every
+    branch. That scan had no budget: 64 branches of open-ended patterns took a minute a mask on a 49k
+    vocabulary, every tenant's step waiting. Past MAX_SCAN_SECONDS the request's mask raises (the sampler ends
+    that request only)."""
+    import time
+
+    from lorafleet.worker import json_vocab
+    from lorafleet.worker.json_vocab import JsonVocab
+
+    schema = {"anyOf": [{"type": "string", "pattern": f"^[^Z]*[a-m][^Z]{{{20 + i}}}$"} for i in range(16)]}
+    grammar = schema_grammar(schema, False)
+    state = grammar.advance(grammar.start, b'"')
+    assert grammar.regex_reading(state) is None  # a union: scanned, not walked
+    vocab = JsonVocab(["".join(t).encode() for t in itertools.product("abcxyzZ", repeat=4)])  # 2401 tokens
+    assert vocab.mask(state, True, grammar)[1] > 0  # within the budget: a mask
+    monkeypatch.setattr(json_vocab, "MAX_SCAN_SECONDS", 0.001)
+    state = grammar.advance(state, b"ab")
+    start = time.perf_counter()
+    with pytest.raises(RegexError, match="costs over 0.001 s of a step"):
+        vocab.mask(state, True, grammar)
+    assert time.perf_counter() - start < 1.0  # refused near its budget, not after the whole scan
+
+
 def test_a_mask_walk_whose_nodes_cost_grammar_closures_is_refused_near_its_budget(monkeypatch):
     """The deadline was looked at every 1,024 trie nodes; a node of a 130-alternative nested grammar costs a
     closure, so a mask took 3.5 s to be refused at a 0.5 s budget (every tenant's step stalled meanwhile), and
