@@ -274,7 +274,8 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
             dict(body), status=status, pods=pool_pods(namespace, dict(body), kwargs),
             other_pools=other_pools(namespace, name, kwargs),
             replicasets=kwargs["worker_replicasets"].get(namespace, []),
-            pinned=None if plan is None else plan.pinned, costs=deletion_costs(plan), now=utc_now()))
+            pinned=None if plan is None else plan.pinned, costs=deletion_costs(plan) if scaler.rank_pods else None,
+            now=utc_now()))
         if wanted is None:  # cut short by the operator's stop
             return
         wanted = conditions.settle((namespace, name), wanted, lambda t: t == SCALING)
