@@ -96,7 +96,7 @@ class Engine:
             enable_chunked_prefill=config.enable_chunked_prefill, adapter_pool=self.adapter_pool,
             max_loras_per_batch=config.max_loras_per_batch, max_adapter_wait_steps=config.max_adapter_wait_steps,
             reclaim_pages=self._reclaim_adapter_pages, adapter_state=self.adapter_pool.residency,
-            never_fits=self.kv_room.refusal,
+            never_fits=self.kv_room.refusal, max_grammar_seconds_per_step=config.max_grammar_seconds_per_step,
         )
         kv_caches = self.page_pool.kv_caches(num_layers=mc.num_hidden_layers, block_size=config.block_size,
                                              num_kv_heads=mc.num_key_value_heads, head_dim=mc.head_dim)

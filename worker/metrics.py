@@ -76,6 +76,7 @@ class EngineSnapshot:
     max_lora: int = 0  # adapters the GPU pool can hold at once (slots)
     max_num_seqs: int = 0  # sequences a step may run at once (0: not known)
     num_preemptions: int = 0  # running requests preempted for KV pages since the start (recomputed later)
+    grammar_deferrals: int = 0  # guided decodes left out of a step for its grammar budget (grammar_pacing.py)
     prefix_cache: tuple[int, int] = (0, 0)  # prompt tokens looked up in the prefix cache, and found there
     running_adapters: list[str] = field(default_factory=list)
     waiting_adapters: list[str] = field(default_factory=list)
@@ -134,6 +135,8 @@ class _EngineCollector(Collector):
                                 "at 1 queues requests with KV to spare).", s.num_running / max(s.max_num_seqs, 1))
         yield CounterMetricFamily("lorafleet_preemptions", "Running requests preempted for KV pages.",
                                   s.num_preemptions)
+        yield CounterMetricFamily("lorafleet_guided_decodes_deferred", "Guided decodes left out of a step to hold "
+                                  "its grammar time to --max-grammar-seconds-per-step.", s.grammar_deferrals)
         yield GaugeMetricFamily("lorafleet_generation_tokens_per_second",
                                 f"Generated tokens per second over the last {THROUGHPUT_WINDOW_S:.0f} s.",
                                 throughput)

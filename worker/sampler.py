@@ -34,10 +34,12 @@ Logprobs are those of the model's raw distribution: before logit_bias, penalties
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 
 import torch
 
+from lorafleet.worker.grammar_pacing import observe
 from lorafleet.worker.json_guide import JsonGuide, JsonModeError
 from lorafleet.worker.sequence import Sequence, TokenLogprob
 from lorafleet.worker.token_counts import TokenCounts
@@ -124,6 +126,7 @@ class Sampler:
         for i, seq in enumerate(seqs):
             if not seq.params.json_object:
                 continue
+            began = time.perf_counter()
             try:
                 if guide is None:
                     raise JsonModeError("JSON mode needs the model's tokenizer (tokenizer.json)")
@@ -144,6 +147,8 @@ class Sampler:
                 tokens[i] = token_list[i]
             except Exception as exc:  # this request fails; the engine serves the others
                 self.row_errors[i] = exc
+            finally:
+                observe(seq, time.perf_counter() - began)  # the scheduler paces costly rows (grammar_pacing.py)
         return tokens
 
 

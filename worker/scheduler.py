@@ -22,7 +22,8 @@ cannot get pages, or such a starved sequence's adapter finds no room, the others
 a replaced version, never taken again once let go, go ahead of it). One that preempted itself running alone
 (adapters hold the rest of the pool) is readmitted only once the pages of all its tokens can be had, not chunk
 by chunk into the same wall; one that never can (`never_fits`) fails at once, or ends by length with its output.
-Where several tenants have keys (`shared`), one runs at most three quarters of the seats.
+Where several tenants have keys (`shared`), one runs at most three quarters of the seats. Guided decodes whose
+grammar work would make a step longer than `max_grammar_seconds_per_step` take turns (grammar_pacing.py).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from lorafleet.worker.adapter_entry import AdapterNotFoundError, AdapterSlots, a
 from lorafleet.worker.admission import tenant_share
 from lorafleet.worker.block_manager import BlockManager
 from lorafleet.worker.engine_errors import CapacityError, EngineError, UnknownAdapterError
+from lorafleet.worker.grammar_pacing import pace
 from lorafleet.worker.page_pool import PagePoolError
 from lorafleet.worker.scheduled_batch import ScheduledBatch
 from lorafleet.worker.sequence import Sequence, SequenceStatus
@@ -57,6 +59,7 @@ class Scheduler(StepTokens):
         reclaim_pages: Callable[[int], int] | None = None,
         adapter_state: Callable[[str], str] | None = None,
         never_fits: Callable[[Sequence], EngineError | None] | None = None,
+        max_grammar_seconds_per_step: float | None = None,
     ) -> None:
         self.block_manager, self.max_num_seqs, self.max_num_batched_tokens = block_manager, max_num_seqs, max_num_batched_tokens
         self.enable_chunked_prefill, self.adapter_pool = enable_chunked_prefill, adapter_pool
@@ -68,6 +71,9 @@ class Scheduler(StepTokens):
         # for GPU pages or a slot), "quota" (its tenant's own adapters must leave) or "load".
         self.adapter_state = adapter_state
         self.never_fits = never_fits  # why a sequence can never get the KV pages it needs (kv_room.py)
+        # A step's estimated grammar seconds for guided decodes (grammar_pacing.py; None: no bound), and how many
+        # decodes it has left out of a step since the start.
+        self.max_grammar_seconds_per_step, self.num_grammar_deferrals = max_grammar_seconds_per_step, 0
         self.shared: Callable[[], bool] = bool  # several tenants have keys: one runs at most tenant_share seats
         self.waiting = WaitingQueue(page_wait_limit=max_adapter_wait_steps)
         self.running: list[Sequence] = []
@@ -129,6 +135,8 @@ class Scheduler(StepTokens):
     # ---- one step --------------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         batch, loras, decodes = ScheduledBatch(), set(), [s for s in self.running if s.num_uncomputed_tokens <= 1]
+        decodes, held = pace(decodes, self.max_grammar_seconds_per_step)  # costly guided rows take turns
+        self.num_grammar_deferrals += held
         # 1. Running sequences, oldest first, decodes then prompt chunks; short of pages, preempt (preemption_victim).
         budget = self._run(batch, decodes, self.max_num_batched_tokens, None, loras)
         shares = TokenShares(budget, prefill_tenants(self.running, self.waiting, self._seats()))

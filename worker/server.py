@@ -80,6 +80,7 @@ def engine_snapshot(app: web.Application) -> EngineSnapshot:
     running, waiting = engine.adapters_in_use()
     return EngineSnapshot(
         num_running=e.num_running, num_waiting=e.num_waiting, num_preemptions=e.num_preemptions,
+        grammar_deferrals=e.scheduler.num_grammar_deferrals,
         kv_usage=e.kv_usage, prefix_cache=prefix_tokens(e.block_manager.prefix_cache),
         max_lora=e.config.max_loras, max_num_seqs=e.config.max_num_seqs,
         running_adapters=running,
