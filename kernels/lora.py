@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from lorafleet.kernels.lora_layout import NUM_PROJS, LoRABatch, LoRALayout
-from lorafleet.kernels.lora_reference import lora_expand_reference, lora_shrink_reference
+from lorafleet.kernels.lora_reference import lora_delta_host, lora_expand_reference, lora_shrink_reference
 
 BACKENDS = ("auto", "reference", "triton")
 
@@ -75,6 +75,29 @@ def _check_widths(name: str, layout: LoRALayout, proj_ids: list[int], widths: li
         raise ValueError(f"{name} {list(widths)} are not the adapters' {expected} for projections {proj_ids}")
 
 
+def _check_x(name: str, x: Tensor, layout: LoRALayout, layer: int, proj_ids: list[int], batch: LoRABatch) -> None:
+    """The checks of a shrink's input x [T, K] (and of the layout and batch it is read with)."""
+    _check_common(name, layout, layer, proj_ids, batch, x.device)
+    if x.dim() != 2 or x.shape[0] != batch.num_tokens or x.stride(1) != 1:
+        raise ValueError(f"{name}: x must be [T={batch.num_tokens}, K] with a contiguous last dim, got {tuple(x.shape)} strides {x.stride()}")
+    _check_widths(f"{name}: x's K", layout, proj_ids, [x.shape[1]] * len(proj_ids), side=0)
+    if x.dtype != layout.pool.dtype:
+        raise ValueError(f"{name}: x is {x.dtype}, the adapter pool {layout.pool.dtype}; they must match")
+
+
+def _check_y(name: str, y: Tensor, layout: LoRALayout, layer: int, proj_ids: list[int], batch: LoRABatch,
+             out_offsets: list[int]) -> list[tuple[int, int]]:
+    """The checks of an expand's output y [T, N]; returns its (start, width) slices."""
+    _check_common(name, layout, layer, proj_ids, batch, y.device)
+    if y.dim() != 2 or y.shape[0] != batch.num_tokens or y.stride(1) != 1:
+        raise ValueError(f"{name}: y must be [T={batch.num_tokens}, N] with a contiguous last dim, got {tuple(y.shape)} strides {y.stride()}")
+    if y.dtype != layout.pool.dtype:
+        raise ValueError(f"{name}: y is {y.dtype}, the adapter pool {layout.pool.dtype}; they must match")
+    slices = output_slices(out_offsets, len(proj_ids), y.shape[1])
+    _check_widths(f"{name}: the output slices' widths", layout, proj_ids, [n for _, n in slices], side=1)
+    return slices
+
+
 def shrink_buffer(*, x: Tensor, proj_ids: list[int], batch: LoRABatch, backend: str = "auto") -> Tensor:
     """An uninitialised float32 [S, P, T, R] output for `lora_shrink` (R = batch.max_rank, at least 1).
 
@@ -118,12 +141,7 @@ def lora_shrink(*, x: Tensor, layout: LoRALayout, layer: int, proj_ids: list[int
     (`shrink_buffer` makes one; a [P, T, R] buffer is one split, which leaves the GPU less parallel). Entries past a slot's rank, of tokens without a slot, or of a module
     the slot does not adapt are not read by `lora_expand` and may hold anything.
     """
-    _check_common("lora_shrink", layout, layer, proj_ids, batch, x.device)
-    if x.dim() != 2 or x.shape[0] != batch.num_tokens or x.stride(1) != 1:
-        raise ValueError(f"lora_shrink: x must be [T={batch.num_tokens}, K] with a contiguous last dim, got {tuple(x.shape)} strides {x.stride()}")
-    _check_widths("lora_shrink: x's K", layout, proj_ids, [x.shape[1]] * len(proj_ids), side=0)
-    if x.dtype != layout.pool.dtype:
-        raise ValueError(f"lora_shrink: x is {x.dtype}, the adapter pool {layout.pool.dtype}; they must match")
+    _check_x("lora_shrink", x, layout, layer, proj_ids, batch)
     out = _as_splits("lora_shrink: out", out, len(proj_ids), batch)
     if out.device != x.device:
         raise ValueError(f"lora_shrink: out is on {out.device}, x on {x.device}")
@@ -180,17 +198,10 @@ def lora_expand(
     before its dot with B^T (tensor cores), as PEFT's own fp16/bf16 forward does (x @ A^T in the model dtype):
     in float16 an |xa| past 65504 is inf there.
     """
-    _check_common("lora_expand", layout, layer, proj_ids, batch, y.device)
-    num = len(proj_ids)
-    if y.dim() != 2 or y.shape[0] != batch.num_tokens or y.stride(1) != 1:
-        raise ValueError(f"lora_expand: y must be [T={batch.num_tokens}, N] with a contiguous last dim, got {tuple(y.shape)} strides {y.stride()}")
-    if y.dtype != layout.pool.dtype:
-        raise ValueError(f"lora_expand: y is {y.dtype}, the adapter pool {layout.pool.dtype}; they must match")
-    xa = _as_splits("lora_expand: xa", xa, num, batch)
+    slices = _check_y("lora_expand", y, layout, layer, proj_ids, batch, out_offsets)
+    xa = _as_splits("lora_expand: xa", xa, len(proj_ids), batch)
     if xa.device != y.device:
         raise ValueError(f"lora_expand: xa is on {xa.device}, y on {y.device}")
-    slices = output_slices(out_offsets, num, y.shape[1])
-    _check_widths("lora_expand: the output slices' widths", layout, proj_ids, [n for _, n in slices], side=1)
     if not accumulate and batch.max_rank == 0:  # no slot adapts anything: the delta is zeros (the kernels launch nothing)
         # The rows of the segments only: a graph-shaped batch pads its token list past the last segment (with
         # token 0), rows the kernels leave as they are. No host read (capture-safe).
@@ -220,6 +231,12 @@ def lora_delta(
     place (tokens without a slot untouched). layout: `LoRALayout`. layer: int. batch: `LoRABatch` over the
     T tokens. proj_ids, out_offsets, accumulate: as `lora_expand` (accumulate=False: y = the delta).
     """
+    if x.device.type == "cpu" and resolve_backend(backend, x.device, x.dtype) == "reference":
+        _check_x("lora_delta", x, layout, layer, proj_ids, batch)
+        slices = _check_y("lora_delta", y, layout, layer, proj_ids, batch, out_offsets)
+        if lora_delta_host(x=x, layout=layout, layer=layer, proj_ids=proj_ids, batch=batch, y=y, out_slices=slices,
+                           accumulate=accumulate):
+            return
     xa = lora_xa(x=x, layout=layout, layer=layer, proj_ids=proj_ids, batch=batch, backend=backend)
     lora_expand(xa=xa, layout=layout, layer=layer, proj_ids=proj_ids, batch=batch, y=y, out_offsets=out_offsets, backend=backend,
                 accumulate=accumulate)

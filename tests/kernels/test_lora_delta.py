@@ -87,7 +87,7 @@ def test_launchers_refuse_bad_layer_proj_ids_and_x(backend):
         lora_delta(**{**args, "layer": 0.0})
     with pytest.raises(ValueError, match="proj_ids"):
         lora_delta(**{**args, "proj_ids": torch.tensor([0, 1])})
-    with pytest.raises(ValueError, match=r"shrink_buffer: x must be \[T, K\]"):
+    with pytest.raises(ValueError, match=r"(shrink_buffer|lora_delta): x must be \[T"):  # lora_delta: the CPU's host path
         lora_delta(**{**args, "x": x[0]})
     with pytest.raises(ValueError, match=r"shrink_buffer: x must be \[T, K\]"):
         shrink_buffer(x=x[0], proj_ids=[0], batch=batch, backend=backend)
@@ -139,3 +139,34 @@ def test_write_mode_without_adapted_slots_writes_zeros(backend, grouped, gen):
     lora_expand(xa=xa, layout=layout, layer=1, proj_ids=[3], batch=padded, y=y, out_offsets=[10, 74], backend=backend,
                 accumulate=False)
     assert y[0].isnan().all() and not y[padded.sorted_token_ids[:-1].long(), 10:74].any()
+
+
+@pytest.mark.parametrize("popularity", POPULARITIES)
+@pytest.mark.parametrize("accumulate", [True, False])
+def test_the_cpu_host_path_matches_the_general_one(popularity, accumulate, gen, monkeypatch):
+    """On CPU a batch of few adapters goes adapter by adapter (lora_reference.lora_delta_host, views of the pool
+    where rows follow one another, a copy where pages split them); it must give what the general path gives:
+    the same rows written (write mode: every segment token, zeros where no module is adapted; NaN left where
+    no segment covers a token), the same values to float32 rounding."""
+    from lorafleet.kernels import lora_reference
+
+    modules, layout = _setup(gen, torch.float32, num_slots=6)
+    for grouped, num_tokens in ((True, 24), (False, 7), (True, 1)):
+        slots = token_slots(popularity, num_tokens, 6, gen)
+        batch = make_lora_batch(slots, layout.max_rank_by_slot(), grouped=grouped, max_segment_len=5)
+        for proj_ids, k, widths in GROUPS.values():
+            x = torch.randn(num_tokens, k, generator=gen)
+            y0 = torch.randn(num_tokens, sum(widths), generator=gen) if accumulate else torch.full((num_tokens, sum(widths)), float("nan"))
+            offsets = [sum(widths[:i]) for i in range(len(widths))]
+            got = {}
+            for most in (0, 64):  # 0: every batch takes the general path; 64: every one the host path
+                monkeypatch.setattr(lora_reference, "HOST_SLOTS_MAX", most)
+                y = y0.clone()
+                lora_delta(x=x, layout=layout, layer=1, proj_ids=proj_ids, batch=dataclasses.replace(batch), y=y,
+                           out_offsets=offsets, backend="reference", accumulate=accumulate)
+                got[most] = y
+            assert torch.equal(got[0].isnan(), got[64].isnan())
+            assert torch.allclose(got[0].nan_to_num(), got[64].nan_to_num(), rtol=1e-5, atol=1e-5)
+            want = _want(modules, slots, x, 1, proj_ids, widths, y0.nan_to_num() if accumulate else torch.zeros_like(y0))
+            live = slots >= 0
+            assert float((got[64][live].double() - want[live]).norm() / max(float(want[live].norm()), 1e-9)) < 2e-4
