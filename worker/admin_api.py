@@ -47,8 +47,9 @@ from lorafleet.worker.openai_protocol import (
 )
 from lorafleet.worker.served_adapters import ServedAdapters
 from lorafleet.worker.sources import SourceError
-from lorafleet.worker.staging_errors import READ_ERROR_KINDS, source_status
+from lorafleet.worker.staging_errors import source_status
 from lorafleet.worker.state_json import reply
+from lorafleet.worker.tenant_folders import NO_FOLDERS, TenantFolders
 from lorafleet.worker.tenants import AuthenticationError, bearer_token, token_bytes
 
 T = TypeVar("T")
@@ -85,37 +86,32 @@ def require_admin(request: web.Request) -> None:
                    type="authentication_error", code="invalid_admin_token", headers={"WWW-Authenticate": "Bearer"})
 
 
-def _local_source(app: web.Application, uri: str, what: str, hashed: bool = True) -> tuple[str, str | None]:
+def _local_source(app: web.Application, uri: str, what: str, hashed: bool = True,
+                  folders: TenantFolders = NO_FOLDERS) -> tuple[str, str | None]:
     """The source to register for `uri`: its folder resolved inside the worker's adapter roots (the
     stager stages object-store sources into one of them), so what was checked is what is loaded; and the
     digest of its adapter files, each read from a descriptor found in the roots (Sources.verify_local): the
     loader refuses other bytes, so a file swapped for a link out of the roots after this check is never
-    loaded. An object-store URI (not staged) or a folder that does not exist passes unchanged, with no digest:
-    registering it fails and the failure is reported for that version (so are files missing, too large or
-    unreadable when hashed). Anything else is refused: 403 for a path out of the roots or with '..', or a file
-    found out of them as it is opened; 400 for a relative or malformed one (it would be read relative to the
-    worker's working directory), and as the stager answers it for a folder or file that cannot be read (403
-    permission denied, 422 a symlink loop or another read error). `hashed` False: no digest (the push gives one,
-    which the loader holds the bytes it reads to)."""
+    loaded. An object-store URI (not staged) passes unchanged, with no digest. A local source is never
+    registered without one (or the push's): a folder missing at the check, or whose files are missing, too
+    large or unreadable, is refused as the stager answers it (404, 413, 403 permission denied, 422), not passed
+    on to be read by path later, when a link out of the roots could stand in its place. 403 for a path out of
+    the roots or with '..', or a file found out of them as it is opened; 400 for a relative or malformed one
+    (it would be read relative to the worker's working directory). `hashed` False: no digest (the push gives
+    one, which the loader holds the bytes it reads to). `folders`: the version's tenant folders (a push's
+    VersionRef.folders), which the folder and its files must lie in too, as the stager checks them."""
     sources = app[SOURCES]
     if sources.is_s3(uri):
         return uri, None
     try:
-        path = sources.local_path(uri)
-        try:
-            return str(path), sources.verify_local(path, None, what) if hashed else None
-        except SourceError as exc:
-            if exc.kind == "not_allowed":
-                raise
-            return str(path), None
+        path = sources.local_path(uri, folders)
+        return str(path), sources.verify_local(path, None, what, folders) if hashed else None
     except SourceError as exc:
-        if exc.kind == "missing":
-            return uri, None
         if exc.kind == "not_allowed":
             raise APIError(403, f"{what}: {exc}; set --adapter-roots (LORAFLEET_ADAPTER_ROOTS) to allow a folder",
                            type="permission_error", code="source_not_allowed") from None
-        if exc.kind in READ_ERROR_KINDS:
-            status = source_status(exc.kind)
+        status = source_status(exc.kind)
+        if status != 400:  # the source's own state: that version's failure (a push's other versions go on)
             raise APIError(status, f"{what}: {exc}", type="permission_error" if status == 403 else
                            "invalid_request_error", code=exc.kind) from None
         raise APIError(400, f"{what}: {exc}", code="invalid_source") from None
@@ -133,7 +129,8 @@ def _with_local_sources(app: web.Application, state: DesiredState) -> tuple[Desi
         if ref is None:
             return None
         try:
-            uri, digest = _local_source(app, ref.uri, f"adapter {name}@{ref.version}", hashed=ref.sha256 is None)
+            uri, digest = _local_source(app, ref.uri, f"adapter {name}@{ref.version}", hashed=ref.sha256 is None,
+                                        folders=ref.folders)
         except APIError as err:
             if err.status == 400:
                 raise

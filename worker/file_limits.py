@@ -98,9 +98,10 @@ def read_chunks(
             )
 
 
-def read_limited(file: Path, max_bytes: int | None, *, fix: str | None = None) -> bytes:
-    """All of `file`, read once, checked as `read_chunks`."""
-    return b"".join(read_chunks(file, max_bytes, fix=fix))  # one piece: joined without a copy
+def read_limited(file: Path, max_bytes: int | None, *, fix: str | None = None,
+                 opened: Callable[[Path, int], None] | None = None) -> bytes:
+    """All of `file`, read once, checked as `read_chunks` (`opened` as there)."""
+    return b"".join(read_chunks(file, max_bytes, fix=fix, opened=opened))  # one piece: joined without a copy
 
 
 def _check(file: Path, info: os.stat_result, max_bytes: int | None, fix: str | None) -> None:

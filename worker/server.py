@@ -286,7 +286,8 @@ def create_app(config: WorkerConfig) -> web.Application:
     app[STATUS] = ServerStatus(started_at=time.time())
     setup_intake(app, config)  # admission, and the intake threads
     app[ADMIN_LOCK] = asyncio.Lock()
-    app[SOURCES] = Sources(SourcesConfig(local_roots=config.local_adapter_roots))
+    app[SOURCES] = Sources(SourcesConfig(local_roots=config.local_adapter_roots,  # the engine's file limit: checked alike
+                                         max_adapter_file_bytes=config.engine.max_adapter_file_bytes))
     app[METRICS] = WorkerMetrics(lambda: engine_snapshot(app), retired_grace_s=config.retired_series_grace_s,
                                  latency_series=config.adapter_latency_series)
     app[IN_FLIGHT] = set()

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 from lorafleet.worker.engine_errors import is_failure
 from lorafleet.worker.file_limits import FileLimitError, read_limited
+from lorafleet.worker.tenant_folders import opened_path
 
 T = TypeVar("T")
 # Texts whose ids tell apart two tokenizers of one vocabulary (their normalizer, pre-tokenizer or model flags
@@ -68,23 +69,24 @@ def _once_per_content(what: str, content: bytes, compute: Callable[[], T]) -> T:
     return value
 
 
-def _read(file: Path, max_bytes: int | None) -> bytes:
+def _read(file: Path, max_bytes: int | None, opened: Callable[[Path, int], None] | None = None) -> bytes:
     """The bytes of `file`; FileLimitError for a file over `max_bytes` (None: no limit) or not a regular file,
-    unread, and TokenizerFileError naming the file when it cannot be read."""
+    unread, and TokenizerFileError naming the file when it cannot be read. `opened`: as file_limits.read_chunks."""
     try:
-        return read_limited(file, max_bytes)
+        return read_limited(file, max_bytes, opened=opened)
     except FileLimitError:
         raise
     except OSError as exc:
         raise TokenizerFileError(f"{file}: not a readable tokenizer file ({type(exc).__name__})") from exc
 
 
-def _parse(file: Path, interpret: Callable[[Any], T], max_bytes: int | None, content: bytes | None = None) -> T:
+def _parse(file: Path, interpret: Callable[[Any], T], max_bytes: int | None, content: bytes | None = None,
+           opened: Callable[[Path, int], None] | None = None) -> T:
     """`interpret(json of file)` (of `content` if given: the file's bytes); any malformation becomes a
     TokenizerFileError naming the file. A file over `max_bytes` (None: no limit) or not a regular file raises
     FileLimitError, unread."""
     try:
-        raw = json.loads((_read(file, max_bytes) if content is None else content).decode("utf-8"))
+        raw = json.loads((_read(file, max_bytes, opened) if content is None else content).decode("utf-8"))
         if not isinstance(raw, dict):
             raise _Malformed(f"expected a JSON object, found a JSON {type(raw).__name__}")
         return interpret(raw)
@@ -271,11 +273,19 @@ def _unreadable(file: Path, detail: str) -> TokenizerFileError:
                               f"tokenizers library")
 
 
-def _declared_added_tokens(path: Path, max_bytes: int | None) -> dict[str, int | None]:
+def _declared_added_tokens(path: Path, max_bytes: int | None, foreign: list[Path]) -> dict[str, int | None]:
     """The tokens a folder without a whole vocabulary (no tokenizer.json, no vocab.json) adds: added_tokens.json
     and tokenizer_config.json's added_tokens_decoder with their ids, its additional_special_tokens by name
-    (None: any id); what a slow SentencePiece tokenizer's save_pretrained writes beside tokenizer.model."""
+    (None: any id); what a slow SentencePiece tokenizer's save_pretrained writes beside tokenizer.model.
+    `foreign` gets each file read that did not lie in the folder itself as it was opened (a link elsewhere, or
+    swapped for one after the source was checked): its tokens are never quoted (`tokenizer_mismatch`)."""
     declared: dict[str, int | None] = {}
+    home = Path(os.path.realpath(path))
+
+    def opened(file: Path, fd: int) -> None:
+        if opened_path(fd, file) != home / file.name:
+            foreign.append(file)
+
     cfg = path / "tokenizer_config.json"
     if cfg.is_file():
         def interpret(raw: dict) -> dict[str, int | None]:
@@ -284,10 +294,10 @@ def _declared_added_tokens(path: Path, max_bytes: int | None) -> dict[str, int |
             if not all(isinstance(n, str) for n in names):
                 raise _Malformed("additional_special_tokens must name tokens (strings, or objects with 'content')")
             return {**dict.fromkeys(names), **_added_tokens_decoder(raw)}
-        declared.update(_parse(cfg, interpret, max_bytes))
+        declared.update(_parse(cfg, interpret, max_bytes, opened=opened))
     added = path / "added_tokens.json"
     if added.is_file():
-        declared.update(_parse(added, _checked, max_bytes))
+        declared.update(_parse(added, _checked, max_bytes, opened=opened))
     return declared
 
 
@@ -300,7 +310,8 @@ def tokenizer_mismatch(path: Path, base_digest: str | None, base_token_id: Calla
     Raises FileLimitError for a file over `max_bytes` or not a regular file."""
     try:
         theirs = vocab_digest(path, max_bytes)
-        declared = _declared_added_tokens(path, max_bytes) if theirs is None and base_token_id else {}
+        foreign: list[Path] = []
+        declared = _declared_added_tokens(path, max_bytes, foreign) if theirs is None and base_token_id else {}
         probe = theirs is not None and base_encodings is not None and theirs == (base_digest or theirs)
         encoded = probe_encodings(path, max_bytes) if probe else None  # another vocabulary is refused as it is
     except TokenizerFileError as exc:
@@ -323,6 +334,9 @@ def tokenizer_mismatch(path: Path, base_digest: str | None, base_token_id: Calla
                  or (i is not None and ours != i))
     if new:
         shown = ", ".join(repr(t) for t in new[:5]) + (f" and {len(new) - 5} more" if len(new) > 5 else "")
+        if foreign:  # a file read elsewhere than in the folder may be anyone's: nothing of it is quoted
+            shown = (f"{len(new)} of them, not quoted as {', '.join(str(f) for f in foreign)} lay outside the "
+                     f"adapter's folder when read (a link)")
         return (f"{path}: the adapter's tokenizer files add tokens the served base model does not have (or has under "
                 f"other ids): {shown}; the adapter was trained on ids this server would never produce or read. "
                 f"Serve it on the base it was trained with, or remove the tokenizer files if they are in fact "

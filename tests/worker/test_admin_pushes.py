@@ -63,11 +63,11 @@ async def test_a_hung_adapter_path_stalls_neither_health_probes_nor_served_model
     entered, release, stalled = threading.Event(), threading.Event(), []
     real = Sources.local_path
 
-    def hung(self, uri):
+    def hung(self, uri, *folders):
         if "beta" in str(uri):
             entered.set()
             stalled.append(not release.wait(30))  # timed out: nothing else could run meanwhile
-        return real(self, uri)
+        return real(self, uri, *folders)
 
     monkeypatch.setattr(Sources, "local_path", hung)
     beta = qv_adapters_dir / "beta"
@@ -280,3 +280,79 @@ async def test_load_inplace_replaces_a_names_weights_and_requests_move_to_them(c
     assert [m["id"] for m in models["data"] if m["id"].startswith("trained")] == ["trained"]
     assert (await load("beta", load_inplace=True)).status == 200  # the same weights: the same version
     assert [k for k in engine.adapters() if k.startswith("trained@")] == [f"trained@{beta}"]
+
+
+@pytest.mark.parametrize("shape", ["folder", "weights"])
+async def test_a_local_source_missing_at_the_check_is_refused_not_read_by_path_later(client, qv_adapters_dir, tmp_path,
+                                                                                   monkeypatch, shape):
+    """A folder in the roots missing at the check (or missing its weights) was registered with no digest and
+    read by path later: a link to another adapter, out of the roots, made in between (here right after the
+    check) was loaded and served under the admin's name. Now it is refused at the check, 404, and nothing is
+    registered."""
+    import shutil
+
+    from lorafleet.worker.app_keys import ADAPTERS
+
+    outside = shutil.copytree(qv_adapters_dir / "beta", tmp_path / "outside")
+    folder = qv_adapters_dir / f"race-{shape}"
+    if shape == "weights":
+        shutil.copytree(qv_adapters_dir / "alpha", folder)
+        (folder / "adapter_model.safetensors").unlink()
+    served, calls = client.app[ADAPTERS], []
+    real = served.load
+
+    def swap_then_load(*args, **kw):
+        calls.append(args)
+        if shape == "folder":
+            folder.symlink_to(outside, target_is_directory=True)
+        else:
+            (folder / "adapter_model.safetensors").symlink_to(outside / "adapter_model.safetensors")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(served, "load", swap_then_load)
+    try:
+        resp = await client.post("/v1/load_lora_adapter", headers=ADMIN,
+                                 json={"lora_name": f"race-{shape}", "lora_path": str(folder)})
+        body = await resp.json()
+        assert resp.status == 404 and body["error"]["code"] == "missing", body
+        assert calls == [] and not any(k.startswith(f"race-{shape}@") for k in client.app[ENGINE].engine.adapters())
+    finally:
+        if folder.is_symlink():
+            folder.unlink()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+async def test_the_workers_check_takes_the_engines_file_limit(aiohttp_client, tiny_llama_dir, qv_adapters_dir):
+    """The check of a local source held its files to the default limit, not --max-adapter-file-bytes: a file
+    between the two failed the check (and, passed on unhashed, was read by path later) or was hashed where the
+    engine refuses it. Now a weights file over the engine's limit is refused at the check, 413."""
+    config = WorkerConfig(engine=EngineConfig(model=str(tiny_llama_dir), dtype="float32", max_model_len=128,
+                                              max_adapter_file_bytes=1024),
+                          served_model_name="tiny", admin_token=ADMIN["Authorization"].split()[1],
+                          adapter_roots=str(qv_adapters_dir))
+    client = await aiohttp_client(create_app(config))
+    resp = await client.post("/v1/load_lora_adapter", headers=ADMIN,
+                             json={"lora_name": "big", "lora_path": str(qv_adapters_dir / "alpha")})
+    body = await resp.json()
+    assert resp.status == 413 and body["error"]["code"] == "too_large", body
+
+
+async def test_a_push_checks_a_local_source_in_its_tenants_folders(client, qv_adapters_dir):
+    """The worker checked a pushed folder against the roots only, where the stager checks its tenant's folders
+    too: a file of acme's folder linked into globex's (inside the roots) passed, and the loader read it. Now the
+    push's folders hold at the worker as well: that version is refused, the others go on."""
+    import shutil
+
+    tenants = qv_adapters_dir / "tenants"
+    theirs = shutil.copytree(qv_adapters_dir / "beta", tenants / "globex" / "private")
+    ours = shutil.copytree(qv_adapters_dir / "alpha", tenants / "acme" / "x")
+    (ours / "tokenizer_config.json").symlink_to(theirs / "adapter_config.json")
+    try:
+        linked = directive("linked", ours, sha256=adapter_digest(ours))
+        linked["stable"] |= {"within": [f"{tenants}/acme/"], "without": [f"{tenants}/"]}
+        report = await push(client, 1, linked, directive("plain", qv_adapters_dir / "beta"))
+        error = report[("linked", "v1")]["error"]
+        assert error and "outside its tenant's folders" in error and "not_allowed" in error, error
+        assert report[("plain", "v1")]["error"] is None
+    finally:
+        shutil.rmtree(tenants)

@@ -843,3 +843,27 @@ def test_a_tokenizer_file_linked_to_a_secret_never_quotes_it(tmp_path, model_con
         assert "vocabulary entries must map strings to integer ids (2 do not)" in str(refused.value)
     again = first.reload()  # the eviction's reload: same bytes, served as before
     assert again.modules.keys() == first.modules.keys()
+
+
+@pytest.mark.parametrize("name", ["added_tokens.json", "tokenizer_config.json"])
+def test_added_tokens_read_through_a_link_are_counted_never_quoted(name, tmp_path, model_config):
+    """A folder's added-token files are read when it is loaded, after its source was checked: one swapped for a
+    link meanwhile (to another tenant's tokenizer_config.json, or to any JSON map of strings the worker can
+    read) had up to five of its strings quoted in the version's error, which its tenant reads. Tokens of a file
+    that does not lie in the folder itself when opened are counted, not quoted; the folder's own still are."""
+    base = _bpe_tokenizer(VOCAB)
+    secret = tmp_path / "elsewhere.json"
+    secret.write_text(json.dumps({"sk-live-globex-7f3a9c01": 1} if name == "added_tokens.json"
+                                 else {"additional_special_tokens": ["<globex-private-tool>"]}))
+    make_adapter(tmp_path / "x", r=4, lora_alpha=8, target_modules=["q_proj"])
+    (tmp_path / "x" / "tokenizer.model").write_bytes(b"\x0a\x00sentencepiece")
+    (tmp_path / "x" / name).symlink_to(secret)
+    load = functools.partial(load_peft_adapter, tmp_path / "x", model_config, dtype=torch.float32,
+                             base_token_id=base.token_to_id)
+    with pytest.raises(AdapterError, match="1 of them, not quoted as .* lay outside the adapter's folder") as refused:
+        load()
+    assert "globex" not in str(refused.value).replace(str(tmp_path), ""), refused.value
+    (tmp_path / "x" / name).unlink()
+    (tmp_path / "x" / name).write_bytes(secret.read_bytes())  # the folder's own file: its tokens are shown
+    with pytest.raises(AdapterError, match="globex"):
+        load()
