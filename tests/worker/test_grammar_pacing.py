@@ -121,3 +121,25 @@ async def test_metrics_count_the_turns_waited(aiohttp_client, tiny_llama_dir):
     text = await (await client.get("/metrics")).text()
     s = {m.name: m.value for fam in text_string_to_metric_families(text) for m in fam.samples}
     assert s["lorafleet_guided_decodes_deferred_total"] == engine.engine.scheduler.num_grammar_deferrals >= 9
+
+
+@pytest.mark.gpu
+def test_guided_rows_taking_turns_in_cuda_graph_decode_steps(tiny_llama_dir):
+    """Decode steps replayed from graphs hold fewer rows while guided ones take turns (other batch sizes, other
+    graphs): the same tokens as an eager run with no bound."""
+    from lorafleet.worker import Engine
+
+    prompts = _prompts()[:4]
+    params = [SamplingParams(max_tokens=16, json_object=True, temperature=0.0),
+              SamplingParams(max_tokens=16, json_object=True, temperature=1.0, seed=3),
+              SamplingParams(max_tokens=16, json_object=True, temperature=0.7, seed=4),
+              SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)]
+    outs = {}
+    for graphs, budget in ((False, None), (True, 0.0)):
+        engine = Engine(EngineConfig(model=str(tiny_llama_dir), device="cuda", dtype="float32", block_size=16,
+                                     max_num_seqs=8, pool_bytes=64 << 20, cuda_graphs=graphs,
+                                     max_grammar_seconds_per_step=budget))
+        outs[graphs] = [o.token_ids for o in engine.generate(prompts, params)]
+        assert (engine.scheduler.num_grammar_deferrals > 0) == graphs
+        assert (engine.runner.graphs is not None and engine.runner.graphs.replays > 5) == graphs
+    assert outs[True] == outs[False]
