@@ -27,6 +27,8 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 
 from lorafleet.worker.engine import Engine, EngineError, Prompt
+from lorafleet.worker.json_schema_grammar import GrammarError
+from lorafleet.worker.regex_parse import RegexError
 from lorafleet.worker.request_output import RequestOutput
 from lorafleet.worker.sampling_params import SamplingParams
 
@@ -136,11 +138,14 @@ class AsyncEngine:
     def _prepare(self, params: SamplingParams) -> None:
         """Off the event loop, before the request joins the batch: a grammar of fixed texts (guided_choice) that
         this vocabulary cannot write is a bad request now, not a failure midway (a vocabulary with a token for
-        every byte writes anything); a grammar's pattern tries are built here, not in the engine's step."""
+        every byte writes anything); a grammar's pattern tries and first mask are built here, not in the engine's step."""
         check = getattr(params.grammar, "unspellable", None)
         guide = self.engine.sampler.json_guide
         if guide is not None and params.grammar is not None:
-            guide.vocab.prepare(params.grammar)
+            try:
+                guide.vocab.prepare(params.grammar, params.min_tokens <= 1)
+            except (RegexError, GrammarError) as exc:  # its first mask is past the bounds a step holds it to
+                raise EngineError(str(exc)) from None
         if check is not None and guide is not None:
             choice = check(*guide.vocab.spellings)
             if choice is not None:

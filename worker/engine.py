@@ -115,8 +115,8 @@ class Engine:
             warm_up(self.runner, config, mc, self.max_model_len)
         self.sampler = Sampler(seed=config.seed, device=self.device, eos_token_ids=self.eos_token_ids,
                                json_guide=JsonGuide.of(self.tokenizer, mc.vocab_size, self.eos_token_ids, self.device))
+        self.scheduler.grammar_estimate, self.requests = self.sampler.grammar_costs.estimate, {}  # requests: id -> Sequence
         self.stop_checker = StopChecker(self.tokenizer, self.eos_token_ids, self.max_model_len)
-        self.requests: dict[str, Sequence] = {}
         self.outputs, self._ids, self.last_batch_size, self.last_batch_adapters = OutputTracker(), itertools.count(), 0, 0
         self.forward_failures = ForwardFailures(config.max_failed_forwards)  # many in a row: unhealthy
         self.adapter_dir_report = AdapterDirReport()  # what --adapters DIR registered, and what not

@@ -48,7 +48,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     enable_chunked_prefill: bool = True
-    max_grammar_seconds_per_step: float | None = 0.05  # estimated seconds a step may spend on guided rows' grammars (their masks): past it, rows take turns, the longest waiting going first (worker/grammar_pacing.py); None = no bound
+    max_grammar_seconds_per_step: float = 0.05  # estimated seconds a step may spend on guided rows' grammars (their masks): past it, rows take turns, the longest waiting going first (worker/grammar_pacing.py); 0 = no bound
     enable_prefix_caching: bool = True  # keep the KV of finished requests' full blocks for requests of the same tenant and adapter version that begin with the same tokens (worker/prefix_cache.py)
 
     # Adapters.
@@ -98,8 +98,8 @@ class EngineConfig:
         for name in ("max_loras_per_batch", "max_loras_per_tenant", "max_lora_bytes_per_tenant"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1 or None, got {getattr(self, name)}")
-        if self.max_grammar_seconds_per_step is not None and not self.max_grammar_seconds_per_step >= 0:
-            raise ValueError(f"max_grammar_seconds_per_step must be >= 0 or None, got {self.max_grammar_seconds_per_step}")
+        if not self.max_grammar_seconds_per_step >= 0:
+            raise ValueError(f"max_grammar_seconds_per_step must be >= 0 (0: no bound), got {self.max_grammar_seconds_per_step}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 

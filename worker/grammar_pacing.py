@@ -1,39 +1,75 @@
-"""Grammar pacing: a step's time on guided rows' masks held to a budget, so one request's costly grammar cannot
+"""Grammar pacing: a step's time on guided rows' masks held to a budget, so one tenant's costly grammars cannot
 slow every other request's decoding.
 
 A guided row (structured output, JSON mode, a regex or grammar) costs the sampler's step the time its grammar
-takes: checking the drawn token and, when the grammar refuses it, building the row's mask of allowed tokens.
-Masks are cached per grammar state, so most rows cost microseconds; a pattern that keeps many states open
-(`[^Z]*[a-m][^Z]{30}`) misses the cache at every token, each mask up to regex_vocab.MAX_MASK_SECONDS, and a
-request of n such rows made every step of the batch n masks long (n=32: 8 s a step, for every tenant).
+takes: checking the drawn token and, when the grammar refuses it, building the mask of the tokens its state
+allows. Masks are cached per grammar state, so most draws cost microseconds; a pattern that keeps many states
+open (`[^Z]*[a-m][^Z]{30}`) meets a new state at nearly every token, each mask up to
+regex_vocab.MAX_MASK_SECONDS, and a request of n such rows made every step of the batch n masks long (n=32: 8 s
+a step, for every tenant).
 
-The sampler keeps, per sequence, an estimate of its grammar seconds per draw (`Sequence.grammar_cost`: the
-larger of its last draw's measure and half the estimate before, `observe`). At each step the scheduler admits the decodes of
-guided rows that have an estimate, longest waiting first (then cheapest), while their estimates add up to at
-most `max_grammar_seconds_per_step`; past it, the one that has waited longest goes too, so every row moves on
-and a step's grammar time stays within the budget plus one row's. The others wait a step (their KV and grammar
-state stay as they are; nothing is computed again) and go before the rest at the next. Rows of no grammar and
-prompt chunks are never held; a request's first token (drawn at the end of its prompt) has no estimate yet.
+Before each step the scheduler estimates each guided decode's grammar time (`GrammarCosts.estimate`): what its
+draws cost when they built no mask, plus, where its current state's mask is not cached, what a mask of its
+grammar cost to build (its grammar's last builds; for a grammar not seen building, its tenant's; else
+DEFAULT_BUILD_S). It admits guided decodes longest waiting first (then cheapest) while their estimates add up
+to at most `max_grammar_seconds_per_step`; past it, the one that has waited longest goes too, so every row moves
+on. The others wait a step (their KV and grammar state stay as they are; nothing is computed again) and go
+before the rest at the next. Rows of no grammar and prompt chunks are never held: a request's first draw is at
+its grammar's first state, whose mask its request builds before it joins the batch (AsyncEngine._prepare).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from collections.abc import Callable
+
 from lorafleet.worker.sequence import Sequence
+from lorafleet.worker.waiting_queue import fairness_key
+
+DEFAULT_BUILD_S = 0.01  # a mask build of a grammar and tenant never seen building (measured: 0.1-9.5 ms)
+MAX_KNOWN = 4096  # grammars and tenants whose build cost is remembered (the least recent go first)
 
 
-def observe(seq: Sequence, seconds: float) -> None:
-    """A draw of `seq` spent `seconds` on its grammar: the estimate is the larger of that and half the estimate
-    before. A row's draws either find their mask cached (microseconds) or build one (up to the mask's bound), so
-    a costly draw is remembered for a few draws, and a row that stops building masks is soon cheap again."""
-    seq.grammar_cost = max(seconds, 0.5 * seq.grammar_cost)
+class GrammarCosts:
+    """What guided rows' draws have cost (the sampler's measures), and what the next one may cost."""
+
+    def __init__(self, needs_mask: Callable[[Sequence], bool]) -> None:
+        self.needs_mask = needs_mask  # whether a row's next draw, if refused, builds a mask (JsonGuide.needs_mask)
+        self._builds: OrderedDict[object, float] = OrderedDict()  # grammar key or tenant -> a build's seconds
+
+    def observe(self, seq: Sequence, seconds: float, built: bool) -> None:
+        """A draw of `seq` spent `seconds` on its grammar, building a mask or not. A draw that built none sets the
+        row's own cost (the larger of it and half the one before); one that built one, its grammar's and
+        tenant's build cost (likewise)."""
+        if not built:
+            seq.grammar_cost = max(seconds, 0.5 * seq.grammar_cost)
+            return
+        for key in (("grammar", _grammar_key(seq)), ("tenant", fairness_key(seq))):
+            self._builds[key] = max(seconds, 0.5 * self._builds.pop(key, 0.0))
+            while len(self._builds) > MAX_KNOWN:
+                self._builds.popitem(last=False)
+
+    def estimate(self, seq: Sequence) -> float:
+        """Seconds the next draw of `seq` may spend on its grammar."""
+        if not self.needs_mask(seq):
+            return seq.grammar_cost
+        build = self._builds.get(("grammar", _grammar_key(seq)))
+        if build is None:
+            build = self._builds.get(("tenant", fairness_key(seq)), DEFAULT_BUILD_S)
+        return seq.grammar_cost + build
 
 
-def pace(decodes: list[Sequence], budget: float | None) -> tuple[list[Sequence], int]:
-    """`decodes` (in their order) less the guided rows the step's grammar `budget` (seconds; None: no bound)
-    leaves out, and how many it left out. Each row's `grammar_waits` counts the steps it was left out in a row."""
-    guided = [s for s in decodes if s.grammar_cost > 0.0]
-    cost = _estimates(guided)
-    if budget is None or sum(cost.values()) <= budget:
+def _grammar_key(seq: Sequence) -> object:
+    grammar = seq.params.grammar
+    return "json_object" if grammar is None else grammar.key
+
+
+def pace(decodes: list[Sequence], budget: float, estimate: Callable[[Sequence], float]) -> tuple[list[Sequence], int]:
+    """`decodes` (in their order) less the guided rows the step's grammar `budget` (seconds; 0: no bound) leaves
+    out, and how many it left out. Each row's `grammar_waits` counts the steps it was left out in a row."""
+    guided = [s for s in decodes if s.params.json_object]
+    cost = {s.seq_id: estimate(s) for s in guided} if budget > 0 else {}
+    if not budget > 0 or sum(cost.values()) <= budget:
         for seq in guided:
             seq.grammar_waits = 0
         return decodes, 0
@@ -49,16 +85,3 @@ def pace(decodes: list[Sequence], budget: float | None) -> tuple[list[Sequence],
             continue
         seq.grammar_waits = 0
     return [s for s in decodes if s.seq_id not in held], len(held)
-
-
-def _estimates(guided: list[Sequence]) -> dict[int, float]:
-    """seq_id -> the row's estimate, or the mean of its request's rows if larger. The rows of one request share
-    its compiled grammar and the states whose masks it must build: a row that has found its masks cached so far
-    is likely, once it strays, to cost what its siblings cost. JSON mode's rows (no grammar of their own) keep
-    their own."""
-    groups: dict[int, list[float]] = {}
-    for seq in guided:
-        if seq.params.grammar is not None:  # the grammars of running rows, all alive: no id is reused among them
-            groups.setdefault(id(seq.params.grammar), []).append(seq.grammar_cost)
-    mean = {key: sum(costs) / len(costs) for key, costs in groups.items()}
-    return {seq.seq_id: max(seq.grammar_cost, mean.get(id(seq.params.grammar), 0.0)) for seq in guided}

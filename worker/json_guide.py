@@ -158,6 +158,20 @@ class JsonGuide:
             return False
         return self.vocab.accepts(state, token_id, self.may_complete(seq), grammar)
 
+    def needs_mask(self, seq: Sequence) -> bool:
+        """Whether the row's next draw, if its grammar refuses the token drawn, builds a mask (its state's is not
+        cached): what grammar_pacing charges a row with. False where nothing is known yet (no vocabulary table)
+        or the state cannot be read (the draw fails the row)."""
+        vocab = self._vocab
+        if vocab is None:
+            return False
+        try:
+            state = self.state(seq)
+        except Exception:
+            return False
+        grammar = self.grammar(seq)
+        return not grammar.is_complete(state) and not vocab.has_mask(state, self.may_complete(seq), grammar)
+
     def invalid(self, seq: Sequence, device: torch.device) -> torch.Tensor:
         """bool [V] on `device`, True where the sequence may NOT draw its next token (JsonModeError when it may
         draw none). The vocabulary's cached mask itself unless a stop token id is also a text token."""

@@ -92,6 +92,7 @@ class JsonVocab:
         self.num_whitespace = int(all_ws.sum())
         self._none = torch.zeros(self.vocab_size, dtype=torch.bool)
         self._masks: OrderedDict[tuple, tuple[torch.Tensor, int]] = OrderedDict()
+        self._masks_lock = threading.Lock()
         self._tries: OrderedDict[tuple[str, bool], ClassTrie] = OrderedDict()  # regex_vocab.py, per (regex, in JSON)
         self._tries_lock = threading.Lock()
         self._ends: OrderedDict[tuple, list] = OrderedDict()  # a pattern's trie walks from a state (_length_ends)
@@ -123,19 +124,26 @@ class JsonVocab:
         nxt = grammar.advance(state, data)
         return nxt is not None and (may_complete or not grammar.is_complete(nxt))
 
+    def has_mask(self, state, may_complete: bool = True, grammar=JSON_OBJECT) -> bool:
+        """Whether `mask` has that mask cached (it costs no build)."""
+        return (grammar.key, state, may_complete) in self._masks
+
     def mask(self, state, may_complete: bool = True, grammar=JSON_OBJECT) -> tuple[torch.Tensor, int]:
         """(bool [V] on the device, True where a token may NOT follow `state`; how many may). Cached: do not
-        modify it. `grammar`: JSON mode's (json_constraint.JSON_OBJECT) or a schema's (json_schema_grammar.py)."""
+        modify it. `grammar`: JSON mode's (json_constraint.JSON_OBJECT) or a schema's (json_schema_grammar.py).
+        Thread-safe: a request's thread builds its grammar's first mask (`prepare`) beside the engine's steps."""
         key = (grammar.key, state, may_complete)
-        hit = self._masks.get(key)
-        if hit is not None:
-            self._masks.move_to_end(key)
-            return hit
+        with self._masks_lock:
+            hit = self._masks.get(key)
+            if hit is not None:
+                self._masks.move_to_end(key)
+                return hit
         valid = self._build(grammar, state, may_complete)
         hit = (~valid).to(self.device), int(valid.sum())
-        self._masks[key] = hit
-        if len(self._masks) > MAX_CACHED_MASKS:
-            self._masks.popitem(last=False)
+        with self._masks_lock:
+            self._masks[key] = hit
+            if len(self._masks) > MAX_CACHED_MASKS:
+                self._masks.popitem(last=False)
         return hit
 
     def _build(self, grammar, state, may_complete: bool) -> torch.Tensor:
@@ -192,16 +200,18 @@ class JsonVocab:
         # prepare() builds in a request's thread beside the engine's steps: the cache is shared under a lock
         return _cached(self._tries, (regex.key, in_json), build, MAX_CACHED_TRIES, self._tries_lock)
 
-    def prepare(self, grammar) -> None:
+    def prepare(self, grammar, may_complete: bool = True) -> None:
         """Build, in the calling thread, the class tries a grammar's patterns read through (0.1-0.2 s each on a
-        49k vocabulary): before its request joins the batch, so that the engine's step, which every row waits
-        for, does not. The pattern the output begins in (guided_regex), or a schema's first patterns: a few, as
-        each may push out of the cache a trie that a running row reads."""
+        49k vocabulary), and the mask of its first state (its request's first draw: `may_complete` as that draw
+        takes it): before its request joins the batch, so that the engine's step, which every row waits for,
+        does not. The pattern the output begins in (guided_regex), or a schema's first patterns: a few, as each
+        may push out of the cache a trie that a running row reads."""
         readings = [grammar.regex_reading(grammar.start)]
         readings += [(node.pattern, None, True) for node in getattr(grammar, "nodes", ()) if node.pattern is not None]
         for regex, _, in_json in [r for r in readings if r is not None][:MAX_PREPARED_TRIES]:
             if not isinstance(regex, LengthRegex):
                 self._trie(regex, in_json)
+        self.mask(grammar.start, may_complete, grammar)
 
     def _length_ends(self, regex: LengthRegex, dstate: frozenset, in_json: bool) -> list:
         """ClassTrie.ends of the pattern itself from `dstate`, cached: every count at that state filters the same

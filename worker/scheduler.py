@@ -59,7 +59,7 @@ class Scheduler(StepTokens):
         reclaim_pages: Callable[[int], int] | None = None,
         adapter_state: Callable[[str], str] | None = None,
         never_fits: Callable[[Sequence], EngineError | None] | None = None,
-        max_grammar_seconds_per_step: float | None = None,
+        max_grammar_seconds_per_step: float = 0.0,
     ) -> None:
         self.block_manager, self.max_num_seqs, self.max_num_batched_tokens = block_manager, max_num_seqs, max_num_batched_tokens
         self.enable_chunked_prefill, self.adapter_pool = enable_chunked_prefill, adapter_pool
@@ -71,9 +71,10 @@ class Scheduler(StepTokens):
         # for GPU pages or a slot), "quota" (its tenant's own adapters must leave) or "load".
         self.adapter_state = adapter_state
         self.never_fits = never_fits  # why a sequence can never get the KV pages it needs (kv_room.py)
-        # A step's estimated grammar seconds for guided decodes (grammar_pacing.py; None: no bound), and how many
-        # decodes it has left out of a step since the start.
+        # A step's estimated grammar seconds for guided decodes (grammar_pacing.py; 0: no bound), each row's estimate
+        # (the engine's sampler's GrammarCosts.estimate), and how many decodes it has left out of a step so far.
         self.max_grammar_seconds_per_step, self.num_grammar_deferrals = max_grammar_seconds_per_step, 0
+        self.grammar_estimate: Callable[[Sequence], float] = lambda seq: seq.grammar_cost
         self.shared: Callable[[], bool] = bool  # several tenants have keys: one runs at most tenant_share seats
         self.waiting = WaitingQueue(page_wait_limit=max_adapter_wait_steps)
         self.running: list[Sequence] = []
@@ -135,7 +136,7 @@ class Scheduler(StepTokens):
     # ---- one step --------------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         batch, loras, decodes = ScheduledBatch(), set(), [s for s in self.running if s.num_uncomputed_tokens <= 1]
-        decodes, held = pace(decodes, self.max_grammar_seconds_per_step)  # costly guided rows take turns
+        decodes, held = pace(decodes, self.max_grammar_seconds_per_step, self.grammar_estimate)  # costly guided rows take turns
         self.num_grammar_deferrals += held
         # 1. Running sequences, oldest first, decodes then prompt chunks; short of pages, preempt (preemption_victim).
         budget = self._run(batch, decodes, self.max_num_batched_tokens, None, loras)

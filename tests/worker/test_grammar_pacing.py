@@ -3,44 +3,52 @@ take turns, so one request's costly masks cannot make every tenant's step long; 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from lorafleet.worker import SamplingParams
 from lorafleet.worker.engine_config import EngineConfig
-from lorafleet.worker.grammar_pacing import observe, pace
+from lorafleet.worker.grammar_pacing import DEFAULT_BUILD_S, GrammarCosts, pace
 from lorafleet.worker.sequence import Sequence
 from tests.worker.test_engine import _engine, _prompts
 
 
-def _rows(*costs: float) -> list[Sequence]:
-    rows = [Sequence(f"r{i}", [1, 2], SamplingParams(max_tokens=8)) for i in range(len(costs))]
+def _rows(*costs: float, tenant: str | None = None) -> list[Sequence]:
+    rows = [Sequence(f"r{i}", [1, 2], SamplingParams(max_tokens=8, json_object=cost > 0), tenant=tenant)
+            for i, cost in enumerate(costs)]
     for row, cost in zip(rows, costs, strict=True):
         row.grammar_cost = cost
     return rows
 
 
+def own(seq: Sequence) -> float:
+    return seq.grammar_cost
+
+
 def test_rows_within_the_budget_all_go():
     rows = _rows(0.0, 0.01, 0.02, 0.0)
-    assert pace(rows, 0.05) == (rows, 0)
-    assert pace(rows, None) == (rows, 0)
+    assert pace(rows, 0.05, own) == (rows, 0)
+    assert pace(_rows(0.3, 0.3), 0.0, own)[1] == 0  # 0: no bound
 
 
 def test_past_the_budget_cheap_rows_go_and_one_costly_row_a_step():
     plain, cheap_a, cheap_b, costly_a, costly_b, costly_c = rows = _rows(0.0, 0.001, 0.002, 0.25, 0.25, 0.25)
-    kept, held = pace(rows, 0.1)
+    kept, held = pace(rows, 0.1, own)
     assert kept == [plain, cheap_a, cheap_b, costly_a] and held == 2  # in the running order
     assert (costly_b.grammar_waits, costly_c.grammar_waits, costly_a.grammar_waits) == (1, 1, 0)
     # Those left out go first at the next step, in turn; the cheap rows and the plain one go every step.
-    assert pace(rows, 0.1)[0] == [plain, cheap_a, cheap_b, costly_b]
-    assert pace(rows, 0.1)[0] == [plain, cheap_a, cheap_b, costly_c]
-    assert pace(rows, 0.1)[0] == [plain, cheap_a, cheap_b, costly_a]
+    assert pace(rows, 0.1, own)[0] == [plain, cheap_a, cheap_b, costly_b]
+    assert pace(rows, 0.1, own)[0] == [plain, cheap_a, cheap_b, costly_c]
+    assert pace(rows, 0.1, own)[0] == [plain, cheap_a, cheap_b, costly_a]
+    assert costly_a.grammar_waits == 0 and costly_b.grammar_waits == 2  # a row that goes waits no more
 
 
 def test_every_row_moves_on_within_as_many_steps_as_rows_compete():
     rows = _rows(*[0.03 * (1 + i % 4) for i in range(12)])
     last_ran = dict.fromkeys(r.seq_id for r in rows)
     for step in range(60):
-        kept, _ = pace(rows, 0.1)
+        kept, _ = pace(rows, 0.1, own)
         assert sum(r.grammar_cost for r in kept) <= 0.1 + 0.12  # the budget, and one row past it
         for r in kept:
             assert last_ran[r.seq_id] is None or step - last_ran[r.seq_id] <= len(rows)
@@ -48,17 +56,44 @@ def test_every_row_moves_on_within_as_many_steps_as_rows_compete():
     assert all(step - s <= len(rows) for s in last_ran.values())
 
 
-def test_the_estimate_follows_the_measures():
-    (row,) = _rows(0.0)
-    observe(row, 0.2)
-    assert row.grammar_cost == 0.2
-    observe(row, 0.001)  # a mask found cached: the costly draw is remembered for a few draws
-    assert row.grammar_cost == pytest.approx(0.1)
-    observe(row, 0.001)
-    observe(row, 0.001)
-    assert row.grammar_cost == pytest.approx(0.025)
-    observe(row, 0.3)
-    assert row.grammar_cost == 0.3
+def test_a_row_is_charged_a_mask_build_where_its_state_has_none_cached():
+    """A row's own draws may have been cheap (masks found cached, or none needed) until its state is one no mask
+    was built for: a fresh request of a costly grammar got in on a cheap estimate and built its masks in the
+    same step as every other. Its estimate now adds what a mask of its grammar cost to build; a grammar never
+    seen building takes its tenant's, else DEFAULT_BUILD_S."""
+    uncached: set[int] = set()
+    costs = GrammarCosts(lambda seq: seq.seq_id in uncached)
+    hostile, fresh, other, honest = _rows(1e-4, 1e-4, 1e-4, 1e-4, tenant="globex")
+    other.tenant, honest.tenant = "acme", "acme"
+    hostile.params.grammar = fresh.params.grammar = SimpleNamespace(key="costly")
+    costs.observe(hostile, 0.3, built=True)
+    assert costs.estimate(hostile) == pytest.approx(1e-4)  # its state's mask is cached: its own draws' cost
+    uncached.update((hostile.seq_id, fresh.seq_id, other.seq_id))
+    assert costs.estimate(hostile) == costs.estimate(fresh) == pytest.approx(0.3001)  # the grammar's build
+    assert costs.estimate(other) == pytest.approx(1e-4 + DEFAULT_BUILD_S)  # nothing known of acme's builds
+    fresh.params.grammar = SimpleNamespace(key="new pattern")  # another grammar of globex's: its tenant's builds
+    assert costs.estimate(fresh) == pytest.approx(0.3001)
+    # An honest row whose state is cached is not pooled with the costly rows of the same schema.
+    honest.params.grammar = hostile.params.grammar
+    kept, held = pace([hostile, fresh, honest], 0.05, costs.estimate)
+    assert honest in kept and held == 1
+    costs.observe(honest, 0.001, built=False)
+    costs.observe(honest, 0.0, built=False)
+    assert honest.grammar_cost == pytest.approx(0.0005)  # the larger of the last and half the one before
+
+
+def test_a_grammars_first_mask_is_built_before_its_request_joins_the_batch():
+    """prepare() (a request's thread, before the engine's step) builds the tries and the first state's mask: the
+    request's first draw, at the end of its prompt, which no estimate paces, builds none."""
+    from lorafleet.worker.json_vocab import JsonVocab
+    from lorafleet.worker.regex_grammar import RegexGrammar
+
+    vocab = JsonVocab([bytes([c]) for c in range(97, 123)] + [b"ab", b"zz"])
+    grammar = RegexGrammar("[a-m]+z")
+    vocab.prepare(grammar)
+    assert vocab.has_mask(grammar.start, True, grammar) and vocab.num_built == 1
+    vocab.mask(grammar.start, True, grammar)
+    assert vocab.num_built == 1
 
 
 def test_a_negative_budget_is_refused():
@@ -80,15 +115,16 @@ def _recorded(engine) -> list[list[Sequence]]:
 
 
 def test_guided_rows_take_turns_and_keep_their_tokens(tiny_llama_dir):
-    """A budget of 0 s: every guided decode is past it, so one goes a step, in turn, while the plain requests
-    decode at every step. Greedy and seeded rows write the same tokens as with no bound."""
+    """Every guided decode estimated past the budget (1 s against 0.1): one goes a step, in turn, while the plain
+    request decodes at every step. Greedy and seeded rows write the same tokens as with no bound."""
     prompts = _prompts()[:4]
     params = [SamplingParams(max_tokens=12, json_object=True, temperature=0.0),
               SamplingParams(max_tokens=12, json_object=True, temperature=1.0, seed=7),
               SamplingParams(max_tokens=12, json_object=True, temperature=0.8, seed=8),
               SamplingParams(max_tokens=12, temperature=0.0)]
-    free = _engine(tiny_llama_dir, max_grammar_seconds_per_step=None)
-    paced = _engine(tiny_llama_dir, max_grammar_seconds_per_step=0.0)
+    free = _engine(tiny_llama_dir, max_grammar_seconds_per_step=0.0)
+    paced = _engine(tiny_llama_dir, max_grammar_seconds_per_step=0.1)
+    paced.scheduler.grammar_estimate = lambda seq: 1.0
     steps = _recorded(paced)
     want = free.generate(prompts, params)
     got = paced.generate(prompts, params)
@@ -102,8 +138,8 @@ def test_guided_rows_take_turns_and_keep_their_tokens(tiny_llama_dir):
 
 
 async def test_metrics_count_the_turns_waited(aiohttp_client, tiny_llama_dir):
-    """Three JSON-mode requests taking turns (a budget of 0 s): /metrics reports the turns the scheduler made
-    them wait."""
+    """Three JSON-mode requests taking turns (each estimated past the budget): /metrics reports the turns the
+    scheduler made them wait."""
     import asyncio
 
     from prometheus_client.parser import text_string_to_metric_families
@@ -113,9 +149,10 @@ async def test_metrics_count_the_turns_waited(aiohttp_client, tiny_llama_dir):
     from lorafleet.worker.worker_config import WorkerConfig
 
     config = EngineConfig(model=str(tiny_llama_dir), dtype="float32", block_size=4, num_pages=64,
-                          max_grammar_seconds_per_step=0.0)
+                          max_grammar_seconds_per_step=0.1)
     client = await aiohttp_client(create_app(WorkerConfig(engine=config, served_model_name="tiny")))
     engine = client.app[ENGINE]
+    engine.engine.scheduler.grammar_estimate = lambda seq: 1.0  # every guided decode past the budget
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, json_object=True)
     await asyncio.wrap_future(engine.call(lambda e: e.generate(_prompts()[:3], params)))
     text = await (await client.get("/metrics")).text()
@@ -135,10 +172,11 @@ def test_guided_rows_taking_turns_in_cuda_graph_decode_steps(tiny_llama_dir):
               SamplingParams(max_tokens=16, json_object=True, temperature=0.7, seed=4),
               SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)]
     outs = {}
-    for graphs, budget in ((False, None), (True, 0.0)):
+    for graphs, budget in ((False, 0.0), (True, 0.1)):
         engine = Engine(EngineConfig(model=str(tiny_llama_dir), device="cuda", dtype="float32", block_size=16,
                                      max_num_seqs=8, pool_bytes=64 << 20, cuda_graphs=graphs,
                                      max_grammar_seconds_per_step=budget))
+        engine.scheduler.grammar_estimate = lambda seq: 1.0  # past the budget where there is one
         outs[graphs] = [o.token_ids for o in engine.generate(prompts, params)]
         assert (engine.scheduler.num_grammar_deferrals > 0) == graphs
         assert (engine.runner.graphs is not None and engine.runner.graphs.replays > 5) == graphs
