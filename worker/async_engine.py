@@ -27,8 +27,6 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 
 from lorafleet.worker.engine import Engine, EngineError, Prompt
-from lorafleet.worker.json_schema_grammar import GrammarError
-from lorafleet.worker.regex_parse import RegexError
 from lorafleet.worker.request_output import RequestOutput
 from lorafleet.worker.sampling_params import SamplingParams
 
@@ -89,8 +87,9 @@ class AsyncEngine:
         self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, adapter: str | None = None,
         tenant: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request as steps produce them. Raises EngineError (bad request) or JsonModeError
-        (JSON mode unavailable) before the first output; the request's failure (AdapterLoadError,
+        """Outputs of one request as steps produce them. Raises EngineError (bad request), JsonModeError
+        (JSON mode unavailable) or a GrammarError / RegexError (its grammar's first mask past its bounds) before
+        the first output; the request's failure (AdapterLoadError,
         CapacityError); RuntimeError if the engine stops or fails. `tenant`: whose request it is, for the
         scheduler's fairness across tenants (None: its adapter's name stands for it)."""
         if self.failure is not None:
@@ -142,10 +141,7 @@ class AsyncEngine:
         check = getattr(params.grammar, "unspellable", None)
         guide = self.engine.sampler.json_guide
         if guide is not None and params.grammar is not None:
-            try:
-                guide.vocab.prepare(params.grammar, params.min_tokens <= 1)
-            except (RegexError, GrammarError) as exc:  # its first mask is past the bounds a step holds it to
-                raise EngineError(str(exc)) from None
+            guide.vocab.prepare(params.grammar, params.min_tokens <= 1)  # past a mask's bounds: its GrammarError
         if check is not None and guide is not None:
             choice = check(*guide.vocab.spellings)
             if choice is not None:
