@@ -136,16 +136,23 @@ class Scheduler(StepTokens):
     # ---- one step --------------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         batch, loras, decodes = ScheduledBatch(), set(), [s for s in self.running if s.num_uncomputed_tokens <= 1]
-        decodes, held = pace(decodes, self.max_grammar_seconds_per_step, self.grammar_estimate)  # costly guided rows take turns
-        self.num_grammar_deferrals += held
         # 1. Running sequences, oldest first, decodes then prompt chunks; short of pages, preempt (preemption_victim).
-        budget = self._run(batch, decodes, self.max_num_batched_tokens, None, loras)
+        budget = self._run(batch, decodes, self.max_num_batched_tokens, None, loras) + self._pace(batch)
         shares = TokenShares(budget, prefill_tenants(self.running, self.waiting, self._seats()))
         budget = self._run(batch, [s for s in self.running if s.num_uncomputed_tokens > 1], budget, shares, loras)
         # 2. Waiting sequences (none while preempting: pages are short), then 3. the tokens left to held chunks.
         if not batch.preempted:  # pages are short: what preempting freed is for the sequence that needed it
             self._top_up(batch, self._admit_waiting(batch, budget, loras, shares), loras)
         return batch
+
+    def _pace(self, batch: ScheduledBatch) -> int:
+        """Costly guided decodes take turns (grammar_pacing.py): those held this step leave the batch, once the
+        preemptions the decodes needed are made (a row kept must not be the one preempted while held ones wait),
+        keeping the KV room they got for their next step. Returns their tokens, back to the step's budget."""
+        kept, held = pace(batch.decodes, self.max_grammar_seconds_per_step, self.grammar_estimate)
+        batch.decodes[:] = kept
+        self.num_grammar_deferrals += held
+        return held
 
     def _seats(self) -> int:
         """Seats one tenant may run where several have keys (a quarter stays for the others), else 0: no bound."""

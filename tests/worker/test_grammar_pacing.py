@@ -181,3 +181,34 @@ def test_guided_rows_taking_turns_in_cuda_graph_decode_steps(tiny_llama_dir):
         assert (engine.scheduler.num_grammar_deferrals > 0) == graphs
         assert (engine.runner.graphs is not None and engine.runner.graphs.replays > 5) == graphs
     assert outs[True] == outs[False]
+
+
+@pytest.mark.parametrize(("pages", "num", "prompt", "max_tokens"), [(5, 5, 4, 8), (5, 5, 3, 8), (4, 5, 3, 8)])
+def test_under_kv_pressure_taking_turns_leaves_no_step_empty(pages, num, prompt, max_tokens):
+    """Rows were held before the step's preemptions: the row kept could be the one preempted for pages, and the
+    step ran nothing while held rows waited (3 empty steps of 36 here). Now the rows held are chosen among
+    those the step kept once its preemptions are made."""
+    from lorafleet.worker.block_manager import BlockManager
+    from lorafleet.worker.page_pool import PagePool, PagePoolConfig
+    from lorafleet.worker.scheduler import Scheduler
+
+    sched = Scheduler(BlockManager(PagePool(PagePoolConfig(num_pages=pages, page_elems=8)), 4), max_num_seqs=8,
+                      max_num_batched_tokens=64, max_grammar_seconds_per_step=0.05)
+    sched.min_stuck_s = 0.0
+    for i in range(num):
+        sched.add(Sequence(f"r{i}", list(range(prompt)), SamplingParams(max_tokens=max_tokens, json_object=True)))
+    steps = 0
+    while sched.has_unfinished():
+        batch = sched.schedule()
+        sched.failed.clear()
+        steps += 1
+        assert steps < 500
+        assert not batch.is_empty or not (sched.running or sched.waiting), f"step {steps} ran nothing"
+        for seq, k in batch.scheduled:
+            seq.num_computed_tokens += k
+            if seq.num_computed_tokens == seq.num_tokens:
+                seq.output_token_ids.append(1)
+                seq.grammar_cost = 0.3  # each row's draws cost past the budget
+                if len(seq.output_token_ids) >= seq.params.max_tokens:
+                    sched.finish(seq, "length")
+    assert sched.num_grammar_deferrals > 0
