@@ -57,12 +57,8 @@ class Sampler:
         self._logit_bias_index = LastBuilt()
         self.json_guide = json_guide  # JSON mode's constraint (None: the engine has no tokenizer)
         self.row_errors: dict[int, Exception] = {}  # the last sample's rows that failed (their requests end)
-        self.grammar_costs = GrammarCosts(json_guide.needs_mask if json_guide is not None else lambda seq: False)
-
-    def _masks_built(self) -> int:
-        """Masks the JSON guide's vocabulary has built so far (0 before it exists)."""
-        vocab = None if self.json_guide is None else self.json_guide._vocab
-        return 0 if vocab is None else vocab.num_built
+        self._needs_mask = json_guide.needs_mask if json_guide is not None else lambda seq: False
+        self.grammar_costs = GrammarCosts(self._needs_mask)
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, TokenLogprob | None]]:
         """logits: float32 [N, V], row i belongs to seqs[i]. A sample that fails after its draws (an allocation
@@ -132,7 +128,7 @@ class Sampler:
         for i, seq in enumerate(seqs):
             if not seq.params.json_object:
                 continue
-            began, built = time.perf_counter(), self._masks_built()
+            began, uncached = time.perf_counter(), self._needs_mask(seq)  # its state's mask: built by this draw?
             try:
                 if guide is None:
                     raise JsonModeError("JSON mode needs the model's tokenizer (tokenizer.json)")
@@ -154,7 +150,7 @@ class Sampler:
             except Exception as exc:  # this request fails; the engine serves the others
                 self.row_errors[i] = exc
             finally:  # the scheduler paces costly rows (grammar_pacing.py)
-                self.grammar_costs.observe(seq, time.perf_counter() - began, self._masks_built() > built)
+                self.grammar_costs.observe(seq, time.perf_counter() - began, uncached and not self._needs_mask(seq))
         return tokens
 
 

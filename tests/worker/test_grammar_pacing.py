@@ -132,6 +132,9 @@ def test_guided_rows_take_turns_and_keep_their_tokens(tiny_llama_dir):
     guided = [[s for s in decodes if s.params.json_object] for decodes in steps]
     assert max(len(g) for g in guided) == 1
     assert paced.scheduler.num_grammar_deferrals > 0 and free.scheduler.num_grammar_deferrals == 0
+    # The sampler told the draws that built a mask (JSON mode's, the requests' tenant's) from those that did not.
+    builds = free.sampler.grammar_costs._builds
+    assert builds.keys() == {("grammar", "json_object"), ("tenant", "base")} and all(v > 0 for v in builds.values())
     # The plain request decoded at every step until it ended: its 11 decodes in its first 11 steps with decodes.
     plain = [i for i, decodes in enumerate(steps) if any(not s.params.json_object for s in decodes)]
     assert plain == list(range(plain[0], plain[0] + 11))
