@@ -96,6 +96,7 @@ class JsonVocab:
         self._tries: OrderedDict[tuple[str, bool], ClassTrie] = OrderedDict()  # regex_vocab.py, per (regex, in JSON)
         self._tries_lock = threading.Lock()
         self._ends: OrderedDict[tuple, list] = OrderedDict()  # a pattern's trie walks from a state (_length_ends)
+        self._ends_lock = threading.Lock()  # prepare() builds a first mask in a request's thread, beside the steps
         self.num_built = 0  # masks scanned (cache misses), for tests and benchmarks
 
     @functools.cached_property
@@ -218,7 +219,7 @@ class JsonVocab:
         walk (the count only decides at a token's end: a state that can still end inside the length is reached
         only through ones that can)."""
         return _cached(self._ends, (regex.regex.key, dstate, in_json),
-                       lambda: self._trie(regex.regex, in_json).ends(regex.regex, dstate), MAX_CACHED_ENDS)
+                       lambda: self._trie(regex.regex, in_json).ends(regex.regex, dstate), MAX_CACHED_ENDS, self._ends_lock)
 
     @functools.cached_property
     def _partial(self) -> tuple[list[tuple[int, str]], list[dict[int, list[int]]]]:
