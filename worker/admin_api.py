@@ -20,9 +20,11 @@ While every GPU adapter slot is held by a pinned adapter, each other version rep
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, TypeVar
 
 from aiohttp import web
@@ -49,7 +51,7 @@ from lorafleet.worker.served_adapters import ServedAdapters
 from lorafleet.worker.sources import SourceError
 from lorafleet.worker.staging_errors import source_status
 from lorafleet.worker.state_json import reply
-from lorafleet.worker.tenant_folders import NO_FOLDERS, TenantFolders
+from lorafleet.worker.tenant_folders import NO_FOLDERS, TenantFolders, local_uri_path, resolve
 from lorafleet.worker.tenants import AuthenticationError, bearer_token, token_bytes
 
 T = TypeVar("T")
@@ -135,6 +137,9 @@ def _with_local_sources(app: web.Application, state: DesiredState) -> tuple[Desi
             if err.status == 400:
                 raise
             refused[f"{name}@{ref.version}"] = f"{err.message} ({err.code})"
+            # As the path was registered (resolved): a version served from it stays served (ServedAdapters.apply).
+            with contextlib.suppress(SourceError):
+                return replace(ref, uri=str(resolve(Path(local_uri_path(ref.uri)))))
             return ref
         return replace(ref, uri=uri, sha256=ref.sha256 or digest)
 

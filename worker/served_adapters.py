@@ -291,7 +291,7 @@ class ServedAdapters:
             for again in (False, True):
                 registered = keep
                 try:
-                    if key in self._refused:
+                    if key in self._refused and not keep:  # one served from that source stays (its weights are held)
                         raise ValueError(self._refused[key])
                     source = local_source(uri)
                     if not keep:

@@ -356,3 +356,39 @@ async def test_a_push_checks_a_local_source_in_its_tenants_folders(client, qv_ad
         assert report[("plain", "v1")]["error"] is None
     finally:
         shutil.rmtree(tenants)
+
+
+@pytest.mark.parametrize("gone", ["removed", "linked_out"])
+async def test_a_served_version_whose_folder_went_away_keeps_serving_on_later_pushes(client, qv_adapters_dir, tmp_path,
+                                                                                    gone):
+    """A folder refused at the check is that version's failure only where the push would register it: a version
+    served from that path keeps serving the weights the engine holds (held to their digest when read), with no
+    error where the folder is gone, and the refusal said where it now leads out of the roots. Refusing it at every
+    later push failed a serving version with 503 because its tenant removed an old folder."""
+    import shutil
+
+    folder = shutil.copytree(qv_adapters_dir / "alpha", qv_adapters_dir / f"served-{gone}")
+    served = directive("gl", folder, sha256=adapter_digest(folder))
+    try:
+        assert (await push(client, 1, served))[("gl", "v1")]["error"] is None
+        shutil.rmtree(folder)
+        if gone == "linked_out":
+            folder.symlink_to(shutil.copytree(qv_adapters_dir / "beta", tmp_path / "outside"), target_is_directory=True)
+        report = await push(client, 2, served, directive("plain", qv_adapters_dir / "beta"))
+        error = report[("gl", "v1")]["error"]
+        if gone == "removed":
+            assert error is None, report
+        else:  # the path now leads elsewhere: not read there, and said so, the weights held still serving
+            assert error.startswith(f"not served from {tmp_path / 'outside'}, kept from {folder}: "), error
+        assert report[("plain", "v1")]["error"] is None, report
+        status, answer = await complete(client, "gl")
+        assert status == 200, answer
+        # A new version from the same folder is refused, as it would be read there.
+        moved = directive("gl", folder, sha256=adapter_digest(qv_adapters_dir / "beta"))
+        moved["stable"]["version"] = "v2"
+        report = await push(client, 3, moved)
+        assert report[("gl", "v2")]["error"], report
+    finally:
+        if folder.is_symlink():
+            folder.unlink()
+        shutil.rmtree(folder, ignore_errors=True)
