@@ -278,12 +278,15 @@ def _declared_added_tokens(path: Path, max_bytes: int | None, foreign: list[Path
     and tokenizer_config.json's added_tokens_decoder with their ids, its additional_special_tokens by name
     (None: any id); what a slow SentencePiece tokenizer's save_pretrained writes beside tokenizer.model.
     `foreign` gets each file read that did not lie in the folder itself as it was opened (a link elsewhere, or
-    swapped for one after the source was checked): its tokens are never quoted (`tokenizer_mismatch`)."""
+    swapped for one after the source was checked, or the folder itself; a hard link): its tokens are never quoted
+    (`tokenizer_mismatch`)."""
     declared: dict[str, int | None] = {}
-    home = Path(os.path.realpath(path))
+    # The folder as named, its links not followed: the source's check resolved it, and a folder (or one above it)
+    # swapped for a link since leads its files elsewhere, where they count as foreign.
+    home = Path(os.path.abspath(path))
 
-    def opened(file: Path, fd: int) -> None:
-        if opened_path(fd, file) != home / file.name:
+    def opened(file: Path, fd: int) -> None:  # a hard link too: its other names may be anywhere
+        if opened_path(fd, file) != home / file.name or os.fstat(fd).st_nlink > 1:
             foreign.append(file)
 
     cfg = path / "tokenizer_config.json"

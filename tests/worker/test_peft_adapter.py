@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import re
 import shutil
 
@@ -864,6 +865,16 @@ def test_added_tokens_read_through_a_link_are_counted_never_quoted(name, tmp_pat
         load()
     assert "globex" not in str(refused.value).replace(str(tmp_path), ""), refused.value
     (tmp_path / "x" / name).unlink()
+    os.link(secret, tmp_path / "x" / name)  # a hard link: its other name may be anywhere
+    with pytest.raises(AdapterError, match="1 of them, not quoted"):
+        load()
+    (tmp_path / "x" / name).unlink()
     (tmp_path / "x" / name).write_bytes(secret.read_bytes())  # the folder's own file: its tokens are shown
     with pytest.raises(AdapterError, match="globex"):
         load()
+    # The folder itself swapped for a link after its source was checked: what it leads to is not its own.
+    (tmp_path / "x").rename(tmp_path / "x.checked")
+    (tmp_path / "x").symlink_to(tmp_path / "x.checked", target_is_directory=True)
+    with pytest.raises(AdapterError, match="1 of them, not quoted") as refused:
+        load()
+    assert "globex" not in str(refused.value).replace(str(tmp_path), ""), refused.value
