@@ -46,6 +46,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()  # guards _streams
+        self._preparing = threading.Lock()  # grammars prepared one at a time (_prepare)
         self.num_steps = 0
         self.failure: BaseException | None = None  # what ended the engine thread, if not stop()
 
@@ -141,7 +142,8 @@ class AsyncEngine:
         check = getattr(params.grammar, "unspellable", None)
         guide = self.engine.sampler.json_guide
         if guide is not None and params.grammar is not None:
-            guide.vocab.prepare(params.grammar, params.min_tokens <= 1)  # past a mask's bounds: its GrammarError
+            with self._preparing:  # one at a time: each holds the interpreter lock the engine's steps need too
+                guide.vocab.prepare(params.grammar, params.min_tokens <= 1)  # past a mask's bounds: its GrammarError
         if check is not None and guide is not None:
             choice = check(*guide.vocab.spellings)
             if choice is not None:

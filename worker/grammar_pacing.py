@@ -9,17 +9,21 @@ regex_vocab.MAX_MASK_SECONDS, and a request of n such rows made every step of th
 a step, for every tenant).
 
 Before each step the scheduler estimates each guided decode's grammar time (`GrammarCosts.estimate`): what its
-draws cost when they built no mask, plus, where its current state's mask is not cached, what a mask of its
-grammar cost to build (its grammar's last builds; for a grammar not seen building, its tenant's; else
-DEFAULT_BUILD_S). It admits guided decodes longest waiting first (then cheapest) while their estimates add up
+draws cost when they built no mask, plus, where its current state's mask is not cached, what a mask costs it to
+build (its own last builds, or its grammar's, else its tenant's, else DEFAULT_BUILD_S: the larger; a grammar's
+and a tenant's halve with time, HALF_LIFE_S, not with cheaper builds) weighted by how often its drawn tokens are
+refused (only a refused draw builds a mask: an honest row's draws mostly fit). Times are the engine thread's CPU
+time, which other threads' work does not inflate. It admits guided decodes longest waiting first (then cheapest) while their estimates add up
 to at most `max_grammar_seconds_per_step`; past it, the one that has waited longest goes too, so every row moves
 on. The others wait a step (their KV and grammar state stay as they are; nothing is computed again) and go
 before the rest at the next. Rows of no grammar and prompt chunks are never held: a request's first draw is at
-its grammar's first state, whose mask its request builds before it joins the batch (AsyncEngine._prepare).
+its grammar's first state, whose mask its request builds before it joins the batch (AsyncEngine._prepare, one
+request at a time), unless the mask cache let it go meanwhile or a preempted row is computed again.
 """
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -28,35 +32,49 @@ from lorafleet.worker.waiting_queue import fairness_key
 
 DEFAULT_BUILD_S = 0.01  # a mask build of a grammar and tenant never seen building (measured: 0.1-9.5 ms)
 MAX_KNOWN = 4096  # grammars and tenants whose build cost is remembered (the least recent go first)
+HALF_LIFE_S = 30.0  # a grammar's or tenant's build cost halves with each such span of time without a costlier one
 
 
 class GrammarCosts:
-    """What guided rows' draws have cost (the sampler's measures), and what the next one may cost."""
+    """What guided rows' draws have cost (the sampler's measures, in the engine thread's CPU time), and what the
+    next one may cost."""
 
-    def __init__(self, needs_mask: Callable[[Sequence], bool]) -> None:
+    def __init__(self, needs_mask: Callable[[Sequence], bool], clock: Callable[[], float] = time.monotonic) -> None:
         self.needs_mask = needs_mask  # whether a row's next draw, if refused, builds a mask (JsonGuide.needs_mask)
-        self._builds: OrderedDict[object, float] = OrderedDict()  # grammar key or tenant -> a build's seconds
+        self.clock = clock
+        # grammar key or tenant -> (a build's seconds, when): the costliest recent one, halving with time (not with
+        # each cheaper build, which a tenant could make many of beside its costly ones)
+        self._builds: OrderedDict[object, tuple[float, float]] = OrderedDict()
 
-    def observe(self, seq: Sequence, seconds: float, built: bool) -> None:
-        """A draw of `seq` spent `seconds` on its grammar, building a mask or not. A draw that built none sets the
-        row's own cost (the larger of it and half the one before); one that built one, its grammar's and
-        tenant's build cost (likewise)."""
+    def observe(self, seq: Sequence, seconds: float, refused: bool, built: bool) -> None:
+        """A draw of `seq` spent `seconds` on its grammar; its token was `refused` or not, and it `built` a mask or
+        not. A draw that built none sets the row's own cost (the larger of it and half the one before); one that
+        built one, the row's, its grammar's and its tenant's build costs. Every draw moves the row's refusal rate."""
+        seq.grammar_refusals = 0.75 * seq.grammar_refusals + 0.25 * refused
         if not built:
             seq.grammar_cost = max(seconds, 0.5 * seq.grammar_cost)
             return
+        seq.grammar_build = max(seconds, 0.5 * seq.grammar_build)
+        now = self.clock()
         for key in (("grammar", _grammar_key(seq)), ("tenant", fairness_key(seq))):
-            self._builds[key] = max(seconds, 0.5 * self._builds.pop(key, 0.0))
+            self._builds[key] = max((seconds, now), (self._recent(key, now), now))
+            self._builds.move_to_end(key)
             while len(self._builds) > MAX_KNOWN:
                 self._builds.popitem(last=False)
 
+    def _recent(self, key: object, now: float) -> float:
+        seconds, when = self._builds.get(key, (0.0, now))
+        return seconds * 0.5 ** ((now - when) / HALF_LIFE_S)
+
     def estimate(self, seq: Sequence) -> float:
-        """Seconds the next draw of `seq` may spend on its grammar."""
+        """Seconds the next draw of `seq` may spend on its grammar: its own cost, plus, where its state's mask is
+        not cached, a build (its own last, or its grammar's, else its tenant's, else DEFAULT_BUILD_S, whichever
+        is larger) weighted by how often its draws are refused (only a refused draw builds one)."""
         if not self.needs_mask(seq):
             return seq.grammar_cost
-        build = self._builds.get(("grammar", _grammar_key(seq)))
-        if build is None:
-            build = self._builds.get(("tenant", fairness_key(seq)), DEFAULT_BUILD_S)
-        return seq.grammar_cost + build
+        now = self.clock()
+        build = self._recent(("grammar", _grammar_key(seq)), now) or self._recent(("tenant", fairness_key(seq)), now)
+        return seq.grammar_cost + seq.grammar_refusals * max(seq.grammar_build, build or DEFAULT_BUILD_S)
 
 
 def _grammar_key(seq: Sequence) -> object:

@@ -149,7 +149,7 @@ class JsonVocab:
 
     def _build(self, grammar, state, may_complete: bool) -> torch.Tensor:
         self.num_built += 1
-        deadline = time.perf_counter() + MAX_SCAN_SECONDS
+        deadline = time.thread_time() + MAX_SCAN_SECONDS
         ids: list[int] = []
         reading = grammar.regex_reading(state)
         if reading is not None:  # a regex between characters: whole-text tokens through its class trie
@@ -251,7 +251,7 @@ class JsonVocab:
                     continue
                 for token_id in group:
                     scanned += 1
-                    if scanned % SCAN_CHECK_EVERY == 0 and time.perf_counter() > deadline:
+                    if scanned % SCAN_CHECK_EVERY == 0 and time.thread_time() > deadline:
                         raise RegexError(f"holding the output to this schema costs over {MAX_SCAN_SECONDS:g} s of a "
                                          f"step (a union of patterned strings, each read at every token?): simplify "
                                          f"it, or give the union's branches distinct first characters")

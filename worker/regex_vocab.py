@@ -53,11 +53,11 @@ class ClassTrie:
         """(the state after, their characters, ids) of the trie's tokens that `dstate` may read whole, grouped
         by trie node (regex_length.LengthRegex checks the count at the end only)."""
         out, stack, reps = [], [(0, dstate, 0)], self.reps
-        deadline, walked = time.perf_counter() + MAX_MASK_SECONDS, 0
+        deadline, walked = time.thread_time() + MAX_MASK_SECONDS, 0
         while stack:
             node, state, depth = stack.pop()
             walked += 1
-            if walked % 32 == 0 and time.perf_counter() > deadline:  # a node may cost a grammar closure
+            if walked % 32 == 0 and time.thread_time() > deadline:  # a node may cost a grammar closure
                 raise RegexError(f"holding the output to this pattern costs over {MAX_MASK_SECONDS:g} s of a step "
                                  "(many positions open at once?): anchor or simplify it")
             for cls, child in self._children[node].items():

@@ -128,11 +128,12 @@ class Sampler:
         for i, seq in enumerate(seqs):
             if not seq.params.json_object:
                 continue
-            began, uncached = time.perf_counter(), self._needs_mask(seq)  # its state's mask: built by this draw?
+            began, uncached, refused = time.thread_time(), self._needs_mask(seq), True  # built by this draw?
             try:
                 if guide is None:
                     raise JsonModeError("JSON mode needs the model's tokenizer (tokenizer.json)")
                 if guide.accepts(seq, token_list[i]):
+                    refused = False
                     continue
                 invalid = guide.invalid(seq, logits.device)
                 j = race_row.get(i)
@@ -150,7 +151,7 @@ class Sampler:
             except Exception as exc:  # this request fails; the engine serves the others
                 self.row_errors[i] = exc
             finally:  # the scheduler paces costly rows (grammar_pacing.py)
-                self.grammar_costs.observe(seq, time.perf_counter() - began, uncached and not self._needs_mask(seq))
+                self.grammar_costs.observe(seq, time.thread_time() - began, refused, uncached and not self._needs_mask(seq))
         return tokens
 
 

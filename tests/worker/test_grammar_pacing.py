@@ -9,7 +9,7 @@ import pytest
 
 from lorafleet.worker import SamplingParams
 from lorafleet.worker.engine_config import EngineConfig
-from lorafleet.worker.grammar_pacing import DEFAULT_BUILD_S, GrammarCosts, pace
+from lorafleet.worker.grammar_pacing import DEFAULT_BUILD_S, HALF_LIFE_S, GrammarCosts, pace
 from lorafleet.worker.sequence import Sequence
 from tests.worker.test_engine import _engine, _prompts
 
@@ -59,27 +59,61 @@ def test_every_row_moves_on_within_as_many_steps_as_rows_compete():
 def test_a_row_is_charged_a_mask_build_where_its_state_has_none_cached():
     """A row's own draws may have been cheap (masks found cached, or none needed) until its state is one no mask
     was built for: a fresh request of a costly grammar got in on a cheap estimate and built its masks in the
-    same step as every other. Its estimate now adds what a mask of its grammar cost to build; a grammar never
-    seen building takes its tenant's, else DEFAULT_BUILD_S."""
+    same step as every other. Its estimate now adds a build (its own last, or its grammar's, else its tenant's,
+    else DEFAULT_BUILD_S), weighted by how often its draws are refused."""
     uncached: set[int] = set()
-    costs = GrammarCosts(lambda seq: seq.seq_id in uncached)
+    now = [0.0]
+    costs = GrammarCosts(lambda seq: seq.seq_id in uncached, clock=lambda: now[0])
     hostile, fresh, other, honest = _rows(1e-4, 1e-4, 1e-4, 1e-4, tenant="globex")
     other.tenant, honest.tenant = "acme", "acme"
     hostile.params.grammar = fresh.params.grammar = SimpleNamespace(key="costly")
-    costs.observe(hostile, 0.3, built=True)
+    costs.observe(hostile, 0.3, refused=True, built=True)
     assert costs.estimate(hostile) == pytest.approx(1e-4)  # its state's mask is cached: its own draws' cost
     uncached.update((hostile.seq_id, fresh.seq_id, other.seq_id))
-    assert costs.estimate(hostile) == costs.estimate(fresh) == pytest.approx(0.3001)  # the grammar's build
+    assert costs.estimate(hostile) == costs.estimate(fresh) == pytest.approx(0.3001)  # a new row: refused, as far as known
     assert costs.estimate(other) == pytest.approx(1e-4 + DEFAULT_BUILD_S)  # nothing known of acme's builds
     fresh.params.grammar = SimpleNamespace(key="new pattern")  # another grammar of globex's: its tenant's builds
     assert costs.estimate(fresh) == pytest.approx(0.3001)
-    # An honest row whose state is cached is not pooled with the costly rows of the same schema.
+    # An honest row whose state is cached is not charged for the costly rows of the same schema.
     honest.params.grammar = hostile.params.grammar
     kept, held = pace([hostile, fresh, honest], 0.05, costs.estimate)
     assert honest in kept and held == 1
-    costs.observe(honest, 0.001, built=False)
-    costs.observe(honest, 0.0, built=False)
+    costs.observe(honest, 0.001, refused=False, built=False)
+    costs.observe(honest, 0.0, refused=False, built=False)
     assert honest.grammar_cost == pytest.approx(0.0005)  # the larger of the last and half the one before
+
+
+def test_cheap_builds_beside_costly_ones_do_not_lower_the_grammars_cost():
+    """A tenant's cheap rows of the same grammar, building after its costly ones each step, halved the grammar's
+    build cost at every build: its costly rows were estimated at a millisecond and all ran in one step. A
+    grammar's (and tenant's) cost is the costliest recent build, halving with time, and a row's own builds count."""
+    now = [0.0]
+    costs = GrammarCosts(lambda seq: True, clock=lambda: now[0])
+    costly, cheap = _rows(1e-4, 1e-4, tenant="globex")
+    costly.params.grammar = cheap.params.grammar = SimpleNamespace(key="mixed")
+    costs.observe(costly, 0.3, refused=True, built=True)
+    for _ in range(8):
+        costs.observe(cheap, 0.001, refused=True, built=True)
+    assert costs.estimate(costly) >= 0.3 and costs.estimate(cheap) >= 0.3
+    now[0] += HALF_LIFE_S
+    assert costs.estimate(cheap) == pytest.approx(1e-4 + 0.15, rel=1e-3)
+    costs.observe(costly, 0.3, refused=True, built=True)
+    now[0] += 10 * HALF_LIFE_S
+    assert costs.estimate(costly) >= 0.15  # its own builds stay its own
+
+
+def test_an_honest_row_whose_draws_fit_is_charged_little_for_an_uncached_state():
+    """A build happens only when the drawn token is refused: an honest row's draws mostly fit its grammar, and
+    charging it a whole build at every uncached state held honest schema rows back (421 turns waited by 64
+    rows whose real grammar work was 27 ms). Its charge is weighted by its refusal rate."""
+    costs = GrammarCosts(lambda seq: True, clock=lambda: 0.0)
+    (row,) = _rows(1e-4)
+    row.params.grammar = SimpleNamespace(key="schema")
+    costs.observe(row, 0.005, refused=True, built=True)
+    assert costs.estimate(row) == pytest.approx(1e-4 + 0.25 * 0.005 + 0.75 * 0.005)  # a new row: as refused
+    for _ in range(10):
+        costs.observe(row, 1e-4, refused=False, built=False)
+    assert costs.estimate(row) < 1e-4 + 0.06 * 0.005
 
 
 def test_a_grammars_first_mask_is_built_before_its_request_joins_the_batch():
@@ -134,7 +168,7 @@ def test_guided_rows_take_turns_and_keep_their_tokens(tiny_llama_dir):
     assert paced.scheduler.num_grammar_deferrals > 0 and free.scheduler.num_grammar_deferrals == 0
     # The sampler told the draws that built a mask (JSON mode's, the requests' tenant's) from those that did not.
     builds = free.sampler.grammar_costs._builds
-    assert builds.keys() == {("grammar", "json_object"), ("tenant", "base")} and all(v > 0 for v in builds.values())
+    assert builds.keys() == {("grammar", "json_object"), ("tenant", "base")} and all(seconds > 0 for seconds, _ in builds.values())
     # The plain request decoded at every step until it ended: its 11 decodes in its first 11 steps with decodes.
     plain = [i for i, decodes in enumerate(steps) if any(not s.params.json_object for s in decodes)]
     assert plain == list(range(plain[0], plain[0] + 11))
