@@ -12,7 +12,8 @@ Before each step the scheduler estimates each guided decode's grammar time (`Gra
 draws cost when they built no mask, plus, where its current state's mask is not cached, what a mask costs it to
 build (its own last builds, or its grammar's, else its tenant's, else DEFAULT_BUILD_S: the larger; a grammar's
 and a tenant's halve with time, HALF_LIFE_S, not with cheaper builds) weighted by how often its drawn tokens are
-refused (only a refused draw builds a mask: an honest row's draws mostly fit). Times are the engine thread's CPU
+refused (only a refused draw builds a mask: an honest row's draws mostly fit; a new row starts from its
+grammar's rate). Times are the engine thread's CPU
 time, which other threads' work does not inflate. It admits guided decodes longest waiting first (then cheapest) while their estimates add up
 to at most `max_grammar_seconds_per_step`; past it, the one that has waited longest goes too, so every row moves
 on. The others wait a step (their KV and grammar state stay as they are; nothing is computed again) and go
@@ -32,7 +33,7 @@ from lorafleet.worker.waiting_queue import fairness_key
 
 DEFAULT_BUILD_S = 0.01  # a mask build of a grammar and tenant never seen building (measured: 0.1-9.5 ms)
 MAX_KNOWN = 4096  # grammars and tenants whose build cost is remembered (the least recent go first)
-HALF_LIFE_S = 30.0  # a grammar's or tenant's build cost halves with each such span of time without a costlier one
+HALF_LIFE_S = 5.0  # a grammar's or tenant's build cost halves with each such span of time without a costlier one
 
 
 class GrammarCosts:
@@ -45,18 +46,24 @@ class GrammarCosts:
         # grammar key or tenant -> (a build's seconds, when): the costliest recent one, halving with time (not with
         # each cheaper build, which a tenant could make many of beside its costly ones)
         self._builds: OrderedDict[object, tuple[float, float]] = OrderedDict()
+        self._refusals: OrderedDict[object, float] = OrderedDict()  # grammar key -> how often its draws are refused
 
     def observe(self, seq: Sequence, seconds: float, refused: bool, built: bool) -> None:
         """A draw of `seq` spent `seconds` on its grammar; its token was `refused` or not, and it `built` a mask or
         not. A draw that built none sets the row's own cost (the larger of it and half the one before); one that
         built one, the row's, its grammar's and its tenant's build costs. Every draw moves the row's refusal rate."""
-        seq.grammar_refusals = 0.75 * seq.grammar_refusals + 0.25 * refused
+        grammar = _grammar_key(seq)
+        rate = self._refusals.pop(grammar, 1.0)  # a row's first draw starts from its grammar's rate (else: refused)
+        self._refusals[grammar] = 0.95 * rate + 0.05 * refused
+        while len(self._refusals) > MAX_KNOWN:
+            self._refusals.popitem(last=False)
+        seq.grammar_refusals = 0.75 * (rate if seq.grammar_refusals is None else seq.grammar_refusals) + 0.25 * refused
         if not built:
             seq.grammar_cost = max(seconds, 0.5 * seq.grammar_cost)
             return
         seq.grammar_build = max(seconds, 0.5 * seq.grammar_build)
         now = self.clock()
-        for key in (("grammar", _grammar_key(seq)), ("tenant", fairness_key(seq))):
+        for key in (("grammar", grammar), ("tenant", fairness_key(seq))):
             self._builds[key] = max((seconds, now), (self._recent(key, now), now))
             self._builds.move_to_end(key)
             while len(self._builds) > MAX_KNOWN:
@@ -74,7 +81,8 @@ class GrammarCosts:
             return seq.grammar_cost
         now = self.clock()
         build = self._recent(("grammar", _grammar_key(seq)), now) or self._recent(("tenant", fairness_key(seq)), now)
-        return seq.grammar_cost + seq.grammar_refusals * max(seq.grammar_build, build or DEFAULT_BUILD_S)
+        refusals = self._refusals.get(_grammar_key(seq), 1.0) if seq.grammar_refusals is None else seq.grammar_refusals
+        return seq.grammar_cost + refusals * max(seq.grammar_build, build or DEFAULT_BUILD_S)
 
 
 def _grammar_key(seq: Sequence) -> object:

@@ -87,7 +87,7 @@ class Sequence:
         self.json_state: tuple[int, object] | None = None  # JSON mode: (output tokens covered, its grammar's state)
         self.grammar_cost = 0.0  # guided rows: estimated seconds of grammar work per draw (grammar_pacing.py)
         self.grammar_build = 0.0  # ... seconds of its last mask builds, and how often its drawn tokens are refused
-        self.grammar_refusals = 1.0
+        self.grammar_refusals: float | None = None  # (None: no draw yet)
         self.grammar_waits = 0  # steps in a row it was left out to hold a step's grammar time to its budget
 
     @property

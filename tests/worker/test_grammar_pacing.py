@@ -249,3 +249,21 @@ def test_under_kv_pressure_taking_turns_leaves_no_step_empty(pages, num, prompt,
                 if len(seq.output_token_ids) >= seq.params.max_tokens:
                     sched.finish(seq, "length")
     assert sched.num_grammar_deferrals > 0
+
+
+def test_a_new_row_starts_from_its_grammars_refusal_rate():
+    """Every new row counted as refused until its own draws said otherwise: after one slow build of their schema,
+    32 honest rows went one a step for most of a run (1702 turns waited over 85 steps, against 24 unpaced). A
+    row's first draw now starts from its grammar's rate; one of a grammar never seen, as refused."""
+    costs = GrammarCosts(lambda seq: True, clock=lambda: 0.0)
+    old, new, stranger = _rows(1e-4, 1e-4, 1e-4)
+    stranger.tenant = "globex"  # nothing known of its tenant's builds either
+    old.params.grammar = new.params.grammar = SimpleNamespace(key="schema")
+    stranger.params.grammar = SimpleNamespace(key="unseen")
+    costs.observe(old, 0.1, refused=True, built=True)
+    for _ in range(40):
+        costs.observe(old, 1e-4, refused=False, built=False)
+    assert costs.estimate(new) < 1e-4 + 0.2 * 0.1  # no draw yet: its grammar's rate
+    costs.observe(new, 1e-4, refused=False, built=False)
+    assert new.grammar_refusals < 0.2
+    assert costs.estimate(stranger) == pytest.approx(1e-4 + DEFAULT_BUILD_S)
