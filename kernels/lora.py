@@ -21,7 +21,12 @@ import torch
 from torch import Tensor
 
 from lorafleet.kernels.lora_layout import NUM_PROJS, LoRABatch, LoRALayout
-from lorafleet.kernels.lora_reference import lora_delta_host, lora_expand_reference, lora_shrink_reference
+from lorafleet.kernels.lora_reference import (
+    lora_delta_host,
+    lora_expand_reference,
+    lora_shrink_reference,
+    takes_host,
+)
 
 BACKENDS = ("auto", "reference", "triton")
 
@@ -231,12 +236,12 @@ def lora_delta(
     place (tokens without a slot untouched). layout: `LoRALayout`. layer: int. batch: `LoRABatch` over the
     T tokens. proj_ids, out_offsets, accumulate: as `lora_expand` (accumulate=False: y = the delta).
     """
-    if x.device.type == "cpu" and resolve_backend(backend, x.device, x.dtype) == "reference":
+    if x.device.type == "cpu" and resolve_backend(backend, x.device, x.dtype) == "reference" and takes_host(batch):
         _check_x("lora_delta", x, layout, layer, proj_ids, batch)
         slices = _check_y("lora_delta", y, layout, layer, proj_ids, batch, out_offsets)
-        if lora_delta_host(x=x, layout=layout, layer=layer, proj_ids=proj_ids, batch=batch, y=y, out_slices=slices,
-                           accumulate=accumulate):
-            return
+        lora_delta_host(x=x, layout=layout, layer=layer, proj_ids=proj_ids, batch=batch, y=y, out_slices=slices,
+                        accumulate=accumulate)
+        return
     xa = lora_xa(x=x, layout=layout, layer=layer, proj_ids=proj_ids, batch=batch, backend=backend)
     lora_expand(xa=xa, layout=layout, layer=layer, proj_ids=proj_ids, batch=batch, y=y, out_offsets=out_offsets, backend=backend,
                 accumulate=accumulate)

@@ -137,15 +137,20 @@ def _rows(layout: LoRALayout, offsets: list[int], width: int) -> Tensor:
     return torch.stack([flat[o:o + width] for o in offsets])
 
 
+def takes_host(batch: LoRABatch) -> bool:
+    """Whether a CPU batch's delta goes adapter by adapter (`lora_delta_host`): it has work, and at most
+    HOST_SLOTS_MAX adapters. The others (nothing to do, write-mode zeros, many adapters) take the general path."""
+    if batch.num_segments == 0 or batch.max_rank == 0 or batch.token_slots.device.type != "cpu":
+        return False
+    return sum(slot >= 0 for slot, _ in _host_slots(batch)) <= HOST_SLOTS_MAX
+
+
 def lora_delta_host(*, x: Tensor, layout: LoRALayout, layer: int, proj_ids: list[int], batch: LoRABatch, y: Tensor,
-                    out_slices: list[tuple[int, int]], accumulate: bool = True) -> bool:
-    """`kernels.lora.lora_delta` on CPU tensors, adapter by adapter (inputs already checked there); returns False,
-    having done nothing, for a batch of more than HOST_SLOTS_MAX adapters (the general path then serves it).
-    The same float32 arithmetic as the general path: (x A^T) B^T times the scale, rounded once into y."""
-    slots = _host_slots(batch)
-    if batch.num_segments == 0 or batch.max_rank == 0 or sum(slot >= 0 for slot, _ in slots) > HOST_SLOTS_MAX:
-        return batch.num_segments == 0 or (batch.max_rank == 0 and accumulate)
-    for slot, tok in slots:
+                    out_slices: list[tuple[int, int]], accumulate: bool = True) -> None:
+    """`kernels.lora.lora_delta` on CPU tensors, adapter by adapter, for a batch `takes_host` takes (inputs
+    already checked there). The same float32 arithmetic as the general path: (x A^T) B^T times the scale, rounded
+    once into y."""
+    for slot, tok in _host_slots(batch):
         xs = None
         for proj, (start, width) in zip(proj_ids, out_slices, strict=True):
             cols = slice(start, start + width)
@@ -160,4 +165,3 @@ def lora_delta_host(*, x: Tensor, layout: LoRALayout, layer: int, proj_ids: list
             delta = (xs @ a.float().t()) @ b.float()
             delta *= layout.scales[layer, proj, slot]
             y[tok, cols] = (y[tok, cols].float() + delta).to(y.dtype) if accumulate else delta.to(y.dtype)
-    return True

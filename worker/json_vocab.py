@@ -133,19 +133,11 @@ class JsonVocab:
         """(bool [V] on the device, True where a token may NOT follow `state`; how many may). Cached: do not
         modify it. `grammar`: JSON mode's (json_constraint.JSON_OBJECT) or a schema's (json_schema_grammar.py).
         Thread-safe: a request's thread builds its grammar's first mask (`prepare`) beside the engine's steps."""
-        key = (grammar.key, state, may_complete)
-        with self._masks_lock:
-            hit = self._masks.get(key)
-            if hit is not None:
-                self._masks.move_to_end(key)
-                return hit
-        valid = self._build(grammar, state, may_complete)
-        hit = (~valid).to(self.device), int(valid.sum())
-        with self._masks_lock:
-            self._masks[key] = hit
-            if len(self._masks) > MAX_CACHED_MASKS:
-                self._masks.popitem(last=False)
-        return hit
+        def build() -> tuple[torch.Tensor, int]:
+            valid = self._build(grammar, state, may_complete)
+            return (~valid).to(self.device), int(valid.sum())
+
+        return _cached(self._masks, (grammar.key, state, may_complete), build, MAX_CACHED_MASKS, self._masks_lock)
 
     def _build(self, grammar, state, may_complete: bool) -> torch.Tensor:
         self.num_built += 1
