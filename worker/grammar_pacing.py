@@ -53,10 +53,8 @@ class GrammarCosts:
         not. A draw that built none sets the row's own cost (the larger of it and half the one before); one that
         built one, the row's, its grammar's and its tenant's build costs. Every draw moves the row's refusal rate."""
         grammar = _grammar_key(seq)
-        rate = self._refusals.pop(grammar, 1.0)  # a row's first draw starts from its grammar's rate (else: refused)
-        self._refusals[grammar] = 0.95 * rate + 0.05 * refused
-        while len(self._refusals) > MAX_KNOWN:
-            self._refusals.popitem(last=False)
+        rate = self._refusals.get(grammar, 1.0)  # a row's first draw starts from its grammar's rate (else: refused)
+        _remember(self._refusals, grammar, 0.95 * rate + 0.05 * refused)
         seq.grammar_refusals = 0.75 * (rate if seq.grammar_refusals is None else seq.grammar_refusals) + 0.25 * refused
         if not built:
             seq.grammar_cost = max(seconds, 0.5 * seq.grammar_cost)
@@ -64,10 +62,7 @@ class GrammarCosts:
         seq.grammar_build = max(seconds, 0.5 * seq.grammar_build)
         now = self.clock()
         for key in (("grammar", grammar), ("tenant", fairness_key(seq))):
-            self._builds[key] = max((seconds, now), (self._recent(key, now), now))
-            self._builds.move_to_end(key)
-            while len(self._builds) > MAX_KNOWN:
-                self._builds.popitem(last=False)
+            _remember(self._builds, key, max((seconds, now), (self._recent(key, now), now)))
 
     def _recent(self, key: object, now: float) -> float:
         seconds, when = self._builds.get(key, (0.0, now))
@@ -83,6 +78,14 @@ class GrammarCosts:
         build = self._recent(("grammar", _grammar_key(seq)), now) or self._recent(("tenant", fairness_key(seq)), now)
         refusals = self._refusals.get(_grammar_key(seq), 1.0) if seq.grammar_refusals is None else seq.grammar_refusals
         return seq.grammar_cost + refusals * max(seq.grammar_build, build or DEFAULT_BUILD_S)
+
+
+def _remember(known: OrderedDict, key: object, value: object) -> None:
+    """known[key] = value, the most recent; the least recent go past MAX_KNOWN."""
+    known[key] = value
+    known.move_to_end(key)
+    while len(known) > MAX_KNOWN:
+        known.popitem(last=False)
 
 
 def _grammar_key(seq: Sequence) -> object:
