@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 
 from lorafleet.worker.engine import Engine, EngineError, Prompt
+from lorafleet.worker.fair_executor import FairExecutor
 from lorafleet.worker.request_output import RequestOutput
 from lorafleet.worker.sampling_params import SamplingParams
 
@@ -46,7 +47,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()  # guards _streams
-        self._preparing = threading.Lock()  # grammars prepared one at a time (_prepare)
+        self._preparer: FairExecutor | None = None  # grammars prepared one at a time, tenants by turns (_prepare)
         self.num_steps = 0
         self.failure: BaseException | None = None  # what ended the engine thread, if not stop()
 
@@ -55,6 +56,7 @@ class AsyncEngine:
         if self._thread is not None:
             return
         self._stop.clear()
+        self._preparer = FairExecutor(1, thread_name_prefix="grammar-prepare")
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -67,6 +69,8 @@ class AsyncEngine:
             self._stop.set()
         self._wake.set()
         await asyncio.get_running_loop().run_in_executor(None, thread.join)
+        if self._preparer is not None:
+            self._preparer.shutdown(wait=False)  # a prepare still queued: its request ends with "the engine stopped"
         with self._lock:
             streams, self._streams = self._streams, {}
         self._fail_streams(streams, RuntimeError("the engine stopped"))  # and what was handed over after the thread's last look
@@ -99,7 +103,7 @@ class AsyncEngine:
             raise RuntimeError("the engine is not running (call start() first)")
         if params is not None and params.json_object:
             await self._json_vocab_ready()  # raises JsonModeError when the table cannot be built
-            await asyncio.to_thread(self._prepare, params)  # 64 KB of choices: 0.3 s on a 49k vocabulary
+            await self._prepare(params, tenant if tenant is not None else adapter or "")
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         added: Future = Future()
@@ -135,15 +139,33 @@ class AsyncEngine:
         if guide is not None and not guide.is_ready:
             await asyncio.wrap_future(guide.prepare())
 
-    def _prepare(self, params: SamplingParams) -> None:
-        """Off the event loop, before the request joins the batch: a grammar of fixed texts (guided_choice) that
-        this vocabulary cannot write is a bad request now, not a failure midway (a vocabulary with a token for
-        every byte writes anything); a grammar's pattern tries and first mask are built here, not in the engine's step."""
+    async def _prepare(self, params: SamplingParams, tenant: str) -> None:
+        """`_prepare_now(params)` on the one prepare thread, in `tenant`'s turn: each holds the interpreter lock the
+        engine's steps need too, so they run one at a time, and a tenant's many costly grammars (a first mask may
+        take seconds) delay another tenant's guided request by at most one prepare of each tenant ahead of it,
+        not by all of them. A request that leaves while its prepare is queued is not prepared."""
+        preparer = self._preparer
+        try:
+            job = preparer.submit(tenant, lambda: self._prepare_now(params))
+        except (AttributeError, RuntimeError):  # stopped (shut down, or never started) since generate() looked
+            raise RuntimeError("the engine stopped") from None
+        try:
+            await asyncio.wrap_future(job)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if job.cancelled() and self._stop.is_set() and not (task is not None and task.cancelling()):
+                raise RuntimeError("the engine stopped") from None  # cancelled by stop(), not by its caller
+            raise
+
+    def _prepare_now(self, params: SamplingParams) -> None:
+        """Before the request joins the batch: a grammar of fixed texts (guided_choice) that this vocabulary cannot
+        write is a bad request now, not a failure midway (a vocabulary with a token for every byte writes
+        anything; 64 KB of choices: 0.3 s on a 49k vocabulary); a grammar's pattern tries and first mask are
+        built here, not in the engine's step (past a mask's bounds: its GrammarError)."""
         check = getattr(params.grammar, "unspellable", None)
         guide = self.engine.sampler.json_guide
         if guide is not None and params.grammar is not None:
-            with self._preparing:  # one at a time: each holds the interpreter lock the engine's steps need too
-                guide.vocab.prepare(params.grammar, params.min_tokens <= 1)  # past a mask's bounds: its GrammarError
+            guide.vocab.prepare(params.grammar, params.min_tokens <= 1)
         if check is not None and guide is not None:
             choice = check(*guide.vocab.spellings)
             if choice is not None:

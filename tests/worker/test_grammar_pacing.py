@@ -267,3 +267,55 @@ def test_a_new_row_starts_from_its_grammars_refusal_rate():
     costs.observe(new, 1e-4, refused=False, built=False)
     assert new.grammar_refusals < 0.2
     assert costs.estimate(stranger) == pytest.approx(1e-4 + DEFAULT_BUILD_S)
+
+
+async def test_prepares_take_turns_between_tenants(tiny_llama_dir):
+    """Grammars are prepared one at a time (each holds the interpreter lock the engine's steps need), but by
+    tenants' turns: a tenant's queue of costly prepares holds another tenant's guided request for at most the
+    one running, and a request that leaves while queued is never prepared."""
+    import asyncio
+    import threading
+
+    from lorafleet.worker.async_engine import AsyncEngine
+    from lorafleet.worker.regex_grammar import RegexGrammar
+
+    engine = _engine(tiny_llama_dir)
+    ae = AsyncEngine(engine)
+    await ae.start()
+    order, names, release, running = [], {}, threading.Event(), threading.Event()
+    try:
+        await asyncio.wait_for(asyncio.wrap_future(engine.sampler.json_guide.prepare()), 60)
+        vocab = engine.sampler.json_guide.vocab
+        prepare = vocab.prepare
+
+        def gated(grammar, may_complete=True):
+            order.append(names[id(grammar)])
+            running.set()
+            assert release.wait(60), "the test never released the prepare"
+            prepare(grammar, may_complete)
+
+        vocab.prepare = gated
+
+        async def request(rid: str, tenant: str):
+            grammar = RegexGrammar(f"{rid}[a-z]*")
+            names[id(grammar)] = rid
+            params = SamplingParams(max_tokens=2, temperature=0.0, grammar=grammar)
+            return [out async for out in ae.generate(rid, _prompts()[0], params, tenant=tenant)]
+
+        first = asyncio.create_task(request("a", "busy"))
+        assert await asyncio.to_thread(running.wait, 60)
+        queued = [asyncio.create_task(request(rid, "busy")) for rid in ("b", "c", "d")]
+        await asyncio.sleep(0)  # queued in order
+        other = asyncio.create_task(request("z", "other"))
+        leaving = asyncio.create_task(request("y", "leaves"))
+        for _ in range(3):
+            await asyncio.sleep(0)
+        leaving.cancel()
+        release.set()
+        outs = await asyncio.wait_for(asyncio.gather(first, *queued, other), 60)
+        assert all(stream[-1].finished for stream in outs)
+        assert order[:2] == ["a", "z"]  # the other tenant next, before the busy one's queue
+        assert sorted(order) == list("abcdz")  # "y" left while queued: not prepared
+    finally:
+        release.set()
+        await ae.stop()
