@@ -54,7 +54,7 @@ from lorafleet.operator.crd_models import (
     parse_adapter,
     pool_selector,
 )
-from lorafleet.operator.deletion_cost import deletion_costs
+from lorafleet.operator.deletion_cost import DELETION_COST, MARK, deletion_costs
 from lorafleet.operator.deployments import DeploymentClient
 from lorafleet.operator.finalizers import adapter_unload_wait, holders_text
 from lorafleet.operator.observed_generations import ObservedGenerations, object_key
@@ -80,6 +80,8 @@ def _slim_pod(body: kopf.Body) -> dict[str, Any]:
     return {
         "metadata": {"name": body.metadata.name, "uid": body.metadata.uid,
                      "labels": dict(body.metadata.labels),
+                     # The deletion costs, the operator's and others' (deletion_cost.cost_changes tells them apart).
+                     "annotations": {k: v for k, v in body.metadata.annotations.items() if k in (DELETION_COST, MARK)},
                      "deletionTimestamp": body.metadata.get("deletionTimestamp"),
                      "ownerReferences": [{k: ref.get(k) for k in ("kind", "name", "uid", "controller")}
                                          for ref in body.metadata.get("ownerReferences") or []]},

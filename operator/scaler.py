@@ -21,7 +21,8 @@ Kopf-free glue between the pool's autoscale timer and ``autoscaler`` (the policy
    that misses it is a scrape to fix: see ``MetricsMissing``); an operator that has not scaled since it
    started waits so for every pod ready for less (it cannot tell which replicas are new);
 7. never goes below the workers the pool's pinned adapters need (the reconcile counts them: pinned_need.py),
-   nor down at all while that is not known, within maxReplicas (``autoscaler.pinned_floor``);
+   nor down at all while that is not known, within maxReplicas (``autoscaler.pinned_floor``); a count below
+   them is raised even where 6. cannot read the metrics (``MetricsUnavailable``, ``MetricsMissing``);
 8. patches ``spec.replicas`` when the result differs (``FailedUpdateScale``); before a scale-down, with
    ``--rank-pods``, sets the pods' deletion costs so that those holding pinned copies go last (deletion_cost.py).
 
@@ -195,10 +196,7 @@ class PoolScaler:
 
         signals, unseen, beside = PoolSignals(None, None, None, None), False, 0
         corrected = bound_correction(spec, current)
-        if corrected is not None:
-            wanted, why = corrected
-            note = ""
-        else:
+        if corrected is None:
             replicasets = list(replicasets)  # read twice
             worker_pods, others, unready = ready_worker_pods(pool, pods, other_pools, replicasets)
             # A pool naming no workerDeployment may span several Deployments (one per GPU type), scaling one:
@@ -209,8 +207,14 @@ class PoolScaler:
                 signals = PoolSignals(*await self.metrics.pool_signals(
                     spec.prometheus_url, namespace, worker_pods, rate_window_seconds=spec.rate_window_seconds))
             except MetricsError as exc:
-                return scaling(False, "MetricsUnavailable", f"spec.scaling.prometheusURL: {exc}; replicas stay "
-                                                            f"at {current}")
+                unavailable = f"spec.scaling.prometheusURL: {exc}"
+                if not self._below_pinned(spec, current, pinned, beside):
+                    return scaling(False, "MetricsUnavailable", f"{unavailable}; replicas stay at {current}")
+                corrected = current, f"metrics unavailable ({unavailable})"  # raised to the pinned floor below
+        if corrected is not None:
+            wanted, why = corrected
+            note = ""
+        else:
             recommended, why = recommend(spec, signals.hit_rate, signals.kv_usage, current, signals.waiting, beside,
                                          seats=signals.seats)
             # Every worker exports its KV and queue gauges from its first scrape: none for pods ready a while
@@ -277,12 +281,16 @@ class PoolScaler:
                                   "kvUsage": _rounded(signals.kv_usage)}
         observed = "" if corrected is not None else f"; {_signals(spec, signals)}"
         if corrected is None and unseen:
-            return {**result, "desiredReplicas": current}, (False, "MetricsMissing", (
-                f"{current} replicas, left as they are: Prometheus at spec.scaling.prometheusURL has no "
-                f"{KV_USAGE} or {QUEUE_DEPTH} series with labels namespace={namespace!r} and pod in "
-                f"{', '.join(worker_pods)}; scrape the workers' /metrics (the chart's pod annotations, or its "
-                f"ServiceMonitor: --set metrics.serviceMonitor.enabled=true and the labels your Prometheus "
-                f"selects by, metrics.serviceMonitor.labels) keeping those two labels"))
+            missing = (f"Prometheus at spec.scaling.prometheusURL has no "
+                       f"{KV_USAGE} or {QUEUE_DEPTH} series with labels namespace={namespace!r} and pod in "
+                       f"{', '.join(worker_pods)}; scrape the workers' /metrics (the chart's pod annotations, or its "
+                       f"ServiceMonitor: --set metrics.serviceMonitor.enabled=true and the labels your Prometheus "
+                       f"selects by, metrics.serviceMonitor.labels) keeping those two labels")
+            if not self._below_pinned(spec, current, pinned, beside):
+                return {**result, "desiredReplicas": current}, (False, "MetricsMissing",
+                                                                f"{current} replicas, left as they are: {missing}")
+            wanted, held = pinned_floor(spec, current, current, pinned, beside)  # the floor alone, not the metrics
+            result["desiredReplicas"], why, note, observed = wanted, f"metrics missing ({missing})", held, ""
         if wanted == current:
             return result, (True, "Steady", f"{current} replicas: {why}{note}{observed}")
         if wanted < current and self.rank_pods:
@@ -297,6 +305,12 @@ class PoolScaler:
         reason = "ScaledUp" if wanted > current else "ScaledDown"
         return {**result, "lastScaleTime": now}, (True, reason, f"{current} -> {wanted} replicas: {why}{note}{observed}")
 
+    @staticmethod
+    def _below_pinned(spec: ScalingSpec, current: int, pinned: PinnedNeed | None, beside: int) -> bool:
+        """Whether `current` replicas are fewer than the pool's pinned adapters need: raised to them even while
+        the metrics cannot be read (a pinned adapter must not stay off the GPU until Prometheus answers)."""
+        return pinned_floor(spec, current, current, pinned, beside)[0] > current
+
     async def _rank_pods(self, namespace: str, pods: list[dict[str, Any]], costs: Mapping[str, int]) -> str:
         """Before a scale-down: the pods' deletion costs from the pool's last plan (deletion_cost.py), so the
         ReplicaSet removes those holding no pinned copy first. Empty, or a note when the API server refused
@@ -305,6 +319,8 @@ class PoolScaler:
             try:
                 await self.deployments.set_deletion_cost(namespace, pod, cost)
             except KubeError as exc:
+                if exc.status == 404:  # gone since the index was read: nothing to rank, the others still are
+                    continue
                 log.warning("pod %s/%s: its deletion cost was not set: %s", namespace, pod, exc)
                 return (f"; the pods were not ranked for the scale-down ({exc}; grant the operator patch on "
                         f"pods): the ReplicaSet may remove one holding a pinned copy, placed again after")

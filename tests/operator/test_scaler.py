@@ -48,7 +48,7 @@ class Deployments:
         self.patch_error: Exception | None = None
         self.autoscalers: list[str] | None | Exception = []  # HPAs scaling the target (None: cannot tell)
         self.calls: list[tuple[str, int | None]] = []  # ("replicas", n) and (pod, deletion cost), in order
-        self.cost_error: Exception | None = None
+        self.cost_error: Exception | dict[str, Exception] | None = None  # a dict: pod -> its error
 
     async def get_replicas(self, namespace: str, name: str) -> int:
         assert (namespace, name) == ("ns", "workers")
@@ -70,8 +70,9 @@ class Deployments:
         self.replicas = replicas
 
     async def set_deletion_cost(self, namespace: str, pod: str, cost: int | None) -> None:
-        if self.cost_error:
-            raise self.cost_error
+        error = self.cost_error.get(pod) if isinstance(self.cost_error, dict) else self.cost_error
+        if error:
+            raise error
         self.calls.append((pod, cost))
 
     async def close(self) -> None:
@@ -615,3 +616,35 @@ async def test_pods_the_api_server_will_not_rank_still_scale_down_with_a_note():
     cond = status["conditions"][0]
     assert deployments.patches == [2] and cond["reason"] == "ScaledDown"
     assert "the pods were not ranked for the scale-down" in cond["message"] and "HTTP 403" in cond["message"]
+
+
+async def test_a_pod_gone_since_the_index_was_read_leaves_the_others_ranked():
+    metrics, deployments = Metrics(), Deployments(3)
+    scaler = PoolScaler(metrics, deployments, allowed=PrometheusAllowlist([PROM]), clock=Clock(), rank_pods=True)
+    metrics.signals = (0.99, 0.1, 0.0)
+    deployments.cost_error = {"w-0": KubeError("PATCH pods/w-0 in namespace ns: HTTP 404: not found", 404)}
+    status = await tick(scaler, pool(), [pod(f"w-{i}") for i in range(3)], costs={"w-0": 1, "w-1": 1, "w-2": 1000})
+    cond = status["conditions"][0]
+    assert deployments.calls == [("w-1", 1), ("w-2", 1000), ("replicas", 2)] and cond["reason"] == "ScaledDown"
+    assert "not ranked" not in cond["message"]
+
+
+@pytest.mark.parametrize("signals", [MetricsError("http://prometheus:9090/api/v1/query: no answer within 5 s"),
+                                     (None, None)], ids=["prometheus-down", "series-missing"])
+async def test_fewer_workers_than_the_pinned_adapters_need_are_raised_without_metrics(setup, signals):
+    """The pinned floor, like the bounds, does not wait for Prometheus: a pool whose pinned adapters need two
+    workers, at one, is raised to two while the metrics cannot be read (and only to the floor: no recommendation
+    is made from metrics it does not have); at the floor, the pass changes nothing and says why."""
+    scaler, metrics, deployments, clock = setup
+    deployments.replicas = 1
+    metrics.signals = signals
+    st = await tick(scaler, pool(), [pod("w-0")], pinned=PinnedNeed(2, 2))
+    cond = scaling_condition(st)
+    assert deployments.patches == [2] and cond["reason"] == "ScaledUp", cond
+    assert "raised to 2: 2 pinned adapters need 2 workers" in cond["message"]
+    assert "metrics unavailable" in cond["message"] or "metrics missing" in cond["message"]
+    clock.now += 600
+    st = await tick(scaler, pool(), [pod("w-0"), pod("w-1")], pinned=PinnedNeed(2, 2))
+    cond = scaling_condition(st)
+    assert deployments.patches == [2] and cond["status"] == "False"
+    assert cond["reason"] in ("MetricsUnavailable", "MetricsMissing")

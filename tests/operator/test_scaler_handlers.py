@@ -162,6 +162,35 @@ async def test_an_idle_pool_keeps_the_workers_its_pinned_adapters_need(cluster):
     assert replicas_history(emulator) == [2, 1]
 
 
+async def test_ranked_pods_keep_costs_set_by_others_and_lose_stale_ones(cluster):  # noqa: F811
+    """--rank-pods through the running operator: the pods it ranks are those of its pod index, which must carry
+    their deletion-cost annotations (it held none: a cost a person set was overwritten, and the operator's own
+    cost on a pod that no longer holds the pinned copy was never removed, so both pods ranked alike)."""
+    from lorafleet.operator.deletion_cost import DELETION_COST, MARK
+
+    emulator, url = cluster
+    await with_deployments(emulator)
+    async with OneSlotStager(TOKEN) as first, OneSlotStager(TOKEN) as second, serving(idle_prometheus()) as prom, \
+            running_operator(url, scale_interval=0.3, prometheus_urls=(prom,), rank_pods=True,
+                             deployments=DeploymentClient(kopf.ConnectionInfo(server=url, token="test"), timeout=2.0)):
+        owner = await create_replicaset(emulator, "workers", "workers-5d8f7c")
+        pods = [controlled_by(pod_body(f"worker-{i}", s.port), owner) for i, s in enumerate((first, second))]
+        pods[0]["metadata"]["annotations"] = {DELETION_COST: "-100"}  # a person's
+        pods[1]["metadata"]["annotations"] = {DELETION_COST: "1000", MARK: "1000"}  # the operator's, from before
+        for body in pods:
+            await create(emulator, "pods", body)
+        await create(emulator, "loraadapters", adapter_body("a", warm=0, pinned=True))
+        await eventually(lambda: status(emulator, "a")["phase"], "adapter seen")
+        await create(emulator, "lorapools", scaling_pool("main", prom, minReplicas=1, scaleDownStabilizationSeconds=0))
+        await eventually(lambda: status(emulator, "a")["phase"] == "Ready", "the pinned adapter GPU-resident")
+        await eventually(lambda: replicas_history(emulator) == [2, 1], "the Deployment scaled down to 1")
+        holder = status(emulator, "a")["warmWorkers"]
+    notes = {n: emulator.objects["v1/pods", NS, n]["metadata"].get("annotations") or {}
+             for n in ("worker-0", "worker-1")}
+    assert notes["worker-0"].get(DELETION_COST) == "-100", notes  # left as the person set it
+    assert notes["worker-1"].get(DELETION_COST) == ("1000" if holder == ["worker-1"] else None), (holder, notes)
+
+
 async def test_failures_are_conditions_and_touch_no_replicas(cluster, sidecars):  # noqa: F811
     emulator, url = cluster
     await with_deployments(emulator)
