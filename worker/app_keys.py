@@ -12,6 +12,7 @@ from lorafleet.worker.async_engine import AsyncEngine
 from lorafleet.worker.engine_adapters import EngineAdapters
 from lorafleet.worker.fair_executor import FairExecutor
 from lorafleet.worker.metrics import WorkerMetrics
+from lorafleet.worker.parse_turns import ParseTurns
 from lorafleet.worker.served_adapters import ServedAdapters
 from lorafleet.worker.sources import Sources
 from lorafleet.worker.tenants import Tenants
@@ -34,6 +35,7 @@ TENANTS = web.AppKey("tenants", Tenants)
 METRICS = web.AppKey("metrics", WorkerMetrics)
 ADMISSION = web.AppKey("admission", Admission)
 INTAKE_THREADS = web.AppKey("intake_threads", FairExecutor)  # parsing and tokenizing, by turns of tenants
+PARSE_TURNS = web.AppKey("parse_turns", ParseTurns)  # large bodies' JSON, one at a time, paced
 STATUS = web.AppKey("status", ServerStatus)
 ADMIN_LOCK = web.AppKey("admin_lock", asyncio.Lock)
 SOURCES = web.AppKey("sources", Sources)  # the adapter roots admin sources are checked in, with their digests kept

@@ -156,6 +156,8 @@ class AsyncEngine:
             if job.cancelled() and self._stop.is_set() and not (task is not None and task.cancelling()):
                 raise RuntimeError("the engine stopped") from None  # cancelled by stop(), not by its caller
             raise
+        finally:
+            job = None  # its error's traceback holds this frame: no reference cycle through it
 
     def _prepare_now(self, params: SamplingParams) -> None:
         """Before the request joins the batch: a grammar of fixed texts (guided_choice) that this vocabulary cannot

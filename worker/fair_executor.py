@@ -191,6 +191,9 @@ class FairExecutor:
         else:
             future.set_result(result)
         finally:
+            # An exception's traceback holds this frame: without these, the Future (holding the exception) and
+            # the job's inputs (a request's body) would wait in a reference cycle for the garbage collector.
+            future = fn = result = None  # noqa: F841
             with self._lock:
                 self._running -= 1
                 self._on_spares -= spare

@@ -7,8 +7,9 @@ sequence of its tenant would be admitted now (`queue_full`, `tenant_queue_full`:
 count), or when `--max-intake-requests` requests are in intake already (`intake_full`). A body that has not arrived
 `--request-read-timeout-s` after the worker began reading it is answered 408 (`request_timeout`), which
 frees its intake place: clients that upload slowly cannot hold intake. Bodies over LARGE_BODY_BYTES
-are parsed on the intake threads, where tokenization runs too (by turns of tenants), so that the event
-loop (and /healthz with it) keeps answering while they are.
+are parsed off the event loop, one at a time and paced (ParseTurns), then tokenized on the intake threads
+(both by turns of tenants), so that the event loop (and /healthz with it) and the engine's steps keep going
+while they are.
 """
 
 from __future__ import annotations
@@ -30,10 +31,20 @@ from lorafleet.worker.admission import (
     TENANT_QUEUE_FULL,
     Admission,
 )
-from lorafleet.worker.app_keys import ADMISSION, CONFIG, ENGINE, INTAKE_THREADS, METRICS, STATUS, TENANTS
+from lorafleet.worker.app_keys import (
+    ADMISSION,
+    CONFIG,
+    ENGINE,
+    INTAKE_THREADS,
+    METRICS,
+    PARSE_TURNS,
+    STATUS,
+    TENANTS,
+)
 from lorafleet.worker.fair_executor import FairExecutor
 from lorafleet.worker.metrics import UNRESOLVED_LABEL
 from lorafleet.worker.openai_protocol import APIError, parse_json
+from lorafleet.worker.parse_turns import ParseTurns
 from lorafleet.worker.tenants import AuthenticationError, Tenant
 from lorafleet.worker.worker_config import WorkerConfig
 
@@ -130,23 +141,32 @@ class IntakePlace:
 
     def __init__(self, threads: FairExecutor, tenant: str) -> None:
         self.work: asyncio.Future | None = None  # the last work handed to the executor
-        self._threads, self._tenant = threads, tenant
+        self._threads, self.tenant = threads, tenant
 
     async def run(self, fn: Callable[[], Any]) -> Any:
         """`fn()` on the intake threads, in its tenant's turn: one tenant's megabyte prompts being tokenized
         do not queue another tenant's small request behind them all (26 s behind eight, first come first
         served)."""
-        self.work = asyncio.wrap_future(self._threads.submit(self._tenant, fn))
-        return await asyncio.shield(self.work)  # a cancelled handler leaves the work running, and its place held
+        work = self.work = asyncio.wrap_future(self._threads.submit(self.tenant, fn))
+        try:
+            return await asyncio.shield(work)  # a cancelled handler leaves the work running, and its place held
+        finally:
+            # Done: forgotten, here and in this frame, so that its exception's traceback (holding this frame, and the
+            # request's parsed body in its own) is not kept in a reference cycle until a collection comes.
+            if work.done():
+                self.work = None
+            work = None
 
 
 def setup_intake(app: web.Application, config: WorkerConfig) -> None:
     """The worker's admission, and the threads intake work runs on (released at the app's cleanup)."""
     app[ADMISSION] = Admission(config.capacity, config.max_sequences_per_tenant, config.intake_limit)
     threads = app[INTAKE_THREADS] = FairExecutor(INTAKE_THREADS_NUM, spare_threads=2, thread_name_prefix="intake")
+    parses = app[PARSE_TURNS] = ParseTurns()
 
     async def stop(_: web.Application) -> None:
         threads.shutdown(wait=False)
+        parses.shutdown()
 
     app.on_cleanup.append(stop)
 
@@ -199,8 +219,8 @@ async def read_body(request: web.Request) -> bytes:
 async def read_json(request: web.Request, then: Callable[[Any], Any] | None = None,
                     place: IntakePlace | None = None) -> Any:
     """The parsed body (see `read_body`), and `then(body)` when given: off the event loop for a body over
-    LARGE_BODY_BYTES (on the intake threads through the request's `place`, where it holds one; else in the
-    default executor)."""
+    LARGE_BODY_BYTES, where the request holds an intake `place` parsed in its tenant's turn on the one paced parse
+    thread (ParseTurns) and `then` run on the intake threads; else (the admin API's) in the default executor."""
     raw = await read_body(request)
 
     def parse() -> Any:
@@ -209,6 +229,7 @@ async def read_json(request: web.Request, then: Callable[[Any], Any] | None = No
 
     if len(raw) <= LARGE_BODY_BYTES:
         return parse()
-    if place is not None:
-        return await place.run(parse)
-    return await asyncio.get_running_loop().run_in_executor(None, parse)
+    if place is None:  # the admin API's: a trusted caller
+        return await asyncio.get_running_loop().run_in_executor(None, parse)
+    body = await request.app[PARSE_TURNS].parse(raw, place.tenant)
+    return body if then is None else await place.run(lambda: then(body))

@@ -12,14 +12,14 @@ in order, without gaps or overlaps."""
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import json
 import math
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
+
+from lorafleet.worker.gc_pause import collections_paused
 
 DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -45,7 +45,7 @@ def load_tensors(raw: bytes, check: Callable[[dict[str, list[int]]], None] | Non
     if size > len(raw) - 8:
         raise SafetensorsError(f"a header of {size} bytes in a file of {len(raw)}: truncated, or not safetensors")
     try:
-        with _collections_paused():
+        with collections_paused():
             header = json.loads(raw[8:8 + size].decode("utf-8"), object_pairs_hook=_object,
                                 parse_constant=_no_constant)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
@@ -89,20 +89,6 @@ def _entry(name: str, info: object) -> tuple[str, torch.dtype, list[int], tuple[
         raise SafetensorsError(f"tensor {name!r}: shape {shape} of {info['dtype']} is {nbytes} bytes, but its "
                                f"data_offsets span {offsets[1] - offsets[0]}")
     return name, dtype, shape, (offsets[0], offsets[1])
-
-
-@contextlib.contextmanager
-def _collections_paused() -> Iterator[None]:
-    """The garbage collector paused: parsing a header of millions of small lists (a field nobody reads) spent most
-    of its time in collections over them, with the interpreter lock held. Another thread's pause ending first only
-    brings collections back early."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _object(pairs: list[tuple[str, object]]) -> dict:

@@ -4,13 +4,15 @@ parsed and tokenized at once are bounded, and large bodies are parsed off the ev
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import threading
+import time
 
 import pytest
 from aiohttp import web
 
-from lorafleet.worker import intake
+from lorafleet.worker import intake, parse_turns
 from lorafleet.worker.app_keys import ADMISSION, ENGINE, METRICS
 from lorafleet.worker.cli import config_from_args
 from lorafleet.worker.engine_config import EngineConfig
@@ -262,31 +264,103 @@ async def test_a_body_that_stalls_is_answered_408_and_frees_its_intake_place(aio
     assert 'lorafleet_requests_rejected_total{reason="request_timeout"} 1.0' in metrics
 
 
-async def test_healthz_answers_while_large_bodies_are_parsed(aiohttp_client, tiny_llama_dir, monkeypatch):
-    """Four bodies over 64 KiB are parsed at once, each parse held until released: /healthz still answers
-    (the parses are off the event loop), and the four are served afterwards."""
+async def test_healthz_answers_while_large_bodies_are_parsed_one_at_a_time(aiohttp_client, tiny_llama_dir,
+                                                                          monkeypatch):
+    """Four bodies over 64 KiB: the first one's parse is held until released, and /healthz still answers (the
+    parse is off the event loop); the other three wait their turn (one parse at a time: each holds the
+    interpreter lock), and all four are served afterwards."""
     app = create_app(config(tiny_llama_dir, max_intake_requests=8))
     client = await aiohttp_client(app)
-    gate, entered, released, parse_json = threading.Event(), [], [], intake.parse_json
+    gate, entered, released, parse_json = threading.Event(), [], [], parse_turns.parse_json
 
     def held_parse(raw):  # on the event loop, the first would block it until its wait times out
         entered.append(len(raw))
         released.append(gate.wait(10))
         return parse_json(raw)
 
-    monkeypatch.setattr(intake, "parse_json", held_parse)
+    monkeypatch.setattr(parse_turns, "parse_json", held_parse)
     large = BODY[:-1] + b" " * (100 * 1024) + b"}"  # valid JSON, padded over LARGE_BODY_BYTES
     assert len(large) > intake.LARGE_BODY_BYTES
     posts = [asyncio.create_task(client.post("/v1/completions", data=large)) for _ in range(4)]
     try:
-        await wait_until(lambda: len(entered) == 4, timeout=5)
+        await wait_until(lambda: len(entered) == 1 and app[ADMISSION].num_in_intake == 4, timeout=5)
         health = await asyncio.wait_for(client.get("/healthz"), timeout=5)
         assert health.status == 200 and not gate.is_set()
-        assert not any(p.done() for p in posts)
+        assert not any(p.done() for p in posts) and len(entered) == 1
     finally:
         gate.set()
     assert [r.status for r in await asyncio.gather(*posts)] == [200] * 4
-    assert released == [True] * 4  # every parse waited for the gate, none timed out
+    assert released == [True] * 4 and len(entered) == 4
+
+
+async def test_large_parses_rest_after_each_and_tenants_take_turns(monkeypatch):
+    """A parse that held the interpreter lock for t seconds is followed by 3t seconds with none (at most about a
+    quarter of the interpreter goes to parsing, however many bodies a tenant sends); the next parse is of the tenant served
+    longest ago; a body whose caller left while it waited is not parsed."""
+    runs = []
+
+    def busy_parse(raw: bytes):  # 50 ms of this thread's CPU time, as a costly body's parse
+        start, began = time.thread_time(), time.monotonic()
+        while time.thread_time() - start < 0.05:
+            pass
+        runs.append((raw.decode(), began, time.monotonic()))
+        return raw.decode()
+
+    monkeypatch.setattr(parse_turns, "parse_json", busy_parse)
+    turns = parse_turns.ParseTurns()
+    try:
+        jobs = [asyncio.create_task(turns.parse(name.encode(), tenant))
+                for name, tenant in (("a1", "a"), ("a2", "a"), ("a3", "a"), ("b1", "b"), ("c1", "c"))]
+        await asyncio.sleep(0)
+        jobs[4].cancel()  # c1's caller leaves while it waits
+        assert await asyncio.wait_for(asyncio.gather(*jobs[:4]), 30) == ["a1", "a2", "a3", "b1"]
+        assert [name for name, _, _ in runs] == ["a1", "b1", "a2", "a3"]
+        for (_, _, ended), (_, next_began, _) in itertools.pairwise(runs):
+            assert next_began - ended >= parse_turns.REST_PER_PARSE * 0.05 * 0.9, runs  # rested after the parse before
+    finally:
+        turns.shutdown()
+
+
+@pytest.mark.parametrize("junk", ['{"": []}', "[[]]", "not json"])
+async def test_a_refused_large_body_is_freed_at_once_not_by_a_collection(aiohttp_client, tiny_llama_dir, junk):
+    """A large body refused with a 400 (an unknown field, or no JSON): its parsed objects are freed as the answer
+    goes, by reference counts. The work's future, its error and the handler's frame held one another in a cycle,
+    and a flood of such bodies, each of a million small objects, held gigabytes until a collection came."""
+    import gc
+
+    client = await aiohttp_client(create_app(config(tiny_llama_dir)))
+    body = ('{"model": "tiny", "prompt": "x", "max_tokens": 1, "junk": [' + ",".join([junk] * 50_000) + "]}").encode()
+
+    async def refused() -> None:
+        resp = await client.post("/v1/completions", data=body, headers={"Content-Type": "application/json"})
+        assert resp.status == 400, await resp.text()
+
+    await refused()  # what a first request makes once (imports, caches) is not counted
+    gc.collect()
+    gc.disable()  # no collection may free what a cycle holds: only reference counts
+    try:
+        before = len(gc.get_objects())
+        for _ in range(3):
+            await refused()
+        grown = len(gc.get_objects()) - before
+    finally:
+        gc.enable()
+    assert grown < 20_000, grown  # each body is 50,000 objects at least
+
+
+def test_collections_stay_paused_until_the_last_overlapping_pause_ends():
+    import gc
+
+    from lorafleet.worker.gc_pause import collections_paused
+
+    assert gc.isenabled()
+    first, second = collections_paused(), collections_paused()
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    assert not gc.isenabled()  # the second parse still runs
+    second.__exit__(None, None, None)
+    assert gc.isenabled()
 
 
 def test_the_intake_bound_is_a_flag_and_an_environment_variable():
