@@ -130,7 +130,10 @@ def parse_completion_request(body: Any, defaults: SamplingDefaults = SamplingDef
     options.logprobs = f.integer("logprobs", None, 0, MAX_COMPLETION_LOGPROBS)
     options.echo = echo
     # 1, the default some clients send with any n, or n: n choices, as asked; more to pick from is not implemented
-    if f.integer("best_of", None, 1, None) not in (None, 1):
+    best_of = f.integer("best_of", None, 1, None)
+    if best_of is not None and 1 < best_of < options.n:  # OpenAI's and vLLM's rule (1: the default some clients send)
+        raise bad_request(f"'best_of' ({best_of}) must be greater than or equal to 'n' ({options.n})", "best_of")
+    if best_of not in (None, 1):
         f.neutral("best_of", options.n, "best_of above n is not implemented; use n")
     f.neutral("suffix", "", "suffix (insertion) is not implemented")
     add_special_tokens = f.flag("add_special_tokens", True)

@@ -252,6 +252,8 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], counts: TokenCou
     if any(p.repetition_penalty != 1.0 for p in params):
         seen = counts.seen.index_select(0, table_rows)
         rep = torch.tensor([p.repetition_penalty for p in params], device=device, dtype=dtype)[:, None]
+        finfo = torch.finfo(dtype)
+        rep = rep.clamp(min=finfo.tiny, max=finfo.max)  # 1e-300 is 0 in float32, 1e300 inf: 0 * inf is NaN
         sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
     if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params):
         out_counts = counts.output_counts.index_select(0, table_rows)
@@ -270,7 +272,9 @@ def _processed_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
     """Temperature, min_p, top-k, then top-p; returns probabilities [N, V] (filtered entries exactly 0)."""
     device = logits.device
     temps = torch.tensor([p.temperature for p in params], device=device, dtype=logits.dtype)[:, None]
-    logits = logits / temps
+    # Overflow (a tiny repetition penalty, a low temperature) to +inf would make softmax's inf - inf a NaN: the
+    # largest finite value stands in, and the tokens holding it share the draw.
+    logits = (logits / temps).clamp(max=torch.finfo(logits.dtype).max)
     if any(p.min_p > 0.0 for p in params):  # a row with min_p 0 masks nothing: its logits stay as they are
         min_p = torch.tensor([p.min_p for p in params], device=device, dtype=logits.dtype)[:, None]
         probs = torch.softmax(logits, dim=-1)
@@ -293,6 +297,7 @@ def _processed_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
         uses = top_p < 1.0
         before = sorted_probs.cumsum(dim=-1) - sorted_probs
         drop_sorted = (before >= top_p) & uses
+        drop_sorted[:, 0] = False  # also where top_p is 0 in this dtype (1e-50 is, in float32): one token stays
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
         probs = torch.where(uses, probs / probs.sum(dim=-1, keepdim=True), probs)

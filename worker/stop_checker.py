@@ -4,8 +4,8 @@ text is final (safe to stream).
 Text is the decode of all generated tokens (special tokens skipped unless the request keeps them; a
 final stop token, EOS or one of stop_token_ids, is not text unless include_stop_str_in_output, as in
 vLLM), grown incrementally by the Detokenizer. A stop string ends the request with the text cut before
-it (or after it when asked); it is searched only where it could newly appear: from
-`len(previous text) - len(longest stop) + 1`. Before the sequence has min_tokens tokens, neither stop
+it (or after it when asked); each is searched only where it could newly appear: from
+`len(previous text) - len(that stop string) + 1`. Before the sequence has min_tokens tokens, neither stop
 tokens nor stop strings end it (vLLM's; the sampler keeps stop tokens from being drawn meanwhile).
 """
 
@@ -75,8 +75,9 @@ def _stop_at_string(seq: Sequence, prev: int) -> None:
     """End `seq` at the first of its stop strings that text added after `prev` characters completes."""
     params = seq.params
     if params.stop:
-        window = max(0, prev - max(len(s) for s in params.stop) + 1)
-        hits = [(i, s) for s in params.stop if (i := seq.text.find(s, window)) >= 0]
+        # Each string from where an occurrence of it could end in the new text: a window sized by the longest
+        # string found a shorter one completed earlier (before min_tokens, when stop strings are not searched).
+        hits = [(i, s) for s in params.stop if (i := seq.text.find(s, max(0, prev - len(s) + 1))) >= 0]
         if hits:
             i, s = min(hits)
             seq.text = seq.text[: i + len(s) if params.include_stop_str_in_output else i]

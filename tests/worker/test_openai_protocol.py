@@ -117,6 +117,8 @@ BAD_COMPLETIONS = [
      "invalid_value"),
     ({"model": "m", "prompt": "x", "best_of": 2}, "not supported", "unsupported_parameter"),
     ({"model": "m", "prompt": "x", "best_of": 3, "n": 2}, "not supported", "unsupported_parameter"),
+    ({"model": "m", "prompt": "x", "best_of": 2, "n": 3}, "'best_of' (2) must be greater than or equal to 'n' (3)",
+     "invalid_value"),
     ({"model": "m", "prompt": "x", "best_of": 0}, "'best_of' must be >= 1", "invalid_value"),
     ({"model": "m", "prompt": "x", "best_of": "2"}, "'best_of' must be an integer", "invalid_type"),
     ({"model": "m", "prompt": "x", "frequency_penalty": 2.5}, "'frequency_penalty' must be in [-2.0, 2.0]",

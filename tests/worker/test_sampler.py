@@ -363,3 +363,22 @@ def test_a_top_p_one_row_keeps_its_whole_distribution_beside_rows_that_cut():
         assert bool((mixed[i] > 0).all())
     assert (mixed[1] > 0).sum() < 32000 and (mixed[3] > 0).sum() < 32000
     torch.testing.assert_close(mixed[1].sum(), torch.tensor(1.0))
+
+
+@pytest.mark.parametrize("kw", [{"top_p": 1e-50}, {"repetition_penalty": 1e-300}, {"repetition_penalty": 1e300},
+                                {"repetition_penalty": 1e-30, "temperature": 1e-4}])
+def test_parameters_beyond_float32_still_draw_a_likely_token(kw):
+    """A top_p that is 0 in float32 keeps the most likely token (vLLM's top-p always keeps one), and penalties
+    that are 0 or inf in float32, or that overflow the logits, draw among the top tokens: never a NaN row, whose
+    draw fell on token 0 every step."""
+    torch.manual_seed(0)
+    logits = torch.randn(2, 64) * 3
+    logits[:, 0] = -30.0  # token 0: the least likely
+    params = SamplingParams(max_tokens=4, temperature=kw.pop("temperature", 1.0), seed=5, **kw)
+    seqs = [Sequence("a", [7, 9], params), Sequence("b", [3], params)]
+    for seq in seqs:
+        seq.generator = torch.Generator().manual_seed(1)
+    tokens = [t for t, _ in Sampler().sample(apply_penalties(logits.clone(), seqs), seqs)]
+    assert 0 not in tokens, tokens
+    if "top_p" in kw:  # one token left: the most likely
+        assert tokens == logits.argmax(dim=-1).tolist()

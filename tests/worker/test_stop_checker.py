@@ -94,3 +94,16 @@ def test_bytes_that_can_never_be_utf8_stream_as_they_come(tiny_llama_dir):
     seq = Sequence("r", [1], SamplingParams(max_tokens=100))
     pieces = _feed(checker, seq, [_byte_token(tok, 0x80)] * 5 + tok.encode("ok", add_special_tokens=False))
     assert pieces[:5] == ["\ufffd"] * 5 and "".join(pieces[5:]) == "ok"
+
+
+def test_a_stop_string_completed_before_min_tokens_stays_whatever_other_strings_are_listed(tiny_llama_dir):
+    """Stop strings are not searched before min_tokens: a "," written at the second token stays, and the third
+    token's "," ends the text, with or without a longer stop string beside it (the search window was sized by the
+    longest string, and reached back to the earlier ",")."""
+    tok = Tokenizer(tiny_llama_dir)
+    checker = StopChecker(tok, [EOS], 1000)
+    ids = tok.encode("a,b,c", add_special_tokens=False)  # byte tokens: one character each
+    for stop in ([","], [",", "an unrelated longer stop string"]):
+        seq = Sequence("r", [1], SamplingParams(max_tokens=10, min_tokens=3, stop=stop))
+        _feed(checker, seq, ids)
+        assert (seq.text, seq.finish_reason, seq.stop_reason) == ("a,b", "stop", ","), stop
