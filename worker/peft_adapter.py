@@ -166,9 +166,12 @@ def _is_float32_finite(value: float) -> bool:
 MAX_HEADER_BYTES = 2 << 20  # a safetensors header (its JSON index of the tensors): 10x what 70B needs
 
 
-def _read_tensors(raw: bytes, path: Path, num_layers: int, config: dict, max_rank: int | None) -> tuple[dict, dict]:
+def _read_tensors(raw: bytes, path: Path, num_layers: int, config: dict, max_rank: int | None,
+                  shapes: dict[str, tuple[int, int]]) -> tuple[dict, dict]:
     """(layer, proj) -> {"A": lora_A, "B": lora_B}, and the module name each came with (a variant's
-    training-only tensors, `_TRAINING_ONLY`, are dropped); a rank above `max_rank` refused before any copy.
+    training-only tensors, `_TRAINING_ONLY`, are dropped); a rank above `max_rank`, a tensor of no Llama projection
+    or layer, and one whose shape does not fit the base's projection (`shapes`: projection_shapes) refused from
+    the header, before any copy (a rank-4 lora_A of 33M columns cost twice the file's size in memory first).
 
     From the file's bytes, read once, never from a memory map of the file: the tensors own their
     memory, so a file rewritten in place later changes nothing served (and truncating it cannot
@@ -179,30 +182,35 @@ def _read_tensors(raw: bytes, path: Path, num_layers: int, config: dict, max_ran
         raise AdapterError(f"{path / WEIGHTS_FILE}: a safetensors header of {header} bytes, over the "
                            f"{MAX_HEADER_BYTES} a LoRA's tensors need (a 70B model's every projection: about "
                            f"200 KB); refused before parsing it")
+    variants = [pattern for field, pattern in _TRAINING_ONLY.items() if config.get(field) is not None]
+
+    def before_copy(header: dict[str, list[int]]) -> None:
+        refuse_ranks_above(header, max_rank, path)
+        for key, shape in sorted(header.items()):
+            if not any(p.match(key) for p in variants):
+                layer, proj, ab, _ = _checked_key(key, path, num_layers)
+                if not _fits(shape, ab, shapes[proj]):
+                    out_f, in_f = shapes[proj]
+                    pair = {x: key.replace(f".lora_{ab}.", f".lora_{x}.") for x in "AB"}
+                    found = " and ".join(f"lora_{x} {header[k]}" for x, k in pair.items() if k in header)
+                    raise AdapterError(f"{path}: layer {layer} {proj}: expected lora_A [r, {in_f}] and lora_B "
+                                       f"[{out_f}, r] for this base model, found {found}; the adapter was "
+                                       f"trained on a different base model")
+
     try:
-        tensors = load_tensors(raw, check=lambda shapes: refuse_ranks_above(shapes, max_rank, path))  # no lock held
+        tensors = load_tensors(raw, check=before_copy)  # no lock held
     except SafetensorsError as exc:  # a truncated or foreign file
         raise AdapterError(f"{path / WEIGHTS_FILE}: cannot read safetensors ({exc})") from None
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     module_names: dict[tuple[int, str], str] = {}
     key_of: dict[tuple[int, str, str], str] = {}
     ignored: dict[tuple[int, str], str] = {}
-    variants = [pattern for field, pattern in _TRAINING_ONLY.items() if config.get(field) is not None]
     for key in sorted(tensors):
         extra = next((m for m in (p.match(key) for p in variants) if m), None)
         if extra:
             ignored.setdefault((int(extra["layer"]), extra["proj"]), key)
             continue
-        layer, proj, ab, module = _classify_key(key, path)
-        if proj not in PROJS:
-            raise AdapterError(f"{path}: tensor {key!r} adapts {proj!r}, which is not a Llama projection; "
-                               f"supported: {', '.join(PROJS)}")
-        if not module.endswith(f".{PARENT[proj]}.{proj}"):  # mlp.q_proj: no such module in a Llama layer
-            raise AdapterError(f"{path}: tensor {key!r} puts {proj} under {module.rsplit('.', 2)[-2]}, but a Llama "
-                               f"layer has it under {PARENT[proj]}; wrong base architecture or a bad conversion?")
-        if layer >= num_layers:
-            raise AdapterError(f"{path}: tensor {key!r} is for layer {layer}, but the base model has "
-                               f"{num_layers} layers (0..{num_layers - 1}); wrong base model?")
+        layer, proj, ab, module = _checked_key(key, path, num_layers)
         first = key_of.setdefault((layer, proj, ab), key)
         if first != key:  # e.g. two PEFT adapter names in one file: one would silently replace the other
             raise AdapterError(f"{path}: tensors {first!r} and {key!r} are both lora_{ab} of layer {layer} {proj}; "
@@ -292,7 +300,7 @@ def load_peft_adapter(
             _mismatch(mode, mismatch)
 
     shapes = projection_shapes(model_config)
-    pairs, module_names = _read_tensors(raw, path, num_layers, config, max_rank)
+    pairs, module_names = _read_tensors(raw, path, num_layers, config, max_rank, shapes)
     del raw  # the tensors hold copies
     if not pairs:
         raise AdapterError(f"{weights_path}: holds no LoRA tensors (lora_A/lora_B of q/k/v/o/gate/up/down_proj)")
@@ -346,6 +354,27 @@ def load_peft_adapter(
                                tokenizer_encodings=tokenizer_encodings, base_token_id=base_token_id, name=name,
                                version=version, expect_digest=digest, max_file_bytes=max_file_bytes, max_rank=max_rank)
     return LoRAWeights(name=name, version=version, base_model=base, modules=modules, nbytes=nbytes, reload=reload)
+
+
+def _checked_key(key: str, path: Path, num_layers: int) -> tuple[int, str, str, str]:
+    """_classify_key's (layer, proj, "A" or "B", module) of a tensor of a Llama projection and layer."""
+    layer, proj, ab, module = _classify_key(key, path)
+    if proj not in PROJS:
+        raise AdapterError(f"{path}: tensor {key!r} adapts {proj!r}, which is not a Llama projection; "
+                           f"supported: {', '.join(PROJS)}")
+    if not module.endswith(f".{PARENT[proj]}.{proj}"):  # mlp.q_proj: no such module in a Llama layer
+        raise AdapterError(f"{path}: tensor {key!r} puts {proj} under {module.rsplit('.', 2)[-2]}, but a Llama "
+                           f"layer has it under {PARENT[proj]}; wrong base architecture or a bad conversion?")
+    if layer >= num_layers:
+        raise AdapterError(f"{path}: tensor {key!r} is for layer {layer}, but the base model has "
+                           f"{num_layers} layers (0..{num_layers - 1}); wrong base model?")
+    return layer, proj, ab, module
+
+
+def _fits(shape: list[int], ab: str, proj_shape: tuple[int, int]) -> bool:
+    """Whether a lora_A (`ab` "A") or lora_B header shape fits a projection of (out_features, in_features)."""
+    out_f, in_f = proj_shape
+    return len(shape) == 2 and (shape[1] == in_f if ab == "A" else shape[0] == out_f)
 
 
 def _classify_key(key: str, path: Path) -> tuple[int, str, str, str]:

@@ -288,6 +288,28 @@ def test_shape_mismatch_names_module_and_shapes(tmp_path, model_config):
         load_peft_adapter(tmp_path / "x", {**model_config, "num_hidden_layers": 1}, dtype=torch.float32)
 
 
+@pytest.mark.parametrize("bad", ["shape", "layer", "projection"])
+def test_tensors_that_fit_no_projection_are_refused_before_any_copy(tmp_path, model_config, monkeypatch, bad):
+    """A tensor of the wrong width, of a layer or projection the base has not, is refused from the file's
+    header: a rank-4 lora_A of 33M columns (rank checks pass) cost twice the file's size in memory before."""
+    from lorafleet.worker import safetensors_bytes
+
+    make_adapter(tmp_path / "x", r=4, lora_alpha=8, target_modules=["q_proj"])
+    weights = tmp_path / "x" / "adapter_model.safetensors"
+    tensors = load_file(weights)
+    key = next(k for k in tensors if "layers.0." in k and "lora_A" in k)
+    wrong = {"shape": (key, torch.zeros(4, 4096)), "layer": (key.replace("layers.0.", "layers.7."), tensors[key]),
+             "projection": (key.replace("q_proj", "qkv_proj"), tensors[key])}[bad]
+    tensors.pop(key)
+    tensors[wrong[0]] = wrong[1]
+    save_file(tensors, weights)
+    copies = []
+    monkeypatch.setattr(safetensors_bytes, "_tensor", lambda *a: copies.append(a) or torch.zeros(1))
+    with pytest.raises(AdapterError, match="different base model|layers|not a Llama projection"):
+        load_peft_adapter(tmp_path / "x", model_config, dtype=torch.float32)
+    assert copies == []
+
+
 def test_a_and_b_of_two_ranks_are_named_a_corrupt_file_not_another_base(tmp_path, model_config):
     """lora_A [4, 64] beside lora_B [64, 8] fits the base on both sides: the file is corrupt or mixes two
     adapters, which the refusal says, instead of sending the user to look for another base model."""
