@@ -124,49 +124,53 @@ def _checked(vocab: dict) -> dict[str, int]:
     return vocab
 
 
-def _vocab_and_merges_from_dir(path: Path, max_bytes: int | None) -> tuple[dict[str, int], list[str]] | None:
-    """From vocab.json (+ merges.txt and added tokens); None without one."""
-    vocab_json = path / "vocab.json"
-    if vocab_json.is_file():
-        vocab = _parse(vocab_json, _checked, max_bytes)
-        merges_txt = path / "merges.txt"
-        merges = []
-        if merges_txt.is_file():
-            try:
-                text = read_limited(merges_txt, max_bytes).decode("utf-8")
-            except FileLimitError:
-                raise
-            except (OSError, ValueError) as exc:
-                raise TokenizerFileError(f"{merges_txt}: not a readable merges file ({type(exc).__name__})") from exc
-            merges = [ln for ln in text.splitlines() if ln and not ln.startswith("#version")]
-        added = path / "added_tokens.json"
-        if added.is_file():
-            vocab.update(_parse(added, _checked, max_bytes))
-        cfg = path / "tokenizer_config.json"
-        if cfg.is_file():
-            vocab.update(_parse(cfg, _added_tokens_decoder, max_bytes))
-        return vocab, merges
-    return None
+def _tokenizer_files(path: Path, max_bytes: int | None) -> dict[str, bytes] | None:
+    """The bytes of the files a folder's vocabulary is read from: tokenizer.json, else vocab.json with merges.txt,
+    added_tokens.json and tokenizer_config.json where present; None with neither."""
+    names = ("tokenizer.json",) if (path / "tokenizer.json").is_file() else \
+        ("vocab.json", "merges.txt", "added_tokens.json", "tokenizer_config.json")
+    if not (path / names[0]).is_file():
+        return None
+    return {name: _read(path / name, max_bytes) for name in names if (path / name).is_file()}
 
 
-def vocab_digest(path: str | Path, max_file_bytes: int | None = None) -> str | None:
+def _digest_of(path: Path, files: dict[str, bytes]) -> str:
+    """`_digest` of the vocabulary and merges in `files` (as `_tokenizer_files` gives them, read from `path`)."""
+    if "tokenizer.json" in files:
+        return _digest(*_parse(path / "tokenizer.json", _from_tokenizer_json, None, files["tokenizer.json"]))
+    vocab = _parse(path / "vocab.json", _checked, None, files["vocab.json"])
+    merges = []
+    if "merges.txt" in files:
+        try:
+            text = files["merges.txt"].decode("utf-8")
+        except ValueError as exc:
+            raise TokenizerFileError(f"{path / 'merges.txt'}: not a readable merges file ({type(exc).__name__})") from exc
+        merges = [ln for ln in text.splitlines() if ln and not ln.startswith("#version")]
+    if "added_tokens.json" in files:
+        vocab.update(_parse(path / "added_tokens.json", _checked, None, files["added_tokens.json"]))
+    if "tokenizer_config.json" in files:
+        vocab.update(_parse(path / "tokenizer_config.json", _added_tokens_decoder, None, files["tokenizer_config.json"]))
+    return _digest(vocab, merges)
+
+
+def vocab_digest(path: str | Path, max_file_bytes: int | None = None, *, isolated: bool = False) -> str | None:
     """Digest of a tokenizer's vocabulary (token -> id, added tokens included) and BPE merges.
 
     `path` is a model/adapter dir or a tokenizer.json; None when it holds no tokenizer files.
     Equal digests mean the same text becomes the same ids, whatever file format carried them.
     Raises TokenizerFileError (naming the file) when a tokenizer file is malformed, and FileLimitError,
     before reading it, when one is over `max_file_bytes` (None: no size limit) or not a regular file.
+    `isolated` (an adapter's files): parsed in a child process (_digest_isolated), not in this one; files with
+    the bytes of ones digested before (the base's own, mostly) are not parsed again.
     """
     path = Path(path)
     if path.is_file():
         path = path.parent
-    tok_json = path / "tokenizer.json"
-    if tok_json.is_file():
-        content = _read(tok_json, max_file_bytes)
-        return _once_per_content("vocab", content, lambda: _digest(*_parse(tok_json, _from_tokenizer_json, None,
-                                                                            content)))
-    found = _vocab_and_merges_from_dir(path, max_file_bytes)
-    return None if found is None else _digest(*found)
+    files = _tokenizer_files(path, max_file_bytes)
+    if files is None:
+        return None
+    key = b"".join(hashlib.sha256(name.encode() + b"\0" + data).digest() for name, data in sorted(files.items()))
+    return _once_per_content("vocab", key, lambda: (_digest_isolated if isolated else _digest_of)(path, files))
 
 
 def _digest(vocab: dict[str, int], merges: list[str]) -> str:
@@ -213,11 +217,11 @@ def _probe(file: Path, content: bytes) -> list[list[int]]:
         raise _unreadable(file, type(exc).__name__) from None
 
 
-# The child of _probe_isolated: limits itself (never above the limits it was given), offers itself to the OOM killer
-# first, builds the tokenizer from stdin, prints the probes' ids as JSON (exit 3: far more ids than bytes).
-_CHILD = """
+# A child's first lines: it limits itself (never above the limits it was given: CPU_S and MEMORY_BYTES, filled in
+# as it starts) and offers itself to the OOM killer first.
+_LIMITS = """
 import json, resource, sys
-for which, value, grace in ((resource.RLIMIT_CPU, {cpu}, 1), (resource.RLIMIT_AS, {mem}, 0)):
+for which, value, grace in ((resource.RLIMIT_CPU, CPU_S, 1), (resource.RLIMIT_AS, MEMORY_BYTES, 0)):
     hard = resource.getrlimit(which)[1]
     value = value if hard == resource.RLIM_INFINITY else min(value, hard - grace)
     resource.setrlimit(which, (value, value + grace))  # past the CPU time: SIGXCPU (not the OOM killer's SIGKILL)
@@ -226,6 +230,10 @@ try:
         f.write("1000")
 except OSError:
     pass
+"""
+# The child of _probe_isolated: builds the tokenizer from stdin, prints the probes' ids as JSON (exit 3: far more
+# ids than bytes).
+_CHILD = _LIMITS + """
 from tokenizers import Tokenizer
 texts = json.loads(sys.argv[1])
 tokenizer = Tokenizer.from_str(sys.stdin.buffer.read().decode("utf-8"))
@@ -236,25 +244,70 @@ if sum(map(len, ids)) > {most}:
     sys.exit(3)
 print(json.dumps(ids))
 """
+# The child of _digest_isolated: this module alone (its package's __init__, which imports the engine, is left
+# out), `_digest_of` the files whose names and sizes argv gives and whose bytes stdin holds, one after another;
+# prints {{"digest": ...}} or {{"error": <the TokenizerFileError's message>}}.
+_DIGEST_CHILD = _LIMITS + """
+import types
+from pathlib import Path
+for name, where in (("lorafleet", []), ("lorafleet.worker", [{package!r}])):
+    sys.modules[name] = types.ModuleType(name)
+    sys.modules[name].__path__ = where
+from lorafleet.worker.vocab_digest import TokenizerFileError, _digest_of
+raw, files, at = sys.stdin.buffer.read(), {{}}, 0
+for name, size in json.loads(sys.argv[2]):
+    files[name], at = raw[at:at + size], at + size
+try:
+    print(json.dumps({{"digest": _digest_of(Path(sys.argv[1]), files)}}))
+except TokenizerFileError as exc:
+    print(json.dumps({{"error": str(exc)}}))
+"""
+
+
+def _run_child(code: str, args: list[str], stdin: bytes, ran_out: str, what: Path) -> subprocess.CompletedProcess:
+    """`code` in a child process (`python -I -c`), its CPU time, memory and wall-clock time bounded: past them, a
+    TokenizerFileError saying `ran_out`; killed (the OOM killer's first in line): OSError EAGAIN, to try again."""
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "RAYON_NUM_THREADS": "1"}
+    try:
+        code = code.replace("CPU_S", str(PROBE_CPU_S), 1).replace("MEMORY_BYTES", str(PROBE_MEMORY_BYTES), 1)
+        done = subprocess.run([sys.executable, "-I", "-c", code, *args], input=stdin, cwd="/", capture_output=True,
+                              timeout=PROBE_TIMEOUT_S, env=env, check=False)
+    except subprocess.TimeoutExpired:
+        raise TokenizerFileError(ran_out) from None
+    if done.returncode == -signal.SIGXCPU:
+        raise TokenizerFileError(ran_out)
+    if done.returncode == -signal.SIGKILL:  # the OOM killer (it is first in line), not the file's fault for sure
+        raise OSError(errno.EAGAIN, f"{what}: the tokenizer check was killed (memory short?); it is tried again")
+    return done
+
+
+def _digest_isolated(path: Path, files: dict[str, bytes]) -> str:
+    """`_digest_of` in a child process: a tenant's tokenizer files (up to --max-adapter-file-bytes each) are parsed
+    with the interpreter lock of a process of their own, not the worker's (four 64 MiB files held every stream
+    for seconds, at every push), within the probe's limits."""
+    code = _DIGEST_CHILD.format(package=str(Path(__file__).parent))
+    sizes = json.dumps([[name, len(data)] for name, data in files.items()])
+    done = _run_child(code, [str(path), sizes], b"".join(files.values()), f"{path}: its tokenizer files took more "
+                      f"than {PROBE_CPU_S} s to read", path)
+    try:
+        answer = json.loads(done.stdout) if done.returncode == 0 else None
+    except ValueError:
+        answer = None
+    if isinstance(answer, dict) and isinstance(answer.get("error"), str):
+        raise TokenizerFileError(answer["error"])
+    if not (isinstance(answer, dict) and isinstance(answer.get("digest"), str)):
+        # Never its stderr: a parser's message may quote the file, maybe a link to one the tenant must not read.
+        raise TokenizerFileError(f"{path}: its tokenizer files could not be read (exit status {done.returncode})")
+    return answer["digest"]
 
 
 def _probe_isolated(file: Path, content: bytes) -> list[list[int]]:
     """`_probe` in a child process: a tenant's tokenizer never runs in the worker's, and what it gives back
     is bounded (PROBE_IDS_PER_BYTE), so it cannot fill the worker's memory either."""
     most = PROBE_IDS_PER_BYTE * sum(len(t.encode()) for t in PROBE_TEXTS)
-    code = _CHILD.format(cpu=PROBE_CPU_S, mem=PROBE_MEMORY_BYTES, most=most)
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "RAYON_NUM_THREADS": "1"}
     ran_out = (f"{file}: its tokenizer ran more than {PROBE_CPU_S} s to encode {len(PROBE_TEXTS)} short texts (a "
                f"normalizer or pre-tokenizer that backtracks?)")
-    try:
-        done = subprocess.run([sys.executable, "-I", "-c", code, json.dumps(PROBE_TEXTS)], input=content,
-                              cwd="/", capture_output=True, timeout=PROBE_TIMEOUT_S, env=env, check=False)
-    except subprocess.TimeoutExpired:
-        raise TokenizerFileError(ran_out) from None
-    if done.returncode == -signal.SIGXCPU:
-        raise TokenizerFileError(ran_out)
-    if done.returncode == -signal.SIGKILL:  # the OOM killer (it is first in line), not the file's fault for sure
-        raise OSError(errno.EAGAIN, f"{file}: the tokenizer check was killed (memory short?); it is tried again")
+    done = _run_child(_CHILD.replace("{most}", str(most)), [json.dumps(PROBE_TEXTS)], content, ran_out, file)
     if done.returncode == 3:
         raise _unreadable(file, f"it turns the probe texts into more than {most} ids")
     try:
@@ -312,7 +365,7 @@ def tokenizer_mismatch(path: Path, base_digest: str | None, base_token_id: Calla
     adds must be the base's token of that id (`base_token_id`). None for any skips that check.
     Raises FileLimitError for a file over `max_bytes` or not a regular file."""
     try:
-        theirs = vocab_digest(path, max_bytes)
+        theirs = vocab_digest(path, max_bytes, isolated=True)
         foreign: list[Path] = []
         declared = _declared_added_tokens(path, max_bytes, foreign) if theirs is None and base_token_id else {}
         probe = theirs is not None and base_encodings is not None and theirs == (base_digest or theirs)

@@ -20,6 +20,12 @@ def parsed(monkeypatch) -> list[str]:
     real_vocab = vd._from_tokenizer_json
     monkeypatch.setattr(vd, "_KNOWN", OrderedDict())
     monkeypatch.setattr(vd, "_from_tokenizer_json", lambda raw: seen.append("vocab") or real_vocab(raw))
+    def isolated(path, files, real=vd._digest_isolated):  # an adapter's, in a child: counted where it parsed
+        digest = real(path, files)
+        seen.append("vocab")
+        return digest
+
+    monkeypatch.setattr(vd, "_digest_isolated", isolated)
     for name in ("_probe", "_probe_isolated"):  # in this process (the base's file) or in a child (an adapter's)
         monkeypatch.setattr(vd, name, lambda file, content, real=getattr(vd, name): seen.append("probe")
                             or real(file, content))
@@ -67,3 +73,27 @@ def test_what_is_known_is_bounded(tmp_path, parsed, monkeypatch):
     assert len(vd._KNOWN) == 2 and len(set(digests)) == 3
     assert vd.vocab_digest(tmp_path / "t0") == digests[0]  # the oldest was let go: parsed again
     assert parsed == ["vocab"] * 4
+
+
+def test_an_adapters_vocabulary_files_are_parsed_in_a_child_process(tmp_path, monkeypatch):
+    """vocab.json, merges.txt, added tokens (up to --max-adapter-file-bytes each) of a tenant's folder are parsed
+    with the interpreter lock of a process of their own: four 64 MiB files held every stream for seconds, at every
+    push. The digest, and a malformed file's error naming it, are the same as in this process."""
+    base, adapter = tmp_path / "base", tmp_path / "adapter"
+    for folder in (base, adapter):
+        folder.mkdir()
+        (folder / "vocab.json").write_text(json.dumps({"a": 0, "b": 1, "ab": 2}))
+        (folder / "merges.txt").write_text("#version: 0.2\na b\n")
+    (adapter / "added_tokens.json").write_text(json.dumps({"<x>": 3}))
+    here, base_digest = vd.vocab_digest(adapter), vd.vocab_digest(base)  # this process's own reading
+    monkeypatch.setattr(vd, "_KNOWN", OrderedDict())
+
+    def not_here(*_):
+        raise AssertionError("an adapter's tokenizer files were parsed in the worker's process")
+
+    monkeypatch.setattr(vd, "_digest_of", not_here)
+    assert vd.vocab_digest(adapter, isolated=True) == here != base_digest
+    (adapter / "vocab.json").write_text('{"a": 0, "b": "one"}')
+    with pytest.raises(vd.TokenizerFileError, match=r"adapter/vocab.json: not a readable tokenizer file \(vocabulary "
+                                                    r"entries must map strings to integer ids \(1 do not\)\)"):
+        vd.vocab_digest(adapter, isolated=True)
