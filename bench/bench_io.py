@@ -1,4 +1,5 @@
-"""Where the benchmarks put their results: one JSON file per run, named by what ran, when and on what."""
+"""Where the benchmarks put their results (one JSON file per run, named by what ran, when and on what), and how
+those that drive a worker over HTTP start it."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 
@@ -50,3 +52,19 @@ def write_gpu_run(out_dir: str | Path, stem: str, args, results: dict) -> Path:
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     return write_json(out_dir, stem, time.strftime("%Y-%m-%d"), device_tag(name),
                       {"args": vars(args), "gpu": name, "torch": torch.__version__, "results": results})
+
+
+def start_worker_process(cmd: list[str], log: Path) -> tuple[subprocess.Popen, str]:
+    """`cmd` (a `python -m lorafleet.worker ... --port 0`) started with its output in `log`; (the process, its URL)
+    once it logs where it listens (RuntimeError with the log's end if it exits first; killed after 10 minutes)."""
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=dict(os.environ))
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(log.read_text()[-3000:])
+        for line in log.read_text().splitlines():
+            if "Running on http://" in line:
+                return proc, line.split("Running on ")[1].split()[0].rstrip("/")
+        time.sleep(0.2)
+    proc.kill()
+    raise TimeoutError("the worker did not start")

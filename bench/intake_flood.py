@@ -17,31 +17,15 @@ import asyncio
 import datetime
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import aiohttp
-from bench_io import write_json  # same folder
+from bench_io import start_worker_process, write_json  # same folder
 
 JUNK = {"none": None, "lists": ("[]", 1_390_000), "objects": ('{"": []}', 450_000)}
-
-
-def start_worker(keys: Path, log: Path) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "lorafleet.worker", "--port", "0", "--api-keys-file", str(keys)]
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=dict(os.environ))
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(log.read_text()[-3000:])
-        for line in log.read_text().splitlines():
-            if "Running on http://" in line:
-                return proc, line.split("Running on ")[1].split()[0].rstrip("/")
-        time.sleep(0.2)
-    proc.kill()
-    raise TimeoutError("the worker did not start")
 
 
 def peak_rss_mb(pid: int) -> float:
@@ -109,7 +93,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         keys = Path(tmp) / "keys.yaml"
         keys.write_text("tenants:\n  a: {keys: [key-a], adapters: ['*']}\n  b: {keys: [key-b], adapters: ['*']}\n")
-        proc, url = start_worker(keys, Path(tmp) / "worker.log")
+        cmd = [sys.executable, "-m", "lorafleet.worker", "--port", "0", "--api-keys-file", str(keys)]
+        proc, url = start_worker_process(cmd, Path(tmp) / "worker.log")
         try:
             model = asyncio.run(_first_model(url))
             results = {}

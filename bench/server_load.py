@@ -15,15 +15,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import signal
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import aiohttp
+from bench_io import start_worker_process  # same folder
 
 
 def make_random_model(out: Path, hidden: int, layers: int) -> Path:
@@ -69,17 +68,7 @@ def make_adapters(model_dir: Path, out: Path, num: int, rank: int) -> None:
 def start_worker(model_dir: Path, adapters: Path, device: str, max_num_seqs: int, log: Path) -> tuple:
     cmd = [sys.executable, "-m", "lorafleet.worker", "--model", str(model_dir), "--adapters", str(adapters),
            "--device", device, "--port", "0", "--max-num-seqs", str(max_num_seqs), "--served-model-name", "base"]
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=dict(os.environ))
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(log.read_text()[-3000:])
-        for line in log.read_text().splitlines():
-            if "Running on http://" in line:
-                return proc, line.split("Running on ")[1].split()[0].rstrip("/")
-        time.sleep(0.2)
-    proc.kill()
-    raise TimeoutError("worker did not start")
+    return start_worker_process(cmd, log)
 
 
 async def one(session: aiohttp.ClientSession, url: str, model: str, i: int, max_tokens: int) -> dict:
