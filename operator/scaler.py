@@ -255,8 +255,11 @@ class PoolScaler:
                     unscraped = sorted(set(fresh) - await self.metrics.scraped_pods(spec.prometheus_url, namespace,
                                                                                     fresh)) if fresh else []
                 except MetricsError as exc:
-                    return scaling(False, "MetricsUnavailable", f"spec.scaling.prometheusURL: {exc}; replicas "
-                                                                f"stay at {current}")
+                    if not self._below_pinned(spec, current, pinned, beside):
+                        return scaling(False, "MetricsUnavailable", f"spec.scaling.prometheusURL: {exc}; replicas "
+                                                                    f"stay at {current}")
+                    unscraped, wanted = [], current  # raised to the pinned floor below, no further
+                    note = f"; metrics unavailable (spec.scaling.prometheusURL: {exc})"
                 if unscraped:
                     note = (f"; recommended {wanted}, but Prometheus has no series of the new workers "
                             f"{', '.join(unscraped)} yet, so their share of the load is not in the metrics: "

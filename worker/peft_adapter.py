@@ -189,6 +189,12 @@ def _read_tensors(raw: bytes, path: Path, num_layers: int, config: dict, max_ran
         for key, shape in sorted(header.items()):
             if not any(p.match(key) for p in variants):
                 layer, proj, ab, _ = _checked_key(key, path, num_layers)
+                pair_a = header.get(key.replace(".lora_B.", ".lora_A."))
+                if ab == "B" and pair_a is not None and _fits(shape, ab, shapes[proj]) and \
+                        _fits(pair_a, "A", shapes[proj]) and pair_a[0] != shape[1]:
+                    raise AdapterError(f"{path}: layer {layer} {proj}: lora_A {pair_a} has rank {pair_a[0]} and lora_B "
+                                       f"{shape} rank {shape[1]}; the two must share one rank: {WEIGHTS_FILE} is "
+                                       f"corrupt or mixes two adapters")
                 if not _fits(shape, ab, shapes[proj]):
                     out_f, in_f = shapes[proj]
                     pair = {x: key.replace(f".lora_{ab}.", f".lora_{x}.") for x in "AB"}

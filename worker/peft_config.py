@@ -236,7 +236,8 @@ def refuse_ranks_above(shapes: dict[str, list[int]], max_rank: int | None, path:
     (several times its size in host memory) only to be refused after them."""
     if max_rank is None:
         return
-    ranks = [(shape[0], name) for name, shape in shapes.items() if ".lora_A." in name and len(shape) == 2]
+    ranks = [(shape[0 if ".lora_A." in name else 1], name) for name, shape in shapes.items()
+             if (".lora_A." in name or ".lora_B." in name) and len(shape) == 2]  # lora_B [out_features, r]
     rank, name = max(ranks, default=(0, ""))
     if rank > max_rank:
         raise AdapterError(f"{path}: rank {rank} ({name}) is above the pool's max_rank {max_rank}: raise "

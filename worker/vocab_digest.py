@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import math
 import os
 import signal
 import subprocess
@@ -31,6 +32,7 @@ PROBE_TEXTS = ("Hi", "hello World", "HELLO  there\tyou\n\nnew line ", "naïve ca
 # are the tenant's regexes: run here, one that backtracks held the interpreter lock for a minute, every stream stalled).
 PROBE_CPU_S = 20  # of CPU time: past it the child is killed (SIGXCPU)
 PROBE_TIMEOUT_S = 120.0  # of wall-clock time (a busy node: CPU time is the bound that counts)
+DIGEST_BYTES_PER_CPU_S = 4 << 20  # a vocabulary's digest gets PROBE_CPU_S, and a second more per 4 MiB of files
 PROBE_MEMORY_BYTES = 4 << 30
 PROBE_IDS_PER_BYTE = 8  # a tokenizer giving more ids than this per byte of the probes is refused, its output unread
 # The files a tokenizer is read from: tokenizer.json, else vocab.json (+ merges.txt, added tokens).
@@ -261,19 +263,26 @@ try:
     print(json.dumps({{"digest": _digest_of(Path(sys.argv[1]), files)}}))
 except TokenizerFileError as exc:
     print(json.dumps({{"error": str(exc)}}))
+except Exception as exc:  # its name only: a message may quote the files (a lone surrogate's UnicodeEncodeError)
+    print(json.dumps({{"error": f"{{sys.argv[1]}}: not a readable tokenizer file ({{type(exc).__name__}})"}}))
 """
 
 
-def _run_child(code: str, args: list[str], stdin: bytes, ran_out: str, what: Path) -> subprocess.CompletedProcess:
-    """`code` in a child process (`python -I -c`), its CPU time, memory and wall-clock time bounded: past them, a
-    TokenizerFileError saying `ran_out`; killed (the OOM killer's first in line): OSError EAGAIN, to try again."""
+def _run_child(code: str, args: list[str], stdin: bytes, ran_out: str, what: Path, cpu_s: float = 0.0
+               ) -> subprocess.CompletedProcess:
+    """`code` in a child process (`python -I -c`), its CPU time (`cpu_s`, else PROBE_CPU_S) and memory bounded:
+    past them, a TokenizerFileError saying `ran_out`. Killed by the OOM killer (first in line), or still running
+    past PROBE_TIMEOUT_S (or three times `cpu_s`) of wall-clock time, a busy node rather than the files: OSError
+    EAGAIN, to try again."""
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "RAYON_NUM_THREADS": "1"}
+    cpu_s = math.ceil(cpu_s or PROBE_CPU_S)
+    code = code.replace("CPU_S", str(cpu_s), 1).replace("MEMORY_BYTES", str(PROBE_MEMORY_BYTES), 1)
     try:
-        code = code.replace("CPU_S", str(PROBE_CPU_S), 1).replace("MEMORY_BYTES", str(PROBE_MEMORY_BYTES), 1)
         done = subprocess.run([sys.executable, "-I", "-c", code, *args], input=stdin, cwd="/", capture_output=True,
-                              timeout=PROBE_TIMEOUT_S, env=env, check=False)
+                              timeout=max(PROBE_TIMEOUT_S, 3 * cpu_s), env=env, check=False)
     except subprocess.TimeoutExpired:
-        raise TokenizerFileError(ran_out) from None
+        raise OSError(errno.EAGAIN, f"{what}: the tokenizer check ran past its wall-clock limit (a busy node?); it "
+                                    f"is tried again") from None
     if done.returncode == -signal.SIGXCPU:
         raise TokenizerFileError(ran_out)
     if done.returncode == -signal.SIGKILL:  # the OOM killer (it is first in line), not the file's fault for sure
@@ -287,8 +296,9 @@ def _digest_isolated(path: Path, files: dict[str, bytes]) -> str:
     for seconds, at every push), within the probe's limits."""
     code = _DIGEST_CHILD.format(package=str(Path(__file__).parent))
     sizes = json.dumps([[name, len(data)] for name, data in files.items()])
+    cpu_s = PROBE_CPU_S + sum(map(len, files.values())) / DIGEST_BYTES_PER_CPU_S  # four dense 64 MiB files: 25 s
     done = _run_child(code, [str(path), sizes], b"".join(files.values()), f"{path}: its tokenizer files took more "
-                      f"than {PROBE_CPU_S} s to read", path)
+                      f"than {math.ceil(cpu_s)} s to read", path, cpu_s)
     try:
         answer = json.loads(done.stdout) if done.returncode == 0 else None
     except ValueError:

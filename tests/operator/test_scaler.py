@@ -25,6 +25,7 @@ class Metrics:
         self.signals: tuple[float | None, ...] | Exception = (None, None)
         self.asked: list[list[str]] = []
         self.windows: list[int] = []
+        self.scraped_error: Exception | None = None  # what the query for pods' first series raises
 
     async def pool_signals(self, url: str, namespace: str, pods: list[str], *, rate_window_seconds: int):
         assert (url, namespace) == (PROM, "ns")
@@ -35,6 +36,11 @@ class Metrics:
         if len(self.signals) == 2:
             return (*self.signals, None if self.signals[1] is None else 0.0)
         return self.signals
+
+    async def scraped_pods(self, url: str, namespace: str, pods: list[str]) -> set[str]:
+        if self.scraped_error is not None:
+            raise self.scraped_error
+        return set(pods)
 
     async def close(self) -> None:
         pass
@@ -648,3 +654,17 @@ async def test_fewer_workers_than_the_pinned_adapters_need_are_raised_without_me
     cond = scaling_condition(st)
     assert deployments.patches == [2] and cond["status"] == "False"
     assert cond["reason"] in ("MetricsUnavailable", "MetricsMissing")
+
+
+async def test_a_failed_scrape_query_still_raises_a_pool_to_its_pinned_floor(setup):
+    """The pool's signals read, but the query for the new pods' first series fails: the pass still raises a pool
+    below its pinned adapters' need to it (and no further), as when the signals cannot be read."""
+    scaler, metrics, deployments, clock = setup
+    deployments.replicas = 1
+    metrics.signals = (0.5, 0.95)  # KV pressure: a scale-up is recommended
+    metrics.scraped_error = MetricsError("http://prometheus:9090/api/v1/query: no answer within 5 s")
+    fresh = pod("w-0", since=NOW)  # ready just now: the scale-up asks whether it was scraped
+    st = await tick(scaler, pool(), [fresh], pinned=PinnedNeed(3, 3))
+    cond = scaling_condition(st)
+    assert deployments.patches == [3] and cond["reason"] == "ScaledUp", cond
+    assert "metrics unavailable" in cond["message"] and "raised to 3" in cond["message"]

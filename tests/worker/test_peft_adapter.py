@@ -288,7 +288,7 @@ def test_shape_mismatch_names_module_and_shapes(tmp_path, model_config):
         load_peft_adapter(tmp_path / "x", {**model_config, "num_hidden_layers": 1}, dtype=torch.float32)
 
 
-@pytest.mark.parametrize("bad", ["shape", "layer", "projection"])
+@pytest.mark.parametrize("bad", ["shape", "layer", "projection", "b_rank"])
 def test_tensors_that_fit_no_projection_are_refused_before_any_copy(tmp_path, model_config, monkeypatch, bad):
     """A tensor of the wrong width, of a layer or projection the base has not, is refused from the file's
     header: a rank-4 lora_A of 33M columns (rank checks pass) cost twice the file's size in memory before."""
@@ -298,14 +298,16 @@ def test_tensors_that_fit_no_projection_are_refused_before_any_copy(tmp_path, mo
     weights = tmp_path / "x" / "adapter_model.safetensors"
     tensors = load_file(weights)
     key = next(k for k in tensors if "layers.0." in k and "lora_A" in k)
+    b_key = key.replace("lora_A", "lora_B")
     wrong = {"shape": (key, torch.zeros(4, 4096)), "layer": (key.replace("layers.0.", "layers.7."), tensors[key]),
-             "projection": (key.replace("q_proj", "qkv_proj"), tensors[key])}[bad]
-    tensors.pop(key)
+             "projection": (key.replace("q_proj", "qkv_proj"), tensors[key]),
+             "b_rank": (b_key, torch.zeros(tensors[b_key].shape[0], 5000))}[bad]  # lora_B's rank is its 2nd size
+    tensors.pop(wrong[0] if bad == "b_rank" else key)
     tensors[wrong[0]] = wrong[1]
     save_file(tensors, weights)
     copies = []
     monkeypatch.setattr(safetensors_bytes, "_tensor", lambda *a: copies.append(a) or torch.zeros(1))
-    with pytest.raises(AdapterError, match="different base model|layers|not a Llama projection"):
+    with pytest.raises(AdapterError, match="different base model|layers|not a Llama projection|share one rank"):
         load_peft_adapter(tmp_path / "x", model_config, dtype=torch.float32)
     assert copies == []
 

@@ -97,3 +97,13 @@ def test_an_adapters_vocabulary_files_are_parsed_in_a_child_process(tmp_path, mo
     with pytest.raises(vd.TokenizerFileError, match=r"adapter/vocab.json: not a readable tokenizer file \(vocabulary "
                                                     r"entries must map strings to integer ids \(1 do not\)\)"):
         vd.vocab_digest(adapter, isolated=True)
+
+
+def test_the_childs_other_errors_name_the_folder_and_only_their_type(tmp_path, monkeypatch):
+    """A file the child fails on otherwise than as a malformed tokenizer file (a lone surrogate its digest cannot
+    encode) is refused naming the folder and the error's type, never the error's message (it may quote the file)."""
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "vocab.json").write_text('{"a": 0, "\\ud800": 1}')
+    with pytest.raises(vd.TokenizerFileError, match=r"adapter: not a readable tokenizer file \(UnicodeEncodeError\)"):
+        vd.vocab_digest(adapter, isolated=True)
