@@ -238,7 +238,7 @@ def refuse_ranks_above(shapes: dict[str, list[int]], max_rank: int | None, path:
         return
     ranks = [(shape[0 if ".lora_A." in name else 1], name) for name, shape in shapes.items()
              if (".lora_A." in name or ".lora_B." in name) and len(shape) == 2]  # lora_B [out_features, r]
-    rank, name = max(ranks, default=(0, ""))
+    rank, name = max(ranks, default=(0, ""), key=lambda found: (found[0], ".lora_A." in found[1]))  # A's on a tie
     if rank > max_rank:
         raise AdapterError(f"{path}: rank {rank} ({name}) is above the pool's max_rank {max_rank}: raise "
                            f"--max-lora-rank (at least {rank}), or serve a version of it trained at rank {max_rank} "
