@@ -4,10 +4,11 @@
 
 Starts `python -m lorafleet.worker` with the embedded model on 127.0.0.1 with two tenants. Tenant `a` streams
 greedy 64-token completions one after another while /healthz is polled every 20 ms; tenant `b` posts 4 MB bodies
-(each answered 400: an unknown field) from `--flooders` connections: first nothing (the baseline), then
-1.39M empty lists, then 450k `{"": []}` objects. A JSON parse holds the interpreter lock from start to end, so
-such a flood once stalled every thread of the worker. Prints a table (tenant a's tokens/s and longest gap between
-two tokens or before the first, /healthz's longest answer, the flood's answers, the worker's peak memory) and writes JSON.
+(each answered 400: an unknown field, or a prompt past the context) from `--flooders` connections. After a
+warm-up: first nothing (the baseline), then 1.39M empty lists, 450k `{"": []}` objects, a prompt of 2M token
+ids. A JSON parse holds the interpreter lock from start to end, so such a flood once stalled every thread of
+the worker. Prints a table (tenant a's tokens/s and longest gap between two tokens or before the first,
+/healthz's longest answer, the flood's answers, the worker's peak memory) and writes JSON.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 import aiohttp
 from bench_io import start_worker_process, write_json  # same folder
 
-JUNK = {"none": None, "lists": ("[]", 1_390_000), "objects": ('{"": []}', 450_000)}
+JUNK = {"none": None, "lists": ("[]", 1_390_000), "objects": ('{"": []}', 450_000), "ids": ("1", 2_000_000)}
 
 
 def peak_rss_mb(pid: int) -> float:
@@ -38,8 +39,10 @@ def peak_rss_mb(pid: int) -> float:
 async def phase(url: str, model: str, junk: tuple[str, int] | None, flooders: int, seconds: float) -> dict:
     stop, gaps, health, answers = asyncio.Event(), [], [], {}
     tokens = 0
-    body = None if junk is None else (
-        f'{{"model": "{model}", "prompt": "x", "max_tokens": 1, "junk": [' + ",".join([junk[0]] * junk[1]) + "]}").encode()
+    items = None if junk is None else "[" + ",".join([junk[0]] * junk[1]) + "]"
+    body = None if items is None else (  # token ids: a prompt far past the context; else an unknown field
+        f'{{"model": "{model}", "prompt": {items}, "max_tokens": 1}}' if junk[0] == "1" else
+        f'{{"model": "{model}", "prompt": "x", "max_tokens": 1, "junk": {items}}}').encode()
 
     async def stream(s: aiohttp.ClientSession) -> None:
         nonlocal tokens
@@ -97,6 +100,7 @@ def main() -> None:
         proc, url = start_worker_process(cmd, Path(tmp) / "worker.log")
         try:
             model = asyncio.run(_first_model(url))
+            asyncio.run(phase(url, model, None, 0, 3.0))  # warm-up: the first requests' one-time costs
             results = {}
             for name, junk in JUNK.items():
                 results[name] = asyncio.run(phase(url, model, junk, args.flooders, args.seconds))

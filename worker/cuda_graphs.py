@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import bisect
 import collections
-import gc
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -44,6 +43,7 @@ import torch
 
 from lorafleet.kernels.lora_layout import SEGMENT_LEN_MIN, LoRABatch, LoRALayout, segment_len
 from lorafleet.worker.forward_context import ForwardContext
+from lorafleet.worker.gc_pause import collections_paused
 from lorafleet.worker.llama import LlamaModel
 
 
@@ -246,14 +246,10 @@ class DecodeGraphs:
         # a step re-captures at runtime) neither fails nor invalidates the capture, as the default global mode
         # would. And no garbage collection inside it: the graph's `__enter__` collects first, and a collection
         # triggered mid-capture could run the destructors of CUDA objects an earlier engine left.
-        collecting = gc.isenabled()
-        gc.disable()
-        try:
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                logits = self._forward(ctx, size)
-        finally:
-            if collecting:
-                gc.enable()
+        # (collections_paused: another thread's pause, a request body's parse, ending meanwhile must not turn
+        # collections back on.)
+        with collections_paused(), torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            logits = self._forward(ctx, size)
         self.captures += 1
         return _Graph(graph, logits, layout_key(ctx.lora_layout))
 

@@ -217,9 +217,9 @@ class Engine:
             if self.tokenizer is None:
                 raise EngineError("this model directory has no tokenizer.json: pass token ids, not text")
             return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-        ids = [int(t) for t in prompt]
-        bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
-        if bad:
+        vocab = self.model_config.vocab_size
+        ids = list(prompt) if isinstance(prompt, list) and set(map(type, prompt)) <= {int} else [int(t) for t in prompt]
+        if ids and (min(ids) < 0 or max(ids) >= vocab) and (bad := [t for t in ids if not 0 <= t < vocab]):
             raise EngineError(f"token ids {bad[:5]} are outside the vocabulary (0..{self.model_config.vocab_size - 1})")
         return ids
 

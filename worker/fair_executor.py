@@ -116,7 +116,24 @@ class FairExecutor:
                 self._queued_background[future] = group
             refused = self._dispatch()
         _fail(refused)
+        future.add_done_callback(lambda done: self._forget_cancelled(group, done))
         return future
+
+    def _forget_cancelled(self, group: str, future: Future) -> None:
+        """A job cancelled while queued leaves its queue now, with what it holds (a request's body), not when its
+        turn would have come."""
+        if not future.cancelled():
+            return
+        with self._lock:
+            self._queued_background.pop(future, None)
+            for lane in (self._urgent, self._background):
+                queue = lane.get(group)
+                job = next((job for job in queue or () if job[0] is future), None)
+                if job is not None:
+                    queue.remove(job)
+                    if not queue:
+                        del lane[group]
+                    return
 
     def promote(self, future: Future) -> None:
         """A request now waits for the queued job of `future`: it goes before every warm-up (its group's

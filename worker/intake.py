@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import os
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from typing import Any
 
 from aiohttp import web
@@ -147,15 +148,24 @@ class IntakePlace:
         """`fn()` on the intake threads, in its tenant's turn: one tenant's megabyte prompts being tokenized
         do not queue another tenant's small request behind them all (26 s behind eight, first come first
         served)."""
-        work = self.work = asyncio.wrap_future(self._threads.submit(self.tenant, fn))
+        return await self.hold(self._threads.submit(self.tenant, fn))
+
+    async def hold(self, job: Future) -> Any:
+        """`job`'s result, the job kept as this place's work: a handler cancelled (its client left) while the job
+        runs leaves the place held until it ends, and one cancelled while it waits cancels it (it never runs, and
+        what it holds goes)."""
+        work = self.work = asyncio.wrap_future(job)
         try:
-            return await asyncio.shield(work)  # a cancelled handler leaves the work running, and its place held
+            return await asyncio.shield(work)
+        except asyncio.CancelledError:
+            job.cancel()  # nothing for a job already running
+            raise
         finally:
             # Done: forgotten, here and in this frame, so that its exception's traceback (holding this frame, and the
             # request's parsed body in its own) is not kept in a reference cycle until a collection comes.
             if work.done():
                 self.work = None
-            work = None
+            work = job = None
 
 
 def setup_intake(app: web.Application, config: WorkerConfig) -> None:
@@ -231,5 +241,5 @@ async def read_json(request: web.Request, then: Callable[[Any], Any] | None = No
         return parse()
     if place is None:  # the admin API's: a trusted caller
         return await asyncio.get_running_loop().run_in_executor(None, parse)
-    body = await request.app[PARSE_TURNS].parse(raw, place.tenant)
+    body = await request.app[PARSE_TURNS].parse(raw, place.tenant, place)
     return body if then is None else await place.run(lambda: then(body))

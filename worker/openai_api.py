@@ -115,7 +115,9 @@ async def _prepare(request: web.Request, endpoint: str,
         def tokenize() -> list[list[int]]:
             if endpoint == "chat":
                 return [chat_prompt_ids(app, parsed)]
-            return [engine.encode(p, add_special_tokens=parsed.add_special_tokens) for p in parsed.prompts]
+            # Token ids past the context are not checked id by id: the job refuses them by their length.
+            return [p if isinstance(p, list) and len(p) >= engine.max_model_len else
+                    engine.encode(p, add_special_tokens=parsed.add_special_tokens) for p in parsed.prompts]
 
         tools = parsed.tools if endpoint == "chat" else None  # its tools and tool_choice (tool_request.py)
         tool_calls = ToolCalls.of(tools, engine.tokenizer, app[CONFIG].tool_call_parser)  # 400: no tools in template

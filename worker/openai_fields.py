@@ -90,6 +90,12 @@ def is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def is_id_list(v: Any) -> bool:
+    """Whether `v` is a list of integers (bools aside), as a JSON body's values can be: one pass in C over the
+    items' types (a 2M-id prompt took 0.2 s a check in a Python loop, with the interpreter lock held)."""
+    return isinstance(v, list) and set(map(type, v)) <= {int}
+
+
 def is_number(v: Any) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool)
 

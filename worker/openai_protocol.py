@@ -28,7 +28,7 @@ from lorafleet.worker.openai_fields import (
     bad_request,
     check_strings,
     check_text,
-    is_int,
+    is_id_list,
     parse_json,
 )
 from lorafleet.worker.openai_sampling import SamplingOptions, parse_sampling_options
@@ -92,9 +92,10 @@ def _model(f: Fields) -> str | None:
 
 def _prompts(v: Any) -> list[str | list[int]]:
     """`prompt`: a string, token ids, or a list of either; never empty."""
+    ids = bool(v) and is_id_list(v)  # one prompt of token ids: checked once, here
     if isinstance(v, str):
         prompts: list[Any] = [v]
-    elif isinstance(v, list) and v and all(is_int(t) for t in v):
+    elif ids:
         prompts = [v]
     elif isinstance(v, list) and v:
         prompts = v
@@ -110,10 +111,10 @@ def _prompts(v: Any) -> list[str | list[int]]:
             if not p:
                 raise bad_request("'prompt' must not be empty", "prompt", "empty_prompt")
             check_text(p, "prompt")
-        elif isinstance(p, list) and all(is_int(t) for t in p):
+        elif ids or is_id_list(p):
             if not p:
                 raise bad_request("'prompt' must not be empty", "prompt", "empty_prompt")
-            if any(t < 0 for t in p):
+            if min(p) < 0:
                 raise bad_request("'prompt' token ids must be >= 0", "prompt")
         else:
             raise bad_request("each prompt must be a string or a list of token ids", "prompt", "invalid_type")

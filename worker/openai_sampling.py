@@ -22,7 +22,7 @@ from lorafleet.worker.json_constraint import COMPACT_JSON_OBJECT
 from lorafleet.worker.json_schema import SchemaError
 from lorafleet.worker.json_schema_grammar import SchemaGrammar, schema_grammar
 from lorafleet.worker.logit_bias import LogitBiasError, parse_logit_bias
-from lorafleet.worker.openai_fields import Fields, bad_request, check_text, is_int
+from lorafleet.worker.openai_fields import Fields, bad_request, check_text, is_id_list
 from lorafleet.worker.regex_dfa import RegexError
 from lorafleet.worker.regex_grammar import RegexGrammar, TextGrammar
 from lorafleet.worker.sampling_defaults import RANGES, SamplingDefaults
@@ -140,7 +140,7 @@ def _stop_token_ids(f: Fields) -> list[int]:
     v = f.get("stop_token_ids")
     if v is None:
         return []
-    if not isinstance(v, list) or not all(is_int(t) for t in v):
+    if not is_id_list(v):
         raise bad_request("'stop_token_ids' must be a list of token ids (integers)", "stop_token_ids", "invalid_type")
     if len(v) > MAX_STOP_TOKEN_IDS:
         raise bad_request(f"'stop_token_ids' takes at most {MAX_STOP_TOKEN_IDS} token ids (got {len(v)})",

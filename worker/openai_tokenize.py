@@ -26,7 +26,7 @@ from aiohttp import web
 from lorafleet.worker.app_keys import ADAPTERS, CONFIG, ENGINE
 from lorafleet.worker.engine import EngineError
 from lorafleet.worker.intake import authenticate, intake_place, read_json, ready_engine
-from lorafleet.worker.openai_fields import APIError, Fields, bad_request, check_text, is_int
+from lorafleet.worker.openai_fields import APIError, Fields, bad_request, check_text, is_id_list
 from lorafleet.worker.openai_protocol import ChatRequest, parse_chat_request
 from lorafleet.worker.served_adapters import ServedAdapter, VersionUnavailable
 from lorafleet.worker.state_json import reply
@@ -115,11 +115,11 @@ async def detokenize(request: web.Request) -> web.Response:
         f = Fields(await read_json(request, place=place), "detokenize")
         model, tokens = f.string("model"), f.get("tokens")
         f.refuse_unknown()
-        if not isinstance(tokens, list) or not all(is_int(t) for t in tokens):
+        if not is_id_list(tokens):
             raise bad_request("'tokens' must be a list of token ids", "tokens",
                               "missing_required_parameter" if tokens is None else "invalid_type")
         vocab = engine.model_config.vocab_size
-        if bad := [t for t in tokens if not 0 <= t < vocab][:5]:
+        if tokens and (min(tokens) < 0 or max(tokens) >= vocab) and (bad := [t for t in tokens if not 0 <= t < vocab][:5]):
             raise bad_request(f"token ids {bad} are outside the vocabulary (0..{vocab - 1})", "tokens")
         _check_model(app, model, tenant)
         if engine.tokenizer is None:

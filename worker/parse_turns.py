@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lorafleet.worker.fair_executor import FairExecutor
 from lorafleet.worker.openai_fields import parse_json
+
+if TYPE_CHECKING:
+    from lorafleet.worker.intake import IntakePlace
 
 REST_PER_PARSE = 3.0  # seconds of rest after a parse, per second of it
 
@@ -29,12 +33,22 @@ class ParseTurns:
         self._thread = FairExecutor(1, thread_name_prefix="intake-parse")
         self._rest_until = 0.0  # monotonic time before which no parse starts (read and written on its thread)
 
-    async def parse(self, raw: bytes, tenant: str) -> Any:
-        return await asyncio.wrap_future(self._thread.submit(tenant, lambda: self._parse(raw)))
+    async def parse(self, raw: bytes, tenant: str, place: IntakePlace | None = None) -> Any:
+        """`raw`'s JSON, parsed in `tenant`'s turn; the job held by the request's intake `place` (its place is
+        kept while the parse runs, and a job still queued when the request leaves is dropped)."""
+        left = threading.Event()  # set when the request leaves: a job resting before its parse then parses nothing
+        job = self._thread.submit(tenant, lambda: self._parse(raw, left))
+        try:
+            return await (asyncio.wrap_future(job) if place is None else place.hold(job))
+        except asyncio.CancelledError:
+            left.set()
+            raise
 
-    def _parse(self, raw: bytes) -> Any:
+    def _parse(self, raw: bytes, left: threading.Event) -> Any:
         if (rest := self._rest_until - time.monotonic()) > 0:
             time.sleep(rest)
+        if left.is_set():
+            return None
         start = time.thread_time()  # the parse's own time: the lock it held, not the waits for it
         try:
             return parse_json(raw)

@@ -348,6 +348,83 @@ async def test_a_refused_large_body_is_freed_at_once_not_by_a_collection(aiohttp
     assert grown < 20_000, grown  # each body is 50,000 objects at least
 
 
+async def test_a_client_leaving_during_a_large_parse_keeps_its_place_only_while_the_parse_runs(
+        aiohttp_client, tiny_llama_dir, monkeypatch):
+    """Two large bodies whose clients leave: the one being parsed keeps its intake place until its parse ends
+    (intake places bound the bodies in memory, whoever disconnects); the one waiting its turn is dropped at
+    once, its place freed and its body with it, and never parsed."""
+    from lorafleet.worker.app_keys import PARSE_TURNS
+
+    app = create_app(config(tiny_llama_dir, max_intake_requests=2))
+    client = await aiohttp_client(app)
+    gate, entered, parse_json = threading.Event(), [], parse_turns.parse_json
+
+    def held_parse(raw):
+        entered.append(len(raw))
+        gate.wait(30)
+        return parse_json(raw)
+
+    monkeypatch.setattr(parse_turns, "parse_json", held_parse)
+    large = BODY[:-1] + b" " * (256 * 1024) + b"}"
+    writers = []
+    try:
+        for _ in range(2):
+            _, writer = await asyncio.open_connection("127.0.0.1", client.server.port)
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         + f"Content-Length: {len(large)}\r\n\r\n".encode() + large)
+            await writer.drain()
+            writers.append(writer)
+        await wait_until(lambda: len(entered) == 1 and app[ADMISSION].num_in_intake == 2, timeout=10)
+        for writer in writers:
+            writer.close()
+        await wait_until(lambda: app[ADMISSION].num_in_intake == 1 and app[PARSE_TURNS]._thread.queued() == 0,
+                         timeout=10)
+    finally:
+        gate.set()
+    await wait_until(lambda: app[ADMISSION].num_in_intake == 0, timeout=10)
+    assert len(entered) == 1  # the body that waited was never parsed
+
+
+def test_a_job_cancelled_while_queued_leaves_its_queue_at_once():
+    from lorafleet.worker.fair_executor import FairExecutor
+
+    threads, gate = FairExecutor(1), threading.Event()
+    try:
+        running = threads.submit("a", lambda: gate.wait(10))
+        queued = [threads.submit(group, lambda: None) for group in ("a", "b", "b")]
+        assert threads.queued() == 3
+        assert queued[1].cancel() and queued[0].cancel()
+        assert threads.queued() == 1  # not when its turn comes: now, with what its job holds
+        gate.set()
+        assert running.result(10) is True and queued[2].result(10) is None
+    finally:
+        gate.set()
+        threads.shutdown()
+
+
+async def test_a_body_whose_client_left_while_its_parse_rested_is_not_parsed(monkeypatch):
+    parsed = []
+
+    def busy_parse(raw: bytes):
+        start = time.thread_time()
+        while time.thread_time() - start < 0.05:
+            pass
+        parsed.append(raw)
+        return raw
+
+    monkeypatch.setattr(parse_turns, "parse_json", busy_parse)
+    turns = parse_turns.ParseTurns()
+    try:
+        first = asyncio.create_task(turns.parse(b"first", "a"))
+        second = asyncio.create_task(turns.parse(b"second", "a"))
+        assert await asyncio.wait_for(first, 30) == b"first"
+        second.cancel()  # its job runs now, resting three times the first parse's 50 ms before it parses
+        await wait_until(lambda: turns._thread._running == 0, timeout=10)  # the job has ended
+        assert parsed == [b"first"]
+    finally:
+        turns.shutdown()
+
+
 def test_collections_stay_paused_until_the_last_overlapping_pause_ends():
     import gc
 
