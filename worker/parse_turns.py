@@ -26,8 +26,8 @@ class ParseTurns:
     times as long as each parse, the parses take at most about a quarter of the interpreter's time, and the
     others' work waits for at most one of them; a tenant's queue of bodies holds another tenant's for at most
     one parse (FairExecutor's turns). A body whose request left while it waited is not parsed. Under a flood of
-    such bodies (bench/intake_flood.py, 2 cores) another tenant kept 56-64% of its tokens/s with waits of 0.41 s
-    at most, and /healthz answered within 0.21 s; before, 23-28%, waits of 15-19 s, and 3.1-4.7 s."""
+    such bodies (bench/intake_flood.py, 2 cores) another tenant kept 70-73% of its tokens/s with waits of 0.55 s
+    at most, and /healthz answered within 0.34 s; before, 24-31%, waits of 13-17 s, and up to 4.7 s."""
 
     def __init__(self) -> None:
         self._thread = FairExecutor(1, thread_name_prefix="intake-parse")
