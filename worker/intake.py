@@ -136,9 +136,10 @@ def several_tenants(app: web.Application) -> bool:
 
 
 class IntakePlace:
-    """One intake place held. Work it hands to the intake threads (`run`) keeps the place until that work
-    ends, even when the handler is cancelled first (its client left): the threads hold no more parses and
-    tokenizations than there are places, whoever disconnects."""
+    """One intake place held. Work it hands to the intake threads (`run`), or a parse it holds (`hold`), keeps
+    the place until that work ends, even when the handler is cancelled first (its client left): the threads hold
+    no more parses and tokenizations than there are places, whoever disconnects. Work still queued then is
+    cancelled, and frees the place at once."""
 
     def __init__(self, threads: FairExecutor, tenant: str) -> None:
         self.work: asyncio.Future | None = None  # the last work handed to the executor
@@ -228,9 +229,9 @@ async def read_body(request: web.Request) -> bytes:
 
 async def read_json(request: web.Request, then: Callable[[Any], Any] | None = None,
                     place: IntakePlace | None = None) -> Any:
-    """The parsed body (see `read_body`), and `then(body)` when given: off the event loop for a body over
-    LARGE_BODY_BYTES, where the request holds an intake `place` parsed in its tenant's turn on the one paced parse
-    thread (ParseTurns) and `then` run on the intake threads; else (the admin API's) in the default executor."""
+    """The parsed body (see `read_body`), and `then(body)` when given. A body over LARGE_BODY_BYTES is parsed off
+    the event loop: with an intake `place`, in its tenant's turn on the one paced parse thread (ParseTurns), with
+    `then` on the intake threads; without one (the admin API's), in the default executor."""
     raw = await read_body(request)
 
     def parse() -> Any:

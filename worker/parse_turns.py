@@ -43,6 +43,8 @@ class ParseTurns:
         except asyncio.CancelledError:
             left.set()
             raise
+        finally:
+            job = None  # an invalid body's error (its traceback holds this frame): no cycle keeps the body
 
     def _parse(self, raw: bytes, left: threading.Event) -> Any:
         if (rest := self._rest_until - time.monotonic()) > 0:
