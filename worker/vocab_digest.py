@@ -248,7 +248,7 @@ print(json.dumps(ids))
 """
 # The child of _digest_isolated: this module alone (its package's __init__, which imports the engine, is left
 # out), `_digest_of` the files whose names and sizes argv gives and whose bytes stdin holds, one after another;
-# prints {{"digest": ...}} or {{"error": <the TokenizerFileError's message>}}.
+# prints {"digest": ...} or {"error": <the TokenizerFileError's message, or the folder and an error's type>}.
 _DIGEST_CHILD = _LIMITS + """
 import types
 from pathlib import Path
