@@ -310,7 +310,15 @@ async def test_prepares_take_turns_between_tenants(tiny_llama_dir):
         leaving = asyncio.create_task(request("y", "leaves"))
         for _ in range(3):
             await asyncio.sleep(0)
+        assert ae._preparer.queued() == 5  # b, c, d, z and y wait their turns
         leaving.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await leaving
+        for _ in range(1000):  # the cancellation reaches the queued job through a callback on this loop
+            if ae._preparer.queued() == 4:
+                break
+            await asyncio.sleep(0.001)
+        assert ae._preparer.queued() == 4  # y's job left its queue: it is never prepared
         release.set()
         outs = await asyncio.wait_for(asyncio.gather(first, *queued, other), 60)
         assert all(stream[-1].finished for stream in outs)
