@@ -413,12 +413,13 @@ async def test_a_body_whose_client_left_while_its_parse_rested_is_not_parsed(mon
         return raw
 
     monkeypatch.setattr(parse_turns, "parse_json", busy_parse)
+    monkeypatch.setattr(parse_turns, "REST_PER_PARSE", 20.0)  # a rest of a second: the cancellation comes within it
     turns = parse_turns.ParseTurns()
     try:
         first = asyncio.create_task(turns.parse(b"first", "a"))
         second = asyncio.create_task(turns.parse(b"second", "a"))
         assert await asyncio.wait_for(first, 30) == b"first"
-        second.cancel()  # its job runs now, resting three times the first parse's 50 ms before it parses
+        second.cancel()  # its job runs now, resting 20 times the first parse's 50 ms before it parses
         await wait_until(lambda: turns._thread._running == 0, timeout=10)  # the job has ended
         assert parsed == [b"first"]
     finally:
