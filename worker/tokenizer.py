@@ -29,6 +29,7 @@ from lorafleet.worker.llama_pipeline import LlamaPipeline, llama_pipeline
 
 LONG_TEXT = 16384  # characters: a longer text is encoded without holding the GIL (Tokenizer.encode)
 MAX_CONTROL_STRINGS = 4096  # control-token strings a chat's text may hold, each encoded as text (encode_chat)
+CHAT_CONFIG_BYTES = 4 << 20  # an adapter's tokenizer_config.json read for its chat template (Llama-3's: 55 KB)
 
 
 class TokenizerError(ValueError):
@@ -162,10 +163,13 @@ class Tokenizer:
         """What the adapter folder declares for chats unlike this tokenizer: its own default chat template
         (chat_template.jinja, else tokenizer_config.json's), its own end-of-sequence token. This tokenizer's
         serve it, which the adapter may not have been trained with: worth a warning, not a refusal (vLLM serves
-        adapters so too). Files that cannot be read say nothing here (the tokenizer check reports them)."""
+        adapters so too). Files that cannot be read say nothing here (the tokenizer check reports them), nor does
+        a tokenizer_config.json over CHAT_CONFIG_BYTES: parsed here, with the interpreter lock held, a tenant's
+        64 MiB one would stall every stream."""
         cfg, jinja = adapter_dir / "tokenizer_config.json", adapter_dir / "chat_template.jinja"
+        limit = CHAT_CONFIG_BYTES if max_bytes is None else min(max_bytes, CHAT_CONFIG_BYTES)
         try:
-            config = json.loads(read_limited(cfg, max_bytes).decode("utf-8")) if cfg.is_file() else {}
+            config = json.loads(read_limited(cfg, limit).decode("utf-8")) if cfg.is_file() else {}
             if not isinstance(config, dict):
                 return []
             template = _chat_templates(config.get("chat_template"), cfg).get("default")

@@ -32,6 +32,7 @@ PROBE_TEXTS = ("Hi", "hello World", "HELLO  there\tyou\n\nnew line ", "naïve ca
 # are the tenant's regexes: run here, one that backtracks held the interpreter lock for a minute, every stream stalled).
 PROBE_CPU_S = 20  # of CPU time: past it the child is killed (SIGXCPU)
 PROBE_TIMEOUT_S = 120.0  # of wall-clock time (a busy node: CPU time is the bound that counts)
+MAX_DECLARED_TOKENS = 1 << 16  # added tokens a folder without a whole vocabulary may declare (Llama-3: 256)
 DIGEST_BYTES_PER_CPU_S = 4 << 20  # a vocabulary's digest gets PROBE_CPU_S, and a second more per 4 MiB of files
 PROBE_MEMORY_BYTES = 4 << 30
 PROBE_IDS_PER_BYTE = 8  # a tokenizer giving more ids than this per byte of the probes is refused, its output unread
@@ -246,22 +247,24 @@ if sum(map(len, ids)) > {most}:
     sys.exit(3)
 print(json.dumps(ids))
 """
-# The child of _digest_isolated: this module alone (its package's __init__, which imports the engine, is left
-# out), `_digest_of` the files whose names and sizes argv gives and whose bytes stdin holds, one after another;
-# prints {"digest": ...} or {"error": <the TokenizerFileError's message, or the folder and an error's type>}.
-_DIGEST_CHILD = _LIMITS + """
+# The child of _isolated: this module alone (its package's __init__, which imports the engine, is left out), runs
+# the function argv names (_FILE_READERS) on the files whose names and sizes argv gives and whose bytes stdin
+# holds, one after another; prints {"value": ...} or {"error": <the TokenizerFileError's message, or the folder
+# and an error's type>}.
+_FILES_CHILD = _LIMITS + """
 import types
 from pathlib import Path
 for name, where in (("lorafleet", []), ("lorafleet.worker", [{package!r}])):
     sys.modules[name] = types.ModuleType(name)
     sys.modules[name].__path__ = where
-from lorafleet.worker.vocab_digest import TokenizerFileError, _digest_of
+from lorafleet.worker import vocab_digest
 raw, files, at = sys.stdin.buffer.read(), {{}}, 0
 for name, size in json.loads(sys.argv[2]):
     files[name], at = raw[at:at + size], at + size
 try:
-    print(json.dumps({{"digest": _digest_of(Path(sys.argv[1]), files)}}))
-except TokenizerFileError as exc:
+    read = vocab_digest._FILE_READERS[sys.argv[3]]
+    print(json.dumps({{"value": read(Path(sys.argv[1]), files)}}))
+except vocab_digest.TokenizerFileError as exc:
     print(json.dumps({{"error": str(exc)}}))
 except Exception as exc:  # its name only: a message may quote the files (a lone surrogate's UnicodeEncodeError)
     print(json.dumps({{"error": f"{{sys.argv[1]}}: not a readable tokenizer file ({{type(exc).__name__}})"}}))
@@ -294,21 +297,30 @@ def _digest_isolated(path: Path, files: dict[str, bytes]) -> str:
     """`_digest_of` in a child process: a tenant's tokenizer files (up to --max-adapter-file-bytes each) are parsed
     with the interpreter lock of a process of their own, not the worker's (four 64 MiB files held every stream
     for seconds, at every push), within the probe's limits."""
-    code = _DIGEST_CHILD.format(package=str(Path(__file__).parent))
+    digest = _isolated("digest", path, files)
+    if not isinstance(digest, str):
+        raise TokenizerFileError(f"{path}: its tokenizer files could not be read (an unexpected answer)")
+    return digest
+
+
+def _isolated(reader: str, path: Path, files: dict[str, bytes]) -> Any:
+    """`_FILE_READERS[reader](path, files)`, computed in a child process (_FILES_CHILD) with a CPU budget growing
+    with the files' bytes; its TokenizerFileError raised here."""
+    code = _FILES_CHILD.format(package=str(Path(__file__).parent))
     sizes = json.dumps([[name, len(data)] for name, data in files.items()])
     cpu_s = PROBE_CPU_S + sum(map(len, files.values())) / DIGEST_BYTES_PER_CPU_S  # four dense 64 MiB files: 25 s
-    done = _run_child(code, [str(path), sizes], b"".join(files.values()), f"{path}: its tokenizer files took more "
-                      f"than {math.ceil(cpu_s)} s to read", path, cpu_s)
+    done = _run_child(code, [str(path), sizes, reader], b"".join(files.values()), f"{path}: its tokenizer files "
+                      f"took more than {math.ceil(cpu_s)} s to read", path, cpu_s)
     try:
         answer = json.loads(done.stdout) if done.returncode == 0 else None
     except ValueError:
         answer = None
     if isinstance(answer, dict) and isinstance(answer.get("error"), str):
         raise TokenizerFileError(answer["error"])
-    if not (isinstance(answer, dict) and isinstance(answer.get("digest"), str)):
+    if not (isinstance(answer, dict) and "value" in answer):
         # Never its stderr: a parser's message may quote the file, maybe a link to one the tenant must not read.
         raise TokenizerFileError(f"{path}: its tokenizer files could not be read (exit status {done.returncode})")
-    return answer["digest"]
+    return answer["value"]
 
 
 def _probe_isolated(file: Path, content: bytes) -> list[list[int]]:
@@ -342,8 +354,7 @@ def _declared_added_tokens(path: Path, max_bytes: int | None, foreign: list[Path
     (None: any id); what a slow SentencePiece tokenizer's save_pretrained writes beside tokenizer.model.
     `foreign` gets each file read that did not lie in the folder itself as it was opened (a link elsewhere, or
     swapped for one after the source was checked, or the folder itself; a hard link): its tokens are never quoted
-    (`tokenizer_mismatch`)."""
-    declared: dict[str, int | None] = {}
+    (`tokenizer_mismatch`). Read here, parsed in a child process (`_isolated`), as a whole vocabulary is."""
     # The folder as named, its links not followed: the source's check resolved it, and a folder (or one above it)
     # swapped for a link since leads its files elsewhere, where they count as foreign.
     home = Path(os.path.abspath(path))
@@ -352,19 +363,35 @@ def _declared_added_tokens(path: Path, max_bytes: int | None, foreign: list[Path
         if opened_path(fd, file) != home / file.name or os.fstat(fd).st_nlink > 1:
             foreign.append(file)
 
-    cfg = path / "tokenizer_config.json"
-    if cfg.is_file():
-        def interpret(raw: dict) -> dict[str, int | None]:
-            extra = raw.get("additional_special_tokens") or []
-            names = [t["content"] if isinstance(t, dict) else t for t in extra]
-            if not all(isinstance(n, str) for n in names):
-                raise _Malformed("additional_special_tokens must name tokens (strings, or objects with 'content')")
-            return {**dict.fromkeys(names), **_added_tokens_decoder(raw)}
-        declared.update(_parse(cfg, interpret, max_bytes, opened=opened))
-    added = path / "added_tokens.json"
-    if added.is_file():
-        declared.update(_parse(added, _checked, max_bytes, opened=opened))
+    files = {name: _read(path / name, max_bytes, opened) for name in ("tokenizer_config.json", "added_tokens.json")
+             if (path / name).is_file()}
+    declared = _isolated("declared", path, files) if files else {}  # parsed in a child, as the digest
+    if not (isinstance(declared, dict) and all(i is None or type(i) is int for i in declared.values())):
+        raise TokenizerFileError(f"{path}: its tokenizer files could not be read (an unexpected answer)")
     return declared
+
+
+def _declared_of(path: Path, files: dict[str, bytes]) -> dict[str, int | None]:
+    """The tokens `files` (tokenizer_config.json, added_tokens.json: their bytes) declare; at most
+    MAX_DECLARED_TOKENS (the worker reads the child's answer back)."""
+    def special_and_decoder(raw: dict) -> dict[str, int | None]:
+        extra = raw.get("additional_special_tokens") or []
+        names = [t["content"] if isinstance(t, dict) else t for t in extra]
+        if not all(isinstance(n, str) for n in names):
+            raise _Malformed("additional_special_tokens must name tokens (strings, or objects with 'content')")
+        return {**dict.fromkeys(names), **_added_tokens_decoder(raw)}
+
+    declared: dict[str, int | None] = {}
+    for name, interpret in (("tokenizer_config.json", special_and_decoder), ("added_tokens.json", _checked)):
+        if name in files:
+            declared.update(_parse(path / name, interpret, None, files[name]))
+    if len(declared) > MAX_DECLARED_TOKENS:
+        raise TokenizerFileError(f"{path}: its tokenizer files add {len(declared)} tokens, more than the "
+                                 f"{MAX_DECLARED_TOKENS} a folder without a whole vocabulary may add")
+    return declared
+
+
+_FILE_READERS = {"digest": _digest_of, "declared": _declared_of}  # what _isolated may run in its child
 
 
 def tokenizer_mismatch(path: Path, base_digest: str | None, base_token_id: Callable[[str], int | None] | None,

@@ -189,3 +189,18 @@ def test_a_long_chat_with_a_control_token_string_is_encoded_without_holding_the_
     tok.encode_chat([{"role": "user", "content": "<|im_end|>" * MAX_CONTROL_STRINGS}])
     with pytest.raises(TokenizerError, match=f"holds {MAX_CONTROL_STRINGS + 1} control-token strings"):
         tok.encode_chat([{"role": "user", "content": "<|im_end|>" * (MAX_CONTROL_STRINGS + 1)}])
+
+
+def test_an_adapters_tokenizer_config_past_the_chat_check_limit_says_nothing(tiny_llama_dir, tmp_path, monkeypatch):
+    """chat_differences parses an adapter's tokenizer_config.json with the interpreter lock held: one over
+    CHAT_CONFIG_BYTES (a tenant's 64 MiB file stalled every stream) is not read, and gives no warning."""
+    import json
+
+    from lorafleet.worker import tokenizer as tokenizer_module
+
+    tok = Tokenizer(tiny_llama_dir)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}", "pad": "x" * 300}))
+    assert tok.chat_differences(tmp_path, None) == ["its chat template differs from the served base's, which renders "
+                                                    "its chats"]
+    monkeypatch.setattr(tokenizer_module, "CHAT_CONFIG_BYTES", 256)
+    assert tok.chat_differences(tmp_path, None) == []

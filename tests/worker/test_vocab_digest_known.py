@@ -107,3 +107,28 @@ def test_the_childs_other_errors_name_the_folder_and_only_their_type(tmp_path, m
     (adapter / "vocab.json").write_text('{"a": 0, "\\ud800": 1}')
     with pytest.raises(vd.TokenizerFileError, match=r"adapter: not a readable tokenizer file \(UnicodeEncodeError\)"):
         vd.vocab_digest(adapter, isolated=True)
+
+
+def test_the_tokens_a_folder_without_a_vocabulary_adds_are_read_in_a_child_process(tmp_path, monkeypatch):
+    """tokenizer_config.json and added_tokens.json of a folder without a whole vocabulary are parsed in a child
+    too: the tokens they add are compared with the base's as before, and past MAX_DECLARED_TOKENS refused."""
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "tokenizer_config.json").write_text(json.dumps(
+        {"additional_special_tokens": ["<s>"], "added_tokens_decoder": {"1": {"content": "</s>"}}}))
+    (adapter / "added_tokens.json").write_text(json.dumps({"<new>": 7}))
+    base = {"<s>": 0, "</s>": 1}.get
+
+    def not_here(*_):
+        raise AssertionError("an adapter's tokenizer files were parsed in the worker's process")
+
+    monkeypatch.setitem(vd._FILE_READERS, "declared", not_here)  # this process's table: the child has its own
+    monkeypatch.setattr(vd, "_declared_of", not_here)
+    assert "add tokens the served base model does not have" in vd.tokenizer_mismatch(adapter, None, base, None)
+    assert "'<new>'" in vd.tokenizer_mismatch(adapter, None, base, None)
+    (adapter / "added_tokens.json").unlink()
+    assert vd.tokenizer_mismatch(adapter, None, base, None) is None
+    many = {f"<t{i}>": i for i in range(vd.MAX_DECLARED_TOKENS + 1)}
+    (adapter / "added_tokens.json").write_text(json.dumps(many))
+    assert "more than the 65536 a folder without a whole vocabulary may add" in vd.tokenizer_mismatch(
+        adapter, None, base, None)
