@@ -34,7 +34,7 @@ from concurrent.futures import Future
 from queue import SimpleQueue
 from typing import Any
 
-_Queues = dict[str, deque[tuple[Future, Callable[[], Any]]]]
+_Queues = dict[str, deque[list]]  # group -> its jobs, each [Future, fn] (fn None: cancelled while queued)
 BACKGROUND_EVERY = 4  # with both lanes queued, one job in this many goes to a warm-up
 _MAX_REMEMBERED = 4096  # groups whose last turn is remembered (the oldest are forgotten: they go first anyway)
 
@@ -98,6 +98,7 @@ class FairExecutor:
         self._urgent: _Queues = {}  # group -> its jobs a request waits for
         self._background: _Queues = {}  # group -> its other jobs (warm-ups, prefetches)
         self._queued_background: dict[Future, str] = {}  # a background job's Future -> its group
+        self._queued: dict[Future, list] = {}  # every queued job's Future -> its [Future, fn] entry
         self._turns = 0  # jobs started
         self._last_turn: dict[str, int] = {}  # group -> the number of its last job started
         self._running = 0
@@ -111,29 +112,26 @@ class FairExecutor:
         with self._lock:
             if self._closed:
                 raise RuntimeError("cannot submit a load after shutdown")
-            (self._urgent if urgent else self._background).setdefault(group, deque()).append((future, fn))
+            job = [future, fn]
+            (self._urgent if urgent else self._background).setdefault(group, deque()).append(job)
+            self._queued[future] = job
             if not urgent:
                 self._queued_background[future] = group
             refused = self._dispatch()
         _fail(refused)
-        future.add_done_callback(lambda done: self._forget_cancelled(group, done))
+        future.add_done_callback(self._forget_cancelled)
         return future
 
-    def _forget_cancelled(self, group: str, future: Future) -> None:
-        """A job cancelled while queued leaves its queue now, with what it holds (a request's body), not when its
-        turn would have come."""
-        if not future.cancelled():
-            return
-        with self._lock:
-            self._queued_background.pop(future, None)
-            for lane in (self._urgent, self._background):
-                queue = lane.get(group)
-                job = next((job for job in queue or () if job[0] is future), None)
+    def _forget_cancelled(self, future: Future) -> None:
+        """A job cancelled while queued lets go of its function now, with what it holds (a request's body), not
+        when its turn would have come; its entry stays in its queue, skipped then (no scan of the queue: thousands
+        of warm-ups cancelled at once cost that many steps, not their square)."""
+        if future.cancelled():
+            with self._lock:
+                self._queued_background.pop(future, None)
+                job = self._queued.pop(future, None)
                 if job is not None:
-                    queue.remove(job)
-                    if not queue:
-                        del lane[group]
-                    return
+                    job[1] = None
 
     def promote(self, future: Future) -> None:
         """A request now waits for the queued job of `future`: it goes before every warm-up (its group's
@@ -151,7 +149,7 @@ class FairExecutor:
 
     def queued(self) -> int:
         with self._lock:
-            return sum(len(q) for lane in (self._urgent, self._background) for q in lane.values())
+            return len(self._queued)
 
     def _dispatch(self) -> list[tuple[Future, BaseException]]:
         """Start queued jobs while a thread is free (the lock held): the urgent lane's first, each time of
@@ -177,6 +175,7 @@ class FairExecutor:
             group = min(groups, key=lambda g: self._last_turn.get(g, -1))
             queue = lane[group]
             future, fn = queue.popleft()
+            self._queued.pop(future, None)
             if not queue:
                 del lane[group]
             self._queued_background.pop(future, None)
@@ -226,7 +225,7 @@ class FairExecutor:
         with self._lock:
             self._closed = True
             queued = [future for lane in (self._urgent, self._background) for q in lane.values() for future, _ in q]
-            self._urgent, self._background, self._queued_background = {}, {}, {}
+            self._urgent, self._background, self._queued_background, self._queued = {}, {}, {}, {}
         for future in queued:  # outside the lock: their callbacks may take others
             future.cancel()
         self._pool.shutdown(wait=wait)

@@ -48,7 +48,7 @@ class ParseTurns:
 
     def _parse(self, raw: bytes, left: threading.Event) -> Any:
         if (rest := self._rest_until - time.monotonic()) > 0:
-            time.sleep(rest)
+            left.wait(rest)  # its request leaving ends it: the next job rests what is left of it
         if left.is_set():
             return None
         start = time.thread_time()  # the parse's own time: the lock it held, not the waits for it

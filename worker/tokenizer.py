@@ -163,13 +163,16 @@ class Tokenizer:
         """What the adapter folder declares for chats unlike this tokenizer: its own default chat template
         (chat_template.jinja, else tokenizer_config.json's), its own end-of-sequence token. This tokenizer's
         serve it, which the adapter may not have been trained with: worth a warning, not a refusal (vLLM serves
-        adapters so too). Files that cannot be read say nothing here (the tokenizer check reports them), nor does
-        a tokenizer_config.json over CHAT_CONFIG_BYTES: parsed here, with the interpreter lock held, a tenant's
-        64 MiB one would stall every stream."""
+        adapters so too). Files that cannot be read say nothing here (the tokenizer check reports them), and a
+        tokenizer_config.json over CHAT_CONFIG_BYTES is left unread (parsed here, with the interpreter lock held, a
+        tenant's 64 MiB one would stall every stream): a chat_template.jinja beside it is still compared."""
         cfg, jinja = adapter_dir / "tokenizer_config.json", adapter_dir / "chat_template.jinja"
         limit = CHAT_CONFIG_BYTES if max_bytes is None else min(max_bytes, CHAT_CONFIG_BYTES)
         try:
-            config = json.loads(read_limited(cfg, limit).decode("utf-8")) if cfg.is_file() else {}
+            try:
+                config = json.loads(read_limited(cfg, limit).decode("utf-8")) if cfg.is_file() else {}
+            except FileLimitError:
+                config = {}
             if not isinstance(config, dict):
                 return []
             template = _chat_templates(config.get("chat_template"), cfg).get("default")

@@ -32,6 +32,7 @@ PROBE_TEXTS = ("Hi", "hello World", "HELLO  there\tyou\n\nnew line ", "naïve ca
 # are the tenant's regexes: run here, one that backtracks held the interpreter lock for a minute, every stream stalled).
 PROBE_CPU_S = 20  # of CPU time: past it the child is killed (SIGXCPU)
 PROBE_TIMEOUT_S = 120.0  # of wall-clock time (a busy node: CPU time is the bound that counts)
+MAX_ANSWER_BYTES = 4 << 20  # of a child's answer (as JSON), which the worker parses back
 MAX_DECLARED_TOKENS = 1 << 16  # added tokens a folder without a whole vocabulary may declare (Llama-3: 256)
 DIGEST_BYTES_PER_CPU_S = 4 << 20  # a vocabulary's digest gets PROBE_CPU_S, and a second more per 4 MiB of files
 PROBE_MEMORY_BYTES = 4 << 30
@@ -263,7 +264,11 @@ for name, size in json.loads(sys.argv[2]):
     files[name], at = raw[at:at + size], at + size
 try:
     read = vocab_digest._FILE_READERS[sys.argv[3]]
-    print(json.dumps({{"value": read(Path(sys.argv[1]), files)}}))
+    answer = json.dumps({{"value": read(Path(sys.argv[1]), files)}})
+    if len(answer) > {most}:  # the worker parses it back, with its interpreter lock held
+        raise vocab_digest.TokenizerFileError(f"{{sys.argv[1]}}: its tokenizer files declare more than {most} bytes "
+                                              "of tokens")
+    print(answer)
 except vocab_digest.TokenizerFileError as exc:
     print(json.dumps({{"error": str(exc)}}))
 except Exception as exc:  # its name only: a message may quote the files (a lone surrogate's UnicodeEncodeError)
@@ -306,7 +311,7 @@ def _digest_isolated(path: Path, files: dict[str, bytes]) -> str:
 def _isolated(reader: str, path: Path, files: dict[str, bytes]) -> Any:
     """`_FILE_READERS[reader](path, files)`, computed in a child process (_FILES_CHILD) with a CPU budget growing
     with the files' bytes; its TokenizerFileError raised here."""
-    code = _FILES_CHILD.format(package=str(Path(__file__).parent))
+    code = _FILES_CHILD.format(package=str(Path(__file__).parent), most=MAX_ANSWER_BYTES)
     sizes = json.dumps([[name, len(data)] for name, data in files.items()])
     cpu_s = PROBE_CPU_S + sum(map(len, files.values())) / DIGEST_BYTES_PER_CPU_S  # four dense 64 MiB files: 25 s
     done = _run_child(code, [str(path), sizes, reader], b"".join(files.values()), f"{path}: its tokenizer files "
@@ -365,10 +370,11 @@ def _declared_added_tokens(path: Path, max_bytes: int | None, foreign: list[Path
 
     files = {name: _read(path / name, max_bytes, opened) for name in ("tokenizer_config.json", "added_tokens.json")
              if (path / name).is_file()}
-    declared = _isolated("declared", path, files) if files else {}  # parsed in a child, as the digest
+    key = b"".join(hashlib.sha256(name.encode() + b"\0" + data).digest() for name, data in sorted(files.items()))
+    declared = _once_per_content("declared", key, lambda: _isolated("declared", path, files)) if files else {}
     if not (isinstance(declared, dict) and all(i is None or type(i) is int for i in declared.values())):
         raise TokenizerFileError(f"{path}: its tokenizer files could not be read (an unexpected answer)")
-    return declared
+    return dict(declared)  # the caller's own, not the one kept
 
 
 def _declared_of(path: Path, files: dict[str, bytes]) -> dict[str, int | None]:

@@ -193,7 +193,8 @@ def test_a_long_chat_with_a_control_token_string_is_encoded_without_holding_the_
 
 def test_an_adapters_tokenizer_config_past_the_chat_check_limit_says_nothing(tiny_llama_dir, tmp_path, monkeypatch):
     """chat_differences parses an adapter's tokenizer_config.json with the interpreter lock held: one over
-    CHAT_CONFIG_BYTES (a tenant's 64 MiB file stalled every stream) is not read, and gives no warning."""
+    CHAT_CONFIG_BYTES (a tenant's 64 MiB file stalled every stream) is not read: it gives no warning, a
+    chat_template.jinja beside it still does."""
     import json
 
     from lorafleet.worker import tokenizer as tokenizer_module
@@ -204,3 +205,6 @@ def test_an_adapters_tokenizer_config_past_the_chat_check_limit_says_nothing(tin
                                                     "its chats"]
     monkeypatch.setattr(tokenizer_module, "CHAT_CONFIG_BYTES", 256)
     assert tok.chat_differences(tmp_path, None) == []
+    (tmp_path / "chat_template.jinja").write_text("{{ messages }}")  # still compared beside an unread config
+    assert tok.chat_differences(tmp_path, None) == ["its chat template differs from the served base's, which renders "
+                                                    "its chats"]

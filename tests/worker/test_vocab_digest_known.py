@@ -124,11 +124,19 @@ def test_the_tokens_a_folder_without_a_vocabulary_adds_are_read_in_a_child_proce
 
     monkeypatch.setitem(vd._FILE_READERS, "declared", not_here)  # this process's table: the child has its own
     monkeypatch.setattr(vd, "_declared_of", not_here)
+    monkeypatch.setattr(vd, "_KNOWN", OrderedDict())
+    children = []
+    monkeypatch.setattr(vd, "_isolated", lambda *a, real=vd._isolated: children.append(a[0]) or real(*a))
     assert "add tokens the served base model does not have" in vd.tokenizer_mismatch(adapter, None, base, None)
     assert "'<new>'" in vd.tokenizer_mismatch(adapter, None, base, None)
+    assert children == ["declared"]  # the same files again: not parsed again
     (adapter / "added_tokens.json").unlink()
     assert vd.tokenizer_mismatch(adapter, None, base, None) is None
     many = {f"<t{i}>": i for i in range(vd.MAX_DECLARED_TOKENS + 1)}
     (adapter / "added_tokens.json").write_text(json.dumps(many))
     assert "more than the 65536 a folder without a whole vocabulary may add" in vd.tokenizer_mismatch(
+        adapter, None, base, None)
+    (adapter / "added_tokens.json").write_text(json.dumps({"\U0001f642" * 200: 5}))  # 2.4 KB of answer, escaped
+    monkeypatch.setattr(vd, "MAX_ANSWER_BYTES", 1000)  # what the worker parses back is bounded in bytes too
+    assert "its tokenizer files declare more than 1000 bytes of tokens" in vd.tokenizer_mismatch(
         adapter, None, base, None)
