@@ -61,7 +61,7 @@ def refuse_unsupported(config: dict, where: Path) -> None:
         (config.get("modules_to_save"), f"modules_to_save={config.get('modules_to_save')}",
          "retrain without modules_to_save: fully trained modules would replace shared base weights"),
         # bias='all' or 'lora_only' train the biases a base has: a Llama's projections have none, so such an
-        # adapter is plain LoRA; a bias tensor in its file is refused with the weights (peft_adapter._classify_key).
+        # adapter is plain LoRA; a bias tensor in its file is refused with the weights (peft_tensors._classify_key).
         (config.get("bias", "none") not in ("none", "all", "lora_only"), f"bias={config.get('bias')!r}",
          "train with bias='none'"),
         (config.get("lora_bias"), "lora_bias=true", "train with lora_bias=false"),
