@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 from lorafleet.worker.engine_errors import is_failure
 from lorafleet.worker.file_limits import FileLimitError, read_limited
 from lorafleet.worker.tenant_folders import opened_path
+from lorafleet.worker.tokenizer_children import FILES_CHILD, PROBE_CHILD
 
 T = TypeVar("T")
 # Texts whose ids tell apart two tokenizers of one vocabulary (their normalizer, pre-tokenizer or model flags
@@ -173,8 +174,12 @@ def vocab_digest(path: str | Path, max_file_bytes: int | None = None, *, isolate
     files = _tokenizer_files(path, max_file_bytes)
     if files is None:
         return None
-    key = b"".join(hashlib.sha256(name.encode() + b"\0" + data).digest() for name, data in sorted(files.items()))
-    return _once_per_content("vocab", key, lambda: (_digest_isolated if isolated else _digest_of)(path, files))
+    return _once_per_content("vocab", _files_key(files), lambda: (_digest_isolated if isolated else _digest_of)(path, files))
+
+
+def _files_key(files: dict[str, bytes]) -> bytes:
+    """What `_once_per_content` knows files by: each one's name and bytes."""
+    return b"".join(hashlib.sha256(name.encode() + b"\0" + data).digest() for name, data in sorted(files.items()))
 
 
 def _digest(vocab: dict[str, int], merges: list[str]) -> str:
@@ -221,61 +226,6 @@ def _probe(file: Path, content: bytes) -> list[list[int]]:
         raise _unreadable(file, type(exc).__name__) from None
 
 
-# A child's first lines: it limits itself (never above the limits it was given: CPU_S and MEMORY_BYTES, filled in
-# as it starts) and offers itself to the OOM killer first.
-_LIMITS = """
-import json, resource, sys
-for which, value, grace in ((resource.RLIMIT_CPU, CPU_S, 1), (resource.RLIMIT_AS, MEMORY_BYTES, 0)):
-    hard = resource.getrlimit(which)[1]
-    value = value if hard == resource.RLIM_INFINITY else min(value, hard - grace)
-    resource.setrlimit(which, (value, value + grace))  # past the CPU time: SIGXCPU (not the OOM killer's SIGKILL)
-try:
-    with open("/proc/self/oom_score_adj", "w") as f:
-        f.write("1000")
-except OSError:
-    pass
-"""
-# The child of _probe_isolated: builds the tokenizer from stdin, prints the probes' ids as JSON (exit 3: far more
-# ids than bytes).
-_CHILD = _LIMITS + """
-from tokenizers import Tokenizer
-texts = json.loads(sys.argv[1])
-tokenizer = Tokenizer.from_str(sys.stdin.buffer.read().decode("utf-8"))
-tokenizer.no_padding()
-tokenizer.no_truncation()
-ids = [tokenizer.encode(t, add_special_tokens=False).ids for t in texts]
-if sum(map(len, ids)) > {most}:
-    sys.exit(3)
-print(json.dumps(ids))
-"""
-# The child of _isolated: this module alone (its package's __init__, which imports the engine, is left out), runs
-# the function argv names (_FILE_READERS) on the files whose names and sizes argv gives and whose bytes stdin
-# holds, one after another; prints {"value": ...} or {"error": <the TokenizerFileError's message, or the folder
-# and an error's type>}.
-_FILES_CHILD = _LIMITS + """
-import types
-from pathlib import Path
-for name, where in (("lorafleet", []), ("lorafleet.worker", [{package!r}])):
-    sys.modules[name] = types.ModuleType(name)
-    sys.modules[name].__path__ = where
-from lorafleet.worker import vocab_digest
-raw, files, at = sys.stdin.buffer.read(), {{}}, 0
-for name, size in json.loads(sys.argv[2]):
-    files[name], at = raw[at:at + size], at + size
-try:
-    read = vocab_digest._FILE_READERS[sys.argv[3]]
-    answer = json.dumps({{"value": read(Path(sys.argv[1]), files)}})
-    if len(answer) > {most}:  # the worker parses it back, with its interpreter lock held
-        raise vocab_digest.TokenizerFileError(f"{{sys.argv[1]}}: its tokenizer files declare more than {most} bytes "
-                                              "of tokens")
-    print(answer)
-except vocab_digest.TokenizerFileError as exc:
-    print(json.dumps({{"error": str(exc)}}))
-except Exception as exc:  # its name only: a message may quote the files (a lone surrogate's UnicodeEncodeError)
-    print(json.dumps({{"error": f"{{sys.argv[1]}}: not a readable tokenizer file ({{type(exc).__name__}})"}}))
-"""
-
-
 def _run_child(code: str, args: list[str], stdin: bytes, ran_out: str, what: Path, cpu_s: float = 0.0
                ) -> subprocess.CompletedProcess:
     """`code` in a child process (`python -I -c`), its CPU time (`cpu_s`, else PROBE_CPU_S) and memory bounded:
@@ -309,9 +259,9 @@ def _digest_isolated(path: Path, files: dict[str, bytes]) -> str:
 
 
 def _isolated(reader: str, path: Path, files: dict[str, bytes]) -> Any:
-    """`_FILE_READERS[reader](path, files)`, computed in a child process (_FILES_CHILD) with a CPU budget growing
+    """`_FILE_READERS[reader](path, files)`, computed in a child process (FILES_CHILD) with a CPU budget growing
     with the files' bytes; its TokenizerFileError raised here."""
-    code = _FILES_CHILD.format(package=str(Path(__file__).parent), most=MAX_ANSWER_BYTES)
+    code = FILES_CHILD.format(package=str(Path(__file__).parent), most=MAX_ANSWER_BYTES)
     sizes = json.dumps([[name, len(data)] for name, data in files.items()])
     cpu_s = PROBE_CPU_S + sum(map(len, files.values())) / DIGEST_BYTES_PER_CPU_S  # four dense 64 MiB files: 25 s
     done = _run_child(code, [str(path), sizes, reader], b"".join(files.values()), f"{path}: its tokenizer files "
@@ -334,7 +284,7 @@ def _probe_isolated(file: Path, content: bytes) -> list[list[int]]:
     most = PROBE_IDS_PER_BYTE * sum(len(t.encode()) for t in PROBE_TEXTS)
     ran_out = (f"{file}: its tokenizer ran more than {PROBE_CPU_S} s to encode {len(PROBE_TEXTS)} short texts (a "
                f"normalizer or pre-tokenizer that backtracks?)")
-    done = _run_child(_CHILD.replace("{most}", str(most)), [json.dumps(PROBE_TEXTS)], content, ran_out, file)
+    done = _run_child(PROBE_CHILD.replace("{most}", str(most)), [json.dumps(PROBE_TEXTS)], content, ran_out, file)
     if done.returncode == 3:
         raise _unreadable(file, f"it turns the probe texts into more than {most} ids")
     try:
@@ -370,8 +320,7 @@ def _declared_added_tokens(path: Path, max_bytes: int | None, foreign: list[Path
 
     files = {name: _read(path / name, max_bytes, opened) for name in ("tokenizer_config.json", "added_tokens.json")
              if (path / name).is_file()}
-    key = b"".join(hashlib.sha256(name.encode() + b"\0" + data).digest() for name, data in sorted(files.items()))
-    declared = _once_per_content("declared", key, lambda: _isolated("declared", path, files)) if files else {}
+    declared = _once_per_content("declared", _files_key(files), lambda: _isolated("declared", path, files)) if files else {}
     if not (isinstance(declared, dict) and all(i is None or type(i) is int for i in declared.values())):
         raise TokenizerFileError(f"{path}: its tokenizer files could not be read (an unexpected answer)")
     return dict(declared)  # the caller's own, not the one kept
