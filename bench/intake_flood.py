@@ -6,8 +6,8 @@ Starts `python -m lorafleet.worker` with the embedded model on 127.0.0.1 with tw
 greedy 64-token completions one after another while /healthz is polled every 20 ms; tenant `b` posts 4 MB bodies
 (each answered 400: an unknown field, or a prompt past the context) from `--flooders` connections. After a
 warm-up: first nothing (the baseline), then 1.39M empty lists, 450k `{"": []}` objects, a prompt of 2M token
-ids. A JSON parse holds the interpreter lock from start to end, so such a flood once stalled every thread of
-the worker. Prints a table (tenant a's tokens/s and longest gap between two tokens or before the first,
+ids, a text prompt of 4 MB. A JSON parse holds the interpreter lock from start to end, so such a flood once
+stalled every thread of the worker; a text's tokenization took 4.4 s of a core before its length was refused. Prints a table (tenant a's tokens/s and longest gap between two tokens or before the first,
 /healthz's longest answer, the flood's answers, the worker's peak memory) and writes JSON.
 """
 
@@ -26,7 +26,19 @@ from pathlib import Path
 import aiohttp
 from bench_io import start_worker_process, write_json  # same folder
 
-JUNK = {"none": None, "lists": ("[]", 1_390_000), "objects": ('{"": []}', 450_000), "ids": ("1", 2_000_000)}
+JUNK = {"none": None, "lists": ("[]", 1_390_000), "objects": ('{"": []}', 450_000), "ids": ("1", 2_000_000),
+        "text": ("The quick brown fox jumps over the lazy dog. ", 93_000)}
+
+
+def flood_body(name: str, model: str) -> bytes | None:
+    """Tenant b's 4 MB body: a prompt far past the context (token ids, or a text), else an unknown field."""
+    if (junk := JUNK[name]) is None:
+        return None
+    if name == "text":
+        return json.dumps({"model": model, "prompt": junk[0] * junk[1], "max_tokens": 1}).encode()
+    items = "[" + ",".join([junk[0]] * junk[1]) + "]"
+    return (f'{{"model": "{model}", "prompt": {items}, "max_tokens": 1}}' if name == "ids" else
+            f'{{"model": "{model}", "prompt": "x", "max_tokens": 1, "junk": {items}}}').encode()
 
 
 def peak_rss_mb(pid: int) -> float:
@@ -36,13 +48,9 @@ def peak_rss_mb(pid: int) -> float:
     return float("nan")
 
 
-async def phase(url: str, model: str, junk: tuple[str, int] | None, flooders: int, seconds: float) -> dict:
+async def phase(url: str, model: str, body: bytes | None, flooders: int, seconds: float) -> dict:
     stop, gaps, health, answers = asyncio.Event(), [], [], {}
     tokens = 0
-    items = None if junk is None else "[" + ",".join([junk[0]] * junk[1]) + "]"
-    body = None if items is None else (  # token ids: a prompt far past the context; else an unknown field
-        f'{{"model": "{model}", "prompt": {items}, "max_tokens": 1}}' if junk[0] == "1" else
-        f'{{"model": "{model}", "prompt": "x", "max_tokens": 1, "junk": {items}}}').encode()
 
     async def stream(s: aiohttp.ClientSession) -> None:
         nonlocal tokens
@@ -90,6 +98,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=10.0, help="length of each phase")
     ap.add_argument("--flooders", type=int, default=8, help="tenant b's connections posting bodies")
+    ap.add_argument("--floods", nargs="+", choices=list(JUNK), default=list(JUNK), help="phases to run, in order")
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--tag", default="", help="added to the JSON file's name (e.g. a code version)")
     args = ap.parse_args()
@@ -102,8 +111,8 @@ def main() -> None:
             model = asyncio.run(_first_model(url))
             asyncio.run(phase(url, model, None, 0, 3.0))  # warm-up: the first requests' one-time costs
             results = {}
-            for name, junk in JUNK.items():
-                results[name] = asyncio.run(phase(url, model, junk, args.flooders, args.seconds))
+            for name in args.floods:
+                results[name] = asyncio.run(phase(url, model, flood_body(name, model), args.flooders, args.seconds))
                 print(f"flood {name:8s}: tenant a {results[name]['tokens_per_s']:7.1f} tokens/s, longest gap "
                       f"{results[name]['longest_gap_s']:.3f} s; /healthz longest {results[name]['healthz_longest_s']:.3f} s;"
                       f" flood {results[name]['flood_requests_per_s']} requests/s {results[name]['flood_answers']}",

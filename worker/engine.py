@@ -211,12 +211,12 @@ class Engine:
         return self._tokenizer_encodings
 
     # ---- requests -----------------------------------------------------------------------------------
-    def encode(self, prompt: Prompt, *, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of a text (the tokenizer's BOS first unless `add_special_tokens` is false), or ids checked."""
+    def encode(self, prompt: Prompt, *, add_special_tokens: bool = True, limit: int | None = None) -> list[int]:
+        """A text's ids (BOS first unless not `add_special_tokens`; PromptTooLong past `limit`), or ids checked."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise EngineError("this model directory has no tokenizer.json: pass token ids, not text")
-            return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+            return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens, limit=limit)
         vocab = self.model_config.vocab_size
         ids = list(prompt) if isinstance(prompt, list) and set(map(type, prompt)) <= {int} else [int(t) for t in prompt]
         if ids and (min(ids) < 0 or max(ids) >= vocab) and (bad := [t for t in ids if not 0 <= t < vocab]):

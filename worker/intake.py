@@ -9,7 +9,7 @@ count), or when `--max-intake-requests` requests are in intake already (`intake_
 frees its intake place: clients that upload slowly cannot hold intake. Bodies over LARGE_BODY_BYTES
 are parsed off the event loop, one at a time and paced (ParseTurns), then tokenized on the intake threads
 (both by turns of tenants), so that the event loop (and /healthz with it) and the engine's steps keep going
-while they are.
+while they are; a text past the context by its length alone is refused untokenized (token_floor.py).
 """
 
 from __future__ import annotations

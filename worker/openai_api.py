@@ -70,7 +70,7 @@ from lorafleet.worker.served_fallback import listed_versions, versions_still_ser
 from lorafleet.worker.state_json import reply
 from lorafleet.worker.stream_writes import sent_in_time, written_or_cut
 from lorafleet.worker.tenants import Tenant
-from lorafleet.worker.tokenizer import TokenizerError
+from lorafleet.worker.tokenizer import PromptTooLong, TokenizerError
 from lorafleet.worker.tool_calls import ToolCalls
 
 log = logging.getLogger("lorafleet.worker")
@@ -113,19 +113,21 @@ async def _prepare(request: web.Request, endpoint: str,
             raise APIError(400, never, code="invalid_value", param="n" if parsed.options.n > 1 else "prompt")
 
         def tokenize() -> list[list[int]]:
+            limit = engine.max_model_len  # past it by length alone: a text refused untokenized (token_floor.py)
             if endpoint == "chat":
-                return [chat_prompt_ids(app, parsed)]
-            # Token ids past the context are not checked id by id: the job refuses them by their length.
-            return [p if isinstance(p, list) and len(p) >= engine.max_model_len else
-                    engine.encode(p, add_special_tokens=parsed.add_special_tokens) for p in parsed.prompts]
+                return [chat_prompt_ids(app, parsed, limit)]
+            return [p if isinstance(p, list) and len(p) >= limit else  # ids unchecked (the job refuses them)
+                    engine.encode(p, add_special_tokens=parsed.add_special_tokens, limit=limit) for p in parsed.prompts]
 
         tools = parsed.tools if endpoint == "chat" else None  # its tools and tool_choice (tool_request.py)
         tool_calls = ToolCalls.of(tools, engine.tokenizer, app[CONFIG].tool_call_parser)  # 400: no tools in template
+        param = "messages" if endpoint == "chat" else "prompt"
         try:
             prompt_ids = await place.run(tokenize)
+        except PromptTooLong as exc:
+            raise APIError(400, str(exc), code="context_length_exceeded", param=param) from None
         except (EngineError, TokenizerError) as exc:
-            raise APIError(400, str(exc), code="invalid_prompt",
-                           param="messages" if endpoint == "chat" else "prompt") from None
+            raise APIError(400, str(exc), code="invalid_prompt", param=param) from None
         except jinja2.TemplateError as exc:  # the chat template refuses (roles out of order) or fails (a TypeError)
             raise APIError(400, f"the chat template refused these messages: {exc}", code="invalid_messages",
                            param="messages") from None

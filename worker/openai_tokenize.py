@@ -43,15 +43,17 @@ def tokenize_routes() -> list[web.RouteDef]:
     return [web.post("/tokenize", tokenize), web.post("/detokenize", detokenize)]
 
 
-def chat_prompt_ids(app: web.Application, parsed: ChatRequest) -> list[int]:
+def chat_prompt_ids(app: web.Application, parsed: ChatRequest, limit: int | None = None) -> list[int]:
     """A chat request's prompt ids (run it in the executor): rendered by the chat template, with its tools.
-    Raises EngineError without a tokenizer, TokenizerError or jinja2.TemplateError for messages refused."""
+    Raises EngineError without a tokenizer, TokenizerError or jinja2.TemplateError for messages refused, and
+    PromptTooLong for a chat whose rendered length alone shows it has at least `limit` tokens."""
     engine = app[ENGINE].engine
     if engine.tokenizer is None:
         raise EngineError("this model has no tokenizer; use /v1/completions with token ids")
     tools = parsed.tools.tools if parsed.tools is not None else None
     return engine.tokenizer.encode_chat(parsed.template_messages(), parsed.template, tools=tools,
-                                        control_tokens_in_content=app[CONFIG].chat_control_tokens_in_content)
+                                        control_tokens_in_content=app[CONFIG].chat_control_tokens_in_content,
+                                        limit=limit)
 
 
 async def tokenize(request: web.Request) -> web.Response:

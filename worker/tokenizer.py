@@ -26,6 +26,7 @@ from lorafleet.worker.chat_template import ChatTemplate, ChatTemplateOptions
 from lorafleet.worker.control_tokens import ControlTokens
 from lorafleet.worker.file_limits import FileLimitError, read_limited
 from lorafleet.worker.llama_pipeline import LlamaPipeline, llama_pipeline
+from lorafleet.worker.token_floor import at_least, longest_piece
 
 LONG_TEXT = 16384  # characters: a longer text is encoded without holding the GIL (Tokenizer.encode)
 MAX_CONTROL_STRINGS = 4096  # control-token strings a chat's text may hold, each encoded as text (encode_chat)
@@ -34,6 +35,15 @@ CHAT_CONFIG_BYTES = 4 << 20  # an adapter's tokenizer_config.json read for its c
 
 class TokenizerError(ValueError):
     """The model directory's tokenizer files are missing or unusable."""
+
+
+class PromptTooLong(TokenizerError):
+    """A text that encodes to at least `at_least` tokens, refused before it is tokenized (token_floor.py)."""
+
+    def __init__(self, at_least: int, limit: int) -> None:
+        super().__init__(f"This model's maximum context length is {limit} tokens; the prompt has at least "
+                         f"{at_least} tokens. Shorten the prompt.")  # OpenAI's words, as the job's own refusal
+        self.at_least, self.limit = at_least, limit
 
 
 class Tokenizer:
@@ -69,6 +79,7 @@ class Tokenizer:
         if add_bos is not None and not isinstance(add_bos, bool):
             raise TokenizerError(f"{cfg_path}: add_bos_token must be true or false, got {add_bos!r}")
         self.add_bos_token = bool(add_bos)
+        self.longest_piece = longest_piece(self._tok)  # characters one token stands for at most (0: unbounded)
 
     @property
     def vocab_size(self) -> int:
@@ -85,7 +96,10 @@ class Tokenizer:
     def eos_token_id(self) -> int | None:
         return None if self.eos_token is None else self.token_to_id(self.eos_token)
 
-    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, *, add_special_tokens: bool = True, limit: int | None = None) -> list[int]:
+        """`text`'s ids. With a `limit`, a text whose length alone shows it encodes to at least that many
+        tokens is refused (PromptTooLong) before it is tokenized."""
+        self._refuse_past(limit, len(text))
         ids = self._ids(text, add_special_tokens)
         return self._with_bos(ids) if add_special_tokens else ids
 
@@ -131,20 +145,25 @@ class Tokenizer:
                                     continue_final_message=continue_final_message, tools=tools)
 
     def encode_chat(self, messages: list[dict], options: ChatTemplateOptions | None = None, *,
-                    control_tokens_in_content: bool = False, tools: list[dict] | None = None) -> list[int]:
+                    control_tokens_in_content: bool = False, tools: list[dict] | None = None,
+                    limit: int | None = None) -> list[int]:
         """A chat's prompt ids. Control-token strings in the messages, in options.kwargs and in `tools` are
-        encoded as plain text, unless `control_tokens_in_content` (vLLM's way: they become the tokens)."""
+        encoded as plain text, unless `control_tokens_in_content` (vLLM's way: they become the tokens). With a
+        `limit`, a chat that encodes to at least that many tokens by its rendered length is refused first."""
         options = options or ChatTemplateOptions()
         render = {"add_generation_prompt": options.add_generation_prompt,
                   "continue_final_message": options.continue_final_message}
         if control_tokens_in_content:
             text = self.apply_chat_template(messages, template_kwargs=options.kwargs, tools=tools, **render)
-            return self.encode(text, add_special_tokens=options.add_special_tokens)
+            return self.encode(text, add_special_tokens=options.add_special_tokens, limit=limit)
         marks = self.control_tokens
         kwargs = {name: marks.wrap(v) for name, v in options.kwargs.items()}  # names of variables, not text
         text = self.apply_chat_template(marks.wrap(messages), template_kwargs=kwargs, tools=marks.wrap(tools),
                                         **render)
         pieces = marks.split(text)
+        # Each later piece is encoded after a newline then dropped (_encode_piece), and rounds down on its own.
+        joins = (len(pieces) - 1) * (len(self._newline) + 2)
+        self._refuse_past(limit, sum(len(piece) for piece, _ in pieces), joins)
         typed = [piece for piece, is_text in pieces if is_text]  # the caller's control-token strings
         if len(typed) > MAX_CONTROL_STRINGS:  # each is encoded on its own, with the GIL held
             raise TokenizerError(f"the chat holds {len(typed)} control-token strings (such as {typed[0]!r}) as "
@@ -188,11 +207,15 @@ class Tokenizer:
             notes.append(f"its end-of-sequence token {theirs!r} is not the served base's {self.eos_token!r}, which ends its answers")
         return notes
 
+    def _refuse_past(self, limit: int | None, text_len: int, slack: int = 0) -> None:
+        if limit is not None and (least := at_least(text_len, self.longest_piece, slack)) >= limit:
+            raise PromptTooLong(least, limit)
+
     def _encode_piece(self, piece: str, is_text: bool) -> list[int]:
         """A piece from the middle of a prompt; `is_text`: with no added token matched. Encoded after a newline
         that is then dropped, so that a SentencePiece tokenizer adds no word-start space (transformers' way)."""
         encode = self._encode_text if is_text else self._ids
-        newline = self._tok.encode("\n", add_special_tokens=False).ids
+        newline = self._newline
         ids = encode("\n" + piece)
         ids = ids[len(newline):] if ids[:len(newline)] == newline else encode(piece)
         if is_text and self.token_to_id(piece) in ids:
@@ -205,6 +228,10 @@ class Tokenizer:
         text = tok.normalizer.normalize_str(text) if tok.normalizer is not None else text
         splits = [s for s, _ in tok.pre_tokenizer.pre_tokenize_str(text)] if tok.pre_tokenizer is not None else [text]
         return [t.id for split in splits for t in tok.model.tokenize(split)]
+
+    @cached_property
+    def _newline(self) -> list[int]:
+        return self._tok.encode("\n", add_special_tokens=False).ids
 
     @cached_property
     def _frame(self) -> tuple[list[int], list[int]]:
