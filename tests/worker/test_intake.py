@@ -323,19 +323,25 @@ async def test_large_parses_rest_after_each_and_tenants_take_turns(monkeypatch):
         turns.shutdown()
 
 
-@pytest.mark.parametrize("junk", ['{"": []}', "[[]]", "not json"])
+@pytest.mark.parametrize("junk", ['{"": []}', "[[]]", "not json", "messages"])
 async def test_a_refused_large_body_is_freed_at_once_not_by_a_collection(aiohttp_client, tiny_llama_dir, junk):
-    """A large body refused with a 400 (an unknown field, or no JSON): its parsed objects are freed as the answer
-    goes, by reference counts. The work's future, its error and the handler's frame held one another in a cycle,
-    and a flood of such bodies, each of a million small objects, held gigabytes until a collection came."""
+    """A large body refused with a 400 (an unknown field, no JSON, or a chat past the context, refused as it is
+    tokenized): its parsed objects are freed as the answer goes, by reference counts. The work's future, its
+    error and the handler's frame held one another in a cycle, and a flood of such bodies, each of a million
+    small objects, held gigabytes until a collection came."""
     import gc
 
     client = await aiohttp_client(create_app(config(tiny_llama_dir)))
     body = ('{"model": "tiny", "prompt": "x", "max_tokens": 1, "junk": [' + ",".join([junk] * 50_000) + "]}").encode()
+    if junk == "messages":
+        body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x"}] * 50_000}).encode()
 
     async def refused() -> None:
-        resp = await client.post("/v1/completions", data=body, headers={"Content-Type": "application/json"})
+        path = "/v1/chat/completions" if junk == "messages" else "/v1/completions"
+        resp = await client.post(path, data=body, headers={"Content-Type": "application/json"})
         assert resp.status == 400, await resp.text()
+        if junk == "messages":
+            assert (await resp.json())["error"]["code"] == "context_length_exceeded"
 
     await refused()  # what a first request makes once (imports, caches) is not counted
     gc.collect()
