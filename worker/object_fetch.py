@@ -32,7 +32,7 @@ from urllib3.exceptions import HTTPError as Urllib3Error
 
 from lorafleet.worker.disk_cache import cache_write
 from lorafleet.worker.object_digest import CHECKSUM_MODE, DigestCheck, ObjectDigest
-from lorafleet.worker.source_error import SourceError
+from lorafleet.worker.source_error import BodyCut, SourceError
 from lorafleet.worker.store_clients import StoreSilent
 
 CHUNK_BYTES = 256 << 10  # the most one read of a download takes (it takes what has come, reporting progress)
@@ -99,7 +99,7 @@ class Fetch:
                     continue
                 if cut.cause is not None:
                     raise cut.cause from None
-                raise ConnectionError(f"{where}: the store sent {cut.received} of the {size} bytes it listed") from None
+                raise BodyCut(f"{where}: the store sent {cut.received} of the {size} bytes it listed") from None
             return digest if got else None
 
     def _part(self, client, bucket: str, key: str, etag: str | None, size: int, path: Path, offset: int,
@@ -137,12 +137,12 @@ class Fetch:
                 self.done -= offset
                 offset = 0
             elif offset and response.headers.get("Content-Range", "").strip() != f"bytes {offset}-{size - 1}/{size}":
-                raise ConnectionError(f"{where}: the store answered the rest of the object from byte {offset} with "
+                raise BodyCut(f"{where}: the store answered the rest of the object from byte {offset} with "
                                       f"Content-Range {response.headers.get('Content-Range')!r}, not bytes "
                                       f"{offset}-{size - 1}/{size}")
             resumable = bool(etag) and response.headers.get("Content-Encoding", "identity").lower() in ("", "identity")
             if offset and not resumable:  # the rest asked came encoded: its bytes are not the range's
-                raise ConnectionError(f"{where}: the store sent the rest of the object from byte {offset} encoded "
+                raise BodyCut(f"{where}: the store sent the rest of the object from byte {offset} encoded "
                                       f"({response.headers.get('Content-Encoding')}); it is not appended")
             announced = response.headers.get("Content-Length")
             if announced is not None and int(announced) > size - offset:

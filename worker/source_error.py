@@ -22,6 +22,12 @@ class SourceError(ValueError):
         self.kind = kind
 
 
+class BodyCut(ConnectionError):
+    """One object's answer from the store broke off or was not the bytes asked: a body that ended cleanly but
+    short of the size listed, a rest answered with another range, or encoded. One object's fault while a quick
+    listing of its version still answers, as a connection reset in its body is (staging_errors.is_object_fault)."""
+
+
 def read_error(where: str | Path, exc: OSError | RuntimeError) -> SourceError:
     """`exc`, raised reading the local file or folder `where` (or the one the error names), as the
     refusal naming it and why. RuntimeError: Path.resolve's symlink loop (Python before 3.13)."""

@@ -8,6 +8,7 @@ import errno
 from lorafleet.worker.disk_cache import CacheDiskError, CacheLimitError
 from lorafleet.worker.object_digest import BytesAltered
 from lorafleet.worker.openai_protocol import APIError
+from lorafleet.worker.source_error import BodyCut
 from lorafleet.worker.sources import SourceError
 
 _STATUS = {"not_allowed": 403, "bad_uri": 400, "missing": 404, "digest_mismatch": 422, "too_large": 413,
@@ -61,12 +62,13 @@ def is_busy(exc: BaseException) -> bool:
 
 def is_object_fault(exc: BaseException) -> bool:
     """A failure that may be one object's own although it reads as an outage: the store's 5xx answer other
-    than one asking clients to back off (503, throttling), or a body cut short. Never a stall or a timeout,
+    than one asking clients to back off (503, throttling), or a body cut short (a reset, or one that ended
+    cleanly short of its size: BodyCut). Never a stall or a timeout,
     which speak for the whole read path (a store whose listings answer while its data servers are down)."""
     answer = _s3_answer(exc)
     if answer is not None:
         return answer[1] is not None and answer[1] >= 500 and answer[1] != 503 and answer[0] not in _BUSY
-    return type(exc).__name__ in ("ProtocolError", "IncompleteRead")
+    return isinstance(exc, BodyCut) or type(exc).__name__ in ("ProtocolError", "IncompleteRead")
 
 
 def source_status(kind: str) -> int:

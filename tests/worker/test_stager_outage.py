@@ -543,6 +543,24 @@ async def test_an_object_the_store_keeps_failing_fails_its_version_alone(s3, ada
     assert stager.store.down_since is None
 
 
+async def test_an_object_answered_with_a_short_body_fails_its_version_alone(s3, adapters, tmp_path):
+    """The store (or a gateway before it) answers one object 200 with fewer bytes than listed, the body ending
+    cleanly (Content-Length 0, no reset): that object's cut body, its version's failure while a quick listing
+    answers, as a reset is. It was raised as a bare ConnectionError, taken for an outage: the store was marked
+    down and every version after it failed 'not tried'."""
+    from tests.store_proxy import answering_proxy
+
+    upload_folder(s3.client(), "adapters", "team/short/", adapters["v1"])
+    upload_folder(s3.client(), "adapters", "team/after/", adapters["v2"])
+    async with answering_proxy(s3.port, "/adapters/team/short/adapter_model.safetensors", 1000, b"200 OK",
+                               b"application/octet-stream", b"") as (endpoint, answered):
+        stager = stager_for(endpoint, s3, tmp_path / "cache", stage_concurrency=1)
+        report = await stager.apply(push(1, ["short", "after"], {"short": adapter_digest(adapters["v1"]),
+                                                                 "after": adapter_digest(adapters["v2"])}))
+    assert answered and "the store sent 0 of the" in report.find("short", "v1").error
+    assert report.find("after", "v1").error is None and stager.store.down_since is None
+
+
 async def test_each_engine_request_s_broken_object_is_its_own_failure(s3, adapters, tmp_path):
     """The engine's stages (no push) of two adapters whose objects the store answers 500 each fail alone while
     the store answers listings; the store is not taken as down, and a third adapter is staged. Only the first
