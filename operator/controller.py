@@ -11,7 +11,9 @@ workerSelector is invalid owns no pod, and drains the pods its push record names
 status.pushedPods names) as pods it released: which pods it selected is unknown.
 Which pool owns a pod that several select: ``ownership.own_pods``. A pod a live pool pushed to and no longer
 owns (its labels or the pool's workerSelector changed, or an earlier pool with an invalid spec came to
-select it) is drained the same way unless another pool takes it over: ``ownership.released_pods``.
+select it) is drained the same way unless another pool takes it over: ``ownership.released_pods``; so is one
+it pushed to that it may no longer reach (worker_trust.py: its spec.workerDeployment changed, or came to be
+set), known by its (name, uid) in the pool's push record.
 
 A valid pool's running pods that are not ready are read too: those whose sidecar awaits its first push (a new pod,
 its model loading) are told the pool's set, none warm, so that they stage it while they start and turn ready
@@ -29,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime
 import logging
 import time
 from collections import defaultdict
@@ -40,10 +41,11 @@ from typing import Any, NamedTuple
 from lorafleet.operator.crd_models import PoolSpec, SpecError, drain_spec, parse_adapter
 from lorafleet.operator.ownership import first_claim, own_pods, pod_names, pool_claims, released_pods
 from lorafleet.operator.push_flights import Outcome, PoolKey, PushFlights
-from lorafleet.operator.push_record import PushRecord, pushed_pod_ids
+from lorafleet.operator.push_record import PushRecord, pod_id, pushed_pod_ids
 from lorafleet.operator.reconcile import PoolPlan, WorkerReport, reconcile_pool
 from lorafleet.operator.reported_sizes import ReportedSizes
 from lorafleet.operator.retry_backoff import RetryBackoff
+from lorafleet.operator.status_patches import utc_now
 from lorafleet.operator.statuses import with_refused_pushes
 from lorafleet.operator.workers import Refused, StagerClient, Worker, discover_workers
 from lorafleet.worker.directives import DesiredState, ReportedState
@@ -61,43 +63,19 @@ PUSH_WAIT_S = 2.0
 
 class PassInputs(NamedTuple):
     """What a pass reads: the pool's bodies (live or deleting), its adapters, the pods it may reach, the
-    namespace's other pools and ReplicaSets."""
+    namespace's other pools and ReplicaSets, and the namespace's pods it may not reach (worker_trust.py)."""
     pools: list[dict[str, Any]]
     adapters: list[dict[str, Any]]
     pods: list[dict[str, Any]]
     other_pools: list[dict[str, Any]]
     replicasets: list[dict[str, Any]]
+    former: list[dict[str, Any]] = []  # read only; those its push record names are emptied (controller.py)
 
 
 @dataclass(slots=True)
 class PassResult:
     plan: PoolPlan
     started: float  # time.monotonic() when its inputs were read (at the latest)
-
-
-def utc_now() -> str:
-    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
-
-
-def status_changes(current: dict[str, Any] | None, wanted: dict[str, Any]) -> dict[str, Any]:
-    """Only the status keys whose value differs: an unchanged status is not re-written every tick."""
-    current = current or {}
-    return {k: v for k, v in wanted.items() if current.get(k) != v}
-
-
-def merge_conditions(current: dict[str, Any] | None, wanted: dict[str, Any], *,
-                     drop: Iterable[str] = ()) -> dict[str, Any]:
-    """``wanted`` with its conditions merged into the current ones. A pool's status has two writers, the
-    reconcile (Ready) and the autoscaler (Scaling), and a merge patch replaces a list whole: each writes
-    the list with its own types replaced (in place, or appended) and the other's kept as they are;
-    ``drop``: types to remove."""
-    current_conditions = (current or {}).get("conditions") or []
-    gone = set(drop)
-    if "conditions" not in wanted and not gone & {c.get("type") for c in current_conditions}:
-        return wanted
-    own = {c["type"]: c for c in wanted.get("conditions") or []}
-    merged = [own.pop(c.get("type"), c) for c in current_conditions if c.get("type") not in gone]
-    return {**wanted, "conditions": merged + list(own.values())}
 
 
 class PoolController:
@@ -124,10 +102,13 @@ class PoolController:
 
     async def run(self, key: PoolKey, *, pools: Iterable[dict[str, Any]], adapters: Iterable[dict[str, Any]],
                   pods: Iterable[dict[str, Any]], other_pools: Iterable[dict[str, Any]] = (),
-                  replicasets: Iterable[dict[str, Any]] = (), max_age: float = 0.0) -> PoolPlan:
+                  replicasets: Iterable[dict[str, Any]] = (), former: Iterable[dict[str, Any]] = (),
+                  max_age: float = 0.0) -> PoolPlan:
         """A fresh plan (or the last one when younger than ``max_age`` seconds) for pool ``key`` from inputs read
-        before the call; ``replicasets``: the namespace's (worker_trust.slim_replicaset)."""
-        inputs = PassInputs(list(pools), list(adapters), list(pods), list(other_pools), list(replicasets))
+        before the call; ``replicasets``: the namespace's (worker_trust.slim_replicaset); ``former``: the pods
+        ``pods`` leaves out (see ``PassInputs``)."""
+        inputs = PassInputs(list(pools), list(adapters), list(pods), list(other_pools), list(replicasets),
+                            list(former))
         return await self.run_reading(key, lambda: inputs, max_age=max_age, live=False)
 
     async def run_reading(self, key: PoolKey, read: Callable[[], PassInputs], *, max_age: float = 0.0,
@@ -172,7 +153,8 @@ class PoolController:
                 del self._callers[key]
 
     async def _run(self, key: PoolKey, pools: list[dict], adapters: list[dict], pods: list[dict],
-                   other_pools: list[dict], replicasets: list[dict], *, cut: asyncio.Event) -> PoolPlan:
+                   other_pools: list[dict], replicasets: list[dict], former: list[dict], *,
+                   cut: asyncio.Event) -> PoolPlan:
         pool, pool_error, draining, invalid, lost = None, None, None, None, None
         blind = False  # deleting with an invalid workerSelector: only its push record names its pods
         for body in pools:
@@ -207,8 +189,16 @@ class PoolController:
         last = self._results.get(key)
         workers_unknown = blind and len(record) == 0 and (last is None or last.plan.draining is None
                                                            or last.plan.workers_unknown)
-        released = released_pods(key[1], record.pod_ids(), pods, set(pod_names(own)), claims) if target else []
-        record.retain(own + released)  # pods gone (or re-created under their name) lose what was pushed to them
+        # Pods it pushed to that it may no longer reach (made by another Deployment than its workerDeployment
+        # names now, or by none where it named none before): emptied as pods it released, known by their (name,
+        # uid) in its record, so that only the pods that had the stager token are sent it again. Else they would
+        # keep what it pushed, and its adapters' finalizers would not wait for them.
+        pushed = record.pod_ids()
+        former = [p for p in former if pod_id(p) in pushed]
+        released = released_pods(key[1], pushed, pods + former, set(pod_names(own)), claims) if target else []
+        # Pods gone (or re-created under their name) lose what was pushed to them; an invalid pool, which releases
+        # none, keeps those it may no longer reach for when it is fixed.
+        record.retain(own + released + (former if target is None else []))
         refusals = self._refusals.setdefault(key, {})
         for worker, desired, outcome in self.flights.settle(key):  # answered after the pass that pushed had ended
             _note_answer(record, refusals, worker, desired, outcome)
@@ -227,9 +217,8 @@ class PoolController:
             mine = own_pods(key[1], invalid.worker_selector, pods, claims)[0]
             held = discover_workers(mine, invalid.worker_selector, default_port=invalid.stager_port, not_ready=None)
         elif unloading and pool is None and lost is not None:  # its selector is invalid too: the pods it pushed to
-            pushed = record.pod_ids()  # that no other pool selects
-            mine = [p for p in pods if ((m := p.get("metadata") or {}).get("name", ""), m.get("uid") or "")
-                    in pushed and first_claim(p, claims) is None]
+            # that no other pool selects
+            mine = [p for p in pods + former if pod_id(p) in pushed and first_claim(p, claims) is None]
             held = discover_workers(mine, {}, default_port=lost.stager_port, not_ready=None)
         asked = workers + emptied + held  # read at once, and the pods not ready with a shorter timeout: they are many
         reads = await asyncio.gather(self.client.fetch_states(asked), self.client.fetch_states(lagging, quick=True))
@@ -244,8 +233,8 @@ class PoolController:
         backoff, now = self._backoff[key], self.clock()
         answers = self._answers.setdefault(key, {})
         answers.update({(w.pod, w.uid): (now, r) for w, r in zip(reached, reports, strict=True) if r is not None})
-        for pod_id in set(answers) - {(w.pod, w.uid) for w in reached}:
-            del answers[pod_id]
+        for unreached in set(answers) - {(w.pod, w.uid) for w in reached}:
+            del answers[unreached]
         views = [WorkerReport(w.pod, r, record.last(w), may_retry=backoff.may_retry(w.url, now),
                               last_answer=self._recent(answers.get((w.pod, w.uid)), now) if r is None else None)
                  for w, r in zip(reached, reports, strict=True)]

@@ -8,7 +8,8 @@ computed from workers' reports.
 * indexes: worker pods and ReplicaSets by namespace, adapters and pools by (namespace, pool), adapters being
   deleted by namespace -- no extra API reads;
 * a pool's passes see only the pods it may send the stager token to (``WorkerTrust``: those its worker
-  Deployment made, where it names one);
+  Deployment made, where it names one), and the others apart: of those, the pods it pushed to before are
+  emptied (controller.py);
 * pool create/update/resume + a timer every ``interval`` s: directives pushed, drift caught;
 * adapter create/update/resume + a timer: status refreshed from reports (an unparsable spec too: its
   pass keeps the last valid spec in force and reports Failed naming the field);
@@ -35,14 +36,7 @@ from typing import Any
 
 import kopf
 
-from lorafleet.operator.controller import (
-    QUIET_GRACE_S,
-    PassInputs,
-    PoolController,
-    merge_conditions,
-    status_changes,
-    utc_now,
-)
+from lorafleet.operator.controller import QUIET_GRACE_S, PassInputs, PoolController
 from lorafleet.operator.crd_models import (
     ADAPTERS,
     GROUP,
@@ -63,7 +57,9 @@ from lorafleet.operator.ownership import invalid_pool_claim
 from lorafleet.operator.pool_conditions import PoolConditions
 from lorafleet.operator.prometheus import PrometheusClient
 from lorafleet.operator.prometheus_allowlist import PrometheusAllowlist
+from lorafleet.operator.push_record import pod_id
 from lorafleet.operator.scaler import SCALING, PoolScaler
+from lorafleet.operator.status_patches import merge_conditions, status_changes, utc_now
 from lorafleet.operator.statuses import invalid_pool_status, with_ready_note
 from lorafleet.operator.timer_tasks import TimerTasks
 from lorafleet.operator.worker_trust import WorkerTrust, slim_replicaset, trusted_pods
@@ -207,9 +203,13 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig,
             moved = [body for body in indexes["deleting_adapters"].get(namespace, [])
                      if (body.get("spec") or {}).get("pool", "") != pool]
             replicasets = list(indexes["worker_replicasets"].get(namespace, []))
-            return PassInputs(bodies, [*indexes["adapters_by_pool"].get(key, []), *moved],
-                              trust.admit(key, bodies, indexes["worker_pods"].get(namespace, []), replicasets),
-                              other_pools(namespace, pool, indexes), replicasets)
+            every = list(indexes["worker_pods"].get(namespace, []))
+            pods = trust.admit(key, bodies, every, replicasets)
+            # The others: those it pushed to under an earlier spec.workerDeployment (or none) are emptied.
+            reached = {pod_id(p) for p in pods}
+            return PassInputs(bodies, [*indexes["adapters_by_pool"].get(key, []), *moved], pods,
+                              other_pools(namespace, pool, indexes), replicasets,
+                              [p for p in every if pod_id(p) not in reached])
 
         return await controller.run_reading(key, read, max_age=max_age)
 

@@ -2,7 +2,7 @@
 
 A pool's status has two writers, the reconcile (Ready and the like) and the autoscaler (Scaling), and a
 merge patch replaces the `conditions` list whole: each writes the list with its own types replaced and the
-other's kept as its view of the status has them (controller.merge_conditions). That view is kopf's, updated
+other's kept as its view of the status has them (status_patches.merge_conditions). That view is kopf's, updated
 by watch events; a patch of one writer that lands before the other's last patch came back through the watch
 would write back the other's condition as it was before, until its next pass. Each writer's list is settled
 here instead: its own conditions, the other's as last written (this operator is their only writer)."""

@@ -23,6 +23,12 @@ from lorafleet.operator.workers import Worker
 from lorafleet.worker.directives import DesiredState
 
 
+def pod_id(pod: dict[str, Any]) -> tuple[str, str]:
+    """(name, uid) of a pod's (slim) body: what the record ties an entry to."""
+    meta = pod.get("metadata") or {}
+    return meta.get("name", ""), meta.get("uid") or ""
+
+
 def pushed_pod_ids(status: dict[str, Any] | None) -> list[tuple[str, str]]:
     """(name, uid) of each well-formed entry of a pool's ``status.pushedPods``, in order."""
     ids = []

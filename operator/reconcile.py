@@ -2,17 +2,8 @@
 
 No I/O and no clock: handlers gather the inputs, call ``reconcile_pool`` and act on the ``PoolPlan``.
 
-Admission (stated, tested):
-  * an adapter is served with its current spec when that spec parses and passes the checks the API
-    server cannot do (baseModel, canary, tenant quota); the accepted spec is remembered in
-    ``status.lastValidSpec``;
-  * a refused *edit* never takes down what is serving: while the current spec does not parse or fails a
-    per-adapter check or the tenant quota (phase Failed, the message names the field) the last valid
-    spec stays in force, unchanged on the workers, as long as it is for this pool and still passes.
-    Tenant quota counts the specs in force, a canary's bytes with its stable version's (the stable's size
-    until a worker reports the canary's). A spec over the byte quota only with its canary is served
-    without it. An unchanged spec that stops passing (the pool's baseModel or quota changed) is not served;
-  * one adapter's directive is built inside its own error boundary: a bad one fails alone.
+Admission (which spec of each adapter is in force, and why one is refused): admission.py. One adapter's
+directive is built inside its own error boundary: a bad one fails alone.
 
 Placement policy (stated, tested; placement.py):
   * every admitted adapter is *registered* on every ready worker, so any worker can serve it on demand (and
@@ -49,14 +40,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from lorafleet.operator.admission import admit, fallback
 from lorafleet.operator.crd_models import AdapterSpec, InvalidAdapter, PoolSpec, Source
 from lorafleet.operator.pinned_need import PinnedNeed, pool_pinned_need
 from lorafleet.operator.placement import Placement, canary_bytes, place_warm, warm_count
 from lorafleet.operator.reports import WorkerIndex, WorkerReport
-from lorafleet.operator.rollback import with_rollback
+from lorafleet.operator.rollback import canary_cuts
 from lorafleet.operator.statuses import adapter_status, pool_status, unserved_status
-from lorafleet.operator.tenant_quota import SizeWait, over_quota, refused_size, size_settled
-from lorafleet.operator.tenant_sources import foreign_regions, own_folders, source_problem
+from lorafleet.operator.tenant_quota import SizeWait, refused_size, size_settled
+from lorafleet.operator.tenant_sources import foreign_regions, own_folders
 from lorafleet.worker.directives import AdapterDirective, DesiredState, DirectiveError, VersionRef
 
 
@@ -102,14 +94,17 @@ def reconcile_pool(pool: PoolSpec | None, adapters: Sequence[AdapterSpec | Inval
     are drained the same way, pool or not: ``plan.releasing`` lists those still reporting an adapter, and
     they count in ``plan.unloading``, but never in a status.
 
-    ``held``: pods that cannot be pushed the pool's set, given while an adapter is being deleted: those an
-    invalid pool holds (``pool`` None, ``pool_error`` set), and a pool's running pods that are not ready (a
-    pod briefly not ready still serves what it holds). They are otherwise left as they are, but a deleted
-    adapter must not stay served because of a typo in the pool or a failing readiness probe: each that holds
-    one, or was last told one, is told what it last accepted less the adapters being deleted (and, the pool
-    valid, less those its checks now refuse with no earlier spec to keep: another tenant's folders, the
-    quota), and they count in ``plan.unloading``. One whose last push is not known (an operator restart) cannot be told without
-    guessing the rest of its set: ``plan.unreachable`` lists it until it is ready (its pool's spec fixed).
+    ``held``: pods that cannot be pushed the pool's set, given while an adapter is being deleted (those of an
+    invalid pool: always): those an invalid pool holds (``pool`` None, ``pool_error`` set), and a pool's running
+    pods that are not ready (a pod briefly not ready still serves what it holds). They are otherwise left as
+    they are, but a deleted adapter must not stay served because of a typo in the pool or a failing readiness
+    probe: each that holds one, or was last told one, is told what it last accepted less the adapters being
+    deleted (and, the pool valid, less those its checks now refuse with no earlier spec to keep: another
+    tenant's folders, the quota), and they count in ``plan.unloading``. Nor must a canary being rolled back
+    stay served at its weight: an invalid pool's pods are told what they last accepted with its adapters'
+    canary cuts (weight lowered, or canary removed: rollback.py), and nothing else of their specs. One whose
+    last push is not known (an operator restart) cannot be told without guessing the rest of its set:
+    ``plan.unreachable`` lists it until it is ready (its pool's spec fixed).
 
     ``starting``: a valid pool's running pods, not ready, whose sidecar says no push has reached its engine yet
     (``awaiting_push``: a new pod, its model loading; its readiness waits for that push). Each is told every
@@ -146,13 +141,15 @@ def reconcile_pool(pool: PoolSpec | None, adapters: Sequence[AdapterSpec | Inval
     # A valid pool's checks refused these, with no earlier spec to keep serving (another tenant's folders, the
     # quota): gone from its pods not ready too. An invalid pool refuses nothing of what its pods hold.
     gone = deleting | ({n for n in failures if n not in served} if pool is not None else set())
+    # An invalid pool's pods take its adapters' canary cuts (rollback.py), never anything that grows their set.
+    cuts = {x.name: x for x in adapters if not x.deleting} if pool is None else {}
     for w in kept:
-        if not gone & {*w.by_name, *w.pushed}:  # holds none of them: left as it is
-            continue
-        if w.w.last_pushed is not None:
-            last = w.w.last_pushed
-            _desire(plan, w, [d for d in last.adapters if d.name not in gone], generation_floor,
-                    PoolSettings(last.eviction, last.cpu_bytes))
+        last = w.w.last_pushed
+        told = None if last is None else canary_cuts([d for d in last.adapters if d.name not in gone], cuts)
+        if not gone & {*w.by_name, *w.pushed} and (told is None or told == last.adapters):
+            continue  # holds none of them, and no canary it serves is cut: left as it is
+        if told is not None:
+            _desire(plan, w, told, generation_floor, PoolSettings(last.eviction, last.cpu_bytes))
         elif deleting & set(w.by_name):  # (a refused one it holds stays until it is ready)
             plan.unreachable.append(w.pod)
     variants: dict[str, tuple[AdapterDirective, AdapterDirective]] = {}  # name -> (not warm, warm) here
@@ -161,7 +158,7 @@ def reconcile_pool(pool: PoolSpec | None, adapters: Sequence[AdapterSpec | Inval
             variants[name] = (_directive(pool, a, pod_warm=False), _directive(pool, a, pod_warm=True))
         except DirectiveError as exc:  # parsing checks the same fields: a second line, for this adapter only
             failures.setdefault(name, f"spec: no worker directive can be built from it ({exc})")
-            held = _fallback(pool, a)  # a refused edit never takes down what is serving
+            held = fallback(pool, a)  # a refused edit never takes down what is serving
             if held is not None:
                 try:
                     variants[name] = (_directive(pool, held, pod_warm=False), _directive(pool, held, pod_warm=True))
@@ -222,79 +219,14 @@ def reconcile_pool(pool: PoolSpec | None, adapters: Sequence[AdapterSpec | Inval
         wanted = x if isinstance(x, AdapterSpec) and x.canary is not None else a
         if wanted.canary is not None and (size := canary_bytes(wanted, live)):
             status["canaryBytes"] = {"version": wanted.canary.version, "bytes": size}
+        elif isinstance(x, AdapterSpec) and wanted.canary is None:  # promoted or removed: removed with it
+            status["canaryBytes"] = None
         plan.adapter_statuses[x.name] = refused_size(x, status, live) if failure is not None else status
     if pool is None:
         plan.draining = [w.pod for w in live if w.by_name] + [w.pod for w in workers if _may_hold(w)] + plan.releasing
     else:
         plan.pool_status = pool_status(pool, len(served), workers, now=now, shared_pods=shared_pods or {})
     return plan
-
-
-def admit(pool: PoolSpec | None, adapters: Sequence[AdapterSpec | InvalidAdapter], *,
-          pool_error: str | None = None, workers: Sequence[WorkerIndex] = ()
-          ) -> tuple[dict[str, AdapterSpec], dict[str, str]]:
-    """(name -> the spec in force, name -> why its current spec is refused, naming the field).
-
-    A name in both is served with its last valid spec while the current one is refused, or, when only its canary
-    is refused, with its stable version alone; a spec over the tenant's byte quota only with its canary is served
-    without the canary. ``workers``: their reports give the sizes the byte quota counts (placement.spec_bytes)."""
-    served: dict[str, AdapterSpec] = {}
-    failures: dict[str, str] = {}
-    for x in adapters:
-        problem = x.error if isinstance(x, InvalidAdapter) else check_adapter(pool, x, pool_error=pool_error)
-        if problem is None:
-            served[x.name] = x
-            continue
-        failures[x.name] = problem
-        held = _fallback(pool, x) or _without_canary(pool, x, pool_error)
-        if held is not None:
-            served[x.name] = held
-    # A spec over the quota steps down until it fits: an edit (moved to a full tenant, grown) to its last valid
-    # spec, like after any refused edit; a spec with a canary (its size known once a worker staged it) to its
-    # stable version alone; else it is not served. Each name steps down at most three times.
-    while refused := over_quota(pool, list(served.values()), workers):
-        for name, msg in refused.items():
-            failures.setdefault(name, msg)
-            a = served.pop(name)
-            lighter = _fallback(pool, a) or (dataclasses.replace(a, canary=None) if a.canary is not None else None)
-            if lighter is not None:
-                served[name] = lighter
-    return served, failures
-
-
-def _fallback(pool: PoolSpec | None, x: AdapterSpec | InvalidAdapter) -> AdapterSpec | None:
-    """The last valid spec of an adapter whose current spec is refused, when that is an edit (not the
-    spec already in force) and the held spec is for this pool and still passes the per-adapter checks."""
-    held = x.last_valid
-    changed = isinstance(x, InvalidAdapter) or (held is not None and held.raw_spec != x.raw_spec)
-    if held is not None and changed and pool is not None and held.pool == pool.name and check_adapter(pool, held) is None:
-        return with_rollback(held, x)  # a canary stopped in the edit stops (rollback.py)
-    return None
-
-
-def _without_canary(pool: PoolSpec | None, x: AdapterSpec | InvalidAdapter, pool_error: str | None) -> AdapterSpec | None:
-    """The stable version alone when only the canary is refused (its source outside the tenant's folders): the
-    stable version keeps serving, also for a new adapter or after a pool's tenantSources changed."""
-    bare = None if isinstance(x, InvalidAdapter) or x.canary is None else dataclasses.replace(x, canary=None)
-    return bare if bare is not None and check_adapter(pool, bare, pool_error=pool_error) is None else None
-
-
-def check_adapter(pool: PoolSpec | None, a: AdapterSpec, *, pool_error: str | None = None) -> str | None:
-    """The checks the API server cannot do (or an older CRD did not): a message naming the field, or None."""
-    if pool is None and pool_error:
-        return f"spec.pool: LoRAPool {a.pool!r} has an invalid spec ({pool_error})"
-    if pool is None:
-        return (f"spec.pool: LoRAPool {a.pool!r} does not exist in namespace {a.namespace!r} "
-                f"(deleted?); no worker serves this adapter until the pool exists again")
-    if a.base_model != pool.base_model:
-        return (f"spec.baseModel: {a.base_model!r} does not match LoRAPool {pool.name!r} "
-                f"spec.baseModel {pool.base_model!r}; an adapter only works on its own base")
-    if a.canary is not None and a.canary.source is None:
-        return "spec.canary.source: required when spec.canary is set (where the canary version lives)"
-    if a.canary is not None and a.canary.version == a.version:
-        return (f"spec.canary.version: equals spec.version {a.version!r}; to promote, set "
-                f"spec.version/source to the canary's and remove spec.canary")
-    return source_problem(pool, a)
 
 
 def _directive(pool: PoolSpec | None, a: AdapterSpec, *, pod_warm: bool) -> AdapterDirective:

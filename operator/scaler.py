@@ -4,9 +4,11 @@ Kopf-free glue between the pool's autoscale timer and ``autoscaler`` (the policy
 
 1. parses the pool (a bad spec: Scaling False ``InvalidSpec``, naming the field);
 2. stops where the operator may not ask the pool's Prometheus (``PrometheusURLNotAllowed``, naming the
-   setting: prometheus_allowlist.py): no request goes to it, no replicas change;
+   setting: prometheus_allowlist.py): no request goes to it, no replicas change; and where the target is not
+   its spec.workerDeployment (``TargetNotWorkers``);
 3. leaves a Deployment that another live pool, first by name, also targets to that pool
-   (``AmbiguousTarget``): two pools would undo each other's replicas every pass;
+   (``AmbiguousTarget``): two pools would undo each other's replicas every pass; one that stops at 1. or 2.
+   scales nothing, and leaves it to the next;
 4. reads the target Deployment's ``spec.replicas`` (``TargetNotFound`` / ``FailedGetScale``), and leaves it
    alone while a HorizontalPodAutoscaler (KEDA's too) scales it (``ConflictingAutoscaler``);
 5. a count outside [minReplicas, maxReplicas] is corrected at once, without metrics (as HPA does);
@@ -42,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lorafleet.operator.autoscaler import ScalingSpec, Stabilizer, bound_correction, pinned_floor, recommend
-from lorafleet.operator.controller import PoolKey, merge_conditions
+from lorafleet.operator.controller import PoolKey
 from lorafleet.operator.crd_models import PoolSpec, SpecError
 from lorafleet.operator.deletion_cost import cost_changes
 from lorafleet.operator.deployments import DeploymentClient, KubeError, TargetNotFound
@@ -50,6 +52,7 @@ from lorafleet.operator.ownership import pod_names, ready_worker_pods
 from lorafleet.operator.pinned_need import NO_PINNED, PinnedNeed
 from lorafleet.operator.prometheus import KV_USAGE, QUEUE_DEPTH, MetricsError, PoolSignals, PrometheusClient
 from lorafleet.operator.prometheus_allowlist import PrometheusAllowlist
+from lorafleet.operator.status_patches import merge_conditions
 from lorafleet.operator.statuses import condition
 from lorafleet.operator.worker_trust import made_elsewhere, replicaset_index
 from lorafleet.operator.workers import ready_condition
@@ -160,22 +163,17 @@ class PoolScaler:
             return scaling(False, "InvalidSpec", str(exc))
         spec, namespace, key = pool.scaling, pool.namespace, (pool.namespace, pool.name)
         assert spec is not None  # spec.scaling is set
-        refused = self.allowed.problem(spec.prometheus_url)
-        if refused is not None:
-            return scaling(False, "PrometheusURLNotAllowed", f"spec.scaling.prometheusURL: {refused}; replicas are "
-                                                             f"left as they are")
-        rival = _rival(pool.name, spec.target, other_pools)
+        refusal = self._refusal(body, spec)
+        if refusal is not None:
+            self.forget(key)
+            return scaling(False, *refusal)
+        rival = self._rival(pool.name, spec.target, other_pools)
         if rival is not None:
             self.forget(key)
             return scaling(False, "AmbiguousTarget", f"spec.scaling.target: Deployment {spec.target!r} is also the "
                                                      f"target of LoRAPool {rival!r}, which scales it (the first by "
                                                      f"name); give each pool its own Deployment")
         workers = (body.get("spec") or {}).get("workerDeployment")
-        if workers is not None and workers != spec.target:
-            self.forget(key)
-            return scaling(False, "TargetNotWorkers", f"spec.scaling.target: Deployment {spec.target!r} is not the "
-                                                      f"pool's spec.workerDeployment {workers!r}, the only one whose "
-                                                      f"pods it reaches; replicas are left as they are")
         memory = self._pool_memory(key, spec.target)
         try:
             current = await self.deployments.get_replicas(namespace, spec.target)
@@ -308,6 +306,34 @@ class PoolScaler:
         reason = "ScaledUp" if wanted > current else "ScaledDown"
         return {**result, "lastScaleTime": now}, (True, reason, f"{current} -> {wanted} replicas: {why}{note}{observed}")
 
+    def _refusal(self, body: dict[str, Any], spec: ScalingSpec) -> tuple[str, str] | None:
+        """Why a pool may not scale its target at all, as (reason, message): the operator may not ask its
+        Prometheus (prometheus_allowlist.py), or the target is not its spec.workerDeployment; None where it may."""
+        refused = self.allowed.problem(spec.prometheus_url)
+        if refused is not None:
+            return "PrometheusURLNotAllowed", f"spec.scaling.prometheusURL: {refused}; replicas are left as they are"
+        workers = (body.get("spec") or {}).get("workerDeployment")
+        if workers is not None and workers != spec.target:
+            return "TargetNotWorkers", (f"spec.scaling.target: Deployment {spec.target!r} is not the pool's "
+                                        f"spec.workerDeployment {workers!r}, the only one whose pods it reaches; "
+                                        f"replicas are left as they are")
+        return None
+
+    def _rival(self, name: str, target: str, other_pools: Iterable[dict[str, Any]]) -> str | None:
+        """The first by name of the live pools that sort before ``name`` and scale ``target`` too. A pool that
+        scales nothing is none: its spec does not parse, or its own pass stops at ``_refusal``; else the target
+        would be left as it is by both."""
+        rivals = []
+        for body in other_pools:
+            meta = body.get("metadata") or {}
+            if meta.get("name", "") >= name or meta.get("deletionTimestamp"):
+                continue
+            with contextlib.suppress(SpecError):
+                scaling = PoolSpec.parse(body).scaling
+                if scaling is not None and scaling.target == target and self._refusal(body, scaling) is None:
+                    rivals.append(meta.get("name", ""))
+        return min(rivals, default=None)
+
     @staticmethod
     def _below_pinned(spec: ScalingSpec, current: int, pinned: PinnedNeed | None, beside: int) -> bool:
         """Whether `current` replicas are fewer than the pool's pinned adapters need: raised to them even while
@@ -360,17 +386,3 @@ def _made_elsewhere(pods: list[dict[str, Any]], target: str, replicasets: Iterab
     made = replicaset_index(replicasets)
     return {name for pod, name in zip(pods, pod_names(pods), strict=True) if made_elsewhere(pod, target, made)}
 
-
-def _rival(name: str, target: str, other_pools: Iterable[dict[str, Any]]) -> str | None:
-    """The first by name of the live pools that sort before ``name`` and scale ``target`` too (a pool whose
-    spec does not parse scales nothing)."""
-    rivals = []
-    for body in other_pools:
-        meta = body.get("metadata") or {}
-        if meta.get("name", "") >= name or meta.get("deletionTimestamp"):
-            continue
-        with contextlib.suppress(SpecError):
-            scaling = PoolSpec.parse(body).scaling
-            if scaling is not None and scaling.target == target:
-                rivals.append(meta.get("name", ""))
-    return min(rivals, default=None)

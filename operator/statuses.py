@@ -344,13 +344,15 @@ def invalid_pool_status(status: dict[str, Any], generation: int, message: str, *
                         ) -> dict[str, Any]:
     """A pool spec the operator cannot parse: Ready False naming the field, for this generation. ``held``: the
     pods it still owns (nothing is pushed to them, and no other pool takes them over, until the spec is fixed);
-    ``shared_pods``: pods it selects that an earlier pool owns (pod -> owner), as a valid pool reports them."""
+    ``shared_pods``: pods it selects that an earlier pool owns (pod -> owner), as a valid pool reports them.
+    The counts a valid pool's pass writes (``pool_status``) are removed (None, in a merge patch): no pass counts
+    them while the spec is invalid, and the last valid one's would stand for ever."""
     if held:
         message += (f"; its spec.workerSelector still holds {', '.join(held)}: left as they are, and taken over "
                     f"by no other LoRAPool, until the spec is fixed")
     if shared_pods:
         message += _shared_text(shared_pods)
-    return {"observedGeneration": generation,
+    return {"observedGeneration": generation, "readyWorkers": None, "adapters": None, "kvUsage": None,
             "conditions": [condition(status, "Ready", False, "InvalidSpec", message, now)]}
 
 

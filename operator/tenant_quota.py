@@ -1,4 +1,4 @@
-"""A pool's tenant quota (spec.tenantQuota) over the adapter specs in force (reconcile.admit), and the sizes it
+"""A pool's tenant quota (spec.tenantQuota) over the adapter specs in force (admission.admit), and the sizes it
 counts that an adapter's status remembers."""
 
 from __future__ import annotations

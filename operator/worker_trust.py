@@ -4,9 +4,12 @@ Every request to a sidecar (state read, push) carries the stager token, the same
 selector is only labels: anyone who may create a pod in the namespace could give one the labels and collect
 the token. So a pool that names its worker Deployment (``spec.workerDeployment``) reaches only the pods whose
 controller is a ReplicaSet of that Deployment: the ReplicaSet as the operator's index has it, by name and uid,
-controlled by a Deployment of that name. The rest are left out of the pool's pass altogether (never read,
-pushed to or emptied), and logged once each. ``spec.scaling.target`` is not read here: a pool's workers may
-run in several Deployments with the same labels (one per GPU type), of which it scales one.
+controlled by a Deployment of that name. The rest are left out of the pool's pass (never read, or pushed its
+set), and logged once each; but those the pool pushed to before, under an earlier spec.workerDeployment (or
+none), had the token already: known by (name, uid) in its push record, they are emptied like any pod it
+released (controller.py), else they would keep serving what it pushed. ``spec.scaling.target`` is not read
+here: a pool's workers may run in several Deployments with the same labels (one per GPU type), of which it
+scales one.
 
 A pod's ownerReferences are written by whoever creates it, so this does not stop one who forges them; but
 the ReplicaSet controller counts such a pod among its replicas and deletes the surplus, an unscheduled new
@@ -157,7 +160,7 @@ class WorkerTrust:
             log.warning(
                 "LoRAPool %s/%s: pod %s matches spec.workerSelector, but its controller (%s) is no ReplicaSet of "
                 "Deployment %r (spec.workerDeployment): it is sent nothing, the stager "
-                "token included",
+                "token included (but for an empty adapter set, where the pool pushed to this pod before)",
                 *key,
                 pod,
                 skipped[pod],

@@ -18,11 +18,16 @@ from typing import Any, Literal
 
 import aiohttp
 
-from lorafleet.worker.directives import DesiredState, DirectiveError, ReportedState
+from lorafleet.worker.directives import MAX_STATE_BYTES, DesiredState, DirectiveError, ReportedState
 
 log = logging.getLogger(__name__)
 STAGER_PORT_NAME = "stager"
 QUICK_READ_S = 1.0  # a state read of a pod that is not ready (StagerClient.fetch_state)
+# The largest state report read from a sidecar: one entry per version a pod holds (a canary's too), each with its
+# error message, for the largest set a push may carry. Past it the pod counts as not answering: a body of any size
+# (from whatever answers at a pod's address) would otherwise be read whole into the operator's memory.
+MAX_REPORT_BYTES = 2 * MAX_STATE_BYTES
+MAX_REASON_BYTES = 64 << 10  # the largest refusal of a push read (its message is cut to 300 characters)
 
 
 @dataclass(slots=True, frozen=True)
@@ -103,6 +108,18 @@ def discover_workers(pods: Iterable[dict[str, Any]], selector: dict[str, Any], *
     return sorted(found, key=lambda w: w.pod)
 
 
+async def _read_at_most(resp: aiohttp.ClientResponse, limit: int) -> bytes | None:
+    """The response's body, or None once it runs past ``limit`` bytes (said in Content-Length, or as it comes)."""
+    if resp.content_length is not None and resp.content_length > limit:
+        return None
+    body = bytearray()
+    async for chunk in resp.content.iter_any():
+        body += chunk
+        if len(body) > limit:
+            return None
+    return bytes(body)
+
+
 def _error_message(text: str) -> str:
     """The message of an OpenAI-style error body (the sidecar's), else the text as it came."""
     try:
@@ -130,7 +147,9 @@ class Refused:
 class StagerClient:
     """Talks to sidecars. What each pod accepted is remembered per pool by the caller (push_record.py)."""
 
-    def __init__(self, *, token: str, timeout: float, push_timeout: float | None = None) -> None:
+    def __init__(self, *, token: str, timeout: float, push_timeout: float | None = None,
+                 max_report_bytes: int = MAX_REPORT_BYTES) -> None:
+        self.max_report_bytes = max_report_bytes
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._timeout = aiohttp.ClientTimeout(total=timeout)
         self._push_timeout = aiohttp.ClientTimeout(total=push_timeout or timeout)
@@ -157,14 +176,22 @@ class StagerClient:
     async def fetch_state(self, worker: Worker, *, quick: bool = False) -> ReportedState | None:
         """The pod's reported state, or None when its sidecar does not answer sensibly. ``quick``: a pod that is not
         ready (a new pod's sidecar answers at once; one on a node that is down must not hold up its pool's pass):
-        QUICK_READ_S at most, and no answer is no warning (a sidecar not listening yet)."""
+        QUICK_READ_S at most, and no answer is no warning (a sidecar not listening yet). A redirect is not
+        followed (the token would go with it to wherever it points), and a report over ``max_report_bytes`` is
+        not read past them: either is no answer."""
         say = log.debug if quick else log.warning
         try:
-            async with self._client().get(f"{worker.url}/v1/state", timeout=self._quick if quick else self._timeout) as resp:
+            async with self._client().get(f"{worker.url}/v1/state", timeout=self._quick if quick else self._timeout,
+                                          allow_redirects=False) as resp:
                 if resp.status != 200:
                     say("sidecar of %s: GET /v1/state -> %s", worker.pod, resp.status)
                     return None
-                return ReportedState.from_json(await resp.read())
+                body = await _read_at_most(resp, self.max_report_bytes)
+                if body is None:
+                    log.warning("sidecar of %s: GET /v1/state answered over %d bytes, the most the operator reads "
+                                "of a state report; taken as no answer", worker.pod, self.max_report_bytes)
+                    return None
+                return ReportedState.from_json(body)
         except (TimeoutError, aiohttp.ClientError, DirectiveError) as exc:
             say("sidecar of %s unreachable or malformed: %s", worker.pod, exc)
             return None
@@ -177,16 +204,18 @@ class StagerClient:
         staged, reported as ``staging`` until it is: the pool's lock is not held through another adapter's
         download; a sidecar's first push since it started is answered once staged only when its engine cannot
         tell what it holds); a Refused (falsy; a 409 for a stale generation, a bad token, a set over the sidecar's
-        limit): what the pod holds is not what was last pushed; None: no answer (it may have landed or not). The
-        caller takes neither as accepted."""
+        limit; a redirect, not followed): what the pod holds is not what was last pushed; None: no answer (it may
+        have landed or not). The caller takes neither as accepted."""
         try:
             async with self._client().put(f"{worker.url}/v1/directives", data=desired.to_json(),
                                           headers={"Content-Type": "application/json", "Prefer": "respond-async"},
-                                          timeout=self._push_timeout) as resp:
+                                          timeout=self._push_timeout, allow_redirects=False) as resp:
                 if resp.status in (200, 202):
                     return True
                 # Replaced, not refused: an undecodable body raising here would fail the whole pass, every pod's.
-                text = _error_message(await resp.text(errors="replace"))[:300]
+                raw = await _read_at_most(resp, MAX_REASON_BYTES)
+                text = (f"(an answer over {MAX_REASON_BYTES} bytes)" if raw is None
+                        else _error_message(raw.decode("utf-8", errors="replace"))[:300])
                 log.warning("sidecar of %s refused generation %d: %s %s", worker.pod, desired.generation,
                             resp.status, text)
                 return Refused(resp.status, text)

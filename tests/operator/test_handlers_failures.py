@@ -6,6 +6,8 @@ import asyncio
 import copy
 import logging
 
+import pytest
+
 from .test_handlers import (  # noqa: F401  (fixtures)
     ADAPTERS,
     NS,
@@ -256,3 +258,71 @@ async def test_a_pod_the_pool_stops_selecting_is_emptied(operator, sidecars):  #
                           "sql served by worker-1 alone")
     assert st["phase"] == "Ready" and [i["pod"] for i in st["instances"]] == ["worker-1"]
     assert holds(sidecars[1], "sql") == {"v1"} and sidecars[0].state().adapters == []
+
+
+@pytest.mark.parametrize("pool_invalid", [False, True])
+async def test_a_canary_rollback_reaches_the_workers_of_a_pool_whose_spec_is_invalid(
+        operator, sidecars, pool_invalid):  # noqa: F811
+    """A typo in the pool (spec.eviction) must not keep a canary being rolled back (weight 0) serving at 50 %:
+    the pool's pods, told nothing else while its spec is invalid, take the cut, as they would with the pool
+    valid."""
+    emulator = operator
+    await start_pool(emulator, sidecars)
+    canary = {"version": "v2", "source": {"uri": "s3://adapters/sql/v2/"}, "weight": 50}
+    await create(emulator, "loraadapters", adapter_body("sql", canary=canary))
+
+    def weights() -> set[int]:
+        return {d.canary_weight for s in sidecars if s.applied for d in s.applied.adapters if d.name == "sql"}
+
+    await eventually(lambda: all(s.applied for s in sidecars) and weights() == {50}, "canary at 50 % everywhere")
+    if pool_invalid:
+        await patch(emulator, "lorapools", "main", {"metadata": {"generation": 2}, "spec": {"eviction": "fifo"}})
+        await eventually(lambda: pool_ready(emulator, "main")["reason"] == "InvalidSpec", "the bad pool spec seen")
+
+    await patch(emulator, "loraadapters", "sql", {"metadata": {"generation": 2}, "spec": {"canary": {"weight": 0}}})
+    await eventually(lambda: weights() == {0}, "the rollback applied on every worker")
+    assert all(holds(s, "sql") == {"v1", "v2"} for s in sidecars)  # the versions as they were
+
+
+@pytest.mark.parametrize("edit", ["promoted", "removed"])
+async def test_status_canary_bytes_go_with_the_canary(operator, sidecars, edit):  # noqa: F811
+    """status.canaryBytes (the canary's size, remembered for the tenant quota) is removed once the spec has no
+    canary (promoted, or removed): it would otherwise stand for ever beside a spec without one."""
+    emulator = operator
+    await start_pool(emulator, sidecars)
+    canary = {"version": "v2", "source": {"uri": "s3://adapters/sql/v2/"}, "weight": 20}
+    await create(emulator, "loraadapters", adapter_body("sql", canary=canary))
+    await eventually(lambda: status(emulator, "sql").get("canaryBytes", {}).get("version") == "v2",
+                     "status.canaryBytes written")
+    change = ({"version": "v2", "source": {"uri": "s3://adapters/sql/v2/"}, "canary": None} if edit == "promoted"
+              else {"canary": None})
+    await patch(emulator, "loraadapters", "sql", {"metadata": {"generation": 2}, "spec": change})
+    stable = "v2" if edit == "promoted" else "v1"
+    st = await eventually(lambda: status(emulator, "sql")["observedGeneration"] == 2
+                          and status(emulator, "sql")["phase"] == "Ready"
+                          and status(emulator, "sql")["stableVersion"] == stable
+                          and status(emulator, "sql").get("canaryVersion") is None and status(emulator, "sql"),
+                          "the edit applied")
+    assert "canaryBytes" not in st, st
+
+
+async def test_an_invalid_pool_s_status_keeps_no_counts_of_its_last_valid_spec(operator, sidecars):  # noqa: F811
+    """readyWorkers, adapters and kvUsage are counted by a valid pool's passes: once its spec turns invalid they
+    are removed, not left as the last valid pass counted them for as long as the spec stays invalid; a fixed
+    spec counts them again."""
+    emulator = operator
+    await start_pool(emulator, sidecars)
+    await create(emulator, "loraadapters", adapter_body("sql"))
+    counted = ("readyWorkers", "adapters", "kvUsage")
+
+    def pool_status() -> dict:
+        return emulator.objects[POOLS, NS, "main"]["status"]
+
+    await eventually(lambda: pool_status()["readyWorkers"] == 2 and pool_status()["adapters"] == 1, "counted")
+    await patch(emulator, "lorapools", "main", {"metadata": {"generation": 2}, "spec": {"eviction": "fifo"}})
+    st = await eventually(lambda: pool_ready(emulator, "main")["reason"] == "InvalidSpec" and pool_status(),
+                          "the bad pool spec seen")
+    assert not set(counted) & st.keys(), st
+    await patch(emulator, "lorapools", "main", {"metadata": {"generation": 3}, "spec": {"eviction": "lru"}})
+    await eventually(lambda: pool_status()["observedGeneration"] == 3 and pool_status()["readyWorkers"] == 2
+                     and pool_status()["adapters"] == 1 and "kvUsage" in pool_status(), "counted again")

@@ -4,8 +4,8 @@ was last written, neither writes the other's condition back as it was before."""
 
 from __future__ import annotations
 
-from lorafleet.operator.controller import merge_conditions
 from lorafleet.operator.pool_conditions import PoolConditions
+from lorafleet.operator.status_patches import merge_conditions
 
 KEY = ("ns", "pool")
 

@@ -157,3 +157,18 @@ def test_a_smaller_version_after_a_quota_refusal_is_counted_at_its_own_size():
         assert _served(plan) == "v2", status["message"]
         report_sizes(ws, plan, {("a", "v2"): MB})
     assert status["bytes"] == MB and status["bytesVersion"] == "v2"
+
+
+def test_the_canary_s_size_leaves_the_status_with_the_canary():
+    """status.canaryBytes is removed (None, in a merge patch) once the spec has no canary (promoted, or removed);
+    an edit refused for a typo keeps it, as the canary may come back with the spec fixed."""
+    canary = {"version": "v2", "source": {"uri": "s3://adapters/a/v2/"}, "weight": 20}
+    ws = workers(2)
+    st = converge(pool(), [parse_adapter(body(canary=canary))], ws).adapter_statuses["a"]
+    assert st["canaryBytes"] == {"version": "v2", "bytes": MB}
+    typo = parse_adapter(body(status=copy.deepcopy(st), generation=4, canary=canary,
+                              source={"uri": "s3://adapters/a/v1/", "sha256": "ABC"}))
+    assert reconcile_pool(pool(), [typo], ws, now=NOW).adapter_statuses["a"]["canaryBytes"] == st["canaryBytes"]
+    for spec in ({"version": "v2"}, {}):  # promoted, removed
+        edited = parse_adapter(body(status=copy.deepcopy(st), generation=4, **spec))
+        assert reconcile_pool(pool(), [edited], ws, now=NOW).adapter_statuses["a"]["canaryBytes"] is None

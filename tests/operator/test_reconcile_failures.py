@@ -327,3 +327,38 @@ def test_a_canary_stopped_in_an_edit_that_parses_but_is_refused_stops():
     plan = reconcile_pool(pool(), [edited], ws, now=NOW)
     assert plan.adapter_statuses["a"]["message"].startswith("spec.baseModel:")
     assert {pod: d.by_name()["a"].canary_weight for pod, d in plan.desired.items()} == {"w0": 0, "w1": 0}
+
+
+@pytest.mark.parametrize(("edit", "served_canary"), [
+    ({"canary": {"version": "v2", "source": {"uri": "s3://adapters/a/v2/"}, "weight": 0}}, ("v2", 0)),
+    ({"canary": {"version": "v2", "source": {"uri": "s3://adapters/a/v2/"}, "weight": 5}}, ("v2", 5)),
+    ({"canary": None}, None),
+    ({"canary": {"version": "v2", "source": {"uri": "s3://adapters/a/v2/"}, "weight": 50}}, ("v2", 20)),  # a raise
+    ({"canary": {"version": "v3", "source": {"uri": "s3://adapters/a/v3/"}, "weight": 0}}, ("v2", 20)),
+    ({"version": "v2", "source": {"uri": "s3://adapters/a/v2/"}, "canary": None}, ("v2", 20)),  # a promotion
+    ({"warm": 1, "canary": {"version": "v2", "source": {"uri": "s3://adapters/a/v2/", "sha256": "ABC"},
+                            "weight": 0}}, ("v2", 0)),  # unparsable, and a cut
+])
+def test_the_pods_of_an_invalid_pool_take_a_canary_cut_and_nothing_else(edit, served_canary):
+    """A typo in the pool must not keep a canary being rolled back serving at its old weight: the pods it
+    holds are told what they last accepted with the canary cut as the adapter's spec asks (weight lowered,
+    or removed), under a new generation, and nothing else of the spec (a raise, another canary version, a
+    promotion, another warm count wait for the pool's spec to be fixed)."""
+    canary = {"version": "v2", "source": {"uri": "s3://adapters/a/v2/"}, "weight": 20}
+    ws = workers(2)
+    plan = converge(pool(), [parse_adapter(body(canary=canary))], ws)
+    last = {w.pod: w.last_pushed for w in ws}
+    edited = parse_adapter(body(status=copy.deepcopy(plan.adapter_statuses["a"]), generation=4,
+                                **{"canary": canary, **edit}))
+    assert isinstance(edited, InvalidAdapter) is ("warm" in edit)
+    plan = reconcile_pool(None, [edited], [], now=NOW, pool_error="spec.eviction: bad", held=ws)
+    if served_canary == ("v2", 20):
+        assert plan.pushes == {} and plan.desired == {}
+        return
+    assert set(plan.pushes) == {"w0", "w1"}
+    for pod, desired in plan.pushes.items():
+        [d], [before] = desired.adapters, last[pod].adapters
+        assert desired.generation > last[pod].generation
+        assert (None if d.canary is None else (d.canary.version, d.canary_weight)) == served_canary
+        assert (d.stable, d.warm, d.pinned) == (before.stable, before.warm, before.pinned)
+        assert (desired.eviction, desired.cpu_bytes) == (last[pod].eviction, last[pod].cpu_bytes)

@@ -7,12 +7,12 @@ import copy
 
 import pytest
 
-from lorafleet.operator.controller import merge_conditions
 from lorafleet.operator.deployments import KubeError, TargetNotFound
 from lorafleet.operator.pinned_need import NO_PINNED, PinnedNeed
 from lorafleet.operator.prometheus import MetricsError
 from lorafleet.operator.prometheus_allowlist import PrometheusAllowlist
 from lorafleet.operator.scaler import MAX_READY_WAIT, PoolScaler
+from lorafleet.operator.status_patches import merge_conditions
 
 NOW = "2026-01-01T00:00:00Z"
 PROM = "http://prometheus:9090"
@@ -438,28 +438,6 @@ async def test_the_scaling_condition_goes_into_the_status_as_it_is_after_the_pas
     assert scaling_condition(wanted)["reason"] == "Steady"
 
 
-async def test_a_deployment_two_pools_scale_is_scaled_by_the_first_by_name(setup):
-    """Two pools with one target would undo each other's replicas every pass (e.g. different bounds)."""
-    scaler, metrics, deployments, _ = setup
-    deployments.replicas = 9
-    body, other = pool(), pool(maxReplicas=9)
-    other["metadata"]["name"] = "a-first"
-    wanted = await scaler.run(copy.deepcopy(body), pods=[pod("w-0")], other_pools=[other], now=NOW)
-    cond = scaling_condition(wanted)
-    assert (cond["status"], cond["reason"]) == ("False", "AmbiguousTarget")
-    assert cond["message"] == ("spec.scaling.target: Deployment 'workers' is also the target of LoRAPool 'a-first', "
-                               "which scales it (the first by name); give each pool its own Deployment")
-    assert deployments.patches == [] and metrics.asked == []
-    # Another target, a deleting pool, a pool after this one by name, or one that scales nothing (its spec
-    # does not parse): no conflict.
-    for rival in [{**other, "spec": {**other["spec"], "scaling": {**other["spec"]["scaling"], "target": "others"}}},
-                  {**other, "metadata": {**other["metadata"], "deletionTimestamp": NOW}},
-                  {**other, "metadata": {**other["metadata"], "name": "z-last"}},
-                  {**other, "spec": {**other["spec"], "scaling": {**other["spec"]["scaling"], "kvLow": 0.9}}}]:
-        wanted = await scaler.run(copy.deepcopy(body), pods=[pod("w-0")], other_pools=[rival], now=NOW)
-        assert scaling_condition(wanted)["reason"] != "AmbiguousTarget"
-
-
 async def test_memory_of_pools_that_are_gone_is_dropped(setup):
     """Pools deleted while this replica stood by (or whose pass ended after the finalizer) leave nothing."""
     scaler, metrics, _, _ = setup
@@ -550,23 +528,6 @@ async def test_an_idle_pool_keeps_the_workers_its_pinned_adapters_need(setup):
     assert deployments.patches == [3, 2, 1, 6] and cond["reason"] == "Steady"
     assert "held at maxReplicas 6: 9 pinned adapters need more than 6 workers, more than maxReplicas allows" \
         in cond["message"], cond["message"]
-
-
-async def test_a_pool_scales_only_the_deployment_of_its_workers(setup):
-    """spec.scaling.target may name any Deployment of the namespace: a pool that names its workers' Deployment
-    (spec.workerDeployment, the only one whose pods it reaches) scales that one only, so that whoever may edit
-    a pool cannot use the operator's scale permission on the namespace's other Deployments."""
-    scaler, metrics, deployments, _ = setup
-    deployments.replicas = 9  # out of bounds: corrected at once, without metrics, were it the target
-    body = pool()
-    body["spec"]["workerDeployment"] = "lorafleet-worker"
-    st = await tick(scaler, body, [pod("w-0")])
-    cond = scaling_condition(st)
-    assert (cond["status"], cond["reason"]) == ("False", "TargetNotWorkers") and deployments.patches == []
-    assert "'workers' is not the pool's spec.workerDeployment 'lorafleet-worker'" in cond["message"]
-    body["spec"]["workerDeployment"] = "workers"
-    st = await tick(scaler, body, [pod("w-0")])
-    assert deployments.patches == [6]
 
 
 async def test_a_deployment_another_autoscaler_scales_is_left_to_it(setup):

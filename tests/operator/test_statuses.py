@@ -1,9 +1,10 @@
-"""Pool statuses: an invalid spec's condition is stable between ticks; with spec.scaling the reconcile
-leaves the autoscaler's fields alone."""
+"""Pool statuses: an invalid spec's condition is stable between ticks, and its status keeps no count of the
+last valid pass; with spec.scaling the reconcile leaves the autoscaler's fields alone."""
 
 from __future__ import annotations
 
 from lorafleet.operator.reconcile import reconcile_pool
+from lorafleet.operator.status_patches import status_changes
 from lorafleet.operator.statuses import invalid_pool_status
 
 from .test_reconcile import NOW, adapter, pool, workers
@@ -39,3 +40,14 @@ def test_with_spec_scaling_the_reconcile_leaves_kv_usage_and_the_scaling_conditi
     plan = reconcile_pool(pool(), [adapter("a")], workers(1), now=NOW)
     assert [c["type"] for c in plan.pool_status["conditions"]] == ["Ready"]
     assert plan.pool_status["kvUsage"] == 0.0
+
+
+def test_an_invalid_pool_status_removes_the_counts_of_the_last_valid_pass():
+    """readyWorkers, adapters and kvUsage are a valid pool's pass's: the status of an invalid spec removes them
+    (None, in a merge patch) rather than leave the last valid pass's standing, and writes nothing more after."""
+    valid = reconcile_pool(pool(), [adapter("a")], workers(1), now=NOW).pool_status
+    changes = status_changes(valid, invalid_pool_status(valid, 2, "spec.eviction: bad", now=LATER))
+    assert {k: changes[k] for k in ("readyWorkers", "adapters", "kvUsage")} == \
+        {"readyWorkers": None, "adapters": None, "kvUsage": None}
+    written = {k: v for k, v in {**valid, **changes}.items() if v is not None}
+    assert status_changes(written, invalid_pool_status(written, 2, "spec.eviction: bad", now=LATER)) == {}

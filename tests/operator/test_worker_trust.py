@@ -9,11 +9,14 @@ import logging
 
 import pytest
 
+from lorafleet.operator.controller import PoolController
 from lorafleet.operator.crd_models import PoolSpec
 from lorafleet.operator.ownership import invalid_pool_claim, own_pods, pool_claims, ready_worker_pods
 from lorafleet.operator.worker_trust import WorkerTrust, slim_replicaset, trusted_pods, worker_deployment
+from lorafleet.operator.workers import StagerClient
 
 from .fake_stager import FakeStager
+from .test_controller import with_uid
 from .test_deployments import controlled_by, create_replicaset
 from .test_handlers import (  # noqa: F401  (fixtures)
     NS,
@@ -23,7 +26,11 @@ from .test_handlers import (  # noqa: F401  (fixtures)
     adapter_body,
     cluster,
     create,
+    delete,
     eventually,
+    gone,
+    holds,
+    patch,
     pod_body,
     running_operator,
     status,
@@ -160,7 +167,8 @@ def test_each_pod_left_out_is_logged_once(caplog):
     assert messages == [
         "LoRAPool ns/p: pod rogue matches spec.workerSelector, but its controller (none) is no "
         "ReplicaSet of Deployment 'workers' (spec.workerDeployment): it is "
-        "sent nothing, the stager token included"
+        "sent nothing, the stager token included (but for an empty adapter set, where the pool pushed to this pod "
+        "before)"
     ]
     # Another pod under that name (a new uid) is told of again; so is one after its pool's memory went.
     renewed = copy.deepcopy(pods)
@@ -246,6 +254,68 @@ async def test_a_pod_an_earlier_pool_may_not_reach_is_served_by_its_own(cluster)
         await create(emulator, "lorapools", body)
         await create(emulator, "loraadapters", adapter_body("sql"))
         await _sql_served_by_worker_0(emulator)
+
+
+async def test_a_pass_empties_the_pods_it_pushed_to_among_those_it_may_no_longer_reach():
+    """Of the pods a pool may no longer reach (``former``: its spec.workerDeployment changed), those its push
+    record names by (name, uid) are emptied as pods it released, and an adapter's finalizer counts them while
+    they hold it; a pod it never pushed to, or one re-created under such a name (another uid), is never read."""
+    async with FakeStager(TOKEN) as old, FakeStager(TOKEN) as new, FakeStager(TOKEN) as stranger:
+        controller = PoolController(StagerClient(token=TOKEN, timeout=5.0))
+        key, sql = (NS, "main"), adapter_body("sql")
+        w0, w1 = with_uid(pod_body("worker-0", old.port), "u0"), with_uid(pod_body("worker-1", new.port), "u1")
+        dying = {**sql, "metadata": {**sql["metadata"], "deletionTimestamp": "2026-01-01T00:00:00Z"}}
+        others = [with_uid(pod_body("worker-2", stranger.port), "u2")]
+        try:
+            await controller.run(key, pools=[POOL], adapters=[sql], pods=[w0, w1])
+            assert holds(old, "sql") == holds(new, "sql") == {"v1"}
+            plan = await controller.run(key, pools=[POOL], adapters=[dying], pods=[w1], former=[w0, *others])
+            assert sorted(plan.unloading["sql"]) == ["worker-0", "worker-1"]
+            assert holds(old, "sql") == holds(new, "sql") == set()
+            plan = await controller.run(key, pools=[POOL], adapters=[dying], pods=[w1], former=[w0, *others])
+            assert plan.unloading["sql"] == [] and plan.pool_status["pushedPods"] == [{"name": "worker-1",
+                                                                                      "uid": "u1"}]
+            reads = old.reads
+            await controller.run(key, pools=[POOL], adapters=[sql], pods=[w1], former=[with_uid(w0, "u0b"), *others])
+            assert old.reads == reads and stranger.reads == 0 and stranger.tokens == []
+        finally:
+            await controller.client.close()
+
+
+@pytest.mark.parametrize("before", ["workers-a", None])
+async def test_pods_the_pool_pushed_to_under_its_earlier_worker_deployment_are_emptied(cluster, before):  # noqa: F811
+    """The pool's spec.workerDeployment moves from workers-a to workers-b (or is set where none was): worker-0,
+    of workers-a, pushed sql before, is no longer the pool's, yet holds it. It is emptied as a pod the pool
+    released (it had the token already), so deleting sql waits for it and status.pushedPods names it meanwhile;
+    a pod of workers-a the pool never pushed to is still sent nothing."""
+    emulator, url = cluster
+    body = copy.deepcopy(POOL)
+    if before is not None:
+        body["spec"]["workerDeployment"] = before
+    async with (FakeStager(TOKEN) as old, FakeStager(TOKEN) as new, FakeStager(TOKEN) as later,
+                running_operator(url)):
+        old_rs = await create_replicaset(emulator, "workers-a", "workers-a-1")
+        new_rs = await create_replicaset(emulator, "workers-b", "workers-b-1")
+        await create(emulator, "pods", controlled_by(pod_body("worker-0", old.port), old_rs))
+        await create(emulator, "pods", controlled_by(pod_body("worker-1", new.port), new_rs))
+        await create(emulator, "lorapools", body)
+        await create(emulator, "loraadapters", adapter_body("sql"))
+        await eventually(lambda: holds(old, "sql") == {"v1"}, "worker-0 (workers-a) serves sql")
+        assert (new.pushes == []) is (before is not None)
+
+        await patch(emulator, "lorapools", "main", {"metadata": {"generation": 2},
+                                                    "spec": {"workerDeployment": "workers-b"}})
+        await eventually(lambda: holds(new, "sql") == {"v1"} and holds(old, "sql") == set(),
+                         "worker-1 (workers-b) serves sql, worker-0 emptied")
+        await create(emulator, "pods", controlled_by(pod_body("worker-2", later.port), old_rs))
+        reads = new.reads
+        await eventually(lambda: new.reads >= reads + 3, "a few passes of the pool with worker-2")
+        await delete(emulator, "loraadapters", "sql")
+        await eventually(lambda: gone(emulator, "sql"), "sql deleted")
+        await eventually(lambda: [p["name"] for p in emulator.objects[POOLS, NS, "main"]["status"]["pushedPods"]]
+                         == ["worker-1"], "worker-0 forgotten once empty")
+    assert holds(old, "sql") == set() and old.applied.adapters == []
+    assert later.reads == 0 and later.pushes == [] and later.tokens == []
 
 
 async def _sql_served_by_worker_0(emulator) -> None:

@@ -9,6 +9,7 @@ from aiohttp import web
 
 from lorafleet.operator.ownership import invalid_pool_claim, own_pods, pool_claims
 from lorafleet.operator.workers import (
+    MAX_REASON_BYTES,
     Refused,
     StagerClient,
     Worker,
@@ -16,7 +17,7 @@ from lorafleet.operator.workers import (
     pod_is_ready,
     selector_matches,
 )
-from lorafleet.worker.directives import AdapterDirective, DesiredState, VersionRef
+from lorafleet.worker.directives import AdapterDirective, DesiredState, ReportedState, VersionRef
 
 from .fake_stager import FakeStager
 from .local_http import serving
@@ -166,6 +167,74 @@ async def test_a_push_asks_to_be_answered_before_downloads_and_takes_202_as_acce
 
     assert await _push_to(accept) is True
     assert seen == ["respond-async"]
+
+
+async def test_a_sidecar_that_redirects_gets_no_token_elsewhere_and_counts_as_not_answering():
+    """Whatever answers at a pod's address redirecting the state read or the push (to another server, or
+    its own path): the redirect is not followed, so the token goes nowhere else, and the pod has not answered
+    (the read) or refused (the push)."""
+    seen: list[tuple[str, str]] = []
+
+    async def elsewhere(request: web.Request) -> web.Response:
+        seen.append((request.path, request.headers.get("Authorization", "")))
+        return web.Response(text=ReportedState(generation_applied=3).to_json())
+
+    async def redirect(request: web.Request) -> web.Response:
+        raise web.HTTPTemporaryRedirect(f"/elsewhere{request.path}")
+
+    app = web.Application()
+    app.router.add_get("/v1/state", redirect)
+    app.router.add_put("/v1/directives", redirect)
+    app.router.add_route("*", "/elsewhere/{rest:.*}", elsewhere)
+    client = StagerClient(token="t" * 16, timeout=2.0)
+    try:
+        async with serving(app) as url:
+            state = await client.fetch_state(Worker("w0", url))
+            pushed = await client.push(Worker("w0", url), DesiredState(1, []))
+    finally:
+        await client.close()
+    assert state is None and isinstance(pushed, Refused) and pushed.status == 307
+    assert seen == []
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+async def test_a_state_report_over_the_limit_is_not_read_whole(chunked, caplog):
+    """A report larger than the client reads (said in Content-Length, or streamed without one) counts as no
+    answer, with a warning naming the limit; one within it is read."""
+    big = ReportedState(generation_applied=5, error="x" * 4096).to_json().encode()
+
+    async def state(request: web.Request) -> web.StreamResponse:
+        if not chunked:
+            return web.Response(body=big, content_type="application/json")
+        resp = web.StreamResponse()
+        resp.enable_chunked_encoding()
+        await resp.prepare(request)
+        for i in range(0, len(big), 1024):
+            await resp.write(big[i:i + 1024])
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/v1/state", state)
+    small, roomy = StagerClient(token="t", timeout=2.0, max_report_bytes=2048), StagerClient(token="t", timeout=2.0)
+    try:
+        async with serving(app) as url:
+            assert await small.fetch_state(Worker("w0", url)) is None
+            assert (await roomy.fetch_state(Worker("w0", url))).generation_applied == 5
+    finally:
+        await small.close()
+        await roomy.close()
+    assert "answered over 2048 bytes, the most the operator reads" in caplog.text
+
+
+async def test_a_refusal_over_the_limit_is_a_refusal_not_read_whole():
+    """A push refused with a body of megabytes: refused, its reason saying so, the body not read into memory."""
+    async def refuse(_: web.Request) -> web.Response:
+        return web.Response(status=413, body=b"x" * (MAX_REASON_BYTES + 1), content_type="text/plain")
+
+    refused = await _push_to(refuse)
+    assert isinstance(refused, Refused) and refused.status == 413
+    assert refused.reason == f"(an answer over {MAX_REASON_BYTES} bytes)"
 
 
 async def _push_to(handler) -> bool | None:

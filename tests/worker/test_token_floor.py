@@ -7,9 +7,8 @@ import importlib.util
 import random
 
 import pytest
-from tokenizers import Regex
+from tokenizers import Regex, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import models, normalizers, pre_tokenizers
 
 from lorafleet.worker.token_floor import at_least, longest_piece
 from lorafleet.worker.tokenizer import PromptTooLong, Tokenizer
