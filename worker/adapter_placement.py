@@ -137,15 +137,19 @@ class AdapterPlacement:
 
     def residency(self, key: str) -> str:
         """For the scheduler: "gpu" (pages taken: resident or being copied), "room" (in CPU memory, waiting
-        only for GPU pages or a slot), "quota" (in CPU memory, its owner's adapters on the GPU fill the owner's
-        quota: only they leaving make room, no other tenant's) or "load" (being read, or gone)."""
+        only for GPU pages or a slot), "quota" (in CPU memory, its owner's adapters on the GPU that cannot leave
+        now, in use or pinned, fill the owner's quota: only they leaving make room, no other tenant's) or "load"
+        (being read, or gone)."""
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None and entry.on_gpu:
                 return "gpu"
             if entry is None or entry.image is None or entry.fetching is not None:
                 return "load"
-            return "quota" if self._exceeds_quota(entry, self._owned(entry.tenant)) else "room"
+            # Only the owner's adapters that cannot leave count: its idle ones give way to this one first (placement),
+            # so an adapter that waits behind them waits for room, which never_fits may find it will never get.
+            held = [e for e in self._owned(entry.tenant) if not self._idle(e)]
+            return "quota" if self._exceeds_quota(entry, held) else "room"
 
     def _owned(self, tenant: str) -> list[AdapterEntry]:
         """The adapters `tenant` holds on the GPU (slots): what its quota counts."""
@@ -264,8 +268,10 @@ class AdapterPlacement:
 
     def _idle_resident(self) -> list[AdapterEntry]:
         """Resident adapters no request uses, holds or waits for, not pinned, not being replaced."""
-        return [e for e in self._slot_owner.values()
-                if e.resident and e.refcount == 0 and not e.pinned and not e.waiters and self._pending.get(e.name) != e.key]
+        return [e for e in self._slot_owner.values() if self._idle(e)]
+
+    def _idle(self, e: AdapterEntry) -> bool:
+        return e.resident and e.refcount == 0 and not e.pinned and not e.waiters and self._pending.get(e.name) != e.key
 
     def _drop(self, entry: AdapterEntry, *, reason: str) -> None:
         if self._entries.get(entry.key) is not entry:

@@ -85,6 +85,7 @@ class Scheduler(StepTokens):
         # Steps and seconds a request short of pages, nothing running, may wait (a step can be shorter than the
         # copy it waits for); seq_id -> (steps, since when), cleared by any admission.
         self.max_stuck_steps, self.min_stuck_s, self._stuck_steps, self.num_preemptions = 100, 1.0, {}, 0
+        self._stuck_seen: set[int] = set()  # sequences _gave_up looked at in this step's admission
         self.failed: list[Sequence] = []  # ended by the scheduler (a failure, or max_tokens lowered to fit); engine reports them
 
     def add(self, seq: Sequence) -> None:
@@ -165,6 +166,8 @@ class Scheduler(StepTokens):
         heap = [self.waiting.rank(t) for t in self.waiting.tenants()]
         heapq.heapify(heap)
         passed: set[tuple[str, str | None]] = set()  # (tenant, adapter) queues passed over this step
+        looked: set[int] = set()  # sequences dequeued this step; self._stuck_seen: those of them that were stuck
+        self._stuck_seen = set()
         skipped: list[Sequence] = []  # passed over for their adapter (count towards max_adapter_wait_steps)
         stuck: Sequence | None = None  # cannot get room (KV pages, or its adapter's) while nothing runs
         starved: Sequence | None = None  # next in line for a GPU slot (see _starved_for_room)
@@ -190,6 +193,7 @@ class Scheduler(StepTokens):
             seq = self._next_head(tenant, passed, busy if starved is not None else None, held)
             if seq is None:
                 continue  # nothing more of this tenant can go this step
+            looked.add(seq.seq_id)
             if (self._stuck_steps and not self.running and seq.seq_id not in self._stuck_steps
                     and seq.adapter is not None and seq.adapter_slot is None
                     and not pinned_on_gpu(seq.adapter, self.adapter_state, self.adapter_pool)
@@ -267,6 +271,10 @@ class Scheduler(StepTokens):
             self._requeue(heap, tenant)
         for seq in skipped:
             self._skipped_steps[seq.seq_id] = self._skipped_steps.get(seq.seq_id, 0) + 1
+        # One stuck before and looked at now without giving up room (its adapter waits for its owner's quota now,
+        # or room came): no longer passes every other request over, which could be the one that frees its way.
+        for seq_id in looked - self._stuck_seen:
+            self._stuck_steps.pop(seq_id, None)
         if stuck is not None:
             self._let_go_of_adapters(but=stuck)
         return 0 if starved is not None else budget  # no top-up while one waits for room: pages go to it
@@ -346,6 +354,7 @@ class Scheduler(StepTokens):
         max_stuck_steps steps and min_stuck_s seconds, then fail it: True if it failed."""
         steps, since = self._stuck_steps.get(seq.seq_id, (0, time.monotonic()))
         self._stuck_steps[seq.seq_id] = (steps := steps + 1, since)
+        self._stuck_seen.add(seq.seq_id)
         never = self.never_fits(seq) if self.never_fits is not None else None
         # Lowered to fit and reached; or never fitting (pins since it began), its min_tokens written: ends by length
         if len(seq.output_token_ids) >= (max(1, seq.params.min_tokens) if never is not None else seq.params.max_tokens):

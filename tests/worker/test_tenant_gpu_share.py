@@ -3,11 +3,15 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 
 from lorafleet.worker.engine import Engine
 from lorafleet.worker.engine_config import EngineConfig
 from lorafleet.worker.sampling_params import SamplingParams
+from tests.lora_factory import random_weights
 
 
 def test_a_tenant_holds_at_most_its_share_of_slots_and_its_requests_still_finish(tiny_llama_dir, qv_adapters_dir):
@@ -129,4 +133,94 @@ def test_a_stream_on_a_busy_adapter_does_not_starve_a_request_waiting_for_its_ow
                 break
         assert done.get("b", 300) < 30, f"b waited {len(done)} alpha requests out"
     finally:
+        engine.close()
+
+
+PROJS = ("q_proj", "v_proj")  # rank 32 on q/v of the tiny Llama: 28 pages of 512 elements; rank 2: 2 pages
+
+
+def _small_pool_engine(model_dir) -> Engine:
+    return Engine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32", num_pages=48, block_size=4,
+                               max_loras=4, max_loras_per_tenant=1, max_adapter_wait_steps=2))
+
+
+def _run(engine: Engine, steps: int = 400, seconds: float = 3.0):
+    """Step until nothing is left, for at least `steps` steps and `seconds` (past the scheduler's own give-up
+    bounds: max_stuck_steps 100, min_stuck_s 1 s)."""
+    outs, deadline, n = {}, time.monotonic() + seconds, 0
+    while engine.has_unfinished() and (n < steps or time.monotonic() < deadline):
+        outs.update((o.request_id, o) for o in engine.step() if o.finished)
+        engine.adapter_pool.wait_idle()
+        n += 1
+    return outs
+
+
+@pytest.mark.parametrize("owner_has_idle_adapter", [False, True])
+def test_a_request_that_a_later_pin_makes_unfittable_fails_also_when_its_owner_has_an_idle_adapter(
+        tiny_llama_dir, owner_has_idle_adapter):
+    """`big` (tenant T) is requested; before the scheduler reaches it, a push pins `other` (tenant U), after
+    which `big` can never fit beside it (28 + 28 pages of 48). The request ends (never_fits), also when T has a
+    small idle adapter on the GPU, which would give way to it first: that one made `big` wait for T's quota
+    ("quota"), not for room, so the scheduler never asked never_fits, and the request waited for ever."""
+    engine = _small_pool_engine(tiny_llama_dir)
+    try:
+        pool = engine.adapter_pool
+        pool.add("big@1", random_weights(1, rank=32, projs=PROJS, name="big"), tenant="T")
+        pool.add("small@1", random_weights(2, rank=2, projs=PROJS, name="small"), tenant="T")
+        pool.add("other@1", random_weights(3, rank=32, projs=PROJS, name="other"), tenant="U")
+        if owner_has_idle_adapter:
+            pool.load("small@1")  # resident, idle: no request holds or waits for it
+        engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True),
+                           adapter="big", tenant="T")
+        pool.pin("other@1")  # a push pins another tenant's adapter: big@1 can never fit beside it now
+        pool.wait_idle()
+        assert pool.entry("other@1").resident
+        outs = _run(engine)
+        assert "r" in outs, (f"request still waiting after 400 steps / 3 s; big@1 residency="
+                             f"{pool.residency('big@1')!r}, small@1 tier={pool.entry('small@1').tier()}")
+        assert outs["r"].finish_reason == "error"
+    finally:
+        engine.close()
+
+
+def test_a_stuck_request_whose_adapter_then_waits_for_its_owners_quota_does_not_freeze_every_adapter_request(
+        tiny_llama_dir):
+    """One slot (--max-loras 1), one adapter per owner. `h` (owner V) is being copied to the GPU (a slow
+    host-to-device copy: the copy thread held). Tenant A asks for `q`, tenant B for `p` (both owned by T; a
+    push prefetched `p` first): both wait for the slot. With nothing running, A's request is the stuck one, and
+    every other request whose adapter it has not taken yet is passed over while it is (B's too). The copy lands
+    and `p` is placed for B's request, so `q` waits for T's quota, no longer for room. A's request stayed the
+    stuck one although it no longer gave up room: B's request, the one that would free T's quota, was passed
+    over for ever, and both waited for ever. Both finish."""
+    engine = Engine(EngineConfig(model=str(tiny_llama_dir), device="cpu", dtype="float32", num_pages=48,
+                                 block_size=4, max_loras=1, max_loras_per_tenant=1, max_adapter_wait_steps=1))
+    gate = threading.Event()
+    try:
+        pool = engine.adapter_pool
+        for seed, (name, owner) in enumerate([("h", "V"), ("p", "T"), ("q", "T")]):
+            pool.add(f"{name}@1", random_weights(seed, rank=2, projs=PROJS, name=name), tenant=owner)
+        pool._copy_executor.submit(gate.wait, 30)  # the host-to-device copy thread is busy for now
+        pool.prefetch("h@1")  # h takes the only slot; its copy is queued behind
+        pool.prefetch("p@1")  # a push prefetches p (warm): wanted, waiting for the slot
+        assert pool.entry("h@1").on_gpu and not pool.entry("h@1").resident
+        params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+        engine.add_request("x", [1, 2, 3], params, adapter="q", tenant="A")
+        engine.add_request("y", [4, 5, 6], params, adapter="p", tenant="B")
+        engine.step()  # both acquire: q and p wait for the slot
+        engine.step()  # x has waited max_adapter_wait_steps with nothing running: the stuck one
+        assert engine.scheduler._stuck_steps, "x did not become the stuck request"
+        gate.set()  # the copy lands: room comes back
+        pool.wait_idle()
+        outs, deadline = {}, time.monotonic() + 3.0  # past the scheduler's min_stuck_s (1 s) and 100 steps
+        steps = 0
+        while engine.has_unfinished() and (time.monotonic() < deadline or steps < 300):
+            outs.update((o.request_id, o) for o in engine.step() if o.finished)
+            pool.wait_idle()
+            steps += 1
+        states = {k: pool.residency(k) for k in ("p@1", "q@1")}
+        assert set(outs) == {"x", "y"}, (
+            f"after {steps} steps: finished {sorted(outs)}; stuck={engine.scheduler._stuck_steps}; "
+            f"residency={states}; p@1 waiters={pool.entry('p@1').waiters}")
+    finally:
+        gate.set()
         engine.close()
