@@ -40,6 +40,20 @@ def test_llama3_8b_fits_an_h100_and_70b_is_refused_naming_why():
         check_fits_one_device(ModelConfig(**LLAMA3_8B), torch.float32, 24 * GIB, "cuda:0")
 
 
+def test_loading_onto_a_gpu_too_small_is_refused_before_anything_is_allocated(tiny_llama_dir, monkeypatch):
+    """load_model asks the device's free memory before it builds the model: on a machine without a GPU, a device
+    that says it has a byte too little is refused with the reason, and nothing touches CUDA after that."""
+    from lorafleet.worker.model_loader import load_model
+
+    config = ModelConfig.from_dir(tiny_llama_dir)
+    need = weight_bytes(config, torch.float32)
+    asked = []
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: asked.append(device) or (need - 1, need))
+    with pytest.raises(ModelConfigError, match="no tensor parallelism"):
+        load_model(tiny_llama_dir, dtype=torch.float32, device="cuda:0")
+    assert asked == [torch.device("cuda:0")]
+
+
 @pytest.mark.gpu
 def test_a_worker_refuses_a_model_its_gpu_cannot_hold_before_allocating(tiny_llama_dir, monkeypatch):
     """The engine's load checks the GPU's free memory first: too little is the clear error, not an OOM."""

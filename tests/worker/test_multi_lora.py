@@ -367,7 +367,7 @@ def test_cold_adapter_load_does_not_block_other_requests(tiny_llama_dir, adapter
     weights = load_peft_adapter(adapter_dirs["rs16"], engine.model_config, strict_base="off")
 
     def slow_loader():
-        release.wait()  # the "disk read" finishes only when the test says so
+        release.wait(60)  # the "disk read" finishes when the test says so (bounded: a regression fails, not hangs)
         return weights
 
     engine.adapter_pool.add("cold@1", loader=slow_loader)
