@@ -3,6 +3,7 @@ benchmarks that need many adapters without going through PEFT files."""
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 
 import torch
@@ -113,3 +114,26 @@ def merged_hf_greedy(base_dir, weights, prompt: list[int], max_new_tokens: int):
             logprobs.append(float(torch.log_softmax(logits, -1)[token]))
             ids.append(token)
     return tokens, logprobs
+
+
+def _varint(n: int) -> bytes:
+    out = b""
+    while True:
+        out += bytes([n & 0x7F | (0x80 if n > 0x7F else 0)])
+        n >>= 7
+        if not n:
+            return out
+
+
+def protobuf_field(field: int, data: bytes) -> bytes:
+    """A length-delimited protobuf field: its key, its length, its bytes."""
+    return _varint(field << 3 | 2) + _varint(len(data)) + data
+
+
+def sentencepiece_model(pieces: list[str]) -> bytes:
+    """A tokenizer.model as sentencepiece writes one: each piece with its score (fixed32) and type (varint), then
+    a trainer spec and a normalizer spec, which the reader skips."""
+    model = b"".join(protobuf_field(1, protobuf_field(1, p.encode()) + b"\x15" + struct.pack("<f", -float(i))
+                                    + b"\x18" + _varint(1)) for i, p in enumerate(pieces))
+    trainer = protobuf_field(2, protobuf_field(1, b"model.txt") + b"\x18" + _varint(32000))
+    return model + trainer + protobuf_field(3, b"\x0a\x03nmt")

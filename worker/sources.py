@@ -8,7 +8,7 @@ credentials and TLS from the config or `LORAFLEET_S3_*` env vars) happens only i
 
 Both kinds of source stage the same files (`STAGED_FILES`): the adapter's two, every file the
 loader's tokenizer check reads (`vocab_digest.TOKENIZER_FILES`: tokenizer.json, or vocab.json +
-merges.txt + added tokens), and a few optional ones; each is held to the same size limit.
+merges.txt + added tokens, or a SentencePiece tokenizer.model), and a few optional ones; each is held to the same size limit.
 
 The digest of an adapter directory is sha256 over `adapter_config.json` then
 `adapter_model.safetensors` (the bytes of both, in that order) — the same value `load_peft_adapter`

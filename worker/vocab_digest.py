@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 from lorafleet.worker.engine_errors import is_failure
 from lorafleet.worker.file_limits import FileLimitError, read_limited
+from lorafleet.worker.sentencepiece_pieces import PiecesMalformed, sentencepiece_pieces
 from lorafleet.worker.tenant_folders import opened_path
 from lorafleet.worker.tokenizer_children import FILES_CHILD, PROBE_CHILD
 
@@ -38,8 +39,10 @@ MAX_DECLARED_TOKENS = 1 << 16  # added tokens a folder without a whole vocabular
 DIGEST_BYTES_PER_CPU_S = 4 << 20  # a vocabulary's digest gets PROBE_CPU_S, and a second more per 4 MiB of files
 PROBE_MEMORY_BYTES = 4 << 30
 PROBE_IDS_PER_BYTE = 8  # a tokenizer giving more ids than this per byte of the probes is refused, its output unread
-# The files a tokenizer is read from: tokenizer.json, else vocab.json (+ merges.txt, added tokens).
-TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "added_tokens.json", "tokenizer_config.json")
+# The files a tokenizer is read from: tokenizer.json, else vocab.json (+ merges.txt, added tokens), else a
+# SentencePiece tokenizer.model's pieces with the tokens tokenizer_config.json and added_tokens.json add.
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "added_tokens.json", "tokenizer_config.json",
+                   "tokenizer.model")
 
 
 class TokenizerFileError(ValueError):
@@ -304,9 +307,9 @@ def _unreadable(file: Path, detail: str) -> TokenizerFileError:
 
 
 def _declared_added_tokens(path: Path, max_bytes: int | None, foreign: list[Path]) -> dict[str, int | None]:
-    """The tokens a folder without a whole vocabulary (no tokenizer.json, no vocab.json) adds: added_tokens.json
-    and tokenizer_config.json's added_tokens_decoder with their ids, its additional_special_tokens by name
-    (None: any id); what a slow SentencePiece tokenizer's save_pretrained writes beside tokenizer.model.
+    """The tokens a folder without a whole vocabulary (no tokenizer.json, no vocab.json) declares: a SentencePiece
+    tokenizer.model's pieces by their ids, added_tokens.json and tokenizer_config.json's added_tokens_decoder with
+    theirs, its additional_special_tokens by name (None: any id): what a slow tokenizer's save_pretrained writes.
     `foreign` gets each file read that did not lie in the folder itself as it was opened (a link elsewhere, or
     swapped for one after the source was checked, or the folder itself; a hard link): its tokens are never quoted
     (`tokenizer_mismatch`). Read here, parsed in a child process (`_isolated`), as a whole vocabulary is."""
@@ -318,8 +321,8 @@ def _declared_added_tokens(path: Path, max_bytes: int | None, foreign: list[Path
         if opened_path(fd, file) != home / file.name or os.fstat(fd).st_nlink > 1:
             foreign.append(file)
 
-    files = {name: _read(path / name, max_bytes, opened) for name in ("tokenizer_config.json", "added_tokens.json")
-             if (path / name).is_file()}
+    files = {name: _read(path / name, max_bytes, opened) for name in ("tokenizer.model", "tokenizer_config.json",
+                                                                      "added_tokens.json") if (path / name).is_file()}
     declared = _once_per_content("declared", _files_key(files), lambda: _isolated("declared", path, files)) if files else {}
     if not (isinstance(declared, dict) and all(i is None or type(i) is int for i in declared.values())):
         raise TokenizerFileError(f"{path}: its tokenizer files could not be read (an unexpected answer)")
@@ -327,8 +330,8 @@ def _declared_added_tokens(path: Path, max_bytes: int | None, foreign: list[Path
 
 
 def _declared_of(path: Path, files: dict[str, bytes]) -> dict[str, int | None]:
-    """The tokens `files` (tokenizer_config.json, added_tokens.json: their bytes) declare; at most
-    MAX_DECLARED_TOKENS (the worker reads the child's answer back)."""
+    """The tokens `files` (tokenizer.model, tokenizer_config.json, added_tokens.json: their bytes) declare; at most
+    MAX_DECLARED_TOKENS besides the pieces (the worker reads the child's answer back)."""
     def special_and_decoder(raw: dict) -> dict[str, int | None]:
         extra = raw.get("additional_special_tokens") or []
         names = [t["content"] if isinstance(t, dict) else t for t in extra]
@@ -343,7 +346,11 @@ def _declared_of(path: Path, files: dict[str, bytes]) -> dict[str, int | None]:
     if len(declared) > MAX_DECLARED_TOKENS:
         raise TokenizerFileError(f"{path}: its tokenizer files add {len(declared)} tokens, more than the "
                                  f"{MAX_DECLARED_TOKENS} a folder without a whole vocabulary may add")
-    return declared
+    try:
+        pieces = sentencepiece_pieces(files["tokenizer.model"]) if "tokenizer.model" in files else {}
+    except PiecesMalformed as exc:
+        raise TokenizerFileError(f"{path / 'tokenizer.model'}: not a SentencePiece model ({exc})") from None
+    return {**pieces, **declared}
 
 
 _FILE_READERS = {"digest": _digest_of, "declared": _declared_of}  # what _isolated may run in its child

@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 from lorafleet.worker.peft_adapter import AdapterError, LoRAWeights, load_peft_adapter
 from lorafleet.worker.peft_patterns import is_targeted
 from lorafleet.worker.vocab_digest import vocab_digest
+from tests.lora_factory import sentencepiece_model
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
@@ -725,7 +726,7 @@ def test_tokens_added_without_a_whole_vocabulary_are_checked_against_the_base(fi
     on. The base's own tokens at their own ids are accepted."""
     base = _bpe_tokenizer(VOCAB)
     make_adapter(tmp_path / "x", r=4, lora_alpha=8, target_modules=["q_proj"])
-    (tmp_path / "x" / "tokenizer.model").write_bytes(b"\x0a\x00sentencepiece")
+    (tmp_path / "x" / "tokenizer.model").write_bytes(sentencepiece_model(sorted(VOCAB, key=VOCAB.get)))
     load = functools.partial(load_peft_adapter, tmp_path / "x", model_config, dtype=torch.float32,
                              base_token_id=base.token_to_id)
     for name, content in files.items():
@@ -881,7 +882,7 @@ def test_added_tokens_read_through_a_link_are_counted_never_quoted(name, tmp_pat
     secret.write_text(json.dumps({"sk-live-globex-7f3a9c01": 1} if name == "added_tokens.json"
                                  else {"additional_special_tokens": ["<globex-private-tool>"]}))
     make_adapter(tmp_path / "x", r=4, lora_alpha=8, target_modules=["q_proj"])
-    (tmp_path / "x" / "tokenizer.model").write_bytes(b"\x0a\x00sentencepiece")
+    (tmp_path / "x" / "tokenizer.model").write_bytes(sentencepiece_model(sorted(VOCAB, key=VOCAB.get)))
     (tmp_path / "x" / name).symlink_to(secret)
     load = functools.partial(load_peft_adapter, tmp_path / "x", model_config, dtype=torch.float32,
                              base_token_id=base.token_to_id)
