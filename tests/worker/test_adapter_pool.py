@@ -837,6 +837,37 @@ def test_on_cuda_the_cpu_tier_is_pinned_and_copies_land_intact():
     pool.close()
 
 
+@pytest.mark.gpu
+def test_on_cuda_a_slot_is_taken_only_once_its_copy_on_the_side_stream_finished():
+    """The CUDA side of the slot's gating (the test below is the CPU copy thread's): a copy waits for the compute
+    stream's work queued before it (pages it reuses may still be read there), and the slot is handed out only once
+    the copy's event says it is done. With the compute stream busy for about a second, every acquire meanwhile
+    finds the copy in flight; once it lands, the slot serves the adapter's delta."""
+    from tests.lora_factory import dense_delta, lora_delta
+
+    pages = PagePool(PagePoolConfig(num_pages=256, page_elems=PAGE_ELEMS, device="cuda", dtype=torch.bfloat16))
+    pool = AdapterPool(pages, TINY_DIMS, AdapterPoolConfig(max_slots=4, max_rank=32))
+    weights = random_weights(7, rank=8, dtype=torch.bfloat16, std=0.1)
+    torch.cuda._sleep(3_000_000_000)  # cycles: the compute stream is busy for over a second
+    pool.add("h@1", weights)
+    assert pool.acquire("h@1", waiter=1) is None  # placed: its copy is queued behind the compute stream's work
+    for _ in range(3):
+        assert pool.acquire("h@1", waiter=1) is None, "the slot was handed out before its copy ran"
+        assert pool.entry("h@1").copying is not None and not pool.entry("h@1").resident
+    torch.cuda.synchronize()
+    pool.wait_idle()
+    slot = pool.acquire("h@1", waiter=1)
+    assert slot is not None
+    x = torch.randn(2, TINY_DIMS.hidden_size, device="cuda").to(torch.bfloat16)
+    got = lora_delta(pool.layout, torch.tensor([slot, -1], device="cuda"), x, 1, "gate_proj",
+                     TINY_DIMS.intermediate_size)
+    want = dense_delta(weights, x[:1].cpu(), 1, "gate_proj", TINY_DIMS.intermediate_size)
+    torch.testing.assert_close(got[:1].cpu().float(), want.float(), rtol=2e-2, atol=2e-2)
+    assert int(got[1:].abs().sum()) == 0
+    pool.release(slot)
+    pool.close()
+
+
 def test_a_slot_is_invisible_to_kernels_until_its_copy_finished():
     # The seed's pitfall: requests computing with half-loaded weights during a (hot) update.
     pool = make_pool(num_load_threads=1)
