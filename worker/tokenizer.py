@@ -57,6 +57,10 @@ class Tokenizer:
             self._tok = HFTokenizer.from_file(str(path))
         except Exception as exc:  # the tokenizers library raises a bare Exception (bad JSON, UTF-8, structure)
             raise _file_error(path, "not a readable tokenizers file", exc) from None
+        # A file saved with truncation or padding on cut or padded every prompt; transformers turns both off
+        # unless a call asks for them (PreTrainedTokenizerFast.set_truncation_and_padding), and so does the worker.
+        self._tok.no_truncation()
+        self._tok.no_padding()
         cfg_path = model_dir / "tokenizer_config.json"
         self.config: dict = _read_config(cfg_path) if cfg_path.is_file() else {}
         self.llama_pipeline: LlamaPipeline | None = llama_pipeline(model_dir, self.config, self._tok)

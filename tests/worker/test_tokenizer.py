@@ -52,6 +52,24 @@ def test_byte_tokenizer_round_trip_and_no_template(tiny_llama_dir, tmp_path):
         bare.apply_chat_template(CHATS[0])
 
 
+def test_a_tokenizer_saved_with_truncation_or_padding_on_neither_cuts_nor_pads_a_prompt(tiny_llama_dir, tmp_path):
+    """tokenizer.json may carry truncation and padding settings (a tokenizer saved after enable_truncation): the
+    worker's encode cut every prompt to 8 tokens and padded short ones, where transformers encodes them whole
+    (it turns both off unless a call asks). A prompt past the context is then refused, never cut silently."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    saved = HFTokenizer.from_file(str(tiny_llama_dir / "tokenizer.json"))
+    saved.enable_truncation(max_length=8)
+    saved.enable_padding(length=16, pad_id=0)
+    saved.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_bytes((tiny_llama_dir / "tokenizer_config.json").read_bytes())
+    plain = Tokenizer(tiny_llama_dir)
+    tok = Tokenizer(tmp_path)
+    for text in ("hello", "a longer prompt than eight tokens", "x" * (LONG_TEXT_CHARS := 20_000)):
+        assert tok.encode(text) == plain.encode(text), text[:20]
+    assert len(tok.encode("x" * LONG_TEXT_CHARS, add_special_tokens=False)) == LONG_TEXT_CHARS
+
+
 def test_template_errors_and_missing_file(tiny_llama_dir, tmp_path):
     import json
 
