@@ -26,6 +26,9 @@ CHART = ROOT / "charts" / "lorafleet"
 K8S_VERSION = "1.31.0"
 CUSTOM_KINDS = {"LoRAPool", "ServiceMonitor", "PodMonitor", "KopfPeering", "ClusterKopfPeering"}
 
+# The stager token an operator and workers in two releases share (refused without one).
+SHARED = {"existingStagerTokenSecret": "stg"}
+
 VALUE_SETS = {
     "defaults": {},
     "replicated-clusterwide": {
@@ -47,7 +50,8 @@ VALUE_SETS = {
         "objectStore": {"existingSecret": "s3"},
         "metrics": {"grafanaDashboard": {"enabled": False}},
     },
-    "operator-only": {"worker": {"enabled": False}},
+    # The workers are another release's: the two share one stager token.
+    "operator-only": {"worker": {"enabled": False}, "secrets": SHARED},
 }
 
 
@@ -197,8 +201,8 @@ def test_env_names_are_config_fields():
     ({"worker": {"readyWithoutPushSeconds": None}}, True, None),
     ({"worker": {"readyWithoutPushSeconds": 0}}, True, 0.0),
     ({"worker": {"readyAfterPush": False}}, False, 900.0),
-    ({"operator": {"enabled": False}}, False, 900.0),  # no operator of this release: ungated unless said
-    ({"operator": {"enabled": False}, "worker": {"readyAfterPush": True}}, True, 900.0),
+    ({"operator": {"enabled": False}, "secrets": SHARED}, False, 900.0),  # no operator of this release: ungated
+    ({"operator": {"enabled": False}, "worker": {"readyAfterPush": True}, "secrets": SHARED}, True, 900.0),
 ])
 def test_a_worker_pod_is_ready_once_its_first_push_reached_the_engine(values, gated, limit):
     """The sidecar's readiness probe asks /readyz, which the chart gates on the operator's first push (the
@@ -465,7 +469,7 @@ def test_workers_without_api_keys_are_refused_outside_development_mode():
         chart.render({}, name="demo", namespace="fleet", is_install=True)
     render({"worker": {"developmentMode": True}})
     render({"worker": {"developmentMode": False}, "secrets": {"existingApiKeysSecret": "keys"}})
-    chart.render({"worker": {"enabled": False}}, name="demo", namespace="fleet", is_install=True)
+    chart.render({"worker": {"enabled": False}, "secrets": SHARED}, name="demo", namespace="fleet", is_install=True)
     own = {"worker": {"extraArgs": ["--api-keys-file=/keys/keys.yaml"]}}  # keys of its own, on extraVolumes
     chart.render(own, name="demo", namespace="fleet", is_install=True)
 
@@ -556,3 +560,105 @@ def test_a_node_drain_evicts_one_worker_at_a_time_and_streams_get_minutes_to_end
 def test_a_cache_limit_below_the_budget_is_refused_at_render():
     with pytest.raises(Exception, match="limitBytes must be at least sizeBytes"):
         render({"worker": {"adapterCache": {"limitBytes": 1 << 30, "sizeBytes": 2 << 30}}})
+
+
+@pytest.mark.parametrize("cache", [{"sizeBytes": "45Gi"}, {"maxFileBytes": "4Gi"}, {"limitBytes": "60Gi"},
+                                   {"sizeBytes": 0}, {"maxFileBytes": -1}])
+def test_byte_sizes_with_a_unit_are_refused_at_render(cache):
+    """sizeBytes, maxFileBytes and limitBytes are plain byte counts (sizeLimit beside them is a quantity): "45Gi"
+    there rendered "0", and both containers exited 2 at start. The chart refuses such values at install."""
+    with pytest.raises(helm.HelmValuesError, match="adapterCache"):
+        render({"worker": {"adapterCache": cache}})
+    render({"worker": {"adapterCache": {"sizeBytes": 45 << 30, "maxFileBytes": 4 << 30, "limitBytes": None}}})
+
+
+@pytest.mark.parametrize("size_limit", ["51.5Gi", "5e10", "50GB", "500m"])
+def test_a_size_limit_the_chart_cannot_read_is_refused_at_render(size_limit):
+    """The stager's hard cache limit is 98% of the emptyDir's sizeLimit: a quantity the chart cannot read in bytes
+    left the stager without a limit (the pod evicted once the cache passed sizeLimit). The chart says so instead,
+    unless limitBytes gives the limit itself; a plain byte count is read as it is."""
+    with pytest.raises(helm.HelmError, match=f"worker.adapterCache.sizeLimit {size_limit}"):
+        render({"worker": {"adapterCache": {"sizeLimit": size_limit}}})
+    stager = find(render({"worker": {"adapterCache": {"sizeLimit": size_limit, "limitBytes": 50 << 30}}}),
+                  "Deployment", "-worker")["spec"]["template"]["spec"]["containers"][1]
+    assert {"name": "LORAFLEET_STAGER_CACHE_LIMIT_BYTES", "value": str(50 << 30)} in stager["env"]
+    stager = find(render({"worker": {"adapterCache": {"sizeLimit": 50 << 30}}}),
+                  "Deployment", "-worker")["spec"]["template"]["spec"]["containers"][1]
+    assert {"name": "LORAFLEET_STAGER_CACHE_LIMIT_BYTES", "value": str((50 << 30) * 98 // 100)} in stager["env"]
+
+
+@pytest.mark.parametrize(("worker", "rolling"), [
+    ({}, {"maxUnavailable": 0, "maxSurge": 1}),  # a surge pod: needs a free GPU beside the running workers
+    ({"strategy": {"maxUnavailable": 1, "maxSurge": 0}}, {"maxUnavailable": 1, "maxSurge": 0}),
+    ({"strategy": {"maxUnavailable": "25%", "maxSurge": 0}}, {"maxUnavailable": "25%", "maxSurge": 0}),
+    ({"adapterCache": {"hostPath": "/var/lib/lorafleet/adapters"}}, {"maxUnavailable": 1, "maxSurge": 0}),
+    ({"adapterCache": {"hostPath": "/var/lib/lorafleet/adapters"}, "strategy": {"maxUnavailable": 2, "maxSurge": 0}},
+     {"maxUnavailable": 2, "maxSurge": 0}),
+])
+def test_a_rollout_on_a_full_gpu_pool_can_replace_pods_in_place(worker, rolling):
+    """By default a rollout starts each new pod before its predecessor stops, which needs a GPU free beyond the
+    running workers: on a full pool it hangs Pending. worker.strategy (the Deployment's rollingUpdate) can stop a
+    pod first instead; null keeps the chart's choice."""
+    docs = render({"worker": worker})
+    strategy = find(docs, "Deployment", "-worker")["spec"]["strategy"]
+    assert strategy == {"type": "RollingUpdate", "rollingUpdate": rolling}
+    for doc in docs:
+        if doc["kind"] not in CUSTOM_KINDS:
+            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    with pytest.raises(helm.HelmValuesError):
+        render({"worker": {"strategy": {"maxUnavailable": 1, "maxSurge": 0, "type": "Recreate"}}})
+
+
+def _stager_token(docs: list[dict]) -> str:
+    return find(docs, "Secret", "-stager-token")["data"]["token"]
+
+
+@pytest.mark.parametrize("split", [
+    {"operator": {"enabled": False}, "worker": {"readyAfterPush": True}},
+    {"operator": {"enabled": False}},
+    {"worker": {"enabled": False}, "pool": {"create": False}},
+])
+def test_an_operator_and_workers_in_two_releases_share_one_stager_token(split):
+    """Each release generates a stager token of its own: the operator of one release got 401 on every push to the
+    workers of another. A release with only one of the two must be given the token both share."""
+    with pytest.raises(helm.HelmError, match="must share one stager token.*existingStagerTokenSecret"):
+        render(split)
+    shared = {**split, "secrets": {"existingStagerTokenSecret": "lorafleet-stager-token"}}
+    assert not [d for d in render(shared) if d["kind"] == "Secret" and d["metadata"]["name"].endswith("-stager-token")]
+    workers = render({"operator": {"enabled": False}, "secrets": {"stagerToken": "s" * 20}}, name="workers")
+    operator = render({"worker": {"enabled": False}, "pool": {"create": False}, "secrets": {"stagerToken": "s" * 20}},
+                      name="ctl")
+    assert _stager_token(workers) == _stager_token(operator)
+    render({})  # both in one release: the token it generates
+    render({"operator": {"enabled": False}, "worker": {"enabled": False}})
+
+
+def test_cpu_workers_request_no_gpu():
+    """worker.device=cpu pods asked for a GPU they never use (and waited for one); the rest of worker.resources
+    is kept."""
+    resources = {"requests": {"cpu": "8", "memory": "16Gi", "nvidia.com/gpu": 1},
+                 "limits": {"memory": "32Gi", "nvidia.com/gpu": 1}}
+    docs = render({"worker": {"device": "cpu", "resources": resources}})
+    engine = find(docs, "Deployment", "-worker")["spec"]["template"]["spec"]["containers"][0]
+    assert engine["resources"] == {"requests": {"cpu": "8", "memory": "16Gi"}, "limits": {"memory": "32Gi"}}
+    engine = find(render({"worker": {"device": "cpu"}}), "Deployment", "-worker")["spec"]["template"]["spec"][
+        "containers"][0]
+    assert "nvidia.com/gpu" not in {**engine["resources"].get("requests", {}), **engine["resources"].get("limits", {})}
+    engine = find(render({}), "Deployment", "-worker")["spec"]["template"]["spec"]["containers"][0]
+    assert engine["resources"]["requests"]["nvidia.com/gpu"] == engine["resources"]["limits"]["nvidia.com/gpu"] == 1
+
+
+def test_the_stager_requests_the_disk_its_emptydir_cache_may_fill():
+    """An emptyDir cache up to sizeLimit lives on the node's disk: the stager requests that much ephemeral storage,
+    so the scheduler places the pod where it fits; a request of the user's own, or a hostPath cache, is left as
+    it is."""
+    def stager_resources(values: dict) -> dict:
+        return find(render(values), "Deployment", "-worker")["spec"]["template"]["spec"]["containers"][1]["resources"]
+
+    assert stager_resources({})["requests"] == {"cpu": "250m", "memory": "512Mi", "ephemeral-storage": "50Gi"}
+    assert stager_resources({"worker": {"adapterCache": {"sizeLimit": "200Gi", "sizeBytes": 190 << 30}}})[
+        "requests"]["ephemeral-storage"] == "200Gi"
+    own = stager_resources({"worker": {"stagerResources": {"requests": {"cpu": "1", "ephemeral-storage": "80Gi"}}}})
+    assert own["requests"] == {"cpu": "1", "memory": "512Mi", "ephemeral-storage": "80Gi"}  # beside the defaults
+    cached = {"worker": {"adapterCache": {"hostPath": "/var/lib/lorafleet/adapters"}}}
+    assert "ephemeral-storage" not in stager_resources(cached)["requests"]

@@ -10,7 +10,7 @@ import pytest
 
 from lorafleet.worker.cli import config_from_args
 
-from .test_chart import CHART, CUSTOM_KINDS, K8S_VERSION, find, render, trial
+from .test_chart import CHART, CUSTOM_KINDS, K8S_VERSION, SHARED, find, render, trial
 
 LISTEN_VARS = ("LORAFLEET_HOST", "LORAFLEET_PORT", "LORAFLEET_ADMIN_HOST", "LORAFLEET_ADMIN_PORT")
 
@@ -103,8 +103,9 @@ def test_an_operator_watching_another_namespace_than_its_pool_and_workers_is_ref
     with pytest.raises(helm.HelmError, match="watchNamespace"):
         render({"operator": {"watchNamespace": "tenants"}, "pool": {"create": False}})  # its workers still here
     for ok in ({"operator": {"watchNamespace": "fleet"}}, {"operator": {"watchNamespace": "*"}},
-               {"operator": {"watchNamespace": "tenants"}, "pool": {"create": False}, "worker": {"enabled": False}},
-               {"operator": {"watchNamespace": "tenants", "enabled": False}}):
+               {"operator": {"watchNamespace": "tenants"}, "pool": {"create": False}, "worker": {"enabled": False},
+                "secrets": SHARED},
+               {"operator": {"watchNamespace": "tenants", "enabled": False}, "secrets": SHARED}):
         assert any(d["kind"] == "Deployment" for d in render(ok))
 
 

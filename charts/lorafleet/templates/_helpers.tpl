@@ -48,9 +48,22 @@ listener, refused when it is a port the pod already uses), else worker.port (nul
 
 {{/* Install-time refusals of values that render valid objects which cannot work: the stager sidecar on the
 engine's port (one of them fails to bind, for ever), workers without API keys outside development mode (open to
-every caller), and an operator watching a namespace other than the
-release's while the chart puts its pool and workers in the release's (nothing would reconcile them). */}}
+every caller), an operator watching a namespace other than the
+release's while the chart puts its pool and workers in the release's (nothing would reconcile them), byte counts
+written as quantities (both containers exit 2; values.schema.json refuses them too, unless skipped), and an
+operator or workers alone in a release with a stager token of its own (every push to the workers is 401). */}}
 {{- define "lorafleet.checks" -}}
+{{- $cache := .Values.worker.adapterCache -}}
+{{- range $key := list "sizeBytes" "maxFileBytes" "limitBytes" -}}
+{{- $v := get $cache $key -}}
+{{- $optional := and (eq $key "limitBytes") (or (not (hasKey $cache $key)) (kindIs "invalid" $v)) -}}
+{{- if not (or $optional (has (kindOf $v) (list "int" "int64" "float64"))) -}}
+{{- fail (printf "worker.adapterCache.%s %v: a number of bytes (e.g. 48318382080 for 45Gi), not a quantity" $key $v) -}}
+{{- end -}}
+{{- end -}}
+{{- if and (ne .Values.operator.enabled .Values.worker.enabled) (not (or .Values.secrets.existingStagerTokenSecret .Values.secrets.stagerToken)) -}}
+{{- fail (printf "%s without %s: the operator of one release pushes to the workers of another, and the two releases must share one stager token (else every push is refused, 401). Create a Secret with the key token (in both namespaces when they differ) and set secrets.existingStagerTokenSecret to its name in both releases, or the same secrets.stagerToken in both" (ternary "operator.enabled" "worker.enabled" .Values.operator.enabled) (ternary "worker.enabled" "operator.enabled" .Values.operator.enabled)) -}}
+{{- end -}}
 {{- if eq (int .Values.worker.stagerPort) (int .Values.worker.port) -}}
 {{- fail (printf "worker.stagerPort %v is worker.port too: the stager sidecar and the engine share the pod's network, so each needs a port of its own" .Values.worker.stagerPort) -}}
 {{- end -}}
@@ -73,13 +86,21 @@ file each worker reads again when it changes: rotating a key restarts nothing). 
 {{ list $s.adminToken $s.stagerToken $s.existingAdminTokenSecret $s.existingStagerTokenSecret $o.existingSecret $o.accessKey $o.secretKey | toJson | sha256sum }}
 {{- end -}}
 
-{{/* A Kubernetes quantity (50Gi, 500M, 1073741824) in bytes; 0 for a form it does not know. */}}
+{{/* A Kubernetes quantity (50Gi, 500M, 1073741824) in bytes: list (the quantity) (the value's name for the refusal).
+Fails on a form it cannot read (51.5Gi, 5e10, 50GB) rather than give a wrong size. */}}
 {{- define "lorafleet.quantityBytes" -}}
-{{- $q := toString . -}}
+{{- $q := index . 0 -}}{{- $name := index . 1 -}}
+{{- if has (kindOf $q) (list "int" "int64" "float64") -}}{{ int64 $q }}
+{{- else -}}
+{{- $q = toString $q -}}
 {{- $n := regexFind "^[0-9]+" $q -}}
-{{- $units := dict "" 1 "Ki" 1024 "Mi" 1048576 "Gi" 1073741824 "Ti" 1099511627776 "k" 1000 "M" 1000000 "G" 1000000000 "T" 1000000000000 -}}
+{{- $units := dict "" 1 "Ki" 1024 "Mi" 1048576 "Gi" 1073741824 "Ti" 1099511627776 "Pi" 1125899906842624 "k" 1000 "M" 1000000 "G" 1000000000 "T" 1000000000000 "P" 1000000000000000 -}}
 {{- $unit := trimPrefix $n $q -}}
-{{- if and $n (hasKey $units $unit) -}}{{ mul (int64 $n) (int64 (get $units $unit)) }}{{- else -}}0{{- end -}}
+{{- if not (and $n (hasKey $units $unit)) -}}
+{{- fail (printf "%s %s: the chart reads a whole number of bytes with at most a suffix Ki, Mi, Gi, Ti, Pi, k, M, G, T or P (e.g. 50Gi, 500G, 53687091200), not %q" $name $q $q) -}}
+{{- end -}}
+{{- mul (int64 $n) (int64 (get $units $unit)) -}}
+{{- end -}}
 {{- end -}}
 
 {{/* The stager's hard cache limit: limitBytes as given, else 98% of the emptyDir's sizeLimit (none for a hostPath),
@@ -92,10 +113,38 @@ never below the budget; "" for none. */}}
 {{- fail "worker.adapterCache.limitBytes must be at least sizeBytes (the budget is kept below the limit)" -}}
 {{- end -}}
 {{- int64 $c.limitBytes -}}
-{{- else if not $c.hostPath -}}
-{{- $size := include "lorafleet.quantityBytes" $c.sizeLimit | int64 -}}
+{{- else if and (not $c.hostPath) $c.sizeLimit -}}
+{{- $size := include "lorafleet.quantityBytes" (list $c.sizeLimit "worker.adapterCache.sizeLimit") | int64 -}}
 {{- if gt $size 0 -}}{{ max $budget (div (mul $size 98) 100) }}{{- end -}}
 {{- end -}}
+{{- end -}}
+
+{{/* The engine's resources: worker.resources, less the GPU for worker.device=cpu (a pod that never uses it would
+wait for a free one). */}}
+{{- define "lorafleet.workerResources" -}}
+{{- $resources := deepCopy (.Values.worker.resources | default dict) -}}
+{{- if eq .Values.worker.device "cpu" -}}
+{{- range $key := list "requests" "limits" -}}
+{{- with get $resources $key -}}{{- $_ := set $resources $key (omit . "nvidia.com/gpu") -}}{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- toYaml $resources -}}
+{{- end -}}
+
+{{/* The stager's resources: worker.stagerResources, requesting the emptyDir cache's sizeLimit of ephemeral storage
+unless they say how much (the scheduler then places the pod where the cache fits, instead of a node whose disk
+fills and evicts it). */}}
+{{- define "lorafleet.stagerResources" -}}
+{{- $resources := deepCopy (.Values.worker.stagerResources | default dict) -}}
+{{- $cache := .Values.worker.adapterCache -}}
+{{- if and (not $cache.hostPath) $cache.sizeLimit -}}
+{{- $requests := $resources.requests | default dict -}}
+{{- if not (hasKey $requests "ephemeral-storage") -}}
+{{- $_ := set $requests "ephemeral-storage" $cache.sizeLimit -}}
+{{- $_ := set $resources "requests" $requests -}}
+{{- end -}}
+{{- end -}}
+{{- toYaml $resources -}}
 {{- end -}}
 
 {{- define "lorafleet.image" -}}
