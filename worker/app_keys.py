@@ -11,6 +11,7 @@ from lorafleet.worker.admission import Admission
 from lorafleet.worker.async_engine import AsyncEngine
 from lorafleet.worker.engine_adapters import EngineAdapters
 from lorafleet.worker.fair_executor import FairExecutor
+from lorafleet.worker.intake_waits import IntakeWaits
 from lorafleet.worker.metrics import WorkerMetrics
 from lorafleet.worker.parse_turns import ParseTurns
 from lorafleet.worker.served_adapters import ServedAdapters
@@ -35,6 +36,7 @@ TENANTS = web.AppKey("tenants", Tenants)
 METRICS = web.AppKey("metrics", WorkerMetrics)
 ADMISSION = web.AppKey("admission", Admission)
 INTAKE_THREADS = web.AppKey("intake_threads", FairExecutor)  # parsing and tokenizing, by turns of tenants
+INTAKE_WAITS = web.AppKey("intake_waits", IntakeWaits)  # requests waiting for an intake place
 PARSE_TURNS = web.AppKey("parse_turns", ParseTurns)  # large bodies' JSON, one at a time, paced
 STATUS = web.AppKey("status", ServerStatus)
 ADMIN_LOCK = web.AppKey("admin_lock", asyncio.Lock)

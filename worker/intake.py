@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -37,12 +37,14 @@ from lorafleet.worker.app_keys import (
     CONFIG,
     ENGINE,
     INTAKE_THREADS,
+    INTAKE_WAITS,
     METRICS,
     PARSE_TURNS,
     STATUS,
     TENANTS,
 )
 from lorafleet.worker.fair_executor import FairExecutor
+from lorafleet.worker.intake_waits import IntakeWaits
 from lorafleet.worker.metrics import UNRESOLVED_LABEL
 from lorafleet.worker.openai_protocol import APIError, parse_json
 from lorafleet.worker.parse_turns import ParseTurns
@@ -111,7 +113,8 @@ def check_room(app: web.Application, tenant: str) -> None:
 
 async def expect_room(request: web.Request) -> web.StreamResponse | None:
     """`Expect: 100-continue`: the answer the request would get before its body is read (401, a 503 while the
-    worker starts, the 429 when not one more sequence of its tenant fits or every intake place is taken) goes
+    worker starts, the 429 when not one more sequence of its tenant fits, or every intake place is taken and
+    --intake-wait-s is 0) goes
     instead of 100 Continue, so a client that waits for it (curl, some HTTP libraries) never uploads a body a
     full worker would not read; else 100 Continue."""
     app = request.app
@@ -119,7 +122,8 @@ async def expect_room(request: web.Request) -> web.StreamResponse | None:
         ready_engine(app)
         tenant = authenticate(request).name
         check_room(app, tenant)
-        if reason := app[ADMISSION].intake_refusal(tenant, shared=several_tenants(app)):
+        reason = app[ADMISSION].intake_refusal(tenant, shared=several_tenants(app))
+        if reason and (reason != INTAKE_FULL or not app[CONFIG].intake_wait_s):  # a full intake is waited for
             raise refused(app, reason, tenant)
     except APIError as exc:  # counted as the handler would have (it does not run)
         endpoint = "chat" if request.path.endswith("/chat/completions") else "completions"
@@ -171,7 +175,8 @@ class IntakePlace:
 
 def setup_intake(app: web.Application, config: WorkerConfig) -> None:
     """The worker's admission, and the threads intake work runs on (released at the app's cleanup)."""
-    app[ADMISSION] = Admission(config.capacity, config.max_sequences_per_tenant, config.intake_limit)
+    admission = app[ADMISSION] = Admission(config.capacity, config.max_sequences_per_tenant, config.intake_limit)
+    app[INTAKE_WAITS] = IntakeWaits(admission)
     threads = app[INTAKE_THREADS] = FairExecutor(INTAKE_THREADS_NUM, spare_threads=2, thread_name_prefix="intake")
     parses = app[PARSE_TURNS] = ParseTurns()
 
@@ -182,29 +187,35 @@ def setup_intake(app: web.Application, config: WorkerConfig) -> None:
     app.on_cleanup.append(stop)
 
 
-@contextlib.contextmanager
-def intake_place(app: web.Application, tenant: str, sequences: bool = True) -> Iterator[IntakePlace]:
+@contextlib.asynccontextmanager
+async def intake_place(app: web.Application, tenant: str, sequences: bool = True) -> AsyncIterator[IntakePlace]:
     """Hold one of the `--max-intake-requests` intake places while reading, parsing and tokenizing; none
-    free: 429 intake_full, the body unread; nor where `tenant`'s admitted sequences and requests in intake reach
-    --max-sequences-per-tenant (429 tenant_queue_full: one tenant cannot hold every intake place). `sequences`
-    False: a request that will need none (/tokenize): its tenant's requests in intake alone count."""
-    admission = app[ADMISSION]
-    if reason := admission.enter_intake(tenant, sequences, shared=several_tenants(app)):
+    free for --intake-wait-s (IntakeWaits): 429 intake_full, the body unread; nor where `tenant`'s admitted
+    sequences and requests in intake reach --max-sequences-per-tenant (429 tenant_queue_full: one tenant cannot
+    hold every intake place). `sequences` False: a request that will need none (/tokenize): its tenant's
+    requests in intake alone count."""
+    admission, waits = app[ADMISSION], app[INTAKE_WAITS]
+    if reason := await waits.enter(tenant, sequences, several_tenants(app), app[CONFIG].intake_wait_s):
         raise refused(app, reason, tenant, None if sequences else 0)
     place = IntakePlace(app[INTAKE_THREADS], tenant)
+
+    def leave() -> None:
+        admission.leave_intake(tenant)
+        waits.wake()
+
     try:
         yield place
     finally:
         work = place.work
         if work is None or work.done():
-            admission.leave_intake(tenant)
+            leave()
         else:  # the handler was cancelled while its work runs: the place is left when the work ends
-            def leave(done: asyncio.Future) -> None:
-                admission.leave_intake(tenant)
+            def left(done: asyncio.Future) -> None:
+                leave()
                 if not done.cancelled():
                     done.exception()  # retrieved: nobody awaits it any more
 
-            work.add_done_callback(leave)
+            work.add_done_callback(left)
 
 
 async def read_body(request: web.Request) -> bytes:

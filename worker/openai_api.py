@@ -98,7 +98,7 @@ async def _prepare(request: web.Request, endpoint: str,
     engine = ready_engine(app)
     tenant = authenticate(request)
     check_room(app, tenant.name)  # a full worker reads no body: 429 at once
-    with intake_place(app, tenant.name) as place:  # body read, parse, tokenization: a bounded number at once
+    async with intake_place(app, tenant.name) as place:  # body read, parse, tokenization: a bounded number at once
         parse = parse_chat_request if endpoint == "chat" else parse_completion_request
         parsed = await read_json(request, lambda body: parse(body, engine.sampling_defaults), place)
         parsed.model = parsed.model or app[ADAPTERS].base_model  # left out: the base model, as vLLM

@@ -59,7 +59,7 @@ def chat_prompt_ids(app: web.Application, parsed: ChatRequest, limit: int | None
 async def tokenize(request: web.Request) -> web.Response:
     app, tenant = request.app, authenticate(request)
     engine = ready_engine(app)
-    with intake_place(app, tenant.name, sequences=False) as place:  # a large body is parsed in the executor, as
+    async with intake_place(app, tenant.name, sequences=False) as place:  # a large body is parsed in the executor, as
         chat, strs, model, work = await read_json(request, lambda body: _tokenize_request(app, body), place)
         _check_model(app, model, tenant)
         try:
@@ -113,7 +113,7 @@ def _with_strs(engine, ids: list[int], strs: bool) -> tuple[list[int], list[str 
 async def detokenize(request: web.Request) -> web.Response:
     app, tenant = request.app, authenticate(request)
     engine = ready_engine(app)
-    with intake_place(app, tenant.name, sequences=False) as place:
+    async with intake_place(app, tenant.name, sequences=False) as place:
         f = Fields(await read_json(request, place=place), "detokenize")
         model, tokens = f.string("model"), f.get("tokens")
         f.refuse_unknown()

@@ -77,10 +77,15 @@ class WorkerConfig:
                                   "lists two tenants or more. Without --api-keys-file every caller is tenant dev, "
                                   "so the limit then caps all callers together"))
     max_intake_requests: int = field(
-        default=0, metadata=_help("requests whose bodies may be read, JSON-parsed and tokenized at once; more are "
-                                  "refused with 429 intake_full and Retry-After before their body is read (as "
-                                  "is every request while the queue is full); 0 = 4 x the CPUs of this process, or as many bodies of "
-                                  "--max-body-bytes as fit in 256 MiB when that is more"))
+        default=0, metadata=_help("requests whose bodies may be read, JSON-parsed and tokenized at once; more wait "
+                                  "--intake-wait-s for a place, then are refused with 429 intake_full and "
+                                  "Retry-After, their body unread (every request is, at once, while the queue is "
+                                  "full); 0 = 4 x the CPUs of this process, or as many bodies of --max-body-bytes "
+                                  "as fit in 256 MiB when that is more"))
+    intake_wait_s: float = field(
+        default=5.0, metadata=_help("seconds a request waits for an intake place while all --max-intake-requests "
+                                    "are taken (its body unread), before 429 intake_full: a burst of more "
+                                    "connections than places is read in turn, tenants fairly; 0 = refused at once"))
     request_read_timeout_s: float = field(
         default=30.0, metadata=_help("seconds a request's body may take to arrive once the worker reads it; a "
                                      "slower one is answered 408 request_timeout and its intake place freed, so "
@@ -154,6 +159,8 @@ class WorkerConfig:
                              f"{self.max_sequences_per_tenant}")
         if self.max_intake_requests < 0:
             raise ValueError(f"max_intake_requests must be >= 0 (0 = sized from the CPUs), got {self.max_intake_requests}")
+        if not (math.isfinite(self.intake_wait_s) and self.intake_wait_s >= 0):
+            raise ValueError(f"intake_wait_s must be a finite number >= 0 (0 = refused at once), got {self.intake_wait_s}")
         if not (math.isfinite(self.request_read_timeout_s) and self.request_read_timeout_s > 0):
             raise ValueError(f"request_read_timeout_s must be a finite number > 0, got {self.request_read_timeout_s}")
         if not (math.isfinite(self.request_timeout_s) and self.request_timeout_s >= 0):

@@ -15,7 +15,7 @@ import pytest
 from aiohttp import web
 
 from lorafleet.worker import intake, parse_turns
-from lorafleet.worker.app_keys import ADMISSION, ENGINE, METRICS
+from lorafleet.worker.app_keys import ADMISSION, ENGINE, INTAKE_WAITS, METRICS
 from lorafleet.worker.cli import config_from_args
 from lorafleet.worker.engine_config import EngineConfig
 from lorafleet.worker.metrics import UNRESOLVED_LABEL
@@ -108,21 +108,31 @@ async def test_a_full_worker_refuses_before_reading_the_body(aiohttp_client, tin
         writer.close()
 
 
-async def test_requests_in_intake_are_bounded(aiohttp_client, tiny_llama_dir):
-    """Two bodies half sent fill an intake of 2: a third request is refused with 429 intake_full before
-    its body is read; the two are served once their bodies arrive, and intake is open again."""
-    app = create_app(config(tiny_llama_dir, max_intake_requests=2))
+@pytest.mark.parametrize("wait_s", [0.0, 30.0])
+async def test_requests_in_intake_are_bounded(aiohttp_client, tiny_llama_dir, wait_s):
+    """Two bodies half sent fill an intake of 2. With --intake-wait-s 0 a third request is refused with 429
+    intake_full before its body is read; else it waits, its body unread, and is served once a place frees (a
+    burst of more connections than places was refused whole but for the first ones). The two are served once
+    their bodies arrive, and intake is open again."""
+    app = create_app(config(tiny_llama_dir, max_intake_requests=2, intake_wait_s=wait_s))
     client = await aiohttp_client(app)
     port, writers = client.server.port, []
     try:
         held = [await send_head(port, len(BODY), BODY[:10]) for _ in range(2)]
         writers += [w for _, w in held]
         await wait_until(lambda: app[ADMISSION].num_in_intake == 2)
-        reader, writer = await send_head(port, 4_000_000)
+        reader, writer = await send_head(port, len(BODY), BODY)
         writers.append(writer)
-        status, headers, body = await read_answer(reader, timeout=10)
-        assert status == 429 and int(headers["retry-after"]) >= 1, body
-        assert body["error"]["code"] == "intake_full" and "--max-intake-requests" in body["error"]["message"]
+        if wait_s:
+            await wait_until(lambda: app[INTAKE_WAITS].num_waiting == 1)
+            held[0][1].write(BODY[10:])  # the first body arrives: its place goes to the waiting request
+            for answer in (held.pop(0)[0], reader):
+                status, _, body = await read_answer(answer)
+                assert status == 200 and body["choices"][0]["finish_reason"] == "length", body
+        else:
+            status, headers, body = await read_answer(reader, timeout=10)
+            assert status == 429 and int(headers["retry-after"]) >= 1, body
+            assert body["error"]["code"] == "intake_full" and "--max-intake-requests" in body["error"]["message"]
         for held_reader, held_writer in held:
             held_writer.write(BODY[10:])
             await held_writer.drain()
@@ -199,7 +209,7 @@ async def test_a_client_leaving_during_its_tokenization_keeps_its_intake_place_u
         return encode(self, *args, **kwargs)
 
     monkeypatch.setattr(Tokenizer, "encode", waiting)
-    app, ended = create_app(config(tiny_llama_dir, max_intake_requests=1)), asyncio.Event()
+    app, ended = create_app(config(tiny_llama_dir, max_intake_requests=1, intake_wait_s=0)), asyncio.Event()
 
     @web.middleware
     async def innermost(request, handler):  # ends after the handler, its intake place's `with` included
