@@ -50,6 +50,7 @@ class IntakeWaits:
             entry = (tenant, woken)
             # Handed a place that another took first: first in line again.
             self._waiters.insert(0, entry) if chosen else self._waiters.append(entry)
+            self.wake()  # a place free beyond those handed out (it came behind others on one): taken in turn
             try:
                 await asyncio.wait({woken}, timeout=left)
             except BaseException:  # its client left (the handler cancelled)
@@ -73,12 +74,13 @@ class IntakeWaits:
         return False
 
     def wake(self) -> None:
-        """An intake place was left: hand it to the waiter whose tenant reads the fewest requests now (the
-        longest waiting of those)."""
-        if not self._waiters:
-            return
-        reading = self._admission.num_in_intake_by_tenant
-        at = min(range(len(self._waiters)), key=lambda i: (reading.get(self._waiters[i][0], 0), i))
-        _, woken = self._waiters.pop(at)
-        self._woken += 1
-        woken.set_result(None)
+        """An intake place was left (or a waiter queued): hand each place free and not handed already to the
+        waiter whose tenant reads the fewest requests now (the longest waiting of those)."""
+        admission = self._admission
+        reading = admission.num_in_intake_by_tenant
+        while self._waiters and (not admission.max_intake
+                                 or admission.num_in_intake + self._woken < admission.max_intake):
+            at = min(range(len(self._waiters)), key=lambda i: (reading.get(self._waiters[i][0], 0), i))
+            _, woken = self._waiters.pop(at)
+            self._woken += 1
+            woken.set_result(None)

@@ -99,3 +99,19 @@ async def test_refusals_of_the_tenant_s_own_share_never_wait_and_waiters_are_bou
         task.cancel()
     await asyncio.gather(*waiting, return_exceptions=True)
     assert waits.num_waiting == 0
+
+
+async def test_every_free_place_is_handed_out_not_only_one_a_release():
+    """Two places free while the one waiter is still to take the first: the second was handed to nobody, and a
+    newcomer queued behind the woken waiter waited out its time beside it, then was refused."""
+    admission, waits = _waits(2)
+    for tenant in ("a", "b"):
+        assert await waits.enter(tenant, True, False, 5.0) is None
+    waiter = asyncio.create_task(waits.enter("w", True, False, 5.0))
+    await _settle()
+    _leave(admission, waits, "a")  # handed to the waiter, which has not run yet
+    _leave(admission, waits, "b")  # nobody else waits: free
+    newcomer = asyncio.create_task(waits.enter("n", True, False, 5.0))  # arrives before the waiter runs
+    assert await waiter is None
+    assert await asyncio.wait_for(newcomer, 1) is None
+    assert admission.num_in_intake == 2 and waits.num_waiting == 0
