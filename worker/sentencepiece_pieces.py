@@ -21,7 +21,7 @@ class PiecesMalformed(ValueError):
 
 
 def sentencepiece_pieces(data: bytes) -> dict[str, int]:
-    """piece -> id of the SentencePiece ModelProto `data` (the first id of a piece listed twice)."""
+    """piece -> id of the SentencePiece ModelProto `data` (the last id of a piece listed twice)."""
     pieces: dict[str, int] = {}
     count = 0
     for field, wire, value in _fields(data):
@@ -33,7 +33,7 @@ def sentencepiece_pieces(data: bytes) -> dict[str, int]:
         if text is None:
             raise PiecesMalformed(f"piece {count} has no text")
         try:
-            pieces.setdefault(bytes(text).decode("utf-8"), count)
+            pieces[bytes(text).decode("utf-8")] = count  # a piece listed twice: its last id, as transformers' converter
         except UnicodeDecodeError:
             raise PiecesMalformed(f"piece {count} is not UTF-8 text") from None
         count += 1
