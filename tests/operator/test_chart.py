@@ -650,8 +650,8 @@ def test_cpu_workers_request_no_gpu():
 
 def test_the_stager_requests_the_disk_its_emptydir_cache_may_fill():
     """An emptyDir cache up to sizeLimit lives on the node's disk: the stager requests that much ephemeral storage,
-    so the scheduler places the pod where it fits; a request of the user's own, or a hostPath cache, is left as
-    it is."""
+    so the scheduler places the pod where it fits; a request or limit of the user's own, or a hostPath cache, is
+    left as it is."""
     def stager_resources(values: dict) -> dict:
         return find(render(values), "Deployment", "-worker")["spec"]["template"]["spec"]["containers"][1]["resources"]
 
@@ -662,3 +662,6 @@ def test_the_stager_requests_the_disk_its_emptydir_cache_may_fill():
     assert own["requests"] == {"cpu": "1", "memory": "512Mi", "ephemeral-storage": "80Gi"}  # beside the defaults
     cached = {"worker": {"adapterCache": {"hostPath": "/var/lib/lorafleet/adapters"}}}
     assert "ephemeral-storage" not in stager_resources(cached)["requests"]
+    # A limit of the user's own: Kubernetes takes it as the request too; one above it would refuse the pod.
+    capped = stager_resources({"worker": {"stagerResources": {"limits": {"memory": "2Gi", "ephemeral-storage": "20Gi"}}}})
+    assert "ephemeral-storage" not in capped["requests"] and capped["limits"]["ephemeral-storage"] == "20Gi"

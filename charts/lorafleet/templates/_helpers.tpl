@@ -132,14 +132,14 @@ wait for a free one). */}}
 {{- end -}}
 
 {{/* The stager's resources: worker.stagerResources, requesting the emptyDir cache's sizeLimit of ephemeral storage
-unless they say how much (the scheduler then places the pod where the cache fits, instead of a node whose disk
-fills and evicts it). */}}
+unless they request or limit it themselves (a limit is the request too; one below the request refuses the pod).
+The scheduler then places the pod where the cache fits, instead of a node whose disk fills and evicts it. */}}
 {{- define "lorafleet.stagerResources" -}}
 {{- $resources := deepCopy (.Values.worker.stagerResources | default dict) -}}
 {{- $cache := .Values.worker.adapterCache -}}
 {{- if and (not $cache.hostPath) $cache.sizeLimit -}}
 {{- $requests := $resources.requests | default dict -}}
-{{- if not (hasKey $requests "ephemeral-storage") -}}
+{{- if not (or (hasKey $requests "ephemeral-storage") (hasKey ($resources.limits | default dict) "ephemeral-storage")) -}}
 {{- $_ := set $requests "ephemeral-storage" $cache.sizeLimit -}}
 {{- $_ := set $resources "requests" $requests -}}
 {{- end -}}
