@@ -138,12 +138,12 @@ class Fetch:
                 offset = 0
             elif offset and response.headers.get("Content-Range", "").strip() != f"bytes {offset}-{size - 1}/{size}":
                 raise BodyCut(f"{where}: the store answered the rest of the object from byte {offset} with "
-                                      f"Content-Range {response.headers.get('Content-Range')!r}, not bytes "
-                                      f"{offset}-{size - 1}/{size}")
+                              f"Content-Range {response.headers.get('Content-Range')!r}, not bytes "
+                              f"{offset}-{size - 1}/{size}")
             resumable = bool(etag) and response.headers.get("Content-Encoding", "identity").lower() in ("", "identity")
             if offset and not resumable:  # the rest asked came encoded: its bytes are not the range's
                 raise BodyCut(f"{where}: the store sent the rest of the object from byte {offset} encoded "
-                                      f"({response.headers.get('Content-Encoding')}); it is not appended")
+                              f"({response.headers.get('Content-Encoding')}); it is not appended")
             announced = response.headers.get("Content-Length")
             if announced is not None and int(announced) > size - offset:
                 raise SourceError(f"{where}: the store announces {announced} bytes, more than the {size - offset} "

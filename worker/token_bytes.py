@@ -18,22 +18,10 @@ import json
 import re
 from functools import lru_cache
 
+from lorafleet.worker.token_floor import gpt2_byte_decoder as _gpt2_byte_decoder
 from lorafleet.worker.tokenizer import Tokenizer
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
-
-
-def _gpt2_byte_decoder() -> dict[str, int]:
-    """GPT-2's bytes_to_unicode inverted: printable bytes are their own character, the others 256+n."""
-    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
-    table, n = {}, 0
-    for b in range(256):
-        if b in printable:
-            table[chr(b)] = b
-        else:
-            table[chr(256 + n)] = b
-            n += 1
-    return table
 
 
 def _decoder_types(spec: dict | None) -> set[str]:

@@ -24,7 +24,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models
 
 # Normalizers that never shorten a text: each character maps to one or more (Lowercase, the decompositions),
-# or characters are added (Prepend). Replace is checked for its strings (longest_piece).
+# or characters are added (Prepend). Replace is checked for its strings (_keeping_normalizer).
 KEEPING_NORMALIZERS = frozenset({"Lowercase", "NFD", "NFKD", "Prepend"})
 # Pre-tokenizers that keep every character: they split, or map one for one (ByteLevel, Metaspace's "▁").
 KEEPING_PRE_TOKENIZERS = frozenset({"ByteLevel", "Metaspace", "Digits", "UnicodeScripts", "FixedLength"})
@@ -34,7 +34,7 @@ SPLITTING_PRE_TOKENIZERS = frozenset({"Split", "Punctuation"})  # kept unless th
 @dataclass(frozen=True, slots=True)
 class TokenFloor:
     """A tokenizer's bound: `longest` characters (bytes, where `dropped`) one token stands for at most, 0 for no
-    bound; `dropped`: bytes a byte-level vocabulary has no token for (SmolLM2 lacks six control bytes), which
+    bound; `dropped`: bytes a byte-level vocabulary has no token for (SmolLM2 lacks eight), which
     the model drops, so a text's bytes are counted without them."""
 
     longest: int = 0
@@ -73,7 +73,7 @@ def token_floor(tok: HFTokenizer) -> TokenFloor:
     if model.byte_fallback and all(f"<0x{b:02X}>" in vocab for b in range(256)):
         return TokenFloor(longest)  # every byte has a token
     if _has(pre_tokenizer, "ByteLevel"):  # a byte-level vocabulary: each byte one character of its alphabet
-        dropped = bytes(b for b, c in enumerate(_byte_chars()) if c not in vocab and b in _UTF8)
+        dropped = bytes(sorted(b for c, b in gpt2_byte_decoder().items() if c not in vocab and b in _UTF8))
         # Counted in bytes where some are dropped: a token then stands for at most its string's UTF-8 bytes.
         return TokenFloor(max(len(t.encode()) for t in vocab), dropped) if dropped else TokenFloor(longest)
     if model.unk_token and model.unk_token in vocab and not model.fuse_unk:
@@ -84,15 +84,18 @@ def token_floor(tok: HFTokenizer) -> TokenFloor:
 _UTF8 = frozenset(range(0xC0)) | frozenset(range(0xC2, 0xF5))  # the bytes UTF-8 text can hold
 
 
-def _byte_chars() -> list[str]:
-    """The character a byte-level vocabulary writes each byte as (GPT-2's bytes_to_unicode): printable Latin-1
-    bytes as themselves, the others as the characters from U+0100 on, in byte order."""
-    kept = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1), *range(ord("\u00ae"), 256)]
-    chars, extra = {b: chr(b) for b in kept}, 0
+def gpt2_byte_decoder() -> dict[str, int]:
+    """GPT-2's bytes_to_unicode inverted: the byte each character of a byte-level vocabulary stands for (printable
+    Latin-1 bytes are their own character, the others U+0100 on, in byte order)."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
+    table, n = {}, 0
     for b in range(256):
-        if b not in chars:
-            chars[b], extra = chr(256 + extra), extra + 1
-    return [chars[b] for b in range(256)]
+        if b in printable:
+            table[chr(b)] = b
+        else:
+            table[chr(256 + n)] = b
+            n += 1
+    return table
 
 
 def _has(state: dict | None, kind: str) -> bool:
