@@ -28,6 +28,7 @@ from lorafleet.worker.peft_patterns import (
     check_budget,
     is_targeted,
     layer_regex,
+    written_out_size,
 )
 
 PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
@@ -162,10 +163,16 @@ def _compile(field: str, pattern: str, where: Path, *, shown: str | None = None)
     check_budget()  # a load's compiles share the budget of its matches (under the admin lock)
     try:
         re.compile(pattern)  # what PEFT matches it with: a pattern PEFT refuses is refused here
-        regex.compile(pattern)  # what worker/peft_patterns.py matches it with
-    except (re.error, regex.error, RecursionError, OverflowError) as exc:
+        size = written_out_size(pattern)
+        if size <= MAX_PATTERN_CHARS:
+            regex.compile(pattern, cache_pattern=False)  # what worker/peft_patterns.py matches it with
+    except (re.error, regex.error, RecursionError, OverflowError, MemoryError) as exc:
         raise AdapterError(f"{where}: {field} {shown!r} is not a valid regex ({exc}); "
                            f"fix {CONFIG_FILE}") from None
+    if size > MAX_PATTERN_CHARS:  # the regex engine would write it out in full: memory and time, the lock held
+        raise AdapterError(f"{where}: {field} {shown[:60]!r} has counted repeats that write out to over "
+                           f"{MAX_PATTERN_CHARS} characters, the most a pattern may have; use a shorter one in "
+                           f"{CONFIG_FILE}")
 
 
 def _is_int(value: Any) -> bool:

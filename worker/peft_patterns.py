@@ -7,7 +7,10 @@ for ever (`(.*.*)*!`) refuses its adapter, where Python's `re` would stall the w
 matches share a budget too (`pattern_budget`, PATTERN_BUDGET_S): thousands of pattern keys that each stay
 just under the per-match limit, tried against every module, would hold the worker's admin lock (every other
 tenant's push and load) for hours; their compiles count against it as well, and one pattern is at most
-MAX_PATTERN_CHARS long (Python's `re`, which PEFT compiles with, is slow to compile some patterns)."""
+MAX_PATTERN_CHARS long (Python's `re`, which PEFT compiles with, is slow to compile some patterns), also with
+its counted repeats written out (`written_out_size`): the `regex` engine writes `(?:a{3000}){3000}` out in full
+as it compiles it, 2.6 GB and seconds with the interpreter lock held. The compiled patterns are not left in the
+`regex` module's own cache (500 of them, each up to a megabyte): a load holds its own, and `_find` keeps a few."""
 
 from __future__ import annotations
 
@@ -23,6 +26,13 @@ from typing import Any
 import regex
 
 from lorafleet.kernels.lora_layout import PROJS
+
+try:  # Python 3.11+
+    from re import _constants as _re_constants
+    from re import _parser as _re_parser
+except ImportError:  # pragma: no cover - Python 3.10
+    import sre_constants as _re_constants  # type: ignore[no-redef]
+    import sre_parse as _re_parser  # type: ignore[no-redef]
 
 MATCH_SECONDS = 0.2  # one match of an adapter's pattern against a module name (real ones take microseconds)
 PATTERN_BUDGET_S = 5.0  # all the matches of one load (a real config's take milliseconds)
@@ -87,10 +97,17 @@ def _timed(match: Callable[[float], regex.Match | None], pattern: str, module_na
                            f"{module_name!r} (it backtracks without end); simplify it in {CONFIG_FILE}") from None
 
 
+@functools.lru_cache(maxsize=16)
+def _compiled(pattern: str) -> regex.Pattern:
+    """An adapter's pattern (checked by peft_config._compile), compiled once for the modules it is matched against;
+    the last few kept here, not in the regex module's cache of 500."""
+    return regex.compile(pattern, cache_pattern=False)
+
+
 def _find(pattern: str, module_name: str, field: str, *, full: bool) -> regex.Match | None:
-    find = regex.fullmatch if full else regex.match
-    return _timed(lambda timeout: find(pattern, module_name, timeout=timeout, concurrent=True), pattern, module_name,
-                  field)
+    compiled = _compiled(pattern)
+    find = compiled.fullmatch if full else compiled.match
+    return _timed(lambda timeout: find(module_name, timeout=timeout, concurrent=True), pattern, module_name, field)
 
 
 def _match(pattern: str, module_name: str, field: str, *, full: bool) -> bool:
@@ -99,6 +116,36 @@ def _match(pattern: str, module_name: str, field: str, *, full: bool) -> bool:
 
 MAX_PATTERN_KEYS = 4096  # of rank_pattern or alpha_pattern (one per module of a 70B model is 560)
 MAX_PATTERN_CHARS = 8192  # of one pattern: every module of an 8B model spelled out in one regex is about as long
+_REPEATS = {_re_constants.MAX_REPEAT, _re_constants.MIN_REPEAT, getattr(_re_constants, "POSSESSIVE_REPEAT", None)}
+
+
+def written_out_size(pattern: str, most: int = MAX_PATTERN_CHARS) -> int:
+    """About how many items `pattern` has with each counted repeat written out (`x{3}`: xxx; the upper count where
+    there is one, else the lower), as the `regex` engine writes them while it compiles; counting stops past
+    `most`. Raises re.error for a pattern Python's `re` cannot parse (PEFT could not use it either)."""
+
+    def size(items: Any) -> int:
+        total = 0
+        for op, arg in items:
+            if op in _REPEATS:
+                low, high, item = arg
+                total += max(1, low if high == _re_constants.MAXREPEAT else high) * size(item)
+            else:
+                total += 1 + sum(size(sub) for sub in _parts(arg))
+            if total > most:
+                return total
+        return total
+
+    return size(_re_parser.parse(pattern))
+
+
+def _parts(arg: Any) -> Iterator[Any]:
+    """The sub-patterns inside one parsed item's argument (a group's, a branch's, a look-around's)."""
+    if isinstance(arg, _re_parser.SubPattern):
+        yield arg
+    elif isinstance(arg, tuple | list):
+        for a in arg:
+            yield from _parts(a)
 
 
 def compiled_keys(pattern: dict, field: str) -> list[tuple[str, regex.Pattern]]:
@@ -109,7 +156,7 @@ def compiled_keys(pattern: dict, field: str) -> list[tuple[str, regex.Pattern]]:
     compiled = []
     for key in pattern:
         check_budget()
-        compiled.append((key, regex.compile(rf"(.*\.)?({key})$")))
+        compiled.append((key, regex.compile(rf"(.*\.)?({key})$", cache_pattern=False)))
     return compiled
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import pytest
 import torch
@@ -195,3 +196,51 @@ def test_a_pattern_slow_to_compile_is_refused_by_its_length_or_the_loads_budget(
     assert 0 < len(compiled) < len(keys)  # it stopped once the budget was spent
     monkeypatch.setattr(peft_patterns, "PATTERN_BUDGET_S", 5.0)
     assert load(rank_pattern={slow: 8, "q_proj": 4}).ranks == {4}
+
+
+def test_a_pattern_whose_counted_repeats_write_out_past_the_limit_is_refused_before_it_is_compiled(tmp_path):
+    """The `regex` engine writes counted repeats out in full as it compiles: a 20-character target_modules
+    `(?:a{3000}){3000}` took 2.6 GB and 5 s with the interpreter lock held (every tenant's stream stalled), and
+    `(?:a{65535}){65535}` got the worker killed for memory. Each field's pattern is refused by its written-out size,
+    quickly and without compiling it; patterns with small counted repeats, as real configs write them, load."""
+    import resource
+
+    import regex
+
+    from lorafleet.worker.peft_config import MAX_PATTERN_CHARS
+    from tests.worker.test_peft_adapter import tiny_base
+
+    make_adapter(tmp_path / "x", r=4, lora_alpha=8, target_modules=["q_proj"])
+    config_path = tmp_path / "x" / "adapter_config.json"
+    config = json.loads(config_path.read_text())
+
+    def load(**changes):
+        config_path.write_text(json.dumps({**config, **changes}))
+        return load_peft_adapter(tmp_path / "x", tiny_base().config.to_dict(), dtype=torch.float32)
+
+    bomb = "(?:a{65535}){65535}|.*q_proj"
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    for field, changes in (("alpha_pattern", {"alpha_pattern": {"(?:(?:q{40}){40}){40}": 4}}),
+                           ("target_modules", {"target_modules": bomb}),
+                           ("exclude_modules", {"exclude_modules": bomb}),
+                           ("rank_pattern", {"rank_pattern": {bomb: 4}}),
+                           ("layers_pattern", {"layers_pattern": ["(?:layers|(?:x{100,}){100})"],
+                                               "layers_to_transform": [0]})):
+        started = time.monotonic()
+        with pytest.raises(AdapterError, match=rf"{field} .*counted repeats that write out to over {MAX_PATTERN_CHARS}"):
+            load(**changes)
+        assert time.monotonic() - started < 5.0
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200_000  # KiB: nothing was written out
+
+    from lorafleet.worker.peft_patterns import written_out_size
+
+    assert written_out_size("a{3}b") == 4 and written_out_size("(?:ab){2,5}") == 10
+    assert written_out_size("(x|yz)+c*?") == written_out_size("(x|yz)c") == 6  # open repeats count their least
+    assert written_out_size("(?=a{5})(?<!b{3})") == 10 and written_out_size("(?>a{7})") == 8
+    assert written_out_size("((?:a{100}){100}){100}") > MAX_PATTERN_CHARS
+    with pytest.raises(re.error):
+        written_out_size("(?V1)a")  # regex's own syntax: Python's `re`, PEFT's, refuses it
+    real = load(target_modules=r"model\.layers\.\d{1,3}\.self_attn\.(q)_proj",
+                rank_pattern={r"layers\.[0-9]{1,2}\.self_attn\.q_proj": 4})
+    assert real.ranks == {4}
+    assert not any(len(p) > 1000 for p in getattr(regex, "_cache", {}))  # the module's cache holds none of them
