@@ -138,7 +138,8 @@ def recommend(spec: ScalingSpec, hit_rate: float | None, kv_usage: float | None,
     queue is not linear in load, none waits until the seats are full), or,
     with the hit rate below target, under load pressure (it would be scaled up again at once); otherwise
     hold. Clamped to [minReplicas, maxReplicas], and never down to 0: at 0 no worker is left to show
-    demand, so nothing could wake the pool. ``beside``: the pool's ready workers that other Deployments run
+    demand, so nothing could wake the pool. A target at 0 (minReplicas 0) wakes on any demand, or, where workers
+    of other Deployments serve the pool (``beside``), when these rules scale the pool up. ``beside``: the pool's ready workers that other Deployments run
     (a pool naming no spec.workerDeployment may span several, of which it scales one): the load is spread
     over them too, and the target's count changes by what the whole pool needs (never to 0 either: they may
     go, and the target's workers are the ones that show demand then)."""
@@ -147,7 +148,7 @@ def recommend(spec: ScalingSpec, hit_rate: float | None, kv_usage: float | None,
         return corrected
     if hit_rate is None and kv_usage is None and waiting is None:
         return current, "no metrics for the pool's workers (no series or no traffic yet)"
-    if current == 0:  # minReplicas 0: any traffic, KV in use or queued request wakes the pool
+    if current == 0 and not beside:  # minReplicas 0: any traffic, KV in use or queued request wakes the pool
         if hit_rate is not None or (kv_usage or 0.0) > 0 or (waiting or 0.0) > 0:
             return 1, "demand while scaled to 0"
         return 0, "no demand"
@@ -169,6 +170,9 @@ def recommend(spec: ScalingSpec, hit_rate: float | None, kv_usage: float | None,
         ups.append(workers + 1)
     if ups:
         wanted = max(ups) - beside
+    elif current == 0:  # the pool's other Deployments serve it: the target wakes when they need more workers
+        return 0, (" and ".join(reasons) or "within bounds") + (f" over the {beside} workers other Deployments run: "
+                                                                 f"the target stays at 0 until they need more")
     else:
         if hit_low:  # without load pressure: hold, or let the kvLow rule scale down
             reasons.append(f"GPU hit rate {hit_rate:.3g} < targetHitRate {spec.target_hit_rate:g}, but no load "

@@ -21,28 +21,35 @@ MARK = "lorafleet.io/pod-deletion-cost"  # the cost this operator set, to tell i
 PINNED_COST = 1000  # a pinned copy outweighs any count of warm ones a worker holds
 
 
-def deletion_costs(plan: PoolPlan | None) -> dict[str, int]:
-    """pod -> its cost: PINNED_COST per pinned copy the plan keeps on it, 1 per other warm copy; pods
-    with neither are left out (cost 0)."""
+def deletion_costs(plan: PoolPlan | None) -> dict[str, int | None] | None:
+    """pod -> its cost, for every pod the plan covers: PINNED_COST per pinned copy the plan keeps on it, 1 per
+    other warm copy, None for one with neither (cost 0: the operator's mark removed). Its placement counts too:
+    a pod whose sidecar missed this pass's answer keeps its copies there, though nothing is pushed to it. None:
+    no plan yet (a new operator before its first pass), so no pod is known to hold nothing."""
     if plan is None:
-        return {}
-    costs = {}
+        return None
+    costs: dict[str, int | None] = {pod: None for pod in (*plan.desired, *plan.silent)}
     for pod, desired in plan.desired.items():
-        cost = sum(PINNED_COST if d.pinned else 1 for d in desired.adapters if d.warm or d.pinned)
-        if cost:
-            costs[pod] = cost
+        costs[pod] = sum(PINNED_COST if d.pinned else 1 for d in desired.adapters if d.warm or d.pinned) or None
+    placed: dict[str, int] = {}
+    for name, pods in plan.placement.items():
+        for pod in pods:
+            placed[pod] = placed.get(pod, 0) + (PINNED_COST if name in plan.pinned_names else 1)
+    for pod, cost in placed.items():
+        costs[pod] = max(costs.get(pod) or 0, cost)
     return costs
 
 
-def cost_changes(pods: Iterable[dict[str, Any]], costs: Mapping[str, int]) -> dict[str, int | None]:
-    """pod -> the cost to write (None: remove the operator's) where it differs from what the pod has. A pod
-    whose cost someone else set (no MARK, or another value) keeps it."""
+def cost_changes(pods: Iterable[dict[str, Any]], costs: Mapping[str, int | None]) -> dict[str, int | None]:
+    """pod -> the cost to write (None: remove the operator's) where it differs from what the pod has, for the
+    pods of `costs` only (another pool's are its own). A pod whose cost someone else set (no MARK, or another
+    value) keeps it."""
     changes: dict[str, int | None] = {}
     for p in pods:
         meta = p.get("metadata") or {}
         name, notes = meta.get("name"), meta.get("annotations") or {}
         have, ours = notes.get(DELETION_COST), notes.get(MARK)
-        if not isinstance(name, str) or have is not None and have != ours:
+        if name not in costs or have is not None and have != ours:
             continue
         want = costs.get(name)
         if (None if want is None else str(want)) != have:

@@ -78,6 +78,7 @@ class PoolPlan:
     overdue: list[str] = field(default_factory=list)  # silent or unreachable past the unload grace (controller.py)
     reported: list[str] = field(default_factory=list)  # adapters some pod reached reports (any tier, version)
     pinned: PinnedNeed | None = None  # with spec.scaling: the workers its pinned adapters need (None: not known)
+    pinned_names: set[str] = field(default_factory=set)  # the pinned adapters of ``placement``
 
 
 def reconcile_pool(pool: PoolSpec | None, adapters: Sequence[AdapterSpec | InvalidAdapter],
@@ -172,6 +173,7 @@ def reconcile_pool(pool: PoolSpec | None, adapters: Sequence[AdapterSpec | Inval
     plan.placement = place_warm(list(served.values()), live, default_capacity=pool.gpu_bytes if pool else 0,
                                 quiet=quiet)
     plan.pinned = pool_pinned_need(pool, list(served.values()), live + quiet)  # the autoscaler's floor
+    plan.pinned_names = {name for name, a in served.items() if a.pinned}
     warm_sets = {name: set(pods) for name, pods in plan.placement.items()}
     settings = pool_settings(pool)
     for w in live:

@@ -132,26 +132,27 @@ class PoolScaler:
     async def run(self, body: dict[str, Any], *, status: Mapping[str, Any] | None = None,
                   pods: Iterable[dict[str, Any]], other_pools: Iterable[dict[str, Any]],
                   replicasets: Iterable[dict[str, Any]] = (), pinned: PinnedNeed | None = NO_PINNED,
-                  costs: Mapping[str, int] | None = None, now: str) -> dict[str, Any]:
+                  costs: Mapping[str, int | None] | None = None, now: str) -> dict[str, Any]:
         """The status keys this pass owns, as they should be (``conditions``: the pool's current ones with
         Scaling replaced); a pool without ``spec.scaling`` gets them removed. ``status``: the pool's status
         as it is when the pass ends (kopf's live view; default: the body's), read after the pass's I/O so
         that a condition another writer set meanwhile is kept. ``replicasets``: the namespace's
         (worker_trust.slim_replicaset), which say which pods the other pools may reach. ``pinned``: the workers
         the pool's pinned adapters need (the reconcile's count; None: not known), below which it never scales.
-        ``costs``: pod -> its deletion cost (deletion_cost.deletion_costs), written before a scale-down."""
+        ``costs``: pod -> its deletion cost (deletion_cost.deletion_costs), written before a scale-down (None: no
+        plan yet, the costs set before stand)."""
         if (body.get("spec") or {}).get("scaling") is None:
             meta = body.get("metadata") or {}
             self.forget((meta.get("namespace", ""), meta.get("name", "")))
             return merge_conditions(dict((body.get("status") if status is None else status) or {}),
                                     {k: None for k in OWNED_KEYS}, drop=[SCALING])
-        own, (ok, reason, message) = await self._run(body, pods, other_pools, replicasets, pinned, costs or {}, now)
+        own, (ok, reason, message) = await self._run(body, pods, other_pools, replicasets, pinned, costs, now)
         live = dict((body.get("status") if status is None else status) or {})  # read after the pass's I/O
         return merge_conditions(live, {**own, "conditions": [condition(live, SCALING, ok, reason, message, now)]})
 
     async def _run(self, body: dict[str, Any], pods: Iterable[dict[str, Any]], other_pools: Iterable[dict[str, Any]],
-                   replicasets: Iterable[dict[str, Any]], pinned: PinnedNeed | None, costs: Mapping[str, int],
-                   now: str) -> tuple[dict[str, Any], tuple[bool, str, str]]:
+                   replicasets: Iterable[dict[str, Any]], pinned: PinnedNeed | None,
+                   costs: Mapping[str, int | None] | None, now: str) -> tuple[dict[str, Any], tuple[bool, str, str]]:
         """(the status keys it owns but conditions, the Scaling condition's (ok, reason, message))."""
         pods = list(pods)
         def scaling(ok: bool, reason: str, message: str) -> tuple[dict[str, Any], tuple[bool, str, str]]:
@@ -340,10 +341,15 @@ class PoolScaler:
         the metrics cannot be read (a pinned adapter must not stay off the GPU until Prometheus answers)."""
         return pinned_floor(spec, current, current, pinned, beside)[0] > current
 
-    async def _rank_pods(self, namespace: str, pods: list[dict[str, Any]], costs: Mapping[str, int]) -> str:
+    async def _rank_pods(self, namespace: str, pods: list[dict[str, Any]], costs: Mapping[str, int | None] | None
+                         ) -> str:
         """Before a scale-down: the pods' deletion costs from the pool's last plan (deletion_cost.py), so the
         ReplicaSet removes those holding no pinned copy first. Empty, or a note when the API server refused
-        (the scale-down goes on: the floor keeps enough workers, a pinned copy lost is placed again)."""
+        (the scale-down goes on: the floor keeps enough workers, a pinned copy lost is placed again). No plan yet
+        (``costs`` None): the costs set before stay as they are."""
+        if costs is None:
+            return ("; the pods were not ranked again for the scale-down (no reconcile pass since the operator "
+                    "started): the costs set before stand")
         for pod, cost in cost_changes(pods, costs).items():
             try:
                 await self.deployments.set_deletion_cost(namespace, pod, cost)

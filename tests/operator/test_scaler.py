@@ -115,7 +115,7 @@ def setup():
 
 
 async def tick(scaler: PoolScaler, body: dict, pods: list[dict], replicasets: list[dict] = (),
-               pinned: PinnedNeed | None = NO_PINNED, costs: dict[str, int] | None = None) -> dict:
+               pinned: PinnedNeed | None = NO_PINNED, costs: dict[str, int | None] | None = None) -> dict:
     """One pass; the wanted keys are applied to ``body``'s status the way a merge patch would."""
     wanted = await scaler.run(copy.deepcopy(body), pods=pods, other_pools=[], replicasets=replicasets, pinned=pinned,
                               costs=costs, now=NOW)
@@ -153,6 +153,13 @@ async def test_high_kv_scales_up_in_proportion_then_waits_for_the_new_workers(se
     assert metrics.windows == [120, 120, 120]  # the hit rate's default window
 
 
+def made(name: str, rs: str, uid: str, ready: bool = True) -> dict:
+    """A pod of ReplicaSet ``rs``."""
+    p = pod(name, ready)
+    p["metadata"]["ownerReferences"] = [{"kind": "ReplicaSet", "name": rs, "uid": uid, "controller": True}]
+    return p
+
+
 async def test_a_pool_over_several_deployments_scales_its_target_by_what_the_whole_pool_needs(setup):
     """A pool naming no workerDeployment reaches the pods of every Deployment its selector matches (one per GPU
     type, say), and scales one. The others' 3 ready workers share the load: 5 workers at KV 0.95 need 8 at
@@ -163,12 +170,6 @@ async def test_a_pool_over_several_deployments_scales_its_target_by_what_the_who
     body = pool(kvHigh=0.6, maxReplicas=12)
     replicasets = [{"name": "workers-1", "uid": "u1", "deployment": "workers"},
                    {"name": "a100-1", "uid": "u2", "deployment": "workers-a100"}]
-
-    def made(name: str, rs: str, uid: str, ready: bool = True) -> dict:
-        p = pod(name, ready)
-        p["metadata"]["ownerReferences"] = [{"kind": "ReplicaSet", "name": rs, "uid": uid, "controller": True}]
-        return p
-
     pods = [made("w-0", "workers-1", "u1"), made("w-1", "workers-1", "u1")]
     pods += [made(f"a-{i}", "a100-1", "u2") for i in range(3)]
     st = await tick(scaler, body, pods, replicasets)
@@ -183,6 +184,24 @@ async def test_a_pool_over_several_deployments_scales_its_target_by_what_the_who
     pods = [made(f"w-{i}", "workers-1", "u1") for i in range(5)] + pods[2:5]
     await tick(scaler, body, pods, replicasets)
     assert deployments.patches == [5, 4]
+
+
+async def test_a_target_at_zero_beside_other_deployments_wakes_only_when_they_need_more_workers(setup):
+    """minReplicas 0, the target at 0, the pool's other Deployment serving: its light load (KV 0.02, hit rate 1)
+    is no demand for the target, which stayed at 1 for good after any request (nothing scales it back to 0); a
+    load its 3 workers cannot hold (KV 0.95 at kvHigh 0.6: 5 needed) wakes it with the 2 missing."""
+    scaler, metrics, deployments, _ = setup
+    body = pool(minReplicas=0, kvHigh=0.6)
+    replicasets = [{"name": "a100-1", "uid": "u2", "deployment": "workers-a100"}]
+    pods = [made(f"a-{i}", "a100-1", "u2") for i in range(3)]
+    deployments.replicas = 0
+    metrics.signals = (1.0, 0.02, 0.0)
+    st = await tick(scaler, body, pods, replicasets)
+    assert deployments.patches == [] and scaling_condition(st)["reason"] == "Steady"
+    assert "the target stays at 0 until they need more" in scaling_condition(st)["message"]
+    metrics.signals = (1.0, 0.95, 0.0)
+    st = await tick(scaler, body, pods, replicasets)
+    assert deployments.patches == [2] and scaling_condition(st)["reason"] == "ScaledUp"
 
 
 async def test_the_hit_rate_window_is_the_pools(setup):
@@ -565,13 +584,31 @@ async def test_a_scale_down_first_ranks_the_pods_holding_pinned_copies_to_go_las
             pod("w-2", since="2025-12-31T23:00:00Z"), pod("w-3", ready=False)]
     pods[0]["metadata"]["annotations"] = {DELETION_COST: "-5"}
     pods[3]["metadata"]["annotations"] = {DELETION_COST: "1", MARK: "1"}
-    status = await tick(scaler, pool(), pods, pinned=PinnedNeed(1, 1), costs={"w-0": 1, "w-1": 1, "w-2": 1000})
+    # b-0: a pod of another pool (one naming no workerDeployment sees the namespace's), ranked by that one's plan.
+    pods.append({"metadata": {"name": "b-0", "labels": {"app": "b"}, "annotations": {DELETION_COST: "1000",
+                                                                                      MARK: "1000"}}})
+    status = await tick(scaler, pool(), pods, pinned=PinnedNeed(1, 1),
+                        costs={"w-0": 1, "w-1": 1, "w-2": 1000, "w-3": None})
     assert deployments.patches == [2]
     if rank_pods:
         assert deployments.calls == [("w-1", 1), ("w-2", 1000), ("w-3", None), ("replicas", 2)]
     else:
         assert deployments.calls == [("replicas", 2)]
     assert status["conditions"][0]["reason"] == "ScaledDown"
+
+
+async def test_a_scale_down_before_the_first_plan_leaves_the_costs_as_they_are():
+    """A new operator corrects a count above maxReplicas at once, before its first reconcile pass: with no plan,
+    no pod is known to hold nothing, and the costs set before (the pinned holder's) stay for the ReplicaSet."""
+    from lorafleet.operator.deletion_cost import DELETION_COST, MARK, deletion_costs
+
+    deployments = Deployments(8)
+    scaler = PoolScaler(Metrics(), deployments, allowed=PrometheusAllowlist([PROM]), clock=Clock(), rank_pods=True)
+    pods = [pod(f"w-{i}") for i in range(8)]
+    pods[3]["metadata"]["annotations"] = {DELETION_COST: "1000", MARK: "1000"}
+    status = await tick(scaler, pool(), pods, pinned=None, costs=deletion_costs(None))
+    assert deployments.calls == [("replicas", 6)]
+    assert "not ranked again for the scale-down" in status["conditions"][0]["message"]
 
 
 async def test_pods_the_api_server_will_not_rank_still_scale_down_with_a_note():
