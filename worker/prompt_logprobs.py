@@ -16,7 +16,8 @@ the entries it has and only positions not yet filled are computed. Pure decode s
 need a row: a decode's position is at least the prompt's last, which predicts no prompt token.
 
 Sharing: the n choices of a request are n sequences of one prompt, adapter and k, whose entries are the
-same. Before its first entry, a sequence takes the list that one in flight with the same three holds, so
+same. Before its first entry, a sequence takes the list that one in flight with the same three (and the same
+tenant and cache_salt, as the prefix cache: no timing tells a tenant what another asked) holds, so
 each position is computed once, by whichever of them runs it first (in the same step too): a sharer never
 runs a position before the list has its entry, since any position it ran is filled. A choice admitted only
 after all the others finished computes its own.
@@ -60,13 +61,13 @@ def prompt_rows(scheduled: list[tuple[Sequence, int]]) -> tuple[list[int], list[
 
 def share_prompt_logprobs(scheduled: list[tuple[Sequence, int]], lists: weakref.WeakValueDictionary) -> None:
     """Give a sequence about to compute its first prompt logprobs the list that an unfinished sequence with the
-    same prompt, adapter and k holds. `lists`: (adapter, k, prompt) -> the last list made for them (kept by the
-    caller from step to step; an entry goes with its list)."""
+    same prompt, adapter and k (tenant and cache_salt) holds. `lists`: (tenant, cache_salt, adapter, k, prompt) ->
+    the last list made for them (kept by the caller from step to step; an entry goes with its list)."""
     for seq, _ in scheduled:
         k = seq.params.prompt_logprobs
         if k is None or len(seq.prompt_logprobs) > 1 or seq.num_prompt_tokens < 2:
             continue  # none asked, some entries in already (its own or shared), or none to compute
-        key = (seq.adapter, k, tuple(seq.prompt_token_ids))
+        key = (seq.tenant, seq.params.cache_salt, seq.adapter, k, tuple(seq.prompt_token_ids))
         shared = lists.get(key)
         if shared is seq.prompt_logprobs:
             continue

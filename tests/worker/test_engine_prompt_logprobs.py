@@ -220,14 +220,19 @@ def test_prompt_logprobs_beyond_twenty_are_refused():
 
 
 def test_a_prompt_logprobs_list_is_shared_only_for_one_adapter_version_and_k_while_a_holder_runs():
-    def seq(adapter: str, k: int = 2) -> Sequence:
-        return Sequence("r", [1, 2, 3], _greedy(prompt_logprobs=k), adapter=adapter)
+    """...and within one tenant and cache_salt, as the prefix cache: another tenant's request for the same
+    prompt took the list, and its prompt logprobs came sooner for it (a timing that told it what was asked)."""
+    def seq(adapter: str | None, k: int = 2, tenant: str = "t", salt: str | None = None) -> Sequence:
+        return Sequence("r", [1, 2, 3], _greedy(prompt_logprobs=k, cache_salt=salt), adapter=adapter, tenant=tenant)
 
     lists: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
     first, canary, other_k, sibling = seq("a@v1"), seq("a@v2"), seq("a@v1", 3), seq("a@v1")
-    prompt_logprobs_module.share_prompt_logprobs([(s, 3) for s in (first, canary, other_k, sibling)], lists)
+    strangers = [seq("a@v1", tenant="u"), seq("a@v1", salt="user-2"), seq(None), seq(None, tenant="u")]
+    prompt_logprobs_module.share_prompt_logprobs([(s, 3) for s in (first, canary, other_k, sibling, *strangers)],
+                                                 lists)
     assert sibling.prompt_logprobs is first.prompt_logprobs
     assert canary.prompt_logprobs is not first.prompt_logprobs and other_k.prompt_logprobs is not first.prompt_logprobs
+    assert len({id(s.prompt_logprobs) for s in (first, *strangers)}) == 5
     first.status = sibling.status = SequenceStatus.FINISHED
     later = seq("a@v1")
     prompt_logprobs_module.share_prompt_logprobs([(later, 3)], lists)
