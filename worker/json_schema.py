@@ -121,7 +121,7 @@ class JsonSchema:
         self.key = "schema:" + hashlib.sha256(canonical.encode()).hexdigest()
         # Compiled from the canonical text: the same key always numbers its nodes and properties the same way.
         self.document = json.loads(canonical)
-        self.grammars: dict[bool, Any] = {}  # its SchemaGrammar, compact or not, made once (json_schema_grammar.py)
+        self.grammars: dict[tuple, Any] = {}  # its SchemaGrammars by (compact, tag), each made once (json_schema_grammar.py)
         self.nodes: list[Node | None] = [ANY_NODE]
         self._compiled: dict[int, int] = {}  # id(subschema dict) -> node
         self._num_names = 0

@@ -34,6 +34,8 @@ DONE once the value is complete. A stack's frames, innermost last:
                                      every number it may still become is inside them
     ("l", rest)                      in true, false or null: the bytes still to come
     ("e", node, buf)                 in an enum/const value: its compact encoding so far
+    ("t", node, buf)                 in a union of objects read with their tag first (json_schema_tag_reader.py):
+                                     the bytes after its `{` up to the tag's value, whitespace left out
 
 A number ends at the first byte that cannot continue it, which its container then reads; every other value
 ends at its own last byte. Readings are bounded (MAX_READINGS): a schema whose unions stay ambiguous
@@ -53,6 +55,7 @@ from lorafleet.worker.json_schema_check import takes
 from lorafleet.worker.json_schema_item_reader import ItemReader, distinct_start, fold
 from lorafleet.worker.json_schema_key_reader import KeyReader
 from lorafleet.worker.json_schema_lookup import enum_run, most
+from lorafleet.worker.json_schema_tag_reader import TagReader
 from lorafleet.worker.json_schema_unions import MANY
 from lorafleet.worker.regex_grammar import CLOSE, text_byte
 
@@ -77,12 +80,15 @@ class GrammarError(RuntimeError):
     """The output cannot be followed within the grammar's bounds (its request fails; the others go on)."""
 
 
-class SchemaGrammar(KeyReader, ItemReader):
-    def __init__(self, schema: JsonSchema, compact: bool = False) -> None:
+class SchemaGrammar(KeyReader, ItemReader, TagReader):
+    def __init__(self, schema: JsonSchema, compact: bool = False, tag: bytes | None = None) -> None:
         self.schema = schema
         self.nodes = schema.nodes
         self.compact = compact  # no whitespace between tokens of JSON (vLLM's disable_any_whitespace)
-        self.key = schema.key + (":compact" if compact else "")  # names the grammar in the vocabulary's mask cache
+        self.tag = tag  # unions of objects told apart by this property's constant are read with it first
+        self._tag_unions = {}
+        # The grammar's name in the vocabulary's mask cache.
+        self.key = schema.key + (":compact" if compact else "") + ("" if tag is None else f":tag={tag.hex()}")
         self.start = frozenset({(("v", schema.root),)})
         self.pads = True  # JSON whitespace may follow the complete value (JsonGuide._pads)
 
@@ -124,7 +130,7 @@ class SchemaGrammar(KeyReader, ItemReader):
     @staticmethod
     def ws_uniform(state) -> bool:
         """Whether every whitespace byte leads to the same state (not inside a string, key or enum value)."""
-        return state == DONE or all(st[-1][0] not in "sSPkKRue" for st in state)
+        return state == DONE or all(st[-1][0] not in "sSPkKRuet" for st in state)
 
     def validates(self, value) -> bool:
         """Whether a parsed JSON value is one the schema takes, as JSON Schema reads it (json_schema_check.py:
@@ -206,6 +212,8 @@ class SchemaGrammar(KeyReader, ItemReader):
             return self._distinct_number_byte(st, top, c)
         if tag == "R":
             return self._language_key_byte(st, top[1], top[2], top[3], c)
+        if tag == "t":
+            return self._tag_byte(st, top, c)
         if tag == "S":
             return self._boundedstring_byte(st, top, c)
         if tag == "P":
@@ -230,6 +238,9 @@ class SchemaGrammar(KeyReader, ItemReader):
 
     def _begin(self, below: tuple, index: int, c: int) -> list[tuple]:
         """The stacks after `c`, the first byte of a value of node `index`, on top of `below`."""
+        tagged = self._tagged_begin(below, index, c)
+        if tagged is not None:
+            return tagged
         out = []
         distinct = bool(below) and below[-1][0] == "a" and self.nodes[below[-1][1]].unique == MANY
         for a in self.schema.alternatives(index):  # memoized at compile time
@@ -357,15 +368,16 @@ def _in_plain(top: tuple) -> bool:
     return top == STR or top[0] == "S" and top[2] == "str" or top[0] in "Ku" and top[1] == "str"
 
 
-def schema_grammar(schema: Any, compact: bool = False) -> SchemaGrammar:
+def schema_grammar(schema: Any, compact: bool = False, tag: bytes | None = None) -> SchemaGrammar:
     """The grammar of a schema (json_schema.SchemaError when it cannot be enforced); one per schema text (and
-    `compact`), shared by the requests that send it, with its cached alternatives (and the vocabulary's masks,
-    keyed by its key)."""
+    `compact` and `tag`), shared by the requests that send it, with its cached alternatives (and the vocabulary's
+    masks, keyed by its key). `tag`: unions of objects told apart by that property's constant take it first
+    (json_schema_tag_reader.py)."""
     compiled = compile_schema(schema)
-    grammar = compiled.grammars.get(compact)
+    grammar = compiled.grammars.get((compact, tag))
     if grammar is None:
         try:
-            grammar = compiled.grammars[compact] = SchemaGrammar(compiled, compact)
+            grammar = compiled.grammars[compact, tag] = SchemaGrammar(compiled, compact, tag)
         except RecursionError:
             raise SchemaError("the schema nests too deeply to compile") from None
     return grammar

@@ -141,7 +141,9 @@ def parse_tool_request(f: Fields) -> ToolRequest | None:
         request.output_grammar = request.grammars[function]
     elif choice == "required":
         try:
-            request.output_grammar = schema_grammar(required_calls_schema(tools, request.grammars, parallel))
+            # Each call read name first: one reading from its name on, however many tools (json_schema_tag_reader.py).
+            request.output_grammar = schema_grammar(required_calls_schema(tools, request.grammars, parallel),
+                                                    tag=b"name")
         except SchemaError as exc:  # each tool compiled alone, but not all of them together (the bounds)
             raise bad_request(f"'tools' with tool_choice \"required\": {exc}", "tools") from None
     return request

@@ -232,6 +232,48 @@ def test_required_keeps_data_that_looks_like_a_reference_and_refuses_a_union_too
     assert err.value.param == "tools" and "the schema has more than 2048 parts" in err.value.message
 
 
+def test_required_reads_each_call_name_first_so_any_number_of_tools_stays_one_reading():
+    """The calls' union has one object per tool: read as any union, 65 tools were past the grammar's 64
+    readings at a call's `{` (a 400 telling the caller to change a union it never wrote), and 17 tools whose
+    parameters were each a union of 4 objects failed a request mid-way when the model wrote the parameters before
+    the name. Each call is read name first: one reading from its name on. The same schema sent by a caller is
+    still read in any key order."""
+    from lorafleet.worker.json_schema_grammar import schema_grammar
+    from lorafleet.worker.tool_request import required_calls_schema
+
+    def tools(count: int, parameters: dict) -> list[dict]:
+        return [{"type": "function", "function": {"name": f"f{i}", "parameters": parameters}} for i in range(count)]
+
+    def walk(grammar, text: bytes):
+        state, most = grammar.start, 1
+        for i in range(len(text)):
+            state = grammar.advance(state, text[i:i + 1])
+            if state is None:
+                return None, most
+            most = max(most, 1 if grammar.is_complete(state) else len(state))
+        return state, most
+
+    many = parse_tool_request(Fields({"tools": tools(128, {"type": "object", "properties": {
+        "x": {"type": "integer"}}}), "tool_choice": "required"}, "chat")).output_grammar
+    for text in (b'[{"name":"f77","parameters":{"x":3}}]', b'[ {\n "name" : "f1" , "parameters": {} },{"name":"f10",'
+                 b'"parameters":{"x":1}}]', b'[{"name":"f127","parameters":{}}]'):
+        state, most = walk(many, text)
+        assert many.is_complete(state) and most == 1, text
+    for refused in (b'[{"parameters":', b'[{"name":"f128"', b'[{"name":"f1","name"', b'[{ "na me"', b'[{}'):
+        assert walk(many, refused)[0] is None, refused
+
+    union = {"anyOf": [{"type": "object", "properties": {"k": {"const": k}}, "required": ["k"]} for k in "abcd"]}
+    ambiguous = tools(17, {"type": "object", "properties": {"a": union}})
+    output = parse_tool_request(Fields({"tools": ambiguous, "tool_choice": "required"}, "chat")).output_grammar
+    state, most = walk(output, b'[{"name":"f16","parameters":{"a":{"k":"c"}}}]')
+    assert output.is_complete(state) and most <= 4
+    schema = required_calls_schema(ambiguous, {f"f{i}": schema_grammar(ambiguous[i]["function"]["parameters"])
+                                               for i in range(17)}, True)
+    as_sent = schema_grammar(schema)  # a caller's own schema: any key order, each tool a reading
+    assert as_sent.is_complete(walk(as_sent, b'[{"parameters":{},"name":"f3"}]')[0])
+    assert output.key != as_sent.key  # their masks are cached apart
+
+
 def test_parameters_that_take_more_than_objects_are_held_to_an_object_unless_strict():
     from lorafleet.worker.openai_fields import APIError
 
