@@ -66,8 +66,13 @@ class GbnfParser(Parser):
         return ("cat", items)
 
     def quantified(self, tree):
+        """As llama.cpp reads a sequence: quantifiers may follow one another, whitespace between (`"a"{2}*` is a
+        repeat of a repeat), where a regex (ECMAScript) refuses a second one."""
         self.ws()
-        return super().quantified(tree)
+        while (bound := self._quantifier()) is not None:
+            tree = ("rep", tree, *bound)
+            self.ws()
+        return tree
 
     def atom(self):
         c = self.peek()

@@ -21,9 +21,9 @@ Where the schema is silent, the output is held as a strict reader of it would ex
 backend does by default): an object schema that lists `properties` or `patternProperties` takes no other key
 unless `additionalProperties` says so (an object schema without either takes any keys); a schema that only
 lists properties or items describes an object or an array. `enum` and `const` values are written in their
-compact form (`json.dumps(v, separators=(",", ":"), ensure_ascii=False)`), and listed property names as
-json.dumps writes them: `1.0` is not taken for `const: 1`, nor `"\u0061"` for a property `a` (a key
-written so is read as the key it names, never as a second one). A top-level schema must describe an
+compact form (`json.dumps(v, separators=(",", ":"), ensure_ascii=False)`, an object's keys sorted, as in the
+canonical text it is compiled from), and listed property names as json.dumps writes them: `1.0` is not taken
+for `const: 1`, nor `"\u0061"` for a property `a` (a key written so is read as the key it names, never twice). A top-level schema must describe an
 object, an array, a string, a boolean or null: a number has no end a stop token could follow. A schema
 must take some finite value everywhere (`{"properties": {"a": {"$ref": "#"}}, "required": ["a"]}` does not).
 

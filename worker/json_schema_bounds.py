@@ -338,9 +338,10 @@ _MONTH_DAY = r"((0[13578]|1[02])-(0[1-9]|[12]\d|3[01])|(0[469]|11)-(0[1-9]|[12]\
 _DATE = rf"({_YEAR}-{_MONTH_DAY}|{_LEAP}-02-29)"
 _TIME = r"([01]\d|2[0-3]):[0-5]\d:[0-5]\d(\.\d{1,9})?(Z|[+-]([01]\d|2[0-3]):[0-5]\d)"
 _OCTET = r"(25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)"
+_ATEXT = r"[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]"  # RFC 5322's atext: an address's local part is dot-separated runs of it
 FORMATS = {"date": f"^{_DATE}$", "time": f"^{_TIME}$", "date-time": f"^{_DATE}T{_TIME}$",
            "uuid": "^[0-9a-fA-F]{8}(-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12}$", "ipv4": rf"^({_OCTET}\.){{3}}{_OCTET}$",
-           "email": r"^[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}$"}
+           "email": rf"^{_ATEXT}+(\.{_ATEXT}+)*@[A-Za-z0-9-]+(\.[A-Za-z0-9-]+)*\.[A-Za-z]{{2,}}$"}
 
 
 def parse_pattern(s: dict, min_len: int, max_len: int | None) -> Regex | LengthRegex | None:

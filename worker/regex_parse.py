@@ -167,23 +167,36 @@ class Parser:
         return lo, hi, k + 1
 
     def quantified(self, tree):
-        while (c := self.peek()) is not None and c in "*+?{":
-            if c == "{":
-                self.i += 1
-                bound = self._bound()
-                if bound is None:
-                    self.i -= 1
-                    return tree  # a literal '{' follows (ECMAScript's annex B reading)
-                lo, hi, self.i = bound
-                if hi is not None and hi < lo:
-                    raise self.error(f"a quantifier {{{lo},{hi}}} out of order")
-            else:
-                self.i += 1
-                lo, hi = {"*": (0, None), "+": (1, None), "?": (0, 1)}[c]
-            if self.peek() == "?":  # lazy: the same texts
-                self.i += 1
-            tree = ("rep", tree, lo, hi)
-        return tree
+        """`tree` with the quantifier that follows it, if one does. One only, as ECMAScript (and Python) take
+        them: `a**`, `x{3}{2}` are "nothing to repeat" errors, not repeats of repeats."""
+        bound = self._quantifier()
+        if bound is None:
+            return tree
+        if self.peek() == "?":  # lazy: the same texts
+            self.i += 1
+        at = self.i
+        if self._quantifier() is not None:
+            self.i = at
+            raise self.error("nothing to repeat (a quantifier right after another)")
+        return ("rep", tree, *bound)
+
+    def _quantifier(self) -> tuple[int, int | None] | None:
+        """(lo, hi) of a quantifier at the position, read past; None where none is (a '{' that opens no bound is
+        a literal, ECMAScript's annex B reading)."""
+        c = self.peek()
+        if c is None or c not in "*+?{":
+            return None
+        self.i += 1
+        if c != "{":
+            return {"*": (0, None), "+": (1, None), "?": (0, 1)}[c]
+        bound = self._bound()
+        if bound is None:
+            self.i -= 1
+            return None
+        lo, hi, self.i = bound
+        if hi is not None and hi < lo:
+            raise self.error(f"a quantifier {{{lo},{hi}}} out of order")
+        return lo, hi
 
     def klass(self) -> Ranges:
         negated = self.peek() == "^"

@@ -310,6 +310,18 @@ def test_grafana_dashboard_plots_every_figure_the_troubleshooting_checklist_read
         assert any(needed in e for e in exprs), f"no dashboard panel reads {needed}"
 
 
+def test_grafana_dashboard_plots_every_adapter_metric_the_readme_says_it_plots():
+    """README lists the adapter metrics and says the dashboard plots them: each one it names is on a panel."""
+    readme = (ROOT / "README.md").read_text()
+    listed = readme[readme.index("distinct adapters per engine"):readme.index("plots them. vLLM's names")]
+    names = {re.sub(r"_(total|bucket)$", "", n) for n in re.findall(r"lorafleet_[a-z_]+", listed)}
+    names |= {f"lorafleet_page_pool_{kind}_pages" for kind in ("kv", "adapter")} if "{kv,adapter}" in listed else set()
+    dashboard = (CHART / "files" / "grafana-dashboard.json").read_text()
+    assert len(names) >= 8
+    for name in sorted(names - {"lorafleet_page_pool_"}):
+        assert re.search(rf"\b{name}(_total|_bucket)?\b", dashboard), f"README names {name}; no dashboard panel reads it"
+
+
 def test_grafana_dashboard_queries_exported_metrics():
     dashboard = json.loads((CHART / "files" / "grafana-dashboard.json").read_text())
     exported = "".join(p.read_text() for p in (ROOT / "worker").glob("*metrics*.py"))

@@ -94,7 +94,8 @@ def _closing_walk(grammar, rng: random.Random) -> str:
     while state != SCHEMA_DONE:
         ways = allowed(grammar, state)
         assert ways and len(out) < 2000, bytes(out)
-        ends = [b for b in ways if b in b'"}']
+        closed = out.count(b'"') >= 4  # the key's quotes and the value's: a '}' before is a character (an email's)
+        ends = [b for b in ways if b == 0x22 or b == 0x7D and closed]
         out.append(ends[0] if ends and len(out) > 8 else rng.choice(ways))
         state = grammar.advance(state, out[-1:])
     return out.decode()
@@ -121,6 +122,7 @@ FORMS = [
     ("time", "23:59:59Z", "23:59:60Z"), ("date", "0001-01-01", "0000-01-01"),
     ("date-time", "2026-12-04T15:00:00Z", "2026-12-04t15:00:00z"), ("uuid", "123e4567-e89b-12d3-a456-426614174000", "123e4567e89b12d3a456426614174000"),
     ("ipv4", "192.168.0.255", "192.168.0.256"), ("email", "a.b+c@example.co", "a@b"),
+    ("email", "o'neil@example.com", "a..b@example.com"), ("email", "user~x{1}@example.com", ".a@example.com"),
 ]
 
 
