@@ -65,7 +65,11 @@ class AdapterLoading:
         return changed
 
     def _sweep_wanted(self) -> None:
-        unread = []
+        """Place the wanted adapters read already, start the reads of the others. A slot that frees goes to the
+        tenant holding the fewest slots in use (`_busy_slots`), in request order within one tenant's: in the order
+        they were asked for, one tenant's burst of adapters took every slot that freed while another tenant's
+        request waited (13-20 s for a first token, where its turn came at the next slot)."""
+        unread, ready = [], []
         for key in list(self._wanted):
             entry = self._entries.get(key)
             if entry is None or entry.on_gpu:
@@ -74,9 +78,27 @@ class AdapterLoading:
                 if entry.fetching is None:
                     unread.append(entry)
             else:
-                self._try_place(entry)
+                ready.append(entry)
+        if len(ready) > 1:
+            busy = self._busy_slots()
+            while ready:
+                entry = min(ready, key=lambda e: busy.get(_group(e), 0))  # the first of the least busy
+                ready.remove(entry)
+                if self._try_place(entry):
+                    busy[_group(entry)] = busy.get(_group(entry), 0) + 1
+        elif ready:
+            self._try_place(ready[0])
         if self._start_wanted_reads(unread):
             self._trim_cpu(protect=None)  # idle images make way for the reads a request waits for
+
+    def _busy_slots(self) -> dict[str, int]:
+        """tenant -> GPU slots of its adapters that cannot leave now (in use, being copied, pinned); an adapter
+        one owner lends to many counts for the tenant that asked for it (`_group`)."""
+        busy: dict[str, int] = {}
+        for entry in self._slot_owner.values():
+            if entry.refcount > 0 or entry.copying is not None or entry.pinned:
+                busy[_group(entry)] = busy.get(_group(entry), 0) + 1
+        return busy
 
     def _read_room(self) -> ReadRoom:
         """The room the CPU budget leaves for reads for the GPU now (worker/read_room.py)."""
@@ -92,7 +114,7 @@ class AdapterLoading:
             entry = self._entries.get(key)
             if entry is None or entry.resident:
                 continue
-            group = entry.asker or entry.read_group  # an image found in the CPU tier: the tenant asking now
+            group = _group(entry)  # an image found in the CPU tier: the tenant asking now
             if entry.copying is not None:
                 room.took(group, entry.image.nbytes)
             elif key not in self._wanted or not _waited_for(entry):
@@ -363,3 +385,8 @@ def _stuck(entry: AdapterEntry, since: float) -> bool:
 def limit_cpu_threads(num_threads: int | None) -> None:
     if num_threads is not None:
         torch.set_num_threads(num_threads)
+
+
+def _group(entry: AdapterEntry) -> str:
+    """The tenant an adapter is read and placed for: the one asking now, else the one its last read was for."""
+    return entry.asker or entry.read_group or entry.tenant

@@ -317,3 +317,34 @@ def test_an_idle_thread_holds_nothing_of_its_last_job():
         assert ref() is None
     finally:
         executor.shutdown(wait=True)
+
+
+def test_a_freed_gpu_slot_goes_to_the_tenant_holding_the_fewest_not_the_first_asked_for():
+    """Tenant B holds both slots and waits for two more of its adapters; tenant A then asks for one. Each slot
+    B's requests free went to B's next adapter (the order adapters were asked for), so A's request waited out
+    B's whole burst (13-20 s for a first token). A freed slot goes to the tenant with the fewest slots in use:
+    A's adapter takes the first, and B's take their turns after."""
+    from tests.worker.test_adapter_pool import make_pool
+
+    pool = make_pool(max_slots=2)
+    for seed, (key, tenant) in enumerate({"b0@1": "B", "b1@1": "B", "b2@1": "B", "b3@1": "B", "a@1": "A"}.items()):
+        pool.add(key, random_weights(seed), tenant=tenant)
+    try:
+        held = {key: pool.acquire(key, waiter=key, tenant="B") for key in ("b0@1", "b1@1")}
+        pool.wait_idle()
+        held = {key: slot if slot is not None else pool.acquire(key, waiter=key, tenant="B") for key, slot in held.items()}
+        assert None not in held.values()
+        for key, tenant in (("b2@1", "B"), ("b3@1", "B"), ("a@1", "A")):  # B's asked for first
+            assert pool.acquire(key, waiter=key, tenant=tenant) is None
+        pool.wait_idle()
+        pool.release(held.pop("b0@1"))
+        pool.wait_idle()
+        assert pool.acquire("a@1", waiter="a@1", tenant="A") is not None
+        assert pool.acquire("b2@1", waiter="b2@1", tenant="B") is None  # B keeps its slot, the other is A's
+        pool.release(held.pop("b1@1"))
+        pool.wait_idle()
+        assert pool.acquire("b2@1", waiter="b2@1", tenant="B") is not None  # then B's, in the order it asked
+        assert pool.acquire("b3@1", waiter="b3@1", tenant="B") is None
+        pool.check()
+    finally:
+        pool.close()
