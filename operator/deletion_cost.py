@@ -25,10 +25,11 @@ def deletion_costs(plan: PoolPlan | None) -> dict[str, int | None] | None:
     """pod -> its cost, for every pod the plan covers: PINNED_COST per pinned copy the plan keeps on it, 1 per
     other warm copy, None for one with neither (cost 0: the operator's mark removed). Its placement counts too:
     a pod whose sidecar missed this pass's answer keeps its copies there, though nothing is pushed to it. None:
-    no plan yet (a new operator before its first pass), so no pod is known to hold nothing."""
+    no plan yet (a new operator before its first pass), so no pod is known to hold nothing. A pod whose sidecar
+    did not answer, with no earlier answer standing in, is left out: what it holds is not known, its cost stays."""
     if plan is None:
         return None
-    costs: dict[str, int | None] = {pod: None for pod in (*plan.desired, *plan.silent)}
+    costs: dict[str, int | None] = dict.fromkeys(plan.desired)
     for pod, desired in plan.desired.items():
         costs[pod] = sum(PINNED_COST if d.pinned else 1 for d in desired.adapters if d.warm or d.pinned) or None
     placed: dict[str, int] = {}

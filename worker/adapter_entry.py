@@ -72,6 +72,7 @@ class AdapterEntry:
     image_pages: int = 0  # ...and the GPU pages it takes (its digest fixes them): known once read, evicted or not
     copying: Any = None  # a Future (CPU device) or a (done_event, start_event) pair (CUDA)
     refcount: int = 0
+    holders: dict[str, int] = field(default_factory=dict)  # tenant -> the references its requests hold
     uses: int = 0
     last_used: int = 0
     retired: bool = False
@@ -96,6 +97,13 @@ class AdapterEntry:
     # are read in turns per asking tenant, not in one queue for all. None: its owner's group.
     asker: str | None = None
     asked_anonymously: bool = False  # an acquire() without a waiter, or load(), waits for it: refused as a waiter is
+
+    def count_holder(self, tenant: str | None, count: int = 1) -> None:
+        """`tenant`'s requests hold `count` more references (fewer, negative); None: a caller of no tenant."""
+        if tenant is not None and (left := self.holders.get(tenant, 0) + count) > 0:
+            self.holders[tenant] = left
+        elif tenant is not None:
+            self.holders.pop(tenant, None)
 
     @property
     def replaced(self) -> bool:

@@ -65,10 +65,11 @@ class AdapterLoading:
         return changed
 
     def _sweep_wanted(self) -> None:
-        """Place the wanted adapters read already, start the reads of the others. A slot that frees goes to the
-        tenant holding the fewest slots in use (`_busy_slots`), in request order within one tenant's: in the order
-        they were asked for, one tenant's burst of adapters took every slot that freed while another tenant's
-        request waited (13-20 s for a first token, where its turn came at the next slot)."""
+        """Place the wanted adapters read already, start the reads of the others. A slot that frees goes to an
+        adapter a request waits for before a pin or a warm-up, and to the tenant whose requests hold the fewest
+        slots (`_busy_slots`), in request order within one tenant's: in the order they were asked for, one tenant's
+        burst of adapters took every slot that freed while another tenant's request waited (13-20 s for a first
+        token, where its turn came at the next slot)."""
         unread, ready = [], []
         for key in list(self._wanted):
             entry = self._entries.get(key)
@@ -81,8 +82,8 @@ class AdapterLoading:
                 ready.append(entry)
         if len(ready) > 1:
             busy = self._busy_slots()
-            while ready:
-                entry = min(ready, key=lambda e: busy.get(_group(e), 0))  # the first of the least busy
+            while ready:  # the first (a request's, of the least busy tenant)
+                entry = min(ready, key=lambda e: (not _waited_for(e), busy.get(_group(e), 0)))
                 ready.remove(entry)
                 if self._try_place(entry):
                     busy[_group(entry)] = busy.get(_group(entry), 0) + 1
@@ -92,12 +93,14 @@ class AdapterLoading:
             self._trim_cpu(protect=None)  # idle images make way for the reads a request waits for
 
     def _busy_slots(self) -> dict[str, int]:
-        """tenant -> GPU slots of its adapters that cannot leave now (in use, being copied, pinned); an adapter
-        one owner lends to many counts for the tenant that asked for it (`_group`)."""
+        """tenant -> GPU slots its requests use now (an adapter one owner lends to many counts for each tenant
+        using it), or that are being copied for it. A pinned adapter no request uses counts for nobody: it would
+        keep its owner's next request behind every other tenant's for as long as it stays pinned."""
         busy: dict[str, int] = {}
         for entry in self._slot_owner.values():
-            if entry.refcount > 0 or entry.copying is not None or entry.pinned:
-                busy[_group(entry)] = busy.get(_group(entry), 0) + 1
+            users = list(entry.holders) or ([_group(entry)] if entry.refcount > 0 or entry.copying is not None else [])
+            for tenant in users:
+                busy[tenant] = busy.get(tenant, 0) + 1
         return busy
 
     def _read_room(self) -> ReadRoom:

@@ -180,6 +180,7 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
                 self._count("hits" if entry.resident else "misses", "gpu")
             if entry.resident:
                 entry.refcount += 1
+                entry.count_holder(tenant)
                 entry.uses += 1
                 entry.last_used = self._tick
                 entry.waiters.discard(waiter)
@@ -200,13 +201,14 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
                 self._executor.promote(entry.fetching)
             return None
 
-    def release(self, slot: int, *, detach: object = None) -> None:
-        """Give back one reference to the adapter in `slot`; `detach`: the id of a request that will take it
-        again (as `abandon`'s), noted under the same lock, so that no retirement comes in between."""
+    def release(self, slot: int, *, detach: object = None, tenant: str | None = None) -> None:
+        """Give back one reference to the adapter in `slot` (`tenant`: as acquire's); `detach`: the id of a request
+        that will take it again (as `abandon`'s), noted under the same lock, so that no retirement comes between."""
         with self._lock:
             entry = self._slot_owner.get(slot)
             if entry is None or entry.refcount <= 0:
                 raise RuntimeError(f"release of slot {slot} that holds no reference")
+            entry.count_holder(tenant, -1)
             if detach is not None and not entry.retired:
                 entry.detached.add(detach)
             entry.refcount -= 1
@@ -279,8 +281,7 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
             return failures
 
     def has_pending_loads(self) -> bool:
-        """True while loads are in flight, adapters wait to be placed, or a look for missing warm
-        versions is due (poll() moves them on)."""
+        """True while loads are in flight, adapters wait to be placed, or a look for missing warm versions is due."""
         with self._lock:
             return bool(self._inflight or self._wanted) or self._warm_check_due()
 
@@ -293,8 +294,7 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
         # Optionally bound the CPU threads a loader's torch ops fan out to (GPU workers only).
         cpu_threads = self.config.loader_cpu_threads if self._cuda else None
         return FairExecutor(self.config.num_load_threads, spare_threads=self.config.spare_load_threads,
-                            thread_name_prefix="adapter-load",
-                            initializer=limit_cpu_threads, initargs=(cpu_threads,))
+                            thread_name_prefix="adapter-load", initializer=limit_cpu_threads, initargs=(cpu_threads,))
 
     # ---- explicit residency: can_load / load / evict, prefetch ---------------------------------
     def prefetch(self, key: str, tier: str = "gpu") -> None:

@@ -353,7 +353,7 @@ class AsyncEngine:
             if seq.adapter is not None:  # no reference or hold on its version left behind
                 with contextlib.suppress(Exception):
                     if seq.adapter_slot is not None:
-                        pool.release(seq.adapter_slot)
+                        pool.release(seq.adapter_slot, tenant=seq.tenant)
                     pool.abandon(seq.adapter, seq.seq_id)
 
 

@@ -30,8 +30,9 @@ class TagReader:
 
     def _tagged_begin(self, below: tuple, index: int, c: int) -> list[tuple] | None:
         """The stacks after `{` begins a value of union `index` read tag first; None where it is not such a union
-        (or `c` is no `{`): read as any other."""
-        if self.tag is None or c != 0x7B:
+        (or `c` is no `{`): read as any other. Only the items of the top-level array are (the calls): a union
+        inside them (a tool's own parameters) keeps every key order its schema takes."""
+        if self.tag is None or c != 0x7B or index != self.nodes[self.schema.root].items:
             return None
         return None if self._tag_union(index) is None else [below + (("t", index, b""),)]
 
@@ -50,8 +51,11 @@ class TagReader:
                 targets = {}
                 break
             values = self.nodes[node.props[k][1]].enum
-            text = b'"' + self.tag + b'":' + values[0] if values is not None and len(values) == 1 else b""
-            if not values or not values[0].startswith(b'"') or text in targets:
+            if values is None or len(values) != 1 or not values[0].startswith(b'"'):  # one string, or no tag
+                targets = {}
+                break
+            text = b'"' + self.tag + b'":' + values[0]
+            if text in targets:
                 targets = {}
                 break
             targets[text] = (a, k)

@@ -53,6 +53,7 @@ class ModelRunner:
         self.graphs = graphs  # pure decode steps are replayed from CUDA graphs when set
         self.lora_stream = lora_stream  # LoRA deltas beside the base GEMMs when set
         self.prompt_logprobs_lists: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # prompt_logprobs.py
+        self.tenant_eras: dict[str, int] = {}  # tenant -> times its name was taken away (a later holder shares none)
 
     def _to_device(self, data: list, dtype: torch.dtype) -> torch.Tensor:
         t = torch.tensor(data, dtype=dtype)
@@ -215,7 +216,13 @@ class ModelRunner:
         ctx, samplers = self.prepare(batch)
         hidden = self.model(ctx)
         # Extra rows, apart from these; choices of one prompt share theirs.
-        fill_prompt_logprobs(self.model.compute_logits, hidden, batch.scheduled, self.prompt_logprobs_lists)
+        fill_prompt_logprobs(self.model.compute_logits, hidden, batch.scheduled, self.prompt_logprobs_lists,
+                             self.tenant_eras)
         if not samplers:
             return None, samplers
         return self.model.compute_logits(hidden[ctx.logits_indices]), samplers
+
+    def tenant_gone(self, tenant: str) -> None:
+        """`tenant` left the keys file: whoever is given its name later shares no prompt logprobs with its requests
+        still running (as the prefix cache keeps their blocks apart: prefix_cache.drop_tenant). Any thread."""
+        self.tenant_eras[tenant] = self.tenant_eras.get(tenant, 0) + 1

@@ -59,15 +59,18 @@ def prompt_rows(scheduled: list[tuple[Sequence, int]]) -> tuple[list[int], list[
     return rows, targets, owners
 
 
-def share_prompt_logprobs(scheduled: list[tuple[Sequence, int]], lists: weakref.WeakValueDictionary) -> None:
+def share_prompt_logprobs(scheduled: list[tuple[Sequence, int]], lists: weakref.WeakValueDictionary,
+                          eras: dict[str, int] | None = None) -> None:
     """Give a sequence about to compute its first prompt logprobs the list that an unfinished sequence with the
-    same prompt, adapter and k (tenant and cache_salt) holds. `lists`: (tenant, cache_salt, adapter, k, prompt) ->
-    the last list made for them (kept by the caller from step to step; an entry goes with its list)."""
+    same prompt, adapter and k (tenant and cache_salt) holds. `lists`: (tenant, its era, cache_salt, adapter, k,
+    prompt) -> the last list made for them (kept by the caller from step to step; an entry goes with its list);
+    `eras`: tenant -> how many times its name was taken away (ModelRunner.tenant_gone)."""
     for seq, _ in scheduled:
         k = seq.params.prompt_logprobs
         if k is None or len(seq.prompt_logprobs) > 1 or seq.num_prompt_tokens < 2:
             continue  # none asked, some entries in already (its own or shared), or none to compute
-        key = (seq.tenant, seq.params.cache_salt, seq.adapter, k, tuple(seq.prompt_token_ids))
+        era = (eras or {}).get(seq.tenant, 0)
+        key = (seq.tenant, era, seq.params.cache_salt, seq.adapter, k, tuple(seq.prompt_token_ids))
         shared = lists.get(key)
         if shared is seq.prompt_logprobs:
             continue
@@ -80,12 +83,13 @@ def share_prompt_logprobs(scheduled: list[tuple[Sequence, int]], lists: weakref.
 
 @torch.inference_mode()
 def fill_prompt_logprobs(compute_logits: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
-                         scheduled: list[tuple[Sequence, int]], lists: weakref.WeakValueDictionary | None = None) -> None:
+                         scheduled: list[tuple[Sequence, int]], lists: weakref.WeakValueDictionary | None = None,
+                         eras: dict[str, int] | None = None) -> None:
     """Append this step's prompt logprobs to the sequences that ask for them. `compute_logits`: hidden rows
-    -> float32 logits (the model's LM head); `hidden`: the step's hidden states [T, H]; `lists`: as
-    share_prompt_logprobs takes it (None: no list shared)."""
+    -> float32 logits (the model's LM head); `hidden`: the step's hidden states [T, H]; `lists`, `eras`: as
+    share_prompt_logprobs takes them (None: no list shared)."""
     if lists is not None:
-        share_prompt_logprobs(scheduled, lists)
+        share_prompt_logprobs(scheduled, lists, eras)
     rows, targets, owners = prompt_rows(scheduled)
     if not rows:
         return

@@ -394,5 +394,5 @@ class Scheduler(StepTokens):
 
     def _release_adapter(self, seq: Sequence, *, detach: bool = False) -> None:
         if seq.adapter_slot is not None and self.adapter_pool is not None:
-            self.adapter_pool.release(seq.adapter_slot, detach=seq.seq_id if detach else None)
+            self.adapter_pool.release(seq.adapter_slot, detach=seq.seq_id if detach else None, tenant=seq.tenant)
         seq.adapter_slot = None

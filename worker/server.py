@@ -147,8 +147,14 @@ async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
     adapters.adopt(host, engine.adapter_dir_report.failed)  # those that failed: GET /admin/v1/state reports them
     app[ENGINE] = async_engine
     engine.scheduler.shared = lambda: several_tenants(app)  # a quarter of the seats stays for the other tenants
-    if (cache := engine.block_manager.prefix_cache) is not None:  # a name given again finds none of its blocks
-        app[TENANTS].on_gone = cache.drop_tenant
+    cache = engine.block_manager.prefix_cache
+
+    def tenant_gone(tenant: str) -> None:  # a name given again finds none of its blocks nor prompt logprobs
+        engine.runner.tenant_gone(tenant)
+        if cache is not None:
+            cache.drop_tenant(tenant)
+
+    app[TENANTS].on_gone = tenant_gone
     app[HOST] = host
     app[ADAPTERS] = adapters
     if engine.adapter_pool is not None:

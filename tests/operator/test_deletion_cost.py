@@ -42,6 +42,16 @@ def test_a_pod_that_missed_its_answer_keeps_the_cost_of_the_pinned_copy_placed_o
     assert holder not in cost_changes([{"metadata": {"name": holder, "annotations": ranked}}], costs)
 
 
+def test_a_pod_that_did_not_answer_with_no_answer_before_keeps_its_cost():
+    """After an operator restart (or past the grace of a quiet pod) a pod whose sidecar does not answer has no
+    answer standing in: what it holds is not known, so the cost set before (maybe its pinned copy's) stays."""
+    from lorafleet.operator.reconcile import PoolPlan
+
+    costs = deletion_costs(PoolPlan(silent=["pod-b"]))
+    ranked = {"metadata": {"name": "pod-b", "annotations": {DELETION_COST: "1000", MARK: "1000"}}}
+    assert "pod-b" not in costs and cost_changes([ranked], costs) == {}
+
+
 def test_only_the_operators_own_costs_are_changed():
     def pod(name: str, **notes: str) -> dict:
         return {"metadata": {"name": name, "annotations": notes}}

@@ -233,6 +233,10 @@ def test_a_prompt_logprobs_list_is_shared_only_for_one_adapter_version_and_k_whi
     assert sibling.prompt_logprobs is first.prompt_logprobs
     assert canary.prompt_logprobs is not first.prompt_logprobs and other_k.prompt_logprobs is not first.prompt_logprobs
     assert len({id(s.prompt_logprobs) for s in (first, *strangers)}) == 5
+    eras = {"t": 1}  # tenant t left the keys file, and its name was given again: the new holder shares nothing
+    renamed = seq("a@v1")
+    prompt_logprobs_module.share_prompt_logprobs([(renamed, 3)], lists, eras)
+    assert renamed.prompt_logprobs is not first.prompt_logprobs
     first.status = sibling.status = SequenceStatus.FINISHED
     later = seq("a@v1")
     prompt_logprobs_module.share_prompt_logprobs([(later, 3)], lists)

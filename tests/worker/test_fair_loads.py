@@ -319,6 +319,24 @@ def test_an_idle_thread_holds_nothing_of_its_last_job():
         executor.shutdown(wait=True)
 
 
+def _slots_pool(max_slots: int, owners: dict[str, str]):
+    from tests.worker.test_adapter_pool import make_pool
+
+    pool = make_pool(max_slots=max_slots)
+    for seed, (key, tenant) in enumerate(owners.items()):
+        pool.add(key, random_weights(seed), tenant=tenant)
+    return pool
+
+
+def _take(pool, key: str, tenant: str) -> int:
+    """`key`'s slot for a request of `tenant`, once it is on the GPU."""
+    pool.acquire(key, waiter=key, tenant=tenant)
+    pool.wait_idle()
+    slot = pool.acquire(key, waiter=key, tenant=tenant)
+    assert slot is not None
+    return slot
+
+
 def test_a_freed_gpu_slot_goes_to_the_tenant_holding_the_fewest_not_the_first_asked_for():
     """Tenant B holds both slots and waits for two more of its adapters; tenant A then asks for one. Each slot
     B's requests free went to B's next adapter (the order adapters were asked for), so A's request waited out
@@ -345,6 +363,60 @@ def test_a_freed_gpu_slot_goes_to_the_tenant_holding_the_fewest_not_the_first_as
         pool.wait_idle()
         assert pool.acquire("b2@1", waiter="b2@1", tenant="B") is not None  # then B's, in the order it asked
         assert pool.acquire("b3@1", waiter="b3@1", tenant="B") is None
+        pool.check()
+    finally:
+        pool.close()
+
+
+def test_a_tenants_pinned_adapters_no_request_uses_do_not_put_its_requests_last():
+    """Tenant A pins three adapters and its request waits for a fourth; tenant B uses the fourth slot and waits
+    for more. Counted as busy, the pins put A behind B at every slot B freed, for as long as they stayed pinned."""
+    pool = _slots_pool(4, {"p0@1": "A", "p1@1": "A", "p2@1": "A", "a@1": "A", "b0@1": "B", "b1@1": "B"})
+    try:
+        for key in ("p0@1", "p1@1", "p2@1"):
+            pool.pin(key)
+        b0 = _take(pool, "b0@1", "B")
+        assert pool.acquire("a@1", waiter="a@1", tenant="A") is None
+        assert pool.acquire("b1@1", waiter="b1@1", tenant="B") is None
+        pool.release(b0, tenant="B")
+        pool.wait_idle()
+        assert pool.acquire("a@1", waiter="a@1", tenant="A") is not None
+        pool.check()
+    finally:
+        pool.close()
+
+
+def test_a_slot_goes_to_an_adapter_a_request_waits_for_before_a_pin_none_uses():
+    """A request of tenant A (using a slot already) waits; then tenant C pins an adapter. C, holding none, took the
+    slot B freed before A's request: a pin is not a request, as a warm-up is not."""
+    pool = _slots_pool(2, {"a0@1": "A", "b@1": "B", "a@1": "A", "c@1": "C"})
+    try:
+        _take(pool, "a0@1", "A")
+        b = _take(pool, "b@1", "B")
+        assert pool.acquire("a@1", waiter="a@1", tenant="A") is None
+        pool.pin("c@1")  # wanted on the GPU, by no request
+        pool.release(b, tenant="B")
+        pool.wait_idle()
+        assert pool.acquire("a@1", waiter="a@1", tenant="A") is not None
+        pool.check()
+    finally:
+        pool.close()
+
+
+def test_an_adapter_lent_to_many_counts_for_the_tenants_using_it_not_the_one_that_read_it():
+    """B's request read the shared adapter; A's requests use it and a0 now, B's none. Counted for the tenant whose
+    read brought it in, B seemed to hold a slot and A one, and A's adapter (asked for first) took the slot B freed."""
+    pool = _slots_pool(3, {"shared@1": "default", "a0@1": "A", "a1@1": "A", "b0@1": "B", "b1@1": "B"})
+    try:
+        pool.release(_take(pool, "shared@1", "B"), tenant="B")
+        _take(pool, "shared@1", "A"), _take(pool, "a0@1", "A")
+        b0 = _take(pool, "b0@1", "B")
+        assert pool.acquire("a1@1", waiter="a1@1", tenant="A") is None
+        assert pool.acquire("b1@1", waiter="b1@1", tenant="B") is None
+        pool.release(b0, tenant="B")
+        pool.wait_idle()
+        assert pool.acquire("b1@1", waiter="b1@1", tenant="B") is not None  # A holds two slots, B none
+        assert pool.acquire("a1@1", waiter="a1@1", tenant="A") is None
         pool.check()
     finally:
         pool.close()

@@ -34,7 +34,7 @@ class FakeAdapterPool:
             self.refs[slot] = self.refs.get(slot, 0) + 1
         return slot
 
-    def release(self, slot, *, detach=None):
+    def release(self, slot, *, detach=None, tenant=None):
         self.refs[slot] -= 1
 
     def abandon(self, key, waiter, *, detach=False):

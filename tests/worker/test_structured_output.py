@@ -273,6 +273,20 @@ def test_required_reads_each_call_name_first_so_any_number_of_tools_stays_one_re
     assert as_sent.is_complete(walk(as_sent, b'[{"parameters":{},"name":"f3"}]')[0])
     assert output.key != as_sent.key  # their masks are cached apart
 
+    # Only the calls are read name first: a union in a tool's own parameters keeps every key order, and a tag
+    # that is an enum of several names (no one constant) is no tag.
+    shape = {"anyOf": [{"type": "object", "properties": {"name": {"enum": ["circle", "disk"]}, "r": {"type": "integer"}},
+                        "required": ["name", "r"]},
+                       {"type": "object", "properties": {"name": {"const": "square"}, "side": {"type": "integer"}},
+                        "required": ["name", "side"]}]}
+    draw = [{"type": "function", "function": {"name": "draw", "parameters": {"type": "object", "properties": {
+        "shape": shape}}}}, *tools(2, {"type": "object"})]
+    output = parse_tool_request(Fields({"tools": draw, "tool_choice": "required"}, "chat")).output_grammar
+    for text in (b'[{"name":"draw","parameters":{"shape":{"name":"circle","r":1}}}]',
+                 b'[{"name":"draw","parameters":{"shape":{"r":1,"name":"disk"}}}]',
+                 b'[{"name":"draw","parameters":{"shape":{"side":2,"name":"square"}}}]'):
+        assert output.is_complete(walk(output, text)[0]), text
+
 
 def test_parameters_that_take_more_than_objects_are_held_to_an_object_unless_strict():
     from lorafleet.worker.openai_fields import APIError
