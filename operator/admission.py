@@ -62,7 +62,9 @@ def fallback(pool: PoolSpec | None, x: AdapterSpec | InvalidAdapter) -> AdapterS
     held = x.last_valid
     changed = isinstance(x, InvalidAdapter) or (held is not None and held.raw_spec != x.raw_spec)
     if held is not None and changed and pool is not None and held.pool == pool.name and check_adapter(pool, held) is None:
-        return with_rollback(held, x)  # a canary stopped in the edit stops (rollback.py)
+        # A canary stopped in the edit stops (rollback.py); the held spec stays its own last valid one, so that
+        # quota order counts it in force also where no push of it is remembered (an operator restart).
+        return dataclasses.replace(with_rollback(held, x), last_valid=held)
     return None
 
 
@@ -83,6 +85,9 @@ def check_adapter(pool: PoolSpec | None, a: AdapterSpec, *, pool_error: str | No
     if a.base_model != pool.base_model:
         return (f"spec.baseModel: {a.base_model!r} does not match LoRAPool {pool.name!r} "
                 f"spec.baseModel {pool.base_model!r}; an adapter only works on its own base")
+    if a.name == pool.base_model:
+        return (f"metadata.name: {a.name!r} is LoRAPool {pool.name!r} spec.baseModel, the name requests for the base "
+                f"model use: none would reach this adapter; give the adapter another name")
     if a.canary is not None and a.canary.source is None:
         return "spec.canary.source: required when spec.canary is set (where the canary version lives)"
     if a.canary is not None and a.canary.version == a.version:

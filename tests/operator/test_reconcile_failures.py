@@ -243,6 +243,33 @@ def test_quota_counts_the_spec_in_force():
     assert plan.adapter_statuses["c"]["message"].startswith("spec.tenant:")
 
 
+def test_an_adapter_named_as_the_pools_base_model_is_refused():
+    """Requests for the base model's name reach the base model: such an adapter would be reported served (and
+    Ready) while no request could reach it by name."""
+    plan = reconcile_pool(pool(), [parse_adapter(body("smollm2-135m")), parse_adapter(body("a"))], workers(1), now=NOW)
+    st = plan.adapter_statuses["smollm2-135m"]
+    assert st["phase"] == "Failed" and st["message"].startswith("metadata.name: 'smollm2-135m' is LoRAPool 'p'")
+    assert [d.name for d in plan.desired["w0"].adapters] == ["a"]
+
+
+def test_a_refused_edits_last_valid_spec_keeps_its_quota_place_after_an_operator_restart():
+    """x serves in acme (full at one adapter) when an edit of it is refused; z, created earlier, comes in (moved
+    from another pool, say). The operator that pushed x keeps it and refuses z. After a restart (no push remembered), x's held spec did
+    not count as in force: the quota's order by creation took z, and x was unloaded for a typo in its edit."""
+    ws = workers(1)
+    q = pool(tenantQuota={"maxAdapters": 1})
+    plan = converge(q, [parse_adapter(body("x", warm=1, created="2026-01-02T00:00:00Z"))], ws)
+    x = parse_adapter(body("x", warm=1, created="2026-01-02T00:00:00Z", status=plan.adapter_statuses["x"],
+                           baseModel="typo"))
+    z = parse_adapter(body("z", warm=1, created="2026-01-01T00:00:00Z"))  # a newcomer here (from pool q, say)
+    for restarted in (False, True):
+        if restarted:
+            ws = [dataclasses.replace(w, last_pushed=None) for w in ws]
+        plan = reconcile_pool(q, [x, z], ws, now=NOW)
+        assert served(plan, "x") == {"w0": ("v1", None, True)}, restarted
+        assert plan.adapter_statuses["z"]["message"].startswith("spec.tenant: tenant 'acme'"), restarted
+
+
 def test_the_byte_quota_counts_the_canary_and_a_canary_over_it_leaves_the_stable_version_serving():
     """A canary is held beside its stable version: the quota counts both (the stable's size until a worker
     reports the canary's). A canary found too large once staged is dropped, not the adapter: before, only

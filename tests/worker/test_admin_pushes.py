@@ -392,3 +392,18 @@ async def test_a_served_version_whose_folder_went_away_keeps_serving_on_later_pu
         if folder.is_symlink():
             folder.unlink()
         shutil.rmtree(folder, ignore_errors=True)
+
+
+async def test_a_pushed_adapter_named_as_the_base_model_is_that_versions_error(client, qv_adapters_dir):
+    """A request for the base model's name reaches the base model, so an adapter pushed under it could never be
+    called: that version is refused (as load_lora_adapter and --adapters refuse the name), the base model serves
+    on, and the push's other adapters load."""
+    reported = await push(client, 1, directive("tiny", qv_adapters_dir / "alpha"),
+                          directive("alpha", qv_adapters_dir / "alpha"))
+    error = reported[("tiny", "v1")]["error"]
+    assert error and "is the served model name of the base model" in error, error
+    assert reported[("alpha", "v1")]["error"] is None
+    status, answer = await complete(client, "tiny")
+    assert status == 200 and answer["model"] == "tiny", answer
+    listed = await (await client.get("/v1/models")).json()
+    assert sorted(m["id"] for m in listed["data"]) == ["alpha", "tiny"]
