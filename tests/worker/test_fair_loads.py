@@ -337,6 +337,15 @@ def _take(pool, key: str, tenant: str) -> int:
     return slot
 
 
+def _waits_then_gets(pool, key: str, tenant: str, freed: int, by: str) -> None:
+    """`key` waits for a slot until `by`'s request frees slot `freed`, then gets it."""
+    assert pool.acquire(key, waiter=key, tenant=tenant) is None
+    pool.release(freed, tenant=by)
+    pool.wait_idle()
+    assert pool.acquire(key, waiter=key, tenant=tenant) is not None
+    pool.check()
+
+
 def test_a_freed_gpu_slot_goes_to_the_tenant_holding_the_fewest_not_the_first_asked_for():
     """Tenant B holds both slots and waits for two more of its adapters; tenant A then asks for one. Each slot
     B's requests free went to B's next adapter (the order adapters were asked for), so A's request waited out
@@ -376,12 +385,9 @@ def test_a_tenants_pinned_adapters_no_request_uses_do_not_put_its_requests_last(
         for key in ("p0@1", "p1@1", "p2@1"):
             pool.pin(key)
         b0 = _take(pool, "b0@1", "B")
-        assert pool.acquire("a@1", waiter="a@1", tenant="A") is None
+        assert pool.acquire("a@1", waiter="a@1", tenant="A") is None  # asked for first
         assert pool.acquire("b1@1", waiter="b1@1", tenant="B") is None
-        pool.release(b0, tenant="B")
-        pool.wait_idle()
-        assert pool.acquire("a@1", waiter="a@1", tenant="A") is not None
-        pool.check()
+        _waits_then_gets(pool, "a@1", "A", b0, "B")
     finally:
         pool.close()
 
@@ -395,10 +401,7 @@ def test_a_slot_goes_to_an_adapter_a_request_waits_for_before_a_pin_none_uses():
         b = _take(pool, "b@1", "B")
         assert pool.acquire("a@1", waiter="a@1", tenant="A") is None
         pool.pin("c@1")  # wanted on the GPU, by no request
-        pool.release(b, tenant="B")
-        pool.wait_idle()
-        assert pool.acquire("a@1", waiter="a@1", tenant="A") is not None
-        pool.check()
+        _waits_then_gets(pool, "a@1", "A", b, "B")
     finally:
         pool.close()
 
@@ -412,11 +415,7 @@ def test_an_adapter_lent_to_many_counts_for_the_tenants_using_it_not_the_one_tha
         _take(pool, "shared@1", "A"), _take(pool, "a0@1", "A")
         b0 = _take(pool, "b0@1", "B")
         assert pool.acquire("a1@1", waiter="a1@1", tenant="A") is None
-        assert pool.acquire("b1@1", waiter="b1@1", tenant="B") is None
-        pool.release(b0, tenant="B")
-        pool.wait_idle()
-        assert pool.acquire("b1@1", waiter="b1@1", tenant="B") is not None  # A holds two slots, B none
+        _waits_then_gets(pool, "b1@1", "B", b0, "B")  # A holds two slots, B none
         assert pool.acquire("a1@1", waiter="a1@1", tenant="A") is None
-        pool.check()
     finally:
         pool.close()

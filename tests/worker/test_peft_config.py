@@ -161,16 +161,10 @@ def test_one_loads_matches_share_a_budget_so_many_slow_keys_cannot_hold_the_work
     assert load_peft_adapter(tmp_path / "x", tiny_base().config.to_dict(), dtype=torch.float32).ranks == {4}
 
 
-def test_a_pattern_slow_to_compile_is_refused_by_its_length_or_the_loads_budget(tmp_path, monkeypatch):
-    """Python's `re` (what PEFT compiles with, so checked too) takes about 0.3 s a kilobyte to compile a
-    case-insensitive class over most of Unicode: a 20 KB target_modules held the admin lock for some 15 s, and
-    thousands of such rank_pattern keys for hours. A pattern past MAX_PATTERN_CHARS is refused naming the limit,
-    and one load's compiles count against the same budget as its matches."""
-    from lorafleet.worker import peft_patterns
-    from lorafleet.worker.peft_config import MAX_PATTERN_CHARS
+def _config_loader(tmp_path):
+    """load(**changes): an adapter with those changes to its adapter_config.json, loaded on the tiny base."""
     from tests.worker.test_peft_adapter import tiny_base
 
-    slow = "(?i:" + "[\u00c0-\uffff]" * 8 + ")"  # valid, matches no module: compiled, never the cause of a refusal
     make_adapter(tmp_path / "x", r=4, lora_alpha=8, target_modules=["q_proj"])
     config_path = tmp_path / "x" / "adapter_config.json"
     config = json.loads(config_path.read_text())
@@ -178,6 +172,19 @@ def test_a_pattern_slow_to_compile_is_refused_by_its_length_or_the_loads_budget(
     def load(**changes):
         config_path.write_text(json.dumps({**config, **changes}))
         return load_peft_adapter(tmp_path / "x", tiny_base().config.to_dict(), dtype=torch.float32)
+
+    return load
+
+
+def test_a_pattern_slow_to_compile_is_refused_by_its_length_or_the_loads_budget(tmp_path, monkeypatch):
+    """Python's `re` (what PEFT compiles with, so checked too) takes about 0.3 s a kilobyte to compile a
+    case-insensitive class over most of Unicode: a 20 KB target_modules held the admin lock for some 15 s, and
+    thousands of such rank_pattern keys for hours. A pattern past MAX_PATTERN_CHARS is refused naming the limit,
+    and one load's compiles count against the same budget as its matches."""
+    from lorafleet.worker import peft_patterns
+    from lorafleet.worker.peft_config import MAX_PATTERN_CHARS
+    slow = "(?i:" + "[\u00c0-\uffff]" * 8 + ")"  # valid, matches no module: compiled, never the cause of a refusal
+    load = _config_loader(tmp_path)
 
     long = slow * (MAX_PATTERN_CHARS // len(slow) + 1) + "|.*q_proj"
     for field, changes in (("target_modules", {"target_modules": long}),
@@ -208,15 +215,8 @@ def test_a_pattern_whose_counted_repeats_write_out_past_the_limit_is_refused_bef
     import regex
 
     from lorafleet.worker.peft_config import MAX_PATTERN_CHARS
-    from tests.worker.test_peft_adapter import tiny_base
 
-    make_adapter(tmp_path / "x", r=4, lora_alpha=8, target_modules=["q_proj"])
-    config_path = tmp_path / "x" / "adapter_config.json"
-    config = json.loads(config_path.read_text())
-
-    def load(**changes):
-        config_path.write_text(json.dumps({**config, **changes}))
-        return load_peft_adapter(tmp_path / "x", tiny_base().config.to_dict(), dtype=torch.float32)
+    load = _config_loader(tmp_path)
 
     bomb = "(?:a{65535}){65535}|.*q_proj"
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
