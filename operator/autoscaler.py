@@ -139,8 +139,9 @@ def recommend(spec: ScalingSpec, hit_rate: float | None, kv_usage: float | None,
     with the hit rate below target, under load pressure (it would be scaled up again at once); otherwise
     hold. Clamped to [minReplicas, maxReplicas], and never down to 0: at 0 no worker is left to show
     demand, so nothing could wake the pool. A target at 0 (minReplicas 0) wakes on any demand, or, where workers
-    of other Deployments serve the pool (``beside``), when these rules scale the pool up. ``beside``: the pool's ready workers that other Deployments run
-    (a pool naming no spec.workerDeployment may span several, of which it scales one): the load is spread
+    of other Deployments serve the pool (``beside``), when these rules scale the pool up. ``beside``: the pool's
+    ready workers that other Deployments run (a pool naming no spec.workerDeployment may span several, of which
+    it scales one): the load is spread
     over them too, and the target's count changes by what the whole pool needs (never to 0 either: they may
     go, and the target's workers are the ones that show demand then)."""
     corrected = bound_correction(spec, current)
