@@ -23,7 +23,15 @@ from lorafleet.operator.placement import UNKNOWN_BYTES, adapter_bytes, copy_slot
 from lorafleet.operator.reports import WorkerIndex, WorkerReport
 from lorafleet.operator.tenant_quota import SizeWait
 
-MAX_LISTED = 3  # pods a status message names for one thing (downloads in progress), then "and N more"
+MAX_LISTED = 3  # pods (or their errors) a status message names for one thing, then "and N more"
+
+
+def _named(items: Sequence[str], sep: str = ", ") -> str:
+    """The first MAX_LISTED of `items` joined, then "and N more": a pool of thousands of pods keeps its messages
+    (and the object the API server stores) short."""
+    items = list(items)
+    more = f" and {len(items) - MAX_LISTED} more" if len(items) > MAX_LISTED else ""
+    return sep.join(items[:MAX_LISTED]) + more
 
 
 def condition(old: dict[str, Any], ctype: str, ok: bool | None, reason: str, message: str, now: str) -> dict[str, Any]:
@@ -111,8 +119,8 @@ def adapter_status(a: AdapterSpec, live: list[WorkerIndex], warm_pods: list[str]
             canary_version = max(shares)[1] if shares else None
             canary_weight = max(shares)[0] if shares else 0
             if shares:
-                differ = f"canary {canary_version} while workers differ in the split: " + "; ".join(
-                    f"{pod} {_split_text(_used(split))}" for pod, split in sorted(reported.items()))
+                differ = f"canary {canary_version} while workers differ in the split: " + _named(
+                    [f"{pod} {_split_text(_used(split))}" for pod, split in sorted(reported.items())], "; ")
         canary_active = canary_weight > 0
     target = len(warm_pods)
     if isinstance(failure, SizeWait):  # a byte quota's wait for another version's size: not the spec's fault
@@ -122,15 +130,15 @@ def adapter_status(a: AdapterSpec, live: list[WorkerIndex], warm_pods: list[str]
         msg = f"{failure}; the last valid spec (version {a.version}) stays in force until the spec is fixed"
     elif not live and silent:
         phase = "Pending"
-        msg = (f"no answer from the sidecar of {', '.join(silent)} (ready pods, which may still serve it); "
+        msg = (f"no answer from the sidecar of {_named(silent)} (ready pods, which may still serve it); "
                f"the status waits for their reports")
     elif not live:
         phase, msg = "Pending", f"no ready worker matches LoRAPool {a.pool!r} spec.workerSelector"
     elif errors:
-        phase, msg = "Degraded", "; ".join(errors) + " (failed versions are re-pushed with a backoff)"
+        phase, msg = "Degraded", _named(errors, "; ") + " (failed versions are re-pushed with a backoff)"
     elif slot_bound:  # an older worker does not say (num_pinned_slots absent): Loading, as before
         phase = "Degraded"
-        msg = "; ".join(slot_bound) + ("; raise --max-loras of the pool's workers, or unpin an adapter there "
+        msg = _named(slot_bound, "; ") + ("; raise --max-loras of the pool's workers, or unpin an adapter there "
                                        "(spec.pinned: false on its LoRAAdapter)")
     elif requested is not None and target < requested:
         phase = "Degraded"
@@ -148,7 +156,7 @@ def adapter_status(a: AdapterSpec, live: list[WorkerIndex], warm_pods: list[str]
         if canary_version:
             msg += f"; canary {canary_version} at {a.canary.weight}%"
             if len(canary_set) < target:
-                msg += (f", loaded on demand on {', '.join(sorted(warm_set - canary_set))} (no GPU room beside "
+                msg += (f", loaded on demand on {_named(sorted(warm_set - canary_set))} (no GPU room beside "
                         f"the stable copy)")
     else:
         phase = "Loading"
@@ -160,22 +168,20 @@ def adapter_status(a: AdapterSpec, live: list[WorkerIndex], warm_pods: list[str]
                 else "loaded on demand (no warm worker has GPU room for it beside the stable copy)" if target
                 else "loaded on demand")
         if pending:
-            msg += "; the traffic split is not applied yet on " + ", ".join(
-                f"{pod} ({_split_text(split)})" for pod, split in sorted(pending.items()))
+            msg += "; the traffic split is not applied yet on " + _named(
+                [f"{pod} ({_split_text(split)})" for pod, split in sorted(pending.items())])
             msg += f", the spec asks {_split_text(wanted_split)}"
         if downloading:  # a few pods' (of a large pool's many)
-            more = f" and {len(downloading) - MAX_LISTED} more" if len(downloading) > MAX_LISTED else ""
-            msg += "; downloading on " + ", ".join(sorted(downloading)[:MAX_LISTED]) + more
+            msg += "; downloading on " + _named(sorted(downloading))
         worker_errors = [f"{w.pod}: {w.w.reported.error}" for w in live if w.w.reported.error]
         if worker_errors:  # e.g. the sidecar cannot reach its engine: say why it is not loading
-            msg += "; " + "; ".join(worker_errors)
+            msg += "; " + _named(worker_errors, "; ")
     # Silent past the quiet grace (a quiet one counts as it last answered): dropped from the counts above, so as
     # not to hold the status for ever on a dead pod, yet it may still split users otherwise: said, not hidden.
     uncounted = sorted(set(silent) - {w.pod for w in live})
     if uncounted and live:
         msg += (f"; {len(uncounted)} ready worker{'s' if len(uncounted) > 1 else ''} not counted: no answer from "
-                f"the sidecar of {', '.join(uncounted[:MAX_LISTED])}"
-                + (f" and {len(uncounted) - MAX_LISTED} more" if len(uncounted) > MAX_LISTED else "")
+                f"the sidecar of {_named(uncounted)}"
                 + " (what it serves, and how it splits users, is not known)")
     canary_text = differ or (f"canary {canary_version} at {canary_weight}%" if canary_active else None)
     if not live and silent:  # nothing reported: what the last status said stays (those pods may still serve it)
@@ -294,10 +300,10 @@ def pool_status(pool: PoolSpec, num_adapters: int, workers: list[WorkerReport], 
     quiet = [w.pod for w in workers if w.reported is None and w.last_answer is not None]
     msg = f"{len(known)} ready workers"
     if silent:
-        msg += f"; no answer from the sidecar of {', '.join(silent)}"
-        msg += f" (counted as they last answered, for a while: {', '.join(quiet)})" if quiet else ""
+        msg += f"; no answer from the sidecar of {_named(silent)}"
+        msg += f" (counted as they last answered, for a while: {_named(quiet)})" if quiet else ""
     if errors:
-        msg += "; " + "; ".join(errors)
+        msg += "; " + _named(errors, "; ")
     if shared_pods:  # two pools pushing whole adapter sets to one pod would undo each other
         msg += _shared_text(shared_pods)
     status = {

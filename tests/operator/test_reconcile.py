@@ -502,3 +502,19 @@ def test_pool_gpu_bytes_bound_placement_when_workers_do_not_report_a_size():
     st_ = plan.adapter_statuses["big"]
     assert st_["phase"] == "Degraded" and st_["message"].startswith("spec.warm: 2 asks for 2 GPU-resident copies")
     assert "300.0 MiB" in st_["message"]
+
+
+def test_status_messages_name_a_few_pods_of_a_large_pool_then_count_the_rest():
+    """A pool of many pods, each silent or reporting an error: the adapter's and the pool's messages named every
+    one of them (thousands of pods: a status the API server may refuse to store). They name three, then a count."""
+    from lorafleet.operator.statuses import pool_status
+
+    failing = ReportedState(1, [AdapterState("a", "v1", "none", error="no such file")], error="sidecar refused")
+    ws = [WorkerReport(f"w{i:02d}", failing) for i in range(10)] + [WorkerReport(f"s{i:02d}", None) for i in range(10)]
+    plan = reconcile_pool(pool(), [adapter("a")], ws, now=NOW)
+    adapter_msg = plan.adapter_statuses["a"]["message"]
+    assert "w00: a@v1: no such file; w01: a@v1: no such file; w02: a@v1: no such file and 7 more" in adapter_msg
+    assert "s03" not in adapter_msg and "w03" not in adapter_msg
+    msg = pool_status(pool(), 1, ws, now=NOW, shared_pods={})["conditions"][0]["message"]
+    assert "no answer from the sidecar of s00, s01, s02 and 7 more" in msg, msg
+    assert "w02: sidecar refused and 7 more" in msg and "w03" not in msg and "s03" not in msg
