@@ -80,15 +80,12 @@ class AdapterLoading:
                     unread.append(entry)
             else:
                 ready.append(entry)
-        if len(ready) > 1:
-            busy = self._busy_slots()
-            while ready:  # the first (a request's, of the least busy tenant)
-                entry = min(ready, key=lambda e: (not _waited_for(e), busy.get(_group(e), 0)))
-                ready.remove(entry)
-                if self._try_place(entry):
-                    busy[_group(entry)] = busy.get(_group(entry), 0) + 1
-        elif ready:
-            self._try_place(ready[0])
+        busy = self._busy_slots() if ready else {}
+        while ready:  # the first (a request's, of the least busy tenant)
+            entry = min(ready, key=lambda e: (not _waited_for(e), busy.get(_group(e), 0)))
+            ready.remove(entry)
+            if self._try_place(entry):
+                busy[_group(entry)] = busy.get(_group(entry), 0) + 1
         if self._start_wanted_reads(unread):
             self._trim_cpu(protect=None)  # idle images make way for the reads a request waits for
 

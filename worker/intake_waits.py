@@ -49,7 +49,7 @@ class IntakeWaits:
             woken = loop.create_future()
             entry = (tenant, woken)
             # Handed a place that another took first: first in line again.
-            self._waiters.insert(0, entry) if chosen else self._waiters.append(entry)
+            self._waiters.insert(0 if chosen else len(self._waiters), entry)
             self.wake()  # a place free beyond those handed out (it came behind others on one): taken in turn
             try:
                 await asyncio.wait({woken}, timeout=left)

@@ -238,9 +238,8 @@ class SchemaGrammar(KeyReader, ItemReader, TagReader):
 
     def _begin(self, below: tuple, index: int, c: int) -> list[tuple]:
         """The stacks after `c`, the first byte of a value of node `index`, on top of `below`."""
-        tagged = self._tagged_begin(below, index, c)
-        if tagged is not None:
-            return tagged
+        if self.tag is not None and (tagged := self._tagged_begin(below, index, c)) is not None:
+            return tagged  # (tested here: no call on every value's first byte of the grammars without a tag)
         out = []
         distinct = bool(below) and below[-1][0] == "a" and self.nodes[below[-1][1]].unique == MANY
         for a in self.schema.alternatives(index):  # memoized at compile time

@@ -29,10 +29,10 @@ class TagReader:
     _tag_unions: dict[int, tuple[tuple[bytes, ...], dict[bytes, tuple[int, int]]] | None]
 
     def _tagged_begin(self, below: tuple, index: int, c: int) -> list[tuple] | None:
-        """The stacks after `{` begins a value of union `index` read tag first; None where it is not such a union
-        (or `c` is no `{`): read as any other. Only the items of the top-level array are (the calls): a union
+        """With a tag: the stacks after `{` begins a value of union `index` read tag first; None where it is not
+        such a union (or `c` is no `{`): read as any other. Only the items of the top-level array are (the calls): a union
         inside them (a tool's own parameters) keeps every key order its schema takes."""
-        if self.tag is None or c != 0x7B or index != self.nodes[self.schema.root].items:
+        if c != 0x7B or index != self.nodes[self.schema.root].items:
             return None
         return None if self._tag_union(index) is None else [below + (("t", index, b""),)]
 
