@@ -26,6 +26,7 @@ from lorafleet.worker.peft_patterns import (
     MAX_PATTERN_CHARS,
     MAX_PATTERN_KEYS,
     check_budget,
+    dialect_difference,
     is_targeted,
     layer_regex,
     written_out_size,
@@ -104,8 +105,9 @@ def refuse_unsupported(config: dict, where: Path) -> None:
 
 # Initialisations after which PEFT trains against a modified base (W - scale * B0 @ A0, or a quantized W):
 # the adapter's B @ A is only right on top of that base, not on the served one (PEFT's loader redoes the
-# change for PiSSA/CorDA/OLoRA; converted adapters say init_lora_weights=true).
-BASE_CHANGING_INITS = ("pissa", "corda", "olora", "lora_ga", "loftq")
+# change for PiSSA/CorDA/OLoRA, not for Astra's, made from calibration data; converted adapters say
+# init_lora_weights=true).
+BASE_CHANGING_INITS = ("pissa", "corda", "olora", "lora_ga", "loftq", "astra")
 
 
 def _is_set(value: Any) -> bool:
@@ -162,6 +164,10 @@ def _compile(field: str, pattern: str, where: Path, *, shown: str | None = None)
                            f"{MAX_PATTERN_CHARS} a pattern may have; use a shorter one in {CONFIG_FILE}")
     check_budget()  # a load's compiles share the budget of its matches (under the admin lock)
     try:
+        differs = dialect_difference(pattern)
+        if differs:  # it would select other modules, or scale them otherwise, than PEFT does
+            raise AdapterError(f"{where}: {field} {shown[:60]!r} has {differs} (PEFT matches it with Python's "
+                               f"re); write it without that in {CONFIG_FILE}")
         re.compile(pattern)  # what PEFT matches it with: a pattern PEFT refuses is refused here
         size = written_out_size(pattern)
         if size <= MAX_PATTERN_CHARS:

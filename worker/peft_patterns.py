@@ -10,7 +10,9 @@ tenant's push and load) for hours; their compiles count against it as well, and 
 MAX_PATTERN_CHARS long (Python's `re`, which PEFT compiles with, is slow to compile some patterns), also with
 its counted repeats written out (`written_out_size`): the `regex` engine writes `(?:a{3000}){3000}` out in full
 as it compiles it, 2.6 GB and seconds with the interpreter lock held. The compiled patterns are not left in the
-`regex` module's own cache (500 of them, each up to a megabyte): a load holds its own, and `_find` keeps a few."""
+`regex` module's own cache (500 of them, each up to a megabyte): a load holds its own, and `_find` keeps a few.
+The two engines read a few patterns otherwise (`[[:digit:]]`, `x{e<=1}`): those are refused (`dialect_difference`),
+so that every pattern served selects and scales the modules PEFT's `re` does."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import math
 import re
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -137,6 +140,39 @@ def written_out_size(pattern: str, most: int = MAX_PATTERN_CHARS) -> int:
         return total
 
     return size(_re_parser.parse(pattern))
+
+
+_REPEAT = re.compile(r"\{(?:\d+(?:,\d*)?|,\d*)\}")  # what Python's `re` reads as a counted repeat
+
+
+def dialect_difference(pattern: str) -> str | None:
+    """Why `pattern` may match otherwise under the `regex` engine than under Python's `re`, PEFT's (None: it
+    cannot). Both accept `[[:digit:]]` and `x{e<=1}`: `re` reads a set of `[:digt` then a `]`, and literal braces;
+    `regex` a POSIX class and fuzzy matching. `re` warns of the first kind (set operations too); a brace that
+    is no counted repeat is the second. Raises re.error for a pattern `re` cannot parse."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        try:
+            _re_parser.parse(pattern)
+        except FutureWarning as warning:  # "Possible nested set at position 1"
+            what = re.sub(r" at position \d+$", "", str(warning)).lower()
+            return f"a {what}, which the regex engine may read as a set of its own syntax"
+    i, in_set = 0, False
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":  # an escaped character; `\N{name}` one named
+            i = pattern.index("}", i) + 1 if pattern.startswith("N{", i + 1) else i + 2
+            continue
+        if in_set:
+            in_set = c != "]"
+        elif c == "[":
+            in_set, i = True, i + 1 + pattern.startswith("^", i + 1)
+            i += pattern.startswith("]", i)  # a set's first `]` is one of its characters
+            continue
+        elif c == "{" and not _REPEAT.match(pattern, i):
+            return "a literal '{', which the regex engine may read as a fuzzy-match constraint; write \\{"
+        i += 1
+    return None
 
 
 def _parts(arg: Any) -> Iterator[Any]:

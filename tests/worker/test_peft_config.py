@@ -246,3 +246,38 @@ def test_a_pattern_whose_counted_repeats_write_out_past_the_limit_is_refused_bef
     regex.compile("control: cached q_proj")  # what the module caches, as the check below reads its cache
     cached = [key[0] for key in regex._main._cache if isinstance(key, tuple) and key and isinstance(key[0], str)]
     assert [p for p in cached if "q_proj" in p] == ["control: cached q_proj"]  # none of the adapter's patterns
+
+
+def test_an_astra_adapter_is_refused_as_trained_against_a_changed_base(tmp_path):
+    """Astra (PEFT 0.22) subtracts its initial B @ A from the base weights, as PiSSA does: unconverted, it was
+    served on the unmodified base, a different model without a word."""
+    load = _config_loader(tmp_path)
+    with pytest.raises(AdapterError, match=r"init_lora_weights='astra'.*path_initial_model_for_weight_conversion"):
+        load(init_lora_weights="astra", astra_config={})
+    assert load(init_lora_weights=True, astra_config={}).ranks == {4}  # converted: plain LoRA
+
+
+@pytest.mark.parametrize("changes", [
+    {"alpha_pattern": {r"layers\.[[:digit:]]\.self_attn\.q_proj": 64}},
+    {"rank_pattern": {r"q_pro[[:alpha:]]": 4}},
+    {"target_modules": r"model\.layers\.0\.self_attn\.q_pro[[:alpha:]]"},
+    {"target_modules": r".*q_pro[a-z--b]"},
+    {"target_modules": r".*(q_proj){e<=1}"},
+    {"exclude_modules": r".*k_proj{e<=2}"},
+    {"layers_pattern": "lay{e<=1}ers", "layers_to_transform": [0]},
+], ids=["alpha_posix", "rank_posix", "target_posix", "target_set_op", "target_fuzzy", "exclude_fuzzy", "layers_fuzzy"])
+def test_a_pattern_the_two_regex_engines_read_otherwise_is_refused(changes, tmp_path):
+    """PEFT matches with Python's `re`, the worker with `regex`: `[[:digit:]]` is a POSIX class to one and a set
+    then `]` to the other, `{e<=1}` fuzzy matching to one and literal text to the other. An alpha_pattern key
+    `layers\\.[[:digit:]]\\.…` scaled layer 0's q_proj by 64/4 where PEFT keeps 8/4: other tokens, accepted."""
+    load = _config_loader(tmp_path)
+    (field,) = (f for f in changes if f != "layers_to_transform")
+    with pytest.raises(AdapterError, match=rf"{field} .*has a (possible|literal '\{{').* \(PEFT matches it with Python's re\)"):
+        load(**changes)
+
+
+def test_patterns_both_regex_engines_read_alike_still_load(tmp_path):
+    load = _config_loader(tmp_path)
+    w = load(target_modules=r"model\.layers\.\d{1,2}\.self_attn\.[q]_pro\N{LATIN SMALL LETTER J}",
+             alpha_pattern={r"layers\.[0-9]\.self_attn\.q_proj": 16, r"x\{e<=1\}": 2, "q_pr[]{]": 3})
+    assert w.modules[(0, "q_proj")].scale == 4.0
