@@ -112,17 +112,18 @@ async def stalling_proxy(port: int, path: str, released: asyncio.Event):
 
 
 @contextlib.asynccontextmanager
-async def answering_proxy(port: int, path: str, times: int, status: bytes, content_type: bytes, body: bytes):
+async def answering_proxy(port: int, path: str, times: int, status: bytes, content_type: bytes, body: bytes,
+                          headers: bytes = b""):
     """A TCP proxy to 127.0.0.1:`port` that answers the first `times` GETs of objects under `path` (path-style
-    `/bucket/prefix/`) itself, with `status` (b"503 Slow Down") and `body`; yields (endpoint, the request
-    lines it answered so)."""
+    `/bucket/prefix/`) itself, with `status` (b"503 Slow Down"), `headers` (each line ending in CRLF) and
+    `body`; yields (endpoint, the request lines it answered so)."""
     answered: list[bytes] = []
 
     def answer(line: bytes) -> bytes | None:
         if len(answered) >= times or not line.startswith(b"GET ") or path.encode() not in line:
             return None
         answered.append(line)
-        return (b"HTTP/1.1 " + status + b"\r\nContent-Type: " + content_type + b"\r\nContent-Length: "
+        return (b"HTTP/1.1 " + status + b"\r\n" + headers + b"Content-Type: " + content_type + b"\r\nContent-Length: "
                 + str(len(body)).encode() + b"\r\n\r\n" + body)
 
     async with _proxy(port, chunk=1 << 16, answer=answer) as endpoint:

@@ -112,5 +112,12 @@ def staging_error(exc: Exception, uri: str) -> APIError:
         return APIError(502, f"{uri}: the object store does not accept the stager's credentials ({code}: "
                              f"{str(exc)[:200]}); check its key (LORAFLEET_S3_ACCESS_KEY / _SECRET_KEY), token "
                              f"and the node's clock", type="server_error", code="stager_credentials")
+    if not code and status is not None and 300 <= status < 500 and status not in (408, 429):
+        # A gateway's or proxy's page about this object (a redirect, never followed; a 400): its answer, not
+        # an outage that would leave the push's other versions untried.
+        what = "a redirect, which the stager does not follow" if status < 400 else "not an S3 error answer"
+        return APIError(502, f"{uri}: the object store (or a gateway before it) answered {status}, {what}; check "
+                             f"--s3-endpoint names the store itself ({name}: {str(exc)[:200]})", type="server_error",
+                        code="store_answer")
     return APIError(502, f"{uri}: object store unavailable ({name}: {str(exc)[:200]})", type="server_error",
                     code="object_store_unavailable")

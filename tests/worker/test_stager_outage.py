@@ -543,6 +543,28 @@ async def test_an_object_the_store_keeps_failing_fails_its_version_alone(s3, ada
     assert stager.store.down_since is None
 
 
+@pytest.mark.parametrize(("status", "headers", "said"), [
+    (b"307 Temporary Redirect", b"Location: http://169.254.169.254/latest/\r\n", "307, a redirect"),
+    (b"400 Bad Request", b"", "400, not an S3 error answer")], ids=["redirect", "gateway_400"])
+async def test_a_gateway_s_answer_about_one_object_fails_its_version_alone(s3, adapters, tmp_path, status, headers,
+                                                                            said):
+    """A gateway before the store answers one object's read with a redirect (never followed) or a 400 page, not
+    S3's XML: that version fails, naming the answer, and the push's others are staged. The answer was taken
+    for an outage: the store was marked down and every version after it failed 'not tried'."""
+    from tests.store_proxy import answering_proxy
+
+    upload_folder(s3.client(), "adapters", "team/moved/", adapters["v1"])
+    upload_folder(s3.client(), "adapters", "team/stays/", adapters["v2"])
+    async with answering_proxy(s3.port, "/adapters/team/moved/adapter_model.safetensors", 1000, status,
+                               b"text/html", b"<html>moved</html>", headers) as (endpoint, answered):
+        stager = stager_for(endpoint, s3, tmp_path / "cache", stage_concurrency=1)
+        report = await stager.apply(push(1, ["moved", "stays"], {"moved": adapter_digest(adapters["v1"]),
+                                                                 "stays": adapter_digest(adapters["v2"])}))
+    assert answered and f"answered {said}" in report.find("moved", "v1").error
+    assert report.find("stays", "v1").error is None and stager.store.down_since is None
+    assert served_digests(stager) == {"stays": adapter_digest(adapters["v2"])}
+
+
 async def test_an_object_answered_with_a_short_body_fails_its_version_alone(s3, adapters, tmp_path):
     """The store (or a gateway before it) answers one object 200 with fewer bytes than listed, the body ending
     cleanly (Content-Length 0, no reset): that object's cut body, its version's failure while a quick listing
