@@ -17,6 +17,7 @@ instead, or nothing if it failed.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
@@ -131,7 +132,10 @@ class DiskCache:
         # rename and lost data not yet on disk. Their owner checks them before first use (mark_verified).
         self.unverified: set[str] = set()
         for child in sorted(self.root.iterdir()):
-            if child.name.startswith(_TMP):
+            if child.is_symlink():  # never the cache's own: not followed (its target walked, counted, served)
+                with contextlib.suppress(OSError):
+                    child.unlink()  # the link alone
+            elif child.name.startswith(_TMP):
                 shutil.rmtree(child, ignore_errors=True)  # a download interrupted by a crash
             elif child.is_dir():
                 self._bytes[child.name] = dir_bytes(child)

@@ -48,6 +48,8 @@ def load_tensors(raw: bytes, check: Callable[[dict[str, list[int]]], None] | Non
         with collections_paused():
             header = json.loads(raw[8:8 + size].decode("utf-8"), object_pairs_hook=_object,
                                 parse_constant=_no_constant)
+    except SafetensorsError:
+        raise
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise SafetensorsError(f"the header is not UTF-8 JSON ({exc})") from None
     if not isinstance(header, dict):
@@ -92,9 +94,13 @@ def _entry(name: str, info: object) -> tuple[str, torch.dtype, list[int], tuple[
 
 
 def _object(pairs: list[tuple[str, object]]) -> dict:
-    """A JSON object whose keys are text (no lone surrogates), as the library reads them (the last of a key
-    given twice stands)."""
+    """A JSON object whose keys are text (no lone surrogates), each given once: the library keeps the last of a
+    key given twice, a tensor listed twice included (its first span then reads as a gap)."""
     out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        twice = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise SafetensorsError(f"the header gives {twice!r} twice (a tensor, or a field of one, listed twice)")
     if not all(_utf8(k) for k in out):
         raise ValueError("a key is not valid Unicode text")
     return out

@@ -136,3 +136,18 @@ def test_a_folder_the_cache_does_not_count_is_replaced_by_a_fill_not_handed_out(
     path = cache.put("k", fill)
     assert sorted(p.name for p in path.iterdir()) == ["weights"] and cache.size_of("k") == 100
     assert cache.get("k") == path and not [p for p in tmp_path.iterdir() if p.name != "k"]
+
+
+def test_a_link_in_the_cache_folder_is_dropped_not_followed(tmp_path):
+    """A symlink planted in the cache folder (to /etc, to /) was counted as an entry at start, its target's
+    whole tree walked for its size, and the entry offered to the stager's checks. The link alone is removed."""
+    outside = tmp_path / "outside"
+    (outside / "sub").mkdir(parents=True)
+    (outside / "sub" / "data").write_bytes(b"d" * 1000)
+    root = tmp_path / "cache"
+    root.mkdir()
+    (root / "evil").symlink_to(outside)
+    (root / ".tmp-x").symlink_to(outside / "sub")  # as a download's leftover is named
+    cache = DiskCache(root, budget_bytes=1 << 20)
+    assert cache.get("evil") is None and cache.size_of("evil") == 0 and not cache.unverified
+    assert list(root.iterdir()) == [] and (outside / "sub" / "data").read_bytes() == b"d" * 1000

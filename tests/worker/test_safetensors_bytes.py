@@ -96,6 +96,19 @@ def test_what_the_library_accepts_beyond_what_torch_writes_is_read_too():
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in theirs)
 
 
+def test_a_tensor_listed_twice_is_refused_by_its_name():
+    """The header names one tensor twice: the same entry (the library keeps the last and loads) or another span
+    (refused, as a gap at the first's bytes): each is refused, naming the tensor listed twice."""
+    raw = safetensors.torch.save({"a": torch.ones(2), "b": torch.zeros(3)})
+    size = int.from_bytes(raw[:8], "little")
+    header, data = raw[8:8 + size].rstrip(), raw[8 + size:]  # the header is padded with spaces
+    a, b = (json.dumps(_split(raw)[0][k]).encode() for k in ("a", "b"))
+    for twice in (header[:-1] + b',"a":' + a + b"}", header[:-1] + b',"a":' + b + b"}"):
+        with pytest.raises(SafetensorsError, match="the header gives 'a' twice"):
+            load_tensors(_join(twice, data))
+    assert json.loads(twice)["a"] == json.loads(b)  # the JSON itself is well formed: its last "a" stands
+
+
 CORRUPT = dict(_corruptions(safetensors.torch.save(_sample())))
 
 
