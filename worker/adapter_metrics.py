@@ -28,8 +28,8 @@ class AdapterMetrics:
                                       "Adapter load time into a tier (cpu: disk->CPU parse, gpu: H2D copy)",
                                       ["tier"], buckets=_LOAD_BUCKETS, registry=None)
         self.wait_seconds = Histogram("lorafleet_adapter_wait_seconds",
-                                      "Time a request that missed its adapter on the GPU waited for it (the load's "
-                                      "queue, read and copy, and GPU room)", buckets=_LOAD_BUCKETS, registry=None)
+                                      "Time a request that missed its adapter on the GPU waited for it once the "
+                                      "scheduler asked for it (the load's queue, read and copy, and GPU room)", buckets=_LOAD_BUCKETS, registry=None)
         self.load_failures = Counter("lorafleet_adapter_load_failures", "Adapter loads that failed", ["tier"],
                                      registry=None)
         self.refusals = Counter("lorafleet_adapter_refusals", "Adapter placements refused by policy (a tenant's GPU "

@@ -92,7 +92,7 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
         self._slot_owner: dict[int, AdapterEntry] = {}
         self._free_slots = list(range(config.max_slots - 1, -1, -1))
         self._wanted: dict[str, None] = {}  # keys to bring to the GPU, in request order
-        self._missed_at: dict[object, float] = {}  # waiter -> when its request missed its adapter on the GPU
+        self._missed_at: dict[object, float | None] = {}  # GPU miss's waiter -> when first asked for (None: not yet)
         self._quota_due: set[str] = set()  # keys whose owner changed while in use or copying (set_tenant)
         self._failures: deque[tuple[str, AdapterLoadError]] = deque(maxlen=100)
         self._inflight: set[str] = set()  # keys with a load or copy running
@@ -188,6 +188,8 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
                 if waiter in entry.detached:
                     self.reattached(entry, waiter)
                 return entry.slot
+            if waiter is not None:
+                self._asked(waiter)
             if first_look:
                 if not entry.on_gpu and entry.fetching is None:  # this request starts the load
                     self._count("hits" if entry.image is not None else "misses", "cpu")

@@ -115,18 +115,28 @@ class AdapterReports:
 
     # ---- internals: bookkeeping ----------------------------------------------------------------
     def _count(self, what: str, tier: str, waiter: object = None) -> None:
-        """Count a lookup; a request's GPU miss (`waiter`) starts its wait for the adapter (`_waited`)."""
+        """Count a lookup; a request's GPU miss (`waiter`) is noted: its wait for the adapter (`_waited`) starts
+        once the scheduler asks for it (`_asked`), not as it arrives, when it may wait for a seat first."""
         self._counts[what][tier] += 1
         (self.metrics.hits if what == "hits" else self.metrics.misses).labels(tier).inc()
         if what == "misses" and tier == "gpu" and waiter is not None:
+            self._missed_at[waiter] = None
+
+    def _asked(self, waiter: object) -> None:
+        """The scheduler asked for the adapter of a request that missed it, and it is not on the GPU: its wait
+        begins (the first time only)."""
+        if waiter in self._missed_at and self._missed_at[waiter] is None:
             self._missed_at[waiter] = time.monotonic()
 
     def _waited(self, waiter: object, *, took_it: bool) -> None:
         """A request that missed its adapter on the GPU took its slot (its wait is observed: the load's queue,
-        read and copy, and GPU room, which the load histogram leaves out) or went away."""
-        missed = self._missed_at.pop(waiter, None)
-        if missed is not None and took_it:
-            self.metrics.wait_seconds.observe(time.monotonic() - missed)
+        read and copy, and GPU room, which the load histogram leaves out; 0 when the adapter was there by the
+        time the scheduler asked, the request having waited for a seat, not for it) or went away."""
+        if waiter not in self._missed_at:
+            return
+        asked = self._missed_at.pop(waiter)
+        if took_it:
+            self.metrics.wait_seconds.observe(0.0 if asked is None else time.monotonic() - asked)
 
     def _update_gauges(self) -> None:
         gpu = [e for e in self._entries.values() if e.resident]

@@ -39,3 +39,25 @@ def test_a_request_that_missed_its_adapter_observes_its_wait():
     samples = {s.name: s.value for m in pool.metrics.wait_seconds.collect() for s in m.samples}
     assert samples["lorafleet_adapter_wait_seconds_count"] == 1 and samples["lorafleet_adapter_wait_seconds_sum"] > 0
     pool.close()
+
+
+def test_the_wait_starts_when_the_scheduler_asks_not_while_the_request_waits_for_a_seat():
+    """A request queued behind full seats is not asked for its adapter: its wait for a seat was observed as
+    adapter wait (18 s of 'adapter wait' for an adapter that took milliseconds). It now counts from the
+    scheduler's first ask; an adapter on the GPU by then (another request loaded it) observes 0."""
+    pool = AdapterPool(PagePool(PagePoolConfig(num_pages=4000, page_elems=1000)), TINY_DIMS,
+                       AdapterPoolConfig(max_slots=2, max_rank=32))
+    pool.add("x@1", loader=functools.partial(random_weights, 1, 8))
+    pool.add("y@1", loader=functools.partial(random_weights, 2, 8))
+    pool.hold("x@1", "r1", count=True)  # both arrive while every seat is taken: GPU misses
+    pool.hold("y@1", "r2", count=True)
+    pool.load("x@1")  # another request's load brings x while r1 waits for a seat
+    seat_wait_s = 0.6
+    time.sleep(seat_wait_s)  # the seats stay taken
+    assert _serve_until(pool, {"x@1": "r1", "y@1": "r2"}, lambda key: None) == ["x@1", "y@1"]
+    (hist,) = pool.metrics.wait_seconds.collect()
+    samples = {(s.name, s.labels.get("le")): s.value for s in hist.samples}
+    assert samples[("lorafleet_adapter_wait_seconds_count", None)] == 2
+    assert samples[("lorafleet_adapter_wait_seconds_bucket", "0.0005")] >= 1  # r1: x was there when asked for
+    assert samples[("lorafleet_adapter_wait_seconds_sum", None)] < seat_wait_s  # r2: y's load alone
+    pool.close()
