@@ -63,6 +63,13 @@ def admin_listen_problem(config: WorkerConfig) -> str | None:
                           port_flag="--admin-port")
 
 
+def metrics_listen_problem(config: WorkerConfig) -> str | None:
+    """Why /metrics' own listener (--metrics-port) could not listen, or None (before the model loads)."""
+    if config.metrics_port is None:
+        return None
+    return listen_problem(config.host, config.metrics_port, port_flag="--metrics-port")
+
+
 def stager_problem(config: WorkerConfig) -> str | None:
     """Why the stager child of an s3:// --adapters could not start (its cache folder, its port), or None:
     it starts only once the model has loaded, and would then end the start with its log's tail."""
@@ -101,7 +108,7 @@ def _main(argv: Sequence[str] | None) -> int:
 
     if problem := object_store_problem(config, os.environ) or listen_problem(config.host, config.port):
         return refuse(problem)
-    if problem := admin_listen_problem(config) or stager_problem(config):
+    if problem := admin_listen_problem(config) or metrics_listen_problem(config) or stager_problem(config):
         return refuse(problem)
     logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

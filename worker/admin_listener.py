@@ -8,6 +8,10 @@ same keys) and starts in the worker's `cleanup_ctx` once the engine is loaded, b
 which is given its URL. On shutdown the public listener closes first and in-flight requests drain; the
 admin listener stays open meanwhile (the stager's pushes still land) and closes after the stager child
 stopped, before the engine does.
+
+`--metrics-port` does the same for `/metrics` (with the probes): served on a port of its own, on `--host`, and
+404 on `--port`, so that a Service publishing `--port` to tenants tells none of them which adapters the others
+run and how much, while Prometheus scrapes the metrics port.
 """
 
 from __future__ import annotations
@@ -19,9 +23,10 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 
 from lorafleet.worker.admin_api import admin_routes
-from lorafleet.worker.app_keys import ADMIN_URL, CONFIG
+from lorafleet.worker.app_keys import ADMIN_URL, CONFIG, METRICS_URL
 from lorafleet.worker.error_middleware import error_middleware
 from lorafleet.worker.listen import close_all, listen_sockets
+from lorafleet.worker.probes import probe_routes
 
 log = logging.getLogger("lorafleet.worker")
 
@@ -52,15 +57,11 @@ def create_admin_app(app: web.Application) -> web.Application:
     return admin
 
 
-async def admin_listener_ctx(app: web.Application) -> AsyncIterator[None]:
-    """Serve the admin app on `--admin-host`/`--admin-port` (after the engine's ctx: it needs the engine) and
-    note its URL under ADMIN_URL. A port taken meanwhile is a StartupError naming --admin-port."""
-    config = app[CONFIG]
-    host = config.admin_listen_host
-    sockets = listen_sockets(host, config.admin_port, host_flag="--admin-host", port_flag="--admin-port")
-    runner = web.AppRunner(
-        create_admin_app(app), handler_cancellation=True, access_log=None, shutdown_timeout=_CUT_S
-    )
+async def _serve(side: web.Application, host: str, port: int, *, host_flag: str, port_flag: str) -> tuple[web.AppRunner, list[web.SockSite], int]:
+    """`side` started on host:port: its runner, sites and the port it got. A port taken meanwhile is a
+    StartupError naming `port_flag`."""
+    sockets = listen_sockets(host, port, host_flag=host_flag, port_flag=port_flag)
+    runner = web.AppRunner(side, handler_cancellation=True, access_log=None, shutdown_timeout=_CUT_S)
     sites: list[web.SockSite] = []
     try:
         await runner.setup()
@@ -71,7 +72,17 @@ async def admin_listener_ctx(app: web.Application) -> AsyncIterator[None]:
         await runner.cleanup()
         close_all(sockets)
         raise
-    app[ADMIN_URL] = local_url(host, sockets[0].getsockname()[1])
+    return runner, sites, sockets[0].getsockname()[1]
+
+
+async def admin_listener_ctx(app: web.Application) -> AsyncIterator[None]:
+    """Serve the admin app on `--admin-host`/`--admin-port` (after the engine's ctx: it needs the engine) and
+    note its URL under ADMIN_URL."""
+    config = app[CONFIG]
+    host = config.admin_listen_host
+    runner, sites, port = await _serve(create_admin_app(app), host, config.admin_port,
+                                       host_flag="--admin-host", port_flag="--admin-port")
+    app[ADMIN_URL] = local_url(host, port)
     log.info(
         "admin API (/admin/v1/*, /v1/load_lora_adapter) on %s only (--admin-port), not on --port",
         ", ".join(site.name for site in sites),
@@ -80,3 +91,28 @@ async def admin_listener_ctx(app: web.Application) -> AsyncIterator[None]:
         yield
     finally:
         await runner.cleanup()
+
+
+def create_metrics_app(app: web.Application, metrics_handler) -> web.Application:
+    """/metrics and the probes over the state of the worker's `app`."""
+    side = web.Application()
+    for key, value in app.items():
+        side[key] = value
+    side.router.add_routes(probe_routes())
+    side.router.add_get("/metrics", metrics_handler)
+    return side
+
+
+def metrics_listener_ctx(metrics_handler):
+    """The cleanup context serving /metrics and the probes on `--host`/`--metrics-port`."""
+    async def ctx(app: web.Application) -> AsyncIterator[None]:
+        config = app[CONFIG]
+        runner, sites, port = await _serve(create_metrics_app(app, metrics_handler), config.host,
+                                           config.metrics_port, host_flag="--host", port_flag="--metrics-port")
+        app[METRICS_URL] = local_url(config.host, port)
+        log.info("/metrics on %s only (--metrics-port), not on --port", ", ".join(site.name for site in sites))
+        try:
+            yield
+        finally:
+            await runner.cleanup()
+    return ctx

@@ -43,3 +43,4 @@ ADMIN_LOCK = web.AppKey("admin_lock", asyncio.Lock)
 SOURCES = web.AppKey("sources", Sources)  # the adapter roots admin sources are checked in, with their digests kept
 IN_FLIGHT = web.AppKey("in_flight", set)  # tasks of the request handlers running now (for shutdown)
 ADMIN_URL = web.AppKey("admin_url", str)  # the admin listener's base URL (--admin-port), once it listens
+METRICS_URL = web.AppKey("metrics_url", str)  # /metrics' own listener's base URL (--metrics-port), once it listens

@@ -31,7 +31,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from aiohttp import web
 
 from lorafleet.worker.admin_api import admin_routes
-from lorafleet.worker.admin_listener import admin_listener_ctx, local_url
+from lorafleet.worker.admin_listener import admin_listener_ctx, local_url, metrics_listener_ctx
 from lorafleet.worker.app_keys import (
     ADAPTERS,
     ADMIN_LOCK,
@@ -305,7 +305,10 @@ def create_app(config: WorkerConfig) -> web.Application:
     app.cleanup_ctx.append(_stager_ctx)
     app.on_shutdown.append(_drain)
     app.router.add_routes(probe_routes())
-    app.router.add_get("/metrics", metrics)
+    if config.metrics_port is None:
+        app.router.add_get("/metrics", metrics)
+    else:  # on a listener of its own (worker/admin_listener.py), up once the engine has loaded
+        app.cleanup_ctx.append(metrics_listener_ctx(metrics))
     app.router.add_routes(openai_routes())
     if config.admin_port is None:
         app.router.add_routes(admin_routes())

@@ -61,6 +61,10 @@ class WorkerConfig:
     admin_host: str | None = field(default=None, metadata=_help(
         "address the admin API listens on with --admin-port; default 127.0.0.1, so that only this machine (a "
         "pod's own containers: the stager sidecar) reaches it"))
+    metrics_port: int | None = field(default=None, metadata=_help(
+        "serve /metrics (and the probes /healthz, /readyz) on this port of its own, on --host, and no longer on "
+        "--port, where /metrics then answers 404: its per-adapter series tell anyone who reaches --port which "
+        "adapters run and how much (0 = any free port, logged); unset = on --port"))
     enable_prompt_tokens_details: bool = field(default=False, metadata=_help(
         "answers' usage carries prompt_tokens_details.cached_tokens, the prompt tokens found in the prefix cache "
         "(vLLM's flag, off as there: with it, a caller learns exactly which of its tenant's prompts were sent "
@@ -150,6 +154,7 @@ class WorkerConfig:
         if not 0 <= self.stager_port < 65536:
             raise ValueError(f"stager_port must be in 0..65535, got {self.stager_port}")
         self._check_admin_listener()
+        self._check_metrics_listener()
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         if self.max_queued_requests < 0:
@@ -203,6 +208,17 @@ class WorkerConfig:
             if port and port == other:
                 raise ValueError(f"--admin-port {port} is {flag} too: the admin API needs a port of its own; choose "
                                  "another --admin-port, or leave it unset to serve the admin API on --port")
+
+    def _check_metrics_listener(self) -> None:
+        port = self.metrics_port
+        if port is None:
+            return
+        if not 0 <= port < 65536:
+            raise ValueError(f"metrics_port must be in 0..65535 (0 = any free port), got {port}")
+        for flag, other in (("--port", self.port), ("--admin-port", self.admin_port), ("--stager-port", self.stager_port)):
+            if port and port == other:
+                raise ValueError(f"--metrics-port {port} is {flag} too: /metrics needs a port of its own; choose "
+                                 "another --metrics-port, or leave it unset to serve /metrics on --port")
 
     @property
     def admin_listen_host(self) -> str:

@@ -276,26 +276,39 @@ def test_operator_rbac_is_least_privilege():
 
 def test_optional_objects():
     kinds = {d["kind"] for d in render(VALUE_SETS["replicated-clusterwide"])}
-    assert {"ServiceMonitor", "PodMonitor", "ClusterKopfPeering", "ConfigMap"} <= kinds
+    assert {"PodMonitor", "ClusterKopfPeering", "ConfigMap"} <= kinds
     kinds = {d["kind"] for d in render(VALUE_SETS["existing-secrets-other-namespace"])}
     assert not {"ServiceMonitor", "PodMonitor", "Secret", "ConfigMap"} & kinds
     kinds = {d["kind"] for d in render(VALUE_SETS["operator-only"])}
     assert "Service" not in kinds and "LoRAPool" not in kinds
 
 
-def test_both_containers_metrics_are_scraped():
-    """The worker's /metrics through its Service, the stager sidecar's (object-store downloads: the cold
-    start's slowest leg) from the pods, by the port name the worker Deployment gives its container."""
-    docs = render(VALUE_SETS["replicated-clusterwide"])
-    monitor = next(d for d in docs if d["kind"] == "ServiceMonitor")
-    assert [(e["port"], e["path"]) for e in monitor["spec"]["endpoints"]] == [("http", "/metrics")]
-    pods = next(d for d in docs if d["kind"] == "PodMonitor")
-    assert [(e["port"], e["path"]) for e in pods["spec"]["podMetricsEndpoints"]] == [("stager", "/metrics")]
+@pytest.mark.parametrize("metrics_port", [8003, None])
+def test_both_containers_metrics_are_scraped(metrics_port):
+    """The worker's /metrics from the pods on its own port (worker.metricsPort: the Service, which tenants reach,
+    does not carry it; null: through the Service), the stager sidecar's (object-store downloads: the cold
+    start's slowest leg) from the pods, by the port names the worker Deployment gives its containers."""
+    values = {**VALUE_SETS["replicated-clusterwide"]}
+    values["worker"] = {**values.get("worker", {}), "metricsPort": metrics_port}
+    docs = render(values)
+    monitors = [d for d in docs if d["kind"] in ("ServiceMonitor", "PodMonitor")]
+    endpoints = {(d["kind"], e["port"], e["path"]) for d in monitors
+                 for e in d["spec"].get("endpoints", d["spec"].get("podMetricsEndpoints"))}
+    engine = ("PodMonitor", "metrics", "/metrics") if metrics_port else ("ServiceMonitor", "http", "/metrics")
+    assert endpoints == {engine, ("PodMonitor", "stager", "/metrics")}
     worker = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"].endswith("-worker"))
     template = worker["spec"]["template"]
-    assert pods["spec"]["selector"]["matchLabels"].items() <= template["metadata"]["labels"].items()
-    stager = next(c for c in template["spec"]["containers"] if c["name"] == "stager")
-    assert "stager" in {p["name"] for p in stager["ports"]}
+    for pods in (d for d in monitors if d["kind"] == "PodMonitor"):
+        assert pods["spec"]["selector"]["matchLabels"].items() <= template["metadata"]["labels"].items()
+    containers = {c["name"]: c for c in template["spec"]["containers"]}
+    assert "stager" in {p["name"] for p in containers["stager"]["ports"]}
+    ports = {p["name"]: p["containerPort"] for p in containers["engine"]["ports"]}
+    assert ports == ({"http": 8000, "metrics": metrics_port} if metrics_port else {"http": 8000})
+    assert template["metadata"]["annotations"]["prometheus.io/port"] == str(metrics_port or 8000)
+    env = {e["name"]: e.get("value") for e in containers["engine"]["env"]}
+    assert env.get("LORAFLEET_METRICS_PORT") == (str(metrics_port) if metrics_port else None)
+    service = find(docs, "Service")
+    assert [p["targetPort"] for p in service["spec"]["ports"]] == ["http"]
 
 
 def test_grafana_dashboard_plots_every_figure_the_troubleshooting_checklist_reads():

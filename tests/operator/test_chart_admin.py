@@ -12,7 +12,8 @@ from lorafleet.worker.cli import config_from_args
 
 from .test_chart import CHART, CUSTOM_KINDS, K8S_VERSION, SHARED, find, render, trial
 
-LISTEN_VARS = ("LORAFLEET_HOST", "LORAFLEET_PORT", "LORAFLEET_ADMIN_HOST", "LORAFLEET_ADMIN_PORT")
+LISTEN_VARS = ("LORAFLEET_HOST", "LORAFLEET_PORT", "LORAFLEET_ADMIN_HOST", "LORAFLEET_ADMIN_PORT",
+               "LORAFLEET_METRICS_PORT")
 
 
 def worker_pod(values: dict) -> tuple[dict, dict, dict, list[dict]]:
@@ -40,10 +41,11 @@ def test_the_stager_reaches_the_admin_api_on_loopback_and_the_service_does_not(w
     engine, stager, service, docs = worker_pod({"worker": worker})
     config = engine_listeners(engine)
     assert (config.host, config.port) == ("*", port)  # every address of IPv4 and IPv6: any cluster's pod IP
-    assert (config.admin_listen_host, config.admin_port) == ("127.0.0.1", admin_port)
+    assert (config.admin_listen_host, config.admin_port) == ("127.0.0.1", admin_port) and config.metrics_port == 8003
     assert env_value(stager, "LORAFLEET_ENGINE_URL") == f"http://127.0.0.1:{admin_port}"
-    # The admin port is no container port; the Service and the probes use the public one only.
-    assert [p["containerPort"] for p in engine["ports"]] == [port]
+    # The admin port is no container port (the metrics port is: scraped from the pods); the Service and the
+    # probes use the public one only.
+    assert [p["containerPort"] for p in engine["ports"]] == [port, 8003]
     assert [p["targetPort"] for p in service["spec"]["ports"]] == ["http"]
     assert {"name": "http", "containerPort": port} in engine["ports"]
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
@@ -60,6 +62,14 @@ def test_admin_port_null_keeps_the_admin_api_on_the_worker_port():
     for doc in docs:
         if doc["kind"] not in CUSTOM_KINDS:
             kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("taken", ["port", "stagerPort", "adminPort"])
+def test_a_metrics_port_the_pod_already_uses_is_refused_at_install(taken):
+    ports = {"port": 8000, "stagerPort": 8001, "adminPort": 8002}
+    with pytest.raises(helm.HelmError, match=f"worker.metricsPort {ports[taken]} is worker.port, worker.stagerPort"):
+        render({"worker": {"metricsPort": ports[taken]}})
+    render({"worker": {"metricsPort": 8002, "adminPort": None}})  # the admin API on worker.port: 8002 is free
 
 
 @pytest.mark.parametrize("taken", ["port", "stagerPort"])

@@ -277,3 +277,41 @@ async def test_the_admin_port_stays_open_while_the_public_one_drains(tiny_llama_
         gate.set()
         if cleanup is None:
             await runner.cleanup()
+
+
+async def test_the_metrics_port_serves_metrics_and_probes_and_the_public_port_no_metrics(
+        aiohttp_client, tiny_llama_dir, qv_adapters_dir, tmp_path):
+    """--metrics-port: /metrics named each adapter and counted its requests to anyone who reached --port (no
+    key needed), the port a Service publishes to tenants. With it, /metrics answers 404 there, as any unknown
+    path, and is served, with the probes, on the metrics port, counting the public port's requests."""
+    from lorafleet.worker.app_keys import METRICS_URL
+
+    app = create_app(worker_config(tiny_llama_dir, qv_adapters_dir, tmp_path, admin_port=0, metrics_port=0))
+    client = await aiohttp_client(app)
+    async with aiohttp.ClientSession(base_url=app[ADMIN_URL]) as admin:
+        resp = await admin.post("/v1/load_lora_adapter", json={"lora_name": "alpha",
+                                                                "lora_path": str(qv_adapters_dir / "alpha")},
+                                headers=auth(ADMIN))
+        assert resp.status == 200, await resp.text()
+    assert (await complete(client, "alpha"))[0] == 200
+    public = await client.get("/metrics")
+    assert public.status == 404 and (await public.json())["error"]["code"] == "not_found"
+    for path in ("/healthz", "/readyz"):
+        assert (await client.get(path)).status == 200, path
+    assert app[METRICS_URL].startswith("http://127.0.0.1:") and app[METRICS_URL] != str(client.make_url("/"))[:-1]
+    async with aiohttp.ClientSession(base_url=app[METRICS_URL]) as scrape:
+        resp = await scrape.get("/metrics")
+        text = await resp.text()
+        assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/plain")
+        assert re.search(r'lorafleet_requests_total\{[^}]*adapter="alpha"[^}]*\} 1\.0', text), text[:2000]
+        for path in ("/healthz", "/readyz"):
+            assert (await scrape.get(path)).status == 200, path
+        assert (await scrape.get("/v1/models")).status == 404  # nothing else
+
+
+@pytest.mark.parametrize(("flags", "said"), [({"metrics_port": 8000}, "--metrics-port 8000 is --port too"),
+                                             ({"metrics_port": 9001, "admin_port": 9001}, "is --admin-port too"),
+                                             ({"metrics_port": 70000}, "metrics_port must be in 0..65535")])
+def test_a_metrics_port_shared_with_another_listener_is_refused(flags, said):
+    with pytest.raises(ValueError, match=said):
+        WorkerConfig(engine=EngineConfig(model="m"), **flags)

@@ -38,6 +38,15 @@ app.kubernetes.io/component: operator
 
 {{/* The engine's admin API port, where the stager sidecar calls it over loopback: worker.adminPort (its own
 listener, refused when it is a port the pod already uses), else worker.port (null: beside the OpenAI API). */}}
+{{- define "lorafleet.engineMetricsPort" -}}
+{{- $metrics := .Values.worker.metricsPort -}}
+{{- $taken := list (int .Values.worker.port) (int .Values.worker.stagerPort) -}}
+{{- if not (kindIs "invalid" .Values.worker.adminPort) }}{{ $taken = append $taken (int .Values.worker.adminPort) }}{{ end -}}
+{{- if has (int $metrics) $taken -}}
+{{- fail (printf "worker.metricsPort %v is worker.port, worker.stagerPort or worker.adminPort too: /metrics needs a port of its own (or null: on worker.port)" $metrics) -}}
+{{- else -}}{{ $metrics }}{{- end -}}
+{{- end -}}
+
 {{- define "lorafleet.engineAdminPort" -}}
 {{- $admin := .Values.worker.adminPort -}}
 {{- if kindIs "invalid" $admin -}}{{ .Values.worker.port }}
