@@ -93,10 +93,8 @@ _FROZEN: contextvars.ContextVar[tuple[EngineSnapshot, float] | None] = contextva
 
 class _EngineCollector(Collector):
     def __init__(self, snapshot: Callable[[], EngineSnapshot], throughput: Callable[[], float],
-                 model_name: Callable[[], str] = str) -> None:
-        self._snapshot = snapshot
-        self._throughput = throughput
-        self._model_name = model_name
+                 model_name: Callable[[], str] = str, lora_info: bool = True) -> None:
+        self._snapshot, self._throughput, self._model_name, self._lora_info = snapshot, throughput, model_name, lora_info
 
     def read(self) -> tuple[EngineSnapshot, float]:
         return self._snapshot(), self._throughput()
@@ -119,16 +117,12 @@ class _EngineCollector(Collector):
             metric = family(*text, labels=["model_name"])
             metric.add_metric(name, value)
             yield metric
-        info = GaugeMetricFamily(
-            "vllm:lora_requests_info",
-            "Running stats on LoRA requests.",
-            labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
-        )
-        info.add_metric(
-            [str(s.max_lora), ",".join(sorted(s.running_adapters)), ",".join(sorted(s.waiting_adapters))],
-            time.time(),
-        )
-        yield info
+        if self._lora_info:  # a series per set of names (vLLM's): each list's first max_lora names, sorted
+            info = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on LoRA requests.",
+                                     labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+            named = [",".join(sorted(a)[:max(s.max_lora, 1)]) for a in (s.running_adapters, s.waiting_adapters)]
+            info.add_metric([str(s.max_lora), *named], time.time())
+            yield info
         yield GaugeMetricFamily("lorafleet_queue_depth", "Requests waiting to be scheduled.", s.num_waiting)
         yield GaugeMetricFamily("lorafleet_kv_cache_usage_ratio", "Fraction of KV capacity in use.", s.kv_usage)
         yield GaugeMetricFamily("lorafleet_seat_usage_ratio", "Running sequences over --max-num-seqs (a worker full "
@@ -150,7 +144,7 @@ class WorkerMetrics:
 
     def __init__(self, snapshot: Callable[[], EngineSnapshot] = EngineSnapshot, *,
                  retired_grace_s: float = RETIRED_GRACE_S, clock: Callable[[], float] = time.monotonic,
-                 latency_series: LatencySeries = "rollouts") -> None:
+                 latency_series: LatencySeries = "rollouts", lora_info: bool = True) -> None:
         self.registry = CollectorRegistry()
         self.latency_series = latency_series
         self._rolling: set[str] = set()  # names serving more than one version (latencies labelled by adapter)
@@ -199,7 +193,7 @@ class WorkerMetrics:
         self._versions: dict[str, dict[str, set[tuple[str, str]]]] = {}
         self.retired = RetiredSeries(retired_grace_s, clock)
         self.rolled_out = RetiredSeries(retired_grace_s, clock)  # names whose rollout ended: latencies to drop
-        self._engine = _EngineCollector(snapshot, self.tokens_per_second, lambda: self.model_name)
+        self._engine = _EngineCollector(snapshot, self.tokens_per_second, lambda: self.model_name, lora_info)
         r.register(self._engine)
 
     @property

@@ -295,7 +295,7 @@ def create_app(config: WorkerConfig) -> web.Application:
     app[SOURCES] = Sources(SourcesConfig(local_roots=config.local_adapter_roots,  # the engine's file limit: checked alike
                                          max_adapter_file_bytes=config.engine.max_adapter_file_bytes))
     app[METRICS] = WorkerMetrics(lambda: engine_snapshot(app), retired_grace_s=config.retired_series_grace_s,
-                                 latency_series=config.adapter_latency_series)
+                                 latency_series=config.adapter_latency_series, lora_info=config.lora_info_metric)
     app[IN_FLIGHT] = set()
     if tenants.path is not None:
         app.cleanup_ctx.append(_keys_watch_ctx)

@@ -118,6 +118,10 @@ class WorkerConfig:
         "rollouts = names serving two versions (a canary, or a new version loading beside the old), the others "
         "counted under adapter __other__; all = every adapter (heavy with thousands of them). Request and "
         "token counters are per adapter and version either way"))
+    lora_info_metric: bool = field(default=True, metadata=_help(
+        "export vLLM's vllm:lora_requests_info, whose labels list the adapters running and waiting (each list's "
+        "first --max-loras names, sorted), as routers read it; each new set of names is a new series, so a busy "
+        "worker of many adapters makes one about every scrape: --no-lora-info-metric where no router reads it"))
     stager_port: int = field(default=0, metadata=_help(
         "port of the stager child started for an s3:// --adapters (0 = a free port)"))
     stager_cache_dir: str | None = field(default=None, metadata=_help(

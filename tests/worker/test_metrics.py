@@ -34,6 +34,19 @@ def test_engine_snapshot_feeds_vllm_compatible_gauges():
     assert s[("lorafleet_seat_usage_ratio", ())] == 0.75  # 3 of --max-num-seqs 4: the autoscaler's seats
 
 
+def test_the_lora_info_lists_are_bounded_and_the_series_can_be_left_out():
+    """The waiting list named every adapter queued (up to --max-queued-requests names, kilobytes in one label
+    value); each list now names its first max_lora, sorted. --no-lora-info-metric leaves the series out: each new
+    set of names is a new series, about one a scrape on a busy worker of many adapters."""
+    waiting = [f"w{i:03d}@1" for i in range(300)]
+    snap = EngineSnapshot(max_lora=4, running_adapters=["r9@1", "r1@1", "r5@1", "r3@1", "r7@1"],
+                          waiting_adapters=waiting[::-1])
+    (info,) = [dict(k[1]) for k in _samples(WorkerMetrics(lambda: snap)) if k[0] == "vllm:lora_requests_info"]
+    assert info["running_lora_adapters"] == "r1@1,r3@1,r5@1,r7@1"
+    assert info["waiting_lora_adapters"] == ",".join(waiting[:4])
+    assert not [k for k in _samples(WorkerMetrics(lambda: snap, lora_info=False)) if k[0].startswith("vllm:lora")]
+
+
 def test_preemptions_are_counters_under_both_names():
     s = _samples(WorkerMetrics(lambda: EngineSnapshot(num_preemptions=7)))
     assert s[("vllm:num_preemptions_total", (("model_name", ""),))] == s[("lorafleet_preemptions_total", ())] == 7
