@@ -4,6 +4,7 @@ unnoticed. Only names are checked here, never wording."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -124,6 +125,25 @@ def test_repository_paths_exist():
     assert not missing, f"README names paths that do not exist: {missing}"
 
 
+_HELPS = """
+import contextlib, io, json, runpy, sys
+sys.path.insert(0, "bench")  # as a script run from there finds its neighbours
+helps = {}
+for script in sys.argv[1:]:
+    out, err, code = io.StringIO(), io.StringIO(), None
+    sys.argv = [script, "--help"]
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            runpy.run_path(script, run_name="__main__")
+        except SystemExit as exc:
+            code = exc.code
+        except BaseException as exc:  # noqa: BLE001 - reported as that script's failure
+            code, err = 1, io.StringIO(repr(exc))
+    helps[script] = [code, out.getvalue(), err.getvalue()]
+print("\\n" + json.dumps(helps))  # the last line: after whatever a script's imports wrote past the redirect
+"""
+
+
 def test_bench_commands_use_real_flags():
     """Every `python bench/X.py ...` command the README quotes takes only flags the script has."""
     commands = [s for s in inline_code(README) if s.startswith("python bench/")]
@@ -132,23 +152,15 @@ def test_bench_commands_use_real_flags():
     for cmd in commands:
         script = cmd.split()[1]
         by_script.setdefault(script, set()).update(re.findall(r"(?<!\S)(--[a-z][a-z0-9-]*)", cmd))
-    # Each `--help` spends its time importing torch & co.: start them all at once, then check each.
-    procs = {script: subprocess.Popen([sys.executable, script, "--help"], cwd=ROOT, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True) for script in sorted(by_script)}
-    try:
-        outs = {}
-        for script, proc in procs.items():
-            stdout, stderr = proc.communicate(timeout=300)
-            outs[script] = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    # Each script's imports (torch & co.) are paid once: one process runs every `--help` in turn.
+    out = subprocess.run([sys.executable, "-c", _HELPS, *sorted(by_script)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    helps = json.loads(out.stdout.splitlines()[-1])
     for script, flags in sorted(by_script.items()):
-        out = outs[script]
-        assert out.returncode == 0, f"{script} --help failed: {out.stderr[-2000:]}"
-        known = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", out.stdout))
+        code, stdout, stderr = helps[script]
+        assert code == 0, f"{script} --help failed: {stderr[-2000:]}"
+        known = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", stdout))
         assert not flags - known, f"README runs {script} with flags it lacks: {sorted(flags - known)}"
 
 
