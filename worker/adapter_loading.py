@@ -293,8 +293,9 @@ class AdapterLoading:
         err = AdapterLoadError(entry.key, message, retryable=retryable)
         entry.error, self._room = err, None  # what it held leaves the reads' room (worker/read_room.py)
         entry.failed_waiters.update(dict.fromkeys(entry.waiters, err))
-        entry.failed_anonymous = True
-        entry.asked_anonymously = False
+        # A read ahead of a request that has not asked yet: its ask reads again, as a later load() does.
+        entry.failed_anonymous = not (entry.read_ahead and not entry.waiters and not entry.asked_anonymously)
+        entry.asked_anonymously = entry.read_ahead = False
         entry.failures += 1
         entry.waiters = set()
         self._wanted.pop(entry.key, None)

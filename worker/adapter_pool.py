@@ -17,9 +17,8 @@ registered again as a canary while a new one loads stays registered beside it (a
 digest of a key is fixed at its first load: a reload with other bytes fails instead of serving them
 under the old key; a dropped key is forgotten, and registering it again makes a fresh version.
 
-Here: the public verbs; registration and versions in adapter_versions.py, loading in
-adapter_loading.py, placement and eviction in adapter_placement.py, keeping a directive's `warm`
-versions resident in adapter_warmth.py, reports, counters and the invariant check in adapter_reports.py.
+Here: the public verbs; registration and versions in adapter_versions.py, loading in adapter_loading.py, placement
+and eviction in adapter_placement.py, a directive's `warm` versions in adapter_warmth.py, reports in adapter_reports.py.
 """
 
 from __future__ import annotations
@@ -55,8 +54,7 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
     def __init__(self, page_pool: PagePool, dims: ModelDims, config: AdapterPoolConfig | None = None) -> None:
         self.config = config = config or AdapterPoolConfig()
         self._own_config = config  # as started: what configure(None) goes back to
-        self.page_pool = page_pool
-        self.dims = dims
+        self.page_pool, self.dims = page_pool, dims
         self.policy = make_policy(config.eviction_policy)
         self.metrics = AdapterMetrics()
         self.metrics.watch_page_pool(page_pool)
@@ -191,9 +189,10 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
             if waiter is not None:
                 self._asked(waiter)
             if first_look:
-                if not entry.on_gpu and entry.fetching is None:  # this request starts the load
-                    self._count("hits" if entry.image is not None else "misses", "cpu")
-                    entry.asker = tenant
+                if not entry.on_gpu and (entry.fetching is None or entry.read_ahead):  # this request starts the load
+                    self._count("hits" if entry.image is not None else "misses", "cpu")  # (or read ahead of it)
+                    entry.asker = tenant if entry.fetching is None else None
+                entry.read_ahead = False
                 if waiter is not None:
                     entry.waiters.add(waiter)
                 else:
@@ -227,20 +226,21 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
             if self._wanted:
                 self._sweep_wanted()  # it may make room for an adapter nobody's acquire retries (prefetch, pin)
 
-    def hold(self, key: str, waiter: object, *, count: bool = False) -> str:
+    def hold(self, key: str, waiter: object, *, count: bool = False, tenant: str | None = None) -> str:
         """A request resolved to `key` is queued and has not taken it yet: a version switch or unregistration
         meanwhile leaves the version registered until the request takes it (acquire) or goes (abandon), as for
         a request that gave it back to take it again (`detached`), so that a rollout fails no queued request.
         AdapterNotFoundError if it went since the request resolved it (the caller resolves the name again).
         `count`: the request's one GPU lookup, a hit if the version is resident as it arrives, else a miss (the
         engine's requests are counted here, not when the scheduler reaches them: those queued behind the first
-        for a cold adapter reach it once it is loaded, and each waited for that load)."""
+        for a cold adapter reach it once it is loaded), and its read ahead (`_read_ahead`; `tenant`'s turn)."""
         with self._lock:
             entry = self._entries.get(key)
             if entry is None or entry.retired:
                 raise AdapterNotFoundError(f"adapter {key!r} was replaced or unregistered")
             if count:
                 self._count("hits" if entry.resident else "misses", "gpu", waiter)
+                self._read_ahead(entry, tenant)
             entry.detached.add(waiter)
             return key
 
@@ -393,10 +393,8 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
 
     # ---- queries -------------------------------------------------------------------------------
     def slot_key(self, slot: int) -> str | None:
-        entry = self._slot_owner.get(slot)
-        return entry.key if entry is not None else None
+        return entry.key if (entry := self._slot_owner.get(slot)) is not None else None
 
     def slot_rank(self, slot: int) -> int | None:
         """The largest rank of the adapter in `slot` (fixed with its digest), None for an empty slot."""
-        entry = self._slot_owner.get(slot)
-        return entry.max_rank if entry is not None else None
+        return entry.max_rank if (entry := self._slot_owner.get(slot)) is not None else None

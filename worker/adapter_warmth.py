@@ -21,6 +21,9 @@ no longer marks warm are never re-warmed. Among idle adapters of one priority, c
 before warm ones (adapter_placement.py). A push's prefetch of a warm version displaces only idle adapters of
 a lower rank (priority, then cold < warm canary < warm stable version: `_warm_rank`); with none, it is left to
 this check. It works on the pool's state declared in `AdapterPool.__init__`.
+
+A request's adapter is warmed too (`_read_ahead`): one on neither the GPU nor the CPU tier is read into the
+CPU tier as the request arrives, while it waits for a seat, when the CPU budget has room for it.
 """
 
 from __future__ import annotations
@@ -154,3 +157,17 @@ class AdapterWarmth:
             return
         if entry.image.num_pages <= room and self._placement_plan(entry) == [] and self._place(entry):
             self._counts["rewarms"] += 1
+
+    def _read_ahead(self, entry: AdapterEntry, tenant: str | None) -> None:
+        """A request for `entry`, on neither the GPU nor the CPU tier, arrived: its read starts now, behind the
+        reads requests wait for, so that a request queued behind full seats finds its adapter read once the
+        scheduler asks for it, when the CPU budget has room for it beside the images there and the reads under
+        way (no image leaves for it). Counted as the CPU tier's miss when the scheduler asks."""
+        if (entry.on_gpu or entry.image is not None or entry.fetching is not None or entry.retired
+                or (entry.hung is not None and not entry.hung.done())):
+            return
+        used = sum(e.image.nbytes for e in self._entries.values() if e.image is not None) + self._reading_bytes()
+        if used + self._expected_bytes(entry) > self.config.cpu_budget_bytes:
+            return
+        entry.read_ahead, entry.asker = True, tenant
+        self._start_fetch(entry)

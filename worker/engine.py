@@ -255,7 +255,7 @@ class Engine:
             return None
         try:
             pool = self.adapter_pool
-            return pool.resolve(adapter) if hold is None else pool.hold(hold.adapter, hold.seq_id, count=True)
+            return pool.resolve(adapter) if hold is None else pool.hold(hold.adapter, hold.seq_id, count=True, tenant=hold.tenant)
         except AdapterNotFoundError as exc:
             raise UnknownAdapterError(f"adapter {adapter!r} is not registered (registered: "
                               f"{', '.join(self.adapter_pool.registered()) or 'none'})") from exc
