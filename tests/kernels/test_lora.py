@@ -161,6 +161,27 @@ def test_half_precision_delta_accumulates_in_float32(backend, gen):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_a_half_precision_output_takes_its_delta_rounded_once(backend):
+    """y + delta is summed in float32 and rounded to y's dtype once: y = 1, delta = 2^-11 (1 + 2^-12) is just over
+    half of float16's step at 1, so y becomes 1 + 2^-10; the delta rounded to float16 first (2^-11) would leave a
+    tie, rounded to even: 1. Merged weights are rounded once too, so twice would drift from them."""
+    a = torch.zeros(1, HIDDEN)
+    a[0, 0] = 1.0
+    b = torch.full((96, 1), 2.0**-11)
+    layout = pack_lora_layout({(0, 0, 4): (a, b, 1 + 2.0**-12)}, num_layers=1, max_slots=1, page_elems=300,
+                              dtype=torch.float16, num_pages=64)
+    slots = torch.tensor([0], dtype=torch.int32)
+    batch = make_lora_batch(slots, layout.max_rank_by_slot())
+    x = torch.zeros(1, HIDDEN, dtype=torch.float16)
+    x[0, 0] = 1.0
+    xa = shrink_buffer(x=x, proj_ids=[4], batch=batch, backend=backend).fill_(float("nan"))
+    lora_shrink(x=x, layout=layout, layer=0, proj_ids=[4], batch=batch, out=xa, backend=backend)
+    y = torch.ones(1, 96, dtype=torch.float16)
+    lora_expand(xa=xa, layout=layout, layer=0, proj_ids=[4], batch=batch, y=y, out_offsets=[0], backend=backend)
+    assert torch.equal(y, torch.full((1, 96), 1 + 2.0**-10, dtype=torch.float16))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_unmerged_delta_equals_the_merged_weights(backend, gen):
     """W x + scale B (A x) through the kernels equals (W + scale B A) x in float32 (merged-vs-unmerged pitfall)."""
     modules, layout = _setup(gen, num_slots=3, dtype=torch.float32, ranks=(8, 32), skip_prob=0.0, num_layers=1)

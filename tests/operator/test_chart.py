@@ -323,6 +323,24 @@ def test_grafana_dashboard_plots_every_figure_the_troubleshooting_checklist_read
         assert any(needed in e for e in exprs), f"no dashboard panel reads {needed}"
 
 
+def test_grafana_dashboard_formulas_read_what_their_panels_say():
+    """The checklist's figures as formulas, not only names: the hit rate is hits over lookups (as the autoscaler's
+    query), and each latency or count histogram is plotted at its median and 99th percentile."""
+    dashboard = json.loads((CHART / "files" / "grafana-dashboard.json").read_text())
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    rate = r'sum\(rate\(lorafleet_adapter_{}_total\{{tier="gpu"\}}\[5m\]\)\)'
+    hits, misses = rate.format("hits"), rate.format("misses")
+    assert [e for e in exprs if "adapter_hits_total" in e] == [
+        e for e in exprs if re.fullmatch(rf"{hits} / \({hits} \+ {misses}\)", e)] != []
+    quantiles: dict[str, set[float]] = {}
+    for e in exprs:
+        for q, name in re.findall(r"histogram_quantile\(([\d.]+), sum\(rate\((\w+)_bucket", e):
+            quantiles.setdefault(name, set()).add(float(q))
+    for name in ("lorafleet_adapter_load_seconds", "lorafleet_adapters_per_batch", "lorafleet_adapter_wait_seconds",
+                 "lorafleet_time_to_first_token_seconds", "lorafleet_stager_download_seconds"):
+        assert {0.5, 0.99} <= quantiles.get(name, set()), f"{name}: quantiles {quantiles.get(name)}"
+
+
 def test_grafana_dashboard_plots_every_adapter_metric_the_readme_says_it_plots():
     """README lists the adapter metrics and says the dashboard plots them: each one it names is on a panel."""
     readme = (ROOT / "README.md").read_text()

@@ -880,6 +880,10 @@ def test_a_slot_is_invisible_to_kernels_until_its_copy_finished():
     assert not entry.copying.future.done()  # held by the gate: the copy is really in flight
     assert int(pool.layout.ranks[:, :, entry.slot].abs().sum()) == 0  # kernels see "no adapter"
     pool.check()
+    for _ in range(3):  # the loop's polls and asks while the copy is held: it stays invisible, nobody takes it
+        pool.poll()
+        assert pool.acquire("h@1", waiter=1) is None and not entry.resident
+        assert int(pool.layout.ranks[:, :, entry.slot].abs().sum()) == 0
     gate.set()
     pool.wait_idle()
     assert pool.acquire("h@1", waiter=1) == entry.slot

@@ -228,6 +228,22 @@ def test_adapter_for_another_base_or_tokenizer_is_refused(tiny_llama_dir, adapte
     with pytest.raises(AdapterError, match="tokenizer"):
         engine.register_adapter("other_tok", other_tok)
 
+    # Two ids no probe text encodes to swapped: only the vocabulary's digest tells it apart, which the engine
+    # must hand the loader (the swap above is caught by the probes' encodings too).
+    from lorafleet.worker.vocab_digest import probe_encodings
+
+    unprobed = tmp_path / "unprobed"
+    shutil.copytree(adapter_dirs["qv4"], unprobed)
+    tok = json.loads((tiny_llama_dir / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    probed = {i for ids in probe_encodings(tiny_llama_dir) for i in ids}
+    a, b = [t for t in sorted(vocab, key=vocab.get) if vocab[t] not in probed][-2:]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (unprobed / "tokenizer.json").write_text(json.dumps(tok))
+    assert probe_encodings(unprobed) == probe_encodings(tiny_llama_dir)
+    with pytest.raises(AdapterError, match="tokenizer"):
+        engine.register_adapter("unprobed", unprobed)
+
     # The base's vocabulary and merges, but text lower-cased and a space put before it: "Hi" becomes other
     # ids. Equal vocabularies were taken as the same tokenizer.
     other_pipeline = tmp_path / "other_pipeline"
