@@ -162,9 +162,10 @@ class AdapterWarmth:
         """A request for `entry`, on neither the GPU nor the CPU tier, arrived: its read starts now, behind the
         reads requests wait for, so that a request queued behind full seats finds its adapter read once the
         scheduler asks for it, when the CPU budget has room for it beside the images there and the reads under
-        way (no image leaves for it). Counted as the CPU tier's miss when the scheduler asks."""
+        way (no image leaves for it). Counted as the CPU tier's miss when the scheduler asks. Not after a failed
+        load: the ask reads it (once) and tells the request why."""
         if (entry.on_gpu or entry.image is not None or entry.fetching is not None or entry.retired
-                or (entry.hung is not None and not entry.hung.done())):
+                or entry.error is not None or (entry.hung is not None and not entry.hung.done())):
             return
         used = sum(e.image.nbytes for e in self._entries.values() if e.image is not None) + self._reading_bytes()
         if used + self._expected_bytes(entry) > self.config.cpu_budget_bytes:

@@ -120,4 +120,6 @@ def test_a_read_ahead_takes_only_room_the_cpu_budget_has_and_its_failure_is_told
     with pytest.raises(AdapterLoadError, match="disk gone"):  # told at its ask, by a read of its own
         _until(pool, lambda: pool.acquire("z@1", waiter="r2") is not None and False, limit_s=5.0)
     assert len(calls) == 2
+    pool.hold("z@1", "r3", count=True)  # after a failed load, a request's arrival reads nothing: its ask will
+    assert not pool.loads_in_flight() and len(calls) == 2
     pool.close()
