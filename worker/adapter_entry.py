@@ -97,7 +97,8 @@ class AdapterEntry:
     # are read in turns per asking tenant, not in one queue for all. None: its owner's group.
     asker: str | None = None
     asked_anonymously: bool = False  # an acquire() without a waiter, or load(), waits for it: refused as a waiter is
-    read_ahead: bool = False  # its read started as a request arrived (AdapterPool.hold), before any acquire()
+    read_ahead: bool = False  # the read in flight started as a request arrived (AdapterPool.hold), before any ask
+    ahead_counted: bool = False  # an ask counted its CPU-tier miss while that read was in flight
 
     def count_holder(self, tenant: str | None, count: int = 1) -> None:
         """`tenant`'s requests hold `count` more references (fewer, negative); None: a caller of no tenant."""

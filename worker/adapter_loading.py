@@ -247,6 +247,7 @@ class AdapterLoading:
 
     def _finish_fetch(self, entry: AdapterEntry) -> None:
         future, entry.fetching = entry.fetching, None
+        ahead, entry.read_ahead, entry.ahead_counted = entry.read_ahead, False, False
         try:
             image, seconds = future.result()
         except BaseException as exc:  # any loader failure fails only this adapter's waiters (a library's panic too)
@@ -255,6 +256,9 @@ class AdapterLoading:
             # A read error or short memory may pass; what the files hold (format, shapes, config) does not change
             # by itself. A reload's read error is the adapter's AdapterError, marked transient.
             retryable = isinstance(exc, OSError | MemoryError) or getattr(exc, "transient", False)
+            if ahead:  # fails no one: an ask reads again (the sweep, for one waiting now), and is told of its own
+                entry.error = AdapterLoadError(entry.key, f"load failed: {exc}", retryable=retryable)
+                return self._count_failure("disk", refusal=False)
             self._fail(entry, f"load failed: {exc}", tier="disk", retryable=retryable)
             return
         if entry.retired:
@@ -267,7 +271,7 @@ class AdapterLoading:
         self._counts["loads"]["cpu"] += 1
         self._count("hits", "disk")
         self._loaded_from_disk(entry, seconds)
-        self._set_image(entry, image)
+        self._set_image(entry, image, ahead=ahead and entry.key not in self._wanted)
 
     def _loaded_from_disk(self, entry: AdapterEntry, seconds: float) -> None:
         """A disk -> CPU load of `entry` took `seconds`: the cold-load histogram, and what reloading it
@@ -275,13 +279,17 @@ class AdapterLoading:
         entry.load_seconds = seconds
         self.metrics.load_seconds.labels("cpu").observe(seconds)
 
-    def _set_image(self, entry: AdapterEntry, image) -> None:
+    def _set_image(self, entry: AdapterEntry, image, *, ahead: bool = False) -> None:
+        """`ahead`: read ahead of any ask, it gives way to the images there: over the CPU budget, it leaves."""
         entry.image = image
         entry.image_bytes, entry.read_group = image.nbytes, entry.read_group or entry.tenant  # packed at add: its owner's
         entry.image_pages = image.num_pages
         self._largest_image = max(self._largest_image, image.nbytes)
         if entry.digest is None:  # its first image: later ones are held to the same digest, so the same ranks
             entry.digest, entry.max_rank = image.digest, image.max_rank
+        if ahead and sum(e.image.nbytes for e in self._entries.values() if e.image is not None) + \
+                self._reading_bytes() > self.config.cpu_budget_bytes:
+            return self._evict_cpu(entry, "budget")
         self._trim_cpu(protect=entry)
         if entry.key in self._wanted:
             self._try_place(entry)
@@ -293,9 +301,8 @@ class AdapterLoading:
         err = AdapterLoadError(entry.key, message, retryable=retryable)
         entry.error, self._room = err, None  # what it held leaves the reads' room (worker/read_room.py)
         entry.failed_waiters.update(dict.fromkeys(entry.waiters, err))
-        # A read ahead of a request that has not asked yet: its ask reads again, as a later load() does.
-        entry.failed_anonymous = not (entry.read_ahead and not entry.waiters and not entry.asked_anonymously)
-        entry.asked_anonymously = entry.read_ahead = False
+        entry.failed_anonymous = True
+        entry.asked_anonymously = entry.read_ahead = entry.ahead_counted = False
         entry.failures += 1
         entry.waiters = set()
         self._wanted.pop(entry.key, None)

@@ -177,22 +177,21 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
             if count and first_look:
                 self._count("hits" if entry.resident else "misses", "gpu")
             if entry.resident:
-                entry.refcount += 1
+                entry.refcount, entry.uses, entry.last_used = entry.refcount + 1, entry.uses + 1, self._tick
                 entry.count_holder(tenant)
-                entry.uses += 1
-                entry.last_used = self._tick
                 entry.waiters.discard(waiter)
                 self._waited(waiter, took_it=True)
                 if waiter in entry.detached:
                     self.reattached(entry, waiter)
                 return entry.slot
-            if waiter is not None:
-                self._asked(waiter)
+            self._asked(waiter)
             if first_look:
-                if not entry.on_gpu and (entry.fetching is None or entry.read_ahead):  # this request starts the load
-                    self._count("hits" if entry.image is not None else "misses", "cpu")  # (or read ahead of it)
-                    entry.asker = tenant if entry.fetching is None else None
-                entry.read_ahead = False
+                if not entry.on_gpu and entry.fetching is None:  # this request starts the load
+                    self._count("hits" if entry.image is not None else "misses", "cpu")
+                    entry.asker = tenant
+                elif entry.read_ahead and not entry.ahead_counted:  # read ahead of it, not yet there: a CPU miss
+                    self._count("misses", "cpu")
+                    entry.ahead_counted = True
                 if waiter is not None:
                     entry.waiters.add(waiter)
                 else:

@@ -125,7 +125,7 @@ class AdapterReports:
     def _asked(self, waiter: object) -> None:
         """The scheduler asked for the adapter of a request that missed it, and it is not on the GPU: its wait
         begins (the first time only)."""
-        if waiter in self._missed_at and self._missed_at[waiter] is None:
+        if waiter is not None and waiter in self._missed_at and self._missed_at[waiter] is None:
             self._missed_at[waiter] = time.monotonic()
 
     def _waited(self, waiter: object, *, took_it: bool) -> None:

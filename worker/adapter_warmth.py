@@ -159,13 +159,19 @@ class AdapterWarmth:
             self._counts["rewarms"] += 1
 
     def _read_ahead(self, entry: AdapterEntry, tenant: str | None) -> None:
-        """A request for `entry`, on neither the GPU nor the CPU tier, arrived: its read starts now, behind the
-        reads requests wait for, so that a request queued behind full seats finds its adapter read once the
-        scheduler asks for it, when the CPU budget has room for it beside the images there and the reads under
-        way (no image leaves for it). Counted as the CPU tier's miss when the scheduler asks. Not after a failed
-        load: the ask reads it (once) and tells the request why."""
+        """A request for `entry`, on neither the GPU nor the CPU tier and not asked for yet, arrived: its read
+        starts now, behind the reads requests wait for, so that a request queued behind full seats finds its
+        adapter read once the scheduler asks for it. Only while the CPU budget has room for it beside the images
+        there and the reads under way, and at most one read ahead per loader thread at once (a read's size is
+        a guess until one was read); one that lands over the budget leaves again (`_set_image`): no image leaves
+        for it. The ask counts a CPU hit if it landed, else a miss. It fails no one (`_finish_fetch`: the ask reads
+        again); none after a failed load."""
         if (entry.on_gpu or entry.image is not None or entry.fetching is not None or entry.retired
-                or entry.error is not None or (entry.hung is not None and not entry.hung.done())):
+                or entry.error is not None or (entry.hung is not None and not entry.hung.done())
+                or entry.key in self._wanted or entry.waiters or entry.asked_anonymously):
+            return
+        ahead = sum(1 for k in self._inflight if (e := self._entries.get(k)) is not None and e.read_ahead)
+        if ahead >= self.config.num_load_threads:
             return
         used = sum(e.image.nbytes for e in self._entries.values() if e.image is not None) + self._reading_bytes()
         if used + self._expected_bytes(entry) > self.config.cpu_budget_bytes:

@@ -17,13 +17,13 @@ from lorafleet.worker.worker_config import WorkerConfig
 ADMIN = "admin-token-for-tests"
 
 
-def _once(real, exc: BaseException):
-    """`real`, failing its first call with `exc`."""
+def _once(real, exc: BaseException, times: int = 1):
+    """`real`, failing its first `times` calls with `exc`."""
     calls: list[int] = []
 
     def flaky(*args, **kwargs):
         calls.append(1)
-        if len(calls) == 1:
+        if len(calls) <= times:
             raise exc
         return real(*args, **kwargs)
 
@@ -70,7 +70,8 @@ async def test_a_reload_that_fails_once_is_retried_only_if_it_may_pass(fault, ai
     cannot (a file gone, a packing failure that is not short memory) fails the version, with no Retry-After."""
     complete = await _evicted_alpha(aiohttp_client, tiny_llama_dir, qv_adapters_dir)
     module, name, exc, may_pass = FAULTS[fault]
-    monkeypatch.setattr(module, name, _once(getattr(module, name), exc))
+    # Twice: the read ahead as the request arrives (which fails no one), then the read the request asks for.
+    monkeypatch.setattr(module, name, _once(getattr(module, name), exc, times=2))
     status, answer, headers = await complete()
     assert status == 503 and answer["error"]["code"] == "adapter_load_failed", answer
     assert ("Retry-After" in headers) == may_pass and headers.get("x-should-retry") == (None if may_pass else "false")

@@ -5,9 +5,6 @@ from __future__ import annotations
 import functools
 import time
 
-import pytest
-
-from lorafleet.worker.adapter_entry import AdapterLoadError
 from lorafleet.worker.adapter_pool import AdapterPool, AdapterPoolConfig
 from lorafleet.worker.page_pool import PagePool, PagePoolConfig
 from tests.lora_factory import TINY_DIMS, random_weights
@@ -65,61 +62,3 @@ def test_the_wait_starts_when_the_scheduler_asks_not_while_the_request_waits_for
     assert samples[("lorafleet_adapter_wait_seconds_sum", None)] < seat_wait_s  # r2: y's load alone
     pool.close()
 
-
-def _until(pool: AdapterPool, done, limit_s: float = 30.0) -> None:
-    deadline = time.monotonic() + limit_s
-    while not done() and time.monotonic() < deadline:
-        pool.poll()
-        time.sleep(0.002)
-    assert done()
-
-
-def test_a_queued_request_s_adapter_is_read_ahead_into_the_cpu_tier():
-    """A request queued behind full seats was not asked for its adapter: its read started only once a seat freed,
-    adding to its time to first token. Its arrival starts the read now (no GPU slot taken, nothing evicted); the
-    scheduler's ask then finds it read: a CPU hit, and only the copy left."""
-    pool = AdapterPool(PagePool(PagePoolConfig(num_pages=4000, page_elems=1000)), TINY_DIMS,
-                       AdapterPoolConfig(max_slots=2, max_rank=32))
-    pool.add("x@1", loader=functools.partial(random_weights, 1, 8))
-    pool.hold("x@1", "r1", count=True, tenant="acme")  # arrives; the seats stay taken
-    _until(pool, lambda: pool.residency("x@1") == "room")  # read: waiting for GPU room only
-    stats = pool.stats()
-    assert stats["resident"] == {"gpu": 0, "cpu": 1} and stats["misses"]["cpu"] == 0  # not asked yet
-    assert _serve_until(pool, {"x@1": "r1"}, lambda key: "acme") == ["x@1"]
-    stats = pool.stats()
-    assert (stats["hits"]["cpu"], stats["misses"]["cpu"]) == (1, 0)
-    pool.close()
-
-
-def test_a_read_ahead_takes_only_room_the_cpu_budget_has_and_its_failure_is_told_once_asked():
-    """No image leaves the CPU tier for a read ahead: with the budget full, the request's read waits for its ask.
-    A read ahead that fails fails no one before the ask, which reads again and tells the request why."""
-    nbytes = random_weights(1, 8).nbytes
-    pool = AdapterPool(PagePool(PagePoolConfig(num_pages=4000, page_elems=1000)), TINY_DIMS,
-                       AdapterPoolConfig(max_slots=2, max_rank=32, cpu_budget_bytes=int(1.5 * nbytes)))
-    for key, seed in (("x@1", 1), ("y@1", 2)):
-        pool.add(key, loader=functools.partial(random_weights, seed, 8))
-    pool.prefetch("x@1", "cpu")
-    _until(pool, lambda: pool.residency("x@1") == "room")
-    pool.hold("y@1", "r1", count=True)
-    assert not pool.loads_in_flight() and pool.stats()["resident"]["cpu"] == 1  # not read: x would have to leave
-    assert _serve_until(pool, {"y@1": "r1"}, lambda key: None) == ["y@1"]  # its ask reads it
-    pool.close()
-
-    calls = []
-
-    def broken():
-        calls.append(1)
-        raise OSError("disk gone")
-
-    pool = AdapterPool(PagePool(PagePoolConfig(num_pages=4000, page_elems=1000)), TINY_DIMS,
-                       AdapterPoolConfig(max_slots=2, max_rank=32))
-    pool.add("z@1", loader=broken)
-    pool.hold("z@1", "r2", count=True)
-    _until(pool, lambda: calls and not pool.loads_in_flight())
-    with pytest.raises(AdapterLoadError, match="disk gone"):  # told at its ask, by a read of its own
-        _until(pool, lambda: pool.acquire("z@1", waiter="r2") is not None and False, limit_s=5.0)
-    assert len(calls) == 2
-    pool.hold("z@1", "r3", count=True)  # after a failed load, a request's arrival reads nothing: its ask will
-    assert not pool.loads_in_flight() and len(calls) == 2
-    pool.close()
