@@ -164,11 +164,10 @@ def _compile(field: str, pattern: str, where: Path, *, shown: str | None = None)
                            f"{MAX_PATTERN_CHARS} a pattern may have; use a shorter one in {CONFIG_FILE}")
     check_budget()  # a load's compiles share the budget of its matches (under the admin lock)
     try:
-        differs = dialect_difference(pattern)
-        if differs:  # it would select other modules, or scale them otherwise, than PEFT does
+        re.compile(pattern)  # what PEFT matches it with: a pattern PEFT refuses is refused here
+        if differs := dialect_difference(pattern):  # it would select or scale other modules than PEFT does
             raise AdapterError(f"{where}: {field} {shown[:60]!r} has {differs} (PEFT matches it with Python's "
                                f"re); write it without that in {CONFIG_FILE}")
-        re.compile(pattern)  # what PEFT matches it with: a pattern PEFT refuses is refused here
         size = written_out_size(pattern)
         if size <= MAX_PATTERN_CHARS:
             regex.compile(pattern, cache_pattern=False)  # what worker/peft_patterns.py matches it with

@@ -11,7 +11,7 @@ MAX_PATTERN_CHARS long (Python's `re`, which PEFT compiles with, is slow to comp
 its counted repeats written out (`written_out_size`): the `regex` engine writes `(?:a{3000}){3000}` out in full
 as it compiles it, 2.6 GB and seconds with the interpreter lock held. The compiled patterns are not left in the
 `regex` module's own cache (500 of them, each up to a megabyte): a load holds its own, and `_find` keeps a few.
-The two engines read a few patterns otherwise (`[[:digit:]]`, `x{e<=1}`): those are refused (`dialect_difference`),
+The two engines read a few patterns otherwise (`[0-9[:digit:]]`, `x{e<=1}`): those are refused (`dialect_difference`),
 so that every pattern served selects and scales the modules PEFT's `re` does."""
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import math
 import re
 import threading
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -143,31 +142,33 @@ def written_out_size(pattern: str, most: int = MAX_PATTERN_CHARS) -> int:
 
 
 _REPEAT = re.compile(r"\{(?:\d+(?:,\d*)?|,\d*)\}")  # what Python's `re` reads as a counted repeat
+_VERBOSE = re.compile(r"\(\?[a-zA-Z-]*x")  # the verbose flag, global or scoped: comments and spaces read otherwise
 
 
 def dialect_difference(pattern: str) -> str | None:
     """Why `pattern` may match otherwise under the `regex` engine than under Python's `re`, PEFT's (None: it
-    cannot). Both accept `[[:digit:]]` and `x{e<=1}`: `re` reads a set of `[:digt` then a `]`, and literal braces;
-    `regex` a POSIX class and fuzzy matching. `re` warns of the first kind (set operations too); a brace that
-    is no counted repeat is the second. Raises re.error for a pattern `re` cannot parse."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", FutureWarning)
-        try:
-            _re_parser.parse(pattern)
-        except FutureWarning as warning:  # "Possible nested set at position 1"
-            what = re.sub(r" at position \d+$", "", str(warning)).lower()
-            return f"a {what}, which the regex engine may read as a set of its own syntax"
+    cannot). `[0-9[:digit:]]`: a POSIX class inside a set to one, a set then `]` to the other; `x{e<=1}`: fuzzy
+    matching to one, literal text to the other; the verbose flag (whose comments either may read as syntax).
+    A plain scan, without `re`'s warnings (their filters are the process's, and loads run on several threads)."""
+    if _VERBOSE.search(pattern):
+        return "the verbose flag (?x)"
     i, in_set = 0, False
     while i < len(pattern):
         c = pattern[i]
         if c == "\\":  # an escaped character; `\N{name}` one named
-            i = pattern.index("}", i) + 1 if pattern.startswith("N{", i + 1) else i + 2
+            named = pattern.find("}", i) if pattern.startswith("N{", i + 1) else -1
+            i = named + 1 if named >= 0 else i + 2
             continue
         if in_set:
+            if c == "[" and pattern[i + 1:i + 2] in (":", "=", "."):
+                return f"a POSIX class ({pattern[i:i + 2]}...) inside a set"
             in_set = c != "]"
         elif c == "[":
             in_set, i = True, i + 1 + pattern.startswith("^", i + 1)
             i += pattern.startswith("]", i)  # a set's first `]` is one of its characters
+            continue
+        elif pattern.startswith("(?#", i):  # a comment, to its first `)`
+            i = pattern.find(")", i) % (len(pattern) + 1) + 1
             continue
         elif c == "{" and not _REPEAT.match(pattern, i):
             return "a literal '{', which the regex engine may read as a fuzzy-match constraint; write \\{"
