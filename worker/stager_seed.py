@@ -29,7 +29,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("lorafleet.stager")
 # Failures (staging_error codes) that may pass by themselves: the folder is tried again.
 PASSING = ("object_store_unavailable", "download_timeout", "bytes_altered", "changed", "cache_disk_full", "cache_disk_error", "cache_limit",
-           "stager_credentials")  # an expired token is renewed, a node's skewed clock set right
+           "stager_credentials",  # an expired token is renewed, a node's skewed clock set right
+           "store_answer")  # a gateway's page: an auth proxy rotating its tokens, a maintenance redirect
 
 
 @dataclass(slots=True)

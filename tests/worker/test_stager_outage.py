@@ -565,6 +565,24 @@ async def test_a_gateway_s_answer_about_one_object_fails_its_version_alone(s3, a
     assert served_digests(stager) == {"stays": adapter_digest(adapters["v2"])}
 
 
+@pytest.mark.parametrize("status", [302, 307, 400, 401, 407, 421, 425])
+def test_a_gateway_s_answer_is_its_object_s_failure_and_a_seed_tries_again(status):
+    """Not an outage (the push's other versions are tried), but it may pass (an auth proxy rotating its tokens, a
+    maintenance redirect): a seed tries the folder again, as it did while such an answer counted as an outage."""
+    from minio.error import InvalidResponseError
+
+    from lorafleet.worker.stager_seed import PASSING
+    from lorafleet.worker.stager_store import is_outage
+    from lorafleet.worker.staging_errors import staging_error
+
+    answer = InvalidResponseError(status, "text/html", "<html>elsewhere</html>")
+    refusal = staging_error(answer, "s3://adapters/team/a/")
+    assert refusal.code == "store_answer" and f"answered {status}" in str(refusal)
+    assert not is_outage(answer) and refusal.code in PASSING
+    for busy in (408, 429, 503):  # the store asking to wait: an outage still
+        assert is_outage(InvalidResponseError(busy, "text/html", "")), busy
+
+
 async def test_an_object_answered_with_a_short_body_fails_its_version_alone(s3, adapters, tmp_path):
     """The store (or a gateway before it) answers one object 200 with fewer bytes than listed, the body ending
     cleanly (Content-Length 0, no reset): that object's cut body, its version's failure while a quick listing
