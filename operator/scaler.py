@@ -286,7 +286,7 @@ class PoolScaler:
             missing = (f"Prometheus at spec.scaling.prometheusURL has no "
                        f"{KV_USAGE} or {QUEUE_DEPTH} series with labels namespace={namespace!r} and pod in "
                        f"{', '.join(worker_pods)}; scrape the workers' /metrics (the chart's pod annotations, or its "
-                       f"ServiceMonitor: --set metrics.serviceMonitor.enabled=true and the labels your Prometheus "
+                       f"PodMonitor: --set metrics.serviceMonitor.enabled=true and the labels your Prometheus "
                        f"selects by, metrics.serviceMonitor.labels) keeping those two labels")
             if not self._below_pinned(spec, current, pinned, beside):
                 return {**result, "desiredReplicas": current}, (False, "MetricsMissing",

@@ -127,7 +127,7 @@ def test_repository_paths_exist():
 
 _HELPS = """
 import contextlib, io, json, runpy, sys
-sys.path.insert(0, "bench")  # as a script run from there finds its neighbours
+sys.path[0] = "bench"  # as `python bench/X.py` has it: its neighbours, not the repository's root
 helps = {}
 for script in sys.argv[1:]:
     out, err, code = io.StringIO(), io.StringIO(), None
@@ -159,7 +159,7 @@ def test_bench_commands_use_real_flags():
     helps = json.loads(out.stdout.splitlines()[-1])
     for script, flags in sorted(by_script.items()):
         code, stdout, stderr = helps[script]
-        assert code == 0, f"{script} --help failed: {stderr[-2000:]}"
+        assert code in (0, None), f"{script} --help failed: {stderr[-2000:]}"
         known = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", stdout))
         assert not flags - known, f"README runs {script} with flags it lacks: {sorted(flags - known)}"
 

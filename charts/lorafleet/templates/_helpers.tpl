@@ -36,8 +36,8 @@ app.kubernetes.io/component: operator
 {{- $urls | uniq | join "," -}}
 {{- end -}}
 
-{{/* The engine's admin API port, where the stager sidecar calls it over loopback: worker.adminPort (its own
-listener, refused when it is a port the pod already uses), else worker.port (null: beside the OpenAI API). */}}
+{{/* The engine's /metrics port, when it has one of its own (worker.metricsPort; refused when it is a port the
+pod already uses). */}}
 {{- define "lorafleet.engineMetricsPort" -}}
 {{- $metrics := .Values.worker.metricsPort -}}
 {{- $taken := list (int .Values.worker.port) (int .Values.worker.stagerPort) -}}
@@ -47,6 +47,8 @@ listener, refused when it is a port the pod already uses), else worker.port (nul
 {{- else -}}{{ $metrics }}{{- end -}}
 {{- end -}}
 
+{{/* The engine's admin API port, where the stager sidecar calls it over loopback: worker.adminPort (its own
+listener, refused when it is a port the pod already uses), else worker.port (null: beside the OpenAI API). */}}
 {{- define "lorafleet.engineAdminPort" -}}
 {{- $admin := .Values.worker.adminPort -}}
 {{- if kindIs "invalid" $admin -}}{{ .Values.worker.port }}
