@@ -139,11 +139,12 @@ class Scheduler(StepTokens):
         batch, loras, decodes = ScheduledBatch(), set(), [s for s in self.running if s.num_uncomputed_tokens <= 1]
         # 1. Running sequences, oldest first, decodes then prompt chunks; short of pages, preempt (preemption_victim).
         budget = self._run(batch, decodes, self.max_num_batched_tokens, None, loras) + self._pace(batch)
-        shares = TokenShares(budget, prefill_tenants(self.running, self.waiting, self._seats()))
+        full = len(self.running) >= self.max_num_seqs  # no seat: no waiting tenant is looked at (thousands may wait)
+        shares = TokenShares(budget, prefill_tenants(self.running, self.waiting, self._seats(), admitting=not full))
         budget = self._run(batch, [s for s in self.running if s.num_uncomputed_tokens > 1], budget, shares, loras)
         # 2. Waiting sequences (none while preempting: pages are short), then 3. the tokens left to held chunks.
         if not batch.preempted:  # pages are short: what preempting freed is for the sequence that needed it
-            self._top_up(batch, self._admit_waiting(batch, budget, loras, shares), loras)
+            self._top_up(batch, budget if full else self._admit_waiting(batch, budget, loras, shares), loras)
         return batch
 
     def _pace(self, batch: ScheduledBatch) -> int:

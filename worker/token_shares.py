@@ -43,12 +43,13 @@ class TokenShares:
             self._left[key] -= num_new
 
 
-def prefill_tenants(running: list[Sequence], waiting: WaitingQueue, seats: int) -> set[str]:
+def prefill_tenants(running: list[Sequence], waiting: WaitingQueue, seats: int, *, admitting: bool = True) -> set[str]:
     """Fairness keys with prefill work this step: a running sequence's unfinished prompt, or a waiting request of a
-    tenant under its `seats` (0: no bound). One whose adapter is not on the GPU yet counts: its share keeps admission
-    going, which places the adapter (what it leaves unused goes to the running prompts: `_top_up`)."""
+    tenant under its `seats` (0: no bound) while a seat is free (`admitting`). One whose adapter is not on the GPU yet
+    counts: its share keeps admission going, which places the adapter (what it leaves unused goes to the running
+    prompts: `_top_up`)."""
     keys = {fairness_key(s) for s in running if s.num_uncomputed_tokens > 1}
-    return keys | {t for t in waiting.tenants() if not waiting.seated(t, seats)}
+    return keys | {t for t in waiting.tenants() if not waiting.seated(t, seats)} if admitting else keys
 
 
 class StepTokens:

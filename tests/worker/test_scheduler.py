@@ -569,3 +569,27 @@ def test_a_stuck_head_makes_queued_requests_let_go_of_their_adapters():
     sched.finish(head, "stop")
     adapters.resident["a@1"] = 0  # loaded again
     assert _run_step(sched).prefills == [(holder, 3)] and holder.adapter_slot == 0
+
+
+def test_a_full_batch_looks_at_no_waiting_tenant(monkeypatch):
+    """With every seat taken no waiting request can be admitted, but each step ranked every waiting tenant (sorting
+    their adapters' heads): 1,000 waiting tenants added about 2 ms to every decode step of a full batch of 64."""
+    sched, _ = _sched(num_pages=512, max_num_seqs=2, max_num_batched_tokens=64)
+    for n in (3, 4):
+        sched.add(_seq(n))
+    _run_step(sched)
+    assert len(sched.running) == 2
+    for i in range(50):
+        seq = _seq(5 + i)
+        seq.tenant = f"t{i}"
+        sched.add(seq)
+    ranked = []
+    real = sched.waiting.rank
+    monkeypatch.setattr(sched.waiting, "rank", lambda t: ranked.append(t) or real(t))
+    for _ in range(3):
+        batch = _run_step(sched)
+        assert {s.seq_id for s, _ in batch.scheduled} == {s.seq_id for s in sched.running}
+    assert ranked == [] and len(sched.waiting.tenants()) == 50
+    sched.finish(sched.running[0], "stop")  # a seat frees: the waiting tenants are looked at again
+    _run_step(sched)
+    assert ranked and len(sched.running) == 2
