@@ -83,13 +83,13 @@ class PrefixCache:
         token, the tokens before it the same, for the same tenant and adapter) that no lookup finds yet: `seq`
         finds it kept at the next step (`grow`) instead of computing it beside (the `n` choices of a request,
         a burst sharing a prompt)."""
-        bs = self.block_size
+        bs, key = self.block_size, None
         for other, n in prefills:
             end = (other.num_computed_tokens // bs + 1) * bs  # the first block its chunk fills
             if (other is not seq and end <= min(other.num_computed_tokens + n, seq.num_tokens - 1)
                     and other.token_at(end - 1) == seq.token_at(end - 1)
-                    and other.tokens(0, end) == seq.tokens(0, end)
-                    and (key := self._root_key(seq)) is not None and self._root_key(other) == key
+                    and (key := key or self._root_key(seq)) is not None and self._root_key(other) == key
+                    and other.tokens(0, end) == seq.tokens(0, end)  # copies: last (a burst sharing a prompt)
                     and not self._kept(key, seq, end)):
                 return True
         return False
