@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass, field
 
 from lorafleet.worker.sequence import Sequence, TokenLogprob
@@ -41,6 +42,35 @@ class RequestOutput:
                                    new_text=self.new_text + later.new_text, new_logprobs=new_logprobs)
 
 
+class Prefix(Sequence_):
+    """The first `n` items of a list only ever appended to (a sequence's generated tokens, their logprobs), as a
+    read-only list: made in O(1) each step (a copy of everything generated so far made each step quadratic over a
+    long output), copied only where read. Equal to a list or tuple of the same items."""
+
+    __slots__ = ("_items", "_n")
+
+    def __init__(self, items: list, n: int) -> None:
+        self._items, self._n = items, n
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, index):
+        return self._items[: self._n][index]
+
+    def __iter__(self):
+        return iter(self._items[: self._n])
+
+    def __eq__(self, other: object) -> bool:
+        return list(self) == (list(other) if isinstance(other, Prefix | tuple) else other)
+
+    def __add__(self, other) -> list:
+        return list(self) + list(other)
+
+    def __repr__(self) -> str:
+        return repr(list(self))
+
+
 class OutputTracker:
     """Per request in flight, how many tokens and characters it was told about; builds each step's
     RequestOutput with only what is new (text held back while it may still be cut by a stop string)."""
@@ -58,7 +88,8 @@ class OutputTracker:
         done_tokens, done_chars = self._emitted.get(seq.request_id, (0, 0))
         text = seq.text
         final_chars = StopChecker.final_text_len(seq, done_chars)
-        self._emitted[seq.request_id] = (len(seq.output_token_ids), final_chars)
+        done = len(seq.output_token_ids)
+        self._emitted[seq.request_id] = (done, final_chars)
         want_lp = seq.params.logprobs is not None
         if seq.is_finished:
             self.forget(seq.request_id)
@@ -68,9 +99,10 @@ class OutputTracker:
             new_token_ids=seq.output_token_ids[done_tokens:],
             new_text=text[done_chars:final_chars],
             new_logprobs=seq.logprobs[done_tokens:] if want_lp else None,
-            token_ids=list(seq.output_token_ids),
+            # All so far: a copy once finished, else a view (the engine appends while a consumer reads).
+            token_ids=list(seq.output_token_ids) if seq.is_finished else Prefix(seq.output_token_ids, done),
             text=text,
-            logprobs=list(seq.logprobs) if want_lp else None,
+            logprobs=(list(seq.logprobs) if seq.is_finished else Prefix(seq.logprobs, len(seq.logprobs))) if want_lp else None,
             prompt_logprobs=seq.prompt_logprobs if seq.params.prompt_logprobs is not None else None,  # filled by prefill only: shared, not copied per output
             finished=seq.is_finished,
             finish_reason=seq.finish_reason,
