@@ -281,14 +281,13 @@ class AdapterLoading:
 
     def _set_image(self, entry: AdapterEntry, image, *, ahead: bool = False) -> None:
         """`ahead`: read ahead of any ask, it gives way to the images there: over the CPU budget, it leaves."""
-        entry.image = image
+        entry.image, self._imaged[entry.key] = image, entry
         entry.image_bytes, entry.read_group = image.nbytes, entry.read_group or entry.tenant  # packed at add: its owner's
         entry.image_pages = image.num_pages
         self._largest_image = max(self._largest_image, image.nbytes)
         if entry.digest is None:  # its first image: later ones are held to the same digest, so the same ranks
             entry.digest, entry.max_rank = image.digest, image.max_rank
-        if ahead and sum(e.image.nbytes for e in self._entries.values() if e.image is not None) + \
-                self._reading_bytes() > self.config.cpu_budget_bytes:
+        if ahead and self._cpu_bytes() + self._reading_bytes() > self.config.cpu_budget_bytes:
             return self._evict_cpu(entry, "budget")
         self._trim_cpu(protect=entry)
         if entry.key in self._wanted:

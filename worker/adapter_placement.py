@@ -313,14 +313,15 @@ class AdapterPlacement:
 
     def _evict_cpu(self, entry: AdapterEntry, reason: str) -> None:
         entry.image = None
+        self._imaged.pop(entry.key, None)
         self._count_eviction("cpu", reason)
 
     def _trim_cpu(self, protect: AdapterEntry | None) -> None:
         """Keep the CPU tier within its byte budget, counting the reads under way (`_reading_bytes`);
         images being copied (or about to be) stay. The arena then takes back the pages of images dropped (once no
         copy reads them); empty slabs beyond the budget leave."""
-        holders = [e for e in self._entries.values() if e.image is not None]
-        total = sum(e.image.nbytes for e in holders) + self._reading_bytes()
+        holders = list(self._imaged.values())
+        total = self._cpu_bytes() + self._reading_bytes()
         if total > self.config.cpu_budget_bytes:
             candidates = [e for e in holders
                           if e is not protect and e.copying is None and not (e.key in self._wanted and not e.on_gpu)]

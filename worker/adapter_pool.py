@@ -88,6 +88,7 @@ class AdapterPool(AdapterVersions, AdapterLoading, AdapterPlacement, AdapterWarm
         self._pending: dict[str, str] = {}  # name -> new version loading beside the current one
         self._kept: dict[str, str] = {}  # name -> the key kept registered at the switch if it is the current one then
         self._slot_owner: dict[int, AdapterEntry] = {}
+        self._imaged: dict[str, AdapterEntry] = {}  # the entries with a CPU image: scans of the tier, not the registry
         self._free_slots = list(range(config.max_slots - 1, -1, -1))
         self._wanted: dict[str, None] = {}  # keys to bring to the GPU, in request order
         self._missed_at: dict[object, float | None] = {}  # GPU miss's waiter -> when first asked for (None: not yet)

@@ -79,8 +79,8 @@ class AdapterReports:
 
     def stats(self) -> dict:
         with self._lock:
-            gpu = [e for e in self._entries.values() if e.resident]
-            cpu = [e for e in self._entries.values() if e.image is not None]
+            gpu = [e for e in self._slot_owner.values() if e.resident]
+            cpu = list(self._imaged.values())
             pages = self.page_pool.stats()
             return {
                 "registered": sum(1 for e in self._entries.values() if not e.replaced),
@@ -112,6 +112,8 @@ class AdapterReports:
             check_adapter_pool(page_pool=self.page_pool, layout=self.layout, entries=self._entries,
                                slot_owner=self._slot_owner, free_slots=self._free_slots, config=self.config,
                                current=self._current)
+            imaged = {k for k, e in self._entries.items() if e.image is not None}
+            assert set(self._imaged) == imaged, f"CPU images {sorted(imaged)}, listed {sorted(self._imaged)}"
 
     # ---- internals: bookkeeping ----------------------------------------------------------------
     def _count(self, what: str, tier: str, waiter: object = None) -> None:
@@ -138,9 +140,13 @@ class AdapterReports:
         if took_it:
             self.metrics.wait_seconds.observe(0.0 if asked is None else time.monotonic() - asked)
 
-    def _update_gauges(self) -> None:
-        gpu = [e for e in self._entries.values() if e.resident]
-        cpu = [e for e in self._entries.values() if e.image is not None]
+    def _cpu_bytes(self) -> int:
+        """Bytes of the CPU tier's images."""
+        return sum(e.image.nbytes for e in self._imaged.values())
+
+    def _update_gauges(self) -> None:  # O(slots + images), not O(registered): it runs at every load and eviction
+        gpu = [e for e in self._slot_owner.values() if e.resident]
+        cpu = list(self._imaged.values())
         m = self.metrics
         m.resident.labels("gpu").set(len(gpu))
         m.resident.labels("cpu").set(len(cpu))

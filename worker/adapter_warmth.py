@@ -173,7 +173,7 @@ class AdapterWarmth:
         ahead = sum(1 for k in self._inflight if (e := self._entries.get(k)) is not None and e.read_ahead)
         if ahead >= self.config.num_load_threads:
             return
-        used = sum(e.image.nbytes for e in self._entries.values() if e.image is not None) + self._reading_bytes()
+        used = self._cpu_bytes() + self._reading_bytes()
         if used + self._expected_bytes(entry) > self.config.cpu_budget_bytes:
             return
         entry.read_ahead, entry.asker = True, tenant
