@@ -300,7 +300,8 @@ class AdapterLoading:
         err = AdapterLoadError(entry.key, message, retryable=retryable)
         entry.error, self._room = err, None  # what it held leaves the reads' room (worker/read_room.py)
         entry.failed_waiters.update(dict.fromkeys(entry.waiters, err))
-        entry.failed_anonymous = True
+        # A read ahead (timed out, or other bytes) asked for by no anonymous caller: a later one reads again.
+        entry.failed_anonymous = entry.asked_anonymously or bool(entry.waiters) or not entry.read_ahead
         entry.asked_anonymously = entry.read_ahead = entry.ahead_counted = False
         entry.failures += 1
         entry.waiters = set()

@@ -112,8 +112,9 @@ class AdapterReports:
             check_adapter_pool(page_pool=self.page_pool, layout=self.layout, entries=self._entries,
                                slot_owner=self._slot_owner, free_slots=self._free_slots, config=self.config,
                                current=self._current)
-            imaged = {k for k, e in self._entries.items() if e.image is not None}
-            assert set(self._imaged) == imaged, f"CPU images {sorted(imaged)}, listed {sorted(self._imaged)}"
+            imaged = {k: e for k, e in self._entries.items() if e.image is not None}
+            assert self._imaged.keys() == imaged.keys() and all(self._imaged[k] is e for k, e in imaged.items()), \
+                f"CPU images {sorted(imaged)}, listed {sorted(self._imaged)}"
 
     # ---- internals: bookkeeping ----------------------------------------------------------------
     def _count(self, what: str, tier: str, waiter: object = None) -> None:

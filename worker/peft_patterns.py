@@ -167,8 +167,11 @@ def dialect_difference(pattern: str) -> str | None:
             in_set, i = True, i + 1 + pattern.startswith("^", i + 1)
             i += pattern.startswith("]", i)  # a set's first `]` is one of its characters
             continue
-        elif pattern.startswith("(?#", i):  # a comment, to its first `)`
-            i = pattern.find(")", i) % (len(pattern) + 1) + 1
+        elif pattern.startswith("(?#", i):  # a comment, to its first unescaped `)`
+            i += 3
+            while i < len(pattern) and pattern[i] != ")":
+                i += 2 if pattern[i] == "\\" else 1
+            i += 1
             continue
         elif c == "{" and not _REPEAT.match(pattern, i):
             return "a literal '{', which the regex engine may read as a fuzzy-match constraint; write \\{"

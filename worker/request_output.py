@@ -56,7 +56,11 @@ class Prefix(Sequence_):
         return self._n
 
     def __getitem__(self, index):
-        return self._items[: self._n][index]
+        if isinstance(index, slice):
+            return self._items[: self._n][index]
+        if not -self._n <= index < self._n:
+            raise IndexError("index out of range")
+        return self._items[index % self._n]
 
     def __iter__(self):
         return iter(self._items[: self._n])
@@ -66,6 +70,9 @@ class Prefix(Sequence_):
 
     def __add__(self, other) -> list:
         return list(self) + list(other)
+
+    def __radd__(self, other) -> list:
+        return list(other) + list(self)
 
     def __repr__(self) -> str:
         return repr(list(self))

@@ -138,3 +138,25 @@ def test_an_adapter_asked_for_is_not_read_ahead_past_its_read_pacing():
     assert not any(pool.entry(f"a{i}@1").read_ahead for i in range(10))
     gate.set()
     pool.close()
+
+
+def test_a_read_ahead_that_timed_out_leaves_no_error_for_a_later_caller():
+    """A read ahead nobody asked for ran past the load's time limit: the next anonymous acquire() was refused with
+    that stale timeout, for a read it never asked for, after the read had come back. It reads again."""
+    gate = threading.Event()
+
+    def slow():
+        assert gate.wait(30)
+        return random_weights(1, 8)
+
+    pool = AdapterPool(PagePool(PagePoolConfig(num_pages=4000, page_elems=1000)), TINY_DIMS,
+                       AdapterPoolConfig(max_slots=2, max_rank=32, load_timeout_s=0.2))
+    pool.add("x@1", loader=slow)
+    pool.hold("x@1", "r1", count=True)
+    assert pool.entry("x@1").fetching is not None
+    _until(pool, lambda: pool.entry("x@1").fetching is None)  # past its time limit: given up
+    gate.set()
+    _until(pool, lambda: pool.entry("x@1").hung is None)  # its thread came back
+    assert pool.acquire("x@1") is None  # a read of its own, no stale refusal
+    _until(pool, lambda: pool.acquire("x@1") is not None)
+    pool.close()

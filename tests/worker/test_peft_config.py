@@ -264,12 +264,13 @@ def test_an_astra_adapter_is_refused_as_trained_against_a_changed_base(tmp_path)
     {"target_modules": r"model\.layers\.[0-9[:digit:]]+\.self_attn\.(q|v)_proj"},
     {"alpha_pattern": {r"self_attn\.[^[:digit:]]_proj": 64}},
     {"target_modules": r".*\.(?#[)(q_proj){e<=1}"},
+    {"target_modules": r".*\.(?#\)[)q_proj{e<=1}"},
     {"target_modules": r"(?x) .*q_proj  # [:digit:]"},
     {"target_modules": r".*(q_proj){e<=1}"},
     {"exclude_modules": r".*k_proj{e<=2}"},
     {"layers_pattern": "lay{e<=1}ers", "layers_to_transform": [0]},
 ], ids=["alpha_posix", "rank_posix", "target_posix", "target_posix_later", "alpha_posix_negated",
-         "fuzzy_after_comment", "verbose", "target_fuzzy", "exclude_fuzzy", "layers_fuzzy"])
+         "fuzzy_after_comment", "fuzzy_after_escaped_comment", "verbose", "target_fuzzy", "exclude_fuzzy", "layers_fuzzy"])
 def test_a_pattern_the_two_regex_engines_read_otherwise_is_refused(changes, tmp_path):
     """PEFT matches with Python's `re`, the worker with `regex`: `[[:digit:]]` is a POSIX class to one and a set
     then `]` to the other, `{e<=1}` fuzzy matching to one and literal text to the other. An alpha_pattern key

@@ -3,6 +3,8 @@ as a view made in O(1) that later steps do not change, a copy once the request f
 
 from __future__ import annotations
 
+import pytest
+
 from lorafleet.worker.request_output import OutputTracker, Prefix
 from lorafleet.worker.sampling_params import SamplingParams
 from lorafleet.worker.sequence import Sequence, SequenceStatus, TokenLogprob
@@ -24,6 +26,9 @@ def test_every_step_s_output_views_what_was_generated_then_without_copying_it():
     assert outs[1].token_ids == [10, 11] and len(outs[1].logprobs) == 2 and outs[1].token_ids[-1] == 11
     assert isinstance(outs[1].token_ids, Prefix) and outs[1].token_ids._items is seq.output_token_ids  # no copy
     assert list(outs[2].token_ids) == [10, 11, 12] and outs[2].token_ids + [0] == [10, 11, 12, 0]
+    assert [9] + outs[2].token_ids == [9, 10, 11, 12] and outs[2].token_ids[-1] == 12 == outs[4].token_ids[2]
+    with pytest.raises(IndexError):
+        outs[1].token_ids[2]  # generated after that step: not in its view
     assert [lp.token_id for lp in outs[3].logprobs] == [10, 11, 12, 13] and outs[0].token_ids == (10,)
     seq.status = SequenceStatus.FINISHED
     last = tracker.next(seq)
