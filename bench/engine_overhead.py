@@ -31,10 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_io import write_json  # noqa: E402
+from engine_throughput import random_adapter  # noqa: E402
 
-from lorafleet.kernels.lora_layout import PROJS  # noqa: E402
 from lorafleet.worker import Engine, EngineConfig, SamplingParams  # noqa: E402
-from lorafleet.worker.peft_adapter import LoRAWeights, ModuleLoRA  # noqa: E402
 from tests.worker.conftest import make_tiny_llama  # noqa: E402
 
 # name -> (batch, adapters in the batch, registered idle adapters, waiting requests, their tenants, logprobs,
@@ -45,20 +44,6 @@ CASES = {
     "long_logprobs": (64, 16, 0, 0, 0, True, 1500, 0),
     "cold_churn": (64, 16, 5000, 0, 0, False, 8, 2),
 }
-
-
-def weights(engine: Engine, name: str, seed: int) -> LoRAWeights:
-    mc = engine.model_config
-    dims = {"q_proj": (mc.hidden_size, mc.q_size), "k_proj": (mc.hidden_size, mc.kv_size),
-            "v_proj": (mc.hidden_size, mc.kv_size), "o_proj": (mc.q_size, mc.hidden_size),
-            "gate_proj": (mc.hidden_size, mc.intermediate_size), "up_proj": (mc.hidden_size, mc.intermediate_size),
-            "down_proj": (mc.intermediate_size, mc.hidden_size)}
-    g = torch.Generator().manual_seed(seed)
-    modules = {(layer, p): ModuleLoRA(a=torch.randn(8, dims[p][0], generator=g) * 0.01,
-                                      b=torch.randn(dims[p][1], 8, generator=g) * 0.01, scale=2.0)
-               for layer in range(mc.num_hidden_layers) for p in PROJS}
-    return LoRAWeights(name=name, version="v1", base_model=engine.model_name, modules=modules,
-                       nbytes=sum(m.a.numel() * 4 + m.b.numel() * 4 for m in modules.values()))
 
 
 class Timed:
@@ -89,12 +74,12 @@ def run_case(model_dir: Path, name: str, steps: int) -> dict:
     engine = Engine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32", max_num_seqs=batch + 4 * churn,
                                  max_num_batched_tokens=4096, max_loras=adapters + 8, max_lora_rank=8, num_pages=20000))
     for i in range(adapters):
-        engine.adapter_pool.add(f"a{i}@v1", weights(engine, f"a{i}", i), tenant=f"t{i % max(tenants, 1)}")
-        engine.adapter_pool.load(f"a{i}@v1")
-    protos = [weights(engine, "p", 1000 + i) for i in range(8)]
+        engine.adapter_pool.add(f"a{i}@bench", random_adapter(engine, f"a{i}", 8, i), tenant=f"t{i % max(tenants, 1)}")
+        engine.adapter_pool.load(f"a{i}@bench")
+    protos = [random_adapter(engine, "p", 8, 1000 + i) for i in range(8)]
     for i in range(idle):
-        engine.adapter_pool.add(f"idle{i}@v1", loader=lambda i=i: dataclasses.replace(protos[i % 8], name=f"idle{i}"),
-                                tenant=f"t{i % max(tenants, 1)}")
+        engine.adapter_pool.add(f"idle{i}@bench", tenant=f"t{i % max(tenants, 1)}",
+                                loader=lambda i=i: dataclasses.replace(protos[i % 8], name=f"idle{i}"))
     timed = Timed(engine.runner.model)
     engine.runner.model = timed
     rng = random.Random(0)
