@@ -217,8 +217,8 @@ class AdapterPlacement:
     def _pinned_pages(self, entry: AdapterEntry) -> int:
         """GPU pages of the pinned adapters that stay (not the pinned version `entry` replaces)."""
         replaced = self._replaced_pinned(entry, copying=True)
-        return sum(len(e.page_ids) for e in self._entries.values()
-                   if e.pinned and e.on_gpu and e is not entry and e is not replaced)
+        return sum(len(e.page_ids) for e in self._slot_owner.values()  # those on the GPU: slots, not the registry
+                   if e.pinned and e is not entry and e is not replaced)
 
     def _place(self, entry: AdapterEntry) -> bool:
         """Take pages and a slot for `entry` (room made already) and start its copy."""

@@ -151,8 +151,7 @@ class AdapterWarmth:
         if not self._free_slots:
             return
         if entry.image is None:
-            cpu_bytes = sum(e.image.nbytes for e in self._entries.values() if e.image is not None)
-            if state.num_pages <= room and cpu_bytes + state.nbytes <= self.config.cpu_budget_bytes:
+            if state.num_pages <= room and self._cpu_bytes() + state.nbytes <= self.config.cpu_budget_bytes:
                 self._start_fetch(entry)  # a later check places it
             return
         if entry.image.num_pages <= room and self._placement_plan(entry) == [] and self._place(entry):
