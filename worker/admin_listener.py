@@ -48,16 +48,22 @@ def local_url(host: str, port: int) -> str:
     return f"http://{host}:{port}"
 
 
-def create_admin_app(app: web.Application) -> web.Application:
-    """The admin routes over the state of the worker's `app` (every key of it, the engine's included)."""
-    admin = web.Application(client_max_size=app[CONFIG].max_body_bytes, middlewares=[error_middleware])
+def _side_app(app: web.Application, routes: list[web.RouteDef], **kwargs) -> web.Application:
+    """An app serving `routes` over the state of the worker's `app` (every key of it, the engine's included)."""
+    side = web.Application(**kwargs)
     for key, value in app.items():
-        admin[key] = value
-    admin.router.add_routes(admin_routes())
-    return admin
+        side[key] = value
+    side.router.add_routes(routes)
+    return side
 
 
-async def _serve(side: web.Application, host: str, port: int, *, host_flag: str, port_flag: str) -> tuple[web.AppRunner, list[web.SockSite], int]:
+def create_admin_app(app: web.Application) -> web.Application:
+    """The admin routes over the state of the worker's `app`."""
+    return _side_app(app, admin_routes(), client_max_size=app[CONFIG].max_body_bytes, middlewares=[error_middleware])
+
+
+async def _serve(side: web.Application, host: str, port: int, *, host_flag: str,
+                 port_flag: str) -> tuple[web.AppRunner, list[web.SockSite], int]:
     """`side` started on host:port: its runner, sites and the port it got. A port taken meanwhile is a
     StartupError naming `port_flag`."""
     sockets = listen_sockets(host, port, host_flag=host_flag, port_flag=port_flag)
@@ -95,12 +101,7 @@ async def admin_listener_ctx(app: web.Application) -> AsyncIterator[None]:
 
 def create_metrics_app(app: web.Application, metrics_handler) -> web.Application:
     """/metrics and the probes over the state of the worker's `app`."""
-    side = web.Application()
-    for key, value in app.items():
-        side[key] = value
-    side.router.add_routes(probe_routes())
-    side.router.add_get("/metrics", metrics_handler)
-    return side
+    return _side_app(app, [*probe_routes(), web.get("/metrics", metrics_handler)])
 
 
 def metrics_listener_ctx(metrics_handler):

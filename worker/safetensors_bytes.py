@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import warnings
+from collections import Counter
 from collections.abc import Callable
 
 import torch
@@ -98,8 +99,7 @@ def _object(pairs: list[tuple[str, object]]) -> dict:
     key given twice, a tensor listed twice included (its first span then reads as a gap)."""
     out = dict(pairs)
     if len(out) != len(pairs):
-        seen: set[str] = set()
-        twice = next(k for k, _ in pairs if k in seen or seen.add(k))
+        twice = next(k for k, n in Counter(k for k, _ in pairs).items() if n > 1)
         raise SafetensorsError(f"the header gives {twice!r} twice (a tensor, or a field of one, listed twice)")
     if not all(_utf8(k) for k in out):
         raise ValueError("a key is not valid Unicode text")
