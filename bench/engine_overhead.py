@@ -5,10 +5,12 @@
 A tiny Llama (so the forward is small) on the CPU, one torch thread. Each case fills a batch of `batch` decoding
 requests over `adapters` adapters, then times `--steps` steps: the median step, the median forward
 (`model(...)` + `compute_logits`, timed around the call) and the overhead (their difference: the engine's
-Python work, the sampler included). Cases: a plain batch; a full batch with requests of 1,000 tenants waiting
-behind it (no seat frees: nothing is admitted, nothing needs looking at); long outputs with logprobs (what each
+Python work, the sampler included), and of it the scheduler's `schedule()`. Cases: a plain batch; a full batch
+with requests of 1,000 tenants waiting behind it (no seat frees: nothing is admitted, nothing needs looking at); long outputs with logprobs (what each
 step reports grows with what was generated); requests for cold adapters arriving every step among 5,000
-registered (loads and evictions). On a GPU the forward is far shorter and this overhead is what is left.
+registered (loads and evictions); a burst of 128 requests of 128 tenants admitted in one step, their prompts
+beginning with the same chat template (each waiting head is checked against the step's prefills for a block one of
+them fills: prefix_cache.py). On a GPU the forward is far shorter and this overhead is what is left.
 Prints a table and writes JSON.
 """
 
@@ -37,13 +39,15 @@ from lorafleet.worker import Engine, EngineConfig, SamplingParams  # noqa: E402
 from tests.worker.conftest import make_tiny_llama  # noqa: E402
 
 # name -> (batch, adapters in the batch, registered idle adapters, waiting requests, their tenants, logprobs,
-# decode steps before timing, cold requests per step)
+# decode steps before timing, cold requests per step, one-token requests of as many tenants arriving per step)
 CASES = {
-    "plain": (64, 16, 0, 0, 0, False, 8, 0),
-    "waiting_tenants": (64, 16, 0, 4000, 1000, False, 8, 0),
-    "long_logprobs": (64, 16, 0, 0, 0, True, 1500, 0),
-    "cold_churn": (64, 16, 5000, 0, 0, False, 8, 2),
+    "plain": (64, 16, 0, 0, 0, False, 8, 0, 0),
+    "waiting_tenants": (64, 16, 0, 4000, 1000, False, 8, 0, 0),
+    "long_logprobs": (64, 16, 0, 0, 0, True, 1500, 0, 0),
+    "cold_churn": (64, 16, 5000, 0, 0, False, 8, 2, 0),
+    "admit_burst": (0, 16, 0, 0, 0, False, 0, 0, 128),
 }
+TEMPLATE = list(range(3, 19))  # one block: how every burst prompt begins
 
 
 class Timed:
@@ -70,8 +74,9 @@ class Timed:
 
 
 def run_case(model_dir: Path, name: str, steps: int) -> dict:
-    batch, adapters, idle, waiting, tenants, logprobs, warm, churn = CASES[name]
-    engine = Engine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32", max_num_seqs=batch + 4 * churn,
+    batch, adapters, idle, waiting, tenants, logprobs, warm, churn, burst = CASES[name]
+    engine = Engine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32",
+                                 max_num_seqs=max(batch + 4 * churn, burst),
                                  max_num_batched_tokens=4096, max_loras=adapters + 8, max_lora_rank=8, num_pages=20000))
     for i in range(adapters):
         engine.adapter_pool.add(f"a{i}@bench", random_adapter(engine, f"a{i}", 8, i), tenant=f"t{i % max(tenants, 1)}")
@@ -82,6 +87,8 @@ def run_case(model_dir: Path, name: str, steps: int) -> dict:
                                 loader=lambda i=i: dataclasses.replace(protos[i % 8], name=f"idle{i}"))
     timed = Timed(engine.runner.model)
     engine.runner.model = timed
+    scheduling, schedule = Timed(None), engine.scheduler.schedule  # schedule() timed apart
+    engine.scheduler.schedule = lambda: scheduling._timed(schedule)
     rng = random.Random(0)
     vocab = min(engine.model_config.vocab_size, 256)
     params = SamplingParams(max_tokens=warm + steps + 64, temperature=0.0, ignore_eos=True,
@@ -96,26 +103,33 @@ def run_case(model_dir: Path, name: str, steps: int) -> dict:
     for i in range(waiting):
         engine.add_request(f"w{i}", [rng.randrange(3, vocab) for _ in range(16)], params, adapter=f"a{i % adapters}",
                            tenant=f"t{i % tenants}" if tenants else None)
-    walls, forwards, cold = [], [], iter(range(10**9))
+    walls, forwards, schedules, cold = [], [], [], iter(range(10**9))
     for _ in range(steps):
         for _ in range(churn):
             j = next(cold)
             engine.add_request(f"c{j}", [rng.randrange(3, vocab) for _ in range(4)],
                                SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0),
                                adapter=f"idle{rng.randrange(idle)}")
-        timed.seconds = 0.0
+        for _ in range(burst):
+            j = next(cold)
+            engine.add_request(f"b{j}", TEMPLATE + [rng.randrange(3, vocab) for _ in range(16)],
+                               SamplingParams(max_tokens=1, temperature=0.0), adapter=f"a{j % adapters}",
+                               tenant=f"t{j % burst}")
+        timed.seconds = scheduling.seconds = 0.0
         t0 = time.perf_counter()
         engine.step()
         walls.append(time.perf_counter() - t0)
         forwards.append(timed.seconds)
-    output_len = len(engine.requests["r0"].output_token_ids)
+        schedules.append(scheduling.seconds)
+    output_len = len(engine.requests["r0"].output_token_ids) if batch else 1
     engine.close()
     overhead = statistics.median(w - f for w, f in zip(walls, forwards, strict=True))
     return {"case": name, "batch": batch, "adapters": adapters, "registered_idle": idle, "waiting": waiting,
             "waiting_tenants": tenants, "logprobs": logprobs, "output_len": output_len,
-            "cold_per_step": churn, "step_ms": round(statistics.median(walls) * 1e3, 3),
-            "forward_ms": round(statistics.median(forwards) * 1e3, 3), "overhead_ms": round(overhead * 1e3, 3),
-            "overhead_us_per_seq": round(overhead * 1e6 / batch, 1)}
+            "cold_per_step": churn, "burst_per_step": burst, "step_ms": round(statistics.median(walls) * 1e3, 3),
+            "forward_ms": round(statistics.median(forwards) * 1e3, 3),
+            "schedule_ms": round(statistics.median(schedules) * 1e3, 3), "overhead_ms": round(overhead * 1e3, 3),
+            "overhead_us_per_seq": round(overhead * 1e6 / max(batch, burst), 1)}
 
 
 def main() -> None:
@@ -135,7 +149,8 @@ def main() -> None:
             rows.append(run_case(model_dir, name, args.steps))
             r = rows[-1]
             print(f"{r['case']:16} batch {r['batch']:4d}  step {r['step_ms']:8.2f} ms  forward {r['forward_ms']:8.2f} ms  "
-                  f"overhead {r['overhead_ms']:7.2f} ms ({r['overhead_us_per_seq']:.0f} us a sequence)", flush=True)
+                  f"overhead {r['overhead_ms']:7.2f} ms ({r['overhead_us_per_seq']:.0f} us a sequence), of it scheduling "
+                  f"{r['schedule_ms']:.2f} ms", flush=True)
     if args.out:
         date = datetime.date.today().isoformat()
         write_json(args.out, "engine_overhead" + (f"_{args.tag}" if args.tag else ""), date, "cpu",

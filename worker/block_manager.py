@@ -63,7 +63,7 @@ class BlockManager:
     def filled_by_another(self, seq: Sequence, batch: ScheduledBatch) -> bool:
         """Whether waiting `seq` had better wait a step: `batch` fills a block of its tokens (PrefixCache)."""
         return (self.prefix_cache is not None and seq.params.prompt_logprobs is None
-                and self.prefix_cache.filled_by_another(seq, batch.prefills))
+                and self.prefix_cache.filled_by_another(seq, batch))
 
     def keep_computed(self, seq: Sequence) -> None:
         """After a step that ran: `seq`'s blocks it filled are kept now, for the sequences admitted while it runs."""

@@ -24,6 +24,7 @@ from collections import deque
 from collections.abc import Callable, Hashable, Iterator
 
 from lorafleet.worker.page_pool import PagePool
+from lorafleet.worker.scheduled_batch import ScheduledBatch
 from lorafleet.worker.sequence import Sequence
 
 
@@ -78,21 +79,37 @@ class PrefixCache:
                 return
             yield node
 
-    def filled_by_another(self, seq: Sequence, prefills: list[tuple[Sequence, int]]) -> bool:
-        """One of this step's `prefills` fills a block of waiting `seq`'s tokens (a full block before its last
-        token, the tokens before it the same, for the same tenant and adapter) that no lookup finds yet: `seq`
-        finds it kept at the next step (`grow`) instead of computing it beside (the `n` choices of a request,
-        a burst sharing a prompt)."""
-        bs, key = self.block_size, None
-        for other, n in prefills:
+    def filled_by_another(self, seq: Sequence, batch: ScheduledBatch) -> bool:
+        """One of `batch`'s prefills fills a block of waiting `seq`'s tokens (a full block before its last token,
+        the tokens before it the same, for the same tenant and adapter) that no lookup finds yet: `seq` finds it
+        kept at the next step (`grow`) instead of computing it beside (the `n` choices of a request, a burst
+        sharing a prompt). Only prefills of its trie beginning with its first block are looked at (`_fillers`)."""
+        bs = self.block_size
+        if not batch.prefills or seq.num_tokens <= bs or (key := self._root_key(seq)) is None:
+            return False
+        for i in self._fillers(batch).get((key, tuple(seq.tokens(0, bs))), ()):
+            other, n = batch.prefills[i]
             end = (other.num_computed_tokens // bs + 1) * bs  # the first block its chunk fills
             if (other is not seq and end <= min(other.num_computed_tokens + n, seq.num_tokens - 1)
                     and other.token_at(end - 1) == seq.token_at(end - 1)
-                    and (key := key or self._root_key(seq)) is not None and self._root_key(other) == key
                     and other.tokens(0, end) == seq.tokens(0, end)  # copies: last (a burst sharing a prompt)
                     and not self._kept(key, seq, end)):
                 return True
         return False
+
+    def _fillers(self, batch: ScheduledBatch) -> dict[tuple, list[int]]:
+        """The positions in `batch.prefills` by (root key, first block of tokens), what a sequence shares with any
+        prefill that fills one of its blocks: each prefill added since the last call is indexed once, so a step
+        admitting many compares each head with its own few, not with every prefill (quadratic in a burst). The
+        positions are read at each call: a chunk topped up in place is seen as it is now."""
+        bs = self.block_size
+        if batch.fillers is None:
+            batch.fillers, batch.indexed = {}, 0
+        for other, _ in batch.prefills[batch.indexed:]:
+            if other.num_tokens >= bs and (key := self._root_key(other)) is not None:
+                batch.fillers.setdefault((key, tuple(other.tokens(0, bs))), []).append(batch.indexed)
+            batch.indexed += 1
+        return batch.fillers
 
     def _kept(self, key: tuple, seq: Sequence, end: int) -> bool:
         """Whether the blocks of `seq`'s first `end` tokens are kept under `key` (its lookup finds them: another

@@ -12,6 +12,10 @@ class ScheduledBatch:
     decodes: list[Sequence] = field(default_factory=list)  # one new token each
     prefills: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens this step)
     preempted: list[Sequence] = field(default_factory=list)
+    # The prefix cache's index of `prefills` (PrefixCache._fillers): positions in it, of the first `indexed`. It
+    # follows appends and a chunk growing in place; taking one out shifts positions, so it drops the index.
+    fillers: dict | None = field(default=None, compare=False, repr=False)
+    indexed: int = field(default=0, compare=False, repr=False)
 
     def add(self, seq: Sequence, num_new: int) -> None:
         """Run `num_new` tokens of `seq`: a decode when it samples its one new token, else a prefill chunk
@@ -29,6 +33,7 @@ class ScheduledBatch:
         for i, (s, num_new) in enumerate(self.prefills):
             if s is seq:
                 del self.prefills[i]
+                self.fillers = None
                 return num_new
         return 0
 

@@ -10,6 +10,7 @@ import pytest
 from lorafleet.worker import Engine, EngineConfig, SamplingParams
 from lorafleet.worker.block_manager import BlockManager
 from lorafleet.worker.page_pool import PREFIX, PagePool, PagePoolConfig, PagePoolError
+from lorafleet.worker.scheduled_batch import ScheduledBatch
 from lorafleet.worker.scheduler import Scheduler
 from lorafleet.worker.sequence import Sequence
 from tests.lora_factory import random_weights
@@ -454,3 +455,30 @@ def test_a_sequence_that_keeps_nothing_leaves_no_trie_behind():
     for i in range(20):
         _serve(sched, _seq([i, i + 1], max_tokens=1, adapter=f"a{i}@1"))  # shorter than a block
     assert sched.block_manager.prefix_cache._roots == {}  # noqa: SLF001
+
+
+def test_the_index_of_a_steps_prefills_follows_appends_top_ups_and_removals():
+    """A waiting head is compared only with the step's prefills of its trie that begin with its first block, found
+    through an index of the step's prefills: one added after the index was built is found, a chunk topped up in
+    place is seen at its new length, and one taken out of the step (preempted) shifts the others' positions
+    without any of them being lost or mistaken for another."""
+    sched, _ = _sched()
+    cache = sched.block_manager.prefix_cache
+    prompt = list(range(200, 220))  # 5 blocks
+    filler, head = _seq(prompt), _seq(prompt)
+    other_tenant, unrelated = _seq(prompt, tenant="globex"), _seq(list(range(500, 520)))
+    batch = ScheduledBatch()
+    batch.add(other_tenant, 20)
+    batch.add(unrelated, 20)
+    assert not cache.filled_by_another(head, batch)  # the index is built: neither is of head's trie and tokens
+    batch.add(filler, BS - 1)
+    assert not cache.filled_by_another(head, batch)  # appended, indexed: its chunk fills no block yet
+    batch.prefills[2] = (filler, BS + 2)  # topped up in place
+    assert cache.filled_by_another(head, batch)
+    assert batch.remove(other_tenant) == 20 and batch.remove(unrelated) == 20
+    assert cache.filled_by_another(head, batch)  # now first: found at its new position
+    assert not cache.filled_by_another(filler, batch)  # never itself
+    batch.remove(filler)
+    assert not cache.filled_by_another(head, batch)
+    batch.add(_seq(prompt[:BS]), BS)  # a prompt of exactly one block fills it
+    assert cache.filled_by_another(head, batch)
