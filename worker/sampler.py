@@ -281,24 +281,43 @@ def _processed_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
         logits = logits.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
     vocab = logits.shape[-1]
     top_ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
-    if any(top_ks):
-        k = torch.tensor([k or vocab for k in top_ks], device=device)
-        sorted_desc = logits.sort(dim=-1, descending=True).values
-        kth = sorted_desc.gather(1, (k - 1)[:, None])
+    if any(top_ks):  # the k-th largest logit from the largest k asked for, not from a sort of the vocabulary
+        largest = logits.topk(max(top_ks), dim=-1).values
+        kth = largest.gather(1, torch.tensor([max(k, 1) - 1 for k in top_ks], device=device)[:, None])
+        kth = kth.masked_fill(torch.tensor([k == 0 for k in top_ks], device=device)[:, None], float("-inf"))
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     top_ps = [p.top_p for p in params]
     if any(p < 1.0 for p in top_ps):
         top_p = torch.tensor(top_ps, device=device, dtype=probs.dtype)[:, None]
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        # Drop a token when the tokens before it already reach top_p (the first token always stays).
-        # A row with top_p 1 drops nothing: its cumulative sum can reach 1 by rounding before its tail ends,
-        # and its probabilities stay exactly as they are alone (no renormalising either).
         uses = top_p < 1.0
-        before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        drop_sorted = (before >= top_p) & uses
-        drop_sorted[:, 0] = False  # also where top_p is 0 in this dtype (1e-50 is, in float32): one token stays
-        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
-        probs = probs.masked_fill(drop, 0.0)
+        probs = probs.masked_fill(_top_p_drop(probs, top_p, uses), 0.0)
         probs = torch.where(uses, probs / probs.sum(dim=-1, keepdim=True), probs)
     return probs
+
+
+def _top_p_drop(probs: torch.Tensor, top_p: torch.Tensor, uses: torch.Tensor, first: int = 1024) -> torch.Tensor:
+    """The tokens top-p drops [N, V]: in each row using it (`uses`), a token once the more probable tokens before
+    it already reach `top_p` (the first always stays). A row with top_p 1 drops nothing: its cumulative sum can
+    reach 1 by rounding before its tail ends, and its probabilities stay exactly as they are alone.
+
+    The `first` most probable tokens of each row are sorted (a top-k), not the vocabulary: where they reach
+    `top_p` in every row that uses it, every token after them is dropped, and theirs are the decisions a sort of
+    the whole row makes (the same values in the same order; tied tokens may come in another order, as between two
+    sorts, and a GPU's scan of a longer row may round its sums otherwise). Else (a flat distribution, in any row)
+    the whole rows are sorted."""
+    vocab = probs.shape[-1]
+    if first < vocab:
+        sorted_probs, order = probs.topk(first, dim=-1)
+        cum = sorted_probs.cumsum(dim=-1)
+        if not bool(((cum[:, -1:] < top_p) & uses).any()):  # one sync: rows' tails are known dropped
+            return _dropped(sorted_probs, cum, order, top_p, uses, uses.expand_as(probs).clone())
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    return _dropped(sorted_probs, sorted_probs.cumsum(dim=-1), order, top_p, uses, torch.zeros_like(probs, dtype=torch.bool))
+
+
+def _dropped(sorted_probs, cum, order, top_p, uses, drop: torch.Tensor) -> torch.Tensor:
+    """`drop` (what happens to the tokens not in `order`) with the decisions for those in it."""
+    drop_sorted = (cum - sorted_probs >= top_p) & uses
+    drop_sorted[:, 0] = False  # also where top_p is 0 in this dtype (1e-50 is, in float32): one token stays
+    return drop.scatter(1, order, drop_sorted)

@@ -382,3 +382,50 @@ def test_parameters_beyond_float32_still_draw_a_likely_token(kw):
     assert 0 not in tokens, tokens
     if "top_p" in kw:  # one token left: the most likely
         assert tokens == logits.argmax(dim=-1).tolist()
+
+
+def _sorted_reference(logits: torch.Tensor, params: list) -> torch.Tensor:
+    """Top-k, then top-p, by sorting whole rows: their definition, one row at a time."""
+    rows = []
+    for row, p in zip(logits, params, strict=True):
+        row = row / p.temperature
+        if 0 < p.top_k < row.numel():
+            row = row.masked_fill(row < row.sort(descending=True).values[p.top_k - 1], float("-inf"))
+        probs = torch.softmax(row, -1)
+        if p.top_p < 1.0:
+            ordered, order = probs.sort(descending=True)
+            drop = ordered.cumsum(0) - ordered >= p.top_p
+            drop[0] = False
+            probs = probs.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), 0.0)
+            probs = probs / probs.sum()
+        rows.append(probs)
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("spread", ["peaked", "flat", "ties"])
+def test_top_k_and_top_p_keep_what_sorting_whole_rows_keeps(spread):
+    """Top-k takes the k-th logit from a top-k of the largest k asked for, and top-p sorts only the most probable
+    tokens where they reach top_p (else the whole row): the tokens kept and their probabilities are those of
+    sorting each whole row, for peaked and flat rows, rows mixing top-k, top-p, both and neither, and tied
+    logits (of which a sort keeps either: the same values are kept)."""
+    gen = torch.Generator().manual_seed(7)
+    vocab = 5000  # more than the 1024 tokens top-p sorts first
+    logits = torch.randn(12, vocab, generator=gen) * {"peaked": 6.0, "flat": 0.05, "ties": 1.0}[spread]
+    if spread == "ties":
+        logits = logits.round()  # a few distinct values, each held by many tokens
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p) for t, k, p in
+              ((1.0, 0, 0.9), (0.7, 40, 1.0), (1.3, 0, 1.0), (1.0, 50, 0.8), (0.5, 4999, 0.95), (1.0, 1, 0.5),
+               (2.0, 0, 0.999), (1.0, 3000, 0.3), (0.8, 0, 1e-6), (1.0, 0, 0.5), (1.0, 10, 1.0), (1.0, 0, 1.0))]
+    ref = _sorted_reference(logits, params)
+    alone = torch.cat([_processed_probs(logits[i:i + 1], [p]) for i, p in enumerate(params)])
+    for got in (_processed_probs(logits, params), alone):  # a batch falls back to sorting as its flattest row does
+        for i in range(len(params)):
+            if spread == "ties":
+                torch.testing.assert_close(got[i].sort().values, ref[i].sort().values, rtol=1e-6, atol=1e-9)
+            else:
+                assert torch.equal(got[i] > 0, ref[i] > 0), i
+                torch.testing.assert_close(got[i], ref[i], rtol=1e-6, atol=1e-9)
+    kept = (got > 0).sum(dim=-1).tolist()
+    assert kept[11] == vocab and (spread == "ties" or (kept[1], kept[5]) == (40, 1))  # neither; top-k alone; k 1
+    if spread != "ties":  # top-p 0.9 alone: found in the first 1024 tokens, or not (the whole row sorted)
+        assert (kept[0] < 1024) == (spread == "peaked")
