@@ -99,12 +99,16 @@ class PrefixCache:
 
     def _fillers(self, batch: ScheduledBatch) -> dict[tuple, list[int]]:
         """The positions in `batch.prefills` by (root key, first block of tokens), what a sequence shares with any
-        prefill that fills one of its blocks: each prefill added since the last call is indexed once, so a step
-        admitting many compares each head with its own few, not with every prefill (quadratic in a burst). The
-        positions are read at each call: a chunk topped up in place is seen as it is now."""
+        prefill that fills one of its blocks: each prefill added since the last call is indexed once, so a head is
+        compared only with the prefills of its tenant, adapter and first block, not with every prefill of the step
+        (quadratic in a burst of many tenants; a burst of one tenant's prompts beginning alike still compares
+        each head with them all). The positions are read at each call: a chunk grown in place is seen as it is now.
+        The root keys are those at indexing: a tenant or registration dropped meanwhile makes at worst a head
+        compute a block beside a prefill once."""
         bs = self.block_size
         if batch.fillers is None:
             batch.fillers, batch.indexed = {}, 0
+        assert batch.indexed <= len(batch.prefills), "prefills taken out of a step other than by remove()"
         for other, _ in batch.prefills[batch.indexed:]:
             if other.num_tokens >= bs and (key := self._root_key(other)) is not None:
                 batch.fillers.setdefault((key, tuple(other.tokens(0, bs))), []).append(batch.indexed)

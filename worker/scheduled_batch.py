@@ -13,7 +13,7 @@ class ScheduledBatch:
     prefills: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens this step)
     preempted: list[Sequence] = field(default_factory=list)
     # The prefix cache's index of `prefills` (PrefixCache._fillers): positions in it, of the first `indexed`. It
-    # follows appends and a chunk growing in place; taking one out shifts positions, so it drops the index.
+    # follows `add` and `grow`; `remove` shifts positions, so it drops the index. Change `prefills` only through them.
     fillers: dict | None = field(default=None, compare=False, repr=False)
     indexed: int = field(default=0, compare=False, repr=False)
 
@@ -24,6 +24,11 @@ class ScheduledBatch:
             self.decodes.append(seq)
         else:
             self.prefills.append((seq, num_new))
+
+    def grow(self, i: int, more: int) -> None:
+        """Prefill chunk `i` runs `more` tokens more (its position stays: the prefix cache's index holds)."""
+        seq, num_new = self.prefills[i]
+        self.prefills[i] = (seq, num_new + more)
 
     def remove(self, seq: Sequence) -> int:
         """Take `seq` out of the step (preempted after it was added); returns its tokens, 0 if not in it."""

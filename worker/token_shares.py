@@ -103,7 +103,7 @@ class StepTokens:
                 if seq.adapter is not None:
                     loras.add(seq.adapter)
             else:
-                batch.prefills[i] = (seq, num_new + more)
+                batch.grow(i, more)
             budget -= more
         return budget
 

@@ -467,13 +467,15 @@ def test_the_index_of_a_steps_prefills_follows_appends_top_ups_and_removals():
     prompt = list(range(200, 220))  # 5 blocks
     filler, head = _seq(prompt), _seq(prompt)
     other_tenant, unrelated = _seq(prompt, tenant="globex"), _seq(list(range(500, 520)))
+    short = _seq(prompt[:BS - 1])  # shorter than a block: never indexed, but it holds a position
     batch = ScheduledBatch()
     batch.add(other_tenant, 20)
+    batch.add(short, BS - 1)
     batch.add(unrelated, 20)
-    assert not cache.filled_by_another(head, batch)  # the index is built: neither is of head's trie and tokens
+    assert not cache.filled_by_another(head, batch)  # the index is built: none is of head's trie and tokens
     batch.add(filler, BS - 1)
     assert not cache.filled_by_another(head, batch)  # appended, indexed: its chunk fills no block yet
-    batch.prefills[2] = (filler, BS + 2)  # topped up in place
+    batch.grow(3, 3)  # topped up in place
     assert cache.filled_by_another(head, batch)
     assert batch.remove(other_tenant) == 20 and batch.remove(unrelated) == 20
     assert cache.filled_by_another(head, batch)  # now first: found at its new position
@@ -482,3 +484,23 @@ def test_the_index_of_a_steps_prefills_follows_appends_top_ups_and_removals():
     assert not cache.filled_by_another(head, batch)
     batch.add(_seq(prompt[:BS]), BS)  # a prompt of exactly one block fills it
     assert cache.filled_by_another(head, batch)
+
+
+def test_a_head_past_its_share_waits_for_the_block_a_chunk_topped_up_in_the_same_step_fills():
+    """A running prompt's chunk fills no block when the step's first heads are checked; the tokens no tenant took
+    then top it up so that it fills one; a head of its tenant with the same prompt, admitted after the shares
+    are lifted, waits a step for that block instead of computing it beside."""
+    sched, pool = _sched(num_pages=64, max_num_batched_tokens=5)
+    prompt = list(range(200, 209))  # 9 tokens
+    filler = _seq(prompt, max_tokens=2)
+    sched.add(filler)
+    _run_step(sched)
+    assert filler.num_computed_tokens == 5  # mid-block: the block it fills next ends at 8
+    sched.max_num_batched_tokens = 13  # 5 tenants: a share of 2 each
+    head, other = _seq(prompt, max_tokens=2), _seq(list(range(300, 305)), max_tokens=2, tenant="globex")
+    for seq in (head, other, *[_seq([500 + i], max_tokens=2, tenant=f"t{i}") for i in range(3)]):
+        sched.add(seq)
+    chunks = {s.seq_id: n for s, n in sched.schedule().prefills}
+    assert chunks[filler.seq_id] == 4  # 2 of its share, 2 topped up: it fills tokens 4 to 8
+    assert other.seq_id in chunks and head.seq_id not in chunks
+    pool.check()
