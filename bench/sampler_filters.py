@@ -5,7 +5,7 @@
 64 rows of Llama-3's vocabulary (128,256 logits), on the GPU when there is one, else the CPU (one torch thread).
 `peaked` rows are normal logits with standard deviation 6 (the most probable thousand tokens hold nearly all the
 mass, as a language model's next-token rows mostly do); `flat` ones have deviation 1 (top-p 0.9 needs most of the
-vocabulary: the sampler sorts whole rows too). Cases: top-k 50; top-p 0.9; both. Each is timed against the
+vocabulary: the sampler sorts those rows whole); `mixed`, peaked rows and one flat one. Cases: top-k 50; top-p 0.9; both. Each is timed against the
 whole-row sort that defines them (the sampler before it took its thresholds from a top-k), median of `--repeat`
 runs, and checked to keep the same tokens. Prints a table and writes JSON.
 """
@@ -30,7 +30,7 @@ from lorafleet.worker.sampler import _processed_probs  # noqa: E402
 from lorafleet.worker.sampling_params import SamplingParams  # noqa: E402
 
 CASES = {"top_k": dict(top_k=50), "top_p": dict(top_p=0.9), "top_k_top_p": dict(top_k=50, top_p=0.9)}
-SPREADS = {"peaked": 6.0, "flat": 1.0}
+SPREADS = {"peaked": (6.0, 6.0), "flat": (1.0, 1.0), "mixed": (6.0, 1.0)}  # the rows' deviation, the last row's
 
 
 def sorted_rows(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
@@ -74,8 +74,9 @@ def main() -> None:
         torch.set_num_threads(1)
     gen = torch.Generator(device=device).manual_seed(0)
     rows = []
-    for spread, std in SPREADS.items():
+    for spread, (std, last) in SPREADS.items():
         logits = torch.randn(args.rows, args.vocab, generator=gen, device=device) * std
+        logits[-1] *= last / std
         for case, kw in CASES.items():
             params = [SamplingParams(temperature=1.0, **kw)] * args.rows
             got, ref = _processed_probs(logits, params), sorted_rows(logits, **kw)

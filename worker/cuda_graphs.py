@@ -256,7 +256,6 @@ class DecodeGraphs:
     def _fill(self, inputs: DecodeInputs, size: int) -> None:
         n = len(inputs.input_ids)
         pad = size - n
-        width = self.max_blocks
         host = torch.tensor(
             [*inputs.input_ids, *[0] * pad, *inputs.positions, *[0] * pad, *inputs.slot_mapping, *[-1] * pad],
             dtype=torch.int64,
@@ -265,6 +264,10 @@ class DecodeGraphs:
         sorted_ids, starts, seg_slots = padded_groups(inputs.token_slots, self.lora_segment_len, size, segs)
         small = torch.tensor([*inputs.context_lens, *[0] * pad, *inputs.token_slots, *[-1] * pad, *sorted_ids, *seg_slots,
                               *starts], dtype=torch.int32)
+        # Only the columns this batch's longest table uses: the kernels read a row's entries up to its context
+        # only, so those past it may keep an earlier step's pages (a copy of max_blocks columns each step is
+        # megabytes at long context lengths).
+        width = max((len(t) for t in inputs.block_tables), default=0) or 1
         tables = np.zeros((size, width), dtype=np.int32)
         for i, t in enumerate(inputs.block_tables):
             tables[i, : len(t)] = t
@@ -276,7 +279,7 @@ class DecodeGraphs:
             buf[:size].copy_(small[i * size : (i + 1) * size], non_blocking=True)
         self.seg_slots[:segs].copy_(small[3 * size : 3 * size + segs], non_blocking=True)
         self.seg_starts[: segs + 1].copy_(small[3 * size + segs :], non_blocking=True)
-        self.block_tables[:size].copy_(tables, non_blocking=True)
+        self.block_tables[:size, :width].copy_(tables, non_blocking=True)
 
     def _start_keys(self) -> list[tuple[int, int, int]]:
         """(bucket, rank bound, planning rank) of every graph captured at start: each bucket without

@@ -282,10 +282,9 @@ def _processed_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
     vocab = logits.shape[-1]
     top_ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
     if any(top_ks):  # the k-th largest logit from the largest k asked for, not from a sort of the vocabulary
-        largest = logits.topk(max(top_ks), dim=-1).values
-        kth = largest.gather(1, torch.tensor([max(k, 1) - 1 for k in top_ks], device=device)[:, None])
-        kth = kth.masked_fill(torch.tensor([k == 0 for k in top_ks], device=device)[:, None], float("-inf"))
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+        ks = torch.tensor(top_ks, device=device)[:, None]  # 0: no top-k, nothing masked
+        kth = logits.topk(max(top_ks), dim=-1).values.gather(1, (ks - 1).clamp(min=0))
+        logits = logits.masked_fill((logits < kth) & (ks > 0), float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     top_ps = [p.top_p for p in params]
     if any(p < 1.0 for p in top_ps):
@@ -301,19 +300,27 @@ def _top_p_drop(probs: torch.Tensor, top_p: torch.Tensor, uses: torch.Tensor, fi
     it already reach `top_p` (the first always stays). A row with top_p 1 drops nothing: its cumulative sum can
     reach 1 by rounding before its tail ends, and its probabilities stay exactly as they are alone.
 
-    The `first` most probable tokens of each row are sorted (a top-k), not the vocabulary: where they reach
-    `top_p` in every row that uses it, every token after them is dropped, and theirs are the decisions a sort of
-    the whole row makes (the same values in the same order; tied tokens may come in another order, as between two
-    sorts, and a GPU's scan of a longer row may round its sums otherwise). Else (a flat distribution, in any row)
-    the whole rows are sorted."""
-    vocab = probs.shape[-1]
-    if first < vocab:
-        sorted_probs, order = probs.topk(first, dim=-1)
-        cum = sorted_probs.cumsum(dim=-1)
-        if not bool(((cum[:, -1:] < top_p) & uses).any()):  # one sync: rows' tails are known dropped
-            return _dropped(sorted_probs, cum, order, top_p, uses, uses.expand_as(probs).clone())
+    The `first` most probable tokens of each row are sorted (a top-k), not the vocabulary: in a row where they
+    reach `top_p` every token after them is dropped, and theirs are the decisions a sort of the whole row makes
+    (the same values in the same order; tied tokens may come in another order, as between two sorts). Only the
+    rows where they do not (flat distributions) are sorted whole. Which way a row goes depends on it alone, never
+    on the rows beside it (a seed gives the same tokens whatever the batch)."""
+    if first >= probs.shape[-1]:
+        return _sorted_drop(probs, top_p, uses)
+    sorted_probs, order = probs.topk(first, dim=-1)
+    cum = sorted_probs.cumsum(dim=-1)
+    drop = _dropped(sorted_probs, cum, order, top_p, uses, uses.expand_as(probs).clone())
+    short = ((cum[:, -1:] < top_p) & uses)[:, 0].nonzero()[:, 0]  # one sync: the rows their first do not settle
+    if len(short):
+        drop[short] = _sorted_drop(probs[short], top_p[short], uses[short])
+    return drop
+
+
+def _sorted_drop(probs: torch.Tensor, top_p: torch.Tensor, uses: torch.Tensor) -> torch.Tensor:
+    """_top_p_drop by sorting whole rows."""
     sorted_probs, order = probs.sort(dim=-1, descending=True)
-    return _dropped(sorted_probs, sorted_probs.cumsum(dim=-1), order, top_p, uses, torch.zeros_like(probs, dtype=torch.bool))
+    return _dropped(sorted_probs, sorted_probs.cumsum(dim=-1), order, top_p, uses,
+                    torch.zeros_like(probs, dtype=torch.bool))
 
 
 def _dropped(sorted_probs, cum, order, top_p, uses, drop: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 
+from lorafleet.worker import sampler as sampler_module
 from lorafleet.worker.sampler import (
     Sampler,
     _processed_probs,
@@ -418,7 +419,7 @@ def test_top_k_and_top_p_keep_what_sorting_whole_rows_keeps(spread):
                (2.0, 0, 0.999), (1.0, 3000, 0.3), (0.8, 0, 1e-6), (1.0, 0, 0.5), (1.0, 10, 1.0), (1.0, 0, 1.0))]
     ref = _sorted_reference(logits, params)
     alone = torch.cat([_processed_probs(logits[i:i + 1], [p]) for i, p in enumerate(params)])
-    for got in (_processed_probs(logits, params), alone):  # a batch falls back to sorting as its flattest row does
+    for got in (_processed_probs(logits, params), alone):
         for i in range(len(params)):
             if spread == "ties":
                 torch.testing.assert_close(got[i].sort().values, ref[i].sort().values, rtol=1e-6, atol=1e-9)
@@ -429,3 +430,30 @@ def test_top_k_and_top_p_keep_what_sorting_whole_rows_keeps(spread):
     assert kept[11] == vocab and (spread == "ties" or (kept[1], kept[5]) == (40, 1))  # neither; top-k alone; k 1
     if spread != "ties":  # top-p 0.9 alone: found in the first 1024 tokens, or not (the whole row sorted)
         assert (kept[0] < 1024) == (spread == "peaked")
+
+
+def test_only_rows_whose_most_probable_tokens_do_not_reach_top_p_are_sorted_whole(monkeypatch):
+    """Top-p sorts a row's 1024 most probable tokens; a row where they do not reach top_p (a flat one) is sorted
+    whole, alone: the rows beside it keep bit for bit what they get without it, tied tokens at the cut
+    included, so a seeded request draws the same token whatever shares its batch."""
+    sorted_rows = []
+    real = sampler_module._sorted_drop
+    monkeypatch.setattr(sampler_module, "_sorted_drop", lambda probs, *a: sorted_rows.append(len(probs)) or real(probs, *a))
+    gen = torch.Generator().manual_seed(3)
+    vocab = 5000
+    peaked = torch.randn(6, vocab, generator=gen) * 6
+    peaked[5, :4] = peaked[5].max() + 1  # four tokens tied first: top_p 0.3 cuts among them
+    params = [SamplingParams(temperature=1.0, top_k=k, top_p=p) for k, p in
+              ((0, 0.9), (0, 1.0), (40, 1.0), (0, 1e-50), (50, 0.8), (0, 0.3))]
+    flat = torch.randn(1, vocab, generator=gen) * 0.05
+    alone = _processed_probs(peaked, params)
+    assert sorted_rows == []  # every row's first tokens reach its top_p
+    beside = _processed_probs(torch.cat([peaked, flat]), [*params, SamplingParams(temperature=1.0, top_p=0.9)])
+    assert sorted_rows == [1]  # the flat row alone
+    assert torch.equal(beside[:6], alone)
+    assert (alone[3] > 0).sum() == 1 and (alone[1] > 0).sum() == vocab  # top_p 1e-50: one token; 1: all
+    draws = []
+    for rows, ps in ((peaked[5:6], params[5:6]), (torch.cat([peaked[5:6], flat]), [params[5], SamplingParams(top_p=0.9)])):
+        seqs = [_seq(seed=11, top_p=p.top_p) for p in ps]
+        draws.append(Sampler().sample(rows, seqs)[0][0])
+    assert draws[0] == draws[1] < 4
