@@ -279,12 +279,18 @@ class WorkerMetrics:
         self._recent_tokens.append((now, num_tokens))
         self._trim(now)
 
-    def acquire(self, adapter: str | None, version: str) -> bool:
+    def acquire(self, adapter: str | None, version: str, endpoint: str | None = None) -> bool:
         """A request resolved to this version: its series stay, retired or not, until `release`. Whether the
         name rolls out a version now (pass it to `release`, and as `per_version` to the request's latencies: they
         keep their labels to its end, a rollback or promotion meanwhile notwithstanding, and per-version series
-        stay until a scrape read them)."""
-        key = (adapter or BASE_MODEL_LABEL, version)
+        stay until a scrape read them). With its `endpoint`, the counters it moves on success exist from now, at
+        0 until it is counted: rate() misses the increment that creates a series, so one made at the request's
+        end lost its first request and tokens whenever no scrape came between."""
+        key = self._labels(adapter, version)
+        if endpoint is not None:
+            self._versions[key[0]][version].add((endpoint, "200"))
+            self.requests.labels(*key, endpoint, "200"), self.prompt_tokens.labels(*key)
+            self.generation_tokens.labels(*key)
         self.retired.acquire(key)
         if key[0] not in self._rolling:
             return False

@@ -191,7 +191,7 @@ async def _serve(request: web.Request, endpoint: str) -> web.StreamResponse:
     resolved: list[tuple[str | None, bool]] = []  # engine keys it holds (the one resolved, then one moved to)
 
     def hold(key: str | None) -> None:  # its series stay, even if a push retires it, until this request counts
-        resolved.append((key, metrics.acquire(*request_labels(key))))
+        resolved.append((key, metrics.acquire(*request_labels(key), endpoint)))
 
     try:
         job = await _prepare(request, endpoint, hold)

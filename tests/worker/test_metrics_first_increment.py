@@ -65,3 +65,43 @@ async def test_prometheus_counts_the_first_request_after_a_quiet_start(aiohttp_s
                        'increase(lorafleet_stager_stage_requests_total{outcome="miss"}[1m])'):
             result = prom.query(promql)
             assert result and float(result[0]["value"][1]) > 0, (promql, result)
+
+
+async def test_an_adapters_request_series_exist_from_its_resolution(aiohttp_server, tmp_path):
+    """A request's per-adapter counters (its requests on success, prompt and generated tokens) exist at 0 once it
+    resolved its adapter version, so a scrape during the request lets increase() count the request that ends it;
+    a series made at the end of the request (what they were) counts none."""
+    worker = WorkerMetrics()
+    worker.acquire("sql", "v1", "completions")
+    text = worker.render().decode()
+    for series in ('lorafleet_requests_total{adapter="sql",endpoint="completions",status="200",version="v1"} 0.0',
+                   'lorafleet_prompt_tokens_total{adapter="sql",version="v1"} 0.0',
+                   'lorafleet_generation_tokens_total{adapter="sql",version="v1"} 0.0'):
+        assert series in text
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(body=worker.render(), content_type="text/plain")
+
+    app = web.Application()
+    app.add_routes([web.get("/metrics", metrics)])
+    scrape = [{"job_name": "worker", "static_configs": [{"targets": [f"127.0.0.1:{(await aiohttp_server(app)).port}"]}]}]
+    with PrometheusServer(tmp_path / "prometheus", scrape, scrape_interval="250ms") as prom:
+        def samples(promql: str) -> list[float]:
+            return [float(v) for r in prom.query(promql) for _, v in r.get("values", [])]
+
+        await prom.wait_for(lambda: len(samples('lorafleet_requests_total{adapter="sql"}[10s]')) >= 2,
+                            "two scrapes during the request")
+        for adapter in ("sql", "late"):  # late: resolved without acquire, its series made by its end
+            worker.observe_prompt_tokens(adapter, 7, version="v1")
+            worker.observe_tokens(adapter, 3, version="v1")
+            worker.observe_request(adapter=adapter, version="v1", endpoint="completions", status=200)
+        await prom.wait_for(lambda: len(samples('lorafleet_requests_total{adapter="late"}[10s]')) >= 2
+                            and samples('lorafleet_requests_total{adapter="sql"}[10s]')[-1:] == [1.0],
+                            "two scrapes after the requests")
+
+        def increase(name: str, adapter: str) -> float:
+            result = prom.query(f'sum(increase({name}{{adapter="{adapter}"}}[1m]))')
+            return float(result[0]["value"][1]) if result else 0.0
+
+        for name in ("lorafleet_requests_total", "lorafleet_prompt_tokens_total", "lorafleet_generation_tokens_total"):
+            assert increase(name, "sql") > 0 and increase(name, "late") == 0, name

@@ -251,4 +251,4 @@ async def test_a_context_too_long_on_a_resolved_adapter_is_counted_on_it(client,
     text = await (await client.get("/metrics")).text()
     counted = {(s.labels["adapter"], s.labels["version"], s.labels["status"]): s.value
                for s in samples(text, "lorafleet_requests_total")}
-    assert counted == {("alpha", "v1", "400"): 2}
+    assert counted == {("alpha", "v1", "400"): 2, ("alpha", "v1", "200"): 0}  # made at 0 when it resolved
