@@ -124,7 +124,7 @@ class Sampler:
         (and the same as masking first). A row that fails lands in row_errors; the other rows go on.
         `token_list` (tokens as a list) is updated with the redrawn tokens too."""
         guide = self.json_guide
-        race_row = {i: j for j, i in enumerate(sampled_rows)}
+        refused_rows: list[tuple[int, torch.Tensor]] = []  # (row, the tokens it may not draw)
         for i, seq in enumerate(seqs):
             if not seq.params.json_object:
                 continue
@@ -135,24 +135,49 @@ class Sampler:
                 if guide.accepts(seq, token_list[i]):
                     refused = False
                     continue
-                invalid = guide.invalid(seq, logits.device)
-                j = race_row.get(i)
-                if j is None:
-                    row = logits[i].masked_fill(invalid, float("-inf"))
-                    if not bool(torch.isfinite(row.max())):  # every valid token's logit is -inf: take the first
-                        row = (~invalid).to(logits.dtype)
-                else:
-                    row = race[j].masked_fill(invalid, -1.0)
-                    if not bool(row.max() > 0):  # top-k / top-p left no valid token: filter among the valid ones
-                        probs = _processed_probs(logits[i:i + 1].masked_fill(invalid, float("-inf")), [seq.params])
-                        row = (probs[0] / noise[j]).nan_to_num(0.0).masked_fill(invalid, -1.0)
-                token_list[i] = int(row.argmax())
-                tokens[i] = token_list[i]
+                refused_rows.append((i, guide.invalid(seq, logits.device)))
             except Exception as exc:  # this request fails; the engine serves the others
                 self.row_errors[i] = exc
             finally:  # the scheduler paces costly rows (grammar_pacing.py)
                 self.grammar_costs.observe(seq, time.thread_time() - began, refused, uncached and not self._needs_mask(seq))
+        if not refused_rows:
+            return tokens
+        rows = [i for i, _ in refused_rows]
+        try:
+            drawn = _redraw(torch.stack([m for _, m in refused_rows]), rows, logits, [seqs[i].params for i in rows],
+                            {i: j for j, i in enumerate(sampled_rows)}, race, noise)
+            tokens[torch.tensor(rows, device=tokens.device)] = drawn
+            for i, token in zip(rows, drawn.tolist(), strict=True):
+                token_list[i] = token
+        except Exception as exc:  # these requests fail; the engine serves the others
+            self.row_errors.update((i, exc) for i in rows)
         return tokens
+
+
+def _redraw(invalid: torch.Tensor, rows: list[int], logits: torch.Tensor, params: list, race_row: dict[int, int],
+            race: torch.Tensor | None, noise: torch.Tensor | None) -> torch.Tensor:
+    """The tokens rows `rows` draw again among the tokens they may draw (`invalid` [R, V]: True where they may
+    not), all rows at once: a greedy row the argmax of its logits over them (its first valid token when every
+    valid token's logit is -inf); a sampled row the argmax of its race over them, or where top-k / top-p left
+    none of them, of a race with the same draw over them filtered alone. [R] int64 on the logits' device."""
+    device = logits.device
+    at = torch.tensor(rows, device=device)
+    masked = logits[at].masked_fill(invalid, float("-inf"))
+    drawn = torch.where(torch.isfinite(masked.amax(dim=-1)), masked.argmax(dim=-1), (~invalid).byte().argmax(dim=-1))
+    sampled = [k for k, i in enumerate(rows) if i in race_row]
+    if not sampled:
+        return drawn
+    js = [race_row[rows[k]] for k in sampled]
+    ks = torch.tensor(sampled, device=device)
+    raced = race[torch.tensor(js, device=device)].masked_fill(invalid[ks], -1.0)
+    drawn[ks] = raced.argmax(dim=-1)
+    empty = (raced.amax(dim=-1) <= 0).nonzero()[:, 0].tolist()  # one sync: rows the filters left no valid token
+    if empty:
+        bad = torch.tensor([sampled[e] for e in empty], device=device)
+        probs = _processed_probs(masked[bad], [params[sampled[e]] for e in empty])
+        drawn[bad] = (probs / noise[torch.tensor([js[e] for e in empty], device=device)]).nan_to_num(0.0).masked_fill(
+            invalid[bad], -1.0).argmax(dim=-1)
+    return drawn
 
 
 def raw_logprobs(logits: torch.Tensor, tokens: torch.Tensor,

@@ -457,3 +457,53 @@ def test_only_rows_whose_most_probable_tokens_do_not_reach_top_p_are_sorted_whol
         seqs = [_seq(seed=11, top_p=p.top_p) for p in ps]
         draws.append(Sampler().sample(rows, seqs)[0][0])
     assert draws[0] == draws[1] < 4
+
+
+class _Guide:
+    """JSON mode's guide reduced to its answers: the tokens each request may draw."""
+
+    def __init__(self, valid: dict[str, list[int]]) -> None:
+        self.valid = valid
+
+    def needs_mask(self, seq) -> bool:
+        return False
+
+    def accepts(self, seq, token: int) -> bool:
+        return token in self.valid[seq.request_id]
+
+    def invalid(self, seq, device) -> torch.Tensor:
+        mask = torch.ones(VOCAB, dtype=torch.bool, device=device)
+        mask[self.valid[seq.request_id]] = False
+        return mask
+
+
+def _json_seq(rid: str, seed=None, **kw):
+    seq = Sequence(rid, [1], SamplingParams(json_object=True, seed=seed, **kw))
+    if seed is not None:
+        seq.generator = torch.Generator().manual_seed(seed)
+    return seq
+
+
+def test_refused_json_rows_draw_again_among_their_valid_tokens_together_as_alone():
+    """Rows whose token the guide refuses draw again among their valid tokens, all at once: a greedy row takes its
+    best valid token, or its first valid one when every valid token's logit is -inf; a sampled row its race over
+    the valid tokens, or where top-k left none of them, the same draw among them filtered alone (here all but
+    certainly the best valid token). Each row draws what it draws alone; an accepted row keeps its token."""
+    logits = _logits(12, seed=21)
+    logits[1, [7, 9]] = float("-inf")
+    logits[2:10, [2, 4, 6, 8]] = 5.0  # four equally likely valid tokens: seeds differ in what they draw
+    logits[10, [12, 13, 14, 41]] = torch.tensor([-20.0, -20.0, 10.0, 29.0])  # top-k 2 leaves none of 12-14 valid
+    logits[:, 40] = 30.0  # what each draws first: refused, but by the last row
+    valid = {"greedy": [3, 5, 11], "dead": [9, 7], "top_k": [12, 13, 14], "kept": [40],
+             **{f"s{i}": [2, 4, 6, 8] for i in range(8)}}
+    seqs = lambda: [_json_seq("greedy", temperature=0.0), _json_seq("dead", temperature=0.0),  # noqa: E731
+                    *[_json_seq(f"s{i}", seed=100 + i) for i in range(8)], _json_seq("top_k", seed=4, top_k=2),
+                    _json_seq("kept", seed=5)]
+    batch = Sampler(json_guide=_Guide(valid)).sample(logits, seqs())
+    alone = [Sampler(json_guide=_Guide(valid)).sample(logits[i:i + 1], [s])[0] for i, s in enumerate(seqs())]
+    tokens = [t for t, _ in batch]
+    assert tokens == [t for t, _ in alone]
+    assert tokens[0] == max(valid["greedy"], key=lambda t: logits[0, t])
+    assert tokens[1] == 7  # every valid logit -inf: the first valid token
+    assert set(tokens[2:10]) <= {2, 4, 6, 8} and len(set(tokens[2:10])) > 1
+    assert tokens[10] == 14 and tokens[11] == 40
