@@ -283,19 +283,19 @@ class WorkerMetrics:
         """A request resolved to this version: its series stay, retired or not, until `release`. Whether the
         name rolls out a version now (pass it to `release`, and as `per_version` to the request's latencies: they
         keep their labels to its end, a rollback or promotion meanwhile notwithstanding, and per-version series
-        stay until a scrape read them). With its `endpoint`, the counters it moves on success exist from now, at
-        0 until it is counted: rate() misses the increment that creates a series, so one made at the request's
-        end lost its first request and tokens whenever no scrape came between."""
+        stay until a scrape read them). With its `endpoint`, the counters it moves on success exist from now at 0
+        (rate() misses a series' first increment), and while the name rolls out a version its 5xx ones too."""
         key = self._labels(adapter, version)
+        rolling = key[0] in self._rolling
         if endpoint is not None:
-            self._versions[key[0]][version].add((endpoint, "200"))
-            self.requests.labels(*key, endpoint, "200"), self.prompt_tokens.labels(*key)
-            self.generation_tokens.labels(*key)
+            for status in ("200", *(("500", "503", "504") if rolling and version else ())):
+                self._versions[key[0]][version].add((endpoint, status))
+                self.requests.labels(*key, endpoint, status)
+            self.prompt_tokens.labels(*key), self.generation_tokens.labels(*key)
         self.retired.acquire(key)
-        if key[0] not in self._rolling:
-            return False
-        self.rolled_out.acquire((key[0], ""))
-        return True
+        if rolling:
+            self.rolled_out.acquire((key[0], ""))
+        return rolling
 
     def release(self, adapter: str | None, version: str, rolling: bool = False) -> None:
         """The request of an `acquire` (which answered `rolling`) has been counted."""

@@ -586,3 +586,27 @@ def test_dashboard_queries_name_exposed_series(tmp_path):
     exprs = [t["expr"] for p in json.loads(dashboard.read_text())["panels"] for t in p.get("targets", [])]
     names = {n for e in exprs for n in re.findall(r"\b(?:lorafleet_|vllm:)[a-z_:]+", e)}
     assert names and names <= exposed, names - exposed
+
+
+def test_a_resolved_request_makes_its_success_series_and_during_a_rollout_its_5xx_ones():
+    """Counters a request moves exist at 0 from its resolution (rate() misses a series' first increment): its
+    success and tokens always; while its name rolls out a version, its 5xx too, so that the canary's first failure
+    counts in its error share. They go with the version."""
+    clock = _Clock()
+    m = WorkerMetrics(retired_grace_s=60, clock=clock)
+    m.retain_served({"sql": {"v1"}})
+    assert m.acquire("sql", "v1", "chat") is False
+    requests = {(dict(k[1])["version"], dict(k[1])["status"]) for k in _samples(m) if k[0] == "lorafleet_requests_total"}
+    assert requests == {("v1", "200")}
+    assert _samples(m)[("lorafleet_generation_tokens_total", (("adapter", "sql"), ("version", "v1")))] == 0
+    m.retain_served({"sql": {"v1", "v2"}})  # a canary
+    assert m.acquire("sql", "v2", "chat") is True and m.acquire(None, "", "chat") is False
+    requests = {(dict(k[1])["adapter"], dict(k[1])["version"], dict(k[1])["status"]): v for k, v in _samples(m).items()
+                if k[0] == "lorafleet_requests_total"}
+    assert requests == {("sql", "v1", "200"): 0, **{("sql", "v2", s): 0 for s in ("200", "500", "503", "504")},
+                        ("__base__", "", "200"): 0}
+    m.release("sql", "v2", True)
+    m.retain_served({"sql": {"v1"}})  # rolled back
+    clock.now = 60.0
+    m.drop_expired()
+    assert _versions(m, "sql")["lorafleet_requests_total"] == {"v1"}
