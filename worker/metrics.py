@@ -25,15 +25,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
+import itertools
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Literal
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from lorafleet.worker.admission import (
@@ -43,12 +41,20 @@ from lorafleet.worker.admission import (
     TENANT_INTAKE_FULL,
     TENANT_QUEUE_FULL,
 )
+from lorafleet.worker.engine_collector import (  # noqa: F401 (EngineSnapshot, prefix_tokens: the server's)
+    FROZEN,
+    THROUGHPUT_WINDOW_S,
+    EngineCollector,
+    EngineSnapshot,
+    prefix_tokens,
+)
 from lorafleet.worker.retired_series import RetiredSeries
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 BASE_MODEL_LABEL = "__base__"  # the adapter label of requests without an adapter
 UNRESOLVED_LABEL = "__unresolved__"  # the adapter label of requests refused before `model` was resolved
 OTHER_LABEL = "__other__"  # the adapter label of latencies of names not rolling out a version ("rollouts")
+ENDPOINTS, FAILURES = ("completions", "chat"), ("500", "503", "504")  # a rollout's 5xx series, made at 0
 LatencySeries = Literal["rollouts", "all"]
 # A `_created` series per counter and histogram child doubles what a scrape of thousands of adapters carries, for a
 # timestamp that rate() does not read.
@@ -60,80 +66,9 @@ _QUEUE_HELP = ("Arrival to first scheduling: waiting for a seat, KV pages, the a
 _TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 _COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 _ADAPTER_COUNT_BUCKETS = (0, *_COUNT_BUCKETS)  # 0: a step of base-model requests only
-THROUGHPUT_WINDOW_S = 10.0
 # Seconds a retired version's series outlive its last request: several scrapes at the chart's 15 s, two at
 # Prometheus' default 1 min.
 RETIRED_GRACE_S = 120.0
-
-
-@dataclass(slots=True)
-class EngineSnapshot:
-    """What the engine reports at scrape time."""
-
-    num_running: int = 0
-    num_waiting: int = 0  # requests admitted by the server but not yet scheduled
-    kv_usage: float = 0.0  # fraction of the page pool's KV capacity in use, 0..1
-    max_lora: int = 0  # adapters the GPU pool can hold at once (slots)
-    max_num_seqs: int = 0  # sequences a step may run at once (0: not known)
-    num_preemptions: int = 0  # running requests preempted for KV pages since the start (recomputed later)
-    grammar_deferrals: int = 0  # guided decodes left out of a step for its grammar budget (grammar_pacing.py)
-    prefix_cache: tuple[int, int] = (0, 0)  # prompt tokens looked up in the prefix cache, and found there
-    running_adapters: list[str] = field(default_factory=list)
-    waiting_adapters: list[str] = field(default_factory=list)
-
-
-def prefix_tokens(cache) -> tuple[int, int]:
-    """(tokens looked up, tokens found) of a PrefixCache (worker/prefix_cache.py), or of none."""
-    return (0, 0) if cache is None else (cache.queried_tokens, cache.hit_tokens)
-
-
-# The engine figures of a scrape rendered off the loop, read on it first (the thread gets a copy of the context).
-_FROZEN: contextvars.ContextVar[tuple[EngineSnapshot, float] | None] = contextvars.ContextVar("frozen", default=None)
-
-
-class _EngineCollector(Collector):
-    def __init__(self, snapshot: Callable[[], EngineSnapshot], throughput: Callable[[], float],
-                 model_name: Callable[[], str] = str, lora_info: bool = True) -> None:
-        self._snapshot, self._throughput, self._model_name, self._lora_info = snapshot, throughput, model_name, lora_info
-
-    def read(self) -> tuple[EngineSnapshot, float]:
-        return self._snapshot(), self._throughput()
-
-    def collect(self) -> Iterator[Metric]:
-        s, throughput = _FROZEN.get() or self.read()
-        name = [self._model_name()]  # vLLM's label on each of its series: dashboards and HPA rules filter on it
-        for family, text, value in (
-                (GaugeMetricFamily, ("vllm:num_requests_running", "Requests in the running batch."), s.num_running),
-                (GaugeMetricFamily, ("vllm:num_requests_waiting", "Requests waiting to be scheduled."), s.num_waiting),
-                (GaugeMetricFamily, ("vllm:kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent."), s.kv_usage),
-                # the name older routers (Gateway API inference extension releases) read
-                (GaugeMetricFamily, ("vllm:gpu_cache_usage_perc", "KV-cache usage; 1 means 100 percent."), s.kv_usage),
-                (CounterMetricFamily, ("vllm:num_preemptions", "Cumulative number of preemption from the engine."),
-                 s.num_preemptions),
-                (CounterMetricFamily, ("vllm:prefix_cache_queries", "Prefix cache queries, in prompt tokens looked "
-                                       "up."), s.prefix_cache[0]),
-                (CounterMetricFamily, ("vllm:prefix_cache_hits", "Prefix cache hits, in prompt tokens found computed."),
-                 s.prefix_cache[1])):
-            metric = family(*text, labels=["model_name"])
-            metric.add_metric(name, value)
-            yield metric
-        if self._lora_info:  # a series per set of names (vLLM's): each list's first max_lora names, sorted
-            info = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on LoRA requests.",
-                                     labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
-            named = [",".join(sorted(a)[:max(s.max_lora, 1)]) for a in (s.running_adapters, s.waiting_adapters)]
-            info.add_metric([str(s.max_lora), *named], time.time())
-            yield info
-        yield GaugeMetricFamily("lorafleet_queue_depth", "Requests waiting to be scheduled.", s.num_waiting)
-        yield GaugeMetricFamily("lorafleet_kv_cache_usage_ratio", "Fraction of KV capacity in use.", s.kv_usage)
-        yield GaugeMetricFamily("lorafleet_seat_usage_ratio", "Running sequences over --max-num-seqs (a worker full "
-                                "at 1 queues requests with KV to spare).", s.num_running / max(s.max_num_seqs, 1))
-        yield CounterMetricFamily("lorafleet_preemptions", "Running requests preempted for KV pages.",
-                                  s.num_preemptions)
-        yield CounterMetricFamily("lorafleet_guided_decodes_deferred", "Guided decodes left out of a step to hold "
-                                  "its grammar time to --max-grammar-seconds-per-step.", s.grammar_deferrals)
-        yield GaugeMetricFamily("lorafleet_generation_tokens_per_second",
-                                f"Generated tokens per second over the last {THROUGHPUT_WINDOW_S:.0f} s.",
-                                throughput)
 
 
 REJECTED_REASONS = (QUEUE_FULL, TENANT_QUEUE_FULL, INTAKE_FULL, TENANT_INTAKE_FULL, REQUEST_TIMEOUT)
@@ -148,6 +83,7 @@ class WorkerMetrics:
         self.registry = CollectorRegistry()
         self.latency_series = latency_series
         self._rolling: set[str] = set()  # names serving more than one version (latencies labelled by adapter)
+        self._zeros: dict[str, set[tuple[str, str, str]]] = {}  # name -> 5xx series a rollout made, still at 0
         r = self.registry
         self.requests = Counter("lorafleet_requests", "Finished HTTP inference requests.",
                                 ["adapter", "version", "endpoint", "status"], registry=r)
@@ -193,7 +129,7 @@ class WorkerMetrics:
         self._versions: dict[str, dict[str, set[tuple[str, str]]]] = {}
         self.retired = RetiredSeries(retired_grace_s, clock)
         self.rolled_out = RetiredSeries(retired_grace_s, clock)  # names whose rollout ended: latencies to drop
-        self._engine = _EngineCollector(snapshot, self.tokens_per_second, lambda: self.model_name, lora_info)
+        self._engine = EngineCollector(snapshot, self.tokens_per_second, lambda: self.model_name, lora_info)
         r.register(self._engine)
 
     @property
@@ -218,6 +154,7 @@ class WorkerMetrics:
     def observe_request(self, *, adapter: str | None, endpoint: str, status: int, version: str = "") -> None:
         labels = self._labels(adapter, version)
         self._versions[labels[0]][version].add((endpoint, str(status)))
+        self._zeros.get(labels[0], set()).discard((version, endpoint, str(status)))  # counted: it stays
         self.requests.labels(*labels, endpoint, str(status)).inc()
 
     def observe_prompt_tokens(self, adapter: str | None, num_tokens: int, *, version: str = "") -> None:
@@ -284,18 +221,20 @@ class WorkerMetrics:
         name rolls out a version now (pass it to `release`, and as `per_version` to the request's latencies: they
         keep their labels to its end, a rollback or promotion meanwhile notwithstanding, and per-version series
         stay until a scrape read them). With its `endpoint`, the counters it moves on success exist from now at 0
-        (rate() misses a series' first increment), and while the name rolls out a version its 5xx ones too."""
+        (rate() misses a series' first increment)."""
         key = self._labels(adapter, version)
-        rolling = key[0] in self._rolling
         if endpoint is not None:
-            for status in ("200", *(("500", "503", "504") if rolling and version else ())):
-                self._versions[key[0]][version].add((endpoint, status))
-                self.requests.labels(*key, endpoint, status)
+            self._zero(*key, endpoint, "200")
             self.prompt_tokens.labels(*key), self.generation_tokens.labels(*key)
         self.retired.acquire(key)
-        if rolling:
-            self.rolled_out.acquire((key[0], ""))
-        return rolling
+        if key[0] not in self._rolling:
+            return False
+        self.rolled_out.acquire((key[0], ""))
+        return True
+
+    def _zero(self, adapter: str, version: str, endpoint: str, status: str) -> None:
+        self._versions.setdefault(adapter, {}).setdefault(version, set()).add((endpoint, status))
+        self.requests.labels(adapter, version, endpoint, status)
 
     def release(self, adapter: str | None, version: str, rolling: bool = False) -> None:
         """The request of an `acquire` (which answered `rolling`) has been counted."""
@@ -319,10 +258,16 @@ class WorkerMetrics:
             self._set_rolling(adapter, False)
         self.drop_expired()
 
-    def _set_rolling(self, adapter: str, rolling: bool) -> None:
-        """Whether `adapter` serves more than one version now. A rollout that ends puts its latencies back
-        under __other__; its own series leave after the grace, once no request begun during it runs."""
+    def _set_rolling(self, adapter: str, rolling: bool, versions: Collection[str] = ()) -> None:
+        """Whether `adapter` serves more than one version now (`versions`). A rollout that ends puts its latencies
+        back under __other__; its own series leave after the grace, once no request begun during it runs. One
+        that begins makes its versions' 5xx series at 0 (the canary's first failure counts in its error share);
+        those still at 0 leave with its latencies."""
         if rolling:
+            for version, endpoint, status in itertools.product(versions, ENDPOINTS, FAILURES):
+                if (endpoint, status) not in self._versions.get(adapter, {}).get(version, ()):
+                    self._zero(adapter, version, endpoint, status)
+                    self._zeros.setdefault(adapter, set()).add((version, endpoint, status))
             self._rolling.add(adapter)
             self.rolled_out.restore((adapter, ""))
         elif adapter in self._rolling:
@@ -341,6 +286,10 @@ class WorkerMetrics:
             if not seen:
                 self._versions.pop(adapter, None)
         for adapter, _ in self.rolled_out.expired():
+            for version, endpoint, status in self._zeros.pop(adapter, ()) if adapter not in self._rolling else ():
+                self._versions.get(adapter, {}).get(version, set()).discard((endpoint, status))
+                with contextlib.suppress(KeyError):  # its version's series went already
+                    self.requests.remove(adapter, version, endpoint, status)
             if adapter not in self._rolling and self.latency_series == "rollouts":
                 for version in self._versions.get(adapter, ()):
                     for metric in self._latencies:
@@ -365,7 +314,7 @@ class WorkerMetrics:
             self._set_rolling(adapter, False)
         for adapter, versions in served.items():
             self.retain_versions(adapter, versions)
-            self._set_rolling(adapter, len(versions) > 1)
+            self._set_rolling(adapter, len(versions) > 1, versions)
 
     def tokens_per_second(self, *, now: float | None = None) -> float:
         now = time.monotonic() if now is None else now
@@ -393,8 +342,8 @@ class WorkerMetrics:
         """`render` with the text written in the default executor: thousands of adapters' series take a
         while, during which the event loop keeps serving. The engine figures are read here, on the loop."""
         self.drop_expired()
-        token = _FROZEN.set(self._engine.read())
+        token = FROZEN.set(self._engine.read())
         try:
             return await asyncio.to_thread(generate_latest, self.registry)
         finally:
-            _FROZEN.reset(token)
+            FROZEN.reset(token)

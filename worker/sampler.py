@@ -142,16 +142,28 @@ class Sampler:
                 self.grammar_costs.observe(seq, time.thread_time() - began, refused, uncached and not self._needs_mask(seq))
         if not refused_rows:
             return tokens
-        rows = [i for i, _ in refused_rows]
+        race_row = {i: j for j, i in enumerate(sampled_rows)}
         try:
-            drawn = _redraw(torch.stack([m for _, m in refused_rows]), rows, logits, [seqs[i].params for i in rows],
-                            {i: j for j, i in enumerate(sampled_rows)}, race, noise)
-            tokens[torch.tensor(rows, device=tokens.device)] = drawn
-            for i, token in zip(rows, drawn.tolist(), strict=True):
-                token_list[i] = token
-        except Exception as exc:  # these requests fail; the engine serves the others
-            self.row_errors.update((i, exc) for i in rows)
+            self._redrawn(refused_rows, tokens, token_list, logits, seqs, race_row, race, noise)
+        except Exception:  # one row at a time: a row that fails ends its own request only
+            for row in refused_rows:
+                try:
+                    self._redrawn([row], tokens, token_list, logits, seqs, race_row, race, noise)
+                except Exception as exc:  # this request fails; the engine serves the others
+                    self.row_errors[row[0]] = exc
         return tokens
+
+    @staticmethod
+    def _redrawn(refused_rows: list[tuple[int, torch.Tensor]], tokens: torch.Tensor, token_list: list[int],
+                 logits: torch.Tensor, seqs: list[Sequence], race_row: dict[int, int], race, noise) -> None:
+        """`_redraw` of `refused_rows` (row, its invalid tokens), written into `tokens` and `token_list`."""
+        rows = [i for i, _ in refused_rows]
+        drawn = _redraw(torch.stack([m for _, m in refused_rows]), rows, logits, [seqs[i].params for i in rows],
+                        race_row, race, noise)
+        values = drawn.tolist()
+        tokens[torch.tensor(rows, device=tokens.device)] = drawn
+        for i, token in zip(rows, values, strict=True):
+            token_list[i] = token
 
 
 def _redraw(invalid: torch.Tensor, rows: list[int], logits: torch.Tensor, params: list, race_row: dict[int, int],

@@ -192,7 +192,9 @@ def test_retain_served_drops_retired_names_and_versions_at_once():
         _observe_one(m, adapter, version)
     m.retain_served({"sql": {"v2"}, "chat": {"c1", "c2"}, "new": {"n1"}})
     assert all(versions == {"v2"} for versions in _versions(m, "sql").values())
-    assert all(versions == {"c1"} for versions in _versions(m, "chat").values())
+    chat = _versions(m, "chat")
+    assert chat.pop("lorafleet_requests_total") == {"c1", "c2"}  # c2's 5xx at 0: chat rolls it out
+    assert all(versions == {"c1"} for versions in chat.values())
     assert _versions(m, "gone") == {} and _versions(m, "__base__")["lorafleet_requests_total"] == {""}
     assert set(m._versions) == {"sql", "chat", "__base__"}
 
@@ -588,25 +590,49 @@ def test_dashboard_queries_name_exposed_series(tmp_path):
     assert names and names <= exposed, names - exposed
 
 
-def test_a_resolved_request_makes_its_success_series_and_during_a_rollout_its_5xx_ones():
-    """Counters a request moves exist at 0 from its resolution (rate() misses a series' first increment): its
-    success and tokens always; while its name rolls out a version, its 5xx too, so that the canary's first failure
-    counts in its error share. They go with the version."""
+def test_a_resolved_request_makes_its_success_series_at_0():
+    """Counters a request moves on success exist at 0 from its resolution (rate() misses a series' first
+    increment); they go with the version."""
     clock = _Clock()
     m = WorkerMetrics(retired_grace_s=60, clock=clock)
     m.retain_served({"sql": {"v1"}})
-    assert m.acquire("sql", "v1", "chat") is False
-    requests = {(dict(k[1])["version"], dict(k[1])["status"]) for k in _samples(m) if k[0] == "lorafleet_requests_total"}
-    assert requests == {("v1", "200")}
+    assert m.acquire("sql", "v1", "chat") is False and m.acquire(None, "", "completions") is False
+    requests = {(dict(k[1])["adapter"], dict(k[1])["version"], dict(k[1])["endpoint"], dict(k[1])["status"]): v
+                for k, v in _samples(m).items() if k[0] == "lorafleet_requests_total"}
+    assert requests == {("sql", "v1", "chat", "200"): 0, ("__base__", "", "completions", "200"): 0}
     assert _samples(m)[("lorafleet_generation_tokens_total", (("adapter", "sql"), ("version", "v1")))] == 0
-    m.retain_served({"sql": {"v1", "v2"}})  # a canary
-    assert m.acquire("sql", "v2", "chat") is True and m.acquire(None, "", "chat") is False
-    requests = {(dict(k[1])["adapter"], dict(k[1])["version"], dict(k[1])["status"]): v for k, v in _samples(m).items()
-                if k[0] == "lorafleet_requests_total"}
-    assert requests == {("sql", "v1", "200"): 0, **{("sql", "v2", s): 0 for s in ("200", "500", "503", "504")},
-                        ("__base__", "", "200"): 0}
-    m.release("sql", "v2", True)
-    m.retain_served({"sql": {"v1"}})  # rolled back
+    assert _samples(m)[("lorafleet_prompt_tokens_total", (("adapter", "sql"), ("version", "v1")))] == 0
+    m.release("sql", "v1")
+    m.retain_served({"sql": {"v2"}})
     clock.now = 60.0
     m.drop_expired()
-    assert _versions(m, "sql")["lorafleet_requests_total"] == {"v1"}
+    assert "v1" not in _versions(m, "sql").get("lorafleet_requests_total", set())
+
+
+def test_a_rollout_makes_its_versions_5xx_series_at_0_and_takes_those_never_counted_with_it():
+    """A name that begins to roll out a version has its versions' 5xx series at 0 from then on, so that the
+    canary's first failure (on its first request too) counts in its error share; once the rollout is over and
+    its grace passed, those still at 0 go, those counted stay with their version."""
+    clock = _Clock()
+    m = WorkerMetrics(retired_grace_s=60, clock=clock)
+    m.retain_served({"sql": {"v1"}})
+    assert _versions(m, "sql") == {}  # nothing yet: no request, no rollout
+
+    def statuses() -> dict[tuple[str, str, str], float]:
+        return {(dict(k[1])["version"], dict(k[1])["endpoint"], dict(k[1])["status"]): v
+                for k, v in _samples(m).items() if k[0] == "lorafleet_requests_total" and dict(k[1])["adapter"] == "sql"}
+
+    m.retain_served({"sql": {"v1", "v2"}})  # a canary
+    made = {(v, e, s): 0 for v in ("v1", "v2") for e in ("completions", "chat") for s in ("500", "503", "504")}
+    assert statuses() == made
+    m.observe_request(adapter="sql", version="v2", endpoint="chat", status=503)  # its first request fails
+    m.retain_served({"sql": {"v2"}})  # promoted
+    clock.now = 60.0
+    m.drop_expired()
+    assert statuses() == {("v2", "chat", "503"): 1}
+    m.retain_served({"sql": {"v2", "v3"}})  # another rollout: its zeros again
+    assert len(statuses()) == 12 and statuses()[("v2", "chat", "503")] == 1
+    m.retain_served({"sql": {"v3"}})
+    clock.now = 120.0
+    m.drop_expired()
+    assert statuses() == {}  # v2 retired with its series, v3's zeros gone with the rollout

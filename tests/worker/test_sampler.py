@@ -507,3 +507,21 @@ def test_refused_json_rows_draw_again_among_their_valid_tokens_together_as_alone
     assert tokens[1] == 7  # every valid logit -inf: the first valid token
     assert set(tokens[2:10]) <= {2, 4, 6, 8} and len(set(tokens[2:10])) > 1
     assert tokens[10] == 14 and tokens[11] == 40
+
+
+def test_a_refused_json_row_whose_redraw_fails_ends_its_own_request_only():
+    """The refused rows draw again together; when that fails (here one row's mask has the wrong length), they
+    draw one at a time, and only the row that fails lands in row_errors."""
+    class Broken(_Guide):
+        def invalid(self, seq, device) -> torch.Tensor:
+            mask = super().invalid(seq, device)
+            return mask[:-1] if seq.request_id == "bad" else mask
+
+    logits = _logits(3, seed=22)
+    logits[:, 40] = 30.0  # refused by all three
+    valid = {"a": [3, 5], "bad": [4], "b": [6, 7]}
+    sampler = Sampler(json_guide=Broken(valid))
+    out = sampler.sample(logits, [_json_seq("a", temperature=0.0), _json_seq("bad", temperature=0.0),
+                                  _json_seq("b", seed=1)])
+    assert set(sampler.row_errors) == {1}
+    assert out[0][0] == max(valid["a"], key=lambda t: logits[0, t]) and out[2][0] in valid["b"]
