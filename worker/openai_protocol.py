@@ -127,7 +127,11 @@ def parse_completion_request(body: Any, defaults: SamplingDefaults = SamplingDef
     model = _model(f)
     prompts = _prompts(f.get("prompt"))
     echo = f.flag("echo", False)  # with max_tokens 0: the prompt scored, nothing generated (OpenAI's legacy API)
-    options = parse_sampling_options(f, ("max_tokens",), 16, defaults, least_max_tokens=0 if echo else 1)
+    # OpenAI's 16 when left out; an explicit null (the openai client's max_tokens=None): up to the end of the
+    # context, as vLLM reads it
+    unbounded = "max_tokens" in f.body and f.body["max_tokens"] is None
+    options = parse_sampling_options(f, ("max_tokens",), None if unbounded else 16, defaults,
+                                     least_max_tokens=0 if echo else 1)
     options.logprobs = f.integer("logprobs", None, 0, MAX_COMPLETION_LOGPROBS)
     options.echo = echo
     # 1, the default some clients send with any n, or n: n choices, as asked; more to pick from is not implemented

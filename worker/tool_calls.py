@@ -77,18 +77,17 @@ class ToolCalls:
     @classmethod
     def of(cls, request: ToolRequest | None, tokenizer, parser_name: str) -> ToolCalls | None:
         """The request's tool calls (None: no tools, or tool_choice "none"). Refuses tools for a model whose chat
-        template takes none. vLLM renders such a template without them and answers as if they had never been
-        sent; here that is a 400, so a caller does not mistake a model that never saw the tools for one that
-        chose not to call them."""
+        template takes none, unless tool_choice is "none" (no call is wanted: agent frameworks send their tools
+        with every turn). vLLM renders such a template without them and answers as if they had never been sent;
+        here that is a 400, so a caller does not mistake a model that never saw the tools for one that chose not
+        to call them."""
         template = tokenizer.template_for(request.tools) if request is not None and tokenizer is not None else None
-        if template is None:  # no tools, or no template: tokenizing says so
+        if template is None or request.choice == "none":  # no tools, no template (tokenizing says so), or no call
             return None
         if not template.takes_tools:
             raise APIError(400, "this model's chat template takes no tools (it never reads `tools`), so they would "
                                 "not reach the model; send the request without 'tools', or serve a model whose "
                                 "template renders them", code="invalid_value", param="tools")
-        if request.choice == "none":
-            return None
         return cls(request, tool_parser(parser_name, template.source))
 
     def calls(self, text: str, finish_reason: str | None) -> tuple[str | None, list[ToolCall], str | None]:

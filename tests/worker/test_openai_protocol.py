@@ -58,6 +58,10 @@ def test_chat_messages_and_logprobs():
     assert [(m.role, m.content) for m in r.messages] == [("system", "be brief"), ("user", "hi")]
     assert r.options.max_tokens == 9 and r.options.logprobs == 3
     assert parse_chat_request({"model": "m", "messages": [{"role": "user", "content": "x"}]}).options.max_tokens is None
+    # completions: 16 left out (OpenAI's), an explicit null up to the end of the context (vLLM's; the openai
+    # client's max_tokens=None)
+    assert parse_completion_request({"model": "m", "prompt": "x"}).options.max_tokens == 16
+    assert parse_completion_request({"model": "m", "prompt": "x", "max_tokens": None}).options.max_tokens is None
     assert parse_chat_request({"model": "m", "messages": [{"role": "user", "content": "x"}],
                                "logprobs": True}).options.logprobs == 0
     o = parse_chat_request({"model": "m", "messages": [{"role": "user", "content": "x"}], "prompt_logprobs": 20,

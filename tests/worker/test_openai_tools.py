@@ -172,6 +172,10 @@ async def test_tools_for_a_template_without_tools_are_refused(aiohttp_client, ti
     assert "chat template takes no tools" in err.value.body["message"]
     resp = await api.chat.completions.create(model="tiny", messages=USER, max_tokens=1)  # without: as before
     assert resp.choices[0].message.tool_calls is None
+    # tool_choice "none" wants no call: answered as without them (agent frameworks send tools with every turn)
+    none = await api.chat.completions.create(model="tiny", messages=USER, max_tokens=1, tools=[WEATHER],
+                                             tool_choice="none")
+    assert none.choices[0].message.tool_calls is None and none.usage.prompt_tokens == resp.usage.prompt_tokens
 
 
 async def test_bad_tool_fields_are_400_over_http(api):
