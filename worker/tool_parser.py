@@ -1,17 +1,19 @@
 """ToolParser: tool calls read out of a model's text, in the formats of vLLM's `hermes` and `llama3_json` parsers.
 
 hermes (Hermes 2 Pro, Qwen 2.5/3 and most templates that write `<tool_call>`): after optional text, one or more
-`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks separated by whitespace; the last one may be
-left unclosed (a stop string or EOS right after its JSON). The text before the first block is the message's
-content (its trailing whitespace dropped; none left: null).
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks; the last one may be left unclosed (a stop
+string or EOS right after its JSON). The text before the first block is the message's content (its trailing
+whitespace dropped; none left: null), and text between or after the blocks (a model's "I will check the
+weather." after its call) follows it, each piece on a line of its own: vLLM's parser takes the calls and drops
+that text; here it is kept.
 
 llama3_json (Llama 3.1/3.2's JSON tool calls): the whole output is one JSON object `{"name": ...,
 "parameters": {...}}` ("arguments" is taken too), or several separated by ';', optionally after
 `<|python_tag|>`; the content is null.
 
-An output that does not have exactly that shape (a block whose JSON does not parse, NaN and Infinity
-included, a name that is not one of the request's tools, arguments that are not an object, other text between
-or after the calls) is no call at all: all of it stays content, so a malformed call reaches the caller as the text it was, never as an error.
+An output that does not have that shape (a block whose JSON does not parse, NaN and Infinity included, a name
+that is not one of the request's tools, arguments that are not an object; for llama3_json, other text between or
+after the calls) is no call at all: all of it stays content, so a malformed call reaches the caller as the text it was, never as an error.
 
 `hold_from` is the streaming side: how much of the text not sent yet can go out as content now, because no
 later text can make it part of a call; `call_begins`: when a call has begun, so that the rest is held without
@@ -105,8 +107,8 @@ class HermesParser(ToolParser):
         start = text.find(HERMES_START)
         if start < 0:
             return None
-        calls, at = [], start
-        while True:  # text[at:] starts with HERMES_START
+        calls, at, pieces = [], start, [text[:start].rstrip()]  # pieces: the text outside the blocks
+        while at >= 0:  # text[at:] starts with HERMES_START
             body_at = at + len(HERMES_START)
             end = text.find(HERMES_END, body_at)
             call = read_call(json_value(text[body_at:] if end < 0 else text[body_at:end]), names, ("arguments",))
@@ -115,14 +117,9 @@ class HermesParser(ToolParser):
             calls.append(call)
             if end < 0:  # unclosed: its JSON ran to the end of the text
                 break
-            rest_at = end + len(HERMES_END)
-            rest = text[rest_at:].lstrip()
-            if not rest:
-                break
-            if not rest.startswith(HERMES_START):
-                return None
-            at = len(text) - len(rest)
-        return text[:start].rstrip() or None, calls
+            at = text.find(HERMES_START, end + len(HERMES_END))
+            pieces.append(text[end + len(HERMES_END):at if at >= 0 else len(text)].strip())
+        return "\n".join(p for p in pieces if p) or None, calls
 
     def hold_from(self, text: str, *, at_start: bool = True) -> int:  # the same wherever text starts
         cut = text.find(HERMES_START)

@@ -22,7 +22,8 @@ OUTPUTS = [
     ("hermes", "trailing space \n"),
     ("hermes", f"Adding.\n{CALL}"),
     ("hermes", f"{CALL}\n{CALL}\n"),
-    ("hermes", f"Before {CALL} after"),  # text after the call: all content
+    ("hermes", f"Before {CALL} after"),  # text after the call: content after the text before it
+    ("hermes", f"{CALL}\nI will add them.\n{CALL} done"),
     ("hermes", "<tool_call>{\"name\": \"nope\", \"arguments\": {}}</tool_call>"),
     ("hermes", "a <tool_cal"),
     ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Oslo"}}'),

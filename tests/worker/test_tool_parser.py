@@ -48,7 +48,6 @@ def test_hermes_calls(text, content, calls):
     '<tool_call>{"name": "add", "arguments": [1, 2]}</tool_call>',
     '<tool_call>{"name": "add", "arguments": {}, "extra": 1}</tool_call>',
     '<tool_call>["add", {}]</tool_call>',
-    f"<tool_call>{WEATHER}</tool_call> and then some text",  # text after the calls
     f"<tool_call>{WEATHER}</tool_call><tool_call>oops</tool_call>",  # one good, one bad: all content
     f"<tool_call>{WEATHER}",  # fine: unclosed, its JSON whole (checked below)
     "<tool_call>" + "[" * 100000 + "]" * 100000 + "</tool_call>",  # deeper than the JSON parser recurses
@@ -135,3 +134,17 @@ def test_auto_picks_the_parser_from_the_chat_template():
     assert tool_parser("auto", None).name == "llama3_json"
     assert tool_parser("hermes", "{{ tools }}").name == "hermes"
     assert tool_parser("llama3_json", "<tool_call>").name == "llama3_json"
+
+
+@pytest.mark.parametrize("text, content", [
+    (f"<tool_call>{WEATHER}</tool_call> and then some text", "and then some text"),
+    (f"Sure. \n<tool_call>{WEATHER}</tool_call>\nI will check.\n", "Sure.\nI will check."),
+    (f"<tool_call>{WEATHER}</tool_call> between <tool_call>{WEATHER}</tool_call>", "between"),
+    (f"  lead <tool_call>{WEATHER}</tool_call>\n\n<tool_call>{WEATHER}", "  lead"),
+])
+def test_hermes_text_between_or_after_the_calls_follows_the_content(text, content):
+    """A model that writes a sentence after its call (small ones often do) still calls: the text outside the
+    blocks is the content, the text before them first (vLLM takes the calls and drops the rest)."""
+    parsed = HermesParser().parse(text, NAMES)
+    assert parsed is not None and parsed[0] == content
+    assert all(c.name == "get_weather" for c in parsed[1]) and len(parsed[1]) == text.count("<tool_call>")
