@@ -8,7 +8,8 @@ partial sums over K (its first dim); expand is fed a random split of the exact s
 import pytest
 import torch
 
-from lorafleet.kernels.lora import lora_expand, lora_shrink, shrink_buffer
+from lorafleet.kernels import lora_reference
+from lorafleet.kernels.lora import lora_delta, lora_expand, lora_shrink, shrink_buffer
 from lorafleet.kernels.lora_layout import make_lora_batch, pack_lora_layout
 from tests.kernels.kernel_cases import (
     MIXED_RANKS,
@@ -178,6 +179,24 @@ def test_a_half_precision_output_takes_its_delta_rounded_once(backend):
     lora_shrink(x=x, layout=layout, layer=0, proj_ids=[4], batch=batch, out=xa, backend=backend)
     y = torch.ones(1, 96, dtype=torch.float16)
     lora_expand(xa=xa, layout=layout, layer=0, proj_ids=[4], batch=batch, y=y, out_offsets=[0], backend=backend)
+    assert torch.equal(y, torch.full((1, 96), 1 + 2.0**-10, dtype=torch.float16))
+
+
+@pytest.mark.parametrize("host_slots", [0, 64])
+def test_the_whole_delta_rounds_once_on_the_cpus_host_path_and_general_path(host_slots, monkeypatch):
+    """The same case through lora_delta, the call the model makes: a CPU batch of few adapters takes the host path
+    (lora_delta_host), others the general path (HOST_SLOTS_MAX 0 forces it); both round y + delta once."""
+    monkeypatch.setattr(lora_reference, "HOST_SLOTS_MAX", host_slots)
+    a = torch.zeros(1, HIDDEN)
+    a[0, 0] = 1.0
+    layout = pack_lora_layout({(0, 0, 4): (a, torch.full((96, 1), 2.0**-11), 1 + 2.0**-12)}, num_layers=1,
+                              max_slots=1, page_elems=300, dtype=torch.float16, num_pages=64)
+    batch = make_lora_batch(torch.tensor([0], dtype=torch.int32), layout.max_rank_by_slot())
+    assert lora_reference.takes_host(batch) == bool(host_slots)
+    x = torch.zeros(1, HIDDEN, dtype=torch.float16)
+    x[0, 0] = 1.0
+    y = torch.ones(1, 96, dtype=torch.float16)
+    lora_delta(x=x, layout=layout, layer=0, proj_ids=[4], batch=batch, y=y, out_offsets=[0], backend="reference")
     assert torch.equal(y, torch.full((1, 96), 1 + 2.0**-10, dtype=torch.float16))
 
 
