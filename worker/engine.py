@@ -116,6 +116,7 @@ class Engine:
         self.sampler = Sampler(seed=config.seed, device=self.device, eos_token_ids=self.eos_token_ids,
                                json_guide=JsonGuide.of(self.tokenizer, mc.vocab_size, self.eos_token_ids, self.device))
         self.scheduler.grammar_estimate, self.requests = self.sampler.grammar_costs.estimate, {}  # requests: id -> Sequence
+        self.adapter_eos: dict[str, frozenset[int]] = {}  # adapter key -> its own end token, where the base has it
         self.stop_checker = StopChecker(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self.outputs, self._ids, self.last_batch_size, self.last_batch_adapters = OutputTracker(), itertools.count(), 0, 0
         self.forward_failures = ForwardFailures(config.max_failed_forwards)  # many in a row: unhealthy
@@ -164,6 +165,8 @@ class Engine:
         self.adapter_pool.add(key, weights, tenant=tenant, pinned=pinned, make_current=make_current,
                               keep_previous=keep_previous, read_seconds=time.perf_counter() - started)
         notes = self.tokenizer.chat_differences(Path(path), self.config.max_adapter_file_bytes) if self.tokenizer else []
+        own = self.tokenizer.own_eos_id(Path(path), self.config.max_adapter_file_bytes) if self.tokenizer else None
+        self.adapter_eos[key] = frozenset(() if own is None else (own,))  # its requests end on it too
         log.log(logging.WARNING if notes else logging.INFO, "registered adapter %s from %s%s", key, path, "".join(f"; {n}" for n in notes))
         return key
 
@@ -237,6 +240,7 @@ class Engine:
             raise ContextLengthError(f"the prompt has {len(prompt_ids)} tokens; the model accepts at most "
                                      f"{self.max_model_len - 1} (max_model_len {self.max_model_len})")
         seq = Sequence(request_id, prompt_ids, params, adapter=self._resolve_adapter(adapter), tenant=tenant)
+        seq.adapter_eos = self.adapter_eos.get(seq.adapter, frozenset())
         if (refusal := self.kv_room.refusal(seq)) is not None:
             raise refusal
         if params.seed is not None:

@@ -109,12 +109,13 @@ class JsonGuide:
         return vocab if vocab is not None else self.prepare().result()
 
     def stop_ids(self, seq: Sequence) -> frozenset[int]:
-        return self.eos_token_ids | frozenset(seq.params.stop_token_ids)
+        return self.eos_token_ids | seq.adapter_eos | frozenset(seq.params.stop_token_ids)
 
     def end_ids(self, seq: Sequence) -> frozenset[int]:
-        """The stop tokens that end the request: its stop_token_ids, and EOS unless it ignores EOS."""
+        """The stop tokens that end the request: its stop_token_ids, and EOS (its adapter's own too) unless it
+        ignores EOS."""
         ends = frozenset(seq.params.stop_token_ids)
-        return ends if seq.params.ignore_eos else ends | self.eos_token_ids
+        return ends if seq.params.ignore_eos else ends | self.eos_token_ids | seq.adapter_eos
 
     @staticmethod
     def grammar(seq: Sequence):

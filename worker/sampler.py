@@ -222,7 +222,8 @@ class LastBuilt:
 def apply_min_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: frozenset[int],
                      last: LastBuilt | None = None) -> torch.Tensor:
     """`logits` with -inf for the stop tokens of each sequence that has generated fewer than min_tokens
-    tokens: its stop_token_ids, and the EOS ids unless it ignores EOS; the same tensor when none needs it."""
+    tokens: its stop_token_ids, and the EOS ids (its adapter's own too) unless it ignores EOS; the same tensor when
+    none needs it."""
     masked = [(i, s) for i, s in enumerate(seqs) if len(s.output_token_ids) < s.params.min_tokens]
     if not masked:
         return logits
@@ -232,7 +233,7 @@ def apply_min_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: 
         rows, cols = [], []
         for i, s in masked:
             params = s.params
-            stops = set(params.stop_token_ids) | (set() if params.ignore_eos else eos_token_ids)
+            stops = set(params.stop_token_ids) | (set() if params.ignore_eos else eos_token_ids | s.adapter_eos)
             for token_id in sorted(t for t in stops if 0 <= t < vocab):
                 rows.append(i)
                 cols.append(token_id)

@@ -84,6 +84,7 @@ class Sequence:
         self.detok_invalid_run = False  # the byte run open at detok_read cannot be UTF-8 (byte fallback)
         self.detok_seen = 0  # output tokens the Detokenizer's last append looked at
         self.generator: torch.Generator | None = None  # per-sequence RNG when seeded
+        self.adapter_eos: frozenset[int] = frozenset()  # its adapter's own end token: an EOS too (Engine.adapter_eos)
         self.json_state: tuple[int, object] | None = None  # JSON mode: (output tokens covered, its grammar's state)
         self.grammar_cost = 0.0  # guided rows: estimated seconds of grammar work per draw (grammar_pacing.py)
         self.grammar_build = 0.0  # ... seconds of its last mask builds, and how often its drawn tokens are refused

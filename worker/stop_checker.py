@@ -27,7 +27,7 @@ class StopChecker:
         params = seq.params
         token = seq.output_token_ids[-1]
         checked = len(seq.output_token_ids) >= params.min_tokens  # vLLM: no stop checks before min_tokens
-        eos = not params.ignore_eos and token in self.eos_token_ids
+        eos = not params.ignore_eos and (token in self.eos_token_ids or token in seq.adapter_eos)
         stop_token = checked and (eos or token in params.stop_token_ids)
         keep = not stop_token or params.include_stop_str_in_output  # vLLM keeps the stop token's text when asked
         end = len(seq.output_token_ids) if keep else len(seq.output_token_ids) - 1

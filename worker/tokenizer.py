@@ -208,8 +208,23 @@ class Tokenizer:
             notes.append("its chat template differs from the served base's, which renders its chats")
         theirs = _token(config.get("eos_token"))
         if theirs and self.eos_token and theirs != self.eos_token:
-            notes.append(f"its end-of-sequence token {theirs!r} is not the served base's {self.eos_token!r}, which ends its answers")
+            ends = ("both end its answers" if self.token_to_id(theirs) is not None else
+                    "which ends its answers (the base's vocabulary has no such token)")
+            notes.append(f"its end-of-sequence token {theirs!r} is not the served base's {self.eos_token!r}: {ends}")
         return notes
+
+    def own_eos_id(self, adapter_dir: Path, max_bytes: int | None) -> int | None:
+        """The id of the end-of-sequence token the adapter folder's tokenizer_config.json declares, where it is
+        not the base's and the base's vocabulary has it (an instruct fine-tune of a base model ending its turns
+        with its chat template's token): its requests end on it too. None otherwise, or where it cannot be read."""
+        cfg = adapter_dir / "tokenizer_config.json"
+        limit = CHAT_CONFIG_BYTES if max_bytes is None else min(max_bytes, CHAT_CONFIG_BYTES)
+        try:
+            config = json.loads(read_limited(cfg, limit).decode("utf-8")) if cfg.is_file() else {}
+        except (FileLimitError, OSError, ValueError, RecursionError):
+            return None
+        theirs = _token(config.get("eos_token")) if isinstance(config, dict) else None
+        return self.token_to_id(theirs) if theirs and theirs != self.eos_token else None
 
     def _refuse_past(self, limit: int | None, texts: list[str], slack: int = 0) -> None:
         if limit is not None and (least := self.floor.at_least(texts, slack)) >= limit:

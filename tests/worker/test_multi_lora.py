@@ -278,6 +278,7 @@ def test_an_adapter_declaring_its_own_chat_template_or_end_token_is_served_with_
     warned = [r for r in caplog.records if r.levelno == logging.WARNING and "own_chat" in r.getMessage()]
     assert len(warned) == 1 and "chat template differs" in warned[0].getMessage(), caplog.text
     assert "end-of-sequence token '<|im_end|>' is not the served base's '</s>'" in warned[0].getMessage()
+    assert "the base's vocabulary has no such token" in warned[0].getMessage()
     assert not [r for r in caplog.records if r.levelno == logging.WARNING and "base_chat" in r.getMessage()], caplog.text
 
 
@@ -521,3 +522,40 @@ def test_a_version_registered_again_with_a_higher_rank_is_served_at_its_own_rank
     engine.adapter_pool.add = add
     assert served == [references[index][0][0]]
     assert engine.generate([prompt], GREEDY, adapters=["x"])[0].token_ids == references[index][0][0]
+
+
+def test_an_adapter_ending_its_answers_with_its_own_token_of_the_base_vocabulary_ends_on_it(tiny_llama_dir, tmp_path):
+    """An instruct fine-tune of a base model ends its turns with its chat template's token, one the base's
+    vocabulary has but not as its EOS: its requests end on it as on EOS (finish_reason stop, no stop_reason, its
+    text left out, masked by min_tokens, ignored with ignore_eos). They used to run on to max_tokens. Requests of
+    other adapters and of the base keep ending on the base's EOS alone."""
+    import json
+    import shutil
+
+    from tokenizers import Tokenizer
+
+    from tests.lora_factory import make_peft_adapter
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_llama_dir, base)
+    tok = Tokenizer.from_file(str(base / "tokenizer.json"))
+    tok.add_special_tokens(["<|eot|>"])
+    tok.save(str(base / "tokenizer.json"))
+    eot = tok.token_to_id("<|eot|>")
+    chat = tmp_path / "adapters" / "chat"
+    make_peft_adapter(base, chat, rank=4, seed=1, targets=["q_proj", "v_proj"])
+    shutil.copy(base / "tokenizer.json", chat / "tokenizer.json")  # the very same vocabulary
+    config = json.loads((base / "tokenizer_config.json").read_text())
+    (chat / "tokenizer_config.json").write_text(json.dumps(config | {"eos_token": "<|eot|>"}))
+    shutil.copytree(chat, tmp_path / "adapters" / "plain")
+    (tmp_path / "adapters" / "plain" / "tokenizer_config.json").write_text(json.dumps(config))
+    engine = Engine(EngineConfig(model=str(base), device="cpu", dtype="float32", adapters=str(tmp_path / "adapters")))
+    emits = {"logit_bias": {eot: 100.0}, "temperature": 0.0}  # the fine-tune's habit, emulated
+    ended, late, ignored, plain, alone = engine.generate(
+        [[72, 105]] * 5, [SamplingParams(max_tokens=12, **emits), SamplingParams(max_tokens=12, min_tokens=3, **emits),
+                          SamplingParams(max_tokens=12, ignore_eos=True, **emits), SamplingParams(max_tokens=12, **emits),
+                          SamplingParams(max_tokens=12, **emits)], adapters=["chat", "chat", "chat", "plain", None])
+    assert (ended.finish_reason, ended.stop_reason, ended.token_ids) == ("stop", None, [eot])
+    assert late.finish_reason == "stop" and len(late.token_ids) == 4 and eot not in late.token_ids[:3]
+    assert ignored.finish_reason == "length" and ignored.token_ids == [eot] * 12
+    assert plain.finish_reason == alone.finish_reason == "length"  # the base's EOS alone ends them
