@@ -3,9 +3,9 @@
 hermes (Hermes 2 Pro, Qwen 2.5/3 and most templates that write `<tool_call>`): after optional text, one or more
 `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks; the last one may be left unclosed (a stop
 string or EOS right after its JSON). The text before the first block is the message's content (its trailing
-whitespace dropped; none left: null), and text between or after the blocks (a model's "I will check the
-weather." after its call) follows it, each piece on a line of its own: vLLM's parser takes the calls and drops
-that text; here it is kept.
+whitespace dropped; none left: null). Text between or after the blocks (a model's "I will check the weather."
+after its call, or a tool result it made up) is dropped, as vLLM's parser drops it: it used to turn the calls into
+plain content.
 
 llama3_json (Llama 3.1/3.2's JSON tool calls): the whole output is one JSON object `{"name": ...,
 "parameters": {...}}` ("arguments" is taken too), or several separated by ';', optionally after
@@ -107,7 +107,7 @@ class HermesParser(ToolParser):
         start = text.find(HERMES_START)
         if start < 0:
             return None
-        calls, at, pieces = [], start, [text[:start].rstrip()]  # pieces: the text outside the blocks
+        calls, at = [], start
         while at >= 0:  # text[at:] starts with HERMES_START
             body_at = at + len(HERMES_START)
             end = text.find(HERMES_END, body_at)
@@ -118,8 +118,7 @@ class HermesParser(ToolParser):
             if end < 0:  # unclosed: its JSON ran to the end of the text
                 break
             at = text.find(HERMES_START, end + len(HERMES_END))
-            pieces.append(text[end + len(HERMES_END):at if at >= 0 else len(text)].strip())
-        return "\n".join(p for p in pieces if p) or None, calls
+        return text[:start].rstrip() or None, calls
 
     def hold_from(self, text: str, *, at_start: bool = True) -> int:  # the same wherever text starts
         cut = text.find(HERMES_START)

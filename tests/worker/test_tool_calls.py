@@ -22,7 +22,7 @@ OUTPUTS = [
     ("hermes", "trailing space \n"),
     ("hermes", f"Adding.\n{CALL}"),
     ("hermes", f"{CALL}\n{CALL}\n"),
-    ("hermes", f"Before {CALL} after"),  # text after the call: content after the text before it
+    ("hermes", f"Before {CALL} after"),  # text after the call: dropped
     ("hermes", f"{CALL}\nI will add them.\n{CALL} done"),
     ("hermes", "<tool_call>{\"name\": \"nope\", \"arguments\": {}}</tool_call>"),
     ("hermes", "a <tool_cal"),

@@ -137,14 +137,15 @@ def test_auto_picks_the_parser_from_the_chat_template():
 
 
 @pytest.mark.parametrize("text, content", [
-    (f"<tool_call>{WEATHER}</tool_call> and then some text", "and then some text"),
-    (f"Sure. \n<tool_call>{WEATHER}</tool_call>\nI will check.\n", "Sure.\nI will check."),
-    (f"<tool_call>{WEATHER}</tool_call> between <tool_call>{WEATHER}</tool_call>", "between"),
+    (f"<tool_call>{WEATHER}</tool_call> and then some text", None),
+    (f"Sure. \n<tool_call>{WEATHER}</tool_call>\nI will check.\n", "Sure."),
+    (f"<tool_call>{WEATHER}</tool_call> between <tool_call>{WEATHER}</tool_call>", None),
     (f"  lead <tool_call>{WEATHER}</tool_call>\n\n<tool_call>{WEATHER}", "  lead"),
+    (f"<tool_call>{WEATHER}</tool_call><tool_response>{{\"temp\": 21}}</tool_response>It is 21 degrees.", None),
 ])
-def test_hermes_text_between_or_after_the_calls_follows_the_content(text, content):
-    """A model that writes a sentence after its call (small ones often do) still calls: the text outside the
-    blocks is the content, the text before them first (vLLM takes the calls and drops the rest)."""
+def test_hermes_text_between_or_after_the_calls_is_dropped(text, content):
+    """A model that writes a sentence (or a tool result it made up) after its call still calls: the content is the
+    text before the blocks, the rest is dropped, as vLLM's parser does. It used to make the whole output content."""
     parsed = HermesParser().parse(text, NAMES)
     assert parsed is not None and parsed[0] == content
     assert all(c.name == "get_weather" for c in parsed[1]) and len(parsed[1]) == text.count("<tool_call>")
