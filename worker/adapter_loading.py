@@ -81,23 +81,13 @@ class AdapterLoading:
             else:
                 ready.append(entry)
         busy = self._busy_slots() if ready else {}
-        while ready:  # the first (a request's, or a new version's of a name in use, of the least busy tenant)
-            entry = min(ready, key=lambda e: (not _waited_for(e) and self._replaces_in_use(e) is None,
-                                              busy.get(_group(e), 0) - (self._replaces_in_use(e) or 0)))
+        while ready:  # the first (a request's, of the least busy tenant)
+            entry = min(ready, key=lambda e: (not _waited_for(e), busy.get(_group(e), 0)))
             ready.remove(entry)
             if self._try_place(entry):
                 busy[_group(entry)] = busy.get(_group(entry), 0) + 1
         if self._start_wanted_reads(unread):
             self._trim_cpu(protect=None)  # idle images make way for the reads a request waits for
-
-    def _replaces_in_use(self, entry: AdapterEntry) -> int | None:
-        """For a new version loading to replace one requests use or wait for, the slot that one holds (0 or 1; else
-        None): it ranks as their adapter, its tenant not counted busy for that slot (requests resolve to the old
-        version until it is placed: ranked after every waited-for adapter, it waited as long as traffic lasted)."""
-        current = self._entries.get(self._current.get(entry.name, "")) if self._pending.get(entry.name) == entry.key else None
-        if current is None or not (current.refcount > 0 or current.waiters):
-            return None
-        return int(current.refcount > 0 and current.on_gpu)
 
     def _busy_slots(self) -> dict[str, int]:
         """tenant -> GPU slots its requests use now (an adapter one owner lends to many counts for each tenant

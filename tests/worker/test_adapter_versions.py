@@ -167,31 +167,3 @@ def test_make_current_if_resident_switches_now_only_a_version_on_the_gpu(residen
         pool.check()
     finally:
         pool.close()
-
-
-def test_a_new_version_of_a_name_in_use_takes_a_freed_slot_as_its_requests_would():
-    """Requests resolve to the current version until the new one is placed: the new one ranks for a freed slot as
-    its requests' adapter (its tenant not counted busy for the slot it takes over), in the order adapters were
-    asked for. It used to rank after every adapter a request waited for: with slots contended, the old version
-    served for as long as the traffic lasted."""
-    pool = make_pool(max_slots=2)
-    try:
-        pool.add("hot@1", random_weights(1), tenant="acme")
-        pool.add("p@1", random_weights(3), tenant="globex")
-        pool.load("hot@1")
-        pool.load("p@1")
-        running, held = pool.acquire("hot@1"), pool.acquire("p@1")  # both slots in use
-        pool.add("hot@2", random_weights(2), tenant="acme")  # a new version of hot, loading beside it
-        pool.add("o@1", random_weights(4), tenant="globex")
-        assert pool.acquire("o@1", waiter=1) is None  # another tenant's request waits for a slot
-        pool.wait_idle()
-        assert pool.resolve("hot") == "hot@1"  # read, but no slot is free
-        pool.release(held)
-        pool.wait_idle()
-        assert pool.resolve("hot") == "hot@2"  # it took the freed slot
-        pool.release(running)  # hot@1's last request: it retires, its slot goes to the waiting request
-        pool.wait_idle()
-        assert pool.acquire("o@1", waiter=1) is not None
-        pool.check()
-    finally:
-        pool.close()
