@@ -18,7 +18,7 @@ the prompt is cut at the tag (transformers' tag and rule, so the prompts are the
 
 A request's `tools` are the template's `tools` variable, as transformers passes them. Whether the template
 reads that variable at all is known when it compiles (`takes_tools`): a request with tools for a template
-that does not is refused (openai_api.py) rather than rendered without them.
+that does not is refused (tool_calls.py) rather than rendered without them, unless its tool_choice is "none".
 """
 
 from __future__ import annotations

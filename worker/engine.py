@@ -162,11 +162,13 @@ class Engine:
             base_token_id=self.tokenizer.token_to_id if self.tokenizer is not None else None,
             max_file_bytes=self.config.max_adapter_file_bytes, sha256=sha256, max_rank=self.config.max_lora_rank)
         key = f"{name}@{weights.version}"
+        own = self.tokenizer.own_eos_id(Path(path), self.config.max_adapter_file_bytes) if self.tokenizer else None
+        registered = set(self.adapter_pool.registered())  # before its first request can resolve to it:
+        self.adapter_eos = {k: v for k, v in self.adapter_eos.items() if k in registered} | {  # its requests end on it
+            key: frozenset(() if own is None else (own,))}
         self.adapter_pool.add(key, weights, tenant=tenant, pinned=pinned, make_current=make_current,
                               keep_previous=keep_previous, read_seconds=time.perf_counter() - started)
         notes = self.tokenizer.chat_differences(Path(path), self.config.max_adapter_file_bytes) if self.tokenizer else []
-        own = self.tokenizer.own_eos_id(Path(path), self.config.max_adapter_file_bytes) if self.tokenizer else None
-        self.adapter_eos[key] = frozenset(() if own is None else (own,))  # its requests end on it too
         log.log(logging.WARNING if notes else logging.INFO, "registered adapter %s from %s%s", key, path, "".join(f"; {n}" for n in notes))
         return key
 
@@ -182,6 +184,7 @@ class Engine:
             self.adapter_pool.unregister(name)
         except AdapterNotFoundError as exc:
             raise EngineError(str(exc)) from exc
+        self.adapter_eos = {k: v for k, v in self.adapter_eos.items() if k.split("@")[0] != name}
 
     def adapters(self) -> list[str]:
         return self.adapter_pool.registered()

@@ -215,8 +215,9 @@ class Tokenizer:
 
     def own_eos_id(self, adapter_dir: Path, max_bytes: int | None) -> int | None:
         """The id of the end-of-sequence token the adapter folder's tokenizer_config.json declares, where it is
-        not the base's and the base's vocabulary has it (an instruct fine-tune of a base model ending its turns
-        with its chat template's token): its requests end on it too. None otherwise, or where it cannot be read."""
+        not the base's and the base's vocabulary has it as an added (special) token (an instruct fine-tune of a base
+        model ending its turns with its chat template's token): its requests end on it too. None otherwise (an
+        ordinary word would end its answers mid-sentence), or where it cannot be read."""
         cfg = adapter_dir / "tokenizer_config.json"
         limit = CHAT_CONFIG_BYTES if max_bytes is None else min(max_bytes, CHAT_CONFIG_BYTES)
         try:
@@ -224,7 +225,8 @@ class Tokenizer:
         except (FileLimitError, OSError, ValueError, RecursionError):
             return None
         theirs = _token(config.get("eos_token")) if isinstance(config, dict) else None
-        return self.token_to_id(theirs) if theirs and theirs != self.eos_token else None
+        own = self.token_to_id(theirs) if theirs and theirs != self.eos_token else None
+        return own if own in self._tok.get_added_tokens_decoder() else None  # a special token: never a word
 
     def _refuse_past(self, limit: int | None, texts: list[str], slack: int = 0) -> None:
         if limit is not None and (least := self.floor.at_least(texts, slack)) >= limit:

@@ -559,3 +559,16 @@ def test_an_adapter_ending_its_answers_with_its_own_token_of_the_base_vocabulary
     assert late.finish_reason == "stop" and len(late.token_ids) == 4 and eot not in late.token_ids[:3]
     assert ignored.finish_reason == "length" and ignored.token_ids == [eot] * 12
     assert plain.finish_reason == alone.finish_reason == "length"  # the base's EOS alone ends them
+    add, known = engine.adapter_pool.add, []  # known before a request can resolve to the version (a push thread)
+    engine.adapter_pool.add = lambda key, *a, **k: known.append(key in engine.adapter_eos) or add(key, *a, **k)
+    for version in ("v2", "v3", "v4"):  # versions pushed and replaced are forgotten at the next push
+        engine.register_adapter("chat", chat, version=version)
+    assert known == [True] * 3
+    assert set(engine.adapter_eos) - set(engine.adapters()) <= {"chat@v3"} and engine.adapter_eos["chat@v4"] == {eot}
+    engine.unregister_adapter("chat")
+    assert set(engine.adapter_eos) == set(engine.adapters()) and all(k.startswith("plain@") for k in engine.adapter_eos)
+    word = tok.token_to_id("the") if tok.token_to_id("the") is not None else 100
+    config["eos_token"] = tok.id_to_token(word)  # an ordinary token: never an end (it would cut answers mid-sentence)
+    (chat / "tokenizer_config.json").write_text(json.dumps(config))
+    engine.register_adapter("chat", chat, version="w")
+    assert engine.adapter_eos["chat@w"] == frozenset()
