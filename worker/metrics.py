@@ -41,7 +41,7 @@ from lorafleet.worker.admission import (
     TENANT_INTAKE_FULL,
     TENANT_QUEUE_FULL,
 )
-from lorafleet.worker.engine_collector import (  # noqa: F401 (EngineSnapshot, prefix_tokens: the server's)
+from lorafleet.worker.engine_metrics import (  # noqa: F401 (EngineSnapshot, prefix_tokens: the server's)
     FROZEN,
     THROUGHPUT_WINDOW_S,
     EngineCollector,
