@@ -41,7 +41,7 @@ from lorafleet.worker.sampler import Sampler
 from lorafleet.worker.sampling_params import SamplingParams
 from lorafleet.worker.scheduled_batch import ScheduledBatch, by_adapter
 from lorafleet.worker.scheduler import Scheduler
-from lorafleet.worker.sequence import Sequence
+from lorafleet.worker.sequence import Sequence, generator_seed
 from lorafleet.worker.stop_checker import StopChecker
 from lorafleet.worker.vocab_digest import probe_encodings, vocab_digest
 from lorafleet.worker.warmup import warm_up
@@ -162,13 +162,12 @@ class Engine:
             base_token_id=self.tokenizer.token_to_id if self.tokenizer is not None else None,
             max_file_bytes=self.config.max_adapter_file_bytes, sha256=sha256, max_rank=self.config.max_lora_rank)
         key = f"{name}@{weights.version}"
-        own = self.tokenizer.own_eos_id(Path(path), self.config.max_adapter_file_bytes) if self.tokenizer else None
+        notes, own = self.tokenizer.adapter_chat(Path(path), self.config.max_adapter_file_bytes) if self.tokenizer else ([], None)
         registered = set(self.adapter_pool.registered())  # before its first request can resolve to it:
         self.adapter_eos = {k: v for k, v in self.adapter_eos.items() if k in registered} | {  # its requests end on it
             key: frozenset(() if own is None else (own,))}
         self.adapter_pool.add(key, weights, tenant=tenant, pinned=pinned, make_current=make_current,
                               keep_previous=keep_previous, read_seconds=time.perf_counter() - started)
-        notes = self.tokenizer.chat_differences(Path(path), self.config.max_adapter_file_bytes) if self.tokenizer else []
         log.log(logging.WARNING if notes else logging.INFO, "registered adapter %s from %s%s", key, path, "".join(f"; {n}" for n in notes))
         return key
 
@@ -395,13 +394,3 @@ class Engine:
         capacity = kv + self.page_pool.num_free + self.adapter_pool.reclaimable_pages()
         return kv / capacity if capacity else 1.0
 
-
-def generator_seed(seed: int, device: torch.device) -> int:
-    """The seed a request's generator takes: on the CPU torch keeps only a seed's low 32 bits (5 and 5 + 2**32, -1
-    and 2**63 - 1 would draw alike), so there the high 32 bits are mixed into them; seeds in [0, 2**32) are kept
-    as they are. A CUDA generator keeps all 64 bits."""
-    if device.type != "cpu" or 0 <= seed < 1 << 32:
-        return seed
-    seed &= (1 << 64) - 1  # a negative seed as torch reads it
-    high = seed >> 32
-    return (seed ^ ((high * 0x9E3779B97F4A7C15) >> 32) ^ high) & 0xFFFFFFFF

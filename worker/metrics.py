@@ -225,7 +225,8 @@ class WorkerMetrics:
         key = self._labels(adapter, version)
         if endpoint is not None:
             self._zero(*key, endpoint, "200")
-            self.prompt_tokens.labels(*key), self.generation_tokens.labels(*key)
+            for metric in (self.prompt_tokens, self.generation_tokens):
+                metric.labels(*key)
         self.retired.acquire(key)
         if key[0] not in self._rolling:
             return False

@@ -126,3 +126,14 @@ class Sequence:
             f"Sequence({self.request_id!r}, {self.status.value}, computed={self.num_computed_tokens}/"
             f"{self.num_tokens}, blocks={len(self.block_table)}, adapter={self.adapter})"
         )
+
+
+def generator_seed(seed: int, device: torch.device) -> int:
+    """The seed a request's generator takes: on the CPU torch keeps only a seed's low 32 bits (5 and 5 + 2**32, -1
+    and 2**63 - 1 would draw alike), so there the high 32 bits are mixed into them; seeds in [0, 2**32) are kept
+    as they are. A CUDA generator keeps all 64 bits."""
+    if device.type != "cpu" or 0 <= seed < 1 << 32:
+        return seed
+    seed &= (1 << 64) - 1  # a negative seed as torch reads it
+    high = seed >> 32
+    return (seed ^ ((high * 0x9E3779B97F4A7C15) >> 32) ^ high) & 0xFFFFFFFF

@@ -183,10 +183,16 @@ class Tokenizer:
         return ids
 
     def chat_differences(self, adapter_dir: Path, max_bytes: int | None) -> list[str]:
-        """What the adapter folder declares for chats unlike this tokenizer: its own default chat template
-        (chat_template.jinja, else tokenizer_config.json's), its own end-of-sequence token. This tokenizer's
-        serve it, which the adapter may not have been trained with: worth a warning, not a refusal (vLLM serves
-        adapters so too). Files that cannot be read say nothing here (the tokenizer check reports them), and a
+        return self.adapter_chat(adapter_dir, max_bytes)[0]
+
+    def adapter_chat(self, adapter_dir: Path, max_bytes: int | None) -> tuple[list[str], int | None]:
+        """(notes, own end token) of an adapter folder. Notes: what it declares for chats unlike this tokenizer, its
+        own default chat template (chat_template.jinja, else tokenizer_config.json's) or end-of-sequence token. This
+        tokenizer's serve it, which the adapter may not have been trained with: worth a warning, not a refusal (vLLM
+        serves adapters so too). Its own end token: the id of that end-of-sequence token where the base's vocabulary
+        has it as an added (special) token (an instruct fine-tune of a base model ending its turns with its chat
+        template's token), on which its requests end too (never an ordinary word: it would end answers
+        mid-sentence). Files that cannot be read say nothing here (the tokenizer check reports them), and a
         tokenizer_config.json over CHAT_CONFIG_BYTES is left unread (parsed here, with the interpreter lock held, a
         tenant's 64 MiB one would stall every stream): a chat_template.jinja beside it is still compared."""
         cfg, jinja = adapter_dir / "tokenizer_config.json", adapter_dir / "chat_template.jinja"
@@ -197,36 +203,23 @@ class Tokenizer:
             except FileLimitError:
                 config = {}
             if not isinstance(config, dict):
-                return []
+                return [], None
             template = _chat_templates(config.get("chat_template"), cfg).get("default")
             if jinja.is_file():
                 template = read_limited(jinja, max_bytes).decode("utf-8")
         except (FileLimitError, TokenizerError, OSError, ValueError, RecursionError):
-            return []
-        notes = []
+            return [], None
+        notes, own = [], None
         if template and template.strip() != (self.chat_template or "").strip():
             notes.append("its chat template differs from the served base's, which renders its chats")
         theirs = _token(config.get("eos_token"))
         if theirs and self.eos_token and theirs != self.eos_token:
-            ends = ("both end its answers" if self.token_to_id(theirs) is not None else
-                    "which ends its answers (the base's vocabulary has no such token)")
+            known = self.token_to_id(theirs)
+            own = known if known in self._tok.get_added_tokens_decoder() else None
+            ends = ("both end its answers" if own is not None else "which ends its answers (the base's vocabulary "
+                    + ("has no such token)" if known is None else "has it as an ordinary token)"))
             notes.append(f"its end-of-sequence token {theirs!r} is not the served base's {self.eos_token!r}: {ends}")
-        return notes
-
-    def own_eos_id(self, adapter_dir: Path, max_bytes: int | None) -> int | None:
-        """The id of the end-of-sequence token the adapter folder's tokenizer_config.json declares, where it is
-        not the base's and the base's vocabulary has it as an added (special) token (an instruct fine-tune of a base
-        model ending its turns with its chat template's token): its requests end on it too. None otherwise (an
-        ordinary word would end its answers mid-sentence), or where it cannot be read."""
-        cfg = adapter_dir / "tokenizer_config.json"
-        limit = CHAT_CONFIG_BYTES if max_bytes is None else min(max_bytes, CHAT_CONFIG_BYTES)
-        try:
-            config = json.loads(read_limited(cfg, limit).decode("utf-8")) if cfg.is_file() else {}
-        except (FileLimitError, OSError, ValueError, RecursionError):
-            return None
-        theirs = _token(config.get("eos_token")) if isinstance(config, dict) else None
-        own = self.token_to_id(theirs) if theirs and theirs != self.eos_token else None
-        return own if own in self._tok.get_added_tokens_decoder() else None  # a special token: never a word
+        return notes, own
 
     def _refuse_past(self, limit: int | None, texts: list[str], slack: int = 0) -> None:
         if limit is not None and (least := self.floor.at_least(texts, slack)) >= limit:
